@@ -1,0 +1,39 @@
+"""Drafter lookup by name: built-ins first, then the ``specdec.drafters`` entry points."""
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import Any
+
+from specdec.drafters.base import Drafter
+
+BUILTIN = {"ngram": "specdec.drafters.ngram:NGramDrafter"}
+
+
+def _load(target: str) -> type:
+    module, _, attr = target.partition(":")
+    mod = __import__(module, fromlist=[attr])
+    return getattr(mod, attr)
+
+
+def available() -> list[str]:
+    names = set(BUILTIN)
+    names.update(ep.name for ep in entry_points(group="specdec.drafters"))
+    return sorted(names)
+
+
+def get_drafter(spec: Any, **options: Any) -> Drafter | None:
+    """``None`` -> None (plain decoding); a Drafter instance -> itself; a name -> a new drafter."""
+    if spec is None or isinstance(spec, Drafter):
+        if options and spec is not None:
+            raise ValueError("drafter options can only be given with a drafter name")
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"drafter must be None, a name or a Drafter instance, got {type(spec).__name__}")
+    if spec in BUILTIN:
+        cls = _load(BUILTIN[spec])
+    else:
+        eps = [ep for ep in entry_points(group="specdec.drafters") if ep.name == spec]
+        if not eps:
+            raise ValueError(f"unknown drafter {spec!r}; available: {', '.join(available())}")
+        cls = eps[0].load()
+    return cls(**options)

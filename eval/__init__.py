@@ -1,0 +1,1 @@
+"""specdec.eval: the losslessness certificate and the acceptance / speed suite."""

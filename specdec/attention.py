@@ -1,0 +1,69 @@
+"""Attention over the paged KV cache: the PyTorch reference path (CPU and fallback).
+
+Semantics, shared with the Triton kernels in ``specdec.kernels``: each query token of a
+sequence attends to every committed token of that sequence (positions ``[0, length)``,
+read through its block table) plus the new tokens of this forward selected by its row of
+``new_mask`` (its tree ancestors and itself; a causal mask for prefill). Nothing else.
+
+:class:`AttentionPlan` is built once per forward (slot mappings, masks) and reused by
+every layer; :func:`paged_attention` runs one layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SeqAttention:
+    query_start: int  # first row of this sequence in the flattened new tokens
+    num_new: int  # new tokens of this sequence in this forward
+    key_slots: torch.Tensor  # [num_cached + num_new] cache slots of every key, position order
+    # [num_new, num_cached + num_new] bool, True = may attend; None = all visible (decode)
+    mask: torch.Tensor | None
+    causal: bool  # new tokens are a plain causal run with no cached prefix (prefill)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    seqs: tuple[SeqAttention, ...]
+    write_slots: torch.Tensor  # [num_tokens] slot each new token's K/V is written to
+
+    @staticmethod
+    def build(num_cached: int, key_slots: torch.Tensor, new_mask: torch.Tensor | None, query_start: int) -> SeqAttention:
+        """One sequence: `new_mask` [num_new, num_new] over the new tokens (None = single token)."""
+        num_new = key_slots.numel() - num_cached
+        if new_mask is None:
+            if num_new != 1:
+                raise ValueError("new_mask may be omitted only for a single new token")
+            return SeqAttention(query_start, 1, key_slots, None, False)
+        causal = num_cached == 0 and bool(
+            torch.equal(new_mask, torch.ones(num_new, num_new, dtype=torch.bool).tril())
+        )
+        full = None
+        if not causal:
+            full = torch.ones(num_new, num_cached + num_new, dtype=torch.bool, device=key_slots.device)
+            full[:, num_cached:] = new_mask.to(key_slots.device)
+        return SeqAttention(query_start, num_new, key_slots, full, causal)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], RoPE applied
+    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim], new K already written
+    v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    out = torch.empty_like(q)
+    for s in plan.seqs:
+        rows = slice(s.query_start, s.query_start + s.num_new)
+        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, new, dim]
+        ks = k_cache.index_select(0, s.key_slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, keys, dim]
+        vs = v_cache.index_select(0, s.key_slots).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=s.mask, is_causal=s.causal, scale=scale, enable_gqa=True
+        )
+        out[rows] = o[0].transpose(0, 1)
+    return out

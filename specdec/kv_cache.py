@@ -1,0 +1,149 @@
+"""Paged KV cache: a pool of fixed-size blocks shared by all sequences, for all layers.
+
+Storage is one tensor ``kv[num_layers, 2, num_slots, num_kv_heads, head_dim]`` with
+``num_slots = num_blocks * block_size``; slot ``b * block_size + o`` is offset ``o`` of
+block ``b``. Each sequence owns a block table (a list of block ids); the token at
+position ``p`` lives in slot ``table[p // block_size] * block_size + p % block_size``.
+
+Life of a sequence::
+
+    cache.add(seq_id)
+    cache.reserve(seq_id, n)                  # blocks for positions [length, length + n)
+    slots = cache.slots(seq_id, start, end)   # slot mapping for writes / attention reads
+    ...forward writes K/V of root + tree nodes at positions length .. length + n - 1...
+    cache.commit({seq_id: keep})              # keep[j] (offset from length) -> position length + j
+    cache.free(seq_id)
+
+Invariants: positions ``[0, length)`` of a sequence hold committed K/V; after a commit a
+sequence owns exactly ``ceil(length / block_size)`` blocks (waste < one block); running
+out of blocks raises :class:`CacheFullError` before anything is written.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized by generate() for the request's worst case
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1 or None, got {self.num_blocks}")
+
+
+class CacheFullError(RuntimeError):
+    """The block pool cannot hold what was asked; nothing was written."""
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        # never read before written: attention only gathers slots below a sequence's length
+        self.kv = torch.empty(
+            num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.block_tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    # ---- bookkeeping --------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def add(self, seq_id: int) -> None:
+        if seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq_id} is already in the cache")
+        self.block_tables[seq_id] = []
+        self.lengths[seq_id] = 0
+
+    def free(self, seq_id: int) -> None:
+        self._free.extend(reversed(self.block_tables.pop(seq_id)))
+        del self.lengths[seq_id]
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def reserve(self, seq_id: int, num_new: int) -> None:
+        """Make positions [length, length + num_new) of seq_id writable."""
+        self.reserve_many({seq_id: num_new})
+
+    def reserve_many(self, num_new: Mapping[int, int]) -> None:
+        """Like reserve() for several sequences, all-or-nothing."""
+        need = {
+            s: self._blocks_for(self.lengths[s] + n) - len(self.block_tables[s]) for s, n in num_new.items()
+        }
+        total = sum(max(0, k) for k in need.values())
+        if total > len(self._free):
+            raise CacheFullError(
+                f"KV cache out of blocks: this step needs {total} more blocks of {self.block_size} tokens, "
+                f"{len(self._free)} of {self.num_blocks} are free. Pass a larger num_blocks, or fewer / "
+                f"shorter sequences, or a smaller draft tree."
+            )
+        for s, k in need.items():
+            for _ in range(k):
+                self.block_tables[s].append(self._free.pop())
+
+    def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:  # [end - start] int64
+        table = self.block_tables[seq_id]
+        if end > len(table) * self.block_size:
+            raise IndexError(f"positions up to {end} of sequence {seq_id} are not reserved")
+        pos = torch.arange(start, end)
+        blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
+        return (blocks * self.block_size + pos % self.block_size).to(self.kv.device)
+
+    # ---- data ---------------------------------------------------------------------------
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_slots, kv_heads, head_dim]
+        return self.kv[layer, 0], self.kv[layer, 1]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [num_tokens, kv_heads, head_dim] into slots [num_tokens]."""
+        self.kv[layer, 0].index_copy_(0, slots, k)
+        self.kv[layer, 1].index_copy_(0, slots, v)
+
+    def commit(self, keep: Mapping[int, Sequence[int]]) -> None:
+        """Per sequence, keep the K/V written at offsets ``keep`` (relative to its length,
+        strictly increasing) as its next positions; release every block past the new end.
+
+        One gather + one scatter moves the kept K/V of all sequences in all layers.
+        """
+        src: list[torch.Tensor] = []
+        dst: list[torch.Tensor] = []
+        for seq_id, offsets in keep.items():
+            offsets = list(offsets)
+            if any(b <= a for a, b in zip(offsets, offsets[1:])) or (offsets and offsets[0] < 0):
+                raise ValueError(f"keep offsets must be increasing and >= 0, got {offsets}")
+            length = self.lengths[seq_id]
+            if offsets and length + offsets[-1] >= len(self.block_tables[seq_id]) * self.block_size:
+                raise IndexError(f"sequence {seq_id}: offset {offsets[-1]} was never reserved")
+            moved = [j for j, off in enumerate(offsets) if off != j]
+            if moved:
+                first = moved[0]  # offsets[j] >= j, so everything before `first` is in place
+                s = self.slots(seq_id, length, length + offsets[-1] + 1)
+                src.append(s[torch.tensor(offsets[first:])])
+                dst.append(s[first : len(offsets)])
+            self.lengths[seq_id] = length + len(offsets)
+            table = self.block_tables[seq_id]
+            keep_blocks = self._blocks_for(self.lengths[seq_id])
+            self._free.extend(reversed(table[keep_blocks:]))
+            del table[keep_blocks:]
+        if src:
+            src_t, dst_t = torch.cat(src), torch.cat(dst)
+            self.kv[:, :, dst_t] = self.kv[:, :, src_t]  # RHS is gathered first: overlap-safe

@@ -1,0 +1,157 @@
+"""The engine's own forward pass for the Llama family, over the paged KV cache.
+
+Llama, Mistral, Qwen2, Qwen3 and SmolLM share it: RMSNorm, RoPE (scaling variants via the
+loaded model's own ``inv_freq`` / ``attention_scaling``), GQA, SwiGLU, tied or untied
+embeddings, optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3). The runner holds
+references to the loaded transformers model's parameters: no weight is copied.
+
+    runner = LlamaRunner(hf_model)
+    out = runner.forward(token_ids, positions, plan, cache, logits_rows)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specdec.attention import AttentionPlan, paged_attention
+from specdec.kv_cache import PagedKVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    logits: torch.Tensor  # [num_rows, vocab] float32, rows = logits_rows
+    hidden: torch.Tensor  # [num_rows, hidden_size] final-norm hidden states of those rows
+
+
+def _rope_type(config) -> str:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return params.get("rope_type", params.get("type", "default"))
+
+
+def check_supported(hf_model) -> None:
+    config = hf_model.config
+    mtype = getattr(config, "model_type", type(hf_model).__name__)
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model type {mtype!r} is not supported; specdec runs the Llama family: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if not hasattr(hf_model, "lm_head") or not hasattr(getattr(hf_model, "model", None), "layers"):
+        raise UnsupportedModelError(f"expected a *ForCausalLM model with .model.layers and .lm_head, got {type(hf_model).__name__}")
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"only SwiGLU MLPs (hidden_act='silu') are supported, got {act!r}")
+    rope = _rope_type(config)
+    if rope not in _STATIC_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"RoPE type {rope!r} changes with sequence length; supported: {', '.join(_STATIC_ROPE_TYPES)}"
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaRunner:
+    def __init__(self, hf_model) -> None:
+        check_supported(hf_model)
+        self.hf_model = hf_model
+        cfg = hf_model.config
+        base = hf_model.model
+        self.eps = cfg.rms_norm_eps
+        num_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        max_pos = cfg.max_position_embeddings
+        window = getattr(cfg, "sliding_window", None)
+        if window and getattr(cfg, "use_sliding_window", True):
+            max_pos = min(max_pos, window)  # full attention is exact only inside the window
+        self.shape = ModelShape(
+            cfg.num_hidden_layers, num_heads, cfg.num_key_value_heads, head_dim, cfg.hidden_size, cfg.vocab_size, max_pos
+        )
+        self.scale = head_dim**-0.5
+        self.layers = base.layers
+        self.embed = base.embed_tokens.weight
+        self.final_norm = base.norm.weight
+        self.lm_head = hf_model.lm_head.weight  # same tensor as embed when tied
+        rotary = base.rotary_emb
+        self.inv_freq = rotary.inv_freq.float()  # [head_dim / 2]
+        self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [T, 1, head_dim]
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(self.dtype)
+        sin = (emb.sin() * self.attention_scaling).to(self.dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T] new tokens of all sequences, flattened
+        positions: torch.Tensor,  # [T]
+        plan: AttentionPlan,
+        cache: PagedKVCache,
+        logits_rows: torch.Tensor | None,  # [R] rows of T that need logits; None = none (prefill)
+    ) -> ForwardOutput | None:
+        s = self.shape
+        n = token_ids.numel()
+        cos, sin = self.rope(positions)
+        h = F.embedding(token_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = rms_norm(h, layer.input_layernorm.weight, self.eps)
+            q = attn.q_proj(x).view(n, s.num_heads, s.head_dim)
+            k = attn.k_proj(x).view(n, s.num_kv_heads, s.head_dim)
+            v = attn.v_proj(x).view(n, s.num_kv_heads, s.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over head_dim before RoPE
+                q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
+                k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            cache.write(i, plan.write_slots, k, v)
+            k_cache, v_cache = cache.layer(i)
+            o = paged_attention(q, k_cache, v_cache, plan, self.scale)
+            h = h + attn.o_proj(o.reshape(n, s.num_heads * s.head_dim))
+            x = rms_norm(h, layer.post_attention_layernorm.weight, self.eps)
+            mlp = layer.mlp
+            h = h + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        if logits_rows is None:
+            return None
+        hidden = rms_norm(h[logits_rows], self.final_norm, self.eps)
+        logits = F.linear(hidden, self.lm_head).float()
+        return ForwardOutput(logits, hidden)

@@ -1,0 +1,102 @@
+"""Resolve what the user calls a model into a transformers model + tokenizer + runner.
+
+Accepted: a loaded transformers ``PreTrainedModel``; a local checkpoint directory; a
+``.gguf`` file (dequantized through transformers, converted copy cached); the embedded
+default's alias (``"smollm2-135m-instruct"``, also ``"default"``). Never downloads,
+never runs remote code unless ``trust_remote_code=True`` is passed.
+
+    loaded = load_model("default")
+    loaded.runner, loaded.tokenizer
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.models import embedded
+from specdec.models.llama import LlamaRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: Any  # transformers PreTrainedModel (eval mode)
+    tokenizer: Any | None
+    runner: LlamaRunner
+    name: str
+
+
+def _is_hf_model(obj: Any) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(obj, PreTrainedModel)
+
+
+def _from_dir(path: Path, dtype: torch.dtype | None, trust_remote_code: bool) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a transformers checkpoint directory (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype or torch.float32, local_files_only=True, trust_remote_code=trust_remote_code
+    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        logger.warning("no tokenizer loaded from %s (%s); token ids only", path, err)
+        tokenizer = None
+    return model, tokenizer
+
+
+@lru_cache(maxsize=4)
+def _load_path(spec: str, dtype: torch.dtype | None, trust_remote_code: bool) -> tuple[Any, Any, str]:
+    if spec in embedded.ALIASES:
+        path = embedded.embedded_checkpoint()
+        name = embedded.DEFAULT_ALIAS
+    else:
+        p = Path(spec).expanduser()
+        if p.suffix == ".gguf":
+            if not p.is_file():
+                raise FileNotFoundError(f"GGUF file not found: {p}")
+            path = embedded.convert_gguf(p, embedded.converted_dir(p))
+        elif p.is_dir():
+            path = p
+        else:
+            raise FileNotFoundError(
+                f"unknown model {spec!r}: pass a checkpoint directory, a .gguf file, a loaded transformers "
+                f"model, or one of the aliases {', '.join(embedded.ALIASES)} (nothing is downloaded)"
+            )
+        name = p.name
+    model, tokenizer = _from_dir(path, dtype, trust_remote_code)
+    return model, tokenizer, name
+
+
+def load_model(
+    spec: Any,
+    *,
+    tokenizer: Any | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    if isinstance(spec, LoadedModel):
+        return spec
+    if _is_hf_model(spec):
+        model, name = spec, getattr(spec.config, "_name_or_path", type(spec).__name__)
+    elif isinstance(spec, (str, Path)):
+        model, loaded_tok, name = _load_path(str(spec), dtype, trust_remote_code)
+        tokenizer = tokenizer or loaded_tok
+    else:
+        raise TypeError(f"model must be a transformers model, a path or an alias, got {type(spec).__name__}")
+    if device is not None:
+        model.to(device)
+    model.eval()
+    return LoadedModel(model, tokenizer, LlamaRunner(model), name)

@@ -1,0 +1,64 @@
+"""Sampling configuration and the logits -> probabilities transform.
+
+The same transform (temperature, then top-k, then top-p, as in transformers'
+``generate``) is applied to the target's logits here and by every drafter to its own
+logits, so that ``target_probs`` and ``draft_probs`` live in the same space.
+Greedy decoding (``do_sample=False``) is the temperature-0 limit: a one-hot at argmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0  # 1.0 = disabled
+
+    def __post_init__(self) -> None:
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(
+                f"temperature must be > 0 when sampling, got {self.temperature}; use do_sample=False for greedy decoding"
+            )
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0 or int(self.top_k) != self.top_k:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample
+
+
+def logits_to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """[..., vocab] logits -> [..., vocab] probabilities (float32, or float64 if given float64)."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logits = logits.to(dtype)
+    if sampling.greedy:
+        out = torch.zeros_like(logits)
+        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / sampling.temperature
+    vocab = logits.shape[-1]
+    if 0 < sampling.top_k < vocab:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cum <= 1.0 - sampling.top_p
+        drop_sorted[..., -1] = False  # always keep the most likely token
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token per row of [..., vocab] probs -> [...] int64."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])

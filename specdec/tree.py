@@ -1,0 +1,172 @@
+"""DraftTree: the token tree a drafter proposes for one sequence in one step.
+
+Nodes are proposed tokens. ``parents[i] < i``; ``parents[i] == -1`` means node i is a
+child of the *root*, the last committed token of the sequence (whose K/V is written in
+the same verify forward). A chain is the tree with ``parents[i] = i - 1``; plain decoding
+is the empty tree. Depth of a root child is 1; a node's position id is
+``root_position + depth``.
+
+Usage::
+
+    tree = DraftTree.chain([5, 7, 9])                 # deterministic candidates
+    tree = DraftTree(tokens, parents, draft_probs, DraftMode.INDEPENDENT)
+    tree.validate(vocab_size, drafter="ngram")      # clear DraftError on bad input
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+MAX_TREE_NODES = 64  # the ancestor bitmask of the GPU kernels holds 64 bits
+
+
+class DraftError(ValueError):
+    """A drafter returned a proposal that cannot be verified exactly."""
+
+
+class DraftMode(str, enum.Enum):
+    """How the drafter chose the children of each node (decides the acceptance rule)."""
+
+    INDEPENDENT = "independent"  # each child drawn i.i.d. from draft_probs of its parent
+    WITHOUT_REPLACEMENT = "without_replacement"  # siblings drawn without replacement
+    DETERMINISTIC = "deterministic"  # candidates picked without sampling; draft_probs is None
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    tokens: torch.Tensor  # [num_nodes] int64 token ids
+    parents: torch.Tensor  # [num_nodes] int64, -1 = root, else parents[i] < i
+    # [num_nodes, vocab] float: row i is the distribution node i's token was drawn from
+    # (the drafter's distribution at parents[i], after temperature/top-k/top-p), or None
+    draft_probs: torch.Tensor | None = None
+    mode: DraftMode = DraftMode.DETERMINISTIC
+
+    def __post_init__(self) -> None:
+        tokens = torch.as_tensor(self.tokens, dtype=torch.long).reshape(-1)
+        parents = torch.as_tensor(self.parents, dtype=torch.long).reshape(-1)
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "parents", parents)
+        object.__setattr__(self, "mode", DraftMode(self.mode))
+        if tokens.numel() != parents.numel():
+            raise DraftError(f"tokens has {tokens.numel()} nodes but parents has {parents.numel()}")
+        if tokens.numel() > MAX_TREE_NODES:
+            raise DraftError(f"draft tree has {tokens.numel()} nodes; at most {MAX_TREE_NODES} are supported")
+        idx = torch.arange(parents.numel())
+        bad = (parents >= idx) | (parents < -1)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise DraftError(
+                f"node {i} has parent {int(parents[i])}: parents must satisfy -1 <= parents[i] < i "
+                "(topological order, no cycles)"
+            )
+        if self.mode is DraftMode.DETERMINISTIC:
+            if self.draft_probs is not None:
+                raise DraftError("deterministic drafts carry no draft_probs; pass mode=INDEPENDENT or WITHOUT_REPLACEMENT")
+        else:
+            if self.draft_probs is None:
+                raise DraftError(f"mode {self.mode.value} needs draft_probs [num_nodes, vocab]")
+            if self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != tokens.numel():
+                raise DraftError(
+                    f"draft_probs must be [num_nodes={tokens.numel()}, vocab], got {tuple(self.draft_probs.shape)}"
+                )
+
+    # ---- constructors -------------------------------------------------------------------
+    @classmethod
+    def empty(cls) -> "DraftTree":
+        return cls(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+
+    @classmethod
+    def chain(cls, tokens, draft_probs: torch.Tensor | None = None, mode: DraftMode | None = None) -> "DraftTree":
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        parents = torch.arange(tokens.numel()) - 1
+        if mode is None:
+            mode = DraftMode.DETERMINISTIC if draft_probs is None else DraftMode.INDEPENDENT
+        return cls(tokens, parents, draft_probs, mode)
+
+    # ---- derived structure --------------------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.numel())
+
+    @cached_property
+    def depths(self) -> torch.Tensor:  # [num_nodes], root children have depth 1
+        depths = torch.zeros(self.num_nodes, dtype=torch.long)
+        parents = self.parents.tolist()
+        for i, p in enumerate(parents):
+            depths[i] = 1 if p < 0 else depths[p] + 1
+        return depths
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max()) if self.num_nodes else 0
+
+    def position_ids(self, root_position: int) -> torch.Tensor:  # [num_nodes]
+        return self.depths + root_position
+
+    @cached_property
+    def ancestor_mask(self) -> torch.Tensor:  # [num_nodes, num_nodes] bool: j is i or an ancestor of i
+        n = self.num_nodes
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i, p in enumerate(self.parents.tolist()):
+            if p >= 0:
+                mask[i] = mask[p]
+            mask[i, i] = True
+        return mask
+
+    def ancestor_bits(self) -> torch.Tensor:  # [num_nodes] int64 bitmask of ancestor_mask rows
+        weights = torch.ones(self.num_nodes, dtype=torch.long) << torch.arange(self.num_nodes)
+        return (self.ancestor_mask.long() * weights).sum(-1)
+
+    @cached_property
+    def children(self) -> list[list[int]]:  # index 0 = root's children, index i+1 = node i's children
+        kids: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]
+        for i, p in enumerate(self.parents.tolist()):
+            kids[p + 1].append(i)
+        return kids
+
+    def paths(self) -> list[list[int]]:
+        """Root-to-leaf node index paths."""
+        out = []
+        for leaf in range(self.num_nodes):
+            if self.children[leaf + 1]:
+                continue
+            path = [leaf]
+            while (p := int(self.parents[path[-1]])) >= 0:
+                path.append(p)
+            out.append(path[::-1])
+        return out
+
+    def prune(self, keep: torch.Tensor) -> "DraftTree":
+        """Sub-tree of the nodes where `keep` [num_nodes] bool is True (must be ancestor-closed)."""
+        keep = torch.as_tensor(keep, dtype=torch.bool)
+        parent_kept = torch.where(self.parents >= 0, keep[self.parents.clamp(min=0)], torch.ones_like(keep))
+        if bool((keep & ~parent_kept).any()):
+            raise ValueError("prune: a kept node's parent is dropped")
+        new_index = keep.long().cumsum(0) - 1  # old index -> new index for kept nodes
+        parents = torch.where(self.parents >= 0, new_index[self.parents.clamp(min=0)], self.parents)[keep]
+        probs = None if self.draft_probs is None else self.draft_probs[keep]
+        return DraftTree(self.tokens[keep], parents, probs, self.mode)
+
+    # ---- checks the engine runs on every proposal ---------------------------------------
+    def validate(self, vocab_size: int, drafter: str = "drafter", atol: float = 1e-4) -> None:
+        """Raise DraftError naming `drafter` if this tree cannot be verified exactly."""
+        if self.num_nodes and (int(self.tokens.min()) < 0 or int(self.tokens.max()) >= vocab_size):
+            raise DraftError(f"{drafter}: draft token ids must lie in [0, {vocab_size}), got {self.tokens.tolist()}")
+        if self.draft_probs is None:
+            return
+        probs = self.draft_probs
+        if probs.shape[1] != vocab_size:
+            raise DraftError(f"{drafter}: draft_probs has vocab {probs.shape[1]}, target vocab is {vocab_size}")
+        if not bool(torch.isfinite(probs).all()):
+            raise DraftError(f"{drafter}: draft_probs contains NaN or inf")
+        if bool((probs < 0).any()):
+            raise DraftError(f"{drafter}: draft_probs has negative entries")
+        sums = probs.double().sum(-1)
+        if not bool(torch.allclose(sums, torch.ones_like(sums), atol=atol)):
+            raise DraftError(f"{drafter}: draft_probs rows must sum to 1, got {sums.tolist()}")
+        drawn = probs.gather(1, self.tokens.to(probs.device)[:, None]).squeeze(1)
+        if bool((drawn <= 0).any()):
+            raise DraftError(f"{drafter}: a drafted token has draft probability 0, so it cannot have been sampled")

@@ -1,0 +1,1 @@
+"""specdec.train: Medusa head training (``specdec train-medusa``)."""
