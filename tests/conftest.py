@@ -2,12 +2,19 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from specdec.testing import build_tiny_model
 
+REPO = Path(__file__).resolve().parents[1]
+# `python -m pytest` puts the cwd (the repo root) on sys.path, where the folders kernels/ and
+# eval/ would shadow top-level packages of those names (transformers probes `kernels`).
+# specdec is installed, so the repo root is never needed on the path.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO]
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 @pytest.fixture

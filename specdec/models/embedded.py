@@ -58,7 +58,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.info("converting %s (one-time dequantization, ~30 s) into %s", gguf_path.name, out_dir)
+    logger.warning("converting %s (one-time dequantization, ~30 s) into %s", gguf_path.name, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

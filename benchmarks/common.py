@@ -1,0 +1,34 @@
+"""Shared helpers for the benchmark scripts (run as `python benchmarks/<script>.py`)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
+    )
+
+
+def time_hf_generate(model, ids: list[int], max_new_tokens: int, **kwargs) -> tuple[float, list[int]]:
+    """Seconds and new tokens of transformers' greedy generate() on one prompt."""
+    x = torch.tensor([ids])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+    return time.perf_counter() - t0, out[0, len(ids):].tolist()
+
+
+def time_specdec(loaded, ids: list[int], max_new_tokens: int, **kwargs):
+    from specdec.generate import generate
+
+    t0 = time.perf_counter()
+    out = generate(loaded, [ids], max_new_tokens=max_new_tokens, return_dict=True, **kwargs)
+    return time.perf_counter() - t0, out
+
+
+def ratio_line(name: str, base_tokens: int, base_s: float, tokens: int, seconds: float) -> str:
+    base_tps, tps = base_tokens / base_s, tokens / seconds
+    return f"{name:<28} {tps:8.2f} tok/s   vs baseline {base_tps:8.2f} tok/s   ratio {tps / base_tps:5.2f}x"

@@ -1,0 +1,151 @@
+"""The ``specdec`` command line: ``specdec generate`` (``train-medusa`` and ``eval`` to come).
+
+    specdec generate "Write a haiku about caches."            # embedded default model
+    echo "prompt" | specdec generate --drafter ngram --max-new-tokens 256
+    specdec generate --prompt-file doc.txt --model ./my-llama --do-sample --temperature 0.7
+
+The text streams to stdout; a one-line summary (tokens, tokens/s, tau) goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from specdec.models.embedded import DEFAULT_ALIAS
+
+
+class _TextStream:
+    """Decodes a growing token list and prints only the new, complete characters."""
+
+    def __init__(self, tokenizer, out=sys.stdout) -> None:
+        self.tokenizer, self.out = tokenizer, out
+        self.tokens: list[int] = []
+        self.printed = 0
+
+    def __call__(self, seq_index: int, new_tokens: list[int]) -> None:
+        self.tokens.extend(new_tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return
+        self.out.write(text[self.printed :])
+        self.out.flush()
+        self.printed = len(text)
+
+
+def _read_prompt(args) -> str:
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    if args.prompt is not None and args.prompt != "-":
+        return args.prompt
+    if sys.stdin.isatty() and args.prompt is None:
+        raise SystemExit("specdec generate: give a prompt as an argument, with --prompt-file, or on stdin")
+    return sys.stdin.read()
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text, plainly or speculatively",
+                       description="Generate text from a prompt and print it with its speed.")
+    p.add_argument("prompt", nargs="?", help="the prompt ('-' or omitted: read stdin)")
+    p.add_argument("--prompt-file", help="read the prompt from this file")
+    p.add_argument("--model", default=DEFAULT_ALIAS,
+                   help=f"checkpoint directory, .gguf file or alias (default: {DEFAULT_ALIAS})")
+    p.add_argument("--drafter", default=None, help="drafter name, e.g. ngram (default: plain decoding)")
+    p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="drafter option, repeatable; VALUE parsed as JSON when possible")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string, repeatable")
+    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--system", default=None, help="system message for the chat template")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=_run_generate)
+
+
+def _parse_options(pairs: list[str]) -> dict:
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--drafter-option needs KEY=VALUE, got {pair!r}")
+        try:
+            options[key.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key.replace("-", "_")] = value
+    return options
+
+
+def _run_generate(args) -> int:
+    import torch
+
+    from specdec.generate import generate
+    from specdec.models.loader import load_model
+
+    text = _read_prompt(args)
+    if not text.strip():
+        raise SystemExit("specdec generate: the prompt is empty")
+    t0 = time.perf_counter()
+    loaded = load_model(args.model)
+    load_seconds = time.perf_counter() - t0
+    tok = loaded.tokenizer
+    if tok is None:
+        raise SystemExit(f"specdec generate: model {args.model!r} has no tokenizer")
+    if not args.no_chat_template and getattr(tok, "chat_template", None):
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": text})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    else:
+        ids = tok(text)["input_ids"]
+    torch.set_grad_enabled(False)
+    out = generate(
+        loaded, [ids], drafter=args.drafter, drafter_options=_parse_options(args.drafter_option),
+        max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop, streamer=_TextStream(tok),
+        return_dict=True, block_size=args.block_size,
+    )
+    sys.stdout.write("\n")
+    s = out.stats[0]
+    summary = {
+        "model": loaded.name, "drafter": args.drafter or "none", "prompt_tokens": s.prompt_tokens,
+        "new_tokens": s.new_tokens, "seconds": round(out.seconds, 3), "tokens_per_s": round(s.tokens_per_second, 2),
+        "tau": round(s.tau, 3), "steps": s.steps, "finish": s.finish_reason, "load_seconds": round(load_seconds, 2),
+        "acceptance_per_depth": [round(a, 3) for a in s.acceptance_per_depth],
+    }
+    if args.json:
+        print(json.dumps(summary), file=sys.stderr)
+    else:
+        acc = " ".join(f"{a:.2f}" for a in s.acceptance_per_depth)
+        print(
+            f"[specdec] {s.new_tokens} tokens in {out.seconds:.2f}s = {s.tokens_per_second:.1f} tok/s | "
+            f"tau {s.tau:.2f} over {s.steps} steps | drafter {summary['drafter']}"
+            + (f" | acceptance/depth {acc}" if acc else "")
+            + f" | prompt {s.prompt_tokens} tok, finish={s.finish_reason}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress (model conversion etc.)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, TypeError) as err:
+        print(f"specdec {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

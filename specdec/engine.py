@@ -1,0 +1,207 @@
+"""Engine: one speculative step for a batch of sequences over the paged KV cache.
+
+    engine = Engine(runner, cache, sampling, stop, drafter)
+    engine.add(prompts)            # prefill: K/V of prompt[:-1]; prompt[-1] is the first root
+    while engine.live: engine.step()
+
+Invariant between steps: for a live sequence, ``tokens[-1]`` is the *root* (committed but
+not yet run through the target) and the cache holds K/V of ``tokens[:-1]``. Plain decoding
+is the empty draft tree: the same verify / sample / commit path with one query token.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from specdec.attention import AttentionPlan
+from specdec.drafters.base import Drafter, SequenceView
+from specdec.kv_cache import PagedKVCache
+from specdec.models.llama import ForwardOutput, LlamaRunner
+from specdec.rejection import Acceptance, rejection_sample
+from specdec.sampling import SamplingConfig
+from specdec.stopping import StopCriteria
+from specdec.tree import DraftError, DraftTree
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SequenceState:
+    seq_id: int
+    tokens: list[int]  # prompt + committed tokens; tokens[-1] is the root of the next step
+    num_prompt: int
+    finish_reason: str | None = None  # "eos" | "stop" | "length" once finished
+    steps: int = 0  # target forward passes (verify steps) spent on this sequence
+    depth_tried: list[int] = field(default_factory=list)  # per depth d+1: steps that tried a child
+    depth_accepted: list[int] = field(default_factory=list)  # per depth d+1: steps that accepted one
+    finished_at: float | None = None  # time.perf_counter() when it finished
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    @property
+    def tau(self) -> float:
+        """Committed tokens per target forward (mean accepted length + 1)."""
+        return len(self.new_tokens) / self.steps if self.steps else 0.0
+
+
+@dataclass(frozen=True)
+class VerifyBatch:
+    token_ids: torch.Tensor  # [T] root + tree nodes of every live sequence, flattened
+    positions: torch.Tensor  # [T]
+    plan: AttentionPlan
+    row_index: torch.Tensor  # [B, max_nodes + 1] rows of T per sequence (padding repeats row 0)
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: LlamaRunner,
+        cache: PagedKVCache,
+        sampling: SamplingConfig,
+        stop: StopCriteria,
+        drafter: Drafter | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.runner, self.cache, self.sampling, self.stop = runner, cache, sampling, stop
+        self.drafter, self.generator = drafter, generator
+        self.seqs: list[SequenceState] = []
+        self.forward_passes = 0
+
+    @property
+    def live(self) -> list[SequenceState]:
+        return [s for s in self.seqs if not s.finished]
+
+    # ---- prefill ------------------------------------------------------------------------
+    def add(self, prompts: Sequence[Sequence[int]]) -> list[SequenceState]:
+        new = [SequenceState(len(self.seqs) + i, list(p), len(p)) for i, p in enumerate(prompts)]
+        for s in new:
+            self.cache.add(s.seq_id)
+        self.seqs.extend(new)
+        todo = [s for s in new if len(s.tokens) > 1]
+        self.cache.reserve_many({s.seq_id: len(s.tokens) - 1 for s in todo})
+        if todo:
+            masks = [torch.ones(len(s.tokens) - 1, len(s.tokens) - 1, dtype=torch.bool).tril() for s in todo]
+            batch = self._build_batch(todo, [s.tokens[:-1] for s in todo], [torch.arange(m.shape[0]) for m in masks], masks)
+            self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache, None)
+            self.cache.commit({s.seq_id: range(len(s.tokens) - 1) for s in todo})
+        return new
+
+    # ---- one step -----------------------------------------------------------------------
+    def step(self) -> dict[int, list[int]]:
+        """Draft, verify, sample, commit. Returns the tokens emitted per seq_id this step."""
+        live = self.live
+        trees = self.propose(live)
+        batch = self.verify_batch(live, trees)
+        out = self.verify(batch)
+        acceptances = rejection_sample(trees, out.logits[batch.row_index], self.sampling, self.generator)
+        return self.commit(live, acceptances)
+
+    def propose(self, live: list[SequenceState]) -> list[DraftTree]:
+        if self.drafter is None:
+            return [DraftTree.empty() for _ in live]
+        views = [SequenceView(s.seq_id, s.tokens, s.num_prompt) for s in live]
+        trees = self.drafter.propose(views)
+        name = getattr(self.drafter, "name", type(self.drafter).__name__)
+        if not isinstance(trees, (list, tuple)) or len(trees) != len(live):
+            raise DraftError(f"{name}: propose() must return one DraftTree per sequence ({len(live)})")
+        out = []
+        for s, tree in zip(live, trees):
+            if not isinstance(tree, DraftTree):
+                raise DraftError(f"{name}: propose() returned {type(tree).__name__}, expected DraftTree")
+            tree.validate(self.runner.shape.vocab_size, drafter=name)
+            out.append(self._fit_budget(s, tree))
+        return out
+
+    def _fit_budget(self, s: SequenceState, tree: DraftTree) -> DraftTree:
+        """Drop nodes deeper than the tokens still allowed (max_new_tokens, context)."""
+        root_position = len(s.tokens) - 1
+        max_depth = min(
+            self.stop.max_new_tokens - len(s.new_tokens) - 1, self.runner.shape.max_positions - 1 - root_position
+        )
+        if tree.num_nodes and tree.max_depth > max_depth:
+            return tree.prune(tree.depths <= max(max_depth, 0))
+        return tree
+
+    def verify_batch(self, live: list[SequenceState], trees: list[DraftTree]) -> VerifyBatch:
+        self.cache.reserve_many({s.seq_id: 1 + t.num_nodes for s, t in zip(live, trees)})
+        tokens, positions, masks = [], [], []
+        for s, tree in zip(live, trees):
+            root_position = len(s.tokens) - 1
+            tokens.append([s.tokens[-1]] + tree.tokens.tolist())
+            positions.append(torch.cat([torch.tensor([root_position]), tree.position_ids(root_position)]))
+            if tree.num_nodes:
+                mask = torch.zeros(1 + tree.num_nodes, 1 + tree.num_nodes, dtype=torch.bool)
+                mask[:, 0] = True  # every node sees the root
+                mask[1:, 1:] = tree.ancestor_mask
+                masks.append(mask)
+            else:
+                masks.append(None)
+        return self._build_batch(live, tokens, positions, masks)
+
+    def _build_batch(self, seqs, tokens, positions, masks) -> VerifyBatch:
+        plans, write_slots, rows = [], [], []
+        start = 0
+        width = max(len(t) for t in tokens)
+        for s, toks, mask in zip(seqs, tokens, masks):
+            cached = self.cache.lengths[s.seq_id]
+            key_slots = self.cache.slots(s.seq_id, 0, cached + len(toks))
+            plans.append(AttentionPlan.build(cached, key_slots, mask, start))
+            write_slots.append(key_slots[cached:])
+            rows.append(list(range(start, start + len(toks))) + [start] * (width - len(toks)))
+            start += len(toks)
+        device = self.runner.device
+        return VerifyBatch(
+            token_ids=torch.tensor([t for toks in tokens for t in toks], device=device),
+            positions=torch.cat(positions).to(device),
+            plan=AttentionPlan(tuple(plans), torch.cat(write_slots)),
+            row_index=torch.tensor(rows, device=device),
+        )
+
+    def verify(self, batch: VerifyBatch) -> ForwardOutput:
+        """ONE target forward over every root and tree node of every live sequence."""
+        self.forward_passes += 1
+        all_rows = torch.arange(batch.token_ids.numel(), device=batch.token_ids.device)
+        return self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache, all_rows)
+
+    def commit(self, live: list[SequenceState], acceptances: list[Acceptance]) -> dict[int, list[int]]:
+        """Emit accepted + next tokens (up to a stop), keep the accepted path's K/V, free the rest."""
+        keep: dict[int, list[int]] = {}
+        emitted: dict[int, list[int]] = {}
+        for s, acc in zip(live, acceptances):
+            committed = acc.accepted_tokens.tolist() + [int(acc.next_token)]
+            count, reason = self.stop.scan(s.new_tokens, committed)
+            emitted[s.seq_id] = committed[:count]
+            s.tokens.extend(committed[:count])
+            s.steps += 1
+            self._count_depths(s, acc)
+            if reason is not None:
+                s.finish_reason, s.finished_at = reason, time.perf_counter()
+                self.cache.free(s.seq_id)
+                if self.drafter is not None:
+                    self.drafter.release(s.seq_id)
+                continue
+            # root (offset 0) and the accepted nodes (offset 1 + node) become positions length..
+            keep[s.seq_id] = [0] + [1 + int(i) for i in acc.accepted_nodes]
+            if self.drafter is not None:
+                self.drafter.on_accept(s.seq_id, emitted[s.seq_id])
+        self.cache.commit(keep)
+        return emitted
+
+    @staticmethod
+    def _count_depths(s: SequenceState, acc: Acceptance) -> None:
+        tried, accepted = acc.depth_tried.tolist(), acc.depth_accepted.tolist()
+        for stats, new in ((s.depth_tried, tried), (s.depth_accepted, accepted)):
+            if len(stats) < len(new):
+                stats.extend([0] * (len(new) - len(stats)))
+            for d, x in enumerate(new):
+                stats[d] += int(x)

@@ -1,0 +1,201 @@
+"""``specdec.generate``: the Python entry point.
+
+    out = specdec.generate("default", [[1, 2, 3], [4, 5]], max_new_tokens=64, drafter="ngram")
+
+``model`` is anything :func:`specdec.models.loader.load_model` accepts. ``input_ids`` is a
+tensor ``[batch, len]`` (optionally with ``attention_mask`` for left/right padding) or a
+list of token-id lists of different lengths. Returns prompt + new tokens per sequence, as
+transformers does: a tensor padded with ``pad_token_id`` if a tensor came in, else lists.
+``return_dict=True`` gives a :class:`GenerateOutput` with per-sequence stats.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from specdec.drafters.registry import get_drafter
+from specdec.engine import Engine, SequenceState
+from specdec.kv_cache import CacheConfig, PagedKVCache
+from specdec.models.loader import LoadedModel, load_model
+from specdec.sampling import SamplingConfig
+from specdec.stopping import StopCriteria
+from specdec.tree import MAX_TREE_NODES
+
+logger = logging.getLogger(__name__)
+
+Streamer = Callable[[int, list[int]], None]  # (batch index, tokens emitted this step)
+
+
+@dataclass(frozen=True)
+class SequenceStats:
+    prompt_tokens: int
+    new_tokens: int
+    steps: int  # target forward passes after prefill
+    tau: float  # new tokens per step (mean accepted length + 1)
+    seconds: float  # wall time from the start of generate() to this sequence's end
+    tokens_per_second: float
+    finish_reason: str
+    acceptance_per_depth: tuple[float, ...]  # P(node at depth d accepted | parent accepted)
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    sequences: Any  # like transformers: prompt + new tokens (tensor or list of lists)
+    new_tokens: list[list[int]]
+    stats: list[SequenceStats]
+    seconds: float
+    prefill_seconds: float
+    forward_passes: int
+
+    @property
+    def total_new_tokens(self) -> int:
+        return sum(len(t) for t in self.new_tokens)
+
+    @property
+    def tau(self) -> float:
+        steps = sum(s.steps for s in self.stats)
+        return sum(s.new_tokens for s in self.stats) / steps if steps else 0.0
+
+
+def _prompts(input_ids: Any, attention_mask: Any, vocab_size: int) -> list[list[int]]:
+    if isinstance(input_ids, torch.Tensor):
+        ids = input_ids if input_ids.dim() == 2 else input_ids[None]
+        if attention_mask is not None:
+            mask = torch.as_tensor(attention_mask).reshape(ids.shape).bool()
+            prompts = [row[m].tolist() for row, m in zip(ids, mask)]
+        else:
+            prompts = ids.tolist()
+    elif isinstance(input_ids, (list, tuple)) and input_ids and all(isinstance(t, int) for t in input_ids):
+        prompts = [list(input_ids)]
+    elif isinstance(input_ids, (list, tuple)):
+        prompts = [list(p) for p in input_ids]
+    else:
+        raise TypeError("input_ids must be a tensor or a list of token-id lists")
+    if not prompts:
+        raise ValueError("input_ids holds no prompt")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        bad = [t for t in p if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return prompts
+
+
+def _eos_ids(eos_token_id: Any, loaded: LoadedModel) -> frozenset[int]:
+    if eos_token_id is None:
+        gen_cfg = getattr(loaded.model, "generation_config", None)
+        eos_token_id = getattr(gen_cfg, "eos_token_id", None) or getattr(loaded.model.config, "eos_token_id", None)
+    if eos_token_id is None:
+        return frozenset()
+    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+
+
+def _stop_criteria(stop: Any, max_new_tokens: int, eos: frozenset[int], tokenizer: Any) -> StopCriteria:
+    stop = [] if stop is None else ([stop] if isinstance(stop, str) else list(stop))
+    strings = tuple(s for s in stop if isinstance(s, str))
+    seqs = tuple(tuple(s) for s in stop if not isinstance(s, str))
+    return StopCriteria(max_new_tokens, eos, seqs, strings, tokenizer)
+
+
+def _stats(s: SequenceState, start: float) -> SequenceStats:
+    seconds = (s.finished_at or time.perf_counter()) - start
+    acc = tuple(a / t if t else 0.0 for a, t in zip(s.depth_accepted, s.depth_tried))
+    n = len(s.new_tokens)
+    return SequenceStats(s.num_prompt, n, s.steps, s.tau, seconds, n / seconds if seconds else 0.0, s.finish_reason or "", acc)
+
+
+def generate(
+    model: Any,
+    input_ids: Any,
+    *,
+    drafter: Any = None,
+    drafter_options: dict | None = None,
+    max_new_tokens: int = 128,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    attention_mask: Any = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    stop: Any = None,
+    pad_token_id: int | None = None,
+    streamer: Streamer | None = None,
+    return_dict: bool = False,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    tokenizer: Any = None,
+    progress: bool = False,
+):
+    loaded = load_model(model, tokenizer=tokenizer)
+    runner = loaded.runner
+    shape = runner.shape
+    sampling = SamplingConfig(do_sample, temperature, top_k, top_p)
+    prompts = _prompts(input_ids, attention_mask, shape.vocab_size)
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > shape.max_positions:
+        raise ValueError(
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
+            f"{shape.max_positions} tokens; shorten the prompt or lower max_new_tokens"
+        )
+    stop_criteria = _stop_criteria(stop, max_new_tokens, _eos_ids(eos_token_id, loaded), loaded.tokenizer)
+    drafter_obj = get_drafter(drafter, **(drafter_options or {}))
+    cache_cfg = CacheConfig(block_size, num_blocks)
+    tree_budget = MAX_TREE_NODES if drafter_obj is not None else 0
+    if cache_cfg.num_blocks is None:  # worst case of this request: no sequence can run out
+        per_seq = [-(-(len(p) + max_new_tokens + tree_budget + 1) // block_size) for p in prompts]
+        blocks = sum(per_seq)
+    else:
+        blocks = cache_cfg.num_blocks
+    cache = PagedKVCache(
+        shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block_size, runner.dtype, runner.device
+    )
+    if generator is None and seed is not None:
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+    engine = Engine(runner, cache, sampling, stop_criteria, drafter_obj, generator)
+
+    start = time.perf_counter()
+    seqs = engine.add(prompts)
+    prefill_seconds = time.perf_counter() - start
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=max_new_tokens * len(prompts), unit="tok", desc="generate")
+    while engine.live:
+        emitted = engine.step()
+        if streamer is not None:
+            for seq_id, toks in emitted.items():
+                if toks:
+                    streamer(seq_id, toks)
+        if bar is not None:
+            done = sum(len(s.new_tokens) for s in seqs)
+            bar.update(done - bar.n)
+            steps = sum(s.steps for s in seqs)
+            bar.set_postfix(tau=f"{done / max(steps, 1):.2f}")
+    if bar is not None:
+        bar.close()
+    seconds = time.perf_counter() - start
+
+    new_tokens = [s.new_tokens for s in seqs]
+    full = [s.tokens for s in seqs]
+    if isinstance(input_ids, torch.Tensor):
+        if pad_token_id is None:
+            pad_token_id = getattr(loaded.model.generation_config, "pad_token_id", None)
+            pad_token_id = pad_token_id if pad_token_id is not None else min(stop_criteria.eos_token_ids, default=0)
+        width = max(len(t) for t in full)
+        sequences = torch.full((len(full), width), pad_token_id, dtype=torch.long)
+        for i, t in enumerate(full):
+            sequences[i, : len(t)] = torch.tensor(t)
+    else:
+        sequences = full
+    if not return_dict:
+        return sequences
+    stats = [_stats(s, start) for s in seqs]
+    return GenerateOutput(sequences, new_tokens, stats, seconds, prefill_seconds, engine.forward_passes)

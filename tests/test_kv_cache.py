@@ -1,0 +1,100 @@
+"""Paged KV cache: random writes / compactions / frees against a dense per-sequence model."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdec.kv_cache import CacheConfig, CacheFullError, PagedKVCache
+
+
+def _random_run(seed: int, block_size: int, steps: int = 200):
+    rng = random.Random(seed)
+    layers, heads, dim = 2, 2, 3
+    cache = PagedKVCache(layers, heads, dim, num_blocks=64, block_size=block_size)
+    dense: dict[int, torch.Tensor] = {}  # seq -> [layers, 2, length, heads, dim]
+    next_id = 0
+    for _ in range(steps):
+        op = rng.random()
+        if op < 0.15 or not dense:
+            cache.add(next_id)
+            dense[next_id] = torch.zeros(layers, 2, 0, heads, dim)
+            next_id += 1
+        elif op < 0.25:
+            sid = rng.choice(list(dense))
+            cache.free(sid)
+            del dense[sid]
+        else:  # a speculative step: write n new tokens, keep a random increasing subset starting at 0
+            sid = rng.choice(list(dense))
+            n = rng.randint(1, 9)
+            try:
+                cache.reserve(sid, n)
+            except CacheFullError:
+                continue
+            length = cache.lengths[sid]
+            slots = cache.slots(sid, length, length + n)
+            new = torch.randn(layers, 2, n, heads, dim)
+            for layer in range(layers):
+                cache.write(layer, slots, new[layer, 0], new[layer, 1])
+            keep = [0] + sorted(rng.sample(range(1, n), rng.randint(0, n - 1)))
+            cache.commit({sid: keep})
+            dense[sid] = torch.cat([dense[sid], new[:, :, keep]], dim=2)
+        # invariants after every operation
+        used = sum(len(t) for t in cache.block_tables.values())
+        assert used + cache.num_free_blocks == cache.num_blocks
+        owned = [b for t in cache.block_tables.values() for b in t]
+        assert len(owned) == len(set(owned)), "a block is owned twice"
+        for sid, ref in dense.items():
+            length = cache.lengths[sid]
+            assert length == ref.shape[2]
+            assert len(cache.block_tables[sid]) == -(-length // block_size), "waste must stay under one block"
+            got = cache.kv[:, :, cache.slots(sid, 0, length)]
+            torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    return cache
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_random_ops_match_dense(seed, block_size):
+    _random_run(seed, block_size)
+
+
+def test_commit_moves_tree_path_into_place():
+    cache = PagedKVCache(1, 1, 1, num_blocks=4, block_size=2)
+    cache.add(0)
+    cache.reserve(0, 6)
+    slots = cache.slots(0, 0, 6)
+    vals = torch.arange(6.0).view(6, 1, 1)
+    cache.write(0, slots, vals, vals + 10)
+    cache.commit({0: [0, 2, 5]})
+    assert cache.lengths[0] == 3 and len(cache.block_tables[0]) == 2
+    got = cache.kv[0, :, cache.slots(0, 0, 3)].flatten(1)
+    assert got.tolist() == [[0, 2, 5], [10, 12, 15]]
+
+
+def test_out_of_blocks_is_clear_and_writes_nothing():
+    cache = PagedKVCache(1, 1, 1, num_blocks=2, block_size=4)
+    cache.add(0)
+    cache.add(1)
+    cache.reserve(0, 5)
+    with pytest.raises(CacheFullError, match="out of blocks"):
+        cache.reserve_many({1: 4, 0: 4})
+    assert len(cache.block_tables[1]) == 0 and len(cache.block_tables[0]) == 2
+
+
+def test_bad_keep_offsets_rejected():
+    cache = PagedKVCache(1, 1, 1, num_blocks=2, block_size=4)
+    cache.add(0)
+    cache.reserve(0, 3)
+    with pytest.raises(ValueError):
+        cache.commit({0: [1, 0]})
+    with pytest.raises(IndexError):
+        cache.commit({0: [0, 9]})
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        CacheConfig(block_size=0)
+    with pytest.raises(ValueError):
+        CacheConfig(num_blocks=0)
