@@ -22,8 +22,8 @@ def available() -> list[str]:
 
 
 def get_drafter(spec: Any, **options: Any) -> Drafter | None:
-    """``None`` -> None (plain decoding); a Drafter instance -> itself; a name -> a new drafter."""
-    if spec is None or isinstance(spec, Drafter):
+    """``None`` -> None (plain decoding); a drafter object (has ``propose``) -> itself; a name -> a new drafter."""
+    if spec is None or isinstance(spec, Drafter) or callable(getattr(spec, "propose", None)):
         if options and spec is not None:
             raise ValueError("drafter options can only be given with a drafter name")
         return spec

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec.drafters.base import Drafter
+
 TINY_VARIANTS = {
     # name: (config class name, extra config kwargs)
     "llama-gqa-tied": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=True)),
@@ -49,3 +51,67 @@ def build_tiny_model(variant: str = "llama-gqa-tied", vocab_size: int = 96, seed
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+class RandomTreeDrafter(Drafter):
+    """A test drafter that proposes random trees, to exercise rejection and KV compaction hard.
+
+    ``mode="deterministic"``: random distinct tokens per node, no draft_probs.
+    ``mode="independent"`` / ``"without_replacement"``: each node's children are really
+    sampled from a random distribution (draft_probs), as an honest stochastic drafter must.
+    ``vocab_size`` limits drawn tokens; ``hit_rate`` biases deterministic picks toward
+    tokens from the sequence so that some drafts are accepted.
+    """
+
+    name = "random-tree"
+
+    def __init__(self, vocab_size: int, max_nodes: int = 12, max_depth: int = 4, max_width: int = 3,
+                 mode: str = "deterministic", seed: int = 0, temperature: float = 1.0) -> None:
+        from specdec.tree import DraftMode
+
+        self.vocab_size, self.max_nodes, self.max_depth, self.max_width = vocab_size, max_nodes, max_depth, max_width
+        self.mode = DraftMode(mode)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.temperature = temperature
+
+    def _randint(self, hi: int) -> int:
+        return int(torch.randint(0, hi, (1,), generator=self.gen))
+
+    def _propose_one(self, history):
+        from specdec.tree import DraftMode, DraftTree
+
+        tokens, parents, rows = [], [], []
+        frontier = [-1]
+        depth = 0
+        while frontier and len(tokens) < self.max_nodes and depth < self.max_depth:
+            nxt = []
+            for parent in frontier:
+                width = self._randint(self.max_width + 1) if parent >= 0 else 1 + self._randint(self.max_width)
+                dist = torch.softmax(torch.randn(self.vocab_size, generator=self.gen) * 2 / self.temperature, -1)
+                if self.mode is DraftMode.DETERMINISTIC:
+                    picks = torch.randperm(self.vocab_size, generator=self.gen)[:width].tolist()
+                    if history and width and self._randint(2):
+                        cand = history[self._randint(len(history))]
+                        picks = [cand] + [t for t in picks if t != cand][: width - 1]
+                elif self.mode is DraftMode.INDEPENDENT:
+                    picks = torch.multinomial(dist, width, replacement=True, generator=self.gen).tolist() if width else []
+                else:
+                    picks = torch.multinomial(dist, min(width, self.vocab_size), replacement=False,
+                                              generator=self.gen).tolist() if width else []
+                for t in picks:
+                    if len(tokens) >= self.max_nodes:
+                        break
+                    nxt.append(len(tokens))
+                    tokens.append(t)
+                    parents.append(parent)
+                    rows.append(dist)
+            frontier = nxt
+            depth += 1
+        probs = None if self.mode is DraftMode.DETERMINISTIC or not tokens else torch.stack(rows)
+        if self.mode is not DraftMode.DETERMINISTIC and not tokens:
+            return DraftTree.empty()
+        return DraftTree(tokens, parents, probs, self.mode)
+
+    def propose(self, seqs):
+        return [self._propose_one(list(s.token_ids)) for s in seqs]
+

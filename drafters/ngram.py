@@ -1,0 +1,182 @@
+"""N-gram (prompt-lookup) drafter: proposes continuations copied from earlier in the text.
+
+The last ``n`` tokens of a sequence (prompt + everything generated) are looked up among
+their earlier occurrences, longest ``n`` first; the tokens that followed each occurrence
+are candidate continuations. Distinct candidates are merged into a trie (shared prefixes
+share nodes) and proposed as one DETERMINISTIC draft tree. No model, no probabilities:
+it shines wherever the output copies the input (summaries, code edits, chat quoting).
+
+    drafter = get_drafter("ngram", min_ngram=1, max_nodes=24)
+    trees = drafter.propose([SequenceView(0, token_ids, num_prompt_tokens)])
+
+Each sequence keeps an incremental index (n-gram -> end positions) that is extended only
+by the tokens appended since the previous call, so a step costs
+O(max_ngram * new tokens + occurrences scanned + tree size), independent of history length.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+from specdec.drafters.base import Drafter, SequenceView
+from specdec.tree import MAX_TREE_NODES, DraftTree
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NGramConfig:
+    # Defaults tuned for greedy prompt lookup with a 135M model on CPU, where a verify
+    # forward of 2-16 tokens costs ~2-3x a plain 1-token step: propose only on matches of
+    # >= 2 tokens (1-gram matches fire far more often, at low acceptance) and keep
+    # the tree small (one deep chain plus one alternative). On a GPU larger trees are cheap.
+    min_ngram: int = 2  # shortest key tried
+    max_ngram: int = 4  # longest key, tried first (longer = more reliable match)
+    num_draft_tokens: int = 10  # depth limit of every branch
+    max_branches: int = 2  # distinct continuations merged into the tree
+    max_nodes: int = 12  # total tree size (<= 64)
+    max_occurrences: int = 8  # most recent occurrences scanned per n (bounds per-step work)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"ngram drafter: {f.name} must be an int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"ngram drafter: {f.name} must be >= 1, got {value}")
+        if self.max_ngram < self.min_ngram:
+            raise ValueError(
+                f"ngram drafter: max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})"
+            )
+        if self.max_nodes > MAX_TREE_NODES:
+            raise ValueError(
+                f"ngram drafter: max_nodes must be <= {MAX_TREE_NODES} (the tree-mask limit), got {self.max_nodes}"
+            )
+
+
+class _SeqIndex:
+    """Index of one sequence. Invariant: for every n and every end position e with
+    n - 1 <= e <= length - 2, ``tables[n][tuple(tokens[e-n+1:e+1])]`` contains e, and the
+    lists are increasing (so the most recent occurrence is last). Only occurrences followed by
+    at least one token are indexed, so the current key never matches itself."""
+
+    __slots__ = ("length", "tail", "tables")
+
+    def __init__(self, min_ngram: int, max_ngram: int) -> None:
+        self.length = 0  # number of tokens of the sequence seen (indexed up to end length-2)
+        self.tail: list[int] = []  # last <= max_ngram+1 tokens seen: detects edited histories
+        self.tables: dict[int, dict[tuple[int, ...], list[int]]] = {
+            n: {} for n in range(min_ngram, max_ngram + 1)
+        }
+
+
+class NGramDrafter(Drafter):
+    name = "ngram"
+
+    def __init__(self, config: NGramConfig | None = None, **options: int) -> None:
+        if config is not None and options:
+            raise ValueError("ngram drafter: pass either config= or keyword options, not both")
+        if config is None:
+            known = {f.name for f in fields(NGramConfig)}
+            unknown = sorted(set(options) - known)
+            if unknown:
+                raise ValueError(f"ngram drafter: unknown option(s) {unknown}; valid: {sorted(known)}")
+            config = NGramConfig(**options)
+        self.config = config
+        self._index: dict[int, _SeqIndex] = {}
+        # instrumentation (tests, profiling): n-gram insertions and occurrences scanned, ever
+        self.index_updates = 0
+        self.occurrences_scanned = 0
+
+    # ---- Drafter API ----------------------------------------------------------------------
+    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
+        return [self._propose_one(s) for s in seqs]
+
+    def release(self, seq_id: int) -> None:
+        self._index.pop(seq_id, None)
+
+    # ---- internals --------------------------------------------------------------------------
+    def _sync(self, seq_id: int, tokens: Sequence[int]) -> _SeqIndex:
+        """Bring the index of `seq_id` up to date with `tokens`, touching only new tokens."""
+        cfg = self.config
+        idx = self._index.get(seq_id)
+        length = len(tokens)
+        if idx is not None:
+            start = idx.length - len(idx.tail)
+            # O(max_ngram) check: a shorter history or a changed tail means a different sequence
+            if length < idx.length or [int(t) for t in tokens[start : idx.length]] != idx.tail:
+                logger.debug("ngram: history of seq %d changed; rebuilding its index", seq_id)
+                idx = None
+        if idx is None:
+            idx = self._index[seq_id] = _SeqIndex(cfg.min_ngram, cfg.max_ngram)
+        if length == idx.length:
+            return idx
+        # new end positions e in [old_length - 1, length - 2]; each needs tokens e-n+1..e
+        first_e = max(idx.length - 1, cfg.min_ngram - 1)
+        lo = max(first_e - cfg.max_ngram + 1, 0)
+        window = [int(t) for t in tokens[lo:length]]
+        for e in range(first_e, length - 1):
+            for n, table in idx.tables.items():
+                if e - n + 1 < 0:
+                    continue
+                key = tuple(window[e - n + 1 - lo : e + 1 - lo])
+                table.setdefault(key, []).append(e)
+                self.index_updates += 1
+        idx.length = length
+        idx.tail = window[-(cfg.max_ngram + 1) :]
+        return idx
+
+    def _propose_one(self, seq: SequenceView) -> DraftTree:
+        cfg = self.config
+        tokens = seq.token_ids
+        idx = self._sync(seq.seq_id, tokens)
+        length = len(tokens)
+        tail = idx.tail
+        # the trie: node i has token node_tokens[i], parent node_parents[i]; children[p+1]
+        # maps token -> child node of p (p = -1 is the root), so siblings are distinct
+        node_tokens: list[int] = []
+        node_parents: list[int] = []
+        children: list[dict[int, int]] = [{}]
+        branches = 0
+        for n in range(min(cfg.max_ngram, length - 1), cfg.min_ngram - 1, -1):
+            occurrences = idx.tables[n].get(tuple(tail[len(tail) - n :]))
+            if not occurrences:
+                continue
+            for e in reversed(occurrences[-cfg.max_occurrences :]):  # most recent first
+                self.occurrences_scanned += 1
+                added = self._insert(tokens, length, e + 1, node_tokens, node_parents, children)
+                branches += added > 0  # a duplicate (or prefix) of an earlier branch is free
+                if branches >= cfg.max_branches or len(node_tokens) >= cfg.max_nodes:
+                    break
+            if branches >= cfg.max_branches or len(node_tokens) >= cfg.max_nodes:
+                break
+        if not node_tokens:
+            return DraftTree.empty()
+        return DraftTree(node_tokens, node_parents)
+
+    def _insert(self, tokens, length, start, node_tokens, node_parents, children) -> int:
+        """Walk/extend the trie with the continuation starting at `start`; return nodes added.
+
+        Past the end of the history the continuation copies itself with period
+        length - start (the text "abcab" continues "cabca..."), so a match near the end still
+        yields a full-depth branch."""
+        cfg = self.config
+        drafted: list[int] = []
+        parent, added = -1, 0
+        for k in range(cfg.num_draft_tokens):
+            j = start + k
+            tok = int(tokens[j]) if j < length else drafted[j - length]
+            drafted.append(tok)
+            child = children[parent + 1].get(tok)
+            if child is None:
+                if len(node_tokens) >= cfg.max_nodes:
+                    break
+                child = len(node_tokens)
+                node_tokens.append(tok)
+                node_parents.append(parent)
+                children.append({})
+                children[parent + 1][tok] = child
+                added += 1
+            parent = child
+        return added

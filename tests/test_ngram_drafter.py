@@ -1,0 +1,289 @@
+"""Tests of the n-gram (prompt-lookup) drafter: matches, trie shape, incremental index."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdec.drafters.base import SequenceView
+from specdec.drafters.ngram import NGramConfig, NGramDrafter
+from specdec.drafters.registry import get_drafter
+from specdec.tree import DraftMode, DraftTree
+
+
+def view(tokens, seq_id=0):
+    return SequenceView(seq_id, tokens, len(tokens))
+
+
+def propose1(drafter, tokens, seq_id=0) -> DraftTree:
+    (tree,) = drafter.propose([view(tokens, seq_id)])
+    return tree
+
+
+def path_tokens(tree: DraftTree) -> list[list[int]]:
+    return [tree.tokens[p].tolist() for p in tree.paths()]
+
+
+def check_tree(tree: DraftTree, cfg: NGramConfig, vocab: int = 1000) -> None:
+    """Structural invariants every n-gram proposal must satisfy."""
+    tree.validate(vocab, drafter="ngram")
+    assert tree.mode is DraftMode.DETERMINISTIC and tree.draft_probs is None
+    assert tree.num_nodes <= cfg.max_nodes
+    parents = tree.parents.tolist()
+    assert all(-1 <= p < i for i, p in enumerate(parents))
+    for kids in tree.children:
+        toks = [int(tree.tokens[k]) for k in kids]
+        assert len(toks) == len(set(toks)), f"duplicate siblings {toks}"
+    if tree.num_nodes:
+        assert tree.max_depth <= cfg.num_draft_tokens
+        assert len(tree.children[0]) <= cfg.max_branches
+
+
+def reference(tokens: list[int], cfg: NGramConfig) -> tuple[list[int], list[int]]:
+    """Naive O(n^2) re-implementation of the documented semantics, from scratch each call."""
+    L = len(tokens)
+    node_of: dict[tuple[int, ...], int] = {}  # token path from the root -> node index
+    out_tokens: list[int] = []
+    out_parents: list[int] = []
+    branches = 0
+    for n in range(cfg.max_ngram, cfg.min_ngram - 1, -1):
+        if n > L - 1:
+            continue
+        key = tokens[L - n :]
+        occ = [e for e in range(n - 1, L - 1) if tokens[e - n + 1 : e + 1] == key]
+        for e in list(reversed(occ))[: cfg.max_occurrences]:
+            ext = list(tokens)  # the continuation copies itself past the end of the history
+            cont = []
+            for k in range(cfg.num_draft_tokens):
+                ext.append(ext[e + 1 + k])
+                cont.append(ext[e + 1 + k])
+            added = 0
+            for d in range(1, len(cont) + 1):
+                prefix = tuple(cont[:d])
+                if prefix in node_of:
+                    continue
+                if len(out_tokens) >= cfg.max_nodes:
+                    break
+                node_of[prefix] = len(out_tokens)
+                out_tokens.append(cont[d - 1])
+                out_parents.append(node_of[prefix[:-1]] if d > 1 else -1)
+                added += 1
+            branches += added > 0
+            if branches >= cfg.max_branches or len(out_tokens) >= cfg.max_nodes:
+                return out_tokens, out_parents
+    return out_tokens, out_parents
+
+
+# ---- matches ---------------------------------------------------------------------------------
+def test_repeated_pattern_continues_the_pattern():
+    d = NGramDrafter(max_ngram=3, num_draft_tokens=8, max_branches=1)
+    tree = propose1(d, [1, 2, 3, 4, 5, 1, 2, 3])
+    # (1,2,3) was followed by 4,5,1,2,3; past the end the copy repeats with period 5
+    assert tree.tokens.tolist() == [4, 5, 1, 2, 3, 4, 5, 1]
+    assert tree.parents.tolist() == list(range(-1, 7))
+
+
+def test_constant_run_gives_full_depth_chain():
+    d = NGramDrafter(num_draft_tokens=6)
+    tree = propose1(d, [3, 9, 9, 9])
+    assert tree.tokens.tolist() == [9] * 6 and tree.parents.tolist() == list(range(-1, 5))
+
+
+def test_continuation_in_the_middle_of_text():
+    d = NGramDrafter(max_ngram=2, num_draft_tokens=3, max_branches=1)
+    tokens = [10, 11, 12, 13, 14, 15, 16, 20, 21, 11, 12]
+    assert propose1(d, tokens).tokens.tolist() == [13, 14, 15]
+
+
+def test_longest_match_wins():
+    # 3-gram (7,8,9) was followed by 1; the most recent 1-gram (9) was followed by 2
+    tokens = [7, 8, 9, 1, 5, 9, 2, 6, 7, 8, 9]
+    assert propose1(NGramDrafter(min_ngram=1, max_ngram=1, max_branches=1), tokens).tokens[0] == 2
+    longest = propose1(NGramDrafter(min_ngram=1, max_ngram=3, max_branches=1), tokens)
+    assert longest.tokens[0] == 1
+    # with room for two branches, the longer match's branch comes first
+    both = propose1(NGramDrafter(min_ngram=1, max_ngram=3, max_branches=2, max_nodes=32), tokens)
+    assert [int(both.tokens[k]) for k in both.children[0]] == [1, 2]
+
+
+def test_distinct_continuations_form_a_trie():
+    cfg = NGramConfig(min_ngram=1, max_ngram=1, num_draft_tokens=4, max_branches=4, max_nodes=32)
+    # key 5 is followed by 6 7 8 0 / 6 7 9 0 / 6 1 1 0 / 2 2 2 0, most recent last
+    tokens = [5, 2, 2, 2, 0, 5, 6, 1, 1, 0, 5, 6, 7, 9, 0, 5, 6, 7, 8, 0, 5]
+    tree = propose1(NGramDrafter(cfg), tokens)
+    check_tree(tree, cfg)
+    assert sorted(path_tokens(tree)) == [[2, 2, 2, 0], [6, 1, 1, 0], [6, 7, 8, 0], [6, 7, 9, 0]]
+    assert tree.num_nodes == 4 + 1 + 3 + 2 + 3  # 6 and (6,7) are shared
+    # the most recent continuation is the first chain (node i+1 child of node i)
+    assert tree.tokens[:4].tolist() == [6, 7, 8, 0] and tree.parents[:4].tolist() == [-1, 0, 1, 2]
+
+
+def test_max_nodes_and_max_branches_bound_the_tree():
+    tokens = [5, 2, 2, 2, 0, 5, 6, 1, 1, 0, 5, 6, 7, 9, 0, 5, 6, 7, 8, 0, 5]
+    cfg = NGramConfig(min_ngram=1, max_ngram=1, num_draft_tokens=4, max_branches=4, max_nodes=5)
+    tree = propose1(NGramDrafter(cfg), tokens)
+    check_tree(tree, cfg)
+    assert tree.num_nodes == 5  # the second branch is cut by the node budget
+    assert path_tokens(tree) == [[6, 7, 8, 0], [6, 7, 9]]
+    cfg = NGramConfig(min_ngram=1, max_ngram=1, num_draft_tokens=4, max_branches=2, max_nodes=32)
+    assert sorted(path_tokens(propose1(NGramDrafter(cfg), tokens))) == [[6, 7, 8, 0], [6, 7, 9, 0]]
+
+
+def test_no_match_gives_empty_tree():
+    d = NGramDrafter()
+    for tokens in ([], [4], [1, 2, 3, 4, 5], list(range(100))):
+        tree = propose1(d, tokens, seq_id=len(tokens))
+        assert tree.num_nodes == 0
+    d = NGramDrafter(min_ngram=2, max_ngram=3)
+    assert propose1(d, [1, 2, 3, 9, 4, 3]).num_nodes == 0  # only a 1-gram match exists
+
+
+# ---- incremental index == naive reference ------------------------------------------------------
+CONFIGS = [
+    NGramConfig(),
+    NGramConfig(min_ngram=1, max_ngram=3, num_draft_tokens=5, max_branches=4, max_nodes=12, max_occurrences=3),
+    NGramConfig(min_ngram=2, max_ngram=5, num_draft_tokens=10, max_branches=6, max_nodes=64),
+    NGramConfig(min_ngram=1, max_ngram=1, num_draft_tokens=1, max_branches=1, max_nodes=1, max_occurrences=1),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=range(len(CONFIGS)))
+@pytest.mark.parametrize("vocab", [2, 4, 12])
+def test_incremental_matches_reference(cfg, vocab):
+    rng = random.Random(vocab * 1000 + cfg.max_nodes)
+    d = NGramDrafter(cfg)
+    tokens: list[int] = []  # the same list object is mutated in place, as the engine does
+    for step in range(250):
+        r = rng.random()
+        if r < 0.05 and tokens:  # history rewritten (shrunk): the index must rebuild
+            del tokens[rng.randrange(len(tokens)) :]
+        elif r < 0.08 and len(tokens) > 3:  # a tail token changed in place, same length
+            tokens[-2] = (tokens[-2] + 1) % vocab
+        tokens.extend(rng.randrange(vocab) for _ in range(rng.randint(1, 4)))
+        tree = propose1(d, tokens)
+        assert (tree.tokens.tolist(), tree.parents.tolist()) == reference(tokens, cfg), f"step {step}"
+        check_tree(tree, cfg, vocab)
+
+
+# ---- batches and lifecycle ---------------------------------------------------------------------
+def test_batched_sequences_are_independent():
+    rng = random.Random(1)
+    seqs = {sid: [rng.randrange(5) for _ in range(30)] for sid in (3, 8, 11)}
+    batched = NGramDrafter()
+    singles = {sid: NGramDrafter() for sid in seqs}
+    for step in range(40):
+        for toks in seqs.values():
+            toks.extend(rng.randrange(5) for _ in range(rng.randint(1, 3)))
+        order = list(seqs)
+        rng.shuffle(order)
+        trees = batched.propose([view(seqs[sid], sid) for sid in order])
+        assert len(trees) == len(order)
+        for sid, tree in zip(order, trees):
+            alone = propose1(singles[sid], seqs[sid], sid)
+            assert tree.tokens.tolist() == alone.tokens.tolist()
+            assert tree.parents.tolist() == alone.parents.tolist()
+            assert (tree.tokens.tolist(), tree.parents.tolist()) == reference(seqs[sid], batched.config)
+
+
+def test_release_frees_state():
+    d = NGramDrafter(min_ngram=1, max_ngram=2)
+    tokens = [1, 2, 3, 1, 2]
+    propose1(d, tokens, seq_id=7)
+    propose1(d, [4, 4, 4], seq_id=8)
+    updates = d.index_updates
+    propose1(d, tokens, seq_id=7)
+    assert d.index_updates == updates  # nothing new: nothing indexed
+    d.release(7)
+    d.release(12345)  # unknown ids are fine
+    propose1(d, tokens, seq_id=7)
+    assert d.index_updates == updates + 7  # re-indexed from scratch: 4 one-grams + 3 two-grams
+    d.release(7)
+    d.release(8)
+    assert d._index == {}
+    # a released id reused for a different sequence sees only the new tokens
+    assert propose1(d, [9, 8, 9], seq_id=7).tokens.tolist()[:1] == [8]
+
+
+def test_per_step_work_is_independent_of_history_length():
+    rng = random.Random(0)
+    cfg = NGramConfig()
+    num_n = cfg.max_ngram - cfg.min_ngram + 1
+    # 100k tokens over a small vocabulary: every key has thousands of earlier occurrences
+    tokens = [rng.randrange(20) for _ in range(100_000)]
+    d = NGramDrafter(cfg)
+    propose1(d, tokens)
+    assert d.index_updates == sum(len(tokens) - n for n in range(cfg.min_ngram, cfg.max_ngram + 1))
+    for _ in range(100):
+        updates, scanned = d.index_updates, d.occurrences_scanned
+        new = rng.randint(1, 5)
+        tokens.extend(rng.randrange(20) for _ in range(new))
+        tree = propose1(d, tokens)
+        assert d.index_updates - updates == new * num_n  # only the appended tokens are indexed
+        assert d.occurrences_scanned - scanned <= num_n * cfg.max_occurrences
+        assert 0 < tree.num_nodes <= cfg.max_nodes
+
+
+# ---- configuration -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(min_ngram=0), "min_ngram must be >= 1"),
+        (dict(min_ngram=3, max_ngram=2), "max_ngram .* must be >= min_ngram"),
+        (dict(num_draft_tokens=0), "num_draft_tokens must be >= 1"),
+        (dict(max_branches=0), "max_branches must be >= 1"),
+        (dict(max_nodes=65), "max_nodes must be <= 64"),
+        (dict(max_nodes=0), "max_nodes must be >= 1"),
+        (dict(max_occurrences=-1), "max_occurrences must be >= 1"),
+        (dict(max_ngram=2.5), "max_ngram must be an int"),
+        (dict(num_draft_tokens=True), "num_draft_tokens must be an int"),
+        (dict(lookahead=3), "unknown option"),
+    ],
+)
+def test_config_validation(options, match):
+    with pytest.raises(ValueError, match=match):
+        NGramDrafter(**options)
+
+
+def test_config_object_and_registry():
+    cfg = NGramConfig(max_ngram=2)
+    assert NGramDrafter(cfg).config is cfg
+    with pytest.raises(ValueError, match="not both"):
+        NGramDrafter(cfg, max_ngram=2)
+    d = get_drafter("ngram", max_ngram=5, num_draft_tokens=4)
+    assert isinstance(d, NGramDrafter) and d.name == "ngram"
+    assert d.config == NGramConfig(max_ngram=5, num_draft_tokens=4)
+    with pytest.raises(Exception):
+        cfg.max_ngram = 3  # frozen
+
+
+def simulated_greedy_steps(tokens: list[int], num_prompt: int, drafter: NGramDrafter) -> int:
+    """Target passes greedy speculation needs to produce `tokens` (the plain greedy output):
+    each step accepts the longest tree path that agrees with it, plus one token."""
+    pos, steps = num_prompt, 0
+    while pos < len(tokens):
+        tree = propose1(drafter, tokens[:pos])
+        node, accepted = -1, 0
+        while pos + accepted < len(tokens):
+            match = [k for k in tree.children[node + 1] if int(tree.tokens[k]) == tokens[pos + accepted]]
+            if not match:
+                break
+            node, accepted = match[0], accepted + 1
+        pos, steps = pos + accepted + 1, steps + 1
+    return steps
+
+
+def test_greedy_end_to_end_matches_plain_and_offline_simulation(tiny_model):
+    pytest.importorskip("specdec.rejection", reason="the engine's rejection sampler is not in the tree yet")
+    from specdec.generate import generate
+
+    model = tiny_model(vocab_size=16)
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 5, 6, 5, 7, 8]]
+    plain = generate(model, prompts, max_new_tokens=40)
+    spec = generate(model, prompts, max_new_tokens=40, drafter="ngram", return_dict=True)
+    assert spec.sequences == plain
+    # greedy acceptance is deterministic, so the engine must take exactly the steps an
+    # offline replay of the drafter over the plain output predicts
+    expected = [simulated_greedy_steps(out, len(p), NGramDrafter()) for p, out in zip(prompts, plain)]
+    assert [s.steps for s in spec.stats] == expected
+    assert min(expected) < 40  # the drafts were accepted at least once (the check has teeth)
