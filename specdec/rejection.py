@@ -12,9 +12,11 @@ current node are tried in order:
 An accepted child becomes the current node with ``residual = target_probs[child]``. If all
 children are rejected, the *recovered* token is drawn from the residual; at a node with no
 children, the *bonus* token is drawn from ``target_probs`` there. Greedy (temperature 0)
-is the limit case: target_probs are one-hot, so the child equal to the argmax is accepted.
-The law lives in :class:`AcceptanceRule`, shared with the exact-law enumerator
-(``specdec.eval.exact_law``) so that deliberately broken rules can be certified to fail.
+is the limit case: the child equal to the target's argmax is accepted.
+
+The walk is vectorised over the batch (loops run over depth and sibling rank only). The law
+itself lives in :class:`AcceptanceRule`, shared with the exact-law enumerator
+(``specdec.eval.exact_law``) so that deliberately broken rules can be shown to fail.
 
     acceptances = rejection_sample(trees, target_logits, sampling, generator)
 """
@@ -30,41 +32,41 @@ from specdec.tree import DraftMode, DraftTree
 
 
 def _normalise(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    total = x.sum()
-    # total == 0 only on branches of probability 0 (e.g. residual == draft exactly, yet rejected)
-    return x / total if total > 1e-12 else fallback
+    """Rows of x [B, V] normalised; an all-zero row (a probability-0 branch) keeps `fallback`."""
+    total = x.sum(-1, keepdim=True)
+    return torch.where(total > 1e-12, x / total.clamp_min(1e-300), fallback)
 
 
 class AcceptanceRule:
-    """The exact acceptance law (lossless). Subclasses in ``specdec.eval.negative_controls`` break it."""
+    """The exact, lossless acceptance law. Every method works on a batch of rows [B, V].
+
+    ``deterministic`` [B] marks rows whose candidate has no draft distribution.
+    Deliberately broken subclasses live in ``specdec.eval.negative_controls``.
+    """
 
     name = "exact"
     lossy = False
 
-    def sibling_draft(self, draft_probs: torch.Tensor, tried: list[int], mode: DraftMode) -> torch.Tensor:
-        """Distribution the next sibling was drawn from, given earlier siblings' tokens."""
-        if mode is DraftMode.WITHOUT_REPLACEMENT and tried:
-            excluded = draft_probs.clone()
-            excluded[tried] = 0
-            return _normalise(excluded, draft_probs)
-        return draft_probs
+    def sibling_draft(self, draft_probs: torch.Tensor, tried: torch.Tensor, without_replacement: torch.Tensor) -> torch.Tensor:
+        """Distribution the next sibling was drawn from; tried [B, V] marks earlier siblings."""
+        excluded = _normalise(draft_probs.masked_fill(tried, 0.0), draft_probs)
+        return torch.where(without_replacement[:, None], excluded, draft_probs)
 
-    def accept_prob(self, residual: torch.Tensor, draft: torch.Tensor | None, token: int) -> float:
-        if draft is None:  # deterministic candidate
-            return float(residual[token])
-        return min(1.0, float(residual[token] / draft[token]))
+    def accept_prob(self, residual, draft, token, deterministic) -> torch.Tensor:  # [B]
+        r = residual.gather(1, token[:, None])[:, 0]
+        q = draft.gather(1, token[:, None])[:, 0]
+        return torch.where(deterministic, r, (r / q.clamp_min(1e-300)).clamp(max=1.0))
 
-    def after_reject(self, residual: torch.Tensor, draft: torch.Tensor | None, token: int) -> torch.Tensor:
-        if draft is None:
-            zeroed = residual.clone()
-            zeroed[token] = 0
-            return _normalise(zeroed, residual)
-        return _normalise((residual - draft).clamp_min(0), residual)
+    def after_reject(self, residual, draft, token, deterministic) -> torch.Tensor:  # [B, V]
+        zeroed = residual.scatter(1, token[:, None], 0.0)
+        stochastic = (residual - draft).clamp_min(0.0)
+        return _normalise(torch.where(deterministic[:, None], zeroed, stochastic), residual)
 
-    def recovered_dist(self, residual: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    def recovered_dist(self, residual, target_probs) -> torch.Tensor:
         return residual
 
-    def bonus_dist(self, target_probs: torch.Tensor, draft_probs_of_node: torch.Tensor | None) -> torch.Tensor:
+    def bonus_dist(self, target_probs, own_draft, has_own) -> torch.Tensor:
+        """own_draft [B, V]: the distribution the node itself was drawn from (if has_own)."""
         return target_probs
 
 
@@ -83,73 +85,118 @@ class Acceptance:
     depth_accepted: torch.Tensor  # [max_depth] 1 where a node at depth d+1 was accepted
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs.float(), 1, generator=generator))
-
-
-def _uniform(generator: torch.Generator | None) -> float:
-    return float(torch.rand((), generator=generator, dtype=torch.float64))
-
-
 def _finish(tree: DraftTree, path: list[int], next_token: int, is_bonus: bool, tried_depths: int) -> Acceptance:
-    max_depth = tree.max_depth
-    depth_tried = torch.zeros(max_depth, dtype=torch.long)
+    depth_tried = torch.zeros(tree.max_depth, dtype=torch.long)
     depth_tried[:tried_depths] = 1
-    depth_accepted = torch.zeros(max_depth, dtype=torch.long)
+    depth_accepted = torch.zeros(tree.max_depth, dtype=torch.long)
     depth_accepted[: len(path)] = 1
     nodes = torch.tensor(path, dtype=torch.long)
     return Acceptance(nodes, tree.tokens[nodes], next_token, is_bonus, depth_tried, depth_accepted)
 
 
-def _greedy_walk(tree: DraftTree, argmax: list[int]) -> Acceptance:
-    """argmax[i] = target's greedy token after row i (row 0 = root, row 1 + j = node j)."""
-    tokens = tree.tokens.tolist()
-    path: list[int] = []
-    node = -1
-    while True:
-        kids = tree.children[node + 1]
-        want = argmax[node + 1]
-        if not kids:
-            return _finish(tree, path, want, True, len(path))
-        match = next((c for c in kids if tokens[c] == want), None)
-        if match is None:
-            return _finish(tree, path, want, False, len(path) + 1)
-        path.append(match)
-        node = match
-
-
-def _stochastic_walk(
-    tree: DraftTree,
-    target_probs: torch.Tensor,  # [num_nodes + 1, vocab] float64
-    rule: AcceptanceRule,
-    generator: torch.Generator | None,
-) -> Acceptance:
-    tokens = tree.tokens.tolist()
-    draft_rows = None if tree.draft_probs is None else tree.draft_probs.to(torch.float64)
-    path: list[int] = []
-    node = -1
-    while True:
-        kids = tree.children[node + 1]
-        node_probs = target_probs[node + 1]
-        if not kids:
-            own = None if node < 0 or draft_rows is None else draft_rows[node]
-            return _finish(tree, path, _draw(rule.bonus_dist(node_probs, own), generator), True, len(path))
-        residual = node_probs
-        tried: list[int] = []
-        accepted = None
-        for child in kids:
-            draft = None if draft_rows is None else rule.sibling_draft(draft_rows[child], tried, tree.mode)
-            tok = tokens[child]
-            if _uniform(generator) < rule.accept_prob(residual, draft, tok):
-                accepted = child
+def _greedy(trees: Sequence[DraftTree], target_logits: torch.Tensor) -> list[Acceptance]:
+    argmax = target_logits.argmax(-1).tolist()  # [B][max_nodes + 1]
+    out = []
+    for tree, best in zip(trees, argmax):
+        tokens, path, node = tree.tokens.tolist(), [], -1
+        while True:
+            kids, want = tree.children[node + 1], best[node + 1]
+            match = next((c for c in kids if tokens[c] == want), None)
+            if match is None:
+                out.append(_finish(tree, path, want, not kids, len(path) + bool(kids)))
                 break
-            residual = rule.after_reject(residual, draft, tok)
-            tried.append(tok)
-        if accepted is None:
-            recovered = _draw(rule.recovered_dist(residual, node_probs), generator)
-            return _finish(tree, path, recovered, False, len(path) + 1)
-        path.append(accepted)
-        node = accepted
+            path.append(match)
+            node = match
+    return out
+
+
+@dataclass(frozen=True)
+class _PaddedTrees:
+    tokens: torch.Tensor  # [B, N] (0-padded)
+    children: torch.Tensor  # [B, N + 1, W] child node ids in order, -1 padded; row 0 = root
+    draft_probs: torch.Tensor  # [B, N, V] (zeros for deterministic trees / padding)
+    deterministic: torch.Tensor  # [B] bool
+    without_replacement: torch.Tensor  # [B] bool
+
+    @staticmethod
+    def build(trees: Sequence[DraftTree], vocab: int, dtype: torch.dtype) -> "_PaddedTrees":
+        b, n = len(trees), max(t.num_nodes for t in trees)
+        w = max((len(k) for t in trees for k in t.children), default=0)
+        tokens = torch.zeros(b, n, dtype=torch.long)
+        children = torch.full((b, n + 1, max(w, 1)), -1, dtype=torch.long)
+        draft = torch.zeros(b, n, vocab, dtype=dtype)
+        for i, t in enumerate(trees):
+            tokens[i, : t.num_nodes] = t.tokens
+            for node, kids in enumerate(t.children):
+                children[i, node, : len(kids)] = torch.tensor(kids, dtype=torch.long)
+            if t.draft_probs is not None:
+                draft[i, : t.num_nodes] = t.draft_probs.to(dtype)
+        det = torch.tensor([t.mode is DraftMode.DETERMINISTIC for t in trees])
+        wr = torch.tensor([t.mode is DraftMode.WITHOUT_REPLACEMENT for t in trees])
+        return _PaddedTrees(tokens, children, draft, det, wr)
+
+
+def _stochastic(
+    trees: Sequence[DraftTree],
+    target_logits: torch.Tensor,  # [B, N + 1, V]
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    rule: AcceptanceRule,
+) -> list[Acceptance]:
+    bsz, vocab = len(trees), target_logits.shape[-1]
+    dtype = torch.float64
+    pt = _PaddedTrees.build(trees, vocab, dtype)
+    rows = torch.arange(bsz)
+    node = torch.full((bsz,), -1, dtype=torch.long)  # current node (-1 = root)
+    live = torch.ones(bsz, dtype=torch.bool)  # still walking
+    next_token = torch.zeros(bsz, dtype=torch.long)
+    is_bonus = torch.zeros(bsz, dtype=torch.bool)
+    depth = max(t.max_depth for t in trees)
+    path = torch.full((bsz, depth + 1), -1, dtype=torch.long)  # accepted node per depth
+    path_len = torch.zeros(bsz, dtype=torch.long)
+    tried_depths = torch.zeros(bsz, dtype=torch.long)
+    while bool(live.any()):
+        idx = rows[live]
+        cur = node[idx]
+        target = logits_to_probs(target_logits[idx, cur + 1].to(dtype), sampling)  # [L, V]
+        kids = pt.children[idx, cur + 1]  # [L, W]
+        leaf = kids[:, 0] < 0
+        has_own = cur >= 0
+        own = pt.draft_probs[idx, cur.clamp(min=0)] if pt.draft_probs.shape[1] else target
+        residual = target
+        tried = torch.zeros_like(target, dtype=torch.bool)
+        accepted = torch.full_like(cur, -1)
+        for k in range(kids.shape[1]):
+            child = kids[:, k]
+            trying = (child >= 0) & (accepted < 0)
+            if not bool(trying.any()):
+                break
+            c = child.clamp(min=0)
+            tok = pt.tokens[idx, c]
+            draft = rule.sibling_draft(pt.draft_probs[idx, c], tried, pt.without_replacement[idx])
+            det = pt.deterministic[idx]
+            u = torch.rand(len(idx), generator=generator, dtype=dtype)
+            take = trying & (u < rule.accept_prob(residual, draft, tok, det))
+            accepted = torch.where(take, child, accepted)
+            reject = trying & ~take
+            residual = torch.where(reject[:, None], rule.after_reject(residual, draft, tok, det), residual)
+            tried = tried | (reject[:, None] & torch.nn.functional.one_hot(tok, vocab).bool())
+        # leaves draw the bonus token, nodes whose children were all rejected the recovered token
+        final = torch.where(leaf[:, None], rule.bonus_dist(target, own, has_own), rule.recovered_dist(residual, target))
+        done = leaf | (accepted < 0)
+        if bool(done.any()):
+            next_token[idx[done]] = torch.multinomial(final[done].float(), 1, generator=generator)[:, 0]
+            is_bonus[idx[done]] = leaf[done]
+        tried_depths[idx] += (~leaf).long()
+        go = idx[~done]
+        path[go, path_len[go]] = accepted[~done]
+        path_len[go] += 1
+        node[idx] = torch.where(done, cur, accepted)
+        live[idx[done]] = False
+    return [
+        _finish(t, path[b, : path_len[b]].tolist(), int(next_token[b]), bool(is_bonus[b]), int(tried_depths[b]))
+        for b, t in enumerate(trees)
+    ]
 
 
 def rejection_sample(
@@ -161,17 +208,8 @@ def rejection_sample(
 ) -> list[Acceptance]:
     if target_logits.dim() != 3 or target_logits.shape[0] != len(trees):
         raise ValueError(f"target_logits must be [batch={len(trees)}, max_nodes + 1, vocab], got {tuple(target_logits.shape)}")
+    if any(t.num_nodes + 1 > target_logits.shape[1] for t in trees):
+        raise ValueError("target_logits has fewer rows than a tree has nodes + 1")
     if sampling.greedy and rule is EXACT:
-        argmax = target_logits.argmax(-1).tolist()  # [batch, max_nodes + 1]
-        return [_greedy_walk(tree, row) for tree, row in zip(trees, argmax)]
-    out: list[Acceptance | None] = [None] * len(trees)
-    plain = [b for b, t in enumerate(trees) if t.num_nodes == 0]
-    if plain:  # empty trees: one batched draw of the bonus tokens
-        probs = logits_to_probs(target_logits[plain, 0].double(), sampling)
-        for b, tok in zip(plain, torch.multinomial(probs.float(), 1, generator=generator)[:, 0].tolist()):
-            out[b] = _finish(trees[b], [], tok, True, 0)
-    for b, tree in enumerate(trees):
-        if tree.num_nodes:
-            probs = logits_to_probs(target_logits[b, : tree.num_nodes + 1].double(), sampling)
-            out[b] = _stochastic_walk(tree, probs, rule, generator)
-    return out  # type: ignore[return-value]
+        return _greedy(trees, target_logits)
+    return _stochastic(trees, target_logits, sampling, generator, rule)

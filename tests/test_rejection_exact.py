@@ -1,0 +1,109 @@
+"""Exact law: the emitted-token distribution of the acceptance procedure equals the target's
+to 1e-12 in float64, for every drafting mode and sampling transform; broken rules fail."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from specdec.eval.exact_law import SyntheticCase, emitted_law, max_abs_error, target_law
+from specdec.eval.negative_controls import BROKEN_RULES
+from specdec.rejection import EXACT, rejection_sample
+from specdec.sampling import SamplingConfig
+from specdec.tree import DraftMode, DraftTree
+
+SAMPLINGS = {
+    "t1": SamplingConfig(do_sample=True),
+    "t0.7-topk3": SamplingConfig(do_sample=True, temperature=0.7, top_k=3),
+    "t1.3-topp0.8": SamplingConfig(do_sample=True, temperature=1.3, top_p=0.8),
+    "greedy": SamplingConfig(do_sample=False),
+}
+SHAPES = [(1,), (3,), (1, 1, 1), (2, 2), (3, 1), (1, 3), (2, 1, 2), (3, 3, 3)]
+MODES = [DraftMode.INDEPENDENT, DraftMode.WITHOUT_REPLACEMENT, DraftMode.DETERMINISTIC]
+
+
+def cases():
+    for vocab, shape, mode, sname in itertools.product((4, 6, 8), SHAPES, MODES, SAMPLINGS):
+        if vocab > 4 and shape == (3, 3, 3):
+            continue  # enumeration grows as vocab^width per level; 4 covers the widest tree
+        yield pytest.param(SyntheticCase(vocab, shape, mode, SAMPLINGS[sname], seed=vocab),
+                           id=f"v{vocab}-{'x'.join(map(str, shape))}-{mode.value}-{sname}")
+
+
+@pytest.mark.parametrize("case", list(cases()))
+def test_exact_law_equals_target(case):
+    length = 2 if len(case.widths) > 1 else 3
+    err = max_abs_error(emitted_law(case, EXACT, length), target_law(case, length))
+    assert err < 1e-12, err
+
+
+@pytest.mark.parametrize("rule_name", sorted(BROKEN_RULES))
+def test_every_broken_rule_fails_the_exact_law(rule_name):
+    rule = BROKEN_RULES[rule_name]
+    worst = 0.0
+    for vocab, shape, mode, sname in itertools.product((4, 6), [(1,), (2, 2), (3, 1)], MODES, ["t1", "t0.7-topk3"]):
+        case = SyntheticCase(vocab, shape, mode, SAMPLINGS[sname], seed=vocab)
+        worst = max(worst, max_abs_error(emitted_law(case, rule, 2), target_law(case, 2)))
+    assert worst > 1e-3, f"{rule_name} passed the exact-law test (max error {worst})"
+
+
+def test_plain_decoding_law():
+    case = SyntheticCase(5, (), DraftMode.DETERMINISTIC, SAMPLINGS["t1.3-topp0.8"])
+    assert max_abs_error(emitted_law(case, EXACT, 3), target_law(case, 3)) < 1e-12
+
+
+# ---- the implemented sampler on hand-built cases ------------------------------------------
+def _logits_for(rows: list[list[float]]) -> torch.Tensor:
+    return torch.log(torch.tensor(rows, dtype=torch.float64).clamp_min(1e-30))[None]
+
+
+def test_greedy_walks_the_matching_branch():
+    # root -> a(5) -> c(7) ; root -> b(6) -> d(8). Target argmax: root 6, b 8, d 2
+    tree = DraftTree([5, 6, 7, 8], [-1, -1, 0, 1])
+    logits = torch.full((1, 5, 10), -5.0)
+    for row, tok in [(0, 6), (1, 1), (2, 8), (3, 3), (4, 2)]:
+        logits[0, row, tok] = 5.0
+    acc = rejection_sample([tree], logits, SamplingConfig())[0]
+    assert acc.accepted_nodes.tolist() == [1, 3] and acc.accepted_tokens.tolist() == [6, 8]
+    assert acc.next_token == 2 and acc.is_bonus
+    assert acc.depth_tried.tolist() == [1, 1] and acc.depth_accepted.tolist() == [1, 1]
+
+
+def test_greedy_rejection_gives_recovered_argmax():
+    tree = DraftTree.chain([4, 4])
+    logits = torch.zeros(1, 3, 6)
+    logits[0, 0, 3] = 9.0
+    acc = rejection_sample([tree], logits, SamplingConfig())[0]
+    assert acc.accepted_nodes.numel() == 0 and acc.next_token == 3 and not acc.is_bonus
+    assert acc.depth_tried.tolist() == [1, 0] and acc.depth_accepted.tolist() == [0, 0]
+
+
+def test_ragged_batch_and_empty_trees():
+    trees = [DraftTree.empty(), DraftTree.chain([1, 2, 3]), DraftTree([1, 2], [-1, -1])]
+    logits = torch.randn(3, 4, 8)
+    out = rejection_sample(trees, logits, SamplingConfig(do_sample=True), torch.Generator().manual_seed(0))
+    assert len(out) == 3 and out[0].is_bonus and out[0].accepted_nodes.numel() == 0
+    for tree, acc in zip(trees, out):
+        assert acc.depth_tried.numel() == tree.max_depth
+        path = acc.accepted_nodes.tolist()
+        assert all(int(tree.parents[b]) == a for a, b in zip([-1] + path, path))  # a root-to-node path
+
+
+def test_deterministic_candidate_with_target_mass_one_is_always_accepted():
+    tree = DraftTree.chain([2])
+    logits = _logits_for([[0, 0, 1, 0], [0.25] * 4])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        acc = rejection_sample([tree], logits, SamplingConfig(do_sample=True), g)[0]
+        assert acc.accepted_tokens.tolist() == [2]
+
+
+def test_impossible_draft_is_never_accepted_and_never_recovered():
+    # target gives token 1 zero mass: a draft of 1 must be rejected and 1 never emitted
+    probs = torch.tensor([[0.5, 0.0, 0.5, 0.0]])
+    tree = DraftTree.chain([1], torch.tensor([[0.1, 0.6, 0.2, 0.1]]), DraftMode.INDEPENDENT)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        acc = rejection_sample([tree], _logits_for([probs[0].tolist(), [0.25] * 4]), SamplingConfig(do_sample=True), g)[0]
+        assert acc.accepted_nodes.numel() == 0 and acc.next_token in (0, 2)
