@@ -36,13 +36,15 @@ class SyntheticCase:
     prefix: tuple[int, ...] = (0,)
     target_sharpness: float = 2.0
     draft_sharpness: float = 2.0
+    prefix_independent: bool = False  # same target / draft distribution after every prefix
 
     def __post_init__(self) -> None:
         if self.mode is DraftMode.DETERMINISTIC and any(w > self.vocab_size for w in self.widths):
             raise ValueError("deterministic candidates are distinct: width <= vocab_size")
 
     def _logits(self, prefix: tuple[int, ...], salt: int, sharpness: float) -> torch.Tensor:
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + salt * 7919 + hash(prefix)) % (2**62))
+        key = hash(()) if self.prefix_independent else hash(prefix)  # tuple-of-int hashes are stable
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + salt * 7919 + key) % (2**62))
         return torch.randn(self.vocab_size, generator=g, dtype=torch.float64) * sharpness
 
     def target_logits(self, prefix: tuple[int, ...]) -> torch.Tensor:  # [vocab]
@@ -165,6 +167,51 @@ def target_law(case: SyntheticCase, length: int) -> Law:
                     nxt[seq + (x,)] += p * q
         out = nxt
     return dict(out)
+
+
+def sample_trees(case: SyntheticCase, n: int, generator: torch.Generator) -> tuple[list, torch.Tensor]:
+    """Draw `n` draft trees from the case's drafter, as a real drafter would, plus the target
+    logits the verifier would return for them: ([DraftTree], [n, num_nodes + 1, vocab])."""
+    from specdec.tree import DraftTree
+
+    parents: list[int] = []
+    frontier = [-1]
+    for width in case.widths:  # breadth-first layout, identical for every tree
+        nxt = []
+        for p in frontier:
+            for _ in range(width):
+                parents.append(p)
+                nxt.append(len(parents) - 1)
+        frontier = nxt
+    num = len(parents)
+    paths = [[case.prefix] * n]  # paths[j + 1][i] = token prefix at node j of tree i
+    tokens = torch.zeros(n, num, dtype=torch.long)
+    draft_cache = lru_cache(maxsize=None)(case.draft_probs)
+    for j, p in enumerate(parents):
+        first_sibling = j == 0 or parents[j - 1] != p
+        if first_sibling:  # draw all children of p at once, grouped by p's prefix
+            width = parents.count(p)
+            groups: dict[tuple, list[int]] = defaultdict(list)
+            for i, pre in enumerate(paths[p + 1]):
+                groups[pre].append(i)
+            for pre, members in groups.items():
+                if case.mode is DraftMode.DETERMINISTIC:
+                    draws = torch.tensor(case.candidates(pre, width)).expand(len(members), width)
+                else:
+                    probs = draft_cache(pre).float().expand(len(members), -1)
+                    draws = torch.multinomial(probs, width, replacement=case.mode is DraftMode.INDEPENDENT,
+                                              generator=generator)
+                tokens[members, j : j + width] = draws
+        paths.append([pre + (int(tokens[i, j]),) for i, pre in enumerate(paths[p + 1])])
+    logit_cache = lru_cache(maxsize=None)(case.target_logits)
+    logits = torch.stack([torch.stack([logit_cache(paths[k][i]) for k in range(num + 1)]) for i in range(n)])
+    trees = []
+    for i in range(n):
+        probs = None
+        if case.mode is not DraftMode.DETERMINISTIC and num:
+            probs = torch.stack([draft_cache(paths[p + 1][i]) for p in parents])
+        trees.append(DraftTree(tokens[i], parents, probs, case.mode if num else DraftMode.DETERMINISTIC))
+    return trees, logits
 
 
 def max_abs_error(law: Law, reference: Law) -> float:
