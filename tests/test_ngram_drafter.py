@@ -77,7 +77,7 @@ def reference(tokens: list[int], cfg: NGramConfig) -> tuple[list[int], list[int]
 
 # ---- matches ---------------------------------------------------------------------------------
 def test_repeated_pattern_continues_the_pattern():
-    d = NGramDrafter(max_ngram=3, num_draft_tokens=8, max_branches=1)
+    d = NGramDrafter(max_ngram=3, num_draft_tokens=8, max_branches=1, max_nodes=8)
     tree = propose1(d, [1, 2, 3, 4, 5, 1, 2, 3])
     # (1,2,3) was followed by 4,5,1,2,3; past the end the copy repeats with period 5
     assert tree.tokens.tolist() == [4, 5, 1, 2, 3, 4, 5, 1]
@@ -85,7 +85,7 @@ def test_repeated_pattern_continues_the_pattern():
 
 
 def test_constant_run_gives_full_depth_chain():
-    d = NGramDrafter(num_draft_tokens=6)
+    d = NGramDrafter(num_draft_tokens=6, max_nodes=6)
     tree = propose1(d, [3, 9, 9, 9])
     assert tree.tokens.tolist() == [9] * 6 and tree.parents.tolist() == list(range(-1, 5))
 

@@ -67,6 +67,26 @@ def check_supported(hf_model) -> None:
         )
 
 
+SMALL_M_MAX = 4
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, in] @ weight[out, in]^T (+ bias).
+
+    On CPU, BLAS takes slow small-GEMM paths for 2 <= m <= 4 rows (a 2-4 token forward of
+    the 135M model cost 1.5-2.0x a 1-token one on 2 cores), while ``weight @ x^T`` with 2-4
+    columns reads the weight once at near GEMV speed (1.04-1.07x; 3 columns are padded to 4).
+    m == 1 keeps F.linear, transformers' own decode path. Measured by
+    ``benchmarks/bench_verify_cost.py``.
+    """
+    m = x.shape[0]
+    if x.device.type == "cpu" and 2 <= m <= SMALL_M_MAX:
+        cols = x if m != 3 else torch.cat([x, x[:1]])  # 3 columns run slower than 4
+        out = torch.mm(weight, cols.t()).t()[:m]
+        return out if bias is None else out + bias
+    return F.linear(x, weight, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x = x.to(torch.float32)
@@ -135,9 +155,9 @@ class LlamaRunner:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = rms_norm(h, layer.input_layernorm.weight, self.eps)
-            q = attn.q_proj(x).view(n, s.num_heads, s.head_dim)
-            k = attn.k_proj(x).view(n, s.num_kv_heads, s.head_dim)
-            v = attn.v_proj(x).view(n, s.num_kv_heads, s.head_dim)
+            q = linear(x, attn.q_proj.weight, attn.q_proj.bias).view(n, s.num_heads, s.head_dim)
+            k = linear(x, attn.k_proj.weight, attn.k_proj.bias).view(n, s.num_kv_heads, s.head_dim)
+            v = linear(x, attn.v_proj.weight, attn.v_proj.bias).view(n, s.num_kv_heads, s.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over head_dim before RoPE
                 q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
                 k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
@@ -146,12 +166,14 @@ class LlamaRunner:
             cache.write(i, plan.write_slots, k, v)
             k_cache, v_cache = cache.layer(i)
             o = paged_attention(q, k_cache, v_cache, plan, self.scale)
-            h = h + attn.o_proj(o.reshape(n, s.num_heads * s.head_dim))
+            h = h + linear(o.reshape(n, s.num_heads * s.head_dim), attn.o_proj.weight, attn.o_proj.bias)
             x = rms_norm(h, layer.post_attention_layernorm.weight, self.eps)
             mlp = layer.mlp
-            h = h + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+            gate = linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
+            up = linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
+            h = h + linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         if logits_rows is None:
             return None
         hidden = rms_norm(h[logits_rows], self.final_norm, self.eps)
-        logits = F.linear(hidden, self.lm_head).float()
+        logits = linear(hidden, self.lm_head).float()
         return ForwardOutput(logits, hidden)

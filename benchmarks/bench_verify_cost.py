@@ -1,0 +1,58 @@
+"""Cost of one target forward vs the number of tokens in it (root + tree nodes), CPU.
+
+    python benchmarks/bench_verify_cost.py [--context 600] [--reps 9]
+
+Prints the median time of a verify forward of 1..16 tokens on the embedded model, and its
+ratio to the 1-token decode forward measured in the same run. This ratio is what decides
+how large a draft tree pays off on a given machine.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from specdec.engine import Engine
+from specdec.kv_cache import PagedKVCache
+from specdec.models.loader import load_model
+from specdec.sampling import SamplingConfig
+from specdec.stopping import StopCriteria
+from specdec.tree import DraftTree
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=600)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--sizes", default="1,2,3,4,5,6,8,12,16")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    runner = load_model("default").runner
+    s = runner.shape
+    cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, args.context // 16 + 8, 16, runner.dtype)
+    engine = Engine(runner, cache, SamplingConfig(), StopCriteria(10_000))
+    seq = engine.add([list(range(100, 100 + args.context))])[0]
+
+    def median_ms(num_tokens: int) -> float:
+        times = []
+        for _ in range(args.reps):
+            tree = DraftTree.chain(list(range(5, 4 + num_tokens)))
+            batch = engine.verify_batch([seq], [tree])
+            t0 = time.perf_counter()
+            engine.verify(batch)
+            times.append(time.perf_counter() - t0)
+            cache.commit({seq.seq_id: [0]})
+            seq.tokens.append(7)  # the root moved on by one token
+        return sorted(times)[len(times) // 2] * 1000
+
+    sizes = [int(x) for x in args.sizes.split(",")]
+    base = median_ms(1)
+    print(f"context {args.context}: 1-token forward {base:.1f} ms (median of {args.reps})")
+    for n in sizes:
+        ms = median_ms(n)
+        print(f"  {n:3d} tokens: {ms:7.1f} ms  = {ms / base:4.2f}x a decode step")
+
+
+if __name__ == "__main__":
+    main()
