@@ -83,24 +83,29 @@ def _first_tokens(model, drafter, n, prompt, k=3, seed=0, temperature=1.0, top_k
     return [tuple(t[:k]) for t in out.new_tokens]
 
 
-def _two_sample_p(a, b):
+def _two_sample_test(a, b, tv=0.05, alpha=1e-3):
+    """(p-value, power to detect TV `tv` at level `alpha`) of a two-sample chi-square test.
+
+    Bins whose expected count is below 5 are pooled. The power is that of the hardest
+    TV-`tv` alternative for this statistic: moving `tv` of mass between the two most likely
+    bins (noncentrality n_a n_b / (n_a + n_b) * tv^2 * (1/p1 + 1/p2)).
+    """
     keys = sorted(set(a) | set(b))
     ca = np.array([sum(1 for x in a if x == k) for k in keys], float)
     cb = np.array([sum(1 for x in b if x == k) for k in keys], float)
-    # pool bins whose expected count is below 5 into one
-    expected_min = np.minimum(ca + cb, 1e9) * min(len(a), len(b)) / (len(a) + len(b))
+    expected_min = (ca + cb) * min(len(a), len(b)) / (len(a) + len(b))
     rare = expected_min < 5
     if rare.any():
         ca = np.append(ca[~rare], ca[rare].sum())
         cb = np.append(cb[~rare], cb[rare].sum())
     table = np.stack([ca, cb])
     table = table[:, table.sum(0) > 0]
-    return stats.chi2_contingency(table)[1]
-
-
-# n = 6000 per side: a two-sample chi-square over ~30-60 pooled cells detects TV 0.05 with
-# power > 0.9 at alpha 1e-3 (checked by simulation when this test was written).
-N = 6000
+    p = stats.chi2_contingency(table)[1]
+    pooled = np.sort(table.sum(0) / table.sum())[::-1]
+    lam = len(a) * len(b) / (len(a) + len(b)) * tv**2 * (1 / pooled[0] + 1 / pooled[1])
+    df = table.shape[1] - 1
+    power = 1 - stats.ncx2.cdf(stats.chi2.ppf(1 - alpha, df), df, lam)
+    return p, power
 
 
 @pytest.mark.slow
@@ -114,7 +119,8 @@ def test_sampling_law_of_first_three_tokens_matches_plain(drafter_kind):
     else:
         drafter = RandomTreeDrafter(4, max_nodes=10, mode=drafter_kind.split("-")[1], seed=5)
     spec = _first_tokens(model, drafter, N, prompt, seed=2, temperature=0.9, top_k=3)
-    p = _two_sample_p(plain, spec)
+    p, power = _two_sample_test(plain, spec)
+    assert power >= 0.9, f"only {power:.2f} power to detect TV 0.05"
     assert p > 1e-3, f"{drafter_kind}: p = {p}"
 
 
@@ -132,7 +138,7 @@ def test_sampling_law_test_catches_a_broken_sampler(monkeypatch):
                         lambda *a, **kw: rejection_sample(*a, rule=broken_rule, **kw))
     drafter = RandomTreeDrafter(4, max_nodes=10, mode="independent", seed=5)
     spec = _first_tokens(model, drafter, N, prompt, seed=2, temperature=0.9, top_k=3)
-    assert _two_sample_p(plain, spec) < 1e-6
+    assert _two_sample_test(plain, spec)[0] < 1e-6
 
 
 @pytest.mark.parametrize(
