@@ -39,13 +39,16 @@ class NGramConfig:
     max_branches: int = 1  # distinct continuations merged into the tree
     max_nodes: int = 3  # total tree size (<= 64)
     max_occurrences: int = 8  # most recent occurrences scanned per n (bounds per-step work)
+    # a match of >= long_match_ngram tokens is trusted with a deeper chain (0 = off)
+    long_match_ngram: int = 3
+    long_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"ngram drafter: {f.name} must be an int, got {value!r}")
-            if value < 1:
+            if value < (0 if f.name == "long_draft_tokens" else 1):
                 raise ValueError(f"ngram drafter: {f.name} must be >= 1, got {value}")
         if self.max_ngram < self.min_ngram:
             raise ValueError(
@@ -147,7 +150,10 @@ class NGramDrafter(Drafter):
                 continue
             for e in reversed(occurrences[-cfg.max_occurrences :]):  # most recent first
                 self.occurrences_scanned += 1
-                added = self._insert(tokens, length, e + 1, node_tokens, node_parents, children)
+                depth = cfg.num_draft_tokens
+                if cfg.long_draft_tokens and n >= cfg.long_match_ngram:
+                    depth = cfg.long_draft_tokens
+                added = self._insert(tokens, length, e + 1, depth, node_tokens, node_parents, children)
                 branches += added > 0  # a duplicate (or prefix) of an earlier branch is free
                 if branches >= cfg.max_branches or len(node_tokens) >= cfg.max_nodes:
                     break
@@ -157,7 +163,7 @@ class NGramDrafter(Drafter):
             return DraftTree.empty()
         return DraftTree(node_tokens, node_parents)
 
-    def _insert(self, tokens, length, start, node_tokens, node_parents, children) -> int:
+    def _insert(self, tokens, length, start, depth, node_tokens, node_parents, children) -> int:
         """Walk/extend the trie with the continuation starting at `start`; return nodes added.
 
         Past the end of the history the continuation copies itself with period
@@ -166,7 +172,7 @@ class NGramDrafter(Drafter):
         cfg = self.config
         drafted: list[int] = []
         parent, added = -1, 0
-        for k in range(cfg.num_draft_tokens):
+        for k in range(depth):
             j = start + k
             tok = int(tokens[j]) if j < length else drafted[j - length]
             drafted.append(tok)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from specdec.drafters.base import SequenceView
 from specdec.drafters.ngram import NGramConfig, NGramDrafter
@@ -287,3 +286,14 @@ def test_greedy_end_to_end_matches_plain_and_offline_simulation(tiny_model):
     expected = [simulated_greedy_steps(out, len(p), NGramDrafter()) for p, out in zip(prompts, plain)]
     assert [s.steps for s in spec.stats] == expected
     assert min(expected) < 40  # the drafts were accepted at least once (the check has teeth)
+
+
+def test_long_matches_get_deeper_chains():
+    d = NGramDrafter(min_ngram=1, max_ngram=3, num_draft_tokens=2, long_match_ngram=3, long_draft_tokens=5,
+                     max_nodes=5, max_branches=1)
+    strong = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]  # 3-gram match: trusted, 5 deep
+    assert propose1(d, strong).tokens.tolist() == [4, 5, 6, 7, 8]
+    weak = [1, 20, 4, 5, 6, 7, 8, 9, 30, 1]  # only a 1-gram match: 2 deep
+    d2 = NGramDrafter(min_ngram=1, max_ngram=3, num_draft_tokens=2, long_match_ngram=3, long_draft_tokens=5,
+                      max_nodes=5, max_branches=1)
+    assert propose1(d2, weak).tokens.tolist() == [20, 4]

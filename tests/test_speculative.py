@@ -108,6 +108,9 @@ def _two_sample_test(a, b, tv=0.05, alpha=1e-3):
     return p, power
 
 
+N = 6000  # per side; each test asserts its own power to detect TV 0.05 (see _two_sample_test)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter_kind", ["ngram", "random-independent", "random-deterministic"])
 def test_sampling_law_of_first_three_tokens_matches_plain(drafter_kind):
