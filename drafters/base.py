@@ -1,19 +1,44 @@
 """The drafter contract: what the engine asks of anything that proposes tokens.
 
-Each step the engine calls ``propose`` with a read-only view of every live sequence and
-gets one :class:`~specdec.tree.DraftTree` per sequence back (the empty tree is allowed:
-that sequence decodes plainly this step). The engine validates every tree before the
-target verifies it, so a drafter cannot silently break exactness. After the commit it
-calls ``on_accept`` with the tokens committed for that sequence, and ``release`` when a
-sequence finishes.
+Lifecycle, driven by the engine:
+
+1. ``attach(target)`` once, before the first sequence: what the drafter may read of the
+   target (its runner, KV cache and sampling config). Drafters that sample must apply
+   ``target.sampling`` (temperature / top-k / top-p) to their own logits.
+2. ``propose(views)`` every step: one :class:`~specdec.tree.DraftTree` per live sequence
+   (the empty tree is allowed: that sequence decodes plainly this step). The engine
+   validates every tree before the target verifies it, so a drafter cannot silently
+   break exactness.
+3. ``on_accept(seq_id, committed)`` after the commit: the tokens committed this step.
+4. ``release(seq_id)`` when a sequence finishes.
+
+A drafter that sets ``needs_hidden_states = True`` (Medusa) finds in
+``SequenceView.last_hidden`` the target's final-norm hidden state of the token *before*
+the root, i.e. of the row whose logits chose the root.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+import torch
 
 from specdec.tree import DraftTree
+
+if TYPE_CHECKING:
+    from specdec.kv_cache import PagedKVCache
+    from specdec.models.llama import LlamaRunner
+    from specdec.sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class TargetView:
+    """What a drafter may read of the target. Drafters must not write to its cache."""
+
+    runner: "LlamaRunner"
+    cache: "PagedKVCache"
+    sampling: "SamplingConfig"
 
 
 @dataclass(frozen=True)
@@ -22,12 +47,20 @@ class SequenceView:
     # prompt + every committed token; the last one is the root of the next draft tree
     token_ids: Sequence[int]
     num_prompt_tokens: int
+    # [hidden_size] target hidden state (after the final norm) at token_ids[-2]; only for
+    # drafters with needs_hidden_states, None for a one-token prompt's first step
+    last_hidden: torch.Tensor | None = None
 
 
 class Drafter(ABC):
     """Base class of all drafters. Subclasses set ``name`` and implement ``propose``."""
 
     name: str = "drafter"
+    needs_hidden_states: bool = False
+
+    def attach(self, target: TargetView) -> None:
+        """Called once by the engine before any sequence is added."""
+        self.target = target
 
     @abstractmethod
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:

@@ -1,4 +1,8 @@
-"""The ``specdec`` command line: ``specdec generate`` (``train-medusa`` and ``eval`` to come).
+"""The ``specdec`` command line: ``specdec generate``, ``specdec train-medusa``, ``specdec eval``.
+
+Subcommands other than ``generate`` live next to their code: a module listed in
+``SUBCOMMAND_MODULES`` exposes ``add_parser(subparsers)``, which registers its parser
+and sets ``func`` to the function that runs it.
 
     specdec generate "Write a haiku about caches."            # embedded default model
     echo "prompt" | specdec generate --drafter ngram --max-new-tokens 256
@@ -9,12 +13,15 @@ The text streams to stdout; a one-line summary (tokens, tokens/s, tau) goes to s
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
 import time
 
 from specdec.models.embedded import DEFAULT_ALIAS
+
+SUBCOMMAND_MODULES = ("specdec.train.cli", "specdec.eval.cli")
 
 
 class _TextStream:
@@ -138,6 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (model conversion etc.)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name != name:  # the module exists but a dependency of it is missing
+                raise
+            continue
+        module.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from specdec.attention import AttentionPlan
-from specdec.drafters.base import Drafter, SequenceView
+from specdec.drafters.base import Drafter, SequenceView, TargetView
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import ForwardOutput, LlamaRunner
 from specdec.rejection import Acceptance, rejection_sample
@@ -39,6 +39,8 @@ class SequenceState:
     depth_tried: list[int] = field(default_factory=list)  # per depth d+1: steps that tried a child
     depth_accepted: list[int] = field(default_factory=list)  # per depth d+1: steps that accepted one
     finished_at: float | None = None  # time.perf_counter() when it finished
+    # [hidden_size] target hidden state at tokens[-2] (kept only for drafters that ask)
+    last_hidden: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:
@@ -76,6 +78,9 @@ class Engine:
         self.drafter, self.generator = drafter, generator
         self.seqs: list[SequenceState] = []
         self.forward_passes = 0
+        self.keep_hidden = bool(getattr(drafter, "needs_hidden_states", False))
+        if drafter is not None and callable(getattr(drafter, "attach", None)):
+            drafter.attach(TargetView(runner, cache, sampling))
 
     @property
     def live(self) -> list[SequenceState]:
@@ -92,7 +97,14 @@ class Engine:
         if todo:
             masks = [torch.ones(len(s.tokens) - 1, len(s.tokens) - 1, dtype=torch.bool).tril() for s in todo]
             batch = self._build_batch(todo, [s.tokens[:-1] for s in todo], [torch.arange(m.shape[0]) for m in masks], masks)
-            self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache, None)
+            # the last prompt row's hidden state is what a Medusa-style drafter starts from
+            last_rows = torch.tensor([r[len(s.tokens) - 2] for r, s in zip(batch.row_index.tolist(), todo)],
+                                     device=batch.row_index.device)
+            out = self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache,
+                                      last_rows if self.keep_hidden else None)
+            if self.keep_hidden:
+                for s, h in zip(todo, out.hidden):
+                    s.last_hidden = h
             self.cache.commit({s.seq_id: range(len(s.tokens) - 1) for s in todo})
         return new
 
@@ -104,12 +116,14 @@ class Engine:
         batch = self.verify_batch(live, trees)
         out = self.verify(batch)
         acceptances = rejection_sample(trees, out.logits[batch.row_index], self.sampling, self.generator)
+        if self.keep_hidden:
+            self.keep_last_hidden(live, acceptances, out.hidden[batch.row_index])
         return self.commit(live, acceptances)
 
     def propose(self, live: list[SequenceState]) -> list[DraftTree]:
         if self.drafter is None:
             return [DraftTree.empty() for _ in live]
-        views = [SequenceView(s.seq_id, s.tokens, s.num_prompt) for s in live]
+        views = [SequenceView(s.seq_id, s.tokens, s.num_prompt, s.last_hidden) for s in live]
         trees = self.drafter.propose(views)
         name = getattr(self.drafter, "name", type(self.drafter).__name__)
         if not isinstance(trees, (list, tuple)) or len(trees) != len(live):
@@ -172,6 +186,13 @@ class Engine:
         self.forward_passes += 1
         all_rows = torch.arange(batch.token_ids.numel(), device=batch.token_ids.device)
         return self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache, all_rows)
+
+    @staticmethod
+    def keep_last_hidden(live: list[SequenceState], acceptances: list[Acceptance], hidden: torch.Tensor) -> None:
+        """hidden [B, max_nodes + 1, H]: keep the row of the last accepted node (or the root)."""
+        for b, (s, acc) in enumerate(zip(live, acceptances)):
+            row = 1 + int(acc.accepted_nodes[-1]) if acc.accepted_nodes.numel() else 0
+            s.last_hidden = hidden[b, row]
 
     def commit(self, live: list[SequenceState], acceptances: list[Acceptance]) -> dict[int, list[int]]:
         """Emit accepted + next tokens (up to a stop), keep the accepted path's K/V, free the rest."""

@@ -1,0 +1,56 @@
+"""The engine's side of the drafter contract: attach() once, the hidden state before the root."""
+from __future__ import annotations
+
+import torch
+
+from specdec.drafters.base import Drafter, TargetView
+from specdec.generate import generate
+from specdec.testing import build_tiny_model
+from specdec.tree import DraftTree
+
+
+class HiddenRecorder(Drafter):
+    """Proposes 2 true next tokens then a wrong one (so accepted paths of length 2 occur),
+    and records, per step, the tokens and the hidden state it was given."""
+
+    name = "hidden-recorder"
+    needs_hidden_states = True
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]]) -> None:
+        self.references = references  # prompt -> plain greedy continuation
+        self.attached: list[TargetView] = []
+        self.seen: list[tuple[list[int], torch.Tensor | None]] = []
+
+    def attach(self, target: TargetView) -> None:
+        self.attached.append(target)
+
+    def propose(self, seqs):
+        trees = []
+        for v in seqs:
+            self.seen.append((list(v.token_ids), v.last_hidden))
+            ref = self.references[tuple(v.token_ids[: v.num_prompt_tokens])]
+            done = len(v.token_ids) - v.num_prompt_tokens
+            true_next = ref[done : done + 2]
+            trees.append(DraftTree.chain(true_next + [(ref[done + 2] + 1) % 96] if len(ref) > done + 2 else true_next))
+        return trees
+
+
+def test_drafter_is_attached_once_and_sees_the_hidden_state_of_the_token_before_the_root():
+    model = build_tiny_model("llama-gqa-tied")
+    prompts = [[5, 9, 11, 2], [7]]
+    plain = generate(model, prompts, max_new_tokens=30)
+    drafter = HiddenRecorder({tuple(p): seq[len(p):] for p, seq in zip(prompts, plain)})
+    out = generate(model, prompts, drafter=drafter, max_new_tokens=24, return_dict=True)
+    assert all(s.tau > 2.5 for s in out.stats)  # accepted paths really were followed
+    assert len(drafter.attached) == 1
+    assert drafter.attached[0].cache is not None and drafter.attached[0].sampling.do_sample is False
+    checked = 0
+    for tokens, hidden in drafter.seen:
+        if len(tokens) < 2:
+            assert hidden is None  # a one-token prompt has nothing before its root
+            continue
+        with torch.no_grad():
+            ref = model.model(torch.tensor([tokens[:-1]])).last_hidden_state[0, -1]
+        torch.testing.assert_close(hidden, ref, atol=1e-4, rtol=1e-4)
+        checked += 1
+    assert checked >= 10
