@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import chat_ids, time_hf_generate, time_specdec  # noqa: E402
-
 from specdec.eval.prompts import load_prompts  # noqa: E402
+
 from specdec.models.loader import load_model  # noqa: E402
 
 

@@ -16,10 +16,11 @@ O(max_ngram * new tokens + occurrences scanned + tree size), independent of hist
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Sequence
 
 from specdec.drafters.base import Drafter, SequenceView
+
 from specdec.tree import MAX_TREE_NODES, DraftTree
 
 logger = logging.getLogger(__name__)

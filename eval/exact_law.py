@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 
@@ -87,7 +87,7 @@ def _branch(rule: AcceptanceRule, residual, draft, token: int, deterministic: bo
 def step_law(case: SyntheticCase, rule: AcceptanceRule) -> "callable":
     """Returns law(prefix) of one step's emitted tokens (accepted + recovered/bonus)."""
 
-    @lru_cache(maxsize=None)
+    @cache
     def node_law(prefix: tuple[int, ...], level: int, own_draft_key: tuple[int, ...] | None) -> Law:
         target = case.target_probs(prefix)
         width = case.widths[level] if level < len(case.widths) else 0
@@ -142,7 +142,7 @@ def emitted_law(case: SyntheticCase, rule: AcceptanceRule, length: int) -> Law:
     """Exact law of the first `length` emitted tokens, running as many steps as needed."""
     one_step = step_law(case, rule)
 
-    @lru_cache(maxsize=None)
+    @cache
     def law(prefix: tuple[int, ...], remaining: int) -> Law:
         out: Law = defaultdict(float)
         for emitted, p in one_step(prefix).items():

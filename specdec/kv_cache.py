@@ -20,8 +20,8 @@ out of blocks raises :class:`CacheFullError` before anything is written.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 

@@ -22,8 +22,8 @@ itself lives in :class:`AcceptanceRule`, shared with the exact-law enumerator
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import torch
-
 from specdec.drafters.base import Drafter, TargetView
+
 from specdec.generate import generate
 from specdec.testing import build_tiny_model
 from specdec.tree import DraftTree

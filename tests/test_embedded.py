@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from specdec.eval.prompts import load_prompts
 
 import specdec
-from specdec.eval.prompts import load_prompts
 from specdec.models.loader import load_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.embedded]

@@ -1,7 +1,6 @@
 """Model resolution: cached GGUF conversion is reused, clear errors for bad specs."""
 from __future__ import annotations
 
-
 import pytest
 
 from specdec.models import embedded

@@ -7,7 +7,6 @@ import torch
 from specdec.attention import AttentionPlan
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaRunner, UnsupportedModelError
-
 from specdec.testing import TINY_VARIANTS, build_tiny_model
 
 

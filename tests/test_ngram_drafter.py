@@ -4,10 +4,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from specdec.drafters.base import SequenceView
 from specdec.drafters.ngram import NGramConfig, NGramDrafter
 from specdec.drafters.registry import get_drafter
+
 from specdec.tree import DraftMode, DraftTree
 
 

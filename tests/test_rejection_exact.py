@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 import torch
-
 from specdec.eval.exact_law import SyntheticCase, emitted_law, max_abs_error, target_law
 from specdec.eval.negative_controls import BROKEN_RULES
+
 from specdec.rejection import EXACT, rejection_sample
 from specdec.sampling import SamplingConfig
 from specdec.tree import DraftMode, DraftTree

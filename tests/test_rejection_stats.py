@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
-
 from specdec.eval.exact_law import SyntheticCase, sample_trees, step_law
 from specdec.eval.negative_controls import BROKEN_RULES
+
 from specdec.rejection import EXACT, rejection_sample
 from specdec.sampling import SamplingConfig
 from specdec.tree import DraftMode

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+from specdec.drafters.base import Drafter
 
 import specdec
-from specdec.drafters.base import Drafter
 from specdec.testing import RandomTreeDrafter, build_tiny_model
 from specdec.tree import DraftError, DraftMode, DraftTree
 
@@ -129,8 +129,9 @@ def test_sampling_law_of_first_three_tokens_matches_plain(drafter_kind):
 
 @pytest.mark.slow
 def test_sampling_law_test_catches_a_broken_sampler(monkeypatch):
-    from specdec import engine
     from specdec.eval import negative_controls
+
+    from specdec import engine
     from specdec.rejection import rejection_sample
 
     model = build_tiny_model(vocab_size=4, seed=3)
