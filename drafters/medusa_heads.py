@@ -1,0 +1,204 @@
+"""Medusa heads: the module, its config, and the published checkpoint layout.
+
+Head ``i`` (0-based) reads the target's final-norm hidden state ``h_t`` of token ``t`` and
+predicts token ``t + 2 + i`` (the target's own LM head predicts ``t + 1``)::
+
+    head_i(h) = lm_head_i(block_L(... block_1(h)))     block(x) = x + SiLU(W x + b)
+
+Checkpoint layout (as published by FasterDecoding/Medusa), a directory holding
+
+* ``config.json``: ``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``
+  (plus, written by specdec and optional on load: ``hidden_size``, ``vocab_size``,
+  ``medusa_shared_lm_head``, ``medusa_choices``);
+* ``medusa_lm_head.safetensors``: keys ``{head}.{layer}.linear.weight`` / ``.bias`` for the
+  residual blocks and ``{head}.{num_layers}.weight`` for each head's LM head (absent when
+  the LM head is shared with the base model).
+
+Legacy ``medusa_lm_head.pt`` pickles are refused: convert them to safetensors first.
+
+    heads = MedusaHeads(MedusaConfig(num_heads=4, num_layers=1, hidden_size=576, vocab_size=49152))
+    save_medusa(heads, "out/")            heads = load_medusa("out/")
+    logits = heads(hidden)                # [num_heads, batch, vocab]
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "medusa_lm_head.safetensors"
+
+
+class MedusaCheckpointError(ValueError):
+    """A Medusa checkpoint is missing, corrupt, or does not fit the target model."""
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    num_heads: int
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    shared_lm_head: bool = False  # True: heads reuse the base model's LM head (no own weights)
+    base_model_name_or_path: str = ""
+    # top-k paths of the static tree, e.g. ((0,), (1,), (0, 0)); () = none chosen yet
+    medusa_choices: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_layers", "hidden_size", "vocab_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < (0 if name == "num_layers" else 1):
+                raise ValueError(f"MedusaConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
+        choices = tuple(tuple(int(k) for k in path) for path in self.medusa_choices)
+        object.__setattr__(self, "medusa_choices", choices)
+        for path in choices:
+            if not path or len(path) > self.num_heads or min(path) < 0:
+                raise ValueError(
+                    f"medusa_choices path {list(path)} must be a non-empty list of top-k ranks, "
+                    f"at most num_heads={self.num_heads} long"
+                )
+
+    def to_json(self) -> dict:
+        return {
+            "medusa_num_heads": self.num_heads,
+            "medusa_num_layers": self.num_layers,
+            "base_model_name_or_path": self.base_model_name_or_path,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "medusa_shared_lm_head": self.shared_lm_head,
+            "medusa_choices": [list(p) for p in self.medusa_choices],
+        }
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b); W starts at zero so a fresh head starts as its LM head."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """``num_heads`` heads; ``self.heads[i]`` is an nn.Sequential (blocks..., [lm_head])."""
+
+    def __init__(self, config: MedusaConfig) -> None:
+        super().__init__()
+        self.config = config
+        heads = []
+        for _ in range(config.num_heads):
+            layers: list[nn.Module] = [ResBlock(config.hidden_size) for _ in range(config.num_layers)]
+            if not config.shared_lm_head:
+                layers.append(nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+            heads.append(nn.Sequential(*layers))
+        self.heads = nn.ModuleList(heads)
+
+    def init_lm_heads_from(self, lm_head_weight: torch.Tensor) -> None:
+        """Start every own LM head as a copy of the base model's (Medusa's recipe)."""
+        if self.config.shared_lm_head:
+            return
+        with torch.no_grad():
+            for head in self.heads:
+                head[-1].weight.copy_(lm_head_weight)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [..., hidden_size] final-norm hidden states of the target
+        lm_head_weight: torch.Tensor | None = None,  # [vocab, hidden], needed iff shared_lm_head
+    ) -> torch.Tensor:  # [num_heads, ..., vocab] logits
+        if self.config.shared_lm_head and lm_head_weight is None:
+            raise ValueError("these Medusa heads share the base model's LM head: pass lm_head_weight")
+        out = []
+        for head in self.heads:
+            x = head(hidden)
+            if self.config.shared_lm_head:
+                x = nn.functional.linear(x, lm_head_weight)
+            out.append(x)
+        return torch.stack(out)
+
+
+def save_medusa(heads: MedusaHeads, directory: str | os.PathLike) -> Path:
+    """Write config.json + medusa_lm_head.safetensors (atomically, file by file)."""
+    from safetensors.torch import save_file
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in heads.heads.state_dict().items()}
+    tmp = path / (WEIGHTS_FILE + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path / WEIGHTS_FILE)
+    tmp = path / (CONFIG_FILE + ".tmp")
+    tmp.write_text(json.dumps(heads.config.to_json(), indent=2) + "\n")
+    os.replace(tmp, path / CONFIG_FILE)
+    return path
+
+
+def read_medusa_config(directory: str | os.PathLike, hidden_size: int | None = None,
+                       vocab_size: int | None = None) -> MedusaConfig:
+    """Read config.json; hidden/vocab sizes missing from it come from the weights or the target."""
+    path = Path(directory)
+    cfg_file = path / CONFIG_FILE
+    if not cfg_file.is_file():
+        raise MedusaCheckpointError(f"{path} is not a Medusa checkpoint: {CONFIG_FILE} is missing")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as err:
+        raise MedusaCheckpointError(f"{cfg_file} is not valid JSON: {err}") from err
+    missing = [k for k in ("medusa_num_heads", "medusa_num_layers") if k not in raw]
+    if missing:
+        raise MedusaCheckpointError(f"{cfg_file} lacks {', '.join(missing)}")
+    return MedusaConfig(
+        num_heads=int(raw["medusa_num_heads"]),
+        num_layers=int(raw["medusa_num_layers"]),
+        hidden_size=int(raw.get("hidden_size") or hidden_size or 0),
+        vocab_size=int(raw.get("vocab_size") or vocab_size or 0),
+        shared_lm_head=bool(raw.get("medusa_shared_lm_head", False)),
+        base_model_name_or_path=str(raw.get("base_model_name_or_path") or ""),
+        medusa_choices=tuple(tuple(p) for p in raw.get("medusa_choices") or ()),
+    )
+
+
+def load_medusa(directory: str | os.PathLike, hidden_size: int | None = None, vocab_size: int | None = None,
+                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> MedusaHeads:
+    """Load a checkpoint; ``hidden_size`` / ``vocab_size`` of the target are checked against it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(directory)
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        hint = " (found medusa_lm_head.pt: pickles are not loaded; convert it to safetensors)" if (
+            path / "medusa_lm_head.pt").exists() else ""
+        raise MedusaCheckpointError(f"{path}: {WEIGHTS_FILE} is missing{hint}")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise MedusaCheckpointError(f"{weights} is not a readable safetensors file: {err}") from err
+    first = state.get("0.0.linear.weight")
+    inferred_hidden = int(first.shape[1]) if first is not None else None
+    lm = [v for k, v in state.items() if k.endswith(".weight") and not k.endswith("linear.weight")]
+    inferred_vocab = int(lm[0].shape[0]) if lm else None
+    config = read_medusa_config(path, inferred_hidden or hidden_size, inferred_vocab or vocab_size)
+    for name, want in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
+        if want is not None and getattr(config, name) != want:
+            raise MedusaCheckpointError(
+                f"{path}: Medusa heads have {name}={getattr(config, name)} but the target model has {want}"
+            )
+    heads = MedusaHeads(config)
+    try:
+        heads.heads.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise MedusaCheckpointError(f"{weights} does not match its config.json: {err}") from err
+    logger.info("loaded %d Medusa heads (%d layers) from %s", config.num_heads, config.num_layers, path)
+    return heads.to(device=device, dtype=dtype).eval()
