@@ -35,7 +35,7 @@ def check_tree(tree: DraftTree, cfg: NGramConfig, vocab: int = 1000) -> None:
         toks = [int(tree.tokens[k]) for k in kids]
         assert len(toks) == len(set(toks)), f"duplicate siblings {toks}"
     if tree.num_nodes:
-        assert tree.max_depth <= cfg.num_draft_tokens
+        assert tree.max_depth <= max(cfg.num_draft_tokens, cfg.long_draft_tokens)
         assert len(tree.children[0]) <= cfg.max_branches
 
 
@@ -54,7 +54,10 @@ def reference(tokens: list[int], cfg: NGramConfig) -> tuple[list[int], list[int]
         for e in list(reversed(occ))[: cfg.max_occurrences]:
             ext = list(tokens)  # the continuation copies itself past the end of the history
             cont = []
-            for k in range(cfg.num_draft_tokens):
+            depth = cfg.num_draft_tokens
+            if cfg.long_draft_tokens and n >= cfg.long_match_ngram:
+                depth = max(depth, cfg.long_draft_tokens)
+            for k in range(depth):
                 ext.append(ext[e + 1 + k])
                 cont.append(ext[e + 1 + k])
             added = 0
