@@ -40,6 +40,7 @@ class TargetView:
     runner: "LlamaRunner"
     cache: "PagedKVCache"
     sampling: "SamplingConfig"
+    tokenizer: Any = None  # the target's tokenizer when known (vocabulary checks)
 
 
 @dataclass(frozen=True)

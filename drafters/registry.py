@@ -6,7 +6,12 @@ from typing import Any
 
 from specdec.drafters.base import Drafter
 
-BUILTIN = {"ngram": "specdec.drafters.ngram:NGramDrafter"}
+BUILTIN = {
+    "ngram": "specdec.drafters.ngram:NGramDrafter",
+    "draft-model": "specdec.drafters.draft_model:DraftModelDrafter",
+    "self-draft": "specdec.drafters.self_draft:SelfDraftDrafter",
+    "medusa": "specdec.drafters.medusa:MedusaDrafter",
+}
 
 
 def _load(target: str) -> type:

@@ -80,7 +80,7 @@ class Engine:
         self.forward_passes = 0
         self.keep_hidden = bool(getattr(drafter, "needs_hidden_states", False))
         if drafter is not None and callable(getattr(drafter, "attach", None)):
-            drafter.attach(TargetView(runner, cache, sampling))
+            drafter.attach(TargetView(runner, cache, sampling, stop.tokenizer))
 
     @property
     def live(self) -> list[SequenceState]:

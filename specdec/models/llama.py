@@ -10,6 +10,9 @@ references to the loaded transformers model's parameters: no weight is copied.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +126,16 @@ class LlamaRunner:
         rotary = base.rotary_emb
         self.inv_freq = rotary.inv_freq.float()  # [head_dim / 2]
         self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+
+    def truncated(self, num_layers: int) -> "LlamaRunner":
+        """A runner over the first ``num_layers`` layers + the final norm + the LM head,
+        sharing every weight with this one (the self-draft drafter)."""
+        if not 1 <= num_layers <= self.shape.num_layers:
+            raise ValueError(f"num_layers must be in [1, {self.shape.num_layers}], got {num_layers}")
+        runner = copy.copy(self)
+        runner.layers = self.layers[:num_layers]
+        runner.shape = dataclasses.replace(self.shape, num_layers=num_layers)
+        return runner
 
     @property
     def dtype(self) -> torch.dtype:

@@ -1,0 +1,69 @@
+"""The "draft-model" drafter: a smaller model of the same vocabulary proposes the tree.
+
+    generate("default", ids, drafter="draft-model", drafter_options={"model": "./small-llama"})
+    generate(target, ids, drafter=DraftModelDrafter(small_hf_model, num_draft_tokens=5))
+
+``model`` is anything :func:`specdec.models.loader.load_model` accepts (a transformers model,
+a checkpoint directory, a GGUF file, an alias). Its vocabulary must be the target's: same
+size and, when both tokenizers are known, the same token for every id checked.
+Tree shape and sampling mode: see :class:`specdec.drafters.model_drafter.DraftConfig`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from specdec.drafters.base import TargetView
+from specdec.drafters.model_drafter import DraftConfig, ModelDrafter
+from specdec.models.llama import LlamaRunner
+from specdec.models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+
+class VocabularyMismatchError(ValueError):
+    """The draft model's token ids do not mean what the target's mean."""
+
+
+def check_vocabularies(draft_runner: LlamaRunner, draft_tok: Any, target_runner: LlamaRunner, target_tok: Any,
+                       samples: int = 2000) -> None:
+    dv, tv = draft_runner.shape.vocab_size, target_runner.shape.vocab_size
+    if dv != tv:
+        raise VocabularyMismatchError(f"draft-model: the draft model's vocabulary has {dv} ids, the target's {tv}")
+    if draft_tok is None or target_tok is None:
+        logger.warning("draft-model: a tokenizer is missing, so only the vocabulary sizes were compared")
+        return
+    step = max(1, tv // samples)
+    for i in range(0, tv, step):
+        a, b = draft_tok.convert_ids_to_tokens(i), target_tok.convert_ids_to_tokens(i)
+        if a != b:
+            raise VocabularyMismatchError(
+                f"draft-model: token id {i} is {a!r} for the draft model but {b!r} for the target; "
+                "the two models need the same tokenizer"
+            )
+
+
+def _num_params(runner: LlamaRunner) -> int:
+    return sum(p.numel() for p in runner.hf_model.parameters())
+
+
+class DraftModelDrafter(ModelDrafter):
+    name = "draft-model"
+
+    def __init__(self, model: Any = "default", tokenizer: Any = None, **options: Any) -> None:
+        super().__init__(DraftConfig(**options))
+        self.model_spec, self.tokenizer = model, tokenizer
+
+    def make_runner(self, target: TargetView) -> LlamaRunner:
+        loaded = load_model(self.model_spec, tokenizer=self.tokenizer, device=target.runner.device)
+        runner = loaded.runner
+        check_vocabularies(runner, loaded.tokenizer, target.runner, target.tokenizer)
+        if runner.dtype != target.runner.dtype:
+            logger.info("draft-model: draft model runs in %s, target in %s", runner.dtype, target.runner.dtype)
+        draft_params, target_params = _num_params(runner), _num_params(target.runner)
+        if draft_params > target_params:
+            logger.warning(
+                "draft-model: the draft model (%.1fM parameters) is bigger than the target (%.1fM); "
+                "drafting will likely cost more than it saves", draft_params / 1e6, target_params / 1e6,
+            )
+        return runner

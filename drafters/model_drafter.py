@@ -1,0 +1,245 @@
+"""Drafting with a model: the tree-growing loop shared by "draft-model" and "self-draft".
+
+A :class:`ModelDrafter` owns a LlamaRunner (a small model, or the target's first layers)
+and its own paged KV cache, which holds K/V of the sequence's *committed* tokens only:
+
+1. catch up: one batched forward over the tokens committed since the last step (the
+   accepted drafts, the recovered/bonus token and so the new root); they are committed;
+2. grow: one batched forward per depth over the new frontier nodes of every sequence,
+   their K/V at scratch slots past the committed length (each node sees the committed
+   prefix and its ancestors); children are chosen from the frontier's draft logits;
+3. release the scratch slots. Rejected drafts thus cost nothing to roll back; accepted
+   ones are recomputed in the next catch-up (one forward of a few tokens).
+
+How children are chosen (``DraftConfig.mode``):
+
+* ``deterministic``: the top-``w`` tokens of each frontier node (``widths``), or, with
+  ``tree="dynamic"``, an EAGLE-2 style tree: per depth, the ``beam`` candidates with the
+  highest path probability (product of draft probabilities) over the whole frontier,
+  until ``max_nodes``. No draft_probs: exactness comes from the rejection sampler.
+* ``independent`` / ``without_replacement``: ``w`` children of each node are *sampled* from
+  the draft distribution after the target's temperature/top-k/top-p, and that
+  distribution is sent along as draft_probs.
+* ``auto`` (default): deterministic when the target decodes greedily, else independent.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from specdec.attention import AttentionPlan, SeqAttention
+from specdec.drafters.base import Drafter, SequenceView, TargetView
+from specdec.kv_cache import PagedKVCache
+from specdec.models.llama import LlamaRunner
+from specdec.sampling import logits_to_probs
+from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree
+
+logger = logging.getLogger(__name__)
+
+MODES = ("auto", "deterministic", "independent", "without_replacement")
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    num_draft_tokens: int = 4  # tree depth
+    tree: str = "static"  # "static": widths per depth | "dynamic": EAGLE-2 style (deterministic only)
+    widths: tuple[int, ...] = ()  # children per node at depth 1, 2, ...; () = a chain
+    max_nodes: int = 16  # node budget of a dynamic tree
+    beam: int = 4  # dynamic tree: nodes kept per depth (and children considered per node)
+    mode: str = "auto"
+    seed: int | None = None  # for sampled drafts
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
+        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be a positive int, got {self.num_draft_tokens!r}")
+        if self.tree not in ("static", "dynamic"):
+            raise ValueError(f"tree must be 'static' or 'dynamic', got {self.tree!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if any(w < 1 for w in self.widths) or len(self.widths) > self.num_draft_tokens:
+            raise ValueError(f"widths must be >= 1 and at most num_draft_tokens long, got {list(self.widths)}")
+        if self.tree == "dynamic" and self.mode in ("independent", "without_replacement"):
+            raise ValueError("a dynamic tree picks candidates deterministically; use mode='deterministic' or 'auto'")
+        if not 1 <= self.max_nodes <= MAX_TREE_NODES or self.beam < 1:
+            raise ValueError(f"max_nodes must be in [1, {MAX_TREE_NODES}] and beam >= 1")
+        if self.tree == "static" and self.static_nodes() > MAX_TREE_NODES:
+            raise ValueError(f"widths {list(self.widths)} give {self.static_nodes()} nodes; at most {MAX_TREE_NODES}")
+
+    def width(self, depth: int) -> int:  # depth is 1-based
+        return self.widths[depth - 1] if depth <= len(self.widths) else 1
+
+    def static_nodes(self) -> int:
+        total, level = 0, 1
+        for d in range(1, self.num_draft_tokens + 1):
+            level *= self.width(d)
+            total += level
+        return total
+
+
+@dataclass
+class _Node:
+    parent: int  # index in the sequence's node list, -1 = root
+    token: int
+    score: float  # path probability under the draft model (dynamic trees)
+    draft_probs: torch.Tensor | None  # [vocab] distribution the token was drawn from (sampled modes)
+
+
+class ModelDrafter(Drafter):
+    """Base of the model-based drafters; subclasses build ``self.runner`` in ``make_runner``."""
+
+    name = "model-drafter"
+
+    def __init__(self, config: DraftConfig) -> None:
+        self.config = config
+        self.runner: LlamaRunner | None = None
+        self.cache: PagedKVCache | None = None
+        self.generator = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
+        self.draft_forwards = 0  # draft-model forward passes (catch-up + one per depth)
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def make_runner(self, target: TargetView) -> LlamaRunner:
+        raise NotImplementedError
+
+    def attach(self, target: TargetView) -> None:
+        self.target = target
+        self.runner = self.make_runner(target)
+        tc = target.cache
+        shape = self.runner.shape
+        # as many slots as the target's pool: committed tokens + at most MAX_TREE_NODES scratch
+        self.cache = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, tc.num_blocks,
+                                  tc.block_size, self.runner.dtype, self.runner.device)
+        mode = self.config.mode
+        if mode == "auto":
+            mode = "deterministic" if target.sampling.greedy else "independent"
+        self.mode = DraftMode(mode)
+
+    def release(self, seq_id: int) -> None:
+        if self.cache is not None and seq_id in self.cache.lengths:
+            self.cache.free(seq_id)
+
+    # ---- one step -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
+        if self.runner is None:
+            raise RuntimeError(f"{self.name}: attach(target) must be called before propose()")
+        max_pos = self.runner.shape.max_positions
+        live = [v for v in seqs if len(v.token_ids) + 1 < max_pos]
+        trees = {v.seq_id: DraftTree.empty() for v in seqs}
+        if live:
+            root_logits = self._catch_up(live)
+            for v, tree in zip(live, self._grow(live, root_logits)):
+                trees[v.seq_id] = tree
+        return [trees[v.seq_id] for v in seqs]
+
+    def _forward(self, seq_ids, tokens, positions, plans, write_slots) -> torch.Tensor:
+        self.draft_forwards += 1
+        device = self.runner.device
+        plan = AttentionPlan(tuple(plans), torch.cat(write_slots))
+        token_ids = torch.tensor(tokens, device=device)
+        rows = torch.arange(len(tokens), device=device)
+        return self.runner.forward(token_ids, torch.tensor(positions, device=device), plan, self.cache, rows).logits
+
+    def _catch_up(self, live: list[SequenceView]) -> torch.Tensor:  # [B, vocab] logits at each root
+        cache = self.cache
+        for v in live:
+            if v.seq_id not in cache.lengths:
+                cache.add(v.seq_id)
+            if cache.lengths[v.seq_id] >= len(v.token_ids):  # history was rewritten: start over
+                cache.free(v.seq_id)
+                cache.add(v.seq_id)
+        cache.reserve_many({v.seq_id: len(v.token_ids) - cache.lengths[v.seq_id] for v in live})
+        tokens, positions, plans, write_slots, last_rows = [], [], [], [], []
+        for v in live:
+            cached = cache.lengths[v.seq_id]
+            new = list(v.token_ids[cached:])
+            key_slots = cache.slots(v.seq_id, 0, len(v.token_ids))
+            mask = torch.ones(len(new), len(new), dtype=torch.bool).tril() if len(new) > 1 else None
+            plans.append(AttentionPlan.build(cached, key_slots, mask, len(tokens)))
+            write_slots.append(key_slots[cached:])
+            tokens += new
+            positions += list(range(cached, len(v.token_ids)))
+            last_rows.append(len(tokens) - 1)
+        logits = self._forward([v.seq_id for v in live], tokens, positions, plans, write_slots)
+        cache.commit({v.seq_id: range(len(v.token_ids) - cache.lengths[v.seq_id]) for v in live})
+        return logits[torch.tensor(last_rows, device=logits.device)]
+
+    def _grow(self, live: list[SequenceView], root_logits: torch.Tensor) -> list[DraftTree]:
+        cfg, cache = self.config, self.cache
+        nodes: list[list[_Node]] = [[] for _ in live]
+        # frontier: per sequence, (node index or -1, logits row) of the nodes whose children come next
+        frontier = [[(-1, root_logits[b], 1.0)] for b in range(len(live))]
+        budget = cfg.max_nodes if cfg.tree == "dynamic" else MAX_TREE_NODES
+        for depth in range(1, cfg.num_draft_tokens + 1):
+            new_per_seq = [self._children(nodes[b], frontier[b], depth, budget) for b in range(len(live))]
+            if depth == cfg.num_draft_tokens or not any(new_per_seq):
+                break
+            logits = self._forward_nodes(live, nodes, new_per_seq, depth)
+            row = 0
+            for b, new in enumerate(new_per_seq):
+                frontier[b] = [(i, logits[row + j], nodes[b][i].score) for j, i in enumerate(new)]
+                row += len(new)
+        for v in live:  # drop the scratch K/V of the draft nodes
+            cache.commit({v.seq_id: []})
+        return [self._tree(ns) for ns in nodes]
+
+    def _children(self, nodes: list[_Node], frontier, depth: int, budget: int) -> list[int]:
+        """Choose the children of this depth; append them to ``nodes``; return their indices."""
+        cfg, sampling = self.config, self.target.sampling
+        start = len(nodes)
+        if self.mode is DraftMode.DETERMINISTIC:
+            k = cfg.beam if cfg.tree == "dynamic" else None
+            cands = []
+            for parent, logits, score in frontier:
+                probs = logits.float().softmax(-1)
+                top = torch.topk(probs, k or cfg.width(depth))
+                cands += [(score * float(p), parent, int(t)) for p, t in zip(top.values, top.indices)]
+            if cfg.tree == "dynamic":
+                cands = sorted(cands, key=lambda c: -c[0])[: min(cfg.beam, budget - len(nodes))]
+            for score, parent, token in cands:
+                nodes.append(_Node(parent, token, score, None))
+        else:
+            width = cfg.width(depth)
+            for parent, logits, score in frontier:
+                draft_probs = logits_to_probs(logits.float(), sampling)  # [vocab]
+                replacement = self.mode is DraftMode.INDEPENDENT
+                n = width if replacement else min(width, int((draft_probs > 0).sum()))
+                picks = torch.multinomial(draft_probs, n, replacement=replacement, generator=self.generator)
+                for t in picks.tolist():
+                    nodes.append(_Node(parent, t, score, draft_probs))
+        return list(range(start, len(nodes)))
+
+    def _forward_nodes(self, live, nodes, new_per_seq, depth) -> torch.Tensor:  # [sum(new), vocab]
+        cache = self.cache
+        cache.reserve_many({v.seq_id: len(nodes[b]) for b, v in enumerate(live) if new_per_seq[b]})
+        tokens, positions, plans, write_slots = [], [], [], []
+        for b, v in enumerate(live):
+            new = new_per_seq[b]
+            if not new:
+                continue
+            committed = cache.lengths[v.seq_id]
+            key_slots = cache.slots(v.seq_id, 0, committed + new[-1] + 1)  # committed + every node so far
+            mask = torch.zeros(len(new), committed + new[-1] + 1, dtype=torch.bool)
+            mask[:, :committed] = True
+            for j, i in enumerate(new):  # a node sees itself and its ancestors among the scratch nodes
+                while i != -1:
+                    mask[j, committed + i] = True
+                    i = nodes[b][i].parent
+            first = committed + new[0]
+            plans.append(SeqAttention(len(tokens), len(new), key_slots, mask.to(key_slots.device), False))
+            write_slots.append(key_slots[first:])
+            tokens += [nodes[b][i].token for i in new]
+            positions += [len(v.token_ids) - 1 + depth] * len(new)
+        return self._forward(None, tokens, positions, plans, write_slots)
+
+    def _tree(self, nodes: list[_Node]) -> DraftTree:
+        if not nodes:
+            return DraftTree.empty()
+        tokens = [n.token for n in nodes]
+        parents = [n.parent for n in nodes]
+        if self.mode is DraftMode.DETERMINISTIC:
+            return DraftTree(tokens, parents)
+        return DraftTree(tokens, parents, torch.stack([n.draft_probs for n in nodes]), self.mode)
