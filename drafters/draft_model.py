@@ -15,6 +15,7 @@ from typing import Any
 
 from specdec.drafters.base import TargetView
 from specdec.drafters.model_drafter import DraftConfig, ModelDrafter
+
 from specdec.models.llama import LlamaRunner
 from specdec.models.loader import load_model
 

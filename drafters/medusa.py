@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import heapq
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
 
 import torch
-
 from specdec.drafters.base import Drafter, SequenceView, TargetView
 from specdec.drafters.medusa_heads import MedusaCheckpointError, MedusaHeads, load_medusa
+
 from specdec.tree import MAX_TREE_NODES, DraftTree
 
 logger = logging.getLogger(__name__)

@@ -25,13 +25,13 @@ How children are chosen (``DraftConfig.mode``):
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
+from specdec.drafters.base import Drafter, SequenceView, TargetView
 
 from specdec.attention import AttentionPlan, SeqAttention
-from specdec.drafters.base import Drafter, SequenceView, TargetView
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaRunner
 from specdec.sampling import logits_to_probs

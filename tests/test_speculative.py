@@ -2,11 +2,10 @@
 stops inside accepted runs, and drafter proposals the engine must refuse."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from scipy import stats
 from specdec.drafters.base import Drafter
+from specdec.eval.two_sample import two_sample_chi2
 
 import specdec
 from specdec.testing import RandomTreeDrafter, build_tiny_model
@@ -83,29 +82,7 @@ def _first_tokens(model, drafter, n, prompt, k=3, seed=0, temperature=1.0, top_k
     return [tuple(t[:k]) for t in out.new_tokens]
 
 
-def _two_sample_test(a, b, tv=0.05, alpha=1e-3):
-    """(p-value, power to detect TV `tv` at level `alpha`) of a two-sample chi-square test.
-
-    Bins whose expected count is below 5 are pooled. The power is that of the hardest
-    TV-`tv` alternative for this statistic: moving `tv` of mass between the two most likely
-    bins (noncentrality n_a n_b / (n_a + n_b) * tv^2 * (1/p1 + 1/p2)).
-    """
-    keys = sorted(set(a) | set(b))
-    ca = np.array([sum(1 for x in a if x == k) for k in keys], float)
-    cb = np.array([sum(1 for x in b if x == k) for k in keys], float)
-    expected_min = (ca + cb) * min(len(a), len(b)) / (len(a) + len(b))
-    rare = expected_min < 5
-    if rare.any():
-        ca = np.append(ca[~rare], ca[rare].sum())
-        cb = np.append(cb[~rare], cb[rare].sum())
-    table = np.stack([ca, cb])
-    table = table[:, table.sum(0) > 0]
-    p = stats.chi2_contingency(table)[1]
-    pooled = np.sort(table.sum(0) / table.sum())[::-1]
-    lam = len(a) * len(b) / (len(a) + len(b)) * tv**2 * (1 / pooled[0] + 1 / pooled[1])
-    df = table.shape[1] - 1
-    power = 1 - stats.ncx2.cdf(stats.chi2.ppf(1 - alpha, df), df, lam)
-    return p, power
+_two_sample_test = two_sample_chi2
 
 
 N = 6000  # per side; each test asserts its own power to detect TV 0.05 (see _two_sample_test)

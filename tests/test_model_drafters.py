@@ -1,0 +1,154 @@
+"""draft-model and self-draft drafters: greedy identity, sampled-law equality, bad input."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from specdec.drafters.draft_model import DraftModelDrafter, VocabularyMismatchError
+from specdec.drafters.model_drafter import DraftConfig
+from specdec.drafters.self_draft import SelfDraftDrafter
+from specdec.eval.two_sample import two_sample_chi2
+
+import specdec
+from specdec.testing import build_tiny_model
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 8], [10, 20, 30, 10, 20, 30, 10, 20], [5], [11] * 3 + [12, 13]]
+
+CONFIGS = {
+    "self-chain": ("self-draft", dict(num_layers=2, num_draft_tokens=4)),
+    "self-dynamic": ("self-draft", dict(num_layers=3, tree="dynamic", max_nodes=12, beam=3)),
+    "other-model-static-tree": ("draft-model", dict(widths=(2, 2), num_draft_tokens=3)),
+    "target-as-draft-chain": ("draft-model", dict(num_draft_tokens=5)),  # model=target: all accepted
+}
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa-tied", "qwen3-qknorm", "llama-mqa-bias"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_identity_batched_and_single(variant, config):
+    target = build_tiny_model(variant, num_hidden_layers=4)
+    name, options = CONFIGS[config]
+    options = dict(options)
+    if name == "draft-model":
+        options["model"] = target if config.startswith("target") else build_tiny_model(variant, seed=7)
+    plain = specdec.generate(target, PROMPTS, max_new_tokens=256)
+    out = specdec.generate(target, PROMPTS, max_new_tokens=256, drafter=name, drafter_options=options,
+                           return_dict=True)
+    assert out.sequences == plain
+    if config.startswith("target"):
+        assert out.tau > 5.5  # the accepted path and its K/V really were kept
+    for p, ref in zip(PROMPTS[:2], plain[:2]):
+        assert specdec.generate(target, [p], max_new_tokens=256, drafter=name, drafter_options=options)[0] == ref
+
+
+def test_draft_model_refuses_another_vocabulary():
+    target = build_tiny_model(vocab_size=96)
+    with pytest.raises(VocabularyMismatchError, match="96"):
+        specdec.generate(target, [[1, 2]], max_new_tokens=4, drafter="draft-model",
+                         drafter_options={"model": build_tiny_model(vocab_size=64)})
+
+
+def test_draft_model_refuses_a_tokenizer_that_maps_ids_differently():
+    from specdec.drafters.draft_model import check_vocabularies
+
+    class Tok:
+        def __init__(self, shift):
+            self.shift = shift
+
+        def convert_ids_to_tokens(self, i):
+            return f"t{i + (self.shift if i > 40 else 0)}"
+
+    runner = specdec.models.loader.load_model(build_tiny_model()).runner
+    check_vocabularies(runner, Tok(0), runner, Tok(0))
+    with pytest.raises(VocabularyMismatchError, match="token id 4[1-9]"):
+        check_vocabularies(runner, Tok(1), runner, Tok(0))
+
+
+def test_bigger_draft_model_warns(caplog):
+    target = build_tiny_model()
+    big = build_tiny_model(hidden_size=128, intermediate_size=256, num_attention_heads=4)
+    with caplog.at_level(logging.WARNING, logger="specdec.drafters.draft_model"):
+        specdec.generate(target, [[1, 2]], max_new_tokens=4, drafter=DraftModelDrafter(big))
+    assert any("bigger than the target" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(num_draft_tokens=0), "num_draft_tokens"), (dict(tree="beam"), "tree"), (dict(mode="typical"), "mode"),
+    (dict(widths=(8, 8)), "nodes"), (dict(tree="dynamic", mode="independent"), "deterministic"),
+])
+def test_bad_draft_config(bad, match):
+    with pytest.raises(ValueError, match=match):
+        DraftConfig(**bad)
+
+
+def test_self_draft_refuses_all_layers():
+    with pytest.raises(ValueError, match="below the target"):
+        specdec.generate(build_tiny_model(), [[1, 2]], max_new_tokens=4, drafter=SelfDraftDrafter(num_layers=2))
+
+
+# ---- sampling: the law of the first three tokens equals plain sampling -----------------------
+N = 6000
+
+
+def _first_tokens(model, drafter, seed):
+    out = specdec.generate(model, [[1, 2, 3, 1, 2, 3, 1, 2]] * N, max_new_tokens=3, drafter=drafter,
+                           do_sample=True, seed=seed, temperature=0.9, top_k=3, return_dict=True)
+    return [tuple(t[:3]) for t in out.new_tokens]
+
+
+SAMPLED = {
+    "chain": dict(mode="independent", num_draft_tokens=3),
+    "independent-tree": dict(mode="independent", widths=(2, 2), num_draft_tokens=3),
+    "without-replacement-tree": dict(mode="without_replacement", widths=(3, 2), num_draft_tokens=2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(SAMPLED))
+def test_sampling_law_with_draft_model_matches_plain(kind):
+    target, draft = build_tiny_model(vocab_size=4, seed=3), build_tiny_model(vocab_size=4, seed=11)
+    plain = _first_tokens(target, None, seed=1)
+    drafter = DraftModelDrafter(draft, seed=5, **SAMPLED[kind])
+    spec = _first_tokens(target, drafter, seed=2)
+    p, power = two_sample_chi2(plain, spec, tv=0.05)
+    assert power >= 0.9, f"only {power:.2f} power to detect TV 0.05"
+    assert p > 1e-3, f"{kind}: p = {p}"
+    assert drafter.draft_forwards > 0
+
+
+@pytest.mark.slow
+def test_sampling_law_test_catches_a_broken_sampler_with_draft_model(monkeypatch):
+    from specdec.eval import negative_controls
+
+    from specdec import engine
+    from specdec.rejection import rejection_sample
+
+    target, draft = build_tiny_model(vocab_size=4, seed=3), build_tiny_model(vocab_size=4, seed=11)
+    plain = _first_tokens(target, None, seed=1)
+    rule = negative_controls.BROKEN_RULES["resample_from_target"]
+    monkeypatch.setattr(engine, "rejection_sample", lambda *a, **kw: rejection_sample(*a, rule=rule, **kw))
+    spec = _first_tokens(target, DraftModelDrafter(draft, seed=5, **SAMPLED["chain"]), seed=2)
+    assert two_sample_chi2(plain, spec)[0] < 1e-6
+
+
+def test_sampled_drafts_carry_the_distribution_they_were_drawn_from():
+    """Each node's draft_probs row is the draft model's (temperature/top-k) distribution at its parent."""
+    target = build_tiny_model(vocab_size=8, seed=3)
+    trees = []
+
+    class Spy(DraftModelDrafter):
+        def propose(self, seqs):
+            out = super().propose(seqs)
+            trees.extend(out)
+            return out
+
+    spy = Spy(target, seed=0, mode="independent", widths=(2,), num_draft_tokens=2)
+    specdec.generate(target, [[1, 2, 3]], max_new_tokens=6, drafter=spy, do_sample=True, seed=0, top_k=3)
+    assert trees and all(t.draft_probs is not None for t in trees)
+    tree = trees[0]
+    with torch.no_grad():
+        logits = target(torch.tensor([[1, 2, 3]])).logits[0, -1]
+    expected = specdec.sampling.logits_to_probs(logits, specdec.sampling.SamplingConfig(True, 1.0, 3, 1.0))
+    for i in (tree.parents == -1).nonzero().flatten().tolist():
+        torch.testing.assert_close(tree.draft_probs[i], expected, atol=1e-5, rtol=1e-5)
+    assert int((tree.draft_probs[0] > 0).sum()) == 3  # top-k applied to the draft like the target
