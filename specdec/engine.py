@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.attention import AttentionPlan
+from specdec.audit import DraftAudit
 from specdec.drafters.base import Drafter, SequenceView, TargetView
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import ForwardOutput, LlamaRunner
@@ -73,9 +74,10 @@ class Engine:
         stop: StopCriteria,
         drafter: Drafter | None = None,
         generator: torch.Generator | None = None,
+        audit: DraftAudit | None = None,
     ) -> None:
         self.runner, self.cache, self.sampling, self.stop = runner, cache, sampling, stop
-        self.drafter, self.generator = drafter, generator
+        self.drafter, self.generator, self.audit = drafter, generator, audit
         self.seqs: list[SequenceState] = []
         self.forward_passes = 0
         self.keep_hidden = bool(getattr(drafter, "needs_hidden_states", False))
@@ -133,6 +135,8 @@ class Engine:
             if not isinstance(tree, DraftTree):
                 raise DraftError(f"{name}: propose() returned {type(tree).__name__}, expected DraftTree")
             tree.validate(self.runner.shape.vocab_size, drafter=name)
+            if self.audit is not None:
+                self.audit.observe(tree, name)
             out.append(self._fit_budget(s, tree))
         return out
 

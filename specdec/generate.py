@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from specdec.audit import DraftAudit
 from specdec.drafters.registry import get_drafter
 from specdec.engine import Engine, SequenceState
 from specdec.kv_cache import CacheConfig, PagedKVCache
@@ -133,6 +134,7 @@ def generate(
     num_blocks: int | None = None,
     tokenizer: Any = None,
     progress: bool = False,
+    audit_drafts: bool = True,
 ):
     loaded = load_model(model, tokenizer=tokenizer)
     runner = loaded.runner
@@ -159,7 +161,8 @@ def generate(
     )
     if generator is None and seed is not None:
         generator = torch.Generator(device="cpu").manual_seed(seed)
-    engine = Engine(runner, cache, sampling, stop_criteria, drafter_obj, generator)
+    audit = DraftAudit() if audit_drafts and drafter_obj is not None and sampling.do_sample else None
+    engine = Engine(runner, cache, sampling, stop_criteria, drafter_obj, generator, audit)
 
     start = time.perf_counter()
     seqs = engine.add(prompts)
