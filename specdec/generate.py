@@ -23,6 +23,7 @@ from specdec.drafters.registry import get_drafter
 from specdec.engine import Engine, SequenceState
 from specdec.kv_cache import CacheConfig, PagedKVCache
 from specdec.models.loader import LoadedModel, load_model
+from specdec.rejection import EXACT, AcceptanceRule
 from specdec.sampling import SamplingConfig
 from specdec.stopping import StopCriteria
 from specdec.tree import MAX_TREE_NODES
@@ -135,6 +136,7 @@ def generate(
     tokenizer: Any = None,
     progress: bool = False,
     audit_drafts: bool = True,
+    acceptance_rule: AcceptanceRule = EXACT,
 ):
     loaded = load_model(model, tokenizer=tokenizer)
     runner = loaded.runner
@@ -162,7 +164,10 @@ def generate(
     if generator is None and seed is not None:
         generator = torch.Generator(device="cpu").manual_seed(seed)
     audit = DraftAudit() if audit_drafts and drafter_obj is not None and sampling.do_sample else None
-    engine = Engine(runner, cache, sampling, stop_criteria, drafter_obj, generator, audit)
+    if acceptance_rule.lossy or acceptance_rule is not EXACT:
+        logger.warning("acceptance rule %r is not the exact one: the output is NOT the target's distribution",
+                       acceptance_rule.name)
+    engine = Engine(runner, cache, sampling, stop_criteria, drafter_obj, generator, audit, acceptance_rule)
 
     start = time.perf_counter()
     seqs = engine.add(prompts)

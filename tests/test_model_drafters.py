@@ -11,6 +11,7 @@ from specdec.drafters.self_draft import SelfDraftDrafter
 from specdec.eval.two_sample import two_sample_chi2
 
 import specdec
+from specdec.rejection import EXACT
 from specdec.testing import build_tiny_model
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 8], [10, 20, 30, 10, 20, 30, 10, 20], [5], [11] * 3 + [12, 13]]
@@ -90,9 +91,10 @@ def test_self_draft_refuses_all_layers():
 N = 6000
 
 
-def _first_tokens(model, drafter, seed):
+def _first_tokens(model, drafter, seed, rule=EXACT):
     out = specdec.generate(model, [[1, 2, 3, 1, 2, 3, 1, 2]] * N, max_new_tokens=3, drafter=drafter,
-                           do_sample=True, seed=seed, temperature=0.9, top_k=3, return_dict=True)
+                           do_sample=True, seed=seed, temperature=0.9, top_k=3, return_dict=True,
+                           acceptance_rule=rule)
     return [tuple(t[:3]) for t in out.new_tokens]
 
 
