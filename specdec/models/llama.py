@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-
 from dataclasses import dataclass
 
 import torch

@@ -1,0 +1,264 @@
+"""The losslessness certificate behind ``specdec eval lossless``.
+
+Three levels, each run for the exact acceptance rule AND for the deliberately broken
+rules of :mod:`specdec.eval.negative_controls` (which must fail; a control that passes a
+level it should fail voids the certificate):
+
+1. ``exact-law``: float64 enumeration on small synthetic cases, for the drafter's
+   mode(s) and the chosen temperature / top-k / top-p: emitted law == target law to 1e-12.
+2. ``sampler-statistics``: the real vectorised sampler, many draws per case: chi-square
+   with pooled bins (Holm over cases, power at the requested TV reported), a TV upper
+   bound, acceptance rate vs sum(min(target_probs, draft_probs)), chain tau vs
+   (1 - a^(k+1)) / (1 - a).
+3. ``end-to-end`` on the model: greedy token identity vs plain decoding (with divergence
+   diagnostics), and sampled output vs plain sampling (two-sample chi-square on the first
+   tokens, two-sample Kolmogorov-Smirnov on their log-probabilities under the target).
+
+    cert = run_certificate(loaded, "ngram", {}, SamplingConfig(True, 0.8), CertificateSizes())
+    cert.passed, cert.to_json(), cert.to_markdown()
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from specdec.eval.exact_law import SyntheticCase, emitted_law, max_abs_error, step_law, target_law
+from specdec.eval.negative_controls import BROKEN_RULES
+from specdec.eval.statistics import (
+    acceptance_rate_test,
+    chain_tau_test,
+    goodness_of_fit,
+    holm,
+    run_sampler,
+    total_variation_bound,
+)
+from specdec.rejection import EXACT, AcceptanceRule
+from specdec.sampling import SamplingConfig
+from specdec.tree import DraftMode
+
+logger = logging.getLogger(__name__)
+
+EXACT_TOL = 1e-12
+SHAPES = ((1,), (2,), (1, 1), (2, 1), (3, 1), (1, 1, 1))
+
+
+@dataclass(frozen=True)
+class CertificateSizes:
+    stat_samples: int = 20_000  # draws per synthetic case (sampler statistics)
+    stat_tv: float = 0.02  # TV the sampler statistics must be able to detect
+    identity_prompts: int = 8
+    identity_tokens: int = 64
+    sample_sequences: int = 1500  # per side, end-to-end sampling
+    sample_tokens: int = 2
+    e2e_tv: float = 0.05
+    alpha: float = 0.01
+
+    def __post_init__(self) -> None:
+        if min(self.stat_samples, self.identity_prompts, self.identity_tokens, self.sample_sequences,
+               self.sample_tokens) < 1:
+            raise ValueError("certificate sample sizes must be >= 1")
+        if not 0 < self.alpha < 1 or not 0 < self.stat_tv < 1 or not 0 < self.e2e_tv < 1:
+            raise ValueError("alpha and the TV targets must lie in (0, 1)")
+
+    @classmethod
+    def full(cls) -> "CertificateSizes":
+        """Sized to detect TV 0.01 at every level (hours on a CPU; meant for a GPU)."""
+        return cls(stat_samples=150_000, stat_tv=0.01, identity_prompts=20, identity_tokens=256,
+                   sample_sequences=40_000, sample_tokens=2, e2e_tv=0.01)
+
+
+@dataclass
+class Check:
+    name: str
+    level: str  # exact-law | sampler-statistics | end-to-end
+    passed: bool
+    control: str | None = None  # the broken rule this check ran with (it must then FAIL)
+    p_value: float | None = None
+    bound: float | None = None  # max abs error (exact law) or TV upper bound
+    samples: int | None = None
+    power: float | None = None
+    detail: str = ""
+
+    @property
+    def as_expected(self) -> bool:
+        return self.passed if self.control is None else not self.passed
+
+
+@dataclass
+class Certificate:
+    config: dict
+    checks: list[Check] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def void(self) -> bool:
+        """A negative control passed a check that should have caught it."""
+        return any(c.control is not None and c.passed for c in self.checks)
+
+    @property
+    def passed(self) -> bool:
+        return not self.void and all(c.passed for c in self.checks if c.control is None)
+
+    def to_json(self) -> dict:
+        return {"passed": self.passed, "void": self.void, "config": self.config, "seconds": self.seconds,
+                "warnings": self.warnings, "checks": [asdict(c) | {"as_expected": c.as_expected} for c in self.checks]}
+
+    def to_markdown(self) -> str:
+        verdict = "VOID (a negative control was not caught)" if self.void else ("PASSED" if self.passed else "FAILED")
+        lines = [f"# Losslessness certificate: {verdict}", ""]
+        lines += [f"- {k}: `{v}`" for k, v in self.config.items()]
+        lines += [f"- wall time: {self.seconds:.1f} s", ""]
+        for w in self.warnings:
+            lines.append(f"> warning: {w}")
+        lines += ["", "| level | check | control | result | p-value | bound | samples | power | detail |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for c in self.checks:
+            result = ("pass" if c.passed else "fail") + ("" if c.as_expected else " (UNEXPECTED)")
+            lines.append(f"| {c.level} | {c.name} | {c.control or '-'} | {result} | {_fmt(c.p_value)} | "
+                         f"{_fmt(c.bound)} | {c.samples or '-'} | {_fmt(c.power)} | {c.detail} |")
+        return "\n".join(lines) + "\n"
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def drafter_modes(drafter: Any, options: dict, sampling: SamplingConfig) -> list[DraftMode]:
+    """The draft modes a drafter can propose in this configuration (all three if unknown)."""
+    if drafter in ("ngram", "medusa"):
+        return [DraftMode.DETERMINISTIC]
+    if drafter in ("draft-model", "self-draft"):
+        mode = options.get("mode", "auto")
+        if mode == "auto":
+            mode = "deterministic" if sampling.greedy or options.get("tree") == "dynamic" else "independent"
+        return [DraftMode(mode)]
+    return [DraftMode.INDEPENDENT, DraftMode.WITHOUT_REPLACEMENT, DraftMode.DETERMINISTIC]
+
+
+# ---- level 1 --------------------------------------------------------------------------------
+def exact_law_checks(modes: list[DraftMode], sampling: SamplingConfig) -> list[Check]:
+    cases = [SyntheticCase(v, shape, m, sampling, seed=v + 10 * i)
+             for i, (v, shape, m) in enumerate(itertools.product((4, 6), SHAPES, modes))]
+    checks = []
+    for name, rule in [("exact", EXACT)] + list(BROKEN_RULES.items()):
+        worst = max(max_abs_error(emitted_law(c, rule, 2), target_law(c, 2)) for c in cases)
+        control = None if rule is EXACT else name
+        if control and worst <= EXACT_TOL:
+            detail = "identical to the exact rule for these modes: not applicable"
+            checks.append(Check("emitted law == target law", "exact-law", False, control, bound=worst,
+                                samples=len(cases), detail=detail))
+            continue
+        checks.append(Check("emitted law == target law", "exact-law", worst <= EXACT_TOL, control, bound=worst,
+                            samples=len(cases), detail=f"{len(cases)} cases, vocab 4-6, depth <= 3, width <= 3"))
+    return checks
+
+
+# ---- level 2 --------------------------------------------------------------------------------
+def sampler_checks(modes: list[DraftMode], sampling: SamplingConfig, sizes: CertificateSizes,
+                   applicable: set[str]) -> tuple[list[Check], list[str]]:
+    stat_sampling = sampling if sampling.do_sample else SamplingConfig(True)
+    shapes = {DraftMode.INDEPENDENT: (2, 1), DraftMode.WITHOUT_REPLACEMENT: (3,), DraftMode.DETERMINISTIC: (2, 2)}
+    cases = {f"{m.value}-{shapes[m]}": SyntheticCase(6, shapes[m], m, stat_sampling, seed=31 + i)
+             for i, m in enumerate(modes)}
+    laws = {name: dict(step_law(c, EXACT)(c.prefix)) for name, c in cases.items()}
+    n, level_alpha = sizes.stat_samples, sizes.alpha / len(cases)
+    checks, warnings = [], []
+    for rule_name, rule in [("exact", EXACT)] + [(r, BROKEN_RULES[r]) for r in sorted(applicable)]:
+        pvalues, powers, bounds = {}, {}, {}
+        for name, case in cases.items():
+            samples, _ = run_sampler(case, rule, n=n, seed=7)
+            pvalues[name], powers[name] = goodness_of_fit(samples, laws[name], sizes.stat_tv, level_alpha)
+            bounds[name] = total_variation_bound(samples, laws[name])
+        rejected = holm(pvalues, sizes.alpha)
+        control = None if rule is EXACT else rule_name
+        checks.append(Check("chi-square vs exact law (Holm)", "sampler-statistics", not rejected, control,
+                            p_value=min(pvalues.values()), bound=max(bounds.values()), samples=n,
+                            power=min(powers.values()), detail=", ".join(f"{k}: p={v:.3g}" for k, v in pvalues.items())))
+        if control is None and min(powers.values()) < 0.9:
+            warnings.append(f"sampler statistics: {n} draws per case give power {min(powers.values()):.2f} "
+                            f"(< 0.9) to detect TV {sizes.stat_tv}; raise --stat-samples")
+    chain = SyntheticCase(8, (1,) * 4, DraftMode.INDEPENDENT, stat_sampling, seed=22, prefix_independent=True,
+                          draft_sharpness=1.0)
+    single = SyntheticCase(8, (1,), DraftMode.INDEPENDENT, stat_sampling, seed=21)
+    for rule_name, rule in [("exact", EXACT), ("always_accept", BROKEN_RULES["always_accept"])]:
+        control = None if rule is EXACT else rule_name
+        rate, expected, p = acceptance_rate_test(single, n, rule=rule)
+        checks.append(Check("acceptance rate == sum(min(target_probs, draft_probs))", "sampler-statistics",
+                            p > sizes.alpha, control, p_value=p, samples=n,
+                            detail=f"measured {rate:.4f}, expected {expected:.4f}"))
+        mean, tau, z, _ = chain_tau_test(chain, n, rule=rule)
+        checks.append(Check("chain tau == (1 - a^(k+1)) / (1 - a), k=4", "sampler-statistics", abs(z) < 4, control,
+                            samples=n, detail=f"measured {mean:.4f}, expected {tau:.4f}, z={z:.2f}"))
+    return checks, warnings
+
+
+# ---- level 3 --------------------------------------------------------------------------------
+def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: SamplingConfig,
+                      sizes: CertificateSizes, make_prompts: Callable[[int], list[list[int]]]) -> tuple[list, list]:
+    from specdec.eval.divergence import greedy_identity
+    from specdec.eval.end_to_end import sampled_two_sample
+
+    checks, warnings = [], []
+    prompts = make_prompts(sizes.identity_prompts)
+    for rule_name, rule in (("exact", EXACT), ("always_accept", BROKEN_RULES["always_accept"])):
+        control = None if rule is EXACT else rule_name
+        batched = greedy_identity(loaded, prompts, drafter, options, sizes.identity_tokens, True, rule)
+        single = greedy_identity(loaded, prompts[:2], drafter, options, sizes.identity_tokens, False, rule)
+        real = batched.real_mismatches + single.real_mismatches
+        ties = len(batched.divergences) + len(single.divergences) - real
+        first = (batched.divergences + single.divergences)[:1]
+        detail = f"tau {batched.tau:.2f}; {real} real mismatches, {ties} numerical near-ties"
+        if first:
+            d = first[0]
+            detail += f"; first: prompt {d.prompt} pos {d.position} gap {d.gap:.2e} ({d.kind})"
+        checks.append(Check("greedy identity vs plain decoding (batched + single)", "end-to-end", real == 0, control,
+                            samples=batched.tokens_compared + single.tokens_compared, detail=detail))
+        if control is None and ties:
+            warnings.append(f"greedy identity: {ties} divergences were numerical near-ties (top-1/top-2 gap < 1e-3)")
+    e2e_sampling = sampling if sampling.do_sample else SamplingConfig(True)
+    for rule_name, rule in (("exact", EXACT), ("always_accept", BROKEN_RULES["always_accept"])):
+        control = None if rule is EXACT else rule_name
+        res = sampled_two_sample(loaded, prompts[0], drafter, options, e2e_sampling, sizes, rule)
+        ok = res["chi2_p"] > sizes.alpha and res["ks_p"] > sizes.alpha
+        checks.append(Check(f"sampled first {sizes.sample_tokens} tokens vs plain sampling", "end-to-end", ok, control,
+                            p_value=min(res["chi2_p"], res["ks_p"]), samples=sizes.sample_sequences,
+                            power=res["power"], detail=f"chi-square p={res['chi2_p']:.3g}, log-prob KS p={res['ks_p']:.3g}"))
+        if control is None and res["power"] < 0.9:
+            warnings.append(f"end-to-end sampling: {sizes.sample_sequences} sequences per side give power "
+                            f"{res['power']:.2f} to detect TV {sizes.e2e_tv}; raise --sample-sequences (or use --full)")
+    return checks, warnings
+
+
+def run_certificate(loaded: Any, drafter: Any, options: dict, sampling: SamplingConfig, sizes: CertificateSizes,
+                    make_prompts: Callable[[int], list[list[int]]], levels: tuple[str, ...] = ("exact", "stats", "e2e"),
+                    progress: Callable[[str], None] = lambda msg: None) -> Certificate:
+    start = time.perf_counter()
+    modes = drafter_modes(drafter, options, sampling)
+    cert = Certificate({"model": getattr(loaded, "name", str(loaded)), "drafter": str(drafter), "options": options,
+                        "sampling": asdict(sampling), "modes": [m.value for m in modes], "sizes": asdict(sizes)})
+    applicable = set(BROKEN_RULES)
+    if "exact" in levels:
+        progress("exact law")
+        checks = exact_law_checks(modes, sampling)
+        cert.checks += checks
+        applicable = {c.control for c in checks if c.control and "not applicable" not in c.detail}
+    if "stats" in levels:
+        progress("sampler statistics")
+        checks, warnings = sampler_checks(modes, sampling, sizes, applicable)
+        cert.checks += checks
+        cert.warnings += warnings
+    if "e2e" in levels:
+        progress("end to end")
+        checks, warnings = end_to_end_checks(loaded, drafter, options, sampling, sizes, make_prompts)
+        cert.checks += checks
+        cert.warnings += warnings
+    # a control that is identical to the exact rule in this mode cannot be caught: it is neither pass nor void
+    cert.checks = [c for c in cert.checks if "not applicable" not in c.detail] + [
+        Check(c.name, c.level, False, c.control, bound=c.bound, detail=c.detail)
+        for c in cert.checks if "not applicable" in c.detail]
+    cert.seconds = time.perf_counter() - start
+    return cert
