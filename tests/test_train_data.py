@@ -1,0 +1,117 @@
+"""Training data loading: JSONL text, chat messages, Parquet, saved datasets dirs, and clear errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from specdec.train.data import TrainDataError, load_texts, split_held_out, tokenize_texts
+from specdec.train.prompts import builtin_prompts
+
+pytest.importorskip("datasets")
+
+CHARS = list("abcdefghijklmnopqrstuvwxyz .,?!'0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[UNK]")
+
+
+def save_tiny_model(path, vocab_size: int = 96) -> str:
+    from specdec.testing import build_tiny_model
+
+    build_tiny_model("llama-mha-untied", vocab_size=vocab_size).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+TEXTS = [f"the {w} number {i} likes {w[::-1]} and sings, {i * 7}" for i, w in
+         enumerate(["cat", "dog", "bird", "fish", "frog", "bee", "owl", "fox", "cow", "yak", "eel", "ant"] * 2)]
+
+
+class ChatTok:
+    chat_template = "x"
+
+    def apply_chat_template(self, msgs, tokenize=False):
+        return "".join(f"<{m['role']}>{m['content']}" for m in msgs)
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_jsonl_text(tmp_path):
+    f = _jsonl(tmp_path / "d.jsonl", [{"text": "hello there"}, {"text": "general kenobi"}, {"text": ""}])
+    assert load_texts(f) == ["hello there", "general kenobi"]
+
+
+def test_jsonl_custom_field_and_chat_messages(tmp_path):
+    f = _jsonl(tmp_path / "d.jsonl", [{"body": "abc"}])
+    assert load_texts(f, text_field="body") == ["abc"]
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    f = _jsonl(tmp_path / "c.jsonl", rows)
+    assert load_texts(f, tokenizer=ChatTok()) == ["<user>hi<assistant>yo"]
+    with pytest.raises(TrainDataError, match="chat template"):
+        load_texts(f, tokenizer=None)
+
+
+def test_parquet_and_saved_dataset(tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"text": ["one two", "three four"]})
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    assert load_texts(str(tmp_path / "d.parquet")) == ["one two", "three four"]
+    ds.save_to_disk(str(tmp_path / "saved"))
+    assert load_texts(str(tmp_path / "saved")) == ["one two", "three four"]
+    datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp_path / "dd"))
+    assert load_texts(str(tmp_path / "dd")) == ["one two", "three four"]
+
+
+@pytest.mark.parametrize("case,match", [
+    ("missing", "not found"), ("unknown", "unknown data format"), ("empty", "empty"),
+    ("nofield", "neither"), ("corrupt", "cannot read"), ("plain_dir", "not a dataset"),
+])
+def test_data_errors(tmp_path, case, match):
+    if case == "missing":
+        f = tmp_path / "nope.jsonl"
+    elif case == "unknown":
+        f = tmp_path / "d.csv"
+        f.write_text("a,b\n1,2\n")
+    elif case == "empty":
+        f = tmp_path / "d.jsonl"
+        f.write_text("")
+    elif case == "nofield":
+        f = tmp_path / "d.jsonl"
+        _jsonl(f, [{"content": "x"}])
+    elif case == "corrupt":
+        f = tmp_path / "d.parquet"
+        f.write_bytes(b"not parquet at all")
+    else:
+        f = tmp_path / "dir"
+        f.mkdir()
+    with pytest.raises(TrainDataError, match=match):
+        load_texts(str(f))
+
+
+def test_tokenize_and_split():
+    seqs = tokenize_texts(tiny_tokenizer(), TEXTS + ["a"], seq_len=20)
+    assert len(seqs) == len(TEXTS) and max(map(len, seqs)) == 20  # "a" is too short to train on
+    train, held = split_held_out(seqs, 0.25)
+    assert sorted(map(tuple, train + held)) == sorted(map(tuple, seqs)) and held
+    assert set(map(tuple, split_held_out(seqs[::-1], 0.25)[1])) == set(map(tuple, held))  # by content, not order
+    with pytest.raises(TrainDataError):
+        tokenize_texts(tiny_tokenizer(), ["a"], seq_len=20)
+
+
+def test_builtin_prompts_disjoint_from_held_out_chat():
+    from specdec.eval.prompts import CHAT
+
+    prompts = builtin_prompts()
+    assert len(prompts) >= 300 and len(set(prompts)) == len(prompts)
+    assert not set(prompts) & set(CHAT)
+    assert builtin_prompts(10, seed=1) == builtin_prompts(10, seed=1) != builtin_prompts(10, seed=2)

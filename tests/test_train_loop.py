@@ -1,0 +1,155 @@
+"""train-medusa on a tiny random model: a step lowers the loss, the saved layout loads, resume is exact,
+the output dir and configuration guards refuse, and the tree chooser keeps its invariants."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+pytest.importorskip("datasets")
+
+from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads, load_medusa  # noqa: E402
+from specdec.train import checkpoint as ckpt_io  # noqa: E402
+from specdec.train import trainer  # noqa: E402
+from specdec.train.choices import choose_tree  # noqa: E402
+from specdec.train.config import TrainConfig  # noqa: E402
+from specdec.train.pipeline import run_training  # noqa: E402
+from specdec.train.trainer import OutputDirError  # noqa: E402
+
+CHARS = list("abcdefghijklmnopqrstuvwxyz .,?!'0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+TEXTS = [f"the {w} number {i} likes {w[::-1]} and sings, {i * 7}" for i, w in
+         enumerate(["cat", "dog", "bird", "fish", "frog", "bee", "owl", "fox", "cow", "yak", "eel", "ant"] * 2)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from specdec.testing import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    build_tiny_model("llama-mha-untied", vocab_size=96).save_pretrained(root / "model")
+    vocab = {"[UNK]": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]")),
+                                  unk_token="[UNK]", pad_token="[UNK]")
+    tok.save_pretrained(root / "model")
+    (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    return root
+
+
+def _cfg(tiny, out, **kw):
+    base = dict(model=str(tiny / "model"), output_dir=str(out), data=str(tiny / "data.jsonl"), num_heads=2,
+                seq_len=32, batch_size=4, max_steps=6, save_every=2, lr=3e-3, eval_prompts=2,
+                eval_max_new_tokens=8, progress=False, held_out_fraction=0.2)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_one_step_lowers_loss_on_a_fixed_batch():
+    from specdec.testing import build_tiny_model
+
+    model = build_tiny_model("llama-mha-untied", vocab_size=64)
+    heads = MedusaHeads(MedusaConfig(3, 1, model.config.hidden_size, 64))
+    lm_w = model.get_output_embeddings().weight.detach()
+    heads.init_lm_heads_from(lm_w)
+    ids, mask = trainer.collate([[1, 5, 9, 2, 7, 3, 3, 8], [4, 4, 6, 1, 2]], "cpu")
+    hidden, labels = trainer.target_features(model, ids, mask)
+    opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
+
+    def total():
+        return sum(0.8**i * trainer.head_loss(heads, i, hidden, labels, mask, lm_w)[0] for i in range(3))
+
+    before = total()
+    before.backward()
+    opt.step()
+    with torch.no_grad():
+        after = total()
+    assert after < before - 1e-3
+
+
+def test_run_writes_loadable_layout_and_report(tiny, tmp_path):
+    from specdec.cli import main
+
+    out = tmp_path / "run"
+    rc = main(["train-medusa", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"),
+               "--output-dir", str(out), "--num-heads", "2", "--seq-len", "32", "--batch-size", "4",
+               "--max-steps", "4", "--eval-prompts", "2", "--eval-max-new-tokens", "8", "--tree-budget", "5",
+               "--no-progress"])
+    assert rc == 0
+    heads = load_medusa(out, hidden_size=64, vocab_size=96)
+    assert heads.config.num_heads == 2 and 1 <= len(heads.config.medusa_choices) <= 5
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["top1"]) == 2 and all(0 <= a <= b <= 1 for a, b in zip(report["top1"], report["top5"]))
+    assert report["tau"]["tau"] >= 1.0 and report["steps"] == 4
+    assert (out / "report.md").is_file() and "step 4/4" in (out / "train.log").read_text()
+    # a second run into the same dir is refused; the CLI says how to proceed
+    assert main(["train-medusa", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"),
+                 "--output-dir", str(out), "--no-progress"]) == 2
+
+
+def test_output_dir_refusal_and_overwrite(tiny, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "something").write_text("another run")
+    with pytest.raises(OutputDirError, match="--overwrite"):
+        run_training(_cfg(tiny, out, eval_tau=False))
+    with pytest.raises(OutputDirError, match="no checkpoint"):
+        run_training(_cfg(tiny, out, eval_tau=False, resume=True))
+    run_training(_cfg(tiny, out, eval_tau=False, overwrite=True, max_steps=2))
+    assert not (out / "something").exists() and (out / "config.json").is_file()
+
+
+def test_resume_after_kill_matches_uninterrupted_run(tiny, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    full = tmp_path / "full"
+    run_training(_cfg(tiny, full, eval_tau=False))
+    real_rows = trainer.batch_rows
+
+    def dying_rows(num, micro, bs, seed):
+        if micro == 5:  # step 5 starts after the step-4 checkpoint: a kill mid-way
+            raise KeyboardInterrupt
+        return real_rows(num, micro, bs, seed)
+
+    part = tmp_path / "part"
+    monkeypatch.setattr(trainer, "batch_rows", dying_rows)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(_cfg(tiny, part, eval_tau=False))
+    monkeypatch.setattr(trainer, "batch_rows", real_rows)
+    assert ckpt_io.read_state(ckpt_io.find_checkpoint(part))["step"] == 4
+    with pytest.raises(OutputDirError, match="different configuration.*num_heads"):
+        run_training(_cfg(tiny, part, eval_tau=False, resume=True, num_heads=3))
+    run_training(_cfg(tiny, part, eval_tau=False, resume=True))
+    a, b = load_file(str(full / "medusa_lm_head.safetensors")), load_file(str(part / "medusa_lm_head.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ha = [json.loads(x) for x in (full / "history.jsonl").read_text().splitlines()]
+    hb = [json.loads(x) for x in (part / "history.jsonl").read_text().splitlines()]
+    assert [h["loss"] for h in ha] == [h["loss"] for h in hb]
+
+
+def test_checkpoint_swap_survives_a_kill_between_renames(tmp_path):
+    (tmp_path / "checkpoint.tmp").mkdir()  # half-written: ignored
+    assert ckpt_io.find_checkpoint(tmp_path) is None
+    (tmp_path / "checkpoint.old").mkdir()
+    (tmp_path / "checkpoint.old" / "state.json").write_text('{"step": 3}')
+    assert ckpt_io.find_checkpoint(tmp_path) == tmp_path / "checkpoint.old"
+
+
+def test_seq_len_beyond_context_is_refused(tiny, tmp_path):
+    with pytest.raises(ValueError, match="context"):
+        run_training(_cfg(tiny, tmp_path / "s", seq_len=100_000, eval_tau=False))
+
+
+def test_choose_tree_budget_prefixes_and_order():
+    rank_acc = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]]
+    paths, est = choose_tree(rank_acc, budget=6)
+    assert len(paths) == 6 and all(p[:-1] in paths for p in paths if len(p) > 1)
+    # path probabilities: (0,) .6, (0,0) .24, (1,) .2, (0,1) .12, (2,) .1, (1,0) .08, then (0,0,0) .072
+    assert paths == [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]
+    expected = 1 + 0.6 + 0.24 + 0.2 + 0.12 + 0.1 + 0.08
+    assert est == pytest.approx(expected)
+    with pytest.raises(ValueError):
+        choose_tree(rank_acc, budget=0)

@@ -1,0 +1,62 @@
+"""Atomic training checkpoints: heads + optimizer + scheduler + RNG + step, written tmp-then-rename.
+
+Layout of ``<output>/checkpoint/``: ``heads.safetensors``, ``optimizer.pt`` and ``scheduler.pt``
+(tensors and plain values only, read back with ``torch.load(weights_only=True)``), ``rng.pt``, and
+``state.json`` (step, config, fingerprint). A kill at any moment leaves either the previous or
+the new checkpoint complete: the new one is written to ``checkpoint.tmp`` and swapped in by renames.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+CKPT, TMP, OLD = "checkpoint", "checkpoint.tmp", "checkpoint.old"
+
+
+def save_checkpoint(output_dir: Path, heads, optimizer, scheduler, step: int, config: dict,
+                    fingerprint: str) -> Path:
+    from safetensors.torch import save_file
+
+    tmp, final, old = output_dir / TMP, output_dir / CKPT, output_dir / OLD
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}, str(tmp / "heads.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, "fingerprint": fingerprint, "config": config}, indent=2))
+    for f in tmp.iterdir():  # make the bytes durable before the rename makes them visible
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def find_checkpoint(output_dir: Path) -> Path | None:
+    """The complete checkpoint (``checkpoint``, or ``checkpoint.old`` if a kill hit between the renames)."""
+    for name in (CKPT, OLD):
+        if (output_dir / name / "state.json").is_file():
+            return output_dir / name
+    return None
+
+
+def read_state(ckpt: Path) -> dict:
+    return json.loads((ckpt / "state.json").read_text())
+
+
+def load_checkpoint(ckpt: Path, heads, optimizer, scheduler) -> int:
+    from safetensors.torch import load_file
+
+    heads.load_state_dict(load_file(str(ckpt / "heads.safetensors")))
+    optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+    scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
+    torch.set_rng_state(torch.load(ckpt / "rng.pt", weights_only=True)["torch"])
+    return int(read_state(ckpt)["step"])

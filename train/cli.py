@@ -1,0 +1,102 @@
+"""``specdec train-medusa``: train Medusa heads for a target model (one CPU, one GPU, or ``accelerate launch``).
+
+    specdec train-medusa --output-dir heads/                        # quick recipe defaults, built-in prompts
+    specdec train-medusa --model ./my-llama --data chats.jsonl --output-dir heads/ --epochs 2
+    accelerate launch --num_processes 2 --cpu -m specdec.cli train-medusa --output-dir heads/ ...
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from specdec.models.embedded import DEFAULT_ALIAS
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train-medusa", help="train Medusa heads for a target model",
+        description="Train Medusa heads on a frozen target model (self-distillation from prompts by default), "
+                    "evaluate them, choose a medusa_choices tree and write the published Medusa checkpoint layout "
+                    "plus report.json / report.md. Multi-process: accelerate launch ... -m specdec.cli train-medusa.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model and heads")
+    g.add_argument("--model", default=DEFAULT_ALIAS, help="target model: alias, HF checkpoint dir or .gguf file")
+    g.add_argument("--num-heads", type=int, default=3, help="number of Medusa heads (head i predicts token t+2+i)")
+    g.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
+    g.add_argument("--shared-lm-head", action="store_true",
+                   help="heads reuse the target's (frozen) LM head instead of each owning a trainable copy")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=None,
+                   help="training data: .jsonl/.json, .parquet or a datasets.save_to_disk dir; "
+                        "omitted: self-distil prompts (built-in set or --prompts-file) with the target itself")
+    g.add_argument("--text-field", default="text", help="record field holding plain text")
+    g.add_argument("--messages-field", default="messages", help="record field holding chat messages (role/content)")
+    g.add_argument("--prompts-file", default=None, help="self-distillation prompts, one per line")
+    g.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts (default: all)")
+    g.add_argument("--distill-max-new-tokens", type=int, default=128, help="response length when self-distilling")
+    g.add_argument("--distill-batch-size", type=int, default=16, help="prompts per batched generate() call")
+    g.add_argument("--seq-len", type=int, default=512, help="training sequences are cut to this many tokens")
+    g.add_argument("--held-out-fraction", type=float, default=0.05, help="share of sequences kept for evaluation")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch (global, over processes)")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    g.add_argument("--schedule", choices=("cosine", "linear", "constant"), default="cosine", help="lr schedule")
+    g.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--epochs", type=int, default=1, help="passes over the training data (ignored with --max-steps)")
+    g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
+    g.add_argument("--head-decay", type=float, default=0.8, help="head i's loss weight is head_decay**i")
+    g.add_argument("--precision", choices=("no", "bf16"), default="no", help="mixed precision for the heads")
+    g.add_argument("--seed", type=int, default=0, help="seed for data order and initialisation")
+    g = p.add_argument_group("output, checkpoints, evaluation")
+    g.add_argument("--output-dir", required=True, help="where heads, checkpoints, logs and the report go")
+    g.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (atomic)")
+    g.add_argument("--log-every", type=int, default=10, help="log a line to train.log every N steps")
+    g.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its checkpoint")
+    g.add_argument("--overwrite", action="store_true", help="delete whatever --output-dir holds and start afresh")
+    g.add_argument("--tree-budget", type=int, default=64, help="nodes of the chosen medusa_choices tree (<= 64)")
+    g.add_argument("--eval-prompts", type=int, default=24, help="held-out chat prompts for the tau measurement")
+    g.add_argument("--eval-max-new-tokens", type=int, default=128, help="tokens per prompt for tau")
+    g.add_argument("--no-eval-tau", action="store_true", help="skip the tau measurement")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args):
+    from specdec.train.config import TrainConfig
+
+    return TrainConfig(
+        model=args.model, output_dir=args.output_dir, num_heads=args.num_heads, num_layers=args.num_layers,
+        shared_lm_head=args.shared_lm_head, data=args.data, text_field=args.text_field,
+        messages_field=args.messages_field, num_prompts=args.num_prompts, prompts_file=args.prompts_file,
+        distill_max_new_tokens=args.distill_max_new_tokens, distill_batch_size=args.distill_batch_size,
+        seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+        schedule=args.schedule, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, epochs=args.epochs,
+        max_steps=args.max_steps, head_decay=args.head_decay, precision=args.precision, seed=args.seed,
+        held_out_fraction=args.held_out_fraction, save_every=args.save_every, log_every=args.log_every,
+        tree_budget=args.tree_budget, eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens,
+        eval_tau=not args.no_eval_tau, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
+    )
+
+
+def run(args) -> int:
+    from specdec.train.data import TrainDataError
+    from specdec.train.pipeline import run_training
+    from specdec.train.trainer import OutputDirError
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        report = run_training(config_from_args(args))
+    except (TrainDataError, OutputDirError, ValueError, FileNotFoundError) as err:
+        print(f"specdec train-medusa: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specdec train-medusa: interrupted; the last checkpoint is intact (continue with --resume)",
+              file=sys.stderr)
+        return 130
+    if report:
+        print(json.dumps({k: report[k] for k in ("top1", "top5", "estimated_tau", "tau", "seconds")}, indent=2))
+    return 0

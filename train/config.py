@@ -1,0 +1,94 @@
+"""TrainConfig: every setting of a Medusa training run, validated; its fingerprint guards resume.
+
+    cfg = TrainConfig(model="default", output_dir="heads/", num_heads=3, max_steps=200)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+SCHEDULES = ("cosine", "linear", "constant")
+PRECISIONS = ("no", "bf16")  # fp16 would need a grad scaler; bf16 does not
+# fields that may differ between a run and its resumption (they do not change the trained heads)
+RESUMABLE_FIELDS = frozenset({"output_dir", "save_every", "log_every", "eval_prompts", "eval_max_new_tokens",
+                              "tree_budget", "resume", "overwrite", "progress", "eval_tau"})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str
+    output_dir: str
+    num_heads: int = 3
+    num_layers: int = 1
+    shared_lm_head: bool = False
+    data: str | None = None  # None: self-distil the built-in prompt set
+    text_field: str = "text"
+    messages_field: str = "messages"
+    num_prompts: int | None = None  # None: every built-in prompt / every prompt of --prompts
+    prompts_file: str | None = None
+    distill_max_new_tokens: int = 128
+    distill_batch_size: int = 16
+    seq_len: int = 512
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 1e-3
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    epochs: int = 1
+    max_steps: int | None = None  # overrides epochs
+    head_decay: float = 0.8  # head i's loss weight is head_decay ** i
+    precision: str = "no"
+    seed: int = 0
+    held_out_fraction: float = 0.05
+    save_every: int = 50
+    log_every: int = 10
+    tree_budget: int = 64
+    eval_prompts: int = 24
+    eval_max_new_tokens: int = 128
+    eval_tau: bool = True
+    resume: bool = False
+    overwrite: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        positive = ("num_heads", "seq_len", "batch_size", "grad_accum", "epochs", "save_every", "log_every",
+                    "tree_budget", "distill_max_new_tokens", "distill_batch_size", "eval_prompts",
+                    "eval_max_new_tokens")
+        for name in positive:
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_layers < 0:
+            raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if not 0 < self.head_decay <= 1:
+            raise ValueError(f"head_decay must be in (0, 1], got {self.head_decay}")
+        if not 0 <= self.held_out_fraction < 1:
+            raise ValueError(f"held_out_fraction must be in [0, 1), got {self.held_out_fraction}")
+        if self.tree_budget > 64:
+            raise ValueError(f"tree_budget must be <= 64 (the largest draft tree), got {self.tree_budget}")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite contradict each other")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def fingerprint(self) -> str:
+        """Hash of everything that shapes the trained heads (not the output dir, logging or evaluation)."""
+        core = {k: v for k, v in asdict(self).items() if k not in RESUMABLE_FIELDS}
+        return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
+
+    def differences(self, other: dict) -> list[str]:
+        mine = asdict(self)
+        return [f"{k}: checkpoint {other.get(k)!r} vs now {mine[k]!r}" for k in sorted(mine)
+                if k not in RESUMABLE_FIELDS and other.get(k) != mine[k]]

@@ -1,0 +1,97 @@
+"""Training data for Medusa heads: local JSONL / Parquet / saved ``datasets`` dirs -> token-id sequences.
+
+    texts = load_texts("data.jsonl", field="text")          # list[str]; chat messages are rendered
+    seqs = tokenize_texts(tokenizer, texts, seq_len=512)     # list[list[int]], each 2..seq_len tokens
+
+A record holds either a text field (``--text-field``, default ``text``) or chat messages
+(``--messages-field``, default ``messages``: a list of ``{"role", "content"}``), which are rendered
+with the tokenizer's chat template. Anything else is a :class:`TrainDataError` naming the problem.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+
+class TrainDataError(ValueError):
+    """Training data is missing, unreadable, empty, or lacks the requested field."""
+
+
+def _load_dataset(path: Path):
+    try:
+        import datasets
+    except ImportError as err:  # pragma: no cover
+        raise TrainDataError("reading training data needs 'datasets': pip install 'specdec[train]'") from err
+    try:
+        if path.is_dir():
+            if not ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
+                raise TrainDataError(f"{path} is a directory but not a dataset saved with datasets.save_to_disk")
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                split = "train" if "train" in ds else next(iter(ds))
+                ds = ds[split]
+            return ds
+        suffix = path.suffix.lower()
+        if suffix in (".jsonl", ".json"):
+            return datasets.load_dataset("json", data_files=str(path), split="train")
+        if suffix == ".parquet":
+            return datasets.load_dataset("parquet", data_files=str(path), split="train")
+    except TrainDataError:
+        raise
+    except Exception as err:  # datasets raises many types for bad files
+        raise TrainDataError(f"cannot read training data {path}: {type(err).__name__}: {err}") from err
+    raise TrainDataError(f"unknown data format {path.name!r}: use .jsonl/.json, .parquet or a saved datasets dir")
+
+
+def load_texts(data: str, text_field: str = "text", messages_field: str = "messages", tokenizer=None) -> list[str]:
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise TrainDataError(f"training data not found: {path}")
+    ds = _load_dataset(path)
+    if len(ds) == 0:
+        raise TrainDataError(f"training data {path} is empty")
+    columns = set(ds.column_names)
+    if text_field in columns:
+        texts = [t for t in ds[text_field] if isinstance(t, str) and t.strip()]
+    elif messages_field in columns:
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+            raise TrainDataError(f"{path} holds chat messages but the model's tokenizer has no chat template")
+        texts = []
+        for i, msgs in enumerate(ds[messages_field]):
+            if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                     for m in msgs):
+                raise TrainDataError(f"{path} record {i}: {messages_field!r} must be a list of {{role, content}}")
+            texts.append(tokenizer.apply_chat_template(msgs, tokenize=False))
+    else:
+        raise TrainDataError(
+            f"{path} has neither a {text_field!r} nor a {messages_field!r} field (columns: {sorted(columns)}); "
+            "pass --text-field or --messages-field"
+        )
+    if not texts:
+        raise TrainDataError(f"training data {path} holds no non-empty texts")
+    return texts
+
+
+def tokenize_texts(tokenizer, texts: list[str], seq_len: int) -> list[list[int]]:
+    """Tokenize and cut to ``seq_len``; sequences shorter than 3 tokens are dropped (nothing to learn)."""
+    seqs = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:seq_len]
+        if len(ids) >= 3:
+            seqs.append(list(ids))
+    if not seqs:
+        raise TrainDataError("no training sequence has at least 3 tokens")
+    return seqs
+
+
+def split_held_out(seqs: list[list[int]], fraction: float) -> tuple[list[list[int]], list[list[int]]]:
+    """Deterministic split by content hash (same data -> same split, whatever the order or process count)."""
+    train, held = [], []
+    for s in seqs:
+        h = int(hashlib.sha256(str(s).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+        (held if h < fraction else train).append(s)
+    if not train:
+        raise TrainDataError(f"held-out fraction {fraction} left no training data")
+    if not held and fraction > 0:
+        held = train[-1:]
+    return train, held

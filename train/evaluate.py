@@ -1,0 +1,63 @@
+"""Evaluate trained heads: per-head rank accuracies on held-out sequences, and tau with the Medusa drafter.
+
+    acc = head_accuracies(model, heads, held_out_seqs)   # {"top1": [...], "top5": [...], "rank_acc": [[...]]}
+    tau = measure_tau(loaded, heads, choices, prompts, max_new_tokens=128)
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from specdec.train.trainer import collate, target_features
+
+logger = logging.getLogger(__name__)
+MAX_RANK = 10
+
+
+@torch.no_grad()
+def head_accuracies(model, heads, seqs: list[list[int]], batch_size: int = 4, device="cpu") -> dict:
+    """rank_acc[i][k] = P(the target's token is head i's rank-k guess); top1/top5 are its prefix sums."""
+    n = heads.config.num_heads
+    hits = torch.zeros(n, MAX_RANK, dtype=torch.float64)
+    counts = torch.zeros(n, dtype=torch.float64)
+    lm_w = model.get_output_embeddings().weight
+    for start in range(0, len(seqs), batch_size):
+        ids, mask = collate(seqs[start : start + batch_size], device)
+        hidden, labels = target_features(model, ids, mask)
+        for i in range(n):
+            shift = 1 + i
+            if hidden.shape[1] <= shift:
+                continue
+            valid = mask[:, shift:].bool()
+            x = heads.heads[i](hidden[:, :-shift][valid])
+            logits = torch.nn.functional.linear(x, lm_w) if heads.config.shared_lm_head else x
+            ranks = logits.topk(MAX_RANK, dim=-1).indices  # [N, MAX_RANK]
+            eq = ranks == labels[:, shift:][valid].unsqueeze(-1)
+            hits[i] += eq.sum(0).double()
+            counts[i] += eq.shape[0]
+    rank_acc = (hits / counts.clamp(min=1).unsqueeze(-1)).tolist()
+    return {
+        "rank_acc": rank_acc,
+        "top1": [r[0] for r in rank_acc],
+        "top5": [sum(r[:5]) for r in rank_acc],
+        "positions": counts.tolist(),
+    }
+
+
+def measure_tau(loaded, heads, choices, prompts: list[str], max_new_tokens: int, batch_size: int = 8) -> dict:
+    """Greedy generation with the Medusa drafter on a static tree; tau = new tokens per target forward."""
+    from specdec.drafters.medusa import MedusaDrafter
+    from specdec.train.distill import encode_prompt
+
+    from specdec.generate import generate
+
+    ids = [encode_prompt(loaded.tokenizer, p) for p in prompts]
+    new = steps = 0
+    for start in range(0, len(ids), batch_size):
+        drafter = MedusaDrafter(heads=heads, tree="static", medusa_choices=choices)
+        out = generate(loaded, ids[start : start + batch_size], drafter=drafter, max_new_tokens=max_new_tokens,
+                       return_dict=True)
+        new += sum(s.new_tokens for s in out.stats)
+        steps += sum(s.steps for s in out.stats)
+    return {"tau": new / max(1, steps), "new_tokens": new, "target_forwards": steps, "prompts": len(prompts),
+            "max_new_tokens": max_new_tokens, "tree_nodes": len(choices)}

@@ -1,0 +1,146 @@
+"""One ``train-medusa`` run end to end: data -> training -> evaluation -> Medusa checkpoint + report.
+
+    report = run_training(TrainConfig(model="default", output_dir="heads/", max_steps=100))
+
+Writes into the output dir: ``config.json`` + ``medusa_lm_head.safetensors`` (published Medusa layout,
+with the chosen ``medusa_choices``), ``report.json``, ``report.md``, ``train.log``, ``history.jsonl``,
+``run.json`` and the resumable ``checkpoint/``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+from specdec.drafters.medusa_heads import save_medusa
+from specdec.train.config import TrainConfig
+from specdec.train.data import TrainDataError, load_texts, split_held_out, tokenize_texts
+from specdec.train.trainer import RUN_FILE, prepare_output_dir, train_heads
+
+logger = logging.getLogger(__name__)
+
+
+def _sequences(cfg: TrainConfig, loaded, accelerator) -> list[list[int]]:
+    if cfg.data is not None:
+        texts = load_texts(cfg.data, cfg.text_field, cfg.messages_field, loaded.tokenizer)
+        return tokenize_texts(loaded.tokenizer, texts, cfg.seq_len)
+    from specdec.train.distill import self_distill
+    from specdec.train.prompts import builtin_prompts
+
+    if cfg.prompts_file:
+        path = Path(cfg.prompts_file)
+        if not path.is_file():
+            raise TrainDataError(f"prompts file not found: {path}")
+        prompts = [x.strip() for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+        if not prompts:
+            raise TrainDataError(f"prompts file {path} is empty")
+        prompts = prompts[: cfg.num_prompts]
+    else:
+        prompts = builtin_prompts(cfg.num_prompts, seed=cfg.seed)
+    seqs = None
+    for turn in (0, 1):  # the main process generates, the others then read its cache
+        if (turn == 0) == accelerator.is_main_process:
+            seqs = self_distill(loaded, prompts, max_new_tokens=cfg.distill_max_new_tokens,
+                                batch_size=cfg.distill_batch_size, progress=cfg.progress)
+        accelerator.wait_for_everyone()
+    return [s[: cfg.seq_len] for s in seqs]
+
+
+def _log_to_file(out: Path) -> logging.Handler:
+    handler = logging.FileHandler(out / "train.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("specdec").addHandler(handler)
+    logging.getLogger("specdec").setLevel(logging.INFO)
+    return handler
+
+
+def run_training(cfg: TrainConfig, accelerator=None) -> dict:
+    from accelerate import Accelerator
+    from specdec.train.choices import choose_tree
+    from specdec.train.evaluate import head_accuracies, measure_tau
+
+    from specdec.models.loader import load_model
+
+    accelerator = accelerator or Accelerator(mixed_precision=cfg.precision)
+    t0 = time.perf_counter()
+    resume_from = None
+    if accelerator.is_main_process:
+        resume_from = prepare_output_dir(cfg)
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process and cfg.resume:
+        from specdec.train.checkpoint import find_checkpoint
+
+        resume_from = find_checkpoint(Path(cfg.output_dir))
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    handler = _log_to_file(out) if accelerator.is_main_process else None
+    try:
+        loaded = load_model(cfg.model)
+        model = loaded.model.to(accelerator.device)
+        model.requires_grad_(False)
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+        if max_pos is not None and cfg.seq_len > max_pos:
+            raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's context of {max_pos} tokens")
+        if accelerator.is_main_process:
+            (out / RUN_FILE).write_text(json.dumps({"config": cfg.to_json(), "fingerprint": cfg.fingerprint()},
+                                                   indent=2))
+        seqs = _sequences(cfg, loaded, accelerator)
+        train_seqs, held_out = split_held_out(seqs, cfg.held_out_fraction)
+        logger.info("%d training / %d held-out sequences (%d / %d tokens)", len(train_seqs), len(held_out),
+                    sum(map(len, train_seqs)), sum(map(len, held_out)))
+        t_data = time.perf_counter()
+        heads, history = train_heads(cfg, model, train_seqs, accelerator, resume_from, loaded.name)
+        t_train = time.perf_counter()
+        report: dict = {}
+        if accelerator.is_main_process:
+            acc = head_accuracies(model, heads, held_out or train_seqs[-4:], device=accelerator.device)
+            choices, est_tau = choose_tree(acc["rank_acc"], cfg.tree_budget)
+            heads.config = dataclasses.replace(heads.config, medusa_choices=tuple(choices))
+            save_medusa(heads, out)
+            tau = None
+            if cfg.eval_tau:
+                from specdec.eval.prompts import load_prompts
+
+                tau = measure_tau(loaded, heads, choices, load_prompts("chat", cfg.eval_prompts),
+                                  cfg.eval_max_new_tokens)
+            t_end = time.perf_counter()
+            report = {
+                "config": cfg.to_json(), "model": loaded.name, "train_sequences": len(train_seqs),
+                "held_out_sequences": len(held_out), "steps": history[-1]["step"] if history else 0,
+                "final_loss": history[-1]["loss"] if history else None,
+                "top1": acc["top1"], "top5": acc["top5"], "rank_acc": acc["rank_acc"],
+                "medusa_choices": [list(c) for c in choices], "estimated_tau": est_tau, "tau": tau,
+                "seconds": {"data": t_data - t0, "train": t_train - t_data, "eval": t_end - t_train,
+                            "total": t_end - t0},
+                "processes": accelerator.num_processes,
+            }
+            (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+            (out / "report.md").write_text(render_markdown(report))
+            logger.info("done: top1 %s, tau %s", acc["top1"], tau and round(tau["tau"], 3))
+        accelerator.wait_for_everyone()
+        return report
+    finally:
+        if handler is not None:
+            logging.getLogger("specdec").removeHandler(handler)
+            handler.close()
+
+
+def render_markdown(r: dict) -> str:
+    lines = [f"# Medusa training report: {r['model']}", "",
+             f"{r['config']['num_heads']} heads x {r['config']['num_layers']} layers, "
+             f"{'shared' if r['config']['shared_lm_head'] else 'own'} LM head; {r['steps']} steps on "
+             f"{r['train_sequences']} sequences ({r['processes']} process(es)); final loss {r['final_loss']:.4f}", "",
+             "| head | predicts | top-1 | top-5 |", "|---|---|---|---|"]
+    for i, (a1, a5) in enumerate(zip(r["top1"], r["top5"])):
+        lines.append(f"| {i} | t+{i + 2} | {a1:.3f} | {a5:.3f} |")
+    lines += ["", f"Tree: {len(r['medusa_choices'])} nodes, estimated tau {r['estimated_tau']:.3f}"]
+    if r["tau"]:
+        t = r["tau"]
+        lines.append(f"Measured tau (greedy, {t['prompts']} held-out chat prompts, {t['max_new_tokens']} new tokens): "
+                     f"**{t['tau']:.3f}**")
+    s = r["seconds"]
+    lines += ["", f"Wall time: data {s['data']:.0f} s, training {s['train']:.0f} s, evaluation {s['eval']:.0f} s, "
+              f"total {s['total']:.0f} s", ""]
+    return "\n".join(lines)

@@ -1,0 +1,186 @@
+"""The Medusa training loop: frozen target, per-head distillation loss, accelerate, checkpoints, resume.
+
+    from specdec.train.trainer import train
+    report = train(TrainConfig(model="default", output_dir="heads/", max_steps=200))
+
+Head ``i`` at position ``t`` learns the target's own greedy prediction at position ``t + 1 + i``
+(the token the target would produce at ``t + 2 + i``), weighted by ``head_decay ** i``. The target's
+hidden states and argmax labels are computed once per batch under ``no_grad``.
+Batches: ``batch_size`` is the global micro-batch; with N processes each takes rows ``p::N``,
+gradients are averaged across processes by hand (no DDP), so 1 and N processes see the same data.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+from pathlib import Path
+
+import torch
+from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
+from specdec.train import checkpoint as ckpt_io
+from specdec.train.config import TrainConfig
+from torch.nn import functional as F
+
+logger = logging.getLogger(__name__)
+RUN_FILE = "run.json"
+
+
+class OutputDirError(ValueError):
+    """The output directory holds another run (or resume finds nothing / a different configuration)."""
+
+
+def prepare_output_dir(cfg: TrainConfig) -> Path | None:
+    """Apply the refusal rules; returns the checkpoint to resume from (or None)."""
+    out = Path(cfg.output_dir)
+    if cfg.resume:
+        ckpt = ckpt_io.find_checkpoint(out)
+        if ckpt is None:
+            raise OutputDirError(f"--resume: {out} holds no checkpoint to resume from")
+        state = ckpt_io.read_state(ckpt)
+        if state["fingerprint"] != cfg.fingerprint():
+            diff = "; ".join(cfg.differences(state["config"])) or "unknown"
+            raise OutputDirError(f"--resume: the checkpoint in {out} is from a different configuration ({diff})")
+        return ckpt
+    if out.exists() and any(out.iterdir()):
+        if not cfg.overwrite:
+            raise OutputDirError(f"{out} is not empty (it holds another run?): pass --resume to continue it or "
+                                 "--overwrite to replace it")
+        shutil.rmtree(out)
+    return None
+
+
+def batch_rows(num_train: int, micro: int, batch_size: int, seed: int) -> list[int]:
+    """Row indices of global micro-batch ``micro``: epochs are seeded permutations, so position = micro index."""
+    per_epoch = max(1, num_train // batch_size)
+    epoch, k = divmod(micro, per_epoch)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(num_train, generator=g)
+    return perm[k * batch_size : (k + 1) * batch_size].tolist()
+
+
+def collate(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    L = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), L, dtype=torch.long)
+    mask = torch.zeros(len(seqs), L, dtype=torch.long)
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = torch.tensor(s)
+        mask[r, : len(s)] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def target_features(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final-norm hidden states [B, L, H] and the target's argmax next tokens [B, L]."""
+    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    lm_w = model.get_output_embeddings().weight
+    labels = torch.stack([F.linear(h, lm_w).argmax(-1) for h in hidden])  # row by row: [L, V] at a time
+    return hidden, labels
+
+
+def head_loss(heads: MedusaHeads, i: int, hidden, labels, mask, lm_w) -> tuple[torch.Tensor, int, int]:
+    """Cross-entropy of head i vs the target's prediction at t+1+i; returns (loss, correct, count)."""
+    shift = 1 + i
+    if hidden.shape[1] <= shift:
+        return hidden.new_zeros(()), 0, 0
+    h = hidden[:, :-shift]  # [B, L-shift, H]
+    y = labels[:, shift:]
+    valid = mask[:, shift:].bool()
+    x = heads.heads[i](h[valid])  # [N, H]
+    logits = F.linear(x, lm_w) if heads.config.shared_lm_head else x  # [N, V]
+    target = y[valid]
+    loss = F.cross_entropy(logits.float(), target)
+    correct = int((logits.argmax(-1) == target).sum())
+    return loss, correct, int(target.numel())
+
+
+def make_scheduler(optimizer, cfg: TrainConfig, total_steps: int):
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        frac = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        if cfg.schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+        if cfg.schedule == "linear":
+            return max(0.0, 1 - frac)
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def train_heads(cfg: TrainConfig, model, train_seqs: list[list[int]], accelerator, resume_from: Path | None,
+                model_name: str = "") -> tuple[MedusaHeads, list[dict]]:
+    """Train and return (heads, history of logged {step, loss, top1 per head}). Saves checkpoints."""
+    out = Path(cfg.output_dir)
+    nproc, rank = accelerator.num_processes, accelerator.process_index
+    if cfg.batch_size % nproc:
+        raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the {nproc} processes")
+    shape_cfg = model.config
+    torch.manual_seed(cfg.seed)
+    heads = MedusaHeads(MedusaConfig(cfg.num_heads, cfg.num_layers, shape_cfg.hidden_size, shape_cfg.vocab_size,
+                                     cfg.shared_lm_head, model_name)).to(accelerator.device)
+    lm_w = model.get_output_embeddings().weight.detach()
+    heads.init_lm_heads_from(lm_w)
+    params = [p for p in heads.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    micro_per_epoch = max(1, len(train_seqs) // cfg.batch_size)
+    total = cfg.max_steps or max(1, cfg.epochs * micro_per_epoch // cfg.grad_accum)
+    scheduler = make_scheduler(optimizer, cfg, total)
+    step = 0
+    if resume_from is not None:
+        step = ckpt_io.load_checkpoint(resume_from, heads, optimizer, scheduler)
+        logger.info("resumed from %s at step %d of %d", resume_from, step, total)
+    history = []
+    hist_file = out / "history.jsonl"
+    if accelerator.is_main_process and resume_from is not None and hist_file.exists():
+        history = [json.loads(x) for x in hist_file.read_text().splitlines() if json.loads(x)["step"] <= step]
+        hist_file.write_text("".join(json.dumps(h) + "\n" for h in history))
+    weights = [cfg.head_decay**i for i in range(cfg.num_heads)]
+    bar = None
+    if cfg.progress and accelerator.is_main_process:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, initial=step, desc="train-medusa", unit="step")
+    heads.train()
+    while step < total:
+        stats = torch.zeros(1 + 2 * cfg.num_heads, device=accelerator.device)  # loss sum, correct[i], count[i]
+        for a in range(cfg.grad_accum):
+            rows = batch_rows(len(train_seqs), step * cfg.grad_accum + a, cfg.batch_size, cfg.seed)[rank::nproc]
+            ids, mask = collate([train_seqs[r] for r in rows], accelerator.device)
+            hidden, labels = target_features(model, ids, mask)
+            for i in range(cfg.num_heads):  # one graph per head: peak memory is one head's logits
+                with accelerator.autocast():
+                    loss, correct, count = head_loss(heads, i, hidden, labels, mask, lm_w)
+                (weights[i] * loss / cfg.grad_accum).backward()
+                stats[0] += weights[i] * loss.detach() / cfg.grad_accum
+                stats[1 + i] += correct
+                stats[1 + cfg.num_heads + i] += count
+        if nproc > 1:
+            for p in params:
+                p.grad = accelerator.reduce(p.grad, reduction="mean")
+            stats = accelerator.reduce(stats, reduction="sum")
+            stats[0] /= nproc
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        top1 = [float(stats[1 + i] / max(1.0, float(stats[1 + cfg.num_heads + i]))) for i in range(cfg.num_heads)]
+        rec = {"step": step, "loss": float(stats[0]), "top1": top1, "lr": scheduler.get_last_lr()[0]}
+        if accelerator.is_main_process:
+            history.append(rec)
+            with open(hist_file, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", top1="/".join(f"{t:.2f}" for t in top1))
+            if step % cfg.log_every == 0 or step == total:
+                logger.info("step %d/%d loss %.4f top1 %s lr %.2e", step, total, rec["loss"],
+                            " ".join(f"{t:.3f}" for t in top1), rec["lr"])
+            if step % cfg.save_every == 0 or step == total:
+                ckpt_io.save_checkpoint(out, heads, optimizer, scheduler, step, cfg.to_json(), cfg.fingerprint())
+        accelerator.wait_for_everyone()
+    if bar is not None:
+        bar.close()
+    heads.eval()
+    return heads, history
