@@ -39,6 +39,7 @@ class SequenceState:
     steps: int = 0  # target forward passes (verify steps) spent on this sequence
     depth_tried: list[int] = field(default_factory=list)  # per depth d+1: steps that tried a child
     depth_accepted: list[int] = field(default_factory=list)  # per depth d+1: steps that accepted one
+    step_lengths: list[int] = field(default_factory=list)  # tokens committed by each step
     finished_at: float | None = None  # time.perf_counter() when it finished
     # [hidden_size] target hidden state at tokens[-2] (kept only for drafters that ask)
     last_hidden: torch.Tensor | None = None
@@ -82,6 +83,7 @@ class Engine:
         self.rule = rule  # EXACT unless a certificate runs a deliberately broken negative control
         self.seqs: list[SequenceState] = []
         self.forward_passes = 0
+        self.seconds = {"draft": 0.0, "verify": 0.0}  # wall time of the two halves of step(), summed
         self.keep_hidden = bool(getattr(drafter, "needs_hidden_states", False))
         if drafter is not None and callable(getattr(drafter, "attach", None)):
             drafter.attach(TargetView(runner, cache, sampling, stop.tokenizer))
@@ -115,14 +117,19 @@ class Engine:
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> dict[int, list[int]]:
         """Draft, verify, sample, commit. Returns the tokens emitted per seq_id this step."""
+        t0 = time.perf_counter()
         live = self.live
         trees = self.propose(live)
+        t1 = time.perf_counter()
         batch = self.verify_batch(live, trees)
         out = self.verify(batch)
         acceptances = rejection_sample(trees, out.logits[batch.row_index], self.sampling, self.generator, self.rule)
         if self.keep_hidden:
             self.keep_last_hidden(live, acceptances, out.hidden[batch.row_index])
-        return self.commit(live, acceptances)
+        emitted = self.commit(live, acceptances)
+        self.seconds["draft"] += t1 - t0
+        self.seconds["verify"] += time.perf_counter() - t1  # verify forward + sampling + commit
+        return emitted
 
     def propose(self, live: list[SequenceState]) -> list[DraftTree]:
         if self.drafter is None:
@@ -210,6 +217,7 @@ class Engine:
             emitted[s.seq_id] = committed[:count]
             s.tokens.extend(committed[:count])
             s.steps += 1
+            s.step_lengths.append(count)
             self._count_depths(s, acc)
             if reason is not None:
                 s.finish_reason, s.finished_at = reason, time.perf_counter()

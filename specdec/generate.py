@@ -43,6 +43,9 @@ class SequenceStats:
     tokens_per_second: float
     finish_reason: str
     acceptance_per_depth: tuple[float, ...]  # P(node at depth d accepted | parent accepted)
+    depth_tried: tuple[int, ...] = ()  # per depth d+1: steps whose node at depth d had its parent accepted
+    depth_accepted: tuple[int, ...] = ()  # per depth d+1: steps that accepted a node at depth d+1
+    step_lengths: tuple[int, ...] = ()  # tokens committed by each step (accepted length + 1, cut at stops)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class GenerateOutput:
     seconds: float
     prefill_seconds: float
     forward_passes: int
+    draft_seconds: float = 0.0  # time in drafter.propose (all steps)
+    verify_seconds: float = 0.0  # time in verification, sampling and commit (all steps)
 
     @property
     def total_new_tokens(self) -> int:
@@ -109,7 +114,8 @@ def _stats(s: SequenceState, start: float) -> SequenceStats:
     seconds = (s.finished_at or time.perf_counter()) - start
     acc = tuple(a / t if t else 0.0 for a, t in zip(s.depth_accepted, s.depth_tried))
     n = len(s.new_tokens)
-    return SequenceStats(s.num_prompt, n, s.steps, s.tau, seconds, n / seconds if seconds else 0.0, s.finish_reason or "", acc)
+    return SequenceStats(s.num_prompt, n, s.steps, s.tau, seconds, n / seconds if seconds else 0.0,
+                         s.finish_reason or "", acc, tuple(s.depth_tried), tuple(s.depth_accepted), tuple(s.step_lengths))
 
 
 def generate(
@@ -207,4 +213,5 @@ def generate(
     if not return_dict:
         return sequences
     stats = [_stats(s, start) for s in seqs]
-    return GenerateOutput(sequences, new_tokens, stats, seconds, prefill_seconds, engine.forward_passes)
+    return GenerateOutput(sequences, new_tokens, stats, seconds, prefill_seconds, engine.forward_passes,
+                          engine.seconds["draft"], engine.seconds["verify"])

@@ -1,0 +1,189 @@
+"""``specdec eval lossless`` and ``specdec eval acceptance`` (registered by specdec/cli.py).
+
+    specdec eval lossless --drafter ngram --temperature 0.8 --out runs/cert
+    specdec eval acceptance --drafters ngram,self-draft --categories chat,code --prompts 5 --out runs/acc
+    accelerate launch --num_processes 2 --cpu -m specdec.cli eval acceptance ... # shard prompts
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from specdec.models.embedded import DEFAULT_ALIAS
+
+
+def add_parser(sub) -> None:
+    ev = sub.add_parser("eval", help="losslessness certificate and acceptance / speed suite",
+                        description="Prove a configuration lossless, or measure what it buys.")
+    ev_sub = ev.add_subparsers(dest="eval_command", required=True)
+
+    p = ev_sub.add_parser("lossless", help="losslessness certificate (JSON + Markdown)",
+                          description="Exact law, sampler statistics and end-to-end checks, each with negative "
+                                      "controls that must fail. Exit code 0 = passed, 1 = failed or void.")
+    _common(p)
+    p.add_argument("--drafter", default="ngram", help="drafter name (default: ngram)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--levels", default="exact,stats,e2e", help="comma list of exact, stats, e2e")
+    p.add_argument("--full", action="store_true", help="sample sizes that detect TV 0.01 (meant for a GPU)")
+    p.add_argument("--stat-samples", type=int, help="draws per synthetic case (default 20000)")
+    p.add_argument("--identity-prompts", type=int, help="prompts for greedy identity (default 8)")
+    p.add_argument("--identity-tokens", type=int, help="new tokens per prompt for greedy identity (default 64)")
+    p.add_argument("--sample-sequences", type=int, help="sampled sequences per side end to end (default 1500)")
+    p.set_defaults(func=run_lossless)
+
+    a = ev_sub.add_parser("acceptance", help="tau, acceptance per depth and speed per drafter x category",
+                          description="Runs drafters over prompt categories against plain decoding and "
+                                      "transformers' generate(), same run; writes JSON, Markdown and PNG plots.")
+    _common(a)
+    a.add_argument("--drafters", default="ngram", help="comma list of drafter names (default: ngram)")
+    a.add_argument("--categories", default="chat,code,summarisation,qa,math,translation,rag")
+    a.add_argument("--prompts", type=int, default=20, help="prompts per category (default 20)")
+    a.add_argument("--prompts-file", help="your own prompts: JSONL with a 'prompt' field (category 'custom')")
+    a.add_argument("--max-new-tokens", type=int, default=128)
+    a.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    a.add_argument("--batch-size", type=int, default=1)
+    a.add_argument("--no-hf-baseline", action="store_true", help="skip transformers' generate() baseline")
+    a.add_argument("--no-plots", action="store_true")
+    a.add_argument("--resume", action="store_true", help="keep finished cells found in --out")
+    a.set_defaults(func=run_acceptance)
+
+
+def _common(p) -> None:
+    p.add_argument("--model", default=DEFAULT_ALIAS, help=f"model (default: {DEFAULT_ALIAS})")
+    p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="drafter option, repeatable; VALUE parsed as JSON when possible; with several "
+                        "drafters prefix the name: medusa.path=DIR")
+    p.add_argument("--out", default=None, help="output directory (default: runs/eval-<command>)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _options(pairs: list[str]) -> dict:
+    from specdec.cli import _parse_options
+
+    return _parse_options(pairs)
+
+
+def _encoder(loaded):
+    tok = loaded.tokenizer
+    if tok is None:  # tiny test models: bytes folded into the vocabulary
+        vocab = loaded.runner.shape.vocab_size
+        return lambda text: [b % vocab for b in text.encode()][:256] or [0]
+    if getattr(tok, "chat_template", None):
+        return lambda text: tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                    return_dict=False)
+    return lambda text: tok(text)["input_ids"]
+
+
+def run_lossless(args) -> int:
+    from dataclasses import replace
+
+    import torch
+    from specdec.drafters.registry import available
+    from specdec.eval.certificate import CertificateSizes, run_certificate
+    from specdec.eval.prompts import load_prompts
+
+    from specdec.models.loader import load_model
+    from specdec.sampling import SamplingConfig
+
+    if args.drafter not in available():
+        raise ValueError(f"unknown drafter {args.drafter!r}; available: {', '.join(available())}")
+    levels = tuple(x.strip() for x in args.levels.split(",") if x.strip())
+    bad = [lv for lv in levels if lv not in ("exact", "stats", "e2e")]
+    if bad or not levels:
+        raise ValueError(f"--levels takes exact, stats, e2e; got {args.levels!r}")
+    sizes = CertificateSizes.full() if args.full else CertificateSizes()
+    overrides = {k: getattr(args, k) for k in ("stat_samples", "identity_prompts", "identity_tokens",
+                                               "sample_sequences") if getattr(args, k) is not None}
+    sizes = replace(sizes, **overrides)
+    sampling = SamplingConfig(args.temperature > 0, args.temperature or 1.0, args.top_k, args.top_p)
+    torch.manual_seed(args.seed)
+    torch.set_grad_enabled(False)
+    loaded = load_model(args.model)
+    encode = _encoder(loaded)
+    make_prompts = lambda n: [encode(t) for t in load_prompts("chat", n)]  # noqa: E731
+    out = Path(args.out or "runs/eval-lossless")
+    print(f"[specdec eval lossless] {loaded.name} + {args.drafter}, levels {','.join(levels)}", file=sys.stderr)
+    cert = run_certificate(loaded, args.drafter, _options(args.drafter_option), sampling, sizes, make_prompts, levels,
+                           progress=lambda msg: print(f"  ... {msg}", file=sys.stderr))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "certificate.json").write_text(json.dumps(cert.to_json(), indent=2, default=str))
+    (out / "certificate.md").write_text(cert.to_markdown())
+    for w in cert.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    verdict = "VOID" if cert.void else ("PASSED" if cert.passed else "FAILED")
+    print(f"certificate {verdict} in {cert.seconds:.0f} s: {out / 'certificate.md'}")
+    return 0 if cert.passed else 1
+
+
+def run_acceptance(args) -> int:
+    import torch
+    from specdec.drafters.registry import available
+    from specdec.eval.acceptance import SuiteConfig, run_suite, summarise
+    from specdec.eval.prompt_sets import load_jsonl
+    from specdec.eval.prompts import CATEGORIES, load_prompts
+    from specdec.eval.report import write_reports
+    from tqdm.auto import tqdm
+
+    from specdec.models.loader import load_model
+
+    names = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    unknown = [d for d in names if d not in available()]
+    if unknown:
+        raise ValueError(f"unknown drafter(s) {', '.join(unknown)}; available: {', '.join(available())}")
+    categories = [c.strip() for c in args.categories.split(",") if c.strip()]
+    unknown = [c for c in categories if c not in CATEGORIES]
+    if unknown:
+        raise ValueError(f"unknown categories {', '.join(unknown)}; available: {', '.join(CATEGORIES)}")
+    per_drafter: dict[str, dict] = {d: {} for d in names}
+    for key, value in _options(args.drafter_option).items():
+        target, dot, name = key.partition(".")
+        if dot and target in per_drafter:  # medusa.path=DIR -> option "path" of medusa
+            per_drafter[target][name] = value
+        elif len(names) == 1:
+            per_drafter[names[0]][key] = value
+        else:
+            raise ValueError(f"--drafter-option {key}: with several drafters, prefix the drafter name "
+                             f"(e.g. {names[0]}.{key}=...)")
+    config = SuiteConfig(tuple((d, per_drafter[d]) for d in names), tuple(categories), args.prompts,
+                         args.max_new_tokens, args.temperature, args.batch_size, not args.no_hf_baseline, args.seed)
+    torch.set_grad_enabled(False)
+    loaded = load_model(args.model)
+    encode = _encoder(loaded)
+    texts = {c: load_prompts(c, args.prompts) for c in categories}
+    if args.prompts_file:
+        texts["custom"] = load_jsonl(args.prompts_file)[: args.prompts]
+    prompts = {c: [encode(t) for t in ts] for c, ts in texts.items()}
+    out = Path(args.out or "runs/eval-acceptance")
+    total = sum(len(p) for p in prompts.values()) * (len(names) + 1) * args.max_new_tokens
+    bar = tqdm(total=total, unit="tok", desc="acceptance", disable=None)
+    t0 = time.perf_counter()
+
+    def progress(category, cell):
+        bar.update(max(0, cell.new_tokens - getattr(cell, "_shown", 0)))
+        cell._shown = cell.new_tokens
+        bar.set_postfix(cell=f"{cell.drafter}/{category}", tau=f"{cell.tau:.2f}",
+                        tok_s=f"{cell.tokens_per_second:.1f}")
+
+    cells = run_suite(loaded, prompts, config, out, resume=args.resume, on_progress=progress)
+    bar.close()
+    from accelerate import PartialState
+
+    if not PartialState().is_main_process:
+        return 0
+    rows = summarise(cells)
+    meta = {"model": loaded.name, "drafters": names, "temperature": args.temperature,
+            "max_new_tokens": args.max_new_tokens, "prompts_per_category": args.prompts,
+            "batch_size": args.batch_size, "processes": PartialState().num_processes,
+            "device": str(loaded.runner.device), "seconds": round(time.perf_counter() - t0, 1),
+            "date": time.strftime("%Y-%m-%d")}
+    written = write_reports(rows, out, meta, with_plots=not args.no_plots)
+    for r in rows:
+        if r["drafter"] not in ("plain", "hf-greedy"):
+            print(f"{r['drafter']:>14} {r['category']:<14} tau {r['tau']:.2f}  {r['tokens_per_s']:.1f} tok/s  "
+                  f"x{r['speedup_vs_plain']:.2f} vs plain  (predicted x{r.get('predicted_speedup', 0):.2f})")
+    print("reports:", ", ".join(str(p) for p in written))
+    return 0
