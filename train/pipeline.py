@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
+import torch
 from specdec.drafters.medusa_heads import save_medusa
 from specdec.train.config import TrainConfig
 from specdec.train.data import TrainDataError, load_texts, split_held_out, tokenize_texts
@@ -63,7 +65,12 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
 
     from specdec.models.loader import load_model
 
-    accelerator = accelerator or Accelerator(mixed_precision=cfg.precision)
+    if accelerator is None:  # cpu=True on a CPU-only box: a multi-process launch then uses gloo (MULTI_CPU)
+        accelerator = Accelerator(mixed_precision=cfg.precision, cpu=not torch.cuda.is_available())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != accelerator.num_processes:
+        raise RuntimeError(f"launched as {world} processes but accelerate set up {accelerator.num_processes}: on a "
+                           "CPU-only machine use `accelerate launch --multi_gpu --num_processes N` or torchrun")
     t0 = time.perf_counter()
     resume_from = None
     if accelerator.is_main_process:
