@@ -44,7 +44,8 @@ def head_accuracies(model, heads, seqs: list[list[int]], batch_size: int = 4, de
     }
 
 
-def measure_tau(loaded, heads, choices, prompts: list[str], max_new_tokens: int, batch_size: int = 8) -> dict:
+def measure_tau(loaded, heads, choices, prompts: list[str], max_new_tokens: int, batch_size: int = 8,
+                progress: bool = False) -> dict:
     """Greedy generation with the Medusa drafter on a static tree; tau = new tokens per target forward."""
     from specdec.drafters.medusa import MedusaDrafter
     from specdec.train.distill import encode_prompt
@@ -56,7 +57,7 @@ def measure_tau(loaded, heads, choices, prompts: list[str], max_new_tokens: int,
     for start in range(0, len(ids), batch_size):
         drafter = MedusaDrafter(heads=heads, tree="static", medusa_choices=choices)
         out = generate(loaded, ids[start : start + batch_size], drafter=drafter, max_new_tokens=max_new_tokens,
-                       return_dict=True)
+                       return_dict=True, progress=progress)
         new += sum(s.new_tokens for s in out.stats)
         steps += sum(s.steps for s in out.stats)
     return {"tau": new / max(1, steps), "new_tokens": new, "target_forwards": steps, "prompts": len(prompts),

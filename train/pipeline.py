@@ -111,7 +111,7 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
                 from specdec.eval.prompts import load_prompts
 
                 tau = measure_tau(loaded, heads, choices, load_prompts("chat", cfg.eval_prompts),
-                                  cfg.eval_max_new_tokens)
+                                  cfg.eval_max_new_tokens, progress=cfg.progress)
             t_end = time.perf_counter()
             report = {
                 "config": cfg.to_json(), "model": loaded.name, "train_sequences": len(train_seqs),
