@@ -22,8 +22,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from specdec.eval.exact_law import SyntheticCase, emitted_law, max_abs_error, step_law, target_law
 from specdec.eval.negative_controls import BROKEN_RULES
@@ -35,7 +36,8 @@ from specdec.eval.statistics import (
     run_sampler,
     total_variation_bound,
 )
-from specdec.rejection import EXACT, AcceptanceRule
+
+from specdec.rejection import EXACT
 from specdec.sampling import SamplingConfig
 from specdec.tree import DraftMode
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 from scipy import stats
-
 from specdec.eval.two_sample import two_sample_chi2
+
 from specdec.generate import generate
 from specdec.rejection import EXACT, AcceptanceRule
 from specdec.sampling import SamplingConfig
