@@ -16,11 +16,13 @@ from pathlib import Path
 
 import torch
 
+from specdec.models.embedded import cache_root
+
 logger = logging.getLogger(__name__)
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")) / "distill"
+    return cache_root() / "distill"  # $SPECDEC_CACHE_DIR, else ~/.cache/specdec
 
 
 def model_fingerprint(model) -> str:
