@@ -142,7 +142,7 @@ def run_suite(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
     """Run (or resume) every cell; returns merged cells keyed by (drafter, category)."""
     from accelerate import PartialState
 
-    state = PartialState()
+    state = PartialState(cpu=not torch.cuda.is_available())  # CPU-only: processes talk over gloo
     rank = state.process_index if state.num_processes > 1 else None
     sampling = dict(do_sample=config.temperature > 0, temperature=config.temperature or 1.0, seed=config.seed)
     rows = [("plain", None, {})] + [(name, name, opts) for name, opts in config.drafters]

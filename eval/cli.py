@@ -2,7 +2,8 @@
 
     specdec eval lossless --drafter ngram --temperature 0.8 --out runs/cert
     specdec eval acceptance --drafters ngram,self-draft --categories chat,code --prompts 5 --out runs/acc
-    accelerate launch --num_processes 2 --cpu -m specdec.cli eval acceptance ... # shard prompts
+    accelerate launch --multi_gpu --num_processes 2 -m specdec.cli eval acceptance ...  # shard prompts
+    (on a CPU-only machine too: processes use gloo; `accelerate launch --cpu` starts only one process)
 """
 from __future__ import annotations
 
@@ -172,12 +173,13 @@ def run_acceptance(args) -> int:
     bar.close()
     from accelerate import PartialState
 
-    if not PartialState().is_main_process:
+    state = PartialState()
+    if not state.is_main_process:
         return 0
     rows = summarise(cells)
     meta = {"model": loaded.name, "drafters": names, "temperature": args.temperature,
             "max_new_tokens": args.max_new_tokens, "prompts_per_category": args.prompts,
-            "batch_size": args.batch_size, "processes": PartialState().num_processes,
+            "batch_size": args.batch_size, "processes": state.num_processes,
             "device": str(loaded.runner.device), "seconds": round(time.perf_counter() - t0, 1),
             "date": time.strftime("%Y-%m-%d")}
     written = write_reports(rows, out, meta, with_plots=not args.no_plots)
