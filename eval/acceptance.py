@@ -137,8 +137,8 @@ def _hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> tup
     return tokens, seconds
 
 
-def run_suite(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteConfig, out: Path,
-              resume: bool = False, on_progress: Callable[[str, Cell], None] | None = None) -> dict[tuple[str, str], Cell]:
+def run_suite(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteConfig, out: Path, resume: bool = False,
+              on_progress: Callable[[str, Cell], None] | None = None) -> dict[tuple[str, str], Cell]:
     """Run (or resume) every cell; returns merged cells keyed by (drafter, category)."""
     from accelerate import PartialState
 
@@ -149,7 +149,7 @@ def run_suite(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
     if config.hf_baseline and config.temperature == 0:
         rows.append(("hf-greedy", "hf", {}))
     warm = next(iter(prompts.values()))[:1]
-    for label, drafter, options in rows:  # warm-up: first-call costs out of the measurements
+    for _label, drafter, options in rows:  # warm-up: first-call costs out of the measurements
         if drafter != "hf":
             generate(loaded, warm, max_new_tokens=4, drafter=drafter, drafter_options=options or None, **sampling)
     for category, cat_prompts in prompts.items():

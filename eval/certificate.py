@@ -179,7 +179,8 @@ def sampler_checks(modes: list[DraftMode], sampling: SamplingConfig, sizes: Cert
         control = None if rule is EXACT else rule_name
         checks.append(Check("chi-square vs exact law (Holm)", "sampler-statistics", not rejected, control,
                             p_value=min(pvalues.values()), bound=max(bounds.values()), samples=n,
-                            power=min(powers.values()), detail=", ".join(f"{k}: p={v:.3g}" for k, v in pvalues.items())))
+                            power=min(powers.values()),
+                            detail=", ".join(f"{k}: p={v:.3g}" for k, v in pvalues.items())))
         if control is None and min(powers.values()) < 0.9:
             warnings.append(f"sampler statistics: {n} draws per case give power {min(powers.values()):.2f} "
                             f"(< 0.9) to detect TV {sizes.stat_tv}; raise --stat-samples")
@@ -228,7 +229,8 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
         ok = res["chi2_p"] > sizes.alpha and res["ks_p"] > sizes.alpha
         checks.append(Check(f"sampled first {sizes.sample_tokens} tokens vs plain sampling", "end-to-end", ok, control,
                             p_value=min(res["chi2_p"], res["ks_p"]), samples=sizes.sample_sequences,
-                            power=res["power"], detail=f"chi-square p={res['chi2_p']:.3g}, log-prob KS p={res['ks_p']:.3g}"))
+                            power=res["power"],
+                            detail=f"chi-square p={res['chi2_p']:.3g}, log-prob KS p={res['ks_p']:.3g}"))
         if control is None and res["power"] < 0.9:
             warnings.append(f"end-to-end sampling: {sizes.sample_sequences} sequences per side give power "
                             f"{res['power']:.2f} to detect TV {sizes.e2e_tv}; raise --sample-sequences (or use --full)")

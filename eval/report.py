@@ -28,7 +28,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines += ["", DEFINITIONS, ""]
     for category in dict.fromkeys(r["category"] for r in rows):
         lines += [f"## {category}", "",
-                  "| drafter | tau | tok/s | vs plain | vs HF | predicted | acceptance per depth | committed/step histogram |",
+                  "| drafter | tau | tok/s | vs plain | vs HF | predicted | acceptance per depth "
+                  "| committed/step histogram |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in (r for r in rows if r["category"] == category):
             acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_depth"]) or "-"

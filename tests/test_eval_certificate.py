@@ -3,9 +3,9 @@ control fails, and too-small sample sizes void it instead of passing it."""
 from __future__ import annotations
 
 import pytest
-
 from specdec.eval.certificate import CertificateSizes, run_certificate
 from specdec.eval.divergence import diagnose, greedy_identity
+
 from specdec.models.loader import load_model
 from specdec.rejection import EXACT
 from specdec.sampling import SamplingConfig
