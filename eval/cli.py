@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--stat-samples", type=int, help="draws per synthetic case (default 20000)")
     p.add_argument("--identity-prompts", type=int, help="prompts for greedy identity (default 8)")
     p.add_argument("--identity-tokens", type=int, help="new tokens per prompt for greedy identity (default 64)")
-    p.add_argument("--sample-sequences", type=int, help="sampled sequences per side end to end (default 1500)")
+    p.add_argument("--sample-sequences", type=int, help="sampled sequences per side end to end (default 600)")
     p.set_defaults(func=run_lossless)
 
     a = ev_sub.add_parser("acceptance", help="tau, acceptance per depth and speed per drafter x category",

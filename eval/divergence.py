@@ -66,8 +66,10 @@ def diagnose(model: Any, prefix: list[int], prompt: int, position: int, plain: i
 
 def greedy_identity(loaded: Any, prompts: list[list[int]], drafter: Any, drafter_options: dict | None = None,
                     max_new_tokens: int = 64, batched: bool = True, rule: AcceptanceRule = EXACT,
-                    near_tie: float = NEAR_TIE) -> IdentityResult:
-    plain = generate(loaded, prompts, max_new_tokens=max_new_tokens)
+                    near_tie: float = NEAR_TIE, plain: list[list[int]] | None = None) -> IdentityResult:
+    """``plain``: plain greedy output for ``prompts`` if already computed (prompt + new tokens)."""
+    if plain is None:
+        plain = generate(loaded, prompts, max_new_tokens=max_new_tokens)
     if batched:
         out = generate(loaded, prompts, max_new_tokens=max_new_tokens, drafter=drafter,
                        drafter_options=drafter_options, acceptance_rule=rule, return_dict=True)
