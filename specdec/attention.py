@@ -11,9 +11,12 @@ every layer; :func:`paged_attention` runs one layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
+
+from specdec.kernels.dispatch import use_triton
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,13 @@ class SeqAttention:
 class AttentionPlan:
     seqs: tuple[SeqAttention, ...]
     write_slots: torch.Tensor  # [num_tokens] slot each new token's K/V is written to
+
+    @cached_property
+    def kernel_metadata(self):
+        """Inputs of the Triton tree-attention kernel, built once per forward and shared by every layer."""
+        from specdec.kernels.tree_attention import TreeAttentionMetadata
+
+        return TreeAttentionMetadata.from_plan(self)
 
     @staticmethod
     def build(num_cached: int, key_slots: torch.Tensor, new_mask: torch.Tensor | None, query_start: int) -> SeqAttention:
@@ -56,6 +66,10 @@ def paged_attention(
     plan: AttentionPlan,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    if use_triton(q):  # CUDA (or forced, e.g. in the Triton interpreter): SPECDEC_ATTENTION switch
+        from specdec.kernels.tree_attention import paged_tree_attention
+
+        return paged_tree_attention(q, k_cache, v_cache, plan, scale)
     out = torch.empty_like(q)
     for s in plan.seqs:
         rows = slice(s.query_start, s.query_start + s.num_new)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.kernels.dispatch import use_triton
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -115,6 +117,11 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [num_tokens, kv_heads, head_dim] into slots [num_tokens]."""
+        if use_triton(self.kv):  # CUDA (or forced): SPECDEC_ATTENTION switch, see specdec.kernels.dispatch
+            from specdec.kernels.kv_write import write_kv
+
+            write_kv(self.kv, layer, slots, k, v)
+            return
         self.kv[layer, 0].index_copy_(0, slots, k)
         self.kv[layer, 1].index_copy_(0, slots, v)
 
@@ -146,4 +153,9 @@ class PagedKVCache:
             del table[keep_blocks:]
         if src:
             src_t, dst_t = torch.cat(src), torch.cat(dst)
-            self.kv[:, :, dst_t] = self.kv[:, :, src_t]  # RHS is gathered first: overlap-safe
+            if use_triton(self.kv):  # one launch; pairs in order, reads never follow a write of their slot
+                from specdec.kernels.kv_write import compact_kv
+
+                compact_kv(self.kv, src_t, dst_t)
+            else:
+                self.kv[:, :, dst_t] = self.kv[:, :, src_t]  # RHS is gathered first: overlap-safe

@@ -1,0 +1,105 @@
+"""Helpers for the kernel tests and benchmarks: interpreter setup and random paged-attention cases.
+
+Import this module BEFORE anything that imports triton kernels: :func:`kernel_device` sets
+``TRITON_INTERPRET=1`` when no GPU is used, and triton reads it when a kernel is decorated.
+A case holds the same attention problem twice: as kernel metadata over real (shuffled) block
+tables, and as the engine's :class:`~specdec.attention.AttentionPlan` for the PyTorch reference.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+def kernel_device() -> str:
+    """'cuda' when a GPU is present and the interpreter was not asked for; else 'cpu' + interpreter on."""
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return "cuda"
+    os.environ["TRITON_INTERPRET"] = "1"
+    return "cpu"
+
+
+def random_tree_mask(num_nodes: int, gen: torch.Generator) -> torch.Tensor:
+    """[1 + num_nodes, 1 + num_nodes] bool verify mask of a random DraftTree (root first), as the engine builds it."""
+    from specdec.tree import DraftTree
+
+    parents = [int(torch.randint(-1, i, (), generator=gen)) for i in range(num_nodes)]
+    tree = DraftTree(torch.zeros(num_nodes, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+    mask = torch.zeros(1 + num_nodes, 1 + num_nodes, dtype=torch.bool)
+    mask[:, 0] = True
+    mask[1:, 1:] = tree.ancestor_mask
+    return mask
+
+
+@dataclass
+class PagedCase:
+    q: torch.Tensor  # [T, H, D]
+    k_cache: torch.Tensor  # [num_slots, KVH, D]
+    v_cache: torch.Tensor
+    block_tables: list[list[int]]
+    page_size: int
+    cache_lens: list[int]
+    new_masks: list  # per sequence: [n, n] bool tree mask or int n (causal run)
+    plan: object  # AttentionPlan over the same keys
+    scale: float
+
+    def metadata(self):
+        from specdec.kernels.tree_attention import TreeAttentionMetadata
+
+        return TreeAttentionMetadata.build(self.block_tables, self.page_size, self.cache_lens, self.new_masks,
+                                           device=self.q.device)
+
+
+def random_case(
+    cache_lens: list[int],
+    new: list,  # per sequence: int n = causal run of n tokens (1 = decode), or ("tree", num_nodes)
+    num_kv_heads: int = 2,
+    group: int = 2,
+    head_dim: int = 16,
+    page_size: int = 4,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    shuffle: bool = True,
+    spare_blocks: int = 3,
+) -> PagedCase:
+    from specdec.attention import AttentionPlan
+
+    gen = torch.Generator().manual_seed(seed)
+    masks = [n if isinstance(n, int) else random_tree_mask(n[1], gen) for n in new]
+    sizes = [m if isinstance(m, int) else m.shape[0] for m in masks]
+    need = [-(-(c + n) // page_size) for c, n in zip(cache_lens, sizes)]
+    num_blocks = sum(need) + spare_blocks
+    ids = torch.randperm(num_blocks, generator=gen).tolist() if shuffle else list(range(num_blocks))
+    tables, seqs, start = [], [], 0
+    for c, n, m, nb in zip(cache_lens, sizes, masks, need):
+        table = [ids.pop() for _ in range(nb)]
+        tables.append(table)
+        pos = torch.arange(c + n)
+        slots = torch.tensor(table)[pos // page_size] * page_size + pos % page_size
+        new_mask = None if n == 1 else (torch.ones(n, n, dtype=torch.bool).tril() if isinstance(m, int) else m)
+        seqs.append(AttentionPlan.build(c, slots.to(device), new_mask, start))
+        start += n
+    shape = (num_blocks * page_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    q = torch.randn(start, num_kv_heads * group, head_dim, generator=gen).to(device, dtype)
+    plan = AttentionPlan(tuple(seqs), torch.cat([s.key_slots[-s.num_new:] for s in seqs]))
+    return PagedCase(q, k_cache, v_cache, tables, page_size, list(cache_lens), masks, plan, head_dim**-0.5)
+
+
+def reference_attention(case: PagedCase) -> torch.Tensor:
+    """The PyTorch reference on the same problem (always the reference, whatever SPECDEC_ATTENTION says)."""
+    from specdec.attention import paged_attention
+
+    old = os.environ.get("SPECDEC_ATTENTION")
+    os.environ["SPECDEC_ATTENTION"] = "reference"
+    try:
+        return paged_attention(case.q, case.k_cache, case.v_cache, case.plan, case.scale)
+    finally:
+        if old is None:
+            del os.environ["SPECDEC_ATTENTION"]
+        else:
+            os.environ["SPECDEC_ATTENTION"] = old

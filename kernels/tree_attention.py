@@ -1,0 +1,369 @@
+"""Tree attention over the paged KV cache: one Triton kernel family for prefill, decode and tree verify.
+
+Semantics are those of :func:`specdec.attention.paged_attention` (the PyTorch reference):
+query token ``i`` of a sequence attends to every key visible to the whole sequence (its
+committed tokens, read through the block table) plus the keys of this forward that its mask
+row selects. Per sequence the kernel sees::
+
+    keys [0, ctx_len)                          visible to every query (no mask work)
+    keys [ctx_len, ctx_len + num_masked)       causal (key j <= query i) or, in tree mode,
+                                               bit j of the query's 64-bit ancestor mask
+
+Use :func:`paged_tree_attention` with the engine's :class:`~specdec.attention.AttentionPlan`
+(what ``paged_attention`` dispatches to on CUDA), or :func:`tree_attention` with a
+:class:`TreeAttentionMetadata` built from real block tables (tests, benchmarks).
+
+Grid ``(query tiles, kv heads, splits)``. A query tile is up to ``BLOCK_Q`` new tokens of ONE
+sequence times the ``GROUP`` query heads sharing a KV head, packed into the M rows of the
+tile, so each K/V tile is loaded once per group. With split-KV, programs ``0..S-1`` each take
+one chunk of the unmasked prefix and program ``S`` takes the masked keys; each writes a
+normalised partial output and its log-sum-exp, merged by :func:`_merge_kernel`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+from specdec.tree import MAX_TREE_NODES
+
+LOG2E = 1.4426950408889634
+MIN_SPLIT_CHUNK = 256  # keys per split program below which splitting does not pay
+_BIT_WEIGHTS = torch.ones(MAX_TREE_NODES, dtype=torch.long) << torch.arange(MAX_TREE_NODES)  # bit 63 wraps: ok
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
+    # s [M, N] scores in log2 units (-inf = masked), v [N, D]
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _load_kv_tile(K, V, bt, pos, ok, kvh, d, d_ok, stride_kt, stride_kh, stride_vt, stride_vh,
+                  PAGE_SIZE: tl.constexpr):
+    # pos [N] positions of the sequence -> slots through its block table
+    blk = tl.load(bt + pos // PAGE_SIZE, mask=ok, other=0)
+    slot = blk.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+    m2 = ok[:, None] & d_ok[None, :]
+    k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=m2, other=0.0)
+    v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=m2, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _tree_attn_kernel(
+    Q, K, V, Out, PartO, PartLse,
+    BlockTables, CtxLens, NumMasked, QStarts, QLens, TreeMode, QBits, TileSeq, TileQ0,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, num_splits, masked_split,
+    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(TileSeq + tile)
+    q0 = tl.load(TileQ0 + tile)  # first token of this tile, relative to the sequence
+    ctx_len = tl.load(CtxLens + seq)
+    num_masked = tl.load(NumMasked + seq)
+    q_start = tl.load(QStarts + seq)
+    q_len = tl.load(QLens + seq)
+    tree = tl.load(TreeMode + seq)
+    bt = BlockTables + seq.to(tl.int64) * stride_bt
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q0 + rows // GROUP_PAD  # [M] query token (within the sequence) of each row
+    g = rows % GROUP_PAD
+    row_ok = (tok < q_len) & (g < GROUP)
+    head = kvh * GROUP + g  # query heads kvh*GROUP .. +GROUP-1 share KV head kvh
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    t_idx = (q_start + tok).to(tl.int64)
+    q = tl.load(Q + t_idx[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # ---- unmasked prefix: this split's chunk of [0, ctx_len) ------------------------------------
+    chunk = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk  # the masked program (split == num_splits) gets lo >= ctx_len: no prefix
+    hi = tl.minimum(lo + chunk, ctx_len)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        ok = pos < hi
+        k, v = _load_kv_tile(K, V, bt, pos, ok, kvh, d, d_ok, stride_kt, stride_kh, stride_vt, stride_vh, PAGE_SIZE)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
+
+    # ---- masked keys of this forward: causal or ancestor bits -----------------------------------
+    if split == masked_split:  # num_splits with split-KV, else 0 (the only program)
+        bits = tl.load(QBits + t_idx, mask=row_ok, other=0)  # [M] int64
+        # causal: no key past the tile's last token; tree: parents precede children, but masks are
+        # free-form bits, so all masked keys are scanned (at most 64)
+        last = tl.minimum(q0 + BLOCK_Q, q_len)
+        j_end = tl.where(tree != 0, num_masked, tl.minimum(num_masked, last))
+        for j0 in range(0, j_end, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            ok = j < j_end
+            k, v = _load_kv_tile(K, V, bt, ctx_len + j, ok, kvh, d, d_ok, stride_kt, stride_kh, stride_vt,
+                                 stride_vh, PAGE_SIZE)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+            jb = tl.minimum(j, 63).to(tl.int64)
+            vis_tree = ((bits[:, None] >> jb[None, :]) & 1) != 0
+            vis_causal = j[None, :] <= tok[:, None]
+            vis = tl.where(tree != 0, vis_tree, vis_causal) & ok[None, :]
+            s = tl.where(vis, s, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    m2 = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # log2 units
+        tl.store(PartO + split * stride_ps + t_idx[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :],
+                 out, mask=m2)
+        tl.store(PartLse + split * stride_ls + t_idx * stride_lt + head, lse, mask=row_ok)
+    else:
+        tl.store(Out + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _merge_kernel(PartO, PartLse, Out, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+                  NUM_PARTS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sidx = tl.arange(0, BLOCK_S)
+    s_ok = sidx < NUM_PARTS
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    lse = tl.load(PartLse + sidx * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [S], 0 for empty parts
+    o = tl.load(PartO + sidx[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
+                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+def _mask_bits(new_mask: torch.Tensor, seq: int) -> tuple[int, int, torch.Tensor]:
+    """(lead, tree_mode, bits [n] int64) for an [n, n] bool mask over a sequence's new tokens.
+
+    Up to 64 rows: tree mode, no host sync. Longer: a causal mask stays causal; otherwise the leading
+    columns visible to every query join the unmasked prefix (the root of a 64-node tree) and the rest
+    must fit in 64 bits. These checks sync with the device, only for such large masks.
+    """
+    n = new_mask.shape[0]
+    if tuple(new_mask.shape) != (n, n):
+        raise ValueError(f"sequence {seq}: the new-token mask must be square, got {tuple(new_mask.shape)}")
+    weights = _BIT_WEIGHTS.to(new_mask.device)
+    if n <= MAX_TREE_NODES:
+        return 0, 1, (new_mask.long() * weights[:n]).sum(-1)
+    host = new_mask.cpu()
+    if torch.equal(host, torch.ones(n, n, dtype=torch.bool).tril()):
+        return 0, 0, torch.zeros(n, dtype=torch.long, device=new_mask.device)
+    lead = 0
+    all_cols = host.all(0).tolist()
+    while lead < n and all_cols[lead]:
+        lead += 1
+    if n - lead > MAX_TREE_NODES:
+        raise ValueError(
+            f"sequence {seq}: a non-causal mask over {n} new tokens needs <= {MAX_TREE_NODES} columns after the "
+            f"leading all-visible ones (it has {n - lead}); the tree kernel's ancestor mask is 64 bits"
+        )
+    return lead, 1, (new_mask[:, lead:].long() * weights[: n - lead]).sum(-1)
+
+
+# ---- metadata --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TreeAttentionMetadata:
+    """Per-forward kernel inputs, shared by every layer. Build with :meth:`build` or :meth:`from_plan`."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    page_size: int
+    ctx_lens: torch.Tensor  # [B] int32 keys visible to all queries of the sequence
+    num_masked: torch.Tensor  # [B] int32 keys after ctx_len under the causal / tree mask
+    q_starts: torch.Tensor  # [B] int32 first row of the sequence in q
+    q_lens: torch.Tensor  # [B] int32
+    tree_mode: torch.Tensor  # [B] int32: 1 = ancestor bits, 0 = causal
+    q_bits: torch.Tensor  # [T] int64 ancestor bitmask of each query (tree mode)
+    host_q_lens: tuple[int, ...]
+    max_ctx_len: int  # upper bound, host side (split heuristic)
+    _tiles: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.host_q_lens)
+
+    def tiles(self, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:  # ([tiles] seq, [tiles] first token)
+        if block_q not in self._tiles:
+            seq, q0 = [], []
+            for b, n in enumerate(self.host_q_lens):
+                for t in range(0, n, block_q):
+                    seq.append(b)
+                    q0.append(t)
+            dev = self.q_lens.device
+            self._tiles[block_q] = (torch.tensor(seq, dtype=torch.int32, device=dev),
+                                    torch.tensor(q0, dtype=torch.int32, device=dev))
+        return self._tiles[block_q]
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: list[list[int]],
+        page_size: int,
+        cache_lens: list[int],  # committed keys per sequence (the new tokens follow them in the table)
+        new_masks: list[torch.Tensor | int],  # per sequence: [n, n] bool tree mask, or n = causal run of n
+        device: torch.device | str = "cpu",
+    ) -> "TreeAttentionMetadata":
+        """From real block tables (tests, benchmarks). The new tokens' K/V sit at positions
+        ``cache_len .. cache_len + n - 1`` of each table; a tree mask has at most 64 rows."""
+        if not (len(block_tables) == len(cache_lens) == len(new_masks)):
+            raise ValueError("block_tables, cache_lens and new_masks need one entry per sequence")
+        ctx, nm, qs, ql, tree, bits = [], [], [], [], [], []
+        start = 0
+        for b, (table, c, m) in enumerate(zip(block_tables, cache_lens, new_masks)):
+            n = m if isinstance(m, int) else int(m.shape[0])
+            if n < 1:
+                raise ValueError(f"sequence {b} has no new tokens")
+            if (c + n) > len(table) * page_size:
+                raise ValueError(f"sequence {b}: {c + n} keys but its block table covers {len(table) * page_size}")
+            lead, mode, b_bits = (0, 0, torch.zeros(n, dtype=torch.long)) if isinstance(m, int) else _mask_bits(m, b)
+            tree.append(mode)
+            bits.append(b_bits.cpu())
+            ctx.append(c + lead)
+            nm.append(n - lead)
+            qs.append(start)
+            ql.append(n)
+            start += n
+        width = max(len(t) for t in block_tables)
+        bt = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        for b, t in enumerate(block_tables):
+            bt[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+
+        def i32(x):
+            return torch.tensor(x, dtype=torch.int32, device=device)
+
+        return cls(bt.to(device), page_size, i32(ctx), i32(nm), i32(qs), i32(ql), i32(tree),
+                   torch.cat(bits).to(device), tuple(ql), max(ctx))
+
+    @classmethod
+    def from_plan(cls, plan) -> "TreeAttentionMetadata":
+        """From the engine's AttentionPlan. Its key_slots become a page-size-1 block table (one slot
+        per position), so no host sync is needed except for >64-token non-causal masks."""
+        seqs = plan.seqs
+        device = plan.write_slots.device
+        slot_rows = torch.nn.utils.rnn.pad_sequence([s.key_slots.to(torch.int32) for s in seqs], batch_first=True)
+        ctx, nm, tree, bits = [], [], [], []
+        for b, s in enumerate(seqs):
+            n = s.num_new
+            cached = s.key_slots.numel() - n
+            if s.mask is None or s.causal:
+                ctx.append(cached)
+                nm.append(n)
+                tree.append(0)
+                bits.append(torch.zeros(n, dtype=torch.long, device=device))
+                continue
+            lead, mode, b_bits = _mask_bits(s.mask[:, cached:], b)  # cached columns: all True by build()
+            ctx.append(cached + lead)
+            nm.append(n - lead)
+            tree.append(mode)
+            bits.append(b_bits)
+
+        def i32(x):
+            return torch.tensor(x, dtype=torch.int32).to(device, non_blocking=True)
+
+        return cls(slot_rows, 1, i32(ctx), i32(nm), i32([s.query_start for s in seqs]),
+                   i32([s.num_new for s in seqs]), i32(tree), torch.cat(bits), tuple(s.num_new for s in seqs),
+                   max(ctx))
+
+
+# ---- launch ----------------------------------------------------------------------------------------
+def _default_splits(meta: TreeAttentionMetadata, programs: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv(2 * sms, max(programs, 1))
+    return max(1, min(want, meta.max_ctx_len // MIN_SPLIT_CHUNK, 64))
+
+
+def tree_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_slots, KVH, D]
+    v_cache: torch.Tensor,
+    meta: TreeAttentionMetadata,
+    scale: float,
+    num_splits: int | None = None,  # prefix chunks per (tile, kv head); None = heuristic (1 off GPU)
+    block_n: int | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    T, H, D = q.shape
+    KVH = k_cache.shape[1]
+    if T != meta.num_tokens:
+        raise ValueError(f"q has {T} tokens but the metadata describes {meta.num_tokens}")
+    if H % KVH or k_cache.shape != v_cache.shape or k_cache.shape[2] != D:
+        raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q, k_cache and v_cache need a contiguous last (head_dim) dimension")
+    group = H // KVH
+    group_pad = triton.next_power_of_2(group)
+    max_new = max(meta.host_q_lens)
+    block_q = max(max(1, 16 // group_pad), min(triton.next_power_of_2(max_new), max(1, 128 // group_pad)))
+    block_m = block_q * group_pad
+    block_d = max(16, triton.next_power_of_2(D))
+    if block_n is None:
+        block_n = 64 if block_d <= 64 else 32 if block_m >= 128 else 64
+    tile_seq, tile_q0 = meta.tiles(block_q)
+    n_tiles = tile_seq.numel()
+    if num_splits is None:
+        num_splits = _default_splits(meta, n_tiles * KVH, q.device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    split = num_splits > 1
+    out = torch.empty_like(q)
+    parts = num_splits + 1 if split else 1
+    if split:
+        part_o = torch.empty(parts, T, H, D, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(parts, T, H, dtype=torch.float32, device=q.device)
+    else:  # unused placeholders with valid strides
+        part_o = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    _tree_attn_kernel[(n_tiles, KVH, parts)](
+        q, k_cache, v_cache, out, part_o, part_lse,
+        meta.block_tables, meta.ctx_lens, meta.num_masked, meta.q_starts, meta.q_lens, meta.tree_mode,
+        meta.q_bits, tile_seq, tile_q0,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        HEAD_DIM=D, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=block_d,
+        PAGE_SIZE=meta.page_size, num_splits=num_splits, masked_split=num_splits if split else 0, SPLIT=split,
+        DOT_PREC=dot_prec,
+        num_warps=8 if block_m * block_d >= 128 * 128 else 4,
+    )
+    if split:
+        _merge_kernel[(T, H)](
+            part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
+            part_lse.stride(1), out.stride(0), out.stride(1),
+            NUM_PARTS=parts, BLOCK_S=triton.next_power_of_2(parts), HEAD_DIM=D, BLOCK_D=block_d,
+        )
+    return out
+
+
+def paged_tree_attention(q, k_cache, v_cache, plan, scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """Drop-in for :func:`specdec.attention.paged_attention` (same arguments, same result)."""
+    return tree_attention(q, k_cache, v_cache, plan.kernel_metadata, scale, num_splits=num_splits)

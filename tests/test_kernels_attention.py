@@ -1,0 +1,141 @@
+"""Triton tree attention vs the PyTorch reference (specdec.attention.paged_attention).
+
+Runs in the Triton interpreter on CPU (fp32, tight tolerance) and natively when a GPU is present
+(also bf16/fp16). Covers prefill, decode, random trees, ragged batches, GQA, page sizes,
+shuffled block tables, split-KV and the plan path the engine uses.
+"""
+from __future__ import annotations
+
+import pytest
+from specdec.kernels.testing import kernel_device, random_case, reference_attention
+
+DEVICE = kernel_device()  # sets TRITON_INTERPRET=1 without a GPU: must run before triton is imported
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+from specdec.kernels import tree_attention as ta  # noqa: E402
+from specdec.kernels.tree_attention import TreeAttentionMetadata, tree_attention  # noqa: E402
+
+TREE = "tree"
+
+
+def check(case, num_splits: int, atol: float = 2e-5, via_plan: bool = False) -> None:
+    meta = case.plan.kernel_metadata if via_plan else case.metadata()
+    out = tree_attention(case.q, case.k_cache, case.v_cache, meta, case.scale, num_splits=num_splits)
+    ref = reference_attention(case)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= atol, f"max abs error {err:.3g} > {atol}"
+
+
+def test_interpreter_is_active():
+    if DEVICE == "cpu":
+        from triton.runtime.interpreter import InterpretedFunction
+
+        assert isinstance(ta._tree_attn_kernel, InterpretedFunction), (
+            "TRITON_INTERPRET=1 did not take effect: the kernels were imported before the test set it"
+        )
+
+
+CASES = {
+    # name: (cache_lens, new tokens per sequence)
+    "decode_ragged": ([9, 0, 23, 4], [1, 1, 1, 1]),
+    "prefill_causal": ([0, 0], [7, 19]),
+    "chunked_prefill": ([6, 11], [9, 5]),
+    "tree_single": ([13], [(TREE, 10)]),
+    "tree_ragged_mixed": ([5, 17, 0, 30], [(TREE, 6), 1, 4, (TREE, 12)]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_matches_reference(name, group):
+    cache_lens, new = CASES[name]
+    case = random_case(cache_lens, new, num_kv_heads=2, group=group, page_size=4, seed=group, device=DEVICE)
+    check(case, num_splits=1)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_page_sizes_and_split_kv(page_size, num_splits):
+    # contexts cross page and split boundaries; trees with many query tokens under split-KV
+    case = random_case([37, 70, 2], [(TREE, 9), 1, 3], num_kv_heads=1, group=4, page_size=page_size,
+                       seed=page_size + num_splits, device=DEVICE)
+    check(case, num_splits=num_splits)
+
+
+def test_split_kv_more_splits_than_keys():
+    # empty split programs must merge as nothing (lse = -inf), not as zeros with weight
+    case = random_case([3, 0], [(TREE, 4), 2], group=2, page_size=2, seed=5, device=DEVICE)
+    check(case, num_splits=6)
+
+
+def test_contiguous_block_table_and_head_dim_not_power_of_two():
+    case = random_case([20], [(TREE, 5)], num_kv_heads=1, group=3, head_dim=24, page_size=8, shuffle=False,
+                       seed=9, device=DEVICE)
+    check(case, num_splits=2)
+
+
+def test_plan_path_with_65_token_tree_and_long_chunked_prefill():
+    # the engine's 64-node tree has 65 new tokens (root + nodes): the root column is visible to all
+    # queries and moves into the unmasked prefix; a >64-token causal run stays causal
+    case = random_case([10, 3], [(TREE, 64), 70], num_kv_heads=1, group=2, page_size=16, seed=3, device=DEVICE)
+    meta = case.plan.kernel_metadata
+    assert meta.tree_mode.tolist() == [1, 0]
+    assert meta.ctx_lens.tolist() == [11, 3] and meta.num_masked.tolist() == [64, 70]
+    check(case, num_splits=2, via_plan=True)
+
+
+@pytest.mark.parametrize("name", ["decode_ragged", "tree_ragged_mixed"])
+def test_plan_path_matches_block_table_path(name):
+    cache_lens, new = CASES[name]
+    case = random_case(cache_lens, new, group=3, page_size=4, seed=11, device=DEVICE)
+    check(case, num_splits=1, via_plan=True)
+    check(case, num_splits=2, via_plan=True)
+
+
+def test_tree_bits_are_the_ancestor_rows():
+    case = random_case([4], [(TREE, 63)], seed=2, device=DEVICE)
+    meta = case.metadata()
+    mask = case.new_masks[0]
+    bits = meta.q_bits.cpu()
+    for i in range(mask.shape[0]):
+        got = [(int(bits[i]) >> j) & 1 == 1 for j in range(mask.shape[0])]
+        assert got == mask[i].tolist()
+
+
+def test_bad_inputs_are_named():
+    case = random_case([4], [3], device=DEVICE)
+    meta = case.metadata()
+    with pytest.raises(ValueError, match="tokens"):
+        tree_attention(case.q[:2], case.k_cache, case.v_cache, meta, case.scale)
+    with pytest.raises(ValueError, match="64 bits"):  # 70 tokens, each seeing only itself: not a 64-bit tree
+        TreeAttentionMetadata.build([list(range(18))], 4, [0], [torch.eye(70, dtype=torch.bool)])
+    with pytest.raises(ValueError, match="square"):
+        TreeAttentionMetadata.build([[0, 1]], 4, [0], [torch.ones(2, 3, dtype=torch.bool)])
+    with pytest.raises(ValueError, match="block table covers"):
+        TreeAttentionMetadata.build([[0]], 4, [3], [2])
+    with pytest.raises(ValueError, match="num_splits"):
+        tree_attention(case.q, case.k_cache, case.v_cache, meta, case.scale, num_splits=0)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="half-precision kernels are checked natively on a GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_on_gpu(dtype):
+    case = random_case([300, 1000, 7], [(TREE, 16), 1, 40], num_kv_heads=2, group=4, head_dim=128, page_size=16,
+                       seed=1, device=DEVICE, dtype=dtype)
+    check(case, num_splits=4, atol=2e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_sweep(group, page_size, num_splits):
+    gen = torch.Generator().manual_seed(group * 100 + page_size * 10 + num_splits)
+    cache_lens = torch.randint(0, 90, (4,), generator=gen).tolist()
+    kinds = [1, (TREE, 31), (TREE, 64), 17]
+    case = random_case(cache_lens, kinds, num_kv_heads=2, group=group, head_dim=32, page_size=page_size,
+                       seed=group + page_size, device=DEVICE)
+    check(case, num_splits=num_splits, atol=3e-5)
+    check(case, num_splits=num_splits, atol=3e-5, via_plan=True)

@@ -1,0 +1,149 @@
+"""KV store / compaction kernels vs PagedKVCache's reference write and commit, and the dispatch switch.
+
+Interpreter on CPU (TRITON_INTERPRET=1), natively when a GPU is present.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+from specdec.kernels.testing import kernel_device
+
+DEVICE = kernel_device()  # sets TRITON_INTERPRET=1 without a GPU: must run before triton is imported
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+from specdec.kernels.dispatch import backend, use_triton  # noqa: E402
+from specdec.kernels.kv_write import compact_kv, write_kv  # noqa: E402
+
+from specdec.kv_cache import PagedKVCache  # noqa: E402
+
+
+@pytest.fixture
+def backend_env(monkeypatch):
+    def set_backend(name: str) -> None:
+        monkeypatch.setenv("SPECDEC_ATTENTION", name)
+
+    return set_backend
+
+
+def make_cache(seed: int, layers=3, kv_heads=2, head_dim=8, blocks=24, block_size=4) -> PagedKVCache:
+    cache = PagedKVCache(layers, kv_heads, head_dim, blocks, block_size, device=DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=gen))
+    cache._free = torch.randperm(blocks, generator=gen).tolist()  # shuffled block tables
+    return cache
+
+
+def test_write_matches_index_copy():
+    cache = make_cache(0)
+    ref = cache.kv.clone()
+    slots = torch.tensor([17, 3, 40, 41, 90], device=DEVICE)
+    k = torch.randn(5, 2, 8, device=DEVICE)
+    v = torch.randn(5, 2, 8, device=DEVICE)
+    write_kv(cache.kv, 1, slots, k, v)
+    ref[1, 0].index_copy_(0, slots, k)
+    ref[1, 1].index_copy_(0, slots, v)
+    assert torch.equal(cache.kv, ref)
+    with pytest.raises(ValueError, match="do not match"):
+        write_kv(cache.kv, 1, slots[:2], k, v)
+
+
+def test_write_non_contiguous_source():
+    cache = make_cache(1)
+    ref = cache.kv.clone()
+    big = torch.randn(3, 4, 8, device=DEVICE)
+    k, v = big[:, :2], big[:, 2:]  # row stride 32, not 16
+    slots = torch.tensor([5, 6, 60], device=DEVICE)
+    write_kv(cache.kv, 2, slots, k, v)
+    ref[2, 0].index_copy_(0, slots, k)
+    ref[2, 1].index_copy_(0, slots, v)
+    assert torch.equal(cache.kv, ref)
+
+
+def _run_step(cache: PagedKVCache, backend_env, name: str, keeps: dict[int, list[int]]) -> None:
+    backend_env(name)
+    cache.commit(keeps)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_commit_compaction_matches_reference(backend_env, seed):
+    gen = torch.Generator().manual_seed(100 + seed)
+    caches = {name: make_cache(seed) for name in ("reference", "triton")}
+    lens = [0, 5, 9, 2]
+    for cache in caches.values():
+        for sid, n in enumerate(lens):
+            cache.add(sid)
+            cache.reserve(sid, n)
+            cache.commit({sid: range(n)})
+    for _step in range(3):
+        tree_sizes = torch.randint(1, 12, (len(lens),), generator=gen).tolist()
+        keeps = {}
+        for sid, n in enumerate(tree_sizes):
+            # root (offset 0) + an increasing random subset of the tree offsets, like an accepted path
+            picked = sorted(torch.randperm(n, generator=gen)[: int(torch.randint(0, n, (), generator=gen))].tolist())
+            keeps[sid] = [0] + [1 + i for i in picked]
+        for name, cache in caches.items():
+            cache.reserve_many({sid: 1 + n for sid, n in enumerate(tree_sizes)})
+            _run_step(cache, backend_env, name, keeps)
+    ref, tri = caches["reference"], caches["triton"]
+    assert ref.block_tables == tri.block_tables and ref.lengths == tri.lengths
+    for sid in ref.lengths:
+        slots = ref.slots(sid, 0, ref.lengths[sid])
+        assert torch.equal(ref.kv[:, :, slots], tri.kv[:, :, slots]), f"sequence {sid} differs after compaction"
+    assert torch.equal(ref.kv, tri.kv)  # nothing else was touched either
+
+
+def test_compaction_overlapping_pairs_in_order():
+    # pair 0 reads slot 2 which pair 1 later overwrites: sequential order must read before writing
+    kv = torch.arange(2 * 2 * 6 * 1 * 4, dtype=torch.float32, device=DEVICE).reshape(2, 2, 6, 1, 4)
+    ref = kv.clone()
+    src, dst = torch.tensor([2, 4], device=DEVICE), torch.tensor([1, 2], device=DEVICE)
+    ref[:, :, dst] = ref[:, :, src]
+    compact_kv(kv, src, dst)
+    assert torch.equal(kv, ref)
+
+
+def test_dispatch_switch(backend_env):
+    cpu = torch.zeros(1)
+    backend_env("reference")
+    assert not use_triton(cpu)
+    backend_env("auto")
+    assert use_triton(cpu) is False  # auto never picks the interpreter on CPU
+    backend_env("triton")
+    assert use_triton(cpu) is True  # TRITON_INTERPRET=1 is set by this module on CPU
+    backend_env("bogus")
+    with pytest.raises(ValueError, match="SPECDEC_ATTENTION"):
+        backend()
+
+
+def test_forced_triton_on_cpu_without_interpreter_is_refused(backend_env, monkeypatch):
+    if DEVICE != "cpu":
+        pytest.skip("CPU-only check")
+    backend_env("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        use_triton(torch.zeros(1))
+    assert os.environ["SPECDEC_ATTENTION"] == "triton"
+
+
+def test_engine_forward_through_dispatch_matches_reference(backend_env, tiny_model, monkeypatch):
+    """The model forward (cache writes, attention, commit) with SPECDEC_ATTENTION=triton gives the
+    reference's greedy tokens and logits on a tiny model, speculative decoding with trees included."""
+    from specdec.kernels import tree_attention as ta
+
+    from specdec.generate import generate
+    from specdec.models.loader import load_model
+
+    calls = []
+    kernel = ta.tree_attention
+    monkeypatch.setattr(ta, "tree_attention", lambda *a, **k: calls.append(a[3].host_q_lens) or kernel(*a, **k))
+    loaded = load_model(tiny_model("llama-gqa-tied", vocab_size=64))
+    prompt = [[3, 5, 7, 3, 5, 7, 3, 5], [9, 9, 2]]
+    outs = {}
+    for name in ("reference", "triton"):
+        backend_env(name)
+        outs[name] = generate(loaded, prompt, max_new_tokens=6, drafter="ngram", return_dict=True)
+    assert outs["reference"].new_tokens == outs["triton"].new_tokens
+    assert calls, "SPECDEC_ATTENTION=triton did not reach the kernel"
+    assert any(max(lens) > 1 and len(lens) > 1 for lens in calls[1:]), "no batched verify forward went through it"
