@@ -1,0 +1,137 @@
+"""End-to-end tokens/s on a GPU: the embedded model in bf16, transformers vs specdec, same prompts, same run.
+
+    python benchmarks/bench_e2e_gpu.py                                  # 4 prompts per category, 128 tokens
+    python benchmarks/bench_e2e_gpu.py --prompts 8 --categories summarisation --compare-reference
+
+Batch 1, greedy. Per prompt, in this order (after one warm-up of each on a short prompt):
+
+* ``hf_dynamic``: transformers ``generate()`` with its default (dynamic) cache;
+* ``hf_static``: ``generate(cache_implementation="static")``;
+* ``specdec_plain``: specdec without a drafter (Triton kernels on CUDA, ``SPECDEC_ATTENTION``);
+* ``specdec_ngram``: specdec with the n-gram drafter;
+* ``specdec_plain_ref`` (``--compare-reference``): plain decoding with ``SPECDEC_ATTENTION=reference``.
+
+Prints tokens/s per category and overall, each method's ratio to ``hf_static``, n-gram vs plain,
+and how many outputs equal transformers' greedy tokens (bf16 may legitimately diverge late).
+Refuses to run without CUDA.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import chat_ids  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per category")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--categories", default="chat,code,summarisation")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--compare-reference", action="store_true", help="also time plain decoding on the reference path")
+    ap.add_argument("--skip-dynamic", action="store_true", help="skip transformers' dynamic-cache generate (slow)")
+    ap.add_argument("--json", help="also write the totals to this JSON file")
+    args = ap.parse_args(argv)
+    if args.prompts < 1 or args.max_new_tokens < 1:
+        ap.error("--prompts and --max-new-tokens must be >= 1")
+    return args
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    new = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, new
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_e2e_gpu.py needs a CUDA GPU (none found); CPU end-to-end numbers come from "
+              "benchmarks/bench_plain_cpu.py and bench_ngram_cpu.py.", file=sys.stderr)
+        return 2
+    from specdec.eval.prompts import load_prompts
+    from specdec.kernels.dispatch import ENV_VAR, backend
+
+    from specdec.generate import generate
+    from specdec.models.loader import load_model
+
+    torch.set_grad_enabled(False)
+    loaded = load_model(args.model, dtype=torch.bfloat16, device="cuda")
+    model, tok = loaded.model, loaded.tokenizer
+    n_new = args.max_new_tokens
+
+    def hf(ids, n, **kw):
+        x = torch.tensor([ids], device="cuda")
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, **kw)
+        return out[0, len(ids):].tolist()
+
+    def sd(ids, n, drafter=None, attention=None):
+        old = os.environ.get(ENV_VAR)
+        if attention:
+            os.environ[ENV_VAR] = attention
+        try:
+            return generate(loaded, [ids], max_new_tokens=n, drafter=drafter, return_dict=True).new_tokens[0]
+        finally:
+            if attention and old is None:
+                del os.environ[ENV_VAR]
+            elif attention:
+                os.environ[ENV_VAR] = old
+
+    methods = {}
+    if not args.skip_dynamic:
+        methods["hf_dynamic"] = lambda ids: hf(ids, n_new)
+    methods["hf_static"] = lambda ids: hf(ids, n_new, cache_implementation="static")
+    methods["specdec_plain"] = lambda ids: sd(ids, n_new)
+    methods["specdec_ngram"] = lambda ids: sd(ids, n_new, drafter="ngram")
+    if args.compare_reference:
+        methods["specdec_plain_ref"] = lambda ids: sd(ids, n_new, attention="reference")
+
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.model} bf16, batch 1, greedy, "
+          f"{n_new} new tokens, {ENV_VAR}={backend()}")
+    warm = chat_ids(tok, "Hello!")
+    for fn in methods.values():
+        fn(warm)
+        fn(warm)
+    totals = {m: [0, 0.0] for m in methods}
+    same = {m: 0 for m in methods}
+    count = 0
+    for cat in args.categories.split(","):
+        cat_tot = {m: [0, 0.0] for m in methods}
+        for text in load_prompts(cat, args.prompts):
+            ids = chat_ids(tok, text)
+            count += 1
+            outputs = {}
+            for m, fn in methods.items():
+                seconds, new = timed(lambda fn=fn, ids=ids: fn(ids))
+                outputs[m] = new
+                for tot in (cat_tot[m], totals[m]):
+                    tot[0] += len(new)
+                    tot[1] += seconds
+            for m, new in outputs.items():
+                same[m] += int(new == outputs["hf_static"])
+        print(f"{cat}: " + "  ".join(f"{m} {n / s:8.1f} tok/s" for m, (n, s) in cat_tot.items()), flush=True)
+    tps = {m: n / s for m, (n, s) in totals.items()}
+    print("ALL:")
+    for m, v in tps.items():
+        print(f"  {m:<18} {v:8.1f} tok/s   vs hf_static {v / tps['hf_static']:5.2f}x   "
+              f"same tokens as hf_static {same[m]}/{count}")
+    print(f"  specdec_ngram / specdec_plain = {tps['specdec_ngram'] / tps['specdec_plain']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), tokens_per_s=tps, same_as_hf_static=same,
+                           prompts=count, max_new_tokens=n_new), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
