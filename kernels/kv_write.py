@@ -1,6 +1,7 @@
 """KV-cache store and compaction kernels (Triton), with the semantics of :class:`specdec.kv_cache.PagedKVCache`.
 
-* :func:`write_kv`: K/V of the new tokens of one layer into their slots (``PagedKVCache.write``).
+* :func:`write_kv`: K and V of the new tokens of one layer into their slots, one launch
+  (``PagedKVCache.write``).
 * :func:`compact_kv`: after verification, move the accepted path's K/V into place for all
   layers, K and V, in ONE launch (the data movement of ``PagedKVCache.commit``).
 
@@ -15,13 +16,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _write_kernel(Src, Dst, Slots, stride_src, stride_dst, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+def _write_kernel(K, V, Dst, Slots, stride_k, stride_v, stride_plane, stride_slot, WIDTH: tl.constexpr,
+                  BLOCK_W: tl.constexpr):
+    # Dst: the layer's K plane; its V plane is stride_plane further
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     ok = cols < WIDTH
     slot = tl.load(Slots + t).to(tl.int64)
-    row = tl.load(Src + t.to(tl.int64) * stride_src + cols, mask=ok)
-    tl.store(Dst + slot * stride_dst + cols, row.to(Dst.dtype.element_ty), mask=ok)
+    k = tl.load(K + t.to(tl.int64) * stride_k + cols, mask=ok)
+    v = tl.load(V + t.to(tl.int64) * stride_v + cols, mask=ok)
+    tl.store(Dst + slot * stride_slot + cols, k.to(Dst.dtype.element_ty), mask=ok)
+    tl.store(Dst + stride_plane + slot * stride_slot + cols, v.to(Dst.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -62,9 +67,9 @@ def write_kv(kv: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor,
     width = kv.shape[3] * kv.shape[4]
     slots = slots.to(device=kv.device, dtype=torch.int32)
     bw = _block_w(width)
-    for plane, x in ((kv[layer, 0], _rows(k, "k")), (kv[layer, 1], _rows(v, "v"))):
-        _write_kernel[(n, triton.cdiv(width, bw))](x, plane, slots, x.stride(0), plane.stride(0), WIDTH=width,
-                                                   BLOCK_W=bw)
+    k, v, dst = _rows(k, "k"), _rows(v, "v"), kv[layer, 0]
+    _write_kernel[(n, triton.cdiv(width, bw))](k, v, dst, slots, k.stride(0), v.stride(0), kv.stride(1), kv.stride(2),
+                                               WIDTH=width, BLOCK_W=bw)
 
 
 def compact_kv(kv: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:

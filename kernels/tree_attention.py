@@ -22,6 +22,7 @@ normalised partial output and its log-sum-exp, merged by :func:`_merge_kernel`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 import triton
@@ -32,6 +33,11 @@ from specdec.tree import MAX_TREE_NODES
 LOG2E = 1.4426950408889634
 MIN_SPLIT_CHUNK = 256  # keys per split program below which splitting does not pay
 _BIT_WEIGHTS = torch.ones(MAX_TREE_NODES, dtype=torch.long) << torch.arange(MAX_TREE_NODES)  # bit 63 wraps: ok
+
+
+@lru_cache(maxsize=8)
+def _bit_weights(device: torch.device) -> torch.Tensor:  # [64] int64 on device, copied once
+    return _BIT_WEIGHTS.to(device)
 
 
 @triton.jit
@@ -170,7 +176,7 @@ def _mask_bits(new_mask: torch.Tensor, seq: int) -> tuple[int, int, torch.Tensor
     n = new_mask.shape[0]
     if tuple(new_mask.shape) != (n, n):
         raise ValueError(f"sequence {seq}: the new-token mask must be square, got {tuple(new_mask.shape)}")
-    weights = _BIT_WEIGHTS.to(new_mask.device)
+    weights = _bit_weights(new_mask.device)
     if n <= MAX_TREE_NODES:
         return 0, 1, (new_mask.long() * weights[:n]).sum(-1)
     host = new_mask.cpu()
