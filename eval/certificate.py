@@ -122,6 +122,8 @@ class Certificate:
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for c in self.checks:
             result = ("pass" if c.passed else "fail") + ("" if c.as_expected else " (UNEXPECTED)")
+            if "not applicable" in c.detail:
+                result = "n/a"
             lines.append(f"| {c.level} | {c.name} | {c.control or '-'} | {result} | {_fmt(c.p_value)} | "
                          f"{_fmt(c.bound)} | {c.samples or '-'} | {_fmt(c.power)} | {c.detail} |")
         return "\n".join(lines) + "\n"
