@@ -140,10 +140,11 @@ def run_acceptance(args) -> int:
     if unknown:
         raise ValueError(f"unknown categories {', '.join(unknown)}; available: {', '.join(CATEGORIES)}")
     per_drafter: dict[str, dict] = {d: {} for d in names}
+    by_key = {d.replace("-", "_"): d for d in names}  # option keys arrive with - turned into _
     for key, value in _options(args.drafter_option).items():
         target, dot, name = key.partition(".")
-        if dot and target in per_drafter:  # medusa.path=DIR -> option "path" of medusa
-            per_drafter[target][name] = value
+        if dot and target in by_key:  # medusa.path=DIR -> option "path" of medusa
+            per_drafter[by_key[target]][name] = value
         elif len(names) == 1:
             per_drafter[names[0]][key] = value
         else:
