@@ -53,14 +53,18 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
-def _load_kv_tile(K, V, bt, pos, ok, kvh, d, d_ok, stride_kt, stride_kh, stride_vt, stride_vh,
-                  PAGE_SIZE: tl.constexpr):
-    # pos [N] positions of the sequence -> slots through its block table
+def _load_kv_tile(K, V, bt, pos, ok, kvh, d, d_ok, stride_kvt, stride_kvh, PAGE_SIZE: tl.constexpr,
+                  OFF64: tl.constexpr):
+    # pos [N] positions of the sequence -> slots through its block table; K and V share strides, so
+    # one offset tensor serves both (int32 unless the cache has >= 2**31 elements: fewer registers)
     blk = tl.load(bt + pos // PAGE_SIZE, mask=ok, other=0)
-    slot = blk.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+    if OFF64:
+        blk = blk.to(tl.int64)
+    slot = blk * PAGE_SIZE + pos % PAGE_SIZE
+    off = slot[:, None] * stride_kvt + kvh * stride_kvh + d[None, :]
     m2 = ok[:, None] & d_ok[None, :]
-    k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :], mask=m2, other=0.0)
-    v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :], mask=m2, other=0.0)
+    k = tl.load(K + off, mask=m2, other=0.0)
+    v = tl.load(V + off, mask=m2, other=0.0)
     return k, v
 
 
@@ -69,11 +73,11 @@ def _tree_attn_kernel(
     Q, K, V, Out, PartO, PartLse,
     BlockTables, CtxLens, NumMasked, QStarts, QLens, TreeMode, QBits, TileSeq, TileQ0,
     qk_scale,  # softmax scale * log2(e)
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
+    stride_qt, stride_qh, stride_kvt, stride_kvh, stride_ot, stride_oh, stride_bt,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, num_splits, masked_split,
-    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, OFF64: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -110,7 +114,7 @@ def _tree_attn_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         ok = pos < hi
-        k, v = _load_kv_tile(K, V, bt, pos, ok, kvh, d, d_ok, stride_kt, stride_kh, stride_vt, stride_vh, PAGE_SIZE)
+        k, v = _load_kv_tile(K, V, bt, pos, ok, kvh, d, d_ok, stride_kvt, stride_kvh, PAGE_SIZE, OFF64)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
@@ -125,8 +129,7 @@ def _tree_attn_kernel(
         for j0 in range(0, j_end, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
             ok = j < j_end
-            k, v = _load_kv_tile(K, V, bt, ctx_len + j, ok, kvh, d, d_ok, stride_kt, stride_kh, stride_vt,
-                                 stride_vh, PAGE_SIZE)
+            k, v = _load_kv_tile(K, V, bt, ctx_len + j, ok, kvh, d, d_ok, stride_kvt, stride_kvh, PAGE_SIZE, OFF64)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
             jb = tl.minimum(j, 63).to(tl.int64)
             vis_tree = ((bits[:, None] >> jb[None, :]) & 1) != 0
@@ -307,6 +310,21 @@ def _default_splits(meta: TreeAttentionMetadata, programs: int, device: torch.de
     return max(1, min(want, meta.max_ctx_len // MIN_SPLIT_CHUNK, 64))
 
 
+def launch_config(group: int, head_dim: int, max_new: int, dtype: torch.dtype) -> dict:
+    """Tile shape of the attention kernel (constexprs + num_warps). BLOCK_M = BLOCK_Q * GROUP_PAD rows in
+    [16, 128], covering the largest per-sequence token count when it can; BLOCK_N 32 for head_dim 128
+    keeps a decode tile at ~184 registers on sm_90 (64 needs 255), see ``python -m specdec.kernels.compile_check``."""
+    group_pad = triton.next_power_of_2(group)
+    max_m = 64 if dtype == torch.float32 else 128  # fp32 128-row tiles spill on sm_90
+    block_q = max(max(1, 16 // group_pad), min(triton.next_power_of_2(max_new), max(1, max_m // group_pad)))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return dict(
+        HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=32 if block_d >= 128 else 64,
+        BLOCK_D=block_d, DOT_PREC="ieee" if dtype == torch.float32 else "tf32",
+        num_warps=8 if block_q * group_pad * block_d >= 64 * 128 else 4,
+    )
+
+
 def tree_attention(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [num_slots, KVH, D]
@@ -322,17 +340,14 @@ def tree_attention(
         raise ValueError(f"q has {T} tokens but the metadata describes {meta.num_tokens}")
     if H % KVH or k_cache.shape != v_cache.shape or k_cache.shape[2] != D:
         raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("q, k_cache and v_cache need a contiguous last (head_dim) dimension")
-    group = H // KVH
-    group_pad = triton.next_power_of_2(group)
-    max_new = max(meta.host_q_lens)
-    block_q = max(max(1, 16 // group_pad), min(triton.next_power_of_2(max_new), max(1, 128 // group_pad)))
-    block_m = block_q * group_pad
-    block_d = max(16, triton.next_power_of_2(D))
-    if block_n is None:
-        block_n = 64 if block_d <= 64 else 32 if block_m >= 128 else 64
-    tile_seq, tile_q0 = meta.tiles(block_q)
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("q, k_cache and v_cache need a contiguous last (head_dim) dimension, and k_cache and "
+                         "v_cache the same strides")
+    cfg = launch_config(H // KVH, D, max(meta.host_q_lens), q.dtype)
+    if block_n is not None:
+        cfg["BLOCK_N"] = block_n
+    num_warps = cfg.pop("num_warps")
+    tile_seq, tile_q0 = meta.tiles(cfg["BLOCK_Q"])
     n_tiles = tile_seq.numel()
     if num_splits is None:
         num_splits = _default_splits(meta, n_tiles * KVH, q.device)
@@ -347,25 +362,22 @@ def tree_attention(
     else:  # unused placeholders with valid strides
         part_o = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
-    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
     _tree_attn_kernel[(n_tiles, KVH, parts)](
         q, k_cache, v_cache, out, part_o, part_lse,
         meta.block_tables, meta.ctx_lens, meta.num_masked, meta.q_starts, meta.q_lens, meta.tree_mode,
         meta.q_bits, tile_seq, tile_q0,
         scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        HEAD_DIM=D, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=block_d,
         PAGE_SIZE=meta.page_size, num_splits=num_splits, masked_split=num_splits if split else 0, SPLIT=split,
-        DOT_PREC=dot_prec,
-        num_warps=8 if block_m * block_d >= 128 * 128 else 4,
+        OFF64=max(k_cache.numel(), v_cache.numel()) >= 2**31, num_warps=num_warps, **cfg,
     )
     if split:
         _merge_kernel[(T, H)](
             part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
             part_lse.stride(1), out.stride(0), out.stride(1),
-            NUM_PARTS=parts, BLOCK_S=triton.next_power_of_2(parts), HEAD_DIM=D, BLOCK_D=block_d,
+            NUM_PARTS=parts, BLOCK_S=triton.next_power_of_2(parts), HEAD_DIM=D, BLOCK_D=cfg["BLOCK_D"],
         )
     return out
 
