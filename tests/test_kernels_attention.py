@@ -19,7 +19,10 @@ from specdec.kernels.tree_attention import TreeAttentionMetadata, tree_attention
 TREE = "tree"
 
 
-def check(case, num_splits: int, atol: float = 2e-5, via_plan: bool = False) -> None:
+FP32_ATOL = 2e-5 if DEVICE == "cpu" else 1e-4  # GPU: other summation orders in both kernel and SDPA
+
+
+def check(case, num_splits: int, atol: float = FP32_ATOL, via_plan: bool = False) -> None:
     meta = case.plan.kernel_metadata if via_plan else case.metadata()
     out = tree_attention(case.q, case.k_cache, case.v_cache, meta, case.scale, num_splits=num_splits)
     ref = reference_attention(case)
@@ -137,5 +140,5 @@ def test_sweep(group, page_size, num_splits):
     kinds = [1, (TREE, 31), (TREE, 64), 17]
     case = random_case(cache_lens, kinds, num_kv_heads=2, group=group, head_dim=32, page_size=page_size,
                        seed=group + page_size, device=DEVICE)
-    check(case, num_splits=num_splits, atol=3e-5)
-    check(case, num_splits=num_splits, atol=3e-5, via_plan=True)
+    check(case, num_splits=num_splits, atol=1.5 * FP32_ATOL)
+    check(case, num_splits=num_splits, atol=1.5 * FP32_ATOL, via_plan=True)

@@ -105,13 +105,13 @@ def test_compaction_overlapping_pairs_in_order():
 
 
 def test_dispatch_switch(backend_env):
-    cpu = torch.zeros(1)
+    x = torch.zeros(1, device=DEVICE)
     backend_env("reference")
-    assert not use_triton(cpu)
+    assert not use_triton(x)
     backend_env("auto")
-    assert use_triton(cpu) is False  # auto never picks the interpreter on CPU
+    assert use_triton(x) is (DEVICE == "cuda")  # auto never picks the interpreter on CPU
     backend_env("triton")
-    assert use_triton(cpu) is True  # TRITON_INTERPRET=1 is set by this module on CPU
+    assert use_triton(x) is True  # on CPU: TRITON_INTERPRET=1 is set by this module
     backend_env("bogus")
     with pytest.raises(ValueError, match="SPECDEC_ATTENTION"):
         backend()
@@ -138,7 +138,7 @@ def test_engine_forward_through_dispatch_matches_reference(backend_env, tiny_mod
     calls = []
     kernel = ta.tree_attention
     monkeypatch.setattr(ta, "tree_attention", lambda *a, **k: calls.append(a[3].host_q_lens) or kernel(*a, **k))
-    loaded = load_model(tiny_model("llama-gqa-tied", vocab_size=64))
+    loaded = load_model(tiny_model("llama-gqa-tied", vocab_size=64), device=DEVICE)
     prompt = [[3, 5, 7, 3, 5, 7, 3, 5], [9, 9, 2]]
     outs = {}
     for name in ("reference", "triton"):
