@@ -90,6 +90,9 @@ def _tree_attn_kernel(
     q_start = tl.load(QStarts + seq)
     q_len = tl.load(QLens + seq)
     tree = tl.load(TreeMode + seq)
+    # a tile past its sequence's tokens (static CUDA-graph buckets pad sequences) reads no keys
+    ctx_len = tl.where(q0 < q_len, ctx_len, 0)
+    num_masked = tl.where(q0 < q_len, num_masked, 0)
     bt = BlockTables + seq.to(tl.int64) * stride_bt
 
     rows = tl.arange(0, BLOCK_M)

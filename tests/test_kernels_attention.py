@@ -142,3 +142,25 @@ def test_sweep(group, page_size, num_splits):
                        seed=group + page_size, device=DEVICE)
     check(case, num_splits=num_splits, atol=1.5 * FP32_ATOL)
     check(case, num_splits=num_splits, atol=1.5 * FP32_ATOL, via_plan=True)
+
+
+def test_static_bucket_metadata_matches_reference_across_steps():
+    # CUDA-graph groundwork: one fixed-capacity metadata, two different steps loaded into it in place
+    from specdec.kernels.graph_metadata import load_plan_, static_metadata
+
+    meta = static_metadata(batch=4, tokens_per_seq=8, max_keys=64, device=DEVICE)
+    buffers = [meta.block_tables.data_ptr(), meta.q_bits.data_ptr(), meta.ctx_lens.data_ptr()]
+    for seed, (cache_lens, new) in enumerate([([9, 30, 3], [1, (TREE, 6), 2]), ([40, 0], [(TREE, 7), 5])]):
+        case = random_case(cache_lens, new, num_kv_heads=2, group=3, page_size=4, seed=seed, device=DEVICE)
+        load_plan_(meta, case.plan)
+        n = case.q.shape[0]
+        q = torch.zeros(32, *case.q.shape[1:], dtype=case.q.dtype, device=DEVICE)
+        q[:n] = case.q
+        for splits in (1, 2):
+            out = tree_attention(q, case.k_cache, case.v_cache, meta, case.scale, num_splits=splits)[:n]
+            err = (out - reference_attention(case)).abs().max().item()
+            assert err <= FP32_ATOL, f"step {seed}, {splits} splits: max abs error {err:.3g}"
+    assert buffers == [meta.block_tables.data_ptr(), meta.q_bits.data_ptr(), meta.ctx_lens.data_ptr()]
+    too_long = random_case([3], [9], device=DEVICE)
+    with pytest.raises(ValueError, match="exceed the bucket"):
+        load_plan_(meta, too_long.plan)

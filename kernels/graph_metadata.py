@@ -1,0 +1,66 @@
+"""Fixed-capacity tree-attention metadata: the building block for CUDA-graph buckets (graphs not built yet).
+
+A CUDA graph replays the same launches on the same memory, so the kernel's inputs must live in
+buffers that never move. :func:`static_metadata` allocates them for a bucket (at most ``batch``
+sequences of at most ``tokens_per_seq`` new tokens and ``max_keys`` keys each); before each
+replay :func:`load_plan_` copies the step's :class:`~specdec.attention.AttentionPlan` into them.
+The launch grid depends only on the bucket: tiles past a sequence's real tokens, and sequences
+past the real batch (``q_len = 0``), read no keys and write nothing.
+
+    meta = static_metadata(batch=8, tokens_per_seq=17, max_keys=4096, device="cuda")
+    load_plan_(meta, plan)                      # outside the graph, every step
+    tree_attention(q_padded, k_cache, v_cache, meta, scale, num_splits=S)   # q: [8 * 17, H, D]
+
+Warm up once before capturing (the tile list is copied to the device on first use) and keep
+``num_splits`` fixed per bucket: it is part of the launch.
+"""
+from __future__ import annotations
+
+import torch
+from specdec.kernels.tree_attention import TreeAttentionMetadata
+
+
+def static_metadata(
+    batch: int, tokens_per_seq: int, max_keys: int, device: torch.device | str
+) -> TreeAttentionMetadata:
+    if min(batch, tokens_per_seq, max_keys) < 1:
+        raise ValueError(f"batch, tokens_per_seq and max_keys must be >= 1, got {batch}, {tokens_per_seq}, {max_keys}")
+
+    def zeros(*shape, dtype=torch.int32):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
+    return TreeAttentionMetadata(
+        block_tables=zeros(batch, max_keys),  # page size 1: one slot per key, as from_plan
+        page_size=1,
+        ctx_lens=zeros(batch),
+        num_masked=zeros(batch),
+        q_starts=zeros(batch),
+        q_lens=zeros(batch),
+        tree_mode=zeros(batch),
+        q_bits=zeros(batch * tokens_per_seq, dtype=torch.long),
+        host_q_lens=(tokens_per_seq,) * batch,
+        max_ctx_len=max_keys,
+    )
+
+
+def load_plan_(static: TreeAttentionMetadata, plan) -> None:
+    """Copy ``plan``'s kernel metadata into the buffers of ``static`` (in place; device copies only)."""
+    batch, max_keys = static.block_tables.shape
+    per_seq = static.host_q_lens[0]
+    seqs = plan.seqs
+    if len(seqs) > batch:
+        raise ValueError(f"plan has {len(seqs)} sequences, the bucket holds {batch}")
+    for b, s in enumerate(seqs):
+        if s.num_new > per_seq or s.key_slots.numel() > max_keys:
+            raise ValueError(f"sequence {b}: {s.num_new} new tokens / {s.key_slots.numel()} keys exceed the bucket "
+                             f"({per_seq} / {max_keys})")
+    dyn = plan.kernel_metadata
+    if dyn.num_tokens > static.q_bits.numel():
+        raise ValueError(f"plan has {dyn.num_tokens} tokens, the bucket holds {static.q_bits.numel()}")
+    n = len(seqs)
+    static.block_tables[:n, : dyn.block_tables.shape[1]].copy_(dyn.block_tables)
+    for name in ("ctx_lens", "num_masked", "q_starts", "q_lens", "tree_mode"):
+        buf = getattr(static, name)
+        buf[:n].copy_(getattr(dyn, name))
+        buf[n:].zero_()  # q_len 0: the padded sequences' tiles are inert
+    static.q_bits[: dyn.num_tokens].copy_(dyn.q_bits)
