@@ -2,86 +2,112 @@
 
     generate(model, ids, drafter="medusa", drafter_options={"path": "heads/"})
     generate(model, ids, drafter=MedusaDrafter(heads=my_heads, tree="dynamic", max_nodes=32))
+    specdec generate --drafter medusa --drafter-option path=heads/ --drafter-option tree=dynamic
 
 Each step the engine hands over the target's final-norm hidden state of the token before
 the root (``SequenceView.last_hidden``); head ``i`` scores the tokens at depth ``i + 1``.
-Candidates are chosen deterministically (top-k), so the rejection sampler keeps greedy and
-sampled output exactly the target's; typical acceptance is deliberately not offered.
+All live sequences go through the heads in one batched forward. Candidates are chosen
+deterministically (top-k, ``draft_probs`` None), so the rejection sampler keeps greedy and
+sampled output exactly the target's; typical acceptance (lossy) is deliberately not offered.
+A one-token prompt has no hidden state before its root: it gets the empty tree that step.
 
-Trees:
+Trees (see drafters/medusa_tree.py):
 
-* ``static``: ``medusa_choices``, a list of top-k paths: ``(2, 0)`` is the best token of
-  head 1 under the third-best token of head 0. Every prefix of a path must be listed.
-  Default: the checkpoint's saved choices, else a dynamic tree.
-* ``dynamic``: per sequence, the ``max_nodes`` paths with the highest product of head
-  probabilities (top ``top_k`` tokens per head), grown depth by depth.
+* ``static`` (default): ``medusa_choices``, a list of top-k paths: ``(2, 0)`` is the best
+  token of head 1 under the third-best token of head 0. Every prefix of a path must be
+  listed. Default choices: the checkpoint's saved ones, else the ``max_nodes`` best paths
+  under a fixed prior of head accuracies (``default_choices``).
+* ``dynamic``: per sequence and step, the ``max_nodes`` paths with the highest product of
+  head probabilities (top ``top_k`` tokens per head), grown best-first.
+
+Heads whose checkpoint shares the base model's LM head (``medusa_shared_lm_head``) use the
+target's LM head weight. Hidden size and vocabulary are checked against the target on attach.
 """
 from __future__ import annotations
 
-import heapq
+import json
 import logging
 from collections.abc import Sequence
 
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView
 from specdec.drafters.medusa_heads import MedusaCheckpointError, MedusaHeads, load_medusa
+from specdec.drafters.medusa_tree import default_choices, dynamic_tree, static_tree, validate_choices
 
 from specdec.tree import MAX_TREE_NODES, DraftTree
 
 logger = logging.getLogger(__name__)
 
-
-def validate_choices(choices: Sequence[Sequence[int]], num_heads: int) -> tuple[tuple[int, ...], ...]:
-    """Sort by (depth, path); raise ValueError for a missing prefix, a path too deep, or too many nodes."""
-    paths = sorted({tuple(int(k) for k in p) for p in choices}, key=lambda p: (len(p), p))
-    if not paths:
-        raise ValueError("medusa_choices is empty")
-    if len(paths) > MAX_TREE_NODES:
-        raise ValueError(f"medusa_choices has {len(paths)} paths; a tree holds at most {MAX_TREE_NODES} nodes")
-    known = set()
-    for p in paths:
-        if not p or min(p) < 0:
-            raise ValueError(f"medusa_choices path {list(p)} must be a non-empty list of ranks >= 0")
-        if len(p) > num_heads:
-            raise ValueError(f"medusa_choices path {list(p)} is deeper than the {num_heads} Medusa heads")
-        if len(p) > 1 and p[:-1] not in known:
-            raise ValueError(f"medusa_choices path {list(p)} lacks its prefix {list(p[:-1])}")
-        known.add(p)
-    return tuple(paths)
+__all__ = ["MedusaDrafter", "validate_choices"]
 
 
 class MedusaDrafter(Drafter):
     name = "medusa"
     needs_hidden_states = True
 
-    def __init__(self, path: str | None = None, heads: MedusaHeads | None = None, tree: str | None = None,
-                 medusa_choices: Sequence[Sequence[int]] | None = None, max_nodes: int = 32, top_k: int = 8) -> None:
+    def __init__(self, path: str | None = None, heads: MedusaHeads | None = None, tree: str = "static",
+                 medusa_choices: Sequence[Sequence[int]] | str | None = None, max_nodes: int = 16,
+                 top_k: int = 8) -> None:
+        """max_nodes bounds the dynamic tree and the default static tree (explicit choices: <= 64 paths).
+        The default of 16 nodes is sized for CPUs, where verifying many nodes costs more than a decode step."""
         if (path is None) == (heads is None):
             raise ValueError("medusa: give exactly one of path= (a checkpoint directory) or heads= (MedusaHeads)")
-        if not 1 <= max_nodes <= MAX_TREE_NODES or top_k < 1:
-            raise ValueError(f"medusa: max_nodes must be in [1, {MAX_TREE_NODES}] and top_k >= 1")
-        if tree not in (None, "static", "dynamic"):
+        if heads is not None and not isinstance(heads, MedusaHeads):
+            raise TypeError(f"medusa: heads= must be a MedusaHeads module, got {type(heads).__name__}")
+        for name, value in (("max_nodes", max_nodes), ("top_k", top_k)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"medusa: {name} must be a positive integer, got {value!r}")
+        if max_nodes > MAX_TREE_NODES:
+            raise ValueError(f"medusa: max_nodes must be <= {MAX_TREE_NODES} (the tree-mask limit), got {max_nodes}")
+        if tree not in ("static", "dynamic"):
             raise ValueError(f"medusa: tree must be 'static' or 'dynamic', got {tree!r}")
+        if isinstance(medusa_choices, str):  # e.g. from a CLI option or a config file
+            try:
+                medusa_choices = json.loads(medusa_choices)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"medusa: medusa_choices is not a JSON list of paths: {medusa_choices!r}") from err
+        if medusa_choices is not None and tree == "dynamic":
+            raise ValueError("medusa: medusa_choices define a static tree; they cannot be used with tree='dynamic'")
         self.path, self.heads = path, heads
         self.max_nodes, self.top_k = max_nodes, top_k
         self.tree, self.choices = tree, medusa_choices
+        self.paths: tuple[tuple[int, ...], ...] = ()
 
     def attach(self, target: TargetView) -> None:
         self.target = target
-        shape = target.runner.shape
+        runner = target.runner
+        shape = runner.shape
         if self.heads is None:
-            self.heads = load_medusa(self.path, shape.hidden_size, shape.vocab_size,
-                                     dtype=target.runner.dtype, device=target.runner.device)
+            self.heads = load_medusa(self.path, shape.hidden_size, shape.vocab_size, dtype=runner.dtype,
+                                     device=runner.device)
         cfg = self.heads.config
         for name, want in (("hidden_size", shape.hidden_size), ("vocab_size", shape.vocab_size)):
             if getattr(cfg, name) != want:
-                raise MedusaCheckpointError(f"medusa: heads have {name}={getattr(cfg, name)}, the target has {want}")
-        choices = self.choices if self.choices is not None else (cfg.medusa_choices or None)
-        if self.tree == "static" and choices is None:
-            raise ValueError("medusa: tree='static' needs medusa_choices (none given, none saved in the checkpoint)")
-        self.tree = self.tree or ("static" if choices is not None else "dynamic")
-        self.paths = validate_choices(choices, cfg.num_heads) if self.tree == "static" else ()
-        self.lm_head = target.runner.lm_head if cfg.shared_lm_head else None
+                raise MedusaCheckpointError(
+                    f"medusa: the heads have {name}={getattr(cfg, name)} but the target model has {name}={want}"
+                )
+        weight = next(self.heads.parameters(), None)
+        if weight is not None and (weight.dtype != runner.dtype or weight.device != runner.device):
+            logger.info("medusa: moving the heads to the target's %s / %s", runner.device, runner.dtype)
+            self.heads.to(device=runner.device, dtype=runner.dtype)
+        self.lm_head = runner.lm_head if cfg.shared_lm_head else None  # [vocab, hidden]
+        if self.tree == "static":
+            if self.choices is not None:
+                source, choices = "given", self.choices
+            elif cfg.medusa_choices:
+                source, choices = "saved in the checkpoint", cfg.medusa_choices
+            else:
+                source = "default"
+                choices = default_choices(cfg.num_heads, self.max_nodes, min(self.top_k, shape.vocab_size))
+            try:
+                self.paths = validate_choices(choices, cfg.num_heads)
+            except ValueError as err:
+                raise ValueError(f"medusa: {source} medusa_choices: {err}") from err
+            worst = max(max(p) for p in self.paths)
+            if worst >= shape.vocab_size:
+                raise ValueError(f"medusa: medusa_choices use rank {worst}, but the vocabulary has {shape.vocab_size}")
+            logger.info("medusa: static tree of %d nodes, depth %d (%s choices)", len(self.paths),
+                        len(self.paths[-1]), source)
 
     @torch.inference_mode()
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
@@ -89,40 +115,20 @@ class MedusaDrafter(Drafter):
         trees = [DraftTree.empty() for _ in seqs]
         if not ready:
             return trees
-        hidden = torch.stack([seqs[i].last_hidden for i in ready]).to(self.target.runner.dtype)
-        logits = self.heads(hidden, self.lm_head)  # [num_heads, B, vocab]
-        depth = len(self.paths[-1]) if self.tree == "static" else self.heads.config.num_heads
-        k = max((max(p) for p in self.paths), default=0) + 1 if self.tree == "static" else self.top_k
-        top = torch.topk(logits[:depth].float().log_softmax(-1), k, dim=-1)  # [depth, B, k]
-        top_tokens, top_logp = top.indices.tolist(), top.values.tolist()
-        for b, i in enumerate(ready):
-            tok_b = [top_tokens[d][b] for d in range(depth)]  # [depth][k]
-            if self.tree == "static":
-                trees[i] = self._static(tok_b)
-            else:
-                trees[i] = self._dynamic(tok_b, [top_logp[d][b] for d in range(depth)])
+        runner = self.target.runner
+        hidden = torch.stack([seqs[i].last_hidden for i in ready]).to(device=runner.device, dtype=runner.dtype)
+        if self.tree == "static":
+            depth, k = len(self.paths[-1]), max(max(p) for p in self.paths) + 1
+        else:
+            depth, k = self.heads.config.num_heads, min(self.top_k, runner.shape.vocab_size)
+        logits = self.heads(hidden, self.lm_head)[:depth]  # [depth, B, vocab], one forward for the batch
+        top = torch.topk(logits.float().log_softmax(-1), k, dim=-1)  # [depth, B, k], ranks best first
+        top_tokens = top.indices.transpose(0, 1).tolist()  # [B][depth][k]
+        if self.tree == "static":
+            for b, i in enumerate(ready):
+                trees[i] = static_tree(self.paths, top_tokens[b])
+        else:
+            top_logp = top.values.transpose(0, 1).tolist()
+            for b, i in enumerate(ready):
+                trees[i] = dynamic_tree(top_tokens[b], top_logp[b], self.max_nodes)
         return trees
-
-    def _static(self, tok: list[list[int]]) -> DraftTree:
-        index = {}
-        tokens, parents = [], []
-        for p in self.paths:
-            index[p] = len(tokens)
-            tokens.append(tok[len(p) - 1][p[-1]])
-            parents.append(index[p[:-1]] if len(p) > 1 else -1)
-        return DraftTree(tokens, parents)
-
-    def _dynamic(self, tok: list[list[int]], logp: list[list[float]]) -> DraftTree:
-        """Best-first: pop the most probable path, push its extensions, until max_nodes."""
-        tokens, parents = [], []
-        heap = [(-logp[0][r], (r,), -1) for r in range(len(tok[0]))]
-        heapq.heapify(heap)
-        while heap and len(tokens) < self.max_nodes:
-            neg, path, parent = heapq.heappop(heap)
-            node = len(tokens)
-            tokens.append(tok[len(path) - 1][path[-1]])
-            parents.append(parent)
-            if len(path) < len(tok):
-                for r in range(len(tok[len(path)])):
-                    heapq.heappush(heap, (neg - logp[len(path)][r], path + (r,), node))
-        return DraftTree(tokens, parents)
