@@ -121,7 +121,7 @@ class MedusaDrafter(Drafter):
             depth, k = len(self.paths[-1]), max(max(p) for p in self.paths) + 1
         else:
             depth, k = self.heads.config.num_heads, min(self.top_k, runner.shape.vocab_size)
-        logits = self.heads(hidden, self.lm_head)[:depth]  # [depth, B, vocab], one forward for the batch
+        logits = self._head_logits(hidden, depth)  # [depth, B, vocab], one forward for the batch
         top = torch.topk(logits.float().log_softmax(-1), k, dim=-1)  # [depth, B, k], ranks best first
         top_tokens = top.indices.transpose(0, 1).tolist()  # [B][depth][k]
         if self.tree == "static":
@@ -132,3 +132,11 @@ class MedusaDrafter(Drafter):
             for b, i in enumerate(ready):
                 trees[i] = dynamic_tree(top_tokens[b], top_logp[b], self.max_nodes)
         return trees
+
+    def _head_logits(self, hidden: torch.Tensor, depth: int) -> torch.Tensor:
+        """Logits of the first ``depth`` heads only (a static tree may use fewer than all of them)."""
+        out = []
+        for head in self.heads.heads[:depth]:
+            x = head(hidden)  # [B, hidden] (shared LM head) or [B, vocab]
+            out.append(torch.nn.functional.linear(x, self.lm_head) if self.lm_head is not None else x)
+        return torch.stack(out)
