@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
     p.add_argument("--identity-prompts", type=int, help="prompts for greedy identity (default 8)")
     p.add_argument("--identity-tokens", type=int, help="new tokens per prompt for greedy identity (default 64)")
     p.add_argument("--sample-sequences", type=int, help="sampled sequences per side end to end (default 600)")
-    p.set_defaults(func=run_lossless)
+    p.set_defaults(func=_inference(run_lossless))
 
     a = ev_sub.add_parser("acceptance", help="tau, acceptance per depth and speed per drafter x category",
                           description="Runs drafters over prompt categories against plain decoding and "
@@ -50,7 +50,19 @@ def add_parser(sub) -> None:
     a.add_argument("--no-hf-baseline", action="store_true", help="skip transformers' generate() baseline")
     a.add_argument("--no-plots", action="store_true")
     a.add_argument("--resume", action="store_true", help="keep finished cells found in --out")
-    a.set_defaults(func=run_acceptance)
+    a.set_defaults(func=_inference(run_acceptance))
+
+
+def _inference(command):
+    """Run `command` with autograd off, restoring the caller's grad mode afterwards."""
+
+    def run(args) -> int:
+        import torch
+
+        with torch.no_grad():
+            return command(args)
+
+    return run
 
 
 def _common(p) -> None:
@@ -102,7 +114,6 @@ def run_lossless(args) -> int:
     sizes = replace(sizes, **overrides)
     sampling = SamplingConfig(args.temperature > 0, args.temperature or 1.0, args.top_k, args.top_p)
     torch.manual_seed(args.seed)
-    torch.set_grad_enabled(False)
     loaded = load_model(args.model)
     encode = _encoder(loaded)
     make_prompts = lambda n: [encode(t) for t in load_prompts("chat", n)]  # noqa: E731
@@ -152,7 +163,6 @@ def run_acceptance(args) -> int:
                              f"(e.g. {names[0]}.{key}=...)")
     config = SuiteConfig(tuple((d, per_drafter[d]) for d in names), tuple(categories), args.prompts,
                          args.max_new_tokens, args.temperature, args.batch_size, not args.no_hf_baseline, args.seed)
-    torch.set_grad_enabled(False)
     loaded = load_model(args.model)
     encode = _encoder(loaded)
     texts = {c: load_prompts(c, args.prompts) for c in categories}

@@ -111,13 +111,13 @@ def _run_generate(args) -> int:
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     else:
         ids = tok(text)["input_ids"]
-    torch.set_grad_enabled(False)
-    out = generate(
-        loaded, [ids], drafter=args.drafter, drafter_options=_parse_options(args.drafter_option),
-        max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop, streamer=_TextStream(tok),
-        return_dict=True, block_size=args.block_size,
-    )
+    with torch.no_grad():
+        out = generate(
+            loaded, [ids], drafter=args.drafter, drafter_options=_parse_options(args.drafter_option),
+            max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop, streamer=_TextStream(tok),
+            return_dict=True, block_size=args.block_size,
+        )
     sys.stdout.write("\n")
     s = out.stats[0]
     summary = {

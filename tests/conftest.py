@@ -17,6 +17,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO]
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+@pytest.fixture(autouse=True)
+def _grad_mode_restored():
+    """A test (or the CLI it drives) must not leave autograd switched off for the tests after it."""
+    yield
+    assert torch.is_grad_enabled(), "this test left torch's grad mode disabled"
+
+
 @pytest.fixture
 def tiny_model():
     return build_tiny_model

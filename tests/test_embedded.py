@@ -18,8 +18,13 @@ NUM_PROMPTS, NEW_TOKENS = 20, 128
 
 @pytest.fixture(scope="module")
 def loaded():
-    torch.set_grad_enabled(False)
     return load_model("default")
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():  # reference forwards of the HF model: no autograd graphs
+        yield
 
 
 @pytest.fixture(scope="module")
