@@ -40,6 +40,7 @@ class TrainConfig:
     max_steps: int | None = None  # overrides epochs
     head_decay: float = 0.8  # head i's loss weight is head_decay ** i
     precision: str = "no"
+    cache_features: bool = True  # target features computed once, kept in memory (~4*H bytes per token)
     seed: int = 0
     held_out_fraction: float = 0.05
     save_every: int = 50

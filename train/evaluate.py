@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from specdec.train.trainer import collate, target_features
+from specdec.train.features import collate, target_features
 
 logger = logging.getLogger(__name__)
 MAX_RANK = 10

@@ -5,7 +5,8 @@
 
 Head ``i`` at position ``t`` learns the target's own greedy prediction at position ``t + 1 + i``
 (the token the target would produce at ``t + 2 + i``), weighted by ``head_decay ** i``. The target's
-hidden states and argmax labels are computed once per batch under ``no_grad``.
+hidden states and argmax labels are computed once per sequence before the first step
+(``FeatureCache``; or once per batch with ``cache_features=False``), under ``no_grad`` in float32.
 Batches: ``batch_size`` is the global micro-batch; with N processes each takes rows ``p::N``,
 gradients are averaged across processes by hand (no DDP), so 1 and N processes see the same data.
 """
@@ -21,6 +22,7 @@ import torch
 from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
 from specdec.train import checkpoint as ckpt_io
 from specdec.train.config import TrainConfig
+from specdec.train.features import FeatureCache, collate, target_features
 from torch.nn import functional as F
 
 logger = logging.getLogger(__name__)
@@ -58,25 +60,6 @@ def batch_rows(num_train: int, micro: int, batch_size: int, seed: int) -> list[i
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     perm = torch.randperm(num_train, generator=g)
     return perm[k * batch_size : (k + 1) * batch_size].tolist()
-
-
-def collate(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    L = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), L, dtype=torch.long)
-    mask = torch.zeros(len(seqs), L, dtype=torch.long)
-    for r, s in enumerate(seqs):
-        ids[r, : len(s)] = torch.tensor(s)
-        mask[r, : len(s)] = 1
-    return ids.to(device), mask.to(device)
-
-
-@torch.no_grad()
-def target_features(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Final-norm hidden states [B, L, H] and the target's argmax next tokens [B, L]."""
-    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
-    lm_w = model.get_output_embeddings().weight
-    labels = torch.stack([F.linear(h, lm_w).argmax(-1) for h in hidden])  # row by row: [L, V] at a time
-    return hidden, labels
 
 
 def head_loss(heads: MedusaHeads, i: int, hidden, labels, mask, lm_w) -> tuple[torch.Tensor, int, int]:
@@ -142,13 +125,20 @@ def train_heads(cfg: TrainConfig, model, train_seqs: list[list[int]], accelerato
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, initial=step, desc="train-medusa", unit="step")
+    features = None
+    if cfg.cache_features:
+        features = FeatureCache.build(model, train_seqs, accelerator.device, cfg.batch_size,
+                                      progress=cfg.progress and accelerator.is_main_process)
     heads.train()
     while step < total:
         stats = torch.zeros(1 + 2 * cfg.num_heads, device=accelerator.device)  # loss sum, correct[i], count[i]
         for a in range(cfg.grad_accum):
             rows = batch_rows(len(train_seqs), step * cfg.grad_accum + a, cfg.batch_size, cfg.seed)[rank::nproc]
-            ids, mask = collate([train_seqs[r] for r in rows], accelerator.device)
-            hidden, labels = target_features(model, ids, mask)
+            if features is not None:
+                hidden, labels, mask = features.batch(rows)
+            else:
+                ids, mask = collate([train_seqs[r] for r in rows], accelerator.device)
+                hidden, labels = target_features(model, ids, mask)
             for i in range(cfg.num_heads):  # one graph per head: peak memory is one head's logits
                 with accelerator.autocast():
                     loss, correct, count = head_loss(heads, i, hidden, labels, mask, lm_w)
