@@ -38,7 +38,8 @@ def drafters(args, loaded) -> dict[str, tuple[str | None, dict]]:
         "draft-model (itself)": ("draft-model", {"model": loaded, "num_draft_tokens": 3}),
     }
     if args.medusa_path:
-        out["medusa"] = ("medusa", {"path": args.medusa_path})
+        out["medusa (static 16)"] = ("medusa", {"path": args.medusa_path})  # saved choices, first 16 nodes
+        out["medusa (dynamic 16)"] = ("medusa", {"path": args.medusa_path, "tree": "dynamic"})
     else:  # untrained heads that start as copies of the LM head: a floor, not what training gives
         from specdec.drafters.medusa import MedusaDrafter
         from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
