@@ -4,13 +4,12 @@
 the ``specdec.drafters`` entry-point group.
 """
 
-if __name__ != "specdec.drafters":  # the repo folder must never be imported as a top-level package
-    raise ImportError(
-        f"{__file__} is the package specdec.drafters, not a top-level 'drafters': import specdec.drafters, and keep the "
-        "repo root off sys.path (use the pytest command, or python -P, or run from another directory)"
-    )
+if __name__ != "specdec.drafters":  # imported as a bare 'drafters' (repo root on sys.path): run nothing
+    from specdec.layout_guard import stand_in
 
-from specdec.drafters.base import Drafter, SequenceView
-from specdec.drafters.registry import get_drafter
+    stand_in(__name__)
+else:
+    from specdec.drafters.base import Drafter, SequenceView
+    from specdec.drafters.registry import get_drafter
 
-__all__ = ["Drafter", "SequenceView", "get_drafter"]
+    __all__ = ["Drafter", "SequenceView", "get_drafter"]
