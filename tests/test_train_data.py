@@ -108,6 +108,17 @@ def test_tokenize_and_split():
         tokenize_texts(tiny_tokenizer(), ["a"], seq_len=20)
 
 
+def test_held_out_split_never_leaks_into_training():
+    seqs = [[i, i + 1, i + 2] for i in range(0, 30, 3)]
+    for fraction in (1e-9, 0.1, 0.5):  # 1e-9: no hash falls under it, one sequence is moved out
+        train, held = split_held_out(seqs, fraction)
+        assert held and not set(map(tuple, train)) & set(map(tuple, held))
+        assert sorted(map(tuple, train + held)) == sorted(map(tuple, seqs))
+    assert split_held_out(seqs, 0.0) == (seqs, [])
+    with pytest.raises(TrainDataError, match="held-out"):
+        split_held_out(seqs[:1], 0.1)
+
+
 def test_builtin_prompts_disjoint_from_held_out_chat():
     from specdec.eval.prompts import CHAT
 

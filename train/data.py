@@ -85,13 +85,19 @@ def tokenize_texts(tokenizer, texts: list[str], seq_len: int) -> list[list[int]]
 
 
 def split_held_out(seqs: list[list[int]], fraction: float) -> tuple[list[list[int]], list[list[int]]]:
-    """Deterministic split by content hash (same data -> same split, whatever the order or process count)."""
-    train, held = [], []
-    for s in seqs:
-        h = int(hashlib.sha256(str(s).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-        (held if h < fraction else train).append(s)
-    if not train:
-        raise TrainDataError(f"held-out fraction {fraction} left no training data")
-    if not held and fraction > 0:
-        held = train[-1:]
+    """Deterministic split by content hash (same data -> same split, whatever the order or process count).
+
+    Every sequence lands on exactly one side. With ``fraction > 0`` the held-out side is never empty:
+    if no hash falls under ``fraction``, the sequence with the smallest hash moves there.
+    """
+    keyed = [(int(hashlib.sha256(str(s).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF, s) for s in seqs]
+    train = [s for h, s in keyed if h >= fraction]
+    held = [s for h, s in keyed if h < fraction]
+    if fraction > 0 and not held and len(train) > 1:
+        smallest = min(range(len(keyed)), key=lambda i: keyed[i][0])
+        held = [keyed[smallest][1]]
+        train = [s for i, (_, s) in enumerate(keyed) if i != smallest]
+    if not train or (fraction > 0 and not held):
+        raise TrainDataError(f"{len(seqs)} sequence(s) cannot be split into training and held-out data with "
+                             f"held-out fraction {fraction}: give more data or --held-out-fraction 0")
     return train, held

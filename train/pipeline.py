@@ -102,7 +102,8 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
         t_train = time.perf_counter()
         report: dict = {}
         if accelerator.is_main_process:
-            acc = head_accuracies(model, heads, held_out or train_seqs[-4:], device=accelerator.device)
+            # --held-out-fraction 0: accuracies on training data, and the report says so
+            acc = head_accuracies(model, heads, held_out or train_seqs, device=accelerator.device)
             choices, est_tau = choose_tree(acc["rank_acc"], cfg.tree_budget)
             heads.config = dataclasses.replace(heads.config, medusa_choices=tuple(choices))
             save_medusa(heads, out)
@@ -115,7 +116,8 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
             t_end = time.perf_counter()
             report = {
                 "config": cfg.to_json(), "model": loaded.name, "train_sequences": len(train_seqs),
-                "held_out_sequences": len(held_out), "steps": history[-1]["step"] if history else 0,
+                "held_out_sequences": len(held_out), "accuracy_data": "held-out" if held_out else "training",
+                "steps": history[-1]["step"] if history else 0,
                 "final_loss": history[-1]["loss"] if history else None,
                 "top1": acc["top1"], "top5": acc["top5"], "rank_acc": acc["rank_acc"],
                 "medusa_choices": [list(c) for c in choices], "estimated_tau": est_tau, "tau": tau,
@@ -139,6 +141,8 @@ def render_markdown(r: dict) -> str:
              f"{r['config']['num_heads']} heads x {r['config']['num_layers']} layers, "
              f"{'shared' if r['config']['shared_lm_head'] else 'own'} LM head; {r['steps']} steps on "
              f"{r['train_sequences']} sequences ({r['processes']} process(es)); final loss {r['final_loss']:.4f}", "",
+             f"Accuracies on {r['held_out_sequences']} held-out sequences:" if r["held_out_sequences"]
+             else "Accuracies on the TRAINING data (--held-out-fraction 0): optimistic.", "",
              "| head | predicts | top-1 | top-5 |", "|---|---|---|---|"]
     for i, (a1, a5) in enumerate(zip(r["top1"], r["top5"])):
         lines.append(f"| {i} | t+{i + 2} | {a1:.3f} | {a5:.3f} |")
