@@ -1,39 +1,71 @@
 """The acceptance / speed suite behind ``specdec eval acceptance``.
 
 For every (drafter, category) cell it runs the category's prompts through specdec with
-that drafter and records tau, acceptance per depth, the committed-length histogram,
-tokens/s, and the time split between drafting and verification. Per category it also runs
-the baselines once: specdec plain decoding and (greedy only) transformers' ``generate()``.
+that drafter and records tau, acceptance per depth, the accepted-length histogram,
+tokens/s, the time split between drafting and verification and the mean draft-tree size.
+Per category it also runs the baselines: specdec plain decoding and (greedy only)
+transformers' ``generate()``.
 
 Definitions (documented in the report):
 
+* accepted length of a step = draft tokens accepted in it (0 = the first draft token was
+  rejected, or there was no draft); every step commits accepted + 1 tokens (the recovered
+  or bonus token), cut at a stop;
+* tau = committed tokens per target forward (mean accepted length + 1);
 * acceptance at depth d = P(a node at depth d is accepted | its parent was accepted), i.e.
   accepted / tried summed over steps (the engine's depth counters);
-* tau = committed tokens per target forward (mean accepted length + 1);
-* predicted speedup = tau * (plain seconds per step) / (draft + verify seconds per step),
-  from the measured costs of this run, next to the measured tokens/s ratio.
+* predicted speedup, from costs measured separately from the run it predicts::
+
+      predicted = tau * c_plain / (c_draft + c_verify(n))
+
+  - ``c_verify(n)``: seconds of one engine verify step (ONE target forward over ``n`` query
+    tokens per sequence = root + tree nodes, then rejection sampling and the KV commit) for a
+    batch like the cell's (its ``batch_size`` prompts of median length, each extended to its
+    length + ``max_new_tokens / 2`` tokens: the mean context while decoding). A short calibration
+    after the cell times steps at ``n = 1`` and at ``n`` = 1 + the drafter's mean tree size
+    (nodes it proposed per step in the cell, rounded), interleaved, after a warm-up step,
+    and keeps the median of ``calibration_repeats`` steps each;
+  - ``c_plain = c_verify(1)``: a plain step is the same verify / sample / commit path with
+    the root alone (its drafting is nothing);
+  - ``c_draft``: the drafter's measured draft time per engine step in the cell
+    (``draft_seconds / forward_passes``), timed apart from verification.
+
+  It models decoding only; the measured speedup (tokens/s ratio) includes prefill, so the
+  JSON report also gives the decode-only measured speedup (prefill time taken out).
 
 Each finished cell is written to ``<out>/cells/<drafter>__<category>[.rank<r>].json``
 at once, so a crashed run resumes where it stopped (``resume=True`` skips finished cells).
 Under ``accelerate launch`` every process takes its share of the prompts
-(``split_between_processes``) and the main process merges the shards.
+(``split_between_processes``), writes rank files, and the main process merges them.
+Cells of older runs (a ``histogram`` of committed tokens per step, no calibration) are
+still read: their histogram is shifted to accepted lengths, their prediction is left out.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import statistics
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
+from specdec.drafters.base import Drafter
+from specdec.drafters.registry import get_drafter
 
+from specdec.engine import Engine
 from specdec.generate import generate
+from specdec.kv_cache import PagedKVCache
+from specdec.sampling import SamplingConfig
+from specdec.stopping import StopCriteria
+from specdec.tree import DraftTree
 
 logger = logging.getLogger(__name__)
+
+BASELINES = ("plain", "hf-greedy")
 
 
 @dataclass(frozen=True)
@@ -46,6 +78,7 @@ class SuiteConfig:
     batch_size: int = 1
     hf_baseline: bool = True  # transformers' greedy generate(), greedy runs only
     seed: int = 0
+    calibration_repeats: int = 5  # timed verify steps per query size; 0 = no predicted speedup
 
     def __post_init__(self) -> None:
         if self.prompts_per_category < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
@@ -54,6 +87,21 @@ class SuiteConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not self.drafters or not self.categories:
             raise ValueError("give at least one drafter and one category")
+        if self.calibration_repeats < 0:
+            raise ValueError(f"calibration_repeats must be >= 0, got {self.calibration_repeats}")
+        clash = [name for name, _ in self.drafters if name in BASELINES]
+        if clash:
+            raise ValueError(f"{', '.join(clash)} is a baseline the suite always runs, not a drafter")
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature > 0, self.temperature or 1.0)
+
+    @property
+    def labels(self) -> list[str]:
+        """Row labels in report order: plain, the drafters, then hf-greedy when it runs."""
+        hf = ["hf-greedy"] if self.hf_baseline and self.temperature == 0 else []
+        return ["plain"] + [name for name, _ in self.drafters] + hf
 
 
 @dataclass
@@ -62,32 +110,49 @@ class Cell:
     category: str
     prompts: int = 0
     new_tokens: int = 0
-    steps: int = 0
+    steps: int = 0  # sequence steps: one per sequence per target forward it took part in
+    forward_passes: int = 0  # engine steps (one batched target forward each), prefill excluded
     seconds: float = 0.0
+    prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    drafts: int = 0  # draft trees proposed (one per sequence step)
+    draft_nodes: int = 0  # nodes in those trees (before the engine trims them to the token budget)
     depth_tried: list[int] = field(default_factory=list)
     depth_accepted: list[int] = field(default_factory=list)
-    histogram: list[int] = field(default_factory=list)  # index = tokens committed in one step
+    accepted_histogram: list[int] = field(default_factory=list)  # index = draft tokens accepted in one step
+    # one entry per process: {"query_tokens", "plain_seconds", "verify_seconds", "batch", "context_tokens", "repeats"}
+    calibration: list[dict] = field(default_factory=list)
 
-    def add(self, out: Any, seconds: float) -> None:
+    def add(self, out: Any, seconds: float, drafts: int = 0, draft_nodes: int = 0) -> None:
         self.prompts += len(out.stats)
         self.seconds += seconds
+        self.prefill_seconds += out.prefill_seconds
         self.draft_seconds += out.draft_seconds
         self.verify_seconds += out.verify_seconds
+        self.forward_passes += out.forward_passes
+        self.drafts += drafts
+        self.draft_nodes += draft_nodes
         for s in out.stats:
             self.new_tokens += s.new_tokens
             self.steps += s.steps
             _add_into(self.depth_tried, s.depth_tried)
             _add_into(self.depth_accepted, s.depth_accepted)
-            for n in s.step_lengths:
-                _add_into(self.histogram, [0] * n + [1])
+            for committed in s.step_lengths:
+                accepted = max(committed - 1, 0)
+                _add_into(self.accepted_histogram, [0] * accepted + [1])
 
     def merge(self, other: "Cell") -> None:
-        for name in ("prompts", "new_tokens", "steps", "seconds", "draft_seconds", "verify_seconds"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("depth_tried", "depth_accepted", "histogram"):
-            _add_into(getattr(self, name), getattr(other, name))
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name in ("drafter", "category"):
+                continue
+            if f.name == "calibration":
+                mine.extend(theirs)
+            elif isinstance(mine, list):
+                _add_into(mine, theirs)
+            else:
+                setattr(self, f.name, mine + theirs)
 
     @property
     def tau(self) -> float:
@@ -98,8 +163,17 @@ class Cell:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
     @property
+    def decode_tokens_per_second(self) -> float:
+        decode = self.seconds - self.prefill_seconds
+        return self.new_tokens / decode if decode > 0 else 0.0
+
+    @property
     def acceptance_per_depth(self) -> list[float]:
         return [a / t if t else 0.0 for a, t in zip(self.depth_accepted, self.depth_tried)]
+
+    @property
+    def mean_tree_nodes(self) -> float:
+        return self.draft_nodes / self.drafts if self.drafts else 0.0
 
 
 def _add_into(acc: list[int], new) -> None:
@@ -121,8 +195,93 @@ def _write_cell(path: Path, cell: Cell) -> None:
     os.replace(tmp, path)
 
 
-def _read_cell(path: Path) -> Cell:
-    return Cell(**json.loads(path.read_text()))
+def read_cell(path: Path) -> Cell:
+    """A cell file, also one of an older run (committed-length ``histogram``, no calibration)."""
+    data = json.loads(path.read_text())
+    if "histogram" in data:  # older cells: index = tokens committed in a step = accepted + 1
+        committed = data.pop("histogram")
+        data.setdefault("accepted_histogram", committed[1:])
+    known = {f.name for f in fields(Cell)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        logger.warning("%s: ignoring unknown fields %s", path, unknown)
+    return Cell(**{k: v for k, v in data.items() if k in known})
+
+
+class _CountingDrafter:
+    """Delegates to a drafter and counts the draft trees and nodes it proposes (composition only)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.trees, self.nodes = inner, 0, 0
+
+    def __getattr__(self, name: str) -> Any:  # name, needs_hidden_states, attach, on_accept, release, ...
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def propose(self, seqs):
+        trees = self.inner.propose(seqs)
+        self.trees += len(trees)
+        self.nodes += sum(int(getattr(t, "num_nodes", 0)) for t in trees)
+        return trees
+
+
+class _ChainDrafter(Drafter):
+    """Calibration drafter: a chain of ``nodes`` copies of the root token per sequence."""
+
+    name = "calibration-chain"
+
+    def __init__(self) -> None:
+        self.nodes = 0
+
+    def propose(self, seqs):
+        return [DraftTree([s.token_ids[-1]] * self.nodes, list(range(-1, self.nodes - 1))) for s in seqs]
+
+
+def measure_verify_costs(loaded: Any, prompts: Sequence[Sequence[int]], query_tokens: Sequence[int],
+                         sampling: SamplingConfig, extra_context: int = 0, repeats: int = 5,
+                         seed: int = 0) -> dict[int, float]:
+    """Median seconds of one engine verify step with ``n`` query tokens per sequence, for each n.
+
+    One batch of ``len(prompts)`` sequences, each extended by ``extra_context`` tokens (its
+    own tokens repeated), is prefilled; then ``repeats + 1`` rounds each run one step per n
+    (interleaved, so drift of a shared machine hits every n alike) with a chain draft of
+    n - 1 nodes. The first round is a warm-up. The time is the engine's own verify timer:
+    target forward + rejection sampling + KV commit.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    sizes = sorted(set(int(n) for n in query_tokens))
+    if not prompts or not sizes or sizes[0] < 1:
+        raise ValueError("measure_verify_costs needs prompts and query sizes >= 1")
+    runner = loaded.runner
+    shape = runner.shape
+    growth = (repeats + 1) * sum(sizes)  # a step commits at most n tokens
+    room = shape.max_positions - growth - 2
+    if room < 1:
+        raise ValueError(f"the model's context ({shape.max_positions}) is too short to calibrate {sizes}")
+    contexts = []
+    for p in prompts:
+        want = len(p) + max(extra_context, 0)
+        ctx = [p[i % len(p)] for i in range(want)][-room:]
+        contexts.append(ctx)
+    block = 16
+    blocks = sum(-(-(len(c) + growth + 2) // block) for c in contexts)
+    cache = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block, runner.dtype,
+                         runner.device)
+    drafter = _ChainDrafter()
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    engine = Engine(runner, cache, sampling, StopCriteria(10**9), drafter, generator)
+    engine.add(contexts)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for r in range(repeats + 1):
+        for n in sizes:
+            drafter.nodes = n - 1
+            before = engine.seconds["verify"]
+            engine.step()
+            if r:
+                times[n].append(engine.seconds["verify"] - before)
+    return {n: statistics.median(ts) for n, ts in times.items()}
 
 
 def _hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> tuple[int, float]:
@@ -137,76 +296,134 @@ def _hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> tup
     return tokens, seconds
 
 
+def _median_batch(prompts: list[list[int]], size: int) -> list[list[int]]:
+    """The ``size`` prompts around the median length (a batch like a typical one of the cell)."""
+    by_length = sorted(prompts, key=len)
+    start = max(0, min((len(by_length) - size) // 2, len(by_length) - size))
+    return by_length[start : start + size]
+
+
+def _calibrate(loaded: Any, cell: Cell, batch: list[list[int]], config: SuiteConfig) -> None:
+    n = max(1, round(1 + cell.mean_tree_nodes))
+    costs = measure_verify_costs(loaded, batch, (1, n), config.sampling, config.max_new_tokens // 2,
+                                 config.calibration_repeats, config.seed)
+    context = sum(len(p) for p in batch) / len(batch) + config.max_new_tokens // 2
+    cell.calibration.append({"query_tokens": n, "plain_seconds": costs[1], "verify_seconds": costs[n],
+                             "batch": len(batch), "context_tokens": round(context, 1),
+                             "repeats": config.calibration_repeats})
+
+
+def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteConfig, out: Path,
+              rank: int | None = None, resume: bool = False,
+              on_progress: Callable[[str, Cell], None] | None = None) -> None:
+    """Measure every (row, category) cell over ``prompts`` (this process's share) and write each cell file
+    (``.rank<rank>`` suffixed when ``rank`` is given) as soon as it is done."""
+    sampling = dict(do_sample=config.temperature > 0, temperature=config.temperature or 1.0, seed=config.seed)
+    options = dict(config.drafters)
+    warm = next((ps[:1] for ps in prompts.values() if ps), [])
+    for label in config.labels:  # warm-up: first-call costs out of the measurements
+        if warm and label != "hf-greedy":
+            drafter = None if label == "plain" else label
+            generate(loaded, warm, max_new_tokens=4, drafter=drafter, drafter_options=options.get(label) or None,
+                     **sampling)
+    for category, mine in prompts.items():
+        for label in config.labels:
+            path = cell_path(out, label, category, rank)
+            if resume and path.exists():
+                logger.info("resume: %s / %s already done", label, category)
+                continue
+            cell = Cell(label, category)
+            if label == "hf-greedy":
+                cell.new_tokens, cell.seconds = _hf_greedy(loaded.model, mine, config.max_new_tokens)
+                cell.prompts = len(mine)
+            else:
+                for i in range(0, len(mine), config.batch_size):
+                    batch = mine[i : i + config.batch_size]
+                    drafter = None if label == "plain" else _CountingDrafter(get_drafter(label, **options[label]))
+                    t0 = time.perf_counter()
+                    res = generate(loaded, batch, max_new_tokens=config.max_new_tokens, drafter=drafter,
+                                   return_dict=True, **sampling)
+                    seconds = time.perf_counter() - t0
+                    counts = (drafter.trees, drafter.nodes) if drafter is not None else (0, 0)
+                    cell.add(res, seconds, *counts)
+                    if on_progress:
+                        on_progress(category, cell)
+                if label != "plain" and mine and config.calibration_repeats:
+                    _calibrate(loaded, cell, _median_batch(mine, config.batch_size), config)
+            _write_cell(path, cell)
+
+
 def run_suite(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteConfig, out: Path, resume: bool = False,
               on_progress: Callable[[str, Cell], None] | None = None) -> dict[tuple[str, str], Cell]:
-    """Run (or resume) every cell; returns merged cells keyed by (drafter, category)."""
+    """Run (or resume) every cell, sharded over the ``accelerate`` processes; returns merged cells keyed by
+    (drafter, category)."""
     from accelerate import PartialState
 
     state = PartialState(cpu=not torch.cuda.is_available())  # CPU-only: processes talk over gloo
     rank = state.process_index if state.num_processes > 1 else None
-    sampling = dict(do_sample=config.temperature > 0, temperature=config.temperature or 1.0, seed=config.seed)
-    rows = [("plain", None, {})] + [(name, name, opts) for name, opts in config.drafters]
-    if config.hf_baseline and config.temperature == 0:
-        rows.append(("hf-greedy", "hf", {}))
-    warm = next(iter(prompts.values()))[:1]
-    for _label, drafter, options in rows:  # warm-up: first-call costs out of the measurements
-        if drafter != "hf":
-            generate(loaded, warm, max_new_tokens=4, drafter=drafter, drafter_options=options or None, **sampling)
+    shard = {}
     for category, cat_prompts in prompts.items():
         with state.split_between_processes(cat_prompts) as mine:
-            for label, drafter, options in rows:
-                path = cell_path(out, label, category, rank)
-                if resume and path.exists():
-                    logger.info("resume: %s / %s already done", label, category)
-                    continue
-                cell = Cell(label, category)
-                if drafter == "hf":
-                    cell.new_tokens, cell.seconds = _hf_greedy(loaded.model, mine, config.max_new_tokens)
-                    cell.prompts = len(mine)
-                else:
-                    for i in range(0, len(mine), config.batch_size):
-                        batch = mine[i : i + config.batch_size]
-                        t0 = time.perf_counter()
-                        res = generate(loaded, batch, max_new_tokens=config.max_new_tokens, drafter=drafter,
-                                       drafter_options=options or None, return_dict=True, **sampling)
-                        cell.add(res, time.perf_counter() - t0)
-                        if on_progress:
-                            on_progress(category, cell)
-                _write_cell(path, cell)
+            shard[category] = list(mine)
+    run_cells(loaded, shard, config, out, rank, resume, on_progress)
     state.wait_for_everyone()
-    return merge_cells(out, [r[0] for r in rows], list(prompts), state.num_processes)
+    return merge_cells(out, config.labels, list(prompts), state.num_processes)
 
 
 def merge_cells(out: Path, labels: list[str], categories: list[str], num_processes: int) -> dict:
+    """Read the cells of a run; with several processes sum their rank files (seconds are summed process time,
+    so tokens/s is per process; calibrations are kept one per process)."""
     cells = {}
     for label in labels:
         for category in categories:
             if num_processes == 1:
-                cells[label, category] = _read_cell(cell_path(out, label, category))
+                cells[label, category] = read_cell(cell_path(out, label, category))
                 continue
             merged = Cell(label, category)
             for r in range(num_processes):
-                merged.merge(_read_cell(cell_path(out, label, category, r)))
-            # shards ran in parallel: wall time is the slowest shard's, tokens/s uses summed process time
+                merged.merge(read_cell(cell_path(out, label, category, r)))
             cells[label, category] = merged
     return cells
 
 
+def predicted_speedup(cell: Cell) -> dict | None:
+    """tau * c_plain / (c_draft + c_verify(n)) from the cell's calibration (median over processes)."""
+    if not cell.calibration or not cell.forward_passes or not cell.steps:
+        return None
+    c_plain = statistics.median(c["plain_seconds"] for c in cell.calibration)
+    c_verify = statistics.median(c["verify_seconds"] for c in cell.calibration)
+    c_draft = cell.draft_seconds / cell.forward_passes
+    if c_draft + c_verify <= 0:
+        return None
+    return {"predicted_speedup": cell.tau * c_plain / (c_draft + c_verify), "cost_plain_s": c_plain,
+            "cost_verify_s": c_verify, "cost_draft_s": c_draft,
+            "verify_query_tokens": statistics.median(c["query_tokens"] for c in cell.calibration)}
+
+
 def summarise(cells: dict[tuple[str, str], Cell]) -> list[dict]:
-    """One row per (drafter, category) with speedups against the same run's baselines."""
+    """One row per (drafter, category) with speedups against the same run's baselines and the prediction."""
     rows = []
     for (label, category), cell in cells.items():
         plain = cells[("plain", category)]
         hf = cells.get(("hf-greedy", category))
+        measured = cell.tokens_per_second / plain.tokens_per_second if plain.tokens_per_second else None
+        decode = None  # needs both prefill times (cells of older runs lack them)
+        if cell.prefill_seconds and plain.prefill_seconds and cell.decode_tokens_per_second:
+            decode = cell.decode_tokens_per_second / plain.decode_tokens_per_second
         row = {"drafter": label, "category": category, "prompts": cell.prompts, "new_tokens": cell.new_tokens,
-               "tau": cell.tau, "tokens_per_s": cell.tokens_per_second,
-               "speedup_vs_plain": cell.tokens_per_second / plain.tokens_per_second if plain.seconds else None,
-               "speedup_vs_hf": cell.tokens_per_second / hf.tokens_per_second if hf and hf.seconds else None,
-               "acceptance_per_depth": cell.acceptance_per_depth, "histogram": cell.histogram}
-        if cell.steps and plain.steps and label not in ("plain", "hf-greedy"):
-            plain_step = (plain.draft_seconds + plain.verify_seconds) / plain.steps
-            step = (cell.draft_seconds + cell.verify_seconds) / cell.steps
-            row["predicted_speedup"] = cell.tau * plain_step / step
+               "steps": cell.steps, "tau": cell.tau, "tokens_per_s": cell.tokens_per_second,
+               "speedup_vs_plain": measured,
+               "speedup_vs_hf": cell.tokens_per_second / hf.tokens_per_second if hf and hf.tokens_per_second else None,
+               "decode_speedup_vs_plain": decode,
+               "acceptance_per_depth": cell.acceptance_per_depth, "accepted_histogram": cell.accepted_histogram,
+               "predicted_speedup": None, "predicted_over_measured": None}
+        if label not in BASELINES:
+            row["mean_tree_nodes"] = cell.mean_tree_nodes if cell.drafts else None  # older cells: not recorded
             row["draft_share"] = cell.draft_seconds / max(cell.draft_seconds + cell.verify_seconds, 1e-9)
+            prediction = predicted_speedup(cell)
+            if prediction is not None:
+                row.update(prediction)
+                if measured:
+                    row["predicted_over_measured"] = prediction["predicted_speedup"] / measured
         rows.append(row)
     return rows

@@ -47,6 +47,8 @@ def add_parser(sub) -> None:
     a.add_argument("--max-new-tokens", type=int, default=128)
     a.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     a.add_argument("--batch-size", type=int, default=1)
+    a.add_argument("--calibration-repeats", type=int, default=5,
+                   help="timed verify steps per query size for the predicted speedup (default 5; 0 = no prediction)")
     a.add_argument("--no-hf-baseline", action="store_true", help="skip transformers' generate() baseline")
     a.add_argument("--no-plots", action="store_true")
     a.add_argument("--resume", action="store_true", help="keep finished cells found in --out")
@@ -132,9 +134,8 @@ def run_lossless(args) -> int:
 
 
 def run_acceptance(args) -> int:
-    import torch
     from specdec.drafters.registry import available
-    from specdec.eval.acceptance import SuiteConfig, run_suite, summarise
+    from specdec.eval.acceptance import BASELINES, SuiteConfig, run_suite, summarise
     from specdec.eval.prompt_sets import load_jsonl
     from specdec.eval.prompts import CATEGORIES, load_prompts
     from specdec.eval.report import write_reports
@@ -162,7 +163,8 @@ def run_acceptance(args) -> int:
             raise ValueError(f"--drafter-option {key}: with several drafters, prefix the drafter name "
                              f"(e.g. {names[0]}.{key}=...)")
     config = SuiteConfig(tuple((d, per_drafter[d]) for d in names), tuple(categories), args.prompts,
-                         args.max_new_tokens, args.temperature, args.batch_size, not args.no_hf_baseline, args.seed)
+                         args.max_new_tokens, args.temperature, args.batch_size, not args.no_hf_baseline, args.seed,
+                         args.calibration_repeats)
     loaded = load_model(args.model)
     encode = _encoder(loaded)
     texts = {c: load_prompts(c, args.prompts) for c in categories}
@@ -190,13 +192,15 @@ def run_acceptance(args) -> int:
     rows = summarise(cells)
     meta = {"model": loaded.name, "drafters": names, "temperature": args.temperature,
             "max_new_tokens": args.max_new_tokens, "prompts_per_category": args.prompts,
-            "batch_size": args.batch_size, "processes": state.num_processes,
+            "batch_size": args.batch_size, "calibration_repeats": args.calibration_repeats,
+            "processes": state.num_processes,
             "device": str(loaded.runner.device), "seconds": round(time.perf_counter() - t0, 1),
             "date": time.strftime("%Y-%m-%d")}
     written = write_reports(rows, out, meta, with_plots=not args.no_plots)
+    fmt = lambda x: "-" if x is None else f"x{x:.2f}"  # noqa: E731
     for r in rows:
-        if r["drafter"] not in ("plain", "hf-greedy"):
+        if r["drafter"] not in BASELINES:
             print(f"{r['drafter']:>14} {r['category']:<14} tau {r['tau']:.2f}  {r['tokens_per_s']:.1f} tok/s  "
-                  f"x{r['speedup_vs_plain']:.2f} vs plain  (predicted x{r.get('predicted_speedup', 0):.2f})")
+                  f"{fmt(r['speedup_vs_plain'])} vs plain, predicted {fmt(r['predicted_speedup'])}")
     print("reports:", ", ".join(str(p) for p in written))
     return 0

@@ -9,17 +9,24 @@ import json
 from pathlib import Path
 
 DEFINITIONS = """\
+- **accepted length** of a step: draft tokens accepted in it (0 = nothing accepted, also when there was no
+  draft). Every step commits accepted + 1 tokens (the recovered or bonus token), cut at a stop.
 - **tau**: tokens committed per target forward pass (mean accepted length + 1); plain decoding has tau 1.
 - **acceptance at depth d**: P(the node at depth d is accepted | its parent was accepted), summed over steps.
 - **speedup vs plain / vs HF**: tokens/s (prefill included) over specdec plain decoding / transformers' greedy
   `generate()`, measured in the same run on the same prompts.
-- **predicted**: tau x (plain seconds per step) / (draft + verify seconds per step), from this run's measured
-  costs, prefill excluded. It should agree with the measured speedup up to the prefill share.
+- **predicted**: tau x c_plain / (c_draft + c_verify(n)), from costs measured apart from the run it predicts.
+  c_verify(n) = seconds of one verify step (one target forward over n query tokens per sequence = root + tree
+  nodes, then rejection sampling and KV commit), timed by a short calibration after each cell: median of
+  repeated steps at n = 1 and n = 1 + the drafter's mean tree size, interleaved, on a batch of the cell's
+  prompts extended to the mean decoding context. c_plain = c_verify(1). c_draft = the drafter's draft time per
+  step in the cell. It models decoding only: **pred/meas** is predicted over the measured speedup (prefill
+  included); the JSON also has the decode-only measured speedup and the three costs.
 """
 
 
-def _fmt(x, spec=".2f") -> str:
-    return "-" if x is None else format(x, spec)
+def _fmt(x, spec=".2f", unit="") -> str:
+    return "-" if x is None else format(x, spec) + unit
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
@@ -28,16 +35,17 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines += ["", DEFINITIONS, ""]
     for category in dict.fromkeys(r["category"] for r in rows):
         lines += [f"## {category}", "",
-                  "| drafter | tau | tok/s | vs plain | vs HF | predicted | acceptance per depth "
-                  "| committed/step histogram |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| drafter | tau | tok/s | vs plain | vs HF | predicted | pred/meas | acceptance per depth "
+                  "| accepted-length histogram (length:steps) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in (r for r in rows if r["category"] == category):
             acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_depth"]) or "-"
-            hist = " ".join(str(h) for h in r["histogram"][1:]) or "-"
+            hist = " ".join(f"{k}:{h}" for k, h in enumerate(r["accepted_histogram"]) if h) or "-"
             tau = "-" if r["drafter"] == "hf-greedy" else f"{r['tau']:.2f}"
             lines.append(f"| {r['drafter']} | {tau} | {r['tokens_per_s']:.1f} | "
-                         f"{_fmt(r['speedup_vs_plain'])}x | {_fmt(r['speedup_vs_hf'])}x | "
-                         f"{_fmt(r.get('predicted_speedup'))}x | {acc} | {hist} |")
+                         f"{_fmt(r['speedup_vs_plain'], unit='x')} | {_fmt(r['speedup_vs_hf'], unit='x')} | "
+                         f"{_fmt(r.get('predicted_speedup'), unit='x')} | {_fmt(r.get('predicted_over_measured'))} | "
+                         f"{acc} | {hist} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -73,11 +81,18 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
     width = 0.8 / max(1, len(drafters))
+    labelled = False
     for i, d in enumerate(drafters):
         xs = [j + i * width for j in range(len(categories))]
         axes[0].bar(xs, [by[(d, c)]["tau"] for c in categories], width, label=d)
         axes[1].bar(xs, [by[(d, c)]["speedup_vs_plain"] or 0 for c in categories], width, label=d)
-    for ax, title in zip(axes, ("tau (tokens per target forward)", "speedup vs specdec plain")):
+        predicted = [(x, by[(d, c)].get("predicted_speedup")) for x, c in zip(xs, categories)]
+        predicted = [(x, p) for x, p in predicted if p is not None]
+        if predicted:
+            axes[1].scatter(*zip(*predicted), marker="_", s=200, color="black", zorder=3,
+                            label=None if labelled else "predicted")
+            labelled = True
+    for ax, title in zip(axes, ("tau (tokens per target forward)", "speedup vs specdec plain (bars: measured)")):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories, rotation=20, fontsize=8)
         ax.set_title(title)
     axes[1].axhline(1.0, color="grey", lw=0.8)

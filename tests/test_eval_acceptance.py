@@ -1,39 +1,88 @@
-"""The acceptance suite on a tiny model: cells, resume, merging, reports, prompt files."""
+"""The acceptance suite on a tiny model: cells, resume, rank merging, sampling and batches, predicted speedup,
+reports, prompt files and bad CLI input."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
-from specdec.eval.acceptance import SuiteConfig, cell_path, run_suite, summarise
+import torch
+from specdec.eval.acceptance import (
+    Cell,
+    SuiteConfig,
+    cell_path,
+    measure_verify_costs,
+    merge_cells,
+    predicted_speedup,
+    read_cell,
+    run_cells,
+    run_suite,
+    summarise,
+)
 from specdec.eval.prompt_sets import load_jsonl
 from specdec.eval.prompts import CATEGORIES, load_prompts
-from specdec.eval.report import write_reports
+from specdec.eval.report import markdown, write_reports
 
 from specdec.models.loader import load_model
+from specdec.sampling import SamplingConfig
 from specdec.testing import build_tiny_model
 
 PROMPTS = {"rep": [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 5, 6, 5]], "mixed": [[9, 4, 7, 1], [3, 3, 3, 3]]}
+COUNTS = ("prompts", "new_tokens", "steps", "forward_passes", "drafts", "draft_nodes", "depth_tried",
+          "depth_accepted", "accepted_histogram")
 
 
-def test_suite_measures_every_cell_resumes_and_reports(tmp_path):
-    loaded = load_model(build_tiny_model(vocab_size=16, seed=3))
-    cfg = SuiteConfig((("ngram", {}), ("draft-model", {"model": loaded, "num_draft_tokens": 3})), tuple(PROMPTS),
-                      prompts_per_category=2, max_new_tokens=24, hf_baseline=True)
+@pytest.fixture(scope="module")
+def loaded():
+    # one thread: a tiny model gains nothing from two, and on a busy machine they wait on each other (10x slower)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_model(build_tiny_model(vocab_size=16, seed=3))
+    torch.set_num_threads(threads)
+
+
+def _oracle(loaded, k=3):  # the target drafting for itself: every draft is accepted
+    return ("draft-model", {"model": loaded, "num_draft_tokens": k})
+
+
+def _check_prediction(row):
+    assert row["predicted_speedup"] is not None and math.isfinite(row["predicted_speedup"])
+    # c_verify(n) >= c_plain up to timing noise and c_draft > 0: the prediction cannot beat tau by much
+    assert 0.02 < row["predicted_speedup"] < 2 * row["tau"], row
+    assert math.isfinite(row["predicted_over_measured"]) and row["predicted_over_measured"] > 0
+    assert row["cost_draft_s"] > 0 and row["cost_plain_s"] > 0 and row["cost_verify_s"] > 0
+    assert row["verify_query_tokens"] == max(1, round(1 + row["mean_tree_nodes"]))
+
+
+def test_suite_measures_every_cell_resumes_and_reports(tmp_path, loaded):
+    cfg = SuiteConfig((("ngram", {}), _oracle(loaded)), tuple(PROMPTS), prompts_per_category=2, max_new_tokens=24,
+                      hf_baseline=True, calibration_repeats=2)
     cells = run_suite(loaded, PROMPTS, cfg, tmp_path)
     assert set(cells) == {(d, c) for d in ("plain", "ngram", "draft-model", "hf-greedy") for c in PROMPTS}
     for (label, _), cell in cells.items():
         assert cell.new_tokens == 48 and cell.prompts == 2
         if label == "plain":
-            assert cell.tau == 1.0 and cell.histogram == [0, 48]
-        if label == "draft-model":  # the target drafting for itself: every draft accepted
+            assert cell.tau == 1.0 and cell.accepted_histogram == [48] and cell.acceptance_per_depth == []
+            assert cell.drafts == 0 and not cell.calibration
+        if label == "draft-model":
             assert cell.tau > 3.0 and all(a == 1.0 for a in cell.acceptance_per_depth)
-            assert sum(n * c for n, c in enumerate(cell.histogram)) == cell.new_tokens
+            assert cell.mean_tree_nodes == 3.0 and cell.calibration[0]["query_tokens"] == 4
+        if label != "hf-greedy":  # every step commits accepted + 1 tokens
+            hist = cell.accepted_histogram
+            assert sum(hist) == cell.steps and sum(k * c for k, c in enumerate(hist)) + cell.steps == cell.new_tokens
     rows = summarise(cells)
-    dm = next(r for r in rows if r["drafter"] == "draft-model")
-    assert dm["speedup_vs_plain"] > 0 and dm["predicted_speedup"] > 0 and dm["speedup_vs_hf"] > 0
+    by = {(r["drafter"], r["category"]): r for r in rows}
+    for category in PROMPTS:
+        plain = by[("plain", category)]
+        assert plain["predicted_speedup"] is None and plain["acceptance_per_depth"] == []
+        dm = by[("draft-model", category)]
+        assert dm["speedup_vs_plain"] > 0 and dm["speedup_vs_hf"] > 0 and dm["decode_speedup_vs_plain"] > 0
+        _check_prediction(dm)
     written = write_reports(rows, tmp_path, {"model": "tiny"})
     assert all(p.exists() and p.stat().st_size > 0 for p in written)
-    assert "draft-model" in (tmp_path / "report.md").read_text()
+    md = (tmp_path / "report.md").read_text()
+    assert "draft-model" in md and "accepted-length histogram" in md and "c_verify(n)" in md
+    assert "| plain | 1.00 |" in md and "| 0:48 |" in md
     assert json.loads((tmp_path / "report.json").read_text())["rows"]
     # resume: a finished cell is kept as it is, a missing one is rerun
     marker = cell_path(tmp_path, "ngram", "rep")
@@ -44,6 +93,93 @@ def test_suite_measures_every_cell_resumes_and_reports(tmp_path):
     again = run_suite(loaded, PROMPTS, cfg, tmp_path, resume=True)
     assert again[("ngram", "rep")].steps == 12345
     assert again[("plain", "mixed")].new_tokens == 48
+
+
+def test_rank_files_merge_to_the_single_process_numbers(tmp_path, loaded):
+    """What `accelerate launch --num_processes 2` writes (a .rank<r> file per process) merges to one run's counts."""
+    cfg = SuiteConfig((("ngram", {}), _oracle(loaded, 2)), tuple(PROMPTS), prompts_per_category=2, max_new_tokens=12,
+                      hf_baseline=False, calibration_repeats=1)
+    run_cells(loaded, PROMPTS, cfg, tmp_path / "one")
+    single = merge_cells(tmp_path / "one", cfg.labels, list(PROMPTS), 1)
+    for rank in (0, 1):  # split_between_processes gives each process a contiguous slice
+        shard = {c: ps[rank : rank + 1] for c, ps in PROMPTS.items()}
+        run_cells(loaded, shard, cfg, tmp_path / "two", rank=rank)
+    assert cell_path(tmp_path / "two", "ngram", "rep", 1).exists()
+    merged = merge_cells(tmp_path / "two", cfg.labels, list(PROMPTS), 2)
+    assert set(merged) == set(single)
+    for key, cell in single.items():
+        for name in COUNTS:
+            assert getattr(merged[key], name) == getattr(cell, name), (key, name)
+        assert merged[key].tau == cell.tau and merged[key].acceptance_per_depth == cell.acceptance_per_depth
+        assert len(merged[key].calibration) == (0 if key[0] == "plain" else 2)
+    rows = summarise(merged)
+    assert all(r["predicted_speedup"] is not None for r in rows if r["drafter"] != "plain")
+
+
+def test_sampling_and_batches_through_run_suite(tmp_path, loaded):
+    cfg = SuiteConfig((_oracle(loaded), ("ngram", {})), ("rep",), prompts_per_category=3, max_new_tokens=16,
+                      temperature=0.8, batch_size=2, hf_baseline=True, seed=1, calibration_repeats=2)
+    prompts = {"rep": PROMPTS["rep"] + [[7, 8, 7, 8, 7, 8]]}  # batches of 2 and 1
+    cells = run_suite(loaded, prompts, cfg, tmp_path)
+    assert set(cells) == {("plain", "rep"), ("draft-model", "rep"), ("ngram", "rep")}  # no HF baseline when sampling
+    plain, oracle = cells[("plain", "rep")], cells[("draft-model", "rep")]
+    assert plain.new_tokens == oracle.new_tokens == cells[("ngram", "rep")].new_tokens == 48
+    assert plain.tau == 1.0 and plain.accepted_histogram == [48] and plain.acceptance_per_depth == []
+    assert plain.forward_passes == 32  # 16 steps for the batch of two, 16 for the single prompt
+    # sampled drafts from the target itself: min(1, target_probs / draft_probs) = 1 up to float noise
+    assert oracle.tau > 2.5 and min(oracle.acceptance_per_depth) > 0.9
+    assert oracle.forward_passes < oracle.steps <= 2 * oracle.forward_passes
+    assert oracle.calibration[0]["batch"] == 2
+    row = next(r for r in summarise(cells) if r["drafter"] == "draft-model")
+    _check_prediction(row)
+
+
+def test_verify_costs_are_measured_per_query_size(loaded):
+    costs = measure_verify_costs(loaded, PROMPTS["rep"], (1, 5, 5), SamplingConfig(), extra_context=8, repeats=2)
+    assert set(costs) == {1, 5} and all(0 < c < 5 for c in costs.values())
+    with pytest.raises(ValueError, match="repeats"):
+        measure_verify_costs(loaded, PROMPTS["rep"], (1,), SamplingConfig(), repeats=0)
+
+
+def test_old_cell_files_stay_readable(tmp_path):
+    """Cells of an earlier run hold a `histogram` of committed tokens per step and no calibration."""
+    old = {"drafter": "ngram", "category": "chat", "prompts": 1, "new_tokens": 10, "steps": 4, "seconds": 1.0,
+           "draft_seconds": 0.1, "verify_seconds": 0.8, "depth_tried": [4, 2], "depth_accepted": [2, 2],
+           "histogram": [0, 2, 0, 0, 2]}
+    path = tmp_path / "cells" / "ngram__chat.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(old))
+    cell = read_cell(path)
+    assert cell.accepted_histogram == [2, 0, 0, 2] and cell.tau == 2.5
+    assert predicted_speedup(cell) is None
+    plain = Cell("plain", "chat", 1, 10, 10, 10, 2.0, accepted_histogram=[10])
+    rows = summarise({("plain", "chat"): plain, ("ngram", "chat"): cell})
+    assert rows[1]["predicted_speedup"] is None and rows[1]["speedup_vs_plain"] == 2.0
+    assert rows[1]["decode_speedup_vs_plain"] is None and rows[1]["mean_tree_nodes"] is None
+    assert "| 0:2 3:2 |" in markdown(rows, {})
+
+
+def test_suite_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="baseline"):
+        SuiteConfig((("plain", {}),), ("chat",))
+    with pytest.raises(ValueError, match="calibration_repeats"):
+        SuiteConfig((("ngram", {}),), ("chat",), calibration_repeats=-1)
+    with pytest.raises(ValueError, match="temperature"):
+        SuiteConfig((("ngram", {}),), ("chat",), temperature=-0.5)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--drafters", "ngram,nope"], "unknown drafter(s) nope; available: "),
+    (["--categories", "chat,poetry"], "unknown categories poetry; available: chat, code"),
+    (["--prompts", "0"], "must be >= 1"),
+])
+def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, capsys, argv, message):
+    from specdec.cli import main
+
+    assert main(["eval", "acceptance", "--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert "specdec eval: error:" in err and message in err
+    assert not any(tmp_path.iterdir())  # nothing was run or written
 
 
 def test_every_category_ships_20_prompts():
