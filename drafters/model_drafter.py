@@ -1,15 +1,22 @@
 """Drafting with a model: the tree-growing loop shared by "draft-model" and "self-draft".
 
 A :class:`ModelDrafter` owns a LlamaRunner (a small model, or the target's first layers)
-and its own paged KV cache, which holds K/V of the sequence's *committed* tokens only:
+and a paged KV cache of the sequence's *committed* tokens:
 
 1. catch up: one batched forward over the tokens committed since the last step (the
    accepted drafts, the recovered/bonus token and so the new root); they are committed;
 2. grow: one batched forward per depth over the new frontier nodes of every sequence,
-   their K/V at scratch slots past the committed length (each node sees the committed
-   prefix and its ancestors); children are chosen from the frontier's draft logits;
+   their K/V at scratch slots past the root (each node sees the committed prefix, the
+   root and its ancestors); children are chosen from the frontier's draft logits;
 3. release the scratch slots. Rejected drafts thus cost nothing to roll back; accepted
    ones are recomputed in the next catch-up (one forward of a few tokens).
+
+A drafter whose layers ARE the target's first layers (self-draft, ``shares_target_cache``)
+keeps no cache of its own: the target's cache already holds those layers' K/V of every
+committed token (prompt and accepted drafts alike). Step 1 shrinks to the root alone,
+written like the tree nodes to scratch slots at positions >= the target's length, which
+the target's verify overwrites and its commit releases; the drafter never changes the
+target's lengths or block tables beyond reserving blocks for those positions.
 
 How children are chosen (``DraftConfig.mode``):
 
@@ -92,6 +99,7 @@ class ModelDrafter(Drafter):
     """Base of the model-based drafters; subclasses build ``self.runner`` in ``make_runner``."""
 
     name = "model-drafter"
+    shares_target_cache = False  # True: the runner's layers are the target's first layers (see module doc)
 
     def __init__(self, config: DraftConfig) -> None:
         self.config = config
@@ -109,16 +117,18 @@ class ModelDrafter(Drafter):
         self.runner = self.make_runner(target)
         tc = target.cache
         shape = self.runner.shape
-        # as many slots as the target's pool: committed tokens + at most MAX_TREE_NODES scratch
-        self.cache = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, tc.num_blocks,
-                                  tc.block_size, self.runner.dtype, self.runner.device)
+        if self.shares_target_cache:
+            self.cache = tc
+        else:  # as many slots as the target's pool: committed tokens + at most MAX_TREE_NODES scratch
+            self.cache = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, tc.num_blocks,
+                                      tc.block_size, self.runner.dtype, self.runner.device)
         mode = self.config.mode
         if mode == "auto":
             mode = "deterministic" if target.sampling.greedy else "independent"
         self.mode = DraftMode(mode)
 
     def release(self, seq_id: int) -> None:
-        if self.cache is not None and seq_id in self.cache.lengths:
+        if self.cache is not None and not self.shares_target_cache and seq_id in self.cache.lengths:
             self.cache.free(seq_id)
 
     # ---- one step -----------------------------------------------------------------------
@@ -130,7 +140,7 @@ class ModelDrafter(Drafter):
         live = [v for v in seqs if len(v.token_ids) + 1 < max_pos]
         trees = {v.seq_id: DraftTree.empty() for v in seqs}
         if live:
-            root_logits = self._catch_up(live)
+            root_logits = self._root_forward(live) if self.shares_target_cache else self._catch_up(live)
             for v, tree in zip(live, self._grow(live, root_logits)):
                 trees[v.seq_id] = tree
         return [trees[v.seq_id] for v in seqs]
@@ -167,6 +177,24 @@ class ModelDrafter(Drafter):
         cache.commit({v.seq_id: range(len(v.token_ids) - cache.lengths[v.seq_id]) for v in live})
         return logits[torch.tensor(last_rows, device=logits.device)]
 
+    def _root_forward(self, live: list[SequenceView]) -> torch.Tensor:  # [B, vocab] logits at each root
+        """Shared cache: committed K/V are the target's; only the root runs, into a scratch slot."""
+        cache = self.cache
+        for v in live:
+            if cache.lengths.get(v.seq_id) != len(v.token_ids) - 1:
+                raise RuntimeError(f"{self.name}: the target's cache does not hold tokens[:-1] of sequence "
+                                   f"{v.seq_id} (engine invariant broken)")
+        cache.reserve_many({v.seq_id: 1 for v in live})
+        tokens, positions, plans, write_slots = [], [], [], []
+        for b, v in enumerate(live):
+            root = len(v.token_ids) - 1
+            key_slots = cache.slots(v.seq_id, 0, root + 1)
+            plans.append(AttentionPlan.build(root, key_slots, None, b))
+            write_slots.append(key_slots[root:])
+            tokens.append(v.token_ids[-1])
+            positions.append(root)
+        return self._forward([v.seq_id for v in live], tokens, positions, plans, write_slots)
+
     def _grow(self, live: list[SequenceView], root_logits: torch.Tensor) -> list[DraftTree]:
         cfg, cache = self.config, self.cache
         nodes: list[list[_Node]] = [[] for _ in live]
@@ -182,8 +210,8 @@ class ModelDrafter(Drafter):
             for b, new in enumerate(new_per_seq):
                 frontier[b] = [(i, logits[row + j], nodes[b][i].score) for j, i in enumerate(new)]
                 row += len(new)
-        for v in live:  # drop the scratch K/V of the draft nodes
-            cache.commit({v.seq_id: []})
+        if not self.shares_target_cache:  # drop the scratch K/V of the draft nodes
+            cache.commit({v.seq_id: [] for v in live})
         return [self._tree(ns) for ns in nodes]
 
     def _children(self, nodes: list[_Node], frontier, depth: int, budget: int) -> list[int]:
@@ -214,13 +242,15 @@ class ModelDrafter(Drafter):
 
     def _forward_nodes(self, live, nodes, new_per_seq, depth) -> torch.Tensor:  # [sum(new), vocab]
         cache = self.cache
-        cache.reserve_many({v.seq_id: len(nodes[b]) for b, v in enumerate(live) if new_per_seq[b]})
+        # node i lives at position len(tokens) + i: right after the root (committed, or scratch when shared)
+        cache.reserve_many({v.seq_id: len(v.token_ids) + len(nodes[b]) - cache.lengths[v.seq_id]
+                            for b, v in enumerate(live) if new_per_seq[b]})
         tokens, positions, plans, write_slots = [], [], [], []
         for b, v in enumerate(live):
             new = new_per_seq[b]
             if not new:
                 continue
-            committed = cache.lengths[v.seq_id]
+            committed = len(v.token_ids)  # keys every node sees: the committed prefix and the root
             key_slots = cache.slots(v.seq_id, 0, committed + new[-1] + 1)  # committed + every node so far
             mask = torch.zeros(len(new), committed + new[-1] + 1, dtype=torch.bool)
             mask[:, :committed] = True

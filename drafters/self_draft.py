@@ -2,7 +2,8 @@
 
 No extra weights, so every model (the embedded default included) has a model-based
 drafter. The truncated model shares the target's weights (``LlamaRunner.truncated``) and
-keeps its own small KV cache of N layers.
+its KV cache: the first N layers' K/V of every committed token are already in the
+target's cache, so each step runs only the root and the draft nodes through N layers.
 
     generate("default", ids, drafter="self-draft", drafter_options={"num_layers": 8})
 
@@ -29,6 +30,7 @@ DEFAULT_DRAFT_TOKENS = 2
 
 class SelfDraftDrafter(ModelDrafter):
     name = "self-draft"
+    shares_target_cache = True
 
     def __init__(self, num_layers: int = DEFAULT_LAYERS, **options: Any) -> None:
         options.setdefault("num_draft_tokens", DEFAULT_DRAFT_TOKENS)

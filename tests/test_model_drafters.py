@@ -82,6 +82,20 @@ def test_bad_draft_config(bad, match):
         DraftConfig(**bad)
 
 
+def test_self_draft_drafts_from_the_target_cache():
+    class OwnCache(SelfDraftDrafter):  # the same drafter recomputing its layers' K/V in a cache of its own
+        shares_target_cache = False
+
+    target = build_tiny_model("llama-gqa-tied", num_hidden_layers=4)
+    shared, own = SelfDraftDrafter(num_layers=2, num_draft_tokens=3), OwnCache(num_layers=2, num_draft_tokens=3)
+    outs = [specdec.generate(target, PROMPTS, max_new_tokens=64, drafter=d, return_dict=True) for d in (shared, own)]
+    assert shared.cache is shared.target.cache and own.cache is not own.target.cache
+    assert outs[0].sequences == outs[1].sequences == specdec.generate(target, PROMPTS, max_new_tokens=64)
+    # same drafts proposed and accepted step by step: the target's K/V of the first layers are the drafter's
+    assert [s.depth_accepted for s in outs[0].stats] == [s.depth_accepted for s in outs[1].stats]
+    assert sum(sum(s.depth_accepted) for s in outs[0].stats) > 0
+
+
 def test_self_draft_refuses_all_layers():
     with pytest.raises(ValueError, match="below the target"):
         specdec.generate(build_tiny_model(), [[1, 2]], max_new_tokens=4, drafter=SelfDraftDrafter(num_layers=2))
