@@ -2,7 +2,8 @@
 
     specdec train-medusa --output-dir heads/                        # quick recipe defaults, built-in prompts
     specdec train-medusa --model ./my-llama --data chats.jsonl --output-dir heads/ --epochs 2
-    accelerate launch --num_processes 2 --cpu -m specdec.cli train-medusa --output-dir heads/ ...
+    accelerate launch --multi_gpu --num_processes 2 -m specdec.cli train-medusa --output-dir heads/ ...
+    (the same on a CPU-only machine: the processes use gloo; `--cpu` would start only one process)
 """
 from __future__ import annotations
 
