@@ -2,7 +2,8 @@
 
 Three levels, each run for the exact acceptance rule AND for the deliberately broken
 rules of :mod:`specdec.eval.negative_controls` (which must fail; a control that passes a
-level it should fail voids the certificate):
+level it should fail voids the certificate); the end-to-end greedy identity also runs the
+broken engines there (an off-by-one tree mask, a wrong KV compaction slot):
 
 1. ``exact-law``: float64 enumeration on small synthetic cases, for the drafter's
    mode(s) and the chosen temperature / top-k / top-p: emitted law == target law to 1e-12.
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from specdec.eval.exact_law import SyntheticCase, emitted_law, max_abs_error, step_law, target_law
-from specdec.eval.negative_controls import BROKEN_RULES
+from specdec.eval.negative_controls import BROKEN_RULES, ENGINE_FAULTS
 from specdec.eval.statistics import (
     acceptance_rate_test,
     chain_tau_test,
@@ -215,22 +216,35 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
 
     prompts = make_prompts(sizes.identity_prompts)
     plain = generate(loaded, prompts, max_new_tokens=sizes.identity_tokens)
-    for rule_name, rule in (("exact", EXACT), ("always_accept", BROKEN_RULES["always_accept"])):
-        control = None if rule is EXACT else rule_name
-        batched = greedy_identity(loaded, prompts, drafter, options, sizes.identity_tokens, True, rule, plain=plain)
-        single = greedy_identity(loaded, prompts[:2], drafter, options, sizes.identity_tokens, False, rule,
-                                 plain=plain[:2])
-        real = batched.real_mismatches + single.real_mismatches
-        ties = len(batched.divergences) + len(single.divergences) - real
-        first = (batched.divergences + single.divergences)[:1]
-        detail = f"tau {batched.tau:.2f}; {real} real mismatches, {ties} numerical near-ties"
-        if first:
-            d = first[0]
+    # (control name or None, acceptance rule, engine fault): the exact engine, a broken rule, broken engines
+    runs = [(None, EXACT, None), ("always_accept", BROKEN_RULES["always_accept"], None)]
+    runs += [(name, EXACT, fault) for name, fault in ENGINE_FAULTS.items()]
+    for control, rule, fault in runs:
+        results = [greedy_identity(loaded, prompts, drafter, options, sizes.identity_tokens, True, rule, plain=plain,
+                                   fault=fault)]
+        # the unbatched path is checked for the exact engine and the broken rule; an engine fault
+        # only has to be caught once, so it runs batched (it costs a full greedy decode each)
+        if fault is None:
+            results.append(greedy_identity(loaded, prompts[:2], drafter, options, sizes.identity_tokens, False, rule,
+                                           plain=plain[:2]))
+        divergences = [d for r in results for d in r.divergences]
+        real = sum(r.real_mismatches for r in results)
+        ties = len(divergences) - real
+        tau = results[0].tau
+        detail = f"tau {tau:.2f}; {real} real mismatches, {ties} numerical near-ties"
+        if divergences:
+            d = divergences[0]
             detail += f"; first: prompt {d.prompt} pos {d.position} gap {d.gap:.2e} ({d.kind})"
-        checks.append(Check("greedy identity vs plain decoding (batched + single)", "end-to-end", real == 0, control,
-                            samples=batched.tokens_compared + single.tokens_compared, detail=detail))
+        if fault is not None and real == 0 and tau <= 1.0:
+            detail += "; no draft was accepted, so the engine fault was barely exercised, if at all"
+        name = "greedy identity vs plain decoding (" + ("batched + single)" if fault is None else "batched)")
+        checks.append(Check(name, "end-to-end", real == 0, control, samples=sum(r.tokens_compared for r in results),
+                            detail=detail))
         if control is None and ties:
             warnings.append(f"greedy identity: {ties} divergences were numerical near-ties (top-1/top-2 gap < 1e-3)")
+        if control is None and tau <= 1.0:
+            warnings.append("greedy identity: no draft was accepted, so the accepted-draft path (tree-node logits, "
+                            "KV compaction) was never tested and the engine-fault controls can hardly be caught")
     e2e_sampling = sampling if sampling.do_sample else SamplingConfig(True)
     # sample from the middle of an answer (prompt + half its greedy answer): an answer's first tokens
     # are where drafters are accepted least, and a check whose drafts are all rejected tests little

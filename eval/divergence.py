@@ -8,6 +8,9 @@ logits for the common prefix are recomputed with the transformers model (an impl
 independent of specdec's runner): if the top-1 / top-2 gap there is below ``near_tie``,
 the divergence is classified ``numerical near-tie`` (float rounding picked the other of two
 equal candidates); otherwise it is a ``real mismatch``, i.e. a bug.
+
+``rule`` / ``fault`` run the speculative side with a negative control of
+:mod:`specdec.eval.negative_controls` (a broken acceptance rule / a broken engine).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import Any
 
 import torch
 
-from specdec.generate import generate
+from specdec.generate import EngineFault, generate
 from specdec.rejection import EXACT, AcceptanceRule
 
 NEAR_TIE = 1e-3  # absolute logit gap (float32 logits of order 10 carry ~1e-5 of rounding noise)
@@ -66,17 +69,18 @@ def diagnose(model: Any, prefix: list[int], prompt: int, position: int, plain: i
 
 def greedy_identity(loaded: Any, prompts: list[list[int]], drafter: Any, drafter_options: dict | None = None,
                     max_new_tokens: int = 64, batched: bool = True, rule: AcceptanceRule = EXACT,
-                    near_tie: float = NEAR_TIE, plain: list[list[int]] | None = None) -> IdentityResult:
+                    near_tie: float = NEAR_TIE, plain: list[list[int]] | None = None,
+                    fault: EngineFault | None = None) -> IdentityResult:
     """``plain``: plain greedy output for ``prompts`` if already computed (prompt + new tokens)."""
+    spec_kw = dict(max_new_tokens=max_new_tokens, drafter=drafter, drafter_options=drafter_options,
+                   acceptance_rule=rule, engine_fault=fault, return_dict=True)
     if plain is None:
         plain = generate(loaded, prompts, max_new_tokens=max_new_tokens)
     if batched:
-        out = generate(loaded, prompts, max_new_tokens=max_new_tokens, drafter=drafter,
-                       drafter_options=drafter_options, acceptance_rule=rule, return_dict=True)
+        out = generate(loaded, prompts, **spec_kw)
         spec, tau = out.sequences, out.tau
     else:
-        outs = [generate(loaded, [p], max_new_tokens=max_new_tokens, drafter=drafter, drafter_options=drafter_options,
-                         acceptance_rule=rule, return_dict=True) for p in prompts]
+        outs = [generate(loaded, [p], **spec_kw) for p in prompts]
         spec = [o.sequences[0] for o in outs]
         tau = sum(o.total_new_tokens for o in outs) / max(1, sum(s.steps for o in outs for s in o.stats))
     divergences = []

@@ -1,14 +1,29 @@
-"""Deliberately broken acceptance rules: every level of the certificate must reject them.
+"""Deliberately broken samplers and engines: every level of the certificate must reject them.
 
 A certificate that cannot fail certifies nothing, so each check is also run with these
-rules and must fail. Use by name: ``BROKEN_RULES["always_accept"]``; pass as ``rule=`` to
-:func:`specdec.rejection.rejection_sample` or to :func:`specdec.eval.exact_law.emitted_law`.
+controls and must fail. Two kinds:
+
+- broken acceptance RULES, by name: ``BROKEN_RULES["always_accept"]``; pass as ``rule=`` to
+  :func:`specdec.rejection.rejection_sample` or :func:`specdec.eval.exact_law.emitted_law`,
+  or as ``acceptance_rule=`` to :func:`specdec.generate.generate`;
+- broken ENGINES (the tree mask, the KV compaction), by name:
+  ``ENGINE_FAULTS["off_by_one_tree_mask"]``; pass as ``engine_fault=`` to
+  :func:`specdec.generate.generate`. Only the end-to-end level can see these, and only on
+  steps that accept a draft.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
+
 import torch
 
+from specdec.attention import AttentionPlan, SeqAttention
+from specdec.engine import Engine, SequenceState, VerifyBatch
+from specdec.generate import EngineFault
+from specdec.kv_cache import PagedKVCache
 from specdec.rejection import AcceptanceRule
+from specdec.tree import DraftTree
 
 
 class AlwaysAccept(AcceptanceRule):
@@ -67,4 +82,63 @@ class BonusFromUniform(AcceptanceRule):
 BROKEN_RULES: dict[str, AcceptanceRule] = {
     r.name: r
     for r in (AlwaysAccept(), ResampleFromTarget(), NoSiblingRenormalisation(), BonusFromDrafter(), BonusFromUniform())
+}
+
+
+# ---- engine faults ----------------------------------------------------------------------
+def _sees_next(s: SeqAttention) -> SeqAttention:
+    """The same sequence's attention with the new-token mask's diagonal off by one.
+
+    Rows / columns of the new-token block: 0 = root, 1 + i = tree node i. Row r also sees
+    column r + 1, as ``tril(diagonal=1)`` instead of ``tril()`` would for a chain: the root
+    sees its first child, a node its first child (chain) or its next sibling / another branch.
+    """
+    if s.num_new == 1:  # empty tree: nothing after the root
+        return s
+    num_cached = s.key_slots.numel() - s.num_new
+    if s.mask is None:  # a chain with no cached prefix (1-token prompt) was built as plain causal
+        new_mask = torch.ones(s.num_new, s.num_new, dtype=torch.bool, device=s.key_slots.device).tril()
+    else:
+        new_mask = s.mask[:, num_cached:].clone()  # [num_new, num_new]
+    rows = torch.arange(s.num_new - 1)
+    new_mask[rows, rows + 1] = True
+    return AttentionPlan.build(num_cached, s.key_slots, new_mask, s.query_start)
+
+
+class OffByOneTreeMaskEngine(Engine):
+    """Verify under an off-by-one tree mask: every token of the verify block also sees the
+    token right after it (``j <= i + 1`` where ``j <= i`` on the ancestors was meant). Every
+    step with a non-empty draft computes the root's logits with a peek at the first draft
+    token, and the nodes' logits / K/V with a peek at a child or sibling."""
+
+    def verify_batch(self, live: list[SequenceState], trees: list[DraftTree]) -> VerifyBatch:
+        batch = super().verify_batch(live, trees)
+        plan = AttentionPlan(tuple(_sees_next(s) for s in batch.plan.seqs), batch.plan.write_slots)
+        return dataclasses.replace(batch, plan=plan)
+
+
+class WrongCompactionSlotCache(PagedKVCache):
+    """Commit keeps, for every accepted tree node, the K/V one offset too early: the slot of
+    ``keep[j] - 1`` (the root or the previous node of the verify block) instead of ``keep[j]``,
+    i.e. node index where ``1 + node index`` was meant. The emitted tokens of the step are right;
+    every later step attends to wrong K/V at the accepted positions."""
+
+    def commit(self, keep: Mapping[int, Sequence[int]]) -> None:
+        # gather the wrong sources before the real compaction moves anything
+        wrong: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (first committed position, kv [L, 2, n, H, D])
+        for seq_id, offsets in keep.items():
+            offsets = list(offsets)
+            if len(offsets) > 1:  # offsets[0] == 0 is the root, already in place
+                length = self.lengths[seq_id]
+                src = self.slots(seq_id, length, length + offsets[-1] + 1)[torch.tensor(offsets[1:]) - 1]
+                wrong[seq_id] = (length + 1, self.kv[:, :, src].clone())
+        super().commit(keep)
+        for seq_id, (start, kv) in wrong.items():
+            self.kv[:, :, self.slots(seq_id, start, start + kv.shape[2])] = kv
+
+
+ENGINE_FAULTS: dict[str, EngineFault] = {
+    f.name: f
+    for f in (EngineFault("off_by_one_tree_mask", engine_cls=OffByOneTreeMaskEngine),
+              EngineFault("wrong_compaction_slot", cache_cls=WrongCompactionSlotCache))
 }

@@ -34,6 +34,18 @@ Streamer = Callable[[int, list[int]], None]  # (batch index, tokens emitted this
 
 
 @dataclass(frozen=True)
+class EngineFault:
+    """Negative controls only (see :mod:`specdec.eval.negative_controls`): deliberately broken
+    :class:`Engine` / :class:`PagedKVCache` subclasses that ``generate(engine_fault=...)`` builds
+    instead of the real ones, so the certificate can check that it catches them. Its output is
+    wrong by design; never pass one to get real output."""
+
+    name: str
+    engine_cls: type[Engine] = Engine
+    cache_cls: type[PagedKVCache] = PagedKVCache
+
+
+@dataclass(frozen=True)
 class SequenceStats:
     prompt_tokens: int
     new_tokens: int
@@ -115,7 +127,8 @@ def _stats(s: SequenceState, start: float) -> SequenceStats:
     acc = tuple(a / t if t else 0.0 for a, t in zip(s.depth_accepted, s.depth_tried))
     n = len(s.new_tokens)
     return SequenceStats(s.num_prompt, n, s.steps, s.tau, seconds, n / seconds if seconds else 0.0,
-                         s.finish_reason or "", acc, tuple(s.depth_tried), tuple(s.depth_accepted), tuple(s.step_lengths))
+                         s.finish_reason or "", acc, tuple(s.depth_tried), tuple(s.depth_accepted),
+                         tuple(s.step_lengths))
 
 
 def generate(
@@ -143,7 +156,10 @@ def generate(
     progress: bool = False,
     audit_drafts: bool = True,
     acceptance_rule: AcceptanceRule = EXACT,
+    engine_fault: EngineFault | None = None,
 ):
+    """``acceptance_rule`` and ``engine_fault`` exist for the certificate's negative controls
+    (:mod:`specdec.eval.negative_controls`); leave them at their defaults for real output."""
     loaded = load_model(model, tokenizer=tokenizer)
     runner = loaded.runner
     shape = runner.shape
@@ -164,7 +180,12 @@ def generate(
         blocks = sum(per_seq)
     else:
         blocks = cache_cfg.num_blocks
-    cache = PagedKVCache(
+    cache_cls, engine_cls = PagedKVCache, Engine
+    if engine_fault is not None:
+        logger.warning("engine fault %r injected: the output is deliberately WRONG (negative control)",
+                       engine_fault.name)
+        cache_cls, engine_cls = engine_fault.cache_cls, engine_fault.engine_cls
+    cache = cache_cls(
         shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block_size, runner.dtype, runner.device
     )
     if generator is None and seed is not None:
@@ -173,7 +194,7 @@ def generate(
     if acceptance_rule.lossy or acceptance_rule is not EXACT:
         logger.warning("acceptance rule %r is not the exact one: the output is NOT the target's distribution",
                        acceptance_rule.name)
-    engine = Engine(runner, cache, sampling, stop_criteria, drafter_obj, generator, audit, acceptance_rule)
+    engine = engine_cls(runner, cache, sampling, stop_criteria, drafter_obj, generator, audit, acceptance_rule)
 
     start = time.perf_counter()
     seqs = engine.add(prompts)

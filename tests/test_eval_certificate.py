@@ -1,22 +1,29 @@
 """The losslessness certificate on a tiny model: passes for exact drafters, every negative
-control fails, and too-small sample sizes void it instead of passing it."""
+control fails (broken acceptance rules and broken engines: an off-by-one tree mask, a wrong
+KV compaction slot), and too-small sample sizes void it instead of passing it."""
 from __future__ import annotations
 
 import pytest
+import torch
 from specdec.eval.certificate import CertificateSizes, run_certificate
 from specdec.eval.divergence import diagnose, greedy_identity
+from specdec.eval.negative_controls import ENGINE_FAULTS
 
+from specdec.generate import generate
 from specdec.models.loader import load_model
 from specdec.rejection import EXACT
 from specdec.sampling import SamplingConfig
-from specdec.testing import build_tiny_model
+from specdec.testing import RandomTreeDrafter, build_tiny_model
 
-SMALL = CertificateSizes(stat_samples=6000, identity_prompts=3, identity_tokens=24, sample_sequences=800,
+# 7 greedy-identity prompts: this tiny model's answers fall into cycles that few faults disturb, and
+# the engine-fault controls must be caught on at least one answer
+SMALL = CertificateSizes(stat_samples=6000, identity_prompts=7, identity_tokens=24, sample_sequences=800,
                          sample_tokens=2, e2e_tv=0.1)
 
 
 def _prompts(n):
-    return [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 5, 6, 7], [9, 4, 9, 4, 9], [3, 3, 3]][:n]
+    return [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 5, 6, 7], [9, 4, 9, 4, 9], [3, 3, 3], [8, 2, 8, 2, 10, 11, 8, 2],
+            [4, 11, 0, 4, 11], [7, 3, 10, 6, 7, 3]][:n]
 
 
 @pytest.mark.parametrize("drafter, options", [
@@ -31,7 +38,7 @@ def test_certificate_passes_and_every_control_is_caught(drafter, options):
     failed = [(c.level, c.name, c.control, c.detail) for c in cert.checks if not c.as_expected]
     assert cert.passed and not cert.void, failed
     controls = {c.control for c in cert.checks if c.control}
-    assert "always_accept" in controls
+    assert "always_accept" in controls and set(ENGINE_FAULTS) <= controls
     assert all(not c.passed for c in cert.checks if c.control)
     md = cert.to_markdown()
     assert "PASSED" in md and "always_accept" in md
@@ -56,7 +63,6 @@ def test_divergence_is_diagnosed_as_real_or_near_tie():
     assert res.divergences and all(d.kind == "real mismatch" and d.gap > 1e-3 for d in res.divergences)
     assert greedy_identity(loaded, _prompts(3), "ngram", {}, 24, rule=EXACT).identical
     # a forced tie: equal top-2 logits are classified as numerical
-    import torch
 
     class Tied(torch.nn.Module):
         device = torch.device("cpu")
@@ -68,3 +74,57 @@ def test_divergence_is_diagnosed_as_real_or_near_tie():
 
     d = diagnose(Tied(), [1, 2], prompt=0, position=0, plain=4, spec=7)
     assert d.kind == "numerical near-tie" and d.gap == 0.0
+
+
+def _fault_setup():
+    """A tiny model and 8 random prompts (3-9 tokens) on which the tiny model's greedy answers
+    soon repeat, so n-gram and random-tree drafts get accepted and the tree mask and the
+    compaction are exercised. Each fault breaks 4-8 of the 8 answers here (measured)."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 32, (int(torch.randint(3, 10, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(8)]
+    return load_model(build_tiny_model("llama-mha-untied", vocab_size=32, seed=3)), prompts
+
+
+@pytest.mark.parametrize("fault", sorted(ENGINE_FAULTS))
+@pytest.mark.parametrize("drafter", ["ngram", "random-tree"])
+def test_engine_faults_break_greedy_identity(fault, drafter):
+    """Each engine fault makes greedy speculative output differ from plain greedy (real
+    mismatches, not near-ties) while the exact engine matches it, with drafts accepted in both."""
+    loaded, prompts = _fault_setup()
+    plain = generate(loaded, prompts, max_new_tokens=32)
+
+    def run(engine_fault):
+        # random trees branch, so compaction really moves K/V and the mask has siblings
+        d = RandomTreeDrafter(32, seed=1) if drafter == "random-tree" else drafter
+        return greedy_identity(loaded, prompts, d, {}, 32, plain=plain, fault=engine_fault)
+
+    exact, broken = run(None), run(ENGINE_FAULTS[fault])
+    assert exact.identical and exact.tau > 1.15, exact
+    assert broken.tau > 1.15, broken  # drafts were accepted, so the fault was exercised
+    assert broken.real_mismatches >= 2, broken
+
+
+def test_certificate_end_to_end_runs_engine_faults_as_controls():
+    loaded, prompts = _fault_setup()
+    sizes = CertificateSizes(identity_prompts=8, identity_tokens=32, sample_sequences=40, sample_tokens=1)
+    cert = run_certificate(loaded, "ngram", {}, SamplingConfig(True, 0.9, 6), sizes, lambda n: prompts[:n],
+                           levels=("e2e",))
+    greedy = {c.control: c for c in cert.checks if c.name.startswith("greedy identity")}
+    assert set(greedy) == {None, "always_accept", *ENGINE_FAULTS}
+    assert greedy[None].passed, greedy[None].detail
+    for name in ENGINE_FAULTS:
+        assert not greedy[name].passed and greedy[name].as_expected, greedy[name].detail
+        assert name in cert.to_markdown()
+
+
+def test_engine_fault_that_is_never_exercised_voids_the_certificate():
+    """Plain decoding never accepts a draft: the engine faults pass the greedy check, and a
+    control that passes voids the certificate instead of letting it pass."""
+    loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
+    sizes = CertificateSizes(identity_prompts=2, identity_tokens=8, sample_sequences=20, sample_tokens=1)
+    cert = run_certificate(loaded, None, {}, SamplingConfig(True), sizes, _prompts, levels=("e2e",))
+    faults = [c for c in cert.checks if c.control in ENGINE_FAULTS]
+    assert len(faults) == len(ENGINE_FAULTS) and all(c.passed and "barely exercised" in c.detail for c in faults)
+    assert cert.void and not cert.passed and "VOID" in cert.to_markdown()
+    assert any("no draft was accepted" in w for w in cert.warnings)
