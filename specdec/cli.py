@@ -9,6 +9,9 @@ and sets ``func`` to the function that runs it.
     specdec generate --prompt-file doc.txt --model ./my-llama --do-sample --temperature 0.7
 
 The text streams to stdout; a one-line summary (tokens, tokens/s, tau) goes to stderr.
+Errors meant for the user (bad options, unknown model or drafter, a drafter's malformed
+proposal, KV cache out of blocks...) print one line ``specdec <command>: error: ...`` and
+exit with code 2; ``-v`` shows the traceback instead.
 """
 from __future__ import annotations
 
@@ -19,16 +22,27 @@ import logging
 import sys
 import time
 
+from specdec.kv_cache import CacheFullError
 from specdec.models.embedded import DEFAULT_ALIAS
 
 SUBCOMMAND_MODULES = ("specdec.train.cli", "specdec.eval.cli")
 
 
+class CLIError(Exception):
+    """A problem with what the user asked for on the command line."""
+
+
+# library errors that are the user's to fix: one line and exit code 2, no traceback.
+# ValueError covers DraftError, UnsupportedModelError and the other errors of bad input;
+# OSError covers missing files and unknown model paths.
+USER_ERRORS = (CLIError, ValueError, OSError, CacheFullError)
+
+
 class _TextStream:
     """Decodes a growing token list and prints only the new, complete characters."""
 
-    def __init__(self, tokenizer, out=sys.stdout) -> None:
-        self.tokenizer, self.out = tokenizer, out
+    def __init__(self, tokenizer, out=None) -> None:
+        self.tokenizer, self.out = tokenizer, out if out is not None else sys.stdout
         self.tokens: list[int] = []
         self.printed = 0
 
@@ -41,6 +55,13 @@ class _TextStream:
         self.out.flush()
         self.printed = len(text)
 
+    def finish(self) -> None:
+        """Print what is left (an incomplete UTF-8 sequence at the very end included) and a newline."""
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        self.out.write(text[self.printed :] + "\n")
+        self.out.flush()
+        self.printed = len(text)
+
 
 def _read_prompt(args) -> str:
     if args.prompt_file:
@@ -49,7 +70,7 @@ def _read_prompt(args) -> str:
     if args.prompt is not None and args.prompt != "-":
         return args.prompt
     if sys.stdin.isatty() and args.prompt is None:
-        raise SystemExit("specdec generate: give a prompt as an argument, with --prompt-file, or on stdin")
+        raise CLIError("give a prompt as an argument, with --prompt-file, or on stdin")
     return sys.stdin.read()
 
 
@@ -73,6 +94,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--system", default=None, help="system message for the chat template")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV cache size in blocks (default: enough for the prompt, max-new-tokens and the drafts)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_run_generate)
 
@@ -82,7 +105,7 @@ def _parse_options(pairs: list[str]) -> dict:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"--drafter-option needs KEY=VALUE, got {pair!r}")
+            raise CLIError(f"--drafter-option needs KEY=VALUE, got {pair!r}")
         try:
             options[key.replace("-", "_")] = json.loads(value)
         except json.JSONDecodeError:
@@ -93,32 +116,44 @@ def _parse_options(pairs: list[str]) -> dict:
 def _run_generate(args) -> int:
     import torch
 
+    from specdec.drafters.registry import get_drafter
     from specdec.generate import generate
     from specdec.models.loader import load_model
+    from specdec.sampling import SamplingConfig
 
     text = _read_prompt(args)
     if not text.strip():
-        raise SystemExit("specdec generate: the prompt is empty")
+        raise CLIError("the prompt is empty")
+    # check what needs no model before the (slow) model load
+    SamplingConfig(args.do_sample, args.temperature, args.top_k, args.top_p)
+    options = _parse_options(args.drafter_option)
+    try:
+        drafter = get_drafter(args.drafter, **options)
+    except TypeError as err:
+        if not options:
+            raise
+        raise CLIError(f"drafter {args.drafter!r} does not accept these --drafter-option values: {err}") from err
     t0 = time.perf_counter()
     loaded = load_model(args.model)
     load_seconds = time.perf_counter() - t0
     tok = loaded.tokenizer
     if tok is None:
-        raise SystemExit(f"specdec generate: model {args.model!r} has no tokenizer")
+        raise CLIError(f"model {args.model!r} has no tokenizer; the CLI needs one (save it next to the checkpoint)")
     if not args.no_chat_template and getattr(tok, "chat_template", None):
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": text})
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     else:
         ids = tok(text)["input_ids"]
+    stream = _TextStream(tok)
     with torch.no_grad():
         out = generate(
-            loaded, [ids], drafter=args.drafter, drafter_options=_parse_options(args.drafter_option),
+            loaded, [ids], drafter=drafter,
             max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop, streamer=_TextStream(tok),
-            return_dict=True, block_size=args.block_size,
+            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop, streamer=stream,
+            return_dict=True, block_size=args.block_size, num_blocks=args.num_blocks,
         )
-    sys.stdout.write("\n")
+    stream.finish()
     s = out.stats[0]
     summary = {
         "model": loaded.name, "drafter": args.drafter or "none", "prompt_tokens": s.prompt_tokens,
@@ -142,7 +177,8 @@ def _run_generate(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress (model conversion etc.)")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log progress (model conversion etc.); on errors show the traceback")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     for name in SUBCOMMAND_MODULES:
@@ -154,11 +190,16 @@ def main(argv: list[str] | None = None) -> int:
             continue
         module.add_parser(sub)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, TypeError) as err:
-        print(f"specdec {args.command}: error: {err}", file=sys.stderr)
+    except USER_ERRORS as err:
+        if args.verbose:
+            raise
+        sys.stdout.flush()  # streamed text first, then the error on its own line
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"specdec {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

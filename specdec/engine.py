@@ -135,10 +135,16 @@ class Engine:
         if self.drafter is None:
             return [DraftTree.empty() for _ in live]
         views = [SequenceView(s.seq_id, s.tokens, s.num_prompt, s.last_hidden) for s in live]
-        trees = self.drafter.propose(views)
         name = getattr(self.drafter, "name", type(self.drafter).__name__)
+        try:
+            trees = self.drafter.propose(views)
+        except DraftError as err:  # e.g. a malformed DraftTree built inside the drafter: say whose it is
+            if str(err).startswith(f"{name}:"):
+                raise
+            raise DraftError(f"{name}: {err}") from err
         if not isinstance(trees, (list, tuple)) or len(trees) != len(live):
-            raise DraftError(f"{name}: propose() must return one DraftTree per sequence ({len(live)})")
+            got = f"{len(trees)} trees" if isinstance(trees, (list, tuple)) else type(trees).__name__
+            raise DraftError(f"{name}: propose() must return one DraftTree per sequence ({len(live)}), got {got}")
         out = []
         for s, tree in zip(live, trees):
             if not isinstance(tree, DraftTree):

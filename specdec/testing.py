@@ -1,7 +1,9 @@
-"""Test utilities: tiny random-initialised Llama-family models built from a config.
+"""Test utilities: tiny random-initialised Llama-family models built from a config, a tiny
+character-level tokenizer, and a random-tree test drafter.
 
 Used by specdec's own tests and handy for drafter authors:
-``build_tiny_model("qwen3-qknorm", vocab_size=8)`` gives a 2-layer model in milliseconds.
+``build_tiny_model("qwen3-qknorm", vocab_size=8)`` gives a 2-layer model in milliseconds;
+``save_tiny_checkpoint(path)`` writes a model + tokenizer directory that ``specdec generate --model`` loads.
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ def build_tiny_model(variant: str = "llama-gqa-tied", vocab_size: int = 96, seed
     config = getattr(transformers, cls_name)(**kwargs)
     torch.manual_seed(seed)
     model_cls = {"LlamaConfig": transformers.LlamaForCausalLM, "Qwen2Config": transformers.Qwen2ForCausalLM,
-                 "Qwen3Config": transformers.Qwen3ForCausalLM, "MistralConfig": transformers.MistralForCausalLM}[cls_name]
+                 "Qwen3Config": transformers.Qwen3ForCausalLM,
+                 "MistralConfig": transformers.MistralForCausalLM}[cls_name]
     model = model_cls(config).eval()
     with torch.no_grad():  # random init is near-uniform; sharpen it so greedy has clear winners
         for p in model.parameters():
@@ -53,26 +56,55 @@ def build_tiny_model(variant: str = "llama-gqa-tied", vocab_size: int = 96, seed
     return model
 
 
+TINY_CHARS = "abcdefghijklmnopqrstuvwxyz .,?!'0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def build_tiny_tokenizer():
+    """A character-level fast tokenizer: id 0 is ``[UNK]``, then one id per character of TINY_CHARS."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, **{c: i + 1 for i, c in enumerate(TINY_CHARS)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
+    tok.decoder = decoders.Fuse()  # characters are joined as they are, without spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[UNK]")
+
+
+def save_tiny_checkpoint(path, variant: str = "llama-gqa-tied", tokenizer: bool = True, seed: int = 0) -> str:
+    """Save a tiny model (vocabulary = the tiny tokenizer's) and, if asked, its tokenizer to `path`."""
+    tok = build_tiny_tokenizer()
+    build_tiny_model(variant, vocab_size=len(tok), seed=seed).save_pretrained(path)
+    if tokenizer:
+        tok.save_pretrained(path)
+    return str(path)
+
+
 class RandomTreeDrafter(Drafter):
     """A test drafter that proposes random trees, to exercise rejection and KV compaction hard.
 
     ``mode="deterministic"``: random distinct tokens per node, no draft_probs.
     ``mode="independent"`` / ``"without_replacement"``: each node's children are really
     sampled from a random distribution (draft_probs), as an honest stochastic drafter must.
-    ``vocab_size`` limits drawn tokens; ``hit_rate`` biases deterministic picks toward
-    tokens from the sequence so that some drafts are accepted.
+    ``vocab_size`` limits drawn tokens. So that some drafts are accepted, deterministic picks
+    put a token of the sequence first half the time, and ``history_bias=b`` (stochastic modes)
+    moves mass ``b`` of each node's distribution onto a random token of the sequence (the tokens
+    are still really drawn from the ``draft_probs`` reported).
     """
 
     name = "random-tree"
 
     def __init__(self, vocab_size: int, max_nodes: int = 12, max_depth: int = 4, max_width: int = 3,
-                 mode: str = "deterministic", seed: int = 0, temperature: float = 1.0) -> None:
+                 mode: str = "deterministic", seed: int = 0, temperature: float = 1.0,
+                 history_bias: float = 0.0) -> None:
         from specdec.tree import DraftMode
 
         self.vocab_size, self.max_nodes, self.max_depth, self.max_width = vocab_size, max_nodes, max_depth, max_width
         self.mode = DraftMode(mode)
         self.gen = torch.Generator().manual_seed(seed)
         self.temperature = temperature
+        if not 0.0 <= history_bias <= 1.0:
+            raise ValueError(f"history_bias must lie in [0, 1], got {history_bias}")
+        self.history_bias = history_bias
 
     def _randint(self, hi: int) -> int:
         return int(torch.randint(0, hi, (1,), generator=self.gen))
@@ -88,13 +120,19 @@ class RandomTreeDrafter(Drafter):
             for parent in frontier:
                 width = self._randint(self.max_width + 1) if parent >= 0 else 1 + self._randint(self.max_width)
                 dist = torch.softmax(torch.randn(self.vocab_size, generator=self.gen) * 2 / self.temperature, -1)
+                if self.history_bias and history and self.mode is not DraftMode.DETERMINISTIC:
+                    cand = history[self._randint(len(history))]
+                    if cand < self.vocab_size:
+                        dist = dist * (1 - self.history_bias)
+                        dist[cand] += self.history_bias
                 if self.mode is DraftMode.DETERMINISTIC:
                     picks = torch.randperm(self.vocab_size, generator=self.gen)[:width].tolist()
                     if history and width and self._randint(2):
                         cand = history[self._randint(len(history))]
                         picks = [cand] + [t for t in picks if t != cand][: width - 1]
                 elif self.mode is DraftMode.INDEPENDENT:
-                    picks = torch.multinomial(dist, width, replacement=True, generator=self.gen).tolist() if width else []
+                    picks = (torch.multinomial(dist, width, replacement=True, generator=self.gen).tolist()
+                             if width else [])
                 else:
                     picks = torch.multinomial(dist, min(width, self.vocab_size), replacement=False,
                                               generator=self.gen).tolist() if width else []
@@ -115,3 +153,18 @@ class RandomTreeDrafter(Drafter):
     def propose(self, seqs):
         return [self._propose_one(list(s.token_ids)) for s in seqs]
 
+
+
+def ragged_prompts(n: int, vocab_size: int = 96, seed: int = 0, max_len: int = 40) -> list[list[int]]:
+    """`n` prompts of different lengths (1 to `max_len` tokens), every third one repetitive so that
+    prompt-lookup drafters find matches; deterministic for a given seed."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(n):
+        length = 1 if i == 0 else 2 + (i * 7 + int(torch.randint(0, max_len, (1,), generator=gen))) % (max_len - 1)
+        if i % 3 == 2:
+            motif = torch.randint(1, vocab_size, (1 + i % 4,), generator=gen).tolist()
+            prompts.append((motif * length)[:length])
+        else:
+            prompts.append(torch.randint(1, vocab_size, (length,), generator=gen).tolist())
+    return prompts

@@ -64,7 +64,9 @@ class DraftTree:
             )
         if self.mode is DraftMode.DETERMINISTIC:
             if self.draft_probs is not None:
-                raise DraftError("deterministic drafts carry no draft_probs; pass mode=INDEPENDENT or WITHOUT_REPLACEMENT")
+                raise DraftError(
+                    "deterministic drafts carry no draft_probs; pass mode=INDEPENDENT or WITHOUT_REPLACEMENT"
+                )
         else:
             if self.draft_probs is None:
                 raise DraftError(f"mode {self.mode.value} needs draft_probs [num_nodes, vocab]")
@@ -152,21 +154,37 @@ class DraftTree:
 
     # ---- checks the engine runs on every proposal ---------------------------------------
     def validate(self, vocab_size: int, drafter: str = "drafter", atol: float = 1e-4) -> None:
-        """Raise DraftError naming `drafter` if this tree cannot be verified exactly."""
-        if self.num_nodes and (int(self.tokens.min()) < 0 or int(self.tokens.max()) >= vocab_size):
-            raise DraftError(f"{drafter}: draft token ids must lie in [0, {vocab_size}), got {self.tokens.tolist()}")
+        """Raise DraftError naming `drafter` and the problem if this tree cannot be verified exactly."""
+        n = self.num_nodes
+        # the structure was checked at construction, but tensors are mutable: re-check what the engine relies on
+        if self.parents.numel() != n or bool(((self.parents >= torch.arange(n)) | (self.parents < -1)).any()):
+            raise DraftError(f"{drafter}: malformed tree: parents must satisfy -1 <= parents[i] < i, "
+                             f"got {self.parents.tolist()}")
+        if n and (int(self.tokens.min()) < 0 or int(self.tokens.max()) >= vocab_size):
+            bad = ((self.tokens < 0) | (self.tokens >= vocab_size)).nonzero().flatten().tolist()
+            where = ", ".join(f"node {i} has token {int(self.tokens[i])}" for i in bad[:5])
+            raise DraftError(f"{drafter}: draft token ids outside the vocabulary [0, {vocab_size}): {where}")
         if self.draft_probs is None:
             return
         probs = self.draft_probs
+        if probs.dim() != 2 or probs.shape[0] != n:
+            raise DraftError(f"{drafter}: draft_probs must be [num_nodes={n}, vocab], got {tuple(probs.shape)}")
         if probs.shape[1] != vocab_size:
-            raise DraftError(f"{drafter}: draft_probs has vocab {probs.shape[1]}, target vocab is {vocab_size}")
-        if not bool(torch.isfinite(probs).all()):
-            raise DraftError(f"{drafter}: draft_probs contains NaN or inf")
+            raise DraftError(f"{drafter}: draft_probs has {probs.shape[1]} columns but the target vocabulary has "
+                             f"{vocab_size} tokens (drafter and target must share one vocabulary)")
+        finite = torch.isfinite(probs)
+        if not bool(finite.all()):
+            kind = "NaN" if bool(torch.isnan(probs).any()) else "inf"
+            rows = (~finite).any(-1).nonzero().flatten().tolist()
+            raise DraftError(f"{drafter}: draft_probs contains {kind} (rows of nodes {rows[:5]})")
         if bool((probs < 0).any()):
-            raise DraftError(f"{drafter}: draft_probs has negative entries")
+            rows = (probs < 0).any(-1).nonzero().flatten().tolist()
+            raise DraftError(f"{drafter}: draft_probs has negative entries (rows of nodes {rows[:5]})")
         sums = probs.double().sum(-1)
         if not bool(torch.allclose(sums, torch.ones_like(sums), atol=atol)):
-            raise DraftError(f"{drafter}: draft_probs rows must sum to 1, got {sums.tolist()}")
+            raise DraftError(f"{drafter}: draft_probs rows must sum to 1, got {[round(x, 6) for x in sums.tolist()]}")
         drawn = probs.gather(1, self.tokens.to(probs.device)[:, None]).squeeze(1)
         if bool((drawn <= 0).any()):
-            raise DraftError(f"{drafter}: a drafted token has draft probability 0, so it cannot have been sampled")
+            nodes = (drawn <= 0).nonzero().flatten().tolist()
+            raise DraftError(f"{drafter}: drafted tokens at nodes {nodes[:5]} have draft probability 0, "
+                             "so they cannot have been sampled from draft_probs")

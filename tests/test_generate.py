@@ -1,4 +1,4 @@
-"""generate(): plain decoding is exactly transformers' decoding; inputs, stops and errors."""
+"""generate(): plain decoding is exactly transformers' decoding, batched or not; inputs, stops, seeds and errors."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ from scipy import stats
 import specdec
 from specdec.kv_cache import CacheFullError
 from specdec.models.llama import UnsupportedModelError
-from specdec.testing import build_tiny_model
+from specdec.testing import TINY_VARIANTS, build_tiny_model, build_tiny_tokenizer, ragged_prompts
 
 
 def hf_greedy(model, prompt, n):
@@ -18,7 +18,8 @@ def hf_greedy(model, prompt, n):
     return out[0].tolist()
 
 
-PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [10, 20, 30, 40, 50, 60, 70, 80, 90, 11, 12, 13, 14, 15, 16, 17, 18, 19, 21, 22], [5, 5]]
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [10, 20, 30, 40, 50, 60, 70, 80, 90, 11, 12, 13, 14, 15, 16, 17, 18, 19,
+                                           21, 22], [5, 5]]
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa-tied", "llama-mha-untied", "qwen3-qknorm", "llama3-rope", "qwen2-bias"])
@@ -29,6 +30,50 @@ def test_greedy_matches_transformers_single_and_batched(variant):
     assert batched == refs
     for p, ref in zip(PROMPTS, refs):
         assert specdec.generate(model, [p], max_new_tokens=40, block_size=3)[0] == ref
+
+
+TIE = 1e-5  # float32 logits of two tokens this close: which one wins depends on the summation order
+
+
+def same_greedy_or_tie(model, got: list[int], ref: list[int]) -> bool:
+    """True if identical; False if they part where transformers' own logits have a float32 tie between the two
+    tokens (a batched matmul may legitimately break it the other way); fails on any real divergence."""
+    if got == ref:
+        return True
+    assert len(got) == len(ref)
+    d = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
+    with torch.no_grad():
+        logits = model(torch.tensor([ref[:d]])).logits[0, -1]
+    gap = float((logits[ref[d]] - logits[got[d]]).abs())
+    assert gap < TIE, f"diverges at position {d}: token {got[d]} instead of {ref[d]}, logit gap {gap:.3g}"
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
+def test_greedy_matches_transformers_24_prompts_x_128_tokens(variant):
+    model = build_tiny_model(variant)
+    prompts = ragged_prompts(24, seed=2)
+    refs = [hf_greedy(model, p, 128) for p in prompts]
+    batched = specdec.generate(model, prompts, max_new_tokens=128)
+    single = [specdec.generate(model, [p], max_new_tokens=128, block_size=5)[0] for p in prompts]
+    ties = [not same_greedy_or_tie(model, got, ref) for got, ref in zip(batched + single, refs + refs)]
+    assert sum(ties) <= 2, f"{sum(ties)} of {len(ties)} sequences part at a float32 tie: too many to be chance"
+
+
+def test_batch_of_8_ragged_prompts_equals_one_by_one():
+    model = build_tiny_model("llama-mha-untied")
+    prompts = ragged_prompts(8, seed=3)
+    assert len({len(p) for p in prompts}) >= 6  # ragged lengths
+    singles = [specdec.generate(model, [p], max_new_tokens=48)[0] for p in prompts]
+    assert specdec.generate(model, prompts, max_new_tokens=48, block_size=5) == singles
+    # and when the sequences finish at different steps: an EOS id that only some of them emit
+    news = [s[len(p):] for s, p in zip(singles, prompts)]
+    eos = next(t for t in range(model.config.vocab_size) if 2 <= sum(t in n[:40] for n in news) <= 6)
+    singles = [specdec.generate(model, [p], max_new_tokens=48, eos_token_id=eos)[0] for p in prompts]
+    out = specdec.generate(model, prompts, max_new_tokens=48, eos_token_id=eos, block_size=5, return_dict=True)
+    assert out.sequences == singles
+    assert {s.finish_reason for s in out.stats} == {"eos", "length"}
 
 
 def test_tensor_input_with_left_padding():
@@ -52,6 +97,45 @@ def test_eos_and_stop_sequences_end_generation():
     out = specdec.generate(model, [PROMPTS[0]], max_new_tokens=30, stop=[stop_seq], return_dict=True)
     end = next(i for i in range(1, 30) if free[i - 1 : i + 1] == stop_seq) + 1
     assert out.new_tokens[0] == free[:end] and out.stats[0].finish_reason == "stop"
+
+
+def _first_match(tok, tokens, stop):
+    """Number of tokens up to and including the one that completes the first occurrence of `stop`."""
+    return next(k for k in range(1, len(tokens) + 1) if stop in tok.decode(tokens[:k]))
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+def test_stop_strings_with_a_real_tokenizer(drafter):
+    tok = build_tiny_tokenizer()  # one token per character: a stop string spans several tokens
+    model = build_tiny_model("qwen3-qknorm", vocab_size=len(tok), seed=1)  # one that does not repeat one character
+    prompts = [tok(t)["input_ids"] for t in ("the cat sat on the mat", "0123 4567 0123 4567 01")]
+    free = specdec.generate(model, prompts, max_new_tokens=48, tokenizer=tok, return_dict=True).new_tokens
+    texts = [tok.decode(t) for t in free]
+    stops = [texts[0][20:23], texts[1][25:27]]
+    expected = [free[i][: min(_first_match(tok, free[i], s) for s in stops if s in texts[i])] for i in range(2)]
+    assert all(5 <= len(e) < 48 for e in expected), expected
+    out = specdec.generate(model, prompts, max_new_tokens=48, tokenizer=tok, stop=stops, drafter=drafter,
+                           return_dict=True)
+    assert out.new_tokens == expected
+    assert [s.finish_reason for s in out.stats] == ["stop", "stop"]
+    assert any(s in tok.decode(out.new_tokens[0]) for s in stops)  # the stop string itself is kept
+
+
+def test_generator_argument_drives_sampling():
+    model = build_tiny_model()
+    kwargs = dict(max_new_tokens=10, do_sample=True, top_k=20)
+    by_seed = specdec.generate(model, PROMPTS, seed=7, **kwargs)
+    gen = torch.Generator().manual_seed(7)
+    first = specdec.generate(model, PROMPTS, generator=gen, **kwargs)
+    second = specdec.generate(model, PROMPTS, generator=gen, **kwargs)
+    assert first == by_seed  # a generator seeded like `seed` gives the same draws
+    assert second != first  # the caller's generator is consumed, not re-seeded
+    again = specdec.generate(model, PROMPTS, generator=torch.Generator().manual_seed(7), **kwargs)
+    assert again == first
+    # speculative sampling draws from the same generator: reproducible too
+    spec = [specdec.generate(model, PROMPTS, generator=torch.Generator().manual_seed(3), drafter="ngram",
+                             **kwargs) for _ in range(2)]
+    assert spec[0] == spec[1]
 
 
 def test_streamer_sees_every_token_in_order():
@@ -99,6 +183,7 @@ def test_seed_makes_sampling_reproducible():
         (dict(top_k=-1), "top_k"),
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(drafter="no-such-drafter"), "unknown drafter"),
+        (dict(stop=["ab"]), "stop strings need a tokenizer"),
     ],
 )
 def test_bad_input_is_a_clear_error(kwargs, match):

@@ -9,10 +9,11 @@ from specdec.eval.two_sample import two_sample_chi2
 
 import specdec
 from specdec.rejection import EXACT
-from specdec.testing import RandomTreeDrafter, build_tiny_model
+from specdec.testing import RandomTreeDrafter, build_tiny_model, build_tiny_tokenizer, ragged_prompts
 from specdec.tree import DraftError, DraftMode, DraftTree
 
-PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 8], [10, 20, 30, 10, 20, 30, 10, 20], [5, 5, 5, 5], [11] * 3 + [12, 13]]
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 8], [10, 20, 30, 10, 20, 30, 10, 20], [5, 5, 5, 5],
+           [11] * 3 + [12, 13]]
 
 
 class OracleDrafter(Drafter):
@@ -33,6 +34,8 @@ class OracleDrafter(Drafter):
 
 
 class LyingDrafter(Drafter):
+    """Returns the same given (bad) tree for every sequence."""
+
     name = "liar"
 
     def __init__(self, tree: DraftTree) -> None:
@@ -42,20 +45,56 @@ class LyingDrafter(Drafter):
         return [self.tree for _ in seqs]
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa-tied", "qwen3-qknorm"])
-def test_greedy_identity_ngram_and_random_trees(variant):
-    model = build_tiny_model(variant)
-    plain = specdec.generate(model, PROMPTS, max_new_tokens=256)
-    out = specdec.generate(model, PROMPTS, max_new_tokens=256, drafter="ngram", drafter_options={"min_ngram": 1},
-                           return_dict=True)
+def random_tree_drafter(vocab_size: int, mode: str, seed: int) -> RandomTreeDrafter:
+    # history_bias: the stochastic modes put half their mass on a token of the sequence, so that under greedy
+    # decoding some of their (honestly sampled) drafts match the target and get accepted
+    return RandomTreeDrafter(vocab_size, max_nodes=16, mode=mode, seed=seed,
+                             history_bias=0.0 if mode == "deterministic" else 0.5)
+
+
+MODES = ("deterministic", "independent", "without_replacement")
+
+
+def accepted_nodes(out) -> int:
+    return sum(sum(s.depth_accepted) for s in out.stats)
+
+
+def check_greedy_identity(model, prompts, max_new_tokens):
+    """Speculative greedy == plain greedy for the n-gram drafter and random trees of every mode, the whole
+    batch at once and one sequence at a time; drafts must really be accepted (compaction exercised)."""
+    vocab = model.config.vocab_size
+    plain = specdec.generate(model, prompts, max_new_tokens=max_new_tokens)
+    out = specdec.generate(model, prompts, max_new_tokens=max_new_tokens, drafter="ngram",
+                           drafter_options={"min_ngram": 1}, return_dict=True)
     assert out.sequences == plain
     assert out.tau > 1.0  # the drafter really got tokens accepted (tiny models repeat themselves)
-    for mode in ("deterministic", "independent", "without_replacement"):
-        drafter = RandomTreeDrafter(model.config.vocab_size, max_nodes=16, mode=mode, seed=1)
-        got = specdec.generate(model, PROMPTS, max_new_tokens=256, drafter=drafter, block_size=4)
-        assert got == plain, mode
-    for p, ref in zip(PROMPTS, plain):  # one at a time
-        assert specdec.generate(model, [p], max_new_tokens=256, drafter="ngram")[0] == ref
+    for mode in MODES:
+        got = specdec.generate(model, prompts, max_new_tokens=max_new_tokens,
+                               drafter=random_tree_drafter(vocab, mode, 1), block_size=4, return_dict=True)
+        assert got.sequences == plain, mode
+        assert accepted_nodes(got) > 0 and got.tau > 1.0, (mode, got.tau)
+    # one at a time: n-gram for every prompt, random trees with the modes taking turns over the prompts
+    single_accepted = dict.fromkeys(MODES, 0)
+    for i, (p, ref) in enumerate(zip(prompts, plain)):
+        assert specdec.generate(model, [p], max_new_tokens=max_new_tokens, drafter="ngram")[0] == ref, i
+        mode = MODES[i % len(MODES)]
+        got = specdec.generate(model, [p], max_new_tokens=max_new_tokens,
+                               drafter=random_tree_drafter(vocab, mode, i), block_size=4, return_dict=True)
+        assert got.sequences[0] == ref, (i, mode)
+        single_accepted[mode] += accepted_nodes(got)
+    used = MODES[: len(prompts)]
+    assert all(single_accepted[m] > 0 for m in used), single_accepted
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa-tied", "qwen3-qknorm"])
+def test_greedy_identity_ngram_and_random_trees(variant):
+    check_greedy_identity(build_tiny_model(variant), PROMPTS, 256)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["llama-gqa-tied", "qwen3-qknorm"])
+def test_greedy_identity_24_prompts_x_256_tokens(variant):
+    check_greedy_identity(build_tiny_model(variant), ragged_prompts(24, seed=1), 256)
 
 
 def test_oracle_drafter_commits_whole_runs_and_stops_exactly_at_eos():
@@ -75,6 +114,21 @@ def test_oracle_drafter_commits_whole_runs_and_stops_exactly_at_eos():
     # max_new_tokens that ends mid-run
     out = specdec.generate(model, [PROMPTS[0]], max_new_tokens=9, drafter=OracleDrafter({0: plain[0]}))
     assert out[0] == plain[0][: len(PROMPTS[0]) + 9]
+
+
+def test_stop_string_inside_an_accepted_run_is_honoured():
+    tok = build_tiny_tokenizer()  # one token per character
+    model = build_tiny_model("qwen3-qknorm", vocab_size=len(tok), seed=1)
+    prompt = tok("the cat sat on the mat")["input_ids"]
+    plain = specdec.generate(model, [prompt], max_new_tokens=48, tokenizer=tok)[0]
+    new = plain[len(prompt):]
+    stop = tok.decode(new[12:15])
+    end = next(k for k in range(1, 49) if stop in tok.decode(new[:k]))
+    out = specdec.generate(model, [prompt], max_new_tokens=48, tokenizer=tok, stop=[stop],
+                           drafter=OracleDrafter({0: plain}, depth=8), return_dict=True)
+    assert out.new_tokens[0] == new[:end] and out.stats[0].finish_reason == "stop"
+    # whole runs of 8 accepted + 1 bonus, then a run cut right after the token that completes the stop string
+    assert end % 9 and out.stats[0].step_lengths == (9,) * (end // 9) + (end % 9,)
 
 
 def _first_tokens(model, drafter, n, prompt, k=3, seed=0, temperature=1.0, top_k=0, top_p=1.0, rule=EXACT):
@@ -119,27 +173,96 @@ def test_sampling_law_test_catches_a_broken_sampler():
     assert _two_sample_test(plain, spec)[0] < 1e-6
 
 
-@pytest.mark.parametrize(
-    "tree, match",
-    [
-        (DraftTree.chain([1, 500]), "vocabulary"),
-        (DraftTree.chain([1, 2], torch.full((2, 96), float("nan")), DraftMode.INDEPENDENT), "NaN"),
-        (DraftTree.chain([1, 2], torch.full((2, 96), 0.5), DraftMode.INDEPENDENT), "sum to 1"),
-        (DraftTree.chain([1], torch.ones(1, 50) / 50, DraftMode.INDEPENDENT), "vocab"),
-    ],
-)
-def test_lying_drafter_is_refused_with_its_name(tree, match):
+def _probs(rows, fill=None, vocab=96, node=None, value=None):
+    probs = torch.full((rows, vocab), 1.0 / vocab) if fill is None else torch.full((rows, vocab), fill)
+    if node is not None:
+        probs[node] = value
+    return probs
+
+
+def _mutated_parents():
+    tree = DraftTree.chain([1, 2, 3])
+    tree.parents[1] = 2  # tensors are mutable: a drafter could edit a tree after building it
+    return tree
+
+
+def _zero_prob_for_drafted_token():
+    probs = _probs(2)
+    probs[1] = 0.0
+    probs[1, 7] = 1.0  # node 1 claims token 2 was drawn from a one-hot at 7
+    return DraftTree.chain([1, 2], probs, DraftMode.INDEPENDENT)
+
+
+# each case: the tree the drafter returns, and the problem the error must name (after the drafter's name)
+LIES = {
+    "token above vocab": (lambda: DraftTree.chain([1, 500]),
+                          r"draft token ids outside the vocabulary \[0, 96\): node 1 has token 500"),
+    "negative token": (lambda: DraftTree([4, -3], [-1, -1]),
+                       r"draft token ids outside the vocabulary \[0, 96\): node 1 has token -3"),
+    "NaN probs": (lambda: DraftTree.chain([1, 2], _probs(2, float("nan")), DraftMode.INDEPENDENT),
+                  r"draft_probs contains NaN"),
+    "inf probs": (lambda: DraftTree.chain([1, 2], _probs(2, node=1, value=float("inf")), DraftMode.INDEPENDENT),
+                  r"draft_probs contains inf \(rows of nodes \[1\]\)"),
+    "negative probs": (lambda: DraftTree.chain([1], _probs(1, node=(0, 5), value=-0.1), DraftMode.INDEPENDENT),
+                       r"draft_probs has negative entries"),
+    "not normalised": (lambda: DraftTree.chain([1, 2], _probs(2, 0.5), DraftMode.INDEPENDENT),
+                       r"draft_probs rows must sum to 1, got \[48\.0, 48\.0\]"),
+    "wrong vocab": (lambda: DraftTree.chain([1], _probs(1, vocab=50), DraftMode.INDEPENDENT),
+                    r"draft_probs has 50 columns but the target vocabulary has 96 tokens"),
+    "impossible draw": (_zero_prob_for_drafted_token, r"drafted tokens at nodes \[1\] have draft probability 0"),
+    "mutated parents": (_mutated_parents, r"malformed tree: parents must satisfy -1 <= parents\[i\] < i"),
+}
+
+
+@pytest.mark.parametrize("case", LIES)
+def test_lying_drafter_is_refused_with_its_name_and_the_problem(case):
+    make_tree, problem = LIES[case]
     model = build_tiny_model()
-    with pytest.raises(DraftError, match=f"liar.*{match}|{match}.*liar|liar: .*"):
-        specdec.generate(model, [[1, 2, 3]], max_new_tokens=4, drafter=LyingDrafter(tree))
+    with pytest.raises(DraftError, match=rf"^liar: {problem}"):
+        specdec.generate(model, [[1, 2, 3]], max_new_tokens=4, drafter=LyingDrafter(make_tree()))
+
+
+class BuilderDrafter(Drafter):
+    """Builds its (malformed) tree inside propose(): the DraftTree constructor's error must come out of
+    generate() with the drafter's name on it."""
+
+    name = "builder"
+
+    def __init__(self, **tree_args) -> None:
+        self.tree_args = tree_args
+
+    def propose(self, seqs):
+        return [DraftTree(**self.tree_args) for _ in seqs]
+
+
+MALFORMED = {
+    "parent after child": (dict(tokens=[1, 2, 3], parents=[-1, 2, 0]), r"node 1 has parent 2: parents must satisfy"),
+    "cycle": (dict(tokens=[1, 2], parents=[1, 0]), r"node 0 has parent 1: parents must satisfy"),
+    "parent below -1": (dict(tokens=[1], parents=[-2]), r"node 0 has parent -2"),
+    "length mismatch": (dict(tokens=[1, 2], parents=[-1]), r"tokens has 2 nodes but parents has 1"),
+    "too many nodes": (dict(tokens=[1] * 65, parents=list(range(-1, 64))), r"draft tree has 65 nodes; at most 64"),
+    "probs without mode": (dict(tokens=[1], parents=[-1], draft_probs=torch.ones(1, 96) / 96),
+                           r"deterministic drafts carry no draft_probs"),
+    "mode without probs": (dict(tokens=[1], parents=[-1], mode=DraftMode.INDEPENDENT),
+                           r"mode independent needs draft_probs"),
+    "probs shape": (dict(tokens=[1, 2], parents=[-1, 0], draft_probs=torch.ones(1, 96) / 96,
+                         mode=DraftMode.INDEPENDENT), r"draft_probs must be \[num_nodes=2, vocab\], got \(1, 96\)"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_tree_built_by_a_drafter_is_refused_with_its_name(case):
+    tree_args, problem = MALFORMED[case]
+    with pytest.raises(DraftError, match=rf"^builder: {problem}"):
+        specdec.generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=4, drafter=BuilderDrafter(**tree_args))
 
 
 def test_malformed_trees_rejected_at_construction():
-    with pytest.raises(DraftError, match="parent"):
+    with pytest.raises(DraftError, match=r"node 1 has parent 1: parents must satisfy -1 <= parents\[i\] < i"):
         DraftTree([1, 2], [-1, 1])
-    with pytest.raises(DraftError, match="at most"):
+    with pytest.raises(DraftError, match="at most 64"):
         DraftTree.chain(list(range(65)))
-    with pytest.raises(DraftError, match="draft_probs"):
+    with pytest.raises(DraftError, match="needs draft_probs"):
         DraftTree([1], [-1], None, DraftMode.INDEPENDENT)
 
 
@@ -150,5 +273,14 @@ def test_wrong_number_of_trees_is_refused():
         def propose(self, seqs):
             return []
 
-    with pytest.raises(DraftError, match="short"):
+    with pytest.raises(DraftError, match=r"^short: propose\(\) must return one DraftTree per sequence \(1\), got 0"):
         specdec.generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=4, drafter=Short())
+
+    class NotATree(Drafter):
+        name = "lists"
+
+        def propose(self, seqs):
+            return [[1, 2] for _ in seqs]
+
+    with pytest.raises(DraftError, match=r"^lists: propose\(\) returned list, expected DraftTree"):
+        specdec.generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=4, drafter=NotATree())

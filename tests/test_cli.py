@@ -1,0 +1,189 @@
+"""``specdec generate`` on a tiny checkpoint: where the prompt comes from, what is printed (text, summary
+line, JSON, tau), and that errors meant for the user are one line with exit code 2, never a traceback."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import specdec
+from specdec.cli import main
+from specdec.testing import build_tiny_tokenizer, save_tiny_checkpoint
+
+PROMPT = "the cat sat on the mat, the cat sat on the hat. "
+N = 24
+SUMMARY = re.compile(
+    r"^\[specdec\] (\d+) tokens in [\d.]+s = [\d.]+ tok/s \| tau ([\d.]+) over (\d+) steps \| drafter (\S+)"
+)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def chat_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-chat")
+    save_tiny_checkpoint(path, tokenizer=False)
+    tok = build_tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}. {% endfor %}assistant: "
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def expected_text(ckpt: str, prompt: str, n: int = N, **kwargs) -> str:
+    loaded = specdec.load_model(ckpt)
+    ids = loaded.tokenizer(prompt)["input_ids"]
+    out = specdec.generate(loaded, [ids], max_new_tokens=n, return_dict=True, **kwargs)
+    return loaded.tokenizer.decode(out.new_tokens[0], skip_special_tokens=True)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(["generate", *argv])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def summary_of(err: str) -> re.Match:
+    lines = [line for line in err.splitlines() if line.startswith("[specdec]")]
+    assert len(lines) == 1, err
+    match = SUMMARY.match(lines[0])
+    assert match, lines[0]
+    return match
+
+
+def test_prompt_from_argument_prints_the_text_and_a_summary_line(ckpt, capsys):
+    rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(N))
+    assert rc == 0
+    text = expected_text(ckpt, PROMPT)
+    assert text.strip() and out == text + "\n"  # the streamed text is exactly the decoded greedy tokens
+    m = summary_of(err)
+    assert (int(m[1]), float(m[2]), int(m[3]), m[4]) == (N, 1.0, N, "none")  # plain decoding: one token per step
+
+
+def test_prompt_file_stdin_and_dash_give_the_same_output(ckpt, capsys, monkeypatch, tmp_path):
+    _, reference, _ = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(N))
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(PROMPT, encoding="utf-8")
+    rc, out, _ = run(capsys, "--prompt-file", str(prompt_file), "--model", ckpt, "--max-new-tokens", str(N))
+    assert rc == 0 and out == reference
+    for argv in ([], ["-"]):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+        rc, out, _ = run(capsys, *argv, "--model", ckpt, "--max-new-tokens", str(N))
+        assert rc == 0 and out == reference, argv
+    # a different prompt gives a different text: the prompt really is read from where it is given
+    prompt_file.write_text("0123456789 9876543210", encoding="utf-8")
+    _, out, _ = run(capsys, "--prompt-file", str(prompt_file), "--model", ckpt, "--max-new-tokens", str(N))
+    assert out != reference
+
+
+def test_json_summary(ckpt, capsys):
+    rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(N), "--json")
+    assert rc == 0 and out.strip()
+    summary = json.loads(err.strip().splitlines()[-1])
+    assert summary["new_tokens"] == N and summary["steps"] == N and summary["tau"] == 1.0
+    assert summary["prompt_tokens"] == len(PROMPT)  # character tokenizer, no chat template
+    assert summary["drafter"] == "none" and summary["finish"] == "length"
+    assert summary["tokens_per_s"] > 0 and summary["seconds"] > 0
+    assert not SUMMARY.match(err)  # --json replaces the plain line
+
+
+def test_ngram_drafter_prints_tau_and_the_same_text(ckpt, capsys):
+    n = 64
+    _, plain, _ = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(n))
+    rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(n), "--drafter", "ngram",
+                       "--drafter-option", "min_ngram=1")
+    assert rc == 0 and out == plain  # greedy speculative decoding is lossless
+    m = summary_of(err)
+    new_tokens, tau, steps, drafter = int(m[1]), float(m[2]), int(m[3]), m[4]
+    assert drafter == "ngram" and new_tokens == n
+    assert tau == pytest.approx(n / steps, abs=0.01) and tau > 1.0  # drafts were accepted
+    assert "acceptance/depth" in err
+
+
+def test_chat_template_is_applied_unless_disabled(chat_ckpt, capsys):
+    def prompt_tokens(*extra):
+        rc, _, err = run(capsys, "hello", "--model", chat_ckpt, "--max-new-tokens", "4", "--json", *extra)
+        assert rc == 0, err
+        return json.loads(err.strip().splitlines()[-1])["prompt_tokens"]
+
+    assert prompt_tokens("--no-chat-template") == len("hello")
+    assert prompt_tokens() == len("user: hello. assistant: ")
+    assert prompt_tokens("--system", "be brief") == len("system: be brief. user: hello. assistant: ")
+
+
+@pytest.fixture(scope="module")
+def no_tokenizer_ckpt(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-notok"), tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def gpt2_ckpt(tmp_path_factory):
+    import transformers
+
+    path = tmp_path_factory.mktemp("gpt2")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=69)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["   \n", "--model", "{ckpt}"], "the prompt is empty"),
+        (["hi", "--model", "/no/such/model"], "unknown model '/no/such/model'"),
+        (["hi", "--model", "{ckpt}", "--drafter", "no-such-drafter"], "unknown drafter 'no-such-drafter'"),
+        (["hi", "--model", "{ckpt}", "--do-sample", "--temperature", "0"], "temperature must be > 0"),
+        (["hi", "--model", "{ckpt}", "--top-p", "1.5"], r"top_p must lie in \(0, 1\]"),
+        (["hi", "--model", "{ckpt}", "--drafter", "ngram", "--drafter-option", "bogus=1"], "unknown option"),
+        (["hi", "--model", "{ckpt}", "--drafter", "ngram", "--drafter-option", "bogus"], "KEY=VALUE"),
+        (["hi", "--model", "{ckpt}", "--num-blocks", "1"], "KV cache out of blocks"),  # CacheFullError
+        (["hi", "--model", "{ckpt}", "--max-new-tokens", "600"], "exceeds the model's context"),
+        (["--prompt-file", "/no/such/prompt.txt", "--model", "{ckpt}"], "No such file"),
+        (["hi", "--model", "{no_tokenizer_ckpt}"], "has no tokenizer"),
+        (["hi", "--model", "{gpt2_ckpt}"], "supported"),  # UnsupportedModelError
+    ],
+)
+def test_user_errors_are_one_line_and_exit_code_2(argv, match, ckpt, no_tokenizer_ckpt, gpt2_ckpt, capsys):
+    paths = dict(ckpt=ckpt, no_tokenizer_ckpt=no_tokenizer_ckpt, gpt2_ckpt=gpt2_ckpt)
+    rc, _, err = run(capsys, *[a.format(**paths) for a in argv])
+    assert rc == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("specdec generate: error: ")]
+    assert len(lines) == 1 and re.search(match, lines[0]), err
+
+
+def test_no_prompt_on_a_terminal_is_a_usage_error(ckpt, capsys, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    rc, _, err = run(capsys, "--model", ckpt)
+    assert rc == 2 and "give a prompt" in err and "Traceback" not in err
+
+
+def test_bad_option_type_is_argparse_exit_code_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "hi", "--temperature", "warm"])
+    assert exc.value.code == 2 and "--temperature" in capsys.readouterr().err
+
+
+def test_verbose_shows_the_traceback_instead():
+    with pytest.raises(FileNotFoundError, match="unknown model"):
+        main(["-v", "generate", "hi", "--model", "/no/such/model"])
+
+
+def test_real_process_exit_code_and_no_traceback(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "hi", "--model", "/no/such/model"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.strip().startswith("specdec generate: error: unknown model")
