@@ -15,7 +15,10 @@ REPO = Path(__file__).resolve().parents[1]
 # eval/ would shadow top-level packages of those names (transformers probes `kernels`).
 # specdec is installed, so the repo root is never needed on the path.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO]
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# 2 threads (CI's cores) unless OMP_NUM_THREADS says otherwise: on a machine shared with other jobs,
+# more threads than free cores makes tiny-model tests 10x slower
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1)))
+
 
 @pytest.fixture(autouse=True)
 def _grad_mode_restored():

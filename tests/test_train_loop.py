@@ -134,6 +134,33 @@ def test_run_writes_loadable_layout_and_report(tiny, tmp_path):
                  "--output-dir", str(out), "--no-progress"]) == 2
 
 
+@pytest.mark.slow
+def test_two_processes_follow_the_single_process_curve(tiny, tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` on a CPU-only machine: two real processes (gloo),
+    each taking half of every global batch, give the loss curve of one process."""
+    import os
+    import subprocess
+    import sys
+
+    args = ["train-medusa", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"), "--num-heads", "2",
+            "--seq-len", "32", "--batch-size", "4", "--max-steps", "6", "--lr", "3e-3", "--no-eval-tau",
+            "--no-progress", "--held-out-fraction", "0.2"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "specdec.cli"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, cmd in (("one", [sys.executable, "-m", "specdec.cli"]), ("two", launch)):
+        proc = subprocess.run(cmd + args + ["--output-dir", str(tmp_path / name)], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = ([json.loads(x) for x in (tmp_path / n / "history.jsonl").read_text().splitlines()]
+                for n in ("one", "two"))
+    assert json.loads((tmp_path / "two" / "report.json").read_text())["processes"] == 2
+    assert [h["step"] for h in one] == [h["step"] for h in two] == list(range(1, 7))
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) < 1e-4 and a["top1"] == pytest.approx(b["top1"], abs=1e-6), (a, b)
+    assert one[-1]["loss"] < one[0]["loss"]
+
+
 def test_output_dir_refusal_and_overwrite(tiny, tmp_path):
     out = tmp_path / "o"
     out.mkdir()
