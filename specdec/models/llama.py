@@ -69,22 +69,26 @@ def check_supported(hf_model) -> None:
         )
 
 
-SMALL_M_MAX = 4
+SMALL_M_MAX = 8
+_PAD_ROWS = {3: 4, 7: 8}  # odd column counts that ran slower than the next even one
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, in] @ weight[out, in]^T (+ bias).
 
-    On CPU, BLAS takes slow small-GEMM paths for 2 <= m <= 4 rows (a 2-4 token forward of
-    the 135M model cost 1.5-2.0x a 1-token one on 2 cores), while ``weight @ x^T`` with 2-4
-    columns reads the weight once at near GEMV speed (1.04-1.07x; 3 columns are padded to 4).
-    m == 1 keeps F.linear, transformers' own decode path. Measured by
-    ``benchmarks/bench_verify_cost.py``.
+    On CPU, ``F.linear`` takes slow small-GEMM paths for 2 <= m <= 8 rows (a 2-8 token forward
+    of the 135M model cost 1.5-1.8x a 1-token one on 2 cores), while ``weight @ x^T`` with up to
+    8 columns reads the weight once at GEMV speed: 2-5 tokens cost 0.9-1.1x a 1-token forward,
+    8 tokens ~1.35x, and the 1-token forward itself got ~12% faster than ``F.linear``'s
+    (``benchmarks/bench_verify_cost.py``, 2026-11-23). Larger m keeps ``F.linear``.
     """
     m = x.shape[0]
-    if x.device.type == "cpu" and 2 <= m <= SMALL_M_MAX:
-        cols = x if m != 3 else torch.cat([x, x[:1]])  # 3 columns run slower than 4
-        out = torch.mm(weight, cols.t()).t()[:m]
+    if x.device.type == "cpu" and m <= SMALL_M_MAX:
+        pad = _PAD_ROWS.get(m, m) - m
+        cols = x if not pad else torch.cat([x, x[:pad]])
+        # back to row-major: a transposed result would reach attention with a strided head dim, which
+        # sends scaled_dot_product_attention down its slow math path (~3x slower per layer)
+        out = torch.mm(weight, cols.t()).t()[:m].contiguous()
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)
 
