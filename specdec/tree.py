@@ -35,6 +35,12 @@ class DraftMode(str, enum.Enum):
     DETERMINISTIC = "deterministic"  # candidates picked without sampling; draft_probs is None
 
 
+def _first_bad_parent(parents: torch.Tensor) -> int | None:
+    """Index of the first node breaking -1 <= parents[i] < i (topological order, no cycles), or None."""
+    bad = (parents >= torch.arange(parents.numel(), device=parents.device)) | (parents < -1)
+    return int(bad.nonzero()[0]) if bool(bad.any()) else None
+
+
 @dataclass(frozen=True, eq=False)
 class DraftTree:
     tokens: torch.Tensor  # [num_nodes] int64 token ids
@@ -54,12 +60,10 @@ class DraftTree:
             raise DraftError(f"tokens has {tokens.numel()} nodes but parents has {parents.numel()}")
         if tokens.numel() > MAX_TREE_NODES:
             raise DraftError(f"draft tree has {tokens.numel()} nodes; at most {MAX_TREE_NODES} are supported")
-        idx = torch.arange(parents.numel())
-        bad = (parents >= idx) | (parents < -1)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
+        bad = _first_bad_parent(parents)
+        if bad is not None:
             raise DraftError(
-                f"node {i} has parent {int(parents[i])}: parents must satisfy -1 <= parents[i] < i "
+                f"node {bad} has parent {int(parents[bad])}: parents must satisfy -1 <= parents[i] < i "
                 "(topological order, no cycles)"
             )
         if self.mode is DraftMode.DETERMINISTIC:
@@ -157,7 +161,7 @@ class DraftTree:
         """Raise DraftError naming `drafter` and the problem if this tree cannot be verified exactly."""
         n = self.num_nodes
         # the structure was checked at construction, but tensors are mutable: re-check what the engine relies on
-        if self.parents.numel() != n or bool(((self.parents >= torch.arange(n)) | (self.parents < -1)).any()):
+        if self.parents.numel() != n or _first_bad_parent(self.parents) is not None:
             raise DraftError(f"{drafter}: malformed tree: parents must satisfy -1 <= parents[i] < i, "
                              f"got {self.parents.tolist()}")
         if n and (int(self.tokens.min()) < 0 or int(self.tokens.max()) >= vocab_size):
