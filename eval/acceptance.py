@@ -58,7 +58,7 @@ from specdec.drafters.registry import get_drafter
 
 from specdec.engine import Engine
 from specdec.generate import generate
-from specdec.kv_cache import PagedKVCache
+from specdec.kv_cache import CacheConfig, PagedKVCache
 from specdec.sampling import SamplingConfig
 from specdec.stopping import StopCriteria
 from specdec.tree import DraftTree
@@ -265,7 +265,7 @@ def measure_verify_costs(loaded: Any, prompts: Sequence[Sequence[int]], query_to
         want = len(p) + max(extra_context, 0)
         ctx = [p[i % len(p)] for i in range(want)][-room:]
         contexts.append(ctx)
-    block = 16
+    block = CacheConfig().block_size
     blocks = sum(-(-(len(c) + growth + 2) // block) for c in contexts)
     cache = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block, runner.dtype,
                          runner.device)
@@ -318,7 +318,7 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
               on_progress: Callable[[str, Cell], None] | None = None) -> None:
     """Measure every (row, category) cell over ``prompts`` (this process's share) and write each cell file
     (``.rank<rank>`` suffixed when ``rank`` is given) as soon as it is done."""
-    sampling = dict(do_sample=config.temperature > 0, temperature=config.temperature or 1.0, seed=config.seed)
+    sampling = dict(do_sample=config.sampling.do_sample, temperature=config.sampling.temperature, seed=config.seed)
     options = dict(config.drafters)
     warm = next((ps[:1] for ps in prompts.values() if ps), [])
     for label in config.labels:  # warm-up: first-call costs out of the measurements
