@@ -102,7 +102,8 @@ class Engine:
         self.cache.reserve_many({s.seq_id: len(s.tokens) - 1 for s in todo})
         if todo:
             masks = [torch.ones(len(s.tokens) - 1, len(s.tokens) - 1, dtype=torch.bool).tril() for s in todo]
-            batch = self._build_batch(todo, [s.tokens[:-1] for s in todo], [torch.arange(m.shape[0]) for m in masks], masks)
+            positions = [torch.arange(m.shape[0]) for m in masks]
+            batch = self._build_batch(todo, [s.tokens[:-1] for s in todo], positions, masks)
             # the last prompt row's hidden state is what a Medusa-style drafter starts from
             last_rows = torch.tensor([r[len(s.tokens) - 2] for r, s in zip(batch.row_index.tolist(), todo)],
                                      device=batch.row_index.device)

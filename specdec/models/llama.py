@@ -58,7 +58,9 @@ def check_supported(hf_model) -> None:
             f"model type {mtype!r} is not supported; specdec runs the Llama family: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     if not hasattr(hf_model, "lm_head") or not hasattr(getattr(hf_model, "model", None), "layers"):
-        raise UnsupportedModelError(f"expected a *ForCausalLM model with .model.layers and .lm_head, got {type(hf_model).__name__}")
+        raise UnsupportedModelError(
+            f"expected a *ForCausalLM model with .model.layers and .lm_head, got {type(hf_model).__name__}"
+        )
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"only SwiGLU MLPs (hidden_act='silu') are supported, got {act!r}")
@@ -119,7 +121,8 @@ class LlamaRunner:
         if window and getattr(cfg, "use_sliding_window", True):
             max_pos = min(max_pos, window)  # full attention is exact only inside the window
         self.shape = ModelShape(
-            cfg.num_hidden_layers, num_heads, cfg.num_key_value_heads, head_dim, cfg.hidden_size, cfg.vocab_size, max_pos
+            cfg.num_hidden_layers, num_heads, cfg.num_key_value_heads, head_dim, cfg.hidden_size, cfg.vocab_size,
+            max_pos,
         )
         self.scale = head_dim**-0.5
         self.layers = base.layers
