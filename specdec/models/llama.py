@@ -72,7 +72,7 @@ def check_supported(hf_model) -> None:
 
 
 SMALL_M_MAX = 8
-_PAD_ROWS = {3: 4, 7: 8}  # odd column counts that ran slower than the next even one
+_PAD_ROWS = {1: 2, 3: 4, 7: 8}  # row counts that ran slower than the next one up
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,8 +81,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     On CPU, ``F.linear`` takes slow small-GEMM paths for 2 <= m <= 8 rows (a 2-8 token forward
     of the 135M model cost 1.5-1.8x a 1-token one on 2 cores), while ``weight @ x^T`` with up to
     8 columns reads the weight once at GEMV speed: 2-5 tokens cost 0.9-1.1x a 1-token forward,
-    8 tokens ~1.35x, and the 1-token forward itself got ~12% faster than ``F.linear``'s
-    (``benchmarks/bench_verify_cost.py``, 2026-11-23). Larger m keeps ``F.linear``.
+    8 tokens ~1.35x (``benchmarks/bench_verify_cost.py``). A single row is padded to two: MKL's
+    one-column GEMV runs on one thread (~14 GB/s of weights on the 2-core CI machine) where the
+    two-column GEMM uses both (~22 GB/s), which made the 1-token decode forward of the embedded
+    model 17% faster (54.8 -> 45.5 ms at context 600, 2026-11-23). Larger m keeps ``F.linear``.
     """
     m = x.shape[0]
     if x.device.type == "cpu" and m <= SMALL_M_MAX:
