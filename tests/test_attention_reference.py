@@ -1,0 +1,81 @@
+"""The PyTorch reference attention (specdec.attention): the padded batch path (one SDPA call for
+every sequence of a decode/verify forward) against the per-sequence path and a float64 softmax
+written out by hand, on ragged batches with shuffled block tables, trees and GQA."""
+from __future__ import annotations
+
+import pytest
+import torch
+from specdec.kernels.testing import random_case
+
+from specdec.attention import AttentionPlan, paged_attention
+
+
+def _dense_float64(case) -> torch.Tensor:
+    """Softmax attention over exactly the keys each query may see, in float64."""
+    q, k, v = case.q.double(), case.k_cache.double(), case.v_cache.double()
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for s in case.plan.seqs:
+        keys = k[s.key_slots].repeat_interleave(group, dim=1)  # [keys, heads, dim]
+        values = v[s.key_slots].repeat_interleave(group, dim=1)
+        num_cached = s.key_slots.numel() - s.num_new
+        for t in range(s.num_new):
+            visible = torch.ones(s.key_slots.numel(), dtype=torch.bool)
+            if s.mask is not None:
+                visible = s.mask[t].cpu()
+            elif s.causal:
+                visible[num_cached + t + 1 :] = False
+            scores = torch.einsum("hd,khd->hk", q[s.query_start + t], keys[visible]) * case.scale
+            out[s.query_start + t] = torch.einsum("hk,khd->hd", scores.softmax(-1), values[visible])
+    return out
+
+
+def _per_sequence(case) -> torch.Tensor:
+    out = torch.empty_like(case.q)
+    for s in case.plan.seqs:
+        one = AttentionPlan((s,), case.plan.write_slots)
+        assert one.padded is None
+        rows = slice(s.query_start, s.query_start + s.num_new)
+        out[rows] = paged_attention(case.q, case.k_cache, case.v_cache, one, case.scale)[rows]
+    return out
+
+
+CASES = {
+    "decode_ragged": ([3, 17, 40, 1], [1, 1, 1, 1]),
+    "trees_ragged": ([5, 33, 0, 12], [("tree", 7), ("tree", 1), ("tree", 9), 1]),
+    "chain_and_decode": ([20, 8], [4, 1]),
+}
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_padded_batch_matches_per_sequence_and_float64(name, group, monkeypatch):
+    monkeypatch.setenv("SPECDEC_ATTENTION", "reference")
+    lens, new = CASES[name]
+    case = random_case(lens, new, num_kv_heads=2, group=group, seed=len(name) + group)
+    assert case.plan.padded is not None  # the batched path is the one under test
+    got = paged_attention(case.q, case.k_cache, case.v_cache, case.plan, case.scale)
+    assert torch.allclose(got, _per_sequence(case), atol=1e-5, rtol=0)
+    assert torch.allclose(got.double(), _dense_float64(case), atol=1e-5, rtol=0)
+
+
+def test_prefill_keeps_the_per_sequence_path(monkeypatch):
+    monkeypatch.setenv("SPECDEC_ATTENTION", "reference")
+    case = random_case([0, 6], [5, 1], seed=3)  # a prompt prefill (causal run) next to a decode
+    assert case.plan.padded is None
+    got = paged_attention(case.q, case.k_cache, case.v_cache, case.plan, case.scale)
+    assert torch.allclose(got.double(), _dense_float64(case), atol=1e-5, rtol=0)
+
+
+def test_a_wrong_mask_is_caught():
+    """The float64 check can fail: letting one tree node see a non-ancestor changes its output."""
+    case = random_case([6, 9], [("tree", 6), 1], seed=5)
+    s = case.plan.seqs[0]
+    hidden = (~s.mask).nonzero()
+    assert hidden.numel(), "the random tree should hide some keys"
+    bad_mask = s.mask.clone()
+    bad_mask[tuple(hidden[0])] = True
+    bad = AttentionPlan((type(s)(s.query_start, s.num_new, s.key_slots, bad_mask, s.causal),) + case.plan.seqs[1:],
+                        case.plan.write_slots)
+    got = paged_attention(case.q, case.k_cache, case.v_cache, bad, case.scale)
+    assert not torch.allclose(got.double(), _dense_float64(case), atol=1e-5, rtol=0)
