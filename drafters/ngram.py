@@ -28,24 +28,24 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class NGramConfig:
-    # Defaults tuned for the embedded 135M model on a 2-core CPU, where a verify forward
-    # of 2-4 tokens costs ~1.05x a 1-token decode step but 5-16 tokens cost ~1.4-2x
+    # Defaults tuned for the embedded 135M model on a 2-core CPU, where a verify forward of
+    # 2-4 tokens costs ~1.05x a 1-token decode step but 6-16 tokens cost ~1.5-2.5x
     # (benchmarks/bench_verify_cost.py): a 3-token chain is nearly free to verify, so even
-    # 1-gram matches pay off. On a GPU, where verifying 16-64 tokens costs about one
-    # decode step, use deeper chains and more branches (e.g. num_draft_tokens=10,
-    # max_branches=4, max_nodes=32).
+    # 1-gram matches pay off, while a long chain must be earned by a long match. On a GPU,
+    # where verifying 16-64 tokens costs about one decode step, use deeper chains and more
+    # branches (e.g. num_draft_tokens=10, max_branches=4, max_nodes=32).
     min_ngram: int = 1  # shortest key tried
-    max_ngram: int = 4  # longest key, tried first (longer = more reliable match)
+    max_ngram: int = 6  # longest key, tried first (longer = more reliable match)
     num_draft_tokens: int = 3  # depth limit of every branch
     max_branches: int = 1  # distinct continuations merged into the tree
-    max_nodes: int = 7  # total tree size (<= 64)
+    max_nodes: int = 10  # total tree size (<= 64)
     max_occurrences: int = 8  # most recent occurrences scanned per n (bounds per-step work)
     # a match of >= long_match_ngram tokens is trusted with a chain of at least long_draft_tokens
-    # (0 = off). Same-run A/B on the embedded model (bench_ngram_cpu, 3 prompts x 128 tokens):
-    # 7-token chains for 3-gram matches gave summarisation 1.57x vs 1.36x over HF greedy,
-    # code 1.44x vs 1.44x, chat 1.53x vs 1.47x
-    long_match_ngram: int = 3
-    long_draft_tokens: int = 7
+    # (0 = off). Chosen by replaying recorded greedy outputs (8 prompts each of summarisation,
+    # code, chat) under the measured verify costs: after a 6-token match the next 8 tokens
+    # were all right about half the time, after a 3-token match a quarter of the time.
+    long_match_ngram: int = 6
+    long_draft_tokens: int = 10
 
     def __post_init__(self) -> None:
         for f in fields(self):
