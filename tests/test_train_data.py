@@ -126,3 +126,12 @@ def test_builtin_prompts_disjoint_from_held_out_chat():
     assert len(prompts) >= 300 and len(set(prompts)) == len(prompts)
     assert not set(prompts) & set(CHAT)
     assert builtin_prompts(10, seed=1) == builtin_prompts(10, seed=1) != builtin_prompts(10, seed=2)
+
+
+def test_a_subject_of_a_held_out_chat_prompt_is_refused(monkeypatch):
+    from specdec.train import prompts as builtin
+
+    builtin._check_disjoint()  # the shipped set passes
+    monkeypatch.setattr(builtin, "SUBJECTS", builtin.SUBJECTS + ("the water cycle",))
+    with pytest.raises(RuntimeError, match="water cycle"):
+        builtin._check_disjoint()
