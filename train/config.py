@@ -28,7 +28,7 @@ class TrainConfig:
     num_prompts: int | None = None  # None: every built-in prompt / every prompt of --prompts
     prompts_file: str | None = None
     distill_max_new_tokens: int = 128
-    distill_batch_size: int = 16
+    distill_batch_size: int = 64  # 2-core CPU greedy: 113 tok/s at 16, 163 at 32, 200 at 64
     seq_len: int = 512
     batch_size: int = 8
     grad_accum: int = 1
