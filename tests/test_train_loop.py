@@ -48,7 +48,8 @@ def _cfg(tiny, out, **kw):
     return TrainConfig(**base)
 
 
-def test_one_step_lowers_loss_on_a_fixed_batch():
+@pytest.mark.parametrize("loss", ["ce", "kl"])
+def test_one_step_lowers_loss_on_a_fixed_batch(loss):
     from specdec.testing import build_tiny_model
 
     model = build_tiny_model("llama-mha-untied", vocab_size=64)
@@ -60,7 +61,7 @@ def test_one_step_lowers_loss_on_a_fixed_batch():
     opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
 
     def total():
-        return sum(0.8**i * trainer.head_loss(heads, i, hidden, labels, mask, lm_w)[0] for i in range(3))
+        return sum(0.8**i * trainer.head_loss(heads, i, hidden, labels, mask, lm_w, loss)[0] for i in range(3))
 
     before = total()
     before.backward()
@@ -68,6 +69,26 @@ def test_one_step_lowers_loss_on_a_fixed_batch():
     with torch.no_grad():
         after = total()
     assert after < before - 1e-3
+
+
+def test_kl_loss_is_zero_only_for_the_target_distribution():
+    """KL vs the target's distribution at t+1+i: 0 when the head reproduces it, > 0 otherwise."""
+    from specdec.testing import build_tiny_model
+
+    model = build_tiny_model("llama-mha-untied", vocab_size=64)
+    lm_w = model.get_output_embeddings().weight.detach()
+    heads = MedusaHeads(MedusaConfig(1, 1, model.config.hidden_size, 64, shared_lm_head=True))
+    ids, mask = features.collate([[1, 5, 9, 2, 7, 3]], "cpu")
+    hidden, labels = features.target_features(model, ids, mask)
+    # the same hidden state at every position: the head (identity ResBlock at init, shared LM head)
+    # then outputs exactly the target's distribution at t+1
+    same = hidden[:, :1].expand_as(hidden).contiguous()
+    exact, _, _ = trainer.head_loss(heads, 0, same, labels, mask, lm_w, "kl")
+    assert abs(float(exact)) < 1e-5
+    wrong, _, _ = trainer.head_loss(heads, 0, hidden, labels, mask, lm_w, "kl")
+    assert float(wrong) > 1e-3
+    with pytest.raises(ValueError, match="loss must be one of"):
+        TrainConfig(model="default", output_dir="unused", loss="mse")
 
 
 def test_feature_cache_matches_per_batch_features():

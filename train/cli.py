@@ -51,6 +51,9 @@ def add_parser(subparsers) -> None:
     g.add_argument("--epochs", type=int, default=1, help="passes over the training data (ignored with --max-steps)")
     g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
     g.add_argument("--head-decay", type=float, default=0.8, help="head i's loss weight is head_decay**i")
+    g.add_argument("--loss", choices=("ce", "kl"), default="ce",
+                   help="ce: cross-entropy vs the target's argmax; kl: KL divergence from the target's whole "
+                        "next-token distribution (teaches the lower ranks a tree uses; ~1/3 more compute per step)")
     g.add_argument("--precision", choices=("no", "bf16"), default="no", help="mixed precision for the heads")
     g.add_argument("--no-feature-cache", action="store_true",
                    help="recompute the target's hidden states every batch instead of once per sequence "
@@ -80,7 +83,7 @@ def config_from_args(args):
         distill_max_new_tokens=args.distill_max_new_tokens, distill_batch_size=args.distill_batch_size,
         seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
         schedule=args.schedule, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, epochs=args.epochs,
-        max_steps=args.max_steps, head_decay=args.head_decay, precision=args.precision,
+        max_steps=args.max_steps, head_decay=args.head_decay, loss=args.loss, precision=args.precision,
         cache_features=not args.no_feature_cache, seed=args.seed,
         held_out_fraction=args.held_out_fraction, save_every=args.save_every, log_every=args.log_every,
         tree_budget=args.tree_budget, eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens,

@@ -9,6 +9,7 @@ import json
 from dataclasses import asdict, dataclass
 
 SCHEDULES = ("cosine", "linear", "constant")
+LOSSES = ("ce", "kl")  # against the target's argmax / its whole distribution
 PRECISIONS = ("no", "bf16")  # fp16 would need a grad scaler; bf16 does not
 # fields that may differ between a run and its resumption (they do not change the trained heads)
 RESUMABLE_FIELDS = frozenset({"output_dir", "save_every", "log_every", "eval_prompts", "eval_max_new_tokens",
@@ -39,6 +40,7 @@ class TrainConfig:
     epochs: int = 1
     max_steps: int | None = None  # overrides epochs
     head_decay: float = 0.8  # head i's loss weight is head_decay ** i
+    loss: str = "ce"
     precision: str = "no"
     cache_features: bool = True  # target features computed once, kept in memory (~4*H bytes per token)
     seed: int = 0
@@ -70,6 +72,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if not 0 < self.head_decay <= 1:

@@ -62,8 +62,14 @@ def batch_rows(num_train: int, micro: int, batch_size: int, seed: int) -> list[i
     return perm[k * batch_size : (k + 1) * batch_size].tolist()
 
 
-def head_loss(heads: MedusaHeads, i: int, hidden, labels, mask, lm_w) -> tuple[torch.Tensor, int, int]:
-    """Cross-entropy of head i vs the target's prediction at t+1+i; returns (loss, correct, count)."""
+def head_loss(heads: MedusaHeads, i: int, hidden, labels, mask, lm_w,
+              loss: str = "ce") -> tuple[torch.Tensor, int, int]:
+    """Head i's loss vs the target's prediction at t+1+i; returns (loss, correct, count).
+
+    ``ce``: cross-entropy against the target's argmax. ``kl``: KL(target || head) against the
+    target's whole next-token distribution at t+1+i, recomputed from the cached final-norm hidden
+    state (one extra LM-head forward, no gradient); it also teaches the ranks below the argmax,
+    which a tree's siblings use."""
     shift = 1 + i
     if hidden.shape[1] <= shift:
         return hidden.new_zeros(()), 0, 0
@@ -73,9 +79,14 @@ def head_loss(heads: MedusaHeads, i: int, hidden, labels, mask, lm_w) -> tuple[t
     x = heads.heads[i](h[valid])  # [N, H]
     logits = F.linear(x, lm_w) if heads.config.shared_lm_head else x  # [N, V]
     target = y[valid]
-    loss = F.cross_entropy(logits.float(), target)
+    if loss == "kl":
+        with torch.no_grad():
+            target_logp = F.linear(hidden[:, shift:][valid], lm_w).float().log_softmax(-1)  # [N, V]
+        value = F.kl_div(logits.float().log_softmax(-1), target_logp, log_target=True, reduction="batchmean")
+    else:
+        value = F.cross_entropy(logits.float(), target)
     correct = int((logits.argmax(-1) == target).sum())
-    return loss, correct, int(target.numel())
+    return value, correct, int(target.numel())
 
 
 def make_scheduler(optimizer, cfg: TrainConfig, total_steps: int):
@@ -141,7 +152,7 @@ def train_heads(cfg: TrainConfig, model, train_seqs: list[list[int]], accelerato
                 hidden, labels = target_features(model, ids, mask)
             for i in range(cfg.num_heads):  # one graph per head: peak memory is one head's logits
                 with accelerator.autocast():
-                    loss, correct, count = head_loss(heads, i, hidden, labels, mask, lm_w)
+                    loss, correct, count = head_loss(heads, i, hidden, labels, mask, lm_w, cfg.loss)
                 (weights[i] * loss / cfg.grad_accum).backward()
                 stats[0] += weights[i] * loss.detach() / cfg.grad_accum
                 stats[1 + i] += correct
