@@ -182,6 +182,16 @@ def test_two_processes_follow_the_single_process_curve(tiny, tmp_path):
     assert one[-1]["loss"] < one[0]["loss"]
 
 
+def test_kl_run_measures_tau_with_a_dynamic_tree(tiny, tmp_path):
+    report = run_training(_cfg(tiny, tmp_path / "kl", loss="kl", eval_tree="dynamic", max_steps=2, tree_budget=4))
+    tau = report["tau"]
+    assert tau["tree"] == "dynamic" and tau["tree_nodes"] == len(report["medusa_choices"]) <= 4
+    assert tau["tau"] >= 1.0 and report["config"]["loss"] == "kl"
+    assert "dynamic tree of" in (tmp_path / "kl" / "report.md").read_text()
+    with pytest.raises(ValueError, match="eval_tree must be one of"):
+        _cfg(tiny, tmp_path / "bad", eval_tree="beam")
+
+
 def test_output_dir_refusal_and_overwrite(tiny, tmp_path):
     out = tmp_path / "o"
     out.mkdir()

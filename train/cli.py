@@ -68,6 +68,9 @@ def add_parser(subparsers) -> None:
     g.add_argument("--tree-budget", type=int, default=64, help="nodes of the chosen medusa_choices tree (<= 64)")
     g.add_argument("--eval-prompts", type=int, default=24, help="held-out chat prompts for the tau measurement")
     g.add_argument("--eval-max-new-tokens", type=int, default=128, help="tokens per prompt for tau")
+    g.add_argument("--eval-tree", choices=("static", "dynamic"), default="static",
+                   help="tree of the tau measurement: the chosen medusa_choices, or a per-step dynamic tree of "
+                        "--tree-budget nodes from the heads' top-20 (drafter options tree=dynamic top_k=20)")
     g.add_argument("--no-eval-tau", action="store_true", help="skip the tau measurement")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -87,7 +90,8 @@ def config_from_args(args):
         cache_features=not args.no_feature_cache, seed=args.seed,
         held_out_fraction=args.held_out_fraction, save_every=args.save_every, log_every=args.log_every,
         tree_budget=args.tree_budget, eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens,
-        eval_tau=not args.no_eval_tau, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
+        eval_tau=not args.no_eval_tau, eval_tree=args.eval_tree,
+        resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
     )
 
 

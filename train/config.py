@@ -9,11 +9,13 @@ import json
 from dataclasses import asdict, dataclass
 
 SCHEDULES = ("cosine", "linear", "constant")
+EVAL_TREES = ("static", "dynamic")
 LOSSES = ("ce", "kl")  # against the target's argmax / its whole distribution
 PRECISIONS = ("no", "bf16")  # fp16 would need a grad scaler; bf16 does not
 # fields that may differ between a run and its resumption (they do not change the trained heads)
 RESUMABLE_FIELDS = frozenset({"output_dir", "save_every", "log_every", "eval_prompts", "eval_max_new_tokens",
-                              "tree_budget", "resume", "overwrite", "progress", "eval_tau"})
+                              "tree_budget", "resume", "overwrite", "progress", "eval_tau",
+                              "eval_tree"})
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ class TrainConfig:
     eval_prompts: int = 24
     eval_max_new_tokens: int = 128
     eval_tau: bool = True
+    # tree the tau measurement drafts with: "static" = the chosen medusa_choices (tree_budget nodes),
+    # "dynamic" = per step, the tree_budget most probable paths under the heads' own top-20
+    eval_tree: str = "static"
     resume: bool = False
     overwrite: bool = False
     progress: bool = True
@@ -72,6 +77,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.eval_tree not in EVAL_TREES:
+            raise ValueError(f"eval_tree must be one of {EVAL_TREES}, got {self.eval_tree!r}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if self.precision not in PRECISIONS:

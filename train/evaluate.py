@@ -44,9 +44,15 @@ def head_accuracies(model, heads, seqs: list[list[int]], batch_size: int = 4, de
     }
 
 
+DYNAMIC_TOP_K = 20  # candidates per head of the dynamic eval tree
+
+
 def measure_tau(loaded, heads, choices, prompts: list[str], max_new_tokens: int, batch_size: int = 8,
-                progress: bool = False) -> dict:
-    """Greedy generation with the Medusa drafter on a static tree; tau = new tokens per target forward."""
+                progress: bool = False, tree: str = "static") -> dict:
+    """Greedy generation with the Medusa drafter; tau = new tokens per target forward.
+
+    ``tree="static"`` drafts the ``choices`` tree; ``"dynamic"`` drafts, per step, the
+    ``len(choices)`` most probable paths under the heads' top-``DYNAMIC_TOP_K`` tokens."""
     from specdec.drafters.medusa import MedusaDrafter
     from specdec.train.distill import encode_prompt
 
@@ -55,10 +61,13 @@ def measure_tau(loaded, heads, choices, prompts: list[str], max_new_tokens: int,
     ids = [encode_prompt(loaded.tokenizer, p) for p in prompts]
     new = steps = 0
     for start in range(0, len(ids), batch_size):
-        drafter = MedusaDrafter(heads=heads, tree="static", medusa_choices=choices)
+        if tree == "static":
+            drafter = MedusaDrafter(heads=heads, tree="static", medusa_choices=choices)
+        else:
+            drafter = MedusaDrafter(heads=heads, tree="dynamic", max_nodes=len(choices), top_k=DYNAMIC_TOP_K)
         out = generate(loaded, ids[start : start + batch_size], drafter=drafter, max_new_tokens=max_new_tokens,
                        return_dict=True, progress=progress)
         new += sum(s.new_tokens for s in out.stats)
         steps += sum(s.steps for s in out.stats)
     return {"tau": new / max(1, steps), "new_tokens": new, "target_forwards": steps, "prompts": len(prompts),
-            "max_new_tokens": max_new_tokens, "tree_nodes": len(choices)}
+            "max_new_tokens": max_new_tokens, "tree": tree, "tree_nodes": len(choices)}

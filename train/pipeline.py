@@ -112,7 +112,7 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
                 from specdec.eval.prompts import load_prompts
 
                 tau = measure_tau(loaded, heads, choices, load_prompts("chat", cfg.eval_prompts),
-                                  cfg.eval_max_new_tokens, progress=cfg.progress)
+                                  cfg.eval_max_new_tokens, progress=cfg.progress, tree=cfg.eval_tree)
             t_end = time.perf_counter()
             report = {
                 "config": cfg.to_json(), "model": loaded.name, "train_sequences": len(train_seqs),
@@ -149,8 +149,8 @@ def render_markdown(r: dict) -> str:
     lines += ["", f"Tree: {len(r['medusa_choices'])} nodes, estimated tau {r['estimated_tau']:.3f}"]
     if r["tau"]:
         t = r["tau"]
-        lines.append(f"Measured tau (greedy, {t['prompts']} held-out chat prompts, {t['max_new_tokens']} new tokens): "
-                     f"**{t['tau']:.3f}**")
+        lines.append(f"Measured tau (greedy, {t['prompts']} held-out chat prompts, {t['max_new_tokens']} new tokens, "
+                     f"{t.get('tree', 'static')} tree of {t['tree_nodes']} nodes): **{t['tau']:.3f}**")
     s = r["seconds"]
     lines += ["", f"Wall time: data {s['data']:.0f} s, training {s['train']:.0f} s, evaluation {s['eval']:.0f} s, "
               f"total {s['total']:.0f} s", ""]
