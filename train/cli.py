@@ -12,6 +12,8 @@ import json
 import logging
 import sys
 
+from specdec.train.config import EVAL_TREES, LOSSES, PRECISIONS, SCHEDULES
+
 from specdec.models.embedded import DEFAULT_ALIAS
 
 
@@ -45,16 +47,16 @@ def add_parser(subparsers) -> None:
     g.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch (global, over processes)")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
-    g.add_argument("--schedule", choices=("cosine", "linear", "constant"), default="cosine", help="lr schedule")
+    g.add_argument("--schedule", choices=SCHEDULES, default="cosine", help="lr schedule")
     g.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--epochs", type=int, default=1, help="passes over the training data (ignored with --max-steps)")
     g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
     g.add_argument("--head-decay", type=float, default=0.8, help="head i's loss weight is head_decay**i")
-    g.add_argument("--loss", choices=("ce", "kl"), default="ce",
+    g.add_argument("--loss", choices=LOSSES, default="ce",
                    help="ce: cross-entropy vs the target's argmax; kl: KL divergence from the target's whole "
                         "next-token distribution (teaches the lower ranks a tree uses; ~1/3 more compute per step)")
-    g.add_argument("--precision", choices=("no", "bf16"), default="no", help="mixed precision for the heads")
+    g.add_argument("--precision", choices=PRECISIONS, default="no", help="mixed precision for the heads")
     g.add_argument("--no-feature-cache", action="store_true",
                    help="recompute the target's hidden states every batch instead of once per sequence "
                         "(the cache holds hidden_size * 4 bytes per training token in memory)")
@@ -68,7 +70,7 @@ def add_parser(subparsers) -> None:
     g.add_argument("--tree-budget", type=int, default=64, help="nodes of the chosen medusa_choices tree (<= 64)")
     g.add_argument("--eval-prompts", type=int, default=24, help="held-out chat prompts for the tau measurement")
     g.add_argument("--eval-max-new-tokens", type=int, default=128, help="tokens per prompt for tau")
-    g.add_argument("--eval-tree", choices=("static", "dynamic"), default="static",
+    g.add_argument("--eval-tree", choices=EVAL_TREES, default="static",
                    help="tree of the tau measurement: the chosen medusa_choices, or a per-step dynamic tree of "
                         "--tree-budget nodes from the heads' top-20 (drafter options tree=dynamic top_k=20)")
     g.add_argument("--no-eval-tau", action="store_true", help="skip the tau measurement")

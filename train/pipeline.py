@@ -150,7 +150,7 @@ def render_markdown(r: dict) -> str:
     if r["tau"]:
         t = r["tau"]
         lines.append(f"Measured tau (greedy, {t['prompts']} held-out chat prompts, {t['max_new_tokens']} new tokens, "
-                     f"{t.get('tree', 'static')} tree of {t['tree_nodes']} nodes): **{t['tau']:.3f}**")
+                     f"{t['tree']} tree of {t['tree_nodes']} nodes): **{t['tau']:.3f}**")
     s = r["seconds"]
     lines += ["", f"Wall time: data {s['data']:.0f} s, training {s['train']:.0f} s, evaluation {s['eval']:.0f} s, "
               f"total {s['total']:.0f} s", ""]
