@@ -72,7 +72,8 @@ def random_case(
     sizes = [m if isinstance(m, int) else m.shape[0] for m in masks]
     need = [-(-(c + n) // page_size) for c, n in zip(cache_lens, sizes)]
     num_blocks = sum(need) + spare_blocks
-    ids = torch.randperm(num_blocks, generator=gen).tolist() if shuffle else list(range(num_blocks))
+    # ids.pop() hands out blocks: unshuffled, each sequence gets consecutive blocks in ascending order
+    ids = torch.randperm(num_blocks, generator=gen).tolist() if shuffle else list(range(num_blocks - 1, -1, -1))
     tables, seqs, start = [], [], 0
     for c, n, m, nb in zip(cache_lens, sizes, masks, need):
         table = [ids.pop() for _ in range(nb)]

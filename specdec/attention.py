@@ -28,6 +28,24 @@ class SeqAttention:
     mask: torch.Tensor | None
     causal: bool  # new tokens are a plain causal run with no cached prefix (prefill)
 
+    @cached_property
+    def contiguous_start(self) -> int | None:
+        """The first slot if the keys occupy consecutive slots, else None.
+
+        A lone sequence usually does (the pool hands out blocks lowest id first), and then
+        attention reads a view of the cache instead of gathering a copy: at a 1,500-token
+        context the gather moved ~70 MB per forward of the embedded model."""
+        slots = self.key_slots
+        n = slots.numel()
+        if n == 0:
+            return None
+        first = int(slots[0])
+        if int(slots[-1]) - first != n - 1:
+            return None
+        if not torch.equal(slots, torch.arange(first, first + n, dtype=slots.dtype, device=slots.device)):
+            return None
+        return first
+
 
 @dataclass(frozen=True)
 class PaddedBatch:
@@ -121,8 +139,13 @@ def paged_attention(
     for s in plan.seqs:
         rows = slice(s.query_start, s.query_start + s.num_new)
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, new, dim]
-        ks = k_cache.index_select(0, s.key_slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, keys, dim]
-        vs = v_cache.index_select(0, s.key_slots).transpose(0, 1).unsqueeze(0)
+        first = s.contiguous_start
+        if first is None:
+            ks, vs = k_cache.index_select(0, s.key_slots), v_cache.index_select(0, s.key_slots)
+        else:  # the same values, read in place
+            ks, vs = k_cache[first : first + s.key_slots.numel()], v_cache[first : first + s.key_slots.numel()]
+        ks = ks.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, keys, dim]
+        vs = vs.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=s.mask, is_causal=s.causal, scale=scale, enable_gqa=True
         )

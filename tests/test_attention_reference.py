@@ -79,3 +79,25 @@ def test_a_wrong_mask_is_caught():
                         case.plan.write_slots)
     got = paged_attention(case.q, case.k_cache, case.v_cache, bad, case.scale)
     assert not torch.allclose(got.double(), _dense_float64(case), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("new", [1, 5, ("tree", 7)])
+def test_contiguous_keys_are_read_in_place_with_the_same_result(new, monkeypatch):
+    """A lone sequence whose blocks are consecutive reads a view of the cache instead of a
+    gathered copy; shuffled blocks still gather. Both must equal the float64 softmax."""
+    monkeypatch.setenv("SPECDEC_ATTENTION", "reference")
+    in_order = random_case([37], [new], shuffle=False, spare_blocks=0, seed=11)
+    shuffled = random_case([37], [new], shuffle=True, seed=11)
+    s = in_order.plan.seqs[0]
+    assert s.contiguous_start == int(s.key_slots[0])
+    assert shuffled.plan.seqs[0].contiguous_start is None
+    for case in (in_order, shuffled):
+        got = paged_attention(case.q, case.k_cache, case.v_cache, case.plan, case.scale)
+        assert torch.allclose(got.double(), _dense_float64(case), atol=1e-5, rtol=0)
+
+
+def test_contiguous_start_needs_every_slot_in_order():
+    """Right endpoints are not enough: blocks [0, 2, 1, 3] span 0..15 but are out of order."""
+    slots = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
+    assert AttentionPlan.build(15, slots, None, 0).contiguous_start is None
+    assert AttentionPlan.build(15, torch.arange(16) + 32, None, 0).contiguous_start == 32
