@@ -71,25 +71,29 @@ def check_supported(hf_model) -> None:
         )
 
 
-SMALL_M_MAX = 8
-_PAD_ROWS = {1: 2, 3: 4, 7: 8}  # row counts that ran slower than the next one up
+SMALL_M_MAX = 32
+# row counts that ran slower than the next one up (2-core AMD EPYC, AVX2, MKL; verify forwards of
+# the embedded model at context 1,229: 11 tokens 177 ms, 16 tokens 147 ms)
+_PAD_ROWS = {1: 2, 3: 4, 7: 8, 10: 16, 11: 16, 12: 16, 13: 16, 14: 16, 15: 16}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, in] @ weight[out, in]^T (+ bias).
 
-    On CPU, ``F.linear`` takes slow small-GEMM paths for 2 <= m <= 8 rows (a 2-8 token forward
-    of the 135M model cost 1.5-1.8x a 1-token one on 2 cores), while ``weight @ x^T`` with up to
-    8 columns reads the weight once at GEMV speed: 2-5 tokens cost 0.9-1.1x a 1-token forward,
-    8 tokens ~1.35x (``benchmarks/bench_verify_cost.py``). A single row is padded to two: MKL's
-    one-column GEMV runs on one thread (~14 GB/s of weights on the 2-core CI machine) where the
-    two-column GEMM uses both (~22 GB/s), which made the 1-token decode forward of the embedded
-    model 17% faster (54.8 -> 45.5 ms at context 600, 2026-11-23). Larger m keeps ``F.linear``.
+    On CPU, ``F.linear`` takes slow small-GEMM paths for 2 <= m <= 32 rows, while
+    ``weight @ x^T`` with up to 32 columns reads the weight closer to GEMV speed: 2-4 tokens
+    cost ~1.05x a 1-token forward. At a 1,229-token context (same-run A/B, 2026-11-23, medians
+    of 7) a 9 / 11 / 16-token verify forward took 161 / 174 / 166 ms with ``F.linear`` above
+    8 rows and 112 / 138 / 125 ms this way, against 66 ms for 1 token.
+    A single row is padded to two: MKL's one-column GEMV runs on one thread (~14 GB/s of
+    weights on the 2-core CI machine) where the two-column GEMM uses both (~22 GB/s), which
+    made the 1-token decode forward 17% faster (54.8 -> 45.5 ms at context 600, 2026-11-23).
+    Larger m keeps ``F.linear``. Padding rows are copies of real ones and are dropped.
     """
     m = x.shape[0]
     if x.device.type == "cpu" and m <= SMALL_M_MAX:
         pad = _PAD_ROWS.get(m, m) - m
-        cols = x if not pad else torch.cat([x, x[:pad]])
+        cols = x if not pad else torch.cat([x, x[:1].expand(pad, -1)])
         # back to row-major: a transposed result would reach attention with a strided head dim, which
         # sends scaled_dot_product_attention down its slow math path (~3x slower per layer)
         out = torch.mm(weight, cols.t()).t()[:m].contiguous()
