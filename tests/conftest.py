@@ -15,9 +15,11 @@ REPO = Path(__file__).resolve().parents[1]
 # eval/ would shadow top-level packages of those names (transformers probes `kernels`).
 # specdec is installed, so the repo root is never needed on the path.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO]
-# 2 threads (CI's cores) unless OMP_NUM_THREADS says otherwise: on a machine shared with other jobs,
-# more threads than free cores makes tiny-model tests 10x slower
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1)))
+# OMP_NUM_THREADS if set, else the cores divided among the pytest-xdist workers (2 workers on
+# CI's 2 cores: 1 thread each), at most 2: more threads than free cores made tiny-model tests
+# 10x slower on a shared machine
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, (os.cpu_count() or 1) // _WORKERS))))
 
 
 @pytest.fixture(autouse=True)

