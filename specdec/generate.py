@@ -164,6 +164,8 @@ def generate(
     runner = loaded.runner
     shape = runner.shape
     sampling = SamplingConfig(do_sample, temperature, top_k, top_p)
+    if seed is not None and generator is not None:
+        raise ValueError("pass seed= or generator=, not both: the generator's own state would silently win")
     prompts = _prompts(input_ids, attention_mask, shape.vocab_size)
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > shape.max_positions:

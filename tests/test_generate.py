@@ -184,6 +184,7 @@ def test_seed_makes_sampling_reproducible():
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(drafter="no-such-drafter"), "unknown drafter"),
         (dict(stop=["ab"]), "stop strings need a tokenizer"),
+        (dict(do_sample=True, seed=1, generator=torch.Generator().manual_seed(1)), "not both"),
     ],
 )
 def test_bad_input_is_a_clear_error(kwargs, match):
