@@ -34,7 +34,9 @@ Definitions (documented in the report):
   JSON report also gives the decode-only measured speedup (prefill time taken out).
 
 Each finished cell is written to ``<out>/cells/<drafter>__<category>[.rank<r>].json``
-at once, so a crashed run resumes where it stopped (``resume=True`` skips finished cells).
+at once, so a crashed run resumes where it stopped (``resume=True`` skips finished cells;
+``<out>/settings.json`` records model, prompts and config, and a resume with other settings
+is refused).
 Under ``accelerate launch`` every process takes its share of the prompts
 (``split_between_processes``), writes rank files, and the main process merges them.
 Cells of older runs (a ``histogram`` of committed tokens per step, no calibration) are
@@ -55,6 +57,7 @@ from typing import Any
 import torch
 from specdec.drafters.base import Drafter
 from specdec.drafters.registry import get_drafter
+from specdec.eval.resume import check_resumable, run_settings
 
 from specdec.engine import Engine
 from specdec.generate import generate
@@ -188,11 +191,15 @@ def cell_path(out: Path, drafter: str, category: str, rank: int | None = None) -
     return out / "cells" / f"{safe}__{category}{'' if rank is None else f'.rank{rank}'}.json"
 
 
-def _write_cell(path: Path, cell: Cell) -> None:
+def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(cell), indent=1))
+    tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
+
+
+def _write_cell(path: Path, cell: Cell) -> None:
+    _write_json(path, asdict(cell))
 
 
 def read_cell(path: Path) -> Cell:
@@ -361,6 +368,11 @@ def run_suite(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
 
     state = PartialState(cpu=not torch.cuda.is_available())  # CPU-only: processes talk over gloo
     rank = state.process_index if state.num_processes > 1 else None
+    settings = run_settings(loaded.name, prompts, config, state.num_processes)
+    check_resumable(out, settings, resume)
+    state.wait_for_everyone()  # every process has read the old settings before the main one replaces them
+    if state.is_main_process:
+        _write_json(out / "settings.json", settings)
     shard = {}
     for category, cat_prompts in prompts.items():
         with state.split_between_processes(cat_prompts) as mine:

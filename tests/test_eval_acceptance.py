@@ -2,6 +2,7 @@
 reports, prompt files and bad CLI input."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -93,6 +94,14 @@ def test_suite_measures_every_cell_resumes_and_reports(tmp_path, loaded):
     again = run_suite(loaded, PROMPTS, cfg, tmp_path, resume=True)
     assert again[("ngram", "rep")].steps == 12345
     assert again[("plain", "mixed")].new_tokens == 48
+    # other settings must not be merged into the finished cells
+    longer = dataclasses.replace(cfg, max_new_tokens=25)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        run_suite(loaded, PROMPTS, longer, tmp_path, resume=True)
+    other_prompts = {**PROMPTS, "rep": [[1, 2, 3], [5, 6, 5, 6, 5]]}
+    with pytest.raises(ValueError, match="prompts_sha256"):
+        run_suite(loaded, other_prompts, cfg, tmp_path, resume=True)
+    assert again[("ngram", "rep")].steps == 12345 == read_cell(marker).steps  # nothing was overwritten
 
 
 def test_rank_files_merge_to_the_single_process_numbers(tmp_path, loaded):
