@@ -1,8 +1,10 @@
 """Shared pytest fixtures and collection rules."""
 from __future__ import annotations
 
+import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,31 @@ def _grad_mode_restored():
 @pytest.fixture
 def tiny_model():
     return build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def shared_result(tmp_path_factory, worker_id) -> Callable[[str, Callable[[], object]], object]:
+    """``shared_result(name, compute)``: compute a JSON-able result once per test session.
+
+    Under pytest-xdist the first worker to ask computes it and writes it to the session's
+    shared temp dir, under a file lock; the others wait for it and read it. The embedded-model
+    tests' 20-prompt x 256-token greedy reference took ~90 s on one CI core, in each of the
+    three worker groups that need it. Without xdist it is just ``compute()``."""
+
+    def get(name: str, compute: Callable[[], object]) -> object:
+        if worker_id == "master":
+            return compute()
+        from filelock import FileLock
+
+        path = tmp_path_factory.getbasetemp().parent / f"{name}.json"  # one dir per session
+        with FileLock(f"{path}.lock"):
+            if path.is_file():
+                return json.loads(path.read_text())
+            result = compute()
+            path.write_text(json.dumps(result))
+            return result
+
+    return get
 
 
 def pytest_collection_modifyitems(config, items):

@@ -73,19 +73,13 @@ def test_logits_match_transformers(loaded, prompts):
     cache.add(0)
     cache.reserve(0, len(ids))
     slots = cache.slots(0, 0, len(ids))
-    plan = AttentionPlan((AttentionPlan.build(0, slots, torch.ones(len(ids), len(ids), dtype=torch.bool).tril(), 0),), slots)
+    causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()
+    plan = AttentionPlan((AttentionPlan.build(0, slots, causal, 0),), slots)
     got = runner.forward(torch.tensor(ids), torch.arange(len(ids)), plan, cache, torch.arange(len(ids))).logits
     ref = loaded.model(torch.tensor([ids])).logits[0].float()
     err = (got - ref).abs().max().item()
     print(f"embedded model: max abs logit diff vs transformers = {err:.3e}")
     assert err < 1e-3
-
-
-@REFERENCE
-def test_greedy_batched_matches_transformers(loaded, prompts, hf_reference):
-    out = specdec.generate(loaded, prompts, max_new_tokens=NEW_TOKENS)
-    mismatched = [i for i, (o, r) in enumerate(zip(out, hf_reference)) if o != r]
-    assert not mismatched, f"prompts {mismatched} differ from transformers"
 
 
 @REFERENCE
@@ -98,14 +92,23 @@ SPEC_TOKENS = 256
 
 
 @pytest.fixture(scope="module")
-def plain_256(loaded, prompts):
-    return specdec.generate(loaded, prompts, max_new_tokens=SPEC_TOKENS)
+def plain_256(loaded, prompts, shared_result):
+    """Plain batched greedy, 20 prompts x 256 tokens: the reference of every drafter test."""
+    return shared_result("embedded_plain_256", lambda: specdec.generate(loaded, prompts, max_new_tokens=SPEC_TOKENS))
 
 
 @REFERENCE
-def test_plain_256_extends_the_transformers_reference(plain_256, hf_reference):
-    for ours, ref in zip(plain_256, hf_reference):
-        assert ours[: len(ref)] == ref
+def test_greedy_batched_matches_transformers(loaded, plain_256, hf_reference):
+    """Plain batched greedy (256 tokens) starts with transformers' 128 tokens, or equals them
+    where transformers stopped at EOS first."""
+    eos = loaded.model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    mismatched = []
+    for i, (ours, ref) in enumerate(zip(plain_256, hf_reference)):
+        stopped = ref[-1] in eos
+        if (ours != ref) if stopped else (ours[: len(ref)] != ref):
+            mismatched.append(i)
+    assert not mismatched, f"prompts {mismatched} differ from transformers"
 
 
 @NGRAM
@@ -135,7 +138,9 @@ def _untrained_medusa(loaded):
     shape = loaded.runner.shape
     heads = MedusaHeads(MedusaConfig(3, 1, shape.hidden_size, shape.vocab_size))
     heads.init_lm_heads_from(loaded.runner.lm_head)  # untrained heads: drafts the model's own next-token guess
-    return lambda: MedusaDrafter(heads=heads, tree="dynamic", max_nodes=8)
+    # 4 nodes, not 8: the untrained heads' drafts are rejected either way (tau 1.07 vs 1.08, 20 prompts
+    # x 64 tokens on one thread) and the batched run took 42 s instead of 64 s
+    return lambda: MedusaDrafter(heads=heads, tree="dynamic", max_nodes=4)
 
 
 @MODEL_DRAFTERS
