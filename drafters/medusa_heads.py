@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdec.atomic_write import write_json
+
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
@@ -138,9 +140,7 @@ def save_medusa(heads: MedusaHeads, directory: str | os.PathLike) -> Path:
     tmp = path / (WEIGHTS_FILE + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path / WEIGHTS_FILE)
-    tmp = path / (CONFIG_FILE + ".tmp")
-    tmp.write_text(json.dumps(heads.config.to_json(), indent=2) + "\n")
-    os.replace(tmp, path / CONFIG_FILE)
+    write_json(path / CONFIG_FILE, heads.config.to_json(), indent=2)
     return path
 
 

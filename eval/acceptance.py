@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +58,7 @@ from specdec.drafters.base import Drafter
 from specdec.drafters.registry import get_drafter
 from specdec.eval.resume import check_resumable, run_settings
 
+from specdec.atomic_write import write_json
 from specdec.engine import Engine
 from specdec.generate import generate
 from specdec.kv_cache import CacheConfig, PagedKVCache
@@ -191,15 +191,8 @@ def cell_path(out: Path, drafter: str, category: str, rank: int | None = None) -
     return out / "cells" / f"{safe}__{category}{'' if rank is None else f'.rank{rank}'}.json"
 
 
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
-
-
 def _write_cell(path: Path, cell: Cell) -> None:
-    _write_json(path, asdict(cell))
+    write_json(path, asdict(cell), indent=1)
 
 
 def read_cell(path: Path) -> Cell:
@@ -372,7 +365,7 @@ def run_suite(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
     check_resumable(out, settings, resume)
     state.wait_for_everyone()  # every process has read the old settings before the main one replaces them
     if state.is_main_process:
-        _write_json(out / "settings.json", settings)
+        write_json(out / "settings.json", settings, indent=1)
     shard = {}
     for category, cat_prompts in prompts.items():
         with state.split_between_processes(cat_prompts) as mine:

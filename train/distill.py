@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.atomic_write import write_json
 from specdec.models.embedded import cache_root
 
 logger = logging.getLogger(__name__)
@@ -71,9 +72,6 @@ def self_distill(loaded, prompts: list[str] | list[list[int]], *, max_new_tokens
             bar.update(len(chunk))
     if bar is not None:
         bar.close()
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"sequences": out}))
-    os.replace(tmp, file)
+    write_json(file, {"sequences": out})
     logger.info("self-distilled %d sequences, cached in %s", len(out), file)
     return out

@@ -1,0 +1,35 @@
+"""write_json: the whole file or the old one, never a partial write or a stray temp file."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.atomic_write import write_json
+
+
+def test_writes_creates_parents_and_overwrites(tmp_path):
+    path = tmp_path / "a" / "b" / "x.json"
+    write_json(path, {"v": 1})
+    write_json(path, {"v": [2, 3]}, indent=2)
+    assert json.loads(path.read_text()) == {"v": [2, 3]}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["x.json"]
+
+
+def test_unserialisable_data_leaves_the_old_file(tmp_path):
+    path = tmp_path / "x.json"
+    write_json(path, {"v": 1})
+    with pytest.raises(TypeError):
+        write_json(path, {"v": object()})
+    assert json.loads(path.read_text()) == {"v": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
+
+
+def test_failed_rename_leaves_no_temp_file(tmp_path, monkeypatch):
+    def fail(*_):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("specdec.atomic_write.os.replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        write_json(tmp_path / "x.json", {"v": 1})
+    assert list(tmp_path.iterdir()) == []
