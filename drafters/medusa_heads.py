@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdec.atomic_write import write_json
+from specdec.atomic_write import replaced_atomically, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -135,11 +135,9 @@ def save_medusa(heads: MedusaHeads, directory: str | os.PathLike) -> Path:
     from safetensors.torch import save_file
 
     path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in heads.heads.state_dict().items()}
-    tmp = path / (WEIGHTS_FILE + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path / WEIGHTS_FILE)
+    with replaced_atomically(path / WEIGHTS_FILE) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
     write_json(path / CONFIG_FILE, heads.config.to_json(), indent=2)
     return path
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdec.atomic_write import write_json
 from specdec.testing import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,7 +56,7 @@ def shared_result(tmp_path_factory, worker_id) -> Callable[[str, Callable[[], ob
             if path.is_file():
                 return json.loads(path.read_text())
             result = compute()
-            path.write_text(json.dumps(result))
+            write_json(path, result)  # a worker killed mid-write leaves no half file for the others
             return result
 
     return get

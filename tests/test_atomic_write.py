@@ -1,11 +1,11 @@
-"""write_json: the whole file or the old one, never a partial write or a stray temp file."""
+"""replaced_atomically / write_json: the whole file or the old one, never a partial write or a stray temp file."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from specdec.atomic_write import write_json
+from specdec.atomic_write import replaced_atomically, write_json
 
 
 def test_writes_creates_parents_and_overwrites(tmp_path):
@@ -33,3 +33,14 @@ def test_failed_rename_leaves_no_temp_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         write_json(tmp_path / "x.json", {"v": 1})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_writer_that_fails_midway_leaves_the_old_file(tmp_path):
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"old")
+    with pytest.raises(RuntimeError, match="crashed"):
+        with replaced_atomically(path) as tmp:
+            tmp.write_bytes(b"half")
+            raise RuntimeError("writer crashed")
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["w.bin"]
