@@ -17,7 +17,9 @@ def time_hf_generate(model, ids: list[int], max_new_tokens: int, **kwargs) -> tu
     x = torch.tensor([ids])
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+        out = model.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False, **kwargs
+        )
     return time.perf_counter() - t0, out[0, len(ids):].tolist()
 
 

@@ -47,7 +47,9 @@ class AcceptanceRule:
     name = "exact"
     lossy = False
 
-    def sibling_draft(self, draft_probs: torch.Tensor, tried: torch.Tensor, without_replacement: torch.Tensor) -> torch.Tensor:
+    def sibling_draft(
+        self, draft_probs: torch.Tensor, tried: torch.Tensor, without_replacement: torch.Tensor
+    ) -> torch.Tensor:
         """Distribution the next sibling was drawn from; tried [B, V] marks earlier siblings."""
         excluded = _normalise(draft_probs.masked_fill(tried, 0.0), draft_probs)
         return torch.where(without_replacement[:, None], excluded, draft_probs)
@@ -207,7 +209,9 @@ def rejection_sample(
     rule: AcceptanceRule = EXACT,
 ) -> list[Acceptance]:
     if target_logits.dim() != 3 or target_logits.shape[0] != len(trees):
-        raise ValueError(f"target_logits must be [batch={len(trees)}, max_nodes + 1, vocab], got {tuple(target_logits.shape)}")
+        raise ValueError(
+            f"target_logits must be [batch={len(trees)}, max_nodes + 1, vocab], got {tuple(target_logits.shape)}"
+        )
     if any(t.num_nodes + 1 > target_logits.shape[1] for t in trees):
         raise ValueError("target_logits has fewer rows than a tree has nodes + 1")
     if sampling.greedy and rule is EXACT:

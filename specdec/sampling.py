@@ -22,7 +22,8 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if self.do_sample and not self.temperature > 0:
             raise ValueError(
-                f"temperature must be > 0 when sampling, got {self.temperature}; use do_sample=False for greedy decoding"
+                f"temperature must be > 0 when sampling, got {self.temperature}; "
+                "use do_sample=False for greedy decoding"
             )
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")

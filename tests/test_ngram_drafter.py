@@ -1,6 +1,7 @@
 """Tests of the n-gram (prompt-lookup) drafter: matches, trie shape, incremental index."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -174,7 +175,7 @@ def test_batched_sequences_are_independent():
     seqs = {sid: [rng.randrange(5) for _ in range(30)] for sid in (3, 8, 11)}
     batched = NGramDrafter()
     singles = {sid: NGramDrafter() for sid in seqs}
-    for step in range(40):
+    for _ in range(40):
         for toks in seqs.values():
             toks.extend(rng.randrange(5) for _ in range(rng.randint(1, 3)))
         order = list(seqs)
@@ -255,8 +256,8 @@ def test_config_object_and_registry():
     d = get_drafter("ngram", max_ngram=5, num_draft_tokens=4)
     assert isinstance(d, NGramDrafter) and d.name == "ngram"
     assert d.config == NGramConfig(max_ngram=5, num_draft_tokens=4)
-    with pytest.raises(Exception):
-        cfg.max_ngram = 3  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.max_ngram = 3
 
 
 def simulated_greedy_steps(tokens: list[int], num_prompt: int, drafter: NGramDrafter) -> int:

@@ -105,5 +105,6 @@ def test_impossible_draft_is_never_accepted_and_never_recovered():
     tree = DraftTree.chain([1], torch.tensor([[0.1, 0.6, 0.2, 0.1]]), DraftMode.INDEPENDENT)
     g = torch.Generator().manual_seed(0)
     for _ in range(100):
-        acc = rejection_sample([tree], _logits_for([probs[0].tolist(), [0.25] * 4]), SamplingConfig(do_sample=True), g)[0]
+        logits = _logits_for([probs[0].tolist(), [0.25] * 4])
+        acc = rejection_sample([tree], logits, SamplingConfig(do_sample=True), g)[0]
         assert acc.accepted_nodes.numel() == 0 and acc.next_token in (0, 2)
