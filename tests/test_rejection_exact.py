@@ -103,8 +103,8 @@ def test_impossible_draft_is_never_accepted_and_never_recovered():
     # target gives token 1 zero mass: a draft of 1 must be rejected and 1 never emitted
     probs = torch.tensor([[0.5, 0.0, 0.5, 0.0]])
     tree = DraftTree.chain([1], torch.tensor([[0.1, 0.6, 0.2, 0.1]]), DraftMode.INDEPENDENT)
+    logits = _logits_for([probs[0].tolist(), [0.25] * 4])
     g = torch.Generator().manual_seed(0)
     for _ in range(100):
-        logits = _logits_for([probs[0].tolist(), [0.25] * 4])
         acc = rejection_sample([tree], logits, SamplingConfig(do_sample=True), g)[0]
         assert acc.accepted_nodes.numel() == 0 and acc.next_token in (0, 2)
