@@ -22,9 +22,9 @@ Definitions (documented in the report):
     tokens per sequence = root + tree nodes, then rejection sampling and the KV commit) for a
     batch like the cell's (its ``batch_size`` prompts of median length, each extended to its
     length + ``max_new_tokens / 2`` tokens: the mean context while decoding). A short calibration
-    after the cell times steps at ``n = 1`` and at ``n`` = 1 + the drafter's mean tree size
-    (nodes it proposed per step in the cell, rounded), interleaved, after a warm-up step,
-    and keeps the median of ``calibration_repeats`` steps each;
+    after the cell (``specdec.eval.verify_cost``) times steps at ``n = 1`` and at ``n`` = 1 + the
+    drafter's mean tree size (nodes it proposed per step in the cell, rounded), interleaved,
+    after a warm-up step, and keeps the median of ``calibration_repeats`` steps each;
   - ``c_plain = c_verify(1)``: a plain step is the same verify / sample / commit path with
     the root alone (its drafting is nothing);
   - ``c_draft``: the drafter's measured draft time per engine step in the cell
@@ -48,23 +48,19 @@ import json
 import logging
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
-from specdec.drafters.base import Drafter
 from specdec.drafters.registry import get_drafter
 from specdec.eval.resume import check_resumable, run_settings
+from specdec.eval.verify_cost import measure_verify_costs
 
 from specdec.atomic_write import write_json
-from specdec.engine import Engine
 from specdec.generate import generate
-from specdec.kv_cache import CacheConfig, PagedKVCache
 from specdec.sampling import SamplingConfig
-from specdec.stopping import StopCriteria
-from specdec.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -224,64 +220,6 @@ class _CountingDrafter:
         self.trees += len(trees)
         self.nodes += sum(int(getattr(t, "num_nodes", 0)) for t in trees)
         return trees
-
-
-class _ChainDrafter(Drafter):
-    """Calibration drafter: a chain of ``nodes`` copies of the root token per sequence."""
-
-    name = "calibration-chain"
-
-    def __init__(self) -> None:
-        self.nodes = 0
-
-    def propose(self, seqs):
-        return [DraftTree([s.token_ids[-1]] * self.nodes, list(range(-1, self.nodes - 1))) for s in seqs]
-
-
-def measure_verify_costs(loaded: Any, prompts: Sequence[Sequence[int]], query_tokens: Sequence[int],
-                         sampling: SamplingConfig, extra_context: int = 0, repeats: int = 5,
-                         seed: int = 0) -> dict[int, float]:
-    """Median seconds of one engine verify step with ``n`` query tokens per sequence, for each n.
-
-    One batch of ``len(prompts)`` sequences, each extended by ``extra_context`` tokens (its
-    own tokens repeated), is prefilled; then ``repeats + 1`` rounds each run one step per n
-    (interleaved, so drift of a shared machine hits every n alike) with a chain draft of
-    n - 1 nodes. The first round is a warm-up. The time is the engine's own verify timer:
-    target forward + rejection sampling + KV commit.
-    """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    sizes = sorted(set(int(n) for n in query_tokens))
-    if not prompts or not sizes or sizes[0] < 1:
-        raise ValueError("measure_verify_costs needs prompts and query sizes >= 1")
-    runner = loaded.runner
-    shape = runner.shape
-    growth = (repeats + 1) * sum(sizes)  # a step commits at most n tokens
-    room = shape.max_positions - growth - 2
-    if room < 1:
-        raise ValueError(f"the model's context ({shape.max_positions}) is too short to calibrate {sizes}")
-    contexts = []
-    for p in prompts:
-        want = len(p) + max(extra_context, 0)
-        ctx = [p[i % len(p)] for i in range(want)][-room:]
-        contexts.append(ctx)
-    block = CacheConfig().block_size
-    blocks = sum(-(-(len(c) + growth + 2) // block) for c in contexts)
-    cache = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block, runner.dtype,
-                         runner.device)
-    drafter = _ChainDrafter()
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    engine = Engine(runner, cache, sampling, StopCriteria(10**9), drafter, generator)
-    engine.add(contexts)
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    for r in range(repeats + 1):
-        for n in sizes:
-            drafter.nodes = n - 1
-            before = engine.seconds["verify"]
-            engine.step()
-            if r:
-                times[n].append(engine.seconds["verify"] - before)
-    return {n: statistics.median(ts) for n, ts in times.items()}
 
 
 def _hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> tuple[int, float]:

@@ -12,7 +12,6 @@ from specdec.eval.acceptance import (
     Cell,
     SuiteConfig,
     cell_path,
-    measure_verify_costs,
     merge_cells,
     predicted_speedup,
     read_cell,
@@ -23,6 +22,7 @@ from specdec.eval.acceptance import (
 from specdec.eval.prompt_sets import load_jsonl
 from specdec.eval.prompts import CATEGORIES, load_prompts
 from specdec.eval.report import markdown, write_reports
+from specdec.eval.verify_cost import measure_verify_costs
 
 from specdec.models.loader import load_model
 from specdec.sampling import SamplingConfig

@@ -1,0 +1,78 @@
+"""Cost of one engine verify step vs the number of query tokens: ``c_verify(n)`` of the suite.
+
+The acceptance suite (``specdec.eval.acceptance``) calls :func:`measure_verify_costs` after
+each drafter cell to time a plain step (n = 1) and a step as large as the cell's mean draft
+tree, on a batch like the cell's; its predicted speedup is built from these costs.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from specdec.drafters.base import Drafter
+
+from specdec.engine import Engine
+from specdec.kv_cache import CacheConfig, PagedKVCache
+from specdec.sampling import SamplingConfig
+from specdec.stopping import StopCriteria
+from specdec.tree import DraftTree
+
+
+class _ChainDrafter(Drafter):
+    """Calibration drafter: a chain of ``nodes`` copies of the root token per sequence."""
+
+    name = "calibration-chain"
+
+    def __init__(self) -> None:
+        self.nodes = 0
+
+    def propose(self, seqs):
+        return [DraftTree([s.token_ids[-1]] * self.nodes, list(range(-1, self.nodes - 1))) for s in seqs]
+
+
+def measure_verify_costs(loaded: Any, prompts: Sequence[Sequence[int]], query_tokens: Sequence[int],
+                         sampling: SamplingConfig, extra_context: int = 0, repeats: int = 5,
+                         seed: int = 0) -> dict[int, float]:
+    """Median seconds of one engine verify step with ``n`` query tokens per sequence, for each n.
+
+    One batch of ``len(prompts)`` sequences, each extended by ``extra_context`` tokens (its
+    own tokens repeated), is prefilled; then ``repeats + 1`` rounds each run one step per n
+    (interleaved, so drift of a shared machine hits every n alike) with a chain draft of
+    n - 1 nodes. The first round is a warm-up. The time is the engine's own verify timer:
+    target forward + rejection sampling + KV commit.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    sizes = sorted(set(int(n) for n in query_tokens))
+    if not prompts or not sizes or sizes[0] < 1:
+        raise ValueError("measure_verify_costs needs prompts and query sizes >= 1")
+    runner = loaded.runner
+    shape = runner.shape
+    growth = (repeats + 1) * sum(sizes)  # a step commits at most n tokens
+    room = shape.max_positions - growth - 2
+    if room < 1:
+        raise ValueError(f"the model's context ({shape.max_positions}) is too short to calibrate {sizes}")
+    contexts = []
+    for p in prompts:
+        want = len(p) + max(extra_context, 0)
+        ctx = [p[i % len(p)] for i in range(want)][-room:]
+        contexts.append(ctx)
+    block = CacheConfig().block_size
+    blocks = sum(-(-(len(c) + growth + 2) // block) for c in contexts)
+    cache = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block, runner.dtype,
+                         runner.device)
+    drafter = _ChainDrafter()
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    engine = Engine(runner, cache, sampling, StopCriteria(10**9), drafter, generator)
+    engine.add(contexts)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for r in range(repeats + 1):
+        for n in sizes:
+            drafter.nodes = n - 1
+            before = engine.seconds["verify"]
+            engine.step()
+            if r:
+                times[n].append(engine.seconds["verify"] - before)
+    return {n: statistics.median(ts) for n, ts in times.items()}
