@@ -9,6 +9,9 @@ Batch 1, greedy. Per prompt, in this order (after one warm-up of each on a short
 * ``hf_static``: ``generate(cache_implementation="static")``;
 * ``specdec_plain``: specdec without a drafter (Triton kernels on CUDA, ``SPECDEC_ATTENTION``);
 * ``specdec_ngram``: specdec with the n-gram drafter;
+* ``specdec_plain_graphs`` / ``specdec_ngram_graphs``: the same with the verify forward replayed as
+  CUDA graphs (one ``GraphedForward.with_cache`` reused by every call, so each bucket is captured
+  once, during the warm-up or the first prompt that needs it); ``--no-graphs`` leaves them out;
 * ``specdec_plain_ref`` (``--compare-reference``): plain decoding with ``SPECDEC_ATTENTION=reference``.
 
 Prints tokens/s per category and overall, each method's ratio to ``hf_static``, n-gram vs plain,
@@ -38,6 +41,7 @@ def parse_args(argv=None):
     ap.add_argument("--model", default="default")
     ap.add_argument("--compare-reference", action="store_true", help="also time plain decoding on the reference path")
     ap.add_argument("--skip-dynamic", action="store_true", help="skip transformers' dynamic-cache generate (slow)")
+    ap.add_argument("--no-graphs", action="store_true", help="leave out the CUDA-graph rows")
     ap.add_argument("--json", help="also write the totals to this JSON file")
     args = ap.parse_args(argv)
     if args.prompts < 1 or args.max_new_tokens < 1:
@@ -75,12 +79,19 @@ def main(argv=None) -> int:
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, **kw)
         return out[0, len(ids):].tolist()
 
-    def sd(ids, n, drafter=None, attention=None):
+    graphed = None
+    if not args.no_graphs:
+        from specdec.cuda_graphs import GraphedForward
+
+        graphed = GraphedForward.with_cache(loaded.runner, max_tokens=loaded.runner.shape.max_positions + 256)
+
+    def sd(ids, n, drafter=None, attention=None, graphs=False):
         old = os.environ.get(ENV_VAR)
         if attention:
             os.environ[ENV_VAR] = attention
         try:
-            return generate(loaded, [ids], max_new_tokens=n, drafter=drafter, return_dict=True).new_tokens[0]
+            return generate(loaded, [ids], max_new_tokens=n, drafter=drafter, return_dict=True,
+                            cuda_graphs=graphed if graphs else False).new_tokens[0]
         finally:
             if attention and old is None:
                 del os.environ[ENV_VAR]
@@ -93,6 +104,9 @@ def main(argv=None) -> int:
     methods["hf_static"] = lambda ids: hf(ids, n_new, cache_implementation="static")
     methods["specdec_plain"] = lambda ids: sd(ids, n_new)
     methods["specdec_ngram"] = lambda ids: sd(ids, n_new, drafter="ngram")
+    if graphed is not None:
+        methods["specdec_plain_graphs"] = lambda ids: sd(ids, n_new, graphs=True)
+        methods["specdec_ngram_graphs"] = lambda ids: sd(ids, n_new, drafter="ngram", graphs=True)
     if args.compare_reference:
         methods["specdec_plain_ref"] = lambda ids: sd(ids, n_new, attention="reference")
 
@@ -126,6 +140,10 @@ def main(argv=None) -> int:
         print(f"  {m:<18} {v:8.1f} tok/s   vs hf_static {v / tps['hf_static']:5.2f}x   "
               f"same tokens as hf_static {same[m]}/{count}")
     print(f"  specdec_ngram / specdec_plain = {tps['specdec_ngram'] / tps['specdec_plain']:.2f}x")
+    if graphed is not None:
+        print(f"  graphs: plain {tps['specdec_plain_graphs'] / tps['specdec_plain']:.2f}x eager, ngram "
+              f"{tps['specdec_ngram_graphs'] / tps['specdec_ngram']:.2f}x eager; {len(graphed.buckets)} buckets "
+              f"captured: {sorted(graphed.buckets)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), tokens_per_s=tps, same_as_hf_static=same,

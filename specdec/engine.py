@@ -19,6 +19,7 @@ import torch
 
 from specdec.attention import AttentionPlan
 from specdec.audit import DraftAudit
+from specdec.cuda_graphs import GraphedForward
 from specdec.drafters.base import Drafter, SequenceView, TargetView
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import ForwardOutput, LlamaRunner
@@ -77,10 +78,12 @@ class Engine:
         generator: torch.Generator | None = None,
         audit: DraftAudit | None = None,
         rule: AcceptanceRule = EXACT,
+        graphed: GraphedForward | None = None,
     ) -> None:
         self.runner, self.cache, self.sampling, self.stop = runner, cache, sampling, stop
         self.drafter, self.generator, self.audit = drafter, generator, audit
         self.rule = rule  # EXACT unless a certificate runs a deliberately broken negative control
+        self.graphed = graphed  # fixed-shape (CUDA-graph) verify forwards; None = always eager
         self.seqs: list[SequenceState] = []
         self.forward_passes = 0
         self.seconds = {"draft": 0.0, "verify": 0.0}  # wall time of the two halves of step(), summed
@@ -204,6 +207,10 @@ class Engine:
     def verify(self, batch: VerifyBatch) -> ForwardOutput:
         """ONE target forward over every root and tree node of every live sequence."""
         self.forward_passes += 1
+        if self.graphed is not None:
+            out = self.graphed(batch.token_ids, batch.positions, batch.plan)
+            if out is not None:  # else no bucket fits this step
+                return out
         all_rows = torch.arange(batch.token_ids.numel(), device=batch.token_ids.device)
         return self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache, all_rows)
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from specdec.audit import DraftAudit
+from specdec.cuda_graphs import GraphConfig, GraphedForward
 from specdec.drafters.registry import get_drafter
 from specdec.engine import Engine, SequenceState
 from specdec.kv_cache import CacheConfig, PagedKVCache
@@ -131,6 +132,25 @@ def _stats(s: SequenceState, start: float) -> SequenceStats:
                          tuple(s.step_lengths))
 
 
+def _graphed_cache(graphed: GraphedForward, runner, cache_cfg: CacheConfig, blocks_needed: int,
+                   engine_fault) -> tuple[PagedKVCache, GraphedForward]:
+    """The KV cache of a reused :class:`GraphedForward`, emptied of any earlier call's sequences."""
+    if graphed.runner.hf_model is not runner.hf_model:
+        raise ValueError("cuda_graphs: this GraphedForward was built for another model")
+    if engine_fault is not None or cache_cfg.num_blocks is not None:
+        raise ValueError("cuda_graphs=GraphedForward(...) brings its own KV cache: num_blocks and engine_fault "
+                         "cannot be combined with it")
+    cache = graphed.cache
+    if cache.block_size != cache_cfg.block_size:
+        raise ValueError(f"block_size={cache_cfg.block_size}, but the GraphedForward's cache uses "
+                         f"{cache.block_size}")
+    graphed.release_sequences()  # left over only if an earlier call raised mid-generation
+    if blocks_needed > cache.num_free_blocks:
+        raise ValueError(f"this request may need {blocks_needed} KV blocks of {cache.block_size} tokens; the "
+                         f"GraphedForward's cache has {cache.num_free_blocks}: build it with a larger max_tokens")
+    return cache, graphed
+
+
 def generate(
     model: Any,
     input_ids: Any,
@@ -157,9 +177,14 @@ def generate(
     audit_drafts: bool = True,
     acceptance_rule: AcceptanceRule = EXACT,
     engine_fault: EngineFault | None = None,
+    cuda_graphs: bool | GraphedForward = False,
 ):
     """``acceptance_rule`` and ``engine_fault`` exist for the certificate's negative controls
-    (:mod:`specdec.eval.negative_controls`); leave them at their defaults for real output."""
+    (:mod:`specdec.eval.negative_controls`); leave them at their defaults for real output.
+    ``cuda_graphs=True`` runs verify steps through fixed-shape buckets replayed as CUDA graphs
+    (:mod:`specdec.cuda_graphs`; GPU with the Triton backend; not yet measured on a GPU), captured
+    anew in each call; pass a :class:`GraphedForward` (``GraphedForward.with_cache``) instead to
+    keep its KV cache and graphs from call to call."""
     loaded = load_model(model, tokenizer=tokenizer)
     runner = loaded.runner
     shape = runner.shape
@@ -177,26 +202,33 @@ def generate(
     drafter_obj = get_drafter(drafter, **(drafter_options or {}))
     cache_cfg = CacheConfig(block_size, num_blocks)
     tree_budget = MAX_TREE_NODES if drafter_obj is not None else 0
-    if cache_cfg.num_blocks is None:  # worst case of this request: no sequence can run out
-        per_seq = [-(-(len(p) + max_new_tokens + tree_budget + 1) // block_size) for p in prompts]
-        blocks = sum(per_seq)
-    else:
-        blocks = cache_cfg.num_blocks
-    cache_cls, engine_cls = PagedKVCache, Engine
+    # worst case of this request: no sequence can run out
+    per_seq = [-(-(len(p) + max_new_tokens + tree_budget + 1) // block_size) for p in prompts]
+    engine_cls = Engine
     if engine_fault is not None:
         logger.warning("engine fault %r injected: the output is deliberately WRONG (negative control)",
                        engine_fault.name)
-        cache_cls, engine_cls = engine_fault.cache_cls, engine_fault.engine_cls
-    cache = cache_cls(
-        shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block_size, runner.dtype, runner.device
-    )
+        engine_cls = engine_fault.engine_cls
+    if not isinstance(cuda_graphs, (bool, GraphedForward)):
+        raise TypeError(f"cuda_graphs must be a bool or a GraphedForward, got {type(cuda_graphs).__name__}")
+    if isinstance(cuda_graphs, GraphedForward):  # its own cache and graphs, reused call after call
+        cache, graphed = _graphed_cache(cuda_graphs, runner, cache_cfg, sum(per_seq), engine_fault)
+    else:
+        blocks = sum(per_seq) if cache_cfg.num_blocks is None else cache_cfg.num_blocks
+        blocks += int(bool(cuda_graphs))  # the graphs' scratch slot holds one block
+        cache_cls = PagedKVCache if engine_fault is None else engine_fault.cache_cls
+        cache = cache_cls(
+            shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block_size, runner.dtype, runner.device
+        )
+        graphed = GraphedForward(runner, cache, GraphConfig(capture=cache.kv.is_cuda)) if cuda_graphs else None
     if generator is None and seed is not None:
         generator = torch.Generator(device="cpu").manual_seed(seed)
     audit = DraftAudit() if audit_drafts and drafter_obj is not None and sampling.do_sample else None
     if acceptance_rule.lossy or acceptance_rule is not EXACT:
         logger.warning("acceptance rule %r is not the exact one: the output is NOT the target's distribution",
                        acceptance_rule.name)
-    engine = engine_cls(runner, cache, sampling, stop_criteria, drafter_obj, generator, audit, acceptance_rule)
+    engine = engine_cls(runner, cache, sampling, stop_criteria, drafter_obj, generator, audit, acceptance_rule,
+                        graphed)
 
     start = time.perf_counter()
     seqs = engine.add(prompts)

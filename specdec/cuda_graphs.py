@@ -1,0 +1,200 @@
+"""Verify forwards at fixed shapes, replayed as CUDA graphs: the GPU engine's decode/verify path.
+
+On a GPU the embedded model's decode forward is bound by its ~1,600 small kernel launches, not by
+the GPU. A CUDA graph replays all of them from one launch, but only on the same shapes and the
+same memory. So :class:`GraphedForward` pads each verify step up to a *bucket* (at most
+``batch`` sequences of at most ``tokens_per_seq`` new tokens each) and keeps, per bucket:
+
+* static inputs [batch * tokens_per_seq]: token ids, positions, cache write slots. The step's
+  real tokens come first; the rows after them hold token 0 at position 0 and write their K/V
+  into one reserved *scratch slot* that no sequence ever reads;
+* the tree-attention metadata (:mod:`specdec.kernels.graph_metadata`), refilled in place from
+  the step's :class:`~specdec.attention.AttentionPlan`; in the kernel, padded rows and padded
+  sequences read no keys and write nothing;
+* on CUDA, the captured graph and its static output (logits and hidden states of every row).
+
+Rows meet only in attention, so the real rows get the eager forward's values (the padded rows
+are garbage and are never read). The returned logits are views of the bucket's static output:
+valid until the next call, which is how the engine uses them (it indexes them at once).
+Without a GPU nothing is captured: ``capture=False`` runs the same padded static forward
+eagerly, which is how the tests check it in the Triton interpreter.
+
+    graphed = GraphedForward(runner, cache, GraphConfig())
+    out = graphed(batch.token_ids, batch.positions, batch.plan)  # None when no bucket fits
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specdec.kv_cache import PagedKVCache
+from specdec.models.llama import ForwardOutput, LlamaRunner
+
+logger = logging.getLogger(__name__)
+
+SCRATCH_SEQ_ID = -1  # the cache "sequence" owning the scratch slot; engine ids are >= 0
+MAX_TOKENS_PER_SEQ = 64  # a tree-mode query's ancestor mask is one 64-bit word in the kernel
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    tokens_per_seq: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # root + tree nodes per sequence
+    capture: bool = True  # False: run the padded static forward eagerly (CPU, interpreter tests)
+
+    def __post_init__(self) -> None:
+        for name in ("batch_sizes", "tokens_per_seq"):
+            sizes = getattr(self, name)
+            if not sizes or any(not isinstance(x, int) or x < 1 for x in sizes) or list(sizes) != sorted(set(sizes)):
+                raise ValueError(f"{name} must be strictly increasing positive ints, got {sizes!r}")
+        if self.tokens_per_seq[-1] > MAX_TOKENS_PER_SEQ:
+            raise ValueError(f"tokens_per_seq may not exceed {MAX_TOKENS_PER_SEQ}, got {self.tokens_per_seq[-1]}")
+
+
+@dataclass(frozen=True)
+class StaticPlan:
+    """What the model forward reads from a plan on the Triton path, in buffers that never move."""
+
+    write_slots: torch.Tensor  # [batch * tokens_per_seq] cache slot per row; padding -> the scratch slot
+    kernel_metadata: object  # TreeAttentionMetadata over views of the shared static buffers
+
+
+@dataclass
+class _Bucket:
+    batch: int
+    tokens_per_seq: int
+    plan: StaticPlan
+    output: ForwardOutput | None = None  # static output of the last run / of the capture
+    graph: object = None  # torch.cuda.CUDAGraph once captured
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.tokens_per_seq
+
+
+class GraphedForward:
+    """The engine's verify forward through fixed-shape buckets (see the module docstring)."""
+
+    def __init__(self, runner: LlamaRunner, cache: PagedKVCache, config: GraphConfig = GraphConfig()) -> None:
+        from specdec.kernels.dispatch import use_triton
+
+        if not use_triton(cache.kv):
+            raise ValueError("CUDA graphs need the Triton attention backend: a CUDA device (SPECDEC_ATTENTION auto "
+                             "or triton), or SPECDEC_ATTENTION=triton with TRITON_INTERPRET=1 on CPU")
+        if config.capture and not cache.kv.is_cuda:
+            raise ValueError(f"capture=True needs a CUDA device, the cache is on {cache.kv.device}")
+        from specdec.kernels.graph_metadata import static_metadata
+
+        self.runner, self.cache, self.config = runner, cache, config
+        device = cache.kv.device
+        cache.add(SCRATCH_SEQ_ID)
+        cache.reserve(SCRATCH_SEQ_ID, 1)  # one block, held for the engine's lifetime
+        self.scratch_slot = int(cache.slots(SCRATCH_SEQ_ID, 0, 1)[0])
+        max_rows = config.batch_sizes[-1] * config.tokens_per_seq[-1]
+        self.max_keys = min(runner.shape.max_positions, cache.num_blocks * cache.block_size)
+        # one set of input buffers for all buckets: a bucket's are prefix views of them
+        self.token_ids = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.write_slots = torch.full((max_rows,), self.scratch_slot, dtype=torch.long, device=device)
+        self.logits_rows = torch.arange(max_rows, device=device)
+        self.metadata = static_metadata(config.batch_sizes[-1], config.tokens_per_seq[-1], self.max_keys, device)
+        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.pool = torch.cuda.graph_pool_handle() if config.capture else None  # shared by all graphs
+        self.replays = 0
+
+    @classmethod
+    def with_cache(cls, runner: LlamaRunner, max_tokens: int, block_size: int = 16,
+                   config: GraphConfig = GraphConfig()) -> "GraphedForward":
+        """Over a KV cache of its own (``max_tokens`` tokens plus the scratch block), for
+        ``generate(..., cuda_graphs=graphed)`` call after call: each bucket is captured once."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        s = runner.shape
+        blocks = -(-max_tokens // block_size) + 1
+        cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, blocks, block_size, runner.dtype,
+                             runner.device)
+        return cls(runner, cache, config)
+
+    def release_sequences(self) -> None:
+        """Free every sequence in the cache except the scratch slot's (before a new generation)."""
+        for seq_id in [i for i in self.cache.lengths if i != SCRATCH_SEQ_ID]:
+            self.cache.free(seq_id)
+
+    def bucket_for(self, num_seqs: int, max_new: int) -> tuple[int, int] | None:
+        """The smallest (batch, tokens_per_seq) bucket holding the step, None if none does."""
+        b = bisect.bisect_left(self.config.batch_sizes, num_seqs)
+        t = bisect.bisect_left(self.config.tokens_per_seq, max_new)
+        if b == len(self.config.batch_sizes) or t == len(self.config.tokens_per_seq):
+            return None
+        return self.config.batch_sizes[b], self.config.tokens_per_seq[t]
+
+    def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, plan) -> ForwardOutput | None:
+        """Logits and hidden states of every row of a verify step ([num_tokens, ...] views), or None
+        when the step fits no bucket (the caller then runs the eager forward)."""
+        seqs = plan.seqs
+        if any(s.causal for s in seqs) or any(s.key_slots.numel() > self.max_keys for s in seqs):
+            return None
+        max_new = max(s.num_new for s in seqs)
+        key = self.bucket_for(len(seqs), max_new)
+        if key is None:
+            logger.debug("no CUDA-graph bucket for %d sequences x %d tokens: eager forward", len(seqs), max_new)
+            return None
+        bucket = self.buckets.get(key) or self._new_bucket(*key)
+        n = token_ids.numel()
+        self._load(bucket, token_ids, positions, plan)
+        if not self.config.capture:
+            bucket.output = self._run(bucket)
+        else:
+            if bucket.graph is None:
+                self._capture(bucket)
+            bucket.graph.replay()
+        self.replays += 1
+        return ForwardOutput(bucket.output.logits[:n], bucket.output.hidden[:n])
+
+    # ---- internals ----------------------------------------------------------------------
+    def _new_bucket(self, batch: int, tokens_per_seq: int) -> _Bucket:
+        full, rows = self.metadata, batch * tokens_per_seq
+        meta = dataclasses.replace(
+            full, block_tables=full.block_tables[:batch], ctx_lens=full.ctx_lens[:batch],
+            num_masked=full.num_masked[:batch], q_starts=full.q_starts[:batch], q_lens=full.q_lens[:batch],
+            tree_mode=full.tree_mode[:batch], q_bits=full.q_bits[:rows], host_q_lens=(tokens_per_seq,) * batch,
+            _tiles={},
+        )
+        bucket = _Bucket(batch, tokens_per_seq, StaticPlan(self.write_slots[:rows], meta))
+        self.buckets[batch, tokens_per_seq] = bucket
+        return bucket
+
+    def _load(self, bucket: _Bucket, token_ids: torch.Tensor, positions: torch.Tensor, plan) -> None:
+        from specdec.kernels.graph_metadata import load_plan_
+
+        n, rows = token_ids.numel(), bucket.rows
+        self.token_ids[:n].copy_(token_ids)
+        self.token_ids[n:rows].zero_()
+        self.positions[:n].copy_(positions)
+        self.positions[n:rows].zero_()
+        self.write_slots[:n].copy_(plan.write_slots)
+        self.write_slots[n:rows].fill_(self.scratch_slot)
+        load_plan_(bucket.plan.kernel_metadata, plan)
+
+    def _run(self, bucket: _Bucket) -> ForwardOutput:
+        rows = bucket.rows
+        return self.runner.forward(self.token_ids[:rows], self.positions[:rows], bucket.plan, self.cache,
+                                   self.logits_rows[:rows])
+
+    def _capture(self, bucket: _Bucket) -> None:
+        # warm-up on a side stream, as torch.cuda.graph asks: compiles the kernels, copies the tile lists to
+        # the device. It runs the loaded step for real; the replay that follows rewrites the same K/V.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._run(bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            bucket.output = self._run(bucket)
+        bucket.graph = graph
+        logger.info("captured a CUDA graph for %d sequences x %d tokens", bucket.batch, bucket.tokens_per_seq)

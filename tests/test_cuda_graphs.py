@@ -1,0 +1,162 @@
+"""Fixed-shape (CUDA-graph) verify forwards vs the engine's eager forward.
+
+On CPU the padded static forward runs eagerly in the Triton interpreter (nothing to capture);
+with a GPU the same tests capture and replay real CUDA graphs.
+"""
+from __future__ import annotations
+
+import pytest
+from specdec.kernels.testing import kernel_device
+
+DEVICE = kernel_device()  # sets TRITON_INTERPRET=1 without a GPU: must run before triton is imported
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+
+from specdec.cuda_graphs import GraphConfig, GraphedForward  # noqa: E402
+from specdec.engine import Engine  # noqa: E402
+from specdec.generate import generate  # noqa: E402
+from specdec.kv_cache import PagedKVCache  # noqa: E402
+from specdec.models.loader import load_model  # noqa: E402
+from specdec.rejection import rejection_sample  # noqa: E402
+from specdec.sampling import SamplingConfig  # noqa: E402
+from specdec.stopping import StopCriteria  # noqa: E402
+from specdec.testing import RandomTreeDrafter, build_tiny_model, ragged_prompts  # noqa: E402
+
+VOCAB = 64
+CAPTURE = DEVICE == "cuda"
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    monkeypatch.setenv("SPECDEC_ATTENTION", "triton")
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(build_tiny_model("llama-gqa-tied", VOCAB), device=DEVICE)
+
+
+def make_cache(runner, blocks: int = 64, seed: int = 0) -> PagedKVCache:
+    s = runner.shape
+    cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, blocks, 4, runner.dtype, runner.device)
+    cache._free = torch.randperm(blocks, generator=torch.Generator().manual_seed(seed)).tolist()  # shuffled tables
+    return cache
+
+
+def test_buckets_give_the_eager_logits_step_after_step(triton_backend, loaded):
+    """Several verify steps of a ragged batch with random trees, through buckets that are reused with
+    other contents and other sizes: the real rows' logits and hidden states equal the eager forward's."""
+    runner = loaded.runner
+    cache = make_cache(runner)
+    graphed = GraphedForward(runner, cache, GraphConfig(batch_sizes=(1, 2, 4), tokens_per_seq=(1, 4, 8, 16),
+                                                        capture=CAPTURE))
+    drafter = RandomTreeDrafter(VOCAB, max_nodes=12, max_depth=4, seed=3)
+    engine = Engine(runner, cache, SamplingConfig(), StopCriteria(40), drafter)
+    engine.add(ragged_prompts(3, VOCAB, seed=1, max_len=30))
+    seen, steps = set(), 0
+    for step in range(12):
+        live = engine.live
+        if not live:
+            break
+        if step == 6:  # a lone sequence: the batch-1 bucket after the batch-4 one
+            for s in live[1:]:
+                s.finish_reason = "length"
+            live = live[:1]
+        trees = engine.propose(live)
+        batch = engine.verify_batch(live, trees)
+        eager = engine.verify(batch)
+        seen.add(graphed.bucket_for(len(live), max(1 + t.num_nodes for t in trees)))
+        static = graphed(batch.token_ids, batch.positions, batch.plan)
+        assert static is not None and static.logits.shape == eager.logits.shape
+        err = (static.logits - eager.logits).abs().max().item()
+        assert err <= 1e-4, f"step {step}: logits differ by {err:.3g}"
+        assert (static.hidden - eager.hidden).abs().max().item() <= 1e-4
+        acceptances = rejection_sample(trees, eager.logits[batch.row_index], engine.sampling, None)
+        engine.commit(live, acceptances)
+        steps += 1
+    assert len(seen) >= 3, f"the test exercised only buckets {seen}"
+    assert graphed.replays == steps >= 8
+
+
+def test_engine_with_buckets_is_greedy_identical(monkeypatch, loaded):
+    """Whole generations of a ragged batch: random-tree drafts (rejections and compaction) through the
+    buckets give the tokens of the reference engine (PyTorch attention, eager); so does generate()
+    with the n-gram drafter and cuda_graphs=True."""
+    runner = loaded.runner
+    prompts = ragged_prompts(3, VOCAB, seed=2, max_len=24)
+    outs = {}
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("SPECDEC_ATTENTION", backend)
+        cache = make_cache(runner, blocks=96, seed=1)
+        graphed = GraphedForward(runner, cache, GraphConfig(capture=CAPTURE)) if backend == "triton" else None
+        engine = Engine(runner, cache, SamplingConfig(), StopCriteria(16), RandomTreeDrafter(VOCAB, seed=5),
+                        graphed=graphed)
+        seqs = engine.add(prompts)
+        while engine.live:
+            engine.step()
+        outs[backend] = [s.new_tokens for s in seqs]
+        if graphed is not None:
+            assert graphed.replays == engine.forward_passes > 0
+    assert outs["triton"] == outs["reference"]
+    via_api = generate(loaded, prompts, max_new_tokens=16, drafter="ngram", cuda_graphs=True)
+    monkeypatch.setenv("SPECDEC_ATTENTION", "reference")
+    plain = generate(loaded, prompts, max_new_tokens=16)
+    assert via_api == plain
+
+
+def test_steps_outside_every_bucket_fall_back(triton_backend, loaded):
+    runner = loaded.runner
+    cache = make_cache(runner)
+    graphed = GraphedForward(runner, cache, GraphConfig(batch_sizes=(1,), tokens_per_seq=(1, 2), capture=CAPTURE))
+    assert graphed.bucket_for(1, 1) == (1, 1) and graphed.bucket_for(1, 2) == (1, 2)
+    assert graphed.bucket_for(2, 1) is None and graphed.bucket_for(1, 3) is None
+    drafter = RandomTreeDrafter(VOCAB, max_nodes=6, seed=0)
+    engine = Engine(runner, cache, SamplingConfig(), StopCriteria(12), drafter, graphed=graphed)
+    seqs = engine.add([[1, 2, 3, 4, 5]])
+    while engine.live:
+        engine.step()
+    reference = generate(loaded, [[1, 2, 3, 4, 5]], max_new_tokens=12)[0][5:]
+    assert seqs[0].new_tokens == reference
+    assert 0 < graphed.replays < engine.forward_passes  # some steps fit (1-2 tokens), the larger ones did not
+    assert cache.num_free_blocks < cache.num_blocks  # the scratch block stays reserved
+
+
+def test_bad_configs_and_backends_are_refused(monkeypatch, loaded):
+    for bad in (dict(batch_sizes=()), dict(batch_sizes=(2, 1)), dict(tokens_per_seq=(0, 4)),
+                dict(tokens_per_seq=(1, 65)), dict(batch_sizes=(1, 1))):
+        with pytest.raises(ValueError):
+            GraphConfig(**bad)
+    runner = loaded.runner
+    monkeypatch.setenv("SPECDEC_ATTENTION", "reference")
+    with pytest.raises(ValueError, match="Triton attention backend"):
+        GraphedForward(runner, make_cache(runner))
+    with pytest.raises(ValueError, match="Triton attention backend"):
+        generate(loaded, [[1, 2, 3]], max_new_tokens=2, cuda_graphs=True)
+    if not CAPTURE:
+        monkeypatch.setenv("SPECDEC_ATTENTION", "triton")
+        with pytest.raises(ValueError, match="capture=True needs a CUDA device"):
+            GraphedForward(runner, make_cache(runner), GraphConfig(capture=True))
+
+
+def test_a_reused_graphed_forward_keeps_its_cache_and_buckets(triton_backend, loaded):
+    runner = loaded.runner
+    graphed = GraphedForward.with_cache(runner, max_tokens=256, block_size=16, config=GraphConfig(capture=CAPTURE))
+    prompts = [[4, 5, 6, 4, 5, 6, 4], [7, 8, 9]]
+    first = generate(loaded, prompts, max_new_tokens=8, cuda_graphs=graphed)
+    buckets = dict(graphed.buckets)
+    graphed.cache.add(99)  # as if an earlier call had raised mid-generation
+    graphed.cache.reserve(99, 5)
+    second = generate(loaded, prompts, max_new_tokens=8, cuda_graphs=graphed)
+    assert first == second == generate(loaded, prompts, max_new_tokens=8)
+    assert buckets and all(graphed.buckets[k] is b for k, b in buckets.items())  # not rebuilt / recaptured
+    assert 99 not in graphed.cache.lengths
+    with pytest.raises(ValueError, match="larger max_tokens"):
+        generate(loaded, [list(range(1, 60))] * 4, max_new_tokens=64, cuda_graphs=graphed)
+    with pytest.raises(ValueError, match="another model"):
+        generate(load_model(build_tiny_model("llama-gqa-tied", VOCAB, seed=1)), prompts, max_new_tokens=2,
+                 cuda_graphs=graphed)
+    with pytest.raises(ValueError, match="block_size"):
+        generate(loaded, prompts, max_new_tokens=2, cuda_graphs=graphed, block_size=8)
+    with pytest.raises(TypeError, match="bool or a GraphedForward"):
+        generate(loaded, prompts, max_new_tokens=2, cuda_graphs="yes")
