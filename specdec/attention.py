@@ -51,9 +51,12 @@ class SeqAttention:
 class PaddedBatch:
     """Every sequence of a decode/verify forward as one padded batch, for a single SDPA call."""
 
-    key_slots: torch.Tensor  # [batch, max_keys] cache slot of each key; padding reads slot 0
+    # [batch, max_keys] cache slot of each key; padding repeats the sequence's first key, which is always
+    # written (an arbitrary slot such as 0 may never have been: uninitialised memory can hold NaN, and a
+    # masked NaN value still turns the output into NaN)
+    key_slots: torch.Tensor
     query_rows: torch.Tensor  # [batch, max_new] row of q per (sequence, new token); padding reads row 0
-    mask: torch.Tensor  # [batch, 1, max_new, max_keys] bool; a padding row sees only key 0 (no NaN)
+    mask: torch.Tensor  # [batch, 1, max_new, max_keys] bool; a padding row sees only its sequence's first key
     out_index: torch.Tensor  # [num_tokens] flat (sequence * max_new + token) index of each real row
 
 
@@ -83,6 +86,7 @@ class AttentionPlan:
         for b, s in enumerate(self.seqs):
             keys = s.key_slots.numel()
             key_slots[b, :keys] = s.key_slots
+            key_slots[b, keys:] = s.key_slots[0]
             query_rows[b, : s.num_new] = torch.arange(s.query_start, s.query_start + s.num_new, device=device)
             mask[b, 0, : s.num_new, :keys] = True if s.mask is None else s.mask
             out_index.extend(range(b * max_new, b * max_new + s.num_new))

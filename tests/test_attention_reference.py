@@ -59,6 +59,22 @@ def test_padded_batch_matches_per_sequence_and_float64(name, group, monkeypatch)
     assert torch.allclose(got.double(), _dense_float64(case), atol=1e-5, rtol=0)
 
 
+def test_padding_never_reads_an_unwritten_slot(monkeypatch):
+    """Slots no sequence owns hold NaN (as never-written cache memory may): the padded batch still gives
+    the per-sequence result. Padding that read slot 0 turned whole sequences' outputs into NaN."""
+    monkeypatch.setenv("SPECDEC_ATTENTION", "reference")
+    case = random_case([3, 17, 40], [("tree", 5), 1, 2], num_kv_heads=2, group=3, seed=7)
+    used = torch.zeros(case.k_cache.shape[0], dtype=torch.bool)
+    for seq in case.plan.seqs:
+        used[seq.key_slots] = True
+    assert not used[0], "the case must leave slot 0 unowned"
+    case.k_cache[~used] = float("nan")
+    case.v_cache[~used] = float("nan")
+    got = paged_attention(case.q, case.k_cache, case.v_cache, case.plan, case.scale)
+    assert not got.isnan().any()
+    assert torch.allclose(got, _per_sequence(case), atol=1e-5, rtol=0)
+
+
 def test_prefill_keeps_the_per_sequence_path(monkeypatch):
     monkeypatch.setenv("SPECDEC_ATTENTION", "reference")
     case = random_case([0, 6], [5, 1], seed=3)  # a prompt prefill (causal run) next to a decode
