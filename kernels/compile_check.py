@@ -52,6 +52,7 @@ def _resources(compiled) -> str:
 
 def configs():
     """(name, kernel, types, constexprs, num_warps) for what the wrappers launch on a GPU."""
+    from specdec.kernels import fused_ops as fo
     from specdec.kernels import kv_write as kw
     from specdec.kernels import tree_attention as ta
 
@@ -76,21 +77,35 @@ def configs():
                 dict(WIDTH=1024, BLOCK_W=1024), 4))
     out.append(("compact", kw._compact_kernel, _types(kw._compact_kernel, dict(KV="*bf16", Src="*i32", Dst="*i32")),
                 dict(WIDTH=192, BLOCK_W=256), 4))
+    for hidden, heads, head_dim, width in ((576, 9, 64, 1536), (4096, 32, 128, 14336)):  # embedded, Llama-8B
+        out.append((f"add+rmsnorm {hidden}", fo._add_rms_norm_kernel,
+                    _types(fo._add_rms_norm_kernel, dict(H="*bf16", Delta="*bf16", W="*bf16", Out="*bf16",
+                                                         eps="fp32")),
+                    dict(HAS_DELTA=True, BLOCK=triton_next_pow2(hidden)), 4))
+        out.append((f"rope {heads}x{head_dim}", fo._rope_kernel,
+                    _types(fo._rope_kernel, dict(X="*bf16", Cos="*bf16", Sin="*bf16")),
+                    dict(HALF=head_dim // 2, BLOCK_H=triton_next_pow2(heads), BLOCK_HALF=head_dim // 2), 4))
+        out.append((f"silu*mul {width}", fo._silu_mul_kernel,
+                    _types(fo._silu_mul_kernel, dict(G="*bf16", U="*bf16", Out="*bf16")), dict(BLOCK=1024), 4))
     return out
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100, 80 = A100)")
     ap.add_argument("--resources", action="store_true", help="print registers / stack (spills) per kernel")
-    ap.add_argument("--quick", action="store_true", help="one config per kernel")
+    ap.add_argument("--quick", action="store_true", help="one config per kernel (two for attention)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2
     todo = configs()
     if args.quick:
-        todo = [todo[0], todo[1], *todo[-3:]]
+        todo = todo[:2] + [c for c in todo if not c[0].startswith("attn")][:6]  # + merge, KV, embedded fused
     failed = 0
     for name, kernel, types, consts, warps in todo:
         try:

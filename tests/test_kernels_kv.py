@@ -130,14 +130,18 @@ def test_forced_triton_on_cpu_without_interpreter_is_refused(backend_env, monkey
 def test_engine_forward_through_dispatch_matches_reference(backend_env, tiny_model, monkeypatch):
     """The model forward (cache writes, attention, commit) with SPECDEC_ATTENTION=triton gives the
     reference's greedy tokens and logits on a tiny model, speculative decoding with trees included."""
+    from specdec.kernels import fused_ops
     from specdec.kernels import tree_attention as ta
 
     from specdec.generate import generate
     from specdec.models.loader import load_model
 
-    calls = []
+    calls, fused = [], []
     kernel = ta.tree_attention
     monkeypatch.setattr(ta, "tree_attention", lambda *a, **k: calls.append(a[3].host_q_lens) or kernel(*a, **k))
+    for name in ("add_rms_norm", "rope_", "silu_mul"):  # the layer's element-wise steps go through the kernels too
+        op = getattr(fused_ops, name)
+        monkeypatch.setattr(fused_ops, name, lambda *a, _op=op, _name=name, **k: fused.append(_name) or _op(*a, **k))
     loaded = load_model(tiny_model("llama-gqa-tied", vocab_size=64), device=DEVICE)
     prompt = [[3, 5, 7, 3, 5, 7, 3, 5], [9, 9, 2]]
     outs = {}
@@ -146,4 +150,5 @@ def test_engine_forward_through_dispatch_matches_reference(backend_env, tiny_mod
         outs[name] = generate(loaded, prompt, max_new_tokens=6, drafter="ngram", return_dict=True)
     assert outs["reference"].new_tokens == outs["triton"].new_tokens
     assert calls, "SPECDEC_ATTENTION=triton did not reach the kernel"
+    assert {"add_rms_norm", "rope_", "silu_mul"} <= set(fused), "the fused element-wise kernels were not used"
     assert any(max(lens) > 1 and len(lens) > 1 for lens in calls[1:]), "no batched verify forward went through it"

@@ -1,0 +1,126 @@
+"""Fused element-wise kernels of the model forward on the GPU path: fewer, larger launches.
+
+A decode forward of a small model is launch-bound on a GPU (``docs/kernels.md``). These replace
+chains of small PyTorch ops in ``specdec/models/llama.py`` when the Triton backend is on:
+
+* :func:`add_rms_norm`: ``h += delta`` (the residual add, in place) and ``RMSNorm(h) * weight``;
+  one launch instead of ~7;
+* :func:`rope_`: rotary embedding of q and k in place; one launch instead of ~10;
+* :func:`silu_mul`: ``silu(gate) * up``; one launch instead of 2.
+
+Each rounds where the PyTorch reference rounds (every op's result to the activation dtype;
+the norm's statistics in fp32), so in fp32 they agree with it to summation order and in
+bf16 / fp16 to about one unit in the last place. Rows are token rows of contiguous
+``[num_tokens, ...]`` tensors.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(H, Delta, W, Out, stride_h, stride_d, stride_o, N, eps, HAS_DELTA: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    h = tl.load(H + row * stride_h + cols, mask=ok, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(Delta + row * stride_d + cols, mask=ok, other=0.0)
+        h = (h.to(tl.float32) + d.to(tl.float32)).to(H.dtype.element_ty)
+        tl.store(H + row * stride_h + cols, h, mask=ok)
+    x = h.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    normed = (x * inv).to(Out.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Out + row * stride_o + cols, (w * normed).to(Out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_kernel(X, Cos, Sin, stride_xt, stride_xh, stride_ct, num_heads, HALF: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    ok = (heads < num_heads) & (cols < HALF)
+    c_ok = cols < HALF
+    dt = X.dtype.element_ty
+    c1 = tl.load(Cos + t * stride_ct + cols, mask=c_ok, other=0.0).to(tl.float32)
+    c2 = tl.load(Cos + t * stride_ct + HALF + cols, mask=c_ok, other=0.0).to(tl.float32)
+    s1 = tl.load(Sin + t * stride_ct + cols, mask=c_ok, other=0.0).to(tl.float32)
+    s2 = tl.load(Sin + t * stride_ct + HALF + cols, mask=c_ok, other=0.0).to(tl.float32)
+    base = X + t * stride_xt + heads * stride_xh + cols
+    x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=ok, other=0.0).to(tl.float32)
+    # reference: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]; each product and the sum rounded
+    a1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+    a2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    tl.store(base, a1.to(dt), mask=ok)
+    tl.store(base + HALF, a2.to(dt), mask=ok)
+
+
+@triton.jit
+def _silu_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    g = tl.load(G + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)
+    tl.store(Out + row * stride_o + cols, (act * u).to(Out.dtype.element_ty), mask=ok)
+
+
+def _check_rows(x: torch.Tensor, name: str, dim: int) -> None:
+    if x.dim() != dim or x.stride(-1) != 1:
+        raise ValueError(f"{name} must be a {dim}-D tensor with a contiguous last dimension, got shape "
+                         f"{tuple(x.shape)}, strides {x.stride()}")
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [T, N] += delta [T, N] (in place, when given); returns (h, RMSNorm(h) * weight)."""
+    _check_rows(h, "h", 2)
+    if delta is not None:
+        _check_rows(delta, "delta", 2)
+        if delta.shape != h.shape:
+            raise ValueError(f"delta {tuple(delta.shape)} does not match h {tuple(h.shape)}")
+    T, N = h.shape
+    if weight.shape != (N,):
+        raise ValueError(f"weight must be [{N}], got {tuple(weight.shape)}")
+    out = torch.empty_like(h)
+    if T:
+        d = delta if delta is not None else h
+        _add_rms_norm_kernel[(T,)](h, d, weight.contiguous(), out, h.stride(0), d.stride(0), out.stride(0), N,
+                                   eps, HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(N))
+    return h, out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [T, heads, D] in place; cos, sin [T, 1, D] (as ``LlamaRunner.rope``)."""
+    _check_rows(x, "x", 3)
+    T, heads, D = x.shape
+    if D % 2 or cos.shape != (T, 1, D) or sin.shape != cos.shape:
+        raise ValueError(f"x {tuple(x.shape)} needs an even head_dim and cos / sin of shape [{T}, 1, {D}], "
+                         f"got {tuple(cos.shape)} / {tuple(sin.shape)}")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if T:
+        _rope_kernel[(T,)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), heads, HALF=D // 2,
+                           BLOCK_H=triton.next_power_of_2(heads), BLOCK_HALF=triton.next_power_of_2(D // 2))
+    return x
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, both [T, N]."""
+    _check_rows(gate, "gate", 2)
+    _check_rows(up, "up", 2)
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    T, N = gate.shape
+    out = torch.empty_like(gate)
+    block = min(1024, triton.next_power_of_2(N))
+    if T:
+        _silu_mul_kernel[(T, triton.cdiv(N, block))](gate, up, out, gate.stride(0), up.stride(0), out.stride(0), N,
+                                                     BLOCK=block)
+    return out

@@ -1,0 +1,98 @@
+"""Fused norm / RoPE / SiLU kernels vs the PyTorch reference ops of specdec/models/llama.py.
+
+Interpreter on CPU (TRITON_INTERPRET=1), natively when a GPU is present.
+"""
+from __future__ import annotations
+
+import pytest
+from specdec.kernels.testing import kernel_device
+
+DEVICE = kernel_device()  # sets TRITON_INTERPRET=1 without a GPU: must run before triton is imported
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+from specdec.kernels.fused_ops import add_rms_norm, rope_, silu_mul  # noqa: E402
+
+from specdec.models import llama  # noqa: E402
+
+# fp32: summation order only; half precision: the kernels round where the reference rounds, so at most
+# one unit in the last place (the norm's fp32 statistics may differ in the last bit and flip a rounding)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+# bf16 only on a GPU: the interpreter's fp32 -> bf16 cast truncates (half the values of a random
+# tensor come out one unit below torch's round-to-nearest-even); its fp16 cast rounds like torch
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    err = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1.0)).max().item()
+    assert err <= TOL[dtype], f"{dtype}: relative error {err:.3g}"
+    if dtype != torch.float32:  # same rounding steps: nearly every value is bit-identical (~1e-4 differ
+        # by a last-bit flip of the fp32 intermediate); skipping one rounding step changes ~25% of them
+        differ = (got != want).float().mean().item()
+        assert differ <= 0.01, f"{dtype}: {differ:.1%} of the values differ from the reference"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 576, 100])
+def test_add_rms_norm(dtype, hidden):
+    gen = torch.Generator().manual_seed(hidden)
+    h = (torch.randn(7, hidden, generator=gen) * 3).to(DEVICE, dtype)
+    delta = torch.randn(7, hidden, generator=gen).to(DEVICE, dtype)
+    weight = (1 + torch.randn(hidden, generator=gen) / 4).to(DEVICE, dtype)
+    want_h, want = llama.add_rms_norm(h, delta, weight, 1e-5, fused=False)
+    got_h, got = add_rms_norm(h.clone(), delta, weight, 1e-5)
+    close(got_h, want_h, dtype)
+    close(got, want, dtype)
+    _, no_delta = add_rms_norm(h.clone(), None, weight, 1e-5)  # the first layer's norm: no residual yet
+    close(no_delta, llama.rms_norm(h, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [(9, 64), (3, 64), (4, 128), (5, 24)])
+def test_rope_in_place(dtype, heads, head_dim):
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    x = torch.randn(6, heads, head_dim, generator=gen).to(DEVICE, dtype)
+    positions = torch.tensor([0, 1, 5, 17, 300, 4095])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(DEVICE, dtype)[:, None, :], emb.sin().to(DEVICE, dtype)[:, None, :]
+    want = llama.apply_rope(x, cos, sin, fused=False)
+    got = x.clone()
+    assert rope_(got, cos, sin) is got
+    close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [128, 1536, 3000])
+def test_silu_mul(dtype, width):
+    gen = torch.Generator().manual_seed(width)
+    gate = (torch.randn(5, width, generator=gen) * 4).to(DEVICE, dtype)
+    up = torch.randn(5, width, generator=gen).to(DEVICE, dtype)
+    close(silu_mul(gate, up), llama.silu_mul(gate, up, fused=False), dtype)
+
+
+def test_a_broken_rounding_is_caught():
+    """The tolerance is tight enough to see a kernel that skips the reference's intermediate rounding."""
+    gen = torch.Generator().manual_seed(0)
+    gate = (torch.randn(64, 512, generator=gen) * 4).to(DEVICE, HALF)
+    up = (torch.randn(64, 512, generator=gen) * 4).to(DEVICE, HALF)
+    unrounded = (torch.nn.functional.silu(gate.float()) * up.float()).to(HALF)
+    with pytest.raises(AssertionError):
+        close(unrounded, llama.silu_mul(gate, up, fused=False), HALF)
+    close(silu_mul(gate, up), llama.silu_mul(gate, up, fused=False), HALF)
+
+
+def test_bad_shapes_are_named():
+    x = torch.zeros(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="delta"):
+        add_rms_norm(x, torch.zeros(4, 9, device=DEVICE), torch.ones(8, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        add_rms_norm(x, None, torch.ones(9, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="even head_dim"):
+        rope_(torch.zeros(2, 3, 5, device=DEVICE), torch.zeros(2, 1, 5, device=DEVICE), torch.zeros(2, 1, 5,
+                                                                                                     device=DEVICE))
+    with pytest.raises(ValueError, match="differ"):
+        silu_mul(x, torch.zeros(4, 7, device=DEVICE))
