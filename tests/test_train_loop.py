@@ -84,9 +84,9 @@ def test_kl_loss_is_zero_only_for_the_target_distribution():
     # then outputs exactly the target's distribution at t+1
     same = hidden[:, :1].expand_as(hidden).contiguous()
     exact, _, _ = trainer.head_loss(heads, 0, same, labels, mask, lm_w, "kl")
-    assert abs(float(exact)) < 1e-5
+    assert abs(exact.item()) < 1e-5
     wrong, _, _ = trainer.head_loss(heads, 0, hidden, labels, mask, lm_w, "kl")
-    assert float(wrong) > 1e-3
+    assert wrong.item() > 1e-3
     with pytest.raises(ValueError, match="loss must be one of"):
         TrainConfig(model="default", output_dir="unused", loss="mse")
 
