@@ -36,6 +36,7 @@ class CLIError(Exception):
 # ValueError covers DraftError, UnsupportedModelError and the other errors of bad input;
 # OSError covers missing files and unknown model paths.
 USER_ERRORS = (CLIError, ValueError, OSError, CacheFullError)
+DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices, torch attribute names
 
 
 class _TextStream:
@@ -96,6 +97,11 @@ def _add_generate(sub) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV cache size in blocks (default: enough for the prompt, max-new-tokens and the drafts)")
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:1, ...")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="weights / activations dtype (default: float32)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay the verify forward as CUDA graphs (needs --device cuda; see docs/kernels.md)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_run_generate)
 
@@ -133,8 +139,12 @@ def _run_generate(args) -> int:
         if not options:
             raise
         raise CLIError(f"drafter {args.drafter!r} does not accept these --drafter-option values: {err}") from err
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise CLIError(f"--device {args.device}: no CUDA device is available (torch {torch.__version__})")
+    if args.cuda_graphs and not args.device.startswith("cuda"):
+        raise CLIError("--cuda-graphs needs --device cuda")
     t0 = time.perf_counter()
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device)
     load_seconds = time.perf_counter() - t0
     tok = loaded.tokenizer
     if tok is None:
@@ -151,12 +161,13 @@ def _run_generate(args) -> int:
             loaded, [ids], drafter=drafter,
             max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop, streamer=stream,
-            return_dict=True, block_size=args.block_size, num_blocks=args.num_blocks,
+            return_dict=True, block_size=args.block_size, num_blocks=args.num_blocks, cuda_graphs=args.cuda_graphs,
         )
     stream.finish()
     s = out.stats[0]
     summary = {
-        "model": loaded.name, "drafter": args.drafter or "none", "prompt_tokens": s.prompt_tokens,
+        "model": loaded.name, "dtype": str(loaded.runner.dtype).removeprefix("torch."),
+        "device": str(loaded.runner.device), "drafter": args.drafter or "none", "prompt_tokens": s.prompt_tokens,
         "new_tokens": s.new_tokens, "seconds": round(out.seconds, 3), "tokens_per_s": round(s.tokens_per_second, 2),
         "tau": round(s.tau, 3), "steps": s.steps, "finish": s.finish_reason, "load_seconds": round(load_seconds, 2),
         "acceptance_per_depth": [round(a, 3) for a in s.acceptance_per_depth],

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import specdec
 from specdec.cli import main
@@ -149,6 +150,9 @@ def gpt2_ckpt(tmp_path_factory):
         (["--prompt-file", "/no/such/prompt.txt", "--model", "{ckpt}"], "No such file"),
         (["hi", "--model", "{no_tokenizer_ckpt}"], "has no tokenizer"),
         (["hi", "--model", "{gpt2_ckpt}"], "supported"),  # UnsupportedModelError
+        (["hi", "--model", "{ckpt}", "--cuda-graphs"], "needs --device cuda"),
+        pytest.param(["hi", "--model", "{ckpt}", "--device", "cuda"], "no CUDA device is available",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")),
     ],
 )
 def test_user_errors_are_one_line_and_exit_code_2(argv, match, ckpt, no_tokenizer_ckpt, gpt2_ckpt, capsys):
@@ -158,6 +162,25 @@ def test_user_errors_are_one_line_and_exit_code_2(argv, match, ckpt, no_tokenize
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if line.startswith("specdec generate: error: ")]
     assert len(lines) == 1 and re.search(match, lines[0]), err
+
+
+def test_dtype_and_device_reach_the_model(ckpt, capsys):
+    """--dtype bfloat16 runs the model in bf16 (its own greedy text, as the API gives it in bf16)."""
+    rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(N), "--dtype", "bfloat16",
+                       "--device", "cpu", "--json")
+    assert rc == 0
+    summary = json.loads(err.strip().splitlines()[-1])
+    assert (summary["dtype"], summary["device"]) == ("bfloat16", "cpu")
+    _, _, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", "2", "--json")
+    assert json.loads(err.strip().splitlines()[-1])["dtype"] == "float32"  # the default
+    loaded = specdec.load_model(ckpt, dtype=torch.bfloat16)
+    assert loaded.runner.dtype == torch.bfloat16
+    ids = loaded.tokenizer(PROMPT)["input_ids"]
+    new = specdec.generate(loaded, [ids], max_new_tokens=N, return_dict=True).new_tokens[0]
+    assert out == loaded.tokenizer.decode(new, skip_special_tokens=True) + "\n"
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", PROMPT, "--model", ckpt, "--dtype", "float64"])
+    assert exc.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
 def test_no_prompt_on_a_terminal_is_a_usage_error(ckpt, capsys, monkeypatch):
