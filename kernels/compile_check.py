@@ -52,6 +52,7 @@ def _resources(compiled) -> str:
 
 def configs():
     """(name, kernel, types, constexprs, num_warps) for what the wrappers launch on a GPU."""
+    import triton
     from specdec.kernels import fused_ops as fo
     from specdec.kernels import kv_write as kw
     from specdec.kernels import tree_attention as ta
@@ -81,17 +82,13 @@ def configs():
         out.append((f"add+rmsnorm {hidden}", fo._add_rms_norm_kernel,
                     _types(fo._add_rms_norm_kernel, dict(H="*bf16", Delta="*bf16", W="*bf16", Out="*bf16",
                                                          eps="fp32")),
-                    dict(HAS_DELTA=True, BLOCK=triton_next_pow2(hidden)), 4))
+                    dict(HAS_DELTA=True, BLOCK=triton.next_power_of_2(hidden)), 4))
         out.append((f"rope {heads}x{head_dim}", fo._rope_kernel,
                     _types(fo._rope_kernel, dict(X="*bf16", Cos="*bf16", Sin="*bf16")),
-                    dict(HALF=head_dim // 2, BLOCK_H=triton_next_pow2(heads), BLOCK_HALF=head_dim // 2), 4))
+                    dict(HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(heads), BLOCK_HALF=head_dim // 2), 4))
         out.append((f"silu*mul {width}", fo._silu_mul_kernel,
                     _types(fo._silu_mul_kernel, dict(G="*bf16", U="*bf16", Out="*bf16")), dict(BLOCK=1024), 4))
     return out
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def main(argv=None) -> int:

@@ -8,6 +8,7 @@ The launch grid depends only on the bucket: tiles past a sequence's real tokens,
 past the real batch (``q_len = 0``), read no keys and write nothing.
 
     meta = static_metadata(batch=8, tokens_per_seq=17, max_keys=4096, device="cuda")
+    small = bucket_view(meta, batch=2, tokens_per_seq=4)   # a smaller bucket over the same buffers
     load_plan_(meta, plan)                      # outside the graph, every step
     tree_attention(q_padded, k_cache, v_cache, meta, scale, num_splits=S)   # q: [8 * 17, H, D]
 
@@ -15,6 +16,8 @@ Warm up once before capturing (the tile list is copied to the device on first us
 ``num_splits`` fixed per bucket: it is part of the launch.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from specdec.kernels.tree_attention import TreeAttentionMetadata
@@ -40,6 +43,20 @@ def static_metadata(
         q_bits=zeros(batch * tokens_per_seq, dtype=torch.long),
         host_q_lens=(tokens_per_seq,) * batch,
         max_ctx_len=max_keys,
+    )
+
+
+def bucket_view(static: TreeAttentionMetadata, batch: int, tokens_per_seq: int) -> TreeAttentionMetadata:
+    """The metadata of a smaller bucket as prefix views of ``static``'s buffers (no copy): buckets of
+    different shapes can share one allocation, each with its own launch grid (tile list)."""
+    rows = batch * tokens_per_seq
+    if batch > static.block_tables.shape[0] or rows > static.q_bits.numel():
+        raise ValueError(f"a {batch} x {tokens_per_seq} bucket does not fit in the static metadata")
+    return dataclasses.replace(
+        static, block_tables=static.block_tables[:batch], ctx_lens=static.ctx_lens[:batch],
+        num_masked=static.num_masked[:batch], q_starts=static.q_starts[:batch], q_lens=static.q_lens[:batch],
+        tree_mode=static.tree_mode[:batch], q_bits=static.q_bits[:rows], host_q_lens=(tokens_per_seq,) * batch,
+        _tiles={},
     )
 
 

@@ -25,7 +25,6 @@ eagerly, which is how the tests check it in the Triton interpreter.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -157,14 +156,10 @@ class GraphedForward:
 
     # ---- internals ----------------------------------------------------------------------
     def _new_bucket(self, batch: int, tokens_per_seq: int) -> _Bucket:
-        full, rows = self.metadata, batch * tokens_per_seq
-        meta = dataclasses.replace(
-            full, block_tables=full.block_tables[:batch], ctx_lens=full.ctx_lens[:batch],
-            num_masked=full.num_masked[:batch], q_starts=full.q_starts[:batch], q_lens=full.q_lens[:batch],
-            tree_mode=full.tree_mode[:batch], q_bits=full.q_bits[:rows], host_q_lens=(tokens_per_seq,) * batch,
-            _tiles={},
-        )
-        bucket = _Bucket(batch, tokens_per_seq, StaticPlan(self.write_slots[:rows], meta))
+        from specdec.kernels.graph_metadata import bucket_view
+
+        meta = bucket_view(self.metadata, batch, tokens_per_seq)
+        bucket = _Bucket(batch, tokens_per_seq, StaticPlan(self.write_slots[: batch * tokens_per_seq], meta))
         self.buckets[batch, tokens_per_seq] = bucket
         return bucket
 

@@ -133,7 +133,7 @@ def _stats(s: SequenceState, start: float) -> SequenceStats:
 
 
 def _graphed_cache(graphed: GraphedForward, runner, cache_cfg: CacheConfig, blocks_needed: int,
-                   engine_fault) -> tuple[PagedKVCache, GraphedForward]:
+                   engine_fault) -> PagedKVCache:
     """The KV cache of a reused :class:`GraphedForward`, emptied of any earlier call's sequences."""
     if graphed.runner.hf_model is not runner.hf_model:
         raise ValueError("cuda_graphs: this GraphedForward was built for another model")
@@ -148,7 +148,7 @@ def _graphed_cache(graphed: GraphedForward, runner, cache_cfg: CacheConfig, bloc
     if blocks_needed > cache.num_free_blocks:
         raise ValueError(f"this request may need {blocks_needed} KV blocks of {cache.block_size} tokens; the "
                          f"GraphedForward's cache has {cache.num_free_blocks}: build it with a larger max_tokens")
-    return cache, graphed
+    return cache
 
 
 def generate(
@@ -212,7 +212,8 @@ def generate(
     if not isinstance(cuda_graphs, (bool, GraphedForward)):
         raise TypeError(f"cuda_graphs must be a bool or a GraphedForward, got {type(cuda_graphs).__name__}")
     if isinstance(cuda_graphs, GraphedForward):  # its own cache and graphs, reused call after call
-        cache, graphed = _graphed_cache(cuda_graphs, runner, cache_cfg, sum(per_seq), engine_fault)
+        graphed = cuda_graphs
+        cache = _graphed_cache(graphed, runner, cache_cfg, sum(per_seq), engine_fault)
     else:
         blocks = sum(per_seq) if cache_cfg.num_blocks is None else cache_cfg.num_blocks
         blocks += int(bool(cuda_graphs))  # the graphs' scratch slot holds one block

@@ -146,7 +146,7 @@ def test_sweep(group, page_size, num_splits):
 
 def test_static_bucket_metadata_matches_reference_across_steps():
     # CUDA-graph groundwork: one fixed-capacity metadata, two different steps loaded into it in place
-    from specdec.kernels.graph_metadata import load_plan_, static_metadata
+    from specdec.kernels.graph_metadata import bucket_view, load_plan_, static_metadata
 
     meta = static_metadata(batch=4, tokens_per_seq=8, max_keys=64, device=DEVICE)
     buffers = [meta.block_tables.data_ptr(), meta.q_bits.data_ptr(), meta.ctx_lens.data_ptr()]
@@ -164,3 +164,7 @@ def test_static_bucket_metadata_matches_reference_across_steps():
     too_long = random_case([3], [9], device=DEVICE)
     with pytest.raises(ValueError, match="exceed the bucket"):
         load_plan_(meta, too_long.plan)
+    small = bucket_view(meta, batch=2, tokens_per_seq=4)  # prefix views: the same memory, its own grid
+    assert small.block_tables.data_ptr() == meta.block_tables.data_ptr() and small.num_tokens == 8
+    with pytest.raises(ValueError, match="does not fit"):
+        bucket_view(meta, batch=8, tokens_per_seq=8)
