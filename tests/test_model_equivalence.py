@@ -114,3 +114,24 @@ def test_runner_shares_weights():
     runner = LlamaRunner(model)
     assert runner.embed.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert runner.lm_head.data_ptr() == model.lm_head.weight.data_ptr()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_linear_policy_equals_f_linear_for_every_row_count(threads):
+    """linear() picks a GEMM layout (and pads rows) by row count and thread count; every choice
+    returns F.linear's result for exactly the rows it was given."""
+    from specdec.models.llama import linear
+
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(48, 40, generator=gen), torch.randn(48, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in range(1, 40):
+            x = torch.randn(m, 40, generator=gen)
+            for b in (None, bias):
+                got = linear(x, weight, b)
+                assert got.shape == (m, 48) and got.is_contiguous()
+                torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
