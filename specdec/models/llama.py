@@ -106,7 +106,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m = x.shape[0]
     if x.device.type == "cpu":
         one_thread = torch.get_num_threads() == 1
-        if m in _ONE_THREAD_SMALL_M if one_thread else m <= SMALL_M_MAX:
+        if (m in _ONE_THREAD_SMALL_M) if one_thread else (m <= SMALL_M_MAX):
             pad = (_ONE_THREAD_PAD_ROWS if one_thread else _PAD_ROWS).get(m, m) - m
             cols = x if not pad else torch.cat([x, x[:1].expand(pad, -1)])
             # back to row-major: a transposed result would reach attention with a strided head dim, which
