@@ -78,14 +78,16 @@ SMALL_M_MAX = 32
 # row counts that ran slower than the next one up (2-core AMD EPYC, AVX2, MKL; verify forwards of
 # the embedded model at context 1,229: 11 tokens 177 ms, 16 tokens 147 ms)
 _PAD_ROWS = {1: 2, 3: 4, 7: 8, 10: 16, 11: 16, 12: 16, 13: 16, 14: 16, 15: 16}
+# rows -> columns of the transposed product (columns past the rows are copies of row 0, dropped
+# afterwards); a row count missing from the table goes through F.linear
+_TRANSPOSED_COLS = {m: _PAD_ROWS.get(m, m) for m in range(1, SMALL_M_MAX + 1)}
 # With ONE thread (each pytest-xdist worker, or a user's set_num_threads(1)) only 2-5 rows gain from
 # the transposed product; 1 row and 6+ rows are faster through F.linear. All 211 weight products of
 # the embedded model, minimum of 7 rounds, 2026-11-23 (/tmp script, ms):
 #   rows            1     2     3     4     8    10    16    24
 #   F.linear      43.5  79.6   106  87.3  98.6   114   131   144
 #   weight @ x^T  65.2  61.1  65.6  69.5   120   158   162   203   (padded as with 2 threads)
-_ONE_THREAD_PAD_ROWS = {3: 4}
-_ONE_THREAD_SMALL_M = range(2, 6)
+_TRANSPOSED_COLS_ONE_THREAD = {2: 2, 3: 4, 4: 4, 5: 5}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,18 +102,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     weights on the 2-core CI machine) where the two-column GEMM uses both (~22 GB/s), which
     made the 1-token decode forward 17% faster (54.8 -> 45.5 ms at context 600, 2026-11-23).
     Larger m keeps ``F.linear``. Padding rows are copies of real ones and are dropped.
-    With a single torch thread the trade-off differs (see ``_ONE_THREAD_PAD_ROWS``): only 2-5
+    With a single torch thread the trade-off differs (``_TRANSPOSED_COLS_ONE_THREAD``): only 2-5
     rows take the transposed product, and one row is not padded.
     """
     m = x.shape[0]
     if x.device.type == "cpu":
-        one_thread = torch.get_num_threads() == 1
-        if (m in _ONE_THREAD_SMALL_M) if one_thread else (m <= SMALL_M_MAX):
-            pad = (_ONE_THREAD_PAD_ROWS if one_thread else _PAD_ROWS).get(m, m) - m
-            cols = x if not pad else torch.cat([x, x[:1].expand(pad, -1)])
+        table = _TRANSPOSED_COLS_ONE_THREAD if torch.get_num_threads() == 1 else _TRANSPOSED_COLS
+        cols = table.get(m)
+        if cols is not None:
+            xt = (x if cols == m else torch.cat([x, x[:1].expand(cols - m, -1)])).t()
             # back to row-major: a transposed result would reach attention with a strided head dim, which
             # sends scaled_dot_product_attention down its slow math path (~3x slower per layer)
-            out = torch.mm(weight, cols.t()).t()[:m].contiguous()
+            out = torch.mm(weight, xt).t()[:m].contiguous()
             return out if bias is None else out + bias
     return F.linear(x, weight, bias)
 
