@@ -22,15 +22,26 @@ How children are chosen (``DraftConfig.mode``):
 
 * ``deterministic``: the top-``w`` tokens of each frontier node (``widths``), or, with
   ``tree="dynamic"``, an EAGLE-2 style tree: per depth, the ``beam`` candidates with the
-  highest path probability (product of draft probabilities) over the whole frontier,
-  until ``max_nodes``. No draft_probs: exactness comes from the rejection sampler.
+  highest path probability (product of draft probabilities, after the target's
+  temperature/top-k/top-p when it samples) over the whole frontier, until ``max_nodes``.
+  No draft_probs: the rejection sampler's deterministic-candidate rule keeps it exact,
+  greedy or sampling.
 * ``independent`` / ``without_replacement``: ``w`` children of each node are *sampled* from
   the draft distribution after the target's temperature/top-k/top-p, and that
-  distribution is sent along as draft_probs.
-* ``auto`` (default): deterministic when the target decodes greedily, else independent.
+  distribution is sent along as draft_probs. Static trees only: keeping the most probable
+  of sampled nodes would change the distribution they were drawn from.
+* ``auto`` (default): deterministic when the target decodes greedily or the tree is
+  dynamic, else independent. A dynamic tree is what ``tree="dynamic"`` asks for, and it is
+  exact when sampling too, so ``auto`` keeps it rather than falling back to a sampled chain.
+
+Sampled drafts draw from the drafter's own generator, on the device of its draft_probs:
+seeded from ``DraftConfig.seed``, else from ``generate(seed=...)`` (or one draw of
+``generate(generator=...)``) through :meth:`ModelDrafter.seed_from_generate`, re-seeded at every
+``attach`` (each generate() call); with neither, from torch's global RNG.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,12 +63,12 @@ MODES = ("auto", "deterministic", "independent", "without_replacement")
 @dataclass(frozen=True)
 class DraftConfig:
     num_draft_tokens: int = 4  # tree depth
-    tree: str = "static"  # "static": widths per depth | "dynamic": EAGLE-2 style (deterministic only)
+    tree: str = "static"  # "static": widths per depth | "dynamic": EAGLE-2 style (deterministic candidates)
     widths: tuple[int, ...] = ()  # children per node at depth 1, 2, ...; () = a chain
     max_nodes: int = 16  # node budget of a dynamic tree
     beam: int = 4  # dynamic tree: nodes kept per depth (and children considered per node)
     mode: str = "auto"
-    seed: int | None = None  # for sampled drafts
+    seed: int | None = None  # for sampled drafts; None: generate()'s seed (see the module doc)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
@@ -91,7 +102,7 @@ class DraftConfig:
 class _Node:
     parent: int  # index in the sequence's node list, -1 = root
     token: int
-    score: float  # path probability under the draft model (dynamic trees)
+    score: float  # path probability under the draft distribution (dynamic trees)
     draft_probs: torch.Tensor | None  # [vocab] distribution the token was drawn from (sampled modes)
 
 
@@ -105,12 +116,17 @@ class ModelDrafter(Drafter):
         self.config = config
         self.runner: LlamaRunner | None = None
         self.cache: PagedKVCache | None = None
-        self.generator = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
+        self.generator: torch.Generator | None = None  # made by attach(), on the runner's device
+        self.generate_seed: int | None = None  # from seed_from_generate(); DraftConfig.seed wins
         self.draft_forwards = 0  # draft-model forward passes (catch-up + one per depth)
 
     # ---- lifecycle --------------------------------------------------------------------
     def make_runner(self, target: TargetView) -> LlamaRunner:
         raise NotImplementedError
+
+    def seed_from_generate(self, seed: int | None) -> None:
+        """generate() calls this before ``attach``: the seed of sampled drafts when DraftConfig.seed is None."""
+        self.generate_seed = seed
 
     def attach(self, target: TargetView) -> None:
         self.target = target
@@ -124,8 +140,14 @@ class ModelDrafter(Drafter):
                                       tc.block_size, self.runner.dtype, self.runner.device)
         mode = self.config.mode
         if mode == "auto":
-            mode = "deterministic" if target.sampling.greedy else "independent"
+            mode = "deterministic" if target.sampling.greedy or self.config.tree == "dynamic" else "independent"
         self.mode = DraftMode(mode)
+        seed = self.config.seed if self.config.seed is not None else self.generate_seed
+        self.generator = None
+        if seed is not None:  # never generate()'s own stream: shared uniforms would couple drafts and acceptance
+            digest = hashlib.blake2b(f"specdec.drafter:{seed}".encode(), digest_size=8).digest()
+            self.generator = torch.Generator(device=self.runner.device)
+            self.generator.manual_seed(int.from_bytes(digest, "little") >> 1)
 
     def release(self, seq_id: int) -> None:
         if self.cache is not None and not self.shares_target_cache and seq_id in self.cache.lengths:
@@ -222,7 +244,7 @@ class ModelDrafter(Drafter):
             k = cfg.beam if cfg.tree == "dynamic" else None
             cands = []
             for parent, logits, score in frontier:
-                probs = logits.float().softmax(-1)
+                probs = logits.float().softmax(-1) if sampling.greedy else logits_to_probs(logits.float(), sampling)
                 top = torch.topk(probs, k or cfg.width(depth))
                 cands += [(score * float(p), parent, int(t)) for p, t in zip(top.values, top.indices)]
             if cfg.tree == "dynamic":

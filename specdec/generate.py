@@ -184,13 +184,21 @@ def generate(
     ``cuda_graphs=True`` runs verify steps through fixed-shape buckets replayed as CUDA graphs
     (:mod:`specdec.cuda_graphs`; GPU with the Triton backend; not yet measured on a GPU), captured
     anew in each call; pass a :class:`GraphedForward` (``GraphedForward.with_cache``) instead to
-    keep its KV cache and graphs from call to call."""
+    keep its KV cache and graphs from call to call.
+
+    ``seed`` (or ``generator``) also seeds sampled drafts: a drafter with a
+    ``seed_from_generate(seed)`` method (the model drafters) gets ``seed`` (or one draw of
+    ``generator``) before it is attached, unless its own ``seed`` option is set, so the output
+    does not depend on torch's global RNG."""
     loaded = load_model(model, tokenizer=tokenizer)
     runner = loaded.runner
     shape = runner.shape
     sampling = SamplingConfig(do_sample, temperature, top_k, top_p)
     if seed is not None and generator is not None:
         raise ValueError("pass seed= or generator=, not both: the generator's own state would silently win")
+    if generator is not None and generator.device.type != runner.device.type:
+        raise ValueError(f"generator is on {generator.device} but the model is on {runner.device}: "
+                         "sampling runs on the model's device, so create it with torch.Generator(device=...) there")
     prompts = _prompts(input_ids, attention_mask, shape.vocab_size)
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > shape.max_positions:
@@ -222,8 +230,13 @@ def generate(
             shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block_size, runner.dtype, runner.device
         )
         graphed = GraphedForward(runner, cache, GraphConfig(capture=cache.kv.is_cuda)) if cuda_graphs else None
+    if callable(getattr(drafter_obj, "seed_from_generate", None)):  # before Engine() attaches it
+        drafter_seed = seed
+        if generator is not None and sampling.do_sample:
+            drafter_seed = int(torch.randint(2**62, (), generator=generator, device=generator.device))
+        drafter_obj.seed_from_generate(drafter_seed)
     if generator is None and seed is not None:
-        generator = torch.Generator(device="cpu").manual_seed(seed)
+        generator = torch.Generator(device=runner.device).manual_seed(seed)  # sampling runs on the logits' device
     audit = DraftAudit() if audit_drafts and drafter_obj is not None and sampling.do_sample else None
     if acceptance_rule.lossy or acceptance_rule is not EXACT:
         logger.warning("acceptance rule %r is not the exact one: the output is NOT the target's distribution",

@@ -88,11 +88,12 @@ class Acceptance:
 
 
 def _finish(tree: DraftTree, path: list[int], next_token: int, is_bonus: bool, tried_depths: int) -> Acceptance:
-    depth_tried = torch.zeros(tree.max_depth, dtype=torch.long)
+    """Acceptance records are host tensors, like the DraftTree they index."""
+    depth_tried = torch.zeros(tree.max_depth, dtype=torch.long, device="cpu")
     depth_tried[:tried_depths] = 1
-    depth_accepted = torch.zeros(tree.max_depth, dtype=torch.long)
+    depth_accepted = torch.zeros(tree.max_depth, dtype=torch.long, device="cpu")
     depth_accepted[: len(path)] = 1
-    nodes = torch.tensor(path, dtype=torch.long)
+    nodes = torch.tensor(path, dtype=torch.long, device="cpu")
     return Acceptance(nodes, tree.tokens[nodes], next_token, is_bonus, depth_tried, depth_accepted)
 
 
@@ -121,21 +122,22 @@ class _PaddedTrees:
     without_replacement: torch.Tensor  # [B] bool
 
     @staticmethod
-    def build(trees: Sequence[DraftTree], vocab: int, dtype: torch.dtype) -> "_PaddedTrees":
+    def build(trees: Sequence[DraftTree], vocab: int, dtype: torch.dtype, device: torch.device) -> "_PaddedTrees":
+        """Assembled on the CPU (trees are small host records), then moved to ``device`` in one copy each."""
         b, n = len(trees), max(t.num_nodes for t in trees)
         w = max((len(k) for t in trees for k in t.children), default=0)
-        tokens = torch.zeros(b, n, dtype=torch.long)
-        children = torch.full((b, n + 1, max(w, 1)), -1, dtype=torch.long)
-        draft = torch.zeros(b, n, vocab, dtype=dtype)
+        tokens = torch.zeros(b, n, dtype=torch.long, device="cpu")
+        children = torch.full((b, n + 1, max(w, 1)), -1, dtype=torch.long, device="cpu")
+        draft = torch.zeros(b, n, vocab, dtype=dtype, device=device)
         for i, t in enumerate(trees):
             tokens[i, : t.num_nodes] = t.tokens
             for node, kids in enumerate(t.children):
-                children[i, node, : len(kids)] = torch.tensor(kids, dtype=torch.long)
+                children[i, node, : len(kids)] = torch.tensor(kids, dtype=torch.long, device="cpu")
             if t.draft_probs is not None:
-                draft[i, : t.num_nodes] = t.draft_probs.to(dtype)
-        det = torch.tensor([t.mode is DraftMode.DETERMINISTIC for t in trees])
-        wr = torch.tensor([t.mode is DraftMode.WITHOUT_REPLACEMENT for t in trees])
-        return _PaddedTrees(tokens, children, draft, det, wr)
+                draft[i, : t.num_nodes] = t.draft_probs.to(device, dtype)
+        det = torch.tensor([t.mode is DraftMode.DETERMINISTIC for t in trees], device=device)
+        wr = torch.tensor([t.mode is DraftMode.WITHOUT_REPLACEMENT for t in trees], device=device)
+        return _PaddedTrees(tokens.to(device), children.to(device), draft, det, wr)
 
 
 def _stochastic(
@@ -145,18 +147,19 @@ def _stochastic(
     generator: torch.Generator | None,
     rule: AcceptanceRule,
 ) -> list[Acceptance]:
-    bsz, vocab = len(trees), target_logits.shape[-1]
+    # every tensor of the walk lives on the logits' device (the generator too: rejection_sample checks)
+    bsz, vocab, device = len(trees), target_logits.shape[-1], target_logits.device
     dtype = torch.float64
-    pt = _PaddedTrees.build(trees, vocab, dtype)
-    rows = torch.arange(bsz)
-    node = torch.full((bsz,), -1, dtype=torch.long)  # current node (-1 = root)
-    live = torch.ones(bsz, dtype=torch.bool)  # still walking
-    next_token = torch.zeros(bsz, dtype=torch.long)
-    is_bonus = torch.zeros(bsz, dtype=torch.bool)
+    pt = _PaddedTrees.build(trees, vocab, dtype, device)
+    rows = torch.arange(bsz, device=device)
+    node = torch.full((bsz,), -1, dtype=torch.long, device=device)  # current node (-1 = root)
+    live = torch.ones(bsz, dtype=torch.bool, device=device)  # still walking
+    next_token = torch.zeros(bsz, dtype=torch.long, device=device)
+    is_bonus = torch.zeros(bsz, dtype=torch.bool, device=device)
     depth = max(t.max_depth for t in trees)
-    path = torch.full((bsz, depth + 1), -1, dtype=torch.long)  # accepted node per depth
-    path_len = torch.zeros(bsz, dtype=torch.long)
-    tried_depths = torch.zeros(bsz, dtype=torch.long)
+    path = torch.full((bsz, depth + 1), -1, dtype=torch.long, device=device)  # accepted node per depth
+    path_len = torch.zeros(bsz, dtype=torch.long, device=device)
+    tried_depths = torch.zeros(bsz, dtype=torch.long, device=device)
     while bool(live.any()):
         idx = rows[live]
         cur = node[idx]
@@ -177,7 +180,7 @@ def _stochastic(
             tok = pt.tokens[idx, c]
             draft = rule.sibling_draft(pt.draft_probs[idx, c], tried, pt.without_replacement[idx])
             det = pt.deterministic[idx]
-            u = torch.rand(len(idx), generator=generator, dtype=dtype)
+            u = torch.rand(len(idx), generator=generator, dtype=dtype, device=device)
             take = trying & (u < rule.accept_prob(residual, draft, tok, det))
             accepted = torch.where(take, child, accepted)
             reject = trying & ~take
@@ -195,9 +198,10 @@ def _stochastic(
         path_len[go] += 1
         node[idx] = torch.where(done, cur, accepted)
         live[idx[done]] = False
+    path, path_len = path.tolist(), path_len.tolist()  # one copy to the host for the whole batch
+    next_token, is_bonus, tried_depths = next_token.tolist(), is_bonus.tolist(), tried_depths.tolist()
     return [
-        _finish(t, path[b, : path_len[b]].tolist(), int(next_token[b]), bool(is_bonus[b]), int(tried_depths[b]))
-        for b, t in enumerate(trees)
+        _finish(t, path[b][: path_len[b]], next_token[b], is_bonus[b], tried_depths[b]) for b, t in enumerate(trees)
     ]
 
 
@@ -214,6 +218,11 @@ def rejection_sample(
         )
     if any(t.num_nodes + 1 > target_logits.shape[1] for t in trees):
         raise ValueError("target_logits has fewer rows than a tree has nodes + 1")
+    if generator is not None and generator.device.type != target_logits.device.type:
+        raise ValueError(
+            f"the sampling generator is on {generator.device} but target_logits are on {target_logits.device}: "
+            "create it with torch.Generator(device=...) on the model's device"
+        )
     if sampling.greedy and rule is EXACT:
         return _greedy(trees, target_logits)
     return _stochastic(trees, target_logits, sampling, generator, rule)

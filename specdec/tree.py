@@ -99,7 +99,7 @@ class DraftTree:
 
     @cached_property
     def depths(self) -> torch.Tensor:  # [num_nodes], root children have depth 1
-        depths = torch.zeros(self.num_nodes, dtype=torch.long)
+        depths = torch.zeros(self.num_nodes, dtype=torch.long, device=self.parents.device)
         parents = self.parents.tolist()
         for i, p in enumerate(parents):
             depths[i] = 1 if p < 0 else depths[p] + 1
@@ -115,7 +115,7 @@ class DraftTree:
     @cached_property
     def ancestor_mask(self) -> torch.Tensor:  # [num_nodes, num_nodes] bool: j is i or an ancestor of i
         n = self.num_nodes
-        mask = torch.zeros(n, n, dtype=torch.bool)
+        mask = torch.zeros(n, n, dtype=torch.bool, device=self.parents.device)
         for i, p in enumerate(self.parents.tolist()):
             if p >= 0:
                 mask[i] = mask[p]

@@ -32,6 +32,16 @@ def _grad_mode_restored():
     assert torch.is_grad_enabled(), "this test left torch's grad mode disabled"
 
 
+# CPU always, CUDA as well when a GPU is present: a test that takes `device` runs once per entry. On CUDA the
+# engine takes the Triton kernel path (SPECDEC_ATTENTION=auto), so these tests check the GPU path end to end.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
 @pytest.fixture
 def tiny_model():
     return build_tiny_model

@@ -12,7 +12,7 @@ from specdec.testing import TINY_VARIANTS, build_tiny_model, build_tiny_tokenize
 
 
 def hf_greedy(model, prompt, n):
-    x = torch.tensor([prompt])
+    x = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, min_new_tokens=n)
     return out[0].tolist()
@@ -23,8 +23,8 @@ PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7], [10, 20, 30, 40, 50, 60, 70, 80, 90, 1
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa-tied", "llama-mha-untied", "qwen3-qknorm", "llama3-rope", "qwen2-bias"])
-def test_greedy_matches_transformers_single_and_batched(variant):
-    model = build_tiny_model(variant)
+def test_greedy_matches_transformers_single_and_batched(variant, device):
+    model = build_tiny_model(variant).to(device)
     refs = [hf_greedy(model, p, 40) for p in PROMPTS]
     batched = specdec.generate(model, PROMPTS, max_new_tokens=40)
     assert batched == refs
@@ -61,8 +61,8 @@ def test_greedy_matches_transformers_24_prompts_x_128_tokens(variant):
     assert sum(ties) <= 2, f"{sum(ties)} of {len(ties)} sequences part at a float32 tie: too many to be chance"
 
 
-def test_batch_of_8_ragged_prompts_equals_one_by_one():
-    model = build_tiny_model("llama-mha-untied")
+def test_batch_of_8_ragged_prompts_equals_one_by_one(device):
+    model = build_tiny_model("llama-mha-untied").to(device)
     prompts = ragged_prompts(8, seed=3)
     assert len({len(p) for p in prompts}) >= 6  # ragged lengths
     singles = [specdec.generate(model, [p], max_new_tokens=48)[0] for p in prompts]
@@ -121,21 +121,27 @@ def test_stop_strings_with_a_real_tokenizer(drafter):
     assert any(s in tok.decode(out.new_tokens[0]) for s in stops)  # the stop string itself is kept
 
 
-def test_generator_argument_drives_sampling():
-    model = build_tiny_model()
+def test_generator_argument_drives_sampling(device):
+    model = build_tiny_model().to(device)
     kwargs = dict(max_new_tokens=10, do_sample=True, top_k=20)
     by_seed = specdec.generate(model, PROMPTS, seed=7, **kwargs)
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator(device=device).manual_seed(7)
     first = specdec.generate(model, PROMPTS, generator=gen, **kwargs)
     second = specdec.generate(model, PROMPTS, generator=gen, **kwargs)
     assert first == by_seed  # a generator seeded like `seed` gives the same draws
     assert second != first  # the caller's generator is consumed, not re-seeded
-    again = specdec.generate(model, PROMPTS, generator=torch.Generator().manual_seed(7), **kwargs)
+    again = specdec.generate(model, PROMPTS, generator=torch.Generator(device=device).manual_seed(7), **kwargs)
     assert again == first
     # speculative sampling draws from the same generator: reproducible too
-    spec = [specdec.generate(model, PROMPTS, generator=torch.Generator().manual_seed(3), drafter="ngram",
-                             **kwargs) for _ in range(2)]
+    spec = [specdec.generate(model, PROMPTS, generator=torch.Generator(device=device).manual_seed(3),
+                             drafter="ngram", **kwargs) for _ in range(2)]
     assert spec[0] == spec[1]
+
+
+def test_generator_on_another_device_than_the_model_is_a_clear_error():
+    model = build_tiny_model().to("meta")  # any device other than the generator's, also without a GPU
+    with pytest.raises(ValueError, match="generator is on cpu but the model is on meta"):
+        specdec.generate(model, PROMPTS, max_new_tokens=2, do_sample=True, generator=torch.Generator())
 
 
 def test_streamer_sees_every_token_in_order():
@@ -147,24 +153,25 @@ def test_streamer_sees_every_token_in_order():
     assert out.stats[0].steps == 12 and out.stats[0].tau == 1.0
 
 
-def test_sampling_first_token_follows_target_distribution():
-    model = build_tiny_model(vocab_size=16)
+def test_sampling_first_token_follows_target_distribution(device):
+    model = build_tiny_model(vocab_size=16).to(device)
     prompt = [1, 2, 3]
     n = 4000
     out = specdec.generate(model, [prompt] * n, max_new_tokens=1, do_sample=True, temperature=1.3, seed=0)
     counts = torch.bincount(torch.tensor([o[-1] for o in out]), minlength=16).double()
     with torch.no_grad():
-        probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double() / 1.3, -1)
+        logits = model(torch.tensor([prompt], device=device)).logits[0, -1].double().cpu()
+    probs = torch.softmax(logits / 1.3, -1)
     _, p = stats.chisquare(counts.numpy(), (probs * n).numpy())
     assert p > 1e-3, p
     # a wrong temperature must be detected by the same test (the test can fail)
-    wrong = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double().detach(), -1)
+    wrong = torch.softmax(logits, -1)
     _, p_wrong = stats.chisquare(counts.numpy(), (wrong * n).numpy())
     assert p_wrong < 1e-6
 
 
-def test_seed_makes_sampling_reproducible():
-    model = build_tiny_model()
+def test_seed_makes_sampling_reproducible(device):
+    model = build_tiny_model().to(device)
     a = specdec.generate(model, PROMPTS, max_new_tokens=10, do_sample=True, top_k=5, top_p=0.9, seed=7)
     b = specdec.generate(model, PROMPTS, max_new_tokens=10, do_sample=True, top_k=5, top_p=0.9, seed=7)
     c = specdec.generate(model, PROMPTS, max_new_tokens=10, do_sample=True, top_k=5, top_p=0.9, seed=8)

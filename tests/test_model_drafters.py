@@ -164,3 +164,80 @@ def test_sampled_drafts_carry_the_distribution_they_were_drawn_from():
     for i in (tree.parents == -1).nonzero().flatten().tolist():
         torch.testing.assert_close(tree.draft_probs[i], expected, atol=1e-5, rtol=1e-5)
     assert int((tree.draft_probs[0] > 0).sum()) == 3  # top-k applied to the draft like the target
+
+
+# ---- reproducibility: generate(seed=...) seeds sampled drafts too ----------------------------
+@pytest.mark.parametrize("name, options", [
+    ("draft-model", dict(mode="independent", widths=(2,), num_draft_tokens=3)),
+    ("draft-model", dict(mode="without_replacement", widths=(3,), num_draft_tokens=2)),
+    ("self-draft", dict(num_layers=1, num_draft_tokens=3)),  # mode auto: sampled chain
+])
+def test_seeded_generate_is_reproducible_whatever_the_global_rng(name, options):
+    target = build_tiny_model(num_hidden_layers=2)
+    options = dict(options, **({"model": build_tiny_model(seed=7)} if name == "draft-model" else {}))
+    outs = []
+    for global_seed in (0, 1, 0):
+        torch.manual_seed(global_seed)
+        outs.append(specdec.generate(target, PROMPTS, max_new_tokens=24, drafter=name, drafter_options=options,
+                                     do_sample=True, temperature=1.5, seed=3))
+    assert outs[0] == outs[1] == outs[2]
+    torch.manual_seed(0)
+    other = specdec.generate(target, PROMPTS, max_new_tokens=24, drafter=name, drafter_options=options,
+                             do_sample=True, temperature=1.5, seed=4)
+    assert other != outs[0]  # the seed does matter
+
+
+def test_reused_drafter_instance_is_reseeded_by_each_generate_call():
+    target = build_tiny_model(num_hidden_layers=2)
+    drafter = DraftModelDrafter(build_tiny_model(seed=7), mode="independent", widths=(2,), num_draft_tokens=3)
+    outs = []
+    for global_seed in (0, 1):
+        torch.manual_seed(global_seed)
+        outs.append(specdec.generate(target, PROMPTS, max_new_tokens=24, drafter=drafter, do_sample=True,
+                                     temperature=1.5, seed=3))
+        assert drafter.generator.device == drafter.runner.device  # drafts are sampled where draft_probs live
+    assert outs[0] == outs[1]
+    gens = [torch.Generator().manual_seed(3) for _ in range(2)]  # a generator= works like a seed
+    torch.manual_seed(0)
+    a = specdec.generate(target, PROMPTS, max_new_tokens=24, drafter=drafter, do_sample=True, generator=gens[0])
+    torch.manual_seed(1)
+    b = specdec.generate(target, PROMPTS, max_new_tokens=24, drafter=drafter, do_sample=True, generator=gens[1])
+    assert a == b
+
+
+# ---- tree="dynamic", mode="auto" under sampling: a dynamic tree of deterministic candidates --
+def _spy_trees(drafter_cls):
+    trees = []
+
+    class Spy(drafter_cls):
+        def propose(self, seqs):
+            out = super().propose(seqs)
+            trees.extend(out)
+            return out
+
+    return Spy, trees
+
+
+def test_dynamic_tree_auto_mode_stays_a_dynamic_tree_when_sampling():
+    target = build_tiny_model(num_hidden_layers=2)
+    spy_cls, trees = _spy_trees(DraftModelDrafter)
+    drafter = spy_cls(build_tiny_model(seed=7), tree="dynamic", max_nodes=10, beam=3, num_draft_tokens=4)
+    out = specdec.generate(target, PROMPTS, max_new_tokens=24, drafter=drafter, do_sample=True, seed=0,
+                           temperature=0.8, top_k=20, return_dict=True)
+    assert drafter.mode.value == "deterministic"
+    trees = [t for t in trees if t.num_nodes]
+    assert trees and all(t.draft_probs is None for t in trees)
+    assert max(t.num_nodes for t in trees) == 10 and max(max(len(k) for k in t.children) for t in trees) > 1
+    assert all(len(s) == 24 for s in out.new_tokens)
+
+
+@pytest.mark.slow
+def test_sampling_law_with_dynamic_tree_matches_plain():
+    target, draft = build_tiny_model(vocab_size=4, seed=3), build_tiny_model(vocab_size=4, seed=11)
+    plain = _first_tokens(target, None, seed=1)
+    drafter = DraftModelDrafter(draft, tree="dynamic", max_nodes=8, beam=3, num_draft_tokens=3)
+    spec = _first_tokens(target, drafter, seed=2)
+    p, power = two_sample_chi2(plain, spec, tv=0.05)
+    assert power >= 0.9, f"only {power:.2f} power to detect TV 0.05"
+    assert p > 1e-3, f"dynamic tree: p = {p}"
+    assert drafter.mode.value == "deterministic" and drafter.draft_forwards > 0

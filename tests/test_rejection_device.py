@@ -1,0 +1,62 @@
+"""The rejection sampler keeps every tensor on the logits' device (issue 18: sampling on CUDA mixed CPU tree
+tensors with CUDA logits and crashed). Checked by construction on CPU: every tensor the sampler creates names
+its device, so none can land on the default (CPU) device beside CUDA logits. The `device`-parametrised tests
+(tests/test_generate.py, tests/test_speculative.py) run the same paths on CUDA when a GPU is present."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from specdec.rejection import rejection_sample
+from specdec.sampling import SamplingConfig
+from specdec.tree import DraftMode, DraftTree
+
+FACTORIES = {torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.tensor, torch.rand,
+             torch.randn, torch.randint, torch.as_tensor, torch.linspace, torch.eye}
+
+
+class FactoriesNameADevice(TorchFunctionMode):
+    """Records each tensor factory called without an explicit ``device=``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.missing: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FACTORIES and "device" not in kwargs:
+            self.missing.append(func.__name__)
+        return func(*args, **kwargs)
+
+
+def trees(vocab: int, gen: torch.Generator) -> list[DraftTree]:
+    probs = torch.softmax(torch.randn(4, vocab, generator=gen), -1)
+    return [
+        DraftTree.chain([1, 2, 3]),  # deterministic candidates
+        DraftTree([4, 5, 6, 7], [-1, -1, 0, 0], probs, DraftMode.INDEPENDENT),
+        DraftTree([4, 5, 6, 7], [-1, -1, 0, 0], probs, DraftMode.WITHOUT_REPLACEMENT),
+        DraftTree.empty(),
+    ]
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(True, 0.8, 5, 0.9), SamplingConfig(False)],
+                         ids=["sample", "greedy"])
+def test_sampler_names_the_device_of_every_tensor_it_creates(sampling):
+    gen = torch.Generator().manual_seed(0)
+    vocab = 12
+    batch = trees(vocab, gen)
+    logits = torch.randn(len(batch), 5, vocab, generator=gen)
+    with FactoriesNameADevice() as mode:
+        for _ in range(20):
+            rejection_sample(batch, logits, sampling, torch.Generator().manual_seed(1))
+    assert mode.missing == []
+    with FactoriesNameADevice() as mode:  # the check itself can fail
+        torch.zeros(3)
+    assert mode.missing == ["zeros"]
+
+
+def test_generator_on_another_device_than_the_logits_is_refused():
+    logits = torch.zeros(1, 1, 8, device="meta")
+    with pytest.raises(ValueError, match="generator is on cpu but target_logits are on meta"):
+        rejection_sample([DraftTree.empty()], logits, SamplingConfig(True), torch.Generator())
