@@ -281,7 +281,9 @@ class ModelDrafter(Drafter):
                     mask[j, committed + i] = True
                     i = nodes[b][i].parent
             first = committed + new[0]
-            plans.append(SeqAttention(len(tokens), len(new), key_slots, mask.to(key_slots.device), False))
+            # the committed keys are visible to all: the kernel's unmasked prefix, the nodes its ancestor bits
+            plans.append(SeqAttention(len(tokens), len(new), key_slots, mask.to(key_slots.device), False,
+                                      visible_prefix=committed))
             write_slots.append(key_slots[first:])
             tokens += [nodes[b][i].token for i in new]
             positions += [len(v.token_ids) - 1 + depth] * len(new)

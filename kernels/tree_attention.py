@@ -172,32 +172,51 @@ def _merge_kernel(PartO, PartLse, Out, stride_ps, stride_pt, stride_ph, stride_l
     tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
-def _mask_bits(new_mask: torch.Tensor, seq: int) -> tuple[int, int, torch.Tensor]:
-    """(lead, tree_mode, bits [n] int64) for an [n, n] bool mask over a sequence's new tokens.
+def _mask_bits(mask: torch.Tensor, seq: int, known_lead: int = 0) -> tuple[int, int, torch.Tensor]:
+    """(lead, tree_mode, bits [n] int64) for an [n, m] bool mask of a sequence's n queries over its last m keys.
 
-    Up to 64 rows: tree mode, no host sync. Longer: a causal mask stays causal; otherwise the leading
-    columns visible to every query join the unmasked prefix (the root of a 64-node tree) and the rest
-    must fit in 64 bits. These checks sync with the device, only for such large masks.
+    ``lead`` columns join the unmasked prefix (every query sees them), the ``m - lead`` after them are the
+    masked keys. The first ``known_lead`` columns are known to be all-visible and are not read.
+    Up to 64 columns after them: tree mode, no host sync. Wider: a lower-triangular mask over exactly the new
+    tokens stays causal; otherwise the leading columns visible to every query also join the prefix (the
+    root of a 64-node tree, a model drafter's committed keys) and the rest must fit in 64 bits. These
+    checks sync with the device, only for such wide masks.
     """
-    n = new_mask.shape[0]
-    if tuple(new_mask.shape) != (n, n):
-        raise ValueError(f"sequence {seq}: the new-token mask must be square, got {tuple(new_mask.shape)}")
-    weights = _bit_weights(new_mask.device)
-    if n <= MAX_TREE_NODES:
-        return 0, 1, (new_mask.long() * weights[:n]).sum(-1)
-    host = new_mask.cpu()
-    if torch.equal(host, torch.ones(n, n, dtype=torch.bool).tril()):
-        return 0, 0, torch.zeros(n, dtype=torch.long, device=new_mask.device)
+    n, m = mask.shape
+    width = m - known_lead
+    weights = _bit_weights(mask.device)
+    if width <= MAX_TREE_NODES:
+        return known_lead, 1, (mask[:, known_lead:].long() * weights[:width]).sum(-1)
+    host = mask[:, known_lead:].cpu()
+    if width == n and torch.equal(host, torch.ones(n, n, dtype=torch.bool).tril()):
+        return known_lead, 0, torch.zeros(n, dtype=torch.long, device=mask.device)
     lead = 0
     all_cols = host.all(0).tolist()
-    while lead < n and all_cols[lead]:
+    while lead < width and all_cols[lead]:
         lead += 1
-    if n - lead > MAX_TREE_NODES:
+    if width - lead > MAX_TREE_NODES:
         raise ValueError(
-            f"sequence {seq}: a non-causal mask over {n} new tokens needs <= {MAX_TREE_NODES} columns after the "
-            f"leading all-visible ones (it has {n - lead}); the tree kernel's ancestor mask is 64 bits"
+            f"sequence {seq}: a non-causal mask needs <= {MAX_TREE_NODES} key columns after the leading ones "
+            f"visible to every query (it has {width - lead} of {m}); the tree kernel's ancestor mask is 64 bits"
         )
-    return lead, 1, (new_mask[:, lead:].long() * weights[: n - lead]).sum(-1)
+    lead += known_lead
+    return lead, 1, (mask[:, lead:].long() * weights[: m - lead]).sum(-1)
+
+
+def _visible_prefix(s, seq: int) -> int:
+    """Leading key columns of ``s.mask`` the plan declares visible to every query (0 if it does not say).
+
+    Trusted without a device sync; checked against the mask when the mask is on the CPU (free there)."""
+    v = s.visible_prefix
+    if v is None:
+        return 0
+    keys = s.key_slots.numel()
+    if not 0 <= v <= keys:
+        raise ValueError(f"sequence {seq}: visible_prefix {v} is outside the sequence's {keys} keys")
+    if s.mask.device.type == "cpu" and not bool(s.mask[:, :v].all()):
+        raise ValueError(f"sequence {seq}: visible_prefix says the first {v} keys are visible to every query, "
+                         "but the mask hides some of them")
+    return v
 
 
 # ---- metadata --------------------------------------------------------------------------------------
@@ -254,6 +273,8 @@ class TreeAttentionMetadata:
                 raise ValueError(f"sequence {b} has no new tokens")
             if (c + n) > len(table) * page_size:
                 raise ValueError(f"sequence {b}: {c + n} keys but its block table covers {len(table) * page_size}")
+            if not isinstance(m, int) and tuple(m.shape) != (n, n):
+                raise ValueError(f"sequence {b}: the new-token mask must be square, got {tuple(m.shape)}")
             lead, mode, b_bits = (0, 0, torch.zeros(n, dtype=torch.long)) if isinstance(m, int) else _mask_bits(m, b)
             tree.append(mode)
             bits.append(b_bits.cpu())
@@ -275,24 +296,33 @@ class TreeAttentionMetadata:
 
     @classmethod
     def from_plan(cls, plan) -> "TreeAttentionMetadata":
-        """From the engine's AttentionPlan. Its key_slots become a page-size-1 block table (one slot
-        per position), so no host sync is needed except for >64-token non-causal masks."""
+        """From an AttentionPlan. Its key_slots become a page-size-1 block table (one slot per position).
+
+        The kernel honours exactly what each mask says: ``ctx_len`` is the number of leading key columns
+        visible to every query, and every key after them (hidden cached columns included, e.g. a model
+        drafter's scratch nodes of earlier depths) goes under the ancestor bits, so at most 64 of them.
+        A plan that declares its visible prefix (``SeqAttention.visible_prefix``: ``AttentionPlan.build``
+        and the model drafters do) needs no host sync unless more than 64 keys follow that prefix
+        (the engine's 65-token tree); one that does not needs none up to 64 keys in all."""
         seqs = plan.seqs
         device = plan.write_slots.device
         slot_rows = torch.nn.utils.rnn.pad_sequence([s.key_slots.to(torch.int32) for s in seqs], batch_first=True)
         ctx, nm, tree, bits = [], [], [], []
         for b, s in enumerate(seqs):
             n = s.num_new
-            cached = s.key_slots.numel() - n
+            keys = s.key_slots.numel()
             if s.mask is None or s.causal:
-                ctx.append(cached)
+                ctx.append(keys - n)
                 nm.append(n)
                 tree.append(0)
                 bits.append(torch.zeros(n, dtype=torch.long, device=device))
                 continue
-            lead, mode, b_bits = _mask_bits(s.mask[:, cached:], b)  # cached columns: all True by build()
-            ctx.append(cached + lead)
-            nm.append(n - lead)
+            if tuple(s.mask.shape) != (n, keys):
+                raise ValueError(f"sequence {b}: the mask must be [{n}, {keys}] (new tokens x keys), "
+                                 f"got {tuple(s.mask.shape)}")
+            lead, mode, b_bits = _mask_bits(s.mask, b, _visible_prefix(s, b))
+            ctx.append(lead)
+            nm.append(keys - lead)
             tree.append(mode)
             bits.append(b_bits)
 

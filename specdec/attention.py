@@ -27,6 +27,10 @@ class SeqAttention:
     # [num_new, num_cached + num_new] bool, True = may attend; None = all visible (decode)
     mask: torch.Tensor | None
     causal: bool  # new tokens are a plain causal run with no cached prefix (prefill)
+    # leading key columns that `mask` shows to every query, when the builder knows it (build(): the cached
+    # keys; a model drafter: its committed keys). The Triton path then reads only the mask after them and
+    # needs no host sync. None: the kernel path derives it from the mask (a host sync when > 64 columns).
+    visible_prefix: int | None = None
 
     @cached_property
     def contiguous_start(self) -> int | None:
