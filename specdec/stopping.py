@@ -3,12 +3,22 @@
 A speculative step commits several tokens at once; :meth:`StopCriteria.scan` walks them one
 by one so nothing past a stop is ever emitted (the stopping token itself is kept, as in
 transformers).
+
+Stop strings are matched on a decoded *window* at the end of the text, grown by characters
+(not by a fixed number of tokens): a character may take several tokens (byte fallback,
+byte-level BPE), and a token many characters.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+# A window decoded on its own may differ from the full text in its first few characters
+# (a UTF-8 sequence cut in two decodes to U+FFFD, a SentencePiece leading space is stripped):
+# those characters are never matched. 8 > the 3 continuation bytes of a cut UTF-8 character.
+WINDOW_SLACK_CHARS = 8
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,8 @@ class StopCriteria:
         history = list(generated)
         max_seq = max((len(s) for s in self.stop_sequences), default=0)
         max_chars = max((len(s) for s in self.stop_strings), default=0)
+        # tokens decoded per stop-string check: enough at >= 1 character per token, else it grows
+        window = max_chars + WINDOW_SLACK_CHARS + 2
         for i, tok in enumerate(committed):
             history.append(tok)
             if tok in self.eos_token_ids:
@@ -42,10 +54,25 @@ class StopCriteria:
             if max_seq and any(tuple(history[-len(s) :]) == s for s in self.stop_sequences):
                 return i + 1, "stop"
             if max_chars:
-                # a token decodes to >= 1 char (or a byte fragment): this window covers any match
-                tail = self.tokenizer.decode(history[-(max_chars + 2) :], skip_special_tokens=False)
+                tail, window = self._tail(history, window, max_chars)
                 if any(s in tail for s in self.stop_strings):
                     return i + 1, "stop"
             if len(history) >= self.max_new_tokens:
                 return i + 1, "length"
         return len(committed), None
+
+    def _tail(self, history: list[int], window: int, max_chars: int) -> tuple[str, int]:
+        """(text, window): the end of the decoded text holding every stop-string match that the
+        last token completed, and the token window used (doubled until it covers the match)."""
+        decode = self.tokenizer.decode
+        while True:
+            start = max(0, len(history) - window)
+            text = decode(history[start:], skip_special_tokens=False)
+            if start == 0:  # the whole text: nothing to trim
+                return text, window
+            # a match the last token completed ends past the prefix shared with the text without
+            # that token, so it starts past prefix - max_chars >= the slack: it lies in text[slack:]
+            before = decode(history[start:-1], skip_special_tokens=False)
+            if len(os.path.commonprefix([before, text])) >= max_chars + WINDOW_SLACK_CHARS:
+                return text[WINDOW_SLACK_CHARS:], window
+            window *= 2

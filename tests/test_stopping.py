@@ -42,3 +42,51 @@ def test_invalid_criteria():
         StopCriteria(5, stop_strings=("x",))
     with pytest.raises(ValueError):
         StopCriteria(5, stop_sequences=((),))
+
+
+def _byte_level_tokenizer():
+    """GPT-2 style byte-level tokenizer without merges: every UTF-8 byte is one token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer; records the length of every decoded window."""
+
+    def __init__(self, inner):
+        self.inner, self.lengths = inner, []
+
+    def decode(self, ids, skip_special_tokens=False):
+        self.lengths.append(len(ids))
+        return self.inner.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("stop_string", ["😀", "😀😀", "é😀", "x😀"])
+def test_stop_string_of_many_tokens_per_character(stop_string):
+    tok = _byte_level_tokenizer()
+    ids = tok.encode("hello " * 50 + stop_string + " tail").ids
+    end = len(tok.encode("hello " * 50 + stop_string).ids)  # the stop string's last byte is token end - 1
+    assert end - len(tok.encode("hello " * 50).ids) >= 4  # the stop string spans >= 4 tokens
+    counting = CountingTokenizer(tok)
+    stop = StopCriteria(1000, stop_strings=(stop_string,), tokenizer=counting)
+    for cut in (end - 6, end - 3, end - 1):  # the stop string split between history and commit
+        assert stop.scan(ids[:cut], ids[cut:]) == (end - cut, "stop")
+    assert stop.scan([], ids[: end - 1]) == (end - 1, None)  # one byte short: no stop yet
+    assert max(counting.lengths) < 64  # windows stay short: no step decodes the whole text
+
+
+def test_stop_string_inside_a_long_token_right_after_history():
+    class WordTokenizer:
+        words = ["X", "abcdefghij", "Y"]
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(self.words[i] for i in ids)
+
+    stop = StopCriteria(100, stop_strings=("Xab",), tokenizer=WordTokenizer())
+    assert stop.scan([2, 2, 0], [1, 2]) == (1, "stop")
+    assert stop.scan([2] * 30 + [0], [1]) == (1, "stop")
