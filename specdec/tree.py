@@ -158,7 +158,13 @@ class DraftTree:
 
     # ---- checks the engine runs on every proposal ---------------------------------------
     def validate(self, vocab_size: int, drafter: str = "drafter", atol: float = 1e-4) -> None:
-        """Raise DraftError naming `drafter` and the problem if this tree cannot be verified exactly."""
+        """Raise DraftError naming `drafter` and the problem if this tree cannot be verified exactly.
+
+        Rows of draft_probs are accepted when they sum to 1 within `atol`; they are then replaced by
+        the rows divided by their sums, computed in float64 and stored in the rows' dtype (float32
+        at least): the exact rule sees the distributions that were sampled from, summing to 1 up to
+        that dtype's rounding (float32: ~1e-7, the precision torch.multinomial draws float32 rows with).
+        """
         n = self.num_nodes
         # the structure was checked at construction, but tensors are mutable: re-check what the engine relies on
         if self.parents.numel() != n or _first_bad_parent(self.parents) is not None:
@@ -168,6 +174,13 @@ class DraftTree:
             bad = ((self.tokens < 0) | (self.tokens >= vocab_size)).nonzero().flatten().tolist()
             where = ", ".join(f"node {i} has token {int(self.tokens[i])}" for i in bad[:5])
             raise DraftError(f"{drafter}: draft token ids outside the vocabulary [0, {vocab_size}): {where}")
+        if self.mode is DraftMode.WITHOUT_REPLACEMENT:  # siblings (same parent) have distinct tokens
+            first: dict[tuple[int, int], int] = {}
+            for i, key in enumerate(zip(self.parents.tolist(), self.tokens.tolist())):
+                j = first.setdefault(key, i)
+                if j != i:
+                    raise DraftError(f"{drafter}: nodes {j} and {i} are siblings with the same token {key[1]}, "
+                                     "impossible when drawn without replacement")
         if self.draft_probs is None:
             return
         probs = self.draft_probs
@@ -192,3 +205,6 @@ class DraftTree:
             nodes = (drawn <= 0).nonzero().flatten().tolist()
             raise DraftError(f"{drafter}: drafted tokens at nodes {nodes[:5]} have draft probability 0, "
                              "so they cannot have been sampled from draft_probs")
+        # invariant from here on: every row sums to 1 up to its dtype's rounding
+        dtype = torch.promote_types(probs.dtype, torch.float32)
+        object.__setattr__(self, "draft_probs", (probs.double() / sums[:, None]).to(dtype))

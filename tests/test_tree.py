@@ -68,3 +68,24 @@ def test_validation_errors():
     t = DraftTree.chain([3, 1], torch.tensor([[0.5, 0.5, 0, 0], [0.25, 0.25, 0.25, 0.25]]))
     with pytest.raises(DraftError, match="probability 0"):
         t.validate(4, "d")
+
+
+def test_duplicate_siblings_without_replacement_are_refused():
+    probs = torch.tensor([[0.5, 0.25, 0.25, 0.0]] * 3)
+    t = DraftTree([1, 0, 1], [-1, -1, -1], probs, DraftMode.WITHOUT_REPLACEMENT)
+    with pytest.raises(DraftError, match=r"d: nodes 0 and 2 .*token 1.*without replacement"):
+        t.validate(4, "d")
+    DraftTree([1, 0, 1], [-1, -1, 0], probs, DraftMode.WITHOUT_REPLACEMENT).validate(4, "d")  # cousins may repeat
+    DraftTree([1, 0, 1], [-1, -1, -1], probs, DraftMode.INDEPENDENT).validate(4, "d")  # i.i.d. siblings may repeat
+
+
+@pytest.mark.parametrize("mode", [DraftMode.INDEPENDENT, DraftMode.WITHOUT_REPLACEMENT])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float64, 1e-15)])
+def test_validate_renormalises_rows_within_tolerance(mode, dtype, tol):
+    probs = torch.tensor([[0.5, 0.25, 0.25, 0.0], [0.125, 0.125, 0.25, 0.5]], dtype=torch.float64)
+    off = (probs * torch.tensor([[1 + 9e-5], [1 - 9e-5]], dtype=torch.float64)).to(dtype)  # accepted: atol 1e-4
+    t = DraftTree.chain([0, 1], off, mode)
+    t.validate(4, "d")
+    assert t.draft_probs.dtype == dtype
+    assert (t.draft_probs.double().sum(-1) - 1).abs().max() < tol  # the rule sees distributions
+    torch.testing.assert_close(t.draft_probs.double(), probs, atol=tol, rtol=0)
