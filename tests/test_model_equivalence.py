@@ -116,6 +116,32 @@ def test_runner_shares_weights():
     assert runner.lm_head.data_ptr() == model.lm_head.weight.data_ptr()
 
 
+def test_runner_follows_a_model_moved_after_it_was_built():
+    """model.to(device) replaces buffers: a rotary inv_freq copied when the runner was built stayed on the old
+    device, and every forward copied it over (a host-to-device copy inside CUDA-graph capture)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = build_tiny_model()
+    runner = LlamaRunner(model)
+    model.to("meta")  # a device other than the one the runner was built on, also without a GPU
+
+    class CrossDeviceCopies(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and "device" in kwargs and args[0].device != kwargs["device"]:
+                self.seen.append((args[0].device, kwargs["device"]))
+            return func(*args, **kwargs)
+
+    with CrossDeviceCopies() as mode:
+        cos, sin = runner.rope(torch.arange(5, device="meta"))
+    assert cos.device.type == sin.device.type == "meta"
+    assert mode.seen == []
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_cpu_linear_policy_equals_f_linear_for_every_row_count(threads):
     """linear() picks a GEMM layout (and pads rows) by row count and thread count; every choice

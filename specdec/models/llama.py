@@ -182,9 +182,10 @@ class LlamaRunner:
         self.embed = base.embed_tokens.weight
         self.final_norm = base.norm.weight
         self.lm_head = hf_model.lm_head.weight  # same tensor as embed when tied
-        rotary = base.rotary_emb
-        self.inv_freq = rotary.inv_freq.float()  # [head_dim / 2]
-        self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        # the rotary module, not a copy of its inv_freq buffer: model.to(device) replaces buffers (parameters
+        # keep their identity), so a copy taken here would stay behind and cost a host-to-device copy per forward
+        self.rotary = base.rotary_emb
+        self.attention_scaling = float(getattr(self.rotary, "attention_scaling", 1.0))
 
     def truncated(self, num_layers: int) -> "LlamaRunner":
         """A runner over the first ``num_layers`` layers + the final norm + the LM head,
@@ -205,7 +206,8 @@ class LlamaRunner:
         return self.embed.device
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [T, 1, head_dim]
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        inv_freq = self.rotary.inv_freq.float()  # [head_dim / 2], on the model's device (no copy when float32)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.attention_scaling).to(self.dtype)
         sin = (emb.sin() * self.attention_scaling).to(self.dtype)
