@@ -43,10 +43,33 @@ class TargetView:
     tokenizer: Any = None  # the target's tokenizer when known (vocabulary checks)
 
 
+class TokenView(Sequence[int]):
+    """A read-only window onto a sequence's committed tokens: indexing, slicing (a new list), len and
+    iteration, no mutation. The engine hands drafters this instead of its own list, so no drafter can
+    change committed state (an ``append`` on the engine's list once injected tokens into the output)."""
+
+    __slots__ = ("_tokens",)
+
+    def __init__(self, tokens: list[int]) -> None:
+        self._tokens = tokens
+
+    def __getitem__(self, index):
+        return self._tokens[index]
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __iter__(self):
+        return iter(self._tokens)
+
+    def __repr__(self) -> str:
+        return f"TokenView({self._tokens!r})"
+
+
 @dataclass(frozen=True)
 class SequenceView:
     seq_id: int
-    # prompt + every committed token; the last one is the root of the next draft tree
+    # prompt + every committed token (read-only); the last one is the root of the next draft tree
     token_ids: Sequence[int]
     num_prompt_tokens: int
     # [hidden_size] target hidden state (after the final norm) at token_ids[-2]; only for

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from specdec.kernels.dispatch import use_triton
 
+CAUSAL = "causal"  # AttentionPlan.build's new_mask for a causal run of new tokens (prefill)
+
 
 @dataclass(frozen=True)
 class SeqAttention:
@@ -105,22 +107,31 @@ class AttentionPlan:
 
     @staticmethod
     def build(
-        num_cached: int, key_slots: torch.Tensor, new_mask: torch.Tensor | None, query_start: int
+        num_cached: int, key_slots: torch.Tensor, new_mask: torch.Tensor | str | None, query_start: int
     ) -> SeqAttention:
-        """One sequence: `new_mask` [num_new, num_new] over the new tokens (None = single token)."""
+        """One sequence: `new_mask` [num_new, num_new] over the new tokens, ``CAUSAL`` for a causal run
+        (prefill; no mask is built when nothing is cached, so a 32k-token prompt costs no 1 GiB mask),
+        or None for a single token."""
         num_new = key_slots.numel() - num_cached
         if new_mask is None:
             if num_new != 1:
                 raise ValueError("new_mask may be omitted only for a single new token")
             return SeqAttention(query_start, 1, key_slots, None, False)
-        causal = num_cached == 0 and bool(
-            torch.equal(new_mask, torch.ones(num_new, num_new, dtype=torch.bool).tril())
-        )
+        if isinstance(new_mask, str):
+            if new_mask != CAUSAL:
+                raise ValueError(f"new_mask must be a bool tensor, {CAUSAL!r} or None, got {new_mask!r}")
+            causal = num_cached == 0
+            if not causal:  # a causal run after cached keys (chunked prefill): the reference path needs the mask
+                new_mask = torch.ones(num_new, num_new, dtype=torch.bool, device=key_slots.device).tril()
+        else:
+            causal = num_cached == 0 and bool(
+                torch.equal(new_mask, torch.ones(num_new, num_new, dtype=torch.bool, device=new_mask.device).tril())
+            )
         full = None
         if not causal:
             full = torch.ones(num_new, num_cached + num_new, dtype=torch.bool, device=key_slots.device)
             full[:, num_cached:] = new_mask.to(key_slots.device)
-        return SeqAttention(query_start, num_new, key_slots, full, causal)
+        return SeqAttention(query_start, num_new, key_slots, full, causal, visible_prefix=num_cached)
 
 
 def paged_attention(

@@ -11,11 +11,13 @@ same memory. So :class:`GraphedForward` pads each verify step up to a *bucket* (
 * the tree-attention metadata (:mod:`specdec.kernels.graph_metadata`), refilled in place from
   the step's :class:`~specdec.attention.AttentionPlan`; in the kernel, padded rows and padded
   sequences read no keys and write nothing;
-* on CUDA, the captured graph and its static output (logits and hidden states of every row).
+* on CUDA, the captured graph and its static output: the final hidden states of every row. The
+  LM head runs after the replay on the step's real rows only, so padding costs no
+  ``rows x vocab`` logits (1 GiB for a 32 x 64 bucket at a 128k vocabulary).
 
 Rows meet only in attention, so the real rows get the eager forward's values (the padded rows
-are garbage and are never read). The returned logits are views of the bucket's static output:
-valid until the next call, which is how the engine uses them (it indexes them at once).
+are garbage and are never read). The returned hidden states are views of the bucket's static
+output: valid until the next call, which is how the engine uses them (it indexes them at once).
 Without a GPU nothing is captured: ``capture=False`` runs the same padded static forward
 eagerly, which is how the tests check it in the Triton interpreter.
 
@@ -132,7 +134,7 @@ class GraphedForward:
         return self.config.batch_sizes[b], self.config.tokens_per_seq[t]
 
     def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, plan) -> ForwardOutput | None:
-        """Logits and hidden states of every row of a verify step ([num_tokens, ...] views), or None
+        """Logits and hidden states of the real rows of a verify step ([num_tokens, ...]), or None
         when the step fits no bucket (the caller then runs the eager forward)."""
         seqs = plan.seqs
         if any(s.causal for s in seqs) or any(s.key_slots.numel() > self.max_keys for s in seqs):
@@ -152,7 +154,8 @@ class GraphedForward:
                 self._capture(bucket)
             bucket.graph.replay()
         self.replays += 1
-        return ForwardOutput(bucket.output.logits[:n], bucket.output.hidden[:n])
+        hidden = bucket.output.hidden[:n]
+        return ForwardOutput(self.runner.logits(hidden), hidden)
 
     # ---- internals ----------------------------------------------------------------------
     def _new_bucket(self, batch: int, tokens_per_seq: int) -> _Bucket:
@@ -178,7 +181,7 @@ class GraphedForward:
     def _run(self, bucket: _Bucket) -> ForwardOutput:
         rows = bucket.rows
         return self.runner.forward(self.token_ids[:rows], self.positions[:rows], bucket.plan, self.cache,
-                                   self.logits_rows[:rows])
+                                   self.logits_rows[:rows], with_logits=False)
 
     def _capture(self, bucket: _Bucket) -> None:
         # warm-up on a side stream, as torch.cuda.graph asks: compiles the kernels, copies the tile lists to

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.attention import AttentionPlan
+from specdec.attention import CAUSAL, AttentionPlan
 from specdec.audit import DraftAudit
 from specdec.cuda_graphs import GraphedForward
-from specdec.drafters.base import Drafter, SequenceView, TargetView
+from specdec.drafters.base import Drafter, SequenceView, TargetView, TokenView
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import ForwardOutput, LlamaRunner
 from specdec.rejection import EXACT, Acceptance, AcceptanceRule, rejection_sample
@@ -104,8 +104,8 @@ class Engine:
         todo = [s for s in new if len(s.tokens) > 1]
         self.cache.reserve_many({s.seq_id: len(s.tokens) - 1 for s in todo})
         if todo:
-            masks = [torch.ones(len(s.tokens) - 1, len(s.tokens) - 1, dtype=torch.bool).tril() for s in todo]
-            positions = [torch.arange(m.shape[0]) for m in masks]
+            masks = [CAUSAL] * len(todo)  # no O(n^2) dense mask for a long prompt
+            positions = [torch.arange(len(s.tokens) - 1) for s in todo]
             batch = self._build_batch(todo, [s.tokens[:-1] for s in todo], positions, masks)
             # the last prompt row's hidden state is what a Medusa-style drafter starts from
             last_rows = torch.tensor([r[len(s.tokens) - 2] for r, s in zip(batch.row_index.tolist(), todo)],
@@ -138,7 +138,7 @@ class Engine:
     def propose(self, live: list[SequenceState]) -> list[DraftTree]:
         if self.drafter is None:
             return [DraftTree.empty() for _ in live]
-        views = [SequenceView(s.seq_id, s.tokens, s.num_prompt, s.last_hidden) for s in live]
+        views = [SequenceView(s.seq_id, TokenView(s.tokens), s.num_prompt, s.last_hidden) for s in live]
         name = getattr(self.drafter, "name", type(self.drafter).__name__)
         try:
             trees = self.drafter.propose(views)

@@ -117,3 +117,34 @@ def test_contiguous_start_needs_every_slot_in_order():
     slots = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
     assert AttentionPlan.build(15, slots, None, 0).contiguous_start is None
     assert AttentionPlan.build(15, torch.arange(16) + 32, None, 0).contiguous_start == 32
+
+
+def test_prefill_builds_no_quadratic_mask():
+    """A prompt's prefill is a causal run: no [n, n] bool mask (about 1 GiB at 32k tokens) is built for it,
+    on any device; the attention takes SDPA's causal path (or the kernel's causal mode) instead."""
+    from torch.overrides import TorchFunctionMode
+
+    import specdec
+    from specdec.attention import CAUSAL
+    from specdec.testing import build_tiny_model
+
+    n = 400
+    plan = AttentionPlan.build(0, torch.arange(n), CAUSAL, 0)
+    assert plan.causal and plan.mask is None
+
+    class BoolSizes(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.largest = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.bool:
+                self.largest = max(self.largest, out.numel())
+            return out
+
+    with BoolSizes() as sizes:
+        specdec.generate(build_tiny_model(), [[1 + i % 90 for i in range(n)]], max_new_tokens=2)
+    assert sizes.largest < n * 4, f"a {sizes.largest}-element bool tensor for a {n}-token prompt"
+    with pytest.raises(ValueError, match="new_mask must be"):
+        AttentionPlan.build(0, torch.arange(3), "tril", 0)

@@ -69,9 +69,13 @@ def test_buckets_give_the_eager_logits_step_after_step(triton_backend, loaded):
         trees = engine.propose(live)
         batch = engine.verify_batch(live, trees)
         eager = engine.verify(batch)
-        seen.add(graphed.bucket_for(len(live), max(1 + t.num_nodes for t in trees)))
+        key = graphed.bucket_for(len(live), max(1 + t.num_nodes for t in trees))
+        seen.add(key)
         static = graphed(batch.token_ids, batch.positions, batch.plan)
         assert static is not None and static.logits.shape == eager.logits.shape
+        # the bucket's forward stops at the final hidden states of all its (padded) rows: no rows x vocab
+        # logits; the LM head ran on the step's real rows only
+        assert graphed.buckets[key].output.logits is None and static.logits.shape[0] == batch.token_ids.numel()
         err = (static.logits - eager.logits).abs().max().item()
         assert err <= 1e-4, f"step {step}: logits differ by {err:.3g}"
         assert (static.hidden - eager.hidden).abs().max().item() <= 1e-4

@@ -54,3 +54,30 @@ def test_drafter_is_attached_once_and_sees_the_hidden_state_of_the_token_before_
         torch.testing.assert_close(hidden, ref, atol=1e-4, rtol=1e-4)
         checked += 1
     assert checked >= 10
+
+
+class Mutator(Drafter):
+    """A careless plugin: it edits the tokens it was shown, then proposes nothing."""
+
+    name = "mutator"
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def propose(self, seqs):
+        for v in seqs:
+            for edit in (lambda t: t.append(5), lambda t: t.__setitem__(-1, 5), lambda t: t.extend([5, 5])):
+                try:
+                    edit(v.token_ids)
+                except (AttributeError, TypeError) as err:
+                    self.errors.append(type(err).__name__)
+        return [DraftTree.empty() for _ in seqs]
+
+
+def test_a_drafter_cannot_change_committed_tokens():
+    model = build_tiny_model()
+    prompts = [[1, 2, 3], [4, 5]]
+    plain = generate(model, prompts, max_new_tokens=6)
+    mutator = Mutator()
+    assert generate(model, prompts, max_new_tokens=6, drafter=mutator) == plain
+    assert mutator.errors and len(mutator.errors) == 3 * 2 * 6  # every edit, every sequence, every step refused

@@ -44,7 +44,7 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    logits: torch.Tensor  # [num_rows, vocab] float32, rows = logits_rows
+    logits: torch.Tensor | None  # [num_rows, vocab] float32, rows = logits_rows; None if with_logits=False
     hidden: torch.Tensor  # [num_rows, hidden_size] final-norm hidden states of those rows
 
 
@@ -221,6 +221,7 @@ class LlamaRunner:
         plan: AttentionPlan,
         cache: PagedKVCache,
         logits_rows: torch.Tensor | None,  # [R] rows of T that need logits; None = none (prefill)
+        with_logits: bool = True,  # False: final hidden states only (CUDA graphs: the LM head runs on real rows)
     ) -> ForwardOutput | None:
         s = self.shape
         n = token_ids.numel()
@@ -251,5 +252,8 @@ class LlamaRunner:
             return None
         h = h + delta
         hidden = rms_norm(h[logits_rows], self.final_norm, self.eps)
-        logits = linear(hidden, self.lm_head).float()
-        return ForwardOutput(logits, hidden)
+        return ForwardOutput(self.logits(hidden) if with_logits else None, hidden)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden_size] final-norm states -> [R, vocab]
+        return linear(hidden, self.lm_head).float()
