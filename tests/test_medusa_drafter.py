@@ -143,8 +143,8 @@ def test_default_choices_fill_the_node_budget_and_are_prefix_closed(num_heads, m
 @pytest.mark.parametrize("variant", ["llama-gqa-tied", "llama-mha-untied", "qwen3-qknorm"])
 @pytest.mark.parametrize("options", [dict(medusa_choices=STATIC), dict(), dict(tree="dynamic", max_nodes=16)],
                          ids=["static", "default-static", "dynamic"])
-def test_greedy_identity_with_random_and_lm_head_initialised_heads(variant, options):
-    model = build_tiny_model(variant)
+def test_greedy_identity_with_random_and_lm_head_initialised_heads(variant, options, device):
+    model = build_tiny_model(variant).to(device)
     plain = specdec.generate(model, PROMPTS, max_new_tokens=256)
     for heads in (random_heads(model), lm_head_heads(model)):
         out = specdec.generate(model, PROMPTS, max_new_tokens=256, drafter=MedusaDrafter(heads=heads, **options),

@@ -87,8 +87,8 @@ def check_greedy_identity(model, prompts, max_new_tokens):
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa-tied", "qwen3-qknorm"])
-def test_greedy_identity_ngram_and_random_trees(variant):
-    check_greedy_identity(build_tiny_model(variant), PROMPTS, 256)
+def test_greedy_identity_ngram_and_random_trees(variant, device):
+    check_greedy_identity(build_tiny_model(variant).to(device), PROMPTS, 256)
 
 
 @pytest.mark.slow
@@ -97,8 +97,8 @@ def test_greedy_identity_24_prompts_x_256_tokens(variant):
     check_greedy_identity(build_tiny_model(variant), ragged_prompts(24, seed=1), 256)
 
 
-def test_oracle_drafter_commits_whole_runs_and_stops_exactly_at_eos():
-    model = build_tiny_model()
+def test_oracle_drafter_commits_whole_runs_and_stops_exactly_at_eos(device):
+    model = build_tiny_model().to(device)
     plain = specdec.generate(model, PROMPTS, max_new_tokens=60)
     oracle = OracleDrafter(dict(enumerate(plain)), depth=5)
     out = specdec.generate(model, PROMPTS, max_new_tokens=60, drafter=oracle, return_dict=True)
@@ -146,8 +146,8 @@ N = 6000  # per side; each test asserts its own power to detect TV 0.05 (see _tw
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter_kind", ["ngram", "random-independent", "random-deterministic"])
-def test_sampling_law_of_first_three_tokens_matches_plain(drafter_kind):
-    model = build_tiny_model(vocab_size=4, seed=3)
+def test_sampling_law_of_first_three_tokens_matches_plain(drafter_kind, device):
+    model = build_tiny_model(vocab_size=4, seed=3).to(device)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     plain = _first_tokens(model, None, N, prompt, seed=1, temperature=0.9, top_k=3)
     if drafter_kind == "ngram":
@@ -161,10 +161,10 @@ def test_sampling_law_of_first_three_tokens_matches_plain(drafter_kind):
 
 
 @pytest.mark.slow
-def test_sampling_law_test_catches_a_broken_sampler():
+def test_sampling_law_test_catches_a_broken_sampler(device):
     from specdec.eval import negative_controls
 
-    model = build_tiny_model(vocab_size=4, seed=3)
+    model = build_tiny_model(vocab_size=4, seed=3).to(device)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     plain = _first_tokens(model, None, N, prompt, seed=1, temperature=0.9, top_k=3)
     broken_rule = negative_controls.BROKEN_RULES["always_accept"]
