@@ -1,0 +1,241 @@
+"""One command that checks and measures specdec's GPU path, and writes one JSON + Markdown report.
+
+    pip install -e ".[dev]"                       # with the CUDA torch you already have
+    python benchmarks/gpu_check.py                # every step, under 10 minutes on an H100
+    python benchmarks/gpu_check.py --steps tests  # some of them; --out DIR (default gpu-report/)
+
+Steps, run in this order, each in its own process with its own time limit, so a crash or a hang in one
+is reported and the others still run:
+
+* ``env``: GPU, driver, torch / triton / transformers versions.
+* ``tests``: the test suite's CUDA cases: the kernel and CUDA-graph tests natively (bf16 / fp16 on,
+  real graph capture), and every ``device``-parametrised test on ``cuda`` (greedy identity, sampling
+  laws, every drafter, the rejection sampler).
+* ``kernels``: ``bench_kernels_gpu.py`` over the goal points of ``docs/kernels.md``, timed as
+  CUDA-graph replays (the kernel alone) and with ``do_bench`` (what one eager call costs).
+* ``e2e``: ``bench_e2e_gpu.py`` on the embedded model (bf16, batch 1, greedy): transformers, specdec
+  plain / n-gram, eager and CUDA graphs, and bf16 greedy identity against transformers with each
+  divergence classified as a near-tie (transformers' own logit gap there is within bf16 rounding)
+  or a bug.
+
+``report.json`` holds every number; ``report.md`` starts with what failed. Exit status: 0 when every
+step passed, 1 when one failed, 2 without a CUDA device.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+STEPS = ("env", "tests", "kernels", "e2e")
+# (tests/test_kernels_compile.py is left out: it compiles for sm_90 without a GPU; here every kernel compiles
+# and runs natively)
+KERNEL_FILES = ["tests/test_kernels_attention.py", "tests/test_kernels_kv.py", "tests/test_kernels_fused_ops.py",
+                "tests/test_cuda_graphs.py"]
+DEVICE_FILES = ["tests/test_generate.py", "tests/test_speculative.py", "tests/test_rejection_device.py",
+                "tests/test_model_drafters.py", "tests/test_medusa_drafter.py"]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of {', '.join(STEPS)}")
+    ap.add_argument("--out", default="gpu-report", help="report directory (created)")
+    ap.add_argument("--model", default="default", help="model of the e2e step (alias, checkpoint dir or .gguf)")
+    ap.add_argument("--prompts", type=int, default=2, help="e2e prompts per category")
+    ap.add_argument("--workers", type=int, default=8, help="pytest-xdist workers sharing the GPU")
+    args = ap.parse_args(argv)
+    unknown = set(args.steps.split(",")) - set(STEPS)
+    if unknown:
+        ap.error(f"unknown steps {sorted(unknown)}; choose from {', '.join(STEPS)}")
+    return args
+
+
+def run(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> tuple[int | None, float]:
+    """Runs cmd with stdout+stderr into log; returns (exit status or None on timeout, seconds)."""
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        try:
+            rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+            f.write(f"\n[gpu_check] timed out after {timeout:.0f} s\n")
+    return rc, time.perf_counter() - t0
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def junit_summary(path: Path) -> dict:
+    """Counts and the failed tests' ids and first message line, from a pytest --junitxml file."""
+    if not path.is_file():
+        return dict(passed=0, failed=0, skipped=0, failures=[])
+    root = ET.parse(path).getroot()
+    counts = dict(passed=0, failed=0, skipped=0)
+    failures = []
+    for case in root.iter("testcase"):
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if bad is not None:
+            counts["failed"] += 1
+            message = (bad.get("message") or bad.text or "").strip().splitlines()
+            failures.append(f"{case.get('classname')}::{case.get('name')}: {message[0][:300] if message else ''}")
+        elif case.find("skipped") is not None:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    return dict(counts, failures=failures)
+
+
+def step_env(out: Path) -> dict:
+    import torch
+
+    info = dict(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
+                gpu=torch.cuda.get_device_name(), sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    for name in ("triton", "transformers"):
+        try:
+            info[name] = __import__(name).__version__
+        except ImportError:
+            info[name] = None
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total,clocks.max.sm",
+                          "--format=csv,noheader"], capture_output=True, text=True)
+    info["nvidia_smi"] = smi.stdout.strip()
+    return dict(status="passed", **info)
+
+
+def step_tests(out: Path, workers: int) -> dict:
+    runs = {
+        "kernels_and_graphs": KERNEL_FILES,
+        "device_cuda": DEVICE_FILES + ["-k", "cuda"],
+    }
+    result, failed = {}, False
+    for name, files in runs.items():
+        xml = out / f"tests_{name}.xml"
+        cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
+               f"--junitxml={xml}", *files]
+        rc, seconds = run(cmd, out / f"tests_{name}.log", timeout=240)
+        summary = junit_summary(xml)
+        # pytest exits 5 when -k selects nothing: a CPU-only file set is not a failure of the GPU path
+        ok = rc in (0, 5) and summary["failed"] == 0
+        failed |= not ok
+        result[name] = dict(rc=rc, seconds=round(seconds, 1), **summary,
+                            log_tail=None if ok else tail(out / f"tests_{name}.log"))
+    return dict(status="failed" if failed else "passed", **result)
+
+
+def step_kernels(out: Path) -> dict:
+    # the goal points of docs/kernels.md: decode and 16-node trees at 2k-32k context, batch 1 / 8 / 32
+    common = ["--batch", "1,8,32", "--context", "2048,8192,32768", "--tree", "1,16,64", "--page", "16",
+              "--shapes", "embedded,llama8b"]
+    result, failed = {}, False
+    for name, extra in (("graph", ["--graph"]), ("eager", ["--batch", "1,8", "--context", "8192", "--tree", "1,16"])):
+        js = out / f"kernels_{name}.json"
+        # a flag given twice: argparse keeps the last, so `extra` narrows the eager sweep
+        cmd = [sys.executable, "-P", str(BENCH / "bench_kernels_gpu.py"), *common, *extra, "--json", str(js)]
+        rc, seconds = run(cmd, out / f"kernels_{name}.log", timeout=200)
+        ok = rc == 0 and js.is_file()
+        failed |= not ok
+        result[name] = dict(rc=rc, seconds=round(seconds, 1), table=tail(out / f"kernels_{name}.log", 80),
+                            points=json.loads(js.read_text())["points"] if ok else None)
+    return dict(status="failed" if failed else "passed", **result)
+
+
+def step_e2e(out: Path, model: str, prompts: int) -> dict:
+    js = out / "e2e.json"
+    cmd = [sys.executable, "-P", str(BENCH / "bench_e2e_gpu.py"), "--model", model, "--prompts", str(prompts),
+           "--json", str(js)]
+    rc, seconds = run(cmd, out / "e2e.log", timeout=330)
+    ok = rc == 0 and js.is_file()
+    data = json.loads(js.read_text()) if ok else {}
+    bugs = sum(d["kind"] == "bug" for divs in data.get("divergences", {}).values() for d in divs)
+    return dict(status="passed" if ok and bugs == 0 else "failed", rc=rc, seconds=round(seconds, 1),
+                divergence_bugs=bugs, table=tail(out / "e2e.log", 30), **data)
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# specdec GPU check, {report['date']}", ""]
+    env = report["steps"].get("env", {})
+    if env:
+        lines += [f"{env.get('gpu')} ({env.get('nvidia_smi')}), torch {env.get('torch')} (CUDA {env.get('cuda')}), "
+                  f"triton {env.get('triton')}, transformers {env.get('transformers')}", ""]
+    lines += ["| step | status | seconds |", "|---|---|---|"]
+    for name, step in report["steps"].items():
+        lines.append(f"| {name} | **{step['status']}** | {step.get('seconds', '')} |")
+    failures = [(name, step) for name, step in report["steps"].items() if step["status"] != "passed"]
+    if failures:
+        lines += ["", "## What failed", ""]
+        for name, step in failures:
+            lines.append(f"### {name}")
+            for part in step.values():
+                if isinstance(part, dict):
+                    lines += [f"- {f}" for f in part.get("failures", [])]
+                    if part.get("log_tail"):
+                        lines += ["```", part["log_tail"], "```"]
+            if step.get("error"):
+                lines += ["```", step["error"], "```"]
+            if step.get("table") and name == "e2e":
+                lines += ["```", step["table"], "```"]
+    tests = report["steps"].get("tests")
+    if tests:
+        lines += ["", "## Tests on CUDA", ""]
+        for name, part in tests.items():
+            if isinstance(part, dict):
+                lines.append(f"- {name}: {part['passed']} passed, {part['failed']} failed, {part['skipped']} skipped "
+                             f"({part['seconds']} s)")
+    kernels = report["steps"].get("kernels")
+    if kernels:
+        for name in ("graph", "eager"):
+            if kernels.get(name):
+                lines += ["", f"## Kernels ({name} timing)", "", "```", kernels[name]["table"], "```"]
+    e2e = report["steps"].get("e2e")
+    if e2e and e2e.get("table"):
+        lines += ["", "## End to end", "", "```", e2e["table"], "```"]
+        for method, divs in e2e.get("divergences", {}).items():
+            for d in divs:
+                lines.append(f"- {method}, prompt {d['prompt']}: diverges at token {d['position']} "
+                             f"({d['got']} vs {d['want']}), transformers' logit gap {d['gap']:.4f}: {d['kind']}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check.py needs a CUDA GPU (none found)", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = dict(date=str(datetime.datetime.now().replace(microsecond=0)), steps={})
+    steps = {"env": lambda: step_env(out), "tests": lambda: step_tests(out, args.workers),
+             "kernels": lambda: step_kernels(out), "e2e": lambda: step_e2e(out, args.model, args.prompts)}
+    t_all = time.perf_counter()
+    for name in args.steps.split(","):
+        print(f"[gpu_check] {name} ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            result = steps[name]()
+        except Exception as err:  # the report must still be written: say what broke
+            result = dict(status="failed", error=f"{type(err).__name__}: {err}")
+        result.setdefault("seconds", round(time.perf_counter() - t0, 1))
+        report["steps"][name] = result
+        print(f"[gpu_check] {name}: {result['status']} ({result['seconds']} s)", flush=True)
+        (out / "report.json").write_text(json.dumps(report, indent=1))  # partial reports survive a kill
+    report["seconds"] = round(time.perf_counter() - t_all, 1)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "report.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0 if all(s["status"] == "passed" for s in report["steps"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
