@@ -257,6 +257,7 @@ def test_draft_model_tree_logits_match_the_reference_backend(monkeypatch):
     """End to end through a draft-model drafter with a tree wider than 1 (issue 18): every draft forward
     (catch-up, then one per depth) gives the reference backend's logits under SPECDEC_ATTENTION=triton."""
     from specdec.drafters.draft_model import DraftModelDrafter
+
     from specdec.generate import generate
     from specdec.models.loader import load_model
     from specdec.testing import build_tiny_model

@@ -26,12 +26,12 @@ CONFIGS = {
 
 @pytest.mark.parametrize("variant", ["llama-gqa-tied", "qwen3-qknorm", "llama-mqa-bias"])
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_greedy_identity_batched_and_single(variant, config):
-    target = build_tiny_model(variant, num_hidden_layers=4)
+def test_greedy_identity_batched_and_single(variant, config, device):
+    target = build_tiny_model(variant, num_hidden_layers=4).to(device)
     name, options = CONFIGS[config]
     options = dict(options)
     if name == "draft-model":
-        options["model"] = target if config.startswith("target") else build_tiny_model(variant, seed=7)
+        options["model"] = target if config.startswith("target") else build_tiny_model(variant, seed=7).to(device)
     plain = specdec.generate(target, PROMPTS, max_new_tokens=256)
     out = specdec.generate(target, PROMPTS, max_new_tokens=256, drafter=name, drafter_options=options,
                            return_dict=True)
@@ -121,8 +121,9 @@ SAMPLED = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(SAMPLED))
-def test_sampling_law_with_draft_model_matches_plain(kind):
-    target, draft = build_tiny_model(vocab_size=4, seed=3), build_tiny_model(vocab_size=4, seed=11)
+def test_sampling_law_with_draft_model_matches_plain(kind, device):
+    target = build_tiny_model(vocab_size=4, seed=3).to(device)
+    draft = build_tiny_model(vocab_size=4, seed=11).to(device)
     plain = _first_tokens(target, None, seed=1)
     drafter = DraftModelDrafter(draft, seed=5, **SAMPLED[kind])
     spec = _first_tokens(target, drafter, seed=2)
@@ -172,9 +173,9 @@ def test_sampled_drafts_carry_the_distribution_they_were_drawn_from():
     ("draft-model", dict(mode="without_replacement", widths=(3,), num_draft_tokens=2)),
     ("self-draft", dict(num_layers=1, num_draft_tokens=3)),  # mode auto: sampled chain
 ])
-def test_seeded_generate_is_reproducible_whatever_the_global_rng(name, options):
-    target = build_tiny_model(num_hidden_layers=2)
-    options = dict(options, **({"model": build_tiny_model(seed=7)} if name == "draft-model" else {}))
+def test_seeded_generate_is_reproducible_whatever_the_global_rng(name, options, device):
+    target = build_tiny_model(num_hidden_layers=2).to(device)
+    options = dict(options, **({"model": build_tiny_model(seed=7).to(device)} if name == "draft-model" else {}))
     outs = []
     for global_seed in (0, 1, 0):
         torch.manual_seed(global_seed)
