@@ -133,6 +133,8 @@ def _run_generate(args) -> int:
     # check what needs no model before the (slow) model load
     SamplingConfig(args.do_sample, args.temperature, args.top_k, args.top_p)
     options = _parse_options(args.drafter_option)
+    if options and not args.drafter:
+        raise CLIError("--drafter-option needs --drafter NAME: without a drafter the options would be ignored")
     try:
         drafter = get_drafter(args.drafter, **options)
     except TypeError as err:

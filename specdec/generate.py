@@ -107,13 +107,30 @@ def _prompts(input_ids: Any, attention_mask: Any, vocab_size: int) -> list[list[
     return prompts
 
 
-def _eos_ids(eos_token_id: Any, loaded: LoadedModel) -> frozenset[int]:
+def _eos_ids(eos_token_id: Any, loaded: LoadedModel, vocab_size: int) -> frozenset[int]:
+    """EOS ids as transformers takes them: an int, a list of ints, or a 0-D / 1-D integer tensor; each one
+    checked against the vocabulary (a set of 0-D tensors never matched an int token: EOS was ignored)."""
     if eos_token_id is None:
         gen_cfg = getattr(loaded.model, "generation_config", None)
         eos_token_id = getattr(gen_cfg, "eos_token_id", None) or getattr(loaded.model.config, "eos_token_id", None)
     if eos_token_id is None:
         return frozenset()
-    return frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+    kinds = "integer token ids: an int, a list of ints or a 0-D / 1-D integer tensor"
+    if isinstance(eos_token_id, torch.Tensor):
+        if eos_token_id.dim() > 1 or eos_token_id.is_floating_point() or eos_token_id.dtype == torch.bool:
+            raise TypeError(f"eos_token_id must be {kinds}, got {eos_token_id!r}")
+        items = eos_token_id.reshape(-1).tolist()
+    elif isinstance(eos_token_id, (str, bytes)) or not isinstance(eos_token_id, Sequence):
+        items = [eos_token_id]
+    else:
+        items = [int(x) if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_floating_point() else x
+                 for x in eos_token_id]
+    for x in items:
+        if isinstance(x, bool) or not isinstance(x, int) and not hasattr(x, "__index__"):
+            raise TypeError(f"eos_token_id must be {kinds}, got {eos_token_id!r}")
+        if not 0 <= int(x) < vocab_size:
+            raise ValueError(f"eos_token_id {int(x)} is outside the vocabulary [0, {vocab_size})")
+    return frozenset(int(x) for x in items)
 
 
 def _stop_criteria(stop: Any, max_new_tokens: int, eos: frozenset[int], tokenizer: Any) -> StopCriteria:
@@ -206,7 +223,10 @@ def generate(
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
             f"{shape.max_positions} tokens; shorten the prompt or lower max_new_tokens"
         )
-    stop_criteria = _stop_criteria(stop, max_new_tokens, _eos_ids(eos_token_id, loaded), loaded.tokenizer)
+    eos = _eos_ids(eos_token_id, loaded, shape.vocab_size)
+    stop_criteria = _stop_criteria(stop, max_new_tokens, eos, loaded.tokenizer)
+    if drafter_options and drafter is None:
+        raise ValueError("drafter_options were given without a drafter: they would be ignored (pass drafter=...)")
     drafter_obj = get_drafter(drafter, **(drafter_options or {}))
     cache_cfg = CacheConfig(block_size, num_blocks)
     tree_budget = MAX_TREE_NODES if drafter_obj is not None else 0

@@ -145,6 +145,7 @@ def gpt2_ckpt(tmp_path_factory):
         (["hi", "--model", "{ckpt}", "--top-p", "1.5"], r"top_p must lie in \(0, 1\]"),
         (["hi", "--model", "{ckpt}", "--drafter", "ngram", "--drafter-option", "bogus=1"], "unknown option"),
         (["hi", "--model", "{ckpt}", "--drafter", "ngram", "--drafter-option", "bogus"], "KEY=VALUE"),
+        (["hi", "--model", "{ckpt}", "--drafter-option", "num_draft_tokens=3"], "needs --drafter NAME"),
         (["hi", "--model", "{ckpt}", "--num-blocks", "1"], "KV cache out of blocks"),  # CacheFullError
         (["hi", "--model", "{ckpt}", "--max-new-tokens", "600"], "exceeds the model's context"),
         (["--prompt-file", "/no/such/prompt.txt", "--model", "{ckpt}"], "No such file"),

@@ -192,6 +192,7 @@ def test_seed_makes_sampling_reproducible(device):
         (dict(drafter="no-such-drafter"), "unknown drafter"),
         (dict(stop=["ab"]), "stop strings need a tokenizer"),
         (dict(do_sample=True, seed=1, generator=torch.Generator().manual_seed(1)), "not both"),
+        (dict(drafter_options={"num_draft_tokens": 3}), "without a drafter"),
     ],
 )
 def test_bad_input_is_a_clear_error(kwargs, match):
@@ -199,6 +200,24 @@ def test_bad_input_is_a_clear_error(kwargs, match):
     kwargs = {"input_ids": [[1, 2, 3]], **kwargs}
     with pytest.raises(ValueError, match=match):
         specdec.generate(model, kwargs.pop("input_ids"), **kwargs)
+
+
+def test_eos_token_id_in_every_form_transformers_takes():
+    """int, list, 0-D / 1-D integer tensors (also inside a list) and numpy ints all stop generation; a set of
+    0-D tensors used to be silently ignored. Floats, bools, strings and ids outside the vocabulary are refused."""
+    import numpy as np
+
+    model = build_tiny_model()
+    plain = specdec.generate(model, [PROMPTS[0]], max_new_tokens=24)[0][len(PROMPTS[0]):]
+    eos = plain[5]
+    want = plain[: plain.index(eos) + 1]
+    for form in (eos, [eos, 95], torch.tensor(eos), torch.tensor([eos]), [torch.tensor(eos)], np.int64(eos)):
+        out = specdec.generate(model, [PROMPTS[0]], max_new_tokens=24, eos_token_id=form, return_dict=True)
+        assert out.new_tokens[0] == want and out.stats[0].finish_reason == "eos", form
+    for bad, error in ((1.0, TypeError), (True, TypeError), ("x", TypeError), (torch.tensor([[eos]]), TypeError),
+                       (torch.tensor(1.0), TypeError), (96, ValueError), ([eos, -1], ValueError)):
+        with pytest.raises(error, match="eos_token_id"):
+            specdec.generate(model, [PROMPTS[0]], max_new_tokens=2, eos_token_id=bad)
 
 
 def test_unknown_model_and_architecture():
