@@ -192,16 +192,38 @@ def test_kl_run_measures_tau_with_a_dynamic_tree(tiny, tmp_path):
         _cfg(tiny, tmp_path / "bad", eval_tree="beam")
 
 
-def test_output_dir_refusal_and_overwrite(tiny, tmp_path):
+def test_output_dir_refusal_and_overwrite(tiny, tmp_path, monkeypatch):
+    from specdec.train.data import TrainDataError
+
     out = tmp_path / "o"
     out.mkdir()
-    (out / "something").write_text("another run")
+    (out / "something").write_text("the user's file")
     with pytest.raises(OutputDirError, match="--overwrite"):
         run_training(_cfg(tiny, out, eval_tau=False))
     with pytest.raises(OutputDirError, match="no checkpoint"):
         run_training(_cfg(tiny, out, eval_tau=False, resume=True))
-    run_training(_cfg(tiny, out, eval_tau=False, overwrite=True, max_steps=2))
-    assert not (out / "something").exists() and (out / "config.json").is_file()
+    # --overwrite deletes only what is recognisably a specdec run (issue 24 #5): here nothing is deleted
+    with pytest.raises(OutputDirError, match="not a specdec training run"):
+        run_training(_cfg(tiny, out, eval_tau=False, overwrite=True, max_steps=2))
+    assert (out / "something").read_text() == "the user's file"
+    run = tmp_path / "run"
+    run_training(_cfg(tiny, run, eval_tau=False, max_steps=2))
+    (run / "notes.txt").write_text("mine")  # a run's directory holding a file of the user's
+    with pytest.raises(OutputDirError, match="notes.txt"):
+        run_training(_cfg(tiny, run, eval_tau=False, overwrite=True, max_steps=2))
+    (run / "notes.txt").unlink()
+    before = sorted(p.name for p in run.iterdir())
+    # inputs are checked before anything is deleted: a mistyped --data leaves the old run whole
+    with pytest.raises(TrainDataError, match="not found"):
+        run_training(_cfg(tiny, run, eval_tau=False, overwrite=True, data=str(tmp_path / "typo.jsonl")))
+    assert sorted(p.name for p in run.iterdir()) == before and (run / "config.json").is_file()
+    monkeypatch.chdir(run)  # never the working directory, even when it is a run
+    with pytest.raises(OutputDirError, match="working directory"):
+        run_training(_cfg(tiny, ".", eval_tau=False, overwrite=True, max_steps=2))
+    monkeypatch.chdir(tmp_path)
+    (run / "report.md.123.tmp").write_text("")  # the leftover of an interrupted atomic write belongs to the run
+    run_training(_cfg(tiny, run, eval_tau=False, overwrite=True, max_steps=2))
+    assert (run / "config.json").is_file() and not (run / "report.md.123.tmp").exists()
 
 
 def test_resume_after_kill_matches_uninterrupted_run(tiny, tmp_path, monkeypatch):

@@ -58,6 +58,14 @@ def _log_to_file(out: Path) -> logging.Handler:
     return handler
 
 
+def check_inputs(cfg: TrainConfig) -> None:
+    """The training inputs exist (cheap checks, before anything is deleted or computed)."""
+    if cfg.data is not None and not Path(cfg.data).expanduser().exists():
+        raise TrainDataError(f"training data not found: {cfg.data}")
+    if cfg.data is None and cfg.prompts_file and not Path(cfg.prompts_file).is_file():
+        raise TrainDataError(f"prompts file not found: {cfg.prompts_file}")
+
+
 def run_training(cfg: TrainConfig, accelerator=None) -> dict:
     from accelerate import Accelerator
     from specdec.train.choices import choose_tree
@@ -72,6 +80,9 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
         raise RuntimeError(f"launched as {world} processes but accelerate set up {accelerator.num_processes}: on a "
                            "CPU-only machine use `accelerate launch --multi_gpu --num_processes N` or torchrun")
     t0 = time.perf_counter()
+    # what can fail without training fails before the output directory is touched (--overwrite deletes it)
+    check_inputs(cfg)
+    loaded = load_model(cfg.model)
     resume_from = None
     if accelerator.is_main_process:
         resume_from = prepare_output_dir(cfg)
@@ -84,7 +95,6 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     handler = _log_to_file(out) if accelerator.is_main_process else None
     try:
-        loaded = load_model(cfg.model)
         model = loaded.model.to(accelerator.device)
         model.requires_grad_(False)
         max_pos = getattr(model.config, "max_position_embeddings", None)

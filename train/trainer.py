@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import shutil
 from pathlib import Path
 
 import torch
-from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
+from specdec.drafters.medusa_heads import CONFIG_FILE, WEIGHTS_FILE, MedusaConfig, MedusaHeads
 from specdec.train import checkpoint as ckpt_io
 from specdec.train.config import TrainConfig
 from specdec.train.features import FeatureCache, collate, target_features
@@ -31,6 +32,33 @@ RUN_FILE = "run.json"
 
 class OutputDirError(ValueError):
     """The output directory holds another run (or resume finds nothing / a different configuration)."""
+
+
+# what a training run writes into its output directory; --overwrite deletes a directory holding nothing else
+RUN_NAMES = frozenset({RUN_FILE, "train.log", "history.jsonl", "report.json", "report.md", CONFIG_FILE, WEIGHTS_FILE,
+                       ckpt_io.CKPT, ckpt_io.TMP, ckpt_io.OLD})
+
+
+def _written_by_a_run(name: str) -> bool:
+    """A name a run writes, or the leftover of an interrupted atomic write of one (NAME.PID.tmp)."""
+    leftover = re.fullmatch(r"(.+)\.\d+\.tmp", name)
+    return name in RUN_NAMES or (leftover is not None and leftover.group(1) in RUN_NAMES)
+
+
+def _check_deletable(out: Path) -> None:
+    """Raise OutputDirError unless ``out`` is recognisably a specdec training run that --overwrite may delete."""
+    target, here = out.resolve(), Path.cwd().resolve()
+    if target == here or target in here.parents or target == Path.home().resolve():
+        raise OutputDirError(f"--overwrite will not delete {out}: it is the working directory, one of its parents "
+                             "or the home directory; choose a dedicated --output-dir")
+    names = {p.name for p in out.iterdir()}
+    if RUN_FILE not in names:
+        raise OutputDirError(f"--overwrite will not delete {out}: it holds no {RUN_FILE}, so it is not a specdec "
+                             "training run; empty it yourself or choose another --output-dir")
+    foreign = sorted(n for n in names if not _written_by_a_run(n))
+    if foreign:
+        raise OutputDirError(f"--overwrite will not delete {out}: it holds files a training run does not write "
+                             f"({', '.join(foreign[:5])}); move them or choose another --output-dir")
 
 
 def prepare_output_dir(cfg: TrainConfig) -> Path | None:
@@ -49,6 +77,7 @@ def prepare_output_dir(cfg: TrainConfig) -> Path | None:
         if not cfg.overwrite:
             raise OutputDirError(f"{out} is not empty (it holds another run?): pass --resume to continue it or "
                                  "--overwrite to replace it")
+        _check_deletable(out)
         shutil.rmtree(out)
     return None
 
