@@ -277,3 +277,54 @@ def test_choose_tree_budget_prefixes_and_order():
     assert est == pytest.approx(expected)
     with pytest.raises(ValueError):
         choose_tree(rank_acc, budget=0)
+
+
+def _tiny_training_state():
+    heads = MedusaHeads(MedusaConfig(2, 1, 16, 32))
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-3)
+    heads(torch.randn(3, 16))[0].sum().backward()
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    return heads, optimizer, scheduler
+
+
+@pytest.mark.parametrize("crash", ["writing a file", "between the renames"])
+def test_a_crash_during_a_checkpoint_save_leaves_the_previous_one_usable(tmp_path, monkeypatch, crash):
+    """(issue 24 #6) The new checkpoint is written beside the old one and swapped in by renames."""
+    import os
+
+    heads, optimizer, scheduler = _tiny_training_state()
+    ckpt_io.save_checkpoint(tmp_path, heads, optimizer, scheduler, 4, {}, "fp")
+    if crash == "writing a file":
+        def dying_save(obj, path, *a, **k):
+            raise OSError("disk full")
+
+        monkeypatch.setattr(ckpt_io.torch, "save", dying_save)
+    else:
+        real_replace, calls = os.replace, []
+
+        def dying_replace(src, dst):
+            calls.append(src)
+            if len(calls) == 2:  # the old checkpoint moved aside, the new one not yet in place
+                raise OSError("killed")
+            real_replace(src, dst)
+
+        monkeypatch.setattr(ckpt_io.os, "replace", dying_replace)
+    with pytest.raises(OSError):
+        ckpt_io.save_checkpoint(tmp_path, heads, optimizer, scheduler, 6, {}, "fp")
+    monkeypatch.undo()
+    ckpt = ckpt_io.find_checkpoint(tmp_path)
+    ckpt_io.check_readable(ckpt)
+    fresh = _tiny_training_state()
+    assert ckpt_io.load_checkpoint(ckpt, *fresh) == 4
+    assert all(torch.equal(a, b) for a, b in zip(fresh[0].state_dict().values(), heads.state_dict().values()))
+
+
+@pytest.mark.parametrize("name", ["heads.safetensors", "optimizer.pt", "state.json"])
+def test_a_truncated_checkpoint_file_is_named_not_a_traceback(tiny, tmp_path, name):
+    out = tmp_path / "run"
+    run_training(_cfg(tiny, out, eval_tau=False, max_steps=2, save_every=2))
+    damaged = out / ckpt_io.CKPT / name
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    with pytest.raises(ckpt_io.CheckpointError, match=name.replace(".", r"\.")):
+        run_training(_cfg(tiny, out, eval_tau=False, max_steps=4, save_every=2, resume=True))

@@ -4,6 +4,8 @@ Layout of ``<output>/checkpoint/``: ``heads.safetensors``, ``optimizer.pt`` and 
 (tensors and plain values only, read back with ``torch.load(weights_only=True)``), ``rng.pt``, and
 ``state.json`` (step, config, fingerprint). A kill at any moment leaves either the previous or
 the new checkpoint complete: the new one is written to ``checkpoint.tmp`` and swapped in by renames.
+A checkpoint whose files cannot be read back (truncated, corrupted) is a :class:`CheckpointError`
+naming the file, found when ``--resume`` starts, not a traceback minutes later.
 """
 from __future__ import annotations
 
@@ -15,6 +17,10 @@ from pathlib import Path
 import torch
 
 CKPT, TMP, OLD = "checkpoint", "checkpoint.tmp", "checkpoint.old"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file cannot be read back."""
 
 
 def save_checkpoint(output_dir: Path, heads, optimizer, scheduler, step: int, config: dict,
@@ -48,15 +54,37 @@ def find_checkpoint(output_dir: Path) -> Path | None:
     return None
 
 
+def _read(ckpt: Path, name: str):
+    """One file of the checkpoint, or a CheckpointError that names it."""
+    from safetensors.torch import load_file
+
+    path = ckpt / name
+    try:
+        if name.endswith(".safetensors"):
+            return load_file(str(path))
+        if name.endswith(".json"):
+            state = json.loads(path.read_text())
+            int(state["step"])
+            return state
+        return torch.load(path, weights_only=True)
+    except Exception as err:  # truncated or corrupted: safetensors, pickle, zip and json each raise their own
+        raise CheckpointError(f"checkpoint file {path} cannot be read ({type(err).__name__}: {err}); "
+                              "start afresh with --overwrite, or restore the file") from None
+
+
 def read_state(ckpt: Path) -> dict:
-    return json.loads((ckpt / "state.json").read_text())
+    return _read(ckpt, "state.json")
+
+
+def check_readable(ckpt: Path) -> None:
+    """Read every file of the checkpoint once (cheap for heads), so a damaged one is named up front."""
+    for name in ("state.json", "heads.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt"):
+        _read(ckpt, name)
 
 
 def load_checkpoint(ckpt: Path, heads, optimizer, scheduler) -> int:
-    from safetensors.torch import load_file
-
-    heads.load_state_dict(load_file(str(ckpt / "heads.safetensors")))
-    optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
-    scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
-    torch.set_rng_state(torch.load(ckpt / "rng.pt", weights_only=True)["torch"])
+    heads.load_state_dict(_read(ckpt, "heads.safetensors"))
+    optimizer.load_state_dict(_read(ckpt, "optimizer.pt"))
+    scheduler.load_state_dict(_read(ckpt, "scheduler.pt"))
+    torch.set_rng_state(_read(ckpt, "rng.pt")["torch"])
     return int(read_state(ckpt)["step"])

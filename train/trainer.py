@@ -68,6 +68,7 @@ def prepare_output_dir(cfg: TrainConfig) -> Path | None:
         ckpt = ckpt_io.find_checkpoint(out)
         if ckpt is None:
             raise OutputDirError(f"--resume: {out} holds no checkpoint to resume from")
+        ckpt_io.check_readable(ckpt)
         state = ckpt_io.read_state(ckpt)
         if state["fingerprint"] != cfg.fingerprint():
             diff = "; ".join(cfg.differences(state["config"])) or "unknown"
