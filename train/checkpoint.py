@@ -5,13 +5,14 @@ Layout of ``<output>/checkpoint/``: ``heads.safetensors``, ``optimizer.pt`` and 
 ``state.json`` (step, config, fingerprint). A kill at any moment leaves either the previous or
 the new checkpoint complete: the new one is written to ``checkpoint.tmp`` and swapped in by renames.
 A checkpoint whose files cannot be read back (truncated, corrupted) is a :class:`CheckpointError`
-naming the file, found when ``--resume`` starts, not a traceback minutes later.
+naming the file; a truncated one is found when ``--resume`` starts, not minutes later.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import zipfile
 from pathlib import Path
 
 import torch
@@ -54,18 +55,25 @@ def find_checkpoint(output_dir: Path) -> Path | None:
     return None
 
 
-def _read(ckpt: Path, name: str):
-    """One file of the checkpoint, or a CheckpointError that names it."""
-    from safetensors.torch import load_file
+def _read(ckpt: Path, name: str, open_only: bool = False):
+    """One file of the checkpoint, or a CheckpointError that names it. ``open_only``: check that the file
+    opens (header / zip directory, which a truncated file lacks) without reading its tensors; returns None."""
+    from safetensors.torch import load_file, safe_open
 
     path = ckpt / name
     try:
-        if name.endswith(".safetensors"):
-            return load_file(str(path))
         if name.endswith(".json"):
             state = json.loads(path.read_text())
             int(state["step"])
             return state
+        if open_only:
+            if name.endswith(".safetensors"):
+                with safe_open(str(path), "pt"):
+                    return None
+            zipfile.ZipFile(path).close()  # torch.save writes a zip archive
+            return None
+        if name.endswith(".safetensors"):
+            return load_file(str(path))
         return torch.load(path, weights_only=True)
     except Exception as err:  # truncated or corrupted: safetensors, pickle, zip and json each raise their own
         raise CheckpointError(f"checkpoint file {path} cannot be read ({type(err).__name__}: {err}); "
@@ -77,9 +85,10 @@ def read_state(ckpt: Path) -> dict:
 
 
 def check_readable(ckpt: Path) -> None:
-    """Read every file of the checkpoint once (cheap for heads), so a damaged one is named up front."""
+    """Open every file of the checkpoint, so a truncated one is named before training starts; the tensors
+    are read once, by load_checkpoint (damage that still opens is a CheckpointError there)."""
     for name in ("state.json", "heads.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt"):
-        _read(ckpt, name)
+        _read(ckpt, name, open_only=True)
 
 
 def load_checkpoint(ckpt: Path, heads, optimizer, scheduler) -> int:

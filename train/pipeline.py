@@ -32,9 +32,7 @@ def _sequences(cfg: TrainConfig, loaded, accelerator) -> list[list[int]]:
     from specdec.train.prompts import builtin_prompts
 
     if cfg.prompts_file:
-        path = Path(cfg.prompts_file)
-        if not path.is_file():
-            raise TrainDataError(f"prompts file not found: {path}")
+        path = Path(cfg.prompts_file)  # its existence: check_inputs(), before the output directory is touched
         prompts = [x.strip() for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
         if not prompts:
             raise TrainDataError(f"prompts file {path} is empty")
