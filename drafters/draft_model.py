@@ -16,13 +16,14 @@ from typing import Any
 from specdec.drafters.base import TargetView
 from specdec.drafters.model_drafter import DraftConfig, ModelDrafter
 
+from specdec.errors import SpecdecError
 from specdec.models.llama import LlamaRunner
 from specdec.models.loader import load_model
 
 logger = logging.getLogger(__name__)
 
 
-class VocabularyMismatchError(ValueError):
+class VocabularyMismatchError(SpecdecError, ValueError):
     """The draft model's token ids do not mean what the target's mean."""
 
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from specdec.atomic_write import replaced_atomically, write_json
+from specdec.errors import SpecdecError
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
 
 
-class MedusaCheckpointError(ValueError):
+class MedusaCheckpointError(SpecdecError, ValueError):
     """A Medusa checkpoint is missing, corrupt, or does not fit the target model."""
 
 

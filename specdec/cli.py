@@ -22,6 +22,7 @@ import logging
 import sys
 import time
 
+from specdec.errors import SpecdecError
 from specdec.kv_cache import CacheFullError
 from specdec.models.embedded import DEFAULT_ALIAS
 
@@ -33,9 +34,9 @@ class CLIError(Exception):
 
 
 # library errors that are the user's to fix: one line and exit code 2, no traceback.
-# ValueError covers DraftError, UnsupportedModelError and the other errors of bad input;
-# OSError covers missing files and unknown model paths.
-USER_ERRORS = (CLIError, ValueError, OSError, CacheFullError)
+# SpecdecError is every error specdec raises on purpose (specdec.errors); ValueError still covers
+# the builtin checks of bad input; OSError covers missing files and unknown model paths.
+USER_ERRORS = (CLIError, SpecdecError, ValueError, OSError, CacheFullError)
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices, torch attribute names
 
 

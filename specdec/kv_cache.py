@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.errors import SpecdecError
 from specdec.kernels.dispatch import use_triton
 
 
@@ -40,7 +41,7 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1 or None, got {self.num_blocks}")
 
 
-class CacheFullError(RuntimeError):
+class CacheFullError(SpecdecError, RuntimeError):
     """The block pool cannot hold what was asked; nothing was written."""
 
 

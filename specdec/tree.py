@@ -20,10 +20,12 @@ from functools import cached_property
 
 import torch
 
+from specdec.errors import SpecdecError
+
 MAX_TREE_NODES = 64  # the ancestor bitmask of the GPU kernels holds 64 bits
 
 
-class DraftError(ValueError):
+class DraftError(SpecdecError, ValueError):
     """A drafter returned a proposal that cannot be verified exactly."""
 
 

@@ -17,10 +17,12 @@ from pathlib import Path
 
 import torch
 
+from specdec.errors import SpecdecError
+
 CKPT, TMP, OLD = "checkpoint", "checkpoint.tmp", "checkpoint.old"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(SpecdecError, ValueError):
     """A checkpoint file cannot be read back."""
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from specdec.errors import SpecdecError
 
-class TrainDataError(ValueError):
+
+class TrainDataError(SpecdecError, ValueError):
     """Training data is missing, unreadable, empty, or lacks the requested field."""
 
 

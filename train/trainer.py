@@ -26,11 +26,13 @@ from specdec.train.config import TrainConfig
 from specdec.train.features import FeatureCache, collate, target_features
 from torch.nn import functional as F
 
+from specdec.errors import SpecdecError
+
 logger = logging.getLogger(__name__)
 RUN_FILE = "run.json"
 
 
-class OutputDirError(ValueError):
+class OutputDirError(SpecdecError, ValueError):
     """The output directory holds another run (or resume finds nothing / a different configuration)."""
 
 

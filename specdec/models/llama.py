@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.attention import AttentionPlan, paged_attention
+from specdec.errors import SpecdecError
 from specdec.kernels.dispatch import use_triton
 from specdec.kv_cache import PagedKVCache
 
@@ -27,7 +28,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(SpecdecError, ValueError):
     pass
 
 

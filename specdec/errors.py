@@ -1,0 +1,23 @@
+"""specdec's error types: every problem the user can fix raises a :class:`SpecdecError`.
+
+A caller (or the CLI) catches ``SpecdecError`` to tell "your input / drafter / checkpoint is
+wrong" (one line, no traceback) apart from a bug. Each subclass also derives from the builtin
+that matches its meaning (``ValueError``, ``TypeError``, ``RuntimeError``), so code written
+against the builtins keeps working. Errors that belong to one module (``DraftError`` in
+``tree.py``, ``CacheFullError`` in ``kv_cache.py``, ...) are defined there on this base.
+
+The message is one line that names the argument or file and says what was expected.
+"""
+from __future__ import annotations
+
+
+class SpecdecError(Exception):
+    """Base of every error specdec raises on purpose."""
+
+
+class InputError(SpecdecError, ValueError):
+    """An argument has the right type but a value specdec cannot use (empty prompt, id outside the vocabulary)."""
+
+
+class InputTypeError(SpecdecError, TypeError):
+    """An argument has a type specdec does not accept (a float token id, ``stop=5``)."""
