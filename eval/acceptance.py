@@ -36,15 +36,19 @@ Definitions (documented in the report):
 Each finished cell is written to ``<out>/cells/<drafter>__<category>[.rank<r>].json``
 at once, so a crashed run resumes where it stopped (``resume=True`` skips finished cells;
 ``<out>/settings.json`` records model, prompts and config, and a resume with other settings
-is refused).
+is refused). Every cell file records its schema, the digest of the settings it was measured
+under and a SHA-256 of its content; before anything is measured a resume checks every finished
+cell and refuses (``ResumeError`` naming each file) one that is unreadable, of another schema or
+fields, edited, measured under other settings, or written before checksums existed; the user
+deletes it to have it measured again (``specdec.eval.resume`` gives the formats).
 Under ``accelerate launch`` every process takes its share of the prompts
 (``split_between_processes``), writes rank files, and the main process merges them.
-Cells of older runs (a ``histogram`` of committed tokens per step, no calibration) are
-still read: their histogram is shifted to accepted lengths, their prediction is left out.
+Cells of older runs (no checksum; a ``histogram`` of committed tokens per step, no calibration)
+are still read by :func:`read_cell` for their reports, never reused by a resume: their histogram
+is shifted to accepted lengths, their prediction is left out.
 """
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import time
@@ -55,7 +59,17 @@ from typing import Any
 
 import torch
 from specdec.drafters.registry import get_drafter
-from specdec.eval.resume import check_resumable, run_settings
+from specdec.eval.resume import (
+    cell_problem,
+    check_cells,
+    check_resumable,
+    load_json,
+    open_cell,
+    run_settings,
+    seal_cell,
+    settings_digest,
+    settings_record,
+)
 from specdec.eval.verify_cost import measure_verify_costs
 
 from specdec.atomic_write import write_json
@@ -175,6 +189,13 @@ class Cell:
         return self.draft_nodes / self.drafts if self.drafts else 0.0
 
 
+_CELL_FIELDS = {f.name: f.type for f in fields(Cell)}  # annotations as strings: "int", "list[int]", ...
+
+
+def _check_cell_fields(data: dict) -> str | None:
+    return cell_problem(data, _CELL_FIELDS)
+
+
 def _add_into(acc: list[int], new) -> None:
     if len(acc) < len(new):
         acc.extend([0] * (len(new) - len(acc)))
@@ -187,13 +208,18 @@ def cell_path(out: Path, drafter: str, category: str, rank: int | None = None) -
     return out / "cells" / f"{safe}__{category}{'' if rank is None else f'.rank{rank}'}.json"
 
 
-def _write_cell(path: Path, cell: Cell) -> None:
-    write_json(path, asdict(cell), indent=1)
+def _write_cell(path: Path, cell: Cell, settings_sha256: str, rank: int | None) -> None:
+    write_json(path, seal_cell(asdict(cell), settings_sha256, rank), indent=1)
 
 
-def read_cell(path: Path) -> Cell:
-    """A cell file, also one of an older run (committed-length ``histogram``, no calibration)."""
-    data = json.loads(path.read_text())
+def read_cell(path: Path, settings_sha256: str | None = None, expect: tuple[str, str, int | None] | None = None
+              ) -> Cell:
+    """A cell file, checked (``ResumeError`` naming it): schema, checksum, fields, and when given the settings
+    digest it must have been measured under and the (drafter, category, rank) it must hold. Without a settings
+    digest, a cell of an older run (no checksum, committed-length ``histogram``, no calibration) is read too."""
+    data = load_json(path)
+    if settings_sha256 is not None or not isinstance(data, dict) or "schema" in data:
+        return Cell(**open_cell(path, settings_sha256, expect, _check_cell_fields))
     if "histogram" in data:  # older cells: index = tokens committed in a step = accepted + 1
         committed = data.pop("histogram")
         data.setdefault("accepted_histogram", committed[1:])
@@ -251,11 +277,27 @@ def _calibrate(loaded: Any, cell: Cell, batch: list[list[int]], config: SuiteCon
                              "repeats": config.calibration_repeats})
 
 
+def check_finished_cells(out: Path, labels: list[str], categories: list[str], ranks: list[int | None],
+                         settings: dict) -> None:
+    """Before a resume reuses them: every finished cell file of these rows, categories and ranks must be sound and
+    measured under ``settings`` (one ``ResumeError`` naming each file that is not)."""
+    found = [(path, (label, category, rank)) for category in categories for label in labels for rank in ranks
+             if (path := cell_path(out, label, category, rank)).exists()]
+    check_cells(out, found, settings_digest(settings), _check_cell_fields)
+
+
 def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteConfig, out: Path,
               rank: int | None = None, resume: bool = False,
-              on_progress: Callable[[str, Cell], None] | None = None) -> None:
+              on_progress: Callable[[str, Cell], None] | None = None, settings: dict | None = None) -> None:
     """Measure every (row, category) cell over ``prompts`` (this process's share) and write each cell file
-    (``.rank<rank>`` suffixed when ``rank`` is given) as soon as it is done."""
+    (``.rank<rank>`` suffixed when ``rank`` is given) as soon as it is done. ``settings``: the run's (default:
+    those of ``prompts`` in one process); each cell records their digest, and with ``resume`` only finished cells
+    measured under them are kept (checked before anything is measured)."""
+    if settings is None:
+        settings = run_settings(loaded.name, prompts, config, 1)
+    digest = settings_digest(settings)
+    if resume:
+        check_finished_cells(out, config.labels, list(prompts), [rank], settings)
     sampling = dict(do_sample=config.sampling.do_sample, temperature=config.sampling.temperature, seed=config.seed)
     options = dict(config.drafters)
     warm = next((ps[:1] for ps in prompts.values() if ps), [])
@@ -288,7 +330,7 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
                         on_progress(category, cell)
                 if label != "plain" and mine and config.calibration_repeats:
                     _calibrate(loaded, cell, _median_batch(mine, config.batch_size), config)
-            _write_cell(path, cell)
+            _write_cell(path, cell, digest, rank)
 
 
 def run_suite(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteConfig, out: Path, resume: bool = False,
@@ -301,30 +343,41 @@ def run_suite(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
     rank = state.process_index if state.num_processes > 1 else None
     settings = run_settings(loaded.name, prompts, config, state.num_processes)
     check_resumable(out, settings, resume)
+    if resume:  # every process checks every rank's cells, so all of them stop together on a bad one
+        ranks = [None] if rank is None else list(range(state.num_processes))
+        check_finished_cells(out, config.labels, list(prompts), ranks, settings)
     state.wait_for_everyone()  # every process has read the old settings before the main one replaces them
     if state.is_main_process:
-        write_json(out / "settings.json", settings, indent=1)
+        write_json(out / "settings.json", settings_record(settings), indent=1)
     shard = {}
     for category, cat_prompts in prompts.items():
         with state.split_between_processes(cat_prompts) as mine:
             shard[category] = list(mine)
-    run_cells(loaded, shard, config, out, rank, resume, on_progress)
+    run_cells(loaded, shard, config, out, rank, resume, on_progress, settings)
     state.wait_for_everyone()
-    return merge_cells(out, config.labels, list(prompts), state.num_processes)
+    return merge_cells(out, config.labels, list(prompts), state.num_processes, settings)
 
 
-def merge_cells(out: Path, labels: list[str], categories: list[str], num_processes: int) -> dict:
+def merge_cells(out: Path, labels: list[str], categories: list[str], num_processes: int,
+                settings: dict | None = None) -> dict:
     """Read the cells of a run; with several processes sum their rank files (seconds are summed process time,
-    so tokens/s is per process; calibrations are kept one per process)."""
+    so tokens/s is per process; calibrations are kept one per process). With ``settings`` every cell must have
+    been measured under them and hold the cell its file name says."""
+    digest = None if settings is None else settings_digest(settings)
+
+    def read(label: str, category: str, rank: int | None) -> Cell:
+        expect = None if digest is None else (label, category, rank)
+        return read_cell(cell_path(out, label, category, rank), digest, expect)
+
     cells = {}
     for label in labels:
         for category in categories:
             if num_processes == 1:
-                cells[label, category] = read_cell(cell_path(out, label, category))
+                cells[label, category] = read(label, category, None)
                 continue
             merged = Cell(label, category)
             for r in range(num_processes):
-                merged.merge(read_cell(cell_path(out, label, category, r)))
+                merged.merge(read(label, category, r))
             cells[label, category] = merged
     return cells
 

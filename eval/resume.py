@@ -1,19 +1,52 @@
-"""Resuming an acceptance run safely: what its cells were measured with, and the check that a
-resumed run measures the same thing (``<out>/settings.json``).
+"""Resuming an acceptance run safely: nothing read back from ``<out>`` is trusted unchecked.
 
     settings = run_settings(loaded.name, prompts, config, num_processes)
-    check_resumable(out, settings, resume)   # ValueError naming what changed
+    check_resumable(out, settings, resume)          # ResumeError naming settings.json and what is wrong
+    write_json(out / "settings.json", settings_record(settings))
+    write_json(path, seal_cell(asdict(cell), settings_digest(settings), rank))
+    record = open_cell(path, settings_digest(settings))   # ResumeError naming the cell file
+
+File formats (canonical JSON = ``json.dumps(obj, sort_keys=True, separators=(",", ":"))``):
+
+* ``settings.json``: ``{"schema": SETTINGS_SCHEMA, "settings": {...}, "sha256": <SHA-256 of the canonical
+  settings>}``; that digest is the run's *settings digest*.
+* a cell: ``{"schema": CELL_SCHEMA, "settings_sha256": <settings digest it was measured under>, "rank": r | null,
+  "cell": {<Cell fields>}, "sha256": <SHA-256 of the canonical object without "sha256">}``.
+
+On resume a finished cell is reused only if its file is valid JSON of this schema, with exactly these keys, its
+checksum matches (not edited by hand), it was measured under this run's settings digest and it holds the cell its
+file name says. Any other cell is an ERROR, not re-measured: ``ResumeError`` (a ``SpecdecError``, one line, the CLI
+exits 2) names every such file and why, and the user deletes them (they are then measured again) or runs without
+resume. Cells and ``settings.json`` written before checksums existed are refused the same way (their settings cannot
+be verified); :func:`specdec.eval.acceptance.read_cell` still reads such a cell outside a resume, for old reports.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from specdec.errors import SpecdecError
 
 if TYPE_CHECKING:
     from specdec.eval.acceptance import SuiteConfig
+
+SETTINGS_SCHEMA = "specdec-acceptance-settings/2"  # /1: a bare settings object without schema or checksum
+CELL_SCHEMA = "specdec-acceptance-cell/2"  # /1: bare Cell fields without schema, settings or checksum
+# one entry of Cell.calibration (acceptance._calibrate writes them)
+CALIBRATION_KEYS = frozenset({"query_tokens", "plain_seconds", "verify_seconds", "batch", "context_tokens",
+                              "repeats"})
+_CELL_KEYS = {"schema", "settings_sha256", "rank", "cell", "sha256"}
+_SETTINGS_KEYS = {"schema", "settings", "sha256"}
+_AGAIN = "run without --resume to measure every cell anew"
+
+
+class ResumeError(SpecdecError, ValueError):
+    """A file of an acceptance run (``settings.json`` or a cell) cannot be trusted; the message names it."""
 
 
 def run_settings(model: str, prompts: dict[str, list[list[int]]], config: "SuiteConfig", num_processes: int) -> dict:
@@ -24,13 +57,151 @@ def run_settings(model: str, prompts: dict[str, list[list[int]]], config: "Suite
     return json.loads(json.dumps(settings, default=lambda obj: getattr(obj, "name", None) or type(obj).__name__))
 
 
+def _sha256(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def settings_digest(settings: dict) -> str:
+    """SHA-256 of the canonical settings: recorded in settings.json and in every cell measured under them."""
+    return _sha256(settings)
+
+
+def settings_record(settings: dict) -> dict:
+    """What ``<out>/settings.json`` holds."""
+    return {"schema": SETTINGS_SCHEMA, "settings": settings, "sha256": settings_digest(settings)}
+
+
+def seal_cell(cell: dict, settings_sha256: str, rank: int | None) -> dict:
+    """A cell file's content: the cell's fields with its schema, settings digest, rank and checksum."""
+    record = {"schema": CELL_SCHEMA, "settings_sha256": settings_sha256, "rank": rank, "cell": cell}
+    return {**record, "sha256": _sha256(record)}
+
+
+def load_json(path: Path) -> Any:
+    """The JSON in ``path``; ``ResumeError`` naming the file if it cannot be read or parsed."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ResumeError(f"{path}: cannot be read ({err.strerror or err})") from err
+    except UnicodeDecodeError as err:
+        raise ResumeError(f"{path}: not UTF-8 text (byte {err.start})") from err
+    except json.JSONDecodeError as err:
+        raise ResumeError(f"{path}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno})") from err
+
+
+def _check_envelope(path: Path, data: Any, schema: str, keys: set[str], what: str) -> None:
+    """The schema, exact keys and checksum every file of a run carries."""
+    if not isinstance(data, dict):
+        raise ResumeError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    if "schema" not in data:
+        raise ResumeError(f"{path}: written by an older specdec (no schema or checksum), so this {what} file "
+                          f"cannot be verified")
+    if data["schema"] != schema:
+        raise ResumeError(f"{path}: schema {data['schema']!r}, expected {schema!r}")
+    missing, extra = sorted(keys - set(data)), sorted(set(data) - keys)
+    if missing or extra:
+        raise ResumeError(f"{path}: " + "; ".join(f"{label} field(s) {', '.join(names)}" for label, names in
+                                                   (("missing", missing), ("unexpected", extra)) if names))
+    body = {k: v for k, v in data.items() if k != "sha256"}
+    if data["sha256"] != _sha256(body if what == "cell" else data["settings"]):
+        raise ResumeError(f"{path}: its sha256 does not match its content (edited by hand, or damaged)")
+
+
+def read_settings(path: Path) -> dict:
+    """The settings recorded in ``path`` (a settings.json), checked; ``ResumeError`` naming the file if not sound."""
+    data = load_json(path)
+    _check_envelope(path, data, SETTINGS_SCHEMA, _SETTINGS_KEYS, "settings")
+    if not isinstance(data["settings"], dict):
+        raise ResumeError(f"{path}: 'settings' must be a JSON object, got {type(data['settings']).__name__}")
+    return data["settings"]
+
+
 def check_resumable(out: Path, settings: dict, resume: bool) -> None:
-    """Refuse to resume over cells measured with other settings: they would be merged into one report."""
+    """Refuse to resume over a ``settings.json`` that is unsound or records other settings: the cells would be
+    merged into one report. A missing settings.json is fine (every cell carries its settings digest)."""
     path = out / "settings.json"
     if not resume or not path.exists():
         return
-    before = json.loads(path.read_text())
+    try:
+        before = read_settings(path)
+    except ResumeError as err:
+        raise ResumeError(f"cannot resume {out}: {err}; {_AGAIN}") from err
     changed = sorted(k for k in set(settings) | set(before) if settings.get(k) != before.get(k))
     if changed:
-        raise ValueError(f"cannot resume {out}: its cells were measured with other settings ({', '.join(changed)} "
-                         f"differ); use another output directory, or run without resume to measure every cell anew")
+        raise ResumeError(f"cannot resume {out}: its cells were measured with other settings ({', '.join(changed)} "
+                          f"differ, {path}); use another output directory, or {_AGAIN}")
+
+
+def open_cell(path: Path, settings_sha256: str | None = None, expect: tuple[str, str, int | None] | None = None,
+              validate: Callable[[dict], str | None] | None = None) -> dict:
+    """The Cell fields stored in ``path``, after checking its schema, keys, checksum, settings digest (when given),
+    its fields (``validate``: returns what is wrong, or None) and the (drafter, category, rank) its name says
+    (``expect``). ``ResumeError`` naming the file if any of it is not so."""
+    data = load_json(path)
+    _check_envelope(path, data, CELL_SCHEMA, _CELL_KEYS, "cell")
+    if settings_sha256 is not None and data["settings_sha256"] != settings_sha256:
+        raise ResumeError(f"{path}: measured under other settings than this run's (settings digest "
+                          f"{str(data['settings_sha256'])[:12]}..., this run {settings_sha256[:12]}...)")
+    cell = data["cell"]
+    if not isinstance(cell, dict):
+        raise ResumeError(f"{path}: 'cell' must be a JSON object, got {type(cell).__name__}")
+    if validate is not None:
+        problem = validate(cell)
+        if problem:
+            raise ResumeError(f"{path}: {problem}")
+    if expect is not None and (cell.get("drafter"), cell.get("category"), data["rank"]) != expect:
+        found = f"{cell.get('drafter')} / {cell.get('category')} rank {data['rank']}"
+        raise ResumeError(f"{path}: holds the cell of {found}, not of {expect[0]} / {expect[1]} rank {expect[2]} "
+                          f"(copied or renamed?)")
+    return cell
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _amount(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+# Cell field annotation -> (check of the value read from JSON, what it must be)
+_FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "str": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "int": (_count, "an integer >= 0"),
+    "float": (_amount, "a finite number >= 0"),
+    "list[int]": (lambda v: isinstance(v, list) and all(map(_count, v)), "a list of integers >= 0"),
+    "list[dict]": (lambda v: isinstance(v, list) and all(
+        isinstance(c, dict) and set(c) == CALIBRATION_KEYS and all(map(_amount, c.values())) for c in v),
+        f"a list of objects with numbers >= 0 for exactly {', '.join(sorted(CALIBRATION_KEYS))}"),
+}
+
+
+def cell_problem(data: dict, types: dict[str, str]) -> str | None:
+    """What is wrong with a cell's fields as read from a file (missing, unexpected, wrongly typed), or None;
+    ``types``: each Cell field's annotation (``"int"``, ``"float"``, ``"str"``, ``"list[int]"``, ``"list[dict]"``:
+    the calibrations)."""
+    missing, extra = sorted(set(types) - set(data)), sorted(set(data) - set(types))
+    if missing or extra:
+        return "; ".join(f"{label} cell field(s) {', '.join(names)}" for label, names in
+                         (("missing", missing), ("unexpected", extra)) if names)
+    for name, kind in types.items():
+        check, expected = _FIELD_CHECKS[kind]
+        if not check(data[name]):
+            return f"cell field {name!r} must be {expected}, got {json.dumps(data[name])[:60]}"
+    return None
+
+
+def check_cells(out: Path, found: list[tuple[Path, tuple[str, str, int | None]]], settings_sha256: str,
+                validate: Callable[[dict], str | None]) -> None:
+    """Check every finished cell a resume would reuse (``found``: path, the cell its name says); one ResumeError
+    naming each bad file and why."""
+    problems = []
+    for path, expect in found:
+        try:
+            open_cell(path, settings_sha256, expect, validate)
+        except ResumeError as err:
+            problems.append(str(err))
+    if problems:
+        them = "it" if len(problems) == 1 else "them"
+        raise ResumeError(f"cannot resume {out}: {len(problems)} finished cell file(s) cannot be reused: "
+                          f"{'; '.join(problems)}; delete {them} to measure {them} again, or {_AGAIN}")

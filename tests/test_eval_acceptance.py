@@ -85,14 +85,13 @@ def test_suite_measures_every_cell_resumes_and_reports(tmp_path, loaded):
     assert "draft-model" in md and "accepted-length histogram" in md and "c_verify(n)" in md
     assert "| plain | 1.00 |" in md and "| 0:48 |" in md
     assert json.loads((tmp_path / "report.json").read_text())["rows"]
-    # resume: a finished cell is kept as it is, a missing one is rerun
+    # resume: a finished cell is kept as it is (not measured again: same bytes), a missing one is rerun;
+    # tests/test_eval_resume.py checks that an edited or unsound cell is refused
     marker = cell_path(tmp_path, "ngram", "rep")
-    data = json.loads(marker.read_text())
-    data["steps"] = 12345
-    marker.write_text(json.dumps(data))
+    finished = marker.read_bytes()
     cell_path(tmp_path, "plain", "mixed").unlink()
     again = run_suite(loaded, PROMPTS, cfg, tmp_path, resume=True)
-    assert again[("ngram", "rep")].steps == 12345
+    assert marker.read_bytes() == finished and again[("ngram", "rep")].steps == cells[("ngram", "rep")].steps
     assert again[("plain", "mixed")].new_tokens == 48
     # other settings must not be merged into the finished cells
     longer = dataclasses.replace(cfg, max_new_tokens=25)
@@ -101,7 +100,7 @@ def test_suite_measures_every_cell_resumes_and_reports(tmp_path, loaded):
     other_prompts = {**PROMPTS, "rep": [[1, 2, 3], [5, 6, 5, 6, 5]]}
     with pytest.raises(ValueError, match="prompts_sha256"):
         run_suite(loaded, other_prompts, cfg, tmp_path, resume=True)
-    assert again[("ngram", "rep")].steps == 12345 == read_cell(marker).steps  # nothing was overwritten
+    assert marker.read_bytes() == finished  # nothing was overwritten
 
 
 def test_rank_files_merge_to_the_single_process_numbers(tmp_path, loaded):
