@@ -51,7 +51,9 @@ def add_parser(sub) -> None:
                    help="timed verify steps per query size for the predicted speedup (default 5; 0 = no prediction)")
     a.add_argument("--no-hf-baseline", action="store_true", help="skip transformers' generate() baseline")
     a.add_argument("--no-plots", action="store_true")
-    a.add_argument("--resume", action="store_true", help="keep finished cells found in --out")
+    a.add_argument("--resume", action="store_true",
+                   help="keep finished cells found in --out; each is checked first (schema, checksum, settings), "
+                        "and one that is damaged, edited or measured with other settings is an error naming it")
     a.set_defaults(func=_inference(run_acceptance))
 
 

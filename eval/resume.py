@@ -17,8 +17,10 @@ On resume a finished cell is reused only if its file is valid JSON of this schem
 checksum matches (not edited by hand), it was measured under this run's settings digest and it holds the cell its
 file name says. Any other cell is an ERROR, not re-measured: ``ResumeError`` (a ``SpecdecError``, one line, the CLI
 exits 2) names every such file and why, and the user deletes them (they are then measured again) or runs without
-resume. Cells and ``settings.json`` written before checksums existed are refused the same way (their settings cannot
-be verified); :func:`specdec.eval.acceptance.read_cell` still reads such a cell outside a resume, for old reports.
+resume. An unsound ``settings.json`` is refused the same way; deleting it is safe, as each cell is checked against
+its own settings digest. Cells and ``settings.json`` written before checksums existed are refused too (their settings
+cannot be verified); :func:`specdec.eval.acceptance.read_cell` still reads such a cell outside a resume, for old
+reports.
 """
 from __future__ import annotations
 
@@ -124,8 +126,9 @@ def check_resumable(out: Path, settings: dict, resume: bool) -> None:
         return
     try:
         before = read_settings(path)
-    except ResumeError as err:
-        raise ResumeError(f"cannot resume {out}: {err}; {_AGAIN}") from err
+    except ResumeError as err:  # safe to drop: every cell is checked against its own settings digest
+        raise ResumeError(f"cannot resume {out}: {err}; delete it to resume anyway (each cell records the settings "
+                          f"it was measured under), or {_AGAIN}") from err
     changed = sorted(k for k in set(settings) | set(before) if settings.get(k) != before.get(k))
     if changed:
         raise ResumeError(f"cannot resume {out}: its cells were measured with other settings ({', '.join(changed)} "
@@ -149,10 +152,10 @@ def open_cell(path: Path, settings_sha256: str | None = None, expect: tuple[str,
         problem = validate(cell)
         if problem:
             raise ResumeError(f"{path}: {problem}")
-    if expect is not None and (cell.get("drafter"), cell.get("category"), data["rank"]) != expect:
-        found = f"{cell.get('drafter')} / {cell.get('category')} rank {data['rank']}"
-        raise ResumeError(f"{path}: holds the cell of {found}, not of {expect[0]} / {expect[1]} rank {expect[2]} "
-                          f"(copied or renamed?)")
+    found = (cell.get("drafter"), cell.get("category"), data["rank"])
+    if expect is not None and found != expect:
+        name = lambda d, c, r: f"{d} / {c}" + ("" if r is None else f" (rank {r})")  # noqa: E731
+        raise ResumeError(f"{path}: holds the cell of {name(*found)}, not of {name(*expect)} (copied or renamed?)")
     return cell
 
 
