@@ -37,6 +37,44 @@ class DraftMode(str, enum.Enum):
     DETERMINISTIC = "deterministic"  # candidates picked without sampling; draft_probs is None
 
 
+def _describe(x) -> str:
+    return f"{type(x).__name__} {x!r}" if not isinstance(x, torch.Tensor) else f"{x.dtype} tensor {x.tolist()!r}"
+
+
+def _is_integer_id(x) -> bool:
+    """A Python / numpy / 0-D tensor integer; bools and floats are not ids (even 3.0: ids are never truncated)."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+    if isinstance(x, bool) or type(x).__name__ == "bool_":
+        return False
+    return isinstance(x, int) or getattr(getattr(x, "dtype", None), "kind", None) in ("i", "u")  # numpy ints
+
+
+def _id_vector(value, what: str) -> torch.Tensor:
+    """`value` (tensor, list, tuple, numpy array, scalar) as a 1-D int64 tensor, or a one-line DraftError.
+
+    Float, bool and complex ids are refused, not truncated: a drafter that hands over 3.7 has a bug."""
+    if isinstance(value, (list, tuple)):
+        for i, x in enumerate(value):
+            if not _is_integer_id(x):
+                raise DraftError(f"{what} must be integer ids, got {_describe(x)} at node {i} "
+                                 "(float and bool ids are refused, not truncated)")
+        try:
+            return torch.tensor([int(x) for x in value], dtype=torch.long)
+        except (RuntimeError, OverflowError, ValueError) as err:  # an int beyond int64
+            raise DraftError(f"{what}: id out of the int64 range ({str(err).splitlines()[0]})") from None
+    try:
+        t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise DraftError(f"{what} must be a 1-D tensor or list of integer ids, got {type(value).__name__}") from None
+    if t.dim() > 1:
+        raise DraftError(f"{what} must be 1-D [num_nodes], got shape {tuple(t.shape)}")
+    if t.numel() and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+        raise DraftError(f"{what} must be integer ids, got a {t.dtype} tensor (node 0: {t.reshape(-1)[0].item()!r}); "
+                         "float and bool ids are refused, not truncated")
+    return t.to(torch.long).reshape(-1)
+
+
 def _first_bad_parent(parents: torch.Tensor) -> int | None:
     """Index of the first node breaking -1 <= parents[i] < i (topological order, no cycles), or None."""
     bad = (parents >= torch.arange(parents.numel(), device=parents.device)) | (parents < -1)
@@ -53,11 +91,14 @@ class DraftTree:
     mode: DraftMode = DraftMode.DETERMINISTIC
 
     def __post_init__(self) -> None:
-        tokens = torch.as_tensor(self.tokens, dtype=torch.long).reshape(-1)
-        parents = torch.as_tensor(self.parents, dtype=torch.long).reshape(-1)
+        tokens = _id_vector(self.tokens, "tokens")
+        parents = _id_vector(self.parents, "parents")
         object.__setattr__(self, "tokens", tokens)
         object.__setattr__(self, "parents", parents)
-        object.__setattr__(self, "mode", DraftMode(self.mode))
+        try:
+            object.__setattr__(self, "mode", DraftMode(self.mode))
+        except (ValueError, TypeError):
+            raise DraftError(f"mode must be one of {[m.value for m in DraftMode]}, got {self.mode!r}") from None
         if tokens.numel() != parents.numel():
             raise DraftError(f"tokens has {tokens.numel()} nodes but parents has {parents.numel()}")
         if tokens.numel() > MAX_TREE_NODES:
@@ -76,6 +117,9 @@ class DraftTree:
         else:
             if self.draft_probs is None:
                 raise DraftError(f"mode {self.mode.value} needs draft_probs [num_nodes, vocab]")
+            if not isinstance(self.draft_probs, torch.Tensor) or not self.draft_probs.is_floating_point():
+                got = self.draft_probs.dtype if isinstance(self.draft_probs, torch.Tensor) else type(self.draft_probs)
+                raise DraftError(f"draft_probs must be a floating-point tensor [num_nodes, vocab], got {got}")
             if self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != tokens.numel():
                 raise DraftError(
                     f"draft_probs must be [num_nodes={tokens.numel()}, vocab], got {tuple(self.draft_probs.shape)}"

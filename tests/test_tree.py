@@ -5,7 +5,10 @@ import random
 
 import pytest
 import torch
+from specdec.drafters.base import Drafter
 
+import specdec
+from specdec.testing import build_tiny_model
 from specdec.tree import DraftError, DraftMode, DraftTree
 
 
@@ -89,3 +92,60 @@ def test_validate_renormalises_rows_within_tolerance(mode, dtype, tol):
     assert t.draft_probs.dtype == dtype
     assert (t.draft_probs.double().sum(-1) - 1).abs().max() < tol  # the rule sees distributions
     torch.testing.assert_close(t.draft_probs.double(), probs, atol=tol, rtol=0)
+
+
+class _FixedTreeDrafter(Drafter):
+    """Proposes DraftTree(tokens, parents) built inside propose(), for every sequence."""
+
+    name = "floaty"
+
+    def __init__(self, tokens, parents) -> None:
+        self.tokens, self.parents = tokens, parents
+
+    def propose(self, seqs):
+        return [DraftTree(self.tokens, self.parents) for _ in seqs]
+
+
+@pytest.mark.parametrize("tokens, problem", [
+    (torch.tensor([3.7]), r"a torch.float32 tensor \(node 0: 3.7"),
+    (torch.tensor([3.0, 1.0]), r"a torch.float32 tensor \(node 0: 3.0\)"),
+    (torch.tensor([True, False]), r"a torch.bool tensor \(node 0: True\)"),
+    ([3, 2.5], r"float 2.5 at node 1"),
+    ([3, True], r"bool True at node 1"),
+])
+def test_float_or_bool_draft_tokens_are_refused_not_truncated(tokens, problem):
+    """Issue 24 #4: a drafter's float / bool token ids used to be truncated to ints (3.7 -> 3, True -> 1) and
+    verified as if proposed; now generate() stops with a one-line DraftError naming the drafter."""
+    parents = list(range(-1, len(tokens) - 1))
+    with pytest.raises(DraftError, match=rf"^floaty: tokens must be integer ids, got {problem}") as err:
+        specdec.generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=4, drafter=_FixedTreeDrafter(tokens, parents))
+    assert "\n" not in str(err.value) and "not truncated" in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs, problem", [
+    (dict(tokens=[1, 2], parents=[-1, 0.0]), r"parents must be integer ids, got float 0.0 at node 1"),
+    (dict(tokens=[[1, 2]], parents=[-1, 0]), r"tokens must be integer ids, got list \[1, 2\] at node 0"),
+    (dict(tokens=torch.tensor([[1, 2]]), parents=[-1, 0]), r"tokens must be 1-D \[num_nodes\], got shape \(1, 2\)"),
+    (dict(tokens=["1"], parents=[-1]), r"tokens must be integer ids, got str '1' at node 0"),
+    (dict(tokens=None, parents=[]), r"tokens must be a 1-D tensor or list of integer ids, got NoneType"),
+    (dict(tokens=[2**70], parents=[-1]), r"tokens: id out of the int64 range"),
+    (dict(tokens=[1], parents=[-1], mode="greedy"), r"mode must be one of \['independent', "),
+    (dict(tokens=[1], parents=[-1], draft_probs=[[0.5, 0.5]], mode="independent"),
+     r"draft_probs must be a floating-point tensor \[num_nodes, vocab\], got <class 'list'>"),
+    (dict(tokens=[1], parents=[-1], draft_probs=torch.tensor([[0, 1]]), mode="independent"),
+     r"draft_probs must be a floating-point tensor \[num_nodes, vocab\], got torch.int64"),
+])
+def test_malformed_inputs_raise_one_line_draft_error(kwargs, problem):
+    with pytest.raises(DraftError, match=rf"^{problem}") as err:
+        DraftTree(**kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_integer_ids_of_any_form_are_kept_exactly():
+    import numpy as np
+
+    for tokens in ([3, 1], (3, 1), torch.tensor([3, 1], dtype=torch.int32), torch.tensor([3, 1], dtype=torch.uint8),
+                   np.array([3, 1]), [np.int64(3), torch.tensor(1)]):
+        t = DraftTree(tokens, [-1, 0])
+        assert t.tokens.dtype == torch.long and t.tokens.tolist() == [3, 1]
+    assert DraftTree(torch.tensor([]), []).num_nodes == 0  # an empty float tensor is the empty tree
