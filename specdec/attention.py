@@ -16,7 +16,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from specdec.kernels.dispatch import use_triton
+from specdec.kernels.dispatch import REFERENCE, Backend
 
 CAUSAL = "causal"  # AttentionPlan.build's new_mask for a causal run of new tokens (prefill)
 
@@ -140,11 +140,10 @@ def paged_attention(
     v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
     plan: AttentionPlan,
     scale: float,
+    backend: Backend = REFERENCE,  # the cache's (specdec.kernels.dispatch), chosen when it was built
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    if use_triton(q):  # CUDA (or forced, e.g. in the Triton interpreter): SPECDEC_ATTENTION switch
-        from specdec.kernels.tree_attention import paged_tree_attention
-
-        return paged_tree_attention(q, k_cache, v_cache, plan, scale)
+    if backend.triton:
+        return backend.attention.paged_tree_attention(q, k_cache, v_cache, plan, scale)
     padded = plan.padded
     if padded is not None:
         batch, max_keys = padded.key_slots.shape

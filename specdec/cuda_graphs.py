@@ -81,11 +81,10 @@ class GraphedForward:
     """The engine's verify forward through fixed-shape buckets (see the module docstring)."""
 
     def __init__(self, runner: LlamaRunner, cache: PagedKVCache, config: GraphConfig = GraphConfig()) -> None:
-        from specdec.kernels.dispatch import use_triton
-
-        if not use_triton(cache.kv):
+        if not cache.backend.triton:
             raise ValueError("CUDA graphs need the Triton attention backend: a CUDA device (SPECDEC_ATTENTION auto "
-                             "or triton), or SPECDEC_ATTENTION=triton with TRITON_INTERPRET=1 on CPU")
+                             "or triton), or SPECDEC_ATTENTION=triton with TRITON_INTERPRET=1 on CPU, when the "
+                             f"runner and cache are built; this cache's backend is {cache.backend.name}")
         if config.capture and not cache.kv.is_cuda:
             raise ValueError(f"capture=True needs a CUDA device, the cache is on {cache.kv.device}")
         from specdec.kernels.graph_metadata import static_metadata
@@ -117,7 +116,7 @@ class GraphedForward:
         s = runner.shape
         blocks = -(-max_tokens // block_size) + 1
         cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, blocks, block_size, runner.dtype,
-                             runner.device)
+                             runner.device, runner.backend)
         return cls(runner, cache, config)
 
     def release_sequences(self) -> None:

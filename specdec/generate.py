@@ -247,7 +247,8 @@ def generate(
         blocks += int(bool(cuda_graphs))  # the graphs' scratch slot holds one block
         cache_cls = PagedKVCache if engine_fault is None else engine_fault.cache_cls
         cache = cache_cls(
-            shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block_size, runner.dtype, runner.device
+            shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block_size, runner.dtype, runner.device,
+            runner.backend,  # one backend per engine: the runner's, chosen when it was built
         )
         graphed = GraphedForward(runner, cache, GraphConfig(capture=cache.kv.is_cuda)) if cuda_graphs else None
     if callable(getattr(drafter_obj, "seed_from_generate", None)):  # before Engine() attaches it

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.kernels.dispatch import use_triton
+from specdec.kernels.dispatch import Backend, resolve_backend
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class PagedKVCache:
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        backend: str | Backend | None = None,  # None: SPECDEC_ATTENTION now (specdec.kernels.dispatch)
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -62,6 +63,8 @@ class PagedKVCache:
         self.kv = torch.empty(
             num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device
         )
+        # KV write, compaction and attention over this cache: Triton kernels or the PyTorch reference
+        self.backend = resolve_backend(self.kv.device, backend)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
@@ -118,10 +121,8 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [num_tokens, kv_heads, head_dim] into slots [num_tokens]."""
-        if use_triton(self.kv):  # CUDA (or forced): SPECDEC_ATTENTION switch, see specdec.kernels.dispatch
-            from specdec.kernels.kv_write import write_kv
-
-            write_kv(self.kv, layer, slots, k, v)
+        if self.backend.triton:
+            self.backend.kv.write_kv(self.kv, layer, slots, k, v)
             return
         self.kv[layer, 0].index_copy_(0, slots, k)
         self.kv[layer, 1].index_copy_(0, slots, v)
@@ -154,9 +155,7 @@ class PagedKVCache:
             del table[keep_blocks:]
         if src:
             src_t, dst_t = torch.cat(src), torch.cat(dst)
-            if use_triton(self.kv):  # one launch; pairs in order, reads never follow a write of their slot
-                from specdec.kernels.kv_write import compact_kv
-
-                compact_kv(self.kv, src_t, dst_t)
+            if self.backend.triton:  # one launch; pairs in order, reads never follow a write of their slot
+                self.backend.kv.compact_kv(self.kv, src_t, dst_t)
             else:
                 self.kv[:, :, dst_t] = self.kv[:, :, src_t]  # RHS is gathered first: overlap-safe

@@ -49,8 +49,7 @@ CASES = {
 
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_padded_batch_matches_per_sequence_and_float64(name, group, monkeypatch):
-    monkeypatch.setenv("SPECDEC_ATTENTION", "reference")
+def test_padded_batch_matches_per_sequence_and_float64(name, group):
     lens, new = CASES[name]
     case = random_case(lens, new, num_kv_heads=2, group=group, seed=len(name) + group)
     assert case.plan.padded is not None  # the batched path is the one under test
@@ -59,10 +58,9 @@ def test_padded_batch_matches_per_sequence_and_float64(name, group, monkeypatch)
     assert torch.allclose(got.double(), _dense_float64(case), atol=1e-5, rtol=0)
 
 
-def test_padding_never_reads_an_unwritten_slot(monkeypatch):
+def test_padding_never_reads_an_unwritten_slot():
     """Slots no sequence owns hold NaN (as never-written cache memory may): the padded batch still gives
     the per-sequence result. Padding that read slot 0 turned whole sequences' outputs into NaN."""
-    monkeypatch.setenv("SPECDEC_ATTENTION", "reference")
     case = random_case([3, 17, 40], [("tree", 5), 1, 2], num_kv_heads=2, group=3, seed=7)
     used = torch.zeros(case.k_cache.shape[0], dtype=torch.bool)
     for seq in case.plan.seqs:
@@ -75,8 +73,7 @@ def test_padding_never_reads_an_unwritten_slot(monkeypatch):
     assert torch.allclose(got, _per_sequence(case), atol=1e-5, rtol=0)
 
 
-def test_prefill_keeps_the_per_sequence_path(monkeypatch):
-    monkeypatch.setenv("SPECDEC_ATTENTION", "reference")
+def test_prefill_keeps_the_per_sequence_path():
     case = random_case([0, 6], [5, 1], seed=3)  # a prompt prefill (causal run) next to a decode
     assert case.plan.padded is None
     got = paged_attention(case.q, case.k_cache, case.v_cache, case.plan, case.scale)
@@ -98,10 +95,9 @@ def test_a_wrong_mask_is_caught():
 
 
 @pytest.mark.parametrize("new", [1, 5, ("tree", 7)])
-def test_contiguous_keys_are_read_in_place_with_the_same_result(new, monkeypatch):
+def test_contiguous_keys_are_read_in_place_with_the_same_result(new):
     """A lone sequence whose blocks are consecutive reads a view of the cache instead of a
     gathered copy; shuffled blocks still gather. Both must equal the float64 softmax."""
-    monkeypatch.setenv("SPECDEC_ATTENTION", "reference")
     in_order = random_case([37], [new], shuffle=False, spare_blocks=0, seed=11)
     shuffled = random_case([37], [new], shuffle=True, seed=11)
     s = in_order.plan.seqs[0]

@@ -11,12 +11,15 @@ from specdec.kernels.testing import kernel_device
 DEVICE = kernel_device()  # sets TRITON_INTERPRET=1 without a GPU: must run before triton is imported
 pytest.importorskip("triton")
 
+import dataclasses  # noqa: E402
+
 import torch  # noqa: E402
 
 from specdec.cuda_graphs import GraphConfig, GraphedForward  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
 from specdec.generate import generate  # noqa: E402
 from specdec.kv_cache import PagedKVCache  # noqa: E402
+from specdec.models.llama import LlamaRunner  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
 from specdec.rejection import rejection_sample  # noqa: E402
 from specdec.sampling import SamplingConfig  # noqa: E402
@@ -30,24 +33,27 @@ CAPTURE = DEVICE == "cuda"
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 
 
-@pytest.fixture
-def triton_backend(monkeypatch):
-    monkeypatch.setenv("SPECDEC_ATTENTION", "triton")
-
-
 @pytest.fixture(scope="module")
 def loaded():
-    return load_model(build_tiny_model("llama-gqa-tied", VOCAB), device=DEVICE)
+    """The tiny model on the Triton backend (interpreter on CPU): runner and, through it, every cache."""
+    model = load_model(build_tiny_model("llama-gqa-tied", VOCAB), device=DEVICE)
+    return dataclasses.replace(model, runner=LlamaRunner(model.model, backend="triton"))
+
+
+def on_reference(loaded):
+    """The same weights on the PyTorch reference backend."""
+    return dataclasses.replace(loaded, runner=LlamaRunner(loaded.model, backend="reference"))
 
 
 def make_cache(runner, blocks: int = 64, seed: int = 0) -> PagedKVCache:
     s = runner.shape
-    cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, blocks, 4, runner.dtype, runner.device)
+    cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, blocks, 4, runner.dtype, runner.device,
+                         runner.backend)
     cache._free = torch.randperm(blocks, generator=torch.Generator().manual_seed(seed)).tolist()  # shuffled tables
     return cache
 
 
-def test_buckets_give_the_eager_logits_step_after_step(triton_backend, loaded):
+def test_buckets_give_the_eager_logits_step_after_step(loaded):
     """Several verify steps of a ragged batch with random trees, through buckets that are reused with
     other contents and other sizes: the real rows' logits and hidden states equal the eager forward's."""
     runner = loaded.runner
@@ -86,15 +92,15 @@ def test_buckets_give_the_eager_logits_step_after_step(triton_backend, loaded):
     assert graphed.replays == steps >= 8
 
 
-def test_engine_with_buckets_is_greedy_identical(monkeypatch, loaded):
+def test_engine_with_buckets_is_greedy_identical(loaded):
     """Whole generations of a ragged batch: random-tree drafts (rejections and compaction) through the
-    buckets give the tokens of the reference engine (PyTorch attention, eager); so does generate()
+    buckets give the tokens of the reference engine (PyTorch ops, eager); so does generate()
     with the n-gram drafter and cuda_graphs=True."""
-    runner = loaded.runner
+    reference = on_reference(loaded)
     prompts = ragged_prompts(3, VOCAB, seed=2, max_len=24)
     outs = {}
     for backend in ("reference", "triton"):
-        monkeypatch.setenv("SPECDEC_ATTENTION", backend)
+        runner = reference.runner if backend == "reference" else loaded.runner
         cache = make_cache(runner, blocks=96, seed=1)
         graphed = GraphedForward(runner, cache, GraphConfig(capture=CAPTURE)) if backend == "triton" else None
         engine = Engine(runner, cache, SamplingConfig(), StopCriteria(16), RandomTreeDrafter(VOCAB, seed=5),
@@ -107,12 +113,11 @@ def test_engine_with_buckets_is_greedy_identical(monkeypatch, loaded):
             assert graphed.replays == engine.forward_passes > 0
     assert outs["triton"] == outs["reference"]
     via_api = generate(loaded, prompts, max_new_tokens=16, drafter="ngram", cuda_graphs=True)
-    monkeypatch.setenv("SPECDEC_ATTENTION", "reference")
-    plain = generate(loaded, prompts, max_new_tokens=16)
+    plain = generate(reference, prompts, max_new_tokens=16)
     assert via_api == plain
 
 
-def test_steps_outside_every_bucket_fall_back(triton_backend, loaded):
+def test_steps_outside_every_bucket_fall_back(loaded):
     runner = loaded.runner
     cache = make_cache(runner)
     graphed = GraphedForward(runner, cache, GraphConfig(batch_sizes=(1,), tokens_per_seq=(1, 2), capture=CAPTURE))
@@ -129,24 +134,23 @@ def test_steps_outside_every_bucket_fall_back(triton_backend, loaded):
     assert cache.num_free_blocks < cache.num_blocks  # the scratch block stays reserved
 
 
-def test_bad_configs_and_backends_are_refused(monkeypatch, loaded):
+def test_bad_configs_and_backends_are_refused(loaded):
     for bad in (dict(batch_sizes=()), dict(batch_sizes=(2, 1)), dict(tokens_per_seq=(0, 4)),
                 dict(tokens_per_seq=(1, 65)), dict(batch_sizes=(1, 1))):
         with pytest.raises(ValueError):
             GraphConfig(**bad)
-    runner = loaded.runner
-    monkeypatch.setenv("SPECDEC_ATTENTION", "reference")
+    reference = on_reference(loaded)
     with pytest.raises(ValueError, match="Triton attention backend"):
-        GraphedForward(runner, make_cache(runner))
+        GraphedForward(reference.runner, make_cache(reference.runner))
     with pytest.raises(ValueError, match="Triton attention backend"):
-        generate(loaded, [[1, 2, 3]], max_new_tokens=2, cuda_graphs=True)
+        generate(reference, [[1, 2, 3]], max_new_tokens=2, cuda_graphs=True)
     if not CAPTURE:
-        monkeypatch.setenv("SPECDEC_ATTENTION", "triton")
+        runner = loaded.runner
         with pytest.raises(ValueError, match="capture=True needs a CUDA device"):
             GraphedForward(runner, make_cache(runner), GraphConfig(capture=True))
 
 
-def test_a_reused_graphed_forward_keeps_its_cache_and_buckets(triton_backend, loaded):
+def test_a_reused_graphed_forward_keeps_its_cache_and_buckets(loaded):
     runner = loaded.runner
     graphed = GraphedForward.with_cache(runner, max_tokens=256, block_size=16, config=GraphConfig(capture=CAPTURE))
     prompts = [[4, 5, 6, 4, 5, 6, 4], [7, 8, 9]]

@@ -262,7 +262,7 @@ def test_draft_model_tree_logits_match_the_reference_backend(monkeypatch):
     from specdec.models.loader import load_model
     from specdec.testing import build_tiny_model
 
-    target = load_model(build_tiny_model("llama-gqa-tied", 64), device=DEVICE)
+    target_model = build_tiny_model("llama-gqa-tied", 64).to(DEVICE)
     draft = build_tiny_model("llama-gqa-tied", 64, seed=7)
 
     class Spy(DraftModelDrafter):
@@ -278,10 +278,10 @@ def test_draft_model_tree_logits_match_the_reference_backend(monkeypatch):
 
     logits = {}
     for backend in ("reference", "triton"):
-        monkeypatch.setenv("SPECDEC_ATTENTION", backend)
+        monkeypatch.setenv("SPECDEC_ATTENTION", backend)  # read when the runners and caches are built
         spy = Spy(draft, widths=(2, 2), num_draft_tokens=3)
         spy.logits = []
-        generate(target, [[3, 1, 4, 1, 5, 9, 2, 6], [7, 8, 9]], max_new_tokens=1, drafter=spy)
+        generate(load_model(target_model), [[3, 1, 4, 1, 5, 9, 2, 6], [7, 8, 9]], max_new_tokens=1, drafter=spy)
         logits[backend] = spy.logits
     assert len(logits["triton"]) == len(logits["reference"]) == 3  # catch-up, depth 1, depth 2 (hidden uncles)
     for depth, (a, b) in enumerate(zip(logits["triton"], logits["reference"])):

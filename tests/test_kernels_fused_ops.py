@@ -11,6 +11,7 @@ DEVICE = kernel_device()  # sets TRITON_INTERPRET=1 without a GPU: must run befo
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
+from specdec.kernels.dispatch import REFERENCE  # noqa: E402
 from specdec.kernels.fused_ops import add_rms_norm, rope_, silu_mul  # noqa: E402
 
 from specdec.models import llama  # noqa: E402
@@ -41,7 +42,7 @@ def test_add_rms_norm(dtype, hidden):
     h = (torch.randn(7, hidden, generator=gen) * 3).to(DEVICE, dtype)
     delta = torch.randn(7, hidden, generator=gen).to(DEVICE, dtype)
     weight = (1 + torch.randn(hidden, generator=gen) / 4).to(DEVICE, dtype)
-    want_h, want = llama.add_rms_norm(h, delta, weight, 1e-5, fused=False)
+    want_h, want = llama.add_rms_norm(h, delta, weight, 1e-5, REFERENCE)
     got_h, got = add_rms_norm(h.clone(), delta, weight, 1e-5)
     close(got_h, want_h, dtype)
     close(got, want, dtype)
@@ -59,7 +60,7 @@ def test_rope_in_place(dtype, heads, head_dim):
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(DEVICE, dtype)[:, None, :], emb.sin().to(DEVICE, dtype)[:, None, :]
-    want = llama.apply_rope(x, cos, sin, fused=False)
+    want = llama.apply_rope(x, cos, sin, REFERENCE)
     got = x.clone()
     assert rope_(got, cos, sin) is got
     close(got, want, dtype)
@@ -71,7 +72,7 @@ def test_silu_mul(dtype, width):
     gen = torch.Generator().manual_seed(width)
     gate = (torch.randn(5, width, generator=gen) * 4).to(DEVICE, dtype)
     up = torch.randn(5, width, generator=gen).to(DEVICE, dtype)
-    close(silu_mul(gate, up), llama.silu_mul(gate, up, fused=False), dtype)
+    close(silu_mul(gate, up), llama.silu_mul(gate, up, REFERENCE), dtype)
 
 
 def test_a_broken_rounding_is_caught():
@@ -81,8 +82,8 @@ def test_a_broken_rounding_is_caught():
     up = (torch.randn(64, 512, generator=gen) * 4).to(DEVICE, HALF)
     unrounded = (torch.nn.functional.silu(gate.float()) * up.float()).to(HALF)
     with pytest.raises(AssertionError):
-        close(unrounded, llama.silu_mul(gate, up, fused=False), HALF)
-    close(silu_mul(gate, up), llama.silu_mul(gate, up, fused=False), HALF)
+        close(unrounded, llama.silu_mul(gate, up, REFERENCE), HALF)
+    close(silu_mul(gate, up), llama.silu_mul(gate, up, REFERENCE), HALF)
 
 
 def test_bad_shapes_are_named():

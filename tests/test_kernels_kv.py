@@ -13,7 +13,7 @@ DEVICE = kernel_device()  # sets TRITON_INTERPRET=1 without a GPU: must run befo
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
-from specdec.kernels.dispatch import backend, use_triton  # noqa: E402
+from specdec.kernels.dispatch import BackendError, requested, resolve_backend  # noqa: E402
 from specdec.kernels.kv_write import compact_kv, write_kv  # noqa: E402
 
 from specdec.kv_cache import PagedKVCache  # noqa: E402
@@ -105,16 +105,18 @@ def test_compaction_overlapping_pairs_in_order():
 
 
 def test_dispatch_switch(backend_env):
-    x = torch.zeros(1, device=DEVICE)
     backend_env("reference")
-    assert not use_triton(x)
+    assert not resolve_backend(DEVICE).triton
     backend_env("auto")
-    assert use_triton(x) is (DEVICE == "cuda")  # auto never picks the interpreter on CPU
+    assert resolve_backend(DEVICE).triton is (DEVICE == "cuda")  # auto never picks the interpreter on CPU
     backend_env("triton")
-    assert use_triton(x) is True  # on CPU: TRITON_INTERPRET=1 is set by this module
+    assert resolve_backend(DEVICE).triton  # on CPU: TRITON_INTERPRET=1 is set by this module
+    assert not resolve_backend(DEVICE, "reference").triton  # an explicit choice beats the environment
     backend_env("bogus")
     with pytest.raises(ValueError, match="SPECDEC_ATTENTION"):
-        backend()
+        requested()
+    with pytest.raises(ValueError, match="backend='nope'"):
+        resolve_backend(DEVICE, "nope")
 
 
 def test_forced_triton_on_cpu_without_interpreter_is_refused(backend_env, monkeypatch):
@@ -122,9 +124,32 @@ def test_forced_triton_on_cpu_without_interpreter_is_refused(backend_env, monkey
         pytest.skip("CPU-only check")
     backend_env("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        use_triton(torch.zeros(1))
+    with pytest.raises(BackendError, match="TRITON_INTERPRET"):
+        resolve_backend("cpu")
     assert os.environ["SPECDEC_ATTENTION"] == "triton"
+
+
+def test_backend_is_chosen_once_when_runner_and_cache_are_built(backend_env, tiny_model):
+    """The runner and the cache keep the backend they were built with: the environment is not read
+    per call (a bogus value set afterwards changes nothing), and generate() gives its cache the
+    runner's backend, so one engine never mixes the two."""
+    from specdec.generate import generate
+    from specdec.models.loader import load_model
+
+    backend_env("triton")
+    loaded = load_model(tiny_model("llama-gqa-tied", vocab_size=64), device=DEVICE)
+    cache = make_cache(0)
+    assert loaded.runner.backend.triton and cache.backend.triton
+    backend_env("bogus")  # read per call, this would raise in every forward and KV write
+    out = generate(loaded, [[3, 5, 7, 3, 5, 7]], max_new_tokens=4, drafter="ngram")
+    assert len(out[0]) == 10
+    cache.add(0)
+    cache.reserve(0, 2)
+    kv = torch.randn(2, cache.kv.shape[3], cache.kv.shape[4], device=DEVICE)
+    cache.write(0, cache.slots(0, 0, 2), kv, kv)
+    assert torch.equal(cache.layer(0)[0][cache.slots(0, 0, 2)], kv)
+    backend_env("reference")
+    assert generate(loaded, [[3, 5, 7, 3, 5, 7]], max_new_tokens=4) == out
 
 
 def test_engine_forward_through_dispatch_matches_reference(backend_env, tiny_model, monkeypatch):
@@ -142,12 +167,13 @@ def test_engine_forward_through_dispatch_matches_reference(backend_env, tiny_mod
     for name in ("add_rms_norm", "rope_", "silu_mul"):  # the layer's element-wise steps go through the kernels too
         op = getattr(fused_ops, name)
         monkeypatch.setattr(fused_ops, name, lambda *a, _op=op, _name=name, **k: fused.append(_name) or _op(*a, **k))
-    loaded = load_model(tiny_model("llama-gqa-tied", vocab_size=64), device=DEVICE)
+    model = tiny_model("llama-gqa-tied", vocab_size=64)
     prompt = [[3, 5, 7, 3, 5, 7, 3, 5], [9, 9, 2]]
     outs = {}
     for name in ("reference", "triton"):
-        backend_env(name)
-        outs[name] = generate(loaded, prompt, max_new_tokens=6, drafter="ngram", return_dict=True)
+        backend_env(name)  # read when load_model builds the runner
+        outs[name] = generate(load_model(model, device=DEVICE), prompt, max_new_tokens=6, drafter="ngram",
+                              return_dict=True)
     assert outs["reference"].new_tokens == outs["triton"].new_tokens
     assert calls, "SPECDEC_ATTENTION=triton did not reach the kernel"
     assert {"add_rms_norm", "rope_", "silu_mul"} <= set(fused), "the fused element-wise kernels were not used"

@@ -3,9 +3,10 @@
 Llama, Mistral, Qwen2, Qwen3 and SmolLM share it: RMSNorm, RoPE (scaling variants via the
 loaded model's own ``inv_freq`` / ``attention_scaling``), GQA, SwiGLU, tied or untied
 embeddings, optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3). The runner holds
-references to the loaded transformers model's parameters: no weight is copied. With the Triton
-backend on (CUDA by default, see ``specdec.kernels.dispatch``) attention, the KV store and each
-layer's element-wise steps run as Triton kernels; otherwise everything is PyTorch ops.
+references to the loaded transformers model's parameters: no weight is copied. The backend is
+chosen when the runner is built (``specdec.kernels.dispatch``; Triton on CUDA by default): on the
+Triton backend each layer's element-wise steps run as fused Triton kernels, and attention follows
+the KV cache's backend; otherwise everything is PyTorch ops.
 
     runner = LlamaRunner(hf_model)
     out = runner.forward(token_ids, positions, plan, cache, logits_rows)
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from specdec.attention import AttentionPlan, paged_attention
 from specdec.errors import SpecdecError
-from specdec.kernels.dispatch import use_triton
+from specdec.kernels.dispatch import Backend, resolve_backend
 from specdec.kv_cache import PagedKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -132,37 +133,32 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 # The three element-wise steps of a layer: PyTorch ops (the reference, CPU), or one fused Triton
-# kernel each (``fused``: the GPU path, see specdec.kernels.fused_ops) with the same rounding.
+# kernel each on the Triton backend (specdec.kernels.fused_ops, the GPU path) with the same rounding.
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta, RMSNorm(h + delta) * weight); the fused kernel updates h in place."""
-    if fused:
-        from specdec.kernels.fused_ops import add_rms_norm as kernel
-
-        return kernel(h, delta, weight, eps)
+    if backend.triton:
+        return backend.fused.add_rms_norm(h, delta, weight, eps)
     if delta is not None:
         h = h + delta
     return h, rms_norm(h, weight, eps)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> torch.Tensor:
-    if fused and x.is_contiguous():
-        from specdec.kernels.fused_ops import rope_
-
-        return rope_(x, cos, sin)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Backend) -> torch.Tensor:
+    if backend.triton and x.is_contiguous():
+        return backend.fused.rope_(x, cos, sin)
     return x * cos + _rotate_half(x) * sin
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, fused: bool) -> torch.Tensor:
-    if fused:
-        from specdec.kernels.fused_ops import silu_mul as kernel
-
-        return kernel(gate, up)
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, backend: Backend) -> torch.Tensor:
+    if backend.triton:
+        return backend.fused.silu_mul(gate, up)
     return F.silu(gate) * up
 
 
 class LlamaRunner:
-    def __init__(self, hf_model) -> None:
+    def __init__(self, hf_model, backend: str | Backend | None = None) -> None:
+        """``backend``: "auto", "reference", "triton" or a resolved Backend; None reads SPECDEC_ATTENTION now."""
         check_supported(hf_model)
         self.hf_model = hf_model
         cfg = hf_model.config
@@ -187,6 +183,7 @@ class LlamaRunner:
         # keep their identity), so a copy taken here would stay behind and cost a host-to-device copy per forward
         self.rotary = base.rotary_emb
         self.attention_scaling = float(getattr(self.rotary, "attention_scaling", 1.0))
+        self.backend = resolve_backend(self.embed.device, backend)  # fused element-wise ops; the cache's its own
 
     def truncated(self, num_layers: int) -> "LlamaRunner":
         """A runner over the first ``num_layers`` layers + the final norm + the LM head,
@@ -226,29 +223,28 @@ class LlamaRunner:
     ) -> ForwardOutput | None:
         s = self.shape
         n = token_ids.numel()
-        fused = use_triton(self.embed)  # the GPU path: fused norm / RoPE / SiLU kernels, as for attention
         cos, sin = self.rope(positions)
         h = F.embedding(token_ids, self.embed)
         delta = None  # the last block's output, added to the residual stream h by the next norm
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h, x = add_rms_norm(h, delta, layer.input_layernorm.weight, self.eps, fused)
+            h, x = add_rms_norm(h, delta, layer.input_layernorm.weight, self.eps, self.backend)
             q = linear(x, attn.q_proj.weight, attn.q_proj.bias).view(n, s.num_heads, s.head_dim)
             k = linear(x, attn.k_proj.weight, attn.k_proj.bias).view(n, s.num_kv_heads, s.head_dim)
             v = linear(x, attn.v_proj.weight, attn.v_proj.bias).view(n, s.num_kv_heads, s.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over head_dim before RoPE
                 q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
                 k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
-            q, k = apply_rope(q, cos, sin, fused), apply_rope(k, cos, sin, fused)
+            q, k = apply_rope(q, cos, sin, self.backend), apply_rope(k, cos, sin, self.backend)
             cache.write(i, plan.write_slots, k, v)
             k_cache, v_cache = cache.layer(i)
-            o = paged_attention(q, k_cache, v_cache, plan, self.scale)
+            o = paged_attention(q, k_cache, v_cache, plan, self.scale, cache.backend)
             delta = linear(o.reshape(n, s.num_heads * s.head_dim), attn.o_proj.weight, attn.o_proj.bias)
-            h, x = add_rms_norm(h, delta, layer.post_attention_layernorm.weight, self.eps, fused)
+            h, x = add_rms_norm(h, delta, layer.post_attention_layernorm.weight, self.eps, self.backend)
             mlp = layer.mlp
             gate = linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
             up = linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
-            delta = linear(silu_mul(gate, up, fused), mlp.down_proj.weight, mlp.down_proj.bias)
+            delta = linear(silu_mul(gate, up, self.backend), mlp.down_proj.weight, mlp.down_proj.bias)
         if logits_rows is None:
             return None
         h = h + delta
