@@ -8,35 +8,38 @@ and sets ``func`` to the function that runs it.
     echo "prompt" | specdec generate --drafter ngram --max-new-tokens 256
     specdec generate --prompt-file doc.txt --model ./my-llama --do-sample --temperature 0.7
 
-The text streams to stdout; a one-line summary (tokens, tokens/s, tau) goes to stderr.
-Errors meant for the user (bad options, unknown model or drafter, a drafter's malformed
-proposal, KV cache out of blocks...) print one line ``specdec <command>: error: ...`` and
-exit with code 2; ``-v`` shows the traceback instead.
+The text streams to stdout; a one-line summary (tokens, tokens/s, tau) goes to stderr. With
+``--json``, stdout carries exactly one JSON document (the text and the summary) and nothing else.
+Errors meant for the user (bad options, unknown model or drafter, a prompt that is not UTF-8
+text, a truncated .gguf, a drafter's malformed proposal, KV cache out of blocks...) print one line
+``specdec <command>: error: ...`` and exit with code 2; Ctrl-C keeps the text streamed so far,
+prints ``specdec <command>: interrupted`` and exits with code 130. ``-v`` shows the traceback instead.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
+import os
 import sys
 import time
 
 from specdec.errors import SpecdecError
-from specdec.kv_cache import CacheFullError
 from specdec.models.embedded import DEFAULT_ALIAS
 
 SUBCOMMAND_MODULES = ("specdec.train.cli", "specdec.eval.cli")
 
 
-class CLIError(Exception):
+class CLIError(SpecdecError):
     """A problem with what the user asked for on the command line."""
 
 
-# library errors that are the user's to fix: one line and exit code 2, no traceback.
-# SpecdecError is every error specdec raises on purpose (specdec.errors); ValueError still covers
+# library errors that are the user's to fix: one line and exit code 2, no traceback. SpecdecError is every error
+# specdec raises on purpose (specdec.errors: CacheFullError, DraftError, GGUFError, ...); ValueError still covers
 # the builtin checks of bad input; OSError covers missing files and unknown model paths.
-USER_ERRORS = (CLIError, SpecdecError, ValueError, OSError, CacheFullError)
+USER_ERRORS = (CLIError, SpecdecError, ValueError, OSError)
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices, torch attribute names
 
 
@@ -65,15 +68,70 @@ class _TextStream:
         self.printed = len(text)
 
 
-def _read_prompt(args) -> str:
-    if args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            return f.read()
+def _decode(data: bytes, source: str, hint: str = "convert it first, e.g. with iconv -t UTF-8") -> str:
+    """`data` as UTF-8 text with universal newlines (as a text-mode read gives it), or a CLIError naming `source`
+    and the first offending byte."""
+    if b"\x00" in data:
+        raise CLIError(f"{source} looks binary (it contains NUL bytes); the prompt must be UTF-8 text")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise CLIError(f"{source} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); {hint}") \
+            from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _check_argument(value: str, source: str) -> str:
+    """A command-line string as valid text. Python hands undecodable argv bytes over as surrogate escapes,
+    which a tokenizer cannot encode: name the argument and the byte instead."""
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        pass
+    try:
+        raw = os.fsencode(value)  # the original argv bytes
+    except UnicodeEncodeError:  # a lone surrogate that did not come from argv bytes
+        raise CLIError(f"{source} is not valid text (it contains a lone surrogate)") from None
+    return _decode(raw, source, hint="is the terminal's encoding UTF-8?")
+
+
+def _read_prompt(args) -> tuple[str, str]:
+    """`(prompt, where it came from)`: the argument, --prompt-file, or stdin."""
+    if args.prompt_file is not None and args.prompt is not None:
+        raise CLIError(f"got a prompt argument and --prompt-file {args.prompt_file!r}: give the prompt one way only")
+    if args.prompt_file is not None:
+        with open(args.prompt_file, "rb") as f:
+            return _decode(f.read(), f"--prompt-file {args.prompt_file!r}"), f"--prompt-file {args.prompt_file!r}"
     if args.prompt is not None and args.prompt != "-":
-        return args.prompt
-    if sys.stdin.isatty() and args.prompt is None:
+        return _check_argument(args.prompt, "the prompt argument"), "the prompt argument"
+    stdin = sys.stdin
+    if stdin is None or stdin.closed:  # `specdec generate 0<&-`: Python sets sys.stdin to None
+        raise CLIError("no prompt: stdin is closed; give a prompt as an argument or with --prompt-file")
+    if args.prompt is None and stdin.isatty():
         raise CLIError("give a prompt as an argument, with --prompt-file, or on stdin")
-    return sys.stdin.read()
+    buffer = getattr(stdin, "buffer", None)  # absent on a StringIO standing in for stdin
+    return (_decode(buffer.read(), "stdin") if buffer is not None else stdin.read()), "stdin"
+
+
+def _check_device(spec: str):
+    """`spec` as a torch.device this torch can allocate on, checked before the (slow) model load."""
+    import torch
+
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError, TypeError):
+        raise CLIError(f"--device {spec!r} is not a device torch knows; use cpu, cuda or cuda:N") from None
+    if device.type == "meta":
+        raise CLIError("--device meta holds no weights; use cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"--device {spec!r}: no CUDA device is available (torch {torch.__version__})")
+    try:
+        torch.empty(1, device=device)
+    except Exception as err:  # noqa: BLE001 - each backend fails its own way (Assertion-, NotImplemented-, ...)
+        reason = (str(err).split(". ")[0].splitlines() or [type(err).__name__])[0][:200]  # first sentence
+        raise CLIError(f"--device {spec!r}: torch {torch.__version__} cannot use it ({reason})") from None
+    return device
 
 
 def _add_generate(sub) -> None:
@@ -103,7 +161,8 @@ def _add_generate(sub) -> None:
                    help="weights / activations dtype (default: float32)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay the verify forward as CUDA graphs (needs --device cuda; see docs/kernels.md)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON document (the text and the summary) to stdout instead of streaming the text")
     p.set_defaults(func=_run_generate)
 
 
@@ -121,6 +180,22 @@ def _parse_options(pairs: list[str]) -> dict:
 
 
 def _run_generate(args) -> int:
+    if not args.json:
+        _, summary = _generate(args, _TextStream)
+        _print_summary(summary)
+        return 0
+    # stdout carries the one JSON document and nothing else: anything else printed meanwhile goes to stderr
+    stdout = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        text, summary = _generate(args, None)
+    stdout.write(json.dumps({"text": text, **summary}) + "\n")
+    stdout.flush()
+    return 0
+
+
+def _generate(args, stream_class) -> tuple[str, dict]:
+    """Check the arguments, load the model, generate; `(text, summary)`. `stream_class`: streams the text to
+    stdout as it is generated (None: do not stream)."""
     import torch
 
     from specdec.drafters.registry import get_drafter
@@ -128,9 +203,11 @@ def _run_generate(args) -> int:
     from specdec.models.loader import load_model
     from specdec.sampling import SamplingConfig
 
-    text = _read_prompt(args)
+    text, source = _read_prompt(args)
     if not text.strip():
-        raise CLIError("the prompt is empty")
+        raise CLIError(f"the prompt is empty (read from {source})")
+    system = _check_argument(args.system, "--system") if args.system is not None else None
+    stop = [_check_argument(s, "--stop") for s in args.stop] if args.stop else args.stop
     # check what needs no model before the (slow) model load
     SamplingConfig(args.do_sample, args.temperature, args.top_k, args.top_p)
     options = _parse_options(args.drafter_option)
@@ -142,31 +219,36 @@ def _run_generate(args) -> int:
         if not options:
             raise
         raise CLIError(f"drafter {args.drafter!r} does not accept these --drafter-option values: {err}") from err
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise CLIError(f"--device {args.device}: no CUDA device is available (torch {torch.__version__})")
-    if args.cuda_graphs and not args.device.startswith("cuda"):
+    device = _check_device(args.device)
+    if args.cuda_graphs and device.type != "cuda":
         raise CLIError("--cuda-graphs needs --device cuda")
     t0 = time.perf_counter()
-    loaded = load_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, device=args.device)
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, device=device)
     load_seconds = time.perf_counter() - t0
     tok = loaded.tokenizer
     if tok is None:
         raise CLIError(f"model {args.model!r} has no tokenizer; the CLI needs one (save it next to the checkpoint)")
     if not args.no_chat_template and getattr(tok, "chat_template", None):
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages = ([{"role": "system", "content": system}] if system else [])
         messages.append({"role": "user", "content": text})
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     else:
         ids = tok(text)["input_ids"]
-    stream = _TextStream(tok)
-    with torch.no_grad():
-        out = generate(
-            loaded, [ids], drafter=drafter,
-            max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop, streamer=stream,
-            return_dict=True, block_size=args.block_size, num_blocks=args.num_blocks, cuda_graphs=args.cuda_graphs,
-        )
-    stream.finish()
+    stream = stream_class(tok) if stream_class is not None else None
+    try:
+        with torch.no_grad():
+            out = generate(
+                loaded, [ids], drafter=drafter,
+                max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop, streamer=stream,
+                return_dict=True, block_size=args.block_size, num_blocks=args.num_blocks, cuda_graphs=args.cuda_graphs,
+            )
+    except KeyboardInterrupt:
+        if stream is not None:  # keep what was generated: the rest of the text and its newline, then main's line
+            stream.finish()
+        raise
+    if stream is not None:
+        stream.finish()
     s = out.stats[0]
     summary = {
         "model": loaded.name, "dtype": str(loaded.runner.dtype).removeprefix("torch."),
@@ -175,18 +257,18 @@ def _run_generate(args) -> int:
         "tau": round(s.tau, 3), "steps": s.steps, "finish": s.finish_reason, "load_seconds": round(load_seconds, 2),
         "acceptance_per_depth": [round(a, 3) for a in s.acceptance_per_depth],
     }
-    if args.json:
-        print(json.dumps(summary), file=sys.stderr)
-    else:
-        acc = " ".join(f"{a:.2f}" for a in s.acceptance_per_depth)
-        print(
-            f"[specdec] {s.new_tokens} tokens in {out.seconds:.2f}s = {s.tokens_per_second:.1f} tok/s | "
-            f"tau {s.tau:.2f} over {s.steps} steps | drafter {summary['drafter']}"
-            + (f" | acceptance/depth {acc}" if acc else "")
-            + f" | prompt {s.prompt_tokens} tok, finish={s.finish_reason}",
-            file=sys.stderr,
-        )
-    return 0
+    return tok.decode(out.new_tokens[0], skip_special_tokens=True), summary
+
+
+def _print_summary(summary: dict) -> None:
+    acc = " ".join(f"{a:.2f}" for a in summary["acceptance_per_depth"])
+    print(
+        f"[specdec] {summary['new_tokens']} tokens in {summary['seconds']:.2f}s = {summary['tokens_per_s']:.1f} tok/s"
+        f" | tau {summary['tau']:.2f} over {summary['steps']} steps | drafter {summary['drafter']}"
+        + (f" | acceptance/depth {acc}" if acc else "")
+        + f" | prompt {summary['prompt_tokens']} tok, finish={summary['finish']}",
+        file=sys.stderr,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,10 +293,35 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         if args.verbose:
             raise
-        sys.stdout.flush()  # streamed text first, then the error on its own line
+        if isinstance(err, BrokenPipeError):  # `specdec generate ... | head`: the reader left, nothing to say
+            _silence_stdout()
+            return 141  # 128 + SIGPIPE, what the shell reports for `yes | head`
+        _flush_stdout()  # streamed text first, then the error on its own line
         message = " ".join(str(err).split()) or type(err).__name__
         print(f"specdec {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.verbose:
+            raise
+        _flush_stdout()
+        print(f"specdec {args.command}: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT
+
+
+def _flush_stdout() -> None:
+    try:
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):  # the reader is gone / stdout closed: the error line still goes out
+        _silence_stdout()
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush of a broken pipe does not print a traceback."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout is no real file (captured in a test): nothing to flush
+        pass
 
 
 if __name__ == "__main__":

@@ -86,8 +86,9 @@ def test_prompt_file_stdin_and_dash_give_the_same_output(ckpt, capsys, monkeypat
 
 def test_json_summary(ckpt, capsys):
     rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(N), "--json")
-    assert rc == 0 and out.strip()
-    summary = json.loads(err.strip().splitlines()[-1])
+    assert rc == 0
+    summary = json.loads(out)  # stdout is the one JSON document: the text and the summary
+    assert summary["text"] == expected_text(ckpt, PROMPT)
     assert summary["new_tokens"] == N and summary["steps"] == N and summary["tau"] == 1.0
     assert summary["prompt_tokens"] == len(PROMPT)  # character tokenizer, no chat template
     assert summary["drafter"] == "none" and summary["finish"] == "length"
@@ -110,9 +111,9 @@ def test_ngram_drafter_prints_tau_and_the_same_text(ckpt, capsys):
 
 def test_chat_template_is_applied_unless_disabled(chat_ckpt, capsys):
     def prompt_tokens(*extra):
-        rc, _, err = run(capsys, "hello", "--model", chat_ckpt, "--max-new-tokens", "4", "--json", *extra)
+        rc, out, err = run(capsys, "hello", "--model", chat_ckpt, "--max-new-tokens", "4", "--json", *extra)
         assert rc == 0, err
-        return json.loads(err.strip().splitlines()[-1])["prompt_tokens"]
+        return json.loads(out)["prompt_tokens"]
 
     assert prompt_tokens("--no-chat-template") == len("hello")
     assert prompt_tokens() == len("user: hello. assistant: ")
@@ -170,15 +171,15 @@ def test_dtype_and_device_reach_the_model(ckpt, capsys):
     rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(N), "--dtype", "bfloat16",
                        "--device", "cpu", "--json")
     assert rc == 0
-    summary = json.loads(err.strip().splitlines()[-1])
+    summary = json.loads(out)
     assert (summary["dtype"], summary["device"]) == ("bfloat16", "cpu")
-    _, _, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", "2", "--json")
-    assert json.loads(err.strip().splitlines()[-1])["dtype"] == "float32"  # the default
+    _, plain, _ = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", "2", "--json")
+    assert json.loads(plain)["dtype"] == "float32"  # the default
     loaded = specdec.load_model(ckpt, dtype=torch.bfloat16)
     assert loaded.runner.dtype == torch.bfloat16
     ids = loaded.tokenizer(PROMPT)["input_ids"]
     new = specdec.generate(loaded, [ids], max_new_tokens=N, return_dict=True).new_tokens[0]
-    assert out == loaded.tokenizer.decode(new, skip_special_tokens=True) + "\n"
+    assert summary["text"] == loaded.tokenizer.decode(new, skip_special_tokens=True)
     with pytest.raises(SystemExit) as exc:
         main(["generate", PROMPT, "--model", ckpt, "--dtype", "float64"])
     assert exc.value.code == 2 and "invalid choice" in capsys.readouterr().err

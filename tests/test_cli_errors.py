@@ -1,0 +1,291 @@
+"""What a user sees when ``specdec generate`` cannot run or is stopped: one line ``specdec generate: ...`` on
+stderr and a fixed exit code (2 for errors, 130 for Ctrl-C), never a traceback; and ``--json`` leaves exactly one
+JSON document on stdout. Covers closed / non-UTF-8 stdin, binary or non-UTF-8 prompt files and arguments, a prompt
+given twice, unusable devices, truncated .gguf files, Ctrl-C (in-process and a real SIGINT) and a closed pipe."""
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+
+import pytest
+
+import specdec
+from specdec.cli import main
+from specdec.models.embedded import GGUFError, check_gguf
+from specdec.testing import save_tiny_checkpoint
+
+PROMPT = "the cat sat on the mat, the cat sat on the hat. "
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def greedy_text(ckpt: str, n: int) -> str:
+    loaded = specdec.load_model(ckpt)
+    ids = loaded.tokenizer(PROMPT)["input_ids"]
+    out = specdec.generate(loaded, [ids], max_new_tokens=n, return_dict=True)
+    return loaded.tokenizer.decode(out.new_tokens[0], skip_special_tokens=True)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        rc = main(["generate", *argv])
+    except KeyboardInterrupt:  # escaping, it would end the whole pytest session
+        pytest.fail("KeyboardInterrupt escaped main()")
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def error_line(err: str) -> str:
+    """The one `specdec generate: error: ...` line; no traceback, nothing else but library warnings."""
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("specdec generate: error: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# --- where the prompt comes from --------------------------------------------------------------------------------
+
+
+def test_closed_stdin_is_one_line():
+    """`specdec generate 0<&-`: Python sets sys.stdin to None, which used to end in an AttributeError traceback."""
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--model", "/unused"],
+                          capture_output=True, text=True, preexec_fn=lambda: os.close(0), env=ENV, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "stdin is closed" in error_line(proc.stderr)
+
+
+def test_empty_stdin_says_where_the_prompt_came_from(ckpt, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"")))  # `< /dev/null`
+    rc, _, err = run(capsys, "--model", ckpt)
+    assert rc == 2 and "the prompt is empty (read from stdin)" in error_line(err)
+
+
+@pytest.mark.parametrize("content, what", [
+    (b"\x7fELF\x02\x01\x01\x00\x00\x00", "looks binary"),        # an executable
+    (b"\xff\xfeh\x00i\x00", "looks binary"),                      # UTF-16
+    ("café au lait".encode("latin-1"), "byte 0xe9 at offset 3"),  # Latin-1
+])
+def test_prompt_file_that_is_not_utf8_text_is_named(content, what, ckpt, capsys, tmp_path):
+    path = tmp_path / "prompt.bin"
+    path.write_bytes(content)
+    rc, out, err = run(capsys, "--prompt-file", str(path), "--model", ckpt)
+    line = error_line(err)
+    assert rc == 2 and out == ""
+    assert f"--prompt-file {str(path)!r}" in line and what in line, line
+
+
+def test_stdin_that_is_not_utf8_text_is_named(ckpt, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("café".encode("latin-1")), encoding="utf-8"))
+    rc, _, err = run(capsys, "--model", ckpt)
+    line = error_line(err)
+    assert rc == 2 and "stdin is not UTF-8 text (byte 0xe9 at offset 3)" in line, line
+
+
+@pytest.mark.parametrize("make_argv, source", [
+    (lambda bad: [bad], "the prompt argument"),
+    (lambda bad: ["hi", "--system", bad], "--system"),
+    (lambda bad: ["hi", "--stop", bad], "--stop"),
+])
+def test_non_utf8_arguments_are_named(make_argv, source, ckpt, capsys):
+    """Python hands argv bytes that are not UTF-8 over as surrogate escapes (os.fsdecode); the tokenizer used to
+    fail on them with a TypeError traceback."""
+    bad = os.fsdecode(b"caf\xe9")
+    rc, _, err = run(capsys, *make_argv(bad), "--model", ckpt)
+    line = error_line(err)
+    assert rc == 2 and f"{source} is not UTF-8 text (byte 0xe9 at offset 3)" in line, line
+
+
+@pytest.mark.parametrize("prompt", ["hello", "-"])
+def test_prompt_argument_and_prompt_file_together_are_refused(prompt, ckpt, capsys, tmp_path):
+    path = tmp_path / "prompt.txt"
+    path.write_text("from the file", encoding="utf-8")
+    rc, out, err = run(capsys, prompt, "--prompt-file", str(path), "--model", ckpt)
+    line = error_line(err)
+    assert rc == 2 and out == "" and "prompt argument and --prompt-file" in line and str(path) in line, line
+
+
+def test_prompt_file_keeps_reading_as_text_mode_did(ckpt, capsys, tmp_path):
+    """Read as bytes now (to name the file on bad bytes), the file still gets universal newlines."""
+    crlf, lf = tmp_path / "crlf.txt", tmp_path / "lf.txt"
+    crlf.write_bytes(PROMPT.encode() + b"\r\nsecond line\r\n")
+    lf.write_bytes(PROMPT.encode() + b"\nsecond line\n")
+    outputs = [run(capsys, "--prompt-file", str(p), "--model", ckpt, "--max-new-tokens", "8", "--json")[1]
+               for p in (crlf, lf)]
+    assert json.loads(outputs[0])["prompt_tokens"] == json.loads(outputs[1])["prompt_tokens"]
+    assert json.loads(outputs[0])["text"] == json.loads(outputs[1])["text"]
+
+
+# --- devices and model files ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device, what", [
+    ("tpu", "is not a device torch knows"),
+    ("cuda:x", "is not a device torch knows"),
+    ("meta", "holds no weights"),
+    ("cuda:99", "cuda:99"),  # no CUDA here, or no 100th GPU there
+])
+def test_unusable_device_is_one_line_before_the_model_loads(device, what, ckpt, capsys, monkeypatch):
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before --device was checked")
+
+    monkeypatch.setattr("specdec.models.loader.load_model", load_model)
+    rc, _, err = run(capsys, "hi", "--model", ckpt, "--device", device)
+    line = error_line(err)
+    assert rc == 2 and "--device" in line and what in line, line
+
+
+def gguf_bytes() -> tuple[bytes, int]:
+    """A small but complete GGUF v3 file (metadata incl. a string array, two tensors), and where its data starts."""
+    def string(s: str) -> bytes:
+        return struct.pack("<Q", len(s.encode())) + s.encode()
+
+    kv = [("general.architecture", 8, string("llama")),
+          ("general.alignment", 4, struct.pack("<I", 64)),
+          ("tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 3) + string("a") + string("b") + string("c")),
+          ("llama.rope.dimension_sections", 9, struct.pack("<IQ", 5, 4) + struct.pack("<4i", 1, 2, 3, 4))]
+    tensors = [("token_embd.weight", (16, 4), 0, 256), ("blk.0.attn_q.weight", (64,), 1, 128)]  # f32, f16
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv))
+    for key, value_type, value in kv:
+        head += string(key) + struct.pack("<I", value_type) + value
+    offset = 0
+    for name, dims, ggml_type, nbytes in tensors:
+        head += string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
+        head += struct.pack("<IQ", ggml_type, offset)
+        offset += nbytes
+    head += b"\0" * (-len(head) % 64)
+    return head + bytes(i % 256 for i in range(offset)), len(head)
+
+
+def test_check_gguf_passes_a_complete_file_and_names_a_truncated_one(tmp_path):
+    data, data_start = gguf_bytes()
+    path = tmp_path / "model.gguf"
+    path.write_bytes(data)
+    check_gguf(path)  # complete: no error
+    try:  # the file really is GGUF, as the reference reader sees it
+        from gguf import GGUFReader
+    except ImportError:
+        pass
+    else:
+        reader = GGUFReader(path)
+        assert [t.name for t in reader.tensors] == ["token_embd.weight", "blk.0.attn_q.weight"]
+        assert reader.data_offset == data_start
+    for cut in (3, 20, 60, data_start - 5, data_start + 10, len(data) - 1):
+        path.write_bytes(data[:cut])
+        with pytest.raises(GGUFError, match=rf"^{path} is truncated: .* \(an interrupted download or copy\?\)$|"
+                                            rf"^{path} is truncated: {cut} bytes, less than a GGUF header$"):
+            check_gguf(path)
+    path.write_bytes(b"PK\x03\x04" + data[4:])
+    with pytest.raises(GGUFError, match="is not a GGUF file"):
+        check_gguf(path)
+
+
+@pytest.mark.parametrize("cut", ["header", "tensor table", "tensor data", "complete"])
+def test_truncated_gguf_model_is_one_line_naming_the_file(cut, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    data, data_start = gguf_bytes()
+    size = {"header": 40, "tensor table": data_start - 5, "tensor data": len(data) - 1, "complete": len(data)}[cut]
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(data[:size])
+    rc, out, err = run(capsys, "hi", "--model", str(path))
+    line = error_line(err)
+    assert rc == 2 and out == "" and str(path) in line, line
+    # a complete file that is no model transformers can convert is named too
+    assert ("cannot convert" if cut == "complete" else "is truncated") in line, line
+    assert not any((tmp_path / "cache").rglob("*.safetensors"))  # nothing half-converted left behind
+
+
+# --- Ctrl-C -------------------------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_keeps_the_streamed_text_and_exits_130(ckpt, capsys, monkeypatch):
+    from specdec.cli import _TextStream
+
+    stream_call = _TextStream.__call__
+
+    def interrupted_after_three_tokens(self, seq_index, new_tokens):
+        stream_call(self, seq_index, new_tokens)
+        if len(self.tokens) >= 3:
+            raise KeyboardInterrupt  # what Python's SIGINT handler raises
+
+    monkeypatch.setattr(_TextStream, "__call__", interrupted_after_three_tokens)
+    rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", "50")
+    assert rc == 130
+    assert out == greedy_text(ckpt, 3) + "\n"  # the three streamed tokens, kept, and the line ended
+    assert "Traceback" not in err and err.splitlines()[-1] == "specdec generate: interrupted"
+
+
+def test_ctrl_c_with_json_leaves_stdout_empty(ckpt, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module("specdec.generate"), "generate", interrupted)
+    rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--json")
+    assert (rc, out) == (130, "") and err.splitlines()[-1] == "specdec generate: interrupted"
+
+
+SIGINT_AFTER_THREE_TOKENS = """
+import os, signal, sys
+import specdec.cli as cli
+stream_call = cli._TextStream.__call__
+def call(self, seq_index, new_tokens):
+    stream_call(self, seq_index, new_tokens)
+    if len(self.tokens) == 3:
+        os.kill(os.getpid(), signal.SIGINT)
+cli._TextStream.__call__ = call
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_real_sigint_exits_130_with_one_line(ckpt):
+    """A real SIGINT (sent by the process to itself after the third streamed token, so no timing is involved)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGINT_AFTER_THREE_TOKENS, "generate", PROMPT, "--model", ckpt, "--max-new-tokens",
+         "50"], capture_output=True, text=True, env=ENV, timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal, not a `&` job
+    )
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stdout == greedy_text(ckpt, 3) + "\n"
+    assert "Traceback" not in proc.stderr and proc.stderr.splitlines()[-1] == "specdec generate: interrupted"
+
+
+# --- stdout -------------------------------------------------------------------------------------------------------
+
+
+def test_json_stdout_is_exactly_one_document(ckpt, capsys, monkeypatch):
+    generate_module = importlib.import_module("specdec.generate")  # `specdec.generate` is also the function
+    real_generate = generate_module.generate
+
+    def noisy_generate(*args, **kwargs):  # a library print during the run must not reach stdout
+        print("noise from a library")
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(generate_module, "generate", noisy_generate)
+    rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", "12", "--json")
+    assert rc == 0
+    doc = json.loads(out)  # the whole of stdout is one JSON document
+    assert out.count("\n") == 1 and out.endswith("}\n")
+    assert doc["text"] == greedy_text(ckpt, 12)
+    assert doc["new_tokens"] == 12 and doc["finish"] == "length" and doc["drafter"] == "none"
+    assert "noise from a library" in err and not err.lstrip().startswith("{")
+
+
+def test_closed_pipe_is_silent(ckpt):
+    """`specdec generate ... | head -c 5`: the reader leaves; no `error: [Errno 32] Broken pipe`, no traceback,
+    exit code 141 as for a process killed by SIGPIPE."""
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "generate", PROMPT, "--model", ckpt,
+                             "--max-new-tokens", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
+                            text=True)
+    proc.stdout.close()  # before the child writes anything: its first write of the text fails
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 141, err
+    assert "error" not in err and "Traceback" not in err and "Exception ignored" not in err, err
