@@ -233,6 +233,20 @@ def test_ctrl_c_with_json_leaves_stdout_empty(ckpt, capsys, monkeypatch):
     assert (rc, out) == (130, "") and err.splitlines()[-1] == "specdec generate: interrupted"
 
 
+def test_ctrl_c_in_another_subcommand_is_one_line_too(capsys, monkeypatch, tmp_path):
+    """main() handles Ctrl-C for every subcommand it dispatches: `specdec eval lossless` interrupted in its load."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("specdec.models.loader.load_model", interrupted)
+    try:
+        rc = main(["eval", "lossless", "--model", "whatever", "--out", str(tmp_path / "out")])
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped main()")
+    err = capsys.readouterr().err
+    assert rc == 130 and "Traceback" not in err and err.splitlines()[-1] == "specdec eval: interrupted"
+
+
 SIGINT_AFTER_THREE_TOKENS = """
 import os, signal, sys
 import specdec.cli as cli
