@@ -133,15 +133,21 @@ class PagedKVCache:
 
         One gather + one scatter moves the kept K/V of all sequences in all layers.
         """
-        src: list[torch.Tensor] = []
-        dst: list[torch.Tensor] = []
+        # check every sequence before changing any: a bad entry leaves the cache as it was (all-or-nothing)
+        checked: list[tuple[int, list[int]]] = []
         for seq_id, offsets in keep.items():
-            offsets = list(offsets)
+            offsets = [int(o) for o in offsets]
             if any(b <= a for a, b in zip(offsets, offsets[1:])) or (offsets and offsets[0] < 0):
                 raise ValueError(f"keep offsets must be increasing and >= 0, got {offsets}")
-            length = self.lengths[seq_id]
-            if offsets and length + offsets[-1] >= len(self.block_tables[seq_id]) * self.block_size:
+            if seq_id not in self.lengths:
+                raise KeyError(f"sequence {seq_id} is not in the cache")
+            if offsets and self.lengths[seq_id] + offsets[-1] >= len(self.block_tables[seq_id]) * self.block_size:
                 raise IndexError(f"sequence {seq_id}: offset {offsets[-1]} was never reserved")
+            checked.append((seq_id, offsets))
+        src: list[torch.Tensor] = []
+        dst: list[torch.Tensor] = []
+        for seq_id, offsets in checked:
+            length = self.lengths[seq_id]
             moved = [j for j, off in enumerate(offsets) if off != j]
             if moved:
                 first = moved[0]  # offsets[j] >= j, so everything before `first` is in place

@@ -98,3 +98,28 @@ def test_config_validation():
         CacheConfig(block_size=0)
     with pytest.raises(ValueError):
         CacheConfig(num_blocks=0)
+
+
+def test_bad_commit_changes_nothing_for_any_sequence():
+    """commit() is all-or-nothing: a bad entry for one sequence used to fail after the sequences before it had
+    advanced their lengths and released blocks, with their K/V never moved into place (found by
+    tests/test_properties.py)."""
+    cache = PagedKVCache(1, 1, 1, num_blocks=4, block_size=2)
+    for s in (0, 1):
+        cache.add(s)
+        cache.reserve(s, 3)
+        slots = cache.slots(s, 0, 3)
+        vals = torch.arange(3.0).view(3, 1, 1) + 10 * s
+        cache.write(0, slots, vals, vals)
+    before = (cache.kv.clone(), {s: list(t) for s, t in cache.block_tables.items()}, dict(cache.lengths),
+              cache.num_free_blocks)
+    for keep, err in (({0: [0, 2], 1: [1, 0]}, ValueError), ({0: [0, 2], 1: [0, 7]}, IndexError),
+                      ({0: [0, 2], 7: [0]}, KeyError)):
+        with pytest.raises(err):
+            cache.commit(keep)
+        assert torch.equal(cache.kv, before[0])
+        assert (cache.block_tables, cache.lengths, cache.num_free_blocks) == before[1:]
+    cache.commit({0: [0, 2], 1: [1]})
+    assert cache.lengths == {0: 2, 1: 1} and cache.num_free_blocks == 2
+    assert cache.kv[0, 0, cache.slots(0, 0, 2)].flatten().tolist() == [0, 2]
+    assert cache.kv[0, 0, cache.slots(1, 0, 1)].flatten().tolist() == [11]
