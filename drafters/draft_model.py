@@ -16,7 +16,7 @@ from typing import Any
 from specdec.drafters.base import TargetView
 from specdec.drafters.model_drafter import DraftConfig, ModelDrafter
 
-from specdec.errors import SpecdecError
+from specdec.errors import InputError, SpecdecError
 from specdec.models.llama import LlamaRunner
 from specdec.models.loader import load_model
 
@@ -52,7 +52,11 @@ def _num_params(runner: LlamaRunner) -> int:
 class DraftModelDrafter(ModelDrafter):
     name = "draft-model"
 
-    def __init__(self, model: Any = "default", tokenizer: Any = None, **options: Any) -> None:
+    def __init__(self, model: Any = None, tokenizer: Any = None, **options: Any) -> None:
+        if model is None:  # before anything loads: a silent default model only fits targets of its own vocabulary
+            raise InputError("draft-model needs model=: a smaller model with the target's vocabulary (a transformers "
+                             "model, checkpoint directory, .gguf file or alias), e.g. "
+                             "drafter_options={'model': './small-llama'}")
         super().__init__(DraftConfig(**options))
         self.model_spec, self.tokenizer = model, tokenizer
 
