@@ -2,10 +2,12 @@
 
     out = specdec.generate("default", [[1, 2, 3], [4, 5]], max_new_tokens=64, drafter="ngram")
 
-``model`` is anything :func:`specdec.models.loader.load_model` accepts. ``input_ids`` is a
-tensor ``[batch, len]`` (optionally with ``attention_mask`` for left/right padding) or a
-list of token-id lists of different lengths. Returns prompt + new tokens per sequence, as
-transformers does: a tensor padded with ``pad_token_id`` if a tensor came in, else lists.
+``model`` is anything :func:`specdec.models.loader.load_model` accepts. ``input_ids`` is a 1-D / 2-D
+integer tensor or numpy array ``[batch, len]``, a list of ints (one prompt) or a list of token-id lists of
+different lengths; ``attention_mask`` (0 / 1, the shape of ``input_ids``) drops padding, left or right.
+Returns prompt + new tokens per sequence, as transformers does: a tensor padded with ``pad_token_id``
+if a tensor came in, else lists. Arguments are checked (:mod:`specdec.generate_inputs`) before the
+model is loaded where they can be: a wrong one is a one-line ``InputError`` / ``InputTypeError``.
 ``return_dict=True`` gives a :class:`GenerateOutput` with per-sequence stats.
 """
 from __future__ import annotations
@@ -22,8 +24,21 @@ from specdec.audit import DraftAudit
 from specdec.cuda_graphs import GraphConfig, GraphedForward
 from specdec.drafters.registry import get_drafter
 from specdec.engine import Engine, SequenceState
+from specdec.errors import InputError, InputTypeError
+from specdec.generate_inputs import (
+    check_bool,
+    check_cache_fits,
+    check_callable,
+    check_int,
+    check_options,
+    check_vocabulary,
+    describe,
+    parse_eos,
+    parse_input_ids,
+    parse_stop,
+)
 from specdec.kv_cache import CacheConfig, PagedKVCache
-from specdec.models.loader import LoadedModel, load_model
+from specdec.models.loader import load_model
 from specdec.rejection import EXACT, AcceptanceRule
 from specdec.sampling import SamplingConfig
 from specdec.stopping import StopCriteria
@@ -82,64 +97,6 @@ class GenerateOutput:
         return sum(s.new_tokens for s in self.stats) / steps if steps else 0.0
 
 
-def _prompts(input_ids: Any, attention_mask: Any, vocab_size: int) -> list[list[int]]:
-    if isinstance(input_ids, torch.Tensor):
-        ids = input_ids if input_ids.dim() == 2 else input_ids[None]
-        if attention_mask is not None:
-            mask = torch.as_tensor(attention_mask).reshape(ids.shape).bool()
-            prompts = [row[m].tolist() for row, m in zip(ids, mask)]
-        else:
-            prompts = ids.tolist()
-    elif isinstance(input_ids, (list, tuple)) and input_ids and all(isinstance(t, int) for t in input_ids):
-        prompts = [list(input_ids)]
-    elif isinstance(input_ids, (list, tuple)):
-        prompts = [list(p) for p in input_ids]
-    else:
-        raise TypeError("input_ids must be a tensor or a list of token-id lists")
-    if not prompts:
-        raise ValueError("input_ids holds no prompt")
-    for i, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        bad = [t for t in p if not isinstance(t, int) or not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-    return prompts
-
-
-def _eos_ids(eos_token_id: Any, loaded: LoadedModel, vocab_size: int) -> frozenset[int]:
-    """EOS ids as transformers takes them: an int, a list of ints, or a 0-D / 1-D integer tensor; each one
-    checked against the vocabulary (a set of 0-D tensors never matched an int token: EOS was ignored)."""
-    if eos_token_id is None:
-        gen_cfg = getattr(loaded.model, "generation_config", None)
-        eos_token_id = getattr(gen_cfg, "eos_token_id", None) or getattr(loaded.model.config, "eos_token_id", None)
-    if eos_token_id is None:
-        return frozenset()
-    kinds = "integer token ids: an int, a list of ints or a 0-D / 1-D integer tensor"
-    if isinstance(eos_token_id, torch.Tensor):
-        if eos_token_id.dim() > 1 or eos_token_id.is_floating_point() or eos_token_id.dtype == torch.bool:
-            raise TypeError(f"eos_token_id must be {kinds}, got {eos_token_id!r}")
-        items = eos_token_id.reshape(-1).tolist()
-    elif isinstance(eos_token_id, (str, bytes)) or not isinstance(eos_token_id, Sequence):
-        items = [eos_token_id]
-    else:
-        items = [int(x) if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_floating_point() else x
-                 for x in eos_token_id]
-    for x in items:
-        if isinstance(x, bool) or not isinstance(x, int) and not hasattr(x, "__index__"):
-            raise TypeError(f"eos_token_id must be {kinds}, got {eos_token_id!r}")
-        if not 0 <= int(x) < vocab_size:
-            raise ValueError(f"eos_token_id {int(x)} is outside the vocabulary [0, {vocab_size})")
-    return frozenset(int(x) for x in items)
-
-
-def _stop_criteria(stop: Any, max_new_tokens: int, eos: frozenset[int], tokenizer: Any) -> StopCriteria:
-    stop = [] if stop is None else ([stop] if isinstance(stop, str) else list(stop))
-    strings = tuple(s for s in stop if isinstance(s, str))
-    seqs = tuple(tuple(s) for s in stop if not isinstance(s, str))
-    return StopCriteria(max_new_tokens, eos, seqs, strings, tokenizer)
-
-
 def _stats(s: SequenceState, start: float) -> SequenceStats:
     seconds = (s.finished_at or time.perf_counter()) - start
     acc = tuple(a / t if t else 0.0 for a, t in zip(s.depth_accepted, s.depth_tried))
@@ -153,17 +110,17 @@ def _graphed_cache(graphed: GraphedForward, runner, cache_cfg: CacheConfig, bloc
                    engine_fault) -> PagedKVCache:
     """The KV cache of a reused :class:`GraphedForward`, emptied of any earlier call's sequences."""
     if graphed.runner.hf_model is not runner.hf_model:
-        raise ValueError("cuda_graphs: this GraphedForward was built for another model")
+        raise InputError("cuda_graphs: this GraphedForward was built for another model")
     if engine_fault is not None or cache_cfg.num_blocks is not None:
-        raise ValueError("cuda_graphs=GraphedForward(...) brings its own KV cache: num_blocks and engine_fault "
+        raise InputError("cuda_graphs=GraphedForward(...) brings its own KV cache: num_blocks and engine_fault "
                          "cannot be combined with it")
     cache = graphed.cache
     if cache.block_size != cache_cfg.block_size:
-        raise ValueError(f"block_size={cache_cfg.block_size}, but the GraphedForward's cache uses "
+        raise InputError(f"block_size={cache_cfg.block_size}, but the GraphedForward's cache uses "
                          f"{cache.block_size}")
     graphed.release_sequences()  # left over only if an earlier call raised mid-generation
     if blocks_needed > cache.num_free_blocks:
-        raise ValueError(f"this request may need {blocks_needed} KV blocks of {cache.block_size} tokens; the "
+        raise InputError(f"this request may need {blocks_needed} KV blocks of {cache.block_size} tokens; the "
                          f"GraphedForward's cache has {cache.num_free_blocks}: build it with a larger max_tokens")
     return cache
 
@@ -207,27 +164,46 @@ def generate(
     ``seed_from_generate(seed)`` method (the model drafters) gets ``seed`` (or one draw of
     ``generator``) before it is attached, unless its own ``seed`` option is set, so the output
     does not depend on torch's global RNG."""
+    # everything that needs no model first: a wrong argument must not wait for a model load
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
+    block_size = check_int("block_size", block_size, minimum=1)
+    num_blocks = check_int("num_blocks", num_blocks, minimum=1, optional=True)
+    seed = check_int("seed", seed, minimum=-(2**63), maximum=2**64 - 1, optional=True)
+    pad_token_id = check_int("pad_token_id", pad_token_id, minimum=-(2**63), maximum=2**63 - 1, optional=True)
+    check_callable("streamer", streamer)
+    options = check_options("drafter_options", drafter_options)
+    sampling = SamplingConfig(check_bool("do_sample", do_sample), temperature, top_k, top_p)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise InputTypeError(f"generator must be a torch.Generator or None, got {describe(generator)}")
+    if seed is not None and generator is not None:
+        raise InputError("pass seed= or generator=, not both: the generator's own state would silently win")
+    if not isinstance(cuda_graphs, (bool, GraphedForward)):
+        raise InputTypeError(f"cuda_graphs must be a bool or a GraphedForward, got {describe(cuda_graphs)}")
+    prompts = parse_input_ids(input_ids, attention_mask)
+    stop_strings, stop_sequences = parse_stop(stop)
+    if options and drafter is None:
+        raise InputError("drafter_options were given without a drafter: they would be ignored (pass drafter=...)")
+    drafter_obj = get_drafter(drafter, **options)
+
     loaded = load_model(model, tokenizer=tokenizer)
     runner = loaded.runner
     shape = runner.shape
-    sampling = SamplingConfig(do_sample, temperature, top_k, top_p)
-    if seed is not None and generator is not None:
-        raise ValueError("pass seed= or generator=, not both: the generator's own state would silently win")
     if generator is not None and generator.device.type != runner.device.type:
-        raise ValueError(f"generator is on {generator.device} but the model is on {runner.device}: "
+        raise InputError(f"generator is on {generator.device} but the model is on {runner.device}: "
                          "sampling runs on the model's device, so create it with torch.Generator(device=...) there")
-    prompts = _prompts(input_ids, attention_mask, shape.vocab_size)
+    check_vocabulary("input_ids", prompts, shape.vocab_size)
+    check_vocabulary("stop", [list(s) for s in stop_sequences], shape.vocab_size)
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > shape.max_positions:
-        raise ValueError(
+        raise InputError(
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
             f"{shape.max_positions} tokens; shorten the prompt or lower max_new_tokens"
         )
-    eos = _eos_ids(eos_token_id, loaded, shape.vocab_size)
-    stop_criteria = _stop_criteria(stop, max_new_tokens, eos, loaded.tokenizer)
-    if drafter_options and drafter is None:
-        raise ValueError("drafter_options were given without a drafter: they would be ignored (pass drafter=...)")
-    drafter_obj = get_drafter(drafter, **(drafter_options or {}))
+    if eos_token_id is None:  # the model's own, as transformers does
+        gen_cfg = getattr(loaded.model, "generation_config", None)
+        eos_token_id = getattr(gen_cfg, "eos_token_id", None) or getattr(loaded.model.config, "eos_token_id", None)
+    eos = parse_eos(eos_token_id, shape.vocab_size)
+    stop_criteria = StopCriteria(max_new_tokens, eos, stop_sequences, stop_strings, loaded.tokenizer)
     cache_cfg = CacheConfig(block_size, num_blocks)
     tree_budget = MAX_TREE_NODES if drafter_obj is not None else 0
     # worst case of this request: no sequence can run out
@@ -237,14 +213,13 @@ def generate(
         logger.warning("engine fault %r injected: the output is deliberately WRONG (negative control)",
                        engine_fault.name)
         engine_cls = engine_fault.engine_cls
-    if not isinstance(cuda_graphs, (bool, GraphedForward)):
-        raise TypeError(f"cuda_graphs must be a bool or a GraphedForward, got {type(cuda_graphs).__name__}")
     if isinstance(cuda_graphs, GraphedForward):  # its own cache and graphs, reused call after call
         graphed = cuda_graphs
         cache = _graphed_cache(graphed, runner, cache_cfg, sum(per_seq), engine_fault)
     else:
         blocks = sum(per_seq) if cache_cfg.num_blocks is None else cache_cfg.num_blocks
         blocks += int(bool(cuda_graphs))  # the graphs' scratch slot holds one block
+        check_cache_fits(shape, blocks, block_size, runner.dtype, runner.device, explicit=num_blocks is not None)
         cache_cls = PagedKVCache if engine_fault is None else engine_fault.cache_cls
         cache = cache_cls(
             shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block_size, runner.dtype, runner.device,

@@ -165,3 +165,35 @@ class PagedKVCache:
                 self.backend.kv.compact_kv(self.kv, src_t, dst_t)
             else:
                 self.kv[:, :, dst_t] = self.kv[:, :, src_t]  # RHS is gathered first: overlap-safe
+
+
+# ---- memory estimate (checked by generate() before allocating) ------------------------------
+def cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                dtype: torch.dtype) -> int:
+    """Bytes of a :class:`PagedKVCache`'s storage: K and V of every slot of every layer."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * num_kv_heads * head_dim * num_blocks * block_size * itemsize
+
+
+def available_memory_bytes(device: torch.device | str) -> int | None:
+    """Memory a new allocation on ``device`` can take now (None: unknown, e.g. meta / mps). CPU: MemAvailable of
+    /proc/meminfo, else the free physical pages; CUDA: free device memory plus what torch holds unused."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

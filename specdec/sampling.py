@@ -7,9 +7,18 @@ Greedy decoding (``do_sample=False``) is the temperature-0 limit: a one-hot at a
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
+
+from specdec.errors import InputError, InputTypeError
+
+
+def _short(value: object) -> str:
+    text = repr(value).replace("\n", " ")
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True)
@@ -20,17 +29,28 @@ class SamplingConfig:
     top_p: float = 1.0  # 1.0 = disabled
 
     def __post_init__(self) -> None:
+        # one-line InputError / InputTypeError naming the argument (specdec.errors); bools are not numbers here
+        if not isinstance(self.do_sample, bool):
+            raise InputTypeError(f"do_sample must be True or False, got {type(self.do_sample).__name__} "
+                                 f"{_short(self.do_sample)}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise InputTypeError(f"{name} must be a number, got {type(value).__name__} {_short(value)}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
+            raise InputTypeError(f"top_k must be an int >= 0 (0 disables it), got {type(self.top_k).__name__} "
+                                 f"{_short(self.top_k)}")
         if self.do_sample and not self.temperature > 0:
-            raise ValueError(
+            raise InputError(
                 f"temperature must be > 0 when sampling, got {self.temperature}; "
                 "use do_sample=False for greedy decoding"
             )
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0 or int(self.top_k) != self.top_k:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.temperature < math.inf:
+            raise InputError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InputError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+            raise InputError(f"top_p must lie in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec.errors import InputError
+
 # A window decoded on its own may differ from the full text in its first few characters
 # (a UTF-8 sequence cut in two decodes to U+FFFD, a SentencePiece leading space is stripped):
 # those characters are never matched. 8 > the 3 continuation bytes of a cut UTF-8 character.
@@ -31,11 +33,12 @@ class StopCriteria:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise InputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if any(len(s) == 0 for s in self.stop_sequences) or any(s == "" for s in self.stop_strings):
-            raise ValueError("stop sequences and stop strings must be non-empty")
+            raise InputError("stop sequences and stop strings must be non-empty")
         if self.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; pass token-id stop sequences instead")
+            raise InputError(f"stop strings need a tokenizer (the model has none: pass tokenizer=...), or pass "
+                             f"token-id stop sequences instead of {list(self.stop_strings)[:3]}")
 
     def scan(self, generated: Sequence[int], committed: Sequence[int]) -> tuple[int, str | None]:
         """How many of `committed` (appended after `generated`) to emit, and why it stopped.

@@ -1,0 +1,279 @@
+"""Checks and normalisation of :func:`specdec.generate.generate`'s arguments.
+
+Every problem is a one-line :class:`~specdec.errors.InputTypeError` (wrong type) or
+:class:`~specdec.errors.InputError` (right type, unusable value) naming the argument and what
+was given. Whatever needs no model is checked before the model is loaded::
+
+    prompts = parse_input_ids(input_ids, attention_mask)    # list[list[int]], one list per prompt
+    ...load the model...
+    check_vocabulary("input_ids", prompts, vocab_size)
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import reprlib
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from specdec.errors import InputError, InputTypeError
+
+_repr = reprlib.Repr()
+_repr.maxstring, _repr.maxother, _repr.maxlist, _repr.maxtuple, _repr.maxlevel = 40, 40, 6, 6, 3
+
+
+def describe(value: Any) -> str:
+    """A short one-line description of a value for error messages (type, and dtype / shape of arrays)."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dim()}-D {value.dtype} tensor of shape {tuple(value.shape)}"
+    if _is_ndarray(value):
+        return f"a {value.ndim}-D numpy {value.dtype} array of shape {tuple(value.shape)}"
+    text = _repr.repr(value).replace("\n", " ")
+    return f"{type(value).__name__} {text}"
+
+
+def _is_ndarray(value: Any) -> bool:
+    np = sys.modules.get("numpy")  # numpy arrays can only exist if numpy was imported
+    return np is not None and isinstance(value, np.ndarray)
+
+
+def _is_int(value: Any) -> bool:
+    """A Python / numpy integer, or a 0-D integer tensor; never a bool."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and _int_dtype(value.dtype)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+
+
+def _int_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _int_array_dtype(dtype: torch.dtype | str) -> bool:
+    """An integer torch dtype, or a numpy dtype kind letter of (unsigned) integers."""
+    return _int_dtype(dtype) if isinstance(dtype, torch.dtype) else dtype in ("i", "u")
+
+
+# ---- scalars --------------------------------------------------------------------------------
+def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None,
+              optional: bool = False) -> int | None:
+    """``value`` as an int, refusing bools, floats, strings (``InputTypeError``) and values out of range."""
+    if value is None and optional:
+        return None
+    if not _is_int(value):
+        kind = "an int or None" if optional else "an int"
+        raise InputTypeError(f"{name} must be {kind}, got {describe(value)}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise InputError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise InputError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InputTypeError(f"{name} must be True or False, got {describe(value)}")
+    return value
+
+
+def check_real(name: str, value: Any) -> float:
+    """A finite real number (int or float, not bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InputTypeError(f"{name} must be a number, got {describe(value)}")
+    if not math.isfinite(value):
+        raise InputError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def check_callable(name: str, value: Any) -> Callable | None:
+    if value is not None and not callable(value):
+        raise InputTypeError(f"{name} must be a callable or None, got {describe(value)}")
+    return value
+
+
+def check_options(name: str, value: Any) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise InputTypeError(f"{name} must be a dict of option name -> value, got {describe(value)}")
+    return dict(value)
+
+
+# ---- input_ids / attention_mask -------------------------------------------------------------
+def _rows(name: str, value: Any, element_ok: Callable[[Any], bool], array_ok: Callable[[Any], bool],
+          expected: str, element: str) -> tuple[list[list[Any]], str]:
+    """A 1-D / 2-D tensor or numpy array, a flat list (one row) or a list of rows (ragged) ->
+    (rows, shape description). ``array_ok(dtype)`` checks a tensor's / array's dtype (a numpy dtype by its
+    kind letter), ``element_ok`` a list item, described as ``element`` in errors."""
+    if isinstance(value, torch.Tensor) or _is_ndarray(value):
+        is_tensor = isinstance(value, torch.Tensor)
+        if not array_ok(value.dtype if is_tensor else value.dtype.kind) or value.ndim not in (1, 2):
+            raise InputTypeError(f"{name} must be {expected}, got {describe(value)}")
+        rows = value.tolist()
+        rows = [rows] if value.ndim == 1 else rows
+        return rows, str(tuple(value.shape))
+    if isinstance(value, (list, tuple)):
+        if value and all(element_ok(v) for v in value):
+            rows = [list(value)]
+        else:
+            rows = []
+            for i, row in enumerate(value):
+                if isinstance(row, torch.Tensor) or _is_ndarray(row):
+                    if row.ndim != 1 or not array_ok(row.dtype if isinstance(row, torch.Tensor) else row.dtype.kind):
+                        raise InputTypeError(f"{name}[{i}] must be a 1-D sequence of {element}s, got {describe(row)}")
+                    rows.append(row.tolist())
+                elif isinstance(row, (list, tuple)):
+                    bad = next((j for j, v in enumerate(row) if not element_ok(v)), None)
+                    if bad is not None:
+                        raise InputTypeError(f"{name}[{i}][{bad}] must be {element}, got {describe(row[bad])}")
+                    rows.append(list(row))
+                else:
+                    raise InputTypeError(f"{name} must be {expected}, but {name}[{i}] is {describe(row)}")
+        return rows, f"{len(rows)} row(s) of lengths {[len(r) for r in rows]}"
+    raise InputTypeError(f"{name} must be {expected}, got {describe(value)}")
+
+
+_IDS = "integer token ids: a 1-D / 2-D integer tensor or numpy array, a list of ints or a list of int lists"
+_MASK = "0 / 1 values: a tensor, numpy array or list(s) with the shape of input_ids"
+
+
+def _is_real(v: Any) -> bool:
+    """A Python / numpy number (bools too) or a 0-D real tensor: the type of a mask value."""
+    if isinstance(v, torch.Tensor):
+        return v.dim() == 0 and not v.dtype.is_complex
+    return isinstance(v, numbers.Real)
+
+
+def parse_input_ids(input_ids: Any, attention_mask: Any = None) -> list[list[int]]:
+    """The prompts as lists of Python ints, with ``attention_mask`` (same shape as ``input_ids``) applied:
+    positions with mask 0 are dropped (left or right padding). Token ids are not yet checked against a
+    vocabulary (:func:`check_vocabulary`)."""
+    if isinstance(input_ids, Mapping):
+        raise InputTypeError("input_ids must be token ids, got a mapping (a tokenizer's output?): pass "
+                             "enc['input_ids'] and attention_mask=enc['attention_mask']")
+    prompts, shape = _rows("input_ids", input_ids, _is_int, _int_array_dtype, _IDS, "an int token id")
+    prompts = [[int(t) for t in p] for p in prompts]  # 0-D tensors / numpy ints -> int
+    if not prompts:
+        raise InputError("input_ids holds no prompt")
+    if attention_mask is not None:
+        masks, mask_shape = _rows("attention_mask", attention_mask, _is_real,
+                                  lambda d: True if isinstance(d, torch.dtype) and not d.is_complex else d in "biuf",
+                                  _MASK, "a 0 / 1 value")
+        if [len(m) for m in masks] != [len(p) for p in prompts]:
+            raise InputError(f"attention_mask must have the shape of input_ids: input_ids is {shape}, "
+                             f"attention_mask is {mask_shape}")
+        masks = [[v.item() if isinstance(v, torch.Tensor) else v for v in m] for m in masks]
+        for i, m in enumerate(masks):
+            if any(v not in (0, 1) for v in m):
+                raise InputError(f"attention_mask must hold only 0 and 1 (or bools), row {i} has "
+                                 f"{sorted({v for v in m if v not in (0, 1)})[:5]}")
+        prompts = [[t for t, keep in zip(p, m) if keep] for p, m in zip(prompts, masks)]
+    for i, p in enumerate(prompts):
+        if not p:
+            why = " (its attention_mask row has no 1)" if attention_mask is not None else ""
+            raise InputError(f"prompt {i} is empty{why}: every prompt needs at least one token")
+    return prompts
+
+
+def check_vocabulary(name: str, sequences: list[list[int]], vocab_size: int) -> None:
+    for i, p in enumerate(sequences):
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise InputError(f"{name}: sequence {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+# ---- eos_token_id / stop --------------------------------------------------------------------
+_EOS = "integer token ids: an int, a list of ints or a 0-D / 1-D integer tensor or numpy array"
+
+
+def parse_eos(eos_token_id: Any, vocab_size: int) -> frozenset[int]:
+    """EOS ids as transformers takes them, each checked against the vocabulary."""
+    if eos_token_id is None:
+        return frozenset()
+    if _is_int(eos_token_id):
+        items = [eos_token_id]
+    elif isinstance(eos_token_id, torch.Tensor) or _is_ndarray(eos_token_id):
+        is_tensor = isinstance(eos_token_id, torch.Tensor)
+        if eos_token_id.ndim > 1 or not (_int_dtype(eos_token_id.dtype) if is_tensor
+                                         else eos_token_id.dtype.kind in "iu"):
+            raise InputTypeError(f"eos_token_id must be {_EOS}, got {describe(eos_token_id)}")
+        items = eos_token_id.reshape(-1).tolist()
+    elif isinstance(eos_token_id, (list, tuple, set, frozenset)) and all(_is_int(x) for x in eos_token_id):
+        items = list(eos_token_id)
+    else:
+        raise InputTypeError(f"eos_token_id must be {_EOS}, got {describe(eos_token_id)}")
+    items = [int(x) for x in items]
+    for x in items:
+        if not 0 <= x < vocab_size:
+            raise InputError(f"eos_token_id {x} is outside the vocabulary [0, {vocab_size})")
+    return frozenset(items)
+
+
+_STOP = "a string, or a list of strings and / or token-id sequences"
+
+
+def parse_stop(stop: Any) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
+    """``stop`` -> (stop strings, token-id stop sequences). A bare int (``stop=5``, ``stop=[5]``) is refused:
+    it could mean the token 5 or the sequence (5,); the caller says which."""
+    if stop is None:
+        return (), ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if _is_int(stop):
+        raise InputTypeError(f"stop must be {_STOP}, got {describe(stop)}; for the token id pass stop=[[{int(stop)}]] "
+                             f"or eos_token_id={int(stop)}")
+    if not isinstance(stop, (list, tuple, set, frozenset)):
+        raise InputTypeError(f"stop must be {_STOP}, got {describe(stop)}")
+    strings: list[str] = []
+    seqs: list[tuple[int, ...]] = []
+    for i, s in enumerate(stop):
+        if isinstance(s, str):
+            if not s:
+                raise InputError(f"stop[{i}] is an empty string: it would stop at once")
+            strings.append(s)
+        elif _is_int(s):
+            raise InputTypeError(f"stop[{i}] is a bare token id ({int(s)}): ambiguous; pass stop=[[{int(s)}]] for a "
+                                 f"one-token stop sequence, or eos_token_id={int(s)}")
+        elif isinstance(s, (list, tuple)) and all(_is_int(t) for t in s):
+            if not s:
+                raise InputError(f"stop[{i}] is an empty token sequence: it would stop at once")
+            seqs.append(tuple(int(t) for t in s))
+        elif (isinstance(s, torch.Tensor) and s.dim() == 1 and _int_dtype(s.dtype)) or (
+                _is_ndarray(s) and s.ndim == 1 and s.dtype.kind in "iu"):
+            if not len(s):
+                raise InputError(f"stop[{i}] is an empty token sequence: it would stop at once")
+            seqs.append(tuple(int(t) for t in s.tolist()))
+        else:
+            raise InputTypeError(f"stop[{i}] must be a string or a sequence of int token ids, got {describe(s)}")
+    return tuple(strings), tuple(seqs)
+
+
+# ---- KV cache size --------------------------------------------------------------------------
+def check_cache_fits(shape: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                     explicit: bool) -> None:
+    """Refuse a KV cache that cannot fit in the device's available memory, before allocating it.
+
+    ``shape`` is the runner's ModelShape; ``explicit``: num_blocks was given (else generate() sized it)."""
+    import specdec.kv_cache as kv_cache  # looked up at call time: tests replace available_memory_bytes
+
+    need = kv_cache.cache_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, num_blocks, block_size, dtype)
+    have = kv_cache.available_memory_bytes(device)
+    if have is None or need <= have:
+        return
+    per_block = kv_cache.cache_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, 1, block_size, dtype)
+    fits = have // per_block
+    gib = 2**30
+    what = (f"the KV cache of num_blocks={num_blocks} x block_size={block_size} needs {need / gib:.2f} GiB"
+            if explicit else
+            f"this request's KV cache ({num_blocks} blocks of {block_size} tokens, enough for every prompt + "
+            f"max_new_tokens + the draft tree) needs {need / gib:.2f} GiB")
+    hint = (f"pass num_blocks <= {fits}" if explicit else
+            f"pass fewer or shorter prompts, a smaller max_new_tokens, or num_blocks <= {fits} (a pool the "
+            "sequences outgrow raises CacheFullError)")
+    if fits < 1:
+        hint = "not even one block fits: free some memory"
+    error = InputError if explicit else kv_cache.CacheFullError
+    raise error(f"{what}, but only {have / gib:.2f} GiB are available on {device}: {hint}")

@@ -1,0 +1,367 @@
+"""generate()'s argument checks (issue 24, items 4 and 9), on a tiny model.
+
+Every accepted form of ``input_ids`` / ``attention_mask`` gives the same output as the plain list;
+every wrong argument is a one-line ``InputError`` / ``InputTypeError`` (``specdec.errors``) naming
+it, raised before the model loads where no model is needed; a KV cache that cannot fit in memory
+is refused before it is allocated; ``draft-model`` without ``model=`` loads nothing. The
+hypothesis properties: any combination of (good and bad) arguments either works or raises a
+``SpecdecError`` with a one-line message, never another exception.
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import specdec
+import specdec.kv_cache as kv_cache
+from specdec.errors import InputError, InputTypeError, SpecdecError
+from specdec.kv_cache import CacheFullError, PagedKVCache, cache_bytes
+from specdec.testing import build_tiny_model
+
+VOCAB = 96
+
+
+@functools.lru_cache(maxsize=1)
+def _model():
+    return build_tiny_model(vocab_size=VOCAB)
+
+
+_DEFAULT = object()
+
+
+def _gen(input_ids=_DEFAULT, **kwargs):
+    kwargs.setdefault("max_new_tokens", 3)
+    return specdec.generate(_model(), [[1, 2, 3]] if input_ids is _DEFAULT else input_ids, **kwargs)
+
+
+def _one_line_error(error: type[Exception], match: str, **kwargs) -> str:
+    with pytest.raises(error, match=match) as info:
+        _gen(**kwargs)
+    message = str(info.value)
+    assert isinstance(info.value, SpecdecError) and "\n" not in message, repr(message)
+    return message
+
+
+# ---- input_ids -------------------------------------------------------------------------------
+@pytest.mark.parametrize("form", [
+    torch.tensor([[1, 2, 3]]), torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor([1, 2, 3], dtype=torch.uint8),
+    np.array([[1, 2, 3]]), np.array([1, 2, 3], dtype=np.int32), np.array([1, 2, 3], dtype=np.uint16),
+    [np.int64(1), np.int32(2), np.int64(3)], [[np.int64(1), 2, 3]], [torch.tensor(1), torch.tensor(2), 3],
+    (1, 2, 3), [np.array([1, 2, 3])], [torch.tensor([1, 2, 3])],
+], ids=lambda f: type(f).__name__)
+def test_every_integer_form_of_input_ids_gives_the_same_tokens(form):
+    want = _gen([[1, 2, 3]])[0]
+    out = _gen(form)
+    got = out[0].tolist() if isinstance(out, torch.Tensor) else out[0]
+    assert got == want
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (torch.tensor([[1.0, 2.0]]), InputTypeError, r"input_ids .*float32 tensor"),
+    (torch.tensor([[True, False]]), InputTypeError, r"input_ids .*bool tensor"),
+    (torch.tensor([[1 + 0j]]), InputTypeError, r"input_ids .*complex"),
+    (torch.tensor(3), InputTypeError, r"input_ids .*0-D"),
+    (torch.ones(1, 1, 2, dtype=torch.long), InputTypeError, r"input_ids .*3-D"),
+    (np.array([1.0, 2.0]), InputTypeError, r"input_ids .*numpy float64"),
+    (np.array([True]), InputTypeError, r"input_ids .*numpy bool"),
+    (np.array(3), InputTypeError, r"input_ids .*0-D numpy"),
+    (np.ones((1, 1, 2), dtype=np.int64), InputTypeError, r"input_ids .*3-D numpy"),
+    (np.array([[1, "a"]], dtype=object), InputTypeError, r"input_ids .*object"),
+    ("hello", InputTypeError, r"input_ids .*str 'hello'"),
+    (b"hi", InputTypeError, r"input_ids .*bytes"),
+    (None, InputTypeError, r"input_ids .*NoneType"),
+    (3, InputTypeError, r"input_ids .*int 3"),
+    ([[1, 2.0]], InputTypeError, r"input_ids\[0\]\[1\] must be an int token id, got float 2.0"),
+    ([1, 2.5], InputTypeError, r"input_ids .*input_ids\[0\] is int 1"),  # a float in a flat list
+    ([[True, 1]], InputTypeError, r"input_ids\[0\]\[0\] .*bool True"),
+    ([[[1]]], InputTypeError, r"input_ids\[0\]\[0\] .*list"),
+    ([[1], "ab"], InputTypeError, r"input_ids\[1\] is str"),
+    ([torch.tensor([1.0])], InputTypeError, r"input_ids\[0\] .*float32"),
+    ({"input_ids": [1, 2]}, InputTypeError, r"input_ids .*mapping"),
+    ([], InputError, "no prompt"),
+    (torch.zeros(0, 3, dtype=torch.long), InputError, "no prompt"),
+    ([[1, 2], []], InputError, "prompt 1 is empty"),
+    ([[1, 2, 500]], InputError, r"input_ids.*outside the vocabulary \[0, 96\): \[500\]"),
+    (np.array([[1, -1]]), InputError, r"outside the vocabulary .*\[-1\]"),
+])
+def test_bad_input_ids_is_a_one_line_error(bad, error, match):
+    _one_line_error(error, match, input_ids=bad)
+
+
+# ---- attention_mask ----------------------------------------------------------------------------
+def test_attention_mask_of_another_shape_names_both_shapes():
+    msg = _one_line_error(InputError, "shape of input_ids", input_ids=torch.tensor([[1, 2, 3]]),
+                          attention_mask=torch.tensor([[1, 1]]))
+    assert "(1, 3)" in msg and "(1, 2)" in msg
+
+
+@pytest.mark.parametrize("ids, mask, error, match", [
+    (torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2, 1]]), InputError, r"only 0 and 1.*\[2\]"),
+    (torch.tensor([[1, 2, 3]]), torch.tensor([[0.5, 1, 1]]), InputError, r"only 0 and 1"),
+    (torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([[1, 1, 1], [0, 0, 0]]), InputError,
+     r"prompt 1 is empty .*attention_mask"),
+    (torch.tensor([[1, 2, 3]]), "111", InputTypeError, "attention_mask"),
+    (torch.tensor([[1, 2, 3]]), torch.ones(1, 1, 3), InputTypeError, r"attention_mask .*3-D"),
+    ([[1, 2, 3], [4, 5]], [[1, 1, 1], [1, 1, 1]], InputError, r"lengths \[3, 2\].*lengths \[3, 3\]"),
+    ([[1, 2, 3]], [[1, 1]], InputError, "shape of input_ids"),
+    ([1, 2, 3], [[1, 1, 1], [1, 1, 1]], InputError, "shape of input_ids"),
+])
+def test_bad_attention_mask_is_a_one_line_error(ids, mask, error, match):
+    _one_line_error(error, match, input_ids=ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("mask_of", [
+    lambda m: m, lambda m: m.bool(), lambda m: m.float(), lambda m: m.numpy(), lambda m: m.tolist(),
+], ids=["long", "bool", "float", "numpy", "list"])
+def test_attention_mask_drops_padding_in_every_form(mask_of):
+    """Left and right padding of a tensor, and a list input with a mask (it used to be ignored), give the
+    ragged prompts' output."""
+    ragged = [[5, 6, 7], [8, 9]]
+    want = _gen(ragged, return_dict=True).new_tokens
+    ids = torch.tensor([[5, 6, 7], [0, 8, 9]])  # row 1 left-padded
+    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    assert _gen(ids, attention_mask=mask_of(mask), return_dict=True).new_tokens == want
+    assert _gen(ids.tolist(), attention_mask=mask_of(mask), return_dict=True).new_tokens == want
+    assert _gen(ids.numpy(), attention_mask=mask_of(mask), return_dict=True).new_tokens == want
+
+
+def test_ragged_lists_take_a_ragged_mask():
+    want = _gen([[5, 6, 7], [9]])
+    assert _gen([[5, 6, 7, 0], [8, 9]], attention_mask=[[1, 1, 1, 0], [0, 1]]) == want
+
+
+# ---- scalar arguments ------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(max_new_tokens=4.0), InputTypeError, r"max_new_tokens must be an int, got float 4.0"),
+    (dict(max_new_tokens="4"), InputTypeError, r"max_new_tokens must be an int, got str '4'"),
+    (dict(max_new_tokens=True), InputTypeError, r"max_new_tokens must be an int, got bool"),
+    (dict(max_new_tokens=None), InputTypeError, r"max_new_tokens"),
+    (dict(max_new_tokens=0), InputError, r"max_new_tokens must be >= 1, got 0"),
+    (dict(max_new_tokens=1000), InputError, r"context of 512"),
+    (dict(block_size=16.0), InputTypeError, r"block_size must be an int, got float"),
+    (dict(block_size=0), InputError, r"block_size must be >= 1"),
+    (dict(block_size="16"), InputTypeError, r"block_size"),
+    (dict(num_blocks=8.0), InputTypeError, r"num_blocks must be an int or None, got float"),
+    (dict(num_blocks=0), InputError, r"num_blocks must be >= 1"),
+    (dict(num_blocks=False), InputTypeError, r"num_blocks .*bool"),
+    (dict(do_sample=1), InputTypeError, r"do_sample must be True or False, got int 1"),
+    (dict(do_sample="yes"), InputTypeError, r"do_sample"),
+    (dict(temperature="1"), InputTypeError, r"temperature must be a number, got str"),
+    (dict(temperature=float("nan")), InputError, r"temperature"),
+    (dict(temperature=float("inf")), InputError, r"temperature must be a finite"),
+    (dict(do_sample=True, temperature=0.0), InputError, r"temperature must be > 0 when sampling"),
+    (dict(top_k=2.0), InputTypeError, r"top_k must be an int"),
+    (dict(top_k=-1), InputError, r"top_k"),
+    (dict(top_p=None), InputTypeError, r"top_p must be a number"),
+    (dict(top_p=1.5), InputError, r"top_p must lie in"),
+    (dict(seed=1.5), InputTypeError, r"seed must be an int or None, got float"),
+    (dict(seed="1"), InputTypeError, r"seed"),
+    (dict(seed=2**64), InputError, r"seed must be <="),
+    (dict(generator=1), InputTypeError, r"generator must be a torch.Generator"),
+    (dict(pad_token_id="x"), InputTypeError, r"pad_token_id must be an int or None, got str"),
+    (dict(pad_token_id=1.0), InputTypeError, r"pad_token_id"),
+    (dict(streamer=3), InputTypeError, r"streamer must be a callable or None, got int 3"),
+    (dict(drafter="ngram", drafter_options=[("n", 2)]), InputTypeError, r"drafter_options must be a dict"),
+    (dict(drafter="ngram", drafter_options="n=2"), InputTypeError, r"drafter_options"),
+    (dict(cuda_graphs="yes"), InputTypeError, r"cuda_graphs must be a bool"),
+    (dict(eos_token_id=np.array([1.0])), InputTypeError, r"eos_token_id .*float64"),
+    (dict(eos_token_id=np.array([[1]])), InputTypeError, r"eos_token_id"),
+    (dict(eos_token_id=[1, "2"]), InputTypeError, r"eos_token_id"),
+])
+def test_bad_scalar_argument_is_a_one_line_error(kwargs, error, match):
+    _one_line_error(error, match, **kwargs)
+
+
+def test_numpy_integers_are_ints_for_the_scalar_arguments():
+    assert _gen(max_new_tokens=np.int64(3), block_size=np.int32(4), seed=np.int64(1)) == _gen(block_size=4)
+    eos = _gen()[0][3]
+    assert _gen(eos_token_id=np.array([eos]), max_new_tokens=6) == [[1, 2, 3, eos]]
+
+
+def test_argument_errors_come_before_the_model_is_loaded():
+    with pytest.raises(InputTypeError, match="max_new_tokens"):
+        specdec.generate("/no/such/model", [[1, 2]], max_new_tokens=4.0)
+    with pytest.raises(InputTypeError, match="input_ids"):
+        specdec.generate("/no/such/model", torch.tensor([[1.0]]))
+
+
+# ---- stop ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stop, error, match", [
+    (5, InputTypeError, r"stop must be .*got int 5.*stop=\[\[5\]\].*eos_token_id=5"),
+    ([5], InputTypeError, r"stop\[0\] is a bare token id \(5\): ambiguous; pass stop=\[\[5\]\]"),
+    (["a", 5], InputTypeError, r"stop\[1\] is a bare token id"),
+    ("", InputError, r"stop\[0\] is an empty string"),
+    (["x", ""], InputError, r"stop\[1\] is an empty string"),
+    ([[]], InputError, r"stop\[0\] is an empty token sequence"),
+    ([torch.tensor([], dtype=torch.long)], InputError, r"empty token sequence"),
+    ([[1, 2.0]], InputTypeError, r"stop\[0\] must be a string or a sequence of int token ids"),
+    ([[1, 500]], InputError, r"stop.*outside the vocabulary"),
+    (1.5, InputTypeError, r"stop must be"),
+    ({"a": 1}, InputTypeError, r"stop must be"),
+    (["ab"], InputError, r"stop strings need a tokenizer .*\['ab'\]"),
+])
+def test_bad_stop_is_a_one_line_error(stop, error, match):
+    _one_line_error(error, match, stop=stop)
+
+
+@pytest.mark.parametrize("form", [lambda t: [[t]], lambda t: [(t,)], lambda t: [torch.tensor([t])],
+                                  lambda t: [np.array([t])]], ids=["list", "tuple", "tensor", "numpy"])
+def test_token_stop_sequences_in_every_form(form):
+    plain = _gen(max_new_tokens=8, return_dict=True).new_tokens[0]
+    tok = plain[2]
+    out = _gen(max_new_tokens=8, stop=form(tok), return_dict=True)
+    assert out.new_tokens[0] == plain[: plain.index(tok) + 1] and out.stats[0].finish_reason == "stop"
+
+
+# ---- KV cache size vs memory ---------------------------------------------------------------------
+@pytest.mark.parametrize("layers, kv_heads, head_dim, blocks, block_size, dtype", [
+    (2, 2, 16, 5, 4, torch.float32), (3, 1, 8, 2, 16, torch.float16), (1, 4, 32, 7, 1, torch.bfloat16),
+])
+def test_cache_bytes_is_what_the_cache_allocates(layers, kv_heads, head_dim, blocks, block_size, dtype):
+    cache = PagedKVCache(layers, kv_heads, head_dim, blocks, block_size, dtype)
+    assert cache_bytes(layers, kv_heads, head_dim, blocks, block_size, dtype) == cache.kv.nbytes
+
+
+def test_available_memory_is_known_on_cpu():
+    have = kv_cache.available_memory_bytes("cpu")
+    assert have is not None and have > 0
+    assert kv_cache.available_memory_bytes("meta") is None
+
+
+def test_num_blocks_beyond_memory_is_refused_before_allocating(monkeypatch):
+    def no_alloc(*args, **kwargs):
+        raise AssertionError("the cache was allocated")
+
+    monkeypatch.setattr(PagedKVCache, "__init__", no_alloc)
+    msg = _one_line_error(InputError, r"num_blocks=1000000000 .*needs [0-9.]+ GiB, but only [0-9.]+ GiB are "
+                                      r"available on cpu: pass num_blocks <= \d+", num_blocks=10**9)
+    need = 2 * 2 * 2 * 16 * 10**9 * 16 * 4 / 2**30  # tiny model: 2 layers, 2 KV heads, head_dim 16, float32
+    assert f"{need:.2f} GiB" in msg
+
+
+def test_automatic_cache_size_beyond_memory_suggests_a_num_blocks_that_fits(monkeypatch):
+    per_block = cache_bytes(2, 2, 16, 1, 16, torch.float32)
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device: 40 * per_block)
+    prompts = [[1, 2, 3]] * 8  # 8 x ceil((3 + 100 + tree budget + 1) / 16) blocks >> 40
+    msg = _one_line_error(CacheFullError, r"this request's KV cache .*needs .*GiB, but only .*GiB are available "
+                                          r"on cpu: .*num_blocks <= 40", input_ids=prompts, max_new_tokens=100)
+    fits = int(re.search(r"num_blocks <= (\d+)", msg).group(1))
+    assert len(_gen(prompts, max_new_tokens=2, num_blocks=fits)) == 8  # the suggestion is taken
+
+
+# ---- draft-model without model= -------------------------------------------------------------------
+def test_draft_model_without_model_loads_nothing(monkeypatch):
+    import specdec.drafters.draft_model as draft_model
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(draft_model, "load_model", no_load)
+    msg = _one_line_error(InputError, r"draft-model needs model=", drafter="draft-model")
+    assert "vocabulary" in msg
+    with pytest.raises(InputError, match="model="):
+        draft_model.DraftModelDrafter(num_draft_tokens=3)
+    with pytest.raises(InputError, match="model="):  # also before the target loads
+        specdec.generate("/no/such/model", [[1, 2]], drafter="draft-model")
+
+
+# ---- properties ------------------------------------------------------------------------------------
+_ints = st.integers(-3, 110)
+_bad_scalars = st.one_of(st.none(), st.booleans(), st.floats(allow_nan=True), st.text(max_size=3),
+                         st.integers(-(2**70), 2**70), st.just([1]), st.just(object()))
+
+
+def _as_array(rows, kind):
+    if kind == "list":
+        return rows
+    data = np.array(rows, dtype=object) if len({len(r) for r in rows}) > 1 else np.array(rows)
+    if kind == "numpy":
+        return data
+    try:
+        return torch.tensor(data.tolist())
+    except (TypeError, ValueError, RuntimeError):
+        return rows
+
+
+_rows = st.lists(st.lists(_ints, min_size=0, max_size=5), min_size=0, max_size=3)
+_input_ids = st.one_of(
+    st.builds(_as_array, _rows, st.sampled_from(["list", "numpy", "tensor"])),
+    st.lists(_ints, max_size=4),
+    st.lists(st.one_of(_ints, st.floats(0, 5), st.booleans(), st.text(max_size=2)), max_size=4),
+    st.builds(lambda v, dt, shape: torch.full(shape, v).to(dt), st.integers(0, 5),
+              st.sampled_from([torch.int64, torch.int32, torch.uint8, torch.float32, torch.bool]),
+              st.sampled_from([(), (3,), (1, 3), (2, 2), (1, 1, 2), (0,), (1, 0)])),
+    st.builds(lambda v, dt, shape: np.full(shape, v, dtype=dt), st.integers(0, 5),
+              st.sampled_from([np.int64, np.uint8, np.float32, np.bool_]), st.sampled_from([(), (3,), (1, 2, 2)])),
+    _bad_scalars,
+)
+_mask = st.one_of(st.none(), st.none(), st.lists(st.lists(st.sampled_from([0, 1, 2, True, 0.5]), max_size=5),
+                                                 max_size=3), _bad_scalars)
+_stop = st.one_of(st.none(), st.text(max_size=2), _ints, st.lists(_ints, max_size=2),
+                  st.lists(st.lists(_ints, max_size=2), max_size=2), _bad_scalars)
+
+
+def _mostly(good, bad=_bad_scalars):
+    """A good value 9 times in 10, so that examples get past the first check and reach generation."""
+    return st.integers(0, 9).flatmap(lambda i: bad if i == 9 else good)
+
+
+def _int_or_bad(lo, hi):
+    return _mostly(st.integers(lo, hi), st.one_of(_bad_scalars, st.integers(lo - 3, lo - 1)))
+
+
+def _works_or_one_line_specdec_error(**kwargs):
+    try:
+        specdec.generate(_model(), **kwargs)
+    except SpecdecError as err:
+        assert "\n" not in str(err) and str(err), repr(str(err))
+    # any other exception type propagates: the property fails with it
+
+
+@st.composite
+def _ids_and_mask(draw):
+    """Half the time well-formed rows with a mask of their shape (0 / 1 values, some rows maybe all 0)."""
+    if draw(st.booleans()):
+        return draw(_input_ids), draw(_mask)
+    rows = draw(st.lists(st.lists(_ints, min_size=1, max_size=5), min_size=1, max_size=3))
+    kind = draw(st.sampled_from(["list", "numpy", "tensor"]))
+    mask = [draw(st.lists(st.sampled_from([0, 1, 1, 1]), min_size=len(r), max_size=len(r))) for r in rows]
+    return _as_array(rows, kind), draw(st.sampled_from([None, _as_array(mask, kind)]))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ids_and_mask=_ids_and_mask())
+def test_any_input_ids_and_mask_work_or_raise_a_one_line_specdec_error(ids_and_mask):
+    input_ids, attention_mask = ids_and_mask
+    _works_or_one_line_specdec_error(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=2)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(max_new_tokens=_int_or_bad(1, 4), block_size=_int_or_bad(1, 8),
+       num_blocks=_mostly(st.none(), st.one_of(_int_or_bad(1, 12), st.just(10**12))), stop=_mostly(st.none(), _stop),
+       do_sample=_mostly(st.booleans()), temperature=_mostly(st.floats(0.1, 2)), top_k=_int_or_bad(0, 10),
+       top_p=_mostly(st.floats(0.05, 1)), seed=_mostly(st.none(), _int_or_bad(0, 9)),
+       pad_token_id=_mostly(st.none(), _int_or_bad(0, 5)),
+       eos_token_id=_mostly(st.one_of(st.none(), _ints, st.lists(_ints, max_size=2))),
+       streamer=_mostly(st.none(), st.just(3)), drafter=st.sampled_from([None, "ngram"]))
+def test_any_generate_arguments_work_or_raise_a_one_line_specdec_error(**kwargs):
+    _works_or_one_line_specdec_error(input_ids=[[1, 2, 3], [4, 5]], **kwargs)
+
+
+@settings(max_examples=25, deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=5), min_size=1, max_size=3),
+       left=st.booleans())
+def test_padded_tensor_with_mask_equals_ragged_lists(prompts, left):
+    width = max(len(p) for p in prompts)
+    pad = [[7] * (width - len(p)) for p in prompts]
+    ids = torch.tensor([q + p if left else p + q for p, q in zip(prompts, pad)])
+    mask = torch.tensor([[0] * len(q) + [1] * len(p) if left else [1] * len(p) + [0] * len(q)
+                         for p, q in zip(prompts, pad)])
+    want = _gen(prompts, return_dict=True).new_tokens
+    assert _gen(ids, attention_mask=mask, return_dict=True).new_tokens == want
