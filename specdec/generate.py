@@ -24,7 +24,7 @@ from specdec.audit import DraftAudit
 from specdec.cuda_graphs import GraphConfig, GraphedForward
 from specdec.drafters.registry import get_drafter
 from specdec.engine import Engine, SequenceState
-from specdec.errors import InputError, InputTypeError
+from specdec.errors import InputError, InputTypeError, SpecdecError
 from specdec.generate_inputs import (
     check_bool,
     check_cache_fits,
@@ -95,6 +95,20 @@ class GenerateOutput:
     def tau(self) -> float:
         steps = sum(s.steps for s in self.stats)
         return sum(s.new_tokens for s in self.stats) / steps if steps else 0.0
+
+
+def _make_drafter(drafter: Any, options: dict) -> Any:
+    """get_drafter, its builtin errors (unknown name, wrong type, options a drafter does not take or refuses)
+    turned into one-line InputError / InputTypeError: they are all about the caller's arguments."""
+    try:
+        return get_drafter(drafter, **options)
+    except SpecdecError:
+        raise
+    except (TypeError, ValueError) as err:
+        message = " ".join(str(err).split())
+        if isinstance(err, TypeError) and options and isinstance(drafter, str):
+            message = f"drafter {drafter!r} does not accept drafter_options {sorted(options)}: {message}"
+        raise (InputTypeError if isinstance(err, TypeError) else InputError)(message) from err
 
 
 def _stats(s: SequenceState, start: float) -> SequenceStats:
@@ -183,7 +197,7 @@ def generate(
     stop_strings, stop_sequences = parse_stop(stop)
     if options and drafter is None:
         raise InputError("drafter_options were given without a drafter: they would be ignored (pass drafter=...)")
-    drafter_obj = get_drafter(drafter, **options)
+    drafter_obj = _make_drafter(drafter, options)
 
     loaded = load_model(model, tokenizer=tokenizer)
     runner = loaded.runner

@@ -170,6 +170,11 @@ def test_ragged_lists_take_a_ragged_mask():
     (dict(drafter="ngram", drafter_options=[("n", 2)]), InputTypeError, r"drafter_options must be a dict"),
     (dict(drafter="ngram", drafter_options="n=2"), InputTypeError, r"drafter_options"),
     (dict(cuda_graphs="yes"), InputTypeError, r"cuda_graphs must be a bool"),
+    (dict(drafter="no-such-drafter"), InputError, r"unknown drafter 'no-such-drafter'; available: .*ngram"),
+    (dict(drafter=5), InputTypeError, r"drafter must be None, a name or a Drafter"),
+    (dict(drafter="ngram", drafter_options={"bogus": 1}), InputError, r"ngram drafter: unknown option.*bogus"),
+    (dict(drafter="self-draft", drafter_options={"bogus": 1}), InputTypeError,
+     r"drafter 'self-draft' does not accept drafter_options \['bogus'\]: .*bogus"),
     (dict(eos_token_id=np.array([1.0])), InputTypeError, r"eos_token_id .*float64"),
     (dict(eos_token_id=np.array([[1]])), InputTypeError, r"eos_token_id"),
     (dict(eos_token_id=[1, "2"]), InputTypeError, r"eos_token_id"),
@@ -349,7 +354,8 @@ def test_any_input_ids_and_mask_work_or_raise_a_one_line_specdec_error(ids_and_m
        top_p=_mostly(st.floats(0.05, 1)), seed=_mostly(st.none(), _int_or_bad(0, 9)),
        pad_token_id=_mostly(st.none(), _int_or_bad(0, 5)),
        eos_token_id=_mostly(st.one_of(st.none(), _ints, st.lists(_ints, max_size=2))),
-       streamer=_mostly(st.none(), st.just(3)), drafter=st.sampled_from([None, "ngram"]))
+       streamer=_mostly(st.none(), st.just(3)),
+       drafter=_mostly(st.sampled_from([None, "ngram"]), st.sampled_from(["no-such-drafter", 5, "draft-model"])))
 def test_any_generate_arguments_work_or_raise_a_one_line_specdec_error(**kwargs):
     _works_or_one_line_specdec_error(input_ids=[[1, 2, 3], [4, 5]], **kwargs)
 
