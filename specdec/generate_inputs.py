@@ -274,6 +274,6 @@ def check_cache_fits(shape: Any, num_blocks: int, block_size: int, dtype: torch.
             f"pass fewer or shorter prompts, a smaller max_new_tokens, or num_blocks <= {fits} (a pool the "
             "sequences outgrow raises CacheFullError)")
     if fits < 1:
-        hint = "not even one block fits: free some memory"
+        hint = f"not even one block of {block_size} tokens fits: pass a smaller block_size"
     error = InputError if explicit else kv_cache.CacheFullError
     raise error(f"{what}, but only {have / gib:.2f} GiB are available on {device}: {hint}")

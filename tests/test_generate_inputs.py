@@ -250,6 +250,11 @@ def test_num_blocks_beyond_memory_is_refused_before_allocating(monkeypatch):
     assert f"{need:.2f} GiB" in msg
 
 
+def test_a_block_beyond_memory_asks_for_a_smaller_block_size():
+    _one_line_error(CacheFullError, r"needs [0-9.]+ GiB, .*not even one block of 10000000000000 tokens fits: pass "
+                                    r"a smaller block_size", block_size=10**13)
+
+
 def test_automatic_cache_size_beyond_memory_suggests_a_num_blocks_that_fits(monkeypatch):
     per_block = cache_bytes(2, 2, 16, 1, 16, torch.float32)
     monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda device: 40 * per_block)
