@@ -2,6 +2,8 @@
 
 Lifecycle, driven by the engine:
 
+0. ``seed_from_generate(seed)`` before ``attach``: ``generate(seed=...)``'s seed, for drafters
+   that sample (the default ignores it).
 1. ``attach(target)`` once, before the first sequence: what the drafter may read of the
    target (its runner, KV cache and sampling config). Drafters that sample must apply
    ``target.sampling`` (temperature / top-k / top-p) to their own logits.
@@ -15,6 +17,9 @@ Lifecycle, driven by the engine:
 A drafter that sets ``needs_hidden_states = True`` (Medusa) finds in
 ``SequenceView.last_hidden`` the target's final-norm hidden state of the token *before*
 the root, i.e. of the row whose logits chose the root.
+
+The engine talks to every drafter through this class. Any object with a ``propose`` method
+is accepted too: :func:`as_drafter` wraps it once, so the engine never probes attributes.
 """
 from __future__ import annotations
 
@@ -83,6 +88,9 @@ class Drafter(ABC):
     name: str = "drafter"
     needs_hidden_states: bool = False
 
+    def seed_from_generate(self, seed: int | None) -> None:
+        """generate()'s seed (None: unseeded), before ``attach``; drafters that sample seed from it."""
+
     def attach(self, target: TargetView) -> None:
         """Called once by the engine before any sequence is added."""
         self.target = target
@@ -96,3 +104,42 @@ class Drafter(ABC):
 
     def release(self, seq_id: int) -> None:
         """Forget everything about a finished sequence."""
+
+
+class _ObjectDrafter(Drafter):
+    """A plain object with ``propose`` (and optionally ``name``, ``needs_hidden_states``, ``attach``,
+    ``on_accept``, ``release``, ``seed_from_generate``) seen through the Drafter contract."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+        self.name = str(getattr(obj, "name", type(obj).__name__))
+        self.needs_hidden_states = bool(getattr(obj, "needs_hidden_states", False))
+
+    def _call(self, method: str, *args: Any) -> Any:
+        fn = getattr(self.obj, method, None)
+        return fn(*args) if callable(fn) else None
+
+    def seed_from_generate(self, seed: int | None) -> None:
+        self._call("seed_from_generate", seed)
+
+    def attach(self, target: TargetView) -> None:
+        self.target = target
+        self._call("attach", target)
+
+    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
+        return self.obj.propose(seqs)
+
+    def on_accept(self, seq_id: int, committed: Sequence[int]) -> None:
+        self._call("on_accept", seq_id, committed)
+
+    def release(self, seq_id: int) -> None:
+        self._call("release", seq_id)
+
+
+def as_drafter(obj: Any) -> Drafter | None:
+    """``obj`` itself if it is a Drafter (or None), else a Drafter view of an object with ``propose``."""
+    if obj is None or isinstance(obj, Drafter):
+        return obj
+    if not callable(getattr(obj, "propose", None)):
+        raise TypeError(f"a drafter needs a propose(sequences) method; {type(obj).__name__} has none")
+    return _ObjectDrafter(obj)

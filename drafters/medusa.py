@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView
@@ -41,36 +42,56 @@ logger = logging.getLogger(__name__)
 __all__ = ["MedusaDrafter", "validate_choices"]
 
 
+@dataclass(frozen=True)
+class MedusaDraftConfig:
+    """How the Medusa drafter shapes its tree (validated here, before any checkpoint is read).
+
+    ``max_nodes`` bounds the dynamic tree and the default static tree (explicit choices: <= 64 paths);
+    the default of 16 nodes is sized for CPUs, where verifying many nodes costs more than a decode step."""
+
+    tree: str = "static"  # "static" (medusa_choices) | "dynamic" (best-first per step)
+    medusa_choices: tuple[tuple[int, ...], ...] | None = None  # static tree paths; None = saved / default
+    max_nodes: int = 16
+    top_k: int = 8  # tokens per head a dynamic tree considers
+
+    def __post_init__(self) -> None:
+        for name in ("max_nodes", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"medusa: {name} must be a positive integer, got {value!r}")
+        if self.max_nodes > MAX_TREE_NODES:
+            raise ValueError(f"medusa: max_nodes must be <= {MAX_TREE_NODES} (the tree-mask limit), "
+                             f"got {self.max_nodes}")
+        if self.tree not in ("static", "dynamic"):
+            raise ValueError(f"medusa: tree must be 'static' or 'dynamic', got {self.tree!r}")
+        choices = self.medusa_choices
+        if isinstance(choices, str):  # e.g. from a CLI option or a config file
+            try:
+                choices = json.loads(choices)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"medusa: medusa_choices is not a JSON list of paths: {choices!r}") from err
+        if choices is not None:
+            if self.tree == "dynamic":
+                raise ValueError("medusa: medusa_choices define a static tree; they cannot be used with tree='dynamic'")
+            try:
+                choices = tuple(tuple(path) for path in choices)
+            except TypeError as err:
+                raise ValueError(f"medusa: medusa_choices must be a list of paths (lists of ranks): {err}") from err
+            object.__setattr__(self, "medusa_choices", choices)
+
+
 class MedusaDrafter(Drafter):
     name = "medusa"
     needs_hidden_states = True
 
-    def __init__(self, path: str | None = None, heads: MedusaHeads | None = None, tree: str = "static",
-                 medusa_choices: Sequence[Sequence[int]] | str | None = None, max_nodes: int = 16,
-                 top_k: int = 8) -> None:
-        """max_nodes bounds the dynamic tree and the default static tree (explicit choices: <= 64 paths).
-        The default of 16 nodes is sized for CPUs, where verifying many nodes costs more than a decode step."""
+    def __init__(self, path: str | None = None, heads: MedusaHeads | None = None, **options) -> None:
+        """``path`` (a checkpoint directory) or ``heads`` (a MedusaHeads module); ``options``: MedusaDraftConfig."""
         if (path is None) == (heads is None):
             raise ValueError("medusa: give exactly one of path= (a checkpoint directory) or heads= (MedusaHeads)")
         if heads is not None and not isinstance(heads, MedusaHeads):
             raise TypeError(f"medusa: heads= must be a MedusaHeads module, got {type(heads).__name__}")
-        for name, value in (("max_nodes", max_nodes), ("top_k", top_k)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"medusa: {name} must be a positive integer, got {value!r}")
-        if max_nodes > MAX_TREE_NODES:
-            raise ValueError(f"medusa: max_nodes must be <= {MAX_TREE_NODES} (the tree-mask limit), got {max_nodes}")
-        if tree not in ("static", "dynamic"):
-            raise ValueError(f"medusa: tree must be 'static' or 'dynamic', got {tree!r}")
-        if isinstance(medusa_choices, str):  # e.g. from a CLI option or a config file
-            try:
-                medusa_choices = json.loads(medusa_choices)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"medusa: medusa_choices is not a JSON list of paths: {medusa_choices!r}") from err
-        if medusa_choices is not None and tree == "dynamic":
-            raise ValueError("medusa: medusa_choices define a static tree; they cannot be used with tree='dynamic'")
+        self.config = MedusaDraftConfig(**options)
         self.path, self.heads = path, heads
-        self.max_nodes, self.top_k = max_nodes, top_k
-        self.tree, self.choices = tree, medusa_choices
         self.paths: tuple[tuple[int, ...], ...] = ()
 
     def attach(self, target: TargetView) -> None:
@@ -91,14 +112,15 @@ class MedusaDrafter(Drafter):
             logger.info("medusa: moving the heads to the target's %s / %s", runner.device, runner.dtype)
             self.heads.to(device=runner.device, dtype=runner.dtype)
         self.lm_head = runner.lm_head if cfg.shared_lm_head else None  # [vocab, hidden]
-        if self.tree == "static":
-            if self.choices is not None:
-                source, choices = "given", self.choices
+        if self.config.tree == "static":
+            if self.config.medusa_choices is not None:
+                source, choices = "given", self.config.medusa_choices
             elif cfg.medusa_choices:
                 source, choices = "saved in the checkpoint", cfg.medusa_choices
             else:
                 source = "default"
-                choices = default_choices(cfg.num_heads, self.max_nodes, min(self.top_k, shape.vocab_size))
+                top_k = min(self.config.top_k, shape.vocab_size)
+                choices = default_choices(cfg.num_heads, self.config.max_nodes, top_k)
             try:
                 self.paths = validate_choices(choices, cfg.num_heads)
             except ValueError as err:
@@ -117,20 +139,20 @@ class MedusaDrafter(Drafter):
             return trees
         runner = self.target.runner
         hidden = torch.stack([seqs[i].last_hidden for i in ready]).to(device=runner.device, dtype=runner.dtype)
-        if self.tree == "static":
+        if self.config.tree == "static":
             depth, k = len(self.paths[-1]), max(max(p) for p in self.paths) + 1
         else:
-            depth, k = self.heads.config.num_heads, min(self.top_k, runner.shape.vocab_size)
+            depth, k = self.heads.config.num_heads, min(self.config.top_k, runner.shape.vocab_size)
         logits = self._head_logits(hidden, depth)  # [depth, B, vocab], one forward for the batch
         top = torch.topk(logits.float().log_softmax(-1), k, dim=-1)  # [depth, B, k], ranks best first
         top_tokens = top.indices.transpose(0, 1).tolist()  # [B][depth][k]
-        if self.tree == "static":
+        if self.config.tree == "static":
             for b, i in enumerate(ready):
                 trees[i] = static_tree(self.paths, top_tokens[b])
         else:
             top_logp = top.values.transpose(0, 1).tolist()
             for b, i in enumerate(ready):
-                trees[i] = dynamic_tree(top_tokens[b], top_logp[b], self.max_nodes)
+                trees[i] = dynamic_tree(top_tokens[b], top_logp[b], self.config.max_nodes)
         return trees
 
     def _head_logits(self, hidden: torch.Tensor, depth: int) -> torch.Tensor:

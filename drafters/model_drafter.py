@@ -167,7 +167,7 @@ class ModelDrafter(Drafter):
                 trees[v.seq_id] = tree
         return [trees[v.seq_id] for v in seqs]
 
-    def _forward(self, seq_ids, tokens, positions, plans, write_slots) -> torch.Tensor:
+    def _forward(self, tokens, positions, plans, write_slots) -> torch.Tensor:
         self.draft_forwards += 1
         device = self.runner.device
         plan = AttentionPlan(tuple(plans), torch.cat(write_slots))
@@ -195,7 +195,7 @@ class ModelDrafter(Drafter):
             tokens += new
             positions += list(range(cached, len(v.token_ids)))
             last_rows.append(len(tokens) - 1)
-        logits = self._forward([v.seq_id for v in live], tokens, positions, plans, write_slots)
+        logits = self._forward(tokens, positions, plans, write_slots)
         cache.commit({v.seq_id: range(len(v.token_ids) - cache.lengths[v.seq_id]) for v in live})
         return logits[torch.tensor(last_rows, device=logits.device)]
 
@@ -215,7 +215,7 @@ class ModelDrafter(Drafter):
             write_slots.append(key_slots[root:])
             tokens.append(v.token_ids[-1])
             positions.append(root)
-        return self._forward([v.seq_id for v in live], tokens, positions, plans, write_slots)
+        return self._forward(tokens, positions, plans, write_slots)
 
     def _grow(self, live: list[SequenceView], root_logits: torch.Tensor) -> list[DraftTree]:
         cfg, cache = self.config, self.cache
@@ -287,7 +287,7 @@ class ModelDrafter(Drafter):
             write_slots.append(key_slots[first:])
             tokens += [nodes[b][i].token for i in new]
             positions += [len(v.token_ids) - 1 + depth] * len(new)
-        return self._forward(None, tokens, positions, plans, write_slots)
+        return self._forward(tokens, positions, plans, write_slots)
 
     def _tree(self, nodes: list[_Node]) -> DraftTree:
         if not nodes:

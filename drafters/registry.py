@@ -4,7 +4,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 from typing import Any
 
-from specdec.drafters.base import Drafter
+from specdec.drafters.base import Drafter, as_drafter
 
 BUILTIN = {
     "ngram": "specdec.drafters.ngram:NGramDrafter",
@@ -27,11 +27,12 @@ def available() -> list[str]:
 
 
 def get_drafter(spec: Any, **options: Any) -> Drafter | None:
-    """``None`` -> None (plain decoding); a drafter object (has ``propose``) -> itself; a name -> a new drafter."""
+    """``None`` -> None (plain decoding); a Drafter -> itself; another object with ``propose`` -> a Drafter
+    view of it (:func:`~specdec.drafters.base.as_drafter`); a name -> a new drafter."""
     if spec is None or isinstance(spec, Drafter) or callable(getattr(spec, "propose", None)):
         if options and spec is not None:
             raise ValueError("drafter options can only be given with a drafter name")
-        return spec
+        return as_drafter(spec)
     if not isinstance(spec, str):
         raise TypeError(f"drafter must be None, a name or a Drafter instance, got {type(spec).__name__}")
     if spec in BUILTIN:

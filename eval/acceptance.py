@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from specdec.drafters.base import Drafter
 from specdec.drafters.registry import get_drafter
 from specdec.eval.resume import (
     cell_problem,
@@ -230,22 +231,30 @@ def read_cell(path: Path, settings_sha256: str | None = None, expect: tuple[str,
     return Cell(**{k: v for k, v in data.items() if k in known})
 
 
-class _CountingDrafter:
+class _CountingDrafter(Drafter):
     """Delegates to a drafter and counts the draft trees and nodes it proposes (composition only)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Drafter) -> None:
         self.inner, self.trees, self.nodes = inner, 0, 0
+        self.name, self.needs_hidden_states = inner.name, inner.needs_hidden_states
 
-    def __getattr__(self, name: str) -> Any:  # name, needs_hidden_states, attach, on_accept, release, ...
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    def seed_from_generate(self, seed: int | None) -> None:
+        self.inner.seed_from_generate(seed)
+
+    def attach(self, target) -> None:
+        self.inner.attach(target)
 
     def propose(self, seqs):
         trees = self.inner.propose(seqs)
         self.trees += len(trees)
         self.nodes += sum(int(getattr(t, "num_nodes", 0)) for t in trees)
         return trees
+
+    def on_accept(self, seq_id: int, committed) -> None:
+        self.inner.on_accept(seq_id, committed)
+
+    def release(self, seq_id: int) -> None:
+        self.inner.release(seq_id)
 
 
 def _hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> tuple[int, float]:

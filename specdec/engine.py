@@ -20,7 +20,7 @@ import torch
 from specdec.attention import CAUSAL, AttentionPlan
 from specdec.audit import DraftAudit
 from specdec.cuda_graphs import GraphedForward
-from specdec.drafters.base import Drafter, SequenceView, TargetView, TokenView
+from specdec.drafters.base import Drafter, SequenceView, TargetView, TokenView, as_drafter
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import ForwardOutput, LlamaRunner
 from specdec.rejection import EXACT, Acceptance, AcceptanceRule, rejection_sample
@@ -81,15 +81,15 @@ class Engine:
         graphed: GraphedForward | None = None,
     ) -> None:
         self.runner, self.cache, self.sampling, self.stop = runner, cache, sampling, stop
-        self.drafter, self.generator, self.audit = drafter, generator, audit
+        self.drafter, self.generator, self.audit = as_drafter(drafter), generator, audit
         self.rule = rule  # EXACT unless a certificate runs a deliberately broken negative control
         self.graphed = graphed  # fixed-shape (CUDA-graph) verify forwards; None = always eager
         self.seqs: list[SequenceState] = []
         self.forward_passes = 0
         self.seconds = {"draft": 0.0, "verify": 0.0}  # wall time of the two halves of step(), summed
-        self.keep_hidden = bool(getattr(drafter, "needs_hidden_states", False))
-        if drafter is not None and callable(getattr(drafter, "attach", None)):
-            drafter.attach(TargetView(runner, cache, sampling, stop.tokenizer))
+        self.keep_hidden = self.drafter is not None and self.drafter.needs_hidden_states
+        if self.drafter is not None:
+            self.drafter.attach(TargetView(runner, cache, sampling, stop.tokenizer))
 
     @property
     def live(self) -> list[SequenceState]:
@@ -139,7 +139,7 @@ class Engine:
         if self.drafter is None:
             return [DraftTree.empty() for _ in live]
         views = [SequenceView(s.seq_id, TokenView(s.tokens), s.num_prompt, s.last_hidden) for s in live]
-        name = getattr(self.drafter, "name", type(self.drafter).__name__)
+        name = self.drafter.name
         try:
             trees = self.drafter.propose(views)
         except DraftError as err:  # e.g. a malformed DraftTree built inside the drafter: say whose it is

@@ -191,8 +191,8 @@ def test_generate_and_cli_by_name_with_a_path(tmp_path, capsys):
                    "--drafter-option", "tree=dynamic", "--drafter-option", "max_nodes=3"]):
         assert main(["generate", "--model", str(tmp_path / "model"), "--no-chat-template", "--max-new-tokens", "24",
                      "--json", *extra, "the cat sat"]) == 0
-        out = capsys.readouterr()
-        summaries.append((out.out, json.loads(out.err.strip().splitlines()[-1])))
+        doc = json.loads(capsys.readouterr().out)  # --json: stdout is one document, the text and the summary
+        summaries.append((doc.pop("text"), doc))
     assert summaries[1][1]["drafter"] == "medusa" and summaries[1][1]["tau"] >= 1.0
     assert summaries[0][0] == summaries[1][0] == summaries[2][0]  # greedy text identical to plain decoding
 
