@@ -139,6 +139,19 @@ def test_temperature_liar_is_caught_when_its_head_moves_around_the_vocabulary():
     assert audit.draws <= 200
 
 
+def test_forgotten_top_p_is_caught_by_the_tail_bins():
+    """A drafter that samples with top-p 0.99 but reports the untruncated law never puts its probability-order
+    PIT above 0.99: the 1% tail is finer than the 64 equal bins can resolve (not caught in 30,000 draws),
+    the geometric tail bins catch it (measured: ~10,700 draws on a 1,000-token vocabulary)."""
+    gen = torch.Generator().manual_seed(4)
+    u = torch.rand(20_000, len(VIEWS), generator=gen, dtype=torch.float64)
+    u[:, 1] *= 0.99
+    audit = DraftAudit()
+    with pytest.raises(DraftError, match="top-p-liar: .*probability order PIT at 20 tail bins"):
+        audit.update(u, "top-p-liar")
+    assert audit.draws < 20_000
+
+
 class TemperatureLiar(Drafter):
     """Samples its children at temperature 0.3 but reports the temperature-1 distribution."""
 
