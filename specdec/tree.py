@@ -132,7 +132,7 @@ class DraftTree:
 
     @classmethod
     def chain(cls, tokens, draft_probs: torch.Tensor | None = None, mode: DraftMode | None = None) -> "DraftTree":
-        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        tokens = _id_vector(tokens, "tokens")  # float / bool ids refused here too, not truncated
         parents = torch.arange(tokens.numel()) - 1
         if mode is None:
             mode = DraftMode.DETERMINISTIC if draft_probs is None else DraftMode.INDEPENDENT

@@ -141,6 +141,14 @@ def test_malformed_inputs_raise_one_line_draft_error(kwargs, problem):
     assert "\n" not in str(err.value)
 
 
+def test_chain_refuses_float_tokens_too():
+    with pytest.raises(DraftError, match=r"^tokens must be integer ids, got float 3.7 at node 1"):
+        DraftTree.chain([1, 3.7])
+    with pytest.raises(DraftError, match=r"^tokens must be integer ids, got a torch.float64 tensor"):
+        DraftTree.chain(torch.tensor([3.7], dtype=torch.float64))
+    assert DraftTree.chain(torch.tensor([5, 6], dtype=torch.int32)).tokens.tolist() == [5, 6]
+
+
 def test_integer_ids_of_any_form_are_kept_exactly():
     import numpy as np
 
