@@ -185,6 +185,12 @@ def generate(
     seed = check_int("seed", seed, minimum=-(2**63), maximum=2**64 - 1, optional=True)
     pad_token_id = check_int("pad_token_id", pad_token_id, minimum=-(2**63), maximum=2**63 - 1, optional=True)
     check_callable("streamer", streamer)
+    for name, flag in (("return_dict", return_dict), ("progress", progress), ("audit_drafts", audit_drafts)):
+        check_bool(name, flag)
+    if not isinstance(acceptance_rule, AcceptanceRule):
+        raise InputTypeError(f"acceptance_rule must be an AcceptanceRule, got {describe(acceptance_rule)}")
+    if engine_fault is not None and not isinstance(engine_fault, EngineFault):
+        raise InputTypeError(f"engine_fault must be an EngineFault or None, got {describe(engine_fault)}")
     options = check_options("drafter_options", drafter_options)
     sampling = SamplingConfig(check_bool("do_sample", do_sample), temperature, top_k, top_p)
     if generator is not None and not isinstance(generator, torch.Generator):
