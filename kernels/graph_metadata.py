@@ -1,4 +1,4 @@
-"""Fixed-capacity tree-attention metadata: the building block for CUDA-graph buckets (graphs not built yet).
+"""Fixed-capacity tree-attention metadata: the inputs of the CUDA-graph buckets (``specdec.cuda_graphs``).
 
 A CUDA graph replays the same launches on the same memory, so the kernel's inputs must live in
 buffers that never move. :func:`static_metadata` allocates them for a bucket (at most ``batch``

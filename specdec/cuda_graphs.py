@@ -34,11 +34,12 @@ import torch
 
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import ForwardOutput, LlamaRunner
+from specdec.tree import MAX_TREE_NODES
 
 logger = logging.getLogger(__name__)
 
 SCRATCH_SEQ_ID = -1  # the cache "sequence" owning the scratch slot; engine ids are >= 0
-MAX_TOKENS_PER_SEQ = 64  # a tree-mode query's ancestor mask is one 64-bit word in the kernel
+MAX_TOKENS_PER_SEQ = MAX_TREE_NODES  # a tree-mode query's ancestor mask is one 64-bit word in the kernel
 
 
 @dataclass(frozen=True)

@@ -77,18 +77,14 @@ def check_supported(hf_model) -> None:
 
 
 SMALL_M_MAX = 32
-# row counts that ran slower than the next one up (2-core AMD EPYC, AVX2, MKL; verify forwards of
-# the embedded model at context 1,229: 11 tokens 177 ms, 16 tokens 147 ms)
+# Row counts padded up to the next faster one: they ran slower than it on the 2-core CI machine
+# (measurements: README "Benchmarks"; issue 21 replaces these tables by a calibration on the machine at hand)
 _PAD_ROWS = {1: 2, 3: 4, 7: 8, 10: 16, 11: 16, 12: 16, 13: 16, 14: 16, 15: 16}
 # rows -> columns of the transposed product (columns past the rows are copies of row 0, dropped
 # afterwards); a row count missing from the table goes through F.linear
 _TRANSPOSED_COLS = {m: _PAD_ROWS.get(m, m) for m in range(1, SMALL_M_MAX + 1)}
 # With ONE thread (each pytest-xdist worker, or a user's set_num_threads(1)) only 2-5 rows gain from
-# the transposed product; 1 row and 6+ rows are faster through F.linear. All 211 weight products of
-# the embedded model, minimum of 7 rounds, 2026-11-23 (/tmp script, ms):
-#   rows            1     2     3     4     8    10    16    24
-#   F.linear      43.5  79.6   106  87.3  98.6   114   131   144
-#   weight @ x^T  65.2  61.1  65.6  69.5   120   158   162   203   (padded as with 2 threads)
+# the transposed product; 1 row and 6+ rows are faster through F.linear
 _TRANSPOSED_COLS_ONE_THREAD = {2: 2, 3: 4, 4: 4, 5: 5}
 
 
@@ -96,16 +92,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [m, in] @ weight[out, in]^T (+ bias).
 
     On CPU, ``F.linear`` takes slow small-GEMM paths for 2 <= m <= 32 rows, while
-    ``weight @ x^T`` with up to 32 columns reads the weight closer to GEMV speed: 2-4 tokens
-    cost ~1.05x a 1-token forward. At a 1,229-token context (same-run A/B, 2026-11-23, medians
-    of 7) a 9 / 11 / 16-token verify forward took 161 / 174 / 166 ms with ``F.linear`` above
-    8 rows and 112 / 138 / 125 ms this way, against 66 ms for 1 token.
-    A single row is padded to two: MKL's one-column GEMV runs on one thread (~14 GB/s of
-    weights on the 2-core CI machine) where the two-column GEMM uses both (~22 GB/s), which
-    made the 1-token decode forward 17% faster (54.8 -> 45.5 ms at context 600, 2026-11-23).
-    Larger m keeps ``F.linear``. Padding rows are copies of real ones and are dropped.
-    With a single torch thread the trade-off differs (``_TRANSPOSED_COLS_ONE_THREAD``): only 2-5
-    rows take the transposed product, and one row is not padded.
+    ``weight @ x^T`` with up to 32 columns reads the weight closer to GEMV speed, so a verify
+    forward of a few tokens costs about one decode step. A single row is padded to two: MKL's
+    one-column GEMV runs on one thread where the two-column GEMM uses both. Larger m keeps
+    ``F.linear``. Padding rows are copies of real ones and are dropped. With a single torch
+    thread only 2-5 rows take the transposed product (``_TRANSPOSED_COLS_ONE_THREAD``).
+    The measurements behind these choices, with their commands, are in README "Benchmarks".
     """
     m = x.shape[0]
     if x.device.type == "cpu":
