@@ -178,9 +178,12 @@ def run_acceptance(args) -> int:
     bar = tqdm(total=total, unit="tok", desc="acceptance", disable=None)
     t0 = time.perf_counter()
 
+    shown: dict[tuple[str, str], int] = {}  # new tokens of each cell already counted by the bar
+
     def progress(category, cell):
-        bar.update(max(0, cell.new_tokens - getattr(cell, "_shown", 0)))
-        cell._shown = cell.new_tokens
+        key = (cell.drafter, category)
+        bar.update(max(0, cell.new_tokens - shown.get(key, 0)))
+        shown[key] = cell.new_tokens
         bar.set_postfix(cell=f"{cell.drafter}/{category}", tau=f"{cell.tau:.2f}",
                         tok_s=f"{cell.tokens_per_second:.1f}")
 
