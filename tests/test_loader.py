@@ -89,3 +89,25 @@ def test_bad_model_specs(spec, err):
 def test_directory_without_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_model(str(tmp_path))
+
+
+def test_a_loaded_checkpoint_is_shared_while_held_and_freed_after(tmp_path):
+    """Loading the same directory twice while the first model is held gives that model back; once its last
+    user drops it, nothing in specdec keeps it alive (an lru_cache once held up to four models forever)."""
+    import gc
+    import weakref
+
+    from specdec.testing import build_tiny_model
+
+    build_tiny_model(vocab_size=32).save_pretrained(tmp_path / "tiny")
+
+    def load_twice() -> tuple[weakref.ref, bool, bool]:  # locals only: pytest keeps no assertion temporaries
+        first = load_model(str(tmp_path / "tiny"))
+        shared = load_model(str(tmp_path / "tiny")).model is first.model
+        other_device = load_model(str(tmp_path / "tiny"), device="meta").model is not first.model
+        return weakref.ref(first.model), shared, other_device
+
+    ref, shared, other_device = load_twice()
+    gc.collect()
+    assert shared and other_device
+    assert ref() is None

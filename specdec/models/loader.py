@@ -11,8 +11,8 @@ never runs remote code unless ``trust_remote_code=True`` is passed.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +51,23 @@ def _from_dir(path: Path, dtype: torch.dtype | None, trust_remote_code: bool) ->
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
-        logger.warning("no tokenizer loaded from %s (%s); token ids only", path, err)
+        logger.warning("no tokenizer loaded from %s (%s); token ids only", path, str(err))  # no traceback kept
         tokenizer = None
     return model, tokenizer
 
 
-@lru_cache(maxsize=4)
-def _load_path(spec: str, dtype: torch.dtype | None, trust_remote_code: bool) -> tuple[Any, Any, str]:
+# Models loaded from a path, shared while someone still holds them (a second load_model of the same
+# checkpoint, dtype and device costs nothing then) and freed with their last user: nothing is kept alive here.
+_MODELS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (spec, dtype, device, trust) -> model
+_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (tokenizer, name)
+
+
+def _load_path(spec: str, dtype: torch.dtype | None, device: str | torch.device | None,
+               trust_remote_code: bool) -> tuple[Any, Any, str]:
+    key = (spec, dtype, None if device is None else str(torch.device(device)), trust_remote_code)
+    model = _MODELS.get(key)
+    if model is not None:
+        return (model, *_TOKENIZERS[model])
     if spec in embedded.ALIASES:
         path = embedded.embedded_checkpoint()
         name = embedded.DEFAULT_ALIAS
@@ -76,6 +86,10 @@ def _load_path(spec: str, dtype: torch.dtype | None, trust_remote_code: bool) ->
             )
         name = p.name
     model, tokenizer = _from_dir(path, dtype, trust_remote_code)
+    if device is not None:
+        model.to(device)  # before it is shared: a later load for another device gets its own copy
+    _MODELS[key] = model
+    _TOKENIZERS[model] = (tokenizer, name)
     return model, tokenizer, name
 
 
@@ -91,12 +105,12 @@ def load_model(
         return spec
     if _is_hf_model(spec):
         model, name = spec, getattr(spec.config, "_name_or_path", type(spec).__name__)
+        if device is not None:
+            model.to(device)
     elif isinstance(spec, (str, Path)):
-        model, loaded_tok, name = _load_path(str(spec), dtype, trust_remote_code)
+        model, loaded_tok, name = _load_path(str(spec), dtype, device, trust_remote_code)
         tokenizer = tokenizer or loaded_tok
     else:
         raise TypeError(f"model must be a transformers model, a path or an alias, got {type(spec).__name__}")
-    if device is not None:
-        model.to(device)
     model.eval()
     return LoadedModel(model, tokenizer, LlamaRunner(model), name)
