@@ -108,7 +108,8 @@ def tree_args(draw):
     probs_kind = "good" if sampled else "none"
     if broken == "probs":
         probs_kind = draw(st.sampled_from(["none", "good", "negative", "nan", "inf", "unnormalised", "zero at token",
-                                           "wrong rows", "wrong vocab", "1-D", "int", "bool", "float16", "list"]))
+                                           "wrong rows", "wrong vocab", "1-D", "int", "bool", "float16", "bfloat16",
+                                           "float64", "list"]))
     probs = _probs(probs_kind, n, tokens, draw(st.integers(0, 2**31 - 1)))
     tokens_in = draw(id_vectors(n, tokens)) if broken == "tokens form" else tokens
     parents_in = draw(id_vectors(n, parents)) if broken == "parents form" else parents
@@ -142,8 +143,8 @@ def _probs(kind: str, n: int, tokens: list[int], seed: int):
         probs = (probs > 0.5).long()
     elif kind == "bool":
         probs = probs > 0.5
-    elif kind == "float16":
-        probs = probs.half()
+    elif kind in ("float16", "bfloat16", "float64"):
+        probs = probs.to(getattr(torch, kind))
     elif kind == "list":
         probs = probs.tolist()
     return probs
