@@ -71,7 +71,8 @@ def test_pit_is_exactly_uniform_given_the_past():
 
 @pytest.mark.parametrize("mode", [DraftMode.INDEPENDENT, DraftMode.WITHOUT_REPLACEMENT])
 def test_transform_on_the_trees_device_matches_a_float64_reference(device, mode):
-    """The PIT is computed where draft_probs live (float32 there, float64 sums); compare with a plain float64 loop."""
+    """The PIT is computed where draft_probs live, in their float32; compare with a plain float64 loop (the rounding,
+    ~1e-7, is far below the audit's finest bin, 1/64)."""
     gen = torch.Generator().manual_seed(6)
     probs = torch.softmax(torch.randn(5, 300, generator=gen) * 3, -1)
     probs[:, :40] = probs[:, :40].mean(-1, keepdim=True)  # ties in the probability order
@@ -89,8 +90,8 @@ def test_transform_on_the_trees_device_matches_a_float64_reference(device, mode)
         q /= q.sum()
         want_lo = [float(q[:x].sum()), float(q[q > q[x]].sum())]
         want_width = [float(q[x]), float(q[q == q[x]].sum())]
-        torch.testing.assert_close(lo[i], torch.tensor(want_lo, dtype=torch.float64), rtol=0, atol=1e-7)
-        torch.testing.assert_close(width[i], torch.tensor(want_width, dtype=torch.float64), rtol=0, atol=1e-7)
+        torch.testing.assert_close(lo[i], torch.tensor(want_lo, dtype=torch.float64), rtol=0, atol=1e-6)
+        torch.testing.assert_close(width[i], torch.tensor(want_width, dtype=torch.float64), rtol=0, atol=1e-6)
 
 
 def test_false_alarm_rate_is_bounded_over_the_whole_run():
