@@ -18,8 +18,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from specdec.eval.negative_controls import generate_with_control
 
-from specdec.generate import EngineFault, generate
+from specdec.engine_setup import EngineFault
+from specdec.generate import generate
 from specdec.rejection import EXACT, AcceptanceRule
 
 NEAR_TIE = 1e-3  # absolute logit gap (float32 logits of order 10 carry ~1e-5 of rounding noise)
@@ -72,15 +74,15 @@ def greedy_identity(loaded: Any, prompts: list[list[int]], drafter: Any, drafter
                     near_tie: float = NEAR_TIE, plain: list[list[int]] | None = None,
                     fault: EngineFault | None = None) -> IdentityResult:
     """``plain``: plain greedy output for ``prompts`` if already computed (prompt + new tokens)."""
-    spec_kw = dict(max_new_tokens=max_new_tokens, drafter=drafter, drafter_options=drafter_options,
-                   acceptance_rule=rule, engine_fault=fault, return_dict=True)
+    spec_kw = dict(rule=rule, fault=fault, max_new_tokens=max_new_tokens, drafter=drafter,
+                   drafter_options=drafter_options, return_dict=True)
     if plain is None:
         plain = generate(loaded, prompts, max_new_tokens=max_new_tokens)
     if batched:
-        out = generate(loaded, prompts, **spec_kw)
+        out = generate_with_control(loaded, prompts, **spec_kw)
         spec, tau = out.sequences, out.tau
     else:
-        outs = [generate(loaded, [p], **spec_kw) for p in prompts]
+        outs = [generate_with_control(loaded, [p], **spec_kw) for p in prompts]
         spec = [o.sequences[0] for o in outs]
         tau = sum(o.total_new_tokens for o in outs) / max(1, sum(s.steps for o in outs for s in o.stats))
     divergences = []

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from scipy import stats
+from specdec.eval.negative_controls import generate_with_control
 from specdec.eval.two_sample import two_sample_chi2
 
 from specdec.generate import generate
@@ -45,8 +46,8 @@ def sampled_two_sample(loaded: Any, prompt: list[int], drafter: Any, options: di
     common = dict(max_new_tokens=k, do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,
                   top_p=sampling.top_p, return_dict=True)
     plain = generate(loaded, [prompt] * n, seed=seeds[0], **common)
-    spec = generate(loaded, [prompt] * n, seed=seeds[1], drafter=drafter, drafter_options=options,
-                    acceptance_rule=rule, **common)
+    spec = generate_with_control(loaded, [prompt] * n, rule, seed=seeds[1], drafter=drafter, drafter_options=options,
+                                 **common)
     a = [tuple(t[:k]) for t in plain.new_tokens]
     b = [tuple(t[:k]) for t in spec.new_tokens]
     chi2_p, power = two_sample_chi2(a, b, tv=sizes.e2e_tv, alpha=sizes.alpha)

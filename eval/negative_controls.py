@@ -4,12 +4,14 @@ A certificate that cannot fail certifies nothing, so each check is also run with
 controls and must fail. Two kinds:
 
 - broken acceptance RULES, by name: ``BROKEN_RULES["always_accept"]``; pass as ``rule=`` to
-  :func:`specdec.rejection.rejection_sample` or :func:`specdec.eval.exact_law.emitted_law`,
-  or as ``acceptance_rule=`` to :func:`specdec.generate.generate`;
+  :func:`specdec.rejection.rejection_sample`, :func:`specdec.eval.exact_law.emitted_law` or
+  :func:`generate_with_control`;
 - broken ENGINES (the tree mask, the KV compaction), by name:
-  ``ENGINE_FAULTS["off_by_one_tree_mask"]``; pass as ``engine_fault=`` to
-  :func:`specdec.generate.generate`. Only the end-to-end level can see these, and only on
-  steps that accept a draft.
+  ``ENGINE_FAULTS["off_by_one_tree_mask"]``; pass as ``fault=`` to :func:`generate_with_control`.
+  Only the end-to-end level can see these, and only on steps that accept a draft.
+
+``generate_with_control`` is generate() with the control injected where the engine is built
+(:func:`specdec.engine_setup.build_engine`): ``specdec.generate()`` itself has no way to switch one on.
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ import torch
 
 from specdec.attention import AttentionPlan, SeqAttention
 from specdec.engine import Engine, SequenceState, VerifyBatch
-from specdec.generate import EngineFault
+from specdec.engine_setup import EngineFault, build_engine
+from specdec.generate import prepare, run
 from specdec.kv_cache import PagedKVCache
-from specdec.rejection import AcceptanceRule
+from specdec.rejection import EXACT, AcceptanceRule
 from specdec.tree import DraftTree
 
 
@@ -142,3 +145,11 @@ ENGINE_FAULTS: dict[str, EngineFault] = {
     for f in (EngineFault("off_by_one_tree_mask", engine_cls=OffByOneTreeMaskEngine),
               EngineFault("wrong_compaction_slot", cache_cls=WrongCompactionSlotCache))
 }
+
+
+def generate_with_control(model, input_ids, rule: AcceptanceRule = EXACT, fault: EngineFault | None = None,
+                          **generate_kwargs):
+    """``specdec.generate(model, input_ids, **generate_kwargs)`` with a broken ``rule`` or ``fault`` built into its
+    engine: deliberately WRONG output, for the certificate's negative controls (EXACT and None: the real thing)."""
+    request = prepare(model, input_ids, **generate_kwargs)
+    return run(build_engine(request, rule, fault), request)

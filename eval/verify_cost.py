@@ -14,7 +14,7 @@ import torch
 from specdec.drafters.base import Drafter
 
 from specdec.engine import Engine
-from specdec.kv_cache import CacheConfig, PagedKVCache
+from specdec.kv_cache import CacheConfig, PagedKVCache, blocks_for
 from specdec.sampling import SamplingConfig
 from specdec.stopping import StopCriteria
 from specdec.tree import DraftTree
@@ -60,7 +60,7 @@ def measure_verify_costs(loaded: Any, prompts: Sequence[Sequence[int]], query_to
         ctx = [p[i % len(p)] for i in range(want)][-room:]
         contexts.append(ctx)
     block = CacheConfig().block_size
-    blocks = sum(-(-(len(c) + growth + 2) // block) for c in contexts)
+    blocks = sum(blocks_for(len(c) + growth + 2, block) for c in contexts)
     cache = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block, runner.dtype,
                          runner.device, runner.backend)
     drafter = _ChainDrafter()

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.errors import InputError
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import ForwardOutput, LlamaRunner
 from specdec.tree import MAX_TREE_NODES
@@ -124,6 +125,20 @@ class GraphedForward:
         """Free every sequence in the cache except the scratch slot's (before a new generation)."""
         for seq_id in [i for i in self.cache.lengths if i != SCRATCH_SEQ_ID]:
             self.cache.free(seq_id)
+
+    def cache_for(self, runner: LlamaRunner, block_size: int, blocks_needed: int) -> PagedKVCache:
+        """This object's KV cache for a new generation by ``runner``, emptied of any earlier call's sequences
+        (left over only if that call raised mid-generation); a one-line InputError if it cannot serve it."""
+        if self.runner.hf_model is not runner.hf_model:
+            raise InputError("cuda_graphs: this GraphedForward was built for another model")
+        if self.cache.block_size != block_size:
+            raise InputError(f"block_size={block_size}, but the GraphedForward's cache uses {self.cache.block_size}")
+        self.release_sequences()
+        if blocks_needed > self.cache.num_free_blocks:
+            raise InputError(f"this request may need {blocks_needed} KV blocks of {block_size} tokens; the "
+                             f"GraphedForward's cache has {self.cache.num_free_blocks}: build it with a larger "
+                             "max_tokens")
+        return self.cache
 
     def bucket_for(self, num_seqs: int, max_new: int) -> tuple[int, int] | None:
         """The smallest (batch, tokens_per_seq) bucket holding the step, None if none does."""

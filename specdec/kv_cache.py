@@ -29,6 +29,11 @@ from specdec.errors import SpecdecError
 from specdec.kernels.dispatch import Backend, resolve_backend
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks of ``block_size`` tokens that hold ``num_tokens`` tokens (ceil division)."""
+    return -(-num_tokens // block_size)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -85,7 +90,7 @@ class PagedKVCache:
         del self.lengths[seq_id]
 
     def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def reserve(self, seq_id: int, num_new: int) -> None:
         """Make positions [length, length + num_new) of seq_id writable."""

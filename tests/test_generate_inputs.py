@@ -173,8 +173,11 @@ def test_ragged_lists_take_a_ragged_mask():
     (dict(return_dict=1), InputTypeError, r"return_dict must be True or False, got int 1"),
     (dict(progress="yes"), InputTypeError, r"progress must be True or False"),
     (dict(audit_drafts=None), InputTypeError, r"audit_drafts must be True or False"),
-    (dict(acceptance_rule="exact"), InputTypeError, r"acceptance_rule must be an AcceptanceRule"),
-    (dict(engine_fault="wrong_slot"), InputTypeError, r"engine_fault must be an EngineFault"),
+    # the negative controls are not generate() arguments (eval.negative_controls.generate_with_control injects them)
+    (dict(acceptance_rule="exact"), InputTypeError, r"unknown generation argument acceptance_rule; known: "),
+    (dict(engine_fault="wrong_slot"), InputTypeError, r"unknown generation argument engine_fault"),
+    (dict(max_new_token=3), InputTypeError, r"unknown generation argument max_new_token; known: .*max_new_tokens"),
+    (dict(generation_config={"max_new_tokens": 3}), InputTypeError, r"generation_config must be a specdec "),
     (dict(drafter="no-such-drafter"), InputError, r"unknown drafter 'no-such-drafter'; available: .*ngram"),
     (dict(drafter=5), InputTypeError, r"drafter must be None, a name or a Drafter"),
     (dict(drafter="ngram", drafter_options={"bogus": 1}), InputError, r"ngram drafter: unknown option.*bogus"),
@@ -381,3 +384,28 @@ def test_padded_tensor_with_mask_equals_ragged_lists(prompts, left):
                          for p, q in zip(prompts, pad)])
     want = _gen(prompts, return_dict=True).new_tokens
     assert _gen(ids, attention_mask=mask, return_dict=True).new_tokens == want
+
+
+def test_generation_config_is_the_default_and_keyword_arguments_win():
+    from specdec.generation_config import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=2, do_sample=True, seed=3)
+    from_config = specdec.generate(_model(), [[1, 2, 3]], generation_config=config)
+    assert len(from_config[0]) == 5 and from_config == _gen(max_new_tokens=2, do_sample=True, seed=3)
+    assert _gen(generation_config=config, max_new_tokens=4) == _gen(max_new_tokens=4, do_sample=True, seed=3)
+    assert config.update(top_k=5).top_k == 5 and config.top_k == 0  # frozen: update() returns a copy
+    with pytest.raises(InputError, match="temperature must be > 0"):
+        GenerationConfig(do_sample=True, temperature=0)
+
+
+def test_negative_controls_enter_only_where_the_engine_is_built():
+    from specdec.eval.negative_controls import BROKEN_RULES, generate_with_control
+
+    from specdec.rejection import EXACT
+
+    with pytest.raises(InputTypeError, match="rule must be an AcceptanceRule"):
+        generate_with_control(_model(), [[1, 2]], "exact", max_new_tokens=2)
+    with pytest.raises(InputTypeError, match="fault must be an EngineFault"):
+        generate_with_control(_model(), [[1, 2]], EXACT, "wrong_slot", max_new_tokens=2)
+    assert generate_with_control(_model(), [[1, 2, 3]], EXACT, max_new_tokens=3) == _gen(max_new_tokens=3)
+    assert "always_accept" in BROKEN_RULES

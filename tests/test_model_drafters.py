@@ -8,6 +8,7 @@ import torch
 from specdec.drafters.draft_model import DraftModelDrafter, VocabularyMismatchError
 from specdec.drafters.model_drafter import DraftConfig
 from specdec.drafters.self_draft import SelfDraftDrafter
+from specdec.eval.negative_controls import generate_with_control
 from specdec.eval.two_sample import two_sample_chi2
 
 import specdec
@@ -106,9 +107,8 @@ N = 6000
 
 
 def _first_tokens(model, drafter, seed, rule=EXACT):
-    out = specdec.generate(model, [[1, 2, 3, 1, 2, 3, 1, 2]] * N, max_new_tokens=3, drafter=drafter,
-                           do_sample=True, seed=seed, temperature=0.9, top_k=3, return_dict=True,
-                           acceptance_rule=rule)
+    out = generate_with_control(model, [[1, 2, 3, 1, 2, 3, 1, 2]] * N, rule, max_new_tokens=3, drafter=drafter,
+                                do_sample=True, seed=seed, temperature=0.9, top_k=3, return_dict=True)
     return [tuple(t[:3]) for t in out.new_tokens]
 
 

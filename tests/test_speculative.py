@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from specdec.drafters.base import Drafter
+from specdec.eval.negative_controls import generate_with_control
 from specdec.eval.two_sample import two_sample_chi2
 
 import specdec
@@ -132,9 +133,8 @@ def test_stop_string_inside_an_accepted_run_is_honoured():
 
 
 def _first_tokens(model, drafter, n, prompt, k=3, seed=0, temperature=1.0, top_k=0, top_p=1.0, rule=EXACT):
-    out = specdec.generate(model, [prompt] * n, max_new_tokens=k, drafter=drafter, do_sample=True, seed=seed,
-                           temperature=temperature, top_k=top_k, top_p=top_p, return_dict=True,
-                           acceptance_rule=rule)
+    out = generate_with_control(model, [prompt] * n, rule, max_new_tokens=k, drafter=drafter, do_sample=True,
+                                seed=seed, temperature=temperature, top_k=top_k, top_p=top_p, return_dict=True)
     return [tuple(t[:k]) for t in out.new_tokens]
 
 

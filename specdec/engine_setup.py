@@ -1,0 +1,99 @@
+"""Building the :class:`~specdec.engine.Engine` for one generate() request.
+
+    request = prepare(model, input_ids, drafter="ngram", max_new_tokens=64)   # specdec.generate
+    engine = build_engine(request)                                             # here
+    out = run(engine, request)                                                 # specdec.generate
+
+What is decided here: the KV cache's size (the request's worst case, checked against the
+device's memory before anything is allocated) or a reused CUDA-graph cache, the drafter's seed,
+the sampling generator, and the draft audit. The certificate's negative controls
+(:mod:`specdec.eval.negative_controls`) enter here too, and only here: a broken acceptance rule
+(``rule=``) or a broken engine / cache (``fault=``), so that real callers of ``generate()`` cannot
+switch them on by accident.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdec.audit import DraftAudit
+from specdec.cuda_graphs import GraphConfig, GraphedForward
+from specdec.engine import Engine
+from specdec.errors import InputError, InputTypeError
+from specdec.generate_inputs import check_cache_fits, describe
+from specdec.kv_cache import PagedKVCache, blocks_for
+from specdec.rejection import EXACT, AcceptanceRule
+from specdec.tree import MAX_TREE_NODES
+
+if TYPE_CHECKING:
+    from specdec.generate import GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineFault:
+    """Negative controls only (see :mod:`specdec.eval.negative_controls`): deliberately broken
+    :class:`Engine` / :class:`PagedKVCache` subclasses that ``build_engine(fault=...)`` builds
+    instead of the real ones, so the certificate can check that it catches them. Its output is
+    wrong by design; never use one to get real output."""
+
+    name: str
+    engine_cls: type[Engine] = Engine
+    cache_cls: type[PagedKVCache] = PagedKVCache
+
+
+def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault: EngineFault | None = None
+                 ) -> Engine:
+    """The engine for ``request``: the real one unless a negative control passes ``rule`` / ``fault``."""
+    if not isinstance(rule, AcceptanceRule):
+        raise InputTypeError(f"rule must be an AcceptanceRule, got {describe(rule)}")
+    if fault is not None and not isinstance(fault, EngineFault):
+        raise InputTypeError(f"fault must be an EngineFault or None, got {describe(fault)}")
+    if rule is not EXACT:
+        logger.warning("acceptance rule %r is not the exact one: the output is NOT the target's distribution",
+                       rule.name)
+    if fault is not None:
+        logger.warning("engine fault %r injected: the output is deliberately WRONG (negative control)", fault.name)
+    runner, config = request.loaded.runner, request.config
+    cache, graphed = _kv_cache(request, fault)
+    drafter, generator = request.drafter, request.generator
+    if drafter is not None:  # before Engine() attaches it
+        drafter_seed = config.seed
+        if generator is not None and config.do_sample:
+            drafter_seed = int(torch.randint(2**62, (), generator=generator, device=generator.device))
+        drafter.seed_from_generate(drafter_seed)
+    if generator is None and config.seed is not None:
+        generator = torch.Generator(device=runner.device).manual_seed(config.seed)  # on the logits' device
+    audit = DraftAudit() if config.audit_drafts and drafter is not None and config.do_sample else None
+    engine_cls = Engine if fault is None else fault.engine_cls
+    return engine_cls(runner, cache, config.sampling, request.stop, drafter, generator, audit, rule, graphed)
+
+
+def _kv_cache(request: "GenerateRequest", fault: EngineFault | None) -> tuple[PagedKVCache, GraphedForward | None]:
+    runner, config = request.loaded.runner, request.config
+    shape, block_size = runner.shape, config.block_size
+    tree_budget = MAX_TREE_NODES if request.drafter is not None else 0
+    # worst case of this request: no sequence can run out
+    needed = sum(blocks_for(len(p) + config.max_new_tokens + tree_budget + 1, block_size) for p in request.prompts)
+    if isinstance(request.cuda_graphs, GraphedForward):  # its own cache and graphs, reused call after call
+        return _graphed_cache(request.cuda_graphs, request, needed, fault), request.cuda_graphs
+    blocks = needed if config.num_blocks is None else config.num_blocks
+    blocks += int(request.cuda_graphs)  # the graphs' scratch slot holds one block
+    check_cache_fits(shape, blocks, block_size, runner.dtype, runner.device, explicit=config.num_blocks is not None)
+    cache_cls = PagedKVCache if fault is None else fault.cache_cls
+    cache = cache_cls(shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block_size, runner.dtype,
+                      runner.device, runner.backend)  # one backend per engine: the runner's
+    graphed = GraphedForward(runner, cache, GraphConfig(capture=cache.kv.is_cuda)) if request.cuda_graphs else None
+    return cache, graphed
+
+
+def _graphed_cache(graphed: GraphedForward, request: "GenerateRequest", blocks_needed: int,
+                   fault: EngineFault | None) -> PagedKVCache:
+    if fault is not None or request.config.num_blocks is not None:
+        raise InputError("cuda_graphs=GraphedForward(...) brings its own KV cache: num_blocks and engine faults "
+                         "cannot be combined with it")
+    return graphed.cache_for(request.loaded.runner, request.config.block_size, blocks_needed)

@@ -1,0 +1,72 @@
+"""``GenerationConfig``: what to generate, in transformers' words, frozen and checked once.
+
+    config = GenerationConfig(max_new_tokens=64, do_sample=True, temperature=0.7, seed=0)
+    config = config.update(top_p=0.9)                    # a new config; unknown names are an InputTypeError
+    specdec.generate(model, ids, generation_config=config, max_new_tokens=32)   # kwargs win
+
+Every field is checked in ``__post_init__`` (one-line ``InputError`` / ``InputTypeError``
+naming it). Checks that need the model (token ids inside the vocabulary, prompt + max_new_tokens
+within the context) happen when the model is known, in :func:`specdec.generate.prepare`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any
+
+from specdec.errors import InputTypeError
+from specdec.generate_inputs import check_bool, check_int, parse_stop
+from specdec.sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    do_sample: bool = False  # False: greedy decoding (the target's own argmax tokens)
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0  # 1.0 = disabled
+    seed: int | None = None  # seeds sampling and sampled drafts; None = torch's global RNG
+    eos_token_id: Any = None  # int, list of ints, 0-D / 1-D integer tensor; None = the model's own
+    stop: Any = None  # a string, or a list of strings (need the tokenizer) and / or token-id sequences
+    pad_token_id: int | None = None  # fills a tensor result; None = the model's, else the smallest EOS id, else 0
+    block_size: int = 16  # KV cache block size in tokens
+    num_blocks: int | None = None  # KV cache size; None = enough for every prompt + max_new_tokens + a draft tree
+    audit_drafts: bool = True  # statistical audit of sampled drafts (specdec.audit)
+
+    def __post_init__(self) -> None:
+        ints = {  # numpy / 0-D tensor ints are stored as Python ints
+            "max_new_tokens": check_int("max_new_tokens", self.max_new_tokens, minimum=1),
+            "block_size": check_int("block_size", self.block_size, minimum=1),
+            "num_blocks": check_int("num_blocks", self.num_blocks, minimum=1, optional=True),
+            "seed": check_int("seed", self.seed, minimum=-(2**63), maximum=2**64 - 1, optional=True),
+            "pad_token_id": check_int("pad_token_id", self.pad_token_id, minimum=-(2**63), maximum=2**63 - 1,
+                                      optional=True),
+        }
+        for name, value in ints.items():
+            object.__setattr__(self, name, value)
+        check_bool("audit_drafts", self.audit_drafts)
+        self.sampling  # noqa: B018 -- do_sample / temperature / top_k / top_p checked by SamplingConfig
+        parse_stop(self.stop)
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.do_sample, self.temperature, self.top_k, self.top_p)
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return parse_stop(self.stop)[0]
+
+    @property
+    def stop_sequences(self) -> tuple[tuple[int, ...], ...]:
+        return parse_stop(self.stop)[1]
+
+    def update(self, **changes: Any) -> "GenerationConfig":
+        """A copy with ``changes`` applied; a name that is not a field is an InputTypeError naming it."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            plural = "s" if len(unknown) > 1 else ""
+            raise InputTypeError(f"unknown generation argument{plural} {', '.join(unknown)}; "
+                                 f"known: {', '.join(sorted(known))}")
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,81 @@
+"""What generate() returns: the sequences as transformers returns them, and per-sequence stats.
+
+    out = specdec.generate(model, ids, drafter="ngram", return_dict=True)
+    out.sequences, out.new_tokens, out.stats[0].tau, out.stats[0].acceptance_per_depth
+
+:func:`pack_output` turns the engine's finished :class:`~specdec.engine.SequenceState` list into
+these: prompt + new tokens, as a tensor padded with ``pad_token_id`` when a tensor came in, else
+as lists.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specdec.engine import Engine, SequenceState
+
+
+@dataclass(frozen=True)
+class SequenceStats:
+    prompt_tokens: int
+    new_tokens: int
+    steps: int  # target forward passes after prefill
+    tau: float  # new tokens per step (mean accepted length + 1)
+    seconds: float  # wall time from the start of generate() to this sequence's end
+    tokens_per_second: float
+    finish_reason: str
+    acceptance_per_depth: tuple[float, ...]  # P(node at depth d accepted | parent accepted)
+    depth_tried: tuple[int, ...] = ()  # per depth d+1: steps whose node at depth d had its parent accepted
+    depth_accepted: tuple[int, ...] = ()  # per depth d+1: steps that accepted a node at depth d+1
+    step_lengths: tuple[int, ...] = ()  # tokens committed by each step (accepted length + 1, cut at stops)
+
+    @classmethod
+    def of(cls, s: SequenceState, start: float) -> "SequenceStats":
+        seconds = (s.finished_at or time.perf_counter()) - start
+        acc = tuple(a / t if t else 0.0 for a, t in zip(s.depth_accepted, s.depth_tried))
+        n = len(s.new_tokens)
+        return cls(s.num_prompt, n, s.steps, s.tau, seconds, n / seconds if seconds else 0.0, s.finish_reason or "",
+                   acc, tuple(s.depth_tried), tuple(s.depth_accepted), tuple(s.step_lengths))
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    sequences: Any  # like transformers: prompt + new tokens (tensor or list of lists)
+    new_tokens: list[list[int]]
+    stats: list[SequenceStats]
+    seconds: float
+    prefill_seconds: float
+    forward_passes: int
+    draft_seconds: float = 0.0  # time in drafter.propose (all steps)
+    verify_seconds: float = 0.0  # time in verification, sampling and commit (all steps)
+
+    @property
+    def total_new_tokens(self) -> int:
+        return sum(len(t) for t in self.new_tokens)
+
+    @property
+    def tau(self) -> float:
+        steps = sum(s.steps for s in self.stats)
+        return sum(s.new_tokens for s in self.stats) / steps if steps else 0.0
+
+
+def pad_sequences(full: list[list[int]], pad_token_id: int) -> torch.Tensor:  # [batch, longest]
+    sequences = torch.full((len(full), max(len(t) for t in full)), pad_token_id, dtype=torch.long)
+    for i, t in enumerate(full):
+        sequences[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+    return sequences
+
+
+def pack_output(engine: Engine, seqs: list[SequenceState], pad_token_id: int | None, return_dict: bool,
+                start: float, prefill_seconds: float) -> Any:
+    """``pad_token_id`` None: lists (list input); else a padded tensor (tensor input)."""
+    full = [s.tokens for s in seqs]
+    sequences = full if pad_token_id is None else pad_sequences(full, pad_token_id)
+    if not return_dict:
+        return sequences
+    return GenerateOutput(sequences, [s.new_tokens for s in seqs], [SequenceStats.of(s, start) for s in seqs],
+                          time.perf_counter() - start, prefill_seconds, engine.forward_passes,
+                          engine.seconds["draft"], engine.seconds["verify"])
