@@ -288,6 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    from transformers.utils import logging as hf_logging
+
+    hf_bars = hf_logging.is_progress_bar_enabled()
+    if not args.verbose:  # transformers' own bars (loading weights, GGUF tensors) are -v detail, not output
+        hf_logging.disable_progress_bar()
     try:
         return args.func(args)
     except USER_ERRORS as err:
@@ -306,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         _flush_stdout()
         print(f"specdec {args.command}: interrupted", file=sys.stderr)
         return 130  # 128 + SIGINT
+    finally:
+        if hf_bars:
+            hf_logging.enable_progress_bar()
 
 
 def _flush_stdout() -> None:
