@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView
 
-from specdec.attention import AttentionPlan, SeqAttention
+from specdec.attention import BatchBuilder
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaRunner
 from specdec.sampling import logits_to_probs
@@ -167,13 +167,11 @@ class ModelDrafter(Drafter):
                 trees[v.seq_id] = tree
         return [trees[v.seq_id] for v in seqs]
 
-    def _forward(self, tokens, positions, plans, write_slots) -> torch.Tensor:
+    def _forward(self, builder: BatchBuilder) -> torch.Tensor:  # [rows, vocab] logits of every new token
         self.draft_forwards += 1
-        device = self.runner.device
-        plan = AttentionPlan(tuple(plans), torch.cat(write_slots))
-        token_ids = torch.tensor(tokens, device=device)
-        rows = torch.arange(len(tokens), device=device)
-        return self.runner.forward(token_ids, torch.tensor(positions, device=device), plan, self.cache, rows).logits
+        batch = builder.build()
+        rows = torch.arange(batch.token_ids.numel(), device=batch.token_ids.device)
+        return self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache, rows).logits
 
     def _catch_up(self, live: list[SequenceView]) -> torch.Tensor:  # [B, vocab] logits at each root
         cache = self.cache
@@ -184,18 +182,14 @@ class ModelDrafter(Drafter):
                 cache.free(v.seq_id)
                 cache.add(v.seq_id)
         cache.reserve_many({v.seq_id: len(v.token_ids) - cache.lengths[v.seq_id] for v in live})
-        tokens, positions, plans, write_slots, last_rows = [], [], [], [], []
-        for v in live:
+        builder = BatchBuilder(cache, self.runner.device)
+        last_rows = []
+        for v in live:  # a causal run over the tokens the draft model has not seen yet
             cached = cache.lengths[v.seq_id]
-            new = list(v.token_ids[cached:])
-            key_slots = cache.slots(v.seq_id, 0, len(v.token_ids))
-            mask = torch.ones(len(new), len(new), dtype=torch.bool).tril() if len(new) > 1 else None
-            plans.append(AttentionPlan.build(cached, key_slots, mask, len(tokens)))
-            write_slots.append(key_slots[cached:])
-            tokens += new
-            positions += list(range(cached, len(v.token_ids)))
-            last_rows.append(len(tokens) - 1)
-        logits = self._forward(tokens, positions, plans, write_slots)
+            rows = builder.add(v.seq_id, v.token_ids[cached:], range(cached, len(v.token_ids)),
+                               num_keys=len(v.token_ids), num_visible=cached)
+            last_rows.append(rows[-1])
+        logits = self._forward(builder)
         cache.commit({v.seq_id: range(len(v.token_ids) - cache.lengths[v.seq_id]) for v in live})
         return logits[torch.tensor(last_rows, device=logits.device)]
 
@@ -207,15 +201,11 @@ class ModelDrafter(Drafter):
                 raise RuntimeError(f"{self.name}: the target's cache does not hold tokens[:-1] of sequence "
                                    f"{v.seq_id} (engine invariant broken)")
         cache.reserve_many({v.seq_id: 1 for v in live})
-        tokens, positions, plans, write_slots = [], [], [], []
-        for b, v in enumerate(live):
+        builder = BatchBuilder(cache, self.runner.device)
+        for v in live:
             root = len(v.token_ids) - 1
-            key_slots = cache.slots(v.seq_id, 0, root + 1)
-            plans.append(AttentionPlan.build(root, key_slots, None, b))
-            write_slots.append(key_slots[root:])
-            tokens.append(v.token_ids[-1])
-            positions.append(root)
-        return self._forward(tokens, positions, plans, write_slots)
+            builder.add(v.seq_id, [v.token_ids[-1]], [root], num_keys=root + 1, num_visible=root)
+        return self._forward(builder)
 
     def _grow(self, live: list[SequenceView], root_logits: torch.Tensor) -> list[DraftTree]:
         cfg, cache = self.config, self.cache
@@ -267,27 +257,23 @@ class ModelDrafter(Drafter):
         # node i lives at position len(tokens) + i: right after the root (committed, or scratch when shared)
         cache.reserve_many({v.seq_id: len(v.token_ids) + len(nodes[b]) - cache.lengths[v.seq_id]
                             for b, v in enumerate(live) if new_per_seq[b]})
-        tokens, positions, plans, write_slots = [], [], [], []
+        builder = BatchBuilder(cache, self.runner.device)
         for b, v in enumerate(live):
             new = new_per_seq[b]
             if not new:
                 continue
             committed = len(v.token_ids)  # keys every node sees: the committed prefix and the root
-            key_slots = cache.slots(v.seq_id, 0, committed + new[-1] + 1)  # committed + every node so far
-            mask = torch.zeros(len(new), committed + new[-1] + 1, dtype=torch.bool)
-            mask[:, :committed] = True
-            for j, i in enumerate(new):  # a node sees itself and its ancestors among the scratch nodes
+            bits = []  # over the scratch nodes 0 .. new[-1]: a node sees itself and its ancestors among them
+            for i in new:
+                word = 0
                 while i != -1:
-                    mask[j, committed + i] = True
+                    word |= 1 << i
                     i = nodes[b][i].parent
-            first = committed + new[0]
-            # the committed keys are visible to all: the kernel's unmasked prefix, the nodes its ancestor bits
-            plans.append(SeqAttention(len(tokens), len(new), key_slots, mask.to(key_slots.device), False,
-                                      visible_prefix=committed))
-            write_slots.append(key_slots[first:])
-            tokens += [nodes[b][i].token for i in new]
-            positions += [len(v.token_ids) - 1 + depth] * len(new)
-        return self._forward(tokens, positions, plans, write_slots)
+                bits.append(word - (1 << 64) if word >= 1 << 63 else word)  # as int64 (bit 63 is the sign)
+            builder.add(v.seq_id, [nodes[b][i].token for i in new], [committed - 1 + depth] * len(new),
+                        num_keys=committed + new[-1] + 1, num_visible=committed,
+                        ancestor_bits=torch.tensor(bits, dtype=torch.long))
+        return self._forward(builder)
 
     def _tree(self, nodes: list[_Node]) -> DraftTree:
         if not nodes:

@@ -90,22 +90,18 @@ BROKEN_RULES: dict[str, AcceptanceRule] = {
 
 # ---- engine faults ----------------------------------------------------------------------
 def _sees_next(s: SeqAttention) -> SeqAttention:
-    """The same sequence's attention with the new-token mask's diagonal off by one.
+    """The same sequence's attention with the verify block's diagonal off by one.
 
-    Rows / columns of the new-token block: 0 = root, 1 + i = tree node i. Row r also sees
-    column r + 1, as ``tril(diagonal=1)`` instead of ``tril()`` would for a chain: the root
-    sees its first child, a node its first child (chain) or its next sibling / another branch.
+    Rows of the verify block: 0 = root, 1 + i = tree node i; the nodes are the masked keys (bit i =
+    node i), the root is in the visible prefix. Row r also sees node r, as ``tril(diagonal=1)``
+    instead of ``tril()`` would for a chain: the root sees its first child, a node its first child
+    (chain) or its next sibling / another branch.
     """
-    if s.num_new == 1:  # empty tree: nothing after the root
+    if s.ancestor_bits is None:  # empty tree: nothing after the root
         return s
-    num_cached = s.key_slots.numel() - s.num_new
-    if s.mask is None:  # a chain with no cached prefix (1-token prompt) was built as plain causal
-        new_mask = torch.ones(s.num_new, s.num_new, dtype=torch.bool, device=s.key_slots.device).tril()
-    else:
-        new_mask = s.mask[:, num_cached:].clone()  # [num_new, num_new]
-    rows = torch.arange(s.num_new - 1)
-    new_mask[rows, rows + 1] = True
-    return AttentionPlan.build(num_cached, s.key_slots, new_mask, s.query_start)
+    rows = torch.arange(s.num_new, device=s.ancestor_bits.device)
+    peek = torch.where(rows < s.num_masked, torch.ones_like(rows) << rows.clamp(max=s.num_masked - 1), 0)
+    return dataclasses.replace(s, ancestor_bits=s.ancestor_bits | peek)
 
 
 class OffByOneTreeMaskEngine(Engine):

@@ -65,7 +65,7 @@ def random_case(
     shuffle: bool = True,
     spare_blocks: int = 3,
 ) -> PagedCase:
-    from specdec.attention import AttentionPlan
+    from specdec.attention import AttentionPlan, SeqAttention
     from specdec.kv_cache import blocks_for
 
     gen = torch.Generator().manual_seed(seed)
@@ -81,8 +81,12 @@ def random_case(
         tables.append(table)
         pos = torch.arange(c + n)
         slots = torch.tensor(table)[pos // page_size] * page_size + pos % page_size
-        new_mask = None if n == 1 else (torch.ones(n, n, dtype=torch.bool).tril() if isinstance(m, int) else m)
-        seqs.append(AttentionPlan.build(c, slots.to(device), new_mask, start))
+        if isinstance(m, int):  # a causal run after the cached keys
+            seqs.append(SeqAttention(start, n, slots.to(device), c))
+        else:  # root + tree: the root joins the visible prefix, the nodes go by their ancestor bits
+            weights = torch.ones(n - 1, dtype=torch.long) << torch.arange(n - 1)
+            bits = (m[:, 1:].long() * weights).sum(-1)
+            seqs.append(SeqAttention(start, n, slots.to(device), c + 1, bits.to(device)))
         start += n
     shape = (num_blocks * page_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(device, dtype)

@@ -203,22 +203,6 @@ def _mask_bits(mask: torch.Tensor, seq: int, known_lead: int = 0) -> tuple[int, 
     return lead, 1, (mask[:, lead:].long() * weights[: m - lead]).sum(-1)
 
 
-def _visible_prefix(s, seq: int) -> int:
-    """Leading key columns of ``s.mask`` the plan declares visible to every query (0 if it does not say).
-
-    Trusted without a device sync; checked against the mask when the mask is on the CPU (free there)."""
-    v = s.visible_prefix
-    if v is None:
-        return 0
-    keys = s.key_slots.numel()
-    if not 0 <= v <= keys:
-        raise ValueError(f"sequence {seq}: visible_prefix {v} is outside the sequence's {keys} keys")
-    if s.mask.device.type == "cpu" and not bool(s.mask[:, :v].all()):
-        raise ValueError(f"sequence {seq}: visible_prefix says the first {v} keys are visible to every query, "
-                         "but the mask hides some of them")
-    return v
-
-
 # ---- metadata --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TreeAttentionMetadata:
@@ -296,42 +280,22 @@ class TreeAttentionMetadata:
 
     @classmethod
     def from_plan(cls, plan) -> "TreeAttentionMetadata":
-        """From an AttentionPlan. Its key_slots become a page-size-1 block table (one slot per position).
-
-        The kernel honours exactly what each mask says: ``ctx_len`` is the number of leading key columns
-        visible to every query, and every key after them (hidden cached columns included, e.g. a model
-        drafter's scratch nodes of earlier depths) goes under the ancestor bits, so at most 64 of them.
-        A plan that declares its visible prefix (``SeqAttention.visible_prefix``: ``AttentionPlan.build``
-        and the model drafters do) needs no host sync unless more than 64 keys follow that prefix
-        (the engine's 65-token tree); one that does not needs none up to 64 keys in all."""
+        """From an AttentionPlan, as it is: its key_slots become a page-size-1 block table (one slot per
+        position), ``num_visible`` the unmasked prefix, ``ancestor_bits`` the tree-mode bits (None: causal).
+        No host sync: nothing is read back from the device."""
         seqs = plan.seqs
         device = plan.write_slots.device
         slot_rows = torch.nn.utils.rnn.pad_sequence([s.key_slots.to(torch.int32) for s in seqs], batch_first=True)
-        ctx, nm, tree, bits = [], [], [], []
-        for b, s in enumerate(seqs):
-            n = s.num_new
-            keys = s.key_slots.numel()
-            if s.mask is None or s.causal:
-                ctx.append(keys - n)
-                nm.append(n)
-                tree.append(0)
-                bits.append(torch.zeros(n, dtype=torch.long, device=device))
-                continue
-            if tuple(s.mask.shape) != (n, keys):
-                raise ValueError(f"sequence {b}: the mask must be [{n}, {keys}] (new tokens x keys), "
-                                 f"got {tuple(s.mask.shape)}")
-            lead, mode, b_bits = _mask_bits(s.mask, b, _visible_prefix(s, b))
-            ctx.append(lead)
-            nm.append(keys - lead)
-            tree.append(mode)
-            bits.append(b_bits)
+        bits = [torch.zeros(s.num_new, dtype=torch.long, device=device) if s.ancestor_bits is None
+                else s.ancestor_bits.to(device) for s in seqs]
 
         def i32(x):
             return torch.tensor(x, dtype=torch.int32).to(device, non_blocking=True)
 
-        return cls(slot_rows, 1, i32(ctx), i32(nm), i32([s.query_start for s in seqs]),
-                   i32([s.num_new for s in seqs]), i32(tree), torch.cat(bits), tuple(s.num_new for s in seqs),
-                   max(ctx))
+        return cls(slot_rows, 1, i32([s.num_visible for s in seqs]), i32([s.num_masked for s in seqs]),
+                   i32([s.query_start for s in seqs]), i32([s.num_new for s in seqs]),
+                   i32([int(s.ancestor_bits is not None) for s in seqs]), torch.cat(bits),
+                   tuple(s.num_new for s in seqs), max(s.num_visible for s in seqs))
 
 
 # ---- launch ----------------------------------------------------------------------------------------

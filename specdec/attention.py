@@ -1,38 +1,81 @@
-"""Attention over the paged KV cache: the PyTorch reference path (CPU and fallback).
+"""Attention over the paged KV cache: the attention plan, and the PyTorch reference path.
 
-Semantics, shared with the Triton kernels in ``specdec.kernels``: each query token of a
-sequence attends to every committed token of that sequence (positions ``[0, length)``,
-read through its block table) plus the new tokens of this forward selected by its row of
-``new_mask`` (its tree ancestors and itself; a causal mask for prefill). Nothing else.
+One forward's attention is described once, compactly, per sequence (:class:`SeqAttention`):
+its keys are cache slots in position order; the first ``num_visible`` are seen by every query
+(the committed prefix, plus a tree's root); each query sees the remaining ``num_masked`` keys
+either causally (a run of new tokens: query i sees masked keys 0..i) or by its ancestor bits
+(a draft tree: bit j = the query sees masked key j, itself included). Nothing else. The
+reference path expands a dense mask from this only where SDPA needs one
+(:meth:`SeqAttention.dense_mask`); the Triton kernels read ``num_visible`` / ``ancestor_bits``
+as they are (``specdec.kernels.tree_attention.TreeAttentionMetadata.from_plan``).
 
-:class:`AttentionPlan` is built once per forward (slot mappings, masks) and reused by
-every layer; :func:`paged_attention` runs one layer.
+:class:`AttentionPlan` holds every sequence of the forward and the slots its new K/V are written
+to; it is built once per forward by :class:`BatchBuilder` (the engine's verify and prefill, the
+model drafters' forwards) and reused by every layer. :func:`paged_attention` runs one layer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
 from specdec.kernels.dispatch import REFERENCE, Backend
-
-CAUSAL = "causal"  # AttentionPlan.build's new_mask for a causal run of new tokens (prefill)
+from specdec.tree import MAX_TREE_NODES
 
 
 @dataclass(frozen=True)
 class SeqAttention:
     query_start: int  # first row of this sequence in the flattened new tokens
-    num_new: int  # new tokens of this sequence in this forward
-    key_slots: torch.Tensor  # [num_cached + num_new] cache slots of every key, position order
-    # [num_new, num_cached + num_new] bool, True = may attend; None = all visible (decode)
-    mask: torch.Tensor | None
-    causal: bool  # new tokens are a plain causal run with no cached prefix (prefill)
-    # leading key columns that `mask` shows to every query, when the builder knows it (build(): the cached
-    # keys; a model drafter: its committed keys). The Triton path then reads only the mask after them and
-    # needs no host sync. None: the kernel path derives it from the mask (a host sync when > 64 columns).
-    visible_prefix: int | None = None
+    num_new: int  # new tokens (queries) of this sequence in this forward
+    key_slots: torch.Tensor  # [num_visible + num_masked] cache slots of every key, position order
+    num_visible: int  # leading keys every query sees
+    # [num_new] int64 on key_slots' device, bit j = the query sees masked key j; None = causal: the masked keys
+    # are the new tokens themselves and query i sees masked keys 0..i
+    ancestor_bits: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        keys = self.key_slots.numel()
+        if not 0 <= self.num_visible <= keys:
+            raise ValueError(f"num_visible={self.num_visible} is outside the sequence's {keys} keys")
+        if self.ancestor_bits is None:
+            if self.num_masked != self.num_new:
+                raise ValueError(f"a causal run of {self.num_new} new tokens needs exactly {self.num_new} masked keys, "
+                                 f"got {self.num_masked}")
+        else:
+            if self.num_masked > MAX_TREE_NODES:
+                raise ValueError(f"ancestor bits cover at most {MAX_TREE_NODES} masked keys, got {self.num_masked}")
+            if tuple(self.ancestor_bits.shape) != (self.num_new,):
+                raise ValueError(f"ancestor_bits must be [{self.num_new}], got {tuple(self.ancestor_bits.shape)}")
+
+    @property
+    def num_masked(self) -> int:
+        return self.key_slots.numel() - self.num_visible
+
+    @property
+    def causal_run(self) -> bool:
+        """Several new tokens under a causal mask (a prefill or a drafter's catch-up)."""
+        return self.ancestor_bits is None and self.num_new > 1
+
+    @property
+    def prefill(self) -> bool:
+        """A causal run with no keys before it: SDPA's causal path and the kernel's causal mode, no dense mask."""
+        return self.causal_run and self.num_visible == 0
+
+    def dense_mask(self) -> torch.Tensor | None:  # [num_new, num_keys] bool, True = may attend; None = all visible
+        if self.ancestor_bits is None and self.num_new == 1:
+            return None
+        device = self.key_slots.device
+        mask = torch.ones(self.num_new, self.key_slots.numel(), dtype=torch.bool, device=device)
+        if self.ancestor_bits is None:
+            mask[:, self.num_visible :] = torch.ones(self.num_new, self.num_new, dtype=torch.bool, device=device).tril()
+        else:
+            bit = torch.ones(self.num_masked, dtype=torch.long, device=device) << torch.arange(self.num_masked,
+                                                                                               device=device)
+            mask[:, self.num_visible :] = (self.ancestor_bits.to(device)[:, None] & bit) != 0
+        return mask
 
     @cached_property
     def contiguous_start(self) -> int | None:
@@ -78,7 +121,7 @@ class AttentionPlan:
         One padded SDPA call per layer instead of one per sequence: on CPU the per-call cost
         (gather + kernel launch, ~0.15 ms) dominated batched decoding. Masked padding keys add
         exact zeros, so the result differs from the per-sequence path only by summation order."""
-        if len(self.seqs) < 2 or any(s.causal for s in self.seqs):
+        if len(self.seqs) < 2 or any(s.prefill for s in self.seqs):
             return None
         device = self.write_slots.device
         batch = len(self.seqs)
@@ -94,7 +137,8 @@ class AttentionPlan:
             key_slots[b, :keys] = s.key_slots
             key_slots[b, keys:] = s.key_slots[0]
             query_rows[b, : s.num_new] = torch.arange(s.query_start, s.query_start + s.num_new, device=device)
-            mask[b, 0, : s.num_new, :keys] = True if s.mask is None else s.mask
+            dense = s.dense_mask()
+            mask[b, 0, : s.num_new, :keys] = True if dense is None else dense
             out_index.extend(range(b * max_new, b * max_new + s.num_new))
         return PaddedBatch(key_slots, query_rows, mask, torch.tensor(out_index, dtype=torch.long, device=device))
 
@@ -105,33 +149,56 @@ class AttentionPlan:
 
         return TreeAttentionMetadata.from_plan(self)
 
-    @staticmethod
-    def build(
-        num_cached: int, key_slots: torch.Tensor, new_mask: torch.Tensor | str | None, query_start: int
-    ) -> SeqAttention:
-        """One sequence: `new_mask` [num_new, num_new] over the new tokens, ``CAUSAL`` for a causal run
-        (prefill; no mask is built when nothing is cached, so a 32k-token prompt costs no 1 GiB mask),
-        or None for a single token."""
-        num_new = key_slots.numel() - num_cached
-        if new_mask is None:
-            if num_new != 1:
-                raise ValueError("new_mask may be omitted only for a single new token")
-            return SeqAttention(query_start, 1, key_slots, None, False)
-        if isinstance(new_mask, str):
-            if new_mask != CAUSAL:
-                raise ValueError(f"new_mask must be a bool tensor, {CAUSAL!r} or None, got {new_mask!r}")
-            causal = num_cached == 0
-            if not causal:  # a causal run after cached keys (chunked prefill): the reference path needs the mask
-                new_mask = torch.ones(num_new, num_new, dtype=torch.bool, device=key_slots.device).tril()
-        else:
-            causal = num_cached == 0 and bool(
-                torch.equal(new_mask, torch.ones(num_new, num_new, dtype=torch.bool, device=new_mask.device).tril())
-            )
-        full = None
-        if not causal:
-            full = torch.ones(num_new, num_cached + num_new, dtype=torch.bool, device=key_slots.device)
-            full[:, num_cached:] = new_mask.to(key_slots.device)
-        return SeqAttention(query_start, num_new, key_slots, full, causal, visible_prefix=num_cached)
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """The model's inputs for one forward over several sequences."""
+
+    token_ids: torch.Tensor  # [T] new tokens of every sequence, flattened
+    positions: torch.Tensor  # [T]
+    plan: AttentionPlan
+    rows: tuple[range, ...]  # rows of T per sequence, in the order added
+
+
+@dataclass
+class BatchBuilder:
+    """Assembles one forward, sequence by sequence, over a paged KV cache::
+
+        builder = BatchBuilder(cache, device)
+        builder.add(seq_id, tokens, positions, num_keys=cached + len(tokens), num_visible=cached)  # causal
+        builder.add(seq_id, tokens, positions, num_keys, num_visible, ancestor_bits)               # a tree
+        batch = builder.build()
+
+    A sequence's keys are its positions ``[0, num_keys)`` (reserved in the cache); its new tokens are
+    written to the LAST ``len(tokens)`` of them."""
+
+    cache: "object"  # PagedKVCache (slots(seq_id, start, end))
+    device: torch.device
+    _tokens: list[int] = field(default_factory=list)
+    _positions: list[torch.Tensor] = field(default_factory=list)
+    _seqs: list[SeqAttention] = field(default_factory=list)
+    _write_slots: list[torch.Tensor] = field(default_factory=list)
+    _rows: list[range] = field(default_factory=list)
+
+    def add(self, seq_id: int, tokens: Sequence[int], positions: Sequence[int] | torch.Tensor, num_keys: int,
+            num_visible: int, ancestor_bits: torch.Tensor | None = None) -> range:
+        start, n = len(self._tokens), len(tokens)
+        key_slots = self.cache.slots(seq_id, 0, num_keys)
+        bits = None if ancestor_bits is None else ancestor_bits.to(key_slots.device)
+        self._seqs.append(SeqAttention(start, n, key_slots, num_visible, bits))
+        self._write_slots.append(key_slots[num_keys - n :])
+        self._tokens.extend(tokens)
+        self._positions.append(torch.as_tensor(positions, dtype=torch.long))
+        self._rows.append(range(start, start + n))
+        return self._rows[-1]
+
+    def build(self) -> ForwardBatch:
+        return ForwardBatch(
+            token_ids=torch.tensor(self._tokens, dtype=torch.long, device=self.device),
+            positions=torch.cat(self._positions).to(self.device),
+            plan=AttentionPlan(tuple(self._seqs), torch.cat(self._write_slots)),
+            rows=tuple(self._rows),
+        )
 
 
 def paged_attention(
@@ -164,8 +231,9 @@ def paged_attention(
             ks, vs = k_cache[first : first + s.key_slots.numel()], v_cache[first : first + s.key_slots.numel()]
         ks = ks.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, keys, dim]
         vs = vs.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=s.mask, is_causal=s.causal, scale=scale, enable_gqa=True
+        o = F.scaled_dot_product_attention(  # a prefill takes SDPA's own causal path: no n x n mask is built
+            qs, ks, vs, attn_mask=None if s.prefill else s.dense_mask(), is_causal=s.prefill, scale=scale,
+            enable_gqa=True,
         )
         out[rows] = o[0].transpose(0, 1)
     return out

@@ -152,7 +152,7 @@ class GraphedForward:
         """Logits and hidden states of the real rows of a verify step ([num_tokens, ...]), or None
         when the step fits no bucket (the caller then runs the eager forward)."""
         seqs = plan.seqs
-        if any(s.causal for s in seqs) or any(s.key_slots.numel() > self.max_keys for s in seqs):
+        if any(s.prefill for s in seqs) or any(s.key_slots.numel() > self.max_keys for s in seqs):
             return None
         max_new = max(s.num_new for s in seqs)
         key = self.bucket_for(len(seqs), max_new)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.attention import CAUSAL, AttentionPlan
+from specdec.attention import AttentionPlan, BatchBuilder, ForwardBatch
 from specdec.audit import DraftAudit
 from specdec.cuda_graphs import GraphedForward
 from specdec.drafters.base import Drafter, SequenceView, TargetView, TokenView, as_drafter
@@ -64,7 +64,13 @@ class VerifyBatch:
     token_ids: torch.Tensor  # [T] root + tree nodes of every live sequence, flattened
     positions: torch.Tensor  # [T]
     plan: AttentionPlan
-    row_index: torch.Tensor  # [B, max_nodes + 1] rows of T per sequence (padding repeats row 0)
+    row_index: torch.Tensor  # [B, max_nodes + 1] rows of T per sequence (padding repeats its first row)
+
+    @classmethod
+    def of(cls, batch: ForwardBatch) -> "VerifyBatch":
+        width = max(len(r) for r in batch.rows)
+        rows = [list(r) + [r[0]] * (width - len(r)) for r in batch.rows]
+        return cls(batch.token_ids, batch.positions, batch.plan, torch.tensor(rows, device=batch.token_ids.device))
 
 
 class Engine:
@@ -104,12 +110,13 @@ class Engine:
         todo = [s for s in new if len(s.tokens) > 1]
         self.cache.reserve_many({s.seq_id: len(s.tokens) - 1 for s in todo})
         if todo:
-            masks = [CAUSAL] * len(todo)  # no O(n^2) dense mask for a long prompt
-            positions = [torch.arange(len(s.tokens) - 1) for s in todo]
-            batch = self._build_batch(todo, [s.tokens[:-1] for s in todo], positions, masks)
+            builder = BatchBuilder(self.cache, self.runner.device)
+            for s in todo:  # a causal run over the whole prompt but its last token: no n x n mask is built
+                n = len(s.tokens) - 1
+                builder.add(s.seq_id, s.tokens[:-1], range(n), num_keys=n, num_visible=0)
+            batch = builder.build()
             # the last prompt row's hidden state is what a Medusa-style drafter starts from
-            last_rows = torch.tensor([r[len(s.tokens) - 2] for r, s in zip(batch.row_index.tolist(), todo)],
-                                     device=batch.row_index.device)
+            last_rows = torch.tensor([rows[-1] for rows in batch.rows], device=batch.token_ids.device)
             out = self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache,
                                       last_rows if self.keep_hidden else None)
             if self.keep_hidden:
@@ -170,39 +177,20 @@ class Engine:
         return tree
 
     def verify_batch(self, live: list[SequenceState], trees: list[DraftTree]) -> VerifyBatch:
+        """Root + tree nodes of every live sequence: the cached prefix and the root are visible to every
+        row, the nodes by their ancestor bits (the root's row sees none of them)."""
         self.cache.reserve_many({s.seq_id: 1 + t.num_nodes for s, t in zip(live, trees)})
-        tokens, positions, masks = [], [], []
+        builder = BatchBuilder(self.cache, self.runner.device)
         for s, tree in zip(live, trees):
-            root_position = len(s.tokens) - 1
-            tokens.append([s.tokens[-1]] + tree.tokens.tolist())
-            positions.append(torch.cat([torch.tensor([root_position]), tree.position_ids(root_position)]))
+            cached, root_position = self.cache.lengths[s.seq_id], len(s.tokens) - 1
+            positions = torch.cat([torch.tensor([root_position]), tree.position_ids(root_position)])
+            tokens = [s.tokens[-1]] + tree.tokens.tolist()
             if tree.num_nodes:
-                mask = torch.zeros(1 + tree.num_nodes, 1 + tree.num_nodes, dtype=torch.bool)
-                mask[:, 0] = True  # every node sees the root
-                mask[1:, 1:] = tree.ancestor_mask
-                masks.append(mask)
+                bits = torch.cat([torch.zeros(1, dtype=torch.long), tree.ancestor_bits()])  # [1 + num_nodes]
+                builder.add(s.seq_id, tokens, positions, cached + len(tokens), cached + 1, bits)
             else:
-                masks.append(None)
-        return self._build_batch(live, tokens, positions, masks)
-
-    def _build_batch(self, seqs, tokens, positions, masks) -> VerifyBatch:
-        plans, write_slots, rows = [], [], []
-        start = 0
-        width = max(len(t) for t in tokens)
-        for s, toks, mask in zip(seqs, tokens, masks):
-            cached = self.cache.lengths[s.seq_id]
-            key_slots = self.cache.slots(s.seq_id, 0, cached + len(toks))
-            plans.append(AttentionPlan.build(cached, key_slots, mask, start))
-            write_slots.append(key_slots[cached:])
-            rows.append(list(range(start, start + len(toks))) + [start] * (width - len(toks)))
-            start += len(toks)
-        device = self.runner.device
-        return VerifyBatch(
-            token_ids=torch.tensor([t for toks in tokens for t in toks], device=device),
-            positions=torch.cat(positions).to(device),
-            plan=AttentionPlan(tuple(plans), torch.cat(write_slots)),
-            row_index=torch.tensor(rows, device=device),
-        )
+                builder.add(s.seq_id, tokens, positions, cached + 1, cached)
+        return VerifyBatch.of(builder.build())
 
     def verify(self, batch: VerifyBatch) -> ForwardOutput:
         """ONE target forward over every root and tree node of every live sequence."""

@@ -7,9 +7,14 @@ Used by specdec's own tests and handy for drafter authors:
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from specdec.drafters.base import Drafter
+
+if TYPE_CHECKING:
+    from specdec.attention import SeqAttention
 
 TINY_VARIANTS = {
     # name: (config class name, extra config kwargs)
@@ -168,3 +173,17 @@ def ragged_prompts(n: int, vocab_size: int = 96, seed: int = 0, max_len: int = 4
         else:
             prompts.append(torch.randint(1, vocab_size, (length,), generator=gen).tolist())
     return prompts
+
+
+def seq_attention_from_mask(query_start: int, key_slots: torch.Tensor, num_cached: int,
+                            new_mask: torch.Tensor | None) -> "SeqAttention":
+    """A SeqAttention from a dense [n, n] mask over the n new tokens that follow ``num_cached`` keys (every
+    query sees all cached keys); None = causal. For tests that think in masks; n <= 64 for a mask."""
+    from specdec.attention import SeqAttention
+
+    n = key_slots.numel() - num_cached
+    if new_mask is None:
+        return SeqAttention(query_start, n, key_slots, num_cached)
+    weights = torch.ones(n, dtype=torch.long) << torch.arange(n)
+    bits = (new_mask.cpu().long() * weights).sum(-1)
+    return SeqAttention(query_start, n, key_slots, num_cached, bits.to(key_slots.device))

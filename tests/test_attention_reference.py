@@ -3,11 +3,13 @@ every sequence of a decode/verify forward) against the per-sequence path and a f
 written out by hand, on ragged batches with shuffled block tables, trees and GQA."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from specdec.kernels.testing import random_case
 
-from specdec.attention import AttentionPlan, paged_attention
+from specdec.attention import AttentionPlan, SeqAttention, paged_attention
 
 
 def _dense_float64(case) -> torch.Tensor:
@@ -18,13 +20,12 @@ def _dense_float64(case) -> torch.Tensor:
     for s in case.plan.seqs:
         keys = k[s.key_slots].repeat_interleave(group, dim=1)  # [keys, heads, dim]
         values = v[s.key_slots].repeat_interleave(group, dim=1)
-        num_cached = s.key_slots.numel() - s.num_new
-        for t in range(s.num_new):
-            visible = torch.ones(s.key_slots.numel(), dtype=torch.bool)
-            if s.mask is not None:
-                visible = s.mask[t].cpu()
-            elif s.causal:
-                visible[num_cached + t + 1 :] = False
+        for t in range(s.num_new):  # the plan's own description, expanded here by hand
+            visible = torch.zeros(s.key_slots.numel(), dtype=torch.bool)
+            visible[: s.num_visible] = True
+            for j in range(s.num_masked):
+                if (t >= j) if s.ancestor_bits is None else bool((int(s.ancestor_bits[t]) >> j) & 1):
+                    visible[s.num_visible + j] = True
             scores = torch.einsum("hd,khd->hk", q[s.query_start + t], keys[visible]) * case.scale
             out[s.query_start + t] = torch.einsum("hk,khd->hd", scores.softmax(-1), values[visible])
     return out
@@ -84,12 +85,11 @@ def test_a_wrong_mask_is_caught():
     """The float64 check can fail: letting one tree node see a non-ancestor changes its output."""
     case = random_case([6, 9], [("tree", 6), 1], seed=5)
     s = case.plan.seqs[0]
-    hidden = (~s.mask).nonzero()
-    assert hidden.numel(), "the random tree should hide some keys"
-    bad_mask = s.mask.clone()
-    bad_mask[tuple(hidden[0])] = True
-    bad = AttentionPlan((type(s)(s.query_start, s.num_new, s.key_slots, bad_mask, s.causal),) + case.plan.seqs[1:],
-                        case.plan.write_slots)
+    row, hidden = next((r, j) for r in range(s.num_new) for j in range(s.num_masked)
+                       if not (int(s.ancestor_bits[r]) >> j) & 1)  # the random tree hides some node from a row
+    bits = s.ancestor_bits.clone()
+    bits[row] |= 1 << hidden
+    bad = AttentionPlan((dataclasses.replace(s, ancestor_bits=bits),) + case.plan.seqs[1:], case.plan.write_slots)
     got = paged_attention(case.q, case.k_cache, case.v_cache, bad, case.scale)
     assert not torch.allclose(got.double(), _dense_float64(case), atol=1e-5, rtol=0)
 
@@ -111,8 +111,8 @@ def test_contiguous_keys_are_read_in_place_with_the_same_result(new):
 def test_contiguous_start_needs_every_slot_in_order():
     """Right endpoints are not enough: blocks [0, 2, 1, 3] span 0..15 but are out of order."""
     slots = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
-    assert AttentionPlan.build(15, slots, None, 0).contiguous_start is None
-    assert AttentionPlan.build(15, torch.arange(16) + 32, None, 0).contiguous_start == 32
+    assert SeqAttention(0, 1, slots, 15).contiguous_start is None
+    assert SeqAttention(0, 1, torch.arange(16) + 32, 15).contiguous_start == 32
 
 
 def test_prefill_builds_no_quadratic_mask():
@@ -121,12 +121,9 @@ def test_prefill_builds_no_quadratic_mask():
     from torch.overrides import TorchFunctionMode
 
     import specdec
-    from specdec.attention import CAUSAL
     from specdec.testing import build_tiny_model
 
     n = 400
-    plan = AttentionPlan.build(0, torch.arange(n), CAUSAL, 0)
-    assert plan.causal and plan.mask is None
 
     class BoolSizes(TorchFunctionMode):
         def __init__(self) -> None:
@@ -142,5 +139,16 @@ def test_prefill_builds_no_quadratic_mask():
     with BoolSizes() as sizes:
         specdec.generate(build_tiny_model(), [[1 + i % 90 for i in range(n)]], max_new_tokens=2)
     assert sizes.largest < n * 4, f"a {sizes.largest}-element bool tensor for a {n}-token prompt"
-    with pytest.raises(ValueError, match="new_mask must be"):
-        AttentionPlan.build(0, torch.arange(3), "tril", 0)
+
+
+def test_a_sequence_description_that_does_not_add_up_is_refused():
+    keys = torch.arange(70)
+    assert SeqAttention(0, 5, keys[:20], 15).causal_run
+    with pytest.raises(ValueError, match="num_visible=21 is outside"):
+        SeqAttention(0, 1, keys[:20], 21)
+    with pytest.raises(ValueError, match="causal run of 5 new tokens needs exactly 5 masked keys"):
+        SeqAttention(0, 5, keys[:20], 10)
+    with pytest.raises(ValueError, match="at most 64 masked keys"):
+        SeqAttention(0, 2, keys, 5, torch.ones(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"ancestor_bits must be \[3\]"):
+        SeqAttention(0, 3, keys[:20], 15, torch.ones(2, dtype=torch.long))

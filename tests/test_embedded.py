@@ -63,7 +63,7 @@ def test_loading_twice_reuses_the_converted_copy(loaded):
 
 @REFERENCE
 def test_logits_match_transformers(loaded, prompts):
-    from specdec.attention import AttentionPlan
+    from specdec.attention import AttentionPlan, SeqAttention
     from specdec.kv_cache import PagedKVCache
 
     runner = loaded.runner
@@ -73,8 +73,7 @@ def test_logits_match_transformers(loaded, prompts):
     cache.add(0)
     cache.reserve(0, len(ids))
     slots = cache.slots(0, 0, len(ids))
-    causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()
-    plan = AttentionPlan((AttentionPlan.build(0, slots, causal, 0),), slots)
+    plan = AttentionPlan((SeqAttention(0, len(ids), slots, 0),), slots)  # a causal run over the whole prompt
     got = runner.forward(torch.tensor(ids), torch.arange(len(ids)), plan, cache, torch.arange(len(ids))).logits
     ref = loaded.model(torch.tensor([ids])).logits[0].float()
     err = (got - ref).abs().max().item()

@@ -170,42 +170,43 @@ def test_static_bucket_metadata_matches_reference_across_steps():
         bucket_view(meta, batch=8, tokens_per_seq=8)
 
 
-# ---- plans whose mask hides keys before the new tokens (model drafters, issue 18) -------------------
-def _drafter_plan_seq(committed: int, parents: list[int], num_new: int, query_start: int, slots: torch.Tensor,
-                      visible_prefix: bool):
+# ---- plans whose masked keys start before the new tokens (model drafters, issue 18) -----------------
+def _drafter_plan_seq(committed: int, parents: list[int], num_new: int, query_start: int, slots: torch.Tensor):
     """A SeqAttention built like ModelDrafter._forward_nodes: `committed` keys (prefix + root) every query
     sees, then the scratch nodes of the tree so far (``parents[i] < i``, -1 = the root) in node order; the
     queries are the last `num_new` nodes, each seeing itself and its ancestors only. Earlier-depth nodes
     that are not ancestors sit among the keys BEFORE the new tokens and must stay hidden."""
     from specdec.attention import SeqAttention
 
-    keys = committed + len(parents)
-    mask = torch.zeros(num_new, keys, dtype=torch.bool)
-    mask[:, :committed] = True
-    for j, i in enumerate(range(len(parents) - num_new, len(parents))):
+    bits = []
+    for i in range(len(parents) - num_new, len(parents)):
+        word = 0
         while i != -1:
-            mask[j, committed + i] = True
+            word |= 1 << i
             i = parents[i]
-    extra = {"visible_prefix": committed} if visible_prefix else {}
-    return SeqAttention(query_start, num_new, slots[:keys].to(DEVICE), mask.to(DEVICE), False, **extra)
+        bits.append(word)
+    keys = committed + len(parents)
+    return SeqAttention(query_start, num_new, slots[:keys].to(DEVICE), committed,
+                        torch.tensor(bits, dtype=torch.long, device=DEVICE))
 
 
 WIDE_TREE = [-1, -1, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]  # widths (2, 2, 2): the depth-3 level is the last 8
 
 
-def _hidden_columns_case(committed: int, visible_prefix: bool, seed: int = 0):
+def _hidden_columns_case(committed: int, seed: int = 0):
     import types
 
-    from specdec.attention import AttentionPlan
+    from specdec.attention import AttentionPlan, SeqAttention
 
     gen = torch.Generator().manual_seed(seed)
     num_slots = committed + len(WIDE_TREE) + 40
     slots = torch.randperm(num_slots, generator=gen)
-    drafter = _drafter_plan_seq(committed, WIDE_TREE, 8, 0, slots, visible_prefix)
-    # the same forward also holds an engine-style verify (cached part all visible) and a decode
+    drafter = _drafter_plan_seq(committed, WIDE_TREE, 8, 0, slots)
+    # the same forward also holds an engine-style verify (12 cached keys + root visible, 5 nodes) and a decode
     verify_slots = torch.randperm(num_slots, generator=gen)[:12 + 6].to(DEVICE)
-    verify = AttentionPlan.build(12, verify_slots, random_case([0], [(TREE, 5)], seed=seed).new_masks[0], 8)
-    decode = AttentionPlan.build(30, torch.randperm(num_slots, generator=gen)[:31].to(DEVICE), None, 14)
+    verify = random_case([12], [(TREE, 5)], seed=seed).plan.seqs[0]
+    verify = SeqAttention(8, 6, verify_slots, 13, verify.ancestor_bits.to(DEVICE))
+    decode = SeqAttention(14, 1, torch.randperm(num_slots, generator=gen)[:31].to(DEVICE), 30)
     seqs = (drafter, verify, decode)
     plan = AttentionPlan(seqs, torch.cat([s.key_slots[-s.num_new:] for s in seqs]))
     kvh, group, dim = 2, 3, 16
@@ -215,42 +216,20 @@ def _hidden_columns_case(committed: int, visible_prefix: bool, seed: int = 0):
     return types.SimpleNamespace(q=q, k_cache=k_cache, v_cache=v_cache, plan=plan, scale=dim**-0.5)
 
 
-@pytest.mark.parametrize("visible_prefix", [False, True], ids=["mask-only", "with-visible-prefix"])
 @pytest.mark.parametrize("committed", [5, 70])
-def test_plan_path_honours_keys_hidden_before_the_new_tokens(committed, visible_prefix):
+def test_plan_path_honours_keys_hidden_before_the_new_tokens(committed):
     # issue 18: from_plan treated every key before a sequence's new tokens as visible to all its queries,
     # so a draft tree wider than 1 let depth >= 2 nodes see their uncles (0.2-0.4 off in the draft logits)
-    case = _hidden_columns_case(committed, visible_prefix, seed=committed)
+    case = _hidden_columns_case(committed, seed=committed)
     ref = reference_attention(case)
     for splits in (1, 2):
         out = ta.paged_tree_attention(case.q, case.k_cache, case.v_cache, case.plan, case.scale, num_splits=splits)
         err = (out - ref).abs().max().item()
         assert err <= FP32_ATOL, f"{splits} splits: max abs error {err:.3g}"
-    meta = case.plan.kernel_metadata
-    keys = committed + len(WIDE_TREE)
-    if visible_prefix or keys > 64:  # the committed keys form the unmasked prefix, the 14 nodes the tree bits
-        assert meta.ctx_lens.tolist()[0] == committed and meta.num_masked.tolist()[0] == len(WIDE_TREE)
-    else:  # <= 64 keys with no visible_prefix: all of them under the ancestor bits, no host sync
-        assert meta.ctx_lens.tolist()[0] == 0 and meta.num_masked.tolist()[0] == keys
+    meta = case.plan.kernel_metadata  # read from the plan as it is: the visible prefix, then the bits
+    assert meta.ctx_lens.tolist() == [committed, 13, 30]
+    assert meta.num_masked.tolist() == [len(WIDE_TREE), 5, 1]
     assert meta.tree_mode.tolist() == [1, 1, 0]
-    assert meta.ctx_lens.tolist()[1:] == [12, 30]  # the verify's cached keys: its prefix, read without a sync
-
-
-def test_plan_path_refuses_hidden_keys_wider_than_64_bits():
-    from specdec.attention import AttentionPlan, SeqAttention
-
-    slots = torch.arange(80, device=DEVICE)
-    mask = torch.ones(2, 80, dtype=torch.bool, device=DEVICE)
-    mask[0, 3] = False  # key 3 hidden from query 0: 77 keys from there on, more than 64 bits
-    seqs = (AttentionPlan.build(4, slots[:5], None, 0), SeqAttention(1, 2, slots, mask, False))
-    plan = AttentionPlan(seqs, torch.cat([s.key_slots[-s.num_new:] for s in seqs]))
-    with pytest.raises(ValueError, match="sequence 1.*64 bits"):
-        TreeAttentionMetadata.from_plan(plan)
-    # a visible_prefix the mask contradicts is refused where checking it costs no device sync
-    if DEVICE == "cpu":
-        lying = SeqAttention(0, 2, slots[:10], mask[:, :10], False, visible_prefix=8)
-        with pytest.raises(ValueError, match="sequence 0.*visible_prefix"):
-            TreeAttentionMetadata.from_plan(AttentionPlan((lying,), slots[8:10]))
 
 
 def test_draft_model_tree_logits_match_the_reference_backend(monkeypatch):

@@ -7,7 +7,7 @@ import torch
 from specdec.attention import AttentionPlan
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaRunner, UnsupportedModelError
-from specdec.testing import TINY_VARIANTS, build_tiny_model
+from specdec.testing import TINY_VARIANTS, build_tiny_model, seq_attention_from_mask
 
 
 def run_engine_forward(runner: LlamaRunner, cache: PagedKVCache, seq_id: int, tokens, mask=None, positions=None):
@@ -16,9 +16,7 @@ def run_engine_forward(runner: LlamaRunner, cache: PagedKVCache, seq_id: int, to
     cached = cache.lengths[seq_id]
     cache.reserve(seq_id, n)
     key_slots = cache.slots(seq_id, 0, cached + n)
-    if mask is None and n > 1:
-        mask = torch.ones(n, n, dtype=torch.bool).tril()
-    plan = AttentionPlan((AttentionPlan.build(cached, key_slots, mask, 0),), key_slots[cached:])
+    plan = AttentionPlan((seq_attention_from_mask(0, key_slots, cached, mask),), key_slots[cached:])
     if positions is None:
         positions = torch.arange(cached, cached + n)
     out = runner.forward(torch.tensor(tokens), positions, plan, cache, torch.arange(n))
