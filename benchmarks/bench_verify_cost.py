@@ -43,7 +43,7 @@ def main() -> None:
             engine.verify(batch)
             times.append(time.perf_counter() - t0)
             cache.commit({seq.seq_id: [0]})
-            seq.tokens.append(7)  # the root moved on by one token
+            seq.token_ids.append(7)  # the root moved on by one token
         return sorted(times)[len(times) // 2] * 1000
 
     sizes = [int(x) for x in args.sizes.split(",")]

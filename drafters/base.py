@@ -40,7 +40,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TargetView:
-    """What a drafter may read of the target. Drafters must not write to its cache."""
+    """What a drafter may read of the target. Its KV cache is read-only to drafters except the scratch region
+    (``cache.reserve_scratch``: positions past a sequence's ``committed_length``), which a drafter running the
+    target's own layers may write; the engine overwrites and commits or releases it (self-draft)."""
 
     runner: "LlamaRunner"
     cache: "PagedKVCache"

@@ -194,16 +194,13 @@ class ModelDrafter(Drafter):
         return logits[torch.tensor(last_rows, device=logits.device)]
 
     def _root_forward(self, live: list[SequenceView]) -> torch.Tensor:  # [B, vocab] logits at each root
-        """Shared cache: committed K/V are the target's; only the root runs, into a scratch slot."""
+        """Shared cache: committed K/V are the target's (every token but the root, the engine's invariant); only
+        the root runs, into the scratch region."""
         cache = self.cache
-        for v in live:
-            if cache.lengths.get(v.seq_id) != len(v.token_ids) - 1:
-                raise RuntimeError(f"{self.name}: the target's cache does not hold tokens[:-1] of sequence "
-                                   f"{v.seq_id} (engine invariant broken)")
-        cache.reserve_many({v.seq_id: 1 for v in live})
+        cache.reserve_scratch({v.seq_id: 1 for v in live})
         builder = BatchBuilder(cache, self.runner.device)
         for v in live:
-            root = len(v.token_ids) - 1
+            root = cache.committed_length(v.seq_id)
             builder.add(v.seq_id, [v.token_ids[-1]], [root], num_keys=root + 1, num_visible=root)
         return self._forward(builder)
 
@@ -255,8 +252,8 @@ class ModelDrafter(Drafter):
     def _forward_nodes(self, live, nodes, new_per_seq, depth) -> torch.Tensor:  # [sum(new), vocab]
         cache = self.cache
         # node i lives at position len(tokens) + i: right after the root (committed, or scratch when shared)
-        cache.reserve_many({v.seq_id: len(v.token_ids) + len(nodes[b]) - cache.lengths[v.seq_id]
-                            for b, v in enumerate(live) if new_per_seq[b]})
+        cache.reserve_scratch({v.seq_id: len(v.token_ids) + len(nodes[b]) - cache.committed_length(v.seq_id)
+                               for b, v in enumerate(live) if new_per_seq[b]})
         builder = BatchBuilder(cache, self.runner.device)
         for b, v in enumerate(live):
             new = new_per_seq[b]

@@ -4,8 +4,8 @@
     engine.add(prompts)            # prefill: K/V of prompt[:-1]; prompt[-1] is the first root
     while engine.live: engine.step()
 
-Invariant between steps: for a live sequence, ``tokens[-1]`` is the *root* (committed but
-not yet run through the target) and the cache holds K/V of ``tokens[:-1]``. Plain decoding
+Invariant between steps: for a live sequence, ``token_ids[-1]`` is the *root* (committed but
+not yet run through the target) and the cache holds K/V of ``token_ids[:-1]``. Plain decoding
 is the empty draft tree: the same verify / sample / commit path with one query token.
 """
 from __future__ import annotations
@@ -34,15 +34,15 @@ logger = logging.getLogger(__name__)
 @dataclass
 class SequenceState:
     seq_id: int
-    tokens: list[int]  # prompt + committed tokens; tokens[-1] is the root of the next step
-    num_prompt: int
+    token_ids: list[int]  # prompt + committed tokens; token_ids[-1] is the root of the next step
+    num_prompt_tokens: int
     finish_reason: str | None = None  # "eos" | "stop" | "length" once finished
     steps: int = 0  # target forward passes (verify steps) spent on this sequence
     depth_tried: list[int] = field(default_factory=list)  # per depth d+1: steps that tried a child
     depth_accepted: list[int] = field(default_factory=list)  # per depth d+1: steps that accepted one
     step_lengths: list[int] = field(default_factory=list)  # tokens committed by each step
     finished_at: float | None = None  # time.perf_counter() when it finished
-    # [hidden_size] target hidden state at tokens[-2] (kept only for drafters that ask)
+    # [hidden_size] target hidden state at token_ids[-2] (kept only for drafters that ask)
     last_hidden: torch.Tensor | None = None
 
     @property
@@ -51,7 +51,7 @@ class SequenceState:
 
     @property
     def new_tokens(self) -> list[int]:
-        return self.tokens[self.num_prompt :]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def tau(self) -> float:
@@ -107,13 +107,13 @@ class Engine:
         for s in new:
             self.cache.add(s.seq_id)
         self.seqs.extend(new)
-        todo = [s for s in new if len(s.tokens) > 1]
-        self.cache.reserve_many({s.seq_id: len(s.tokens) - 1 for s in todo})
+        todo = [s for s in new if len(s.token_ids) > 1]
+        self.cache.reserve_many({s.seq_id: len(s.token_ids) - 1 for s in todo})
         if todo:
             builder = BatchBuilder(self.cache, self.runner.device)
             for s in todo:  # a causal run over the whole prompt but its last token: no n x n mask is built
-                n = len(s.tokens) - 1
-                builder.add(s.seq_id, s.tokens[:-1], range(n), num_keys=n, num_visible=0)
+                n = len(s.token_ids) - 1
+                builder.add(s.seq_id, s.token_ids[:-1], range(n), num_keys=n, num_visible=0)
             batch = builder.build()
             # the last prompt row's hidden state is what a Medusa-style drafter starts from
             last_rows = torch.tensor([rows[-1] for rows in batch.rows], device=batch.token_ids.device)
@@ -122,7 +122,7 @@ class Engine:
             if self.keep_hidden:
                 for s, h in zip(todo, out.hidden):
                     s.last_hidden = h
-            self.cache.commit({s.seq_id: range(len(s.tokens) - 1) for s in todo})
+            self.cache.commit({s.seq_id: range(len(s.token_ids) - 1) for s in todo})
         return new
 
     # ---- one step -----------------------------------------------------------------------
@@ -145,7 +145,7 @@ class Engine:
     def propose(self, live: list[SequenceState]) -> list[DraftTree]:
         if self.drafter is None:
             return [DraftTree.empty() for _ in live]
-        views = [SequenceView(s.seq_id, TokenView(s.tokens), s.num_prompt, s.last_hidden) for s in live]
+        views = [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, s.last_hidden) for s in live]
         name = self.drafter.name
         try:
             trees = self.drafter.propose(views)
@@ -168,7 +168,7 @@ class Engine:
 
     def _fit_budget(self, s: SequenceState, tree: DraftTree) -> DraftTree:
         """Drop nodes deeper than the tokens still allowed (max_new_tokens, context)."""
-        root_position = len(s.tokens) - 1
+        root_position = len(s.token_ids) - 1
         max_depth = min(
             self.stop.max_new_tokens - len(s.new_tokens) - 1, self.runner.shape.max_positions - 1 - root_position
         )
@@ -182,9 +182,12 @@ class Engine:
         self.cache.reserve_many({s.seq_id: 1 + t.num_nodes for s, t in zip(live, trees)})
         builder = BatchBuilder(self.cache, self.runner.device)
         for s, tree in zip(live, trees):
-            cached, root_position = self.cache.lengths[s.seq_id], len(s.tokens) - 1
+            cached, root_position = self.cache.committed_length(s.seq_id), len(s.token_ids) - 1
+            if cached != root_position:  # the invariant between steps (module docstring)
+                raise RuntimeError(f"sequence {s.seq_id}: the KV cache holds {cached} committed positions, "
+                                   f"expected {root_position} (every token but the root)")
             positions = torch.cat([torch.tensor([root_position]), tree.position_ids(root_position)])
-            tokens = [s.tokens[-1]] + tree.tokens.tolist()
+            tokens = [s.token_ids[-1]] + tree.tokens.tolist()
             if tree.num_nodes:
                 bits = torch.cat([torch.zeros(1, dtype=torch.long), tree.ancestor_bits()])  # [1 + num_nodes]
                 builder.add(s.seq_id, tokens, positions, cached + len(tokens), cached + 1, bits)
@@ -217,7 +220,7 @@ class Engine:
             committed = acc.accepted_tokens.tolist() + [int(acc.next_token)]
             count, reason = self.stop.scan(s.new_tokens, committed)
             emitted[s.seq_id] = committed[:count]
-            s.tokens.extend(committed[:count])
+            s.token_ids.extend(committed[:count])
             s.steps += 1
             s.step_lengths.append(count)
             self._count_depths(s, acc)

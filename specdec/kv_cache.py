@@ -112,6 +112,17 @@ class PagedKVCache:
             for _ in range(k):
                 self.block_tables[s].append(self._free.pop())
 
+    def committed_length(self, seq_id: int) -> int:
+        """Positions of ``seq_id`` that hold committed K/V."""
+        return self.lengths[seq_id]
+
+    def reserve_scratch(self, num_new: Mapping[int, int]) -> None:
+        """The scratch region: positions ``[committed_length, committed_length + n)`` per sequence, reserved
+        (all-or-nothing) for a drafter that runs layers of the target over this cache (self-draft). The engine
+        owns it: its next verify overwrites those positions and its commit keeps or releases them; a drafter
+        writes only there and never commits."""
+        self.reserve_many(num_new)
+
     def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:  # [end - start] int64
         table = self.block_tables[seq_id]
         if end > len(table) * self.block_size:

@@ -37,8 +37,8 @@ class SequenceStats:
         seconds = (s.finished_at or time.perf_counter()) - start
         acc = tuple(a / t if t else 0.0 for a, t in zip(s.depth_accepted, s.depth_tried))
         n = len(s.new_tokens)
-        return cls(s.num_prompt, n, s.steps, s.tau, seconds, n / seconds if seconds else 0.0, s.finish_reason or "",
-                   acc, tuple(s.depth_tried), tuple(s.depth_accepted), tuple(s.step_lengths))
+        return cls(s.num_prompt_tokens, n, s.steps, s.tau, seconds, n / seconds if seconds else 0.0,
+                   s.finish_reason or "", acc, tuple(s.depth_tried), tuple(s.depth_accepted), tuple(s.step_lengths))
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def pad_sequences(full: list[list[int]], pad_token_id: int) -> torch.Tensor:  # 
 def pack_output(engine: Engine, seqs: list[SequenceState], pad_token_id: int | None, return_dict: bool,
                 start: float, prefill_seconds: float) -> Any:
     """``pad_token_id`` None: lists (list input); else a padded tensor (tensor input)."""
-    full = [s.tokens for s in seqs]
+    full = [s.token_ids for s in seqs]
     sequences = full if pad_token_id is None else pad_sequences(full, pad_token_id)
     if not return_dict:
         return sequences
