@@ -11,8 +11,10 @@ from safetensors.torch import save_file
 from specdec.drafters.medusa import MedusaDrafter, validate_choices
 from specdec.drafters.medusa_heads import MedusaCheckpointError, MedusaConfig, MedusaHeads, load_medusa
 from specdec.drafters.medusa_tree import default_choices
+from specdec.eval.negative_controls import generate_with_control
 
 import specdec
+from specdec.rejection import EXACT
 from specdec.testing import build_tiny_model
 
 # batched, ragged lengths, a one-token prompt (no hidden state before its first root)
@@ -198,10 +200,9 @@ def test_generate_and_cli_by_name_with_a_path(tmp_path, capsys):
 
 
 # ---- sampling: exact through the rejection sampler -----------------------------------------------
-def _first_tokens(model, drafter, seed, rule=None):
-    kw = {} if rule is None else {"acceptance_rule": rule}
-    out = specdec.generate(model, [[1, 2, 3, 1, 2, 3, 1, 2]] * 6000, max_new_tokens=3, drafter=drafter,
-                           do_sample=True, seed=seed, temperature=0.9, top_k=3, return_dict=True, **kw)
+def _first_tokens(model, drafter, seed, rule=EXACT):
+    out = generate_with_control(model, [[1, 2, 3, 1, 2, 3, 1, 2]] * 6000, rule, max_new_tokens=3, drafter=drafter,
+                                do_sample=True, seed=seed, temperature=0.9, top_k=3, return_dict=True)
     return [tuple(t[:3]) for t in out.new_tokens], out.tau
 
 
