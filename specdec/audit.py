@@ -2,7 +2,7 @@
 
 Structural checks (``DraftTree.validate``) cannot see a drafter that draws its tokens from
 one distribution and reports another, which breaks exactness silently. The engine passes
-every stochastic proposal to :meth:`DraftAudit.observe` (on by default when sampling;
+every step's stochastic proposals to :meth:`DraftAudit.observe_many` (on by default when sampling;
 ``generate(audit_drafts=False)`` turns it off), which raises :class:`~specdec.tree.DraftError`
 naming the drafter once the evidence against it is overwhelming.
 
@@ -93,15 +93,35 @@ class DraftAudit:
 
     def observe(self, tree: DraftTree, drafter: str) -> None:
         """Audit one proposal; raise DraftError naming `drafter` when the e-value reaches 1 / alpha."""
-        if tree.mode is DraftMode.DETERMINISTIC or tree.num_nodes == 0:
-            return
-        self.update(self.transform(tree, drafter), drafter)
+        self.observe_many([tree], drafter)
+
+    def observe_many(self, trees: list[DraftTree], drafter: str) -> None:
+        """Audit one step's proposals. The sampled nodes of every independent-mode tree go through one batched
+        transform (their rows need nothing from each other); a without-replacement tree, whose rows depend on
+        their earlier siblings, goes alone. Under an honest drafter every u is uniform given all earlier ones,
+        whatever the order they are fed in, so the grouping keeps the test valid."""
+        sampled = [t for t in trees if t.mode is not DraftMode.DETERMINISTIC and t.num_nodes]
+        independent = [t for t in sampled if t.mode is DraftMode.INDEPENDENT]
+        if independent:
+            device = independent[0].draft_probs.device
+            probs = torch.cat([t.draft_probs.to(device) for t in independent])
+            tokens = torch.cat([t.tokens.to(device) for t in independent])
+            self.update(self._randomise(*self._intervals(probs, tokens, None, drafter)), drafter)
+        for t in sampled:
+            if t.mode is DraftMode.WITHOUT_REPLACEMENT:
+                self.update(self.transform(t, drafter), drafter)
 
     def intervals(self, tree: DraftTree, drafter: str = "drafter") -> tuple[torch.Tensor, torch.Tensor]:
         """(lo, width), each [num_nodes, 2] float64 on the host: node i's PIT is lo + V * width (columns = VIEWS)."""
-        probs = tree.draft_probs  # [n, vocab], stays on its device and in its dtype
-        dev, n = probs.device, tree.num_nodes
-        tokens, parents = tree.tokens.to(dev), tree.parents.to(dev)
+        without_replacement = tree.mode is DraftMode.WITHOUT_REPLACEMENT
+        return self._intervals(tree.draft_probs, tree.tokens, tree.parents if without_replacement else None, drafter)
+
+    def _intervals(self, probs: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None,
+                   drafter: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``probs`` [n, vocab] (stays on its device and in its dtype), ``tokens`` [n]; ``parents`` [n] for a
+        without-replacement tree (each row loses its earlier siblings' tokens), None for independent rows."""
+        dev, n = probs.device, probs.shape[0]
+        tokens = tokens.to(dev)
         # Masked sums as dot products with exact signs s in {+1, 0, -1} (a float difference is 0 only when the two
         # are equal), in the rows' dtype, float32 at least: bool masks cost ~4x more on CPU, float64 rows 2x the
         # bytes. With A, B the mass strictly above / below q(x): sum(q * s) = A - B, sum(q * |s|) = A + B. Rounding
@@ -117,7 +137,8 @@ class DraftAudit:
         torch.sub(tokens[:, None].to(q.dtype) - 0.5, ids, out=sign).sign_()  # +1 before x in token order, else -1
         below = (total + torch.linalg.vecdot(q, sign)) / 2
         drawn = drawn.squeeze(1)
-        if tree.mode is DraftMode.WITHOUT_REPLACEMENT:  # remove the earlier siblings' tokens from row i
+        if parents is not None:  # without replacement: remove the earlier siblings' tokens from row i
+            parents = parents.to(dev)
             at_sibling = q.gather(1, tokens[None, :].expand(n, n))  # [n, n]: q_i(x_j)
             earlier = (parents[:, None] == parents[None, :]) & torch.ones(n, n, dtype=torch.bool, device=dev).tril(-1)
             removed = torch.where(earlier, at_sibling, 0)  # [n, n], row i: mass of i's earlier siblings
@@ -134,8 +155,10 @@ class DraftAudit:
 
     def transform(self, tree: DraftTree, drafter: str = "drafter") -> torch.Tensor:
         """[num_nodes, 2] float64 (host): the token-order and probability-order randomised PIT of each node."""
-        lo, width = self.intervals(tree, drafter)
-        v = torch.rand(tree.num_nodes, 1, generator=self.generator, dtype=torch.float64)  # one V for both views
+        return self._randomise(*self.intervals(tree, drafter))
+
+    def _randomise(self, lo: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
+        v = torch.rand(lo.shape[0], 1, generator=self.generator, dtype=torch.float64)  # one V for both views
         return (lo + v * width).clamp_(0.0, 1.0)
 
     def update(self, u: torch.Tensor, drafter: str = "drafter") -> None:

@@ -161,9 +161,9 @@ class Engine:
             if not isinstance(tree, DraftTree):
                 raise DraftError(f"{name}: propose() returned {type(tree).__name__}, expected DraftTree")
             tree.validate(self.runner.shape.vocab_size, drafter=name)
-            if self.audit is not None:
-                self.audit.observe(tree, name)
             out.append(self._fit_budget(s, tree))
+        if self.audit is not None:
+            self.audit.observe_many(trees, name)  # every tree as proposed, before pruning
         return out
 
     def _fit_budget(self, s: SequenceState, tree: DraftTree) -> DraftTree:

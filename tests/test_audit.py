@@ -214,3 +214,22 @@ def test_generate_refuses_a_lying_drafter_and_can_be_told_not_to_audit():
     out = specdec.generate(model, prompts[:2], max_new_tokens=8, drafter=TemperatureLiar(), do_sample=True, seed=0,
                            audit_drafts=False)
     assert len(out) == 2
+
+
+def test_a_step_audited_at_once_equals_its_trees_one_by_one():
+    """observe_many (the engine's call: one batched transform for a step's independent trees) feeds the same
+    u-values as observing the same trees one at a time, so the batching changes nothing but the cost."""
+    gen = torch.Generator().manual_seed(4)
+    trees = []
+    for i in range(12):
+        probs = torch.softmax(torch.randn(VOCAB, generator=gen) * 2, -1)
+        mode = DraftMode.INDEPENDENT if i < 9 else DraftMode.WITHOUT_REPLACEMENT  # observe_many: independent first
+        trees.append(_tree(gen, mode, probs, probs))
+    trees.insert(4, DraftTree.empty())
+    batched, single = DraftAudit(seed=3), DraftAudit(seed=3)
+    batched.observe_many(trees, "d")
+    for t in trees:
+        single.observe(t, "d")
+    assert batched.draws == single.draws == 12 * 4
+    assert batched.e_value == pytest.approx(single.e_value, rel=1e-12)
+    assert torch.equal(batched._counts, single._counts)
