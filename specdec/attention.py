@@ -6,7 +6,7 @@ its keys are cache slots in position order; the first ``num_visible`` are seen b
 either causally (a run of new tokens: query i sees masked keys 0..i) or by its ancestor bits
 (a draft tree: bit j = the query sees masked key j, itself included). Nothing else. The
 reference path expands a dense mask from this only where SDPA needs one
-(:meth:`SeqAttention.dense_mask`); the Triton kernels read ``num_visible`` / ``ancestor_bits``
+(``SeqAttention.dense_mask``); the Triton kernels read ``num_visible`` / ``ancestor_bits``
 as they are (``specdec.kernels.tree_attention.TreeAttentionMetadata.from_plan``).
 
 :class:`AttentionPlan` holds every sequence of the forward and the slots its new K/V are written
@@ -64,7 +64,9 @@ class SeqAttention:
         """A causal run with no keys before it: SDPA's causal path and the kernel's causal mode, no dense mask."""
         return self.causal_run and self.num_visible == 0
 
+    @cached_property
     def dense_mask(self) -> torch.Tensor | None:  # [num_new, num_keys] bool, True = may attend; None = all visible
+        """Built once per forward (the plan is shared by every layer), only where SDPA needs a mask."""
         if self.ancestor_bits is None and self.num_new == 1:
             return None
         device = self.key_slots.device
@@ -137,7 +139,7 @@ class AttentionPlan:
             key_slots[b, :keys] = s.key_slots
             key_slots[b, keys:] = s.key_slots[0]
             query_rows[b, : s.num_new] = torch.arange(s.query_start, s.query_start + s.num_new, device=device)
-            dense = s.dense_mask()
+            dense = s.dense_mask
             mask[b, 0, : s.num_new, :keys] = True if dense is None else dense
             out_index.extend(range(b * max_new, b * max_new + s.num_new))
         return PaddedBatch(key_slots, query_rows, mask, torch.tensor(out_index, dtype=torch.long, device=device))
@@ -232,7 +234,7 @@ def paged_attention(
         ks = ks.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, keys, dim]
         vs = vs.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(  # a prefill takes SDPA's own causal path: no n x n mask is built
-            qs, ks, vs, attn_mask=None if s.prefill else s.dense_mask(), is_causal=s.prefill, scale=scale,
+            qs, ks, vs, attn_mask=None if s.prefill else s.dense_mask, is_causal=s.prefill, scale=scale,
             enable_gqa=True,
         )
         out[rows] = o[0].transpose(0, 1)
