@@ -47,6 +47,18 @@ def tiny_model():
     return build_tiny_model
 
 
+@pytest.fixture(scope="module")
+def eval_tiny_model():
+    """The loaded tiny model (vocab 16) of the acceptance-suite tests, run on ONE torch thread: a tiny model gains
+    nothing from two, and on a busy machine they wait on each other (10x slower)."""
+    from specdec.models.loader import load_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_model(build_tiny_model(vocab_size=16, seed=3))
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def shared_result(tmp_path_factory, worker_id) -> Callable[[str, Callable[[], object]], object]:
     """``shared_result(name, compute)``: compute a JSON-able result once per test session.

@@ -7,7 +7,6 @@ import json
 import math
 
 import pytest
-import torch
 from specdec.eval.acceptance import (
     Cell,
     SuiteConfig,
@@ -24,9 +23,7 @@ from specdec.eval.prompts import CATEGORIES, load_prompts
 from specdec.eval.report import markdown, write_reports
 from specdec.eval.verify_cost import measure_verify_costs
 
-from specdec.models.loader import load_model
 from specdec.sampling import SamplingConfig
-from specdec.testing import build_tiny_model
 
 PROMPTS = {"rep": [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 5, 6, 5]], "mixed": [[9, 4, 7, 1], [3, 3, 3, 3]]}
 COUNTS = ("prompts", "new_tokens", "steps", "forward_passes", "drafts", "draft_nodes", "depth_tried",
@@ -34,12 +31,8 @@ COUNTS = ("prompts", "new_tokens", "steps", "forward_passes", "drafts", "draft_n
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    # one thread: a tiny model gains nothing from two, and on a busy machine they wait on each other (10x slower)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_model(build_tiny_model(vocab_size=16, seed=3))
-    torch.set_num_threads(threads)
+def loaded(eval_tiny_model):
+    return eval_tiny_model
 
 
 def _oracle(loaded, k=3):  # the target drafting for itself: every draft is accepted

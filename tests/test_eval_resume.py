@@ -9,12 +9,10 @@ import json
 import shutil
 
 import pytest
-import torch
 from specdec.eval.acceptance import SuiteConfig, cell_path, merge_cells, run_cells, run_suite
 
 from specdec.errors import SpecdecError
-from specdec.models.loader import load_model
-from specdec.testing import build_tiny_model, save_tiny_checkpoint
+from specdec.testing import save_tiny_checkpoint
 
 PROMPTS = {"rep": [[1, 2, 3, 1, 2, 3, 1, 2]], "mix": [[9, 4, 7, 1, 3]]}
 
@@ -29,11 +27,8 @@ def _reseal(data: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_model(build_tiny_model(vocab_size=16, seed=3))
-    torch.set_num_threads(threads)
+def loaded(eval_tiny_model):
+    return eval_tiny_model
 
 
 @pytest.fixture(scope="module")
