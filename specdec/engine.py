@@ -186,10 +186,11 @@ class Engine:
             if cached != root_position:  # the invariant between steps (module docstring)
                 raise RuntimeError(f"sequence {s.seq_id}: the KV cache holds {cached} committed positions, "
                                    f"expected {root_position} (every token but the root)")
-            positions = torch.cat([torch.tensor([root_position]), tree.position_ids(root_position)])
+            # host-side per-sequence vectors (a drafter's tree may live on its device); the builder moves them once
+            positions = torch.cat([torch.tensor([root_position]), tree.position_ids(root_position).cpu()])
             tokens = [s.token_ids[-1]] + tree.tokens.tolist()
             if tree.num_nodes:
-                bits = torch.cat([torch.zeros(1, dtype=torch.long), tree.ancestor_bits()])  # [1 + num_nodes]
+                bits = torch.cat([torch.zeros(1, dtype=torch.long), tree.ancestor_bits().cpu()])  # [1 + num_nodes]
                 builder.add(s.seq_id, tokens, positions, cached + len(tokens), cached + 1, bits)
             else:
                 builder.add(s.seq_id, tokens, positions, cached + 1, cached)

@@ -169,7 +169,8 @@ class DraftTree:
         return mask
 
     def ancestor_bits(self) -> torch.Tensor:  # [num_nodes] int64 bitmask of ancestor_mask rows
-        weights = torch.ones(self.num_nodes, dtype=torch.long) << torch.arange(self.num_nodes)
+        weights = torch.ones(self.num_nodes, dtype=torch.long, device=self.parents.device) << torch.arange(
+            self.num_nodes, device=self.parents.device)
         return (self.ancestor_mask.long() * weights).sum(-1)
 
     @cached_property
