@@ -40,7 +40,7 @@ def _is_ndarray(value: Any) -> bool:
     return np is not None and isinstance(value, np.ndarray)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     """A Python / numpy integer, or a 0-D integer tensor; never a bool."""
     if isinstance(value, torch.Tensor):
         return value.dim() == 0 and _int_dtype(value.dtype)
@@ -62,7 +62,7 @@ def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | 
     """``value`` as an int, refusing bools, floats, strings (``InputTypeError``) and values out of range."""
     if value is None and optional:
         return None
-    if not _is_int(value):
+    if not is_int(value):
         kind = "an int or None" if optional else "an int"
         raise InputTypeError(f"{name} must be {kind}, got {describe(value)}")
     value = int(value)
@@ -154,7 +154,7 @@ def parse_input_ids(input_ids: Any, attention_mask: Any = None) -> list[list[int
     if isinstance(input_ids, Mapping):
         raise InputTypeError("input_ids must be token ids, got a mapping (a tokenizer's output?): pass "
                              "enc['input_ids'] and attention_mask=enc['attention_mask']")
-    prompts, shape = _rows("input_ids", input_ids, _is_int, _int_array_dtype, _IDS, "an int token id")
+    prompts, shape = _rows("input_ids", input_ids, is_int, _int_array_dtype, _IDS, "an int token id")
     prompts = [[int(t) for t in p] for p in prompts]  # 0-D tensors / numpy ints -> int
     if not prompts:
         raise InputError("input_ids holds no prompt")
@@ -193,7 +193,7 @@ def parse_eos(eos_token_id: Any, vocab_size: int) -> frozenset[int]:
     """EOS ids as transformers takes them, each checked against the vocabulary."""
     if eos_token_id is None:
         return frozenset()
-    if _is_int(eos_token_id):
+    if is_int(eos_token_id):
         items = [eos_token_id]
     elif isinstance(eos_token_id, torch.Tensor) or _is_ndarray(eos_token_id):
         is_tensor = isinstance(eos_token_id, torch.Tensor)
@@ -201,7 +201,7 @@ def parse_eos(eos_token_id: Any, vocab_size: int) -> frozenset[int]:
                                          else eos_token_id.dtype.kind in "iu"):
             raise InputTypeError(f"eos_token_id must be {_EOS}, got {describe(eos_token_id)}")
         items = eos_token_id.reshape(-1).tolist()
-    elif isinstance(eos_token_id, (list, tuple, set, frozenset)) and all(_is_int(x) for x in eos_token_id):
+    elif isinstance(eos_token_id, (list, tuple, set, frozenset)) and all(is_int(x) for x in eos_token_id):
         items = list(eos_token_id)
     else:
         raise InputTypeError(f"eos_token_id must be {_EOS}, got {describe(eos_token_id)}")
@@ -222,7 +222,7 @@ def parse_stop(stop: Any) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]
         return (), ()
     if isinstance(stop, str):
         stop = [stop]
-    if _is_int(stop):
+    if is_int(stop):
         raise InputTypeError(f"stop must be {_STOP}, got {describe(stop)}; for the token id pass stop=[[{int(stop)}]] "
                              f"or eos_token_id={int(stop)}")
     if not isinstance(stop, (list, tuple, set, frozenset)):
@@ -234,10 +234,10 @@ def parse_stop(stop: Any) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]
             if not s:
                 raise InputError(f"stop[{i}] is an empty string: it would stop at once")
             strings.append(s)
-        elif _is_int(s):
+        elif is_int(s):
             raise InputTypeError(f"stop[{i}] is a bare token id ({int(s)}): ambiguous; pass stop=[[{int(s)}]] for a "
                                  f"one-token stop sequence, or eos_token_id={int(s)}")
-        elif isinstance(s, (list, tuple)) and all(_is_int(t) for t in s):
+        elif isinstance(s, (list, tuple)) and all(is_int(t) for t in s):
             if not s:
                 raise InputError(f"stop[{i}] is an empty token sequence: it would stop at once")
             seqs.append(tuple(int(t) for t in s))

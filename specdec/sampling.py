@@ -14,11 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.errors import InputError, InputTypeError
-
-
-def _short(value: object) -> str:
-    text = repr(value).replace("\n", " ")
-    return text if len(text) <= 40 else text[:37] + "..."
+from specdec.generate_inputs import describe
 
 
 @dataclass(frozen=True)
@@ -31,15 +27,13 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         # one-line InputError / InputTypeError naming the argument (specdec.errors); bools are not numbers here
         if not isinstance(self.do_sample, bool):
-            raise InputTypeError(f"do_sample must be True or False, got {type(self.do_sample).__name__} "
-                                 f"{_short(self.do_sample)}")
+            raise InputTypeError(f"do_sample must be True or False, got {describe(self.do_sample)}")
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise InputTypeError(f"{name} must be a number, got {type(value).__name__} {_short(value)}")
+                raise InputTypeError(f"{name} must be a number, got {describe(value)}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
-            raise InputTypeError(f"top_k must be an int >= 0 (0 disables it), got {type(self.top_k).__name__} "
-                                 f"{_short(self.top_k)}")
+            raise InputTypeError(f"top_k must be an int >= 0 (0 disables it), got {describe(self.top_k)}")
         if self.do_sample and not self.temperature > 0:
             raise InputError(
                 f"temperature must be > 0 when sampling, got {self.temperature}; "

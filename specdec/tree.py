@@ -21,6 +21,7 @@ from functools import cached_property
 import torch
 
 from specdec.errors import SpecdecError
+from specdec.generate_inputs import is_int
 
 MAX_TREE_NODES = 64  # the ancestor bitmask of the GPU kernels holds 64 bits
 
@@ -41,22 +42,13 @@ def _describe(x) -> str:
     return f"{type(x).__name__} {x!r}" if not isinstance(x, torch.Tensor) else f"{x.dtype} tensor {x.tolist()!r}"
 
 
-def _is_integer_id(x) -> bool:
-    """A Python / numpy / 0-D tensor integer; bools and floats are not ids (even 3.0: ids are never truncated)."""
-    if isinstance(x, torch.Tensor):
-        return x.dim() == 0 and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
-    if isinstance(x, bool) or type(x).__name__ == "bool_":
-        return False
-    return isinstance(x, int) or getattr(getattr(x, "dtype", None), "kind", None) in ("i", "u")  # numpy ints
-
-
 def _id_vector(value, what: str) -> torch.Tensor:
     """`value` (tensor, list, tuple, numpy array, scalar) as a 1-D int64 tensor, or a one-line DraftError.
 
     Float, bool and complex ids are refused, not truncated: a drafter that hands over 3.7 has a bug."""
     if isinstance(value, (list, tuple)):
         for i, x in enumerate(value):
-            if not _is_integer_id(x):
+            if not is_int(x):
                 raise DraftError(f"{what} must be integer ids, got {_describe(x)} at node {i} "
                                  "(float and bool ids are refused, not truncated)")
         try:
