@@ -14,9 +14,11 @@ Lifecycle, driven by the engine:
 3. ``on_accept(seq_id, committed)`` after the commit: the tokens committed this step.
 4. ``release(seq_id)`` when a sequence finishes.
 
-A drafter that sets ``needs_hidden_states = True`` (Medusa) finds in
-``SequenceView.last_hidden`` the target's final-norm hidden state of the token *before*
-the root, i.e. of the row whose logits chose the root.
+A drafter that sets ``needs_hidden_states = True`` finds in ``SequenceView.new_hidden`` the
+target's final-norm hidden states of the positions committed since its previous ``propose``
+(after prefill: every prompt token but the root; after a step: the previous root and the
+accepted nodes), ending at the token *before* the root, whose logits chose the root.
+``SequenceView.last_hidden`` is that last row (Medusa); EAGLE reads them all.
 
 The engine talks to every drafter through this class. Any object with a ``propose`` method
 is accepted too: :func:`as_drafter` wraps it once, so the engine never probes attributes.
@@ -79,9 +81,14 @@ class SequenceView:
     # prompt + every committed token (read-only); the last one is the root of the next draft tree
     token_ids: Sequence[int]
     num_prompt_tokens: int
-    # [hidden_size] target hidden state (after the final norm) at token_ids[-2]; only for
-    # drafters with needs_hidden_states, None for a one-token prompt's first step
-    last_hidden: torch.Tensor | None = None
+    # [k, hidden_size] target hidden states (after the final norm) of the k positions committed since the
+    # previous propose, ending at token_ids[-2]; only for drafters with needs_hidden_states, None for a
+    # one-token prompt's first step
+    new_hidden: torch.Tensor | None = None
+
+    @property
+    def last_hidden(self) -> torch.Tensor | None:  # [hidden_size] at token_ids[-2], the row that chose the root
+        return None if self.new_hidden is None else self.new_hidden[-1]
 
 
 class Drafter(ABC):

@@ -42,8 +42,9 @@ class SequenceState:
     depth_accepted: list[int] = field(default_factory=list)  # per depth d+1: steps that accepted one
     step_lengths: list[int] = field(default_factory=list)  # tokens committed by each step
     finished_at: float | None = None  # time.perf_counter() when it finished
-    # [hidden_size] target hidden state at token_ids[-2] (kept only for drafters that ask)
-    last_hidden: torch.Tensor | None = None
+    # [k, hidden_size] target final-norm hidden states of the k positions committed by the last prefill or
+    # step, ending at token_ids[-2] (kept only for drafters that ask; None for a one-token prompt's first step)
+    new_hidden: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:
@@ -115,13 +116,13 @@ class Engine:
                 n = len(s.token_ids) - 1
                 builder.add(s.seq_id, s.token_ids[:-1], range(n), num_keys=n, num_visible=0)
             batch = builder.build()
-            # the last prompt row's hidden state is what a Medusa-style drafter starts from
-            last_rows = torch.tensor([rows[-1] for rows in batch.rows], device=batch.token_ids.device)
+            # hidden states of every prompt row but the root: Medusa starts from the last, EAGLE reads them all
+            rows = torch.arange(batch.token_ids.numel(), device=batch.token_ids.device)
             out = self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache,
-                                      last_rows if self.keep_hidden else None)
+                                      rows if self.keep_hidden else None, with_logits=False)
             if self.keep_hidden:
-                for s, h in zip(todo, out.hidden):
-                    s.last_hidden = h
+                for s, seq_rows in zip(todo, batch.rows):
+                    s.new_hidden = out.hidden[list(seq_rows)]
             self.cache.commit({s.seq_id: range(len(s.token_ids) - 1) for s in todo})
         return new
 
@@ -136,7 +137,7 @@ class Engine:
         out = self.verify(batch)
         acceptances = rejection_sample(trees, out.logits[batch.row_index], self.sampling, self.generator, self.rule)
         if self.keep_hidden:
-            self.keep_last_hidden(live, acceptances, out.hidden[batch.row_index])
+            self.keep_new_hidden(live, acceptances, out.hidden[batch.row_index])
         emitted = self.commit(live, acceptances)
         self.seconds["draft"] += t1 - t0
         self.seconds["verify"] += time.perf_counter() - t1  # verify forward + sampling + commit
@@ -145,7 +146,7 @@ class Engine:
     def propose(self, live: list[SequenceState]) -> list[DraftTree]:
         if self.drafter is None:
             return [DraftTree.empty() for _ in live]
-        views = [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, s.last_hidden) for s in live]
+        views = [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, s.new_hidden) for s in live]
         name = self.drafter.name
         try:
             trees = self.drafter.propose(views)
@@ -207,11 +208,11 @@ class Engine:
         return self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache, all_rows)
 
     @staticmethod
-    def keep_last_hidden(live: list[SequenceState], acceptances: list[Acceptance], hidden: torch.Tensor) -> None:
-        """hidden [B, max_nodes + 1, H]: keep the row of the last accepted node (or the root)."""
+    def keep_new_hidden(live: list[SequenceState], acceptances: list[Acceptance], hidden: torch.Tensor) -> None:
+        """hidden [B, max_nodes + 1, H]: keep the rows of the root and the accepted nodes (the committed path)."""
         for b, (s, acc) in enumerate(zip(live, acceptances)):
-            row = 1 + int(acc.accepted_nodes[-1]) if acc.accepted_nodes.numel() else 0
-            s.last_hidden = hidden[b, row]
+            rows = torch.cat([acc.accepted_nodes.new_zeros(1), acc.accepted_nodes + 1]).to(hidden.device)
+            s.new_hidden = hidden[b, rows]
 
     def commit(self, live: list[SequenceState], acceptances: list[Acceptance]) -> dict[int, list[int]]:
         """Emit accepted + next tokens (up to a stop), keep the accepted path's K/V, free the rest."""

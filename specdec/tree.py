@@ -81,6 +81,10 @@ class DraftTree:
     # (the drafter's distribution at parents[i], after temperature/top-k/top-p), or None
     draft_probs: torch.Tensor | None = None
     mode: DraftMode = DraftMode.DETERMINISTIC
+    # [num_nodes] float in [0, 1]: the drafter's own estimate that node i is accepted given its parent is
+    # (e.g. its draft probability). Only tree sizing reads it (a pruned tree is still verified exactly);
+    # acceptance never does. None: the drafter gives no estimate.
+    scores: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         tokens = _id_vector(self.tokens, "tokens")
@@ -116,6 +120,13 @@ class DraftTree:
                 raise DraftError(
                     f"draft_probs must be [num_nodes={tokens.numel()}, vocab], got {tuple(self.draft_probs.shape)}"
                 )
+        if self.scores is not None:
+            sc = self.scores
+            if not isinstance(sc, torch.Tensor) or not sc.is_floating_point() or tuple(sc.shape) != (tokens.numel(),):
+                got = tuple(sc.shape) if isinstance(sc, torch.Tensor) else type(sc).__name__
+                raise DraftError(f"scores must be a float tensor [num_nodes={tokens.numel()}], got {got}")
+            if sc.numel() and not bool(((sc >= 0) & (sc <= 1)).all()):
+                raise DraftError("scores must lie in [0, 1] (estimated acceptance probabilities)")
 
     # ---- constructors -------------------------------------------------------------------
     @classmethod
@@ -123,12 +134,13 @@ class DraftTree:
         return cls(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
 
     @classmethod
-    def chain(cls, tokens, draft_probs: torch.Tensor | None = None, mode: DraftMode | None = None) -> "DraftTree":
+    def chain(cls, tokens, draft_probs: torch.Tensor | None = None, mode: DraftMode | None = None,
+              scores: torch.Tensor | None = None) -> "DraftTree":
         tokens = _id_vector(tokens, "tokens")  # float / bool ids refused here too, not truncated
         parents = torch.arange(tokens.numel()) - 1
         if mode is None:
             mode = DraftMode.DETERMINISTIC if draft_probs is None else DraftMode.INDEPENDENT
-        return cls(tokens, parents, draft_probs, mode)
+        return cls(tokens, parents, draft_probs, mode, scores)
 
     # ---- derived structure --------------------------------------------------------------
     @property
@@ -193,7 +205,8 @@ class DraftTree:
         new_index = keep.long().cumsum(0) - 1  # old index -> new index for kept nodes
         parents = torch.where(self.parents >= 0, new_index[self.parents.clamp(min=0)], self.parents)[keep]
         probs = None if self.draft_probs is None else self.draft_probs[keep]
-        return DraftTree(self.tokens[keep], parents, probs, self.mode)
+        scores = None if self.scores is None else self.scores[keep.to(self.scores.device)]
+        return DraftTree(self.tokens[keep], parents, probs, self.mode, scores)
 
     # ---- checks the engine runs on every proposal ---------------------------------------
     def validate(self, vocab_size: int, drafter: str = "drafter", atol: float = 1e-4) -> None:
