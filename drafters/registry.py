@@ -11,6 +11,8 @@ BUILTIN = {
     "draft-model": "specdec.drafters.draft_model:DraftModelDrafter",
     "self-draft": "specdec.drafters.self_draft:SelfDraftDrafter",
     "medusa": "specdec.drafters.medusa:MedusaDrafter",
+    "eagle": "specdec.drafters.eagle:EagleDrafter",
+    "combined": "specdec.drafters.combined:CombinedDrafter",
 }
 
 

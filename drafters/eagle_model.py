@@ -1,0 +1,206 @@
+"""The EAGLE draft model: one decoder layer of the target's own type over the target's features.
+
+At position ``j + 1`` it reads the target's final-norm hidden state ``f_j`` (the feature whose
+logits chose token ``t_{j+1}``) and the embedding of ``t_{j+1}``, and predicts the next feature
+``f_{j+1}``; the draft logits over ``t_{j+2}`` are that prediction through an LM head::
+
+    x   = fc(cat(embed(t_{j+1}), f_j))                     # [.., 2H] -> [.., H]
+    h   = x + attn(x)   (RoPE, GQA; keys: the earlier pairs and, in a tree, the node's ancestors)
+    f^  = h + mlp(rms_norm(h))                              # SwiGLU
+    logits = lm_head(f^)     # the target's LM head, or N rows of it (reduced draft vocabulary)
+
+Deeper draft steps feed ``f^`` back in place of the target's feature (EAGLE-1/2). Parameter
+names follow the published EAGLE-1 layout (``fc.*``, ``layers.0.self_attn.*``,
+``layers.0.post_attention_layernorm.weight``, ``layers.0.mlp.*``) plus ``lm_head.weight`` and the
+EAGLE-3 draft-to-target map ``d2t`` (token id = index + d2t[index]) for a reduced vocabulary.
+
+    model = EagleModel(EagleConfig.for_target(hf_config, draft_vocab=ids))
+    out, k, v = model(embeds, features, cos, sin, mask, past_k, past_v)
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from specdec.errors import InputError
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    num_features: int = 1  # target feature vectors per position (1: EAGLE-1/2's last hidden state)
+    draft_vocab: tuple[int, ...] = ()  # token ids of a reduced LM head; () = the target's full LM head
+    base_model_name_or_path: str = ""
+    # the draft tree chosen by training (drafter options override): depth, candidates per expansion, node budget
+    depth: int = 5
+    top_k: int = 8
+    max_nodes: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+                     "num_features", "depth", "top_k", "max_nodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InputError(f"EagleConfig.{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise InputError(f"EagleConfig: num_heads {self.num_heads} is not a multiple of num_kv_heads "
+                             f"{self.num_kv_heads}")
+        vocab = tuple(int(t) for t in self.draft_vocab)
+        object.__setattr__(self, "draft_vocab", vocab)
+        if vocab and (min(vocab) < 0 or max(vocab) >= self.vocab_size or len(set(vocab)) != len(vocab)):
+            raise InputError(f"EagleConfig.draft_vocab must hold distinct ids in [0, {self.vocab_size})")
+
+    @classmethod
+    def for_target(cls, hf_config, **overrides) -> "EagleConfig":
+        """The draft layer shaped like one layer of ``hf_config`` (a transformers Llama-family config)."""
+        heads = hf_config.num_attention_heads
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        fields = dict(
+            hidden_size=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size, num_heads=heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", heads) or heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            vocab_size=hf_config.vocab_size, rms_norm_eps=float(hf_config.rms_norm_eps), rope_theta=float(theta),
+            base_model_name_or_path=str(getattr(hf_config, "_name_or_path", "") or ""))
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["draft_vocab"] = list(self.draft_vocab)
+        return d
+
+
+class EagleAttention(nn.Module):
+    def __init__(self, c: EagleConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+
+class EagleMLP(nn.Module):
+    def __init__(self, c: EagleConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class EagleLayer(nn.Module):
+    """A Llama decoder layer without the input norm (the fc output enters attention directly, as in EAGLE)."""
+
+    def __init__(self, c: EagleConfig) -> None:
+        super().__init__()
+        self.self_attn = EagleAttention(c)
+        self.post_attention_layernorm = nn.Module()
+        self.post_attention_layernorm.weight = nn.Parameter(torch.ones(c.hidden_size))
+        self.mlp = EagleMLP(c)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class EagleModel(nn.Module):
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        c = self.config = config
+        if c.num_features != 1:
+            raise InputError(f"this EAGLE drafter reads 1 target feature per position (the last hidden state); "
+                             f"the config asks for {c.num_features} (EAGLE-3 fused features are not supported)")
+        self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=True)
+        self.layers = nn.ModuleList([EagleLayer(c)])
+        if c.draft_vocab:
+            ids = torch.tensor(c.draft_vocab, dtype=torch.long)
+            self.lm_head = nn.Linear(c.hidden_size, len(ids), bias=False)
+            self.register_buffer("d2t", ids - torch.arange(len(ids)), persistent=True)  # [N] EAGLE-3 layout
+        else:
+            self.lm_head = None  # the target's own LM head
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:  # [N] token id of each reduced logit, None = full vocabulary
+        return None if self.lm_head is None else self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    def init_from_target(self, hf_model) -> None:
+        """Start from the target's last decoder layer and its LM head rows; fc starts as [0 | I] (feature through)."""
+        last = hf_model.model.layers[-1]
+        with torch.no_grad():
+            mine = self.layers[0]
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(mine.self_attn, name).weight.copy_(getattr(last.self_attn, name).weight)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(mine.mlp, name).weight.copy_(getattr(last.mlp, name).weight)
+            mine.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
+            H = self.config.hidden_size
+            self.fc.weight.zero_()
+            self.fc.weight[:, H:] = torch.eye(H)
+            self.fc.bias.zero_()
+            if self.lm_head is not None:
+                self.lm_head.weight.copy_(hf_model.get_output_embeddings().weight[self.draft_ids])
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq  # [..., L, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)  # [..., L, head_dim] each
+
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [B, L, H] target embeddings of the tokens t_{j+1}
+        features: torch.Tensor,  # [B, L, H] target (or predicted) features f_j
+        positions: torch.Tensor,  # [B, L] or [L] position ids (of t_{j+1})
+        mask: torch.Tensor,  # [B or 1, L, P + L] bool, True = may attend (P = past keys)
+        past_k: torch.Tensor | None = None,  # [B, kv_heads, P, head_dim]
+        past_v: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Predicted features [B, L, H] and this call's keys / values [B, kv_heads, L, head_dim]."""
+        c = self.config
+        B, L, _ = embeds.shape
+        x = self.fc(torch.cat([embeds, features], dim=-1))
+        attn = self.layers[0].self_attn
+        q = attn.q_proj(x).view(B, L, c.num_heads, c.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(B, L, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(B, L, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        cos, sin = self.rope(positions, x.dtype)
+        if cos.dim() == 2:
+            cos, sin = cos[None], sin[None]
+        cos, sin = cos[:, None], sin[:, None]  # [B or 1, 1, L, head_dim]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+        values = v if past_v is None else torch.cat([past_v, v], dim=2)
+        groups = c.num_heads // c.num_kv_heads
+        o = F.scaled_dot_product_attention(q, keys.repeat_interleave(groups, dim=1),
+                                           values.repeat_interleave(groups, dim=1), attn_mask=mask[:, None])
+        h = x + attn.o_proj(o.transpose(1, 2).reshape(B, L, c.num_heads * c.head_dim))
+        layer = self.layers[0]
+        h = h + layer.mlp(_rms_norm(h, layer.post_attention_layernorm.weight, c.rms_norm_eps))
+        return h, k, v
+
+    def logits(self, features: torch.Tensor, target_lm_head: torch.Tensor) -> torch.Tensor:
+        """[.., H] predicted features -> [.., N] draft logits (N = the draft vocabulary, or the target's)."""
+        if self.lm_head is not None:
+            return self.lm_head(features)
+        return F.linear(features, target_lm_head)
