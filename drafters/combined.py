@@ -1,0 +1,221 @@
+"""Combined drafter: runs several drafters and offers, per sequence and step, their merged tree or the best one.
+
+    generate(model, ids, drafter="combined",
+             drafter_options={"drafters": ["ngram", {"name": "medusa", "path": "heads/"}], "mode": "merge"})
+
+Children are given by name (``"ngram"``), by name with options (``{"name": "medusa", "path": ...}``), or as
+Drafter instances (or any object with ``propose``). Every lifecycle call (seed, attach, on_accept, release) goes
+to every child; the combined drafter needs hidden states when any child does.
+
+Modes (``CombinedConfig.mode``):
+
+- ``"merge"`` (default): the trie union of the children's trees (:func:`specdec.tree_merge.merge_trees`),
+  capped at ``max_nodes`` by path score. Trees with draft_probs (sampling drafters) cannot be merged exactly:
+  then the candidates are the merge of the deterministic trees and each probabilistic tree, and the best is
+  offered, as in ``"best"``.
+- ``"best"``: the child tree with the highest value, expected committed tokens (1 + sum of node path
+  acceptance estimates) per unit of estimated cost.
+
+Estimates. A child tree's ``scores`` are used where it has them; otherwise every node gets the child's online
+acceptance rate, which this drafter keeps per child from ``on_accept``: after each step it walks each child's
+own proposal along the committed tokens and counts, level by level, whether one of its candidates was the
+committed token (a Beta prior of ``prior_weight`` pseudo-trials at ``prior_score``). Siblings share a level's
+rate equally. Cost: ``verify_cost(n)`` if given (a callable, verify cost of n tree nodes in decode steps, e.g.
+from a measured cost model), else ``1 + alpha * n``. The drafting cost of the children is the same for every
+candidate (they all ran), so it does not change the ranking.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from specdec.drafters.base import Drafter, SequenceView, TargetView, as_drafter
+from specdec.drafters.registry import get_drafter
+
+from specdec.errors import InputError, InputTypeError
+from specdec.tree import MAX_TREE_NODES, DraftError, DraftMode, DraftTree
+from specdec.tree_merge import expected_committed_tokens, merge_trees
+
+logger = logging.getLogger(__name__)
+
+MODES = ("merge", "best")
+
+
+@dataclass(frozen=True)
+class CombinedConfig:
+    mode: str = "merge"  # "merge": trie union of the children's trees; "best": the most valuable child tree
+    max_nodes: int = MAX_TREE_NODES  # cap on the merged tree (highest path scores kept)
+    # verify cost of an n-node tree in decode steps when no verify_cost is given: 1 + alpha * n. 0.05 is the
+    # order of a 2-core CPU for a handful of nodes (2-4 tokens ~1.05x a decode step); on a GPU it is ~0.
+    alpha: float = 0.05
+    prior_score: float = 0.5  # acceptance rate per level assumed for a child before any step was seen
+    prior_weight: float = 4.0  # pseudo-trials of that prior (how fast the online estimate takes over)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InputError(f"combined drafter: mode must be one of {list(MODES)}, got {self.mode!r}")
+        if isinstance(self.max_nodes, bool) or not isinstance(self.max_nodes, int) \
+                or not 1 <= self.max_nodes <= MAX_TREE_NODES:
+            raise InputError(f"combined drafter: max_nodes must be an int in [1, {MAX_TREE_NODES}], "
+                             f"got {self.max_nodes!r}")
+        for name, lo, hi in (("alpha", 0.0, None), ("prior_score", 0.0, 1.0), ("prior_weight", 0.0, None)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= lo \
+                    or (hi is not None and value > hi):
+                bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+                raise InputError(f"combined drafter: {name} must be a number {bound}, got {value!r}")
+
+
+def build_child(spec: Any) -> Drafter:
+    """A child drafter from a name, ``{"name": ..., **options}``, or a Drafter / object with ``propose``."""
+    if isinstance(spec, str):
+        return get_drafter(spec)
+    if isinstance(spec, Mapping):
+        options = dict(spec)
+        name = options.pop("name", None)
+        if not isinstance(name, str):
+            raise InputTypeError(f"combined drafter: a child given as a dict needs a 'name' string, got {spec!r}")
+        return get_drafter(name, **options)
+    if callable(getattr(spec, "propose", None)):
+        return as_drafter(spec)
+    raise InputTypeError(f"combined drafter: each child must be a name, a dict with 'name', or a drafter, "
+                         f"got {type(spec).__name__}")
+
+
+class _Rate:
+    """Online per-level acceptance rate of one child: successes / trials with a Beta prior."""
+
+    __slots__ = ("successes", "trials")
+
+    def __init__(self) -> None:
+        self.successes = 0
+        self.trials = 0
+
+    def value(self, prior: float, weight: float) -> float:
+        return (self.successes + prior * weight) / (self.trials + weight) if self.trials + weight > 0 else prior
+
+
+def _matched_levels(tree: tuple[list[int], list[int]], committed: Sequence[int]) -> tuple[int, int]:
+    """(trials, successes) of walking ``tree`` (tokens, parents) along ``committed``: one trial per level
+    where the matched node (or the root) has candidates, a success when one of them is the committed token."""
+    tokens, parents = tree
+    kids: dict[int, dict[int, int]] = {}
+    for i, (tok, p) in enumerate(zip(tokens, parents)):
+        kids.setdefault(p, {}).setdefault(tok, i)
+    trials = successes = 0
+    node = -1
+    for tok in committed:
+        options = kids.get(node)
+        if not options:
+            break
+        trials += 1
+        node = options.get(int(tok), -2)
+        if node == -2:
+            break
+        successes += 1
+    return trials, successes
+
+
+class CombinedDrafter(Drafter):
+    """Several drafters as one: see the module docstring."""
+
+    def __init__(self, drafters: Sequence[Any] = ("ngram",), config: CombinedConfig | None = None,
+                 verify_cost: Callable[[int], float] | None = None, **options: Any) -> None:
+        if config is not None and options:
+            raise InputError("combined drafter: pass either config= or keyword options, not both")
+        self.config = config or CombinedConfig(**options)
+        if isinstance(drafters, (str, Mapping)) or not isinstance(drafters, Sequence) or not drafters:
+            raise InputError("combined drafter: drafters must be a non-empty list of children, "
+                             f"got {drafters!r}")
+        self.children: list[Drafter] = [build_child(spec) for spec in drafters]
+        if verify_cost is not None and not callable(verify_cost):
+            raise InputTypeError("combined drafter: verify_cost must be a callable n -> cost in decode steps")
+        self.verify_cost = verify_cost
+        self.name = "combined(" + "+".join(c.name for c in self.children) + ")"
+        self.needs_hidden_states = any(c.needs_hidden_states for c in self.children)
+        self.rates = [_Rate() for _ in self.children]
+        # seq_id -> per child (tokens, parents) of its last proposal, for the online rates
+        self._last: dict[int, list[tuple[list[int], list[int]]]] = {}
+        self.chosen: list[int] = [0] * (len(self.children) + 1)  # instrumentation: picks per child, last = merge
+
+    # ---- lifecycle: every call to every child ------------------------------------------------
+    def seed_from_generate(self, seed: int | None) -> None:
+        for child in self.children:
+            child.seed_from_generate(seed)
+
+    def attach(self, target: TargetView) -> None:
+        self.target = target
+        for child in self.children:
+            child.attach(target)
+
+    def on_accept(self, seq_id: int, committed: Sequence[int]) -> None:
+        for k, tree in enumerate(self._last.pop(seq_id, ())):
+            trials, successes = _matched_levels(tree, committed)
+            self.rates[k].trials += trials
+            self.rates[k].successes += successes
+        for child in self.children:
+            child.on_accept(seq_id, committed)
+
+    def release(self, seq_id: int) -> None:
+        self._last.pop(seq_id, None)
+        for child in self.children:
+            child.release(seq_id)
+
+    # ---- proposals ---------------------------------------------------------------------------
+    def child_rate(self, k: int) -> float:
+        """Child k's estimated acceptance rate per tree level (online, with the prior)."""
+        return self.rates[k].value(self.config.prior_score, self.config.prior_weight)
+
+    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
+        per_child = []
+        for child in self.children:
+            trees = child.propose(seqs)
+            if len(trees) != len(seqs):
+                raise DraftError(f"{child.name}: returned {len(trees)} trees for {len(seqs)} sequences")
+            per_child.append(trees)
+        out = []
+        for s, view in enumerate(seqs):
+            trees = [per_child[k][s] for k in range(len(self.children))]
+            self._last[view.seq_id] = [(t.tokens.tolist(), t.parents.tolist()) for t in trees]
+            out.append(self._combine(trees))
+        return out
+
+    def _combine(self, trees: list[DraftTree]) -> DraftTree:
+        scored = [(k, self._with_scores(k, t)) for k, t in enumerate(trees) if t.num_nodes]
+        if not scored:
+            return trees[0]
+        if len(scored) == 1:
+            self.chosen[scored[0][0]] += 1
+            return scored[0][1]
+        candidates = scored
+        if self.config.mode == "merge":
+            exact = [t for _, t in scored if t.mode is DraftMode.DETERMINISTIC]
+            sampled = [(k, t) for k, t in scored if t.mode is not DraftMode.DETERMINISTIC]
+            merged = merge_trees(exact, max_nodes=self.config.max_nodes) if exact else None
+            if not sampled:
+                self.chosen[-1] += 1
+                return merged
+            candidates = sampled + ([(len(self.children), merged)] if merged is not None else [])
+        k, best = max(candidates, key=lambda kt: self.value(kt[1]))
+        self.chosen[k if k < len(self.children) else -1] += 1
+        return best
+
+    def _with_scores(self, k: int, tree: DraftTree) -> DraftTree:
+        """``tree`` with scores: its own, else child k's level rate shared equally among siblings."""
+        if tree.scores is not None or not tree.num_nodes:
+            return tree
+        rate = self.child_rate(k)
+        siblings = [len(group) for group in tree.children]  # index 0: root's children
+        parents = tree.parents.tolist()
+        scores = torch.tensor([rate / siblings[p + 1] for p in parents], dtype=torch.float32,
+                              device=tree.tokens.device)
+        return DraftTree(tree.tokens, tree.parents, tree.draft_probs, tree.mode, scores)
+
+    def value(self, tree: DraftTree) -> float:
+        """Expected committed tokens per unit of estimated verify cost (tree already scored)."""
+        n = tree.num_nodes
+        cost = float(self.verify_cost(n)) if self.verify_cost is not None else 1.0 + self.config.alpha * n
+        return expected_committed_tokens(tree) / max(cost, 1e-9)

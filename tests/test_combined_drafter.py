@@ -1,0 +1,263 @@
+"""The combined drafter and tree merging: trie union, refusal of sampled trees, the 64-node cap, lifecycle
+forwarding, online acceptance estimates, and greedy output identical to plain decoding."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from specdec.drafters.base import Drafter, SequenceView
+from specdec.drafters.combined import CombinedDrafter
+from specdec.drafters.ngram import NGramDrafter
+from specdec.drafters.registry import get_drafter
+
+from specdec.errors import InputError
+from specdec.generate import generate
+from specdec.testing import build_tiny_model
+from specdec.tree import MAX_TREE_NODES, DraftError, DraftMode, DraftTree
+from specdec.tree_merge import merge_trees, path_scores
+
+
+def token_paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    """Every root-to-node path of `tree` as a token tuple."""
+    toks, parents = tree.tokens.tolist(), tree.parents.tolist()
+    out, paths = set(), []
+    for i, p in enumerate(parents):
+        paths.append((() if p < 0 else paths[p]) + (toks[i],))
+        out.add(paths[-1])
+    return out
+
+
+def random_tree(rng: random.Random, n: int, vocab: int = 5) -> DraftTree:
+    parents = [rng.randrange(-1, i) for i in range(n)]
+    return DraftTree([rng.randrange(vocab) for _ in range(n)], parents)
+
+
+# ---- tree_merge -------------------------------------------------------------------------------
+def test_merge_shares_prefixes_and_keeps_scores():
+    a = DraftTree.chain([1, 2, 3], scores=torch.tensor([0.9, 0.8, 0.7]))
+    b = DraftTree([1, 2, 4, 5], [-1, 0, 1, -1])  # no scores: the default 0.5
+    merged = merge_trees([a, b], default_scores=[0.1, 0.5])
+    assert merged.tokens.tolist() == [1, 2, 3, 4, 5]
+    assert merged.parents.tolist() == [-1, 0, 1, 1, -1]
+    assert merged.mode is DraftMode.DETERMINISTIC and merged.draft_probs is None
+    # shared nodes keep the higher estimate; b's own nodes its default
+    torch.testing.assert_close(merged.scores, torch.tensor([0.9, 0.8, 0.7, 0.5, 0.5]))
+    assert token_paths(merged) == token_paths(a) | token_paths(b)
+    merged.validate(vocab_size=8)
+
+
+def test_merge_is_the_union_of_paths_for_random_trees():
+    rng = random.Random(0)
+    for _ in range(200):
+        trees = [random_tree(rng, rng.randrange(0, 12)) for _ in range(rng.randrange(1, 4))]
+        merged = merge_trees(trees)
+        merged.validate(vocab_size=5)
+        assert token_paths(merged) == set().union(*map(token_paths, trees))
+        assert merged.num_nodes == len(token_paths(merged))  # no duplicate siblings left
+
+
+@pytest.mark.parametrize("mode", [DraftMode.INDEPENDENT, DraftMode.WITHOUT_REPLACEMENT])
+def test_merge_refuses_trees_with_draft_probs(mode):
+    sampled = DraftTree.chain([1, 2], draft_probs=torch.full((2, 4), 0.25), mode=mode)
+    with pytest.raises(DraftError, match="only deterministic trees can be merged"):
+        merge_trees([DraftTree.chain([1]), sampled])
+
+
+def test_merged_tree_never_exceeds_64_nodes_and_keeps_the_best_paths():
+    rng = random.Random(1)
+    for _ in range(20):
+        trees = [random_tree(rng, MAX_TREE_NODES, vocab=50) for _ in range(3)]
+        trees = [DraftTree(t.tokens, t.parents, scores=torch.rand(t.num_nodes)) for t in trees]
+        merged = merge_trees(trees)
+        merged.validate(vocab_size=50)
+        assert merged.num_nodes == MAX_TREE_NODES
+        assert token_paths(merged) <= set().union(*map(token_paths, trees))  # ancestor-closed subset
+        # the kept nodes are the 64 best path scores of the whole union (computed independently)
+        kept = sorted(path_scores(merged), reverse=True)
+        all_paths = sorted(_union_path_scores(trees).values(), reverse=True)
+        assert kept == pytest.approx(all_paths[:MAX_TREE_NODES], rel=1e-6)
+
+
+def _union_path_scores(trees: list[DraftTree]) -> dict[tuple[int, ...], float]:
+    """Path -> path score of the uncapped union (max node score per shared node), computed independently."""
+    node_best: dict[tuple[int, ...], float] = {}
+    for t in trees:
+        toks, parents, sc = t.tokens.tolist(), t.parents.tolist(), t.scores.tolist()
+        paths = []
+        for i, p in enumerate(parents):
+            paths.append((() if p < 0 else paths[p]) + (toks[i],))
+            node_best[paths[-1]] = max(node_best.get(paths[-1], 0.0), sc[i])
+    out = {}
+    for path in sorted(node_best, key=len):
+        out[path] = node_best[path] * (out[path[:-1]] if len(path) > 1 else 1.0)
+    return out
+
+
+# ---- the drafter ------------------------------------------------------------------------------
+class Scripted(Drafter):
+    """Proposes a fixed chain per call (from `script`, cycled), records every lifecycle call."""
+
+    def __init__(self, script: list[list[int]], name: str = "scripted", mode: DraftMode = DraftMode.DETERMINISTIC,
+                 hidden: bool = False) -> None:
+        self.script, self.name, self.mode, self.needs_hidden_states = script, name, mode, hidden
+        self.calls: list[tuple] = []
+        self.step = 0
+
+    def seed_from_generate(self, seed):
+        self.calls.append(("seed", seed))
+
+    def attach(self, target):
+        self.calls.append(("attach",))
+
+    def propose(self, seqs):
+        chain = self.script[self.step % len(self.script)]
+        self.step += 1
+        if self.mode is DraftMode.DETERMINISTIC or not chain:
+            return [DraftTree.chain(chain) for _ in seqs]
+        probs = torch.zeros(len(chain), 8)
+        probs[torch.arange(len(chain)), torch.tensor(chain)] = 1.0
+        return [DraftTree.chain(chain, probs, self.mode) for _ in seqs]
+
+    def on_accept(self, seq_id, committed):
+        self.calls.append(("accept", seq_id, list(committed)))
+
+    def release(self, seq_id):
+        self.calls.append(("release", seq_id))
+
+
+def view(tokens: list[int], seq_id: int = 0) -> SequenceView:
+    return SequenceView(seq_id, tokens, len(tokens))
+
+
+def test_children_are_built_by_name_dict_or_instance_and_see_every_lifecycle_call():
+    a, b = Scripted([[1, 2]], "a"), Scripted([[3]], "b", hidden=True)
+    combined = get_drafter("combined", drafters=["ngram", {"name": "ngram", "max_nodes": 5}, a, b])
+    assert isinstance(combined.children[0], NGramDrafter) and combined.children[1].config.max_nodes == 5
+    assert combined.needs_hidden_states and combined.name == "combined(ngram+ngram+a+b)"
+    combined.seed_from_generate(7)
+    combined.attach(object())
+    combined.propose([view([5, 6]), view([7], seq_id=1)])
+    combined.on_accept(1, [3, 4])
+    combined.release(0)
+    for child in (a, b):
+        assert child.calls == [("seed", 7), ("attach",), ("accept", 1, [3, 4]), ("release", 0)]
+    assert not Scripted([[1]]).needs_hidden_states
+    assert not CombinedDrafter(["ngram", Scripted([[1]])]).needs_hidden_states
+
+
+def test_generate_forwards_on_accept_and_release_to_every_child_and_stays_greedy_exact():
+    model = build_tiny_model()
+    prompts = [[5, 9, 11, 2, 5, 9], [7, 3]]
+    plain = generate(model, prompts, max_new_tokens=20)
+    a, b = Scripted([[1, 2, 3], []], "a"), Scripted([[4], [1, 2]], "b")
+    out = generate(model, prompts, drafter="combined", max_new_tokens=20, return_dict=True,
+                   drafter_options={"drafters": ["ngram", a, b]})
+    assert out.sequences == plain
+    for child in (a, b):
+        accepted = [c for c in child.calls if c[0] == "accept"]
+        assert {c[1] for c in accepted} == {0, 1}
+        assert sorted(c[1] for c in child.calls if c[0] == "release") == [0, 1]
+        for seq_id in (0, 1):  # every step's committed tokens reached every child, in order (the last step
+            # ends in release instead)
+            committed = sum((c[2] for c in accepted if c[1] == seq_id), [])
+            start = len(prompts[seq_id])
+            assert len(committed) >= 5 and committed == plain[seq_id][start: start + len(committed)]
+
+
+@pytest.mark.parametrize("mode", ["merge", "best"])
+def test_greedy_output_identical_to_plain_with_ngram_and_an_oracle(mode):
+    """An oracle child that knows the greedy continuation (right for 2 tokens, then wrong) plus n-gram: the
+    merged or chosen trees are accepted deep, and the output is still plain greedy decoding."""
+    model = build_tiny_model()
+    prompts = [[5, 9, 11, 2, 5, 9, 11], [7]]
+    plain = generate(model, prompts, max_new_tokens=24)
+    refs = {tuple(p): seq[len(p):] for p, seq in zip(prompts, plain)}
+
+    class Oracle(Drafter):
+        name = "oracle"
+
+        def propose(self, seqs):
+            trees = []
+            for v in seqs:
+                ref = refs[tuple(v.token_ids[: v.num_prompt_tokens])]
+                done = len(v.token_ids) - v.num_prompt_tokens
+                nxt = ref[done: done + 2]
+                trees.append(DraftTree.chain(nxt + [(ref[done + 2] + 1) % 96] if len(ref) > done + 2 else nxt))
+            return trees
+
+    combined = CombinedDrafter(["ngram", Oracle()], mode=mode)
+    out = generate(model, prompts, drafter=combined, max_new_tokens=24, return_dict=True)
+    assert out.sequences == plain
+    assert all(s.tau > 2.0 for s in out.stats)
+    # the oracle's levels are accepted 2 of 3 times: its online rate rose above the prior
+    assert combined.child_rate(1) > 0.55
+
+
+def test_online_rate_and_best_mode_pick_the_child_that_is_accepted():
+    good, bad = Scripted([[1, 2]], "good"), Scripted([[3, 4]], "bad")
+    combined = CombinedDrafter([bad, good], mode="best")
+    for _ in range(10):
+        combined.propose([view([9])])
+        combined.on_accept(0, [1, 2, 5])  # good's chain accepted fully, bad's rejected at depth 1
+    assert combined.child_rate(1) > 0.8 > 0.2 > combined.child_rate(0)
+    assert combined.propose([view([9])])[0].tokens.tolist() == [1, 2]
+
+
+def test_best_mode_weighs_cost_per_node():
+    long_chain = Scripted([[1, 2, 3, 4, 5, 6, 7, 8]], "long")
+    short = Scripted([[9]], "short")
+    trees = [DraftTree.chain(c, scores=torch.tensor([0.5] * len(c))) for c in ([1] * 8, [9])]
+    # the long chain expects 2.0 committed tokens, the short 1.5: free nodes favour the long chain...
+    cheap = CombinedDrafter([long_chain, short], mode="best", alpha=0.0)
+    assert cheap._combine(trees).num_nodes == 8
+    # ...a steep cost curve favours the short one
+    steep = CombinedDrafter([long_chain, short], mode="best", verify_cost=lambda n: 1.0 + 0.5 * n)
+    assert steep._combine(trees).num_nodes == 1
+
+
+def test_merge_mode_with_a_sampling_child_offers_one_tree_not_a_merge():
+    sampled = Scripted([[1, 2]], "sampled", mode=DraftMode.INDEPENDENT)
+    combined = CombinedDrafter([Scripted([[1, 3]], "a"), Scripted([[4]], "b"), sampled])
+    tree = combined.propose([view([0])])[0]
+    tree.validate(vocab_size=8)
+    # equal priors: the merge of the two deterministic children (3 nodes) is worth more than the sampled chain
+    assert tree.mode is DraftMode.DETERMINISTIC and tree.tokens.tolist() == [1, 3, 4]
+    for _ in range(20):  # the sampled child's chain is what gets committed, the others miss
+        combined.propose([view([0])])
+        combined.on_accept(0, [1, 2, 6])
+    tree = combined.propose([view([0])])[0]
+    tree.validate(vocab_size=8)
+    assert tree.mode is DraftMode.INDEPENDENT and tree.tokens.tolist() == [1, 2] and tree.draft_probs is not None
+
+
+def test_propose_always_returns_trees_that_validate_within_the_cap():
+    rng = random.Random(3)
+
+    class Random(Drafter):
+        name = "random"
+
+        def propose(self, seqs):
+            return [random_tree(rng, rng.randrange(0, MAX_TREE_NODES + 1), vocab=20) for _ in seqs]
+
+    combined = CombinedDrafter([Random(), Random(), "ngram"], max_nodes=MAX_TREE_NODES)
+    for _ in range(30):
+        tokens = [rng.randrange(20) for _ in range(40)]
+        for tree in combined.propose([view(tokens, 0), view(tokens[:7], 1)]):
+            assert tree.num_nodes <= MAX_TREE_NODES
+            tree.validate(vocab_size=20)
+        combined.on_accept(0, tokens[:3])
+
+
+def test_bad_options_are_one_line_input_errors():
+    with pytest.raises(InputError, match="mode must be one of"):
+        CombinedDrafter(["ngram"], mode="average")
+    with pytest.raises(InputError, match="non-empty list"):
+        CombinedDrafter([])
+    with pytest.raises(InputError, match="max_nodes"):
+        CombinedDrafter(["ngram"], max_nodes=65)
+    with pytest.raises(TypeError, match="'name'"):
+        CombinedDrafter([{"max_nodes": 3}])
+    model = build_tiny_model()
+    with pytest.raises(InputError, match="unknown drafter"):
+        generate(model, [[1, 2]], drafter="combined", drafter_options={"drafters": ["nope"]}, max_new_tokens=2)
