@@ -20,9 +20,11 @@ Estimates. A child tree's ``scores`` are used where it has them; otherwise every
 acceptance rate, which this drafter keeps per child from ``on_accept``: after each step it walks each child's
 own proposal along the committed tokens and counts, level by level, whether one of its candidates was the
 committed token (a Beta prior of ``prior_weight`` pseudo-trials at ``prior_score``). Siblings share a level's
-rate equally. Cost: ``verify_cost(n)`` if given (a callable, verify cost of n tree nodes in decode steps, e.g.
-from a measured cost model), else ``1 + alpha * n``. The drafting cost of the children is the same for every
-candidate (they all ran), so it does not change the ranking.
+rate equally. Cost, in plain decode steps, of verifying n tree nodes: ``verify_cost(n)`` if given (a callable);
+else, with ``cost_model=True``, the measured curve of :mod:`specdec.cost_model` (``relative(1 + n, batch)``,
+loaded at ``attach``: cached per machine and model, else a short calibration); else ``1 + alpha * n``. The
+engine's own per-step sizing may prune the offered tree further (pruning is always exact). The drafting cost
+of the children is the same for every candidate (they all ran), so it does not change the ranking.
 """
 from __future__ import annotations
 
@@ -53,6 +55,9 @@ class CombinedConfig:
     alpha: float = 0.05
     prior_score: float = 0.5  # acceptance rate per level assumed for a child before any step was seen
     prior_weight: float = 4.0  # pseudo-trials of that prior (how fast the online estimate takes over)
+    # rank by the measured verify-cost curve (specdec.cost_model) instead of 1 + alpha * n; off by default: the
+    # first use on a machine calibrates (seconds), which the engine's tree sizing may already have done
+    cost_model: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -67,6 +72,8 @@ class CombinedConfig:
                     or (hi is not None and value > hi):
                 bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
                 raise InputError(f"combined drafter: {name} must be a number {bound}, got {value!r}")
+        if not isinstance(self.cost_model, bool):
+            raise InputError(f"combined drafter: cost_model must be True or False, got {self.cost_model!r}")
 
 
 def build_child(spec: Any) -> Drafter:
@@ -134,6 +141,8 @@ class CombinedDrafter(Drafter):
         if verify_cost is not None and not callable(verify_cost):
             raise InputTypeError("combined drafter: verify_cost must be a callable n -> cost in decode steps")
         self.verify_cost = verify_cost
+        self.costs = None  # the measured cost model, when config.cost_model (at attach)
+        self._batch = 1  # sequences of the current propose (the cost curve depends on the batch)
         self.name = "combined(" + "+".join(c.name for c in self.children) + ")"
         self.needs_hidden_states = any(c.needs_hidden_states for c in self.children)
         self.rates = [_Rate() for _ in self.children]
@@ -148,6 +157,10 @@ class CombinedDrafter(Drafter):
 
     def attach(self, target: TargetView) -> None:
         self.target = target
+        if self.config.cost_model and self.verify_cost is None:
+            from specdec.cost_model import load_cost_model
+
+            self.costs = load_cost_model(target.runner)
         for child in self.children:
             child.attach(target)
 
@@ -176,6 +189,7 @@ class CombinedDrafter(Drafter):
             if len(trees) != len(seqs):
                 raise DraftError(f"{child.name}: returned {len(trees)} trees for {len(seqs)} sequences")
             per_child.append(trees)
+        self._batch = max(len(seqs), 1)
         out = []
         for s, view in enumerate(seqs):
             trees = [per_child[k][s] for k in range(len(self.children))]
@@ -217,5 +231,10 @@ class CombinedDrafter(Drafter):
     def value(self, tree: DraftTree) -> float:
         """Expected committed tokens per unit of estimated verify cost (tree already scored)."""
         n = tree.num_nodes
-        cost = float(self.verify_cost(n)) if self.verify_cost is not None else 1.0 + self.config.alpha * n
+        if self.verify_cost is not None:
+            cost = float(self.verify_cost(n))
+        elif self.costs is not None:
+            cost = float(self.costs.relative(1 + n, self._batch))  # n nodes + the root
+        else:
+            cost = 1.0 + self.config.alpha * n
         return expected_committed_tokens(tree) / max(cost, 1e-9)

@@ -216,6 +216,31 @@ def test_best_mode_weighs_cost_per_node():
     assert steep._combine(trees).num_nodes == 1
 
 
+def test_cost_model_option_ranks_by_the_measured_curve(monkeypatch):
+    import specdec.cost_model as cost_model
+
+    class Costs:  # a measured curve where anything past 2 query tokens (root + 1 node) is expensive
+        def __init__(self):
+            self.asked = []
+
+        def relative(self, n, batch=1):
+            self.asked.append((n, batch))
+            return 1.0 if n <= 2 else 10.0
+
+    costs = Costs()
+    monkeypatch.setattr(cost_model, "load_cost_model", lambda runner: costs)
+    combined = CombinedDrafter([Scripted([[1, 2, 3, 4, 5, 6, 7, 8]], "long"), Scripted([[9]], "short")],
+                               mode="best", cost_model=True)
+    combined.attach(type("Target", (), {"runner": None})())
+    assert combined.costs is costs
+    assert combined.propose([view([0]), view([1], 1)])[0].tokens.tolist() == [9]
+    assert (9, 2) in costs.asked and (2, 2) in costs.asked  # root + nodes, at the batch size of the step
+    # without it, free nodes (alpha 0) favour the long chain (2.0 vs 1.5 expected tokens at the 0.5 prior)
+    plain = CombinedDrafter([Scripted([[1, 2, 3, 4, 5, 6, 7, 8]], "long"), Scripted([[9]], "short")], mode="best",
+                            alpha=0.0)
+    assert plain.propose([view([0])])[0].num_nodes == 8
+
+
 def test_merge_mode_with_a_sampling_child_offers_one_tree_not_a_merge():
     sampled = Scripted([[1, 2]], "sampled", mode=DraftMode.INDEPENDENT)
     combined = CombinedDrafter([Scripted([[1, 3]], "a"), Scripted([[4]], "b"), sampled])
