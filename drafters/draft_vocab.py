@@ -35,6 +35,28 @@ def frequent_tokens(seqs: Iterable[Sequence[int]], n: int, always: Iterable[int]
     return sorted(keep)
 
 
+SIZES = (1024, 2048, 4096, 8192, 16384, 32768)  # sizes a training run chooses from ("auto")
+
+
+def coverage(seqs: Iterable[Sequence[int]], ids: Iterable[int]) -> float:
+    """Share of the tokens of ``seqs`` that lie in ``ids``."""
+    keep = set(ids)
+    counts = Counter(t for s in seqs for t in s)
+    total = sum(counts.values())
+    return sum(c for t, c in counts.items() if t in keep) / total if total else 1.0
+
+
+def choose_size(seqs: Sequence[Sequence[int]], target: float, sizes: Sequence[int] = SIZES) -> tuple[int, dict]:
+    """The smallest of ``sizes`` whose most frequent tokens cover ``target`` of ``seqs``' tokens, and the
+    coverage of every size tried ({size: share}); the largest size if none reaches it."""
+    table = {}
+    for n in sizes:
+        table[n] = coverage(seqs, frequent_tokens(seqs, n))
+        if table[n] >= target:
+            return n, table
+    return sizes[-1], table
+
+
 class DraftVocab:
     """The token ids [N] a reduced draft head scores, and the maps between reduced and full ids."""
 

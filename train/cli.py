@@ -1,4 +1,5 @@
-"""``specdec train-medusa``: train Medusa heads for a target model (one CPU, one GPU, or ``accelerate launch``).
+"""``specdec train-medusa`` and ``specdec train-eagle``: train draft heads for a target model (one CPU, one GPU, or
+``accelerate launch``).
 
     specdec train-medusa --output-dir heads/                        # quick recipe defaults, built-in prompts
     specdec train-medusa --model ./my-llama --data chats.jsonl --output-dir heads/ --epochs 2
@@ -30,6 +31,50 @@ def add_parser(subparsers) -> None:
     g.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
     g.add_argument("--shared-lm-head", action="store_true",
                    help="heads reuse the target's (frozen) LM head instead of each owning a trainable copy")
+    _draft_vocab_arg(g, default=None)
+    _common_args(p, "train-medusa")
+    p.set_defaults(func=run, drafter="medusa")
+
+    p = subparsers.add_parser(
+        "train-eagle", help="train an EAGLE draft layer for a target model",
+        description="Train an EAGLE-style draft layer (one decoder layer of the target's type over its last hidden "
+                    "state, trained several draft steps deep on its own predictions) on a frozen target model "
+                    "(self-distillation from prompts by default), measure per-depth accuracies, choose the draft "
+                    "tree by timing it against plain decoding, and write config.json + model.safetensors plus "
+                    "report.json / report.md. Load it with --drafter eagle --drafter-option path=DIR.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model and draft layer")
+    g.add_argument("--model", default=DEFAULT_ALIAS, help="target model: alias, HF checkpoint dir or .gguf file")
+    g.add_argument("--train-depth", type=int, default=3, dest="eagle_steps",
+                   help="draft steps the layer is trained through on its own predicted features")
+    g.add_argument("--reg-weight", type=float, default=1.0,
+                   help="weight of the feature regression (smooth L1) next to the token cross-entropy")
+    _draft_vocab_arg(g, default="auto")
+    _common_args(p, "train-eagle")
+    p.set_defaults(func=run, drafter="eagle", num_heads=3, num_layers=1, shared_lm_head=False)
+
+
+def _draft_vocab_arg(g, default) -> None:
+    g.add_argument("--draft-vocab", default=default, type=_vocab_size,
+                   help="reduced draft vocabulary: N (the N most frequent training tokens), 'auto' (the smallest of "
+                        "1k..32k covering --draft-vocab-coverage of the training tokens) or 'full'")
+    g.add_argument("--draft-vocab-coverage", type=float, default=0.97,
+                   help="with --draft-vocab auto: share of the training tokens the vocabulary must cover")
+
+
+def _vocab_size(text: str):
+    if text in ("auto", "full"):
+        return None if text == "full" else "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, 'auto' or 'full', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _common_args(p, name: str) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None,
                    help="training data: .jsonl/.json, .parquet or a datasets.save_to_disk dir; "
@@ -52,7 +97,8 @@ def add_parser(subparsers) -> None:
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--epochs", type=int, default=1, help="passes over the training data (ignored with --max-steps)")
     g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
-    g.add_argument("--head-decay", type=float, default=0.8, help="head i's loss weight is head_decay**i")
+    g.add_argument("--head-decay", type=float, default=0.8,
+                   help="loss weight of head i (Medusa) or draft depth i+1 (EAGLE) is head_decay**i")
     g.add_argument("--loss", choices=LOSSES, default="ce",
                    help="ce: cross-entropy vs the target's argmax; kl: KL divergence from the target's whole "
                         "next-token distribution (teaches the lower ranks a tree uses; ~1/3 more compute per step)")
@@ -75,13 +121,14 @@ def add_parser(subparsers) -> None:
                         "--tree-budget nodes from the heads' top-20 (drafter options tree=dynamic top_k=20)")
     g.add_argument("--no-eval-tau", action="store_true", help="skip the tau measurement")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=run)
 
 
 def config_from_args(args):
     from specdec.train.config import TrainConfig
 
     return TrainConfig(
+        drafter=args.drafter, draft_vocab=args.draft_vocab, draft_vocab_coverage=args.draft_vocab_coverage,
+        eagle_steps=getattr(args, "eagle_steps", 3), reg_weight=getattr(args, "reg_weight", 1.0),
         model=args.model, output_dir=args.output_dir, num_heads=args.num_heads, num_layers=args.num_layers,
         shared_lm_head=args.shared_lm_head, data=args.data, text_field=args.text_field,
         messages_field=args.messages_field, num_prompts=args.num_prompts, prompts_file=args.prompts_file,
@@ -106,12 +153,14 @@ def run(args) -> int:
     try:
         report = run_training(config_from_args(args))
     except (TrainDataError, OutputDirError, ValueError, FileNotFoundError) as err:
-        print(f"specdec train-medusa: error: {err}", file=sys.stderr)
+        print(f"specdec train-{args.drafter}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("specdec train-medusa: interrupted; the last checkpoint is intact (continue with --resume)",
+        print(f"specdec train-{args.drafter}: interrupted; the last checkpoint is intact (continue with --resume)",
               file=sys.stderr)
         return 130
     if report:
-        print(json.dumps({k: report[k] for k in ("top1", "top5", "estimated_tau", "tau", "seconds")}, indent=2))
+        keys = ("top1", "top5", "tree", "seconds") if args.drafter == "eagle" else \
+            ("top1", "top5", "estimated_tau", "tau", "seconds")
+        print(json.dumps({k: report[k] for k in keys}, indent=2))
     return 0

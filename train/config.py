@@ -18,10 +18,25 @@ RESUMABLE_FIELDS = frozenset({"output_dir", "save_every", "log_every", "eval_pro
                               "eval_tree"})
 
 
+DRAFTERS = ("medusa", "eagle")
+
+
+# fields added with train-eagle, and their defaults (a run saved before them has none)
+_ADDED_LATER = {"drafter": "medusa", "draft_vocab": None, "draft_vocab_coverage": 0.97, "eagle_steps": 3,
+                "reg_weight": 1.0}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     model: str
     output_dir: str
+    drafter: str = "medusa"  # what is trained: Medusa heads or an EAGLE draft layer
+    # reduced draft vocabulary: None = the full vocabulary; an int N = the N most frequent training tokens;
+    # "auto" = the smallest of DRAFT_VOCAB_SIZES covering draft_vocab_coverage of the training tokens
+    draft_vocab: int | str | None = None
+    draft_vocab_coverage: float = 0.97
+    eagle_steps: int = 3  # draft depths the EAGLE layer is trained through on its own predictions
+    reg_weight: float = 1.0  # EAGLE: weight of the feature regression next to the token cross-entropy
     num_heads: int = 3
     num_layers: int = 1
     shared_lm_head: bool = False
@@ -89,6 +104,17 @@ class TrainConfig:
             raise ValueError(f"held_out_fraction must be in [0, 1), got {self.held_out_fraction}")
         if self.tree_budget > 64:
             raise ValueError(f"tree_budget must be <= 64 (the largest draft tree), got {self.tree_budget}")
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if self.draft_vocab is not None and self.draft_vocab != "auto" and (
+                not isinstance(self.draft_vocab, int) or isinstance(self.draft_vocab, bool) or self.draft_vocab < 1):
+            raise ValueError(f"draft_vocab must be a positive integer, 'auto' or None, got {self.draft_vocab!r}")
+        if not 0 < self.draft_vocab_coverage <= 1:
+            raise ValueError(f"draft_vocab_coverage must be in (0, 1], got {self.draft_vocab_coverage}")
+        if int(self.eagle_steps) < 1:
+            raise ValueError(f"eagle_steps must be >= 1, got {self.eagle_steps}")
+        if self.reg_weight < 0:
+            raise ValueError(f"reg_weight must be >= 0, got {self.reg_weight}")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other")
 
@@ -98,9 +124,13 @@ class TrainConfig:
     def fingerprint(self) -> str:
         """Hash of everything that shapes the trained heads (not the output dir, logging or evaluation)."""
         core = {k: v for k, v in asdict(self).items() if k not in RESUMABLE_FIELDS}
+        for name, default in _ADDED_LATER.items():  # fields added after runs were made: old fingerprints still match
+            if core.get(name) == default:
+                core.pop(name)
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
 
     def differences(self, other: dict) -> list[str]:
+        other = {**_ADDED_LATER, **other}
         mine = asdict(self)
         return [f"{k}: checkpoint {other.get(k)!r} vs now {mine[k]!r}" for k in sorted(mine)
                 if k not in RESUMABLE_FIELDS and other.get(k) != mine[k]]

@@ -16,11 +16,17 @@ MAX_RANK = 10
 
 @torch.no_grad()
 def head_accuracies(model, heads, seqs: list[list[int]], batch_size: int = 4, device="cpu") -> dict:
-    """rank_acc[i][k] = P(the target's token is head i's rank-k guess); top1/top5 are its prefix sums."""
+    """rank_acc[i][k] = P(the target's token is head i's rank-k guess); top1/top5 are its prefix sums.
+
+    Heads over a reduced draft vocabulary rank only its N tokens (ranks mapped back to token ids); a
+    target token outside it is a miss at every rank, so the accuracies are those the drafter gets."""
     n = heads.config.num_heads
     hits = torch.zeros(n, MAX_RANK, dtype=torch.float64)
     counts = torch.zeros(n, dtype=torch.float64)
     lm_w = model.get_output_embeddings().weight
+    rows = heads.lm_rows(lm_w)  # [draft_size, hidden]
+    vocab = heads.vocab()
+    k = min(MAX_RANK, heads.config.draft_size)
     for start in range(0, len(seqs), batch_size):
         ids, mask = collate(seqs[start : start + batch_size], device)
         hidden, labels = target_features(model, ids, mask)
@@ -30,10 +36,12 @@ def head_accuracies(model, heads, seqs: list[list[int]], batch_size: int = 4, de
                 continue
             valid = mask[:, shift:].bool()
             x = heads.heads[i](hidden[:, :-shift][valid])
-            logits = torch.nn.functional.linear(x, lm_w) if heads.config.shared_lm_head else x
-            ranks = logits.topk(MAX_RANK, dim=-1).indices  # [N, MAX_RANK]
+            logits = torch.nn.functional.linear(x, rows) if heads.config.shared_lm_head else x
+            ranks = logits.topk(k, dim=-1).indices  # [N, k] best first, columns of the heads' logits
+            if vocab is not None:
+                ranks = vocab.to_full(ranks)  # -> token ids
             eq = ranks == labels[:, shift:][valid].unsqueeze(-1)
-            hits[i] += eq.sum(0).double()
+            hits[i, :k] += eq.sum(0).double().cpu()
             counts[i] += eq.shape[0]
     rank_acc = (hits / counts.clamp(min=1).unsqueeze(-1)).tolist()
     return {

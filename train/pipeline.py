@@ -1,6 +1,7 @@
-"""One ``train-medusa`` run end to end: data -> training -> evaluation -> Medusa checkpoint + report.
+"""One ``train-medusa`` / ``train-eagle`` run end to end: data -> training -> evaluation -> checkpoint + report.
 
     report = run_training(TrainConfig(model="default", output_dir="heads/", max_steps=100))
+    report = run_training(TrainConfig(model="default", output_dir="eagle/", drafter="eagle", draft_vocab="auto"))
 
 Writes into the output dir: ``config.json`` + ``medusa_lm_head.safetensors`` (published Medusa layout,
 with the chosen ``medusa_choices``), ``report.json``, ``report.md``, ``train.log``, ``history.jsonl``,
@@ -46,6 +47,25 @@ def _sequences(cfg: TrainConfig, loaded, accelerator) -> list[list[int]]:
                                 batch_size=cfg.distill_batch_size, progress=cfg.progress)
         accelerator.wait_for_everyone()
     return [s[: cfg.seq_len] for s in seqs]
+
+
+def choose_draft_vocab(cfg: TrainConfig, train_seqs: list[list[int]], model) -> tuple[tuple[int, ...], dict]:
+    """The reduced draft vocabulary's token ids (() = full) and what it covers of the training tokens."""
+    from specdec.drafters.draft_vocab import choose_size, coverage, frequent_tokens
+
+    if cfg.draft_vocab is None:
+        return (), {"size": None}
+    table = {}
+    if cfg.draft_vocab == "auto":
+        size, table = choose_size(train_seqs, cfg.draft_vocab_coverage)
+    else:
+        size = min(cfg.draft_vocab, model.config.vocab_size)
+    eos = model.config.eos_token_id
+    always = [eos] if isinstance(eos, int) else list(eos or [])
+    ids = tuple(frequent_tokens(train_seqs, size, always=always))
+    info = {"size": len(ids), "coverage": coverage(train_seqs, ids), "coverage_by_size": table}
+    logger.info("draft vocabulary: %d tokens covering %.1f%% of the training tokens", len(ids), 100 * info["coverage"])
+    return ids, info
 
 
 def _log_to_file(out: Path) -> logging.Handler:
@@ -106,10 +126,24 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
         logger.info("%d training / %d held-out sequences (%d / %d tokens)", len(train_seqs), len(held_out),
                     sum(map(len, train_seqs)), sum(map(len, held_out)))
         t_data = time.perf_counter()
-        heads, history = train_heads(cfg, model, train_seqs, accelerator, resume_from, loaded.name)
+        draft_vocab, vocab_info = choose_draft_vocab(cfg, train_seqs, model)
+        if cfg.drafter == "eagle":
+            from specdec.train.eagle_recipe import EagleRecipe
+            from specdec.train.trainer import train_drafter
+
+            recipe = EagleRecipe(cfg, model, accelerator.device, loaded.name, draft_vocab)
+            history = train_drafter(cfg, recipe, model, train_seqs, accelerator, resume_from)
+            heads = recipe.module
+        else:
+            heads, history = train_heads(cfg, model, train_seqs, accelerator, resume_from, loaded.name, draft_vocab)
         t_train = time.perf_counter()
         report: dict = {}
-        if accelerator.is_main_process:
+        if accelerator.is_main_process and cfg.drafter == "eagle":
+            from specdec.train.eagle_report import finish_eagle
+
+            report = finish_eagle(cfg, loaded, heads, history, held_out, train_seqs, vocab_info,
+                                  {"start": t0, "data": t_data, "train": t_train}, accelerator)
+        elif accelerator.is_main_process:
             # --held-out-fraction 0: accuracies on training data, and the report says so
             acc = head_accuracies(model, heads, held_out or train_seqs, device=accelerator.device)
             choices, est_tau = choose_tree(acc["rank_acc"], cfg.tree_budget)

@@ -1,7 +1,10 @@
-"""The Medusa training loop: frozen target, per-head distillation loss, accelerate, checkpoints, resume.
+"""The draft-head training loop: frozen target, distillation loss, accelerate, checkpoints, resume.
 
-    from specdec.train.trainer import train
-    report = train(TrainConfig(model="default", output_dir="heads/", max_steps=200))
+    heads, history = train_heads(cfg, model, train_seqs, accelerator, resume_from)      # Medusa
+    history = train_drafter(cfg, recipe, model, train_seqs, accelerator, resume_from)   # any recipe
+
+A recipe (``MedusaRecipe`` here, ``EagleRecipe`` in train/eagle_recipe.py) owns the trained module and
+its loss; the loop (data order, accumulation, cross-process averaging, schedule, checkpoints) is shared.
 
 Head ``i`` at position ``t`` learns the target's own greedy prediction at position ``t + 1 + i``
 (the token the target would produce at ``t + 2 + i``), weighted by ``head_decay ** i``. The target's
@@ -20,6 +23,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from specdec.drafters.draft_vocab import IGNORE
 from specdec.drafters.medusa_heads import CONFIG_FILE, WEIGHTS_FILE, MedusaConfig, MedusaHeads
 from specdec.train import checkpoint as ckpt_io
 from specdec.train.config import TrainConfig
@@ -101,7 +105,13 @@ def head_loss(heads: MedusaHeads, i: int, hidden, labels, mask, lm_w,
     ``ce``: cross-entropy against the target's argmax. ``kl``: KL(target || head) against the
     target's whole next-token distribution at t+1+i, recomputed from the cached final-norm hidden
     state (one extra LM-head forward, no gradient); it also teaches the ranks below the argmax,
-    which a tree's siblings use."""
+    which a tree's siblings use.
+
+    Heads over a reduced draft vocabulary (``heads.config.draft_vocab``) score N tokens: ``ce`` maps
+    the labels into it and ignores positions whose label lies outside (they carry no gradient);
+    ``kl`` uses the target's distribution restricted to the N tokens and renormalised (a softmax
+    over the target's logits of those ids), the best any reduced head can match. ``correct`` /
+    ``count`` always count every position, so an out-of-vocabulary label is a miss."""
     shift = 1 + i
     if hidden.shape[1] <= shift:
         return hidden.new_zeros(()), 0, 0
@@ -109,14 +119,18 @@ def head_loss(heads: MedusaHeads, i: int, hidden, labels, mask, lm_w,
     y = labels[:, shift:]
     valid = mask[:, shift:].bool()
     x = heads.heads[i](h[valid])  # [N, H]
-    logits = F.linear(x, lm_w) if heads.config.shared_lm_head else x  # [N, V]
-    target = y[valid]
+    rows = heads.lm_rows(lm_w)  # [draft_size, H] target LM-head rows of the scored tokens
+    logits = F.linear(x, rows) if heads.config.shared_lm_head else x  # [N, draft_size]
+    vocab = heads.vocab()
+    target = y[valid] if vocab is None else vocab.to_reduced(y[valid])  # [N], -100 outside a draft vocabulary
     if loss == "kl":
         with torch.no_grad():
-            target_logp = F.linear(hidden[:, shift:][valid], lm_w).float().log_softmax(-1)  # [N, V]
+            target_logp = F.linear(hidden[:, shift:][valid], rows).float().log_softmax(-1)  # [N, draft_size]
         value = F.kl_div(logits.float().log_softmax(-1), target_logp, log_target=True, reduction="batchmean")
-    else:
-        value = F.cross_entropy(logits.float(), target)
+    elif bool((target != IGNORE).any()):
+        value = F.cross_entropy(logits.float(), target, ignore_index=IGNORE)
+    else:  # every label outside the draft vocabulary: nothing to learn here (mean over none would be NaN)
+        value = logits.float().sum() * 0.0
     correct = int((logits.argmax(-1) == target).sum())
     return value, correct, int(target.numel())
 
@@ -135,19 +149,51 @@ def make_scheduler(optimizer, cfg: TrainConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+class MedusaRecipe:
+    """What the shared loop trains for ``train-medusa``: the heads, one weighted loss per head."""
+
+    name = "train-medusa"
+
+    def __init__(self, cfg: TrainConfig, model, device, model_name: str = "", draft_vocab: tuple[int, ...] = ()):
+        shape_cfg = model.config
+        extra = {"draft_vocab": tuple(draft_vocab)} if draft_vocab else {}
+        self.module = MedusaHeads(MedusaConfig(cfg.num_heads, cfg.num_layers, shape_cfg.hidden_size,
+                                               shape_cfg.vocab_size, cfg.shared_lm_head, model_name,
+                                               **extra)).to(device)
+        self.lm_w = model.get_output_embeddings().weight.detach()
+        self.module.init_lm_heads_from(self.lm_w)
+        self.cfg, self.depths = cfg, cfg.num_heads
+        self.weights = [cfg.head_decay**i for i in range(cfg.num_heads)]
+
+    def accumulate(self, ids, hidden, labels, mask, scale: float, autocast) -> tuple[torch.Tensor, list, list]:
+        """Backward of this micro-batch's loss times ``scale``; returns (loss, correct per depth, count per depth)."""
+        total, correct, count = hidden.new_zeros(()), [], []
+        for i in range(self.cfg.num_heads):  # one graph per head: peak memory is one head's logits
+            with autocast():
+                loss, c, n = head_loss(self.module, i, hidden, labels, mask, self.lm_w, self.cfg.loss)
+            (self.weights[i] * loss * scale).backward()
+            total = total + self.weights[i] * loss.detach() * scale
+            correct.append(c), count.append(n)
+        return total, correct, count
+
+
 def train_heads(cfg: TrainConfig, model, train_seqs: list[list[int]], accelerator, resume_from: Path | None,
-                model_name: str = "") -> tuple[MedusaHeads, list[dict]]:
-    """Train and return (heads, history of logged {step, loss, top1 per head}). Saves checkpoints."""
+                model_name: str = "", draft_vocab: tuple[int, ...] = ()) -> tuple[MedusaHeads, list[dict]]:
+    """Train Medusa heads; returns (heads, history)."""
+    torch.manual_seed(cfg.seed)
+    recipe = MedusaRecipe(cfg, model, accelerator.device, model_name, draft_vocab)
+    return recipe.module, train_drafter(cfg, recipe, model, train_seqs, accelerator, resume_from)
+
+
+def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], accelerator,
+                  resume_from: Path | None) -> list[dict]:
+    """Train ``recipe.module`` (Medusa heads, an EAGLE layer) against the frozen target; returns the history of
+    logged {step, loss, top1 per draft depth}. Saves checkpoints; resumes bit-exactly from ``resume_from``."""
     out = Path(cfg.output_dir)
     nproc, rank = accelerator.num_processes, accelerator.process_index
     if cfg.batch_size % nproc:
         raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the {nproc} processes")
-    shape_cfg = model.config
-    torch.manual_seed(cfg.seed)
-    heads = MedusaHeads(MedusaConfig(cfg.num_heads, cfg.num_layers, shape_cfg.hidden_size, shape_cfg.vocab_size,
-                                     cfg.shared_lm_head, model_name)).to(accelerator.device)
-    lm_w = model.get_output_embeddings().weight.detach()
-    heads.init_lm_heads_from(lm_w)
+    heads, depths = recipe.module, recipe.depths
     params = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     micro_per_epoch = max(1, len(train_seqs) // cfg.batch_size)
@@ -162,33 +208,30 @@ def train_heads(cfg: TrainConfig, model, train_seqs: list[list[int]], accelerato
     if accelerator.is_main_process and resume_from is not None and hist_file.exists():
         history = [json.loads(x) for x in hist_file.read_text().splitlines() if json.loads(x)["step"] <= step]
         hist_file.write_text("".join(json.dumps(h) + "\n" for h in history))
-    weights = [cfg.head_decay**i for i in range(cfg.num_heads)]
     bar = None
     if cfg.progress and accelerator.is_main_process:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=total, initial=step, desc="train-medusa", unit="step")
+        bar = tqdm(total=total, initial=step, desc=recipe.name, unit="step")
     features = None
     if cfg.cache_features:
         features = FeatureCache.build(model, train_seqs, accelerator.device, cfg.batch_size,
                                       progress=cfg.progress and accelerator.is_main_process)
     heads.train()
     while step < total:
-        stats = torch.zeros(1 + 2 * cfg.num_heads, device=accelerator.device)  # loss sum, correct[i], count[i]
+        stats = torch.zeros(1 + 2 * depths, device=accelerator.device)  # loss sum, correct[d], count[d]
         for a in range(cfg.grad_accum):
             rows = batch_rows(len(train_seqs), step * cfg.grad_accum + a, cfg.batch_size, cfg.seed)[rank::nproc]
+            ids, mask = collate([train_seqs[r] for r in rows], accelerator.device)
             if features is not None:
                 hidden, labels, mask = features.batch(rows)
             else:
-                ids, mask = collate([train_seqs[r] for r in rows], accelerator.device)
                 hidden, labels = target_features(model, ids, mask)
-            for i in range(cfg.num_heads):  # one graph per head: peak memory is one head's logits
-                with accelerator.autocast():
-                    loss, correct, count = head_loss(heads, i, hidden, labels, mask, lm_w, cfg.loss)
-                (weights[i] * loss / cfg.grad_accum).backward()
-                stats[0] += weights[i] * loss.detach() / cfg.grad_accum
-                stats[1 + i] += correct
-                stats[1 + cfg.num_heads + i] += count
+            loss, correct, count = recipe.accumulate(ids, hidden, labels, mask, 1.0 / cfg.grad_accum,
+                                                     accelerator.autocast)
+            stats[0] += loss.detach()
+            stats[1 : 1 + depths] += torch.tensor(correct, dtype=stats.dtype, device=stats.device)
+            stats[1 + depths :] += torch.tensor(count, dtype=stats.dtype, device=stats.device)
         if nproc > 1:
             for p in params:
                 p.grad = accelerator.reduce(p.grad, reduction="mean")
@@ -198,7 +241,7 @@ def train_heads(cfg: TrainConfig, model, train_seqs: list[list[int]], accelerato
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        top1 = [float(stats[1 + i] / max(1.0, float(stats[1 + cfg.num_heads + i]))) for i in range(cfg.num_heads)]
+        top1 = [float(stats[1 + i] / max(1.0, float(stats[1 + depths + i]))) for i in range(depths)]
         rec = {"step": step, "loss": float(stats[0]), "top1": top1, "lr": scheduler.get_last_lr()[0]}
         if accelerator.is_main_process:
             history.append(rec)
@@ -216,4 +259,4 @@ def train_heads(cfg: TrainConfig, model, train_seqs: list[list[int]], accelerato
     if bar is not None:
         bar.close()
     heads.eval()
-    return heads, history
+    return history

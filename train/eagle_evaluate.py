@@ -1,0 +1,77 @@
+"""Evaluate a trained EAGLE layer: per-depth top-1 / top-5 on held-out sequences, and the tree chosen by speed.
+
+    acc = eagle_accuracies(model, eagle, held_out, steps=3)          # {"top1": [...], "top5": [...]}
+    best, table = choose_tree_by_speed(loaded, eagle, prompts, max_new_tokens=64)
+
+The tree (depth, top-k, node budget) is not taken from a table: each candidate drafts the same
+held-out chat prompts, plain decoding runs in the same session, and the fastest candidate (new
+tokens per second) is written to the checkpoint together with the measurements.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from specdec.train.eagle_loss import eagle_loss
+from specdec.train.features import collate, target_features
+
+logger = logging.getLogger(__name__)
+
+# (depth, top_k, max_nodes) tried by choose_tree_by_speed: small trees for CPUs, larger for GPUs
+TREE_CANDIDATES = ((3, 3, 6), (4, 4, 10), (5, 6, 16), (6, 8, 24), (6, 10, 40))
+
+
+@torch.no_grad()
+def eagle_accuracies(model, eagle, seqs: list[list[int]], steps: int, batch_size: int = 4, device="cpu") -> dict:
+    hits1 = [0] * steps
+    hits5 = [0] * steps
+    counts = [0] * steps
+    embed_w = model.get_input_embeddings().weight
+    lm_w = model.get_output_embeddings().weight
+    for start in range(0, len(seqs), batch_size):
+        ids, mask = collate(seqs[start : start + batch_size], device)
+        hidden, labels = target_features(model, ids, mask)
+        top5: list[int] = []
+        _, correct, count = eagle_loss(eagle, ids, hidden, labels, mask, embed_w, lm_w, steps=steps, top5=top5)
+        for d in range(steps):
+            hits1[d] += correct[d]
+            hits5[d] += top5[d]
+            counts[d] += count[d]
+    return {"top1": [h / max(1, n) for h, n in zip(hits1, counts)],
+            "top5": [h / max(1, n) for h, n in zip(hits5, counts)], "positions": counts}
+
+
+def _run(loaded, ids, max_new_tokens: int, drafter=None, **config) -> tuple[float, float]:
+    from specdec.generate import generate
+
+    t0 = time.perf_counter()
+    out = generate(loaded, ids, drafter=drafter, max_new_tokens=max_new_tokens, return_dict=True, **config)
+    seconds = time.perf_counter() - t0
+    new = sum(s.new_tokens for s in out.stats)
+    steps = sum(s.steps for s in out.stats)
+    return new / seconds, new / max(1, steps)
+
+
+def choose_tree_by_speed(loaded, eagle, prompts: list[list[int]], max_new_tokens: int,
+                         candidates=TREE_CANDIDATES, **config) -> tuple[tuple[int, int, int], list[dict]]:
+    """Time plain decoding and each candidate tree on the same prompts (one at a time, batch 1, greedy)."""
+    from specdec.drafters.eagle import EagleDrafter
+
+    table = []
+    plain_tps, _ = _run(loaded, prompts[:1], 8, **config)  # warm-up
+    plain_tps = sum(_run(loaded, [p], max_new_tokens, **config)[0] for p in prompts) / len(prompts)
+    for depth, top_k, nodes in candidates:
+        runs = [_run(loaded, [p], max_new_tokens, EagleDrafter(model=eagle, depth=depth, top_k=top_k,
+                                                              max_nodes=nodes), **config) for p in prompts]
+        tps = sum(r[0] for r in runs) / len(runs)
+        tau = sum(r[1] for r in runs) / len(runs)
+        table.append({"depth": depth, "top_k": top_k, "max_nodes": nodes, "tau": tau, "tokens_per_s": tps,
+                      "speedup_vs_plain": tps / plain_tps})
+        logger.info("eagle tree depth %d top-k %d nodes %d: tau %.2f, %.1f tok/s (%.2fx plain)", depth, top_k,
+                    nodes, tau, tps, tps / plain_tps)
+    best = max(table, key=lambda r: r["tokens_per_s"])
+    for r in table:
+        r["plain_tokens_per_s"] = plain_tps
+    return (best["depth"], best["top_k"], best["max_nodes"]), table

@@ -1,0 +1,40 @@
+"""What the shared training loop trains for ``train-eagle``: one EAGLE draft layer and its unrolled loss.
+
+    recipe = EagleRecipe(cfg, model, device, draft_vocab=ids)
+    history = train_drafter(cfg, recipe, model, train_seqs, accelerator, resume_from)
+    save_eagle(recipe.module, out)
+
+The layer starts from the target's last decoder layer (its LM-head rows for a reduced
+vocabulary) and learns, at ``cfg.eagle_steps`` draft depths, the target's own next token and
+next feature (train/eagle_loss.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.drafters.eagle_model import EagleConfig, EagleModel
+from specdec.train.config import TrainConfig
+from specdec.train.eagle_loss import eagle_loss
+
+
+class EagleRecipe:
+    name = "train-eagle"
+
+    def __init__(self, cfg: TrainConfig, model, device, model_name: str = "", draft_vocab: tuple[int, ...] = ()):
+        config = EagleConfig.for_target(model.config, draft_vocab=tuple(draft_vocab),
+                                        base_model_name_or_path=model_name)
+        torch.manual_seed(cfg.seed)
+        self.module = EagleModel(config)
+        self.module.init_from_target(model)
+        self.module.to(device)
+        self.embed_w = model.get_input_embeddings().weight.detach()
+        self.lm_w = model.get_output_embeddings().weight.detach()
+        self.cfg, self.depths = cfg, cfg.eagle_steps
+
+    def accumulate(self, ids, hidden, labels, mask, scale: float, autocast) -> tuple[torch.Tensor, list, list]:
+        with autocast():
+            loss, correct, count = eagle_loss(self.module, ids, hidden, labels, mask, self.embed_w, self.lm_w,
+                                              steps=self.cfg.eagle_steps, reg_weight=self.cfg.reg_weight,
+                                              step_decay=self.cfg.head_decay)
+        (loss * scale).backward()
+        return loss.detach() * scale, correct, count

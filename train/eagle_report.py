@@ -1,0 +1,77 @@
+"""The end of a ``train-eagle`` run: held-out accuracies, the tree chosen by speed, checkpoint and report.
+
+    report = finish_eagle(cfg, loaded, eagle, history, held_out, train_seqs, vocab_info, times, accelerator)
+
+Writes ``config.json`` + ``model.safetensors`` (drafters/eagle_checkpoint.py) with the chosen tree,
+``report.json`` and ``report.md`` into the output directory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+from specdec.drafters.eagle_checkpoint import save_eagle
+from specdec.train.eagle_evaluate import choose_tree_by_speed, eagle_accuracies
+
+logger = logging.getLogger(__name__)
+
+
+def finish_eagle(cfg, loaded, eagle, history, held_out, train_seqs, vocab_info: dict, times: dict,
+                 accelerator) -> dict:
+    out = Path(cfg.output_dir)
+    acc = eagle_accuracies(loaded.model, eagle, held_out or train_seqs, cfg.eagle_steps, device=accelerator.device)
+    tree_table: list[dict] = []
+    if cfg.eval_tau:
+        from specdec.eval.prompts import load_prompts
+        from specdec.train.distill import encode_prompt
+
+        prompts = [encode_prompt(loaded.tokenizer, p) for p in load_prompts("chat", cfg.eval_prompts)]
+        save_eagle(eagle, out)  # the measurement below loads nothing, but a kill here keeps the weights
+        (depth, top_k, nodes), tree_table = choose_tree_by_speed(loaded, eagle, prompts, cfg.eval_max_new_tokens)
+        eagle.config = dataclasses.replace(eagle.config, depth=depth, top_k=top_k, max_nodes=nodes)
+    save_eagle(eagle, out, extra={"draft_vocab_coverage": vocab_info.get("coverage")})
+    t_end = time.perf_counter()
+    report = {
+        "config": cfg.to_json(), "model": loaded.name, "drafter": "eagle", "train_sequences": len(train_seqs),
+        "held_out_sequences": len(held_out), "accuracy_data": "held-out" if held_out else "training",
+        "steps": history[-1]["step"] if history else 0, "final_loss": history[-1]["loss"] if history else None,
+        "top1": acc["top1"], "top5": acc["top5"], "positions": acc["positions"], "draft_vocab": vocab_info,
+        "tree": {"depth": eagle.config.depth, "top_k": eagle.config.top_k, "max_nodes": eagle.config.max_nodes},
+        "tree_measurements": tree_table,
+        "seconds": {"data": times["data"] - times["start"], "train": times["train"] - times["data"],
+                    "eval": t_end - times["train"], "total": t_end - times["start"]},
+        "processes": accelerator.num_processes,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(render_markdown(report))
+    logger.info("done: top-1 per depth %s, tree %s", [round(a, 3) for a in acc["top1"]], report["tree"])
+    return report
+
+
+def render_markdown(r: dict) -> str:
+    c, v = r["config"], r["draft_vocab"]
+    vocab = "the full vocabulary" if not v.get("size") else \
+        f"a reduced vocabulary of {v['size']} tokens ({100 * v['coverage']:.1f}% of the training tokens)"
+    lines = [f"# EAGLE training report: {r['model']}", "",
+             f"One draft layer over {vocab}, trained {c['eagle_steps']} draft steps deep; {r['steps']} steps on "
+             f"{r['train_sequences']} sequences ({r['processes']} process(es)); final loss {r['final_loss']:.4f}", "",
+             f"Accuracies on {r['held_out_sequences']} held-out sequences:" if r["held_out_sequences"]
+             else "Accuracies on the TRAINING data (--held-out-fraction 0): optimistic.", "",
+             "| draft depth | top-1 | top-5 |", "|---|---|---|"]
+    for d, (a1, a5) in enumerate(zip(r["top1"], r["top5"])):
+        lines.append(f"| {d + 1} | {a1:.3f} | {a5:.3f} |")
+    if r["tree_measurements"]:
+        lines += ["", "Tree chosen by speed (greedy, batch 1, held-out chat prompts, plain decoding timed in the "
+                  "same run):", "", "| depth | top-k | nodes | tau | tokens/s | vs plain |", "|---|---|---|---|---|---|"]
+        for m in r["tree_measurements"]:
+            lines.append(f"| {m['depth']} | {m['top_k']} | {m['max_nodes']} | {m['tau']:.2f} | "
+                         f"{m['tokens_per_s']:.1f} | {m['speedup_vs_plain']:.2f}x |")
+    t = r["tree"]
+    lines += ["", f"Saved tree: depth {t['depth']}, top-k {t['top_k']}, {t['max_nodes']} nodes."]
+    s = r["seconds"]
+    lines += ["", f"Wall time: data {s['data']:.0f} s, training {s['train']:.0f} s, evaluation {s['eval']:.0f} s, "
+              f"total {s['total']:.0f} s", ""]
+    return "\n".join(lines)
