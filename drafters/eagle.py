@@ -27,11 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.nn import functional as F
-
 from specdec.drafters.base import Drafter, SequenceView, TargetView
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, check_fits_target, load_eagle
 from specdec.drafters.eagle_model import EagleModel
+from torch.nn import functional as F
+
 from specdec.errors import InputError
 from specdec.tree import MAX_TREE_NODES, DraftTree
 

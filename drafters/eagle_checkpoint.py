@@ -18,9 +18,9 @@ import os
 from pathlib import Path
 
 import torch
+from specdec.drafters.eagle_model import EagleConfig, EagleModel
 
 from specdec.atomic_write import replaced_atomically, write_json
-from specdec.drafters.eagle_model import EagleConfig, EagleModel
 from specdec.errors import SpecdecError
 
 logger = logging.getLogger(__name__)

@@ -13,10 +13,9 @@ draft several tokens deep on its own predictions, not only one step on true feat
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
-
 from specdec.drafters.draft_vocab import IGNORE
 from specdec.drafters.eagle_model import EagleModel
+from torch.nn import functional as F
 
 
 def unrolled_mask(L: int, s: int, device) -> torch.Tensor:
@@ -61,6 +60,7 @@ def eagle_loss(
     positions = torch.arange(1, L, device=dev)
     keys_k, keys_v = [], []
     features = hidden[:, :-1]  # pass 1 reads the target's features
+    out = features
     total = hidden.new_zeros(())
     correct, count = [], []
     for s in range(1, steps + 1):

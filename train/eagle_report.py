@@ -65,7 +65,8 @@ def render_markdown(r: dict) -> str:
         lines.append(f"| {d + 1} | {a1:.3f} | {a5:.3f} |")
     if r["tree_measurements"]:
         lines += ["", "Tree chosen by speed (greedy, batch 1, held-out chat prompts, plain decoding timed in the "
-                  "same run):", "", "| depth | top-k | nodes | tau | tokens/s | vs plain |", "|---|---|---|---|---|---|"]
+                  "same run):", "", "| depth | top-k | nodes | tau | tokens/s | vs plain |",
+                  "|---|---|---|---|---|---|"]
         for m in r["tree_measurements"]:
             lines.append(f"| {m['depth']} | {m['top_k']} | {m['max_nodes']} | {m['tau']:.2f} | "
                          f"{m['tokens_per_s']:.1f} | {m['speedup_vs_plain']:.2f}x |")
