@@ -22,6 +22,11 @@ Trees (see drafters/medusa_tree.py):
 
 Heads whose checkpoint shares the base model's LM head (``medusa_shared_lm_head``) use the
 target's LM head weight. Hidden size and vocabulary are checked against the target on attach.
+
+Heads over a reduced draft vocabulary (``draft_vocab`` in the checkpoint, N token ids) score
+only those N tokens: the top-k ranks are taken among them and mapped back to token ids, so
+every candidate is an in-vocabulary token; a shared LM head is cut to those N rows once, on
+attach. Ranks in ``medusa_choices`` then count within the N tokens.
 """
 from __future__ import annotations
 
@@ -111,7 +116,12 @@ class MedusaDrafter(Drafter):
         if weight is not None and (weight.dtype != runner.dtype or weight.device != runner.device):
             logger.info("medusa: moving the heads to the target's %s / %s", runner.device, runner.dtype)
             self.heads.to(device=runner.device, dtype=runner.dtype)
-        self.lm_head = runner.lm_head if cfg.shared_lm_head else None  # [vocab, hidden]
+        # [draft_size, hidden]: the target's LM-head rows the heads score (a copy of N rows when reduced)
+        self.lm_head = self.heads.lm_rows(runner.lm_head) if cfg.shared_lm_head else None
+        self.vocab = self.heads.vocab()  # None: full vocabulary; else maps logit columns -> token ids
+        if self.vocab is not None:
+            self.vocab.to(runner.device)
+        self.draft_size = cfg.draft_size
         if self.config.tree == "static":
             if self.config.medusa_choices is not None:
                 source, choices = "given", self.config.medusa_choices
@@ -119,15 +129,16 @@ class MedusaDrafter(Drafter):
                 source, choices = "saved in the checkpoint", cfg.medusa_choices
             else:
                 source = "default"
-                top_k = min(self.config.top_k, shape.vocab_size)
+                top_k = min(self.config.top_k, cfg.draft_size)
                 choices = default_choices(cfg.num_heads, self.config.max_nodes, top_k)
             try:
                 self.paths = validate_choices(choices, cfg.num_heads)
             except ValueError as err:
                 raise ValueError(f"medusa: {source} medusa_choices: {err}") from err
             worst = max(max(p) for p in self.paths)
-            if worst >= shape.vocab_size:
-                raise ValueError(f"medusa: medusa_choices use rank {worst}, but the vocabulary has {shape.vocab_size}")
+            if worst >= cfg.draft_size:
+                what = "draft vocabulary" if cfg.draft_vocab else "vocabulary"
+                raise ValueError(f"medusa: medusa_choices use rank {worst}, but the {what} has {cfg.draft_size}")
             logger.info("medusa: static tree of %d nodes, depth %d (%s choices)", len(self.paths),
                         len(self.paths[-1]), source)
 
@@ -142,10 +153,11 @@ class MedusaDrafter(Drafter):
         if self.config.tree == "static":
             depth, k = len(self.paths[-1]), max(max(p) for p in self.paths) + 1
         else:
-            depth, k = self.heads.config.num_heads, min(self.config.top_k, runner.shape.vocab_size)
-        logits = self._head_logits(hidden, depth)  # [depth, B, vocab], one forward for the batch
+            depth, k = self.heads.config.num_heads, min(self.config.top_k, self.draft_size)
+        logits = self._head_logits(hidden, depth)  # [depth, B, draft_size], one forward for the batch
         top = torch.topk(logits.float().log_softmax(-1), k, dim=-1)  # [depth, B, k], ranks best first
-        top_tokens = top.indices.transpose(0, 1).tolist()  # [B][depth][k]
+        tokens = top.indices if self.vocab is None else self.vocab.to_full(top.indices)  # [depth, B, k] token ids
+        top_tokens = tokens.transpose(0, 1).tolist()  # [B][depth][k]
         if self.config.tree == "static":
             for b, i in enumerate(ready):
                 trees[i] = static_tree(self.paths, top_tokens[b])
@@ -159,6 +171,6 @@ class MedusaDrafter(Drafter):
         """Logits of the first ``depth`` heads only (a static tree may use fewer than all of them)."""
         out = []
         for head in self.heads.heads[:depth]:
-            x = head(hidden)  # [B, hidden] (shared LM head) or [B, vocab]
+            x = head(hidden)  # [B, hidden] (shared LM head) or [B, draft_size]
             out.append(torch.nn.functional.linear(x, self.lm_head) if self.lm_head is not None else x)
         return torch.stack(out)

@@ -9,16 +9,22 @@ Checkpoint layout (as published by FasterDecoding/Medusa), a directory holding
 
 * ``config.json``: ``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``
   (plus, written by specdec and optional on load: ``hidden_size``, ``vocab_size``,
-  ``medusa_shared_lm_head``, ``medusa_choices``);
+  ``medusa_shared_lm_head``, ``medusa_choices``, ``draft_vocab``);
 * ``medusa_lm_head.safetensors``: keys ``{head}.{layer}.linear.weight`` / ``.bias`` for the
   residual blocks and ``{head}.{num_layers}.weight`` for each head's LM head (absent when
   the LM head is shared with the base model).
+
+Reduced draft vocabulary (specdec's extension, FR-Spec style): ``draft_vocab`` in config.json
+lists the N token ids the heads score; each own LM head then has N rows (row j scores token
+``draft_vocab[j]``), and shared-LM-head heads use the target's rows of those ids. The heads
+output logits over those N tokens; the drafter maps its top-k back to token ids, so it only
+ever proposes in-vocabulary tokens. Absent (or empty) = the full vocabulary, as published.
 
 Legacy ``medusa_lm_head.pt`` pickles are refused: convert them to safetensors first.
 
     heads = MedusaHeads(MedusaConfig(num_heads=4, num_layers=1, hidden_size=576, vocab_size=49152))
     save_medusa(heads, "out/")            heads = load_medusa("out/")
-    logits = heads(hidden)                # [num_heads, batch, vocab]
+    logits = heads(hidden)                # [num_heads, batch, vocab]  ([..., N] with a draft_vocab of N ids)
 """
 from __future__ import annotations
 
@@ -29,10 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from specdec.drafters.draft_vocab import DraftVocab
 from torch import nn
 
 from specdec.atomic_write import replaced_atomically, write_json
-from specdec.errors import SpecdecError
+from specdec.errors import InputError, SpecdecError
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +61,8 @@ class MedusaConfig:
     base_model_name_or_path: str = ""
     # top-k paths of the static tree, e.g. ((0,), (1,), (0, 0)); () = none chosen yet
     medusa_choices: tuple[tuple[int, ...], ...] = ()
+    # reduced draft vocabulary: the token ids the heads score, row j of an LM head <-> draft_vocab[j]; () = all
+    draft_vocab: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_layers", "hidden_size", "vocab_size"):
@@ -67,6 +76,24 @@ class MedusaConfig:
                     f"medusa_choices path {list(path)} must be a non-empty list of top-k ranks, "
                     f"at most num_heads={self.num_heads} long"
                 )
+        ids = tuple(self.draft_vocab)
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+            raise InputError(f"MedusaConfig.draft_vocab must be a list of integer token ids, got {list(ids)[:8]!r}...")
+        object.__setattr__(self, "draft_vocab", ids)
+        if ids:
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InputError(f"draft_vocab holds token id {bad}, but the vocabulary has "
+                                 f"vocab_size={self.vocab_size} tokens (ids 0..{self.vocab_size - 1})")
+            if len(set(ids)) != len(ids):
+                twice = next(t for t in ids if ids.count(t) > 1)
+                raise InputError(f"draft_vocab lists token id {twice} more than once ({len(ids)} ids, "
+                                 f"{len(set(ids))} distinct)")
+
+    @property
+    def draft_size(self) -> int:
+        """Rows of each LM head: the draft vocabulary's size, or the full vocabulary's."""
+        return len(self.draft_vocab) or self.vocab_size
 
     def to_json(self) -> dict:
         return {
@@ -77,6 +104,7 @@ class MedusaConfig:
             "vocab_size": self.vocab_size,
             "medusa_shared_lm_head": self.shared_lm_head,
             "medusa_choices": [list(p) for p in self.medusa_choices],
+            **({"draft_vocab": list(self.draft_vocab)} if self.draft_vocab else {}),
         }
 
 
@@ -94,7 +122,7 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    """``num_heads`` heads; ``self.heads[i]`` is an nn.Sequential (blocks..., [lm_head])."""
+    """``num_heads`` heads; ``self.heads[i]`` is an nn.Sequential (blocks..., [lm_head of draft_size rows])."""
 
     def __init__(self, config: MedusaConfig) -> None:
         super().__init__()
@@ -103,30 +131,47 @@ class MedusaHeads(nn.Module):
         for _ in range(config.num_heads):
             layers: list[nn.Module] = [ResBlock(config.hidden_size) for _ in range(config.num_layers)]
             if not config.shared_lm_head:
-                layers.append(nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+                layers.append(nn.Linear(config.hidden_size, config.draft_size, bias=False))
             heads.append(nn.Sequential(*layers))
         self.heads = nn.ModuleList(heads)
+        # [N] token id of each logit column (empty: full vocabulary); not saved in the weights (config.json has it)
+        self.register_buffer("draft_ids", torch.tensor(config.draft_vocab, dtype=torch.long), persistent=False)
+
+    def vocab(self) -> DraftVocab | None:
+        """The maps between logit columns and token ids, on the heads' device; None for full-vocabulary heads."""
+        if not self.config.draft_vocab:
+            return None
+        return DraftVocab(self.draft_ids, self.config.vocab_size)
+
+    def lm_rows(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """The base model's LM-head rows [draft_size, hidden] these heads score (all of them when not reduced)."""
+        if not self.config.draft_vocab:
+            return lm_head_weight
+        return lm_head_weight[self.draft_ids.to(lm_head_weight.device)]
 
     def init_lm_heads_from(self, lm_head_weight: torch.Tensor) -> None:
-        """Start every own LM head as a copy of the base model's (Medusa's recipe)."""
+        """Start every own LM head as a copy of the base model's [vocab, hidden] (Medusa's recipe); with a draft
+        vocabulary, as a copy of the rows of its token ids."""
         if self.config.shared_lm_head:
             return
+        rows = self.lm_rows(lm_head_weight)
         with torch.no_grad():
             for head in self.heads:
-                head[-1].weight.copy_(lm_head_weight)
+                head[-1].weight.copy_(rows)
 
     def forward(
         self,
         hidden: torch.Tensor,  # [..., hidden_size] final-norm hidden states of the target
         lm_head_weight: torch.Tensor | None = None,  # [vocab, hidden], needed iff shared_lm_head
-    ) -> torch.Tensor:  # [num_heads, ..., vocab] logits
+    ) -> torch.Tensor:  # [num_heads, ..., draft_size] logits (column j = token draft_vocab[j] when reduced)
         if self.config.shared_lm_head and lm_head_weight is None:
             raise ValueError("these Medusa heads share the base model's LM head: pass lm_head_weight")
+        rows = self.lm_rows(lm_head_weight) if self.config.shared_lm_head else None
         out = []
         for head in self.heads:
             x = head(hidden)
-            if self.config.shared_lm_head:
-                x = nn.functional.linear(x, lm_head_weight)
+            if rows is not None:
+                x = nn.functional.linear(x, rows)
             out.append(x)
         return torch.stack(out)
 
@@ -144,8 +189,11 @@ def save_medusa(heads: MedusaHeads, directory: str | os.PathLike) -> Path:
 
 
 def read_medusa_config(directory: str | os.PathLike, hidden_size: int | None = None,
-                       vocab_size: int | None = None) -> MedusaConfig:
-    """Read config.json; hidden/vocab sizes missing from it come from the weights or the target."""
+                       vocab_size: int | None = None, lm_rows: int | None = None) -> MedusaConfig:
+    """Read config.json; hidden/vocab sizes missing from it come from the weights or the target.
+
+    ``lm_rows`` (rows of the saved LM heads) stands for the vocabulary size when config.json has neither
+    ``vocab_size`` nor ``draft_vocab``; ``vocab_size`` (the target's) is the fallback otherwise."""
     path = Path(directory)
     cfg_file = path / CONFIG_FILE
     if not cfg_file.is_file():
@@ -157,15 +205,23 @@ def read_medusa_config(directory: str | os.PathLike, hidden_size: int | None = N
     missing = [k for k in ("medusa_num_heads", "medusa_num_layers") if k not in raw]
     if missing:
         raise MedusaCheckpointError(f"{cfg_file} lacks {', '.join(missing)}")
-    return MedusaConfig(
-        num_heads=int(raw["medusa_num_heads"]),
-        num_layers=int(raw["medusa_num_layers"]),
-        hidden_size=int(raw.get("hidden_size") or hidden_size or 0),
-        vocab_size=int(raw.get("vocab_size") or vocab_size or 0),
-        shared_lm_head=bool(raw.get("medusa_shared_lm_head", False)),
-        base_model_name_or_path=str(raw.get("base_model_name_or_path") or ""),
-        medusa_choices=tuple(tuple(p) for p in raw.get("medusa_choices") or ()),
-    )
+    draft_vocab = raw.get("draft_vocab") or []
+    if not isinstance(draft_vocab, list) or any(not isinstance(t, int) or isinstance(t, bool) for t in draft_vocab):
+        raise MedusaCheckpointError(f"{cfg_file}: draft_vocab must be a list of integer token ids")
+    fallback_vocab = vocab_size if draft_vocab else (lm_rows or vocab_size)
+    try:
+        return MedusaConfig(
+            num_heads=int(raw["medusa_num_heads"]),
+            num_layers=int(raw["medusa_num_layers"]),
+            hidden_size=int(raw.get("hidden_size") or hidden_size or 0),
+            vocab_size=int(raw.get("vocab_size") or fallback_vocab or 0),
+            shared_lm_head=bool(raw.get("medusa_shared_lm_head", False)),
+            base_model_name_or_path=str(raw.get("base_model_name_or_path") or ""),
+            medusa_choices=tuple(tuple(p) for p in raw.get("medusa_choices") or ()),
+            draft_vocab=tuple(draft_vocab),
+        )
+    except InputError as err:  # the draft vocabulary does not fit the vocabulary
+        raise MedusaCheckpointError(f"{cfg_file}: {err}") from err
 
 
 def load_medusa(directory: str | os.PathLike, hidden_size: int | None = None, vocab_size: int | None = None,
@@ -188,12 +244,17 @@ def load_medusa(directory: str | os.PathLike, hidden_size: int | None = None, vo
     inferred_hidden = int(first.shape[1]) if first is not None else None
     lm = [v for k, v in state.items() if k.endswith(".weight") and not k.endswith("linear.weight")]
     inferred_vocab = int(lm[0].shape[0]) if lm else None
-    config = read_medusa_config(path, inferred_hidden or hidden_size, inferred_vocab or vocab_size)
+    config = read_medusa_config(path, inferred_hidden or hidden_size, vocab_size, lm_rows=inferred_vocab)
     for name, want in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
         if want is not None and getattr(config, name) != want:
             raise MedusaCheckpointError(
                 f"{path}: Medusa heads have {name}={getattr(config, name)} but the target model has {want}"
             )
+    if config.draft_vocab and inferred_vocab is not None and inferred_vocab != config.draft_size:
+        raise MedusaCheckpointError(
+            f"{path}: config.json's draft_vocab lists {config.draft_size} token ids but the LM heads in "
+            f"{WEIGHTS_FILE} have {inferred_vocab} rows"
+        )
     heads = MedusaHeads(config)
     try:
         heads.heads.load_state_dict(state, strict=True)

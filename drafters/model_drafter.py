@@ -38,6 +38,11 @@ Sampled drafts draw from the drafter's own generator, on the device of its draft
 seeded from ``DraftConfig.seed``, else from ``generate(seed=...)`` (or one draw of
 ``generate(generator=...)``) through :meth:`ModelDrafter.seed_from_generate`, re-seeded at every
 ``attach`` (each generate() call); with neither, from torch's global RNG.
+
+Reduced draft vocabulary: a subclass whose runner scores only N tokens (its LM head cut to N
+rows) sets ``self.draft_vocab`` in ``make_runner``; children are then chosen among those N
+tokens and mapped to token ids, and sampled drafts' draft_probs are zero outside them (the
+rejection sampler takes them as any other draft distribution, so output stays exact).
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView
+from specdec.drafters.draft_vocab import DraftVocab
 
 from specdec.attention import BatchBuilder
 from specdec.kv_cache import PagedKVCache
@@ -119,6 +125,8 @@ class ModelDrafter(Drafter):
         self.generator: torch.Generator | None = None  # made by attach(), on the runner's device
         self.generate_seed: int | None = None  # from seed_from_generate(); DraftConfig.seed wins
         self.draft_forwards = 0  # draft-model forward passes (catch-up + one per depth)
+        self.draft_vocab: DraftVocab | None = None  # set by make_runner when the runner's logits cover N tokens
+        self._draft_ids: list[int] | None = None  # draft_vocab.ids as a list: logit column -> token id
 
     # ---- lifecycle --------------------------------------------------------------------
     def make_runner(self, target: TargetView) -> LlamaRunner:
@@ -130,7 +138,9 @@ class ModelDrafter(Drafter):
 
     def attach(self, target: TargetView) -> None:
         self.target = target
+        self.draft_vocab = None
         self.runner = self.make_runner(target)
+        self._draft_ids = self.draft_vocab.ids.tolist() if self.draft_vocab is not None else None
         tc = target.cache
         shape = self.runner.shape
         if self.shares_target_cache:
@@ -230,10 +240,12 @@ class ModelDrafter(Drafter):
         if self.mode is DraftMode.DETERMINISTIC:
             k = cfg.beam if cfg.tree == "dynamic" else None
             cands = []
+            ids = self._draft_ids  # None: logit column == token id
             for parent, logits, score in frontier:
                 probs = logits.float().softmax(-1) if sampling.greedy else logits_to_probs(logits.float(), sampling)
-                top = torch.topk(probs, k or cfg.width(depth))
-                cands += [(score * float(p), parent, int(t)) for p, t in zip(top.values, top.indices)]
+                top = torch.topk(probs, min(k or cfg.width(depth), probs.numel()))
+                cands += [(score * float(p), parent, int(t) if ids is None else ids[int(t)])
+                          for p, t in zip(top.values, top.indices)]
             if cfg.tree == "dynamic":
                 cands = sorted(cands, key=lambda c: -c[0])[: min(cfg.beam, budget - len(nodes))]
             for score, parent, token in cands:
@@ -241,7 +253,9 @@ class ModelDrafter(Drafter):
         else:
             width = cfg.width(depth)
             for parent, logits, score in frontier:
-                draft_probs = logits_to_probs(logits.float(), sampling)  # [vocab]
+                draft_probs = logits_to_probs(logits.float(), sampling)  # [vocab], or [N] over a draft vocabulary
+                if self.draft_vocab is not None:
+                    draft_probs = self.draft_vocab.expand(draft_probs)  # [vocab], zero outside the N tokens
                 replacement = self.mode is DraftMode.INDEPENDENT
                 n = width if replacement else min(width, int((draft_probs > 0).sum()))
                 picks = torch.multinomial(draft_probs, n, replacement=replacement, generator=self.generator)

@@ -14,13 +14,23 @@ untrained early exit predicts the full model's token poorly -- acceptance at dep
 so no setting pays on this model: the cheapest (4 layers, 2 tokens) ran at 0.75x plain
 decoding, every other setting slower. Self-drafting needs a model trained for early exit
 (LayerSkip-style); the drafter is exact either way.
+
+``draft_vocab`` projects the draft logits onto a reduced vocabulary (the LM head cut to those
+rows, a fifth of the embedded model's parameters otherwise): a size N (the most frequent tokens
+of the built-in prompts), a list of token ids, or a checkpoint directory / JSON file holding a
+``draft_vocab`` list -- see drafters/vocab_sources.py. Drafts are then only those tokens and
+sampled draft_probs are zero elsewhere; output stays exact.
+
+    generate("default", ids, drafter="self-draft", drafter_options={"num_layers": 4, "draft_vocab": "heads/"})
 """
 from __future__ import annotations
 
 from typing import Any
 
 from specdec.drafters.base import TargetView
+from specdec.drafters.draft_vocab import DraftVocab
 from specdec.drafters.model_drafter import DraftConfig, ModelDrafter
+from specdec.drafters.vocab_sources import check_spec, resolve_draft_vocab
 
 from specdec.models.llama import LlamaRunner
 
@@ -32,15 +42,25 @@ class SelfDraftDrafter(ModelDrafter):
     name = "self-draft"
     shares_target_cache = True
 
-    def __init__(self, num_layers: int = DEFAULT_LAYERS, **options: Any) -> None:
+    def __init__(self, num_layers: int = DEFAULT_LAYERS, draft_vocab: Any = None, **options: Any) -> None:
+        """``draft_vocab``: None (full vocabulary), a size, a list of token ids, or a path (see the module doc)."""
         options.setdefault("num_draft_tokens", DEFAULT_DRAFT_TOKENS)
         super().__init__(DraftConfig(**options))
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"self-draft: num_layers must be a positive int, got {num_layers!r}")
+        if draft_vocab is not None:
+            check_spec(draft_vocab)
         self.num_layers = num_layers
+        self.draft_vocab_spec = draft_vocab
 
     def make_runner(self, target: TargetView) -> LlamaRunner:
         total = target.runner.shape.num_layers
         if self.num_layers >= total:
             raise ValueError(f"self-draft: num_layers={self.num_layers} must be below the target's {total} layers")
-        return target.runner.truncated(self.num_layers)
+        runner = target.runner.truncated(self.num_layers)
+        if self.draft_vocab_spec is not None:
+            vocab_size = target.runner.shape.vocab_size
+            ids = resolve_draft_vocab(self.draft_vocab_spec, target.tokenizer, vocab_size, self.name)
+            self.draft_vocab = DraftVocab(ids, vocab_size).to(runner.device)
+            runner.lm_head = runner.lm_head[self.draft_vocab.ids]  # [N, hidden]: this runner's logits cover N tokens
+        return runner
