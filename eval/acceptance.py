@@ -16,15 +16,16 @@ Definitions (documented in the report):
   accepted / tried summed over steps (the engine's depth counters);
 * predicted speedup, from costs measured separately from the run it predicts::
 
-      predicted = tau * c_plain / (c_draft + c_verify(n))
+      predicted = tau * c_plain / (c_draft + mean over steps of c_verify(1 + nodes of that step))
 
   - ``c_verify(n)``: seconds of one engine verify step (ONE target forward over ``n`` query
     tokens per sequence = root + tree nodes, then rejection sampling and the KV commit) for a
     batch like the cell's (its ``batch_size`` prompts of median length, each extended to its
     length + ``max_new_tokens / 2`` tokens: the mean context while decoding). A short calibration
-    after the cell (``specdec.eval.verify_cost``) times steps at ``n = 1`` and at ``n`` = 1 + the
-    drafter's mean tree size (nodes it proposed per step in the cell, rounded), interleaved,
-    after a warm-up step, and keeps the median of ``calibration_repeats`` steps each;
+    after the cell (``specdec.eval.verify_cost``) times steps at ``n = 1`` and at every tree size
+    the cell's steps had (``step_nodes_histogram``; ``specdec.eval.pricing``), interleaved, after a
+    warm-up step, and keeps the median of ``calibration_repeats`` steps each; the mean-size price
+    ``c_verify(1 + mean nodes)`` is kept beside it as ``predicted_speedup_mean_size``;
   - ``c_plain = c_verify(1)``: a plain step is the same verify / sample / commit path with
     the root alone (its drafting is nothing);
   - ``c_draft``: the drafter's measured draft time per engine step in the cell
@@ -50,7 +51,6 @@ is shifted to accepted lengths, their prediction is left out.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -60,6 +60,7 @@ from typing import Any
 import torch
 from specdec.drafters.base import Drafter
 from specdec.drafters.registry import get_drafter
+from specdec.eval.pricing import calibration_sizes, predicted_speedup, size_chunks
 from specdec.eval.resume import (
     cell_problem,
     check_cells,
@@ -135,10 +136,16 @@ class Cell:
     depth_tried: list[int] = field(default_factory=list)
     depth_accepted: list[int] = field(default_factory=list)
     accepted_histogram: list[int] = field(default_factory=list)  # index = draft tokens accepted in one step
+    step_nodes_histogram: list[int] = field(default_factory=list)  # index = tree nodes a sequence step verified
     # one entry per process: {"query_tokens", "plain_seconds", "verify_seconds", "batch", "context_tokens", "repeats"}
     calibration: list[dict] = field(default_factory=list)
+    # the same, one entry per query size the cell's steps verified (specdec.eval.pricing), of every process
+    size_calibration: list[dict] = field(default_factory=list)
 
-    def add(self, out: Any, seconds: float, drafts: int = 0, draft_nodes: int = 0) -> None:
+    def add(self, out: Any, seconds: float, drafts: int = 0, draft_nodes: int = 0,
+            step_nodes: list[int] | None = None) -> None:
+        """``step_nodes``: nodes of every tree proposed in the run (the stats' own per-step sizes win where the engine
+        records them); sequence steps without a proposal count as 0 nodes."""
         self.prompts += len(out.stats)
         self.seconds += seconds
         self.prefill_seconds += out.prefill_seconds
@@ -155,13 +162,18 @@ class Cell:
             for committed in s.step_lengths:
                 accepted = max(committed - 1, 0)
                 _add_into(self.accepted_histogram, [0] * accepted + [1])
+        verified = [n for s in out.stats for n in (getattr(s, "step_nodes", None) or ())]
+        sizes = verified if verified else list(step_nodes or ())
+        sizes += [0] * max(0, sum(s.steps for s in out.stats) - len(sizes))
+        for n in sizes:
+            _add_into(self.step_nodes_histogram, [0] * n + [1])
 
     def merge(self, other: "Cell") -> None:
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if f.name in ("drafter", "category"):
                 continue
-            if f.name == "calibration":
+            if f.name in ("calibration", "size_calibration"):
                 mine.extend(theirs)
             elif isinstance(mine, list):
                 _add_into(mine, theirs)
@@ -236,6 +248,7 @@ class _CountingDrafter(Drafter):
 
     def __init__(self, inner: Drafter) -> None:
         self.inner, self.trees, self.nodes = inner, 0, 0
+        self.sizes: list[int] = []  # nodes of every tree proposed, in order
         self.name, self.needs_hidden_states = inner.name, inner.needs_hidden_states
 
     def seed_from_generate(self, seed: int | None) -> None:
@@ -247,7 +260,8 @@ class _CountingDrafter(Drafter):
     def propose(self, seqs):
         trees = self.inner.propose(seqs)
         self.trees += len(trees)
-        self.nodes += sum(int(getattr(t, "num_nodes", 0)) for t in trees)
+        self.sizes += [int(getattr(t, "num_nodes", 0)) for t in trees]
+        self.nodes += sum(self.sizes[len(self.sizes) - len(trees):])
         return trees
 
     def on_accept(self, seq_id: int, committed) -> None:
@@ -277,13 +291,18 @@ def _median_batch(prompts: list[list[int]], size: int) -> list[list[int]]:
 
 
 def _calibrate(loaded: Any, cell: Cell, batch: list[list[int]], config: SuiteConfig) -> None:
+    """Time a plain step, a step of the mean tree size and one of every tree size the cell verified
+    (specdec.eval.pricing), each run of sizes on a fresh context."""
     n = max(1, round(1 + cell.mean_tree_nodes))
-    costs = measure_verify_costs(loaded, batch, (1, n), config.sampling, config.max_new_tokens // 2,
-                                 config.calibration_repeats, config.seed)
+    costs: dict[int, float] = {}
+    for sizes in size_chunks(calibration_sizes(cell.step_nodes_histogram, cell.mean_tree_nodes)):
+        costs.update(measure_verify_costs(loaded, batch, sizes, config.sampling, config.max_new_tokens // 2,
+                                          config.calibration_repeats, config.seed))
     context = sum(len(p) for p in batch) / len(batch) + config.max_new_tokens // 2
-    cell.calibration.append({"query_tokens": n, "plain_seconds": costs[1], "verify_seconds": costs[n],
-                             "batch": len(batch), "context_tokens": round(context, 1),
-                             "repeats": config.calibration_repeats})
+    common = {"plain_seconds": costs[1], "batch": len(batch), "context_tokens": round(context, 1),
+              "repeats": config.calibration_repeats}
+    cell.calibration.append({"query_tokens": n, "verify_seconds": costs[n], **common})
+    cell.size_calibration += [{"query_tokens": k, "verify_seconds": v, **common} for k, v in sorted(costs.items())]
 
 
 def check_finished_cells(out: Path, labels: list[str], categories: list[str], ranks: list[int | None],
@@ -333,7 +352,7 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
                     res = generate(loaded, batch, max_new_tokens=config.max_new_tokens, drafter=drafter,
                                    return_dict=True, **sampling)
                     seconds = time.perf_counter() - t0
-                    counts = (drafter.trees, drafter.nodes) if drafter is not None else (0, 0)
+                    counts = (drafter.trees, drafter.nodes, drafter.sizes) if drafter is not None else (0, 0, [])
                     cell.add(res, seconds, *counts)
                     if on_progress:
                         on_progress(category, cell)
@@ -389,20 +408,6 @@ def merge_cells(out: Path, labels: list[str], categories: list[str], num_process
                 merged.merge(read(label, category, r))
             cells[label, category] = merged
     return cells
-
-
-def predicted_speedup(cell: Cell) -> dict | None:
-    """tau * c_plain / (c_draft + c_verify(n)) from the cell's calibration (median over processes)."""
-    if not cell.calibration or not cell.forward_passes or not cell.steps:
-        return None
-    c_plain = statistics.median(c["plain_seconds"] for c in cell.calibration)
-    c_verify = statistics.median(c["verify_seconds"] for c in cell.calibration)
-    c_draft = cell.draft_seconds / cell.forward_passes
-    if c_draft + c_verify <= 0:
-        return None
-    return {"predicted_speedup": cell.tau * c_plain / (c_draft + c_verify), "cost_plain_s": c_plain,
-            "cost_verify_s": c_verify, "cost_draft_s": c_draft,
-            "verify_query_tokens": statistics.median(c["query_tokens"] for c in cell.calibration)}
 
 
 def summarise(cells: dict[tuple[str, str], Cell]) -> list[dict]:

@@ -1,7 +1,8 @@
-"""``specdec eval lossless`` and ``specdec eval acceptance`` (registered by specdec/cli.py).
+"""``specdec eval lossless``, ``specdec eval acceptance`` and ``specdec eval replay`` (registered by specdec/cli.py).
 
     specdec eval lossless --drafter ngram --temperature 0.8 --out runs/cert
     specdec eval acceptance --drafters ngram,self-draft --categories chat,code --prompts 5 --out runs/acc
+    specdec eval replay record --out run.json; specdec eval replay run --record run.json --drafter ngram
     accelerate launch --multi_gpu --num_processes 2 -m specdec.cli eval acceptance ...  # shard prompts
     (on a CPU-only machine too: processes use gloo; `accelerate launch --cpu` starts only one process)
 """
@@ -55,6 +56,10 @@ def add_parser(sub) -> None:
                    help="keep finished cells found in --out; each is checked first (schema, checksum, settings), "
                         "and one that is damaged, edited or measured with other settings is an error naming it")
     a.set_defaults(func=_inference(run_acceptance))
+
+    from specdec.eval.replay_cli import add_parser as add_replay
+
+    add_replay(ev_sub, _inference)  # specdec eval replay record / run
 
 
 def _inference(command):

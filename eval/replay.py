@@ -1,0 +1,222 @@
+"""Offline replay of a drafter over a recorded run (``specdec eval replay run``): tau and speed without the target.
+
+    record = load_record("run.json")                       # specdec.eval.replay_record
+    result = replay(record, ReplayConfig("ngram", {"max_nodes": 16}))
+    result["tau"], result["predicted_speedup"]
+
+Greedy (``temperature=0``, the record must be greedy): the recorded committed sequence is walked as the engine
+would: each step the drafter proposes a tree for the committed prefix (the engine's budget cut applied: no node
+deeper than the tokens still allowed), the tree is cut to ``max_nodes``, the path of nodes equal to the recorded
+tokens is accepted (the target's argmax: what greedy verification accepts), and the step commits accepted + 1
+tokens. For a deterministic drafter this reproduces the real run's steps exactly.
+
+Sampled (``temperature > 0``): the record's top-k log-probabilities give the target's tempered distribution at
+every recorded position, and the expected outcome of each step is computed instead of sampled. A deterministic
+candidate ``x`` among siblings is accepted with probability ``target_probs[x]`` (trying siblings in order, each
+against the renormalised residual, accepts the i-th with exactly its target probability), so the distribution of
+the accepted length at position j follows from the tree. Approximations, all documented in the result's
+``notes``: (1) the text is the recorded one: a step that accepts a token off the recorded path counts its depth
+and stops there (the target's distribution below it is not recorded), and every step advances along the recorded
+sequence (a dynamic programme over positions gives the expected steps and cost to finish); (2) tokens outside
+the recorded top-k have target probability 0; (3) at temperature T the tail's tempered mass is taken as
+``tail * p_k ** (1/T - 1)`` (p_k the k-th probability): an upper bound for T < 1, a lower bound for T > 1, exact
+at T = 1. Drafters that sample (draft_probs) are replayed with their proposals treated as candidates, which is
+only right for deterministic drafters.
+
+Costs: every step is priced by its own tree, ``c_draft + c_verify(1 + nodes)``, with ``c_verify`` from the
+record and ``c_draft`` the drafter's propose time measured here; the predicted speedup over plain decoding is
+``(tokens / total cost) / (1 / c_verify(1))``. Drafters that read the target's hidden states, model or cache
+(medusa, self-draft, ...) cannot be replayed from tokens: they are refused with a one-line InputError.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from specdec.drafters.base import SequenceView, TargetView, TokenView
+from specdec.drafters.registry import get_drafter
+from specdec.eval.replay_record import verify_cost_at
+
+from specdec.errors import InputError
+from specdec.sampling import SamplingConfig
+from specdec.tree import MAX_TREE_NODES, DraftTree
+
+TOKEN_ONLY_HINT = "replay supports drafters whose propose reads only token ids (e.g. ngram)"
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    drafter: Any = "ngram"  # a name, or a Drafter instance (tests)
+    drafter_options: dict = field(default_factory=dict)
+    max_nodes: int | None = None  # cut every tree to its first max_nodes nodes (None: as proposed)
+    temperature: float = 0.0  # 0 = greedy
+
+    def __post_init__(self) -> None:
+        if self.max_nodes is not None and not 0 <= self.max_nodes <= MAX_TREE_NODES:
+            raise InputError(f"max_nodes must be in 0..{MAX_TREE_NODES}, got {self.max_nodes}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise InputError(f"temperature must be a finite number >= 0, got {self.temperature}")
+
+
+class _ReplayDrafter:
+    """The drafter under replay, fed committed prefixes; times its proposals."""
+
+    def __init__(self, config: ReplayConfig, record: dict) -> None:
+        drafter = get_drafter(config.drafter, **config.drafter_options)
+        self.name = getattr(drafter, "name", str(config.drafter))
+        if drafter.needs_hidden_states:
+            raise InputError(f"replay: drafter {self.name!r} reads the target's hidden states, which a record "
+                             f"does not hold; {TOKEN_ONLY_HINT}")
+        self.vocab_size = int(record["vocab_size"])
+        sampling = SamplingConfig(config.temperature > 0, config.temperature or 1.0)
+        runner = SimpleNamespace(shape=SimpleNamespace(vocab_size=self.vocab_size), device=torch.device("cpu"))
+        self.drafter, self.seconds, self.calls = drafter, 0.0, 0
+        self._guard(lambda: drafter.attach(TargetView(runner, None, sampling)))
+
+    def _guard(self, fn):
+        try:
+            return fn()
+        except (AttributeError, TypeError) as err:
+            raise InputError(f"replay: drafter {self.name!r} reads the target's model or cache ({err}); "
+                             f"{TOKEN_ONLY_HINT}") from None
+
+    def propose(self, seq_id: int, tokens: list[int], num_prompt_tokens: int) -> DraftTree:
+        view = SequenceView(seq_id, TokenView(tokens), num_prompt_tokens)
+        t0 = time.perf_counter()
+        tree = self._guard(lambda: self.drafter.propose([view]))[0]
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        tree.validate(self.vocab_size, drafter=self.name)
+        return tree
+
+
+def _cut(tree: DraftTree, max_depth: int, max_nodes: int | None) -> DraftTree:
+    """The engine's budget cut (no node deeper than ``max_depth``), then the first ``max_nodes`` nodes (parents come
+    first, so any prefix of the nodes is a tree)."""
+    if tree.num_nodes and tree.max_depth > max_depth:
+        tree = tree.prune(tree.depths <= max(max_depth, 0))
+    if max_nodes is not None and tree.num_nodes > max_nodes:
+        tree = tree.prune(torch.arange(tree.num_nodes) < max_nodes)
+    return tree
+
+
+def _greedy_accepted(tree: DraftTree, upcoming: list[int]) -> int:
+    """Nodes accepted by greedy verification when the target's argmaxes are ``upcoming``."""
+    children, node, accepted = tree.children, -1, 0
+    tokens = tree.tokens.tolist()
+    while accepted < len(upcoming):
+        match = next((c for c in children[node + 1] if tokens[c] == upcoming[accepted]), None)
+        if match is None:
+            break
+        node, accepted = match, accepted + 1
+    return accepted
+
+
+def tempered_probs(ids: list[int], logprobs: list[float], temperature: float) -> dict[int, float]:
+    """The target's probabilities at ``temperature`` of the recorded top-k tokens (module docstring, note 3)."""
+    p = [math.exp(x) for x in logprobs]
+    tail = max(0.0, 1.0 - sum(p))
+    inv = 1.0 / temperature
+    powered = [x ** inv for x in p]
+    tail_t = tail * (min(p) ** (inv - 1.0)) if tail and min(p) > 0 else 0.0
+    z = sum(powered) + tail_t
+    return {i: x / z for i, x in zip(ids, powered)}
+
+
+def _accepted_distribution(tree: DraftTree, seq: dict, j: int, temperature: float) -> list[float]:
+    """P(accepted = a) for a = 0..max_depth at recorded position j (module docstring)."""
+    new, children, tokens = seq["new_tokens"], tree.children, tree.tokens.tolist()
+    dist = [0.0] * (tree.max_depth + 1 if tree.num_nodes else 1)
+
+    def walk(node: int, depth: int, mass: float) -> None:  # node on the recorded path at this depth
+        pos = j + depth
+        if pos >= len(new) or not children[node + 1]:
+            dist[depth] += mass
+            return
+        probs = tempered_probs(seq["topk_ids"][pos], seq["topk_logprobs"][pos], temperature)
+        left = mass
+        for c in children[node + 1]:
+            pc = mass * probs.get(tokens[c], 0.0)
+            left -= pc
+            if tokens[c] == new[pos]:
+                walk(c, depth + 1, pc)
+            else:
+                dist[depth + 1] += pc  # off the recorded path: counted, not followed
+        dist[depth] += max(left, 0.0)
+
+    walk(-1, 0, 1.0)
+    return dist
+
+
+def _replay_sequence(drafter: _ReplayDrafter, seq_id: int, seq: dict, record: dict, config: ReplayConfig,
+                     costs: dict[int, float]) -> dict:
+    prompt, new = list(seq["prompt_ids"]), list(seq["new_tokens"])
+    budget = int(record["max_new_tokens"])
+    m = len(new)
+    if config.temperature == 0:  # walk the recorded greedy sequence step by step
+        j, steps, verify, nodes, histogram = 0, 0, 0.0, 0, []
+        while j < m:
+            tree = _cut(drafter.propose(seq_id, prompt + new[:j], len(prompt)), budget - j - 1, config.max_nodes)
+            accepted = _greedy_accepted(tree, new[j:])
+            count = min(accepted + 1, m - j)
+            histogram += [0] * (accepted + 1 - len(histogram))
+            histogram[accepted] += 1
+            steps, nodes, verify = steps + 1, nodes + tree.num_nodes, verify + verify_cost_at(costs, 1 + tree.num_nodes)
+            j += count
+            if j < m:
+                drafter.drafter.on_accept(seq_id, new[j - count : j])
+        drafter.drafter.release(seq_id)
+        return {"new_tokens": m, "steps": steps, "verify_seconds": verify, "draft_calls": steps, "nodes": nodes,
+                "accepted_histogram": histogram}
+    # sampled: expected steps and verify cost to finish from every position, back to front
+    trees, dists = [], []
+    for j in range(m):
+        tree = _cut(drafter.propose(seq_id, prompt + new[:j], len(prompt)), budget - j - 1, config.max_nodes)
+        trees.append(tree.num_nodes)
+        dists.append(_accepted_distribution(tree, seq, j, config.temperature))
+        drafter.drafter.on_accept(seq_id, new[j : j + 1])
+    drafter.drafter.release(seq_id)
+    steps, verify, nodes = [0.0] * (m + 1), [0.0] * (m + 1), [0.0] * (m + 1)
+    for j in range(m - 1, -1, -1):
+        nxt = [(p, min(j + a + 1, m)) for a, p in enumerate(dists[j]) if p > 0]
+        steps[j] = 1 + sum(p * steps[k] for p, k in nxt)
+        verify[j] = verify_cost_at(costs, 1 + trees[j]) + sum(p * verify[k] for p, k in nxt)
+        nodes[j] = trees[j] + sum(p * nodes[k] for p, k in nxt)
+    return {"new_tokens": m, "steps": steps[0], "verify_seconds": verify[0], "draft_calls": m, "nodes": nodes[0],
+            "accepted_histogram": None}
+
+
+def replay(record: dict, config: ReplayConfig) -> dict:
+    """Predicted tau and speed of ``config``'s drafter over ``record`` (module docstring); a JSON-able dict."""
+    if config.temperature == 0 and record.get("temperature", 0) != 0:
+        raise InputError(f"replay at temperature 0 needs a greedy record; this one was sampled at "
+                         f"{record['temperature']} (replay it with --temperature > 0)")
+    costs = record["costs"]["verify_seconds"]
+    drafter = _ReplayDrafter(config, record)
+    per_sequence = [_replay_sequence(drafter, i, s, record, config, costs) for i, s in enumerate(record["sequences"])]
+    tokens = sum(r["new_tokens"] for r in per_sequence)
+    steps = sum(r["steps"] for r in per_sequence)
+    c_plain = verify_cost_at(costs, 1)
+    c_draft = drafter.seconds / drafter.calls if drafter.calls else 0.0
+    seconds = sum(r["verify_seconds"] for r in per_sequence) + c_draft * steps
+    histogram: list[int] = []
+    for r in per_sequence:
+        for a, x in enumerate(r["accepted_histogram"] or []):
+            histogram += [0] * (a + 1 - len(histogram))
+            histogram[a] += x
+    notes = [] if config.temperature == 0 else [
+        "expected values along the recorded text: acceptances off it count their depth and stop",
+        "tokens outside the recorded top-k have target probability 0",
+        "tempered tail mass approximated from the k-th probability (exact at temperature 1)"]
+    return {"drafter": drafter.name, "drafter_options": dict(config.drafter_options), "max_nodes": config.max_nodes,
+            "temperature": config.temperature, "sequences": len(per_sequence), "new_tokens": tokens,
+            "steps": steps, "tau": tokens / steps if steps else 0.0,
+            "mean_tree_nodes": sum(r["nodes"] for r in per_sequence) / steps if steps else 0.0,
+            "cost_plain_s": c_plain, "cost_draft_s": c_draft, "seconds": seconds,
+            "predicted_speedup": (tokens / seconds) * c_plain if seconds else None,
+            "accepted_histogram": histogram or None, "notes": notes,
+            "per_sequence_tau": [r["new_tokens"] / r["steps"] if r["steps"] else 0.0 for r in per_sequence]}

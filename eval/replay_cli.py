@@ -1,0 +1,117 @@
+"""``specdec eval replay record`` and ``specdec eval replay run`` (parsers registered by specdec/eval/cli.py).
+
+    specdec eval replay record --out run.json --category chat --prompts 5 --max-new-tokens 128
+    specdec eval replay run --record run.json --drafter ngram --drafter-option max_nodes=16
+    specdec eval replay run --record run.json --drafter ngram --max-nodes 4,8,16 --temperature 0.7 --json
+
+``record`` runs plain decoding (greedy unless --temperature > 0) and writes the record; ``run`` replays a
+drafter over it offline (specdec.eval.replay) and prints one row per tree budget: predicted tau, mean tree size,
+costs and predicted speedup over plain decoding.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from specdec.models.embedded import DEFAULT_ALIAS
+
+
+def add_parser(ev_sub, inference) -> None:
+    r = ev_sub.add_parser("replay", help="record a run, then predict any drafter's tau and speed offline",
+                          description="Record a plain run (committed tokens, the target's top-k probabilities, "
+                                      "measured costs), then replay drafters over it without the target.")
+    r_sub = r.add_subparsers(dest="replay_command", required=True)
+    rec = r_sub.add_parser("record", help="run plain decoding and write a replay record")
+    rec.add_argument("--out", required=True, help="record file to write (JSON)")
+    rec.add_argument("--model", default=DEFAULT_ALIAS, help=f"model (default: {DEFAULT_ALIAS})")
+    rec.add_argument("--category", default="chat", help="comma list of prompt categories (default: chat)")
+    rec.add_argument("--prompts", type=int, default=5, help="prompts per category (default 5)")
+    rec.add_argument("--prompts-file", help="your own prompts: JSONL with a 'prompt' field (category 'custom')")
+    rec.add_argument("--max-new-tokens", type=int, default=128)
+    rec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    rec.add_argument("--top-k", type=int, default=20, help="target tokens kept per position (default 20)")
+    rec.add_argument("--costs", choices=("cost-model", "measure"), default="cost-model",
+                     help="verify costs from the engine's cached cost model (default) or timed here at the "
+                          "prompts' context")
+    rec.add_argument("--cost-repeats", type=int, default=3, help="with --costs measure: timed steps per size")
+    rec.add_argument("--seed", type=int, default=0)
+    rec.set_defaults(func=inference(run_record))
+
+    run = r_sub.add_parser("run", help="replay a drafter over a record")
+    run.add_argument("--record", required=True, help="record written by `specdec eval replay record`")
+    run.add_argument("--drafter", default="ngram", help="drafter name (default: ngram)")
+    run.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+                     help="drafter option, repeatable; VALUE parsed as JSON when possible")
+    run.add_argument("--max-nodes", default=None,
+                     help="cut every tree to N nodes; a comma list replays each (default: trees as proposed)")
+    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; needs a greedy record)")
+    run.add_argument("--json", action="store_true", help="print the results as one JSON document")
+    run.set_defaults(func=run_replay)
+
+
+def run_record(args) -> int:
+    from specdec.eval.cli import _encoder
+    from specdec.eval.prompt_sets import load_jsonl
+    from specdec.eval.prompts import CATEGORIES, load_prompts
+    from specdec.eval.replay_record import RecordConfig, record_run, save_record
+
+    from specdec.models.loader import load_model
+
+    config = RecordConfig(args.max_new_tokens, args.temperature, args.top_k, args.seed, args.cost_repeats,
+                          args.costs)
+    categories = [c.strip() for c in args.category.split(",") if c.strip()]
+    unknown = [c for c in categories if c not in CATEGORIES]
+    if unknown:
+        raise ValueError(f"unknown categories {', '.join(unknown)}; available: {', '.join(CATEGORIES)}")
+    if args.prompts < 1:
+        raise ValueError(f"--prompts must be >= 1, got {args.prompts}")
+    texts = [(c, t) for c in categories for t in load_prompts(c, args.prompts)]
+    if args.prompts_file:
+        texts += [("custom", t) for t in load_jsonl(args.prompts_file)[: args.prompts]]
+    loaded = load_model(args.model)
+    encode = _encoder(loaded)
+    print(f"[specdec eval replay record] {loaded.name}: {len(texts)} prompts x {args.max_new_tokens} tokens",
+          file=sys.stderr)
+    record = record_run(loaded, [encode(t) for _, t in texts], config, [c for c, _ in texts])
+    path = save_record(record, args.out)
+    tokens = sum(len(s["new_tokens"]) for s in record["sequences"])
+    c1 = record["costs"]["verify_seconds"].get(1)
+    print(f"recorded {tokens} tokens of {len(texts)} prompts, c_verify(1) = {c1 * 1e3:.2f} ms: {path}")
+    return 0
+
+
+def _budgets(spec: str | None) -> list[int | None]:
+    if spec is None:
+        return [None]
+    try:
+        return [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--max-nodes takes an integer or a comma list of integers, got {spec!r}") from None
+
+
+def run_replay(args) -> int:
+    from specdec.eval.cli import _options
+    from specdec.eval.replay import ReplayConfig, replay
+    from specdec.eval.replay_record import load_record
+
+    record = load_record(args.record)
+    options = _options(args.drafter_option)
+    results = [replay(record, ReplayConfig(args.drafter, options, n, args.temperature))
+               for n in _budgets(args.max_nodes)]
+    if args.json:
+        print(json.dumps({"record": str(Path(args.record)), "model": record["model"], "results": results}, indent=1))
+        return 0
+    tokens = sum(len(s["new_tokens"]) for s in record["sequences"])
+    c1 = record["costs"]["verify_seconds"][1]
+    print(f"{record['model']}, {len(record['sequences'])} prompts, {tokens} tokens; c_verify(1) = {c1 * 1e3:.2f} ms "
+          f"({record['device']}, {record['threads']} threads)")
+    print(f"{'drafter':>12} {'max_nodes':>9} {'T':>4} {'tau':>6} {'nodes':>6} {'draft ms':>8} {'speedup':>8}")
+    for r in results:
+        budget = "-" if r["max_nodes"] is None else str(r["max_nodes"])
+        speed = "-" if r["predicted_speedup"] is None else f"x{r['predicted_speedup']:.2f}"
+        print(f"{r['drafter']:>12} {budget:>9} {r['temperature']:>4g} {r['tau']:>6.2f} {r['mean_tree_nodes']:>6.1f} "
+              f"{r['cost_draft_s'] * 1e3:>8.3f} {speed:>8}")
+    for note in results[0]["notes"]:
+        print(f"note: {note}")
+    return 0
