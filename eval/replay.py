@@ -23,6 +23,13 @@ the recorded top-k have target probability 0; (3) at temperature T the tail's te
 at T = 1. Drafters that sample (draft_probs) are replayed with their proposals treated as candidates, which is
 only right for deterministic drafters.
 
+Guard (``guard=True``, the engine's default ``speculation="auto"``): the engine's own
+:class:`specdec.tree_sizing.TreeSizer` runs in the replay, one per sequence (as one generate() call per prompt),
+with the record's verify-cost curve and the draft times measured here: it skips the drafter where the break-even
+guard says so and prunes each tree to the part expected to pay. Its decisions depend on measured draft times, so
+a replay matches a real ``auto`` run closely, not token for token; ``guard=False`` (``speculation="always"``)
+matches a deterministic drafter's real run exactly. In sampled replays the sizer runs once per recorded position.
+
 Costs: every step is priced by its own tree, ``c_draft + c_verify(1 + nodes)``, with ``c_verify`` from the
 record and ``c_draft`` the drafter's propose time measured here; the predicted speedup over plain decoding is
 ``(tokens / total cost) / (1 / c_verify(1))``. Drafters that read the target's hidden states, model or cache
@@ -54,6 +61,7 @@ class ReplayConfig:
     drafter_options: dict = field(default_factory=dict)
     max_nodes: int | None = None  # cut every tree to its first max_nodes nodes (None: as proposed)
     temperature: float = 0.0  # 0 = greedy
+    guard: bool = True  # the engine's tree sizing and break-even guard (speculation="auto"); False: "always"
 
     def __post_init__(self) -> None:
         if self.max_nodes is not None and not 0 <= self.max_nodes <= MAX_TREE_NODES:
@@ -84,14 +92,46 @@ class _ReplayDrafter:
             raise InputError(f"replay: drafter {self.name!r} reads the target's model or cache ({err}); "
                              f"{TOKEN_ONLY_HINT}") from None
 
-    def propose(self, seq_id: int, tokens: list[int], num_prompt_tokens: int) -> DraftTree:
+    def propose(self, seq_id: int, tokens: list[int], num_prompt_tokens: int) -> tuple[DraftTree, float]:
+        """The drafter's tree for this prefix and the seconds its propose took."""
         view = SequenceView(seq_id, TokenView(tokens), num_prompt_tokens)
         t0 = time.perf_counter()
         tree = self._guard(lambda: self.drafter.propose([view]))[0]
-        self.seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.seconds += seconds
         self.calls += 1
         tree.validate(self.vocab_size, drafter=self.name)
-        return tree
+        return tree, seconds
+
+
+class _Step:
+    """One step's tree as the engine would verify it: the guard may skip the drafter; the proposal is cut to the
+    token budget and ``max_nodes``, then sized (specdec.tree_sizing, one sizer per sequence as in one generate()
+    call per prompt, its costs the record's curve and the draft times measured here)."""
+
+    def __init__(self, drafter: _ReplayDrafter, config: ReplayConfig, costs: dict[int, float]) -> None:
+        self.drafter, self.config, self.costs = drafter, config, costs
+        self.sizer = None
+        if config.guard:
+            from specdec.cost_model import CostModel
+            from specdec.tree_sizing import TreeSizer
+
+            curve = {n: verify_cost_at(costs, n) for n in range(1, MAX_TREE_NODES + 2)}
+            self.sizer = TreeSizer(CostModel({"record": True}, {1: curve}))
+        self.draft_call: float | None = None
+
+    def tree(self, seq_id: int, tokens: list[int], num_prompt_tokens: int, max_depth: int) -> DraftTree:
+        self.draft_call = None
+        if self.sizer is not None and not self.sizer.wants_draft(seq_id):
+            return DraftTree.empty()
+        tree, self.draft_call = self.drafter.propose(seq_id, tokens, num_prompt_tokens)
+        tree = _cut(tree, max_depth, self.config.max_nodes)
+        return tree if self.sizer is None else self.sizer.size(seq_id, tree, 1)
+
+    def after(self, seq_id: int, committed: list[int], nodes: int) -> None:
+        if self.sizer is not None:
+            self.sizer.observe(seq_id, committed, [])
+            self.sizer.record_step(self.draft_call, verify_cost_at(self.costs, 1 + nodes), 1 + nodes, 1)
 
 
 def _cut(tree: DraftTree, max_depth: int, max_nodes: int | None) -> DraftTree:
@@ -157,12 +197,14 @@ def _replay_sequence(drafter: _ReplayDrafter, seq_id: int, seq: dict, record: di
     prompt, new = list(seq["prompt_ids"]), list(seq["new_tokens"])
     budget = int(record["max_new_tokens"])
     m = len(new)
+    step = _Step(drafter, config, costs)
     if config.temperature == 0:  # walk the recorded greedy sequence step by step
-        j, steps, verify, nodes, histogram = 0, 0, 0.0, 0, []
+        j, steps, verify, nodes, histogram, calls = 0, 0, 0.0, 0, [], drafter.calls
         while j < m:
-            tree = _cut(drafter.propose(seq_id, prompt + new[:j], len(prompt)), budget - j - 1, config.max_nodes)
+            tree = step.tree(seq_id, prompt + new[:j], len(prompt), budget - j - 1)
             accepted = _greedy_accepted(tree, new[j:])
             count = min(accepted + 1, m - j)
+            step.after(seq_id, new[j : j + count], tree.num_nodes)
             histogram += [0] * (accepted + 1 - len(histogram))
             histogram[accepted] += 1
             steps, nodes, verify = steps + 1, nodes + tree.num_nodes, verify + verify_cost_at(costs, 1 + tree.num_nodes)
@@ -170,23 +212,27 @@ def _replay_sequence(drafter: _ReplayDrafter, seq_id: int, seq: dict, record: di
             if j < m:
                 drafter.drafter.on_accept(seq_id, new[j - count : j])
         drafter.drafter.release(seq_id)
-        return {"new_tokens": m, "steps": steps, "verify_seconds": verify, "draft_calls": steps, "nodes": nodes,
+        return {"new_tokens": m, "steps": steps, "verify_seconds": verify, "draft_calls": drafter.calls - calls,
+                "nodes": nodes,
                 "accepted_histogram": histogram}
     # sampled: expected steps and verify cost to finish from every position, back to front
-    trees, dists = [], []
+    trees, dists, asked = [], [], []
     for j in range(m):
-        tree = _cut(drafter.propose(seq_id, prompt + new[:j], len(prompt)), budget - j - 1, config.max_nodes)
+        tree = step.tree(seq_id, prompt + new[:j], len(prompt), budget - j - 1)
         trees.append(tree.num_nodes)
+        asked.append(step.draft_call is not None)
         dists.append(_accepted_distribution(tree, seq, j, config.temperature))
+        step.after(seq_id, new[j:], tree.num_nodes)  # the sizer learns from the recorded continuation
         drafter.drafter.on_accept(seq_id, new[j : j + 1])
     drafter.drafter.release(seq_id)
-    steps, verify, nodes = [0.0] * (m + 1), [0.0] * (m + 1), [0.0] * (m + 1)
+    steps, verify, nodes, calls = [0.0] * (m + 1), [0.0] * (m + 1), [0.0] * (m + 1), [0.0] * (m + 1)
     for j in range(m - 1, -1, -1):
         nxt = [(p, min(j + a + 1, m)) for a, p in enumerate(dists[j]) if p > 0]
         steps[j] = 1 + sum(p * steps[k] for p, k in nxt)
         verify[j] = verify_cost_at(costs, 1 + trees[j]) + sum(p * verify[k] for p, k in nxt)
         nodes[j] = trees[j] + sum(p * nodes[k] for p, k in nxt)
-    return {"new_tokens": m, "steps": steps[0], "verify_seconds": verify[0], "draft_calls": m, "nodes": nodes[0],
+        calls[j] = asked[j] + sum(p * calls[k] for p, k in nxt)
+    return {"new_tokens": m, "steps": steps[0], "verify_seconds": verify[0], "draft_calls": calls[0], "nodes": nodes[0],
             "accepted_histogram": None}
 
 
@@ -201,8 +247,9 @@ def replay(record: dict, config: ReplayConfig) -> dict:
     tokens = sum(r["new_tokens"] for r in per_sequence)
     steps = sum(r["steps"] for r in per_sequence)
     c_plain = verify_cost_at(costs, 1)
-    c_draft = drafter.seconds / drafter.calls if drafter.calls else 0.0
-    seconds = sum(r["verify_seconds"] for r in per_sequence) + c_draft * steps
+    c_draft = drafter.seconds / drafter.calls if drafter.calls else 0.0  # per propose call
+    calls = sum(r["draft_calls"] for r in per_sequence)  # greedy: calls made; sampled: expected share of steps
+    seconds = sum(r["verify_seconds"] for r in per_sequence) + c_draft * calls
     histogram: list[int] = []
     for r in per_sequence:
         for a, x in enumerate(r["accepted_histogram"] or []):
@@ -211,9 +258,12 @@ def replay(record: dict, config: ReplayConfig) -> dict:
     notes = [] if config.temperature == 0 else [
         "expected values along the recorded text: acceptances off it count their depth and stop",
         "tokens outside the recorded top-k have target probability 0",
-        "tempered tail mass approximated from the k-th probability (exact at temperature 1)"]
+        "tempered tail mass approximated from the k-th probability (exact at temperature 1)"] + (
+        ["guard and tree sizing run once per recorded position, learning from the recorded text"]
+        if config.guard else [])
     return {"drafter": drafter.name, "drafter_options": dict(config.drafter_options), "max_nodes": config.max_nodes,
-            "temperature": config.temperature, "sequences": len(per_sequence), "new_tokens": tokens,
+            "temperature": config.temperature, "guard": config.guard, "draft_calls": calls,
+            "sequences": len(per_sequence), "new_tokens": tokens,
             "steps": steps, "tau": tokens / steps if steps else 0.0,
             "mean_tree_nodes": sum(r["nodes"] for r in per_sequence) / steps if steps else 0.0,
             "cost_plain_s": c_plain, "cost_draft_s": c_draft, "seconds": seconds,

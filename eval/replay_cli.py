@@ -46,6 +46,8 @@ def add_parser(ev_sub, inference) -> None:
     run.add_argument("--max-nodes", default=None,
                      help="cut every tree to N nodes; a comma list replays each (default: trees as proposed)")
     run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; needs a greedy record)")
+    run.add_argument("--guard", choices=("on", "off"), default="on",
+                     help="the engine's tree sizing and break-even guard (on = speculation auto, the default)")
     run.add_argument("--json", action="store_true", help="print the results as one JSON document")
     run.set_defaults(func=run_replay)
 
@@ -97,7 +99,7 @@ def run_replay(args) -> int:
 
     record = load_record(args.record)
     options = _options(args.drafter_option)
-    results = [replay(record, ReplayConfig(args.drafter, options, n, args.temperature))
+    results = [replay(record, ReplayConfig(args.drafter, options, n, args.temperature, args.guard == "on"))
                for n in _budgets(args.max_nodes)]
     if args.json:
         print(json.dumps({"record": str(Path(args.record)), "model": record["model"], "results": results}, indent=1))
@@ -106,12 +108,14 @@ def run_replay(args) -> int:
     c1 = record["costs"]["verify_seconds"][1]
     print(f"{record['model']}, {len(record['sequences'])} prompts, {tokens} tokens; c_verify(1) = {c1 * 1e3:.2f} ms "
           f"({record['device']}, {record['threads']} threads)")
-    print(f"{'drafter':>12} {'max_nodes':>9} {'T':>4} {'tau':>6} {'nodes':>6} {'draft ms':>8} {'speedup':>8}")
+    print(f"{'drafter':>12} {'max_nodes':>9} {'guard':>5} {'T':>4} {'tau':>6} {'nodes':>6} {'draft ms':>8} "
+          f"{'speedup':>8}")
     for r in results:
         budget = "-" if r["max_nodes"] is None else str(r["max_nodes"])
         speed = "-" if r["predicted_speedup"] is None else f"x{r['predicted_speedup']:.2f}"
-        print(f"{r['drafter']:>12} {budget:>9} {r['temperature']:>4g} {r['tau']:>6.2f} {r['mean_tree_nodes']:>6.1f} "
-              f"{r['cost_draft_s'] * 1e3:>8.3f} {speed:>8}")
+        guard = "on" if r["guard"] else "off"
+        print(f"{r['drafter']:>12} {budget:>9} {guard:>5} {r['temperature']:>4g} {r['tau']:>6.2f} "
+              f"{r['mean_tree_nodes']:>6.1f} {r['cost_draft_s'] * 1e3:>8.3f} {speed:>8}")
     for note in results[0]["notes"]:
         print(f"note: {note}")
     return 0
