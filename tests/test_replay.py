@@ -1,0 +1,213 @@
+"""specdec eval replay: a record of a plain run replays drafters offline; the acceptance suite prices each step by
+its own tree (eval/pricing.py)."""
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+import torch
+from specdec.drafters.base import Drafter
+from specdec.eval.acceptance import Cell
+from specdec.eval.pricing import calibration_sizes, predicted_speedup, size_chunks
+from specdec.eval.replay import ReplayConfig, replay, tempered_probs
+from specdec.eval.replay_record import RecordConfig, load_record, record_run, save_record
+
+from specdec.errors import InputError
+from specdec.generate import generate
+from specdec.tree import DraftTree
+
+
+def _prompts(vocab: int, lengths=(5, 9, 14)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def recorded(eval_tiny_model):
+    prompts = _prompts(16)
+    record = record_run(eval_tiny_model, prompts, RecordConfig(max_new_tokens=40), with_costs=False)
+    record["costs"]["verify_seconds"] = {1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0, 65: 9.0}  # a fixed curve: no timing
+    return prompts, record
+
+
+def test_greedy_replay_reproduces_the_real_ngram_run(eval_tiny_model, recorded):
+    """speculation="always" (guard off): a deterministic drafter's real steps, one generate() per prompt."""
+    prompts, record = recorded
+    real = [generate(eval_tiny_model, [p], max_new_tokens=40, drafter="ngram", speculation="always",
+                     return_dict=True) for p in prompts]
+    assert [list(r.new_tokens[0]) for r in real] == [s["new_tokens"] for s in record["sequences"]]
+    out = replay(record, ReplayConfig("ngram", guard=False))
+    assert out["per_sequence_tau"] == [r.stats[0].tau for r in real]
+    real_tau = sum(r.stats[0].new_tokens for r in real) / sum(r.stats[0].steps for r in real)
+    assert out["tau"] == pytest.approx(real_tau) and out["tau"] > 1.5  # the tiny model repeats itself
+    hist = [0] * 64
+    for r in real:
+        for n in r.stats[0].step_lengths[:-1]:  # the last step is cut at max_new_tokens
+            hist[n - 1] += 1
+    assert sum(out["accepted_histogram"]) == sum(r.stats[0].steps for r in real)
+    # a smaller tree budget accepts less; priced by the record's curve
+    small = replay(record, ReplayConfig("ngram", max_nodes=1, guard=False))
+    assert 1.0 <= small["tau"] < out["tau"] and small["mean_tree_nodes"] <= 1
+    assert small["predicted_speedup"] == pytest.approx(
+        small["new_tokens"] / (small["seconds"]) * 1.0)
+
+
+def test_record_holds_the_targets_top_k(eval_tiny_model, recorded):
+    _, record = recorded
+    seq = record["sequences"][0]
+    assert len(seq["topk_ids"]) == len(seq["new_tokens"]) == 40 and len(seq["topk_ids"][0]) == 16
+    # greedy: the committed token is the target's argmax at its position
+    assert [ids[0] for ids in seq["topk_ids"]] == seq["new_tokens"]
+    assert math.fsum(math.exp(x) for x in seq["topk_logprobs"][3]) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_record_round_trip_and_refusals(tmp_path, recorded):
+    _, record = recorded
+    path = save_record(record, tmp_path / "run.json")
+    back = load_record(path)
+    assert back["costs"]["verify_seconds"] == record["costs"]["verify_seconds"]
+    assert back["sequences"] == record["sequences"]
+    data = json.loads(path.read_text())
+    data["version"] = 99
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(InputError, match="version 99"):
+        load_record(tmp_path / "bad.json")
+    with pytest.raises(InputError, match="not a specdec.replay-record"):
+        (tmp_path / "other.json").write_text("{}")
+        load_record(tmp_path / "other.json")
+    with pytest.raises(InputError, match="greedy record"):
+        replay({**record, "temperature": 0.7}, ReplayConfig("ngram"))
+
+
+class _HiddenDrafter(Drafter):
+    name = "needs-hidden"
+    needs_hidden_states = True
+
+    def propose(self, seqs):
+        return [DraftTree.empty() for _ in seqs]
+
+
+class _ModelDrafter(Drafter):
+    name = "reads-model"
+
+    def attach(self, target) -> None:
+        self.layers = target.runner.shape.num_layers  # a record has no model
+
+    def propose(self, seqs):
+        return [DraftTree.empty() for _ in seqs]
+
+
+@pytest.mark.parametrize("drafter", [_HiddenDrafter(), _ModelDrafter()])
+def test_drafters_that_need_the_target_are_refused_by_name(recorded, drafter):
+    with pytest.raises(InputError, match=f"drafter '{drafter.name}'.*only token ids"):
+        replay(recorded[1], ReplayConfig(drafter, guard=False))
+
+
+class _Constant(Drafter):
+    """Always proposes one node: ``token``."""
+
+    name = "constant"
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def propose(self, seqs):
+        return [DraftTree.chain([self.token]) for _ in seqs]
+
+
+def _synthetic_record(m: int, probs: list[float]) -> dict:
+    """Every recorded token is 1; the target's distribution at every position is ``probs`` (vocabulary 4)."""
+    ids = sorted(range(4), key=lambda i: -probs[i])
+    row = [math.log(probs[i]) for i in ids]
+    seq = {"category": "custom", "prompt_ids": [0], "new_tokens": [1] * m, "finish_reason": "length",
+           "topk_ids": [ids] * m, "topk_logprobs": [row] * m}
+    return {"schema": "specdec.replay-record", "version": 1, "model": "synthetic", "vocab_size": 4,
+            "max_new_tokens": m, "temperature": 1.0, "costs": {"verify_seconds": {1: 1.0, 2: 1.0}},
+            "sequences": [seq], "device": "cpu", "threads": 1}
+
+
+@pytest.mark.parametrize("token, expected", [(1, 1.5), (2, 1.3), (3, 1.0 + 0.2 * 0)])
+def test_sampled_replay_takes_the_targets_probability_of_each_candidate(token, expected):
+    """A one-node draft of token x is accepted with target_probs[x]: tau -> 1 + p(x) (renewal, long text); a
+    candidate off the recorded text counts its depth and stops there, one on it goes on."""
+    probs = [0.0, 0.5, 0.3, 0.2] if token != 3 else [0.0, 0.5, 0.5, 0.0]
+    probs = [max(p, 1e-30) for p in probs]
+    out = replay(_synthetic_record(600, probs), ReplayConfig(_Constant(token), temperature=1.0, guard=False))
+    assert out["tau"] == pytest.approx(expected, rel=2e-3)
+
+
+def test_tempered_probs_of_a_full_vocabulary_are_the_softmax_at_that_temperature():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0], dtype=torch.float64)
+    logprobs = torch.log_softmax(logits, -1).tolist()
+    for t in (0.5, 1.0, 2.0):
+        got = tempered_probs([0, 1, 2, 3], logprobs, t)
+        want = torch.softmax(logits / t, -1).tolist()
+        assert [got[i] for i in range(4)] == pytest.approx(want, rel=1e-9)
+    # a truncated row: the tail keeps its mass at T = 1
+    assert sum(tempered_probs([0, 1], logprobs[:2], 1.0).values()) == pytest.approx(math.exp(logprobs[0])
+                                                                                      + math.exp(logprobs[1]))
+
+
+class _Slow(_Constant):
+    """Costs 2 ms a proposal: two decode steps of the curve below."""
+
+    def propose(self, seqs):
+        time.sleep(0.002)
+        return super().propose(seqs)
+
+
+def test_the_guard_prunes_and_then_stops_asking_a_drafter_that_never_pays(recorded):
+    _, record = recorded
+    record = {**record, "costs": {"verify_seconds": {1: 1e-3, 2: 1.1e-3, 65: 5e-3}}}
+    wrong = record["sequences"][0]["new_tokens"][0] ^ 1  # rarely the next token
+    off = replay(record, ReplayConfig(_Constant(wrong), guard=False))
+    assert off["draft_calls"] == off["steps"] and off["mean_tree_nodes"] > 0.9  # last steps: budget cut
+    cheap = replay(record, ReplayConfig(_Constant(wrong), guard=True))  # its nodes pruned
+    assert cheap["mean_tree_nodes"] < 0.5
+    slow = replay(record, ReplayConfig(_Slow(wrong), guard=True))  # not worth asking: skipped
+    assert slow["draft_calls"] < slow["steps"] / 2
+
+
+def _cell(histogram: list[int], curve: dict[int, float]) -> Cell:
+    cell = Cell("ngram", "summarisation", prompts=1, new_tokens=20, steps=10, forward_passes=10,
+                draft_seconds=0.0, step_nodes_histogram=histogram)
+    mean = sum(n * c for n, c in enumerate(histogram)) / sum(histogram)
+    n_mean = max(1, round(1 + mean))
+    common = {"plain_seconds": curve[1], "batch": 1, "context_tokens": 10.0, "repeats": 1}
+    cell.calibration = [{"query_tokens": n_mean, "verify_seconds": curve[n_mean], **common}]
+    cell.size_calibration = [{"query_tokens": n, "verify_seconds": s, **common} for n, s in curve.items()]
+    return cell
+
+
+def test_each_step_is_priced_by_its_own_tree():
+    """Half the steps verify no node, half 10: priced per step (1 + 3) / 2 = 2 decode steps, not c(6) = 1.2."""
+    cell = _cell([5] + [0] * 9 + [5], {1: 1.0, 6: 1.2, 11: 3.0})
+    out = predicted_speedup(cell)
+    assert out["priced_per_step"] and out["cost_verify_s"] == pytest.approx(2.0)
+    assert out["predicted_speedup"] == pytest.approx(2.0 * 1.0 / 2.0)  # tau 2
+    assert out["predicted_speedup_mean_size"] == pytest.approx(2.0 / 1.2)
+    # a cell calibrated without per-step sizes keeps the mean-size price
+    cell.size_calibration = []
+    assert predicted_speedup(cell)["predicted_speedup"] == pytest.approx(2.0 / 1.2)
+
+
+def test_calibration_sizes_and_chunks():
+    assert calibration_sizes([3, 0, 2, 0, 1], 1.4) == [1, 2, 3, 5]
+    many = calibration_sizes([1] * 40, 20.0)
+    assert len(many) == 16 and 1 in many and 21 in many
+    assert size_chunks([1, 2, 40, 41, 65]) == [[1, 2, 40], [41], [65]]
+
+
+def test_suite_cells_record_step_sizes(eval_tiny_model, tmp_path):
+    from specdec.eval.acceptance import SuiteConfig, run_suite, summarise
+
+    config = SuiteConfig((("ngram", {}),), ("rep",), 2, 12, hf_baseline=False, calibration_repeats=1)
+    cells = run_suite(eval_tiny_model, {"rep": _prompts(16, (6, 8))}, config, tmp_path)
+    cell = cells["ngram", "rep"]
+    assert sum(cell.step_nodes_histogram) == cell.steps
+    assert {e["query_tokens"] for e in cell.size_calibration} >= {1 + n for n, c in
+                                                                    enumerate(cell.step_nodes_histogram) if c}
+    row = next(r for r in summarise(cells) if r["drafter"] == "ngram")
+    assert row["priced_per_step"] and row["predicted_speedup"] > 0
