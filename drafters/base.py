@@ -7,11 +7,17 @@ Lifecycle, driven by the engine:
 1. ``attach(target)`` once, before the first sequence: what the drafter may read of the
    target (its runner, KV cache and sampling config). Drafters that sample must apply
    ``target.sampling`` (temperature / top-k / top-p) to their own logits.
-2. ``propose(views)`` every step: one :class:`~specdec.tree.DraftTree` per live sequence
+2. ``propose(views)`` at most once per step: one :class:`~specdec.tree.DraftTree` per view
    (the empty tree is allowed: that sequence decodes plainly this step). The engine
    validates every tree before the target verifies it, so a drafter cannot silently
-   break exactness.
-3. ``on_accept(seq_id, committed)`` after the commit: the tokens committed this step.
+   break exactness, and may verify only an ancestor-closed part of it (tree sizing,
+   :mod:`specdec.tree_sizing`; exact). With ``speculation="auto"`` (the default) the
+   break-even guard may leave sequences out of ``views`` for steps it decodes plainly, and
+   skip the call altogether when it leaves out every one: a drafter must not assume it
+   sees every step, and must read what was committed meanwhile from ``token_ids`` (and
+   ``new_hidden``, which then holds the rows of every step since its previous propose).
+3. ``on_accept(seq_id, committed)`` after EVERY commit, proposed for or not: the tokens
+   committed this step.
 4. ``release(seq_id)`` when a sequence finishes.
 
 A drafter that sets ``needs_hidden_states = True`` finds in ``SequenceView.new_hidden`` the

@@ -9,6 +9,11 @@ it shines wherever the output copies the input (summaries, code edits, chat quot
     drafter = get_drafter("ngram", min_ngram=1, max_nodes=24)
     trees = drafter.propose([SequenceView(0, token_ids, num_prompt_tokens)])
 
+Every node carries ``scores``: the acceptance rate, observed in this run (``on_accept``), of nodes at
+its depth drafted from a match of its length (a longer match is more reliable), so the engine's tree
+sizing (:mod:`specdec.tree_sizing`) keeps what is expected to pay. The drafter proposes generously;
+with ``speculation="always"`` the whole tree is verified.
+
 Each sequence keeps an incremental index (n-gram -> end positions) that is extended only
 by the tokens appended since the previous call, so a step costs
 O(max_ngram * new tokens + occurrences scanned + tree size), independent of history length.
@@ -19,6 +24,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+import torch
 from specdec.drafters.base import Drafter, SequenceView
 
 from specdec.tree import MAX_TREE_NODES, DraftTree
@@ -28,24 +34,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class NGramConfig:
-    # Defaults tuned for the embedded 135M model on a 2-core CPU, where a verify forward of
-    # 2-4 tokens costs ~1.05x a 1-token decode step but 6-16 tokens cost ~1.5-2.5x
-    # (benchmarks/bench_verify_cost.py): a 3-token chain is nearly free to verify, so even
-    # 1-gram matches pay off, while a long chain must be earned by a long match. On a GPU,
-    # where verifying 16-64 tokens costs about one decode step, use deeper chains and more
-    # branches (e.g. num_draft_tokens=10, max_branches=4, max_nodes=32).
+    # Generous by design: the engine keeps the part of the tree that its measured cost model and the
+    # acceptance observed per (match length, depth) expect to pay (speculation="auto"), so these
+    # bound the proposal, not what is verified.
     min_ngram: int = 1  # shortest key tried
     max_ngram: int = 6  # longest key, tried first (longer = more reliable match)
-    num_draft_tokens: int = 3  # depth limit of every branch
-    max_branches: int = 1  # distinct continuations merged into the tree
-    max_nodes: int = 10  # total tree size (<= 64)
+    num_draft_tokens: int = 6  # depth limit of every branch
+    max_branches: int = 3  # distinct continuations merged into the tree
+    max_nodes: int = 32  # total tree size (<= 64)
     max_occurrences: int = 8  # most recent occurrences scanned per n (bounds per-step work)
-    # a match of >= long_match_ngram tokens is trusted with a chain of at least long_draft_tokens
-    # (0 = off). Chosen by replaying recorded greedy outputs (8 prompts each of summarisation,
-    # code, chat) under the measured verify costs: after a 6-token match the next 8 tokens
-    # were all right about half the time, after a 3-token match a quarter of the time.
-    long_match_ngram: int = 6
-    long_draft_tokens: int = 10
+    # a match of >= long_match_ngram tokens is trusted with a chain of at least long_draft_tokens (0 = off)
+    long_match_ngram: int = 4
+    long_draft_tokens: int = 16
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -97,6 +97,9 @@ class NGramDrafter(Drafter):
         # instrumentation (tests, profiling): n-gram insertions and occurrences scanned, ever
         self.index_updates = 0
         self.occurrences_scanned = 0
+        # acceptance observed in this run: (match length, depth) -> [accepted, tried], for every sequence
+        self.acceptance: dict[tuple[int, int], list[float]] = {}
+        self._pending: dict[int, tuple[list[int], list[int], list[tuple[int, int]]]] = {}  # seq -> proposed tree
 
     # ---- Drafter API ----------------------------------------------------------------------
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
@@ -104,6 +107,35 @@ class NGramDrafter(Drafter):
 
     def release(self, seq_id: int) -> None:
         self._index.pop(seq_id, None)
+        self._pending.pop(seq_id, None)
+
+    def on_accept(self, seq_id: int, committed: Sequence[int]) -> None:
+        """Learn from the tree proposed for ``seq_id`` (whatever part of it was verified): a node was tried when
+        its parent's path equals the committed tokens, accepted when its own token is the next one."""
+        pending = self._pending.pop(seq_id, None)
+        if pending is None:
+            return
+        tokens, parents, keys = pending
+        ok = [False] * len(tokens)
+        depth = [0] * len(tokens)
+        for i, (t, p) in enumerate(zip(tokens, parents)):
+            depth[i] = 1 if p < 0 else depth[p] + 1
+            if (p < 0 or ok[p]) and depth[i] <= len(committed):
+                ok[i] = int(committed[depth[i] - 1]) == t
+                entry = self.acceptance.setdefault(keys[i], [0.0, 0.0])
+                entry[0] += ok[i]
+                entry[1] += 1.0
+
+    def score(self, match: int, depth: int) -> float:
+        """Estimated P(accepted | parent accepted) of a node at ``depth`` drafted from a ``match``-token match:
+        the rate observed so far, behind two pseudo-observations of a prior that grows with the match."""
+        acc, tried = self.acceptance.get(self._key(match, depth), (0.0, 0.0))
+        prior = min(0.9, 0.2 + 0.1 * match)
+        return (acc + 2.0 * prior) / (tried + 2.0)
+
+    @staticmethod
+    def _key(match: int, depth: int) -> tuple[int, int]:
+        return (match, min(depth, 8))
 
     # ---- internals --------------------------------------------------------------------------
     def _sync(self, seq_id: int, tokens: Sequence[int]) -> _SeqIndex:
@@ -147,6 +179,7 @@ class NGramDrafter(Drafter):
         node_tokens: list[int] = []
         node_parents: list[int] = []
         children: list[dict[int, int]] = [{}]
+        node_match: list[int] = []  # match length of the branch that added each node
         branches = 0
         for n in range(min(cfg.max_ngram, length - 1), cfg.min_ngram - 1, -1):
             occurrences = idx.tables[n].get(tuple(tail[len(tail) - n :]))
@@ -158,14 +191,22 @@ class NGramDrafter(Drafter):
                 if cfg.long_draft_tokens and n >= cfg.long_match_ngram:
                     depth = max(depth, cfg.long_draft_tokens)
                 added = self._insert(tokens, length, e + 1, depth, node_tokens, node_parents, children)
+                node_match += [n] * added
                 branches += added > 0  # a duplicate (or prefix) of an earlier branch is free
                 if branches >= cfg.max_branches or len(node_tokens) >= cfg.max_nodes:
                     break
             if branches >= cfg.max_branches or len(node_tokens) >= cfg.max_nodes:
                 break
         if not node_tokens:
+            self._pending.pop(seq.seq_id, None)
             return DraftTree.empty()
-        return DraftTree(node_tokens, node_parents)
+        depths: list[int] = []
+        for p in node_parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        keys = [self._key(n, d) for n, d in zip(node_match, depths)]
+        self._pending[seq.seq_id] = (node_tokens, node_parents, keys)
+        scores = torch.tensor([self.score(n, d) for n, d in zip(node_match, depths)], dtype=torch.float32)
+        return DraftTree(node_tokens, node_parents, scores=scores)
 
     def _insert(self, tokens, length, start, depth, node_tokens, node_parents, children) -> int:
         """Walk/extend the trie with the continuation starting at `start`; return nodes added.

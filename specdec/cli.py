@@ -156,6 +156,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV cache size in blocks (default: enough for the prompt, max-new-tokens and the drafts)")
+    p.add_argument("--speculation", choices=("auto", "always"), default="auto",
+                   help="auto (default): verify the part of each draft that the measured cost model expects to pay, "
+                        "decode plainly when none does; always: verify every proposed draft whole (measurements)")
     p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="weights / activations dtype (default: float32)")
@@ -241,7 +244,8 @@ def _generate(args, stream_class) -> tuple[str, dict]:
                 loaded, [ids], drafter=drafter,
                 max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop, streamer=stream,
-                return_dict=True, block_size=args.block_size, num_blocks=args.num_blocks, cuda_graphs=args.cuda_graphs,
+                return_dict=True, block_size=args.block_size, num_blocks=args.num_blocks,
+                speculation=args.speculation, cuda_graphs=args.cuda_graphs,
             )
     except KeyboardInterrupt:
         if stream is not None:  # keep what was generated: the rest of the text and its newline, then main's line

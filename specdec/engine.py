@@ -7,6 +7,10 @@
 Invariant between steps: for a live sequence, ``token_ids[-1]`` is the *root* (committed but
 not yet run through the target) and the cache holds K/V of ``token_ids[:-1]``. Plain decoding
 is the empty draft tree: the same verify / sample / commit path with one query token.
+
+With a :class:`~specdec.tree_sizing.TreeSizer` (``speculation="auto"``, the default of generate()),
+the engine asks the drafter only for the sequences the break-even guard lets draft (no call at all when
+none), and verifies the part of each proposal that the measured cost model expects to pay.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from specdec.rejection import EXACT, Acceptance, AcceptanceRule, rejection_sampl
 from specdec.sampling import SamplingConfig
 from specdec.stopping import StopCriteria
 from specdec.tree import DraftError, DraftTree
+from specdec.tree_sizing import TreeSizer
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +50,8 @@ class SequenceState:
     # [k, hidden_size] target final-norm hidden states of the k positions committed by the last prefill or
     # step, ending at token_ids[-2] (kept only for drafters that ask; None for a one-token prompt's first step)
     new_hidden: torch.Tensor | None = None
+    hidden_seen: bool = False  # new_hidden reached the drafter (else the next step's rows are appended to it)
+    plain_by_guard: int = 0  # steps the break-even guard decoded plainly without asking the drafter
 
     @property
     def finished(self) -> bool:
@@ -86,11 +93,14 @@ class Engine:
         audit: DraftAudit | None = None,
         rule: AcceptanceRule = EXACT,
         graphed: GraphedForward | None = None,
+        sizer: TreeSizer | None = None,
     ) -> None:
         self.runner, self.cache, self.sampling, self.stop = runner, cache, sampling, stop
         self.drafter, self.generator, self.audit = as_drafter(drafter), generator, audit
         self.rule = rule  # EXACT unless a certificate runs a deliberately broken negative control
         self.graphed = graphed  # fixed-shape (CUDA-graph) verify forwards; None = always eager
+        self.sizer = sizer if self.drafter is not None else None  # None: verify every proposal whole
+        self._draft_call: float | None = None  # wall time of this step's propose call (None: not called)
         self.seqs: list[SequenceState] = []
         self.forward_passes = 0
         self.seconds = {"draft": 0.0, "verify": 0.0}  # wall time of the two halves of step(), summed
@@ -139,15 +149,35 @@ class Engine:
         if self.keep_hidden:
             self.keep_new_hidden(live, acceptances, out.hidden[batch.row_index])
         emitted = self.commit(live, acceptances)
+        t2 = time.perf_counter()
         self.seconds["draft"] += t1 - t0
-        self.seconds["verify"] += time.perf_counter() - t1  # verify forward + sampling + commit
+        self.seconds["verify"] += t2 - t1  # verify forward + sampling + commit
+        if self.sizer is not None:
+            self.sizer.record_step(self._draft_call, t2 - t1, 1 + max(t.num_nodes for t in trees), len(live))
         return emitted
 
     def propose(self, live: list[SequenceState]) -> list[DraftTree]:
         if self.drafter is None:
             return [DraftTree.empty() for _ in live]
+        self._draft_call = None
+        asked = live if self.sizer is None else [s for s in live if self.sizer.wants_draft(s.seq_id)]
+        if len(asked) == len(live):
+            return self._ask_drafter(live)
+        for s in live:
+            s.plain_by_guard += 1
+        for s in asked:
+            s.plain_by_guard -= 1
+        if not asked:  # the guard decodes every sequence plainly this step: the drafter is not asked
+            return [DraftTree.empty() for _ in live]
+        by_id = {s.seq_id: t for s, t in zip(asked, self._ask_drafter(asked))}
+        return [by_id.get(s.seq_id, DraftTree.empty()) for s in live]
+
+    def _ask_drafter(self, live: list[SequenceState]) -> list[DraftTree]:
         views = [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, s.new_hidden) for s in live]
+        for s in live:
+            s.hidden_seen = True
         name = self.drafter.name
+        t0 = time.perf_counter()
         try:
             trees = self.drafter.propose(views)
         except DraftError as err:  # e.g. a malformed DraftTree built inside the drafter: say whose it is
@@ -163,8 +193,11 @@ class Engine:
                 raise DraftError(f"{name}: propose() returned {type(tree).__name__}, expected DraftTree")
             tree.validate(self.runner.shape.vocab_size, drafter=name)
             out.append(self._fit_budget(s, tree))
+        self._draft_call = time.perf_counter() - t0
         if self.audit is not None:
             self.audit.observe_many(trees, name)  # every tree as proposed, before pruning
+        if self.sizer is not None:  # the part expected to pay (pruning is exact)
+            out = [self.sizer.size(s.seq_id, t, len(self.live)) for s, t in zip(live, out)]
         return out
 
     def _fit_budget(self, s: SequenceState, tree: DraftTree) -> DraftTree:
@@ -212,7 +245,10 @@ class Engine:
         """hidden [B, max_nodes + 1, H]: keep the rows of the root and the accepted nodes (the committed path)."""
         for b, (s, acc) in enumerate(zip(live, acceptances)):
             rows = torch.cat([acc.accepted_nodes.new_zeros(1), acc.accepted_nodes + 1]).to(hidden.device)
-            s.new_hidden = hidden[b, rows]
+            new = hidden[b, rows]
+            if not s.hidden_seen and s.new_hidden is not None:  # the guard skipped the drafter: it gets them all
+                new = torch.cat([s.new_hidden, new])
+            s.new_hidden, s.hidden_seen = new, False
 
     def commit(self, live: list[SequenceState], acceptances: list[Acceptance]) -> dict[int, list[int]]:
         """Emit accepted + next tokens (up to a stop), keep the accepted path's K/V, free the rest."""
@@ -226,11 +262,15 @@ class Engine:
             s.steps += 1
             s.step_lengths.append(count)
             self._count_depths(s, acc)
+            if self.sizer is not None:
+                self.sizer.observe(s.seq_id, committed[:count], acc.accepted_nodes.tolist())
             if reason is not None:
                 s.finish_reason, s.finished_at = reason, time.perf_counter()
                 self.cache.free(s.seq_id)
                 if self.drafter is not None:
                     self.drafter.release(s.seq_id)
+                if self.sizer is not None:
+                    self.sizer.release(s.seq_id)
                 continue
             # root (offset 0) and the accepted nodes (offset 1 + node) become positions length..
             keep[s.seq_id] = [0] + [1 + int(i) for i in acc.accepted_nodes]

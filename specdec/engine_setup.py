@@ -4,8 +4,10 @@
     engine = build_engine(request)                                             # here
     out = run(engine, request)                                                 # specdec.generate
 
-What is decided here: the KV cache's size (the request's worst case, checked against the
-device's memory before anything is allocated) or a reused CUDA-graph cache, the drafter's seed,
+What is decided here: the CPU row policy of ``linear()`` and, with a drafter and
+``speculation="auto"``, the tree sizer and its measured cost model (:mod:`specdec.cost_model`, cached;
+the first use on a machine calibrates for up to ~20 s), the KV cache's size (the request's worst case,
+checked against the device's memory before anything is allocated) or a reused CUDA-graph cache, the drafter's seed,
 the sampling generator, and the draft audit. The certificate's negative controls
 (:mod:`specdec.eval.negative_controls`) enter here too, and only here: a broken acceptance rule
 (``rule=``) or a broken engine / cache (``fault=``), so that real callers of ``generate()`` cannot
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.audit import DraftAudit
+from specdec.cost_model import ensure_row_policy, load_cost_model
 from specdec.cuda_graphs import GraphConfig, GraphedForward
 from specdec.engine import Engine
 from specdec.errors import InputError, InputTypeError
@@ -27,6 +30,7 @@ from specdec.generate_inputs import check_cache_fits, describe
 from specdec.kv_cache import PagedKVCache, blocks_for
 from specdec.rejection import EXACT, AcceptanceRule
 from specdec.tree import MAX_TREE_NODES
+from specdec.tree_sizing import TreeSizer
 
 if TYPE_CHECKING:
     from specdec.generate import GenerateRequest
@@ -69,8 +73,14 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
     if generator is None and config.seed is not None:
         generator = torch.Generator(device=runner.device).manual_seed(config.seed)  # on the logits' device
     audit = DraftAudit() if config.audit_drafts and drafter is not None and config.do_sample else None
+    ensure_row_policy(runner)  # linear()'s CPU row policy, measured on this machine (cached)
+    sizer = None
+    # negative controls verify every tree whole: a broken rule must meet the drafts it is meant to mishandle
+    if drafter is not None and config.speculation == "auto" and rule is EXACT and fault is None:
+        sizer = TreeSizer(load_cost_model(runner))
     engine_cls = Engine if fault is None else fault.engine_cls
-    return engine_cls(runner, cache, config.sampling, request.stop, drafter, generator, audit, rule, graphed)
+    return engine_cls(runner, cache, config.sampling, request.stop, drafter, generator, audit, rule, graphed,
+                      sizer)
 
 
 def _kv_cache(request: "GenerateRequest", fault: EngineFault | None) -> tuple[PagedKVCache, GraphedForward | None]:

@@ -12,7 +12,9 @@ different lengths; ``attention_mask`` (0 / 1, the shape of ``input_ids``) drops 
 What to generate is a :class:`~specdec.generation_config.GenerationConfig` (``generation_config=``),
 updated by keyword arguments of the same names (``max_new_tokens``, ``do_sample``, ``temperature``,
 ``top_k``, ``top_p``, ``seed``, ``eos_token_id``, ``stop``, ``pad_token_id``, ``block_size``,
-``num_blocks``, ``audit_drafts``). Returns prompt + new tokens per sequence, as transformers does: a
+``num_blocks``, ``audit_drafts``, ``speculation``: "auto" sizes draft trees by the measured cost model
+and decodes plainly when drafting does not pay, "always" verifies every proposed tree whole).
+Returns prompt + new tokens per sequence, as transformers does: a
 tensor padded with ``pad_token_id`` if a tensor came in, else lists; ``return_dict=True`` gives a
 :class:`~specdec.output.GenerateOutput` with per-sequence stats. Arguments are checked
 (:mod:`specdec.generate_inputs`) before the model is loaded where they can be: a wrong one is a

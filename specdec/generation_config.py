@@ -14,9 +14,11 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
-from specdec.errors import InputTypeError
-from specdec.generate_inputs import check_bool, check_int, parse_stop
+from specdec.errors import InputError, InputTypeError
+from specdec.generate_inputs import check_bool, check_int, describe, parse_stop
 from specdec.sampling import SamplingConfig
+
+SPECULATION_MODES = ("auto", "always")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,9 @@ class GenerationConfig:
     block_size: int = 16  # KV cache block size in tokens
     num_blocks: int | None = None  # KV cache size; None = enough for every prompt + max_new_tokens + a draft tree
     audit_drafts: bool = True  # statistical audit of sampled drafts (specdec.audit)
+    # "auto": verify the part of each draft tree that the measured cost model expects to pay and decode plainly
+    # when none does (specdec.tree_sizing); "always": verify every proposed tree whole (measuring a drafter)
+    speculation: str = "auto"
 
     def __post_init__(self) -> None:
         ints = {  # numpy / 0-D tensor ints are stored as Python ints
@@ -46,6 +51,9 @@ class GenerationConfig:
         for name, value in ints.items():
             object.__setattr__(self, name, value)
         check_bool("audit_drafts", self.audit_drafts)
+        if self.speculation not in SPECULATION_MODES:
+            raise InputError(f"speculation must be one of {', '.join(map(repr, SPECULATION_MODES))}, "
+                             f"got {describe(self.speculation)}")
         self.sampling  # noqa: B018 -- do_sample / temperature / top_k / top_p checked by SamplingConfig
         parse_stop(self.stop)
 

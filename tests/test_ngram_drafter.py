@@ -283,7 +283,8 @@ def test_greedy_end_to_end_matches_plain_and_offline_simulation(tiny_model):
     model = tiny_model(vocab_size=16)
     prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 5, 6, 5, 7, 8]]
     plain = generate(model, prompts, max_new_tokens=40)
-    spec = generate(model, prompts, max_new_tokens=40, drafter="ngram", return_dict=True)
+    # speculation="always": every proposed tree verified whole, as the offline replay assumes
+    spec = generate(model, prompts, max_new_tokens=40, drafter="ngram", return_dict=True, speculation="always")
     assert spec.sequences == plain
     # greedy acceptance is deterministic, so the engine must take exactly the steps an
     # offline replay of the drafter over the plain output predicts

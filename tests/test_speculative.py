@@ -71,7 +71,8 @@ def check_greedy_identity(model, prompts, max_new_tokens):
     assert out.tau > 1.0  # the drafter really got tokens accepted (tiny models repeat themselves)
     for mode in MODES:
         got = specdec.generate(model, prompts, max_new_tokens=max_new_tokens,
-                               drafter=random_tree_drafter(vocab, mode, 1), block_size=4, return_dict=True)
+                               drafter=random_tree_drafter(vocab, mode, 1), block_size=4, return_dict=True,
+                               speculation="always")
         assert got.sequences == plain, mode
         assert accepted_nodes(got) > 0 and got.tau > 1.0, (mode, got.tau)
     # one at a time: n-gram for every prompt, random trees with the modes taking turns over the prompts
@@ -80,7 +81,8 @@ def check_greedy_identity(model, prompts, max_new_tokens):
         assert specdec.generate(model, [p], max_new_tokens=max_new_tokens, drafter="ngram")[0] == ref, i
         mode = MODES[i % len(MODES)]
         got = specdec.generate(model, [p], max_new_tokens=max_new_tokens,
-                               drafter=random_tree_drafter(vocab, mode, i), block_size=4, return_dict=True)
+                               drafter=random_tree_drafter(vocab, mode, i), block_size=4, return_dict=True,
+                               speculation="always")
         assert got.sequences[0] == ref, (i, mode)
         single_accepted[mode] += accepted_nodes(got)
     used = MODES[: len(prompts)]
@@ -102,7 +104,8 @@ def test_oracle_drafter_commits_whole_runs_and_stops_exactly_at_eos(device):
     model = build_tiny_model().to(device)
     plain = specdec.generate(model, PROMPTS, max_new_tokens=60)
     oracle = OracleDrafter(dict(enumerate(plain)), depth=5)
-    out = specdec.generate(model, PROMPTS, max_new_tokens=60, drafter=oracle, return_dict=True)
+    # speculation="always": every tree verified whole (no cost-model sizing), so the runs are the drafter's
+    out = specdec.generate(model, PROMPTS, max_new_tokens=60, drafter=oracle, return_dict=True, speculation="always")
     assert out.sequences == plain
     assert out.tau == pytest.approx(6.0, abs=0.3)  # 5 accepted + 1 bonus per step
     assert all(a == 1.0 for s in out.stats for a in s.acceptance_per_depth)
@@ -126,7 +129,7 @@ def test_stop_string_inside_an_accepted_run_is_honoured():
     stop = tok.decode(new[12:15])
     end = next(k for k in range(1, 49) if stop in tok.decode(new[:k]))
     out = specdec.generate(model, [prompt], max_new_tokens=48, tokenizer=tok, stop=[stop],
-                           drafter=OracleDrafter({0: plain}, depth=8), return_dict=True)
+                           drafter=OracleDrafter({0: plain}, depth=8), return_dict=True, speculation="always")
     assert out.new_tokens[0] == new[:end] and out.stats[0].finish_reason == "stop"
     # whole runs of 8 accepted + 1 bonus, then a run cut right after the token that completes the stop string
     assert end % 9 and out.stats[0].step_lengths == (9,) * (end // 9) + (end % 9,)

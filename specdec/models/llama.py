@@ -24,6 +24,7 @@ from specdec.attention import AttentionPlan, paged_attention
 from specdec.errors import SpecdecError
 from specdec.kernels.dispatch import Backend, resolve_backend
 from specdec.kv_cache import PagedKVCache
+from specdec.models import row_policy
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -76,38 +77,19 @@ def check_supported(hf_model) -> None:
         )
 
 
-SMALL_M_MAX = 32
-# Row counts padded up to the next faster one: they ran slower than it on the 2-core CI machine
-# (measurements: README "Benchmarks"; issue 21 replaces these tables by a calibration on the machine at hand)
-_PAD_ROWS = {1: 2, 3: 4, 7: 8, 10: 16, 11: 16, 12: 16, 13: 16, 14: 16, 15: 16}
-# rows -> columns of the transposed product (columns past the rows are copies of row 0, dropped
-# afterwards); a row count missing from the table goes through F.linear
-_TRANSPOSED_COLS = {m: _PAD_ROWS.get(m, m) for m in range(1, SMALL_M_MAX + 1)}
-# With ONE thread (each pytest-xdist worker, or a user's set_num_threads(1)) only 2-5 rows gain from
-# the transposed product; 1 row and 6+ rows are faster through F.linear
-_TRANSPOSED_COLS_ONE_THREAD = {2: 2, 3: 4, 4: 4, 5: 5}
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, in] @ weight[out, in]^T (+ bias).
 
-    On CPU, ``F.linear`` takes slow small-GEMM paths for 2 <= m <= 32 rows, while
-    ``weight @ x^T`` with up to 32 columns reads the weight closer to GEMV speed, so a verify
-    forward of a few tokens costs about one decode step. A single row is padded to two: MKL's
-    one-column GEMV runs on one thread where the two-column GEMM uses both. Larger m keeps
-    ``F.linear``. Padding rows are copies of real ones and are dropped. With a single torch
-    thread only 2-5 rows take the transposed product (``_TRANSPOSED_COLS_ONE_THREAD``).
-    The measurements behind these choices, with their commands, are in README "Benchmarks".
+    On CPU a few rows may be faster as ``weight @ x^T`` (GEMV-like reads of the weight), some row counts
+    faster padded to more rows: the row policy measured on this machine for the current torch thread count
+    (:mod:`specdec.models.row_policy`, installed by ``specdec.cost_model.ensure_row_policy`` when an engine
+    is built) decides; without one, and on GPUs, this is ``F.linear``. Padding rows are copies of real ones
+    and are dropped, so every choice returns ``F.linear``'s values for the rows given.
     """
-    m = x.shape[0]
     if x.device.type == "cpu":
-        table = _TRANSPOSED_COLS_ONE_THREAD if torch.get_num_threads() == 1 else _TRANSPOSED_COLS
-        cols = table.get(m)
+        cols = row_policy.active_cols().get(x.shape[0])
         if cols is not None:
-            xt = (x if cols == m else torch.cat([x, x[:1].expand(cols - m, -1)])).t()
-            # back to row-major: a transposed result would reach attention with a strided head dim, which
-            # sends scaled_dot_product_attention down its slow math path (~3x slower per layer)
-            out = torch.mm(weight, xt).t()[:m].contiguous()
+            out = row_policy.transposed_linear(x, weight, cols)
             return out if bias is None else out + bias
     return F.linear(x, weight, bias)
 

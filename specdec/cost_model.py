@@ -1,0 +1,239 @@
+"""Cost model: what a verify step of n query tokens costs on this machine, measured and cached.
+
+    costs = load_cost_model(runner)            # cached, or a short calibration (<~20 s, embedded model, 2 cores)
+    costs.relative(n, batch=1)                 # c(n) / c(1): a verify step of n tokens per sequence in decode steps
+    costs.decode_seconds(batch=1)              # c(1) in seconds (at the calibration's context)
+
+A step of speculative decoding costs ``draft + c(n)`` where n = 1 + kept tree nodes; it pays when its
+expected committed tokens exceed that cost in units of a plain decode step (:mod:`specdec.tree_sizing`).
+``c(n)`` is measured here with the acceptance suite's own timer (:func:`specdec.eval.verify_cost.
+measure_verify_costs`: a real engine step, target forward + rejection sampling + KV commit) on a grid of
+n (1 to the tree-node limit + 1, interpolated linearly between grid points), one batch size at a time:
+batch 1 when first needed, any other batch size (rounded up to a power of two) lazily, the first time a
+step runs with that many sequences. Draft costs are not measured here: they depend on the drafter and the
+text, so the engine measures them online (:class:`specdec.tree_sizing.TreeSizer`).
+
+The result is cached as JSON under ``cache_root()/costs`` keyed by everything it depends on: the model
+(shape + a checksum of some weights), dtype, device and its name, torch thread count, torch version, the
+CPU row policy (which is itself measured first: :func:`ensure_row_policy`) and the calibration's workload.
+A different key re-measures. ``CALIBRATIONS`` counts the measurements this process ran (tests).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from specdec.atomic_write import write_json
+from specdec.models import row_policy
+from specdec.sampling import SamplingConfig
+from specdec.tree import MAX_TREE_NODES
+
+logger = logging.getLogger(__name__)
+
+CALIBRATIONS = {"verify": 0, "rows": 0}  # measurements run by this process (cache misses)
+_MEMO: dict[str, dict[int, dict[int, float]]] = {}  # cache file -> curves: one process reads the disk once per key
+_ROWS_DONE: set[str] = set()
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """The calibration's workload; small values keep tests fast."""
+
+    sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, MAX_TREE_NODES + 1)
+    context: int = 128  # committed tokens per sequence before the timed steps
+    repeats: int = 3  # timed rounds (plus one warm-up), median per n
+    row_repeats: int = 5  # repeats of the row-policy micro-benchmark
+
+    def __post_init__(self) -> None:
+        sizes = tuple(sorted({int(n) for n in self.sizes}))
+        if not sizes or sizes[0] != 1 or sizes[-1] > MAX_TREE_NODES + 1:
+            raise ValueError(f"calibration sizes must start at 1 and stay <= {MAX_TREE_NODES + 1}, got {self.sizes}")
+        if self.context < 1 or self.repeats < 1 or self.row_repeats < 1:
+            raise ValueError("calibration context, repeats and row_repeats must be >= 1")
+        object.__setattr__(self, "sizes", sizes)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def _checksum(tensors) -> str:
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for t in tensors:
+            h.update(f"{tuple(t.shape)}:{t.double().sum().item():.10e}".encode())
+    return h.hexdigest()[:16]
+
+
+def machine_key(runner) -> dict:
+    """What every measurement on ``runner`` depends on besides the weights' values."""
+    return {"shape": asdict(runner.shape), "dtype": str(runner.dtype), "device": str(runner.device),
+            "device_name": _device_name(runner.device), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "backend": str(getattr(runner.backend, "name", runner.backend))}
+
+
+def model_fingerprint(runner) -> str:
+    """Shape + a checksum of a few weights (embedding, first layer, final norm, LM head): cheap, and changes
+    when the model does."""
+    first = list(runner.layers[0].parameters()) if len(runner.layers) else []
+    return _checksum([runner.embed, *first, runner.final_norm, runner.lm_head])
+
+
+def _digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _cache_dir(cache_dir: str | Path | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    from specdec.models.embedded import cache_root
+
+    return cache_root() / "costs"
+
+
+def _read(file: Path) -> dict | None:
+    try:
+        return json.loads(file.read_text()) if file.is_file() else None
+    except (OSError, ValueError):
+        logger.warning("cost model: unreadable cache file %s; measuring again", file)
+        return None
+
+
+def _write(file: Path, data: dict) -> None:
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        write_json(file, data)
+    except OSError as err:  # a read-only cache dir costs a re-measurement next time, nothing else
+        logger.warning("cost model: cannot write %s (%s); the measurement is not cached", file, err)
+
+
+def ensure_row_policy(runner, config: CalibrationConfig | None = None, cache_dir: str | Path | None = None) -> None:
+    """Install the CPU row policy of ``linear()`` for the current thread count, measured on this machine over
+    one layer's matrices (cached on disk by machine, weight shapes, dtype and thread count). No-op on GPU."""
+    if runner.device.type != "cpu" or not len(runner.layers):
+        return
+    threads = torch.get_num_threads()
+    key = machine_key(runner) | {"kind": "rows"}
+    file = _cache_dir(cache_dir) / f"rows-{_digest(key)}.json"
+    if str(file) in _ROWS_DONE and threads in row_policy._ACTIVE:
+        return
+    data = _read(file)
+    if data is None or data.get("key") != key:
+        layer = runner.layers[0]
+        weights = [p for name, p in layer.named_parameters() if p.dim() == 2 and "proj" in name]
+        CALIBRATIONS["rows"] += 1
+        cols = row_policy.measure_row_policy(weights, repeats=(config or CalibrationConfig()).row_repeats)
+        data = {"key": key, "cols": {str(m): c for m, c in cols.items()}}
+        _write(file, data)
+        logger.info("row policy measured for %d threads: %s", threads, cols)
+    row_policy.install(threads, {int(m): int(c) for m, c in data["cols"].items()})
+    _ROWS_DONE.add(str(file))
+
+
+@dataclass
+class CostModel:
+    """c_B(n) per batch size B, seconds; batch sizes missing are measured when first asked for."""
+
+    key: dict
+    curves: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> {n: seconds}
+    runner: object = field(default=None, repr=False, compare=False)  # None: a loaded / fixed model, no lazy runs
+    config: CalibrationConfig = field(default_factory=CalibrationConfig)
+    file: Path | None = None
+
+    @staticmethod
+    def batch_bucket(batch: int) -> int:
+        return 1 << max(int(batch) - 1, 0).bit_length()
+
+    def curve(self, batch: int = 1) -> dict[int, float]:
+        b = self.batch_bucket(batch)
+        if b not in self.curves:
+            if self.runner is None:  # nearest measured batch size
+                b = min(self.curves, key=lambda x: abs(x - b))
+            else:
+                self.curves[b] = calibrate(self.runner, b, self.config)
+                if self.file is not None:
+                    _write(self.file, {"key": self.key, "curves": {str(k): {str(n): s for n, s in v.items()}
+                                                                     for k, v in self.curves.items()}})
+        return self.curves[b]
+
+    def seconds(self, n: int, batch: int = 1) -> float:
+        """Seconds of a verify step with ``n`` query tokens per sequence (linear between and past grid points)."""
+        curve = self.curve(batch)
+        sizes = sorted(curve)
+        n = max(int(n), 1)
+        if n in curve:
+            return curve[n]
+        hi = next((s for s in sizes if s > n), None)
+        lo, hi = (sizes[-2], sizes[-1]) if hi is None else (max(s for s in sizes if s < n), hi)
+        if lo == hi:
+            return curve[lo]
+        return curve[lo] + (curve[hi] - curve[lo]) * (n - lo) / (hi - lo)
+
+    def decode_seconds(self, batch: int = 1) -> float:
+        return self.seconds(1, batch)
+
+    def relative(self, n: int, batch: int = 1) -> float:
+        """c(n) / c(1) at this batch size: a verify step of n tokens per sequence in plain decode steps (>= 1)."""
+        return max(self.seconds(n, batch) / self.decode_seconds(batch), 1.0)
+
+
+def calibrate(runner, batch: int, config: CalibrationConfig) -> dict[int, float]:
+    """Median seconds of one engine step with n query tokens per sequence, batch ``batch``, n on the grid."""
+    from specdec.eval.verify_cost import measure_verify_costs
+
+    sizes = list(config.sizes)
+    context = min(config.context, max(runner.shape.max_positions // 4, 2))
+    repeats = config.repeats
+    while (repeats + 1) * sum(sizes) + context + 2 > runner.shape.max_positions:  # a short-context model
+        if repeats > 1:
+            repeats -= 1
+        elif len(sizes) > 2:
+            sizes.pop()  # extrapolated linearly from the last two points
+        else:
+            break
+    prompts = [[(7 + 13 * i + b) % runner.shape.vocab_size for i in range(context)] for b in range(batch)]
+    CALIBRATIONS["verify"] += 1
+    t0 = time.perf_counter()
+    times = measure_verify_costs(SimpleNamespace(runner=runner), prompts, sizes, SamplingConfig(),
+                                 repeats=repeats)
+    logger.info("verify cost measured (batch %d, %d sizes) in %.1f s: c(1) = %.2f ms, c(%d) = %.2fx",
+                batch, len(sizes), time.perf_counter() - t0, times[1] * 1e3, sizes[-1], times[sizes[-1]] / times[1])
+    # the row policy can compute n rows as m > n rows, so a measured c(n) above a larger c(m) is noise (or a
+    # slow row count the policy missed): keep the suffix minimum, a non-decreasing curve
+    curve, low = {}, float("inf")
+    for n in sorted(times, reverse=True):
+        low = min(low, float(times[n]))
+        curve[int(n)] = low
+    return dict(sorted(curve.items()))
+
+
+def load_cost_model(runner, config: CalibrationConfig | None = None, cache_dir: str | Path | None = None
+                    ) -> CostModel:
+    """The cost model of ``runner`` on this machine: from this process's memo, the disk cache, or measured
+    (batch 1 now; other batch sizes when first asked for). Installs the CPU row policy first."""
+    config = config or CalibrationConfig()
+    ensure_row_policy(runner, config, cache_dir)
+    key = machine_key(runner) | {"model": model_fingerprint(runner), "rows": row_policy.active_cols(),
+                                 "workload": asdict(config)}
+    key = json.loads(json.dumps(key))  # as it reads back from JSON (tuples -> lists, int keys -> str)
+    file = _cache_dir(cache_dir) / f"verify-{_digest(key)}.json"
+    curves = _MEMO.get(str(file))
+    if curves is None:
+        data = _read(file)
+        curves = {}
+        if data is not None and data.get("key") == key:
+            curves = {int(b): {int(n): float(s) for n, s in c.items()} for b, c in data["curves"].items()}
+        _MEMO[str(file)] = curves  # shared: a batch size measured later is seen by every engine of this key
+    model = CostModel(key, curves, runner, config, file)
+    model.curve(1)  # measured now if not cached
+    return model

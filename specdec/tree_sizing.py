@@ -1,0 +1,241 @@
+"""Tree size per step and the break-even guard: keep the part of a proposal that pays, or none of it.
+
+    sizer = TreeSizer(cost_model)                      # one per engine (speculation="auto")
+    ask = [s for s in live if sizer.wants_draft(s)]    # the guard: who drafts this step
+    tree = sizer.size(seq_id, tree, batch)             # per sequence, after propose
+    sizer.observe(seq_id, committed)                   # after the commit: acceptance, learned online
+    sizer.record_step(draft_s, verify_s, n, batch)     # wall times: the draft cost in decode steps
+
+**Expected committed tokens.** Each node i gets an estimate ``a_i`` of P(node i accepted | its parent
+accepted): the drafter's ``DraftTree.scores`` corrected by an online factor per score bin (observed /
+predicted acceptance of past nodes in that bin), or, for drafters without scores, the acceptance observed
+in this run per (depth, rank among siblings). The path probability ``P_i`` is the product of ``a`` along
+the path and the expected tokens of a kept subset S is ``1 + sum_{i in S} P_i``: linearity of
+expectation, exact when the ``a_i`` are right. The approximation: ``a_i`` of a later sibling is the
+rate observed for that rank, not conditioned on the earlier siblings' rejection.
+
+**Cost.** ``d + c(1 + |S|)`` in plain decode steps at the current batch size, with ``c`` from the
+measured cost model and ``d`` the drafter's wall time per propose call (EMA) over a decode step's (EMA of
+verify time / c(n)). A batch of B sequences shares one forward; each sequence is sized with c at batch B
+and n tokens of its own (the other sequences' trees are not known when it is sized: a documented
+simplification).
+
+**Sizing.** Among ancestor-closed subsets of each size k, the one with the largest ``sum P_i`` is the
+top k by ``P_i`` (a parent's ``P`` is never below its child's; ties keep the parent first), so the best
+subset is the best prefix of that order by ``(1 + E_k) / (d + c(1 + k))``. Pruning is exact.
+
+Sampled trees (``DraftMode.INDEPENDENT`` / ``WITHOUT_REPLACEMENT``) are only cut to prefixes of the
+drafter's node order, with token-independent (depth, rank) estimates: keeping the nodes whose drawn tokens
+score best would change the distribution they were drawn from.
+
+**Guard.** When the best ratio is not above plain decoding's ``1 / c(1) = 1``, drafting did not pay: the
+sequence skips the drafter for ``backoff`` steps (1, 2, 4, ... up to what keeps probing under ~1% of the
+time: ``d / probe_budget`` steps, at most 256), then probes again; a probe that pays resets the backoff,
+and so does any step whose
+drafts, had they all been verified, would have paid for it; so the guard recovers when the text turns
+repetitive. A drafter cheaper than ``probe_budget`` is never
+skipped (its empty or pruned trees cost nothing).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.cost_model import CostModel
+from specdec.tree import DraftMode, DraftTree
+
+_BINS = 10  # score bins of the online correction
+
+
+@dataclass(frozen=True)
+class SizingConfig:
+    prior: float = 0.3  # acceptance assumed for unscored nodes before any observation
+    prior_weight: float = 2.0  # pseudo-observations behind the prior (and behind a score's correction of 1)
+    ema: float = 0.2  # weight of the newest wall-time sample
+    probe_budget: float = 0.01  # at most this fraction of a decode step per step spent on probes
+    max_backoff: int = 256
+    decay: float = 0.95  # per observation of a bin / (depth, rank): old evidence fades, estimates follow the text
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.prior <= 1 and self.prior_weight > 0 and 0 < self.ema <= 1 and self.probe_budget > 0
+                and self.max_backoff >= 0):
+            raise ValueError(f"invalid SizingConfig {self}")
+
+
+@dataclass
+class _Guard:
+    backoff: int = 0  # steps skipped after the next non-paying probe / 2
+    skip: int = 0  # steps left to skip
+    skipped_steps: int = 0  # steps this sequence decoded plainly by the guard's decision (stats)
+
+
+@dataclass
+class _Pending:  # what was proposed for a sequence this step, to learn from the commit
+    tree: DraftTree
+    accept: list[float]  # a_i used for sizing
+    kept: list[int]  # indices (into tree) of the nodes verified, ascending: the pruned tree's node order
+    cost: float  # of the whole tree, in decode steps: draft + c(1 + num_nodes)
+
+
+@dataclass
+class TreeSizer:
+    costs: CostModel
+    config: SizingConfig = field(default_factory=SizingConfig)
+
+    def __post_init__(self) -> None:
+        self.unscored: dict[tuple[int, int], list[float]] = {}  # (depth, rank) -> [accepted, tried]
+        self.score_bins = [[0.0, 0.0] for _ in range(_BINS)]  # [accepted, predicted] of tried scored nodes
+        self.guards: dict[int, _Guard] = {}
+        self.pending: dict[int, _Pending] = {}
+        self.draft_seconds: float | None = None  # EMA per propose call
+        self.decode_seconds: float | None = None  # EMA of a plain decode step, from verify times
+        self.paid = 0  # proposals that were expected to pay (stats, tests)
+        self.unpaid = 0
+
+    # ---- costs ----------------------------------------------------------------------------
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.config.ema * (new - old)
+
+    def record_step(self, draft_seconds: float | None, verify_seconds: float, query_tokens: int, batch: int) -> None:
+        """Wall times of one step: the drafter's propose (None: not called) and the verify with ``query_tokens``
+        tokens for its largest sequence."""
+        if draft_seconds is not None:
+            self.draft_seconds = self._ema(self.draft_seconds, draft_seconds)
+        self.decode_seconds = self._ema(self.decode_seconds, verify_seconds / self.costs.relative(query_tokens, batch))
+
+    def draft_cost(self, batch: int) -> float:
+        """The drafter's cost per step in plain decode steps (0 before its first call)."""
+        if self.draft_seconds is None:
+            return 0.0
+        decode = self.decode_seconds or self.costs.decode_seconds(batch)
+        return self.draft_seconds / decode
+
+    # ---- the guard --------------------------------------------------------------------------
+    def wants_draft(self, seq_id: int) -> bool:
+        """Whether the drafter proposes for ``seq_id`` this step (called once per live sequence per step)."""
+        guard = self.guards.setdefault(seq_id, _Guard())
+        if guard.skip > 0:
+            guard.skip -= 1
+            guard.skipped_steps += 1
+            return False
+        return True
+
+    def _judge(self, seq_id: int, pays: bool, batch: int) -> None:
+        guard = self.guards.setdefault(seq_id, _Guard())
+        if pays:
+            self.paid += 1
+            guard.backoff = 0
+            return
+        self.unpaid += 1
+        cap = min(self.config.max_backoff, int(self.draft_cost(batch) / self.config.probe_budget))
+        guard.backoff = min(max(2 * guard.backoff, 1), cap)
+        guard.skip = guard.backoff
+
+    # ---- acceptance estimates ---------------------------------------------------------------
+    def acceptance(self, tree: DraftTree, use_scores: bool = True) -> list[float]:
+        """a_i = estimated P(node i accepted | parent accepted), per node."""
+        cfg = self.config
+        if tree.scores is not None and use_scores:
+            out = []
+            for s in tree.scores.tolist():
+                acc, pred = self.score_bins[min(int(s * _BINS), _BINS - 1)]
+                out.append(min(1.0, s * (acc + cfg.prior_weight) / (pred + cfg.prior_weight)))
+            return out
+        out = []
+        for key in self._unscored_keys(tree):
+            acc, tried = self.unscored.get(key, (0.0, 0.0))
+            out.append((acc + cfg.prior * cfg.prior_weight) / (tried + cfg.prior_weight))
+        return out
+
+    @staticmethod
+    def _unscored_keys(tree: DraftTree) -> list[tuple[int, int]]:
+        seen: dict[int, int] = {}
+        keys = []
+        for d, p in zip(tree.depths.tolist(), tree.parents.tolist()):
+            rank = seen.get(p, 0)
+            seen[p] = rank + 1
+            keys.append((min(d, 16), min(rank, 4)))
+        return keys
+
+    # ---- sizing -----------------------------------------------------------------------------
+    def size(self, seq_id: int, tree: DraftTree, batch: int) -> DraftTree:
+        """The best-paying ancestor-closed part of ``tree`` (possibly empty); judges the guard."""
+        if tree.num_nodes == 0:
+            self.pending.pop(seq_id, None)
+            self._judge(seq_id, False, batch)
+            return tree
+        accept = self.acceptance(tree, use_scores=tree.mode is DraftMode.DETERMINISTIC)
+        parents = tree.parents.tolist()
+        path = []
+        for a, p in zip(accept, parents):
+            path.append(a * (path[p] if p >= 0 else 1.0))
+        if tree.mode is DraftMode.DETERMINISTIC:
+            order = sorted(range(len(path)), key=lambda i: (-path[i], i))
+        else:  # sampled nodes: a choice that depended on the drawn tokens would change their law, so only
+            order = list(range(len(path)))  # prefixes in the drafter's order (parents and earlier siblings first)
+        d = self.draft_cost(batch)
+        best_k, best, expected = 0, 1.0 / (d + 1.0), 1.0
+        for k, i in enumerate(order, start=1):
+            expected += path[i]
+            ratio = expected / (d + self.costs.relative(1 + k, batch))
+            if ratio > best:
+                best_k, best = k, ratio
+        kept = sorted(order[:best_k])
+        self.pending[seq_id] = _Pending(tree, accept, kept, d + self.costs.relative(1 + tree.num_nodes, batch))
+        self._judge(seq_id, best > 1.0, batch)
+        if best_k == tree.num_nodes:
+            return tree
+        keep = torch.zeros(tree.num_nodes, dtype=torch.bool)
+        keep[order[:best_k]] = True
+        return tree.prune(keep.to(tree.parents.device))
+
+    # ---- learning ---------------------------------------------------------------------------
+    def observe(self, seq_id: int, committed: list[int], accepted_nodes: list[int] | None = None) -> None:
+        """After the commit: learn acceptance from the tree proposed for ``seq_id`` (pruned nodes included).
+
+        Deterministic trees: a node was tried when its parent's path equals the committed tokens, and would
+        have been accepted when its own token is the next committed one (exact for greedy; for sampling the
+        chance that the target's token equals the candidate is its acceptance probability). Sampled trees:
+        only verified nodes count, by ``accepted_nodes`` (indices into the verified, pruned tree)."""
+        pending = self.pending.pop(seq_id, None)
+        if pending is None:
+            return
+        tree = pending.tree
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        depths = tree.depths.tolist()
+        on_path = [False] * len(tokens)  # node accepted (its whole path matches)
+        tried = [False] * len(tokens)
+        accepted_set = verified = None
+        if tree.mode is not DraftMode.DETERMINISTIC:
+            accepted_set = {pending.kept[j] for j in accepted_nodes or []}
+            verified = set(pending.kept)
+        for i, (t, p, d) in enumerate(zip(tokens, parents, depths)):
+            parent_ok = p < 0 or on_path[p]
+            if accepted_set is None:
+                tried[i] = parent_ok and d <= len(committed)
+                on_path[i] = tried[i] and committed[d - 1] == t
+            else:
+                tried[i] = parent_ok and i in verified
+                on_path[i] = i in accepted_set
+        if tree.scores is not None and tree.mode is DraftMode.DETERMINISTIC:
+            for s, t_, ok in zip(tree.scores.tolist(), tried, on_path):
+                if t_:
+                    b = self.score_bins[min(int(s * _BINS), _BINS - 1)]
+                    b[0] = b[0] * self.config.decay + float(ok)
+                    b[1] = b[1] * self.config.decay + s
+        else:
+            for key, t_, ok in zip(self._unscored_keys(tree), tried, on_path):
+                if t_:
+                    entry = self.unscored.setdefault(key, [0.0, 0.0])
+                    entry[0] = entry[0] * self.config.decay + float(ok)
+                    entry[1] = entry[1] * self.config.decay + 1.0
+        longest = max((d for d, ok in zip(depths, on_path) if ok), default=0)
+        if 1 + longest > pending.cost:  # the drafts pay again (the text turned repetitive): probe from now on
+            guard = self.guards.setdefault(seq_id, _Guard())
+            guard.backoff = guard.skip = 0
+
+    def release(self, seq_id: int) -> None:
+        self.pending.pop(seq_id, None)
+        self.guards.pop(seq_id, None)
+

@@ -1,0 +1,117 @@
+"""The measured cost model: calibration once per key (cached on disk), re-measured when the key changes;
+interpolation of c(n); the CPU row policy of linear() measured, installed and exact."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import cost_model
+from specdec.cost_model import CalibrationConfig, CostModel, load_cost_model
+from specdec.models import row_policy
+from specdec.models.llama import LlamaRunner
+from specdec.testing import build_tiny_model
+
+SMALL = CalibrationConfig(sizes=(1, 2, 4), context=16, repeats=1, row_repeats=1)
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """An empty cache dir and no in-process memo (as in a new process); row policies restored after."""
+    monkeypatch.setattr(cost_model, "_MEMO", {})
+    monkeypatch.setattr(cost_model, "_ROWS_DONE", set())
+    saved = dict(row_policy._ACTIVE)
+    yield tmp_path
+    row_policy._ACTIVE.clear()
+    row_policy._ACTIVE.update(saved)
+
+
+def _calls(monkeypatch) -> list[int]:
+    calls = []
+    real = cost_model.calibrate
+
+    def counting(runner, batch, config):
+        calls.append(batch)
+        return real(runner, batch, config)
+
+    monkeypatch.setattr(cost_model, "calibrate", counting)
+    return calls
+
+
+def test_calibration_runs_once_per_key_and_is_reused(fresh, monkeypatch):
+    calls = _calls(monkeypatch)
+    runner = LlamaRunner(build_tiny_model(seed=0))
+    first = load_cost_model(runner, SMALL, cache_dir=fresh)
+    assert calls == [1] and sorted(first.curve(1)) == [1, 2, 4]
+    again = load_cost_model(runner, SMALL, cache_dir=fresh)  # same process: the memo
+    monkeypatch.setattr(cost_model, "_MEMO", {})
+    from_disk = load_cost_model(runner, SMALL, cache_dir=fresh)  # a new process: the disk cache
+    assert calls == [1] and again.curve(1) == first.curve(1) == from_disk.curve(1)
+    # every part of the key re-measures: other weights, another workload, another thread count
+    load_cost_model(LlamaRunner(build_tiny_model(seed=1)), SMALL, cache_dir=fresh)
+    assert calls == [1, 1]
+    load_cost_model(runner, CalibrationConfig(sizes=(1, 3), context=16, repeats=1, row_repeats=1), cache_dir=fresh)
+    assert calls == [1, 1, 1]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2 if threads == 1 else 1)
+    try:
+        load_cost_model(runner, SMALL, cache_dir=fresh)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [1, 1, 1, 1]
+    # another batch size is measured lazily, once, and saved with the rest
+    first.relative(2, batch=3)
+    first.relative(4, batch=4)
+    assert calls == [1, 1, 1, 1, 4]
+    monkeypatch.setattr(cost_model, "_MEMO", {})
+    load_cost_model(runner, SMALL, cache_dir=fresh).relative(2, batch=4)
+    assert calls == [1, 1, 1, 1, 4]
+
+
+def test_row_policy_measured_once_per_key_and_installed(fresh):
+    runner = LlamaRunner(build_tiny_model(seed=0))
+    before = cost_model.CALIBRATIONS["rows"]
+    row_policy.uninstall()
+    cost_model.ensure_row_policy(runner, SMALL, cache_dir=fresh)
+    assert cost_model.CALIBRATIONS["rows"] == before + 1 and torch.get_num_threads() in row_policy._ACTIVE
+    row_policy.uninstall()
+    cost_model._ROWS_DONE.clear()
+    cost_model.ensure_row_policy(runner, SMALL, cache_dir=fresh)  # from disk
+    assert cost_model.CALIBRATIONS["rows"] == before + 1 and torch.get_num_threads() in row_policy._ACTIVE
+
+
+def test_interpolation_and_relative_cost():
+    costs = CostModel({}, {1: {1: 0.010, 2: 0.011, 4: 0.013, 8: 0.021}})
+    assert costs.relative(1) == 1.0
+    assert costs.relative(3) == pytest.approx(1.2)  # halfway between 2 and 4
+    assert costs.relative(12) == pytest.approx(2.9)  # past the grid: the last segment's slope
+    assert costs.relative(4, batch=8) == pytest.approx(1.3)  # nearest measured batch when none can be run
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_installed_row_policy_returns_f_linear(threads):
+    from specdec.models.llama import linear
+
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(48, 40, generator=gen), torch.randn(48, generator=gen)
+    before, saved = torch.get_num_threads(), dict(row_policy._ACTIVE)
+    torch.set_num_threads(threads)
+    try:
+        row_policy.install(threads, {1: 2, 2: 8, 3: 3, 5: 32, 31: 32})
+        for m in range(1, 40):
+            x = torch.randn(m, 40, generator=gen)
+            for b in (None, bias):
+                got = linear(x, weight, b)
+                assert got.shape == (m, 48) and got.is_contiguous()
+                torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError):
+            row_policy.install(threads, {4: 2})  # fewer columns than rows
+    finally:
+        torch.set_num_threads(before)
+        row_policy._ACTIVE.clear()
+        row_policy._ACTIVE.update(saved)
+
+
+def test_measure_row_policy_pads_only_to_faster_counts():
+    w = [torch.randn(64, 32)]
+    cols = row_policy.measure_row_policy(w, max_rows=6, repeats=1)
+    assert all(1 <= m <= c <= 6 for m, c in cols.items())

@@ -1,0 +1,85 @@
+"""Tree size per step and the break-even guard (specdec.tree_sizing) with fixed costs: the best-paying
+prefix is kept, nothing is kept when nothing pays, and the guard stops asking a drafter that never matches
+and asks again once it matches; speculation="always" asks every step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import engine_setup
+from specdec.cost_model import CostModel
+from specdec.generate import generate
+from specdec.testing import build_tiny_model
+from specdec.tree import DraftTree
+from specdec.tree_sizing import TreeSizer
+
+FLAT = CostModel({}, {1: {1: 1.0, 65: 1.0}})  # verifying is free: only the draft cost counts
+
+
+def test_sizing_keeps_the_best_paying_prefix_and_nothing_when_nothing_pays():
+    costs = CostModel({}, {1: {1: 1.0, 2: 1.05, 3: 1.05, 4: 3.0, 65: 64.0}})  # 2-3 tokens ~ a step, a 4th: 2 more
+    sizer = TreeSizer(costs)
+    # a chain 10, 11, 12, 13 (likely) and a root sibling 20 (unlikely)
+    tree = DraftTree([10, 11, 20, 12, 13], [-1, 0, -1, 1, 3], scores=torch.tensor([0.9, 0.9, 0.05, 0.9, 0.9]))
+    kept = sizer.size(0, tree, batch=1)
+    assert kept.tokens.tolist() == [10, 11] and kept.parents.tolist() == [-1, 0]
+    assert sizer.paid == 1
+    hopeless = DraftTree.chain([10, 11], scores=torch.tensor([0.01, 0.01]))
+    assert sizer.size(1, hopeless, batch=1).num_nodes == 0 and sizer.unpaid == 1
+
+
+def test_observed_acceptance_corrects_overconfident_scores():
+    sizer = TreeSizer(FLAT)
+    tree = DraftTree.chain([5, 6], scores=torch.tensor([0.95, 0.95]))
+    first = sizer.acceptance(tree)[0]
+    for _ in range(10):
+        sizer.size(0, tree, batch=1)
+        sizer.observe(0, [7])  # the target never takes token 5
+    assert sizer.acceptance(tree)[0] < first / 3
+
+
+class Scripted:
+    """A chain of 4 wrong tokens until the sequence has ``switch`` new tokens, then the right ones."""
+
+    name = "scripted"
+
+    def __init__(self, plain, prompt_len, vocab, switch):
+        self.plain, self.prompt_len, self.vocab, self.switch = plain, prompt_len, vocab, switch
+        self.asked_at: list[int] = []  # new-token count at every propose
+
+    def propose(self, seqs):
+        out = []
+        for s in seqs:
+            n = len(s.token_ids)
+            self.asked_at.append(n - self.prompt_len)
+            right = self.plain[n: n + 4]
+            chain = right if n - self.prompt_len >= self.switch else [(t + 1) % self.vocab for t in right]
+            out.append(DraftTree.chain(chain) if chain else DraftTree.empty())
+        return out
+
+
+@pytest.fixture
+def fixed_costs(monkeypatch):
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner: FLAT)
+    monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: 0.5)  # half a decode step per propose
+
+
+def test_guard_turns_speculation_off_for_a_drafter_that_never_matches_and_back_on(fixed_costs):
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4]
+    plain = generate(model, [prompt], max_new_tokens=140)[0]
+    drafter = Scripted(plain, len(prompt), 32, switch=40)
+    out = generate(model, [prompt], max_new_tokens=140, drafter=drafter, return_dict=True)
+    assert out.sequences[0] == plain
+    before = [a for a in drafter.asked_at if a < 40]
+    after = [a for a in drafter.asked_at if a >= 40]
+    # off: while nothing matches the drafter is asked ever more rarely (1, 2, 4, ... steps skipped)
+    assert 3 <= len(before) <= 10, drafter.asked_at
+    # back on: after the first probe that matches it is asked every step, and whole chains are committed
+    lengths = out.stats[0].step_lengths
+    assert lengths[-10:].count(5) >= 8 and len(after) >= 10, (drafter.asked_at, lengths)
+    # forced: asked every step, never matching or not
+    drafter = Scripted(plain, len(prompt), 32, switch=40)
+    forced = generate(model, [prompt], max_new_tokens=140, drafter=drafter, return_dict=True, speculation="always")
+    assert forced.sequences[0] == plain and len(drafter.asked_at) == forced.stats[0].steps
+    assert len([a for a in drafter.asked_at if a < 40]) == 40  # one token per step until the switch
