@@ -13,7 +13,6 @@ import logging
 import time
 
 import torch
-
 from specdec.train.eagle_loss import eagle_loss
 from specdec.train.features import collate, target_features
 

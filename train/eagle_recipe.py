@@ -11,7 +11,6 @@ next feature (train/eagle_loss.py).
 from __future__ import annotations
 
 import torch
-
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 from specdec.train.config import TrainConfig
 from specdec.train.eagle_loss import eagle_loss

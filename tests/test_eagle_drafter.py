@@ -1,0 +1,171 @@
+"""The eagle drafter on tiny models: greedy identity (batched and single, full and reduced draft
+vocabulary), sampled output in the target's law with a broken rule caught, checkpoints (round trip,
+published layout, refusals naming both sides), and the unrolled training loss."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from specdec.drafters.draft_vocab import frequent_tokens
+from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.eagle_checkpoint import EagleCheckpointError, load_eagle, save_eagle
+from specdec.drafters.eagle_model import EagleConfig, EagleModel
+from specdec.eval.certificate import CertificateSizes, run_certificate
+from specdec.train.eagle_loss import eagle_loss, unrolled_mask
+
+from specdec.generate import generate
+from specdec.models.loader import load_model
+from specdec.sampling import SamplingConfig
+from specdec.testing import build_tiny_model, ragged_prompts
+
+
+def _eagle(model, vocab=(), seed=0, **tree):
+    torch.manual_seed(seed)
+    cfg = EagleConfig.for_target(model.config, draft_vocab=tuple(vocab), **tree)
+    eagle = EagleModel(cfg)
+    eagle.init_from_target(model)
+    return eagle
+
+
+class Recorder(EagleDrafter):
+    """Keeps every proposed tree."""
+
+    def propose(self, seqs):
+        trees = super().propose(seqs)
+        self.trees = getattr(self, "trees", []) + trees
+        return trees
+
+
+@pytest.mark.parametrize("vocab", [(), tuple(range(0, 96, 3))])
+def test_greedy_output_is_the_targets_batched_and_single(device, vocab):
+    model = build_tiny_model().to(device)
+    eagle = _eagle(model, vocab, depth=4, top_k=3, max_nodes=10)
+    prompts = ragged_prompts(5, seed=2)
+    plain = generate(model, prompts, max_new_tokens=24, return_dict=True).new_tokens
+    drafter = Recorder(model=eagle)
+    batched = generate(model, prompts, max_new_tokens=24, drafter=drafter, return_dict=True)
+    assert batched.new_tokens == plain
+    assert sum(s.steps for s in batched.stats) < sum(s.new_tokens for s in batched.stats)  # it drafted usefully
+    single = [generate(model, [p], max_new_tokens=24, drafter=EagleDrafter(model=eagle), return_dict=True)
+              .new_tokens[0] for p in prompts]
+    assert single == plain
+    trees = [t for t in drafter.trees if t.num_nodes]
+    assert trees and all(t.num_nodes <= 10 and t.max_depth <= 4 for t in trees)
+    assert all(t.scores is not None and bool(((t.scores > 0) & (t.scores <= 1)).all()) for t in trees)
+    if vocab:  # only tokens of the reduced vocabulary are ever proposed
+        assert set(torch.cat([t.tokens for t in trees]).tolist()) <= set(vocab)
+
+
+def test_one_token_prompt_and_stop_tokens():
+    model = build_tiny_model()
+    eagle = _eagle(model, depth=3, top_k=2, max_nodes=4)
+    prompts = [[5], [7, 8, 9, 10]]
+    plain = generate(model, prompts, max_new_tokens=12, return_dict=True).new_tokens
+    spec = generate(model, prompts, max_new_tokens=12, drafter="eagle", drafter_options={"model": eagle},
+                    return_dict=True).new_tokens
+    assert spec == plain
+
+
+def test_sampled_law_certificate_passes_and_controls_fail():
+    loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
+    eagle = _eagle(loaded.model, depth=2, top_k=2, max_nodes=3)
+    sizes = CertificateSizes(stat_samples=4000, identity_prompts=4, identity_tokens=16, sample_sequences=600,
+                             sample_tokens=2, e2e_tv=0.12)
+    prompts = lambda n: [[1, 2, 3, 1, 2, 3], [5, 6, 7, 5], [9, 4, 9, 4, 9], [8, 2, 8, 2, 10]][:n]  # noqa: E731
+    cert = run_certificate(loaded, "eagle", {"model": eagle}, SamplingConfig(True, 0.9, 6), sizes, prompts,
+                           levels=("exact", "e2e"))
+    failed = [(c.level, c.name, c.control, c.detail) for c in cert.checks if not c.as_expected]
+    assert cert.passed and not cert.void, failed
+    controls = [c for c in cert.checks if c.control]
+    assert controls and all(not c.passed for c in controls)  # a broken rule / engine is caught
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+def test_checkpoint_round_trip_and_published_layout(tmp_path):
+    model = build_tiny_model()
+    ids = frequent_tokens([list(range(50)), list(range(0, 96, 2))], 40, always=[2])
+    eagle = _eagle(model, ids, depth=3, top_k=2, max_nodes=5)
+    save_eagle(eagle, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["hidden_size"] == model.config.hidden_size and raw["draft_vocab_size"] == 40
+    from safetensors.torch import load_file
+
+    keys = set(load_file(str(tmp_path / "model.safetensors")))
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight",
+            "layers.0.post_attention_layernorm.weight", "lm_head.weight", "d2t"} <= keys
+    assert all(k.startswith(("fc.", "layers.0.", "lm_head.", "d2t")) for k in keys)
+    loaded = load_eagle(tmp_path, model.config)
+    assert loaded.config.draft_vocab == tuple(ids) and loaded.config.max_nodes == 5
+    for (k, a), (_, b) in zip(sorted(eagle.state_dict().items()), sorted(loaded.state_dict().items())):
+        assert torch.equal(a, b), k
+    prompts = ragged_prompts(2, seed=5)
+    a = generate(model, prompts, max_new_tokens=10, drafter="eagle", drafter_options={"path": str(tmp_path)})
+    assert a == generate(model, prompts, max_new_tokens=10)
+
+
+def test_wrong_target_pickles_and_eagle3_are_refused(tmp_path):
+    model = build_tiny_model()
+    save_eagle(_eagle(model), tmp_path / "ok")
+    other = build_tiny_model(vocab_size=80)
+    with pytest.raises(EagleCheckpointError, match="vocab_size=96 but the target model has vocab_size=80"):
+        load_eagle(tmp_path / "ok", other.config)
+    narrower = build_tiny_model(hidden_size=32, intermediate_size=64)
+    with pytest.raises(EagleCheckpointError, match="hidden_size=64 but the target model has hidden_size=32"):
+        generate(narrower, [[1, 2, 3]], max_new_tokens=2, drafter="eagle", drafter_options={"path": str(tmp_path / "ok")})
+    (tmp_path / "pickled").mkdir()
+    (tmp_path / "pickled" / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
+    (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(EagleCheckpointError, match="pickle.*never loaded.*save_file"):
+        load_eagle(tmp_path / "pickled", model.config)
+    # an EAGLE-3 layout (midlayer.*, fc over 3 fused features) names the feature counts of both sides
+    from safetensors.torch import save_file
+
+    H = model.config.hidden_size
+    (tmp_path / "e3").mkdir()
+    (tmp_path / "e3" / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
+    save_file({"fc.weight": torch.zeros(H, 3 * H), "midlayer.input_layernorm.weight": torch.ones(H),
+               "d2t": torch.zeros(8, dtype=torch.long)}, str(tmp_path / "e3" / "model.safetensors"))
+    with pytest.raises(EagleCheckpointError, match="fuses 3 target features .* this target provides 1"):
+        load_eagle(tmp_path / "e3", model.config)
+    with pytest.raises(EagleCheckpointError, match="config.json is missing"):
+        load_eagle(tmp_path / "pickled" / "..", model.config)
+
+
+def test_bad_options_are_one_line_errors():
+    from specdec.errors import InputError
+
+    with pytest.raises(InputError, match="exactly one of path"):
+        EagleDrafter()
+    with pytest.raises(InputError, match="max_nodes must be <= 64"):
+        EagleDrafter(path="x", max_nodes=65)
+    with pytest.raises(InputError, match="depth must be a positive integer"):
+        EagleDrafter(path="x", depth=0)
+
+
+# ---- training loss ----------------------------------------------------------------------------
+def test_unrolled_mask_sees_the_ancestors_a_draft_tree_would():
+    m = unrolled_mask(5, 3, "cpu")  # pass 3, query 3: pass-1 keys 0..1, pass-2 key 2, itself
+    assert m[3].nonzero().flatten().tolist() == [0, 1, 5 + 2, 10 + 3]
+    assert unrolled_mask(4, 1, "cpu").equal(torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def test_one_optimizer_step_lowers_the_loss_and_oov_labels_are_misses():
+    model = build_tiny_model()
+    eagle = _eagle(model, vocab=tuple(range(48)))
+    ids = torch.randint(0, 96, (3, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state
+        labels = model.lm_head(hidden).argmax(-1)
+    embed, lm = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    opt = torch.optim.AdamW(eagle.parameters(), lr=3e-3)
+    before, correct, count = eagle_loss(eagle, ids, hidden, labels, mask, embed, lm, steps=3)
+    assert len(correct) == 3 and count[0] == 3 * 19 and count[2] == 3 * 17  # deeper passes start later
+    before.backward()
+    opt.step()
+    after, _, _ = eagle_loss(eagle, ids, hidden, labels, mask, embed, lm, steps=3)
+    assert after.item() < before.item()
+    oov = labels.clone().fill_(90)  # outside the reduced vocabulary: never correct
+    _, correct, _ = eagle_loss(eagle, ids, hidden, oov, mask, embed, lm, steps=2)
+    assert correct == [0, 0]

@@ -1,0 +1,115 @@
+"""train-eagle on a tiny random model: the CLI writes a loadable checkpoint with its report, resume after
+a kill is bit-exact, a checkpoint for another target is refused, and the draft vocabulary covers the data."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+pytest.importorskip("datasets")
+
+from specdec.drafters.eagle_checkpoint import EagleCheckpointError, load_eagle  # noqa: E402
+from specdec.train import checkpoint as ckpt_io  # noqa: E402
+from specdec.train import trainer  # noqa: E402
+from specdec.train.config import TrainConfig  # noqa: E402
+from specdec.train.pipeline import run_training  # noqa: E402
+from specdec.train.trainer import OutputDirError  # noqa: E402
+
+TEXTS = [f"the {w} number {i} likes {w[::-1]} and sings, {i * 7}" for i, w in
+         enumerate(["cat", "dog", "bird", "fish", "frog", "bee", "owl", "fox", "cow", "yak", "eel", "ant"] * 2)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from specdec.testing import save_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny_eagle")
+    save_tiny_checkpoint(root / "model")
+    (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    return root
+
+
+def _cfg(tiny, out, **kw):
+    base = dict(model=str(tiny / "model"), output_dir=str(out), data=str(tiny / "data.jsonl"), drafter="eagle",
+                draft_vocab=24, seq_len=32, batch_size=4, max_steps=6, save_every=2, lr=3e-3, eval_prompts=2,
+                eval_max_new_tokens=8, progress=False, held_out_fraction=0.2, eagle_steps=2, eval_tau=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_cli_run_writes_loadable_checkpoint_and_report(tiny, tmp_path):
+    from transformers import AutoConfig
+
+    from specdec.cli import main
+
+    out = tmp_path / "run"
+    rc = main(["train-eagle", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"),
+               "--output-dir", str(out), "--seq-len", "32", "--batch-size", "4", "--max-steps", "3",
+               "--eval-prompts", "1", "--eval-max-new-tokens", "6", "--draft-vocab", "auto", "--train-depth", "2",
+               "--no-progress"])
+    assert rc == 0
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["top1"]) == 2 and report["draft_vocab"]["coverage"] >= 0.97
+    assert report["tree_measurements"] and report["tree"] in [
+        {k: m[k] for k in ("depth", "top_k", "max_nodes")} for m in report["tree_measurements"]]
+    eagle = load_eagle(out, AutoConfig.from_pretrained(tiny / "model"))
+    assert eagle.config.max_nodes == report["tree"]["max_nodes"]  # the measured choice is what loads
+    assert len(eagle.config.draft_vocab) == report["draft_vocab"]["size"]
+    assert "EAGLE training report" in (out / "report.md").read_text()
+
+
+def test_one_run_lowers_the_loss(tiny, tmp_path):
+    report = run_training(_cfg(tiny, tmp_path / "r", max_steps=8, save_every=8))
+    hist = [json.loads(x) for x in (tmp_path / "r" / "history.jsonl").read_text().splitlines()]
+    assert hist[-1]["loss"] < hist[0]["loss"] and report["steps"] == 8
+
+
+def test_resume_after_kill_matches_uninterrupted_run(tiny, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    full = tmp_path / "full"
+    run_training(_cfg(tiny, full))
+    real_rows = trainer.batch_rows
+
+    def dying_rows(num, micro, bs, seed):
+        if micro == 5:
+            raise KeyboardInterrupt
+        return real_rows(num, micro, bs, seed)
+
+    part = tmp_path / "part"
+    monkeypatch.setattr(trainer, "batch_rows", dying_rows)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(_cfg(tiny, part))
+    monkeypatch.setattr(trainer, "batch_rows", real_rows)
+    assert ckpt_io.read_state(ckpt_io.find_checkpoint(part))["step"] == 4
+    with pytest.raises(OutputDirError, match="different configuration.*eagle_steps"):
+        run_training(_cfg(tiny, part, resume=True, eagle_steps=3))
+    run_training(_cfg(tiny, part, resume=True))
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(part / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoint_for_another_target_is_refused(tiny, tmp_path):
+    from specdec.testing import build_tiny_model
+
+    run_training(_cfg(tiny, tmp_path / "r", max_steps=1))
+    other = build_tiny_model(vocab_size=tiny_vocab(tiny) + 8)
+    with pytest.raises(EagleCheckpointError, match=r"vocab_size=\d+ but the target model has vocab_size="):
+        load_eagle(tmp_path / "r", other.config)
+
+
+def tiny_vocab(tiny) -> int:
+    return json.loads((tiny / "model" / "config.json").read_text())["vocab_size"]
+
+
+def test_bad_settings_are_refused_before_anything_runs(tiny, tmp_path):
+    with pytest.raises(ValueError, match="draft_vocab must be"):
+        _cfg(tiny, tmp_path, draft_vocab=0)
+    with pytest.raises(ValueError, match="drafter must be one of"):
+        _cfg(tiny, tmp_path, drafter="eagle3")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "mine.txt").write_text("x")
+    with pytest.raises(OutputDirError, match="not empty"):
+        run_training(_cfg(tiny, tmp_path / "busy"))
