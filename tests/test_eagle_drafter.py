@@ -112,7 +112,8 @@ def test_wrong_target_pickles_and_eagle3_are_refused(tmp_path):
         load_eagle(tmp_path / "ok", other.config)
     narrower = build_tiny_model(hidden_size=32, intermediate_size=64)
     with pytest.raises(EagleCheckpointError, match="hidden_size=64 but the target model has hidden_size=32"):
-        generate(narrower, [[1, 2, 3]], max_new_tokens=2, drafter="eagle", drafter_options={"path": str(tmp_path / "ok")})
+        generate(narrower, [[1, 2, 3]], max_new_tokens=2, drafter="eagle",
+                 drafter_options={"path": str(tmp_path / "ok")})
     (tmp_path / "pickled").mkdir()
     (tmp_path / "pickled" / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
     (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"not loaded")

@@ -1,0 +1,100 @@
+"""EAGLE against specdec's plain decoding and the n-gram drafter, per category, in one run (CPU).
+
+    python benchmarks/bench_eagle_cpu.py --eagle-path eagle-smollm2/ --prompts 3 --max-new-tokens 128
+    python benchmarks/bench_eagle_cpu.py --eagle-path eagle-smollm2/ --temperature 0.8
+    python benchmarks/bench_eagle_cpu.py --eagle-path e/ --medusa-path old=heads/ --medusa-path reduced=heads-4k/
+
+Embedded model, fp32, batch 1, the held-out prompts of ``specdec eval acceptance`` (none of them is
+in the training prompts), every category by default. Per prompt the drafters run one after another
+(interleaved, after a warm-up), so the ratios against plain decoding come from the same minutes of
+the same machine. Prints tokens/s, the ratio against plain, tau, and eagle's acceptance per draft
+depth; greedy runs also check that every drafter's tokens equal plain decoding's. The break-even
+guard is on (the default); ``--always`` forces speculation every step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import chat_ids, time_specdec  # noqa: E402
+from specdec.eval.prompts import CATEGORIES, load_prompts  # noqa: E402
+
+from specdec.models.loader import load_model  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--eagle-path", required=True, help="an EAGLE checkpoint directory (specdec train-eagle)")
+    ap.add_argument("--medusa-path", action="append", default=[], help="NAME=DIR of Medusa heads to compare")
+    ap.add_argument("--prompts", type=int, default=3, help="prompts per category")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--categories", default=",".join(CATEGORIES))
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (seed 0 per prompt)")
+    ap.add_argument("--always", action="store_true", help="speculation='always': no break-even guard")
+    ap.add_argument("--json", help="also write the numbers to this JSON file")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    loaded = load_model("default")
+    table = {"plain": (None, {}), "ngram": ("ngram", {}), "eagle": ("eagle", {"path": args.eagle_path})}
+    for spec in args.medusa_path:
+        name, _, path = spec.partition("=")
+        table[f"medusa {name}"] = ("medusa", {"path": path, "tree": "dynamic"})
+    sampling = {"do_sample": True, "temperature": args.temperature, "seed": 0} if args.temperature > 0 else {}
+    if args.always:
+        sampling["speculation"] = "always"
+
+    def run(spec, ids):
+        name, options = spec
+        return time_specdec(loaded, ids, args.max_new_tokens, drafter=name, drafter_options=options or None,
+                            **sampling)
+
+    warm = chat_ids(loaded.tokenizer, "Hello!")
+    for spec in table.values():
+        run(spec, warm)
+    report: dict = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "categories": {}}
+    mode = f"temperature {args.temperature}" if args.temperature > 0 else "greedy"
+    print(f"{mode}, {args.max_new_tokens} new tokens, {args.prompts} prompt(s) per category, batch 1")
+    for cat in args.categories.split(","):
+        totals = {k: {"tokens": 0, "seconds": 0.0, "steps": 0, "differ": 0, "tried": [], "accepted": []}
+                  for k in table}
+        for text in load_prompts(cat, args.prompts):
+            ids = chat_ids(loaded.tokenizer, text)
+            ref = None
+            for key, spec in table.items():
+                seconds, out = run(spec, ids)
+                s, toks = out.stats[0], out.new_tokens[0]
+                ref = toks if ref is None else ref
+                t = totals[key]
+                t["tokens"] += len(toks)
+                t["seconds"] += seconds
+                t["steps"] += s.steps
+                t["differ"] += int(not sampling and toks != ref)
+                for field, new in (("tried", s.depth_tried), ("accepted", s.depth_accepted)):
+                    acc = t[field]
+                    acc.extend([0] * (len(new) - len(acc)))
+                    for d, x in enumerate(new):
+                        acc[d] += x
+        base = totals["plain"]["tokens"] / totals["plain"]["seconds"]
+        print(f"\n{cat}: {'drafter':<18} {'tok/s':>8} {'vs plain':>9} {'tau':>6}   acceptance per depth")
+        report["categories"][cat] = {}
+        for key, t in totals.items():
+            tps = t["tokens"] / t["seconds"]
+            per_depth = [a / n for a, n in zip(t["accepted"], t["tried"]) if n]
+            report["categories"][cat][key] = {"tokens_per_s": tps, "speedup_vs_plain": tps / base,
+                                              "tau": t["tokens"] / max(1, t["steps"]),
+                                              "acceptance_per_depth": per_depth,
+                                              "prompts_differing_from_plain": t["differ"]}
+            depth = " ".join(f"{a:.2f}" for a in per_depth[:8])
+            print(f"{'':<6} {key:<18} {tps:8.2f} {tps / base:8.2f}x {t['tokens'] / max(1, t['steps']):6.2f}   "
+                  f"{depth}" + (f"  ({t['differ']} prompts differ from plain!)" if t["differ"] else ""))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
