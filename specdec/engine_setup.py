@@ -75,8 +75,12 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
     audit = DraftAudit() if config.audit_drafts and drafter is not None and config.do_sample else None
     ensure_row_policy(runner)  # linear()'s CPU row policy, measured on this machine (cached)
     sizer = None
-    # negative controls verify every tree whole: a broken rule must meet the drafts it is meant to mishandle
-    if drafter is not None and config.speculation == "auto" and rule is EXACT and fault is None:
+    # Whole trees (no sizer) for negative controls, whose broken rule must meet the drafts it is meant to
+    # mishandle, and for seeded sampling: the sizer's choices depend on measured wall times, and a tree of
+    # another shape draws other random numbers, so the same seed would give another (equally exact) output.
+    seeded_sampling = config.do_sample and (config.seed is not None or generator is not None)
+    if (drafter is not None and config.speculation == "auto" and rule is EXACT and fault is None
+            and not seeded_sampling):
         sizer = TreeSizer(load_cost_model(runner))
     engine_cls = Engine if fault is None else fault.engine_cls
     return engine_cls(runner, cache, config.sampling, request.stop, drafter, generator, audit, rule, graphed,

@@ -36,7 +36,9 @@ class GenerationConfig:
     num_blocks: int | None = None  # KV cache size; None = enough for every prompt + max_new_tokens + a draft tree
     audit_drafts: bool = True  # statistical audit of sampled drafts (specdec.audit)
     # "auto": verify the part of each draft tree that the measured cost model expects to pay and decode plainly
-    # when none does (specdec.tree_sizing); "always": verify every proposed tree whole (measuring a drafter)
+    # when none does (specdec.tree_sizing); "always": verify every proposed tree whole (measuring a drafter).
+    # Seeded sampling (seed= or generator=) always verifies whole trees: sizing by measured wall times would
+    # make the same seed give different (equally exact) outputs
     speculation: str = "auto"
 
     def __post_init__(self) -> None:

@@ -34,8 +34,9 @@ def test_greedy_identity_batched_and_single(variant, config, device):
     if name == "draft-model":
         options["model"] = target if config.startswith("target") else build_tiny_model(variant, seed=7).to(device)
     plain = specdec.generate(target, PROMPTS, max_new_tokens=256)
+    # speculation="always": whole trees (the guard would rightly stop drafting with the target itself)
     out = specdec.generate(target, PROMPTS, max_new_tokens=256, drafter=name, drafter_options=options,
-                           return_dict=True)
+                           return_dict=True, speculation="always")
     assert out.sequences == plain
     if config.startswith("target"):
         assert out.tau > 5.5  # the accepted path and its K/V really were kept
@@ -89,7 +90,9 @@ def test_self_draft_drafts_from_the_target_cache():
 
     target = build_tiny_model("llama-gqa-tied", num_hidden_layers=4)
     shared, own = SelfDraftDrafter(num_layers=2, num_draft_tokens=3), OwnCache(num_layers=2, num_draft_tokens=3)
-    outs = [specdec.generate(target, PROMPTS, max_new_tokens=64, drafter=d, return_dict=True) for d in (shared, own)]
+    # speculation="always": whole trees, so the two runs' step-by-step counts do not depend on timed sizing
+    outs = [specdec.generate(target, PROMPTS, max_new_tokens=64, drafter=d, return_dict=True, speculation="always")
+            for d in (shared, own)]
     assert shared.cache is shared.target.cache and own.cache is not own.target.cache
     assert outs[0].sequences == outs[1].sequences == specdec.generate(target, PROMPTS, max_new_tokens=64)
     # same drafts proposed and accepted step by step: the target's K/V of the first layers are the drafter's
