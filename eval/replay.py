@@ -37,6 +37,7 @@ record and ``c_draft`` the drafter's propose time measured here; the predicted s
 """
 from __future__ import annotations
 
+import importlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ from typing import Any
 
 import torch
 from specdec.drafters.base import SequenceView, TargetView, TokenView
-from specdec.drafters.registry import get_drafter
+from specdec.drafters.registry import BUILTIN, get_drafter
 from specdec.eval.replay_record import verify_cost_at
 
 from specdec.errors import InputError
@@ -74,6 +75,11 @@ class _ReplayDrafter:
     """The drafter under replay, fed committed prefixes; times its proposals."""
 
     def __init__(self, config: ReplayConfig, record: dict) -> None:
+        if isinstance(config.drafter, str) and config.drafter in BUILTIN:  # refused before it loads anything
+            module, _, attr = BUILTIN[config.drafter].partition(":")
+            if getattr(getattr(importlib.import_module(module), attr), "needs_hidden_states", False):
+                raise InputError(f"replay: drafter {config.drafter!r} reads the target's hidden states, which a "
+                                 f"record does not hold; {TOKEN_ONLY_HINT}")
         drafter = get_drafter(config.drafter, **config.drafter_options)
         self.name = getattr(drafter, "name", str(config.drafter))
         if drafter.needs_hidden_states:
