@@ -3,11 +3,14 @@
     python benchmarks/bench_drafters_cpu.py --prompts 3 --max-new-tokens 96
     python benchmarks/bench_drafters_cpu.py --sweep-self-draft          # pick N layers / depth
     python benchmarks/bench_drafters_cpu.py --medusa-path heads/        # trained Medusa heads
+    python benchmarks/bench_drafters_cpu.py --speculation always        # verify every proposed tree whole
 
 Per category (summarisation, code, chat), the same prompts run through each drafter in
 one process, interleaved per prompt after a warm-up, greedy. Prints tokens/s, the ratio
 against specdec's plain decoding measured in the same run, tau, and checks that every
-drafter's tokens equal plain decoding's.
+drafter's tokens equal plain decoding's. Drafters run with ``speculation="auto"`` (the default: tree
+sizing by the measured cost model and the break-even guard) unless ``--speculation always``; the row
+"ngram (whole trees)" runs n-gram with ``speculation="always"`` in the same run, for comparison.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ def drafters(args, loaded) -> dict[str, tuple[str | None, dict]]:
     out = {
         "plain": (None, {}),
         "ngram": ("ngram", {}),
+        "ngram (whole trees)": ("ngram", {"speculation": "always"}),
         "self-draft": ("self-draft", {}),
         "draft-model (itself)": ("draft-model", {"model": loaded, "num_draft_tokens": 3}),
     }
@@ -58,6 +62,8 @@ def main() -> None:
     ap.add_argument("--categories", default="summarisation,code,chat")
     ap.add_argument("--sweep-self-draft", action="store_true", help="compare self-draft layer counts and depths")
     ap.add_argument("--medusa-path", help="a Medusa checkpoint directory for the base model")
+    ap.add_argument("--speculation", choices=("auto", "always"), default="auto",
+                    help="auto: tree sizing + break-even guard (default); always: verify every tree whole")
     ap.add_argument("--json", help="also write the numbers to this JSON file")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -67,9 +73,12 @@ def main() -> None:
 
     def run(spec, ids):
         name, options = spec
+        options = dict(options)
+        speculation = options.pop("speculation", args.speculation)
         drafter = name() if callable(name) else name
         return time_specdec(loaded, ids, args.max_new_tokens, drafter=drafter,
-                            drafter_options=options if isinstance(name, str) else None)
+                            drafter_options=(options or None) if isinstance(name, str) else None,
+                            speculation=speculation)
 
     warm = chat_ids(tok, "Hello!")
     for spec in table.values():
