@@ -46,6 +46,7 @@ class SequenceState:
     depth_tried: list[int] = field(default_factory=list)  # per depth d+1: steps that tried a child
     depth_accepted: list[int] = field(default_factory=list)  # per depth d+1: steps that accepted one
     step_lengths: list[int] = field(default_factory=list)  # tokens committed by each step
+    step_nodes: list[int] = field(default_factory=list)  # draft nodes each step verified (after sizing)
     finished_at: float | None = None  # time.perf_counter() when it finished
     # [k, hidden_size] target final-norm hidden states of the k positions committed by the last prefill or
     # step, ending at token_ids[-2] (kept only for drafters that ask; None for a one-token prompt's first step)
@@ -149,6 +150,8 @@ class Engine:
         if self.keep_hidden:
             self.keep_new_hidden(live, acceptances, out.hidden[batch.row_index])
         emitted = self.commit(live, acceptances)
+        for s, tree in zip(live, trees):
+            s.step_nodes.append(tree.num_nodes)
         t2 = time.perf_counter()
         self.seconds["draft"] += t1 - t0
         self.seconds["verify"] += t2 - t1  # verify forward + sampling + commit

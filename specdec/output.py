@@ -31,6 +31,7 @@ class SequenceStats:
     depth_tried: tuple[int, ...] = ()  # per depth d+1: steps whose node at depth d had its parent accepted
     depth_accepted: tuple[int, ...] = ()  # per depth d+1: steps that accepted a node at depth d+1
     step_lengths: tuple[int, ...] = ()  # tokens committed by each step (accepted length + 1, cut at stops)
+    step_nodes: tuple[int, ...] = ()  # draft nodes each step verified (after sizing; 0 = plain step)
 
     @classmethod
     def of(cls, s: SequenceState, start: float) -> "SequenceStats":
@@ -38,7 +39,8 @@ class SequenceStats:
         acc = tuple(a / t if t else 0.0 for a, t in zip(s.depth_accepted, s.depth_tried))
         n = len(s.new_tokens)
         return cls(s.num_prompt_tokens, n, s.steps, s.tau, seconds, n / seconds if seconds else 0.0,
-                   s.finish_reason or "", acc, tuple(s.depth_tried), tuple(s.depth_accepted), tuple(s.step_lengths))
+                   s.finish_reason or "", acc, tuple(s.depth_tried), tuple(s.depth_accepted), tuple(s.step_lengths),
+                   tuple(s.step_nodes))
 
 
 @dataclass(frozen=True)

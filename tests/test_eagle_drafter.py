@@ -57,6 +57,17 @@ def test_greedy_output_is_the_targets_batched_and_single(device, vocab):
         assert set(torch.cat([t.tokens for t in trees]).tolist()) <= set(vocab)
 
 
+def test_stats_record_the_nodes_each_step_verified():
+    model = build_tiny_model()
+    drafter = Recorder(model=_eagle(model, depth=3, top_k=2, max_nodes=5))
+    out = generate(model, [[4, 5, 6, 7]], max_new_tokens=30, drafter=drafter, return_dict=True,
+                   speculation="always")
+    nodes, proposed = out.stats[0].step_nodes, [t.num_nodes for t in drafter.trees]
+    assert len(nodes) == out.stats[0].steps == len(proposed)
+    assert all(n <= p for n, p in zip(nodes, proposed)) and nodes[:-3] == tuple(proposed[:-3])  # cut near the end
+    assert max(nodes) == 5
+
+
 def test_one_token_prompt_and_stop_tokens():
     model = build_tiny_model()
     eagle = _eagle(model, depth=3, top_k=2, max_nodes=4)
