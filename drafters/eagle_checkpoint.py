@@ -113,7 +113,7 @@ def config_from_checkpoint(raw: dict, state: dict[str, torch.Tensor], where: str
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads), vocab_size=int(raw["vocab_size"]),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), rope_theta=float(raw.get("rope_theta", 10000.0)),
-            num_features=_num_features(raw, state, hidden), draft_vocab=ids,
+            num_features=_num_features(raw, state, hidden), draft_vocab=ids, norms="norm.weight" in state,
             base_model_name_or_path=str(extra.get("base_model_name_or_path", "")),
             **{k: int(extra[k]) for k in ("depth", "top_k", "max_nodes") if k in extra})
     except KeyError as err:

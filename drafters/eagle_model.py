@@ -5,9 +5,13 @@ logits chose token ``t_{j+1}``) and the embedding of ``t_{j+1}``, and predicts t
 ``f_{j+1}``; the draft logits over ``t_{j+2}`` are that prediction through an LM head::
 
     x   = fc(cat(embed(t_{j+1}), f_j))                     # [.., 2H] -> [.., H]
-    h   = x + attn(x)   (RoPE, GQA; keys: the earlier pairs and, in a tree, the node's ancestors)
-    f^  = h + mlp(rms_norm(h))                              # SwiGLU
+    h   = x + attn(rms_norm(x))  (RoPE, GQA; keys: the earlier pairs and, in a tree, the node's ancestors)
+    f^  = rms_norm(h + mlp(rms_norm(h)))                    # SwiGLU; the last norm: the target's feature space
     logits = lm_head(f^)     # the target's LM head, or N rows of it (reduced draft vocabulary)
+
+The two norms around attention and at the output (``layers.0.input_layernorm``, ``norm``) keep the
+predicted features, which deeper draft steps feed back in, at the scale of the target's own; published
+EAGLE-1 checkpoints have neither (``norms=False`` when loading one).
 
 Deeper draft steps feed ``f^`` back in place of the target's feature (EAGLE-1/2). Parameter
 names follow the published EAGLE-1 layout (``fc.*``, ``layers.0.self_attn.*``,
@@ -28,6 +32,9 @@ from torch.nn import functional as F
 from specdec.errors import InputError
 
 
+INIT_OUTPUT_SCALE = 0.1  # init_from_target: attention / MLP outputs start small next to the passed-through feature
+
+
 @dataclass(frozen=True)
 class EagleConfig:
     hidden_size: int
@@ -39,6 +46,7 @@ class EagleConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     num_features: int = 1  # target feature vectors per position (1: EAGLE-1/2's last hidden state)
+    norms: bool = True  # input and output RMSNorm (specdec's layers); False: the published EAGLE-1 layer
     draft_vocab: tuple[int, ...] = ()  # token ids of a reduced LM head; () = the target's full LM head
     base_model_name_or_path: str = ""
     # the draft tree chosen by training (drafter options override): depth, candidates per expansion, node budget
@@ -103,14 +111,21 @@ class EagleMLP(nn.Module):
 
 
 class EagleLayer(nn.Module):
-    """A Llama decoder layer without the input norm (the fc output enters attention directly, as in EAGLE)."""
+    """A Llama decoder layer (without the input norm in the published EAGLE-1 layout)."""
 
     def __init__(self, c: EagleConfig) -> None:
         super().__init__()
         self.self_attn = EagleAttention(c)
-        self.post_attention_layernorm = nn.Module()
-        self.post_attention_layernorm.weight = nn.Parameter(torch.ones(c.hidden_size))
+        if c.norms:
+            self.input_layernorm = _Norm(c.hidden_size)
+        self.post_attention_layernorm = _Norm(c.hidden_size)
         self.mlp = EagleMLP(c)
+
+
+class _Norm(nn.Module):
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -132,6 +147,7 @@ class EagleModel(nn.Module):
                              f"the config asks for {c.num_features} (EAGLE-3 fused features are not supported)")
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=True)
         self.layers = nn.ModuleList([EagleLayer(c)])
+        self.norm = _Norm(c.hidden_size) if c.norms else None
         if c.draft_vocab:
             ids = torch.tensor(c.draft_vocab, dtype=torch.long)
             self.lm_head = nn.Linear(c.hidden_size, len(ids), bias=False)
@@ -146,7 +162,8 @@ class EagleModel(nn.Module):
         return None if self.lm_head is None else self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
 
     def init_from_target(self, hf_model) -> None:
-        """Start from the target's last decoder layer and its LM head rows; fc starts as [0 | I] (feature through)."""
+        """Start from the target's last decoder layer (its output projections scaled down, so the layer starts near
+        the identity), its final norm and its LM head rows; fc starts as [0 | I] (the feature passes through)."""
         last = hf_model.model.layers[-1]
         with torch.no_grad():
             mine = self.layers[0]
@@ -154,7 +171,12 @@ class EagleModel(nn.Module):
                 getattr(mine.self_attn, name).weight.copy_(getattr(last.self_attn, name).weight)
             for name in ("gate_proj", "up_proj", "down_proj"):
                 getattr(mine.mlp, name).weight.copy_(getattr(last.mlp, name).weight)
+            mine.self_attn.o_proj.weight.mul_(INIT_OUTPUT_SCALE)
+            mine.mlp.down_proj.weight.mul_(INIT_OUTPUT_SCALE)
             mine.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
+            if self.config.norms:
+                mine.input_layernorm.weight.copy_(last.input_layernorm.weight)
+                self.norm.weight.copy_(hf_model.model.norm.weight)
             H = self.config.hidden_size
             self.fc.weight.zero_()
             self.fc.weight[:, H:] = torch.eye(H)
@@ -180,10 +202,12 @@ class EagleModel(nn.Module):
         c = self.config
         B, L, _ = embeds.shape
         x = self.fc(torch.cat([embeds, features], dim=-1))
-        attn = self.layers[0].self_attn
-        q = attn.q_proj(x).view(B, L, c.num_heads, c.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(B, L, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(B, L, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        layer = self.layers[0]
+        attn = layer.self_attn
+        a = _rms_norm(x, layer.input_layernorm.weight, c.rms_norm_eps) if c.norms else x
+        q = attn.q_proj(a).view(B, L, c.num_heads, c.head_dim).transpose(1, 2)
+        k = attn.k_proj(a).view(B, L, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = attn.v_proj(a).view(B, L, c.num_kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = self.rope(positions, x.dtype)
         if cos.dim() == 2:
             cos, sin = cos[None], sin[None]
@@ -195,8 +219,9 @@ class EagleModel(nn.Module):
         o = F.scaled_dot_product_attention(q, keys.repeat_interleave(groups, dim=1),
                                            values.repeat_interleave(groups, dim=1), attn_mask=mask[:, None])
         h = x + attn.o_proj(o.transpose(1, 2).reshape(B, L, c.num_heads * c.head_dim))
-        layer = self.layers[0]
         h = h + layer.mlp(_rms_norm(h, layer.post_attention_layernorm.weight, c.rms_norm_eps))
+        if self.norm is not None:
+            h = _rms_norm(h, self.norm.weight, c.rms_norm_eps)
         return h, k, v
 
     def logits(self, features: torch.Tensor, target_lm_head: torch.Tensor) -> torch.Tensor:

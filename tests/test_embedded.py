@@ -142,23 +142,38 @@ def _untrained_medusa(loaded):
     return lambda: MedusaDrafter(heads=heads, tree="dynamic", max_nodes=4)
 
 
+def _untrained_eagle(loaded):
+    from specdec.drafters.eagle import EagleDrafter
+    from specdec.drafters.eagle_model import EagleConfig, EagleModel
+
+    torch.manual_seed(0)
+    eagle = EagleModel(EagleConfig.for_target(loaded.model.config, draft_vocab=tuple(range(4096)), depth=4, top_k=4,
+                                              max_nodes=8))
+    eagle.init_from_target(loaded.model)  # untrained: the target's last layer over its own features
+    return lambda: EagleDrafter(model=eagle)
+
+
 @MODEL_DRAFTERS
-@pytest.mark.parametrize("name", ["self-draft", "draft-model", "medusa"])
+@pytest.mark.parametrize("name", ["self-draft", "draft-model", "medusa", "eagle"])
 def test_model_based_drafters_greedy_identity(loaded, prompts, plain_256, name):
     """20 prompts x 256 tokens batched, and 2 prompts one at a time (to bound CI time)."""
     make = {
         "self-draft": lambda: ("self-draft", {}),
         "draft-model": lambda: ("draft-model", {"model": loaded, "num_draft_tokens": 3}),  # no smaller SmolLM2 offline
         "medusa": lambda: (_untrained_medusa(loaded)(), None),
+        "eagle": lambda: (_untrained_eagle(loaded)(), None),
     }[name]
     drafter, options = make()
+    # speculation="always": the break-even guard would soon stop asking an untrained drafter, and this test is
+    # about the drafting path's exactness
     out = specdec.generate(loaded, prompts, max_new_tokens=SPEC_TOKENS, drafter=drafter, drafter_options=options,
-                           return_dict=True)
+                           return_dict=True, speculation="always")
     mismatched = [i for i, (o, r) in enumerate(zip(out.sequences, plain_256)) if o != r]
     assert not mismatched, f"{name} batched differs on prompts {mismatched}"
     if name == "draft-model":
         assert out.tau > 3.5  # the model drafting for itself: the accepted path is exercised
     for i, (p, ref) in enumerate(zip(prompts[:2], plain_256[:2])):
         drafter, options = make()
-        got = specdec.generate(loaded, [p], max_new_tokens=SPEC_TOKENS, drafter=drafter, drafter_options=options)
+        got = specdec.generate(loaded, [p], max_new_tokens=SPEC_TOKENS, drafter=drafter, drafter_options=options,
+                               speculation="always")
         assert got[0] == ref, f"{name} single, prompt {i}"

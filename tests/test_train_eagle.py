@@ -113,3 +113,17 @@ def test_bad_settings_are_refused_before_anything_runs(tiny, tmp_path):
     (tmp_path / "busy" / "mine.txt").write_text("x")
     with pytest.raises(OutputDirError, match="not empty"):
         run_training(_cfg(tiny, tmp_path / "busy"))
+
+
+def test_response_only_accuracies_skip_the_prompt():
+    from specdec.drafters.eagle_model import EagleConfig, EagleModel
+    from specdec.testing import build_tiny_model
+    from specdec.train.eagle_evaluate import eagle_accuracies
+
+    model = build_tiny_model()
+    eagle = EagleModel(EagleConfig.for_target(model.config))
+    seqs = [[(i * 5 + j) % 90 + 1 for j in range(12)] for i in range(3)]
+    whole = eagle_accuracies(model, eagle, seqs, steps=2)
+    assert eagle_accuracies(model, eagle, seqs, steps=2, starts=[0, 0, 0]) == whole
+    part = eagle_accuracies(model, eagle, seqs, steps=2, starts=[6, 6, 6])
+    assert part["positions"][0] == whole["positions"][0] - 3 * 4  # targets at positions 2..5 of each are skipped

@@ -23,7 +23,10 @@ TREE_CANDIDATES = ((3, 3, 6), (4, 4, 10), (5, 6, 16), (6, 8, 24), (6, 10, 40))
 
 
 @torch.no_grad()
-def eagle_accuracies(model, eagle, seqs: list[list[int]], steps: int, batch_size: int = 4, device="cpu") -> dict:
+def eagle_accuracies(model, eagle, seqs: list[list[int]], steps: int, batch_size: int = 4, device="cpu",
+                     starts: list[int] | None = None) -> dict:
+    """Per-depth top-1 / top-5 against the target's own tokens; with ``starts`` (per sequence, the first position
+    to score, e.g. its response's), tokens before it are not counted."""
     hits1 = [0] * steps
     hits5 = [0] * steps
     counts = [0] * steps
@@ -32,6 +35,9 @@ def eagle_accuracies(model, eagle, seqs: list[list[int]], steps: int, batch_size
     for start in range(0, len(seqs), batch_size):
         ids, mask = collate(seqs[start : start + batch_size], device)
         hidden, labels = target_features(model, ids, mask)
+        if starts is not None:  # query j scores position j + 2, read through mask[j + 1]
+            for b, first in enumerate(starts[start : start + batch_size]):
+                mask[b, : max(0, first - 1)] = 0
         top5: list[int] = []
         _, correct, count = eagle_loss(eagle, ids, hidden, labels, mask, embed_w, lm_w, steps=steps, top5=top5)
         for d in range(steps):

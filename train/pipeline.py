@@ -25,10 +25,12 @@ from specdec.train.trainer import RUN_FILE, prepare_output_dir, train_heads
 logger = logging.getLogger(__name__)
 
 
-def _sequences(cfg: TrainConfig, loaded, accelerator) -> list[list[int]]:
+def _sequences(cfg: TrainConfig, loaded, accelerator) -> tuple[list[list[int]], dict[tuple[int, ...], int]]:
+    """Training sequences, and for self-distilled ones the length of each one's prompt (keyed by the sequence):
+    the accuracies that predict drafting speed are those on the responses, not on the chat template."""
     if cfg.data is not None:
         texts = load_texts(cfg.data, cfg.text_field, cfg.messages_field, loaded.tokenizer)
-        return tokenize_texts(loaded.tokenizer, texts, cfg.seq_len)
+        return tokenize_texts(loaded.tokenizer, texts, cfg.seq_len), {}
     from specdec.train.distill import self_distill
     from specdec.train.prompts import builtin_prompts
 
@@ -46,7 +48,11 @@ def _sequences(cfg: TrainConfig, loaded, accelerator) -> list[list[int]]:
             seqs = self_distill(loaded, prompts, max_new_tokens=cfg.distill_max_new_tokens,
                                 batch_size=cfg.distill_batch_size, progress=cfg.progress)
         accelerator.wait_for_everyone()
-    return [s[: cfg.seq_len] for s in seqs]
+    from specdec.train.distill import encode_prompt
+
+    lengths = [len(encode_prompt(loaded.tokenizer, p)) for p in prompts]
+    seqs = [s[: cfg.seq_len] for s in seqs]
+    return seqs, {tuple(s): n for s, n in zip(seqs, lengths)}
 
 
 def choose_draft_vocab(cfg: TrainConfig, train_seqs: list[list[int]], model) -> tuple[tuple[int, ...], dict]:
@@ -121,7 +127,7 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
         if accelerator.is_main_process:
             (out / RUN_FILE).write_text(json.dumps({"config": cfg.to_json(), "fingerprint": cfg.fingerprint()},
                                                    indent=2))
-        seqs = _sequences(cfg, loaded, accelerator)
+        seqs, prompt_lengths = _sequences(cfg, loaded, accelerator)
         train_seqs, held_out = split_held_out(seqs, cfg.held_out_fraction)
         logger.info("%d training / %d held-out sequences (%d / %d tokens)", len(train_seqs), len(held_out),
                     sum(map(len, train_seqs)), sum(map(len, held_out)))
@@ -142,7 +148,7 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
             from specdec.train.eagle_report import finish_eagle
 
             report = finish_eagle(cfg, loaded, heads, history, held_out, train_seqs, vocab_info,
-                                  {"start": t0, "data": t_data, "train": t_train}, accelerator)
+                                  {"start": t0, "data": t_data, "train": t_train}, accelerator, prompt_lengths)
         elif accelerator.is_main_process:
             # --held-out-fraction 0: accuracies on training data, and the report says so
             acc = head_accuracies(model, heads, held_out or train_seqs, device=accelerator.device)
