@@ -156,7 +156,8 @@ class Engine:
         self.seconds["draft"] += t1 - t0
         self.seconds["verify"] += t2 - t1  # verify forward + sampling + commit
         if self.sizer is not None:
-            self.sizer.record_step(self._draft_call, t2 - t1, 1 + max(t.num_nodes for t in trees), len(live))
+            self.sizer.record_step(self._draft_call, t2 - t1, 1 + max(t.num_nodes for t in trees), len(live),
+                                   t2 - t0, sum(len(v) for v in emitted.values()))
         return emitted
 
     def propose(self, live: list[SequenceState]) -> list[DraftTree]:
