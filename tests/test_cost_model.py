@@ -67,6 +67,20 @@ def test_calibration_runs_once_per_key_and_is_reused(fresh, monkeypatch):
     assert calls == [1, 1, 1, 1, 4]
 
 
+def test_model_fingerprint_is_memoised_and_sees_in_place_updates(monkeypatch):
+    sums = []
+    real = cost_model._checksum
+    monkeypatch.setattr(cost_model, "_checksum", lambda tensors: sums.append(1) or real(tensors))
+    monkeypatch.setattr(cost_model, "_FINGERPRINTS", {})
+    model = build_tiny_model(seed=4)
+    runner = LlamaRunner(model)
+    first = cost_model.model_fingerprint(runner)
+    assert cost_model.model_fingerprint(runner) == first and len(sums) == 1  # memoised: no second sum
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)  # an in-place update: a new version, a new fingerprint
+    assert cost_model.model_fingerprint(runner) != first and len(sums) == 2
+
+
 def test_row_policy_measured_once_per_key_and_installed(fresh):
     runner = LlamaRunner(build_tiny_model(seed=0))
     before = cost_model.CALIBRATIONS["rows"]
