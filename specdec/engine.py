@@ -156,8 +156,7 @@ class Engine:
         self.seconds["draft"] += t1 - t0
         self.seconds["verify"] += t2 - t1  # verify forward + sampling + commit
         if self.sizer is not None:
-            self.sizer.record_step(self._draft_call, t2 - t1, 1 + max(t.num_nodes for t in trees), len(live),
-                                   t2 - t0, sum(len(v) for v in emitted.values()))
+            self.sizer.record_step(self._draft_call, t2 - t1, 1 + max(t.num_nodes for t in trees), len(live))
         return emitted
 
     def propose(self, live: list[SequenceState]) -> list[DraftTree]:

@@ -28,11 +28,6 @@ Sampled trees (``DraftMode.INDEPENDENT`` / ``WITHOUT_REPLACEMENT``) are only cut
 drafter's node order, with token-independent (depth, rank) estimates: keeping the nodes whose drawn tokens
 score best would change the distribution they were drawn from.
 
-**Measured check.** The model above can be wrong on the machine at hand (a cost curve calibrated while the
-machine was busy, over-confident drafter scores). So the sizer also keeps the wall time per committed token
-of the steps that asked the drafter and of those that did not; while drafting measures slower, every
-proposal counts as not paying, whatever the model says (``losing``).
-
 **Guard.** When the best ratio is not above plain decoding's ``1 / c(1) = 1``, drafting did not pay: the
 sequence skips the drafter for ``backoff`` steps (1, 2, 4, ... up to what keeps probing under ~1% of the
 time: ``d / probe_budget`` steps, at most 256), then probes again; a probe that pays resets the backoff,
@@ -51,7 +46,6 @@ from specdec.cost_model import CostModel
 from specdec.tree import DraftMode, DraftTree
 
 _BINS = 10  # score bins of the online correction
-_MIN_SPEC_STEPS = 4  # drafting steps measured before the measured check (losing) may overrule the model
 
 
 @dataclass(frozen=True)
@@ -98,52 +92,17 @@ class TreeSizer:
         self.decode_seconds: float | None = None  # EMA of a plain decode step, from verify times
         self.paid = 0  # proposals that were expected to pay (stats, tests)
         self.unpaid = 0
-        # measured, not modelled: EMA wall seconds per committed token of steps that asked the drafter / did not
-        self.spec_per_token: float | None = None
-        self.plain_per_token: float | None = None
-        self.spec_steps = 0
-        self._resets: list[int] = []  # sequences whose drafts paid this step (the guard resets if measured so too)
 
     # ---- costs ----------------------------------------------------------------------------
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.config.ema * (new - old)
 
-    def record_step(self, draft_seconds: float | None, verify_seconds: float, query_tokens: int, batch: int,
-                    step_seconds: float | None = None, committed: int = 0) -> None:
+    def record_step(self, draft_seconds: float | None, verify_seconds: float, query_tokens: int, batch: int) -> None:
         """Wall times of one step: the drafter's propose (None: not called) and the verify with ``query_tokens``
-        tokens for its largest sequence; ``step_seconds`` (all of it) and the tokens it ``committed``, when known,
-        feed the measured check of :meth:`losing`."""
+        tokens for its largest sequence."""
         if draft_seconds is not None:
             self.draft_seconds = self._ema(self.draft_seconds, draft_seconds)
         self.decode_seconds = self._ema(self.decode_seconds, verify_seconds / self.costs.relative(query_tokens, batch))
-        resets, self._resets = self._resets, []
-        if step_seconds is None or committed <= 0:
-            measured_pays = True  # no wall time (replay): the model's word
-        else:
-            per_token = step_seconds / committed
-            plain = self.plain_per_token or (self.decode_seconds / max(1, batch) if self.decode_seconds else None)
-            measured_pays = plain is None or per_token < plain
-            if draft_seconds is not None:
-                self.spec_per_token = self._ema(self.spec_per_token, per_token)
-                self.spec_steps += 1
-            else:
-                self.plain_per_token = self._ema(self.plain_per_token, per_token)
-        if measured_pays:  # the drafts paid (the text turned repetitive): probe from now on
-            for seq_id in resets:
-                guard = self.guards.setdefault(seq_id, _Guard())
-                guard.backoff = guard.skip = 0
-
-    def losing(self, batch: int) -> bool:
-        """Measured, whatever the model predicts: steps that asked the drafter cost more wall time per committed
-        token than steps that did not (before any plain step: than a decode step per sequence). The cost
-        model can be wrong (a curve calibrated on a busy machine, a drafter whose scores are over-confident);
-        this check is what keeps a drafter from running slower than plain decoding."""
-        if self.spec_steps < _MIN_SPEC_STEPS or self.spec_per_token is None:
-            return False
-        plain = self.plain_per_token
-        if plain is None and self.decode_seconds is not None:
-            plain = self.decode_seconds / max(1, batch)
-        return plain is not None and self.spec_per_token > plain
 
     def draft_cost(self, batch: int) -> float:
         """The drafter's cost per step in plain decode steps (0 before its first call)."""
@@ -164,7 +123,7 @@ class TreeSizer:
 
     def _judge(self, seq_id: int, pays: bool, batch: int) -> None:
         guard = self.guards.setdefault(seq_id, _Guard())
-        if pays and not self.losing(batch):
+        if pays:
             self.paid += 1
             guard.backoff = 0
             return
@@ -272,8 +231,9 @@ class TreeSizer:
                     entry[0] = entry[0] * self.config.decay + float(ok)
                     entry[1] = entry[1] * self.config.decay + 1.0
         longest = max((d for d, ok in zip(depths, on_path) if ok), default=0)
-        if 1 + longest > pending.cost:  # the drafts would have paid: reset the guard if the step measured so too
-            self._resets.append(seq_id)
+        if 1 + longest > pending.cost:  # the drafts pay again (the text turned repetitive): probe from now on
+            guard = self.guards.setdefault(seq_id, _Guard())
+            guard.backoff = guard.skip = 0
 
     def release(self, seq_id: int) -> None:
         self.pending.pop(seq_id, None)

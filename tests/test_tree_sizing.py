@@ -83,22 +83,3 @@ def test_guard_turns_speculation_off_for_a_drafter_that_never_matches_and_back_o
     forced = generate(model, [prompt], max_new_tokens=140, drafter=drafter, return_dict=True, speculation="always")
     assert forced.sequences[0] == plain and len(drafter.asked_at) == forced.stats[0].steps
     assert len([a for a in drafter.asked_at if a < 40]) == 40  # one token per step until the switch
-
-
-def test_measured_slowness_overrules_a_model_that_says_drafting_pays():
-    """The cost model is fooled (verifying is free, scores near 1), but the measured wall time per committed
-    token of drafting steps is worse than that of plain steps: the guard backs off; once drafting measures
-    faster again, the model's word counts."""
-    sizer = TreeSizer(FLAT)
-    tree = DraftTree.chain([10, 11, 12], scores=torch.tensor([0.95, 0.95, 0.95]))
-    for _ in range(5):  # drafting steps: 0.3 s for 2 tokens = 0.15 s per token
-        sizer.record_step(0.2, 0.1, 4, 1, step_seconds=0.3, committed=2)
-    sizer.record_step(None, 0.1, 1, 1, step_seconds=0.1, committed=1)  # a plain step: 0.1 s per token
-    assert sizer.losing(1)
-    sizer.size(0, tree, batch=1)
-    assert sizer.unpaid == 1 and not sizer.wants_draft(0)  # backed off although the model expected 3.7 tokens
-    for _ in range(10):  # drafting turns cheap: 0.2 s for 4 tokens
-        sizer.record_step(0.05, 0.15, 4, 1, step_seconds=0.2, committed=4)
-    assert not sizer.losing(1)
-    sizer.size(1, tree, batch=1)
-    assert sizer.paid == 1
