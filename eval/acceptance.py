@@ -349,8 +349,10 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
                     batch = mine[i : i + config.batch_size]
                     drafter = None if label == "plain" else _CountingDrafter(get_drafter(label, **options[label]))
                     t0 = time.perf_counter()
+                    # whole trees (no timed sizing / guard): a cell's acceptance must not depend on wall times,
+                    # or a rerun, a resume or a second process would count other steps
                     res = generate(loaded, batch, max_new_tokens=config.max_new_tokens, drafter=drafter,
-                                   return_dict=True, **sampling)
+                                   return_dict=True, speculation="always", **sampling)
                     seconds = time.perf_counter() - t0
                     counts = (drafter.trees, drafter.nodes, drafter.sizes) if drafter is not None else (0, 0, [])
                     cell.add(res, seconds, *counts)

@@ -74,8 +74,10 @@ def greedy_identity(loaded: Any, prompts: list[list[int]], drafter: Any, drafter
                     near_tie: float = NEAR_TIE, plain: list[list[int]] | None = None,
                     fault: EngineFault | None = None) -> IdentityResult:
     """``plain``: plain greedy output for ``prompts`` if already computed (prompt + new tokens)."""
+    # speculation="always": every proposal verified whole, so identity is checked on the drafting path (the
+    # break-even guard would stop asking a drafter that does not pay, e.g. on a tiny model)
     spec_kw = dict(rule=rule, fault=fault, max_new_tokens=max_new_tokens, drafter=drafter,
-                   drafter_options=drafter_options, return_dict=True)
+                   drafter_options=drafter_options, return_dict=True, speculation="always")
     if plain is None:
         plain = generate(loaded, prompts, max_new_tokens=max_new_tokens)
     if batched:

@@ -105,7 +105,7 @@ def test_checkpoint_round_trip_and_published_layout(tmp_path):
     keys = set(load_file(str(tmp_path / "model.safetensors")))
     assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight",
             "layers.0.post_attention_layernorm.weight", "lm_head.weight", "d2t"} <= keys
-    assert all(k.startswith(("fc.", "layers.0.", "lm_head.", "d2t")) for k in keys)
+    assert all(k.startswith(("fc.", "layers.0.", "lm_head.", "d2t", "norm.")) for k in keys)
     loaded = load_eagle(tmp_path, model.config)
     assert loaded.config.draft_vocab == tuple(ids) and loaded.config.max_nodes == 5
     for (k, a), (_, b) in zip(sorted(eagle.state_dict().items()), sorted(loaded.state_dict().items())):

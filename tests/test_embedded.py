@@ -147,8 +147,8 @@ def _untrained_eagle(loaded):
     from specdec.drafters.eagle_model import EagleConfig, EagleModel
 
     torch.manual_seed(0)
-    eagle = EagleModel(EagleConfig.for_target(loaded.model.config, draft_vocab=tuple(range(4096)), depth=4, top_k=4,
-                                              max_nodes=8))
+    eagle = EagleModel(EagleConfig.for_target(loaded.model.config, draft_vocab=tuple(range(4096)), depth=3, top_k=2,
+                                              max_nodes=4))  # 4 nodes: the batched run took 316 s on one CI core with 8
     eagle.init_from_target(loaded.model)  # untrained: the target's last layer over its own features
     return lambda: EagleDrafter(model=eagle)
 
