@@ -65,7 +65,7 @@ def choose_tree_by_speed(loaded, eagle, prompts: list[list[int]], max_new_tokens
     from specdec.drafters.eagle import EagleDrafter
 
     table = []
-    plain_tps, _ = _run(loaded, prompts[:1], 8, **config)  # warm-up
+    _run(loaded, prompts[:1], 8, **config)  # warm-up (and the cost model's calibration, once per machine)
     plain_tps = sum(_run(loaded, [p], max_new_tokens, **config)[0] for p in prompts) / len(prompts)
     for depth, top_k, nodes in candidates:
         runs = [_run(loaded, [p], max_new_tokens, EagleDrafter(model=eagle, depth=depth, top_k=top_k,
