@@ -13,7 +13,7 @@ draft several tokens deep on its own predictions, not only one step on true feat
 from __future__ import annotations
 
 import torch
-from specdec.drafters.draft_vocab import IGNORE
+from specdec.drafters.draft_vocab import IGNORE, DraftVocab
 from specdec.drafters.eagle_model import EagleModel
 from torch.nn import functional as F
 
@@ -52,9 +52,7 @@ def eagle_loss(
     valid = mask[:, 1:].bool()  # [B, n]
     draft_ids = model.draft_ids
     if draft_ids is not None:
-        reduced = torch.full((lm_w.shape[0],), IGNORE, dtype=torch.long, device=dev)
-        reduced[draft_ids] = torch.arange(draft_ids.numel(), device=dev)
-        want_index = reduced[want_token]
+        want_index = DraftVocab(draft_ids.cpu(), lm_w.shape[0]).to_reduced(want_token)
     else:
         want_index = want_token
     positions = torch.arange(1, L, device=dev)
