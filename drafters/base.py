@@ -41,6 +41,7 @@ import torch
 from specdec.tree import DraftTree
 
 if TYPE_CHECKING:
+    from specdec.coupling import Coupling
     from specdec.kv_cache import PagedKVCache
     from specdec.models.llama import LlamaRunner
     from specdec.sampling import SamplingConfig
@@ -56,6 +57,9 @@ class TargetView:
     cache: "PagedKVCache"
     sampling: "SamplingConfig"
     tokenizer: Any = None  # the target's tokenizer when known (vocabulary checks)
+    # coupled sampling (specdec.coupling): the call's shared Gumbel noise; drafters that choose among their own
+    # logits rank candidates by perturbed_logits with the noise of each candidate's position; None = standard
+    coupling: "Coupling | None" = None
 
 
 class TokenView(Sequence[int]):
@@ -91,6 +95,7 @@ class SequenceView:
     # previous propose, ending at token_ids[-2]; only for drafters with needs_hidden_states, None for a
     # one-token prompt's first step
     new_hidden: torch.Tensor | None = None
+    noise_key: int = 0  # coupled sampling: the key of this sequence's noise (TargetView.coupling)
 
     @property
     def last_hidden(self) -> torch.Tensor | None:  # [hidden_size] at token_ids[-2], the row that chose the root

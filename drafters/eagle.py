@@ -32,6 +32,7 @@ from specdec.drafters.eagle_checkpoint import EagleCheckpointError, check_fits_t
 from specdec.drafters.eagle_model import EagleModel
 from torch.nn import functional as F
 
+from specdec.coupling import perturbed_logits
 from specdec.errors import InputError
 from specdec.tree import MAX_TREE_NODES, DraftTree
 
@@ -101,10 +102,16 @@ class EagleDrafter(Drafter):
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
         return [self._propose_one(v) for v in seqs]
 
-    def _token_logp(self, features: torch.Tensor) -> torch.Tensor:
-        """[R, H] predicted features -> [R, N] draft log-probabilities at the target's temperature."""
+    def _token_logp(self, features: torch.Tensor, view: SequenceView, depth: int) -> torch.Tensor:
+        """[R, H] predicted features of nodes whose children sit at ``depth`` -> [R, N] draft log-probabilities
+        at the target's temperature; under coupled sampling, the log-softmax of the logits perturbed by that
+        position's shared noise (their top-k is a Gumbel-top-k sample coupled to the target's choice)."""
         logits = self.model.logits(features, self.target.runner.lm_head).float()
-        s = self.target.sampling
+        s, coupling = self.target.sampling, self.target.coupling
+        if coupling is not None:
+            noise = coupling.draft_noise(view.noise_key, [len(view.token_ids) - 1 + depth],
+                                         self.target.runner.shape.vocab_size, logits.device, self.draft_ids)
+            return perturbed_logits(logits, s, noise).log_softmax(-1)
         if s.do_sample and s.temperature != 1.0:
             logits = logits / s.temperature
         return F.log_softmax(logits, dim=-1)
@@ -146,7 +153,7 @@ class EagleDrafter(Drafter):
         parent: list[int] = []
         cum: list[float] = []
         cond: list[float] = []
-        logp = self._token_logp(h_root[None])[0]
+        logp = self._token_logp(h_root[None], view, 1)[0]
         top = torch.topk(logp, K)
         for t, lp in zip(top.indices.tolist(), top.values.tolist()):
             tok.append(t), parent.append(-1), cum.append(lp), cond.append(lp)
@@ -178,7 +185,7 @@ class EagleDrafter(Drafter):
             expanded.extend(frontier)
             for r, i in enumerate(frontier):
                 feature_of[i] = out[0, r]
-            child = torch.topk(self._token_logp(out[0]), K)  # [n, K]
+            child = torch.topk(self._token_logp(out[0], view, depth), K)  # [n, K]
             base = torch.tensor([cum[i] for i in frontier], device=child.values.device)[:, None]
             child_cum = (base + child.values).flatten().tolist()
             child_tok, child_lp = child.indices.flatten().tolist(), child.values.flatten().tolist()

@@ -31,7 +31,6 @@ from torch.nn import functional as F
 
 from specdec.errors import InputError
 
-
 INIT_OUTPUT_SCALE = 0.1  # init_from_target: attention / MLP outputs start small next to the passed-through feature
 
 

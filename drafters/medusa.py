@@ -40,6 +40,7 @@ from specdec.drafters.base import Drafter, SequenceView, TargetView
 from specdec.drafters.medusa_heads import MedusaCheckpointError, MedusaHeads, load_medusa
 from specdec.drafters.medusa_tree import default_choices, dynamic_tree, static_tree, validate_choices
 
+from specdec.coupling import perturbed_logits
 from specdec.tree import MAX_TREE_NODES, DraftTree
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class MedusaDrafter(Drafter):
         else:
             depth, k = self.heads.config.num_heads, min(self.config.top_k, self.draft_size)
         logits = self._head_logits(hidden, depth)  # [depth, B, draft_size], one forward for the batch
-        top = torch.topk(logits.float().log_softmax(-1), k, dim=-1)  # [depth, B, k], ranks best first
+        top = torch.topk(self._scores(logits, [seqs[i] for i in ready]), k, dim=-1)  # [depth, B, k], best first
         tokens = top.indices if self.vocab is None else self.vocab.to_full(top.indices)  # [depth, B, k] token ids
         top_tokens = tokens.transpose(0, 1).tolist()  # [B][depth][k]
         if self.config.tree == "static":
@@ -166,6 +167,19 @@ class MedusaDrafter(Drafter):
             for b, i in enumerate(ready):
                 trees[i] = dynamic_tree(top_tokens[b], top_logp[b], self.config.max_nodes)
         return trees
+
+    def _scores(self, logits: torch.Tensor, views: list[SequenceView]) -> torch.Tensor:
+        """[depth, B, n] head logits -> log-scores that rank candidates: the heads' log-probabilities, or under
+        coupled sampling the log-softmax of their perturbed logits (head d guesses position root + 1 + d, so it
+        ranks by that position's shared noise: a Gumbel-top-k sample, coupled to the target's choice)."""
+        coupling = self.target.coupling
+        if coupling is None:
+            return logits.float().log_softmax(-1)
+        depth, vocab = logits.shape[0], self.target.runner.shape.vocab_size
+        columns = None if self.vocab is None else self.vocab.ids
+        noise = torch.stack([coupling.draft_noise(v.noise_key, range(len(v.token_ids), len(v.token_ids) + depth),
+                                                  vocab, logits.device, columns) for v in views], 1)  # [depth, B, n]
+        return perturbed_logits(logits, self.target.sampling, noise).log_softmax(-1)
 
     def _head_logits(self, hidden: torch.Tensor, depth: int) -> torch.Tensor:
         """Logits of the first ``depth`` heads only (a static tree may use fewer than all of them)."""

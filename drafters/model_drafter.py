@@ -56,6 +56,7 @@ from specdec.drafters.base import Drafter, SequenceView, TargetView
 from specdec.drafters.draft_vocab import DraftVocab
 
 from specdec.attention import BatchBuilder
+from specdec.coupling import perturbed_logits
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaRunner
 from specdec.sampling import logits_to_probs
@@ -149,7 +150,9 @@ class ModelDrafter(Drafter):
             self.cache = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, tc.num_blocks,
                                       tc.block_size, self.runner.dtype, self.runner.device, self.runner.backend)
         mode = self.config.mode
-        if mode == "auto":
+        if target.coupling is not None:  # candidates by the shared noise; the engine's coupled walk verifies
+            mode = "deterministic"
+        elif mode == "auto":
             mode = "deterministic" if target.sampling.greedy or self.config.tree == "dynamic" else "independent"
         self.mode = DraftMode(mode)
         seed = self.config.seed if self.config.seed is not None else self.generate_seed
@@ -221,7 +224,8 @@ class ModelDrafter(Drafter):
         frontier = [[(-1, root_logits[b], 1.0)] for b in range(len(live))]
         budget = cfg.max_nodes if cfg.tree == "dynamic" else MAX_TREE_NODES
         for depth in range(1, cfg.num_draft_tokens + 1):
-            new_per_seq = [self._children(nodes[b], frontier[b], depth, budget) for b in range(len(live))]
+            new_per_seq = [self._children(nodes[b], frontier[b], depth, budget, self._noise(v, depth))
+                           for b, v in enumerate(live)]
             if depth == cfg.num_draft_tokens or not any(new_per_seq):
                 break
             logits = self._forward_nodes(live, nodes, new_per_seq, depth)
@@ -233,11 +237,37 @@ class ModelDrafter(Drafter):
             cache.commit({v.seq_id: [] for v in live})
         return [self._tree(ns) for ns in nodes]
 
-    def _children(self, nodes: list[_Node], frontier, depth: int, budget: int) -> list[int]:
-        """Choose the children of this depth; append them to ``nodes``; return their indices."""
+    def _noise(self, v: SequenceView, depth: int) -> torch.Tensor | None:
+        """Coupled sampling: the Gumbel noise [n] of the position of this depth's children, over the runner's
+        logit columns (the draft vocabulary's token ids when reduced); None otherwise."""
+        coupling = self.target.coupling
+        if coupling is None:
+            return None
+        columns = None if self.draft_vocab is None else self.draft_vocab.ids
+        return coupling.draft_noise(v.noise_key, [len(v.token_ids) - 1 + depth], self.target.runner.shape.vocab_size,
+                                    self.runner.device, columns)[0]
+
+    def _children(self, nodes: list[_Node], frontier, depth: int, budget: int,
+                  noise: torch.Tensor | None = None) -> list[int]:
+        """Choose the children of this depth; append them to ``nodes``; return their indices. ``noise`` [n]:
+        coupled sampling ranks each node's candidates by its perturbed logits (a Gumbel-top-k sample)."""
         cfg, sampling = self.config, self.target.sampling
         start = len(nodes)
-        if self.mode is DraftMode.DETERMINISTIC:
+        if noise is not None:
+            ids = self._draft_ids
+            cands = []
+            for parent, logits, score in frontier:
+                perturbed = perturbed_logits(logits, sampling, noise)
+                probs = perturbed.softmax(-1)  # the chance each candidate is the coupled choice (ranking only)
+                k = cfg.beam if cfg.tree == "dynamic" else cfg.width(depth)
+                top = torch.topk(probs, min(k, int((perturbed > float("-inf")).sum())))
+                cands += [(score * float(p), parent, int(t) if ids is None else ids[int(t)])
+                          for p, t in zip(top.values, top.indices)]
+            if cfg.tree == "dynamic":
+                cands = sorted(cands, key=lambda c: -c[0])[: min(cfg.beam, budget - len(nodes))]
+            for score, parent, token in cands:
+                nodes.append(_Node(parent, token, score, None))
+        elif self.mode is DraftMode.DETERMINISTIC:
             k = cfg.beam if cfg.tree == "dynamic" else None
             cands = []
             ids = self._draft_ids  # None: logit column == token id

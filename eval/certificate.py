@@ -15,6 +15,9 @@ broken engines there (an off-by-one tree mask, a wrong KV compaction slot):
    diagnostics), and sampled output vs plain sampling from the middle of a greedy answer
    (two-sample chi-square on the next tokens, two-sample Kolmogorov-Smirnov on their
    log-probabilities under the target; Holm over the two).
+4. ``coupled`` (:mod:`specdec.eval.coupled_level`, only when asked): coupled sampling's law, and
+   speculative coupled output == plain coupled output token for token, batched and single, with
+   broken couplings (noise keyed to the step, to the batch row) as its controls.
 
     cert = run_certificate(loaded, "ngram", {}, SamplingConfig(True, 0.8), CertificateSizes())
     cert.passed, cert.to_json(), cert.to_markdown()
@@ -79,7 +82,7 @@ class CertificateSizes:
 @dataclass
 class Check:
     name: str
-    level: str  # exact-law | sampler-statistics | end-to-end
+    level: str  # exact-law | sampler-statistics | end-to-end | coupled
     passed: bool
     control: str | None = None  # the broken rule this check ran with (it must then FAIL)
     p_value: float | None = None
@@ -270,7 +273,7 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
 
 def run_certificate(loaded: Any, drafter: Any, options: dict, sampling: SamplingConfig, sizes: CertificateSizes,
                     make_prompts: Callable[[int], list[list[int]]], levels: tuple[str, ...] = ("exact", "stats", "e2e"),
-                    progress: Callable[[str], None] = lambda msg: None) -> Certificate:
+                    progress: Callable[[str], None] = lambda msg: None, seed: int = 0) -> Certificate:
     start = time.perf_counter()
     modes = drafter_modes(drafter, options, sampling)
     cert = Certificate({"model": getattr(loaded, "name", str(loaded)), "drafter": str(drafter), "options": options,
@@ -289,6 +292,13 @@ def run_certificate(loaded: Any, drafter: Any, options: dict, sampling: Sampling
     if "e2e" in levels:
         progress("end to end")
         checks, warnings = end_to_end_checks(loaded, drafter, options, sampling, sizes, make_prompts)
+        cert.checks += checks
+        cert.warnings += warnings
+    if "coupled" in levels:
+        from specdec.eval.coupled_level import coupled_checks
+
+        progress("coupled sampling")
+        checks, warnings = coupled_checks(loaded, drafter, options, sampling, sizes, make_prompts, seed)
         cert.checks += checks
         cert.warnings += warnings
     # a control that is identical to the exact rule in this mode cannot be caught: it is neither pass nor void

@@ -29,7 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--levels", default="exact,stats,e2e", help="comma list of exact, stats, e2e")
+    p.add_argument("--levels", default="exact,stats,e2e",
+                   help="comma list of exact, stats, e2e, coupled (coupled sampling: its law, and speculative == "
+                        "plain token for token; not in the default)")
     p.add_argument("--full", action="store_true", help="sample sizes that detect TV 0.01 (meant for a GPU)")
     p.add_argument("--stat-samples", type=int, help="draws per synthetic case (default 20000)")
     p.add_argument("--identity-prompts", type=int, help="prompts for greedy identity (default 8)")
@@ -114,9 +116,9 @@ def run_lossless(args) -> int:
     if args.drafter not in available():
         raise ValueError(f"unknown drafter {args.drafter!r}; available: {', '.join(available())}")
     levels = tuple(x.strip() for x in args.levels.split(",") if x.strip())
-    bad = [lv for lv in levels if lv not in ("exact", "stats", "e2e")]
+    bad = [lv for lv in levels if lv not in ("exact", "stats", "e2e", "coupled")]
     if bad or not levels:
-        raise ValueError(f"--levels takes exact, stats, e2e; got {args.levels!r}")
+        raise ValueError(f"--levels takes exact, stats, e2e, coupled; got {args.levels!r}")
     sizes = CertificateSizes.full() if args.full else CertificateSizes()
     overrides = {k: getattr(args, k) for k in ("stat_samples", "identity_prompts", "identity_tokens",
                                                "sample_sequences") if getattr(args, k) is not None}
@@ -129,7 +131,7 @@ def run_lossless(args) -> int:
     out = Path(args.out or "runs/eval-lossless")
     print(f"[specdec eval lossless] {loaded.name} + {args.drafter}, levels {','.join(levels)}", file=sys.stderr)
     cert = run_certificate(loaded, args.drafter, _options(args.drafter_option), sampling, sizes, make_prompts, levels,
-                           progress=lambda msg: print(f"  ... {msg}", file=sys.stderr))
+                           progress=lambda msg: print(f"  ... {msg}", file=sys.stderr), seed=args.seed)
     out.mkdir(parents=True, exist_ok=True)
     (out / "certificate.json").write_text(json.dumps(cert.to_json(), indent=2, default=str))
     (out / "certificate.md").write_text(cert.to_markdown())

@@ -1,4 +1,4 @@
-"""Greedy token identity against plain decoding, with a diagnosis of every divergence.
+"""Token identity against plain decoding (greedy, or coupled sampling), with a diagnosis of every divergence.
 
     result = greedy_identity(loaded, prompts_ids, drafter="ngram", max_new_tokens=64)
     result.identical, result.divergences   # [Divergence(prompt, position, gap, kind, ...)]
@@ -7,7 +7,10 @@ At the first position where speculative and plain greedy output differ, the targ
 logits for the common prefix are recomputed with the transformers model (an implementation
 independent of specdec's runner): if the top-1 / top-2 gap there is below ``near_tie``,
 the divergence is classified ``numerical near-tie`` (float rounding picked the other of two
-equal candidates); otherwise it is a ``real mismatch``, i.e. a bug.
+equal candidates); otherwise it is a ``real mismatch``, i.e. a bug. Under coupled sampling
+(``sampling={"do_sample": True, "seed": 7, "sampler": "coupled", ...}``) the candidates are ranked by
+the perturbed logits ``sampling_logits + G`` of :mod:`specdec.coupling` (float64), whose top-1 / top-2 gap
+decides the same way with ``COUPLED_NEAR_TIE``.
 
 ``rule`` / ``fault`` run the speculative side with a negative control of
 :mod:`specdec.eval.negative_controls` (a broken acceptance rule / a broken engine).
@@ -20,11 +23,14 @@ from typing import Any
 import torch
 from specdec.eval.negative_controls import generate_with_control
 
+from specdec.coupling import Coupling, perturbed_logits, sequence_keys
 from specdec.engine_setup import EngineFault
 from specdec.generate import generate
 from specdec.rejection import EXACT, AcceptanceRule
+from specdec.sampling import SamplingConfig
 
 NEAR_TIE = 1e-3  # absolute logit gap (float32 logits of order 10 carry ~1e-5 of rounding noise)
+COUPLED_NEAR_TIE = 1e-5  # perturbed-logit gap under coupled sampling
 
 
 @dataclass(frozen=True)
@@ -61,8 +67,13 @@ class IdentityResult:
 
 @torch.inference_mode()
 def diagnose(model: Any, prefix: list[int], prompt: int, position: int, plain: int, spec: int,
-             near_tie: float = NEAR_TIE) -> Divergence:
+             near_tie: float = NEAR_TIE, coupled: tuple[Coupling, SamplingConfig, int] | None = None) -> Divergence:
+    """``coupled`` = (coupling, sampling, sequence key): rank by the perturbed logits of the token at len(prefix)."""
     logits = model(torch.tensor([prefix], device=model.device)).logits[0, -1].float()
+    if coupled is not None:
+        coupling, sampling, key = coupled
+        noise = coupling.draft_noise(key, [len(prefix)], logits.shape[-1], logits.device)[0]
+        logits = perturbed_logits(logits, sampling, noise)
     top = torch.topk(logits, 2).values.tolist()
     gap = top[0] - top[1]
     kind = "numerical near-tie" if gap < near_tie else "real mismatch"
@@ -72,14 +83,29 @@ def diagnose(model: Any, prefix: list[int], prompt: int, position: int, plain: i
 def greedy_identity(loaded: Any, prompts: list[list[int]], drafter: Any, drafter_options: dict | None = None,
                     max_new_tokens: int = 64, batched: bool = True, rule: AcceptanceRule = EXACT,
                     near_tie: float = NEAR_TIE, plain: list[list[int]] | None = None,
-                    fault: EngineFault | None = None) -> IdentityResult:
-    """``plain``: plain greedy output for ``prompts`` if already computed (prompt + new tokens)."""
+                    fault: EngineFault | None = None, sampling: dict | None = None) -> IdentityResult:
+    """``plain``: plain output for ``prompts`` if already computed (prompt + new tokens). ``sampling``: generate()
+    keyword arguments of a coupled-sampling run (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
+    ``sampler="coupled"``), both sides; None = greedy."""
+    sampling = dict(sampling or {})
+    coupled = sampling.get("sampler") == "coupled" and sampling.get("do_sample", False)
+    if sampling and not coupled:
+        raise ValueError("identity under sampling needs sampler='coupled' and do_sample=True (standard rejection "
+                         "sampling keeps the law, not the text)")
+    if coupled and sampling.get("seed") is None:
+        raise ValueError("identity under coupled sampling needs a seed, the same on both sides")
     # speculation="always": every proposal verified whole, so identity is checked on the drafting path (the
     # break-even guard would stop asking a drafter that does not pay, e.g. on a tiny model)
     spec_kw = dict(rule=rule, fault=fault, max_new_tokens=max_new_tokens, drafter=drafter,
-                   drafter_options=drafter_options, return_dict=True, speculation="always")
+                   drafter_options=drafter_options, return_dict=True, speculation="always", **sampling)
     if plain is None:
-        plain = generate(loaded, prompts, max_new_tokens=max_new_tokens)
+        plain = generate(loaded, prompts, max_new_tokens=max_new_tokens, **sampling)
+    if coupled:
+        sampling_config = SamplingConfig(True, sampling.get("temperature", 1.0), sampling.get("top_k", 0),
+                                         sampling.get("top_p", 1.0))
+        keys = sequence_keys(prompts) if batched else [sequence_keys([p])[0] for p in prompts]
+        if near_tie == NEAR_TIE:
+            near_tie = COUPLED_NEAR_TIE
     if batched:
         out = generate_with_control(loaded, prompts, **spec_kw)
         spec, tau = out.sequences, out.tau
@@ -98,6 +124,7 @@ def greedy_identity(loaded: Any, prompts: list[list[int]], drafter: Any, drafter
                     divergences.append(Divergence(i, j, x if x is not None else -1, y if y is not None else -1,
                                                   0.0, 0.0, 0.0, "real mismatch"))
                 else:
-                    divergences.append(diagnose(loaded.model, a[: len(p) + j], i, j, x, y, near_tie))
+                    how = (Coupling(sampling["seed"]), sampling_config, keys[i]) if coupled else None
+                    divergences.append(diagnose(loaded.model, a[: len(p) + j], i, j, x, y, near_tie, how))
                 break
     return IdentityResult(len(prompts), compared, tuple(divergences), tau)

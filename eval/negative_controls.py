@@ -9,6 +9,8 @@ controls and must fail. Two kinds:
 - broken ENGINES (the tree mask, the KV compaction), by name:
   ``ENGINE_FAULTS["off_by_one_tree_mask"]``; pass as ``fault=`` to :func:`generate_with_control`.
   Only the end-to-end level can see these, and only on steps that accept a draft.
+  ``COUPLING_FAULTS`` break coupled sampling's noise (keyed to the step, or to the batch row); only the
+  coupled level's identity checks can see them.
 
 ``generate_with_control`` is generate() with the control injected where the engine is built
 (:func:`specdec.engine_setup.build_engine`): ``specdec.generate()`` itself has no way to switch one on.
@@ -140,6 +142,33 @@ ENGINE_FAULTS: dict[str, EngineFault] = {
     f.name: f
     for f in (EngineFault("off_by_one_tree_mask", engine_cls=OffByOneTreeMaskEngine),
               EngineFault("wrong_compaction_slot", cache_cls=WrongCompactionSlotCache))
+}
+
+
+class StepKeyedNoiseEngine(Engine):
+    """Coupled sampling with the noise keyed to the step count instead of the token's position: plain decoding
+    still samples the target's law, but a step that commits several tokens shifts every later token's noise,
+    so speculative output stops being plain output."""
+
+    @staticmethod
+    def root_positions(live: list[SequenceState]) -> list[int]:
+        return [s.steps for s in live]
+
+
+class RowKeyedNoiseEngine(Engine):
+    """Coupled sampling with the noise keyed to the sequence's row in the live batch instead of its prompt: a
+    sequence sampled in a batch no longer matches the same sequence sampled alone."""
+
+    @staticmethod
+    def noise_keys(live: list[SequenceState]) -> list[int]:
+        return list(range(len(live)))
+
+
+# coupled sampling only (greedy and rejection sampling never read the noise, so they would pass these)
+COUPLING_FAULTS: dict[str, EngineFault] = {
+    f.name: f
+    for f in (EngineFault("noise_keyed_to_step", engine_cls=StepKeyedNoiseEngine),
+              EngineFault("noise_keyed_to_batch_row", engine_cls=RowKeyedNoiseEngine))
 }
 
 

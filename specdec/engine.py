@@ -23,6 +23,7 @@ import torch
 
 from specdec.attention import AttentionPlan, BatchBuilder, ForwardBatch
 from specdec.audit import DraftAudit
+from specdec.coupling import Coupling, coupled_sample, sequence_keys
 from specdec.cuda_graphs import GraphedForward
 from specdec.drafters.base import Drafter, SequenceView, TargetView, TokenView, as_drafter
 from specdec.kv_cache import PagedKVCache
@@ -53,6 +54,7 @@ class SequenceState:
     new_hidden: torch.Tensor | None = None
     hidden_seen: bool = False  # new_hidden reached the drafter (else the next step's rows are appended to it)
     plain_by_guard: int = 0  # steps the break-even guard decoded plainly without asking the drafter
+    noise_key: int = 0  # coupled sampling: the sequence's key (specdec.coupling.sequence_keys)
 
     @property
     def finished(self) -> bool:
@@ -95,19 +97,22 @@ class Engine:
         rule: AcceptanceRule = EXACT,
         graphed: GraphedForward | None = None,
         sizer: TreeSizer | None = None,
+        coupling: Coupling | None = None,
     ) -> None:
         self.runner, self.cache, self.sampling, self.stop = runner, cache, sampling, stop
         self.drafter, self.generator, self.audit = as_drafter(drafter), generator, audit
         self.rule = rule  # EXACT unless a certificate runs a deliberately broken negative control
         self.graphed = graphed  # fixed-shape (CUDA-graph) verify forwards; None = always eager
         self.sizer = sizer if self.drafter is not None else None  # None: verify every proposal whole
+        # coupled sampling: tokens are Gumbel-max choices keyed by (seed, sequence, position); None = rejection
+        self.coupling = coupling if not sampling.greedy else None
         self._draft_call: float | None = None  # wall time of this step's propose call (None: not called)
         self.seqs: list[SequenceState] = []
         self.forward_passes = 0
         self.seconds = {"draft": 0.0, "verify": 0.0}  # wall time of the two halves of step(), summed
         self.keep_hidden = self.drafter is not None and self.drafter.needs_hidden_states
         if self.drafter is not None:
-            self.drafter.attach(TargetView(runner, cache, sampling, stop.tokenizer))
+            self.drafter.attach(TargetView(runner, cache, sampling, stop.tokenizer, self.coupling))
 
     @property
     def live(self) -> list[SequenceState]:
@@ -115,7 +120,9 @@ class Engine:
 
     # ---- prefill ------------------------------------------------------------------------
     def add(self, prompts: Sequence[Sequence[int]]) -> list[SequenceState]:
-        new = [SequenceState(len(self.seqs) + i, list(p), len(p)) for i, p in enumerate(prompts)]
+        keys = sequence_keys(prompts)  # coupled sampling: the same prompt has the same noise alone or in a batch
+        new = [SequenceState(len(self.seqs) + i, list(p), len(p), noise_key=key)
+               for i, (p, key) in enumerate(zip(prompts, keys))]
         for s in new:
             self.cache.add(s.seq_id)
         self.seqs.extend(new)
@@ -146,7 +153,7 @@ class Engine:
         t1 = time.perf_counter()
         batch = self.verify_batch(live, trees)
         out = self.verify(batch)
-        acceptances = rejection_sample(trees, out.logits[batch.row_index], self.sampling, self.generator, self.rule)
+        acceptances = self.accept(live, trees, out.logits[batch.row_index])
         if self.keep_hidden:
             self.keep_new_hidden(live, acceptances, out.hidden[batch.row_index])
         emitted = self.commit(live, acceptances)
@@ -176,7 +183,8 @@ class Engine:
         return [by_id.get(s.seq_id, DraftTree.empty()) for s in live]
 
     def _ask_drafter(self, live: list[SequenceState]) -> list[DraftTree]:
-        views = [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, s.new_hidden) for s in live]
+        views = [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, s.new_hidden, s.noise_key)
+                 for s in live]
         for s in live:
             s.hidden_seen = True
         name = self.drafter.name
@@ -242,6 +250,23 @@ class Engine:
                 return out
         all_rows = torch.arange(batch.token_ids.numel(), device=batch.token_ids.device)
         return self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache, all_rows)
+
+    def accept(self, live: list[SequenceState], trees: list[DraftTree], target_logits: torch.Tensor
+               ) -> list[Acceptance]:
+        """target_logits [B, max_nodes + 1, V] -> what each sequence commits: the exact rejection sampler, or
+        the coupled walk (the same text as plain coupled sampling, whatever the trees)."""
+        if self.coupling is None:
+            return rejection_sample(trees, target_logits, self.sampling, self.generator, self.rule)
+        keys = torch.tensor(self.noise_keys(live), dtype=torch.long)
+        return coupled_sample(trees, target_logits, self.sampling, self.coupling, keys, self.root_positions(live))
+
+    @staticmethod
+    def noise_keys(live: list[SequenceState]) -> list[int]:
+        return [s.noise_key for s in live]  # the sequence's own key, never its row in the batch
+
+    @staticmethod
+    def root_positions(live: list[SequenceState]) -> list[int]:
+        return [len(s.token_ids) - 1 for s in live]  # positions in the sequence, never step counts
 
     @staticmethod
     def keep_new_hidden(live: list[SequenceState], acceptances: list[Acceptance], hidden: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from specdec.audit import DraftAudit
 from specdec.cost_model import ensure_row_policy, load_cost_model
+from specdec.coupling import Coupling
 from specdec.cuda_graphs import GraphConfig, GraphedForward
 from specdec.engine import Engine
 from specdec.errors import InputError, InputTypeError
@@ -65,6 +66,11 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
     runner, config = request.loaded.runner, request.config
     cache, graphed = _kv_cache(request, fault)
     drafter, generator = request.drafter, request.generator
+    # first, so that one draw of generator= gives the same noise with and without a drafter
+    coupling = _coupling(config, generator) if config.sampler == "coupled" and config.do_sample else None
+    if coupling is not None and rule is not EXACT:
+        raise InputError(f"acceptance rule {rule.name!r} applies to rejection sampling; coupled sampling walks the "
+                         "tree by the target's own Gumbel-max tokens and has no acceptance rule")
     if drafter is not None:  # before Engine() attaches it
         drafter_seed = config.seed
         if generator is not None and config.do_sample:
@@ -78,13 +84,22 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
     # Whole trees (no sizer) for negative controls, whose broken rule must meet the drafts it is meant to
     # mishandle, and for seeded sampling: the sizer's choices depend on measured wall times, and a tree of
     # another shape draws other random numbers, so the same seed would give another (equally exact) output.
-    seeded_sampling = config.do_sample and (config.seed is not None or generator is not None)
+    # Coupled sampling needs no such care: its output does not depend on the trees at all.
+    seeded_sampling = config.do_sample and (config.seed is not None or generator is not None) and coupling is None
     if (drafter is not None and config.speculation == "auto" and rule is EXACT and fault is None
             and not seeded_sampling):
         sizer = TreeSizer(load_cost_model(runner))
     engine_cls = Engine if fault is None else fault.engine_cls
     return engine_cls(runner, cache, config.sampling, request.stop, drafter, generator, audit, rule, graphed,
-                      sizer)
+                      sizer, coupling)
+
+
+def _coupling(config, generator: torch.Generator | None) -> Coupling:
+    """The call's shared noise: from ``seed``, else one draw of ``generator``, else of torch's global RNG."""
+    if config.seed is not None:
+        return Coupling(config.seed)
+    draw = torch.randint(2**62, (), generator=generator, device=generator.device if generator is not None else "cpu")
+    return Coupling(int(draw))
 
 
 def _kv_cache(request: "GenerateRequest", fault: EngineFault | None) -> tuple[PagedKVCache, GraphedForward | None]:

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
+from specdec.coupling import SAMPLERS
 from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import check_bool, check_int, describe, parse_stop
 from specdec.sampling import SamplingConfig
@@ -40,6 +41,9 @@ class GenerationConfig:
     # Seeded sampling (seed= or generator=) always verifies whole trees: sizing by measured wall times would
     # make the same seed give different (equally exact) outputs
     speculation: str = "auto"
+    # "standard": exact rejection sampling; "coupled": Gumbel-max noise keyed by (seed, prompt, position), so the
+    # same seed gives the same text with or without a drafter, alone or batched (specdec.coupling)
+    sampler: str = "standard"
 
     def __post_init__(self) -> None:
         ints = {  # numpy / 0-D tensor ints are stored as Python ints
@@ -56,6 +60,8 @@ class GenerationConfig:
         if self.speculation not in SPECULATION_MODES:
             raise InputError(f"speculation must be one of {', '.join(map(repr, SPECULATION_MODES))}, "
                              f"got {describe(self.speculation)}")
+        if self.sampler not in SAMPLERS:
+            raise InputError(f"sampler must be one of {', '.join(map(repr, SAMPLERS))}, got {describe(self.sampler)}")
         self.sampling  # noqa: B018 -- do_sample / temperature / top_k / top_p checked by SamplingConfig
         parse_stop(self.stop)
 

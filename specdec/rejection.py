@@ -14,6 +14,9 @@ children are rejected, the *recovered* token is drawn from the residual; at a no
 children, the *bonus* token is drawn from ``target_probs`` there. Greedy (temperature 0)
 is the limit case: the child equal to the target's argmax is accepted.
 
+Coupled sampling (:mod:`specdec.coupling`) replaces the random acceptance by the deterministic walk of
+:func:`follow_choices` over the target's Gumbel-max tokens, as greedy decoding does with its argmax.
+
 The walk is vectorised over the batch (loops run over depth and sibling rank only). The law
 itself lives in :class:`AcceptanceRule`, shared with the exact-law enumerator
 (``specdec.eval.exact_law``) so that deliberately broken rules can be shown to fail.
@@ -97,10 +100,13 @@ def _finish(tree: DraftTree, path: list[int], next_token: int, is_bonus: bool, t
     return Acceptance(nodes, tree.tokens[nodes], next_token, is_bonus, depth_tried, depth_accepted)
 
 
-def _greedy(trees: Sequence[DraftTree], target_logits: torch.Tensor) -> list[Acceptance]:
-    argmax = target_logits.argmax(-1).tolist()  # [B][max_nodes + 1]
+def follow_choices(trees: Sequence[DraftTree], choices: list[list[int]]) -> list[Acceptance]:
+    """The deterministic walk: ``choices[b][r]`` [B][max_nodes + 1] is the token the target chose at row r of
+    tree b (row 0 = root, 1 + i = node i). From the root, move to the child that carries the choice; where
+    none does, the choice is the recovered token, at a leaf the bonus token. Greedy decoding (choice =
+    argmax) and coupled sampling (:mod:`specdec.coupling`, choice = Gumbel-max) both end here."""
     out = []
-    for tree, best in zip(trees, argmax):
+    for tree, best in zip(trees, choices):
         tokens, path, node = tree.tokens.tolist(), [], -1
         while True:
             kids, want = tree.children[node + 1], best[node + 1]
@@ -224,5 +230,5 @@ def rejection_sample(
             "create it with torch.Generator(device=...) on the model's device"
         )
     if sampling.greedy and rule is EXACT:
-        return _greedy(trees, target_logits)
+        return follow_choices(trees, target_logits.argmax(-1).tolist())
     return _stochastic(trees, target_logits, sampling, generator, rule)

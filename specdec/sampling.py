@@ -51,14 +51,12 @@ class SamplingConfig:
         return not self.do_sample
 
 
-def logits_to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """[..., vocab] logits -> [..., vocab] probabilities (float32, or float64 if given float64)."""
+def sampling_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """[..., vocab] logits -> [..., vocab] temperature-scaled logits, -inf outside the top-k / top-p support
+    (float32, or float64 if given float64): softmax gives ``target_probs``; coupled sampling
+    (:mod:`specdec.coupling`) adds Gumbel noise to them. Sampling only (greedy has no temperature)."""
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    logits = logits.to(dtype)
-    if sampling.greedy:
-        out = torch.zeros_like(logits)
-        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / sampling.temperature
+    logits = logits.to(dtype) / sampling.temperature
     vocab = logits.shape[-1]
     if 0 < sampling.top_k < vocab:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
@@ -70,7 +68,16 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Ten
         drop_sorted[..., -1] = False  # always keep the most likely token
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(-1)
+    return logits
+
+
+def logits_to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """[..., vocab] logits -> [..., vocab] probabilities (float32, or float64 if given float64)."""
+    if sampling.greedy:
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        out = torch.zeros_like(logits, dtype=dtype)
+        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return sampling_logits(logits, sampling).softmax(-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -1,0 +1,113 @@
+"""The certificate's coupled-sampling level (``specdec eval lossless --levels coupled``).
+
+Coupled sampling (:mod:`specdec.coupling`) promises two things, checked here:
+
+1. **law**: plain coupled sampling draws the target's law. On small synthetic logit vectors under the
+   certificate's temperature / top-k / top-p, ``stat_samples`` coupled draws over fresh sequence keys and
+   over fresh positions of one key are tested against ``target_probs`` (chi-square, rare bins pooled,
+   Holm over the cases, power at ``stat_tv`` reported). Control ``noise_reused`` (one noise row for every
+   draw) must fail.
+2. **identity**: speculative coupled output equals plain coupled output token for token, batched and one
+   prompt at a time, on the model with the drafter; a divergence whose perturbed-logit gap is below
+   ``COUPLED_NEAR_TIE`` (1e-5) is reported as a numerical near-tie. Controls ``noise_keyed_to_step`` (plain
+   vs speculative, both with the broken noise) and ``noise_keyed_to_batch_row`` (batched vs single, both
+   broken) must fail.
+
+    checks, warnings = coupled_checks(loaded, "ngram", {}, SamplingConfig(True, 0.8), sizes, make_prompts, seed=0)
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from specdec.eval.certificate import CertificateSizes, Check
+from specdec.eval.divergence import greedy_identity
+from specdec.eval.negative_controls import COUPLING_FAULTS, generate_with_control
+from specdec.eval.statistics import goodness_of_fit, holm
+
+from specdec.coupling import Coupling, coupled_tokens
+from specdec.sampling import SamplingConfig, logits_to_probs
+
+LEVEL = "coupled"
+LAW_VOCAB = 16
+LAW_CASES = 3
+
+
+def law_checks(sampling: SamplingConfig, sizes: CertificateSizes, seed: int) -> list[Check]:
+    gen = torch.Generator().manual_seed(1234)
+    n, cases = sizes.stat_samples, []
+    for case in range(LAW_CASES):
+        logits = torch.randn(LAW_VOCAB, generator=gen, dtype=torch.float64) * (1.0 + case)
+        law = {i: float(p) for i, p in enumerate(logits_to_probs(logits, sampling)) if p > 0}
+        for vary in ("keys", "positions"):
+            keys = torch.arange(n) * 7919 + case if vary == "keys" else torch.full((n,), case)
+            positions = torch.full((n, 1), 3) if vary == "keys" else torch.arange(n)[:, None]
+            noise = Coupling(seed).gumbel(keys, positions, LAW_VOCAB)[:, 0]  # [n, vocab]
+            cases.append((f"case {case}, fresh {vary}", logits, law, noise))
+    level_alpha = sizes.alpha / len(cases)
+    checks, pvalues = [], {}
+    for name, logits, law, noise in cases:
+        tokens = coupled_tokens(logits.expand(n, -1), sampling, noise).tolist()
+        p, power = goodness_of_fit(tokens, law, sizes.stat_tv, level_alpha)
+        pvalues[name] = p
+        checks.append(Check(f"plain coupled sampling == target law ({name})", LEVEL, True, None, p_value=p,
+                            samples=n, power=power, detail=f"{len(law)} tokens in the support"))
+    rejected = holm(pvalues, sizes.alpha)  # names whose null is rejected, family-wise at alpha
+    for c, (name, *_rest) in zip(checks, cases):
+        c.passed = name not in rejected
+    name, logits, law, noise = cases[0]
+    reused = coupled_tokens(logits.expand(n, -1), sampling, noise[:1].expand(n, -1)).tolist()
+    p, power = goodness_of_fit(reused, law, sizes.stat_tv, level_alpha)
+    checks.append(Check(f"plain coupled sampling == target law ({name})", LEVEL, p > level_alpha, "noise_reused",
+                        p_value=p, samples=n, power=power))
+    return checks
+
+
+def identity_checks(loaded: Any, drafter: Any, options: dict, sampling: SamplingConfig, sizes: CertificateSizes,
+                    prompts: list[list[int]], seed: int) -> tuple[list[Check], list[str]]:
+    from specdec.generate import generate
+
+    kw = dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+              seed=seed, sampler="coupled")
+    tokens = sizes.identity_tokens
+    plain = generate(loaded, prompts, max_new_tokens=tokens, **kw)
+    checks, warnings = [], []
+    results = [greedy_identity(loaded, prompts, drafter, options, tokens, True, plain=plain, sampling=kw),
+               greedy_identity(loaded, prompts[:2], drafter, options, tokens, False, plain=plain[:2], sampling=kw)]
+    divergences = [d for r in results for d in r.divergences]
+    real = sum(r.real_mismatches for r in results)
+    detail = f"tau {results[0].tau:.2f}; {real} real mismatches, {len(divergences) - real} near-ties (gap < 1e-5)"
+    if divergences:
+        d = divergences[0]
+        detail += f"; first: prompt {d.prompt} pos {d.position} gap {d.gap:.2e} ({d.kind})"
+    checks.append(Check("speculative coupled == plain coupled (batched + single)", LEVEL, real == 0, None,
+                        samples=sum(r.tokens_compared for r in results), detail=detail))
+    if len(divergences) > real:
+        warnings.append(f"coupled identity: {len(divergences) - real} divergences were numerical near-ties")
+    if results[0].tau <= 1.0:
+        warnings.append("coupled identity: no draft was accepted, so the accepted-draft path was never tested")
+    # controls: both sides broken the same way, so only the broken coupling itself can tell them apart
+    step = COUPLING_FAULTS["noise_keyed_to_step"]
+    broken_plain = generate_with_control(loaded, prompts, fault=step, max_new_tokens=tokens, **kw)
+    broken = greedy_identity(loaded, prompts, drafter, options, tokens, True, plain=broken_plain, sampling=kw,
+                             fault=step)
+    checks.append(Check("speculative coupled == plain coupled (batched)", LEVEL, broken.real_mismatches == 0,
+                        step.name, samples=broken.tokens_compared, detail=f"tau {broken.tau:.2f}"))
+    row = COUPLING_FAULTS["noise_keyed_to_batch_row"]
+    batched = generate_with_control(loaded, prompts, fault=row, max_new_tokens=tokens, **kw)
+    single = [generate_with_control(loaded, [p], fault=row, max_new_tokens=tokens, **kw)[0] for p in prompts]
+    same = sum(a == b for a, b in zip(batched, single))
+    checks.append(Check("plain coupled batched == single", LEVEL, same == len(prompts), row.name,
+                        samples=len(prompts), detail=f"{same}/{len(prompts)} prompts identical"))
+    return checks, warnings
+
+
+def coupled_checks(loaded: Any, drafter: Any, options: dict, sampling: SamplingConfig, sizes: CertificateSizes,
+                   make_prompts: Callable[[int], list[list[int]]], seed: int = 0) -> tuple[list[Check], list[str]]:
+    """Both parts; a greedy ``sampling`` is checked at temperature 1 (coupling only matters when sampling)."""
+    sampling = sampling if sampling.do_sample else SamplingConfig(True)
+    checks = law_checks(sampling, sizes, seed)
+    more, warnings = identity_checks(loaded, drafter, options, sampling, sizes, make_prompts(sizes.identity_prompts),
+                                     seed)
+    return checks + more, warnings

@@ -1,0 +1,165 @@
+"""Seed-coupled sampling: randomness tied to (seed, sequence, position), never to steps, batches or drafters.
+
+Standard rejection sampling keeps the target's *law* but not the *realisation*: turning a drafter on, or
+batching, changes which random numbers each token consumes, so the same seed prints another text. Coupled
+sampling draws every token by the Gumbel-max rule instead::
+
+    token_t = argmax_i ( sampling_logits_t[i] + G_t[i] )
+
+where ``sampling_logits_t`` are the target's logits at position ``t`` after temperature, with ``-inf``
+outside the top-k / top-p support (:func:`specdec.sampling.sampling_logits`, the very transform behind
+``target_probs``), and ``G_t[i]`` is standard Gumbel noise that is a pure function of the seed, the
+sequence's key and ``(t, i)``. Since ``argmax(l + G) ~ softmax(l)`` for i.i.d. Gumbel ``G``, and each
+position has fresh noise, this samples the target's law exactly (``G_t`` never depends on the tokens it
+picks). The engine's verify walk (:func:`coupled_sample`) computes the target's coupled token at every
+reached tree node and moves to the child that carries it; where none does that token is the recovered
+token, at a leaf it is the bonus token. The committed text is therefore exactly what plain coupled
+sampling gives with that seed, whatever the drafter proposed and however the engine sized the tree:
+drafters change only the speed. Model drafters pick their candidates with the same noise
+(:func:`perturbed_logits`: Gumbel-top-k of their own ``sampling_logits``), which agrees with the
+target's choice far more often than an independent draw.
+
+Definitions the tests pin down:
+
+* ``t`` is the token's index in its sequence, prompt included, padding excluded (the first new token of
+  a 5-token prompt is ``t = 5``);
+* a sequence's key is a hash of its prompt's token ids and of how many equal prompts came before it in
+  the same call (:func:`sequence_keys`): the same prompt gives the same text alone or in any batch, and
+  ``num_return_sequences`` copies differ;
+* the noise is a counter-based hash (splitmix64's finaliser on int64 tensors, wrapping arithmetic, on the
+  logits' device: no generator state, no host sync), 53 bits per uniform, ``G = -log(-log(u))`` in float64.
+
+    coupling = Coupling(seed=7)
+    keys = torch.tensor(sequence_keys(prompts))                     # [B]
+    gumbel = coupling.gumbel(keys, positions, vocab)                # [B, P, vocab] float64
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.errors import InputError, InputTypeError
+from specdec.generate_inputs import describe
+from specdec.rejection import Acceptance, follow_choices
+from specdec.sampling import SamplingConfig, sampling_logits
+from specdec.tree import DraftTree
+
+SAMPLERS = ("standard", "coupled")  # GenerationConfig.sampler
+
+
+def _i64(x: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN = _i64(0x9E3779B97F4A7C15)
+_MIX1 = _i64(0xBF58476D1CE4E5B9)
+_MIX2 = _i64(0x94D049BB133111EB)
+_POSITION_STREAM = _i64(0x632BE59BD9B4E019)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic on negative values)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (multiplication wraps mod 2**64, as two's complement does)."""
+    x = x ^ _shr(x, 30)
+    x = x * _MIX1
+    x = x ^ _shr(x, 27)
+    x = x * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def sequence_keys(prompts: Sequence[Sequence[int]]) -> list[int]:
+    """One int64 key per prompt: its token ids and its occurrence among equal prompts before it."""
+    seen: dict[tuple[int, ...], int] = {}
+    keys = []
+    for prompt in prompts:
+        ids = tuple(int(t) for t in prompt)
+        occurrence = seen.get(ids, 0)
+        seen[ids] = occurrence + 1
+        digest = hashlib.blake2b(f"{occurrence}:{','.join(map(str, ids))}".encode(), digest_size=8).digest()
+        keys.append(_i64(int.from_bytes(digest, "little")))
+    return keys
+
+
+@dataclass(frozen=True)
+class Coupling:
+    """The shared noise of one generate() call: Gumbel noise G[key, t, i] for the seed."""
+
+    seed: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise InputTypeError(f"the coupling seed must be an int, got {describe(self.seed)}")
+        if not -(2**63) <= self.seed < 2**64:
+            raise InputError(f"the coupling seed must fit in 64 bits, got {self.seed}")
+
+    @property
+    def _seed_word(self) -> int:
+        digest = hashlib.blake2b(f"specdec.coupling:{self.seed}".encode(), digest_size=8).digest()
+        return _i64(int.from_bytes(digest, "little"))
+
+    def uniforms(self, keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+        """keys [B] int64, positions [B, P] int64 -> [B, P, vocab] float64 uniforms in (0, 1), on keys' device."""
+        positions = positions.to(keys.device, torch.long)
+        per_position = mix64(keys[:, None] + self._seed_word + mix64(positions * _GOLDEN + _POSITION_STREAM))
+        tokens = torch.arange(1, vocab + 1, dtype=torch.long, device=keys.device) * _GOLDEN  # [vocab]
+        bits = mix64(per_position[..., None] + tokens)  # [B, P, vocab]
+        return (_shr(bits, 11).to(torch.float64) + 0.5) * 2.0**-53
+
+    def gumbel(self, keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+        """keys [B], positions [B, P] -> [B, P, vocab] float64 standard Gumbel noise."""
+        return -torch.log(-torch.log(self.uniforms(keys, positions, vocab)))
+
+    def draft_noise(self, key: int, positions: Sequence[int], vocab: int, device: torch.device | str,
+                    columns: torch.Tensor | None = None) -> torch.Tensor:
+        """One sequence's Gumbel noise at ``positions`` -> [P, vocab] float64 on ``device``, for a drafter;
+        ``columns`` [n]: only those token ids (a reduced draft vocabulary's) -> [P, n]."""
+        keys = torch.tensor([key], dtype=torch.long, device=device)
+        noise = self.gumbel(keys, torch.tensor([list(positions)], dtype=torch.long, device=device), vocab)[0]
+        return noise if columns is None else noise[:, columns.to(noise.device)]
+
+
+def perturbed_logits(logits: torch.Tensor, sampling: SamplingConfig, gumbel: torch.Tensor) -> torch.Tensor:
+    """logits [..., n], gumbel [..., n] -> [..., n] float64 ``sampling_logits + G``: the argmax is the coupled
+    token, the top-k a Gumbel-top-k sample (without replacement) of softmax(sampling_logits). A drafter over a
+    reduced vocabulary passes the noise of its n token ids (``gumbel[..., ids]``)."""
+    return sampling_logits(logits.to(torch.float64), sampling) + gumbel
+
+
+def coupled_tokens(target_logits: torch.Tensor, sampling: SamplingConfig, gumbel: torch.Tensor) -> torch.Tensor:
+    """target_logits [..., V], gumbel [..., V] -> [...] int64: the target's coupled token at each row."""
+    return perturbed_logits(target_logits, sampling, gumbel).argmax(-1)
+
+
+def coupled_sample(
+    trees: Sequence[DraftTree],
+    target_logits: torch.Tensor,  # [B, max_nodes + 1, V]; row 0 = root, row 1 + i = node i
+    sampling: SamplingConfig,
+    coupling: Coupling,
+    keys: torch.Tensor,  # [B] int64 sequence keys
+    root_positions: Sequence[int],  # [B] index of each root in its sequence (the first new token is root + 1)
+) -> list[Acceptance]:
+    """Verify draft trees by coupled sampling: the deterministic walk over the target's Gumbel-max tokens.
+
+    Every node at depth d chooses the token at position ``root + 1 + d``, so the noise has one row per depth
+    (shared by siblings: they choose the same position's token under different prefixes)."""
+    if sampling.greedy:  # no noise: the argmax walk
+        return follow_choices(trees, target_logits.argmax(-1).tolist())
+    device, vocab = target_logits.device, target_logits.shape[-1]
+    max_depth = max(t.max_depth for t in trees)
+    offsets = torch.arange(max_depth + 1, dtype=torch.long)  # [D + 1]
+    positions = torch.tensor(list(root_positions), dtype=torch.long)[:, None] + 1 + offsets  # [B, D + 1]
+    gumbel = coupling.gumbel(keys.to(device), positions.to(device), vocab)  # [B, D + 1, V]
+    rows = torch.zeros(len(trees), target_logits.shape[1], dtype=torch.long)  # [B, max_nodes + 1] depth per row
+    for b, tree in enumerate(trees):
+        rows[b, 1: tree.num_nodes + 1] = tree.depths.cpu()
+    noise = torch.gather(gumbel, 1, rows.to(device)[..., None].expand(-1, -1, vocab))  # [B, max_nodes + 1, V]
+    return follow_choices(trees, coupled_tokens(target_logits, sampling, noise).tolist())
