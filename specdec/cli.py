@@ -159,6 +159,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--speculation", choices=("auto", "always"), default="auto",
                    help="auto (default): verify the part of each draft that the measured cost model expects to pay, "
                         "decode plainly when none does; always: verify every proposed draft whole (measurements)")
+    p.add_argument("--sampler", choices=("standard", "coupled"), default="standard",
+                   help="with --do-sample: standard (default) exact rejection sampling; coupled: Gumbel-max noise "
+                        "keyed by seed, prompt and position, so a --seed prints the same text with or without a "
+                        "drafter")
     p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="weights / activations dtype (default: float32)")
@@ -245,7 +249,7 @@ def _generate(args, stream_class) -> tuple[str, dict]:
                 max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop, streamer=stream,
                 return_dict=True, block_size=args.block_size, num_blocks=args.num_blocks,
-                speculation=args.speculation, cuda_graphs=args.cuda_graphs,
+                speculation=args.speculation, sampler=args.sampler, cuda_graphs=args.cuda_graphs,
             )
     except KeyboardInterrupt:
         if stream is not None:  # keep what was generated: the rest of the text and its newline, then main's line

@@ -1,0 +1,127 @@
+"""Coupled vs standard sampling on the embedded model (CPU, fp32): identity and tau per drafter.
+
+    python benchmarks/bench_coupled_cpu.py --part identity --out runs/coupled   # 20 prompts x 128 tokens, T=0.8
+    python benchmarks/bench_coupled_cpu.py --part tau --out runs/coupled        # tau table, T=0.8 and 1.0
+
+``identity``: plain coupled sampling of the prompts (one batch), then every drafter batched and one prompt
+at a time, whole trees (``speculation="always"``); every divergence from plain coupled output is diagnosed
+by the perturbed-logit gap at that position (recomputed with transformers' model): a gap below 1e-5 is a
+numerical near-tie, anything else a real mismatch. ``tau``: committed tokens per target forward of every
+drafter per category under standard rejection sampling and under coupled sampling, same prompts, same seed.
+tau does not depend on wall time, so this part may run on a busy machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import specdec.drafters.draft_model  # noqa: E402,F401 -- imported up front: the tree may change while this runs
+import specdec.drafters.medusa  # noqa: E402,F401
+import specdec.drafters.ngram  # noqa: E402,F401
+import specdec.drafters.self_draft  # noqa: E402,F401
+from common import chat_ids  # noqa: E402
+from specdec.eval.divergence import greedy_identity  # noqa: E402
+from specdec.eval.prompts import CATEGORIES, load_prompts  # noqa: E402
+
+from specdec.generate import generate  # noqa: E402
+from specdec.models.loader import load_model  # noqa: E402
+
+
+def drafters(loaded) -> dict:
+    from specdec.drafters.medusa import MedusaDrafter
+    from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
+
+    shape = loaded.runner.shape
+    heads = MedusaHeads(MedusaConfig(3, 1, shape.hidden_size, shape.vocab_size))
+    heads.init_lm_heads_from(loaded.runner.lm_head)  # untrained: a floor, not what training gives
+    return {
+        "ngram": lambda: ("ngram", None),
+        "self-draft": lambda: ("self-draft", None),
+        "draft-model (itself)": lambda: ("draft-model", {"model": loaded, "num_draft_tokens": 3}),
+        "medusa (untrained)": lambda: (MedusaDrafter(heads=heads, tree="dynamic", max_nodes=8), None),
+    }
+
+
+def identity_part(loaded, args, out: dict) -> None:
+    per_cat = -(-args.identity_prompts // len(CATEGORIES))
+    prompts = [chat_ids(loaded.tokenizer, t) for c in CATEGORIES for t in load_prompts(c, per_cat)]
+    prompts = prompts[: args.identity_prompts]
+    kw = dict(do_sample=True, temperature=args.identity_temperature, seed=args.seed, sampler="coupled")
+    t0 = time.perf_counter()
+    plain = generate(loaded, prompts, max_new_tokens=args.identity_tokens, **kw)
+    print(f"plain coupled: {len(prompts)} prompts x {args.identity_tokens} tokens in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    rows = []
+    for name, make in drafters(loaded).items():
+        for batched in (True, False):
+            drafter, options = make()
+            t0 = time.perf_counter()
+            res = greedy_identity(loaded, prompts, drafter, options, args.identity_tokens, batched, plain=plain,
+                                  sampling=kw)
+            row = {"drafter": name, "batched": batched, "tau": res.tau, "tokens": res.tokens_compared,
+                   "identical": res.identical, "real_mismatches": res.real_mismatches,
+                   "divergences": res.to_json()["divergences"], "seconds": time.perf_counter() - t0}
+            rows.append(row)
+            gaps = ", ".join(f"{d['gap']:.1e}" for d in row["divergences"]) or "-"
+            print(f"{name:<22} {'batched' if batched else 'single ':<8} tau {res.tau:5.2f}  "
+                  f"{'IDENTICAL' if res.identical else 'DIFFERS'}  real mismatches {res.real_mismatches}  "
+                  f"divergence gaps {gaps}  ({row['seconds']:.0f} s)", flush=True)
+    out["identity"] = {"prompts": len(prompts), "tokens": args.identity_tokens, "sampling": kw, "rows": rows}
+
+
+def tau_part(loaded, args, out: dict) -> None:
+    cats = [c for c in args.categories.split(",") if c]
+    prompts = {c: [chat_ids(loaded.tokenizer, t) for t in load_prompts(c, args.prompts)] for c in cats}
+    rows = []
+    for temperature in [float(t) for t in args.temperatures.split(",")]:
+        for name, make in drafters(loaded).items():
+            for cat in cats:
+                taus = {}
+                for sampler in ("standard", "coupled"):
+                    new = steps = 0
+                    for ids in prompts[cat]:
+                        drafter, options = make()
+                        res = generate(loaded, [ids], max_new_tokens=args.max_new_tokens, drafter=drafter,
+                                       drafter_options=options, do_sample=True, temperature=temperature,
+                                       seed=args.seed, sampler=sampler, speculation="always", return_dict=True)
+                        new += res.total_new_tokens
+                        steps += sum(s.steps for s in res.stats)
+                    taus[sampler] = new / max(steps, 1)
+                rows.append({"temperature": temperature, "drafter": name, "category": cat, **taus})
+                print(f"T={temperature} {name:<22} {cat:<14} tau standard {taus['standard']:5.2f}  "
+                      f"coupled {taus['coupled']:5.2f}", flush=True)
+    out["tau"] = {"prompts_per_category": args.prompts, "max_new_tokens": args.max_new_tokens, "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=("identity", "tau", "both"), default="both")
+    ap.add_argument("--identity-prompts", type=int, default=20)
+    ap.add_argument("--identity-tokens", type=int, default=128)
+    ap.add_argument("--identity-temperature", type=float, default=0.8)
+    ap.add_argument("--categories", default=",".join(CATEGORIES))
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per category (tau)")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (tau)")
+    ap.add_argument("--temperatures", default="0.8,1.0")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--out", default="runs/coupled")
+    args = ap.parse_args()
+    loaded = load_model(args.model)
+    out: dict = {"model": loaded.name, "seed": args.seed}
+    if args.part in ("identity", "both"):
+        identity_part(loaded, args, out)
+    if args.part in ("tau", "both"):
+        tau_part(loaded, args, out)
+    path = Path(args.out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"coupled-{args.part}.json").write_text(json.dumps(out, indent=2))
+    print(f"wrote {path / f'coupled-{args.part}.json'}")
+
+
+if __name__ == "__main__":
+    main()
