@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -102,8 +103,12 @@ def _digest(key: dict) -> str:
 
 
 def _cache_dir(cache_dir: str | Path | None) -> Path:
+    """``cache_dir``, else ``$SPECDEC_COST_DIR`` (the test suite points it at a temporary directory, so that
+    calibrations taken on a machine busy with tests never reach real runs), else ``<cache root>/costs``."""
     if cache_dir is not None:
         return Path(cache_dir)
+    if os.environ.get("SPECDEC_COST_DIR"):
+        return Path(os.environ["SPECDEC_COST_DIR"])
     from specdec.models.embedded import cache_root
 
     return cache_root() / "costs"

@@ -1,9 +1,12 @@
 """Shared pytest fixtures and collection rules."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +24,11 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO]
 # OMP_NUM_THREADS if set, else the cores divided among the pytest-xdist workers (2 workers on
 # CI's 2 cores: 1 thread each), at most 2: more threads than free cores made tiny-model tests
 # 10x slower on a shared machine
+# measured verify costs go to a temporary directory: calibrations taken while tests load the machine must never
+# be cached where real runs would read them (specdec.cost_model)
+if "SPECDEC_COST_DIR" not in os.environ:  # pytest-xdist workers inherit the controller's
+    os.environ["SPECDEC_COST_DIR"] = tempfile.mkdtemp(prefix="specdec-costs-")
+    atexit.register(shutil.rmtree, os.environ["SPECDEC_COST_DIR"], ignore_errors=True)
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, (os.cpu_count() or 1) // _WORKERS))))
 
