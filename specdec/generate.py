@@ -6,26 +6,56 @@
     engine = build_engine(request)                                           # specdec.engine_setup
     out = run(engine, request)                                               # the step loop + the output
 
+Called as transformers' ``model.generate()`` is called:
+
+    enc = tokenizer(texts, padding=True, return_tensors="pt")      # padding_side="left" or "right"
+    out = specdec.generate(model, **enc, max_new_tokens=64)        # or specdec.generate(model, enc, ...)
+    new = out[:, enc["input_ids"].shape[1]:]                       # exactly the new tokens
+
 ``model`` is anything :func:`specdec.models.loader.load_model` accepts. ``input_ids`` is a 1-D / 2-D
-integer tensor or numpy array ``[batch, len]``, a list of ints (one prompt) or a list of token-id lists of
-different lengths; ``attention_mask`` (0 / 1, the shape of ``input_ids``) drops padding, left or right.
-What to generate is a :class:`~specdec.generation_config.GenerationConfig` (``generation_config=``),
-updated by keyword arguments of the same names (``max_new_tokens``, ``do_sample``, ``temperature``,
-``top_k``, ``top_p``, ``seed``, ``eos_token_id``, ``stop``, ``pad_token_id``, ``block_size``,
-``num_blocks``, ``audit_drafts``, ``speculation``: "auto" sizes draft trees by the measured cost model
-and decodes plainly when drafting does not pay, "always" verifies every proposed tree whole).
-Returns prompt + new tokens per sequence, as transformers does: a
-tensor padded with ``pad_token_id`` if a tensor came in, else lists; ``return_dict=True`` gives a
-:class:`~specdec.output.GenerateOutput` with per-sequence stats. Arguments are checked
+integer tensor or numpy array ``[batch, len]``, a list of ints (one prompt), a list of token-id lists of
+different lengths, or a mapping holding them (a tokenizer's ``BatchEncoding``, what
+``apply_chat_template(..., return_dict=True)`` returns, a dict) with its ``attention_mask``.
+``attention_mask`` (0 / 1, the shape of ``input_ids``) drops padding, left or right, for every form.
+Keys of a tokenizer's output that are no input of the models specdec runs (``token_type_ids``,
+``special_tokens_mask``, ``offset_mapping``, ``length``, ``assistant_masks``:
+:data:`~specdec.generate_inputs.IGNORED_INPUT_KEYS`) are accepted and ignored, in the mapping or as keyword
+arguments; any other key is an InputError.
+
+What to generate comes, in transformers' precedence, from keyword arguments > ``generation_config=`` (a
+specdec :class:`~specdec.generation_config.GenerationConfig` or a transformers ``GenerationConfig``) > the
+model's own ``generation_config`` (generation_config.json) > specdec's defaults; a layer counts only the
+fields it sets. A transformers field specdec does not support, set to anything but its neutral value
+(``num_beams=2``, ``penalty_alpha``, ``output_attentions=True``, ...), is an InputError naming it: see
+:mod:`specdec.transformers_config` (also for transformers' top_k=50 when do_sample comes from a
+transformers config). The fields: ``max_new_tokens``, ``max_length`` (prompt + new tokens, the prompt being
+``input_ids.shape[-1]``; max_new_tokens wins), ``num_return_sequences`` (each prompt n times, consecutive;
+needs sampling, as in transformers), ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
+``eos_token_id``, ``stop`` (or transformers' ``stop_strings``), ``pad_token_id``, ``block_size``,
+``num_blocks``, ``audit_drafts``, ``speculation`` ("auto" sizes draft trees by the measured cost model and
+decodes plainly when drafting does not pay, "always" verifies every proposed tree whole), ``sampler``.
+
+Returns what ``model.generate()`` returns (:class:`~specdec.output.OutputLayout`): each input row as given
+(padding included) followed by its new tokens, rows that stopped early right-padded with ``pad_token_id``
+(else the first EOS id, else 0); a ``long`` tensor on the input's device if a tensor came in, else lists.
+``return_dict=True`` (or ``return_dict_in_generate=True``) gives a :class:`~specdec.output.GenerateOutput`
+with those ``sequences``, the unpadded ``new_tokens`` and per-sequence stats. Arguments are checked
 (:mod:`specdec.generate_inputs`) before the model is loaded where they can be: a wrong one is a
 one-line ``InputError`` / ``InputTypeError``.
+
+Streamers: ``streamer=fn`` is called ``fn(batch_index, tokens)`` with each row's tokens as they are
+committed (several per step when drafts are accepted). An object with ``put()`` and ``end()`` (transformers'
+``TextStreamer``, ``TextIteratorStreamer``, ...) is driven as transformers drives it: ``put()`` gets the prompt
+row first (a ``[1, len]`` tensor, padding included), then every committed token as a ``[1]`` tensor in order,
+then ``end()`` (also when generation fails, so an iterator's consumer is not left waiting); like transformers,
+it takes one sequence only (batch size 1 and ``num_return_sequences=1``).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from tqdm.auto import tqdm
@@ -37,22 +67,36 @@ from specdec.engine import Engine
 from specdec.engine_setup import build_engine
 from specdec.errors import InputError, InputTypeError, SpecdecError
 from specdec.generate_inputs import (
+    IGNORED_INPUT_KEYS,
     check_bool,
-    check_callable,
     check_options,
     check_vocabulary,
     describe,
-    parse_eos,
+    is_put_end_streamer,
+    parse_eos_ids,
     parse_input_ids,
+    unpack_encoding,
 )
 from specdec.generation_config import GenerationConfig
 from specdec.models.loader import LoadedModel, load_model
-from specdec.output import GenerateOutput, SequenceStats, pack_output
+from specdec.output import GenerateOutput, OutputLayout, SequenceStats, pack_output
 from specdec.stopping import StopCriteria
+from specdec.transformers_config import config_layer, kwargs_layer, model_layer, resolve
 
-__all__ = ["GenerateOutput", "GenerateRequest", "SequenceStats", "Streamer", "generate", "prepare", "run"]
+__all__ = ["GenerateOutput", "GenerateRequest", "SequenceStats", "Streamer", "TokenStreamer", "generate", "prepare",
+           "run"]
 
-Streamer = Callable[[int, list[int]], None]  # (batch index, tokens emitted this step)
+
+@runtime_checkable
+class TokenStreamer(Protocol):
+    """transformers' streamer protocol (``transformers.TextStreamer``, ``TextIteratorStreamer``)."""
+
+    def put(self, value: torch.Tensor) -> None: ...
+
+    def end(self) -> None: ...
+
+
+Streamer = Callable[[int, list[int]], None] | TokenStreamer  # callable: (batch index, tokens emitted this step)
 
 
 @dataclass(frozen=True)
@@ -60,8 +104,8 @@ class GenerateRequest:
     """One generate() call, checked: everything the engine and the output need."""
 
     loaded: LoadedModel
-    prompts: list[list[int]]  # token ids, padding removed
-    config: GenerationConfig
+    prompts: list[list[int]]  # token ids, padding removed; each repeated num_return_sequences times
+    config: GenerationConfig  # resolved: every layer merged, max_length turned into max_new_tokens
     stop: StopCriteria  # EOS ids resolved (the model's own when not given), stop strings / sequences
     drafter: Drafter | None
     generator: torch.Generator | None  # on the model's device; None: seeded from config.seed, or global RNG
@@ -69,7 +113,7 @@ class GenerateRequest:
     streamer: Streamer | None
     progress: bool
     return_dict: bool
-    pad_token_id: int | None  # for a tensor result; None: the result is lists (list input)
+    layout: OutputLayout  # the result: each input row as given + its new tokens, tensor or lists
 
 
 def generate(
@@ -79,10 +123,10 @@ def generate(
     drafter: Any = None,
     drafter_options: dict | None = None,
     attention_mask: Any = None,
-    generation_config: GenerationConfig | None = None,
+    generation_config: Any = None,
     generator: torch.Generator | None = None,
     streamer: Streamer | None = None,
-    return_dict: bool = False,
+    return_dict: bool | None = None,
     tokenizer: Any = None,
     progress: bool = False,
     cuda_graphs: bool | GraphedForward = False,
@@ -95,7 +139,11 @@ def generate(
 
     ``seed`` (or ``generator``) also seeds sampled drafts: the drafter's ``seed_from_generate`` gets
     ``seed`` (or one draw of ``generator``) before it is attached, unless its own ``seed`` option is set,
-    so the output does not depend on torch's global RNG."""
+    so the output does not depend on torch's global RNG.
+
+    ``return_dict``: None = ``return_dict_in_generate`` if a layer sets it, else False. Ignored inputs
+    (``token_type_ids`` and the other :data:`~specdec.generate_inputs.IGNORED_INPUT_KEYS`) may come as keyword
+    arguments, as ``**tokenizer(...)`` passes them."""
     request = prepare(model, input_ids, drafter=drafter, drafter_options=drafter_options,
                       attention_mask=attention_mask, generation_config=generation_config, generator=generator,
                       streamer=streamer, return_dict=return_dict, tokenizer=tokenizer, progress=progress,
@@ -104,77 +152,104 @@ def generate(
 
 
 def prepare(model: Any, input_ids: Any, *, drafter: Any = None, drafter_options: dict | None = None,
-            attention_mask: Any = None, generation_config: GenerationConfig | None = None,
-            generator: torch.Generator | None = None, streamer: Streamer | None = None, return_dict: bool = False,
-            tokenizer: Any = None, progress: bool = False, cuda_graphs: bool | GraphedForward = False,
+            attention_mask: Any = None, generation_config: Any = None, generator: torch.Generator | None = None,
+            streamer: Streamer | None = None, return_dict: bool | None = None, tokenizer: Any = None,
+            progress: bool = False, cuda_graphs: bool | GraphedForward = False,
             **config_fields: Any) -> GenerateRequest:
     """generate()'s arguments, checked (what needs no model first), the model loaded, the drafter built."""
-    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
-        raise InputTypeError(f"generation_config must be a specdec GenerationConfig, got {describe(generation_config)}")
-    config = (generation_config or GenerationConfig()).update(**config_fields)
-    check_callable("streamer", streamer)
-    check_bool("return_dict", return_dict)
+    config_fields = {k: v for k, v in config_fields.items() if k not in IGNORED_INPUT_KEYS}
+    layers = [config_layer(generation_config), kwargs_layer(config_fields)]  # lowest precedence first
+    if return_dict is not None:
+        check_bool("return_dict", return_dict)
+    early = resolve(layers, return_dict=return_dict).config  # what was passed, checked before the model loads
+    put_end = is_put_end_streamer(streamer)
     check_bool("progress", progress)
     options = check_options("drafter_options", drafter_options)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise InputTypeError(f"generator must be a torch.Generator or None, got {describe(generator)}")
-    if config.seed is not None and generator is not None:
+    if early.seed is not None and generator is not None:
         raise InputError("pass seed= or generator=, not both: the generator's own state would silently win")
     if not isinstance(cuda_graphs, (bool, GraphedForward)):
         raise InputTypeError(f"cuda_graphs must be a bool or a GraphedForward, got {describe(cuda_graphs)}")
-    prompts = parse_input_ids(input_ids, attention_mask)
+    inputs = parse_input_ids(*unpack_encoding(input_ids, attention_mask))
     if options and drafter is None:
         raise InputError("drafter_options were given without a drafter: they would be ignored (pass drafter=...)")
+    _check_streamer_batch(put_end, len(inputs.rows) * early.num_return_sequences)
     drafter_obj = _make_drafter(drafter, options)
 
     loaded = load_model(model, tokenizer=tokenizer)
     runner = loaded.runner
     shape = runner.shape
+    resolved = resolve([model_layer(loaded.model), *layers], prompt_length=inputs.length, return_dict=return_dict)
+    config = resolved.config
+    if config.num_return_sequences > 1 and not config.do_sample:
+        raise InputError(f"num_return_sequences={config.num_return_sequences} needs do_sample=True: greedy decoding "
+                         "gives identical copies, and transformers refuses it too")
+    _check_streamer_batch(put_end, len(inputs.rows) * config.num_return_sequences)
+    inputs = inputs.repeat(config.num_return_sequences)
     if generator is not None and generator.device.type != runner.device.type:
         raise InputError(f"generator is on {generator.device} but the model is on {runner.device}: "
                          "sampling runs on the model's device, so create it with torch.Generator(device=...) there")
-    check_vocabulary("input_ids", prompts, shape.vocab_size)
+    check_vocabulary("input_ids", inputs.prompts, shape.vocab_size)
     check_vocabulary("stop", [list(s) for s in config.stop_sequences], shape.vocab_size)
-    longest = max(len(p) for p in prompts)
+    longest = max(len(p) for p in inputs.prompts)
     if longest + config.max_new_tokens > shape.max_positions:
+        how = f" (max_length from {resolved.length_from})" if resolved.length_from else ""
         raise InputError(
-            f"prompt ({longest} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the model's context of "
-            f"{shape.max_positions} tokens; shorten the prompt or lower max_new_tokens"
+            f"prompt ({longest} tokens) + max_new_tokens ({config.max_new_tokens}{how}) exceeds the model's context "
+            f"of {shape.max_positions} tokens; shorten the prompt or lower max_new_tokens"
         )
-    eos_token_id = config.eos_token_id
-    gen_cfg = getattr(loaded.model, "generation_config", None)
-    if eos_token_id is None:  # the model's own, as transformers does
-        eos_token_id = getattr(gen_cfg, "eos_token_id", None) or getattr(loaded.model.config, "eos_token_id", None)
-    eos = parse_eos(eos_token_id, shape.vocab_size)
-    stop = StopCriteria(config.max_new_tokens, eos, config.stop_sequences, config.stop_strings, loaded.tokenizer)
-    pad_token_id = None
-    if isinstance(input_ids, torch.Tensor):  # a tensor result, padded as transformers pads it
-        pad_token_id = config.pad_token_id
-        if pad_token_id is None:
-            pad_token_id = getattr(gen_cfg, "pad_token_id", None)
-            pad_token_id = pad_token_id if pad_token_id is not None else min(eos, default=0)
-    return GenerateRequest(loaded, prompts, config, stop, drafter_obj, generator, cuda_graphs, streamer, progress,
-                           return_dict, pad_token_id)
+    eos_token_id = config.eos_token_id  # kwargs > generation_config= > the model's generation_config
+    if eos_token_id is None:  # the model config's own, as transformers' generation_config takes it
+        eos_token_id = getattr(loaded.model.config, "eos_token_id", None)
+    eos = parse_eos_ids(eos_token_id, shape.vocab_size)
+    stop = StopCriteria(config.max_new_tokens, frozenset(eos), config.stop_sequences, config.stop_strings,
+                        loaded.tokenizer)
+    pad_token_id = config.pad_token_id  # as transformers: else the first EOS id
+    pad_token_id = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+    layout = OutputLayout(tuple(tuple(r) for r in inputs.rows), inputs.tensor_device is not None, pad_token_id,
+                          inputs.tensor_device)
+    return GenerateRequest(loaded, inputs.prompts, config, stop, drafter_obj, generator, cuda_graphs, streamer,
+                           progress, resolved.return_dict, layout)
+
+
+def _check_streamer_batch(put_end: bool, sequences: int) -> None:
+    if put_end and sequences > 1:
+        raise InputError(f"a streamer with put() / end() (transformers' protocol) streams one sequence, as in "
+                         f"transformers, but this call generates {sequences} (batch x num_return_sequences); pass "
+                         "a callable streamer(batch_index, tokens) instead")
 
 
 def run(engine: Engine, request: GenerateRequest) -> Any:
     """Prefill, then Engine.step() until every sequence has stopped; stream, show progress, pack."""
     start = time.perf_counter()
-    seqs = engine.add(request.prompts)
-    prefill_seconds = time.perf_counter() - start
-    total = request.config.max_new_tokens * len(seqs)
-    with tqdm(total=total, unit="tok", desc="generate", disable=not request.progress) as bar:
-        while engine.live:
-            emitted = engine.step()
-            if request.streamer is not None:
+    streamer = request.streamer
+    put_end = is_put_end_streamer(streamer)
+    try:
+        if put_end:  # the prompt first, as transformers does (TextStreamer(skip_prompt=True) drops it)
+            streamer.put(torch.tensor([request.layout.rows[0]], dtype=torch.long))
+        seqs = engine.add(request.prompts)
+        prefill_seconds = time.perf_counter() - start
+        total = request.config.max_new_tokens * len(seqs)
+        with tqdm(total=total, unit="tok", desc="generate", disable=not request.progress) as bar:
+            while engine.live:
+                emitted = engine.step()
                 for seq_id, toks in emitted.items():
-                    if toks:
-                        request.streamer(seq_id, toks)
-            if request.progress:
-                done = sum(len(s.new_tokens) for s in seqs)
-                bar.update(done - bar.n)
-                bar.set_postfix(tau=f"{done / max(sum(s.steps for s in seqs), 1):.2f}")
-    return pack_output(engine, seqs, request.pad_token_id, request.return_dict, start, prefill_seconds)
+                    if not toks or streamer is None:
+                        continue
+                    if put_end:  # one token per put(), as transformers' plain decoding sends them
+                        for tok in toks:
+                            streamer.put(torch.tensor([tok], dtype=torch.long))
+                    else:
+                        streamer(seq_id, toks)
+                if request.progress:
+                    done = sum(len(s.new_tokens) for s in seqs)
+                    bar.update(done - bar.n)
+                    bar.set_postfix(tau=f"{done / max(sum(s.steps for s in seqs), 1):.2f}")
+    finally:
+        if put_end:
+            streamer.end()
+    return pack_output(engine, seqs, request.layout, request.return_dict, start, prefill_seconds)
 
 
 def _make_drafter(drafter: Any, options: dict) -> Drafter | None:

@@ -4,9 +4,10 @@ Every problem is a one-line :class:`~specdec.errors.InputTypeError` (wrong type)
 :class:`~specdec.errors.InputError` (right type, unusable value) naming the argument and what
 was given. Whatever needs no model is checked before the model is loaded::
 
-    prompts = parse_input_ids(input_ids, attention_mask)    # list[list[int]], one list per prompt
+    input_ids, attention_mask = unpack_encoding(input_ids, attention_mask)   # a BatchEncoding / dict
+    inputs = parse_input_ids(input_ids, attention_mask)   # .prompts (padding removed), .rows (as given)
     ...load the model...
-    check_vocabulary("input_ids", prompts, vocab_size)
+    check_vocabulary("input_ids", inputs.prompts, vocab_size)
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numbers
 import reprlib
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,10 +90,18 @@ def check_real(name: str, value: Any) -> float:
     return float(value)
 
 
-def check_callable(name: str, value: Any) -> Callable | None:
-    if value is not None and not callable(value):
-        raise InputTypeError(f"{name} must be a callable or None, got {describe(value)}")
-    return value
+def is_put_end_streamer(streamer: Any) -> bool:
+    """True for transformers' streamer protocol (``put(tensor)`` and ``end()``: ``TextStreamer``,
+    ``TextIteratorStreamer``, ...), False for specdec's callable ``streamer(batch_index, tokens)`` or None;
+    anything else is an InputTypeError. An object with both forms is taken as transformers' streamer."""
+    if streamer is None:
+        return False
+    if callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None)):
+        return True
+    if callable(streamer):
+        return False
+    raise InputTypeError(f"streamer must be a callable (batch index, tokens), an object with put() and end() "
+                         f"(transformers' streamers) or None, got {describe(streamer)}")
 
 
 def check_options(name: str, value: Any) -> dict:
@@ -147,17 +157,62 @@ def _is_real(v: Any) -> bool:
     return isinstance(v, numbers.Real)
 
 
-def parse_input_ids(input_ids: Any, attention_mask: Any = None) -> list[list[int]]:
+# Keys of a tokenizer's output that generate() accepts and ignores, in a BatchEncoding / dict passed as input_ids
+# or as keyword arguments (``**tokenizer(...)``): none is an input of the Llama-family models specdec runs
+# (they have no token-type embedding), so none can change the result. transformers' generate() refuses them.
+IGNORED_INPUT_KEYS = ("token_type_ids", "special_tokens_mask", "offset_mapping", "length", "assistant_masks")
+
+
+def unpack_encoding(input_ids: Any, attention_mask: Any) -> tuple[Any, Any]:
+    """``input_ids`` given as a mapping (a tokenizer's ``BatchEncoding``, ``apply_chat_template(...,
+    return_dict=True)``'s result, a dict) -> (its ``input_ids``, its ``attention_mask``); other values pass
+    through. Keys other than those two and :data:`IGNORED_INPUT_KEYS` are an InputError naming them."""
+    if not isinstance(input_ids, Mapping):
+        return input_ids, attention_mask
+    keys = list(input_ids)
+    if "input_ids" not in input_ids:
+        raise InputError(f"input_ids is a mapping without an 'input_ids' key (keys: {keys[:8]})")
+    unknown = [k for k in keys if k not in ("input_ids", "attention_mask", *IGNORED_INPUT_KEYS)]
+    if unknown:
+        raise InputError(f"input_ids is a mapping with keys specdec does not use: {unknown[:8]} (it reads input_ids "
+                         f"and attention_mask, and ignores {', '.join(IGNORED_INPUT_KEYS)})")
+    if "attention_mask" in input_ids and attention_mask is not None:
+        raise InputError("attention_mask was given twice: in the input_ids mapping and as attention_mask=")
+    return input_ids["input_ids"], input_ids.get("attention_mask", attention_mask)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """``input_ids`` parsed: the prompts the engine decodes and the rows the result keeps, as transformers
+    keeps them (the result is each row as given, padding included, then its new tokens)."""
+
+    prompts: list[list[int]]  # one per row, positions with attention_mask 0 removed
+    rows: list[list[int]]  # as given, padding included
+    tensor_device: torch.device | None  # a tensor came in: the result is a tensor on this device; None: lists
+
+    @property
+    def length(self) -> int:
+        """The input length that ``max_length`` counts: ``input_ids.shape[-1]`` (the longest row of lists)."""
+        return max(len(r) for r in self.rows)
+
+    def repeat(self, n: int) -> "Inputs":
+        """Each row ``n`` times, consecutively (``num_return_sequences``)."""
+        return Inputs([p for p in self.prompts for _ in range(n)], [r for r in self.rows for _ in range(n)],
+                      self.tensor_device)
+
+
+def parse_input_ids(input_ids: Any, attention_mask: Any = None) -> Inputs:
     """The prompts as lists of Python ints, with ``attention_mask`` (same shape as ``input_ids``) applied:
-    positions with mask 0 are dropped (left or right padding). Token ids are not yet checked against a
-    vocabulary (:func:`check_vocabulary`)."""
+    positions with mask 0 are dropped (left or right padding, also for lists); the rows as given. Token ids
+    are not yet checked against a vocabulary (:func:`check_vocabulary`). A mapping goes through
+    :func:`unpack_encoding` first."""
     if isinstance(input_ids, Mapping):
-        raise InputTypeError("input_ids must be token ids, got a mapping (a tokenizer's output?): pass "
-                             "enc['input_ids'] and attention_mask=enc['attention_mask']")
+        raise InputTypeError("input_ids must be token ids, got a mapping: unpack_encoding() takes it apart")
     prompts, shape = _rows("input_ids", input_ids, is_int, _int_array_dtype, _IDS, "an int token id")
     prompts = [[int(t) for t in p] for p in prompts]  # 0-D tensors / numpy ints -> int
     if not prompts:
         raise InputError("input_ids holds no prompt")
+    rows = prompts
     if attention_mask is not None:
         masks, mask_shape = _rows("attention_mask", attention_mask, _is_real,
                                   lambda d: True if isinstance(d, torch.dtype) and not d.is_complex else d in "biuf",
@@ -175,7 +230,7 @@ def parse_input_ids(input_ids: Any, attention_mask: Any = None) -> list[list[int
         if not p:
             why = " (its attention_mask row has no 1)" if attention_mask is not None else ""
             raise InputError(f"prompt {i} is empty{why}: every prompt needs at least one token")
-    return prompts
+    return Inputs(prompts, rows, input_ids.device if isinstance(input_ids, torch.Tensor) else None)
 
 
 def check_vocabulary(name: str, sequences: list[list[int]], vocab_size: int) -> None:
@@ -191,8 +246,13 @@ _EOS = "integer token ids: an int, a list of ints or a 0-D / 1-D integer tensor 
 
 def parse_eos(eos_token_id: Any, vocab_size: int) -> frozenset[int]:
     """EOS ids as transformers takes them, each checked against the vocabulary."""
+    return frozenset(parse_eos_ids(eos_token_id, vocab_size))
+
+
+def parse_eos_ids(eos_token_id: Any, vocab_size: int) -> tuple[int, ...]:
+    """:func:`parse_eos` in the order given (transformers pads with the first one when it has no pad id)."""
     if eos_token_id is None:
-        return frozenset()
+        return ()
     if is_int(eos_token_id):
         items = [eos_token_id]
     elif isinstance(eos_token_id, torch.Tensor) or _is_ndarray(eos_token_id):
@@ -209,7 +269,7 @@ def parse_eos(eos_token_id: Any, vocab_size: int) -> frozenset[int]:
     for x in items:
         if not 0 <= x < vocab_size:
             raise InputError(f"eos_token_id {x} is outside the vocabulary [0, {vocab_size})")
-    return frozenset(items)
+    return tuple(items)
 
 
 _STOP = "a string, or a list of strings and / or token-id sequences"

@@ -2,15 +2,20 @@
 
     config = GenerationConfig(max_new_tokens=64, do_sample=True, temperature=0.7, seed=0)
     config = config.update(top_p=0.9)                    # a new config; unknown names are an InputTypeError
+    config.fields_set            # {"max_new_tokens", "do_sample", "temperature", "seed", "top_p"}
     specdec.generate(model, ids, generation_config=config, max_new_tokens=32)   # kwargs win
 
 Every field is checked in ``__post_init__`` (one-line ``InputError`` / ``InputTypeError``
 naming it). Checks that need the model (token ids inside the vocabulary, prompt + max_new_tokens
 within the context) happen when the model is known, in :func:`specdec.generate.prepare`.
+
+``fields_set`` are the names given when the config was built (or ``update()``-d): only those override
+the model's own ``generation_config`` in generate() (:mod:`specdec.transformers_config`), as only the
+fields a transformers ``GenerationConfig`` sets do; a field left at its default gives way to the model's.
+``dataclasses.replace`` counts every field as set: use ``update()``.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -24,7 +29,11 @@ SPECULATION_MODES = ("auto", "always")
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128  # the default only when neither max_new_tokens nor max_length is set anywhere
+    # prompt + new tokens, as transformers counts it (the prompt is input_ids.shape[-1], padding included; the
+    # longest row for lists); max_new_tokens wins where both are set. generate() turns it into max_new_tokens
+    max_length: int | None = None
+    num_return_sequences: int = 1  # copies of each prompt, consecutive in the output; needs do_sample=True
     do_sample: bool = False  # False: greedy decoding (the target's own argmax tokens)
     temperature: float = 1.0
     top_k: int = 0  # 0 = disabled
@@ -45,9 +54,24 @@ class GenerationConfig:
     # same seed gives the same text with or without a drafter, alone or batched (specdec.coupling)
     sampler: str = "standard"
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "GenerationConfig":
+        # record which fields the caller gave (positionally or by name) before the dataclass __init__ fills in
+        # the defaults: they are the ones that override the model's generation_config (see fields_set)
+        self = super().__new__(cls)
+        given = [f.name for f in fields(cls)][: len(args)] + list(kwargs)
+        object.__setattr__(self, "_fields_set", frozenset(given))
+        return self
+
+    @property
+    def fields_set(self) -> frozenset[str]:
+        """The fields given when this config was built or updated (the others hold their defaults)."""
+        return self._fields_set
+
     def __post_init__(self) -> None:
         ints = {  # numpy / 0-D tensor ints are stored as Python ints
             "max_new_tokens": check_int("max_new_tokens", self.max_new_tokens, minimum=1),
+            "max_length": check_int("max_length", self.max_length, minimum=1, optional=True),
+            "num_return_sequences": check_int("num_return_sequences", self.num_return_sequences, minimum=1),
             "block_size": check_int("block_size", self.block_size, minimum=1),
             "num_blocks": check_int("num_blocks", self.num_blocks, minimum=1, optional=True),
             "seed": check_int("seed", self.seed, minimum=-(2**63), maximum=2**64 - 1, optional=True),
@@ -78,11 +102,13 @@ class GenerationConfig:
         return parse_stop(self.stop)[1]
 
     def update(self, **changes: Any) -> "GenerationConfig":
-        """A copy with ``changes`` applied; a name that is not a field is an InputTypeError naming it."""
+        """A copy with ``changes`` applied (added to ``fields_set``); a name that is not a field is an
+        InputTypeError naming it."""
         known = {f.name for f in fields(self)}
         unknown = sorted(set(changes) - known)
         if unknown:
             plural = "s" if len(unknown) > 1 else ""
             raise InputTypeError(f"unknown generation argument{plural} {', '.join(unknown)}; "
                                  f"known: {', '.join(sorted(known))}")
-        return dataclasses.replace(self, **changes)
+        given = {name: getattr(self, name) for name in self.fields_set}
+        return type(self)(**{**given, **changes})

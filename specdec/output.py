@@ -4,8 +4,10 @@
     out.sequences, out.new_tokens, out.stats[0].tau, out.stats[0].acceptance_per_depth
 
 :func:`pack_output` turns the engine's finished :class:`~specdec.engine.SequenceState` list into
-these: prompt + new tokens, as a tensor padded with ``pad_token_id`` when a tensor came in, else
-as lists.
+these, laid out as transformers' ``model.generate()`` lays them out (:class:`OutputLayout`): each input
+row *as given* (left or right padding included) followed by its new tokens, so ``out[:, input_ids.shape[1]:]``
+is exactly the new tokens; rows that stopped early are right-padded with ``pad_token_id``. A tensor came in:
+a ``long`` tensor on its device; lists came in: lists (``out[i][len(input_ids[i]):]`` are the new tokens).
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ class SequenceStats:
 
 @dataclass(frozen=True)
 class GenerateOutput:
-    sequences: Any  # like transformers: prompt + new tokens (tensor or list of lists)
+    sequences: Any  # like transformers: each input row as given + its new tokens (tensor or lists)
     new_tokens: list[list[int]]
     stats: list[SequenceStats]
     seconds: float
@@ -64,18 +66,30 @@ class GenerateOutput:
         return sum(s.new_tokens for s in self.stats) / steps if steps else 0.0
 
 
-def pad_sequences(full: list[list[int]], pad_token_id: int) -> torch.Tensor:  # [batch, longest]
-    sequences = torch.full((len(full), max(len(t) for t in full)), pad_token_id, dtype=torch.long)
-    for i, t in enumerate(full):
-        sequences[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-    return sequences
+@dataclass(frozen=True)
+class OutputLayout:
+    """How the result is laid out: row i is ``rows[i]`` (an input row as given, padding included; repeated
+    for ``num_return_sequences``) followed by its new tokens."""
+
+    rows: tuple[tuple[int, ...], ...]
+    tensor: bool  # a tensor result (padded with pad_token_id) rather than lists
+    pad_token_id: int = 0
+    device: torch.device | None = None  # the tensor result's device (the input tensor's)
+
+    def pack(self, new_tokens: list[list[int]]) -> Any:
+        full = [list(row) + list(new) for row, new in zip(self.rows, new_tokens, strict=True)]
+        if not self.tensor:
+            return full
+        sequences = torch.full((len(full), max(len(t) for t in full)), self.pad_token_id, dtype=torch.long)
+        for i, t in enumerate(full):
+            sequences[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        return sequences.to(self.device) if self.device is not None else sequences
 
 
-def pack_output(engine: Engine, seqs: list[SequenceState], pad_token_id: int | None, return_dict: bool,
+def pack_output(engine: Engine, seqs: list[SequenceState], layout: OutputLayout, return_dict: bool,
                 start: float, prefill_seconds: float) -> Any:
-    """``pad_token_id`` None: lists (list input); else a padded tensor (tensor input)."""
-    full = [s.token_ids for s in seqs]
-    sequences = full if pad_token_id is None else pad_sequences(full, pad_token_id)
+    """The sequences laid out by ``layout``; with ``return_dict`` a GenerateOutput around them."""
+    sequences = layout.pack([s.new_tokens for s in seqs])
     if not return_dict:
         return sequences
     return GenerateOutput(sequences, [s.new_tokens for s in seqs], [SequenceStats.of(s, start) for s in seqs],

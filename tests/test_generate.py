@@ -82,7 +82,10 @@ def test_tensor_input_with_left_padding():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     out = specdec.generate(model, ids, attention_mask=mask, max_new_tokens=6)
     assert isinstance(out, torch.Tensor) and out.shape == (2, 11)
-    assert out[0, :9].tolist() == hf_greedy(model, [3, 4, 5], 6)
+    # laid out as transformers lays it out: the padded rows as given, then the new tokens
+    with torch.no_grad():
+        assert torch.equal(out, model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
+    assert out[0, 5:].tolist() == hf_greedy(model, [3, 4, 5], 6)[3:]
     assert out[1].tolist() == hf_greedy(model, [6, 7, 8, 9, 10], 6)
 
 

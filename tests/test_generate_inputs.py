@@ -83,7 +83,8 @@ def test_every_integer_form_of_input_ids_gives_the_same_tokens(form):
     ([[[1]]], InputTypeError, r"input_ids\[0\]\[0\] .*list"),
     ([[1], "ab"], InputTypeError, r"input_ids\[1\] is str"),
     ([torch.tensor([1.0])], InputTypeError, r"input_ids\[0\] .*float32"),
-    ({"input_ids": [1, 2]}, InputTypeError, r"input_ids .*mapping"),
+    ({"ids": [1, 2]}, InputError, r"input_ids is a mapping without an 'input_ids' key"),
+    ({"input_ids": [1, 2], "pixel_values": [0.5]}, InputError, r"keys specdec does not use: \['pixel_values'\]"),
     ([], InputError, "no prompt"),
     (torch.zeros(0, 3, dtype=torch.long), InputError, "no prompt"),
     ([[1, 2], []], InputError, "prompt 1 is empty"),
@@ -132,8 +133,11 @@ def test_attention_mask_drops_padding_in_every_form(mask_of):
 
 
 def test_ragged_lists_take_a_ragged_mask():
-    want = _gen([[5, 6, 7], [9]])
-    assert _gen([[5, 6, 7, 0], [8, 9]], attention_mask=[[1, 1, 1, 0], [0, 1]]) == want
+    """The mask drops the padding from the prompts; the result keeps each row as given (as transformers keeps a
+    padded tensor's rows), so row[len(input row):] is the new tokens."""
+    want = _gen([[5, 6, 7], [9]], return_dict=True).new_tokens
+    out = _gen([[5, 6, 7, 0], [8, 9]], attention_mask=[[1, 1, 1, 0], [0, 1]])
+    assert out == [[5, 6, 7, 0] + want[0], [8, 9] + want[1]]
 
 
 # ---- scalar arguments ------------------------------------------------------------------------
@@ -166,7 +170,8 @@ def test_ragged_lists_take_a_ragged_mask():
     (dict(generator=1), InputTypeError, r"generator must be a torch.Generator"),
     (dict(pad_token_id="x"), InputTypeError, r"pad_token_id must be an int or None, got str"),
     (dict(pad_token_id=1.0), InputTypeError, r"pad_token_id"),
-    (dict(streamer=3), InputTypeError, r"streamer must be a callable or None, got int 3"),
+    (dict(streamer=3), InputTypeError, r"streamer must be a callable .*, an object with put\(\) and end\(\) .* "
+                                       r"or None, got int 3"),
     (dict(drafter="ngram", drafter_options=[("n", 2)]), InputTypeError, r"drafter_options must be a dict"),
     (dict(drafter="ngram", drafter_options="n=2"), InputTypeError, r"drafter_options"),
     (dict(cuda_graphs="yes"), InputTypeError, r"cuda_graphs must be a bool"),
@@ -177,7 +182,8 @@ def test_ragged_lists_take_a_ragged_mask():
     (dict(acceptance_rule="exact"), InputTypeError, r"unknown generation argument acceptance_rule; known: "),
     (dict(engine_fault="wrong_slot"), InputTypeError, r"unknown generation argument engine_fault"),
     (dict(max_new_token=3), InputTypeError, r"unknown generation argument max_new_token; known: .*max_new_tokens"),
-    (dict(generation_config={"max_new_tokens": 3}), InputTypeError, r"generation_config must be a specdec "),
+    (dict(generation_config={"max_new_tokens": 3}), InputTypeError,
+     r"generation_config must be a specdec or transformers GenerationConfig"),
     (dict(drafter="no-such-drafter"), InputError, r"unknown drafter 'no-such-drafter'; available: .*ngram"),
     (dict(drafter=5), InputTypeError, r"drafter must be None, a name or a Drafter"),
     (dict(drafter="ngram", drafter_options={"bogus": 1}), InputError, r"ngram drafter: unknown option.*bogus"),
@@ -394,6 +400,10 @@ def test_generation_config_is_the_default_and_keyword_arguments_win():
     assert len(from_config[0]) == 5 and from_config == _gen(max_new_tokens=2, do_sample=True, seed=3)
     assert _gen(generation_config=config, max_new_tokens=4) == _gen(max_new_tokens=4, do_sample=True, seed=3)
     assert config.update(top_k=5).top_k == 5 and config.top_k == 0  # frozen: update() returns a copy
+    # the fields given (not the defaults) are the ones that override a model's generation_config
+    assert config.fields_set == {"max_new_tokens", "do_sample", "seed"}
+    assert config.update(top_k=5).fields_set == {"max_new_tokens", "do_sample", "seed", "top_k"}
+    assert GenerationConfig().fields_set == frozenset() and GenerationConfig(64).fields_set == {"max_new_tokens"}
     with pytest.raises(InputError, match="temperature must be > 0"):
         GenerationConfig(do_sample=True, temperature=0)
 

@@ -1,0 +1,255 @@
+"""What to generate, from the three places transformers takes it from, in transformers' precedence.
+
+    layers = [model_layer(loaded.model), config_layer(generation_config), kwargs_layer(kwargs)]  # lowest first
+    config = resolve(layers, prompt_length=inputs.length)          # a specdec GenerationConfig, max_length resolved
+
+generate() reads its settings as transformers' ``generate()`` does::
+
+    keyword arguments  >  generation_config=  >  the model's generation_config (generation_config.json)  >  defaults
+
+``generation_config=`` is a specdec :class:`~specdec.generation_config.GenerationConfig` or a transformers
+``GenerationConfig``. A layer contributes only the fields it *sets*: a transformers config's fields that are not
+None (transformers 5's meaning of "set"), a specdec config's ``fields_set``, the keyword arguments given. None
+never overrides (``eos_token_id=None`` keeps the model's EOS, as specdec always did).
+
+Every transformers field is one of:
+
+* read: the fields of specdec's GenerationConfig (``max_new_tokens``, ``max_length``, ``do_sample``,
+  ``temperature``, ``top_k``, ``top_p``, ``eos_token_id``, ``pad_token_id``, ``num_return_sequences``, and any
+  field specdec's config gains later under transformers' name); ``stop_strings`` is read as ``stop``;
+  ``return_dict_in_generate`` as generate()'s ``return_dict``;
+* ignored, because it cannot change the tokens (:data:`IGNORED`: ``bos_token_id``, cache and compile settings,
+  the tuning knobs of transformers' own assisted generation, ...);
+* refused when set to anything but its neutral value (:data:`REFUSED`: beam search, contrastive search, other
+  logits processors and warpers, ``output_attentions``, ...): a one-line InputError naming the field and where it
+  came from. A field transformers adds later that this file does not know is refused the same way. Entries of a
+  transformers config that are no transformers field at all (custom keys of a generation_config.json) are logged
+  and ignored, as transformers ignores them; an unknown keyword argument is an InputTypeError (a typo).
+
+Sampling defaults: when a transformers config (passed or the model's) sets ``do_sample=True``, generation samples
+and no layer sets ``top_k``, top-k is transformers' default of 50, so the model samples as ``model.generate()``
+samples it. When only a keyword argument or a specdec config asks for sampling, specdec's default ``top_k=0`` (no
+top-k: the full distribution) stays; pass ``top_k=50`` for transformers' behaviour.
+
+Lengths: ``max_length`` counts the prompt as transformers does (``input_ids.shape[-1]``, padding included; the
+longest row of a list input) and becomes ``max_new_tokens = max_length - that``; ``max_new_tokens`` wins where
+both are set, whatever layer each comes from (transformers' rule); neither set anywhere: 128 new tokens.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from specdec.errors import InputError, InputTypeError
+from specdec.generate_inputs import describe
+from specdec.generation_config import GenerationConfig
+
+logger = logging.getLogger(__name__)
+
+KWARGS = "keyword argument"  # the source named in messages about generate()'s keyword arguments
+TRANSFORMERS_TOP_K = 50  # transformers' top_k when sampling and no config sets it
+
+ALIASES = {"stop_strings": "stop"}  # transformers' name -> specdec's GenerationConfig field
+RETURN_DICT = "return_dict_in_generate"  # -> generate()'s return_dict
+
+# name -> why it cannot change the output
+_RUNTIME = "how transformers runs the model (specdec has its own paged KV cache and kernels)"
+_ASSISTED = "tunes transformers' assisted generation (specdec's drafters and tree sizing decide)"
+IGNORED: dict[str, str] = {
+    "bos_token_id": "used only to start generation without a prompt",
+    "decoder_start_token_id": "encoder-decoder models only",
+    "transformers_version": "metadata",
+    **dict.fromkeys(("use_cache", "cache_implementation", "cache_config", "max_cache_len", "compile_config",
+                     "disable_compile", "prefill_chunk_size", "continuous_batching_config"), _RUNTIME),
+    **dict.fromkeys(("is_assistant", "num_assistant_tokens", "num_assistant_tokens_schedule",
+                     "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind",
+                     "max_matching_ngram_size"), _ASSISTED),
+}
+
+# name -> (values that change nothing besides None, what the field does)
+_PROCESSOR = "a logits processor specdec does not apply"
+_WARPER = "a sampling warper specdec does not apply (it has temperature, top_k and top_p)"
+_BEAM = "beam search (specdec decodes greedily or samples)"
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "num_beams": ((1,), _BEAM), "num_beam_groups": ((1,), _BEAM), "diversity_penalty": ((0.0,), _BEAM),
+    "length_penalty": ((1.0,), _BEAM), "early_stopping": ((False,), _BEAM), "constraints": ((), _BEAM),
+    "force_words_ids": ((), _BEAM),
+    "penalty_alpha": ((), "contrastive search"), "low_memory": ((False,), "contrastive search"),
+    "dola_layers": ((), "DoLa decoding"),
+    "min_p": ((), _WARPER), "top_h": ((), _WARPER), "typical_p": ((1.0,), _WARPER),
+    "epsilon_cutoff": ((0.0,), _WARPER), "eta_cutoff": ((0.0,), _WARPER),
+    "repetition_penalty": ((1.0,), _PROCESSOR), "encoder_repetition_penalty": ((1.0,), _PROCESSOR),
+    "no_repeat_ngram_size": ((0,), _PROCESSOR), "encoder_no_repeat_ngram_size": ((0,), _PROCESSOR),
+    "bad_words_ids": ((), _PROCESSOR), "min_length": ((0,), _PROCESSOR), "min_new_tokens": ((0,), _PROCESSOR),
+    "forced_bos_token_id": ((), _PROCESSOR), "forced_eos_token_id": ((), _PROCESSOR),
+    "exponential_decay_length_penalty": ((), _PROCESSOR), "suppress_tokens": ((), _PROCESSOR),
+    "begin_suppress_tokens": ((), _PROCESSOR), "sequence_bias": ((), _PROCESSOR),
+    "remove_invalid_values": ((False,), _PROCESSOR), "renormalize_logits": ((False,), _PROCESSOR),
+    "guidance_scale": ((1, 1.0), "classifier-free guidance"), "watermarking_config": ((), "watermarking"),
+    "token_healing": ((False,), "token healing"), "max_time": ((), "a time limit (the output would depend on speed)"),
+    **dict.fromkeys(("output_attentions", "output_hidden_states", "output_scores", "output_logits"),
+                    ((False,), "extra outputs (specdec returns sequences and GenerateOutput's stats)")),
+    "prompt_lookup_num_tokens": ((), "transformers' prompt lookup (use drafter='ngram')"),
+    "assistant_early_exit": ((), "transformers' early-exit assistant (use drafter='self-draft')"),
+    "use_mtp": ((False,), "multi-token prediction heads"),
+    "speculation_type": ((), "transformers' speculation types"),
+    "assistant_ensemble_weight": ((), "lossy ensemble verification"),
+}
+
+
+@dataclass(frozen=True)
+class ConfigLayer:
+    """One place settings come from: the specdec fields it sets, and where it came from (for messages)."""
+
+    source: str  # "keyword argument", "generation_config=", "the model's generation_config"
+    values: Mapping[str, Any] = field(default_factory=dict)  # specdec GenerationConfig field -> value, set only
+    refused: Mapping[str, Any] = field(default_factory=dict)  # REFUSED (or unknown transformers) field -> value
+    transformers: bool = False  # a transformers GenerationConfig: its do_sample brings transformers' top_k
+    return_dict: bool | None = None  # return_dict_in_generate, if it set it
+
+
+def _specdec_fields() -> set[str]:
+    return {f.name for f in fields(GenerationConfig)}
+
+
+_DEFAULTS = {f.name: f.default for f in fields(GenerationConfig)}  # specdec's defaults
+
+
+def _known_names() -> set[str]:
+    return _specdec_fields() | set(ALIASES) | {RETURN_DICT} | set(IGNORED) | set(REFUSED)
+
+
+@functools.lru_cache(maxsize=1)
+def _transformers_fields() -> frozenset[str]:
+    import transformers
+
+    return frozenset(k for k in vars(transformers.GenerationConfig()) if not k.startswith("_"))
+
+
+def _is_transformers_config(value: Any) -> bool:
+    cls = type(value)  # without importing transformers when it is not in play
+    return any(c.__name__ == "GenerationConfig" and c.__module__.startswith("transformers.") for c in cls.__mro__)
+
+
+def _is_neutral(name: str, value: Any) -> bool:
+    """None, False, or a value of ``name`` that changes nothing (num_beams=1, repetition_penalty=1.0, ...)."""
+    if value is None or value is False:
+        return True
+    neutral = REFUSED.get(name, ((), ""))[0]
+    return not isinstance(value, bool) and isinstance(value, numbers.Number) and any(
+        not isinstance(v, bool) and value == v for v in neutral)
+
+
+def _read(source: str, items: Mapping[str, Any], transformers: bool, kwargs: bool = False) -> ConfigLayer:
+    """``items`` (name -> value; None = unset) as a layer; names nobody knows (custom entries of a
+    transformers config) are logged and ignored, as transformers ignores them. ``kwargs`` (keyword
+    arguments): None is kept for a refused field, so that it overrides a lower layer's value, and for a
+    specdec field that cannot be None, so that GenerationConfig refuses it (``top_p=None``)."""
+    known = _specdec_fields()
+    values: dict[str, Any] = {}
+    refused: dict[str, Any] = {}
+    return_dict = None
+    for name, value in items.items():
+        if value is None and not (kwargs and (name in REFUSED or _DEFAULTS.get(name, None) is not None)):
+            continue
+        if name in known or name in ALIASES:
+            target = ALIASES.get(name, name)
+            if target in values:
+                raise InputError(f"{source} sets both {target} and its transformers alias "
+                                 f"{next(a for a, t in ALIASES.items() if t == target)}: pass one")
+            values[target] = value
+        elif name == RETURN_DICT:
+            if not isinstance(value, bool):
+                raise InputTypeError(f"{RETURN_DICT} must be True or False, got {describe(value)}")
+            return_dict = value
+        elif name in IGNORED:
+            logger.debug("%s: %s=%r ignored: %s", source, name, value, IGNORED[name])
+        elif name in REFUSED or name in _transformers_fields():
+            refused[name] = value  # checked once the layers are merged: a higher layer may set it back
+        else:
+            logger.info("%s: %s=%r is no transformers generation field: ignored, as transformers ignores it",
+                        source, name, value)
+    return ConfigLayer(source, values, refused, transformers, return_dict)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def kwargs_layer(kwargs: Mapping[str, Any]) -> ConfigLayer:
+    """generate()'s keyword arguments (the highest layer); an unknown name is an InputTypeError (a typo)."""
+    unknown = sorted(set(kwargs) - _known_names())
+    if unknown:
+        plural = "s" if len(unknown) > 1 else ""
+        raise InputTypeError(f"unknown generation argument{plural} {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(_known_names()))}")
+    return _read(KWARGS, kwargs, transformers=False, kwargs=True)
+
+
+def config_layer(config: Any, source: str = "generation_config=") -> ConfigLayer:
+    """A specdec or transformers GenerationConfig (None: an empty layer)."""
+    if config is None:
+        return ConfigLayer(source)
+    if isinstance(config, GenerationConfig):
+        return ConfigLayer(source, {n: getattr(config, n) for n in sorted(config.fields_set)
+                                    if getattr(config, n) is not None})
+    if _is_transformers_config(config):
+        items = {k: v for k, v in config.to_dict().items() if not k.startswith("_")}
+        return _read(source, items, transformers=True)
+    raise InputTypeError(f"generation_config must be a specdec or transformers GenerationConfig, got "
+                         f"{describe(config)}")
+
+
+def model_layer(model: Any) -> ConfigLayer:
+    """The loaded model's own ``generation_config`` (generation_config.json), if it has one."""
+    return config_layer(getattr(model, "generation_config", None), "the model's generation_config")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    config: GenerationConfig  # max_length turned into max_new_tokens (when the prompt length was known)
+    return_dict: bool
+    length_from: str | None  # where max_length came from when it set max_new_tokens (for messages); else None
+
+
+def resolve(layers: Sequence[ConfigLayer], prompt_length: int | None = None,
+            return_dict: bool | None = None) -> Resolved:
+    """The layers (lowest precedence first) merged into one checked GenerationConfig. ``prompt_length`` None:
+    a check before the model is known (max_length is checked, not yet turned into max_new_tokens).
+    ``return_dict``: generate()'s own argument, above every layer; None = return_dict_in_generate, else False."""
+    merged: dict[str, Any] = {}
+    refused: dict[str, tuple[Any, str]] = {}
+    origin: dict[str, ConfigLayer] = {}
+    layer_return_dict = None
+    for layer in layers:
+        for name, value in layer.values.items():
+            merged[name], origin[name] = value, layer
+        refused.update({name: (value, layer.source) for name, value in layer.refused.items()})
+        layer_return_dict = layer.return_dict if layer.return_dict is not None else layer_return_dict
+    for name, (value, source) in refused.items():
+        if not _is_neutral(name, value):
+            what = REFUSED.get(name, ((), "a transformers setting specdec does not know"))[1]
+            neutral = (REFUSED.get(name, ((), ""))[0] or (None,))[0]
+            hint = "unset it" if source == KWARGS else f"unset it, or pass {name}={neutral!r} to generate()"
+            raise InputError(f"{source} sets {name}={_short(value)}: {what}; specdec refuses it rather than "
+                             f"ignore it ({hint})")
+    asks_transformers_sampling = any(layer.transformers and layer.values.get("do_sample") is True for layer in layers)
+    if merged.get("do_sample") is True and "top_k" not in merged and asks_transformers_sampling:
+        merged["top_k"] = TRANSFORMERS_TOP_K
+    length_from = None
+    if prompt_length is not None and "max_length" in merged:
+        max_length = merged.pop("max_length")
+        if "max_new_tokens" not in merged:
+            length_from = origin["max_length"].source
+            if max_length <= prompt_length:
+                raise InputError(f"max_length={max_length} (from {length_from}) leaves no room for new tokens: the "
+                                 f"input is already {prompt_length} tokens long (input_ids.shape[-1]); raise it or "
+                                 "pass max_new_tokens")
+            merged["max_new_tokens"] = max_length - prompt_length
+    return_dict = return_dict if return_dict is not None else bool(layer_return_dict)
+    return Resolved(GenerationConfig(**merged), return_dict, length_from)

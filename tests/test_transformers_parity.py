@@ -1,0 +1,378 @@
+"""generate() called as transformers' ``model.generate()`` is called gives what it gives (issue 22, items 1, 2, 4
+and 6 but min_new_tokens), on tiny random models with the tiny character tokenizer, against transformers' own
+``generate()``: left / right padding, lists with masks, a BatchEncoding or dict passed positionally or as
+``**enc``, GenerationConfig precedence (keyword arguments > generation_config= > the model's), unsupported
+fields refused, streamers (``TextStreamer``, ``TextIteratorStreamer``, a recording put/end object, the
+callable), ``num_return_sequences`` and ``max_length``. Greedy results are compared as whole tensors
+(``torch.equal``: same shape, same padding, same tokens).
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import transformers
+
+import specdec
+from specdec.errors import InputError, SpecdecError
+from specdec.generate import prepare
+from specdec.testing import build_tiny_model, build_tiny_tokenizer
+
+TEXTS = ["hello world", "ab", "the quick brown fox"]
+
+
+@functools.lru_cache(maxsize=1)
+def _tok():
+    tok = build_tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tok
+
+
+def _model(**generation):
+    """A fresh tiny model (vocabulary = the tiny tokenizer's) with ``generation`` set on its generation_config."""
+    model = build_tiny_model(vocab_size=len(_tok()), seed=1)
+    for name, value in generation.items():
+        setattr(model.generation_config, name, value)
+    return model
+
+
+@functools.lru_cache(maxsize=1)
+def _shared_model():
+    return _model()
+
+
+def _enc(side: str = "left", texts=TEXTS, **kwargs):
+    tok = _tok()
+    tok.padding_side = side
+    return tok(texts, padding=True, return_tensors="pt", **kwargs)
+
+
+def hf(model, *args, **kwargs):
+    with torch.no_grad():
+        return model.generate(*args, **kwargs)
+
+
+def _eos_ending_rows_apart(model, enc, n: int) -> int:
+    """A token that ends the rows of ``enc`` at different steps in greedy decoding (so some get padded)."""
+    new = hf(model, **enc, max_new_tokens=n, do_sample=False)[:, enc["input_ids"].shape[1]:].tolist()
+    for t in dict.fromkeys(new[0][1:]):
+        firsts = {row.index(t) if t in row else n for row in new}
+        if len(firsts) > 1 and t != model.generation_config.pad_token_id:
+            return t
+    raise AssertionError("no token ends the rows at different steps")
+
+
+def _up_to_eos(row: list[int], eos: int) -> list[int]:
+    return row[: row.index(eos) + 1] if eos in row else row
+
+
+# ---- inputs and outputs ------------------------------------------------------------------------
+def test_left_padded_batch_is_transformers_tensor_with_eos_padding(device):
+    model = _shared_model() if device == "cpu" else _model().to(device)
+    enc = _enc("left").to(device)
+    eos = _eos_ending_rows_apart(model, enc, 12)
+    want = hf(model, **enc, max_new_tokens=12, do_sample=False, eos_token_id=eos)
+    out = specdec.generate(model, **enc, max_new_tokens=12, eos_token_id=eos)
+    assert torch.equal(out, want) and out.dtype == torch.long and out.device == want.device
+    assert (want == 0).sum() > (enc["attention_mask"] == 0).sum()  # some rows really were padded after EOS
+    width = enc["input_ids"].shape[1]
+    res = specdec.generate(model, **enc, max_new_tokens=12, eos_token_id=eos, return_dict=True)
+    assert [_up_to_eos(r, eos) for r in out[:, width:].tolist()] == res.new_tokens  # out[:, L:] = the new tokens
+
+
+def test_right_padded_batch_keeps_its_layout_and_decodes_the_unpadded_prompts():
+    """transformers decodes a right-padded batch from the pad tokens (it warns); specdec honours the mask. The
+    layout is transformers': the rows as given, then the new tokens, which are those of the left-padded batch."""
+    model = _shared_model()
+    right, left = _enc("right"), _enc("left")
+    want_new = hf(model, **left, max_new_tokens=8, do_sample=False)[:, left["input_ids"].shape[1]:]
+    out = specdec.generate(model, **right, max_new_tokens=8)
+    width = right["input_ids"].shape[1]
+    assert torch.equal(out[:, :width], right["input_ids"]) and torch.equal(out[:, width:], want_new)
+
+
+def test_lists_with_masks_keep_each_row_and_add_transformers_new_tokens():
+    model = _shared_model()
+    left = _enc("left")
+    eos = _eos_ending_rows_apart(model, left, 10)
+    want = hf(model, **left, max_new_tokens=10, do_sample=False, eos_token_id=eos)
+    want_new = [_up_to_eos(r, eos) for r in want[:, left["input_ids"].shape[1]:].tolist()]
+    for side in ("left", "right"):
+        lists = _enc(side).data
+        lists = {k: v.tolist() for k, v in lists.items()}
+        for out in (specdec.generate(model, lists["input_ids"], attention_mask=lists["attention_mask"],
+                                     max_new_tokens=10, eos_token_id=eos),
+                    specdec.generate(model, _tok()(TEXTS, padding=True), max_new_tokens=10, eos_token_id=eos)
+                    if side == _tok().padding_side else None):
+            if out is None:
+                continue
+            assert isinstance(out, list)
+            assert out == [row + new for row, new in zip(lists["input_ids"], want_new)]
+    # a ragged list: each row's own padding
+    ragged = [[0, 0] + [8, 5, 12], [1, 2, 3, 0]]
+    mask = [[0, 0, 1, 1, 1], [1, 1, 1, 0]]
+    new = [hf(model, torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=4,
+              do_sample=False)[0, len(p):].tolist() for p in ([8, 5, 12], [1, 2, 3])]
+    assert specdec.generate(model, ragged, attention_mask=mask, max_new_tokens=4) == [
+        r + n for r, n in zip(ragged, new)]
+
+
+@pytest.mark.parametrize("form", ["batch_encoding", "dict", "kwargs", "chat_template"])
+def test_batch_encoding_or_dict_positional_or_unpacked(form):
+    model = _shared_model()
+    if form == "chat_template":
+        _tok().padding_side = "left"
+        enc = _tok().apply_chat_template([[{"role": "user", "content": t}] for t in TEXTS], return_tensors="pt",
+                                         return_dict=True, padding=True)
+        assert isinstance(enc, transformers.BatchEncoding)
+    else:
+        enc = _enc("left", return_token_type_ids=True)  # token_type_ids: accepted and ignored
+        assert "token_type_ids" in enc
+    want = hf(model, input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=6,
+              do_sample=False)
+    if form == "kwargs":
+        out = specdec.generate(model, **enc, max_new_tokens=6)
+    else:
+        out = specdec.generate(model, dict(enc) if form == "dict" else enc, max_new_tokens=6)
+    assert torch.equal(out, want)
+
+
+def test_transformers_refuses_token_type_ids_on_llama_and_specdec_ignores_them():
+    """Documented difference: transformers' generate() refuses ``**tokenizer(..., return_token_type_ids=True)``
+    for Llama ("model_kwargs are not used"); specdec ignores them (Llama has no token-type embedding)."""
+    model = _shared_model()
+    enc = _enc("left", return_token_type_ids=True)
+    with pytest.raises(ValueError, match="token_type_ids"):
+        hf(model, **enc, max_new_tokens=2)
+    assert torch.equal(specdec.generate(model, **enc, max_new_tokens=2),
+                       specdec.generate(model, enc["input_ids"], attention_mask=enc["attention_mask"],
+                                        max_new_tokens=2))
+
+
+def test_bad_encodings_are_one_line_errors_before_the_model_loads():
+    enc = _enc("left")
+    cases = [
+        (dict(input_ids=enc, attention_mask=enc["attention_mask"]), "attention_mask was given twice"),
+        (dict(input_ids={**enc, "position_ids": enc["input_ids"]}), r"keys specdec does not use: \['position_ids'\]"),
+        (dict(input_ids={"attention_mask": enc["attention_mask"]}), "without an 'input_ids' key"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(InputError, match=match) as info:
+            specdec.generate("no/such/model", **kwargs)  # the model would be "not found": checked first
+        assert "\n" not in str(info.value)
+
+
+# ---- GenerationConfig precedence -----------------------------------------------------------------
+def test_model_generation_config_then_passed_config_then_kwargs():
+    enc = _enc("left")
+    model = _model(max_new_tokens=5)
+    passed = transformers.GenerationConfig(max_new_tokens=7)
+    # the model's own generation_config.json provides the default
+    assert torch.equal(specdec.generate(model, **enc), hf(model, **enc))
+    assert specdec.generate(model, **enc).shape[1] == enc["input_ids"].shape[1] + 5
+    # a passed config beats the model's, keyword arguments beat both
+    assert torch.equal(specdec.generate(model, **enc, generation_config=passed),
+                       hf(model, **enc, generation_config=passed))
+    assert torch.equal(specdec.generate(model, **enc, generation_config=passed, max_new_tokens=3),
+                       hf(model, **enc, generation_config=passed, max_new_tokens=3))
+    assert specdec.generate(model, **enc, generation_config=passed, max_new_tokens=3).shape[1] == (
+        enc["input_ids"].shape[1] + 3)
+    # a specdec GenerationConfig counts the fields it was given, not its defaults
+    assert specdec.generate(model, **enc, generation_config=specdec.GenerationConfig()).shape[1] == (
+        enc["input_ids"].shape[1] + 5)
+    assert specdec.generate(model, **enc, generation_config=specdec.GenerationConfig(max_new_tokens=4)).shape[1] == (
+        enc["input_ids"].shape[1] + 4)
+
+
+def test_eos_and_pad_from_each_layer_as_transformers():
+    enc = _enc("left")
+    base = _shared_model()
+    eos_a = _eos_ending_rows_apart(base, enc, 12)
+    eos_b = next(t for t in range(3, len(_tok())) if t != eos_a)
+    model = _model(eos_token_id=eos_a, pad_token_id=2)
+    passed = transformers.GenerationConfig(eos_token_id=[eos_b, eos_a])  # pad from the model's config
+    for kwargs in (dict(), dict(generation_config=passed), dict(generation_config=passed, pad_token_id=4)):
+        want = hf(model, **enc, max_new_tokens=12, do_sample=False, **kwargs)
+        assert torch.equal(specdec.generate(model, **enc, max_new_tokens=12, **kwargs), want), kwargs
+    assert (hf(model, **enc, max_new_tokens=12, do_sample=False)[:, -1] == 2).any()  # padding really shows
+
+
+def test_do_sample_from_the_model_config_samples_with_transformers_top_k():
+    enc = _enc("left")
+    greedy = specdec.generate(_shared_model(), **enc, max_new_tokens=6)
+    model = _model(do_sample=True, top_k=1)  # top-k 1: sampling that is deterministic, so comparable
+    assert torch.equal(specdec.generate(model, **enc, max_new_tokens=6), hf(model, **enc, max_new_tokens=6))
+    assert torch.equal(specdec.generate(model, **enc, max_new_tokens=6), greedy)
+    # top_k unset: transformers' 50 when do_sample comes from a transformers config; specdec's 0 from kwargs
+    sampling = _model(do_sample=True, temperature=0.7)
+    assert prepare(sampling, [[1, 2]]).config.sampling == specdec.SamplingConfig(True, 0.7, 50, 1.0)
+    assert prepare(_shared_model(), [[1, 2]], generation_config=transformers.GenerationConfig(
+        do_sample=True)).config.top_k == 50
+    assert prepare(_shared_model(), [[1, 2]], do_sample=True).config.top_k == 0
+    assert prepare(sampling, [[1, 2]], do_sample=True).config.top_k == 50  # do_sample still the model's: set too
+    assert prepare(sampling, [[1, 2]], top_k=7).config.sampling == specdec.SamplingConfig(True, 0.7, 7, 1.0)
+    # kwargs beat the model's sampling; an explicit specdec GenerationConfig(do_sample=False) beats it too
+    assert not prepare(sampling, [[1, 2]], do_sample=False).config.do_sample
+    assert not prepare(sampling, [[1, 2]],
+                       generation_config=specdec.GenerationConfig(do_sample=False)).config.do_sample
+    outs = {tuple(specdec.generate(sampling, [[5, 6, 7]], max_new_tokens=8, seed=s)[0]) for s in range(4)}
+    assert len(outs) > 1  # it really samples
+
+
+def test_unsupported_fields_are_refused_from_every_layer():
+    enc = _enc("left")
+    with pytest.raises(InputError, match=r"generation_config= sets num_beams=2: beam search") as info:
+        specdec.generate("no/such/model", **enc, generation_config=transformers.GenerationConfig(num_beams=2))
+    assert "\n" not in str(info.value)
+    with pytest.raises(InputError, match=r"keyword argument sets output_attentions=True"):
+        specdec.generate("no/such/model", **enc, output_attentions=True)
+    with pytest.raises(InputError, match=r"keyword argument sets typical_p=0.5"):
+        specdec.generate("no/such/model", **enc, typical_p=0.5)
+    model = _model(penalty_alpha=0.6)
+    with pytest.raises(InputError, match=r"the model's generation_config sets penalty_alpha=0.6: contrastive "
+                                         r"search.*pass penalty_alpha=None to generate\(\)"):
+        specdec.generate(model, **enc, max_new_tokens=2)
+    # switched off by a higher layer, neutral values everywhere: accepted, and transformers agrees on the tokens
+    plain = hf(_shared_model(), **enc, max_new_tokens=3, do_sample=False)
+    assert torch.equal(specdec.generate(model, **enc, max_new_tokens=3, penalty_alpha=None), plain)
+    neutral = dict(num_beams=1, typical_p=1.0, output_attentions=False, use_cache=False, length_penalty=1.0)
+    assert torch.equal(specdec.generate(_shared_model(), **enc, max_new_tokens=3, **neutral), plain)
+    with pytest.raises(InputError, match="typical_p=0.9"):
+        specdec.generate(_model(typical_p=0.9), **enc, max_new_tokens=2)
+    assert torch.equal(specdec.generate(_model(typical_p=0.9), **enc, max_new_tokens=3, typical_p=1.0), plain)
+    # a typo is still a typo
+    with pytest.raises(specdec.InputTypeError, match="unknown generation argument num_beam;"):
+        specdec.generate("no/such/model", **enc, num_beam=2)
+
+
+def test_custom_entries_of_the_model_config_are_ignored_as_transformers_ignores_them():
+    model = _model()
+    model.generation_config.my_custom_flag = 3  # not a transformers generation field
+    enc = _enc("left")
+    assert torch.equal(specdec.generate(model, **enc, max_new_tokens=3), hf(model, **enc, max_new_tokens=3))
+
+
+# ---- streamers -----------------------------------------------------------------------------------
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def put(self, value):
+        self.calls.append(("put", tuple(value.shape), value.tolist()))
+
+    def end(self):
+        self.calls.append(("end",))
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+def test_put_end_streamer_gets_what_transformers_sends(drafter):
+    model = _shared_model()
+    enc = _enc("left", texts=["abab abab abab"])
+    want, got = Recorder(), Recorder()
+    hf(model, **enc, max_new_tokens=10, do_sample=False, streamer=want)
+    out = specdec.generate(model, **enc, max_new_tokens=10, streamer=got, drafter=drafter,
+                           speculation="always", return_dict=True)
+    assert got.calls == want.calls
+    if drafter:
+        assert out.tau > 1  # several tokens were committed in one step, and still put() one by one
+
+
+@pytest.mark.parametrize("skip_prompt", [False, True])
+def test_text_streamer_prints_what_transformers_prints(skip_prompt, capsys):
+    model = _shared_model()
+    enc = _enc("left", texts=["hello world"])
+    hf(model, **enc, max_new_tokens=12, do_sample=False, streamer=transformers.TextStreamer(_tok(), skip_prompt))
+    want = capsys.readouterr().out
+    specdec.generate(model, **enc, max_new_tokens=12, streamer=transformers.TextStreamer(_tok(), skip_prompt),
+                     drafter="ngram", speculation="always")
+    got = capsys.readouterr().out
+    assert got == want and got.strip()
+    assert got.startswith("hello world") != skip_prompt
+
+
+def test_text_iterator_streamer_yields_the_new_text():
+    model = _shared_model()
+    enc = _enc("left", texts=["hello world"])
+    streamer = transformers.TextIteratorStreamer(_tok(), skip_prompt=True)
+    out = specdec.generate(model, **enc, max_new_tokens=10, streamer=streamer)
+    assert "".join(streamer) == _tok().decode(out[0, enc["input_ids"].shape[1]:])
+
+
+def test_put_end_streamer_ends_even_when_generation_fails():
+    class Failing(Recorder):
+        def put(self, value):
+            super().put(value)
+            if len(self.calls) == 3:
+                raise RuntimeError("consumer gone")
+
+    streamer = Failing()
+    with pytest.raises(RuntimeError, match="consumer gone"):
+        specdec.generate(_shared_model(), [[1, 2, 3]], max_new_tokens=8, streamer=streamer)
+    assert streamer.calls[-1] == ("end",) and len(streamer.calls) == 4
+
+
+def test_put_end_streamer_takes_one_sequence_as_in_transformers():
+    with pytest.raises(InputError, match=r"one sequence, as in transformers, but this call generates 3") as info:
+        specdec.generate("no/such/model", **_enc("left"), streamer=Recorder())
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="batch size 1"):  # transformers' own TextStreamer refuses a batch
+        hf(_shared_model(), **_enc("left"), max_new_tokens=2, streamer=transformers.TextStreamer(_tok()))
+    with pytest.raises(InputError, match="generates 2"):
+        specdec.generate(_shared_model(), [[1, 2]], streamer=Recorder(), do_sample=True, num_return_sequences=2)
+
+
+def test_callable_streamer_stays():
+    seen = {0: [], 1: []}
+    out = specdec.generate(_shared_model(), [[1, 2, 3], [4, 5]], max_new_tokens=9, drafter="ngram",
+                           speculation="always", streamer=lambda i, toks: seen[i].extend(toks), return_dict=True)
+    assert [seen[0], seen[1]] == out.new_tokens
+
+
+# ---- num_return_sequences and max_length --------------------------------------------------------------
+def test_num_return_sequences_repeats_each_prompt_consecutively_as_transformers():
+    model = _shared_model()
+    enc = _enc("left", texts=TEXTS[:2])
+    kwargs = dict(max_new_tokens=6, do_sample=True, top_k=1, num_return_sequences=3)  # top-k 1: comparable
+    out = specdec.generate(model, **enc, **kwargs)
+    assert torch.equal(out, hf(model, **enc, **kwargs)) and out.shape[0] == 6
+    # real sampling: copies of one prompt differ, the prompt rows stay, a seed reproduces them
+    sampled = specdec.generate(model, **enc, max_new_tokens=8, do_sample=True, num_return_sequences=4, seed=0)
+    width = enc["input_ids"].shape[1]
+    assert torch.equal(sampled[:, :width], enc["input_ids"].repeat_interleave(4, dim=0))
+    assert len({tuple(r) for r in sampled[:4, width:].tolist()}) > 1
+    again = specdec.generate(model, **enc, max_new_tokens=8, do_sample=True, num_return_sequences=4, seed=0)
+    assert torch.equal(sampled, again)
+    lists = specdec.generate(model, [[1, 2], [3]], max_new_tokens=2, do_sample=True, num_return_sequences=2)
+    assert [r[: len(p)] for r, p in zip(lists, [[1, 2], [1, 2], [3], [3]])] == [[1, 2], [1, 2], [3], [3]]
+
+
+def test_num_return_sequences_with_greedy_is_refused_as_in_transformers():
+    enc = _enc("left")
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        hf(_shared_model(), **enc, max_new_tokens=2, num_return_sequences=2)
+    with pytest.raises(InputError, match=r"num_return_sequences=2 needs do_sample=True") as info:
+        specdec.generate(_shared_model(), **enc, max_new_tokens=2, num_return_sequences=2)
+    assert isinstance(info.value, SpecdecError) and "\n" not in str(info.value)
+
+
+def test_max_length_counts_the_padded_input_and_max_new_tokens_wins():
+    model = _shared_model()
+    enc = _enc("left")
+    width = enc["input_ids"].shape[1]
+    for kwargs in (dict(max_length=width + 5), dict(max_length=width + 2, max_new_tokens=6)):
+        out = specdec.generate(model, **enc, **kwargs)
+        assert torch.equal(out, hf(model, **enc, do_sample=False, **kwargs)), kwargs
+    assert specdec.generate(model, **enc, max_length=width + 2, max_new_tokens=6).shape[1] == width + 6
+    # from the model's config, under a passed max_new_tokens (transformers: max_new_tokens wins across layers)
+    capped = _model(max_length=width + 4)
+    assert torch.equal(specdec.generate(capped, **enc), hf(capped, **enc))
+    passed = transformers.GenerationConfig(max_new_tokens=2)
+    assert torch.equal(specdec.generate(capped, **enc, generation_config=passed),
+                       hf(capped, **enc, generation_config=passed))
+    # lists: the longest row is the input length
+    assert [len(r) for r in specdec.generate(model, [[1, 2, 3], [4]], max_length=6)] == [6, 4]
+    with pytest.raises(ValueError, match="max_length"):
+        hf(model, **enc, max_length=width)
+    with pytest.raises(InputError, match=rf"max_length={width} \(from keyword argument\) leaves no room"):
+        specdec.generate(model, **enc, max_length=width)
