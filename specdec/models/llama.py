@@ -6,7 +6,9 @@ embeddings, optional q/k/v bias (Qwen2) and q/k RMSNorm (Qwen3). The runner hold
 references to the loaded transformers model's parameters: no weight is copied. The backend is
 chosen when the runner is built (``specdec.kernels.dispatch``; Triton on CUDA by default): on the
 Triton backend each layer's element-wise steps run as fused Triton kernels, and attention follows
-the KV cache's backend; otherwise everything is PyTorch ops.
+the KV cache's backend; otherwise everything is PyTorch ops. Attention is full attention: a sliding-window
+model (Mistral, Qwen2/3 with ``use_sliding_window``) runs exactly up to its window, which becomes
+``shape.max_positions``; ``shape.check_fits`` refuses a longer request with a message naming the window.
 
     runner = LlamaRunner(hf_model)
     out = runner.forward(token_ids, positions, plan, cache, logits_rows)
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.attention import AttentionPlan, paged_attention
-from specdec.errors import SpecdecError
+from specdec.errors import InputError, SpecdecError
 from specdec.kernels.dispatch import Backend, resolve_backend
 from specdec.kv_cache import PagedKVCache
 from specdec.models import row_policy
@@ -42,7 +44,25 @@ class ModelShape:
     head_dim: int
     hidden_size: int
     vocab_size: int
-    max_positions: int
+    max_positions: int  # positions specdec runs exactly: the context, or the sliding window when smaller
+    sliding_window: int | None = None  # the window of a sliding-window model (Mistral, Qwen2/3 with one)
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int, note: str = "") -> None:
+        """An InputError unless a prompt of ``prompt_tokens`` + ``max_new_tokens`` new tokens fits; for a
+        sliding-window model the message names the window (full attention equals windowed attention only while
+        every token sees the whole sequence, so specdec refuses to go past it). ``note`` follows the count of new
+        tokens in the message, e.g. " (max_length from generation_config)"."""
+        if prompt_tokens + max_new_tokens <= self.max_positions:
+            return
+        asked = f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}{note})"
+        if self.sliding_window is not None and self.sliding_window == self.max_positions:
+            raise InputError(
+                f"{asked} exceeds the model's sliding window of {self.sliding_window} tokens (config.sliding_window)"
+                f": specdec computes full attention, which equals the model's windowed attention only while the "
+                f"whole sequence fits in the window; shorten the prompt or lower max_new_tokens"
+            )
+        raise InputError(f"{asked} exceeds the model's context of {self.max_positions} tokens; shorten the prompt "
+                         "or lower max_new_tokens")
 
 
 @dataclass(frozen=True)
@@ -54,6 +74,23 @@ class ForwardOutput:
 def _rope_type(config) -> str:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     return params.get("rope_type", params.get("type", "default"))
+
+
+def sliding_window(config) -> int | None:
+    """The sliding window of attention of a transformers config, None when no layer uses one.
+
+    The engine runs full attention over the whole sequence. A query at position i of a windowed layer sees
+    positions (i - window, i] (transformers' sliding-window mask), the same keys as full attention while
+    i < window: so the runner's ``shape.max_positions`` stops at the window and generation is exact inside it.
+    ``layer_types`` (transformers 5: Qwen2 / Qwen3 with ``use_sliding_window``, per layer) decides where
+    present; otherwise ``sliding_window`` counts unless ``use_sliding_window`` is False (Mistral has no flag)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    return int(window) if getattr(config, "use_sliding_window", True) else None
 
 
 def check_supported(hf_model) -> None:
@@ -140,13 +177,11 @@ class LlamaRunner:
         self.eps = cfg.rms_norm_eps
         num_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-        max_pos = cfg.max_position_embeddings
-        window = getattr(cfg, "sliding_window", None)
-        if window and getattr(cfg, "use_sliding_window", True):
-            max_pos = min(max_pos, window)  # full attention is exact only inside the window
+        window = sliding_window(cfg)
+        max_pos = cfg.max_position_embeddings if window is None else min(cfg.max_position_embeddings, window)
         self.shape = ModelShape(
             cfg.num_hidden_layers, num_heads, cfg.num_key_value_heads, head_dim, cfg.hidden_size, cfg.vocab_size,
-            max_pos,
+            max_pos, window,
         )
         self.scale = head_dim**-0.5
         self.layers = base.layers

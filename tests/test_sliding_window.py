@@ -1,0 +1,86 @@
+"""Sliding-window models (a tiny Mistral with a 16-token window): inside the window specdec's full attention is
+the model's windowed attention, so greedy output equals transformers' generate(); past it the two differ, so
+the request is refused with a message that names the window."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import MistralConfig, Qwen2Config
+
+import specdec
+from specdec.errors import InputError
+from specdec.models.llama import LlamaRunner, sliding_window
+from specdec.testing import build_tiny_model
+
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def mistral():
+    return build_tiny_model("mistral", vocab_size=64, sliding_window=WINDOW)
+
+
+def test_the_window_is_the_runner_limit(mistral):
+    shape = LlamaRunner(mistral).shape
+    assert shape.sliding_window == WINDOW and shape.max_positions == WINDOW
+    plain = LlamaRunner(build_tiny_model("mistral", vocab_size=64)).shape  # sliding_window=None: the context
+    assert plain.sliding_window is None and plain.max_positions == 512
+
+
+def test_the_window_changes_the_model_past_it(mistral):
+    """Why specdec must stop at the window: transformers' windowed attention and full attention agree on the
+    first WINDOW positions and differ after them."""
+    ids = torch.randint(1, 64, (1, WINDOW + 8), generator=torch.Generator().manual_seed(0))
+    full = build_tiny_model("mistral", vocab_size=64)  # the same weights (same seed), no window
+    with torch.no_grad():
+        windowed_logits, full_logits = mistral(ids).logits[0], full(ids).logits[0]
+    torch.testing.assert_close(windowed_logits[:WINDOW], full_logits[:WINDOW], rtol=1e-4, atol=1e-4)
+    assert (windowed_logits[WINDOW:] - full_logits[WINDOW:]).abs().amax() > 1e-2
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+def test_greedy_equals_transformers_inside_the_window(drafter, device):
+    model = build_tiny_model("mistral", vocab_size=64, sliding_window=WINDOW).to(device)
+    prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11]]
+    new = WINDOW - len(prompts[0])  # the longest prompt fills the window exactly
+    options = dict(drafter=drafter, speculation="always") if drafter else {}
+    out = specdec.generate(model, prompts, max_new_tokens=new, **options)
+    for prompt, seq in zip(prompts, out):
+        ref = model.generate(torch.tensor([prompt], device=device), max_new_tokens=new, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device))
+        assert seq == ref[0].tolist()
+
+
+def test_past_the_window_is_refused_before_generating(mistral):
+    streamed = []
+    with pytest.raises(InputError, match=f"{WINDOW} tokens"):
+        specdec.generate(mistral, [[5, 6, 7, 8, 5, 6, 7]], max_new_tokens=WINDOW - 6,
+                         streamer=lambda i, toks: streamed.append(toks))
+    assert not streamed
+
+
+def test_the_message_names_the_window(mistral):
+    shape = LlamaRunner(mistral).shape
+    shape.check_fits(7, WINDOW - 7)  # fits exactly
+    with pytest.raises(InputError, match=rf"prompt \(7 tokens\) \+ max_new_tokens \(10\) exceeds the model's "
+                                         rf"sliding window of {WINDOW} tokens \(config\.sliding_window\)"):
+        shape.check_fits(7, 10)
+    with pytest.raises(InputError, match=r"max_new_tokens \(10 \(max_length from kwargs\)\) exceeds .*sliding"):
+        shape.check_fits(7, 10, " (max_length from kwargs)")
+    short = LlamaRunner(build_tiny_model("mistral", vocab_size=64, max_position_embeddings=12,
+                                         sliding_window=WINDOW)).shape
+    assert short.max_positions == 12  # a context shorter than the window is the limit, and named as such
+    with pytest.raises(InputError, match="exceeds the model's context of 12 tokens") as err:
+        short.check_fits(7, 10)
+    assert "sliding" not in str(err.value)
+
+
+@pytest.mark.parametrize("config, window", [
+    (MistralConfig(sliding_window=WINDOW), WINDOW),
+    (MistralConfig(sliding_window=None), None),
+    (Qwen2Config(sliding_window=WINDOW), None),  # use_sliding_window defaults to False
+    (Qwen2Config(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=1, num_hidden_layers=2), WINDOW),
+    (Qwen2Config(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=2, num_hidden_layers=2), None),
+])
+def test_which_configs_have_a_window(config, window):
+    assert sliding_window(config) == window
