@@ -20,7 +20,11 @@ lists the N token ids the heads score; each own LM head then has N rows (row j s
 output logits over those N tokens; the drafter maps its top-k back to token ids, so it only
 ever proposes in-vocabulary tokens. Absent (or empty) = the full vocabulary, as published.
 
-Legacy ``medusa_lm_head.pt`` pickles are refused: convert them to safetensors first.
+Loading reads this layout only (and published safetensors heads: a config.json without
+``medusa_shared_lm_head`` whose weights hold no LM heads shares the base model's, as Medusa's legacy heads do).
+Published ``medusa_lm_head.pt`` pickles and Medusa-2 / axolotl models with ``medusa_head.*`` tensors in their
+weights are converted once with ``specdec convert-medusa SRC --output-dir DIR`` (drafters/medusa_convert.py,
+which reads pickles with ``torch.load(weights_only=True)`` only).
 
     heads = MedusaHeads(MedusaConfig(num_heads=4, num_layers=1, hidden_size=576, vocab_size=49152))
     save_medusa(heads, "out/")            heads = load_medusa("out/")
@@ -189,11 +193,14 @@ def save_medusa(heads: MedusaHeads, directory: str | os.PathLike) -> Path:
 
 
 def read_medusa_config(directory: str | os.PathLike, hidden_size: int | None = None,
-                       vocab_size: int | None = None, lm_rows: int | None = None) -> MedusaConfig:
+                       vocab_size: int | None = None, lm_rows: int | None = None,
+                       has_lm_heads: bool | None = None) -> MedusaConfig:
     """Read config.json; hidden/vocab sizes missing from it come from the weights or the target.
 
     ``lm_rows`` (rows of the saved LM heads) stands for the vocabulary size when config.json has neither
-    ``vocab_size`` nor ``draft_vocab``; ``vocab_size`` (the target's) is the fallback otherwise."""
+    ``vocab_size`` nor ``draft_vocab``; ``vocab_size`` (the target's) is the fallback otherwise.
+    ``has_lm_heads`` (whether the weights hold LM heads) decides ``shared_lm_head`` when config.json does not say
+    (published heads never say: Medusa's legacy heads without LM heads share the base model's)."""
     path = Path(directory)
     cfg_file = path / CONFIG_FILE
     if not cfg_file.is_file():
@@ -215,7 +222,7 @@ def read_medusa_config(directory: str | os.PathLike, hidden_size: int | None = N
             num_layers=int(raw["medusa_num_layers"]),
             hidden_size=int(raw.get("hidden_size") or hidden_size or 0),
             vocab_size=int(raw.get("vocab_size") or fallback_vocab or 0),
-            shared_lm_head=bool(raw.get("medusa_shared_lm_head", False)),
+            shared_lm_head=bool(raw.get("medusa_shared_lm_head", has_lm_heads is False)),
             base_model_name_or_path=str(raw.get("base_model_name_or_path") or ""),
             medusa_choices=tuple(tuple(p) for p in raw.get("medusa_choices") or ()),
             draft_vocab=tuple(draft_vocab),
@@ -233,8 +240,19 @@ def load_medusa(directory: str | os.PathLike, hidden_size: int | None = None, vo
     path = Path(directory)
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
-        hint = " (found medusa_lm_head.pt: pickles are not loaded; convert it to safetensors)" if (
-            path / "medusa_lm_head.pt").exists() else ""
+        from specdec.drafters.medusa_convert import find_published
+
+        convert = f"convert it once with `specdec convert-medusa {path} --output-dir DIR`"
+        try:
+            found = find_published(path)
+        except MedusaCheckpointError:
+            found = None
+        if (path / "medusa_lm_head.pt").exists():
+            hint = f" (found medusa_lm_head.pt: pickles are not loaded here; {convert})"
+        elif found is not None and found[0] == "model":
+            hint = f" (the heads may be inside the model's weights, as Medusa-2 / axolotl save them: {convert})"
+        else:
+            hint = ""
         raise MedusaCheckpointError(f"{path}: {WEIGHTS_FILE} is missing{hint}")
     try:
         state = load_file(str(weights))
@@ -244,7 +262,8 @@ def load_medusa(directory: str | os.PathLike, hidden_size: int | None = None, vo
     inferred_hidden = int(first.shape[1]) if first is not None else None
     lm = [v for k, v in state.items() if k.endswith(".weight") and not k.endswith("linear.weight")]
     inferred_vocab = int(lm[0].shape[0]) if lm else None
-    config = read_medusa_config(path, inferred_hidden or hidden_size, vocab_size, lm_rows=inferred_vocab)
+    config = read_medusa_config(path, inferred_hidden or hidden_size, vocab_size, lm_rows=inferred_vocab,
+                                has_lm_heads=bool(lm))
     for name, want in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
         if want is not None and getattr(config, name) != want:
             raise MedusaCheckpointError(

@@ -29,7 +29,7 @@ import time
 from specdec.errors import SpecdecError
 from specdec.models.embedded import DEFAULT_ALIAS
 
-SUBCOMMAND_MODULES = ("specdec.train.cli", "specdec.eval.cli")
+SUBCOMMAND_MODULES = ("specdec.train.cli", "specdec.eval.cli", "specdec.drafters.medusa_convert")
 
 
 class CLIError(SpecdecError):

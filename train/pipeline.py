@@ -137,11 +137,12 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
             from specdec.train.eagle_recipe import EagleRecipe
             from specdec.train.trainer import train_drafter
 
-            recipe = EagleRecipe(cfg, model, accelerator.device, loaded.name, draft_vocab)
+            recipe = EagleRecipe(cfg, model, accelerator.device, loaded.source, draft_vocab)
             history = train_drafter(cfg, recipe, model, train_seqs, accelerator, resume_from)
             heads = recipe.module
         else:
-            heads, history = train_heads(cfg, model, train_seqs, accelerator, resume_from, loaded.name, draft_vocab)
+            heads, history = train_heads(cfg, model, train_seqs, accelerator, resume_from, loaded.source,
+                                          draft_vocab)
         t_train = time.perf_counter()
         report: dict = {}
         if accelerator.is_main_process and cfg.drafter == "eagle":

@@ -7,6 +7,12 @@ never runs remote code unless ``trust_remote_code=True`` is passed.
 
     loaded = load_model("default")
     loaded.runner, loaded.tokenizer
+    loaded.source          # "HuggingFaceTB/SmolLM2-135M-Instruct": what drafter checkpoints record as their base
+
+``LoadedModel.source`` is the reference other tools resolve (``base_model_name_or_path`` in the Medusa and EAGLE
+checkpoints specdec writes): a local checkpoint directory or .gguf file as an absolute path, the embedded default
+as the hub id of the model it quantizes (its GGUF is a Q4_1 copy of it), a loaded model as its ``_name_or_path``
+(made absolute when it names a local path).
 """
 from __future__ import annotations
 
@@ -23,13 +29,29 @@ from specdec.models.llama import LlamaRunner
 
 logger = logging.getLogger(__name__)
 
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the embedded GGUF (Q4_1) quantizes
+
 
 @dataclass(frozen=True)
 class LoadedModel:
     model: Any  # transformers PreTrainedModel (eval mode)
     tokenizer: Any | None
     runner: LlamaRunner
-    name: str
+    name: str  # short display name (a folder or file name, the alias)
+    source: str = ""  # a reference other tools can resolve: hub id or absolute path (model_reference)
+
+
+def model_reference(spec: str) -> str:
+    """What to record as a drafter checkpoint's ``base_model_name_or_path`` for the model ``spec`` names: an
+    existing local path as an absolute path, the embedded default's aliases as its hub id, anything else (a hub
+    id) as given. Never a bare folder name that only resolves from one working directory."""
+    spec = str(spec)
+    if spec in embedded.ALIASES:
+        return EMBEDDED_HUB_ID
+    path = Path(spec).expanduser()
+    if spec and path.exists():
+        return str(path.resolve())
+    return spec
 
 
 def _is_hf_model(obj: Any) -> bool:
@@ -59,11 +81,11 @@ def _from_dir(path: Path, dtype: torch.dtype | None, trust_remote_code: bool) ->
 # Models loaded from a path, shared while someone still holds them (a second load_model of the same
 # checkpoint, dtype and device costs nothing then) and freed with their last user: nothing is kept alive here.
 _MODELS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (spec, dtype, device, trust) -> model
-_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (tokenizer, name)
+_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (tokenizer, name, source)
 
 
 def _load_path(spec: str, dtype: torch.dtype | None, device: str | torch.device | None,
-               trust_remote_code: bool) -> tuple[Any, Any, str]:
+               trust_remote_code: bool) -> tuple[Any, Any, str, str]:
     key = (spec, dtype, None if device is None else str(torch.device(device)), trust_remote_code)
     model = _MODELS.get(key)
     if model is not None:
@@ -89,8 +111,8 @@ def _load_path(spec: str, dtype: torch.dtype | None, device: str | torch.device 
     if device is not None:
         model.to(device)  # before it is shared: a later load for another device gets its own copy
     _MODELS[key] = model
-    _TOKENIZERS[model] = (tokenizer, name)
-    return model, tokenizer, name
+    _TOKENIZERS[model] = (tokenizer, name, model_reference(spec))
+    return model, tokenizer, name, model_reference(spec)
 
 
 def load_model(
@@ -105,12 +127,13 @@ def load_model(
         return spec
     if _is_hf_model(spec):
         model, name = spec, getattr(spec.config, "_name_or_path", type(spec).__name__)
+        source = model_reference(getattr(spec.config, "_name_or_path", "") or "")
         if device is not None:
             model.to(device)
     elif isinstance(spec, (str, Path)):
-        model, loaded_tok, name = _load_path(str(spec), dtype, device, trust_remote_code)
+        model, loaded_tok, name, source = _load_path(str(spec), dtype, device, trust_remote_code)
         tokenizer = tokenizer or loaded_tok
     else:
         raise TypeError(f"model must be a transformers model, a path or an alias, got {type(spec).__name__}")
     model.eval()
-    return LoadedModel(model, tokenizer, LlamaRunner(model), name)
+    return LoadedModel(model, tokenizer, LlamaRunner(model), name, source)

@@ -1,0 +1,309 @@
+"""`specdec convert-medusa`: published Medusa heads (medusa_lm_head.pt read weights-only, legacy safetensors heads
+sharing the base LM head, Medusa-2 / axolotl heads inside a model's weights) become specdec heads whose logits
+equal an independent re-implementation of Medusa's head forward; what cannot be converted exactly is refused by
+name; the base model is recorded as a reference other tools resolve (also by train-medusa)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from specdec.drafters.medusa_convert import convert_published, read_published
+from specdec.drafters.medusa_heads import MedusaCheckpointError, load_medusa
+from torch import nn
+
+import specdec
+from specdec.models.loader import EMBEDDED_HUB_ID, load_model, model_reference
+from specdec.testing import build_tiny_model
+
+HIDDEN, VOCAB = 64, 96
+
+
+class _Block(nn.Module):  # Medusa's ResBlock as published: x + SiLU(Linear(x)), the Linear with a bias
+    def __init__(self, hidden):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        return x + self.act(self.linear(x))
+
+
+def medusa_module(num_heads, num_layers, own_lm_head=True, seed=0):
+    """Heads built the way FasterDecoding/Medusa builds them: one block repeated num_layers times per head
+    (`[ResBlock] * num_layers`, shared weights), then a bias-free LM head; random values."""
+    torch.manual_seed(seed)
+    heads = []
+    for _ in range(num_heads):
+        block = _Block(HIDDEN)
+        with torch.no_grad():
+            block.linear.weight.mul_(3.0)
+        layers = [block] * num_layers + ([nn.Linear(HIDDEN, VOCAB, bias=False)] if own_lm_head else [])
+        heads.append(nn.Sequential(*layers))
+    return nn.ModuleList(heads)
+
+
+def reference_logits(module, hidden, lm_head=None):
+    """[num_heads, rows, vocab], computed from the tensors alone (not through any specdec code)."""
+    out = []
+    for head in module:
+        x = hidden
+        blocks = [m for m in head if isinstance(m, _Block)]
+        for block in blocks:
+            w, b = block.linear.weight.detach(), block.linear.bias.detach()
+            x = x + torch.nn.functional.silu(x @ w.T + b)
+        lm = head[-1].weight.detach() if lm_head is None else lm_head
+        out.append(x @ lm.T)
+    return torch.stack(out)
+
+
+def write_medusa1(path, module, num_layers, fmt="pt", base="lmsys/vicuna-7b-v1.3", config=True):
+    """A Medusa-1 head checkpoint: config.json as MedusaConfig.save_pretrained writes it + the heads' state dict."""
+    path.mkdir(parents=True, exist_ok=True)
+    state = module.state_dict()
+    if fmt == "pt":
+        torch.save(state, path / "medusa_lm_head.pt")
+    else:  # Medusa's later training saves safetensors (one copy per tensor)
+        save_file({k: v.clone().contiguous() for k, v in state.items()}, str(path / "medusa_lm_head.safetensors"))
+    if config:
+        (path / "config.json").write_text(json.dumps({
+            "medusa_num_heads": len(module), "medusa_num_layers": num_layers, "base_model_name_or_path": base,
+            "transformers_version": "4.34.0"}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    build_tiny_model("llama-mha-untied", vocab_size=VOCAB).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("num_layers, fmt", [(1, "pt"), (2, "pt"), (1, "safetensors"), (0, "pt")])
+def test_converted_heads_give_the_published_forward(tmp_path, num_layers, fmt):
+    module = medusa_module(3, num_layers).to(torch.float16)
+    src = write_medusa1(tmp_path / "src", module, num_layers, fmt)
+    out = convert_published(src, tmp_path / "out")
+    assert load_file(str(out / "medusa_lm_head.safetensors"))["0.0.weight" if num_layers == 0 else
+                                                              "0.0.linear.weight"].dtype == torch.float16
+    heads = load_medusa(out, HIDDEN, VOCAB, dtype=torch.float32)
+    assert heads.config.num_heads == 3 and heads.config.num_layers == num_layers
+    assert not heads.config.shared_lm_head
+    hidden = torch.randn(5, HIDDEN)
+    ref = reference_logits(module.float(), hidden)
+    torch.testing.assert_close(heads(hidden), ref, rtol=1e-5, atol=1e-5)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["base_model_name_or_path"] == "lmsys/vicuna-7b-v1.3"  # a hub id stays a hub id
+
+
+def test_a_changed_block_changes_the_logits(tmp_path):
+    """The comparison above can fail: converting the heads of another seed gives other logits."""
+    module, other = medusa_module(2, 1, seed=0), medusa_module(2, 1, seed=1)
+    heads = load_medusa(convert_published(write_medusa1(tmp_path / "a", other, 1), tmp_path / "out"), HIDDEN, VOCAB)
+    hidden = torch.randn(4, HIDDEN)
+    assert not torch.allclose(heads(hidden), reference_logits(module, hidden), atol=1e-3)
+
+
+def test_converted_heads_draft_for_the_target_and_keep_greedy_identity(tmp_path, tiny_dir):
+    model = load_model(tiny_dir).model
+    module = medusa_module(3, 1)
+    with torch.no_grad():  # heads that guess like the target's LM head, so drafts get accepted
+        for head in module:
+            head[-1].weight.copy_(model.lm_head.weight)
+    out = convert_published(write_medusa1(tmp_path / "src", module, 1), tmp_path / "out", base_model=str(tiny_dir))
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [7, 8, 9]]
+    plain = specdec.generate(model, prompts, max_new_tokens=12)
+    spec = specdec.generate(model, prompts, max_new_tokens=12, drafter="medusa", speculation="always",
+                            drafter_options={"path": str(out)}, return_dict=True)
+    assert spec.sequences == plain
+    assert sum(s.steps for s in spec.stats) < sum(s.new_tokens for s in spec.stats)  # drafts were accepted
+
+
+def test_legacy_heads_sharing_the_base_lm_head(tmp_path, tiny_dir):
+    """Medusa's legacy "medusa2" heads: blocks only, the base model's LM head scores them; safetensors."""
+    module = medusa_module(2, 1, own_lm_head=False)
+    src = write_medusa1(tmp_path / "src", module, 1, "safetensors", base=str(tiny_dir))
+    lm_head = load_model(tiny_dir).model.lm_head.weight.detach()
+    hidden = torch.randn(3, HIDDEN)
+    ref = reference_logits(module, hidden, lm_head)
+    heads = load_medusa(convert_published(src, tmp_path / "out"), HIDDEN, VOCAB)
+    assert heads.config.shared_lm_head and heads.config.vocab_size == VOCAB  # vocabulary from the base's config
+    torch.testing.assert_close(heads(hidden, lm_head), ref, rtol=1e-5, atol=1e-5)
+    direct = load_medusa(src, HIDDEN, VOCAB)  # the published safetensors folder also loads as it is
+    assert direct.config.shared_lm_head
+    torch.testing.assert_close(direct(hidden, lm_head), ref, rtol=1e-5, atol=1e-5)
+    bare = write_medusa1(tmp_path / "bare", module, 1, "safetensors", base="some-org/unknown-model")
+    with pytest.raises(MedusaCheckpointError, match="vocabulary size.*--base-model"):
+        convert_published(bare, tmp_path / "out2")
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "sharded", "bin"])
+def test_medusa2_heads_inside_the_model_weights(tmp_path, layout):
+    """Medusa-1.0 / axolotl: the model's config.json has medusa_num_heads, its weights hold medusa_head.*; the
+    target to use is that checkpoint itself, and transformers loads it ignoring the heads."""
+    model = build_tiny_model("llama-mha-untied", vocab_size=VOCAB)
+    model.config.medusa_num_heads, model.config.medusa_num_layers = 2, 1
+    src = tmp_path / "medusa-1.0-tiny"
+    model.save_pretrained(src)
+    module = medusa_module(2, 1)
+    with torch.no_grad():
+        for head in module:
+            head[-1].weight.copy_(model.lm_head.weight)
+    base = load_file(str(src / "model.safetensors"))
+    heads = {f"medusa_head.{k}": v.clone() for k, v in module.state_dict().items()}
+    (src / "model.safetensors").unlink()
+    if layout == "safetensors":
+        save_file({**base, **heads}, str(src / "model.safetensors"), metadata={"format": "pt"})
+    elif layout == "sharded":
+        save_file(base, str(src / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+        save_file(heads, str(src / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+        weight_map = {**{k: "model-00001-of-00002.safetensors" for k in base},
+                      **{k: "model-00002-of-00002.safetensors" for k in heads}}
+        (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    else:
+        torch.save({**base, **heads}, src / "pytorch_model.bin")
+    out = convert_published(src, tmp_path / "out")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(src.resolve())
+    hidden = torch.randn(4, HIDDEN)
+    torch.testing.assert_close(load_medusa(out, HIDDEN, VOCAB)(hidden), reference_logits(module, hidden),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(MedusaCheckpointError, match="inside the model's weights.*convert-medusa"):
+        load_medusa(src, HIDDEN, VOCAB)  # the hint names the command
+    target = load_model(cfg["base_model_name_or_path"]).model
+    prompts = [[5, 6, 7, 8, 5, 6]]
+    spec = specdec.generate(target, prompts, max_new_tokens=8, drafter="medusa", speculation="always",
+                            drafter_options={"path": str(out)})
+    assert spec == specdec.generate(target, prompts, max_new_tokens=8)
+
+
+def test_a_pickle_that_is_not_weights_only_is_refused_unexecuted(tmp_path):
+    marker = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    src = tmp_path / "src"
+    src.mkdir()
+    state = medusa_module(1, 1).state_dict()
+    torch.save({**state, "extra": Payload()}, src / "medusa_lm_head.pt")
+    (src / "config.json").write_text(json.dumps({"medusa_num_heads": 1, "medusa_num_layers": 1,
+                                                 "base_model_name_or_path": "x/y"}))
+    with pytest.raises(MedusaCheckpointError, match="holds more than tensors.*weights_only=True.*never unpickles"):
+        convert_published(src, tmp_path / "out")
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    with pytest.raises(MedusaCheckpointError, match="pickles are not loaded here.*convert-medusa"):
+        load_medusa(src, HIDDEN, VOCAB)  # the drafter never reads the pickle itself
+
+
+def _edit(state, problem):
+    if problem == "lm-bias":
+        state["0.1.bias"] = torch.zeros(VOCAB)
+    elif problem == "no-block-bias":
+        del state["1.0.linear.bias"]
+    elif problem == "other-layout":
+        state["0.0.mlp.weight"] = state.pop("0.0.linear.weight")
+    elif problem == "missing-head":
+        for k in [k for k in state if k.startswith("1.")]:
+            del state[k]
+    elif problem == "shape":
+        state["1.1.weight"] = torch.zeros(VOCAB + 1, HIDDEN)
+    return state
+
+
+@pytest.mark.parametrize("problem, match", [
+    ("lm-bias", r"0\.1\.bias: this LM head has a bias"),
+    ("no-block-bias", r"block 1\.0 has a linear\.weight but no linear\.bias"),
+    ("other-layout", r"keys of another layout, e\.g\. 0\.0\.mlp\.weight"),
+    ("missing-head", r"heads \[1\] are missing"),
+    ("shape", r"1\.1\.weight has shape \[97, 64\], expected \[96, 64\]"),
+    ("fewer-than-promised", "promises medusa_num_heads=5 but .* stores 3 heads"),
+    ("differing-copies", "stores blocks 0 and 1 with different weights"),
+    ("no-base", "no base_model_name_or_path.*--base-model"),
+    ("missing", "does not exist; convert-medusa reads local files only"),
+    ("nothing", "no Medusa weights found"),
+])
+def test_what_cannot_be_converted_exactly_is_refused_by_name(tmp_path, problem, match):
+    src = tmp_path / "src"
+    module = medusa_module(3, 2 if problem == "differing-copies" else 1)
+    state = {k: v.clone() for k, v in module.state_dict().items()}  # separate copies, editable
+    if problem == "differing-copies":
+        state["2.1.linear.bias"] += 1.0
+    src.mkdir()
+    torch.save(_edit(state, problem), src / "medusa_lm_head.pt")
+    config = {"medusa_num_heads": 5 if problem == "fewer-than-promised" else 3,
+              "medusa_num_layers": 2 if problem == "differing-copies" else 1, "base_model_name_or_path": "a/b"}
+    if problem == "no-base":
+        del config["base_model_name_or_path"]
+    (src / "config.json").write_text(json.dumps(config))
+    if problem == "nothing":
+        (src / "medusa_lm_head.pt").unlink()
+    with pytest.raises(MedusaCheckpointError, match=match):
+        convert_published(tmp_path / "gone" if problem == "missing" else src, tmp_path / "out")
+
+
+def test_blocks_stored_once_are_repeated_as_medusa_runs_them(tmp_path):
+    """A saver that drops tensors sharing memory keeps one copy of a head's repeated block."""
+    module = medusa_module(2, 3)
+    state = {k: v.clone() for k, v in module.state_dict().items() if ".1.linear" not in k and ".2.linear" not in k}
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file(state, str(src / "medusa_lm_head.safetensors"))
+    (src / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 3,
+                                                 "base_model_name_or_path": "a/b"}))
+    heads = load_medusa(convert_published(src, tmp_path / "out"), HIDDEN, VOCAB)
+    hidden = torch.randn(3, HIDDEN)
+    torch.testing.assert_close(heads(hidden), reference_logits(module, hidden), rtol=1e-5, atol=1e-5)
+
+
+def test_cli_converts_and_refuses_to_overwrite(tmp_path, capsys):
+    from specdec.cli import main
+
+    src = write_medusa1(tmp_path / "src", medusa_module(2, 1), 1)
+    out = tmp_path / "out"
+    rc = main(["convert-medusa", str(src), "--output-dir", str(out), "--medusa-choices", "[[0],[1],[0,0]]"])
+    assert rc == 0 and "2 heads" in capsys.readouterr().out
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["medusa_choices"] == [[0], [1], [0, 0]] and cfg["medusa_num_heads"] == 2
+    assert main(["convert-medusa", str(src), "--output-dir", str(out)]) == 2
+    assert "already holds config.json" in capsys.readouterr().err
+    assert main(["convert-medusa", str(src), "--output-dir", str(out), "--overwrite"]) == 0
+    assert main(["convert-medusa", str(src), "--output-dir", str(src)]) == 2  # would replace the source's config
+    assert "source's own directory" in capsys.readouterr().err
+
+
+# ---- base_model_name_or_path: something other tools resolve -----------------------------------------------------
+def test_base_model_is_recorded_as_an_absolute_path_or_a_hub_id(tmp_path, tiny_dir, monkeypatch):
+    src = write_medusa1(tmp_path / "src", medusa_module(1, 1), 1, base="../model")
+    (tmp_path / "model").mkdir()  # the published config names a folder relative to the checkpoint
+    config, _ = read_published(src)
+    assert config.base_model_name_or_path == str((tmp_path / "model").resolve())
+    monkeypatch.chdir(tiny_dir.parent)
+    config, _ = read_published(src, base_model="model")  # --base-model relative to the working directory
+    assert config.base_model_name_or_path == str(tiny_dir.resolve())
+    assert read_published(src, base_model="org/name")[0].base_model_name_or_path == "org/name"
+    assert model_reference("default") == model_reference("smollm2-135m-instruct") == EMBEDDED_HUB_ID
+    assert load_model("model").source == str(tiny_dir.resolve())
+    hf = load_model(tiny_dir).model
+    assert load_model(hf).source == str(tiny_dir.resolve())
+
+
+def test_train_medusa_records_the_model_as_an_absolute_path(tmp_path, tiny_dir, monkeypatch):
+    pytest.importorskip("accelerate")
+    from specdec.train.config import TrainConfig
+    from specdec.train.pipeline import run_training
+
+    from specdec.testing import build_tiny_tokenizer
+
+    build_tiny_tokenizer().save_pretrained(tiny_dir)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": f"the cat {i} sings {i * 7}"}) + "\n"
+                                                 for i in range(8)))
+    monkeypatch.chdir(tiny_dir.parent)
+    run_training(TrainConfig(model="model", output_dir=str(tmp_path / "heads"), data=str(tmp_path / "data.jsonl"),
+                             num_heads=1, seq_len=16, batch_size=2, max_steps=1, save_every=1, progress=False,
+                             eval_tau=False, held_out_fraction=0.0))
+    cfg = json.loads((tmp_path / "heads" / "config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(tiny_dir.resolve()) and os.path.isabs(cfg["base_model_name_or_path"])
