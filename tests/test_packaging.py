@@ -1,7 +1,12 @@
-"""Layout: the four repo folders install as specdec.* and never import as top-level packages."""
+"""Packaging: the four repo folders install as specdec.* and never import as top-level packages; each extra installs
+what its commands import (README's "What each command needs" table, checked statically and by running commands with
+only that extra importable)."""
 from __future__ import annotations
 
+import ast
 import importlib
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +98,355 @@ def test_core_imports_need_only_core_dependencies():
     outside = {m: f for m, f in third_party.items()
                if not {d.lower().replace("_", "-") for d in owners.get(m, [m])} & allowed}
     assert third_party and not outside, f"module-level imports of non-core packages (module: file): {outside}"
+
+
+# ---- each extra installs what its commands import -----------------------------------------------------------------
+# README's table "What each command needs" says which extra each command needs; these tests check every third-party
+# module the command can import (statically: every import reachable from its handler's module, lazy ones included,
+# and dynamically: the command run in a subprocess where only the packages of that extra can be imported) is
+# installed by that extra. Fresh virtual environments per extra cannot be built offline, so the installed
+# distributions' metadata stands for what pip would install.
+EXTRAS_HEADING = "### What each command needs"
+_SPECDEC_ENTRY = re.compile(r"specdec(\.\w+)+:\w+")  # "specdec.drafters.ngram:NGramDrafter": a lazy import by name
+
+
+def _dist_name(req: str) -> str:
+    return re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _requirements(pyproject: dict, extra: str) -> list[str]:
+    project = pyproject["project"]
+    if extra == "core":
+        return list(project["dependencies"])
+    return list(project["dependencies"]) + list(project["optional-dependencies"][extra])
+
+
+def _allowed(requirements: list[str]) -> set[str]:
+    """The distributions those requirements install: their closure through installed metadata, without extras."""
+    from importlib import metadata
+
+    allowed, todo = set(), [_dist_name(r) for r in requirements]
+    while todo:
+        dist = todo.pop()
+        if dist not in allowed:
+            allowed.add(dist)
+            try:
+                todo += [_dist_name(r) for r in metadata.requires(dist) or [] if "extra ==" not in r]
+            except metadata.PackageNotFoundError:
+                pass
+    return allowed
+
+
+def _owners(module: str) -> set[str]:
+    from importlib import metadata
+
+    if not hasattr(_owners, "table"):
+        _owners.table = metadata.packages_distributions()
+    return {d.lower().replace("_", "-") for d in _owners.table.get(module, [module])}
+
+
+def _command_extras() -> dict[str, str]:
+    """README's table: command (e.g. "eval acceptance") -> extra ("core" for the base install); first row wins."""
+    text = (REPO / "README.md").read_text()
+    assert EXTRAS_HEADING in text, f"README.md lost its {EXTRAS_HEADING!r} table"
+    section = text.split(EXTRAS_HEADING, 1)[1].split("\n#", 1)[0]
+    table = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 2 or not cells[0].startswith("`specdec"):
+            continue
+        extra = re.search(r"specdec\[(\w+)\]", cells[1])
+        for command in re.findall(r"`specdec ([a-z][a-z -]*?)`", cells[0]):
+            table.setdefault(command, extra.group(1) if extra else "core")
+    return table
+
+
+def _cli_commands() -> dict[str, str]:
+    """Every leaf command of `specdec` (e.g. "eval replay record") -> the module of the function that runs it."""
+    import argparse
+
+    from specdec import cli
+
+    parser = argparse.ArgumentParser(prog="specdec")
+    sub = parser.add_subparsers(dest="command")
+    cli._add_generate(sub)
+    for name in cli.SUBCOMMAND_MODULES:
+        importlib.import_module(name).add_parser(sub)
+    out = {}
+
+    def walk(p, prefix):
+        actions = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        if not actions:
+            out[prefix] = p.get_default("func").__module__
+        for a in actions:
+            for name, child in a.choices.items():
+                walk(child, f"{prefix} {name}".strip())
+
+    walk(parser, "")
+    return out
+
+
+def _extra_of(command: str, table: dict[str, str]) -> str:
+    prefixes = [c for c in table if command == c or command.startswith(c + " ")]
+    assert prefixes, f"README.md's {EXTRAS_HEADING!r} table does not list `specdec {command}`"
+    return table[max(prefixes, key=len)]
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return isinstance(test, ast.Name) and test.id == "TYPE_CHECKING" or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _catches_import_error(handler: ast.ExceptHandler) -> bool:
+    names = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    return any(isinstance(n, ast.Name) and n.id in ("ImportError", "ModuleNotFoundError") for n in names)
+
+
+def _imports_of(path: Path, package: str, module_level_only: bool) -> list[str]:
+    """Modules `path` imports, unguarded (not under try/except ImportError, not under TYPE_CHECKING); with
+    module_level_only, only what runs at import time (function bodies skipped)."""
+    out: list[str] = []
+
+    def visit(node, guarded):
+        if module_level_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child, guarded)
+            return
+        if isinstance(node, ast.Try):
+            optional = any(_catches_import_error(h) for h in node.handlers)
+            for child in node.body:
+                visit(child, guarded or optional)
+            for child in node.handlers + node.orelse + node.finalbody:
+                visit(child, guarded)
+            return
+        if not guarded:
+            if isinstance(node, ast.Import):
+                out.extend(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                out.append(base)
+                out.extend(f"{base}.{a.name}" for a in node.names)  # maybe submodules
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _SPECDEC_ENTRY.fullmatch(
+                    node.value) and not module_level_only:
+                out.append(node.value.split(":")[0])
+        for child in ast.iter_child_nodes(node):
+            visit(child, guarded)
+
+    visit(ast.parse(path.read_text()), False)
+    return out
+
+
+def _third_party_imports(roots: list[str], module_level_only: bool) -> dict[str, str]:
+    """Top-level third-party modules reachable from the specdec modules `roots` -> a specdec file importing it."""
+    import importlib.util
+
+    seen, todo, found = set(), list(roots), {}
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):  # "specdec.x.attr": an attribute, not a module
+            spec = None
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            continue
+        package = name if spec.submodule_search_locations else name.rpartition(".")[0]
+        for imported in _imports_of(Path(spec.origin), package, module_level_only):
+            top = imported.split(".")[0]
+            if top == "specdec":
+                todo.append(imported)
+            elif top and top not in sys.stdlib_module_names:
+                found.setdefault(top, Path(spec.origin).name)
+    return found
+
+
+# Imported only when installed: specdec.kernels.dispatch picks the Triton backend only when
+# importlib.util.find_spec("triton") finds it (the kernels extra), a run-time guard the static walk cannot see;
+# the dynamic tests below run every command with triton unimportable.
+OPTIONAL_WHEN_INSTALLED = {"triton"}
+
+
+def _outside(third_party: dict[str, str], allowed: set[str]) -> dict[str, str]:
+    return {m: f for m, f in third_party.items() if m not in OPTIONAL_WHEN_INSTALLED and not _owners(m) & allowed}
+
+
+def test_triton_is_only_imported_when_installed():
+    source = (REPO / "kernels" / "dispatch.py").read_text()
+    assert 'find_spec("triton")' in source and "triton_available()" in source
+
+
+def test_readme_names_an_extra_for_every_command():
+    import tomllib
+
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    table = _command_extras()
+    assert set(table.values()) <= extras | {"core"}, table
+    commands = _cli_commands()
+    assert {"generate", "convert-medusa", "train-medusa", "eval acceptance", "eval replay run"} <= set(commands)
+    for command in commands:
+        _extra_of(command, table)  # listed
+
+
+def test_every_command_imports_only_what_its_extra_installs():
+    """Statically, lazy imports included: everything a command's handler module can reach."""
+    import tomllib
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    table = _command_extras()
+    problems = {}
+    for command, module in _cli_commands().items():
+        extra = _extra_of(command, table)
+        outside = _outside(_third_party_imports([module], False), _allowed(_requirements(pyproject, extra)))
+        if outside:
+            problems[f"specdec {command} [{extra}]"] = outside
+    assert not problems, f"commands import packages their extra does not install (module: importing file): {problems}"
+
+
+def test_the_static_check_catches_a_missing_package():
+    """The check above can fail: with the eval extra as it was before accelerate joined it, eval acceptance
+    (accelerate's PartialState shards its prompts) is caught."""
+    import tomllib
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    pyproject["project"]["optional-dependencies"]["eval"] = [
+        r for r in pyproject["project"]["optional-dependencies"]["eval"] if _dist_name(r) != "accelerate"]
+    module = _cli_commands()["eval acceptance"]
+    outside = _outside(_third_party_imports([module], False), _allowed(_requirements(pyproject, "eval")))
+    assert "accelerate" in outside, outside
+
+
+def test_every_command_module_imports_with_the_core_dependencies_alone():
+    """`specdec` imports every subcommand's module at start-up: their import-time imports must be core."""
+    import tomllib
+
+    from specdec import cli
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    found = _third_party_imports(["specdec.cli", *cli.SUBCOMMAND_MODULES], True)
+    assert found and not _outside(found, _allowed(_requirements(pyproject, "core"))), found
+
+
+# Run in a fresh interpreter: every import system finder is wrapped so that a module whose distributions are not
+# installed by the extra is not found (importlib.util.find_spec answers None, `import` raises ModuleNotFoundError),
+# as if the extra were installed alone; transformers' availability probes then see the same thing.
+_BLOCKER = r"""
+import contextlib, io, json, sys, importlib.util
+
+blocked = set(json.loads(sys.argv[1]))
+
+
+class _ExtraOnly:
+    def __init__(self, finder):
+        self._finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in blocked:
+            return None
+        find = getattr(self._finder, "find_spec", None)
+        return find(name, path, target) if find is not None else None
+
+    def __getattr__(self, attr):  # find_distributions, invalidate_caches...
+        return getattr(self._finder, attr)
+
+
+sys.meta_path[:] = [_ExtraOnly(f) for f in sys.meta_path]
+probe = json.loads(sys.argv[3])
+if probe:
+    assert importlib.util.find_spec(probe) is None, probe
+    try:
+        __import__(probe)
+        raise SystemExit(f"{probe} imported although blocked")
+    except ModuleNotFoundError:
+        pass
+from specdec.cli import main
+
+for argv in json.loads(sys.argv[2]):
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            code = main(argv)
+    except SystemExit as exit:
+        code = exit.code
+    if code:
+        raise SystemExit(f"specdec {' '.join(argv)} exited with {code}: {out.getvalue()[-2000:]}")
+    print("ok", " ".join(argv[:2]))
+"""
+
+
+def _run_under_extra(extra: str, argvs: list[list[str]], cwd: Path) -> subprocess.CompletedProcess:
+    import json
+
+    import tomllib
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    allowed = _allowed(_requirements(pyproject, extra))
+    from importlib import metadata
+
+    blocked = sorted(m for m, dists in metadata.packages_distributions().items()
+                     if m not in sys.stdlib_module_names and m != "specdec"
+                     and not {d.lower().replace("_", "-") for d in dists} & allowed)
+    probe = next((m for m in ("accelerate", "scipy", "datasets", "matplotlib") if m in blocked), "")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-c", _BLOCKER, json.dumps(blocked), json.dumps(argvs), json.dumps(probe)],
+                          capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+
+
+def _help_argvs(extra: str) -> list[list[str]]:
+    table = _command_extras()
+    return [[*c.split(), "--help"] for c in _cli_commands() if _extra_of(c, table) == extra]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    from specdec.testing import save_tiny_checkpoint
+
+    return Path(save_tiny_checkpoint(tmp_path_factory.mktemp("pkg") / "tiny"))
+
+
+@pytest.mark.parametrize("extra", ["core", "train", "eval"])
+def test_commands_import_with_their_extra_alone(extra, tmp_path):
+    """`specdec` starts (importing every subcommand's module) and shows each command's --help with only the
+    packages of that extra importable."""
+    argvs = _help_argvs(extra)
+    proc = _run_under_extra(extra, argvs, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ok") == len(argvs) > 0
+
+
+@pytest.mark.slow
+def test_core_commands_run_with_the_core_dependencies_alone(tiny_checkpoint, tmp_path):
+    """`specdec generate` on a checkpoint directory and `specdec convert-medusa`, run (not only imported) with
+    every package outside the core dependencies unimportable."""
+    import torch
+
+    state = {"0.0.linear.weight": torch.zeros(64, 64), "0.0.linear.bias": torch.zeros(64),
+             "0.1.weight": torch.zeros(96, 64)}
+    (tmp_path / "published").mkdir()
+    torch.save(state, tmp_path / "published" / "medusa_lm_head.pt")
+    (tmp_path / "published" / "config.json").write_text(
+        '{"medusa_num_heads": 1, "medusa_num_layers": 1, "base_model_name_or_path": "a/b"}')
+    argvs = [
+        ["generate", "--model", str(tiny_checkpoint), "--no-chat-template", "--max-new-tokens", "3",
+         "--drafter", "ngram", "abc abc"],
+        ["convert-medusa", str(tmp_path / "published"), "--output-dir", str(tmp_path / "converted")],
+    ]
+    proc = _run_under_extra("core", argvs, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ok") == len(argvs) and (tmp_path / "converted" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_eval_acceptance_runs_with_the_eval_extra_alone(tiny_checkpoint, tmp_path):
+    argv = ["eval", "acceptance", "--model", str(tiny_checkpoint), "--drafters", "ngram", "--categories", "chat",
+            "--prompts", "1", "--max-new-tokens", "4", "--calibration-repeats", "0", "--no-hf-baseline",
+            "--no-plots", "--out", str(tmp_path / "acc")]
+    proc = _run_under_extra("eval", [argv], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "acc" / "report.json").is_file()
