@@ -193,12 +193,8 @@ def prepare(model: Any, input_ids: Any, *, drafter: Any = None, drafter_options:
     check_vocabulary("input_ids", inputs.prompts, shape.vocab_size)
     check_vocabulary("stop", [list(s) for s in config.stop_sequences], shape.vocab_size)
     longest = max(len(p) for p in inputs.prompts)
-    if longest + config.max_new_tokens > shape.max_positions:
-        how = f" (max_length from {resolved.length_from})" if resolved.length_from else ""
-        raise InputError(
-            f"prompt ({longest} tokens) + max_new_tokens ({config.max_new_tokens}{how}) exceeds the model's context "
-            f"of {shape.max_positions} tokens; shorten the prompt or lower max_new_tokens"
-        )
+    how = f" (max_length from {resolved.length_from})" if resolved.length_from else ""
+    shape.check_fits(longest, config.max_new_tokens, how)  # names the sliding window where that is the limit
     eos_token_id = config.eos_token_id  # kwargs > generation_config= > the model's generation_config
     if eos_token_id is None:  # the model config's own, as transformers' generation_config takes it
         eos_token_id = getattr(loaded.model.config, "eos_token_id", None)

@@ -53,7 +53,7 @@ def test_greedy_equals_transformers_inside_the_window(drafter, device):
 
 def test_past_the_window_is_refused_before_generating(mistral):
     streamed = []
-    with pytest.raises(InputError, match=f"{WINDOW} tokens"):
+    with pytest.raises(InputError, match=f"sliding window of {WINDOW} tokens"):
         specdec.generate(mistral, [[5, 6, 7, 8, 5, 6, 7]], max_new_tokens=WINDOW - 6,
                          streamer=lambda i, toks: streamed.append(toks))
     assert not streamed
