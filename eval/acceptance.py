@@ -94,6 +94,7 @@ class SuiteConfig:
     hf_baseline: bool = True  # transformers' greedy generate(), greedy runs only
     seed: int = 0
     calibration_repeats: int = 5  # timed verify steps per query size; 0 = no predicted speedup
+    sampler: str = "standard"  # sampling only: "standard" rejection sampling or "coupled" (specdec.coupling)
 
     def __post_init__(self) -> None:
         if self.prompts_per_category < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
@@ -102,6 +103,8 @@ class SuiteConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not self.drafters or not self.categories:
             raise ValueError("give at least one drafter and one category")
+        if self.sampler not in ("standard", "coupled"):
+            raise ValueError(f"sampler must be 'standard' or 'coupled', got {self.sampler!r}")
         if self.calibration_repeats < 0:
             raise ValueError(f"calibration_repeats must be >= 0, got {self.calibration_repeats}")
         clash = [name for name, _ in self.drafters if name in BASELINES]
@@ -326,7 +329,8 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
     digest = settings_digest(settings)
     if resume:
         check_finished_cells(out, config.labels, list(prompts), [rank], settings)
-    sampling = dict(do_sample=config.sampling.do_sample, temperature=config.sampling.temperature, seed=config.seed)
+    sampling = dict(do_sample=config.sampling.do_sample, temperature=config.sampling.temperature, seed=config.seed,
+                    sampler=config.sampler)
     options = dict(config.drafters)
     warm = next((ps[:1] for ps in prompts.values() if ps), [])
     for label in config.labels:  # warm-up: first-call costs out of the measurements

@@ -49,6 +49,8 @@ def add_parser(sub) -> None:
     a.add_argument("--prompts-file", help="your own prompts: JSONL with a 'prompt' field (category 'custom')")
     a.add_argument("--max-new-tokens", type=int, default=128)
     a.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    a.add_argument("--sampler", choices=("standard", "coupled"), default="standard",
+                   help="when sampling: standard rejection sampling (default) or coupled (specdec.coupling)")
     a.add_argument("--batch-size", type=int, default=1)
     a.add_argument("--calibration-repeats", type=int, default=5,
                    help="timed verify steps per query size for the predicted speedup (default 5; 0 = no prediction)")
@@ -173,7 +175,7 @@ def run_acceptance(args) -> int:
                              f"(e.g. {names[0]}.{key}=...)")
     config = SuiteConfig(tuple((d, per_drafter[d]) for d in names), tuple(categories), args.prompts,
                          args.max_new_tokens, args.temperature, args.batch_size, not args.no_hf_baseline, args.seed,
-                         args.calibration_repeats)
+                         args.calibration_repeats, args.sampler)
     loaded = load_model(args.model)
     encode = _encoder(loaded)
     texts = {c: load_prompts(c, args.prompts) for c in categories}
@@ -202,7 +204,7 @@ def run_acceptance(args) -> int:
     if not state.is_main_process:
         return 0
     rows = summarise(cells)
-    meta = {"model": loaded.name, "drafters": names, "temperature": args.temperature,
+    meta = {"model": loaded.name, "drafters": names, "temperature": args.temperature, "sampler": args.sampler,
             "max_new_tokens": args.max_new_tokens, "prompts_per_category": args.prompts,
             "batch_size": args.batch_size, "calibration_repeats": args.calibration_repeats,
             "processes": state.num_processes,

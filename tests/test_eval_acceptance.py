@@ -208,3 +208,24 @@ def test_prompt_file_and_unknown_category(tmp_path):
         load_jsonl(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="unknown prompt category"):
         load_prompts("poetry")
+
+
+def test_coupled_sampler_reaches_every_cell(tmp_path, loaded, monkeypatch):
+    """``--sampler coupled``: every generate() call of the suite samples coupled, and a bad sampler is refused."""
+    import specdec.eval.acceptance as acceptance
+
+    seen = []
+    real = acceptance.generate
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("sampler"), kwargs.get("do_sample")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(acceptance, "generate", spy)
+    cfg = SuiteConfig((("ngram", {}),), ("rep",), prompts_per_category=1, max_new_tokens=8, temperature=0.8,
+                      calibration_repeats=0, sampler="coupled")
+    cells = run_suite(loaded, {"rep": PROMPTS["rep"][:1]}, cfg, tmp_path)
+    assert set(cells) == {("plain", "rep"), ("ngram", "rep")} and seen
+    assert set(seen) == {("coupled", True)}
+    with pytest.raises(ValueError, match="sampler"):
+        dataclasses.replace(cfg, sampler="gumbel")
