@@ -279,6 +279,10 @@ def _print_summary(summary: dict) -> None:
     )
 
 
+# the extra that brings what a command imports (README's "What each command needs"; tests/test_packaging.py)
+EXTRA_OF_COMMAND = {"generate": "gguf", "train-medusa": "train", "train-eagle": "train", "eval": "eval"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -312,6 +316,15 @@ def main(argv: list[str] | None = None) -> int:
         _flush_stdout()  # streamed text first, then the error on its own line
         message = " ".join(str(err).split()) or type(err).__name__
         print(f"specdec {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:  # an extra was not installed (README: "What each command needs")
+        if args.verbose or not err.name or err.name.split(".")[0] in ("specdec",):
+            raise
+        _flush_stdout()
+        extra = EXTRA_OF_COMMAND.get(args.command)
+        hint = f"pip install 'specdec[{extra}]'" if extra else f"pip install {err.name.split('.')[0]}"
+        print(f"specdec {args.command}: error: the Python package {err.name.split('.')[0]!r} is missing; "
+              f"install it with {hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if args.verbose:

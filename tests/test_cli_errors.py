@@ -303,3 +303,21 @@ def test_closed_pipe_is_silent(ckpt):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 141, err
     assert "error" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+
+
+@pytest.mark.parametrize("command, extra", [(["eval", "acceptance"], "eval"), (["train-medusa"], "train")])
+def test_a_missing_extra_is_one_line_naming_the_install(command, extra, capsys, monkeypatch):
+    """A package of an extra that is not installed (here: made to look missing) is a one-line error saying which
+    extra to install, not a traceback."""
+    import specdec.eval.cli as eval_cli
+    import specdec.train.cli as train_cli
+
+    def missing(args):
+        raise ModuleNotFoundError("No module named 'scipy'", name="scipy")
+
+    monkeypatch.setattr(eval_cli, "run_acceptance", missing)
+    monkeypatch.setattr(train_cli, "run", missing)
+    code = main(command + (["--drafters", "ngram"] if command[0] == "eval" else ["--output-dir", "x"]))
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "'scipy' is missing" in err and f"specdec[{extra}]" in err
