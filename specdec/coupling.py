@@ -68,12 +68,14 @@ def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 tensors (multiplication wraps mod 2**64, as two's complement does)."""
-    x = x ^ _shr(x, 30)
-    x = x * _MIX1
-    x = x ^ _shr(x, 27)
-    x = x * _MIX2
-    return x ^ _shr(x, 31)
+    """splitmix64's finaliser on int64 tensors (multiplication wraps mod 2**64, as two's complement does),
+    IN PLACE (the vocabulary-wide tensors are the cost of coupled sampling: no temporaries); returns ``x``."""
+    x ^= _shr(x, 30)
+    x *= _MIX1
+    x ^= _shr(x, 27)
+    x *= _MIX2
+    x ^= _shr(x, 31)
+    return x
 
 
 def sequence_keys(prompts: Sequence[Sequence[int]]) -> list[int]:
@@ -112,11 +114,11 @@ class Coupling:
         per_position = mix64(keys[:, None] + self._seed_word + mix64(positions * _GOLDEN + _POSITION_STREAM))
         tokens = torch.arange(1, vocab + 1, dtype=torch.long, device=keys.device) * _GOLDEN  # [vocab]
         bits = mix64(per_position[..., None] + tokens)  # [B, P, vocab]
-        return (_shr(bits, 11).to(torch.float64) + 0.5) * 2.0**-53
+        return _shr(bits, 11).to(torch.float64).add_(0.5).mul_(2.0**-53)
 
     def gumbel(self, keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
         """keys [B], positions [B, P] -> [B, P, vocab] float64 standard Gumbel noise."""
-        return -torch.log(-torch.log(self.uniforms(keys, positions, vocab)))
+        return self.uniforms(keys, positions, vocab).log_().neg_().log_().neg_()
 
     def draft_noise(self, key: int, positions: Sequence[int], vocab: int, device: torch.device | str,
                     columns: torch.Tensor | None = None) -> torch.Tensor:
