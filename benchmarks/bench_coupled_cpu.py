@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import specdec.drafters.draft_model  # noqa: E402,F401 -- imported up front: the tree may change while this runs
 import specdec.drafters.medusa  # noqa: E402,F401
@@ -38,12 +40,29 @@ def drafters(loaded) -> dict:
     shape = loaded.runner.shape
     heads = MedusaHeads(MedusaConfig(3, 1, shape.hidden_size, shape.vocab_size))
     heads.init_lm_heads_from(loaded.runner.lm_head)  # untrained: a floor, not what training gives
+    from specdec.drafters.eagle import EagleDrafter
+    from specdec.drafters.eagle_model import EagleConfig, EagleModel
+
+    torch.manual_seed(0)
+    eagle = EagleModel(EagleConfig.for_target(loaded.model.config)).to(loaded.runner.dtype)
+    eagle.init_from_target(loaded.model)  # untrained: identity only, its tau is a floor
     return {
         "ngram": lambda: ("ngram", None),
         "self-draft": lambda: ("self-draft", None),
         "draft-model (itself)": lambda: ("draft-model", {"model": loaded, "num_draft_tokens": 3}),
         "medusa (untrained)": lambda: (MedusaDrafter(heads=heads, tree="dynamic", max_nodes=8), None),
+        "eagle (untrained)": lambda: (EagleDrafter(model=eagle, max_nodes=8), None),
+        "combined (ngram+self-draft)": lambda: ("combined", {"drafters": ["ngram", "self-draft"]}),
     }
+
+
+def chosen(loaded, args) -> dict:
+    every = drafters(loaded)
+    names = [n.strip() for n in args.drafters.split(",") if n.strip()] if args.drafters else list(every)
+    unknown = [n for n in names if n not in every]
+    if unknown:
+        raise SystemExit(f"unknown drafters {unknown}; known: {list(every)}")
+    return {n: every[n] for n in names}
 
 
 def identity_part(loaded, args, out: dict) -> None:
@@ -56,7 +75,7 @@ def identity_part(loaded, args, out: dict) -> None:
     print(f"plain coupled: {len(prompts)} prompts x {args.identity_tokens} tokens in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     rows = []
-    for name, make in drafters(loaded).items():
+    for name, make in chosen(loaded, args).items():
         for batched in (True, False):
             drafter, options = make()
             t0 = time.perf_counter()
@@ -78,7 +97,7 @@ def tau_part(loaded, args, out: dict) -> None:
     prompts = {c: [chat_ids(loaded.tokenizer, t) for t in load_prompts(c, args.prompts)] for c in cats}
     rows = []
     for temperature in [float(t) for t in args.temperatures.split(",")]:
-        for name, make in drafters(loaded).items():
+        for name, make in chosen(loaded, args).items():
             for cat in cats:
                 taus = {}
                 for sampler in ("standard", "coupled"):
@@ -108,6 +127,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (tau)")
     ap.add_argument("--temperatures", default="0.8,1.0")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--drafters", default="", help="comma list of the drafters to run (default: all)")
+    ap.add_argument("--tag", default="", help="suffix of the output file name")
     ap.add_argument("--model", default="default")
     ap.add_argument("--out", default="runs/coupled")
     args = ap.parse_args()
@@ -119,8 +140,9 @@ def main() -> None:
         tau_part(loaded, args, out)
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
-    (path / f"coupled-{args.part}.json").write_text(json.dumps(out, indent=2))
-    print(f"wrote {path / f'coupled-{args.part}.json'}")
+    file = path / f"coupled-{args.part}{args.tag}.json"
+    file.write_text(json.dumps(out, indent=2))
+    print(f"wrote {file}")
 
 
 if __name__ == "__main__":

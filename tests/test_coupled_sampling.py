@@ -123,6 +123,7 @@ DRAFTERS = {
     "medusa-static": lambda m: (_medusa(m), {}),
     "medusa-dynamic": lambda m: (_medusa(m, tree="dynamic"), {}),
     "eagle": lambda m: (_eagle(m), {}),
+    "combined": lambda m: ("combined", {"drafters": ["ngram", {"name": "draft-model", "model": m}]}),
 }
 
 
