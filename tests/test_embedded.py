@@ -112,11 +112,13 @@ def test_greedy_batched_matches_transformers(loaded, plain_256, hf_reference):
 
 @NGRAM
 def test_ngram_greedy_identity_batched_and_single(loaded, prompts, plain_256):
+    """20 prompts x 256 tokens batched, and 6 of them one at a time."""
     out = specdec.generate(loaded, prompts, max_new_tokens=SPEC_TOKENS, drafter="ngram", return_dict=True)
     mismatched = [i for i, (o, r) in enumerate(zip(out.sequences, plain_256)) if o != r]
     assert not mismatched, f"ngram batched differs on prompts {mismatched}"
     assert out.tau > 1.1
-    for i, (p, ref) in enumerate(zip(prompts, plain_256)):
+    # one at a time: 6 of the 20 (every prompt runs batched above; all 20 alone cost ~9 of CI's 25 minutes)
+    for i, (p, ref) in enumerate(zip(prompts[:6], plain_256[:6])):
         assert specdec.generate(loaded, [p], max_new_tokens=SPEC_TOKENS, drafter="ngram")[0] == ref, f"prompt {i}"
 
 
