@@ -43,6 +43,7 @@ from specdec.tree import DraftTree
 if TYPE_CHECKING:
     from specdec.coupling import Coupling
     from specdec.kv_cache import PagedKVCache
+    from specdec.logits_processing import LogitsProcessing
     from specdec.models.llama import LlamaRunner
     from specdec.sampling import SamplingConfig
 
@@ -60,6 +61,9 @@ class TargetView:
     # coupled sampling (specdec.coupling): the call's shared Gumbel noise; drafters that choose among their own
     # logits rank candidates by perturbed_logits with the noise of each candidate's position; None = standard
     coupling: "Coupling | None" = None
+    # the target's logits processors (specdec.logits_processing), None = none: a drafter may apply them to its own
+    # logits with each node's prefix (process_prefixes) so its drafts follow the processed target; optional
+    processing: "LogitsProcessing | None" = None
 
 
 class TokenView(Sequence[int]):

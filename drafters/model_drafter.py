@@ -224,6 +224,7 @@ class ModelDrafter(Drafter):
         frontier = [[(-1, root_logits[b], 1.0)] for b in range(len(live))]
         budget = cfg.max_nodes if cfg.tree == "dynamic" else MAX_TREE_NODES
         for depth in range(1, cfg.num_draft_tokens + 1):
+            self._process_frontier(live, nodes, frontier)
             new_per_seq = [self._children(nodes[b], frontier[b], depth, budget, self._noise(v, depth))
                            for b, v in enumerate(live)]
             if depth == cfg.num_draft_tokens or not any(new_per_seq):
@@ -236,6 +237,30 @@ class ModelDrafter(Drafter):
         if not self.shares_target_cache:  # drop the scratch K/V of the draft nodes
             cache.commit({v.seq_id: [] for v in live})
         return [self._tree(ns) for ns in nodes]
+
+    def _process_frontier(self, live: list[SequenceView], nodes: list[list[_Node]], frontier) -> None:
+        """The target's logits processors (TargetView.processing) on each frontier node's logits, with that node's
+        prefix, so drafts follow the processed target (acceptance only: the engine processes the target's logits
+        itself). Full vocabulary only: processors index logits by token id."""
+        processing = self.target.processing
+        if processing is None or self.draft_vocab is not None:
+            return
+        prefixes = []
+        for b, v in enumerate(live):
+            base = torch.tensor(list(v.token_ids), dtype=torch.long)
+            for parent, _, _ in frontier[b]:
+                path = []
+                while parent != -1:
+                    path.append(nodes[b][parent].token)
+                    parent = nodes[b][parent].parent
+                prefixes.append((base, path[::-1], v.num_prompt_tokens))
+        if not prefixes:
+            return
+        processed = processing.process_prefixes(prefixes, torch.stack([f[1] for fr in frontier for f in fr]))
+        row = 0
+        for b, fr in enumerate(frontier):
+            frontier[b] = [(i, processed[row + j], score) for j, (i, _, score) in enumerate(fr)]
+            row += len(fr)
 
     def _noise(self, v: SequenceView, depth: int) -> torch.Tensor | None:
         """Coupled sampling: the Gumbel noise [n] of the position of this depth's children, over the runner's

@@ -11,6 +11,11 @@ is the empty draft tree: the same verify / sample / commit path with one query t
 With a :class:`~specdec.tree_sizing.TreeSizer` (``speculation="auto"``, the default of generate()),
 the engine asks the drafter only for the sequences the break-even guard lets draft (no call at all when
 none), and verifies the part of each proposal that the measured cost model expects to pay.
+
+Logits processors (repetition penalty, min_new_tokens, ...: :mod:`specdec.logits_processing`) are applied to the
+target's logits of every verify row with that row's own prefix before the walk (:meth:`Engine.process`); with
+``output_logprobs`` each committed token's log-probability is kept (:mod:`specdec.logprobs`). Neither costs
+anything when not asked for.
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ from specdec.coupling import Coupling, coupled_sample, sequence_keys
 from specdec.cuda_graphs import GraphedForward
 from specdec.drafters.base import Drafter, SequenceView, TargetView, TokenView, as_drafter
 from specdec.kv_cache import PagedKVCache
+from specdec.logits_processing import LogitsProcessing
+from specdec.logprobs import committed_rows, token_logprobs
 from specdec.models.llama import ForwardOutput, LlamaRunner
 from specdec.rejection import EXACT, Acceptance, AcceptanceRule, rejection_sample
 from specdec.sampling import SamplingConfig
@@ -55,6 +62,7 @@ class SequenceState:
     hidden_seen: bool = False  # new_hidden reached the drafter (else the next step's rows are appended to it)
     plain_by_guard: int = 0  # steps the break-even guard decoded plainly without asking the drafter
     noise_key: int = 0  # coupled sampling: the sequence's key (specdec.coupling.sequence_keys)
+    logprobs: list[float] = field(default_factory=list)  # per new token, with output_logprobs (specdec.logprobs)
 
     @property
     def finished(self) -> bool:
@@ -98,6 +106,8 @@ class Engine:
         graphed: GraphedForward | None = None,
         sizer: TreeSizer | None = None,
         coupling: Coupling | None = None,
+        processing: LogitsProcessing | None = None,
+        output_logprobs: bool = False,
     ) -> None:
         self.runner, self.cache, self.sampling, self.stop = runner, cache, sampling, stop
         self.drafter, self.generator, self.audit = as_drafter(drafter), generator, audit
@@ -106,13 +116,15 @@ class Engine:
         self.sizer = sizer if self.drafter is not None else None  # None: verify every proposal whole
         # coupled sampling: tokens are Gumbel-max choices keyed by (seed, sequence, position); None = rejection
         self.coupling = coupling if not sampling.greedy else None
+        self.processing = processing  # logits processors at every tree row with its own prefix; None = none
+        self.output_logprobs = output_logprobs  # keep each committed token's log-probability (SequenceState)
         self._draft_call: float | None = None  # wall time of this step's propose call (None: not called)
         self.seqs: list[SequenceState] = []
         self.forward_passes = 0
         self.seconds = {"draft": 0.0, "verify": 0.0}  # wall time of the two halves of step(), summed
         self.keep_hidden = self.drafter is not None and self.drafter.needs_hidden_states
         if self.drafter is not None:
-            self.drafter.attach(TargetView(runner, cache, sampling, stop.tokenizer, self.coupling))
+            self.drafter.attach(TargetView(runner, cache, sampling, stop.tokenizer, self.coupling, processing))
 
     @property
     def live(self) -> list[SequenceState]:
@@ -153,10 +165,13 @@ class Engine:
         t1 = time.perf_counter()
         batch = self.verify_batch(live, trees)
         out = self.verify(batch)
-        acceptances = self.accept(live, trees, out.logits[batch.row_index])
+        target_logits = self.process(live, trees, out.logits[batch.row_index])
+        acceptances = self.accept(live, trees, target_logits)
         if self.keep_hidden:
             self.keep_new_hidden(live, acceptances, out.hidden[batch.row_index])
         emitted = self.commit(live, acceptances)
+        if self.output_logprobs:
+            self.record_logprobs(live, acceptances, target_logits, emitted)
         for s, tree in zip(live, trees):
             s.step_nodes.append(tree.num_nodes)
         t2 = time.perf_counter()
@@ -250,6 +265,34 @@ class Engine:
                 return out
         all_rows = torch.arange(batch.token_ids.numel(), device=batch.token_ids.device)
         return self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache, all_rows)
+
+    def process(self, live: list[SequenceState], trees: list[DraftTree], target_logits: torch.Tensor
+                ) -> torch.Tensor:
+        """target_logits [B, max_nodes + 1, V] -> the same after the logits processors, each row with its own
+        prefix (committed tokens + the row's path in the tree): what plain decoding would see there."""
+        if self.processing is None:
+            return target_logits
+        return self.processing.apply([(s.token_ids, s.num_prompt_tokens) for s in live], trees, target_logits)
+
+    def record_logprobs(self, live: list[SequenceState], acceptances: list[Acceptance], target_logits: torch.Tensor,
+                        emitted: dict[int, list[int]]) -> None:
+        """Append to each sequence the log-probabilities of the tokens it committed this step (specdec.logprobs)."""
+        b_idx, rows, tokens = [], [], []
+        for b, (s, acc) in enumerate(zip(live, acceptances)):
+            toks = emitted[s.seq_id]
+            b_idx += [b] * len(toks)
+            rows += committed_rows(acc, len(toks))
+            tokens += toks
+        if not tokens:
+            return
+        device = target_logits.device
+        values = token_logprobs(target_logits[torch.tensor(b_idx, device=device), torch.tensor(rows, device=device)],
+                                tokens, self.sampling)
+        start = 0
+        for s in live:
+            n = len(emitted[s.seq_id])
+            s.logprobs.extend(values[start:start + n])
+            start += n
 
     def accept(self, live: list[SequenceState], trees: list[DraftTree], target_logits: torch.Tensor
                ) -> list[Acceptance]:

@@ -8,7 +8,8 @@ What is decided here: the CPU row policy of ``linear()`` and, with a drafter and
 ``speculation="auto"``, the tree sizer and its measured cost model (:mod:`specdec.cost_model`, cached;
 the first use on a machine calibrates for up to ~20 s), the KV cache's size (the request's worst case,
 checked against the device's memory before anything is allocated) or a reused CUDA-graph cache, the drafter's seed,
-the sampling generator, and the draft audit. The certificate's negative controls
+the sampling generator, the draft audit, the logits processors (:mod:`specdec.logits_processing`; None when
+the config asks for none) and whether log-probabilities are kept. The certificate's negative controls
 (:mod:`specdec.eval.negative_controls`) enter here too, and only here: a broken acceptance rule
 (``rule=``) or a broken engine / cache (``fault=``), so that real callers of ``generate()`` cannot
 switch them on by accident.
@@ -29,6 +30,7 @@ from specdec.engine import Engine
 from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import check_cache_fits, describe
 from specdec.kv_cache import PagedKVCache, blocks_for
+from specdec.logits_processing import LogitsProcessing
 from specdec.rejection import EXACT, AcceptanceRule
 from specdec.tree import MAX_TREE_NODES
 from specdec.tree_sizing import TreeSizer
@@ -64,6 +66,7 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
     if fault is not None:
         logger.warning("engine fault %r injected: the output is deliberately WRONG (negative control)", fault.name)
     runner, config = request.loaded.runner, request.config
+    processing, output_logprobs = _processing(request), _wants_logprobs(request)  # refusals before allocating
     cache, graphed = _kv_cache(request, fault)
     drafter, generator = request.drafter, request.generator
     # first, so that one draw of generator= gives the same noise with and without a drafter
@@ -91,7 +94,22 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
         sizer = TreeSizer(load_cost_model(runner))
     engine_cls = Engine if fault is None else fault.engine_cls
     return engine_cls(runner, cache, config.sampling, request.stop, drafter, generator, audit, rule, graphed,
-                      sizer, coupling)
+                      sizer, coupling, processing=processing, output_logprobs=output_logprobs)
+
+
+def _processing(request: "GenerateRequest") -> LogitsProcessing | None:
+    return LogitsProcessing.from_config(request.config, sorted(request.stop.eos_token_ids),
+                                        request.loaded.runner.shape.vocab_size)
+
+
+def _wants_logprobs(request: "GenerateRequest") -> bool:
+    """output_logprobs=True needs return_dict (they come back in GenerateOutput.logprobs); transformers'
+    output_scores=True asks for them too, and like transformers' is a no-op without return_dict_in_generate."""
+    config = request.config
+    if config.output_logprobs and not request.return_dict:
+        raise InputError("output_logprobs=True needs return_dict=True (or return_dict_in_generate=True): the "
+                         "log-probabilities come back in GenerateOutput.logprobs")
+    return request.return_dict and (config.output_logprobs or config.output_scores)
 
 
 def _coupling(config, generator: torch.Generator | None) -> Coupling:

@@ -33,7 +33,10 @@ transformers config). The fields: ``max_new_tokens``, ``max_length`` (prompt + n
 needs sampling, as in transformers), ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
 ``eos_token_id``, ``stop`` (or transformers' ``stop_strings``), ``pad_token_id``, ``block_size``,
 ``num_blocks``, ``audit_drafts``, ``speculation`` ("auto" sizes draft trees by the measured cost model and
-decodes plainly when drafting does not pay, "always" verifies every proposed tree whole), ``sampler``.
+decodes plainly when drafting does not pay, "always" verifies every proposed tree whole), ``sampler``, the
+logits processors ``repetition_penalty``, ``no_repeat_ngram_size``, ``bad_words_ids``, ``min_new_tokens``,
+``logits_processor`` with ``logits_processor_prefix_only`` (:mod:`specdec.logits_processing`), and
+``output_logprobs`` (or transformers' ``output_scores``) for ``GenerateOutput.logprobs`` (:mod:`specdec.logprobs`).
 
 Returns what ``model.generate()`` returns (:class:`~specdec.output.OutputLayout`): each input row as given
 (padding included) followed by its new tokens, rows that stopped early right-padded with ``pad_token_id``

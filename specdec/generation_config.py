@@ -22,6 +22,7 @@ from typing import Any
 from specdec.coupling import SAMPLERS
 from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import check_bool, check_int, describe, parse_stop
+from specdec.logits_processing import check_processing_fields
 from specdec.sampling import SamplingConfig
 
 SPECULATION_MODES = ("auto", "always")
@@ -53,6 +54,18 @@ class GenerationConfig:
     # "standard": exact rejection sampling; "coupled": Gumbel-max noise keyed by (seed, prompt, position), so the
     # same seed gives the same text with or without a drafter, alone or batched (specdec.coupling)
     sampler: str = "standard"
+    # logits processors, transformers' names, applied at every draft-tree node with that node's own prefix so the
+    # output stays exactly plain decoding's with them (specdec.logits_processing); None is read as off
+    repetition_penalty: float = 1.0  # 1.0 = off
+    no_repeat_ngram_size: int = 0  # 0 = off
+    bad_words_ids: Any = None  # list of token-id lists that may not be generated
+    min_new_tokens: int = 0  # EOS cannot come before this many new tokens
+    logits_processor: Any = None  # a LogitsProcessorList / list of (input_ids, scores) -> scores callables
+    logits_processor_prefix_only: bool = False  # required with logits_processor: the caller vouches it is prefix-only
+    # GenerateOutput.logprobs: each new token's log-probability after the processors and the sampling transform
+    # (greedy: log_softmax of the processed logits; specdec.logprobs); needs return_dict
+    output_logprobs: bool = False
+    output_scores: bool = False  # transformers' name, read as output_logprobs (only with return_dict; no .scores)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "GenerationConfig":
         # record which fields the caller gave (positionally or by name) before the dataclass __init__ fills in
@@ -88,6 +101,13 @@ class GenerationConfig:
             raise InputError(f"sampler must be one of {', '.join(map(repr, SAMPLERS))}, got {describe(self.sampler)}")
         self.sampling  # noqa: B018 -- do_sample / temperature / top_k / top_p checked by SamplingConfig
         parse_stop(self.stop)
+        for name, value in check_processing_fields(self.repetition_penalty, self.no_repeat_ngram_size,
+                                                   self.bad_words_ids, self.min_new_tokens, self.logits_processor,
+                                                   self.logits_processor_prefix_only).items():
+            object.__setattr__(self, name, value)
+        for name in ("output_logprobs", "output_scores"):  # None = False, as transformers reads it
+            value = getattr(self, name)
+            object.__setattr__(self, name, False if value is None else check_bool(name, value))
 
     @property
     def sampling(self) -> SamplingConfig:

@@ -55,6 +55,10 @@ class GenerateOutput:
     forward_passes: int
     draft_seconds: float = 0.0  # time in drafter.propose (all steps)
     verify_seconds: float = 0.0  # time in verification, sampling and commit (all steps)
+    # output_logprobs=True (or output_scores=True): per sequence, the target's log-probability of each new token
+    # after the logits processors and the sampling transform (greedy: log_softmax of the processed logits;
+    # specdec.logprobs), the same with or without a drafter; None when not asked for
+    logprobs: list[list[float]] | None = None
 
     @property
     def total_new_tokens(self) -> int:
@@ -94,4 +98,5 @@ def pack_output(engine: Engine, seqs: list[SequenceState], layout: OutputLayout,
         return sequences
     return GenerateOutput(sequences, [s.new_tokens for s in seqs], [SequenceStats.of(s, start) for s in seqs],
                           time.perf_counter() - start, prefill_seconds, engine.forward_passes,
-                          engine.seconds["draft"], engine.seconds["verify"])
+                          engine.seconds["draft"], engine.seconds["verify"],
+                          [list(s.logprobs) for s in seqs] if engine.output_logprobs else None)

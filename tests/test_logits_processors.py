@@ -1,0 +1,364 @@
+"""Logits processors (specdec.logits_processing) and log-probabilities (specdec.logprobs) on tiny models.
+
+Greedy decoding with each processor (repetition penalty, no_repeat_ngram_size, bad_words_ids, min_new_tokens, a
+caller's prefix-only processors) gives transformers' ``model.generate()`` tokens, plain and with drafters (n-gram,
+the target as its own draft model, random trees), batched and single; coupled sampling with a penalty gives the
+same text with and without a drafter; the sampled law of the first tokens with a penalty is plain sampling's (and a
+variant processing every node with the root's prefix fails); each node's rows get exactly their own prefix;
+log-probabilities equal transformers' processed scores and do not depend on the drafter."""
+from __future__ import annotations
+
+import pytest
+import torch
+from specdec.eval.negative_controls import generate_with_control
+from specdec.eval.two_sample import two_sample_chi2
+from transformers import (
+    LogitsProcessorList,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
+
+import specdec
+from specdec.engine import Engine
+from specdec.engine_setup import EngineFault, build_engine
+from specdec.errors import InputError, InputTypeError
+from specdec.generate import prepare
+from specdec.generation_config import GenerationConfig
+from specdec.logits_processing import LogitsProcessing, node_suffixes
+from specdec.rejection import EXACT
+from specdec.testing import RandomTreeDrafter, build_tiny_model
+from specdec.tree import DraftTree
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 8], [10, 20, 30, 10, 20, 30, 10, 20], [5, 5, 5, 5]]
+NEW = 24
+
+
+class PenaliseLastToken:
+    """A caller's prefix-only processor: the row's last token loses 4 logits."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores.scatter_add(1, input_ids[:, -1:], torch.full_like(scores[:, :1], -4.0))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_model()
+
+
+def hf_greedy(model, prompt, max_new_tokens=NEW, **kwargs) -> list[int]:
+    """transformers' model.generate() on one prompt alone."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         **kwargs)
+    return out[0].tolist()
+
+
+def hf_kwargs(kwargs: dict) -> dict:
+    """specdec's arguments in transformers' words: the caller's processors as a LogitsProcessorList."""
+    out = {k: v for k, v in kwargs.items() if k != "logits_processor_prefix_only"}
+    if "logits_processor" in out:
+        out["logits_processor"] = LogitsProcessorList(out["logits_processor"])
+    return out
+
+
+def _bad_words(model) -> list[list[int]]:
+    """Words the unconstrained greedy output contains: the first new token of prompt 0, and a bigram of prompt 2's."""
+    base0, base2 = hf_greedy(model, PROMPTS[0]), hf_greedy(model, PROMPTS[2])
+    new0, new2 = base0[len(PROMPTS[0]):], base2[len(PROMPTS[2]):]
+    return [[new0[0]], new2[3:5]]
+
+
+CASES = {
+    "repetition_penalty": lambda m: dict(repetition_penalty=1.3),
+    "repetition_reward": lambda m: dict(repetition_penalty=0.7),
+    "no_repeat_ngram_size": lambda m: dict(no_repeat_ngram_size=2),
+    "bad_words_ids": lambda m: dict(bad_words_ids=_bad_words(m)),
+    "caller_processors": lambda m: dict(logits_processor=[PenaliseLastToken(), NoRepeatNGramLogitsProcessor(3)],
+                                        logits_processor_prefix_only=True),
+    # a caller's processor of a built-in's class takes its place, as in transformers 5
+    "caller_replaces_builtin": lambda m: dict(repetition_penalty=1.3, logits_processor=[
+        RepetitionPenaltyLogitsProcessor(2.0)], logits_processor_prefix_only=True),
+    "all_together": lambda m: dict(repetition_penalty=1.2, no_repeat_ngram_size=3, bad_words_ids=_bad_words(m),
+                                   logits_processor=[PenaliseLastToken()], logits_processor_prefix_only=True),
+}
+
+
+def drafters(model):
+    """(name, drafter, options) of every drafter the identity checks run: drafts are really accepted."""
+    vocab = model.config.vocab_size
+    return [
+        ("ngram", "ngram", {"min_ngram": 1}),
+        ("target-as-draft", "draft-model", {"model": model, "num_draft_tokens": 4}),
+        ("random-deterministic", RandomTreeDrafter(vocab, max_nodes=12, seed=1), None),
+        ("random-independent", RandomTreeDrafter(vocab, max_nodes=12, mode="independent", seed=2,
+                                                 history_bias=0.5), None),
+    ]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_with_processor_equals_transformers_plain_and_speculative(model, case):
+    kwargs = CASES[case](model)
+    ref = [hf_greedy(model, p, **hf_kwargs(kwargs)) for p in PROMPTS]
+    assert ref != specdec.generate(model, PROMPTS, max_new_tokens=NEW), "the processor must change the output"
+    assert specdec.generate(model, PROMPTS, max_new_tokens=NEW, **kwargs) == ref
+    assert specdec.generate(model, [PROMPTS[1]], max_new_tokens=NEW, **kwargs) == [ref[1]]
+    taus = {}
+    for i, (name, drafter, options) in enumerate(drafters(model)):
+        out = specdec.generate(model, PROMPTS, max_new_tokens=NEW, drafter=drafter, drafter_options=options,
+                               speculation="always", return_dict=True, **kwargs)
+        assert out.sequences == ref, name
+        taus[name] = out.tau
+        if i % 2 == list(CASES).index(case) % 2:  # one sequence alone: half the drafters per case, in turn
+            single = specdec.generate(model, [PROMPTS[i]], max_new_tokens=NEW, drafter=drafter,
+                                      drafter_options=options, speculation="always", **kwargs)
+            assert single == [ref[i]], name
+    # drafts were accepted, so node rows' processed logits chose tokens; the draft model processes its own logits
+    # as the target does, so the target as its own draft model has every draft accepted (n-gram finds nothing to
+    # propose when no_repeat_ngram_size forbids the repeats it looks for)
+    assert taus["target-as-draft"] > 4.0, taus
+    assert all(t > 1.0 for n, t in taus.items() if (n, case) != ("ngram", "no_repeat_ngram_size")), taus
+
+
+def test_min_new_tokens_equals_transformers(model):
+    base = hf_greedy(model, PROMPTS[0])
+    new = base[len(PROMPTS[0]):]
+    k = next(i for i in range(2, len(new)) if new[i] not in new[:i])  # greedy's first new token at k >= 2
+    eos = new[k]
+    stopped = specdec.generate(model, [PROMPTS[0]], max_new_tokens=NEW, eos_token_id=eos, return_dict=True)
+    assert len(stopped.new_tokens[0]) == k + 1 and stopped.stats[0].finish_reason == "eos"
+    for n in (k + 1, k + 4):
+        ref = [hf_greedy(model, p, eos_token_id=eos, min_new_tokens=n) for p in PROMPTS]
+        assert len(ref[0]) - len(PROMPTS[0]) > k + 1  # the EOS at new token k was suppressed
+        assert specdec.generate(model, PROMPTS, max_new_tokens=NEW, eos_token_id=eos, min_new_tokens=n) == ref, n
+        for name, drafter, options in drafters(model):
+            got = specdec.generate(model, PROMPTS, max_new_tokens=NEW, eos_token_id=eos, min_new_tokens=n,
+                                   drafter=drafter, drafter_options=options, speculation="always")
+            assert got == ref, (n, name)
+    # min_new_tokens=k lets the EOS at new token k through
+    assert specdec.generate(model, [PROMPTS[0]], max_new_tokens=NEW, eos_token_id=eos, min_new_tokens=k,
+                            drafter="ngram") == [base[: len(PROMPTS[0]) + k + 1]]
+
+
+def test_left_padded_batch_with_repetition_penalty_equals_transformers(model):
+    """transformers skips left padding for the penalty (prompt_ignore_length); specdec drops it."""
+    width = max(len(p) for p in PROMPTS)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, repetition_penalty=1.3)
+    got = specdec.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, repetition_penalty=1.3,
+                           drafter="ngram", speculation="always")
+    assert torch.equal(got, ref)
+
+
+def test_processors_from_the_models_generation_config(model):
+    import copy
+
+    configured = copy.deepcopy(model)
+    configured.generation_config.repetition_penalty = 1.3
+    configured.generation_config.no_repeat_ngram_size = 2
+    ref = [hf_greedy(configured, p) for p in PROMPTS]
+    assert specdec.generate(configured, PROMPTS, max_new_tokens=NEW, drafter="ngram", speculation="always") == ref
+    assert specdec.generate(configured, PROMPTS, max_new_tokens=NEW, repetition_penalty=1.0,
+                            no_repeat_ngram_size=0) == [hf_greedy(model, p) for p in PROMPTS]  # kwargs win
+
+
+# ---- each node's own prefix ---------------------------------------------------------------------------------
+class Recorder:
+    """Prefix-only: adds to each row a number that identifies its input_ids, and records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[torch.Tensor] = []
+
+    def __call__(self, input_ids, scores):
+        self.calls.append(input_ids.clone())
+        weights = torch.arange(1, input_ids.shape[1] + 1, dtype=torch.float64)
+        return scores + (input_ids.double() * weights).sum(1, keepdim=True).float() / 1000
+
+
+def _signature(ids: list[int]) -> float:
+    return sum((i + 1) * t for i, t in enumerate(ids)) / 1000
+
+
+def test_every_row_gets_its_own_prefix_in_equal_length_calls():
+    trees = [DraftTree([5, 6, 7, 8, 9], [-1, -1, 0, 2, 1]), DraftTree.empty(), DraftTree.chain([4, 4, 4])]
+    seqs = [([1, 2, 3], 2), ([9, 8, 7, 6], 4), ([1, 2], 1)]
+    recorder = Recorder()
+    processing = LogitsProcessing((recorder,))
+    logits = torch.randn(3, 6, 11)
+    out = processing.apply(seqs, trees, logits)
+    expected = {}
+    for b, ((ids, _), tree) in enumerate(zip(seqs, trees)):
+        for row, suffix in enumerate(node_suffixes(tree)):
+            expected[(b, row)] = ids + suffix
+    assert node_suffixes(trees[0]) == [[], [5], [6], [5, 7], [5, 7, 8], [6, 9]]  # ancestors, then the node
+    # every call holds rows of one length (no padding), and every row's prefix is processed exactly once
+    rows_seen = sorted(tuple(r) for call in recorder.calls for r in call.tolist())
+    assert rows_seen == sorted(tuple(p) for p in expected.values())
+    assert len({len(p) for p in expected.values()}) == len(recorder.calls)  # one call per length, across sequences
+    for (b, row), prefix in expected.items():
+        assert torch.allclose(out[b, row], logits[b, row] + _signature(prefix), atol=1e-4), (b, row)
+    assert torch.equal(out[1, 1:], logits[1, 1:])  # padding rows past a tree's nodes are left alone
+    # with min_new_tokens, rows are grouped by prompt length too: MinNewTokens counts from input_ids.shape[-1]
+    eos_processing = LogitsProcessing((processing.processors[0], *_min_new(3, eos=10).processors), 3, (10,))
+    recorder.calls.clear()
+    out = eos_processing.apply(seqs, trees, logits)
+    for (b, row), prefix in expected.items():
+        suppressed = len(prefix) - seqs[b][1] < 3
+        assert (out[b, row, 10] == float("-inf")) == suppressed, (b, row)
+    assert all(len({len(r) for r in call.tolist()}) == 1 for call in recorder.calls)
+
+
+def _min_new(n: int, eos: int) -> LogitsProcessing:
+    return LogitsProcessing.from_config(GenerationConfig(min_new_tokens=n), [eos], 11)
+
+
+class RootPrefixEngine(Engine):
+    """Deliberately WRONG: processes every tree row with the root's prefix instead of its own."""
+
+    def process(self, live, trees, target_logits):
+        if self.processing is None:
+            return target_logits
+        out = target_logits.float().clone()
+        for b, s in enumerate(live):
+            ids = torch.tensor([s.token_ids] * out.shape[1], device=out.device)
+            out[b] = self.processing.process_rows(ids, out[b], s.num_prompt_tokens)
+        return out
+
+
+ROOT_PREFIX = EngineFault("processors_with_the_roots_prefix", engine_cls=RootPrefixEngine)
+
+
+def test_processing_every_node_with_the_roots_prefix_breaks_greedy_identity(model):
+    ref = [hf_greedy(model, p, repetition_penalty=1.3) for p in PROMPTS]
+    broken = generate_with_control(model, PROMPTS, EXACT, ROOT_PREFIX, max_new_tokens=NEW, drafter="draft-model",
+                                   drafter_options={"model": model, "num_draft_tokens": 4}, repetition_penalty=1.3)
+    assert broken != ref
+
+
+# ---- sampling ----------------------------------------------------------------------------------------------
+COUPLED = dict(do_sample=True, seed=11, sampler="coupled", temperature=0.5, repetition_penalty=2.0)
+
+
+def test_coupled_sampling_with_processors_is_the_same_text_with_any_drafter(model):
+    plain = specdec.generate(model, PROMPTS, max_new_tokens=NEW, **COUPLED)
+    unprocessed = dict(COUPLED, repetition_penalty=1.0)
+    assert plain != specdec.generate(model, PROMPTS, max_new_tokens=NEW, **unprocessed)
+    for name, drafter, options in drafters(model):
+        out = specdec.generate(model, PROMPTS, max_new_tokens=NEW, drafter=drafter, drafter_options=options,
+                               speculation="always", return_dict=True, **COUPLED)
+        assert out.sequences == plain, name
+        # the draft model ranks its candidates by the same noise over its own processed logits: all accepted
+        assert out.tau > 4.0 or name != "target-as-draft", out.tau
+    for p, ref in zip(PROMPTS, plain):
+        assert specdec.generate(model, [p], max_new_tokens=NEW, drafter="ngram", **COUPLED) == [ref]
+
+
+N = 6000  # per side: the test asserts its power to detect TV 0.05
+LAW_PROMPT = [2, 2, 2, 2]  # vocab 4: tokens 0, 1, 3 are new, so the penalty of a node depends on its ancestors
+LAW = dict(max_new_tokens=3, do_sample=True, repetition_penalty=10.0, return_dict=True, speculation="always")
+
+
+def _first_tokens(law_model, drafter, seed, fault=None):
+    out = generate_with_control(law_model, [LAW_PROMPT] * N, EXACT, fault, drafter=drafter, seed=seed, **LAW)
+    return [tuple(t) for t in out.new_tokens], out
+
+
+@pytest.mark.slow
+def test_sampling_law_with_repetition_penalty_matches_plain_and_the_root_prefix_variant_fails():
+    law_model = build_tiny_model(vocab_size=4, seed=3)
+    plain, _ = _first_tokens(law_model, None, seed=1)
+    spec, out = _first_tokens(law_model, RandomTreeDrafter(4, max_nodes=10, mode="independent", seed=5), seed=2)
+    assert out.tau > 1.3  # drafts were accepted, so node rows chose tokens
+    p, power = two_sample_chi2(plain, spec)
+    assert power >= 0.9, f"only {power:.2f} power to detect TV 0.05"
+    assert p > 1e-3, p
+    broken, _ = _first_tokens(law_model, RandomTreeDrafter(4, max_nodes=10, mode="independent", seed=5), seed=2,
+                              fault=ROOT_PREFIX)
+    assert two_sample_chi2(plain, broken)[0] < 1e-6
+
+
+# ---- log-probabilities -------------------------------------------------------------------------------------
+def test_greedy_logprobs_equal_transformers_processed_scores_with_and_without_drafter(model):
+    kwargs = dict(repetition_penalty=1.3, no_repeat_ngram_size=3)
+    plain = specdec.generate(model, PROMPTS, max_new_tokens=NEW, output_logprobs=True, return_dict=True, **kwargs)
+    assert [len(lp) for lp in plain.logprobs] == [len(t) for t in plain.new_tokens]
+    for p, new, lp in zip(PROMPTS, plain.new_tokens, plain.logprobs):
+        ids = torch.tensor([p])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True, **kwargs)
+        assert ref.sequences[0, len(p):].tolist() == new
+        want = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(ref.scores, new)]
+        assert torch.allclose(torch.tensor(lp), torch.tensor(want), atol=1e-5)
+    for name, drafter, options in drafters(model):
+        out = specdec.generate(model, PROMPTS, max_new_tokens=NEW, drafter=drafter, drafter_options=options,
+                               speculation="always", output_logprobs=True, return_dict=True, **kwargs)
+        assert out.new_tokens == plain.new_tokens and out.tau > 1.0, name
+        for a, b in zip(out.logprobs, plain.logprobs):
+            assert torch.allclose(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64),
+                                  atol=1e-5), name
+    # an EOS inside an accepted run cuts the run: only the committed tokens have log-probabilities
+    eos = plain.new_tokens[0][5]
+    cut = specdec.generate(model, [PROMPTS[0]], max_new_tokens=NEW, eos_token_id=eos, drafter="draft-model",
+                           drafter_options={"model": model, "num_draft_tokens": 4}, speculation="always",
+                           output_logprobs=True, return_dict=True, **kwargs)
+    n = len(cut.new_tokens[0])
+    assert cut.new_tokens[0] == plain.new_tokens[0][:n] and cut.stats[0].finish_reason == "eos"
+    assert len(cut.logprobs[0]) == n and any(length > 1 for length in cut.stats[0].step_lengths)
+    assert torch.allclose(torch.tensor(cut.logprobs[0]), torch.tensor(plain.logprobs[0][:n]), atol=1e-5)
+    # transformers' names map onto them; not asked: None, and nothing is computed
+    mapped = specdec.generate(model, PROMPTS, max_new_tokens=NEW, output_scores=True, return_dict_in_generate=True,
+                              **kwargs)
+    assert mapped.logprobs == plain.logprobs
+    assert specdec.generate(model, PROMPTS, max_new_tokens=4, return_dict=True).logprobs is None
+
+
+def test_sampled_logprobs_are_after_the_processors_and_the_sampling_transform(model):
+    sample = dict(do_sample=True, seed=11, sampler="coupled", repetition_penalty=1.3, no_repeat_ngram_size=3,
+                  temperature=0.7, top_k=20)
+    plain = specdec.generate(model, PROMPTS, max_new_tokens=NEW, output_logprobs=True, return_dict=True, **sample)
+    spec = specdec.generate(model, PROMPTS, max_new_tokens=NEW, drafter="ngram", speculation="always",
+                            output_logprobs=True, return_dict=True, **sample)
+    assert spec.new_tokens == plain.new_tokens
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3), NoRepeatNGramLogitsProcessor(3),
+                                      TemperatureLogitsWarper(0.7), TopKLogitsWarper(20)])
+    for p, new, lp, lp_spec in zip(PROMPTS, plain.new_tokens, plain.logprobs, spec.logprobs):
+        seq = torch.tensor([p + new])
+        with torch.no_grad():
+            logits = model(seq).logits[0].float()
+        want = []
+        for t, tok in enumerate(new):
+            length = len(p) + t
+            scores = processors(seq[:, :length], logits[length - 1 : length])
+            want.append(torch.log_softmax(scores[0], -1)[tok].item())
+        assert torch.allclose(torch.tensor(lp), torch.tensor(want), atol=1e-5)
+        assert torch.allclose(torch.tensor(lp_spec), torch.tensor(lp), atol=1e-5)
+        assert all(v <= 0 for v in lp) and min(lp) > float("-inf")
+
+
+# ---- the cost when off, and refusals -----------------------------------------------------------------------
+def test_nothing_is_processed_or_kept_when_not_asked(model):
+    engine = build_engine(prepare(model, PROMPTS, max_new_tokens=4, repetition_penalty=1.0, no_repeat_ngram_size=0,
+                                  return_dict=True))
+    assert engine.processing is None and not engine.output_logprobs
+    engine = build_engine(prepare(model, PROMPTS, max_new_tokens=4, output_scores=True))  # no return_dict: a no-op
+    assert not engine.output_logprobs
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(logits_processor=[PenaliseLastToken()]), InputError, "logits_processor_prefix_only=True"),
+    (dict(logits_processor=[3], logits_processor_prefix_only=True), InputTypeError, r"logits_processor\[0\]"),
+    (dict(bad_words_ids=[[5], [400]]), InputError, r"bad_words_ids has token ids outside the vocabulary"),
+    (dict(bad_words_ids="no"), InputTypeError, "bad_words_ids must be"),
+    (dict(bad_words_ids=[[]]), InputTypeError, r"bad_words_ids\[0\]"),
+    (dict(repetition_penalty=0.0), InputError, "repetition_penalty must be > 0"),
+    (dict(no_repeat_ngram_size=-1), InputError, "no_repeat_ngram_size must be >= 0"),
+    (dict(min_new_tokens=1.5), InputTypeError, "min_new_tokens must be an int"),
+    (dict(output_logprobs=True), InputError, "output_logprobs=True needs return_dict=True"),
+    (dict(logits_processor=lambda ids, s: s[:, :3], logits_processor_prefix_only=True), InputTypeError,
+     r"logits processor 0 \(function\) returned"),
+])
+def test_bad_processor_arguments_are_one_line_errors(model, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        specdec.generate(model, PROMPTS[:2], max_new_tokens=4, **kwargs)
