@@ -17,7 +17,9 @@ Every transformers field is one of:
 * read: the fields of specdec's GenerationConfig (``max_new_tokens``, ``max_length``, ``do_sample``,
   ``temperature``, ``top_k``, ``top_p``, ``eos_token_id``, ``pad_token_id``, ``num_return_sequences``, and any
   field specdec's config gains later under transformers' name); ``stop_strings`` is read as ``stop``;
-  ``return_dict_in_generate`` as generate()'s ``return_dict``;
+  ``return_dict_in_generate`` as generate()'s ``return_dict``; the prefix-only logits processors
+  (``repetition_penalty``, ``no_repeat_ngram_size``, ``bad_words_ids``, ``min_new_tokens``, ``logits_processor``)
+  and ``output_scores`` (read as ``output_logprobs``) are GenerationConfig fields (:mod:`specdec.logits_processing`);
 * ignored, because it cannot change the tokens (:data:`IGNORED`: ``bos_token_id``, cache and compile settings,
   the tuning knobs of transformers' own assisted generation, ...);
 * refused when set to anything but its neutral value (:data:`REFUSED`: beam search, contrastive search, other
@@ -82,16 +84,15 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "dola_layers": ((), "DoLa decoding"),
     "min_p": ((), _WARPER), "top_h": ((), _WARPER), "typical_p": ((1.0,), _WARPER),
     "epsilon_cutoff": ((0.0,), _WARPER), "eta_cutoff": ((0.0,), _WARPER),
-    "repetition_penalty": ((1.0,), _PROCESSOR), "encoder_repetition_penalty": ((1.0,), _PROCESSOR),
-    "no_repeat_ngram_size": ((0,), _PROCESSOR), "encoder_no_repeat_ngram_size": ((0,), _PROCESSOR),
-    "bad_words_ids": ((), _PROCESSOR), "min_length": ((0,), _PROCESSOR), "min_new_tokens": ((0,), _PROCESSOR),
+    "encoder_repetition_penalty": ((1.0,), _PROCESSOR), "encoder_no_repeat_ngram_size": ((0,), _PROCESSOR),
+    "min_length": ((0,), _PROCESSOR),
     "forced_bos_token_id": ((), _PROCESSOR), "forced_eos_token_id": ((), _PROCESSOR),
     "exponential_decay_length_penalty": ((), _PROCESSOR), "suppress_tokens": ((), _PROCESSOR),
     "begin_suppress_tokens": ((), _PROCESSOR), "sequence_bias": ((), _PROCESSOR),
     "remove_invalid_values": ((False,), _PROCESSOR), "renormalize_logits": ((False,), _PROCESSOR),
     "guidance_scale": ((1, 1.0), "classifier-free guidance"), "watermarking_config": ((), "watermarking"),
     "token_healing": ((False,), "token healing"), "max_time": ((), "a time limit (the output would depend on speed)"),
-    **dict.fromkeys(("output_attentions", "output_hidden_states", "output_scores", "output_logits"),
+    **dict.fromkeys(("output_attentions", "output_hidden_states", "output_logits"),
                     ((False,), "extra outputs (specdec returns sequences and GenerateOutput's stats)")),
     "prompt_lookup_num_tokens": ((), "transformers' prompt lookup (use drafter='ngram')"),
     "assistant_early_exit": ((), "transformers' early-exit assistant (use drafter='self-draft')"),
