@@ -278,27 +278,13 @@ class ModelDrafter(Drafter):
         coupled sampling ranks each node's candidates by its perturbed logits (a Gumbel-top-k sample)."""
         cfg, sampling = self.config, self.target.sampling
         start = len(nodes)
-        if noise is not None:
-            ids = self._draft_ids
-            cands = []
-            for parent, logits, score in frontier:
-                perturbed = perturbed_logits(logits, sampling, noise)
-                probs = perturbed.softmax(-1)  # the chance each candidate is the coupled choice (ranking only)
-                k = cfg.beam if cfg.tree == "dynamic" else cfg.width(depth)
-                top = torch.topk(probs, min(k, int((perturbed > float("-inf")).sum())))
-                cands += [(score * float(p), parent, int(t) if ids is None else ids[int(t)])
-                          for p, t in zip(top.values, top.indices)]
-            if cfg.tree == "dynamic":
-                cands = sorted(cands, key=lambda c: -c[0])[: min(cfg.beam, budget - len(nodes))]
-            for score, parent, token in cands:
-                nodes.append(_Node(parent, token, score, None))
-        elif self.mode is DraftMode.DETERMINISTIC:
-            k = cfg.beam if cfg.tree == "dynamic" else None
+        if noise is not None or self.mode is DraftMode.DETERMINISTIC:
+            k = cfg.beam if cfg.tree == "dynamic" else cfg.width(depth)
             cands = []
             ids = self._draft_ids  # None: logit column == token id
             for parent, logits, score in frontier:
-                probs = logits.float().softmax(-1) if sampling.greedy else logits_to_probs(logits.float(), sampling)
-                top = torch.topk(probs, min(k or cfg.width(depth), probs.numel()))
+                probs = self._ranking(logits, noise)
+                top = torch.topk(probs, min(k, probs.numel()))
                 cands += [(score * float(p), parent, int(t) if ids is None else ids[int(t)])
                           for p, t in zip(top.values, top.indices)]
             if cfg.tree == "dynamic":
@@ -317,6 +303,15 @@ class ModelDrafter(Drafter):
                 for t in picks.tolist():
                     nodes.append(_Node(parent, t, score, draft_probs))
         return list(range(start, len(nodes)))
+
+    def _ranking(self, logits: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+        """A frontier node's [n] logits -> [n] probabilities that rank its candidate children: the draft
+        distribution, or under coupled sampling the softmax of the logits perturbed by the position's noise (the
+        chance each is the coupled choice given that noise: its top-k is a Gumbel-top-k sample)."""
+        sampling = self.target.sampling
+        if noise is not None:
+            return perturbed_logits(logits, sampling, noise).softmax(-1)
+        return logits.float().softmax(-1) if sampling.greedy else logits_to_probs(logits.float(), sampling)
 
     def _forward_nodes(self, live, nodes, new_per_seq, depth) -> torch.Tensor:  # [sum(new), vocab]
         cache = self.cache
