@@ -160,8 +160,17 @@ def coupled_sample(
     offsets = torch.arange(max_depth + 1, dtype=torch.long)  # [D + 1]
     positions = torch.tensor(list(root_positions), dtype=torch.long)[:, None] + 1 + offsets  # [B, D + 1]
     gumbel = coupling.gumbel(keys.to(device), positions.to(device), vocab)  # [B, D + 1, V]
-    rows = torch.zeros(len(trees), target_logits.shape[1], dtype=torch.long)  # [B, max_nodes + 1] depth per row
+    # one depth at a time: the rows at depth d share the noise of position root + 1 + d, and no [B, rows, V]
+    # index or float64 copy of every row is ever built (rows x vocab can be large on a GPU)
+    at_depth: list[tuple[list[int], list[int]]] = [([], []) for _ in range(max_depth + 1)]
     for b, tree in enumerate(trees):
-        rows[b, 1: tree.num_nodes + 1] = tree.depths.cpu()
-    noise = torch.gather(gumbel, 1, rows.to(device)[..., None].expand(-1, -1, vocab))  # [B, max_nodes + 1, V]
-    return follow_choices(trees, coupled_tokens(target_logits, sampling, noise).tolist())
+        at_depth[0][0].append(b), at_depth[0][1].append(0)
+        for i, d in enumerate(tree.depths.tolist()):
+            at_depth[d][0].append(b), at_depth[d][1].append(1 + i)
+    chosen = torch.zeros(target_logits.shape[:2], dtype=torch.long, device=device)  # [B, max_nodes + 1]
+    for d, (batch_rows, tree_rows) in enumerate(at_depth):
+        if batch_rows:
+            b_idx = torch.tensor(batch_rows, device=device)
+            r_idx = torch.tensor(tree_rows, device=device)
+            chosen[b_idx, r_idx] = coupled_tokens(target_logits[b_idx, r_idx], sampling, gumbel[b_idx, d])
+    return follow_choices(trees, chosen.tolist())
