@@ -129,6 +129,13 @@ class Drafter(ABC):
     def release(self, seq_id: int) -> None:
         """Forget everything about a finished sequence."""
 
+    def forward_seconds(self) -> float | None:
+        """After ``attach``: seconds of one forward of the drafter's own model over one token, measured on this
+        machine (cached), or None when it has no model of its own. Every depth of a tree costs at least one
+        such forward, so the break-even guard never asks a drafter whose forward costs a target decode step
+        (:meth:`specdec.tree_sizing.TreeSizer.never_pays`)."""
+        return None
+
 
 class _ObjectDrafter(Drafter):
     """A plain object with ``propose`` (and optionally ``name``, ``needs_hidden_states``, ``attach``,

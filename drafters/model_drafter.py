@@ -162,6 +162,15 @@ class ModelDrafter(Drafter):
             self.generator = torch.Generator(device=self.runner.device)
             self.generator.manual_seed(int.from_bytes(digest, "little") >> 1)
 
+    def forward_seconds(self) -> float | None:
+        """A decode step of the draft model, from its cost model (the target's own curve when it IS the target).
+        None for self-draft: its layers are a part of the target's, so it costs less by construction."""
+        if self.runner is None or self.shares_target_cache:
+            return None
+        from specdec.cost_model import load_cost_model
+
+        return load_cost_model(self.runner, install_rows=False).decode_seconds()
+
     def release(self, seq_id: int) -> None:
         if self.cache is not None and not self.shares_target_cache and seq_id in self.cache.lengths:
             self.cache.free(seq_id)

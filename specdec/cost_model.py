@@ -230,12 +230,14 @@ def calibrate(runner, batch: int, config: CalibrationConfig) -> dict[int, float]
     return dict(sorted(curve.items()))
 
 
-def load_cost_model(runner, config: CalibrationConfig | None = None, cache_dir: str | Path | None = None
-                    ) -> CostModel:
+def load_cost_model(runner, config: CalibrationConfig | None = None, cache_dir: str | Path | None = None,
+                    install_rows: bool = True) -> CostModel:
     """The cost model of ``runner`` on this machine: from this process's memo, the disk cache, or measured
-    (batch 1 now; other batch sizes when first asked for). Installs the CPU row policy first."""
+    (batch 1 now; other batch sizes when first asked for). Installs the CPU row policy first, unless
+    ``install_rows=False`` (a draft model: it runs under the target's policy, which is process-wide)."""
     config = config or CalibrationConfig()
-    ensure_row_policy(runner, config, cache_dir)
+    if install_rows:
+        ensure_row_policy(runner, config, cache_dir)
     key = machine_key(runner) | {"model": model_fingerprint(runner), "rows": row_policy.active_cols(),
                                  "workload": asdict(config)}
     key = json.loads(json.dumps(key))  # as it reads back from JSON (tuples -> lists, int keys -> str)

@@ -125,6 +125,10 @@ class Engine:
         self.keep_hidden = self.drafter is not None and self.drafter.needs_hidden_states
         if self.drafter is not None:
             self.drafter.attach(TargetView(runner, cache, sampling, stop.tokenizer, self.coupling, processing))
+        if self.sizer is not None and self.sizer.never_pays(self.drafter.forward_seconds()):
+            logger.warning("%s: one forward of its model costs a decode step of the target or more, so no draft can "
+                           "pay; decoding plainly (speculation='always' verifies its drafts anyway)", self.drafter.name)
+            self.sizer.switch_off()
 
     @property
     def live(self) -> list[SequenceState]:

@@ -29,12 +29,18 @@ drafter's node order, with token-independent (depth, rank) estimates: keeping th
 score best would change the distribution they were drawn from.
 
 **Guard.** When the best ratio is not above plain decoding's ``1 / c(1) = 1``, drafting did not pay: the
-sequence skips the drafter for ``backoff`` steps (1, 2, 4, ... up to what keeps probing under ~1% of the
+sequence skips the drafter for ``backoff`` steps (2, 8, 32, ... up to what keeps probing under ~1% of the
 time: ``d / probe_budget`` steps, at most 256), then probes again; a probe that pays resets the backoff,
-and so does any step whose
-drafts, had they all been verified, would have paid for it; so the guard recovers when the text turns
-repetitive. A drafter cheaper than ``probe_budget`` is never
-skipped (its empty or pruned trees cost nothing).
+and so does any step whose drafts, had they all been verified, would have paid for it; so the guard
+recovers when the text turns repetitive. The backoff grows fourfold: each probe of a drafter that does not
+pay costs its whole draft time, and on a 30-token answer a doubling schedule spent ~10% of it probing.
+A drafter cheaper than ``probe_budget`` is never skipped (its empty or pruned trees cost nothing).
+
+**Never.** A drafter with a model of its own whose forward costs ``r`` target decode steps spends at
+least ``L r`` on a tree of depth L, which commits at most ``1 + L`` tokens for ``L r + c(1 + L)``. When
+that bound is not above 1 for any L (``r >= 1`` always: the target drafting for itself), no acceptance
+rate can make it pay, so :meth:`never_pays` holds and the engine never asks it (``switch_off``): not even
+the first probe, which for such a drafter costs a second prefill of the prompt.
 """
 from __future__ import annotations
 
@@ -43,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.cost_model import CostModel
-from specdec.tree import DraftMode, DraftTree
+from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree
 
 _BINS = 10  # score bins of the online correction
 
@@ -92,6 +98,7 @@ class TreeSizer:
         self.decode_seconds: float | None = None  # EMA of a plain decode step, from verify times
         self.paid = 0  # proposals that were expected to pay (stats, tests)
         self.unpaid = 0
+        self.off = False  # never_pays held: no sequence drafts (switch_off)
 
     # ---- costs ----------------------------------------------------------------------------
     def _ema(self, old: float | None, new: float) -> float:
@@ -112,9 +119,25 @@ class TreeSizer:
         return self.draft_seconds / decode
 
     # ---- the guard --------------------------------------------------------------------------
+    def never_pays(self, forward_seconds: float | None, batch: int = 1) -> bool:
+        """Whether a drafter whose every depth costs ``forward_seconds`` (one forward of its own model; None:
+        unknown) could never pay, even with every node accepted: ``1 + L <= L r + c(1 + L)`` for every depth L,
+        r = forward_seconds / c(1)."""
+        if forward_seconds is None:
+            return False
+        r = forward_seconds / self.costs.decode_seconds(batch)
+        return all(1 + n <= n * r + self.costs.relative(1 + n, batch) for n in range(1, MAX_TREE_NODES + 1))
+
+    def switch_off(self) -> None:
+        """Decode every sequence plainly from now on (the drafter is never asked)."""
+        self.off = True
+
     def wants_draft(self, seq_id: int) -> bool:
         """Whether the drafter proposes for ``seq_id`` this step (called once per live sequence per step)."""
         guard = self.guards.setdefault(seq_id, _Guard())
+        if self.off:
+            guard.skipped_steps += 1
+            return False
         if guard.skip > 0:
             guard.skip -= 1
             guard.skipped_steps += 1
@@ -129,7 +152,7 @@ class TreeSizer:
             return
         self.unpaid += 1
         cap = min(self.config.max_backoff, int(self.draft_cost(batch) / self.config.probe_budget))
-        guard.backoff = min(max(2 * guard.backoff, 1), cap)
+        guard.backoff = min(max(4 * guard.backoff, 2), cap)
         guard.skip = guard.backoff
 
     # ---- acceptance estimates ---------------------------------------------------------------

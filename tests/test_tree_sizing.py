@@ -73,7 +73,7 @@ def test_guard_turns_speculation_off_for_a_drafter_that_never_matches_and_back_o
     assert out.sequences[0] == plain
     before = [a for a in drafter.asked_at if a < 40]
     after = [a for a in drafter.asked_at if a >= 40]
-    # off: while nothing matches the drafter is asked ever more rarely (1, 2, 4, ... steps skipped)
+    # off: while nothing matches the drafter is asked ever more rarely (2, 8, 32, ... steps skipped)
     assert 3 <= len(before) <= 10, drafter.asked_at
     # back on: after the first probe that matches it is asked every step, and whole chains are committed
     lengths = out.stats[0].step_lengths
@@ -83,3 +83,28 @@ def test_guard_turns_speculation_off_for_a_drafter_that_never_matches_and_back_o
     forced = generate(model, [prompt], max_new_tokens=140, drafter=drafter, return_dict=True, speculation="always")
     assert forced.sequences[0] == plain and len(drafter.asked_at) == forced.stats[0].steps
     assert len([a for a in drafter.asked_at if a < 40]) == 40  # one token per step until the switch
+
+
+def test_never_pays_when_a_draft_forward_costs_a_decode_step_whatever_the_acceptance():
+    assert TreeSizer(FLAT).never_pays(1.0)  # r = 1: L drafted tokens cost L steps + a verify, commit <= L + 1
+    assert not TreeSizer(FLAT).never_pays(0.5)  # 1 + 1 > 0.5 + c(2) = 1.5: a chain of one could pay
+    assert not TreeSizer(FLAT).never_pays(None)  # no model of its own: the guard probes
+    steep = CostModel({}, {1: {1: 1.0, 2: 1.5, 65: 64.0}})  # every extra verified token costs half a step or more
+    assert steep.relative(2) == 1.5 and TreeSizer(steep).never_pays(0.6)
+    assert not TreeSizer(steep).never_pays(0.4)
+
+
+def test_the_target_drafting_for_itself_is_never_asked_under_the_guard():
+    """Its forward IS a decode step (the same cost model), so the engine decodes plainly from the first step:
+    no drafter prefill, no probe; speculation="always" still drafts (and is accepted: it is the target)."""
+    from specdec.drafters.draft_model import DraftModelDrafter
+
+    model = build_tiny_model(vocab_size=64, seed=3)
+    prompt = [1, 2, 3, 4, 5]
+    plain = generate(model, [prompt], max_new_tokens=24)[0]
+    guarded = DraftModelDrafter(model=model, num_draft_tokens=3)
+    out = generate(model, [prompt], max_new_tokens=24, drafter=guarded, return_dict=True)
+    assert out.sequences[0] == plain and guarded.draft_forwards == 0 and out.stats[0].steps == 24
+    forced = DraftModelDrafter(model=model, num_draft_tokens=3)
+    out = generate(model, [prompt], max_new_tokens=24, drafter=forced, return_dict=True, speculation="always")
+    assert out.sequences[0] == plain and forced.draft_forwards > 0 and out.stats[0].steps < 12
