@@ -4,19 +4,25 @@
     python benchmarks/bench_drafters_cpu.py --sweep-self-draft          # pick N layers / depth
     python benchmarks/bench_drafters_cpu.py --medusa-path heads/        # trained Medusa heads
     python benchmarks/bench_drafters_cpu.py --speculation always        # verify every proposed tree whole
+    python benchmarks/bench_drafters_cpu.py --categories all --repeats 3   # every acceptance-suite category
 
-Per category (summarisation, code, chat), the same prompts run through each drafter in
-one process, interleaved per prompt after a warm-up, greedy. Prints tokens/s, the ratio
-against specdec's plain decoding measured in the same run, tau, and checks that every
-drafter's tokens equal plain decoding's. Drafters run with ``speculation="auto"`` (the default: tree
-sizing by the measured cost model and the break-even guard) unless ``--speculation always``; the row
-"ngram (whole trees)" runs n-gram with ``speculation="always"`` in the same run, for comparison.
+Per category (summarisation, code, chat by default; ``all``: the seven of ``specdec eval acceptance``), the
+same prompts run through each drafter in one process, interleaved per prompt after a warm-up, greedy,
+``--repeats`` times with the drafter order rotated each time (a machine that slows down for a few seconds
+then hits every drafter alike). Prints tokens/s summed over all runs, the ratio against specdec's plain
+decoding measured in the same run, the lowest and highest ratio of a single repeat (the noise), tau, the
+decode-only speedup (prefill left out) measured and predicted (draft time + every step priced by the cost
+model's c(1 + its tree size)), and checks that every drafter's tokens equal plain decoding's.
+Drafters run with ``speculation="auto"`` (the default: tree sizing by the measured cost model and the
+break-even guard) unless ``--speculation always``; the row "ngram (whole trees)" runs n-gram with
+``speculation="always"`` in the same run, for comparison.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +31,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import chat_ids, time_specdec  # noqa: E402
 from specdec.eval.prompts import load_prompts  # noqa: E402
 
+from specdec.cost_model import load_cost_model  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
+
+
+@dataclass
+class Totals:
+    """Sums over runs. Decode = after prefill; predicted decode = measured draft time + each step's verify priced
+    by the calibrated cost model at its own tree size (what the engine's tree sizing believes)."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    decode_seconds: float = 0.0
+    predicted_seconds: float = 0.0
+    steps: int = 0
+    bad: int = 0  # runs whose tokens differ from plain decoding's
+
+    def add(self, seconds: float, out, costs, bad: bool) -> None:
+        self.tokens += len(out.new_tokens[0])
+        self.seconds += seconds
+        self.decode_seconds += out.draft_seconds + out.verify_seconds
+        self.predicted_seconds += out.draft_seconds + sum(costs.seconds(1 + n) for n in out.stats[0].step_nodes)
+        self.steps += out.stats[0].steps
+        self.bad += bool(bad)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def decode_speed(self) -> float:
+        return self.tokens / self.decode_seconds
+
+    @property
+    def predicted_speed(self) -> float:
+        return self.tokens / self.predicted_seconds
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / max(self.steps, 1)
 
 
 def drafters(args, loaded) -> dict[str, tuple[str | None, dict]]:
@@ -59,7 +103,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=3, help="prompts per category")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--categories", default="summarisation,code,chat")
+    ap.add_argument("--categories", default="summarisation,code,chat", help="comma-separated, or all")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each prompt per drafter, order rotated")
+    ap.add_argument("--drafters", help="comma-separated subset of the table's rows (plain is always run)")
     ap.add_argument("--sweep-self-draft", action="store_true", help="compare self-draft layer counts and depths")
     ap.add_argument("--medusa-path", help="a Medusa checkpoint directory for the base model")
     ap.add_argument("--speculation", choices=("auto", "always"), default="auto",
@@ -70,6 +116,13 @@ def main() -> None:
     loaded = load_model("default")
     tok = loaded.tokenizer
     table = drafters(args, loaded)
+    if args.drafters:
+        wanted = {"plain", *args.drafters.split(",")}
+        table = {k: v for k, v in table.items() if k in wanted}
+    if args.categories == "all":
+        from specdec.eval.prompts import CATEGORIES
+
+        args.categories = ",".join(CATEGORIES)
 
     def run(spec, ids):
         name, options = spec
@@ -83,29 +136,35 @@ def main() -> None:
     warm = chat_ids(tok, "Hello!")
     for spec in table.values():
         run(spec, warm)
+    costs = load_cost_model(loaded.runner)  # the calibrated c(n) the engine sizes trees with (cached)
     report = {}
     for cat in args.categories.split(","):
-        totals = {k: [0, 0.0, 0, 0] for k in table}  # tokens, seconds, steps, mismatching prompts
-        for text in load_prompts(cat, args.prompts):
+        totals = {k: Totals() for k in table}
+        per_repeat = [{k: Totals() for k in table} for _ in range(args.repeats)]
+        keys = list(table)
+        for p, text in enumerate(load_prompts(cat, args.prompts)):
             ids = chat_ids(tok, text)
             ref = None
-            for key, spec in table.items():
-                seconds, out = run(spec, ids)
-                ref = out.new_tokens[0] if ref is None else ref
-                t = totals[key]
-                t[0] += len(out.new_tokens[0])
-                t[1] += seconds
-                t[2] += out.stats[0].steps
-                t[3] += out.new_tokens[0] != ref
-        base = totals["plain"][0] / totals["plain"][1]
-        print(f"\n{cat}: {'drafter':<22} {'tok/s':>8} {'vs plain':>9} {'tau':>6}")
+            for rep in range(args.repeats):
+                shift = (p + rep) % len(keys)
+                for key in keys[shift:] + keys[:shift]:
+                    seconds, out = run(table[key], ids)
+                    ref = out.new_tokens[0] if ref is None else ref
+                    for t in (totals[key], per_repeat[rep][key]):
+                        t.add(seconds, out, costs, out.new_tokens[0] != ref)
+        plain = totals["plain"]
+        print(f"\n{cat}: {'drafter':<22} {'tok/s':>8} {'vs plain':>9} {'min..max':>12} {'tau':>6}"
+              f" {'decode: measured':>17} {'predicted':>9}")
         report[cat] = {}
-        for key, (n, s, steps, bad) in totals.items():
-            tps = n / s
-            report[cat][key] = {"tokens_per_s": tps, "speedup": tps / base, "tau": n / max(steps, 1),
-                                "mismatching_prompts": bad}
-            print(f"{'':<14} {key:<22} {tps:8.2f} {tps / base:8.2f}x {n / max(steps, 1):6.2f}"
-                  + (f"  ({bad} prompts differ from plain!)" if bad else ""))
+        for key, t in totals.items():
+            reps = [r[key].tokens_per_s / r["plain"].tokens_per_s for r in per_repeat]
+            measured, predicted = t.decode_speed / plain.decode_speed, t.predicted_speed / plain.predicted_speed
+            report[cat][key] = {"tokens_per_s": t.tokens_per_s, "speedup": t.tokens_per_s / plain.tokens_per_s,
+                                "tau": t.tau, "speedup_per_repeat": reps, "decode_speedup": measured,
+                                "predicted_decode_speedup": predicted, "mismatching_runs": t.bad}
+            print(f"{'':<14} {key:<22} {t.tokens_per_s:8.2f} {t.tokens_per_s / plain.tokens_per_s:8.2f}x "
+                  f"{min(reps):5.2f}..{max(reps):4.2f}x {t.tau:6.2f} {measured:16.2f}x {predicted:8.2f}x"
+                  + (f"  ({t.bad} runs differ from plain!)" if t.bad else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
 
