@@ -84,7 +84,9 @@ def test_logits_match_transformers(loaded, prompts):
 
 @REFERENCE
 def test_greedy_single_matches_transformers(loaded, prompts, hf_reference):
-    for i, (p, ref) in enumerate(zip(prompts, hf_reference)):
+    """8 of the 20 prompts one at a time (all 20 run batched against transformers below; the other 12 alone
+    cost ~2 of CI's 25 minutes)."""
+    for i, (p, ref) in enumerate(zip(prompts[:8], hf_reference[:8])):
         assert specdec.generate(loaded, [p], max_new_tokens=NEW_TOKENS)[0] == ref, f"prompt {i}"
 
 
@@ -113,13 +115,13 @@ def test_greedy_batched_matches_transformers(loaded, plain_256, hf_reference):
 
 @NGRAM
 def test_ngram_greedy_identity_batched_and_single(loaded, prompts, plain_256):
-    """20 prompts x 256 tokens batched, and 6 of them one at a time."""
+    """20 prompts x 256 tokens batched, and 3 of them one at a time."""
     out = specdec.generate(loaded, prompts, max_new_tokens=SPEC_TOKENS, drafter="ngram", return_dict=True)
     mismatched = [i for i, (o, r) in enumerate(zip(out.sequences, plain_256)) if o != r]
     assert not mismatched, f"ngram batched differs on prompts {mismatched}"
     assert out.tau > 1.1
-    # one at a time: 6 of the 20 (every prompt runs batched above; all 20 alone cost ~9 of CI's 25 minutes)
-    for i, (p, ref) in enumerate(zip(prompts[:6], plain_256[:6])):
+    # one at a time: 3 of the 20 (every prompt runs batched above; all 20 alone cost ~9 of CI's 25 minutes)
+    for i, (p, ref) in enumerate(zip(prompts[:3], plain_256[:3])):
         assert specdec.generate(loaded, [p], max_new_tokens=SPEC_TOKENS, drafter="ngram")[0] == ref, f"prompt {i}"
 
 
@@ -159,7 +161,8 @@ def _untrained_eagle(loaded):
 @MODEL_DRAFTERS
 @pytest.mark.parametrize("name", ["self-draft", "draft-model", "medusa", "eagle"])
 def test_model_based_drafters_greedy_identity(loaded, prompts, plain_256, name):
-    """20 prompts x 256 tokens batched, and 2 prompts one at a time (to bound CI time)."""
+    """20 prompts x 256 tokens batched, and 1 prompt alone (to bound CI time: the batch already runs every
+    sequence with its own tree and accepted length)."""
     make = {
         "self-draft": lambda: ("self-draft", {}),
         "draft-model": lambda: ("draft-model", {"model": loaded, "num_draft_tokens": 3}),  # no smaller SmolLM2 offline
@@ -175,7 +178,7 @@ def test_model_based_drafters_greedy_identity(loaded, prompts, plain_256, name):
     assert not mismatched, f"{name} batched differs on prompts {mismatched}"
     if name == "draft-model":
         assert out.tau > 3.5  # the model drafting for itself: the accepted path is exercised
-    for i, (p, ref) in enumerate(zip(prompts[:2], plain_256[:2])):
+    for i, (p, ref) in enumerate(zip(prompts[:1], plain_256[:1])):
         drafter, options = make()
         got = specdec.generate(loaded, [p], max_new_tokens=SPEC_TOKENS, drafter=drafter, drafter_options=options,
                                speculation="always")
