@@ -42,6 +42,7 @@ from specdec.tree import DraftError, DraftTree
 from specdec.tree_sizing import TreeSizer
 
 logger = logging.getLogger(__name__)
+_NEVER_PAYS_WARNED: set[str] = set()  # drafter names already warned about (once per process, then debug)
 
 
 @dataclass
@@ -126,8 +127,10 @@ class Engine:
         if self.drafter is not None:
             self.drafter.attach(TargetView(runner, cache, sampling, stop.tokenizer, self.coupling, processing))
         if self.sizer is not None and self.sizer.never_pays(self.drafter.forward_seconds()):
-            logger.warning("%s: one forward of its model costs a decode step of the target or more, so no draft can "
-                           "pay; decoding plainly (speculation='always' verifies its drafts anyway)", self.drafter.name)
+            log = logger.warning if self.drafter.name not in _NEVER_PAYS_WARNED else logger.debug
+            _NEVER_PAYS_WARNED.add(self.drafter.name)
+            log("%s: one forward of its model costs a decode step of the target or more, so no draft can pay; "
+                "decoding plainly (speculation='always' verifies its drafts anyway)", self.drafter.name)
             self.sizer.switch_off()
 
     @property

@@ -91,7 +91,10 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
     seeded_sampling = config.do_sample and (config.seed is not None or generator is not None) and coupling is None
     if (drafter is not None and config.speculation == "auto" and rule is EXACT and fault is None
             and not seeded_sampling):
-        sizer = TreeSizer(load_cost_model(runner))
+        costs = load_cost_model(runner)
+        # the guard remembers across calls per target cost curve and drafter (specdec.tree_sizing: Memory)
+        memory = (str(costs.file), drafter.name, repr(getattr(drafter, "config", None)))
+        sizer = TreeSizer(costs, memory=memory)
     engine_cls = Engine if fault is None else fault.engine_cls
     return engine_cls(runner, cache, config.sampling, request.stop, drafter, generator, audit, rule, graphed,
                       sizer, coupling, processing=processing, output_logprobs=output_logprobs)

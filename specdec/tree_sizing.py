@@ -36,6 +36,12 @@ recovers when the text turns repetitive. The backoff grows fourfold: each probe 
 pay costs its whole draft time, and on a 30-token answer a doubling schedule spent ~10% of it probing.
 A drafter cheaper than ``probe_budget`` is never skipped (its empty or pruned trees cost nothing).
 
+**Memory.** With a ``memory`` key (generate() passes the cost model's file and the drafter's name and config),
+a new sequence starts from the backoff that the last finished sequence of the same key reached, skipping a
+quarter of it before its first probe: a server calling generate() once per short answer would otherwise pay
+the whole probe ramp (0, 3, 12, ... steps) on every answer for a drafter that never pays. The memory is per
+process (``_REMEMBERED``) and only moves probes: pruning is exact, so outputs never depend on it.
+
 **Never.** A drafter with a model of its own whose forward costs ``r`` target decode steps spends at
 least ``L r`` on a tree of depth L, which commits at most ``1 + L`` tokens for ``L r + c(1 + L)``. When
 that bound is not above 1 for any L (``r >= 1`` always: the target drafting for itself), no acceptance
@@ -52,6 +58,7 @@ from specdec.cost_model import CostModel
 from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree
 
 _BINS = 10  # score bins of the online correction
+_REMEMBERED: dict[tuple, int] = {}  # TreeSizer.memory -> backoff of its last finished sequence (module doc)
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,7 @@ class _Pending:  # what was proposed for a sequence this step, to learn from the
 class TreeSizer:
     costs: CostModel
     config: SizingConfig = field(default_factory=SizingConfig)
+    memory: tuple | None = None  # key of the guard's memory across calls (module doc); None: start fresh
 
     def __post_init__(self) -> None:
         self.unscored: dict[tuple[int, int], list[float]] = {}  # (depth, rank) -> [accepted, tried]
@@ -119,6 +127,12 @@ class TreeSizer:
         return self.draft_seconds / decode
 
     # ---- the guard --------------------------------------------------------------------------
+    def _guard(self, seq_id: int) -> _Guard:
+        if seq_id not in self.guards:
+            backoff = _REMEMBERED.get(self.memory, 0) if self.memory is not None else 0
+            self.guards[seq_id] = _Guard(backoff=backoff, skip=backoff // 4)
+        return self.guards[seq_id]
+
     def never_pays(self, forward_seconds: float | None, batch: int = 1) -> bool:
         """Whether a drafter whose every depth costs ``forward_seconds`` (one forward of its own model; None:
         unknown) could never pay, even with every node accepted: ``1 + L <= L r + c(1 + L)`` for every depth L,
@@ -134,7 +148,7 @@ class TreeSizer:
 
     def wants_draft(self, seq_id: int) -> bool:
         """Whether the drafter proposes for ``seq_id`` this step (called once per live sequence per step)."""
-        guard = self.guards.setdefault(seq_id, _Guard())
+        guard = self._guard(seq_id)
         if self.off:
             guard.skipped_steps += 1
             return False
@@ -145,7 +159,7 @@ class TreeSizer:
         return True
 
     def _judge(self, seq_id: int, pays: bool, batch: int) -> None:
-        guard = self.guards.setdefault(seq_id, _Guard())
+        guard = self._guard(seq_id)
         if pays:
             self.paid += 1
             guard.backoff = 0
@@ -255,10 +269,12 @@ class TreeSizer:
                     entry[1] = entry[1] * self.config.decay + 1.0
         longest = max((d for d, ok in zip(depths, on_path) if ok), default=0)
         if 1 + longest > pending.cost:  # the drafts pay again (the text turned repetitive): probe from now on
-            guard = self.guards.setdefault(seq_id, _Guard())
+            guard = self._guard(seq_id)
             guard.backoff = guard.skip = 0
 
     def release(self, seq_id: int) -> None:
         self.pending.pop(seq_id, None)
-        self.guards.pop(seq_id, None)
+        guard = self.guards.pop(seq_id, None)
+        if guard is not None and self.memory is not None and not self.off:
+            _REMEMBERED[self.memory] = guard.backoff
 

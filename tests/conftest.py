@@ -34,6 +34,16 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, (os
 
 
 @pytest.fixture(autouse=True)
+def _guard_memory_cleared():
+    """The break-even guard's memory across generate() calls (specdec.tree_sizing) starts empty in every test:
+    no test's probes depend on which tests ran before it in the same worker."""
+    from specdec import tree_sizing
+
+    tree_sizing._REMEMBERED.clear()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _grad_mode_restored():
     """A test (or the CLI it drives) must not leave autograd switched off for the tests after it."""
     yield

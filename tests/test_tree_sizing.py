@@ -108,3 +108,20 @@ def test_the_target_drafting_for_itself_is_never_asked_under_the_guard():
     forced = DraftModelDrafter(model=model, num_draft_tokens=3)
     out = generate(model, [prompt], max_new_tokens=24, drafter=forced, return_dict=True, speculation="always")
     assert out.sequences[0] == plain and forced.draft_forwards > 0 and out.stats[0].steps < 12
+
+
+def test_guard_remembers_across_calls_where_a_drafter_stopped_paying(fixed_costs):
+    """generate() once per answer: the second call of a drafter that never matched starts in backoff (no probe
+    ramp from step 0), the same text; once a call finds it paying, the next call asks it from the first step."""
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4]
+    plain = generate(model, [prompt], max_new_tokens=60)[0]
+    calls = []
+    for switch in (10**9, 10**9, 0, 0):  # never right, never right, always right, always right
+        drafter = Scripted(plain, len(prompt), 32, switch=switch)
+        assert generate(model, [prompt], max_new_tokens=60, drafter=drafter)[0] == plain
+        calls.append(drafter.asked_at)
+    assert calls[0][:4] == [0, 3, 12, 45]  # a fresh guard: probes after 2, 8, 32 skipped steps
+    assert calls[1] == [12]  # remembered backoff 50 (half a step x 1/0.01, capped): a quarter of it, then none
+    assert calls[2][0] == 12 and len(calls[2]) > 5  # still remembered; the first probe pays and resets it
+    assert calls[3][0] == 0  # the last call ended paying: asked from the first step
