@@ -131,13 +131,15 @@ class _Step:
         if self.sizer is not None and not self.sizer.wants_draft(seq_id):
             return DraftTree.empty()
         tree, self.draft_call = self.drafter.propose(seq_id, tokens, num_prompt_tokens)
+        if self.sizer is not None:
+            self.sizer.record_draft(self.draft_call)
         tree = _cut(tree, max_depth, self.config.max_nodes)
         return tree if self.sizer is None else self.sizer.size(seq_id, tree, 1)
 
     def after(self, seq_id: int, committed: list[int], nodes: int) -> None:
         if self.sizer is not None:
             self.sizer.observe(seq_id, committed, [])
-            self.sizer.record_step(self.draft_call, verify_cost_at(self.costs, 1 + nodes), 1 + nodes, 1)
+            self.sizer.record_step(verify_cost_at(self.costs, 1 + nodes), 1 + nodes, 1)
 
 
 def _cut(tree: DraftTree, max_depth: int, max_nodes: int | None) -> DraftTree:

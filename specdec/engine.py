@@ -119,7 +119,6 @@ class Engine:
         self.coupling = coupling if not sampling.greedy else None
         self.processing = processing  # logits processors at every tree row with its own prefix; None = none
         self.output_logprobs = output_logprobs  # keep each committed token's log-probability (SequenceState)
-        self._draft_call: float | None = None  # wall time of this step's propose call (None: not called)
         self.seqs: list[SequenceState] = []
         self.forward_passes = 0
         self.seconds = {"draft": 0.0, "verify": 0.0}  # wall time of the two halves of step(), summed
@@ -185,13 +184,12 @@ class Engine:
         self.seconds["draft"] += t1 - t0
         self.seconds["verify"] += t2 - t1  # verify forward + sampling + commit
         if self.sizer is not None:
-            self.sizer.record_step(self._draft_call, t2 - t1, 1 + max(t.num_nodes for t in trees), len(live))
+            self.sizer.record_step(t2 - t1, 1 + max(t.num_nodes for t in trees), len(live))
         return emitted
 
     def propose(self, live: list[SequenceState]) -> list[DraftTree]:
         if self.drafter is None:
             return [DraftTree.empty() for _ in live]
-        self._draft_call = None
         asked = live if self.sizer is None else [s for s in live if self.sizer.wants_draft(s.seq_id)]
         if len(asked) == len(live):
             return self._ask_drafter(live)
@@ -226,7 +224,8 @@ class Engine:
                 raise DraftError(f"{name}: propose() returned {type(tree).__name__}, expected DraftTree")
             tree.validate(self.runner.shape.vocab_size, drafter=name)
             out.append(self._fit_budget(s, tree))
-        self._draft_call = time.perf_counter() - t0
+        if self.sizer is not None:
+            self.sizer.record_draft(time.perf_counter() - t0)
         if self.audit is not None:
             self.audit.observe_many(trees, name)  # every tree as proposed, before pruning
         if self.sizer is not None:  # the part expected to pay (pruning is exact)

@@ -4,7 +4,8 @@
     ask = [s for s in live if sizer.wants_draft(s)]    # the guard: who drafts this step
     tree = sizer.size(seq_id, tree, batch)             # per sequence, after propose
     sizer.observe(seq_id, committed)                   # after the commit: acceptance, learned online
-    sizer.record_step(draft_s, verify_s, n, batch)     # wall times: the draft cost in decode steps
+    sizer.record_draft(draft_s)                        # right after propose, before size(): its judgement
+    sizer.record_step(verify_s, n, batch)              # counts this call's draft time (decode-step units)
 
 **Expected committed tokens.** Each node i gets an estimate ``a_i`` of P(node i accepted | its parent
 accepted): the drafter's ``DraftTree.scores`` corrected by an online factor per score bin (observed /
@@ -37,8 +38,8 @@ pay costs its whole draft time, and on a 30-token answer a doubling schedule spe
 A drafter cheaper than ``probe_budget`` is never skipped (its empty or pruned trees cost nothing).
 
 **Memory.** With a ``memory`` key (generate() passes the cost model's file and the drafter's name and config),
-a new sequence starts from the backoff that the last finished sequence of the same key reached, skipping a
-quarter of it before its first probe: a server calling generate() once per short answer would otherwise pay
+a new sequence starts from the backoff that the last finished sequence of the same key reached, skipping
+half of it before its first probe: a server calling generate() once per short answer would otherwise pay
 the whole probe ramp (0, 3, 12, ... steps) on every answer for a drafter that never pays. The memory is per
 process (``_REMEMBERED``) and only moves probes: pruning is exact, so outputs never depend on it.
 
@@ -112,11 +113,13 @@ class TreeSizer:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.config.ema * (new - old)
 
-    def record_step(self, draft_seconds: float | None, verify_seconds: float, query_tokens: int, batch: int) -> None:
-        """Wall times of one step: the drafter's propose (None: not called) and the verify with ``query_tokens``
-        tokens for its largest sequence."""
-        if draft_seconds is not None:
-            self.draft_seconds = self._ema(self.draft_seconds, draft_seconds)
+    def record_draft(self, draft_seconds: float) -> None:
+        """Wall time of one propose call, recorded before its trees are sized: the first probe's judgement (and so
+        the guard's first backoff) already knows what drafting costs."""
+        self.draft_seconds = self._ema(self.draft_seconds, draft_seconds)
+
+    def record_step(self, verify_seconds: float, query_tokens: int, batch: int) -> None:
+        """Wall time of one step's verify with ``query_tokens`` tokens for its largest sequence."""
         self.decode_seconds = self._ema(self.decode_seconds, verify_seconds / self.costs.relative(query_tokens, batch))
 
     def draft_cost(self, batch: int) -> float:
@@ -130,7 +133,7 @@ class TreeSizer:
     def _guard(self, seq_id: int) -> _Guard:
         if seq_id not in self.guards:
             backoff = _REMEMBERED.get(self.memory, 0) if self.memory is not None else 0
-            self.guards[seq_id] = _Guard(backoff=backoff, skip=backoff // 4)
+            self.guards[seq_id] = _Guard(backoff=backoff, skip=backoff // 2)
         return self.guards[seq_id]
 
     def never_pays(self, forward_seconds: float | None, batch: int = 1) -> bool:

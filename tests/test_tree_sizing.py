@@ -122,6 +122,15 @@ def test_guard_remembers_across_calls_where_a_drafter_stopped_paying(fixed_costs
         assert generate(model, [prompt], max_new_tokens=60, drafter=drafter)[0] == plain
         calls.append(drafter.asked_at)
     assert calls[0][:4] == [0, 3, 12, 45]  # a fresh guard: probes after 2, 8, 32 skipped steps
-    assert calls[1] == [12]  # remembered backoff 50 (half a step x 1/0.01, capped): a quarter of it, then none
-    assert calls[2][0] == 12 and len(calls[2]) > 5  # still remembered; the first probe pays and resets it
+    assert calls[1] == [25]  # remembered backoff 50 (half a step x 1/0.01, capped): half of it, then none
+    assert calls[2][0] == 25 and len(calls[2]) > 5  # still remembered; the first probe pays and resets it
     assert calls[3][0] == 0  # the last call ended paying: asked from the first step
+
+
+def test_the_first_unpaid_probe_backs_off_with_its_own_draft_time():
+    """The propose call's time is recorded before its tree is judged: the very first probe of a drafter that
+    costs half a step already skips 2 steps (it once skipped none, so every call probed at steps 0 and 1)."""
+    sizer = TreeSizer(FLAT)
+    sizer.record_draft(0.5)  # FLAT: a decode step is 1 s
+    sizer.size(0, DraftTree.chain([10], scores=torch.tensor([0.01])), batch=1)  # expected 1.01 tokens for 1.5 steps
+    assert sizer.unpaid == 1 and [sizer.wants_draft(0) for _ in range(3)] == [False, False, True]
