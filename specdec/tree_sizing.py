@@ -4,8 +4,8 @@
     ask = [s for s in live if sizer.wants_draft(s)]    # the guard: who drafts this step
     tree = sizer.size(seq_id, tree, batch)             # per sequence, after propose
     sizer.observe(seq_id, committed)                   # after the commit: acceptance, learned online
-    sizer.record_draft(draft_s)                        # right after propose, before size(): its judgement
-    sizer.record_step(verify_s, n, batch)              # counts this call's draft time (decode-step units)
+    sizer.record_draft(draft_s)                        # right after propose: size() then judges with its cost
+    sizer.record_step(verify_s, n, batch)              # after the verify: how long a decode step is
 
 **Expected committed tokens.** Each node i gets an estimate ``a_i`` of P(node i accepted | its parent
 accepted): the drafter's ``DraftTree.scores`` corrected by an online factor per score bin (observed /
