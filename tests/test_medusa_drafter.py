@@ -93,7 +93,8 @@ def test_independently_written_checkpoint_drafts_its_static_top_k(tmp_path):
     state = write_published_checkpoint(tmp_path / "heads", 3, 2, 64, 96, lm_head=model.lm_head.weight.detach())
     choices = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
     drafter = Recorder(path=str(tmp_path / "heads"), medusa_choices=choices)
-    specdec.generate(model, PROMPTS, max_new_tokens=12, drafter=drafter)
+    # "always": every step drafts (under the guard, how many steps ask random heads depends on wall times)
+    specdec.generate(model, PROMPTS, max_new_tokens=12, drafter=drafter, speculation="always")
     checked = 0
     for hidden, tree in drafter.seen:
         if hidden is None:
