@@ -8,7 +8,8 @@ A step of speculative decoding costs ``draft + c(n)`` where n = 1 + kept tree no
 expected committed tokens exceed that cost in units of a plain decode step (:mod:`specdec.tree_sizing`).
 ``c(n)`` is measured here with the acceptance suite's own timer (:func:`specdec.eval.verify_cost.
 measure_verify_costs`: a real engine step, target forward + rejection sampling + KV commit) on a grid of
-n (1 to the tree-node limit + 1, interpolated linearly between grid points), one batch size at a time:
+n (1 to the tree-node limit + 1, interpolated linearly between grid points; a batch's grid stops at
+``BATCH_QUERY_TOKENS`` query tokens per step and is extrapolated past it), one batch size at a time:
 batch 1 when first needed, any other batch size (rounded up to a power of two) lazily, the first time a
 step runs with that many sequences. Draft costs are not measured here: they depend on the drafter and the
 text, so the engine measures them online (:class:`specdec.tree_sizing.TreeSizer`).
@@ -42,6 +43,8 @@ logger = logging.getLogger(__name__)
 CALIBRATIONS = {"verify": 0, "rows": 0}  # measurements run by this process (cache misses)
 _MEMO: dict[str, dict[int, dict[int, float]]] = {}  # cache file -> curves: one process reads the disk once per key
 _ROWS_DONE: set[str] = set()
+BATCH_QUERY_TOKENS = 128  # calibration grid of a batch: sizes n with batch * n above this are extrapolated
+BATCH_CONTEXT_TOKENS = 1024  # and at most this many context tokens are prefilled over the whole batch
 
 
 @dataclass(frozen=True)
@@ -204,8 +207,11 @@ def calibrate(runner, batch: int, config: CalibrationConfig) -> dict[int, float]
     """Median seconds of one engine step with n query tokens per sequence, batch ``batch``, n on the grid."""
     from specdec.eval.verify_cost import measure_verify_costs
 
-    sizes = list(config.sizes)
-    context = min(config.context, max(runner.shape.max_positions // 4, 2))
+    # a batch runs batch x n query tokens per step: past BATCH_QUERY_TOKENS the curve is extrapolated linearly from
+    # its last two points (the forward is compute-bound there), and the prefilled context shrinks with the batch,
+    # so any batch size calibrates in seconds (the full grid took 131 s at batch 32 on one thread, this ~12 s)
+    sizes = [n for n in config.sizes if n <= 2 or batch * n <= BATCH_QUERY_TOKENS]
+    context = min(config.context, max(runner.shape.max_positions // 4, 2), max(16, BATCH_CONTEXT_TOKENS // batch))
     repeats = config.repeats
     while (repeats + 1) * sum(sizes) + context + 2 > runner.shape.max_positions:  # a short-context model
         if repeats > 1:

@@ -129,3 +129,25 @@ def test_measure_row_policy_pads_only_to_faster_counts():
     w = [torch.randn(64, 32)]
     cols = row_policy.measure_row_policy(w, max_rows=6, repeats=1)
     assert all(1 <= m <= c <= 6 for m, c in cols.items())
+
+
+def test_a_large_batch_calibrates_a_short_grid_and_extrapolates(monkeypatch):
+    """Batch B times only sizes n with B * n <= BATCH_QUERY_TOKENS (and n <= 2), over a context shrunk to
+    BATCH_CONTEXT_TOKENS / B: the full grid took 131 s at batch 32 on one thread. Larger n extrapolate."""
+    from specdec.eval import verify_cost
+
+    timed = {}
+    real = verify_cost.measure_verify_costs
+
+    def spy(loaded, prompts, sizes, sampling, **kw):
+        timed["sizes"], timed["batch"], timed["context"] = list(sizes), len(prompts), len(prompts[0])
+        return real(loaded, prompts, sizes, sampling, **kw)
+
+    monkeypatch.setattr(verify_cost, "measure_verify_costs", spy)
+    runner = LlamaRunner(build_tiny_model(vocab_size=64, seed=1))
+    curve = cost_model.calibrate(runner, 64, CalibrationConfig(sizes=(1, 2, 3, 4, 8), context=128, repeats=1))
+    assert timed == {"sizes": [1, 2], "batch": 64, "context": 16}  # 64 x 3 > 128; 1024 / 64 = 16
+    costs = CostModel({}, {64: curve})
+    assert costs.seconds(4, 64) == pytest.approx(curve[2] + 2 * (curve[2] - curve[1]))
+    assert cost_model.calibrate(runner, 1, CalibrationConfig(sizes=(1, 2, 3, 4, 8), context=128, repeats=1)).keys() \
+        == {1, 2, 3, 4, 8}
