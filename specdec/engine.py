@@ -224,12 +224,13 @@ class Engine:
                 raise DraftError(f"{name}: propose() returned {type(tree).__name__}, expected DraftTree")
             tree.validate(self.runner.shape.vocab_size, drafter=name)
             out.append(self._fit_budget(s, tree))
-        if self.sizer is not None:
-            self.sizer.record_draft(time.perf_counter() - t0)
+        draft_seconds = time.perf_counter() - t0
         if self.audit is not None:
             self.audit.observe_many(trees, name)  # every tree as proposed, before pruning
-        if self.sizer is not None:  # the part expected to pay (pruning is exact)
-            out = [self.sizer.size(s.seq_id, t, len(self.live)) for s, t in zip(live, out)]
+        if self.sizer is not None:  # the part expected to pay (pruning is exact), judged with this call's cost
+            self.sizer.record_draft(draft_seconds)
+            batch = len(self.live)
+            out = [self.sizer.size(s.seq_id, t, batch) for s, t in zip(live, out)]
         return out
 
     def _fit_budget(self, s: SequenceState, tree: DraftTree) -> DraftTree:
