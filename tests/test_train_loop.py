@@ -121,6 +121,31 @@ def test_cached_and_uncached_training_follow_the_same_curve(tiny, tmp_path):
         assert abs(a["loss"] - b["loss"]) < 1e-4, (a, b)
 
 
+def test_max_grad_norm_clips_every_step_and_zero_means_off(tiny, tmp_path, monkeypatch):
+    """--max-grad-norm: every optimizer step sees a gradient of at most that norm; 0 leaves gradients alone."""
+    seen = []
+    step = torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        seen.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    for name, clip in (("free", 0.0), ("clipped", 1e-3)):
+        seen.clear()
+        (tmp_path / name).mkdir()
+        trainer.train_heads(_cfg(tiny, tmp_path / name, max_grad_norm=clip), *_model_and_seqs(tiny), _accelerator(),
+                            None)
+        assert len(seen) == 6
+        if clip:
+            assert max(seen) <= clip * (1 + 1e-4), seen
+        else:
+            assert min(seen) > 1e-2, seen  # what a 1e-3 clip would have cut
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        _cfg(tiny, tmp_path, max_grad_norm=-1.0)
+
+
 def _model_and_seqs(tiny):
     from transformers import AutoModelForCausalLM
 

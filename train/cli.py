@@ -95,6 +95,8 @@ def _common_args(p, name: str) -> None:
     g.add_argument("--schedule", choices=SCHEDULES, default="cosine", help="lr schedule")
     g.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--max-grad-norm", type=float, default=0.0,
+                   help="clip the gradient norm to this before each step (0: no clipping)")
     g.add_argument("--epochs", type=int, default=1, help="passes over the training data (ignored with --max-steps)")
     g.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
     g.add_argument("--head-decay", type=float, default=0.8,
@@ -134,7 +136,8 @@ def config_from_args(args):
         messages_field=args.messages_field, num_prompts=args.num_prompts, prompts_file=args.prompts_file,
         distill_max_new_tokens=args.distill_max_new_tokens, distill_batch_size=args.distill_batch_size,
         seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
-        schedule=args.schedule, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, epochs=args.epochs,
+        schedule=args.schedule, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm, epochs=args.epochs,
         max_steps=args.max_steps, head_decay=args.head_decay, loss=args.loss, precision=args.precision,
         cache_features=not args.no_feature_cache, seed=args.seed,
         held_out_fraction=args.held_out_fraction, save_every=args.save_every, log_every=args.log_every,

@@ -23,7 +23,7 @@ DRAFTERS = ("medusa", "eagle")
 
 # fields added with train-eagle, and their defaults (a run saved before them has none)
 _ADDED_LATER = {"drafter": "medusa", "draft_vocab": None, "draft_vocab_coverage": 0.97, "eagle_steps": 3,
-                "reg_weight": 1.0}
+                "reg_weight": 1.0, "max_grad_norm": 0.0}
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class TrainConfig:
     schedule: str = "cosine"
     warmup_steps: int = 0
     weight_decay: float = 0.0
+    max_grad_norm: float = 0.0  # clip the global gradient norm to this before each step (0: no clipping)
     epochs: int = 1
     max_steps: int | None = None  # overrides epochs
     head_decay: float = 0.8  # head i's loss weight is head_decay ** i
@@ -88,6 +89,8 @@ class TrainConfig:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if not self.max_grad_norm >= 0:
+            raise ValueError(f"max_grad_norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.schedule not in SCHEDULES:

@@ -237,6 +237,8 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
                 p.grad = accelerator.reduce(p.grad, reduction="mean")
             stats = accelerator.reduce(stats, reduction="sum")
             stats[0] /= nproc
+        if cfg.max_grad_norm > 0:  # after the averaging: every process clips the same gradient
+            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
