@@ -9,8 +9,9 @@ in the training prompts), every category by default. Per prompt the drafters run
 (interleaved, after a warm-up), so the ratios against plain decoding come from the same minutes of
 the same machine. Prints tokens/s, the ratio against plain, tau, and eagle's acceptance per draft
 depth; greedy runs also check that every drafter's tokens equal plain decoding's. The break-even
-guard is on (the default), except under seeded sampling, which verifies every tree whole (``--unseeded``
-lets the guard size them); ``--always`` forces speculation every step.
+guard is on (the default); under a seed it sizes from cached costs (``specdec.draft_cost``) so the seed
+reproduces the text, ``--unseeded`` leaves the seed out (wall-time sizing); ``--always`` forces speculation
+every step.
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (seed 0 per prompt)")
     ap.add_argument("--always", action="store_true", help="speculation='always': no break-even guard")
     ap.add_argument("--unseeded", action="store_true",
-                    help="with --temperature: no seed, so the break-even guard sizes the trees (a seed verifies "
-                         "every tree whole: the output then does not depend on wall times)")
+                    help="with --temperature: no seed, so the guard sizes by this run's wall times (a seed sizes "
+                         "from cached costs, so that the seed reproduces the text)")
     ap.add_argument("--json", help="also write the numbers to this JSON file")
     args = ap.parse_args()
     torch.set_grad_enabled(False)

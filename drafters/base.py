@@ -4,9 +4,12 @@ Lifecycle, driven by the engine:
 
 0. ``seed_from_generate(seed)`` before ``attach``: ``generate(seed=...)``'s seed, for drafters
    that sample (the default ignores it).
-1. ``attach(target)`` once, before the first sequence: what the drafter may read of the
-   target (its runner, KV cache and sampling config). Drafters that sample must apply
-   ``target.sampling`` (temperature / top-k / top-p) to their own logits.
+1. ``attach(target)`` once per run (generate() call), before the first sequence: what the drafter
+   may read of the target (its runner, KV cache and sampling config). Drafters that sample must
+   apply ``target.sampling`` (temperature / top-k / top-p) to their own logits. A drafter that
+   learns from the text (n-gram's acceptance per match length) forgets it here: an instance reused
+   across calls drafts as a fresh one, so a seeded call's text does not depend on earlier calls
+   (seeded sampling may time the drafter in a short run of its own first: :mod:`specdec.draft_cost`).
 2. ``propose(views)`` at most once per step: one :class:`~specdec.tree.DraftTree` per view
    (the empty tree is allowed: that sequence decodes plainly this step). The engine
    validates every tree before the target verifies it, so a drafter cannot silently
@@ -129,6 +132,13 @@ class Drafter(ABC):
     def release(self, seq_id: int) -> None:
         """Forget everything about a finished sequence."""
 
+    def cost_key(self) -> str:
+        """What this drafter's cost per propose call depends on besides the machine and the target (its type, name
+        and settings): :mod:`specdec.draft_cost` times one run per key. Drafters whose cost depends on a model
+        they load add what identifies it."""
+        return "|".join([type(self).__qualname__, self.name,
+                         *(repr(getattr(self, attr, None)) for attr in ("config", "options", "path"))])
+
     def forward_seconds(self) -> float | None:
         """After ``attach``: seconds of one forward of the drafter's own model over one token, measured on this
         machine (cached), or None when it has no model of its own. Every depth of a tree costs at least one
@@ -159,6 +169,9 @@ class _ObjectDrafter(Drafter):
 
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
         return self.obj.propose(seqs)
+
+    def cost_key(self) -> str:
+        return f"{type(self.obj).__module__}.{type(self.obj).__qualname__}|{self.name}"
 
     def on_accept(self, seq_id: int, committed: Sequence[int]) -> None:
         self._call("on_accept", seq_id, committed)

@@ -156,7 +156,10 @@ class CombinedDrafter(Drafter):
             child.seed_from_generate(seed)
 
     def attach(self, target: TargetView) -> None:
+        """A new run: the children's rates start from the prior again (as in a fresh instance)."""
         self.target = target
+        self.rates = [_Rate() for _ in self.children]
+        self._last.clear()
         if self.config.cost_model and self.verify_cost is None:
             from specdec.cost_model import load_cost_model
 
@@ -176,6 +179,9 @@ class CombinedDrafter(Drafter):
         self._last.pop(seq_id, None)
         for child in self.children:
             child.release(seq_id)
+
+    def cost_key(self) -> str:
+        return "|".join([super().cost_key(), *(child.cost_key() for child in self.children)])
 
     # ---- proposals ---------------------------------------------------------------------------
     def child_rate(self, k: int) -> float:

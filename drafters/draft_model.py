@@ -11,6 +11,7 @@ Tree shape and sampling mode: see :class:`specdec.drafters.model_drafter.DraftCo
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from specdec.drafters.base import TargetView
@@ -59,6 +60,14 @@ class DraftModelDrafter(ModelDrafter):
                              "drafter_options={'model': './small-llama'}")
         super().__init__(DraftConfig(**options))
         self.model_spec, self.tokenizer = model, tokenizer
+
+    def cost_key(self) -> str:  # the draft model: its path, else its class and size
+        spec = self.model_spec
+        if isinstance(spec, (str, os.PathLike)):
+            return f"{super().cost_key()}|{spec}"
+        module = getattr(spec, "model", spec)
+        params = sum(p.numel() for p in module.parameters()) if hasattr(module, "parameters") else None
+        return f"{super().cost_key()}|{type(module).__qualname__}:{params}"
 
     def make_runner(self, target: TargetView) -> LlamaRunner:
         loaded = load_model(self.model_spec, tokenizer=self.tokenizer, device=target.runner.device)

@@ -97,6 +97,9 @@ class EagleDrafter(Drafter):
     def release(self, seq_id: int) -> None:
         self.caches.pop(seq_id, None)
 
+    def cost_key(self) -> str:  # the checkpoint's path, else the given model's shape and tree settings
+        return super().cost_key() + ("" if self.path is not None else "|" + repr(self.model.config))
+
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:

@@ -100,6 +100,9 @@ class MedusaDrafter(Drafter):
         self.path, self.heads = path, heads
         self.paths: tuple[tuple[int, ...], ...] = ()
 
+    def cost_key(self) -> str:  # the checkpoint's path, else the given heads' shape
+        return super().cost_key() + ("" if self.path is not None else "|" + repr(self.heads.config))
+
     def attach(self, target: TargetView) -> None:
         self.target = target
         runner = target.runner

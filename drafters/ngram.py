@@ -102,6 +102,14 @@ class NGramDrafter(Drafter):
         self._pending: dict[int, tuple[list[int], list[int], list[tuple[int, int]]]] = {}  # seq -> proposed tree
 
     # ---- Drafter API ----------------------------------------------------------------------
+    def attach(self, target) -> None:
+        """A new run: what was learned from earlier runs' text is forgotten, so an instance reused across
+        generate() calls drafts as a fresh one would (a seed gives one text whatever ran before)."""
+        super().attach(target)
+        self._index.clear()
+        self._pending.clear()
+        self.acceptance.clear()
+
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
         return [self._propose_one(s) for s in seqs]
 

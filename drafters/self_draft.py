@@ -53,6 +53,11 @@ class SelfDraftDrafter(ModelDrafter):
         self.num_layers = num_layers
         self.draft_vocab_spec = draft_vocab
 
+    def cost_key(self) -> str:
+        vocab = self.draft_vocab_spec
+        vocab = vocab if vocab is None or isinstance(vocab, (int, str)) else len(vocab)  # a list: its size
+        return f"{super().cost_key()}|layers={self.num_layers}|vocab={vocab}"
+
     def make_runner(self, target: TargetView) -> LlamaRunner:
         total = target.runner.shape.num_layers
         if self.num_layers >= total:

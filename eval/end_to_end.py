@@ -46,8 +46,10 @@ def sampled_two_sample(loaded: Any, prompt: list[int], drafter: Any, options: di
     common = dict(max_new_tokens=k, do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,
                   top_p=sampling.top_p, return_dict=True)
     plain = generate(loaded, [prompt] * n, seed=seeds[0], **common)
+    # speculation="always": every proposal verified whole, as under the negative controls' broken rules (seeded
+    # sampling would otherwise size the trees, and a guard that stops drafting would make this plain vs plain)
     spec = generate_with_control(loaded, [prompt] * n, rule, seed=seeds[1], drafter=drafter, drafter_options=options,
-                                 **common)
+                                 speculation="always", **common)
     a = [tuple(t[:k]) for t in plain.new_tokens]
     b = [tuple(t[:k]) for t in spec.new_tokens]
     chi2_p, power = two_sample_chi2(a, b, tv=sizes.e2e_tv, alpha=sizes.alpha)

@@ -6,7 +6,8 @@
 
 What is decided here: the CPU row policy of ``linear()`` and, with a drafter and
 ``speculation="auto"``, the tree sizer and its measured cost model (:mod:`specdec.cost_model`, cached;
-the first use on a machine calibrates for up to ~20 s), the KV cache's size (the request's worst case,
+the first use on a machine calibrates for up to ~20 s; seeded sampling also times the drafter once:
+:mod:`specdec.draft_cost`), the KV cache's size (the request's worst case,
 checked against the device's memory before anything is allocated) or a reused CUDA-graph cache, the drafter's seed,
 the sampling generator, the draft audit, the logits processors (:mod:`specdec.logits_processing`; None when
 the config asks for none) and whether log-probabilities are kept. The certificate's negative controls
@@ -26,6 +27,7 @@ from specdec.audit import DraftAudit
 from specdec.cost_model import ensure_row_policy, load_cost_model
 from specdec.coupling import Coupling
 from specdec.cuda_graphs import GraphConfig, GraphedForward
+from specdec.draft_cost import load_draft_seconds
 from specdec.engine import Engine
 from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import check_cache_fits, describe
@@ -74,6 +76,7 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
     if coupling is not None and rule is not EXACT:
         raise InputError(f"acceptance rule {rule.name!r} applies to rejection sampling; coupled sampling walks the "
                          "tree by the target's own Gumbel-max tokens and has no acceptance rule")
+    sizer = _sizer(request, rule, fault, coupling, generator)  # may time the drafter: before it is seeded
     if drafter is not None:  # before Engine() attaches it
         drafter_seed = config.seed
         if generator is not None and config.do_sample:
@@ -83,21 +86,30 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
         generator = torch.Generator(device=runner.device).manual_seed(config.seed)  # on the logits' device
     audit = DraftAudit() if config.audit_drafts and drafter is not None and config.do_sample else None
     ensure_row_policy(runner)  # linear()'s CPU row policy, measured on this machine (cached)
-    sizer = None
-    # Whole trees (no sizer) for negative controls, whose broken rule must meet the drafts it is meant to
-    # mishandle, and for seeded sampling: the sizer's choices depend on measured wall times, and a tree of
-    # another shape draws other random numbers, so the same seed would give another (equally exact) output.
-    # Coupled sampling needs no such care: its output does not depend on the trees at all.
-    seeded_sampling = config.do_sample and (config.seed is not None or generator is not None) and coupling is None
-    if (drafter is not None and config.speculation == "auto" and rule is EXACT and fault is None
-            and not seeded_sampling):
-        costs = load_cost_model(runner)
-        # the guard remembers across calls per target cost curve and drafter (specdec.tree_sizing: Memory)
-        memory = (str(costs.file), drafter.name, repr(getattr(drafter, "config", None)))
-        sizer = TreeSizer(costs, memory=memory)
     engine_cls = Engine if fault is None else fault.engine_cls
     return engine_cls(runner, cache, config.sampling, request.stop, drafter, generator, audit, rule, graphed,
                       sizer, coupling, processing=processing, output_logprobs=output_logprobs)
+
+
+def _sizer(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault | None, coupling: Coupling | None,
+           generator: torch.Generator | None) -> TreeSizer | None:
+    """The tree sizer and break-even guard (speculation="auto"), or None: verify every proposal whole.
+
+    None for negative controls, whose broken rule must meet the drafts it is meant to mishandle. Seeded standard
+    sampling gets a reproducible sizer (:mod:`specdec.tree_sizing`, Reproducible): a tree of another shape draws
+    other random numbers, so its decisions come from cached measurements and tokens only, never wall times or
+    earlier calls, and one seed gives one text. Coupled sampling needs no such care: its text does not depend on
+    the trees at all."""
+    config, drafter, runner = request.config, request.drafter, request.loaded.runner
+    if drafter is None or config.speculation != "auto" or rule is not EXACT or fault is not None:
+        return None
+    costs = load_cost_model(runner)
+    if config.do_sample and (config.seed is not None or generator is not None) and coupling is None:
+        seconds = load_draft_seconds(costs, drafter, request.prompts[0], runner, request.stop.tokenizer)
+        return TreeSizer(costs, fixed_draft_seconds=seconds)
+    # the guard remembers across calls per target cost curve and drafter (specdec.tree_sizing: Memory)
+    memory = (str(costs.file), drafter.name, repr(getattr(drafter, "config", None)))
+    return TreeSizer(costs, memory=memory)
 
 
 def _processing(request: "GenerateRequest") -> LogitsProcessing | None:

@@ -43,6 +43,12 @@ half of it before its first probe: a server calling generate() once per short an
 the whole probe ramp (0, 3, 12, ... steps) on every answer for a drafter that never pays. The memory is per
 process (``_REMEMBERED``) and only moves probes: pruning is exact, so outputs never depend on it.
 
+**Reproducible.** Seeded standard sampling must give one text per seed, but a tree of another shape draws
+other random numbers, so sizing there may depend on nothing that varies between runs: with
+``fixed_draft_seconds`` (:mod:`specdec.draft_cost`: measured once per machine and drafter, cached) the draft
+cost is that value, a decode step is the cost model's ``c(1)``, wall times are ignored and nothing is
+remembered across calls; acceptance is learned from tokens only, as always.
+
 **Never.** A drafter with a model of its own whose forward costs ``r`` target decode steps spends at
 least ``L r`` on a tree of depth L, which commits at most ``1 + L`` tokens for ``L r + c(1 + L)``. When
 that bound is not above 1 for any L (``r >= 1`` always: the target drafting for itself), no acceptance
@@ -97,8 +103,13 @@ class TreeSizer:
     costs: CostModel
     config: SizingConfig = field(default_factory=SizingConfig)
     memory: tuple | None = None  # key of the guard's memory across calls (module doc); None: start fresh
+    # seeded sampling (module doc, Reproducible): the drafter's cached seconds per propose call and sequence
+    # (specdec.draft_cost); wall times are then ignored. None: the draft cost is this run's wall time
+    fixed_draft_seconds: float | None = None
 
     def __post_init__(self) -> None:
+        if self.fixed_draft_seconds is not None and (self.memory is not None or self.fixed_draft_seconds < 0):
+            raise ValueError("a reproducible TreeSizer (fixed_draft_seconds >= 0) keeps no memory across calls")
         self.unscored: dict[tuple[int, int], list[float]] = {}  # (depth, rank) -> [accepted, tried]
         self.score_bins = [[0.0, 0.0] for _ in range(_BINS)]  # [accepted, predicted] of tried scored nodes
         self.guards: dict[int, _Guard] = {}
@@ -115,15 +126,22 @@ class TreeSizer:
 
     def record_draft(self, draft_seconds: float) -> None:
         """Wall time of one propose call, recorded before its trees are sized: the first probe's judgement (and so
-        the guard's first backoff) already knows what drafting costs."""
+        the guard's first backoff) already knows what drafting costs. Ignored by a reproducible sizer."""
+        if self.fixed_draft_seconds is not None:
+            return
         self.draft_seconds = self._ema(self.draft_seconds, draft_seconds)
 
     def record_step(self, verify_seconds: float, query_tokens: int, batch: int) -> None:
-        """Wall time of one step's verify with ``query_tokens`` tokens for its largest sequence."""
+        """Wall time of one step's verify with ``query_tokens`` tokens for its largest sequence (ignored by a
+        reproducible sizer, which prices a decode step by the cost model alone)."""
+        if self.fixed_draft_seconds is not None:
+            return
         self.decode_seconds = self._ema(self.decode_seconds, verify_seconds / self.costs.relative(query_tokens, batch))
 
     def draft_cost(self, batch: int) -> float:
         """The drafter's cost per step in plain decode steps (0 before its first call)."""
+        if self.fixed_draft_seconds is not None:  # one propose call per sequence, B sequences (specdec.draft_cost)
+            return self.fixed_draft_seconds * batch / self.costs.decode_seconds(batch)
         if self.draft_seconds is None:
             return 0.0
         decode = self.decode_seconds or self.costs.decode_seconds(batch)

@@ -100,7 +100,8 @@ def test_medusa_drafts_the_top_k_of_its_vocabulary_only(options, shared):
     full = reduced_heads(model, range(96), shared=shared, noise=0.3)  # the same heads over every token
     heads = reduced_heads(model, ids, shared=shared, noise=0.3)
     spy = Spy(heads=heads, **options)
-    specdec.generate(model, PROMPTS, max_new_tokens=10, drafter=spy)
+    # speculation="always": every step asks the drafter (the guard, timed by wall clock, may skip some)
+    specdec.generate(model, PROMPTS, max_new_tokens=10, drafter=spy, speculation="always")
     outside = torch.ones(96, dtype=torch.bool)
     outside[ids] = False
     checked = 0
@@ -178,7 +179,10 @@ def test_self_draft_sampled_draft_probs_live_on_the_reduced_vocabulary():
             return out
 
     spy = SelfSpy(num_layers=1, draft_vocab=ids, mode="independent", widths=(2,), num_draft_tokens=2, seed=0)
-    specdec.generate(target, PROMPTS[:3], max_new_tokens=12, drafter=spy, do_sample=True, seed=0, temperature=0.8)
+    # speculation="always": the sampled trees exactly as drafted (the seeded guard would first time the drafter
+    # in a greedy run of its own, whose trees the spy would see too)
+    specdec.generate(target, PROMPTS[:3], max_new_tokens=12, drafter=spy, do_sample=True, seed=0, temperature=0.8,
+                     speculation="always")
     probs = torch.cat([t.draft_probs for t in trees if t.num_nodes])  # [nodes, 96]
     outside = torch.ones(96, dtype=torch.bool)
     outside[ids] = False

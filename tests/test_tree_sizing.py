@@ -134,3 +134,38 @@ def test_the_first_unpaid_probe_backs_off_with_its_own_draft_time():
     sizer.record_draft(0.5)  # FLAT: a decode step is 1 s
     sizer.size(0, DraftTree.chain([10], scores=torch.tensor([0.01])), batch=1)  # expected 1.01 tokens for 1.5 steps
     assert sizer.unpaid == 1 and [sizer.wants_draft(0) for _ in range(3)] == [False, False, True]
+
+
+def test_a_reproducible_sizer_ignores_wall_times_and_keeps_no_memory():
+    sizer = TreeSizer(FLAT, fixed_draft_seconds=0.25)  # FLAT: a decode step is 1 s
+    sizer.record_draft(100.0)
+    sizer.record_step(100.0, 1, 1)
+    assert sizer.draft_cost(1) == 0.25 and sizer.draft_cost(4) == 1.0  # one propose per sequence
+    with pytest.raises(ValueError, match="no memory"):
+        TreeSizer(FLAT, memory=("file", "ngram", ""), fixed_draft_seconds=0.25)
+
+
+def test_seeded_sampling_sizes_trees_and_one_seed_gives_one_text(tmp_path, monkeypatch):
+    """Seeded standard sampling gets the guard and tree sizing too, from the drafter's cost measured once
+    (specdec.draft_cost, cached) and tokens: two calls, and a reused drafter instance, give the same text,
+    while the sized trees verify fewer nodes than whole ones."""
+    from specdec.drafters.ngram import NGramDrafter
+
+    from specdec import draft_cost
+
+    monkeypatch.setenv("SPECDEC_COST_DIR", str(tmp_path))
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4, 5, 6] * 4
+    kw = dict(max_new_tokens=48, do_sample=True, temperature=0.3, seed=3, return_dict=True)
+    before = draft_cost.DRAFT_CALIBRATIONS["draft"]
+    first = generate(model, [prompt], drafter="ngram", **kw)
+    assert draft_cost.DRAFT_CALIBRATIONS["draft"] == before + 1  # measured (its own short run), then cached
+    again = generate(model, [prompt], drafter="ngram", **kw)
+    assert draft_cost.DRAFT_CALIBRATIONS["draft"] == before + 1
+    assert again.sequences == first.sequences and again.stats[0].step_nodes == first.stats[0].step_nodes
+    reused = NGramDrafter()  # learns acceptance per match length from the text: forgotten at each call's attach
+    assert [generate(model, [prompt], drafter=reused, **kw).sequences for _ in range(2)] == [first.sequences] * 2
+    whole = generate(model, [prompt], drafter="ngram", speculation="always", **kw)
+    sized, verified = first.stats[0], whole.stats[0]
+    assert sized.tau > 1.2  # drafts are kept and accepted, not switched off
+    assert sum(sized.step_nodes) / sized.steps < sum(verified.step_nodes) / verified.steps

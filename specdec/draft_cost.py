@@ -1,0 +1,113 @@
+"""A drafter's cost per propose call, measured once per machine and drafter and cached: what seeded sampling
+sizes its trees with.
+
+    seconds = load_draft_seconds(costs, drafter, prompt, runner)   # engine_setup, seeded standard sampling only
+
+Why: under standard (rejection) sampling a tree of another shape draws other random numbers, so a seeded call
+reproduces its text only if every sizing decision is the same in every run. The tree sizer's usual draft cost
+is this run's wall time (:class:`specdec.tree_sizing.TreeSizer`), which is not. Seeded calls size with this
+cached value instead, the verify costs of the cached cost model and acceptance learned from tokens only, so
+the same seed gives the same text (on the same machine and cache) and the guard still keeps the drafter from
+slowing decoding down.
+
+The measurement: a few greedy engine steps of ``drafter`` on the request's first prompt (cut to its last
+``CONTEXT`` tokens), its own KV cache and no sizer; the median time of one propose call for one sequence,
+warm-up steps excluded. Steps draw no random numbers from the caller's generator nor torch's global one
+(greedy target; the drafter seeded with a fixed seed first, re-seeded by generate() afterwards). A batch of B
+sequences is priced at B times that (the n-gram and EAGLE drafters propose one sequence at a time; drafters
+that batch their own forwards are over-priced, which only keeps less of their trees).
+
+Cached as JSON beside the cost model's file (``verify-<key>-drafters.json``), one entry per
+:meth:`~specdec.drafters.base.Drafter.cost_key` (type, name, settings, the model it loads), written once: a
+later measurement never replaces it, since that would change seeded outputs.
+``DRAFT_CALIBRATIONS`` counts the measurements this process ran (tests).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdec.cost_model import CostModel, _read, _write
+from specdec.kv_cache import PagedKVCache, blocks_for
+from specdec.sampling import SamplingConfig
+from specdec.stopping import StopCriteria
+from specdec.tree import MAX_TREE_NODES
+
+if TYPE_CHECKING:
+    from specdec.drafters.base import Drafter
+
+logger = logging.getLogger(__name__)
+
+DRAFT_CALIBRATIONS = {"draft": 0}
+CONTEXT = 96  # prompt tokens the measurement keeps (the last ones)
+STEPS = 12  # engine steps measured, after WARMUP
+WARMUP = 2
+_CALIBRATION_SEED = 0x5EED
+
+
+def drafter_key(drafter: "Drafter") -> dict:
+    """What a drafter's cost depends on besides the machine and the target (:meth:`Drafter.cost_key`)."""
+    return {"name": drafter.name, "cost_key": drafter.cost_key()}
+
+
+def _file(costs: CostModel):
+    return None if costs.file is None else costs.file.with_name(costs.file.stem + "-drafters.json")
+
+
+def load_draft_seconds(costs: CostModel, drafter: "Drafter", prompt: Sequence[int], runner, tokenizer=None) -> float:
+    """Seconds of one propose call for one sequence: cached for (``costs``' key, :func:`drafter_key`), else
+    measured now on ``prompt`` (and cached)."""
+    key = drafter_key(drafter)
+    entry = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    file = _file(costs)
+    data = (_read(file) if file is not None else None) or {}
+    if data.get("key") == costs.key and entry in data.get("drafters", {}):
+        return float(data["drafters"][entry]["seconds"])
+    seconds = measure_draft_seconds(drafter, prompt, runner, tokenizer)
+    if file is not None:
+        data = _read(file) or {}  # again: another process may have written meanwhile; its value wins
+        if data.get("key") != costs.key:
+            data = {"key": costs.key, "drafters": {}}
+        if entry in data["drafters"]:
+            return float(data["drafters"][entry]["seconds"])
+        data["drafters"][entry] = {"drafter": key, "seconds": seconds}
+        _write(file, data)
+    return seconds
+
+
+def measure_draft_seconds(drafter: "Drafter", prompt: Sequence[int], runner, tokenizer=None) -> float:
+    """Median seconds of one propose call for one sequence over ``STEPS`` greedy engine steps on ``prompt``."""
+    from specdec.engine import Engine
+
+    DRAFT_CALIBRATIONS["draft"] += 1
+    t0 = time.perf_counter()
+    prompt = list(prompt)[-CONTEXT:]
+    room = runner.shape.max_positions - STEPS - WARMUP - MAX_TREE_NODES - 2
+    prompt = prompt[-max(room, 1):]
+    steps = WARMUP + STEPS
+    block_size = 16
+    cache = PagedKVCache(runner.shape.num_layers, runner.shape.num_kv_heads, runner.shape.head_dim,
+                         blocks_for(len(prompt) + steps + MAX_TREE_NODES + 1, block_size), block_size,
+                         runner.dtype, runner.device, runner.backend)
+    drafter.seed_from_generate(_CALIBRATION_SEED)  # generate() seeds it again for the real call
+    # greedy: the target draws no random numbers
+    engine = Engine(runner, cache, SamplingConfig(), StopCriteria(steps, tokenizer=tokenizer), drafter)
+    engine.add([prompt])
+    per_call = []
+    with torch.inference_mode():
+        while engine.live:
+            before = engine.seconds["draft"]
+            engine.step()
+            per_call.append(engine.seconds["draft"] - before)
+    measured = per_call[WARMUP:] or per_call
+    seconds = statistics.median(measured)
+    logger.info("%s: one propose call measured at %.2f ms (median of %d steps, %.1f s)", drafter.name,
+                seconds * 1e3, len(measured), time.perf_counter() - t0)
+    return seconds
