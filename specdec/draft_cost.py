@@ -1,7 +1,7 @@
 """A drafter's cost per propose call, measured once per machine and drafter and cached: what seeded sampling
 sizes its trees with.
 
-    seconds = load_draft_seconds(costs, drafter, prompt, runner)   # engine_setup, seeded standard sampling only
+    seconds = load_draft_seconds(costs, drafter, prompt, runner, sampling)   # engine_setup: seeded sampling only
 
 Why: under standard (rejection) sampling a tree of another shape draws other random numbers, so a seeded call
 reproduces its text only if every sizing decision is the same in every run. The tree sizer's usual draft cost
@@ -10,10 +10,11 @@ cached value instead, the verify costs of the cached cost model and acceptance l
 the same seed gives the same text (on the same machine and cache) and the guard still keeps the drafter from
 slowing decoding down.
 
-The measurement: a few greedy engine steps of ``drafter`` on the request's first prompt (cut to its last
-``CONTEXT`` tokens), its own KV cache and no sizer; the median time of one propose call for one sequence,
-warm-up steps excluded. Steps draw no random numbers from the caller's generator nor torch's global one
-(greedy target; the drafter seeded with a fixed seed first, re-seeded by generate() afterwards). A batch of B
+The measurement: a few engine steps of ``drafter`` on the request's first prompt (cut to its last ``CONTEXT``
+tokens), sampling as the request does, with its own KV cache and no sizer; the median time of one propose call
+for one sequence, warm-up steps excluded. Steps draw no random numbers from the caller's generator nor torch's
+global one (a generator of its own; the drafter seeded with a fixed seed first, re-seeded by generate()
+afterwards). A batch of B
 sequences is priced at B times that (the n-gram and EAGLE drafters propose one sequence at a time; drafters
 that batch their own forwards are over-priced, which only keeps less of their trees).
 
@@ -61,7 +62,8 @@ def _file(costs: CostModel):
     return None if costs.file is None else costs.file.with_name(costs.file.stem + "-drafters.json")
 
 
-def load_draft_seconds(costs: CostModel, drafter: "Drafter", prompt: Sequence[int], runner, tokenizer=None) -> float:
+def load_draft_seconds(costs: CostModel, drafter: "Drafter", prompt: Sequence[int], runner, sampling: SamplingConfig,
+                       tokenizer=None) -> float:
     """Seconds of one propose call for one sequence: cached for (``costs``' key, :func:`drafter_key`), else
     measured now on ``prompt`` (and cached)."""
     key = drafter_key(drafter)
@@ -70,7 +72,7 @@ def load_draft_seconds(costs: CostModel, drafter: "Drafter", prompt: Sequence[in
     data = (_read(file) if file is not None else None) or {}
     if data.get("key") == costs.key and entry in data.get("drafters", {}):
         return float(data["drafters"][entry]["seconds"])
-    seconds = measure_draft_seconds(drafter, prompt, runner, tokenizer)
+    seconds = measure_draft_seconds(drafter, prompt, runner, sampling, tokenizer)
     if file is not None:
         data = _read(file) or {}  # again: another process may have written meanwhile; its value wins
         if data.get("key") != costs.key:
@@ -82,8 +84,10 @@ def load_draft_seconds(costs: CostModel, drafter: "Drafter", prompt: Sequence[in
     return seconds
 
 
-def measure_draft_seconds(drafter: "Drafter", prompt: Sequence[int], runner, tokenizer=None) -> float:
-    """Median seconds of one propose call for one sequence over ``STEPS`` greedy engine steps on ``prompt``."""
+def measure_draft_seconds(drafter: "Drafter", prompt: Sequence[int], runner, sampling: SamplingConfig,
+                          tokenizer=None) -> float:
+    """Median seconds of one propose call for one sequence over ``STEPS`` engine steps on ``prompt``, sampling
+    as ``sampling`` says (drafters that sample cost more than greedy ones) from a generator of its own."""
     from specdec.engine import Engine
 
     DRAFT_CALIBRATIONS["draft"] += 1
@@ -97,8 +101,8 @@ def measure_draft_seconds(drafter: "Drafter", prompt: Sequence[int], runner, tok
                          blocks_for(len(prompt) + steps + MAX_TREE_NODES + 1, block_size), block_size,
                          runner.dtype, runner.device, runner.backend)
     drafter.seed_from_generate(_CALIBRATION_SEED)  # generate() seeds it again for the real call
-    # greedy: the target draws no random numbers
-    engine = Engine(runner, cache, SamplingConfig(), StopCriteria(steps, tokenizer=tokenizer), drafter)
+    generator = torch.Generator(device=runner.device).manual_seed(_CALIBRATION_SEED)  # never the caller's
+    engine = Engine(runner, cache, sampling, StopCriteria(steps, tokenizer=tokenizer), drafter, generator)
     engine.add([prompt])
     per_call = []
     with torch.inference_mode():

@@ -105,7 +105,8 @@ def _sizer(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault 
         return None
     costs = load_cost_model(runner)
     if config.do_sample and (config.seed is not None or generator is not None) and coupling is None:
-        seconds = load_draft_seconds(costs, drafter, request.prompts[0], runner, request.stop.tokenizer)
+        seconds = load_draft_seconds(costs, drafter, request.prompts[0], runner, config.sampling,
+                                     request.stop.tokenizer)
         return TreeSizer(costs, fixed_draft_seconds=seconds)
     # the guard remembers across calls per target cost curve and drafter (specdec.tree_sizing: Memory)
     memory = (str(costs.file), drafter.name, repr(getattr(drafter, "config", None)))

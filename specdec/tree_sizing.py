@@ -9,8 +9,8 @@
 
 **Expected committed tokens.** Each node i gets an estimate ``a_i`` of P(node i accepted | its parent
 accepted): the drafter's ``DraftTree.scores`` corrected by an online factor per score bin (observed /
-predicted acceptance of past nodes in that bin), or, for drafters without scores, the acceptance observed
-in this run per (depth, rank among siblings). The path probability ``P_i`` is the product of ``a`` along
+predicted acceptance of past nodes in that bin, shrunk toward the factor of all bins pooled), or, for
+drafters without scores, the acceptance observed in this run per (depth, rank among siblings). The path probability ``P_i`` is the product of ``a`` along
 the path and the expected tokens of a kept subset S is ``1 + sum_{i in S} P_i``: linearity of
 expectation, exact when the ``a_i`` are right. The approximation: ``a_i`` of a later sibling is the
 rate observed for that rank, not conditioned on the earlier siblings' rejection.
@@ -195,10 +195,15 @@ class TreeSizer:
         """a_i = estimated P(node i accepted | parent accepted), per node."""
         cfg = self.config
         if tree.scores is not None and use_scores:
+            # each bin's correction shrinks toward the pooled one (all bins together), not toward 1: a short answer
+            # gives each bin a few observations, and a drafter over-confident by 2x everywhere (EAGLE at T=0.8)
+            # was read as over-confident by ~1.2x, so its trees were kept where they did not pay
+            pooled = ((sum(a for a, _ in self.score_bins) + cfg.prior_weight)
+                      / (sum(p for _, p in self.score_bins) + cfg.prior_weight))
             out = []
             for s in tree.scores.tolist():
                 acc, pred = self.score_bins[min(int(s * _BINS), _BINS - 1)]
-                out.append(min(1.0, s * (acc + cfg.prior_weight) / (pred + cfg.prior_weight)))
+                out.append(min(1.0, s * (acc + cfg.prior_weight * pooled) / (pred + cfg.prior_weight)))
             return out
         out = []
         for key in self._unscored_keys(tree):

@@ -38,6 +38,18 @@ def test_observed_acceptance_corrects_overconfident_scores():
     assert sizer.acceptance(tree)[0] < first / 3
 
 
+def test_overconfidence_seen_in_one_score_bin_discounts_the_others_too():
+    """Each bin's correction shrinks toward the pooled one: a drafter found over-confident at high scores is
+    trusted less at scores the run has not seen yet (a bin without observations once kept its raw score)."""
+    sizer = TreeSizer(FLAT)
+    seen = DraftTree.chain([5], scores=torch.tensor([0.95]))
+    for i in range(20):
+        sizer.size(0, seen, batch=1)
+        sizer.observe(0, [5 if i % 2 else 7])  # accepted half the time
+    unseen = DraftTree.chain([9], scores=torch.tensor([0.45]))
+    assert sizer.acceptance(unseen)[0] < 0.45 * 0.75
+
+
 class Scripted:
     """A chain of 4 wrong tokens until the sequence has ``switch`` new tokens, then the right ones."""
 
