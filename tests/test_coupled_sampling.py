@@ -242,6 +242,7 @@ def test_identity_on_every_device(device):
 # ---- the certificate's coupled level ----------------------------------------------------------------------------
 def test_certificate_coupled_level_passes_and_catches_its_controls(model):
     from specdec.eval.certificate import CertificateSizes, run_certificate
+
     from specdec.models.loader import load_model
 
     sizes = CertificateSizes(stat_samples=8_000, stat_tv=0.05, identity_prompts=4, identity_tokens=24)

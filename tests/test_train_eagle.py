@@ -117,8 +117,9 @@ def test_bad_settings_are_refused_before_anything_runs(tiny, tmp_path):
 
 def test_response_only_accuracies_skip_the_prompt():
     from specdec.drafters.eagle_model import EagleConfig, EagleModel
-    from specdec.testing import build_tiny_model
     from specdec.train.eagle_evaluate import eagle_accuracies
+
+    from specdec.testing import build_tiny_model
 
     model = build_tiny_model()
     eagle = EagleModel(EagleConfig.for_target(model.config))
