@@ -210,7 +210,8 @@ def test_generate_refuses_a_lying_drafter_and_can_be_told_not_to_audit():
     model = build_tiny_model()
     prompts = [[1, 2, 3]] * 8
     with pytest.raises(DraftError, match="temperature-liar"):
-        specdec.generate(model, prompts, max_new_tokens=16, drafter=TemperatureLiar(), do_sample=True, seed=0)
+        specdec.generate(model, prompts, max_new_tokens=16, drafter=TemperatureLiar(), do_sample=True, seed=0,
+                         speculation="always")
     out = specdec.generate(model, prompts[:2], max_new_tokens=8, drafter=TemperatureLiar(), do_sample=True, seed=0,
                            audit_drafts=False)
     assert len(out) == 2

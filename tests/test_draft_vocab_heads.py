@@ -205,7 +205,8 @@ def test_self_draft_sampling_law_with_a_reduced_vocabulary_matches_plain():
 
     def first_tokens(drafter, seed):
         out = generate_with_control(target, [[1, 2, 3, 1, 2, 3, 1, 2]] * 6000, EXACT, max_new_tokens=3,
-                                    drafter=drafter, do_sample=True, seed=seed, temperature=0.9, return_dict=True)
+                                    drafter=drafter, do_sample=True, seed=seed, temperature=0.9, return_dict=True,
+                                    speculation="always")
         return [tuple(t[:3]) for t in out.new_tokens], out.tau
 
     plain, _ = first_tokens(None, 1)

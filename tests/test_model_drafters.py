@@ -111,7 +111,8 @@ N = 6000
 
 def _first_tokens(model, drafter, seed, rule=EXACT):
     out = generate_with_control(model, [[1, 2, 3, 1, 2, 3, 1, 2]] * N, rule, max_new_tokens=3, drafter=drafter,
-                                do_sample=True, seed=seed, temperature=0.9, top_k=3, return_dict=True)
+                                do_sample=True, seed=seed, temperature=0.9, top_k=3, return_dict=True,
+                                speculation="always")  # drafts verified whole: the law is tested on them
     return [tuple(t[:3]) for t in out.new_tokens]
 
 
@@ -159,7 +160,8 @@ def test_sampled_drafts_carry_the_distribution_they_were_drawn_from():
             return out
 
     spy = Spy(target, seed=0, mode="independent", widths=(2,), num_draft_tokens=2)
-    specdec.generate(target, [[1, 2, 3]], max_new_tokens=6, drafter=spy, do_sample=True, seed=0, top_k=3)
+    specdec.generate(target, [[1, 2, 3]], max_new_tokens=6, drafter=spy, do_sample=True, seed=0, top_k=3,
+                     speculation="always")
     assert trees and all(t.draft_probs is not None for t in trees)
     tree = trees[0]
     with torch.no_grad():
@@ -227,7 +229,7 @@ def test_dynamic_tree_auto_mode_stays_a_dynamic_tree_when_sampling():
     spy_cls, trees = _spy_trees(DraftModelDrafter)
     drafter = spy_cls(build_tiny_model(seed=7), tree="dynamic", max_nodes=10, beam=3, num_draft_tokens=4)
     out = specdec.generate(target, PROMPTS, max_new_tokens=24, drafter=drafter, do_sample=True, seed=0,
-                           temperature=0.8, top_k=20, return_dict=True)
+                           temperature=0.8, top_k=20, return_dict=True, speculation="always")
     assert drafter.mode.value == "deterministic"
     trees = [t for t in trees if t.num_nodes]
     assert trees and all(t.draft_probs is None for t in trees)
