@@ -14,9 +14,9 @@ The measurement: a few engine steps of ``drafter`` on the request's first prompt
 tokens), sampling as the request does, with its own KV cache and no sizer; the median time of one propose call
 for one sequence, warm-up steps excluded. Steps draw no random numbers from the caller's generator nor torch's
 global one (a generator of its own; the drafter seeded with a fixed seed first, re-seeded by generate()
-afterwards). A batch of B
-sequences is priced at B times that (the n-gram and EAGLE drafters propose one sequence at a time; drafters
-that batch their own forwards are over-priced, which only keeps less of their trees).
+afterwards). A batch of B sequences is priced at B times that (the n-gram and EAGLE drafters propose one
+sequence at a time; drafters that batch their own forwards are over-priced, which only keeps less of their
+trees).
 
 Cached as JSON beside the cost model's file (``verify-<key>-drafters.json``), one entry per
 :meth:`~specdec.drafters.base.Drafter.cost_key` (type, name, settings, the model it loads), written once: a
