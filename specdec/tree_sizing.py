@@ -10,10 +10,11 @@
 **Expected committed tokens.** Each node i gets an estimate ``a_i`` of P(node i accepted | its parent
 accepted): the drafter's ``DraftTree.scores`` corrected by an online factor per score bin (observed /
 predicted acceptance of past nodes in that bin, shrunk toward the factor of all bins pooled), or, for
-drafters without scores, the acceptance observed in this run per (depth, rank among siblings). The path probability ``P_i`` is the product of ``a`` along
-the path and the expected tokens of a kept subset S is ``1 + sum_{i in S} P_i``: linearity of
-expectation, exact when the ``a_i`` are right. The approximation: ``a_i`` of a later sibling is the
-rate observed for that rank, not conditioned on the earlier siblings' rejection.
+drafters without scores, the acceptance observed in this run per (depth, rank among siblings). The path
+probability ``P_i`` is the product of ``a`` along the path and the expected tokens of a kept subset S is
+``1 + sum_{i in S} P_i``: linearity of expectation, exact when the ``a_i`` are right. The approximation:
+``a_i`` of a later sibling is the rate observed for that rank, not conditioned on the earlier siblings'
+rejection.
 
 **Cost.** ``d + c(1 + |S|)`` in plain decode steps at the current batch size, with ``c`` from the
 measured cost model and ``d`` the drafter's wall time per propose call (EMA) over a decode step's (EMA of
