@@ -108,9 +108,9 @@ def _sizer(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault 
         seconds = load_draft_seconds(costs, drafter, request.prompts[0], runner, config.sampling,
                                      request.stop.tokenizer)
         return TreeSizer(costs, fixed_draft_seconds=seconds)
-    # the guard remembers across calls per target cost curve and drafter (specdec.tree_sizing: Memory)
-    memory = (str(costs.file), drafter.name, repr(getattr(drafter, "config", None)))
-    return TreeSizer(costs, memory=memory)
+    # the guard remembers across calls per target cost curve and drafter (specdec.tree_sizing: Memory); cost_key()
+    # names a drafter's checkpoint too, so two EAGLE or Medusa checkpoints keep apart backoffs
+    return TreeSizer(costs, memory=(str(costs.file), drafter.cost_key()))
 
 
 def _processing(request: "GenerateRequest") -> LogitsProcessing | None:

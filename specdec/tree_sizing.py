@@ -38,7 +38,7 @@ recovers when the text turns repetitive. The backoff grows fourfold: each probe 
 pay costs its whole draft time, and on a 30-token answer a doubling schedule spent ~10% of it probing.
 A drafter cheaper than ``probe_budget`` is never skipped (its empty or pruned trees cost nothing).
 
-**Memory.** With a ``memory`` key (generate() passes the cost model's file and the drafter's name and config),
+**Memory.** With a ``memory`` key (generate() passes the cost model's file and the drafter's ``cost_key()``),
 a new sequence starts from the backoff that the last finished sequence of the same key reached, skipping
 half of it before its first probe: a server calling generate() once per short answer would otherwise pay
 the whole probe ramp (0, 3, 12, ... steps) on every answer for a drafter that never pays. The memory is per

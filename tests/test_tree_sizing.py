@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from specdec.drafters.base import Drafter
 
 from specdec import engine_setup
 from specdec.cost_model import CostModel
@@ -137,6 +138,34 @@ def test_guard_remembers_across_calls_where_a_drafter_stopped_paying(fixed_costs
     assert calls[1] == [25]  # remembered backoff 50 (half a step x 1/0.01, capped): half of it, then none
     assert calls[2][0] == 25 and len(calls[2]) > 5  # still remembered; the first probe pays and resets it
     assert calls[3][0] == 0  # the last call ended paying: asked from the first step
+
+
+class ScriptedCheckpoint(Drafter):
+    """Scripted under one name for every checkpoint ``path``, as two EAGLE or Medusa checkpoints share theirs."""
+
+    name = "scripted"
+
+    def __init__(self, path, *args):
+        self.path, self.script = path, Scripted(*args)
+
+    def propose(self, seqs):
+        return self.script.propose(seqs)
+
+
+def test_guard_memory_is_kept_per_checkpoint_not_per_drafter_name(fixed_costs):
+    """Two checkpoints of one drafter type and name keep apart backoffs (the key is ``cost_key()``, which names
+    the checkpoint): a bad checkpoint's backoff once made a good one's next call skip its first 25 steps."""
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4]
+    plain = generate(model, [prompt], max_new_tokens=60)[0]
+    bad = ScriptedCheckpoint("bad", plain, len(prompt), 32, 10**9)
+    assert generate(model, [prompt], max_new_tokens=60, drafter=bad)[0] == plain
+    good = ScriptedCheckpoint("good", plain, len(prompt), 32, 0)
+    assert generate(model, [prompt], max_new_tokens=60, drafter=good)[0] == plain
+    assert good.script.asked_at[0] == 0  # a fresh guard for this checkpoint: asked from the first step
+    again = ScriptedCheckpoint("bad", plain, len(prompt), 32, 10**9)
+    assert generate(model, [prompt], max_new_tokens=60, drafter=again)[0] == plain
+    assert again.script.asked_at == [25]  # the bad checkpoint's own backoff is remembered
 
 
 def test_the_first_unpaid_probe_backs_off_with_its_own_draft_time():
