@@ -117,7 +117,8 @@ def _cache_dir(cache_dir: str | Path | None) -> Path:
     return cache_root() / "costs"
 
 
-def _read(file: Path) -> dict | None:
+def read_cache(file: Path) -> dict | None:
+    """A measurement cache file's JSON, or None when it is missing or unreadable (then measured again)."""
     try:
         return json.loads(file.read_text()) if file.is_file() else None
     except (OSError, ValueError):
@@ -125,7 +126,8 @@ def _read(file: Path) -> dict | None:
         return None
 
 
-def _write(file: Path, data: dict) -> None:
+def write_cache(file: Path, data: dict) -> None:
+    """Write a measurement cache file atomically; a failure only costs a re-measurement next time."""
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         write_json(file, data)
@@ -143,14 +145,14 @@ def ensure_row_policy(runner, config: CalibrationConfig | None = None, cache_dir
     file = _cache_dir(cache_dir) / f"rows-{_digest(key)}.json"
     if str(file) in _ROWS_DONE and threads in row_policy._ACTIVE:
         return
-    data = _read(file)
+    data = read_cache(file)
     if data is None or data.get("key") != key:
         layer = runner.layers[0]
         weights = [p for name, p in layer.named_parameters() if p.dim() == 2 and "proj" in name]
         CALIBRATIONS["rows"] += 1
         cols = row_policy.measure_row_policy(weights, repeats=(config or CalibrationConfig()).row_repeats)
         data = {"key": key, "cols": {str(m): c for m, c in cols.items()}}
-        _write(file, data)
+        write_cache(file, data)
         logger.info("row policy measured for %d threads: %s", threads, cols)
     row_policy.install(threads, {int(m): int(c) for m, c in data["cols"].items()})
     _ROWS_DONE.add(str(file))
@@ -178,7 +180,7 @@ class CostModel:
             else:
                 self.curves[b] = calibrate(self.runner, b, self.config)
                 if self.file is not None:
-                    _write(self.file, {"key": self.key, "curves": {str(k): {str(n): s for n, s in v.items()}
+                    write_cache(self.file, {"key": self.key, "curves": {str(k): {str(n): s for n, s in v.items()}
                                                                      for k, v in self.curves.items()}})
         return self.curves[b]
 
@@ -250,7 +252,7 @@ def load_cost_model(runner, config: CalibrationConfig | None = None, cache_dir: 
     file = _cache_dir(cache_dir) / f"verify-{_digest(key)}.json"
     curves = _MEMO.get(str(file))
     if curves is None:
-        data = _read(file)
+        data = read_cache(file)
         curves = {}
         if data is not None and data.get("key") == key:
             curves = {int(b): {int(n): float(s) for n, s in c.items()} for b, c in data["curves"].items()}

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.cost_model import CostModel, _read, _write
+from specdec.cost_model import CostModel, read_cache, write_cache
 from specdec.kv_cache import PagedKVCache, blocks_for
 from specdec.sampling import SamplingConfig
 from specdec.stopping import StopCriteria
@@ -69,18 +69,18 @@ def load_draft_seconds(costs: CostModel, drafter: "Drafter", prompt: Sequence[in
     key = drafter_key(drafter)
     entry = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     file = _file(costs)
-    data = (_read(file) if file is not None else None) or {}
+    data = (read_cache(file) if file is not None else None) or {}
     if data.get("key") == costs.key and entry in data.get("drafters", {}):
         return float(data["drafters"][entry]["seconds"])
     seconds = measure_draft_seconds(drafter, prompt, runner, sampling, tokenizer)
     if file is not None:
-        data = _read(file) or {}  # again: another process may have written meanwhile; its value wins
+        data = read_cache(file) or {}  # again: another process may have written meanwhile; its value wins
         if data.get("key") != costs.key:
             data = {"key": costs.key, "drafters": {}}
         if entry in data["drafters"]:
             return float(data["drafters"][entry]["seconds"])
         data["drafters"][entry] = {"drafter": key, "seconds": seconds}
-        _write(file, data)
+        write_cache(file, data)
     return seconds
 
 
