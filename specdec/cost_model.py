@@ -45,6 +45,7 @@ _MEMO: dict[str, dict[int, dict[int, float]]] = {}  # cache file -> curves: one 
 _ROWS_DONE: set[str] = set()
 BATCH_QUERY_TOKENS = 128  # calibration grid of a batch: sizes n with batch * n above this are extrapolated
 BATCH_CONTEXT_TOKENS = 1024  # and at most this many context tokens are prefilled over the whole batch
+STREAM_BYTES = 128 * 2**20  # the row policy times at least this many bytes of weights: beyond a CPU's last-level cache
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class CalibrationConfig:
     sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, MAX_TREE_NODES + 1)
     context: int = 128  # committed tokens per sequence before the timed steps
     repeats: int = 3  # timed rounds (plus one warm-up), median per n
-    row_repeats: int = 5  # repeats of the row-policy micro-benchmark
+    row_repeats: int = 3  # timed passes of the row-policy micro-benchmark (median)
 
     def __post_init__(self) -> None:
         sizes = tuple(sorted({int(n) for n in self.sizes}))
@@ -135,25 +136,43 @@ def write_cache(file: Path, data: dict) -> None:
         logger.warning("cost model: cannot write %s (%s); the measurement is not cached", file, err)
 
 
+def streamed_weights(runner, budget_bytes: int = STREAM_BYTES) -> tuple[list[torch.Tensor], list[float]]:
+    """The matrices a forward multiplies, as the row policy should time them: evenly spaced layers holding at
+    least ``budget_bytes`` (all layers when the model is smaller), each scaled to stand for its share of the
+    layers, plus the LM head once. Returns (weights, scales)."""
+    per_layer = [[p for name, p in layer.named_parameters() if p.dim() == 2 and "proj" in name]
+                 for layer in runner.layers]
+    layer_bytes = max(1, sum(p.numel() * p.element_size() for p in per_layer[0]))
+    count = min(len(per_layer), max(1, -(-budget_bytes // layer_bytes)))
+    chosen = sorted({round(i * (len(per_layer) - 1) / max(1, count - 1)) for i in range(count)})
+    scale = len(per_layer) / len(chosen)
+    weights = [p.detach() for i in chosen for p in per_layer[i]]
+    return weights + [runner.lm_head.detach()], [scale] * len(weights) + [1.0]
+
+
 def ensure_row_policy(runner, config: CalibrationConfig | None = None, cache_dir: str | Path | None = None) -> None:
     """Install the CPU row policy of ``linear()`` for the current thread count, measured on this machine over
-    one layer's matrices (cached on disk by machine, weight shapes, dtype and thread count). No-op on GPU."""
+    the matrices a forward streams (:func:`streamed_weights`; cached on disk by machine, weight shapes, dtype and
+    thread count). No-op on GPU."""
     if runner.device.type != "cpu" or not len(runner.layers):
         return
     threads = torch.get_num_threads()
-    key = machine_key(runner) | {"kind": "rows"}
+    # "timing": how the policy was measured; a policy timed another way (over one cache-resident layer, before
+    # 2026-11-25) is measured again
+    key = machine_key(runner) | {"kind": "rows", "timing": "streamed"}
     file = _cache_dir(cache_dir) / f"rows-{_digest(key)}.json"
     if str(file) in _ROWS_DONE and threads in row_policy._ACTIVE:
         return
     data = read_cache(file)
     if data is None or data.get("key") != key:
-        layer = runner.layers[0]
-        weights = [p for name, p in layer.named_parameters() if p.dim() == 2 and "proj" in name]
+        weights, scales = streamed_weights(runner)
         CALIBRATIONS["rows"] += 1
-        cols = row_policy.measure_row_policy(weights, repeats=(config or CalibrationConfig()).row_repeats)
+        t0 = time.perf_counter()
+        cols = row_policy.measure_row_policy(weights, repeats=(config or CalibrationConfig()).row_repeats,
+                                             scales=scales)
         data = {"key": key, "cols": {str(m): c for m, c in cols.items()}}
         write_cache(file, data)
-        logger.info("row policy measured for %d threads: %s", threads, cols)
+        logger.info("row policy measured for %d threads in %.1f s: %s", threads, time.perf_counter() - t0, cols)
     row_policy.install(threads, {int(m): int(c) for m, c in data["cols"].items()})
     _ROWS_DONE.add(str(file))
 

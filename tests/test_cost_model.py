@@ -2,6 +2,9 @@
 interpolation of c(n); the CPU row policy of linear() measured, installed and exact."""
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -129,6 +132,42 @@ def test_measure_row_policy_pads_only_to_faster_counts():
     w = [torch.randn(64, 32)]
     cols = row_policy.measure_row_policy(w, max_rows=6, repeats=1)
     assert all(1 <= m <= c <= 6 for m, c in cols.items())
+
+
+def test_row_policy_weighs_each_matrix_by_its_scale(monkeypatch):
+    """A sampled layer stands for ``scale`` layers: scripted costs where the small matrix favours F.linear and the
+    big one the transposed product; unscaled, F.linear wins the sum, with the big matrix counted 10 times not."""
+    big, small = torch.zeros(8, 4), torch.zeros(4, 4)
+    seconds = {("linear", 8): 0.002, ("transposed", 8): 0.001, ("linear", 4): 0.001, ("transposed", 4): 0.004}
+
+    def fake_linear(x, w, b=None):
+        time.sleep(seconds["linear", w.shape[0]])
+
+    def fake_transposed(x, w, cols):
+        time.sleep(seconds["transposed", w.shape[0]])
+
+    monkeypatch.setattr(row_policy, "F", SimpleNamespace(linear=fake_linear))
+    monkeypatch.setattr(row_policy, "transposed_linear", fake_transposed)
+    assert row_policy.measure_row_policy([big, small], max_rows=1, repeats=3) == {}  # 3 ms vs 5 ms
+    assert row_policy.measure_row_policy([big, small], max_rows=1, repeats=3, scales=[10, 1]) == {1: 1}  # 21 vs 14
+    with pytest.raises(ValueError, match="scale"):
+        row_policy.measure_row_policy([big, small], scales=[1.0])
+
+
+def test_row_policy_is_timed_over_more_weights_than_a_cache_holds():
+    """Evenly spaced layers holding at least the byte budget, each standing for its share of the layers, plus
+    the LM head: one cache-resident layer made single-threaded GEMV look fast (decode was 1.8x slower)."""
+    runner = LlamaRunner(build_tiny_model(vocab_size=64, seed=1, num_hidden_layers=6))
+    layer_bytes = sum(p.numel() * p.element_size() for n, p in runner.layers[0].named_parameters()
+                      if p.dim() == 2 and "proj" in n)
+    per_layer = 7  # q, k, v, o, gate, up, down
+    weights, scales = cost_model.streamed_weights(runner, budget_bytes=10**12)  # more than the model: every layer
+    assert len(weights) == 6 * per_layer + 1 and scales == [1.0] * len(weights)
+    assert weights[-1].data_ptr() == runner.lm_head.data_ptr()
+    weights, scales = cost_model.streamed_weights(runner, budget_bytes=2 * layer_bytes)  # layers 0 and 5, x3 each
+    assert len(weights) == 2 * per_layer + 1 and scales == [3.0] * (2 * per_layer) + [1.0]
+    assert weights[0].data_ptr() == runner.layers[0].self_attn.q_proj.weight.data_ptr()
+    assert weights[per_layer].data_ptr() == runner.layers[5].self_attn.q_proj.weight.data_ptr()
 
 
 def test_a_large_batch_calibrates_a_short_grid_and_extrapolates(monkeypatch):

@@ -7,8 +7,14 @@ m <= ``SMALL_M_MAX`` the policy records how to compute it: ``cols[m] = c`` means
 with c >= m columns (the c - m extra columns copy row 0 and are dropped)"; a row count missing from
 ``cols`` goes through ``F.linear``. Every choice returns ``F.linear``'s values for the rows given.
 
-    policy = measure_row_policy([layer.mlp.gate_proj.weight, ...])   # ~0.1-1 s, a micro-benchmark
-    install(torch.get_num_threads(), policy)                           # linear() reads it from now on
+    policy = measure_row_policy(weights, scales)   # a few seconds: products over what a forward streams
+    install(torch.get_num_threads(), policy)       # linear() reads it from now on
+
+The products must be timed the way a forward runs them: every weight read once per forward, streamed from
+memory. Timed over one layer's matrices, which fit in the last-level cache, single-threaded GEMV looked as fast
+as anything; streamed, it reads at half the speed of the two-column transposed product (2-core EPYC:
+30 layers' products at 1 row took 36 ms through ``F.linear``, 16 ms as 2 transposed columns). The policy
+tuned on cached weights made plain decoding 1.8x slower than the streamed one.
 
 Policies are per torch thread count (``active_cols()`` reads the current one); with none installed for
 the current count, ``linear()`` is ``F.linear``. :func:`specdec.cost_model.ensure_row_policy` measures
@@ -59,33 +65,43 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, cols: int) -> torch
     return torch.mm(weight, xt).t()[:m].contiguous()
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
+def _weighted_pass(products, scales: Sequence[float]) -> float:
+    """Seconds of one pass over every product, each product's time multiplied by its scale."""
+    total = 0.0
+    for run, scale in zip(products, scales):
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        run()
+        total += scale * (time.perf_counter() - t0)
+    return total
 
 
 @torch.inference_mode()
-def measure_row_policy(weights: Sequence[torch.Tensor], max_rows: int = SMALL_M_MAX, repeats: int = 5
-                       ) -> dict[int, int]:
-    """Time ``F.linear`` and the transposed product for 1..max_rows rows over ``weights`` (one layer's
-    matrices: their sum is what a forward pays), and return the fastest way to compute each row count,
-    padding allowed (m rows computed as c >= m when c is faster). CPU tensors only."""
+def measure_row_policy(weights: Sequence[torch.Tensor], max_rows: int = SMALL_M_MAX, repeats: int = 5,
+                       scales: Sequence[float] | None = None) -> dict[int, int]:
+    """Time ``F.linear`` and the transposed product for 1..max_rows rows over ``weights``, and return the
+    fastest way to compute each row count, padding allowed (m rows computed as c >= m when c is faster).
+
+    ``weights`` should be what a forward streams (more bytes than the last-level cache holds: see the module
+    doc); ``scales[i]`` weighs matrix i's time (a sample of every k-th layer stands for k layers), default 1.
+    CPU tensors only."""
     if not weights or any(w.device.type != "cpu" or w.dim() != 2 for w in weights):
         raise ValueError("measure_row_policy needs 2-D CPU weight matrices")
+    scales = [1.0] * len(weights) if scales is None else [float(s) for s in scales]
+    if len(scales) != len(weights) or any(s <= 0 for s in scales):
+        raise ValueError("measure_row_policy: one positive scale per weight matrix")
     max_rows = min(int(max_rows), SMALL_M_MAX)
     gen = torch.Generator().manual_seed(0)
     plain: dict[int, float] = {}
     transposed: dict[int, float] = {}
     for m in range(1, max_rows + 1):
         xs = [torch.randn(m, w.shape[1], generator=gen).to(w.dtype) for w in weights]
-        plain[m] = _median_seconds(lambda xs=xs: [F.linear(x, w) for x, w in zip(xs, weights)], repeats)
-        transposed[m] = _median_seconds(
-            lambda xs=xs, m=m: [transposed_linear(x, w, m) for x, w in zip(xs, weights)], repeats)
+        by_linear = [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, weights)]
+        by_transposed = [lambda x=x, w=w, m=m: transposed_linear(x, w, m) for x, w in zip(xs, weights)]
+        if m == 1:  # one warm-up pass of each (first-call allocations); streamed weights need no more
+            _weighted_pass(by_linear, scales), _weighted_pass(by_transposed, scales)
+        times = [(_weighted_pass(by_linear, scales), _weighted_pass(by_transposed, scales)) for _ in range(repeats)]
+        plain[m] = statistics.median(t for t, _ in times)  # interleaved: a slow moment costs both layouts
+        transposed[m] = statistics.median(t for _, t in times)
     cols: dict[int, int] = {}
     for m in range(1, max_rows + 1):
         best_cost, best = plain[m], None  # F.linear on exactly m rows is the default
