@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from specdec.errors import InputError
+from specdec.models.llama import Linear, linear
 
 INIT_OUTPUT_SCALE = 0.1  # init_from_target: attention / MLP outputs start small next to the passed-through feature
 
@@ -92,18 +93,18 @@ class EagleAttention(nn.Module):
     def __init__(self, c: EagleConfig) -> None:
         super().__init__()
         self.c = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
 
 class EagleMLP(nn.Module):
     def __init__(self, c: EagleConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -144,12 +145,12 @@ class EagleModel(nn.Module):
         if c.num_features != 1:
             raise InputError(f"this EAGLE drafter reads 1 target feature per position (the last hidden state); "
                              f"the config asks for {c.num_features} (EAGLE-3 fused features are not supported)")
-        self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=True)
+        self.fc = Linear(2 * c.hidden_size, c.hidden_size, bias=True)
         self.layers = nn.ModuleList([EagleLayer(c)])
         self.norm = _Norm(c.hidden_size) if c.norms else None
         if c.draft_vocab:
             ids = torch.tensor(c.draft_vocab, dtype=torch.long)
-            self.lm_head = nn.Linear(c.hidden_size, len(ids), bias=False)
+            self.lm_head = Linear(c.hidden_size, len(ids), bias=False)
             self.register_buffer("d2t", ids - torch.arange(len(ids)), persistent=True)  # [N] EAGLE-3 layout
         else:
             self.lm_head = None  # the target's own LM head
@@ -227,4 +228,5 @@ class EagleModel(nn.Module):
         """[.., H] predicted features -> [.., N] draft logits (N = the draft vocabulary, or the target's)."""
         if self.lm_head is not None:
             return self.lm_head(features)
-        return F.linear(features, target_lm_head)
+        flat = linear(features.reshape(-1, features.shape[-1]), target_lm_head)
+        return flat.view(*features.shape[:-1], target_lm_head.shape[0])

@@ -44,6 +44,7 @@ from torch import nn
 
 from specdec.atomic_write import replaced_atomically, write_json
 from specdec.errors import InputError, SpecdecError
+from specdec.models.llama import Linear, linear
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class ResBlock(nn.Module):
 
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size)
+        self.linear = Linear(hidden_size, hidden_size)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
 
@@ -135,7 +136,7 @@ class MedusaHeads(nn.Module):
         for _ in range(config.num_heads):
             layers: list[nn.Module] = [ResBlock(config.hidden_size) for _ in range(config.num_layers)]
             if not config.shared_lm_head:
-                layers.append(nn.Linear(config.hidden_size, config.draft_size, bias=False))
+                layers.append(Linear(config.hidden_size, config.draft_size, bias=False))
             heads.append(nn.Sequential(*layers))
         self.heads = nn.ModuleList(heads)
         # [N] token id of each logit column (empty: full vocabulary); not saved in the weights (config.json has it)
@@ -175,7 +176,7 @@ class MedusaHeads(nn.Module):
         for head in self.heads:
             x = head(hidden)
             if rows is not None:
-                x = nn.functional.linear(x, rows)
+                x = linear(x.reshape(-1, x.shape[-1]), rows).view(*x.shape[:-1], rows.shape[0])
             out.append(x)
         return torch.stack(out)
 

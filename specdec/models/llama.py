@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from specdec.attention import AttentionPlan, paged_attention
 from specdec.errors import InputError, SpecdecError
@@ -129,6 +130,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             out = row_policy.transposed_linear(x, weight, cols)
             return out if bias is None else out + bias
     return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` computed by :func:`linear` (any leading dims): drafter layers (EAGLE, Medusa) multiply the few
+    rows of a draft step under the same measured CPU row policy as the target. Same parameters and state-dict keys
+    as ``nn.Linear``; large inputs (training batches) and GPUs go through ``F.linear`` as before."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return linear(x, self.weight, self.bias)
+        return linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias).view(*x.shape[:-1], self.out_features)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
