@@ -84,6 +84,18 @@ def test_model_fingerprint_is_memoised_and_sees_in_place_updates(monkeypatch):
     assert cost_model.model_fingerprint(runner) != first and len(sums) == 2
 
 
+def test_checksum_reads_a_strided_sample_of_large_tensors():
+    """Keys of cached measurements: a strided sample, not every weight (the full float64 sums of the embedded
+    model's embedding and LM head took 0.6 s of a CLI run's first generate() with a drafter)."""
+    t = torch.zeros(10 * cost_model.CHECKSUM_SAMPLES)
+    base = cost_model._checksum([t])
+    t[1] = 1.0  # between two sampled entries (stride 10)
+    assert cost_model._checksum([t]) == base
+    t[10] = 1.0
+    assert cost_model._checksum([t]) != base
+    assert cost_model._checksum([t.view(10, -1)]) != cost_model._checksum([t])  # the shape counts
+
+
 def test_row_policy_measured_once_per_key_and_installed(fresh):
     runner = LlamaRunner(build_tiny_model(seed=0))
     before = cost_model.CALIBRATIONS["rows"]

@@ -98,6 +98,36 @@ def test_guard_turns_speculation_off_for_a_drafter_that_never_matches_and_back_o
     assert len([a for a in drafter.asked_at if a < 40]) == 40  # one token per step until the switch
 
 
+class LuckyOnce(Scripted):
+    """Wrong, except on its ``lucky``-th propose call (0-based)."""
+
+    def __init__(self, plain, prompt_len, vocab, lucky):
+        super().__init__(plain, prompt_len, vocab, switch=10**9)
+        self.lucky = lucky
+
+    def propose(self, seqs):
+        if len(self.asked_at) != self.lucky:
+            return super().propose(seqs)
+        n = len(seqs[0].token_ids)
+        self.asked_at.append(n - self.prompt_len)
+        return [DraftTree.chain(self.plain[n: n + 4])]
+
+
+def test_one_lucky_probe_costs_one_more_probe_not_the_whole_ramp(fixed_costs):
+    """A drafter that rarely pays and is right once: each paying step divides the backoff by four, so, wrong
+    again, the guard is back near its old backoff within two probes (a reset to 0 restarted the ramp, 2, 8, 32
+    ...: untrained Medusa heads, right once in a while, measured 0.92x of plain on translation that way)."""
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4]
+    plain = generate(model, [prompt], max_new_tokens=140)[0]
+    drafter = LuckyOnce(plain, len(prompt), 32, lucky=3)
+    assert generate(model, [prompt], max_new_tokens=140, drafter=drafter)[0] == plain
+    assert drafter.asked_at[:4] == [0, 3, 12, 45]  # the ramp; the 4th probe is the lucky one (5 tokens)
+    # right after it (5 tokens later): one probe the learned acceptance expects to pay, one that does not, then
+    # backoffs of 12 and 48; a reset to 0 gave 50, 51, 54, 63, 96: the ramp again
+    assert drafter.asked_at[4:] == [50, 51, 64, 113]
+
+
 def test_never_pays_when_a_draft_forward_costs_a_decode_step_whatever_the_acceptance():
     assert TreeSizer(FLAT).never_pays(1.0)  # r = 1: L drafted tokens cost L steps + a verify, commit <= L + 1
     assert not TreeSizer(FLAT).never_pays(0.5)  # 1 + 1 > 0.5 + c(2) = 1.5: a chain of one could pay
