@@ -32,10 +32,13 @@ score best would change the distribution they were drawn from.
 
 **Guard.** When the best ratio is not above plain decoding's ``1 / c(1) = 1``, drafting did not pay: the
 sequence skips the drafter for ``backoff`` steps (2, 8, 32, ... up to what keeps probing under ~1% of the
-time: ``d / probe_budget`` steps, at most 256), then probes again; a probe that pays resets the backoff,
-and so does any step whose drafts, had they all been verified, would have paid for it; so the guard
-recovers when the text turns repetitive. The backoff grows fourfold: each probe of a drafter that does not
-pay costs its whole draft time, and on a 30-token answer a doubling schedule spent ~10% of it probing.
+time: ``d / probe_budget`` steps, at most 256), then probes again. A probe that pays, or any step whose
+drafts, had they all been verified, would have paid for it, divides the backoff by four and probes the next
+step: one growth step undone, so the guard recovers within a few paying steps when the text turns
+repetitive, while a lucky probe of a drafter that rarely pays costs one more probe, not the whole ramp
+again (resetting to 0 let untrained Medusa heads, right once in a while, probe every few steps: 0.92x of
+plain on translation). The backoff grows fourfold: each probe of a drafter that does not pay costs its whole
+draft time, and on a 30-token answer a doubling schedule spent ~10% of it probing.
 A drafter cheaper than ``probe_budget`` is never skipped (its empty or pruned trees cost nothing).
 
 **Memory.** With a ``memory`` key (generate() passes the cost model's file and the drafter's ``cost_key()``),
@@ -182,9 +185,9 @@ class TreeSizer:
 
     def _judge(self, seq_id: int, pays: bool, batch: int) -> None:
         guard = self._guard(seq_id)
-        if pays:
+        if pays:  # undo one growth step: a lucky probe of a drafter that rarely pays does not restart its ramp
             self.paid += 1
-            guard.backoff = 0
+            guard.backoff //= 4
             return
         self.unpaid += 1
         cap = min(self.config.max_backoff, int(self.draft_cost(batch) / self.config.probe_budget))
@@ -295,9 +298,9 @@ class TreeSizer:
                     entry[0] = entry[0] * self.config.decay + float(ok)
                     entry[1] = entry[1] * self.config.decay + 1.0
         longest = max((d for d, ok in zip(depths, on_path) if ok), default=0)
-        if 1 + longest > pending.cost:  # the drafts pay again (the text turned repetitive): probe from now on
+        if 1 + longest > pending.cost:  # the drafts paid: probe next step, one growth step of the backoff undone
             guard = self._guard(seq_id)
-            guard.backoff = guard.skip = 0
+            guard.backoff, guard.skip = guard.backoff // 4, 0
 
     def release(self, seq_id: int) -> None:
         self.pending.pop(seq_id, None)
