@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 
-from specdec.train.config import EVAL_TREES, LOSSES, PRECISIONS, SCHEDULES
+from specdec.train.config import EVAL_TREES, LOSSES, PRECISIONS, PROMPT_SOURCES, SCHEDULES, SELF_PROMPTS
 
 from specdec.models.embedded import DEFAULT_ALIAS
 
@@ -82,6 +82,10 @@ def _common_args(p, name: str) -> None:
     g.add_argument("--text-field", default="text", help="record field holding plain text")
     g.add_argument("--messages-field", default="messages", help="record field holding chat messages (role/content)")
     g.add_argument("--prompts-file", default=None, help="self-distillation prompts, one per line")
+    g.add_argument("--prompt-source", choices=PROMPT_SOURCES, default="builtin",
+                   help="self-distillation prompts without --data / --prompts-file: the built-in set, or 'self': "
+                        f"user turns the target writes itself (--num-prompts of them, default {SELF_PROMPTS}; "
+                        "needs a chat template)")
     g.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts (default: all)")
     g.add_argument("--distill-max-new-tokens", type=int, default=128, help="response length when self-distilling")
     g.add_argument("--distill-batch-size", type=int, default=64,
@@ -134,6 +138,7 @@ def config_from_args(args):
         model=args.model, output_dir=args.output_dir, num_heads=args.num_heads, num_layers=args.num_layers,
         shared_lm_head=args.shared_lm_head, data=args.data, text_field=args.text_field,
         messages_field=args.messages_field, num_prompts=args.num_prompts, prompts_file=args.prompts_file,
+        prompt_source=args.prompt_source,
         distill_max_new_tokens=args.distill_max_new_tokens, distill_batch_size=args.distill_batch_size,
         seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
         schedule=args.schedule, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,

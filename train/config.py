@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 
 SCHEDULES = ("cosine", "linear", "constant")
 EVAL_TREES = ("static", "dynamic")
+PROMPT_SOURCES = ("builtin", "self")  # self-distillation prompts: the built-in set, or written by the target
+SELF_PROMPTS = 1000  # prompt_source="self" without num_prompts
 LOSSES = ("ce", "kl")  # against the target's argmax / its whole distribution
 PRECISIONS = ("no", "bf16")  # fp16 would need a grad scaler; bf16 does not
 # fields that may differ between a run and its resumption (they do not change the trained heads)
@@ -23,7 +25,7 @@ DRAFTERS = ("medusa", "eagle")
 
 # fields added with train-eagle, and their defaults (a run saved before them has none)
 _ADDED_LATER = {"drafter": "medusa", "draft_vocab": None, "draft_vocab_coverage": 0.97, "eagle_steps": 3,
-                "reg_weight": 1.0, "max_grad_norm": 0.0}
+                "reg_weight": 1.0, "max_grad_norm": 0.0, "prompt_source": "builtin"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class TrainConfig:
     text_field: str = "text"
     messages_field: str = "messages"
     num_prompts: int | None = None  # None: every built-in prompt / every prompt of --prompts
+    # without --data / --prompts-file: "builtin" = specdec.train.prompts; "self" = num_prompts (default
+    # SELF_PROMPTS) user turns the target writes itself (specdec.train.self_prompts)
+    prompt_source: str = "builtin"
     prompts_file: str | None = None
     distill_max_new_tokens: int = 128
     distill_batch_size: int = 64  # 2-core CPU greedy: 113 tok/s at 16, 163 at 32, 200 at 64
@@ -95,6 +100,11 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.prompt_source not in PROMPT_SOURCES:
+            raise ValueError(f"prompt_source must be one of {PROMPT_SOURCES}, got {self.prompt_source!r}")
+        if self.prompt_source == "self" and (self.data is not None or self.prompts_file):
+            raise ValueError("prompt_source='self' has the target write the prompts; it cannot be combined with "
+                             "data or prompts_file")
         if self.eval_tree not in EVAL_TREES:
             raise ValueError(f"eval_tree must be one of {EVAL_TREES}, got {self.eval_tree!r}")
         if self.loss not in LOSSES:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from specdec.drafters.medusa_heads import save_medusa
-from specdec.train.config import TrainConfig
+from specdec.train.config import SELF_PROMPTS, TrainConfig
 from specdec.train.data import TrainDataError, load_texts, split_held_out, tokenize_texts
 from specdec.train.trainer import RUN_FILE, prepare_output_dir, train_heads
 
@@ -33,6 +33,7 @@ def _sequences(cfg: TrainConfig, loaded, accelerator) -> tuple[list[list[int]], 
         return tokenize_texts(loaded.tokenizer, texts, cfg.seq_len), {}
     from specdec.train.distill import self_distill
     from specdec.train.prompts import builtin_prompts
+    from specdec.train.self_prompts import self_written_prompts
 
     if cfg.prompts_file:
         path = Path(cfg.prompts_file)  # its existence: check_inputs(), before the output directory is touched
@@ -40,11 +41,14 @@ def _sequences(cfg: TrainConfig, loaded, accelerator) -> tuple[list[list[int]], 
         if not prompts:
             raise TrainDataError(f"prompts file {path} is empty")
         prompts = prompts[: cfg.num_prompts]
-    else:
+    elif cfg.prompt_source == "builtin":
         prompts = builtin_prompts(cfg.num_prompts, seed=cfg.seed)
     seqs = None
     for turn in (0, 1):  # the main process generates, the others then read its cache
         if (turn == 0) == accelerator.is_main_process:
+            if cfg.prompt_source == "self":
+                prompts = self_written_prompts(loaded, cfg.num_prompts or SELF_PROMPTS, seed=cfg.seed,
+                                               batch_size=cfg.distill_batch_size, progress=cfg.progress)
             seqs = self_distill(loaded, prompts, max_new_tokens=cfg.distill_max_new_tokens,
                                 batch_size=cfg.distill_batch_size, progress=cfg.progress)
         accelerator.wait_for_everyone()

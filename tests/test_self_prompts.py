@@ -1,0 +1,75 @@
+"""Prompts the target writes itself (specdec.train.self_prompts): only whole user turns are kept, unique,
+long enough and apart from the held-out evaluation prompts; the result is cached; a tokenizer without a chat
+template and a config that mixes sources are refused."""
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import pytest
+from specdec.train import self_prompts
+from specdec.train.config import TrainConfig
+from specdec.train.data import TrainDataError
+
+from specdec.testing import build_tiny_model, build_tiny_tokenizer
+
+generate_module = importlib.import_module("specdec.generate")  # the module, not the function specdec exports
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }} says {{ m['content'] }}. {% endfor %}"
+            "{% if add_generation_prompt %}assistant says {% endif %}")
+
+
+def _loaded():
+    tok = build_tiny_tokenizer()
+    tok.chat_template = TEMPLATE
+    model = build_tiny_model(vocab_size=len(tok))
+    model.config.eos_token_id = tok.convert_tokens_to_ids("!")  # the tiny vocabulary's end-of-turn stand-in
+    return SimpleNamespace(model=model, tokenizer=tok)
+
+
+def test_only_whole_unique_and_held_out_free_turns_are_kept_and_cached(tmp_path, monkeypatch):
+    loaded = _loaded()
+    tok, end = loaded.tokenizer, loaded.model.config.eos_token_id
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    turns = [
+        ids("how do tides work") + [end],  # kept
+        ids("tell me a story about a cat"),  # cut off: no end of turn
+        ids("how do tides work") + [end],  # a duplicate
+        ids("hi there") + [end],  # too short
+        ids("What is photosynthesis") + [end],  # a held-out chat prompt's words
+        ids("plan a trip to the sea") + [end],  # kept
+    ]
+    calls = []
+
+    def fake_generate(model, prompts, **kwargs):
+        calls.append((prompts, kwargs))
+        return SimpleNamespace(new_tokens=turns[: len(prompts)])
+
+    monkeypatch.setattr(generate_module, "generate", fake_generate)
+    got = self_prompts.self_written_prompts(loaded, 2, batch_size=6, cache_dir=tmp_path, progress=False)
+    assert got == ["how do tides work", "plan a trip to the sea"]
+    prefix = calls[0][0][0]
+    assert tok.decode(prefix) == "user says " and calls[0][1]["do_sample"] and calls[0][1]["seed"] == 0
+    again = self_prompts.self_written_prompts(loaded, 2, batch_size=6, cache_dir=tmp_path, progress=False)
+    assert again == got and len(calls) == 1  # from the cache
+    more = self_prompts.self_written_prompts(loaded, 3, batch_size=6, cache_dir=tmp_path, progress=False)
+    assert more == got and len(calls) == 1 + 2  # 4 n draws at most: fewer prompts than asked, with a warning
+
+
+def test_a_model_that_never_ends_its_turn_or_has_no_chat_template_is_refused(tmp_path, monkeypatch):
+    loaded = _loaded()
+    monkeypatch.setattr(generate_module, "generate",
+                        lambda model, prompts, **kw: SimpleNamespace(new_tokens=[[5, 6, 7]] * len(prompts)))
+    with pytest.raises(TrainDataError, match="no usable user prompt"):
+        self_prompts.self_written_prompts(loaded, 2, batch_size=4, cache_dir=tmp_path, progress=False)
+    loaded.tokenizer.chat_template = None
+    with pytest.raises(TrainDataError, match="chat template"):
+        self_prompts.self_written_prompts(loaded, 2, cache_dir=tmp_path, progress=False)
+
+
+def test_self_written_prompts_exclude_the_other_prompt_sources():
+    with pytest.raises(ValueError, match="prompt_source"):
+        TrainConfig(model="m", output_dir="o", prompt_source="self", prompts_file="p.txt")
+    with pytest.raises(ValueError, match="prompt_source must be one of"):
+        TrainConfig(model="m", output_dir="o", prompt_source="web")
+    assert TrainConfig(model="m", output_dir="o").fingerprint() == TrainConfig(
+        model="m", output_dir="o", prompt_source="builtin").fingerprint()

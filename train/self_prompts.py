@@ -1,0 +1,135 @@
+"""Prompts the target writes itself: sample its chat template's user turn (the Magpie recipe).
+
+An instruction-tuned model given only the template up to the user's message writes a user message of the
+kind it was tuned on: varied requests in its own domain, which no built-in template list can match. The
+drafter then learns answers to the questions the target expects, not to a handful of templates.
+
+    prompts = self_written_prompts(loaded, 1000, seed=0)   # list[str], cached on disk per model and settings
+
+Each prompt is a complete user turn (the target ended it with its end-of-turn token), unique, at least
+``MIN_WORDS`` words, and kept apart from the held-out evaluation prompts (:func:`too_close`), so a measured
+tau is never on a question the drafter was trained on.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from pathlib import Path
+
+from specdec.train.data import TrainDataError
+
+from specdec.atomic_write import write_json
+from specdec.models.embedded import cache_root
+
+logger = logging.getLogger(__name__)
+
+MIN_WORDS = 3
+MAX_TOKENS = 64  # a user turn longer than this is cut off and dropped
+TEMPERATURE, TOP_P = 1.0, 0.95
+_SENTINEL = "\u2063SPECDEC_USER\u2063"
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where the user's message starts (with its default system turn)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise TrainDataError("prompts written by the target need a chat template (an instruction-tuned model); "
+                             "this tokenizer has none: pass --prompts-file or --data instead")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], add_generation_prompt=True,
+                                         tokenize=False)
+    return list(tokenizer(text[: text.index(_SENTINEL)], add_special_tokens=False)["input_ids"])
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"\w+", text.lower()))
+
+
+def too_close(prompt: str, held_out: list[set[str]], share: float = 0.6) -> bool:
+    """True when ``prompt`` holds ``share`` or more of some held-out prompt's words."""
+    words = _words(prompt)
+    return any(len(words & h) >= share * len(h) for h in held_out if h)
+
+
+def held_out_words() -> list[set[str]]:
+    """Word sets of every evaluation prompt written for this project (chat, qa, math, translation)."""
+    from specdec.eval.prompt_sets import MATH, QA, TRANSLATION
+    from specdec.eval.prompts import CHAT
+
+    return [_words(p) for p in (*CHAT, *QA, *MATH, *TRANSLATION)]
+
+
+def _end_of_turn(loaded) -> set[int]:
+    """The model's end-of-sequence ids and the tokenizer's: a user turn is whole when one of them ends it."""
+    eos = loaded.model.config.eos_token_id
+    ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) | {getattr(loaded.tokenizer, "eos_token_id", None)}
+    ids.discard(None)
+    if not ids:
+        raise TrainDataError("prompts written by the target need an end-of-turn token; neither the model's config "
+                             "nor the tokenizer names one")
+    return ids
+
+
+def _cache_file(loaded, n: int, seed: int, batch_size: int, cache_dir) -> Path:
+    from specdec.train.distill import model_fingerprint
+
+    key = json.dumps({"model": model_fingerprint(loaded.model), "n": n, "seed": seed, "batch_size": batch_size,
+                      "temperature": TEMPERATURE, "top_p": TOP_P, "max_tokens": MAX_TOKENS, "min_words": MIN_WORDS,
+                      "held_out": hashlib.sha256(repr(held_out_words()).encode()).hexdigest()[:8]})
+    root = Path(cache_dir) if cache_dir is not None else cache_root() / "self_prompts"
+    return root / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def self_written_prompts(loaded, n: int, *, seed: int = 0, batch_size: int = 64, cache_dir=None,
+                         progress: bool = True) -> list[str]:
+    """``n`` user prompts sampled from the target (module doc); at most ``4 n`` are drawn to find them."""
+    from specdec.generate import generate
+
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    file = _cache_file(loaded, n, seed, batch_size, cache_dir)
+    if file.is_file():
+        logger.info("self-written prompts: cache hit %s", file)
+        return json.loads(file.read_text())["prompts"]
+    tok = loaded.tokenizer
+    prefix, held_out = user_turn_prefix(tok), held_out_words()
+    end = _end_of_turn(loaded)
+    prompts: list[str] = []
+    seen: set[str] = set()
+    drawn = dropped_close = 0
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=n, unit="prompt", desc="prompts by the target")
+    while len(prompts) < n and drawn < 4 * n:
+        res = generate(loaded, [prefix] * batch_size, max_new_tokens=MAX_TOKENS, do_sample=True,
+                       temperature=TEMPERATURE, top_p=TOP_P, seed=seed * 1_000_003 + drawn, return_dict=True)
+        drawn += batch_size
+        for new in res.new_tokens:
+            new = list(new)
+            if not new or new[-1] not in end:  # cut off at MAX_TOKENS: not a whole user turn
+                continue
+            text = tok.decode(new[:-1], skip_special_tokens=True).strip()
+            if len(text.split()) < MIN_WORDS or text in seen:
+                continue
+            if too_close(text, held_out):
+                dropped_close += 1
+                continue
+            seen.add(text)
+            prompts.append(text)
+            if bar is not None and len(prompts) <= n:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    if not prompts:
+        raise TrainDataError(f"the target wrote no usable user prompt in {drawn} tries (none ended its turn "
+                             f"within {MAX_TOKENS} tokens): pass --prompts-file or --data instead")
+    if len(prompts) < n:
+        logger.warning("the target wrote %d usable prompts of %d asked in %d tries; training on those",
+                       len(prompts), n, drawn)
+    prompts = prompts[:n]
+    logger.info("self-written prompts: %d kept of %d drawn (%d too close to held-out evaluation prompts)",
+                len(prompts), drawn, dropped_close)
+    write_json(file, {"prompts": prompts})
+    return prompts
