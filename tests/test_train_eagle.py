@@ -128,3 +128,31 @@ def test_response_only_accuracies_skip_the_prompt():
     assert eagle_accuracies(model, eagle, seqs, steps=2, starts=[0, 0, 0]) == whole
     part = eagle_accuracies(model, eagle, seqs, steps=2, starts=[6, 6, 6])
     assert part["positions"][0] == whole["positions"][0] - 3 * 4  # targets at positions 2..5 of each are skipped
+
+
+def test_tree_choice_loads_the_cost_model_before_timing_anything(tmp_path, monkeypatch):
+    """The first drafting call of a process loads the cost model (on a fresh machine: a calibration of ~10 s);
+    inside the first candidate's timing it once made the best tree (depth 1, 1.17x of plain) measure 0.90x."""
+    from specdec.drafters.eagle_model import EagleConfig, EagleModel
+    from specdec.train import eagle_evaluate
+
+    from specdec import cost_model
+    from specdec.models.loader import load_model
+    from specdec.testing import build_tiny_model
+
+    monkeypatch.setenv("SPECDEC_COST_DIR", str(tmp_path))  # nothing cached: the first drafting call calibrates
+    monkeypatch.setattr(cost_model, "_MEMO", {})
+    loaded = load_model(build_tiny_model(vocab_size=64, seed=5))
+    eagle = EagleModel(EagleConfig.for_target(loaded.model.config, draft_vocab=tuple(range(32))))
+    eagle.init_from_target(loaded.model)
+    real, seen = eagle_evaluate._run, []
+
+    def run(loaded, ids, max_new_tokens, drafter=None, **config):
+        out = real(loaded, ids, max_new_tokens, drafter, **config)
+        seen.append(cost_model.CALIBRATIONS["verify"])
+        return out
+
+    monkeypatch.setattr(eagle_evaluate, "_run", run)
+    eagle_evaluate.choose_tree_by_speed(loaded, eagle, [[1, 2, 3], [4, 5]], 4, candidates=((1, 1, 1), (2, 1, 2)))
+    assert len(seen) == 1 + 2 + 2 * 2 and seen[0] >= 1  # warm-up, plain x 2 prompts, 2 candidates x 2 prompts
+    assert len(set(seen)) == 1  # every calibration happened in the warm-up

@@ -18,9 +18,10 @@ from specdec.train.features import collate, target_features
 
 logger = logging.getLogger(__name__)
 
-# (depth, top_k, max_nodes) tried by choose_tree_by_speed: small trees for CPUs (a 2-core CPU verifies 4 rows
-# for about one decode step and 6 for 1.7), larger for GPUs
-TREE_CANDIDATES = ((3, 1, 3), (3, 2, 4), (3, 3, 6), (4, 4, 10), (5, 6, 16), (6, 8, 24), (6, 10, 40))
+# (depth, top_k, max_nodes) tried by choose_tree_by_speed: small trees for CPUs (on the 2-core CPU a 2-row verify
+# costs a decode step, the padded 1-row product's own price, 3-4 rows 1.35 and 6 rows 1.8), larger for GPUs
+TREE_CANDIDATES = ((1, 1, 1), (2, 1, 2), (3, 1, 3), (3, 2, 4), (3, 3, 6), (4, 4, 10), (5, 6, 16), (6, 8, 24),
+                   (6, 10, 40))
 
 
 @torch.no_grad()
@@ -66,7 +67,9 @@ def choose_tree_by_speed(loaded, eagle, prompts: list[list[int]], max_new_tokens
     from specdec.drafters.eagle import EagleDrafter
 
     table = []
-    _run(loaded, prompts[:1], 8, **config)  # warm-up (and the cost model's calibration, once per machine)
+    # warm-up, with a drafter: the first drafting call of a process loads (on a fresh machine: calibrates, ~10 s)
+    # the cost model, which once landed in the first candidate's time (depth 1 measured 0.90x, then 1.17x)
+    _run(loaded, prompts[:1], 8, EagleDrafter(model=eagle, depth=1, top_k=1, max_nodes=1), **config)
     plain_tps = sum(_run(loaded, [p], max_new_tokens, **config)[0] for p in prompts) / len(prompts)
     for depth, top_k, nodes in candidates:
         runs = [_run(loaded, [p], max_new_tokens, EagleDrafter(model=eagle, depth=depth, top_k=top_k,
