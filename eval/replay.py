@@ -125,14 +125,16 @@ class _Step:
             curve = {n: verify_cost_at(costs, n) for n in range(1, MAX_TREE_NODES + 2)}
             self.sizer = TreeSizer(CostModel({"record": True}, {1: curve}))
         self.draft_call: float | None = None
+        self.proposed: set[int] = set()  # sequences proposed for once (their first call is a catch-up)
 
     def tree(self, seq_id: int, tokens: list[int], num_prompt_tokens: int, max_depth: int) -> DraftTree:
         self.draft_call = None
         if self.sizer is not None and not self.sizer.wants_draft(seq_id):
             return DraftTree.empty()
         tree, self.draft_call = self.drafter.propose(seq_id, tokens, num_prompt_tokens)
-        if self.sizer is not None:
+        if self.sizer is not None and seq_id in self.proposed:  # as the engine: a first call is not a step's cost
             self.sizer.record_draft(self.draft_call)
+        self.proposed.add(seq_id)
         tree = _cut(tree, max_depth, self.config.max_nodes)
         return tree if self.sizer is None else self.sizer.size(seq_id, tree, 1)
 

@@ -62,6 +62,7 @@ class SequenceState:
     new_hidden: torch.Tensor | None = None
     hidden_seen: bool = False  # new_hidden reached the drafter (else the next step's rows are appended to it)
     plain_by_guard: int = 0  # steps the break-even guard decoded plainly without asking the drafter
+    proposals: int = 0  # propose calls that included this sequence
     noise_key: int = 0  # coupled sampling: the sequence's key (specdec.coupling.sequence_keys)
     logprobs: list[float] = field(default_factory=list)  # per new token, with output_logprobs (specdec.logprobs)
 
@@ -205,8 +206,14 @@ class Engine:
     def _ask_drafter(self, live: list[SequenceState]) -> list[DraftTree]:
         views = [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, s.new_hidden, s.noise_key)
                  for s in live]
+        # a sequence's first call catches the drafter up on its whole prompt (EAGLE runs its layer over every prompt
+        # row, a draft model prefills): a one-off, not what a step of drafting costs, so the guard does not learn
+        # from it (a 512-token summary's first EAGLE call, 16x a step's, once set a backoff that the guard's memory
+        # carried into the next calls: EAGLE drafted nothing on qa after summarisation)
+        catch_up = any(s.proposals == 0 for s in live)
         for s in live:
             s.hidden_seen = True
+            s.proposals += 1
         name = self.drafter.name
         t0 = time.perf_counter()
         try:
@@ -228,7 +235,8 @@ class Engine:
         if self.audit is not None:
             self.audit.observe_many(trees, name)  # every tree as proposed, before pruning
         if self.sizer is not None:  # the part expected to pay (pruning is exact), judged with this call's cost
-            self.sizer.record_draft(draft_seconds)
+            if not catch_up:
+                self.sizer.record_draft(draft_seconds)
             batch = len(self.live)
             out = [self.sizer.size(s.seq_id, t, batch) for s, t in zip(live, out)]
         return out

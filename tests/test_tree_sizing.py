@@ -3,6 +3,8 @@ prefix is kept, nothing is kept when nothing pays, and the guard stops asking a 
 and asks again once it matches; speculation="always" asks every step."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from specdec.drafters.base import Drafter
@@ -126,6 +128,34 @@ def test_one_lucky_probe_costs_one_more_probe_not_the_whole_ramp(fixed_costs):
     # right after it (5 tokens later): one probe the learned acceptance expects to pay, one that does not, then
     # backoffs of 12 and 48; a reset to 0 gave 50, 51, 54, 63, 96: the ramp again
     assert drafter.asked_at[4:] == [50, 51, 64, 113]
+
+
+class SlowFirstCall(Scripted):
+    """Wrong drafts, instantly, except that its first call takes ``first_seconds`` (a catch-up on the prompt)."""
+
+    def __init__(self, plain, prompt_len, vocab, first_seconds):
+        super().__init__(plain, prompt_len, vocab, switch=10**9)
+        self.first_seconds = first_seconds
+
+    def propose(self, seqs):
+        if not self.asked_at:
+            time.sleep(self.first_seconds)
+        return super().propose(seqs)
+
+
+def test_a_sequences_first_propose_call_is_not_a_steps_draft_cost(monkeypatch):
+    """A drafter's first call for a sequence catches up on the whole prompt (EAGLE's layer over every prompt row):
+    the guard does not price drafting by it. Priced by a 512-token summary's catch-up, EAGLE's backoff grew to
+    the cap, and the guard's memory carried it into the next calls (it drafted nothing on qa after that)."""
+    recorded = []
+    real = TreeSizer.record_draft
+    monkeypatch.setattr(TreeSizer, "record_draft", lambda self, s: recorded.append(s) or real(self, s))
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4]
+    plain = generate(model, [prompt], max_new_tokens=30)[0]
+    drafter = SlowFirstCall(plain, len(prompt), 32, first_seconds=0.3)
+    assert generate(model, [prompt], max_new_tokens=30, drafter=drafter)[0] == plain
+    assert len(recorded) == len(drafter.asked_at) - 1 >= 2 and max(recorded) < 0.1
 
 
 def test_never_pays_when_a_draft_forward_costs_a_decode_step_whatever_the_acceptance():
