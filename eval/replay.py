@@ -132,8 +132,8 @@ class _Step:
         if self.sizer is not None and not self.sizer.wants_draft(seq_id):
             return DraftTree.empty()
         tree, self.draft_call = self.drafter.propose(seq_id, tokens, num_prompt_tokens)
-        if self.sizer is not None and seq_id in self.proposed:  # as the engine: a first call is not a step's cost
-            self.sizer.record_draft(self.draft_call)
+        if self.sizer is not None:  # as the engine: a sequence's first call is a catch-up, not a step's cost
+            self.sizer.record_draft(self.draft_call, catch_up=seq_id not in self.proposed)
         self.proposed.add(seq_id)
         tree = _cut(tree, max_depth, self.config.max_nodes)
         return tree if self.sizer is None else self.sizer.size(seq_id, tree, 1)

@@ -206,10 +206,8 @@ class Engine:
     def _ask_drafter(self, live: list[SequenceState]) -> list[DraftTree]:
         views = [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, s.new_hidden, s.noise_key)
                  for s in live]
-        # a sequence's first call catches the drafter up on its whole prompt (EAGLE runs its layer over every prompt
-        # row, a draft model prefills): a one-off, not what a step of drafting costs, so the guard does not learn
-        # from it (a 512-token summary's first EAGLE call, 16x a step's, once set a backoff that the guard's memory
-        # carried into the next calls: EAGLE drafted nothing on qa after summarisation)
+        # a sequence's first call catches the drafter up on its whole prompt: a one-off, not a step's cost
+        # (TreeSizer.record_draft)
         catch_up = any(s.proposals == 0 for s in live)
         for s in live:
             s.hidden_seen = True
@@ -235,8 +233,7 @@ class Engine:
         if self.audit is not None:
             self.audit.observe_many(trees, name)  # every tree as proposed, before pruning
         if self.sizer is not None:  # the part expected to pay (pruning is exact), judged with this call's cost
-            if not catch_up:
-                self.sizer.record_draft(draft_seconds)
+            self.sizer.record_draft(draft_seconds, catch_up)
             batch = len(self.live)
             out = [self.sizer.size(s.seq_id, t, batch) for s, t in zip(live, out)]
         return out

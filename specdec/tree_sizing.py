@@ -4,7 +4,7 @@
     ask = [s for s in live if sizer.wants_draft(s)]    # the guard: who drafts this step
     tree = sizer.size(seq_id, tree, batch)             # per sequence, after propose
     sizer.observe(seq_id, committed)                   # after the commit: acceptance, learned online
-    sizer.record_draft(draft_s)                        # right after propose: size() then judges with its cost
+    sizer.record_draft(draft_s, catch_up)              # right after propose: size() then judges with its cost
     sizer.record_step(verify_s, n, batch)              # after the verify: how long a decode step is
 
 **Expected committed tokens.** Each node i gets an estimate ``a_i`` of P(node i accepted | its parent
@@ -44,8 +44,12 @@ A drafter cheaper than ``probe_budget`` is never skipped (its empty or pruned tr
 **Memory.** With a ``memory`` key (generate() passes the cost model's file and the drafter's ``cost_key()``),
 a new sequence starts from the backoff that the last finished sequence of the same key reached, skipping
 half of it before its first probe: a server calling generate() once per short answer would otherwise pay
-the whole probe ramp (0, 3, 12, ... steps) on every answer for a drafter that never pays. The memory is per
-process (``_REMEMBERED``) and only moves probes: pruning is exact, so outputs never depend on it.
+the whole probe ramp (0, 3, 12, ... steps) on every answer for a drafter that never pays. A new sizer also
+starts from the acceptance evidence (score-bin corrections, unscored rates; decayed as always) that the last
+one of its key ended with: untrained Medusa heads score their guesses ~0.9 and are right ~1% of the time, so
+a fresh sizer believed them for the first probes of every answer (0.85x of plain on a 26-token translation).
+The memory is per process (``_REMEMBERED``) and only moves probes and sizes: pruning is exact, so outputs
+never depend on it.
 
 **Reproducible.** Seeded standard sampling must give one text per seed, but a tree of another shape draws
 other random numbers, so sizing there may depend on nothing that varies between runs: with
@@ -69,7 +73,8 @@ from specdec.cost_model import CostModel
 from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree
 
 _BINS = 10  # score bins of the online correction
-_REMEMBERED: dict[tuple, int] = {}  # TreeSizer.memory -> backoff of its last finished sequence (module doc)
+# TreeSizer.memory -> (backoff of its last finished sequence, its acceptance evidence: score bins, unscored rates)
+_REMEMBERED: dict[tuple, tuple[int, list, dict]] = {}
 
 
 @dataclass(frozen=True)
@@ -116,9 +121,14 @@ class TreeSizer:
             raise ValueError("a reproducible TreeSizer (fixed_draft_seconds >= 0) keeps no memory across calls")
         self.unscored: dict[tuple[int, int], list[float]] = {}  # (depth, rank) -> [accepted, tried]
         self.score_bins = [[0.0, 0.0] for _ in range(_BINS)]  # [accepted, predicted] of tried scored nodes
+        if self.memory in _REMEMBERED:  # what earlier calls learned of this drafter's scores (module doc, Memory)
+            _, bins, unscored = _REMEMBERED[self.memory]
+            self.score_bins = [list(b) for b in bins]
+            self.unscored = {k: list(v) for k, v in unscored.items()}
         self.guards: dict[int, _Guard] = {}
         self.pending: dict[int, _Pending] = {}
         self.draft_seconds: float | None = None  # EMA per propose call
+        self._provisional = False  # draft_seconds is a catch-up call's time (record_draft), replaced by the next
         self.decode_seconds: float | None = None  # EMA of a plain decode step, from verify times
         self.paid = 0  # proposals that were expected to pay (stats, tests)
         self.unpaid = 0
@@ -128,10 +138,23 @@ class TreeSizer:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.config.ema * (new - old)
 
-    def record_draft(self, draft_seconds: float) -> None:
+    def record_draft(self, draft_seconds: float, catch_up: bool = False) -> None:
         """Wall time of one propose call, recorded before its trees are sized: the first probe's judgement (and so
-        the guard's first backoff) already knows what drafting costs. Ignored by a reproducible sizer."""
+        the guard's first backoff) already knows what drafting costs. Ignored by a reproducible sizer.
+
+        ``catch_up``: the call included a sequence's first (the drafter caught up on its whole prompt: EAGLE's
+        layer over every prompt row, a draft model's prefill), a one-off, not a step's cost. It prices that call's
+        judgement only when nothing else is known, and the next call's time replaces it: as the first sample of
+        the average, a 512-token summary's first EAGLE call (~16 steps' worth) set a maximal backoff that the
+        guard's memory carried into the next calls (EAGLE then drafted nothing on qa after summarisation)."""
         if self.fixed_draft_seconds is not None:
+            return
+        if catch_up:
+            if self.draft_seconds is None:
+                self.draft_seconds, self._provisional = draft_seconds, True
+            return
+        if self._provisional:
+            self.draft_seconds, self._provisional = draft_seconds, False
             return
         self.draft_seconds = self._ema(self.draft_seconds, draft_seconds)
 
@@ -154,7 +177,7 @@ class TreeSizer:
     # ---- the guard --------------------------------------------------------------------------
     def _guard(self, seq_id: int) -> _Guard:
         if seq_id not in self.guards:
-            backoff = _REMEMBERED.get(self.memory, 0) if self.memory is not None else 0
+            backoff = _REMEMBERED[self.memory][0] if self.memory in _REMEMBERED else 0
             self.guards[seq_id] = _Guard(backoff=backoff, skip=backoff // 2)
         return self.guards[seq_id]
 
@@ -306,5 +329,6 @@ class TreeSizer:
         self.pending.pop(seq_id, None)
         guard = self.guards.pop(seq_id, None)
         if guard is not None and self.memory is not None and not self.off:
-            _REMEMBERED[self.memory] = guard.backoff
+            _REMEMBERED[self.memory] = (guard.backoff, [list(b) for b in self.score_bins],
+                                        {k: list(v) for k, v in self.unscored.items()})
 

@@ -53,6 +53,20 @@ def test_overconfidence_seen_in_one_score_bin_discounts_the_others_too():
     assert sizer.acceptance(unseen)[0] < 0.45 * 0.75
 
 
+def test_a_new_sizer_starts_from_what_the_last_one_of_its_key_learned_of_the_scores():
+    """Overconfident scores (0.95, never right) are discounted from the first step of the next call of the same
+    drafter, not believed again for its first probes; another key starts fresh."""
+    tree = DraftTree.chain([5, 6], scores=torch.tensor([0.95, 0.95]))
+    first = TreeSizer(FLAT, memory=("costs", "liar")).acceptance(tree)[0]
+    sizer = TreeSizer(FLAT, memory=("costs", "liar"))
+    for _ in range(10):
+        sizer.size(0, tree, batch=1)
+        sizer.observe(0, [7])
+    sizer.release(0)
+    assert TreeSizer(FLAT, memory=("costs", "liar")).acceptance(tree)[0] < first / 3
+    assert TreeSizer(FLAT, memory=("costs", "other")).acceptance(tree)[0] == first
+
+
 class Scripted:
     """A chain of 4 wrong tokens until the sequence has ``switch`` new tokens, then the right ones."""
 
@@ -145,17 +159,28 @@ class SlowFirstCall(Scripted):
 
 def test_a_sequences_first_propose_call_is_not_a_steps_draft_cost(monkeypatch):
     """A drafter's first call for a sequence catches up on the whole prompt (EAGLE's layer over every prompt row):
-    the guard does not price drafting by it. Priced by a 512-token summary's catch-up, EAGLE's backoff grew to
-    the cap, and the guard's memory carried it into the next calls (it drafted nothing on qa after that)."""
+    the engine flags it, and the sizer prices only that call's judgement by it, until the next call's time
+    replaces it. As the first sample of the average, a 512-token summary's catch-up set a maximal backoff that the
+    guard's memory carried into the next calls (EAGLE then drafted nothing on qa)."""
     recorded = []
     real = TreeSizer.record_draft
-    monkeypatch.setattr(TreeSizer, "record_draft", lambda self, s: recorded.append(s) or real(self, s))
+    monkeypatch.setattr(TreeSizer, "record_draft", lambda self, s, catch_up=False: recorded.append(catch_up)
+                        or real(self, s, catch_up))
     model = build_tiny_model(vocab_size=32, seed=2)
     prompt = [1, 2, 3, 4]
     plain = generate(model, [prompt], max_new_tokens=30)[0]
     drafter = SlowFirstCall(plain, len(prompt), 32, first_seconds=0.3)
     assert generate(model, [prompt], max_new_tokens=30, drafter=drafter)[0] == plain
-    assert len(recorded) == len(drafter.asked_at) - 1 >= 2 and max(recorded) < 0.1
+    assert recorded[0] and not any(recorded[1:]) and len(recorded) == len(drafter.asked_at) >= 2
+
+    sizer = TreeSizer(FLAT)  # FLAT: a decode step is 1 s
+    sizer.record_draft(16.0, catch_up=True)  # nothing known yet: it prices this call's judgement
+    assert sizer.draft_cost(1) == 16.0
+    sizer.record_draft(0.1)  # the next call replaces it, not averaged with it
+    assert sizer.draft_cost(1) == pytest.approx(0.1)
+    sizer.record_draft(5.0, catch_up=True)  # another sequence's catch-up: the steps' average is kept
+    sizer.record_draft(0.2)
+    assert sizer.draft_cost(1) == pytest.approx(0.1 + 0.2 * (0.2 - 0.1))
 
 
 def test_never_pays_when_a_draft_forward_costs_a_decode_step_whatever_the_acceptance():
