@@ -86,7 +86,10 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
                 f"save_file; save_file(torch.load('{pickled[0]}', weights_only=True), '{WEIGHTS_FILE}')\"")
         raise EagleCheckpointError(f"{path}: {WEIGHTS_FILE} is missing")
     try:
-        return load_file(str(file))
+        # owned copies, not views of the file's memory map: a checkpoint overwritten in place (or truncated) while a
+        # drafter holds it must not change its weights, or crash the process (the model takes these tensors as
+        # its parameters: EagleModel.from_state)
+        return {name: tensor.clone() for name, tensor in load_file(str(file)).items()}
     except (SafetensorError, OSError, ValueError) as err:
         raise EagleCheckpointError(f"{file} is not a readable safetensors file: {err}") from err
 
@@ -148,10 +151,9 @@ def load_eagle(directory: str | os.PathLike, target_config, dtype: torch.dtype =
     state = _read_weights(path)
     config = config_from_checkpoint(raw, state, str(path))
     check_fits_target(config, target_config, str(path), raw.get("model_type"))
-    model = EagleModel(config)
     state = {k: v for k, v in state.items() if k != "embed_tokens.weight"}  # the target's embedding is used
     try:
-        model.load_state_dict(state, strict=True)
+        model = EagleModel.from_state(config, state)
     except RuntimeError as err:
         first = str(err).splitlines()[0]
         raise EagleCheckpointError(f"{path}: the weights do not match config.json ({first})") from err

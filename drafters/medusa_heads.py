@@ -140,7 +140,9 @@ class MedusaHeads(nn.Module):
             heads.append(nn.Sequential(*layers))
         self.heads = nn.ModuleList(heads)
         # [N] token id of each logit column (empty: full vocabulary); not saved in the weights (config.json has it)
-        self.register_buffer("draft_ids", torch.tensor(config.draft_vocab, dtype=torch.long), persistent=False)
+        # (on the CPU by name: a loader builds the parameters on the meta device, load_medusa)
+        self.register_buffer("draft_ids", torch.tensor(config.draft_vocab, dtype=torch.long, device="cpu"),
+                             persistent=False)
 
     def vocab(self) -> DraftVocab | None:
         """The maps between logit columns and token ids, on the heads' device; None for full-vocabulary heads."""
@@ -256,7 +258,9 @@ def load_medusa(directory: str | os.PathLike, hidden_size: int | None = None, vo
             hint = ""
         raise MedusaCheckpointError(f"{path}: {WEIGHTS_FILE} is missing{hint}")
     try:
-        state = load_file(str(weights))
+        # owned copies, not views of the file's memory map: heads overwritten in place (or truncated) while loaded
+        # must not change, or crash the process (the heads take these tensors as their parameters, below)
+        state = {name: tensor.clone() for name, tensor in load_file(str(weights)).items()}
     except (SafetensorError, OSError, ValueError) as err:
         raise MedusaCheckpointError(f"{weights} is not a readable safetensors file: {err}") from err
     first = state.get("0.0.linear.weight")
@@ -275,9 +279,10 @@ def load_medusa(directory: str | os.PathLike, hidden_size: int | None = None, vo
             f"{path}: config.json's draft_vocab lists {config.draft_size} token ids but the LM heads in "
             f"{WEIGHTS_FILE} have {inferred_vocab} rows"
         )
-    heads = MedusaHeads(config)
+    with torch.device("meta"):  # no random initialisation only to be overwritten (three 49k-row heads: ~0.3 s)
+        heads = MedusaHeads(config)
     try:
-        heads.heads.load_state_dict(state, strict=True)
+        heads.heads.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as err:
         raise MedusaCheckpointError(f"{weights} does not match its config.json: {err}") from err
     logger.info("loaded %d Medusa heads (%d layers) from %s", config.num_heads, config.num_layers, path)

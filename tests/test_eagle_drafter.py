@@ -115,6 +115,26 @@ def test_checkpoint_round_trip_and_published_layout(tmp_path):
     assert a == generate(model, prompts, max_new_tokens=10)
 
 
+def test_loaded_weights_are_owned_not_views_of_the_file(tmp_path):
+    """The loader builds the layer on the meta device and takes the checkpoint's tensors as its parameters: those
+    must be copies, or a checkpoint overwritten in place (a training run saving again) changes a loaded drafter."""
+    model = build_tiny_model()
+    save_eagle(_eagle(model), tmp_path)
+    loaded = load_eagle(tmp_path, model.config)
+    before = {k: v.clone() for k, v in loaded.state_dict().items()}
+    file = tmp_path / "model.safetensors"
+    other = _eagle(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    save_eagle(other, tmp_path / "other")
+    with open(file, "r+b") as f:  # in place: the same inode, the same length
+        f.write((tmp_path / "other" / "model.safetensors").read_bytes())
+    assert loaded.inv_freq.device.type == "cpu" and torch.isfinite(loaded.inv_freq).all()
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
 def test_wrong_target_pickles_and_eagle3_are_refused(tmp_path):
     model = build_tiny_model()
     save_eagle(_eagle(model), tmp_path / "ok")

@@ -326,3 +326,16 @@ def test_saver_round_trip_matches_the_independent_layout(tmp_path):
     again = load_medusa(tmp_path / "b", hidden_size=64, vocab_size=96)
     for k, v in state.items():
         torch.testing.assert_close(again.heads.state_dict()[k], v)
+
+
+def test_loaded_heads_are_owned_not_views_of_the_file(tmp_path):
+    """Heads are built on the meta device and take the file's tensors: copies, so heads overwritten in place
+    (a training run saving again) do not change a loaded drafter."""
+    write_published_checkpoint(tmp_path / "a", 2, 1, 64, 96)
+    heads = load_medusa(tmp_path / "a")
+    before = {k: v.clone() for k, v in heads.state_dict().items()}
+    write_published_checkpoint(tmp_path / "b", 2, 1, 64, 96, seed=1)
+    with open(tmp_path / "a" / "medusa_lm_head.safetensors", "r+b") as f:  # in place: same inode, same length
+        f.write((tmp_path / "b" / "medusa_lm_head.safetensors").read_bytes())
+    for k, v in heads.state_dict().items():
+        assert torch.equal(v, before[k]), k
