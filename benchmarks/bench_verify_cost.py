@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from specdec.cost_model import ensure_row_policy
 from specdec.engine import Engine
 from specdec.kv_cache import PagedKVCache
 from specdec.models.loader import load_model
@@ -29,6 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     runner = load_model("default").runner
+    ensure_row_policy(runner)  # linear()'s measured CPU row policy, as every engine built by generate() runs
     s = runner.shape
     cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, args.context // 16 + 8, 16, runner.dtype)
     engine = Engine(runner, cache, SamplingConfig(), StopCriteria(10_000))
