@@ -17,10 +17,10 @@ probability ``P_i`` is the product of ``a`` along the path and the expected toke
 rejection.
 
 **Cost.** ``d + c(1 + |S|)`` in plain decode steps at the current batch size, with ``c`` from the
-measured cost model and ``d`` the drafter's wall time per propose call (EMA) over a decode step's (EMA of
-verify time / c(n)). A batch of B sequences shares one forward; each sequence is sized with c at batch B
-and n tokens of its own (the other sequences' trees are not known when it is sized: a documented
-simplification).
+measured cost model, corrected by this run's own verify times (:mod:`specdec.online_costs`), and ``d`` the
+drafter's wall time per propose call (EMA) over a decode step's (EMA of verify time / c(n)). A batch of B
+sequences shares one forward; each sequence is sized with c at batch B and n tokens of its own (the other
+sequences' trees are not known when it is sized: a documented simplification).
 
 **Sizing.** Among ancestor-closed subsets of each size k, the one with the largest ``sum P_i`` is the
 top k by ``P_i`` (a parent's ``P`` is never below its child's; ties keep the parent first), so the best
@@ -51,6 +51,13 @@ a fresh sizer believed them for the first probes of every answer (0.85x of plain
 The memory is per process (``_REMEMBERED``) and only moves probes and sizes: pruning is exact, so outputs
 never depend on it.
 
+**Margin.** A tree is verified only when its expected ratio beats the empty tree's by ``margin`` (5%), and a
+step counts as paying only when it beats plain decoding by as much: the calibrated ``c(n)`` points scatter by a
+few percent between calibrations (c(2) measured 0.96x and 1.03x of c(1) on one 2-core machine), and the
+acceptance estimate of a short answer by more. Without it a drafter right ~11% of the time at ~0.07 decode
+steps per call (a quick-recipe EAGLE head on long summaries) was judged to pay and probed every other step,
+0.95-0.98x of plain: a break-even draft is a loss once the errors are counted.
+
 **Reproducible.** Seeded standard sampling must give one text per seed, but a tree of another shape draws
 other random numbers, so sizing there may depend on nothing that varies between runs: with
 ``fixed_draft_seconds`` (:mod:`specdec.draft_cost`: measured once per machine and drafter, cached) the draft
@@ -70,6 +77,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.cost_model import CostModel
+from specdec.online_costs import OnlineCosts
 from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree
 
 _BINS = 10  # score bins of the online correction
@@ -85,10 +93,13 @@ class SizingConfig:
     probe_budget: float = 0.01  # at most this fraction of a decode step per step spent on probes
     max_backoff: int = 256
     decay: float = 0.95  # per observation of a bin / (depth, rank): old evidence fades, estimates follow the text
+    # a draft must be expected to beat plain decoding by this fraction to be verified or to count as paying
+    # (module doc, Margin)
+    margin: float = 0.05
 
     def __post_init__(self) -> None:
         if not (0 <= self.prior <= 1 and self.prior_weight > 0 and 0 < self.ema <= 1 and self.probe_budget > 0
-                and self.max_backoff >= 0):
+                and self.max_backoff >= 0 and 0 <= self.margin < 1):
             raise ValueError(f"invalid SizingConfig {self}")
 
 
@@ -125,6 +136,7 @@ class TreeSizer:
             _, bins, unscored = _REMEMBERED[self.memory]
             self.score_bins = [list(b) for b in bins]
             self.unscored = {k: list(v) for k, v in unscored.items()}
+        self.online = OnlineCosts(self.costs)  # the calibrated curve, corrected by this run's verify times
         self.guards: dict[int, _Guard] = {}
         self.pending: dict[int, _Pending] = {}
         self.draft_seconds: float | None = None  # EMA per propose call
@@ -163,7 +175,9 @@ class TreeSizer:
         reproducible sizer, which prices a decode step by the cost model alone)."""
         if self.fixed_draft_seconds is not None:
             return
-        self.decode_seconds = self._ema(self.decode_seconds, verify_seconds / self.costs.relative(query_tokens, batch))
+        self.online.record(verify_seconds, query_tokens, batch)
+        relative = self.online.relative(query_tokens, batch)
+        self.decode_seconds = self._ema(self.decode_seconds, verify_seconds / relative)
 
     def draft_cost(self, batch: int) -> float:
         """The drafter's cost per step in plain decode steps (0 before its first call)."""
@@ -264,16 +278,16 @@ class TreeSizer:
             order = sorted(range(len(path)), key=lambda i: (-path[i], i))
         else:  # sampled nodes: a choice that depended on the drawn tokens would change their law, so only
             order = list(range(len(path)))  # prefixes in the drafter's order (parents and earlier siblings first)
-        d = self.draft_cost(batch)
-        best_k, best, expected = 0, 1.0 / (d + 1.0), 1.0
+        d, margin = self.draft_cost(batch), 1.0 + self.config.margin
+        best_k, best, expected = 0, margin / (d + 1.0), 1.0  # the empty tree, credited with the margin
         for k, i in enumerate(order, start=1):
             expected += path[i]
-            ratio = expected / (d + self.costs.relative(1 + k, batch))
+            ratio = expected / (d + self.online.relative(1 + k, batch))
             if ratio > best:
                 best_k, best = k, ratio
         kept = sorted(order[:best_k])
-        self.pending[seq_id] = _Pending(tree, accept, kept, d + self.costs.relative(1 + tree.num_nodes, batch))
-        self._judge(seq_id, best > 1.0, batch)
+        self.pending[seq_id] = _Pending(tree, accept, kept, d + self.online.relative(1 + tree.num_nodes, batch))
+        self._judge(seq_id, best_k > 0 and best > margin, batch)
         if best_k == tree.num_nodes:
             return tree
         keep = torch.zeros(tree.num_nodes, dtype=torch.bool)
@@ -321,7 +335,8 @@ class TreeSizer:
                     entry[0] = entry[0] * self.config.decay + float(ok)
                     entry[1] = entry[1] * self.config.decay + 1.0
         longest = max((d for d, ok in zip(depths, on_path) if ok), default=0)
-        if 1 + longest > pending.cost:  # the drafts paid: probe next step, one growth step of the backoff undone
+        # the drafts paid (by the margin): probe next step, one growth step of the backoff undone
+        if 1 + longest > pending.cost * (1.0 + self.config.margin):
             guard = self._guard(seq_id)
             guard.backoff, guard.skip = guard.backoff // 4, 0
 

@@ -1,0 +1,67 @@
+"""The calibrated verify-cost curve, corrected by the run's own step times.
+
+    costs = OnlineCosts(cost_model)                 # one per TreeSizer
+    costs.record(verify_seconds, n, batch)          # after each step: n query tokens (its largest sequence)
+    costs.relative(n, batch)                        # c(n) / c(1): calibrated, times what this run observed
+
+The calibration (:mod:`specdec.cost_model`) times bare chain drafts on a synthetic prompt. A real step does
+more, and more for some drafters than others: it keeps the target's hidden states for EAGLE and Medusa, builds
+a tree's ancestor mask, learns acceptance from every node. Measured on the 2-core CPU (embedded model, three
+chat prompts, median verify time per step by its query tokens): a 2-token step cost 1.064x a 1-token step
+under EAGLE and 1.025x under n-gram (calibrated 1.00x); 16-17-token n-gram steps 3.4-3.7x (calibrated ~3.0x).
+Sizing on the calibrated curve alone kept trees that did not pay.
+
+**Correction.** For each (batch bucket, n) the last ``window`` verify times are kept; the correction of n is
+``(median at n / median at 1) / calibrated relative(n)``, shrunk toward 1 by the evidence, ``w = k / (k +
+prior)`` with ``k`` the smaller of the two sample counts, and clipped to [0.5, 2]. Medians, because one step
+in a few hundred takes several times the others on a shared machine; a window, because the context grows and
+the machine drifts. Without steps of 1 token (every step drafted) nothing is corrected: the calibrated curve
+is used as it is. Sizes not yet observed keep their calibrated cost; sizing then picks them when they look
+cheaper, and observes them.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from specdec.cost_model import CostModel
+
+
+@dataclass
+class OnlineCosts:
+    costs: CostModel
+    window: int = 32  # verify times kept per (batch bucket, n)
+    prior: float = 8.0  # pseudo-samples behind a correction of 1
+    samples: dict[tuple[int, int], deque] = field(default_factory=dict)  # (batch bucket, n) -> recent seconds
+    factors: dict[tuple[int, int], float] = field(default_factory=dict)  # (batch bucket, n) -> correction
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.prior <= 0:
+            raise ValueError(f"OnlineCosts needs window >= 1 and prior > 0, got {self.window}, {self.prior}")
+
+    def record(self, verify_seconds: float, n: int, batch: int) -> None:
+        """One step's verify wall time, ``n`` query tokens for its largest sequence."""
+        bucket = self.costs.batch_bucket(batch)
+        self.samples.setdefault((bucket, n), deque(maxlen=self.window)).append(verify_seconds)
+        for key in [k for k in self.samples if k[0] == bucket and k[1] != 1] if n == 1 else [(bucket, n)]:
+            self.factors[key] = self._factor(*key)
+
+    def _factor(self, bucket: int, n: int) -> float:
+        base, own = self.samples.get((bucket, 1)), self.samples.get((bucket, n))
+        if not base or not own:
+            return 1.0
+        observed = statistics.median(own) / statistics.median(base)
+        raw = observed / self.costs.relative(n, bucket)
+        weight = min(len(base), len(own)) / (min(len(base), len(own)) + self.prior)
+        return min(max(1.0 + weight * (raw - 1.0), 0.5), 2.0)
+
+    def relative(self, n: int, batch: int = 1) -> float:
+        """c(n) / c(1) in plain decode steps (>= 1), with this run's correction where it has one."""
+        calibrated = self.costs.relative(n, batch)
+        if n <= 1:
+            return calibrated
+        return max(calibrated * self.factors.get((self.costs.batch_bucket(batch), n), 1.0), 1.0)
+
+    def decode_seconds(self, batch: int = 1) -> float:
+        return self.costs.decode_seconds(batch)
