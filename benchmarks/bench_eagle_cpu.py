@@ -4,14 +4,14 @@
     python benchmarks/bench_eagle_cpu.py --eagle-path eagle-smollm2/ --temperature 0.8
     python benchmarks/bench_eagle_cpu.py --eagle-path e/ --medusa-path old=heads/ --medusa-path reduced=heads-4k/
 
-Embedded model, fp32, batch 1, the held-out prompts of ``specdec eval acceptance`` (none of them is
-in the training prompts), every category by default. Per prompt the drafters run one after another
-(interleaved, after a warm-up), so the ratios against plain decoding come from the same minutes of
-the same machine. Prints tokens/s, the ratio against plain, tau, and eagle's acceptance per draft
-depth; greedy runs also check that every drafter's tokens equal plain decoding's. The break-even
-guard is on (the default); under a seed it sizes from cached costs (``specdec.draft_cost``) so the seed
-reproduces the text, ``--unseeded`` leaves the seed out (wall-time sizing); ``--always`` forces speculation
-every step.
+Embedded model, fp32, batch 1, the held-out prompts of ``specdec eval acceptance`` (none of them is in
+the training prompts), every category by default. Per prompt the drafters run one after another
+(interleaved, after a warm-up, in an order rotated per prompt), so the ratios against plain decoding
+come from the same minutes of the same machine. Prints tokens/s, the ratio against plain, tau, and
+eagle's acceptance per draft depth; greedy runs also check that every drafter's tokens equal plain
+decoding's. The break-even guard is on (the default); under a seed it sizes from cached costs
+(``specdec.draft_cost``) so the seed reproduces the text, ``--unseeded`` leaves the seed out (wall-time
+sizing); ``--always`` forces speculation every step.
 """
 from __future__ import annotations
 
@@ -69,11 +69,13 @@ def main() -> None:
     for cat in args.categories.split(","):
         totals = {k: {"tokens": 0, "seconds": 0.0, "steps": 0, "differ": 0, "tried": [], "accepted": []}
                   for k in table}
-        for text in load_prompts(cat, args.prompts):
+        keys = list(table)
+        for p, text in enumerate(load_prompts(cat, args.prompts)):
             ids = chat_ids(loaded.tokenizer, text)
             ref = None
-            for key, spec in table.items():
-                seconds, out = run(spec, ids)
+            shift = p % len(keys)  # order rotated per prompt: no drafter always runs right after another
+            for key in keys[shift:] + keys[:shift]:
+                seconds, out = run(table[key], ids)
                 s, toks = out.stats[0], out.new_tokens[0]
                 ref = toks if ref is None else ref
                 t = totals[key]
