@@ -163,12 +163,16 @@ def _merge_kernel(PartO, PartLse, Out, stride_ps, stride_pt, stride_ph, stride_l
     s_ok = sidx < NUM_PARTS
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
+    # a row no tile covers (a CUDA-graph bucket's padding) has every lse at its -inf fill and part_o unwritten:
+    # its weights are 0, its parts are not read, and it gets zeros, not 0 * garbage
     lse = tl.load(PartLse + sidx * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [S], 0 for empty parts
+    used = w > 0.0
     o = tl.load(PartO + sidx[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
-                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+                mask=(s_ok & used)[:, None] & d_ok[None, :], other=0.0)
+    den = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)
     tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
@@ -355,7 +359,8 @@ def tree_attention(
     parts = num_splits + 1 if split else 1
     if split:
         part_o = torch.empty(parts, T, H, D, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(parts, T, H, dtype=torch.float32, device=q.device)
+        # -inf: the parts of rows no tile covers stay empty for the merge (not uninitialised memory)
+        part_lse = torch.full((parts, T, H), float("-inf"), dtype=torch.float32, device=q.device)
     else:  # unused placeholders with valid strides
         part_o = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)

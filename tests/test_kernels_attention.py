@@ -170,6 +170,31 @@ def test_static_bucket_metadata_matches_reference_across_steps():
         bucket_view(meta, batch=8, tokens_per_seq=8)
 
 
+def test_split_launch_gives_padded_rows_zeros_whatever_the_memory_held(monkeypatch):
+    """A CUDA-graph bucket's padding rows are covered by no tile: the split merge must not read their unwritten
+    partial results. Uninitialised buffers are poisoned with NaN here (torch.empty's memory is whatever was
+    there: the interpreter warned of overflows in 0 * garbage once in a suite run)."""
+    from specdec.kernels.graph_metadata import load_plan_, static_metadata
+
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    meta = static_metadata(batch=4, tokens_per_seq=8, max_keys=64, device=DEVICE)
+    case = random_case([9, 30, 3], [1, (TREE, 6), 2], num_kv_heads=2, group=3, page_size=4, seed=0, device=DEVICE)
+    load_plan_(meta, case.plan)
+    n = case.q.shape[0]
+    q = torch.zeros(32, *case.q.shape[1:], dtype=case.q.dtype, device=DEVICE)
+    q[:n] = case.q
+    monkeypatch.setattr(torch, "empty", poisoned)
+    out = tree_attention(q, case.k_cache, case.v_cache, meta, case.scale, num_splits=2)
+    monkeypatch.undo()
+    assert (out[:n] - reference_attention(case)).abs().max().item() <= FP32_ATOL
+    assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padded rows must get zeros, not merged garbage"
+
+
 # ---- plans whose masked keys start before the new tokens (model drafters, issue 18) -----------------
 def _drafter_plan_seq(committed: int, parents: list[int], num_new: int, query_start: int, slots: torch.Tensor):
     """A SeqAttention built like ModelDrafter._forward_nodes: `committed` keys (prefix + root) every query
