@@ -43,6 +43,7 @@ def static_metadata(
         q_bits=zeros(batch * tokens_per_seq, dtype=torch.long),
         host_q_lens=(tokens_per_seq,) * batch,
         max_ctx_len=max_keys,
+        padded=True,
     )
 
 

@@ -163,8 +163,8 @@ def _merge_kernel(PartO, PartLse, Out, stride_ps, stride_pt, stride_ph, stride_l
     s_ok = sidx < NUM_PARTS
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    # a row no tile covers (a CUDA-graph bucket's padding) has every lse at its -inf fill and part_o unwritten:
-    # its weights are 0, its parts are not read, and it gets zeros, not 0 * garbage
+    # a padding row of a CUDA-graph bucket (beyond its sequence's q_len) has every lse at its -inf fill and part_o
+    # unwritten: its weights are 0, its parts are not read, and it gets zeros, not 0 * garbage
     lse = tl.load(PartLse + sidx * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [S], 0 for empty parts
@@ -223,6 +223,9 @@ class TreeAttentionMetadata:
     host_q_lens: tuple[int, ...]
     max_ctx_len: int  # upper bound, host side (split heuristic)
     _tiles: dict = field(default_factory=dict, compare=False, repr=False)
+    # q_lens may be below host_q_lens (a CUDA-graph bucket, kernels.graph_metadata): rows the kernel writes
+    # nothing for exist, so a split launch's partial results start empty for the merge
+    padded: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -359,8 +362,10 @@ def tree_attention(
     parts = num_splits + 1 if split else 1
     if split:
         part_o = torch.empty(parts, T, H, D, dtype=torch.float32, device=q.device)
-        # -inf: the parts of rows no tile covers stay empty for the merge (not uninitialised memory)
-        part_lse = torch.full((parts, T, H), float("-inf"), dtype=torch.float32, device=q.device)
+        if meta.padded:  # -inf: padding rows' parts stay empty for the merge (not uninitialised memory)
+            part_lse = torch.full((parts, T, H), float("-inf"), dtype=torch.float32, device=q.device)
+        else:  # every row's every part is written by the kernel: no fill launch per layer
+            part_lse = torch.empty(parts, T, H, dtype=torch.float32, device=q.device)
     else:  # unused placeholders with valid strides
         part_o = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)

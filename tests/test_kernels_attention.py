@@ -188,11 +188,16 @@ def test_split_launch_gives_padded_rows_zeros_whatever_the_memory_held(monkeypat
     n = case.q.shape[0]
     q = torch.zeros(32, *case.q.shape[1:], dtype=case.q.dtype, device=DEVICE)
     q[:n] = case.q
+    planned = case.plan.kernel_metadata  # unpadded: every part of every row is written, nothing is filled
+    assert meta.padded and not planned.padded
     monkeypatch.setattr(torch, "empty", poisoned)
     out = tree_attention(q, case.k_cache, case.v_cache, meta, case.scale, num_splits=2)
+    out_planned = tree_attention(case.q, case.k_cache, case.v_cache, planned, case.scale, num_splits=2)
     monkeypatch.undo()
-    assert (out[:n] - reference_attention(case)).abs().max().item() <= FP32_ATOL
+    ref = reference_attention(case)
+    assert (out[:n] - ref).abs().max().item() <= FP32_ATOL
     assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padded rows must get zeros, not merged garbage"
+    assert (out_planned - ref).abs().max().item() <= FP32_ATOL
 
 
 # ---- plans whose masked keys start before the new tokens (model drafters, issue 18) -----------------
