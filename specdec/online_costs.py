@@ -62,6 +62,3 @@ class OnlineCosts:
         if n <= 1:
             return calibrated
         return max(calibrated * self.factors.get((self.costs.batch_bucket(batch), n), 1.0), 1.0)
-
-    def decode_seconds(self, batch: int = 1) -> float:
-        return self.costs.decode_seconds(batch)

@@ -30,15 +30,15 @@ Sampled trees (``DraftMode.INDEPENDENT`` / ``WITHOUT_REPLACEMENT``) are only cut
 drafter's node order, with token-independent (depth, rank) estimates: keeping the nodes whose drawn tokens
 score best would change the distribution they were drawn from.
 
-**Guard.** When the best ratio is not above plain decoding's ``1 / c(1) = 1``, drafting did not pay: the
-sequence skips the drafter for ``backoff`` steps (2, 8, 32, ... up to what keeps probing under ~1% of the
-time: ``d / probe_budget`` steps, at most 256), then probes again. A probe that pays, or any step whose
-drafts, had they all been verified, would have paid for it, divides the backoff by four and probes the next
-step: one growth step undone, so the guard recovers within a few paying steps when the text turns
-repetitive, while a lucky probe of a drafter that rarely pays costs one more probe, not the whole ramp
-again (resetting to 0 let untrained Medusa heads, right once in a while, probe every few steps: 0.92x of
-plain on translation). The backoff grows fourfold: each probe of a drafter that does not pay costs its whole
-draft time, and on a 30-token answer a doubling schedule spent ~10% of it probing.
+**Guard.** When the best ratio is not above plain decoding's ``1 / c(1) = 1`` by the margin (below),
+drafting did not pay: the sequence skips the drafter for ``backoff`` steps (2, 8, 32, ... up to what keeps
+probing under ~1% of the time: ``d / probe_budget`` steps, at most 256), then probes again. A probe that
+pays, or any step whose drafts, had they all been verified, would have paid for it, divides the backoff by
+four and probes the next step: one growth step undone, so the guard recovers within a few paying steps when
+the text turns repetitive, while a lucky probe of a drafter that rarely pays costs one more probe, not the
+whole ramp again (resetting to 0 let untrained Medusa heads, right once in a while, probe every few steps:
+0.92x of plain on translation). The backoff grows fourfold: each probe of a drafter that does not pay costs
+its whole draft time, and on a 30-token answer a doubling schedule spent ~10% of it probing.
 A drafter cheaper than ``probe_budget`` is never skipped (its empty or pruned trees cost nothing).
 
 **Memory.** With a ``memory`` key (generate() passes the cost model's file and the drafter's ``cost_key()``),
