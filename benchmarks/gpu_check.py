@@ -42,8 +42,12 @@ STEPS = ("env", "tests", "kernels", "e2e")
 # and runs natively)
 KERNEL_FILES = ["tests/test_kernels_attention.py", "tests/test_kernels_kv.py", "tests/test_kernels_fused_ops.py",
                 "tests/test_cuda_graphs.py"]
+# every test file with a `device`-parametrised test (tests/test_gpu_check.py keeps this list complete)
 DEVICE_FILES = ["tests/test_generate.py", "tests/test_speculative.py", "tests/test_rejection_device.py",
-                "tests/test_model_drafters.py", "tests/test_medusa_drafter.py"]
+                "tests/test_model_drafters.py", "tests/test_medusa_drafter.py", "tests/test_eagle_drafter.py",
+                "tests/test_audit.py", "tests/test_coupled_sampling.py", "tests/test_model_equivalence.py",
+                "tests/test_sliding_window.py", "tests/test_transformers_parity.py", "tests/test_cli_errors.py",
+                "tests/test_cost_model.py"]
 
 
 def parse_args(argv=None):

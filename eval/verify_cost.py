@@ -64,7 +64,7 @@ def measure_verify_costs(loaded: Any, prompts: Sequence[Sequence[int]], query_to
     cache = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block, runner.dtype,
                          runner.device, runner.backend)
     drafter = _ChainDrafter()
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    generator = torch.Generator(device=runner.device).manual_seed(seed)  # sampling runs on the model's device
     engine = Engine(runner, cache, sampling, StopCriteria(10**9), drafter, generator)
     engine.add(contexts)
     times: dict[int, list[float]] = {n: [] for n in sizes}

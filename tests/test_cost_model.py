@@ -70,6 +70,17 @@ def test_calibration_runs_once_per_key_and_is_reused(fresh, monkeypatch):
     assert calls == [1, 1, 1, 1, 4]
 
 
+def test_calibration_runs_on_the_models_device(fresh, device):
+    """The calibration engine samples on the model's device (a CPU generator met CUDA logits there: every
+    generate() on a GPU failed before its first token)."""
+    runner = LlamaRunner(build_tiny_model(seed=0).to(device))
+    model = load_cost_model(runner, SMALL, cache_dir=fresh)
+    curve = model.curve(1)
+    assert sorted(curve) == [1, 2, 4] and all(s > 0 for s in curve.values())
+    assert list(curve.values()) == sorted(curve.values())  # kept non-decreasing
+    assert model.key["device"].startswith(device)
+
+
 def test_model_fingerprint_is_memoised_and_sees_in_place_updates(monkeypatch):
     sums = []
     real = cost_model._checksum

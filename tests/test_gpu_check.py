@@ -1,0 +1,36 @@
+"""benchmarks/gpu_check.py runs the CUDA cases of every test file that has them: a device-parametrised test left
+out of its lists never runs on a GPU (seven files were, 2026-11-26, and the first GPU run after them failed)."""
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", REPO / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _files_with_device_tests() -> set[str]:
+    found = set()
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
+                if "device" in [a.arg for a in node.args.args]:
+                    found.add(f"tests/{path.name}")
+                    break
+    return found
+
+
+def test_every_device_parametrised_test_file_is_run_by_gpu_check():
+    check = _gpu_check()
+    listed = set(check.KERNEL_FILES) | set(check.DEVICE_FILES)
+    wanted = _files_with_device_tests()
+    assert "tests/test_generate.py" in wanted  # the scan sees the fixture
+    assert wanted <= listed, f"add to benchmarks/gpu_check.py DEVICE_FILES: {sorted(wanted - listed)}"
+    assert all((REPO / f).is_file() for f in listed), "gpu_check lists a test file that does not exist"
