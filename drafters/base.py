@@ -35,7 +35,7 @@ is accepted too: :func:`as_drafter` wraps it once, so the engine never probes at
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +67,10 @@ class TargetView:
     # the target's logits processors (specdec.logits_processing), None = none: a drafter may apply them to its own
     # logits with each node's prefix (process_prefixes) so its drafts follow the processed target; optional
     processing: "LogitsProcessing | None" = None
+    # the engine's verify cost of n query tokens per sequence at a batch size, in plain decode steps (c(n) / c(1)):
+    # the measured curve corrected by the run's own step times (specdec.online_costs), the one the engine sizes
+    # trees with; None when the engine does not size trees (speculation="always")
+    verify_cost: Callable[[int, int], float] | None = None
 
 
 class TokenView(Sequence[int]):

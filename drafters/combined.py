@@ -21,7 +21,9 @@ acceptance rate, which this drafter keeps per child from ``on_accept``: after ea
 own proposal along the committed tokens and counts, level by level, whether one of its candidates was the
 committed token (a Beta prior of ``prior_weight`` pseudo-trials at ``prior_score``). Siblings share a level's
 rate equally. Cost, in plain decode steps, of verifying n tree nodes: ``verify_cost(n)`` if given (a callable);
-else, with ``cost_model=True``, the measured curve of :mod:`specdec.cost_model` (``relative(1 + n, batch)``,
+else the curve the engine sizes trees with (``TargetView.verify_cost(1 + n, batch)``: the measured curve of
+:mod:`specdec.cost_model` corrected by the run's own step times), whenever the engine sizes trees (the default,
+``speculation="auto"``); else, with ``cost_model=True``, the calibrated curve alone (``relative(1 + n, batch)``,
 loaded at ``attach``: cached per machine and model, else a short calibration); else ``1 + alpha * n``. The
 engine's own per-step sizing may prune the offered tree further (pruning is always exact). The drafting cost
 of the children is the same for every candidate (they all ran), so it does not change the ranking.
@@ -55,8 +57,8 @@ class CombinedConfig:
     alpha: float = 0.05
     prior_score: float = 0.5  # acceptance rate per level assumed for a child before any step was seen
     prior_weight: float = 4.0  # pseudo-trials of that prior (how fast the online estimate takes over)
-    # rank by the measured verify-cost curve (specdec.cost_model) instead of 1 + alpha * n; off by default: the
-    # first use on a machine calibrates (seconds), which the engine's tree sizing may already have done
+    # without the engine's curve (speculation="always"), rank by the calibrated verify-cost curve
+    # (specdec.cost_model) instead of 1 + alpha * n; off by default: the first use on a machine calibrates (seconds)
     cost_model: bool = False
 
     def __post_init__(self) -> None:
@@ -141,7 +143,8 @@ class CombinedDrafter(Drafter):
         if verify_cost is not None and not callable(verify_cost):
             raise InputTypeError("combined drafter: verify_cost must be a callable n -> cost in decode steps")
         self.verify_cost = verify_cost
-        self.costs = None  # the measured cost model, when config.cost_model (at attach)
+        self.costs = None  # the measured cost model, when config.cost_model and the engine offers none (at attach)
+        self.engine_cost = None  # the engine's own (online-corrected) curve, TargetView.verify_cost (at attach)
         self._batch = 1  # sequences of the current propose (the cost curve depends on the batch)
         self.name = "combined(" + "+".join(c.name for c in self.children) + ")"
         self.needs_hidden_states = any(c.needs_hidden_states for c in self.children)
@@ -160,7 +163,8 @@ class CombinedDrafter(Drafter):
         self.target = target
         self.rates = [_Rate() for _ in self.children]
         self._last.clear()
-        if self.config.cost_model and self.verify_cost is None:
+        self.engine_cost = getattr(target, "verify_cost", None)
+        if self.config.cost_model and self.verify_cost is None and self.engine_cost is None:
             from specdec.cost_model import load_cost_model
 
             self.costs = load_cost_model(target.runner)
@@ -239,6 +243,8 @@ class CombinedDrafter(Drafter):
         n = tree.num_nodes
         if self.verify_cost is not None:
             cost = float(self.verify_cost(n))
+        elif self.engine_cost is not None:
+            cost = float(self.engine_cost(1 + n, self._batch))  # n nodes + the root
         elif self.costs is not None:
             cost = float(self.costs.relative(1 + n, self._batch))  # n nodes + the root
         else:

@@ -125,7 +125,9 @@ class Engine:
         self.seconds = {"draft": 0.0, "verify": 0.0}  # wall time of the two halves of step(), summed
         self.keep_hidden = self.drafter is not None and self.drafter.needs_hidden_states
         if self.drafter is not None:
-            self.drafter.attach(TargetView(runner, cache, sampling, stop.tokenizer, self.coupling, processing))
+            verify_cost = self.sizer.online.relative if self.sizer is not None else None
+            self.drafter.attach(TargetView(runner, cache, sampling, stop.tokenizer, self.coupling, processing,
+                                           verify_cost))
         if self.sizer is not None and self.sizer.never_pays(self.drafter.forward_seconds()):
             log = logger.warning if self.drafter.name not in _NEVER_PAYS_WARNED else logger.debug
             _NEVER_PAYS_WARNED.add(self.drafter.name)

@@ -241,6 +241,49 @@ def test_cost_model_option_ranks_by_the_measured_curve(monkeypatch):
     assert plain.propose([view([0])])[0].num_nodes == 8
 
 
+def test_the_engines_own_cost_curve_ranks_trees_before_a_calibrated_one(monkeypatch):
+    """With tree sizing on, the engine hands drafters the curve it sizes with (corrected by the run's step times):
+    the combined drafter ranks by it, and cost_model=True then loads nothing."""
+    import specdec.cost_model as cost_model
+
+    def no_load(runner):
+        raise AssertionError("the engine's curve was offered: nothing to load")
+
+    monkeypatch.setattr(cost_model, "load_cost_model", no_load)
+    asked = []
+
+    def engine_cost(n, batch):
+        asked.append((n, batch))
+        return 1.0 if n <= 2 else 10.0
+
+    combined = CombinedDrafter([Scripted([[1, 2, 3, 4, 5, 6, 7, 8]], "long"), Scripted([[9]], "short")],
+                               mode="best", cost_model=True, alpha=0.0)
+    combined.attach(type("Target", (), {"runner": None, "verify_cost": staticmethod(engine_cost)})())
+    assert combined.propose([view([0]), view([1], 1)])[0].tokens.tolist() == [9]
+    assert (9, 2) in asked and (2, 2) in asked  # root + nodes, at the batch size of the step
+
+
+@pytest.mark.parametrize("speculation", ["auto", "always"])
+def test_engine_offers_its_sizing_curve_only_when_it_sizes(speculation):
+    seen = []
+
+    class Recording(Drafter):
+        name = "recording"
+
+        def attach(self, target):
+            seen.append(target.verify_cost)
+
+        def propose(self, seqs):
+            return [DraftTree.empty() for _ in seqs]
+
+    generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=2, drafter=Recording(), speculation=speculation)
+    assert len(seen) == 1
+    if speculation == "always":
+        assert seen[0] is None
+    else:
+        assert seen[0](1, 1) == 1.0 and seen[0](8, 1) >= 1.0  # c(n) / c(1) in decode steps
+
+
 def test_merge_mode_with_a_sampling_child_offers_one_tree_not_a_merge():
     sampled = Scripted([[1, 2]], "sampled", mode=DraftMode.INDEPENDENT)
     combined = CombinedDrafter([Scripted([[1, 3]], "a"), Scripted([[4]], "b"), sampled])
