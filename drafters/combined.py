@@ -144,7 +144,8 @@ class CombinedDrafter(Drafter):
             raise InputTypeError("combined drafter: verify_cost must be a callable n -> cost in decode steps")
         self.verify_cost = verify_cost
         self.costs = None  # the measured cost model, when config.cost_model and the engine offers none (at attach)
-        self.engine_cost = None  # the engine's own (online-corrected) curve, TargetView.verify_cost (at attach)
+        # c(1 + n, batch) / c(1) in decode steps (at attach): the engine's TargetView.verify_cost, else costs.relative
+        self.curve: Callable[[int, int], float] | None = None
         self._batch = 1  # sequences of the current propose (the cost curve depends on the batch)
         self.name = "combined(" + "+".join(c.name for c in self.children) + ")"
         self.needs_hidden_states = any(c.needs_hidden_states for c in self.children)
@@ -163,11 +164,12 @@ class CombinedDrafter(Drafter):
         self.target = target
         self.rates = [_Rate() for _ in self.children]
         self._last.clear()
-        self.engine_cost = getattr(target, "verify_cost", None)
-        if self.config.cost_model and self.verify_cost is None and self.engine_cost is None:
+        self.curve = getattr(target, "verify_cost", None)
+        if self.config.cost_model and self.verify_cost is None and self.curve is None:
             from specdec.cost_model import load_cost_model
 
             self.costs = load_cost_model(target.runner)
+            self.curve = self.costs.relative
         for child in self.children:
             child.attach(target)
 
@@ -243,10 +245,8 @@ class CombinedDrafter(Drafter):
         n = tree.num_nodes
         if self.verify_cost is not None:
             cost = float(self.verify_cost(n))
-        elif self.engine_cost is not None:
-            cost = float(self.engine_cost(1 + n, self._batch))  # n nodes + the root
-        elif self.costs is not None:
-            cost = float(self.costs.relative(1 + n, self._batch))  # n nodes + the root
+        elif self.curve is not None:
+            cost = float(self.curve(1 + n, self._batch))  # n nodes + the root
         else:
             cost = 1.0 + self.config.alpha * n
         return expected_committed_tokens(tree) / max(cost, 1e-9)
