@@ -15,7 +15,8 @@ decode-only speedup (prefill left out) measured and predicted (draft time + ever
 model's c(1 + its tree size)), and checks that every drafter's tokens equal plain decoding's.
 Drafters run with ``speculation="auto"`` (the default: tree sizing by the measured cost model and the
 break-even guard) unless ``--speculation always``; the row "ngram (whole trees)" runs n-gram with
-``speculation="always"`` in the same run, for comparison.
+``speculation="always"`` in the same run, for comparison; "combined (every child)" runs the combined drafter
+without its child gate.
 """
 from __future__ import annotations
 
@@ -84,6 +85,9 @@ def drafters(args, loaded) -> dict[str, tuple[str | None, dict]]:
         "ngram (whole trees)": ("ngram", {"speculation": "always"}),
         "self-draft": ("self-draft", {}),
         "draft-model (itself)": ("draft-model", {"model": loaded, "num_draft_tokens": 3}),
+        # a cheap and an expensive child: the gate leaves self-draft out while it adds nothing (child_gate)
+        "combined (ngram+self-draft)": ("combined", {"drafters": ["ngram", "self-draft"]}),
+        "combined (every child)": ("combined", {"drafters": ["ngram", "self-draft"], "gate": False}),
     }
     if args.medusa_path:
         out["medusa (static 16)"] = ("medusa", {"path": args.medusa_path})  # saved choices, first 16 nodes

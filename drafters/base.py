@@ -71,6 +71,10 @@ class TargetView:
     # the measured curve corrected by the run's own step times (specdec.online_costs), the one the engine sizes
     # trees with; None when the engine does not size trees (speculation="always")
     verify_cost: Callable[[int, int], float] | None = None
+    # the engine's current wall seconds of one plain decode step at a batch size (from this run's step times), for
+    # drafters that weigh their own wall time against it (the combined drafter's child gate); None when decisions
+    # must not depend on wall times (speculation="always", seeded sampling: specdec.tree_sizing, Reproducible)
+    decode_seconds: Callable[[int], float] | None = None
 
 
 class TokenView(Sequence[int]):

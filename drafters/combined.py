@@ -27,16 +27,25 @@ else the curve the engine sizes trees with (``TargetView.verify_cost(1 + n, batc
 loaded at ``attach``: cached per machine and model, else a short calibration); else ``1 + alpha * n``. The
 engine's own per-step sizing may prune the offered tree further (pruning is always exact). The drafting cost
 of the children is the same for every candidate (they all ran), so it does not change the ranking.
+
+Which children run. With ``gate=True`` (the default) a child whose extra committed tokens do not cover its own
+draft time is left out of a call, and run again in probes (:mod:`specdec.drafters.child_gate`); the gate needs
+the engine's decode time (``TargetView.decode_seconds``), so it is off under ``speculation="always"`` and seeded
+sampling, where every child runs at every call. A child left out still sees every ``on_accept``, and a child that
+reads hidden states gets, at its next call, the rows of every step since its own previous call.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView, as_drafter
+from specdec.drafters.child_gate import ChildGate
 from specdec.drafters.registry import get_drafter
 
 from specdec.errors import InputError, InputTypeError
@@ -60,6 +69,8 @@ class CombinedConfig:
     # without the engine's curve (speculation="always"), rank by the calibrated verify-cost curve
     # (specdec.cost_model) instead of 1 + alpha * n; off by default: the first use on a machine calibrates (seconds)
     cost_model: bool = False
+    # leave out, per call, children whose extra tokens do not cover their draft time (module doc, child_gate)
+    gate: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -74,8 +85,9 @@ class CombinedConfig:
                     or (hi is not None and value > hi):
                 bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
                 raise InputError(f"combined drafter: {name} must be a number {bound}, got {value!r}")
-        if not isinstance(self.cost_model, bool):
-            raise InputError(f"combined drafter: cost_model must be True or False, got {self.cost_model!r}")
+        for name in ("cost_model", "gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"combined drafter: {name} must be True or False, got {getattr(self, name)!r}")
 
 
 def build_child(spec: Any) -> Drafter:
@@ -150,8 +162,11 @@ class CombinedDrafter(Drafter):
         self.name = "combined(" + "+".join(c.name for c in self.children) + ")"
         self.needs_hidden_states = any(c.needs_hidden_states for c in self.children)
         self.rates = [_Rate() for _ in self.children]
-        # seq_id -> per child (tokens, parents) of its last proposal, for the online rates
-        self._last: dict[int, list[tuple[list[int], list[int]]]] = {}
+        # seq_id -> (whether every child ran, per child (tokens, parents) of its last proposal): online rates, gate
+        self._last: dict[int, tuple[bool, list[tuple[list[int], list[int]]]]] = {}
+        self.gate = ChildGate(len(self.children))
+        self._held: dict[tuple[int, int], torch.Tensor] = {}  # (child, seq_id) -> hidden rows it has not seen yet
+        self._seen: set[tuple[int, int]] = set()  # (child, seq_id) that proposed once: later calls are no catch-up
         self.chosen: list[int] = [0] * (len(self.children) + 1)  # instrumentation: picks per child, last = merge
 
     # ---- lifecycle: every call to every child ------------------------------------------------
@@ -164,6 +179,13 @@ class CombinedDrafter(Drafter):
         self.target = target
         self.rates = [_Rate() for _ in self.children]
         self._last.clear()
+        self._held.clear()
+        self._seen.clear()
+        decode_seconds = getattr(target, "decode_seconds", None) if self.config.gate else None
+        runner = getattr(target, "runner", None)
+        shape = getattr(runner, "shape", None)
+        self.gate.start(decode_seconds, (self.cost_key(), repr(shape), str(getattr(runner, "dtype", None)),
+                                         str(getattr(runner, "device", None))))
         self.curve = getattr(target, "verify_cost", None)
         if self.config.cost_model and self.verify_cost is None and self.curve is None:
             from specdec.cost_model import load_cost_model
@@ -174,15 +196,24 @@ class CombinedDrafter(Drafter):
             child.attach(target)
 
     def on_accept(self, seq_id: int, committed: Sequence[int]) -> None:
-        for k, tree in enumerate(self._last.pop(seq_id, ())):
+        full, trees = self._last.pop(seq_id, (False, []))
+        matched = []
+        for k, tree in enumerate(trees):
             trials, successes = _matched_levels(tree, committed)
             self.rates[k].trials += trials
             self.rates[k].successes += successes
+            matched.append(successes)
+        if full and trees:
+            self.gate.observe(tuple(matched), tuple(len(tokens) for tokens, _ in trees))
         for child in self.children:
             child.on_accept(seq_id, committed)
 
     def release(self, seq_id: int) -> None:
         self._last.pop(seq_id, None)
+        for k in range(len(self.children)):
+            self._held.pop((k, seq_id), None)
+            self._seen.discard((k, seq_id))
+        self.gate.finish()
         for child in self.children:
             child.release(seq_id)
 
@@ -195,18 +226,50 @@ class CombinedDrafter(Drafter):
         return self.rates[k].value(self.config.prior_score, self.config.prior_weight)
 
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
-        per_child = []
-        for child in self.children:
-            trees = child.propose(seqs)
+        self._batch = max(len(seqs), 1)
+        run = self.gate.choose(self._batch, self.tree_cost, self.config.max_nodes)
+        per_child, lists = [], []
+        for k, child in enumerate(self.children):
+            if not run[k]:
+                self._hold_hidden(k, seqs)
+                per_child.append([DraftTree.empty() for _ in seqs])
+                lists.append([([], [])] * len(seqs))
+                continue
+            catch_up = any((k, v.seq_id) not in self._seen for v in seqs)
+            t0 = time.perf_counter()
+            trees = child.propose(self._views_for(k, seqs))
             if len(trees) != len(seqs):
                 raise DraftError(f"{child.name}: returned {len(trees)} trees for {len(seqs)} sequences")
+            lists.append([(t.tokens.tolist(), t.parents.tolist()) for t in trees])  # syncs: timed with the drafts
+            self.gate.record_seconds(k, time.perf_counter() - t0, catch_up)
+            self._seen.update((k, v.seq_id) for v in seqs)
             per_child.append(trees)
-        self._batch = max(len(seqs), 1)
         out = []
         for s, view in enumerate(seqs):
-            trees = [per_child[k][s] for k in range(len(self.children))]
-            self._last[view.seq_id] = [(t.tokens.tolist(), t.parents.tolist()) for t in trees]
-            out.append(self._combine(trees))
+            self._last[view.seq_id] = (all(run), [lists[k][s] for k in range(len(self.children))])
+            out.append(self._combine([per_child[k][s] for k in range(len(self.children))]))
+        return out
+
+    def _hold_hidden(self, k: int, seqs: Sequence[SequenceView]) -> None:
+        """Child k is left out this call: keep the hidden rows it would have seen for its next call."""
+        if not self.children[k].needs_hidden_states:
+            return
+        for v in seqs:
+            if v.new_hidden is not None:
+                held = self._held.get((k, v.seq_id))
+                self._held[(k, v.seq_id)] = v.new_hidden if held is None else torch.cat([held, v.new_hidden])
+
+    def _views_for(self, k: int, seqs: Sequence[SequenceView]) -> Sequence[SequenceView]:
+        """``seqs`` as child k must see them: with the hidden rows of the calls it was left out of first."""
+        if not self.children[k].needs_hidden_states or not self._held:
+            return seqs
+        out = []
+        for v in seqs:
+            held = self._held.pop((k, v.seq_id), None)
+            if held is not None:
+                rows = held if v.new_hidden is None else torch.cat([held, v.new_hidden])
+                v = dataclasses.replace(v, new_hidden=rows)
+            out.append(v)
         return out
 
     def _combine(self, trees: list[DraftTree]) -> DraftTree:
@@ -240,13 +303,14 @@ class CombinedDrafter(Drafter):
                               device=tree.tokens.device)
         return DraftTree(tree.tokens, tree.parents, tree.draft_probs, tree.mode, scores)
 
+    def tree_cost(self, n: int, batch: int) -> float:
+        """Estimated verify cost of an n-node tree (+ the root) in plain decode steps (module doc, Estimates)."""
+        if self.verify_cost is not None:
+            return float(self.verify_cost(n))
+        if self.curve is not None:
+            return float(self.curve(1 + n, batch))
+        return 1.0 + self.config.alpha * n
+
     def value(self, tree: DraftTree) -> float:
         """Expected committed tokens per unit of estimated verify cost (tree already scored)."""
-        n = tree.num_nodes
-        if self.verify_cost is not None:
-            cost = float(self.verify_cost(n))
-        elif self.curve is not None:
-            cost = float(self.curve(1 + n, self._batch))  # n nodes + the root
-        else:
-            cost = 1.0 + self.config.alpha * n
-        return expected_committed_tokens(tree) / max(cost, 1e-9)
+        return expected_committed_tokens(tree) / max(self.tree_cost(tree.num_nodes, self._batch), 1e-9)

@@ -126,8 +126,9 @@ class Engine:
         self.keep_hidden = self.drafter is not None and self.drafter.needs_hidden_states
         if self.drafter is not None:
             verify_cost = self.sizer.online.relative if self.sizer is not None else None
+            timed = self.sizer is not None and self.sizer.fixed_draft_seconds is None
             self.drafter.attach(TargetView(runner, cache, sampling, stop.tokenizer, self.coupling, processing,
-                                           verify_cost))
+                                           verify_cost, self.sizer.step_seconds if timed else None))
         if self.sizer is not None and self.sizer.never_pays(self.drafter.forward_seconds()):
             log = logger.warning if self.drafter.name not in _NEVER_PAYS_WARNED else logger.debug
             _NEVER_PAYS_WARNED.add(self.drafter.name)

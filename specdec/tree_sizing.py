@@ -179,14 +179,17 @@ class TreeSizer:
         relative = self.online.relative(query_tokens, batch)
         self.decode_seconds = self._ema(self.decode_seconds, verify_seconds / relative)
 
+    def step_seconds(self, batch: int) -> float:
+        """Wall seconds of one plain decode step: this run's, else the cost model's at ``batch``."""
+        return self.decode_seconds or self.costs.decode_seconds(batch)
+
     def draft_cost(self, batch: int) -> float:
         """The drafter's cost per step in plain decode steps (0 before its first call)."""
         if self.fixed_draft_seconds is not None:  # one propose call per sequence, B sequences (specdec.draft_cost)
             return self.fixed_draft_seconds * batch / self.costs.decode_seconds(batch)
         if self.draft_seconds is None:
             return 0.0
-        decode = self.decode_seconds or self.costs.decode_seconds(batch)
-        return self.draft_seconds / decode
+        return self.draft_seconds / self.step_seconds(batch)
 
     # ---- the guard --------------------------------------------------------------------------
     def _guard(self, seq_id: int) -> _Guard:

@@ -1,0 +1,159 @@
+"""Which children of the combined drafter run this step: a child whose extra tokens do not cover its own cost is
+left out, and asked again from time to time.
+
+    gate = ChildGate(num_children, GateConfig())     # one per CombinedDrafter
+    gate.start(decode_seconds, memory_key)           # at attach: the engine's seconds per plain decode step(batch)
+    run = gate.choose(batch, tree_cost, nodes_cap)   # before propose: one bool per child
+    gate.record_seconds(k, seconds, catch_up)        # wall time of child k's propose call
+    gate.observe(successes, nodes)                   # a sequence's step where every child ran
+
+Why: the combined drafter used to run every child at every call, so an expensive child's forward was paid
+whenever a cheap one alone would have drafted as well. Measured on the 2-core CPU (embedded model, greedy, 128
+tokens): n-gram + self-draft ran at 0.90x plain decoding on chat, and at 1.21x on summarisation where n-gram
+alone ran at 1.49x. The engine's break-even guard sees the combined drafter as one and cannot tell. With the
+gate, in one run (``benchmarks/bench_drafters_cpu.py --categories chat,summarisation,code --prompts 2 --repeats
+2 --max-new-tokens 128``): chat 1.12x (n-gram alone 1.13x, every child at every call 1.01x), summarisation
+1.54x (1.43x, 1.17x), code 1.37x (1.29x, 1.06x).
+
+**The choice.** Every step where all children ran for a sequence leaves a record: per child, how many levels of
+its own proposal matched the committed tokens (``successes``) and how many nodes it proposed. The merged tree
+is the trie union of the children's trees, so a subset S of children commits ``1 + max_{k in S} successes_k``
+tokens on a record. The gate runs the subset with the most expected committed tokens per unit of cost, the
+mean over the last ``window`` records, in plain decode steps::
+
+    (1 + mean max_{k in S} successes_k) / (sum_{k in S} d_k + c(1 + min(sum_{k in S} nodes_k, nodes_cap)))
+
+with ``d_k`` child k's draft seconds per call (an average of its calls, a sequence's first call left out: it
+catches up on the prompt) over the engine's seconds per decode step, and ``c`` the verify-cost curve the
+combined drafter ranks trees with. Proposals are counted unpruned, on both sides of the ratio; the engine's own
+sizing then prunes what the combined drafter offers (pruning is exact).
+
+**Probes.** Records come only from steps where every child ran. Until ``warmup`` records exist every child
+runs; afterwards every child runs again every ``ceil(d_left_out / probe_budget)`` calls (at most ``max_interval``),
+``d_left_out`` the draft cost of the children left out: probes cost at most ``probe_budget`` decode steps per
+call on average. A probe whose record shows the left-out children adding tokens is followed by another at the
+next call, so a child that starts to pay is back within a few calls, not after ``window`` probes.
+
+**Memory.** As the engine's guard does (:mod:`specdec.tree_sizing`, Memory), the gate keeps its records and
+child timings across calls per ``memory_key`` (the combined drafter's cost key and the target), so a later call
+does not pay the warm-up again.
+
+**Off** when the engine offers no decode time (``TargetView.decode_seconds`` None: ``speculation="always"``, or
+seeded sampling, whose text must not depend on wall times): every child runs at every call, as before.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+MAX_SUBSETS_CHILDREN = 6  # beyond this many children every subset is too many to weigh: all of them run
+
+# memory key -> (records, child seconds) of the last finished call (module doc, Memory)
+_REMEMBERED: dict[tuple, tuple[list, list]] = {}
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    window: int = 32  # records weighed (the most recent)
+    warmup: int = 3  # records gathered with every child running before any is left out
+    probe_budget: float = 0.02  # decode steps per call, on average, spent running left-out children in probes
+    max_interval: int = 64  # calls between probes at most
+    ema: float = 0.2  # weight of a child's newest draft time
+
+    def __post_init__(self) -> None:
+        if not (self.window >= 1 and self.warmup >= 1 and self.probe_budget > 0 and self.max_interval >= 1
+                and 0 < self.ema <= 1):
+            raise ValueError(f"invalid GateConfig {self}")
+
+
+class ChildGate:
+    def __init__(self, num_children: int, config: GateConfig | None = None) -> None:
+        self.n = num_children
+        self.config = config or GateConfig()
+        self.decode_seconds: Callable[[int], float] | None = None
+        self.memory_key: tuple | None = None
+        self.records: deque[tuple[tuple[int, ...], tuple[int, ...]]] = deque(maxlen=self.config.window)
+        self.seconds: list[float | None] = [None] * num_children  # EMA of each child's propose call
+        self.since_full = 0  # calls since every child last ran
+        self.chosen: tuple[bool, ...] = (True,) * num_children
+        self.best: tuple[int, ...] | None = None  # the subset chosen by the last decision (None: none yet)
+        self.probe_next = False  # the last probe showed the left-out children adding tokens
+        self.runs = [0] * num_children  # instrumentation: calls each child ran
+
+    @property
+    def active(self) -> bool:
+        return self.decode_seconds is not None and 1 < self.n <= MAX_SUBSETS_CHILDREN
+
+    def start(self, decode_seconds: Callable[[int], float] | None, memory_key: tuple | None = None) -> None:
+        """A new call: the engine's decode-step seconds at a batch size (None: the gate stays off)."""
+        self.decode_seconds, self.memory_key = decode_seconds, memory_key
+        self.records.clear()
+        self.seconds = [None] * self.n
+        self.since_full = 0
+        self.chosen = (True,) * self.n
+        self.best, self.probe_next = None, False
+        if self.active and memory_key in _REMEMBERED:
+            records, seconds = _REMEMBERED[memory_key]
+            self.records.extend(records)
+            self.seconds = list(seconds)
+
+    def finish(self) -> None:
+        """A sequence finished: what was learned is kept for the next call with the same key."""
+        if self.active and self.memory_key is not None:
+            _REMEMBERED[self.memory_key] = (list(self.records), list(self.seconds))
+
+    def record_seconds(self, k: int, seconds: float, catch_up: bool) -> None:
+        old = self.seconds[k]
+        if old is None:
+            self.seconds[k] = seconds
+        elif not catch_up:
+            self.seconds[k] = old + self.config.ema * (seconds - old)
+
+    def observe(self, successes: tuple[int, ...], nodes: tuple[int, ...]) -> None:
+        """A sequence's step where every child ran: levels of each child's proposal that matched, its nodes."""
+        self.records.append((successes, nodes))
+        if self.best is not None and max(successes) > max(successes[k] for k in self.best):
+            self.probe_next = True
+
+    def draft_cost(self, k: int, batch: int) -> float:
+        """Child k's draft cost per call in plain decode steps."""
+        seconds = self.seconds[k]
+        return 0.0 if seconds is None else seconds / max(self.decode_seconds(batch), 1e-9)
+
+    def value(self, subset: tuple[int, ...], batch: int, tree_cost: Callable[[int, int], float],
+              nodes_cap: int) -> float:
+        """Expected committed tokens per decode step of cost when the children in ``subset`` run (module doc)."""
+        count = len(self.records)
+        tokens = 1.0 + sum(max(succ[k] for k in subset) for succ, _ in self.records) / count
+        nodes = min(sum(sum(n[k] for _, n in self.records) for k in subset) / count, nodes_cap)
+        cost = sum(self.draft_cost(k, batch) for k in subset) + tree_cost(math.ceil(nodes), batch)
+        return tokens / max(cost, 1e-9)
+
+    def choose(self, batch: int, tree_cost: Callable[[int, int], float], nodes_cap: int) -> tuple[bool, ...]:
+        """Which children propose this call; ``tree_cost(nodes, batch)``: verify cost of a tree of that many nodes
+        (and its root) in plain decode steps."""
+        cfg = self.config
+        if not self.active or len(self.records) < cfg.warmup or any(s is None for s in self.seconds):
+            return self._full()
+        subsets = (s for r in range(1, self.n + 1) for s in itertools.combinations(range(self.n), r))
+        self.best = best = max(subsets, key=lambda s: self.value(s, batch, tree_cost, nodes_cap))
+        left_out = [k for k in range(self.n) if k not in best]
+        # a probe costs the left-out children's drafts once: at most probe_budget decode steps per call on average
+        probe_cost = sum(self.draft_cost(k, batch) for k in left_out)
+        interval = min(cfg.max_interval, max(1, math.ceil(probe_cost / cfg.probe_budget)))
+        if not left_out or self.probe_next or self.since_full + 1 >= interval:
+            return self._full()
+        self.since_full += 1
+        self.chosen = tuple(k in best for k in range(self.n))
+        for k in best:
+            self.runs[k] += 1
+        return self.chosen
+
+    def _full(self) -> tuple[bool, ...]:
+        self.since_full, self.probe_next = 0, False
+        self.chosen = (True,) * self.n
+        self.runs = [r + 1 for r in self.runs]
+        return self.chosen

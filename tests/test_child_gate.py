@@ -1,0 +1,208 @@
+"""The combined drafter's child gate: a child whose extra tokens do not cover its draft time is left out and
+probed again, a child that pays keeps running, a left-out child that starts to pay is back within a few calls,
+a left-out child still gets every hidden row, and the gate is off wherever wall times must not decide."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from specdec.drafters.base import Drafter, SequenceView
+from specdec.drafters.child_gate import ChildGate, GateConfig
+from specdec.drafters.combined import CombinedDrafter
+
+from specdec.errors import InputError
+from specdec.generate import generate
+from specdec.testing import build_tiny_model
+from specdec.tree import DraftTree
+
+
+def tree_cost(nodes: int, batch: int) -> float:
+    return 1.0 + 0.05 * nodes
+
+
+def gate_with(seconds: list[float], decode: float = 0.1) -> ChildGate:
+    """A started gate whose children's draft calls took ``seconds`` each (decode step: ``decode`` s)."""
+    gate = ChildGate(len(seconds), GateConfig())
+    gate.start(lambda batch: decode)
+    for k, s in enumerate(seconds):
+        gate.record_seconds(k, s, catch_up=False)
+    return gate
+
+
+def drive(gate: ChildGate, calls: int, record) -> list[tuple[bool, ...]]:
+    """``calls`` decisions; after each call where every child ran, one record ``record(call)``."""
+    out = []
+    for call in range(calls):
+        run = gate.choose(1, tree_cost, 64)
+        out.append(run)
+        if all(run):
+            gate.observe(*record(call))
+    return out
+
+
+# ---- the decision -----------------------------------------------------------------------------
+def test_an_expensive_child_that_adds_nothing_is_left_out_and_probed_within_budget():
+    gate = gate_with([0.001, 0.05])  # draft costs 0.01 and 0.5 decode steps
+    runs = drive(gate, 200, lambda call: ((1, 0), (2, 2)))  # child 0 matches a level, child 1 never
+    assert all(run[0] for run in runs)
+    full = sum(all(run) for run in runs)
+    # warm-up (3 records), then a probe every ceil(0.5 / 0.02) = 25 calls: ~2% of a decode step per call
+    assert 3 + 200 // 25 - 1 <= full <= 3 + 200 // 25 + 1
+    # the same gate with the expensive child made cheap keeps both: nothing to gain by leaving it out
+    cheap = gate_with([0.001, 0.001])
+    assert all(all(run) for run in drive(cheap, 50, lambda call: ((1, 0), (2, 2))))
+
+
+def test_an_expensive_child_that_pays_keeps_running():
+    gate = gate_with([0.001, 0.05])
+    runs = drive(gate, 100, lambda call: ((0, 4), (2, 4)))  # child 1's chain is accepted 4 deep
+    assert all(run[1] for run in runs)
+
+
+def test_a_left_out_child_that_starts_paying_is_back_within_a_few_probes():
+    gate = gate_with([0.001, 0.05])
+    switch = 100
+    runs = drive(gate, switch + 60, lambda call: ((1, 0 if call < switch else 5), (2, 5)))
+    assert sum(run[1] for run in runs[switch - 50: switch]) <= 3  # left out before the text changed
+    # one regular probe (<= 25 calls), then probes in a row while they pay, until it is chosen outright
+    assert all(run[1] for run in runs[-20:])
+
+
+def test_the_gate_is_off_without_the_engines_decode_time():
+    gate = ChildGate(2)
+    gate.start(None)
+    for k in range(2):
+        gate.record_seconds(k, [0.001, 10.0][k], catch_up=False)
+    assert all(all(run) for run in drive(gate, 20, lambda call: ((1, 0), (2, 2))))
+
+
+def test_a_catch_up_call_does_not_move_the_child_timing():
+    gate = gate_with([0.01])
+    gate.record_seconds(0, 5.0, catch_up=True)  # a prompt's prefill, not a step's cost
+    assert gate.seconds[0] == pytest.approx(0.01)
+    gate.record_seconds(0, 0.02, catch_up=False)
+    assert gate.seconds[0] == pytest.approx(0.012)
+
+
+# ---- the combined drafter ---------------------------------------------------------------------
+class HiddenRows(Drafter):
+    """Reads hidden states; checks at every call that the rows it got since the first add up to every position
+    before the root (the drafter contract), and proposes a chain of a token the target never picks."""
+
+    needs_hidden_states = True
+
+    def __init__(self, name: str = "hidden", token: int = 95) -> None:
+        self.name, self.token = name, token
+        self.rows: dict[int, int] = {}
+        self.calls = 0
+
+    def propose(self, seqs):
+        self.calls += 1
+        for v in seqs:
+            got = 0 if v.new_hidden is None else v.new_hidden.shape[0]
+            self.rows[v.seq_id] = self.rows.get(v.seq_id, 0) + got
+            assert self.rows[v.seq_id] == len(v.token_ids) - 1, (self.rows[v.seq_id], len(v.token_ids))
+        return [DraftTree.chain([self.token]) for _ in seqs]
+
+
+class Fixed(Drafter):
+    name = "fixed"
+
+    def propose(self, seqs):
+        return [DraftTree.chain([5]) for _ in seqs]
+
+
+def test_a_left_out_child_gets_the_hidden_rows_of_the_calls_it_missed(monkeypatch):
+    child = HiddenRows()
+    combined = CombinedDrafter([Fixed(), child])
+    combined.attach(type("Target", (), {"runner": None, "decode_seconds": staticmethod(lambda b: 0.1)})())
+    pattern = iter([(True, True), (True, False), (True, False), (True, True), (True, False), (True, True)])
+    monkeypatch.setattr(combined.gate, "choose", lambda *a: next(pattern))
+    tokens = [1, 2, 3, 4]
+    hidden = torch.zeros(3, 8)  # prefill: every prompt position but the root
+    for _ in range(6):
+        combined.propose([SequenceView(0, list(tokens), 4, hidden)])
+        tokens += [5, 6]  # two tokens committed: the old root and one accepted node get rows
+        combined.on_accept(0, [5, 6])
+        hidden = torch.zeros(2, 8)
+    assert child.calls == 3 and child.rows[0] == len(tokens) - 2 - 1
+
+
+def gated(children: list, decode_seconds, monkeypatch) -> CombinedDrafter:
+    """A combined drafter whose gate sees a fixed decode time (None: none offered) and times child k's calls 50 ms
+    longer than they took: the decisions do not depend on the machine's load. The runs use speculation="always",
+    so the engine's own guard, which prices the real wall times, asks the combined drafter at every step."""
+    combined = CombinedDrafter(children)
+    attach = combined.attach
+    monkeypatch.setattr(combined, "attach",
+                        lambda target: attach(dataclasses.replace(target, decode_seconds=decode_seconds)))
+    record = combined.gate.record_seconds
+    monkeypatch.setattr(combined.gate, "record_seconds", lambda k, s, catch_up: record(k, s + 0.05 * k, catch_up))
+    return combined
+
+
+@pytest.mark.parametrize("gate", ["on", "off"])
+def test_generate_leaves_out_a_slow_child_that_adds_nothing_and_stays_greedy_exact(gate, monkeypatch):
+    model = build_tiny_model()
+    prompts = [[5, 9, 11, 2, 5, 9, 11], [7, 3]]
+    plain = generate(model, prompts, max_new_tokens=160)
+    refs = {tuple(p): seq[len(p):] for p, seq in zip(prompts, plain)}
+    assert all(95 not in ref for ref in refs.values())
+
+    class Oracle(Drafter):  # the next greedy token, then a wrong one
+        name, calls = "oracle", 0
+
+        def propose(self, seqs):
+            self.calls += 1
+            out = []
+            for v in seqs:
+                ref = refs[tuple(v.token_ids[: v.num_prompt_tokens])]
+                done = len(v.token_ids) - v.num_prompt_tokens
+                out.append(DraftTree.chain(ref[done: done + 1] + [95]) if done < len(ref) else DraftTree.empty())
+            return out
+
+    decode_seconds = (lambda batch: 0.002) if gate == "on" else None  # the slow child: 25 decode steps a call
+    oracle, slow = Oracle(), HiddenRows("slow")
+    out = generate(model, prompts, drafter=gated([oracle, slow], decode_seconds, monkeypatch), max_new_tokens=160,
+                   speculation="always")
+    assert out == plain
+    assert oracle.calls == 80  # 2 tokens a step
+    if gate == "off":  # no decode time offered (speculation="always" or seeded sampling): every child, every call
+        assert slow.calls == oracle.calls
+        return
+    # warm-up (2 calls of 2 sequences), then a probe every 64 calls: the slow child's rows reach it across the
+    # calls it missed (HiddenRows checks)
+    assert slow.calls == 3
+    # the next call with the same children starts from what this one learned: no warm-up, the probe at call 64
+    slow = HiddenRows("slow")
+    assert generate(model, prompts, drafter=gated([Oracle(), slow], decode_seconds, monkeypatch),
+                    max_new_tokens=160, speculation="always") == plain
+    assert slow.calls == 1
+
+
+@pytest.mark.parametrize("case", ["auto", "always", "seeded sampling"])
+def test_the_engine_offers_its_decode_time_only_where_wall_times_may_decide(case):
+    seen = []
+
+    class Recording(Drafter):
+        name = "recording"
+
+        def attach(self, target):
+            seen.append(target.decode_seconds)
+
+        def propose(self, seqs):
+            return [DraftTree.empty() for _ in seqs]
+
+    options = {"auto": {}, "always": {"speculation": "always"},
+               "seeded sampling": {"do_sample": True, "temperature": 0.8, "seed": 3}}[case]
+    generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=2, drafter=Recording(), **options)
+    if case == "auto":
+        assert seen and all(s is not None and s(1) > 0 for s in seen)
+    else:  # seeded sampling: the draft-cost measurement attaches too; neither may see wall times
+        assert seen and all(s is None for s in seen)
+
+
+def test_gate_option_must_be_a_bool():
+    with pytest.raises(InputError, match="gate must be True or False"):
+        CombinedDrafter(["ngram"], gate="yes")
