@@ -12,7 +12,10 @@ same prompts run through each drafter in one process, interleaved per prompt aft
 then hits every drafter alike). Prints tokens/s summed over all runs, the ratio against specdec's plain
 decoding measured in the same run, the lowest and highest ratio of a single repeat (the noise), tau, the
 decode-only speedup (prefill left out) measured and predicted (draft time + every step priced by the cost
-model's c(1 + its tree size)), and checks that every drafter's tokens equal plain decoding's.
+model's c(1 + its tree size)), and checks that every drafter's tokens equal plain decoding's. "paired" is the
+geometric mean of the ratios of each (prompt, repeat) block, where drafter and plain ran seconds apart, with a
+90% t-interval over the blocks: a cell whose interval lies below 0.97 is slower than plain beyond this
+machine's noise; one whose interval straddles it cannot tell.
 Drafters run with ``speculation="auto"`` (the default: tree sizing by the measured cost model and the
 break-even guard) unless ``--speculation always``; the row "ngram (whole trees)" runs n-gram with
 ``speculation="always"`` in the same run, for comparison; "combined (every child)" runs the combined drafter
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +76,23 @@ class Totals:
     @property
     def tau(self) -> float:
         return self.tokens / max(self.steps, 1)
+
+
+# two-sided 90% Student t quantiles (0.95) by degrees of freedom; 1.645 beyond
+_T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812,
+        12: 1.782, 15: 1.753, 20: 1.725, 30: 1.697}
+
+
+def paired(ratios: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of per-block ratios and its 90% t-interval (low, high); (r, r, r) for one block."""
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return (math.exp(mean),) * 3
+    df = len(logs) - 1
+    t = next((_T95[d] for d in sorted(_T95) if d >= df), 1.645)
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def drafters(args, loaded) -> dict[str, tuple[str | None, dict]]:
@@ -145,29 +167,37 @@ def main() -> None:
     for cat in args.categories.split(","):
         totals = {k: Totals() for k in table}
         per_repeat = [{k: Totals() for k in table} for _ in range(args.repeats)]
+        blocks: dict[str, list[float]] = {k: [] for k in table}  # per (prompt, repeat): tok/s over plain's
         keys = list(table)
         for p, text in enumerate(load_prompts(cat, args.prompts)):
             ids = chat_ids(tok, text)
             ref = None
             for rep in range(args.repeats):
                 shift = (p + rep) % len(keys)
+                speed = {}
                 for key in keys[shift:] + keys[:shift]:
                     seconds, out = run(table[key], ids)
                     ref = out.new_tokens[0] if ref is None else ref
+                    speed[key] = len(out.new_tokens[0]) / seconds
                     for t in (totals[key], per_repeat[rep][key]):
                         t.add(seconds, out, costs, out.new_tokens[0] != ref)
+                for key in keys:
+                    blocks[key].append(speed[key] / speed["plain"])
         plain = totals["plain"]
         print(f"\n{cat}: {'drafter':<22} {'tok/s':>8} {'vs plain':>9} {'min..max':>12} {'tau':>6}"
-              f" {'decode: measured':>17} {'predicted':>9}")
+              f" {'decode: measured':>17} {'predicted':>9} {'paired [90% interval]':>23}")
         report[cat] = {}
         for key, t in totals.items():
             reps = [r[key].tokens_per_s / r["plain"].tokens_per_s for r in per_repeat]
             measured, predicted = t.decode_speed / plain.decode_speed, t.predicted_speed / plain.predicted_speed
+            mean, low, high = paired(blocks[key])
             report[cat][key] = {"tokens_per_s": t.tokens_per_s, "speedup": t.tokens_per_s / plain.tokens_per_s,
                                 "tau": t.tau, "speedup_per_repeat": reps, "decode_speedup": measured,
-                                "predicted_decode_speedup": predicted, "mismatching_runs": t.bad}
+                                "predicted_decode_speedup": predicted, "mismatching_runs": t.bad,
+                                "speedup_per_block": blocks[key], "paired_speedup": [mean, low, high]}
             print(f"{'':<14} {key:<22} {t.tokens_per_s:8.2f} {t.tokens_per_s / plain.tokens_per_s:8.2f}x "
                   f"{min(reps):5.2f}..{max(reps):4.2f}x {t.tau:6.2f} {measured:16.2f}x {predicted:8.2f}x"
+                  f" {mean:10.2f}x [{low:.2f}, {high:.2f}]"
                   + (f"  ({t.bad} runs differ from plain!)" if t.bad else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
