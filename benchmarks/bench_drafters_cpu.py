@@ -15,7 +15,8 @@ decode-only speedup (prefill left out) measured and predicted (draft time + ever
 model's c(1 + its tree size)), and checks that every drafter's tokens equal plain decoding's. "paired" is the
 geometric mean of the ratios of each (prompt, repeat) block, where drafter and plain ran seconds apart, with a
 90% t-interval over the blocks: a cell whose interval lies below 0.97 is slower than plain beyond this
-machine's noise; one whose interval straddles it cannot tell.
+machine's noise; one whose interval straddles it cannot tell. The row "plain (again)" is plain decoding run a
+second time in every block: its ratio is this run's noise floor.
 Drafters run with ``speculation="auto"`` (the default: tree sizing by the measured cost model and the
 break-even guard) unless ``--speculation always``; the row "ngram (whole trees)" runs n-gram with
 ``speculation="always"`` in the same run, for comparison; "combined (every child)" runs the combined drafter
@@ -103,6 +104,8 @@ def drafters(args, loaded) -> dict[str, tuple[str | None, dict]]:
         }
     out = {
         "plain": (None, {}),
+        # plain decoding again, in the same blocks: the noise floor of every ratio below (plain against plain)
+        "plain (again)": (None, {}),
         "ngram": ("ngram", {}),
         "ngram (whole trees)": ("ngram", {"speculation": "always"}),
         "self-draft": ("self-draft", {}),
@@ -131,7 +134,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--categories", default="summarisation,code,chat", help="comma-separated, or all")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each prompt per drafter, order rotated")
-    ap.add_argument("--drafters", help="comma-separated subset of the table's rows (plain is always run)")
+    ap.add_argument("--drafters", help="comma-separated subset of the table's rows (plain, twice, always runs)")
     ap.add_argument("--sweep-self-draft", action="store_true", help="compare self-draft layer counts and depths")
     ap.add_argument("--medusa-path", help="a Medusa checkpoint directory for the base model")
     ap.add_argument("--speculation", choices=("auto", "always"), default="auto",
@@ -143,7 +146,7 @@ def main() -> None:
     tok = loaded.tokenizer
     table = drafters(args, loaded)
     if args.drafters:
-        wanted = {"plain", *args.drafters.split(",")}
+        wanted = {"plain", "plain (again)", *args.drafters.split(",")}
         table = {k: v for k, v in table.items() if k in wanted}
     if args.categories == "all":
         from specdec.eval.prompts import CATEGORIES
