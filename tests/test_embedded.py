@@ -115,13 +115,14 @@ def test_greedy_batched_matches_transformers(loaded, plain_256, hf_reference):
 
 @NGRAM
 def test_ngram_greedy_identity_batched_and_single(loaded, prompts, plain_256):
-    """20 prompts x 256 tokens batched, and 3 of them one at a time."""
+    """20 prompts x 256 tokens batched, and 2 of them one at a time."""
     out = specdec.generate(loaded, prompts, max_new_tokens=SPEC_TOKENS, drafter="ngram", return_dict=True)
     mismatched = [i for i, (o, r) in enumerate(zip(out.sequences, plain_256)) if o != r]
     assert not mismatched, f"ngram batched differs on prompts {mismatched}"
     assert out.tau > 1.1
-    # one at a time: 3 of the 20 (every prompt runs batched above; all 20 alone cost ~9 of CI's 25 minutes)
-    for i, (p, ref) in enumerate(zip(prompts[:3], plain_256[:3])):
+    # one at a time: 2 of the 20 (every prompt runs batched above; all 20 alone cost ~9 of CI's 25 minutes, and the
+    # third one's ~27 s made room for the combined drafter's gate tests)
+    for i, (p, ref) in enumerate(zip(prompts[:2], plain_256[:2])):
         assert specdec.generate(loaded, [p], max_new_tokens=SPEC_TOKENS, drafter="ngram")[0] == ref, f"prompt {i}"
 
 
