@@ -263,25 +263,33 @@ def test_the_engines_own_cost_curve_ranks_trees_before_a_calibrated_one(monkeypa
     assert (9, 2) in asked and (2, 2) in asked  # root + nodes, at the batch size of the step
 
 
-@pytest.mark.parametrize("speculation", ["auto", "always"])
-def test_engine_offers_its_sizing_curve_only_when_it_sizes(speculation):
+@pytest.mark.parametrize("case", ["auto", "always", "seeded sampling"])
+def test_engine_offers_its_sizing_curve_only_when_it_sizes_and_its_decode_time_only_when_wall_times_may_decide(case):
+    """The cost curve: whenever the engine sizes trees. The decode-step time (the combined drafter's child gate):
+    only where wall times may decide, not under seeded sampling, whose text must not depend on them."""
     seen = []
 
     class Recording(Drafter):
         name = "recording"
 
         def attach(self, target):
-            seen.append(target.verify_cost)
+            seen.append((target.verify_cost, target.decode_seconds))
 
         def propose(self, seqs):
             return [DraftTree.empty() for _ in seqs]
 
-    generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=2, drafter=Recording(), speculation=speculation)
-    assert len(seen) == 1
-    if speculation == "always":
-        assert seen[0] is None
+    options = {"auto": {}, "always": {"speculation": "always"},
+               "seeded sampling": {"do_sample": True, "temperature": 0.8, "seed": 3}}[case]
+    generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=2, drafter=Recording(), **options)
+    verify_cost, decode_seconds = seen[-1]  # seeded sampling times the drafter in a run of its own first
+    if case == "always":
+        assert verify_cost is None
     else:
-        assert seen[0](1, 1) == 1.0 and seen[0](8, 1) >= 1.0  # c(n) / c(1) in decode steps
+        assert verify_cost(1, 1) == 1.0 and verify_cost(8, 1) >= 1.0  # c(n) / c(1) in decode steps
+    if case == "auto":
+        assert decode_seconds(1) > 0
+    else:
+        assert all(d is None for _, d in seen)
 
 
 def test_merge_mode_with_a_sampling_child_offers_one_tree_not_a_merge():
