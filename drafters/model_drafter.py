@@ -142,13 +142,9 @@ class ModelDrafter(Drafter):
         self.draft_vocab = None
         self.runner = self.make_runner(target)
         self._draft_ids = self.draft_vocab.ids.tolist() if self.draft_vocab is not None else None
-        tc = target.cache
-        shape = self.runner.shape
-        if self.shares_target_cache:
-            self.cache = tc
-        else:  # as many slots as the target's pool: committed tokens + at most MAX_TREE_NODES scratch
-            self.cache = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, tc.num_blocks,
-                                      tc.block_size, self.runner.dtype, self.runner.device, self.runner.backend)
+        # an own cache is made at the first propose (_own_cache): a drafter the engine never asks (its forward costs
+        # a decode step: the break-even guard's never_pays) holds no second KV pool as large as the target's
+        self.cache = target.cache if self.shares_target_cache else None
         mode = self.config.mode
         if target.coupling is not None:  # candidates by the shared noise; the engine's coupled walk verifies
             mode = "deterministic"
@@ -184,10 +180,18 @@ class ModelDrafter(Drafter):
         live = [v for v in seqs if len(v.token_ids) + 1 < max_pos]
         trees = {v.seq_id: DraftTree.empty() for v in seqs}
         if live:
+            if self.cache is None:
+                self.cache = self._own_cache()
             root_logits = self._root_forward(live) if self.shares_target_cache else self._catch_up(live)
             for v, tree in zip(live, self._grow(live, root_logits)):
                 trees[v.seq_id] = tree
         return [trees[v.seq_id] for v in seqs]
+
+    def _own_cache(self) -> PagedKVCache:
+        """As many slots as the target's pool: committed tokens + at most MAX_TREE_NODES scratch."""
+        tc, shape = self.target.cache, self.runner.shape
+        return PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, tc.num_blocks, tc.block_size,
+                            self.runner.dtype, self.runner.device, self.runner.backend)
 
     def _forward(self, builder: BatchBuilder) -> torch.Tensor:  # [rows, vocab] logits of every new token
         self.draft_forwards += 1

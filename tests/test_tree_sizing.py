@@ -197,7 +197,8 @@ def test_never_pays_when_a_draft_forward_costs_a_decode_step_whatever_the_accept
 
 def test_the_target_drafting_for_itself_is_never_asked_under_the_guard():
     """Its forward IS a decode step (the same cost model), so the engine decodes plainly from the first step:
-    no drafter prefill, no probe; speculation="always" still drafts (and is accepted: it is the target)."""
+    no drafter prefill, no probe, no KV pool of its own; speculation="always" still drafts (and is accepted: it is
+    the target)."""
     from specdec.drafters.draft_model import DraftModelDrafter
 
     model = build_tiny_model(vocab_size=64, seed=3)
@@ -206,9 +207,11 @@ def test_the_target_drafting_for_itself_is_never_asked_under_the_guard():
     guarded = DraftModelDrafter(model=model, num_draft_tokens=3)
     out = generate(model, [prompt], max_new_tokens=24, drafter=guarded, return_dict=True)
     assert out.sequences[0] == plain and guarded.draft_forwards == 0 and out.stats[0].steps == 24
+    assert guarded.cache is None
     forced = DraftModelDrafter(model=model, num_draft_tokens=3)
     out = generate(model, [prompt], max_new_tokens=24, drafter=forced, return_dict=True, speculation="always")
     assert out.sequences[0] == plain and forced.draft_forwards > 0 and out.stats[0].steps < 12
+    assert forced.cache is not None  # its own pool, made at its first propose
 
 
 def test_guard_remembers_across_calls_where_a_drafter_stopped_paying(fixed_costs):
