@@ -23,10 +23,11 @@ mean over the last ``window`` records, in plain decode steps::
 
     (1 + mean max_{k in S} successes_k) / (sum_{k in S} d_k + c(1 + min(sum_{k in S} nodes_k, nodes_cap)))
 
-with ``d_k`` child k's draft seconds per call (an average of its calls, a sequence's first call left out: it
-catches up on the prompt) over the engine's seconds per decode step, and ``c`` the verify-cost curve the
-combined drafter ranks trees with. Proposals are counted unpruned, on both sides of the ratio; the engine's own
-sizing then prunes what the combined drafter offers (pruning is exact).
+with ``d_k`` child k's draft seconds per call (:class:`specdec.tree_sizing.DraftTime`, the tree sizer's average:
+a sequence's first call catches up on the prompt and stands in only until the next) over the engine's seconds
+per decode step, and ``c`` the verify-cost curve the combined drafter ranks trees with. Proposals are counted
+unpruned, on both sides of the ratio; the engine's own sizing then prunes what the combined drafter offers
+(pruning is exact).
 
 **Probes.** Records come only from steps where every child ran. Until ``warmup`` records exist every child
 runs; afterwards every child runs again every ``ceil(d_left_out / probe_budget)`` calls (at most ``max_interval``),
@@ -47,12 +48,14 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from specdec.tree_sizing import DraftTime
 
 MAX_SUBSETS_CHILDREN = 6  # beyond this many children every subset is too many to weigh: all of them run
 
-# memory key -> (records, child seconds) of the last finished call (module doc, Memory)
-_REMEMBERED: dict[tuple, tuple[list, list]] = {}
+# memory key -> (records, child draft times) of the last finished call (module doc, Memory)
+_REMEMBERED: dict[tuple, tuple[list, list[DraftTime]]] = {}
 
 
 @dataclass(frozen=True)
@@ -76,9 +79,8 @@ class ChildGate:
         self.decode_seconds: Callable[[int], float] | None = None
         self.memory_key: tuple | None = None
         self.records: deque[tuple[tuple[int, ...], tuple[int, ...]]] = deque(maxlen=self.config.window)
-        self.seconds: list[float | None] = [None] * num_children  # EMA of each child's propose call
+        self.times = [DraftTime(self.config.ema) for _ in range(num_children)]  # seconds per propose call, per child
         self.since_full = 0  # calls since every child last ran
-        self.chosen: tuple[bool, ...] = (True,) * num_children
         self.best: tuple[int, ...] | None = None  # the subset chosen by the last decision (None: none yet)
         self.probe_next = False  # the last probe showed the left-out children adding tokens
         self.runs = [0] * num_children  # instrumentation: calls each child ran
@@ -91,26 +93,22 @@ class ChildGate:
         """A new call: the engine's decode-step seconds at a batch size (None: the gate stays off)."""
         self.decode_seconds, self.memory_key = decode_seconds, memory_key
         self.records.clear()
-        self.seconds = [None] * self.n
+        self.times = [DraftTime(self.config.ema) for _ in range(self.n)]
         self.since_full = 0
-        self.chosen = (True,) * self.n
         self.best, self.probe_next = None, False
         if self.active and memory_key in _REMEMBERED:
-            records, seconds = _REMEMBERED[memory_key]
+            records, times = _REMEMBERED[memory_key]
             self.records.extend(records)
-            self.seconds = list(seconds)
+            self.times = [replace(t) for t in times]
 
     def finish(self) -> None:
         """A sequence finished: what was learned is kept for the next call with the same key."""
         if self.active and self.memory_key is not None:
-            _REMEMBERED[self.memory_key] = (list(self.records), list(self.seconds))
+            _REMEMBERED[self.memory_key] = (list(self.records), [replace(t) for t in self.times])
 
     def record_seconds(self, k: int, seconds: float, catch_up: bool) -> None:
-        old = self.seconds[k]
-        if old is None:
-            self.seconds[k] = seconds
-        elif not catch_up:
-            self.seconds[k] = old + self.config.ema * (seconds - old)
+        """Wall time of child k's propose call (``catch_up``: a sequence's first for it, see DraftTime)."""
+        self.times[k].record(seconds, catch_up)
 
     def observe(self, successes: tuple[int, ...], nodes: tuple[int, ...]) -> None:
         """A sequence's step where every child ran: levels of each child's proposal that matched, its nodes."""
@@ -120,7 +118,7 @@ class ChildGate:
 
     def draft_cost(self, k: int, batch: int) -> float:
         """Child k's draft cost per call in plain decode steps."""
-        seconds = self.seconds[k]
+        seconds = self.times[k].seconds
         return 0.0 if seconds is None else seconds / max(self.decode_seconds(batch), 1e-9)
 
     def value(self, subset: tuple[int, ...], batch: int, tree_cost: Callable[[int, int], float],
@@ -136,7 +134,7 @@ class ChildGate:
         """Which children propose this call; ``tree_cost(nodes, batch)``: verify cost of a tree of that many nodes
         (and its root) in plain decode steps."""
         cfg = self.config
-        if not self.active or len(self.records) < cfg.warmup or any(s is None for s in self.seconds):
+        if not self.active or len(self.records) < cfg.warmup or any(t.seconds is None for t in self.times):
             return self._full()
         subsets = (s for r in range(1, self.n + 1) for s in itertools.combinations(range(self.n), r))
         self.best = best = max(subsets, key=lambda s: self.value(s, batch, tree_cost, nodes_cap))
@@ -147,13 +145,11 @@ class ChildGate:
         if not left_out or self.probe_next or self.since_full + 1 >= interval:
             return self._full()
         self.since_full += 1
-        self.chosen = tuple(k in best for k in range(self.n))
         for k in best:
             self.runs[k] += 1
-        return self.chosen
+        return tuple(k in best for k in range(self.n))
 
     def _full(self) -> tuple[bool, ...]:
         self.since_full, self.probe_next = 0, False
-        self.chosen = (True,) * self.n
         self.runs = [r + 1 for r in self.runs]
-        return self.chosen
+        return (True,) * self.n

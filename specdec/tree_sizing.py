@@ -104,6 +104,32 @@ class SizingConfig:
 
 
 @dataclass
+class DraftTime:
+    """A drafter's wall seconds per propose call: an exponential average (weight ``ema`` on the newest call).
+
+    ``record(seconds, catch_up=True)``: the call included a sequence's first (the drafter caught up on its whole
+    prompt: EAGLE's layer over every prompt row, a draft model's prefill), a one-off, not a step's cost. It stands in
+    only while nothing else is known, and the next call's time replaces it: as the first sample of the average, a
+    512-token summary's first EAGLE call (~16 steps' worth) set a maximal backoff that the guard's memory carried
+    into the next calls (EAGLE then drafted nothing on qa after summarisation). Used by the tree sizer and by the
+    combined drafter's child gate (one per child)."""
+
+    ema: float
+    seconds: float | None = None  # None: no call timed yet
+    provisional: bool = False  # seconds is a catch-up call's time, replaced by the next call's
+
+    def record(self, seconds: float, catch_up: bool = False) -> None:
+        if catch_up:
+            if self.seconds is None:
+                self.seconds, self.provisional = seconds, True
+            return
+        if self.seconds is None or self.provisional:
+            self.seconds, self.provisional = seconds, False
+            return
+        self.seconds += self.ema * (seconds - self.seconds)
+
+
+@dataclass
 class _Guard:
     backoff: int = 0  # steps skipped after the next non-paying probe / 2
     skip: int = 0  # steps left to skip
@@ -139,8 +165,7 @@ class TreeSizer:
         self.online = OnlineCosts(self.costs)  # the calibrated curve, corrected by this run's verify times
         self.guards: dict[int, _Guard] = {}
         self.pending: dict[int, _Pending] = {}
-        self.draft_seconds: float | None = None  # EMA per propose call
-        self._provisional = False  # draft_seconds is a catch-up call's time (record_draft), replaced by the next
+        self.draft_time = DraftTime(self.config.ema)  # seconds per propose call
         self.decode_seconds: float | None = None  # EMA of a plain decode step, from verify times
         self.paid = 0  # proposals that were expected to pay (stats, tests)
         self.unpaid = 0
@@ -154,21 +179,11 @@ class TreeSizer:
         """Wall time of one propose call, recorded before its trees are sized: the first probe's judgement (and so
         the guard's first backoff) already knows what drafting costs. Ignored by a reproducible sizer.
 
-        ``catch_up``: the call included a sequence's first (the drafter caught up on its whole prompt: EAGLE's
-        layer over every prompt row, a draft model's prefill), a one-off, not a step's cost. It prices that call's
-        judgement only when nothing else is known, and the next call's time replaces it: as the first sample of
-        the average, a 512-token summary's first EAGLE call (~16 steps' worth) set a maximal backoff that the
-        guard's memory carried into the next calls (EAGLE then drafted nothing on qa after summarisation)."""
+        ``catch_up``: the call included a sequence's first, a one-off that prices this call's judgement only when
+        nothing else is known (:class:`DraftTime`)."""
         if self.fixed_draft_seconds is not None:
             return
-        if catch_up:
-            if self.draft_seconds is None:
-                self.draft_seconds, self._provisional = draft_seconds, True
-            return
-        if self._provisional:
-            self.draft_seconds, self._provisional = draft_seconds, False
-            return
-        self.draft_seconds = self._ema(self.draft_seconds, draft_seconds)
+        self.draft_time.record(draft_seconds, catch_up)
 
     def record_step(self, verify_seconds: float, query_tokens: int, batch: int) -> None:
         """Wall time of one step's verify with ``query_tokens`` tokens for its largest sequence (ignored by a
@@ -187,9 +202,9 @@ class TreeSizer:
         """The drafter's cost per step in plain decode steps (0 before its first call)."""
         if self.fixed_draft_seconds is not None:  # one propose call per sequence, B sequences (specdec.draft_cost)
             return self.fixed_draft_seconds * batch / self.costs.decode_seconds(batch)
-        if self.draft_seconds is None:
+        if self.draft_time.seconds is None:
             return 0.0
-        return self.draft_seconds / self.step_seconds(batch)
+        return self.draft_time.seconds / self.step_seconds(batch)
 
     # ---- the guard --------------------------------------------------------------------------
     def _guard(self, seq_id: int) -> _Guard:

@@ -81,9 +81,15 @@ def test_the_gate_is_off_without_the_engines_decode_time():
 def test_a_catch_up_call_does_not_move_the_child_timing():
     gate = gate_with([0.01])
     gate.record_seconds(0, 5.0, catch_up=True)  # a prompt's prefill, not a step's cost
-    assert gate.seconds[0] == pytest.approx(0.01)
+    assert gate.times[0].seconds == pytest.approx(0.01)
     gate.record_seconds(0, 0.02, catch_up=False)
-    assert gate.seconds[0] == pytest.approx(0.012)
+    assert gate.times[0].seconds == pytest.approx(0.012)
+    # a child's first call is a catch-up: it stands in until the next call's time replaces it (the tree sizer's rule)
+    fresh = ChildGate(1)
+    fresh.record_seconds(0, 5.0, catch_up=True)
+    assert fresh.times[0].seconds == 5.0
+    fresh.record_seconds(0, 0.02, catch_up=False)
+    assert fresh.times[0].seconds == pytest.approx(0.02)
 
 
 # ---- the combined drafter ---------------------------------------------------------------------
