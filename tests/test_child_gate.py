@@ -150,8 +150,8 @@ def gated(children: list, decode_seconds, monkeypatch) -> CombinedDrafter:
 
 
 @pytest.mark.parametrize("gate", ["on", "off"])
-def test_generate_leaves_out_a_slow_child_that_adds_nothing_and_stays_greedy_exact(gate, monkeypatch):
-    model = build_tiny_model()
+def test_generate_leaves_out_a_slow_child_that_adds_nothing_and_stays_greedy_exact(gate, device, monkeypatch):
+    model = build_tiny_model().to(device)
     prompts = [[5, 9, 11, 2, 5, 9, 11], [7, 3]]
     plain = generate(model, prompts, max_new_tokens=160)
     refs = {tuple(p): seq[len(p):] for p, seq in zip(prompts, plain)}

@@ -166,10 +166,10 @@ def test_generate_forwards_on_accept_and_release_to_every_child_and_stays_greedy
 
 
 @pytest.mark.parametrize("mode", ["merge", "best"])
-def test_greedy_output_identical_to_plain_with_ngram_and_an_oracle(mode):
+def test_greedy_output_identical_to_plain_with_ngram_and_an_oracle(mode, device):
     """An oracle child that knows the greedy continuation (right for 2 tokens, then wrong) plus n-gram: the
     merged or chosen trees are accepted deep, and the output is still plain greedy decoding."""
-    model = build_tiny_model()
+    model = build_tiny_model().to(device)
     prompts = [[5, 9, 11, 2, 5, 9, 11], [7]]
     plain = generate(model, prompts, max_new_tokens=24)
     refs = {tuple(p): seq[len(p):] for p, seq in zip(prompts, plain)}
