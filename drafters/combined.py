@@ -49,7 +49,7 @@ from specdec.drafters.child_gate import ChildGate
 from specdec.drafters.registry import get_drafter
 
 from specdec.errors import InputError, InputTypeError
-from specdec.tree import MAX_TREE_NODES, DraftError, DraftMode, DraftTree
+from specdec.tree import MAX_TREE_NODES, DraftError, DraftMode, DraftTree, matched_levels
 from specdec.tree_merge import expected_committed_tokens, merge_trees
 
 logger = logging.getLogger(__name__)
@@ -119,27 +119,6 @@ class _Rate:
         return (self.successes + prior * weight) / (self.trials + weight) if self.trials + weight > 0 else prior
 
 
-def _matched_levels(tree: tuple[list[int], list[int]], committed: Sequence[int]) -> tuple[int, int]:
-    """(trials, successes) of walking ``tree`` (tokens, parents) along ``committed``: one trial per level
-    where the matched node (or the root) has candidates, a success when one of them is the committed token."""
-    tokens, parents = tree
-    kids: dict[int, dict[int, int]] = {}
-    for i, (tok, p) in enumerate(zip(tokens, parents)):
-        kids.setdefault(p, {}).setdefault(tok, i)
-    trials = successes = 0
-    node = -1
-    for tok in committed:
-        options = kids.get(node)
-        if not options:
-            break
-        trials += 1
-        node = options.get(int(tok), -2)
-        if node == -2:
-            break
-        successes += 1
-    return trials, successes
-
-
 class CombinedDrafter(Drafter):
     """Several drafters as one: see the module docstring."""
 
@@ -199,7 +178,7 @@ class CombinedDrafter(Drafter):
         full, trees = self._last.pop(seq_id, (False, []))
         matched = []
         for k, tree in enumerate(trees):
-            trials, successes = _matched_levels(tree, committed)
+            trials, successes = matched_levels(*tree, committed)
             self.rates[k].trials += trials
             self.rates[k].successes += successes
             matched.append(successes)

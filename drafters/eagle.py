@@ -15,6 +15,10 @@ Each step, per sequence (drafters/eagle_model.py has the layer):
 3. **rerank**: the ``max_nodes`` candidates with the highest cumulative log-probability form the
    tree (ancestor-closed: a child never scores above its parent).
 
+``depth`` is an upper bound: with ``adapt_depth`` (the default) each call drafts the depth whose expected
+committed tokens best cover its draft time and verify cost on the machine at hand, learned from the run
+(drafters/eagle_depth.py); the checkpoint's tree was chosen on the machine that trained it.
+
 Candidates are chosen deterministically (``DraftMode.DETERMINISTIC``), so the exact rejection
 sampler keeps greedy and every sampling mode exactly the target's. ``scores`` carry each
 node's draft probability under its parent (at the target's temperature) for tree sizing.
@@ -23,18 +27,20 @@ With a reduced draft vocabulary only those tokens are ever proposed.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, check_fits_target, load_eagle
+from specdec.drafters.eagle_depth import DepthChooser
 from specdec.drafters.eagle_model import EagleModel
 from torch.nn import functional as F
 
 from specdec.coupling import perturbed_logits
 from specdec.errors import InputError
-from specdec.tree import MAX_TREE_NODES, DraftTree
+from specdec.tree import MAX_TREE_NODES, DraftTree, matched_levels
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +52,13 @@ class EagleDraftConfig:
     depth: int | None = None  # draft steps (tree depth)
     top_k: int | None = None  # children per expanded node, and nodes expanded per depth
     max_nodes: int | None = None  # nodes kept after reranking
+    # draft, per call, the depth (<= depth) that pays best on this machine (drafters/eagle_depth.py); False: always
+    # the full depth
+    adapt_depth: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.adapt_depth, bool):
+            raise InputError(f"eagle: adapt_depth must be True or False, got {self.adapt_depth!r}")
         for name in ("depth", "top_k", "max_nodes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -75,6 +86,7 @@ class EagleDrafter(Drafter):
         self.options = EagleDraftConfig(**options)
         self.path, self.model = path, model
         self.caches: dict[int, _SeqCache] = {}
+        self._last: dict[int, tuple[list[int], list[int]]] = {}  # seq_id -> its last proposal (tokens, parents)
 
     def attach(self, target: TargetView) -> None:
         self.target = target
@@ -91,11 +103,24 @@ class EagleDrafter(Drafter):
         vocab = len(c.draft_vocab) or c.vocab_size
         if self.top_k > vocab:
             raise InputError(f"eagle: top_k={self.top_k} exceeds the draft vocabulary of {vocab} tokens")
-        logger.info("eagle: depth %d, top-k %d, %d nodes, draft vocabulary %d", self.depth, self.top_k,
-                    self.max_nodes, vocab)
+        self.chooser = DepthChooser(self.depth)
+        adapt = self.options.adapt_depth
+        self.chooser.start(getattr(target, "decode_seconds", None) if adapt else None,
+                           getattr(target, "verify_cost", None),
+                           (self.cost_key(), repr(runner.shape), str(runner.dtype), str(runner.device)))
+        self._last.clear()
+        logger.info("eagle: depth %d%s, top-k %d, %d nodes, draft vocabulary %d", self.depth,
+                    " at most (chosen per call)" if self.chooser.active else "", self.top_k, self.max_nodes, vocab)
+
+    def on_accept(self, seq_id: int, committed: Sequence[int]) -> None:
+        last = self._last.pop(seq_id, None)
+        if last is not None:
+            self.chooser.observe(*matched_levels(*last, committed))
 
     def release(self, seq_id: int) -> None:
         self.caches.pop(seq_id, None)
+        self._last.pop(seq_id, None)
+        self.chooser.finish()
 
     def cost_key(self) -> str:  # the checkpoint's path, else the given model's shape and tree settings
         return super().cost_key() + ("" if self.path is not None else "|" + repr(self.model.config))
@@ -103,7 +128,16 @@ class EagleDrafter(Drafter):
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
-        return [self._propose_one(v) for v in seqs]
+        depth = self.chooser.choose(max(len(seqs), 1))
+        catch_up = any(v.seq_id not in self.caches for v in seqs)
+        level_seconds = [0.0] * depth  # summed over the sequences: level 1 includes the catch-up
+        trees = []
+        for view in seqs:
+            tree = self._propose_one(view, depth, level_seconds)
+            self._last[view.seq_id] = (tree.tokens.tolist(), tree.parents.tolist())
+            trees.append(tree)
+        self.chooser.record_seconds(level_seconds, catch_up)
+        return trees
 
     def _token_logp(self, features: torch.Tensor, view: SequenceView, depth: int) -> torch.Tensor:
         """[R, H] predicted features of nodes whose children sit at ``depth`` -> [R, N] draft log-probabilities
@@ -142,7 +176,9 @@ class EagleDrafter(Drafter):
             cache.k, cache.v = torch.cat([cache.k, new_k], dim=2), torch.cat([cache.v, new_v], dim=2)
         return out[0, -1]
 
-    def _propose_one(self, view: SequenceView) -> DraftTree:
+    def _propose_one(self, view: SequenceView, max_depth: int, level_seconds: list[float]) -> DraftTree:
+        """``level_seconds[j]`` gains the wall time of level j + 1 (host lists read at each level: synced)."""
+        t0 = time.perf_counter()
         h_root = self._catch_up(view)
         if h_root is None:  # a one-token prompt's first step: no feature yet
             return DraftTree.empty()
@@ -160,11 +196,13 @@ class EagleDrafter(Drafter):
         top = torch.topk(logp, K)
         for t, lp in zip(top.indices.tolist(), top.values.tolist()):
             tok.append(t), parent.append(-1), cum.append(lp), cond.append(lp)
+        t1 = time.perf_counter()
+        level_seconds[0] += t1 - t0
         frontier = list(range(K))  # pool indices expanded next
         feature_of = {-1: h_root}  # pool index -> the predicted feature its children's queries read
         tree_k = tree_v = None  # [1, kv_heads, E, head_dim] keys / values of the expanded nodes
         expanded: list[int] = []  # pool index of each tree key row
-        for depth in range(2, self.depth + 1):
+        for depth in range(2, max_depth + 1):
             n = len(frontier)
             ids = torch.tensor([tok[i] for i in frontier], device=dev)
             full = ids if self.draft_ids is None else self.draft_ids[ids]
@@ -198,6 +236,8 @@ class EagleDrafter(Drafter):
                 cond.append(child_lp[j])
             order = sorted(range(n * K), key=lambda j: -child_cum[j])[:K]
             frontier = [first + j for j in sorted(order)]
+            t0, t1 = t1, time.perf_counter()
+            level_seconds[depth - 1] += t1 - t0
         return self._rerank(tok, parent, cum, cond, dev)
 
     def _rerank(self, tok, parent, cum, cond, dev) -> DraftTree:

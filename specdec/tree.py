@@ -15,6 +15,7 @@ Usage::
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -260,3 +261,25 @@ class DraftTree:
         # invariant from here on: every row sums to 1 up to its dtype's rounding
         dtype = torch.promote_types(probs.dtype, torch.float32)
         object.__setattr__(self, "draft_probs", (probs.double() / sums[:, None]).to(dtype))
+
+
+def matched_levels(tokens: Sequence[int], parents: Sequence[int], committed: Sequence[int]) -> tuple[int, int]:
+    """(trials, successes) of walking a proposed tree (``tokens``, ``parents`` as lists) along the ``committed``
+    tokens of its step: one trial per level where the matched node (or the root) has children, a success when
+    one of them is the committed token. Under greedy decoding the successes are the levels the whole tree would
+    have had accepted, whatever the engine pruned (the committed tokens are the target's own)."""
+    kids: dict[int, dict[int, int]] = {}
+    for i, (tok, p) in enumerate(zip(tokens, parents)):
+        kids.setdefault(p, {}).setdefault(tok, i)
+    trials = successes = 0
+    node = -1
+    for tok in committed:
+        options = kids.get(node)
+        if not options:
+            break
+        trials += 1
+        node = options.get(int(tok), -2)
+        if node == -2:
+            break
+        successes += 1
+    return trials, successes

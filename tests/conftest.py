@@ -35,15 +35,16 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, (os
 
 @pytest.fixture(autouse=True)
 def _guard_memory_cleared():
-    """The break-even guard's memory across generate() calls (specdec.tree_sizing), and the combined drafter's
-    (specdec.drafters.child_gate), start empty in every test: no test's probes depend on which tests ran before
-    it in the same worker."""
-    from specdec.drafters import child_gate
+    """The break-even guard's memory across generate() calls (specdec.tree_sizing), the combined drafter's
+    (specdec.drafters.child_gate) and EAGLE's depth choice (specdec.drafters.eagle_depth) start empty in every
+    test: no test's probes depend on which tests ran before it in the same worker."""
+    from specdec.drafters import child_gate, eagle_depth
 
     from specdec import tree_sizing
 
     tree_sizing._REMEMBERED.clear()
     child_gate._REMEMBERED.clear()
+    eagle_depth._REMEMBERED.clear()
     yield
 
 

@@ -72,8 +72,10 @@ def choose_tree_by_speed(loaded, eagle, prompts: list[list[int]], max_new_tokens
     _run(loaded, prompts[:1], 8, EagleDrafter(model=eagle, depth=1, top_k=1, max_nodes=1), **config)
     plain_tps = sum(_run(loaded, [p], max_new_tokens, **config)[0] for p in prompts) / len(prompts)
     for depth, top_k, nodes in candidates:
+        # each candidate timed as itself (adapt_depth=False): drafting at run time then chooses up to its depth
         runs = [_run(loaded, [p], max_new_tokens, EagleDrafter(model=eagle, depth=depth, top_k=top_k,
-                                                              max_nodes=nodes), **config) for p in prompts]
+                                                              max_nodes=nodes, adapt_depth=False), **config)
+                for p in prompts]
         tps = sum(r[0] for r in runs) / len(runs)
         tau = sum(r[1] for r in runs) / len(runs)
         table.append({"depth": depth, "top_k": top_k, "max_nodes": nodes, "tau": tau, "tokens_per_s": tps,

@@ -1,0 +1,169 @@
+"""How deep the EAGLE drafter grows its tree this call: the depth whose expected committed tokens best cover its
+own draft time and its verify cost on the machine at hand, learned from the run.
+
+    chooser = DepthChooser(max_depth, DepthConfig())
+    chooser.start(decode_seconds, verify_cost, memory_key)   # at attach: the engine's step time and c(n) curve
+    depth = chooser.choose(batch)                            # before a propose call
+    chooser.record_seconds(level_seconds, catch_up)          # wall seconds of each level of that call
+    chooser.observe(trials, successes)                       # a sequence's step (specdec.tree.matched_levels)
+
+Why: a checkpoint's tree (depth, top-k, nodes) is chosen on the machine that trained it. A layer trained on a
+GPU saved depth 5, top-k 8, 16 nodes; on the 2-core CPU each level costs a layer forward (~0.05-0.1 decode
+steps) and the engine's break-even guard then found no tree worth its draft time and turned EAGLE off (chat
+1.01x, tau 1.06), while a depth-1 draft of the same layer ran at 1.23x (tau 1.30).
+
+**The choice.** Each level j of the proposal has an acceptance rate r_j, the share of steps where level j had
+a candidate to try and one of them was the committed token (``matched_levels`` on the unpruned tree: under
+greedy the level the whole tree would have reached). Drafting ``d`` levels is expected to commit
+``1 + sum_{j<=d} r_1 ... r_j`` tokens per step and to cost, in plain decode steps,
+``sum_{j<=d} t_j / decode_seconds + c(1 + d)``, with ``t_j`` the measured seconds of level j (level 1 holds
+the catch-up on the newly committed rows; :class:`specdec.tree_sizing.DraftTime`, so a first call's catch-up
+on the whole prompt stands in only until the next) and ``c`` the engine's verify-cost curve priced as a chain
+of ``d`` nodes (the engine prunes the rest of the tree by its own sizing). The chooser drafts the ``d`` with
+the most tokens per unit of cost. ``r_j`` is counted over the last ``window`` steps, with a prior of
+``prior_weight`` steps at level j-1's rate (0.5 for level 1), so a level never tried starts where the one
+above it stands.
+
+**Start shallow.** The first call drafts one level; a level never timed is priced as the deepest timed one.
+Drafting the full depth until enough steps were recorded cost the first answer of a process its speed-up: five
+levels of eight candidates cost ~0.5 decode steps per call on the 2-core CPU, and the engine's break-even guard,
+pricing those calls, skipped EAGLE for most of the answer (5 calls in 128 tokens).
+
+**Probes.** Every ``ceil(extra / probe_budget)`` calls (at most ``max_interval``), ``extra`` the next level's draft time and verify
+cost, it drafts one level deeper than its choice, so that level's rate stays measured. A step whose tree matched deeper than the chosen depth
+is followed by a probe one level deeper than it matched, at the next call, and so on: a deeper tree that starts
+to pay is drafted again from the next call on, level by level, not after a window's worth of probes.
+
+**Memory.** As the child gate does (:mod:`specdec.drafters.child_gate`), records and level times are kept across
+calls per ``memory_key`` (the drafter's cost key and the target).
+
+**Off** (the configured depth, every call) where the engine offers no decode time or no verify-cost curve:
+``speculation="always"``, and seeded sampling, whose text must not depend on wall times. Exactness is
+untouched: the depth depends on past commits and wall times only, never on the current step's draws.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from specdec.tree_sizing import DraftTime
+
+# memory key -> (records, level times) of the last finished call
+_REMEMBERED: dict[tuple, tuple[list, list[DraftTime]]] = {}
+
+
+@dataclass(frozen=True)
+class DepthConfig:
+    window: int = 128  # steps weighed (the most recent)
+    prior_weight: float = 2.0  # pseudo-steps of a level's prior (the rate of the level above)
+    probe_budget: float = 0.02  # decode steps per call, on average, spent drafting one level deeper than chosen
+    max_interval: int = 64  # calls between probes at most
+    ema: float = 0.2  # weight of a level's newest time
+
+    def __post_init__(self) -> None:
+        if not (self.window >= 1 and self.prior_weight > 0 and self.probe_budget > 0
+                and self.max_interval >= 1 and 0 < self.ema <= 1):
+            raise ValueError(f"invalid DepthConfig {self}")
+
+
+class DepthChooser:
+    def __init__(self, max_depth: int, config: DepthConfig | None = None) -> None:
+        self.max_depth = max_depth
+        self.config = config or DepthConfig()
+        self.decode_seconds: Callable[[int], float] | None = None
+        self.verify_cost: Callable[[int, int], float] | None = None
+        self.memory_key: tuple | None = None
+        self.records: deque[tuple[int, int]] = deque(maxlen=self.config.window)  # (trials, successes) per step
+        self.times = [DraftTime(self.config.ema) for _ in range(max_depth)]  # seconds of level j+1 per call
+        self.since_probe = 0
+        self.chosen: int | None = None  # the depth of the last decision (None: none yet)
+        self.probe_next = 0  # depth of the eager probe at the next call (0: none)
+        self.used = [0] * (max_depth + 1)  # instrumentation: calls drafted at each depth
+
+    @property
+    def active(self) -> bool:
+        return self.decode_seconds is not None and self.verify_cost is not None and self.max_depth > 1
+
+    def start(self, decode_seconds: Callable[[int], float] | None, verify_cost: Callable[[int, int], float] | None,
+              memory_key: tuple | None = None) -> None:
+        """A new call (module doc); either callable None: the chooser stays off."""
+        self.decode_seconds, self.verify_cost, self.memory_key = decode_seconds, verify_cost, memory_key
+        self.records.clear()
+        self.times = [DraftTime(self.config.ema) for _ in range(self.max_depth)]
+        self.since_probe, self.chosen, self.probe_next = 0, None, 0
+        if self.active and memory_key in _REMEMBERED:
+            records, times = _REMEMBERED[memory_key]
+            self.records.extend(records)
+            self.times = [replace(t) for t in times]
+
+    def finish(self) -> None:
+        if self.active and self.memory_key is not None:
+            _REMEMBERED[self.memory_key] = (list(self.records), [replace(t) for t in self.times])
+
+    def record_seconds(self, level_seconds: Sequence[float], catch_up: bool) -> None:
+        """Wall seconds of each level drafted by one call (all its sequences); ``catch_up``: the call included a
+        sequence's first, whose level 1 ran over its whole prompt."""
+        for j, seconds in enumerate(level_seconds):
+            self.times[j].record(seconds, catch_up and j == 0)
+
+    def observe(self, trials: int, successes: int) -> None:
+        """One sequence's step: levels of the proposal walked and matched along the committed tokens."""
+        self.records.append((trials, successes))
+        if self.chosen is not None and successes > self.chosen:
+            self.probe_next = max(self.probe_next, min(self.max_depth, successes + 1))
+
+    def rates(self) -> list[float]:
+        """r_j for j = 1..max_depth (module doc)."""
+        out, prior = [], 0.5
+        w = self.config.prior_weight
+        for level in range(1, self.max_depth + 1):
+            tried = sum(1 for t, _ in self.records if t >= level)
+            matched = sum(1 for _, s in self.records if s >= level)
+            prior = (matched + w * prior) / (tried + w)
+            out.append(prior)
+        return out
+
+    def draft_cost(self, depth: int, batch: int) -> float:
+        """Seconds of the first ``depth`` levels over a decode step's; a level never timed costs as the deepest
+        timed one (module doc, Start shallow)."""
+        seconds, last = 0.0, 0.0
+        for t in self.times[:depth]:
+            last = t.seconds if t.seconds is not None else last
+            seconds += last
+        return seconds / max(self.decode_seconds(batch), 1e-9)
+
+    def values(self, batch: int) -> list[float]:
+        """Expected committed tokens per decode step of cost, for depth 1..max_depth."""
+        out, tokens, reach = [], 1.0, 1.0
+        for d, r in enumerate(self.rates(), start=1):
+            reach *= r
+            tokens += reach
+            out.append(tokens / max(self.draft_cost(d, batch) + self.verify_cost(1 + d, batch), 1e-9))
+        return out
+
+    def choose(self, batch: int) -> int:
+        cfg = self.config
+        if not self.active:
+            return self._use(self.max_depth)
+        if self.times[0].seconds is None:
+            return self._use(1)
+        values = self.values(batch)
+        self.chosen = best = 1 + max(range(self.max_depth), key=lambda i: (values[i], -i))
+        if best == self.max_depth:
+            self.probe_next = 0
+            return self._use(best)
+        deeper = max(best + 1, self.probe_next)
+        extra = (self.draft_cost(deeper, batch) - self.draft_cost(best, batch)
+                 + self.verify_cost(1 + deeper, batch) - self.verify_cost(1 + best, batch))
+        interval = min(cfg.max_interval, max(1, math.ceil(extra / cfg.probe_budget)))
+        if self.probe_next or self.since_probe + 1 >= interval:
+            self.since_probe, self.probe_next = 0, 0
+            return self._use(deeper)
+        self.since_probe += 1
+        return self._use(best)
+
+    def _use(self, depth: int) -> int:
+        self.used[depth] += 1
+        return depth

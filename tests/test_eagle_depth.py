@@ -1,0 +1,116 @@
+"""EAGLE's depth per call (drafters/eagle_depth.py): levels that do not pay are not drafted and are probed within
+budget, levels that pay are kept, a deeper tree that starts to pay is back within a few calls, the chooser is off
+without the engine's decode time or cost curve, and in the engine the output stays the target's."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.eagle_depth import DepthChooser, DepthConfig
+from specdec.drafters.eagle_model import EagleConfig, EagleModel
+
+from specdec.errors import InputError
+from specdec.generate import generate
+from specdec.testing import build_tiny_model
+
+
+def chain_cost(n: int, batch: int) -> float:  # a CPU-like verify curve: 2 rows cost one decode step, then +0.3
+    return 1.0 + 0.3 * max(0, n - 2)
+
+
+def started(max_depth: int = 4, decode: float = 0.05) -> DepthChooser:
+    chooser = DepthChooser(max_depth, DepthConfig())
+    chooser.start(lambda batch: decode, chain_cost)
+    return chooser
+
+
+def drive(chooser: DepthChooser, calls: int, matched, level_seconds: list[float]) -> list[int]:
+    """``calls`` decisions; a call drafting d levels takes ``level_seconds[:d]`` and its step matches
+    ``matched(call)`` levels (at most d)."""
+    depths = []
+    for call in range(calls):
+        depth = chooser.choose(1)
+        depths.append(depth)
+        chooser.record_seconds(level_seconds[:depth], catch_up=False)
+        successes = min(matched(call), depth)
+        chooser.observe(successes + (successes < depth), successes)
+    return depths
+
+
+def test_levels_that_do_not_pay_are_not_drafted_and_are_probed_within_budget():
+    # level 1 cheap, deeper levels 0.1 decode steps each; level 1 matches 2 steps in 3, level 2 never
+    depths = drive(started(), 400, lambda call: 1 if call % 3 else 0, [0.002, 0.005, 0.005, 0.005])
+    assert depths[0] == 1  # the first call drafts one level: nothing is timed yet
+    assert depths.count(1) > 0.9 * 400
+    probes = depths.count(2)
+    assert 0 < probes <= 400 * 0.02 / (0.1 + 0.3) + 2  # one level deeper, within the probe budget
+    assert max(depths) == 2
+
+
+def test_cheap_levels_that_match_reach_the_full_depth_within_a_few_calls():
+    depths = drive(started(), 100, lambda call: 4, [0.001, 0.001, 0.001, 0.001])
+    assert depths[0] == 1 and depths[10:] == [4] * 90
+
+
+def test_a_deeper_tree_that_starts_to_pay_is_back_within_a_few_calls():
+    chooser = started()
+    depths = drive(chooser, 300, lambda call: 1 if call < 200 else 4, [0.001, 0.002, 0.002, 0.002])
+    assert depths[150:200].count(1) > 40
+    first = next(i for i in range(200, 300) if depths[i] > 1)  # the first probe after the text changed
+    assert depths[first + 10: first + 20] == [4] * 10
+
+
+def test_the_chooser_is_off_without_decode_time_or_cost_curve():
+    for decode, curve in ((None, chain_cost), (lambda b: 0.05, None)):
+        chooser = DepthChooser(4)
+        chooser.start(decode, curve)
+        assert not chooser.active
+        assert drive(chooser, 20, lambda call: 0, [1.0, 1.0, 1.0, 1.0]) == [4] * 20
+
+
+def test_a_catch_up_call_does_not_move_level_one_for_good():
+    chooser = DepthChooser(2)
+    chooser.start(lambda batch: 0.05, chain_cost)
+    chooser.record_seconds([2.0, 0.001], catch_up=True)  # the whole prompt through the layer
+    assert chooser.times[0].seconds == 2.0 and chooser.times[1].seconds == 0.001
+    chooser.record_seconds([0.001, 0.001], catch_up=False)
+    assert chooser.times[0].seconds == 0.001
+
+
+def fixed_machine(drafter: EagleDrafter, monkeypatch, decode_seconds: float, verify_cost,
+                  extra_level_seconds: float) -> None:
+    """The engine's decode time and cost curve fixed, and each level past the first timed ``extra_level_seconds``
+    longer than it took: the choice does not depend on the machine's load.
+    speculation="always" makes the engine ask EAGLE at every step."""
+    attach = drafter.attach
+    monkeypatch.setattr(drafter, "attach", lambda target: attach(dataclasses.replace(
+        target, decode_seconds=lambda batch: decode_seconds, verify_cost=verify_cost)))
+    original = DepthChooser.record_seconds
+    monkeypatch.setattr(DepthChooser, "record_seconds", lambda self, seconds, catch_up: original(
+        self, [s + extra_level_seconds * (j > 0) for j, s in enumerate(seconds)], catch_up))
+
+
+@pytest.mark.parametrize("machine", ["flat verify, cheap levels", "steep verify, dear levels"])
+def test_in_the_engine_the_depth_follows_the_costs_and_the_output_is_the_targets(machine, monkeypatch):
+    model = build_tiny_model()
+    torch.manual_seed(0)
+    eagle = EagleModel(EagleConfig.for_target(model.config, depth=4, top_k=2, max_nodes=8))
+    eagle.init_from_target(model)  # right ~90% of the time on this model
+    prompts = [[5, 9, 11, 2, 5, 9, 11], [7, 3]]
+    plain = generate(model, prompts, max_new_tokens=40)
+    drafter = EagleDrafter(model=eagle)
+    if machine.startswith("flat"):  # a GPU's shape: 5 rows cost a decode step, a level ~1/300 of one
+        fixed_machine(drafter, monkeypatch, 1.0, lambda n, batch: 1.0, 0.0)
+    else:  # a level past the first costs 5 decode steps more than it took
+        fixed_machine(drafter, monkeypatch, 0.01, chain_cost, 0.05)
+    assert generate(model, prompts, drafter=drafter, max_new_tokens=40, speculation="always") == plain
+    used = drafter.chooser.used
+    assert used[1] >= 1  # the first call: one level
+    assert (used[4] if machine.startswith("flat") else used[1]) > 0.8 * sum(used), used
+
+
+def test_adapt_depth_option_must_be_a_bool():
+    with pytest.raises(InputError, match="adapt_depth must be True or False"):
+        EagleDrafter(model=None, path="x", adapt_depth="yes")
