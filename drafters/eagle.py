@@ -86,7 +86,8 @@ class EagleDrafter(Drafter):
         self.options = EagleDraftConfig(**options)
         self.path, self.model = path, model
         self.caches: dict[int, _SeqCache] = {}
-        self._last: dict[int, tuple[list[int], list[int]]] = {}  # seq_id -> its last proposal (tokens, parents)
+        # seq_id -> the most probable chain of its last proposal (tokens, parents), for the depth chooser
+        self._last: dict[int, tuple[list[int], list[int]]] = {}
 
     def attach(self, target: TargetView) -> None:
         self.target = target
@@ -134,7 +135,7 @@ class EagleDrafter(Drafter):
         trees = []
         for view in seqs:
             tree = self._propose_one(view, depth, level_seconds)
-            self._last[view.seq_id] = (tree.tokens.tolist(), tree.parents.tolist())
+            self._last[view.seq_id] = _top_chain(tree)
             trees.append(tree)
         self.chooser.record_seconds(level_seconds, catch_up)
         return trees
@@ -260,6 +261,22 @@ class EagleDrafter(Drafter):
         parents = torch.tensor([new_index[parent[i]] if parent[i] >= 0 else -1 for i in order], dtype=torch.long)
         scores = torch.tensor([cond[i] for i in order], dtype=torch.float32).exp().clamp(0.0, 1.0)
         return DraftTree(ids, parents, scores=scores)
+
+
+def _top_chain(tree: DraftTree) -> tuple[list[int], list[int]]:
+    """The tree's most probable chain (at each level the child with the highest score), as (tokens, parents) lists:
+    the depth chooser prices a depth as a chain of that many nodes, so it measures a chain's acceptance (a match
+    anywhere among eight candidates per level made deep levels look better than the engine's pruned trees were)."""
+    if tree.num_nodes == 0:
+        return [], []
+    tokens, parents, scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
+    chain, node = [], -1
+    while True:
+        kids = [i for i, p in enumerate(parents) if p == node]
+        if not kids:
+            return chain, list(range(-1, len(chain) - 1))
+        node = max(kids, key=lambda i: (scores[i], -i))
+        chain.append(tokens[node])
 
 
 __all__ = ["EagleDrafter", "EagleDraftConfig", "EagleCheckpointError"]
