@@ -54,6 +54,9 @@ the whole probe ramp (0, 3, 12, ... steps) on every answer for a drafter that ne
 starts from the acceptance evidence (score-bin corrections, unscored rates; decayed as always) that the last
 one of its key ended with: untrained Medusa heads score their guesses ~0.9 and are right ~1% of the time, so
 a fresh sizer believed them for the first probes of every answer (0.85x of plain on a 26-token translation).
+A new sequence's running expected tokens and cost (Guard) start from the last finished one's, so one
+low-confidence first probe of an answer does not start a backoff where the answers before it paid (EAGLE on
+qa once drafted at 15 of ~100 steps of an answer after paying answers).
 The memory is per process (``_REMEMBERED``) and only moves probes and sizes: pruning is exact, so outputs
 never depend on it.
 
@@ -87,8 +90,9 @@ from specdec.online_costs import OnlineCosts
 from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree
 
 _BINS = 10  # score bins of the online correction
-# TreeSizer.memory -> (backoff of its last finished sequence, its acceptance evidence: score bins, unscored rates)
-_REMEMBERED: dict[tuple, tuple[int, list, dict]] = {}
+# TreeSizer.memory -> (backoff of its last finished sequence, its acceptance evidence: score bins, unscored rates,
+# and its running expected tokens and cost of a drafted step)
+_REMEMBERED: dict[tuple, tuple[int, list, dict, tuple]] = {}
 
 
 @dataclass(frozen=True)
@@ -169,7 +173,7 @@ class TreeSizer:
         self.unscored: dict[tuple[int, int], list[float]] = {}  # (depth, rank) -> [accepted, tried]
         self.score_bins = [[0.0, 0.0] for _ in range(_BINS)]  # [accepted, predicted] of tried scored nodes
         if self.memory in _REMEMBERED:  # what earlier calls learned of this drafter's scores (module doc, Memory)
-            _, bins, unscored = _REMEMBERED[self.memory]
+            _, bins, unscored, _ = _REMEMBERED[self.memory]
             self.score_bins = [list(b) for b in bins]
             self.unscored = {k: list(v) for k, v in unscored.items()}
         self.online = OnlineCosts(self.costs)  # the calibrated curve, corrected by this run's verify times
@@ -219,8 +223,8 @@ class TreeSizer:
     # ---- the guard --------------------------------------------------------------------------
     def _guard(self, seq_id: int) -> _Guard:
         if seq_id not in self.guards:
-            backoff = _REMEMBERED[self.memory][0] if self.memory in _REMEMBERED else 0
-            self.guards[seq_id] = _Guard(backoff=backoff, skip=backoff // 2)
+            backoff, _, _, (tokens, cost) = _REMEMBERED.get(self.memory, (0, None, None, (None, None)))
+            self.guards[seq_id] = _Guard(backoff=backoff, skip=backoff // 2, tokens=tokens, cost=cost)
         return self.guards[seq_id]
 
     def never_pays(self, forward_seconds: float | None, batch: int = 1) -> bool:
@@ -380,5 +384,5 @@ class TreeSizer:
         guard = self.guards.pop(seq_id, None)
         if guard is not None and self.memory is not None and not self.off:
             _REMEMBERED[self.memory] = (guard.backoff, [list(b) for b in self.score_bins],
-                                        {k: list(v) for k, v in self.unscored.items()})
+                                        {k: list(v) for k, v in self.unscored.items()}, (guard.tokens, guard.cost))
 

@@ -269,10 +269,12 @@ def test_the_first_unpaid_probe_backs_off_with_its_own_draft_time():
 
 
 def test_a_low_confidence_step_between_confident_ones_does_not_back_off():
-    """The guard judges a sequence's running expected tokens and cost, not each step alone: a trained draft
-    layer's pruned low-confidence step between confident ones once started a backoff that skipped the confident
-    drafts after it (EAGLE drafting one token, 2-core CPU: 0.98x of plain, 1.20x when asked every step)."""
-    sizer = TreeSizer(CostModel({}, {1: {1: 1.0, 2: 1.1, 65: 64.0}}))
+    """The guard judges a sequence's running expected tokens and cost, not each step alone, and a new answer
+    starts from the last one's: a trained draft layer's pruned low-confidence step between confident ones once
+    started a backoff that skipped the confident drafts after it (EAGLE drafting one token, 2-core CPU: 0.98x of
+    plain, 1.20x when asked every step)."""
+    costs = CostModel({}, {1: {1: 1.0, 2: 1.1, 65: 64.0}})
+    sizer = TreeSizer(costs, memory=("low confidence",))
     sizer.record_draft(0.08)  # a decode step is 1 s
     asked = []
     for step in range(12):
@@ -283,6 +285,13 @@ def test_a_low_confidence_step_between_confident_ones_does_not_back_off():
             assert sizer.size(0, tree, batch=1).num_nodes == int(confident)
             sizer.observe(0, [10 if confident else 11, 12])
     assert all(asked)
+    sizer.release(0)  # the next answer's first draft is a low-confidence one: it starts from this answer's average
+    sizer = TreeSizer(costs, memory=("low confidence",))
+    sizer.record_draft(0.08)
+    assert sizer.wants_draft(0)
+    sizer.size(0, DraftTree.chain([10], scores=torch.tensor([0.1])), batch=1)
+    sizer.observe(0, [11, 12])
+    assert sizer.guards[0].backoff == 0 and sizer.wants_draft(0)
     for step in range(12):  # only low-confidence drafts from now on: the average falls and the guard backs off
         if sizer.wants_draft(0):
             sizer.size(0, DraftTree.chain([10], scores=torch.tensor([0.1])), batch=1)
