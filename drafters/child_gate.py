@@ -37,7 +37,7 @@ next call, so a child that starts to pay is back within a few calls, not after `
 
 **Memory.** As the engine's guard does (:mod:`specdec.tree_sizing`, Memory), the gate keeps its records and
 child timings across calls per ``memory_key`` (the combined drafter's cost key and the target), so a later call
-does not pay the warm-up again.
+does not pay the warm-up again (:mod:`specdec.drafters.call_memory`).
 
 **Off** when the engine offers no decode time (``TargetView.decode_seconds`` None: ``speculation="always"``, or
 seeded sampling, whose text must not depend on wall times): every child runs at every call, as before.
@@ -46,9 +46,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+from specdec.drafters.call_memory import CallMemory
 
 from specdec.tree_sizing import DraftTime
 
@@ -72,14 +73,16 @@ class GateConfig:
             raise ValueError(f"invalid GateConfig {self}")
 
 
-class ChildGate:
+class ChildGate(CallMemory):
+    """records: (successes, nodes) per child of a step where every child ran; times: per child, seconds per call."""
+
+    _store = _REMEMBERED
+
     def __init__(self, num_children: int, config: GateConfig | None = None) -> None:
         self.n = num_children
         self.config = config or GateConfig()
+        super().__init__(num_children, self.config.window, self.config.ema)
         self.decode_seconds: Callable[[int], float] | None = None
-        self.memory_key: tuple | None = None
-        self.records: deque[tuple[tuple[int, ...], tuple[int, ...]]] = deque(maxlen=self.config.window)
-        self.times = [DraftTime(self.config.ema) for _ in range(num_children)]  # seconds per propose call, per child
         self.since_full = 0  # calls since every child last ran
         self.best: tuple[int, ...] | None = None  # the subset chosen by the last decision (None: none yet)
         self.probe_next = False  # the last probe showed the left-out children adding tokens
@@ -91,20 +94,10 @@ class ChildGate:
 
     def start(self, decode_seconds: Callable[[int], float] | None, memory_key: tuple | None = None) -> None:
         """A new call: the engine's decode-step seconds at a batch size (None: the gate stays off)."""
-        self.decode_seconds, self.memory_key = decode_seconds, memory_key
-        self.records.clear()
-        self.times = [DraftTime(self.config.ema) for _ in range(self.n)]
+        self.decode_seconds = decode_seconds
+        self._begin(memory_key)
         self.since_full = 0
         self.best, self.probe_next = None, False
-        if self.active and memory_key in _REMEMBERED:
-            records, times = _REMEMBERED[memory_key]
-            self.records.extend(records)
-            self.times = [replace(t) for t in times]
-
-    def finish(self) -> None:
-        """A sequence finished: what was learned is kept for the next call with the same key."""
-        if self.active and self.memory_key is not None:
-            _REMEMBERED[self.memory_key] = (list(self.records), [replace(t) for t in self.times])
 
     def record_seconds(self, k: int, seconds: float, catch_up: bool) -> None:
         """Wall time of child k's propose call (``catch_up``: a sequence's first for it, see DraftTime)."""

@@ -29,13 +29,14 @@ Drafting the full depth until enough steps were recorded cost the first answer o
 levels of eight candidates cost ~0.5 decode steps per call on the 2-core CPU, and the engine's break-even guard,
 pricing those calls, skipped EAGLE for most of the answer (5 calls in 128 tokens).
 
-**Probes.** Every ``ceil(extra / probe_budget)`` calls (at most ``max_interval``), ``extra`` the next level's draft time and verify
-cost, it drafts one level deeper than its choice, so that level's rate stays measured. A step whose tree matched deeper than the chosen depth
-is followed by a probe one level deeper than it matched, at the next call, and so on: a deeper tree that starts
-to pay is drafted again from the next call on, level by level, not after a window's worth of probes.
+**Probes.** Every ``ceil(extra / probe_budget)`` calls (at most ``max_interval``), ``extra`` the next level's draft
+time and verify cost, it drafts one level deeper than its choice, so that level's rate stays measured. A step
+whose tree matched deeper than the chosen depth is followed by a probe one level deeper than it matched, at the
+next call, and so on: a deeper tree that starts to pay is drafted again from the next call on, level by level,
+not after a window's worth of probes.
 
-**Memory.** As the child gate does (:mod:`specdec.drafters.child_gate`), records and level times are kept across
-calls per ``memory_key`` (the drafter's cost key and the target).
+**Memory.** As the child gate does, records and level times are kept across calls per ``memory_key`` (the drafter's
+cost key and the target; :mod:`specdec.drafters.call_memory`).
 
 **Off** (the configured depth, every call) where the engine offers no decode time or no verify-cost curve:
 ``speculation="always"``, and seeded sampling, whose text must not depend on wall times. Exactness is
@@ -44,9 +45,10 @@ untouched: the depth depends on past commits and wall times only, never on the c
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+from specdec.drafters.call_memory import CallMemory
 
 from specdec.tree_sizing import DraftTime
 
@@ -68,15 +70,17 @@ class DepthConfig:
             raise ValueError(f"invalid DepthConfig {self}")
 
 
-class DepthChooser:
+class DepthChooser(CallMemory):
+    """records: (trials, successes) per sequence step; times: seconds of level j + 1 per call."""
+
+    _store = _REMEMBERED
+
     def __init__(self, max_depth: int, config: DepthConfig | None = None) -> None:
         self.max_depth = max_depth
         self.config = config or DepthConfig()
+        super().__init__(max_depth, self.config.window, self.config.ema)
         self.decode_seconds: Callable[[int], float] | None = None
         self.verify_cost: Callable[[int, int], float] | None = None
-        self.memory_key: tuple | None = None
-        self.records: deque[tuple[int, int]] = deque(maxlen=self.config.window)  # (trials, successes) per step
-        self.times = [DraftTime(self.config.ema) for _ in range(max_depth)]  # seconds of level j+1 per call
         self.since_probe = 0
         self.chosen: int | None = None  # the depth of the last decision (None: none yet)
         self.probe_next = 0  # depth of the eager probe at the next call (0: none)
@@ -89,18 +93,9 @@ class DepthChooser:
     def start(self, decode_seconds: Callable[[int], float] | None, verify_cost: Callable[[int, int], float] | None,
               memory_key: tuple | None = None) -> None:
         """A new call (module doc); either callable None: the chooser stays off."""
-        self.decode_seconds, self.verify_cost, self.memory_key = decode_seconds, verify_cost, memory_key
-        self.records.clear()
-        self.times = [DraftTime(self.config.ema) for _ in range(self.max_depth)]
+        self.decode_seconds, self.verify_cost = decode_seconds, verify_cost
+        self._begin(memory_key)
         self.since_probe, self.chosen, self.probe_next = 0, None, 0
-        if self.active and memory_key in _REMEMBERED:
-            records, times = _REMEMBERED[memory_key]
-            self.records.extend(records)
-            self.times = [replace(t) for t in times]
-
-    def finish(self) -> None:
-        if self.active and self.memory_key is not None:
-            _REMEMBERED[self.memory_key] = (list(self.records), [replace(t) for t in self.times])
 
     def record_seconds(self, level_seconds: Sequence[float], catch_up: bool) -> None:
         """Wall seconds of each level drafted by one call (all its sequences); ``catch_up``: the call included a

@@ -292,7 +292,7 @@ def test_a_low_confidence_step_between_confident_ones_does_not_back_off():
     sizer.size(0, DraftTree.chain([10], scores=torch.tensor([0.1])), batch=1)
     sizer.observe(0, [11, 12])
     assert sizer.guards[0].backoff == 0 and sizer.wants_draft(0)
-    for step in range(12):  # only low-confidence drafts from now on: the average falls and the guard backs off
+    for _ in range(12):  # only low-confidence drafts from now on: the average falls and the guard backs off
         if sizer.wants_draft(0):
             sizer.size(0, DraftTree.chain([10], scores=torch.tensor([0.1])), batch=1)
             sizer.observe(0, [11, 12])
