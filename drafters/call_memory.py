@@ -4,7 +4,8 @@ chooser (parts: draft levels).
 
     class ChildGate(CallMemory):
         _store = _REMEMBERED                    # the subclass's module dict (tests clear it)
-    gate._begin(memory_key)                     # in start(): fresh state, or the last finished call's of that key
+    key = memory_key(drafter, target.runner)    # the drafter's cost key and the target it drafts for
+    gate._begin(key)                            # in start(): fresh state, or the last finished call's of that key
     gate.finish()                               # a sequence finished: keep what was learned
 
 Why kept: as the engine's guard does (:mod:`specdec.tree_sizing`, Memory), so that a server calling generate()
@@ -17,6 +18,13 @@ from collections import deque
 from dataclasses import replace
 
 from specdec.tree_sizing import DraftTime
+
+
+def memory_key(drafter, runner) -> tuple:
+    """The key what a drafter learned is kept under: its cost key (checkpoint and settings) and the target's shape,
+    dtype and device (``runner`` may be None: a test's stand-in target)."""
+    return (drafter.cost_key(), repr(getattr(runner, "shape", None)), str(getattr(runner, "dtype", None)),
+            str(getattr(runner, "device", None)))
 
 
 class CallMemory:

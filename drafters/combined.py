@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView, as_drafter
+from specdec.drafters.call_memory import memory_key
 from specdec.drafters.child_gate import ChildGate
 from specdec.drafters.registry import get_drafter
 
@@ -161,10 +162,7 @@ class CombinedDrafter(Drafter):
         self._held.clear()
         self._seen.clear()
         decode_seconds = getattr(target, "decode_seconds", None) if self.config.gate else None
-        runner = getattr(target, "runner", None)
-        shape = getattr(runner, "shape", None)
-        self.gate.start(decode_seconds, (self.cost_key(), repr(shape), str(getattr(runner, "dtype", None)),
-                                         str(getattr(runner, "device", None))))
+        self.gate.start(decode_seconds, memory_key(self, getattr(target, "runner", None)))
         self.curve = getattr(target, "verify_cost", None)
         if self.config.cost_model and self.verify_cost is None and self.curve is None:
             from specdec.cost_model import load_cost_model

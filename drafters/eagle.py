@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView
+from specdec.drafters.call_memory import memory_key
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, check_fits_target, load_eagle
 from specdec.drafters.eagle_depth import DepthChooser
 from specdec.drafters.eagle_model import EagleModel
@@ -108,7 +109,7 @@ class EagleDrafter(Drafter):
         adapt = self.options.adapt_depth
         self.chooser.start(getattr(target, "decode_seconds", None) if adapt else None,
                            getattr(target, "verify_cost", None),
-                           (self.cost_key(), repr(runner.shape), str(runner.dtype), str(runner.device)))
+                           memory_key(self, runner))
         self._last.clear()
         logger.info("eagle: depth %d%s, top-k %d, %d nodes, draft vocabulary %d", self.depth,
                     " at most (chosen per call)" if self.chooser.active else "", self.top_k, self.max_nodes, vocab)
