@@ -123,8 +123,8 @@ class DraftTime:
     prompt: EAGLE's layer over every prompt row, a draft model's prefill), a one-off, not a step's cost. It stands in
     only while nothing else is known, and the next call's time replaces it: as the first sample of the average, a
     512-token summary's first EAGLE call (~16 steps' worth) set a maximal backoff that the guard's memory carried
-    into the next calls (EAGLE then drafted nothing on qa after summarisation). Used by the tree sizer and by the
-    combined drafter's child gate (one per child)."""
+    into the next calls (EAGLE then drafted nothing on qa after summarisation). Used by the tree sizer, and per part
+    by the combined drafter's child gate (per child) and EAGLE's depth chooser (per level)."""
 
     ema: float
     seconds: float | None = None  # None: no call timed yet
@@ -186,8 +186,9 @@ class TreeSizer:
         self.off = False  # never_pays held: no sequence drafts (switch_off)
 
     # ---- costs ----------------------------------------------------------------------------
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.config.ema * (new - old)
+    def _ema(self, old: float | None, new: float, weight: float | None = None) -> float:
+        """The running average ``old`` moved toward ``new`` (weight: the config's ``ema`` by default)."""
+        return new if old is None else old + (self.config.ema if weight is None else weight) * (new - old)
 
     def record_draft(self, draft_seconds: float, catch_up: bool = False) -> None:
         """Wall time of one propose call, recorded before its trees are sized: the first probe's judgement (and so
@@ -256,9 +257,8 @@ class TreeSizer:
         """A drafted step's expected committed tokens and cost join the sequence's running averages, which decide
         whether drafting pays (module doc, Guard)."""
         guard = self._guard(seq_id)
-        w = self.config.judge_ema
-        guard.tokens = tokens if guard.tokens is None else guard.tokens + w * (tokens - guard.tokens)
-        guard.cost = cost if guard.cost is None else guard.cost + w * (cost - guard.cost)
+        guard.tokens = self._ema(guard.tokens, tokens, self.config.judge_ema)
+        guard.cost = self._ema(guard.cost, cost, self.config.judge_ema)
         if guard.tokens > guard.cost * (1.0 + self.config.margin):
             # undo one growth step: a lucky probe of a drafter that rarely pays does not restart its ramp
             self.paid += 1
