@@ -85,6 +85,9 @@ class DepthChooser(CallMemory):
         self.chosen: int | None = None  # the depth of the last decision (None: none yet)
         self.probe_next = 0  # depth of the eager probe at the next call (0: none)
         self.used = [0] * (max_depth + 1)  # instrumentation: calls drafted at each depth
+        # records in the window whose level j + 1 was tried / matched (kept with the window: choose() runs every call)
+        self.tried = [0] * max_depth
+        self.matched = [0] * max_depth
 
     @property
     def active(self) -> bool:
@@ -96,6 +99,9 @@ class DepthChooser(CallMemory):
         self.decode_seconds, self.verify_cost = decode_seconds, verify_cost
         self._begin(memory_key)
         self.since_probe, self.chosen, self.probe_next = 0, None, 0
+        self.tried, self.matched = [0] * self.max_depth, [0] * self.max_depth
+        for record in self.records:
+            self._count(record, 1)
 
     def record_seconds(self, level_seconds: Sequence[float], catch_up: bool) -> None:
         """Wall seconds of each level drafted by one call (all its sequences); ``catch_up``: the call included a
@@ -105,17 +111,25 @@ class DepthChooser(CallMemory):
 
     def observe(self, trials: int, successes: int) -> None:
         """One sequence's step: levels of the proposal walked and matched along the committed tokens."""
+        if len(self.records) == self.records.maxlen:
+            self._count(self.records[0], -1)  # leaves the window
         self.records.append((trials, successes))
+        self._count((trials, successes), 1)
         if self.chosen is not None and successes > self.chosen:
             self.probe_next = max(self.probe_next, min(self.max_depth, successes + 1))
+
+    def _count(self, record: tuple[int, int], sign: int) -> None:
+        trials, successes = record
+        for j in range(min(trials, self.max_depth)):
+            self.tried[j] += sign
+        for j in range(min(successes, self.max_depth)):
+            self.matched[j] += sign
 
     def rates(self) -> list[float]:
         """r_j for j = 1..max_depth (module doc)."""
         out, prior = [], 0.5
         w = self.config.prior_weight
-        for level in range(1, self.max_depth + 1):
-            tried = sum(1 for t, _ in self.records if t >= level)
-            matched = sum(1 for _, s in self.records if s >= level)
+        for tried, matched in zip(self.tried, self.matched):
             prior = (matched + w * prior) / (tried + w)
             out.append(prior)
         return out
