@@ -126,23 +126,31 @@ class AttentionPlan:
         if len(self.seqs) < 2 or any(s.prefill for s in self.seqs):
             return None
         device = self.write_slots.device
-        batch = len(self.seqs)
-        max_keys = max(s.key_slots.numel() for s in self.seqs)
         max_new = max(s.num_new for s in self.seqs)
-        key_slots = torch.zeros(batch, max_keys, dtype=torch.long, device=device)
-        query_rows = torch.zeros(batch, max_new, dtype=torch.long, device=device)
-        mask = torch.zeros(batch, 1, max_new, max_keys, dtype=torch.bool, device=device)
-        mask[:, 0, :, 0] = True
-        out_index = []
+        # built from per-sequence lists and whole-batch ops: this runs once per forward for every sequence
+        key_slots = torch.nn.utils.rnn.pad_sequence([s.key_slots for s in self.seqs], batch_first=True,
+                                                    padding_value=-1)  # [batch, max_keys]
+        key_slots = torch.where(key_slots < 0, key_slots[:, :1], key_slots)
+        num_keys = torch.tensor([s.key_slots.numel() for s in self.seqs], device=device)  # [batch]
+        rows: list[int] = []
+        out_index: list[int] = []
         for b, s in enumerate(self.seqs):
-            keys = s.key_slots.numel()
-            key_slots[b, :keys] = s.key_slots
-            key_slots[b, keys:] = s.key_slots[0]
-            query_rows[b, : s.num_new] = torch.arange(s.query_start, s.query_start + s.num_new, device=device)
-            dense = s.dense_mask
-            mask[b, 0, : s.num_new, :keys] = True if dense is None else dense
+            rows.extend(range(s.query_start, s.query_start + s.num_new))
+            rows.extend([0] * (max_new - s.num_new))
             out_index.extend(range(b * max_new, b * max_new + s.num_new))
-        return PaddedBatch(key_slots, query_rows, mask, torch.tensor(out_index, dtype=torch.long, device=device))
+        query_rows = torch.tensor(rows, dtype=torch.long, device=device).view(len(self.seqs), max_new)
+        # every real row sees its sequence's keys; a padding row its first key only
+        real_row = torch.arange(max_new, device=device) < torch.tensor([s.num_new for s in self.seqs],
+                                                                     device=device)[:, None]  # [batch, max_new]
+        key_seen = torch.arange(key_slots.shape[1], device=device) < num_keys[:, None]  # [batch, max_keys]
+        mask = real_row[:, :, None] & key_seen[:, None, :]
+        mask[:, :, 0] = True
+        for b, s in enumerate(self.seqs):
+            dense = s.dense_mask
+            if dense is not None:
+                mask[b, : s.num_new, : dense.shape[1]] = dense
+        return PaddedBatch(key_slots, query_rows, mask[:, None],
+                           torch.tensor(out_index, dtype=torch.long, device=device))
 
     @cached_property
     def kernel_metadata(self):
@@ -177,7 +185,7 @@ class BatchBuilder:
     cache: "object"  # PagedKVCache (slots(seq_id, start, end))
     device: torch.device
     _tokens: list[int] = field(default_factory=list)
-    _positions: list[torch.Tensor] = field(default_factory=list)
+    _positions: list[int] = field(default_factory=list)
     _seqs: list[SeqAttention] = field(default_factory=list)
     _write_slots: list[torch.Tensor] = field(default_factory=list)
     _rows: list[range] = field(default_factory=list)
@@ -190,14 +198,14 @@ class BatchBuilder:
         self._seqs.append(SeqAttention(start, n, key_slots, num_visible, bits))
         self._write_slots.append(key_slots[num_keys - n :])
         self._tokens.extend(tokens)
-        self._positions.append(torch.as_tensor(positions, dtype=torch.long))
+        self._positions.extend(positions.tolist() if isinstance(positions, torch.Tensor) else positions)
         self._rows.append(range(start, start + n))
         return self._rows[-1]
 
     def build(self) -> ForwardBatch:
         return ForwardBatch(
             token_ids=torch.tensor(self._tokens, dtype=torch.long, device=self.device),
-            positions=torch.cat(self._positions).to(self.device),
+            positions=torch.tensor(self._positions, dtype=torch.long, device=self.device),
             plan=AttentionPlan(tuple(self._seqs), torch.cat(self._write_slots)),
             rows=tuple(self._rows),
         )

@@ -247,7 +247,7 @@ class Engine:
         max_depth = min(
             self.stop.max_new_tokens - len(s.new_tokens) - 1, self.runner.shape.max_positions - 1 - root_position
         )
-        if tree.num_nodes and tree.max_depth > max_depth:
+        if tree.num_nodes > max_depth and tree.max_depth > max_depth:  # no deeper than it has nodes
             return tree.prune(tree.depths <= max(max_depth, 0))
         return tree
 
@@ -262,10 +262,10 @@ class Engine:
                 raise RuntimeError(f"sequence {s.seq_id}: the KV cache holds {cached} committed positions, "
                                    f"expected {root_position} (every token but the root)")
             # host-side per-sequence vectors (a drafter's tree may live on its device); the builder moves them once
-            positions = torch.cat([torch.tensor([root_position]), tree.position_ids(root_position).cpu()])
+            positions = [root_position] + [root_position + d for d in tree.depth_list]
             tokens = [s.token_ids[-1]] + tree.tokens.tolist()
             if tree.num_nodes:
-                bits = torch.cat([torch.zeros(1, dtype=torch.long), tree.ancestor_bits().cpu()])  # [1 + num_nodes]
+                bits = torch.tensor([0] + tree.ancestor_bit_list, dtype=torch.long)  # [1 + num_nodes]
                 builder.add(s.seq_id, tokens, positions, cached + len(tokens), cached + 1, bits)
             else:
                 builder.add(s.seq_id, tokens, positions, cached + 1, cached)

@@ -44,6 +44,8 @@ def _is_ndarray(value: Any) -> bool:
 
 def is_int(value: Any) -> bool:
     """A Python / numpy integer, or a 0-D integer tensor; never a bool."""
+    if type(value) is int:  # the common case, per token: skips the ABC check below (bool is not int here)
+        return True
     if isinstance(value, torch.Tensor):
         return value.dim() == 0 and _int_dtype(value.dtype)
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"

@@ -127,9 +127,11 @@ class PagedKVCache:
         table = self.block_tables[seq_id]
         if end > len(table) * self.block_size:
             raise IndexError(f"positions up to {end} of sequence {seq_id} are not reserved")
-        pos = torch.arange(start, end)
-        blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
-        return (blocks * self.block_size + pos % self.block_size).to(self.kv.device)
+        bs, out = self.block_size, []
+        for b in range(start // bs, (end - 1) // bs + 1 if end > start else 0):  # one run of slots per block
+            first = b * bs
+            out.extend(range(table[b] * bs + max(start, first) - first, table[b] * bs + min(end, first + bs) - first))
+        return torch.tensor(out, dtype=torch.long, device=self.kv.device)
 
     # ---- data ---------------------------------------------------------------------------
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_slots, kv_heads, head_dim]

@@ -92,12 +92,14 @@ class Acceptance:
 
 def _finish(tree: DraftTree, path: list[int], next_token: int, is_bonus: bool, tried_depths: int) -> Acceptance:
     """Acceptance records are host tensors, like the DraftTree they index."""
-    depth_tried = torch.zeros(tree.max_depth, dtype=torch.long, device="cpu")
-    depth_tried[:tried_depths] = 1
-    depth_accepted = torch.zeros(tree.max_depth, dtype=torch.long, device="cpu")
-    depth_accepted[: len(path)] = 1
-    nodes = torch.tensor(path, dtype=torch.long, device="cpu")
-    return Acceptance(nodes, tree.tokens[nodes], next_token, is_bonus, depth_tried, depth_accepted)
+    depth, tried = tree.max_depth, min(tried_depths, tree.max_depth)
+    tokens = tree.tokens.tolist() if path else []
+
+    def host(values: list[int]) -> torch.Tensor:  # built from lists: this runs per sequence per step
+        return torch.tensor(values, dtype=torch.long, device="cpu")
+
+    return Acceptance(host(path), host([tokens[i] for i in path]), next_token, is_bonus,
+                      host([1] * tried + [0] * (depth - tried)), host([1] * len(path) + [0] * (depth - len(path))))
 
 
 def follow_choices(trees: Sequence[DraftTree], choices: list[list[int]]) -> list[Acceptance]:

@@ -25,6 +25,7 @@ from specdec.errors import SpecdecError
 from specdec.generate_inputs import is_int
 
 MAX_TREE_NODES = 64  # the ancestor bitmask of the GPU kernels holds 64 bits
+_EMPTY: "DraftTree | None" = None  # DraftTree.empty()
 
 
 class DraftError(SpecdecError, ValueError):
@@ -69,9 +70,13 @@ def _id_vector(value, what: str) -> torch.Tensor:
 
 
 def _first_bad_parent(parents: torch.Tensor) -> int | None:
-    """Index of the first node breaking -1 <= parents[i] < i (topological order, no cycles), or None."""
-    bad = (parents >= torch.arange(parents.numel(), device=parents.device)) | (parents < -1)
-    return int(bad.nonzero()[0]) if bool(bad.any()) else None
+    """Index of the first node breaking -1 <= parents[i] < i (topological order, no cycles), or None.
+
+    On a list (at most MAX_TREE_NODES entries get here): cheaper than four tensor ops per tree."""
+    for i, p in enumerate(parents.tolist()):
+        if not -1 <= p < i:
+            return i
+    return None
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,7 +137,12 @@ class DraftTree:
     # ---- constructors -------------------------------------------------------------------
     @classmethod
     def empty(cls) -> "DraftTree":
-        return cls(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+        """The empty tree (plain decoding). One shared instance: it has nothing to mutate, and the engine asks
+        for one per sequence per step."""
+        global _EMPTY
+        if _EMPTY is None:
+            _EMPTY = cls(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+        return _EMPTY
 
     @classmethod
     def chain(cls, tokens, draft_probs: torch.Tensor | None = None, mode: DraftMode | None = None,
@@ -146,19 +156,22 @@ class DraftTree:
     # ---- derived structure --------------------------------------------------------------
     @property
     def num_nodes(self) -> int:
-        return int(self.tokens.numel())
+        return self.tokens.shape[0]
+
+    @cached_property
+    def depth_list(self) -> list[int]:  # [num_nodes] depths as a list: the engine asks per sequence per step
+        depths: list[int] = []
+        for p in self.parents.tolist():
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return depths
 
     @cached_property
     def depths(self) -> torch.Tensor:  # [num_nodes], root children have depth 1
-        depths = torch.zeros(self.num_nodes, dtype=torch.long, device=self.parents.device)
-        parents = self.parents.tolist()
-        for i, p in enumerate(parents):
-            depths[i] = 1 if p < 0 else depths[p] + 1
-        return depths
+        return torch.tensor(self.depth_list, dtype=torch.long, device=self.parents.device)
 
     @property
     def max_depth(self) -> int:
-        return int(self.depths.max()) if self.num_nodes else 0
+        return max(self.depth_list, default=0)
 
     def position_ids(self, root_position: int) -> torch.Tensor:  # [num_nodes]
         return self.depths + root_position
@@ -174,9 +187,15 @@ class DraftTree:
         return mask
 
     def ancestor_bits(self) -> torch.Tensor:  # [num_nodes] int64 bitmask of ancestor_mask rows
-        weights = torch.ones(self.num_nodes, dtype=torch.long, device=self.parents.device) << torch.arange(
-            self.num_nodes, device=self.parents.device)
-        return (self.ancestor_mask.long() * weights).sum(-1)
+        return torch.tensor(self.ancestor_bit_list, dtype=torch.long, device=self.parents.device)
+
+    @cached_property
+    def ancestor_bit_list(self) -> list[int]:  # [num_nodes] ancestor_bits() as int64 values in a list
+        bits: list[int] = []
+        for i, p in enumerate(self.parents.tolist()):
+            bits.append((bits[p] if p >= 0 else 0) | (1 << i))
+        # bit 63 is the int64 sign bit: the two's-complement value, as a shift in int64 gives
+        return [b - (1 << 64) if b >> 63 else b for b in bits]
 
     @cached_property
     def children(self) -> list[list[int]]:  # index 0 = root's children, index i+1 = node i's children
@@ -200,14 +219,32 @@ class DraftTree:
     def prune(self, keep: torch.Tensor) -> "DraftTree":
         """Sub-tree of the nodes where `keep` [num_nodes] bool is True (must be ancestor-closed)."""
         keep = torch.as_tensor(keep, dtype=torch.bool)
-        parent_kept = torch.where(self.parents >= 0, keep[self.parents.clamp(min=0)], torch.ones_like(keep))
-        if bool((keep & ~parent_kept).any()):
-            raise ValueError("prune: a kept node's parent is dropped")
-        new_index = keep.long().cumsum(0) - 1  # old index -> new index for kept nodes
-        parents = torch.where(self.parents >= 0, new_index[self.parents.clamp(min=0)], self.parents)[keep]
-        probs = None if self.draft_probs is None else self.draft_probs[keep]
+        kept = keep.tolist()
+        new_index: list[int] = []  # old index -> new index (-1: dropped)
+        parents: list[int] = []
+        for i, p in enumerate(self.parents.tolist()):
+            if not kept[i]:
+                new_index.append(-1)
+                continue
+            if p >= 0 and not kept[p]:
+                raise ValueError("prune: a kept node's parent is dropped")
+            new_index.append(len(parents))
+            parents.append(new_index[p] if p >= 0 else -1)
+        probs = None if self.draft_probs is None else self.draft_probs[keep.to(self.draft_probs.device)]
         scores = None if self.scores is None else self.scores[keep.to(self.scores.device)]
-        return DraftTree(self.tokens[keep], parents, probs, self.mode, scores)
+        tokens = self.tokens[keep.to(self.tokens.device)]
+        return self._trusted(tokens, torch.tensor(parents, dtype=torch.long, device=self.parents.device), probs,
+                             scores)
+
+    def _trusted(self, tokens: torch.Tensor, parents: torch.Tensor, draft_probs: torch.Tensor | None,
+                 scores: torch.Tensor | None) -> "DraftTree":
+        """A tree of this one's mode built from parts of it (a sub-tree): every check of construction and of
+        validate() holds for them already, so none is run again (the engine prunes per sequence per step)."""
+        tree = object.__new__(type(self))
+        for name, value in (("tokens", tokens), ("parents", parents), ("draft_probs", draft_probs),
+                            ("mode", self.mode), ("scores", scores)):
+            object.__setattr__(tree, name, value)
+        return tree
 
     # ---- checks the engine runs on every proposal ---------------------------------------
     def validate(self, vocab_size: int, drafter: str = "drafter", atol: float = 1e-4) -> None:
