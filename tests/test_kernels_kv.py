@@ -10,6 +10,10 @@ import pytest
 from specdec.kernels.testing import kernel_device
 
 DEVICE = kernel_device()  # sets TRITON_INTERPRET=1 without a GPU: must run before triton is imported
+# generate() with a drafter: in the interpreter, speculation="auto" first calibrates the cost model (~65 verify
+# sizes, 30-60 s per test on CPU) and its guard may prune the trees these tests push through the kernels; on a
+# GPU the default runs
+SPECULATION = "auto" if DEVICE == "cuda" else "always"
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
@@ -141,7 +145,7 @@ def test_backend_is_chosen_once_when_runner_and_cache_are_built(backend_env, tin
     cache = make_cache(0)
     assert loaded.runner.backend.triton and cache.backend.triton
     backend_env("bogus")  # read per call, this would raise in every forward and KV write
-    out = generate(loaded, [[3, 5, 7, 3, 5, 7]], max_new_tokens=4, drafter="ngram")
+    out = generate(loaded, [[3, 5, 7, 3, 5, 7]], max_new_tokens=4, drafter="ngram", speculation=SPECULATION)
     assert len(out[0]) == 10
     cache.add(0)
     cache.reserve(0, 2)
@@ -173,7 +177,7 @@ def test_engine_forward_through_dispatch_matches_reference(backend_env, tiny_mod
     for name in ("reference", "triton"):
         backend_env(name)  # read when load_model builds the runner
         outs[name] = generate(load_model(model, device=DEVICE), prompt, max_new_tokens=6, drafter="ngram",
-                              return_dict=True)
+                              return_dict=True, speculation=SPECULATION)
     assert outs["reference"].new_tokens == outs["triton"].new_tokens
     assert calls, "SPECDEC_ATTENTION=triton did not reach the kernel"
     assert {"add_rms_norm", "rope_", "silu_mul"} <= set(fused), "the fused element-wise kernels were not used"
