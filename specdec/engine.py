@@ -247,7 +247,7 @@ class Engine:
         max_depth = min(
             self.stop.max_new_tokens - len(s.new_tokens) - 1, self.runner.shape.max_positions - 1 - root_position
         )
-        if tree.num_nodes > max_depth and tree.max_depth > max_depth:  # no deeper than it has nodes
+        if tree.num_nodes and tree.max_depth > max_depth:
             return tree.prune(tree.depths <= max(max_depth, 0))
         return tree
 

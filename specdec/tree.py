@@ -238,8 +238,9 @@ class DraftTree:
 
     def _trusted(self, tokens: torch.Tensor, parents: torch.Tensor, draft_probs: torch.Tensor | None,
                  scores: torch.Tensor | None) -> "DraftTree":
-        """A tree of this one's mode built from parts of it (a sub-tree): every check of construction and of
-        validate() holds for them already, so none is run again (the engine prunes per sequence per step)."""
+        """A tree of this one's mode built from parts of it (a sub-tree): the construction checks hold for it
+        as they held for this tree (and a sub-tree of a validated tree is validated), so none is run again (the
+        engine prunes per sequence per step)."""
         tree = object.__new__(type(self))
         for name, value in (("tokens", tokens), ("parents", parents), ("draft_probs", draft_probs),
                             ("mode", self.mode), ("scores", scores)):
