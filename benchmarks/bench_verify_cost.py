@@ -32,7 +32,10 @@ def main() -> None:
     runner = load_model("default").runner
     ensure_row_policy(runner)  # linear()'s measured CPU row policy, as every engine built by generate() runs
     s = runner.shape
-    cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, args.context // 16 + 8, 16, runner.dtype)
+    sizes = [int(x) for x in args.sizes.split(",")]
+    # every timed forward commits one token: the context grows by reps per size (the 1-token base included)
+    longest = args.context + args.reps * (len(sizes) + 1) + max(sizes)
+    cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, longest // 16 + 2, 16, runner.dtype)
     engine = Engine(runner, cache, SamplingConfig(), StopCriteria(10_000))
     seq = engine.add([list(range(100, 100 + args.context))])[0]
 
@@ -48,7 +51,6 @@ def main() -> None:
             seq.token_ids.append(7)  # the root moved on by one token
         return sorted(times)[len(times) // 2] * 1000
 
-    sizes = [int(x) for x in args.sizes.split(",")]
     base = median_ms(1)
     print(f"context {args.context}: 1-token forward {base:.1f} ms (median of {args.reps})")
     for n in sizes:
