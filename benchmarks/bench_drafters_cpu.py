@@ -3,6 +3,7 @@
     python benchmarks/bench_drafters_cpu.py --prompts 3 --max-new-tokens 96
     python benchmarks/bench_drafters_cpu.py --sweep-self-draft          # pick N layers / depth
     python benchmarks/bench_drafters_cpu.py --medusa-path heads/        # trained Medusa heads
+    python benchmarks/bench_drafters_cpu.py --eagle-path eagle/ --drafters ngram,eagle,ngram+eagle
     python benchmarks/bench_drafters_cpu.py --speculation always        # verify every proposed tree whole
     python benchmarks/bench_drafters_cpu.py --categories all --repeats 3   # every acceptance-suite category
 
@@ -109,6 +110,9 @@ def drafters(args, loaded) -> dict[str, tuple[str | None, dict]]:
         "combined (ngram+self-draft)": ("combined", {"drafters": ["ngram", "self-draft"]}),
         "combined (every child)": ("combined", {"drafters": ["ngram", "self-draft"], "gate": False}),
     }
+    if args.eagle_path:  # a trained EAGLE layer alone, and merged with n-gram's copies (the combined drafter)
+        out["eagle"] = ("eagle", {"path": args.eagle_path})
+        out["ngram+eagle"] = ("combined", {"drafters": ["ngram", {"name": "eagle", "path": args.eagle_path}]})
     if args.medusa_path:
         out["medusa (static 16)"] = ("medusa", {"path": args.medusa_path})  # saved choices, first 16 nodes
         out["medusa (dynamic 16)"] = ("medusa", {"path": args.medusa_path, "tree": "dynamic"})
@@ -132,6 +136,7 @@ def main() -> None:
     ap.add_argument("--drafters", help="comma-separated subset of the table's rows (plain, twice, always runs)")
     ap.add_argument("--sweep-self-draft", action="store_true", help="compare self-draft layer counts and depths")
     ap.add_argument("--medusa-path", help="a Medusa checkpoint directory for the base model")
+    ap.add_argument("--eagle-path", help="an EAGLE checkpoint directory: adds the rows eagle and ngram+eagle")
     ap.add_argument("--speculation", choices=("auto", "always"), default="auto",
                     help="auto: tree sizing + break-even guard (default); always: verify every tree whole")
     ap.add_argument("--json", help="also write the numbers to this JSON file")

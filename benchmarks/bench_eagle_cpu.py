@@ -45,7 +45,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     loaded = load_model("default")
-    table = {"plain": (None, {}), "ngram": ("ngram", {}), "eagle": ("eagle", {"path": args.eagle_path})}
+    table = {"plain": (None, {}), "ngram": ("ngram", {}), "eagle": ("eagle", {"path": args.eagle_path}),
+             # both, merged per step; the child gate leaves out a child whose tokens do not cover its draft time
+             "ngram+eagle": ("combined", {"drafters": ["ngram", {"name": "eagle", "path": args.eagle_path}]})}
     for spec in args.medusa_path:
         name, _, path = spec.partition("=")
         table[f"medusa {name}"] = ("medusa", {"path": path, "tree": "dynamic"})
