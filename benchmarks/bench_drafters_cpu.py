@@ -17,7 +17,9 @@ model's c(1 + its tree size)), and checks that every drafter's tokens equal plai
 geometric mean of the ratios of each (prompt, repeat) block, where drafter and plain ran seconds apart, with a
 90% t-interval over the blocks: a cell whose interval lies below 0.97 is slower than plain beyond this
 machine's noise; one whose interval straddles it cannot tell. The row "plain (again)" is plain decoding run a
-second time in every block: its ratio is this run's noise floor.
+second time in every block: its ratio is this run's noise floor. "draft %" is the share of the drafter's wall time
+spent in ``propose``: where the guard keeps a drafter off (tau ~1.00) it bounds what the drafter costs (with the
+verify of its probes' trees) more tightly than the ratios can on a noisy machine.
 Drafters run with ``speculation="auto"`` (the default: tree sizing by the measured cost model and the
 break-even guard) unless ``--speculation always``; the row "ngram (whole trees)" runs n-gram with
 ``speculation="always"`` in the same run, for comparison; "combined (every child)" runs the combined drafter
@@ -51,6 +53,7 @@ class Totals:
     tokens: int = 0
     seconds: float = 0.0
     decode_seconds: float = 0.0
+    draft_seconds: float = 0.0  # inside drafter.propose
     predicted_seconds: float = 0.0
     steps: int = 0
     bad: int = 0  # runs whose tokens differ from plain decoding's
@@ -59,6 +62,7 @@ class Totals:
         self.tokens += len(out.new_tokens[0])
         self.seconds += seconds
         self.decode_seconds += out.draft_seconds + out.verify_seconds
+        self.draft_seconds += out.draft_seconds
         self.predicted_seconds += out.draft_seconds + sum(costs.seconds(1 + n) for n in out.stats[0].step_nodes)
         self.steps += out.stats[0].steps
         self.bad += bool(bad)
@@ -188,7 +192,7 @@ def main() -> None:
                     blocks[key].append(speed[key] / speed["plain"])
         plain = totals["plain"]
         print(f"\n{cat}: {'drafter':<22} {'tok/s':>8} {'vs plain':>9} {'min..max':>12} {'tau':>6}"
-              f" {'decode: measured':>17} {'predicted':>9} {'paired [90% interval]':>23}")
+              f" {'decode: measured':>17} {'predicted':>9} {'paired [90% interval]':>23} {'draft %':>8}")
         report[cat] = {}
         for key, t in totals.items():
             reps = [r[key].tokens_per_s / r["plain"].tokens_per_s for r in per_repeat]
@@ -197,10 +201,11 @@ def main() -> None:
             report[cat][key] = {"tokens_per_s": t.tokens_per_s, "speedup": t.tokens_per_s / plain.tokens_per_s,
                                 "tau": t.tau, "speedup_per_repeat": reps, "decode_speedup": measured,
                                 "predicted_decode_speedup": predicted, "mismatching_runs": t.bad,
-                                "speedup_per_block": blocks[key], "paired_speedup": [mean, low, high]}
+                                "speedup_per_block": blocks[key], "paired_speedup": [mean, low, high],
+                                "draft_share": t.draft_seconds / t.seconds}
             print(f"{'':<14} {key:<22} {t.tokens_per_s:8.2f} {t.tokens_per_s / plain.tokens_per_s:8.2f}x "
                   f"{min(reps):5.2f}..{max(reps):4.2f}x {t.tau:6.2f} {measured:16.2f}x {predicted:8.2f}x"
-                  f" {mean:10.2f}x [{low:.2f}, {high:.2f}]"
+                  f" {mean:10.2f}x [{low:.2f}, {high:.2f}] {100 * t.draft_seconds / t.seconds:7.1f}%"
                   + (f"  ({t.bad} runs differ from plain!)" if t.bad else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
