@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import chat_ids, time_specdec  # noqa: E402
+from common import chat_ids, eagle_rows, time_specdec  # noqa: E402
 from specdec.eval.prompts import load_prompts  # noqa: E402
 
 from specdec.cost_model import load_cost_model  # noqa: E402
@@ -80,6 +80,10 @@ class Totals:
         return self.tokens / self.predicted_seconds
 
     @property
+    def draft_share(self) -> float:
+        return self.draft_seconds / self.seconds
+
+    @property
     def tau(self) -> float:
         return self.tokens / max(self.steps, 1)
 
@@ -114,9 +118,8 @@ def drafters(args, loaded) -> dict[str, tuple[str | None, dict]]:
         "combined (ngram+self-draft)": ("combined", {"drafters": ["ngram", "self-draft"]}),
         "combined (every child)": ("combined", {"drafters": ["ngram", "self-draft"], "gate": False}),
     }
-    if args.eagle_path:  # a trained EAGLE layer alone, and merged with n-gram's copies (the combined drafter)
-        out["eagle"] = ("eagle", {"path": args.eagle_path})
-        out["ngram+eagle"] = ("combined", {"drafters": ["ngram", {"name": "eagle", "path": args.eagle_path}]})
+    if args.eagle_path:
+        out |= eagle_rows(args.eagle_path)
     if args.medusa_path:
         out["medusa (static 16)"] = ("medusa", {"path": args.medusa_path})  # saved choices, first 16 nodes
         out["medusa (dynamic 16)"] = ("medusa", {"path": args.medusa_path, "tree": "dynamic"})
@@ -202,10 +205,10 @@ def main() -> None:
                                 "tau": t.tau, "speedup_per_repeat": reps, "decode_speedup": measured,
                                 "predicted_decode_speedup": predicted, "mismatching_runs": t.bad,
                                 "speedup_per_block": blocks[key], "paired_speedup": [mean, low, high],
-                                "draft_share": t.draft_seconds / t.seconds}
+                                "draft_share": t.draft_share}
             print(f"{'':<14} {key:<22} {t.tokens_per_s:8.2f} {t.tokens_per_s / plain.tokens_per_s:8.2f}x "
                   f"{min(reps):5.2f}..{max(reps):4.2f}x {t.tau:6.2f} {measured:16.2f}x {predicted:8.2f}x"
-                  f" {mean:10.2f}x [{low:.2f}, {high:.2f}] {100 * t.draft_seconds / t.seconds:7.1f}%"
+                  f" {mean:10.2f}x [{low:.2f}, {high:.2f}] {100 * t.draft_share:7.1f}%"
                   + (f"  ({t.bad} runs differ from plain!)" if t.bad else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import chat_ids, time_specdec  # noqa: E402
+from common import chat_ids, eagle_rows, time_specdec  # noqa: E402
 from specdec.eval.prompts import CATEGORIES, load_prompts  # noqa: E402
 
 from specdec.models.loader import load_model  # noqa: E402
@@ -45,9 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     loaded = load_model("default")
-    table = {"plain": (None, {}), "ngram": ("ngram", {}), "eagle": ("eagle", {"path": args.eagle_path}),
-             # both, merged per step; the child gate leaves out a child whose tokens do not cover its draft time
-             "ngram+eagle": ("combined", {"drafters": ["ngram", {"name": "eagle", "path": args.eagle_path}]})}
+    table = {"plain": (None, {}), "ngram": ("ngram", {})} | eagle_rows(args.eagle_path)
     for spec in args.medusa_path:
         name, _, path = spec.partition("=")
         table[f"medusa {name}"] = ("medusa", {"path": path, "tree": "dynamic"})

@@ -31,6 +31,13 @@ def time_specdec(loaded, ids: list[int], max_new_tokens: int, **kwargs):
     return time.perf_counter() - t0, out
 
 
+def eagle_rows(path: str) -> dict[str, tuple[str, dict]]:
+    """Benchmark rows (drafter name, options) of a trained EAGLE layer: alone, and merged per step with n-gram's
+    copies by the combined drafter (whose child gate leaves the layer out of a call where it does not pay)."""
+    return {"eagle": ("eagle", {"path": path}),
+            "ngram+eagle": ("combined", {"drafters": ["ngram", {"name": "eagle", "path": path}]})}
+
+
 def ratio_line(name: str, base_tokens: int, base_s: float, tokens: int, seconds: float) -> str:
     base_tps, tps = base_tokens / base_s, tokens / seconds
     return f"{name:<28} {tps:8.2f} tok/s   vs baseline {base_tps:8.2f} tok/s   ratio {tps / base_tps:5.2f}x"
