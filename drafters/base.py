@@ -72,9 +72,13 @@ class TargetView:
     # trees with; None when the engine does not size trees (speculation="always")
     verify_cost: Callable[[int, int], float] | None = None
     # the engine's current wall seconds of one plain decode step at a batch size (from this run's step times), for
-    # drafters that weigh their own wall time against it (the combined drafter's child gate); None when decisions
-    # must not depend on wall times (speculation="always", seeded sampling: specdec.tree_sizing, Reproducible)
+    # drafters that weigh their own wall time against it (the combined drafter's child gate, EAGLE's depth); under
+    # seeded sampling the cost model's fixed value (with cost_profile); None: speculation="always"
     decode_seconds: Callable[[int], float] | None = None
+    # seeded sampling (specdec.tree_sizing, Reproducible): what the drafter's cost_profile() returned at its cached
+    # calibration (specdec.draft_cost; {} when it had none). Decisions that weigh draft time use these fixed seconds
+    # and decode_seconds (then the cost model's) and never wall times. None: not seeded, wall times are fine
+    cost_profile: dict | None = None
 
 
 class TokenView(Sequence[int]):
@@ -146,6 +150,18 @@ class Drafter(ABC):
         they load add what identifies it."""
         return "|".join([type(self).__qualname__, self.name,
                          *(repr(getattr(self, attr, None)) for attr in ("config", "options", "path"))])
+
+    def cost_profile(self) -> dict | None:
+        """After a calibration run (:mod:`specdec.draft_cost`): the per-part seconds the drafter's own decisions
+        weigh (EAGLE: per draft level; the combined drafter: per child), JSON-serialisable. They are cached with
+        the call's seconds and given back under seeded sampling as ``TargetView.cost_profile``. None: none."""
+        return None
+
+    def profiled_seconds(self) -> float | None:
+        """Under seeded sampling, after ``propose``: that call's seconds by the cost profile (what the parts it
+        ran cost at calibration), which the tree sizer prices the call with. None: the calibrated seconds of a
+        whole call."""
+        return None
 
     def forward_seconds(self) -> float | None:
         """After ``attach``: seconds of one forward of the drafter's own model over one token, measured on this

@@ -11,10 +11,15 @@ chooser (parts: draft levels).
 Why kept: as the engine's guard does (:mod:`specdec.tree_sizing`, Memory), so that a server calling generate()
 once per short answer does not pay the warm-up or the first probes again on every answer. Only decisions that
 may depend on wall times use it (``active``), so seeded text never depends on it.
+
+**Fixed times** (seeded sampling, :mod:`specdec.draft_cost`): ``_begin(None, fixed_times)`` starts from the per-part
+seconds a calibration measured (the drafter's cached cost profile); wall times recorded later are ignored and
+nothing is kept or restored, so a decision depends on the cached values and the tokens only.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import replace
 
 from specdec.tree_sizing import DraftTime
@@ -35,20 +40,32 @@ class CallMemory:
         self.memory_key: tuple | None = None
         self.records: deque = deque(maxlen=window)  # the most recent records, what the decision weighs
         self.times = [DraftTime(ema) for _ in range(parts)]  # seconds per call of each part
+        self.fixed = False  # times come from a cached profile (module doc, Fixed times)
 
     @property
     def active(self) -> bool:  # the decision is on (subclasses): only then is anything kept or restored
         raise NotImplementedError
 
-    def _begin(self, memory_key: tuple | None) -> None:
-        """A new call: the last finished call's records and times under ``memory_key``, else none."""
-        self.memory_key = memory_key
+    def _begin(self, memory_key: tuple | None, fixed_times: Sequence[float] | None = None) -> None:
+        """A new call: the last finished call's records and times under ``memory_key``, else none; with
+        ``fixed_times`` (one per part), those times for good and no memory (module doc, Fixed times)."""
+        self.fixed = fixed_times is not None
+        if self.fixed and len(fixed_times) != self._parts:
+            raise ValueError(f"a cost profile of {len(fixed_times)} parts for {self._parts}")
+        self.memory_key = None if self.fixed else memory_key
         self.records.clear()
         self.times = [DraftTime(self._ema) for _ in range(self._parts)]
-        if self.active and memory_key in self._store:
+        if self.fixed:
+            self.times = [DraftTime(self._ema, seconds=float(s)) for s in fixed_times]
+        elif self.active and memory_key in self._store:
             records, times = self._store[memory_key]
             self.records.extend(records)
             self.times = [replace(t) for t in times]
+
+    def _record(self, part: int, seconds: float, catch_up: bool) -> None:
+        """Wall seconds of one call of ``part`` (ignored with fixed times)."""
+        if not self.fixed:
+            self.times[part].record(seconds, catch_up)
 
     def finish(self) -> None:
         """A sequence finished: what was learned is kept for the next call with the same key."""

@@ -39,14 +39,18 @@ next call, so a child that starts to pay is back within a few calls, not after `
 child timings across calls per ``memory_key`` (the combined drafter's cost key and the target), so a later call
 does not pay the warm-up again (:mod:`specdec.drafters.call_memory`).
 
-**Off** when the engine offers no decode time (``TargetView.decode_seconds`` None: ``speculation="always"``, or
-seeded sampling, whose text must not depend on wall times): every child runs at every call, as before.
+**Seeded** sampling, whose text must not depend on wall times: the children's seconds are the ones cached at
+calibration (``start(..., fixed_times=...)``; :mod:`specdec.draft_cost`) and the decode time the cost model's, with
+no memory across calls.
+
+**Off** when the engine offers no decode time (``TargetView.decode_seconds`` None: ``speculation="always"``) or,
+under a seed, no cached child seconds: every child runs at every call, as before.
 """
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specdec.drafters.call_memory import CallMemory
@@ -92,16 +96,18 @@ class ChildGate(CallMemory):
     def active(self) -> bool:
         return self.decode_seconds is not None and 1 < self.n <= MAX_SUBSETS_CHILDREN
 
-    def start(self, decode_seconds: Callable[[int], float] | None, memory_key: tuple | None = None) -> None:
-        """A new call: the engine's decode-step seconds at a batch size (None: the gate stays off)."""
+    def start(self, decode_seconds: Callable[[int], float] | None, memory_key: tuple | None = None,
+              fixed_times: Sequence[float] | None = None) -> None:
+        """A new call: the engine's decode-step seconds at a batch size (None: the gate stays off); ``fixed_times``:
+        each child's seconds per call from a cached profile, for good (seeded sampling, module doc)."""
         self.decode_seconds = decode_seconds
-        self._begin(memory_key)
+        self._begin(memory_key, fixed_times)
         self.since_full = 0
         self.best, self.probe_next = None, False
 
     def record_seconds(self, k: int, seconds: float, catch_up: bool) -> None:
         """Wall time of child k's propose call (``catch_up``: a sequence's first for it, see DraftTime)."""
-        self.times[k].record(seconds, catch_up)
+        self._record(k, seconds, catch_up)
 
     def observe(self, successes: tuple[int, ...], nodes: tuple[int, ...]) -> None:
         """A sequence's step where every child ran: levels of each child's proposal that matched, its nodes."""

@@ -30,9 +30,11 @@ of the children is the same for every candidate (they all ran), so it does not c
 
 Which children run. With ``gate=True`` (the default) a child whose extra committed tokens do not cover its own
 draft time is left out of a call, and run again in probes (:mod:`specdec.drafters.child_gate`); the gate needs
-the engine's decode time (``TargetView.decode_seconds``), so it is off under ``speculation="always"`` and seeded
-sampling, where every child runs at every call. A child left out still sees every ``on_accept``, and a child that
-reads hidden states gets, at its next call, the rows of every step since its own previous call.
+the engine's decode time (``TargetView.decode_seconds``), so it is off under ``speculation="always"``, where
+every child runs at every call. Under seeded sampling it weighs each child's seconds from the cost profile cached
+at calibration (``TargetView.cost_profile``; :mod:`specdec.draft_cost`), never wall times. A child left out
+still sees every ``on_accept``, and a child that reads hidden states gets, at its next call, the rows of every
+step since its own previous call.
 """
 from __future__ import annotations
 
@@ -148,6 +150,7 @@ class CombinedDrafter(Drafter):
         self._held: dict[tuple[int, int], torch.Tensor] = {}  # (child, seq_id) -> hidden rows it has not seen yet
         self._seen: set[tuple[int, int]] = set()  # (child, seq_id) that proposed once: later calls are no catch-up
         self.chosen: list[int] = [0] * (len(self.children) + 1)  # instrumentation: picks per child, last = merge
+        self._ran: tuple[bool, ...] = ()  # which children the last propose call ran (profiled_seconds)
 
     # ---- lifecycle: every call to every child ------------------------------------------------
     def seed_from_generate(self, seed: int | None) -> None:
@@ -162,15 +165,38 @@ class CombinedDrafter(Drafter):
         self._held.clear()
         self._seen.clear()
         decode_seconds = getattr(target, "decode_seconds", None) if self.config.gate else None
-        self.gate.start(decode_seconds, memory_key(self, getattr(target, "runner", None)))
+        profile = getattr(target, "cost_profile", None)
+        child_profiles: list = [None] * len(self.children)
+        if profile is None:
+            self.gate.start(decode_seconds, memory_key(self, getattr(target, "runner", None)))
+        else:  # seeded: the children's seconds cached at calibration, or the gate is off (module doc)
+            fixed = profile.get("child_seconds")
+            usable = isinstance(fixed, list) and len(fixed) == len(self.children) and None not in fixed
+            self.gate.start(decode_seconds if usable else None, None, fixed if usable else None)
+            child_profiles = profile.get("children") or [{}] * len(self.children)
         self.curve = getattr(target, "verify_cost", None)
         if self.config.cost_model and self.verify_cost is None and self.curve is None:
             from specdec.cost_model import load_cost_model
 
             self.costs = load_cost_model(target.runner)
             self.curve = self.costs.relative
-        for child in self.children:
-            child.attach(target)
+        for child, child_profile in zip(self.children, child_profiles):
+            child.attach(target if profile is None else dataclasses.replace(target, cost_profile=child_profile or {}))
+
+    def cost_profile(self) -> dict:
+        """Each child's seconds per call (the gate's times: every child ran at calibration) and its own profile."""
+        return {"child_seconds": [t.seconds for t in self.gate.times],
+                "children": [child.cost_profile() for child in self.children]}
+
+    def profiled_seconds(self) -> float | None:
+        if not self.gate.fixed:
+            return None
+        seconds = 0.0
+        for k, child in enumerate(self.children):
+            if self._ran[k]:
+                own = child.profiled_seconds()
+                seconds += own if own is not None else self.gate.times[k].seconds * self._batch
+        return seconds
 
     def on_accept(self, seq_id: int, committed: Sequence[int]) -> None:
         full, trees = self._last.pop(seq_id, (False, []))
@@ -204,7 +230,7 @@ class CombinedDrafter(Drafter):
 
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
         self._batch = max(len(seqs), 1)
-        run = self.gate.choose(self._batch, self.tree_cost, self.config.max_nodes)
+        run = self._ran = self.gate.choose(self._batch, self.tree_cost, self.config.max_nodes)
         per_child, lists = [], []
         for k, child in enumerate(self.children):
             if not run[k]:

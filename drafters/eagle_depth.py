@@ -38,9 +38,16 @@ not after a window's worth of probes.
 **Memory.** As the child gate does, records and level times are kept across calls per ``memory_key`` (the drafter's
 cost key and the target; :mod:`specdec.drafters.call_memory`).
 
-**Off** (the configured depth, every call) where the engine offers no decode time or no verify-cost curve:
-``speculation="always"``, and seeded sampling, whose text must not depend on wall times. Exactness is
-untouched: the depth depends on past commits and wall times only, never on the current step's draws.
+**Seeded** sampling must give one text per seed, so the depth may not depend on wall times there. The engine
+then offers the cost model's decode time and curve and the per-level seconds that the drafter's calibration
+measured and cached (:mod:`specdec.draft_cost`, ``TargetView.cost_profile``); the chooser runs on those fixed
+times and the tokens, with no memory across calls. It used to be off under a seed: the full depth of a
+GPU-trained checkpoint (5 levels of 8, ~45 ms per call on the 2-core CPU) made EAGLE 0.90x of plain decoding on
+chat at temperature 0.8.
+
+**Off** (the configured depth, every call) where the engine offers no decode time or no verify-cost curve
+(``speculation="always"``), or under a seed without a cached profile. Exactness is untouched: the depth depends
+on past commits and (cached or wall) times only, never on the current step's draws.
 """
 from __future__ import annotations
 
@@ -94,10 +101,11 @@ class DepthChooser(CallMemory):
         return self.decode_seconds is not None and self.verify_cost is not None and self.max_depth > 1
 
     def start(self, decode_seconds: Callable[[int], float] | None, verify_cost: Callable[[int, int], float] | None,
-              memory_key: tuple | None = None) -> None:
-        """A new call (module doc); either callable None: the chooser stays off."""
+              memory_key: tuple | None = None, fixed_times: Sequence[float] | None = None) -> None:
+        """A new call (module doc); either callable None: the chooser stays off. ``fixed_times``: each level's
+        seconds from a cached profile, for good (module doc, Seeded)."""
         self.decode_seconds, self.verify_cost = decode_seconds, verify_cost
-        self._begin(memory_key)
+        self._begin(memory_key, fixed_times)
         self.since_probe, self.chosen, self.probe_next = 0, None, 0
         self.tried, self.matched = [0] * self.max_depth, [0] * self.max_depth
         for record in self.records:
@@ -107,7 +115,7 @@ class DepthChooser(CallMemory):
         """Wall seconds of each level drafted by one call (all its sequences); ``catch_up``: the call included a
         sequence's first, whose level 1 ran over its whole prompt."""
         for j, seconds in enumerate(level_seconds):
-            self.times[j].record(seconds, catch_up and j == 0)
+            self._record(j, seconds, catch_up and j == 0)
 
     def observe(self, trials: int, successes: int) -> None:
         """One sequence's step: levels of the proposal walked and matched along the committed tokens."""

@@ -1,7 +1,7 @@
 """A drafter's cost per propose call, measured once per machine and drafter and cached: what seeded sampling
 sizes its trees with.
 
-    seconds = load_draft_seconds(costs, drafter, prompt, runner, sampling)   # engine_setup: seeded sampling only
+    seconds, profile = load_draft_seconds(costs, drafter, prompt, runner, sampling)   # engine_setup: seeded only
 
 Why: under standard (rejection) sampling a tree of another shape draws other random numbers, so a seeded call
 reproduces its text only if every sizing decision is the same in every run. The tree sizer's usual draft cost
@@ -17,6 +17,11 @@ global one (a generator of its own; the drafter seeded with a fixed seed first, 
 afterwards). A batch of B sequences is priced at B times that (the n-gram and EAGLE drafters propose one
 sequence at a time; drafters that batch their own forwards are over-priced, which only keeps less of their
 trees).
+
+With the seconds the drafter's :meth:`~specdec.drafters.base.Drafter.cost_profile` after those steps is kept: the
+per-part seconds (EAGLE's levels, the combined drafter's children) of a drafter that decides per call how much to
+draft, so that under a seed it decides from them (``TargetView.cost_profile``). The calibration drafts every part
+(no sizer, so those decisions are off).
 
 Cached as JSON beside the cost model's file (``verify-<key>-drafters.json``), one entry per
 :meth:`~specdec.drafters.base.Drafter.cost_key` (type, name, settings, the model it loads), written once: a
@@ -54,8 +59,9 @@ _CALIBRATION_SEED = 0x5EED
 
 
 def drafter_key(drafter: "Drafter") -> dict:
-    """What a drafter's cost depends on besides the machine and the target (:meth:`Drafter.cost_key`)."""
-    return {"name": drafter.name, "cost_key": drafter.cost_key()}
+    """What a drafter's cost depends on besides the machine and the target (:meth:`Drafter.cost_key`); ``format``
+    2: entries with a cost profile (format-1 entries, without one, are measured again once)."""
+    return {"name": drafter.name, "cost_key": drafter.cost_key(), "format": 2}
 
 
 def _file(costs: CostModel):
@@ -63,31 +69,37 @@ def _file(costs: CostModel):
 
 
 def load_draft_seconds(costs: CostModel, drafter: "Drafter", prompt: Sequence[int], runner, sampling: SamplingConfig,
-                       tokenizer=None) -> float:
-    """Seconds of one propose call for one sequence: cached for (``costs``' key, :func:`drafter_key`), else
-    measured now on ``prompt`` (and cached)."""
+                       tokenizer=None) -> tuple[float, dict | None]:
+    """Seconds of one propose call for one sequence and the drafter's cost profile: cached for (``costs``' key,
+    :func:`drafter_key`), else measured now on ``prompt`` (and cached)."""
     key = drafter_key(drafter)
     entry = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     file = _file(costs)
     data = (read_cache(file) if file is not None else None) or {}
     if data.get("key") == costs.key and entry in data.get("drafters", {}):
-        return float(data["drafters"][entry]["seconds"])
-    seconds = measure_draft_seconds(drafter, prompt, runner, sampling, tokenizer)
+        return _cached(data["drafters"][entry])
+    seconds, profile = measure_draft_seconds(drafter, prompt, runner, sampling, tokenizer)
     if file is not None:
         data = read_cache(file) or {}  # again: another process may have written meanwhile; its value wins
         if data.get("key") != costs.key:
             data = {"key": costs.key, "drafters": {}}
         if entry in data["drafters"]:
-            return float(data["drafters"][entry]["seconds"])
-        data["drafters"][entry] = {"drafter": key, "seconds": seconds}
+            return _cached(data["drafters"][entry])
+        data["drafters"][entry] = {"drafter": key, "seconds": seconds, "profile": profile}
         write_cache(file, data)
-    return seconds
+    return seconds, profile
+
+
+def _cached(entry: dict) -> tuple[float, dict | None]:
+    profile = entry.get("profile")
+    return float(entry["seconds"]), profile if isinstance(profile, dict) else None
 
 
 def measure_draft_seconds(drafter: "Drafter", prompt: Sequence[int], runner, sampling: SamplingConfig,
-                          tokenizer=None) -> float:
+                          tokenizer=None) -> tuple[float, dict | None]:
     """Median seconds of one propose call for one sequence over ``STEPS`` engine steps on ``prompt``, sampling
-    as ``sampling`` says (drafters that sample cost more than greedy ones) from a generator of its own."""
+    as ``sampling`` says (drafters that sample cost more than greedy ones) from a generator of its own; and the
+    drafter's cost profile after those steps."""
     from specdec.engine import Engine
 
     DRAFT_CALIBRATIONS["draft"] += 1
@@ -112,6 +124,7 @@ def measure_draft_seconds(drafter: "Drafter", prompt: Sequence[int], runner, sam
             per_call.append(engine.seconds["draft"] - before)
     measured = per_call[WARMUP:] or per_call
     seconds = statistics.median(measured)
-    logger.info("%s: one propose call measured at %.2f ms (median of %d steps, %.1f s)", drafter.name,
-                seconds * 1e3, len(measured), time.perf_counter() - t0)
-    return seconds
+    profile = drafter.cost_profile()
+    logger.info("%s: one propose call measured at %.2f ms (median of %d steps, %.1f s)%s", drafter.name,
+                seconds * 1e3, len(measured), time.perf_counter() - t0, f", profile {profile}" if profile else "")
+    return seconds, profile

@@ -125,10 +125,12 @@ class Engine:
         self.seconds = {"draft": 0.0, "verify": 0.0}  # wall time of the two halves of step(), summed
         self.keep_hidden = self.drafter is not None and self.drafter.needs_hidden_states
         if self.drafter is not None:
-            verify_cost = self.sizer.online.relative if self.sizer is not None else None
-            timed = self.sizer is not None and self.sizer.fixed_draft_seconds is None
+            sizer = self.sizer
+            # seeded: the cost model's decode time (step_seconds ignores wall times there) and the cached profile
+            profile = (sizer.cost_profile or {}) if sizer is not None and sizer.reproducible else None
             self.drafter.attach(TargetView(runner, cache, sampling, stop.tokenizer, self.coupling, processing,
-                                           verify_cost, self.sizer.step_seconds if timed else None))
+                                           sizer.online.relative if sizer is not None else None,
+                                           sizer.step_seconds if sizer is not None else None, profile))
         if self.sizer is not None and self.sizer.never_pays(self.drafter.forward_seconds()):
             log = logger.warning if self.drafter.name not in _NEVER_PAYS_WARNED else logger.debug
             _NEVER_PAYS_WARNED.add(self.drafter.name)
@@ -237,6 +239,7 @@ class Engine:
             self.audit.observe_many(trees, name)  # every tree as proposed, before pruning
         if self.sizer is not None:  # the part expected to pay (pruning is exact), judged with this call's cost
             self.sizer.record_draft(draft_seconds, catch_up)
+            self.sizer.record_profiled(self.drafter.profiled_seconds())  # seeded: the call by the cached profile
             batch = len(self.live)
             out = [self.sizer.size(s.seq_id, t, batch) for s, t in zip(live, out)]
         return out

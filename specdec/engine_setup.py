@@ -105,9 +105,9 @@ def _sizer(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault 
         return None
     costs = load_cost_model(runner)
     if config.do_sample and (config.seed is not None or generator is not None) and coupling is None:
-        seconds = load_draft_seconds(costs, drafter, request.prompts[0], runner, config.sampling,
-                                     request.stop.tokenizer)
-        return TreeSizer(costs, fixed_draft_seconds=seconds)
+        seconds, profile = load_draft_seconds(costs, drafter, request.prompts[0], runner, config.sampling,
+                                              request.stop.tokenizer)
+        return TreeSizer(costs, fixed_draft_seconds=seconds, cost_profile=profile)
     # the guard remembers across calls per target cost curve and drafter (specdec.tree_sizing: Memory); cost_key()
     # names a drafter's checkpoint too, so two EAGLE or Medusa checkpoints keep apart backoffs
     return TreeSizer(costs, memory=(str(costs.file), drafter.cost_key()))

@@ -71,7 +71,11 @@ steps per call (a quick-recipe EAGLE head on long summaries) was judged to pay a
 other random numbers, so sizing there may depend on nothing that varies between runs: with
 ``fixed_draft_seconds`` (:mod:`specdec.draft_cost`: measured once per machine and drafter, cached) the draft
 cost is that value, a decode step is the cost model's ``c(1)``, wall times are ignored and nothing is
-remembered across calls; acceptance is learned from tokens only, as always.
+remembered across calls; acceptance is learned from tokens only, as always. A drafter that decides per call how
+much to draft (EAGLE's depth, the combined drafter's children) gets the ``cost_profile`` cached with that value
+(``TargetView.cost_profile``), and each call is priced by what it drafted at the profile's seconds
+(:meth:`record_profiled`), not by the whole call that was measured: priced at its full depth, a GPU-trained
+EAGLE layer drafting one level looked ~0.7 decode steps dear on the 2-core CPU and was skipped at most steps.
 
 **Never.** A drafter with a model of its own whose forward costs ``r`` target decode steps spends at
 least ``L r`` on a tree of depth L, which commits at most ``1 + L`` tokens for ``L r + c(1 + L)``. When
@@ -166,10 +170,15 @@ class TreeSizer:
     # seeded sampling (module doc, Reproducible): the drafter's cached seconds per propose call and sequence
     # (specdec.draft_cost); wall times are then ignored. None: the draft cost is this run's wall time
     fixed_draft_seconds: float | None = None
+    # seeded sampling: the drafter's cost profile cached with fixed_draft_seconds (Drafter.cost_profile; None: none)
+    cost_profile: dict | None = None
 
     def __post_init__(self) -> None:
         if self.fixed_draft_seconds is not None and (self.memory is not None or self.fixed_draft_seconds < 0):
             raise ValueError("a reproducible TreeSizer (fixed_draft_seconds >= 0) keeps no memory across calls")
+        if self.cost_profile is not None and self.fixed_draft_seconds is None:
+            raise ValueError("a cost profile belongs to a reproducible TreeSizer (fixed_draft_seconds)")
+        self.profiled: float | None = None  # seeded: the last call's seconds by the profile (record_profiled)
         self.unscored: dict[tuple[int, int], list[float]] = {}  # (depth, rank) -> [accepted, tried]
         self.score_bins = [[0.0, 0.0] for _ in range(_BINS)]  # [accepted, predicted] of tried scored nodes
         if self.memory in _REMEMBERED:  # what earlier calls learned of this drafter's scores (module doc, Memory)
@@ -200,6 +209,17 @@ class TreeSizer:
             return
         self.draft_time.record(draft_seconds, catch_up)
 
+    @property
+    def reproducible(self) -> bool:
+        return self.fixed_draft_seconds is not None
+
+    def record_profiled(self, seconds: float | None) -> None:
+        """Seeded sampling: the last propose call's seconds by the drafter's cached profile
+        (:meth:`Drafter.profiled_seconds`), what its trees are sized with; None: the cached seconds of a whole
+        call. Ignored unless reproducible (wall times price calls there)."""
+        if self.reproducible:
+            self.profiled = seconds
+
     def record_step(self, verify_seconds: float, query_tokens: int, batch: int) -> None:
         """Wall time of one step's verify with ``query_tokens`` tokens for its largest sequence (ignored by a
         reproducible sizer, which prices a decode step by the cost model alone)."""
@@ -215,8 +235,9 @@ class TreeSizer:
 
     def draft_cost(self, batch: int) -> float:
         """The drafter's cost per step in plain decode steps (0 before its first call)."""
-        if self.fixed_draft_seconds is not None:  # one propose call per sequence, B sequences (specdec.draft_cost)
-            return self.fixed_draft_seconds * batch / self.costs.decode_seconds(batch)
+        if self.reproducible:  # the call's profiled seconds, else one propose call per sequence (specdec.draft_cost)
+            seconds = self.profiled if self.profiled is not None else self.fixed_draft_seconds * batch
+            return seconds / self.costs.decode_seconds(batch)
         if self.draft_time.seconds is None:
             return 0.0
         return self.draft_time.seconds / self.step_seconds(batch)

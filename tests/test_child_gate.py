@@ -191,3 +191,46 @@ def test_generate_leaves_out_a_slow_child_that_adds_nothing_and_stays_greedy_exa
 def test_gate_option_must_be_a_bool():
     with pytest.raises(InputError, match="gate must be True or False"):
         CombinedDrafter(["ngram"], gate="yes")
+
+
+def test_fixed_times_from_a_cached_profile_decide_and_wall_times_do_not():
+    """Seeded sampling: the children's seconds cached at calibration decide; wall times recorded later are ignored
+    and nothing is kept for the next call."""
+    from specdec.drafters.child_gate import _REMEMBERED
+
+    gate = ChildGate(2, GateConfig())
+    gate.start(lambda batch: 0.1, ("key",), fixed_times=[0.001, 5.0])  # child 1: 50 decode steps a call
+    assert gate.active and gate.fixed and gate.memory_key is None
+    runs = drive(gate, 40, lambda call: ((1, 1), (2, 2)))  # child 1 adds nothing child 0 does not match
+    for _ in range(3):
+        gate.record_seconds(1, 0.0001, catch_up=False)  # the wall says child 1 is cheap: ignored
+    assert [t.seconds for t in gate.times] == [0.001, 5.0]
+    assert sum(run[1] for run in runs) <= 5 and all(run[0] for run in runs)
+    gate.finish()
+    assert ("key",) not in _REMEMBERED
+
+
+def test_seeded_combined_drafter_caches_each_childs_profile_and_one_seed_gives_one_text(tmp_path, monkeypatch):
+    """The calibration caches the children's seconds and EAGLE's per-level seconds inside them; seeded calls
+    decide from those and a seed gives one text, with a reused drafter too."""
+    import json
+
+    from specdec.drafters.eagle import EagleDrafter
+    from specdec.drafters.eagle_model import EagleConfig, EagleModel
+
+    monkeypatch.setenv("SPECDEC_COST_DIR", str(tmp_path))
+    model = build_tiny_model()
+    torch.manual_seed(0)
+    eagle = EagleModel(EagleConfig.for_target(model.config, depth=3, top_k=2, max_nodes=6))
+    eagle.init_from_target(model)
+    drafter = CombinedDrafter(["ngram", EagleDrafter(model=eagle)])
+    kw = dict(max_new_tokens=30, do_sample=True, temperature=0.5, seed=7, return_dict=True)
+    prompts = [[5, 9, 11, 2, 5, 9, 11]]
+    first, again = (generate(model, prompts, drafter=drafter, **kw) for _ in range(2))
+    assert first.sequences == again.sequences and first.stats[0].step_nodes == again.stats[0].step_nodes
+    (entry,) = json.loads(next(tmp_path.glob("*-drafters.json")).read_text())["drafters"].values()
+    profile = entry["profile"]
+    assert len(profile["child_seconds"]) == 2 and all(s > 0 for s in profile["child_seconds"])
+    assert profile["children"][0] is None and len(profile["children"][1]["level_seconds"]) == 3
+    assert drafter.gate.fixed and drafter.gate.times[1].seconds == profile["child_seconds"][1]
+    assert drafter.children[1].chooser.fixed

@@ -299,11 +299,20 @@ def test_a_low_confidence_step_between_confident_ones_does_not_back_off():
     assert sizer.guards[0].backoff > 0
 
 
-def test_a_reproducible_sizer_ignores_wall_times_and_keeps_no_memory():
+def test_a_reproducible_sizer_ignores_wall_times_keeps_no_memory_and_prices_calls_by_the_profile():
     sizer = TreeSizer(FLAT, fixed_draft_seconds=0.25)  # FLAT: a decode step is 1 s
     sizer.record_draft(100.0)
     sizer.record_step(100.0, 1, 1)
     assert sizer.draft_cost(1) == 0.25 and sizer.draft_cost(4) == 1.0  # one propose per sequence
+    sizer.record_profiled(0.05)  # the drafter priced its last call by its cached profile (e.g. EAGLE at depth 1)
+    assert sizer.draft_cost(1) == sizer.draft_cost(4) == 0.05
+    sizer.record_profiled(None)  # no profile: the cached seconds of a whole call again
+    assert sizer.draft_cost(1) == 0.25
+    timed = TreeSizer(FLAT)
+    timed.record_profiled(0.05)  # only a reproducible sizer takes profiled seconds
+    assert timed.draft_cost(1) == 0.0
+    with pytest.raises(ValueError, match="cost profile"):
+        TreeSizer(FLAT, cost_profile={"level_seconds": [0.1]})
     with pytest.raises(ValueError, match="no memory"):
         TreeSizer(FLAT, memory=("file", "ngram", ""), fixed_draft_seconds=0.25)
 
