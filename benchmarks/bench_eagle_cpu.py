@@ -6,8 +6,9 @@
 
 Embedded model, fp32, batch 1, the held-out prompts of ``specdec eval acceptance`` (none of them is in
 the training prompts), every category by default. Per prompt the drafters run one after another
-(interleaved, after a warm-up, in an order rotated per prompt), so the ratios against plain decoding
-come from the same minutes of the same machine. Prints tokens/s, the ratio against plain, tau, and
+(interleaved, after a warm-up, in an order rotated per prompt and ``--repeats`` run), so the ratios against
+plain decoding come from the same minutes of the same machine; the row "plain (again)" is plain decoding run a
+second time in every block, this run's noise floor. Prints tokens/s, the ratio against plain, tau, and
 eagle's acceptance per draft depth; greedy runs also check that every drafter's tokens equal plain
 decoding's. The break-even guard is on (the default); under a seed it sizes from cached costs
 (``specdec.draft_cost``) so the seed reproduces the text, ``--unseeded`` leaves the seed out (wall-time
@@ -36,6 +37,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3, help="prompts per category")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--categories", default=",".join(CATEGORIES))
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each prompt per drafter, order rotated each time")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (seed 0 per prompt)")
     ap.add_argument("--always", action="store_true", help="speculation='always': no break-even guard")
     ap.add_argument("--unseeded", action="store_true",
@@ -45,7 +47,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     loaded = load_model("default")
-    table = {"plain": (None, {}), "ngram": ("ngram", {})} | eagle_rows(args.eagle_path)
+    # "plain (again)": plain decoding a second time in every block, this run's noise floor
+    table = {"plain": (None, {}), "plain (again)": (None, {}), "ngram": ("ngram", {})} | eagle_rows(args.eagle_path)
     for spec in args.medusa_path:
         name, _, path = spec.partition("=")
         table[f"medusa {name}"] = ("medusa", {"path": path, "tree": "dynamic"})
@@ -63,17 +66,20 @@ def main() -> None:
     warm = chat_ids(loaded.tokenizer, "Hello!")
     for spec in table.values():
         run(spec, warm)
-    report: dict = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "categories": {}}
+    report: dict = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+                    "categories": {}}
     mode = f"temperature {args.temperature}" if args.temperature > 0 else "greedy"
-    print(f"{mode}, {args.max_new_tokens} new tokens, {args.prompts} prompt(s) per category, batch 1")
+    print(f"{mode}, {args.max_new_tokens} new tokens, {args.prompts} prompt(s) per category x {args.repeats} "
+          "run(s), batch 1")
     for cat in args.categories.split(","):
         totals = {k: {"tokens": 0, "seconds": 0.0, "steps": 0, "differ": 0, "tried": [], "accepted": []}
                   for k in table}
         keys = list(table)
-        for p, text in enumerate(load_prompts(cat, args.prompts)):
+        runs = [(p, r, text) for p, text in enumerate(load_prompts(cat, args.prompts)) for r in range(args.repeats)]
+        for p, r, text in runs:
             ids = chat_ids(loaded.tokenizer, text)
             ref = None
-            shift = p % len(keys)  # order rotated per prompt: no drafter always runs right after another
+            shift = (p + r) % len(keys)  # order rotated per prompt and repeat: no drafter always runs after another
             for key in keys[shift:] + keys[:shift]:
                 seconds, out = run(table[key], ids)
                 s, toks = out.stats[0], out.new_tokens[0]

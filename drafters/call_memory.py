@@ -13,8 +13,10 @@ once per short answer does not pay the warm-up or the first probes again on ever
 may depend on wall times use it (``active``), so seeded text never depends on it.
 
 **Fixed times** (seeded sampling, :mod:`specdec.draft_cost`): ``_begin(None, fixed_times)`` starts from the per-part
-seconds a calibration measured (the drafter's cached cost profile); wall times recorded later are ignored and
-nothing is kept or restored, so a decision depends on the cached values and the tokens only.
+seconds a calibration measured for one sequence (the drafter's cached cost profile); wall times recorded later are
+ignored and nothing is kept or restored, so a decision depends on the cached values and the tokens only. A part
+that prices its own calls from its profile (a combined drafter's EAGLE child, at the depth it chose) replaces its
+time with those prices (``_record_profiled``). A part's cost per call is its time per sequence times the batch.
 """
 from __future__ import annotations
 
@@ -55,8 +57,8 @@ class CallMemory:
         self.memory_key = None if self.fixed else memory_key
         self.records.clear()
         self.times = [DraftTime(self._ema) for _ in range(self._parts)]
-        if self.fixed:
-            self.times = [DraftTime(self._ema, seconds=float(s)) for s in fixed_times]
+        if self.fixed:  # provisional: a part's first profiled price replaces the calibrated one
+            self.times = [DraftTime(self._ema, seconds=float(s), provisional=True) for s in fixed_times]
         elif self.active and memory_key in self._store:
             records, times = self._store[memory_key]
             self.records.extend(records)
@@ -66,6 +68,18 @@ class CallMemory:
         """Wall seconds of one call of ``part`` (ignored with fixed times)."""
         if not self.fixed:
             self.times[part].record(seconds, catch_up)
+
+    def _record_profiled(self, part: int, seconds: float | None, batch: int) -> None:
+        """With fixed times: one call of ``part`` over ``batch`` sequences priced at ``seconds`` by its own profile
+        (None: it has none, its calibrated time stands). Ignored otherwise."""
+        if self.fixed and seconds is not None:
+            self.times[part].record(seconds / max(batch, 1))
+
+    def call_seconds(self, part: int, batch: int) -> float | None:
+        """Seconds of one call of ``part`` at ``batch`` sequences: the wall time of such calls, or with fixed times
+        the time per sequence times the batch; None: never timed."""
+        seconds = self.times[part].seconds
+        return None if seconds is None else seconds * (max(batch, 1) if self.fixed else 1)
 
     def finish(self) -> None:
         """A sequence finished: what was learned is kept for the next call with the same key."""

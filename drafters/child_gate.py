@@ -41,7 +41,9 @@ does not pay the warm-up again (:mod:`specdec.drafters.call_memory`).
 
 **Seeded** sampling, whose text must not depend on wall times: the children's seconds are the ones cached at
 calibration (``start(..., fixed_times=...)``; :mod:`specdec.draft_cost`) and the decode time the cost model's, with
-no memory across calls.
+no memory across calls. A child that prices its calls by its own profile (EAGLE at the depth it chose) is
+priced so after each call (``record_profiled``): its calibration ran it at full depth, ~45 ms a call for a
+GPU-trained layer on the 2-core CPU, and at that price the gate left it out of the merge with n-gram on chat.
 
 **Off** when the engine offers no decode time (``TargetView.decode_seconds`` None: ``speculation="always"``) or,
 under a seed, no cached child seconds: every child runs at every call, as before.
@@ -109,6 +111,10 @@ class ChildGate(CallMemory):
         """Wall time of child k's propose call (``catch_up``: a sequence's first for it, see DraftTime)."""
         self._record(k, seconds, catch_up)
 
+    def record_profiled(self, k: int, seconds: float | None, batch: int) -> None:
+        """Seeded: child k's call over ``batch`` sequences as its own profile priced it (CallMemory, Fixed times)."""
+        self._record_profiled(k, seconds, batch)
+
     def observe(self, successes: tuple[int, ...], nodes: tuple[int, ...]) -> None:
         """A sequence's step where every child ran: levels of each child's proposal that matched, its nodes."""
         self.records.append((successes, nodes))
@@ -117,7 +123,7 @@ class ChildGate(CallMemory):
 
     def draft_cost(self, k: int, batch: int) -> float:
         """Child k's draft cost per call in plain decode steps."""
-        seconds = self.times[k].seconds
+        seconds = self.call_seconds(k, batch)
         return 0.0 if seconds is None else seconds / max(self.decode_seconds(batch), 1e-9)
 
     def value(self, subset: tuple[int, ...], batch: int, tree_cost: Callable[[int, int], float],

@@ -150,7 +150,7 @@ class CombinedDrafter(Drafter):
         self._held: dict[tuple[int, int], torch.Tensor] = {}  # (child, seq_id) -> hidden rows it has not seen yet
         self._seen: set[tuple[int, int]] = set()  # (child, seq_id) that proposed once: later calls are no catch-up
         self.chosen: list[int] = [0] * (len(self.children) + 1)  # instrumentation: picks per child, last = merge
-        self._ran: tuple[bool, ...] = ()  # which children the last propose call ran (profiled_seconds)
+        self._profiled = 0.0  # seeded: the last propose call's seconds by the children's profiles
 
     # ---- lifecycle: every call to every child ------------------------------------------------
     def seed_from_generate(self, seed: int | None) -> None:
@@ -189,14 +189,7 @@ class CombinedDrafter(Drafter):
                 "children": [child.cost_profile() for child in self.children]}
 
     def profiled_seconds(self) -> float | None:
-        if not self.gate.fixed:
-            return None
-        seconds = 0.0
-        for k, child in enumerate(self.children):
-            if self._ran[k]:
-                own = child.profiled_seconds()
-                seconds += own if own is not None else self.gate.times[k].seconds * self._batch
-        return seconds
+        return self._profiled if self.gate.fixed else None
 
     def on_accept(self, seq_id: int, committed: Sequence[int]) -> None:
         full, trees = self._last.pop(seq_id, (False, []))
@@ -230,7 +223,8 @@ class CombinedDrafter(Drafter):
 
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
         self._batch = max(len(seqs), 1)
-        run = self._ran = self.gate.choose(self._batch, self.tree_cost, self.config.max_nodes)
+        run = self.gate.choose(self._batch, self.tree_cost, self.config.max_nodes)
+        self._profiled = 0.0
         per_child, lists = [], []
         for k, child in enumerate(self.children):
             if not run[k]:
@@ -245,6 +239,10 @@ class CombinedDrafter(Drafter):
                 raise DraftError(f"{child.name}: returned {len(trees)} trees for {len(seqs)} sequences")
             lists.append([(t.tokens.tolist(), t.parents.tolist()) for t in trees])  # syncs: timed with the drafts
             self.gate.record_seconds(k, time.perf_counter() - t0, catch_up)
+            if self.gate.fixed:  # seeded: the call as the child's profile prices it, else its calibrated seconds
+                own = child.profiled_seconds()
+                self.gate.record_profiled(k, own, len(seqs))
+                self._profiled += own if own is not None else self.gate.call_seconds(k, len(seqs))
             self._seen.update((k, v.seq_id) for v in seqs)
             per_child.append(trees)
         out = []

@@ -155,7 +155,7 @@ class EagleDrafter(Drafter):
             trees.append(tree)
         self.chooser.record_seconds(level_seconds, catch_up)
         if self.chooser.fixed:
-            self._profiled = sum(t.seconds for t in self.chooser.times[:depth]) * len(seqs)
+            self._profiled = sum(self.chooser.call_seconds(j, len(seqs)) for j in range(depth))
         return trees
 
     def _token_logp(self, features: torch.Tensor, view: SequenceView, depth: int) -> torch.Tensor:

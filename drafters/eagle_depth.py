@@ -146,8 +146,9 @@ class DepthChooser(CallMemory):
         """Seconds of the first ``depth`` levels over a decode step's; a level never timed costs as the deepest
         timed one (module doc, Start shallow)."""
         seconds, last = 0.0, 0.0
-        for t in self.times[:depth]:
-            last = t.seconds if t.seconds is not None else last
+        for j in range(depth):
+            timed = self.call_seconds(j, batch)
+            last = timed if timed is not None else last
             seconds += last
         return seconds / max(self.decode_seconds(batch), 1e-9)
 
