@@ -210,7 +210,8 @@ def test_fixed_times_from_a_cached_profile_decide_and_wall_times_do_not():
     assert ("key",) not in _REMEMBERED
 
 
-def test_seeded_combined_drafter_caches_each_childs_profile_and_one_seed_gives_one_text(tmp_path, monkeypatch):
+def test_seeded_combined_drafter_caches_each_childs_profile_and_one_seed_gives_one_text(tmp_path, monkeypatch,
+                                                                                         device):
     """The calibration caches the children's seconds and EAGLE's per-level seconds inside them; seeded calls
     decide from those and a seed gives one text, with a reused drafter too."""
     import json
@@ -223,6 +224,7 @@ def test_seeded_combined_drafter_caches_each_childs_profile_and_one_seed_gives_o
     torch.manual_seed(0)
     eagle = EagleModel(EagleConfig.for_target(model.config, depth=3, top_k=2, max_nodes=6))
     eagle.init_from_target(model)
+    model = model.to(device)  # the drafter's layer follows the target at attach
     drafter = CombinedDrafter(["ngram", EagleDrafter(model=eagle)])
     kw = dict(max_new_tokens=30, do_sample=True, temperature=0.5, seed=7, return_dict=True)
     prompts = [[5, 9, 11, 2, 5, 9, 11]]
