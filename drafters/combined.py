@@ -173,7 +173,9 @@ class CombinedDrafter(Drafter):
             fixed = profile.get("child_seconds")
             usable = isinstance(fixed, list) and len(fixed) == len(self.children) and None not in fixed
             self.gate.start(decode_seconds if usable else None, None, fixed if usable else None)
-            child_profiles = profile.get("children") or [{}] * len(self.children)
+            child_profiles = profile.get("children")
+            if not isinstance(child_profiles, list) or len(child_profiles) != len(self.children):
+                child_profiles = [{}] * len(self.children)  # none cached: each child decides without one
         self.curve = getattr(target, "verify_cost", None)
         if self.config.cost_model and self.verify_cost is None and self.curve is None:
             from specdec.cost_model import load_cost_model
