@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import SamplingConfig, logits_to_probs
+from specdec.sampling import SamplingConfig, logits_to_probs, sample
 from specdec.tree import DraftMode, DraftTree
 
 
@@ -198,7 +198,7 @@ def _stochastic(
         final = torch.where(leaf[:, None], rule.bonus_dist(target, own, has_own), rule.recovered_dist(residual, target))
         done = leaf | (accepted < 0)
         if bool(done.any()):
-            next_token[idx[done]] = torch.multinomial(final[done].float(), 1, generator=generator)[:, 0]
+            next_token[idx[done]] = sample(final[done], generator)
             is_bonus[idx[done]] = leaf[done]
         tried_depths[idx] += (~leaf).long()
         go = idx[~done]

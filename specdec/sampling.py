@@ -81,6 +81,17 @@ def logits_to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Ten
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw one token per row of [..., vocab] probs -> [...] int64."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    """Draw one token per row of [..., vocab] probs (need not sum to 1) -> [...] int64, by inverting the float64
+    cumulative sum at one uniform draw per row.
+
+    Why not ``torch.multinomial``: on the 2-core CPU it took 1.25 ms per 49,152-token row, this 0.07 ms, and the
+    engine draws once per sequence per sampled step (~2% of a 60 ms step). It is exact up to float64 rounding (float32
+    multinomial misses tokens below ~3e-8 of the running sum), and a zero-probability token is never drawn: a zero
+    adds nothing to the running sum, so the first index whose sum exceeds the point drawn (in ``[0, total)``) has a
+    positive probability. No host sync."""
+    flat = probs.reshape(-1, probs.shape[-1]).to(torch.float64)
+    running = flat.cumsum(-1)  # [R, V]
+    total = running[:, -1:]  # [R, 1]
+    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
+    point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # [R, 1] in [0, total)
+    return torch.searchsorted(running, point, right=True).reshape(probs.shape[:-1])

@@ -1,7 +1,8 @@
 """The rejection sampler keeps every tensor on the logits' device (issue 18: sampling on CUDA mixed CPU tree
 tensors with CUDA logits and crashed). Checked by construction on CPU: every tensor the sampler creates names
 its device, so none can land on the default (CPU) device beside CUDA logits. The `device`-parametrised tests
-(tests/test_generate.py, tests/test_speculative.py) run the same paths on CUDA when a GPU is present."""
+(tests/test_generate.py, tests/test_speculative.py) run the same paths on CUDA when a GPU is present. The token
+draw itself is checked on each device here."""
 from __future__ import annotations
 
 import pytest
@@ -60,3 +61,25 @@ def test_generator_on_another_device_than_the_logits_is_refused():
     logits = torch.zeros(1, 1, 8, device="meta")
     with pytest.raises(ValueError, match="generator is on cpu but target_logits are on meta"):
         rejection_sample([DraftTree.empty()], logits, SamplingConfig(True), torch.Generator())
+
+
+def test_token_draw_follows_the_probabilities_never_draws_a_zero_and_stays_on_device(device, monkeypatch):
+    """specdec.sampling.sample (the engine's draw of recovered / bonus tokens): frequencies within 5 sigma of the
+    probabilities over 200,000 draws, zero-probability tokens never drawn (also at either edge of the uniform draw),
+    rows need not sum to 1, shapes and device kept."""
+    from specdec.sampling import sample
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    probs = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0], dtype=torch.float64, device=device)
+    draws = sample(probs.expand(200_000, 6), gen)
+    assert draws.device.type == device and draws.shape == (200_000,)
+    freq = torch.bincount(draws.cpu(), minlength=6).double() / draws.numel()
+    sigma = (probs.cpu() * (1 - probs.cpu()) / draws.numel()).sqrt()
+    assert ((freq - probs.cpu()).abs() <= 5 * sigma + 1e-12).all(), freq
+    unnormalised = torch.tensor([[[0.0, 2.0, 0.0]], [[1.0, 0.0, 0.0]]], device=device)  # float32, [2, 1, 3]
+    assert sample(unnormalised, gen).tolist() == [[1], [0]]
+    edges = torch.tensor([[0.0, 0.3, 0.7, 0.0]], dtype=torch.float64, device=device)
+    real_rand = torch.rand
+    for u, token in ((0.0, 1), (1 - 2**-53, 2)):  # the smallest and the largest uniform draw
+        monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: real_rand(*a, **k).fill_(u))
+        assert sample(edges, gen).tolist() == [token]
