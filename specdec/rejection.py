@@ -233,4 +233,15 @@ def rejection_sample(
         )
     if sampling.greedy and rule is EXACT:
         return follow_choices(trees, target_logits.argmax(-1).tolist())
+    if rule is EXACT and all(t.num_nodes == 0 for t in trees):  # plain steps: every token is a bonus draw
+        return _plain(trees, target_logits, sampling, generator)
     return _stochastic(trees, target_logits, sampling, generator, rule)
+
+
+def _plain(trees: Sequence[DraftTree], target_logits: torch.Tensor, sampling: SamplingConfig,
+           generator: torch.Generator | None) -> list[Acceptance]:
+    """Steps with no draft in any sequence draw each root's token from the target's probabilities, as the walk
+    would (a leaf root's bonus distribution is the target's), without its vocabulary-wide bookkeeping: 1.7 ms ->
+    ~0.4 ms of a sampled plain step on the 2-core CPU."""
+    target = logits_to_probs(target_logits[:, 0].to(torch.float64), sampling)  # [B, V]
+    return [_finish(t, [], token, True, 0) for t, token in zip(trees, sample(target, generator).tolist())]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from specdec.rejection import rejection_sample
+from specdec.rejection import EXACT, rejection_sample
 from specdec.sampling import SamplingConfig
 from specdec.tree import DraftMode, DraftTree
 
@@ -83,3 +83,18 @@ def test_token_draw_follows_the_probabilities_never_draws_a_zero_and_stays_on_de
     for u, token in ((0.0, 1), (1 - 2**-53, 2)):  # the smallest and the largest uniform draw
         monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: real_rand(*a, **k).fill_(u))
         assert sample(edges, gen).tolist() == [token]
+
+
+def test_plain_steps_draw_what_the_full_walk_draws(device):
+    """A step with no draft in any sequence skips the walk's bookkeeping: same generator, same tokens and records
+    as the walk (a leaf root draws its bonus token from the target's probabilities, with one uniform)."""
+    from specdec.rejection import _stochastic
+
+    logits = torch.randn(3, 1, 50, generator=torch.Generator().manual_seed(1)).to(device) * 3
+    trees = [DraftTree.empty() for _ in range(3)]
+    sampling = SamplingConfig(do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
+    for seed in range(5):
+        fast = rejection_sample(trees, logits, sampling, torch.Generator(device=device).manual_seed(seed))
+        walk = _stochastic(trees, logits, sampling, torch.Generator(device=device).manual_seed(seed), EXACT)
+        assert [(a.next_token, a.is_bonus, a.accepted_nodes.tolist(), a.depth_tried.tolist()) for a in fast] == \
+            [(a.next_token, a.is_bonus, a.accepted_nodes.tolist(), a.depth_tried.tolist()) for a in walk]
