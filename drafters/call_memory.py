@@ -34,6 +34,15 @@ def memory_key(drafter, runner) -> tuple:
             str(getattr(runner, "device", None)))
 
 
+def profile_times(profile: dict, key: str, parts: int) -> list[float] | None:
+    """``profile[key]`` when it holds a time for each of ``parts`` parts (a usable cached profile: module doc, Fixed
+    times), else None (not cached, or cached for another shape): the decision then stays off under a seed."""
+    times = profile.get(key)
+    if isinstance(times, list) and len(times) == parts and all(isinstance(t, (int, float)) for t in times):
+        return [float(t) for t in times]
+    return None
+
+
 class CallMemory:
     _store: dict  # memory key -> (records, times) of the last finished call; set by each subclass
 

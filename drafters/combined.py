@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView, as_drafter
-from specdec.drafters.call_memory import memory_key
+from specdec.drafters.call_memory import memory_key, profile_times
 from specdec.drafters.child_gate import ChildGate
 from specdec.drafters.registry import get_drafter
 
@@ -170,9 +170,8 @@ class CombinedDrafter(Drafter):
         if profile is None:
             self.gate.start(decode_seconds, memory_key(self, getattr(target, "runner", None)))
         else:  # seeded: the children's seconds cached at calibration, or the gate is off (module doc)
-            fixed = profile.get("child_seconds")
-            usable = isinstance(fixed, list) and len(fixed) == len(self.children) and None not in fixed
-            self.gate.start(decode_seconds if usable else None, None, fixed if usable else None)
+            fixed = profile_times(profile, "child_seconds", len(self.children))
+            self.gate.start(decode_seconds if fixed is not None else None, None, fixed)
             child_profiles = profile.get("children")
             if not isinstance(child_profiles, list) or len(child_profiles) != len(self.children):
                 child_profiles = [{}] * len(self.children)  # none cached: each child decides without one

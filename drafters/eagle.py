@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView
-from specdec.drafters.call_memory import memory_key
+from specdec.drafters.call_memory import memory_key, profile_times
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, check_fits_target, load_eagle
 from specdec.drafters.eagle_depth import DepthChooser
 from specdec.drafters.eagle_model import EagleModel
@@ -112,10 +112,9 @@ class EagleDrafter(Drafter):
             self.chooser.start(getattr(target, "decode_seconds", None) if adapt else None,
                                getattr(target, "verify_cost", None), memory_key(self, runner))
         else:  # seeded: the per-level seconds cached at calibration, else the full depth (eagle_depth, Seeded)
-            fixed = profile.get("level_seconds")
-            usable = adapt and isinstance(fixed, list) and len(fixed) == self.depth and None not in fixed
-            self.chooser.start(getattr(target, "decode_seconds", None) if usable else None,
-                               getattr(target, "verify_cost", None), None, fixed if usable else None)
+            fixed = profile_times(profile, "level_seconds", self.depth) if adapt else None
+            self.chooser.start(getattr(target, "decode_seconds", None) if fixed is not None else None,
+                               getattr(target, "verify_cost", None), None, fixed)
         self._profiled: float | None = None
         self._last.clear()
         logger.info("eagle: depth %d%s, top-k %d, %d nodes, draft vocabulary %d", self.depth,

@@ -241,7 +241,7 @@ def rejection_sample(
 def _plain(trees: Sequence[DraftTree], target_logits: torch.Tensor, sampling: SamplingConfig,
            generator: torch.Generator | None) -> list[Acceptance]:
     """Steps with no draft in any sequence draw each root's token from the target's probabilities, as the walk
-    would (a leaf root's bonus distribution is the target's), without its vocabulary-wide bookkeeping: 1.7 ms ->
-    ~0.4 ms of a sampled plain step on the 2-core CPU."""
+    would (a leaf root's bonus distribution is the target's), without its vocabulary-wide bookkeeping: the accept
+    phase of a sampled plain step fell from 1.7 ms to 0.8 ms on the 2-core CPU."""
     target = logits_to_probs(target_logits[:, 0].to(torch.float64), sampling)  # [B, V]
     return [_finish(t, [], token, True, 0) for t, token in zip(trees, sample(target, generator).tolist())]
