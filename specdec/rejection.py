@@ -19,13 +19,16 @@ Coupled sampling (:mod:`specdec.coupling`) replaces the random acceptance by the
 
 The walk is vectorised over the batch (loops run over depth and sibling rank only). The law
 itself lives in :class:`AcceptanceRule`, shared with the exact-law enumerator
-(``specdec.eval.exact_law``) so that deliberately broken rules can be shown to fail.
+(``specdec.eval.exact_law``) so that deliberately broken rules can be shown to fail. Under that
+exact rule, batches of deterministic trees (EAGLE, n-gram, Medusa) take a shortcut with the same law
+and the same random draws (:func:`_deterministic`): it works on the target's probabilities of the
+child tokens, not on vocabulary-wide residuals.
 
     acceptances = rejection_sample(trees, target_logits, sampling, generator)
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -148,17 +151,19 @@ class _PaddedTrees:
         return _PaddedTrees(tokens.to(device), children.to(device), draft, det, wr)
 
 
-def _stochastic(
-    trees: Sequence[DraftTree],
-    target_logits: torch.Tensor,  # [B, N + 1, V]
-    sampling: SamplingConfig,
-    generator: torch.Generator | None,
-    rule: AcceptanceRule,
-) -> list[Acceptance]:
+# One node's children, tried for every walking row: (idx [L] batch rows, cur [L] their nodes, target [L, V] the
+# target's probabilities there) -> (accepted [L] child node or -1, leaf [L], final(done) [D, V] the distribution
+# the bonus / recovered token of the finished rows ``done`` [L] is drawn from)
+TryChildren = Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                       tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]
+
+
+def _walk(trees: Sequence[DraftTree], target_logits: torch.Tensor, sampling: SamplingConfig,
+          generator: torch.Generator | None, try_children: TryChildren) -> list[Acceptance]:
+    """From the root down, batched: at each node ``try_children`` accepts one child or none; a row ends at a leaf
+    (bonus token) or where every child was rejected (recovered token)."""
     # every tensor of the walk lives on the logits' device (the generator too: rejection_sample checks)
-    bsz, vocab, device = len(trees), target_logits.shape[-1], target_logits.device
-    dtype = torch.float64
-    pt = _PaddedTrees.build(trees, vocab, dtype, device)
+    bsz, device = len(trees), target_logits.device
     rows = torch.arange(bsz, device=device)
     node = torch.full((bsz,), -1, dtype=torch.long, device=device)  # current node (-1 = root)
     live = torch.ones(bsz, dtype=torch.bool, device=device)  # still walking
@@ -171,7 +176,37 @@ def _stochastic(
     while bool(live.any()):
         idx = rows[live]
         cur = node[idx]
-        target = logits_to_probs(target_logits[idx, cur + 1].to(dtype), sampling)  # [L, V]
+        target = logits_to_probs(target_logits[idx, cur + 1].to(torch.float64), sampling)  # [L, V]
+        accepted, leaf, final = try_children(idx, cur, target)
+        done = leaf | (accepted < 0)
+        if bool(done.any()):
+            next_token[idx[done]] = sample(final(done), generator)
+            is_bonus[idx[done]] = leaf[done]
+        tried_depths[idx] += (~leaf).long()
+        go = idx[~done]
+        path[go, path_len[go]] = accepted[~done]
+        path_len[go] += 1
+        node[idx] = torch.where(done, cur, accepted)
+        live[idx[done]] = False
+    path, path_len = path.tolist(), path_len.tolist()  # one copy to the host for the whole batch
+    next_token, is_bonus, tried_depths = next_token.tolist(), is_bonus.tolist(), tried_depths.tolist()
+    return [
+        _finish(t, path[b][: path_len[b]], next_token[b], is_bonus[b], tried_depths[b]) for b, t in enumerate(trees)
+    ]
+
+
+def _stochastic(
+    trees: Sequence[DraftTree],
+    target_logits: torch.Tensor,  # [B, N + 1, V]
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    rule: AcceptanceRule,
+) -> list[Acceptance]:
+    """The walk of any tree under any rule, on vocabulary-wide residuals."""
+    vocab, device, dtype = target_logits.shape[-1], target_logits.device, torch.float64
+    pt = _PaddedTrees.build(trees, vocab, dtype, device)
+
+    def try_children(idx, cur, target):
         kids = pt.children[idx, cur + 1]  # [L, W]
         leaf = kids[:, 0] < 0
         has_own = cur >= 0
@@ -196,21 +231,67 @@ def _stochastic(
             tried = tried | (reject[:, None] & torch.nn.functional.one_hot(tok, vocab).bool())
         # leaves draw the bonus token, nodes whose children were all rejected the recovered token
         final = torch.where(leaf[:, None], rule.bonus_dist(target, own, has_own), rule.recovered_dist(residual, target))
-        done = leaf | (accepted < 0)
-        if bool(done.any()):
-            next_token[idx[done]] = sample(final[done], generator)
-            is_bonus[idx[done]] = leaf[done]
-        tried_depths[idx] += (~leaf).long()
-        go = idx[~done]
-        path[go, path_len[go]] = accepted[~done]
-        path_len[go] += 1
-        node[idx] = torch.where(done, cur, accepted)
-        live[idx[done]] = False
-    path, path_len = path.tolist(), path_len.tolist()  # one copy to the host for the whole batch
-    next_token, is_bonus, tried_depths = next_token.tolist(), is_bonus.tolist(), tried_depths.tolist()
-    return [
-        _finish(t, path[b][: path_len[b]], next_token[b], is_bonus[b], tried_depths[b]) for b, t in enumerate(trees)
-    ]
+        return accepted, leaf, lambda done: final[done]
+
+    return _walk(trees, target_logits, sampling, generator, try_children)
+
+
+def _deterministic(trees: Sequence[DraftTree], target_logits: torch.Tensor, sampling: SamplingConfig,
+                   generator: torch.Generator | None) -> list[Acceptance]:
+    """The exact rule's walk for trees whose candidates were picked without sampling (EAGLE, n-gram, Medusa), on
+    the target's probabilities gathered at the child tokens instead of vocabulary-wide residuals.
+
+    It is the same law: after rejecting candidates of target probabilities ``p_1..p_k``, the residual is
+    ``target_probs`` with them zeroed, so candidate ``k + 1`` is accepted with ``p_{k+1} / (1 - p_1 - .. - p_k)``
+    (0 for a token tried before), and the recovered token is drawn from the zeroed row. The uniforms are drawn
+    in the walk's order, so the tokens are the walk's up to float64 rounding; a rejection that would leave no
+    mass keeps the row as it was, as the walk's ``_normalise`` does. Per visited depth this does one
+    vocabulary-wide softmax and, where a row ends, one draw: the walk did ~8 vocabulary-wide float64 operations
+    per candidate tried."""
+    bsz, device, dtype = len(trees), target_logits.device, torch.float64
+    n = max(t.num_nodes for t in trees)
+    w = max(1, max((len(k) for t in trees for k in t.children), default=0))
+    # kid_nodes / kid_tokens [B, N + 1, W]: node id / token of the k-th child of row r (0 = the root), -1 = none;
+    # assembled on the host from the trees' lists, moved to the device in one copy each
+    kid_nodes = torch.full((bsz, n + 1, w), -1, dtype=torch.long, device="cpu")
+    kid_tokens = torch.full((bsz, n + 1, w), -1, dtype=torch.long, device="cpu")
+    for b, t in enumerate(trees):
+        tokens = t.tokens.tolist()
+        for row, kids in enumerate(t.children):
+            kid_nodes[b, row, : len(kids)] = torch.tensor(kids, dtype=torch.long, device="cpu")
+            kid_tokens[b, row, : len(kids)] = torch.tensor([tokens[c] for c in kids], dtype=torch.long, device="cpu")
+    kid_nodes, kid_tokens = kid_nodes.to(device), kid_tokens.to(device)
+    earlier = torch.ones(w, w, dtype=torch.bool, device=device).tril(-1)  # [k, j]: sibling j is tried before k
+
+    def try_children(idx, cur, target):
+        kids, toks = kid_nodes[idx, cur + 1], kid_tokens[idx, cur + 1]  # [L, W]
+        leaf = kids[:, 0] < 0
+        repeat = ((toks[:, :, None] == toks[:, None, :]) & earlier).any(-1)  # [L, W] the token of an earlier sibling
+        p_kid = torch.where(repeat | (kids < 0), 0.0, target.gather(1, toks.clamp(min=0)))  # [L, W]
+        left = torch.ones(len(idx), dtype=dtype, device=device)  # [L] mass of the residual before normalising
+        zeroed = torch.zeros(len(idx), w, dtype=torch.bool, device=device)  # [L, W] candidates zeroed in it
+        accepted = torch.full_like(cur, -1)
+        for k in range(w):
+            trying = (kids[:, k] >= 0) & (accepted < 0)
+            if not bool(trying.any()):
+                break
+            u = torch.rand(len(idx), generator=generator, dtype=dtype, device=device)
+            take = trying & (u < p_kid[:, k] / left)
+            accepted = torch.where(take, kids[:, k], accepted)
+            removed = trying & ~take & (left - p_kid[:, k] > 1e-12 * left)  # else the residual stays as it was
+            left = torch.where(removed, left - p_kid[:, k], left)
+            zeroed[:, k] = removed
+
+        def final(done):  # a leaf's bonus token from the target's probabilities, else the zeroed residual's
+            drop = zeroed[done] & ~leaf[done, None]  # [D, W]
+            # min with 0 at the dropped tokens, with inf elsewhere (padding, kept): the same whatever the order in
+            # which repeated tokens write their column
+            zero_or_inf = torch.where(drop, 0.0, float("inf")).to(dtype)
+            return target[done].scatter_reduce_(1, toks[done].clamp(min=0), zero_or_inf, reduce="amin")
+
+        return accepted, leaf, final
+
+    return _walk(trees, target_logits, sampling, generator, try_children)
 
 
 def rejection_sample(
@@ -235,6 +316,8 @@ def rejection_sample(
         return follow_choices(trees, target_logits.argmax(-1).tolist())
     if rule is EXACT and all(t.num_nodes == 0 for t in trees):  # plain steps: every token is a bonus draw
         return _plain(trees, target_logits, sampling, generator)
+    if rule is EXACT and all(t.mode is DraftMode.DETERMINISTIC for t in trees):
+        return _deterministic(trees, target_logits, sampling, generator)
     return _stochastic(trees, target_logits, sampling, generator, rule)
 
 
@@ -245,3 +328,4 @@ def _plain(trees: Sequence[DraftTree], target_logits: torch.Tensor, sampling: Sa
     phase of a sampled plain step fell from 1.7 ms to 0.8 ms on the 2-core CPU."""
     target = logits_to_probs(target_logits[:, 0].to(torch.float64), sampling)  # [B, V]
     return [_finish(t, [], token, True, 0) for t, token in zip(trees, sample(target, generator).tolist())]
+

@@ -41,12 +41,15 @@ def trees(vocab: int, gen: torch.Generator) -> list[DraftTree]:
     ]
 
 
+@pytest.mark.parametrize("only_deterministic", [False, True], ids=["mixed-trees", "deterministic-trees"])
 @pytest.mark.parametrize("sampling", [SamplingConfig(True, 0.8, 5, 0.9), SamplingConfig(False)],
                          ids=["sample", "greedy"])
-def test_sampler_names_the_device_of_every_tensor_it_creates(sampling):
+def test_sampler_names_the_device_of_every_tensor_it_creates(sampling, only_deterministic):
     gen = torch.Generator().manual_seed(0)
     vocab = 12
     batch = trees(vocab, gen)
+    if only_deterministic:  # the walk on gathered probabilities (rejection._deterministic)
+        batch = [t for t in batch if t.mode is DraftMode.DETERMINISTIC] + [DraftTree([3, 3, 9], [-1, -1, 1])]
     logits = torch.randn(len(batch), 5, vocab, generator=gen)
     with FactoriesNameADevice() as mode:
         for _ in range(20):
@@ -98,3 +101,45 @@ def test_plain_steps_draw_what_the_full_walk_draws(device):
         walk = _stochastic(trees, logits, sampling, torch.Generator(device=device).manual_seed(seed), EXACT)
         assert [(a.next_token, a.is_bonus, a.accepted_nodes.tolist(), a.depth_tried.tolist()) for a in fast] == \
             [(a.next_token, a.is_bonus, a.accepted_nodes.tolist(), a.depth_tried.tolist()) for a in walk]
+
+
+def random_deterministic_trees(vocab: int, gen: torch.Generator) -> list[DraftTree]:
+    """Trees of 0..7 nodes with random parents; sibling tokens drawn from few values, so siblings repeat a token."""
+    out = []
+    for _ in range(6):
+        n = int(torch.randint(0, 8, (1,), generator=gen))
+        parents = [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(n)]
+        tokens = torch.randint(0, min(vocab, 5), (n,), generator=gen).tolist()
+        out.append(DraftTree(tokens, parents) if n else DraftTree.empty())
+    return out
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(True, 1.0), SamplingConfig(True, 0.7, 3, 0.9),
+                                      SamplingConfig(True, 2.0, 0, 0.5)], ids=["t1", "t0.7-top3-p0.9", "t2-p0.5"])
+def test_deterministic_trees_draw_what_the_full_walk_draws(device, sampling, monkeypatch):
+    """Deterministic trees (EAGLE, n-gram) walk on the target's probabilities at their child tokens, not on
+    vocabulary-wide residuals: with the same generator, the same accepted paths, recovered / bonus tokens and
+    records as the full walk, over batches that mix empty trees, repeated sibling tokens and candidates that
+    top-k / top-p give zero probability (the law itself: tests/test_rejection_stats.py, "deterministic-tree")."""
+    from specdec.rejection import _deterministic, _stochastic
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = 6  # few tokens: candidates are accepted and rejected often, residuals run low
+    for trial in range(40):
+        batch = random_deterministic_trees(vocab, gen)
+        if all(t.num_nodes == 0 for t in batch):
+            continue
+        rows = max(t.num_nodes for t in batch) + 1
+        logits = (torch.randn(len(batch), rows, vocab, generator=gen) * 2).to(device)
+        fast = _deterministic(batch, logits, sampling, torch.Generator(device=device).manual_seed(trial))
+        walk = _stochastic(batch, logits, sampling, torch.Generator(device=device).manual_seed(trial), EXACT)
+        assert [(a.next_token, a.is_bonus, a.accepted_nodes.tolist(), a.depth_tried.tolist()) for a in fast] == \
+            [(a.next_token, a.is_bonus, a.accepted_nodes.tolist(), a.depth_tried.tolist()) for a in walk], trial
+    # rejection_sample takes this path for deterministic trees under the exact rule
+    import specdec.rejection as rejection
+
+    calls = []
+    monkeypatch.setattr(rejection, "_deterministic", lambda *a: calls.append(1) or _deterministic(*a))
+    rejection_sample([DraftTree.chain([1, 2])], torch.zeros(1, 3, vocab, device=device), sampling,
+                     torch.Generator(device=device))
+    assert calls == [1]
