@@ -243,7 +243,7 @@ def _deterministic(trees: Sequence[DraftTree], target_logits: torch.Tensor, samp
 
     It is the same law: after rejecting candidates of target probabilities ``p_1..p_k``, the residual is
     ``target_probs`` with them zeroed, so candidate ``k + 1`` is accepted with ``p_{k+1} / (1 - p_1 - .. - p_k)``
-    (0 for a token tried before), and the recovered token is drawn from the zeroed row. The uniforms are drawn
+    (0 for a token already zeroed), and the recovered token is drawn from the zeroed row. The uniforms are drawn
     in the walk's order, so the tokens are the walk's up to float64 rounding; a rejection that would leave no
     mass keeps the row as it was, as the walk's ``_normalise`` does. Per visited depth this does one
     vocabulary-wide softmax and, where a row ends, one draw: the walk did ~8 vocabulary-wide float64 operations
@@ -261,13 +261,11 @@ def _deterministic(trees: Sequence[DraftTree], target_logits: torch.Tensor, samp
             kid_nodes[b, row, : len(kids)] = torch.tensor(kids, dtype=torch.long, device="cpu")
             kid_tokens[b, row, : len(kids)] = torch.tensor([tokens[c] for c in kids], dtype=torch.long, device="cpu")
     kid_nodes, kid_tokens = kid_nodes.to(device), kid_tokens.to(device)
-    earlier = torch.ones(w, w, dtype=torch.bool, device=device).tril(-1)  # [k, j]: sibling j is tried before k
 
     def try_children(idx, cur, target):
         kids, toks = kid_nodes[idx, cur + 1], kid_tokens[idx, cur + 1]  # [L, W]
         leaf = kids[:, 0] < 0
-        repeat = ((toks[:, :, None] == toks[:, None, :]) & earlier).any(-1)  # [L, W] the token of an earlier sibling
-        p_kid = torch.where(repeat | (kids < 0), 0.0, target.gather(1, toks.clamp(min=0)))  # [L, W]
+        p_kid = torch.where(kids < 0, 0.0, target.gather(1, toks.clamp(min=0)))  # [L, W]
         left = torch.ones(len(idx), dtype=dtype, device=device)  # [L] mass of the residual before normalising
         zeroed = torch.zeros(len(idx), w, dtype=torch.bool, device=device)  # [L, W] candidates zeroed in it
         accepted = torch.full_like(cur, -1)
@@ -276,10 +274,12 @@ def _deterministic(trees: Sequence[DraftTree], target_logits: torch.Tensor, samp
             if not bool(trying.any()):
                 break
             u = torch.rand(len(idx), generator=generator, dtype=dtype, device=device)
-            take = trying & (u < p_kid[:, k] / left)
+            gone = (zeroed & (toks == toks[:, k : k + 1])).any(-1)  # [L] an earlier sibling's token, zeroed
+            p = torch.where(gone, 0.0, p_kid[:, k])
+            take = trying & (u < p / left)
             accepted = torch.where(take, kids[:, k], accepted)
-            removed = trying & ~take & (left - p_kid[:, k] > 1e-12 * left)  # else the residual stays as it was
-            left = torch.where(removed, left - p_kid[:, k], left)
+            removed = trying & ~take & (left - p > 1e-12 * left)  # else the residual stays as it was
+            left = torch.where(removed, left - p, left)
             zeroed[:, k] = removed
 
         def final(done):  # a leaf's bonus token from the target's probabilities, else the zeroed residual's
