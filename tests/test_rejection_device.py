@@ -88,6 +88,11 @@ def test_token_draw_follows_the_probabilities_never_draws_a_zero_and_stays_on_de
         assert sample(edges, gen).tolist() == [token]
 
 
+def records(acceptances) -> list[tuple]:
+    """What a sequence commits and what the step records, per acceptance, as plain values."""
+    return [(a.next_token, a.is_bonus, a.accepted_nodes.tolist(), a.depth_tried.tolist()) for a in acceptances]
+
+
 def test_plain_steps_draw_what_the_full_walk_draws(device):
     """A step with no draft in any sequence skips the walk's bookkeeping: same generator, same tokens and records
     as the walk (a leaf root draws its bonus token from the target's probabilities, with one uniform)."""
@@ -99,8 +104,7 @@ def test_plain_steps_draw_what_the_full_walk_draws(device):
     for seed in range(5):
         fast = rejection_sample(trees, logits, sampling, torch.Generator(device=device).manual_seed(seed))
         walk = _stochastic(trees, logits, sampling, torch.Generator(device=device).manual_seed(seed), EXACT)
-        assert [(a.next_token, a.is_bonus, a.accepted_nodes.tolist(), a.depth_tried.tolist()) for a in fast] == \
-            [(a.next_token, a.is_bonus, a.accepted_nodes.tolist(), a.depth_tried.tolist()) for a in walk]
+        assert records(fast) == records(walk)
 
 
 def random_deterministic_trees(vocab: int, gen: torch.Generator) -> list[DraftTree]:
@@ -133,8 +137,7 @@ def test_deterministic_trees_draw_what_the_full_walk_draws(device, sampling, mon
         logits = (torch.randn(len(batch), rows, vocab, generator=gen) * 2).to(device)
         fast = _deterministic(batch, logits, sampling, torch.Generator(device=device).manual_seed(trial))
         walk = _stochastic(batch, logits, sampling, torch.Generator(device=device).manual_seed(trial), EXACT)
-        assert [(a.next_token, a.is_bonus, a.accepted_nodes.tolist(), a.depth_tried.tolist()) for a in fast] == \
-            [(a.next_token, a.is_bonus, a.accepted_nodes.tolist(), a.depth_tried.tolist()) for a in walk], trial
+        assert records(fast) == records(walk), trial
     # rejection_sample takes this path for deterministic trees under the exact rule
     import specdec.rejection as rejection
 
