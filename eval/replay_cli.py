@@ -3,10 +3,13 @@
     specdec eval replay record --out run.json --category chat --prompts 5 --max-new-tokens 128
     specdec eval replay run --record run.json --drafter ngram --drafter-option max_nodes=16
     specdec eval replay run --record run.json --drafter ngram --max-nodes 4,8,16 --temperature 0.7 --json
+    specdec eval replay bound --record run.json --drafter ngram
 
 ``record`` runs plain decoding (greedy unless --temperature > 0) and writes the record; ``run`` replays a
 drafter over it offline (specdec.eval.replay) and prints one row per tree budget: predicted tau, mean tree size,
-costs and predicted speedup over plain decoding.
+costs and predicted speedup over plain decoding; ``bound`` prints what perfect foresight could reach on a greedy
+record (specdec.eval.replay_bounds): the copy bound of every prompt-lookup drafter, the oracle over the drafter's
+own trees, and its guarded replay, each as tau, decode speedup and speedup with the prefill included.
 """
 from __future__ import annotations
 
@@ -50,6 +53,14 @@ def add_parser(ev_sub, inference) -> None:
                      help="the engine's tree sizing and break-even guard (on = speculation auto, the default)")
     run.add_argument("--json", action="store_true", help="print the results as one JSON document")
     run.set_defaults(func=run_replay)
+
+    bound = r_sub.add_parser("bound", help="perfect-foresight bounds on a greedy record (how far a drafter could go)")
+    bound.add_argument("--record", required=True, help="greedy record written by `specdec eval replay record`")
+    bound.add_argument("--drafter", default="ngram", help="drafter whose trees the oracle verifies (default: ngram)")
+    bound.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+                       help="drafter option, repeatable; VALUE parsed as JSON when possible")
+    bound.add_argument("--json", action="store_true", help="print the bounds as one JSON document")
+    bound.set_defaults(func=run_bound)
 
 
 def run_record(args) -> int:
@@ -118,4 +129,30 @@ def run_replay(args) -> int:
               f"{r['mean_tree_nodes']:>6.1f} {r['cost_draft_s'] * 1e3:>8.3f} {speed:>8}")
     for note in results[0]["notes"]:
         print(f"note: {note}")
+    return 0
+
+
+def run_bound(args) -> int:
+    from specdec.eval.cli import _options
+    from specdec.eval.replay import ReplayConfig
+    from specdec.eval.replay_bounds import replay_bounds
+    from specdec.eval.replay_record import load_record
+
+    record = load_record(args.record)
+    out = replay_bounds(record, ReplayConfig(args.drafter, _options(args.drafter_option)))
+    if args.json:
+        print(json.dumps({"record": str(Path(args.record)), "model": record["model"], **out}, indent=1))
+        return 0
+    share = "not in this record" if out["prefill_share"] is None else f"{out['prefill_share']:.1%} of plain's time"
+    print(f"{record['model']}, {out['sequences']} prompts, {out['new_tokens']} tokens ({record['device']}, "
+          f"{record['threads']} threads); prefill {share}")
+    print(f"{'':>34} {'tau':>6} {'decode':>7} {'overall':>7}")
+    rows = (("copy bound (any lookup drafter)", out["copy"]), (f"oracle over {out['drafter']}'s trees", out["oracle"]),
+            (f"{out['drafter']} replayed, guard on", out["replay"]))
+    for name, r in rows:
+        overall = "-" if r["overall_speedup"] is None else f"x{r['overall_speedup']:.2f}"
+        decode = "-" if r["decode_speedup"] is None else f"x{r['decode_speedup']:.2f}"
+        print(f"{name:>34} {r['tau']:>6.2f} {decode:>7} {overall:>7}")
+    print("note: the bounds verify, each step, only the path that will be accepted (perfect foresight); speedups are "
+          "over plain decoding on the record's cost curve, overall with the recorded prefill")
     return 0

@@ -4,8 +4,9 @@
     save_record(record, "run.json"); record = load_record("run.json")
 
 A record holds, per prompt, the prompt ids, the committed tokens of a plain run (greedy, or
-sampled at ``temperature``) and the target's top-k tokens with their log-probabilities
-(temperature 1, before any sampling transform) at every generated position; and, for the whole
+sampled at ``temperature``), the seconds that run spent on the prompt's prefill, and the target's top-k tokens
+with their log-probabilities (temperature 1, before any sampling transform) at every generated position; and, for
+the whole
 run, the measured costs: ``verify_seconds[n]``, one engine verify step with ``n`` query tokens per
 sequence (batch 1, the context of a typical prompt halfway through its answer), and the plain
 run's decode seconds per step. :mod:`specdec.eval.replay` replays drafters over it without the
@@ -139,7 +140,8 @@ def record_run(loaded: Any, prompts: Sequence[Sequence[int]], config: RecordConf
         new = list(out.new_tokens[0])
         ids, logprobs = teacher_forced_topk(loaded, list(prompt) + new, len(prompt), config.top_k)
         sequences.append({"category": category, "prompt_ids": list(prompt), "new_tokens": new,
-                          "finish_reason": stats.finish_reason, "topk_ids": ids, "topk_logprobs": logprobs})
+                          "finish_reason": stats.finish_reason, "topk_ids": ids, "topk_logprobs": logprobs,
+                          "prefill_seconds": out.prefill_seconds})
     costs = measure_costs(loaded, prompts, config) if with_costs else {"verify_seconds": {}, "source": "none"}
     costs["decode_step_seconds"] = decode_seconds / steps if steps else None
     runner = loaded.runner

@@ -1,0 +1,136 @@
+"""Perfect-foresight bounds over a greedy replay record (``specdec eval replay bound``): the most speculation could
+give on the record's text, at the costs of the machine that made the record.
+
+    bounds = replay_bounds(record, ReplayConfig("ngram"))
+    bounds["copy"]["overall_speedup"], bounds["oracle"]["decode_speedup"], bounds["replay"]["tau"]
+
+A greedy text is the target's own argmax chain, so what any draft would have accepted is known in advance. Each
+bound walks the recorded text and, every step, verifies only the path that will be accepted, priced at
+``c_verify(1 + accepted)`` on the record's curve:
+
+- ``copy``: no drafter and no draft time. A step accepts the longest continuation of any earlier occurrence of the
+  last committed token (at most MAX_TREE_NODES tokens; past the end of the text the continuation copies itself, as
+  ``ngram`` drafts it). Every path of a prompt-lookup drafter (``ngram``: the tokens that followed an earlier
+  occurrence of the last n >= 1 tokens) is such a continuation, so no lookup drafter, with any options, tree sizing
+  or guard, commits more tokens per second of verification on this text.
+- ``oracle``: the drafter's own proposals, whole (the budget cut only, no guard), with its draft time: what a
+  perfect tree sizer could make of them. Only drafters that ``specdec.eval.replay`` can replay (token-only).
+- ``replay``: the drafter as the engine runs it (``specdec.eval.replay`` with the guard), for comparison.
+
+``decode_speedup`` is over plain decoding priced on the same curve. ``overall_speedup`` adds each prompt's prefill
+as measured when the record was made (plain decoding's steps rescaled to the record's measured decode step): a
+speedup that includes prefill cannot exceed ``(prefill + plain decode) / prefill``. Records written before prefill
+times were kept have ``overall_speedup`` None.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+
+from specdec.eval.replay import ReplayConfig, _cut, _greedy_accepted, _ReplayDrafter, replay
+from specdec.eval.replay_record import verify_cost_at
+
+from specdec.errors import InputError
+from specdec.tree import MAX_TREE_NODES
+
+
+def copy_accepted(context: list[int], upcoming: list[int], starts: dict[int, list[int]], cap: int) -> int:
+    """Longest common prefix (<= cap) of ``upcoming`` and the text after any earlier occurrence of ``context[-1]``,
+    read on past the end of ``context`` by copying itself (what ``ngram`` drafts there: "abcab" continues "cabca");
+    ``starts[t]`` lists the positions p with ``context[p - 1] == t`` (p < len(context))."""
+    best = 0
+    limit = min(cap, len(upcoming))
+    end = len(context)
+    for p in starts.get(context[-1], ()):
+        # past the end the copy repeats what it drafted, which equals ``upcoming`` for as long as it matched
+        n = 0
+        while n < limit and (context[p + n] if p + n < end else upcoming[p + n - end]) == upcoming[n]:
+            n += 1
+        if n > best:
+            best = n
+            if best == limit:
+                break
+    return best
+
+
+def _copy_walk(prompt: list[int], new: list[int], budget: int, costs: dict[int, float]) -> tuple[int, float]:
+    """(steps, verify seconds) of the copy bound over one sequence."""
+    context = list(prompt)
+    starts: dict[int, list[int]] = defaultdict(list)
+    for p in range(1, len(context)):
+        starts[context[p - 1]].append(p)
+    j = steps = 0
+    seconds = 0.0
+    while j < len(new):
+        cap = max(min(MAX_TREE_NODES, budget - j - 1, len(new) - j - 1), 0)  # the last token comes as bonus
+        accepted = copy_accepted(context, new[j:], starts, cap)
+        count = min(accepted + 1, len(new) - j)
+        for t in new[j : j + count]:  # the committed tokens join the context (and the index, one position late)
+            starts[context[-1]].append(len(context))
+            context.append(t)
+        steps, seconds, j = steps + 1, seconds + verify_cost_at(costs, 1 + accepted), j + count
+    return steps, seconds
+
+
+def _oracle_walk(drafter: _ReplayDrafter, seq_id: int, prompt: list[int], new: list[int], budget: int,
+                 costs: dict[int, float]) -> tuple[int, float]:
+    """(steps, verify seconds) of the drafter's whole trees, each verified on its accepted path only."""
+    j = steps = 0
+    seconds = 0.0
+    while j < len(new):
+        tree, _ = drafter.propose(seq_id, prompt + new[:j], len(prompt))
+        accepted = min(_greedy_accepted(_cut(tree, budget - j - 1, None), new[j:]), len(new) - j - 1)
+        count = min(accepted + 1, len(new) - j)
+        steps, seconds, j = steps + 1, seconds + verify_cost_at(costs, 1 + accepted), j + count
+        if j < len(new):
+            drafter.drafter.on_accept(seq_id, new[j - count : j])
+    drafter.drafter.release(seq_id)
+    return steps, seconds
+
+
+def _speeds(record: dict, tokens: int, steps: float, seconds: float) -> dict:
+    """tau and the decode / overall speedups of a walk that verified for ``seconds`` (record curve seconds)."""
+    costs = record["costs"]
+    c1 = verify_cost_at(costs["verify_seconds"], 1)
+    prefill = [s.get("prefill_seconds") for s in record["sequences"]]
+    overall = None
+    if seconds > 0 and all(p is not None for p in prefill):
+        scale = (costs.get("decode_step_seconds") or c1) / c1  # the curve's seconds -> this run's decode seconds
+        total_prefill = sum(prefill)
+        overall = (total_prefill + tokens * c1 * scale) / (total_prefill + seconds * scale)
+    return {"steps": steps, "tau": tokens / steps if steps else 0.0, "seconds": seconds,
+            "decode_speedup": tokens * c1 / seconds if seconds else None, "overall_speedup": overall}
+
+
+def replay_bounds(record: dict, config: ReplayConfig) -> dict:
+    """The copy bound, the oracle over ``config``'s drafter and its guarded replay (module docstring); JSON-able."""
+    if record.get("temperature", 0) != 0:
+        raise InputError(f"replay bounds need a greedy record (the text must be the target's argmax chain); this one "
+                         f"was sampled at temperature {record['temperature']}")
+    if config.temperature != 0:
+        raise InputError("replay bounds are greedy: leave the temperature at 0")
+    costs = record["costs"]["verify_seconds"]
+    budget = int(record["max_new_tokens"])
+    sequences = record["sequences"]
+    tokens = sum(len(s["new_tokens"]) for s in sequences)
+    copy_steps = copy_seconds = 0.0
+    for s in sequences:
+        st, sec = _copy_walk(list(s["prompt_ids"]), list(s["new_tokens"]), budget, costs)
+        copy_steps, copy_seconds = copy_steps + st, copy_seconds + sec
+    drafter = _ReplayDrafter(replace(config, guard=False, max_nodes=None), record)
+    oracle_steps = oracle_seconds = 0.0
+    for i, s in enumerate(sequences):
+        st, sec = _oracle_walk(drafter, i, list(s["prompt_ids"]), list(s["new_tokens"]), budget, costs)
+        oracle_steps, oracle_seconds = oracle_steps + st, oracle_seconds + sec
+    c_draft = drafter.seconds / drafter.calls if drafter.calls else 0.0
+    oracle_seconds += c_draft * drafter.calls
+    guarded = replay(record, config)
+    prefill = [s.get("prefill_seconds") for s in sequences]
+    plain_decode = tokens * (record["costs"].get("decode_step_seconds") or verify_cost_at(costs, 1))
+    share = sum(prefill) / (sum(prefill) + plain_decode) if all(p is not None for p in prefill) else None
+    return {"drafter": drafter.name, "drafter_options": dict(config.drafter_options), "sequences": len(sequences),
+            "new_tokens": tokens, "prefill_share": share,
+            "copy": _speeds(record, tokens, copy_steps, copy_seconds),
+            "oracle": {**_speeds(record, tokens, oracle_steps, oracle_seconds), "cost_draft_s": c_draft},
+            "replay": {**_speeds(record, tokens, guarded["steps"], guarded["seconds"]),
+                       "cost_draft_s": guarded["cost_draft_s"], "guard": config.guard}}

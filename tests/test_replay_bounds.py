@@ -1,0 +1,88 @@
+"""specdec eval replay bound: perfect-foresight bounds over a greedy record (eval/replay_bounds.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from specdec.eval.replay import ReplayConfig, replay
+from specdec.eval.replay_bounds import replay_bounds
+from specdec.eval.replay_record import RecordConfig, record_run, save_record
+
+from specdec.cli import main
+from specdec.errors import InputError
+
+CURVE = {1: 1.0, 2: 1.0, 4: 1.5, 65: 10.0}  # c(3) = 1.25 by interpolation
+
+
+def _record(prompt: list[int], new: list[int], prefill: float | None = None, budget: int = 64) -> dict:
+    seq = {"category": "custom", "prompt_ids": prompt, "new_tokens": new, "finish_reason": "length",
+           "topk_ids": [[t] for t in new], "topk_logprobs": [[0.0] for _ in new]}
+    if prefill is not None:
+        seq["prefill_seconds"] = prefill
+    return {"schema": "specdec.replay-record", "version": 1, "model": "synthetic", "vocab_size": 16,
+            "max_new_tokens": budget, "temperature": 0.0, "costs": {"verify_seconds": dict(CURVE)},
+            "sequences": [seq], "device": "cpu", "threads": 1}
+
+
+def test_copy_bound_takes_the_longest_continuation_of_an_earlier_occurrence():
+    """9 never occurred: one token; then 1 occurred twice, followed by 2 3 4 7 ... and by 2 9: the first copies 3."""
+    out = replay_bounds(_record([5, 1, 2, 3, 4, 7, 1, 2, 9], [1, 2, 3, 4, 8], prefill=5.0), ReplayConfig("ngram"))
+    copy = out["copy"]
+    assert copy["steps"] == 2 and copy["seconds"] == pytest.approx(1.0 + 1.5)  # c(1), then c(1 + 3)
+    assert copy["tau"] == pytest.approx(2.5) and copy["decode_speedup"] == pytest.approx(5 * 1.0 / 2.5)
+    assert copy["overall_speedup"] == pytest.approx((5.0 + 5 * 1.0) / (5.0 + 2.5))  # prefill counted once
+    assert out["prefill_share"] == pytest.approx(0.5)
+
+
+def test_copy_bound_copies_from_the_generated_text_and_past_its_end():
+    """[3] 1 2 1 2 1 2 1 2: nothing to copy for three steps; then the generated 1 is followed by "2 1", which read on
+    past the end by copying itself ("2 1 2 1 ...") gives the 4 drafted tokens before the last (bonus) one."""
+    copy = replay_bounds(_record([3], [1, 2, 1, 2, 1, 2, 1, 2]), ReplayConfig("ngram"))["copy"]
+    assert copy["steps"] == 4 and copy["seconds"] == pytest.approx(3 * 1.0 + (1.5 + 8.5 / 61))  # c(5)
+    assert copy["overall_speedup"] is None  # no prefill time in this record
+
+
+def test_copy_bound_respects_the_token_budget():
+    """A 3-token budget: the first step may draft at most 2 nodes (the bonus token is the third)."""
+    copy = replay_bounds(_record([1, 2, 3, 4, 5, 1], [2, 3, 4], budget=3), ReplayConfig("ngram"))["copy"]
+    assert copy["steps"] == 1 and copy["seconds"] == pytest.approx(1.25)
+
+
+@pytest.fixture(scope="module")
+def tiny_record(eval_tiny_model):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 16, (n,), generator=g).tolist() for n in (6, 11)]
+    record = record_run(eval_tiny_model, prompts, RecordConfig(max_new_tokens=40), with_costs=False)
+    record["costs"]["verify_seconds"] = {1: 1.0, 2: 1.05, 4: 1.2, 8: 1.6, 65: 9.0}
+    return record
+
+
+def test_the_bounds_order_on_a_real_record(tiny_record):
+    """The oracle accepts what verifying whole trees accepts, paying only for the accepted path; every n-gram path is
+    a copy, so the copy bound commits at least as much per step; the prefill was recorded."""
+    out = replay_bounds(tiny_record, ReplayConfig("ngram"))
+    whole = replay(tiny_record, ReplayConfig("ngram", guard=False))
+    assert out["oracle"]["tau"] == pytest.approx(whole["tau"]) and whole["tau"] > 1.5
+    assert out["oracle"]["seconds"] < whole["seconds"]
+    assert out["copy"]["tau"] >= out["oracle"]["tau"]
+    assert out["copy"]["decode_speedup"] >= out["replay"]["decode_speedup"]
+    assert all(s["prefill_seconds"] > 0 for s in tiny_record["sequences"])
+    for name in ("copy", "oracle", "replay"):
+        r = out[name]
+        assert 1.0 <= r["overall_speedup"] < r["decode_speedup"]  # prefill dilutes every speedup > 1
+
+
+def test_bounds_refuse_sampled_records(tiny_record):
+    with pytest.raises(InputError, match="greedy record"):
+        replay_bounds({**tiny_record, "temperature": 0.7}, ReplayConfig("ngram"))
+
+
+def test_cli_prints_the_three_rows_and_json(tiny_record, tmp_path, capsys):
+    path = save_record(tiny_record, tmp_path / "run.json")
+    assert main(["eval", "replay", "bound", "--record", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "copy bound" in text and "oracle over ngram's trees" in text and "guard on" in text
+    assert main(["eval", "replay", "bound", "--record", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["copy"]["tau"] >= data["oracle"]["tau"] and data["sequences"] == 2
