@@ -8,11 +8,12 @@ A greedy text is the target's own argmax chain, so what any draft would have acc
 bound walks the recorded text and, every step, verifies only the path that will be accepted, priced at
 ``c_verify(1 + accepted)`` on the record's curve:
 
-- ``copy``: no drafter and no draft time. A step accepts the longest continuation of any earlier occurrence of the
-  last committed token (at most MAX_TREE_NODES tokens; past the end of the text the continuation copies itself, as
-  ``ngram`` drafts it). Every path of a prompt-lookup drafter (``ngram``: the tokens that followed an earlier
-  occurrence of the last n >= 1 tokens) is such a continuation, so no lookup drafter, with any options, tree sizing
-  or guard, commits more tokens per second of verification on this text.
+- ``copy``: no drafter and no draft time. A step may accept any prefix of the longest continuation of an earlier
+  occurrence of the last committed token (at most MAX_TREE_NODES tokens; past the end of the text the continuation
+  copies itself, as ``ngram`` drafts it), and the steps are chosen to spend the least verify time over the whole
+  text. Every path of a prompt-lookup drafter (``ngram``: the tokens that followed an earlier occurrence of the last
+  n >= 1 tokens) is such a continuation, so no lookup drafter, with any options, tree sizing or guard, spends less
+  time verifying this text.
 - ``oracle``: the drafter's own proposals, whole (the budget cut only, no guard), with its draft time: what a
   perfect tree sizer could make of them. Only drafters that ``specdec.eval.replay`` can replay (token-only).
 - ``replay``: the drafter as the engine runs it (``specdec.eval.replay`` with the guard), for comparison.
@@ -54,22 +55,25 @@ def copy_accepted(context: list[int], upcoming: list[int], starts: dict[int, lis
 
 
 def _copy_walk(prompt: list[int], new: list[int], budget: int, costs: dict[int, float]) -> tuple[int, float]:
-    """(steps, verify seconds) of the copy bound over one sequence."""
+    """(steps, verify seconds) of the copy bound over one sequence: the cheapest way through the text when a step
+    at position j may accept any k <= reach[j] tokens (a lookup drafter can only accept a copy, and the longest copy
+    at j is reach[j]; the text before j is the same whatever the steps were), by dynamic programming from the end."""
+    m = len(new)
     context = list(prompt)
     starts: dict[int, list[int]] = defaultdict(list)
     for p in range(1, len(context)):
         starts[context[p - 1]].append(p)
-    j = steps = 0
-    seconds = 0.0
-    while j < len(new):
-        cap = max(min(MAX_TREE_NODES, budget - j - 1, len(new) - j - 1), 0)  # the last token comes as bonus
-        accepted = copy_accepted(context, new[j:], starts, cap)
-        count = min(accepted + 1, len(new) - j)
-        for t in new[j : j + count]:  # the committed tokens join the context (and the index, one position late)
-            starts[context[-1]].append(len(context))
-            context.append(t)
-        steps, seconds, j = steps + 1, seconds + verify_cost_at(costs, 1 + accepted), j + count
-    return steps, seconds
+    reach = []
+    for j in range(m):
+        cap = max(min(MAX_TREE_NODES, budget - j - 1, m - j - 1), 0)  # the last token comes as the bonus
+        reach.append(copy_accepted(context, new[j:], starts, cap))
+        starts[context[-1]].append(len(context))  # the committed token joins the context and the index
+        context.append(new[j])
+    seconds, steps = [0.0] * (m + 1), [0] * (m + 1)  # from position j to the end
+    for j in range(m - 1, -1, -1):
+        seconds[j], steps[j] = min((verify_cost_at(costs, 1 + k) + seconds[j + k + 1], 1 + steps[j + k + 1])
+                                   for k in range(reach[j] + 1))
+    return steps[0], seconds[0]
 
 
 def _oracle_walk(drafter: _ReplayDrafter, seq_id: int, prompt: list[int], new: list[int], budget: int,

@@ -43,6 +43,14 @@ def test_copy_bound_copies_from_the_generated_text_and_past_its_end():
     assert copy["overall_speedup"] is None  # no prefill time in this record
 
 
+def test_copy_bound_chooses_the_cheapest_steps_not_the_longest_copies():
+    """Copying "2 3" (then 5 as the bonus) leaves a 3-token copy; copying only "2" (c(2) = c(1)) lands on the 3 whose
+    earlier occurrence is followed by 5 6 7 8: 1.0 + c(5) beats the longest copies' c(3) + c(4) = 2.75."""
+    prompt = [9, 1, 2, 3, 4, 12, 3, 5, 6, 7, 8, 13, 1]
+    copy = replay_bounds(_record(prompt, [2, 3, 5, 6, 7, 8, 14]), ReplayConfig("ngram"))["copy"]
+    assert copy["steps"] == 2 and copy["seconds"] == pytest.approx(1.0 + (1.5 + 8.5 / 61))
+
+
 def test_copy_bound_respects_the_token_budget():
     """A 3-token budget: the first step may draft at most 2 nodes (the bonus token is the third)."""
     copy = replay_bounds(_record([1, 2, 3, 4, 5, 1], [2, 3, 4], budget=3), ReplayConfig("ngram"))["copy"]
