@@ -32,8 +32,10 @@ matches a deterministic drafter's real run exactly. In sampled replays the sizer
 
 Costs: every step is priced by its own tree, ``c_draft + c_verify(1 + nodes)``, with ``c_verify`` from the
 record and ``c_draft`` the drafter's propose time measured here; the predicted speedup over plain decoding is
-``(tokens / total cost) / (1 / c_verify(1))``. Drafters that read the target's hidden states, model or cache
-(medusa, self-draft, ...) cannot be replayed from tokens: they are refused with a one-line InputError.
+``(tokens / total cost) / (1 / c_verify(1))``, and ``predicted_speedup_overall`` counts the prompts' prefill too
+(:func:`overall_speedup`; records keep each prompt's prefill seconds). Drafters that read the target's hidden
+states, model or cache (medusa, self-draft, ...) cannot be replayed from tokens: they are refused with a one-line
+InputError.
 """
 from __future__ import annotations
 
@@ -246,6 +248,19 @@ def _replay_sequence(drafter: _ReplayDrafter, seq_id: int, seq: dict, record: di
             "accepted_histogram": None}
 
 
+def overall_speedup(record: dict, tokens: int, seconds: float) -> float | None:
+    """Speedup over plain decoding with the prompts' prefill counted: ``seconds`` of verification (and drafting) on
+    the record's curve, rescaled, as plain decoding's steps, to the decode step the record measured; None for a
+    record without prefill times (written before they were kept)."""
+    costs = record["costs"]
+    prefill = [s.get("prefill_seconds") for s in record["sequences"]]
+    if seconds <= 0 or any(p is None for p in prefill):
+        return None
+    c1 = verify_cost_at(costs["verify_seconds"], 1)
+    scale = (costs.get("decode_step_seconds") or c1) / c1
+    return (sum(prefill) + tokens * c1 * scale) / (sum(prefill) + seconds * scale)
+
+
 def replay(record: dict, config: ReplayConfig) -> dict:
     """Predicted tau and speed of ``config``'s drafter over ``record`` (module docstring); a JSON-able dict."""
     if config.temperature == 0 and record.get("temperature", 0) != 0:
@@ -278,5 +293,6 @@ def replay(record: dict, config: ReplayConfig) -> dict:
             "mean_tree_nodes": sum(r["nodes"] for r in per_sequence) / steps if steps else 0.0,
             "cost_plain_s": c_plain, "cost_draft_s": c_draft, "seconds": seconds,
             "predicted_speedup": (tokens / seconds) * c_plain if seconds else None,
+            "predicted_speedup_overall": overall_speedup(record, tokens, seconds),
             "accepted_histogram": histogram or None, "notes": notes,
             "per_sequence_tau": [r["new_tokens"] / r["steps"] if r["steps"] else 0.0 for r in per_sequence]}

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 
-from specdec.eval.replay import ReplayConfig, _cut, _greedy_accepted, _ReplayDrafter, replay
+from specdec.eval.replay import ReplayConfig, _cut, _greedy_accepted, _ReplayDrafter, overall_speedup, replay
 from specdec.eval.replay_record import verify_cost_at
 
 from specdec.errors import InputError
@@ -94,16 +94,10 @@ def _oracle_walk(drafter: _ReplayDrafter, seq_id: int, prompt: list[int], new: l
 
 def _speeds(record: dict, tokens: int, steps: float, seconds: float) -> dict:
     """tau and the decode / overall speedups of a walk that verified for ``seconds`` (record curve seconds)."""
-    costs = record["costs"]
-    c1 = verify_cost_at(costs["verify_seconds"], 1)
-    prefill = [s.get("prefill_seconds") for s in record["sequences"]]
-    overall = None
-    if seconds > 0 and all(p is not None for p in prefill):
-        scale = (costs.get("decode_step_seconds") or c1) / c1  # the curve's seconds -> this run's decode seconds
-        total_prefill = sum(prefill)
-        overall = (total_prefill + tokens * c1 * scale) / (total_prefill + seconds * scale)
+    c1 = verify_cost_at(record["costs"]["verify_seconds"], 1)
     return {"steps": steps, "tau": tokens / steps if steps else 0.0, "seconds": seconds,
-            "decode_speedup": tokens * c1 / seconds if seconds else None, "overall_speedup": overall}
+            "decode_speedup": tokens * c1 / seconds if seconds else None,
+            "overall_speedup": overall_speedup(record, tokens, seconds)}
 
 
 def replay_bounds(record: dict, config: ReplayConfig) -> dict:

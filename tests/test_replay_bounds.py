@@ -94,3 +94,17 @@ def test_cli_prints_the_three_rows_and_json(tiny_record, tmp_path, capsys):
     assert main(["eval", "replay", "bound", "--record", str(path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["copy"]["tau"] >= data["oracle"]["tau"] and data["sequences"] == 2
+
+
+def test_overall_speedups_rescale_the_curve_to_the_recorded_decode_step():
+    """The record measured 2 s per plain decode step where its curve says c(1) = 1 s: verify seconds count double
+    next to the prefill. replay() reports the same overall figure for its own predicted run."""
+    record = _record([5, 1, 2, 3, 4, 7, 1, 2, 9], [1, 2, 3, 4, 8], prefill=5.0)
+    record["costs"]["decode_step_seconds"] = 2.0
+    out = replay_bounds(record, ReplayConfig("ngram"))
+    assert out["copy"]["overall_speedup"] == pytest.approx((5.0 + 5 * 2.0) / (5.0 + 2.5 * 2.0))
+    assert out["prefill_share"] == pytest.approx(5.0 / (5.0 + 10.0))
+    guarded = replay(record, ReplayConfig("ngram", guard=False))
+    assert guarded["predicted_speedup_overall"] == pytest.approx((5.0 + 10.0) / (5.0 + 2.0 * guarded["seconds"]))
+    del record["sequences"][0]["prefill_seconds"]
+    assert replay(record, ReplayConfig("ngram", guard=False))["predicted_speedup_overall"] is None
