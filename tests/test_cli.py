@@ -212,3 +212,11 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stderr.strip().startswith("specdec generate: error: unknown model")
+
+
+def test_acceptance_per_depth_lists_only_the_depths_tried():
+    """A tree 16 deep once verified leaves 16 depth slots; the ones no step reached have no rate (not 0.00)."""
+    from specdec.cli import tried_acceptance
+
+    assert tried_acceptance((0.28, 0.88, 0.0, 0.0), (100, 28, 5, 0)) == [0.28, 0.88, 0.0]
+    assert tried_acceptance((0.5, 0.0), (0, 0)) == []
