@@ -28,6 +28,7 @@ from common import chat_ids, eagle_rows, time_specdec  # noqa: E402
 from specdec.eval.prompts import CATEGORIES, load_prompts  # noqa: E402
 
 from specdec.models.loader import load_model  # noqa: E402
+from specdec.output import acceptance_rates  # noqa: E402
 
 
 def main() -> None:
@@ -99,7 +100,7 @@ def main() -> None:
         report["categories"][cat] = {}
         for key, t in totals.items():
             tps = t["tokens"] / t["seconds"]
-            per_depth = [a / n for a, n in zip(t["accepted"], t["tried"]) if n]
+            per_depth = list(acceptance_rates(t["accepted"], t["tried"]))
             report["categories"][cat][key] = {"tokens_per_s": tps, "speedup_vs_plain": tps / base,
                                               "tau": t["tokens"] / max(1, t["steps"]),
                                               "acceptance_per_depth": per_depth,

@@ -76,6 +76,7 @@ from specdec.eval.verify_cost import measure_verify_costs
 
 from specdec.atomic_write import write_json
 from specdec.generate import generate
+from specdec.output import acceptance_rates
 from specdec.sampling import SamplingConfig
 
 logger = logging.getLogger(__name__)
@@ -198,7 +199,7 @@ class Cell:
 
     @property
     def acceptance_per_depth(self) -> list[float]:
-        return [a / t if t else 0.0 for a, t in zip(self.depth_accepted, self.depth_tried)]
+        return list(acceptance_rates(self.depth_accepted, self.depth_tried))
 
     @property
     def mean_tree_nodes(self) -> float:

@@ -25,7 +25,6 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
 
 from specdec.errors import SpecdecError
 from specdec.models.embedded import DEFAULT_ALIAS
@@ -264,15 +263,9 @@ def _generate(args, stream_class) -> tuple[str, dict]:
         "device": str(loaded.runner.device), "drafter": args.drafter or "none", "prompt_tokens": s.prompt_tokens,
         "new_tokens": s.new_tokens, "seconds": round(out.seconds, 3), "tokens_per_s": round(s.tokens_per_second, 2),
         "tau": round(s.tau, 3), "steps": s.steps, "finish": s.finish_reason, "load_seconds": round(load_seconds, 2),
-        "acceptance_per_depth": tried_acceptance(s.acceptance_per_depth, s.depth_tried),
+        "acceptance_per_depth": [round(a, 3) for a in s.acceptance_per_depth],
     }
     return tok.decode(out.new_tokens[0], skip_special_tokens=True), summary
-
-
-def tried_acceptance(acceptance: Sequence[float], tried: Sequence[int]) -> list[float]:
-    """Acceptance rates of the depths some step tried (a depth is tried only where the one above it accepted, so
-    these are a prefix): a depth no tree reached, or whose parent was never accepted, has no rate, not 0."""
-    return [round(a, 3) for a, t in zip(acceptance, tried) if t]
 
 
 def _print_summary(summary: dict) -> None:

@@ -12,12 +12,21 @@ a ``long`` tensor on its device; lists came in: lists (``out[i][len(input_ids[i]
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from specdec.engine import Engine, SequenceState
+
+
+def acceptance_rates(accepted: Sequence[int], tried: Sequence[int]) -> tuple[float, ...]:
+    """P(a node at depth d + 1 accepted | its parent accepted) for the depths some step tried. A depth is tried only
+    where the one above it accepted, so the tried depths are a prefix; the depths after it (a deep tree verified
+    once, its parents never accepted) have no rate, rather than a 0 that reads as "tried and always rejected"."""
+    n = next((d for d, t in enumerate(tried) if not t), len(tried))
+    return tuple(a / t for a, t in zip(accepted[:n], tried[:n]))
 
 
 @dataclass(frozen=True)
@@ -29,7 +38,7 @@ class SequenceStats:
     seconds: float  # wall time from the start of generate() to this sequence's end
     tokens_per_second: float
     finish_reason: str
-    acceptance_per_depth: tuple[float, ...]  # P(node at depth d accepted | parent accepted)
+    acceptance_per_depth: tuple[float, ...]  # P(node at depth d accepted | parent accepted), tried depths only
     depth_tried: tuple[int, ...] = ()  # per depth d+1: steps whose node at depth d had its parent accepted
     depth_accepted: tuple[int, ...] = ()  # per depth d+1: steps that accepted a node at depth d+1
     step_lengths: tuple[int, ...] = ()  # tokens committed by each step (accepted length + 1, cut at stops)
@@ -38,7 +47,7 @@ class SequenceStats:
     @classmethod
     def of(cls, s: SequenceState, start: float) -> "SequenceStats":
         seconds = (s.finished_at or time.perf_counter()) - start
-        acc = tuple(a / t if t else 0.0 for a, t in zip(s.depth_accepted, s.depth_tried))
+        acc = acceptance_rates(s.depth_accepted, s.depth_tried)
         n = len(s.new_tokens)
         return cls(s.num_prompt_tokens, n, s.steps, s.tau, seconds, n / seconds if seconds else 0.0,
                    s.finish_reason or "", acc, tuple(s.depth_tried), tuple(s.depth_accepted), tuple(s.step_lengths),

@@ -216,7 +216,7 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
 
 def test_acceptance_per_depth_lists_only_the_depths_tried():
     """A tree 16 deep once verified leaves 16 depth slots; the ones no step reached have no rate (not 0.00)."""
-    from specdec.cli import tried_acceptance
+    from specdec.output import acceptance_rates
 
-    assert tried_acceptance((0.28, 0.88, 0.0, 0.0), (100, 28, 5, 0)) == [0.28, 0.88, 0.0]
-    assert tried_acceptance((0.5, 0.0), (0, 0)) == []
+    assert acceptance_rates((28, 14, 0, 0), (100, 28, 5, 0)) == (0.28, 0.5, 0.0)
+    assert acceptance_rates((0, 0), (0, 0)) == ()
