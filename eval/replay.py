@@ -248,17 +248,29 @@ def _replay_sequence(drafter: _ReplayDrafter, seq_id: int, seq: dict, record: di
             "accepted_histogram": None}
 
 
+def recorded_prefill(record: dict) -> float | None:
+    """Seconds the record's plain run spent on its prompts' prefills; None for a record written before they were
+    kept."""
+    prefill = [s.get("prefill_seconds") for s in record["sequences"]]
+    return None if any(p is None for p in prefill) else sum(prefill)
+
+
+def plain_step_seconds(record: dict) -> float:
+    """Seconds of one plain decode step as the record's run measured it (the curve's c(1) for older records)."""
+    costs = record["costs"]
+    return costs.get("decode_step_seconds") or verify_cost_at(costs["verify_seconds"], 1)
+
+
 def overall_speedup(record: dict, tokens: int, seconds: float) -> float | None:
     """Speedup over plain decoding with the prompts' prefill counted: ``seconds`` of verification (and drafting) on
     the record's curve, rescaled, as plain decoding's steps, to the decode step the record measured; None for a
-    record without prefill times (written before they were kept)."""
-    costs = record["costs"]
-    prefill = [s.get("prefill_seconds") for s in record["sequences"]]
-    if seconds <= 0 or any(p is None for p in prefill):
+    record without prefill times."""
+    prefill = recorded_prefill(record)
+    if seconds <= 0 or prefill is None:
         return None
-    c1 = verify_cost_at(costs["verify_seconds"], 1)
-    scale = (costs.get("decode_step_seconds") or c1) / c1
-    return (sum(prefill) + tokens * c1 * scale) / (sum(prefill) + seconds * scale)
+    step = plain_step_seconds(record)
+    scale = step / verify_cost_at(record["costs"]["verify_seconds"], 1)
+    return (prefill + tokens * step) / (prefill + seconds * scale)
 
 
 def replay(record: dict, config: ReplayConfig) -> dict:

@@ -28,7 +28,16 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 
-from specdec.eval.replay import ReplayConfig, _cut, _greedy_accepted, _ReplayDrafter, overall_speedup, replay
+from specdec.eval.replay import (
+    ReplayConfig,
+    _cut,
+    _greedy_accepted,
+    _ReplayDrafter,
+    overall_speedup,
+    plain_step_seconds,
+    recorded_prefill,
+    replay,
+)
 from specdec.eval.replay_record import verify_cost_at
 
 from specdec.errors import InputError
@@ -123,9 +132,8 @@ def replay_bounds(record: dict, config: ReplayConfig) -> dict:
     c_draft = drafter.seconds / drafter.calls if drafter.calls else 0.0
     oracle_seconds += c_draft * drafter.calls
     guarded = replay(record, config)
-    prefill = [s.get("prefill_seconds") for s in sequences]
-    plain_decode = tokens * (record["costs"].get("decode_step_seconds") or verify_cost_at(costs, 1))
-    share = sum(prefill) / (sum(prefill) + plain_decode) if all(p is not None for p in prefill) else None
+    prefill = recorded_prefill(record)
+    share = None if prefill is None else prefill / (prefill + tokens * plain_step_seconds(record))
     return {"drafter": drafter.name, "drafter_options": dict(config.drafter_options), "sequences": len(sequences),
             "new_tokens": tokens, "prefill_share": share,
             "copy": _speeds(record, tokens, copy_steps, copy_seconds),
