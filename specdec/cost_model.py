@@ -34,6 +34,7 @@ from types import SimpleNamespace
 import torch
 
 from specdec.atomic_write import write_json
+from specdec.kv_cache import available_memory_bytes
 from specdec.models import row_policy
 from specdec.sampling import SamplingConfig
 from specdec.tree import MAX_TREE_NODES
@@ -158,6 +159,18 @@ def streamed_weights(runner, budget_bytes: int = STREAM_BYTES) -> tuple[list[tor
     return weights + [runner.lm_head.detach()], [scale] * len(weights) + [1.0]
 
 
+def packed_weights_allowed(runner) -> bool:
+    """Whether the row policy may offer oneDNN-packed weights (:mod:`specdec.models.row_policy`): a copy of every
+    weight a forward multiplies, so only where this PyTorch has oneDNN, ``SPECDEC_PACKED_WEIGHTS`` is not "0",
+    and the memory available now holds those bytes twice over (room left for the KV cache and drafters)."""
+    if os.environ.get("SPECDEC_PACKED_WEIGHTS", "1").strip() == "0" or not row_policy.packing_available():
+        return False
+    weights = [p for layer in runner.layers for name, p in layer.named_parameters() if p.dim() == 2 and "proj" in name]
+    needed = 2 * sum(w.numel() * w.element_size() for w in weights + [runner.lm_head])
+    available = available_memory_bytes(runner.device)
+    return available is not None and available >= needed
+
+
 def ensure_row_policy(runner, config: CalibrationConfig | None = None, cache_dir: str | Path | None = None) -> None:
     """Install the CPU row policy of ``linear()`` for the current thread count, measured on this machine over
     the matrices a forward streams (:func:`streamed_weights`; cached on disk by machine, weight shapes, dtype and
@@ -165,9 +178,10 @@ def ensure_row_policy(runner, config: CalibrationConfig | None = None, cache_dir
     if runner.device.type != "cpu" or not len(runner.layers):
         return
     threads = torch.get_num_threads()
+    packed = packed_weights_allowed(runner)
     # "timing": how the policy was measured; a policy timed another way (over one cache-resident layer, before
-    # 2026-11-25) is measured again
-    key = machine_key(runner) | {"kind": "rows", "timing": "streamed"}
+    # 2026-11-25) is measured again; "packed": whether packed weights were a candidate (since 2026-11-27)
+    key = machine_key(runner) | {"kind": "rows", "timing": "streamed", "packed": packed}
     file = _cache_dir(cache_dir) / f"rows-{_digest(key)}.json"
     if str(file) in _ROWS_DONE and threads in row_policy._ACTIVE:
         return
@@ -177,7 +191,7 @@ def ensure_row_policy(runner, config: CalibrationConfig | None = None, cache_dir
         CALIBRATIONS["rows"] += 1
         t0 = time.perf_counter()
         cols = row_policy.measure_row_policy(weights, repeats=(config or CalibrationConfig()).row_repeats,
-                                             scales=scales)
+                                             scales=scales, allow_packed=packed)
         data = {"key": key, "cols": {str(m): c for m, c in cols.items()}}
         write_cache(file, data)
         logger.info("row policy measured for %d threads in %.1f s: %s", threads, time.perf_counter() - t0, cols)

@@ -151,6 +151,78 @@ def test_every_installed_row_policy_returns_f_linear(threads):
         row_policy._ACTIVE.update(saved)
 
 
+needs_packing = pytest.mark.skipif(not row_policy.packing_available(), reason="this PyTorch has no oneDNN")
+
+
+@needs_packing
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_products_return_f_linear(threads):
+    """The product over oneDNN-packed weights, as linear() runs it under a policy, for every row count it may
+    take, with and without bias; and a product that needs gradients goes to F.linear (packed has no autograd)."""
+    from specdec.models.llama import linear
+
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(48, 40, generator=gen), torch.randn(48, generator=gen)
+    before, saved = torch.get_num_threads(), dict(row_policy._ACTIVE)
+    torch.set_num_threads(threads)
+    try:
+        row_policy.install(threads, {m: row_policy.PACKED for m in range(1, 33)})
+        for m in (1, 2, 3, 8, 17, 32, 33):
+            x = torch.randn(m, 40, generator=gen)
+            for b in (None, bias):
+                got = linear(x, weight, b)
+                assert got.shape == (m, 48) and got.is_contiguous()
+                torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+        assert id(weight) in row_policy._PACKED
+        trained = torch.nn.Parameter(weight.clone())
+        out = linear(torch.randn(4, 40, generator=gen), trained)
+        assert out.grad_fn is not None and id(trained) not in row_policy._PACKED
+    finally:
+        torch.set_num_threads(before)
+        row_policy._ACTIVE.clear()
+        row_policy._ACTIVE.update(saved)
+
+
+@needs_packing
+def test_packed_copy_follows_its_weight():
+    """A weight changed in place (an optimizer step, a load) is packed again; a weight that dies takes its packed
+    copy with it (the copies are the model's bytes once more)."""
+    gen = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(24, 16, generator=gen), torch.randn(3, 16, generator=gen)
+    first = row_policy.packed_weight(weight)
+    assert row_policy.packed_weight(weight) is first  # packed once
+    weight.mul_(2.0)
+    torch.testing.assert_close(row_policy.packed_linear(x, weight), x @ weight.T, rtol=1e-5, atol=1e-5)
+    assert row_policy.packed_weight(weight) is not first
+    key = id(weight)
+    del weight, first
+    assert key not in row_policy._PACKED
+
+
+def test_packing_is_refused_where_unavailable(monkeypatch):
+    monkeypatch.setattr(row_policy, "packing_available", lambda: False)
+    with pytest.raises(ValueError, match="oneDNN"):
+        row_policy.install(1, {4: row_policy.PACKED})
+    assert row_policy.measure_row_policy([torch.randn(8, 8)], max_rows=3, repeats=1, allow_packed=True) \
+        .get(1) != row_policy.PACKED
+
+
+def test_packed_weights_need_memory_and_can_be_switched_off(monkeypatch):
+    runner = LlamaRunner(build_tiny_model(vocab_size=64, seed=1))
+    monkeypatch.setattr(row_policy, "packing_available", lambda: True)
+    monkeypatch.setattr(cost_model, "available_memory_bytes", lambda device: 10**12)
+    assert cost_model.packed_weights_allowed(runner)
+    monkeypatch.setenv("SPECDEC_PACKED_WEIGHTS", "0")
+    assert not cost_model.packed_weights_allowed(runner)
+    monkeypatch.delenv("SPECDEC_PACKED_WEIGHTS")
+    weight_bytes = sum(p.numel() * p.element_size() for layer in runner.layers for n, p in layer.named_parameters()
+                       if p.dim() == 2 and "proj" in n) + runner.lm_head.numel() * runner.lm_head.element_size()
+    monkeypatch.setattr(cost_model, "available_memory_bytes", lambda device: 2 * weight_bytes - 1)
+    assert not cost_model.packed_weights_allowed(runner)  # a copy of the weights must fit twice over
+    monkeypatch.setattr(cost_model, "available_memory_bytes", lambda device: 2 * weight_bytes)
+    assert cost_model.packed_weights_allowed(runner)
+
+
 def test_measure_row_policy_pads_only_to_faster_counts():
     w = [torch.randn(64, 32)]
     cols = row_policy.measure_row_policy(w, max_rows=6, repeats=1)
@@ -173,6 +245,16 @@ def test_row_policy_weighs_each_matrix_by_its_scale(monkeypatch):
     monkeypatch.setattr(row_policy, "transposed_linear", fake_transposed)
     assert row_policy.measure_row_policy([big, small], max_rows=1, repeats=3) == {}  # 3 ms vs 5 ms
     assert row_policy.measure_row_policy([big, small], max_rows=1, repeats=3, scales=[10, 1]) == {1: 1}  # 21 vs 14
+    # the packed product (2 ms over both matrices): chosen only when offered, wherever it is fastest
+    seconds["packed", 8], seconds["packed", 4] = 0.0005, 0.0015
+    monkeypatch.setattr(row_policy, "_packs", lambda weights: list(weights))
+    monkeypatch.setattr(row_policy, "packed_linear",
+                        lambda x, w, b=None, packed=None: time.sleep(seconds["packed", w.shape[0]]))
+    assert row_policy.measure_row_policy([big, small], max_rows=1, repeats=3) == {}
+    assert row_policy.measure_row_policy([big, small], max_rows=1, repeats=3,
+                                         allow_packed=True) == {1: row_policy.PACKED}  # 2 ms vs 3 and 5
+    assert row_policy.measure_row_policy([big, small], max_rows=1, repeats=3, scales=[10, 1],
+                                         allow_packed=True) == {1: row_policy.PACKED}  # 6.5 ms vs 21 and 14
     with pytest.raises(ValueError, match="scale"):
         row_policy.measure_row_policy([big, small], scales=[1.0])
 

@@ -119,14 +119,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [m, in] @ weight[out, in]^T (+ bias).
 
     On CPU a few rows may be faster as ``weight @ x^T`` (GEMV-like reads of the weight), some row counts
-    faster padded to more rows: the row policy measured on this machine for the current torch thread count
-    (:mod:`specdec.models.row_policy`, installed by ``specdec.cost_model.ensure_row_policy`` when an engine
-    is built) decides; without one, and on GPUs, this is ``F.linear``. Padding rows are copies of real ones
-    and are dropped, so every choice returns ``F.linear``'s values for the rows given.
+    faster padded to more rows, some over a copy of the weight packed once for oneDNN: the row policy measured
+    on this machine for the current torch thread count (:mod:`specdec.models.row_policy`, installed by
+    ``specdec.cost_model.ensure_row_policy`` when an engine is built) decides; without one, and on GPUs, this
+    is ``F.linear``. Padding rows are copies of real ones and are dropped, so every choice returns
+    ``F.linear``'s values for the rows given, up to float rounding. A product that needs gradients (training)
+    never takes the packed one, which has no autograd.
     """
     if x.device.type == "cpu":
         cols = row_policy.active_cols().get(x.shape[0])
-        if cols is not None:
+        if cols == row_policy.PACKED:
+            if not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
+                return row_policy.packed_linear(x, weight, bias)
+        elif cols is not None:
             out = row_policy.transposed_linear(x, weight, cols)
             return out if bias is None else out + bias
     return F.linear(x, weight, bias)

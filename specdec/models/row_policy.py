@@ -2,13 +2,21 @@
 
 On CPU, BLAS libraries take different paths for small row counts: ``F.linear`` on 2-32 rows may hit a slow
 small-GEMM path where ``weight @ x^T`` reads the weight at GEMV speed, a single row may run on one thread
-where two rows use both, and on some machines 2-4 rows cost more than 8. So for every row count
-m <= ``SMALL_M_MAX`` the policy records how to compute it: ``cols[m] = c`` means "the transposed product
-with c >= m columns (the c - m extra columns copy row 0 and are dropped)"; a row count missing from
-``cols`` goes through ``F.linear``. Every choice returns ``F.linear``'s values for the rows given.
+where two rows use both, and on some machines 2-4 rows cost more than 8. MKL also re-packs the weight on every
+call: a product over weights packed once in oneDNN's blocked layout (``packed_linear``) cost nearly the same for
+1 to 16 rows on a 2-core EPYC (AVX-512), where ``F.linear`` and the transposed product cost 3-4x more at 16 rows
+than at 2. So for every row count m <= ``SMALL_M_MAX`` the policy records how to compute it: ``cols[m] = c``
+means "the transposed product with c >= m columns (the c - m extra columns copy row 0 and are dropped)",
+``cols[m] = PACKED`` the product over packed weights; a row count missing from ``cols`` goes through
+``F.linear``. Every choice returns ``F.linear``'s values for the rows given, up to float rounding (each
+library sums in its own order, as F.linear itself does for different row counts).
 
     policy = measure_row_policy(weights, scales)   # a few seconds: products over what a forward streams
     install(torch.get_num_threads(), policy)       # linear() reads it from now on
+
+Packed weights are copies (the model's weight bytes once more, made on a weight's first packed product and
+dropped with the weight; a weight changed in place is packed again), so ``measure_row_policy`` offers them only
+when asked to (``allow_packed``: the caller checks that the memory is there) and where oneDNN is available.
 
 The products must be timed the way a forward runs them: every weight read once per forward, streamed from
 memory. Timed over one layer's matrices, which fit in the last-level cache, single-threaded GEMV looked as fast
@@ -22,24 +30,35 @@ once per machine / weight shapes / dtype / thread count and caches the result on
 """
 from __future__ import annotations
 
+import logging
 import statistics
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
+logger = logging.getLogger(__name__)
+
 SMALL_M_MAX = 32
+PACKED = 0  # a policy's value for "the product over oneDNN-packed weights" (packed_linear)
+PACK_ROWS = 8  # the row count oneDNN is told to lay packed weights out for; 8 and 16 timed the same for 1-16 rows
 _MIN_GAIN = 0.05  # a layout other than F.linear (or padding) must win by 5%: no chasing of timing noise
 
-_ACTIVE: dict[int, dict[int, int]] = {}  # torch thread count -> {rows: columns of the transposed product}
+_ACTIVE: dict[int, dict[int, int]] = {}  # torch thread count -> {rows: columns of the transposed product, or PACKED}
+# id(weight) -> (weak reference to it, its version counter when packed, the packed copy); an entry leaves with its
+# weight (weakref.finalize), and a version that moved (an optimizer step, a load) packs the weight again
+_PACKED: dict[int, tuple[weakref.ref, int | None, torch.Tensor]] = {}
 
 
 def install(threads: int, cols: dict[int, int]) -> None:
-    """Use ``cols`` (rows -> transposed columns) whenever torch runs on ``threads`` threads."""
-    bad = {m: c for m, c in cols.items() if not 1 <= m <= c <= SMALL_M_MAX}
+    """Use ``cols`` (rows -> transposed columns, or PACKED) whenever torch runs on ``threads`` threads."""
+    bad = {m: c for m, c in cols.items() if not (1 <= m <= c <= SMALL_M_MAX or (c == PACKED and 1 <= m <= SMALL_M_MAX))}
     if bad:
-        raise ValueError(f"row policy: need 1 <= rows <= columns <= {SMALL_M_MAX}, got {bad}")
+        raise ValueError(f"row policy: need 1 <= rows <= columns <= {SMALL_M_MAX} (or PACKED = {PACKED}), got {bad}")
+    if PACKED in cols.values() and not packing_available():
+        raise ValueError("row policy: packed products need PyTorch's oneDNN (mkldnn) backend, which is unavailable")
     _ACTIVE[int(threads)] = {int(m): int(c) for m, c in cols.items()}
 
 
@@ -65,6 +84,48 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, cols: int) -> torch
     return torch.mm(weight, xt).t()[:m].contiguous()
 
 
+def packing_available() -> bool:
+    """Whether this PyTorch has oneDNN's packed linear (x86 / ARM builds with mkldnn)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of ``weight`` [out, in] in oneDNN's blocked layout, for :func:`packed_linear`'s kernel."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+
+
+def _version(weight: torch.Tensor) -> int | None:
+    try:
+        return weight._version
+    except RuntimeError:  # an inference tensor has no version counter (and cannot change outside inference mode)
+        return None
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The packed copy of ``weight``, made on first use and kept while the weight lives and is unchanged."""
+    key, version = id(weight), _version(weight)
+    entry = _PACKED.get(key)
+    if entry is not None and entry[0]() is weight and entry[1] == version:
+        return entry[2]
+    if entry is None or entry[0]() is not weight:
+        weakref.finalize(weight, _PACKED.pop, key, None)
+    packed = pack_weight(weight)
+    _PACKED[key] = (weakref.ref(weight), version, packed)
+    return packed
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, in] @ weight[out, in]^T (+ bias) over the packed copy of ``weight`` (``packed``: a given copy).
+    No autograd: ``linear()`` sends products that need gradients to F.linear."""
+    packed = packed_weight(weight) if packed is None else packed
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
 def _weighted_pass(products, scales: Sequence[float]) -> float:
     """Seconds of one pass over every product, each product's time multiplied by its scale."""
     total = 0.0
@@ -77,9 +138,10 @@ def _weighted_pass(products, scales: Sequence[float]) -> float:
 
 @torch.inference_mode()
 def measure_row_policy(weights: Sequence[torch.Tensor], max_rows: int = SMALL_M_MAX, repeats: int = 5,
-                       scales: Sequence[float] | None = None) -> dict[int, int]:
-    """Time ``F.linear`` and the transposed product for 1..max_rows rows over ``weights``, and return the
-    fastest way to compute each row count, padding allowed (m rows computed as c >= m when c is faster).
+                       scales: Sequence[float] | None = None, allow_packed: bool = False) -> dict[int, int]:
+    """Time ``F.linear``, the transposed product and (``allow_packed`` and oneDNN present) the packed product
+    for 1..max_rows rows over ``weights``, and return the fastest way to compute each row count, padding allowed
+    for the transposed product (m rows computed as c >= m when c is faster).
 
     ``weights`` should be what a forward streams (more bytes than the last-level cache holds: see the module
     doc); ``scales[i]`` weighs matrix i's time (a sample of every k-th layer stands for k layers), default 1.
@@ -91,23 +153,46 @@ def measure_row_policy(weights: Sequence[torch.Tensor], max_rows: int = SMALL_M_
         raise ValueError("measure_row_policy: one positive scale per weight matrix")
     max_rows = min(int(max_rows), SMALL_M_MAX)
     gen = torch.Generator().manual_seed(0)
+    packs = _packs(weights) if allow_packed else None  # local copies, freed on return
     plain: dict[int, float] = {}
     transposed: dict[int, float] = {}
+    packed: dict[int, float] = {}
     for m in range(1, max_rows + 1):
         xs = [torch.randn(m, w.shape[1], generator=gen).to(w.dtype) for w in weights]
-        by_linear = [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, weights)]
-        by_transposed = [lambda x=x, w=w, m=m: transposed_linear(x, w, m) for x, w in zip(xs, weights)]
+        passes = [[lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, weights)],
+                  [lambda x=x, w=w, m=m: transposed_linear(x, w, m) for x, w in zip(xs, weights)]]
+        if packs is not None:
+            passes.append([lambda x=x, w=w, p=p: packed_linear(x, w, packed=p) for x, w, p in zip(xs, weights, packs)])
         if m == 1:  # one warm-up pass of each (first-call allocations); streamed weights need no more
-            _weighted_pass(by_linear, scales), _weighted_pass(by_transposed, scales)
-        times = [(_weighted_pass(by_linear, scales), _weighted_pass(by_transposed, scales)) for _ in range(repeats)]
-        plain[m] = statistics.median(t for t, _ in times)  # interleaved: a slow moment costs both layouts
-        transposed[m] = statistics.median(t for _, t in times)
+            for products in passes:
+                _weighted_pass(products, scales)
+        # interleaved: a slow moment costs every layout
+        times = [[_weighted_pass(products, scales) for products in passes] for _ in range(repeats)]
+        plain[m] = statistics.median(t[0] for t in times)
+        transposed[m] = statistics.median(t[1] for t in times)
+        if packs is not None:
+            packed[m] = statistics.median(t[2] for t in times)
     cols: dict[int, int] = {}
     for m in range(1, max_rows + 1):
         best_cost, best = plain[m], None  # F.linear on exactly m rows is the default
         for c in range(m, max_rows + 1):  # the transposed product with c columns
             if transposed[c] < best_cost * (1 - _MIN_GAIN):
                 best_cost, best = transposed[c], c
+        if m in packed and packed[m] < best_cost * (1 - _MIN_GAIN):
+            best_cost, best = packed[m], PACKED
         if best is not None:
             cols[m] = best
     return cols
+
+
+def _packs(weights: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Packed copies of ``weights`` for timing, or None where this PyTorch or dtype cannot pack."""
+    if not packing_available():
+        return None
+    try:
+        packs = [pack_weight(w) for w in weights]
+        packed_linear(torch.zeros(1, weights[0].shape[1], dtype=weights[0].dtype), weights[0], packed=packs[0])
+        return packs
+    except RuntimeError as err:  # e.g. a dtype oneDNN does not pack on this CPU
+        logger.info("row policy: packed products unavailable (%s)", err)
+        return None
