@@ -154,5 +154,31 @@ def test_tree_choice_loads_the_cost_model_before_timing_anything(tmp_path, monke
 
     monkeypatch.setattr(eagle_evaluate, "_run", run)
     eagle_evaluate.choose_tree_by_speed(loaded, eagle, [[1, 2, 3], [4, 5]], 4, candidates=((1, 1, 1), (2, 1, 2)))
-    assert len(seen) == 1 + 2 + 2 * 2 and seen[0] >= 1  # warm-up, plain x 2 prompts, 2 candidates x 2 prompts
+    assert len(seen) == 1 + 2 * 2 * 2 and seen[0] >= 1  # warm-up, then 2 candidates x 2 prompts x (plain, tree)
     assert len(set(seen)) == 1  # every calibration happened in the warm-up
+
+
+def test_tree_choice_pairs_each_candidate_with_plain_decoding(monkeypatch):
+    """A machine that slows down while the candidates are timed: the first candidate runs at 0.9x of plain while
+    the machine is fast, the second at 1.2x once it is slow. Compared with one plain run at the start (the old
+    rule), the first looked faster (9 against 6 tokens/s); paired, the second wins. The report says so when no
+    tree beats plain decoding."""
+    from specdec.train import eagle_evaluate
+    from specdec.train.eagle_report import render_markdown
+
+    speeds = iter([(50.0, 1.0),  # warm-up
+                   (10.0, 1.0), (9.0, 1.1), (10.0, 1.0), (9.0, 1.1),  # candidate 1: plain, tree per prompt
+                   (5.0, 1.0), (6.0, 1.4), (5.0, 1.0), (6.0, 1.4)])  # candidate 2, the machine at half speed
+    monkeypatch.setattr(eagle_evaluate, "_run", lambda *a, **k: next(speeds))
+    monkeypatch.setattr("specdec.drafters.eagle.EagleDrafter", lambda **options: options)  # no layer needed
+    best, table = eagle_evaluate.choose_tree_by_speed(None, None, [[1], [2]], 4, candidates=((1, 1, 1), (2, 1, 2)))
+    assert best == (2, 1, 2)
+    assert [round(r["speedup_vs_plain"], 3) for r in table] == [0.9, 1.2]
+    assert [r["plain_tokens_per_s"] for r in table] == [10.0, 5.0]
+    report = {"config": {"eagle_steps": 2}, "draft_vocab": {}, "model": "m", "steps": 1, "train_sequences": 1,
+              "processes": 1, "final_loss": 1.0, "held_out_sequences": 1, "top1": [0.5], "top5": [0.7],
+              "tree_measurements": table, "tree": {"depth": 2, "top_k": 1, "max_nodes": 2},
+              "seconds": {"data": 1, "train": 1, "eval": 1, "total": 3}}
+    assert "No tree beat plain decoding" not in render_markdown(report)
+    table[1]["speedup_vs_plain"] = 0.95
+    assert "No tree beat plain decoding on this machine** (the best: 0.95x)" in render_markdown(report)
