@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 CALIBRATIONS = {"verify": 0, "rows": 0}  # measurements run by this process (cache misses)
 _MEMO: dict[str, dict[int, dict[int, float]]] = {}  # cache file -> curves: one process reads the disk once per key
 _ROWS_DONE: set[str] = set()
+_PACKING: dict[str, bool] = {}  # row-policy key (without "packed") -> packed weights allowed, decided once per process
 BATCH_QUERY_TOKENS = 128  # calibration grid of a batch: sizes n with batch * n above this are extrapolated
 BATCH_CONTEXT_TOKENS = 1024  # and at most this many context tokens are prefilled over the whole batch
 STREAM_BYTES = 128 * 2**20  # the row policy times at least this many bytes of weights: beyond a CPU's last-level cache
@@ -145,12 +146,16 @@ def write_cache(file: Path, data: dict) -> None:
         logger.warning("cost model: cannot write %s (%s); the measurement is not cached", file, err)
 
 
+def _layer_weights(runner) -> list[list[torch.Tensor]]:
+    """Per layer, the projection matrices a forward multiplies (q, k, v, o, gate, up, down)."""
+    return [[p for name, p in layer.named_parameters() if p.dim() == 2 and "proj" in name] for layer in runner.layers]
+
+
 def streamed_weights(runner, budget_bytes: int = STREAM_BYTES) -> tuple[list[torch.Tensor], list[float]]:
     """The matrices a forward multiplies, as the row policy should time them: evenly spaced layers holding at
     least ``budget_bytes`` (all layers when the model is smaller), each scaled to stand for its share of the
     layers, plus the LM head once. Returns (weights, scales)."""
-    per_layer = [[p for name, p in layer.named_parameters() if p.dim() == 2 and "proj" in name]
-                 for layer in runner.layers]
+    per_layer = _layer_weights(runner)
     layer_bytes = max(1, sum(p.numel() * p.element_size() for p in per_layer[0]))
     count = min(len(per_layer), max(1, -(-budget_bytes // layer_bytes)))
     chosen = sorted({round(i * (len(per_layer) - 1) / max(1, count - 1)) for i in range(count)})
@@ -165,8 +170,8 @@ def packed_weights_allowed(runner) -> bool:
     and the memory available now holds those bytes twice over (room left for the KV cache and drafters)."""
     if os.environ.get("SPECDEC_PACKED_WEIGHTS", "1").strip() == "0" or not row_policy.packing_available():
         return False
-    weights = [p for layer in runner.layers for name, p in layer.named_parameters() if p.dim() == 2 and "proj" in name]
-    needed = 2 * sum(w.numel() * w.element_size() for w in weights + [runner.lm_head])
+    weights = [p for layer in _layer_weights(runner) for p in layer] + [runner.lm_head]
+    needed = 2 * sum(w.numel() * w.element_size() for w in weights)
     available = available_memory_bytes(runner.device)
     return available is not None and available >= needed
 
@@ -178,10 +183,16 @@ def ensure_row_policy(runner, config: CalibrationConfig | None = None, cache_dir
     if runner.device.type != "cpu" or not len(runner.layers):
         return
     threads = torch.get_num_threads()
-    packed = packed_weights_allowed(runner)
     # "timing": how the policy was measured; a policy timed another way (over one cache-resident layer, before
-    # 2026-11-25) is measured again; "packed": whether packed weights were a candidate (since 2026-11-27)
-    key = machine_key(runner) | {"kind": "rows", "timing": "streamed", "packed": packed}
+    # 2026-11-25) is measured again; "packed": whether packed weights were a candidate (since 2026-11-27), decided
+    # once per process and key: the packed copies a policy makes use up the memory that decision measured, and must
+    # not turn it (and the policy) over at the next engine build
+    key = machine_key(runner) | {"kind": "rows", "timing": "streamed"}
+    base = _digest(key)
+    if base not in _PACKING:
+        _PACKING[base] = packed_weights_allowed(runner)
+    packed = _PACKING[base]
+    key |= {"packed": packed}
     file = _cache_dir(cache_dir) / f"rows-{_digest(key)}.json"
     if str(file) in _ROWS_DONE and threads in row_policy._ACTIVE:
         return

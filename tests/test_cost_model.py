@@ -22,6 +22,7 @@ def fresh(monkeypatch, tmp_path):
     """An empty cache dir and no in-process memo (as in a new process); row policies restored after."""
     monkeypatch.setattr(cost_model, "_MEMO", {})
     monkeypatch.setattr(cost_model, "_ROWS_DONE", set())
+    monkeypatch.setattr(cost_model, "_PACKING", {})
     saved = dict(row_policy._ACTIVE)
     yield tmp_path
     row_policy._ACTIVE.clear()
@@ -221,6 +222,21 @@ def test_packed_weights_need_memory_and_can_be_switched_off(monkeypatch):
     assert not cost_model.packed_weights_allowed(runner)  # a copy of the weights must fit twice over
     monkeypatch.setattr(cost_model, "available_memory_bytes", lambda device: 2 * weight_bytes)
     assert cost_model.packed_weights_allowed(runner)
+
+
+def test_packing_is_decided_once_per_process(fresh, monkeypatch):
+    """The packed copies a policy makes use up the memory the decision measured: a later engine build with less
+    memory available keeps the decision (and the installed policy) instead of measuring a second policy."""
+    runner = LlamaRunner(build_tiny_model(vocab_size=64, seed=1))
+    monkeypatch.setattr(row_policy, "packing_available", lambda: True)
+    monkeypatch.setattr(row_policy, "measure_row_policy", lambda weights, allow_packed, **kw: {2: 2} if allow_packed
+                        else {})
+    monkeypatch.setattr(cost_model, "available_memory_bytes", lambda device: 10**12)
+    before = cost_model.CALIBRATIONS["rows"]
+    cost_model.ensure_row_policy(runner, SMALL, cache_dir=fresh)
+    monkeypatch.setattr(cost_model, "available_memory_bytes", lambda device: 0)
+    cost_model.ensure_row_policy(runner, SMALL, cache_dir=fresh)
+    assert cost_model.CALIBRATIONS["rows"] == before + 1 and row_policy.active_cols() == {2: 2}
 
 
 def test_measure_row_policy_pads_only_to_faster_counts():
