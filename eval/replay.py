@@ -73,7 +73,7 @@ class ReplayConfig:
             raise InputError(f"temperature must be a finite number >= 0, got {self.temperature}")
 
 
-class _ReplayDrafter:
+class ReplayDrafter:
     """The drafter under replay, fed committed prefixes; times its proposals."""
 
     def __init__(self, config: ReplayConfig, record: dict) -> None:
@@ -117,7 +117,7 @@ class _Step:
     token budget and ``max_nodes``, then sized (specdec.tree_sizing, one sizer per sequence as in one generate()
     call per prompt, its costs the record's curve and the draft times measured here)."""
 
-    def __init__(self, drafter: _ReplayDrafter, config: ReplayConfig, costs: dict[int, float]) -> None:
+    def __init__(self, drafter: ReplayDrafter, config: ReplayConfig, costs: dict[int, float]) -> None:
         self.drafter, self.config, self.costs = drafter, config, costs
         self.sizer = None
         if config.guard:
@@ -204,8 +204,14 @@ def _accepted_distribution(tree: DraftTree, seq: dict, j: int, temperature: floa
     return dist
 
 
-def _replay_sequence(drafter: _ReplayDrafter, seq_id: int, seq: dict, record: dict, config: ReplayConfig,
-                     costs: dict[int, float]) -> dict:
+def replay_sequence(drafter: ReplayDrafter, seq_id: int, seq: dict, record: dict, config: ReplayConfig,
+                    costs: dict[int, float], oracle: bool = False) -> dict:
+    """One recorded sequence replayed: its tokens, steps, verify seconds (record curve), draft calls, nodes.
+
+    ``oracle`` (greedy, with ``config.guard`` off; :mod:`specdec.eval.replay_bounds`): each step verifies only the
+    path that will be accepted (perfect foresight), so it is priced ``c_verify(1 + accepted)``, not by its tree."""
+    if oracle and (config.guard or config.temperature != 0):
+        raise ValueError("the oracle walk is greedy and unguarded (whole trees, priced by their accepted path)")
     prompt, new = list(seq["prompt_ids"]), list(seq["new_tokens"])
     budget = int(record["max_new_tokens"])
     m = len(new)
@@ -219,7 +225,8 @@ def _replay_sequence(drafter: _ReplayDrafter, seq_id: int, seq: dict, record: di
             step.after(seq_id, new[j : j + count], tree.num_nodes)
             histogram += [0] * (accepted + 1 - len(histogram))
             histogram[accepted] += 1
-            steps, nodes, verify = steps + 1, nodes + tree.num_nodes, verify + verify_cost_at(costs, 1 + tree.num_nodes)
+            priced = count - 1 if oracle else tree.num_nodes  # the oracle's last token comes as the bonus
+            steps, nodes, verify = steps + 1, nodes + tree.num_nodes, verify + verify_cost_at(costs, 1 + priced)
             j += count
             if j < m:
                 drafter.drafter.on_accept(seq_id, new[j - count : j])
@@ -279,8 +286,8 @@ def replay(record: dict, config: ReplayConfig) -> dict:
         raise InputError(f"replay at temperature 0 needs a greedy record; this one was sampled at "
                          f"{record['temperature']} (replay it with --temperature > 0)")
     costs = record["costs"]["verify_seconds"]
-    drafter = _ReplayDrafter(config, record)
-    per_sequence = [_replay_sequence(drafter, i, s, record, config, costs) for i, s in enumerate(record["sequences"])]
+    drafter = ReplayDrafter(config, record)
+    per_sequence = [replay_sequence(drafter, i, s, record, config, costs) for i, s in enumerate(record["sequences"])]
     tokens = sum(r["new_tokens"] for r in per_sequence)
     steps = sum(r["steps"] for r in per_sequence)
     c_plain = verify_cost_at(costs, 1)

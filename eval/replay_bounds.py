@@ -30,13 +30,12 @@ from dataclasses import replace
 
 from specdec.eval.replay import (
     ReplayConfig,
-    _cut,
-    _greedy_accepted,
-    _ReplayDrafter,
+    ReplayDrafter,
     overall_speedup,
     plain_step_seconds,
     recorded_prefill,
     replay,
+    replay_sequence,
 )
 from specdec.eval.replay_record import verify_cost_at
 
@@ -85,22 +84,6 @@ def _copy_walk(prompt: list[int], new: list[int], budget: int, costs: dict[int, 
     return steps[0], seconds[0]
 
 
-def _oracle_walk(drafter: _ReplayDrafter, seq_id: int, prompt: list[int], new: list[int], budget: int,
-                 costs: dict[int, float]) -> tuple[int, float]:
-    """(steps, verify seconds) of the drafter's whole trees, each verified on its accepted path only."""
-    j = steps = 0
-    seconds = 0.0
-    while j < len(new):
-        tree, _ = drafter.propose(seq_id, prompt + new[:j], len(prompt))
-        accepted = min(_greedy_accepted(_cut(tree, budget - j - 1, None), new[j:]), len(new) - j - 1)
-        count = min(accepted + 1, len(new) - j)
-        steps, seconds, j = steps + 1, seconds + verify_cost_at(costs, 1 + accepted), j + count
-        if j < len(new):
-            drafter.drafter.on_accept(seq_id, new[j - count : j])
-    drafter.drafter.release(seq_id)
-    return steps, seconds
-
-
 def _speeds(record: dict, tokens: int, steps: float, seconds: float) -> dict:
     """tau and the decode / overall speedups of a walk that verified for ``seconds`` (record curve seconds)."""
     c1 = verify_cost_at(record["costs"]["verify_seconds"], 1)
@@ -124,11 +107,12 @@ def replay_bounds(record: dict, config: ReplayConfig) -> dict:
     for s in sequences:
         st, sec = _copy_walk(list(s["prompt_ids"]), list(s["new_tokens"]), budget, costs)
         copy_steps, copy_seconds = copy_steps + st, copy_seconds + sec
-    drafter = _ReplayDrafter(replace(config, guard=False, max_nodes=None), record)
+    whole_trees = replace(config, guard=False, max_nodes=None)
+    drafter = ReplayDrafter(whole_trees, record)
     oracle_steps = oracle_seconds = 0.0
     for i, s in enumerate(sequences):
-        st, sec = _oracle_walk(drafter, i, list(s["prompt_ids"]), list(s["new_tokens"]), budget, costs)
-        oracle_steps, oracle_seconds = oracle_steps + st, oracle_seconds + sec
+        walk = replay_sequence(drafter, i, s, record, whole_trees, costs, oracle=True)
+        oracle_steps, oracle_seconds = oracle_steps + walk["steps"], oracle_seconds + walk["verify_seconds"]
     c_draft = drafter.seconds / drafter.calls if drafter.calls else 0.0
     oracle_seconds += c_draft * drafter.calls
     guarded = replay(record, config)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from specdec.eval.replay import ReplayConfig, replay
+from specdec.eval.replay import ReplayConfig, ReplayDrafter, replay, replay_sequence
 from specdec.eval.replay_bounds import replay_bounds
 from specdec.eval.replay_record import RecordConfig, record_run, save_record
 
@@ -55,6 +55,24 @@ def test_copy_bound_respects_the_token_budget():
     """A 3-token budget: the first step may draft at most 2 nodes (the bonus token is the third)."""
     copy = replay_bounds(_record([1, 2, 3, 4, 5, 1], [2, 3, 4], budget=3), ReplayConfig("ngram"))["copy"]
     assert copy["steps"] == 1 and copy["seconds"] == pytest.approx(1.25)
+
+
+def test_oracle_prices_each_step_by_its_accepted_path_only():
+    """Same text as above: n-gram drafts nothing after 9, then a tree holding both continuations of 1 ("2 9", "2 3 4
+    7 1 ..."), of which "2 3 4" is accepted: the oracle pays c(1) + c(1 + 3), verifying whole trees pays more."""
+    record = _record([5, 1, 2, 3, 4, 7, 1, 2, 9], [1, 2, 3, 4, 8])
+    oracle = replay_bounds(record, ReplayConfig("ngram"))["oracle"]
+    assert oracle["steps"] == 2
+    assert oracle["seconds"] - 2 * oracle["cost_draft_s"] == pytest.approx(1.0 + 1.5)
+    whole = replay(record, ReplayConfig("ngram", guard=False))
+    assert whole["steps"] == 2 and whole["seconds"] - whole["cost_draft_s"] * whole["draft_calls"] > 2.5 + 1e-6
+
+
+def test_oracle_walk_refuses_a_guarded_config():
+    record = _record([1, 2, 1], [2, 1])
+    drafter = ReplayDrafter(ReplayConfig("ngram", guard=False), record)
+    with pytest.raises(ValueError, match="unguarded"):
+        replay_sequence(drafter, 0, record["sequences"][0], record, ReplayConfig("ngram"), CURVE, oracle=True)
 
 
 @pytest.fixture(scope="module")
