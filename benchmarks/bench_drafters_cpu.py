@@ -153,8 +153,12 @@ def main() -> None:
     tok = loaded.tokenizer
     table = drafters(args, loaded)
     if args.drafters:
-        wanted = {"plain", "plain (again)", *args.drafters.split(",")}
-        table = {k: v for k, v in table.items() if k in wanted}
+        asked = {name.strip() for name in args.drafters.split(",")}
+        unknown = sorted(asked - set(table))
+        if unknown:  # a misspelt row used to drop out of the run silently
+            ap.error(f"--drafters: no row named {', '.join(map(repr, unknown))}; the rows: "
+                     f"{', '.join(repr(k) for k in table if k not in ('plain', 'plain (again)'))}")
+        table = {k: v for k, v in table.items() if k in asked | {"plain", "plain (again)"}}
     if args.categories == "all":
         from specdec.eval.prompts import CATEGORIES
 
