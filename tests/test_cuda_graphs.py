@@ -176,3 +176,25 @@ def test_a_reused_graphed_forward_keeps_its_cache_and_buckets(loaded):
         generate(loaded, prompts, max_new_tokens=2, cuda_graphs=graphed, block_size=8)
     with pytest.raises(TypeError, match="bool or a GraphedForward"):
         generate(loaded, prompts, max_new_tokens=2, cuda_graphs="yes")
+
+
+def test_self_distillation_through_buckets_equals_eager_and_keeps_its_own_cache(loaded, tmp_path):
+    """train-medusa / train-eagle's self-distillation decodes chunk after chunk through one GraphedForward (buckets
+    1, 2, 4 and 5 for batches of 5, the last chunk smaller): the eager tokens, cached under a key of their own."""
+    from specdec.train.distill import decoding_graphs, self_distill, use_graphs
+
+    from specdec.errors import InputError
+
+    prompts = ragged_prompts(6, VOCAB, max_len=12)
+    kwargs = dict(max_new_tokens=6, batch_size=5, cache_dir=tmp_path, progress=False)
+    eager = self_distill(loaded, prompts, cuda_graphs=False, **kwargs)
+    graphed = self_distill(loaded, prompts, cuda_graphs=True, **kwargs)
+    assert graphed == eager and all(len(s) == len(p) + 6 for s, p in zip(eager, prompts))
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    assert use_graphs(loaded, None) == (DEVICE == "cuda")  # auto: captured graphs on a GPU, eager on CPU
+    forward = decoding_graphs(loaded, 12, 6, 5)
+    assert forward.config.batch_sizes == (1, 2, 4, 5) and forward.config.tokens_per_seq == (1,)
+    assert forward.config.capture == (DEVICE == "cuda")
+    assert not use_graphs(on_reference(loaded), None) and not use_graphs(loaded, False)
+    with pytest.raises(InputError, match="Triton backend"):
+        use_graphs(on_reference(loaded), True)

@@ -353,3 +353,19 @@ def test_a_truncated_checkpoint_file_is_named_not_a_traceback(tiny, tmp_path, na
     damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
     with pytest.raises(ckpt_io.CheckpointError, match=name.replace(".", r"\.")):
         run_training(_cfg(tiny, out, eval_tau=False, max_steps=4, save_every=2, resume=True))
+
+
+def test_distillation_through_cuda_graphs_needs_the_triton_backend(tiny, tmp_path, monkeypatch):
+    """--distill-cuda-graphs on with the reference backend: one line naming the backend, before any decoding."""
+    from specdec.errors import InputError
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPECDEC_ATTENTION", "reference")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the cat sings\nthe dog likes fish\n")
+    with pytest.raises(InputError, match="Triton backend"):
+        run_training(_cfg(tiny, tmp_path / "g", data=None, prompts_file=str(prompts), distill_cuda_graphs="on",
+                          eval_tau=False))
+    assert not list((tmp_path / "cache").glob("distill/*.json"))
+    with pytest.raises(ValueError, match="distill_cuda_graphs"):
+        _cfg(tiny, tmp_path / "h", distill_cuda_graphs="yes")

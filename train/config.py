@@ -25,7 +25,7 @@ DRAFTERS = ("medusa", "eagle")
 
 # fields added with train-eagle, and their defaults (a run saved before them has none)
 _ADDED_LATER = {"drafter": "medusa", "draft_vocab": None, "draft_vocab_coverage": 0.97, "eagle_steps": 3,
-                "reg_weight": 1.0, "max_grad_norm": 0.0, "prompt_source": "builtin"}
+                "reg_weight": 1.0, "max_grad_norm": 0.0, "prompt_source": "builtin", "distill_cuda_graphs": "auto"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,9 @@ class TrainConfig:
     prompts_file: str | None = None
     distill_max_new_tokens: int = 128
     distill_batch_size: int = 64  # 2-core CPU greedy: 113 tok/s at 16, 163 at 32, 200 at 64
+    # self-distillation (and self-written prompts) through CUDA-graph buckets: "auto" = on a CUDA device with the
+    # Triton backend (specdec.train.distill.use_graphs), "on" demands the Triton backend, "off" = eager
+    distill_cuda_graphs: str = "auto"
     seq_len: int = 512
     batch_size: int = 8
     grad_accum: int = 1
@@ -100,6 +103,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.distill_cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"distill_cuda_graphs must be 'auto', 'on' or 'off', got {self.distill_cuda_graphs!r}")
         if self.prompt_source not in PROMPT_SOURCES:
             raise ValueError(f"prompt_source must be one of {PROMPT_SOURCES}, got {self.prompt_source!r}")
         if self.prompt_source == "self" and (self.data is not None or self.prompts_file):

@@ -46,11 +46,13 @@ def _sequences(cfg: TrainConfig, loaded, accelerator) -> tuple[list[list[int]], 
     seqs = None
     for turn in (0, 1):  # the main process generates, the others then read its cache
         if (turn == 0) == accelerator.is_main_process:
+            graphs = {"auto": None, "on": True, "off": False}[cfg.distill_cuda_graphs]
             if cfg.prompt_source == "self":
                 prompts = self_written_prompts(loaded, cfg.num_prompts or SELF_PROMPTS, seed=cfg.seed,
-                                               batch_size=cfg.distill_batch_size, progress=cfg.progress)
+                                               batch_size=cfg.distill_batch_size, progress=cfg.progress,
+                                               cuda_graphs=graphs)
             seqs = self_distill(loaded, prompts, max_new_tokens=cfg.distill_max_new_tokens,
-                                batch_size=cfg.distill_batch_size, progress=cfg.progress)
+                                batch_size=cfg.distill_batch_size, progress=cfg.progress, cuda_graphs=graphs)
         accelerator.wait_for_everyone()
     from specdec.train.distill import encode_prompt
 

@@ -70,29 +70,38 @@ def _end_of_turn(loaded) -> set[int]:
     return ids
 
 
-def _cache_file(loaded, n: int, seed: int, batch_size: int, cache_dir) -> Path:
+def _cache_file(loaded, n: int, seed: int, batch_size: int, cache_dir, graphs: bool) -> Path:
     from specdec.train.distill import model_fingerprint
 
-    key = json.dumps({"model": model_fingerprint(loaded.model), "n": n, "seed": seed, "batch_size": batch_size,
-                      "temperature": TEMPERATURE, "top_p": TOP_P, "max_tokens": MAX_TOKENS, "min_words": MIN_WORDS,
-                      "held_out": hashlib.sha256(repr(held_out_words()).encode()).hexdigest()[:8]})
+    key = {"model": model_fingerprint(loaded.model), "n": n, "seed": seed, "batch_size": batch_size,
+           "temperature": TEMPERATURE, "top_p": TOP_P, "max_tokens": MAX_TOKENS, "min_words": MIN_WORDS,
+           "held_out": hashlib.sha256(repr(held_out_words()).encode()).hexdigest()[:8]}
+    if graphs:  # CUDA graphs round bf16 otherwise at near-ties: their prompts are cached apart
+        key["cuda_graphs"] = True
+    key = json.dumps(key)
     root = Path(cache_dir) if cache_dir is not None else cache_root() / "self_prompts"
     return root / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
 def self_written_prompts(loaded, n: int, *, seed: int = 0, batch_size: int = 64, cache_dir=None,
-                         progress: bool = True) -> list[str]:
-    """``n`` user prompts sampled from the target (module doc); at most ``4 n`` are drawn to find them."""
+                         progress: bool = True, cuda_graphs: bool | None = None) -> list[str]:
+    """``n`` user prompts sampled from the target (module doc); at most ``4 n`` are drawn to find them.
+    ``cuda_graphs``: as in :func:`specdec.train.distill.use_graphs` (None: where they are captured)."""
+    from specdec.train.distill import decoding_graphs, use_graphs
+
     from specdec.generate import generate
 
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    file = _cache_file(loaded, n, seed, batch_size, cache_dir)
+    tok = loaded.tokenizer
+    prefix = user_turn_prefix(tok)
+    graphs = use_graphs(loaded, cuda_graphs)
+    file = _cache_file(loaded, n, seed, batch_size, cache_dir, graphs)
     if file.is_file():
         logger.info("self-written prompts: cache hit %s", file)
         return json.loads(file.read_text())["prompts"]
-    tok = loaded.tokenizer
-    prefix, held_out = user_turn_prefix(tok), held_out_words()
+    held_out = held_out_words()
+    graphed = decoding_graphs(loaded, len(prefix), MAX_TOKENS, batch_size) if graphs else False
     end = _end_of_turn(loaded)
     prompts: list[str] = []
     seen: set[str] = set()
@@ -104,7 +113,8 @@ def self_written_prompts(loaded, n: int, *, seed: int = 0, batch_size: int = 64,
         bar = tqdm(total=n, unit="prompt", desc="prompts by the target")
     while len(prompts) < n and drawn < 4 * n:
         res = generate(loaded, [prefix] * batch_size, max_new_tokens=MAX_TOKENS, do_sample=True,
-                       temperature=TEMPERATURE, top_p=TOP_P, seed=seed * 1_000_003 + drawn, return_dict=True)
+                       temperature=TEMPERATURE, top_p=TOP_P, seed=seed * 1_000_003 + drawn, return_dict=True,
+                       cuda_graphs=graphed)
         drawn += batch_size
         for new in res.new_tokens:
             new = list(new)
