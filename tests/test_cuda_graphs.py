@@ -192,8 +192,11 @@ def test_self_distillation_through_buckets_equals_eager_and_keeps_its_own_cache(
     assert graphed == eager and all(len(s) == len(p) + 6 for s, p in zip(eager, prompts))
     assert len(list(tmp_path.glob("*.json"))) == 2
     assert use_graphs(loaded, None) == (DEVICE == "cuda")  # auto: captured graphs on a GPU, eager on CPU
-    forward = decoding_graphs(loaded, 12, 6, 5)
+    forward = decoding_graphs(loaded, [len(p) for p in prompts], 6, 5)
     assert forward.config.batch_sizes == (1, 2, 4, 5) and forward.config.tokens_per_seq == (1,)
+    # the cache is what the largest chunk needs, as eager generate() allocates it, plus the scratch block
+    need = max(sum(-(-(len(p) + 7) // 16) for p in prompts[i : i + 5]) for i in (0, 5))
+    assert forward.cache.num_blocks == need + 1
     assert forward.config.capture == (DEVICE == "cuda")
     assert not use_graphs(on_reference(loaded), None) and not use_graphs(loaded, False)
     with pytest.raises(InputError, match="Triton backend"):

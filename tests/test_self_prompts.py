@@ -11,6 +11,7 @@ from specdec.train import self_prompts
 from specdec.train.config import TrainConfig
 from specdec.train.data import TrainDataError
 
+from specdec.models.loader import load_model
 from specdec.testing import build_tiny_model, build_tiny_tokenizer
 
 generate_module = importlib.import_module("specdec.generate")  # the module, not the function specdec exports
@@ -23,7 +24,7 @@ def _loaded():
     tok.chat_template = TEMPLATE
     model = build_tiny_model(vocab_size=len(tok))
     model.config.eos_token_id = tok.convert_tokens_to_ids("!")  # the tiny vocabulary's end-of-turn stand-in
-    return SimpleNamespace(model=model, tokenizer=tok)
+    return load_model(model, tokenizer=tok)  # the reference backend on CPU: self-prompts decode eagerly
 
 
 def test_only_whole_unique_and_held_out_free_turns_are_kept_and_cached(tmp_path, monkeypatch):

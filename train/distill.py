@@ -61,10 +61,11 @@ def use_graphs(loaded, cuda_graphs: bool | None) -> bool:
     return bool(cuda_graphs)
 
 
-def decoding_graphs(loaded, longest_prompt: int, max_new_tokens: int, batch_size: int):
-    """A :class:`~specdec.cuda_graphs.GraphedForward` for plain batched decoding of up to ``batch_size`` prompts of
-    at most ``longest_prompt`` tokens, with a KV cache of its own: passed as ``generate(..., cuda_graphs=...)`` chunk
-    after chunk, each bucket is captured once. Captured on a GPU, run uncaptured elsewhere (:func:`use_graphs`)."""
+def decoding_graphs(loaded, prompt_lengths: list[int], max_new_tokens: int, batch_size: int):
+    """A :class:`~specdec.cuda_graphs.GraphedForward` for plain batched decoding of prompts of ``prompt_lengths``
+    tokens, ``batch_size`` at a time in order, with a KV cache of its own as large as the largest chunk needs (what
+    eager ``generate()`` would allocate for it): passed as ``generate(..., cuda_graphs=...)`` chunk after chunk, each
+    bucket is captured once. Captured on a GPU, run uncaptured elsewhere (:func:`use_graphs`)."""
     from specdec.cuda_graphs import GraphConfig, GraphedForward
     from specdec.generation_config import GenerationConfig
     from specdec.kv_cache import blocks_for
@@ -73,9 +74,10 @@ def decoding_graphs(loaded, longest_prompt: int, max_new_tokens: int, batch_size
     # buckets: every power of two below the batch and the batch itself (sequences finish at different steps)
     sizes = tuple(sorted({1 << k for k in range(batch_size.bit_length()) if 1 << k < batch_size} | {batch_size}))
     block = GenerationConfig().block_size  # generate()'s, which the cache must match
-    per_seq = blocks_for(longest_prompt + max_new_tokens + 1, block) * block
+    blocks = max(sum(blocks_for(n + max_new_tokens + 1, block) for n in prompt_lengths[i : i + batch_size])
+                 for i in range(0, max(len(prompt_lengths), 1), batch_size))
     config = GraphConfig(batch_sizes=sizes, tokens_per_seq=(1,), capture=runner.device.type == "cuda")
-    return GraphedForward.with_cache(runner, batch_size * per_seq, block, config)
+    return GraphedForward.with_cache(runner, max(blocks, 1) * block, block, config)
 
 
 def self_distill(loaded, prompts: list[str] | list[list[int]], *, max_new_tokens: int, batch_size: int = 16,
@@ -99,7 +101,7 @@ def self_distill(loaded, prompts: list[str] | list[list[int]], *, max_new_tokens
     if file.is_file():
         logger.info("self-distillation cache hit: %s", file)
         return json.loads(file.read_text())["sequences"]
-    graphed = decoding_graphs(loaded, max(map(len, ids), default=1), max_new_tokens, batch_size) if graphs else False
+    graphed = decoding_graphs(loaded, [len(p) for p in ids], max_new_tokens, batch_size) if graphs else False
     out: list[list[int]] = []
     bar = None
     if progress:

@@ -101,7 +101,7 @@ def self_written_prompts(loaded, n: int, *, seed: int = 0, batch_size: int = 64,
         logger.info("self-written prompts: cache hit %s", file)
         return json.loads(file.read_text())["prompts"]
     held_out = held_out_words()
-    graphed = decoding_graphs(loaded, len(prefix), MAX_TOKENS, batch_size) if graphs else False
+    graphed = decoding_graphs(loaded, [len(prefix)] * batch_size, MAX_TOKENS, batch_size) if graphs else False
     end = _end_of_turn(loaded)
     prompts: list[str] = []
     seen: set[str] = set()
