@@ -366,6 +366,6 @@ def test_distillation_through_cuda_graphs_needs_the_triton_backend(tiny, tmp_pat
     with pytest.raises(InputError, match="Triton backend"):
         run_training(_cfg(tiny, tmp_path / "g", data=None, prompts_file=str(prompts), distill_cuda_graphs="on",
                           eval_tau=False))
-    assert not list((tmp_path / "cache").glob("distill/*.json"))
+    assert not list((tmp_path / "cache").glob("distill/*.json")) and not (tmp_path / "g").exists()  # untouched
     with pytest.raises(ValueError, match="distill_cuda_graphs"):
         _cfg(tiny, tmp_path / "h", distill_cuda_graphs="yes")

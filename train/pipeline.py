@@ -25,6 +25,14 @@ from specdec.train.trainer import RUN_FILE, prepare_output_dir, train_heads
 logger = logging.getLogger(__name__)
 
 
+def distill_graphs(cfg: TrainConfig, loaded) -> bool:
+    """Whether self-distillation decodes through CUDA graphs (``--distill-cuda-graphs``; a one-line InputError for
+    ``on`` without the Triton backend)."""
+    from specdec.train.distill import use_graphs
+
+    return use_graphs(loaded, {"auto": None, "on": True, "off": False}[cfg.distill_cuda_graphs])
+
+
 def _sequences(cfg: TrainConfig, loaded, accelerator) -> tuple[list[list[int]], dict[tuple[int, ...], int]]:
     """Training sequences, and for self-distilled ones the length of each one's prompt (keyed by the sequence):
     the accuracies that predict drafting speed are those on the responses, not on the chat template."""
@@ -46,7 +54,7 @@ def _sequences(cfg: TrainConfig, loaded, accelerator) -> tuple[list[list[int]], 
     seqs = None
     for turn in (0, 1):  # the main process generates, the others then read its cache
         if (turn == 0) == accelerator.is_main_process:
-            graphs = {"auto": None, "on": True, "off": False}[cfg.distill_cuda_graphs]
+            graphs = distill_graphs(cfg, loaded)
             if cfg.prompt_source == "self":
                 prompts = self_written_prompts(loaded, cfg.num_prompts or SELF_PROMPTS, seed=cfg.seed,
                                                batch_size=cfg.distill_batch_size, progress=cfg.progress,
@@ -113,6 +121,8 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
     # what can fail without training fails before the output directory is touched (--overwrite deletes it)
     check_inputs(cfg)
     loaded = load_model(cfg.model)
+    if cfg.data is None:
+        distill_graphs(cfg, loaded)
     resume_from = None
     if accelerator.is_main_process:
         resume_from = prepare_output_dir(cfg)
