@@ -1,7 +1,8 @@
 """Self-distillation: the target model answers prompts itself (specdec's batched ``generate()``).
 
 The heads then learn the target's own distribution. Results are cached on disk, keyed by the
-model, the prompts and the generation settings, so a second run does not regenerate.
+model, the prompts and the generation settings, so a second run does not regenerate. On a GPU the
+decode steps replay as CUDA graphs from one set of buckets reused chunk after chunk (:func:`use_graphs`).
 
     seqs = self_distill(loaded, prompts, max_new_tokens=128, batch_size=16, cache_dir=...)
     # list[list[int]]: chat-templated prompt + the target's response, per prompt
