@@ -17,7 +17,9 @@ prior)`` with ``k`` the smaller of the two sample counts, and clipped to [0.5, 2
 in a few hundred takes several times the others on a shared machine; a window, because the context grows and
 the machine drifts. Without steps of 1 token (every step drafted) nothing is corrected: the calibrated curve
 is used as it is. Sizes not yet observed keep their calibrated cost; sizing then picks them when they look
-cheaper, and observes them.
+cheaper, and observes them. So does a size seen fewer than ``min_samples`` times: the median of one or two samples
+is their mean, and on a noisy 2-core CPU one 208 ms step of 7 tokens (against 43 ms for one) priced every later
+7-token tree at 2.1 decode steps (calibrated 1.4) for the rest of a summary.
 """
 from __future__ import annotations
 
@@ -33,12 +35,14 @@ class OnlineCosts:
     costs: CostModel
     window: int = 32  # verify times kept per (batch bucket, n)
     prior: float = 8.0  # pseudo-samples behind a correction of 1
+    min_samples: int = 3  # samples of a size (and of 1 token) before that size is corrected: a median outvotes one
     samples: dict[tuple[int, int], deque] = field(default_factory=dict)  # (batch bucket, n) -> recent seconds
     factors: dict[tuple[int, int], float] = field(default_factory=dict)  # (batch bucket, n) -> correction
 
     def __post_init__(self) -> None:
-        if self.window < 1 or self.prior <= 0:
-            raise ValueError(f"OnlineCosts needs window >= 1 and prior > 0, got {self.window}, {self.prior}")
+        if self.window < 1 or self.prior <= 0 or not 1 <= self.min_samples <= self.window:
+            raise ValueError(f"OnlineCosts needs window >= 1, prior > 0 and 1 <= min_samples <= window, got "
+                             f"{self.window}, {self.prior}, {self.min_samples}")
 
     def record(self, verify_seconds: float, n: int, batch: int) -> None:
         """One step's verify wall time, ``n`` query tokens for its largest sequence."""
@@ -49,7 +53,7 @@ class OnlineCosts:
 
     def _factor(self, bucket: int, n: int) -> float:
         base, own = self.samples.get((bucket, 1)), self.samples.get((bucket, n))
-        if not base or not own:
+        if not base or not own or min(len(base), len(own)) < self.min_samples:
             return 1.0
         observed = statistics.median(own) / statistics.median(base)
         raw = observed / self.costs.relative(n, bucket)

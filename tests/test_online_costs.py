@@ -42,6 +42,21 @@ def test_a_rare_slow_step_does_not_move_the_correction():
     assert online.relative(2) == pytest.approx(1.0)
 
 
+def test_one_or_two_slow_steps_of_a_rarely_seen_size_do_not_set_its_cost():
+    """A size verified once, held up by the machine, keeps its calibrated cost, and still does after a second, normal
+    step (the median of two is their mean); from the third the median outvotes the slow one; a cost seen three times
+    is a cost."""
+    online = OnlineCosts(CALIBRATED)
+    for _ in range(30):
+        online.record(0.030, 1, 1)
+    for seconds in (0.210, 0.030, 0.030):  # 7 decode steps' worth, then normal ones
+        online.record(seconds, 2, 1)
+        assert online.relative(2) == pytest.approx(1.0)
+    for _ in range(3):
+        online.record(0.060, 3, 1)  # 3 tokens cost 2 decode steps here, calibrated 1.2
+    assert online.relative(3) > 1.2
+
+
 def test_the_window_follows_a_change_of_cost():
     online = OnlineCosts(CALIBRATED, window=8, prior=1.0)
     for _ in range(8):
