@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.cost_model import CostModel, read_cache, write_cache
-from specdec.kv_cache import PagedKVCache, blocks_for
+from specdec.kv_cache import PagedKVCache, blocks_needed
 from specdec.sampling import SamplingConfig
 from specdec.stopping import StopCriteria
 from specdec.tree import MAX_TREE_NODES
@@ -110,7 +110,7 @@ def measure_draft_seconds(drafter: "Drafter", prompt: Sequence[int], runner, sam
     steps = WARMUP + STEPS
     block_size = 16
     cache = PagedKVCache(runner.shape.num_layers, runner.shape.num_kv_heads, runner.shape.head_dim,
-                         blocks_for(len(prompt) + steps + MAX_TREE_NODES + 1, block_size), block_size,
+                         blocks_needed([len(prompt)], steps, block_size, MAX_TREE_NODES), block_size,
                          runner.dtype, runner.device, runner.backend)
     drafter.seed_from_generate(_CALIBRATION_SEED)  # generate() seeds it again for the real call
     generator = torch.Generator(device=runner.device).manual_seed(_CALIBRATION_SEED)  # never the caller's

@@ -31,7 +31,7 @@ from specdec.draft_cost import load_draft_seconds
 from specdec.engine import Engine
 from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import check_cache_fits, describe
-from specdec.kv_cache import PagedKVCache, blocks_for
+from specdec.kv_cache import PagedKVCache, blocks_needed
 from specdec.logits_processing import LogitsProcessing
 from specdec.rejection import EXACT, AcceptanceRule
 from specdec.tree import MAX_TREE_NODES
@@ -139,9 +139,9 @@ def _coupling(config, generator: torch.Generator | None) -> Coupling:
 def _kv_cache(request: "GenerateRequest", fault: EngineFault | None) -> tuple[PagedKVCache, GraphedForward | None]:
     runner, config = request.loaded.runner, request.config
     shape, block_size = runner.shape, config.block_size
-    tree_budget = MAX_TREE_NODES if request.drafter is not None else 0
     # worst case of this request: no sequence can run out
-    needed = sum(blocks_for(len(p) + config.max_new_tokens + tree_budget + 1, block_size) for p in request.prompts)
+    needed = blocks_needed(map(len, request.prompts), config.max_new_tokens, block_size,
+                           MAX_TREE_NODES if request.drafter is not None else 0)
     if isinstance(request.cuda_graphs, GraphedForward):  # its own cache and graphs, reused call after call
         return _graphed_cache(request.cuda_graphs, request, needed, fault), request.cuda_graphs
     blocks = needed if config.num_blocks is None else config.num_blocks

@@ -34,6 +34,13 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def blocks_needed(prompt_lengths, max_new_tokens: int, block_size: int, tree_budget: int) -> int:
+    """Blocks to reserve for sequences with prompts of these lengths, in the worst case, so none can run out: every
+    answer at ``max_new_tokens``, a whole draft tree of ``tree_budget`` nodes on top (0 without a drafter), and the
+    bonus token."""
+    return sum(blocks_for(n + max_new_tokens + tree_budget + 1, block_size) for n in prompt_lengths)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16

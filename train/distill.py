@@ -69,13 +69,13 @@ def decoding_graphs(loaded, prompt_lengths: list[int], max_new_tokens: int, batc
     bucket is captured once. Captured on a GPU, run uncaptured elsewhere (:func:`use_graphs`)."""
     from specdec.cuda_graphs import GraphConfig, GraphedForward
     from specdec.generation_config import GenerationConfig
-    from specdec.kv_cache import blocks_for
+    from specdec.kv_cache import blocks_needed
 
     runner = loaded.runner
     # buckets: every power of two below the batch and the batch itself (sequences finish at different steps)
     sizes = tuple(sorted({1 << k for k in range(batch_size.bit_length()) if 1 << k < batch_size} | {batch_size}))
     block = GenerationConfig().block_size  # generate()'s, which the cache must match
-    blocks = max(sum(blocks_for(n + max_new_tokens + 1, block) for n in prompt_lengths[i : i + batch_size])
+    blocks = max(blocks_needed(prompt_lengths[i : i + batch_size], max_new_tokens, block, tree_budget=0)
                  for i in range(0, max(len(prompt_lengths), 1), batch_size))
     config = GraphConfig(batch_sizes=sizes, tokens_per_seq=(1,), capture=runner.device.type == "cuda")
     return GraphedForward.with_cache(runner, max(blocks, 1) * block, block, config)
