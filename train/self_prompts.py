@@ -93,14 +93,13 @@ def self_written_prompts(loaded, n: int, *, seed: int = 0, batch_size: int = 64,
 
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    tok = loaded.tokenizer
-    prefix = user_turn_prefix(tok)
     graphs = use_graphs(loaded, cuda_graphs)
     file = _cache_file(loaded, n, seed, batch_size, cache_dir, graphs)
     if file.is_file():
         logger.info("self-written prompts: cache hit %s", file)
         return json.loads(file.read_text())["prompts"]
-    held_out = held_out_words()
+    tok = loaded.tokenizer
+    prefix, held_out = user_turn_prefix(tok), held_out_words()
     graphed = decoding_graphs(loaded, [len(prefix)] * batch_size, MAX_TOKENS, batch_size) if graphs else False
     end = _end_of_turn(loaded)
     prompts: list[str] = []
