@@ -124,13 +124,15 @@ def test_medusa_greedy_identity_with_a_reduced_vocabulary(options):
     model = build_tiny_model("llama-gqa-tied")
     plain = specdec.generate(model, PROMPTS, max_new_tokens=128)
     ids = common_ids(model)
-    out = specdec.generate(model, PROMPTS, max_new_tokens=128, return_dict=True,
+    # speculation="always": every tree verified whole, whatever this machine's verify curve makes the guard do
+    # (under a steep one it turned the dynamic trees off: tau 1.06)
+    out = specdec.generate(model, PROMPTS, max_new_tokens=128, return_dict=True, speculation="always",
                            drafter=MedusaDrafter(heads=reduced_heads(model, ids), **options))
     assert out.sequences == plain
     assert out.tau > 1.2  # drafts are accepted: the accepted path is exercised
     for p, ref in zip(PROMPTS[:2], plain[:2]):
-        got = specdec.generate(model, [p], max_new_tokens=128, drafter=MedusaDrafter(heads=reduced_heads(model, ids),
-                                                                                     **options))
+        got = specdec.generate(model, [p], max_new_tokens=128, speculation="always",
+                               drafter=MedusaDrafter(heads=reduced_heads(model, ids), **options))
         assert got[0] == ref
 
 
