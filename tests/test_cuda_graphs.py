@@ -12,6 +12,7 @@ DEVICE = kernel_device()  # sets TRITON_INTERPRET=1 without a GPU: must run befo
 pytest.importorskip("triton")
 
 import dataclasses  # noqa: E402
+import logging  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -178,7 +179,7 @@ def test_a_reused_graphed_forward_keeps_its_cache_and_buckets(loaded):
         generate(loaded, prompts, max_new_tokens=2, cuda_graphs="yes")
 
 
-def test_self_distillation_through_buckets_equals_eager_and_keeps_its_own_cache(loaded, tmp_path):
+def test_self_distillation_through_buckets_equals_eager_and_keeps_its_own_cache(loaded, tmp_path, caplog):
     """train-medusa / train-eagle's self-distillation decodes chunk after chunk through one GraphedForward (buckets
     1, 2, 4 and 5 for batches of 5, the last chunk smaller): the eager tokens, cached under a key of their own."""
     from specdec.train.distill import decoding_graphs, self_distill, use_graphs
@@ -187,9 +188,16 @@ def test_self_distillation_through_buckets_equals_eager_and_keeps_its_own_cache(
 
     prompts = ragged_prompts(6, VOCAB, max_len=12)
     kwargs = dict(max_new_tokens=6, batch_size=5, cache_dir=tmp_path, progress=False)
-    eager = self_distill(loaded, prompts, cuda_graphs=False, **kwargs)
-    graphed = self_distill(loaded, prompts, cuda_graphs=True, **kwargs)
+    with caplog.at_level(logging.INFO, logger="specdec.train.distill"):
+        eager = self_distill(loaded, prompts, cuda_graphs=False, **kwargs)
+        graphed = self_distill(loaded, prompts, cuda_graphs=True, **kwargs)
     assert graphed == eager and all(len(s) == len(p) + 6 for s, p in zip(eager, prompts))
+    # the log says how the data was made and how fast: the GPU recipe's main cost
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("self-distilled")]
+    assert len(said) == 2 and all("6 sequences (36 new tokens)" in m for m in said), said
+    assert "eagerly, batch 5" in said[0], said
+    assert ("through CUDA graphs, batch 5" if DEVICE == "cuda" else "through uncaptured graph buckets, batch 5") in \
+        said[1], said
     assert len(list(tmp_path.glob("*.json"))) == 2
     assert use_graphs(loaded, None) == (DEVICE == "cuda")  # auto: captured graphs on a GPU, eager on CPU
     forward = decoding_graphs(loaded, [len(p) for p in prompts], 6, 5)
