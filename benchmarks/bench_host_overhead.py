@@ -1,6 +1,6 @@
 """Host-side work of the engine per sequence and step: what a step costs beyond the target's forward.
 
-    python benchmarks/bench_host_overhead.py [--sequences 3000] [--tokens 3] [--repeats 3]
+    python benchmarks/bench_host_overhead.py [--sequences 3000] [--tokens 3] [--repeats 3] [--prompt-tokens 8]
 
 A tiny model (vocabulary 4, two layers, one thread) whose forward is almost free, a batch of many short
 sampled sequences (the shape of the sampling-law tests), and each step split into the engine's phases:
@@ -47,15 +47,18 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=3000)
     ap.add_argument("--tokens", type=int, default=3, help="new tokens per sequence (sampled, temperature 0.9)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=8,
+                    help="prompt length: per-step work that grows with the context shows at a few hundred")
     args = ap.parse_args()
     torch.set_num_threads(1)
     seconds = dict.fromkeys(PHASES, 0.0)
     timed_engine(seconds)
     model = build_tiny_model(vocab_size=4, seed=3)
-    prompts = [[1, 2, 3, 1, 2, 3, 1, 2]] * args.sequences
+    prompts = [[1 + k % 3 for k in range(args.prompt_tokens)]] * args.sequences
     drafters = {"plain": lambda: None, "ngram": lambda: "ngram",
                 "random trees": lambda: RandomTreeDrafter(4, max_nodes=10, mode="independent", seed=5)}
-    print(f"{args.sequences} sequences x {args.tokens} sampled tokens, tiny model, 1 thread, best of {args.repeats}")
+    print(f"{args.sequences} sequences x {args.tokens} sampled tokens after {args.prompt_tokens}-token prompts, tiny "
+          f"model, 1 thread, best of {args.repeats}")
     print(f"{'drafter':<14}{'total s':>9}{'us/seq-step':>13}{'outside forward':>17}   " + " ".join(
         f"{p:>12}" for p in PHASES))
     for name, make in drafters.items():
