@@ -292,9 +292,13 @@ class TreeAttentionMetadata:
         No host sync: nothing is read back from the device."""
         seqs = plan.seqs
         device = plan.write_slots.device
-        slot_rows = torch.nn.utils.rnn.pad_sequence([s.key_slots.to(torch.int32) for s in seqs], batch_first=True)
-        bits = [torch.zeros(s.num_new, dtype=torch.long, device=device) if s.ancestor_bits is None
-                else s.ancestor_bits.to(device) for s in seqs]
+        # one pad and one cast for the batch, not one launch per sequence (this runs every step)
+        slot_rows = torch.nn.utils.rnn.pad_sequence([s.key_slots for s in seqs], batch_first=True).to(torch.int32)
+        if all(s.ancestor_bits is None for s in seqs):  # causal everywhere (plain decoding, prefill)
+            bits = [torch.zeros(sum(s.num_new for s in seqs), dtype=torch.long, device=device)]
+        else:
+            bits = [torch.zeros(s.num_new, dtype=torch.long, device=device) if s.ancestor_bits is None
+                    else s.ancestor_bits.to(device) for s in seqs]
 
         def i32(x):
             return torch.tensor(x, dtype=torch.int32).to(device, non_blocking=True)

@@ -17,6 +17,11 @@ Life of a sequence::
 Invariants: positions ``[0, length)`` of a sequence hold committed K/V; after a commit a
 sequence owns exactly ``ceil(length / block_size)`` blocks (waste < one block); running
 out of blocks raises :class:`CacheFullError` before anything is written.
+
+``slots()`` is called for every sequence on every step (attention reads all its keys), so each sequence's
+slot row is kept on the cache's device and only grown by the blocks a reservation adds: a step costs a view,
+not an O(context) Python list and a host-to-device copy per sequence. Slot rows are never written in place
+(growing one makes a new tensor), so a view handed out stays valid.
 """
 from __future__ import annotations
 
@@ -80,6 +85,8 @@ class PagedKVCache:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+        # seq_id -> [len(block_tables[seq_id]) * block_size] int64: the slot of every reserved position
+        self._slot_rows: dict[int, torch.Tensor] = {}
 
     # ---- bookkeeping --------------------------------------------------------------------
     @property
@@ -91,10 +98,12 @@ class PagedKVCache:
             raise ValueError(f"sequence {seq_id} is already in the cache")
         self.block_tables[seq_id] = []
         self.lengths[seq_id] = 0
+        self._slot_rows[seq_id] = torch.empty(0, dtype=torch.long, device=self.kv.device)
 
     def free(self, seq_id: int) -> None:
         self._free.extend(reversed(self.block_tables.pop(seq_id)))
         del self.lengths[seq_id]
+        del self._slot_rows[seq_id]
 
     def _blocks_for(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
@@ -116,8 +125,15 @@ class PagedKVCache:
                 f"shorter sequences, or a smaller draft tree."
             )
         for s, k in need.items():
-            for _ in range(k):
-                self.block_tables[s].append(self._free.pop())
+            if k > 0:
+                new_blocks = [self._free.pop() for _ in range(k)]
+                self.block_tables[s].extend(new_blocks)
+                self._slot_rows[s] = torch.cat([self._slot_rows[s], self._block_slots(new_blocks)])
+
+    def _block_slots(self, blocks: list[int]) -> torch.Tensor:  # [len(blocks) * block_size] int64
+        offsets = torch.arange(self.block_size, dtype=torch.long)
+        rows = torch.tensor(blocks, dtype=torch.long)[:, None] * self.block_size + offsets
+        return rows.reshape(-1).to(self.kv.device)  # built on the host: one copy per reservation that grows
 
     def committed_length(self, seq_id: int) -> int:
         """Positions of ``seq_id`` that hold committed K/V."""
@@ -131,14 +147,10 @@ class PagedKVCache:
         self.reserve_many(num_new)
 
     def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:  # [end - start] int64
-        table = self.block_tables[seq_id]
-        if end > len(table) * self.block_size:
+        row = self._slot_rows[seq_id]
+        if end > row.numel():
             raise IndexError(f"positions up to {end} of sequence {seq_id} are not reserved")
-        bs, out = self.block_size, []
-        for b in range(start // bs, (end - 1) // bs + 1 if end > start else 0):  # one run of slots per block
-            first = b * bs
-            out.extend(range(table[b] * bs + max(start, first) - first, table[b] * bs + min(end, first + bs) - first))
-        return torch.tensor(out, dtype=torch.long, device=self.kv.device)
+        return row[start:max(start, end)]  # a view: never write into it
 
     # ---- data ---------------------------------------------------------------------------
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_slots, kv_heads, head_dim]
@@ -182,8 +194,10 @@ class PagedKVCache:
             self.lengths[seq_id] = length + len(offsets)
             table = self.block_tables[seq_id]
             keep_blocks = self._blocks_for(self.lengths[seq_id])
-            self._free.extend(reversed(table[keep_blocks:]))
-            del table[keep_blocks:]
+            if keep_blocks < len(table):
+                self._free.extend(reversed(table[keep_blocks:]))
+                del table[keep_blocks:]
+                self._slot_rows[seq_id] = self._slot_rows[seq_id][: keep_blocks * self.block_size]
         if src:
             src_t, dst_t = torch.cat(src), torch.cat(dst)
             if self.backend.triton:  # one launch; pairs in order, reads never follow a write of their slot

@@ -10,6 +10,7 @@ import functools
 import math
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -396,6 +397,21 @@ class CacheMachine(RuleBasedStateMachine):
             assert len(self.cache.block_tables[s]) == self._blocks(self.reserved[s]), "waste beyond the reservation"
             got = self.cache.kv[:, :, self.cache.slots(s, 0, length)]
             assert torch.equal(got, ref), f"committed K/V of sequence {s} differ from the reference"
+
+    @invariant()
+    def slots_follow_the_block_tables(self):
+        # slots() serves a kept slot row (grown on reserve, cut on commit): it must equal the block-table formula
+        # for every reserved position, and refuse one past them
+        if not hasattr(self, "cache"):
+            return
+        for s, table in self.cache.block_tables.items():
+            reserved = len(table) * self.bs
+            want = [table[p // self.bs] * self.bs + p % self.bs for p in range(reserved)]
+            assert self.cache.slots(s, 0, reserved).tolist() == want, f"slot map of sequence {s} is stale"
+            if reserved:
+                assert self.cache.slots(s, reserved - 1, reserved).tolist() == want[-1:]
+            with pytest.raises(IndexError):
+                self.cache.slots(s, 0, reserved + 1)
 
 
 CacheMachine.TestCase.settings = _settings(60, stateful_step_count=40)
