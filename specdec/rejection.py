@@ -93,13 +93,17 @@ class Acceptance:
     depth_accepted: torch.Tensor  # [max_depth] 1 where a node at depth d+1 was accepted
 
 
+_NONE = torch.empty(0, dtype=torch.long)  # every empty field of every record: records are read, never written
+
+
 def _finish(tree: DraftTree, path: list[int], next_token: int, is_bonus: bool, tried_depths: int) -> Acceptance:
     """Acceptance records are host tensors, like the DraftTree they index."""
     depth, tried = tree.max_depth, min(tried_depths, tree.max_depth)
     tokens = tree.tokens.tolist() if path else []
 
     def host(values: list[int]) -> torch.Tensor:  # built from lists: this runs per sequence per step
-        return torch.tensor(values, dtype=torch.long, device="cpu")
+        # a plain step (no draft) has four empty fields: one shared tensor, not four new ones per sequence
+        return torch.tensor(values, dtype=torch.long, device="cpu") if values else _NONE
 
     return Acceptance(host(path), host([tokens[i] for i in path]), next_token, is_bonus,
                       host([1] * tried + [0] * (depth - tried)), host([1] * len(path) + [0] * (depth - len(path))))
