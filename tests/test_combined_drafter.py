@@ -187,7 +187,10 @@ def test_greedy_output_identical_to_plain_with_ngram_and_an_oracle(mode, device)
             return trees
 
     combined = CombinedDrafter(["ngram", Oracle()], mode=mode)
-    out = generate(model, prompts, drafter=combined, max_new_tokens=24, return_dict=True)
+    # every tree verified whole: under the default guard the child gate and sizing act on this machine's wall
+    # times, the test's only source of chance (it failed once in a fresh clone's run, then passed alone); it is
+    # about the accepted path, not about what pays
+    out = generate(model, prompts, drafter=combined, max_new_tokens=24, return_dict=True, speculation="always")
     assert out.sequences == plain
     assert all(s.tau > 2.0 for s in out.stats)
     # the oracle's levels are accepted 2 of 3 times: its online rate rose above the prior
