@@ -3,6 +3,7 @@
     python benchmarks/bench_eagle_cpu.py --eagle-path eagle-smollm2/ --prompts 3 --max-new-tokens 128
     python benchmarks/bench_eagle_cpu.py --eagle-path eagle-smollm2/ --temperature 0.8
     python benchmarks/bench_eagle_cpu.py --eagle-path e/ --medusa-path old=heads/ --medusa-path reduced=heads-4k/
+    python benchmarks/bench_eagle_cpu.py --eagle-path e/ --categories chat --always --eagle-tree 8,10,64
 
 Embedded model, fp32, batch 1, the held-out prompts of ``specdec eval acceptance`` (none of them is in
 the training prompts), every category by default. Per prompt the drafters run one after another
@@ -12,7 +13,9 @@ second time in every block, this run's noise floor. Prints tokens/s, the ratio a
 eagle's acceptance per draft depth; greedy runs also check that every drafter's tokens equal plain
 decoding's. The break-even guard is on (the default); under a seed it sizes from cached costs
 (``specdec.draft_cost``) so the seed reproduces the text, ``--unseeded`` leaves the seed out (wall-time
-sizing); ``--always`` forces speculation every step.
+sizing); ``--always`` forces speculation every step. ``--eagle-tree DEPTH,TOP_K,NODES`` adds a row of the layer
+drafting that fixed tree (no per-call depth choice): with ``--always``, the tau that a tree of that size reaches,
+whatever it costs on this machine.
 """
 from __future__ import annotations
 
@@ -31,6 +34,15 @@ from specdec.models.loader import load_model  # noqa: E402
 from specdec.output import acceptance_rates  # noqa: E402
 
 
+def tree_shape(text: str) -> tuple[int, int, int]:
+    """``DEPTH,TOP_K,NODES`` -> three positive ints (the eagle drafter checks NODES against its limit)."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected DEPTH,TOP_K,NODES (three positive integers), got {text!r}")
+    depth, top_k, nodes = (int(p) for p in parts)
+    return depth, top_k, nodes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--eagle-path", required=True, help="an EAGLE checkpoint directory (specdec train-eagle)")
@@ -44,12 +56,17 @@ def main() -> None:
     ap.add_argument("--unseeded", action="store_true",
                     help="with --temperature: no seed, so the guard sizes by this run's wall times (a seed sizes "
                          "from cached costs, so that the seed reproduces the text)")
+    ap.add_argument("--eagle-tree", action="append", default=[], type=tree_shape, metavar="DEPTH,TOP_K,NODES",
+                    help="also run the layer with this fixed tree (repeatable)")
     ap.add_argument("--json", help="also write the numbers to this JSON file")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     loaded = load_model("default")
     # "plain (again)": plain decoding a second time in every block, this run's noise floor
     table = {"plain": (None, {}), "plain (again)": (None, {}), "ngram": ("ngram", {})} | eagle_rows(args.eagle_path)
+    for depth, top_k, nodes in args.eagle_tree:
+        table[f"eagle {depth}/{top_k}/{nodes}"] = ("eagle", {"path": args.eagle_path, "depth": depth, "top_k": top_k,
+                                                             "max_nodes": nodes, "adapt_depth": False})
     for spec in args.medusa_path:
         name, _, path = spec.partition("=")
         table[f"medusa {name}"] = ("medusa", {"path": path, "tree": "dynamic"})
