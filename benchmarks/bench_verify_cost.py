@@ -1,26 +1,23 @@
-"""Cost of one target forward vs the number of tokens in it (root + tree nodes), CPU.
+"""Cost of one target verify step vs the number of tokens in it (root + tree nodes), CPU.
 
     python benchmarks/bench_verify_cost.py [--context 600] [--reps 9]
 
-Prints the median time of a verify forward of 1..16 tokens on the embedded model, and its
-ratio to the 1-token decode forward measured in the same run, sizes interleaved round by round.
-This ratio is what decides how large a draft tree pays off on a given machine.
+Prints the median time of a verify step of 1..16 tokens on the embedded model, and its ratio to the
+1-token decode step measured in the same run. This ratio is what decides how large a draft tree pays off on
+a given machine. The steps are timed by :func:`specdec.eval.verify_cost.measure_verify_costs`, the same
+measurement the cost model calibrates with: rounds over every size, interleaved (the first a warm-up), so a
+machine that slows down for a few seconds hits every size alike.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from specdec.eval.verify_cost import measure_verify_costs
 
 from specdec.cost_model import ensure_row_policy
-from specdec.engine import Engine
-from specdec.kv_cache import PagedKVCache
 from specdec.models.loader import load_model
 from specdec.sampling import SamplingConfig
-from specdec.stopping import StopCriteria
-from specdec.tree import DraftTree
 
 
 def main() -> None:
@@ -30,40 +27,15 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,2,3,4,5,6,8,12,16")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    runner = load_model("default").runner
-    ensure_row_policy(runner)  # linear()'s measured CPU row policy, as every engine built by generate() runs
-    s = runner.shape
-    sizes = [int(x) for x in args.sizes.split(",")]
-    # every timed forward commits one token: the context grows by reps + 1 per size (the 1-token base included)
-    longest = args.context + (args.reps + 1) * (len(sizes) + 1) + max(sizes)
-    cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, longest // 16 + 2, 16, runner.dtype)
-    engine = Engine(runner, cache, SamplingConfig(), StopCriteria(10_000))
-    seq = engine.add([list(range(100, 100 + args.context))])[0]
-
-    def time_ms(num_tokens: int) -> float:
-        tree = DraftTree.chain(list(range(5, 4 + num_tokens)))
-        batch = engine.verify_batch([seq], [tree])
-        t0 = time.perf_counter()
-        engine.verify(batch)
-        elapsed = time.perf_counter() - t0
-        cache.commit({seq.seq_id: [0]})
-        seq.token_ids.append(7)  # the root moved on by one token
-        return elapsed * 1000
-
-    # rounds over every size, interleaved (the first a warm-up): a machine that slows down for a few seconds
-    # then hits every size alike, where timing each size's repeats in a block moved whole rows. The 1-token base
-    # is its own entry, so a "1 tokens" row is a second measurement of it: the run's noise floor
-    grid = [1] + sizes
-    times: list[list[float]] = [[] for _ in grid]
-    for r in range(args.reps + 1):
-        for i, n in enumerate(grid):
-            ms = time_ms(n)
-            if r:
-                times[i].append(ms)
-    base = statistics.median(times[0])
-    print(f"context {args.context}: 1-token forward {base:.1f} ms (median of {args.reps}, sizes interleaved)")
-    for n, samples in zip(sizes, times[1:]):
-        ms = statistics.median(samples)
+    loaded = load_model("default")
+    ensure_row_policy(loaded.runner)  # linear()'s measured CPU row policy, as every engine built by generate() runs
+    sizes = sorted({int(x) for x in args.sizes.split(",")})
+    times = measure_verify_costs(loaded, [list(range(100, 100 + args.context))], [1, *sizes], SamplingConfig(),
+                                 repeats=args.reps)
+    base = times[1] * 1000
+    print(f"context {args.context}: 1-token step {base:.1f} ms (median of {args.reps}, sizes interleaved)")
+    for n in sizes:
+        ms = times[n] * 1000
         print(f"  {n:3d} tokens: {ms:7.1f} ms  = {ms / base:4.2f}x a decode step")
 
 
