@@ -14,7 +14,7 @@ Modes (``CombinedConfig.mode``):
   then the candidates are the merge of the deterministic trees and each probabilistic tree, and the best is
   offered, as in ``"best"``.
 - ``"best"``: the child tree with the highest value, expected committed tokens (1 + sum of node path
-  acceptance estimates) per unit of estimated cost.
+  acceptance estimates) per unit of estimated cost (a sampled child's tree by its history: Sampled children).
 
 Estimates. A child tree's ``scores`` are used where it has them; otherwise every node gets the child's online
 acceptance rate, which this drafter keeps per child from ``on_accept``: after each step it walks each child's
@@ -27,6 +27,11 @@ else the curve the engine sizes trees with (``TargetView.verify_cost(1 + n, batc
 loaded at ``attach``: cached per machine and model, else a short calibration); else ``1 + alpha * n``. The
 engine's own per-step sizing may prune the offered tree further (pruning is always exact). The drafting cost
 of the children is the same for every candidate (they all ran), so it does not change the ranking.
+
+Sampled children. Whether a sampled tree is verified may depend only on what was fixed before its tokens
+were drawn: its value is the child's online rate on the shape of its previous sampled tree, never the tree at
+hand (its scores, e.g. the draft probability of the drawn token, or a shape that depends on it would choose
+the tree by its tokens and change the output's law). Deterministic candidates are valued by their own nodes.
 
 Which children run. With ``gate=True`` (the default) a child whose extra committed tokens do not cover its own
 draft time is left out of a call, and run again in probes (:mod:`specdec.drafters.child_gate`); the gate needs
@@ -151,6 +156,8 @@ class CombinedDrafter(Drafter):
         self._seen: set[tuple[int, int]] = set()  # (child, seq_id) that proposed once: later calls are no catch-up
         self.chosen: list[int] = [0] * (len(self.children) + 1)  # instrumentation: picks per child, last = merge
         self._profiled = 0.0  # seeded: the last propose call's seconds by the children's profiles
+        # per child: node parents of its last sampled tree, which values its next one (module doc, Sampled children)
+        self._sampled_shape: list[list[int] | None] = [None] * len(self.children)
 
     # ---- lifecycle: every call to every child ------------------------------------------------
     def seed_from_generate(self, seed: int | None) -> None:
@@ -161,6 +168,7 @@ class CombinedDrafter(Drafter):
         """A new run: the children's rates start from the prior again (as in a fresh instance)."""
         self.target = target
         self.rates = [_Rate() for _ in self.children]
+        self._sampled_shape = [None] * len(self.children)
         self._last.clear()
         self._held.clear()
         self._seen.clear()
@@ -250,6 +258,10 @@ class CombinedDrafter(Drafter):
         for s, view in enumerate(seqs):
             self._last[view.seq_id] = (all(run), [lists[k][s] for k in range(len(self.children))])
             out.append(self._combine([per_child[k][s] for k in range(len(self.children))]))
+        for k, trees in enumerate(per_child):  # after every choice of this call: they value the next call's trees
+            for tree in trees:
+                if tree.num_nodes and tree.mode is not DraftMode.DETERMINISTIC:
+                    self._sampled_shape[k] = tree.parents.tolist()
         return out
 
     def _hold_hidden(self, k: int, seqs: Sequence[SequenceView]) -> None:
@@ -290,9 +302,19 @@ class CombinedDrafter(Drafter):
                 self.chosen[-1] += 1
                 return merged
             candidates = sampled + ([(len(self.children), merged)] if merged is not None else [])
-        k, best = max(candidates, key=lambda kt: self.value(kt[1]))
+        k, best = max(candidates, key=lambda kt: self.candidate_value(*kt))
         self.chosen[k if k < len(self.children) else -1] += 1
         return best
+
+    def candidate_value(self, k: int, tree: DraftTree) -> float:
+        """What ranks a candidate: a deterministic tree by its own nodes and scores; child k's sampled tree by what
+        was fixed before it was drawn, the child's rate on the shape of its previous sampled tree (a one-node
+        chain before it had one), never by its drawn tokens, their scores or its shape (module doc)."""
+        if tree.mode is DraftMode.DETERMINISTIC:
+            return self.value(tree)
+        parents = self._sampled_shape[k] if k < len(self.children) else None
+        shape = DraftTree(torch.zeros(len(parents or [0]), dtype=torch.long), parents or [-1])
+        return self.value(self._with_scores(k, shape))
 
     def _with_scores(self, k: int, tree: DraftTree) -> DraftTree:
         """``tree`` with scores: its own, else child k's level rate shared equally among siblings."""

@@ -6,7 +6,8 @@ level it should fail voids the certificate); the end-to-end greedy identity also
 broken engines there (an off-by-one tree mask, a wrong KV compaction slot):
 
 1. ``exact-law``: float64 enumeration on small synthetic cases, for the drafter's
-   mode(s) and the chosen temperature / top-k / top-p: emitted law == target law to 1e-12.
+   mode(s) and the chosen temperature / top-k / top-p: emitted law == target law to 1e-12; with sampled
+   modes also the selections of sampled trees (sizing, the combined drafter), broken selections as controls.
 2. ``sampler-statistics``: the real vectorised sampler, many draws per case: chi-square
    with pooled bins (Holm over cases, power at the requested TV reported), a TV upper
    bound, acceptance rate vs sum(min(target_probs, draft_probs)), chain tau vs
@@ -33,6 +34,7 @@ from typing import Any
 
 from specdec.eval.exact_law import SyntheticCase, emitted_law, max_abs_error, step_law, target_law
 from specdec.eval.negative_controls import BROKEN_RULES, ENGINE_FAULTS
+from specdec.eval.selection_law import selection_cases
 from specdec.eval.statistics import (
     acceptance_rate_test,
     chain_tau_test,
@@ -165,6 +167,20 @@ def exact_law_checks(modes: list[DraftMode], sampling: SamplingConfig) -> list[C
             continue
         checks.append(Check("emitted law == target law", "exact-law", worst <= EXACT_TOL, control, bound=worst,
                             samples=len(cases), detail=f"{len(cases)} cases, vocab 4-6, depth <= 3, width <= 3"))
+    if sampling.do_sample and any(m is not DraftMode.DETERMINISTIC for m in modes):
+        checks += selection_checks()
+    return checks
+
+
+def selection_checks() -> list[Check]:
+    """Choosing or pruning sampled trees (tree sizing, the combined drafter) keeps the first token's law, and the
+    broken selections of :mod:`specdec.eval.negative_controls` do not (:mod:`specdec.eval.selection_law`)."""
+    checks = []
+    for controls in (False, True):
+        for name, case in selection_cases(controls).items():
+            error = case.max_error()
+            checks.append(Check(f"selection of sampled trees: {case.name}", "exact-law", error <= EXACT_TOL,
+                                name if controls else None, bound=error, detail="first token, vocab 4"))
     return checks
 
 
@@ -283,7 +299,7 @@ def run_certificate(loaded: Any, drafter: Any, options: dict, sampling: Sampling
         progress("exact law")
         checks = exact_law_checks(modes, sampling)
         cert.checks += checks
-        applicable = {c.control for c in checks if c.control and "not applicable" not in c.detail}
+        applicable = {c.control for c in checks if c.control and "not applicable" not in c.detail} & set(BROKEN_RULES)
     if "stats" in levels:
         progress("sampler statistics")
         checks, warnings = sampler_checks(modes, sampling, sizes, applicable)

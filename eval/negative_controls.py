@@ -11,6 +11,9 @@ controls and must fail. Two kinds:
   Only the end-to-end level can see these, and only on steps that accept a draft.
   ``COUPLING_FAULTS`` break coupled sampling's noise (keyed to the step, or to the batch row); only the
   coupled level's identity checks can see them.
+- broken SELECTIONS of sampled trees: :class:`ShapeAwareSizer` (cuts a tree by its own token-dependent shape) and
+  :class:`ScoreChoosingCombined` (picks a sampled child by its drawn token's score); the exact-law level sees
+  them (:mod:`specdec.eval.selection_law`).
 
 ``generate_with_control`` is generate() with the control injected where the engine is built
 (:func:`specdec.engine_setup.build_engine`): ``specdec.generate()`` itself has no way to switch one on.
@@ -23,12 +26,14 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from specdec.attention import AttentionPlan, SeqAttention
+from specdec.drafters.combined import CombinedDrafter
 from specdec.engine import Engine, SequenceState, VerifyBatch
 from specdec.engine_setup import EngineFault, build_engine
 from specdec.generate import prepare, run
 from specdec.kv_cache import PagedKVCache
 from specdec.rejection import EXACT, AcceptanceRule
 from specdec.tree import DraftTree
+from specdec.tree_sizing import TreeSizer
 
 
 class AlwaysAccept(AcceptanceRule):
@@ -170,6 +175,28 @@ COUPLING_FAULTS: dict[str, EngineFault] = {
     for f in (EngineFault("noise_keyed_to_step", engine_cls=StepKeyedNoiseEngine),
               EngineFault("noise_keyed_to_batch_row", engine_cls=RowKeyedNoiseEngine))
 }
+
+
+# ---- selections of sampled trees (exact law: specdec.eval.selection_law) ---------------------------------------
+class ShapeAwareSizer(TreeSizer):
+    """Cuts a sampled tree at the best prefix of its own shape, which may depend on its drawn tokens."""
+
+    def _sampled_prefix(self, seq_id: int, tree: DraftTree, draft: float, batch: int) -> int:
+        parents = tree.parents.tolist()
+        path = self._rates_path(parents)
+        return self._best_prefix(path, draft, batch)
+
+    def _rates_path(self, parents: list[int]) -> list[float]:
+        from specdec.tree_sizing import _path_probs, _unscored_keys
+
+        return _path_probs(self._rates(_unscored_keys(parents)), parents)
+
+
+class ScoreChoosingCombined(CombinedDrafter):
+    """Ranks sampled children by the scores of the tokens they drew, as deterministic ones."""
+
+    def candidate_value(self, k: int, tree: DraftTree) -> float:
+        return self.value(tree)
 
 
 def generate_with_control(model, input_ids, rule: AcceptanceRule = EXACT, fault: EngineFault | None = None,

@@ -212,7 +212,7 @@ class Engine:
         views = [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, s.new_hidden, s.noise_key)
                  for s in live]
         # a sequence's first call catches the drafter up on its whole prompt: a one-off, not a step's cost
-        # (TreeSizer.record_draft)
+        # (TreeSizer.size_call)
         catch_up = any(s.proposals == 0 for s in live)
         for s in live:
             s.hidden_seen = True
@@ -237,11 +237,9 @@ class Engine:
         draft_seconds = time.perf_counter() - t0
         if self.audit is not None:
             self.audit.observe_many(trees, name)  # every tree as proposed, before pruning
-        if self.sizer is not None:  # the part expected to pay (pruning is exact), judged with this call's cost
-            self.sizer.record_draft(draft_seconds, catch_up)
-            self.sizer.record_profiled(self.drafter.profiled_seconds())  # seeded: the call by the cached profile
-            batch = len(self.live)
-            out = [self.sizer.size(s.seq_id, t, batch) for s, t in zip(live, out)]
+        if self.sizer is not None:  # the part expected to pay (pruning is exact)
+            out = self.sizer.size_call([s.seq_id for s in live], out, len(self.live), draft_seconds, catch_up,
+                                       self.drafter.profiled_seconds())
         return out
 
     def _fit_budget(self, s: SequenceState, tree: DraftTree) -> DraftTree:

@@ -2,9 +2,8 @@
 
     sizer = TreeSizer(cost_model)                      # one per engine (speculation="auto")
     ask = [s for s in live if sizer.wants_draft(s)]    # the guard: who drafts this step
-    tree = sizer.size(seq_id, tree, batch)             # per sequence, after propose
+    trees = sizer.size_call(ids, trees, batch, draft_s)  # after propose: size every tree, record the draft time
     sizer.observe(seq_id, committed)                   # after the commit: acceptance, learned online
-    sizer.record_draft(draft_s, catch_up)              # right after propose: size() then judges with its cost
     sizer.record_step(verify_s, n, batch)              # after the verify: how long a decode step is
 
 **Expected committed tokens.** Each node i gets an estimate ``a_i`` of P(node i accepted | its parent
@@ -26,9 +25,12 @@ sequences' trees are not known when it is sized: a documented simplification).
 top k by ``P_i`` (a parent's ``P`` is never below its child's; ties keep the parent first), so the best
 subset is the best prefix of that order by ``(1 + E_k) / (d + c(1 + k))``. Pruning is exact.
 
-Sampled trees (``DraftMode.INDEPENDENT`` / ``WITHOUT_REPLACEMENT``) are only cut to prefixes of the
-drafter's node order, with token-independent (depth, rank) estimates: keeping the nodes whose drawn tokens
-score best would change the distribution they were drawn from.
+**Sampled trees** (``DraftMode.INDEPENDENT`` / ``WITHOUT_REPLACEMENT``): a decision that prunes one may use
+only what was fixed before its tokens were drawn. The cut is a prefix of the drafter's node order whose length
+is chosen, with token-independent (depth, rank) estimates, on the shape of an earlier sampled tree (the
+sequence's last, else the last of a finished step; none yet: the whole tree), never on this tree's own shape,
+which may depend on its drawn tokens (a node given more children when it drew a likely token would be kept
+more often for that token). The call's draft time is recorded after sizing (:meth:`size_call`).
 
 **Guard.** Each drafted step of a sequence adds its kept tree's expected committed tokens and its cost
 (``1`` and ``d + 1`` when nothing is kept) to running averages (weight ``judge_ema`` on the newest step). When
@@ -95,8 +97,29 @@ from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree
 
 _BINS = 10  # score bins of the online correction
 # TreeSizer.memory -> (backoff of its last finished sequence, its acceptance evidence: score bins, unscored rates,
-# and its running expected tokens and cost of a drafted step)
-_REMEMBERED: dict[tuple, tuple[int, list, dict, tuple]] = {}
+# its running expected tokens and cost of a drafted step, and the shape of its last sampled tree)
+_REMEMBERED: dict[tuple, tuple[int, list, dict, tuple, list | None]] = {}
+
+
+def _path_probs(accept: list[float], parents: list[int]) -> list[float]:
+    """P_i: the product of the acceptance estimates along node i's path."""
+    path: list[float] = []
+    for a, p in zip(accept, parents):
+        path.append(a * (path[p] if p >= 0 else 1.0))
+    return path
+
+
+def _unscored_keys(parents: list[int]) -> list[tuple[int, int]]:
+    """(depth, rank among siblings) per node, capped: what unscored acceptance is learned and looked up by."""
+    seen: dict[int, int] = {}
+    depths: list[int] = []
+    keys = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+        rank = seen.get(p, 0)
+        seen[p] = rank + 1
+        keys.append((min(depths[-1], 16), min(rank, 4)))
+    return keys
 
 
 @dataclass(frozen=True)
@@ -181,8 +204,12 @@ class TreeSizer:
         self.profiled: float | None = None  # seeded: the last call's seconds by the profile (record_profiled)
         self.unscored: dict[tuple[int, int], list[float]] = {}  # (depth, rank) -> [accepted, tried]
         self.score_bins = [[0.0, 0.0] for _ in range(_BINS)]  # [accepted, predicted] of tried scored nodes
+        # sampled trees are cut by the shape of an earlier one (_sampled_prefix): per sequence, and the last one
+        # of any sequence whose step has finished
+        self.shapes: dict[int, list[int]] = {}
+        self.last_shape: list[int] | None = None
         if self.memory in _REMEMBERED:  # what earlier calls learned of this drafter's scores (module doc, Memory)
-            _, bins, unscored, _ = _REMEMBERED[self.memory]
+            _, bins, unscored, _, self.last_shape = _REMEMBERED[self.memory]
             self.score_bins = [list(b) for b in bins]
             self.unscored = {k: list(v) for k, v in unscored.items()}
         self.online = OnlineCosts(self.costs)  # the calibrated curve, corrected by this run's verify times
@@ -245,7 +272,7 @@ class TreeSizer:
     # ---- the guard --------------------------------------------------------------------------
     def _guard(self, seq_id: int) -> _Guard:
         if seq_id not in self.guards:
-            backoff, _, _, (tokens, cost) = _REMEMBERED.get(self.memory, (0, None, None, (None, None)))
+            backoff, _, _, (tokens, cost), _ = _REMEMBERED.get(self.memory, (0, None, None, (None, None), None))
             self.guards[seq_id] = _Guard(backoff=backoff, skip=backoff // 2, tokens=tokens, cost=cost)
         return self.guards[seq_id]
 
@@ -305,46 +332,56 @@ class TreeSizer:
                 acc, pred = self.score_bins[min(int(s * _BINS), _BINS - 1)]
                 out.append(min(1.0, s * (acc + cfg.prior_weight * pooled) / (pred + cfg.prior_weight)))
             return out
+        return self._rates(_unscored_keys(tree.parents.tolist()))
+
+    def _rates(self, keys: list[tuple[int, int]]) -> list[float]:
+        """The acceptance observed in this run (with the prior) per (depth, rank among siblings)."""
+        cfg = self.config
         out = []
-        for key in self._unscored_keys(tree):
+        for key in keys:
             acc, tried = self.unscored.get(key, (0.0, 0.0))
             out.append((acc + cfg.prior * cfg.prior_weight) / (tried + cfg.prior_weight))
         return out
 
-    @staticmethod
-    def _unscored_keys(tree: DraftTree) -> list[tuple[int, int]]:
-        seen: dict[int, int] = {}
-        keys = []
-        for d, p in zip(tree.depths.tolist(), tree.parents.tolist()):
-            rank = seen.get(p, 0)
-            seen[p] = rank + 1
-            keys.append((min(d, 16), min(rank, 4)))
-        return keys
-
     # ---- sizing -----------------------------------------------------------------------------
+    def size_call(self, seq_ids: list[int], trees: list[DraftTree], batch: int, draft_seconds: float,
+                  catch_up: bool = False, profiled: float | None = None) -> list[DraftTree]:
+        """Size every tree of one propose call (:meth:`size`) and record the call's draft time.
+
+        A call of deterministic trees is priced by its own time (the first probe already knows what drafting
+        costs). With a sampled tree the time is recorded after sizing: a drafter whose run time depended on what
+        it drew must not move the cut (module doc, Sampled trees)."""
+        sampled = any(t.mode is not DraftMode.DETERMINISTIC for t in trees)
+        if not sampled:
+            self.record_draft(draft_seconds, catch_up)
+            self.record_profiled(profiled)
+        out = [self.size(seq_id, tree, batch) for seq_id, tree in zip(seq_ids, trees)]
+        if sampled:
+            self.record_draft(draft_seconds, catch_up)
+            self.record_profiled(profiled)
+        return out
+
     def size(self, seq_id: int, tree: DraftTree, batch: int) -> DraftTree:
         """The best-paying ancestor-closed part of ``tree`` (possibly empty); judges the guard."""
         if tree.num_nodes == 0:
             self.pending.pop(seq_id, None)
             self._judge(seq_id, 1.0, self.draft_cost(batch) + 1.0, batch)
             return tree
-        accept = self.acceptance(tree, use_scores=tree.mode is DraftMode.DETERMINISTIC)
+        d = self.draft_cost(batch)
         parents = tree.parents.tolist()
-        path = []
-        for a, p in zip(accept, parents):
-            path.append(a * (path[p] if p >= 0 else 1.0))
         if tree.mode is DraftMode.DETERMINISTIC:
+            accept = self.acceptance(tree)
+            path = _path_probs(accept, parents)
             order = sorted(range(len(path)), key=lambda i: (-path[i], i))
-        else:  # sampled nodes: a choice that depended on the drawn tokens would change their law, so only
-            order = list(range(len(path)))  # prefixes in the drafter's order (parents and earlier siblings first)
-        d, margin = self.draft_cost(batch), 1.0 + self.config.margin
-        best_k, best, expected = 0, margin / (d + 1.0), 1.0  # the empty tree, credited with the margin
-        kept_tokens, kept_cost = 1.0, d + 1.0
-        for k, i in enumerate(order, start=1):
-            expected += path[i]
-            cost = d + self.online.relative(1 + k, batch)
-            if expected / cost > best:
-                best_k, best, kept_tokens, kept_cost = k, expected / cost, expected, cost
+            best_k = self._best_prefix([path[i] for i in order], d, batch)
+        else:  # a prefix of the drafter's order, its length fixed before this tree was drawn (module doc)
+            accept = self.acceptance(tree, use_scores=False)
+            path = _path_probs(accept, parents)
+            order = list(range(len(path)))
+            best_k = self._sampled_prefix(seq_id, tree, d, batch)
+            self.shapes[seq_id] = parents
+        kept_tokens = 1.0 + sum(path[i] for i in order[:best_k])
+        kept_cost = d + (self.online.relative(1 + best_k, batch) if best_k else 1.0)
         kept = sorted(order[:best_k])
         self.pending[seq_id] = _Pending(tree, accept, kept, d + self.online.relative(1 + tree.num_nodes, batch))
         self._judge(seq_id, kept_tokens, kept_cost, batch)
@@ -353,6 +390,27 @@ class TreeSizer:
         keep = torch.zeros(tree.num_nodes, dtype=torch.bool)
         keep[order[:best_k]] = True
         return tree.prune(keep.to(tree.parents.device))
+
+    def _best_prefix(self, gains: list[float], draft: float, batch: int) -> int:
+        """k maximising ``(1 + sum(gains[:k])) / (draft + c(1 + k))``, 0 unless it beats the empty tree by the
+        margin."""
+        best_k, best, expected = 0, (1.0 + self.config.margin) / (draft + 1.0), 1.0
+        for k, gain in enumerate(gains, start=1):
+            expected += gain
+            ratio = expected / (draft + self.online.relative(1 + k, batch))
+            if ratio > best:
+                best_k, best = k, ratio
+        return best_k
+
+    def _sampled_prefix(self, seq_id: int, tree: DraftTree, draft: float, batch: int) -> int:
+        """How many leading nodes of a sampled tree to verify, decided on the shape of the last sampled tree
+        this sequence (else any sequence of this sizer, in a finished step) proposed: nothing of the tree at
+        hand, whose shape may depend on its drawn tokens. No such shape yet: the whole tree."""
+        reference = self.shapes.get(seq_id, self.last_shape)
+        if reference is None:
+            return tree.num_nodes
+        path = _path_probs(self._rates(_unscored_keys(reference)), reference)
+        return min(self._best_prefix(path, draft, batch), tree.num_nodes)
 
     # ---- learning ---------------------------------------------------------------------------
     def observe(self, seq_id: int, committed: list[int], accepted_nodes: list[int] | None = None) -> None:
@@ -374,6 +432,7 @@ class TreeSizer:
         if tree.mode is not DraftMode.DETERMINISTIC:
             accepted_set = {pending.kept[j] for j in accepted_nodes or []}
             verified = set(pending.kept)
+            self.last_shape = parents
         for i, (t, p, d) in enumerate(zip(tokens, parents, depths)):
             parent_ok = p < 0 or on_path[p]
             if accepted_set is None:
@@ -389,7 +448,7 @@ class TreeSizer:
                     b[0] = b[0] * self.config.decay + float(ok)
                     b[1] = b[1] * self.config.decay + s
         else:
-            for key, t_, ok in zip(self._unscored_keys(tree), tried, on_path):
+            for key, t_, ok in zip(_unscored_keys(parents), tried, on_path):
                 if t_:
                     entry = self.unscored.setdefault(key, [0.0, 0.0])
                     entry[0] = entry[0] * self.config.decay + float(ok)
@@ -402,8 +461,10 @@ class TreeSizer:
 
     def release(self, seq_id: int) -> None:
         self.pending.pop(seq_id, None)
+        self.shapes.pop(seq_id, None)
         guard = self.guards.pop(seq_id, None)
         if guard is not None and self.memory is not None and not self.off:
             _REMEMBERED[self.memory] = (guard.backoff, [list(b) for b in self.score_bins],
-                                        {k: list(v) for k, v in self.unscored.items()}, (guard.tokens, guard.cost))
+                                        {k: list(v) for k, v in self.unscored.items()}, (guard.tokens, guard.cost),
+                                        self.last_shape)
 

@@ -1,0 +1,160 @@
+"""Choosing or pruning a sampled tree may use only what was fixed before its tokens were drawn.
+
+Two reproductions, each exact (float64 enumeration of the first token's law with the real selection code) and
+statistical (generate() on a tiny model, 4,000 copies of one prompt, chi-square on the first new token), and each
+with its negative control, which must fail both: a combined drafter ranking a sampled child by its drawn
+token's score, and a sizer cutting a sampled tree by its own token-dependent shape. Plus the model drafters
+without replacement under top-k and top-p, whose child count depends on the drawn tokens.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import engine_setup
+from specdec.cost_model import CostModel
+from specdec.drafters.combined import CombinedDrafter
+from specdec.eval.negative_controls import ScoreChoosingCombined, ShapeAwareSizer
+from specdec.drafters.base import SequenceView, TokenView
+from specdec.eval.selection_law import DRAFT, TARGET, selection_cases, token_shaped_tree
+from specdec.eval.statistics import goodness_of_fit
+from specdec.generate import generate
+from specdec.online_costs import OnlineCosts
+from specdec.rejection import rejection_sample
+from specdec.sampling import SamplingConfig, logits_to_probs
+from specdec.testing import build_tiny_model
+from specdec.tree import DraftMode, DraftTree
+from specdec.tree_sizing import TreeSizer
+
+N = 4000
+PROMPT = [1, 2, 3]
+
+
+def test_exact_selections_keep_the_law_and_the_broken_ones_do_not():
+    for name, case in selection_cases().items():
+        assert case.max_error() < 1e-12, name
+    for name, case in selection_cases(controls=True).items():
+        assert case.max_error() > 0.05, name
+
+
+class Sampled:
+    """A sampled one-token chain x ~ DRAFT, scored by DRAFT[x] (the contract allows scores on sampled trees);
+    with ``grow`` the token-shaped tree instead (six children when it drew token 0; ``grow=True``: always)."""
+
+    name = "sampled"
+
+    def __init__(self, grow: bool | None = None, seed: int = 3) -> None:
+        self.g = torch.Generator().manual_seed(seed)
+        self.grow = grow
+
+    def propose(self, seqs):
+        out = []
+        for _ in seqs:
+            x = int(torch.multinomial(DRAFT, 1, generator=self.g))
+            if self.grow is None:
+                out.append(DraftTree([x], [-1], DRAFT.float()[None], DraftMode.INDEPENDENT,
+                                     scores=torch.tensor([float(DRAFT[x])])))
+            else:
+                out.append(token_shaped_tree(0 if self.grow else x, DRAFT.float()))
+        return out
+
+
+class Zero:
+    name = "zero"
+
+    def propose(self, seqs):
+        return [DraftTree([0], [-1], scores=torch.tensor([0.5])) for _ in seqs]
+
+
+def first_tokens(trees: list[DraftTree], seed: int = 0) -> list[int]:
+    """The first token each tree commits under the real rejection sampler, target law TARGET at every row."""
+    width = 1 + max(t.num_nodes for t in trees)
+    logits = TARGET.log().float().expand(len(trees), width, -1).contiguous()
+    accs = rejection_sample(trees, logits, SamplingConfig(do_sample=True), torch.Generator().manual_seed(seed))
+    return [(a.accepted_tokens.tolist() + [int(a.next_token)])[0] for a in accs]
+
+
+def law_test(tokens: list[int], exact: bool) -> None:
+    p, power = goodness_of_fit(tokens, {t: float(q) for t, q in enumerate(TARGET)}, tv=0.03, alpha=1e-3)
+    assert len(tokens) >= 4000 and power > 0.9, power
+    assert (p > 1e-3) if exact else (p < 1e-6), p
+
+
+def views(n: int) -> list[SequenceView]:
+    return [SequenceView(i, TokenView(PROMPT), len(PROMPT)) for i in range(n)]
+
+
+@pytest.mark.parametrize("combined_cls, exact", [(CombinedDrafter, True), (ScoreChoosingCombined, False)])
+def test_the_combined_drafter_never_chooses_a_sampled_child_by_its_drawn_token(combined_cls, exact):
+    drafter = combined_cls([Sampled(), Zero()], mode="best", gate=False)
+    law_test(first_tokens(drafter.propose(views(N))), exact)
+
+
+@pytest.fixture
+def seven_nodes_pay(monkeypatch):
+    """Seven verified nodes pay, one does not; drafting is free; no wall time moves the curve."""
+    costs = CostModel({}, {1: {1: 1.0, 2: 2.0, 8: 1.0, 65: 60.0}})
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner: costs)
+    monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: 0.0)
+    monkeypatch.setattr(OnlineCosts, "record", lambda self, *args: None)
+    return costs
+
+
+@pytest.mark.parametrize("sizer_cls, exact", [(TreeSizer, True), (ShapeAwareSizer, False)])
+def test_sizing_never_cuts_a_sampled_tree_by_its_own_token_dependent_shape(seven_nodes_pay, sizer_cls, exact):
+    sizer = sizer_cls(seven_nodes_pay)
+    sizer.last_shape = token_shaped_tree(0).parents.tolist()  # an earlier step showed the seven-node shape
+    trees = Sampled(grow=False).propose(views(N))
+    law_test(first_tokens(sizer.size_call(list(range(N)), trees, batch=1, draft_seconds=0.0)), exact)
+
+
+@pytest.mark.slow
+def test_generate_sizes_token_shaped_sampled_trees_exactly(seven_nodes_pay):
+    """End to end through generate(speculation="auto"): an earlier call showed the sizer the seven-node shape
+    (remembered per drafter), then 1,000 copies of a prompt; the first new token keeps the target's law
+    (chi-square; this sample size detects TV 0.08 with power 0.9) and the sampled node is verified."""
+    model = build_tiny_model(vocab_size=4, seed=5)
+    with torch.no_grad():
+        law = model(torch.tensor([PROMPT])).logits[0, -1].double().softmax(-1)
+    kw = dict(do_sample=True, sampler="standard", audit_drafts=False, max_new_tokens=3, return_dict=True)
+    generate(model, [PROMPT], drafter=Sampled(grow=True), seed=1, **kw)
+    out = generate(model, [PROMPT] * 1000, drafter=Sampled(grow=False), seed=11, **kw)
+    assert all(s.step_nodes[0] >= 1 for s in out.stats)
+    p, power = goodness_of_fit([s[len(PROMPT)] for s in out.sequences], dict(enumerate(law.tolist())), tv=0.08,
+                               alpha=1e-3)
+    assert power > 0.9 and p > 1e-3, (p, power)
+
+
+def two_token_law(model, sampling: SamplingConfig) -> dict:
+    """Exact law of the first two new tokens after PROMPT under ``sampling``."""
+    with torch.no_grad():
+        first = logits_to_probs(model(torch.tensor([PROMPT])).logits[0, -1].double(), sampling)
+        law = {}
+        for t1, p1 in enumerate(first.tolist()):
+            if p1 > 0:
+                second = logits_to_probs(model(torch.tensor([PROMPT + [t1]])).logits[0, -1].double(), sampling)
+                law.update({(t1, t2): p1 * p2 for t2, p2 in enumerate(second.tolist()) if p2 > 0})
+    return law
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", [dict(top_k=2), dict(top_p=0.8)], ids=["top_k=2", "top_p=0.8"])
+def test_model_drafters_without_replacement_keep_the_law_when_sized(monkeypatch, sampling):
+    """Their child count is min(width, support), so it depends on the drawn tokens under top-k / top-p; sizing
+    with speculation="auto" keeps the law of the first two new tokens (chi-square, power >= 0.9 at TV 0.07)."""
+    model = build_tiny_model(vocab_size=4, seed=5)
+    draft = build_tiny_model(vocab_size=4, seed=6)
+    # two verified nodes pay, more do not: trees are cut (by the shape an earlier call showed the sizer)
+    costs = CostModel({}, {1: {1: 1.0, 3: 1.0, 4: 3.0, 65: 100.0}})
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner: costs)
+    monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: 0.0)
+    monkeypatch.setattr(OnlineCosts, "record", lambda self, *args: None)
+    law = two_token_law(model, SamplingConfig(do_sample=True, **sampling))
+    kw = dict(drafter="draft-model", speculation="auto", do_sample=True, sampler="standard", audit_drafts=False,
+              **sampling, drafter_options={"model": draft, "num_draft_tokens": 2, "widths": [3, 2],
+                                           "mode": "without_replacement"}, return_dict=True)
+    generate(model, [PROMPT], max_new_tokens=4, seed=1, **kw)
+    out = generate(model, [PROMPT] * 2000, max_new_tokens=2, seed=5, **kw)
+    assert sum(s.step_nodes[0] for s in out.stats) >= 2000  # drafts were verified, not pruned away
+    p, power = goodness_of_fit([tuple(s[len(PROMPT):]) for s in out.sequences], law, tv=0.07, alpha=1e-3)
+    assert power >= 0.9 and p > 1e-3, (p, power)
