@@ -1,7 +1,7 @@
 """One command that checks and measures specdec's GPU path, and writes one JSON + Markdown report.
 
     pip install -e ".[dev]"                       # with the CUDA torch you already have
-    python benchmarks/gpu_check.py                # every step (about 10 minutes on an H100, docs/kernels.md)
+    python benchmarks/gpu_check.py                # every step (about 10 minutes on an H100, docs/gpu/kernels.md)
     python benchmarks/gpu_check.py --steps tests  # some of them; --out DIR (default gpu-report/)
 
 Steps, run in this order, each in its own process with its own time limit, so a crash or a hang in one
@@ -12,7 +12,7 @@ is reported and the others still run:
   real graph capture), and every ``device``-parametrised test on ``cuda`` (greedy identity of every
   drafter, seeded and first-token sampling); ``--slow`` adds the slow ones (the sampling laws of
   speculative vs plain sampling, seeded model drafters).
-* ``kernels``: ``bench_kernels_gpu.py`` over the goal points of ``docs/kernels.md``, timed as
+* ``kernels``: ``bench_kernels_gpu.py`` over the goal points of ``docs/gpu/kernels.md``, timed as
   CUDA-graph replays (the kernel alone) and with ``do_bench`` (what one eager call costs).
 * ``e2e``: ``bench_e2e_gpu.py`` on the embedded model (bf16, batch 1, greedy): transformers, specdec
   plain / n-gram, eager and CUDA graphs, and bf16 greedy identity against transformers with each
@@ -122,7 +122,7 @@ def step_env(out: Path) -> dict:
 
 
 def step_tests(out: Path, workers: int, slow: bool) -> dict:
-    # the slow device cases alone ran past 240 s on an H100 (2026-11-24): opt-in, with a longer limit
+    # the slow device cases alone ran past 240 s on an H100: opt-in, with a longer limit
     runs = {
         "kernels_and_graphs": (KERNEL_FILES, 240),
         "device_cuda": (DEVICE_FILES + ["-k", "cuda"] + ([] if slow else ["-m", "not slow"]), 600 if slow else 240),
@@ -143,7 +143,7 @@ def step_tests(out: Path, workers: int, slow: bool) -> dict:
 
 
 def step_kernels(out: Path) -> dict:
-    # the goal points of docs/kernels.md: decode and 16-node trees at 2k-32k context, batch 1 / 8 / 32
+    # the goal points of docs/gpu/kernels.md: decode and 16-node trees at 2k-32k context, batch 1 / 8 / 32
     common = ["--batch", "1,8,32", "--context", "2048,8192,32768", "--tree", "1,16,64", "--page", "16",
               "--shapes", "embedded,llama8b"]
     result, failed = {}, False

@@ -2,35 +2,25 @@
 
 Lifecycle, driven by the engine:
 
-0. ``seed_from_generate(seed)`` before ``attach``: ``generate(seed=...)``'s seed, for drafters
-   that sample (the default ignores it).
-1. ``attach(target)`` once per run (generate() call), before the first sequence: what the drafter
-   may read of the target (its runner, KV cache and sampling config). Drafters that sample must
-   apply ``target.sampling`` (temperature / top-k / top-p) to their own logits. A drafter that
-   learns from the text (n-gram's acceptance per match length) forgets it here: an instance reused
-   across calls drafts as a fresh one, so a seeded call's text does not depend on earlier calls
-   (seeded sampling may time the drafter in a short run of its own first: :mod:`specdec.draft_cost`).
-2. ``propose(views)`` at most once per step: one :class:`~specdec.tree.DraftTree` per view
-   (the empty tree is allowed: that sequence decodes plainly this step). The engine
-   validates every tree before the target verifies it, so a drafter cannot silently
-   break exactness, and may verify only an ancestor-closed part of it (tree sizing,
-   :mod:`specdec.tree_sizing`; exact). With ``speculation="auto"`` (the default) the
-   break-even guard may leave sequences out of ``views`` for steps it decodes plainly, and
-   skip the call altogether when it leaves out every one: a drafter must not assume it
-   sees every step, and must read what was committed meanwhile from ``token_ids`` (and
-   ``new_hidden``, which then holds the rows of every step since its previous propose).
-3. ``on_accept(seq_id, committed)`` after EVERY commit, proposed for or not: the tokens
-   committed this step.
+0. ``seed_from_generate(seed)`` before ``attach``: ``generate(seed=...)``'s seed, for drafters that sample.
+1. ``attach(target)`` once per generate() call: what the drafter may read of the target (runner, KV cache,
+   sampling config). Drafters that sample apply ``target.sampling`` to their own logits. A drafter that learns
+   from the text forgets it here, so a reused instance drafts as a fresh one (a seeded call's text does not
+   depend on earlier calls).
+2. ``propose(views)`` at most once per step: one :class:`~specdec.tree.DraftTree` per view (the empty tree is
+   allowed). The engine validates every tree before the target verifies it and may verify only an
+   ancestor-closed part of it (exact). With ``speculation="auto"`` the guard may leave sequences out of
+   ``views``, or skip the call: a drafter must not assume it sees every step, and reads what was committed
+   meanwhile from ``token_ids`` (and ``new_hidden``).
+3. ``on_accept(seq_id, committed)`` after EVERY commit, proposed for or not.
 4. ``release(seq_id)`` when a sequence finishes.
 
-A drafter that sets ``needs_hidden_states = True`` finds in ``SequenceView.new_hidden`` the
-target's final-norm hidden states of the positions committed since its previous ``propose``
-(after prefill: every prompt token but the root; after a step: the previous root and the
-accepted nodes), ending at the token *before* the root, whose logits chose the root.
+A drafter that sets ``needs_hidden_states = True`` finds in ``SequenceView.new_hidden`` the target's final-norm
+hidden states of the positions committed since its previous ``propose``, ending at the token *before* the root;
 ``SequenceView.last_hidden`` is that last row (Medusa); EAGLE reads them all.
 
-The engine talks to every drafter through this class. Any object with a ``propose`` method
-is accepted too: :func:`as_drafter` wraps it once, so the engine never probes attributes.
+The engine talks to every drafter through this class. Any object with a ``propose`` method is accepted too:
+:func:`as_drafter` wraps it once, so the engine never probes attributes.
 """
 from __future__ import annotations
 

@@ -7,46 +7,25 @@ left out, and asked again from time to time.
     gate.record_seconds(k, seconds, catch_up)        # wall time of child k's propose call
     gate.observe(successes, nodes)                   # a sequence's step where every child ran
 
-Why: the combined drafter used to run every child at every call, so an expensive child's forward was paid
-whenever a cheap one alone would have drafted as well. Measured on the 2-core CPU (embedded model, greedy, 128
-tokens): n-gram + self-draft ran at 0.90x plain decoding on chat, and at 1.21x on summarisation where n-gram
-alone ran at 1.49x. The engine's break-even guard sees the combined drafter as one and cannot tell. With the
-gate, in one run (``benchmarks/bench_drafters_cpu.py --categories chat,summarisation,code --prompts 2 --repeats
-2 --max-new-tokens 128``): chat 1.12x (n-gram alone 1.13x, every child at every call 1.01x), summarisation
-1.54x (1.43x, 1.17x), code 1.37x (1.29x, 1.06x).
-
-**The choice.** Every step where all children ran for a sequence leaves a record: per child, how many levels of
-its own proposal matched the committed tokens (``successes``) and how many nodes it proposed. The merged tree
-is the trie union of the children's trees, so a subset S of children commits ``1 + max_{k in S} successes_k``
-tokens on a record. The gate runs the subset with the most expected committed tokens per unit of cost, the
-mean over the last ``window`` records, in plain decode steps::
+**The choice.** Every step where all children ran leaves a record: per child, how many levels of its own
+proposal matched the committed tokens (``successes``) and how many nodes it proposed. The merge is a trie union,
+so a subset S commits ``1 + max_{k in S} successes_k`` tokens on a record. The gate runs the subset with the most
+expected committed tokens per unit of cost over the last ``window`` records, in plain decode steps::
 
     (1 + mean max_{k in S} successes_k) / (sum_{k in S} d_k + c(1 + min(sum_{k in S} nodes_k, nodes_cap)))
 
-with ``d_k`` child k's draft seconds per call (:class:`specdec.tree_sizing.DraftTime`, the tree sizer's average:
-a sequence's first call catches up on the prompt and stands in only until the next) over the engine's seconds
-per decode step, and ``c`` the verify-cost curve the combined drafter ranks trees with. Proposals are counted
-unpruned, on both sides of the ratio; the engine's own sizing then prunes what the combined drafter offers
-(pruning is exact).
+with ``d_k`` child k's draft seconds per call (:class:`specdec.tree_sizing.DraftTime`) over the engine's seconds
+per decode step and ``c`` the verify-cost curve the combined drafter ranks trees with.
 
-**Probes.** Records come only from steps where every child ran. Until ``warmup`` records exist every child
-runs; afterwards every child runs again every ``ceil(d_left_out / probe_budget)`` calls (at most ``max_interval``),
-``d_left_out`` the draft cost of the children left out: probes cost at most ``probe_budget`` decode steps per
-call on average. A probe whose record shows the left-out children adding tokens is followed by another at the
-next call, so a child that starts to pay is back within a few calls, not after ``window`` probes.
+**Probes.** Until ``warmup`` records exist every child runs; afterwards every child runs again every
+``ceil(d_left_out / probe_budget)`` calls (at most ``max_interval``), and a probe showing the left-out children
+adding tokens is followed by another at the next call.
 
-**Memory.** As the engine's guard does (:mod:`specdec.tree_sizing`, Memory), the gate keeps its records and
-child timings across calls per ``memory_key`` (the combined drafter's cost key and the target), so a later call
-does not pay the warm-up again (:mod:`specdec.drafters.call_memory`).
-
-**Seeded** sampling, whose text must not depend on wall times: the children's seconds are the ones cached at
-calibration (``start(..., fixed_times=...)``; :mod:`specdec.draft_cost`) and the decode time the cost model's, with
-no memory across calls. A child that prices its calls by its own profile (EAGLE at the depth it chose) is
-priced so after each call (``record_profiled``): its calibration ran it at full depth, ~45 ms a call for a
-GPU-trained layer on the 2-core CPU, and at that price the gate left it out of the merge with n-gram on chat.
-
-**Off** when the engine offers no decode time (``TargetView.decode_seconds`` None: ``speculation="always"``) or,
-under a seed, no cached child seconds: every child runs at every call, as before.
+**Memory**: records and timings are kept across calls per ``memory_key`` (:mod:`specdec.drafters.call_memory`).
+**Seeded** sampling uses the children's seconds cached at calibration (:mod:`specdec.draft_cost`), the cost
+model's decode time, and no memory; a child that prices its calls by its own profile is priced so
+(``record_profiled``). **Off** without the engine's decode time (``speculation="always"``) or, under a seed,
+without cached child seconds: every child runs at every call. Why the gate exists: docs/speculation-policy.md.
 """
 from __future__ import annotations
 

@@ -3,43 +3,29 @@
     generate(model, ids, drafter="combined",
              drafter_options={"drafters": ["ngram", {"name": "medusa", "path": "heads/"}], "mode": "merge"})
 
-Children are given by name (``"ngram"``), by name with options (``{"name": "medusa", "path": ...}``), or as
-Drafter instances (or any object with ``propose``). Every lifecycle call (seed, attach, on_accept, release) goes
-to every child; the combined drafter needs hidden states when any child does.
+Children are given by name, by name with options, or as Drafter instances (or any object with ``propose``).
+Every lifecycle call (seed, attach, on_accept, release) goes to every child; the combined drafter needs hidden
+states when any child does.
 
-Modes (``CombinedConfig.mode``):
+Modes (``CombinedConfig.mode``): ``"merge"`` (default), the trie union of the children's trees
+(:func:`specdec.tree_merge.merge_trees`) capped at ``max_nodes`` by path score; trees with draft_probs cannot be
+merged exactly, so then each probabilistic tree competes whole, as in ``"best"``: the child tree with the most
+expected committed tokens (1 + sum of node path acceptance estimates) per unit of estimated cost.
 
-- ``"merge"`` (default): the trie union of the children's trees (:func:`specdec.tree_merge.merge_trees`),
-  capped at ``max_nodes`` by path score. Trees with draft_probs (sampling drafters) cannot be merged exactly:
-  then the candidates are the merge of the deterministic trees and each probabilistic tree, and the best is
-  offered, as in ``"best"``.
-- ``"best"``: the child tree with the highest value, expected committed tokens (1 + sum of node path
-  acceptance estimates) per unit of estimated cost (a sampled child's tree by its history: Sampled children).
+Estimates: a child tree's ``scores`` where it has them, else the child's acceptance per level observed from
+``on_accept`` (a Beta prior of ``prior_weight`` pseudo-trials at ``prior_score``). Verify cost of n nodes, in
+decode steps: ``verify_cost(n)`` if given; else the engine's sizing curve (``TargetView.verify_cost``) under
+``speculation="auto"``; else, with ``cost_model=True``, the calibrated curve; else ``1 + alpha * n``. The
+engine's sizing may prune the offered tree further (pruning is exact).
 
-Estimates. A child tree's ``scores`` are used where it has them; otherwise every node gets the child's online
-acceptance rate, which this drafter keeps per child from ``on_accept``: after each step it walks each child's
-own proposal along the committed tokens and counts, level by level, whether one of its candidates was the
-committed token (a Beta prior of ``prior_weight`` pseudo-trials at ``prior_score``). Siblings share a level's
-rate equally. Cost, in plain decode steps, of verifying n tree nodes: ``verify_cost(n)`` if given (a callable);
-else the curve the engine sizes trees with (``TargetView.verify_cost(1 + n, batch)``: the measured curve of
-:mod:`specdec.cost_model` corrected by the run's own step times), whenever the engine sizes trees (the default,
-``speculation="auto"``); else, with ``cost_model=True``, the calibrated curve alone (``relative(1 + n, batch)``,
-loaded at ``attach``: cached per machine and model, else a short calibration); else ``1 + alpha * n``. The
-engine's own per-step sizing may prune the offered tree further (pruning is always exact). The drafting cost
-of the children is the same for every candidate (they all ran), so it does not change the ranking.
+Sampled children: whether a sampled tree is verified may depend only on what was fixed before its tokens were
+drawn, so it is valued by the child's rate on the shape of its previous sampled tree, never by the tree at hand
+(its drawn tokens' scores or a shape that depends on them). Deterministic candidates are valued by their nodes.
 
-Sampled children. Whether a sampled tree is verified may depend only on what was fixed before its tokens
-were drawn: its value is the child's online rate on the shape of its previous sampled tree, never the tree at
-hand (its scores, e.g. the draft probability of the drawn token, or a shape that depends on it would choose
-the tree by its tokens and change the output's law). Deterministic candidates are valued by their own nodes.
-
-Which children run. With ``gate=True`` (the default) a child whose extra committed tokens do not cover its own
-draft time is left out of a call, and run again in probes (:mod:`specdec.drafters.child_gate`); the gate needs
-the engine's decode time (``TargetView.decode_seconds``), so it is off under ``speculation="always"``, where
-every child runs at every call. Under seeded sampling it weighs each child's seconds from the cost profile cached
-at calibration (``TargetView.cost_profile``; :mod:`specdec.draft_cost`), never wall times. A child left out
-still sees every ``on_accept``, and a child that reads hidden states gets, at its next call, the rows of every
-step since its own previous call.
+Which children run: with ``gate=True`` a child whose extra committed tokens do not cover its own draft time is
+left out of a call and probed again (:mod:`specdec.drafters.child_gate`); off under ``speculation="always"``.
+Under seeded sampling the gate weighs cached seconds only (:mod:`specdec.draft_cost`). A child left out still
+sees every ``on_accept``, and a child reading hidden states gets, at its next call, every row since its last.
 """
 from __future__ import annotations
 

@@ -7,47 +7,23 @@ own draft time and its verify cost on the machine at hand, learned from the run.
     chooser.record_seconds(level_seconds, catch_up)          # wall seconds of each level of that call
     chooser.observe(trials, successes)                       # a sequence's step (specdec.tree.matched_levels)
 
-Why: a checkpoint's tree (depth, top-k, nodes) is chosen on the machine that trained it. A layer trained on a
-GPU saved depth 5, top-k 8, 16 nodes; on the 2-core CPU each level costs a layer forward (~0.05-0.1 decode
-steps) and the engine's break-even guard then found no tree worth its draft time and turned EAGLE off (chat
-1.01x, tau 1.06), while a depth-1 draft of the same layer ran at 1.23x (tau 1.30).
+**The choice.** Level j has an acceptance rate r_j, the share of steps where level j had a candidate to try and
+one of them was the committed token. Drafting ``d`` levels is expected to commit ``1 + sum_{j<=d} r_1 ... r_j``
+tokens per step for ``sum_{j<=d} t_j / decode_seconds + c(1 + d)`` decode steps, ``t_j`` the measured seconds of
+level j (:class:`specdec.tree_sizing.DraftTime`) and ``c`` the engine's verify-cost curve priced as a chain of
+``d`` nodes. The chooser drafts the ``d`` with the most tokens per unit of cost; ``r_j`` is counted over the last
+``window`` steps with a prior of ``prior_weight`` steps at level j-1's rate (0.5 for level 1).
 
-**The choice.** Each level j of the proposal has an acceptance rate r_j, the share of steps where level j had
-a candidate to try and one of them was the committed token (``matched_levels`` on the unpruned tree: under
-greedy the level the whole tree would have reached). Drafting ``d`` levels is expected to commit
-``1 + sum_{j<=d} r_1 ... r_j`` tokens per step and to cost, in plain decode steps,
-``sum_{j<=d} t_j / decode_seconds + c(1 + d)``, with ``t_j`` the measured seconds of level j (level 1 holds
-the catch-up on the newly committed rows; :class:`specdec.tree_sizing.DraftTime`, so a first call's catch-up
-on the whole prompt stands in only until the next) and ``c`` the engine's verify-cost curve priced as a chain
-of ``d`` nodes (the engine prunes the rest of the tree by its own sizing). The chooser drafts the ``d`` with
-the most tokens per unit of cost. ``r_j`` is counted over the last ``window`` steps, with a prior of
-``prior_weight`` steps at level j-1's rate (0.5 for level 1), so a level never tried starts where the one
-above it stands.
+**Start shallow**: the first call drafts one level; a level never timed is priced as the deepest timed one.
+**Probes**: every ``ceil(extra / probe_budget)`` calls (at most ``max_interval``) it drafts one level deeper
+than its choice, and a step whose tree matched deeper is followed by a probe one level deeper than it matched.
+**Memory**: records and level times are kept across calls per ``memory_key`` (:mod:`specdec.drafters.call_memory`).
 
-**Start shallow.** The first call drafts one level; a level never timed is priced as the deepest timed one.
-Drafting the full depth until enough steps were recorded cost the first answer of a process its speed-up: five
-levels of eight candidates cost ~0.5 decode steps per call on the 2-core CPU, and the engine's break-even guard,
-pricing those calls, skipped EAGLE for most of the answer (5 calls in 128 tokens).
-
-**Probes.** Every ``ceil(extra / probe_budget)`` calls (at most ``max_interval``), ``extra`` the next level's draft
-time and verify cost, it drafts one level deeper than its choice, so that level's rate stays measured. A step
-whose tree matched deeper than the chosen depth is followed by a probe one level deeper than it matched, at the
-next call, and so on: a deeper tree that starts to pay is drafted again from the next call on, level by level,
-not after a window's worth of probes.
-
-**Memory.** As the child gate does, records and level times are kept across calls per ``memory_key`` (the drafter's
-cost key and the target; :mod:`specdec.drafters.call_memory`).
-
-**Seeded** sampling must give one text per seed, so the depth may not depend on wall times there. The engine
-then offers the cost model's decode time and curve and the per-level seconds that the drafter's calibration
-measured and cached (:mod:`specdec.draft_cost`, ``TargetView.cost_profile``); the chooser runs on those fixed
-times and the tokens, with no memory across calls. It used to be off under a seed: the full depth of a
-GPU-trained checkpoint (5 levels of 8, ~45 ms per call on the 2-core CPU) made EAGLE 0.90x of plain decoding on
-chat at temperature 0.8.
-
-**Off** (the configured depth, every call) where the engine offers no decode time or no verify-cost curve
+**Seeded** sampling must give one text per seed: the chooser then runs on the cost model's decode time and curve
+and the per-level seconds cached at calibration (:mod:`specdec.draft_cost`, ``TargetView.cost_profile``), with no
+memory across calls. **Off** (the configured depth, every call) without a decode time or verify-cost curve
 (``speculation="always"``), or under a seed without a cached profile. Exactness is untouched: the depth depends
-on past commits and (cached or wall) times only, never on the current step's draws.
+on past commits and times only, never on the current step's draws. Why: docs/speculation-policy.md.
 """
 from __future__ import annotations
 

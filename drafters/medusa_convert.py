@@ -2,38 +2,28 @@
 
     specdec convert-medusa ./medusa-vicuna-7b-v1.3 --output-dir heads/       # config.json + medusa_lm_head.pt
     specdec convert-medusa ./medusa-1.0-zephyr-7b-beta --output-dir heads/   # heads inside the model's weights
-    specdec generate --model ./vicuna-7b-v1.3 --drafter medusa --drafter-option path=heads/
 
     config, state = read_published("medusa-vicuna-7b-v1.3/")   # MedusaConfig + state dict in specdec's keys
     convert_published("medusa-vicuna-7b-v1.3/", "heads/")      # writes heads/ (load_medusa reads it)
 
-Sources are local files (nothing is downloaded; fetch a Hub repository first, e.g. with
-``huggingface-cli download FasterDecoding/medusa-vicuna-7b-v1.3 --local-dir DIR``):
+Sources are local files, nothing is downloaded:
 
-* **Medusa-1 heads**, as FasterDecoding/Medusa's training writes them: a directory with ``config.json``
-  (``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``) and ``medusa_lm_head.pt``
-  (``torch.save(medusa_head.state_dict())``) or ``medusa_lm_head.safetensors``; or that file itself, with its
-  config.json beside it. Keys ``{head}.{layer}.linear.weight`` / ``.bias`` for the residual blocks and
-  ``{head}.{num_layers}.weight`` for the head's own LM head; heads without one share the base model's LM head
-  (Medusa's legacy "medusa2" heads).
-* **Medusa-2** (``medusa-1.0-*`` on the Hub, trained with Medusa's axolotl fork): a whole transformers
-  checkpoint whose config.json carries ``medusa_num_heads`` / ``medusa_num_layers`` and whose weights
-  (``model.safetensors``, sharded safetensors with their index, or ``pytorch_model*.bin``) hold the heads as
-  ``medusa_head.{head}.{layer}...`` beside the base model. That base model was fine-tuned together with its
-  heads, so the heads go with that checkpoint: ``base_model_name_or_path`` becomes its absolute path, and it
-  is the model to generate with (transformers ignores the ``medusa_head.*`` tensors when loading it).
+* **Medusa-1 heads** (FasterDecoding/Medusa): ``config.json`` (``medusa_num_heads``, ``medusa_num_layers``,
+  ``base_model_name_or_path``) with ``medusa_lm_head.pt`` or ``.safetensors``, or that file alone. Keys
+  ``{head}.{layer}.linear.weight`` / ``.bias`` and ``{head}.{num_layers}.weight``; heads without their own LM
+  head share the base model's.
+* **Medusa-2** (``medusa-1.0-*``, Medusa's axolotl fork): a transformers checkpoint holding
+  ``medusa_head.{head}.{layer}...`` beside the base weights, which were fine-tuned with the heads, so the heads
+  go with that checkpoint (``base_model_name_or_path`` becomes its absolute path).
 
-Pickles are read with ``torch.load(weights_only=True)`` only: a file holding anything but tensors and plain
-containers is refused, never unpickled.
+Pickles are read with ``torch.load(weights_only=True)`` only: anything but tensors and plain containers is
+refused, never unpickled.
 
-The mapping is exact: Medusa's ResBlock (``x + SiLU(W x + b)``, with bias) is specdec's, its LM heads (no bias)
-are specdec's own LM heads, and the keys are the same; tensors keep their dtype (fp16 stays fp16). Medusa builds
-a head's blocks as ``[ResBlock(h)] * num_layers``, one block repeated, so a checkpoint that stores only some of
-the copies (savers drop tensors that share memory) gets the stored block repeated, as Medusa runs it. Refused,
-by name, rather than converted approximately: an LM head with a bias, a block missing its weight or bias,
-stored copies of one head's block that differ (Medusa would run only the last one loaded), keys of another
-layout, inconsistent shapes, fewer heads than config.json promises, and heads that share the base model's LM
-head when the vocabulary size cannot be read from a config.
+The mapping is exact: the same ResBlock (``x + SiLU(W x + b)``), bias-free LM heads, the same keys, dtypes kept.
+A head's blocks are one block repeated (``[ResBlock(h)] * num_layers``), so a file storing only some copies gets
+the stored one repeated. Refused by name rather than converted approximately: an LM head with a bias, a block
+missing its weight or bias, differing copies of one repeated block, another key layout, inconsistent shapes,
+fewer heads than config.json promises, and shared-LM-head heads whose vocabulary size cannot be read.
 """
 from __future__ import annotations
 

@@ -14,17 +14,13 @@ Checkpoint layout (as published by FasterDecoding/Medusa), a directory holding
   residual blocks and ``{head}.{num_layers}.weight`` for each head's LM head (absent when
   the LM head is shared with the base model).
 
-Reduced draft vocabulary (specdec's extension, FR-Spec style): ``draft_vocab`` in config.json
-lists the N token ids the heads score; each own LM head then has N rows (row j scores token
-``draft_vocab[j]``), and shared-LM-head heads use the target's rows of those ids. The heads
-output logits over those N tokens; the drafter maps its top-k back to token ids, so it only
-ever proposes in-vocabulary tokens. Absent (or empty) = the full vocabulary, as published.
+Reduced draft vocabulary: ``draft_vocab`` in config.json lists the N token ids the heads score;
+each own LM head then has N rows (row j scores token ``draft_vocab[j]``) and shared-LM-head heads
+use the target's rows of those ids, so the drafter only ever proposes in-vocabulary tokens.
+Absent (or empty) = the full vocabulary, as published.
 
-Loading reads this layout only (and published safetensors heads: a config.json without
-``medusa_shared_lm_head`` whose weights hold no LM heads shares the base model's, as Medusa's legacy heads do).
-Published ``medusa_lm_head.pt`` pickles and Medusa-2 / axolotl models with ``medusa_head.*`` tensors in their
-weights are converted once with ``specdec convert-medusa SRC --output-dir DIR`` (drafters/medusa_convert.py,
-which reads pickles with ``torch.load(weights_only=True)`` only).
+Loading reads this layout only; published ``.pt`` pickles and Medusa-2 checkpoints are converted
+once with ``specdec convert-medusa`` (drafters/medusa_convert.py).
 
     heads = MedusaHeads(MedusaConfig(num_heads=4, num_layers=1, hidden_size=576, vocab_size=49152))
     save_medusa(heads, "out/")            heads = load_medusa("out/")

@@ -1,48 +1,29 @@
 """Drafting with a model: the tree-growing loop shared by "draft-model" and "self-draft".
 
-A :class:`ModelDrafter` owns a LlamaRunner (a small model, or the target's first layers)
-and a paged KV cache of the sequence's *committed* tokens:
+A :class:`ModelDrafter` owns a LlamaRunner (a small model, or the target's first layers) and a paged KV cache
+of the sequence's *committed* tokens:
 
-1. catch up: one batched forward over the tokens committed since the last step (the
-   accepted drafts, the recovered/bonus token and so the new root); they are committed;
-2. grow: one batched forward per depth over the new frontier nodes of every sequence,
-   their K/V at scratch slots past the root (each node sees the committed prefix, the
-   root and its ancestors); children are chosen from the frontier's draft logits;
-3. release the scratch slots. Rejected drafts thus cost nothing to roll back; accepted
-   ones are recomputed in the next catch-up (one forward of a few tokens).
+1. catch up: one batched forward over the tokens committed since the last step; they are committed;
+2. grow: one batched forward per depth over the new frontier nodes of every sequence, their K/V at scratch
+   slots past the root (each node sees the committed prefix, the root and its ancestors);
+3. release the scratch slots: rejected drafts cost nothing to roll back; accepted ones are recomputed in the
+   next catch-up.
 
-A drafter whose layers ARE the target's first layers (self-draft, ``shares_target_cache``)
-keeps no cache of its own: the target's cache already holds those layers' K/V of every
-committed token (prompt and accepted drafts alike). Step 1 shrinks to the root alone,
-written like the tree nodes to scratch slots at positions >= the target's length, which
-the target's verify overwrites and its commit releases; the drafter never changes the
-target's lengths or block tables beyond reserving blocks for those positions.
+A drafter whose layers ARE the target's first layers (self-draft, ``shares_target_cache``) keeps no cache of
+its own: the target's cache already holds those layers' K/V, so step 1 shrinks to the root, written to scratch
+slots that the target's verify overwrites; the drafter never changes the target's lengths or block tables.
 
-How children are chosen (``DraftConfig.mode``):
+Children (``DraftConfig.mode``): ``deterministic``: the top-``w`` tokens per node (``widths``), or with
+``tree="dynamic"`` an EAGLE-2 style tree (per depth the ``beam`` best paths, until ``max_nodes``), no
+draft_probs; ``independent`` / ``without_replacement``: ``w`` children *sampled* from the draft distribution
+after the target's sampling transform, sent along as draft_probs (static trees only: keeping the most probable
+of sampled nodes would change their law); ``auto`` (default): deterministic when greedy or dynamic, else
+independent.
 
-* ``deterministic``: the top-``w`` tokens of each frontier node (``widths``), or, with
-  ``tree="dynamic"``, an EAGLE-2 style tree: per depth, the ``beam`` candidates with the
-  highest path probability (product of draft probabilities, after the target's
-  temperature/top-k/top-p when it samples) over the whole frontier, until ``max_nodes``.
-  No draft_probs: the rejection sampler's deterministic-candidate rule keeps it exact,
-  greedy or sampling.
-* ``independent`` / ``without_replacement``: ``w`` children of each node are *sampled* from
-  the draft distribution after the target's temperature/top-k/top-p, and that
-  distribution is sent along as draft_probs. Static trees only: keeping the most probable
-  of sampled nodes would change the distribution they were drawn from.
-* ``auto`` (default): deterministic when the target decodes greedily or the tree is
-  dynamic, else independent. A dynamic tree is what ``tree="dynamic"`` asks for, and it is
-  exact when sampling too, so ``auto`` keeps it rather than falling back to a sampled chain.
-
-Sampled drafts draw from the drafter's own generator, on the device of its draft_probs:
-seeded from ``DraftConfig.seed``, else from ``generate(seed=...)`` (or one draw of
-``generate(generator=...)``) through :meth:`ModelDrafter.seed_from_generate`, re-seeded at every
-``attach`` (each generate() call); with neither, from torch's global RNG.
-
-Reduced draft vocabulary: a subclass whose runner scores only N tokens (its LM head cut to N
-rows) sets ``self.draft_vocab`` in ``make_runner``; children are then chosen among those N
-tokens and mapped to token ids, and sampled drafts' draft_probs are zero outside them (the
-rejection sampler takes them as any other draft distribution, so output stays exact).
+Sampled drafts draw from the drafter's own generator, seeded from ``DraftConfig.seed``, else from
+``generate(seed=...)`` through :meth:`ModelDrafter.seed_from_generate`, re-seeded at every ``attach``.
+With a reduced draft vocabulary (``self.draft_vocab``) children are chosen among those N tokens and sampled
+draft_probs are zero elsewhere; output stays exact.
 """
 from __future__ import annotations
 

@@ -7,19 +7,14 @@ target's cache, so each step runs only the root and the draft nodes through N la
 
     generate("default", ids, drafter="self-draft", drafter_options={"num_layers": 8})
 
-Defaults were picked by measurement on the embedded model (SmolLM2-135M, 30 layers, CPU,
-``benchmarks/bench_drafters_cpu.py --sweep-self-draft``, chat prompts, greedy): an
-untrained early exit predicts the full model's token poorly -- acceptance at depth 1 is
-~5% with 4-12 layers, 9% with 18, 36% with 24 and still only 46% with 29 of 30 layers --
-so no setting pays on this model: the cheapest (4 layers, 2 tokens) ran at 0.75x plain
-decoding, every other setting slower. Self-drafting needs a model trained for early exit
-(LayerSkip-style); the drafter is exact either way.
+An untrained early exit predicts the full model's token poorly, so it pays only on a model trained for early
+exit (LayerSkip-style); measurements on the embedded model: docs/drafters/self-draft.md. The drafter is exact
+either way.
 
 ``draft_vocab`` projects the draft logits onto a reduced vocabulary (the LM head cut to those
-rows, a fifth of the embedded model's parameters otherwise): a size N (the most frequent tokens
-of the built-in prompts), a list of token ids, or a checkpoint directory / JSON file holding a
-``draft_vocab`` list -- see drafters/vocab_sources.py. Drafts are then only those tokens and
-sampled draft_probs are zero elsewhere; output stays exact.
+rows): a size N (the most frequent tokens of the built-in prompts), a list of token ids, or a
+checkpoint directory / JSON file holding a ``draft_vocab`` list (drafters/vocab_sources.py).
+Drafts are then only those tokens and sampled draft_probs are zero elsewhere; output stays exact.
 
     generate("default", ids, drafter="self-draft", drafter_options={"num_layers": 4, "draft_vocab": "heads/"})
 """

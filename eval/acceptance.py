@@ -1,52 +1,28 @@
 """The acceptance / speed suite behind ``specdec eval acceptance``.
 
-For every (drafter, category) cell it runs the category's prompts through specdec with
-that drafter and records tau, acceptance per depth, the accepted-length histogram,
-tokens/s, the time split between drafting and verification and the mean draft-tree size.
-Per category it also runs the baselines: specdec plain decoding and (greedy only)
+For every (drafter, category) cell it runs the category's prompts through specdec with that drafter and records
+tau, acceptance per depth, the accepted-length histogram, tokens/s, the time split between drafting and
+verification and the mean draft-tree size; per category it also runs specdec plain decoding and (greedy only)
 transformers' ``generate()``.
 
-Definitions (documented in the report):
+Definitions (documented in the report): accepted length of a step = draft tokens accepted in it (every step
+commits accepted + 1); tau = committed tokens per target forward; acceptance at depth d = P(a node at depth d
+is accepted | its parent was accepted), accepted / tried summed over steps. Predicted speedup, from costs
+measured apart from the run it predicts::
 
-* accepted length of a step = draft tokens accepted in it (0 = the first draft token was
-  rejected, or there was no draft); every step commits accepted + 1 tokens (the recovered
-  or bonus token), cut at a stop;
-* tau = committed tokens per target forward (mean accepted length + 1);
-* acceptance at depth d = P(a node at depth d is accepted | its parent was accepted), i.e.
-  accepted / tried summed over steps (the engine's depth counters);
-* predicted speedup, from costs measured separately from the run it predicts::
+    predicted = tau * c_plain / (c_draft + mean over steps of c_verify(1 + nodes of that step))
 
-      predicted = tau * c_plain / (c_draft + mean over steps of c_verify(1 + nodes of that step))
+``c_verify(n)`` is the median seconds of an engine verify step of n query tokens for a batch like the cell's, at
+its mean decoding context, timed after the cell at every tree size the cell used (``specdec.eval.verify_cost``,
+``specdec.eval.pricing``); ``c_plain = c_verify(1)``; ``c_draft`` the drafter's draft time per step in the cell.
+It models decoding only; the JSON also gives the decode-only measured speedup (prefill taken out).
 
-  - ``c_verify(n)``: seconds of one engine verify step (ONE target forward over ``n`` query
-    tokens per sequence = root + tree nodes, then rejection sampling and the KV commit) for a
-    batch like the cell's (its ``batch_size`` prompts of median length, each extended to its
-    length + ``max_new_tokens / 2`` tokens: the mean context while decoding). A short calibration
-    after the cell (``specdec.eval.verify_cost``) times steps at ``n = 1`` and at every tree size
-    the cell's steps had (``step_nodes_histogram``; ``specdec.eval.pricing``), interleaved, after a
-    warm-up step, and keeps the median of ``calibration_repeats`` steps each; the mean-size price
-    ``c_verify(1 + mean nodes)`` is kept beside it as ``predicted_speedup_mean_size``;
-  - ``c_plain = c_verify(1)``: a plain step is the same verify / sample / commit path with
-    the root alone (its drafting is nothing);
-  - ``c_draft``: the drafter's measured draft time per engine step in the cell
-    (``draft_seconds / forward_passes``), timed apart from verification.
-
-  It models decoding only; the measured speedup (tokens/s ratio) includes prefill, so the
-  JSON report also gives the decode-only measured speedup (prefill time taken out).
-
-Each finished cell is written to ``<out>/cells/<drafter>__<category>[.rank<r>].json``
-at once, so a crashed run resumes where it stopped (``resume=True`` skips finished cells;
-``<out>/settings.json`` records model, prompts and config, and a resume with other settings
-is refused). Every cell file records its schema, the digest of the settings it was measured
-under and a SHA-256 of its content; before anything is measured a resume checks every finished
-cell and refuses (``ResumeError`` naming each file) one that is unreadable, of another schema or
-fields, edited, measured under other settings, or written before checksums existed; the user
-deletes it to have it measured again (``specdec.eval.resume`` gives the formats).
-Under ``accelerate launch`` every process takes its share of the prompts
-(``split_between_processes``), writes rank files, and the main process merges them.
-Cells of older runs (no checksum; a ``histogram`` of committed tokens per step, no calibration)
-are still read by :func:`read_cell` for their reports, never reused by a resume: their histogram
-is shifted to accepted lengths, their prediction is left out.
+Each finished cell is written at once to ``<out>/cells/<drafter>__<category>[.rank<r>].json`` with its schema, the
+digest of its settings and a SHA-256 of its content, so a crashed run resumes where it stopped (``resume=True``).
+Before measuring, a resume refuses (``ResumeError`` naming each file) any finished cell that is unreadable, of
+another schema, edited, measured under other settings, or without a checksum (``specdec.eval.resume``). Under
+``accelerate launch`` every process takes its share of the prompts and the main process merges the rank files.
+Cells of older runs are still read by :func:`read_cell` for their reports, never reused by a resume.
 """
 from __future__ import annotations
 

@@ -4,38 +4,26 @@
     result = replay(record, ReplayConfig("ngram", {"max_nodes": 16}))
     result["tau"], result["predicted_speedup"]
 
-Greedy (``temperature=0``, the record must be greedy): the recorded committed sequence is walked as the engine
-would: each step the drafter proposes a tree for the committed prefix (the engine's budget cut applied: no node
-deeper than the tokens still allowed), the tree is cut to ``max_nodes``, the path of nodes equal to the recorded
-tokens is accepted (the target's argmax: what greedy verification accepts), and the step commits accepted + 1
+Greedy (the record must be greedy): the recorded committed sequence is walked as the engine would: each step the
+drafter proposes a tree for the committed prefix (the engine's budget cut applied), the tree is cut to
+``max_nodes``, the path of nodes equal to the recorded tokens is accepted, and the step commits accepted + 1
 tokens. For a deterministic drafter this reproduces the real run's steps exactly.
 
 Sampled (``temperature > 0``): the record's top-k log-probabilities give the target's tempered distribution at
-every recorded position, and the expected outcome of each step is computed instead of sampled. A deterministic
-candidate ``x`` among siblings is accepted with probability ``target_probs[x]`` (trying siblings in order, each
-against the renormalised residual, accepts the i-th with exactly its target probability), so the distribution of
-the accepted length at position j follows from the tree. Approximations, all documented in the result's
-``notes``: (1) the text is the recorded one: a step that accepts a token off the recorded path counts its depth
-and stops there (the target's distribution below it is not recorded), and every step advances along the recorded
-sequence (a dynamic programme over positions gives the expected steps and cost to finish); (2) tokens outside
-the recorded top-k have target probability 0; (3) at temperature T the tail's tempered mass is taken as
-``tail * p_k ** (1/T - 1)`` (p_k the k-th probability): an upper bound for T < 1, a lower bound for T > 1, exact
-at T = 1. Drafters that sample (draft_probs) are replayed with their proposals treated as candidates, which is
-only right for deterministic drafters.
+every recorded position, and each step's expected outcome is computed instead of sampled (a deterministic
+candidate is accepted with probability ``target_probs[x]``). Approximations, listed in the result's ``notes``:
+the text is the recorded one (a step accepting a token off the recorded path stops there); tokens outside the
+recorded top-k have probability 0; the tail's tempered mass is bounded, exact at T = 1. Drafters that sample are
+replayed as if deterministic.
 
-Guard (``guard=True``, the engine's default ``speculation="auto"``): the engine's own
-:class:`specdec.tree_sizing.TreeSizer` runs in the replay, one per sequence (as one generate() call per prompt),
-with the record's verify-cost curve and the draft times measured here: it skips the drafter where the break-even
-guard says so and prunes each tree to the part expected to pay. Its decisions depend on measured draft times, so
-a replay matches a real ``auto`` run closely, not token for token; ``guard=False`` (``speculation="always"``)
-matches a deterministic drafter's real run exactly. In sampled replays the sizer runs once per recorded position.
+Guard (``guard=True``, the engine's default): the engine's own :class:`specdec.tree_sizing.TreeSizer` runs in
+the replay with the record's verify-cost curve and the draft times measured here, so a replay matches a real
+``auto`` run closely, not token for token; ``guard=False`` matches a deterministic drafter's real run exactly.
 
-Costs: every step is priced by its own tree, ``c_draft + c_verify(1 + nodes)``, with ``c_verify`` from the
-record and ``c_draft`` the drafter's propose time measured here; the predicted speedup over plain decoding is
-``(tokens / total cost) / (1 / c_verify(1))``, and ``predicted_speedup_overall`` counts the prompts' prefill too
-(:func:`overall_speedup`; records keep each prompt's prefill seconds). Drafters that read the target's hidden
-states, model or cache (medusa, self-draft, ...) cannot be replayed from tokens: they are refused with a one-line
-InputError.
+Costs: each step is priced ``c_draft + c_verify(1 + nodes)``; the predicted speedup over plain decoding is
+``(tokens / total cost) / (1 / c_verify(1))``, and ``predicted_speedup_overall`` counts the prefill too
+(:func:`overall_speedup`). Drafters that read the target's hidden states, model or cache cannot be replayed from
+tokens: they are refused with a one-line InputError.
 """
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
-"""specdec.kernels: Triton kernels for tree attention over the paged KV cache.
+"""specdec.kernels: the Triton kernels of the GPU path and the dispatch that chooses them.
 
-Every kernel has a pure-PyTorch reference with identical semantics
-(:mod:`specdec.attention` holds the attention reference the engine runs on CPU).
+Tree attention over the paged KV cache (``tree_attention``), the KV write and the accepted path's compaction
+(``kv_write``), fused add+RMSNorm / RoPE / SiLU-mul (``fused_ops``), CUDA-graph metadata (``graph_metadata``),
+and ``dispatch``, which picks kernels or the PyTorch references once per runner / cache. Every kernel has a
+pure-PyTorch reference with identical semantics (:mod:`specdec.attention` holds the attention reference the
+engine runs on CPU).
 """
 
 if __name__ != "specdec.kernels":  # imported as a bare 'kernels' (repo root on sys.path): run nothing

@@ -1,6 +1,6 @@
 """Fused element-wise kernels of the model forward on the GPU path: fewer, larger launches.
 
-A decode forward of a small model is launch-bound on a GPU (``docs/kernels.md``). These replace
+A decode forward of a small model is launch-bound on a GPU (docs/gpu/kernels.md). These replace
 chains of small PyTorch ops in ``specdec/models/llama.py`` when the Triton backend is on:
 
 * :func:`add_rms_norm`: ``h += delta`` (the residual add, in place) and ``RMSNorm(h) * weight``;
@@ -12,8 +12,7 @@ Each rounds where the PyTorch reference rounds (every op's result to the activat
 the norm's statistics in fp32), so in fp32 they agree with it to summation order and in
 bf16 / fp16 to about one unit in the last place. They launch with ``enable_fp_fusion=False``:
 on a GPU the compiler otherwise contracts a product and a sum into one FMA, skipping the
-product's rounding (seen on an H100: the fused RoPE differed from PyTorch in 12.5% of
-bf16 / fp16 values). Rows are token rows of contiguous
+product's rounding, and bf16 / fp16 results part from PyTorch's. Rows are token rows of contiguous
 ``[num_tokens, ...]`` tensors.
 """
 from __future__ import annotations

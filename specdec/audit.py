@@ -1,54 +1,28 @@
 """Draft audit: an anytime-valid test that a drafter samples from the draft_probs it reports.
 
-Structural checks (``DraftTree.validate``) cannot see a drafter that draws its tokens from
-one distribution and reports another, which breaks exactness silently. The engine passes
-every step's stochastic proposals to :meth:`DraftAudit.observe_many` (on by default when sampling;
-``generate(audit_drafts=False)`` turns it off), which raises :class:`~specdec.tree.DraftError`
-naming the drafter once the evidence against it is overwhelming.
+Structural checks (``DraftTree.validate``) cannot see a drafter that draws its tokens from one distribution and
+reports another, which breaks exactness silently. The engine passes every step's stochastic proposals to
+:meth:`DraftAudit.observe_many` (on by default when sampling; ``generate(audit_drafts=False)`` turns it off),
+which raises :class:`~specdec.tree.DraftError` naming the drafter once the evidence against it is overwhelming.
 
-**Transform.** Each sampled node i (token x, claimed row q = draft_probs[i]; for
-without-replacement siblings, q with the earlier siblings' tokens removed and renormalised)
-gives two randomised probability integral transforms, V ~ Uniform(0, 1) from the audit's
-own generator (so the audit never changes the output):
+**Transform.** Each sampled node (token x, claimed row q; for without-replacement siblings, q with the earlier
+siblings' tokens removed and renormalised) gives two randomised probability integral transforms, V uniform from
+the audit's own generator (so the audit never changes the output):
 
 * token order:       u = q(token < x) + V * q(x)
 * probability order: u = q(token with q > q(x)) + V * q(token with q == q(x))
 
-If x was drawn from q, each u is Uniform(0, 1) given everything before it. The token-order
-view sees liars whose tokens are fixed in id space (one token claimed to be uniform); the
-probability-order view sees liars whose error is in how probable their tokens are (a forgotten
-temperature / top-k / top-p: the tokens sit too often at the head, u near 0, or never in the
-tail), even when the head moves around the vocabulary from context to context, where the
-token-order u of such a liar look uniform when pooled.
+If x was drawn from q, each u is Uniform(0, 1) given everything before it.
 
-**Test.** For each view and each resolution K in 2, 4, ..., 64 equal bins, a Krichevsky-
-Trofimov (add-1/2) sequential predictor bets on the bin of the next u: the factor
-``K * (n_bin + 1/2) / (n + K/2)`` has expectation exactly 1 under Uniform(0, 1) given the
-past, so each running product is a nonnegative martingale under an honest drafter. The
-audit's e-value is the mean of these 12 products (still a martingale), and by Ville's
-inequality P(it ever reaches 1 / alpha) <= alpha over the whole run, however long, checked
-after every draw. Measured: 7.3% of 1,000 honest runs of 5,000 draws alarm at alpha = 0.1,
-most of them within the first 20 draws.
+**Test.** For each view and each resolution K in 2, 4, ..., 64 equal bins, a Krichevsky-Trofimov (add-1/2)
+predictor bets on the bin of the next u: the factor ``K * (n_bin + 1/2) / (n + K/2)`` has expectation 1 under
+the null, so each running product is a nonnegative martingale. The e-value is the mean of the 12 products, and by
+Ville's inequality P(it ever reaches 1 / alpha) <= alpha over the whole run, checked after every draw;
+alpha = 1e-6. Bins stop at 1/64 on purpose (float32 sampling cannot draw the tiniest tail tokens, an honest
+artefact finer bins would flag). Power, resolution and cost, measured: docs/sampling.md.
 
-**Resolution.** Bins stop at 1/64 on purpose: float32 ``torch.multinomial`` cannot draw a token
-whose probability is below ~3e-8 at its place in the cumulative sum, so an honest drafter's
-probability-order u can miss up to ~1e-3 at the top. 20 geometric bins towards u = 1 caught a
-drafter that forgot top-p 0.99 in ~10,700 draws, but flagged that honest artefact after
-112,000; at 1/64 it stays invisible (no alarm in 2,000,000 draws; ~10^7 estimated for a 1e-3 gap).
-
-**Power.** The KT bet learns the histogram as it goes, paying about K/2 ln(n) nats for it. No
-level-alpha test can expect to stop a liar in fewer than ~ln(1 / alpha) / KL(true || claimed)
-draws; this one needs that times the ratio of the full KL to the KL left after binning, plus
-the learning cost. A liar whose u fill one bin of 64 is stopped in ~10 draws; a temperature
-0.3-vs-1 liar in ~20; errors that move u by less than a bin (misreported rare tokens), or that
-cancel when pooled over contexts in both orders, are seen late or never (README.md).
-
-**alpha = 1e-6**: a false alarm aborts a user's run, so it must be rarer than real bugs; each
-factor of 10 less costs ln 10 = 2.3 nats of evidence, one or two draws for a blatant liar.
-
-**Cost.** The transforms are a few elementwise passes and dot products over [num_nodes, vocab]
-in draft_probs' own device and dtype (float32 at least); only 5 x num_nodes numbers travel to
-the host. On one CPU thread, vocabulary 49,152: ~1.2 ms for a 16-node tree, ~9 ms for 64.
+The transforms are elementwise passes over [num_nodes, vocab] in draft_probs' own device and dtype (float32 at
+least); only 5 x num_nodes numbers travel to the host.
 """
 from __future__ import annotations
 

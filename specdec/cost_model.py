@@ -183,8 +183,8 @@ def ensure_row_policy(runner, config: CalibrationConfig | None = None, cache_dir
     if runner.device.type != "cpu" or not len(runner.layers):
         return
     threads = torch.get_num_threads()
-    # "timing": how the policy was measured; a policy timed another way (over one cache-resident layer, before
-    # 2026-11-25) is measured again; "packed": whether packed weights were a candidate (since 2026-11-27), decided
+    # "timing": how the policy was measured; a policy timed another way (over one cache-resident layer, as older
+    # versions did) is measured again; "packed": whether packed weights were a candidate (older caches lack it), decided
     # once per process and key: the packed copies a policy makes use up the memory that decision measured, and must
     # not turn it (and the policy) over at the next engine build
     key = machine_key(runner) | {"kind": "rows", "timing": "streamed"}

@@ -1,30 +1,24 @@
 """Seed-coupled sampling: randomness tied to (seed, sequence, position), never to steps, batches or drafters.
 
-Standard rejection sampling keeps the target's *law* but not the *realisation*: turning a drafter on, or
-batching, changes which random numbers each token consumes, so the same seed prints another text. Coupled
-sampling draws every token by the Gumbel-max rule instead::
+Every token is drawn by the Gumbel-max rule::
 
     token_t = argmax_i ( sampling_logits_t[i] + G_t[i] )
 
-where ``sampling_logits_t`` are the target's logits at position ``t`` after temperature, with ``-inf``
-outside the top-k / top-p support (:func:`specdec.sampling.sampling_logits`, the very transform behind
-``target_probs``), and ``G_t[i]`` is standard Gumbel noise that is a pure function of the seed, the
-sequence's key and ``(t, i)``. Since ``argmax(l + G) ~ softmax(l)`` for i.i.d. Gumbel ``G``, and each
-position has fresh noise, this samples the target's law exactly (``G_t`` never depends on the tokens it
-picks). The engine's verify walk (:func:`coupled_sample`) computes the target's coupled token at every
-reached tree node and moves to the child that carries it; where none does that token is the recovered
-token, at a leaf it is the bonus token. The committed text is therefore exactly what plain coupled
-sampling gives with that seed, whatever the drafter proposed and however the engine sized the tree:
-drafters change only the speed. Model drafters pick their candidates with the same noise
-(:func:`perturbed_logits`: Gumbel-top-k of their own ``sampling_logits``), which agrees with the
-target's choice far more often than an independent draw.
+``sampling_logits_t`` are the target's logits at position ``t`` after temperature, ``-inf`` outside the top-k /
+top-p support (:func:`specdec.sampling.sampling_logits`, the transform behind ``target_probs``), and ``G_t[i]`` is
+standard Gumbel noise that is a pure function of the seed, the sequence's key and ``(t, i)``. Since
+``argmax(l + G) ~ softmax(l)`` and each position has fresh noise, this samples the target's law exactly. The
+verify walk (:func:`coupled_sample`) computes the target's coupled token at every reached tree node and moves to
+the child that carries it; where none does, that token is the recovered token, at a leaf the bonus token. The
+committed text is therefore plain coupled sampling's for that seed, whatever the drafter proposed and however
+the tree was sized. Model drafters pick candidates with the same noise (:func:`perturbed_logits`).
 
 Definitions the tests pin down:
 
 * ``t`` is the token's index in its sequence, prompt included, padding excluded (the first new token of
   a 5-token prompt is ``t = 5``);
-* a sequence's key is a hash of its prompt's token ids and of how many equal prompts came before it in
-  the same call (:func:`sequence_keys`): the same prompt gives the same text alone or in any batch, and
+* a sequence's key hashes its prompt's token ids and how many equal prompts came before it in the call
+  (:func:`sequence_keys`): the same prompt gives the same text alone or in any batch, and
   ``num_return_sequences`` copies differ;
 * the noise is a counter-based hash (splitmix64's finaliser on int64 tensors, wrapping arithmetic, on the
   logits' device: no generator state, no host sync), 53 bits per uniform, ``G = -log(-log(u))`` in float64.

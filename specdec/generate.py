@@ -6,52 +6,25 @@
     engine = build_engine(request)                                           # specdec.engine_setup
     out = run(engine, request)                                               # the step loop + the output
 
-Called as transformers' ``model.generate()`` is called:
+Called as transformers' ``model.generate()`` is called, and returns what it returns:
 
     enc = tokenizer(texts, padding=True, return_tensors="pt")      # padding_side="left" or "right"
     out = specdec.generate(model, **enc, max_new_tokens=64)        # or specdec.generate(model, enc, ...)
     new = out[:, enc["input_ids"].shape[1]:]                       # exactly the new tokens
 
-``model`` is anything :func:`specdec.models.loader.load_model` accepts. ``input_ids`` is a 1-D / 2-D
-integer tensor or numpy array ``[batch, len]``, a list of ints (one prompt), a list of token-id lists of
-different lengths, or a mapping holding them (a tokenizer's ``BatchEncoding``, what
-``apply_chat_template(..., return_dict=True)`` returns, a dict) with its ``attention_mask``.
-``attention_mask`` (0 / 1, the shape of ``input_ids``) drops padding, left or right, for every form.
-Keys of a tokenizer's output that are no input of the models specdec runs (``token_type_ids``,
-``special_tokens_mask``, ``offset_mapping``, ``length``, ``assistant_masks``:
-:data:`~specdec.generate_inputs.IGNORED_INPUT_KEYS`) are accepted and ignored, in the mapping or as keyword
-arguments; any other key is an InputError.
+``model`` is anything :func:`specdec.models.loader.load_model` accepts. ``input_ids`` is a tensor / numpy array,
+a list of ints, ragged lists of ints, or a mapping holding them with its ``attention_mask`` (padding dropped,
+left or right, for every form; tokenizer keys in :data:`~specdec.generate_inputs.IGNORED_INPUT_KEYS` ignored).
+Settings come from keyword arguments > ``generation_config=`` > the model's generation_config > defaults
+(:mod:`specdec.transformers_config`); unsupported transformers fields are refused by name. The output is each
+input row as given followed by its new tokens (:class:`~specdec.output.OutputLayout`), or with
+``return_dict=True`` a :class:`~specdec.output.GenerateOutput` with per-sequence stats. Arguments are checked
+(:mod:`specdec.generate_inputs`) before the model is loaded where they can be: a wrong one is a one-line
+``InputError`` / ``InputTypeError``.
 
-What to generate comes, in transformers' precedence, from keyword arguments > ``generation_config=`` (a
-specdec :class:`~specdec.generation_config.GenerationConfig` or a transformers ``GenerationConfig``) > the
-model's own ``generation_config`` (generation_config.json) > specdec's defaults; a layer counts only the
-fields it sets. A transformers field specdec does not support, set to anything but its neutral value
-(``num_beams=2``, ``penalty_alpha``, ``output_attentions=True``, ...), is an InputError naming it: see
-:mod:`specdec.transformers_config` (also for transformers' top_k=50 when do_sample comes from a
-transformers config). The fields: ``max_new_tokens``, ``max_length`` (prompt + new tokens, the prompt being
-``input_ids.shape[-1]``; max_new_tokens wins), ``num_return_sequences`` (each prompt n times, consecutive;
-needs sampling, as in transformers), ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
-``eos_token_id``, ``stop`` (or transformers' ``stop_strings``), ``pad_token_id``, ``block_size``,
-``num_blocks``, ``audit_drafts``, ``speculation`` ("auto" sizes draft trees by the measured cost model and
-decodes plainly when drafting does not pay, "always" verifies every proposed tree whole), ``sampler``, the
-logits processors ``repetition_penalty``, ``no_repeat_ngram_size``, ``bad_words_ids``, ``min_new_tokens``,
-``logits_processor`` with ``logits_processor_prefix_only`` (:mod:`specdec.logits_processing`), and
-``output_logprobs`` (or transformers' ``output_scores``) for ``GenerateOutput.logprobs`` (:mod:`specdec.logprobs`).
-
-Returns what ``model.generate()`` returns (:class:`~specdec.output.OutputLayout`): each input row as given
-(padding included) followed by its new tokens, rows that stopped early right-padded with ``pad_token_id``
-(else the first EOS id, else 0); a ``long`` tensor on the input's device if a tensor came in, else lists.
-``return_dict=True`` (or ``return_dict_in_generate=True``) gives a :class:`~specdec.output.GenerateOutput`
-with those ``sequences``, the unpadded ``new_tokens`` and per-sequence stats. Arguments are checked
-(:mod:`specdec.generate_inputs`) before the model is loaded where they can be: a wrong one is a
-one-line ``InputError`` / ``InputTypeError``.
-
-Streamers: ``streamer=fn`` is called ``fn(batch_index, tokens)`` with each row's tokens as they are
-committed (several per step when drafts are accepted). An object with ``put()`` and ``end()`` (transformers'
-``TextStreamer``, ``TextIteratorStreamer``, ...) is driven as transformers drives it: ``put()`` gets the prompt
-row first (a ``[1, len]`` tensor, padding included), then every committed token as a ``[1]`` tensor in order,
-then ``end()`` (also when generation fails, so an iterator's consumer is not left waiting); like transformers,
-it takes one sequence only (batch size 1 and ``num_return_sequences=1``).
+Streamers: ``streamer=fn`` gets ``fn(batch_index, tokens)`` as tokens are committed; an object with ``put()`` /
+``end()`` is driven as transformers drives it (the prompt row, then each token as a ``[1]`` tensor, then
+``end()``, also on failure), for one sequence. Every field and option: docs/getting-started.md.
 """
 from __future__ import annotations
 

@@ -1,54 +1,29 @@
 """Logits processors at every draft-tree node, each with that node's own prefix: speculation stays exact.
 
-transformers' ``generate()`` runs logits processors on the model's next-token scores before the sampling
-transform (temperature, top-k, top-p). A processor whose output depends only on the sequence so far (its
-*prefix*, the ``input_ids`` it is given) and on the scores keeps speculative decoding exact when the engine
-applies it to the target's logits at every row of the verify forward with that row's own prefix: the root's
-row with the committed sequence (prompt + the tokens committed so far), node i's row with that plus the tokens
-of node i's ancestors and node i itself. The greedy walk, the rejection sampler and coupled sampling then see at
-every node exactly the scores plain decoding with the same processors sees after that node's path, so the
-output is exactly what plain decoding with those processors gives (greedy: token for token; sampling: the same
-law; coupled sampling: the same text). Plain decoding is the empty tree: the root's row only.
+A processor whose output depends only on the sequence so far (its *prefix*) and on the scores keeps speculative
+decoding exact when the engine applies it to the target's logits at every row of the verify forward with that
+row's own prefix: the root's row with the committed sequence, node i's row with that plus the tokens of node i's
+ancestors and node i. The greedy walk, the rejection sampler and coupled sampling then see at every node exactly
+the scores plain decoding with the same processors sees, so the output is plain decoding's (greedy token for
+token, the same law, the same coupled text). Plain decoding is the empty tree: the root's row only.
 
     processing = LogitsProcessing.from_config(config, eos_token_ids, vocab_size)   # None: nothing to apply
     logits = processing.apply([(s.token_ids, s.num_prompt_tokens) for s in live], trees, logits)
 
-The processors are transformers' own classes, in the order transformers' ``generate()`` builds them
-(``GenerationMixin._get_logits_processor``), so their behaviour is transformers' by construction:
+The processors are transformers' own classes, in the order transformers' ``generate()`` builds them:
+``repetition_penalty``, ``no_repeat_ngram_size``, ``bad_words_ids``, ``min_new_tokens`` (built per prompt
+length), then the caller's ``logits_processor=`` (a caller's processor of a built-in's class takes its place).
+Other transformers processors stay refused (:mod:`specdec.transformers_config`).
 
-* ``repetition_penalty`` (!= 1): ``RepetitionPenaltyLogitsProcessor`` (the prompt counts, as in transformers);
-* ``no_repeat_ngram_size`` (> 0): ``NoRepeatNGramLogitsProcessor``;
-* ``bad_words_ids``: ``NoBadWordsLogitsProcessor`` (single-token EOS entries dropped, as transformers does);
-* ``min_new_tokens`` (> 0): ``MinNewTokensLengthLogitsProcessor`` built per prompt length (EOS cannot come
-  before the n-th new token; without EOS ids there is nothing to suppress, and transformers skips it too);
-* ``logits_processor=``: the caller's processors (a ``LogitsProcessorList``, a list of processors, or one),
-  after those. As in transformers 5, a caller's processor of the same class as a built-in one takes its place.
-  transformers has no presence / frequency penalty; ``sequence_bias``, ``min_length`` and the other processors
-  of transformers' GenerationConfig stay refused (:mod:`specdec.transformers_config`).
+A caller's processor must be declared prefix-only (``logits_processor_prefix_only=True``): it is called many
+times per step, on rows later rejected, in groups of any size and order, so it must map ``(input_ids [rows, L],
+scores [rows, V]) -> [rows, V]`` with each row a function of that row alone. A row's ``input_ids`` is its prompt
+without padding followed by the committed and drafted tokens, as if decoded alone; rows of equal length are
+batched, so no row is ever padded. Scores are processed in float32 (float64 stays float64).
 
-A caller's processor must be declared prefix-only (``logits_processor_prefix_only=True``), else an InputError
-says why: the engine calls each processor many times per step, on rows of tokens that are later rejected, in
-groups of any size and order, so a processor that keeps state across calls (counts its calls or steps, or
-remembers earlier rows) would change the output. The contract a declared processor must keep: ``p(input_ids
-[rows, L] LongTensor, scores [rows, V] float tensor) -> [rows, V]``, each output row a function of that
-row's ``input_ids`` and ``scores`` only.
-
-Rows and padding: a row's ``input_ids`` is its sequence's prompt *without padding* followed by the committed
-and drafted tokens, as if the sequence were decoded alone. Rows of equal length are batched into one call
-(rows of different sequences too; with ``min_new_tokens``, only rows whose prompts have the same length, since
-``MinNewTokensLengthLogitsProcessor`` counts new tokens from its ``input_ids.shape[-1]``), so no row is ever
-padded. transformers itself skips left padding only for the repetition penalty; its n-gram and bad-words
-processors also read the pad tokens of a padded batch, so for those a padded transformers batch can differ from
-the same prompts run one by one, and specdec gives the one-by-one result. A caller's processor that holds
-per-batch state (e.g. a ``prompt_ignore_length`` tensor of the batch size) does not fit this contract.
-
-Scores are processed in float32 (float64 logits stay float64), as transformers processes them.
-
-Drafters: the model drafters ("draft-model", "self-draft") over the full vocabulary process their own logits
-the same way (``TargetView.processing``, :meth:`LogitsProcessing.process_prefixes`), so their drafts follow the
-penalised distribution and get accepted. Medusa, EAGLE and model drafters with a reduced draft vocabulary do
-not: a drafter proposing tokens a penalty makes unlikely costs acceptance, never exactness (the target's
-processing alone decides what is committed).
+The full-vocabulary model drafters process their own logits the same way (``TargetView.processing``) so their
+drafts get accepted; Medusa, EAGLE and reduced-vocabulary drafters do not: that costs acceptance, never
+exactness.
 """
 from __future__ import annotations
 

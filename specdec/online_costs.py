@@ -5,21 +5,15 @@
     costs.relative(n, batch)                        # c(n) / c(1): calibrated, times what this run observed
 
 The calibration (:mod:`specdec.cost_model`) times bare chain drafts on a synthetic prompt. A real step does
-more, and more for some drafters than others: it keeps the target's hidden states for EAGLE and Medusa, builds
-a tree's ancestor mask, learns acceptance from every node. Measured on the 2-core CPU (embedded model, three
-chat prompts, median verify time per step by its query tokens): a 2-token step cost 1.064x a 1-token step
-under EAGLE and 1.025x under n-gram (calibrated 1.00x); 16-17-token n-gram steps 3.4-3.7x (calibrated ~3.0x).
-Sizing on the calibrated curve alone kept trees that did not pay.
+more, and more for some drafters than others (hidden states for EAGLE and Medusa, a tree's ancestor mask,
+acceptance learned from every node), so sizing on the calibrated curve alone keeps trees that do not pay.
 
 **Correction.** For each (batch bucket, n) the last ``window`` verify times are kept; the correction of n is
 ``(median at n / median at 1) / calibrated relative(n)``, shrunk toward 1 by the evidence, ``w = k / (k +
-prior)`` with ``k`` the smaller of the two sample counts, and clipped to [0.5, 2]. Medians, because one step
-in a few hundred takes several times the others on a shared machine; a window, because the context grows and
-the machine drifts. Without steps of 1 token (every step drafted) nothing is corrected: the calibrated curve
-is used as it is. Sizes not yet observed keep their calibrated cost; sizing then picks them when they look
-cheaper, and observes them. So does a size seen fewer than ``min_samples`` times: the median of one or two samples
-is their mean, and on a noisy 2-core CPU one 208 ms step of 7 tokens (against 43 ms for one) priced every later
-7-token tree at 2.1 decode steps (calibrated 1.4) for the rest of a summary.
+prior)`` with ``k`` the smaller of the two sample counts, and clipped to [0.5, 2]. Medians, because a shared
+machine has outlier steps; a window, because the context grows and the machine drifts. Without steps of 1 token
+nothing is corrected. Sizes seen fewer than ``min_samples`` times keep their calibrated cost (the median of one
+or two samples is their mean, which one slow step would set for the rest of a run).
 """
 from __future__ import annotations
 

@@ -3,39 +3,27 @@
     layers = [model_layer(loaded.model), config_layer(generation_config), kwargs_layer(kwargs)]  # lowest first
     config = resolve(layers, prompt_length=inputs.length)          # a specdec GenerationConfig, max_length resolved
 
-generate() reads its settings as transformers' ``generate()`` does::
-
     keyword arguments  >  generation_config=  >  the model's generation_config (generation_config.json)  >  defaults
 
-``generation_config=`` is a specdec :class:`~specdec.generation_config.GenerationConfig` or a transformers
-``GenerationConfig``. A layer contributes only the fields it *sets*: a transformers config's fields that are not
-None (transformers 5's meaning of "set"), a specdec config's ``fields_set``, the keyword arguments given. None
-never overrides (``eos_token_id=None`` keeps the model's EOS, as specdec always did).
+A layer contributes only the fields it *sets* (a transformers config's non-None fields, a specdec config's
+``fields_set``, the keyword arguments given); None never overrides. Every transformers field is one of:
 
-Every transformers field is one of:
-
-* read: the fields of specdec's GenerationConfig (``max_new_tokens``, ``max_length``, ``do_sample``,
-  ``temperature``, ``top_k``, ``top_p``, ``eos_token_id``, ``pad_token_id``, ``num_return_sequences``, and any
-  field specdec's config gains later under transformers' name); ``stop_strings`` is read as ``stop``;
-  ``return_dict_in_generate`` as generate()'s ``return_dict``; the prefix-only logits processors
-  (``repetition_penalty``, ``no_repeat_ngram_size``, ``bad_words_ids``, ``min_new_tokens``, ``logits_processor``)
-  and ``output_scores`` (read as ``output_logprobs``) are GenerationConfig fields (:mod:`specdec.logits_processing`);
+* read: the fields of specdec's GenerationConfig under transformers' names; ``stop_strings`` as ``stop``,
+  ``return_dict_in_generate`` as ``return_dict``, ``output_scores`` as ``output_logprobs``, the prefix-only
+  logits processors (:mod:`specdec.logits_processing`);
 * ignored, because it cannot change the tokens (:data:`IGNORED`: ``bos_token_id``, cache and compile settings,
-  the tuning knobs of transformers' own assisted generation, ...);
+  assisted-generation tuning, ...);
 * refused when set to anything but its neutral value (:data:`REFUSED`: beam search, contrastive search, other
-  logits processors and warpers, ``output_attentions``, ...): a one-line InputError naming the field and where it
-  came from. A field transformers adds later that this file does not know is refused the same way. Entries of a
-  transformers config that are no transformers field at all (custom keys of a generation_config.json) are logged
-  and ignored, as transformers ignores them; an unknown keyword argument is an InputTypeError (a typo).
+  processors and warpers, ``output_attentions``, ...): a one-line InputError naming the field and where it came
+  from. A field this file does not know is refused the same way; custom keys of a generation_config.json are
+  logged and ignored; an unknown keyword argument is an InputTypeError.
 
-Sampling defaults: when a transformers config (passed or the model's) sets ``do_sample=True``, generation samples
-and no layer sets ``top_k``, top-k is transformers' default of 50, so the model samples as ``model.generate()``
-samples it. When only a keyword argument or a specdec config asks for sampling, specdec's default ``top_k=0`` (no
-top-k: the full distribution) stays; pass ``top_k=50`` for transformers' behaviour.
+Sampling defaults: when a transformers config (passed or the model's) sets ``do_sample=True`` and no layer sets
+``top_k``, top-k is transformers' 50; sampling asked for only by keyword or by a specdec config keeps specdec's
+``top_k=0`` (the full distribution).
 
-Lengths: ``max_length`` counts the prompt as transformers does (``input_ids.shape[-1]``, padding included; the
-longest row of a list input) and becomes ``max_new_tokens = max_length - that``; ``max_new_tokens`` wins where
-both are set, whatever layer each comes from (transformers' rule); neither set anywhere: 128 new tokens.
+Lengths: ``max_length`` counts the prompt as ``input_ids.shape[-1]`` (the longest row of a list input);
+``max_new_tokens`` wins where both are set, whatever layer each comes from; neither set anywhere: 128 new tokens.
 """
 from __future__ import annotations
 

@@ -6,84 +6,21 @@
     sizer.observe(seq_id, committed)                   # after the commit: acceptance, learned online
     sizer.record_step(verify_s, n, batch)              # after the verify: how long a decode step is
 
-**Expected committed tokens.** Each node i gets an estimate ``a_i`` of P(node i accepted | its parent
-accepted): the drafter's ``DraftTree.scores`` corrected by an online factor per score bin (observed /
-predicted acceptance of past nodes in that bin, shrunk toward the factor of all bins pooled), or, for
-drafters without scores, the acceptance observed in this run per (depth, rank among siblings). The path
-probability ``P_i`` is the product of ``a`` along the path and the expected tokens of a kept subset S is
-``1 + sum_{i in S} P_i``: linearity of expectation, exact when the ``a_i`` are right. The approximation:
-``a_i`` of a later sibling is the rate observed for that rank, not conditioned on the earlier siblings'
-rejection.
+Each node gets an acceptance estimate (the drafter's ``scores`` corrected online per score bin, or the rate
+observed per (depth, sibling rank)); a kept subset S is expected to commit ``1 + sum_{i in S} P_i`` tokens (P_i:
+the product along the path) for ``d + c(1 + |S|)`` decode steps (d: draft time, c: the cost model corrected by
+:mod:`specdec.online_costs`). The best prefix of the nodes ordered by P_i is kept when it beats the empty tree
+by ``margin``. The guard keeps running averages per sequence and skips the drafter with a growing backoff when
+they do not pay, probing again; ``never_pays`` drafters are never asked. ``memory`` carries backoff and
+acceptance evidence across calls of one process (``_REMEMBERED``).
 
-**Cost.** ``d + c(1 + |S|)`` in plain decode steps at the current batch size, with ``c`` from the
-measured cost model, corrected by this run's own verify times (:mod:`specdec.online_costs`), and ``d`` the
-drafter's wall time per propose call (EMA) over a decode step's (EMA of verify time / c(n)). A batch of B
-sequences shares one forward; each sequence is sized with c at batch B and n tokens of its own (the other
-sequences' trees are not known when it is sized: a documented simplification).
-
-**Sizing.** Among ancestor-closed subsets of each size k, the one with the largest ``sum P_i`` is the
-top k by ``P_i`` (a parent's ``P`` is never below its child's; ties keep the parent first), so the best
-subset is the best prefix of that order by ``(1 + E_k) / (d + c(1 + k))``. Pruning is exact.
-
-**Sampled trees** (``DraftMode.INDEPENDENT`` / ``WITHOUT_REPLACEMENT``): a decision that prunes one may use
-only what was fixed before its tokens were drawn. The cut is a prefix of the drafter's node order whose length
-is chosen, with token-independent (depth, rank) estimates, on the shape of an earlier sampled tree (the
-sequence's last, else the last of a finished step; none yet: the whole tree), never on this tree's own shape,
-which may depend on its drawn tokens (a node given more children when it drew a likely token would be kept
-more often for that token). The call's draft time is recorded after sizing (:meth:`size_call`).
-
-**Guard.** Each drafted step of a sequence adds its kept tree's expected committed tokens and its cost
-(``1`` and ``d + 1`` when nothing is kept) to running averages (weight ``judge_ema`` on the newest step). When
-their ratio is not above plain decoding's ``1 / c(1) = 1`` by the margin (below), drafting does not pay: the
-sequence skips the drafter for ``backoff`` steps (2, 8, 32, ... up to what keeps
-probing under ~1% of the time: ``d / probe_budget`` steps, at most 256), then probes again. A probe that
-pays, or any step whose drafts, had they all been verified, would have paid for it, divides the backoff by
-four and probes the next step: one growth step undone, so the guard recovers within a few paying steps when
-the text turns repetitive, while a lucky probe of a drafter that rarely pays costs one more probe, not the
-whole ramp again (resetting to 0 let untrained Medusa heads, right once in a while, probe every few steps:
-0.92x of plain on translation). The backoff grows fourfold: each probe of a drafter that does not pay costs
-its whole draft time, and on a 30-token answer a doubling schedule spent ~10% of it probing.
-A drafter cheaper than ``probe_budget`` is never skipped (its empty or pruned trees cost nothing).
-The averages, not the step alone, decide: a trained draft layer's confidence changes from step to step, and when
-each step judged itself, every low-confidence draft (pruned to nothing, rightly) started a backoff that skipped
-the confident drafts after it: EAGLE drafting one token on chat, 2-core CPU, drafted at ~1/3 of the steps and ran
-at 0.98x of plain decoding (tau 1.08), while drafting at every step ran at 1.20x (tau 1.30).
-
-**Memory.** With a ``memory`` key (generate() passes the cost model's file and the drafter's ``cost_key()``),
-a new sequence starts from the backoff that the last finished sequence of the same key reached, skipping
-half of it before its first probe: a server calling generate() once per short answer would otherwise pay
-the whole probe ramp (0, 3, 12, ... steps) on every answer for a drafter that never pays. A new sizer also
-starts from the acceptance evidence (score-bin corrections, unscored rates; decayed as always) that the last
-one of its key ended with: untrained Medusa heads score their guesses ~0.9 and are right ~1% of the time, so
-a fresh sizer believed them for the first probes of every answer (0.85x of plain on a 26-token translation).
-A new sequence's running expected tokens and cost (Guard) start from the last finished one's, so one
-low-confidence first probe of an answer does not start a backoff where the answers before it paid (EAGLE on
-qa once drafted at 15 of ~100 steps of an answer after paying answers).
-The memory is per process (``_REMEMBERED``) and only moves probes and sizes: pruning is exact, so outputs
-never depend on it.
-
-**Margin.** A tree is verified only when its expected ratio beats the empty tree's by ``margin`` (5%), and a
-step counts as paying only when it beats plain decoding by as much: the calibrated ``c(n)`` points scatter by a
-few percent between calibrations (c(2) measured 0.96x and 1.03x of c(1) on one 2-core machine), and the
-acceptance estimate of a short answer by more. Without it a drafter right ~11% of the time at ~0.07 decode
-steps per call (a quick-recipe EAGLE head on long summaries) was judged to pay and probed every other step,
-0.95-0.98x of plain: a break-even draft is a loss once the errors are counted.
-
-**Reproducible.** Seeded standard sampling must give one text per seed, but a tree of another shape draws
-other random numbers, so sizing there may depend on nothing that varies between runs: with
-``fixed_draft_seconds`` (:mod:`specdec.draft_cost`: measured once per machine and drafter, cached) the draft
-cost is that value, a decode step is the cost model's ``c(1)``, wall times are ignored and nothing is
-remembered across calls; acceptance is learned from tokens only, as always. A drafter that decides per call how
-much to draft (EAGLE's depth, the combined drafter's children) gets the ``cost_profile`` cached with that value
-(``TargetView.cost_profile``), and each call is priced by what it drafted at the profile's seconds
-(:meth:`record_profiled`), not by the whole call that was measured: priced at its full depth, a GPU-trained
-EAGLE layer drafting one level looked ~0.7 decode steps dear on the 2-core CPU and was skipped at most steps.
-
-**Never.** A drafter with a model of its own whose forward costs ``r`` target decode steps spends at
-least ``L r`` on a tree of depth L, which commits at most ``1 + L`` tokens for ``L r + c(1 + L)``. When
-that bound is not above 1 for any L (``r >= 1`` always: the target drafting for itself), no acceptance
-rate can make it pay, so :meth:`never_pays` holds and the engine never asks it (``switch_off``): not even
-the first probe, which for such a drafter costs a second prefill of the prompt.
+Invariants: pruning is exact (an ancestor-closed part of the tree), so sizing changes speed only. A sampled tree
+is cut only to a prefix of the drafter's node order whose length was decided, with token-independent estimates,
+on an earlier sampled tree's shape (none yet: the whole tree), never on its own, which may depend on its drawn
+tokens; a call with sampled trees records its draft time after sizing (:meth:`size_call`). With
+``fixed_draft_seconds`` (seeded sampling, :mod:`specdec.draft_cost`) no decision depends on wall times or on
+earlier calls, so a seed gives one text. The derivations and the reasons for the constants:
+docs/speculation-policy.md.
 """
 from __future__ import annotations
 

@@ -3,9 +3,8 @@
 On CPU, BLAS libraries take different paths for small row counts: ``F.linear`` on 2-32 rows may hit a slow
 small-GEMM path where ``weight @ x^T`` reads the weight at GEMV speed, a single row may run on one thread
 where two rows use both, and on some machines 2-4 rows cost more than 8. MKL also re-packs the weight on every
-call: a product over weights packed once in oneDNN's blocked layout (``packed_linear``) cost nearly the same for
-1 to 16 rows on a 2-core EPYC (AVX-512), where ``F.linear`` and the transposed product cost 3-4x more at 16 rows
-than at 2. So for every row count m <= ``SMALL_M_MAX`` the policy records how to compute it: ``cols[m] = c``
+call, while a product over weights packed once in oneDNN's blocked layout (``packed_linear``) can cost nearly
+the same for 1 to 16 rows. So for every row count m <= ``SMALL_M_MAX`` the policy records how to compute it: ``cols[m] = c``
 means "the transposed product with c >= m columns (the c - m extra columns copy row 0 and are dropped)",
 ``cols[m] = PACKED`` the product over packed weights; a row count missing from ``cols`` goes through
 ``F.linear``. Every choice returns ``F.linear``'s values for the rows given, up to float rounding (each
@@ -20,9 +19,8 @@ when asked to (``allow_packed``: the caller checks that the memory is there) and
 
 The products must be timed the way a forward runs them: every weight read once per forward, streamed from
 memory. Timed over one layer's matrices, which fit in the last-level cache, single-threaded GEMV looked as fast
-as anything; streamed, it reads at half the speed of the two-column transposed product (2-core EPYC:
-30 layers' products at 1 row took 36 ms through ``F.linear``, 16 ms as 2 transposed columns). The policy
-tuned on cached weights made plain decoding 1.8x slower than the streamed one.
+as anything, while streamed it can read at half the speed of the two-column transposed product
+(measurements: docs/speculation-policy.md and docs/results/).
 
 Policies are per torch thread count (``active_cols()`` reads the current one); with none installed for
 the current count, ``linear()`` is ``F.linear``. :func:`specdec.cost_model.ensure_row_policy` measures
