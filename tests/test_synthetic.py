@@ -35,6 +35,12 @@ def test_tiny_build_is_deterministic_and_matches_the_shape():
     assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
 
 
+def test_full_size_builds_on_the_device_in_its_dtype_never_on_the_host():
+    model = synthetic.build("llama-3.1-8b", device="meta", dtype=torch.bfloat16)  # no memory: the 8B shape itself
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("meta", torch.bfloat16)}
+    assert sum(p.numel() for p in model.parameters()) == synthetic.SHAPES["llama-3.1-8b"].num_params
+
+
 def test_build_leaves_the_callers_rng_alone():
     torch.manual_seed(123)
     want = torch.rand(3)
@@ -72,7 +78,7 @@ def test_matching_draft_model_and_eagle_head():
     assert synthetic.draft_spec("synthetic:qwen3-1.7b@tiny") == "synthetic:qwen3-0.6b@tiny"
     assert synthetic.draft_spec("synthetic:llama-3.2-1b") is None
     target = synthetic.build("qwen3-1.7b@tiny", device="cpu")
-    head = synthetic.eagle_head("qwen3-1.7b@tiny", target.config, device="cpu")
+    head = synthetic.eagle_head(target.config, device="cpu")
     assert head.config.hidden_size == 64 and head.lm_head is None  # tiny: the target's full LM head
-    reduced = synthetic.eagle_head("qwen3-1.7b@tiny", target.config, device="cpu", draft_vocab=16)
+    reduced = synthetic.eagle_head(target.config, device="cpu", draft_vocab=16)
     assert reduced.lm_head.weight.shape == (16, 64) and reduced.draft_ids.tolist() == list(range(16))

@@ -6,7 +6,7 @@ speed at that size; it says nothing about acceptance (see the oracle drafter, ``
     model = build("llama-3.1-8b", device="cuda", dtype=torch.bfloat16, seed=0)   # a transformers model
     load_model("synthetic:llama-3.1-8b")          # by name, wherever a model is accepted
     load_model("synthetic:qwen3-1.7b@tiny")       # the same features (GQA ratio, tying, q/k norm, RoPE) at toy size
-    eagle_head("llama-3.1-8b", model.config)      # a random EAGLE layer for it; draft_spec(...) a draft model's name
+    eagle_head(model.config)                      # a random EAGLE layer for it; draft_spec(...) a draft model's name
 
 Invariants: weights are created on the target device in the target dtype (an 8B model never exists in fp32 on the
 host); the same (name, seed, device type, dtype) gives the same weights; the caller's RNG state is left as it was.
@@ -168,19 +168,19 @@ def draft_spec(spec: str) -> str | None:
     return None if draft is None else PREFIX + draft + (TINY_SUFFIX if tiny else "")
 
 
-def eagle_head(spec: str, target_config, *, device: str | torch.device | None = None,
-               dtype: torch.dtype | None = None, seed: int = 0, draft_vocab: int | None = None):
+def eagle_head(target_config, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+               seed: int = 0, draft_vocab: int | None = None):
     """A random EAGLE layer shaped for the target (one decoder layer of its shape), on ``device`` in ``dtype``.
 
-    ``draft_vocab``: the size of its reduced LM head (ids 0..N-1); default EAGLE_DRAFT_VOCAB at full size, the full
-    vocabulary (the target's LM head) for @tiny shapes."""
+    ``draft_vocab``: the size of its reduced LM head (ids 0..N-1); default EAGLE_DRAFT_VOCAB for vocabularies larger
+    than that, else the full vocabulary (the target's own LM head, as for the @tiny shapes)."""
     from specdec.drafters.eagle_model import EagleConfig, EagleModel
 
-    shape = parse(spec)
+    vocab = target_config.vocab_size
     if draft_vocab is None:
-        draft_vocab = 0 if shape.name.endswith(TINY_SUFFIX) else min(EAGLE_DRAFT_VOCAB, shape.vocab_size)
-    if not 0 <= draft_vocab <= shape.vocab_size:
-        raise InputError(f"draft_vocab must be in [0, {shape.vocab_size}], got {draft_vocab}")
+        draft_vocab = EAGLE_DRAFT_VOCAB if vocab > EAGLE_DRAFT_VOCAB else 0
+    if not 0 <= draft_vocab <= vocab:
+        raise InputError(f"draft_vocab must be in [0, {vocab}], got {draft_vocab}")
     config = EagleConfig.for_target(target_config, draft_vocab=tuple(range(draft_vocab)))
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
