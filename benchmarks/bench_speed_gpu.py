@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 FULL_MODELS = ("synthetic:llama-3.1-8b", "default", "synthetic:qwen3-1.7b", "synthetic:llama-3.2-1b")
+EMBEDDED_SHAPE = "synthetic:smollm2-135m"  # the embedded model's shape: its speed where its GGUF is not at hand
 REHEARSAL_MODELS = ("synthetic:llama-3.1-8b@tiny", "synthetic:qwen3-1.7b@tiny", "synthetic:llama-3.2-1b@tiny")
 TAUS = (3.0, 2.0, 4.0)  # tau 3 first: the one the goals name
 CHAIN_DEPTH = 6
@@ -43,6 +44,9 @@ def parse_args(argv=None):
     ap.add_argument("--rehearse", action="store_true",
                     help="CPU, tiny shapes, few tokens: checks the whole command in well under a minute")
     ap.add_argument("--models", default=None, help="comma-separated (synthetic:NAME[@tiny], default, a path)")
+    ap.add_argument("--embedded", default="default",
+                    help="what 'default' in the model list loads: the alias, or the embedded GGUF's path; where it "
+                         f"cannot be loaded, {EMBEDDED_SHAPE} (its shape, random weights) stands in")
     ap.add_argument("--batches", default=None, help="default 1,8,32; rehearsal 1,2,4")
     ap.add_argument("--taus", default=",".join(str(t) for t in TAUS))
     ap.add_argument("--sizes", default=None,
@@ -80,6 +84,9 @@ class Clock:
     def allows(self) -> bool:
         return time.perf_counter() < self.share_end
 
+    def share_left(self) -> float:
+        return self.share_end - time.perf_counter()
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -103,8 +110,12 @@ def copy_bandwidth(device: torch.device, rehearse: bool) -> float:
 
 
 def weight_bytes(model) -> int:
-    """Bytes one decode step reads: every distinct parameter once (a tied LM head is the embedding)."""
+    """Bytes one decode step reads: every distinct parameter once, but of an input embedding that is no LM head only
+    the rows it gathers (nothing, next to the rest); a tied one is read whole, as the LM head."""
+    embed = model.get_input_embeddings().weight
     seen, total = set(), 0
+    if embed.data_ptr() != model.get_output_embeddings().weight.data_ptr():
+        seen.add(embed.data_ptr())
     for p in model.parameters():
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
@@ -112,10 +123,17 @@ def weight_bytes(model) -> int:
     return total
 
 
-def load(spec: str, device: torch.device, dtype: torch.dtype):
+def load(spec: str, embedded: str, device: torch.device, dtype: torch.dtype):
+    """The model and a note: the embedded model (``embedded``) for "default", its shape where it cannot load."""
     from specdec.models.loader import load_model
 
-    return load_model(spec, device=device, dtype=dtype)
+    if spec != "default":
+        return load_model(spec, device=device, dtype=dtype), None
+    try:
+        return load_model(embedded, device=device, dtype=dtype), None
+    except (OSError, ImportError, ValueError) as err:
+        note = f"{embedded!r} did not load ({type(err).__name__}: {' '.join(str(err).split())[:200]}): {EMBEDDED_SHAPE}"
+        return load_model(EMBEDDED_SHAPE, device=device, dtype=dtype), note
 
 
 def run_generate(loaded, prompts, new_tokens: int, **kwargs) -> dict:
@@ -130,6 +148,7 @@ def run_generate(loaded, prompts, new_tokens: int, **kwargs) -> dict:
     return dict(new_tokens=new, seconds=out.seconds, prefill_seconds=out.prefill_seconds,
                 decode_tokens_per_s=(new - len(prompts)) / decode if decode > 0 else None, steps=steps,
                 step_ms=1e3 * decode / steps, tau=statistics.mean(s.tau for s in out.stats),
+                draft_seconds=out.draft_seconds,
                 outputs=out.new_tokens)
 
 
@@ -191,9 +210,10 @@ class ModelRun:
                                  errors=[])
         self.bandwidth = bandwidth
 
-    def item(self, name: str, fn) -> None:
-        if not self.clock.allows():
-            self.result["skipped"].append(name)
+    def item(self, name: str, fn, estimate: float | None = None) -> None:
+        """Run one measurement while the model's share lasts (and, given an estimate of its seconds, if it fits)."""
+        if not self.clock.allows() or (estimate is not None and estimate > self.clock.share_left()):
+            self.result["skipped"].append(name if estimate is None else f"{name} (~{estimate:.0f} s)")
             return
         t0 = time.perf_counter()
         try:
@@ -208,7 +228,8 @@ class ModelRun:
 
         args = self.args
         t0 = time.perf_counter()
-        self.loaded = load(self.spec, self.device, self.dtype)
+        self.loaded, note = load(self.spec, args.embedded, self.device, self.dtype)
+        self.result["note"] = note
         model = self.loaded.model
         self.eagle = synthetic.eagle_head(model.config, device=self.device, dtype=self.dtype)
         sync(self.device)
@@ -216,36 +237,57 @@ class ModelRun:
         floor_ms = 1e3 * wbytes / self.bandwidth
         self.result.update(build_seconds=round(time.perf_counter() - t0, 2), weight_bytes=wbytes,
                            floor_step_ms=floor_ms, eagle_draft_vocab=len(self.eagle.config.draft_vocab) or None)
+        self.presize_graphs()
         gen = torch.Generator().manual_seed(0)
         vocab = self.loaded.runner.shape.vocab_size
         pool = torch.randint(vocab, (max(args.batches), args.prompt_len), generator=gen).tolist()
         self.references: dict[int, dict] = {}
+        self.draft_seconds_per_seq_step: float | None = None  # the EAGLE layer's, from the first batch-1 row
         b0, rest = args.batches[0], args.batches[1:]
+        first, others = args.taus[0], args.taus[1:]
+
+        def oracle(b: int, tau: float, shape: str, eagle: bool) -> None:
+            name = f"oracle {shape} tau {tau} b{b}{' +eagle' if eagle else ''}"
+            self.item(name, lambda: self.oracle(pool[:b], tau, shape, eagle), self.estimate(b, tau) if eagle else None)
+
         self.item(f"plain b{b0}", lambda: self.plain(pool[:b0]))
         self.item("verify cost", lambda: self.curve(pool[0]))
-        first, others = args.taus[0], args.taus[1:]
         for shape in ("chain", "tree"):
-            self.item(f"oracle {shape} tau {first} b{b0}", lambda s=shape: self.oracle(pool[:b0], first, s))
+            oracle(b0, first, shape, True)
         for b in reversed(rest):  # the largest batch first: the goals name batch 32
             self.item(f"plain b{b}", lambda b=b: self.plain(pool[:b]))
-            self.item(f"oracle chain tau {first} b{b}", lambda b=b: self.oracle(pool[:b], first, "chain"))
+            oracle(b, first, "chain", False)
         for tau in others:
             for shape in ("chain", "tree"):
-                self.item(f"oracle {shape} tau {tau} b{b0}", lambda s=shape, t=tau: self.oracle(pool[:b0], t, s))
+                oracle(b0, tau, shape, True)
         if not args.no_hf:
             self.item("transformers static cache b1", lambda: self.hf(pool[0]))
+        for b in reversed(rest):  # the EAGLE layer drafts one sequence at a time: its rows cost batch x more
+            oracle(b, first, "chain", True)
         for b in reversed(rest):
             for tau in args.taus:
                 for shape in ("chain", "tree"):
                     if (shape, tau) != ("chain", first):
-                        self.item(f"oracle {shape} tau {tau} b{b}",
-                                  lambda b=b, s=shape, t=tau: self.oracle(pool[:b], t, s))
+                        oracle(b, tau, shape, False)
         self.result["seconds"] = round(time.perf_counter() - t0, 1)
         return self.result
 
+    def presize_graphs(self) -> None:
+        """The model's graph cache (cuda_graphs="auto") sized once for the largest request of the run, so no timed
+        call rebuilds it and recaptures its buckets."""
+        from specdec.cuda_graphs import auto_uses_graphs, model_graphs
+        from specdec.kv_cache import blocks_needed
+        from specdec.tree import MAX_TREE_NODES
+
+        runner = self.loaded.runner
+        if auto_uses_graphs(runner):
+            lengths = [self.args.prompt_len] * max(self.args.batches)
+            model_graphs(runner, 16, blocks_needed(lengths, self.args.new_tokens, 16, MAX_TREE_NODES))
+
     def plain(self, prompts) -> None:
         b = len(prompts)
-        run_generate(self.loaded, prompts, min(8, self.args.new_tokens))  # warm-up: compiles, captures the graphs
+        # warm-up, the same call: compiles the kernels and captures every bucket the timed call meets
+        run_generate(self.loaded, prompts, self.args.new_tokens)
         row = run_generate(self.loaded, prompts, self.args.new_tokens)
         self.references[b] = {tuple(p): out for p, out in zip(prompts, row.pop("outputs"))}
         step_floor = self.result["floor_step_ms"]
@@ -259,7 +301,13 @@ class ModelRun:
         self.result["verify_cost"] = dict(ms={n: 1e3 * c for n, c in costs.items()},
                                           ratio={n: c / base for n, c in costs.items()})
 
-    def oracle(self, prompts, tau: float, shape: str) -> None:
+    def estimate(self, batch: int, tau: float) -> float | None:
+        """Seconds of an EAGLE row at ``batch`` (warm-up + timed call), from the batch-1 row's drafting time."""
+        if self.draft_seconds_per_seq_step is None:
+            return None
+        return 2 * self.args.new_tokens / tau * batch * self.draft_seconds_per_seq_step
+
+    def oracle(self, prompts, tau: float, shape: str, eagle: bool) -> None:
         from specdec.drafters.eagle import EagleDrafter
         from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter
 
@@ -271,15 +319,18 @@ class ModelRun:
         nodes = depth * width
 
         def drafter():
-            eagle = EagleDrafter(model=self.eagle, depth=depth, top_k=width, max_nodes=nodes, adapt_depth=False)
-            return OracleDrafter(self.references[b], profile, inner=eagle, seed=1)
+            inner = (EagleDrafter(model=self.eagle, depth=depth, top_k=width, max_nodes=nodes, adapt_depth=False)
+                     if eagle else None)
+            return OracleDrafter(self.references[b], profile, inner=inner, seed=1)
 
-        run_generate(self.loaded, prompts, min(8, self.args.new_tokens), drafter=drafter(), speculation="always")
+        run_generate(self.loaded, prompts, self.args.new_tokens, drafter=drafter(), speculation="always")  # warm-up
         row = run_generate(self.loaded, prompts, self.args.new_tokens, drafter=drafter(), speculation="always")
         outputs = row.pop("outputs")
         plain = self.result["plain"][str(b)]
         same = sum(out == self.references[b][tuple(p)] for p, out in zip(prompts, outputs))
-        row.update(shape=shape, batch=b, tau_target=tau, nodes=nodes, profile_rate=profile.rates[0],
+        if eagle and b == 1 and self.draft_seconds_per_seq_step is None:
+            self.draft_seconds_per_seq_step = row["draft_seconds"] / row["steps"]
+        row.update(shape=shape, batch=b, eagle=eagle, tau_target=tau, nodes=nodes, profile_rate=profile.rates[0],
                    speedup=row["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
                    identical_to_plain=f"{same}/{b}")
         self.result["oracle"].append(row)
@@ -296,7 +347,7 @@ def markdown(report: dict) -> str:
              f"{report['prompt_len']}-token random prompts{'; REHEARSAL (CPU, tiny shapes)' if report['rehearse'] else ''}.",
              ""]
     for m in report["models"]:
-        lines += [f"## {m['model']}", ""]
+        lines += [f"## {m['model']}", ""] + ([f"Measured on {m['note']}.", ""] if m.get("note") else [])
         if "weight_bytes" in m:
             lines.append(f"{m['weight_bytes'] / 1e9:.2f} GB of weights; floor {m['floor_step_ms']:.3f} ms/step; "
                          f"built in {m['build_seconds']} s; EAGLE draft vocabulary {m['eagle_draft_vocab'] or 'full'}")
@@ -306,8 +357,9 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {b} | {r['decode_tokens_per_s']:.1f} | {r['floor_tokens_per_s']:.1f} | "
                              f"{r['step_ms']:.3f} | {r['step_over_floor']:.2f} |")
         if m["hf_static"]:
-            plain1 = m["plain"].get("1", {}).get("decode_tokens_per_s")
-            ratio = f"; specdec plain is {plain1 / m['hf_static']['tokens_per_s']:.2f}x it" if plain1 else ""
+            p1 = m["plain"].get("1")  # the same definition on both sides: new tokens / seconds, prefill included
+            ratio = (f"; specdec plain, counted alike, is {p1['new_tokens'] / p1['seconds'] / m['hf_static']['tokens_per_s']:.2f}x it"
+                     if p1 else "")
             lines += ["", f"transformers static-cache generate(), batch 1: {m['hf_static']['tokens_per_s']:.1f} tok/s "
                           f"(prefill included){ratio}"]
         if m["verify_cost"]:
@@ -316,11 +368,13 @@ def markdown(report: dict) -> str:
             lines += ["", "verify cost c(n) / c(1): " + ", ".join(f"{n}: {ratio[n]:.2f}" for n in picks)
                       + f" (c(1) = {m['verify_cost']['ms'][min(ratio)]:.3f} ms)"]
         if m["oracle"]:
-            lines += ["", "| oracle | batch | nodes | tau target | tau | decode tok/s | speedup vs plain | "
-                          "same text |", "|---|---|---|---|---|---|---|---|"]
+            lines += ["", "| oracle | batch | nodes | drafting | tau target | tau | step ms | draft ms/step | decode tok/s "
+                          "| speedup vs plain | same text |", "|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in m["oracle"]:
-                lines.append(f"| {r['shape']} | {r['batch']} | {r['nodes']} | {r['tau_target']:.1f} | {r['tau']:.2f} | "
-                             f"{r['decode_tokens_per_s']:.1f} | **{r['speedup']:.2f}x** | {r['identical_to_plain']} |")
+                lines.append(f"| {r['shape']} | {r['batch']} | {r['nodes']} | {'EAGLE' if r['eagle'] else 'none'} | "
+                             f"{r['tau_target']:.1f} | {r['tau']:.2f} | {r['step_ms']:.3f} | "
+                             f"{1e3 * r['draft_seconds'] / r['steps']:.3f} | {r['decode_tokens_per_s']:.1f} | "
+                             f"**{r['speedup']:.2f}x** | {r['identical_to_plain']} |")
         if m["skipped"]:
             lines += ["", "skipped (out of time): " + "; ".join(m["skipped"])]
         if m["errors"]:

@@ -66,7 +66,9 @@ def parse_args(argv=None):
     ap.add_argument("--steps", default=",".join(DEFAULT_STEPS),
                     help=f"comma-separated, of {', '.join(STEPS)} (default: all but speed)")
     ap.add_argument("--out", default="gpu-report", help="report directory (created)")
-    ap.add_argument("--model", default="default", help="model of the e2e step (alias, checkpoint dir or .gguf)")
+    ap.add_argument("--model", default="default",
+                    help="model of the e2e step and the embedded model of the speed step (alias, checkpoint dir or "
+                         ".gguf)")
     ap.add_argument("--prompts", type=int, default=2, help="e2e prompts per category")
     ap.add_argument("--workers", type=int, default=8, help="pytest-xdist workers sharing the GPU")
     ap.add_argument("--slow", action="store_true",
@@ -186,8 +188,8 @@ def step_e2e(out: Path, model: str, prompts: int) -> dict:
                 divergence_bugs=bugs, table=tail(out / "e2e.log", 30), **data)
 
 
-def step_speed(out: Path, rehearse: bool) -> dict:
-    cmd = [sys.executable, "-P", str(BENCH / "bench_speed_gpu.py"), "--out", str(out)]
+def step_speed(out: Path, rehearse: bool, model: str) -> dict:
+    cmd = [sys.executable, "-P", str(BENCH / "bench_speed_gpu.py"), "--out", str(out), "--embedded", model]
     cmd += ["--rehearse"] if rehearse else ["--budget", str(SPEED_BUDGET_S)]
     rc, seconds = run(cmd, out / "speed.log", timeout=SPEED_TIMEOUT_S)
     js = out / "speed.json"
@@ -261,7 +263,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = dict(date=str(datetime.datetime.now().replace(microsecond=0)), steps={})
-    steps = {"env": lambda: step_env(out), "speed": lambda: step_speed(out, args.rehearse),
+    steps = {"env": lambda: step_env(out), "speed": lambda: step_speed(out, args.rehearse, args.model),
              "tests": lambda: step_tests(out, args.workers, args.slow),
              "kernels": lambda: step_kernels(out), "e2e": lambda: step_e2e(out, args.model, args.prompts)}
     t_all = time.perf_counter()

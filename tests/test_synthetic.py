@@ -10,7 +10,7 @@ from specdec.models.loader import load_model
 
 
 @pytest.mark.parametrize("name, billions", [("llama-3.2-1b", 1.236), ("llama-3.1-8b", 8.030), ("qwen3-1.7b", 1.721),
-                                            ("qwen3-0.6b", 0.596)])
+                                            ("qwen3-0.6b", 0.596), ("smollm2-135m", 0.1345)])
 def test_published_shapes_have_the_published_parameter_counts(name, billions):
     assert synthetic.SHAPES[name].num_params / 1e9 == pytest.approx(billions, abs=0.001)
 

@@ -101,6 +101,7 @@ SHAPES: dict[str, SyntheticShape] = {s.name: s for s in (
                    (("factor", 32.0), *_LLAMA3_ROPE)),
     SyntheticShape("llama-3.1-8b", "llama", 4096, 32, 32, 8, 128, 14336, 128256, 500000.0, 1e-5, False, 131072,
                    (("factor", 8.0), *_LLAMA3_ROPE)),
+    SyntheticShape("smollm2-135m", "llama", 576, 30, 9, 3, 64, 1536, 49152, 100000.0, 1e-5, True, 8192),  # embedded
     SyntheticShape("qwen3-0.6b", "qwen3", 1024, 28, 16, 8, 128, 3072, 151936, 1000000.0, 1e-6, True, 40960),
     SyntheticShape("qwen3-1.7b", "qwen3", 2048, 28, 16, 8, 128, 6144, 151936, 1000000.0, 1e-6, True, 40960),
 )}
