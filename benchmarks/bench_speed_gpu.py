@@ -152,37 +152,6 @@ def run_generate(loaded, prompts, new_tokens: int, **kwargs) -> dict:
                 outputs=out.new_tokens)
 
 
-def verify_curve(loaded, prompt: list[int], sizes: list[int], repeats: int) -> dict[int, float]:
-    """Median seconds of one verify step of n query tokens (root + a chain of n - 1) for one sequence, through the
-    engine's graphed forward where the device has graphs; rounds interleave the sizes (the first is a warm-up)."""
-    from specdec.cuda_graphs import GraphConfig, GraphedForward, auto_uses_graphs
-    from specdec.engine import Engine
-    from specdec.eval.verify_cost import _ChainDrafter
-    from specdec.kv_cache import PagedKVCache, blocks_for
-    from specdec.sampling import SamplingConfig
-    from specdec.stopping import StopCriteria
-
-    runner = loaded.runner
-    s = runner.shape
-    block = 16
-    blocks = blocks_for(len(prompt) + (repeats + 1) * sum(sizes) + 2, block) + 1
-    cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, blocks, block, runner.dtype, runner.device,
-                         runner.backend)
-    graphed = GraphedForward(runner, cache, GraphConfig(capture=True)) if auto_uses_graphs(runner) else None
-    drafter = _ChainDrafter()
-    engine = Engine(runner, cache, SamplingConfig(), StopCriteria(10**9), drafter, graphed=graphed)
-    engine.add([prompt])
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    for r in range(repeats + 1):
-        for n in sizes:
-            drafter.nodes = n - 1
-            before = engine.seconds["verify"]
-            engine.step()
-            if r:
-                times[n].append(engine.seconds["verify"] - before)
-    return {n: statistics.median(t) for n, t in times.items()}
-
-
 def hf_static(model, prompt: list[int], new_tokens: int) -> dict:
     """transformers' greedy generate() with its static cache (eager), batch 1: a warm-up, then one timed call."""
     device = next(model.parameters()).device
@@ -295,8 +264,16 @@ class ModelRun:
         self.result["plain"][str(b)] = row
 
     def curve(self, prompt) -> None:
-        repeats = 3 if self.args.rehearse else 5
-        costs = verify_curve(self.loaded, prompt, self.args.sizes, repeats)
+        from specdec.cuda_graphs import auto_uses_graphs
+        from specdec.eval.verify_cost import measure_verify_costs
+        from specdec.sampling import SamplingConfig
+
+        # the engine's verify timer over n = root + a chain of n - 1, rounds interleaving the sizes, graphed on CUDA
+        # rounds of every size must fit the context even if every chain were accepted (smollm2: 8,192 positions)
+        room = (self.loaded.runner.shape.max_positions - len(prompt) - 2) // sum(self.args.sizes) - 1
+        repeats = max(1, min(3 if self.args.rehearse else 5, room))
+        costs = measure_verify_costs(self.loaded, [prompt], self.args.sizes, SamplingConfig(), repeats=repeats,
+                                     graphs=auto_uses_graphs(self.loaded.runner))
         base = costs.get(1) or min(costs.values())
         self.result["verify_cost"] = dict(ms={n: 1e3 * c for n, c in costs.items()},
                                           ratio={n: c / base for n, c in costs.items()})

@@ -262,3 +262,15 @@ def test_auto_on_cuda_reuses_the_models_graphs_across_calls(loaded):
     assert all(graphed.buckets[k] is b for k, b in buckets.items())  # not recaptured
     assert first == second == generate(loaded, prompts, max_new_tokens=8, cuda_graphs=False)
     release_model_graphs(loaded)
+
+
+def test_verify_costs_measured_through_the_buckets(loaded, monkeypatch):
+    """The speed command's c(n) on a GPU: measure_verify_costs(graphs=True) runs the engine's graphed verify."""
+    from specdec.eval.verify_cost import measure_verify_costs
+
+    calls = []
+    replay = GraphedForward.__call__
+    monkeypatch.setattr(GraphedForward, "__call__", lambda self, *a: calls.append(1) or replay(self, *a))
+    costs = measure_verify_costs(loaded, [[1, 2, 3, 4]], [1, 3], SamplingConfig(), repeats=1, graphs=True)
+    assert sorted(costs) == [1, 3] and all(c > 0 for c in costs.values())
+    assert len(calls) == 4  # 2 rounds x 2 sizes, every verify through the buckets
