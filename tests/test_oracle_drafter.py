@@ -2,6 +2,7 @@
 the chain formula says, on a tiny synthetic target."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -35,6 +36,19 @@ def test_profile_formulas_and_checks():
         AcceptanceProfile.constant(0.5, 8, width=9)  # 72 nodes
     with pytest.raises(InputError):
         AcceptanceProfile((1.2,))
+
+
+def test_profile_from_an_acceptance_report(tmp_path):
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"rows": [
+        {"drafter": "plain", "category": "chat", "acceptance_per_depth": []},
+        {"drafter": "medusa", "category": "chat", "acceptance_per_depth": [0.6, 0.5, 0.25]},
+        {"drafter": "medusa", "category": "code", "acceptance_per_depth": [0.9]}]}))
+    profile = AcceptanceProfile.from_acceptance_report(report, "medusa", "chat", width=2)
+    assert profile.rates == (0.6, 0.5, 0.25) and profile.width == 2
+    assert profile.expected_tau == pytest.approx(1 + 0.6 + 0.3 + 0.075)
+    with pytest.raises(InputError, match="no per-depth acceptance"):
+        AcceptanceProfile.from_acceptance_report(report, "plain", "chat")
 
 
 def test_greedy_output_is_the_targets_whatever_the_oracle_knows(target):
