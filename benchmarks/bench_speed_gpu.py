@@ -321,8 +321,8 @@ def markdown(report: dict) -> str:
     lines = [f"# specdec speed, {report['date']}", "",
              f"{env['device_name']}, {env['dtype']}, torch {env['torch']}; copy bandwidth "
              f"{env['copy_gb_per_s']:.0f} GB/s; {report['new_tokens']} new tokens per sequence after "
-             f"{report['prompt_len']}-token random prompts{'; REHEARSAL (CPU, tiny shapes)' if report['rehearse'] else ''}.",
-             ""]
+             f"{report['prompt_len']}-token random prompts"
+             + ("; REHEARSAL (CPU, tiny shapes)." if report["rehearse"] else "."), ""]
     for m in report["models"]:
         lines += [f"## {m['model']}", ""] + ([f"Measured on {m['note']}.", ""] if m.get("note") else [])
         if "weight_bytes" in m:
@@ -335,8 +335,8 @@ def markdown(report: dict) -> str:
                              f"{r['step_ms']:.3f} | {r['step_over_floor']:.2f} |")
         if m["hf_static"]:
             p1 = m["plain"].get("1")  # the same definition on both sides: new tokens / seconds, prefill included
-            ratio = (f"; specdec plain, counted alike, is {p1['new_tokens'] / p1['seconds'] / m['hf_static']['tokens_per_s']:.2f}x it"
-                     if p1 else "")
+            ratio = "" if not p1 else (f"; specdec plain, counted alike, is "
+                                       f"{p1['new_tokens'] / p1['seconds'] / m['hf_static']['tokens_per_s']:.2f}x it")
             lines += ["", f"transformers static-cache generate(), batch 1: {m['hf_static']['tokens_per_s']:.1f} tok/s "
                           f"(prefill included){ratio}"]
         if m["verify_cost"]:
@@ -345,8 +345,8 @@ def markdown(report: dict) -> str:
             lines += ["", "verify cost c(n) / c(1): " + ", ".join(f"{n}: {ratio[n]:.2f}" for n in picks)
                       + f" (c(1) = {m['verify_cost']['ms'][min(ratio)]:.3f} ms)"]
         if m["oracle"]:
-            lines += ["", "| oracle | batch | nodes | drafting | tau target | tau | step ms | draft ms/step | decode tok/s "
-                          "| speedup vs plain | same text |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            lines += ["", "| oracle | batch | nodes | drafting | tau target | tau | step ms | draft ms/step | "
+                          "decode tok/s | speedup vs plain | same text |", "|---" * 11 + "|"]
             for r in m["oracle"]:
                 lines.append(f"| {r['shape']} | {r['batch']} | {r['nodes']} | {'EAGLE' if r['eagle'] else 'none'} | "
                              f"{r['tau_target']:.1f} | {r['tau']:.2f} | {r['step_ms']:.3f} | "

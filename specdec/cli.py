@@ -250,7 +250,8 @@ def _generate(args, stream_class) -> tuple[str, dict]:
                 max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop, streamer=stream,
                 return_dict=True, block_size=args.block_size, num_blocks=args.num_blocks,
-                speculation=args.speculation, sampler=args.sampler, cuda_graphs="auto" if args.cuda_graphs is None else args.cuda_graphs,
+                speculation=args.speculation, sampler=args.sampler,
+                cuda_graphs="auto" if args.cuda_graphs is None else args.cuda_graphs,
             )
     except KeyboardInterrupt:
         if stream is not None:  # keep what was generated: the rest of the text and its newline, then main's line
