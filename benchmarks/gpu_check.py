@@ -3,6 +3,8 @@
     pip install -e ".[dev]"                       # with the CUDA torch you already have
     python benchmarks/gpu_check.py                # every step (about 10 minutes on an H100, docs/gpu/kernels.md)
     python benchmarks/gpu_check.py --steps tests  # some of them; --out DIR (default gpu-report/)
+    python benchmarks/gpu_check.py --steps env,speed             # speed at real sizes, at most ~7 minutes
+    python benchmarks/gpu_check.py --steps speed --rehearse      # the same on the CPU, tiny shapes (no GPU)
 
 Steps, run in this order, each in its own process with its own time limit, so a crash or a hang in one
 is reported and the others still run:
@@ -18,6 +20,12 @@ is reported and the others still run:
   plain / n-gram, eager and CUDA graphs, and bf16 greedy identity against transformers with each
   divergence classified as a near-tie (transformers' own logit gap there is within bf16 rounding)
   or a bug.
+* ``speed`` (not in the default set; ``--steps env,speed``): ``bench_speed_gpu.py``, plain decoding against the
+  weight-read floor, the verify-cost curve and the oracle drafter's speedup at tau 2-4 for synthetic targets of
+  published shapes (Llama-3.1-8B, Qwen3-1.7B, Llama-3.2-1B) and the embedded model, batch 1 / 8 / 32, with
+  transformers' static-cache generate() as the baseline (docs/gpu-speed.md). It keeps to a time budget, marking
+  what does not fit as skipped; ``speed.json`` / ``speed.md`` hold its numbers. ``--rehearse`` runs it on the CPU
+  with tiny shapes, so a GPU session only measures.
 
 ``report.json`` holds every number; ``report.md`` starts with what failed. Exit status: 0 when every
 step passed, 1 when one failed, 2 without a CUDA device.
@@ -37,7 +45,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
-STEPS = ("env", "tests", "kernels", "e2e")
+STEPS = ("env", "tests", "kernels", "e2e", "speed")
+DEFAULT_STEPS = ("env", "tests", "kernels", "e2e")
+SPEED_BUDGET_S, SPEED_TIMEOUT_S = 360, 440  # the speed step: measuring, and its process with loading and imports
 # (tests/test_kernels_compile.py is left out: it compiles for sm_90 without a GPU; here every kernel compiles
 # and runs natively)
 KERNEL_FILES = ["tests/test_kernels_attention.py", "tests/test_kernels_kv.py", "tests/test_kernels_fused_ops.py",
@@ -53,18 +63,25 @@ DEVICE_FILES = ["tests/test_generate.py", "tests/test_speculative.py", "tests/te
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of {', '.join(STEPS)}")
+    ap.add_argument("--steps", default=",".join(DEFAULT_STEPS),
+                    help=f"comma-separated, of {', '.join(STEPS)} (default: all but speed)")
     ap.add_argument("--out", default="gpu-report", help="report directory (created)")
-    ap.add_argument("--model", default="default", help="model of the e2e step (alias, checkpoint dir or .gguf)")
+    ap.add_argument("--model", default="default",
+                    help="model of the e2e step and the embedded model of the speed step (alias, checkpoint dir or "
+                         ".gguf)")
     ap.add_argument("--prompts", type=int, default=2, help="e2e prompts per category")
     ap.add_argument("--workers", type=int, default=8, help="pytest-xdist workers sharing the GPU")
     ap.add_argument("--slow", action="store_true",
                     help="also the CUDA cases of tests marked slow (sampling laws over 6,000 sequences, model "
                          "drafters' seeded runs): several more minutes")
+    ap.add_argument("--rehearse", action="store_true",
+                    help="with --steps speed alone: run it on the CPU with tiny shapes (checks the command, no GPU)")
     args = ap.parse_args(argv)
     unknown = set(args.steps.split(",")) - set(STEPS)
     if unknown:
         ap.error(f"unknown steps {sorted(unknown)}; choose from {', '.join(STEPS)}")
+    if args.rehearse and args.steps != "speed":
+        ap.error("--rehearse goes with --steps speed alone")
     return args
 
 
@@ -171,6 +188,19 @@ def step_e2e(out: Path, model: str, prompts: int) -> dict:
                 divergence_bugs=bugs, table=tail(out / "e2e.log", 30), **data)
 
 
+def step_speed(out: Path, rehearse: bool, model: str) -> dict:
+    cmd = [sys.executable, "-P", str(BENCH / "bench_speed_gpu.py"), "--out", str(out), "--embedded", model]
+    cmd += ["--rehearse"] if rehearse else ["--budget", str(SPEED_BUDGET_S)]
+    rc, seconds = run(cmd, out / "speed.log", timeout=SPEED_TIMEOUT_S)
+    js = out / "speed.json"
+    data = json.loads(js.read_text()) if js.is_file() else {}
+    errors = [e for m in data.get("models", []) for e in m.get("errors", [])]
+    ok = rc == 0 and bool(data) and not errors
+    return dict(status="passed" if ok else "failed", rc=rc, seconds=round(seconds, 1), errors=errors,
+                table=(out / "speed.md").read_text() if (out / "speed.md").is_file() else tail(out / "speed.log"),
+                log_tail=None if ok else tail(out / "speed.log"), report=data)
+
+
 def markdown(report: dict) -> str:
     lines = [f"# specdec GPU check, {report['date']}", ""]
     env = report["steps"].get("env", {})
@@ -192,6 +222,9 @@ def markdown(report: dict) -> str:
                         lines += ["```", part["log_tail"], "```"]
             if step.get("error"):
                 lines += ["```", step["error"], "```"]
+            lines += [f"- {e}" for e in step.get("errors", []) if isinstance(e, str)]
+            if step.get("log_tail") and name == "speed":
+                lines += ["```", step["log_tail"], "```"]
             if step.get("table") and name == "e2e":
                 lines += ["```", step["table"], "```"]
     tests = report["steps"].get("tests")
@@ -213,6 +246,10 @@ def markdown(report: dict) -> str:
             for d in divs:
                 lines.append(f"- {method}, prompt {d['prompt']}: diverges at token {d['position']} "
                              f"({d['got']} vs {d['want']}), transformers' logit gap {d['gap']:.4f}: {d['kind']}")
+    speed = report["steps"].get("speed")
+    if speed and speed.get("table"):
+        lines += ["", "## Speed", ""] + ["#" + line if line.startswith("#") else line  # its headings one level down
+                                         for line in speed["table"].splitlines()]
     return "\n".join(lines) + "\n"
 
 
@@ -220,13 +257,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
-        print("gpu_check.py needs a CUDA GPU (none found)", file=sys.stderr)
+    if not torch.cuda.is_available() and not args.rehearse:
+        print("gpu_check.py needs a CUDA GPU (none found); --steps speed --rehearse runs on the CPU", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = dict(date=str(datetime.datetime.now().replace(microsecond=0)), steps={})
-    steps = {"env": lambda: step_env(out), "tests": lambda: step_tests(out, args.workers, args.slow),
+    steps = {"env": lambda: step_env(out), "speed": lambda: step_speed(out, args.rehearse, args.model),
+             "tests": lambda: step_tests(out, args.workers, args.slow),
              "kernels": lambda: step_kernels(out), "e2e": lambda: step_e2e(out, args.model, args.prompts)}
     t_all = time.perf_counter()
     for name in args.steps.split(","):

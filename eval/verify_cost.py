@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from specdec.drafters.base import Drafter
 
+from specdec.cuda_graphs import GraphConfig, GraphedForward
 from specdec.engine import Engine
 from specdec.kv_cache import CacheConfig, PagedKVCache, blocks_for
 from specdec.sampling import SamplingConfig
@@ -34,14 +35,15 @@ class _ChainDrafter(Drafter):
 
 def measure_verify_costs(loaded: Any, prompts: Sequence[Sequence[int]], query_tokens: Sequence[int],
                          sampling: SamplingConfig, extra_context: int = 0, repeats: int = 5,
-                         seed: int = 0) -> dict[int, float]:
+                         seed: int = 0, graphs: bool = False) -> dict[int, float]:
     """Median seconds of one engine verify step with ``n`` query tokens per sequence, for each n.
 
     One batch of ``len(prompts)`` sequences, each extended by ``extra_context`` tokens (its
     own tokens repeated), is prefilled; then ``repeats + 1`` rounds each run one step per n
     (interleaved, so drift of a shared machine hits every n alike) with a chain draft of
     n - 1 nodes. The first round is a warm-up. The time is the engine's own verify timer:
-    target forward + rejection sampling + KV commit.
+    target forward + rejection sampling + KV commit. ``graphs``: through fixed-shape buckets replayed as CUDA
+    graphs (:mod:`specdec.cuda_graphs`; CUDA with the Triton backend), as ``generate()`` runs on a GPU.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -60,12 +62,13 @@ def measure_verify_costs(loaded: Any, prompts: Sequence[Sequence[int]], query_to
         ctx = [p[i % len(p)] for i in range(want)][-room:]
         contexts.append(ctx)
     block = CacheConfig().block_size
-    blocks = sum(blocks_for(len(c) + growth + 2, block) for c in contexts)
+    blocks = sum(blocks_for(len(c) + growth + 2, block) for c in contexts) + int(graphs)  # + the graphs' scratch
     cache = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block, runner.dtype,
                          runner.device, runner.backend)
     drafter = _ChainDrafter()
     generator = torch.Generator(device=runner.device).manual_seed(seed)  # sampling runs on the model's device
-    engine = Engine(runner, cache, sampling, StopCriteria(10**9), drafter, generator)
+    graphed = GraphedForward(runner, cache, GraphConfig(capture=cache.kv.is_cuda)) if graphs else None
+    engine = Engine(runner, cache, sampling, StopCriteria(10**9), drafter, generator, graphed=graphed)
     engine.add(contexts)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for r in range(repeats + 1):

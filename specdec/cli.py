@@ -166,8 +166,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="weights / activations dtype (default: float32)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="replay the verify forward as CUDA graphs (needs --device cuda; see docs/kernels.md)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay the verify forward as CUDA graphs (default: on with --device cuda, off elsewhere; "
+                        "see docs/kernels.md)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON document (the text and the summary) to stdout instead of streaming the text")
     p.set_defaults(func=_run_generate)
@@ -249,7 +250,8 @@ def _generate(args, stream_class) -> tuple[str, dict]:
                 max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop, streamer=stream,
                 return_dict=True, block_size=args.block_size, num_blocks=args.num_blocks,
-                speculation=args.speculation, sampler=args.sampler, cuda_graphs=args.cuda_graphs,
+                speculation=args.speculation, sampler=args.sampler,
+                cuda_graphs="auto" if args.cuda_graphs is None else args.cuda_graphs,
             )
     except KeyboardInterrupt:
         if stream is not None:  # keep what was generated: the rest of the text and its newline, then main's line

@@ -23,22 +23,31 @@ eagerly, which is how the tests check it in the Triton interpreter.
 
     graphed = GraphedForward(runner, cache, GraphConfig())
     out = graphed(batch.token_ids, batch.positions, batch.plan)  # None when no bucket fits
+
+``generate(cuda_graphs="auto")`` (the default) uses graphs on CUDA with the Triton backend, through one
+GraphedForward per loaded model (:func:`model_graphs`, kept on the model object and freed with it, or by
+:func:`release_model_graphs`): its buckets are captured once and replayed by every later call. It serves one
+generate() at a time; elsewhere (CPU) "auto" is eager, as before.
 """
 from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from specdec.errors import InputError
-from specdec.kv_cache import PagedKVCache
+from specdec.kv_cache import CacheFullError, PagedKVCache
 from specdec.models.llama import ForwardOutput, LlamaRunner
 from specdec.tree import MAX_TREE_NODES
 
 logger = logging.getLogger(__name__)
 
+AUTO = "auto"
+_MODEL_ATTR = "_specdec_graphed_forward"  # where a loaded model keeps its GraphedForward (model_graphs)
 SCRATCH_SEQ_ID = -1  # the cache "sequence" owning the scratch slot; engine ids are >= 0
 MAX_TOKENS_PER_SEQ = MAX_TREE_NODES  # a tree-mode query's ancestor mask is one 64-bit word in the kernel
 
@@ -211,3 +220,59 @@ class GraphedForward:
             bucket.output = self._run(bucket)
         bucket.graph = graph
         logger.info("captured a CUDA graph for %d sequences x %d tokens", bucket.batch, bucket.tokens_per_seq)
+
+
+def auto_uses_graphs(runner: LlamaRunner) -> bool:
+    """cuda_graphs="auto": graphs where they can be captured, a CUDA device with the Triton backend."""
+    return runner.device.type == "cuda" and runner.backend.triton
+
+
+def _serves(graphed: GraphedForward, runner: LlamaRunner, block_size: int, blocks_needed: int) -> bool:
+    """Whether a model's GraphedForward still serves this request: same weights in the same memory (a model moved
+    to another device or dtype has new tensors, which its graphs do not read), same backend and block size, and
+    enough blocks once the earlier call's sequences are freed."""
+    old = graphed.runner
+    same = (old.hf_model is runner.hf_model and old.embed.data_ptr() == runner.embed.data_ptr()
+            and old.dtype == runner.dtype and old.device == runner.device and old.backend.name == runner.backend.name
+            and graphed.cache.block_size == block_size)
+    return same and graphed.cache.num_blocks - 1 >= blocks_needed  # one block is the scratch slot's
+
+
+def model_graphs(runner: LlamaRunner, block_size: int, blocks_needed: int,
+                 check_fits: Callable[[int], None] = lambda blocks: None,
+                 config: GraphConfig | None = None) -> GraphedForward:
+    """The loaded model's own GraphedForward (its KV cache emptied), built or grown when this request needs it.
+
+    A request that outgrows the cache gets a new one of twice the old blocks (fewer rebuilds, each recapturing the
+    buckets) when that many fit, else exactly what it needs; the old cache and graphs are dropped first, so their
+    memory is free for the new ones. ``check_fits(blocks)`` raises CacheFullError when ``blocks`` do not fit.
+    ``config``: a new cache's buckets (default: captured on CUDA; uncaptured elsewhere, the interpreter tests)."""
+    model: Any = runner.hf_model
+    graphed = model.__dict__.get(_MODEL_ATTR)
+    if graphed is not None and _serves(graphed, runner, block_size, blocks_needed):
+        graphed.release_sequences()
+        return graphed
+    grown = 0 if graphed is None else 2 * (graphed.cache.num_blocks - 1)
+    release_model_graphs(model)
+    del graphed
+    blocks = blocks_needed
+    if grown > blocks_needed:
+        try:
+            check_fits(grown + 1)
+            blocks = grown
+        except CacheFullError:
+            pass
+    check_fits(blocks + 1)  # + the scratch block
+    config = config or GraphConfig(capture=runner.device.type == "cuda")
+    graphed = GraphedForward.with_cache(runner, blocks * block_size, block_size, config)
+    model.__dict__[_MODEL_ATTR] = graphed  # a cycle model -> graphs -> runner -> model, collected with the model
+    logger.info("cuda_graphs=auto: a graph cache of %d KV blocks for this model, reused by later calls", blocks)
+    return graphed
+
+
+def release_model_graphs(model: Any) -> bool:
+    """Drop a loaded model's GraphedForward (its KV cache and graphs), True if it had one."""
+    from specdec.models.loader import LoadedModel
+
+    model = model.model if isinstance(model, LoadedModel) else model
+    return model.__dict__.pop(_MODEL_ATTR, None) is not None

@@ -26,7 +26,7 @@ import torch
 from specdec.audit import DraftAudit
 from specdec.cost_model import ensure_row_policy, load_cost_model
 from specdec.coupling import Coupling
-from specdec.cuda_graphs import GraphConfig, GraphedForward
+from specdec.cuda_graphs import AUTO, GraphConfig, GraphedForward, auto_uses_graphs, model_graphs
 from specdec.draft_cost import load_draft_seconds
 from specdec.engine import Engine
 from specdec.errors import InputError, InputTypeError
@@ -142,15 +142,24 @@ def _kv_cache(request: "GenerateRequest", fault: EngineFault | None) -> tuple[Pa
     # worst case of this request: no sequence can run out
     needed = blocks_needed(map(len, request.prompts), config.max_new_tokens, block_size,
                            MAX_TREE_NODES if request.drafter is not None else 0)
-    if isinstance(request.cuda_graphs, GraphedForward):  # its own cache and graphs, reused call after call
-        return _graphed_cache(request.cuda_graphs, request, needed, fault), request.cuda_graphs
+    graphs = request.cuda_graphs
+    if isinstance(graphs, GraphedForward):  # its own cache and graphs, reused call after call
+        return _graphed_cache(graphs, request, needed, fault), graphs
+    if graphs == AUTO:  # on CUDA: the model's own graph cache, reused by later calls; else eager
+        graphs = fault is None and auto_uses_graphs(runner)
+        if graphs and config.num_blocks is None:
+            def check_fits(blocks: int) -> None:
+                check_cache_fits(shape, blocks, block_size, runner.dtype, runner.device, explicit=False)
+
+            graphed = model_graphs(runner, block_size, needed, check_fits)
+            return graphed.cache_for(runner, block_size, needed), graphed
     blocks = needed if config.num_blocks is None else config.num_blocks
-    blocks += int(request.cuda_graphs)  # the graphs' scratch slot holds one block
+    blocks += int(graphs)  # the graphs' scratch slot holds one block
     check_cache_fits(shape, blocks, block_size, runner.dtype, runner.device, explicit=config.num_blocks is not None)
     cache_cls = PagedKVCache if fault is None else fault.cache_cls
     cache = cache_cls(shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block_size, runner.dtype,
                       runner.device, runner.backend)  # one backend per engine: the runner's
-    graphed = GraphedForward(runner, cache, GraphConfig(capture=cache.kv.is_cuda)) if request.cuda_graphs else None
+    graphed = GraphedForward(runner, cache, GraphConfig(capture=cache.kv.is_cuda)) if graphs else None
     return cache, graphed
 
 

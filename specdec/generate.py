@@ -36,7 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from tqdm.auto import tqdm
 
-from specdec.cuda_graphs import GraphedForward
+from specdec.cuda_graphs import AUTO, GraphedForward
 from specdec.drafters.base import Drafter
 from specdec.drafters.registry import get_drafter
 from specdec.engine import Engine
@@ -85,7 +85,7 @@ class GenerateRequest:
     stop: StopCriteria  # EOS ids resolved (the model's own when not given), stop strings / sequences
     drafter: Drafter | None
     generator: torch.Generator | None  # on the model's device; None: seeded from config.seed, or global RNG
-    cuda_graphs: bool | GraphedForward
+    cuda_graphs: bool | str | GraphedForward  # True, False, "auto" or a GraphedForward
     streamer: Streamer | None
     progress: bool
     return_dict: bool
@@ -105,13 +105,14 @@ def generate(
     return_dict: bool | None = None,
     tokenizer: Any = None,
     progress: bool = False,
-    cuda_graphs: bool | GraphedForward = False,
+    cuda_graphs: bool | str | GraphedForward = AUTO,
     **config_fields: Any,
 ):
-    """``cuda_graphs=True`` runs verify steps through fixed-shape buckets replayed as CUDA graphs
-    (:mod:`specdec.cuda_graphs`; GPU with the Triton backend), captured anew in each call; pass a
-    :class:`GraphedForward` (``GraphedForward.with_cache``) instead to keep its KV cache and graphs
-    from call to call.
+    """``cuda_graphs="auto"`` (the default) runs verify steps through fixed-shape buckets replayed as CUDA
+    graphs on a CUDA device with the Triton backend, through one graph cache per loaded model that later calls
+    reuse (:func:`specdec.cuda_graphs.model_graphs`), and eagerly elsewhere; ``True`` captures them anew in this
+    call (also in the Triton interpreter on CPU, uncaptured), ``False`` never; pass a :class:`GraphedForward`
+    (``GraphedForward.with_cache``) to keep a KV cache and graphs of your own from call to call.
 
     ``seed`` (or ``generator``) also seeds sampled drafts: the drafter's ``seed_from_generate`` gets
     ``seed`` (or one draw of ``generator``) before it is attached, unless its own ``seed`` option is set,
@@ -130,7 +131,7 @@ def generate(
 def prepare(model: Any, input_ids: Any, *, drafter: Any = None, drafter_options: dict | None = None,
             attention_mask: Any = None, generation_config: Any = None, generator: torch.Generator | None = None,
             streamer: Streamer | None = None, return_dict: bool | None = None, tokenizer: Any = None,
-            progress: bool = False, cuda_graphs: bool | GraphedForward = False,
+            progress: bool = False, cuda_graphs: bool | str | GraphedForward = AUTO,
             **config_fields: Any) -> GenerateRequest:
     """generate()'s arguments, checked (what needs no model first), the model loaded, the drafter built."""
     config_fields = {k: v for k, v in config_fields.items() if k not in IGNORED_INPUT_KEYS}
@@ -145,8 +146,8 @@ def prepare(model: Any, input_ids: Any, *, drafter: Any = None, drafter_options:
         raise InputTypeError(f"generator must be a torch.Generator or None, got {describe(generator)}")
     if early.seed is not None and generator is not None:
         raise InputError("pass seed= or generator=, not both: the generator's own state would silently win")
-    if not isinstance(cuda_graphs, (bool, GraphedForward)):
-        raise InputTypeError(f"cuda_graphs must be a bool or a GraphedForward, got {describe(cuda_graphs)}")
+    if not (isinstance(cuda_graphs, (bool, GraphedForward)) or cuda_graphs == AUTO):
+        raise InputTypeError(f"cuda_graphs must be a bool, \"auto\" or a GraphedForward, got {describe(cuda_graphs)}")
     inputs = parse_input_ids(*unpack_encoding(input_ids, attention_mask))
     if options and drafter is None:
         raise InputError("drafter_options were given without a drafter: they would be ignored (pass drafter=...)")

@@ -16,10 +16,11 @@ import logging  # noqa: E402
 
 import torch  # noqa: E402
 
-from specdec.cuda_graphs import GraphConfig, GraphedForward  # noqa: E402
+from specdec.cuda_graphs import (GraphConfig, GraphedForward, auto_uses_graphs, model_graphs,  # noqa: E402
+                                 release_model_graphs)
 from specdec.engine import Engine  # noqa: E402
 from specdec.generate import generate  # noqa: E402
-from specdec.kv_cache import PagedKVCache  # noqa: E402
+from specdec.kv_cache import CacheFullError, PagedKVCache  # noqa: E402
 from specdec.models.llama import LlamaRunner  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
 from specdec.rejection import rejection_sample  # noqa: E402
@@ -175,7 +176,7 @@ def test_a_reused_graphed_forward_keeps_its_cache_and_buckets(loaded):
                  cuda_graphs=graphed)
     with pytest.raises(ValueError, match="block_size"):
         generate(loaded, prompts, max_new_tokens=2, cuda_graphs=graphed, block_size=8)
-    with pytest.raises(TypeError, match="bool or a GraphedForward"):
+    with pytest.raises(TypeError, match="bool, \"auto\" or a GraphedForward"):
         generate(loaded, prompts, max_new_tokens=2, cuda_graphs="yes")
 
 
@@ -209,3 +210,67 @@ def test_self_distillation_through_buckets_equals_eager_and_keeps_its_own_cache(
     assert not use_graphs(on_reference(loaded), None) and not use_graphs(loaded, False)
     with pytest.raises(InputError, match="Triton backend"):
         use_graphs(on_reference(loaded), True)
+
+
+def test_auto_decides_by_device_and_backend(loaded):
+    assert not auto_uses_graphs(on_reference(loaded).runner)  # PyTorch reference backend: never
+    assert auto_uses_graphs(loaded.runner) == CAPTURE  # Triton backend: on CUDA only, not in the interpreter
+    if not CAPTURE:  # the CPU path unchanged: "auto" builds the engine False builds, the cache the request's
+        from specdec.engine_setup import build_engine
+        from specdec.generate import prepare
+
+        engines = [build_engine(prepare(m, [[1, 2, 3]], max_new_tokens=4, **kw))
+                   for m in (loaded, on_reference(loaded)) for kw in ({}, dict(cuda_graphs=False))]
+        assert all(e.graphed is None for e in engines)
+        assert len({e.cache.num_blocks for e in engines}) == 1
+        assert "_specdec_graphed_forward" not in loaded.model.__dict__
+
+
+def test_one_graph_cache_per_model_is_reused_and_grows(loaded):
+    runner = loaded.runner
+    config = GraphConfig(capture=CAPTURE)
+    release_model_graphs(loaded)
+    first = model_graphs(runner, 16, 6, config=config)
+    first.cache.add(7)  # an earlier call's leftover sequence
+    first.cache.reserve(7, 3)
+    assert model_graphs(runner, 16, 4, config=config) is first and 7 not in first.cache.lengths
+    grown = model_graphs(runner, 16, 9, config=config)  # outgrown: twice the blocks, when they fit
+    assert grown is not first and grown.cache.num_blocks - 1 == 12
+    refused = []
+
+    def check_fits(blocks):
+        if blocks > 14:
+            refused.append(blocks)
+            raise CacheFullError("too big")
+
+    exact = model_graphs(runner, 16, 13, check_fits, config=config)  # doubling to 24 does not fit: exactly 13
+    assert refused == [25] and exact.cache.num_blocks - 1 == 13
+    assert model_graphs(runner, 8, 2, config=config) is not exact  # another block size
+    assert release_model_graphs(loaded.model) and not release_model_graphs(loaded.model)
+
+
+@pytest.mark.skipif(not CAPTURE, reason="captures CUDA graphs")
+def test_auto_on_cuda_reuses_the_models_graphs_across_calls(loaded):
+    release_model_graphs(loaded)
+    prompts = [[4, 5, 6, 4, 5, 6, 4], [7, 8, 9]]
+    first = generate(loaded, prompts, max_new_tokens=8, drafter="ngram", speculation="always")
+    graphed = loaded.model.__dict__["_specdec_graphed_forward"]
+    buckets, replays = dict(graphed.buckets), graphed.replays
+    second = generate(loaded, prompts, max_new_tokens=8, drafter="ngram", speculation="always")
+    assert replays > 0 and graphed.replays > replays
+    assert loaded.model.__dict__["_specdec_graphed_forward"] is graphed
+    assert all(graphed.buckets[k] is b for k, b in buckets.items())  # not recaptured
+    assert first == second == generate(loaded, prompts, max_new_tokens=8, cuda_graphs=False)
+    release_model_graphs(loaded)
+
+
+def test_verify_costs_measured_through_the_buckets(loaded, monkeypatch):
+    """The speed command's c(n) on a GPU: measure_verify_costs(graphs=True) runs the engine's graphed verify."""
+    from specdec.eval.verify_cost import measure_verify_costs
+
+    calls = []
+    replay = GraphedForward.__call__
+    monkeypatch.setattr(GraphedForward, "__call__", lambda self, *a: calls.append(1) or replay(self, *a))
+    costs = measure_verify_costs(loaded, [[1, 2, 3, 4]], [1, 3], SamplingConfig(), repeats=1, graphs=True)
+    assert sorted(costs) == [1, 3] and all(c > 0 for c in costs.values())
+    assert len(calls) == 4  # 2 rounds x 2 sizes, every verify through the buckets

@@ -6,6 +6,8 @@ import ast
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -34,3 +36,11 @@ def test_every_device_parametrised_test_file_is_run_by_gpu_check():
     assert "tests/test_generate.py" in wanted  # the scan sees the fixture
     assert wanted <= listed, f"add to benchmarks/gpu_check.py DEVICE_FILES: {sorted(wanted - listed)}"
     assert all((REPO / f).is_file() for f in listed), "gpu_check lists a test file that does not exist"
+
+
+def test_speed_step_is_opt_in_and_rehearses_alone():
+    check = _gpu_check()
+    assert "speed" not in check.parse_args([]).steps.split(",")  # the default run keeps its length
+    assert check.parse_args(["--steps", "speed", "--rehearse"]).rehearse
+    with pytest.raises(SystemExit):
+        check.parse_args(["--steps", "env,speed", "--rehearse"])  # the CPU rehearsal has no GPU steps

@@ -2,7 +2,9 @@
 
 Accepted: a loaded transformers ``PreTrainedModel``; a local checkpoint directory; a
 ``.gguf`` file (dequantized through transformers, converted copy cached); the embedded
-default's alias (``"smollm2-135m-instruct"``, also ``"default"``). Never downloads,
+default's alias (``"smollm2-135m-instruct"``, also ``"default"``); a synthetic target of a published shape with
+random weights (``"synthetic:llama-3.1-8b"``, ``"synthetic:qwen3-1.7b@tiny"``: :mod:`specdec.models.synthetic`,
+built on ``device``, default CUDA when present, in ``dtype``, default bf16 there). Never downloads,
 never runs remote code unless ``trust_remote_code=True`` is passed.
 
     loaded = load_model("default")
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from specdec.models import embedded
+from specdec.models import embedded, synthetic
 from specdec.models.llama import LlamaRunner
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,11 @@ def _load_path(spec: str, dtype: torch.dtype | None, device: str | torch.device 
     model = _MODELS.get(key)
     if model is not None:
         return (model, *_TOKENIZERS[model])
+    if synthetic.is_synthetic(spec):
+        model = synthetic.build(spec, device=device, dtype=dtype)
+        _MODELS[key] = model
+        _TOKENIZERS[model] = (None, spec, spec)
+        return model, None, spec, spec
     if spec in embedded.ALIASES:
         path = embedded.embedded_checkpoint()
         name = embedded.DEFAULT_ALIAS

@@ -1,0 +1,409 @@
+"""GPU speed at real model sizes: synthetic targets of published shapes and the embedded model, one report.
+
+    python benchmarks/bench_speed_gpu.py --out gpu-report            # on a GPU (gpu_check.py --steps speed)
+    python benchmarks/bench_speed_gpu.py --rehearse --out /tmp/r     # the whole thing on the CPU, tiny shapes
+
+Per model (docs/gpu-speed.md explains every column):
+
+* plain decoding at batch 1, 8 and 32: decode tokens/s (prefill excluded) against the weight-read floor (weight
+  bytes / the device-to-device copy bandwidth measured in the same run, one weight read per step);
+* the verify-cost curve c(n) / c(1), n = 1..64 query tokens of one sequence, as the engine runs it (graphed);
+* the oracle drafter (``specdec.eval.oracle_drafter``) at tau 2, 3 and 4, as a chain and as a tree, paying a
+  random EAGLE layer's real drafting each step: speedup over specdec's plain decoding at the same batch;
+* transformers' ``generate()`` with its static cache (eager, batch 1) as the same-run baseline, where it fits the
+  budget.
+
+Models run in order of importance, each within its share of ``--budget`` seconds; whatever does not fit is marked
+skipped in the report instead of overrunning, so the run ends in time. ``report`` JSON + Markdown are rewritten
+after every measurement, so a killed run keeps what it measured. Exit status 0 also when items were skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+FULL_MODELS = ("synthetic:llama-3.1-8b", "default", "synthetic:qwen3-1.7b", "synthetic:llama-3.2-1b")
+EMBEDDED_SHAPE = "synthetic:smollm2-135m"  # the embedded model's shape: its speed where its GGUF is not at hand
+REHEARSAL_MODELS = ("synthetic:llama-3.1-8b@tiny", "synthetic:qwen3-1.7b@tiny", "synthetic:llama-3.2-1b@tiny")
+TAUS = (3.0, 2.0, 4.0)  # tau 3 first: the one the goals name
+CHAIN_DEPTH = 6
+TREE_DEPTH, TREE_WIDTH = 8, 8  # 64 nodes: the largest tree a step verifies
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="gpu-report", help="directory of speed.json / speed.md (created)")
+    ap.add_argument("--rehearse", action="store_true",
+                    help="CPU, tiny shapes, few tokens: checks the whole command in well under a minute")
+    ap.add_argument("--models", default=None, help="comma-separated (synthetic:NAME[@tiny], default, a path)")
+    ap.add_argument("--embedded", default="default",
+                    help="what 'default' in the model list loads: the alias, or the embedded GGUF's path; where it "
+                         f"cannot be loaded, {EMBEDDED_SHAPE} (its shape, random weights) stands in")
+    ap.add_argument("--batches", default=None, help="default 1,8,32; rehearsal 1,2,4")
+    ap.add_argument("--taus", default=",".join(str(t) for t in TAUS))
+    ap.add_argument("--sizes", default=None,
+                    help="verify-cost query sizes: 'A-B' or a comma list (default 1-64; rehearsal 1,2,4,8,16,32,64)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="per sequence (default 128; rehearsal 8)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="random prompt tokens (default 128; rehearsal 8)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default 400; rehearsal 50)")
+    ap.add_argument("--no-hf", action="store_true", help="leave out transformers' static-cache baseline")
+    args = ap.parse_args(argv)
+    args.models = args.models.split(",") if args.models else list(REHEARSAL_MODELS if args.rehearse else FULL_MODELS)
+    args.batches = [int(b) for b in (args.batches or ("1,2,4" if args.rehearse else "1,8,32")).split(",")]
+    args.sizes = args.sizes or ("1,2,4,8,16,32,64" if args.rehearse else "1-64")
+    args.taus = [float(t) for t in args.taus.split(",")]
+    if "-" in args.sizes:
+        lo, hi = (int(x) for x in args.sizes.split("-"))
+        args.sizes = list(range(lo, hi + 1))
+    else:
+        args.sizes = [int(n) for n in args.sizes.split(",")]
+    args.new_tokens = args.new_tokens or (8 if args.rehearse else 128)
+    args.prompt_len = args.prompt_len or (8 if args.rehearse else 128)
+    args.budget = args.budget or (50.0 if args.rehearse else 400.0)
+    return args
+
+
+class Clock:
+    """The run's deadline and each model's share of what is left."""
+
+    def __init__(self, budget: float) -> None:
+        self.end = time.perf_counter() + budget
+        self.share_end = self.end
+
+    def start_share(self, models_left: int) -> None:
+        self.share_end = time.perf_counter() + max(0.0, self.end - time.perf_counter()) / max(models_left, 1)
+
+    def allows(self) -> bool:
+        return time.perf_counter() < self.share_end
+
+    def share_left(self) -> float:
+        return self.share_end - time.perf_counter()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, rehearse: bool) -> float:
+    """Bytes/s a device-to-device copy moves (read + write), median of 10: a bound on reading weights."""
+    n = (64 if rehearse else 1024) * 2**20
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(11):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return 2 * n / statistics.median(times)
+
+
+def weight_bytes(model) -> int:
+    """Bytes one decode step reads: every distinct parameter once, but of an input embedding that is no LM head only
+    the rows it gathers (nothing, next to the rest); a tied one is read whole, as the LM head."""
+    embed = model.get_input_embeddings().weight
+    seen, total = set(), 0
+    if embed.data_ptr() != model.get_output_embeddings().weight.data_ptr():
+        seen.add(embed.data_ptr())
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def load(spec: str, embedded: str, device: torch.device, dtype: torch.dtype):
+    """The model and a note: the embedded model (``embedded``) for "default", its shape where it cannot load."""
+    from specdec.models.loader import load_model
+
+    if spec != "default":
+        return load_model(spec, device=device, dtype=dtype), None
+    try:
+        return load_model(embedded, device=device, dtype=dtype), None
+    except (OSError, ImportError, ValueError) as err:
+        note = f"{embedded!r} did not load ({type(err).__name__}: {' '.join(str(err).split())[:200]}): {EMBEDDED_SHAPE}"
+        return load_model(EMBEDDED_SHAPE, device=device, dtype=dtype), note
+
+
+def run_generate(loaded, prompts, new_tokens: int, **kwargs) -> dict:
+    """One timed generate(): decode tokens/s excludes the prefill (whose step gives each sequence's first token)."""
+    from specdec.generate import generate
+
+    sync(loaded.runner.device)
+    out = generate(loaded, prompts, max_new_tokens=new_tokens, return_dict=True, eos_token_id=[], **kwargs)
+    new = sum(len(t) for t in out.new_tokens)
+    decode = out.seconds - out.prefill_seconds
+    steps = max(out.forward_passes, 1)
+    return dict(new_tokens=new, seconds=out.seconds, prefill_seconds=out.prefill_seconds,
+                decode_tokens_per_s=(new - len(prompts)) / decode if decode > 0 else None, steps=steps,
+                step_ms=1e3 * decode / steps, tau=statistics.mean(s.tau for s in out.stats),
+                draft_seconds=out.draft_seconds,
+                outputs=out.new_tokens)
+
+
+def hf_static(model, prompt: list[int], new_tokens: int) -> dict:
+    """transformers' greedy generate() with its static cache (eager), batch 1: a warm-up, then one timed call."""
+    device = next(model.parameters()).device
+    x = torch.tensor([prompt], device=device)
+    kwargs = dict(attention_mask=torch.ones_like(x), do_sample=False, cache_implementation="static",
+                  pad_token_id=0, eos_token_id=None, disable_compile=True)
+    with torch.inference_mode():
+        model.generate(x, max_new_tokens=2, **kwargs)
+        sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        sync(device)
+    seconds = time.perf_counter() - t0
+    return dict(seconds=seconds, new_tokens=out.shape[1] - x.shape[1],
+                tokens_per_s=(out.shape[1] - x.shape[1]) / seconds)
+
+
+class ModelRun:
+    """Every measurement of one model, in order of importance, each only while the model's share lasts."""
+
+    def __init__(self, spec: str, args, device: torch.device, dtype: torch.dtype, bandwidth: float, clock: Clock,
+                 save) -> None:
+        self.spec, self.args, self.device, self.dtype, self.clock, self.save = spec, args, device, dtype, clock, save
+        self.result: dict = dict(model=spec, plain={}, oracle=[], verify_cost=None, hf_static=None, skipped=[],
+                                 errors=[])
+        self.bandwidth = bandwidth
+
+    def item(self, name: str, fn, estimate: float | None = None) -> None:
+        """Run one measurement while the model's share lasts (and, given an estimate of its seconds, if it fits)."""
+        if not self.clock.allows() or (estimate is not None and estimate > self.clock.share_left()):
+            self.result["skipped"].append(name if estimate is None else f"{name} (~{estimate:.0f} s)")
+            return
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as err:  # one failed measurement must not lose the others
+            self.result["errors"].append(f"{name}: {type(err).__name__}: {' '.join(str(err).split())[:400]}")
+        print(f"[speed] {self.spec}: {name} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        self.save()
+
+    def run(self) -> dict:
+        from specdec.models import synthetic
+
+        args = self.args
+        t0 = time.perf_counter()
+        self.loaded, note = load(self.spec, args.embedded, self.device, self.dtype)
+        self.result["note"] = note
+        model = self.loaded.model
+        self.eagle = synthetic.eagle_head(model.config, device=self.device, dtype=self.dtype)
+        sync(self.device)
+        wbytes = weight_bytes(model)
+        floor_ms = 1e3 * wbytes / self.bandwidth
+        self.result.update(build_seconds=round(time.perf_counter() - t0, 2), weight_bytes=wbytes,
+                           floor_step_ms=floor_ms, eagle_draft_vocab=len(self.eagle.config.draft_vocab) or None)
+        self.presize_graphs()
+        gen = torch.Generator().manual_seed(0)
+        vocab = self.loaded.runner.shape.vocab_size
+        pool = torch.randint(vocab, (max(args.batches), args.prompt_len), generator=gen).tolist()
+        self.references: dict[int, dict] = {}
+        self.draft_seconds_per_seq_step: float | None = None  # the EAGLE layer's, from the first batch-1 row
+        b0, rest = args.batches[0], args.batches[1:]
+        first, others = args.taus[0], args.taus[1:]
+
+        def oracle(b: int, tau: float, shape: str, eagle: bool) -> None:
+            name = f"oracle {shape} tau {tau} b{b}{' +eagle' if eagle else ''}"
+            self.item(name, lambda: self.oracle(pool[:b], tau, shape, eagle), self.estimate(b, tau) if eagle else None)
+
+        self.item(f"plain b{b0}", lambda: self.plain(pool[:b0]))
+        self.item("verify cost", lambda: self.curve(pool[0]))
+        for shape in ("chain", "tree"):
+            oracle(b0, first, shape, True)
+        for b in reversed(rest):  # the largest batch first: the goals name batch 32
+            self.item(f"plain b{b}", lambda b=b: self.plain(pool[:b]))
+            oracle(b, first, "chain", False)
+        for tau in others:
+            for shape in ("chain", "tree"):
+                oracle(b0, tau, shape, True)
+        if not args.no_hf:
+            self.item("transformers static cache b1", lambda: self.hf(pool[0]))
+        for b in reversed(rest):  # the EAGLE layer drafts one sequence at a time: its rows cost batch x more
+            oracle(b, first, "chain", True)
+        for b in reversed(rest):
+            for tau in args.taus:
+                for shape in ("chain", "tree"):
+                    if (shape, tau) != ("chain", first):
+                        oracle(b, tau, shape, False)
+        self.result["seconds"] = round(time.perf_counter() - t0, 1)
+        return self.result
+
+    def presize_graphs(self) -> None:
+        """The model's graph cache (cuda_graphs="auto") sized once for the largest request of the run, so no timed
+        call rebuilds it and recaptures its buckets."""
+        from specdec.cuda_graphs import auto_uses_graphs, model_graphs
+        from specdec.kv_cache import blocks_needed
+        from specdec.tree import MAX_TREE_NODES
+
+        runner = self.loaded.runner
+        if auto_uses_graphs(runner):
+            lengths = [self.args.prompt_len] * max(self.args.batches)
+            model_graphs(runner, 16, blocks_needed(lengths, self.args.new_tokens, 16, MAX_TREE_NODES))
+
+    def plain(self, prompts) -> None:
+        b = len(prompts)
+        # warm-up, the same call: compiles the kernels and captures every bucket the timed call meets
+        run_generate(self.loaded, prompts, self.args.new_tokens)
+        row = run_generate(self.loaded, prompts, self.args.new_tokens)
+        self.references[b] = {tuple(p): out for p, out in zip(prompts, row.pop("outputs"))}
+        step_floor = self.result["floor_step_ms"]
+        row.update(floor_tokens_per_s=b * 1e3 / step_floor, step_over_floor=row["step_ms"] / step_floor)
+        self.result["plain"][str(b)] = row
+
+    def curve(self, prompt) -> None:
+        from specdec.cuda_graphs import auto_uses_graphs
+        from specdec.eval.verify_cost import measure_verify_costs
+        from specdec.sampling import SamplingConfig
+
+        # the engine's verify timer over n = root + a chain of n - 1, rounds interleaving the sizes, graphed on CUDA
+        # rounds of every size must fit the context even if every chain were accepted (smollm2: 8,192 positions)
+        room = (self.loaded.runner.shape.max_positions - len(prompt) - 2) // sum(self.args.sizes) - 1
+        repeats = max(1, min(3 if self.args.rehearse else 5, room))
+        costs = measure_verify_costs(self.loaded, [prompt], self.args.sizes, SamplingConfig(), repeats=repeats,
+                                     graphs=auto_uses_graphs(self.loaded.runner))
+        base = costs.get(1) or min(costs.values())
+        self.result["verify_cost"] = dict(ms={n: 1e3 * c for n, c in costs.items()},
+                                          ratio={n: c / base for n, c in costs.items()})
+
+    def estimate(self, batch: int, tau: float) -> float | None:
+        """Seconds of an EAGLE row at ``batch`` (warm-up + timed call), from the batch-1 row's drafting time."""
+        if self.draft_seconds_per_seq_step is None:
+            return None
+        return 2 * self.args.new_tokens / tau * batch * self.draft_seconds_per_seq_step
+
+    def oracle(self, prompts, tau: float, shape: str, eagle: bool) -> None:
+        from specdec.drafters.eagle import EagleDrafter
+        from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter
+
+        b = len(prompts)
+        if b not in self.references:
+            self.plain(prompts)
+        depth, width = (CHAIN_DEPTH, 1) if shape == "chain" else (TREE_DEPTH, TREE_WIDTH)
+        profile = AcceptanceProfile.for_tau(tau, depth, width)
+        nodes = depth * width
+
+        def drafter():
+            inner = (EagleDrafter(model=self.eagle, depth=depth, top_k=width, max_nodes=nodes, adapt_depth=False)
+                     if eagle else None)
+            return OracleDrafter(self.references[b], profile, inner=inner, seed=1)
+
+        run_generate(self.loaded, prompts, self.args.new_tokens, drafter=drafter(), speculation="always")  # warm-up
+        row = run_generate(self.loaded, prompts, self.args.new_tokens, drafter=drafter(), speculation="always")
+        outputs = row.pop("outputs")
+        plain = self.result["plain"][str(b)]
+        same = sum(out == self.references[b][tuple(p)] for p, out in zip(prompts, outputs))
+        if eagle and b == 1 and self.draft_seconds_per_seq_step is None:
+            self.draft_seconds_per_seq_step = row["draft_seconds"] / row["steps"]
+        row.update(shape=shape, batch=b, eagle=eagle, tau_target=tau, nodes=nodes, profile_rate=profile.rates[0],
+                   speedup=row["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
+                   identical_to_plain=f"{same}/{b}")
+        self.result["oracle"].append(row)
+
+    def hf(self, prompt) -> None:
+        self.result["hf_static"] = hf_static(self.loaded.model, prompt, self.args.new_tokens)
+
+
+def markdown(report: dict) -> str:
+    env = report["env"]
+    lines = [f"# specdec speed, {report['date']}", "",
+             f"{env['device_name']}, {env['dtype']}, torch {env['torch']}; copy bandwidth "
+             f"{env['copy_gb_per_s']:.0f} GB/s; {report['new_tokens']} new tokens per sequence after "
+             f"{report['prompt_len']}-token random prompts"
+             + ("; REHEARSAL (CPU, tiny shapes)." if report["rehearse"] else "."), ""]
+    for m in report["models"]:
+        lines += [f"## {m['model']}", ""] + ([f"Measured on {m['note']}.", ""] if m.get("note") else [])
+        if "weight_bytes" in m:
+            lines.append(f"{m['weight_bytes'] / 1e9:.2f} GB of weights; floor {m['floor_step_ms']:.3f} ms/step; "
+                         f"built in {m['build_seconds']} s; EAGLE draft vocabulary {m['eagle_draft_vocab'] or 'full'}")
+        if m["plain"]:
+            lines += ["", "| batch | decode tok/s | floor tok/s | step ms | step / floor |", "|---|---|---|---|---|"]
+            for b, r in sorted(m["plain"].items(), key=lambda kv: int(kv[0])):
+                lines.append(f"| {b} | {r['decode_tokens_per_s']:.1f} | {r['floor_tokens_per_s']:.1f} | "
+                             f"{r['step_ms']:.3f} | {r['step_over_floor']:.2f} |")
+        if m["hf_static"]:
+            p1 = m["plain"].get("1")  # the same definition on both sides: new tokens / seconds, prefill included
+            ratio = "" if not p1 else (f"; specdec plain, counted alike, is "
+                                       f"{p1['new_tokens'] / p1['seconds'] / m['hf_static']['tokens_per_s']:.2f}x it")
+            lines += ["", f"transformers static-cache generate(), batch 1: {m['hf_static']['tokens_per_s']:.1f} tok/s "
+                          f"(prefill included){ratio}"]
+        if m["verify_cost"]:
+            ratio = m["verify_cost"]["ratio"]
+            picks = [n for n in (1, 2, 4, 8, 16, 24, 32, 48, 64) if n in ratio]
+            lines += ["", "verify cost c(n) / c(1): " + ", ".join(f"{n}: {ratio[n]:.2f}" for n in picks)
+                      + f" (c(1) = {m['verify_cost']['ms'][min(ratio)]:.3f} ms)"]
+        if m["oracle"]:
+            lines += ["", "| oracle | batch | nodes | drafting | tau target | tau | step ms | draft ms/step | "
+                          "decode tok/s | speedup vs plain | same text |", "|---" * 11 + "|"]
+            for r in m["oracle"]:
+                lines.append(f"| {r['shape']} | {r['batch']} | {r['nodes']} | {'EAGLE' if r['eagle'] else 'none'} | "
+                             f"{r['tau_target']:.1f} | {r['tau']:.2f} | {r['step_ms']:.3f} | "
+                             f"{1e3 * r['draft_seconds'] / r['steps']:.3f} | {r['decode_tokens_per_s']:.1f} | "
+                             f"**{r['speedup']:.2f}x** | {r['identical_to_plain']} |")
+        if m["skipped"]:
+            lines += ["", "skipped (out of time): " + "; ".join(m["skipped"])]
+        if m["errors"]:
+            lines += ["", "errors:"] + [f"- {e}" for e in m["errors"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.rehearse:
+        device, dtype = torch.device("cpu"), torch.float32
+    elif torch.cuda.is_available():
+        device, dtype = torch.device("cuda"), torch.bfloat16
+    else:
+        print("bench_speed_gpu.py needs a CUDA GPU, or --rehearse for the CPU rehearsal", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from transformers import LlamaForCausalLM, Qwen3ForCausalLM  # noqa: F401  (imported before the clock starts)
+
+    clock = Clock(args.budget)
+    bandwidth = copy_bandwidth(device, args.rehearse)
+    report = dict(date=str(datetime.datetime.now().replace(microsecond=0)), rehearse=args.rehearse,
+                  new_tokens=args.new_tokens, prompt_len=args.prompt_len, budget_s=args.budget,
+                  env=dict(device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+                           dtype=str(dtype).replace("torch.", ""), torch=torch.__version__,
+                           copy_gb_per_s=bandwidth / 1e9), models=[])
+
+    def save() -> None:
+        (out / "speed.json").write_text(json.dumps(report, indent=1))
+        (out / "speed.md").write_text(markdown(report))
+
+    for i, spec in enumerate(args.models):
+        clock.start_share(len(args.models) - i)
+        run = ModelRun(spec, args, device, dtype, bandwidth, clock, save)
+        report["models"].append(run.result)
+        try:
+            run.run()
+        except Exception as err:  # a model that cannot be built or loaded: say so, go on with the next
+            run.result["errors"].append(f"load: {type(err).__name__}: {' '.join(str(err).split())[:400]}")
+        finally:
+            run.loaded = run.eagle = None
+            gc.collect()  # a model and its graph cache reference each other
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        save()
+    report["seconds"] = round(args.budget - (clock.end - time.perf_counter()), 1)
+    save()
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The oracle drafter: a measuring instrument for speed at a chosen acceptance, never a user-facing drafter.
+
+It knows the target's own greedy continuation of each prompt (from a plain run on the same prompt) and proposes a
+chain, or a tree of ``width`` children per depth, whose acceptance per depth follows an :class:`AcceptanceProfile`:
+at depth d one child carries the reference token with probability ``rates[d-1]``, every other node a token that is
+not it. So speedup at any tau can be measured end to end on any target, random weights included.
+
+Invariants: proposals are deterministic candidates (``draft_probs`` None), so greedy output is the target's whatever
+the oracle proposes; its own draws come from its own seeded generator (never the target's randomness); the tree's
+shape is fixed before its tokens are drawn. ``inner=`` runs a real drafter's ``propose`` each step and discards its
+tokens, so a step also pays that drafter's true cost (an EAGLE head's forward, a draft model's). Measure with
+``speculation="always"``: the guard and tree sizing would otherwise cut the trees the profile describes. Where the
+target's output leaves the reference (bf16 near-ties), the oracle stops knowing the answer; the measured tau says so.
+
+    oracle = OracleDrafter(reference_continuations(loaded, prompts, 128), AcceptanceProfile.constant(0.8, 6))
+    out = generate(loaded, prompts, drafter=oracle, max_new_tokens=128, speculation="always")
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.drafters.base import Drafter, SequenceView, TargetView
+from specdec.errors import InputError
+from specdec.tree import MAX_TREE_NODES, DraftTree, DraftMode
+
+
+@dataclass(frozen=True)
+class AcceptanceProfile:
+    rates: tuple[float, ...]  # per depth 1..k: P(the reference child is proposed at depth d | its parent was)
+    width: int = 1  # children per depth (1: a chain); the tree has len(rates) * width nodes
+
+    def __post_init__(self) -> None:
+        rates = tuple(float(r) for r in self.rates)
+        object.__setattr__(self, "rates", rates)
+        if not rates or any(not 0.0 <= r <= 1.0 for r in rates):
+            raise InputError(f"acceptance rates must be a non-empty list in [0, 1], got {list(rates)}")
+        if not isinstance(self.width, int) or self.width < 1 or len(rates) * self.width > MAX_TREE_NODES:
+            raise InputError(f"width must be >= 1 with depth x width <= {MAX_TREE_NODES}, got {len(rates)} x "
+                             f"{self.width}")
+
+    @classmethod
+    def constant(cls, rate: float, depth: int, width: int = 1) -> "AcceptanceProfile":
+        return cls((rate,) * depth, width)
+
+    @classmethod
+    def for_tau(cls, tau: float, depth: int, width: int = 1) -> "AcceptanceProfile":
+        """The constant rate whose chain of ``depth`` reaches mean accepted length ``tau`` (bisection)."""
+        if not 1.0 <= tau <= depth + 1:
+            raise InputError(f"tau must be in [1, {depth + 1}] for depth {depth}, got {tau}")
+        lo, hi = 0.0, 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if cls.constant(mid, depth).expected_tau < tau else (lo, mid)
+        return cls.constant((lo + hi) / 2, depth, width)
+
+    @classmethod
+    def from_acceptance_report(cls, path: str | Path, drafter: str, category: str, width: int = 1
+                               ) -> "AcceptanceProfile":
+        """The per-depth rates ``specdec eval acceptance`` measured for ``drafter`` on ``category`` (report.json)."""
+        rows = json.loads(Path(path).read_text())["rows"]
+        for row in rows:
+            if row.get("drafter") == drafter and row.get("category") == category and row.get("acceptance_per_depth"):
+                return cls(tuple(row["acceptance_per_depth"]), width)
+        raise InputError(f"{path}: no per-depth acceptance for drafter {drafter!r} on category {category!r}")
+
+    @property
+    def expected_tau(self) -> float:
+        """Committed tokens per step: 1 + sum over d of prod(rates[:d]) ((1 - a^(k+1)) / (1 - a) when constant)."""
+        tau, alive = 1.0, 1.0
+        for r in self.rates:
+            alive *= r
+            tau += alive
+        return tau
+
+
+def reference_continuations(loaded, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                            **generate_kwargs) -> dict[tuple[int, ...], list[int]]:
+    """The target's greedy continuation of each prompt, from a plain run of specdec on it."""
+    from specdec.generate import generate
+
+    out = generate(loaded, [list(p) for p in prompts], max_new_tokens=max_new_tokens, return_dict=True,
+                   **generate_kwargs)
+    return {tuple(p): list(new) for p, new in zip(prompts, out.new_tokens)}
+
+
+class OracleDrafter(Drafter):
+    name = "oracle"
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], profile: AcceptanceProfile,
+                 inner: Drafter | None = None, seed: int = 0) -> None:
+        self.continuations, self.profile, self.inner, self.seed = continuations, profile, inner, seed
+        self.needs_hidden_states = bool(inner is not None and inner.needs_hidden_states)
+        self.proposed_hits = [0] * len(profile.rates)  # per depth: steps whose tree held the reference token
+        self.proposed_tries = [0] * len(profile.rates)  # per depth: steps whose parent on the path held it
+
+    def cost_key(self) -> str:
+        inner = "" if self.inner is None else "|" + self.inner.cost_key()
+        return f"oracle:{self.profile.rates}x{self.profile.width}{inner}"
+
+    def attach(self, target: TargetView) -> None:
+        self.target = target
+        self.vocab = target.runner.shape.vocab_size
+        self.generator = torch.Generator().manual_seed(self.seed)
+        if self.inner is not None:
+            self.inner.attach(target)
+
+    def on_accept(self, seq_id: int, committed: Sequence[int]) -> None:
+        if self.inner is not None:
+            self.inner.on_accept(seq_id, committed)
+
+    def release(self, seq_id: int) -> None:
+        if self.inner is not None:
+            self.inner.release(seq_id)
+
+    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
+        if self.inner is not None:
+            self.inner.propose(seqs)  # its true cost; its tokens are not used
+        return [self._tree(view) for view in seqs]
+
+    def _tree(self, view: SequenceView) -> DraftTree:
+        rates, width = self.profile.rates, self.profile.width
+        reference = self.continuations.get(tuple(view.token_ids[: view.num_prompt_tokens]), [])
+        done = len(view.token_ids) - view.num_prompt_tokens  # new tokens committed; the root is the last of them
+        draws = torch.rand(len(rates), generator=self.generator).tolist()  # fixed count: one draw per depth
+        tokens, parents, parent, on_path = [], [], -1, True
+        for d, rate in enumerate(rates):
+            want = reference[done + d] if done + d < len(reference) else None
+            hit = on_path and want is not None and draws[d] < rate
+            if on_path and want is not None:
+                self.proposed_tries[d] += 1
+                self.proposed_hits[d] += hit
+            wrong = want if want is not None else view.token_ids[-1]
+            first = len(tokens)
+            for j in range(width):
+                tok = want if (hit and j == 0) else (wrong + 1 + j) % self.vocab
+                tokens.append(tok)
+                parents.append(parent)
+            parent, on_path = first, hit  # the next depth hangs under this depth's first child
+        return DraftTree(tokens, parents, None, DraftMode.DETERMINISTIC)

@@ -1,0 +1,99 @@
+"""The oracle drafter (a measuring instrument): exact by construction, acceptance per depth as profiled, tau as
+the chain formula says, on a tiny synthetic target."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from specdec.errors import InputError
+from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter, reference_continuations
+from specdec.generate import generate
+from specdec.models.loader import load_model
+
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79], [32, 38, 46, 26, 43, 38], [7, 1, 8, 2]]
+NEW = 120
+
+
+@pytest.fixture(scope="module")
+def target():
+    with pytest.MonkeyPatch.context() as mp:  # no CPU row-policy calibration for a throwaway shape
+        mp.setattr("specdec.engine_setup.ensure_row_policy", lambda runner: None)
+        loaded = load_model("synthetic:llama-3.2-1b@tiny", device="cpu")
+        yield loaded, reference_continuations(loaded, PROMPTS, NEW)
+
+
+def _run(loaded, oracle, prompts=PROMPTS):
+    return generate(loaded, prompts, drafter=oracle, max_new_tokens=NEW, speculation="always", return_dict=True)
+
+
+def test_profile_formulas_and_checks():
+    a, k = 0.7, 5
+    assert AcceptanceProfile.constant(a, k).expected_tau == pytest.approx((1 - a ** (k + 1)) / (1 - a))
+    assert AcceptanceProfile.for_tau(3.0, 6).expected_tau == pytest.approx(3.0, abs=1e-9)
+    with pytest.raises(InputError):
+        AcceptanceProfile.constant(0.5, 8, width=9)  # 72 nodes
+    with pytest.raises(InputError):
+        AcceptanceProfile((1.2,))
+
+
+def test_profile_from_an_acceptance_report(tmp_path):
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"rows": [
+        {"drafter": "plain", "category": "chat", "acceptance_per_depth": []},
+        {"drafter": "medusa", "category": "chat", "acceptance_per_depth": [0.6, 0.5, 0.25]},
+        {"drafter": "medusa", "category": "code", "acceptance_per_depth": [0.9]}]}))
+    profile = AcceptanceProfile.from_acceptance_report(report, "medusa", "chat", width=2)
+    assert profile.rates == (0.6, 0.5, 0.25) and profile.width == 2
+    assert profile.expected_tau == pytest.approx(1 + 0.6 + 0.3 + 0.075)
+    with pytest.raises(InputError, match="no per-depth acceptance"):
+        AcceptanceProfile.from_acceptance_report(report, "plain", "chat")
+
+
+def test_greedy_output_is_the_targets_whatever_the_oracle_knows(target):
+    loaded, reference = target
+    wrong = {p: [(t + 1) % 256 for t in c] for p, c in reference.items()}  # an oracle that is always wrong
+    for knowledge, profile in ((reference, AcceptanceProfile.constant(0.6, 4, width=3)),
+                               (wrong, AcceptanceProfile.constant(1.0, 3))):
+        out = _run(loaded, OracleDrafter(knowledge, profile, seed=1))
+        assert out.new_tokens == [reference[tuple(p)] for p in PROMPTS]
+    assert max(s.tau for s in out.stats) == 1.0  # the wrong oracle never got a token accepted
+
+
+def test_perfect_oracle_commits_depth_plus_one_every_step(target):
+    loaded, reference = target
+    out = _run(loaded, OracleDrafter(reference, AcceptanceProfile.constant(1.0, 4)))
+    for s in out.stats:
+        assert set(s.step_lengths[:-1]) == {5}  # the last step may be cut by max_new_tokens
+
+
+@pytest.mark.parametrize("rates, width", [((0.8, 0.6, 0.4), 1), ((0.7, 0.7, 0.7, 0.7, 0.7), 2)])
+def test_acceptance_per_depth_and_tau_follow_the_profile(target, rates, width):
+    loaded, reference = target
+    profile = AcceptanceProfile(rates, width)
+    out = _run(loaded, OracleDrafter(reference, profile, seed=7))
+    tried = [sum(s.depth_tried[d] for s in out.stats if d < len(s.depth_tried)) for d in range(len(rates))]
+    accepted = [sum(s.depth_accepted[d] for s in out.stats if d < len(s.depth_accepted)) for d in range(len(rates))]
+    for d, rate in enumerate(rates):
+        sigma = math.sqrt(rate * (1 - rate) / tried[d])
+        assert abs(accepted[d] / tried[d] - rate) < 4 * sigma + 1e-9, (d, accepted[d], tried[d])
+    lengths = [n for s in out.stats for n in s.step_lengths[:-1]]  # full steps only
+    mean = sum(lengths) / len(lengths)
+    sd = math.sqrt(sum((n - mean) ** 2 for n in lengths) / (len(lengths) - 1))
+    assert abs(mean - profile.expected_tau) < 4 * sd / math.sqrt(len(lengths))
+
+
+def test_inner_drafter_runs_and_changes_nothing_but_the_cost(target):
+    loaded, reference = target
+    calls = []
+
+    class Counting(OracleDrafter):  # stands for a real drafter: counts its propose calls
+        def propose(self, seqs):
+            calls.append(len(seqs))
+            return super().propose(seqs)
+
+    inner = Counting(reference, AcceptanceProfile.constant(0.0, 2))
+    out = _run(loaded, OracleDrafter(reference, AcceptanceProfile.constant(1.0, 3), inner=inner), PROMPTS[:1])
+    assert out.new_tokens == [reference[tuple(PROMPTS[0])]]
+    assert len(calls) == out.forward_passes and out.stats[0].tau > 3.5  # the inner tokens were not verified

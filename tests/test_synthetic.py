@@ -1,0 +1,84 @@
+"""Synthetic targets: published shapes (counted, not built), tiny versions built and run through specdec."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.errors import InputError
+from specdec.models import synthetic
+from specdec.models.loader import load_model
+
+
+@pytest.mark.parametrize("name, billions", [("llama-3.2-1b", 1.236), ("llama-3.1-8b", 8.030), ("qwen3-1.7b", 1.721),
+                                            ("qwen3-0.6b", 0.596), ("smollm2-135m", 0.1345)])
+def test_published_shapes_have_the_published_parameter_counts(name, billions):
+    assert synthetic.SHAPES[name].num_params / 1e9 == pytest.approx(billions, abs=0.001)
+
+
+def test_shape_config_keeps_the_features_the_runner_reads():
+    c = synthetic.SHAPES["llama-3.1-8b"].hf_config()
+    assert (c.num_key_value_heads, c.head_dim, c.tie_word_embeddings) == (8, 128, False)
+    assert c.rope_parameters["rope_type"] == "llama3" and c.rope_parameters["rope_theta"] == 500000.0
+    tiny = synthetic.parse("synthetic:qwen3-1.7b@tiny")
+    assert tiny.num_heads // tiny.num_kv_heads == 2 and tiny.tie_word_embeddings and tiny.model_type == "qwen3"
+
+
+def test_tiny_build_is_deterministic_and_matches_the_shape():
+    a = synthetic.build("qwen3-1.7b@tiny", device="cpu", seed=3)
+    b = synthetic.build("qwen3-1.7b@tiny", device="cpu", seed=3)
+    c = synthetic.build("qwen3-1.7b@tiny", device="cpu", seed=4)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+    assert sum(p.numel() for p in a.parameters()) == synthetic.parse("qwen3-1.7b@tiny").num_params
+    assert hasattr(a.model.layers[0].self_attn, "q_norm") and a.lm_head.weight is a.model.embed_tokens.weight
+    half = synthetic.build("llama-3.1-8b@tiny", device="cpu", dtype=torch.bfloat16)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+
+
+def test_full_size_builds_on_the_device_in_its_dtype_never_on_the_host():
+    model = synthetic.build("llama-3.1-8b", device="meta", dtype=torch.bfloat16)  # no memory: the 8B shape itself
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("meta", torch.bfloat16)}
+    assert sum(p.numel() for p in model.parameters()) == synthetic.SHAPES["llama-3.1-8b"].num_params
+
+
+def test_build_leaves_the_callers_rng_alone():
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    synthetic.build("llama-3.2-1b@tiny", device="cpu")
+    assert torch.equal(torch.rand(3), want)
+
+
+def test_by_name_in_generate_equals_transformers_greedy(monkeypatch):
+    from specdec.generate import generate
+
+    monkeypatch.setattr("specdec.engine_setup.ensure_row_policy", lambda runner: None)  # no calibration per shape
+
+    loaded = load_model("synthetic:llama-3.1-8b@tiny", device="cpu")
+    assert loaded.tokenizer is None and loaded.name == "synthetic:llama-3.1-8b@tiny"
+    prompt = [5, 17, 99, 3, 42]
+    ours = generate(loaded, [prompt], max_new_tokens=12)[0][len(prompt):]
+    with torch.inference_mode():
+        x = torch.tensor([prompt])
+        theirs = loaded.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
+                                       pad_token_id=0)[0, len(prompt):].tolist()
+    assert ours == theirs
+
+
+def test_unknown_names_and_oversized_builds_are_one_line_errors(monkeypatch):
+    with pytest.raises(InputError, match="unknown synthetic model"):
+        synthetic.parse("synthetic:llama-9b")
+    monkeypatch.setattr(synthetic.os, "sysconf", lambda name: 1024)  # 1 MiB of free host memory
+    with pytest.raises(InputError, match="GiB free"):
+        synthetic.build("llama-3.1-8b", device="cpu")
+
+
+def test_matching_draft_model_and_eagle_head():
+    assert synthetic.draft_spec("synthetic:llama-3.1-8b") == "synthetic:llama-3.2-1b"
+    assert synthetic.draft_spec("synthetic:qwen3-1.7b@tiny") == "synthetic:qwen3-0.6b@tiny"
+    assert synthetic.draft_spec("synthetic:llama-3.2-1b") is None
+    target = synthetic.build("qwen3-1.7b@tiny", device="cpu")
+    head = synthetic.eagle_head(target.config, device="cpu")
+    assert head.config.hidden_size == 64 and head.lm_head is None  # tiny: the target's full LM head
+    reduced = synthetic.eagle_head(target.config, device="cpu", draft_vocab=16)
+    assert reduced.lm_head.weight.shape == (16, 64) and reduced.draft_ids.tolist() == list(range(16))
