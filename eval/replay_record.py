@@ -34,6 +34,7 @@ import torch
 
 from specdec.atomic_write import write_json
 from specdec.errors import InputError
+from specdec.eval.resume import model_identity
 from specdec.tree import MAX_TREE_NODES
 
 logger = logging.getLogger(__name__)
@@ -144,11 +145,26 @@ def record_run(loaded: Any, prompts: Sequence[Sequence[int]], config: RecordConf
     costs = measure_costs(loaded, prompts, config) if with_costs else {"verify_seconds": {}, "source": "none"}
     costs["decode_step_seconds"] = decode_seconds / steps if steps else None
     runner = loaded.runner
-    return {"schema": SCHEMA, "version": VERSION, "model": loaded.name, "dtype": str(runner.dtype).removeprefix(
+    identity = model_identity(loaded)  # the model by its content: a folder of the same name may hold another
+    return {"schema": SCHEMA, "version": VERSION, "model": loaded.name, "model_source": identity["model_source"],
+        "model_fingerprint": identity["model_fingerprint"], "dtype": str(runner.dtype).removeprefix(
         "torch."), "device": str(runner.device), "threads": torch.get_num_threads(), "vocab_size":
         runner.shape.vocab_size, "max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
         "top_k": config.top_k, "seed": config.seed, "costs": costs, "sequences": sequences,
         "date": time.strftime("%Y-%m-%d")}
+
+
+def check_record_path(path: str | Path, overwrite: bool, inputs: Sequence[str | Path] = ()) -> None:
+    """Refuse to write a record over one of the run's ``inputs`` (ever) or over an existing file (unless
+    ``overwrite``); a one-line InputError naming the file."""
+    path = Path(path)
+    for source in inputs:
+        if path.exists() and Path(source).exists() and path.samefile(source):
+            raise InputError(f"--out {path} is the run's input {source}; write the record to another file")
+    if path.is_dir():
+        raise InputError(f"--out {path} is a directory; name the record file to write")
+    if path.exists() and not overwrite:
+        raise InputError(f"--out {path} exists; pass --overwrite to replace it, or name another file")
 
 
 def save_record(record: dict, path: str | Path) -> Path:

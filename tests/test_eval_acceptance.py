@@ -18,7 +18,7 @@ from specdec.eval.acceptance import (
     run_suite,
     summarise,
 )
-from specdec.eval.prompt_sets import load_jsonl
+from specdec.eval.prompt_files import read_prompt_file
 from specdec.eval.prompts import CATEGORIES, load_prompts
 from specdec.eval.report import markdown, write_reports
 from specdec.eval.verify_cost import measure_verify_costs
@@ -189,23 +189,12 @@ def test_every_category_ships_20_prompts():
         assert len(prompts) == 20 and len(set(prompts)) == 20, category
 
 
-@pytest.mark.parametrize("content, match", [
-    ("", "holds no prompts"), ("{not json}\n", "not valid JSON"), ('{"text": ""}\n', "non-empty"),
-    ('["a list"]\n', "non-empty"),
-])
-def test_bad_prompt_files(tmp_path, content, match):
-    path = tmp_path / "p.jsonl"
-    path.write_text(content)
-    with pytest.raises(ValueError, match=match):
-        load_jsonl(path)
-
-
 def test_prompt_file_and_unknown_category(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "hello"}\n\n{"text": "world"}\n')
-    assert load_jsonl(path) == ["hello", "world"]
-    with pytest.raises(FileNotFoundError):
-        load_jsonl(tmp_path / "missing.jsonl")
+    assert [c.turns for c in read_prompt_file(path)] == [("hello",), ("world",)]
+    with pytest.raises(ValueError, match="does not exist"):
+        read_prompt_file(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="unknown prompt category"):
         load_prompts("poetry")
 
