@@ -248,7 +248,8 @@ def run_acceptance(args) -> int:
     state = PartialState()
     if not state.is_main_process:
         return 0
-    rows = report_rows(cells, cell_turns(conversations))
+    from_file = {c.category for c in conversations if not c.where.startswith("built-in")}
+    rows = report_rows(cells, cell_turns(conversations), mt_bench=from_file)
     meta = {"model": loaded.name, "drafters": names, "temperature": args.temperature, "sampler": args.sampler,
             "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts_file,
             "prompts_per_category": ("all" if args.prompts is None and args.prompts_file

@@ -59,8 +59,9 @@ def summary_tables(rows: list[dict]) -> list[str]:
     top = [n for n, lv in named.items() if lv in ("group", "overall") or (lv == "category" and n not in MT_BENCH)]
     top.sort(key=lambda n: (named[n] == "overall", n != MT_BENCH_GROUP))  # mt_bench first, overall last
     lines = _table(rows, top, "Summary (Spec-Bench's categories)")
-    mt = [n for n in MT_BENCH if named.get(n) == "category"]
-    if mt and MT_BENCH_GROUP in named:
+    members = next((r.get("categories", []) for r in rows if r["category"] == MT_BENCH_GROUP), [])
+    mt = [n for n in MT_BENCH if n in members and named.get(n) == "category"]
+    if mt:
         lines += _table(rows, mt, "MT-bench by category")
     return lines
 

@@ -160,6 +160,9 @@ def test_report_groups_mt_bench_and_lists_its_categories(finished):
     summary = text[text.index("## Summary"):text.index("## MT-bench by category")]
     assert "| drafter | mt_bench | translation | math_reasoning | overall |" in summary
     assert "| drafter | writing | roleplay |" in text and "## writing.turn2" in text
+    # categories that are not MT-bench's (a built-in "math", say) form no mt_bench group
+    alone = report_rows(cells, cell_turns(CONVS), mt_bench=())
+    assert "mt_bench" not in {r["category"] for r in alone} and "MT-bench by category" not in markdown(alone, {})
 
 
 def test_multi_turn_runs_resume_and_refuse_other_conversations(loaded, finished, tmp_path):
