@@ -36,7 +36,7 @@ Definitions (documented in the report):
 
 Each finished cell is written to ``<out>/cells/<drafter>__<category>[.rank<r>].json``
 at once, so a crashed run resumes where it stopped (``resume=True`` skips finished cells;
-``<out>/settings.json`` records model, prompts and config, and a resume with other settings
+``<out>/settings.json`` records the model by its content, the prompts and config, and a resume with other settings
 is refused). Every cell file records its schema, the digest of the settings it was measured
 under and a SHA-256 of its content; before anything is measured a resume checks every finished
 cell and refuses (``ResumeError`` naming each file) one that is unreadable, of another schema or
@@ -44,9 +44,10 @@ fields, edited, measured under other settings, or written before checksums exist
 deletes it to have it measured again (``specdec.eval.resume`` gives the formats).
 Under ``accelerate launch`` every process takes its share of the prompts
 (``split_between_processes``), writes rank files, and the main process merges them.
-Cells of older runs (no checksum; a ``histogram`` of committed tokens per step, no calibration)
-are still read by :func:`read_cell` for their reports, never reused by a resume: their histogram
-is shifted to accepted lengths, their prediction is left out.
+Cells of older runs (no checksum; a ``histogram`` of committed tokens per step, no calibration;
+or checked but without the digest of their tokens) are still read by :func:`read_cell` for their
+reports, never reused by a resume: their histogram is shifted to accepted lengths, their prediction
+is left out, and whether their tokens equal plain's is unknown.
 """
 from __future__ import annotations
 

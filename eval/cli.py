@@ -14,9 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+from specdec.eval.prompts import CATEGORIES as DEFAULT_CATEGORIES
+
 from specdec.models.embedded import DEFAULT_ALIAS
 
-DEFAULT_CATEGORIES = ("chat", "code", "summarisation", "qa", "math", "translation", "rag")
 DEFAULT_PROMPTS = 20
 
 

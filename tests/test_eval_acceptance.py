@@ -8,6 +8,7 @@ import math
 
 import pytest
 from specdec.eval.acceptance import (
+    NO_OUTPUTS,
     Cell,
     SuiteConfig,
     cell_path,
@@ -158,6 +159,14 @@ def test_old_cell_files_stay_readable(tmp_path):
     assert rows[1]["predicted_speedup"] is None and rows[1]["speedup_vs_plain"] == 2.0
     assert rows[1]["decode_speedup_vs_plain"] is None and rows[1]["mean_tree_nodes"] is None
     assert "| 0:2 3:2 |" in markdown(rows, {})
+    assert rows[1]["identical_to_plain"] is None  # no record of their tokens
+    # a checked cell of the previous schema (no output digest): read for reports, refused by a resume
+    sealed = {"schema": "specdec-acceptance-cell/2", "settings_sha256": "0" * 64, "rank": None,
+              "cell": {k: v for k, v in dataclasses.asdict(plain).items() if k != "output_sha256"}, "sha256": "x"}
+    path.write_text(json.dumps(sealed))
+    assert read_cell(path).new_tokens == 10 and read_cell(path).output_sha256 == NO_OUTPUTS
+    with pytest.raises(ValueError, match="schema"):
+        read_cell(path, settings_sha256="0" * 64)
 
 
 def test_suite_config_rejects_bad_values():
