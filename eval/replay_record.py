@@ -3,9 +3,10 @@
     record = record_run(loaded, prompts, max_new_tokens=128)          # plain greedy decoding
     save_record(record, "run.json"); record = load_record("run.json")
 
-A record holds, per prompt, the prompt ids, the committed tokens of a plain run (greedy, or
-sampled at ``temperature``), the seconds that run spent on the prompt's prefill, and the target's
-top-k tokens with their log-probabilities (temperature 1, before any sampling transform) at every
+A record names its model by display name, source and content fingerprint
+(:func:`specdec.eval.resume.model_fingerprint`), and holds, per prompt, the prompt ids, the
+committed tokens of a plain run (greedy, or sampled at ``temperature``), the seconds that run
+spent on the prompt's prefill, and the target's top-k tokens with their log-probabilities (temperature 1, before any sampling transform) at every
 generated position; and, for the whole run, the measured costs: ``verify_seconds[n]``, one engine
 verify step with ``n`` query tokens per sequence (batch 1, the context of a typical prompt halfway
 through its answer), and the plain run's decode seconds per step. :mod:`specdec.eval.replay`
