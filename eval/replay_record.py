@@ -7,10 +7,10 @@ A record names its model by display name, source and content fingerprint
 (:func:`specdec.eval.resume.model_fingerprint`), and holds, per prompt, the prompt ids, the
 committed tokens of a plain run (greedy, or sampled at ``temperature``), the seconds that run
 spent on the prompt's prefill, and the target's top-k tokens with their log-probabilities
-(temperature 1, before any sampling transform) at every generated position; and, for the whole run, the measured costs: ``verify_seconds[n]``, one engine
-verify step with ``n`` query tokens per sequence (batch 1, the context of a typical prompt halfway
-through its answer), and the plain run's decode seconds per step. :mod:`specdec.eval.replay`
-replays drafters over it without the target.
+(temperature 1, before any sampling transform) at every generated position; and, for the whole
+run, the measured costs: ``verify_seconds[n]``, one engine verify step with ``n`` query tokens per
+sequence (batch 1, the context of a typical prompt halfway through its answer), and the plain run's
+decode seconds per step. :mod:`specdec.eval.replay` replays drafters over it without the target.
 
 The top-k rows come from one teacher-forced target forward over each finished sequence (the
 same runner, the same causal attention path as prefill), not from the decoding steps
