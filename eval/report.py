@@ -134,7 +134,8 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
                             label=None if labelled else "predicted")
             labelled = True
     for ax, title in zip(axes, ("tau (tokens per target forward)", "speedup vs specdec plain (bars: measured)")):
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories, rotation=20, fontsize=8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories, fontsize=8,
+                      rotation=20 if len(categories) <= 8 else 45, ha="center" if len(categories) <= 8 else "right")
         ax.set_title(title)
     axes[1].axhline(1.0, color="grey", lw=0.8)
     axes[1].legend(fontsize=7)
