@@ -19,13 +19,15 @@ It models decoding only; the JSON also gives the decode-only measured speedup (p
 
 Each finished cell is written at once to ``<out>/cells/<drafter>__<category>[.rank<r>].json`` with its schema, the
 digest of its settings and a SHA-256 of its content, so a crashed run resumes where it stopped (``resume=True``).
-Before measuring, a resume refuses (``ResumeError`` naming each file) any finished cell that is unreadable, of
+``settings.json`` records the model by its content (config and sampled weights). Before measuring, a resume refuses (``ResumeError`` naming each file) any finished cell that is unreadable, of
 another schema, edited, measured under other settings, or without a checksum (``specdec.eval.resume``). Under
 ``accelerate launch`` every process takes its share of the prompts and the main process merges the rank files.
-Cells of older runs are still read by :func:`read_cell` for their reports, never reused by a resume.
+Multi-turn records (``specdec.eval.conversations``) give one cell row per turn. Cells of older runs are still read by :func:`read_cell` for their reports, never reused by a resume.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -38,10 +40,13 @@ from specdec.drafters.base import Drafter
 from specdec.drafters.registry import get_drafter
 from specdec.eval.pricing import calibration_sizes, predicted_speedup, size_chunks
 from specdec.eval.resume import (
+    OLDER_CELL_SCHEMAS,
+    ResumeError,
     cell_problem,
     check_cells,
     check_resumable,
     load_json,
+    model_identity,
     open_cell,
     run_settings,
     seal_cell,
@@ -58,6 +63,15 @@ from specdec.sampling import SamplingConfig
 logger = logging.getLogger(__name__)
 
 BASELINES = ("plain", "hf-greedy")
+NO_OUTPUTS = hashlib.sha256(b"").hexdigest()  # Cell.output_sha256 before any sequence
+
+
+def chain_outputs(digest: str, new_tokens: list[list[int]]) -> str:
+    """``digest`` extended by each sequence's new tokens, in order: equal for two cells exactly when they committed
+    the same tokens for the same prompts (however the prompts were batched)."""
+    for tokens in new_tokens:
+        digest = hashlib.sha256(f"{digest}{json.dumps([int(t) for t in tokens])}".encode()).hexdigest()
+    return digest
 
 
 @dataclass(frozen=True)
@@ -121,6 +135,7 @@ class Cell:
     calibration: list[dict] = field(default_factory=list)
     # the same, one entry per query size the cell's steps verified (specdec.eval.pricing), of every process
     size_calibration: list[dict] = field(default_factory=list)
+    output_sha256: str = NO_OUTPUTS  # chain_outputs over every prompt's new tokens, in prompt order
 
     def add(self, out: Any, seconds: float, drafts: int = 0, draft_nodes: int = 0,
             step_nodes: list[int] | None = None) -> None:
@@ -134,6 +149,7 @@ class Cell:
         self.forward_passes += out.forward_passes
         self.drafts += drafts
         self.draft_nodes += draft_nodes
+        self.output_sha256 = chain_outputs(self.output_sha256, out.new_tokens)
         for s in out.stats:
             self.new_tokens += s.new_tokens
             self.steps += s.steps
@@ -155,6 +171,8 @@ class Cell:
                 continue
             if f.name in ("calibration", "size_calibration"):
                 mine.extend(theirs)
+            elif f.name == "output_sha256":
+                self.output_sha256 = hashlib.sha256(f"{mine}{theirs}".encode()).hexdigest()
             elif isinstance(mine, list):
                 _add_into(mine, theirs)
             else:
@@ -211,7 +229,11 @@ def read_cell(path: Path, settings_sha256: str | None = None, expect: tuple[str,
     digest it must have been measured under and the (drafter, category, rank) it must hold. Without a settings
     digest, a cell of an older run (no checksum, committed-length ``histogram``, no calibration) is read too."""
     data = load_json(path)
-    if settings_sha256 is not None or not isinstance(data, dict) or "schema" in data:
+    if settings_sha256 is None and isinstance(data, dict) and data.get("schema") in OLDER_CELL_SCHEMAS:
+        data = data.get("cell")  # a checked run of an older specdec: its fields, without the output digest
+        if not isinstance(data, dict):
+            raise ResumeError(f"{path}: 'cell' must be a JSON object")
+    elif settings_sha256 is not None or not isinstance(data, dict) or "schema" in data:
         return Cell(**open_cell(path, settings_sha256, expect, _check_cell_fields))
     if "histogram" in data:  # older cells: index = tokens committed in a step = accepted + 1
         committed = data.pop("histogram")
@@ -302,7 +324,7 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
     those of ``prompts`` in one process); each cell records their digest, and with ``resume`` only finished cells
     measured under them are kept (checked before anything is measured)."""
     if settings is None:
-        settings = run_settings(loaded.name, prompts, config, 1)
+        settings = run_settings(model_identity(loaded), prompts, config, 1)
     digest = settings_digest(settings)
     if resume:
         check_finished_cells(out, config.labels, list(prompts), [rank], settings)
@@ -345,14 +367,17 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
 
 
 def run_suite(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteConfig, out: Path, resume: bool = False,
-              on_progress: Callable[[str, Cell], None] | None = None) -> dict[tuple[str, str], Cell]:
+              on_progress: Callable[[str, Cell], None] | None = None, prompts_identity: Any = None
+              ) -> dict[tuple[str, str], Cell]:
     """Run (or resume) every cell, sharded over the ``accelerate`` processes; returns merged cells keyed by
-    (drafter, category)."""
+    (drafter, category). ``prompts_identity``: what the settings record as the prompts (default: ``prompts``; a
+    multi-turn run gives its conversations, the same for every turn's call)."""
     from accelerate import PartialState
 
     state = PartialState(cpu=not torch.cuda.is_available())  # CPU-only: processes talk over gloo
     rank = state.process_index if state.num_processes > 1 else None
-    settings = run_settings(loaded.name, prompts, config, state.num_processes)
+    settings = run_settings(model_identity(loaded), prompts if prompts_identity is None else prompts_identity, config,
+                            state.num_processes)
     check_resumable(out, settings, resume)
     if resume:  # every process checks every rank's cells, so all of them stop together on a bad one
         ranks = [None] if rank is None else list(range(state.num_processes))
@@ -393,6 +418,13 @@ def merge_cells(out: Path, labels: list[str], categories: list[str], num_process
     return cells
 
 
+def identical_outputs(cell: Cell, plain: Cell) -> bool | None:
+    """Whether ``cell`` committed the same tokens as plain decoding for every prompt; None when a side has no record
+    of its tokens (transformers' baseline, cells of older runs)."""
+    unknown = lambda c: c.prompts > 0 and c.output_sha256 == NO_OUTPUTS  # noqa: E731
+    return None if unknown(cell) or unknown(plain) else cell.output_sha256 == plain.output_sha256
+
+
 def summarise(cells: dict[tuple[str, str], Cell]) -> list[dict]:
     """One row per (drafter, category) with speedups against the same run's baselines and the prediction."""
     rows = []
@@ -408,6 +440,7 @@ def summarise(cells: dict[tuple[str, str], Cell]) -> list[dict]:
                "speedup_vs_plain": measured,
                "speedup_vs_hf": cell.tokens_per_second / hf.tokens_per_second if hf and hf.tokens_per_second else None,
                "decode_speedup_vs_plain": decode,
+               "identical_to_plain": identical_outputs(cell, plain),
                "acceptance_per_depth": cell.acceptance_per_depth, "accepted_histogram": cell.accepted_histogram,
                "predicted_speedup": None, "predicted_over_measured": None}
         if label not in BASELINES:

@@ -2,6 +2,7 @@
 
     specdec eval lossless --drafter ngram --temperature 0.8 --out runs/cert
     specdec eval acceptance --drafters ngram,self-draft --categories chat,code --prompts 5 --out runs/acc
+    specdec eval acceptance --drafters ngram,eagle --prompts-file question.jsonl --out runs/spec-bench
     specdec eval replay record --out run.json; specdec eval replay run --record run.json --drafter ngram
     accelerate launch --multi_gpu --num_processes 2 -m specdec.cli eval acceptance ...  # shard prompts
     (on a CPU-only machine too: processes use gloo; `accelerate launch --cpu` starts only one process)
@@ -13,7 +14,11 @@ import sys
 import time
 from pathlib import Path
 
+from specdec.eval.prompts import CATEGORIES as DEFAULT_CATEGORIES
+
 from specdec.models.embedded import DEFAULT_ALIAS
+
+DEFAULT_PROMPTS = 20
 
 
 def add_parser(sub) -> None:
@@ -44,9 +49,16 @@ def add_parser(sub) -> None:
                                       "transformers' generate(), same run; writes JSON, Markdown and PNG plots.")
     _common(a)
     a.add_argument("--drafters", default="ngram", help="comma list of drafter names (default: ngram)")
-    a.add_argument("--categories", default="chat,code,summarisation,qa,math,translation,rag")
-    a.add_argument("--prompts", type=int, default=20, help="prompts per category (default 20)")
-    a.add_argument("--prompts-file", help="your own prompts: JSONL with a 'prompt' field (category 'custom')")
+    a.add_argument("--categories", default=None,
+                   help=f"built-in prompt categories (default: {','.join(DEFAULT_CATEGORIES)}; none with "
+                        "--prompts-file unless given)")
+    a.add_argument("--prompts", type=int, default=None,
+                   help=f"prompts per category (default {DEFAULT_PROMPTS}; a --prompts-file runs whole unless given)")
+    a.add_argument("--prompts-file", help="your own prompts, each record in its own category: a Spec-Bench / "
+                                          "MT-bench question.jsonl (every turn), JSONL with 'prompt' or 'messages', "
+                                          "CSV, Parquet or a saved datasets directory (docs/benchmark-files.md)")
+    a.add_argument("--prompt-column", default=None,
+                   help="the field or column holding the prompt (default: the first of turns, prompt, text, messages)")
     a.add_argument("--max-new-tokens", type=int, default=128)
     a.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     a.add_argument("--sampler", choices=("standard", "coupled"), default="standard",
@@ -94,14 +106,49 @@ def _options(pairs: list[str]) -> dict:
 
 
 def _encoder(loaded):
-    tok = loaded.tokenizer
-    if tok is None:  # tiny test models: bytes folded into the vocabulary
-        vocab = loaded.runner.shape.vocab_size
-        return lambda text: [b % vocab for b in text.encode()][:256] or [0]
-    if getattr(tok, "chat_template", None):
-        return lambda text: tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                    return_dict=False)
-    return lambda text: tok(text)["input_ids"]
+    """One user message -> prompt ids, through the model's chat template (specdec.eval.conversations)."""
+    from specdec.eval.conversations import chat_codec
+
+    codec = chat_codec(loaded)
+    return lambda text: codec.encode([{"role": "user", "content": text}])
+
+
+def select_conversations(categories: str | None, prompts: int | None, prompts_file: str | None,
+                         column: str | None) -> list:
+    """What a run measures: a prompts file whole and alone, unless ``categories`` (built-in ones added) or
+    ``prompts`` (the first N of each category) are given; without a file, the built-in categories."""
+    from specdec.eval.prompt_files import Conversation, per_category, read_prompt_file
+    from specdec.eval.prompts import CATEGORIES, load_prompts
+
+    if prompts is not None and prompts < 1:
+        raise ValueError(f"--prompts must be >= 1, got {prompts}")
+    names = [c.strip() for c in (categories or "").split(",") if c.strip()]
+    if categories is None and not prompts_file:
+        names = list(DEFAULT_CATEGORIES)
+    unknown = [c for c in names if c not in CATEGORIES]
+    if unknown:
+        raise ValueError(f"unknown categories {', '.join(unknown)}; available: {', '.join(CATEGORIES)}")
+    if not names and not prompts_file:
+        raise ValueError("--categories names no category")
+    built_in = [Conversation(c, (text,), where=f"built-in {c}") for c in names
+                for text in load_prompts(c, prompts or DEFAULT_PROMPTS)]
+    from_file = per_category(read_prompt_file(prompts_file, column), prompts) if prompts_file else []
+    clash = sorted({c.category for c in from_file} & set(names))
+    if clash:
+        raise ValueError(f"{prompts_file} has categories {', '.join(clash)}, also asked for as built-in ones: "
+                         f"leave them out of --categories")
+    return built_in + from_file
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse an output directory that is the working directory or holds it: a run writes cells/, settings.json
+    and reports into it, among the user's own files."""
+    where = out.resolve()
+    if where == Path.cwd().resolve() or where in Path.cwd().resolve().parents:
+        raise ValueError(f"--out {out}: the working directory (or one holding it); give the run a directory of its "
+                         f"own, e.g. --out runs/acceptance")
+    if where.exists() and not where.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a directory")
 
 
 def run_lossless(args) -> int:
@@ -146,10 +193,10 @@ def run_lossless(args) -> int:
 
 def run_acceptance(args) -> int:
     from specdec.drafters.registry import available
-    from specdec.eval.acceptance import BASELINES, SuiteConfig, run_suite, summarise
-    from specdec.eval.prompt_sets import load_jsonl
-    from specdec.eval.prompts import CATEGORIES, load_prompts
+    from specdec.eval.acceptance import BASELINES, SuiteConfig
+    from specdec.eval.conversations import cell_turns, chat_codec, run_conversations
     from specdec.eval.report import write_reports
+    from specdec.eval.spec_bench import report_rows
     from tqdm.auto import tqdm
 
     from specdec.models.loader import load_model
@@ -158,10 +205,10 @@ def run_acceptance(args) -> int:
     unknown = [d for d in names if d not in available()]
     if unknown:
         raise ValueError(f"unknown drafter(s) {', '.join(unknown)}; available: {', '.join(available())}")
-    categories = [c.strip() for c in args.categories.split(",") if c.strip()]
-    unknown = [c for c in categories if c not in CATEGORIES]
-    if unknown:
-        raise ValueError(f"unknown categories {', '.join(unknown)}; available: {', '.join(CATEGORIES)}")
+    out = Path(args.out or "runs/eval-acceptance")
+    check_out_dir(out)
+    conversations = select_conversations(args.categories, args.prompts, args.prompts_file, args.prompt_column)
+    categories = list(dict.fromkeys(c.category for c in conversations))
     per_drafter: dict[str, dict] = {d: {} for d in names}
     by_key = {d.replace("-", "_"): d for d in names}  # option keys arrive with - turned into _
     for key, value in _options(args.drafter_option).items():
@@ -173,17 +220,12 @@ def run_acceptance(args) -> int:
         else:
             raise ValueError(f"--drafter-option {key}: with several drafters, prefix the drafter name "
                              f"(e.g. {names[0]}.{key}=...)")
-    config = SuiteConfig(tuple((d, per_drafter[d]) for d in names), tuple(categories), args.prompts,
-                         args.max_new_tokens, args.temperature, args.batch_size, not args.no_hf_baseline, args.seed,
-                         args.calibration_repeats, args.sampler)
+    config = SuiteConfig(tuple((d, per_drafter[d]) for d in names), tuple(categories),
+                         args.prompts or DEFAULT_PROMPTS, args.max_new_tokens, args.temperature, args.batch_size,
+                         not args.no_hf_baseline, args.seed, args.calibration_repeats, args.sampler)
     loaded = load_model(args.model)
-    encode = _encoder(loaded)
-    texts = {c: load_prompts(c, args.prompts) for c in categories}
-    if args.prompts_file:
-        texts["custom"] = load_jsonl(args.prompts_file)[: args.prompts]
-    prompts = {c: [encode(t) for t in ts] for c, ts in texts.items()}
-    out = Path(args.out or "runs/eval-acceptance")
-    total = sum(len(p) for p in prompts.values()) * (len(names) + 1) * args.max_new_tokens
+    turns = sum(len(c.turns) for c in conversations)
+    total = turns * (len(names) + 1) * args.max_new_tokens
     bar = tqdm(total=total, unit="tok", desc="acceptance", disable=None)
     t0 = time.perf_counter()
 
@@ -196,25 +238,35 @@ def run_acceptance(args) -> int:
         bar.set_postfix(cell=f"{cell.drafter}/{category}", tau=f"{cell.tau:.2f}",
                         tok_s=f"{cell.tokens_per_second:.1f}")
 
-    cells = run_suite(loaded, prompts, config, out, resume=args.resume, on_progress=progress)
+    def answering(turn, count):
+        bar.set_postfix_str(f"the model answers turn {turn} of {count} conversations (plain) for the next turn")
+
+    cells = run_conversations(loaded, conversations, chat_codec(loaded), config, out, resume=args.resume,
+                              on_progress=progress, on_turn=answering)
     bar.close()
     from accelerate import PartialState
 
     state = PartialState()
     if not state.is_main_process:
         return 0
-    rows = summarise(cells)
+    from_file = {c.category for c in conversations if not c.where.startswith("built-in")}
+    rows = report_rows(cells, cell_turns(conversations), mt_bench=from_file)
     meta = {"model": loaded.name, "drafters": names, "temperature": args.temperature, "sampler": args.sampler,
-            "max_new_tokens": args.max_new_tokens, "prompts_per_category": args.prompts,
+            "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts_file,
+            "prompts_per_category": ("all" if args.prompts is None and args.prompts_file
+                                     else config.prompts_per_category),
+            "conversations": len(conversations), "turns": turns,
             "batch_size": args.batch_size, "calibration_repeats": args.calibration_repeats,
             "processes": state.num_processes,
             "device": str(loaded.runner.device), "seconds": round(time.perf_counter() - t0, 1),
             "date": time.strftime("%Y-%m-%d")}
     written = write_reports(rows, out, meta, with_plots=not args.no_plots)
     fmt = lambda x: "-" if x is None else f"x{x:.2f}"  # noqa: E731
+    same = lambda x: "" if x is None else ("" if x else "  OUTPUT DIFFERS FROM PLAIN")  # noqa: E731
     for r in rows:
-        if r["drafter"] not in BASELINES:
+        if r["drafter"] not in BASELINES and r["level"] != "turn":
             print(f"{r['drafter']:>14} {r['category']:<14} tau {r['tau']:.2f}  {r['tokens_per_s']:.1f} tok/s  "
-                  f"{fmt(r['speedup_vs_plain'])} vs plain, predicted {fmt(r['predicted_speedup'])}")
+                  f"{fmt(r['speedup_vs_plain'])} vs plain, predicted {fmt(r['predicted_speedup'])}"
+                  f"{same(r['identical_to_plain'] if config.temperature == 0 else None)}")
     print("reports:", ", ".join(str(p) for p in written))
     return 0

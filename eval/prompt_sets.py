@@ -1,11 +1,8 @@
 """Prompt categories written for specdec (question answering, math, translation) and the
 retrieval-augmented category built from ``pydoc_data.topics``. Loaded through
-:func:`specdec.eval.prompts.load_prompts`; users bring their own with ``load_jsonl``.
+:func:`specdec.eval.prompts.load_prompts`; users bring their own files (``specdec.eval.prompt_files``).
 """
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 QA = (
     "Who wrote the novel 'Pride and Prejudice'?",
@@ -96,25 +93,3 @@ def retrieval_augmented(n: int, min_chars: int = 800, max_chars: int = 3000) -> 
         f"Question: According to the document, what is '{k}' and what is one rule it states?"
         for k in keys[:n]
     ]
-
-
-def load_jsonl(path: str | Path) -> list[str]:
-    """User prompts: one JSON object per line with a "prompt" (or "text") string field."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
-    prompts = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{i}: not valid JSON ({err.msg})") from err
-        text = obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"{path}:{i}: needs a non-empty string field \"prompt\" (or \"text\")")
-        prompts.append(text)
-    if not prompts:
-        raise ValueError(f"prompt file {path} holds no prompts")
-    return prompts

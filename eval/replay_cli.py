@@ -26,11 +26,17 @@ def add_parser(ev_sub, inference) -> None:
                                       "measured costs), then replay drafters over it without the target.")
     r_sub = r.add_subparsers(dest="replay_command", required=True)
     rec = r_sub.add_parser("record", help="run plain decoding and write a replay record")
-    rec.add_argument("--out", required=True, help="record file to write (JSON)")
+    rec.add_argument("--out", required=True, help="record file to write (JSON); an existing file needs --overwrite")
+    rec.add_argument("--overwrite", action="store_true", help="replace an existing --out file (never an input)")
     rec.add_argument("--model", default=DEFAULT_ALIAS, help=f"model (default: {DEFAULT_ALIAS})")
-    rec.add_argument("--category", default="chat", help="comma list of prompt categories (default: chat)")
-    rec.add_argument("--prompts", type=int, default=5, help="prompts per category (default 5)")
-    rec.add_argument("--prompts-file", help="your own prompts: JSONL with a 'prompt' field (category 'custom')")
+    rec.add_argument("--category", default=None,
+                     help="comma list of built-in prompt categories (default: chat; none with --prompts-file "
+                          "unless given)")
+    rec.add_argument("--prompts", type=int, default=None,
+                     help="prompts per category (default 5; a --prompts-file runs whole unless given)")
+    rec.add_argument("--prompts-file", help="your own prompts, each record in its own category (formats: "
+                                            "docs/benchmark-files.md); a conversation's first turn is recorded")
+    rec.add_argument("--prompt-column", default=None, help="the field or column holding the prompt")
     rec.add_argument("--max-new-tokens", type=int, default=128)
     rec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     rec.add_argument("--top-k", type=int, default=20, help="target tokens kept per position (default 20)")
@@ -64,29 +70,29 @@ def add_parser(ev_sub, inference) -> None:
 
 
 def run_record(args) -> int:
-    from specdec.eval.cli import _encoder
-    from specdec.eval.prompt_sets import load_jsonl
-    from specdec.eval.prompts import CATEGORIES, load_prompts
-    from specdec.eval.replay_record import RecordConfig, record_run, save_record
+    from specdec.eval.cli import _encoder, select_conversations
+    from specdec.eval.replay_record import RecordConfig, check_record_path, record_run, save_record
 
     from specdec.models.loader import load_model
 
     config = RecordConfig(args.max_new_tokens, args.temperature, args.top_k, args.seed, args.cost_repeats,
                           args.costs)
-    categories = [c.strip() for c in args.category.split(",") if c.strip()]
-    unknown = [c for c in categories if c not in CATEGORIES]
-    if unknown:
-        raise ValueError(f"unknown categories {', '.join(unknown)}; available: {', '.join(CATEGORIES)}")
-    if args.prompts < 1:
-        raise ValueError(f"--prompts must be >= 1, got {args.prompts}")
-    texts = [(c, t) for c in categories for t in load_prompts(c, args.prompts)]
-    if args.prompts_file:
-        texts += [("custom", t) for t in load_jsonl(args.prompts_file)[: args.prompts]]
+    inputs = [x for x in (args.prompts_file, args.model) if x]  # the model too, when it names a file
+    check_record_path(args.out, args.overwrite, inputs)
+    category = args.category if args.category is not None or args.prompts_file else "chat"
+    conversations = select_conversations(category, args.prompts or (None if args.prompts_file else 5),
+                                         args.prompts_file, args.prompt_column)
+    later = sum(len(c.turns) > 1 for c in conversations)
+    if later:
+        print(f"note: {later} conversations have later turns; a replay record keeps each one's first turn "
+              f"(`specdec eval acceptance` measures every turn)", file=sys.stderr)
+    texts = [(c.category, c.turns[0]) for c in conversations]
     loaded = load_model(args.model)
     encode = _encoder(loaded)
     print(f"[specdec eval replay record] {loaded.name}: {len(texts)} prompts x {args.max_new_tokens} tokens",
           file=sys.stderr)
     record = record_run(loaded, [encode(t) for _, t in texts], config, [c for c, _ in texts])
+    check_record_path(args.out, args.overwrite, inputs)  # again: the file may have appeared meanwhile
     path = save_record(record, args.out)
     tokens = sum(len(s["new_tokens"]) for s in record["sequences"])
     c1 = record["costs"]["verify_seconds"].get(1)

@@ -3,13 +3,14 @@
     record = record_run(loaded, prompts, max_new_tokens=128)          # plain greedy decoding
     save_record(record, "run.json"); record = load_record("run.json")
 
-A record holds, per prompt, the prompt ids, the committed tokens of a plain run (greedy, or
-sampled at ``temperature``), the seconds that run spent on the prompt's prefill, and the target's
-top-k tokens with their log-probabilities (temperature 1, before any sampling transform) at every
-generated position; and, for the whole run, the measured costs: ``verify_seconds[n]``, one engine
-verify step with ``n`` query tokens per sequence (batch 1, the context of a typical prompt halfway
-through its answer), and the plain run's decode seconds per step. :mod:`specdec.eval.replay`
-replays drafters over it without the target.
+A record names its model by display name, source and content fingerprint
+(:func:`specdec.eval.resume.model_fingerprint`), and holds, per prompt, the prompt ids, the
+committed tokens of a plain run (greedy, or sampled at ``temperature``), the seconds that run
+spent on the prompt's prefill, and the target's top-k tokens with their log-probabilities
+(temperature 1, before any sampling transform) at every generated position; and, for the whole
+run, the measured costs: ``verify_seconds[n]``, one engine verify step with ``n`` query tokens per
+sequence (batch 1, the context of a typical prompt halfway through its answer), and the plain run's
+decode seconds per step. :mod:`specdec.eval.replay` replays drafters over it without the target.
 
 The top-k rows come from one teacher-forced target forward over each finished sequence (the
 same runner, the same causal attention path as prefill), not from the decoding steps
@@ -34,6 +35,7 @@ import torch
 
 from specdec.atomic_write import write_json
 from specdec.errors import InputError
+from specdec.eval.resume import model_identity
 from specdec.tree import MAX_TREE_NODES
 
 logger = logging.getLogger(__name__)
@@ -144,11 +146,26 @@ def record_run(loaded: Any, prompts: Sequence[Sequence[int]], config: RecordConf
     costs = measure_costs(loaded, prompts, config) if with_costs else {"verify_seconds": {}, "source": "none"}
     costs["decode_step_seconds"] = decode_seconds / steps if steps else None
     runner = loaded.runner
-    return {"schema": SCHEMA, "version": VERSION, "model": loaded.name, "dtype": str(runner.dtype).removeprefix(
+    identity = model_identity(loaded)  # the model by its content: a folder of the same name may hold another
+    return {"schema": SCHEMA, "version": VERSION, "model": loaded.name, "model_source": identity["model_source"],
+        "model_fingerprint": identity["model_fingerprint"], "dtype": str(runner.dtype).removeprefix(
         "torch."), "device": str(runner.device), "threads": torch.get_num_threads(), "vocab_size":
         runner.shape.vocab_size, "max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
         "top_k": config.top_k, "seed": config.seed, "costs": costs, "sequences": sequences,
         "date": time.strftime("%Y-%m-%d")}
+
+
+def check_record_path(path: str | Path, overwrite: bool, inputs: Sequence[str | Path] = ()) -> None:
+    """Refuse to write a record over one of the run's ``inputs`` (ever) or over an existing file (unless
+    ``overwrite``); a one-line InputError naming the file."""
+    path = Path(path)
+    for source in inputs:
+        if path.exists() and Path(source).exists() and path.samefile(source):
+            raise InputError(f"--out {path} is the run's input {source}; write the record to another file")
+    if path.is_dir():
+        raise InputError(f"--out {path} is a directory; name the record file to write")
+    if path.exists() and not overwrite:
+        raise InputError(f"--out {path} exists; pass --overwrite to replace it, or name another file")
 
 
 def save_record(record: dict, path: str | Path) -> Path:

@@ -2,6 +2,10 @@
 
     write_reports(rows, out_dir, meta)   ->  report.json, report.md, acceptance_per_depth.png,
                                              tau_speedup.png
+
+Rows may carry a ``level`` (``specdec.eval.spec_bench``): then the Markdown opens with Spec-Bench's table (speedup
+and tau per category, MT-bench's categories grouped as ``mt_bench``, overall) and MT-bench's categories one by one;
+the plots show categories, groups and overall, not single turns.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ DEFINITIONS = """\
   draft). Every step commits accepted + 1 tokens (the recovered or bonus token), cut at a stop.
 - **tau**: tokens committed per target forward pass (mean accepted length + 1); plain decoding has tau 1.
 - **acceptance at depth d**: P(the node at depth d is accepted | its parent was accepted), summed over steps.
+- **same as plain**: every prompt's committed tokens equal plain decoding's in this run (greedy and coupled sampling
+  must say yes; standard sampling draws other tokens by design).
 - **speedup vs plain / vs HF**: tokens/s (prefill included) over specdec plain decoding / transformers' greedy
   `generate()`, measured in the same run on the same prompts.
 - **predicted**: tau x c_plain / (c_draft + c_verify(n)), from costs measured apart from the run it predicts.
@@ -29,21 +35,55 @@ def _fmt(x, spec=".2f", unit="") -> str:
     return "-" if x is None else format(x, spec) + unit
 
 
+def _same(x) -> str:
+    return "-" if x is None else ("yes" if x else "NO")
+
+
+def _table(rows: list[dict], names: list[str], title: str) -> list[str]:
+    """One line per drafter, one column per category: speedup over plain and tau (Spec-Bench's layout)."""
+    by = {(r["drafter"], r["category"]): r for r in rows}
+    lines = [f"## {title}", "", "| drafter | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    for d in (d for d in dict.fromkeys(r["drafter"] for r in rows) if d not in ("plain", "hf-greedy")):
+        cells = [f"{_fmt(by[d, n]['speedup_vs_plain'], unit='x')} / {by[d, n]['tau']:.2f}" for n in names]
+        lines.append(f"| {d} | " + " | ".join(cells) + " |")
+    return lines + ["", "Each entry: speedup over specdec plain decoding (tokens/s, same run) / tau.", ""]
+
+
+def summary_tables(rows: list[dict]) -> list[str]:
+    """Spec-Bench's table (and MT-bench's categories) from rows with a ``level``; nothing without levels."""
+    from specdec.eval.spec_bench import MT_BENCH, MT_BENCH_GROUP
+
+    named = {r["category"]: r.get("level") for r in rows}
+    if not any(named.values()):
+        return []
+    top = [n for n, lv in named.items() if lv in ("group", "overall") or (lv == "category" and n not in MT_BENCH)]
+    top.sort(key=lambda n: (named[n] == "overall", n != MT_BENCH_GROUP))  # mt_bench first, overall last
+    lines = _table(rows, top, "Summary (Spec-Bench's categories)")
+    members = next((r.get("categories", []) for r in rows if r["category"] == MT_BENCH_GROUP), [])
+    mt = [n for n in MT_BENCH if n in members and named.get(n) == "category"]
+    if mt:
+        lines += _table(rows, mt, "MT-bench by category")
+    return lines
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = ["# specdec acceptance report", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items()]
     lines += ["", DEFINITIONS, ""]
+    lines += summary_tables(rows)
     for category in dict.fromkeys(r["category"] for r in rows):
-        lines += [f"## {category}", "",
-                  "| drafter | tau | tok/s | vs plain | vs HF | predicted | pred/meas | acceptance per depth "
-                  "| accepted-length histogram (length:steps) |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        level = next((r.get("level") for r in rows if r["category"] == category), None)
+        lines += [f"## {category}" + (f" ({level})" if level in ("group", "overall") else ""), "",
+                  "| drafter | tau | tok/s | vs plain | same as plain | vs HF | predicted | pred/meas "
+                  "| acceptance per depth | accepted-length histogram (length:steps) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in (r for r in rows if r["category"] == category):
             acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_depth"]) or "-"
             hist = " ".join(f"{k}:{h}" for k, h in enumerate(r["accepted_histogram"]) if h) or "-"
             tau = "-" if r["drafter"] == "hf-greedy" else f"{r['tau']:.2f}"
             lines.append(f"| {r['drafter']} | {tau} | {r['tokens_per_s']:.1f} | "
-                         f"{_fmt(r['speedup_vs_plain'], unit='x')} | {_fmt(r['speedup_vs_hf'], unit='x')} | "
+                         f"{_fmt(r['speedup_vs_plain'], unit='x')} | {_same(r.get('identical_to_plain'))} | "
+                         f"{_fmt(r['speedup_vs_hf'], unit='x')} | "
                          f"{_fmt(r.get('predicted_speedup'), unit='x')} | {_fmt(r.get('predicted_over_measured'))} | "
                          f"{acc} | {hist} |")
         lines.append("")
@@ -58,6 +98,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError as err:
         raise ImportError("plots need matplotlib: pip install 'specdec[eval]'") from err
+    rows = [r for r in rows if r.get("level") != "turn"]  # one turn of a conversation is in the Markdown only
     drafters = [d for d in dict.fromkeys(r["drafter"] for r in rows) if d not in ("plain", "hf-greedy")]
     categories = list(dict.fromkeys(r["category"] for r in rows))
     by = {(r["drafter"], r["category"]): r for r in rows}
@@ -93,7 +134,8 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
                             label=None if labelled else "predicted")
             labelled = True
     for ax, title in zip(axes, ("tau (tokens per target forward)", "speedup vs specdec plain (bars: measured)")):
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories, rotation=20, fontsize=8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories, fontsize=8,
+                      rotation=20 if len(categories) <= 8 else 45, ha="center" if len(categories) <= 8 else "right")
         ax.set_title(title)
     axes[1].axhline(1.0, color="grey", lw=0.8)
     axes[1].legend(fontsize=7)

@@ -1,6 +1,6 @@
 """Resuming an acceptance run safely: nothing read back from ``<out>`` is trusted unchecked.
 
-    settings = run_settings(loaded.name, prompts, config, num_processes)
+    settings = run_settings(model_identity(loaded), prompts, config, num_processes)
     check_resumable(out, settings, resume)          # ResumeError naming settings.json and what is wrong
     write_json(out / "settings.json", settings_record(settings))
     write_json(path, seal_cell(asdict(cell), settings_digest(settings), rank))
@@ -10,6 +10,8 @@ File formats (canonical JSON = ``json.dumps(obj, sort_keys=True, separators=(","
 
 * ``settings.json``: ``{"schema": SETTINGS_SCHEMA, "settings": {...}, "sha256": <SHA-256 of the canonical
   settings>}``; that digest is the run's *settings digest*.
+* ``settings.json`` names the model by its content (:func:`model_identity`): a model of the same name with other
+  weights is other settings.
 * a cell: ``{"schema": CELL_SCHEMA, "settings_sha256": <settings digest it was measured under>, "rank": r | null,
   "cell": {<Cell fields>}, "sha256": <SHA-256 of the canonical object without "sha256">}``.
 
@@ -38,7 +40,8 @@ if TYPE_CHECKING:
     from specdec.eval.acceptance import SuiteConfig
 
 SETTINGS_SCHEMA = "specdec-acceptance-settings/2"  # /1: a bare settings object without schema or checksum
-CELL_SCHEMA = "specdec-acceptance-cell/2"  # /1: bare Cell fields without schema, settings or checksum
+CELL_SCHEMA = "specdec-acceptance-cell/3"  # /2: no output digest; /1: bare Cell fields without schema or checksum
+OLDER_CELL_SCHEMAS = ("specdec-acceptance-cell/2",)  # read for old reports, never reused by a resume
 # one entry of Cell.calibration (acceptance._calibrate writes them)
 CALIBRATION_KEYS = frozenset({"query_tokens", "plain_seconds", "verify_seconds", "batch", "context_tokens",
                               "repeats"})
@@ -51,10 +54,40 @@ class ResumeError(SpecdecError, ValueError):
     """A file of an acceptance run (``settings.json`` or a cell) cannot be trusted; the message names it."""
 
 
-def run_settings(model: str, prompts: dict[str, list[list[int]]], config: "SuiteConfig", num_processes: int) -> dict:
-    """What a cell's numbers depend on, as stored in ``<out>/settings.json`` (JSON types only)."""
+WEIGHT_SAMPLES = 4096  # evenly strided entries per tensor that a model fingerprint reads
+
+
+def model_fingerprint(model: Any) -> str:
+    """SHA-256 (16 hex digits) of a model's config (without the path it was loaded from) and, for every parameter
+    and buffer, its name, shape, dtype and :data:`WEIGHT_SAMPLES` evenly strided values: another checkpoint in a
+    folder of the same name tells apart, at the cost of reading a few thousand values per tensor."""
+    import torch
+
+    h = hashlib.sha256()
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+        h.update(json.dumps(fields, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            flat = t.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // WEIGHT_SAMPLES)].float().cpu()
+            h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode() + sample.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def model_identity(loaded: Any) -> dict:
+    """What names the measured model by its content, not by its folder's name: the display name, where it was
+    loaded from, and :func:`model_fingerprint` of its config and weights."""
+    return {"model": loaded.name, "model_source": getattr(loaded, "source", "") or "",
+            "model_fingerprint": model_fingerprint(loaded.model)}
+
+
+def run_settings(model: dict, prompts: Any, config: "SuiteConfig", num_processes: int) -> dict:
+    """What a cell's numbers depend on, as stored in ``<out>/settings.json`` (JSON types only); ``model``:
+    :func:`model_identity`, ``prompts``: anything JSON that fixes the prompts (their ids, or the conversations)."""
     digest = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]
-    settings = {"model": model, "prompts_sha256": digest, "num_processes": num_processes, **asdict(config)}
+    settings = {**model, "prompts_sha256": digest, "num_processes": num_processes, **asdict(config)}
     # objects among drafter options (a draft model) are named by their name or type
     return json.loads(json.dumps(settings, default=lambda obj: getattr(obj, "name", None) or type(obj).__name__))
 

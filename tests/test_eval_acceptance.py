@@ -8,6 +8,7 @@ import math
 
 import pytest
 from specdec.eval.acceptance import (
+    NO_OUTPUTS,
     Cell,
     SuiteConfig,
     cell_path,
@@ -18,7 +19,7 @@ from specdec.eval.acceptance import (
     run_suite,
     summarise,
 )
-from specdec.eval.prompt_sets import load_jsonl
+from specdec.eval.prompt_files import read_prompt_file
 from specdec.eval.prompts import CATEGORIES, load_prompts
 from specdec.eval.report import markdown, write_reports
 from specdec.eval.verify_cost import measure_verify_costs
@@ -158,6 +159,14 @@ def test_old_cell_files_stay_readable(tmp_path):
     assert rows[1]["predicted_speedup"] is None and rows[1]["speedup_vs_plain"] == 2.0
     assert rows[1]["decode_speedup_vs_plain"] is None and rows[1]["mean_tree_nodes"] is None
     assert "| 0:2 3:2 |" in markdown(rows, {})
+    assert rows[1]["identical_to_plain"] is None  # no record of their tokens
+    # a checked cell of the previous schema (no output digest): read for reports, refused by a resume
+    sealed = {"schema": "specdec-acceptance-cell/2", "settings_sha256": "0" * 64, "rank": None,
+              "cell": {k: v for k, v in dataclasses.asdict(plain).items() if k != "output_sha256"}, "sha256": "x"}
+    path.write_text(json.dumps(sealed))
+    assert read_cell(path).new_tokens == 10 and read_cell(path).output_sha256 == NO_OUTPUTS
+    with pytest.raises(ValueError, match="schema"):
+        read_cell(path, settings_sha256="0" * 64)
 
 
 def test_suite_config_rejects_bad_values():
@@ -189,23 +198,12 @@ def test_every_category_ships_20_prompts():
         assert len(prompts) == 20 and len(set(prompts)) == 20, category
 
 
-@pytest.mark.parametrize("content, match", [
-    ("", "holds no prompts"), ("{not json}\n", "not valid JSON"), ('{"text": ""}\n', "non-empty"),
-    ('["a list"]\n', "non-empty"),
-])
-def test_bad_prompt_files(tmp_path, content, match):
-    path = tmp_path / "p.jsonl"
-    path.write_text(content)
-    with pytest.raises(ValueError, match=match):
-        load_jsonl(path)
-
-
 def test_prompt_file_and_unknown_category(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "hello"}\n\n{"text": "world"}\n')
-    assert load_jsonl(path) == ["hello", "world"]
-    with pytest.raises(FileNotFoundError):
-        load_jsonl(tmp_path / "missing.jsonl")
+    assert [c.turns for c in read_prompt_file(path)] == [("hello",), ("world",)]
+    with pytest.raises(ValueError, match="does not exist"):
+        read_prompt_file(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="unknown prompt category"):
         load_prompts("poetry")
 

@@ -1,0 +1,121 @@
+"""Conversations through the acceptance suite: turn k's prompt is the conversation so far.
+
+    codec = chat_codec(loaded)                       # messages -> prompt ids, answer ids -> text
+    cells = run_conversations(loaded, conversations, codec, config, out)
+
+Every turn is measured as its own cell, named ``<category>.turn<k>`` when the category holds a conversation of more
+than one turn (else the category's name). Turn k's prompt is the chat template over the system messages, the user
+turns 1..k and the model's answers to turns 1..k-1. Each answer is the model's own: specdec's plain decoding of that
+turn's prompt with the run's sampling and seed, one conversation at a time, exactly the plain cell's answer at batch
+size 1, so every drafter is measured on the same history, greedy or seeded. The answers are decoded again for every
+run, a resume included (nothing read back is trusted); ``<out>/conversations.json`` shows them.
+
+A run's settings record the conversations (texts and categories) and the first turns' prompt ids (which fix the
+tokenizer and chat template), the same for every turn, so a resume checks every turn's cells against them.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdec.eval.acceptance import Cell, SuiteConfig, run_suite
+from specdec.eval.prompt_files import Conversation
+
+from specdec.atomic_write import write_json
+from specdec.generate import generate
+
+logger = logging.getLogger(__name__)
+
+Messages = list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class ChatCodec:
+    encode: Callable[[Messages], list[int]]  # a conversation ending in a user turn -> the prompt's ids
+    decode: Callable[[list[int]], str]  # an answer's new tokens -> its text, for the next turn's prompt
+
+
+def chat_codec(loaded: Any) -> ChatCodec:
+    """The model's chat template (or, without one, the turns joined by blank lines). A model without a tokenizer
+    (tiny test models) folds bytes into its vocabulary and decodes ids to characters that fold back to them."""
+    tok = loaded.tokenizer
+    if tok is None:
+        vocab = loaded.runner.shape.vocab_size
+        base = vocab * math.ceil(48 / vocab)  # base % vocab == 0: the character of id i folds back to i
+        fold = lambda text: [b % vocab for b in text.encode()][:256] or [0]  # noqa: E731
+        return ChatCodec(lambda messages: fold("\n".join(m["content"] for m in messages)),
+                         lambda ids: "".join(chr(base + int(i)) for i in ids))
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True).strip()  # noqa: E731
+    if getattr(tok, "chat_template", None):
+        return ChatCodec(lambda messages: list(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                                       return_dict=False)), decode)
+    return ChatCodec(lambda messages: list(tok("\n\n".join(m["content"] for m in messages))["input_ids"]), decode)
+
+
+def turn_cell(category: str, turn: int, multi_turn: bool) -> str:
+    """The cell (category) name of turn ``turn`` (1-based) of a conversation in ``category``."""
+    return f"{category}.turn{turn}" if multi_turn else category
+
+
+def cell_turns(conversations: list[Conversation]) -> dict[str, tuple[str, int]]:
+    """Every cell name of a run -> (category, turn), in the order the cells are reported."""
+    multi = {c.category for c in conversations if len(c.turns) > 1}
+    names: dict[str, tuple[str, int]] = {}
+    for category in dict.fromkeys(c.category for c in conversations):
+        turns = max(len(c.turns) for c in conversations if c.category == category)
+        for t in range(1, turns + 1):
+            names[turn_cell(category, t, category in multi)] = (category, t)
+    return names
+
+
+def run_conversations(loaded: Any, conversations: list[Conversation], codec: ChatCodec, config: SuiteConfig,
+                      out: Path, resume: bool = False, on_progress: Callable[[str, Cell], None] | None = None,
+                      on_turn: Callable[[int, int], None] | None = None) -> dict[tuple[str, str], Cell]:
+    """Measure every turn of every conversation (one :func:`run_suite` per turn); cells keyed by (row, cell name).
+    ``on_turn(k, answers)``: called before the model answers turn ``k`` of ``answers`` conversations."""
+    if not conversations:
+        raise ValueError("run_conversations needs at least one conversation")
+    multi = {c.category for c in conversations if len(c.turns) > 1}
+    history: list[Messages] = [[{"role": "system", "content": s} for s in c.system] for c in conversations]
+    sampling = dict(do_sample=config.sampling.do_sample, temperature=config.sampling.temperature, seed=config.seed,
+                    sampler=config.sampler)
+    identity = None
+    cells: dict[tuple[str, str], Cell] = {}
+    shown: list[dict] = [{"category": c.category, "where": c.where, "turns": []} for c in conversations]
+    for t in range(max(len(c.turns) for c in conversations)):
+        active = [i for i, c in enumerate(conversations) if t < len(c.turns)]
+        prompts: dict[str, list[list[int]]] = {}
+        ids = {}
+        for i in active:
+            history[i].append({"role": "user", "content": conversations[i].turns[t]})
+            ids[i] = codec.encode(history[i])
+            prompts.setdefault(turn_cell(conversations[i].category, t + 1, conversations[i].category in multi),
+                               []).append(ids[i])
+        if identity is None:
+            identity = {"conversations": [[c.category, list(c.system), list(c.turns)] for c in conversations],
+                        "first_turns": prompts}
+        cells.update(run_suite(loaded, prompts, config, out, resume, on_progress, prompts_identity=identity))
+        answering = [i for i in active if t + 1 < len(conversations[i].turns)]
+        if answering and on_turn:
+            on_turn(t + 1, len(answering))
+        for i in active:
+            answer = None
+            if i in answering:
+                new = generate(loaded, [ids[i]], max_new_tokens=config.max_new_tokens, return_dict=True,
+                               **sampling).new_tokens[0]
+                answer = codec.decode(list(new))
+                history[i].append({"role": "assistant", "content": answer})
+            shown[i]["turns"].append({"prompt_ids": ids[i], "answer": answer})
+    try:
+        from accelerate import PartialState
+
+        main = PartialState().is_main_process
+    except ImportError:
+        main = True
+    if main:
+        write_json(out / "conversations.json", {"conversations": shown}, indent=1)
+    return cells

@@ -1,0 +1,100 @@
+"""`specdec eval acceptance` and `specdec eval replay record` with the user's files: a prompts file runs whole and
+alone, its non-UTF-8 text is named, `--out .` is refused, a resume over cells of another model of the same name is
+refused, and a replay record never replaces an existing file (its own prompts file least of all) unasked."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.testing import save_tiny_checkpoint
+
+RUN = ["--drafters", "ngram", "--max-new-tokens", "2", "--calibration-repeats", "0", "--no-hf-baseline",
+       "--no-plots"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two different tiny models in folders of the same name."""
+    root = tmp_path_factory.mktemp("models")
+    return save_tiny_checkpoint(root / "a" / "tiny", seed=0), save_tiny_checkpoint(root / "b" / "tiny", seed=1)
+
+
+def _main(argv, capsys):
+    from specdec.cli import main
+
+    capsys.readouterr()
+    code = main(argv)
+    return code, capsys.readouterr()
+
+
+def _prompts(path, n=3):
+    path.write_text("".join(json.dumps({"prompt": f"question {i}?"}) + "\n" for i in range(n)))
+    return path
+
+
+def test_a_prompts_file_runs_whole_and_alone_unless_asked(models, tmp_path, capsys):
+    file = _prompts(tmp_path / "mine.jsonl", 3)
+    code, _ = _main(["eval", "acceptance", "--model", models[0], "--prompts-file", str(file), *RUN,
+                     "--out", str(tmp_path / "whole")], capsys)
+    assert code == 0
+    rows = json.loads((tmp_path / "whole" / "report.json").read_text())["rows"]
+    assert {r["category"] for r in rows} == {"custom"}  # no built-in category added
+    assert all(r["prompts"] == 3 for r in rows)  # not capped
+    code, _ = _main(["eval", "acceptance", "--model", models[0], "--prompts-file", str(file), "--prompts", "1",
+                     "--categories", "qa", *RUN, "--out", str(tmp_path / "asked")], capsys)
+    assert code == 0
+    rows = json.loads((tmp_path / "asked" / "report.json").read_text())["rows"]
+    assert {(r["category"], r["prompts"]) for r in rows if r["level"] != "overall"} == {("qa", 1), ("custom", 1)}
+
+
+def test_resume_refuses_cells_of_another_model_with_the_same_name(models, tmp_path, capsys):
+    argv = ["eval", "acceptance", "--categories", "chat", "--prompts", "1", *RUN, "--out", str(tmp_path / "run")]
+    assert _main([*argv, "--model", models[0]], capsys)[0] == 0
+    before = sorted((p.name, p.read_bytes()) for p in (tmp_path / "run" / "cells").iterdir())
+    code, captured = _main([*argv, "--model", models[1], "--resume"], capsys)
+    assert code == 2
+    err = captured.err.strip()
+    assert "cannot resume" in err and "model_fingerprint" in err and "\n" not in err
+    assert sorted((p.name, p.read_bytes()) for p in (tmp_path / "run" / "cells").iterdir()) == before
+    assert _main([*argv, "--model", models[0], "--resume"], capsys)[0] == 0  # the same model resumes
+
+
+def test_out_dot_is_refused_before_anything_runs(models, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "keep.txt").write_text("the user's file")
+    code, captured = _main(["eval", "acceptance", "--model", models[0], "--categories", "chat", "--prompts", "1",
+                            *RUN, "--out", "."], capsys)
+    assert code == 2 and "--out .: the working directory" in captured.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
+
+
+def test_a_prompts_file_that_is_not_utf8_is_named(models, tmp_path, capsys):
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    code, captured = _main(["eval", "acceptance", "--model", models[0], "--prompts-file", str(bad), *RUN,
+                            "--out", str(tmp_path / "run")], capsys)
+    assert code == 2 and f"prompt file {bad}: not UTF-8 text" in captured.err
+    assert not (tmp_path / "run").exists()
+
+
+def test_replay_record_never_replaces_a_file_unasked(models, tmp_path, capsys):
+    prompts = _prompts(tmp_path / "p.jsonl", 1)
+    original = prompts.read_bytes()
+    record = ["eval", "replay", "record", "--model", models[0], "--max-new-tokens", "2", "--prompts-file",
+              str(prompts)]
+    for extra in ([], ["--overwrite"]):  # its own prompts file: never
+        code, captured = _main([*record, "--out", str(prompts), *extra], capsys)
+        assert code == 2 and "is the run's input" in captured.err
+        assert prompts.read_bytes() == original
+    existing = tmp_path / "run.json"
+    existing.write_text("someone's results")
+    code, captured = _main([*record, "--out", str(existing)], capsys)
+    assert code == 2 and "--overwrite" in captured.err and existing.read_text() == "someone's results"
+    assert _main([*record, "--out", str(existing), "--overwrite"], capsys)[0] == 0
+    first = json.loads(existing.read_text())
+    assert first["model_source"] and first["model_fingerprint"]
+    other = tmp_path / "other.json"
+    assert _main([*record[:4], models[1], *record[5:], "--out", str(other)], capsys)[0] == 0
+    second = json.loads(other.read_text())
+    assert second["model"] == first["model"] and second["model_fingerprint"] != first["model_fingerprint"]
