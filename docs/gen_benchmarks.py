@@ -20,6 +20,7 @@ PAGE = DOCS / "benchmarks.md"
 MACHINE_CLASSES = {
     "cpu-avx512": "CPU, 2 cores with AVX-512 (AMD EPYC)",
     "cpu-no-avx512": "CPU, 2 cores without AVX-512 (AMD EPYC)",
+    "cpu-intel-avx512": "CPU, 2 cores with AVX-512 (Intel Xeon)",
     "gpu-h100": "GPU, NVIDIA H100",
     "gpu-h200": "GPU, NVIDIA H200",
 }

@@ -1,9 +1,8 @@
 """Verify forwards at fixed shapes, replayed as CUDA graphs: the GPU engine's decode/verify path.
 
-On a GPU the embedded model's decode forward is bound by its ~1,600 small kernel launches, not by
-the GPU. A CUDA graph replays all of them from one launch, but only on the same shapes and the
-same memory. So :class:`GraphedForward` pads each verify step up to a *bucket* (at most
-``batch`` sequences of at most ``tokens_per_seq`` new tokens each) and keeps, per bucket:
+A CUDA graph replays a forward's many small kernel launches from one launch, on fixed shapes and memory, so
+:class:`GraphedForward` pads each verify step up to a *bucket* (at most ``batch`` sequences of at most
+``tokens_per_seq`` new tokens each) and keeps, per bucket:
 
 * static inputs [batch * tokens_per_seq]: token ids, positions, cache write slots. The step's
   real tokens come first; the rows after them hold token 0 at position 0 and write their K/V
@@ -13,13 +12,11 @@ same memory. So :class:`GraphedForward` pads each verify step up to a *bucket* (
   sequences read no keys and write nothing;
 * on CUDA, the captured graph and its static output: the final hidden states of every row. The
   LM head runs after the replay on the step's real rows only, so padding costs no
-  ``rows x vocab`` logits (1 GiB for a 32 x 64 bucket at a 128k vocabulary).
+  ``rows x vocab`` logits.
 
-Rows meet only in attention, so the real rows get the eager forward's values (the padded rows
-are garbage and are never read). The returned hidden states are views of the bucket's static
-output: valid until the next call, which is how the engine uses them (it indexes them at once).
-Without a GPU nothing is captured: ``capture=False`` runs the same padded static forward
-eagerly, which is how the tests check it in the Triton interpreter.
+Rows meet only in attention, so the real rows get the eager forward's values (padded rows are never read).
+The returned hidden states are views of the bucket's static output, valid until the next call. Without a GPU,
+``capture=False`` runs the same padded static forward eagerly (the tests, in the Triton interpreter).
 
     graphed = GraphedForward(runner, cache, GraphConfig())
     out = graphed(batch.token_ids, batch.positions, batch.plan)  # None when no bucket fits
