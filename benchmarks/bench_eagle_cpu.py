@@ -5,15 +5,14 @@
     python benchmarks/bench_eagle_cpu.py --eagle-path e/ --medusa-path old=heads/ --medusa-path reduced=heads-4k/
     python benchmarks/bench_eagle_cpu.py --eagle-path e/ --categories chat --always --eagle-tree 8,10,64
 
-Embedded model, fp32, batch 1, the held-out prompts of ``specdec eval acceptance`` (none of them is in
-the training prompts), every category by default. Per prompt the drafters run one after another
-(interleaved, after a warm-up, in an order rotated per prompt and ``--repeats`` run), so the ratios against
-plain decoding come from the same minutes of the same machine; the row "plain (again)" is plain decoding run a
-second time in every block, this run's noise floor. Prints tokens/s, the ratio against plain, tau, and
-eagle's acceptance per draft depth; greedy runs also check that every drafter's tokens equal plain
-decoding's. The break-even guard is on (the default); under a seed it sizes from cached costs
-(``specdec.draft_cost``) so the seed reproduces the text, ``--unseeded`` leaves the seed out (wall-time
-sizing); ``--always`` forces speculation every step. ``--eagle-tree DEPTH,TOP_K,NODES`` adds a row of the layer
+Embedded model, fp32, batch 1, the held-out prompts of ``specdec eval acceptance`` (none of them is in the training
+prompts), every category by default. Per prompt the drafters run one after another (interleaved, after a warm-up, in
+an order rotated per prompt and ``--repeats`` run), so the ratios against plain decoding come from the same minutes of
+the same machine; the row "plain (again)" is plain decoding run a second time in every block, this run's noise floor.
+Prints tokens/s, the ratio against plain, tau, and eagle's acceptance per draft depth; greedy runs also check that
+every drafter's tokens equal plain decoding's. The break-even guard is on (the default); seeded standard sampling
+verifies every tree whole (a seed's text may not depend on measured costs), ``--unseeded`` leaves the seed out (sized
+by wall time); ``--always`` forces speculation every step. ``--eagle-tree DEPTH,TOP_K,NODES`` adds a row of the layer
 drafting that fixed tree (no per-call depth choice): with ``--always``, the tau that a tree of that size reaches,
 whatever it costs on this machine.
 """

@@ -264,8 +264,9 @@ class ModelRun:
         self.result["plain"][str(b)] = row
 
     def curve(self, prompt) -> None:
-        from specdec.cuda_graphs import auto_uses_graphs
         from specdec.eval.verify_cost import measure_verify_costs
+
+        from specdec.cuda_graphs import auto_uses_graphs
         from specdec.sampling import SamplingConfig
 
         # the engine's verify timer over n = root + a chain of n - 1, rounds interleaving the sizes, graphed on CUDA

@@ -8,10 +8,13 @@ Lifecycle, driven by the engine:
    from the text forgets it here, so a reused instance drafts as a fresh one (a seeded call's text does not
    depend on earlier calls).
 2. ``propose(views)`` at most once per step: one :class:`~specdec.tree.DraftTree` per view (the empty tree is
-   allowed). The engine validates every tree before the target verifies it and may verify only an
-   ancestor-closed part of it (exact). With ``speculation="auto"`` the guard may leave sequences out of
-   ``views``, or skip the call: a drafter must not assume it sees every step, and reads what was committed
-   meanwhile from ``token_ids`` (and ``new_hidden``).
+   allowed). The engine validates every tree before the target verifies it and may verify only an ancestor-closed part
+   of it (exact). Whatever chooses or prunes a sampled tree (sizing, a combined drafter) uses only what was fixed
+   before its tokens were drawn: the drafter's identity and history and a shape committed to in advance, never the
+   drawn tokens, scores computed from them, or a shape that depends on them (a drafter may give ``scores`` and
+   token-dependent shapes; they do not decide what of it is verified). With ``speculation="auto"`` the guard may leave
+   sequences out of ``views``, or skip the call: a drafter must not assume it sees every step, and reads what was
+   committed meanwhile from ``token_ids`` (and ``new_hidden``).
 3. ``on_accept(seq_id, committed)`` after EVERY commit, proposed for or not.
 4. ``release(seq_id)`` when a sequence finishes.
 
@@ -62,13 +65,9 @@ class TargetView:
     # trees with; None when the engine does not size trees (speculation="always")
     verify_cost: Callable[[int, int], float] | None = None
     # the engine's current wall seconds of one plain decode step at a batch size (from this run's step times), for
-    # drafters that weigh their own wall time against it (the combined drafter's child gate, EAGLE's depth); under
-    # seeded sampling the cost model's fixed value (with cost_profile); None: speculation="always"
+    # drafters that weigh their own wall time against it (the combined drafter's child gate, EAGLE's depth); None
+    # when the engine does not size trees (speculation="always", seeded standard sampling)
     decode_seconds: Callable[[int], float] | None = None
-    # seeded sampling (specdec.tree_sizing, Reproducible): what the drafter's cost_profile() returned at its cached
-    # calibration (specdec.draft_cost; {} when it had none). Decisions that weigh draft time use these fixed seconds
-    # and decode_seconds (then the cost model's) and never wall times. None: not seeded, wall times are fine
-    cost_profile: dict | None = None
 
 
 class TokenView(Sequence[int]):
@@ -136,22 +135,10 @@ class Drafter(ABC):
 
     def cost_key(self) -> str:
         """What this drafter's cost per propose call depends on besides the machine and the target (its type, name
-        and settings): :mod:`specdec.draft_cost` times one run per key. Drafters whose cost depends on a model
-        they load add what identifies it."""
+        and settings): what the guard remembers across calls is kept per key. Drafters whose cost depends on a
+        model they load add what identifies it."""
         return "|".join([type(self).__qualname__, self.name,
                          *(repr(getattr(self, attr, None)) for attr in ("config", "options", "path"))])
-
-    def cost_profile(self) -> dict | None:
-        """After a calibration run (:mod:`specdec.draft_cost`): the per-part seconds the drafter's own decisions
-        weigh (EAGLE: per draft level; the combined drafter: per child), JSON-serialisable. They are cached with
-        the call's seconds and given back under seeded sampling as ``TargetView.cost_profile``. None: none."""
-        return None
-
-    def profiled_seconds(self) -> float | None:
-        """Under seeded sampling, after ``propose``: that call's seconds by the cost profile (what the parts it
-        ran cost at calibration), which the tree sizer prices the call with. None: the calibrated seconds of a
-        whole call."""
-        return None
 
     def forward_seconds(self) -> float | None:
         """After ``attach``: seconds of one forward of the drafter's own model over one token, measured on this

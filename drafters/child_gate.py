@@ -22,16 +22,14 @@ per decode step and ``c`` the verify-cost curve the combined drafter ranks trees
 adding tokens is followed by another at the next call.
 
 **Memory**: records and timings are kept across calls per ``memory_key`` (:mod:`specdec.drafters.call_memory`).
-**Seeded** sampling uses the children's seconds cached at calibration (:mod:`specdec.draft_cost`), the cost
-model's decode time, and no memory; a child that prices its calls by its own profile is priced so
-(``record_profiled``). **Off** without the engine's decode time (``speculation="always"``) or, under a seed,
-without cached child seconds: every child runs at every call. Why the gate exists: docs/speculation-policy.md.
+**Off** without the engine's decode time (``speculation="always"``, seeded standard sampling): every child runs
+at every call. Why the gate exists: docs/speculation-policy.md.
 """
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specdec.drafters.call_memory import CallMemory
@@ -77,22 +75,16 @@ class ChildGate(CallMemory):
     def active(self) -> bool:
         return self.decode_seconds is not None and 1 < self.n <= MAX_SUBSETS_CHILDREN
 
-    def start(self, decode_seconds: Callable[[int], float] | None, memory_key: tuple | None = None,
-              fixed_times: Sequence[float] | None = None) -> None:
-        """A new call: the engine's decode-step seconds at a batch size (None: the gate stays off); ``fixed_times``:
-        each child's seconds per call from a cached profile, for good (seeded sampling, module doc)."""
+    def start(self, decode_seconds: Callable[[int], float] | None, memory_key: tuple | None = None) -> None:
+        """A new call: the engine's decode-step seconds at a batch size (None: the gate stays off)."""
         self.decode_seconds = decode_seconds
-        self._begin(memory_key, fixed_times)
+        self._begin(memory_key)
         self.since_full = 0
         self.best, self.probe_next = None, False
 
     def record_seconds(self, k: int, seconds: float, catch_up: bool) -> None:
         """Wall time of child k's propose call (``catch_up``: a sequence's first for it, see DraftTime)."""
         self._record(k, seconds, catch_up)
-
-    def record_profiled(self, k: int, seconds: float | None, batch: int) -> None:
-        """Seeded: child k's call over ``batch`` sequences as its own profile priced it (CallMemory, Fixed times)."""
-        self._record_profiled(k, seconds, batch)
 
     def observe(self, successes: tuple[int, ...], nodes: tuple[int, ...]) -> None:
         """A sequence's step where every child ran: levels of each child's proposal that matched, its nodes."""

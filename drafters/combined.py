@@ -24,7 +24,7 @@ drawn, so it is valued by the child's rate on the shape of its previous sampled 
 
 Which children run: with ``gate=True`` a child whose extra committed tokens do not cover its own draft time is
 left out of a call and probed again (:mod:`specdec.drafters.child_gate`); off under ``speculation="always"``.
-Under seeded sampling the gate weighs cached seconds only (:mod:`specdec.draft_cost`). A child left out still
+A child left out still
 sees every ``on_accept``, and a child reading hidden states gets, at its next call, every row since its last.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView, as_drafter
-from specdec.drafters.call_memory import memory_key, profile_times
+from specdec.drafters.call_memory import memory_key
 from specdec.drafters.child_gate import ChildGate
 from specdec.drafters.registry import get_drafter
 
@@ -141,7 +141,6 @@ class CombinedDrafter(Drafter):
         self._held: dict[tuple[int, int], torch.Tensor] = {}  # (child, seq_id) -> hidden rows it has not seen yet
         self._seen: set[tuple[int, int]] = set()  # (child, seq_id) that proposed once: later calls are no catch-up
         self.chosen: list[int] = [0] * (len(self.children) + 1)  # instrumentation: picks per child, last = merge
-        self._profiled = 0.0  # seeded: the last propose call's seconds by the children's profiles
         # per child: node parents of its last sampled tree, which values its next one (module doc, Sampled children)
         self._sampled_shape: list[list[int] | None] = [None] * len(self.children)
 
@@ -159,32 +158,15 @@ class CombinedDrafter(Drafter):
         self._held.clear()
         self._seen.clear()
         decode_seconds = getattr(target, "decode_seconds", None) if self.config.gate else None
-        profile = getattr(target, "cost_profile", None)
-        child_profiles: list = [None] * len(self.children)
-        if profile is None:
-            self.gate.start(decode_seconds, memory_key(self, getattr(target, "runner", None)))
-        else:  # seeded: the children's seconds cached at calibration, or the gate is off (module doc)
-            fixed = profile_times(profile, "child_seconds", len(self.children))
-            self.gate.start(decode_seconds if fixed is not None else None, None, fixed)
-            child_profiles = profile.get("children")
-            if not isinstance(child_profiles, list) or len(child_profiles) != len(self.children):
-                child_profiles = [{}] * len(self.children)  # none cached: each child decides without one
+        self.gate.start(decode_seconds, memory_key(self, getattr(target, "runner", None)))
         self.curve = getattr(target, "verify_cost", None)
         if self.config.cost_model and self.verify_cost is None and self.curve is None:
             from specdec.cost_model import load_cost_model
 
             self.costs = load_cost_model(target.runner)
             self.curve = self.costs.relative
-        for child, child_profile in zip(self.children, child_profiles):
-            child.attach(target if profile is None else dataclasses.replace(target, cost_profile=child_profile or {}))
-
-    def cost_profile(self) -> dict:
-        """Each child's seconds per call (the gate's times: every child ran at calibration) and its own profile."""
-        return {"child_seconds": [t.seconds for t in self.gate.times],
-                "children": [child.cost_profile() for child in self.children]}
-
-    def profiled_seconds(self) -> float | None:
-        return self._profiled if self.gate.fixed else None
+        for child in self.children:
+            child.attach(target)
 
     def on_accept(self, seq_id: int, committed: Sequence[int]) -> None:
         full, trees = self._last.pop(seq_id, (False, []))
@@ -219,7 +201,6 @@ class CombinedDrafter(Drafter):
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
         self._batch = max(len(seqs), 1)
         run = self.gate.choose(self._batch, self.tree_cost, self.config.max_nodes)
-        self._profiled = 0.0
         per_child, lists = [], []
         for k, child in enumerate(self.children):
             if not run[k]:
@@ -234,10 +215,6 @@ class CombinedDrafter(Drafter):
                 raise DraftError(f"{child.name}: returned {len(trees)} trees for {len(seqs)} sequences")
             lists.append([(t.tokens.tolist(), t.parents.tolist()) for t in trees])  # syncs: timed with the drafts
             self.gate.record_seconds(k, time.perf_counter() - t0, catch_up)
-            if self.gate.fixed:  # seeded: the call as the child's profile prices it, else its calibrated seconds
-                own = child.profiled_seconds()
-                self.gate.record_profiled(k, own, len(seqs))
-                self._profiled += own if own is not None else self.gate.call_seconds(k, len(seqs))
             self._seen.update((k, v.seq_id) for v in seqs)
             per_child.append(trees)
         out = []

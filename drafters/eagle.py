@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView
-from specdec.drafters.call_memory import memory_key, profile_times
+from specdec.drafters.call_memory import memory_key
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, check_fits_target, load_eagle
 from specdec.drafters.eagle_depth import DepthChooser
 from specdec.drafters.eagle_model import EagleModel
@@ -107,15 +107,8 @@ class EagleDrafter(Drafter):
             raise InputError(f"eagle: top_k={self.top_k} exceeds the draft vocabulary of {vocab} tokens")
         self.chooser = DepthChooser(self.depth)
         adapt = self.options.adapt_depth
-        profile = getattr(target, "cost_profile", None)
-        if profile is None:
-            self.chooser.start(getattr(target, "decode_seconds", None) if adapt else None,
-                               getattr(target, "verify_cost", None), memory_key(self, runner))
-        else:  # seeded: the per-level seconds cached at calibration, else the full depth (eagle_depth, Seeded)
-            fixed = profile_times(profile, "level_seconds", self.depth) if adapt else None
-            self.chooser.start(getattr(target, "decode_seconds", None) if fixed is not None else None,
-                               getattr(target, "verify_cost", None), None, fixed)
-        self._profiled: float | None = None
+        self.chooser.start(getattr(target, "decode_seconds", None) if adapt else None,
+                           getattr(target, "verify_cost", None), memory_key(self, runner))
         self._last.clear()
         logger.info("eagle: depth %d%s, top-k %d, %d nodes, draft vocabulary %d", self.depth,
                     " at most (chosen per call)" if self.chooser.active else "", self.top_k, self.max_nodes, vocab)
@@ -130,13 +123,6 @@ class EagleDrafter(Drafter):
         self._last.pop(seq_id, None)
         self.chooser.finish()
 
-    def cost_profile(self) -> dict | None:
-        """Seconds of each draft level for one sequence (a calibration drafts the full depth: the chooser is off)."""
-        seconds = [t.seconds for t in self.chooser.times]
-        return None if None in seconds else {"level_seconds": seconds}
-
-    def profiled_seconds(self) -> float | None:
-        return self._profiled
 
     def cost_key(self) -> str:  # the checkpoint's path, else the given model's shape and tree settings
         return super().cost_key() + ("" if self.path is not None else "|" + repr(self.model.config))
@@ -153,8 +139,6 @@ class EagleDrafter(Drafter):
             self._last[view.seq_id] = _top_chain(tree)
             trees.append(tree)
         self.chooser.record_seconds(level_seconds, catch_up)
-        if self.chooser.fixed:
-            self._profiled = sum(self.chooser.call_seconds(j, len(seqs)) for j in range(depth))
         return trees
 
     def _token_logp(self, features: torch.Tensor, view: SequenceView, depth: int) -> torch.Tensor:

@@ -19,10 +19,8 @@ level j (:class:`specdec.tree_sizing.DraftTime`) and ``c`` the engine's verify-c
 than its choice, and a step whose tree matched deeper is followed by a probe one level deeper than it matched.
 **Memory**: records and level times are kept across calls per ``memory_key`` (:mod:`specdec.drafters.call_memory`).
 
-**Seeded** sampling must give one text per seed: the chooser then runs on the cost model's decode time and curve
-and the per-level seconds cached at calibration (:mod:`specdec.draft_cost`, ``TargetView.cost_profile``), with no
-memory across calls. **Off** (the configured depth, every call) without a decode time or verify-cost curve
-(``speculation="always"``), or under a seed without a cached profile. Exactness is untouched: the depth depends
+**Off** (the configured depth, every call) without a decode time or verify-cost curve (``speculation="always"``,
+seeded standard sampling). Exactness is untouched: the depth depends
 on past commits and times only, never on the current step's draws. Why: docs/speculation-policy.md.
 """
 from __future__ import annotations
@@ -77,11 +75,10 @@ class DepthChooser(CallMemory):
         return self.decode_seconds is not None and self.verify_cost is not None and self.max_depth > 1
 
     def start(self, decode_seconds: Callable[[int], float] | None, verify_cost: Callable[[int, int], float] | None,
-              memory_key: tuple | None = None, fixed_times: Sequence[float] | None = None) -> None:
-        """A new call (module doc); either callable None: the chooser stays off. ``fixed_times``: each level's
-        seconds from a cached profile, for good (module doc, Seeded)."""
+              memory_key: tuple | None = None) -> None:
+        """A new call (module doc); either callable None: the chooser stays off."""
         self.decode_seconds, self.verify_cost = decode_seconds, verify_cost
-        self._begin(memory_key, fixed_times)
+        self._begin(memory_key)
         self.since_probe, self.chosen, self.probe_next = 0, None, 0
         self.tried, self.matched = [0] * self.max_depth, [0] * self.max_depth
         for record in self.records:

@@ -19,10 +19,12 @@ It models decoding only; the JSON also gives the decode-only measured speedup (p
 
 Each finished cell is written at once to ``<out>/cells/<drafter>__<category>[.rank<r>].json`` with its schema, the
 digest of its settings and a SHA-256 of its content, so a crashed run resumes where it stopped (``resume=True``).
-``settings.json`` records the model by its content (config and sampled weights). Before measuring, a resume refuses (``ResumeError`` naming each file) any finished cell that is unreadable, of
-another schema, edited, measured under other settings, or without a checksum (``specdec.eval.resume``). Under
-``accelerate launch`` every process takes its share of the prompts and the main process merges the rank files.
-Multi-turn records (``specdec.eval.conversations``) give one cell row per turn. Cells of older runs are still read by :func:`read_cell` for their reports, never reused by a resume.
+``settings.json`` records the model by its content (config and sampled weights). Before measuring, a resume refuses
+(``ResumeError`` naming each file) any finished cell that is unreadable, of another schema, edited, measured under
+other settings, or without a checksum (``specdec.eval.resume``). Under ``accelerate launch`` every process takes its
+share of the prompts and the main process merges the rank files. Multi-turn records (``specdec.eval.conversations``)
+give one cell row per turn. Cells of older runs are still read by :func:`read_cell` for their reports, never reused by
+a resume.
 """
 from __future__ import annotations
 

@@ -24,9 +24,9 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 import torch
+from specdec.drafters.combined import CombinedDrafter
 
 from specdec.attention import AttentionPlan, SeqAttention
-from specdec.drafters.combined import CombinedDrafter
 from specdec.engine import Engine, SequenceState, VerifyBatch
 from specdec.engine_setup import EngineFault, build_engine
 from specdec.generate import prepare, run

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from specdec.drafters.base import Drafter, SequenceView, TargetView
+
 from specdec.errors import InputError
-from specdec.tree import MAX_TREE_NODES, DraftTree, DraftMode
+from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from specdec.eval.resume import model_identity
 
 from specdec.atomic_write import write_json
 from specdec.errors import InputError
-from specdec.eval.resume import model_identity
 from specdec.tree import MAX_TREE_NODES
 
 logger = logging.getLogger(__name__)

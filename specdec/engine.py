@@ -126,11 +126,9 @@ class Engine:
         self.keep_hidden = self.drafter is not None and self.drafter.needs_hidden_states
         if self.drafter is not None:
             sizer = self.sizer
-            # seeded: the cost model's decode time (step_seconds ignores wall times there) and the cached profile
-            profile = (sizer.cost_profile or {}) if sizer is not None and sizer.reproducible else None
             self.drafter.attach(TargetView(runner, cache, sampling, stop.tokenizer, self.coupling, processing,
                                            sizer.online.relative if sizer is not None else None,
-                                           sizer.step_seconds if sizer is not None else None, profile))
+                                           sizer.step_seconds if sizer is not None else None))
         if self.sizer is not None and self.sizer.never_pays(self.drafter.forward_seconds()):
             log = logger.warning if self.drafter.name not in _NEVER_PAYS_WARNED else logger.debug
             _NEVER_PAYS_WARNED.add(self.drafter.name)
@@ -238,8 +236,7 @@ class Engine:
         if self.audit is not None:
             self.audit.observe_many(trees, name)  # every tree as proposed, before pruning
         if self.sizer is not None:  # the part expected to pay (pruning is exact)
-            out = self.sizer.size_call([s.seq_id for s in live], out, len(self.live), draft_seconds, catch_up,
-                                       self.drafter.profiled_seconds())
+            out = self.sizer.size_call([s.seq_id for s in live], out, len(self.live), draft_seconds, catch_up)
         return out
 
     def _fit_budget(self, s: SequenceState, tree: DraftTree) -> DraftTree:

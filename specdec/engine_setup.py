@@ -4,16 +4,14 @@
     engine = build_engine(request)                                             # here
     out = run(engine, request)                                                 # specdec.generate
 
-What is decided here: the CPU row policy of ``linear()`` and, with a drafter and
-``speculation="auto"``, the tree sizer and its measured cost model (:mod:`specdec.cost_model`, cached;
-the first use on a machine calibrates for up to ~20 s; seeded sampling also times the drafter once:
-:mod:`specdec.draft_cost`), the KV cache's size (the request's worst case,
-checked against the device's memory before anything is allocated) or a reused CUDA-graph cache, the drafter's seed,
-the sampling generator, the draft audit, the logits processors (:mod:`specdec.logits_processing`; None when
-the config asks for none) and whether log-probabilities are kept. The certificate's negative controls
-(:mod:`specdec.eval.negative_controls`) enter here too, and only here: a broken acceptance rule
-(``rule=``) or a broken engine / cache (``fault=``), so that real callers of ``generate()`` cannot
-switch them on by accident.
+What is decided here: the CPU row policy of ``linear()`` and, with a drafter and ``speculation="auto"``, the tree
+sizer and its measured cost model (:mod:`specdec.cost_model`, cached; the first use on a machine calibrates for up to
+~20 s; none for seeded standard sampling), the KV cache's size (the request's worst case, checked against the device's
+memory before anything is allocated) or a reused CUDA-graph cache, the drafter's seed, the sampling generator, the
+draft audit, the logits processors (:mod:`specdec.logits_processing`; None when the config asks for none) and whether
+log-probabilities are kept. The certificate's negative controls (:mod:`specdec.eval.negative_controls`) enter here
+too, and only here: a broken acceptance rule (``rule=``) or a broken engine / cache (``fault=``), so that real callers
+of ``generate()`` cannot switch them on by accident.
 """
 from __future__ import annotations
 
@@ -27,7 +25,6 @@ from specdec.audit import DraftAudit
 from specdec.cost_model import ensure_row_policy, load_cost_model
 from specdec.coupling import Coupling
 from specdec.cuda_graphs import AUTO, GraphConfig, GraphedForward, auto_uses_graphs, model_graphs
-from specdec.draft_cost import load_draft_seconds
 from specdec.engine import Engine
 from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import check_cache_fits, describe
@@ -76,7 +73,7 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
     if coupling is not None and rule is not EXACT:
         raise InputError(f"acceptance rule {rule.name!r} applies to rejection sampling; coupled sampling walks the "
                          "tree by the target's own Gumbel-max tokens and has no acceptance rule")
-    sizer = _sizer(request, rule, fault, coupling, generator)  # may time the drafter: before it is seeded
+    sizer = _sizer(request, rule, fault, coupling, generator)
     if drafter is not None:  # before Engine() attaches it
         drafter_seed = config.seed
         if generator is not None and config.do_sample:
@@ -95,19 +92,18 @@ def _sizer(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault 
            generator: torch.Generator | None) -> TreeSizer | None:
     """The tree sizer and break-even guard (speculation="auto"), or None: verify every proposal whole.
 
-    None for negative controls, whose broken rule must meet the drafts it is meant to mishandle. Seeded standard
-    sampling gets a reproducible sizer (:mod:`specdec.tree_sizing`, Reproducible): a tree of another shape draws
-    other random numbers, so its decisions come from cached measurements and tokens only, never wall times or
-    earlier calls, and one seed gives one text. Coupled sampling needs no such care: its text does not depend on
-    the trees at all."""
+    None for negative controls, whose broken rule must meet the drafts it is meant to mishandle, and for seeded
+    standard sampling: there a tree of another shape draws other random numbers, so a seed gives one text only if
+    no decision reads this machine's measurements (which a deleted cache or a recalibration changes); its trees are
+    verified whole. Coupled sampling needs no such care: its text does not depend on the trees at all."""
     config, drafter, runner = request.config, request.drafter, request.loaded.runner
     if drafter is None or config.speculation != "auto" or rule is not EXACT or fault is not None:
         return None
-    costs = load_cost_model(runner)
     if config.do_sample and (config.seed is not None or generator is not None) and coupling is None:
-        seconds, profile = load_draft_seconds(costs, drafter, request.prompts[0], runner, config.sampling,
-                                              request.stop.tokenizer)
-        return TreeSizer(costs, fixed_draft_seconds=seconds, cost_profile=profile)
+        logger.info("seeded standard sampling verifies every draft tree whole, so the seed's text does not depend "
+                    "on this machine's measured costs; sampler='coupled' keeps one text per seed and sizes trees")
+        return None
+    costs = load_cost_model(runner)
     # the guard remembers across calls per target cost curve and drafter (specdec.tree_sizing: Memory); cost_key()
     # names a drafter's checkpoint too, so two EAGLE or Medusa checkpoints keep apart backoffs
     return TreeSizer(costs, memory=(str(costs.file), drafter.cost_key()))

@@ -48,8 +48,8 @@ class GenerationConfig:
     audit_drafts: bool = True  # statistical audit of sampled drafts (specdec.audit)
     # "auto": verify the part of each draft tree that the measured cost model expects to pay and decode plainly
     # when none does (specdec.tree_sizing); "always": verify every proposed tree whole (measuring a drafter).
-    # Seeded standard sampling (seed= or generator=) sizes from cached costs and tokens only, never wall times,
-    # so one seed gives one text (specdec.draft_cost, specdec.tree_sizing: Reproducible)
+    # Seeded standard sampling (seed= or generator=) verifies every tree whole: no decision may read this machine's
+    # measured costs, so one seed gives one text whatever the cost cache holds (sampler="coupled" sizes them)
     speculation: str = "auto"
     # "standard": exact rejection sampling; "coupled": Gumbel-max noise keyed by (seed, prompt, position), so the
     # same seed gives the same text with or without a drafter, alone or batched (specdec.coupling)

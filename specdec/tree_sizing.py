@@ -14,13 +14,11 @@ by ``margin``. The guard keeps running averages per sequence and skips the draft
 they do not pay, probing again; ``never_pays`` drafters are never asked. ``memory`` carries backoff and
 acceptance evidence across calls of one process (``_REMEMBERED``).
 
-Invariants: pruning is exact (an ancestor-closed part of the tree), so sizing changes speed only. A sampled tree
-is cut only to a prefix of the drafter's node order whose length was decided, with token-independent estimates,
-on an earlier sampled tree's shape (none yet: the whole tree), never on its own, which may depend on its drawn
-tokens; a call with sampled trees records its draft time after sizing (:meth:`size_call`). With
-``fixed_draft_seconds`` (seeded sampling, :mod:`specdec.draft_cost`) no decision depends on wall times or on
-earlier calls, so a seed gives one text. The derivations and the reasons for the constants:
-docs/speculation-policy.md.
+Invariants: pruning is exact (an ancestor-closed part of the tree), so sizing changes speed only. A sampled tree is
+cut only to a prefix of the drafter's node order whose length was decided, with token-independent estimates, on an
+earlier sampled tree's shape (none yet: the whole tree), never on its own, which may depend on its drawn tokens; a
+call with sampled trees records its draft time after sizing (:meth:`size_call`). The derivations and the reasons for
+the constants: docs/speculation-policy.md.
 """
 from __future__ import annotations
 
@@ -127,18 +125,8 @@ class TreeSizer:
     costs: CostModel
     config: SizingConfig = field(default_factory=SizingConfig)
     memory: tuple | None = None  # key of the guard's memory across calls (module doc); None: start fresh
-    # seeded sampling (module doc, Reproducible): the drafter's cached seconds per propose call and sequence
-    # (specdec.draft_cost); wall times are then ignored. None: the draft cost is this run's wall time
-    fixed_draft_seconds: float | None = None
-    # seeded sampling: the drafter's cost profile cached with fixed_draft_seconds (Drafter.cost_profile; None: none)
-    cost_profile: dict | None = None
 
     def __post_init__(self) -> None:
-        if self.fixed_draft_seconds is not None and (self.memory is not None or self.fixed_draft_seconds < 0):
-            raise ValueError("a reproducible TreeSizer (fixed_draft_seconds >= 0) keeps no memory across calls")
-        if self.cost_profile is not None and self.fixed_draft_seconds is None:
-            raise ValueError("a cost profile belongs to a reproducible TreeSizer (fixed_draft_seconds)")
-        self.profiled: float | None = None  # seeded: the last call's seconds by the profile (record_profiled)
         self.unscored: dict[tuple[int, int], list[float]] = {}  # (depth, rank) -> [accepted, tried]
         self.score_bins = [[0.0, 0.0] for _ in range(_BINS)]  # [accepted, predicted] of tried scored nodes
         # sampled trees are cut by the shape of an earlier one (_sampled_prefix): per sequence, and the last one
@@ -165,30 +153,14 @@ class TreeSizer:
 
     def record_draft(self, draft_seconds: float, catch_up: bool = False) -> None:
         """Wall time of one propose call, recorded before its trees are sized: the first probe's judgement (and so
-        the guard's first backoff) already knows what drafting costs. Ignored by a reproducible sizer.
+        the guard's first backoff) already knows what drafting costs.
 
         ``catch_up``: the call included a sequence's first, a one-off that prices this call's judgement only when
         nothing else is known (:class:`DraftTime`)."""
-        if self.fixed_draft_seconds is not None:
-            return
         self.draft_time.record(draft_seconds, catch_up)
 
-    @property
-    def reproducible(self) -> bool:
-        return self.fixed_draft_seconds is not None
-
-    def record_profiled(self, seconds: float | None) -> None:
-        """Seeded sampling: the last propose call's seconds by the drafter's cached profile
-        (:meth:`Drafter.profiled_seconds`), what its trees are sized with; None: the cached seconds of a whole
-        call. Ignored unless reproducible (wall times price calls there)."""
-        if self.reproducible:
-            self.profiled = seconds
-
     def record_step(self, verify_seconds: float, query_tokens: int, batch: int) -> None:
-        """Wall time of one step's verify with ``query_tokens`` tokens for its largest sequence (ignored by a
-        reproducible sizer, which prices a decode step by the cost model alone)."""
-        if self.fixed_draft_seconds is not None:
-            return
+        """Wall time of one step's verify with ``query_tokens`` tokens for its largest sequence."""
         self.online.record(verify_seconds, query_tokens, batch)
         relative = self.online.relative(query_tokens, batch)
         self.decode_seconds = self._ema(self.decode_seconds, verify_seconds / relative)
@@ -199,9 +171,6 @@ class TreeSizer:
 
     def draft_cost(self, batch: int) -> float:
         """The drafter's cost per step in plain decode steps (0 before its first call)."""
-        if self.reproducible:  # the call's profiled seconds, else one propose call per sequence (specdec.draft_cost)
-            seconds = self.profiled if self.profiled is not None else self.fixed_draft_seconds * batch
-            return seconds / self.costs.decode_seconds(batch)
         if self.draft_time.seconds is None:
             return 0.0
         return self.draft_time.seconds / self.step_seconds(batch)
@@ -282,7 +251,7 @@ class TreeSizer:
 
     # ---- sizing -----------------------------------------------------------------------------
     def size_call(self, seq_ids: list[int], trees: list[DraftTree], batch: int, draft_seconds: float,
-                  catch_up: bool = False, profiled: float | None = None) -> list[DraftTree]:
+                  catch_up: bool = False) -> list[DraftTree]:
         """Size every tree of one propose call (:meth:`size`) and record the call's draft time.
 
         A call of deterministic trees is priced by its own time (the first probe already knows what drafting
@@ -291,11 +260,9 @@ class TreeSizer:
         sampled = any(t.mode is not DraftMode.DETERMINISTIC for t in trees)
         if not sampled:
             self.record_draft(draft_seconds, catch_up)
-            self.record_profiled(profiled)
         out = [self.size(seq_id, tree, batch) for seq_id, tree in zip(seq_ids, trees)]
         if sampled:
             self.record_draft(draft_seconds, catch_up)
-            self.record_profiled(profiled)
         return out
 
     def size(self, seq_id: int, tree: DraftTree, batch: int) -> DraftTree:

@@ -16,8 +16,7 @@ import logging  # noqa: E402
 
 import torch  # noqa: E402
 
-from specdec.cuda_graphs import (GraphConfig, GraphedForward, auto_uses_graphs, model_graphs,  # noqa: E402
-                                 release_model_graphs)
+from specdec.cuda_graphs import GraphConfig, GraphedForward, auto_uses_graphs, model_graphs, release_model_graphs  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
 from specdec.generate import generate  # noqa: E402
 from specdec.kv_cache import CacheFullError, PagedKVCache  # noqa: E402

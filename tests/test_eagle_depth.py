@@ -4,12 +4,11 @@ without the engine's decode time or cost curve, and in the engine the output sta
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
 from specdec.drafters.eagle import EagleDrafter
-from specdec.drafters.eagle_depth import _REMEMBERED, DepthChooser, DepthConfig
+from specdec.drafters.eagle_depth import DepthChooser, DepthConfig
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 
 from specdec.errors import InputError
@@ -115,51 +114,3 @@ def test_in_the_engine_the_depth_follows_the_costs_and_the_output_is_the_targets
 def test_adapt_depth_option_must_be_a_bool():
     with pytest.raises(InputError, match="adapt_depth must be True or False"):
         EagleDrafter(model=None, path="x", adapt_depth="yes")
-
-
-def test_fixed_times_ignore_wall_times_and_keep_no_memory():
-    """Seeded sampling: the per-level seconds of the cached profile decide, never the wall times recorded later."""
-    chooser = DepthChooser(3)
-    chooser.start(lambda batch: 0.05, chain_cost, ("key",), fixed_times=[0.001, 1.0, 1.0])
-    assert chooser.active and chooser.fixed and chooser.memory_key is None
-    depths = drive(chooser, 60, lambda call: 3, [0.001, 0.001, 0.001])  # the wall: cheap levels that all match
-    assert depths.count(1) > 50 and [t.seconds for t in chooser.times] == [0.001, 1.0, 1.0]
-    chooser.finish()
-    assert ("key",) not in _REMEMBERED
-    with pytest.raises(ValueError, match="2 parts for 3"):
-        chooser.start(lambda batch: 0.05, chain_cost, None, fixed_times=[0.1, 0.1])
-
-
-def test_under_a_seed_the_depth_follows_the_cached_profile_and_one_seed_gives_one_text(tmp_path, monkeypatch):
-    """The calibration caches each level's seconds; seeded calls choose their depth from them (not the full depth,
-    as before), and a seed still gives one text. The cached profile is then rewritten to a machine where deep
-    levels are cheap and to one where they cost five decode steps each."""
-    from specdec.cost_model import CostModel
-
-    monkeypatch.setenv("SPECDEC_COST_DIR", str(tmp_path))
-    decode = 0.01  # the cached curve fixed (its measurement on a tiny model scatters): +5% per verified token
-    monkeypatch.setattr(CostModel, "seconds", lambda self, n, batch=1: decode * (1 + 0.05 * (n - 1)))
-    model = build_tiny_model()
-    torch.manual_seed(0)
-    eagle = EagleModel(EagleConfig.for_target(model.config, depth=4, top_k=2, max_nodes=8))
-    eagle.init_from_target(model)
-    drafter = EagleDrafter(model=eagle)
-    prompts = [[5, 9, 11, 2, 5, 9, 11]]
-    kw = dict(max_new_tokens=40, do_sample=True, temperature=0.1, seed=5, return_dict=True)
-    generate(model, prompts, drafter=drafter, **kw)
-    (file,) = tmp_path.glob("*-drafters.json")
-    data = json.loads(file.read_text())
-    (entry,) = data["drafters"].values()
-    assert len(entry["profile"]["level_seconds"]) == 4 and entry["profile"]["level_seconds"][3] > 0
-
-    def run(level_seconds: list[float]) -> list[int]:
-        entry["profile"]["level_seconds"] = level_seconds
-        file.write_text(json.dumps(data))
-        first, again = (generate(model, prompts, drafter=drafter, **kw) for _ in range(2))
-        assert first.sequences == again.sequences and first.stats[0].step_nodes == again.stats[0].step_nodes
-        return drafter.chooser.used
-
-    cheap = run([decode * 1e-3] * 4)
-    dear = run([decode * 1e-3] + [decode * 5] * 3)
-    assert cheap[4] >= 0.7 * sum(cheap), cheap  # after one call at each shallower depth
-    assert dear[1] > 0.8 * sum(dear), dear

@@ -6,9 +6,9 @@ import json
 import math
 
 import pytest
+from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter, reference_continuations
 
 from specdec.errors import InputError
-from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter, reference_continuations
 from specdec.generate import generate
 from specdec.models.loader import load_model
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from specdec.drafters.base import SequenceView, TokenView
+from specdec.drafters.combined import CombinedDrafter
+from specdec.eval.negative_controls import ScoreChoosingCombined, ShapeAwareSizer
+from specdec.eval.selection_law import DRAFT, TARGET, selection_cases, token_shaped_tree
+from specdec.eval.statistics import goodness_of_fit
 
 from specdec import engine_setup
 from specdec.cost_model import CostModel
-from specdec.drafters.combined import CombinedDrafter
-from specdec.eval.negative_controls import ScoreChoosingCombined, ShapeAwareSizer
-from specdec.drafters.base import SequenceView, TokenView
-from specdec.eval.selection_law import DRAFT, TARGET, selection_cases, token_shaped_tree
-from specdec.eval.statistics import goodness_of_fit
 from specdec.generate import generate
 from specdec.online_costs import OnlineCosts
 from specdec.rejection import rejection_sample

@@ -1,0 +1,97 @@
+"""One seed, one text, whatever the cost cache holds: seeded standard sampling reads no measurement of this machine
+(its trees are verified whole), so deleting the cache, a recalibration that measures another curve, a first call
+and a new process all give the same text; no timing run draws from a drafter's own random numbers."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.eagle_model import EagleConfig, EagleModel
+
+from specdec import engine_setup
+from specdec.cost_model import CostModel
+from specdec.generate import generate
+from specdec.testing import build_tiny_model
+from specdec.tree import DraftMode, DraftTree
+
+PROMPT = [5, 9, 11, 2, 5, 9, 11, 2, 5, 9]
+KW = dict(max_new_tokens=24, do_sample=True, temperature=0.7, seed=13, return_dict=True)
+CURVES = {"flat": {n: 1.0 for n in (1, 2, 4, 8, 16, 32, 65)},
+          "steep": {n: 1.0 + (n - 1) / 4 for n in (1, 2, 4, 8, 16, 32, 65)}}
+
+
+def drafters(model) -> dict:
+    torch.manual_seed(0)
+    eagle = EagleModel(EagleConfig.for_target(model.config, depth=3, top_k=2, max_nodes=6))
+    eagle.init_from_target(model)
+    return {"ngram": lambda: ("ngram", None),
+            "draft-model": lambda: ("draft-model", {"model": build_tiny_model(seed=4), "num_draft_tokens": 3}),
+            "eagle": lambda: (EagleDrafter(model=eagle), None)}
+
+
+def with_fresh_cache(tmp_path, monkeypatch, curve: str):
+    """A fresh cost directory whose calibration measures ``curve`` (as a recalibration on a busy machine might)."""
+    folder = tmp_path / curve
+    folder.mkdir()
+    monkeypatch.setenv("SPECDEC_COST_DIR", str(folder))
+    costs = CostModel({"curve": curve}, {1: {n: 0.01 * c for n, c in CURVES[curve].items()}},
+                      file=folder / f"verify-{curve}.json")
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner: costs)
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft-model", "eagle"])
+def test_one_seed_gives_one_text_across_fresh_cost_caches(tmp_path, monkeypatch, name):
+    model = build_tiny_model()
+    make = drafters(model)[name]
+    texts = []
+    for curve in ("flat", "steep", "flat"):
+        folder = tmp_path / f"{len(texts)}"
+        folder.mkdir()
+        with_fresh_cache(folder, monkeypatch, curve)
+        drafter, options = make()
+        texts.append(generate(model, [PROMPT], drafter=drafter, drafter_options=options, **KW).sequences)
+    assert texts[0] == texts[1] == texts[2]
+
+
+class OwnRandom:
+    """A custom drafter that samples from its own generator, made anew for every call."""
+
+    name = "own-random"
+
+    def __init__(self, vocab: int) -> None:
+        self.g = torch.Generator().manual_seed(99)
+        self.vocab = vocab
+
+    def propose(self, seqs):
+        q = torch.full((self.vocab,), 1.0 / self.vocab)
+        trees = []
+        for _ in seqs:
+            x = torch.multinomial(q, 2, generator=self.g)
+            trees.append(DraftTree(x, [-1, 0], q.expand(2, -1), DraftMode.INDEPENDENT))
+        return trees
+
+
+def test_a_drafters_own_randomness_is_not_consumed_before_its_first_call(tmp_path, monkeypatch):
+    model = build_tiny_model()
+    vocab = model.config.vocab_size
+    with_fresh_cache(tmp_path, monkeypatch, "flat")
+    first, second = (generate(model, [PROMPT], drafter=OwnRandom(vocab), **KW).sequences for _ in range(2))
+    assert first == second
+
+
+@pytest.mark.slow
+def test_one_seed_gives_one_text_in_another_process(tmp_path):
+    """A new process with an empty cost directory gives this process's text."""
+    here = generate(build_tiny_model(), [PROMPT], drafter="ngram", **KW).sequences
+    code = ("import json, sys; from specdec.generate import generate; from specdec.testing import build_tiny_model; "
+            f"kw = {KW!r}; print(json.dumps(generate(build_tiny_model(), [{PROMPT!r}], drafter='ngram', **kw)"
+            ".sequences))")
+    env = dict(os.environ, SPECDEC_COST_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == here
