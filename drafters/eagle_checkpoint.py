@@ -131,9 +131,14 @@ def check_fits_target(c: EagleConfig, target_config, where: str, model_type: str
     if model_type is not None and model_type not in LLAMA_FAMILY:
         raise EagleCheckpointError(f"{where}: the draft layer is of type {model_type!r} but the target is a "
                                    f"{getattr(target_config, 'model_type', '?')!r} (Llama-family) model")
-    if c.num_features != 1:
+    if c.arch == "eagle3":
+        depth = int(target_config.num_hidden_layers)
+        if max(c.feature_layers) > depth:
+            raise EagleCheckpointError(f"{where}: the head reads target layers {list(c.feature_layers)} but the "
+                                       f"target model has {depth} layers: it was made for another target")
+    elif c.num_features != 1:
         raise EagleCheckpointError(f"{where}: the checkpoint fuses {c.num_features} target features per position "
-                                   "(EAGLE-3) but this target provides 1 (its last hidden state)")
+                                   "(EAGLE-3) but names no feature layers")
     for name in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim"):
         mine, theirs = getattr(c, name), getattr(want, name)
         if mine != theirs:

@@ -158,7 +158,7 @@ def test_wrong_target_pickles_and_eagle3_are_refused(tmp_path):
     (tmp_path / "e3" / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
     save_file({"fc.weight": torch.zeros(H, 3 * H), "midlayer.input_layernorm.weight": torch.ones(H),
                "d2t": torch.zeros(8, dtype=torch.long)}, str(tmp_path / "e3" / "model.safetensors"))
-    with pytest.raises(EagleCheckpointError, match="fuses 3 target features .* this target provides 1"):
+    with pytest.raises(EagleCheckpointError, match="fuses 3 target features"):
         load_eagle(tmp_path / "e3", model.config)
     with pytest.raises(EagleCheckpointError, match="config.json is missing"):
         load_eagle(tmp_path / "pickled" / "..", model.config)
