@@ -120,3 +120,24 @@ def test_coupled_speculative_output_is_plain_coupled_output():
                             return_dict=True, **kw)
     assert spec.sequences == plain
     assert sum(s.steps for s in spec.stats) < sum(s.new_tokens for s in spec.stats)
+
+
+@pytest.mark.slow
+@pytest.mark.embedded
+def test_embedded_model_greedy_identity_with_an_eagle3_tree():
+    """The embedded SmolLM2-135M (30 layers: features of layers 2, 15, 27), an untrained EAGLE-3 head: 3 chat
+    prompts x 32 tokens batched, speculative == plain greedy (tests/test_embedded.py runs EAGLE-1 at 20 x 128)."""
+    from specdec.eval.prompts import load_prompts
+
+    loaded = load_model("default")
+    tok = loaded.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                       return_dict=False) for t in load_prompts("chat", 3)]
+    head = eagle3_head(loaded.model, tuple(range(4096)), depth=3, top_k=2, max_nodes=4)
+    assert head.config.feature_layers == (2, 15, 27)
+    with torch.no_grad():
+        plain = specdec.generate(loaded, prompts, max_new_tokens=32)
+        spec = specdec.generate(loaded, prompts, max_new_tokens=32, drafter=EagleDrafter(model=head),
+                                speculation="always", return_dict=True)
+    assert spec.sequences == plain
+    assert sum(s.steps for s in spec.stats) < sum(s.new_tokens for s in spec.stats)
