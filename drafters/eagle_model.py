@@ -26,6 +26,11 @@ pre-norm output ``h``; logits are ``lm_head(norm(h))``.
     model = EagleModel(EagleConfig.for_target(hf_config, draft_vocab=ids))
     hidden = model.fuse(features)                        # EAGLE-3: [.., kH] -> [.., H]; EAGLE-1: unchanged
     out, k, v = model(embeds, hidden, positions, mask, past_k, past_v)
+
+**MTP** (``arch="mtp"``, a target's own multi-token-prediction layer, :mod:`specdec.drafters.mtp`): the
+target's final-norm feature and the embedding are normed apart (``enorm``, ``hnorm``), projected by ``fc``
+[2H -> H] without bias, then one Llama layer; deeper steps feed back its pre-norm output; logits are the
+target's LM head over ``norm(h)``.
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ from specdec.errors import InputError
 from specdec.models.llama import Linear, linear
 
 INIT_OUTPUT_SCALE = 0.1  # init_from_target: attention / MLP outputs start small next to the passed-through feature
-ARCHS = ("eagle1", "eagle3")
+ARCHS = ("eagle1", "eagle3", "mtp")
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -83,7 +88,9 @@ class EagleConfig:
                                  f"got {list(layers)}")
             object.__setattr__(self, "num_features", len(layers))
             object.__setattr__(self, "norms", True)
-        elif layers or self.norm_before_residual or self.own_lm_head:
+        elif self.arch == "mtp":
+            object.__setattr__(self, "norms", True)
+        if self.arch != "eagle3" and (layers or self.norm_before_residual or self.own_lm_head):
             raise InputError("EagleConfig: feature_layers, norm_before_residual and own_lm_head are EAGLE-3 options "
                              "(arch='eagle3')")
         for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
@@ -185,8 +192,12 @@ class EagleModel(nn.Module):
         if not self.eagle3 and c.num_features != 1:
             raise InputError(f"an EAGLE-1 layer reads 1 target feature per position (the last hidden state); "
                              f"the config asks for {c.num_features} (EAGLE-3 fuses several: arch='eagle3')")
+        self.mtp = c.arch == "mtp"
         if self.eagle3:  # fc fuses the target's features only; deeper steps feed back H-wide hidden states
             self.fc = Linear(c.num_features * c.hidden_size, c.hidden_size, bias=False)
+        elif self.mtp:
+            self.enorm, self.hnorm = _Norm(c.hidden_size), _Norm(c.hidden_size)
+            self.fc = Linear(2 * c.hidden_size, c.hidden_size, bias=False)
         else:
             self.fc = Linear(2 * c.hidden_size, c.hidden_size, bias=True)
         self.layers = nn.ModuleList([EagleLayer(c)])
@@ -223,6 +234,8 @@ class EagleModel(nn.Module):
     def init_from_target(self, hf_model) -> None:
         """Start from the target's last decoder layer (its output projections scaled down, so the layer starts near
         the identity), its final norm and its LM head rows; fc starts as [0 | I] (the feature passes through)."""
+        if self.mtp:
+            raise InputError("an MTP layer comes with its target's checkpoint; it is not initialised from the target")
         if self.eagle3:
             return self._init_eagle3_from_target(hf_model)
         last = hf_model.model.layers[-1]
@@ -304,6 +317,10 @@ class EagleModel(nn.Module):
             hidden = _rms_norm(features, layer.hidden_norm.weight, c.rms_norm_eps)
             x = hidden if c.norm_before_residual else features  # the residual around attention
             a = torch.cat([_rms_norm(embeds, layer.input_layernorm.weight, c.rms_norm_eps), hidden], dim=-1)
+        elif self.mtp:
+            x = self.fc(torch.cat([_rms_norm(embeds, self.enorm.weight, c.rms_norm_eps),
+                                   _rms_norm(features, self.hnorm.weight, c.rms_norm_eps)], dim=-1))
+            a = _rms_norm(x, layer.input_layernorm.weight, c.rms_norm_eps)
         else:
             x = self.fc(torch.cat([embeds, features], dim=-1))
             a = _rms_norm(x, layer.input_layernorm.weight, c.rms_norm_eps) if c.norms else x
@@ -322,13 +339,13 @@ class EagleModel(nn.Module):
                                            values.repeat_interleave(groups, dim=1), attn_mask=mask[:, None])
         h = x + attn.o_proj(o.transpose(1, 2).reshape(B, L, c.num_heads * c.head_dim))
         h = h + layer.mlp(_rms_norm(h, layer.post_attention_layernorm.weight, c.rms_norm_eps))
-        if self.norm is not None and not self.eagle3:
+        if self.norm is not None and not (self.eagle3 or self.mtp):
             h = _rms_norm(h, self.norm.weight, c.rms_norm_eps)
         return h, k, v
 
     def logits(self, features: torch.Tensor, target_lm_head: torch.Tensor) -> torch.Tensor:
         """[.., H] predicted features -> [.., N] draft logits (N = the draft vocabulary, or the target's)."""
-        if self.eagle3:
+        if self.eagle3 or self.mtp:
             features = _rms_norm(features, self.norm.weight, self.config.rms_norm_eps)
         if self.lm_head is not None:
             return self.lm_head(features)

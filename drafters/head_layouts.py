@@ -16,6 +16,7 @@ vocabulary in ascending target id, every config naming the target model it was m
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from specdec.drafters.eagle_model import EagleConfig, EagleModel, default_featur
 from specdec.atomic_write import replaced_atomically, write_json
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
+logger = logging.getLogger(__name__)
 UNSUPPORTED_SPECULATORS_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 FORMATS = ("speculators", "sglang")
 
@@ -98,6 +100,9 @@ def read_eagle3(raw: dict, state: dict[str, torch.Tensor], where: str, target_co
         vocab = int(state["t2d"].numel()) if "t2d" in state else int(layer.get("vocab_size") or raw["vocab_size"])
     except KeyError as err:
         raise EagleCheckpointError(f"{where}: config.json lacks {err.args[0]!r}") from None
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        logger.warning("%s: the head's RoPE scaling (%s) is not applied by specdec's draft layer, which rotates with "
+                       "rope_theta alone: drafts stay exact, acceptance may be lower", where, rope.get("rope_type"))
     ids: tuple[int, ...] = ()
     own_head = False
     if "d2t" in tensors:

@@ -19,19 +19,14 @@ from specdec.models.loader import load_model
 from specdec.sampling import SamplingConfig
 from specdec.testing import build_tiny_model, ragged_prompts
 
+from tests.test_eagle_drafter import Recorder
+
 
 def eagle3_head(model, vocab=(), seed=0, **fields) -> EagleModel:
     torch.manual_seed(seed)
     head = EagleModel(EagleConfig.for_target(model.config, arch="eagle3", draft_vocab=tuple(vocab), **fields))
     head.init_from_target(model)
     return head
-
-
-class Recorder(EagleDrafter):
-    def propose(self, seqs):
-        trees = super().propose(seqs)
-        self.trees = getattr(self, "trees", []) + trees
-        return trees
 
 
 def test_default_feature_layers_are_the_published_low_middle_high():
@@ -44,27 +39,32 @@ def test_default_feature_layers_are_the_published_low_middle_high():
         EagleConfig.for_target(build_tiny_model().config, feature_layers=(0, 1, 2))
 
 
-def test_runner_features_are_the_residual_streams_entering_the_layers():
-    model = build_tiny_model(num_hidden_layers=4)
+def engine_features(model, ids: list[int], layers: tuple[int, ...]):
+    """The runner's prefill forward over ``ids`` with ``feature_layers=layers`` (the engine's verify path)."""
     runner = LlamaRunner(model)
     s = runner.shape
-    ids = [3, 9, 27, 81, 5, 7]
     cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, num_blocks=4)
     cache.add(0)
     cache.reserve_many({0: len(ids)})
     builder = BatchBuilder(cache, runner.device)
     builder.add(0, ids, range(len(ids)), num_keys=len(ids), num_visible=0)
     batch = builder.build()
-    rows = torch.arange(len(ids))
+    return runner.forward(batch.token_ids, batch.positions, batch.plan, cache, torch.arange(len(ids)),
+                          feature_layers=layers)
+
+
+def test_runner_features_are_the_residual_streams_entering_the_layers():
+    model = build_tiny_model(num_hidden_layers=4)
+    ids = [3, 9, 27, 81, 5, 7]
     asked = (3, 0, 4, 2)
-    out = runner.forward(batch.token_ids, batch.positions, batch.plan, cache, rows, feature_layers=asked)
+    out = engine_features(model, ids, asked)
     with torch.no_grad():  # transformers: [0] the embeddings, [i] the output of layer i - 1, [L] after the norm
         ref = [h[0] for h in model(torch.tensor([ids]), output_hidden_states=True).hidden_states]
     got = out.features.view(len(ids), len(asked), model.config.hidden_size)
-    for slot, layer in enumerate(asked):
-        want = ref[layer] if layer < 4 else ref[4]
-        mine = got[:, slot] if layer < 4 else rms_norm(got[:, slot], model.model.norm.weight, model.config.rms_norm_eps)
-        torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-5)
+    norm = model.model.norm.weight
+    for slot, layer in enumerate(asked):  # id 4: before the final norm, so normed here to compare
+        mine = got[:, slot] if layer < 4 else rms_norm(got[:, slot], norm, model.config.rms_norm_eps)
+        torch.testing.assert_close(mine, ref[layer], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.hidden, ref[4], rtol=1e-5, atol=1e-5)
 
 
@@ -96,14 +96,18 @@ def test_the_head_cannot_silently_read_final_hidden_states():
                  drafter_options={"drafters": ["ngram", EagleDrafter(model=head)]}, speculation="always")
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(True, 0.9, 6), SamplingConfig(True, 1.0, 0, 0.8)])
-def test_exact_law_passes_and_broken_rules_fail(sampling):
+@pytest.mark.parametrize("sampling,levels", [
+    pytest.param(SamplingConfig(True, 0.9, 6), ("exact", "e2e"), marks=pytest.mark.slow),  # ~40 s on 2 cores
+    (SamplingConfig(True, 1.0, 0, 0.8), ("exact",))])
+def test_exact_law_passes_and_broken_rules_fail(sampling, levels):
+    """The exact law (synthetic, in the head's draft mode) and, end to end, the head's sampled output in the
+    target's law with a broken engine caught."""
     loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
     head = eagle3_head(loaded.model, depth=2, top_k=2, max_nodes=3)
     sizes = CertificateSizes(stat_samples=2000, identity_prompts=3, identity_tokens=12, sample_sequences=400,
                              sample_tokens=2, e2e_tv=0.15)
     prompts = lambda n: [[1, 2, 3, 1, 2, 3], [5, 6, 7, 5], [9, 4, 9, 4, 9]][:n]  # noqa: E731
-    cert = run_certificate(loaded, "eagle", {"model": head}, sampling, sizes, prompts, levels=("exact",))
+    cert = run_certificate(loaded, "eagle", {"model": head}, sampling, sizes, prompts, levels=levels)
     failed = [(c.level, c.name, c.control, c.detail) for c in cert.checks if not c.as_expected]
     assert cert.passed and not cert.void, failed
     controls = [c for c in cert.checks if c.control]

@@ -188,26 +188,16 @@ def test_tree_choice_pairs_each_candidate_with_plain_decoding(monkeypatch):
 def test_eagle3_training_features_are_the_ones_the_engine_passes():
     """What the layer is trained on (train/features.py, transformers' forward) is what it drafts from (the engine's
     runner): the residual streams entering the feature layers, the last one before the final norm."""
-    from specdec.attention import BatchBuilder
-    from specdec.kv_cache import PagedKVCache
-    from specdec.models.llama import LlamaRunner
     from specdec.testing import build_tiny_model
     from specdec.train.features import target_features
+
+    from tests.test_eagle3 import engine_features
 
     model = build_tiny_model(num_hidden_layers=3)
     ids = [5, 8, 13, 21, 34, 55]
     layers = (3, 1, 0)
     feats, labels = target_features(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), layers)
-    runner = LlamaRunner(model)
-    s = runner.shape
-    cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, num_blocks=2)
-    cache.add(0)
-    cache.reserve_many({0: len(ids)})
-    builder = BatchBuilder(cache, runner.device)
-    builder.add(0, ids, range(len(ids)), num_keys=len(ids), num_visible=0)
-    batch = builder.build()
-    out = runner.forward(batch.token_ids, batch.positions, batch.plan, cache, torch.arange(len(ids)),
-                         feature_layers=layers)
+    out = engine_features(model, ids, layers)
     torch.testing.assert_close(feats[0], out.features, rtol=1e-5, atol=1e-5)
     assert labels[0].tolist() == out.logits.argmax(-1).tolist()
 

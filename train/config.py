@@ -25,7 +25,8 @@ DRAFTERS = ("medusa", "eagle")
 
 # fields added with train-eagle, and their defaults (a run saved before them has none)
 _ADDED_LATER = {"drafter": "medusa", "draft_vocab": None, "draft_vocab_coverage": 0.97, "eagle_steps": 3,
-                "reg_weight": 1.0, "eagle_arch": "eagle1", "max_grad_norm": 0.0, "prompt_source": "builtin", "distill_cuda_graphs": "auto"}
+                "reg_weight": 1.0, "eagle_arch": "eagle1", "max_grad_norm": 0.0, "prompt_source": "builtin",
+                "distill_cuda_graphs": "auto"}
 
 
 @dataclass(frozen=True)
