@@ -20,7 +20,9 @@ Lifecycle, driven by the engine:
 
 A drafter that sets ``needs_hidden_states = True`` finds in ``SequenceView.new_hidden`` the target's final-norm
 hidden states of the positions committed since its previous ``propose``, ending at the token *before* the root;
-``SequenceView.last_hidden`` is that last row (Medusa); EAGLE reads them all.
+``SequenceView.last_hidden`` is that last row (Medusa); EAGLE reads them all. A drafter with a non-empty
+``feature_layers`` attribute (an EAGLE-3 head) gets instead, per row, the residual streams entering those target
+layers, concatenated ([k, len(feature_layers) * hidden_size]).
 
 The engine talks to every drafter through this class. Any object with a ``propose`` method is accepted too:
 :func:`as_drafter` wraps it once, so the engine never probes attributes.

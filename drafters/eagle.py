@@ -8,6 +8,8 @@ Each step, per sequence (drafters/eagle_model.py has the layer):
 1. **catch up**: the target's hidden states of the positions committed since the last step
    (``SequenceView.new_hidden``) paired with the tokens that follow them run through the draft
    layer as one causal block; their keys / values join the drafter's own per-sequence cache.
+   An EAGLE-3 head names its ``feature_layers``: the engine then passes the residual streams
+   entering those target layers instead of the final-norm states, and the head fuses them (fc).
    The last row predicts the root's feature; its logits score depth 1.
 2. **grow** (EAGLE-2): ``depth - 1`` times, the ``top_k`` candidates of the newest depth with the
    highest cumulative draft log-probability run as queries (each sees the cache, its ancestors
@@ -113,6 +115,12 @@ class EagleDrafter(Drafter):
         logger.info("eagle: depth %d%s, top-k %d, %d nodes, draft vocabulary %d", self.depth,
                     " at most (chosen per call)" if self.chooser.active else "", self.top_k, self.max_nodes, vocab)
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """EAGLE-3: the target layers whose input residual streams the engine passes as ``new_hidden``."""
+        model = self.model
+        return model.config.feature_layers if isinstance(model, EagleModel) and model.eagle3 else ()
+
     def on_accept(self, seq_id: int, committed: Sequence[int]) -> None:
         last = self._last.pop(seq_id, None)
         if last is not None:
@@ -170,7 +178,11 @@ class EagleDrafter(Drafter):
         mask = torch.ones(1, k, past + k, dtype=torch.bool, device=runner.device)
         mask[0, :, past:] = torch.ones(k, k, dtype=torch.bool, device=runner.device).tril()
         embeds = F.embedding(tokens, runner.embed)[None]
-        out, new_k, new_v = model(embeds, hidden[None].to(runner.dtype), positions, mask,
+        if model.eagle3 and hidden.shape[-1] != model.fc.in_features:
+            raise InputError(f"eagle: this EAGLE-3 head reads target layers {list(model.config.feature_layers)}, but "
+                             f"the engine passed final hidden states (an EAGLE-3 head cannot run inside the "
+                             f"combined drafter)")
+        out, new_k, new_v = model(embeds, model.fuse(hidden[None].to(runner.dtype)), positions, mask,
                                   None if cache is None else cache.k, None if cache is None else cache.v)
         if cache is None:
             self.caches[view.seq_id] = _SeqCache(new_k, new_v)

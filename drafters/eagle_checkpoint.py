@@ -9,6 +9,8 @@ vocabulary, ``lm_head.weight`` [N, H] and EAGLE-3's ``d2t`` map (token id = inde
 ``config.json`` is a Llama-style config (``hidden_size``, ``num_attention_heads``, ...) as published
 EAGLE checkpoints have, plus a ``specdec_eagle`` section with what specdec adds (tree shape, feature
 count, base model). Pickled weights (``pytorch_model.bin``) are refused, with how to convert them.
+EAGLE-3 heads in the layouts of EAGLE, SGLang, speculators and vLLM load too
+(:mod:`specdec.drafters.head_layouts`).
 """
 from __future__ import annotations
 
@@ -45,15 +47,18 @@ def save_eagle(model: EagleModel, directory: str | os.PathLike, extra: dict | No
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     with replaced_atomically(path / WEIGHTS_FILE) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
+    eagle3 = {"arch": "eagle3", "feature_layers": list(c.feature_layers),
+              "norm_before_residual": c.norm_before_residual} if c.arch == "eagle3" else {}
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+        "architectures": ["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLM"], "model_type": "llama",
+        "num_hidden_layers": 1,
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
         "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
         "draft_vocab_size": len(c.draft_vocab) or c.vocab_size,
         "specdec_eagle": {"num_features": c.num_features, "depth": c.depth, "top_k": c.top_k,
                           "max_nodes": c.max_nodes, "base_model_name_or_path": c.base_model_name_or_path,
-                          **(extra or {})},
+                          **eagle3, **(extra or {})},
     }
     write_json(path / CONFIG_FILE, config, indent=2)
     return path
@@ -131,9 +136,14 @@ def check_fits_target(c: EagleConfig, target_config, where: str, model_type: str
     if model_type is not None and model_type not in LLAMA_FAMILY:
         raise EagleCheckpointError(f"{where}: the draft layer is of type {model_type!r} but the target is a "
                                    f"{getattr(target_config, 'model_type', '?')!r} (Llama-family) model")
-    if c.num_features != 1:
+    if c.arch == "eagle3":
+        depth = int(target_config.num_hidden_layers)
+        if max(c.feature_layers) > depth:
+            raise EagleCheckpointError(f"{where}: the head reads target layers {list(c.feature_layers)} but the "
+                                       f"target model has {depth} layers: it was made for another target")
+    elif c.num_features != 1:
         raise EagleCheckpointError(f"{where}: the checkpoint fuses {c.num_features} target features per position "
-                                   "(EAGLE-3) but this target provides 1 (its last hidden state)")
+                                   "(EAGLE-3) but names no feature layers")
     for name in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim"):
         mine, theirs = getattr(c, name), getattr(want, name)
         if mine != theirs:
@@ -147,11 +157,16 @@ def load_eagle(directory: str | os.PathLike, target_config, dtype: torch.dtype =
     path = Path(directory)
     if not path.is_dir():
         raise EagleCheckpointError(f"EAGLE checkpoint directory not found: {path}")
+    from specdec.drafters.head_layouts import is_eagle3, layer_model_type, read_eagle3
+
     raw = _read_config(path)
     state = _read_weights(path)
-    config = config_from_checkpoint(raw, state, str(path))
-    check_fits_target(config, target_config, str(path), raw.get("model_type"))
-    state = {k: v for k, v in state.items() if k != "embed_tokens.weight"}  # the target's embedding is used
+    if is_eagle3(raw, state):
+        config, state = read_eagle3(raw, state, str(path), target_config)
+    else:
+        config = config_from_checkpoint(raw, state, str(path))
+        state = {k: v for k, v in state.items() if k != "embed_tokens.weight"}  # the target's embedding is used
+    check_fits_target(config, target_config, str(path), layer_model_type(raw))
     try:
         model = EagleModel.from_state(config, state)
     except RuntimeError as err:

@@ -1,4 +1,4 @@
-"""The EAGLE draft model: one decoder layer of the target's own type over the target's features.
+"""The EAGLE draft model: one decoder layer of the target's own type over the target's features (EAGLE-1 or -3).
 
 At position ``j + 1`` it reads the target's final-norm hidden state ``f_j`` (the feature whose
 logits chose token ``t_{j+1}``) and the embedding of ``t_{j+1}``, and predicts the next feature
@@ -18,8 +18,19 @@ names follow the published EAGLE-1 layout (``fc.*``, ``layers.0.self_attn.*``,
 ``layers.0.post_attention_layernorm.weight``, ``layers.0.mlp.*``) plus ``lm_head.weight`` and the
 EAGLE-3 draft-to-target map ``d2t`` (token id = index + d2t[index]) for a reduced vocabulary.
 
+**EAGLE-3** (``arch="eagle3"``): the features are the target's residual
+streams entering ``feature_layers`` (low / middle / high), fused once by ``fc`` [kH -> H]; the first layer's
+attention reads ``cat(input_layernorm(embed), hidden_norm(hidden))`` [2H]; deeper steps feed back the layer's
+pre-norm output ``h``; logits are ``lm_head(norm(h))``.
+
     model = EagleModel(EagleConfig.for_target(hf_config, draft_vocab=ids))
-    out, k, v = model(embeds, features, cos, sin, mask, past_k, past_v)
+    hidden = model.fuse(features)                        # EAGLE-3: [.., kH] -> [.., H]; EAGLE-1: unchanged
+    out, k, v = model(embeds, hidden, positions, mask, past_k, past_v)
+
+**MTP** (``arch="mtp"``, a target's own multi-token-prediction layer, :mod:`specdec.drafters.mtp`): the
+target's final-norm feature and the embedding are normed apart (``enorm``, ``hnorm``), projected by ``fc``
+[2H -> H] without bias, then one Llama layer; deeper steps feed back its pre-norm output; logits are the
+target's LM head over ``norm(h)``.
 """
 from __future__ import annotations
 
@@ -33,6 +44,14 @@ from specdec.errors import InputError
 from specdec.models.llama import Linear, linear
 
 INIT_OUTPUT_SCALE = 0.1  # init_from_target: attention / MLP outputs start small next to the passed-through feature
+ARCHS = ("eagle1", "eagle3", "mtp")
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's published low / middle / high layer ids (2, L // 2, L - 3); a target too shallow for distinct ids
+    takes (0, L // 2, L) (id L: the last residual stream, before the final norm)."""
+    ids = (2, num_layers // 2, num_layers - 3)
+    return ids if len(set(ids)) == 3 and min(ids) >= 0 else (0, num_layers // 2, num_layers)
 
 
 @dataclass(frozen=True)
@@ -45,7 +64,7 @@ class EagleConfig:
     vocab_size: int  # the target's
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    num_features: int = 1  # target feature vectors per position (1: EAGLE-1/2's last hidden state)
+    num_features: int = 1  # target feature vectors per position (1: EAGLE-1/2's last hidden state; eagle3: derived)
     norms: bool = True  # input and output RMSNorm (specdec's layers); False: the published EAGLE-1 layer
     draft_vocab: tuple[int, ...] = ()  # token ids of a reduced LM head; () = the target's full LM head
     base_model_name_or_path: str = ""
@@ -53,8 +72,27 @@ class EagleConfig:
     depth: int = 5
     top_k: int = 8
     max_nodes: int = 16
+    arch: str = "eagle1"  # "eagle3": fused features, 2H attention input, own norm and LM head (module doc)
+    feature_layers: tuple[int, ...] = ()  # eagle3: target layer ids whose input residual streams are fused
+    norm_before_residual: bool = False  # eagle3: the residual around attention is hidden_norm(hidden)
+    own_lm_head: bool = False  # eagle3 over the full vocabulary: its own [V, H] head instead of the target's
 
     def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise InputError(f"EagleConfig.arch must be one of {ARCHS}, got {self.arch!r}")
+        layers = tuple(int(i) for i in self.feature_layers)
+        object.__setattr__(self, "feature_layers", layers)
+        if self.arch == "eagle3":
+            if not layers or min(layers) < 0 or len(set(layers)) != len(layers):
+                raise InputError(f"EagleConfig.feature_layers must hold distinct layer ids >= 0 for EAGLE-3, "
+                                 f"got {list(layers)}")
+            object.__setattr__(self, "num_features", len(layers))
+            object.__setattr__(self, "norms", True)
+        elif self.arch == "mtp":
+            object.__setattr__(self, "norms", True)
+        if self.arch != "eagle3" and (layers or self.norm_before_residual or self.own_lm_head):
+            raise InputError("EagleConfig: feature_layers, norm_before_residual and own_lm_head are EAGLE-3 options "
+                             "(arch='eagle3')")
         for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
                      "num_features", "depth", "top_k", "max_nodes"):
             value = getattr(self, name)
@@ -81,21 +119,25 @@ class EagleConfig:
             vocab_size=hf_config.vocab_size, rms_norm_eps=float(hf_config.rms_norm_eps), rope_theta=float(theta),
             base_model_name_or_path=str(getattr(hf_config, "_name_or_path", "") or ""))
         fields.update(overrides)
+        if fields.get("arch") == "eagle3" and not fields.get("feature_layers"):
+            fields["feature_layers"] = default_feature_layers(hf_config.num_hidden_layers)
         return cls(**fields)
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["draft_vocab"] = list(self.draft_vocab)
+        d["feature_layers"] = list(self.feature_layers)
         return d
 
 
 class EagleAttention(nn.Module):
-    def __init__(self, c: EagleConfig) -> None:
+    def __init__(self, c: EagleConfig, in_size: int | None = None) -> None:
         super().__init__()
         self.c = c
-        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        in_size = in_size or c.hidden_size
+        self.q_proj = Linear(in_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = Linear(in_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = Linear(in_size, c.num_kv_heads * c.head_dim, bias=False)
         self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
 
@@ -111,11 +153,15 @@ class EagleMLP(nn.Module):
 
 
 class EagleLayer(nn.Module):
-    """A Llama decoder layer (without the input norm in the published EAGLE-1 layout)."""
+    """A Llama decoder layer (without the input norm in the published EAGLE-1 layout); EAGLE-3's first layer
+    reads 2H (embedding and hidden state) and has a second input norm, ``hidden_norm``."""
 
     def __init__(self, c: EagleConfig) -> None:
         super().__init__()
-        self.self_attn = EagleAttention(c)
+        eagle3 = c.arch == "eagle3"
+        self.self_attn = EagleAttention(c, 2 * c.hidden_size if eagle3 else None)
+        if eagle3:
+            self.hidden_norm = _Norm(c.hidden_size)
         if c.norms:
             self.input_layernorm = _Norm(c.hidden_size)
         self.post_attention_layernorm = _Norm(c.hidden_size)
@@ -142,10 +188,18 @@ class EagleModel(nn.Module):
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()
         c = self.config = config
-        if c.num_features != 1:
-            raise InputError(f"this EAGLE drafter reads 1 target feature per position (the last hidden state); "
-                             f"the config asks for {c.num_features} (EAGLE-3 fused features are not supported)")
-        self.fc = Linear(2 * c.hidden_size, c.hidden_size, bias=True)
+        self.eagle3 = c.arch == "eagle3"
+        if not self.eagle3 and c.num_features != 1:
+            raise InputError(f"an EAGLE-1 layer reads 1 target feature per position (the last hidden state); "
+                             f"the config asks for {c.num_features} (EAGLE-3 fuses several: arch='eagle3')")
+        self.mtp = c.arch == "mtp"
+        if self.eagle3:  # fc fuses the target's features only; deeper steps feed back H-wide hidden states
+            self.fc = Linear(c.num_features * c.hidden_size, c.hidden_size, bias=False)
+        elif self.mtp:
+            self.enorm, self.hnorm = _Norm(c.hidden_size), _Norm(c.hidden_size)
+            self.fc = Linear(2 * c.hidden_size, c.hidden_size, bias=False)
+        else:
+            self.fc = Linear(2 * c.hidden_size, c.hidden_size, bias=True)
         self.layers = nn.ModuleList([EagleLayer(c)])
         self.norm = _Norm(c.hidden_size) if c.norms else None
         # buffers are built on the CPU by name, parameters wherever the caller's device context says: a loader
@@ -154,6 +208,9 @@ class EagleModel(nn.Module):
             ids = torch.tensor(c.draft_vocab, dtype=torch.long, device="cpu")
             self.lm_head = Linear(c.hidden_size, len(ids), bias=False)
             self.register_buffer("d2t", ids - torch.arange(len(ids), device="cpu"), persistent=True)  # [N] EAGLE-3
+        elif c.own_lm_head:
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
+            self.d2t = None
         else:
             self.lm_head = None  # the target's own LM head
         steps = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device="cpu")
@@ -170,11 +227,17 @@ class EagleModel(nn.Module):
 
     @property
     def draft_ids(self) -> torch.Tensor | None:  # [N] token id of each reduced logit, None = full vocabulary
-        return None if self.lm_head is None else self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+        if self.lm_head is None or self.d2t is None:
+            return None
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
 
     def init_from_target(self, hf_model) -> None:
         """Start from the target's last decoder layer (its output projections scaled down, so the layer starts near
         the identity), its final norm and its LM head rows; fc starts as [0 | I] (the feature passes through)."""
+        if self.mtp:
+            raise InputError("an MTP layer comes with its target's checkpoint; it is not initialised from the target")
+        if self.eagle3:
+            return self._init_eagle3_from_target(hf_model)
         last = hf_model.model.layers[-1]
         with torch.no_grad():
             mine = self.layers[0]
@@ -195,6 +258,41 @@ class EagleModel(nn.Module):
             if self.lm_head is not None:
                 self.lm_head.weight.copy_(hf_model.get_output_embeddings().weight[self.draft_ids])
 
+    def _init_eagle3_from_target(self, hf_model) -> None:
+        """EAGLE-3 start: the target's last layer with q/k/v reading only the hidden half ([0 | W]), its norms and
+        LM head rows; fc starts as the highest feature layer's stream passed through ([0 | .. | I])."""
+        last, c, H = hf_model.model.layers[-1], self.config, self.config.hidden_size
+        with torch.no_grad():
+            mine = self.layers[0]
+            for name in ("q_proj", "k_proj", "v_proj"):
+                w = getattr(mine.self_attn, name).weight
+                w.zero_()
+                w[:, H:] = getattr(last.self_attn, name).weight
+            mine.self_attn.o_proj.weight.copy_(last.self_attn.o_proj.weight * INIT_OUTPUT_SCALE)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(mine.mlp, name).weight.copy_(getattr(last.mlp, name).weight)
+            mine.mlp.down_proj.weight.mul_(INIT_OUTPUT_SCALE)
+            mine.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
+            mine.input_layernorm.weight.copy_(hf_model.model.layers[0].input_layernorm.weight)
+            mine.hidden_norm.weight.copy_(last.input_layernorm.weight)
+            self.norm.weight.copy_(hf_model.model.norm.weight)
+            self.fc.weight.zero_()
+            top = max(range(c.num_features), key=lambda i: c.feature_layers[i])
+            self.fc.weight[:, top * H:(top + 1) * H] = torch.eye(H)
+            if self.lm_head is not None:
+                head = hf_model.get_output_embeddings().weight
+                self.lm_head.weight.copy_(head if self.draft_ids is None else head[self.draft_ids])
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """[.., num_features * H] target features -> [.., H] the hidden state the layer reads (EAGLE-3's fc);
+        EAGLE-1 reads the feature itself (its fc runs inside ``forward``, over the embedding too)."""
+        if not self.eagle3:
+            return features
+        if features.shape[-1] != self.fc.in_features:
+            raise InputError(f"EAGLE-3 head: expected {self.config.num_features} fused target features per "
+                             f"position ({self.fc.in_features} values), got {features.shape[-1]}")
+        return self.fc(features)
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq  # [..., L, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -209,13 +307,23 @@ class EagleModel(nn.Module):
         past_k: torch.Tensor | None = None,  # [B, kv_heads, P, head_dim]
         past_v: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Predicted features [B, L, H] and this call's keys / values [B, kv_heads, L, head_dim]."""
+        """Predicted features [B, L, H] and this call's keys / values [B, kv_heads, L, head_dim] (EAGLE-3:
+        ``features`` is the fused or fed-back hidden state and the prediction is the pre-norm output)."""
         c = self.config
         B, L, _ = embeds.shape
-        x = self.fc(torch.cat([embeds, features], dim=-1))
         layer = self.layers[0]
         attn = layer.self_attn
-        a = _rms_norm(x, layer.input_layernorm.weight, c.rms_norm_eps) if c.norms else x
+        if self.eagle3:
+            hidden = _rms_norm(features, layer.hidden_norm.weight, c.rms_norm_eps)
+            x = hidden if c.norm_before_residual else features  # the residual around attention
+            a = torch.cat([_rms_norm(embeds, layer.input_layernorm.weight, c.rms_norm_eps), hidden], dim=-1)
+        elif self.mtp:
+            x = self.fc(torch.cat([_rms_norm(embeds, self.enorm.weight, c.rms_norm_eps),
+                                   _rms_norm(features, self.hnorm.weight, c.rms_norm_eps)], dim=-1))
+            a = _rms_norm(x, layer.input_layernorm.weight, c.rms_norm_eps)
+        else:
+            x = self.fc(torch.cat([embeds, features], dim=-1))
+            a = _rms_norm(x, layer.input_layernorm.weight, c.rms_norm_eps) if c.norms else x
         q = attn.q_proj(a).view(B, L, c.num_heads, c.head_dim).transpose(1, 2)
         k = attn.k_proj(a).view(B, L, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = attn.v_proj(a).view(B, L, c.num_kv_heads, c.head_dim).transpose(1, 2)
@@ -231,12 +339,14 @@ class EagleModel(nn.Module):
                                            values.repeat_interleave(groups, dim=1), attn_mask=mask[:, None])
         h = x + attn.o_proj(o.transpose(1, 2).reshape(B, L, c.num_heads * c.head_dim))
         h = h + layer.mlp(_rms_norm(h, layer.post_attention_layernorm.weight, c.rms_norm_eps))
-        if self.norm is not None:
+        if self.norm is not None and not (self.eagle3 or self.mtp):
             h = _rms_norm(h, self.norm.weight, c.rms_norm_eps)
         return h, k, v
 
     def logits(self, features: torch.Tensor, target_lm_head: torch.Tensor) -> torch.Tensor:
         """[.., H] predicted features -> [.., N] draft logits (N = the draft vocabulary, or the target's)."""
+        if self.eagle3 or self.mtp:
+            features = _rms_norm(features, self.norm.weight, self.config.rms_norm_eps)
         if self.lm_head is not None:
             return self.lm_head(features)
         flat = linear(features.reshape(-1, features.shape[-1]), target_lm_head)

@@ -12,6 +12,7 @@ BUILTIN = {
     "self-draft": "specdec.drafters.self_draft:SelfDraftDrafter",
     "medusa": "specdec.drafters.medusa:MedusaDrafter",
     "eagle": "specdec.drafters.eagle:EagleDrafter",
+    "mtp": "specdec.drafters.mtp:MtpDrafter",
     "combined": "specdec.drafters.combined:CombinedDrafter",
 }
 

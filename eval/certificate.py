@@ -142,7 +142,7 @@ def _fmt(x: float | None) -> str:
 
 def drafter_modes(drafter: Any, options: dict, sampling: SamplingConfig) -> list[DraftMode]:
     """The draft modes a drafter can propose in this configuration (all three if unknown)."""
-    if drafter in ("ngram", "medusa", "eagle"):
+    if drafter in ("ngram", "medusa", "eagle", "mtp"):
         return [DraftMode.DETERMINISTIC]
     if drafter in ("draft-model", "self-draft"):
         mode = options.get("mode", "auto")

@@ -124,11 +124,13 @@ class Engine:
         self.forward_passes = 0
         self.seconds = {"draft": 0.0, "verify": 0.0}  # wall time of the two halves of step(), summed
         self.keep_hidden = self.drafter is not None and self.drafter.needs_hidden_states
+        self.feature_layers: tuple[int, ...] = ()  # EAGLE-3: the drafter's rows are these layers' streams
         if self.drafter is not None:
             sizer = self.sizer
             self.drafter.attach(TargetView(runner, cache, sampling, stop.tokenizer, self.coupling, processing,
                                            sizer.online.relative if sizer is not None else None,
                                            sizer.step_seconds if sizer is not None else None))
+            self.feature_layers = tuple(getattr(self.drafter, "feature_layers", ()) or ())
         if self.sizer is not None and self.sizer.never_pays(self.drafter.forward_seconds()):
             log = logger.warning if self.drafter.name not in _NEVER_PAYS_WARNED else logger.debug
             _NEVER_PAYS_WARNED.add(self.drafter.name)
@@ -159,10 +161,11 @@ class Engine:
             # hidden states of every prompt row but the root: Medusa starts from the last, EAGLE reads them all
             rows = torch.arange(batch.token_ids.numel(), device=batch.token_ids.device)
             out = self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache,
-                                      rows if self.keep_hidden else None, with_logits=False)
+                                      rows if self.keep_hidden else None, with_logits=False,
+                                      feature_layers=self.feature_layers)
             if self.keep_hidden:
                 for s, seq_rows in zip(todo, batch.rows):
-                    s.new_hidden = out.hidden[list(seq_rows)]
+                    s.new_hidden = self.drafter_rows(out)[list(seq_rows)]
             self.cache.commit({s.seq_id: range(len(s.token_ids) - 1) for s in todo})
         return new
 
@@ -178,7 +181,7 @@ class Engine:
         target_logits = self.process(live, trees, out.logits[batch.row_index])
         acceptances = self.accept(live, trees, target_logits)
         if self.keep_hidden:
-            self.keep_new_hidden(live, acceptances, out.hidden[batch.row_index])
+            self.keep_new_hidden(live, acceptances, self.drafter_rows(out)[batch.row_index])
         emitted = self.commit(live, acceptances)
         if self.output_logprobs:
             self.record_logprobs(live, acceptances, target_logits, emitted)
@@ -272,12 +275,17 @@ class Engine:
     def verify(self, batch: VerifyBatch) -> ForwardOutput:
         """ONE target forward over every root and tree node of every live sequence."""
         self.forward_passes += 1
-        if self.graphed is not None:
+        if self.graphed is not None and not self.feature_layers:  # graphs return the final hidden states only
             out = self.graphed(batch.token_ids, batch.positions, batch.plan)
             if out is not None:  # else no bucket fits this step
                 return out
         all_rows = torch.arange(batch.token_ids.numel(), device=batch.token_ids.device)
-        return self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache, all_rows)
+        return self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache, all_rows,
+                                   feature_layers=self.feature_layers)
+
+    def drafter_rows(self, out: ForwardOutput) -> torch.Tensor:
+        """What ``SequenceView.new_hidden`` holds: the final-norm hidden states, or the drafter's feature layers."""
+        return out.features if self.feature_layers else out.hidden
 
     def process(self, live: list[SequenceState], trees: list[DraftTree], target_logits: torch.Tensor
                 ) -> torch.Tensor:

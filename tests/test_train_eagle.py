@@ -182,3 +182,45 @@ def test_tree_choice_pairs_each_candidate_with_plain_decoding(monkeypatch):
     assert "No tree beat plain decoding" not in render_markdown(report)
     table[1]["speedup_vs_plain"] = 0.95
     assert "No tree beat plain decoding on this machine** (the best: 0.95x)" in render_markdown(report)
+
+
+# ---- EAGLE-3 ------------------------------------------------------------------------------------------------------
+def test_eagle3_training_features_are_the_ones_the_engine_passes():
+    """What the layer is trained on (train/features.py, transformers' forward) is what it drafts from (the engine's
+    runner): the residual streams entering the feature layers, the last one before the final norm."""
+    from specdec.testing import build_tiny_model
+    from specdec.train.features import target_features
+
+    from tests.test_eagle3 import engine_features
+
+    model = build_tiny_model(num_hidden_layers=3)
+    ids = [5, 8, 13, 21, 34, 55]
+    layers = (3, 1, 0)
+    feats, labels = target_features(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), layers)
+    out = engine_features(model, ids, layers)
+    torch.testing.assert_close(feats[0], out.features, rtol=1e-5, atol=1e-5)
+    assert labels[0].tolist() == out.logits.argmax(-1).tolist()
+
+
+def test_train_eagle_arch_eagle3_lowers_the_loss_and_exports(tiny, tmp_path):
+    from transformers import AutoConfig
+
+    from specdec.cli import main
+    from specdec.drafters.export_head import export_head
+
+    out = tmp_path / "e3"
+    rc = main(["train-eagle", "--arch", "eagle3", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"),
+               "--output-dir", str(out), "--seq-len", "32", "--batch-size", "4", "--max-steps", "8", "--lr", "3e-3",
+               "--eval-prompts", "1", "--eval-max-new-tokens", "6", "--draft-vocab", "24", "--train-depth", "2",
+               "--no-eval-tau", "--no-progress"])
+    assert rc == 0
+    hist = [json.loads(x) for x in (out / "history.jsonl").read_text().splitlines()]
+    assert hist[-1]["loss"] < hist[0]["loss"]
+    target = AutoConfig.from_pretrained(tiny / "model")
+    eagle = load_eagle(out, target)
+    assert eagle.config.arch == "eagle3" and len(eagle.config.draft_vocab) == 24
+    assert eagle.config.feature_layers == (0, 1, 2)  # the tiny target's 2 layers: (0, L // 2, L)
+    export_head(out, "speculators", tmp_path / "served")
+    raw = json.loads((tmp_path / "served" / "config.json").read_text())
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == str(tiny / "model")
+    assert load_eagle(tmp_path / "served", target).config.draft_vocab == tuple(sorted(eagle.config.draft_vocab))

@@ -48,7 +48,10 @@ def add_parser(subparsers) -> None:
     g.add_argument("--train-depth", type=int, default=3, dest="eagle_steps",
                    help="draft steps the layer is trained through on its own predicted features")
     g.add_argument("--reg-weight", type=float, default=1.0,
-                   help="weight of the feature regression (smooth L1) next to the token cross-entropy")
+                   help="weight of the feature regression (smooth L1) next to the token cross-entropy (EAGLE-1)")
+    g.add_argument("--arch", choices=("eagle1", "eagle3"), default="eagle1", dest="eagle_arch",
+                   help="eagle3: fc over three target layers' features (low / middle / high), token loss only, "
+                        "its own norm and LM head (exportable with specdec export-head)")
     _draft_vocab_arg(g, default="auto")
     _common_args(p, "train-eagle")
     p.set_defaults(func=run, drafter="eagle", num_heads=3, num_layers=1, shared_lm_head=False)
@@ -138,6 +141,7 @@ def config_from_args(args):
     return TrainConfig(
         drafter=args.drafter, draft_vocab=args.draft_vocab, draft_vocab_coverage=args.draft_vocab_coverage,
         eagle_steps=getattr(args, "eagle_steps", 3), reg_weight=getattr(args, "reg_weight", 1.0),
+        eagle_arch=getattr(args, "eagle_arch", "eagle1"),
         model=args.model, output_dir=args.output_dir, num_heads=args.num_heads, num_layers=args.num_layers,
         shared_lm_head=args.shared_lm_head, data=args.data, text_field=args.text_field,
         messages_field=args.messages_field, num_prompts=args.num_prompts, prompts_file=args.prompts_file,

@@ -25,7 +25,8 @@ DRAFTERS = ("medusa", "eagle")
 
 # fields added with train-eagle, and their defaults (a run saved before them has none)
 _ADDED_LATER = {"drafter": "medusa", "draft_vocab": None, "draft_vocab_coverage": 0.97, "eagle_steps": 3,
-                "reg_weight": 1.0, "max_grad_norm": 0.0, "prompt_source": "builtin", "distill_cuda_graphs": "auto"}
+                "reg_weight": 1.0, "eagle_arch": "eagle1", "max_grad_norm": 0.0, "prompt_source": "builtin",
+                "distill_cuda_graphs": "auto"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class TrainConfig:
     draft_vocab_coverage: float = 0.97
     eagle_steps: int = 3  # draft depths the EAGLE layer is trained through on its own predictions
     reg_weight: float = 1.0  # EAGLE: weight of the feature regression next to the token cross-entropy
+    eagle_arch: str = "eagle1"  # "eagle3": fused low / middle / high target features, own norm and LM head
     num_heads: int = 3
     num_layers: int = 1
     shared_lm_head: bool = False
@@ -129,6 +131,8 @@ class TrainConfig:
             raise ValueError(f"draft_vocab must be a positive integer, 'auto' or None, got {self.draft_vocab!r}")
         if not 0 < self.draft_vocab_coverage <= 1:
             raise ValueError(f"draft_vocab_coverage must be in (0, 1], got {self.draft_vocab_coverage}")
+        if self.eagle_arch not in ("eagle1", "eagle3"):
+            raise ValueError(f"eagle_arch must be 'eagle1' or 'eagle3', got {self.eagle_arch!r}")
         if int(self.eagle_steps) < 1:
             raise ValueError(f"eagle_steps must be >= 1, got {self.eagle_steps}")
         if self.reg_weight < 0:

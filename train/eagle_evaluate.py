@@ -37,7 +37,7 @@ def eagle_accuracies(model, eagle, seqs: list[list[int]], steps: int, batch_size
     lm_w = model.get_output_embeddings().weight
     for start in range(0, len(seqs), batch_size):
         ids, mask = collate(seqs[start : start + batch_size], device)
-        hidden, labels = target_features(model, ids, mask)
+        hidden, labels = target_features(model, ids, mask, eagle.config.feature_layers)
         if starts is not None:  # query j scores position j + 2, read through mask[j + 1]
             for b, first in enumerate(starts[start : start + batch_size]):
                 mask[b, : max(0, first - 1)] = 0

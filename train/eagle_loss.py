@@ -7,6 +7,11 @@ target's, and attends to pass-1 keys up to ``s - 1`` positions back, one key of 
 between, and itself (the keys of its would-be ancestors in the tree). So the layer learns to
 draft several tokens deep on its own predictions, not only one step on true features.
 
+An EAGLE-3 layer reads its fused target features (``hidden`` holds the streams of its feature
+layers, [B, L, kH]) in pass 1 and its own pre-norm outputs after; its loss is the token
+cross-entropy alone (its outputs live in no target feature space to regress onto), as
+speculators' ``ttt_steps`` and SpecForge's ``ttt_length`` train it.
+
     loss, correct, count = eagle_loss(model, ids, hidden, labels, mask, embed_w, lm_w, steps=3)
     # correct[s] / count[s]: top-1 agreement with the target at draft depth s + 1
 """
@@ -29,7 +34,7 @@ def unrolled_mask(L: int, s: int, device) -> torch.Tensor:
 def eagle_loss(
     model: EagleModel,
     ids: torch.Tensor,  # [B, L] token ids
-    hidden: torch.Tensor,  # [B, L, H] the target's final-norm features
+    hidden: torch.Tensor,  # [B, L, H] the target's final-norm features (EAGLE-3: [B, L, kH] fused-layer streams)
     labels: torch.Tensor,  # [B, L] the target's argmax next token at each position
     mask: torch.Tensor,  # [B, L] 1 = real token
     embed_w: torch.Tensor,  # [vocab, H] the target's embedding (frozen)
@@ -57,7 +62,7 @@ def eagle_loss(
         want_index = want_token
     positions = torch.arange(1, L, device=dev)
     keys_k, keys_v = [], []
-    features = hidden[:, :-1]  # pass 1 reads the target's features
+    features = model.fuse(hidden[:, :-1])  # pass 1 reads the target's features (EAGLE-3: fused by fc)
     out = features
     total = hidden.new_zeros(())
     correct, count = [], []
@@ -81,7 +86,7 @@ def eagle_loss(
         target = want_index[rows]
         ce = F.cross_entropy(logits, target, ignore_index=IGNORE) if bool((target != IGNORE).any()) else \
             logits.sum() * 0.0
-        reg = F.smooth_l1_loss(pred.float(), want_feature[rows].float())
+        reg = 0.0 if model.eagle3 else F.smooth_l1_loss(pred.float(), want_feature[rows].float())
         total = total + step_decay ** (s - 1) * (ce + reg_weight * reg)
         correct.append(int((logits.argmax(-1) == target).sum()))  # out-of-vocabulary tokens count as misses
         if top5 is not None:

@@ -6,7 +6,9 @@
 
 The layer starts from the target's last decoder layer (its LM-head rows for a reduced
 vocabulary) and learns, at ``cfg.eagle_steps`` draft depths, the target's own next token and
-next feature (train/eagle_loss.py).
+next feature (train/eagle_loss.py). ``cfg.eagle_arch == "eagle3"`` trains an EAGLE-3 layer over the
+target's low / middle / high layers' features (token loss only; its own LM head even over the full
+vocabulary, which serving engines need).
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ class EagleRecipe:
     name = "train-eagle"
 
     def __init__(self, cfg: TrainConfig, model, device, model_name: str = "", draft_vocab: tuple[int, ...] = ()):
+        eagle3 = dict(arch="eagle3", own_lm_head=not draft_vocab) if cfg.eagle_arch == "eagle3" else {}
         config = EagleConfig.for_target(model.config, draft_vocab=tuple(draft_vocab),
-                                        base_model_name_or_path=model_name)
+                                        base_model_name_or_path=model_name, **eagle3)
         torch.manual_seed(cfg.seed)
         self.module = EagleModel(config)
         self.module.init_from_target(model)
@@ -29,6 +32,7 @@ class EagleRecipe:
         self.embed_w = model.get_input_embeddings().weight.detach()
         self.lm_w = model.get_output_embeddings().weight.detach()
         self.cfg, self.depths = cfg, cfg.eagle_steps
+        self.feature_layers = config.feature_layers  # EAGLE-3: what the feature cache holds instead of final states
 
     def accumulate(self, ids, hidden, labels, mask, scale: float, autocast) -> tuple[torch.Tensor, list, list]:
         with autocast():

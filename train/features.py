@@ -1,7 +1,9 @@
-"""The frozen target's training features: final-norm hidden states and its own greedy labels.
+"""The frozen target's training features: final-norm hidden states (or, for EAGLE-3, the residual streams
+entering some of its layers) and its own greedy labels.
 
     hidden, labels = target_features(model, ids, mask)            # one padded batch
     cache = FeatureCache.build(model, seqs, device, batch_size)    # every sequence once, fixed order
+    feats, labels = target_features(model, ids, mask, (2, 15, 27)) # [B, L, 3H]: the streams entering those layers
     hidden, labels, mask = cache.batch(rows)
 
 The target never changes during training, so ``FeatureCache`` computes each sequence's features
@@ -30,11 +32,25 @@ def collate(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def target_features(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Final-norm hidden states [B, L, H] and the target's argmax next tokens [B, L]."""
-    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+def target_features(model, ids: torch.Tensor, mask: torch.Tensor, feature_layers: tuple[int, ...] = ()
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final-norm hidden states [B, L, H] (with ``feature_layers``: the residual streams entering those layers,
+    [B, L, k * H], id num_layers = the last one before the final norm) and the target's argmax next tokens [B, L]."""
+    before_norm: list[torch.Tensor] = []
+    hook = model.model.norm.register_forward_hook(lambda module, args, out: before_norm.append(args[0])) \
+        if model.config.num_hidden_layers in feature_layers else None
+    try:
+        out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=bool(feature_layers))
+    finally:
+        if hook is not None:
+            hook.remove()
+    hidden = out.last_hidden_state
     lm_w = model.get_output_embeddings().weight
     labels = torch.stack([F.linear(h, lm_w).argmax(-1) for h in hidden])  # row by row: [L, V] at a time
+    if feature_layers:  # hidden_states[i]: the input of layer i, for i < num_layers
+        streams = [before_norm[0] if i == model.config.num_hidden_layers else out.hidden_states[i]
+                   for i in feature_layers]
+        hidden = torch.cat(streams, dim=-1)
     return hidden, labels
 
 
@@ -45,7 +61,8 @@ class FeatureCache:
         self.hidden, self.labels = hidden, labels
 
     @classmethod
-    def build(cls, model, seqs: list[list[int]], device, batch_size: int, progress: bool = False) -> FeatureCache:
+    def build(cls, model, seqs: list[list[int]], device, batch_size: int, progress: bool = False,
+              feature_layers: tuple[int, ...] = ()) -> FeatureCache:
         hidden: list[torch.Tensor] = [None] * len(seqs)  # type: ignore[list-item]
         labels: list[torch.Tensor] = [None] * len(seqs)  # type: ignore[list-item]
         order = sorted(range(len(seqs)), key=lambda r: (len(seqs[r]), r))  # similar lengths: little padding
@@ -57,7 +74,7 @@ class FeatureCache:
             bar = tqdm(total=len(seqs), desc="target features", unit="seq")
         for rows in chunks:
             ids, mask = collate([seqs[r] for r in rows], device)
-            h, y = target_features(model, ids, mask)
+            h, y = target_features(model, ids, mask, feature_layers)
             for j, r in enumerate(rows):
                 n = len(seqs[r])
                 hidden[r], labels[r] = h[j, :n].clone(), y[j, :n].clone()

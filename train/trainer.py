@@ -216,7 +216,8 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
     features = None
     if cfg.cache_features:
         features = FeatureCache.build(model, train_seqs, accelerator.device, cfg.batch_size,
-                                      progress=cfg.progress and accelerator.is_main_process)
+                                      progress=cfg.progress and accelerator.is_main_process,
+                                      feature_layers=getattr(recipe, "feature_layers", ()))
     heads.train()
     while step < total:
         stats = torch.zeros(1 + 2 * depths, device=accelerator.device)  # loss sum, correct[d], count[d]
@@ -226,7 +227,7 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
             if features is not None:
                 hidden, labels, mask = features.batch(rows)
             else:
-                hidden, labels = target_features(model, ids, mask)
+                hidden, labels = target_features(model, ids, mask, getattr(recipe, "feature_layers", ()))
             loss, correct, count = recipe.accumulate(ids, hidden, labels, mask, 1.0 / cfg.grad_accum,
                                                      accelerator.autocast)
             stats[0] += loss.detach()

@@ -70,6 +70,9 @@ class ModelShape:
 class ForwardOutput:
     logits: torch.Tensor | None  # [num_rows, vocab] float32, rows = logits_rows; None if with_logits=False
     hidden: torch.Tensor  # [num_rows, hidden_size] final-norm hidden states of those rows
+    # [num_rows, len(feature_layers) * hidden_size] the residual streams entering the asked layers (id num_layers:
+    # the last one, before the final norm), concatenated in the order asked (EAGLE-3); None when none were asked
+    features: torch.Tensor | None = None
 
 
 def _rope_type(config) -> str:
@@ -246,15 +249,19 @@ class LlamaRunner:
         cache: PagedKVCache,
         logits_rows: torch.Tensor | None,  # [R] rows of T that need logits; None = none (prefill)
         with_logits: bool = True,  # False: final hidden states only (CUDA graphs: the LM head runs on real rows)
+        feature_layers: tuple[int, ...] = (),  # layer ids whose input residual streams come back as features
     ) -> ForwardOutput | None:
         s = self.shape
         n = token_ids.numel()
         cos, sin = self.rope(positions)
         h = F.embedding(token_ids, self.embed)
         delta = None  # the last block's output, added to the residual stream h by the next norm
+        streams: dict[int, torch.Tensor] = {}  # layer id -> [R, hidden_size] (feature_layers)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h, x = add_rms_norm(h, delta, layer.input_layernorm.weight, self.eps, self.backend)
+            if i in feature_layers and logits_rows is not None:
+                streams[i] = h[logits_rows]
             q = linear(x, attn.q_proj.weight, attn.q_proj.bias).view(n, s.num_heads, s.head_dim)
             k = linear(x, attn.k_proj.weight, attn.k_proj.bias).view(n, s.num_kv_heads, s.head_dim)
             v = linear(x, attn.v_proj.weight, attn.v_proj.bias).view(n, s.num_kv_heads, s.head_dim)
@@ -274,8 +281,11 @@ class LlamaRunner:
         if logits_rows is None:
             return None
         h = h + delta
+        if len(self.layers) in feature_layers:
+            streams[len(self.layers)] = h[logits_rows]
         hidden = rms_norm(h[logits_rows], self.final_norm, self.eps)
-        return ForwardOutput(self.logits(hidden) if with_logits else None, hidden)
+        features = torch.cat([streams[i] for i in feature_layers], dim=-1) if feature_layers else None
+        return ForwardOutput(self.logits(hidden) if with_logits else None, hidden, features)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden_size] final-norm states -> [R, vocab]

@@ -1,0 +1,125 @@
+"""``specdec export-head``: write a specdec head in a layout that vLLM or SGLang serves.
+
+    specdec export-head eagle3-head/ --format speculators --output-dir serve/eagle3   # vllm serve reads it
+    specdec export-head eagle3-head/ --format sglang --output-dir serve/eagle3-sglang
+    specdec export-head medusa-heads/ --format vllm --output-dir serve/medusa
+
+* EAGLE-3 heads (any layout the eagle drafter loads): ``speculators`` (vLLM reads it directly; ``vllm`` is an
+  alias) or ``sglang`` (EAGLE's own layout, ``midlayer.*``); :mod:`specdec.drafters.head_layouts`.
+* Medusa heads with their own LM heads over the full vocabulary: vLLM's Medusa layout (``blocks.{h}.layers.{l}``,
+  ``lm_heads.{h}``, ``model_type: medusa``).
+* EAGLE-1 heads: no serving engine loads specdec's layer (its input / output norms and reduced head), so the
+  command refuses in one line.
+
+Every config names the target model: ``--target``, else the base model the head recorded when it was trained.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from specdec.drafters.eagle_checkpoint import CONFIG_FILE, EagleCheckpointError, _read_config, _read_weights
+from specdec.drafters.eagle_model import EagleModel
+
+from specdec.atomic_write import replaced_atomically, write_json
+from specdec.errors import InputError
+
+FORMATS = ("speculators", "sglang", "vllm")
+
+
+def export_head(source: str | Path, fmt: str, output_dir: str | Path, target: str | None = None) -> tuple[Path, str]:
+    """Write the head at ``source`` in ``fmt`` to ``output_dir``; returns the directory and what was written."""
+    from specdec.drafters.medusa_heads import WEIGHTS_FILE as MEDUSA_WEIGHTS
+
+    src, out = Path(source), Path(output_dir)
+    if fmt not in FORMATS:
+        raise InputError(f"export-head: --format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if not src.is_dir():
+        raise InputError(f"export-head: {src} is not a head directory")
+    if out.resolve() == src.resolve():
+        raise InputError(f"export-head: --output-dir {out} is the source's own directory")
+    if (src / MEDUSA_WEIGHTS).is_file():
+        return _export_medusa(src, fmt, out, target), "Medusa heads"
+    return _export_eagle(src, fmt, out, target), "an EAGLE-3 head"
+
+
+def _target(recorded: str, given: str | None, src: Path) -> str:
+    name = given or recorded
+    if not name:
+        raise InputError(f"export-head: {src} records no target model; name it with --target (hub id or path)")
+    return name
+
+
+def _export_eagle(src: Path, fmt: str, out: Path, target: str | None) -> Path:
+    from specdec.drafters.head_layouts import is_eagle3, read_eagle3, write_eagle3
+
+    raw, state = _read_config(src), _read_weights(src)
+    if not is_eagle3(raw, state):
+        raise EagleCheckpointError(f"export-head: {src} is an EAGLE-1 head; vLLM and SGLang load no layout of "
+                                   "specdec's EAGLE-1 layer (input / output norms, reduced LM head): use EAGLE-3")
+    config, tensors = read_eagle3(raw, state, str(src))
+    try:
+        model = EagleModel.from_state(config, tensors)
+    except RuntimeError as err:
+        raise EagleCheckpointError(f"{src}: the weights do not match config.json "
+                                   f"({str(err).splitlines()[0]})") from err
+    name = _target(config.base_model_name_or_path, target, src)
+    return write_eagle3(model, out, "sglang" if fmt == "sglang" else "speculators", name)
+
+
+def _export_medusa(src: Path, fmt: str, out: Path, target: str | None) -> Path:
+    from safetensors.torch import save_file
+
+    from specdec.drafters.medusa_heads import load_medusa
+
+    if fmt != "vllm":
+        raise InputError(f"export-head: Medusa heads are written in vLLM's layout (--format vllm), not {fmt!r}")
+    heads = load_medusa(src)
+    c = heads.config
+    if c.shared_lm_head or c.draft_vocab:
+        raise InputError("export-head: vLLM's Medusa layout needs each head's own LM head over the full "
+                         "vocabulary; these heads " + ("share the target's" if c.shared_lm_head else
+                                                       f"score a reduced vocabulary of {len(c.draft_vocab)} tokens"))
+    tensors = {}
+    for key, value in heads.heads.state_dict().items():
+        head, layer, *rest = key.split(".")
+        if int(layer) == c.num_layers:  # the head's LM head
+            tensors[f"lm_heads.{head}.weight"] = value
+        else:  # {head}.{layer}.linear.{weight,bias}
+            tensors[f"blocks.{head}.layers.{layer}.{rest[-1]}"] = value
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": c.hidden_size,
+              "vocab_size": c.vocab_size, "truncated_vocab_size": c.vocab_size, "num_heads": c.num_heads,
+              "num_hidden_layers": c.num_layers, "original_lm_head": False,
+              "medusa_fc_bias": any(k.endswith(".bias") for k in tensors),
+              "base_model_name_or_path": _target(c.base_model_name_or_path, target, src)}
+    out.mkdir(parents=True, exist_ok=True)
+    with replaced_atomically(out / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    write_json(out / CONFIG_FILE, config, indent=2)
+    return out
+
+
+# ---- the command ------------------------------------------------------------------------------------------------
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "export-head", help="write an EAGLE-3 or Medusa head in the layout vLLM / SGLang serve",
+        description="Write a head trained or loaded by specdec in the speculators layout (vllm serve reads it; "
+                    "--format vllm is the same for EAGLE-3), EAGLE / SGLang's layout, or vLLM's Medusa layout.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("source", help="the head's directory (specdec's own or any layout the eagle drafter loads)")
+    p.add_argument("--format", required=True, choices=FORMATS, help="the layout to write")
+    p.add_argument("--output-dir", required=True, help="where to write it")
+    p.add_argument("--target", default=None,
+                   help="the target model (hub id or path) to name in the config; default: the one the head records")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    out, what = export_head(args.source, args.format, args.output_dir, args.target)
+    target = json.loads((out / CONFIG_FILE).read_text())
+    named = ((target.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") \
+        or target.get("target_model") or target.get("base_model_name_or_path")
+    print(f"wrote {what} to {out} ({args.format} layout, target {named})")
+    return 0

@@ -1,0 +1,206 @@
+"""EAGLE-3 head layouts of other tools, read into specdec's EagleModel and written back out.
+
+Read (detected from config.json and the tensor names, :func:`read_eagle3`):
+
+* EAGLE's repository and SGLang: a Llama-style config (``LlamaForCausalLMEagle3``), ``midlayer.*``, ``fc``,
+  ``norm``, ``lm_head``, ``d2t``, ``t2d``; feature layers in ``eagle_config.eagle_aux_hidden_state_layer_ids``;
+* speculators: ``speculators_model_type: eagle3`` with ``transformer_layer_config``, ``speculators_config``
+  (the verifier) and ``eagle_aux_hidden_state_layer_ids``; ``layers.0.*``;
+* vLLM configs naming ``Eagle3LlamaForCausalLM`` / ``LlamaForCausalLMEagle3`` (keys may carry ``model.``);
+* specdec's own (``specdec_eagle.arch == "eagle3"``).
+
+``d2t`` holds offsets: target id = draft id + d2t[draft id]; ``t2d`` marks the target ids in the draft
+vocabulary and must agree with it. Absent layer ids mean the published default (2, L // 2, L - 3) of the
+target. Written (:func:`write_eagle3`): the speculators layout and the EAGLE / SGLang layout, draft
+vocabulary in ascending target id, every config naming the target model it was made for.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+from specdec.drafters.eagle_checkpoint import CONFIG_FILE, WEIGHTS_FILE, EagleCheckpointError
+from specdec.drafters.eagle_model import EagleConfig, EagleModel, default_feature_layers
+
+from specdec.atomic_write import replaced_atomically, write_json
+
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
+logger = logging.getLogger(__name__)
+UNSUPPORTED_SPECULATORS_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+FORMATS = ("speculators", "sglang")
+
+
+def is_eagle3(raw: dict, state: dict[str, torch.Tensor]) -> bool:
+    if raw.get("speculators_model_type") == "eagle3" or (raw.get("specdec_eagle") or {}).get("arch") == "eagle3":
+        return True
+    if any(a in EAGLE3_ARCHITECTURES for a in raw.get("architectures") or ()):
+        return True
+    return any(k.startswith(("midlayer.", "model.midlayer.")) or k.endswith("hidden_norm.weight") for k in state)
+
+
+def _layer_config(raw: dict) -> dict:
+    if "transformer_layer_config" in raw:  # speculators
+        for flag in UNSUPPORTED_SPECULATORS_FLAGS:
+            if raw.get(flag):
+                raise EagleCheckpointError(f"the head sets {flag}=true, an EAGLE-3 variant specdec does not run")
+        return dict(raw["transformer_layer_config"] or {})
+    return raw
+
+
+def layer_model_type(raw: dict) -> str | None:
+    """The draft layer's model type (speculators nest it in transformer_layer_config)."""
+    return (raw.get("transformer_layer_config") or raw).get("model_type")
+
+
+def _verifier(raw: dict) -> str:
+    spec = (raw.get("speculators_config") or {}).get("verifier") or {}
+    extra = raw.get("specdec_eagle") or {}
+    return str(spec.get("name_or_path") or extra.get("base_model_name_or_path") or raw.get("target_model")
+               or raw.get("base_model_name_or_path") or "")
+
+
+def _feature_layers(raw: dict, target_config, where: str) -> tuple[int, ...]:
+    ids = (raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids") or (raw.get("specdec_eagle") or {}).get("feature_layers"))
+    if ids:
+        return tuple(int(i) for i in ids)
+    if target_config is None:
+        raise EagleCheckpointError(f"{where}: the head does not name the target layers it reads, and no target "
+                                   "model was given to take the published default from")
+    return default_feature_layers(int(target_config.num_hidden_layers))
+
+
+def _native_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in state.items():
+        key = key.removeprefix("model.")
+        if key.startswith("midlayer."):
+            key = "layers.0." + key[len("midlayer."):]
+        if key in ("embed_tokens.weight", "t2d") or key.startswith(("verifier_", "layers.1.")):
+            continue  # the target's embedding is used; t2d is checked against d2t; a second layer is refused below
+        out[key] = value
+    return out
+
+
+def read_eagle3(raw: dict, state: dict[str, torch.Tensor], where: str, target_config=None
+                ) -> tuple[EagleConfig, dict]:
+    """The EagleConfig and specdec-named tensors of an EAGLE-3 head in any layout above (``target_config``: the
+    target's transformers config, for the default layer ids; None: the head must name them)."""
+    layer = _layer_config(raw)
+    if int(layer.get("num_hidden_layers", 1) or 1) != 1 or any(k.startswith(("layers.1.", "model.layers.1."))
+                                                               for k in state):
+        raise EagleCheckpointError(f"{where}: the head has {layer.get('num_hidden_layers')} draft layers; specdec "
+                                   "runs EAGLE-3 heads of one layer")
+    tensors = _native_keys(state)
+    try:
+        hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
+        rope = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
+        vocab = int(state["t2d"].numel()) if "t2d" in state else int(layer.get("vocab_size") or raw["vocab_size"])
+    except KeyError as err:
+        raise EagleCheckpointError(f"{where}: config.json lacks {err.args[0]!r}") from None
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        logger.warning("%s: the head's RoPE scaling (%s) is not applied by specdec's draft layer, which rotates with "
+                       "rope_theta alone: drafts stay exact, acceptance may be lower", where, rope.get("rope_type"))
+    ids: tuple[int, ...] = ()
+    own_head = False
+    if "d2t" in tensors:
+        d2t = tensors["d2t"].long()
+        ids = tuple((d2t + torch.arange(d2t.numel())).tolist())
+        if len(ids) == vocab and ids == tuple(range(vocab)):  # the identity map: the full vocabulary
+            ids, own_head = (), True
+            tensors.pop("d2t")
+        if "t2d" in state and ids:
+            marked = state["t2d"].bool().nonzero().flatten().tolist()
+            if marked != sorted(ids):
+                raise EagleCheckpointError(f"{where}: t2d marks {len(marked)} target ids but d2t maps the draft "
+                                           f"vocabulary of {len(ids)} onto others: the two maps disagree")
+    elif "lm_head.weight" in tensors:
+        own_head = True
+    extra = raw.get("specdec_eagle") or {}
+    try:
+        config = EagleConfig(
+            hidden_size=hidden, intermediate_size=int(layer["intermediate_size"]), num_heads=heads,
+            num_kv_heads=int(layer.get("num_key_value_heads") or heads),
+            head_dim=int(layer.get("head_dim") or hidden // heads), vocab_size=vocab,
+            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(layer.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            arch="eagle3", feature_layers=_feature_layers(raw, target_config, where),
+            norm_before_residual=bool(raw.get("norm_before_residual", layer.get("norm_before_residual", False))),
+            draft_vocab=ids, own_lm_head=own_head, base_model_name_or_path=_verifier(raw),
+            **{k: int(extra[k]) for k in ("depth", "top_k", "max_nodes") if k in extra})
+    except KeyError as err:
+        raise EagleCheckpointError(f"{where}: config.json lacks {err.args[0]!r}") from None
+    except (TypeError, ValueError) as err:
+        raise EagleCheckpointError(f"{where}: {err}") from None
+    return config, tensors
+
+
+# ---- writing ----------------------------------------------------------------------------------------------------
+def _sorted_tensors(model: EagleModel) -> tuple[dict[str, torch.Tensor], int]:
+    """The head's tensors with its draft vocabulary in ascending target id (lm_head rows permuted alike), plus
+    d2t / t2d; and the draft vocabulary's size."""
+    c = model.config
+    if model.lm_head is None:
+        raise EagleCheckpointError("this EAGLE-3 head uses the target's LM head, which serving engines do not "
+                                   "share with an EAGLE-3 head: train or build it with its own (own_lm_head)")
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items() if k != "d2t"}
+    if model.draft_ids is None:
+        return tensors, c.vocab_size
+    ids = model.draft_ids.cpu()
+    order = torch.argsort(ids)
+    ids = ids[order]
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][order].contiguous()
+    tensors["d2t"] = ids - torch.arange(ids.numel())
+    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    tensors["t2d"] = t2d
+    return tensors, int(ids.numel())
+
+
+def _llama_layer(c: EagleConfig) -> dict:
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": 1,
+            "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+            "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+            "max_position_embeddings": 4096, "attention_bias": False, "mlp_bias": False,
+            "tie_word_embeddings": False}
+
+
+def write_eagle3(model: EagleModel, directory: str | os.PathLike, fmt: str, target: str,
+                 target_architectures: list[str] | None = None) -> Path:
+    """Write ``model`` in ``fmt`` ("speculators" or "sglang") to ``directory``; ``target``: the hub id or path of
+    the model it drafts for, recorded in the config."""
+    from safetensors.torch import save_file
+
+    if fmt not in FORMATS:
+        raise EagleCheckpointError(f"EAGLE-3 heads are written as {' or '.join(FORMATS)}, not {fmt!r}")
+    c = model.config
+    tensors, draft_vocab = _sorted_tensors(model)
+    if fmt == "speculators":
+        config = {
+            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "transformer_layer_config": _llama_layer(c), "draft_vocab_size": draft_vocab,
+            "norm_before_residual": c.norm_before_residual, "target_hidden_size": None,
+            "eagle_aux_hidden_state_layer_ids": list(c.feature_layers),
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.depth,
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "verifier": {"name_or_path": target, "architectures": target_architectures or []}},
+        }
+    else:
+        tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
+                   for k, v in tensors.items()}
+        config = {**_llama_layer(c), "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab,
+                  "norm_before_residual": c.norm_before_residual, "target_model": target,
+                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.feature_layers),
+                                   "use_aux_hidden_state": True}}
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    with replaced_atomically(path / WEIGHTS_FILE) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    write_json(path / CONFIG_FILE, config, indent=2)
+    return path

@@ -1,0 +1,103 @@
+"""The "mtp" drafter: the target's own multi-token-prediction layer drafts a dynamic tree, as EAGLE's layer does.
+
+    generate(model, ids, drafter="mtp")                       # the MTP layer stored in the target's checkpoint
+    specdec generate --model ./mimo-like --drafter mtp --drafter-option depth=3
+
+Checkpoints that ship MTP layers beside a Llama-family decoder keep them in the target's own safetensors files
+(transformers ignores them when it loads the target). Two key layouts are read, the first layer found:
+
+* MiMo-style ``model.mtp_layers.{i}.``: ``token_layernorm``, ``hidden_layernorm``, ``input_proj``,
+  ``final_layernorm``, and a decoder layer (``input_layernorm``, ``self_attn.*``, ``post_attention_layernorm``,
+  ``mlp.*``);
+* DeepSeek-style ``model.layers.{L + i}.`` (after the L decoder layers): ``enorm``, ``hnorm``, ``eh_proj``,
+  ``shared_head.norm``, and the decoder layer's tensors (``embed_tokens`` / ``shared_head.head``: the target's).
+
+Both map onto :class:`~specdec.drafters.eagle_model.EagleModel` with ``arch="mtp"``, which the EAGLE drafter runs:
+catch-up over committed positions, EAGLE-2 tree growth, reranking, exact verification.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from specdec.drafters.base import TargetView
+from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.eagle_checkpoint import EagleCheckpointError
+from specdec.drafters.eagle_model import EagleConfig, EagleModel
+
+from specdec.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+MIMO = {"token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "fc", "final_layernorm": "norm"}
+DEEPSEEK = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "fc", "shared_head.norm": "norm"}
+LAYER_PARTS = ("input_layernorm.", "self_attn.", "post_attention_layernorm.", "mlp.")
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / s for s in shards]
+    return sorted(directory.glob("*.safetensors"))
+
+
+def read_mtp_layer(directory: str | Path, num_layers: int, index: int = 0) -> tuple[dict[str, torch.Tensor], str]:
+    """The MTP layer ``index`` of a target checkpoint as EagleModel tensors (arch "mtp"), and its layout's name."""
+    from safetensors import safe_open
+
+    path = Path(directory)
+    files = _weight_files(path) if path.is_dir() else []
+    if not files:
+        raise EagleCheckpointError(f"mtp: {path} holds no safetensors weights to read MTP layers from")
+    layouts = ((f"model.mtp_layers.{index}.", MIMO, "MiMo"), (f"model.layers.{num_layers + index}.", DEEPSEEK,
+                                                                   "DeepSeek"))
+    for prefix, names, layout in layouts:
+        state: dict[str, torch.Tensor] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    if not key.startswith(prefix):
+                        continue
+                    rest = key[len(prefix):]
+                    stem = rest.rsplit(".", 1)[0]
+                    if stem in names:
+                        state[f"{names[stem]}.weight"] = f.get_tensor(key).clone()
+                    elif rest.startswith(LAYER_PARTS):
+                        state["layers.0." + rest] = f.get_tensor(key).clone()
+        if "fc.weight" in state:
+            return state, layout
+    raise EagleCheckpointError(f"mtp: {path} has no MTP layer {index} (no model.mtp_layers.{index}.input_proj or "
+                               f"model.layers.{num_layers + index}.eh_proj weights)")
+
+
+class MtpDrafter(EagleDrafter):
+    name = "mtp"
+
+    def __init__(self, path: str | None = None, layer: int = 0, **options) -> None:
+        """``path``: the checkpoint directory holding the MTP weights (default: the target's own); ``layer``: which
+        MTP layer; ``options``: the tree (EagleDraftConfig; default depth 3, top-k 4, 8 nodes)."""
+        if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+            raise InputError(f"mtp: layer must be an integer >= 0, got {layer!r}")
+        super().__init__(model=None, path="", **options)
+        self.path, self.layer, self.source = path, layer, path
+
+    def cost_key(self) -> str:  # the checkpoint (None: the target's own) and the layer; the target is keyed apart
+        return f"{type(self).__qualname__}|{self.name}|{self.source!r}|{self.layer}|{self.options!r}"
+
+    def attach(self, target: TargetView) -> None:
+        if self.model is None:
+            hf = target.runner.hf_model
+            source = self.source or getattr(hf.config, "_name_or_path", "") or ""
+            state, layout = read_mtp_layer(source, hf.config.num_hidden_layers, self.layer)
+            config = EagleConfig.for_target(hf.config, arch="mtp", depth=3, top_k=4, max_nodes=8,
+                                            base_model_name_or_path=str(source))
+            try:
+                self.model = EagleModel.from_state(config, state)
+            except RuntimeError as err:
+                raise EagleCheckpointError(f"mtp: the {layout}-style MTP layer in {source} does not fit the target "
+                                           f"({str(err).splitlines()[0]})") from err
+            logger.info("mtp: the %s-style MTP layer %d of %s", layout, self.layer, source)
+        super().attach(target)

@@ -1,0 +1,227 @@
+"""EAGLE-3 heads in the layouts of EAGLE / SGLang, speculators and vLLM, and Medusa in vLLM's: a checkpoint written
+here by an independent script loads and gives the logits of an independent EAGLE-3 forward written from the
+published reference (fp32, 1e-5); export then re-import is the identity; heads for another target are refused.
+
+speculators itself is not installed: it pins transformers <= 5.19 (the project runs 5.24) and torch <= 2.14.1;
+its published EAGLE-3 layer is what ``reference_logits`` re-implements (first layer: residual = hidden, or
+hidden_norm(hidden) with norm_before_residual; q/k/v over cat(input_layernorm(embed), hidden_norm(hidden));
+logits = lm_head(norm(h)); the pre-norm h feeds the next step)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from specdec.drafters.eagle_checkpoint import EagleCheckpointError, load_eagle, save_eagle
+from specdec.drafters.eagle_model import EagleConfig, EagleModel
+from specdec.drafters.export_head import export_head
+from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads, save_medusa
+
+from specdec.cli import main
+from specdec.generate import generate
+from specdec.testing import build_tiny_model
+
+H, HEADS, KV, INTER, V, N = 64, 4, 2, 128, 96, 40
+
+
+def write_sglang_checkpoint(path, seed=0, norm_before_residual=False, layers=(0, 1, 2)):
+    """EAGLE / SGLang key layout, written from random tensors without specdec."""
+    g = torch.Generator().manual_seed(seed)
+    hd = H // HEADS
+    r = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731
+    hot = torch.randperm(V, generator=g)[:N].sort().values
+    sd = {"fc.weight": r(H, 3 * H), "norm.weight": 1 + r(H), "lm_head.weight": r(N, H),
+          "midlayer.input_layernorm.weight": 1 + r(H), "midlayer.hidden_norm.weight": 1 + r(H),
+          "midlayer.post_attention_layernorm.weight": 1 + r(H),
+          "midlayer.self_attn.q_proj.weight": r(HEADS * hd, 2 * H),
+          "midlayer.self_attn.k_proj.weight": r(KV * hd, 2 * H),
+          "midlayer.self_attn.v_proj.weight": r(KV * hd, 2 * H), "midlayer.self_attn.o_proj.weight": r(H, HEADS * hd),
+          "midlayer.mlp.gate_proj.weight": r(INTER, H), "midlayer.mlp.up_proj.weight": r(INTER, H),
+          "midlayer.mlp.down_proj.weight": r(H, INTER), "embed_tokens.weight": r(V, H),
+          "d2t": hot - torch.arange(N), "t2d": torch.zeros(V, dtype=torch.bool).index_fill_(0, hot, True)}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(path / "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+              "intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV,
+              "num_hidden_layers": 1, "vocab_size": V, "draft_vocab_size": N, "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "hidden_act": "silu", "norm_before_residual": norm_before_residual,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}}
+    (path / "config.json").write_text(json.dumps(config))
+    return sd
+
+
+def reference_logits(sd, prefix, embeds, aux, positions, norm_before_residual=False, eps=1e-6, theta=10000.0):
+    """One teacher-forced EAGLE-3 step over a causal block: [L, H] embeddings, [L, 3H] target features -> [L, N]
+    draft logits and the [L, H] pre-norm outputs."""
+    w = lambda name: sd[prefix + name]  # noqa: E731
+    rms = lambda x, g: g * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))  # noqa: E731
+    hd = H // HEADS
+    hidden = aux @ sd["fc.weight"].T
+    normed = rms(hidden, w("hidden_norm.weight"))
+    residual = normed if norm_before_residual else hidden
+    x = torch.cat([rms(embeds, w("input_layernorm.weight")), normed], dim=-1)
+    L = x.shape[0]
+    q = (x @ w("self_attn.q_proj.weight").T).view(L, HEADS, hd).transpose(0, 1)
+    k = (x @ w("self_attn.k_proj.weight").T).view(L, KV, hd).transpose(0, 1)
+    v = (x @ w("self_attn.v_proj.weight").T).view(L, KV, hd).transpose(0, 1)
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2).float() / hd)
+    ang = positions.float()[:, None] * inv
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    rot = lambda t: t * cos + torch.cat([-t[..., hd // 2:], t[..., : hd // 2]], -1) * sin  # noqa: E731
+    q, k = rot(q), rot(k)
+    k, v = k.repeat_interleave(HEADS // KV, 0), v.repeat_interleave(HEADS // KV, 0)
+    scores = q @ k.transpose(1, 2) / math.sqrt(hd)
+    scores = scores.masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf"))
+    o = (scores.softmax(-1) @ v).transpose(0, 1).reshape(L, HEADS * hd)
+    h = residual + o @ w("self_attn.o_proj.weight").T
+    m = rms(h, w("post_attention_layernorm.weight"))
+    h = h + (torch.nn.functional.silu(m @ w("mlp.gate_proj.weight").T) * (m @ w("mlp.up_proj.weight").T)) \
+        @ w("mlp.down_proj.weight").T
+    return rms(h, sd["norm.weight"]) @ sd["lm_head.weight"].T, h
+
+
+def specdec_logits(model: EagleModel, embeds, aux, positions):
+    L = embeds.shape[0]
+    mask = torch.ones(1, L, L, dtype=torch.bool).tril()
+    out, _, _ = model(embeds[None], model.fuse(aux[None]), positions, mask)
+    return model.logits(out[0], None), out[0]
+
+
+def _inputs(seed=1, L=7):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(L, H, generator=g), torch.randn(L, 3 * H, generator=g) * 2, torch.arange(3, 3 + L)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return build_tiny_model()  # hidden 64, 4 heads / 2 KV heads, vocab 96, 2 layers
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_an_independently_written_sglang_head_loads_with_the_reference_logits(tmp_path, target, before):
+    sd = write_sglang_checkpoint(tmp_path / "h", norm_before_residual=before)
+    model = load_eagle(tmp_path / "h", target.config)
+    assert model.config.arch == "eagle3" and model.config.feature_layers == (0, 1, 2)
+    assert model.config.norm_before_residual is before
+    assert model.draft_ids.tolist() == (sd["d2t"] + torch.arange(N)).tolist()  # target id = draft id + d2t
+    embeds, aux, pos = _inputs()
+    want, want_h = reference_logits(sd, "midlayer.", embeds, aux, pos, before)
+    got, got_h = specdec_logits(model, embeds, aux, pos)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-5)
+
+
+def test_export_then_import_is_the_identity_and_configs_name_the_target(tmp_path, target):
+    sd = write_sglang_checkpoint(tmp_path / "src")
+    model = load_eagle(tmp_path / "src", target.config)
+    embeds, aux, pos = _inputs(seed=4)
+    want, _ = reference_logits(sd, "midlayer.", embeds, aux, pos)
+    for fmt, prefix in (("speculators", "layers.0."), ("sglang", "midlayer.")):
+        out, _ = export_head(tmp_path / "src", fmt, tmp_path / fmt, target="org/tiny-target")
+        raw = json.loads((out / "config.json").read_text())
+        written = load_file(str(out / "model.safetensors"))
+        # the written file itself, read by the reference with its own key names, gives the same logits
+        torch.testing.assert_close(reference_logits(written, prefix, embeds, aux, pos)[0], want, rtol=1e-5,
+                                   atol=1e-5)
+        again = load_eagle(out, target.config)
+        assert again.config.draft_vocab == model.config.draft_vocab
+        for key, value in model.state_dict().items():
+            assert torch.equal(again.state_dict()[key], value), (fmt, key)
+        if fmt == "speculators":
+            assert raw["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-target"
+            assert raw["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2] and raw["draft_vocab_size"] == N
+            assert raw["transformer_layer_config"]["num_hidden_layers"] == 1
+        else:
+            assert raw["target_model"] == "org/tiny-target" and raw["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert set(written) >= {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+        assert written["t2d"].sum() == N and torch.equal(written["d2t"], sd["d2t"])
+
+
+def test_a_specdec_head_with_an_unsorted_vocabulary_exports_sorted_and_drafts_the_same(tmp_path, target):
+    torch.manual_seed(0)
+    vocab = (57, 3, 89, 12, 40, 41, 0, 95)  # frequency order, not ascending: d2t offsets go negative
+    head = EagleModel(EagleConfig.for_target(target.config, arch="eagle3", draft_vocab=vocab, depth=3, top_k=2,
+                                             max_nodes=5, base_model_name_or_path="org/tiny-target"))
+    head.init_from_target(target)
+    save_eagle(head, tmp_path / "native")
+    assert main(["export-head", str(tmp_path / "native"), "--format", "speculators", "--output-dir",
+                 str(tmp_path / "spec")]) == 0
+    raw = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-target"
+    again = load_eagle(tmp_path / "spec", target.config)
+    assert again.draft_ids.tolist() == sorted(vocab)
+    embeds, aux, pos = _inputs(seed=2)
+    a, _ = specdec_logits(head, embeds, aux, pos)
+    b, _ = specdec_logits(again, embeds, aux, pos)
+    order = torch.tensor(vocab).argsort()
+    torch.testing.assert_close(b, a[:, order], rtol=1e-5, atol=1e-5)
+    prompts = [[4, 5, 6, 7, 4, 5], [9, 1]]
+    run = lambda m: generate(target, prompts, max_new_tokens=10, drafter="eagle",  # noqa: E731
+                             drafter_options={"model": m}, speculation="always")
+    assert run(again) == run(head) == generate(target, prompts, max_new_tokens=10)
+
+
+def test_heads_for_another_target_and_inconsistent_maps_are_refused(tmp_path, target):
+    write_sglang_checkpoint(tmp_path / "h", layers=(0, 1, 5))
+    with pytest.raises(EagleCheckpointError, match=r"reads target layers \[0, 1, 5\] but the target model has 2"):
+        load_eagle(tmp_path / "h", target.config)
+    write_sglang_checkpoint(tmp_path / "v")
+    with pytest.raises(EagleCheckpointError, match="vocab_size=96 but the target model has vocab_size=80"):
+        load_eagle(tmp_path / "v", build_tiny_model(vocab_size=80).config)
+    with pytest.raises(EagleCheckpointError, match="hidden_size=64 but the target model has hidden_size=32"):
+        load_eagle(tmp_path / "v", build_tiny_model(hidden_size=32, intermediate_size=64).config)
+    sd = load_file(str(tmp_path / "v" / "model.safetensors"))
+    sd["t2d"] = torch.roll(sd["t2d"], 1)
+    save_file(sd, str(tmp_path / "v" / "model.safetensors"))
+    with pytest.raises(EagleCheckpointError, match="the two maps disagree"):
+        load_eagle(tmp_path / "v", target.config)
+    (tmp_path / "v" / "model.safetensors").rename(tmp_path / "v" / "pytorch_model.bin")
+    with pytest.raises(EagleCheckpointError, match="pickle"):
+        load_eagle(tmp_path / "v", target.config)
+
+
+def test_speculators_config_without_layer_ids_takes_the_published_default(tmp_path, target):
+    write_sglang_checkpoint(tmp_path / "s")
+    export_head(tmp_path / "s", "speculators", tmp_path / "spec", target="t")
+    raw = json.loads((tmp_path / "spec" / "config.json").read_text())
+    del raw["eagle_aux_hidden_state_layer_ids"]
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(raw))
+    deep = build_tiny_model(num_hidden_layers=8)
+    assert load_eagle(tmp_path / "spec", deep.config).config.feature_layers == (2, 4, 5)
+    with pytest.raises(EagleCheckpointError, match="does not name the target layers"):
+        export_head(tmp_path / "spec", "sglang", tmp_path / "again", target="t")
+
+
+def test_eagle1_export_is_refused_in_one_line(tmp_path, target, capsys):
+    head = EagleModel(EagleConfig.for_target(target.config))
+    save_eagle(head, tmp_path / "e1")
+    assert main(["export-head", str(tmp_path / "e1"), "--format", "sglang", "--output-dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "EAGLE-1 head" in err[0]
+
+
+def test_medusa_heads_export_to_vllms_layout_with_the_same_logits(tmp_path):
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(3, 2, H, V, base_model_name_or_path="org/tiny-target"))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.1)
+    (tmp_path / "m").mkdir()
+    save_medusa(heads, tmp_path / "m")
+    assert main(["export-head", str(tmp_path / "m"), "--format", "vllm", "--output-dir", str(tmp_path / "v")]) == 0
+    raw = json.loads((tmp_path / "v" / "config.json").read_text())
+    assert raw["model_type"] == "medusa" and raw["num_heads"] == 3 and raw["num_hidden_layers"] == 2
+    assert raw["medusa_fc_bias"] is True and raw["base_model_name_or_path"] == "org/tiny-target"
+    sd = load_file(str(tmp_path / "v" / "model.safetensors"))
+    assert set(sd) == {f"blocks.{h}.layers.{l}.{p}" for h in range(3) for l in range(2) for p in ("weight", "bias")} \
+        | {f"lm_heads.{h}.weight" for h in range(3)}
+    x = torch.randn(5, H)
+    want = heads(x)  # [heads, rows, vocab]
+    for h in range(3):  # vLLM's ResidualBlock: x = x + silu(layer(x)) per layer, then lm_heads[h]
+        y = x
+        for l in range(2):
+            y = y + torch.nn.functional.silu(y @ sd[f"blocks.{h}.layers.{l}.weight"].T
+                                             + sd[f"blocks.{h}.layers.{l}.bias"])
+        torch.testing.assert_close(y @ sd[f"lm_heads.{h}.weight"].T, want[h], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,127 @@
+"""The mtp drafter on tiny random checkpoints that carry an MTP layer, written here by an independent script in
+MiMo's (``model.mtp_layers.0.*``) and DeepSeek's (``model.layers.{L}.enorm / hnorm / eh_proj``) layouts: the
+layer's logits equal an independent forward, greedy output is the target's, the sampled law is exact with broken
+rules caught; a checkpoint without MTP weights is refused in one line. No real MTP checkpoint was available."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from specdec.drafters.eagle_checkpoint import EagleCheckpointError
+from specdec.drafters.mtp import MtpDrafter, read_mtp_layer
+from specdec.eval.certificate import CertificateSizes, run_certificate
+
+from specdec.generate import generate
+from specdec.models.loader import load_model
+from specdec.sampling import SamplingConfig
+from specdec.testing import build_tiny_model, ragged_prompts
+
+H, HEADS, KV, INTER = 64, 4, 2, 128
+
+
+def mtp_tensors(seed: int, target) -> dict[str, torch.Tensor]:
+    """An MTP layer in MiMo's names (without the model.mtp_layers.0. prefix), from random tensors: the target's
+    last layer (so its drafts agree with the target now and then) with random projections and norms."""
+    g = torch.Generator().manual_seed(seed)
+    last = {k: v.detach().clone() for k, v in target.model.layers[-1].state_dict().items()}
+    eye = torch.cat([torch.zeros(H, H), torch.eye(H)], dim=1)  # input_proj passes the hidden half through
+    return {"token_layernorm.weight": torch.ones(H), "hidden_layernorm.weight": torch.ones(H) + 0.05 * torch.randn(
+        H, generator=g), "input_proj.weight": eye + 0.02 * torch.randn(H, 2 * H, generator=g),
+        "final_layernorm.weight": target.model.norm.weight.detach().clone(),
+        **{k: (v * 0.1 if k.endswith(("o_proj.weight", "down_proj.weight")) else v) for k, v in last.items()}}
+
+
+def write_target_with_mtp(path, layout: str, seed: int = 0, vocab_size: int = 96):
+    target = build_tiny_model(vocab_size=vocab_size, seed=seed)
+    target.save_pretrained(path)
+    mtp = mtp_tensors(seed, target)
+    weights = load_file(str(path / "model.safetensors"))
+    if layout == "mimo":
+        weights.update({f"model.mtp_layers.0.{k}": v for k, v in mtp.items()})
+    else:
+        rename = {"token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "eh_proj",
+                  "final_layernorm": "shared_head.norm"}
+        L = target.config.num_hidden_layers
+        for k, v in mtp.items():
+            stem = k.rsplit(".", 1)[0]
+            weights[f"model.layers.{L}.{rename.get(stem, stem)}.weight" if stem in rename
+                    else f"model.layers.{L}.{k}"] = v
+        weights[f"model.layers.{L}.embed_tokens.weight"] = target.model.embed_tokens.weight.detach().clone()
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return target, mtp
+
+
+def reference_mtp_logits(mtp, target, ids: torch.Tensor, hidden: torch.Tensor, positions, eps=1e-6):
+    """One causal block through the MTP layer, from its published design: logits [L, V]."""
+    rms = lambda x, w: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))  # noqa: E731
+    hd = H // HEADS
+    e = target.model.embed_tokens.weight[ids].detach()
+    x = torch.cat([rms(e, mtp["token_layernorm.weight"]), rms(hidden, mtp["hidden_layernorm.weight"])], -1)
+    x = x @ mtp["input_proj.weight"].T
+    a = rms(x, mtp["input_layernorm.weight"])
+    L = a.shape[0]
+    q = (a @ mtp["self_attn.q_proj.weight"].T).view(L, HEADS, hd).transpose(0, 1)
+    k = (a @ mtp["self_attn.k_proj.weight"].T).view(L, KV, hd).transpose(0, 1)
+    v = (a @ mtp["self_attn.v_proj.weight"].T).view(L, KV, hd).transpose(0, 1)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, hd, 2).float() / hd)
+    ang = positions.float()[:, None] * inv
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    rot = lambda t: t * cos + torch.cat([-t[..., hd // 2:], t[..., : hd // 2]], -1) * sin  # noqa: E731
+    q, k = rot(q), rot(k)
+    k, v = k.repeat_interleave(HEADS // KV, 0), v.repeat_interleave(HEADS // KV, 0)
+    s = (q @ k.transpose(1, 2) / math.sqrt(hd)).masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), -math.inf)
+    h = x + (s.softmax(-1) @ v).transpose(0, 1).reshape(L, -1) @ mtp["self_attn.o_proj.weight"].T
+    m = rms(h, mtp["post_attention_layernorm.weight"])
+    h = h + (torch.nn.functional.silu(m @ mtp["mlp.gate_proj.weight"].T) * (m @ mtp["mlp.up_proj.weight"].T)) \
+        @ mtp["mlp.down_proj.weight"].T
+    return rms(h, mtp["final_layernorm.weight"]) @ target.lm_head.weight.detach().T
+
+
+@pytest.mark.parametrize("layout", ["mimo", "deepseek"])
+def test_the_layer_read_from_the_target_checkpoint_gives_the_reference_logits(tmp_path, layout):
+    from specdec.drafters.eagle_model import EagleConfig, EagleModel
+
+    target, mtp = write_target_with_mtp(tmp_path, layout)
+    state, name = read_mtp_layer(tmp_path, target.config.num_hidden_layers)
+    assert name == {"mimo": "MiMo", "deepseek": "DeepSeek"}[layout]
+    model = EagleModel.from_state(EagleConfig.for_target(target.config, arch="mtp"), state)
+    ids = torch.tensor([4, 9, 16, 25, 36, 49])
+    hidden = torch.randn(len(ids), H, generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(1, 1 + len(ids))
+    out, _, _ = model(target.model.embed_tokens.weight[ids].detach()[None], model.fuse(hidden[None]), pos,
+                      torch.ones(1, len(ids), len(ids), dtype=torch.bool).tril())
+    got = model.logits(out[0], target.lm_head.weight.detach())
+    torch.testing.assert_close(got, reference_mtp_logits(mtp, target, ids, hidden, pos), rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_output_is_the_targets_and_the_layer_drafts_usefully(tmp_path):
+    write_target_with_mtp(tmp_path, "mimo")
+    loaded = load_model(str(tmp_path))
+    prompts = ragged_prompts(3, seed=4)
+    plain = generate(loaded, prompts, max_new_tokens=16)
+    out = generate(loaded, prompts, max_new_tokens=16, drafter="mtp", drafter_options={"depth": 3},
+                   speculation="always", return_dict=True)
+    assert out.sequences == plain
+    assert sum(s.steps for s in out.stats) < sum(s.new_tokens for s in out.stats)
+
+
+@pytest.mark.slow  # the end-to-end level samples: ~40 s on 2 cores
+def test_exact_law_passes_and_broken_rules_fail(tmp_path):
+    target, _ = write_target_with_mtp(tmp_path, "deepseek", seed=3, vocab_size=12)
+    loaded = load_model(target)
+    sizes = CertificateSizes(stat_samples=2000, identity_prompts=3, identity_tokens=12, sample_sequences=400,
+                             sample_tokens=2, e2e_tv=0.15)
+    prompts = lambda n: [[1, 2, 3, 1, 2, 3], [5, 6, 7, 5], [9, 4, 9, 4, 9]][:n]  # noqa: E731
+    cert = run_certificate(loaded, "mtp", {"path": str(tmp_path), "depth": 2, "top_k": 2, "max_nodes": 3}, SamplingConfig(True, 0.9, 6),
+                           sizes, prompts, levels=("exact", "e2e"))
+    failed = [(c.level, c.name, c.control, c.detail) for c in cert.checks if not c.as_expected]
+    assert cert.passed and not cert.void, failed
+    assert [c for c in cert.checks if c.control] and all(not c.passed for c in cert.checks if c.control)
+
+
+def test_a_target_without_mtp_layers_is_refused_in_one_line(tmp_path):
+    build_tiny_model().save_pretrained(tmp_path)
+    with pytest.raises(EagleCheckpointError, match="has no MTP layer 0"):
+        generate(load_model(str(tmp_path)), [[1, 2, 3]], max_new_tokens=2, drafter=MtpDrafter())
