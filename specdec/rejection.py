@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import SamplingConfig, logits_to_probs, sample
+from specdec.sampling import SamplingConfig, choose_max, logits_to_probs, sample
 from specdec.tree import DraftMode, DraftTree
 
 
@@ -316,7 +316,7 @@ def rejection_sample(
             "create it with torch.Generator(device=...) on the model's device"
         )
     if sampling.greedy and rule is EXACT:
-        return follow_choices(trees, target_logits.argmax(-1).tolist())
+        return follow_choices(trees, choose_max(target_logits).tolist())
     if rule is EXACT and all(t.num_nodes == 0 for t in trees):  # plain steps: every token is a bonus draw
         return _plain(trees, target_logits, sampling, generator)
     if rule is EXACT and all(t.mode is DraftMode.DETERMINISTIC for t in trees):
