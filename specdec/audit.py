@@ -46,19 +46,28 @@ cancel when pooled over contexts in both orders, are seen late or never (README.
 **alpha = 1e-6**: a false alarm aborts a user's run, so it must be rarer than real bugs; each
 factor of 10 less costs ln 10 = 2.3 nats of evidence, one or two draws for a blatant liar.
 
+**Across calls.** :func:`audit_of` keeps one audit per drafter object for the life of the process, so
+``generate()`` calls with the same drafter instance continue one test martingale: Ville's bound holds for the
+whole sequence of draws, however it is split into calls, and a liar whose calls are each too short to convict
+it is caught over many. A drafter given by name is a new object in every call, and a new process starts afresh:
+their evidence is not carried over (docs/draft-audit.md says what stays unseen).
+
 **Cost.** The transforms are a few elementwise passes and dot products over [num_nodes, vocab]
 in draft_probs' own device and dtype (float32 at least); only 5 x num_nodes numbers travel to
 the host. On one CPU thread, vocabulary 49,152: ~1.2 ms for a 16-node tree, ~9 ms for 64.
 """
 from __future__ import annotations
 
+import logging
 import math
+import weakref
 
 import torch
 
 from specdec.errors import InputError
 from specdec.tree import DraftError, DraftMode, DraftTree
 
+logger = logging.getLogger(__name__)
 RESOLUTIONS = (2, 4, 8, 16, 32, 64)  # equal-width histogram bins of the KT bets, in each view
 VIEWS = ("token order", "probability order")
 
@@ -195,3 +204,24 @@ class DraftAudit:
                 f"strongest in the {best}); speculative sampling would not be exact with this "
                 "drafter (generate(audit_drafts=False) turns the audit off)"
             )
+
+
+_AUDITS: dict[int, DraftAudit] = {}  # id(drafter object) -> its audit, dropped when the object is collected
+
+
+def audit_of(drafter: object) -> DraftAudit:
+    """The process-wide audit of ``drafter`` (the object the caller passed): every generate() call with it feeds
+    the same evidence. Keyed by identity, never equality; an object that cannot be weakly referenced gets a fresh
+    audit (keeping it alive to remember it would leak the drafter)."""
+    key = id(drafter)
+    if key in _AUDITS:
+        return _AUDITS[key]
+    audit = DraftAudit()
+    try:
+        weakref.finalize(drafter, _AUDITS.pop, key, None)
+    except TypeError:
+        logger.debug("%s cannot be weakly referenced: its draft audit starts afresh in every call",
+                     type(drafter).__name__)
+        return audit
+    _AUDITS[key] = audit
+    return audit
