@@ -34,6 +34,7 @@ is accepted too: :func:`as_drafter` wraps it once, so the engine never probes at
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from specdec.errors import InputTypeError
 from specdec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -211,3 +213,10 @@ def as_drafter(obj: Any) -> Drafter | None:
     if not callable(getattr(obj, "propose", None)):
         raise TypeError(f"a drafter needs a propose(sequences) method; {type(obj).__name__} has none")
     return _ObjectDrafter(obj)
+
+
+def check_path_option(drafter: str, path: Any) -> None:
+    """A drafter's ``path=`` option is a checkpoint directory: a str or os.PathLike (None: not given)."""
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise InputTypeError(f"{drafter}: path= must be a checkpoint directory (a str or os.PathLike), got "
+                             f"{type(path).__name__} {path!r}")
