@@ -135,7 +135,7 @@ class DraftAudit:
         # are equal), in the rows' dtype, float32 at least: bool masks cost ~4x more on CPU, float64 rows 2x the
         # bytes. With A, B the mass strictly above / below q(x): sum(q * s) = A - B, sum(q * |s|) = A + B. Rounding
         # moves u by ~1e-7, far below the finest bin (1/64), and float32 sampling is no more precise than that.
-        q = probs.to(torch.promote_types(probs.dtype, torch.float32))  # [n, vocab]
+        q = probs.detach().to(torch.promote_types(probs.dtype, torch.float32))  # [n, vocab]; a claim, not a graph
         drawn = q.gather(1, tokens[:, None])  # [n, 1] q_i(x_i)
         total = q.sum(-1)
         sign = torch.sub(q, drawn).sign_()

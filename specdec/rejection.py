@@ -142,7 +142,7 @@ class _PaddedTrees:
         draft = torch.zeros(len(trees), tokens.shape[1], vocab, dtype=dtype, device=device)
         for i, t in enumerate(trees):
             if t.draft_probs is not None:
-                draft[i, : t.num_nodes] = t.draft_probs.to(device, dtype)
+                draft[i, : t.num_nodes] = t.draft_probs.detach().to(device, dtype)
         det = torch.tensor([t.mode is DraftMode.DETERMINISTIC for t in trees], device=device)
         wr = torch.tensor([t.mode is DraftMode.WITHOUT_REPLACEMENT for t in trees], device=device)
         return _PaddedTrees(tokens, children, draft, det, wr)

@@ -1,18 +1,21 @@
 """User mistakes end in one line, never a traceback or a silently ignored option: --system where no chat template
-applies, a path option that looks like a number, a drafter class instead of an instance, a closed stdout, and
-Ctrl-C while the command line is still importing torch."""
+applies, a path option that looks like a number, a drafter class instead of an instance, a closed stdout,
+Ctrl-C while the command line is still importing torch, and draft_probs that track gradients."""
 from __future__ import annotations
 
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import specdec
 from specdec.cli import _parse_options, main
+from specdec.drafters.base import Drafter
 from specdec.drafters.ngram import NGramDrafter
 from specdec.errors import InputTypeError
 from specdec.testing import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
+from specdec.tree import DraftMode, DraftTree
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +96,23 @@ def test_ctrl_c_while_importing_exits_130(capsys, monkeypatch):
     monkeypatch.setattr("specdec.cli.importlib.import_module", interrupted)
     rc, line = run(capsys, "generate", "hi")
     assert rc == 130 and line == "specdec: interrupted"
+
+
+class GradDrafter(Drafter):
+    """Honest, but its draft_probs come from a softmax that still tracks gradients."""
+
+    name = "grad-drafter"
+
+    def __init__(self) -> None:
+        self.logits = torch.zeros(96, requires_grad=True)
+
+    def propose(self, seqs):
+        probs = torch.softmax(self.logits, -1)[None]
+        return [DraftTree(torch.multinomial(probs.detach(), 1)[0], [-1], probs, DraftMode.INDEPENDENT) for _ in seqs]
+
+
+def test_draft_probs_that_track_gradients_are_used_as_values():
+    """They ended in an autograd error inside the audit (an out= op on a tensor that requires grad)."""
+    out = specdec.generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=6, drafter=GradDrafter(), do_sample=True,
+                           seed=0, speculation="always", return_dict=True)
+    assert len(out.new_tokens[0]) == 6 and out.stats[0].steps < 6  # drafts were verified and some accepted
