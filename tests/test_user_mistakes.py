@@ -1,8 +1,10 @@
 """User mistakes end in one line, never a traceback or a silently ignored option: --system where no chat template
 applies, a path option that looks like a number, a drafter class instead of an instance, a closed stdout,
-Ctrl-C while the command line is still importing torch, and draft_probs that track gradients."""
+Ctrl-C while the command line is still importing torch, draft_probs that track gradients, a pad id outside the
+vocabulary, max_new_tokens=None, and sampling options given with greedy decoding."""
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -13,7 +15,7 @@ import specdec
 from specdec.cli import _parse_options, main
 from specdec.drafters.base import Drafter
 from specdec.drafters.ngram import NGramDrafter
-from specdec.errors import InputTypeError
+from specdec.errors import InputError, InputTypeError
 from specdec.testing import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
 from specdec.tree import DraftMode, DraftTree
 
@@ -116,3 +118,33 @@ def test_draft_probs_that_track_gradients_are_used_as_values():
     out = specdec.generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=6, drafter=GradDrafter(), do_sample=True,
                            seed=0, speculation="always", return_dict=True)
     assert len(out.new_tokens[0]) == 6 and out.stats[0].steps < 6  # drafts were verified and some accepted
+
+
+def test_pad_token_id_outside_the_vocabulary_is_refused():
+    model = build_tiny_model()
+    for pad in (96, -1):
+        with pytest.raises(InputError, match=f"pad_token_id {pad} is outside the vocabulary \\[0, 96\\)"):
+            specdec.generate(model, [[1, 2]], max_new_tokens=2, pad_token_id=pad)
+    model.generation_config.pad_token_id = -1  # an old model config's own: padded with the EOS id instead
+    out = specdec.generate(model, torch.tensor([[1, 2], [3, 4]]), max_new_tokens=3, eos_token_id=12)
+    assert out[0].tolist() == [1, 2, 12, 12, 12]  # row 0 stops at EOS 12 at once (greedy), then -1 would pad it
+
+
+def test_max_new_tokens_none_leaves_the_length_to_max_length():
+    """transformers reads max_new_tokens=None as unset; it was an InputTypeError."""
+    model = build_tiny_model()
+    assert len(specdec.generate(model, [[1, 2]], max_new_tokens=None, max_length=5)[0]) == 5
+    assert len(specdec.generate(model, [[1, 2]], max_new_tokens=None)[0]) == 2 + 128  # specdec's default
+
+
+def test_sampling_options_with_greedy_decoding_warn(caplog):
+    model = build_tiny_model()
+    with caplog.at_level(logging.WARNING, logger="specdec.generate"):
+        greedy = specdec.generate(model, [[1, 2]], max_new_tokens=3, top_p=0.5, sampler="coupled")
+    assert "sampling options are ignored: top_p=0.5, sampler='coupled'" in caplog.text
+    assert greedy == specdec.generate(model, [[1, 2]], max_new_tokens=3)  # ignored indeed
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specdec.generate"):
+        specdec.generate(model, [[1, 2]], max_new_tokens=3, do_sample=True, seed=0, top_p=0.5)
+        specdec.generate(model, [[1, 2]], max_new_tokens=3, temperature=1.0)  # neutral values say nothing
+    assert "ignored" not in caplog.text
