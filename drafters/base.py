@@ -29,6 +29,7 @@ The engine talks to every drafter through this class. Any object with a ``propos
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from specdec.errors import InputTypeError
 from specdec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -190,3 +192,10 @@ def as_drafter(obj: Any) -> Drafter | None:
     if not callable(getattr(obj, "propose", None)):
         raise TypeError(f"a drafter needs a propose(sequences) method; {type(obj).__name__} has none")
     return _ObjectDrafter(obj)
+
+
+def check_path_option(drafter: str, path: Any) -> None:
+    """A drafter's ``path=`` option is a checkpoint directory: a str or os.PathLike (None: not given)."""
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise InputTypeError(f"{drafter}: path= must be a checkpoint directory (a str or os.PathLike), got "
+                             f"{type(path).__name__} {path!r}")

@@ -17,7 +17,7 @@ from typing import Any
 from specdec.drafters.base import TargetView
 from specdec.drafters.model_drafter import DraftConfig, ModelDrafter
 
-from specdec.errors import InputError, SpecdecError
+from specdec.errors import InputError, InputTypeError, SpecdecError
 from specdec.models.llama import LlamaRunner
 from specdec.models.loader import load_model
 
@@ -58,6 +58,9 @@ class DraftModelDrafter(ModelDrafter):
             raise InputError("draft-model needs model=: a smaller model with the target's vocabulary (a transformers "
                              "model, checkpoint directory, .gguf file or alias), e.g. "
                              "drafter_options={'model': './small-llama'}")
+        if isinstance(model, (bool, int, float, list, tuple, dict)):  # e.g. a JSON value where a path was meant
+            raise InputTypeError(f"draft-model: model= must be a transformers model, a checkpoint path or an alias, "
+                                 f"got {type(model).__name__} {model!r}")
         super().__init__(DraftConfig(**options))
         self.model_spec, self.tokenizer = model, tokenizer
 

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from specdec.drafters.base import Drafter, SequenceView, TargetView
+from specdec.drafters.base import Drafter, SequenceView, TargetView, check_path_option
 from specdec.drafters.call_memory import memory_key
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, check_fits_target, load_eagle
 from specdec.drafters.eagle_depth import DepthChooser
@@ -82,6 +82,7 @@ class EagleDrafter(Drafter):
 
     def __init__(self, path: str | None = None, model: EagleModel | None = None, **options) -> None:
         """``path`` (a checkpoint directory) or ``model`` (an EagleModel); ``options``: EagleDraftConfig."""
+        check_path_option("eagle", path)
         if (path is None) == (model is None):
             raise InputError("eagle: give exactly one of path= (a checkpoint directory) or model= (EagleModel)")
         if model is not None and not isinstance(model, EagleModel):

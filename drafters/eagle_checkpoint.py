@@ -94,9 +94,15 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         # owned copies, not views of the file's memory map: a checkpoint overwritten in place (or truncated) while a
         # drafter holds it must not change its weights, or crash the process (the model takes these tensors as
         # its parameters: EagleModel.from_state)
-        return {name: tensor.clone() for name, tensor in load_file(str(file)).items()}
+        state = {name: tensor.clone() for name, tensor in load_file(str(file)).items()}
     except (SafetensorError, OSError, ValueError) as err:
         raise EagleCheckpointError(f"{file} is not a readable safetensors file: {err}") from err
+    # a damaged or diverged checkpoint: its drafts would be garbage (NaN draft logits), so say so at load
+    broken = [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if broken:
+        raise EagleCheckpointError(f"{file}: weights hold NaN or infinite values ({', '.join(sorted(broken)[:5])}); "
+                                   "the checkpoint is damaged or its training diverged")
+    return state
 
 
 def _num_features(raw: dict, state: dict[str, torch.Tensor], hidden: int) -> int:

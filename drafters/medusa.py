@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from specdec.drafters.base import Drafter, SequenceView, TargetView
+from specdec.drafters.base import Drafter, SequenceView, TargetView, check_path_option
 from specdec.drafters.medusa_heads import MedusaCheckpointError, MedusaHeads, load_medusa
 from specdec.drafters.medusa_tree import default_choices, dynamic_tree, static_tree, validate_choices
 
@@ -92,6 +92,7 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, path: str | None = None, heads: MedusaHeads | None = None, **options) -> None:
         """``path`` (a checkpoint directory) or ``heads`` (a MedusaHeads module); ``options``: MedusaDraftConfig."""
+        check_path_option("medusa", path)
         if (path is None) == (heads is None):
             raise ValueError("medusa: give exactly one of path= (a checkpoint directory) or heads= (MedusaHeads)")
         if heads is not None and not isinstance(heads, MedusaHeads):

@@ -322,6 +322,8 @@ def convert_published(source: str | os.PathLike, output_dir: str | os.PathLike, 
     if existing and not overwrite:
         raise MedusaCheckpointError(f"{out} already holds {', '.join(existing)}: pass --overwrite to replace it, or "
                                     "choose another --output-dir")
+    if existing:
+        _check_previous_conversion(out)
     config, state = read_published(src, base_model, medusa_choices)
     with torch.device("meta"):  # the module only checks names and shapes; the tensors are assigned as read
         heads = MedusaHeads(config)
@@ -340,6 +342,23 @@ def convert_published(source: str | os.PathLike, output_dir: str | os.PathLike, 
                 config.num_layers, "shared" if config.shared_lm_head else "own",
                 next(iter(state.values())).dtype, src, out)
     return out
+
+
+def _check_previous_conversion(out: Path) -> None:
+    """--overwrite replaces a previous conversion only: a directory holding exactly config.json (a Medusa one) and
+    medusa_lm_head.safetensors (and leftovers of their atomic writes), never a model's or a training run's files."""
+    others = sorted(p.name for p in out.iterdir()
+                    if p.name not in (CONFIG_FILE, WEIGHTS_FILE) and not re.fullmatch(r".+\.\d+\.tmp", p.name))
+    if others:
+        raise MedusaCheckpointError(f"--overwrite will not write into {out}: it holds more than a previous conversion "
+                                    f"({', '.join(others[:5])}); choose another --output-dir")
+    try:
+        config = json.loads((out / CONFIG_FILE).read_text()) if (out / CONFIG_FILE).is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        config = None
+    if not isinstance(config, dict) or (config and "medusa_num_heads" not in config):
+        raise MedusaCheckpointError(f"--overwrite will not replace {out / CONFIG_FILE}: it is not a Medusa heads "
+                                    "config (a model's?); choose another --output-dir")
 
 
 # ---- the command ------------------------------------------------------------------------------------------------

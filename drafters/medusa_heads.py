@@ -214,19 +214,23 @@ def read_medusa_config(directory: str | os.PathLike, hidden_size: int | None = N
     draft_vocab = raw.get("draft_vocab") or []
     if not isinstance(draft_vocab, list) or any(not isinstance(t, int) or isinstance(t, bool) for t in draft_vocab):
         raise MedusaCheckpointError(f"{cfg_file}: draft_vocab must be a list of integer token ids")
+    for key in ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size"):
+        value = raw.get(key)
+        if key in raw and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise MedusaCheckpointError(f"{cfg_file}: {key} must be an integer, got {value!r}")
     fallback_vocab = vocab_size if draft_vocab else (lm_rows or vocab_size)
     try:
         return MedusaConfig(
-            num_heads=int(raw["medusa_num_heads"]),
-            num_layers=int(raw["medusa_num_layers"]),
-            hidden_size=int(raw.get("hidden_size") or hidden_size or 0),
-            vocab_size=int(raw.get("vocab_size") or fallback_vocab or 0),
+            num_heads=raw["medusa_num_heads"],
+            num_layers=raw["medusa_num_layers"],
+            hidden_size=raw.get("hidden_size") or hidden_size or 0,
+            vocab_size=raw.get("vocab_size") or fallback_vocab or 0,
             shared_lm_head=bool(raw.get("medusa_shared_lm_head", has_lm_heads is False)),
             base_model_name_or_path=str(raw.get("base_model_name_or_path") or ""),
             medusa_choices=tuple(tuple(p) for p in raw.get("medusa_choices") or ()),
             draft_vocab=tuple(draft_vocab),
         )
-    except InputError as err:  # the draft vocabulary does not fit the vocabulary
+    except (InputError, ValueError, TypeError) as err:  # a value of the right type that does not fit
         raise MedusaCheckpointError(f"{cfg_file}: {err}") from err
 
 

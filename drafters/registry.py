@@ -32,6 +32,8 @@ def available() -> list[str]:
 def get_drafter(spec: Any, **options: Any) -> Drafter | None:
     """``None`` -> None (plain decoding); a Drafter -> itself; another object with ``propose`` -> a Drafter
     view of it (:func:`~specdec.drafters.base.as_drafter`); a name -> a new drafter."""
+    if isinstance(spec, type):  # its propose() would be called unbound, once the model has loaded
+        raise TypeError(f"drafter must be an instance, got the class {spec.__name__}: pass {spec.__name__}(...)")
     if spec is None or isinstance(spec, Drafter) or callable(getattr(spec, "propose", None)):
         if options and spec is not None:
             raise ValueError("drafter options can only be given with a drafter name")

@@ -23,16 +23,23 @@ artefact finer bins would flag). Power, resolution and cost, measured: docs/samp
 
 The transforms are elementwise passes over [num_nodes, vocab] in draft_probs' own device and dtype (float32 at
 least); only 5 x num_nodes numbers travel to the host.
+
+Across calls, :func:`audit_of` keeps one audit per drafter object for the life of the process: calls with the same
+instance continue one test martingale, so Ville's bound holds however the draws are split into calls, and a liar
+whose calls are each too short is caught over many (what stays unseen: docs/draft-audit.md).
 """
 from __future__ import annotations
 
+import logging
 import math
+import weakref
 
 import torch
 
 from specdec.errors import InputError
 from specdec.tree import DraftError, DraftMode, DraftTree
 
+logger = logging.getLogger(__name__)
 RESOLUTIONS = (2, 4, 8, 16, 32, 64)  # equal-width histogram bins of the KT bets, in each view
 VIEWS = ("token order", "probability order")
 
@@ -100,7 +107,7 @@ class DraftAudit:
         # are equal), in the rows' dtype, float32 at least: bool masks cost ~4x more on CPU, float64 rows 2x the
         # bytes. With A, B the mass strictly above / below q(x): sum(q * s) = A - B, sum(q * |s|) = A + B. Rounding
         # moves u by ~1e-7, far below the finest bin (1/64), and float32 sampling is no more precise than that.
-        q = probs.to(torch.promote_types(probs.dtype, torch.float32))  # [n, vocab]
+        q = probs.detach().to(torch.promote_types(probs.dtype, torch.float32))  # [n, vocab]; a claim, not a graph
         drawn = q.gather(1, tokens[:, None])  # [n, 1] q_i(x_i)
         total = q.sum(-1)
         sign = torch.sub(q, drawn).sign_()
@@ -169,3 +176,24 @@ class DraftAudit:
                 f"strongest in the {best}); speculative sampling would not be exact with this "
                 "drafter (generate(audit_drafts=False) turns the audit off)"
             )
+
+
+_AUDITS: dict[int, DraftAudit] = {}  # id(drafter object) -> its audit, dropped when the object is collected
+
+
+def audit_of(drafter: object) -> DraftAudit:
+    """The process-wide audit of ``drafter`` (the object the caller passed): every generate() call with it feeds
+    the same evidence. Keyed by identity, never equality; an object that cannot be weakly referenced gets a fresh
+    audit (keeping it alive to remember it would leak the drafter)."""
+    key = id(drafter)
+    if key in _AUDITS:
+        return _AUDITS[key]
+    audit = DraftAudit()
+    try:
+        weakref.finalize(drafter, _AUDITS.pop, key, None)
+    except TypeError:
+        logger.debug("%s cannot be weakly referenced: its draft audit starts afresh in every call",
+                     type(drafter).__name__)
+        return audit
+    _AUDITS[key] = audit
+    return audit

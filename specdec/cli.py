@@ -175,16 +175,22 @@ def _add_generate(sub) -> None:
     p.set_defaults(func=_run_generate)
 
 
+PATH_OPTIONS = ("path", "model")  # drafter options naming a file, directory or alias: always the text as given
+
+
 def _parse_options(pairs: list[str]) -> dict:
+    """``KEY=VALUE`` pairs -> drafter options: VALUE parsed as JSON when possible, except for paths (a directory
+    named 2024 stays "2024")."""
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
             raise CLIError(f"--drafter-option needs KEY=VALUE, got {pair!r}")
+        key = key.replace("-", "_")
         try:
-            options[key.replace("-", "_")] = json.loads(value)
+            options[key] = value if key in PATH_OPTIONS else json.loads(value)
         except json.JSONDecodeError:
-            options[key.replace("-", "_")] = value
+            options[key] = value
     return options
 
 
@@ -216,6 +222,9 @@ def _generate(args, stream_class) -> tuple[str, dict]:
     if not text.strip():
         raise CLIError(f"the prompt is empty (read from {source})")
     system = _check_argument(args.system, "--system") if args.system is not None else None
+    if system is not None and args.no_chat_template:
+        raise CLIError("--system goes into the chat template, which --no-chat-template turns off; drop one of them "
+                       "(or put the system text at the start of the prompt)")
     stop = [_check_argument(s, "--stop") for s in args.stop] if args.stop else args.stop
     # check what needs no model before the (slow) model load
     SamplingConfig(args.do_sample, args.temperature, args.top_k, args.top_p)
@@ -237,6 +246,9 @@ def _generate(args, stream_class) -> tuple[str, dict]:
     tok = loaded.tokenizer
     if tok is None:
         raise CLIError(f"model {args.model!r} has no tokenizer; the CLI needs one (save it next to the checkpoint)")
+    if system is not None and not getattr(tok, "chat_template", None):
+        raise CLIError(f"--system goes into the chat template, and the tokenizer of model {args.model!r} has none; "
+                       "drop --system (or put the system text at the start of the prompt)")
     if not args.no_chat_template and getattr(tok, "chat_template", None):
         messages = ([{"role": "system", "content": system}] if system else [])
         messages.append({"role": "user", "content": text})
@@ -287,6 +299,17 @@ EXTRA_OF_COMMAND = {"generate": "gguf", "train-medusa": "train", "train-eagle": 
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before a command runs (the imports of torch and transformers take seconds)
+        if "-v" in argv or "--verbose" in argv:
+            raise
+        print("specdec: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log progress (model conversion etc.); on errors show the traceback")
@@ -301,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         module.add_parser(sub)
     args = parser.parse_args(argv)
+    if sys.stdout is None:  # `specdec ... >&-`: Python sets sys.stdout to None
+        print(f"specdec {args.command}: error: stdout is closed, so the output would be lost; redirect it to a "
+              "file or to /dev/null instead", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     from transformers.utils import logging as hf_logging

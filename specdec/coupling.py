@@ -38,7 +38,7 @@ import torch
 from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import describe
 from specdec.rejection import Acceptance, follow_choices
-from specdec.sampling import SamplingConfig, sampling_logits
+from specdec.sampling import SamplingConfig, choose_max, sampling_logits
 from specdec.tree import DraftTree
 
 SAMPLERS = ("standard", "coupled")  # GenerationConfig.sampler
@@ -132,7 +132,7 @@ def perturbed_logits(logits: torch.Tensor, sampling: SamplingConfig, gumbel: tor
 
 def coupled_tokens(target_logits: torch.Tensor, sampling: SamplingConfig, gumbel: torch.Tensor) -> torch.Tensor:
     """target_logits [..., V], gumbel [..., V] -> [...] int64: the target's coupled token at each row."""
-    return perturbed_logits(target_logits, sampling, gumbel).argmax(-1)
+    return choose_max(perturbed_logits(target_logits, sampling, gumbel))
 
 
 def coupled_sample(
@@ -148,7 +148,7 @@ def coupled_sample(
     Every node at depth d chooses the token at position ``root + 1 + d``, so the noise has one row per depth
     (shared by siblings: they choose the same position's token under different prefixes)."""
     if sampling.greedy:  # no noise: the argmax walk
-        return follow_choices(trees, target_logits.argmax(-1).tolist())
+        return follow_choices(trees, choose_max(target_logits).tolist())
     device, vocab = target_logits.device, target_logits.shape[-1]
     max_depth = max(t.max_depth for t in trees)
     offsets = torch.arange(max_depth + 1, dtype=torch.long)  # [D + 1]

@@ -36,7 +36,7 @@ from specdec.logits_processing import LogitsProcessing
 from specdec.logprobs import committed_rows, token_logprobs
 from specdec.models.llama import ForwardOutput, LlamaRunner
 from specdec.rejection import EXACT, Acceptance, AcceptanceRule, rejection_sample
-from specdec.sampling import SamplingConfig
+from specdec.sampling import SamplingConfig, check_chosen
 from specdec.stopping import StopCriteria
 from specdec.tree import DraftError, DraftTree
 from specdec.tree_sizing import TreeSizer
@@ -320,9 +320,13 @@ class Engine:
         """target_logits [B, max_nodes + 1, V] -> what each sequence commits: the exact rejection sampler, or
         the coupled walk (the same text as plain coupled sampling, whatever the trees)."""
         if self.coupling is None:
-            return rejection_sample(trees, target_logits, self.sampling, self.generator, self.rule)
-        keys = torch.tensor(self.noise_keys(live), dtype=torch.long)
-        return coupled_sample(trees, target_logits, self.sampling, self.coupling, keys, self.root_positions(live))
+            acceptances = rejection_sample(trees, target_logits, self.sampling, self.generator, self.rule)
+        else:
+            keys = torch.tensor(self.noise_keys(live), dtype=torch.long)
+            acceptances = coupled_sample(trees, target_logits, self.sampling, self.coupling, keys,
+                                         self.root_positions(live))
+        check_chosen(acceptances, target_logits.shape[-1], [(s.seq_id, s.steps + 1, len(s.new_tokens)) for s in live])
+        return acceptances
 
     @staticmethod
     def noise_keys(live: list[SequenceState]) -> list[int]:

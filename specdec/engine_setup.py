@@ -8,7 +8,7 @@ What is decided here: the CPU row policy of ``linear()`` and, with a drafter and
 sizer and its measured cost model (:mod:`specdec.cost_model`, cached; the first use on a machine calibrates for up to
 ~20 s; none for seeded standard sampling), the KV cache's size (the request's worst case, checked against the device's
 memory before anything is allocated) or a reused CUDA-graph cache, the drafter's seed, the sampling generator, the
-draft audit, the logits processors (:mod:`specdec.logits_processing`; None when the config asks for none) and whether
+draft audit (one per drafter object, kept across calls), the logits processors (:mod:`specdec.logits_processing`; None when the config asks for none) and whether
 log-probabilities are kept. The certificate's negative controls (:mod:`specdec.eval.negative_controls`) enter here
 too, and only here: a broken acceptance rule (``rule=``) or a broken engine / cache (``fault=``), so that real callers
 of ``generate()`` cannot switch them on by accident.
@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.audit import DraftAudit
+from specdec.audit import audit_of
 from specdec.cost_model import ensure_row_policy, load_cost_model
 from specdec.coupling import Coupling
 from specdec.cuda_graphs import AUTO, GraphConfig, GraphedForward, auto_uses_graphs, model_graphs
+from specdec.drafters.base import _ObjectDrafter
 from specdec.engine import Engine
 from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import check_cache_fits, describe
@@ -81,7 +82,9 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
         drafter.seed_from_generate(drafter_seed)
     if generator is None and config.seed is not None:
         generator = torch.Generator(device=runner.device).manual_seed(config.seed)  # on the logits' device
-    audit = DraftAudit() if config.audit_drafts and drafter is not None and config.do_sample else None
+    audit = None
+    if config.audit_drafts and drafter is not None and config.do_sample:  # evidence kept across calls per drafter
+        audit = audit_of(drafter.obj if isinstance(drafter, _ObjectDrafter) else drafter)
     ensure_row_policy(runner)  # linear()'s CPU row policy, measured on this machine (cached)
     engine_cls = Engine if fault is None else fault.engine_cls
     return engine_cls(runner, cache, config.sampling, request.stop, drafter, generator, audit, rule, graphed,

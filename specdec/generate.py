@@ -28,6 +28,7 @@ Streamers: ``streamer=fn`` gets ``fn(batch_index, tokens)`` as tokens are commit
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ from specdec.output import GenerateOutput, OutputLayout, SequenceStats, pack_out
 from specdec.stopping import StopCriteria
 from specdec.transformers_config import config_layer, kwargs_layer, model_layer, resolve
 
+logger = logging.getLogger(__name__)
 __all__ = ["GenerateOutput", "GenerateRequest", "SequenceStats", "Streamer", "TokenStreamer", "generate", "prepare",
            "run"]
 
@@ -159,6 +161,7 @@ def prepare(model: Any, input_ids: Any, *, drafter: Any = None, drafter_options:
     shape = runner.shape
     resolved = resolve([model_layer(loaded.model), *layers], prompt_length=inputs.length, return_dict=return_dict)
     config = resolved.config
+    _warn_unused_sampling(config, early)
     if config.num_return_sequences > 1 and not config.do_sample:
         raise InputError(f"num_return_sequences={config.num_return_sequences} needs do_sample=True: greedy decoding "
                          "gives identical copies, and transformers refuses it too")
@@ -178,12 +181,40 @@ def prepare(model: Any, input_ids: Any, *, drafter: Any = None, drafter_options:
     eos = parse_eos_ids(eos_token_id, shape.vocab_size)
     stop = StopCriteria(config.max_new_tokens, frozenset(eos), config.stop_sequences, config.stop_strings,
                         loaded.tokenizer)
-    pad_token_id = config.pad_token_id  # as transformers: else the first EOS id
-    pad_token_id = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+    pad_token_id = _pad_token_id(config.pad_token_id, early.pad_token_id is not None, shape.vocab_size)
+    pad_token_id = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)  # as transformers
     layout = OutputLayout(tuple(tuple(r) for r in inputs.rows), inputs.tensor_device is not None, pad_token_id,
                           inputs.tensor_device)
     return GenerateRequest(loaded, inputs.prompts, config, stop, drafter_obj, generator, cuda_graphs, streamer,
                            progress, resolved.return_dict, layout)
+
+
+# sampling options and their neutral values: given with greedy decoding they change nothing (transformers warns too)
+_SAMPLING_ONLY = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "sampler": "standard"}
+
+
+def _warn_unused_sampling(config: GenerationConfig, given: GenerationConfig) -> None:
+    """Warn when the caller (keyword arguments or generation_config=) set sampling options that greedy decoding
+    ignores; the model's own generation_config is not the caller's doing."""
+    if config.do_sample:
+        return
+    unused = [f"{name}={getattr(given, name)!r}" for name, neutral in _SAMPLING_ONLY.items()
+              if name in given.fields_set and getattr(given, name) != neutral]
+    if unused:
+        logger.warning("do_sample is False (greedy decoding), so these sampling options are ignored: %s; pass "
+                       "do_sample=True to sample", ", ".join(unused))
+
+
+def _pad_token_id(pad_token_id: int | None, from_caller: bool, vocab_size: int) -> int | None:
+    """The pad id if it is a token of the vocabulary; a caller's id outside it is an InputError (as EOS ids are),
+    the model's own is replaced by the default with a warning (an old config's -1 must not stop generation)."""
+    if pad_token_id is None or 0 <= pad_token_id < vocab_size:
+        return pad_token_id
+    if from_caller:
+        raise InputError(f"pad_token_id {pad_token_id} is outside the vocabulary [0, {vocab_size})")
+    logger.warning("the model's pad_token_id %d is outside the vocabulary [0, %d): padding with the first EOS id "
+                   "(else 0) instead", pad_token_id, vocab_size)
+    return None
 
 
 def _check_streamer_batch(put_end: bool, sequences: int) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import SamplingConfig, logits_to_probs, sample
+from specdec.sampling import SamplingConfig, choose_max, logits_to_probs, sample
 from specdec.tree import DraftMode, DraftTree
 
 
@@ -142,7 +142,7 @@ class _PaddedTrees:
         draft = torch.zeros(len(trees), tokens.shape[1], vocab, dtype=dtype, device=device)
         for i, t in enumerate(trees):
             if t.draft_probs is not None:
-                draft[i, : t.num_nodes] = t.draft_probs.to(device, dtype)
+                draft[i, : t.num_nodes] = t.draft_probs.detach().to(device, dtype)
         det = torch.tensor([t.mode is DraftMode.DETERMINISTIC for t in trees], device=device)
         wr = torch.tensor([t.mode is DraftMode.WITHOUT_REPLACEMENT for t in trees], device=device)
         return _PaddedTrees(tokens, children, draft, det, wr)
@@ -316,7 +316,7 @@ def rejection_sample(
             "create it with torch.Generator(device=...) on the model's device"
         )
     if sampling.greedy and rule is EXACT:
-        return follow_choices(trees, target_logits.argmax(-1).tolist())
+        return follow_choices(trees, choose_max(target_logits).tolist())
     if rule is EXACT and all(t.num_nodes == 0 for t in trees):  # plain steps: every token is a bonus draw
         return _plain(trees, target_logits, sampling, generator)
     if rule is EXACT and all(t.mode is DraftMode.DETERMINISTIC for t in trees):

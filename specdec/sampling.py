@@ -4,17 +4,29 @@ The same transform (temperature, then top-k, then top-p, as in transformers'
 ``generate``) is applied to the target's logits here and by every drafter to its own
 logits, so that ``target_probs`` and ``draft_probs`` live in the same space.
 Greedy decoding (``do_sample=False``) is the temperature-0 limit: a one-hot at argmax.
+
+A row with no law to choose from (NaN logits, +inf logits when sampling, every token masked to -inf) never
+yields a token: :func:`sample` and :func:`choose_max` give it the id ``vocab``, outside the vocabulary, and the
+engine turns that into an :class:`InvalidLogitsError` naming the step and the sequence after the host copy it
+already makes (no extra device sync).
 """
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from specdec.errors import InputError, InputTypeError
+from specdec.errors import InputError, InputTypeError, SpecdecError
 from specdec.generate_inputs import describe
+
+
+class InvalidLogitsError(SpecdecError, RuntimeError):
+    """The target's logits at a step leave no token to choose: NaN or infinite values (a float16 overflow, a
+    damaged checkpoint) or every token removed (a logits processor, top-k / top-p over -inf logits)."""
 
 
 @dataclass(frozen=True)
@@ -88,10 +100,32 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     engine draws once per sequence per sampled step (~2% of a 60 ms step). It is exact up to float64 rounding (float32
     multinomial misses tokens below ~3e-8 of the running sum), and a zero-probability token is never drawn: a zero
     adds nothing to the running sum, so the first index whose sum exceeds the point drawn (in ``[0, total)``) has a
-    positive probability. No host sync."""
+    positive probability. A row whose sum is not finite and positive gets the id ``vocab``. No host sync."""
     flat = probs.reshape(-1, probs.shape[-1]).to(torch.float64)
     running = flat.cumsum(-1)  # [R, V]
     total = running[:, -1:]  # [R, 1]
     u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
     point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # [R, 1] in [0, total)
-    return torch.searchsorted(running, point, right=True).reshape(probs.shape[:-1])
+    tokens = torch.searchsorted(running, point, right=True)  # [R, 1]
+    no_law = ~(torch.isfinite(total) & (total > 0))  # [R, 1]: NaN / inf probabilities, or none left
+    return tokens.masked_fill_(no_law, probs.shape[-1]).reshape(probs.shape[:-1])
+
+
+def choose_max(logits: torch.Tensor) -> torch.Tensor:
+    """[..., vocab] -> [...] int64 argmax, as greedy decoding takes it; a row holding a NaN, or only -inf, gets
+    the id ``vocab`` (outside the vocabulary, see the module docstring). No host sync."""
+    values, tokens = logits.max(-1)  # max propagates NaN
+    return tokens.masked_fill_(values.isnan() | (values == float("-inf")), logits.shape[-1])
+
+
+def check_chosen(acceptances: Sequence[Any], vocab: int, where: Sequence[tuple[int, int, int]]) -> None:
+    """Raise InvalidLogitsError if a step chose the id ``vocab`` (a row with no law, see the module docstring).
+    ``acceptances``: one step's records (``next_token`` ints, already on the host); ``where``: (sequence id, step
+    number, new tokens before the step) of each."""
+    for acc, (seq_id, step, before) in zip(acceptances, where):
+        if acc.next_token >= vocab:
+            raise InvalidLogitsError(
+                f"sequence {seq_id}, step {step}, new token {before + len(acc.accepted_tokens) + 1}: the target's "
+                "logits leave no token to choose (NaN or infinite values, e.g. a float16 overflow or a damaged "
+                "checkpoint, or every token removed by a logits processor or top-k / top-p); stopping instead of "
+                "emitting an id outside the vocabulary")

@@ -24,6 +24,7 @@ Sampling defaults: when a transformers config (passed or the model's) sets ``do_
 
 Lengths: ``max_length`` counts the prompt as ``input_ids.shape[-1]`` (the longest row of a list input);
 ``max_new_tokens`` wins where both are set, whatever layer each comes from; neither set anywhere: 128 new tokens.
+``max_new_tokens=None`` is unset, as in transformers (``max_length`` or a lower layer decides).
 """
 from __future__ import annotations
 
@@ -106,6 +107,7 @@ def _specdec_fields() -> set[str]:
 
 
 _DEFAULTS = {f.name: f.default for f in fields(GenerationConfig)}  # specdec's defaults
+NONE_IS_UNSET = frozenset({"max_new_tokens"})  # keyword arguments that transformers reads as unset when None
 
 
 def _known_names() -> set[str]:
@@ -143,7 +145,8 @@ def _read(source: str, items: Mapping[str, Any], transformers: bool, kwargs: boo
     refused: dict[str, Any] = {}
     return_dict = None
     for name, value in items.items():
-        if value is None and not (kwargs and (name in REFUSED or _DEFAULTS.get(name, None) is not None)):
+        if value is None and not (kwargs and (name in REFUSED or (_DEFAULTS.get(name, None) is not None
+                                                                  and name not in NONE_IS_UNSET))):
             continue
         if name in known or name in ALIASES:
             target = ALIASES.get(name, name)

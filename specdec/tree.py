@@ -251,8 +251,10 @@ class DraftTree:
     def validate(self, vocab_size: int, drafter: str = "drafter", atol: float = 1e-4) -> None:
         """Raise DraftError naming `drafter` and the problem if this tree cannot be verified exactly.
 
-        Rows of draft_probs are accepted when they sum to 1 within `atol`; they are then replaced by
-        the rows divided by their sums, computed in float64 and stored in the rows' dtype (float32
+        Rows of draft_probs are accepted when they sum to 1 within `atol`, or within what rounding to their dtype
+        can move a distribution's sum when that is more (float16 / bfloat16: the relative rounding ``eps`` plus
+        ``vocab`` times the subnormal spacing, which ~6e-6-probability float16 entries fall into); they are then
+        replaced by the rows divided by their sums, computed in float64 and stored in the rows' dtype (float32
         at least): the exact rule sees the distributions that were sampled from, summing to 1 up to
         that dtype's rounding (float32: ~1e-7, the precision torch.multinomial draws float32 rows with).
         """
@@ -289,6 +291,9 @@ class DraftTree:
             rows = (probs < 0).any(-1).nonzero().flatten().tolist()
             raise DraftError(f"{drafter}: draft_probs has negative entries (rows of nodes {rows[:5]})")
         sums = probs.double().sum(-1)
+        if probs.dtype.is_floating_point:
+            info = torch.finfo(probs.dtype)
+            atol = max(atol, info.eps + vocab_size * info.smallest_normal * info.eps)
         if not bool(torch.allclose(sums, torch.ones_like(sums), atol=atol)):
             raise DraftError(f"{drafter}: draft_probs rows must sum to 1, got {[round(x, 6) for x in sums.tolist()]}")
         drawn = probs.gather(1, self.tokens.to(probs.device)[:, None]).squeeze(1)

@@ -234,3 +234,21 @@ def test_a_step_audited_at_once_equals_its_trees_one_by_one():
     assert batched.draws == single.draws == 12 * 4
     assert batched.e_value == pytest.approx(single.e_value, rel=1e-12)
     assert torch.equal(batched._counts, single._counts)
+
+
+def test_a_liar_is_caught_over_many_short_calls_with_the_same_object():
+    """Over 200 calls of 2 tokens with speculation="always", a liar's token once made ~80% of the output (0.8% for
+    the target) with no alarm, the evidence starting afresh in every call: one drafter object now carries it over."""
+    model = build_tiny_model()
+    liar = OneTokenLiar()
+    with pytest.raises(DraftError, match="one-token-liar: .*not drawn from the draft_probs") as err:
+        for call in range(200):
+            specdec.generate(model, [[1, 2, 3]], max_new_tokens=2, drafter=liar, do_sample=True, seed=call,
+                             speculation="always")
+    assert call >= 1 and _draws_in(err) <= 100  # more than one call's worth of evidence was needed
+    # a duck-typed drafter (an object with propose, seen through the Drafter contract) is remembered the same way
+    duck = type("Duck", (), {"name": "duck-liar", "propose": lambda self, seqs: [_one_token_liar(96) for _ in seqs]})()
+    with pytest.raises(DraftError, match="duck-liar: "):
+        for call in range(200):
+            specdec.generate(model, [[1, 2, 3]], max_new_tokens=2, drafter=duck, do_sample=True, seed=call,
+                             speculation="always")

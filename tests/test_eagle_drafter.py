@@ -202,3 +202,15 @@ def test_one_optimizer_step_lowers_the_loss_and_oov_labels_are_misses():
     oov = labels.clone().fill_(90)  # outside the reduced vocabulary: never correct
     _, correct, _ = eagle_loss(eagle, ids, hidden, oov, mask, embed, lm, steps=2)
     assert correct == [0, 0]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_a_checkpoint_error(tmp_path, value):
+    """A damaged or diverged checkpoint is named as one when it loads, not found later as NaN draft logits."""
+    model = build_tiny_model()
+    eagle = _eagle(model)
+    with torch.no_grad():
+        eagle.fc.weight[0, 0] = value
+    save_eagle(eagle, tmp_path)
+    with pytest.raises(EagleCheckpointError, match=r"model.safetensors: weights hold NaN or infinite values \(fc"):
+        generate(model, [[1, 2, 3]], max_new_tokens=2, drafter="eagle", drafter_options={"path": str(tmp_path)})

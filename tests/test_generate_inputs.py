@@ -145,7 +145,6 @@ def test_ragged_lists_take_a_ragged_mask():
     (dict(max_new_tokens=4.0), InputTypeError, r"max_new_tokens must be an int, got float 4.0"),
     (dict(max_new_tokens="4"), InputTypeError, r"max_new_tokens must be an int, got str '4'"),
     (dict(max_new_tokens=True), InputTypeError, r"max_new_tokens must be an int, got bool"),
-    (dict(max_new_tokens=None), InputTypeError, r"max_new_tokens"),
     (dict(max_new_tokens=0), InputError, r"max_new_tokens must be >= 1, got 0"),
     (dict(max_new_tokens=1000), InputError, r"context of 512"),
     (dict(block_size=16.0), InputTypeError, r"block_size must be an int, got float"),

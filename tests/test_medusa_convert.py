@@ -307,3 +307,28 @@ def test_train_medusa_records_the_model_as_an_absolute_path(tmp_path, tiny_dir, 
                              eval_tau=False, held_out_fraction=0.0))
     cfg = json.loads((tmp_path / "heads" / "config.json").read_text())
     assert cfg["base_model_name_or_path"] == str(tiny_dir.resolve()) and os.path.isabs(cfg["base_model_name_or_path"])
+
+
+@pytest.mark.parametrize("holds", ["model", "config-only", "training-run"])
+def test_overwrite_replaces_only_a_previous_conversion(tmp_path, holds):
+    """--overwrite replaced a model checkpoint's config.json, after which the model no longer loaded."""
+    src = write_medusa1(tmp_path / "src", medusa_module(2, 1), 1)
+    out = tmp_path / "out"
+    out.mkdir()
+    model_config = json.dumps({"model_type": "llama", "hidden_size": HIDDEN})
+    (out / "config.json").write_text(model_config)
+    if holds == "model":
+        (out / "model.safetensors").write_bytes(b"weights")
+    if holds == "training-run":  # heads of a training run: config.json is a Medusa one, but run.json is beside it
+        (out / "config.json").unlink()
+        convert_published(src, out)
+        (out / "run.json").write_text("{}")
+    before = (out / "config.json").read_text()
+    with pytest.raises(MedusaCheckpointError, match="--overwrite will not"):
+        convert_published(src, out, overwrite=True)
+    assert (out / "config.json").read_text() == before
+    if holds == "config-only":
+        assert before == model_config
+    convert_published(src, tmp_path / "fresh")  # a previous conversion is replaced
+    out = tmp_path / "fresh"
+    assert load_medusa(convert_published(src, out, overwrite=True), HIDDEN, VOCAB).config.num_heads == 2

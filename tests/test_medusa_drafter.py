@@ -339,3 +339,17 @@ def test_loaded_heads_are_owned_not_views_of_the_file(tmp_path):
         f.write((tmp_path / "b" / "medusa_lm_head.safetensors").read_bytes())
     for k, v in heads.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"medusa_num_heads": "two"}, r"config.json: medusa_num_heads must be an integer, got 'two'"),
+    ({"medusa_num_layers": 1.5}, r"config.json: medusa_num_layers must be an integer, got 1.5"),
+    ({"hidden_size": [64]}, r"config.json: hidden_size must be an integer, got \[64\]"),
+    ({"medusa_choices": [["a"]]}, r"config.json: invalid literal"),
+    ({"medusa_choices": [1, 2]}, r"config.json: .*not iterable"),
+])
+def test_non_integer_config_fields_name_the_file(extra, match, tmp_path):
+    """A bare ValueError without the file's name (or, for 1.5, a silently truncated count) before."""
+    write_published_checkpoint(tmp_path / "h", 2, 1, 64, 96, config_extra=extra)
+    with pytest.raises(MedusaCheckpointError, match=match):
+        load_medusa(tmp_path / "h", 64, 96)

@@ -369,3 +369,33 @@ def test_distillation_through_cuda_graphs_needs_the_triton_backend(tiny, tmp_pat
     assert not list((tmp_path / "cache").glob("distill/*.json")) and not (tmp_path / "g").exists()  # untouched
     with pytest.raises(ValueError, match="distill_cuda_graphs"):
         _cfg(tiny, tmp_path / "h", distill_cuda_graphs="yes")
+
+
+def _fake_run(path, eagle=False):
+    """The files a finished run leaves (the checkpoint directory included), without training."""
+    (path / "checkpoint").mkdir(parents=True)
+    for name in ("run.json", "train.log", "history.jsonl", "report.json", "report.md", "config.json",
+                 "model.safetensors" if eagle else "medusa_lm_head.safetensors"):
+        (path / name).write_text("{}")
+    for name in ("state.json", "heads.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt"):
+        (path / "checkpoint" / name).write_text("{}")
+    return path
+
+
+@pytest.mark.parametrize("mine", ["checkpoint/notes.txt", "checkpoint/deep/er/data.bin", "data/corpus.jsonl",
+                                  "checkpoint.old/state.json/oops.txt"])
+def test_overwrite_refuses_user_files_at_any_depth(tmp_path, mine):
+    """Only the top-level names were checked: a user's file inside <out>/checkpoint/ was deleted."""
+    from types import SimpleNamespace
+
+    run = _fake_run(tmp_path / "run")
+    (run / mine).parent.mkdir(parents=True, exist_ok=True)
+    (run / mine).write_text("the user's")
+    cfg = SimpleNamespace(output_dir=str(run), resume=False, overwrite=True)
+    with pytest.raises(OutputDirError, match=f"does not write .*{mine.split('/')[0]}"):
+        trainer.prepare_output_dir(cfg)
+    assert (run / mine).read_text() == "the user's"
+    for eagle in (False, True):  # what a Medusa or an EAGLE run writes is deleted
+        run = _fake_run(tmp_path / f"clean-{eagle}", eagle)
+        assert trainer.prepare_output_dir(SimpleNamespace(output_dir=str(run), resume=False, overwrite=True)) is None
+        assert not run.exists()

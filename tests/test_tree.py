@@ -157,3 +157,17 @@ def test_integer_ids_of_any_form_are_kept_exactly():
         t = DraftTree(tokens, [-1, 0])
         assert t.tokens.dtype == torch.long and t.tokens.tolist() == [3, 1]
     assert DraftTree(torch.tensor([]), []).num_nodes == 0  # an empty float tensor is the empty tree
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [96, 49152, 152064])
+def test_half_precision_rows_pass_with_a_tolerance_of_their_dtype_and_vocabulary(dtype, vocab):
+    """A float16 / bfloat16 softmax over a real vocabulary sums to 1 only within ~3e-4 / ~3e-3 (a uniform float16 row
+    of 152,064 tokens, all in the subnormal range, within ~4e-3): the fixed 1e-4 refused honest drafters."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, vocab, generator=gen) * torch.tensor([[3.0], [10.0], [0.0]])  # row 2: uniform
+    probs = torch.cat([torch.softmax(logits, -1).to(dtype), torch.softmax(logits.to(dtype), -1)])
+    tokens = probs.float().argmax(-1)
+    DraftTree(tokens, [-1] * 6, probs, DraftMode.INDEPENDENT).validate(vocab, "half")
+    with pytest.raises(DraftError, match="half: draft_probs rows must sum to 1"):  # a real error is still one
+        DraftTree(tokens, [-1] * 6, probs * 1.05, DraftMode.INDEPENDENT).validate(vocab, "half")

@@ -20,6 +20,7 @@ import torch
 from specdec.errors import SpecdecError
 
 CKPT, TMP, OLD = "checkpoint", "checkpoint.tmp", "checkpoint.old"
+FILES = ("state.json", "heads.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt")  # what a checkpoint holds
 
 
 class CheckpointError(SpecdecError, ValueError):
@@ -89,7 +90,7 @@ def read_state(ckpt: Path) -> dict:
 def check_readable(ckpt: Path) -> None:
     """Open every file of the checkpoint, so a truncated one is named before training starts; the tensors
     are read once, by load_checkpoint (damage that still opens is a CheckpointError there)."""
-    for name in ("state.json", "heads.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt"):
+    for name in FILES:
         _read(ckpt, name, open_only=True)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from specdec.drafters.draft_vocab import IGNORE
+from specdec.drafters.eagle_checkpoint import WEIGHTS_FILE as EAGLE_WEIGHTS_FILE
 from specdec.drafters.medusa_heads import CONFIG_FILE, WEIGHTS_FILE, MedusaConfig, MedusaHeads
 from specdec.train import checkpoint as ckpt_io
 from specdec.train.config import TrainConfig
@@ -40,15 +41,30 @@ class OutputDirError(SpecdecError, ValueError):
     """The output directory holds another run (or resume finds nothing / a different configuration)."""
 
 
-# what a training run writes into its output directory; --overwrite deletes a directory holding nothing else
+# what a training run writes into its output directory (Medusa or EAGLE weights), and into its checkpoint
+# directories; --overwrite deletes a directory holding nothing else, at any depth
 RUN_NAMES = frozenset({RUN_FILE, "train.log", "history.jsonl", "report.json", "report.md", CONFIG_FILE, WEIGHTS_FILE,
-                       ckpt_io.CKPT, ckpt_io.TMP, ckpt_io.OLD})
+                       EAGLE_WEIGHTS_FILE})
+CHECKPOINT_DIRS = (ckpt_io.CKPT, ckpt_io.TMP, ckpt_io.OLD)
 
 
-def _written_by_a_run(name: str) -> bool:
+def _written_by_a_run(name: str, names: frozenset[str] | tuple[str, ...] = RUN_NAMES) -> bool:
     """A name a run writes, or the leftover of an interrupted atomic write of one (NAME.PID.tmp)."""
     leftover = re.fullmatch(r"(.+)\.\d+\.tmp", name)
-    return name in RUN_NAMES or (leftover is not None and leftover.group(1) in RUN_NAMES)
+    return name in names or (leftover is not None and leftover.group(1) in names)
+
+
+def _foreign(out: Path) -> list[str]:
+    """Paths under ``out`` (relative) that a training run does not write: any file or link of another name, any
+    directory but the checkpoint's, and anything in a checkpoint directory but a checkpoint's files."""
+    foreign = []
+    for p in sorted(out.iterdir()):
+        if p.is_dir() and not p.is_symlink() and p.name in CHECKPOINT_DIRS:
+            foreign += [f"{p.name}/{q.name}" for q in sorted(p.iterdir())
+                        if q.is_symlink() or not q.is_file() or not _written_by_a_run(q.name, ckpt_io.FILES)]
+        elif p.is_symlink() or not p.is_file() or not _written_by_a_run(p.name):
+            foreign.append(p.name)
+    return foreign
 
 
 def _check_deletable(out: Path) -> None:
@@ -61,7 +77,7 @@ def _check_deletable(out: Path) -> None:
     if RUN_FILE not in names:
         raise OutputDirError(f"--overwrite will not delete {out}: it holds no {RUN_FILE}, so it is not a specdec "
                              "training run; empty it yourself or choose another --output-dir")
-    foreign = sorted(n for n in names if not _written_by_a_run(n))
+    foreign = _foreign(out)
     if foreign:
         raise OutputDirError(f"--overwrite will not delete {out}: it holds files a training run does not write "
                              f"({', '.join(foreign[:5])}); move them or choose another --output-dir")

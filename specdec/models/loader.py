@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from specdec.errors import InputTypeError
 from specdec.models import embedded, synthetic
 from specdec.models.llama import LlamaRunner
 
@@ -141,6 +142,6 @@ def load_model(
         model, loaded_tok, name, source = _load_path(str(spec), dtype, device, trust_remote_code)
         tokenizer = tokenizer or loaded_tok
     else:
-        raise TypeError(f"model must be a transformers model, a path or an alias, got {type(spec).__name__}")
+        raise InputTypeError(f"model must be a transformers model, a path or an alias, got {type(spec).__name__}")
     model.eval()
     return LoadedModel(model, tokenizer, LlamaRunner(model), name, source)

@@ -1,0 +1,150 @@
+"""User mistakes end in one line, never a traceback or a silently ignored option: --system where no chat template
+applies, a path option that looks like a number, a drafter class instead of an instance, a closed stdout,
+Ctrl-C while the command line is still importing torch, draft_probs that track gradients, a pad id outside the
+vocabulary, max_new_tokens=None, and sampling options given with greedy decoding."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import specdec
+from specdec.cli import _parse_options, main
+from specdec.drafters.base import Drafter
+from specdec.drafters.ngram import NGramDrafter
+from specdec.errors import InputError, InputTypeError
+from specdec.testing import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
+from specdec.tree import DraftMode, DraftTree
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def chat_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-chat")
+    save_tiny_checkpoint(path, tokenizer=False)
+    tok = build_tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}. {% endfor %}assistant: "
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def run(capsys, *argv: str) -> tuple[int, str]:
+    """(exit code, the one error line on stderr)."""
+    rc = main(list(argv))
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if "error:" in line or "interrupted" in line]
+    return rc, lines[0] if len(lines) == 1 else err
+
+
+def test_system_without_a_chat_template_is_refused(ckpt, chat_ckpt, capsys):
+    assert getattr(specdec.load_model(ckpt).tokenizer, "chat_template", None) is None
+    rc, line = run(capsys, "generate", "hi", "--model", ckpt, "--system", "be brief", "--max-new-tokens", "2")
+    assert rc == 2 and "--system goes into the chat template" in line and "has none" in line
+    rc, line = run(capsys, "generate", "hi", "--model", chat_ckpt, "--system", "be brief", "--no-chat-template",
+                   "--max-new-tokens", "2")
+    assert rc == 2 and "--no-chat-template turns off" in line
+
+
+def test_a_numeric_path_option_stays_a_path(capsys):
+    """--drafter-option path=2024 names the directory "2024" (it was parsed as the integer 2024: a TypeError
+    traceback); other values are still JSON."""
+    assert _parse_options(["path=2024", "model=7", "num-draft-tokens=3"]) == {"path": "2024", "model": "7",
+                                                                              "num_draft_tokens": 3}
+    rc, line = run(capsys, "generate", "hi", "--model", "nowhere", "--drafter", "medusa",
+                   "--drafter-option", "path=2024", "--max-new-tokens", "2")
+    assert rc == 2 and line.startswith("specdec generate: error: ")
+
+
+@pytest.mark.parametrize("drafter, options, match", [
+    ("medusa", {"path": 5}, r"medusa: path= must be a checkpoint directory .*got int 5"),
+    ("eagle", {"path": 2024}, r"eagle: path= must be a checkpoint directory .*got int 2024"),
+    ("draft-model", {"model": 5}, r"draft-model: model= must be .*got int 5"),
+    (NGramDrafter, {}, r"drafter must be an instance, got the class NGramDrafter: pass NGramDrafter\(...\)"),
+])
+def test_wrong_drafter_argument_types_are_one_line_before_the_model_loads(drafter, options, match, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the drafter argument was checked")
+
+    monkeypatch.setattr(sys.modules["specdec.generate"], "load_model", no_load)
+    with pytest.raises(InputTypeError, match=match):
+        specdec.generate(build_tiny_model(), [[1, 2]], max_new_tokens=2, drafter=drafter, drafter_options=options)
+
+
+def test_closed_stdout_is_one_line(capsys, monkeypatch):
+    """`specdec generate hi >&-`: Python sets sys.stdout to None, which ended in an AttributeError traceback."""
+    monkeypatch.setattr(sys, "stdout", None)
+    rc, line = run(capsys, "generate", "hi", "--max-new-tokens", "2")
+    assert rc == 2 and line == ("specdec generate: error: stdout is closed, so the output would be lost; redirect "
+                                "it to a file or to /dev/null instead")
+
+
+def test_ctrl_c_while_importing_exits_130(capsys, monkeypatch):
+    """The console script imports specdec.cli: that import must not load torch (seconds, where Ctrl-C printed a
+    traceback and exited -2), and Ctrl-C during main's own imports is the usual one line and 130."""
+    code = "import sys, specdec.cli; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+    def interrupted(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("specdec.cli.importlib.import_module", interrupted)
+    rc, line = run(capsys, "generate", "hi")
+    assert rc == 130 and line == "specdec: interrupted"
+
+
+class GradDrafter(Drafter):
+    """Honest, but its draft_probs come from a softmax that still tracks gradients."""
+
+    name = "grad-drafter"
+
+    def __init__(self) -> None:
+        self.logits = torch.zeros(96, requires_grad=True)
+
+    def propose(self, seqs):
+        probs = torch.softmax(self.logits, -1)[None]
+        return [DraftTree(torch.multinomial(probs.detach(), 1)[0], [-1], probs, DraftMode.INDEPENDENT) for _ in seqs]
+
+
+def test_draft_probs_that_track_gradients_are_used_as_values():
+    """They ended in an autograd error inside the audit (an out= op on a tensor that requires grad)."""
+    out = specdec.generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=6, drafter=GradDrafter(), do_sample=True,
+                           seed=0, speculation="always", return_dict=True)
+    assert len(out.new_tokens[0]) == 6 and out.stats[0].steps < 6  # drafts were verified and some accepted
+
+
+def test_pad_token_id_outside_the_vocabulary_is_refused():
+    model = build_tiny_model()
+    for pad in (96, -1):
+        with pytest.raises(InputError, match=f"pad_token_id {pad} is outside the vocabulary \\[0, 96\\)"):
+            specdec.generate(model, [[1, 2]], max_new_tokens=2, pad_token_id=pad)
+    model.generation_config.pad_token_id = -1  # an old model config's own: padded with the EOS id instead
+    out = specdec.generate(model, torch.tensor([[1, 2], [3, 4]]), max_new_tokens=3, eos_token_id=12)
+    assert out[0].tolist() == [1, 2, 12, 12, 12]  # row 0 stops at EOS 12 at once (greedy), then -1 would pad it
+
+
+def test_max_new_tokens_none_leaves_the_length_to_max_length():
+    """transformers reads max_new_tokens=None as unset; it was an InputTypeError."""
+    model = build_tiny_model()
+    assert len(specdec.generate(model, [[1, 2]], max_new_tokens=None, max_length=5)[0]) == 5
+    assert len(specdec.generate(model, [[1, 2]], max_new_tokens=None)[0]) == 2 + 128  # specdec's default
+
+
+def test_sampling_options_with_greedy_decoding_warn(caplog):
+    model = build_tiny_model()
+    with caplog.at_level(logging.WARNING, logger="specdec.generate"):
+        greedy = specdec.generate(model, [[1, 2]], max_new_tokens=3, top_p=0.5, sampler="coupled")
+    assert "sampling options are ignored: top_p=0.5, sampler='coupled'" in caplog.text
+    assert greedy == specdec.generate(model, [[1, 2]], max_new_tokens=3)  # ignored indeed
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specdec.generate"):
+        specdec.generate(model, [[1, 2]], max_new_tokens=3, do_sample=True, seed=0, top_p=0.5)
+        specdec.generate(model, [[1, 2]], max_new_tokens=3, temperature=1.0)  # neutral values say nothing
+    assert "ignored" not in caplog.text
