@@ -9,14 +9,9 @@ logits chose token ``t_{j+1}``) and the embedding of ``t_{j+1}``, and predicts t
     f^  = rms_norm(h + mlp(rms_norm(h)))                    # SwiGLU; the last norm: the target's feature space
     logits = lm_head(f^)     # the target's LM head, or N rows of it (reduced draft vocabulary)
 
-The two norms around attention and at the output (``layers.0.input_layernorm``, ``norm``) keep the
-predicted features, which deeper draft steps feed back in, at the scale of the target's own; published
-EAGLE-1 checkpoints have neither (``norms=False`` when loading one).
-
-Deeper draft steps feed ``f^`` back in place of the target's feature (EAGLE-1/2). Parameter
-names follow the published EAGLE-1 layout (``fc.*``, ``layers.0.self_attn.*``,
-``layers.0.post_attention_layernorm.weight``, ``layers.0.mlp.*``) plus ``lm_head.weight`` and the
-EAGLE-3 draft-to-target map ``d2t`` (token id = index + d2t[index]) for a reduced vocabulary.
+Deeper draft steps feed ``f^`` back in place of the target's feature (EAGLE-1/2). Parameter names follow the
+published EAGLE-1 layout plus ``lm_head.weight`` and the draft-to-target map ``d2t`` (token id = index +
+d2t[index]) for a reduced vocabulary; published EAGLE-1 checkpoints have neither norm (``norms=False``).
 
 **EAGLE-3** (``arch="eagle3"``): the features are the target's residual
 streams entering ``feature_layers`` (low / middle / high), fused once by ``fc`` [kH -> H]; the first layer's

@@ -70,7 +70,6 @@ def _export_eagle(src: Path, fmt: str, out: Path, target: str | None) -> Path:
 
 def _export_medusa(src: Path, fmt: str, out: Path, target: str | None) -> Path:
     from safetensors.torch import save_file
-
     from specdec.drafters.medusa_heads import load_medusa
 
     if fmt != "vllm":

@@ -18,7 +18,6 @@ from specdec.models.llama import LlamaRunner, rms_norm
 from specdec.models.loader import load_model
 from specdec.sampling import SamplingConfig
 from specdec.testing import build_tiny_model, ragged_prompts
-
 from tests.test_eagle_drafter import Recorder
 
 

@@ -16,7 +16,6 @@ from specdec.drafters.eagle_checkpoint import load_eagle  # noqa: E402
 from specdec.drafters.export_head import export_head  # noqa: E402
 
 from specdec.testing import build_tiny_model  # noqa: E402
-
 from tests.test_head_layouts import N, _inputs, specdec_logits, write_sglang_checkpoint  # noqa: E402
 
 

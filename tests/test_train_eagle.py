@@ -188,9 +188,9 @@ def test_tree_choice_pairs_each_candidate_with_plain_decoding(monkeypatch):
 def test_eagle3_training_features_are_the_ones_the_engine_passes():
     """What the layer is trained on (train/features.py, transformers' forward) is what it drafts from (the engine's
     runner): the residual streams entering the feature layers, the last one before the final norm."""
-    from specdec.testing import build_tiny_model
     from specdec.train.features import target_features
 
+    from specdec.testing import build_tiny_model
     from tests.test_eagle3 import engine_features
 
     model = build_tiny_model(num_hidden_layers=3)
@@ -203,10 +203,10 @@ def test_eagle3_training_features_are_the_ones_the_engine_passes():
 
 
 def test_train_eagle_arch_eagle3_lowers_the_loss_and_exports(tiny, tmp_path):
+    from specdec.drafters.export_head import export_head
     from transformers import AutoConfig
 
     from specdec.cli import main
-    from specdec.drafters.export_head import export_head
 
     out = tmp_path / "e3"
     rc = main(["train-eagle", "--arch", "eagle3", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"),

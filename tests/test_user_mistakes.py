@@ -10,11 +10,11 @@ import sys
 
 import pytest
 import torch
+from specdec.drafters.base import Drafter
+from specdec.drafters.ngram import NGramDrafter
 
 import specdec
 from specdec.cli import _parse_options, main
-from specdec.drafters.base import Drafter
-from specdec.drafters.ngram import NGramDrafter
 from specdec.errors import InputError, InputTypeError
 from specdec.testing import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
 from specdec.tree import DraftMode, DraftTree
