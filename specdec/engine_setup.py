@@ -67,7 +67,10 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
                        rule.name)
     if fault is not None:
         logger.warning("engine fault %r injected: the output is deliberately WRONG (negative control)", fault.name)
-    runner, config = request.loaded.runner, request.config
+    config = request.config
+    if config.invariant and request.cuda_graphs:
+        raise InputError("invariant=True does not run through CUDA graphs: pass cuda_graphs=False")
+    runner = request.loaded.runner.invariant_mode(config.invariant)  # the bit-exact mode shares every weight
     processing, output_logprobs = _processing(request), _wants_logprobs(request)  # refusals before allocating
     cache, graphed = _kv_cache(request, fault)
     drafter, generator = request.drafter, request.generator
