@@ -1,8 +1,8 @@
 """Row-invariant Triton kernels of the bit-exact mode: a row's result never depends on the other rows.
 
 * :func:`linear`: x @ W^T (+ bias) over fixed tiles (``BLOCK_M`` x ``BLOCK_N``, K reduced in ``BLOCK_K`` steps
-  in order): one compiled kernel per (dtype, shape of W) whatever the row count, every row of a tile computed
-  alike, no split-K. cuBLAS chooses its algorithm by M; this kernel does not.
+  in order, products of fp32-widened inputs, tf32 for half inputs where that is exact): one compiled kernel per
+  (dtype, shape of W) whatever the row count, every row of a tile computed alike, no split-K. cuBLAS chooses its algorithm by M; this kernel does not.
 * :func:`attention`: one program per (query row, head) reduces the row's visible keys (``Slots`` [T, max_keys],
   in position order, ``Lens`` [T] of them) in blocks of ``BLOCK_N`` by an online softmax in fp32, never split:
   the order of a row's reduction is fixed by how many keys it sees, which is its position + 1 whatever the tree
@@ -36,7 +36,9 @@ def _linear_kernel(X, W, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om, HA
         k_ok = rk < K
         x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(W + rn[None, :] * stride_wn + rk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=DOT_PREC)
+        # half inputs widened to fp32: exact in tf32 too (bf16 / fp16 mantissas fit in its 10 bits), and the
+        # interpreter has no bf16 product
+        acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=DOT_PREC)
     out = acc.to(Out.dtype.element_ty)
     if HAS_BIAS:  # as the reference: the product rounded, then the bias added and rounded
         b = tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)

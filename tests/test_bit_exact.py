@@ -85,6 +85,16 @@ def test_the_default_path_is_not_row_invariant_in_fp32():
     assert _mismatched_rows(_runner(torch.float32, invariant=False), prompts, trees) > 0
 
 
+def test_the_reference_rope_table_matches_the_runner_rope():
+    model = build_tiny_model()
+    runner = LlamaRunner(model, backend="reference")
+    positions = torch.tensor([0, 5, 1023, 1024, 3000])
+    table = invariant_ops.RopeTable(runner.rotary.inv_freq, runner.attention_scaling, runner.dtype)
+    cos, sin = table(positions, 3000)
+    want_cos, want_sin = runner.rope(positions)
+    assert torch.allclose(cos, want_cos, atol=1e-5) and torch.allclose(sin, want_sin, atol=1e-5)
+
+
 # ---- generate(): speculative == plain, bit for bit ------------------------------------------------------------
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 8], [10, 20, 30, 10, 20, 30, 10, 20], [5, 5, 5, 5]]
 
