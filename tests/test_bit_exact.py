@@ -162,3 +162,23 @@ def test_invariant_is_a_checked_config_field():
         specdec.generate(model, [PROMPTS[0]], max_new_tokens=2, invariant="yes")
     with pytest.raises(InputError, match="CUDA graphs"):
         specdec.generate(model, [PROMPTS[0]], max_new_tokens=2, invariant=True, cuda_graphs=True)
+
+
+# ---- the certificate level ---------------------------------------------------------------------------------------
+def test_the_bitwise_certificate_level_passes_and_its_controls_fail(bf16_model):
+    from specdec.eval.certificate import CertificateSizes, run_certificate
+
+    from specdec.models.loader import load_model
+    from specdec.sampling import SamplingConfig
+
+    loaded = load_model(bf16_model)
+    sizes = CertificateSizes(identity_prompts=3, identity_tokens=16)
+    cert = run_certificate(loaded, "ngram", {}, SamplingConfig(True, 0.8), sizes,
+                           lambda n: [list(p) for p in (PROMPTS * n)[:n]], levels=("bitwise",))
+    by_control = {}
+    for c in cert.checks:
+        by_control.setdefault(c.control, []).append(c.passed)
+    assert by_control[None] == [True, True, True], cert.to_markdown()  # rows, greedy, coupled
+    assert not any(by_control["default_path"]) and len(by_control["default_path"]) == 3, cert.to_markdown()
+    assert by_control["row_dependent_kernel"] == [False], cert.to_markdown()
+    assert cert.passed and not cert.void
