@@ -182,3 +182,18 @@ def test_the_bitwise_certificate_level_passes_and_its_controls_fail(bf16_model):
     assert not any(by_control["default_path"]) and len(by_control["default_path"]) == 3, cert.to_markdown()
     assert by_control["row_dependent_kernel"] == [False], cert.to_markdown()
     assert cert.passed and not cert.void
+
+
+def test_the_cli_flag_prints_plain_decodings_text(tmp_path, capsys):
+    from specdec.cli import main
+    from specdec.testing import save_tiny_checkpoint
+
+    ckpt = str(save_tiny_checkpoint(tmp_path / "tiny"))
+    prompt = "abcabcabcab"
+    loaded = specdec.load_model(ckpt, dtype=torch.bfloat16)
+    ids = loaded.tokenizer(prompt)["input_ids"]
+    plain = specdec.generate(loaded, [ids], max_new_tokens=16, invariant=True, return_dict=True)
+    want = loaded.tokenizer.decode(plain.new_tokens[0], skip_special_tokens=True)
+    rc = main(["generate", prompt, "--model", ckpt, "--max-new-tokens", "16", "--dtype", "bfloat16", "--drafter",
+               "ngram", "--speculation", "always", "--invariant", "--no-chat-template"])
+    assert rc == 0 and capsys.readouterr().out == want + "\n"
