@@ -95,6 +95,24 @@ def test_the_reference_rope_table_matches_the_runner_rope():
     assert torch.allclose(cos, want_cos, atol=1e-5) and torch.allclose(sin, want_sin, atol=1e-5)
 
 
+def test_the_kernel_key_table_lists_the_reference_keys():
+    """The Triton path's per-row key table (built on the device) holds each row's keys as the reference lists them."""
+    from specdec.attention import AttentionPlan, SeqAttention
+
+    gen = torch.Generator().manual_seed(8)
+    tree = ic.random_tree(12, VOCAB, gen)
+    bits = torch.tensor([0] + tree.ancestor_bit_list, dtype=torch.long)
+    seqs = (SeqAttention(0, 13, torch.randperm(40, generator=gen)[:20 + 13], 21, bits),  # a tree after 21 keys
+            SeqAttention(13, 5, torch.arange(100, 105), 0),  # a prefill
+            SeqAttention(18, 1, torch.arange(200, 230), 29))  # a decode step
+    plan = AttentionPlan(seqs, torch.zeros(19, dtype=torch.long))
+    slots, lens = plan.invariant_rows
+    listed = [keys for seq_keys, _ in plan.invariant_row_keys for keys in seq_keys]
+    assert lens.tolist() == [k.numel() for k in listed]
+    for row, keys in enumerate(listed):
+        assert torch.equal(slots[row, : keys.numel()], keys)
+
+
 # ---- generate(): speculative == plain, bit for bit ------------------------------------------------------------
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 8], [10, 20, 30, 10, 20, 30, 10, 20], [5, 5, 5, 5]]
 
