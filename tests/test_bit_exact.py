@@ -156,7 +156,9 @@ def plain(bf16_model):
     return out
 
 
-@pytest.mark.parametrize("name", list(DRAFTERS))
+# n-gram and self-draft in the default run; the model drafters (a second forward per step) in the slow one
+@pytest.mark.parametrize("name", [n if n in ("ngram", "self-draft") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in DRAFTERS])
 def test_speculative_output_is_plain_output_bit_for_bit(bf16_model, plain, name):
     for setting, extra in SETTINGS.items():
         want_tokens, want_logprobs = plain[setting]
