@@ -19,6 +19,9 @@ broken engines there (an off-by-one tree mask, a wrong KV compaction slot):
 4. ``coupled`` (:mod:`specdec.eval.coupled_level`, only when asked): coupled sampling's law, and
    speculative coupled output == plain coupled output token for token, batched and single, with
    broken couplings (noise keyed to the step, to the batch row) as its controls.
+5. ``bitwise`` (:mod:`specdec.eval.bitwise_level`, only when asked): in the bit-exact mode, row logits of a
+   batched tree forward == one-row forwards, and speculative text and log-probabilities == plain decoding's bit
+   for bit; controls: the default path, and a product that depends on the row count.
 
     cert = run_certificate(loaded, "ngram", {}, SamplingConfig(True, 0.8), CertificateSizes())
     cert.passed, cert.to_json(), cert.to_markdown()
@@ -84,7 +87,7 @@ class CertificateSizes:
 @dataclass
 class Check:
     name: str
-    level: str  # exact-law | sampler-statistics | end-to-end | coupled
+    level: str  # exact-law | sampler-statistics | end-to-end | coupled | bitwise
     passed: bool
     control: str | None = None  # the broken rule this check ran with (it must then FAIL)
     p_value: float | None = None
@@ -315,6 +318,13 @@ def run_certificate(loaded: Any, drafter: Any, options: dict, sampling: Sampling
 
         progress("coupled sampling")
         checks, warnings = coupled_checks(loaded, drafter, options, sampling, sizes, make_prompts, seed)
+        cert.checks += checks
+        cert.warnings += warnings
+    if "bitwise" in levels:
+        from specdec.eval.bitwise_level import bitwise_checks
+
+        progress("bit-exact mode")
+        checks, warnings = bitwise_checks(loaded, drafter, options, sampling, sizes, make_prompts, seed)
         cert.checks += checks
         cert.warnings += warnings
     # a control that is identical to the exact rule in this mode cannot be caught: it is neither pass nor void

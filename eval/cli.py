@@ -35,8 +35,11 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--levels", default="exact,stats,e2e",
-                   help="comma list of exact, stats, e2e, coupled (coupled sampling: its law, and speculative == "
-                        "plain token for token; not in the default)")
+                   help="comma list of exact, stats, e2e, coupled, bitwise (coupled sampling: its law, and "
+                        "speculative == plain token for token; bitwise: the bit-exact mode, speculative == plain "
+                        "bit for bit in the model's dtype, see docs/bit-exact.md; neither in the default)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="weights / activations dtype (default: the loader's, float32)")
     p.add_argument("--full", action="store_true", help="sample sizes that detect TV 0.01 (meant for a GPU)")
     p.add_argument("--stat-samples", type=int, help="draws per synthetic case (default 20000)")
     p.add_argument("--identity-prompts", type=int, help="prompts for greedy identity (default 8)")
@@ -165,16 +168,16 @@ def run_lossless(args) -> int:
     if args.drafter not in available():
         raise ValueError(f"unknown drafter {args.drafter!r}; available: {', '.join(available())}")
     levels = tuple(x.strip() for x in args.levels.split(",") if x.strip())
-    bad = [lv for lv in levels if lv not in ("exact", "stats", "e2e", "coupled")]
+    bad = [lv for lv in levels if lv not in ("exact", "stats", "e2e", "coupled", "bitwise")]
     if bad or not levels:
-        raise ValueError(f"--levels takes exact, stats, e2e, coupled; got {args.levels!r}")
+        raise ValueError(f"--levels takes exact, stats, e2e, coupled, bitwise; got {args.levels!r}")
     sizes = CertificateSizes.full() if args.full else CertificateSizes()
     overrides = {k: getattr(args, k) for k in ("stat_samples", "identity_prompts", "identity_tokens",
                                                "sample_sequences") if getattr(args, k) is not None}
     sizes = replace(sizes, **overrides)
     sampling = SamplingConfig(args.temperature > 0, args.temperature or 1.0, args.top_k, args.top_p)
     torch.manual_seed(args.seed)
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None)
     encode = _encoder(loaded)
     make_prompts = lambda n: [encode(t) for t in load_prompts("chat", n)]  # noqa: E731
     out = Path(args.out or "runs/eval-lossless")

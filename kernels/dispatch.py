@@ -45,6 +45,7 @@ class Backend:
     attention: ModuleType | None = None  # specdec.kernels.tree_attention
     kv: ModuleType | None = None  # specdec.kernels.kv_write
     fused: ModuleType | None = None  # specdec.kernels.fused_ops
+    invariant: ModuleType | None = None  # specdec.kernels.invariant_ops (the bit-exact mode)
 
     @property
     def triton(self) -> bool:
@@ -67,7 +68,7 @@ def _triton_backend() -> Backend:
     def load(name: str) -> ModuleType:
         return importlib.import_module(f"specdec.kernels.{name}")
 
-    return Backend("triton", load("tree_attention"), load("kv_write"), load("fused_ops"))
+    return Backend("triton", load("tree_attention"), load("kv_write"), load("fused_ops"), load("invariant_ops"))
 
 
 def requested(choice: str | None = None) -> str:

@@ -153,6 +153,29 @@ class AttentionPlan:
                            torch.tensor(out_index, dtype=torch.long, device=device))
 
     @cached_property
+    def invariant_row_keys(self) -> tuple[tuple[list[torch.Tensor], range], ...]:
+        """Per sequence: the cache slots of each query row's visible keys, in position order, and the rows
+        (the bit-exact mode's reference attention, :func:`specdec.models.invariant_ops.attention`)."""
+        out = []
+        for s in self.seqs:
+            prefix, masked = s.key_slots[: s.num_visible], s.key_slots[s.num_visible :]
+            if s.ancestor_bits is None:
+                keys = [s.key_slots[: s.num_visible + i + 1] for i in range(s.num_new)]
+            else:
+                keys = [torch.cat([prefix, masked[[j for j in range(s.num_masked) if bits >> j & 1]]])
+                        for bits in s.ancestor_bits.tolist()]
+            out.append((keys, range(s.query_start, s.query_start + s.num_new)))
+        return tuple(out)
+
+    @cached_property
+    def invariant_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T, max_keys] slots of each row's visible keys in position order, [T] keys per row): the bit-exact
+        mode's Triton attention (``specdec.kernels.invariant_ops``); built on the device, no host sync."""
+        from specdec.models.invariant_ops import row_key_slots
+
+        return row_key_slots(self)
+
+    @cached_property
     def kernel_metadata(self):
         """Inputs of the Triton tree-attention kernel, built once per forward and shared by every layer."""
         from specdec.kernels.tree_attention import TreeAttentionMetadata

@@ -164,6 +164,9 @@ def _add_generate(sub) -> None:
                    help="with --do-sample: standard (default) exact rejection sampling; coupled: Gumbel-max noise "
                         "keyed by seed, prompt and position, so a --seed prints the same text with or without a "
                         "drafter")
+    p.add_argument("--invariant", action="store_true",
+                   help="bit-exact mode: the target computes every row as a one-row forward would, so the text is "
+                        "byte-identical to plain decoding's with any drafter, in any dtype (docs/bit-exact.md)")
     p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="weights / activations dtype (default: float32)")
@@ -265,6 +268,7 @@ def _generate(args, stream_class) -> tuple[str, dict]:
                 return_dict=True, block_size=args.block_size, num_blocks=args.num_blocks,
                 speculation=args.speculation, sampler=args.sampler,
                 cuda_graphs="auto" if args.cuda_graphs is None else args.cuda_graphs,
+                invariant=args.invariant,
             )
     except KeyboardInterrupt:
         if stream is not None:  # keep what was generated: the rest of the text and its newline, then main's line

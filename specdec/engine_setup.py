@@ -65,7 +65,11 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
                        rule.name)
     if fault is not None:
         logger.warning("engine fault %r injected: the output is deliberately WRONG (negative control)", fault.name)
-    runner, config = request.loaded.runner, request.config
+    config = request.config
+    if config.invariant and request.cuda_graphs and not (isinstance(request.cuda_graphs, str)
+                                                         and request.cuda_graphs == AUTO):
+        raise InputError("invariant=True does not run through CUDA graphs: pass cuda_graphs=False (or 'auto')")
+    runner = request.loaded.runner.invariant_mode(config.invariant)  # the bit-exact mode shares every weight
     processing, output_logprobs = _processing(request), _wants_logprobs(request)  # refusals before allocating
     cache, graphed = _kv_cache(request, fault)
     drafter, generator = request.drafter, request.generator
@@ -145,7 +149,7 @@ def _kv_cache(request: "GenerateRequest", fault: EngineFault | None) -> tuple[Pa
     if isinstance(graphs, GraphedForward):  # its own cache and graphs, reused call after call
         return _graphed_cache(graphs, request, needed, fault), graphs
     if graphs == AUTO:  # on CUDA: the model's own graph cache, reused by later calls; else eager
-        graphs = fault is None and auto_uses_graphs(runner)
+        graphs = fault is None and not config.invariant and auto_uses_graphs(runner)  # the bit-exact mode: eager
         if graphs and config.num_blocks is None:
             def check_fits(blocks: int) -> None:
                 check_cache_fits(shape, blocks, block_size, runner.dtype, runner.device, explicit=False)

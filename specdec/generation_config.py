@@ -66,6 +66,10 @@ class GenerationConfig:
     # (greedy: log_softmax of the processed logits; specdec.logprobs); needs return_dict
     output_logprobs: bool = False
     output_scores: bool = False  # transformers' name, read as output_logprobs (only with return_dict; no .scores)
+    # the bit-exact mode: every row of the target's forward computed as a one-row forward at its position would
+    # be, whatever else shares it (tree nodes, other sequences), so speculative output is byte-identical to plain
+    # decoding's in every dtype (specdec.models.invariant_ops; docs/bit-exact.md)
+    invariant: bool = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "GenerationConfig":
         # record which fields the caller gave (positionally or by name) before the dataclass __init__ fills in
@@ -105,6 +109,7 @@ class GenerationConfig:
                                                    self.bad_words_ids, self.min_new_tokens, self.logits_processor,
                                                    self.logits_processor_prefix_only).items():
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "invariant", check_bool("invariant", self.invariant))
         for name in ("output_logprobs", "output_scores"):  # None = False, as transformers reads it
             value = getattr(self, name)
             object.__setattr__(self, name, False if value is None else check_bool(name, value))

@@ -9,6 +9,8 @@ Triton backend each layer's element-wise steps run as fused Triton kernels, and 
 the KV cache's backend; otherwise everything is PyTorch ops. Attention is full attention: a sliding-window
 model (Mistral, Qwen2/3 with ``use_sliding_window``) runs exactly up to its window, which becomes
 ``shape.max_positions``; ``shape.check_fits`` refuses a longer request with a message naming the window.
+``runner.invariant_mode(True)`` is the same runner in the bit-exact mode: every row's result independent of the
+other rows of the forward (:mod:`specdec.models.invariant_ops`).
 
     runner = LlamaRunner(hf_model)
     out = runner.forward(token_ids, positions, plan, cache, logits_rows)
@@ -27,7 +29,7 @@ from specdec.attention import AttentionPlan, paged_attention
 from specdec.errors import InputError, SpecdecError
 from specdec.kernels.dispatch import Backend, resolve_backend
 from specdec.kv_cache import PagedKVCache
-from specdec.models import row_policy
+from specdec.models import invariant_ops, row_policy
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -188,8 +190,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, backend: Backend) -> torch.Te
 
 
 class LlamaRunner:
-    def __init__(self, hf_model, backend: str | Backend | None = None) -> None:
-        """``backend``: "auto", "reference", "triton" or a resolved Backend; None reads SPECDEC_ATTENTION now."""
+    invariant: bool = False  # the bit-exact mode: see invariant_mode()
+    _rope_table: invariant_ops.RopeTable | None = None
+
+    def __init__(self, hf_model, backend: str | Backend | None = None, invariant: bool = False) -> None:
+        """``backend``: "auto", "reference", "triton" or a resolved Backend; None reads SPECDEC_ATTENTION now.
+        ``invariant``: the bit-exact mode (:meth:`invariant_mode`)."""
         check_supported(hf_model)
         self.hf_model = hf_model
         cfg = hf_model.config
@@ -213,6 +219,39 @@ class LlamaRunner:
         self.rotary = base.rotary_emb
         self.attention_scaling = float(getattr(self.rotary, "attention_scaling", 1.0))
         self.backend = resolve_backend(self.embed.device, backend)  # fused element-wise ops; the cache's its own
+        if invariant:
+            self.invariant = True
+
+    def invariant_mode(self, on: bool = True) -> "LlamaRunner":
+        """This runner (``on`` equal to its mode) or a copy sharing every weight, in which every row's hidden
+        states and logits are bitwise what a one-row forward at the same position computes, whatever the other
+        rows (tree nodes, other sequences, a prompt): :mod:`specdec.models.invariant_ops`."""
+        if bool(on) == self.invariant:
+            return self
+        runner = copy.copy(self)
+        runner.invariant = bool(on)
+        runner._rope_table = None
+        return runner
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.invariant:
+            return invariant_ops.linear(x, weight, bias, self.backend)
+        return linear(x, weight, bias)
+
+    def _attention(self, q, k_cache, v_cache, plan: AttentionPlan, backend: Backend) -> torch.Tensor:
+        if self.invariant:
+            return invariant_ops.attention(q, k_cache, v_cache, plan, self.scale, backend)
+        return paged_attention(q, k_cache, v_cache, plan, self.scale, backend)
+
+    def _rope_for(self, positions: torch.Tensor, plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.invariant:
+            return self.rope(positions)
+        table = self._rope_table
+        if table is None or table.inv_freq.device != self.device:
+            table = self._rope_table = invariant_ops.RopeTable(self.rotary.inv_freq, self.attention_scaling,
+                                                               self.dtype)
+        # a sequence's keys are its positions [0, num_keys): the largest is known on the host
+        return table(positions, max(s.key_slots.numel() for s in plan.seqs) - 1)
 
     def truncated(self, num_layers: int) -> "LlamaRunner":
         """A runner over the first ``num_layers`` layers + the final norm + the LM head,
@@ -253,7 +292,7 @@ class LlamaRunner:
     ) -> ForwardOutput | None:
         s = self.shape
         n = token_ids.numel()
-        cos, sin = self.rope(positions)
+        cos, sin = self._rope_for(positions, plan)
         h = F.embedding(token_ids, self.embed)
         delta = None  # the last block's output, added to the residual stream h by the next norm
         streams: dict[int, torch.Tensor] = {}  # layer id -> [R, hidden_size] (feature_layers)
@@ -262,22 +301,22 @@ class LlamaRunner:
             h, x = add_rms_norm(h, delta, layer.input_layernorm.weight, self.eps, self.backend)
             if i in feature_layers and logits_rows is not None:
                 streams[i] = h[logits_rows]
-            q = linear(x, attn.q_proj.weight, attn.q_proj.bias).view(n, s.num_heads, s.head_dim)
-            k = linear(x, attn.k_proj.weight, attn.k_proj.bias).view(n, s.num_kv_heads, s.head_dim)
-            v = linear(x, attn.v_proj.weight, attn.v_proj.bias).view(n, s.num_kv_heads, s.head_dim)
+            q = self._linear(x, attn.q_proj.weight, attn.q_proj.bias).view(n, s.num_heads, s.head_dim)
+            k = self._linear(x, attn.k_proj.weight, attn.k_proj.bias).view(n, s.num_kv_heads, s.head_dim)
+            v = self._linear(x, attn.v_proj.weight, attn.v_proj.bias).view(n, s.num_kv_heads, s.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over head_dim before RoPE
                 q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
                 k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
             q, k = apply_rope(q, cos, sin, self.backend), apply_rope(k, cos, sin, self.backend)
             cache.write(i, plan.write_slots, k, v)
             k_cache, v_cache = cache.layer(i)
-            o = paged_attention(q, k_cache, v_cache, plan, self.scale, cache.backend)
-            delta = linear(o.reshape(n, s.num_heads * s.head_dim), attn.o_proj.weight, attn.o_proj.bias)
+            o = self._attention(q, k_cache, v_cache, plan, cache.backend)
+            delta = self._linear(o.reshape(n, s.num_heads * s.head_dim), attn.o_proj.weight, attn.o_proj.bias)
             h, x = add_rms_norm(h, delta, layer.post_attention_layernorm.weight, self.eps, self.backend)
             mlp = layer.mlp
-            gate = linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
-            up = linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
-            delta = linear(silu_mul(gate, up, self.backend), mlp.down_proj.weight, mlp.down_proj.bias)
+            gate = self._linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
+            up = self._linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
+            delta = self._linear(silu_mul(gate, up, self.backend), mlp.down_proj.weight, mlp.down_proj.bias)
         if logits_rows is None:
             return None
         h = h + delta
@@ -289,4 +328,4 @@ class LlamaRunner:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden_size] final-norm states -> [R, vocab]
-        return linear(hidden, self.lm_head).float()
+        return self._linear(hidden, self.lm_head).float()

@@ -1,0 +1,181 @@
+"""The certificate's bit-exact level (``specdec eval lossless --levels bitwise``).
+
+In the bit-exact mode (``invariant=True``) speculative decoding must be plain decoding bit for bit, in the
+model's own dtype. Checked on the model with the drafter:
+
+1. **rows**: a batched verify forward (two prompts prefilled together, a random tree each) gives every row the
+   logits a one-row forward at the same position gives it (:mod:`specdec.models.invariance_check`).
+2. **text**: speculative output (batched, and one prompt at a time) has the same tokens and bitwise the same
+   log-probabilities as plain decoding of each prompt alone, greedy; and under coupled sampling when the
+   certificate samples.
+
+Controls that must fail: ``default_path`` (the same checks with ``invariant=False``: BLAS kernels chosen by row
+count, attention over padded batches) and ``row_dependent_kernel`` (an invariant runner whose products split
+the K reduction in two whenever they have more than one row: what a library choosing kernels by M does).
+
+    checks, warnings = bitwise_checks(loaded, "ngram", {}, SamplingConfig(False), sizes, make_prompts, seed=0)
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from specdec.eval.certificate import CertificateSizes, Check
+from specdec.eval.divergence import diagnose
+
+from specdec.models import invariance_check
+from specdec.models.llama import LlamaRunner
+from specdec.sampling import SamplingConfig
+
+LEVEL = "bitwise"
+CONTROLS = ("default_path", "row_dependent_kernel")
+
+
+class SplitKWhenBatched(LlamaRunner):
+    """A deliberately row-dependent runner (negative control): its products sum the two halves of K separately
+    whenever a forward has more than one row, so a row's last bits depend on the other rows."""
+
+    def _linear(self, x, weight, bias=None):
+        if x.shape[0] == 1:
+            return super()._linear(x, weight, bias)
+        half = x.shape[1] // 2
+        out = super()._linear(x[:, :half].contiguous(), weight[:, :half].contiguous()) \
+            + super()._linear(x[:, half:].contiguous(), weight[:, half:].contiguous())
+        return out if bias is None else out + bias
+
+
+def row_dependent(runner: LlamaRunner) -> LlamaRunner:
+    """An invariant copy of ``runner`` (sharing its weights) with the row-dependent product."""
+    broken = copy.copy(runner.invariant_mode(True))
+    broken.__class__ = SplitKWhenBatched
+    return broken
+
+
+@dataclass(frozen=True)
+class BitwiseDivergence:
+    prompt: int
+    position: int  # index into the new tokens: the first one whose token or log-probability differs
+    plain_token: int  # -1 past the end of a shorter output
+    speculative_token: int
+    logprob_delta: float  # speculative - plain log-probability at that position (nan when the tokens differ)
+    gap: float | None  # top-1 / top-2 logit gap of the model at that prefix (token divergences; None otherwise)
+
+
+@dataclass(frozen=True)
+class BitwiseResult:
+    prompts: int
+    tokens_compared: int
+    divergences: tuple[BitwiseDivergence, ...]
+    tau: float
+
+    @property
+    def identical(self) -> bool:
+        return not self.divergences
+
+    def to_json(self) -> dict:
+        return {"prompts": self.prompts, "tokens_compared": self.tokens_compared, "tau": self.tau,
+                "divergences": [dataclasses.asdict(d) for d in self.divergences]}
+
+
+def _generate(loaded, prompts, **kw):
+    from specdec.generate import generate
+
+    return generate(loaded, prompts, output_logprobs=True, return_dict=True, **kw)
+
+
+def plain_outputs(loaded: Any, prompts: list[list[int]], max_new_tokens: int, invariant: bool,
+                  sampling: dict | None = None) -> list[tuple[list[int], list[float]]]:
+    """(new tokens, log-probabilities) of plain decoding, each prompt alone."""
+    outs = [_generate(loaded, [p], max_new_tokens=max_new_tokens, invariant=invariant, **(sampling or {}))
+            for p in prompts]
+    return [(o.new_tokens[0], o.logprobs[0]) for o in outs]
+
+
+def first_divergence(i: int, prompt: list[int], plain: tuple[list[int], list[float]],
+                     spec: tuple[list[int], list[float]], model: Any = None) -> BitwiseDivergence | None:
+    """The first position where ``spec`` parts from ``plain`` (token, or log-probability bits); ``model`` (the
+    transformers model) gives the logit gap at a token divergence."""
+    (a, la), (b, lb) = plain, spec
+    for j in range(max(len(a), len(b))):
+        x = a[j] if j < len(a) else -1
+        y = b[j] if j < len(b) else -1
+        if x != y:
+            gap = None
+            if model is not None and x >= 0 and y >= 0:
+                gap = diagnose(model, list(prompt) + a[:j], i, j, x, y).gap
+            return BitwiseDivergence(i, j, x, y, math.nan, gap)
+        if la[j] != lb[j]:
+            return BitwiseDivergence(i, j, x, y, lb[j] - la[j], None)
+    return None
+
+
+def bitwise_identity(loaded: Any, prompts: list[list[int]], drafter: Any, options: dict | None, max_new_tokens: int,
+                     batched: bool, invariant: bool, plain: list[tuple[list[int], list[float]]],
+                     sampling: dict | None = None, diagnose_gaps: bool = True) -> BitwiseResult:
+    """Speculative output (one batch, or one prompt at a time) against ``plain`` (:func:`plain_outputs`)."""
+    kw = dict(max_new_tokens=max_new_tokens, drafter=drafter, drafter_options=options or None,
+              speculation="always", invariant=invariant, **(sampling or {}))
+    outs = [_generate(loaded, prompts, **kw)] if batched else [_generate(loaded, [p], **kw) for p in prompts]
+    spec = [(t, lp) for o in outs for t, lp in zip(o.new_tokens, o.logprobs)]
+    steps = sum(s.steps for o in outs for s in o.stats)
+    tau = sum(o.total_new_tokens for o in outs) / max(1, steps)
+    model = getattr(loaded, "model", None) if diagnose_gaps and not sampling else None
+    divergences = [d for i, (p, a, b) in enumerate(zip(prompts, plain, spec))
+                   if (d := first_divergence(i, p, a, b, model)) is not None]
+    return BitwiseResult(len(prompts), sum(len(a[0]) for a in plain), tuple(divergences), tau)
+
+
+def row_checks(loaded: Any, seed: int, prompts: list[list[int]]) -> list[Check]:
+    gen = torch.Generator().manual_seed(seed)
+    vocab = loaded.runner.shape.vocab_size
+    trees = [invariance_check.random_tree(n, vocab, gen) for n in (15, 6)]
+    prompts = [p[:48] for p in prompts[:2]]
+    rows = sum(1 + t.num_nodes for t in trees)
+    checks = []
+    runners = [(None, loaded.runner.invariant_mode(True)), ("default_path", loaded.runner.invariant_mode(False)),
+               ("row_dependent_kernel", row_dependent(loaded.runner))]
+    for control, runner in runners:
+        batched, alone = invariance_check.alone_logits(runner, prompts, trees)
+        bad = sum(int((b != a).any(-1).sum()) for b, a in zip(batched, alone))
+        worst = max(float((b - a).abs().max()) for b, a in zip(batched, alone))
+        checks.append(Check("row logits in a batched tree forward == one-row forward", LEVEL, bad == 0, control,
+                            bound=worst, samples=rows,
+                            detail=f"{bad} of {rows} rows differ (trees of 15 and 6 nodes, 2 prompts together)"))
+    return checks
+
+
+def bitwise_checks(loaded: Any, drafter: Any, options: dict, sampling: SamplingConfig, sizes: CertificateSizes,
+                   make_prompts: Callable[[int], list[list[int]]], seed: int = 0) -> tuple[list[Check], list[str]]:
+    prompts = make_prompts(sizes.identity_prompts)
+    checks, warnings = row_checks(loaded, seed, prompts), []
+    settings = [("greedy", None)]
+    if sampling.do_sample:
+        settings.append(("coupled", dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,
+                                         top_p=sampling.top_p, seed=seed, sampler="coupled")))
+    tokens = sizes.identity_tokens
+    for name, kw in settings:
+        for control, invariant in ((None, True), ("default_path", False)):
+            plain = plain_outputs(loaded, prompts, tokens, invariant, kw)
+            results = [bitwise_identity(loaded, prompts, drafter, options, tokens, True, invariant, plain, kw),
+                       bitwise_identity(loaded, prompts[:2], drafter, options, tokens, False, invariant, plain[:2],
+                                        kw)]
+            divergences = [d for r in results for d in r.divergences]
+            token_level = [d for d in divergences if d.plain_token != d.speculative_token]
+            detail = (f"tau {results[0].tau:.2f}; {len(divergences)} outputs differ ({len(token_level)} in text, "
+                      f"the rest in log-probability bits)")
+            if divergences:
+                d = divergences[0]
+                detail += (f"; first: prompt {d.prompt} token {d.position}"
+                           + (f" logit gap {d.gap:.3g}" if d.gap is not None else "")
+                           + ("" if math.isnan(d.logprob_delta) else f" log-prob delta {d.logprob_delta:.3g}"))
+            checks.append(Check(f"{name} text and log-probabilities == plain, bit for bit (batched + single)", LEVEL,
+                                not divergences, control, samples=sum(r.tokens_compared for r in results),
+                                detail=detail))
+            if control is None and results[0].tau <= 1.0:
+                warnings.append(f"bitwise {name}: no draft was accepted, so tree rows never reached the output")
+    return checks, warnings
