@@ -58,7 +58,7 @@ DEVICE_FILES = ["tests/test_generate.py", "tests/test_speculative.py", "tests/te
                 "tests/test_audit.py", "tests/test_coupled_sampling.py", "tests/test_model_equivalence.py",
                 "tests/test_sliding_window.py", "tests/test_transformers_parity.py", "tests/test_cli_errors.py",
                 "tests/test_cost_model.py", "tests/test_child_gate.py",
-                "tests/test_combined_drafter.py"]
+                "tests/test_combined_drafter.py", "tests/test_invalid_logits.py"]
 
 
 def parse_args(argv=None):

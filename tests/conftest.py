@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specdec.atomic_write import write_json
-from specdec.testing import build_tiny_model
+from specdec.testing import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 # `python -m pytest` puts the cwd (the repo root) on sys.path, where the folders kernels/ and
@@ -142,3 +142,20 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "embedded" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny checkpoint directory with a tokenizer (CLI tests)."""
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def chat_ckpt(tmp_path_factory):
+    """A tiny checkpoint whose tokenizer has a chat template (CLI tests)."""
+    path = tmp_path_factory.mktemp("tiny-chat")
+    save_tiny_checkpoint(path, tokenizer=False)
+    tok = build_tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}. {% endfor %}assistant: "
+    tok.save_pretrained(path)
+    return str(path)

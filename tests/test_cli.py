@@ -23,21 +23,6 @@ SUMMARY = re.compile(
 )
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def chat_ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-chat")
-    save_tiny_checkpoint(path, tokenizer=False)
-    tok = build_tiny_tokenizer()
-    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}. {% endfor %}assistant: "
-    tok.save_pretrained(path)
-    return str(path)
-
-
 def expected_text(ckpt: str, prompt: str, n: int = N, **kwargs) -> str:
     loaded = specdec.load_model(ckpt)
     ids = loaded.tokenizer(prompt)["input_ids"]

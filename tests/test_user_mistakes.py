@@ -16,23 +16,8 @@ from specdec.drafters.ngram import NGramDrafter
 import specdec
 from specdec.cli import _parse_options, main
 from specdec.errors import InputError, InputTypeError
-from specdec.testing import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
+from specdec.testing import build_tiny_model
 from specdec.tree import DraftMode, DraftTree
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def chat_ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-chat")
-    save_tiny_checkpoint(path, tokenizer=False)
-    tok = build_tiny_tokenizer()
-    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}. {% endfor %}assistant: "
-    tok.save_pretrained(path)
-    return str(path)
 
 
 def run(capsys, *argv: str) -> tuple[int, str]:
