@@ -24,8 +24,8 @@ drawn, so it is valued by the child's rate on the shape of its previous sampled 
 
 Which children run: with ``gate=True`` a child whose extra committed tokens do not cover its own draft time is
 left out of a call and probed again (:mod:`specdec.drafters.child_gate`); off under ``speculation="always"``.
-A child left out still
-sees every ``on_accept``, and a child reading hidden states gets, at its next call, every row since its last.
+A child left out still sees every ``on_accept``, and a child reading hidden states gets, at its next call, every
+row since its last.
 """
 from __future__ import annotations
 
@@ -222,9 +222,9 @@ class CombinedDrafter(Drafter):
             self._last[view.seq_id] = (all(run), [lists[k][s] for k in range(len(self.children))])
             out.append(self._combine([per_child[k][s] for k in range(len(self.children))]))
         for k, trees in enumerate(per_child):  # after every choice of this call: they value the next call's trees
-            for tree in trees:
-                if tree.num_nodes and tree.mode is not DraftMode.DETERMINISTIC:
-                    self._sampled_shape[k] = tree.parents.tolist()
+            last = next((t for t in reversed(trees) if t.num_nodes and t.mode is not DraftMode.DETERMINISTIC), None)
+            if last is not None:
+                self._sampled_shape[k] = last.parents.tolist()
         return out
 
     def _hold_hidden(self, k: int, seqs: Sequence[SequenceView]) -> None:
@@ -275,7 +275,7 @@ class CombinedDrafter(Drafter):
         chain before it had one), never by its drawn tokens, their scores or its shape (module doc)."""
         if tree.mode is DraftMode.DETERMINISTIC:
             return self.value(tree)
-        parents = self._sampled_shape[k] if k < len(self.children) else None
+        parents = self._sampled_shape[k]  # a sampled candidate is always a child's own tree, never the merge
         shape = DraftTree(torch.zeros(len(parents or [0]), dtype=torch.long), parents or [-1])
         return self.value(self._with_scores(k, shape))
 

@@ -33,7 +33,7 @@ from specdec.generate import prepare, run
 from specdec.kv_cache import PagedKVCache
 from specdec.rejection import EXACT, AcceptanceRule
 from specdec.tree import DraftTree
-from specdec.tree_sizing import TreeSizer
+from specdec.tree_sizing import TreeSizer, _path_probs, _unscored_keys
 
 
 class AlwaysAccept(AcceptanceRule):
@@ -183,13 +183,7 @@ class ShapeAwareSizer(TreeSizer):
 
     def _sampled_prefix(self, seq_id: int, tree: DraftTree, draft: float, batch: int) -> int:
         parents = tree.parents.tolist()
-        path = self._rates_path(parents)
-        return self._best_prefix(path, draft, batch)
-
-    def _rates_path(self, parents: list[int]) -> list[float]:
-        from specdec.tree_sizing import _path_probs, _unscored_keys
-
-        return _path_probs(self._rates(_unscored_keys(parents)), parents)
+        return self._best_prefix(_path_probs(self._rates(_unscored_keys(parents)), parents), draft, batch)
 
 
 class ScoreChoosingCombined(CombinedDrafter):

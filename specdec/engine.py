@@ -325,7 +325,8 @@ class Engine:
             keys = torch.tensor(self.noise_keys(live), dtype=torch.long)
             acceptances = coupled_sample(trees, target_logits, self.sampling, self.coupling, keys,
                                          self.root_positions(live))
-        check_chosen(acceptances, target_logits.shape[-1], [(s.seq_id, s.steps + 1, len(s.new_tokens)) for s in live])
+        check_chosen(acceptances, target_logits.shape[-1],
+                     lambda b: (live[b].seq_id, live[b].steps + 1, len(live[b].new_tokens)))
         return acceptances
 
     @staticmethod

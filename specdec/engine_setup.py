@@ -8,10 +8,10 @@ What is decided here: the CPU row policy of ``linear()`` and, with a drafter and
 sizer and its measured cost model (:mod:`specdec.cost_model`, cached; the first use on a machine calibrates for up to
 ~20 s; none for seeded standard sampling), the KV cache's size (the request's worst case, checked against the device's
 memory before anything is allocated) or a reused CUDA-graph cache, the drafter's seed, the sampling generator, the
-draft audit (one per drafter object, kept across calls), the logits processors (:mod:`specdec.logits_processing`; None when the config asks for none) and whether
-log-probabilities are kept. The certificate's negative controls (:mod:`specdec.eval.negative_controls`) enter here
-too, and only here: a broken acceptance rule (``rule=``) or a broken engine / cache (``fault=``), so that real callers
-of ``generate()`` cannot switch them on by accident.
+draft audit (one per drafter object, kept across calls), the logits processors (:mod:`specdec.logits_processing`; None
+when the config asks for none) and whether log-probabilities are kept. The certificate's negative controls
+(:mod:`specdec.eval.negative_controls`) enter here too, and only here: a broken acceptance rule (``rule=``) or a
+broken engine / cache (``fault=``), so that real callers of ``generate()`` cannot switch them on by accident.
 """
 from __future__ import annotations
 
@@ -66,8 +66,7 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
     if fault is not None:
         logger.warning("engine fault %r injected: the output is deliberately WRONG (negative control)", fault.name)
     config = request.config
-    if config.invariant and request.cuda_graphs and not (isinstance(request.cuda_graphs, str)
-                                                         and request.cuda_graphs == AUTO):
+    if config.invariant and request.cuda_graphs and request.cuda_graphs != AUTO:
         raise InputError("invariant=True does not run through CUDA graphs: pass cuda_graphs=False (or 'auto')")
     runner = request.loaded.runner.invariant_mode(config.invariant)  # the bit-exact mode shares every weight
     processing, output_logprobs = _processing(request), _wants_logprobs(request)  # refusals before allocating

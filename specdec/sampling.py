@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,12 +118,13 @@ def choose_max(logits: torch.Tensor) -> torch.Tensor:
     return tokens.masked_fill_(values.isnan() | (values == float("-inf")), logits.shape[-1])
 
 
-def check_chosen(acceptances: Sequence[Any], vocab: int, where: Sequence[tuple[int, int, int]]) -> None:
+def check_chosen(acceptances: Sequence[Any], vocab: int, where: Callable[[int], tuple[int, int, int]]) -> None:
     """Raise InvalidLogitsError if a step chose the id ``vocab`` (a row with no law, see the module docstring).
-    ``acceptances``: one step's records (``next_token`` ints, already on the host); ``where``: (sequence id, step
-    number, new tokens before the step) of each."""
-    for acc, (seq_id, step, before) in zip(acceptances, where):
+    ``acceptances``: one step's records (``next_token`` ints, already on the host); ``where(b)``: (sequence id, step
+    number, new tokens before the step) of record b, asked only for the error message."""
+    for b, acc in enumerate(acceptances):
         if acc.next_token >= vocab:
+            seq_id, step, before = where(b)
             raise InvalidLogitsError(
                 f"sequence {seq_id}, step {step}, new token {before + len(acc.accepted_tokens) + 1}: the target's "
                 "logits leave no token to choose (NaN or infinite values, e.g. a float16 overflow or a damaged "
