@@ -264,16 +264,15 @@ class ModelRun:
         self.result["plain"][str(b)] = row
 
     def curve(self, prompt) -> None:
-        from specdec.eval.verify_cost import measure_verify_costs
-
         from specdec.cuda_graphs import auto_uses_graphs
         from specdec.sampling import SamplingConfig
+        from specdec.verify_cost import measure_verify_costs
 
         # the engine's verify timer over n = root + a chain of n - 1, rounds interleaving the sizes, graphed on CUDA
         # rounds of every size must fit the context even if every chain were accepted (smollm2: 8,192 positions)
         room = (self.loaded.runner.shape.max_positions - len(prompt) - 2) // sum(self.args.sizes) - 1
         repeats = max(1, min(3 if self.args.rehearse else 5, room))
-        costs = measure_verify_costs(self.loaded, [prompt], self.args.sizes, SamplingConfig(), repeats=repeats,
+        costs = measure_verify_costs(self.loaded.runner, [prompt], self.args.sizes, SamplingConfig(), repeats=repeats,
                                      graphs=auto_uses_graphs(self.loaded.runner))
         base = costs.get(1) or min(costs.values())
         self.result["verify_cost"] = dict(ms={n: 1e3 * c for n, c in costs.items()},

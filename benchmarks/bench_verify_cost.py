@@ -4,7 +4,7 @@
 
 Prints the median time of a verify step of 1..16 tokens on the embedded model, and its ratio to the
 1-token decode step measured in the same run. This ratio is what decides how large a draft tree pays off on
-a given machine. The steps are timed by :func:`specdec.eval.verify_cost.measure_verify_costs`, the same
+a given machine. The steps are timed by :func:`specdec.verify_cost.measure_verify_costs`, the same
 measurement the cost model calibrates with: rounds over every size, interleaved (the first a warm-up), so a
 machine that slows down for a few seconds hits every size alike.
 """
@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from specdec.eval.verify_cost import measure_verify_costs
 
 from specdec.cost_model import ensure_row_policy
 from specdec.models.loader import load_model
 from specdec.sampling import SamplingConfig
+from specdec.verify_cost import measure_verify_costs
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     loaded = load_model("default")
     ensure_row_policy(loaded.runner)  # linear()'s measured CPU row policy, as every engine built by generate() runs
     sizes = sorted({int(x) for x in args.sizes.split(",")})
-    times = measure_verify_costs(loaded, [list(range(100, 100 + args.context))], [1, *sizes], SamplingConfig(),
+    times = measure_verify_costs(loaded.runner, [list(range(100, 100 + args.context))], [1, *sizes], SamplingConfig(),
                                  repeats=args.reps)
     base = times[1] * 1000
     print(f"context {args.context}: 1-token step {base:.1f} ms (median of {args.reps}, sizes interleaved)")

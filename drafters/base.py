@@ -2,11 +2,10 @@
 
 Lifecycle, driven by the engine:
 
-0. ``seed_from_generate(seed)`` before ``attach``: ``generate(seed=...)``'s seed, for drafters that sample.
 1. ``attach(target)`` once per generate() call: what the drafter may read of the target (runner, KV cache,
-   sampling config). Drafters that sample apply ``target.sampling`` to their own logits. A drafter that learns
-   from the text forgets it here, so a reused instance drafts as a fresh one (a seeded call's text does not
-   depend on earlier calls).
+   sampling config, generate()'s ``seed`` for drafters that sample, and the speculation policy's ``costs``).
+   Drafters that sample apply ``target.sampling`` to their own logits. A drafter that learns from the text forgets
+   it here, so a reused instance drafts as a fresh one (a seeded call's text does not depend on earlier calls).
 2. ``propose(views)`` at most once per step: one :class:`~specdec.tree.DraftTree` per view (the empty tree is
    allowed). The engine validates every tree before the target verifies it and may verify only an ancestor-closed part
    of it (exact). Whatever chooses or prunes a sampled tree (sizing, a combined drafter) uses only what was fixed
@@ -18,11 +17,11 @@ Lifecycle, driven by the engine:
 3. ``on_accept(seq_id, committed)`` after EVERY commit, proposed for or not.
 4. ``release(seq_id)`` when a sequence finishes.
 
-A drafter that sets ``needs_hidden_states = True`` finds in ``SequenceView.new_hidden`` the target's final-norm
-hidden states of the positions committed since its previous ``propose``, ending at the token *before* the root;
-``SequenceView.last_hidden`` is that last row (Medusa); EAGLE reads them all. A drafter with a non-empty
-``feature_layers`` attribute (an EAGLE-3 head) gets instead, per row, the residual streams entering those target
-layers, concatenated ([k, len(feature_layers) * hidden_size]).
+Two more answer the speculation policy: ``cost_key()`` (what the drafter's cost depends on: what is learned of it
+is kept per key) and ``forward_seconds()`` (one forward of its own model: a drafter whose every depth costs a
+target decode step is never asked). A drafter that sets ``needs_hidden_states = True`` finds in
+``SequenceView.new_hidden`` the target's final-norm hidden states of the positions committed since its previous
+``propose``, ending at the token *before* the root (``feature_layers``: those layers' input streams instead).
 
 The engine talks to every drafter through this class. Any object with a ``propose`` method is accepted too:
 :func:`as_drafter` wraps it once, so the engine never probes attributes.
@@ -49,6 +48,18 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class CostView:
+    """The speculation policy's costs as drafters see them, in plain decode steps of the target on this machine:
+    what a drafter that weighs its own choices (the combined drafter's child gate, EAGLE's depth) prices them with."""
+
+    # verify cost of n query tokens per sequence at a batch size, c(n) / c(1): the measured curve corrected by the
+    # run's own step times (specdec.online_costs), the one the engine sizes trees with
+    verify_cost: Callable[[int, int], float]
+    # wall seconds of one plain decode step at a batch size, from this run's step times (else the cost model's)
+    decode_seconds: Callable[[int], float]
+
+
+@dataclass(frozen=True)
 class TargetView:
     """What a drafter may read of the target. Its KV cache is read-only to drafters except the scratch region
     (``cache.reserve_scratch``: positions past a sequence's ``committed_length``), which a drafter running the
@@ -64,14 +75,9 @@ class TargetView:
     # the target's logits processors (specdec.logits_processing), None = none: a drafter may apply them to its own
     # logits with each node's prefix (process_prefixes) so its drafts follow the processed target; optional
     processing: "LogitsProcessing | None" = None
-    # the engine's verify cost of n query tokens per sequence at a batch size, in plain decode steps (c(n) / c(1)):
-    # the measured curve corrected by the run's own step times (specdec.online_costs), the one the engine sizes
-    # trees with; None when the engine does not size trees (speculation="always")
-    verify_cost: Callable[[int, int], float] | None = None
-    # the engine's current wall seconds of one plain decode step at a batch size (from this run's step times), for
-    # drafters that weigh their own wall time against it (the combined drafter's child gate, EAGLE's depth); None
-    # when the engine does not size trees (speculation="always", seeded standard sampling)
-    decode_seconds: Callable[[int], float] | None = None
+    # the speculation policy's costs (None: it does not size trees: speculation="always", seeded standard sampling)
+    costs: CostView | None = None
+    seed: int | None = None  # generate()'s seed for drafters that sample (None: unseeded)
 
 
 class TokenView(Sequence[int]):
@@ -120,9 +126,6 @@ class Drafter(ABC):
     name: str = "drafter"
     needs_hidden_states: bool = False
 
-    def seed_from_generate(self, seed: int | None) -> None:
-        """generate()'s seed (None: unseeded), before ``attach``; drafters that sample seed from it."""
-
     def attach(self, target: TargetView) -> None:
         """Called once by the engine before any sequence is added."""
         self.target = target
@@ -154,7 +157,7 @@ class Drafter(ABC):
 
 class _ObjectDrafter(Drafter):
     """A plain object with ``propose`` (and optionally ``name``, ``needs_hidden_states``, ``attach``,
-    ``on_accept``, ``release``, ``seed_from_generate``) seen through the Drafter contract."""
+    ``on_accept``, ``release``) seen through the Drafter contract."""
 
     def __init__(self, obj: Any) -> None:
         self.obj = obj
@@ -164,9 +167,6 @@ class _ObjectDrafter(Drafter):
     def _call(self, method: str, *args: Any) -> Any:
         fn = getattr(self.obj, method, None)
         return fn(*args) if callable(fn) else None
-
-    def seed_from_generate(self, seed: int | None) -> None:
-        self._call("seed_from_generate", seed)
 
     def attach(self, target: TargetView) -> None:
         self.target = target

@@ -1,22 +1,22 @@
-"""What a drafter-side decision learns in one generate() call, kept for the next call with the same key: a window of
-records and a draft time per part. Base of the combined drafter's child gate (parts: children) and of EAGLE's depth
-chooser (parts: draft levels).
+"""The base of a drafter-side decision priced by the speculation policy's costs: what it learns in one generate()
+call (a window of records and a draft time per part), kept for the next call with the same key. The combined
+drafter's child gate (parts: children) and EAGLE's depth chooser (parts: draft levels) are its two kinds.
 
-    class ChildGate(CallMemory):
-        _store = _REMEMBERED                    # the subclass's module dict (tests clear it)
     key = memory_key(drafter, target.runner)    # the drafter's cost key and the target it drafts for
-    gate._begin(key)                            # in start(): fresh state, or the last finished call's of that key
-    gate.finish()                               # a sequence finished: keep what was learned
+    decider.start(target.costs, key)            # at attach: fresh state, or the last finished call's of that key
+    decider.finish()                            # a sequence finished: keep what was learned (specdec.remembered)
 
-Why kept: as the engine's guard does (:mod:`specdec.tree_sizing`, Memory), so that a server calling generate()
-once per short answer does not pay the warm-up or the first probes again on every answer. Only decisions that
-may depend on wall times use it (``active``: off under seeded standard sampling).
+Only decisions that may depend on wall times use it: ``active`` needs the policy's costs (None under
+``speculation="always"`` and seeded standard sampling: the decision is off and nothing is kept or restored).
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
+from specdec.drafters.base import CostView
+
+from specdec.remembered import recall, remember
 from specdec.tree_sizing import DraftTime
 
 
@@ -27,26 +27,40 @@ def memory_key(drafter, runner) -> tuple:
             str(getattr(runner, "device", None)))
 
 
-class CallMemory:
-    _store: dict  # memory key -> (records, times) of the last finished call; set by each subclass
+@dataclass(frozen=True)
+class DeciderConfig:
+    window: int = 32  # records weighed (the most recent)
+    probe_budget: float = 0.02  # decode steps per call, on average, spent probing what the decision leaves out
+    max_interval: int = 64  # calls between probes at most
+    ema: float = 0.2  # weight of a part's newest draft time
 
-    def __init__(self, parts: int, window: int, ema: float) -> None:
-        self._parts, self._ema = parts, ema
+    def __post_init__(self) -> None:
+        if not (self.window >= 1 and self.probe_budget > 0 and self.max_interval >= 1 and 0 < self.ema <= 1):
+            raise ValueError(f"invalid {type(self).__name__} {self}")
+
+
+class CallMemory:
+    decider: str  # its name in the remembered store (set by each subclass)
+
+    def __init__(self, parts: int, config: DeciderConfig) -> None:
+        self._parts, self.config = parts, config
+        self.costs: CostView | None = None  # the policy's costs (start); None: the decision is off
         self.memory_key: tuple | None = None
-        self.records: deque = deque(maxlen=window)  # the most recent records, what the decision weighs
-        self.times = [DraftTime(ema) for _ in range(parts)]  # seconds per call of each part
+        self.records: deque = deque(maxlen=config.window)  # the most recent records, what the decision weighs
+        self.times = [DraftTime(config.ema) for _ in range(parts)]  # seconds per call of each part
 
     @property
     def active(self) -> bool:  # the decision is on (subclasses): only then is anything kept or restored
         raise NotImplementedError
 
-    def _begin(self, memory_key: tuple | None) -> None:
-        """A new call: the last finished call's records and times under ``memory_key``, else none."""
-        self.memory_key = memory_key
+    def _begin(self, costs: CostView | None, memory_key: tuple | None) -> None:
+        """A new call: the policy's costs, and the last finished call's records and times under ``memory_key``."""
+        self.costs, self.memory_key = costs, memory_key
         self.records.clear()
-        self.times = [DraftTime(self._ema) for _ in range(self._parts)]
-        if self.active and memory_key in self._store:
-            records, times = self._store[memory_key]
+        self.times = [DraftTime(self.config.ema) for _ in range(self._parts)]
+        kept = recall(self.decider, memory_key) if self.active else None
+        if kept is not None:
+            records, times = kept
             self.records.extend(records)
             self.times = [replace(t) for t in times]
 
@@ -54,11 +68,12 @@ class CallMemory:
         """Wall seconds of one call of ``part``."""
         self.times[part].record(seconds, catch_up)
 
-    def call_seconds(self, part: int, batch: int) -> float | None:
-        """Seconds of one call of ``part`` (at ``batch`` sequences: the wall time of such calls); None: never timed."""
-        return self.times[part].seconds
+    def part_cost(self, part: int, batch: int) -> float | None:
+        """One call of ``part`` in plain decode steps at ``batch`` sequences; None: never timed."""
+        seconds = self.times[part].seconds
+        return None if seconds is None else seconds / max(self.costs.decode_seconds(batch), 1e-9)
 
     def finish(self) -> None:
         """A sequence finished: what was learned is kept for the next call with the same key."""
-        if self.active and self.memory_key is not None:
-            self._store[self.memory_key] = (list(self.records), [replace(t) for t in self.times])
+        if self.active:
+            remember(self.decider, self.memory_key, (tuple(self.records), tuple(replace(t) for t in self.times)))

@@ -2,7 +2,7 @@
 left out, and asked again from time to time.
 
     gate = ChildGate(num_children, GateConfig())     # one per CombinedDrafter
-    gate.start(decode_seconds, memory_key)           # at attach: the engine's seconds per plain decode step(batch)
+    gate.start(target.costs, memory_key)             # at attach: the speculation policy's costs
     run = gate.choose(batch, tree_cost, nodes_cap)   # before propose: one bool per child
     gate.record_seconds(k, seconds, catch_up)        # wall time of child k's propose call
     gate.observe(successes, nodes)                   # a sequence's step where every child ran
@@ -22,8 +22,8 @@ per decode step and ``c`` the verify-cost curve the combined drafter ranks trees
 adding tokens is followed by another at the next call.
 
 **Memory**: records and timings are kept across calls per ``memory_key`` (:mod:`specdec.drafters.call_memory`).
-**Off** without the engine's decode time (``speculation="always"``, seeded standard sampling): every child runs
-at every call. Why the gate exists: docs/speculation-policy.md.
+**Off** without the policy's costs (``speculation="always"``, seeded standard sampling): every child runs at every
+call. Why the gate exists: docs/speculation-policy.md.
 """
 from __future__ import annotations
 
@@ -32,40 +32,32 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specdec.drafters.call_memory import CallMemory
-
-from specdec.tree_sizing import DraftTime
+from specdec.drafters.base import CostView
+from specdec.drafters.call_memory import CallMemory, DeciderConfig
 
 MAX_SUBSETS_CHILDREN = 6  # beyond this many children every subset is too many to weigh: all of them run
 
-# memory key -> (records, child draft times) of the last finished call (module doc, Memory)
-_REMEMBERED: dict[tuple, tuple[list, list[DraftTime]]] = {}
-
 
 @dataclass(frozen=True)
-class GateConfig:
-    window: int = 32  # records weighed (the most recent)
+class GateConfig(DeciderConfig):
+    """``window`` records, ``probe_budget`` spent running left-out children (:class:`DeciderConfig`)."""
+
     warmup: int = 3  # records gathered with every child running before any is left out
-    probe_budget: float = 0.02  # decode steps per call, on average, spent running left-out children in probes
-    max_interval: int = 64  # calls between probes at most
-    ema: float = 0.2  # weight of a child's newest draft time
 
     def __post_init__(self) -> None:
-        if not (self.window >= 1 and self.warmup >= 1 and self.probe_budget > 0 and self.max_interval >= 1
-                and 0 < self.ema <= 1):
+        super().__post_init__()
+        if self.warmup < 1:
             raise ValueError(f"invalid GateConfig {self}")
 
 
 class ChildGate(CallMemory):
     """records: (successes, nodes) per child of a step where every child ran; times: per child, seconds per call."""
 
-    _store = _REMEMBERED
+    decider = "child gate"
 
     def __init__(self, num_children: int, config: GateConfig | None = None) -> None:
         self.n = num_children
-        self.config = config or GateConfig()
-        super().__init__(num_children, self.config.window, self.config.ema)
-        self.decode_seconds: Callable[[int], float] | None = None
+        super().__init__(num_children, config or GateConfig())
         self.since_full = 0  # calls since every child last ran
         self.best: tuple[int, ...] | None = None  # the subset chosen by the last decision (None: none yet)
         self.probe_next = False  # the last probe showed the left-out children adding tokens
@@ -73,12 +65,11 @@ class ChildGate(CallMemory):
 
     @property
     def active(self) -> bool:
-        return self.decode_seconds is not None and 1 < self.n <= MAX_SUBSETS_CHILDREN
+        return self.costs is not None and 1 < self.n <= MAX_SUBSETS_CHILDREN
 
-    def start(self, decode_seconds: Callable[[int], float] | None, memory_key: tuple | None = None) -> None:
-        """A new call: the engine's decode-step seconds at a batch size (None: the gate stays off)."""
-        self.decode_seconds = decode_seconds
-        self._begin(memory_key)
+    def start(self, costs: CostView | None, memory_key: tuple | None = None) -> None:
+        """A new call: the policy's costs (None: the gate stays off)."""
+        self._begin(costs, memory_key)
         self.since_full = 0
         self.best, self.probe_next = None, False
 
@@ -93,9 +84,8 @@ class ChildGate(CallMemory):
             self.probe_next = True
 
     def draft_cost(self, k: int, batch: int) -> float:
-        """Child k's draft cost per call in plain decode steps."""
-        seconds = self.call_seconds(k, batch)
-        return 0.0 if seconds is None else seconds / max(self.decode_seconds(batch), 1e-9)
+        """Child k's draft cost per call in plain decode steps (0 before it was timed)."""
+        return self.part_cost(k, batch) or 0.0
 
     def value(self, subset: tuple[int, ...], batch: int, tree_cost: Callable[[int, int], float],
               nodes_cap: int) -> float:

@@ -4,7 +4,7 @@
              drafter_options={"drafters": ["ngram", {"name": "medusa", "path": "heads/"}], "mode": "merge"})
 
 Children are given by name, by name with options, or as Drafter instances (or any object with ``propose``).
-Every lifecycle call (seed, attach, on_accept, release) goes to every child; the combined drafter needs hidden
+Every lifecycle call (attach, on_accept, release) goes to every child; the combined drafter needs hidden
 states when any child does.
 
 Modes (``CombinedConfig.mode``): ``"merge"`` (default), the trie union of the children's trees
@@ -14,7 +14,7 @@ expected committed tokens (1 + sum of node path acceptance estimates) per unit o
 
 Estimates: a child tree's ``scores`` where it has them, else the child's acceptance per level observed from
 ``on_accept`` (a Beta prior of ``prior_weight`` pseudo-trials at ``prior_score``). Verify cost of n nodes, in
-decode steps: ``verify_cost(n)`` if given; else the engine's sizing curve (``TargetView.verify_cost``) under
+decode steps: ``verify_cost(n)`` if given; else the engine's sizing curve (``TargetView.costs``) under
 ``speculation="auto"``; else, with ``cost_model=True``, the calibrated curve; else ``1 + alpha * n``. The
 engine's sizing may prune the offered tree further (pruning is exact).
 
@@ -129,7 +129,7 @@ class CombinedDrafter(Drafter):
             raise InputTypeError("combined drafter: verify_cost must be a callable n -> cost in decode steps")
         self.verify_cost = verify_cost
         self.costs = None  # the measured cost model, when config.cost_model and the engine offers none (at attach)
-        # c(1 + n, batch) / c(1) in decode steps (at attach): the engine's TargetView.verify_cost, else costs.relative
+        # c(1 + n, batch) / c(1) in decode steps (at attach): the engine's TargetView.costs, else costs.relative
         self.curve: Callable[[int, int], float] | None = None
         self._batch = 1  # sequences of the current propose (the cost curve depends on the batch)
         self.name = "combined(" + "+".join(c.name for c in self.children) + ")"
@@ -145,10 +145,6 @@ class CombinedDrafter(Drafter):
         self._sampled_shape: list[list[int] | None] = [None] * len(self.children)
 
     # ---- lifecycle: every call to every child ------------------------------------------------
-    def seed_from_generate(self, seed: int | None) -> None:
-        for child in self.children:
-            child.seed_from_generate(seed)
-
     def attach(self, target: TargetView) -> None:
         """A new run: the children's rates start from the prior again (as in a fresh instance)."""
         self.target = target
@@ -157,9 +153,9 @@ class CombinedDrafter(Drafter):
         self._last.clear()
         self._held.clear()
         self._seen.clear()
-        decode_seconds = getattr(target, "decode_seconds", None) if self.config.gate else None
-        self.gate.start(decode_seconds, memory_key(self, getattr(target, "runner", None)))
-        self.curve = getattr(target, "verify_cost", None)
+        costs = getattr(target, "costs", None)
+        self.gate.start(costs if self.config.gate else None, memory_key(self, getattr(target, "runner", None)))
+        self.curve = costs.verify_cost if costs is not None else None
         if self.config.cost_model and self.verify_cost is None and self.curve is None:
             from specdec.cost_model import load_cost_model
 

@@ -110,8 +110,7 @@ class EagleDrafter(Drafter):
             raise InputError(f"eagle: top_k={self.top_k} exceeds the draft vocabulary of {vocab} tokens")
         self.chooser = DepthChooser(self.depth)
         adapt = self.options.adapt_depth
-        self.chooser.start(getattr(target, "decode_seconds", None) if adapt else None,
-                           getattr(target, "verify_cost", None), memory_key(self, runner))
+        self.chooser.start(target.costs if adapt else None, memory_key(self, runner))
         self._last.clear()
         logger.info("eagle: depth %d%s, top-k %d, %d nodes, draft vocabulary %d", self.depth,
                     " at most (chosen per call)" if self.chooser.active else "", self.top_k, self.max_nodes, vocab)

@@ -2,7 +2,7 @@
 own draft time and its verify cost on the machine at hand, learned from the run.
 
     chooser = DepthChooser(max_depth, DepthConfig())
-    chooser.start(decode_seconds, verify_cost, memory_key)   # at attach: the engine's step time and c(n) curve
+    chooser.start(target.costs, memory_key)                  # at attach: the speculation policy's costs
     depth = chooser.choose(batch)                            # before a propose call
     chooser.record_seconds(level_seconds, catch_up)          # wall seconds of each level of that call
     chooser.observe(trials, successes)                       # a sequence's step (specdec.tree.matched_levels)
@@ -10,7 +10,7 @@ own draft time and its verify cost on the machine at hand, learned from the run.
 **The choice.** Level j has an acceptance rate r_j, the share of steps where level j had a candidate to try and
 one of them was the committed token. Drafting ``d`` levels is expected to commit ``1 + sum_{j<=d} r_1 ... r_j``
 tokens per step for ``sum_{j<=d} t_j / decode_seconds + c(1 + d)`` decode steps, ``t_j`` the measured seconds of
-level j (:class:`specdec.tree_sizing.DraftTime`) and ``c`` the engine's verify-cost curve priced as a chain of
+level j (:class:`specdec.tree_sizing.DraftTime`) and ``c`` the policy's verify-cost curve priced as a chain of
 ``d`` nodes. The chooser drafts the ``d`` with the most tokens per unit of cost; ``r_j`` is counted over the last
 ``window`` steps with a prior of ``prior_weight`` steps at level j-1's rate (0.5 for level 1).
 
@@ -19,49 +19,41 @@ level j (:class:`specdec.tree_sizing.DraftTime`) and ``c`` the engine's verify-c
 than its choice, and a step whose tree matched deeper is followed by a probe one level deeper than it matched.
 **Memory**: records and level times are kept across calls per ``memory_key`` (:mod:`specdec.drafters.call_memory`).
 
-**Off** (the configured depth, every call) without a decode time or verify-cost curve (``speculation="always"``,
-seeded standard sampling). Exactness is untouched: the depth depends
+**Off** (the configured depth, every call) without the policy's costs (``speculation="always"``, seeded standard
+sampling). Exactness is untouched: the depth depends
 on past commits and times only, never on the current step's draws. Why: docs/speculation-policy.md.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specdec.drafters.call_memory import CallMemory
-
-from specdec.tree_sizing import DraftTime
-
-# memory key -> (records, level times) of the last finished call
-_REMEMBERED: dict[tuple, tuple[list, list[DraftTime]]] = {}
+from specdec.drafters.base import CostView
+from specdec.drafters.call_memory import CallMemory, DeciderConfig
 
 
 @dataclass(frozen=True)
-class DepthConfig:
-    window: int = 128  # steps weighed (the most recent)
+class DepthConfig(DeciderConfig):
+    """``window`` steps, ``probe_budget`` spent drafting one level deeper than chosen (:class:`DeciderConfig`)."""
+
+    window: int = 128
     prior_weight: float = 2.0  # pseudo-steps of a level's prior (the rate of the level above)
-    probe_budget: float = 0.02  # decode steps per call, on average, spent drafting one level deeper than chosen
-    max_interval: int = 64  # calls between probes at most
-    ema: float = 0.2  # weight of a level's newest time
 
     def __post_init__(self) -> None:
-        if not (self.window >= 1 and self.prior_weight > 0 and self.probe_budget > 0
-                and self.max_interval >= 1 and 0 < self.ema <= 1):
+        super().__post_init__()
+        if self.prior_weight <= 0:
             raise ValueError(f"invalid DepthConfig {self}")
 
 
 class DepthChooser(CallMemory):
     """records: (trials, successes) per sequence step; times: seconds of level j + 1 per call."""
 
-    _store = _REMEMBERED
+    decider = "depth"
 
     def __init__(self, max_depth: int, config: DepthConfig | None = None) -> None:
         self.max_depth = max_depth
-        self.config = config or DepthConfig()
-        super().__init__(max_depth, self.config.window, self.config.ema)
-        self.decode_seconds: Callable[[int], float] | None = None
-        self.verify_cost: Callable[[int, int], float] | None = None
+        super().__init__(max_depth, config or DepthConfig())
         self.since_probe = 0
         self.chosen: int | None = None  # the depth of the last decision (None: none yet)
         self.probe_next = 0  # depth of the eager probe at the next call (0: none)
@@ -72,13 +64,11 @@ class DepthChooser(CallMemory):
 
     @property
     def active(self) -> bool:
-        return self.decode_seconds is not None and self.verify_cost is not None and self.max_depth > 1
+        return self.costs is not None and self.max_depth > 1
 
-    def start(self, decode_seconds: Callable[[int], float] | None, verify_cost: Callable[[int, int], float] | None,
-              memory_key: tuple | None = None) -> None:
-        """A new call (module doc); either callable None: the chooser stays off."""
-        self.decode_seconds, self.verify_cost = decode_seconds, verify_cost
-        self._begin(memory_key)
+    def start(self, costs: CostView | None, memory_key: tuple | None = None) -> None:
+        """A new call (module doc); without the policy's costs the chooser stays off."""
+        self._begin(costs, memory_key)
         self.since_probe, self.chosen, self.probe_next = 0, None, 0
         self.tried, self.matched = [0] * self.max_depth, [0] * self.max_depth
         for record in self.records:
@@ -118,12 +108,12 @@ class DepthChooser(CallMemory):
     def draft_cost(self, depth: int, batch: int) -> float:
         """Seconds of the first ``depth`` levels over a decode step's; a level never timed costs as the deepest
         timed one (module doc, Start shallow)."""
-        seconds, last = 0.0, 0.0
+        steps, last = 0.0, 0.0
         for j in range(depth):
-            timed = self.call_seconds(j, batch)
+            timed = self.part_cost(j, batch)
             last = timed if timed is not None else last
-            seconds += last
-        return seconds / max(self.decode_seconds(batch), 1e-9)
+            steps += last
+        return steps
 
     def values(self, batch: int) -> list[float]:
         """Expected committed tokens per decode step of cost, for depth 1..max_depth."""
@@ -131,7 +121,7 @@ class DepthChooser(CallMemory):
         for d, r in enumerate(self.rates(), start=1):
             reach *= r
             tokens += reach
-            out.append(tokens / max(self.draft_cost(d, batch) + self.verify_cost(1 + d, batch), 1e-9))
+            out.append(tokens / max(self.draft_cost(d, batch) + self.costs.verify_cost(1 + d, batch), 1e-9))
         return out
 
     def choose(self, batch: int) -> int:
@@ -147,7 +137,7 @@ class DepthChooser(CallMemory):
             return self._use(best)
         deeper = max(best + 1, self.probe_next)
         extra = (self.draft_cost(deeper, batch) - self.draft_cost(best, batch)
-                 + self.verify_cost(1 + deeper, batch) - self.verify_cost(1 + best, batch))
+                 + self.costs.verify_cost(1 + deeper, batch) - self.costs.verify_cost(1 + best, batch))
         interval = min(cfg.max_interval, max(1, math.ceil(extra / cfg.probe_budget)))
         if self.probe_next or self.since_probe + 1 >= interval:
             self.since_probe, self.probe_next = 0, 0

@@ -21,7 +21,7 @@ of sampled nodes would change their law); ``auto`` (default): deterministic when
 independent.
 
 Sampled drafts draw from the drafter's own generator, seeded from ``DraftConfig.seed``, else from
-``generate(seed=...)`` through :meth:`ModelDrafter.seed_from_generate`, re-seeded at every ``attach``.
+``generate(seed=...)`` (``TargetView.seed``), re-seeded at every ``attach``.
 With a reduced draft vocabulary (``self.draft_vocab``) children are chosen among those N tokens and sampled
 draft_probs are zero elsewhere; output stays exact.
 """
@@ -105,7 +105,6 @@ class ModelDrafter(Drafter):
         self.runner: LlamaRunner | None = None
         self.cache: PagedKVCache | None = None
         self.generator: torch.Generator | None = None  # made by attach(), on the runner's device
-        self.generate_seed: int | None = None  # from seed_from_generate(); DraftConfig.seed wins
         self.draft_forwards = 0  # draft-model forward passes (catch-up + one per depth)
         self.draft_vocab: DraftVocab | None = None  # set by make_runner when the runner's logits cover N tokens
         self._draft_ids: list[int] | None = None  # draft_vocab.ids as a list: logit column -> token id
@@ -113,10 +112,6 @@ class ModelDrafter(Drafter):
     # ---- lifecycle --------------------------------------------------------------------
     def make_runner(self, target: TargetView) -> LlamaRunner:
         raise NotImplementedError
-
-    def seed_from_generate(self, seed: int | None) -> None:
-        """generate() calls this before ``attach``: the seed of sampled drafts when DraftConfig.seed is None."""
-        self.generate_seed = seed
 
     def attach(self, target: TargetView) -> None:
         self.target = target
@@ -132,7 +127,7 @@ class ModelDrafter(Drafter):
         elif mode == "auto":
             mode = "deterministic" if target.sampling.greedy or self.config.tree == "dynamic" else "independent"
         self.mode = DraftMode(mode)
-        seed = self.config.seed if self.config.seed is not None else self.generate_seed
+        seed = self.config.seed if self.config.seed is not None else target.seed
         self.generator = None
         if seed is not None:  # never generate()'s own stream: shared uniforms would couple drafts and acceptance
             digest = hashlib.blake2b(f"specdec.drafter:{seed}".encode(), digest_size=8).digest()

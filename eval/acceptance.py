@@ -13,7 +13,7 @@ measured apart from the run it predicts::
     predicted = tau * c_plain / (c_draft + mean over steps of c_verify(1 + nodes of that step))
 
 ``c_verify(n)`` is the median seconds of an engine verify step of n query tokens for a batch like the cell's, at
-its mean decoding context, timed after the cell at every tree size the cell used (``specdec.eval.verify_cost``,
+its mean decoding context, timed after the cell at every tree size the cell used (``specdec.verify_cost``,
 ``specdec.eval.pricing``); ``c_plain = c_verify(1)``; ``c_draft`` the drafter's draft time per step in the cell.
 It models decoding only; the JSON also gives the decode-only measured speedup (prefill taken out).
 
@@ -55,12 +55,12 @@ from specdec.eval.resume import (
     settings_digest,
     settings_record,
 )
-from specdec.eval.verify_cost import measure_verify_costs
 
 from specdec.atomic_write import write_json
 from specdec.generate import generate
 from specdec.output import acceptance_rates
 from specdec.sampling import SamplingConfig
+from specdec.verify_cost import measure_verify_costs
 
 logger = logging.getLogger(__name__)
 
@@ -255,9 +255,6 @@ class _CountingDrafter(Drafter):
         self.sizes: list[int] = []  # nodes of every tree proposed, in order
         self.name, self.needs_hidden_states = inner.name, inner.needs_hidden_states
 
-    def seed_from_generate(self, seed: int | None) -> None:
-        self.inner.seed_from_generate(seed)
-
     def attach(self, target) -> None:
         self.inner.attach(target)
 
@@ -300,7 +297,7 @@ def _calibrate(loaded: Any, cell: Cell, batch: list[list[int]], config: SuiteCon
     n = max(1, round(1 + cell.mean_tree_nodes))
     costs: dict[int, float] = {}
     for sizes in size_chunks(calibration_sizes(cell.step_nodes_histogram, cell.mean_tree_nodes)):
-        costs.update(measure_verify_costs(loaded, batch, sizes, config.sampling, config.max_new_tokens // 2,
+        costs.update(measure_verify_costs(loaded.runner, batch, sizes, config.sampling, config.max_new_tokens // 2,
                                           config.calibration_repeats, config.seed))
     context = sum(len(p) for p in batch) / len(batch) + config.max_new_tokens // 2
     common = {"plain_seconds": costs[1], "batch": len(batch), "context_tokens": round(context, 1),

@@ -17,7 +17,7 @@ same runner, the same causal attention path as prefill), not from the decoding s
 themselves: exact for the positions' distributions, and it needs no hook in the engine. The
 costs come from the engine's calibrated, cached cost model (``specdec.cost_model``: c(n) for every
 n, interpolated from its grid), or with ``cost_source="measure"`` from
-:func:`specdec.eval.verify_cost.measure_verify_costs` on a grid of query sizes at the record's own
+:func:`specdec.verify_cost.measure_verify_costs` on a grid of query sizes at the record's own
 context (linear interpolation in between; see :func:`verify_cost_at`).
 """
 from __future__ import annotations
@@ -105,18 +105,18 @@ def measure_costs(loaded: Any, prompts: Sequence[Sequence[int]], config: RecordC
         return {"verify_seconds": {n: float(model.seconds(n, 1)) for n in range(1, MAX_TREE_NODES + 2)},
                 "source": "specdec.cost_model", "context_tokens": model.config.context}
     from specdec.eval.pricing import size_chunks
-    from specdec.eval.verify_cost import measure_verify_costs
 
     from specdec.sampling import SamplingConfig
+    from specdec.verify_cost import measure_verify_costs
 
     median = sorted(prompts, key=len)[len(prompts) // 2]
     extra = config.max_new_tokens // 2
     costs = {}
     for sizes in size_chunks(list(COST_GRID)):  # each run of sizes on a fresh context
         room = loaded.runner.shape.max_positions - (config.cost_repeats + 1) * sum(sizes) - 2
-        costs.update(measure_verify_costs(loaded, [median], sizes, SamplingConfig(False),
+        costs.update(measure_verify_costs(loaded.runner, [median], sizes, SamplingConfig(False),
                                           max(0, min(extra, room - len(median))), config.cost_repeats, config.seed))
-    return {"verify_seconds": costs, "source": "measured (specdec.eval.verify_cost)", "repeats": config.cost_repeats,
+    return {"verify_seconds": costs, "source": "measured (specdec.verify_cost)", "repeats": config.cost_repeats,
             "context_tokens": len(median) + extra}
 
 

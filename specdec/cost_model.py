@@ -6,7 +6,7 @@
 
 A step of speculative decoding costs ``draft + c(n)`` where n = 1 + kept tree nodes; it pays when its
 expected committed tokens exceed that cost in units of a plain decode step (:mod:`specdec.tree_sizing`).
-``c(n)`` is measured here with the acceptance suite's own timer (:func:`specdec.eval.verify_cost.
+``c(n)`` is measured here with the acceptance suite's own timer (:func:`specdec.verify_cost.
 measure_verify_costs`: a real engine step, target forward + rejection sampling + KV commit) on a grid of
 n (1 to the tree-node limit + 1, interpolated linearly between grid points; a batch's grid stops at
 ``BATCH_QUERY_TOKENS`` query tokens per step and is extrapolated past it), one batch size at a time:
@@ -29,7 +29,6 @@ import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -259,7 +258,7 @@ class CostModel:
 
 def calibrate(runner, batch: int, config: CalibrationConfig) -> dict[int, float]:
     """Median seconds of one engine step with n query tokens per sequence, batch ``batch``, n on the grid."""
-    from specdec.eval.verify_cost import measure_verify_costs
+    from specdec.verify_cost import measure_verify_costs
 
     # a batch runs batch x n query tokens per step: past BATCH_QUERY_TOKENS the curve is extrapolated linearly from
     # its last two points (the forward is compute-bound there), and the prefilled context shrinks with the batch,
@@ -277,7 +276,7 @@ def calibrate(runner, batch: int, config: CalibrationConfig) -> dict[int, float]
     prompts = [[(7 + 13 * i + b) % runner.shape.vocab_size for i in range(context)] for b in range(batch)]
     CALIBRATIONS["verify"] += 1
     t0 = time.perf_counter()
-    times = measure_verify_costs(SimpleNamespace(runner=runner), prompts, sizes, SamplingConfig(),
+    times = measure_verify_costs(runner, prompts, sizes, SamplingConfig(),
                                  repeats=repeats)
     logger.info("verify cost measured (batch %d, %d sizes) in %.1f s: c(1) = %.2f ms, c(%d) = %.2fx",
                 batch, len(sizes), time.perf_counter() - t0, times[1] * 1e3, sizes[-1], times[sizes[-1]] / times[1])

@@ -1,16 +1,16 @@
 """Engine: one speculative step for a batch of sequences over the paged KV cache.
 
-    engine = Engine(runner, cache, sampling, stop, drafter)
+    engine = Engine(runner, cache, sampling=sampling, stop=stop, drafter=drafter, policy=policy)
     engine.add(prompts)            # prefill: K/V of prompt[:-1]; prompt[-1] is the first root
-    while engine.live: engine.step()
+    while engine.live: engine.step()   # propose -> verify -> accept -> commit
 
 Invariant between steps: for a live sequence, ``token_ids[-1]`` is the *root* (committed but
 not yet run through the target) and the cache holds K/V of ``token_ids[:-1]``. Plain decoding
 is the empty draft tree: the same verify / sample / commit path with one query token.
 
-With a :class:`~specdec.tree_sizing.TreeSizer` (``speculation="auto"``, the default of generate()),
-the engine asks the drafter only for the sequences the break-even guard lets draft (no call at all when
-none), and verifies the part of each proposal that the measured cost model expects to pay.
+The :class:`~specdec.speculation_policy.SpeculationPolicy` decides who drafts and how much of each proposal is
+verified (``speculation="auto"``, the default of generate(): the break-even guard and tree sizing by the measured
+cost model); the acceptor (rejection or coupled sampling) is chosen once, when the engine is built.
 
 Logits processors (repetition penalty, min_new_tokens, ...: :mod:`specdec.logits_processing`) are applied to the
 target's logits of every verify row with that row's own prefix before the walk (:meth:`Engine.process`); with
@@ -37,12 +37,11 @@ from specdec.logprobs import committed_rows, token_logprobs
 from specdec.models.llama import ForwardOutput, LlamaRunner
 from specdec.rejection import EXACT, Acceptance, AcceptanceRule, rejection_sample
 from specdec.sampling import SamplingConfig, check_chosen
+from specdec.speculation_policy import ProposeCall, SpeculationPolicy, StepRecord
 from specdec.stopping import StopCriteria
 from specdec.tree import DraftError, DraftTree
-from specdec.tree_sizing import TreeSizer
 
 logger = logging.getLogger(__name__)
-_NEVER_PAYS_WARNED: set[str] = set()  # drafter names already warned about (once per process, then debug)
 
 
 @dataclass
@@ -99,14 +98,16 @@ class Engine:
         self,
         runner: LlamaRunner,
         cache: PagedKVCache,
+        *,
         sampling: SamplingConfig,
         stop: StopCriteria,
         drafter: Drafter | None = None,
+        policy: SpeculationPolicy | None = None,
         generator: torch.Generator | None = None,
+        draft_seed: int | None = None,
         audit: DraftAudit | None = None,
         rule: AcceptanceRule = EXACT,
         graphed: GraphedForward | None = None,
-        sizer: TreeSizer | None = None,
         coupling: Coupling | None = None,
         processing: LogitsProcessing | None = None,
         output_logprobs: bool = False,
@@ -115,28 +116,20 @@ class Engine:
         self.drafter, self.generator, self.audit = as_drafter(drafter), generator, audit
         self.rule = rule  # EXACT unless a certificate runs a deliberately broken negative control
         self.graphed = graphed  # fixed-shape (CUDA-graph) verify forwards; None = always eager
-        self.sizer = sizer if self.drafter is not None else None  # None: verify every proposal whole
         # coupled sampling: tokens are Gumbel-max choices keyed by (seed, sequence, position); None = rejection
         self.coupling = coupling if not sampling.greedy else None
+        self.acceptor = self.coupled_walk if self.coupling is not None else self.rejection_walk  # fixed for the run
         self.processing = processing  # logits processors at every tree row with its own prefix; None = none
         self.output_logprobs = output_logprobs  # keep each committed token's log-probability (SequenceState)
         self.seqs: list[SequenceState] = []
         self.forward_passes = 0
         self.seconds = {"draft": 0.0, "verify": 0.0}  # wall time of the two halves of step(), summed
         self.keep_hidden = self.drafter is not None and self.drafter.needs_hidden_states
-        self.feature_layers: tuple[int, ...] = ()  # EAGLE-3: the drafter's rows are these layers' streams
-        if self.drafter is not None:
-            sizer = self.sizer
-            self.drafter.attach(TargetView(runner, cache, sampling, stop.tokenizer, self.coupling, processing,
-                                           sizer.online.relative if sizer is not None else None,
-                                           sizer.step_seconds if sizer is not None else None))
-            self.feature_layers = tuple(getattr(self.drafter, "feature_layers", ()) or ())
-        if self.sizer is not None and self.sizer.never_pays(self.drafter.forward_seconds()):
-            log = logger.warning if self.drafter.name not in _NEVER_PAYS_WARNED else logger.debug
-            _NEVER_PAYS_WARNED.add(self.drafter.name)
-            log("%s: one forward of its model costs a decode step of the target or more, so no draft can pay; "
-                "decoding plainly (speculation='always' verifies its drafts anyway)", self.drafter.name)
-            self.sizer.switch_off()
+        # who drafts and how much is verified (None: every proposal whole); it attaches the drafter
+        target = TargetView(runner, cache, sampling, stop.tokenizer, self.coupling, processing, seed=draft_seed)
+        self.policy = (policy or SpeculationPolicy()).start(self.drafter, target)
+        # EAGLE-3: the drafter's rows are these layers' streams
+        self.feature_layers: tuple[int, ...] = tuple(getattr(self.drafter, "feature_layers", ()) or ())
 
     @property
     def live(self) -> list[SequenceState]:
@@ -190,14 +183,13 @@ class Engine:
         t2 = time.perf_counter()
         self.seconds["draft"] += t1 - t0
         self.seconds["verify"] += t2 - t1  # verify forward + sampling + commit
-        if self.sizer is not None:
-            self.sizer.record_step(t2 - t1, 1 + max(t.num_nodes for t in trees), len(live))
+        self.policy.observe(StepRecord(live, acceptances, emitted, t2 - t1, 1 + max(t.num_nodes for t in trees)))
         return emitted
 
     def propose(self, live: list[SequenceState]) -> list[DraftTree]:
         if self.drafter is None:
             return [DraftTree.empty() for _ in live]
-        asked = live if self.sizer is None else [s for s in live if self.sizer.wants_draft(s.seq_id)]
+        asked = self.policy.who_drafts(live)
         if len(asked) == len(live):
             return self._ask_drafter(live)
         for s in live:
@@ -213,7 +205,6 @@ class Engine:
         views = [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, s.new_hidden, s.noise_key)
                  for s in live]
         # a sequence's first call catches the drafter up on its whole prompt: a one-off, not a step's cost
-        # (TreeSizer.size_call)
         catch_up = any(s.proposals == 0 for s in live)
         for s in live:
             s.hidden_seen = True
@@ -238,9 +229,8 @@ class Engine:
         draft_seconds = time.perf_counter() - t0
         if self.audit is not None:
             self.audit.observe_many(trees, name)  # every tree as proposed, before pruning
-        if self.sizer is not None:  # the part expected to pay (pruning is exact)
-            out = self.sizer.size_call([s.seq_id for s in live], out, len(self.live), draft_seconds, catch_up)
-        return out
+        # the part expected to pay (pruning is exact)
+        return self.policy.size(ProposeCall([s.seq_id for s in live], out, len(self.live), draft_seconds, catch_up))
 
     def _fit_budget(self, s: SequenceState, tree: DraftTree) -> DraftTree:
         """Drop nodes deeper than the tokens still allowed (max_new_tokens, context)."""
@@ -317,17 +307,21 @@ class Engine:
 
     def accept(self, live: list[SequenceState], trees: list[DraftTree], target_logits: torch.Tensor
                ) -> list[Acceptance]:
-        """target_logits [B, max_nodes + 1, V] -> what each sequence commits: the exact rejection sampler, or
-        the coupled walk (the same text as plain coupled sampling, whatever the trees)."""
-        if self.coupling is None:
-            acceptances = rejection_sample(trees, target_logits, self.sampling, self.generator, self.rule)
-        else:
-            keys = torch.tensor(self.noise_keys(live), dtype=torch.long)
-            acceptances = coupled_sample(trees, target_logits, self.sampling, self.coupling, keys,
-                                         self.root_positions(live))
+        """target_logits [B, max_nodes + 1, V] -> what each sequence commits, by the run's acceptor: the exact
+        rejection sampler, or the coupled walk (the same text as plain coupled sampling, whatever the trees)."""
+        acceptances = self.acceptor(live, trees, target_logits)
         check_chosen(acceptances, target_logits.shape[-1],
                      lambda b: (live[b].seq_id, live[b].steps + 1, len(live[b].new_tokens)))
         return acceptances
+
+    def rejection_walk(self, live: list[SequenceState], trees: list[DraftTree], target_logits: torch.Tensor
+                       ) -> list[Acceptance]:
+        return rejection_sample(trees, target_logits, self.sampling, self.generator, self.rule)
+
+    def coupled_walk(self, live: list[SequenceState], trees: list[DraftTree], target_logits: torch.Tensor
+                     ) -> list[Acceptance]:
+        keys = torch.tensor(self.noise_keys(live), dtype=torch.long)
+        return coupled_sample(trees, target_logits, self.sampling, self.coupling, keys, self.root_positions(live))
 
     @staticmethod
     def noise_keys(live: list[SequenceState]) -> list[int]:
@@ -359,15 +353,11 @@ class Engine:
             s.steps += 1
             s.step_lengths.append(count)
             self._count_depths(s, acc)
-            if self.sizer is not None:
-                self.sizer.observe(s.seq_id, committed[:count], acc.accepted_nodes.tolist())
             if reason is not None:
                 s.finish_reason, s.finished_at = reason, time.perf_counter()
                 self.cache.free(s.seq_id)
                 if self.drafter is not None:
                     self.drafter.release(s.seq_id)
-                if self.sizer is not None:
-                    self.sizer.release(s.seq_id)
                 continue
             # root (offset 0) and the accepted nodes (offset 1 + node) become positions length..
             keep[s.seq_id] = [0] + [1 + int(i) for i in acc.accepted_nodes]

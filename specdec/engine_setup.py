@@ -4,10 +4,10 @@
     engine = build_engine(request)                                             # here
     out = run(engine, request)                                                 # specdec.generate
 
-What is decided here: the CPU row policy of ``linear()`` and, with a drafter and ``speculation="auto"``, the tree
-sizer and its measured cost model (:mod:`specdec.cost_model`, cached; the first use on a machine calibrates for up to
-~20 s; none for seeded standard sampling), the KV cache's size (the request's worst case, checked against the device's
-memory before anything is allocated) or a reused CUDA-graph cache, the drafter's seed, the sampling generator, the
+What is decided here: the CPU row policy of ``linear()``; with a drafter and ``speculation="auto"``, the speculation
+policy and its measured cost model (:mod:`specdec.cost_model`, cached; the first use on a machine calibrates for up to
+~20 s; none for seeded standard sampling); the KV cache's size (the request's worst case, checked against the device's
+memory before anything is allocated) or a reused CUDA-graph cache; the drafter's seed, the sampling generator, the
 draft audit (one per drafter object, kept across calls), the logits processors (:mod:`specdec.logits_processing`; None
 when the config asks for none) and whether log-probabilities are kept. The certificate's negative controls
 (:mod:`specdec.eval.negative_controls`) enter here too, and only here: a broken acceptance rule (``rule=``) or a
@@ -32,6 +32,7 @@ from specdec.generate_inputs import check_cache_fits, describe
 from specdec.kv_cache import PagedKVCache, blocks_needed
 from specdec.logits_processing import LogitsProcessing
 from specdec.rejection import EXACT, AcceptanceRule
+from specdec.speculation_policy import SpeculationPolicy
 from specdec.tree import MAX_TREE_NODES
 from specdec.tree_sizing import TreeSizer
 
@@ -77,12 +78,10 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
     if coupling is not None and rule is not EXACT:
         raise InputError(f"acceptance rule {rule.name!r} applies to rejection sampling; coupled sampling walks the "
                          "tree by the target's own Gumbel-max tokens and has no acceptance rule")
-    sizer = _sizer(request, rule, fault, coupling, generator)
-    if drafter is not None:  # before Engine() attaches it
-        drafter_seed = config.seed
-        if generator is not None and config.do_sample:
-            drafter_seed = int(torch.randint(2**62, (), generator=generator, device=generator.device))
-        drafter.seed_from_generate(drafter_seed)
+    policy = _policy(request, rule, fault, coupling, generator)
+    drafter_seed = config.seed  # what sampled drafts are seeded from (TargetView.seed)
+    if drafter is not None and generator is not None and config.do_sample:
+        drafter_seed = int(torch.randint(2**62, (), generator=generator, device=generator.device))
     if generator is None and config.seed is not None:
         generator = torch.Generator(device=runner.device).manual_seed(config.seed)  # on the logits' device
     audit = None
@@ -90,13 +89,15 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
         audit = audit_of(drafter.obj if isinstance(drafter, _ObjectDrafter) else drafter)
     ensure_row_policy(runner)  # linear()'s CPU row policy, measured on this machine (cached)
     engine_cls = Engine if fault is None else fault.engine_cls
-    return engine_cls(runner, cache, config.sampling, request.stop, drafter, generator, audit, rule, graphed,
-                      sizer, coupling, processing=processing, output_logprobs=output_logprobs)
+    return engine_cls(runner, cache, sampling=config.sampling, stop=request.stop, drafter=drafter, policy=policy,
+                      generator=generator, draft_seed=drafter_seed, audit=audit, rule=rule, graphed=graphed,
+                      coupling=coupling, processing=processing, output_logprobs=output_logprobs)
 
 
-def _sizer(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault | None, coupling: Coupling | None,
-           generator: torch.Generator | None) -> TreeSizer | None:
-    """The tree sizer and break-even guard (speculation="auto"), or None: verify every proposal whole.
+def _policy(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault | None, coupling: Coupling | None,
+            generator: torch.Generator | None) -> SpeculationPolicy:
+    """The speculation policy: tree sizing and the break-even guard (speculation="auto"), or none: verify every
+    proposal whole.
 
     None for negative controls, whose broken rule must meet the drafts it is meant to mishandle, and for seeded
     standard sampling: there a tree of another shape draws other random numbers, so a seed gives one text only if
@@ -104,15 +105,15 @@ def _sizer(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault 
     verified whole. Coupled sampling needs no such care: its text does not depend on the trees at all."""
     config, drafter, runner = request.config, request.drafter, request.loaded.runner
     if drafter is None or config.speculation != "auto" or rule is not EXACT or fault is not None:
-        return None
+        return SpeculationPolicy()
     if config.do_sample and (config.seed is not None or generator is not None) and coupling is None:
         logger.info("seeded standard sampling verifies every draft tree whole, so the seed's text does not depend "
                     "on this machine's measured costs; sampler='coupled' keeps one text per seed and sizes trees")
-        return None
+        return SpeculationPolicy()
     costs = load_cost_model(runner)
-    # the guard remembers across calls per target cost curve and drafter (specdec.tree_sizing: Memory); cost_key()
-    # names a drafter's checkpoint too, so two EAGLE or Medusa checkpoints keep apart backoffs
-    return TreeSizer(costs, memory=(str(costs.file), drafter.cost_key()))
+    # the guard remembers across calls per target cost curve and drafter (specdec.remembered); cost_key() names a
+    # drafter's checkpoint too, so two EAGLE or Medusa checkpoints keep apart backoffs
+    return SpeculationPolicy(TreeSizer(costs, memory=(str(costs.file), drafter.cost_key())))
 
 
 def _processing(request: "GenerateRequest") -> LogitsProcessing | None:

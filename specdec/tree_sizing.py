@@ -12,7 +12,7 @@ the product along the path) for ``d + c(1 + |S|)`` decode steps (d: draft time, 
 :mod:`specdec.online_costs`). The best prefix of the nodes ordered by P_i is kept when it beats the empty tree
 by ``margin``. The guard keeps running averages per sequence and skips the drafter with a growing backoff when
 they do not pay, probing again; ``never_pays`` drafters are never asked. ``memory`` carries backoff and
-acceptance evidence across calls of one process (``_REMEMBERED``).
+acceptance evidence across calls of one process (:mod:`specdec.remembered`).
 
 Invariants: pruning is exact (an ancestor-closed part of the tree), so sizing changes speed only. A sampled tree is
 cut only to a prefix of the drafter's node order whose length was decided, with token-independent estimates, on an
@@ -28,12 +28,22 @@ import torch
 
 from specdec.cost_model import CostModel
 from specdec.online_costs import OnlineCosts
+from specdec.remembered import recall, remember
 from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree
 
 _BINS = 10  # score bins of the online correction
-# TreeSizer.memory -> (backoff of its last finished sequence, its acceptance evidence: score bins, unscored rates,
-# its running expected tokens and cost of a drafted step, and the shape of its last sampled tree)
-_REMEMBERED: dict[tuple, tuple[int, list, dict, tuple, list | None]] = {}
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """What a sizer keeps under its ``memory`` key when a sequence finishes (:mod:`specdec.remembered`)."""
+
+    backoff: int = 0  # the guard's backoff of that sequence
+    score_bins: tuple = ()  # acceptance evidence: [accepted, predicted] per score bin
+    unscored: tuple = ()  # ((depth, rank), [accepted, tried]) pairs
+    tokens: float | None = None  # the sequence's running expected tokens of a drafted step
+    cost: float | None = None  # ... and its cost
+    last_shape: tuple | None = None  # parents of the last sampled tree
 
 
 def _path_probs(accept: list[float], parents: list[int]) -> list[float]:
@@ -133,10 +143,11 @@ class TreeSizer:
         # of any sequence whose step has finished
         self.shapes: dict[int, list[int]] = {}
         self.last_shape: list[int] | None = None
-        if self.memory in _REMEMBERED:  # what earlier calls learned of this drafter's scores (module doc, Memory)
-            _, bins, unscored, _, self.last_shape = _REMEMBERED[self.memory]
-            self.score_bins = [list(b) for b in bins]
-            self.unscored = {k: list(v) for k, v in unscored.items()}
+        kept = recall("guard", self.memory)
+        if kept is not None:  # what earlier calls learned of this drafter's scores (module doc, Memory)
+            self.score_bins = [list(b) for b in kept.score_bins]
+            self.unscored = {k: list(v) for k, v in kept.unscored}
+            self.last_shape = None if kept.last_shape is None else list(kept.last_shape)
         self.online = OnlineCosts(self.costs)  # the calibrated curve, corrected by this run's verify times
         self.guards: dict[int, _Guard] = {}
         self.pending: dict[int, _Pending] = {}
@@ -178,8 +189,9 @@ class TreeSizer:
     # ---- the guard --------------------------------------------------------------------------
     def _guard(self, seq_id: int) -> _Guard:
         if seq_id not in self.guards:
-            backoff, _, _, (tokens, cost), _ = _REMEMBERED.get(self.memory, (0, None, None, (None, None), None))
-            self.guards[seq_id] = _Guard(backoff=backoff, skip=backoff // 2, tokens=tokens, cost=cost)
+            kept = recall("guard", self.memory) or _Kept()
+            self.guards[seq_id] = _Guard(backoff=kept.backoff, skip=kept.backoff // 2, tokens=kept.tokens,
+                                         cost=kept.cost)
         return self.guards[seq_id]
 
     def never_pays(self, forward_seconds: float | None, batch: int = 1) -> bool:
@@ -367,8 +379,9 @@ class TreeSizer:
         self.pending.pop(seq_id, None)
         self.shapes.pop(seq_id, None)
         guard = self.guards.pop(seq_id, None)
-        if guard is not None and self.memory is not None and not self.off:
-            _REMEMBERED[self.memory] = (guard.backoff, [list(b) for b in self.score_bins],
-                                        {k: list(v) for k, v in self.unscored.items()}, (guard.tokens, guard.cost),
-                                        self.last_shape)
+        if guard is not None and not self.off:
+            remember("guard", self.memory, _Kept(
+                guard.backoff, tuple(tuple(b) for b in self.score_bins),
+                tuple((k, tuple(v)) for k, v in self.unscored.items()), guard.tokens, guard.cost,
+                None if self.last_shape is None else tuple(self.last_shape)))
 

@@ -48,27 +48,23 @@ def pytest_addoption(parser):
 def _synthetic_verify_curve(request, monkeypatch):
     kind = request.config.getoption("--verify-curve")
     if kind is not None:
-        from specdec.eval import verify_cost
+        from specdec import verify_cost
 
         slope = SYNTHETIC_CURVES[kind]
         monkeypatch.setattr(verify_cost, "measure_verify_costs",
-                            lambda loaded, prompts, sizes, sampling, **kw: {n: 1e-3 * (1 + slope * (n - 1))
+                            lambda runner, prompts, sizes, sampling, **kw: {n: 1e-3 * (1 + slope * (n - 1))
                                                                             for n in sizes})
     yield
 
 
 @pytest.fixture(autouse=True)
 def _guard_memory_cleared():
-    """The break-even guard's memory across generate() calls (specdec.tree_sizing), the combined drafter's
-    (specdec.drafters.child_gate) and EAGLE's depth choice (specdec.drafters.eagle_depth) start empty in every
-    test: no test's probes depend on which tests ran before it in the same worker."""
-    from specdec.drafters import child_gate, eagle_depth
+    """What the speculation policy remembers across generate() calls (specdec.remembered: the guard's, the combined
+    drafter's child gate's, EAGLE's depth choice's) starts empty in every test: no test's probes depend on which
+    tests ran before it in the same worker."""
+    from specdec.remembered import forget_all
 
-    from specdec import tree_sizing
-
-    tree_sizing._REMEMBERED.clear()
-    child_gate._REMEMBERED.clear()
-    eagle_depth._REMEMBERED.clear()
+    forget_all()
     yield
 
 

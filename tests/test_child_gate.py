@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from specdec.drafters.base import Drafter, SequenceView
+from specdec.drafters.base import CostView, Drafter, SequenceView
 from specdec.drafters.child_gate import ChildGate, GateConfig
 from specdec.drafters.combined import CombinedDrafter
 
@@ -25,7 +25,7 @@ def tree_cost(nodes: int, batch: int) -> float:
 def gate_with(seconds: list[float], decode: float = 0.1) -> ChildGate:
     """A started gate whose children's draft calls took ``seconds`` each (decode step: ``decode`` s)."""
     gate = ChildGate(len(seconds), GateConfig())
-    gate.start(lambda batch: decode)
+    gate.start(CostView(tree_cost, lambda batch: decode))
     for k, s in enumerate(seconds):
         gate.record_seconds(k, s, catch_up=False)
     return gate
@@ -70,7 +70,7 @@ def test_a_left_out_child_that_starts_paying_is_back_within_a_few_probes():
     assert all(run[1] for run in runs[-20:])
 
 
-def test_the_gate_is_off_without_the_engines_decode_time():
+def test_the_gate_is_off_without_the_policys_costs():
     gate = ChildGate(2)
     gate.start(None)
     for k in range(2):
@@ -123,7 +123,7 @@ class Fixed(Drafter):
 def test_a_left_out_child_gets_the_hidden_rows_of_the_calls_it_missed(monkeypatch):
     child = HiddenRows()
     combined = CombinedDrafter([Fixed(), child])
-    combined.attach(type("Target", (), {"runner": None, "decode_seconds": staticmethod(lambda b: 0.1)})())
+    combined.attach(type("Target", (), {"runner": None, "costs": CostView(tree_cost, lambda b: 0.1)})())
     pattern = iter([(True, True), (True, False), (True, False), (True, True), (True, False), (True, True)])
     monkeypatch.setattr(combined.gate, "choose", lambda *a: next(pattern))
     tokens = [1, 2, 3, 4]
@@ -142,8 +142,8 @@ def gated(children: list, decode_seconds, monkeypatch) -> CombinedDrafter:
     so the engine's own guard, which prices the real wall times, asks the combined drafter at every step."""
     combined = CombinedDrafter(children)
     attach = combined.attach
-    monkeypatch.setattr(combined, "attach",
-                        lambda target: attach(dataclasses.replace(target, decode_seconds=decode_seconds)))
+    costs = None if decode_seconds is None else CostView(tree_cost, decode_seconds)
+    monkeypatch.setattr(combined, "attach", lambda target: attach(dataclasses.replace(target, costs=costs)))
     record = combined.gate.record_seconds
     monkeypatch.setattr(combined.gate, "record_seconds", lambda k, s, catch_up: record(k, s + 0.05 * k, catch_up))
     return combined

@@ -3,10 +3,11 @@ forwarding, online acceptance estimates, and greedy output identical to plain de
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
-from specdec.drafters.base import Drafter, SequenceView
+from specdec.drafters.base import CostView, Drafter, SequenceView
 from specdec.drafters.combined import CombinedDrafter
 from specdec.drafters.ngram import NGramDrafter
 from specdec.drafters.registry import get_drafter
@@ -104,11 +105,8 @@ class Scripted(Drafter):
         self.calls: list[tuple] = []
         self.step = 0
 
-    def seed_from_generate(self, seed):
-        self.calls.append(("seed", seed))
-
     def attach(self, target):
-        self.calls.append(("attach",))
+        self.calls.append(("attach", getattr(target, "seed", None)))
 
     def propose(self, seqs):
         chain = self.script[self.step % len(self.script)]
@@ -135,13 +133,12 @@ def test_children_are_built_by_name_dict_or_instance_and_see_every_lifecycle_cal
     combined = get_drafter("combined", drafters=["ngram", {"name": "ngram", "max_nodes": 5}, a, b])
     assert isinstance(combined.children[0], NGramDrafter) and combined.children[1].config.max_nodes == 5
     assert combined.needs_hidden_states and combined.name == "combined(ngram+ngram+a+b)"
-    combined.seed_from_generate(7)
-    combined.attach(object())
+    combined.attach(SimpleNamespace(seed=7, runner=None))
     combined.propose([view([5, 6]), view([7], seq_id=1)])
     combined.on_accept(1, [3, 4])
     combined.release(0)
     for child in (a, b):
-        assert child.calls == [("seed", 7), ("attach",), ("accept", 1, [3, 4]), ("release", 0)]
+        assert child.calls == [("attach", 7), ("accept", 1, [3, 4]), ("release", 0)]
     assert not Scripted([[1]]).needs_hidden_states
     assert not CombinedDrafter(["ngram", Scripted([[1]])]).needs_hidden_states
 
@@ -261,7 +258,7 @@ def test_the_engines_own_cost_curve_ranks_trees_before_a_calibrated_one(monkeypa
 
     combined = CombinedDrafter([Scripted([[1, 2, 3, 4, 5, 6, 7, 8]], "long"), Scripted([[9]], "short")],
                                mode="best", cost_model=True, alpha=0.0)
-    combined.attach(type("Target", (), {"runner": None, "verify_cost": staticmethod(engine_cost)})())
+    combined.attach(SimpleNamespace(runner=None, costs=CostView(engine_cost, lambda batch: 1.0)))
     assert combined.propose([view([0]), view([1], 1)])[0].tokens.tolist() == [9]
     assert (9, 2) in asked and (2, 2) in asked  # root + nodes, at the batch size of the step
 
@@ -276,7 +273,7 @@ def test_engine_offers_its_sizing_curve_and_wall_times_only_where_they_may_decid
         name = "recording"
 
         def attach(self, target):
-            seen.append((target.verify_cost, target.decode_seconds))
+            seen.append(target.costs)
 
         def propose(self, seqs):
             return [DraftTree.empty() for _ in seqs]
@@ -285,12 +282,12 @@ def test_engine_offers_its_sizing_curve_and_wall_times_only_where_they_may_decid
                "seeded sampling": {"do_sample": True, "temperature": 0.8, "seed": 3}}[case]
     model = build_tiny_model()
     generate(model, [[1, 2, 3]], max_new_tokens=2, drafter=Recording(), **options)
-    (verify_cost, decode_seconds), = seen
+    costs, = seen
     if case != "auto":
-        assert verify_cost is None and decode_seconds is None
+        assert costs is None
         return
-    assert verify_cost(1, 1) == 1.0 and verify_cost(8, 1) >= 1.0  # c(n) / c(1) in decode steps
-    assert decode_seconds(1) > 0
+    assert costs.verify_cost(1, 1) == 1.0 and costs.verify_cost(8, 1) >= 1.0  # c(n) / c(1) in decode steps
+    assert costs.decode_seconds(1) > 0
 
 
 def test_merge_mode_with_a_sampling_child_offers_one_tree_not_a_merge():

@@ -294,14 +294,14 @@ def test_row_policy_is_timed_over_more_weights_than_a_cache_holds():
 def test_a_large_batch_calibrates_a_short_grid_and_extrapolates(monkeypatch):
     """Batch B times only sizes n with B * n <= BATCH_QUERY_TOKENS (and n <= 2), over a context shrunk to
     BATCH_CONTEXT_TOKENS / B: the full grid took 131 s at batch 32 on one thread. Larger n extrapolate."""
-    from specdec.eval import verify_cost
+    from specdec import verify_cost
 
     timed = {}
     real = verify_cost.measure_verify_costs
 
-    def spy(loaded, prompts, sizes, sampling, **kw):
+    def spy(runner, prompts, sizes, sampling, **kw):
         timed["sizes"], timed["batch"], timed["context"] = list(sizes), len(prompts), len(prompts[0])
-        return real(loaded, prompts, sizes, sampling, **kw)
+        return real(runner, prompts, sizes, sampling, **kw)
 
     monkeypatch.setattr(verify_cost, "measure_verify_costs", spy)
     runner = LlamaRunner(build_tiny_model(vocab_size=64, seed=1))

@@ -62,7 +62,7 @@ def test_buckets_give_the_eager_logits_step_after_step(loaded):
     graphed = GraphedForward(runner, cache, GraphConfig(batch_sizes=(1, 2, 4), tokens_per_seq=(1, 4, 8, 16),
                                                         capture=CAPTURE))
     drafter = RandomTreeDrafter(VOCAB, max_nodes=12, max_depth=4, seed=3)
-    engine = Engine(runner, cache, SamplingConfig(), StopCriteria(40), drafter)
+    engine = Engine(runner, cache, sampling=SamplingConfig(), stop=StopCriteria(40), drafter=drafter)
     engine.add(ragged_prompts(3, VOCAB, seed=1, max_len=30))
     seen, steps = set(), 0
     for step in range(12):
@@ -106,7 +106,8 @@ def test_engine_with_buckets_is_greedy_identical(loaded):
         runner = reference.runner if backend == "reference" else loaded.runner
         cache = make_cache(runner, blocks=96, seed=1)
         graphed = GraphedForward(runner, cache, GraphConfig(capture=CAPTURE)) if backend == "triton" else None
-        engine = Engine(runner, cache, SamplingConfig(), StopCriteria(new_tokens), RandomTreeDrafter(VOCAB, seed=5),
+        engine = Engine(runner, cache, sampling=SamplingConfig(), stop=StopCriteria(new_tokens),
+                        drafter=RandomTreeDrafter(VOCAB, seed=5),
                         graphed=graphed)
         seqs = engine.add(prompts)
         while engine.live:
@@ -130,7 +131,7 @@ def test_steps_outside_every_bucket_fall_back(loaded):
     assert graphed.bucket_for(1, 1) == (1, 1) and graphed.bucket_for(1, 2) == (1, 2)
     assert graphed.bucket_for(2, 1) is None and graphed.bucket_for(1, 3) is None
     drafter = RandomTreeDrafter(VOCAB, max_nodes=6, seed=0)
-    engine = Engine(runner, cache, SamplingConfig(), StopCriteria(12), drafter, graphed=graphed)
+    engine = Engine(runner, cache, sampling=SamplingConfig(), stop=StopCriteria(12), drafter=drafter, graphed=graphed)
     seqs = engine.add([[1, 2, 3, 4, 5]])
     while engine.live:
         engine.step()
@@ -265,11 +266,11 @@ def test_auto_on_cuda_reuses_the_models_graphs_across_calls(loaded):
 
 def test_verify_costs_measured_through_the_buckets(loaded, monkeypatch):
     """The speed command's c(n) on a GPU: measure_verify_costs(graphs=True) runs the engine's graphed verify."""
-    from specdec.eval.verify_cost import measure_verify_costs
+    from specdec.verify_cost import measure_verify_costs
 
     calls = []
     replay = GraphedForward.__call__
     monkeypatch.setattr(GraphedForward, "__call__", lambda self, *a: calls.append(1) or replay(self, *a))
-    costs = measure_verify_costs(loaded, [[1, 2, 3, 4]], [1, 3], SamplingConfig(), repeats=1, graphs=True)
+    costs = measure_verify_costs(loaded.runner, [[1, 2, 3, 4]], [1, 3], SamplingConfig(), repeats=1, graphs=True)
     assert sorted(costs) == [1, 3] and all(c > 0 for c in costs.values())
     assert len(calls) == 4  # 2 rounds x 2 sizes, every verify through the buckets

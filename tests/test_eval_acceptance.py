@@ -22,9 +22,9 @@ from specdec.eval.acceptance import (
 from specdec.eval.prompt_files import read_prompt_file
 from specdec.eval.prompts import CATEGORIES, load_prompts
 from specdec.eval.report import markdown, write_reports
-from specdec.eval.verify_cost import measure_verify_costs
 
 from specdec.sampling import SamplingConfig
+from specdec.verify_cost import measure_verify_costs
 
 PROMPTS = {"rep": [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 5, 6, 5]], "mixed": [[9, 4, 7, 1], [3, 3, 3, 3]]}
 COUNTS = ("prompts", "new_tokens", "steps", "forward_passes", "drafts", "draft_nodes", "depth_tried",
@@ -137,10 +137,10 @@ def test_sampling_and_batches_through_run_suite(tmp_path, loaded):
 
 
 def test_verify_costs_are_measured_per_query_size(loaded):
-    costs = measure_verify_costs(loaded, PROMPTS["rep"], (1, 5, 5), SamplingConfig(), extra_context=8, repeats=2)
+    costs = measure_verify_costs(loaded.runner, PROMPTS["rep"], (1, 5, 5), SamplingConfig(), extra_context=8, repeats=2)
     assert set(costs) == {1, 5} and all(0 < c < 5 for c in costs.values())
     with pytest.raises(ValueError, match="repeats"):
-        measure_verify_costs(loaded, PROMPTS["rep"], (1,), SamplingConfig(), repeats=0)
+        measure_verify_costs(loaded.runner, PROMPTS["rep"], (1,), SamplingConfig(), repeats=0)
 
 
 def test_old_cell_files_stay_readable(tmp_path):

@@ -1,21 +1,21 @@
-"""Cost of one engine verify step vs the number of query tokens: ``c_verify(n)`` of the suite.
+"""Cost of one engine verify step vs the number of query tokens: ``c(n)``, timed on this machine.
 
-The acceptance suite (``specdec.eval.acceptance``) calls :func:`measure_verify_costs` after
-each drafter cell to time a plain step (n = 1) and a step as large as the cell's mean draft
-tree, on a batch like the cell's; its predicted speedup is built from these costs.
+The cost model (:mod:`specdec.cost_model`) calibrates with :func:`measure_verify_costs`; the acceptance suite
+(``specdec.eval.acceptance``) times a plain step (n = 1) and a step as large as each cell's mean draft tree with it,
+on a batch like the cell's, and builds its predicted speedup from these costs.
 """
 from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-from specdec.drafters.base import Drafter
 
 from specdec.cuda_graphs import GraphConfig, GraphedForward
+from specdec.drafters.base import Drafter
 from specdec.engine import Engine
 from specdec.kv_cache import CacheConfig, PagedKVCache, blocks_for
+from specdec.models.llama import LlamaRunner
 from specdec.sampling import SamplingConfig
 from specdec.stopping import StopCriteria
 from specdec.tree import DraftTree
@@ -33,7 +33,7 @@ class _ChainDrafter(Drafter):
         return [DraftTree([s.token_ids[-1]] * self.nodes, list(range(-1, self.nodes - 1))) for s in seqs]
 
 
-def measure_verify_costs(loaded: Any, prompts: Sequence[Sequence[int]], query_tokens: Sequence[int],
+def measure_verify_costs(runner: LlamaRunner, prompts: Sequence[Sequence[int]], query_tokens: Sequence[int],
                          sampling: SamplingConfig, extra_context: int = 0, repeats: int = 5,
                          seed: int = 0, graphs: bool = False) -> dict[int, float]:
     """Median seconds of one engine verify step with ``n`` query tokens per sequence, for each n.
@@ -50,7 +50,6 @@ def measure_verify_costs(loaded: Any, prompts: Sequence[Sequence[int]], query_to
     sizes = sorted(set(int(n) for n in query_tokens))
     if not prompts or not sizes or sizes[0] < 1:
         raise ValueError("measure_verify_costs needs prompts and query sizes >= 1")
-    runner = loaded.runner
     shape = runner.shape
     growth = (repeats + 1) * sum(sizes)  # a step commits at most n tokens
     room = shape.max_positions - growth - 2
@@ -68,7 +67,8 @@ def measure_verify_costs(loaded: Any, prompts: Sequence[Sequence[int]], query_to
     drafter = _ChainDrafter()
     generator = torch.Generator(device=runner.device).manual_seed(seed)  # sampling runs on the model's device
     graphed = GraphedForward(runner, cache, GraphConfig(capture=cache.kv.is_cuda)) if graphs else None
-    engine = Engine(runner, cache, sampling, StopCriteria(10**9), drafter, generator, graphed=graphed)
+    engine = Engine(runner, cache, sampling=sampling, stop=StopCriteria(10**9), drafter=drafter, generator=generator,
+                    graphed=graphed)
     engine.add(contexts)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for r in range(repeats + 1):

@@ -1,0 +1,101 @@
+"""The speculation policy: which sequences draft this step, how much of each proposal the target verifies, and what
+the run taught. The engine calls it at four points::
+
+    policy.start(drafter, target)        # Engine(): attach the drafter, handing it the policy's costs
+    asked = policy.who_drafts(live)      # before propose: the break-even guard
+    trees = policy.size(call)            # after propose: the part of each tree expected to pay (exact pruning)
+    policy.observe(step)                 # after the commit: the step's time, what was committed, who finished
+
+Behind it (``speculation="auto"``): the measured cost model (:mod:`specdec.cost_model`) corrected by the run's step
+times (:mod:`specdec.online_costs`), the guard and tree sizing (:mod:`specdec.tree_sizing`), and the never-pays
+check on a drafter's own forward. Drafters see its costs as one :class:`~specdec.drafters.base.CostView`, which the
+combined drafter's child gate and EAGLE's depth chooser price their choices with; what is learned is kept across
+calls in one store (:mod:`specdec.remembered`). ``SpeculationPolicy()`` without a sizer verifies every proposal
+whole and hands drafters no costs (``speculation="always"``, seeded standard sampling, no drafter).
+
+Invariant: the policy changes what is verified, never what is committed (pruning keeps an ancestor-closed part).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from specdec.drafters.base import CostView, Drafter, TargetView
+from specdec.tree import DraftTree
+from specdec.tree_sizing import TreeSizer
+
+if TYPE_CHECKING:
+    from specdec.engine import SequenceState
+    from specdec.rejection import Acceptance
+
+logger = logging.getLogger(__name__)
+_NEVER_PAYS_WARNED: set[str] = set()  # drafter names already warned about (once per process, then debug)
+
+
+@dataclass(frozen=True)
+class ProposeCall:
+    """One propose call as the engine saw it, for :meth:`SpeculationPolicy.size`."""
+
+    seq_ids: list[int]  # the sequences asked, in the order of trees
+    trees: list[DraftTree]  # as proposed (validated, cut to each sequence's token budget)
+    batch: int  # live sequences this step
+    draft_seconds: float  # wall seconds of the call
+    catch_up: bool  # the call included a sequence's first (the drafter caught up on its whole prompt)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One finished step, for :meth:`SpeculationPolicy.observe`."""
+
+    live: Sequence["SequenceState"]  # the step's sequences (finished ones included), in batch order
+    acceptances: Sequence["Acceptance"]  # per sequence: accepted_nodes index the verified (sized) tree
+    emitted: dict[int, list[int]]  # seq_id -> the tokens it committed this step
+    verify_seconds: float  # wall seconds of the verify half of the step (forward, sampling, commit)
+    query_tokens: int  # 1 + the largest verified tree's nodes
+
+
+class SpeculationPolicy:
+    """Who drafts and how much is verified (module doc); ``sizer`` None: every proposal is verified whole."""
+
+    def __init__(self, sizer: TreeSizer | None = None) -> None:
+        self.sizer = sizer
+        self.costs = None if sizer is None else CostView(sizer.online.relative, sizer.step_seconds)
+
+    def start(self, drafter: Drafter | None, target: TargetView) -> "SpeculationPolicy":
+        """Attach ``drafter`` to ``target`` with the policy's costs; returns the policy. A drafter whose own forward
+        costs a decode step of the target or more can never pay: it is never asked (decided once, here)."""
+        if drafter is None:
+            self.sizer = self.costs = None
+            return self
+        drafter.attach(replace(target, costs=self.costs))
+        if self.sizer is not None and self.sizer.never_pays(drafter.forward_seconds()):
+            log = logger.warning if drafter.name not in _NEVER_PAYS_WARNED else logger.debug
+            _NEVER_PAYS_WARNED.add(drafter.name)
+            log("%s: one forward of its model costs a decode step of the target or more, so no draft can pay; "
+                "decoding plainly (speculation='always' verifies its drafts anyway)", drafter.name)
+            self.sizer.switch_off()
+        return self
+
+    def who_drafts(self, live: list["SequenceState"]) -> list["SequenceState"]:
+        """The sequences the drafter proposes for this step (the guard's choice; all of them without a sizer)."""
+        if self.sizer is None:
+            return live
+        return [s for s in live if self.sizer.wants_draft(s.seq_id)]
+
+    def size(self, call: ProposeCall) -> list[DraftTree]:
+        """The part of each proposed tree to verify, and the call's draft time recorded."""
+        if self.sizer is None:
+            return call.trees
+        return self.sizer.size_call(call.seq_ids, call.trees, call.batch, call.draft_seconds, call.catch_up)
+
+    def observe(self, step: StepRecord) -> None:
+        """Learn from a finished step: acceptance per sequence, the verify time; forget finished sequences."""
+        if self.sizer is None:
+            return
+        for s, acc in zip(step.live, step.acceptances):
+            self.sizer.observe(s.seq_id, step.emitted[s.seq_id], acc.accepted_nodes.tolist())
+            if s.finished:
+                self.sizer.release(s.seq_id)
+        self.sizer.record_step(step.verify_seconds, step.query_tokens, len(step.live))
