@@ -240,7 +240,10 @@ class TreeSizer:
             guard.backoff //= 4
             return
         self.unpaid += 1
-        cap = min(self.config.max_backoff, int(self.draft_cost(batch) / self.config.probe_budget))
+        # a probe costs its draft and the verify of its kept tree beyond a plain step (cost - 1): at most
+        # probe_budget of a decode step per step on average
+        excess = max(cost - 1.0, self.draft_cost(batch))
+        cap = min(self.config.max_backoff, int(excess / self.config.probe_budget))
         guard.backoff = min(max(4 * guard.backoff, 2), cap)
         guard.skip = guard.backoff
 
