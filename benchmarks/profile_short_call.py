@@ -91,11 +91,16 @@ class Timers:
 
         return timed
 
-    def install(self, drafter_cls: type) -> None:
+    def install(self, drafter_cls: type) -> list[tuple]:
+        """Wrap every phase; returns (owner, attribute, original) to restore, in reverse order."""
+        undo = []
         for label, owner, attr in PHASES:
             owner = drafter_cls if owner is DRAFTER else owner
-            fn = getattr(owner, attr)
+            fn = owner.__dict__.get(attr, getattr(owner, attr))
+            undo.append((owner, attr, owner.__dict__.get(attr)))
             setattr(owner, attr, self.wrap_drafted(label, fn) if label == PROBED else self.wrap(label, fn))
+        return undo[::-1]
+
 
     def wrap_drafted(self, label: str, verify):
         """Engine.verify timed under ``label`` only when its batch holds more rows than sequences (draft nodes)."""
@@ -106,6 +111,14 @@ class Timers:
             return (timed if drafted else verify)(engine, batch)
 
         return maybe
+
+
+def uninstall(undo: list[tuple]) -> None:
+    for owner, attr, original in undo:
+        if original is None:  # inherited: drop the wrapper, the base class's method shows again
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, original)
 
 
 def drafter_class(name: str) -> type:
@@ -137,10 +150,20 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.set_grad_enabled(False)
     loaded = load_model(args.model)
     timers = Timers()
-    timers.install(drafter_class(args.drafter))
+    undo = timers.install(drafter_class(args.drafter))
+    torch.set_grad_enabled(False)
+    try:
+        counts = run_calls(args, loaded, timers)
+    finally:
+        uninstall(undo)
+        torch.set_grad_enabled(True)
+    report(args, timers, counts)
+
+
+def run_calls(args, loaded, timers: Timers) -> dict:
+    """Plain and the drafter alternating per prompt after a warm-up call each; counts per row."""
     prompts = [chat_ids(loaded.tokenizer, t) for t in category_prompts(args.category, args.prompts)]
     counts = {k: defaultdict(int) for k in ("plain", args.drafter)}
     for i, ids in enumerate([chat_ids(loaded.tokenizer, "Hello!")] + prompts):  # the first: warm-up
@@ -161,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
                 n["drafted steps"] += sum(k > 0 for k in s.step_nodes)
                 n["nodes verified"] += sum(s.step_nodes)
                 n["outputs unlike plain"] += out.new_tokens != outs["plain"].new_tokens
-    report(args, timers, counts)
+    return counts
 
 
 def report(args, timers: Timers, counts) -> None:

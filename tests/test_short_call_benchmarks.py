@@ -1,5 +1,6 @@
-"""bench_drafters_cpu.py --grid end to end on a tiny model: one drafter x one length x one column (and a ragged
-batch), every cell measured against plain decoding in the same run, outputs checked, the result file written."""
+"""The short-call benchmarks end to end on a tiny model: bench_drafters_cpu.py --grid (one drafter x one length x
+one column and a ragged batch, every cell against plain decoding in the same run, outputs checked, the result file
+written) and profile_short_call.py (every phase timed, the engine left unwrapped afterwards)."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,15 +13,25 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_drafters_under_test",
-                                                  REPO / "benchmarks" / "bench_drafters_cpu.py")
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up by name
     spec.loader.exec_module(module)
-    yield module
-    for name in (spec.name, "drafter_grid", "held_out_prompts"):  # the script's own modules, by their bare names
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    yield _script("bench_drafters_cpu")
+    for name in ("bench_drafters_cpu_under_test", "drafter_grid", "held_out_prompts", "common"):  # by bare names
+        sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="module")
+def profiler():
+    yield _script("profile_short_call")
+    for name in ("profile_short_call_under_test", "drafter_grid", "held_out_prompts", "common"):
         sys.modules.pop(name, None)
 
 
@@ -63,3 +74,21 @@ def test_a_grid_drafter_that_is_no_row_is_refused(bench, chat_ckpt, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--grid", "--model", str(chat_ckpt), "--drafters", "eagle", "--lengths", "4"])
     assert "no row named 'eagle'" in capsys.readouterr().err
+
+
+def test_profile_times_every_phase_and_unwraps_the_engine(profiler, chat_ckpt, capsys):
+    from specdec.drafters.ngram import NGramDrafter
+
+    from specdec.engine import Engine
+    from specdec.tree_sizing import TreeSizer
+
+    before = (Engine.verify, Engine.step, TreeSizer.wants_draft, NGramDrafter.propose)
+    profiler.main(["--model", str(chat_ckpt), "--drafter", "ngram", "--category", "held-out", "--prompts", "2",
+                   "--max-new-tokens", "5", "--cold"])
+    out = capsys.readouterr().out
+    rows = {line[:40].strip(): line[40:].split() for line in out.splitlines() if line.startswith(" ") or
+            line.startswith("generate()")}
+    assert float(rows["generate()"][0]) == 1.0 and float(rows["steps (Engine.step)"][0]) >= 1  # calls per call
+    assert float(rows["guard decision (wants_draft)"][0]) >= 1 and "propose" in rows
+    assert "ngram speed vs plain" in out and "outputs unlike plain 0.0/call" in out
+    assert (Engine.verify, Engine.step, TreeSizer.wants_draft, NGramDrafter.propose) == before
