@@ -247,7 +247,8 @@ def grid_mode(args, loaded, table: dict, run) -> list[dict]:
             for key, t in cell.totals.items():
                 cells.append({"drafter": key, "new_tokens": length, "column": column,
                               "paired_speedup": list(paired(cell.blocks[key])), "tau": t.tau,
-                              "runs": len(cell.blocks[key]), "mismatching_runs": t.bad,
+                              "runs": len(cell.blocks[key]), "speedup_per_block": cell.blocks[key],
+                              "mismatching_runs": t.bad,
                               "identical_to_plain": t.bad == 0, "tokens_per_s": t.tokens_per_s,
                               "speedup": t.tokens_per_s / plain.tokens_per_s, "draft_share": t.draft_share})
         print(drafter_grid.grid_table(cells, length, list(table), list(columns)), flush=True)
@@ -316,8 +317,11 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
         warm = chat_ids(loaded.tokenizer, "Hello!")
         for spec in table.values():
             run(spec, warm, min(args.lengths) if args.grid else args.max_new_tokens)
-            if args.grid and drafter_grid.BATCH in args.categories:  # a batch size's costs are calibrated on first use
-                run(spec, [warm] * drafter_grid.BATCH_SIZE, min(args.lengths))
+            if args.grid and drafter_grid.BATCH in args.categories:
+                # each batch size (a power of two) has its verify cost calibrated when a step first runs with it,
+                # inside that call; a ragged batch shrinks through them as its sequences finish
+                for size in drafter_grid.batch_sizes():
+                    run(spec, [warm] * size, min(args.lengths))
         if args.grid:
             return grid_mode(args, loaded, table, run)
         category_mode(args, loaded, table, run)

@@ -25,6 +25,12 @@ FLOOR = 0.97  # a drafter whose paired interval lies wholly below this ratio is 
 SHORT = {"summarisation": "summ", "translation": "transl"}
 
 
+def batch_sizes() -> list[int]:
+    """The batch sizes above 1 that a ragged batch of BATCH_SIZE passes through, as the cost model rounds them up to
+    powers of two: 2, 4, 8."""
+    return [2**k for k in range(1, (BATCH_SIZE - 1).bit_length() + 1)]
+
+
 def expand_categories(text: str, error) -> list[str]:
     """``all`` -> the seven categories; unknown names -> error(message)."""
     names = []
@@ -96,16 +102,27 @@ def summary(cells: list[dict]) -> str:
             f"Interval straddling {FLOOR}: {names(straddle)}\nOutputs differing from plain: {names(differ)}")
 
 
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def machine_class() -> str | None:
     """docs/gen_benchmarks.py's machine class of this CPU, or None when it names none."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
+    info = _cpuinfo()
     avx512 = " avx512f" in info
     if "GenuineIntel" in info:
         return "cpu-intel-avx512" if avx512 else None
-    return "cpu-avx512" if avx512 else "cpu-no-avx512"
+    if "AuthenticAMD" in info:
+        return "cpu-avx512" if avx512 else "cpu-no-avx512"
+    return None
+
+
+def cpu_name() -> str:
+    names = [line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")]
+    return f"{names[0]}, {len(names)} cores" if names else platform.machine() + " CPU"
 
 
 def write_result(path: str, cells: list[dict], drafters: list[str], columns: list[str], lengths: list[int],
@@ -119,7 +136,7 @@ def write_result(path: str, cells: list[dict], drafters: list[str], columns: lis
     write_json(Path(path), indent=1, data={
         "date": datetime.date.today().isoformat(),
         "machine_class": machine_class(),
-        "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads; {model}, greedy, speculation auto",
+        "machine": f"{cpu_name()}, {torch.get_num_threads()} torch threads; {model}, greedy, speculation auto",
         "benchmark": "drafter-grid",
         "title": "Every drafter x new-token length x category, paired against plain decoding",
         "command": "python benchmarks/bench_drafters_cpu.py " + shlex.join(argv[1:]),

@@ -68,6 +68,7 @@ def test_ragged_batches_cycle_through_the_columns(bench):
     grid = sys.modules["drafter_grid"]
     batches = grid.ragged_batches({"a": [[1], [2, 2]], "b": [[3, 3, 3]]}, batches=2, size=4)
     assert batches == [[[1], [3, 3, 3], [2, 2], [1]], [[3, 3, 3], [2, 2], [1], [3, 3, 3]]]
+    assert grid.batch_sizes() == [2, 4, 8]  # what the warm-up runs: every batch size the cost model calibrates
 
 
 def test_a_grid_drafter_that_is_no_row_is_refused(bench, chat_ckpt, capsys):
