@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import drafter_grid  # noqa: E402
-from common import chat_ids, eagle_rows, time_specdec  # noqa: E402
+from common import chat_ids, eagle_rows, forget_guard, time_specdec  # noqa: E402
 
 from specdec.cost_model import load_cost_model  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
@@ -255,7 +255,7 @@ def grid_mode(args, loaded, table: dict, run) -> list[dict]:
     print(drafter_grid.summary(cells))
     if args.out:
         drafter_grid.write_result(args.out, cells, list(table), list(columns), args.lengths, sys.argv, loaded.name,
-                                  args.prompts, args.repeats)
+                                  args.prompts, args.repeats, args.cold)
     return cells
 
 
@@ -277,6 +277,8 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--grid", action="store_true", help="every drafter x --lengths x --categories (see above)")
     ap.add_argument("--lengths", default="16,32,64,128", help="--grid: comma-separated new-token counts")
     ap.add_argument("--out", help="--grid: write the grid to this JSON file, in the docs/results/ schema")
+    ap.add_argument("--cold", action="store_true", help="forget what the guard learned before every call: each "
+                    "call as a new process's first (a CLI user's case)")
     args = ap.parse_args(argv)
     if args.grid and args.sweep_self_draft:
         ap.error("--grid and --sweep-self-draft are separate runs")
@@ -310,6 +312,8 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
             options = dict(options)
             speculation = options.pop("speculation", args.speculation)
             drafter = name() if callable(name) else name
+            if args.cold:
+                forget_guard()
             return time_specdec(loaded, ids, max_new_tokens, drafter=drafter,
                                 drafter_options=(options or None) if isinstance(name, str) else None,
                                 speculation=speculation)

@@ -33,6 +33,18 @@ def time_specdec(loaded, ids: list[int] | list[list[int]], max_new_tokens: int, 
     return time.perf_counter() - t0, out
 
 
+def forget_guard() -> None:
+    """What earlier generate() calls taught the break-even guard, the combined drafter's child gate and EAGLE's depth
+    choice, forgotten: the next call runs as a new process's first (the verify-cost calibration stays, as it does on
+    disk)."""
+    from specdec.drafters import child_gate, eagle_depth
+
+    from specdec import tree_sizing
+
+    for memory in (tree_sizing._REMEMBERED, child_gate._REMEMBERED, eagle_depth._REMEMBERED):
+        memory.clear()
+
+
 def eagle_rows(path: str) -> dict[str, tuple[str, dict]]:
     """Benchmark rows (drafter name, options) of a trained EAGLE layer: alone, and merged per step with n-gram's
     copies by the combined drafter (whose child gate leaves the layer out of a call where it does not pay)."""

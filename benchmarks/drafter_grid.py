@@ -89,7 +89,7 @@ def grid_table(cells: list[dict], length: int, drafters: list[str], columns: lis
 
 
 def summary(cells: list[dict]) -> str:
-    drafted = [c for c in cells if c["drafter"] != "plain"]
+    drafted = [c for c in cells if c["drafter"] not in ("plain", "plain (again)")]
     slower = [c for c in drafted if c["paired_speedup"][2] < FLOOR and c["runs"] > 1]
     straddle = [c for c in drafted if c["paired_speedup"][1] < FLOOR <= c["paired_speedup"][2]]
     differ = [c for c in drafted if not c["identical_to_plain"]]
@@ -98,7 +98,7 @@ def summary(cells: list[dict]) -> str:
         return "; ".join(f"{c['drafter']} @{c['new_tokens']} {c['column']}" for c in group) or "none"
 
     single = " (one block per cell: no intervals)" if all(c["runs"] == 1 for c in drafted) else ""
-    return (f"\n{len(drafted)} cells{single}. Interval wholly below {FLOOR}: {names(slower)}\n"
+    return (f"\n{len(drafted)} drafter cells{single}. Interval wholly below {FLOOR}: {names(slower)}\n"
             f"Interval straddling {FLOOR}: {names(straddle)}\nOutputs differing from plain: {names(differ)}")
 
 
@@ -126,12 +126,13 @@ def cpu_name() -> str:
 
 
 def write_result(path: str, cells: list[dict], drafters: list[str], columns: list[str], lengths: list[int],
-                 argv: list[str], model: str, prompts: int, repeats: int) -> None:
+                 argv: list[str], model: str, prompts: int, repeats: int, cold: bool = False) -> None:
     """The grid in docs/results/'s schema: rows (drafter, length) x columns, and every cell's numbers."""
     import torch
 
     rows = [row for length in lengths for row in grid_rows(cells, length, drafters, columns)]
-    slower = sum(c["paired_speedup"][2] < FLOOR and c["runs"] > 1 for c in cells if c["drafter"] != "plain")
+    slower = sum(c["paired_speedup"][2] < FLOOR and c["runs"] > 1 for c in cells
+                 if c["drafter"] not in ("plain", "plain (again)"))
     differ = sum(not c["identical_to_plain"] for c in cells)
     write_json(Path(path), indent=1, data={
         "date": datetime.date.today().isoformat(),
@@ -140,7 +141,9 @@ def write_result(path: str, cells: list[dict], drafters: list[str], columns: lis
         "benchmark": "drafter-grid",
         "title": "Every drafter x new-token length x category, paired against plain decoding",
         "command": "python benchmarks/bench_drafters_cpu.py " + shlex.join(argv[1:]),
-        "conditions": (f"{prompts} prompts per column (batch8: {prompts} ragged batches of {BATCH_SIZE}), {repeats} "
+        "conditions": ("Cold: the guard's memory forgotten before every call, each call as a new process's first. "
+                       if cold else "")
+                      + (f"{prompts} prompts per column (batch8: {prompts} ragged batches of {BATCH_SIZE}), {repeats} "
                        f"repeat(s): each interval rests on {prompts * repeats} blocks. Cells: paired ratio to plain "
                        f"(tau, when above 1.00) [90% interval]; SLOWER: interval wholly below {FLOOR}; DIFFERS: some "
                        "output is not plain decoding's."),

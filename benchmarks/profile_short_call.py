@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import chat_ids  # noqa: E402
+from common import chat_ids, forget_guard  # noqa: E402
 from drafter_grid import category_prompts  # noqa: E402
 from specdec.drafters import base as drafter_base  # noqa: E402
 
@@ -126,15 +126,6 @@ def drafter_class(name: str) -> type:
 
     drafter = get_drafter(name)
     return type(drafter.obj if isinstance(drafter, drafter_base._ObjectDrafter) else drafter)
-
-
-def forget_guard() -> None:
-    """What earlier calls taught the break-even guard, the child gate and EAGLE's depth choice, forgotten (the
-    verify-cost calibration stays cached, as it does on disk for a new process)."""
-    from specdec.drafters import child_gate, eagle_depth
-
-    for memory in (tree_sizing._REMEMBERED, child_gate._REMEMBERED, eagle_depth._REMEMBERED):
-        memory.clear()
 
 
 def main(argv: list[str] | None = None) -> None:
