@@ -170,7 +170,7 @@ def select_rows(ap, table: dict, asked: str | None, names: dict[str, str]) -> di
             ap.error(f"--drafters: no row named {name!r}; the rows: "
                      f"{', '.join(repr(k) for k in known if k not in ('plain', 'plain (again)'))}")
         wanted[name] = row
-    return {"plain": table["plain"], "plain (again)": table["plain (again)"]} | {
+    return {k: table[k] for k in ("plain", "plain (again)") if k in table} | {
         short if names else row: table[row] for short, row in wanted.items()}
 
 
