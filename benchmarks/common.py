@@ -23,12 +23,26 @@ def time_hf_generate(model, ids: list[int], max_new_tokens: int, **kwargs) -> tu
     return time.perf_counter() - t0, out[0, len(ids):].tolist()
 
 
-def time_specdec(loaded, ids: list[int], max_new_tokens: int, **kwargs):
+def time_specdec(loaded, ids: list[int] | list[list[int]], max_new_tokens: int, **kwargs):
+    """Seconds and GenerateOutput of specdec's generate() on one prompt, or on a (ragged) batch of them."""
     from specdec.generate import generate
 
+    batch = ids if ids and isinstance(ids[0], list) else [ids]
     t0 = time.perf_counter()
-    out = generate(loaded, [ids], max_new_tokens=max_new_tokens, return_dict=True, **kwargs)
+    out = generate(loaded, batch, max_new_tokens=max_new_tokens, return_dict=True, **kwargs)
     return time.perf_counter() - t0, out
+
+
+def forget_guard() -> None:
+    """What earlier generate() calls taught the break-even guard, the combined drafter's child gate and EAGLE's depth
+    choice, forgotten: the next call runs as a new process's first (the verify-cost calibration stays, as it does on
+    disk)."""
+    from specdec.drafters import child_gate, eagle_depth
+
+    from specdec import tree_sizing
+
+    for memory in (tree_sizing._REMEMBERED, child_gate._REMEMBERED, eagle_depth._REMEMBERED):
+        memory.clear()
 
 
 def eagle_rows(path: str) -> dict[str, tuple[str, dict]]:
