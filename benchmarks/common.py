@@ -35,14 +35,14 @@ def time_specdec(loaded, ids: list[int] | list[list[int]], max_new_tokens: int, 
 
 def forget_guard() -> None:
     """What earlier generate() calls taught the break-even guard, the combined drafter's child gate and EAGLE's depth
-    choice, forgotten: the next call runs as a new process's first (the verify-cost calibration stays, as it does on
-    disk)."""
-    from specdec.drafters import child_gate, eagle_depth
+    choice, forgotten, in this process and on disk (what the guard persists goes to a new empty folder): the next
+    call runs as the first ever of its drafter on this machine (the verify-cost calibration stays)."""
+    import tempfile
 
-    from specdec import tree_sizing
+    from specdec.remembered import forget_all, use_folder
 
-    for memory in (tree_sizing._REMEMBERED, child_gate._REMEMBERED, eagle_depth._REMEMBERED):
-        memory.clear()
+    forget_all()
+    use_folder(tempfile.mkdtemp(prefix="specdec-remembered-"))
 
 
 def eagle_rows(path: str) -> dict[str, tuple[str, dict]]:

@@ -6,9 +6,9 @@
 
 Plain and the drafter alternate per prompt (greedy, after one warm-up call each), with timers wrapped around the
 engine's phases: the call's set-up (prepare, build_engine and inside it the cost model, the row policy, the KV cache
-and the tree sizer; the engine with the drafter's attach), the prefill, and per step the guard's decision
+and the speculation policy; the engine with the drafter's attach), the prefill, and per step the guard's decision
 (wants_draft), the drafter's propose (its first call per sequence counted apart: the catch-up), tree sizing and the
-guard's judgement (size_call), the verify forward, acceptance, commit and the guard's learning (observe,
+guard's judgement (size_call), the verify forward, acceptance, commit and the policy's learning (observe,
 record_step). Times are inclusive (a phase holds the phases inside it), per call, wall (perf_counter) and CPU
 (process_time: on a shared machine the CPU time of a phase is steadier than its wall time). Prints each phase's
 seconds per call and share of the drafter's call, plain's figure beside it, the counts (steps, drafter calls,
@@ -31,7 +31,7 @@ from drafter_grid import category_prompts  # noqa: E402
 from specdec.drafters import base as drafter_base  # noqa: E402
 
 from specdec import engine as engine_mod  # noqa: E402
-from specdec import engine_setup, tree_sizing  # noqa: E402
+from specdec import engine_setup, speculation_policy, tree_sizing  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
 
 generate = importlib.import_module("specdec.generate")  # the module (specdec.generate is also the function)
@@ -45,7 +45,7 @@ PHASES = [
     ("  build_engine", generate, "build_engine"),
     ("    row policy (ensure_row_policy)", engine_setup, "ensure_row_policy"),
     ("    KV cache (_kv_cache)", engine_setup, "_kv_cache"),
-    ("    sizer (_sizer: load_cost_model)", engine_setup, "_sizer"),
+    ("    policy (_policy: load_cost_model)", engine_setup, "_policy"),
     ("    Engine() (attach, never_pays)", engine_mod.Engine, "__init__"),
     ("      drafter attach", DRAFTER, "attach"),
     ("  prefill (Engine.add)", engine_mod.Engine, "add"),
@@ -58,8 +58,9 @@ PHASES = [
     (PROBED, engine_mod.Engine, "verify"),  # the same, only the steps that verify draft nodes
     ("    acceptance (Engine.accept)", engine_mod.Engine, "accept"),
     ("    commit (Engine.commit)", engine_mod.Engine, "commit"),
-    ("      guard learning (observe)", tree_sizing.TreeSizer, "observe"),
-    ("    verify timing (record_step)", tree_sizing.TreeSizer, "record_step"),
+    ("    policy learning (observe)", speculation_policy.SpeculationPolicy, "observe"),
+    ("      guard learning (TreeSizer.observe)", tree_sizing.TreeSizer, "observe"),
+    ("      verify timing (record_step)", tree_sizing.TreeSizer, "record_step"),
     ("  output (pack_output)", generate, "pack_output"),
 ]
 

@@ -40,8 +40,8 @@ def _no_calibration(monkeypatch):
     """No row-policy or verify-cost measurement of the tiny shape (seconds each): a flat synthetic curve instead."""
     monkeypatch.setattr("specdec.engine_setup.ensure_row_policy", lambda runner: None)
     monkeypatch.setattr("specdec.cost_model.ensure_row_policy", lambda runner, config, cache_dir: None)
-    monkeypatch.setattr("specdec.eval.verify_cost.measure_verify_costs",
-                        lambda loaded, prompts, sizes, sampling, **kw: {n: 1e-3 * (1 + 0.01 * (n - 1)) for n in sizes})
+    monkeypatch.setattr("specdec.verify_cost.measure_verify_costs",
+                        lambda runner, prompts, sizes, sampling, **kw: {n: 1e-3 * (1 + 0.01 * (n - 1)) for n in sizes})
 
 
 def test_grid_measures_every_cell_and_checks_outputs(bench, chat_ckpt, tmp_path):
