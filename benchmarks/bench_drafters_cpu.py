@@ -6,6 +6,9 @@
     python benchmarks/bench_drafters_cpu.py --eagle-path eagle/ --drafters ngram,eagle,ngram+eagle
     python benchmarks/bench_drafters_cpu.py --speculation always        # verify every proposed tree whole
     python benchmarks/bench_drafters_cpu.py --categories all --repeats 3   # every acceptance-suite category
+    python benchmarks/bench_drafters_cpu.py --grid --out grid.json      # every drafter x length x category
+    python benchmarks/bench_drafters_cpu.py --grid --drafters ngram,self-draft --lengths 16,64 \
+        --categories chat,qa,held-out --prompts 2                         # a smaller grid, minutes
 
 Per category (summarisation, code, chat by default; ``all``: the seven of ``specdec eval acceptance``), the
 same prompts run through each drafter in one process, interleaved per prompt after a warm-up, greedy,
@@ -24,6 +27,12 @@ Drafters run with ``speculation="auto"`` (the default: tree sizing by the measur
 break-even guard) unless ``--speculation always``; the row "ngram (whole trees)" runs n-gram with
 ``speculation="always"`` in the same run, for comparison; "combined (every child)" runs the combined drafter
 without its child gate.
+
+``--grid`` runs every drafter (short names: ngram, draft-model, self-draft, medusa-untrained, medusa and eagle with
+their paths, combined, ngram+eagle) at every ``--lengths`` on every category (the seven, ``held-out``: prompts
+written for this check and used for nothing else, ``batch8``: ragged batches of 8 prompts drawn from the other
+columns), each cell measured as above (paired ratio to plain, same blocks), and prints one table per length; with
+``--out`` it writes the grid as a docs/results file (drafter_grid.py).
 """
 from __future__ import annotations
 
@@ -38,8 +47,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import chat_ids, eagle_rows, time_specdec  # noqa: E402
-from specdec.eval.prompts import load_prompts  # noqa: E402
+import drafter_grid  # noqa: E402
+from common import chat_ids, eagle_rows, forget_guard, time_specdec  # noqa: E402
 
 from specdec.cost_model import load_cost_model  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
@@ -47,8 +56,9 @@ from specdec.models.loader import load_model  # noqa: E402
 
 @dataclass
 class Totals:
-    """Sums over runs. Decode = after prefill; predicted decode = measured draft time + each step's verify priced
-    by the calibrated cost model at its own tree size (what the engine's tree sizing believes)."""
+    """Sums over runs (a run: one prompt or one batch). Decode = after prefill; predicted decode = measured draft time
+    + each step's verify priced by the calibrated cost model at its own tree size (what the engine's tree sizing
+    believes; one-sequence runs only)."""
 
     tokens: int = 0
     seconds: float = 0.0
@@ -59,12 +69,13 @@ class Totals:
     bad: int = 0  # runs whose tokens differ from plain decoding's
 
     def add(self, seconds: float, out, costs, bad: bool) -> None:
-        self.tokens += len(out.new_tokens[0])
+        self.tokens += sum(map(len, out.new_tokens))
         self.seconds += seconds
         self.decode_seconds += out.draft_seconds + out.verify_seconds
         self.draft_seconds += out.draft_seconds
-        self.predicted_seconds += out.draft_seconds + sum(costs.seconds(1 + n) for n in out.stats[0].step_nodes)
-        self.steps += out.stats[0].steps
+        if costs is not None and len(out.stats) == 1:
+            self.predicted_seconds += out.draft_seconds + sum(costs.seconds(1 + n) for n in out.stats[0].step_nodes)
+        self.steps += sum(s.steps for s in out.stats)
         self.bad += bool(bad)
 
     @property
@@ -77,7 +88,7 @@ class Totals:
 
     @property
     def predicted_speed(self) -> float:
-        return self.tokens / self.predicted_seconds
+        return self.tokens / self.predicted_seconds if self.predicted_seconds else math.nan
 
     @property
     def draft_share(self) -> float:
@@ -100,7 +111,8 @@ def paired(ratios: list[float]) -> tuple[float, float, float]:
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
-def drafters(args, loaded) -> dict[str, tuple[str | None, dict]]:
+def drafters(args, loaded) -> dict[str, tuple]:
+    """Rows of the table: name -> (drafter name or factory, options); "plain" and "plain (again)" first."""
     if args.sweep_self_draft:
         return {"plain": (None, {})} | {
             f"self-draft N={n} k={k}": ("self-draft", {"num_layers": n, "num_draft_tokens": k})
@@ -117,28 +129,143 @@ def drafters(args, loaded) -> dict[str, tuple[str | None, dict]]:
         # a cheap and an expensive child: the gate leaves self-draft out while it adds nothing (child_gate)
         "combined (ngram+self-draft)": ("combined", {"drafters": ["ngram", "self-draft"]}),
         "combined (every child)": ("combined", {"drafters": ["ngram", "self-draft"], "gate": False}),
+        # untrained heads that start as copies of the LM head: a floor, not what training gives
+        "medusa (untrained)": (untrained_medusa(loaded), {}),
     }
     if args.eagle_path:
         out |= eagle_rows(args.eagle_path)
     if args.medusa_path:
         out["medusa (static 16)"] = ("medusa", {"path": args.medusa_path})  # saved choices, first 16 nodes
         out["medusa (dynamic 16)"] = ("medusa", {"path": args.medusa_path, "tree": "dynamic"})
-    else:  # untrained heads that start as copies of the LM head: a floor, not what training gives
-        from specdec.drafters.medusa import MedusaDrafter
-        from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
-
-        shape = loaded.runner.shape
-        heads = MedusaHeads(MedusaConfig(3, 1, shape.hidden_size, shape.vocab_size))
-        heads.init_lm_heads_from(loaded.runner.lm_head)
-        out["medusa (untrained)"] = (lambda: MedusaDrafter(heads=heads, tree="dynamic", max_nodes=8), {})
     return out
 
 
-def main() -> None:
+def untrained_medusa(loaded):
+    """A factory of Medusa drafters over 3 untrained heads (copies of the LM head), built on first use."""
+    from specdec.drafters.medusa import MedusaDrafter
+    from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
+
+    built = []
+
+    def make():
+        if not built:
+            shape = loaded.runner.shape
+            heads = MedusaHeads(MedusaConfig(3, 1, shape.hidden_size, shape.vocab_size))
+            heads.init_lm_heads_from(loaded.runner.lm_head)
+            built.append(heads)
+        return MedusaDrafter(heads=built[0], tree="dynamic", max_nodes=8)
+
+    return make
+
+
+def select_rows(ap, table: dict, asked: str | None, names: dict[str, str]) -> dict:
+    """The rows named in ``asked`` (by row name, or by the short names ``names`` maps to rows), plain twice first."""
+    if not asked:
+        return table
+    wanted = {}
+    for name in (n.strip() for n in asked.split(",")):
+        row = names.get(name, name)
+        if row not in table:  # a misspelt row used to drop out of the run silently
+            known = [k for k in names if names[k] in table] + [k for k in table if k not in names.values()]
+            ap.error(f"--drafters: no row named {name!r}; the rows: "
+                     f"{', '.join(repr(k) for k in known if k not in ('plain', 'plain (again)'))}")
+        wanted[name] = row
+    return {k: table[k] for k in ("plain", "plain (again)") if k in table} | {
+        short if names else row: table[row] for short, row in wanted.items()}
+
+
+@dataclass
+class Cell:
+    """One cell's measurements: per row, totals over every run, per repeat, and per block the speed over plain's."""
+
+    totals: dict[str, Totals]
+    per_repeat: list[dict[str, Totals]]
+    blocks: dict[str, list[float]]  # per (input, repeat): tokens/s over plain's in the same block
+
+
+def measure(table: dict, run, inputs: list, repeats: int, max_new_tokens: int, costs=None) -> Cell:
+    """Every row on every input (a prompt's ids, or a batch of them), ``repeats`` times, interleaved per input with
+    the row order rotated each time; each row's tokens are checked against plain decoding's of the same block."""
+    keys = list(table)
+    cell = Cell({k: Totals() for k in keys}, [{k: Totals() for k in keys} for _ in range(repeats)],
+                {k: [] for k in keys})
+    for p, ids in enumerate(inputs):
+        for rep in range(repeats):
+            shift = (p + rep) % len(keys)
+            runs = {key: run(table[key], ids, max_new_tokens) for key in keys[shift:] + keys[:shift]}
+            plain_seconds, plain = runs["plain"]
+            for key, (seconds, out) in runs.items():
+                for t in (cell.totals[key], cell.per_repeat[rep][key]):
+                    t.add(seconds, out, costs, out.new_tokens != plain.new_tokens)
+                speed = sum(map(len, out.new_tokens)) / seconds
+                cell.blocks[key].append(speed / (sum(map(len, plain.new_tokens)) / plain_seconds))
+    return cell
+
+
+def category_report(cat: str, cell: Cell) -> dict:
+    """Print one category's table (every row against plain) and return its numbers."""
+    plain = cell.totals["plain"]
+    print(f"\n{cat}: {'drafter':<22} {'tok/s':>8} {'vs plain':>9} {'min..max':>12} {'tau':>6}"
+          f" {'decode: measured':>17} {'predicted':>9} {'paired [90% interval]':>23} {'draft %':>8}")
+    report = {}
+    for key, t in cell.totals.items():
+        reps = [r[key].tokens_per_s / r["plain"].tokens_per_s for r in cell.per_repeat]
+        measured, predicted = t.decode_speed / plain.decode_speed, t.predicted_speed / plain.predicted_speed
+        mean, low, high = paired(cell.blocks[key])
+        report[key] = {"tokens_per_s": t.tokens_per_s, "speedup": t.tokens_per_s / plain.tokens_per_s,
+                       "tau": t.tau, "speedup_per_repeat": reps, "decode_speedup": measured,
+                       "predicted_decode_speedup": predicted, "mismatching_runs": t.bad,
+                       "speedup_per_block": cell.blocks[key], "paired_speedup": [mean, low, high],
+                       "draft_share": t.draft_share}
+        print(f"{'':<14} {key:<22} {t.tokens_per_s:8.2f} {t.tokens_per_s / plain.tokens_per_s:8.2f}x "
+              f"{min(reps):5.2f}..{max(reps):4.2f}x {t.tau:6.2f} {measured:16.2f}x {predicted:8.2f}x"
+              f" {mean:10.2f}x [{low:.2f}, {high:.2f}] {100 * t.draft_share:7.1f}%"
+              + (f"  ({t.bad} runs differ from plain!)" if t.bad else ""))
+    return report
+
+
+def category_mode(args, loaded, table: dict, run) -> None:
+    """The per-category tables at one length (the default mode)."""
+    costs = load_cost_model(loaded.runner)  # the calibrated c(n) the engine sizes trees with (cached)
+    report = {}
+    for cat in args.categories:
+        inputs = [chat_ids(loaded.tokenizer, text) for text in drafter_grid.category_prompts(cat, args.prompts)]
+        report[cat] = category_report(cat, measure(table, run, inputs, args.repeats, args.max_new_tokens, costs))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+def grid_mode(args, loaded, table: dict, run) -> list[dict]:
+    """Every row x length x column (drafter_grid.py): per cell the paired ratio to plain and whether every output
+    is plain decoding's; one table per length, and the grid as a docs/results file with ``--out``."""
+    columns = drafter_grid.grid_inputs(loaded.tokenizer, args.categories, args.prompts, chat_ids)
+    cells = []
+    for length in args.lengths:
+        for column, inputs in columns.items():
+            cell = measure(table, run, inputs, args.repeats, length)
+            plain = cell.totals["plain"]
+            for key, t in cell.totals.items():
+                cells.append({"drafter": key, "new_tokens": length, "column": column,
+                              "paired_speedup": list(paired(cell.blocks[key])), "tau": t.tau,
+                              "runs": len(cell.blocks[key]), "speedup_per_block": cell.blocks[key],
+                              "mismatching_runs": t.bad,
+                              "identical_to_plain": t.bad == 0, "tokens_per_s": t.tokens_per_s,
+                              "speedup": t.tokens_per_s / plain.tokens_per_s, "draft_share": t.draft_share})
+        print(drafter_grid.grid_table(cells, length, list(table), list(columns)), flush=True)
+    print(drafter_grid.summary(cells))
+    if args.out:
+        drafter_grid.write_result(args.out, cells, list(table), list(columns), args.lengths, sys.argv, loaded.name,
+                                  args.prompts, args.repeats, args.cold)
+    return cells
+
+
+def parse_args(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=3, help="prompts per category")
+    ap.add_argument("--model", default="default", help="the target model (a path or an alias)")
+    ap.add_argument("--prompts", type=int, default=3, help="prompts per category (in --grid: batches in batch8)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--categories", default="summarisation,code,chat", help="comma-separated, or all")
+    ap.add_argument("--categories", help="comma-separated, or all (the seven of the acceptance suite); default "
+                    "summarisation,code,chat; in --grid all,held-out,batch8")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each prompt per drafter, order rotated")
     ap.add_argument("--drafters", help="comma-separated subset of the table's rows (plain, twice, always runs)")
     ap.add_argument("--sweep-self-draft", action="store_true", help="compare self-draft layer counts and depths")
@@ -147,75 +274,70 @@ def main() -> None:
     ap.add_argument("--speculation", choices=("auto", "always"), default="auto",
                     help="auto: tree sizing + break-even guard (default); always: verify every tree whole")
     ap.add_argument("--json", help="also write the numbers to this JSON file")
-    args = ap.parse_args()
+    ap.add_argument("--grid", action="store_true", help="every drafter x --lengths x --categories (see above)")
+    ap.add_argument("--lengths", default="16,32,64,128", help="--grid: comma-separated new-token counts")
+    ap.add_argument("--out", help="--grid: write the grid to this JSON file, in the docs/results/ schema")
+    ap.add_argument("--cold", action="store_true", help="forget what the guard learned before every call: each "
+                    "call as a new process's first (a CLI user's case)")
+    args = ap.parse_args(argv)
+    if args.grid and args.sweep_self_draft:
+        ap.error("--grid and --sweep-self-draft are separate runs")
+    try:
+        args.lengths = [int(n) for n in args.lengths.split(",")]
+    except ValueError:
+        ap.error(f"--lengths: comma-separated integers, got {args.lengths!r}")
+    if min(args.lengths) < 1 or args.prompts < 1 or args.repeats < 1:
+        ap.error("--lengths, --prompts and --repeats must be positive")
+    args.categories = drafter_grid.expand_categories(
+        args.categories or ("all,held-out,batch8" if args.grid else "summarisation,code,chat"), ap.error)
+    return ap, args
+
+
+def main(argv: list[str] | None = None) -> list[dict] | None:
+    ap, args = parse_args(argv)
     torch.set_grad_enabled(False)
-    loaded = load_model("default")
-    tok = loaded.tokenizer
-    table = drafters(args, loaded)
-    if args.drafters:
-        asked = {name.strip() for name in args.drafters.split(",")}
-        unknown = sorted(asked - set(table))
-        if unknown:  # a misspelt row used to drop out of the run silently
-            ap.error(f"--drafters: no row named {', '.join(map(repr, unknown))}; the rows: "
-                     f"{', '.join(repr(k) for k in table if k not in ('plain', 'plain (again)'))}")
-        table = {k: v for k, v in table.items() if k in asked | {"plain", "plain (again)"}}
-    if args.categories == "all":
-        from specdec.eval.prompts import CATEGORIES
+    try:
+        loaded = load_model(args.model)
+        table = drafters(args, loaded)
+        if args.grid:
+            table = {k: v for k, v in table.items() if k in ("plain", "plain (again)") or k in GRID_ROWS.values()}
+            table = select_rows(ap, table, args.drafters, GRID_ROWS) if args.drafters else {
+                "plain": table["plain"], "plain (again)": table["plain (again)"]} | {
+                short: table[row] for short, row in GRID_ROWS.items() if row in table}
+        else:
+            table = select_rows(ap, table, args.drafters, {})
 
-        args.categories = ",".join(CATEGORIES)
+        def run(spec, ids, max_new_tokens):
+            name, options = spec
+            options = dict(options)
+            speculation = options.pop("speculation", args.speculation)
+            drafter = name() if callable(name) else name
+            if args.cold:
+                forget_guard()
+            return time_specdec(loaded, ids, max_new_tokens, drafter=drafter,
+                                drafter_options=(options or None) if isinstance(name, str) else None,
+                                speculation=speculation)
 
-    def run(spec, ids):
-        name, options = spec
-        options = dict(options)
-        speculation = options.pop("speculation", args.speculation)
-        drafter = name() if callable(name) else name
-        return time_specdec(loaded, ids, args.max_new_tokens, drafter=drafter,
-                            drafter_options=(options or None) if isinstance(name, str) else None,
-                            speculation=speculation)
+        warm = chat_ids(loaded.tokenizer, "Hello!")
+        for spec in table.values():
+            run(spec, warm, min(args.lengths) if args.grid else args.max_new_tokens)
+            if args.grid and drafter_grid.BATCH in args.categories:
+                # each batch size (a power of two) has its verify cost calibrated when a step first runs with it,
+                # inside that call; a ragged batch shrinks through them as its sequences finish
+                for size in drafter_grid.batch_sizes():
+                    run(spec, [warm] * size, min(args.lengths))
+        if args.grid:
+            return grid_mode(args, loaded, table, run)
+        category_mode(args, loaded, table, run)
+    finally:
+        torch.set_grad_enabled(True)
+    return None
 
-    warm = chat_ids(tok, "Hello!")
-    for spec in table.values():
-        run(spec, warm)
-    costs = load_cost_model(loaded.runner)  # the calibrated c(n) the engine sizes trees with (cached)
-    report = {}
-    for cat in args.categories.split(","):
-        totals = {k: Totals() for k in table}
-        per_repeat = [{k: Totals() for k in table} for _ in range(args.repeats)]
-        blocks: dict[str, list[float]] = {k: [] for k in table}  # per (prompt, repeat): tok/s over plain's
-        keys = list(table)
-        for p, text in enumerate(load_prompts(cat, args.prompts)):
-            ids = chat_ids(tok, text)
-            ref = None
-            for rep in range(args.repeats):
-                shift = (p + rep) % len(keys)
-                speed = {}
-                for key in keys[shift:] + keys[:shift]:
-                    seconds, out = run(table[key], ids)
-                    ref = out.new_tokens[0] if ref is None else ref
-                    speed[key] = len(out.new_tokens[0]) / seconds
-                    for t in (totals[key], per_repeat[rep][key]):
-                        t.add(seconds, out, costs, out.new_tokens[0] != ref)
-                for key in keys:
-                    blocks[key].append(speed[key] / speed["plain"])
-        plain = totals["plain"]
-        print(f"\n{cat}: {'drafter':<22} {'tok/s':>8} {'vs plain':>9} {'min..max':>12} {'tau':>6}"
-              f" {'decode: measured':>17} {'predicted':>9} {'paired [90% interval]':>23} {'draft %':>8}")
-        report[cat] = {}
-        for key, t in totals.items():
-            reps = [r[key].tokens_per_s / r["plain"].tokens_per_s for r in per_repeat]
-            measured, predicted = t.decode_speed / plain.decode_speed, t.predicted_speed / plain.predicted_speed
-            mean, low, high = paired(blocks[key])
-            report[cat][key] = {"tokens_per_s": t.tokens_per_s, "speedup": t.tokens_per_s / plain.tokens_per_s,
-                                "tau": t.tau, "speedup_per_repeat": reps, "decode_speedup": measured,
-                                "predicted_decode_speedup": predicted, "mismatching_runs": t.bad,
-                                "speedup_per_block": blocks[key], "paired_speedup": [mean, low, high],
-                                "draft_share": t.draft_share}
-            print(f"{'':<14} {key:<22} {t.tokens_per_s:8.2f} {t.tokens_per_s / plain.tokens_per_s:8.2f}x "
-                  f"{min(reps):5.2f}..{max(reps):4.2f}x {t.tau:6.2f} {measured:16.2f}x {predicted:8.2f}x"
-                  f" {mean:10.2f}x [{low:.2f}, {high:.2f}] {100 * t.draft_share:7.1f}%"
-                  + (f"  ({t.bad} runs differ from plain!)" if t.bad else ""))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+
+# --grid's drafters: short name -> row of drafters() (medusa and eagle only with their paths)
+GRID_ROWS = {"ngram": "ngram", "draft-model": "draft-model (itself)", "self-draft": "self-draft",
+             "medusa-untrained": "medusa (untrained)", "medusa": "medusa (static 16)", "eagle": "eagle",
+             "combined": "combined (ngram+self-draft)", "ngram+eagle": "ngram+eagle"}
 
 
 if __name__ == "__main__":

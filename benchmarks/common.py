@@ -23,12 +23,26 @@ def time_hf_generate(model, ids: list[int], max_new_tokens: int, **kwargs) -> tu
     return time.perf_counter() - t0, out[0, len(ids):].tolist()
 
 
-def time_specdec(loaded, ids: list[int], max_new_tokens: int, **kwargs):
+def time_specdec(loaded, ids: list[int] | list[list[int]], max_new_tokens: int, **kwargs):
+    """Seconds and GenerateOutput of specdec's generate() on one prompt, or on a (ragged) batch of them."""
     from specdec.generate import generate
 
+    batch = ids if ids and isinstance(ids[0], list) else [ids]
     t0 = time.perf_counter()
-    out = generate(loaded, [ids], max_new_tokens=max_new_tokens, return_dict=True, **kwargs)
+    out = generate(loaded, batch, max_new_tokens=max_new_tokens, return_dict=True, **kwargs)
     return time.perf_counter() - t0, out
+
+
+def forget_guard() -> None:
+    """What earlier generate() calls taught the break-even guard, the combined drafter's child gate and EAGLE's depth
+    choice, forgotten, in this process and on disk (what the guard persists goes to a new empty folder): the next
+    call runs as the first ever of its drafter on this machine (the verify-cost calibration stays)."""
+    import tempfile
+
+    from specdec.remembered import forget_all, use_folder
+
+    forget_all()
+    use_folder(tempfile.mkdtemp(prefix="specdec-remembered-"))
 
 
 def eagle_rows(path: str) -> dict[str, tuple[str, dict]]:

@@ -127,6 +127,11 @@ def _cache_dir(cache_dir: str | Path | None) -> Path:
     return cache_root() / "costs"
 
 
+def cache_dir() -> Path:
+    """The folder of this machine's measurement caches (``$SPECDEC_COST_DIR``, else ``<cache root>/costs``)."""
+    return _cache_dir(None)
+
+
 def read_cache(file: Path) -> dict | None:
     """A measurement cache file's JSON, or None when it is missing or unreadable (then measured again)."""
     try:

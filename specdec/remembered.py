@@ -1,31 +1,85 @@
-"""What the speculation policy learned in one generate() call, kept for the next calls of this process: one store.
+"""What the speculation policy learned in one generate() call, kept for the next calls: one store.
 
-    value = recall("guard", key)        # None: nothing kept under that key (or key is None)
-    remember("guard", key, value)       # a sequence finished: what was learned so far
+    value = recall("guard", key, persist=True)      # None: nothing kept under that key (or key is None)
+    remember("guard", key, value, persist=True)     # a sequence finished: what was learned so far
 
-Keys name what the learning depends on: the break-even guard and tree sizing (``"guard"``: the cost model's file and
-the drafter's cost key, :mod:`specdec.tree_sizing`), the combined drafter's child gate (``"child gate"``) and EAGLE's
-depth chooser (``"depth"``), both keyed by :func:`specdec.drafters.call_memory.memory_key`. Values are copies: a
-later call starts from what was kept and never changes it in place. Tests clear it with :func:`forget_all`.
+Keys name what the learning depends on: the break-even guard and tree sizing (``"guard"``: the cost model's cache
+file and the drafter's cost key, :mod:`specdec.tree_sizing`), the combined drafter's child gate (``"child gate"``)
+and EAGLE's depth chooser (``"depth"``), both keyed by :func:`specdec.drafters.call_memory.memory_key`. Values
+are copies: a later call starts from what was kept and never changes it in place.
+
+``persist=True`` (the guard, whose key is the cost model's): also kept across processes, as JSON in the cost cache
+(``<cost dir>/remembered/``), read once per process and key; the value must be JSON-able. Tests give each test its
+own folder with :func:`use_folder` and clear the process's store with :func:`forget_all`.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+from pathlib import Path
 from typing import Any
 
+from specdec.atomic_write import write_json
+
+logger = logging.getLogger(__name__)
 _STORE: dict[tuple[str, tuple], Any] = {}  # (decider, key) -> what it learned by the end of its last finished call
+_MISSING = object()  # read from disk once and absent there
+_FOLDER: Path | None = None  # use_folder(); None: <cost dir>/remembered
 
 
-def recall(decider: str, key: tuple | None) -> Any:
+def use_folder(folder: str | Path | None) -> None:
+    """Keep persisted values in ``folder`` (None: the cost cache's ``remembered/``)."""
+    global _FOLDER
+    _FOLDER = None if folder is None else Path(folder)
+
+
+def _file(decider: str, key: tuple) -> Path:
+    if _FOLDER is not None:
+        folder = _FOLDER
+    else:
+        from specdec.cost_model import cache_dir
+
+        folder = cache_dir() / "remembered"
+    digest = hashlib.sha256(json.dumps([decider, key], default=str).encode()).hexdigest()[:20]
+    return folder / f"{decider.replace(' ', '-')}-{digest}.json"
+
+
+def _read(decider: str, key: tuple) -> Any:
+    file = _file(decider, key)
+    try:
+        data = json.loads(file.read_text()) if file.is_file() else None
+    except (OSError, ValueError):
+        logger.warning("remembered: unreadable %s; starting fresh", file)
+        return _MISSING
+    if not isinstance(data, dict) or data.get("key") != json.loads(json.dumps([decider, key], default=str)):
+        return _MISSING  # another key's file under the same digest (or an old format): not ours
+    return data.get("value", _MISSING)
+
+
+def recall(decider: str, key: tuple | None, persist: bool = False) -> Any:
     """What ``decider`` kept under ``key`` (None when nothing is kept, or ``key`` is None: start fresh)."""
-    return None if key is None else _STORE.get((decider, key))
+    if key is None:
+        return None
+    if persist and (decider, key) not in _STORE:  # read the disk once per process and key
+        _STORE[(decider, key)] = _read(decider, key)
+    value = _STORE.get((decider, key), _MISSING)
+    return None if value is _MISSING else value
 
 
-def remember(decider: str, key: tuple | None, value: Any) -> None:
-    """Keep ``value`` (a copy the caller no longer mutates) for ``decider``'s next call under ``key``."""
-    if key is not None:
-        _STORE[(decider, key)] = value
+def remember(decider: str, key: tuple | None, value: Any, persist: bool = False) -> None:
+    """Keep ``value`` (a copy the caller no longer mutates) for ``decider``'s next call under ``key``; with
+    ``persist``, for the next processes too (JSON-able values)."""
+    if key is None:
+        return
+    _STORE[(decider, key)] = value
+    if persist:
+        try:
+            write_json(_file(decider, key), {"key": [decider, key], "value": value})
+        except OSError as err:  # a read-only cache: this process still remembers
+            logger.warning("remembered: could not write %s (%s)", _file(decider, key), err)
 
 
 def forget_all() -> None:
-    """Forget everything (tests: no test depends on which tests ran before it in the same process)."""
+    """Forget what this process holds (tests: no test depends on which tests ran before it in the same process)."""
     _STORE.clear()

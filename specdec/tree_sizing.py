@@ -12,7 +12,7 @@ the product along the path) for ``d + c(1 + |S|)`` decode steps (d: draft time, 
 :mod:`specdec.online_costs`). The best prefix of the nodes ordered by P_i is kept when it beats the empty tree
 by ``margin``. The guard keeps running averages per sequence and skips the drafter with a growing backoff when
 they do not pay, probing again; ``never_pays`` drafters are never asked. ``memory`` carries backoff and
-acceptance evidence across calls of one process (:mod:`specdec.remembered`).
+acceptance evidence across calls, and processes (:mod:`specdec.remembered`, in the cost cache).
 
 Invariants: pruning is exact (an ancestor-closed part of the tree), so sizing changes speed only. A sampled tree is
 cut only to a prefix of the drafter's node order whose length was decided, with token-independent estimates, on an
@@ -22,7 +22,7 @@ the constants: docs/speculation-policy.md.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -36,14 +36,23 @@ _BINS = 10  # score bins of the online correction
 
 @dataclass(frozen=True)
 class _Kept:
-    """What a sizer keeps under its ``memory`` key when a sequence finishes (:mod:`specdec.remembered`)."""
+    """What a sizer keeps under its ``memory`` key when a sequence finishes, in this process and in the cost cache
+    (:mod:`specdec.remembered`; JSON: lists, no tuples)."""
 
     backoff: int = 0  # the guard's backoff of that sequence
-    score_bins: tuple = ()  # acceptance evidence: [accepted, predicted] per score bin
-    unscored: tuple = ()  # ((depth, rank), [accepted, tried]) pairs
+    score_bins: list = field(default_factory=list)  # acceptance evidence: [accepted, predicted] per score bin
+    unscored: list = field(default_factory=list)  # [depth, rank, accepted, tried] per (depth, rank) seen
     tokens: float | None = None  # the sequence's running expected tokens of a drafted step
     cost: float | None = None  # ... and its cost
-    last_shape: tuple | None = None  # parents of the last sampled tree
+    last_shape: list | None = None  # parents of the last sampled tree
+
+    @classmethod
+    def recalled(cls, key: tuple | None) -> "_Kept | None":
+        data = recall("guard", key, persist=True)
+        try:
+            return None if data is None else cls(**data)
+        except TypeError:  # written by another version: start fresh
+            return None
 
 
 def _path_probs(accept: list[float], parents: list[int]) -> list[float]:
@@ -143,10 +152,10 @@ class TreeSizer:
         # of any sequence whose step has finished
         self.shapes: dict[int, list[int]] = {}
         self.last_shape: list[int] | None = None
-        kept = recall("guard", self.memory)
-        if kept is not None:  # what earlier calls learned of this drafter's scores (module doc, Memory)
+        kept = _Kept.recalled(self.memory)
+        if kept is not None and len(kept.score_bins) == _BINS:  # what earlier calls learned (module doc, Memory)
             self.score_bins = [list(b) for b in kept.score_bins]
-            self.unscored = {k: list(v) for k, v in kept.unscored}
+            self.unscored = {(d, r): [a, t] for d, r, a, t in kept.unscored}
             self.last_shape = None if kept.last_shape is None else list(kept.last_shape)
         self.online = OnlineCosts(self.costs)  # the calibrated curve, corrected by this run's verify times
         self.guards: dict[int, _Guard] = {}
@@ -189,7 +198,7 @@ class TreeSizer:
     # ---- the guard --------------------------------------------------------------------------
     def _guard(self, seq_id: int) -> _Guard:
         if seq_id not in self.guards:
-            kept = recall("guard", self.memory) or _Kept()
+            kept = _Kept.recalled(self.memory) or _Kept()
             self.guards[seq_id] = _Guard(backoff=kept.backoff, skip=kept.backoff // 2, tokens=kept.tokens,
                                          cost=kept.cost)
         return self.guards[seq_id]
@@ -231,7 +240,10 @@ class TreeSizer:
             guard.backoff //= 4
             return
         self.unpaid += 1
-        cap = min(self.config.max_backoff, int(self.draft_cost(batch) / self.config.probe_budget))
+        # a probe costs its draft and the verify of its kept tree beyond a plain step (cost - 1): at most
+        # probe_budget of a decode step per step on average
+        excess = max(cost - 1.0, self.draft_cost(batch))
+        cap = min(self.config.max_backoff, int(excess / self.config.probe_budget))
         guard.backoff = min(max(4 * guard.backoff, 2), cap)
         guard.skip = guard.backoff
 
@@ -380,8 +392,8 @@ class TreeSizer:
         self.shapes.pop(seq_id, None)
         guard = self.guards.pop(seq_id, None)
         if guard is not None and not self.off:
-            remember("guard", self.memory, _Kept(
-                guard.backoff, tuple(tuple(b) for b in self.score_bins),
-                tuple((k, tuple(v)) for k, v in self.unscored.items()), guard.tokens, guard.cost,
-                None if self.last_shape is None else tuple(self.last_shape)))
+            kept = _Kept(guard.backoff, [list(b) for b in self.score_bins],
+                         [[d, r, a, t] for (d, r), (a, t) in self.unscored.items()], guard.tokens, guard.cost,
+                         None if self.last_shape is None else list(self.last_shape))
+            remember("guard", self.memory, asdict(kept), persist=True)
 

@@ -57,15 +57,21 @@ def _synthetic_verify_curve(request, monkeypatch):
     yield
 
 
+_TEST_NUMBER = iter(range(10**9))
+
+
 @pytest.fixture(autouse=True)
 def _guard_memory_cleared():
     """What the speculation policy remembers across generate() calls (specdec.remembered: the guard's, the combined
-    drafter's child gate's, EAGLE's depth choice's) starts empty in every test: no test's probes depend on which
-    tests ran before it in the same worker."""
-    from specdec.remembered import forget_all
+    drafter's child gate's, EAGLE's depth choice's) starts empty in every test, and what the guard persists goes to
+    a folder of the test's own (made when first written): no test's probes depend on which tests ran before it or
+    beside it in another worker."""
+    from specdec.remembered import forget_all, use_folder
 
     forget_all()
+    use_folder(Path(os.environ["SPECDEC_COST_DIR"]) / "remembered" / f"{os.getpid()}-{next(_TEST_NUMBER)}")
     yield
+    use_folder(None)
 
 
 @pytest.fixture(autouse=True)

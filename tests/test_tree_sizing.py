@@ -231,6 +231,29 @@ def test_guard_remembers_across_calls_where_a_drafter_stopped_paying(fixed_costs
     assert calls[3][0] == 0  # the last call ended paying: asked from the first step
 
 
+def test_guard_memory_outlives_the_process_in_the_cost_cache(fixed_costs, tmp_path):
+    """What the guard learned is kept in the cost cache too: a new process (this one's store emptied) starts where
+    the last call left off; an unreadable file is a fresh start, never an error."""
+    from specdec.remembered import forget_all, use_folder
+
+    use_folder(tmp_path)
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4]
+    plain = generate(model, [prompt], max_new_tokens=60)[0]
+    asked = []
+    for damage in (False, False, True):
+        forget_all()  # a new process
+        for file in tmp_path.glob("*.json") if damage else ():
+            file.write_text("{not json")
+        drafter = Scripted(plain, len(prompt), 32, switch=10**9)
+        assert generate(model, [prompt], max_new_tokens=60, drafter=drafter)[0] == plain
+        asked.append(drafter.asked_at)
+    assert list(tmp_path.glob("guard-*.json"))
+    assert asked[0][:4] == [0, 3, 12, 45]  # nothing kept yet: the probe ramp
+    assert asked[1] == [25]  # the last process's backoff, read from the cost cache
+    assert asked[2][:4] == [0, 3, 12, 45]  # unreadable: fresh
+
+
 class ScriptedCheckpoint(Drafter):
     """Scripted under one name for every checkpoint ``path``, as two EAGLE or Medusa checkpoints share theirs."""
 

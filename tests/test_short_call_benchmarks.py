@@ -1,0 +1,95 @@
+"""The short-call benchmarks end to end on a tiny model: bench_drafters_cpu.py --grid (one drafter x one length x
+one column and a ragged batch, every cell against plain decoding in the same run, outputs checked, the result file
+written) and profile_short_call.py (every phase timed, the engine left unwrapped afterwards)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    yield _script("bench_drafters_cpu")
+    for name in ("bench_drafters_cpu_under_test", "drafter_grid", "held_out_prompts", "common"):  # by bare names
+        sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="module")
+def profiler():
+    yield _script("profile_short_call")
+    for name in ("profile_short_call_under_test", "drafter_grid", "held_out_prompts", "common"):
+        sys.modules.pop(name, None)
+
+
+@pytest.fixture(autouse=True)
+def _no_calibration(monkeypatch):
+    """No row-policy or verify-cost measurement of the tiny shape (seconds each): a flat synthetic curve instead."""
+    monkeypatch.setattr("specdec.engine_setup.ensure_row_policy", lambda runner: None)
+    monkeypatch.setattr("specdec.cost_model.ensure_row_policy", lambda runner, config, cache_dir: None)
+    monkeypatch.setattr("specdec.verify_cost.measure_verify_costs",
+                        lambda runner, prompts, sizes, sampling, **kw: {n: 1e-3 * (1 + 0.01 * (n - 1)) for n in sizes})
+
+
+def test_grid_measures_every_cell_and_checks_outputs(bench, chat_ckpt, tmp_path):
+    out = tmp_path / "grid.json"
+    cells = bench.main(["--grid", "--model", str(chat_ckpt), "--drafters", "ngram", "--lengths", "6",
+                        "--categories", "held-out,batch8", "--prompts", "2", "--cold", "--out", str(out)])
+    assert {(c["drafter"], c["column"]) for c in cells} == {
+        (d, col) for d in ("plain", "plain (again)", "ngram") for col in ("held-out", "batch8")}
+    for c in cells:
+        assert c["identical_to_plain"] and c["mismatching_runs"] == 0, c
+        assert c["runs"] == 2 and c["new_tokens"] == 6
+        mean, low, high = c["paired_speedup"]
+        assert 0 < low <= mean <= high
+    assert all(c["paired_speedup"] == [1.0, 1.0, 1.0] for c in cells if c["drafter"] == "plain")
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "drafter-grid" and result["conditions"].startswith("Cold:")
+    assert result["columns"] == ["drafter", "new tokens", "held-out", "batch8"]
+    assert [r[0] for r in result["rows"]] == ["plain tok/s", "plain (again)", "ngram"]
+    assert not any("DIFFERS" in entry for row in result["rows"] for entry in row)
+    assert len(result["cells"]) == len(cells)
+
+
+def test_ragged_batches_cycle_through_the_columns(bench):
+    grid = sys.modules["drafter_grid"]
+    batches = grid.ragged_batches({"a": [[1], [2, 2]], "b": [[3, 3, 3]]}, batches=2, size=4)
+    assert batches == [[[1], [3, 3, 3], [2, 2], [1]], [[3, 3, 3], [2, 2], [1], [3, 3, 3]]]
+    assert grid.batch_sizes() == [2, 4, 8]  # what the warm-up runs: every batch size the cost model calibrates
+
+
+def test_a_grid_drafter_that_is_no_row_is_refused(bench, chat_ckpt, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--grid", "--model", str(chat_ckpt), "--drafters", "eagle", "--lengths", "4"])
+    assert "no row named 'eagle'" in capsys.readouterr().err
+
+
+def test_profile_times_every_phase_and_unwraps_the_engine(profiler, chat_ckpt, capsys):
+    from specdec.drafters.ngram import NGramDrafter
+
+    from specdec.engine import Engine
+    from specdec.tree_sizing import TreeSizer
+
+    before = (Engine.verify, Engine.step, TreeSizer.wants_draft, NGramDrafter.propose)
+    profiler.main(["--model", str(chat_ckpt), "--drafter", "ngram", "--category", "held-out", "--prompts", "2",
+                   "--max-new-tokens", "5", "--cold"])
+    out = capsys.readouterr().out
+    rows = {line[:40].strip(): line[40:].split() for line in out.splitlines() if line.startswith(" ") or
+            line.startswith("generate()")}
+    assert float(rows["generate()"][0]) == 1.0 and float(rows["steps (Engine.step)"][0]) >= 1  # calls per call
+    assert float(rows["guard decision (wants_draft)"][0]) >= 1 and "propose" in rows
+    assert "ngram speed vs plain" in out and "outputs unlike plain 0.0/call" in out
+    assert (Engine.verify, Engine.step, TreeSizer.wants_draft, NGramDrafter.propose) == before
