@@ -32,7 +32,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specdec.drafters.base import CostView
 from specdec.drafters.call_memory import CallMemory, DeciderConfig
 
 MAX_SUBSETS_CHILDREN = 6  # beyond this many children every subset is too many to weigh: all of them run
@@ -44,34 +43,26 @@ class GateConfig(DeciderConfig):
 
     warmup: int = 3  # records gathered with every child running before any is left out
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.warmup < 1:
-            raise ValueError(f"invalid GateConfig {self}")
-
 
 class ChildGate(CallMemory):
-    """records: (successes, nodes) per child of a step where every child ran; times: per child, seconds per call."""
+    """records: (successes, nodes) per child of a step where every child ran; times: per child, seconds per call;
+    parts: the children."""
 
-    decider = "child gate"
+    decider, config_type = "child gate", GateConfig
 
-    def __init__(self, num_children: int, config: GateConfig | None = None) -> None:
-        self.n = num_children
-        super().__init__(num_children, config or GateConfig())
+    def _reset(self) -> None:
         self.since_full = 0  # calls since every child last ran
         self.best: tuple[int, ...] | None = None  # the subset chosen by the last decision (None: none yet)
         self.probe_next = False  # the last probe showed the left-out children adding tokens
-        self.runs = [0] * num_children  # instrumentation: calls each child ran
+
+    @property
+    def runs(self) -> list[int]:
+        """Instrumentation: calls each child ran, across calls."""
+        return self.chosen_counts[: self.parts]
 
     @property
     def active(self) -> bool:
-        return self.costs is not None and 1 < self.n <= MAX_SUBSETS_CHILDREN
-
-    def start(self, costs: CostView | None, memory_key: tuple | None = None) -> None:
-        """A new call: the policy's costs (None: the gate stays off)."""
-        self._begin(costs, memory_key)
-        self.since_full = 0
-        self.best, self.probe_next = None, False
+        return self.costs is not None and 1 < self.parts <= MAX_SUBSETS_CHILDREN
 
     def record_seconds(self, k: int, seconds: float, catch_up: bool) -> None:
         """Wall time of child k's propose call (``catch_up``: a sequence's first for it, see DraftTime)."""
@@ -102,9 +93,9 @@ class ChildGate(CallMemory):
         cfg = self.config
         if not self.active or len(self.records) < cfg.warmup or any(t.seconds is None for t in self.times):
             return self._full()
-        subsets = (s for r in range(1, self.n + 1) for s in itertools.combinations(range(self.n), r))
+        subsets = (s for r in range(1, self.parts + 1) for s in itertools.combinations(range(self.parts), r))
         self.best = best = max(subsets, key=lambda s: self.value(s, batch, tree_cost, nodes_cap))
-        left_out = [k for k in range(self.n) if k not in best]
+        left_out = [k for k in range(self.parts) if k not in best]
         # a probe costs the left-out children's drafts once: at most probe_budget decode steps per call on average
         probe_cost = sum(self.draft_cost(k, batch) for k in left_out)
         interval = min(cfg.max_interval, max(1, math.ceil(probe_cost / cfg.probe_budget)))
@@ -112,10 +103,11 @@ class ChildGate(CallMemory):
             return self._full()
         self.since_full += 1
         for k in best:
-            self.runs[k] += 1
-        return tuple(k in best for k in range(self.n))
+            self.chosen_counts[k] += 1
+        return tuple(k in best for k in range(self.parts))
 
     def _full(self) -> tuple[bool, ...]:
         self.since_full, self.probe_next = 0, False
-        self.runs = [r + 1 for r in self.runs]
-        return (True,) * self.n
+        for k in range(self.parts):
+            self.chosen_counts[k] += 1
+        return (True,) * self.parts

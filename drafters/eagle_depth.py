@@ -29,7 +29,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specdec.drafters.base import CostView
 from specdec.drafters.call_memory import CallMemory, DeciderConfig
 
 
@@ -40,39 +39,33 @@ class DepthConfig(DeciderConfig):
     window: int = 128
     prior_weight: float = 2.0  # pseudo-steps of a level's prior (the rate of the level above)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.prior_weight <= 0:
-            raise ValueError(f"invalid DepthConfig {self}")
-
 
 class DepthChooser(CallMemory):
-    """records: (trials, successes) per sequence step; times: seconds of level j + 1 per call."""
+    """records: (trials, successes) per sequence step; times: seconds of level j + 1 per call; parts: the levels
+    (``max_depth``)."""
 
-    decider = "depth"
+    decider, config_type = "depth", DepthConfig
 
-    def __init__(self, max_depth: int, config: DepthConfig | None = None) -> None:
-        self.max_depth = max_depth
-        super().__init__(max_depth, config or DepthConfig())
-        self.since_probe = 0
-        self.chosen: int | None = None  # the depth of the last decision (None: none yet)
-        self.probe_next = 0  # depth of the eager probe at the next call (0: none)
-        self.used = [0] * (max_depth + 1)  # instrumentation: calls drafted at each depth
-        # records in the window whose level j + 1 was tried / matched (kept with the window: choose() runs every call)
-        self.tried = [0] * max_depth
-        self.matched = [0] * max_depth
+    @property
+    def max_depth(self) -> int:
+        return self.parts
 
     @property
     def active(self) -> bool:
         return self.costs is not None and self.max_depth > 1
 
-    def start(self, costs: CostView | None, memory_key: tuple | None = None) -> None:
-        """A new call (module doc); without the policy's costs the chooser stays off."""
-        self._begin(costs, memory_key)
-        self.since_probe, self.chosen, self.probe_next = 0, None, 0
+    def _reset(self) -> None:
+        """A new call (module doc): the window's counts rebuilt from the records kept."""
+        self.since_probe, self.chosen, self.probe_next = 0, None, 0  # chosen: the last decision's depth (None: none)
+        # records in the window whose level j + 1 was tried / matched (kept with the window: choose() runs every call)
         self.tried, self.matched = [0] * self.max_depth, [0] * self.max_depth
         for record in self.records:
             self._count(record, 1)
+
+    @property
+    def used(self) -> list[int]:
+        """Instrumentation: calls drafted at each depth (index 0 unused), across calls."""
+        return self.chosen_counts
 
     def record_seconds(self, level_seconds: Sequence[float], catch_up: bool) -> None:
         """Wall seconds of each level drafted by one call (all its sequences); ``catch_up``: the call included a
@@ -146,5 +139,5 @@ class DepthChooser(CallMemory):
         return self._use(best)
 
     def _use(self, depth: int) -> int:
-        self.used[depth] += 1
+        self.chosen_counts[depth] += 1
         return depth

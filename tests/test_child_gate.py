@@ -191,3 +191,16 @@ def test_generate_leaves_out_a_slow_child_that_adds_nothing_and_stays_greedy_exa
 def test_gate_option_must_be_a_bool():
     with pytest.raises(InputError, match="gate must be True or False"):
         CombinedDrafter(["ngram"], gate="yes")
+
+
+@pytest.mark.parametrize("bad", [{"warmup": 0}, {"window": 0}, {"probe_budget": 0.0}, {"ema": 1.5}])
+def test_gate_and_depth_configs_refuse_settings_out_of_range(bad):
+    from specdec.drafters.eagle_depth import DepthConfig
+
+    with pytest.raises(ValueError, match="invalid GateConfig"):
+        GateConfig(**bad)
+    if "warmup" not in bad:
+        with pytest.raises(ValueError, match="invalid DepthConfig"):
+            DepthConfig(**bad)
+    with pytest.raises(ValueError, match="invalid DepthConfig"):
+        DepthConfig(prior_weight=0.0)
