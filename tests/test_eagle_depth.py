@@ -81,15 +81,16 @@ def test_a_catch_up_call_does_not_move_level_one_for_good():
 
 def fixed_machine(drafter: EagleDrafter, monkeypatch, decode_seconds: float, verify_cost,
                   extra_level_seconds: float) -> None:
-    """The engine's decode time and cost curve fixed, and each level past the first timed ``extra_level_seconds``
-    longer than it took: the choice does not depend on the machine's load.
+    """The engine's decode time and cost curve fixed, and each level timed 1 ms (past the first: plus
+    ``extra_level_seconds``) whatever it took: the choice does not depend on the machine's load (a load spike once
+    timed a real level deep enough to keep the flat machine shallow).
     speculation="always" makes the engine ask EAGLE at every step."""
     attach = drafter.attach
     monkeypatch.setattr(drafter, "attach", lambda target: attach(dataclasses.replace(
         target, costs=CostView(verify_cost, lambda batch: decode_seconds))))
     original = DepthChooser.record_seconds
     monkeypatch.setattr(DepthChooser, "record_seconds", lambda self, seconds, catch_up: original(
-        self, [s + extra_level_seconds * (j > 0) for j, s in enumerate(seconds)], catch_up))
+        self, [0.001 + extra_level_seconds * (j > 0) for j in range(len(seconds))], catch_up))
 
 
 @pytest.mark.parametrize("machine", ["flat verify, cheap levels", "steep verify, dear levels"])
