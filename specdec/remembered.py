@@ -2,6 +2,7 @@
 
     value = recall("guard", key, persist=True)      # None: nothing kept under that key (or key is None)
     remember("guard", key, value, persist=True)     # a sequence finished: what was learned so far
+    save()                                          # a run ended: persisted values written, once each
 
 Keys name what the learning depends on: the break-even guard and tree sizing (``"guard"``: the cost model's cache
 file and the drafter's cost key, :mod:`specdec.tree_sizing`), the combined drafter's child gate (``"child gate"``)
@@ -9,8 +10,9 @@ and EAGLE's depth chooser (``"depth"``), both keyed by :func:`specdec.drafters.c
 are copies: a later call starts from what was kept and never changes it in place.
 
 ``persist=True`` (the guard, whose key is the cost model's): also kept across processes, as JSON in the cost cache
-(``<cost dir>/remembered/``), read once per process and key; the value must be JSON-able. Tests give each test its
-own folder with :func:`use_folder` and clear the process's store with :func:`forget_all`.
+(``<cost dir>/remembered/``), read once per process and key and written by :func:`save` (the speculation policy
+calls it when a run's last sequence finishes, not at every finished sequence); the value must be JSON-able. Tests
+give each test its own folder with :func:`use_folder` and clear the process's store with :func:`forget_all`.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from specdec.atomic_write import write_json
 
 logger = logging.getLogger(__name__)
 _STORE: dict[tuple[str, tuple], Any] = {}  # (decider, key) -> what it learned by the end of its last finished call
+_UNSAVED: set[tuple[str, tuple]] = set()  # persisted (decider, key) remembered since the last save()
 _MISSING = object()  # read from disk once and absent there
 _FOLDER: Path | None = None  # use_folder(); None: <cost dir>/remembered
 
@@ -69,17 +72,27 @@ def recall(decider: str, key: tuple | None, persist: bool = False) -> Any:
 
 def remember(decider: str, key: tuple | None, value: Any, persist: bool = False) -> None:
     """Keep ``value`` (a copy the caller no longer mutates) for ``decider``'s next call under ``key``; with
-    ``persist``, for the next processes too (JSON-able values)."""
+    ``persist``, for the next processes too, from the next :func:`save` (JSON-able values)."""
     if key is None:
         return
     _STORE[(decider, key)] = value
     if persist:
+        _UNSAVED.add((decider, key))
+
+
+def save() -> None:
+    """Write every persisted value remembered since the last save to the cost cache."""
+    for decider, key in sorted(_UNSAVED, key=repr):
+        file = _file(decider, key)
         try:
-            write_json(_file(decider, key), {"key": [decider, key], "value": value})
+            write_json(file, {"key": [decider, key], "value": _STORE[(decider, key)]})
         except OSError as err:  # a read-only cache: this process still remembers
-            logger.warning("remembered: could not write %s (%s)", _file(decider, key), err)
+            logger.warning("remembered: could not write %s (%s)", file, err)
+    _UNSAVED.clear()
 
 
 def forget_all() -> None:
-    """Forget what this process holds (tests: no test depends on which tests ran before it in the same process)."""
+    """Forget what this process holds, saved or not (tests: no test depends on which tests ran before it in the same
+    process)."""
     _STORE.clear()
+    _UNSAVED.clear()

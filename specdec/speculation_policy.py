@@ -5,6 +5,7 @@ the run taught. The engine calls it at four points::
     asked = policy.who_drafts(live)      # before propose: the break-even guard
     trees = policy.size(call)            # after propose: the part of each tree expected to pay (exact pruning)
     policy.observe(step)                 # after the commit: the step's time, what was committed, who finished
+                                         # (the run's last step saves what the guard learned: specdec.remembered)
 
 Behind it (``speculation="auto"``): the measured cost model (:mod:`specdec.cost_model`) corrected by the run's step
 times (:mod:`specdec.online_costs`), the guard and tree sizing (:mod:`specdec.tree_sizing`), and the never-pays
@@ -23,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from specdec.drafters.base import CostView, Drafter, TargetView
+from specdec.remembered import save
 from specdec.tree import DraftTree
 from specdec.tree_sizing import TreeSizer
 
@@ -99,3 +101,5 @@ class SpeculationPolicy:
             if s.finished:
                 self.sizer.release(s.seq_id)
         self.sizer.record_step(step.verify_seconds, step.query_tokens, len(step.live))
+        if all(s.finished for s in step.live):  # every step holds every live sequence: the run is over
+            save()
