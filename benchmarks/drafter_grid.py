@@ -64,10 +64,20 @@ def grid_inputs(tokenizer, categories: list[str], prompts: int, chat_ids) -> dic
     return columns
 
 
+def is_slower(cell: dict) -> bool:
+    """The cell's paired interval lies wholly below FLOOR (one block: no interval, never slower)."""
+    return cell["paired_speedup"][2] < FLOOR and cell["runs"] > 1
+
+
+def drafted(cells: list[dict]) -> list[dict]:
+    """The cells of drafters (plain decoding's own rows left out)."""
+    return [c for c in cells if c["drafter"] not in ("plain", "plain (again)")]
+
+
 def cell_text(cell: dict) -> str:
     mean, low, high = cell["paired_speedup"]
     text = f"{mean:.2f}" + (f" ({cell['tau']:.2f})" if cell["tau"] >= 1.005 else "") + f" [{low:.2f}, {high:.2f}]"
-    if high < FLOOR and cell["runs"] > 1:
+    if is_slower(cell):
         text += " SLOWER"
     return text + ("" if cell["identical_to_plain"] else f" DIFFERS x{cell['mismatching_runs']}")
 
@@ -89,16 +99,16 @@ def grid_table(cells: list[dict], length: int, drafters: list[str], columns: lis
 
 
 def summary(cells: list[dict]) -> str:
-    drafted = [c for c in cells if c["drafter"] not in ("plain", "plain (again)")]
-    slower = [c for c in drafted if c["paired_speedup"][2] < FLOOR and c["runs"] > 1]
-    straddle = [c for c in drafted if c["paired_speedup"][1] < FLOOR <= c["paired_speedup"][2]]
-    differ = [c for c in drafted if not c["identical_to_plain"]]
+    mine = drafted(cells)
+    slower = [c for c in mine if is_slower(c)]
+    straddle = [c for c in mine if c["paired_speedup"][1] < FLOOR <= c["paired_speedup"][2]]
+    differ = [c for c in mine if not c["identical_to_plain"]]
 
     def names(group: list[dict]) -> str:
         return "; ".join(f"{c['drafter']} @{c['new_tokens']} {c['column']}" for c in group) or "none"
 
-    single = " (one block per cell: no intervals)" if all(c["runs"] == 1 for c in drafted) else ""
-    return (f"\n{len(drafted)} drafter cells{single}. Interval wholly below {FLOOR}: {names(slower)}\n"
+    single = " (one block per cell: no intervals)" if all(c["runs"] == 1 for c in mine) else ""
+    return (f"\n{len(mine)} drafter cells{single}. Interval wholly below {FLOOR}: {names(slower)}\n"
             f"Interval straddling {FLOOR}: {names(straddle)}\nOutputs differing from plain: {names(differ)}")
 
 
@@ -131,8 +141,7 @@ def write_result(path: str, cells: list[dict], drafters: list[str], columns: lis
     import torch
 
     rows = [row for length in lengths for row in grid_rows(cells, length, drafters, columns)]
-    slower = sum(c["paired_speedup"][2] < FLOOR and c["runs"] > 1 for c in cells
-                 if c["drafter"] not in ("plain", "plain (again)"))
+    slower = sum(map(is_slower, drafted(cells)))
     differ = sum(not c["identical_to_plain"] for c in cells)
     write_json(Path(path), indent=1, data={
         "date": datetime.date.today().isoformat(),
