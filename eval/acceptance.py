@@ -78,7 +78,7 @@ def chain_outputs(digest: str, new_tokens: list[list[int]]) -> str:
 
 @dataclass(frozen=True)
 class SuiteConfig:
-    drafters: tuple[tuple[str, dict], ...]  # (name, options); "plain" is always measured
+    drafters: tuple[tuple[str, dict], ...]  # (row label, options); "plain" is always measured
     categories: tuple[str, ...]
     prompts_per_category: int = 20
     max_new_tokens: int = 128
@@ -88,6 +88,8 @@ class SuiteConfig:
     seed: int = 0
     calibration_repeats: int = 5  # timed verify steps per query size; 0 = no predicted speedup
     sampler: str = "standard"  # sampling only: "standard" rejection sampling or "coupled" (specdec.coupling)
+    # rows whose label is not the drafter's registry name, (label, name): two checkpoints of one drafter side by side
+    renamed: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.prompts_per_category < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
@@ -103,6 +105,17 @@ class SuiteConfig:
         clash = [name for name, _ in self.drafters if name in BASELINES]
         if clash:
             raise ValueError(f"{', '.join(clash)} is a baseline the suite always runs, not a drafter")
+        labels = [name for name, _ in self.drafters]
+        twice = sorted({name for name in labels if labels.count(name) > 1})
+        if twice:
+            raise ValueError(f"row label(s) {', '.join(twice)} given twice; name each row: LABEL=DRAFTER")
+        stray = [label for label, _ in self.renamed if label not in labels]
+        if stray:
+            raise ValueError(f"renamed row(s) {', '.join(stray)} are not among the drafters")
+
+    def drafter_name(self, label: str) -> str:
+        """The registry name of the drafter a row runs (its label unless the row was renamed)."""
+        return dict(self.renamed).get(label, label)
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -333,7 +346,7 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
     warm = next((ps[:1] for ps in prompts.values() if ps), [])
     for label in config.labels:  # warm-up: first-call costs out of the measurements
         if warm and label != "hf-greedy":
-            drafter = None if label == "plain" else label
+            drafter = None if label == "plain" else config.drafter_name(label)
             generate(loaded, warm, max_new_tokens=4, drafter=drafter, drafter_options=options.get(label) or None,
                      **sampling)
     for category, mine in prompts.items():
@@ -349,7 +362,8 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
             else:
                 for i in range(0, len(mine), config.batch_size):
                     batch = mine[i : i + config.batch_size]
-                    drafter = None if label == "plain" else _CountingDrafter(get_drafter(label, **options[label]))
+                    drafter = None if label == "plain" else _CountingDrafter(
+                        get_drafter(config.drafter_name(label), **options[label]))
                     t0 = time.perf_counter()
                     # whole trees (no timed sizing / guard): a cell's acceptance must not depend on wall times,
                     # or a rerun, a resume or a second process would count other steps

@@ -51,7 +51,9 @@ def add_parser(sub) -> None:
                           description="Runs drafters over prompt categories against plain decoding and "
                                       "transformers' generate(), same run; writes JSON, Markdown and PNG plots.")
     _common(a)
-    a.add_argument("--drafters", default="ngram", help="comma list of drafter names (default: ngram)")
+    a.add_argument("--drafters", default="ngram",
+                   help="comma list of drafter names (default: ngram); LABEL=NAME names a row, to run one drafter "
+                        "twice with other options: eagle1=eagle,eagle3=eagle --drafter-option eagle3.path=DIR")
     a.add_argument("--categories", default=None,
                    help=f"built-in prompt categories (default: {','.join(DEFAULT_CATEGORIES)}; none with "
                         "--prompts-file unless given)")
@@ -204,8 +206,11 @@ def run_acceptance(args) -> int:
 
     from specdec.models.loader import load_model
 
-    names = [d.strip() for d in args.drafters.split(",") if d.strip()]
-    unknown = [d for d in names if d not in available()]
+    rows = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    renamed = tuple((label.strip(), name.strip()) for label, eq, name in (r.partition("=") for r in rows) if eq)
+    names = [r.partition("=")[0].strip() for r in rows]  # row labels
+    kinds = dict(renamed)
+    unknown = [kinds.get(d, d) for d in names if kinds.get(d, d) not in available()]
     if unknown:
         raise ValueError(f"unknown drafter(s) {', '.join(unknown)}; available: {', '.join(available())}")
     out = Path(args.out or "runs/eval-acceptance")
@@ -225,7 +230,7 @@ def run_acceptance(args) -> int:
                              f"(e.g. {names[0]}.{key}=...)")
     config = SuiteConfig(tuple((d, per_drafter[d]) for d in names), tuple(categories),
                          args.prompts or DEFAULT_PROMPTS, args.max_new_tokens, args.temperature, args.batch_size,
-                         not args.no_hf_baseline, args.seed, args.calibration_repeats, args.sampler)
+                         not args.no_hf_baseline, args.seed, args.calibration_repeats, args.sampler, renamed)
     loaded = load_model(args.model)
     turns = sum(len(c.turns) for c in conversations)
     total = turns * (len(names) + 1) * args.max_new_tokens
@@ -254,7 +259,7 @@ def run_acceptance(args) -> int:
         return 0
     from_file = {c.category for c in conversations if not c.where.startswith("built-in")}
     rows = report_rows(cells, cell_turns(conversations), mt_bench=from_file)
-    meta = {"model": loaded.name, "drafters": names, "temperature": args.temperature, "sampler": args.sampler,
+    meta = {"model": loaded.name, "drafters": names, **({"renamed": dict(renamed)} if renamed else {}), "temperature": args.temperature, "sampler": args.sampler,
             "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts_file,
             "prompts_per_category": ("all" if args.prompts is None and args.prompts_file
                                      else config.prompts_per_category),

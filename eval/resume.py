@@ -88,6 +88,8 @@ def run_settings(model: dict, prompts: Any, config: "SuiteConfig", num_processes
     :func:`model_identity`, ``prompts``: anything JSON that fixes the prompts (their ids, or the conversations)."""
     digest = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]
     settings = {**model, "prompts_sha256": digest, "num_processes": num_processes, **asdict(config)}
+    if not settings["renamed"]:  # runs without renamed rows keep the digest they had before rows could be renamed
+        del settings["renamed"]
     # objects among drafter options (a draft model) are named by their name or type
     return json.loads(json.dumps(settings, default=lambda obj: getattr(obj, "name", None) or type(obj).__name__))
 

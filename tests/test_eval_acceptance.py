@@ -178,8 +178,24 @@ def test_suite_config_rejects_bad_values():
         SuiteConfig((("ngram", {}),), ("chat",), temperature=-0.5)
 
 
+def test_one_drafter_twice_under_two_row_labels(tmp_path, loaded):
+    """Two rows of one drafter with other options (two checkpoints side by side), each its own cell."""
+    one, two = ("one", _oracle(loaded, 1)[1]), ("two", _oracle(loaded, 3)[1])
+    cfg = SuiteConfig((one, two), ("rep",), prompts_per_category=1, max_new_tokens=12, hf_baseline=False,
+                      calibration_repeats=0, renamed=(("one", "draft-model"), ("two", "draft-model")))
+    cells = run_suite(loaded, {"rep": PROMPTS["rep"][:1]}, cfg, tmp_path)
+    assert set(cells) == {("plain", "rep"), ("one", "rep"), ("two", "rep")}
+    # the target drafting for itself: every node accepted, so a step commits num_draft_tokens + 1 tokens
+    assert cells["one", "rep"].steps > cells["two", "rep"].steps
+    with pytest.raises(ValueError, match="given twice"):
+        SuiteConfig((one, one), ("rep",), renamed=(("one", "draft-model"),))
+    with pytest.raises(ValueError, match="not among the drafters"):
+        SuiteConfig((one,), ("rep",), renamed=(("three", "draft-model"),))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--drafters", "ngram,nope"], "unknown drafter(s) nope; available: "),
+    (["--drafters", "a=ngram,b=nope"], "unknown drafter(s) nope; available: "),
     (["--categories", "chat,poetry"], "unknown categories poetry; available: chat, code"),
     (["--prompts", "0"], "must be >= 1"),
 ])
