@@ -1,7 +1,12 @@
 """Shared helpers for the benchmark scripts (run as `python benchmarks/<script>.py`)."""
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -37,12 +42,15 @@ def forget_guard() -> None:
     """What earlier generate() calls taught the break-even guard, the combined drafter's child gate and EAGLE's depth
     choice, forgotten, in this process and on disk (what the guard persists goes to a new empty folder): the next
     call runs as the first ever of its drafter on this machine (the verify-cost calibration stays)."""
-    import tempfile
-
     from specdec.remembered import forget_all, use_folder
 
     forget_all()
-    use_folder(tempfile.mkdtemp(prefix="specdec-remembered-"))
+    shutil.rmtree(_FORGOTTEN, ignore_errors=True)  # one folder per process, emptied for every call, gone at exit
+    use_folder(_FORGOTTEN)
+
+
+_FORGOTTEN = Path(tempfile.gettempdir()) / f"specdec-remembered-{os.getpid()}"
+atexit.register(shutil.rmtree, _FORGOTTEN, ignore_errors=True)
 
 
 def eagle_rows(path: str) -> dict[str, tuple[str, dict]]:

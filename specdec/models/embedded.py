@@ -12,6 +12,7 @@ naming the file, not with a parser's traceback halfway through the conversion.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -242,6 +243,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-"))
     except OSError as err:
         tmp = Path(tempfile.mkdtemp(prefix="specdec-model-"))
+        atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # for this run only: a full model copy per process
         logger.warning("cannot write the model cache %s (%s): converting into %s for this run only; point "
                        "SPECDEC_CACHE_DIR at a writable directory to convert once", out_dir.parent, err, tmp)
         out_dir = None
