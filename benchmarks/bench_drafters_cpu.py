@@ -252,10 +252,11 @@ def grid_mode(args, loaded, table: dict, run) -> list[dict]:
                               "identical_to_plain": t.bad == 0, "tokens_per_s": t.tokens_per_s,
                               "speedup": t.tokens_per_s / plain.tokens_per_s, "draft_share": t.draft_share})
         print(drafter_grid.grid_table(cells, length, list(table), list(columns)), flush=True)
+        if args.out:  # after every length: a grid stopped part way keeps the lengths it finished
+            done = args.lengths[: args.lengths.index(length) + 1]
+            drafter_grid.write_result(args.out, cells, list(table), list(columns), done, sys.argv, loaded.name,
+                                      args.prompts, args.repeats, args.cold)
     print(drafter_grid.summary(cells))
-    if args.out:
-        drafter_grid.write_result(args.out, cells, list(table), list(columns), args.lengths, sys.argv, loaded.name,
-                                  args.prompts, args.repeats, args.cold)
     return cells
 
 
