@@ -41,6 +41,7 @@ import json
 import math
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -255,7 +256,7 @@ def grid_mode(args, loaded, table: dict, run) -> list[dict]:
         if args.out:  # after every length: a grid stopped part way keeps the lengths it finished
             done = args.lengths[: args.lengths.index(length) + 1]
             drafter_grid.write_result(args.out, cells, list(table), list(columns), done, sys.argv, loaded.name,
-                                      args.prompts, args.repeats, args.cold)
+                                      args.prompts, args.repeats, args.cold, args.clock)
     print(drafter_grid.summary(cells))
     return cells
 
@@ -280,6 +281,10 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--out", help="--grid: write the grid to this JSON file, in the docs/results/ schema")
     ap.add_argument("--cold", action="store_true", help="forget what the guard learned before every call: each "
                     "call as a new process's first (a CLI user's case)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="what a call's time is: wall seconds, or the process's CPU seconds (with OMP_NUM_THREADS=1 "
+                         "on a machine shared with other work: the call's own work, not the other work's share of "
+                         "the cores; the engine's guard still acts on wall times)")
     args = ap.parse_args(argv)
     if args.grid and args.sweep_self_draft:
         ap.error("--grid and --sweep-self-draft are separate runs")
@@ -315,9 +320,11 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
             drafter = name() if callable(name) else name
             if args.cold:
                 forget_guard()
-            return time_specdec(loaded, ids, max_new_tokens, drafter=drafter,
-                                drafter_options=(options or None) if isinstance(name, str) else None,
-                                speculation=speculation)
+            cpu = time.process_time()
+            seconds, out = time_specdec(loaded, ids, max_new_tokens, drafter=drafter,
+                                        drafter_options=(options or None) if isinstance(name, str) else None,
+                                        speculation=speculation)
+            return (time.process_time() - cpu if args.clock == "cpu" else seconds), out
 
         warm = chat_ids(loaded.tokenizer, "Hello!")
         for spec in table.values():

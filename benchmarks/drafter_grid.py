@@ -136,7 +136,8 @@ def cpu_name() -> str:
 
 
 def write_result(path: str, cells: list[dict], drafters: list[str], columns: list[str], lengths: list[int],
-                 argv: list[str], model: str, prompts: int, repeats: int, cold: bool = False) -> None:
+                 argv: list[str], model: str, prompts: int, repeats: int, cold: bool = False,
+                 clock: str = "wall") -> None:
     """The grid in docs/results/'s schema: rows (drafter, length) x columns, and every cell's numbers."""
     import torch
 
@@ -152,6 +153,7 @@ def write_result(path: str, cells: list[dict], drafters: list[str], columns: lis
         "command": "python benchmarks/bench_drafters_cpu.py " + shlex.join(argv[1:]),
         "conditions": ("Cold: the guard's memory forgotten before every call, each call as a new process's first. "
                        if cold else "")
+                      + ("Times are the process's CPU seconds, not wall seconds. " if clock == "cpu" else "")
                       + (f"{prompts} prompts per column (batch8: {prompts} ragged batches of {BATCH_SIZE}), {repeats} "
                        f"repeat(s): each interval rests on {prompts * repeats} blocks. Cells: paired ratio to plain "
                        f"(tau, when above 1.00) [90% interval]; SLOWER: interval wholly below {FLOOR}; DIFFERS: some "

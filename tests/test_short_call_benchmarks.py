@@ -47,7 +47,8 @@ def _no_calibration(monkeypatch):
 def test_grid_measures_every_cell_and_checks_outputs(bench, chat_ckpt, tmp_path):
     out = tmp_path / "grid.json"
     cells = bench.main(["--grid", "--model", str(chat_ckpt), "--drafters", "ngram", "--lengths", "6",
-                        "--categories", "held-out,batch8", "--prompts", "2", "--cold", "--out", str(out)])
+                        "--categories", "held-out,batch8", "--prompts", "2", "--cold", "--clock", "cpu",
+                        "--out", str(out)])
     assert {(c["drafter"], c["column"]) for c in cells} == {
         (d, col) for d in ("plain", "plain (again)", "ngram") for col in ("held-out", "batch8")}
     for c in cells:
@@ -58,6 +59,7 @@ def test_grid_measures_every_cell_and_checks_outputs(bench, chat_ckpt, tmp_path)
     assert all(c["paired_speedup"] == [1.0, 1.0, 1.0] for c in cells if c["drafter"] == "plain")
     result = json.loads(out.read_text())
     assert result["benchmark"] == "drafter-grid" and result["conditions"].startswith("Cold:")
+    assert "CPU seconds" in result["conditions"]
     assert result["columns"] == ["drafter", "new tokens", "held-out", "batch8"]
     assert [r[0] for r in result["rows"]] == ["plain tok/s", "plain (again)", "ngram"]
     assert not any("DIFFERS" in entry for row in result["rows"] for entry in row)
