@@ -125,6 +125,9 @@ class Drafter(ABC):
 
     name: str = "drafter"
     needs_hidden_states: bool = False
+    # with needs_hidden_states: the target layers whose input streams propose reads instead of the final hidden
+    # states (an EAGLE-3 head's); read by the engine once, when it is built
+    feature_layers: tuple[int, ...] = ()
 
     def attach(self, target: TargetView) -> None:
         """Called once by the engine before any sequence is added."""
@@ -163,6 +166,7 @@ class _ObjectDrafter(Drafter):
         self.obj = obj
         self.name = str(getattr(obj, "name", type(obj).__name__))
         self.needs_hidden_states = bool(getattr(obj, "needs_hidden_states", False))
+        self.feature_layers = tuple(getattr(obj, "feature_layers", ()) or ())
 
     def _call(self, method: str, *args: Any) -> Any:
         fn = getattr(self.obj, method, None)

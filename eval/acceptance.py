@@ -268,8 +268,18 @@ class _CountingDrafter(Drafter):
         self.sizes: list[int] = []  # nodes of every tree proposed, in order
         self.name, self.needs_hidden_states = inner.name, inner.needs_hidden_states
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:  # an EAGLE-3 head's: the engine reads them off this wrapper
+        return self.inner.feature_layers
+
     def attach(self, target) -> None:
         self.inner.attach(target)
+
+    def cost_key(self) -> str:
+        return self.inner.cost_key()
+
+    def forward_seconds(self) -> float | None:
+        return self.inner.forward_seconds()
 
     def propose(self, seqs):
         trees = self.inner.propose(seqs)

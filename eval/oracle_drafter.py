@@ -95,6 +95,7 @@ class OracleDrafter(Drafter):
                  inner: Drafter | None = None, seed: int = 0) -> None:
         self.continuations, self.profile, self.inner, self.seed = continuations, profile, inner, seed
         self.needs_hidden_states = bool(inner is not None and inner.needs_hidden_states)
+        self.feature_layers = () if inner is None else inner.feature_layers  # an EAGLE-3 head's true cost too
         self.proposed_hits = [0] * len(profile.rates)  # per depth: steps whose tree held the reference token
         self.proposed_tries = [0] * len(profile.rates)  # per depth: steps whose parent on the path held it
 

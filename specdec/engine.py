@@ -129,7 +129,7 @@ class Engine:
         target = TargetView(runner, cache, sampling, stop.tokenizer, self.coupling, processing, seed=draft_seed)
         self.policy = (policy or SpeculationPolicy()).start(self.drafter, target)
         # EAGLE-3: the drafter's rows are these layers' streams
-        self.feature_layers: tuple[int, ...] = tuple(getattr(self.drafter, "feature_layers", ()) or ())
+        self.feature_layers: tuple[int, ...] = () if self.drafter is None else tuple(self.drafter.feature_layers)
 
     @property
     def live(self) -> list[SequenceState]:

@@ -144,3 +144,25 @@ def test_embedded_model_greedy_identity_with_an_eagle3_tree():
                                 speculation="always", return_dict=True)
     assert spec.sequences == plain
     assert sum(s.steps for s in spec.stats) < sum(s.new_tokens for s in spec.stats)
+
+
+def test_the_acceptance_suite_and_the_oracle_hand_an_eagle3_head_its_feature_layers(tmp_path):
+    """Wrappers of a drafter (the suite's counting drafter, the oracle around a real drafter's forward) pass its
+    feature layers on: the suite once failed on every EAGLE-3 head ("the engine passed final hidden states")."""
+    from specdec.eval.acceptance import SuiteConfig, run_suite
+    from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter, reference_continuations
+
+    model = build_tiny_model()
+    loaded = load_model(model)
+    head = eagle3_head(model, depth=2, top_k=2, max_nodes=3)
+    prompts = {"rep": ragged_prompts(2, seed=4)}
+    config = SuiteConfig((("eagle", {"model": head}),), ("rep",), prompts_per_category=2, max_new_tokens=8,
+                         hf_baseline=False, calibration_repeats=0)
+    cells = run_suite(loaded, prompts, config, tmp_path)
+    assert cells["eagle", "rep"].new_tokens == cells["plain", "rep"].new_tokens == 16
+    assert cells["eagle", "rep"].drafts > 0
+    references = reference_continuations(loaded, prompts["rep"], 8)
+    oracle = OracleDrafter(references, AcceptanceProfile((0.5,)), inner=EagleDrafter(model=head))
+    assert oracle.feature_layers == head.config.feature_layers
+    out = generate(loaded, prompts["rep"], max_new_tokens=8, drafter=oracle, speculation="always", return_dict=True)
+    assert out.new_tokens == [references[tuple(p)] for p in prompts["rep"]]
