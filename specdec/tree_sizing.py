@@ -11,8 +11,10 @@ observed per (depth, sibling rank)); a kept subset S is expected to commit ``1 +
 the product along the path) for ``d + c(1 + |S|)`` decode steps (d: draft time, c: the cost model corrected by
 :mod:`specdec.online_costs`). The best prefix of the nodes ordered by P_i is kept when it beats the empty tree
 by ``margin``. The guard keeps running averages per sequence and skips the drafter with a growing backoff when
-they do not pay, probing again; ``never_pays`` drafters are never asked. ``memory`` carries backoff and
-acceptance evidence across calls, and processes (:mod:`specdec.remembered`, in the cost cache).
+they do not pay, probing again when the sequence has banked the probe's price (``probe_budget`` of a decode step
+per step of its call: probes cost at most that share of any call); ``never_pays`` drafters are never asked.
+``memory`` carries backoff, probe price and acceptance evidence across calls, and processes
+(:mod:`specdec.remembered`, in the cost cache).
 
 Invariants: pruning is exact (an ancestor-closed part of the tree), so sizing changes speed only. A sampled tree is
 cut only to a prefix of the drafter's node order whose length was decided, with token-independent estimates, on an
@@ -45,6 +47,7 @@ class _Kept:
     tokens: float | None = None  # the sequence's running expected tokens of a drafted step
     cost: float | None = None  # ... and its cost
     last_shape: list | None = None  # parents of the last sampled tree
+    price: float | None = None  # the guard's probe price (None: drafting paid when the sequence finished)
 
     @classmethod
     def recalled(cls, key: tuple | None) -> "_Kept | None":
@@ -129,6 +132,10 @@ class _Guard:
     skipped_steps: int = 0  # steps this sequence decoded plainly by the guard's decision (stats)
     tokens: float | None = None  # running expected committed tokens of a drafted step (module doc, Guard)
     cost: float | None = None  # running cost of a drafted step in decode steps: draft + c(1 + kept nodes)
+    # while drafting does not pay: what a probe costs beyond a plain step, in decode steps (None: it pays, or
+    # nothing is known yet); a probe waits until the sequence has banked that much probe budget (credit)
+    price: float | None = None
+    credit: float = 0.0  # probe budget banked in this call: probe_budget per step, spent by probes
 
 
 @dataclass
@@ -200,8 +207,18 @@ class TreeSizer:
         if seq_id not in self.guards:
             kept = _Kept.recalled(self.memory) or _Kept()
             self.guards[seq_id] = _Guard(backoff=kept.backoff, skip=kept.backoff // 2, tokens=kept.tokens,
-                                         cost=kept.cost)
+                                         cost=kept.cost, price=kept.price)
         return self.guards[seq_id]
+
+    def _pays(self, tokens: float, cost: float) -> bool:
+        return tokens > cost * (1.0 + self.config.margin)
+
+    def _kept_price(self, guard: _Guard) -> float | None:
+        """The probe price a finished sequence leaves to the next call: by its running averages, not its last step
+        (a paying drafter's last step, cut to the token budget, is an unpaid one)."""
+        if guard.tokens is None or guard.cost is None or self._pays(guard.tokens, guard.cost):
+            return None
+        return guard.price if guard.price is not None else max(guard.cost - 1.0, 0.0)
 
     def never_pays(self, forward_seconds: float | None, batch: int = 1) -> bool:
         """Whether a drafter whose every depth costs ``forward_seconds`` (one forward of its own model; None:
@@ -222,10 +239,16 @@ class TreeSizer:
         if self.off:
             guard.skipped_steps += 1
             return False
-        if guard.skip > 0:
-            guard.skip -= 1
+        # the probe budget of a call: probe_budget of a decode step per step, at most one step's worth (or one
+        # probe's) banked; a drafter that does not pay probes only on what the call has banked, so a call too short
+        # to afford a probe decodes plainly (module doc, Guard)
+        guard.credit = min(guard.credit + self.config.probe_budget, max(1.0, guard.price or 0.0))
+        if guard.skip > 0 or (guard.price is not None and guard.credit < guard.price):
+            guard.skip = max(guard.skip - 1, 0)
             guard.skipped_steps += 1
             return False
+        if guard.price is not None:
+            guard.credit -= guard.price
         return True
 
     def _judge(self, seq_id: int, tokens: float, cost: float, batch: int) -> None:
@@ -234,10 +257,11 @@ class TreeSizer:
         guard = self._guard(seq_id)
         guard.tokens = self._ema(guard.tokens, tokens, self.config.judge_ema)
         guard.cost = self._ema(guard.cost, cost, self.config.judge_ema)
-        if guard.tokens > guard.cost * (1.0 + self.config.margin):
+        if self._pays(guard.tokens, guard.cost):
             # undo one growth step: a lucky probe of a drafter that rarely pays does not restart its ramp
             self.paid += 1
             guard.backoff //= 4
+            guard.price = None
             return
         self.unpaid += 1
         # a probe costs its draft and the verify of its kept tree beyond a plain step (cost - 1): at most
@@ -246,6 +270,8 @@ class TreeSizer:
         cap = min(self.config.max_backoff, int(excess / self.config.probe_budget))
         guard.backoff = min(max(4 * guard.backoff, 2), cap)
         guard.skip = guard.backoff
+        if not self.draft_time.provisional:  # a catch-up call's draft time is no step's (DraftTime): no new price
+            guard.price = excess
 
     # ---- acceptance estimates ---------------------------------------------------------------
     def acceptance(self, tree: DraftTree, use_scores: bool = True) -> list[float]:
@@ -385,7 +411,7 @@ class TreeSizer:
         # the drafts paid (by the margin): probe next step, one growth step of the backoff undone
         if 1 + longest > pending.cost * (1.0 + self.config.margin):
             guard = self._guard(seq_id)
-            guard.backoff, guard.skip = guard.backoff // 4, 0
+            guard.backoff, guard.skip, guard.price = guard.backoff // 4, 0, None
 
     def release(self, seq_id: int) -> None:
         self.pending.pop(seq_id, None)
@@ -394,6 +420,6 @@ class TreeSizer:
         if guard is not None and not self.off:
             kept = _Kept(guard.backoff, [list(b) for b in self.score_bins],
                          [[d, r, a, t] for (d, r), (a, t) in self.unscored.items()], guard.tokens, guard.cost,
-                         None if self.last_shape is None else list(self.last_shape))
+                         None if self.last_shape is None else list(self.last_shape), self._kept_price(guard))
             remember("guard", self.memory, asdict(kept), persist=True)
 

@@ -68,6 +68,11 @@ def test_a_new_sizer_starts_from_what_the_last_one_of_its_key_learned_of_the_sco
     assert TreeSizer(FLAT, memory=("costs", "other")).acceptance(tree)[0] == first
 
 
+# a probe that costs half a step beyond a plain one waits until the sequence has banked half a step of probe budget
+# (SizingConfig.probe_budget, 0.01 a step, the asking step's share included): the 49th step after the last one
+BANKED_HALF_STEP = 49
+
+
 class Scripted:
     """A chain of 4 wrong tokens until the sequence has ``switch`` new tokens, then the right ones."""
 
@@ -104,8 +109,9 @@ def test_guard_turns_speculation_off_for_a_drafter_that_never_matches_and_back_o
     assert out.sequences[0] == plain
     before = [a for a in drafter.asked_at if a < 40]
     after = [a for a in drafter.asked_at if a >= 40]
-    # off: while nothing matches the drafter is asked ever more rarely (2, 8, 32, ... steps skipped)
-    assert 3 <= len(before) <= 10, drafter.asked_at
+    # off: the first call catches up on the prompt (its time prices nothing), the probe at step 3 costs half a
+    # step beyond a plain one, so the next waits until the call has banked half a step of probe budget
+    assert before == [0, 3] and drafter.asked_at[2] == BANKED_HALF_STEP, drafter.asked_at
     # back on: after the first probe that matches it is asked every step, and whole chains are committed
     lengths = out.stats[0].step_lengths
     assert lengths[-10:].count(5) >= 8 and len(after) >= 10, (drafter.asked_at, lengths)
@@ -138,13 +144,12 @@ def test_one_lucky_probe_costs_one_more_probe_not_the_whole_ramp(fixed_costs):
     model = build_tiny_model(vocab_size=32, seed=2)
     prompt = [1, 2, 3, 4]
     plain = generate(model, [prompt], max_new_tokens=140)[0]
-    drafter = LuckyOnce(plain, len(prompt), 32, lucky=3)
+    drafter = LuckyOnce(plain, len(prompt), 32, lucky=1)
     assert generate(model, [prompt], max_new_tokens=140, drafter=drafter)[0] == plain
-    assert drafter.asked_at[:4] == [0, 3, 12, 45]  # the ramp; the 4th probe is the lucky one (5 tokens)
-    # the lucky probe paid (backoff 50 // 4 = 12, probe the next step), so it is asked right after it (5 tokens
-    # later); wrong again and not expected to pay by the margin, the backoff is 48 at once; a reset to 0 gave
-    # 50, 51, 54, 63, 96: the ramp again
-    assert drafter.asked_at[4:] == [50, 99]
+    # the second probe (step 3) is the lucky one (5 tokens): it paid, so the drafter is asked right after it (step 4,
+    # token 8); wrong again, the next probes wait for half a step of banked budget each: steps 49 and 99 (tokens 53
+    # and 103; a reset of the ramp asked at tokens 9, 12, 21, 54, ...)
+    assert drafter.asked_at == [0, 3, 8, 53, 103]
 
 
 class SlowFirstCall(Scripted):
@@ -215,20 +220,25 @@ def test_the_target_drafting_for_itself_is_never_asked_under_the_guard():
 
 
 def test_guard_remembers_across_calls_where_a_drafter_stopped_paying(fixed_costs):
-    """generate() once per answer: the second call of a drafter that never matched starts in backoff (no probe
-    ramp from step 0), the same text; once a call finds it paying, the next call asks it from the first step."""
+    """generate() once per answer: the second call of a drafter that never matched starts priced (no probe until
+    the call has banked one), the same text; once a call finds it paying, the next call asks it from the first
+    step. What a call leaves is judged by its running averages, not by its last step (cut to the token budget)."""
     model = build_tiny_model(vocab_size=32, seed=2)
     prompt = [1, 2, 3, 4]
-    plain = generate(model, [prompt], max_new_tokens=60)[0]
+    plain = generate(model, [prompt], max_new_tokens=200)[0]
     calls = []
-    for switch in (10**9, 10**9, 0, 0):  # never right, never right, always right, always right
+    # never right, never right, always right (a short call, then a long one), always right
+    for switch, new in ((10**9, 60), (10**9, 60), (0, 60), (0, 200), (0, 60)):
         drafter = Scripted(plain, len(prompt), 32, switch=switch)
-        assert generate(model, [prompt], max_new_tokens=60, drafter=drafter)[0] == plain
+        assert generate(model, [prompt], max_new_tokens=new, drafter=drafter)[0] == plain[: len(prompt) + new]
         calls.append(drafter.asked_at)
-    assert calls[0][:4] == [0, 3, 12, 45]  # a fresh guard: probes after 2, 8, 32 skipped steps
-    assert calls[1] == [25]  # remembered backoff 50 (half a step x 1/0.01, capped): half of it, then none
-    assert calls[2][0] == 25 and len(calls[2]) > 5  # still remembered; the first probe pays and resets it
-    assert calls[3][0] == 0  # the last call ended paying: asked from the first step
+    assert calls[0] == [0, 3, BANKED_HALF_STEP]  # a fresh guard: the catch-up, a priced probe, then budget
+    assert calls[1] == [BANKED_HALF_STEP]  # remembered not to pay: no probe before the call can afford one
+    # still remembered; the first probe pays, and from then on the drafter is asked every step (5 tokens each)
+    assert calls[2] == [BANKED_HALF_STEP, BANKED_HALF_STEP + 5, BANKED_HALF_STEP + 10]
+    # three paying steps do not outweigh two calls of evidence; a long paying call does
+    assert calls[3][:2] == [BANKED_HALF_STEP, BANKED_HALF_STEP + 5] and len(calls[3]) > 20
+    assert calls[4][0] == 0  # the last call ended paying: asked from the first step
 
 
 def test_guard_memory_outlives_the_process_in_the_cost_cache(fixed_costs, tmp_path):
@@ -249,9 +259,9 @@ def test_guard_memory_outlives_the_process_in_the_cost_cache(fixed_costs, tmp_pa
         assert generate(model, [prompt], max_new_tokens=60, drafter=drafter)[0] == plain
         asked.append(drafter.asked_at)
     assert list(tmp_path.glob("guard-*.json"))
-    assert asked[0][:4] == [0, 3, 12, 45]  # nothing kept yet: the probe ramp
-    assert asked[1] == [25]  # the last process's backoff, read from the cost cache
-    assert asked[2][:4] == [0, 3, 12, 45]  # unreadable: fresh
+    assert asked[0] == [0, 3, BANKED_HALF_STEP]  # nothing kept yet: probes at once
+    assert asked[1] == [BANKED_HALF_STEP]  # the last process's judgement, read from the cost cache
+    assert asked[2] == [0, 3, BANKED_HALF_STEP]  # unreadable: fresh
 
 
 class ScriptedCheckpoint(Drafter):
@@ -279,16 +289,19 @@ def test_guard_memory_is_kept_per_checkpoint_not_per_drafter_name(fixed_costs):
     assert good.script.asked_at[0] == 0  # a fresh guard for this checkpoint: asked from the first step
     again = ScriptedCheckpoint("bad", plain, len(prompt), 32, 10**9)
     assert generate(model, [prompt], max_new_tokens=60, drafter=again)[0] == plain
-    assert again.script.asked_at == [25]  # the bad checkpoint's own backoff is remembered
+    assert again.script.asked_at == [BANKED_HALF_STEP]  # the bad checkpoint's own judgement is remembered
 
 
 def test_the_first_unpaid_probe_backs_off_with_its_own_draft_time():
     """The propose call's time is recorded before its tree is judged: the very first probe of a drafter that
-    costs half a step already skips 2 steps (it once skipped none, so every call probed at steps 0 and 1)."""
+    costs half a step is priced by it, and the next waits for half a step of banked budget (it once skipped none,
+    so every call probed at steps 0 and 1; then 2 steps, so a 16-token call probed 3-4 times)."""
     sizer = TreeSizer(FLAT)
     sizer.record_draft(0.5)  # FLAT: a decode step is 1 s
     sizer.size(0, DraftTree.chain([10], scores=torch.tensor([0.01])), batch=1)  # expected 1.01 tokens for 1.5 steps
-    assert sizer.unpaid == 1 and [sizer.wants_draft(0) for _ in range(3)] == [False, False, True]
+    assert sizer.unpaid == 1 and sizer.guards[0].price == pytest.approx(0.5)
+    asked = [sizer.wants_draft(0) for _ in range(60)]
+    assert asked.index(True) == BANKED_HALF_STEP and asked.count(True) == 1  # 50 steps: the probe's own banked none
 
 
 def test_a_low_confidence_step_between_confident_ones_does_not_back_off():
