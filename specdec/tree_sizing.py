@@ -132,7 +132,7 @@ class _Guard:
     skipped_steps: int = 0  # steps this sequence decoded plainly by the guard's decision (stats)
     tokens: float | None = None  # running expected committed tokens of a drafted step (module doc, Guard)
     cost: float | None = None  # running cost of a drafted step in decode steps: draft + c(1 + kept nodes)
-    # while drafting does not pay: what a probe costs beyond a plain step, in decode steps (None: it pays, or
+    # while drafting does not pay: what a probe surely costs (its draft), in decode steps (None: it pays, or
     # nothing is known yet); a probe waits until the sequence has banked that much probe budget (credit)
     price: float | None = None
     credit: float = 0.0  # probe budget banked in this call: probe_budget per step, spent by probes
@@ -218,7 +218,7 @@ class TreeSizer:
         (a paying drafter's last step, cut to the token budget, is an unpaid one)."""
         if guard.tokens is None or guard.cost is None or self._pays(guard.tokens, guard.cost):
             return None
-        return guard.price if guard.price is not None else max(guard.cost - 1.0, 0.0)
+        return guard.price if guard.price is not None else self.draft_cost(1)
 
     def never_pays(self, forward_seconds: float | None, batch: int = 1) -> bool:
         """Whether a drafter whose every depth costs ``forward_seconds`` (one forward of its own model; None:
@@ -270,8 +270,10 @@ class TreeSizer:
         cap = min(self.config.max_backoff, int(excess / self.config.probe_budget))
         guard.backoff = min(max(4 * guard.backoff, 2), cap)
         guard.skip = guard.backoff
-        if not self.draft_time.provisional:  # a catch-up call's draft time is no step's (DraftTime): no new price
-            guard.price = excess
+        # the price: what asking the drafter costs for sure, its draft (the verify of a kept tree is the sizer's
+        # bet, placed only where the tree is expected to pay); a catch-up call's time is no step's (DraftTime)
+        if not self.draft_time.provisional:
+            guard.price = self.draft_cost(batch)
 
     # ---- acceptance estimates ---------------------------------------------------------------
     def acceptance(self, tree: DraftTree, use_scores: bool = True) -> list[float]:

@@ -333,3 +333,18 @@ def test_a_low_confidence_step_between_confident_ones_does_not_back_off():
             sizer.size(0, DraftTree.chain([10], scores=torch.tensor([0.1])), batch=1)
             sizer.observe(0, [11, 12])
     assert sizer.guards[0].backoff > 0
+
+
+def test_a_cheap_drafter_is_priced_by_its_draft_not_by_the_tree_the_sizer_bet_on():
+    """A probe surely costs its draft; verifying a kept tree is the sizer's bet, placed only where the tree is
+    expected to pay. Priced by the verify of the tree kept on the step that was judged, n-gram (a draft of 0.5% of
+    a step) came out of a call on text it could not copy with a price of ~0.3 steps, and in every later 16-token
+    call it was never asked again, not even on text it copies well (tau 3.5 before, 1.0 after)."""
+    steep = CostModel({}, {1: {1: 1.0, 65: 17.0}})  # each extra verified token costs a quarter of a step
+    sizer = TreeSizer(steep)
+    sizer.record_draft(0.005)  # a decode step is 1 s
+    for _ in range(3):  # nothing to propose: the running averages say drafting does not pay
+        sizer.size(0, DraftTree.empty(), batch=1)
+    # one node expected to pay on its own (1.45 tokens for 1.26 steps) is kept, yet the averages still do not pay
+    assert sizer.size(0, DraftTree.chain([10], scores=torch.tensor([0.45])), batch=1).num_nodes == 1
+    assert sizer.unpaid == 4 and sizer.guards[0].price == pytest.approx(0.005)  # not the kept node's 0.255
