@@ -39,6 +39,7 @@ from specdec.drafters.call_memory import memory_key
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, check_fits_target, load_eagle
 from specdec.drafters.eagle_depth import DepthChooser
 from specdec.drafters.eagle_model import EagleModel
+from specdec.drafters.loaded_once import load_once
 from torch.nn import functional as F
 
 from specdec.coupling import perturbed_logits
@@ -97,7 +98,10 @@ class EagleDrafter(Drafter):
         self.target = target
         runner = target.runner
         if self.model is None:
-            self.model = load_eagle(self.path, runner.hf_model.config)
+            target_config = runner.hf_model.config
+            self.model = load_once("eagle", self.path, (target_config.to_json_string(), str(runner.dtype),
+                                                        str(runner.device)),
+                                   lambda: load_eagle(self.path, target_config, runner.dtype, runner.device))
         else:
             check_fits_target(self.model.config, runner.hf_model.config, "the given EagleModel")
         self.model.to(device=runner.device, dtype=runner.dtype).eval()

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView, check_path_option
+from specdec.drafters.loaded_once import load_once
 from specdec.drafters.medusa_heads import MedusaCheckpointError, MedusaHeads, load_medusa
 from specdec.drafters.medusa_tree import default_choices, dynamic_tree, static_tree, validate_choices
 
@@ -109,8 +110,10 @@ class MedusaDrafter(Drafter):
         runner = target.runner
         shape = runner.shape
         if self.heads is None:
-            self.heads = load_medusa(self.path, shape.hidden_size, shape.vocab_size, dtype=runner.dtype,
-                                     device=runner.device)
+            self.heads = load_once("medusa", self.path, (shape.hidden_size, shape.vocab_size, str(runner.dtype),
+                                                         str(runner.device)),
+                                   lambda: load_medusa(self.path, shape.hidden_size, shape.vocab_size,
+                                                       dtype=runner.dtype, device=runner.device))
         cfg = self.heads.config
         for name, want in (("hidden_size", shape.hidden_size), ("vocab_size", shape.vocab_size)):
             if getattr(cfg, name) != want:
