@@ -108,17 +108,23 @@ class DraftTime:
     only while nothing else is known, and the next call's time replaces it: as the first sample of the average, a
     512-token summary's first EAGLE call (~16 steps' worth) set a maximal backoff that the guard's memory carried
     into the next calls (EAGLE then drafted nothing on qa after summarisation). Used by the tree sizer, and per part
-    by the combined drafter's child gate (per child) and EAGLE's depth chooser (per level)."""
+    by the combined drafter's child gate (per child) and EAGLE's depth chooser (per level).
+
+    ``low``: the lower envelope of the step calls' times (it falls to a faster call at once and rises toward slower
+    ones at the average's weight): what asking the drafter costs at least, its cheapest path (the combined drafter
+    with its costly child gated out, EAGLE one level deep), the guard's probe price."""
 
     ema: float
     seconds: float | None = None  # None: no call timed yet
     provisional: bool = False  # seconds is a catch-up call's time, replaced by the next call's
+    low: float | None = None  # None: no step call timed yet
 
     def record(self, seconds: float, catch_up: bool = False) -> None:
         if catch_up:
             if self.seconds is None:
                 self.seconds, self.provisional = seconds, True
             return
+        self.low = seconds if self.low is None else min(seconds, self.low + self.ema * (seconds - self.low))
         if self.seconds is None or self.provisional:
             self.seconds, self.provisional = seconds, False
             return
@@ -196,6 +202,10 @@ class TreeSizer:
         """Wall seconds of one plain decode step: this run's, else the cost model's at ``batch``."""
         return self.decode_seconds or self.costs.decode_seconds(batch)
 
+    def probe_cost(self, batch: int) -> float:
+        """What asking the drafter costs at least, in plain decode steps: its cheapest recent call (DraftTime.low)."""
+        return (self.draft_time.low or 0.0) / self.step_seconds(batch)
+
     def draft_cost(self, batch: int) -> float:
         """The drafter's cost per step in plain decode steps (0 before its first call)."""
         if self.draft_time.seconds is None:
@@ -218,7 +228,9 @@ class TreeSizer:
         (a paying drafter's last step, cut to the token budget, is an unpaid one)."""
         if guard.tokens is None or guard.cost is None or self._pays(guard.tokens, guard.cost):
             return None
-        return guard.price if guard.price is not None else self.draft_cost(1)
+        if guard.price is not None:
+            return guard.price
+        return 0.0 if self.draft_time.low is None else self.probe_cost(1)
 
     def never_pays(self, forward_seconds: float | None, batch: int = 1) -> bool:
         """Whether a drafter whose every depth costs ``forward_seconds`` (one forward of its own model; None:
@@ -270,10 +282,11 @@ class TreeSizer:
         cap = min(self.config.max_backoff, int(excess / self.config.probe_budget))
         guard.backoff = min(max(4 * guard.backoff, 2), cap)
         guard.skip = guard.backoff
-        # the price: what asking the drafter costs for sure, its draft (the verify of a kept tree is the sizer's
-        # bet, placed only where the tree is expected to pay); a catch-up call's time is no step's (DraftTime)
-        if not self.draft_time.provisional:
-            guard.price = self.draft_cost(batch)
+        # the price: what asking the drafter costs for sure, its cheapest draft (the verify of a kept tree is the
+        # sizer's bet, placed only where the tree is expected to pay; a costly part of the drafter, the combined
+        # drafter's child gate budgets); a catch-up call's time is no step's (DraftTime)
+        if self.draft_time.low is not None:
+            guard.price = self.probe_cost(batch)
 
     # ---- acceptance estimates ---------------------------------------------------------------
     def acceptance(self, tree: DraftTree, use_scores: bool = True) -> list[float]:

@@ -97,6 +97,7 @@ class Scripted:
 def fixed_costs(monkeypatch):
     monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner: FLAT)
     monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: 0.5)  # half a decode step per propose
+    monkeypatch.setattr(TreeSizer, "probe_cost", lambda self, batch: 0.5)  # ... on every path
     monkeypatch.setattr(OnlineCosts, "record", lambda self, *args: None)  # no wall time corrects the flat curve
 
 
@@ -348,3 +349,16 @@ def test_a_cheap_drafter_is_priced_by_its_draft_not_by_the_tree_the_sizer_bet_on
     # one node expected to pay on its own (1.45 tokens for 1.26 steps) is kept, yet the averages still do not pay
     assert sizer.size(0, DraftTree.chain([10], scores=torch.tensor([0.45])), batch=1).num_nodes == 1
     assert sizer.unpaid == 4 and sizer.guards[0].price == pytest.approx(0.005)  # not the kept node's 0.255
+
+
+def test_a_probe_is_priced_by_the_drafters_cheapest_path():
+    """The combined drafter (n-gram + self-draft) costs 0.6 of a step when its child gate tries self-draft and
+    0.005 when it leaves it out; priced by its average, a call that tried self-draft left it unasked in every later
+    16-token call, n-gram's copies included (held-out: tau 3.5 before). Its price is the cheaper path's, and the
+    child gate budgets the costly child."""
+    sizer = TreeSizer(FLAT)  # a decode step is 1 s
+    for seconds in (0.6, 0.005, 0.6):
+        sizer.record_draft(seconds)
+    assert sizer.draft_cost(1) > 0.3 and sizer.probe_cost(1) < 0.2  # the low envelope rises slowly toward 0.6
+    sizer.size(0, DraftTree.empty(), batch=1)  # nothing proposed: unpaid
+    assert sizer.guards[0].price == pytest.approx(sizer.probe_cost(1))
