@@ -91,7 +91,7 @@ def _common_args(p, name: str) -> None:
                         "needs a chat template)")
     g.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts (default: all)")
     g.add_argument("--distill-max-new-tokens", type=int, default=128, help="response length when self-distilling")
-    g.add_argument("--distill-batch-size", type=int, default=64,
+    g.add_argument("--distill-batch-size", type=int, default=128,
                    help="prompts per batched generate() call (larger = more tokens/s, more KV memory)")
     g.add_argument("--distill-cuda-graphs", choices=("auto", "on", "off"), default="auto",
                    help="decode the self-distillation through CUDA graphs (auto: on a CUDA device with the Triton "
