@@ -399,3 +399,25 @@ def test_overwrite_refuses_user_files_at_any_depth(tmp_path, mine):
         run = _fake_run(tmp_path / f"clean-{eagle}", eagle)
         assert trainer.prepare_output_dir(SimpleNamespace(output_dir=str(run), resume=False, overwrite=True)) is None
         assert not run.exists()
+
+
+def test_measured_tau_verifies_every_tree_whole(monkeypatch):
+    """tau measures the heads: every proposal verified (speculation="always"). Under the default guard, on a CPU
+    where the quick recipe's heads do not pay, the report's tau was the guard leaving them out (1.06, not ~1.6)."""
+    import importlib
+    from types import SimpleNamespace
+
+    from specdec.train import evaluate
+
+    asked = []
+
+    def fake_generate(loaded, ids, **kwargs):
+        asked.append(kwargs)
+        return SimpleNamespace(stats=[SimpleNamespace(new_tokens=6, steps=3) for _ in ids])
+
+    monkeypatch.setattr(importlib.import_module("specdec.generate"), "generate", fake_generate)
+    monkeypatch.setattr(evaluate, "DYNAMIC_TOP_K", 2)
+    loaded = SimpleNamespace(tokenizer=lambda text, add_special_tokens: {"input_ids": [1, 2, 3]})
+    heads = MedusaHeads(MedusaConfig(2, 1, 8, 16))
+    tau = evaluate.measure_tau(loaded, heads, [[0], [0, 0]], ["a", "b"], max_new_tokens=6, tree="dynamic")
+    assert tau["tau"] == 2.0 and asked and all(k.get("speculation") == "always" for k in asked)
