@@ -228,9 +228,7 @@ class TreeSizer:
         (a paying drafter's last step, cut to the token budget, is an unpaid one)."""
         if guard.tokens is None or guard.cost is None or self._pays(guard.tokens, guard.cost):
             return None
-        if guard.price is not None:
-            return guard.price
-        return 0.0 if self.draft_time.low is None else self.probe_cost(1)
+        return guard.price if guard.price is not None else self.probe_cost(1)
 
     def never_pays(self, forward_seconds: float | None, batch: int = 1) -> bool:
         """Whether a drafter whose every depth costs ``forward_seconds`` (one forward of its own model; None:

@@ -53,9 +53,8 @@ class TrainConfig:
     prompt_source: str = "builtin"
     prompts_file: str | None = None
     distill_max_new_tokens: int = 128
-    # 2-core CPU greedy: AMD EPYC 113 tok/s at 16, 163 at 32, 200 at 64; Intel Xeon (AVX-512) 1.31x faster at 128
-    # than at 64 (64-token answers), 201 tok/s at 128 and 222 at 256 (128-token answers); 128 keeps the KV cache of
-    # a 1B target under ~3 GB
+    # more prompts per call, more tokens/s on a CPU (docs/training/eagle.md); 128 keeps the KV cache of a 1B target
+    # under ~3 GB
     distill_batch_size: int = 128
     # self-distillation (and self-written prompts) through CUDA-graph buckets: "auto" = on a CUDA device with the
     # Triton backend (specdec.train.distill.use_graphs), "on" demands the Triton backend, "off" = eager

@@ -58,8 +58,7 @@ DYNAMIC_TOP_K = 20  # candidates per head of the dynamic eval tree
 def measure_tau(loaded, heads, choices, prompts: list[str], max_new_tokens: int, batch_size: int = 8,
                 progress: bool = False, tree: str = "static") -> dict:
     """Greedy generation with the Medusa drafter; tau = new tokens per target forward, every proposed tree verified
-    whole (``speculation="always"``): under the break-even guard, on a machine where the heads do not pay, tau
-    measured the guard leaving them out (1.06 for the CPU quick recipe's heads), not the heads.
+    whole (``speculation="always"``): tau measures the heads, not the break-even guard leaving them out.
 
     ``tree="static"`` drafts the ``choices`` tree; ``"dynamic"`` drafts, per step, the
     ``len(choices)`` most probable paths under the heads' top-``DYNAMIC_TOP_K`` tokens."""
