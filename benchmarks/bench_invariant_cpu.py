@@ -10,8 +10,10 @@ of the model there (top-1 minus top-2, transformers' forward in the same dtype).
 prompt alone, the two modes interleaved prompt by prompt; only same-run ratios are printed. The JSON is rewritten
 after every cell, so an interrupted run keeps what it measured.
 
-Medusa and EAGLE run untrained (heads initialised from the LM head / the layer from the target's last layer):
-identity needs any drafter that proposes; their acceptance says nothing about trained heads.
+Medusa and EAGLE run trained heads when ``--medusa-path`` / ``--eagle-path`` name checkpoints (the quick recipes'),
+else untrained ones (heads initialised from the LM head, the layer from the target's last layer): identity needs
+any drafter that proposes, but trained heads get more of their trees accepted. All batched cells run before the
+alone ones, so a run cut short still covers every drafter.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import chat_ids  # noqa: E402
 
 
-def drafters(loaded):
+def drafters(loaded, medusa_path=None, eagle_path=None):
     from specdec.drafters.eagle import EagleDrafter
     from specdec.drafters.eagle_model import EagleConfig, EagleModel
     from specdec.drafters.medusa import MedusaDrafter
@@ -37,11 +39,15 @@ def drafters(loaded):
     dtype = model.dtype
 
     def medusa():
+        if medusa_path:
+            return MedusaDrafter(path=medusa_path, tree="dynamic", max_nodes=8), None
         heads = MedusaHeads(MedusaConfig(3, 1, model.config.hidden_size, model.config.vocab_size))
         heads.init_lm_heads_from(model.get_output_embeddings().weight.detach().float())
         return MedusaDrafter(heads=heads.to(dtype), tree="dynamic", max_nodes=8), None
 
     def eagle():
+        if eagle_path:
+            return EagleDrafter(path=eagle_path, depth=3, top_k=3, max_nodes=8), None
         torch.manual_seed(0)
         layer = EagleModel(EagleConfig.for_target(model.config))
         layer.init_from_target(model)
@@ -51,8 +57,8 @@ def drafters(loaded):
         "ngram": lambda: ("ngram", None),
         "self-draft": lambda: ("self-draft", None),
         "draft-model (itself)": lambda: ("draft-model", {"model": loaded, "num_draft_tokens": 3}),
-        "medusa (untrained)": medusa,
-        "eagle (untrained)": eagle,
+        "medusa (trained)" if medusa_path else "medusa (untrained)": medusa,
+        "eagle (trained)" if eagle_path else "eagle (untrained)": eagle,
     }
 
 
@@ -64,9 +70,14 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8, help="ragged batch size of the batched runs")
     ap.add_argument("--alone", type=int, default=2, help="prompts also decoded one at a time by each drafter")
     ap.add_argument("--setting", choices=("greedy", "coupled"), default="greedy")
-    ap.add_argument("--drafters", default="ngram,self-draft,draft-model (itself),medusa (untrained),eagle (untrained)")
+    ap.add_argument("--drafters", default="ngram,self-draft,draft-model,medusa,eagle",
+                    help="comma-separated drafter names (a label's first word)")
     ap.add_argument("--default-drafters", default="ngram,self-draft",
                     help="drafters also run on the default path (its divergences)")
+    ap.add_argument("--medusa-path", default=None, help="trained Medusa heads (else untrained ones)")
+    ap.add_argument("--eagle-path", default=None, help="a trained EAGLE checkpoint (else an untrained layer)")
+    ap.add_argument("--machine", default="2-core Xeon (AVX-512, no bf16 instructions)",
+                    help="the machine, in words, for the JSON")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -82,10 +93,10 @@ def main() -> int:
     loaded = load_model(DEFAULT_ALIAS, dtype=getattr(torch, args.dtype))
     prompts = [chat_ids(loaded.tokenizer, t) for t in load_prompts("chat", args.prompts)]
     sampling = dict(do_sample=True, temperature=0.8, seed=0, sampler="coupled") if args.setting == "coupled" else {}
-    table = drafters(loaded)
+    table = drafters(loaded, args.medusa_path, args.eagle_path)
     result = {"model": loaded.name, "dtype": args.dtype, "setting": args.setting, "prompts": len(prompts),
               "tokens": args.tokens, "batch": args.batch, "threads": args.threads,
-              "machine": "2-core Xeon (AVX-512, no bf16 instructions), shared with other jobs",
+              "machine": args.machine, "medusa_path": args.medusa_path, "eagle_path": args.eagle_path,
               "plain_seconds": {}, "cells": []}
     out = Path(args.out) if args.out else None
 
@@ -116,39 +127,45 @@ def main() -> int:
     result["plain_identical_across_modes"] = sum(a == b for a, b in zip(plain[False], plain[True]))
     save()
 
-    names = [n.strip() for n in args.drafters.split(",") if n.strip()]
-    default_names = {n.strip() for n in args.default_drafters.split(",")}
-    for name in names:
-        for invariant in (False, True):
-            if not invariant and name not in default_names:
-                continue
-            for batched in (True, False):
-                count = len(prompts) if batched else min(args.alone, len(prompts))
-                divergences, compared, taus = [], 0, []
-                for start in range(0, count, args.batch if batched else 1):
-                    chunk = list(range(start, min(count, start + (args.batch if batched else 1))))
-                    drafter, options = table[name]()
-                    r = bitwise_identity(loaded, [prompts[i] for i in chunk], drafter, options, args.tokens, True,
-                                         invariant, [plain[invariant][i] for i in chunk], sampling)
-                    compared += r.tokens_compared
-                    taus.append(r.tau)
-                    for d in r.divergences:
-                        divergences.append(dict(d.__dict__, prompt=chunk[d.prompt]))
-                cell = {"drafter": name, "mode": "invariant" if invariant else "default",
-                        "run": f"batched ({args.batch})" if batched else "alone", "outputs": count,
-                        "tokens_compared": compared, "tau": sum(taus) / len(taus),
-                        "divergent_outputs": len(divergences),
-                        "text_divergences": sum(d["plain_token"] != d["speculative_token"] for d in divergences),
-                        "divergences": divergences}
-                result["cells"].append(cell)
-                save()
-                print(f"{name:<22} {cell['mode']:<9} {cell['run']:<12} tau {cell['tau']:.2f}: "
-                      f"{cell['divergent_outputs']}/{count} outputs differ ({cell['text_divergences']} in text)",
-                      flush=True)
-                for d in divergences:
-                    gap = "" if d["gap"] is None else f" logit gap {d['gap']:.3g}"
-                    lp = "" if d["logprob_delta"] != d["logprob_delta"] else f" log-prob delta {d['logprob_delta']:.3g}"
-                    print(f"    prompt {d['prompt']} token {d['position']}:{gap}{lp}", flush=True)
+    def label(name):  # "medusa" -> "medusa (trained)"
+        matches = [k for k in table if k.split()[0] == name.split()[0]]
+        if not matches:
+            raise SystemExit(f"unknown drafter {name!r}: choose from {', '.join(table)}")
+        return matches[0]
+
+    names = [label(n.strip()) for n in args.drafters.split(",") if n.strip()]
+    default_names = {label(n.strip()) for n in args.default_drafters.split(",") if n.strip()}
+    runs = [(name, invariant, batched) for batched in (True, False) for name in names for invariant in (True, False)
+            if invariant or name in default_names]
+    for name, invariant, batched in runs:
+        count = len(prompts) if batched else min(args.alone, len(prompts))
+        divergences, compared, taus = [], 0, []
+        for start in range(0, count, args.batch if batched else 1):
+            chunk = list(range(start, min(count, start + (args.batch if batched else 1))))
+            drafter, options = table[name]()
+            r = bitwise_identity(loaded, [prompts[i] for i in chunk], drafter, options, args.tokens, True,
+                                 invariant, [plain[invariant][i] for i in chunk], sampling)
+            compared += r.tokens_compared
+            taus.append(r.tau)
+            for d in r.divergences:
+                divergences.append(dict(d.__dict__, prompt=chunk[d.prompt]))
+        cell = {"drafter": name, "mode": "invariant" if invariant else "default",
+                "run": f"batched ({args.batch})" if batched else "alone", "outputs": count,
+                "tokens_compared": compared, "tau": sum(taus) / len(taus),
+                "divergent_outputs": len(divergences),
+                "text_divergences": sum(d["text_position"] is not None for d in divergences),
+                "divergences": divergences}
+        result["cells"].append(cell)
+        save()
+        print(f"{name:<22} {cell['mode']:<9} {cell['run']:<12} tau {cell['tau']:.2f}: "
+              f"{cell['divergent_outputs']}/{count} outputs differ ({cell['text_divergences']} in text)",
+              flush=True)
+        for d in divergences:
+            gap = "" if d["gap"] is None else f" logit gap {d['gap']:.3g}"
+            lp = "" if d["logprob_delta"] != d["logprob_delta"] else f" log-prob delta {d['logprob_delta']:.3g}"
+            text = "" if d["text_position"] is None else f"; text from token {d['text_position']}" + (
+                "" if d["text_gap"] is None else f" (logit gap {d['text_gap']:.3g})")
+            print(f"    prompt {d['prompt']} token {d['position']}:{gap}{lp}{text}", flush=True)
     for k, v in result["speed_ratio_invariant_over_default"].items():
         print(f"{k}: invariant / default time = {v:.2f}x (same run, each prompt alone; machine shared)")
     print(f"plain outputs identical across the two modes: {result['plain_identical_across_modes']}/{len(prompts)}")

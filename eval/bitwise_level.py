@@ -63,7 +63,9 @@ class BitwiseDivergence:
     plain_token: int  # -1 past the end of a shorter output
     speculative_token: int
     logprob_delta: float  # speculative - plain log-probability at that position (nan when the tokens differ)
-    gap: float | None  # top-1 / top-2 logit gap of the model at that prefix (token divergences; None otherwise)
+    gap: float | None  # top-1 / top-2 logit gap of the model at that prefix (greedy with a model; else None)
+    text_position: int | None = None  # the first new token that differs (None: same text, log-probabilities apart)
+    text_gap: float | None = None  # the logit gap at text_position (greedy with a model; else None)
 
 
 @dataclass(frozen=True)
@@ -98,20 +100,27 @@ def plain_outputs(loaded: Any, prompts: list[list[int]], max_new_tokens: int, in
 
 def first_divergence(i: int, prompt: list[int], plain: tuple[list[int], list[float]],
                      spec: tuple[list[int], list[float]], model: Any = None) -> BitwiseDivergence | None:
-    """The first position where ``spec`` parts from ``plain`` (token, or log-probability bits); ``model`` (the
-    transformers model) gives the logit gap at a token divergence."""
+    """The first position where ``spec`` parts from ``plain`` (token, or log-probability bits), and the first where
+    its text does; ``model`` (the transformers model) gives the logit gap of plain's prefix at each."""
     (a, la), (b, lb) = plain, spec
-    for j in range(max(len(a), len(b))):
-        x = a[j] if j < len(a) else -1
-        y = b[j] if j < len(b) else -1
-        if x != y:
-            gap = None
-            if model is not None and x >= 0 and y >= 0:
-                gap = diagnose(model, list(prompt) + a[:j], i, j, x, y).gap
-            return BitwiseDivergence(i, j, x, y, math.nan, gap)
-        if la[j] != lb[j]:
-            return BitwiseDivergence(i, j, x, y, lb[j] - la[j], None)
-    return None
+    n = max(len(a), len(b))
+    tokens = [(a[j] if j < len(a) else -1, b[j] if j < len(b) else -1) for j in range(n)]
+    first = next((j for j, (x, y) in enumerate(tokens) if x != y or la[j] != lb[j]), None)
+    if first is None:
+        return None
+    text = next((j for j, (x, y) in enumerate(tokens) if x != y), None)
+
+    def gap(j):
+        if model is None or j is None or j >= len(a):
+            return None
+        x, y = tokens[j]
+        return diagnose(model, list(prompt) + a[:j], i, j, x, max(y, 0)).gap
+
+    x, y = tokens[first]
+    delta = lb[first] - la[first] if x == y else math.nan
+    first_gap = gap(first)
+    return BitwiseDivergence(i, first, x, y, delta, first_gap, text,
+                             first_gap if text == first else gap(text))
 
 
 def bitwise_identity(loaded: Any, prompts: list[list[int]], drafter: Any, options: dict | None, max_new_tokens: int,
@@ -165,7 +174,7 @@ def bitwise_checks(loaded: Any, drafter: Any, options: dict, sampling: SamplingC
                        bitwise_identity(loaded, prompts[:2], drafter, options, tokens, False, invariant, plain[:2],
                                         kw)]
             divergences = [d for r in results for d in r.divergences]
-            token_level = [d for d in divergences if d.plain_token != d.speculative_token]
+            token_level = [d for d in divergences if d.text_position is not None]
             detail = (f"tau {results[0].tau:.2f}; {len(divergences)} outputs differ ({len(token_level)} in text, "
                       f"the rest in log-probability bits)")
             if divergences:

@@ -217,3 +217,17 @@ def test_the_cli_flag_prints_plain_decodings_text(tmp_path, capsys):
     rc = main(["generate", prompt, "--model", ckpt, "--max-new-tokens", "16", "--dtype", "bfloat16", "--drafter",
                "ngram", "--speculation", "always", "--invariant", "--no-chat-template"])
     assert rc == 0 and capsys.readouterr().out == want + "\n"
+
+
+def test_a_divergence_records_where_the_text_parts_as_well_as_the_first_bit():
+    from specdec.eval.bitwise_level import first_divergence
+
+    plain = ([5, 6, 7, 8], [-0.5, -0.25, -1.0, -2.0])
+    assert first_divergence(0, [1], plain, plain) is None
+    bits_then_text = first_divergence(0, [1], plain, ([5, 6, 9, 8], [-0.5, -0.3, -1.5, -2.0]))
+    assert (bits_then_text.position, bits_then_text.text_position) == (1, 2)
+    assert bits_then_text.logprob_delta == pytest.approx(-0.05) and bits_then_text.gap is None
+    bits_only = first_divergence(0, [1], plain, ([5, 6, 7, 8], [-0.5, -0.25, -1.0, -2.5]))
+    assert (bits_only.position, bits_only.text_position) == (3, None)
+    shorter = first_divergence(0, [1], plain, ([5, 6], [-0.5, -0.25]))
+    assert (shorter.position, shorter.text_position, shorter.speculative_token) == (2, 2, -1)
