@@ -184,6 +184,28 @@ def test_tree_choice_pairs_each_candidate_with_plain_decoding(monkeypatch):
     assert "No tree beat plain decoding on this machine** (the best: 0.95x)" in render_markdown(report)
 
 
+def test_tree_choice_verifies_every_candidate_whole_and_stops_when_larger_trees_keep_losing(monkeypatch):
+    """Under the default guard a tree that does not pay is left out, and its candidate times plain decoding: each
+    candidate must run with speculation="always" (plain decoding without a drafter). Speedups 1.1, 1.3, 1.2, 1.0:
+    after two in a row below the best (1.3), the fifth candidate is never run."""
+    from specdec.train import eagle_evaluate
+
+    calls, tree_speed = [], iter([1.1, 1.1, 1.3, 1.3, 1.2, 1.2, 1.0, 1.0, 5.0, 5.0])
+
+    def run(loaded, ids, max_new_tokens, drafter=None, **config):
+        calls.append((drafter is not None, config.get("speculation")))
+        return (next(tree_speed) if drafter is not None and len(calls) > 1 else 1.0), 1.0
+
+    monkeypatch.setattr(eagle_evaluate, "_run", run)
+    monkeypatch.setattr("specdec.drafters.eagle.EagleDrafter", lambda **options: options)
+    candidates = ((1, 1, 1), (2, 1, 2), (3, 1, 3), (3, 2, 4), (4, 4, 10))
+    best, table = eagle_evaluate.choose_tree_by_speed(None, None, [[1], [2]], 4, candidates=candidates)
+    assert best == (2, 1, 2) and len(table) == 4
+    assert [round(r["speedup_vs_plain"], 3) for r in table] == [1.1, 1.3, 1.2, 1.0]
+    timed = calls[1:]  # after the warm-up: (plain, tree) per prompt per candidate
+    assert timed[0::2] == [(False, None)] * 8 and timed[1::2] == [(True, "always")] * 8
+
+
 # ---- EAGLE-3 ------------------------------------------------------------------------------------------------------
 def test_eagle3_training_features_are_the_ones_the_engine_passes():
     """What the layer is trained on (train/features.py, transformers' forward) is what it drafts from (the engine's

@@ -62,31 +62,40 @@ def _run(loaded, ids, max_new_tokens: int, drafter=None, **config) -> tuple[floa
     return new / seconds, new / max(1, steps)
 
 
-def choose_tree_by_speed(loaded, eagle, prompts: list[list[int]], max_new_tokens: int,
-                         candidates=TREE_CANDIDATES, **config) -> tuple[tuple[int, int, int], list[dict]]:
+def choose_tree_by_speed(loaded, eagle, prompts: list[list[int]], max_new_tokens: int, candidates=TREE_CANDIDATES,
+                         patience: int = 2, **config) -> tuple[tuple[int, int, int], list[dict]]:
     """Time each candidate tree against plain decoding on the same prompts (batch 1, greedy) and return the one
     with the highest speedup, with the table. Plain decoding runs right before each candidate on each prompt, and
-    a candidate's speedup is the geometric mean of those per-prompt ratios: a machine whose speed drifts during
-    the minutes this takes (10-20% on shared 2-core machines) moves both sides of every ratio alike, where one
-    plain run at the start used to be compared with candidates timed minutes later."""
+    a candidate's speedup is the geometric mean of those per-prompt ratios, so a machine whose speed drifts moves
+    both sides of every ratio alike. Every candidate's tree is verified whole (``speculation="always"``): under the
+    default guard a tree that does not pay is left out and the candidate times plain decoding. Candidates go from
+    small to large; after ``patience`` in a row below the best so far the larger ones are not tried."""
     from specdec.drafters.eagle import EagleDrafter
 
     table = []
     # warm-up, with a drafter: the first drafting call of a process loads (on a fresh machine: calibrates, ~10 s)
     # the cost model, which once landed in the first candidate's time (depth 1 measured 0.90x, then 1.17x)
     _run(loaded, prompts[:1], 8, EagleDrafter(model=eagle, depth=1, top_k=1, max_nodes=1), **config)
+    worse_in_a_row = 0
     for depth, top_k, nodes in candidates:
         plain, runs = [], []
         for p in prompts:
             plain.append(_run(loaded, [p], max_new_tokens, **config)[0])
             # each candidate timed as itself (adapt_depth=False): drafting at run time then chooses up to its depth
             runs.append(_run(loaded, [p], max_new_tokens, EagleDrafter(model=eagle, depth=depth, top_k=top_k,
-                                                                      max_nodes=nodes, adapt_depth=False), **config))
+                                                                      max_nodes=nodes, adapt_depth=False),
+                             **{**config, "speculation": "always"}))
         speedup = math.exp(sum(math.log(r[0] / b) for r, b in zip(runs, plain)) / len(runs))
+        best_so_far = max((r["speedup_vs_plain"] for r in table), default=0.0)
         table.append({"depth": depth, "top_k": top_k, "max_nodes": nodes,
                       "tau": sum(r[1] for r in runs) / len(runs), "tokens_per_s": sum(r[0] for r in runs) / len(runs),
                       "plain_tokens_per_s": sum(plain) / len(plain), "speedup_vs_plain": speedup})
         logger.info("eagle tree depth %d top-k %d nodes %d: tau %.2f, %.1f tok/s (%.2fx plain)", depth, top_k,
                     nodes, table[-1]["tau"], table[-1]["tokens_per_s"], speedup)
+        worse_in_a_row = worse_in_a_row + 1 if speedup < best_so_far else 0
+        if worse_in_a_row >= patience:
+            logger.info("eagle tree choice: %d candidates in a row slower than the best; larger ones not tried",
+                        patience)
+            break
     best = max(table, key=lambda r: r["speedup_vs_plain"])
     return (best["depth"], best["top_k"], best["max_nodes"]), table
