@@ -144,119 +144,158 @@ class EagleDrafter(Drafter):
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
         depth = self.chooser.choose(max(len(seqs), 1))
         catch_up = any(v.seq_id not in self.caches for v in seqs)
-        level_seconds = [0.0] * depth  # summed over the sequences: level 1 includes the catch-up
-        trees = []
-        for view in seqs:
-            tree = self._propose_one(view, depth, level_seconds)
+        level_seconds = [0.0] * depth  # level 1 includes the catch-up
+        t0 = time.perf_counter()
+        roots = self._catch_up(seqs)
+        live = [i for i in range(len(seqs)) if i in roots]  # a one-token prompt's first step has no feature yet
+        trees = [DraftTree.empty() for _ in seqs]
+        if live:
+            grown = self._grow([seqs[i] for i in live], torch.stack([roots[i] for i in live]), depth, level_seconds, t0)
+            for i, tree in zip(live, grown):
+                trees[i] = tree
+        for view, tree in zip(seqs, trees):
             self._last[view.seq_id] = _top_chain(tree)
-            trees.append(tree)
         self.chooser.record_seconds(level_seconds, catch_up)
         return trees
 
-    def _token_logp(self, features: torch.Tensor, view: SequenceView, depth: int) -> torch.Tensor:
-        """[R, H] predicted features of nodes whose children sit at ``depth`` -> [R, N] draft log-probabilities
-        at the target's temperature; under coupled sampling, the log-softmax of the logits perturbed by that
-        position's shared noise (their top-k is a Gumbel-top-k sample coupled to the target's choice)."""
+    def _token_logp(self, features: torch.Tensor, views: Sequence[SequenceView], depth: int) -> torch.Tensor:
+        """[B, R, H] predicted features of nodes whose children sit at ``depth``, row b of sequence ``views[b]``
+        -> [B, R, N] draft log-probabilities at the target's temperature; under coupled sampling, the log-softmax
+        of the logits perturbed by that position's shared noise (their top-k is a Gumbel-top-k sample coupled to
+        the target's choice)."""
         logits = self.model.logits(features, self.target.runner.lm_head).float()
         s, coupling = self.target.sampling, self.target.coupling
         if coupling is not None:
-            noise = coupling.draft_noise(view.noise_key, [len(view.token_ids) - 1 + depth],
-                                         self.target.runner.shape.vocab_size, logits.device, self.draft_ids)
+            keys = torch.tensor([v.noise_key for v in views], dtype=torch.long, device=logits.device)
+            positions = torch.tensor([[len(v.token_ids) - 1 + depth] for v in views], device=logits.device)
+            noise = coupling.gumbel(keys, positions, self.target.runner.shape.vocab_size)  # [B, 1, vocab]
+            if self.draft_ids is not None:
+                noise = noise[..., self.draft_ids.to(noise.device)]
             return perturbed_logits(logits, s, noise).log_softmax(-1)
         if s.do_sample and s.temperature != 1.0:
             logits = logits / s.temperature
         return F.log_softmax(logits, dim=-1)
 
-    def _catch_up(self, view: SequenceView) -> torch.Tensor | None:
-        """Run the newly committed (feature, next token) pairs; the root's predicted feature [H], or None."""
-        hidden = view.new_hidden
-        if hidden is None:
-            return None
+    def _past(self, views: Sequence[SequenceView]) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """The sequences' cached keys / values, right-padded to the longest ([B, kv_heads, P, head_dim] each,
+        None when all are empty), and [B, P] bool: the real (non-padding) columns."""
+        caches = [self.caches.get(v.seq_id) for v in views]
+        lengths = [0 if c is None else c.k.shape[2] for c in caches]
+        P, dev = max(lengths), self.target.runner.device
+        real = torch.arange(P, device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]
+        if P == 0:
+            return None, None, real
+        if len(views) == 1:
+            return caches[0].k, caches[0].v, real
+        k = caches[lengths.index(P)].k.new_zeros(len(views), *caches[lengths.index(P)].k.shape[1:])
+        v = torch.zeros_like(k)
+        for b, c in enumerate(caches):
+            if c is not None:
+                k[b, :, : lengths[b]], v[b, :, : lengths[b]] = c.k[0], c.v[0]
+        return k, v, real
+
+    def _catch_up(self, seqs: Sequence[SequenceView]) -> dict[int, torch.Tensor]:
+        """Run every sequence's newly committed (feature, next token) pairs, all sequences as one right-padded
+        causal block (a padded row or key is seen only by padded rows); their keys / values join each sequence's
+        cache. -> {index in ``seqs``: the root's predicted feature [H]}."""
+        rows = [(i, v) for i, v in enumerate(seqs) if v.new_hidden is not None]
+        if not rows:
+            return {}
         runner, model = self.target.runner, self.model
-        root = len(view.token_ids) - 1
-        k = hidden.shape[0]
-        tokens = torch.tensor(view.token_ids[root - k + 1 : root + 1], device=runner.device)  # t_{j+1}, j < root
-        positions = torch.arange(root - k + 1, root + 1, device=runner.device)
-        cache = self.caches.get(view.seq_id)
-        past = 0 if cache is None else cache.k.shape[2]
-        mask = torch.ones(1, k, past + k, dtype=torch.bool, device=runner.device)
-        mask[0, :, past:] = torch.ones(k, k, dtype=torch.bool, device=runner.device).tril()
-        embeds = F.embedding(tokens, runner.embed)[None]
-        if model.eagle3 and hidden.shape[-1] != model.fc.in_features:
+        dev = runner.device
+        views = [v for _, v in rows]
+        lengths = [v.new_hidden.shape[0] for v in views]
+        B, L = len(views), max(lengths)
+        if model.eagle3 and views[0].new_hidden.shape[-1] != model.fc.in_features:
             raise InputError(f"eagle: this EAGLE-3 head reads target layers {list(model.config.feature_layers)}, but "
                              f"the engine passed final hidden states (an EAGLE-3 head cannot run inside the "
                              f"combined drafter)")
-        out, new_k, new_v = model(embeds, model.fuse(hidden[None].to(runner.dtype)), positions, mask,
-                                  None if cache is None else cache.k, None if cache is None else cache.v)
-        if cache is None:
-            self.caches[view.seq_id] = _SeqCache(new_k, new_v)
-        else:
-            cache.k, cache.v = torch.cat([cache.k, new_k], dim=2), torch.cat([cache.v, new_v], dim=2)
-        return out[0, -1]
+        tokens = torch.zeros(B, L, dtype=torch.long)  # t_{j+1}, j < root
+        positions = torch.zeros(B, L, dtype=torch.long)
+        hidden = views[0].new_hidden.new_zeros(B, L, views[0].new_hidden.shape[-1])
+        for b, (v, k) in enumerate(zip(views, lengths)):
+            root = len(v.token_ids) - 1
+            tokens[b, :k] = torch.tensor(v.token_ids[root - k + 1 : root + 1])
+            positions[b, :k] = torch.arange(root - k + 1, root + 1)
+            hidden[b, :k] = v.new_hidden
+        past_k, past_v, real = self._past(views)
+        mask = torch.cat([real[:, None].expand(B, L, real.shape[1]),
+                          torch.ones(L, L, dtype=torch.bool, device=dev).tril().expand(B, L, L)], dim=2)
+        embeds = F.embedding(tokens.to(dev), runner.embed)
+        out, new_k, new_v = model(embeds, model.fuse(hidden.to(runner.dtype)), positions.to(dev), mask, past_k,
+                                  past_v)
+        for b, (v, k) in enumerate(zip(views, lengths)):
+            cache = self.caches.get(v.seq_id)
+            if cache is None:
+                self.caches[v.seq_id] = _SeqCache(new_k[b : b + 1, :, :k], new_v[b : b + 1, :, :k])
+            else:
+                cache.k = torch.cat([cache.k, new_k[b : b + 1, :, :k]], dim=2)
+                cache.v = torch.cat([cache.v, new_v[b : b + 1, :, :k]], dim=2)
+        return {i: out[b, k - 1] for b, ((i, _), k) in enumerate(zip(rows, lengths))}
 
-    def _propose_one(self, view: SequenceView, max_depth: int, level_seconds: list[float]) -> DraftTree:
-        """``level_seconds[j]`` gains the wall time of level j + 1 (host lists read at each level: synced)."""
-        t0 = time.perf_counter()
-        h_root = self._catch_up(view)
-        if h_root is None:  # a one-token prompt's first step: no feature yet
-            return DraftTree.empty()
+    def _grow(self, views: Sequence[SequenceView], h_root: torch.Tensor, max_depth: int, level_seconds: list[float],
+              t0: float) -> list[DraftTree]:
+        """The sequences' trees from their root features ``h_root`` [B, H], one batched forward per depth: every
+        sequence expands exactly ``top_k`` nodes per depth, so the queries are [B, top_k] and the tree keys
+        [B, kv_heads, top_k * levels, head_dim]. ``level_seconds[j]`` gains the wall time of level j + 1 (host
+        lists read at each level: synced)."""
         runner, model = self.target.runner, self.model
-        dev, K = runner.device, self.top_k
-        cache = self.caches[view.seq_id]
-        past = cache.k.shape[2]
-        root_pos = len(view.token_ids) - 1
-        # candidate pool (host lists): reduced token index, parent pool index (-1 = root), cumulative logp, logp
-        tok: list[int] = []
-        parent: list[int] = []
-        cum: list[float] = []
-        cond: list[float] = []
-        logp = self._token_logp(h_root[None], view, 1)[0]
-        top = torch.topk(logp, K)
-        for t, lp in zip(top.indices.tolist(), top.values.tolist()):
-            tok.append(t), parent.append(-1), cum.append(lp), cond.append(lp)
+        dev, K, B = runner.device, self.top_k, len(views)
+        past_k, past_v, real = self._past(views)
+        P = real.shape[1]
+        root_pos = torch.tensor([len(v.token_ids) - 1 for v in views], device=dev)
+        # candidate pools (host lists), per sequence: reduced token index, parent pool index (-1 = root),
+        # cumulative logp, logp
+        top = torch.topk(self._token_logp(h_root[:, None], views, 1)[:, 0], K)  # [B, K]
+        tok = top.indices.tolist()
+        cum = top.values.tolist()
+        cond = [list(c) for c in cum]
+        parent = [[-1] * K for _ in range(B)]
         t1 = time.perf_counter()
         level_seconds[0] += t1 - t0
-        frontier = list(range(K))  # pool indices expanded next
-        feature_of = {-1: h_root}  # pool index -> the predicted feature its children's queries read
-        tree_k = tree_v = None  # [1, kv_heads, E, head_dim] keys / values of the expanded nodes
-        expanded: list[int] = []  # pool index of each tree key row
+        frontier = [list(range(K)) for _ in range(B)]  # pool indices expanded next
+        feats = h_root[:, None].expand(B, K, h_root.shape[-1])  # [B, K, H] the feature each query reads: its parent's
+        tree_k = tree_v = None  # [B, kv_heads, E, head_dim] keys / values of the expanded nodes
+        expanded: list[list[int]] = [[] for _ in range(B)]  # pool index of each tree key row, per sequence
         for depth in range(2, max_depth + 1):
-            n = len(frontier)
-            ids = torch.tensor([tok[i] for i in frontier], device=dev)
+            E = len(expanded[0])
+            ids = torch.tensor([[tok[b][i] for i in frontier[b]] for b in range(B)], device=dev)  # [B, K]
             full = ids if self.draft_ids is None else self.draft_ids[ids]
-            embeds = F.embedding(full, runner.embed)[None]  # [1, n, H]
-            feats = torch.stack([feature_of[parent[i]] for i in frontier])[None]
-            positions = torch.full((n,), root_pos + depth - 1, device=dev)
-            E = len(expanded)
-            mask = torch.zeros(1, n, past + E + n, dtype=torch.bool, device=dev)
-            mask[0, :, :past] = True
-            for r, i in enumerate(frontier):  # ancestors among the expanded nodes, then itself
-                a = parent[i]
-                while a >= 0:
-                    mask[0, r, past + expanded.index(a)] = True
-                    a = parent[a]
-                mask[0, r, past + E + r] = True
-            keys_k = cache.k if tree_k is None else torch.cat([cache.k, tree_k], dim=2)
-            keys_v = cache.v if tree_v is None else torch.cat([cache.v, tree_v], dim=2)
+            embeds = F.embedding(full, runner.embed)  # [B, K, H]
+            positions = (root_pos + depth - 1)[:, None].expand(B, K)
+            tree_mask = [[[False] * (E + K) for _ in range(K)] for _ in range(B)]
+            for b in range(B):  # ancestors among the expanded nodes, then itself
+                where = {a: e for e, a in enumerate(expanded[b])}
+                for r, i in enumerate(frontier[b]):
+                    a = parent[b][i]
+                    while a >= 0:
+                        tree_mask[b][r][where[a]] = True
+                        a = parent[b][a]
+                    tree_mask[b][r][E + r] = True
+            mask = torch.cat([real[:, None].expand(B, K, P), torch.tensor(tree_mask, device=dev)], dim=2)
+            keys_k = past_k if tree_k is None else torch.cat([past_k, tree_k], dim=2)  # the root's catch-up: P >= 1
+            keys_v = past_v if tree_v is None else torch.cat([past_v, tree_v], dim=2)
             out, nk, nv = model(embeds, feats.to(runner.dtype), positions, mask, keys_k, keys_v)
             tree_k = nk if tree_k is None else torch.cat([tree_k, nk], dim=2)
             tree_v = nv if tree_v is None else torch.cat([tree_v, nv], dim=2)
-            expanded.extend(frontier)
-            for r, i in enumerate(frontier):
-                feature_of[i] = out[0, r]
-            child = torch.topk(self._token_logp(out[0], view, depth), K)  # [n, K]
-            base = torch.tensor([cum[i] for i in frontier], device=child.values.device)[:, None]
-            child_cum = (base + child.values).flatten().tolist()
-            child_tok, child_lp = child.indices.flatten().tolist(), child.values.flatten().tolist()
-            first = len(tok)
-            for j in range(n * K):
-                tok.append(child_tok[j]), parent.append(frontier[j // K]), cum.append(child_cum[j])
-                cond.append(child_lp[j])
-            order = sorted(range(n * K), key=lambda j: -child_cum[j])[:K]
-            frontier = [first + j for j in sorted(order)]
+            child = torch.topk(self._token_logp(out, views, depth), K)  # [B, K rows, K children]
+            base = torch.tensor([[cum[b][i] for i in frontier[b]] for b in range(B)], device=child.values.device)
+            child_cum = (base[..., None] + child.values).flatten(1).tolist()  # float32 sums, as the tree's scores
+            child_tok, child_lp = child.indices.flatten(1).tolist(), child.values.flatten(1).tolist()
+            rows = []  # per sequence: the row of ``out`` each new frontier node's parent is
+            for b in range(B):
+                expanded[b].extend(frontier[b])
+                first = len(tok[b])
+                for j in range(K * K):
+                    tok[b].append(child_tok[b][j]), parent[b].append(frontier[b][j // K])
+                    cum[b].append(child_cum[b][j]), cond[b].append(child_lp[b][j])
+                order = sorted(sorted(range(K * K), key=lambda j: -child_cum[b][j])[:K])
+                frontier[b] = [first + j for j in order]
+                rows.append([j // K for j in order])
+            feats = out.gather(1, torch.tensor(rows, device=dev)[..., None].expand(B, K, out.shape[-1]))
             t0, t1 = t1, time.perf_counter()
             level_seconds[depth - 1] += t1 - t0
-        return self._rerank(tok, parent, cum, cond, dev)
+        return [self._rerank(tok[b], parent[b], cum[b], cond[b], dev) for b in range(B)]
 
     def _rerank(self, tok, parent, cum, cond, dev) -> DraftTree:
         """The max_nodes best candidates by cumulative log-probability, parents before children."""

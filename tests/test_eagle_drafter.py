@@ -57,6 +57,40 @@ def test_greedy_output_is_the_targets_batched_and_single(device, vocab):
         assert set(torch.cat([t.tokens for t in trees]).tolist()) <= set(vocab)
 
 
+class ByPrefix(EagleDrafter):
+    """Keeps each proposed tree under its sequence's tokens (prompt + committed)."""
+
+    def propose(self, seqs):
+        trees = super().propose(seqs)
+        self.seen.update((tuple(v.token_ids), t) for v, t in zip(seqs, trees))
+        return trees
+
+
+@pytest.mark.parametrize("sampling", [{}, dict(do_sample=True, temperature=0.8, seed=3, sampler="coupled")],
+                         ids=["greedy", "coupled"])
+def test_batched_drafting_proposes_the_trees_each_sequence_gets_alone(sampling):
+    """All sequences draft together, one forward per depth (caches and catch-ups of different lengths right-padded
+    and masked): each gets the tree it gets drafting alone, same tokens and parents, scores equal to rounding."""
+    model = build_tiny_model()
+    eagle = _eagle(model, depth=4, top_k=3, max_nodes=10)
+    prompts = ragged_prompts(5, seed=2)
+    kw = dict(max_new_tokens=24, speculation="always", **sampling)
+    batched = ByPrefix(model=eagle, adapt_depth=False)
+    batched.seen = {}
+    generate(model, prompts, drafter=batched, **kw)
+    alone = {}
+    for p in prompts:
+        drafter = ByPrefix(model=eagle, adapt_depth=False)
+        drafter.seen = alone
+        generate(model, [p], drafter=drafter, **kw)
+    assert batched.seen.keys() == alone.keys() and len(alone) > 3 * len(prompts)
+    assert len({len(key) for key in alone}) > 5  # ragged: the batch padded caches of many lengths
+    for key, tree in batched.seen.items():
+        assert tree.tokens.tolist() == alone[key].tokens.tolist(), key
+        assert tree.parents.tolist() == alone[key].parents.tolist(), key
+        torch.testing.assert_close(tree.scores, alone[key].scores, rtol=1e-4, atol=1e-6)
+
+
 def test_stats_record_the_nodes_each_step_verified():
     model = build_tiny_model()
     drafter = Recorder(model=_eagle(model, depth=3, top_k=2, max_nodes=5))
