@@ -211,7 +211,7 @@ class ModelRun:
         vocab = self.loaded.runner.shape.vocab_size
         pool = torch.randint(vocab, (max(args.batches), args.prompt_len), generator=gen).tolist()
         self.references: dict[int, dict] = {}
-        self.draft_seconds_per_seq_step: float | None = None  # the EAGLE layer's, from the first batch-1 row
+        self.draft_seconds_per_step: float | None = None  # the EAGLE layer's at batch 1, from the first batch-1 row
         b0, rest = args.batches[0], args.batches[1:]
         first, others = args.taus[0], args.taus[1:]
 
@@ -231,7 +231,7 @@ class ModelRun:
                 oracle(b0, tau, shape, True)
         if not args.no_hf:
             self.item("transformers static cache b1", lambda: self.hf(pool[0]))
-        for b in reversed(rest):  # the EAGLE layer drafts one sequence at a time: its rows cost batch x more
+        for b in reversed(rest):  # EAGLE rows at batch > 1: estimated, so they come after the cheaper rows
             oracle(b, first, "chain", True)
         for b in reversed(rest):
             for tau in args.taus:
@@ -279,10 +279,12 @@ class ModelRun:
                                           ratio={n: c / base for n, c in costs.items()})
 
     def estimate(self, batch: int, tau: float) -> float | None:
-        """Seconds of an EAGLE row at ``batch`` (warm-up + timed call), from the batch-1 row's drafting time."""
-        if self.draft_seconds_per_seq_step is None:
+        """Seconds of an EAGLE row at ``batch`` (warm-up + timed call), from the batch-1 row's drafting time. The
+        layer drafts all sequences together, one forward per depth, so a step costs less than ``batch`` lone steps;
+        ``max(1, batch / 4)`` of one is a margin, not a measurement."""
+        if self.draft_seconds_per_step is None:
             return None
-        return 2 * self.args.new_tokens / tau * batch * self.draft_seconds_per_seq_step
+        return 2 * self.args.new_tokens / tau * max(1.0, batch / 4) * self.draft_seconds_per_step
 
     def oracle(self, prompts, tau: float, shape: str, eagle: bool) -> None:
         from specdec.drafters.eagle import EagleDrafter
@@ -305,8 +307,8 @@ class ModelRun:
         outputs = row.pop("outputs")
         plain = self.result["plain"][str(b)]
         same = sum(out == self.references[b][tuple(p)] for p, out in zip(prompts, outputs))
-        if eagle and b == 1 and self.draft_seconds_per_seq_step is None:
-            self.draft_seconds_per_seq_step = row["draft_seconds"] / row["steps"]
+        if eagle and b == 1 and self.draft_seconds_per_step is None:
+            self.draft_seconds_per_step = row["draft_seconds"] / row["steps"]
         row.update(shape=shape, batch=b, eagle=eagle, tau_target=tau, nodes=nodes, profile_rate=profile.rates[0],
                    speedup=row["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
                    identical_to_plain=f"{same}/{b}")

@@ -3,17 +3,19 @@
     generate(model, ids, drafter="eagle", drafter_options={"path": "eagle-smollm2/"})
     specdec generate --drafter eagle --drafter-option path=\"eagle-smollm2/\"
 
-Each step, per sequence (drafters/eagle_model.py has the layer):
+Each step, for all sequences together (drafters/eagle_model.py has the layer):
 
 1. **catch up**: the target's hidden states of the positions committed since the last step
    (``SequenceView.new_hidden``) paired with the tokens that follow them run through the draft
-   layer as one causal block; their keys / values join the drafter's own per-sequence cache.
+   layer as one causal block (the sequences' blocks and caches right-padded to the longest and
+   masked); their keys / values join the drafter's own per-sequence cache.
    An EAGLE-3 head names its ``feature_layers``: the engine then passes the residual streams
    entering those target layers instead of the final-norm states, and the head fuses them (fc).
    The last row predicts the root's feature; its logits score depth 1.
 2. **grow** (EAGLE-2): ``depth - 1`` times, the ``top_k`` candidates of the newest depth with the
    highest cumulative draft log-probability run as queries (each sees the cache, its ancestors
-   and itself) and each adds its ``top_k`` best children to the candidate pool.
+   and itself) and each adds its ``top_k`` best children to the candidate pool; every sequence
+   expands ``top_k`` nodes per depth, so one forward of [sequences, top_k] queries serves them all.
 3. **rerank**: the ``max_nodes`` candidates with the highest cumulative log-probability form the
    tree (ancestor-closed: a child never scores above its parent).
 
