@@ -237,67 +237,63 @@ class EagleDrafter(Drafter):
 
     def _grow(self, views: Sequence[SequenceView], h_root: torch.Tensor, max_depth: int, level_seconds: list[float],
               t0: float) -> list[DraftTree]:
-        """The sequences' trees from their root features ``h_root`` [B, H], one batched forward per depth: every
-        sequence expands exactly ``top_k`` nodes per depth, so the queries are [B, top_k] and the tree keys
-        [B, kv_heads, top_k * levels, head_dim]. ``level_seconds[j]`` gains the wall time of level j + 1 (host
-        lists read at each level: synced)."""
+        """The sequences' trees from their root features ``h_root`` [B, H], one batched forward per depth, every
+        choice made on the device: each sequence expands exactly ``top_k`` nodes per depth, so the queries are
+        [B, top_k] and the tree keys [B, kv_heads, top_k * levels, head_dim]; the host reads the candidate pool
+        once, to rerank. ``level_seconds[j]`` gains the wall time of level j + 1 (the device waited for when the
+        depth chooser prices levels)."""
         runner, model = self.target.runner, self.model
         dev, K, B = runner.device, self.top_k, len(views)
-        past_k, past_v, real = self._past(views)
+        past_k, past_v, real = self._past(views)  # the roots' catch-up: at least one key each
         P = real.shape[1]
         root_pos = torch.tensor([len(v.token_ids) - 1 for v in views], device=dev)
-        # candidate pools (host lists), per sequence: reduced token index, parent pool index (-1 = root),
-        # cumulative logp, logp
-        top = torch.topk(self._token_logp(h_root[:, None], views, 1)[:, 0], K)  # [B, K]
-        tok = top.indices.tolist()
-        cum = top.values.tolist()
-        cond = [list(c) for c in cum]
-        parent = [[-1] * K for _ in range(B)]
-        t1 = time.perf_counter()
-        level_seconds[0] += t1 - t0
-        frontier = [list(range(K)) for _ in range(B)]  # pool indices expanded next
+        # the candidate pool, in chunks [B, K] (depth 1) and [B, K * K] (each deeper level): reduced token index,
+        # parent pool index (-1 = the root), cumulative log-probability, log-probability under the parent
+        top = torch.topk(self._token_logp(h_root[:, None], views, 1)[:, 0], K)
+        tok, cum, cond = [top.indices], [top.values], [top.values]
+        parent = [torch.full((B, K), -1, dtype=torch.long, device=dev)]
+        size = K  # pool entries so far
+        frontier = torch.arange(K, device=dev).expand(B, K)  # pool indices expanded next
+        front_tok, front_cum = top.indices, top.values  # [B, K] their tokens, cumulative log-probabilities
         feats = h_root[:, None].expand(B, K, h_root.shape[-1])  # [B, K, H] the feature each query reads: its parent's
+        ancestors = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)  # [B, K, E] among the tree key rows
+        itself = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
         tree_k = tree_v = None  # [B, kv_heads, E, head_dim] keys / values of the expanded nodes
-        expanded: list[list[int]] = [[] for _ in range(B)]  # pool index of each tree key row, per sequence
+        t1 = self._level_done(level_seconds, 1, t0)
         for depth in range(2, max_depth + 1):
-            E = len(expanded[0])
-            ids = torch.tensor([[tok[b][i] for i in frontier[b]] for b in range(B)], device=dev)  # [B, K]
-            full = ids if self.draft_ids is None else self.draft_ids[ids]
-            embeds = F.embedding(full, runner.embed)  # [B, K, H]
+            embeds = F.embedding(front_tok if self.draft_ids is None else self.draft_ids[front_tok], runner.embed)
             positions = (root_pos + depth - 1)[:, None].expand(B, K)
-            tree_mask = [[[False] * (E + K) for _ in range(K)] for _ in range(B)]
-            for b in range(B):  # ancestors among the expanded nodes, then itself
-                where = {a: e for e, a in enumerate(expanded[b])}
-                for r, i in enumerate(frontier[b]):
-                    a = parent[b][i]
-                    while a >= 0:
-                        tree_mask[b][r][where[a]] = True
-                        a = parent[b][a]
-                    tree_mask[b][r][E + r] = True
-            mask = torch.cat([real[:, None].expand(B, K, P), torch.tensor(tree_mask, device=dev)], dim=2)
-            keys_k = past_k if tree_k is None else torch.cat([past_k, tree_k], dim=2)  # the root's catch-up: P >= 1
+            tree_mask = torch.cat([ancestors, itself], dim=2)  # [B, K, E + K] ancestors, then itself
+            mask = torch.cat([real[:, None].expand(B, K, P), tree_mask], dim=2)
+            keys_k = past_k if tree_k is None else torch.cat([past_k, tree_k], dim=2)
             keys_v = past_v if tree_v is None else torch.cat([past_v, tree_v], dim=2)
             out, nk, nv = model(embeds, feats.to(runner.dtype), positions, mask, keys_k, keys_v)
             tree_k = nk if tree_k is None else torch.cat([tree_k, nk], dim=2)
             tree_v = nv if tree_v is None else torch.cat([tree_v, nv], dim=2)
             child = torch.topk(self._token_logp(out, views, depth), K)  # [B, K rows, K children]
-            base = torch.tensor([[cum[b][i] for i in frontier[b]] for b in range(B)], device=child.values.device)
-            child_cum = (base[..., None] + child.values).flatten(1).tolist()  # float32 sums, as the tree's scores
-            child_tok, child_lp = child.indices.flatten(1).tolist(), child.values.flatten(1).tolist()
-            rows = []  # per sequence: the row of ``out`` each new frontier node's parent is
-            for b in range(B):
-                expanded[b].extend(frontier[b])
-                first = len(tok[b])
-                for j in range(K * K):
-                    tok[b].append(child_tok[b][j]), parent[b].append(frontier[b][j // K])
-                    cum[b].append(child_cum[b][j]), cond[b].append(child_lp[b][j])
-                order = sorted(sorted(range(K * K), key=lambda j: -child_cum[b][j])[:K])
-                frontier[b] = [first + j for j in order]
-                rows.append([j // K for j in order])
-            feats = out.gather(1, torch.tensor(rows, device=dev)[..., None].expand(B, K, out.shape[-1]))
-            t0, t1 = t1, time.perf_counter()
-            level_seconds[depth - 1] += t1 - t0
-        return [self._rerank(tok[b], parent[b], cum[b], cond[b], dev) for b in range(B)]
+            child_tok, child_lp = child.indices.flatten(1), child.values.flatten(1)  # [B, K * K]
+            child_cum = (front_cum[..., None] + child.values).flatten(1)  # float32 sums, as the tree's scores
+            tok.append(child_tok), cum.append(child_cum), cond.append(child_lp)
+            parent.append(frontier.repeat_interleave(K, dim=1))  # child j of row j // K
+            # the K best children by cumulative log-probability (ties: the first, a stable sort), in pool order
+            order = torch.sort(torch.sort(-child_cum, dim=1, stable=True).indices[:, :K], dim=1).values  # [B, K]
+            rows = order // K  # the row of ``out`` each new frontier node's parent is
+            frontier, size = size + order, size + K * K
+            front_tok, front_cum = child_tok.gather(1, order), child_cum.gather(1, order)
+            feats = out.gather(1, rows[..., None].expand(B, K, out.shape[-1]))
+            ancestors = tree_mask.gather(1, rows[..., None].expand(B, K, tree_mask.shape[-1]))
+            t1 = self._level_done(level_seconds, depth, t1)
+        pool = [torch.cat(x, dim=1).tolist() for x in (tok, parent, cum, cond)]  # the one read of the device
+        return [self._rerank(*(x[b] for x in pool), dev) for b in range(B)]
+
+    def _level_done(self, level_seconds: list[float], depth: int, since: float) -> float:
+        """``level_seconds[depth - 1]`` gains the time since ``since``; on CUDA the device is waited for only when
+        the depth chooser prices levels (otherwise the levels stay queued, one read at the end)."""
+        if self.chooser.active and self.target.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.target.runner.device)
+        now = time.perf_counter()
+        level_seconds[depth - 1] += now - since
+        return now
 
     def _rerank(self, tok, parent, cum, cond, dev) -> DraftTree:
         """The max_nodes best candidates by cumulative log-probability, parents before children."""
