@@ -44,7 +44,8 @@ def test_greedy_output_is_the_targets_batched_and_single(device, vocab):
     prompts = ragged_prompts(5, seed=2)
     plain = generate(model, prompts, max_new_tokens=24, return_dict=True).new_tokens
     drafter = Recorder(model=eagle)
-    batched = generate(model, prompts, max_new_tokens=24, drafter=drafter, return_dict=True)
+    # every tree verified: under the guard a machine busy with other work can leave the drafter out altogether
+    batched = generate(model, prompts, max_new_tokens=24, drafter=drafter, return_dict=True, speculation="always")
     assert batched.new_tokens == plain
     assert sum(s.steps for s in batched.stats) < sum(s.new_tokens for s in batched.stats)  # it drafted usefully
     single = [generate(model, [p], max_new_tokens=24, drafter=EagleDrafter(model=eagle), return_dict=True)
