@@ -168,11 +168,9 @@ class EagleDrafter(Drafter):
         logits = self.model.logits(features, self.target.runner.lm_head).float()
         s, coupling = self.target.sampling, self.target.coupling
         if coupling is not None:
-            keys = torch.tensor([v.noise_key for v in views], dtype=torch.long, device=logits.device)
-            positions = torch.tensor([[len(v.token_ids) - 1 + depth] for v in views], device=logits.device)
-            noise = coupling.gumbel(keys, positions, self.target.runner.shape.vocab_size)  # [B, 1, vocab]
-            if self.draft_ids is not None:
-                noise = noise[..., self.draft_ids.to(noise.device)]
+            positions = [[len(v.token_ids) - 1 + depth] for v in views]  # [B, 1]: the children's position
+            noise = coupling.draft_noise_batch([v.noise_key for v in views], positions,
+                                               self.target.runner.shape.vocab_size, logits.device, self.draft_ids)
             return perturbed_logits(logits, s, noise).log_softmax(-1)
         if s.do_sample and s.temperature != 1.0:
             logits = logits / s.temperature
@@ -189,7 +187,8 @@ class EagleDrafter(Drafter):
             return None, None, real
         if len(views) == 1:
             return caches[0].k, caches[0].v, real
-        k = caches[lengths.index(P)].k.new_zeros(len(views), *caches[lengths.index(P)].k.shape[1:])
+        longest = caches[lengths.index(P)].k
+        k = longest.new_zeros(len(views), *longest.shape[1:])
         v = torch.zeros_like(k)
         for b, c in enumerate(caches):
             if c is not None:

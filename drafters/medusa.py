@@ -184,8 +184,9 @@ class MedusaDrafter(Drafter):
             return logits.float().log_softmax(-1)
         depth, vocab = logits.shape[0], self.target.runner.shape.vocab_size
         columns = None if self.vocab is None else self.vocab.ids
-        noise = torch.stack([coupling.draft_noise(v.noise_key, range(len(v.token_ids), len(v.token_ids) + depth),
-                                                  vocab, logits.device, columns) for v in views], 1)  # [depth, B, n]
+        positions = [range(len(v.token_ids), len(v.token_ids) + depth) for v in views]
+        noise = coupling.draft_noise_batch([v.noise_key for v in views], positions, vocab, logits.device,
+                                           columns).transpose(0, 1)  # [depth, B, n]
         return perturbed_logits(logits, self.target.sampling, noise).log_softmax(-1)
 
     def _head_logits(self, hidden: torch.Tensor, depth: int) -> torch.Tensor:

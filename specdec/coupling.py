@@ -118,9 +118,14 @@ class Coupling:
                     columns: torch.Tensor | None = None) -> torch.Tensor:
         """One sequence's Gumbel noise at ``positions`` -> [P, vocab] float64 on ``device``, for a drafter;
         ``columns`` [n]: only those token ids (a reduced draft vocabulary's) -> [P, n]."""
-        keys = torch.tensor([key], dtype=torch.long, device=device)
-        noise = self.gumbel(keys, torch.tensor([list(positions)], dtype=torch.long, device=device), vocab)[0]
-        return noise if columns is None else noise[:, columns.to(noise.device)]
+        return self.draft_noise_batch([key], [positions], vocab, device, columns)[0]
+
+    def draft_noise_batch(self, keys: Sequence[int], positions: Sequence[Sequence[int]], vocab: int,
+                          device: torch.device | str, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`draft_noise` of several sequences at once, P positions each -> [B, P, vocab] (or [B, P, n])."""
+        key_t = torch.tensor(list(keys), dtype=torch.long, device=device)
+        noise = self.gumbel(key_t, torch.tensor([list(p) for p in positions], dtype=torch.long, device=device), vocab)
+        return noise if columns is None else noise[..., columns.to(noise.device)]
 
 
 def perturbed_logits(logits: torch.Tensor, sampling: SamplingConfig, gumbel: torch.Tensor) -> torch.Tensor:
