@@ -297,13 +297,21 @@ class ModelRun:
         profile = AcceptanceProfile.for_tau(tau, depth, width)
         nodes = depth * width
 
+        inners = []
+
         def drafter():
-            inner = (EagleDrafter(model=self.eagle, depth=depth, top_k=width, max_nodes=nodes, adapt_depth=False)
-                     if eagle else None)
+            # graphs on: captured on CUDA (what "auto" does there); uncaptured on the CPU, so the rehearsal runs the
+            # padded static growth the GPU replays
+            inner = (EagleDrafter(model=self.eagle, depth=depth, top_k=width, max_nodes=nodes, adapt_depth=False,
+                                  cuda_graphs=True) if eagle else None)
+            inners.append(inner)
             return OracleDrafter(self.references[b], profile, inner=inner, seed=1)
 
         run_generate(self.loaded, prompts, self.args.new_tokens, drafter=drafter(), speculation="always")  # warm-up
+        graphs = inners[0].graphs if eagle else None  # kept on the EAGLE model: the timed call replays its graphs
+        replays = graphs.replays if graphs is not None else 0
         row = run_generate(self.loaded, prompts, self.args.new_tokens, drafter=drafter(), speculation="always")
+        row["draft_graph_replays"] = (graphs.replays - replays) if graphs is not None else 0
         outputs = row.pop("outputs")
         plain = self.result["plain"][str(b)]
         same = sum(out == self.references[b][tuple(p)] for p, out in zip(prompts, outputs))
@@ -316,6 +324,14 @@ class ModelRun:
 
     def hf(self, prompt) -> None:
         self.result["hf_static"] = hf_static(self.loaded.model, prompt, self.args.new_tokens)
+
+
+def _drafting(row: dict) -> str:
+    """The oracle row's drafting: none, or EAGLE's, eager or replayed as CUDA graphs (how many growths were)."""
+    if not row["eagle"]:
+        return "none"
+    replays = row.get("draft_graph_replays", 0)
+    return f"EAGLE, {replays} graph replays" if replays else "EAGLE, eager"
 
 
 def markdown(report: dict) -> str:
@@ -350,7 +366,7 @@ def markdown(report: dict) -> str:
             lines += ["", "| oracle | batch | nodes | drafting | tau target | tau | step ms | draft ms/step | "
                           "decode tok/s | speedup vs plain | same text |", "|---" * 11 + "|"]
             for r in m["oracle"]:
-                lines.append(f"| {r['shape']} | {r['batch']} | {r['nodes']} | {'EAGLE' if r['eagle'] else 'none'} | "
+                lines.append(f"| {r['shape']} | {r['batch']} | {r['nodes']} | {_drafting(r)} | "
                              f"{r['tau_target']:.1f} | {r['tau']:.2f} | {r['step_ms']:.3f} | "
                              f"{1e3 * r['draft_seconds'] / r['steps']:.3f} | {r['decode_tokens_per_s']:.1f} | "
                              f"**{r['speedup']:.2f}x** | {r['identical_to_plain']} |")

@@ -12,10 +12,10 @@ Each step, for all sequences together (drafters/eagle_model.py has the layer):
    An EAGLE-3 head names its ``feature_layers``: the engine then passes the residual streams
    entering those target layers instead of the final-norm states, and the head fuses them (fc).
    The last row predicts the root's feature; its logits score depth 1.
-2. **grow** (EAGLE-2): ``depth - 1`` times, the ``top_k`` candidates of the newest depth with the
-   highest cumulative draft log-probability run as queries (each sees the cache, its ancestors
-   and itself) and each adds its ``top_k`` best children to the candidate pool; every sequence
-   expands ``top_k`` nodes per depth, so one forward of [sequences, top_k] queries serves them all.
+2. **grow** (EAGLE-2, drafters/eagle_grow.py): ``depth - 1`` times, the ``top_k`` candidates of the
+   newest depth with the highest cumulative draft log-probability run as queries and each adds its
+   ``top_k`` best children to the candidate pool, one forward of [sequences, top_k] queries per depth;
+   on CUDA (``cuda_graphs="auto"``) replayed as a CUDA graph of fixed shapes (drafters/eagle_graphs.py).
 3. **rerank**: the ``max_nodes`` candidates with the highest cumulative log-probability form the
    tree (ancestor-closed: a child never scores above its parent).
 
@@ -40,11 +40,12 @@ from specdec.drafters.base import Drafter, SequenceView, TargetView, check_path_
 from specdec.drafters.call_memory import memory_key
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, check_fits_target, load_eagle
 from specdec.drafters.eagle_depth import DepthChooser
+from specdec.drafters.eagle_graphs import EagleGraphs, eagle_graphs
+from specdec.drafters.eagle_grow import GrowInputs, TreeGrower
 from specdec.drafters.eagle_model import EagleModel
 from specdec.drafters.loaded_once import load_once
 from torch.nn import functional as F
 
-from specdec.coupling import perturbed_logits
 from specdec.errors import InputError
 from specdec.tree import MAX_TREE_NODES, DraftTree, matched_levels
 
@@ -61,10 +62,15 @@ class EagleDraftConfig:
     # draft, per call, the depth (<= depth) that pays best on this machine (drafters/eagle_depth.py); False: always
     # the full depth
     adapt_depth: bool = True
+    # grow the tree through CUDA graphs (drafters/eagle_graphs.py): "auto" on a CUDA device; True also elsewhere
+    # (uncaptured: the padded static growth, for tests); False never
+    cuda_graphs: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.adapt_depth, bool):
             raise InputError(f"eagle: adapt_depth must be True or False, got {self.adapt_depth!r}")
+        if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "auto"):
+            raise InputError(f"eagle: cuda_graphs must be True, False or 'auto', got {self.cuda_graphs!r}")
         for name in ("depth", "top_k", "max_nodes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -114,12 +120,17 @@ class EagleDrafter(Drafter):
         vocab = len(c.draft_vocab) or c.vocab_size
         if self.top_k > vocab:
             raise InputError(f"eagle: top_k={self.top_k} exceeds the draft vocabulary of {vocab} tokens")
+        self.grower = TreeGrower(self.model, runner.embed, runner.lm_head, target.sampling, target.coupling,
+                                 self.top_k, runner.shape.vocab_size)
+        graphs = o.cuda_graphs if o.cuda_graphs != "auto" else runner.device.type == "cuda"
+        self.graphs: EagleGraphs | None = eagle_graphs(self.grower, runner.device.type == "cuda") if graphs else None
         self.chooser = DepthChooser(self.depth)
         adapt = self.options.adapt_depth
         self.chooser.start(target.costs if adapt else None, memory_key(self, runner))
         self._last.clear()
-        logger.info("eagle: depth %d%s, top-k %d, %d nodes, draft vocabulary %d", self.depth,
-                    " at most (chosen per call)" if self.chooser.active else "", self.top_k, self.max_nodes, vocab)
+        logger.info("eagle: depth %d%s, top-k %d, %d nodes, draft vocabulary %d%s", self.depth,
+                    " at most (chosen per call)" if self.chooser.active else "", self.top_k, self.max_nodes, vocab,
+                    ", CUDA graphs" if self.graphs is not None and self.graphs.config.capture else "")
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -159,22 +170,6 @@ class EagleDrafter(Drafter):
             self._last[view.seq_id] = _top_chain(tree)
         self.chooser.record_seconds(level_seconds, catch_up)
         return trees
-
-    def _token_logp(self, features: torch.Tensor, views: Sequence[SequenceView], depth: int) -> torch.Tensor:
-        """[B, R, H] predicted features of nodes whose children sit at ``depth``, row b of sequence ``views[b]``
-        -> [B, R, N] draft log-probabilities at the target's temperature; under coupled sampling, the log-softmax
-        of the logits perturbed by that position's shared noise (their top-k is a Gumbel-top-k sample coupled to
-        the target's choice)."""
-        logits = self.model.logits(features, self.target.runner.lm_head).float()
-        s, coupling = self.target.sampling, self.target.coupling
-        if coupling is not None:
-            positions = [[len(v.token_ids) - 1 + depth] for v in views]  # [B, 1]: the children's position
-            noise = coupling.draft_noise_batch([v.noise_key for v in views], positions,
-                                               self.target.runner.shape.vocab_size, logits.device, self.draft_ids)
-            return perturbed_logits(logits, s, noise).log_softmax(-1)
-        if s.do_sample and s.temperature != 1.0:
-            logits = logits / s.temperature
-        return F.log_softmax(logits, dim=-1)
 
     def _past(self, views: Sequence[SequenceView]) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """The sequences' cached keys / values, right-padded to the longest ([B, kv_heads, P, head_dim] each,
@@ -236,54 +231,34 @@ class EagleDrafter(Drafter):
 
     def _grow(self, views: Sequence[SequenceView], h_root: torch.Tensor, max_depth: int, level_seconds: list[float],
               t0: float) -> list[DraftTree]:
-        """The sequences' trees from their root features ``h_root`` [B, H], one batched forward per depth, every
-        choice made on the device: each sequence expands exactly ``top_k`` nodes per depth, so the queries are
-        [B, top_k] and the tree keys [B, kv_heads, top_k * levels, head_dim]; the host reads the candidate pool
-        once, to rerank. ``level_seconds[j]`` gains the wall time of level j + 1 (the device waited for when the
-        depth chooser prices levels)."""
-        runner, model = self.target.runner, self.model
-        dev, K, B = runner.device, self.top_k, len(views)
-        past_k, past_v, real = self._past(views)  # the roots' catch-up: at least one key each
-        P = real.shape[1]
-        root_pos = torch.tensor([len(v.token_ids) - 1 for v in views], device=dev)
-        # the candidate pool, in chunks [B, K] (depth 1) and [B, K * K] (each deeper level): reduced token index,
-        # parent pool index (-1 = the root), cumulative log-probability, log-probability under the parent
-        top = torch.topk(self._token_logp(h_root[:, None], views, 1)[:, 0], K)
-        tok, cum, cond = [top.indices], [top.values], [top.values]
-        parent = [torch.full((B, K), -1, dtype=torch.long, device=dev)]
-        size = K  # pool entries so far
-        frontier = torch.arange(K, device=dev).expand(B, K)  # pool indices expanded next
-        front_tok, front_cum = top.indices, top.values  # [B, K] their tokens, cumulative log-probabilities
-        feats = h_root[:, None].expand(B, K, h_root.shape[-1])  # [B, K, H] the feature each query reads: its parent's
-        ancestors = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)  # [B, K, E] among the tree key rows
-        itself = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
-        tree_k = tree_v = None  # [B, kv_heads, E, head_dim] keys / values of the expanded nodes
-        t1 = self._level_done(level_seconds, 1, t0)
-        for depth in range(2, max_depth + 1):
-            embeds = F.embedding(front_tok if self.draft_ids is None else self.draft_ids[front_tok], runner.embed)
-            positions = (root_pos + depth - 1)[:, None].expand(B, K)
-            tree_mask = torch.cat([ancestors, itself], dim=2)  # [B, K, E + K] ancestors, then itself
-            mask = torch.cat([real[:, None].expand(B, K, P), tree_mask], dim=2)
-            keys_k = past_k if tree_k is None else torch.cat([past_k, tree_k], dim=2)
-            keys_v = past_v if tree_v is None else torch.cat([past_v, tree_v], dim=2)
-            out, nk, nv = model(embeds, feats.to(runner.dtype), positions, mask, keys_k, keys_v)
-            tree_k = nk if tree_k is None else torch.cat([tree_k, nk], dim=2)
-            tree_v = nv if tree_v is None else torch.cat([tree_v, nv], dim=2)
-            child = torch.topk(self._token_logp(out, views, depth), K)  # [B, K rows, K children]
-            child_tok, child_lp = child.indices.flatten(1), child.values.flatten(1)  # [B, K * K]
-            child_cum = (front_cum[..., None] + child.values).flatten(1)  # float32 sums, as the tree's scores
-            tok.append(child_tok), cum.append(child_cum), cond.append(child_lp)
-            parent.append(frontier.repeat_interleave(K, dim=1))  # child j of row j // K
-            # the K best children by cumulative log-probability (ties: the first, a stable sort), in pool order
-            order = torch.sort(torch.sort(-child_cum, dim=1, stable=True).indices[:, :K], dim=1).values  # [B, K]
-            rows = order // K  # the row of ``out`` each new frontier node's parent is
-            frontier, size = size + order, size + K * K
-            front_tok, front_cum = child_tok.gather(1, order), child_cum.gather(1, order)
-            feats = out.gather(1, rows[..., None].expand(B, K, out.shape[-1]))
-            ancestors = tree_mask.gather(1, rows[..., None].expand(B, K, tree_mask.shape[-1]))
-            t1 = self._level_done(level_seconds, depth, t1)
-        pool = [torch.cat(x, dim=1).tolist() for x in (tok, parent, cum, cond)]  # the one read of the device
-        return [self._rerank(*(x[b] for x in pool), dev) for b in range(B)]
+        """The sequences' trees from their root features ``h_root`` [B, H]: the candidate pools grown on the device
+        (drafters/eagle_grow.py; replayed as a CUDA graph when ``self.graphs`` has a bucket), read by the host
+        once, reranked. ``level_seconds[j]`` gains the wall time of level j + 1 (the device waited for when the
+        depth chooser prices levels; a replayed growth's time is shared evenly among its levels)."""
+        dev = self.target.runner.device
+        root_pos = [len(v.token_ids) - 1 for v in views]
+        keys = [v.noise_key for v in views]
+        pool = None
+        if self.graphs is not None:
+            t1 = self._level_done(level_seconds, 1, t0)  # the catch-up
+            caches = [(c.k, c.v) for c in (self.caches[v.seq_id] for v in views)]
+            pool = self.graphs.pool(caches, h_root, root_pos, keys, max_depth)
+            if pool is not None:
+                rows = pool.tolist()  # the one read of the device
+                share = (time.perf_counter() - t1) / max_depth
+                for j in range(max_depth):
+                    level_seconds[j] += share
+        if pool is None:
+            past_k, past_v, real = self._past(views)  # the roots' catch-up: at least one key each
+            inputs = GrowInputs(h_root, past_k, past_v, real, torch.tensor(root_pos, device=dev),
+                                torch.tensor(keys, dtype=torch.long, device=dev))
+            clock = [t0]
+
+            def on_level(depth: int) -> None:
+                clock[0] = self._level_done(level_seconds, depth, clock[0])
+
+            rows = self.grower.pool(inputs, max_depth, on_level).tolist()  # the one read of the device
+        return [self._rerank(tok, [int(p) for p in parent], cum, cond, dev) for tok, parent, cum, cond in rows]
 
     def _level_done(self, level_seconds: list[float], depth: int, since: float) -> float:
         """``level_seconds[depth - 1]`` gains the time since ``since``; on CUDA the device is waited for only when

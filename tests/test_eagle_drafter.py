@@ -92,6 +92,41 @@ def test_batched_drafting_proposes_the_trees_each_sequence_gets_alone(sampling):
         torch.testing.assert_close(tree.scores, alone[key].scores, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("sampling", [{}, dict(do_sample=True, temperature=0.8, seed=3, sampler="coupled")],
+                         ids=["greedy", "coupled"])
+def test_graph_buckets_grow_the_trees_the_eager_growth_does(device, sampling):
+    """The padded static growth that CUDA graphs replay (on the CPU uncaptured, cuda_graphs=True) proposes the
+    eager growth's trees: 3 sequences padded to a batch of 4, cached keys padded to 64 and then 128. Its graphs are
+    kept on the EAGLE model for the same settings, and a call outside every bucket grows eagerly."""
+    model = build_tiny_model().to(device)
+    eagle = _eagle(model, depth=4, top_k=3, max_nodes=10)
+    prompts = ragged_prompts(3, seed=0, max_len=60)  # 1, 48 and 56 tokens
+    kw = dict(max_new_tokens=24, speculation="always", **sampling)
+    runs = {}
+    for graphs in (False, True):
+        drafter = ByPrefix(model=eagle, adapt_depth=False, cuda_graphs=graphs)
+        drafter.seen = {}
+        runs[graphs] = generate(model, prompts, drafter=drafter, **kw), drafter
+    (eager_out, eager), (static_out, static) = runs[False], runs[True]
+    assert static_out == eager_out and eager.graphs is None
+    assert static.seen.keys() == eager.seen.keys()
+    same = [static.seen[k].tokens.tolist() == tree.tokens.tolist()
+            and static.seen[k].parents.tolist() == tree.parents.tolist() for k, tree in eager.seen.items()]
+    # the CPU pads without changing a bit; a GPU's products of other shapes may round a rare near-tie otherwise
+    assert all(same) if device == "cpu" else sum(same) >= 0.9 * len(same)
+    graphs = static.graphs
+    assert {(4, 64), (4, 128)} <= set(graphs.buckets) and graphs.replays > len(eager.seen) // 3
+    assert graphs.config.capture == (device == "cuda")
+    again = EagleDrafter(model=eagle, adapt_depth=False, cuda_graphs=True)
+    generate(model, prompts[:2], drafter=again, **kw)
+    assert again.graphs is graphs  # the same settings: the same buckets and graphs
+    other = EagleDrafter(model=eagle, adapt_depth=False, cuda_graphs=True, top_k=2)
+    generate(model, prompts[:2], drafter=other, **kw)
+    assert other.graphs is not graphs
+    assert graphs.bucket_for(3, 65) == (4, 128)
+    assert graphs.bucket_for(33, 10) is None and graphs.bucket_for(1, graphs.config.max_keys + 1) is None
+
+
 def test_stats_record_the_nodes_each_step_verified():
     model = build_tiny_model()
     drafter = Recorder(model=_eagle(model, depth=3, top_k=2, max_nodes=5))

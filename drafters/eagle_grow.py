@@ -1,0 +1,101 @@
+"""EAGLE's tree growth on the device: a batch of sequences' candidate pools from their root features.
+
+A function of tensors only, with no host read and no shape that depends on values, so the eager drafter and its
+CUDA-graph replay (drafters/eagle_graphs.py) run the same code. Every sequence expands exactly ``top_k`` nodes per
+depth, so depth d's queries are [B, top_k]; each query sees its sequence's cached keys, its ancestors and itself.
+The pool holds ``top_k`` candidates at depth 1 and ``top_k ** 2`` at each deeper one, parents before children:
+
+    pool[b] = [reduced token index, parent pool index (-1: the root), cumulative log-prob, log-prob under the parent]
+
+Log-probabilities are at the target's temperature; under coupled sampling, of the logits perturbed by the shared
+noise of each candidate's position, so their top-k is a Gumbel-top-k sample coupled to the target's choice.
+The next frontier is the ``top_k`` best children by cumulative log-probability, ties to the first (stable sorts).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from specdec.coupling import Coupling, perturbed_logits
+from specdec.sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class GrowInputs:
+    h_root: torch.Tensor  # [B, H] the roots' predicted features
+    past_k: torch.Tensor  # [B, kv_heads, P, head_dim] each sequence's cached keys, right-padded
+    past_v: torch.Tensor  # [B, kv_heads, P, head_dim]
+    real: torch.Tensor  # [B, P] bool: the real (not padding) key columns
+    root_pos: torch.Tensor  # [B] int64: each root's position
+    noise_keys: torch.Tensor  # [B] int64: coupled sampling's sequence keys (read only under coupling)
+
+
+class TreeGrower:
+    """Grows pools for one EAGLE model over one target (its embeddings and LM head) under one sampling setup."""
+
+    def __init__(self, model, embed: torch.Tensor, lm_head: torch.Tensor, sampling: SamplingConfig,
+                 coupling: Coupling | None, top_k: int, vocab_size: int) -> None:
+        self.model, self.embed, self.lm_head = model, embed, lm_head
+        self.sampling, self.coupling, self.top_k, self.vocab_size = sampling, coupling, top_k, vocab_size
+        self.draft_ids = model.draft_ids  # [N] token id of each reduced logit, None = the full vocabulary
+
+    def token_logp(self, features: torch.Tensor, positions: torch.Tensor, noise_keys: torch.Tensor) -> torch.Tensor:
+        """[B, R, H] predicted features of nodes whose children sit at ``positions`` [B] -> [B, R, N] draft
+        log-probabilities (module doc)."""
+        logits = self.model.logits(features, self.lm_head).float()
+        s, coupling = self.sampling, self.coupling
+        if coupling is not None:
+            noise = coupling.gumbel(noise_keys, positions[:, None], self.vocab_size)  # [B, 1, vocab]
+            if self.draft_ids is not None:
+                noise = noise[..., self.draft_ids]
+            return perturbed_logits(logits, s, noise).log_softmax(-1)
+        if s.do_sample and s.temperature != 1.0:
+            logits = logits / s.temperature
+        return F.log_softmax(logits, dim=-1)
+
+    def pool(self, x: GrowInputs, depth: int, on_level: Callable[[int], None] = lambda depth: None) -> torch.Tensor:
+        """The candidate pools of ``depth`` levels -> [B, 4, S] float64 (module doc; S = K + (depth - 1) K^2).
+        ``on_level(d)`` runs after level d is queued (the eager drafter's level timing)."""
+        model, K = self.model, self.top_k
+        B, P = x.real.shape
+        dev, dtype = x.h_root.device, x.past_k.dtype
+        h_root = x.h_root
+        top = torch.topk(self.token_logp(h_root[:, None], x.root_pos + 1, x.noise_keys)[:, 0], K)
+        tok, cum, cond = [top.indices], [top.values], [top.values]
+        parent = [torch.full((B, K), -1, dtype=torch.long, device=dev)]
+        size = K  # pool entries so far
+        frontier = torch.arange(K, device=dev).expand(B, K)  # pool indices expanded next
+        front_tok, front_cum = top.indices, top.values  # [B, K] their tokens, cumulative log-probabilities
+        feats = h_root[:, None].expand(B, K, h_root.shape[-1])  # [B, K, H] the feature each query reads: its parent's
+        ancestors = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)  # [B, K, E] among the tree key rows
+        itself = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
+        past = x.real[:, None].expand(B, K, P)
+        tree_k = tree_v = None  # [B, kv_heads, E, head_dim] keys / values of the expanded nodes
+        on_level(1)
+        for d in range(2, depth + 1):
+            embeds = F.embedding(front_tok if self.draft_ids is None else self.draft_ids[front_tok], self.embed)
+            positions = (x.root_pos + d - 1)[:, None].expand(B, K)
+            tree_mask = torch.cat([ancestors, itself], dim=2)  # [B, K, E + K] ancestors, then itself
+            mask = torch.cat([past, tree_mask], dim=2)
+            keys_k = x.past_k if tree_k is None else torch.cat([x.past_k, tree_k], dim=2)
+            keys_v = x.past_v if tree_v is None else torch.cat([x.past_v, tree_v], dim=2)
+            out, nk, nv = model(embeds, feats.to(dtype), positions, mask, keys_k, keys_v)
+            tree_k = nk if tree_k is None else torch.cat([tree_k, nk], dim=2)
+            tree_v = nv if tree_v is None else torch.cat([tree_v, nv], dim=2)
+            child = torch.topk(self.token_logp(out, x.root_pos + d, x.noise_keys), K)  # [B, K rows, K children]
+            child_tok, child_lp = child.indices.flatten(1), child.values.flatten(1)  # [B, K * K]
+            child_cum = (front_cum[..., None] + child.values).flatten(1)  # float32 sums, as the tree's scores
+            tok.append(child_tok), cum.append(child_cum), cond.append(child_lp)
+            parent.append(frontier.repeat_interleave(K, dim=1))  # child j of row j // K
+            # the K best children by cumulative log-probability (ties: the first, a stable sort), in pool order
+            order = torch.sort(torch.sort(-child_cum, dim=1, stable=True).indices[:, :K], dim=1).values  # [B, K]
+            rows = order // K  # the row of ``out`` each new frontier node's parent is
+            frontier, size = size + order, size + K * K
+            front_tok, front_cum = child_tok.gather(1, order), child_cum.gather(1, order)
+            feats = out.gather(1, rows[..., None].expand(B, K, out.shape[-1]))
+            ancestors = tree_mask.gather(1, rows[..., None].expand(B, K, tree_mask.shape[-1]))
+            on_level(d)
+        return torch.stack([torch.cat(part, dim=1).to(torch.float64) for part in (tok, parent, cum, cond)], dim=1)
