@@ -38,6 +38,8 @@ from specdec.drafters.draft_vocab import DraftVocab
 
 from specdec.attention import BatchBuilder
 from specdec.coupling import perturbed_logits
+from specdec.cuda_graphs import GraphedForward, auto_uses_graphs, model_graphs
+from specdec.errors import InputError
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaRunner
 from specdec.sampling import logits_to_probs
@@ -57,6 +59,10 @@ class DraftConfig:
     beam: int = 4  # dynamic tree: nodes kept per depth (and children considered per node)
     mode: str = "auto"
     seed: int | None = None  # for sampled drafts; None: generate()'s seed (see the module doc)
+    # draft-model forwards through CUDA-graph buckets (specdec.cuda_graphs) over a cache kept with the draft model:
+    # "auto" where the target's verify would use them (CUDA, Triton); True also elsewhere (uncaptured, Triton
+    # backend: the interpreter tests); False never. Self-draft drafts in the target's cache, always eagerly.
+    cuda_graphs: bool | str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
@@ -66,6 +72,8 @@ class DraftConfig:
             raise ValueError(f"tree must be 'static' or 'dynamic', got {self.tree!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "auto"):
+            raise ValueError(f"cuda_graphs must be True, False or 'auto', got {self.cuda_graphs!r}")
         if any(w < 1 for w in self.widths) or len(self.widths) > self.num_draft_tokens:
             raise ValueError(f"widths must be >= 1 and at most num_draft_tokens long, got {list(self.widths)}")
         if self.tree == "dynamic" and self.mode in ("independent", "without_replacement"):
@@ -107,6 +115,8 @@ class ModelDrafter(Drafter):
         self.generator: torch.Generator | None = None  # made by attach(), on the runner's device
         self.draft_forwards = 0  # draft-model forward passes (catch-up + one per depth)
         self.draft_vocab: DraftVocab | None = None  # set by make_runner when the runner's logits cover N tokens
+        self.graphed: GraphedForward | None = None  # the draft model's graph buckets, with its cache (_own_cache)
+        self.use_graphs = False  # decided at attach (DraftConfig.cuda_graphs)
         self._draft_ids: list[int] | None = None  # draft_vocab.ids as a list: logit column -> token id
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -121,6 +131,7 @@ class ModelDrafter(Drafter):
         # an own cache is made at the first propose (_own_cache): a drafter the engine never asks (its forward costs
         # a decode step: the break-even guard's never_pays) holds no second KV pool as large as the target's
         self.cache = target.cache if self.shares_target_cache else None
+        self.graphed, self.use_graphs = None, self._uses_graphs()
         mode = self.config.mode
         if target.coupling is not None:  # candidates by the shared noise; the engine's coupled walk verifies
             mode = "deterministic"
@@ -133,6 +144,18 @@ class ModelDrafter(Drafter):
             digest = hashlib.blake2b(f"specdec.drafter:{seed}".encode(), digest_size=8).digest()
             self.generator = torch.Generator(device=self.runner.device)
             self.generator.manual_seed(int.from_bytes(digest, "little") >> 1)
+
+    def _uses_graphs(self) -> bool:
+        wanted = self.config.cuda_graphs
+        if wanted == "auto":
+            return not self.shares_target_cache and auto_uses_graphs(self.runner)
+        if wanted and self.shares_target_cache:
+            raise InputError(f"{self.name}: cuda_graphs=True is for a draft model; {self.name} drafts in the "
+                             "target's cache, eagerly")
+        if wanted and not self.runner.backend.triton:
+            raise InputError(f"{self.name}: cuda_graphs=True needs the draft model on the Triton backend (a CUDA "
+                             f"device), this one runs on {self.runner.backend.name}")
+        return bool(wanted)
 
     def forward_seconds(self) -> float | None:
         """A decode step of the draft model, from its cost model (the target's own curve when it IS the target).
@@ -164,14 +187,22 @@ class ModelDrafter(Drafter):
         return [trees[v.seq_id] for v in seqs]
 
     def _own_cache(self) -> PagedKVCache:
-        """As many slots as the target's pool: committed tokens + at most MAX_TREE_NODES scratch."""
+        """As many slots as the target's pool: committed tokens + at most MAX_TREE_NODES scratch; with graphs, the
+        cache of the draft model's graph buckets (kept with the model and reused by later calls)."""
         tc, shape = self.target.cache, self.runner.shape
+        if self.use_graphs:
+            self.graphed = model_graphs(self.runner, tc.block_size, tc.num_blocks, role="draft")
+            return self.graphed.cache
         return PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, tc.num_blocks, tc.block_size,
                             self.runner.dtype, self.runner.device, self.runner.backend)
 
     def _forward(self, builder: BatchBuilder) -> torch.Tensor:  # [rows, vocab] logits of every new token
         self.draft_forwards += 1
         batch = builder.build()
+        if self.graphed is not None:
+            out = self.graphed(batch.token_ids, batch.positions, batch.plan)
+            if out is not None:  # else a prefill, or no bucket fits: eager
+                return out.logits
         rows = torch.arange(batch.token_ids.numel(), device=batch.token_ids.device)
         return self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache, rows).logits
 

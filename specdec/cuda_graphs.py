@@ -24,7 +24,8 @@ The returned hidden states are views of the bucket's static output, valid until 
 ``generate(cuda_graphs="auto")`` (the default) uses graphs on CUDA with the Triton backend, through one
 GraphedForward per loaded model (:func:`model_graphs`, kept on the model object and freed with it, or by
 :func:`release_model_graphs`): its buckets are captured once and replayed by every later call. It serves one
-generate() at a time; elsewhere (CPU) "auto" is eager, as before.
+generate() at a time; elsewhere (CPU) "auto" is eager, as before. A draft-model drafter keeps buckets of its
+own on its model (``model_graphs(..., role="draft")``), apart from the target's even when the models are one.
 """
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ from specdec.tree import MAX_TREE_NODES
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
-_MODEL_ATTR = "_specdec_graphed_forward"  # where a loaded model keeps its GraphedForward (model_graphs)
+# where a loaded model keeps its GraphedForward (model_graphs): as the target, and as a draft model (which may be the
+# target itself, drafting in a cache of its own)
+_MODEL_ATTRS = {"target": "_specdec_graphed_forward", "draft": "_specdec_graphed_forward_draft"}
 SCRATCH_SEQ_ID = -1  # the cache "sequence" owning the scratch slot; engine ids are >= 0
 MAX_TOKENS_PER_SEQ = MAX_TREE_NODES  # a tree-mode query's ancestor mask is one 64-bit word in the kernel
 
@@ -237,20 +240,22 @@ def _serves(graphed: GraphedForward, runner: LlamaRunner, block_size: int, block
 
 def model_graphs(runner: LlamaRunner, block_size: int, blocks_needed: int,
                  check_fits: Callable[[int], None] = lambda blocks: None,
-                 config: GraphConfig | None = None) -> GraphedForward:
+                 config: GraphConfig | None = None, role: str = "target") -> GraphedForward:
     """The loaded model's own GraphedForward (its KV cache emptied), built or grown when this request needs it.
 
     A request that outgrows the cache gets a new one of twice the old blocks (fewer rebuilds, each recapturing the
     buckets) when that many fit, else exactly what it needs; the old cache and graphs are dropped first, so their
     memory is free for the new ones. ``check_fits(blocks)`` raises CacheFullError when ``blocks`` do not fit.
-    ``config``: a new cache's buckets (default: captured on CUDA; uncaptured elsewhere, the interpreter tests)."""
+    ``config``: a new cache's buckets (default: captured on CUDA; uncaptured elsewhere, the interpreter tests).
+    ``role``: "target" (the engine's verify) or "draft" (a draft-model drafter's forwards): each its own cache."""
     model: Any = runner.hf_model
-    graphed = model.__dict__.get(_MODEL_ATTR)
+    attr = _MODEL_ATTRS[role]
+    graphed = model.__dict__.get(attr)
     if graphed is not None and _serves(graphed, runner, block_size, blocks_needed):
         graphed.release_sequences()
         return graphed
     grown = 0 if graphed is None else 2 * (graphed.cache.num_blocks - 1)
-    release_model_graphs(model)
+    model.__dict__.pop(attr, None)
     del graphed
     blocks = blocks_needed
     if grown > blocks_needed:
@@ -262,14 +267,16 @@ def model_graphs(runner: LlamaRunner, block_size: int, blocks_needed: int,
     check_fits(blocks + 1)  # + the scratch block
     config = config or GraphConfig(capture=runner.device.type == "cuda")
     graphed = GraphedForward.with_cache(runner, blocks * block_size, block_size, config)
-    model.__dict__[_MODEL_ATTR] = graphed  # a cycle model -> graphs -> runner -> model, collected with the model
-    logger.info("cuda_graphs=auto: a graph cache of %d KV blocks for this model, reused by later calls", blocks)
+    model.__dict__[attr] = graphed  # a cycle model -> graphs -> runner -> model, collected with the model
+    logger.info("cuda_graphs=auto: a graph cache of %d KV blocks for this model as %s, reused by later calls", blocks,
+                role)
     return graphed
 
 
 def release_model_graphs(model: Any) -> bool:
-    """Drop a loaded model's GraphedForward (its KV cache and graphs), True if it had one."""
+    """Drop a loaded model's GraphedForwards (as target and as draft model: KV caches and graphs), True if it had
+    any."""
     from specdec.models.loader import LoadedModel
 
     model = model.model if isinstance(model, LoadedModel) else model
-    return model.__dict__.pop(_MODEL_ATTR, None) is not None
+    return any([model.__dict__.pop(attr, None) is not None for attr in _MODEL_ATTRS.values()])

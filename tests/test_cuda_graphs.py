@@ -18,6 +18,7 @@ import torch  # noqa: E402
 
 from specdec.cuda_graphs import GraphConfig, GraphedForward, auto_uses_graphs, model_graphs, release_model_graphs  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
+from specdec.errors import InputError  # noqa: E402
 from specdec.generate import generate  # noqa: E402
 from specdec.kv_cache import CacheFullError, PagedKVCache  # noqa: E402
 from specdec.models.llama import LlamaRunner  # noqa: E402
@@ -122,6 +123,42 @@ def test_engine_with_buckets_is_greedy_identical(loaded):
                        speculation="auto" if CAPTURE else "always")
     plain = generate(reference, prompts, max_new_tokens=new_tokens)
     assert via_api == plain
+
+
+def test_draft_model_forwards_run_through_buckets_of_its_own(loaded):
+    """The draft-model drafter's forwards after its first catch-up (a prefill: eager) run through graph buckets over
+    a cache kept with the draft model and reused by the next call. Drafting with the target itself, while the
+    target verifies through its own buckets, the two caches stay apart: the trees are those of eager drafting on the
+    reference backend, the tokens plain decoding's."""
+    from specdec.drafters.draft_model import DraftModelDrafter
+
+    class Recorder(DraftModelDrafter):
+        def propose(self, seqs):
+            trees = super().propose(seqs)
+            self.seen.update((tuple(v.token_ids), (t.tokens.tolist(), t.parents.tolist())) for v, t in zip(seqs, trees))
+            return trees
+
+    reference = on_reference(loaded)
+    prompts = ragged_prompts(3, VOCAB, seed=3, max_len=16)[1:]
+    kw = dict(max_new_tokens=8, speculation="always")
+    eager = Recorder(model=reference, num_draft_tokens=3, widths=(2,), cuda_graphs=False)
+    eager.seen = {}
+    plain = generate(reference, prompts, max_new_tokens=8)
+    assert generate(reference, prompts, drafter=eager, **kw) == plain
+    graphed = Recorder(model=loaded, num_draft_tokens=3, widths=(2,), cuda_graphs=True)
+    graphed.seen = {}
+    verify_graphs = model_graphs(loaded.runner, 16, 16)  # what cuda_graphs="auto" gives the target on a GPU
+    assert generate(loaded, prompts, drafter=graphed, cuda_graphs=verify_graphs, **kw) == plain
+    assert graphed.seen == eager.seen and graphed.graphed.replays == graphed.draft_forwards - 1 > 0
+    assert graphed.graphed is not verify_graphs and graphed.graphed.cache is graphed.cache
+    assert verify_graphs.replays > 0 and model_graphs(loaded.runner, 16, 16) is verify_graphs  # both kept
+    again = DraftModelDrafter(model=loaded, num_draft_tokens=3, widths=(2,), cuda_graphs=True)
+    assert generate(reference, prompts, drafter=again, **kw) == plain
+    assert again.graphed is graphed.graphed  # kept with the draft model
+    assert release_model_graphs(loaded) and release_model_graphs(loaded) is False
+    with pytest.raises(InputError, match="Triton backend"):
+        generate(reference, prompts, drafter="draft-model", drafter_options={"model": reference, "cuda_graphs": True},
+                 **kw)
 
 
 def test_steps_outside_every_bucket_fall_back(loaded):
