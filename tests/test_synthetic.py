@@ -41,6 +41,12 @@ def test_full_size_builds_on_the_device_in_its_dtype_never_on_the_host():
     assert sum(p.numel() for p in model.parameters()) == synthetic.SHAPES["llama-3.1-8b"].num_params
 
 
+@pytest.mark.parametrize("name", sorted(synthetic.SHAPES))
+def test_every_tiny_shape_builds_with_its_counted_parameters(name):
+    model = synthetic.build(f"{name}@tiny", device="cpu")
+    assert sum(p.numel() for p in model.parameters()) == synthetic.parse(f"synthetic:{name}@tiny").num_params
+
+
 def test_build_leaves_the_callers_rng_alone():
     torch.manual_seed(123)
     want = torch.rand(3)

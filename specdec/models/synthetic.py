@@ -61,8 +61,10 @@ class SyntheticShape:
     def tiny(self) -> "SyntheticShape":
         """The same features at toy size: the GQA ratio, tying, q/k norm and RoPE type kept, 2 layers."""
         ratio = self.num_heads // self.num_kv_heads
-        return dataclasses.replace(self, name=self.name + TINY_SUFFIX, hidden_size=64, num_layers=2,
-                                   num_heads=2 * ratio, num_kv_heads=2, head_dim=16, intermediate_size=128,
+        heads = 2 * ratio
+        hidden = 64 if 64 % heads == 0 else 16 * heads  # transformers wants the hidden size a multiple of the heads
+        return dataclasses.replace(self, name=self.name + TINY_SUFFIX, hidden_size=hidden, num_layers=2,
+                                   num_heads=heads, num_kv_heads=2, head_dim=16, intermediate_size=128,
                                    vocab_size=256)
 
     @property
