@@ -161,6 +161,22 @@ def test_draft_model_forwards_run_through_buckets_of_its_own(loaded):
                  **kw)
 
 
+def test_fused_projections_on_the_triton_path(loaded):
+    """A packed copy of the model (one QKV and one gate/up product per layer, so q, k and v reach the RoPE and
+    KV-write kernels as row-strided views) decodes the reference backend's tokens through graph buckets."""
+    import copy
+
+    from specdec.models.fused_projections import pack_projections
+
+    packed = copy.deepcopy(loaded.model)
+    pack_projections(packed)
+    fused = dataclasses.replace(loaded, model=packed, runner=LlamaRunner(packed, backend="triton"))
+    assert fused.runner._fused_projections()
+    prompts = ragged_prompts(2, VOCAB, seed=4, max_len=12)
+    plain = generate(on_reference(loaded), prompts, max_new_tokens=6)
+    assert generate(fused, prompts, max_new_tokens=6, cuda_graphs=True) == plain
+
+
 def test_steps_outside_every_bucket_fall_back(loaded):
     runner = loaded.runner
     cache = make_cache(runner)

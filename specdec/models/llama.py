@@ -30,6 +30,7 @@ from specdec.errors import InputError, SpecdecError
 from specdec.kernels.dispatch import Backend, resolve_backend
 from specdec.kv_cache import PagedKVCache
 from specdec.models import invariant_ops, row_policy
+from specdec.models.fused_projections import LayerProjections
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -178,7 +179,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Backend) -> torch.Tensor:
-    if backend.triton and x.is_contiguous():
+    if backend.triton and x.stride(-1) == 1:  # rows may be strided: a fused QKV product's q and k are views
         return backend.fused.rope_(x, cos, sin)
     return x * cos + _rotate_half(x) * sin
 
@@ -192,6 +193,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, backend: Backend) -> torch.Te
 class LlamaRunner:
     invariant: bool = False  # the bit-exact mode: see invariant_mode()
     _rope_table: invariant_ops.RopeTable | None = None
+    # per layer, its fused projections (specdec.models.fused_projections), for the weights' storage named by the key
+    _projections: tuple[tuple, list[LayerProjections] | None] = ((), None)
 
     def __init__(self, hf_model, backend: str | Backend | None = None, invariant: bool = False) -> None:
         """``backend``: "auto", "reference", "triton" or a resolved Backend; None reads SPECDEC_ATTENTION now.
@@ -237,6 +240,20 @@ class LlamaRunner:
         if self.invariant:
             return invariant_ops.linear(x, weight, bias, self.backend)
         return linear(x, weight, bias)
+
+    def _fused_projections(self) -> list[LayerProjections] | None:
+        """Each layer's fused QKV / gate-up products where its weights lie side by side (module
+        specdec.models.fused_projections), None when no layer's do or in the bit-exact mode. Found again when the
+        weights move (a model.to() gives every parameter new storage)."""
+        if self.invariant:
+            return None
+        first, last = self.layers[0], self.layers[-1]
+        key = (self.embed.data_ptr(), first.self_attn.q_proj.weight.data_ptr(), last.mlp.up_proj.weight.data_ptr(),
+               len(self.layers))
+        if self._projections[0] != key:
+            found = [LayerProjections.of(layer) for layer in self.layers]
+            self._projections = key, found if any(p.qkv or p.gate_up for p in found) else None
+        return self._projections[1]
 
     def _attention(self, q, k_cache, v_cache, plan: AttentionPlan, backend: Backend) -> torch.Tensor:
         if self.invariant:
@@ -296,26 +313,48 @@ class LlamaRunner:
         h = F.embedding(token_ids, self.embed)
         delta = None  # the last block's output, added to the residual stream h by the next norm
         streams: dict[int, torch.Tensor] = {}  # layer id -> [R, hidden_size] (feature_layers)
+        fused = self._fused_projections()
+        write_slots = plan.write_slots
+        if cache.backend.triton:  # the KV-write kernel's index type, converted once per forward, not per layer
+            write_slots = write_slots.to(device=cache.kv.device, dtype=torch.int32)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h, x = add_rms_norm(h, delta, layer.input_layernorm.weight, self.eps, self.backend)
             if i in feature_layers and logits_rows is not None:
                 streams[i] = h[logits_rows]
-            q = self._linear(x, attn.q_proj.weight, attn.q_proj.bias).view(n, s.num_heads, s.head_dim)
-            k = self._linear(x, attn.k_proj.weight, attn.k_proj.bias).view(n, s.num_kv_heads, s.head_dim)
-            v = self._linear(x, attn.v_proj.weight, attn.v_proj.bias).view(n, s.num_kv_heads, s.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over head_dim before RoPE
-                q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
-                k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
-            q, k = apply_rope(q, cos, sin, self.backend), apply_rope(k, cos, sin, self.backend)
-            cache.write(i, plan.write_slots, k, v)
+            qkv = fused[i].qkv if fused else None
+            q_norm = hasattr(attn, "q_norm")  # Qwen3: RMSNorm over head_dim before RoPE
+            if qkv is not None and not q_norm:  # one product; q and k side by side get RoPE together
+                out = self._linear(x, qkv.weight, qkv.bias)
+                qk = apply_rope(out[:, : qkv.sizes[0] + qkv.sizes[1]].view(n, s.num_heads + s.num_kv_heads,
+                                                                            s.head_dim), cos, sin, self.backend)
+                q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
+                v = out[:, qkv.sizes[0] + qkv.sizes[1] :].view(n, s.num_kv_heads, s.head_dim)
+            else:
+                if qkv is not None:  # one product, split into row-strided views
+                    q, k, v = self._linear(x, qkv.weight, qkv.bias).split(qkv.sizes, dim=-1)
+                else:
+                    q = self._linear(x, attn.q_proj.weight, attn.q_proj.bias)
+                    k = self._linear(x, attn.k_proj.weight, attn.k_proj.bias)
+                    v = self._linear(x, attn.v_proj.weight, attn.v_proj.bias)
+                q = q.view(n, s.num_heads, s.head_dim)
+                k, v = k.view(n, s.num_kv_heads, s.head_dim), v.view(n, s.num_kv_heads, s.head_dim)
+                if q_norm:
+                    q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
+                    k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+                q, k = apply_rope(q, cos, sin, self.backend), apply_rope(k, cos, sin, self.backend)
+            cache.write(i, write_slots, k, v)
             k_cache, v_cache = cache.layer(i)
             o = self._attention(q, k_cache, v_cache, plan, cache.backend)
             delta = self._linear(o.reshape(n, s.num_heads * s.head_dim), attn.o_proj.weight, attn.o_proj.bias)
             h, x = add_rms_norm(h, delta, layer.post_attention_layernorm.weight, self.eps, self.backend)
             mlp = layer.mlp
-            gate = self._linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
-            up = self._linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
+            gate_up = fused[i].gate_up if fused else None
+            if gate_up is not None:
+                gate, up = self._linear(x, gate_up.weight, gate_up.bias).split(gate_up.sizes, dim=-1)
+            else:
+                gate = self._linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
+                up = self._linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
             delta = self._linear(silu_mul(gate, up, self.backend), mlp.down_proj.weight, mlp.down_proj.bias)
         if logits_rows is None:
             return None
