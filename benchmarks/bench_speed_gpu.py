@@ -200,6 +200,12 @@ class ModelRun:
         self.loaded, note = load(self.spec, args.embedded, self.device, self.dtype)
         self.result["note"] = note
         model = self.loaded.model
+        if args.rehearse:  # the layout the loader gives models on CUDA (fused QKV / gate-up), rehearsed here
+            from specdec.models.fused_projections import pack_projections
+
+            pack_projections(model)
+        fused = self.loaded.runner._fused_projections() or []
+        self.result["fused_layers"] = sum(p.qkv is not None and p.gate_up is not None for p in fused)
         self.eagle = synthetic.eagle_head(model.config, device=self.device, dtype=self.dtype)
         sync(self.device)
         wbytes = weight_bytes(model)
@@ -345,7 +351,8 @@ def markdown(report: dict) -> str:
         lines += [f"## {m['model']}", ""] + ([f"Measured on {m['note']}.", ""] if m.get("note") else [])
         if "weight_bytes" in m:
             lines.append(f"{m['weight_bytes'] / 1e9:.2f} GB of weights; floor {m['floor_step_ms']:.3f} ms/step; "
-                         f"built in {m['build_seconds']} s; EAGLE draft vocabulary {m['eagle_draft_vocab'] or 'full'}")
+                         f"built in {m['build_seconds']} s; EAGLE draft vocabulary {m['eagle_draft_vocab'] or 'full'}; "
+                         f"fused QKV / gate-up projections in {m.get('fused_layers', 0)} layers")
         if m["plain"]:
             lines += ["", "| batch | decode tok/s | floor tok/s | step ms | step / floor |", "|---|---|---|---|---|"]
             for b, r in sorted(m["plain"].items(), key=lambda kv: int(kv[0])):
