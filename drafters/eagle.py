@@ -47,6 +47,7 @@ from specdec.drafters.loaded_once import load_once
 from torch.nn import functional as F
 
 from specdec.errors import InputError
+from specdec.host_copy import to_device
 from specdec.tree import MAX_TREE_NODES, DraftTree, matched_levels
 
 logger = logging.getLogger(__name__)
@@ -177,7 +178,7 @@ class EagleDrafter(Drafter):
         caches = [self.caches.get(v.seq_id) for v in views]
         lengths = [0 if c is None else c.k.shape[2] for c in caches]
         P, dev = max(lengths), self.target.runner.device
-        real = torch.arange(P, device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]
+        real = torch.arange(P, device=dev)[None] < to_device(lengths, torch.long, dev)[:, None]
         if P == 0:
             return None, None, real
         if len(views) == 1:
@@ -217,9 +218,9 @@ class EagleDrafter(Drafter):
         past_k, past_v, real = self._past(views)
         mask = torch.cat([real[:, None].expand(B, L, real.shape[1]),
                           torch.ones(L, L, dtype=torch.bool, device=dev).tril().expand(B, L, L)], dim=2)
-        embeds = F.embedding(tokens.to(dev), runner.embed)
-        out, new_k, new_v = model(embeds, model.fuse(hidden.to(runner.dtype)), positions.to(dev), mask, past_k,
-                                  past_v)
+        embeds = F.embedding(to_device(tokens, torch.long, dev), runner.embed)
+        out, new_k, new_v = model(embeds, model.fuse(hidden.to(runner.dtype)), to_device(positions, torch.long, dev),
+                                  mask, past_k, past_v)
         for b, (v, k) in enumerate(zip(views, lengths)):
             cache = self.caches.get(v.seq_id)
             if cache is None:
@@ -250,8 +251,8 @@ class EagleDrafter(Drafter):
                     level_seconds[j] += share
         if pool is None:
             past_k, past_v, real = self._past(views)  # the roots' catch-up: at least one key each
-            inputs = GrowInputs(h_root, past_k, past_v, real, torch.tensor(root_pos, device=dev),
-                                torch.tensor(keys, dtype=torch.long, device=dev))
+            inputs = GrowInputs(h_root, past_k, past_v, real, to_device(root_pos, torch.long, dev),
+                                to_device(keys, torch.long, dev))
             clock = [t0]
 
             def on_level(depth: int) -> None:

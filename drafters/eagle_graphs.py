@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from specdec.drafters.eagle_grow import GrowInputs, TreeGrower
 
+from specdec.host_copy import to_device
+
 logger = logging.getLogger(__name__)
 
 _MODEL_ATTR = "_specdec_eagle_graphs"  # where an EagleModel keeps its EagleGraphs, by settings
@@ -125,7 +127,7 @@ class EagleGraphs:
         meta[0, :B] = torch.tensor([k.shape[2] for k, _ in caches])
         meta[1, :B] = torch.tensor(list(root_positions))
         meta[2, :B] = torch.tensor(list(noise_keys))
-        bucket.meta.copy_(meta)
+        bucket.meta.copy_(to_device(meta, torch.long, bucket.meta.device))  # a device-to-device copy: no sync
 
     def _grow(self, bucket: _Bucket, depth: int) -> torch.Tensor:
         x = bucket.inputs

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec.host_copy import to_device
 from specdec.tree import MAX_TREE_NODES
 
 LOG2E = 1.4426950408889634
@@ -239,8 +240,7 @@ class TreeAttentionMetadata:
                     seq.append(b)
                     q0.append(t)
             dev = self.q_lens.device
-            self._tiles[block_q] = (torch.tensor(seq, dtype=torch.int32, device=dev),
-                                    torch.tensor(q0, dtype=torch.int32, device=dev))
+            self._tiles[block_q] = (to_device(seq, torch.int32, dev), to_device(q0, torch.int32, dev))
         return self._tiles[block_q]
 
     @classmethod
@@ -298,10 +298,10 @@ class TreeAttentionMetadata:
             bits = [torch.zeros(sum(s.num_new for s in seqs), dtype=torch.long, device=device)]
         else:
             bits = [torch.zeros(s.num_new, dtype=torch.long, device=device) if s.ancestor_bits is None
-                    else s.ancestor_bits.to(device) for s in seqs]
+                    else to_device(s.ancestor_bits, torch.long, device) for s in seqs]
 
         def i32(x):
-            return torch.tensor(x, dtype=torch.int32).to(device, non_blocking=True)
+            return to_device(x, torch.int32, device)
 
         return cls(slot_rows, 1, i32([s.num_visible for s in seqs]), i32([s.num_masked for s in seqs]),
                    i32([s.query_start for s in seqs]), i32([s.num_new for s in seqs]),

@@ -22,6 +22,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from specdec.host_copy import to_device
 from specdec.kernels.dispatch import REFERENCE, Backend
 from specdec.tree import MAX_TREE_NODES
 
@@ -217,7 +218,7 @@ class BatchBuilder:
             num_visible: int, ancestor_bits: torch.Tensor | None = None) -> range:
         start, n = len(self._tokens), len(tokens)
         key_slots = self.cache.slots(seq_id, 0, num_keys)
-        bits = None if ancestor_bits is None else ancestor_bits.to(key_slots.device)
+        bits = None if ancestor_bits is None else to_device(ancestor_bits, torch.long, key_slots.device)
         self._seqs.append(SeqAttention(start, n, key_slots, num_visible, bits))
         self._write_slots.append(key_slots[num_keys - n :])
         self._tokens.extend(tokens)
@@ -227,8 +228,8 @@ class BatchBuilder:
 
     def build(self) -> ForwardBatch:
         return ForwardBatch(
-            token_ids=torch.tensor(self._tokens, dtype=torch.long, device=self.device),
-            positions=torch.tensor(self._positions, dtype=torch.long, device=self.device),
+            token_ids=to_device(self._tokens, torch.long, self.device),
+            positions=to_device(self._positions, torch.long, self.device),
             plan=AttentionPlan(tuple(self._seqs), torch.cat(self._write_slots)),
             rows=tuple(self._rows),
         )

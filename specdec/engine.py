@@ -31,6 +31,7 @@ from specdec.audit import DraftAudit
 from specdec.coupling import Coupling, coupled_sample, sequence_keys
 from specdec.cuda_graphs import GraphedForward
 from specdec.drafters.base import Drafter, SequenceView, TargetView, TokenView, as_drafter
+from specdec.host_copy import to_device
 from specdec.kv_cache import PagedKVCache
 from specdec.logits_processing import LogitsProcessing
 from specdec.logprobs import committed_rows, token_logprobs
@@ -90,7 +91,7 @@ class VerifyBatch:
     def of(cls, batch: ForwardBatch) -> "VerifyBatch":
         width = max(len(r) for r in batch.rows)
         rows = [list(r) + [r[0]] * (width - len(r)) for r in batch.rows]
-        return cls(batch.token_ids, batch.positions, batch.plan, torch.tensor(rows, device=batch.token_ids.device))
+        return cls(batch.token_ids, batch.positions, batch.plan, to_device(rows, torch.long, batch.token_ids.device))
 
 
 class Engine:
@@ -297,8 +298,8 @@ class Engine:
         if not tokens:
             return
         device = target_logits.device
-        values = token_logprobs(target_logits[torch.tensor(b_idx, device=device), torch.tensor(rows, device=device)],
-                                tokens, self.sampling)
+        picked = target_logits[to_device(b_idx, torch.long, device), to_device(rows, torch.long, device)]
+        values = token_logprobs(picked, tokens, self.sampling)
         start = 0
         for s in live:
             n = len(emitted[s.seq_id])

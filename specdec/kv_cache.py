@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.errors import SpecdecError
+from specdec.host_copy import to_device
 from specdec.kernels.dispatch import Backend, resolve_backend
 
 
@@ -133,7 +134,7 @@ class PagedKVCache:
     def _block_slots(self, blocks: list[int]) -> torch.Tensor:  # [len(blocks) * block_size] int64
         offsets = torch.arange(self.block_size, dtype=torch.long)
         rows = torch.tensor(blocks, dtype=torch.long)[:, None] * self.block_size + offsets
-        return rows.reshape(-1).to(self.kv.device)  # built on the host: one copy per reservation that grows
+        return to_device(rows.reshape(-1), torch.long, self.kv.device)  # one copy per reservation that grows
 
     def committed_length(self, seq_id: int) -> int:
         """Positions of ``seq_id`` that hold committed K/V."""
@@ -189,7 +190,7 @@ class PagedKVCache:
             if moved:
                 first = moved[0]  # offsets[j] >= j, so everything before `first` is in place
                 s = self.slots(seq_id, length, length + offsets[-1] + 1)
-                src.append(s[torch.tensor(offsets[first:])])
+                src.append(s[to_device(offsets[first:], torch.long, s.device)])
                 dst.append(s[first : len(offsets)])
             self.lengths[seq_id] = length + len(offsets)
             table = self.block_tables[seq_id]

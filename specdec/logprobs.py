@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.host_copy import to_device
 from specdec.rejection import Acceptance
 from specdec.sampling import SamplingConfig, sampling_logits
 
@@ -35,5 +36,5 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], sampling: SamplingCo
     x = logits.to(torch.float64)
     if not sampling.greedy:
         x = sampling_logits(x, sampling)
-    index = torch.tensor(tokens, dtype=torch.long, device=x.device)[:, None]
+    index = to_device(tokens, torch.long, x.device)[:, None]
     return x.log_softmax(-1).gather(1, index)[:, 0].tolist()

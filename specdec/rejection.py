@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.host_copy import to_device
 from specdec.sampling import SamplingConfig, choose_max, logits_to_probs, sample
 from specdec.tree import DraftMode, DraftTree
 
@@ -142,9 +143,9 @@ class _PaddedTrees:
         draft = torch.zeros(len(trees), tokens.shape[1], vocab, dtype=dtype, device=device)
         for i, t in enumerate(trees):
             if t.draft_probs is not None:
-                draft[i, : t.num_nodes] = t.draft_probs.detach().to(device, dtype)
-        det = torch.tensor([t.mode is DraftMode.DETERMINISTIC for t in trees], device=device)
-        wr = torch.tensor([t.mode is DraftMode.WITHOUT_REPLACEMENT for t in trees], device=device)
+                draft[i, : t.num_nodes] = to_device(t.draft_probs.detach(), dtype, device)
+        det = to_device([t.mode is DraftMode.DETERMINISTIC for t in trees], torch.bool, device)
+        wr = to_device([t.mode is DraftMode.WITHOUT_REPLACEMENT for t in trees], torch.bool, device)
         return _PaddedTrees(tokens, children, draft, det, wr)
 
 
@@ -159,7 +160,7 @@ def _tree_tables(trees: Sequence[DraftTree], device: torch.device) -> tuple[torc
         tokens[i, : t.num_nodes] = t.tokens
         for node, kids in enumerate(t.children):
             children[i, node, : len(kids)] = torch.tensor(kids, dtype=torch.long, device="cpu")
-    return tokens.to(device), children.to(device)
+    return to_device(tokens, torch.long, device), to_device(children, torch.long, device)
 
 
 # One node's children, tried for every walking row: (idx [L] batch rows, cur [L] their nodes, target [L, V] the
