@@ -300,13 +300,13 @@ class ModelDrafter(Drafter):
         start = len(nodes)
         if noise is not None or self.mode is DraftMode.DETERMINISTIC:
             k = cfg.beam if cfg.tree == "dynamic" else cfg.width(depth)
-            cands = []
             ids = self._draft_ids  # None: logit column == token id
-            for parent, logits, score in frontier:
-                probs = self._ranking(logits, noise)
-                top = torch.topk(probs, min(k, probs.numel()))
-                cands += [(score * float(p), parent, int(t) if ids is None else ids[int(t)])
-                          for p, t in zip(top.values, top.indices)]
+            probs = self._ranking(torch.stack([logits for _, logits, _ in frontier]), noise)  # [frontier, n]
+            top = torch.topk(probs, min(k, probs.shape[-1]))
+            values, columns = top.values.tolist(), top.indices.tolist()  # one read of the device per depth
+            cands = [(score * p, parent, t if ids is None else ids[t])
+                     for (parent, _, score), row_p, row_t in zip(frontier, values, columns)
+                     for p, t in zip(row_p, row_t)]
             if cfg.tree == "dynamic":
                 cands = sorted(cands, key=lambda c: -c[0])[: min(cfg.beam, budget - len(nodes))]
             for score, parent, token in cands:
@@ -325,7 +325,7 @@ class ModelDrafter(Drafter):
         return list(range(start, len(nodes)))
 
     def _ranking(self, logits: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
-        """A frontier node's [n] logits -> [n] probabilities that rank its candidate children: the draft
+        """Frontier nodes' [.., n] logits -> [.., n] probabilities that rank their candidate children: the draft
         distribution, or under coupled sampling the softmax of the logits perturbed by the position's noise (the
         chance each is the coupled choice given that noise: its top-k is a Gumbel-top-k sample)."""
         sampling = self.target.sampling

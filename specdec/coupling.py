@@ -37,6 +37,7 @@ import torch
 
 from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import describe
+from specdec.host_copy import to_device
 from specdec.rejection import Acceptance, follow_choices
 from specdec.sampling import SamplingConfig, choose_max, sampling_logits
 from specdec.tree import DraftTree
@@ -123,8 +124,8 @@ class Coupling:
     def draft_noise_batch(self, keys: Sequence[int], positions: Sequence[Sequence[int]], vocab: int,
                           device: torch.device | str, columns: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`draft_noise` of several sequences at once, P positions each -> [B, P, vocab] (or [B, P, n])."""
-        key_t = torch.tensor(list(keys), dtype=torch.long, device=device)
-        noise = self.gumbel(key_t, torch.tensor([list(p) for p in positions], dtype=torch.long, device=device), vocab)
+        key_t = to_device(list(keys), torch.long, device)
+        noise = self.gumbel(key_t, to_device([list(p) for p in positions], torch.long, device), vocab)
         return noise if columns is None else noise[..., columns.to(noise.device)]
 
 
