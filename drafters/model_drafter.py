@@ -162,9 +162,10 @@ class ModelDrafter(Drafter):
         None for self-draft: its layers are a part of the target's, so it costs less by construction."""
         if self.runner is None or self.shares_target_cache:
             return None
-        from specdec.cost_model import load_cost_model
+        from specdec.cost_model import CalibrationConfig, load_cost_model
 
-        return load_cost_model(self.runner, install_rows=False).decode_seconds()
+        graphs = self.use_graphs and self.runner.device.type == "cuda"  # priced as it runs: replayed graphs
+        return load_cost_model(self.runner, CalibrationConfig(graphs=graphs), install_rows=False).decode_seconds()
 
     def release(self, seq_id: int) -> None:
         if self.cache is not None and not self.shares_target_cache and seq_id in self.cache.lengths:

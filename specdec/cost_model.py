@@ -57,6 +57,9 @@ class CalibrationConfig:
     context: int = 128  # committed tokens per sequence before the timed steps
     repeats: int = 3  # timed rounds (plus one warm-up), median per n
     row_repeats: int = 3  # timed passes of the row-policy micro-benchmark (median)
+    # verify steps replayed as captured CUDA graphs, as generate() runs them on a GPU (eager steps there cost several
+    # times as much, nearly flat in n: a curve of another machine)
+    graphs: bool = False
 
     def __post_init__(self) -> None:
         sizes = tuple(sorted({int(n) for n in self.sizes}))
@@ -281,8 +284,7 @@ def calibrate(runner, batch: int, config: CalibrationConfig) -> dict[int, float]
     prompts = [[(7 + 13 * i + b) % runner.shape.vocab_size for i in range(context)] for b in range(batch)]
     CALIBRATIONS["verify"] += 1
     t0 = time.perf_counter()
-    times = measure_verify_costs(runner, prompts, sizes, SamplingConfig(),
-                                 repeats=repeats)
+    times = measure_verify_costs(runner, prompts, sizes, SamplingConfig(), repeats=repeats, graphs=config.graphs)
     logger.info("verify cost measured (batch %d, %d sizes) in %.1f s: c(1) = %.2f ms, c(%d) = %.2fx",
                 batch, len(sizes), time.perf_counter() - t0, times[1] * 1e3, sizes[-1], times[sizes[-1]] / times[1])
     # the row policy can compute n rows as m > n rows, so a measured c(n) above a larger c(m) is noise (or a

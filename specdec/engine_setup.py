@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.audit import audit_of
-from specdec.cost_model import ensure_row_policy, load_cost_model
+from specdec.cost_model import CalibrationConfig, ensure_row_policy, load_cost_model
 from specdec.coupling import Coupling
 from specdec.cuda_graphs import AUTO, GraphConfig, GraphedForward, auto_uses_graphs, model_graphs
 from specdec.drafters.base import _ObjectDrafter
@@ -78,7 +78,9 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
     if coupling is not None and rule is not EXACT:
         raise InputError(f"acceptance rule {rule.name!r} applies to rejection sampling; coupled sampling walks the "
                          "tree by the target's own Gumbel-max tokens and has no acceptance rule")
-    policy = _policy(request, rule, fault, coupling, generator)
+    # the guard and tree sizing price verify steps as this engine runs them: replayed graphs on a GPU
+    graphs = graphed is not None and graphed.config.capture
+    policy = _policy(request, rule, fault, coupling, generator, graphs)
     drafter_seed = config.seed  # what sampled drafts are seeded from (TargetView.seed)
     if drafter is not None and generator is not None and config.do_sample:
         drafter_seed = int(torch.randint(2**62, (), generator=generator, device=generator.device))
@@ -95,7 +97,7 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
 
 
 def _policy(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault | None, coupling: Coupling | None,
-            generator: torch.Generator | None) -> SpeculationPolicy:
+            generator: torch.Generator | None, graphs: bool = False) -> SpeculationPolicy:
     """The speculation policy: tree sizing and the break-even guard (speculation="auto"), or none: verify every
     proposal whole.
 
@@ -110,7 +112,7 @@ def _policy(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault
         logger.info("seeded standard sampling verifies every draft tree whole, so the seed's text does not depend "
                     "on this machine's measured costs; sampler='coupled' keeps one text per seed and sizes trees")
         return SpeculationPolicy()
-    costs = load_cost_model(runner)
+    costs = load_cost_model(runner, CalibrationConfig(graphs=graphs))
     # the guard remembers across calls per target cost curve and drafter (specdec.remembered); cost_key() names a
     # drafter's checkpoint too, so two EAGLE or Medusa checkpoints keep apart backoffs
     return SpeculationPolicy(TreeSizer(costs, memory=(str(costs.file), drafter.cost_key())))

@@ -82,6 +82,30 @@ def test_calibration_runs_on_the_models_device(fresh, device):
     assert model.key["device"].startswith(device)
 
 
+def test_an_engine_prices_verify_steps_as_it_runs_them(fresh, monkeypatch):
+    """Replayed CUDA graphs calibrate through graphs, under a key of their own (an eager GPU step costs several
+    times a graphed one); an eager engine (the CPU's) calibrates eagerly."""
+    from specdec import engine_setup, verify_cost
+    from specdec.generate import generate
+
+    graphs = []
+
+    def fake(runner, prompts, sizes, sampling, **kw):
+        graphs.append(kw.get("graphs", False))
+        return {n: 1e-3 * (1 + 0.1 * n) for n in sizes}
+
+    monkeypatch.setattr(verify_cost, "measure_verify_costs", fake)
+    runner = LlamaRunner(build_tiny_model(seed=0))
+    eager = load_cost_model(runner, SMALL, cache_dir=fresh)
+    graphed = load_cost_model(runner, CalibrationConfig(**{**SMALL.__dict__, "graphs": True}), cache_dir=fresh)
+    assert graphs == [False, True] and eager.file != graphed.file
+    configs = []
+    real = engine_setup.load_cost_model
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda r, c=None: configs.append(c) or real(r, SMALL))
+    generate(build_tiny_model(seed=0), [[1, 2, 3, 1, 2, 3]], max_new_tokens=4, drafter="ngram")
+    assert [c.graphs for c in configs] == [False]
+
+
 def test_model_fingerprint_is_memoised_and_sees_in_place_updates(monkeypatch):
     sums = []
     real = cost_model._checksum

@@ -94,7 +94,7 @@ def test_the_combined_drafter_never_chooses_a_sampled_child_by_its_drawn_token(c
 def seven_nodes_pay(monkeypatch):
     """Seven verified nodes pay, one does not; drafting is free; no wall time moves the curve."""
     costs = CostModel({}, {1: {1: 1.0, 2: 2.0, 8: 1.0, 65: 60.0}})
-    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner: costs)
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: costs)
     monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: 0.0)
     monkeypatch.setattr(OnlineCosts, "record", lambda self, *args: None)
     return costs
@@ -146,7 +146,7 @@ def test_model_drafters_without_replacement_keep_the_law_when_sized(monkeypatch,
     draft = build_tiny_model(vocab_size=4, seed=6)
     # two verified nodes pay, more do not: trees are cut (by the shape an earlier call showed the sizer)
     costs = CostModel({}, {1: {1: 1.0, 3: 1.0, 4: 3.0, 65: 100.0}})
-    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner: costs)
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: costs)
     monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: 0.0)
     monkeypatch.setattr(OnlineCosts, "record", lambda self, *args: None)
     law = two_token_law(model, SamplingConfig(do_sample=True, **sampling))

@@ -95,7 +95,7 @@ class Scripted:
 
 @pytest.fixture
 def fixed_costs(monkeypatch):
-    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner: FLAT)
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: FLAT)
     monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: 0.5)  # half a decode step per propose
     monkeypatch.setattr(TreeSizer, "probe_cost", lambda self, batch: 0.5)  # ... on every path
     monkeypatch.setattr(OnlineCosts, "record", lambda self, *args: None)  # no wall time corrects the flat curve
