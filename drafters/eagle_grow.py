@@ -47,10 +47,9 @@ class TreeGrower:
         log-probabilities (module doc)."""
         logits = self.model.logits(features, self.lm_head).float()
         s, coupling = self.sampling, self.coupling
-        if coupling is not None:
-            noise = coupling.gumbel(noise_keys, positions[:, None], self.vocab_size)  # [B, 1, vocab]
-            if self.draft_ids is not None:
-                noise = noise[..., self.draft_ids]
+        if coupling is not None:  # [B, 1, N] the children's position's noise
+            noise = coupling.draft_noise_batch(noise_keys, positions[:, None], self.vocab_size, logits.device,
+                                               self.draft_ids)
             return perturbed_logits(logits, s, noise).log_softmax(-1)
         if s.do_sample and s.temperature != 1.0:
             logits = logits / s.temperature

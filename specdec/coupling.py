@@ -121,11 +121,15 @@ class Coupling:
         ``columns`` [n]: only those token ids (a reduced draft vocabulary's) -> [P, n]."""
         return self.draft_noise_batch([key], [positions], vocab, device, columns)[0]
 
-    def draft_noise_batch(self, keys: Sequence[int], positions: Sequence[Sequence[int]], vocab: int,
-                          device: torch.device | str, columns: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`draft_noise` of several sequences at once, P positions each -> [B, P, vocab] (or [B, P, n])."""
-        key_t = to_device(list(keys), torch.long, device)
-        noise = self.gumbel(key_t, to_device([list(p) for p in positions], torch.long, device), vocab)
+    def draft_noise_batch(self, keys: Sequence[int] | torch.Tensor, positions: Sequence[Sequence[int]] | torch.Tensor,
+                          vocab: int, device: torch.device | str, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`draft_noise` of several sequences at once, P positions each -> [B, P, vocab] (or [B, P, n]).
+        ``keys`` [B] and ``positions`` [B, P] may be device tensors already (a CUDA-graph capture reads no host
+        values)."""
+        key_t = keys if isinstance(keys, torch.Tensor) else to_device(list(keys), torch.long, device)
+        if not isinstance(positions, torch.Tensor):
+            positions = to_device([list(p) for p in positions], torch.long, device)
+        noise = self.gumbel(key_t, positions, vocab)
         return noise if columns is None else noise[..., columns.to(noise.device)]
 
 
