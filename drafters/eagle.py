@@ -239,21 +239,21 @@ class EagleDrafter(Drafter):
         dev = self.target.runner.device
         root_pos = [len(v.token_ids) - 1 for v in views]
         keys = [v.noise_key for v in views]
-        pool = None
+        pool, since = None, t0
         if self.graphs is not None:
-            t1 = self._level_done(level_seconds, 1, t0)  # the catch-up
+            since = self._level_done(level_seconds, 1, t0)  # the catch-up
             caches = [(c.k, c.v) for c in (self.caches[v.seq_id] for v in views)]
             pool = self.graphs.pool(caches, h_root, root_pos, keys, max_depth)
             if pool is not None:
                 rows = pool.tolist()  # the one read of the device
-                share = (time.perf_counter() - t1) / max_depth
+                share = (time.perf_counter() - since) / max_depth
                 for j in range(max_depth):
                     level_seconds[j] += share
-        if pool is None:
+        if pool is None:  # eager (no bucket fits, or a capture failed): level 1 continues from the catch-up's end
             past_k, past_v, real = self._past(views)  # the roots' catch-up: at least one key each
             inputs = GrowInputs(h_root, past_k, past_v, real, to_device(root_pos, torch.long, dev),
                                 to_device(keys, torch.long, dev))
-            clock = [t0]
+            clock = [since]
 
             def on_level(depth: int) -> None:
                 clock[0] = self._level_done(level_seconds, depth, clock[0])
