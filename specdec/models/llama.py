@@ -323,25 +323,24 @@ class LlamaRunner:
             if i in feature_layers and logits_rows is not None:
                 streams[i] = h[logits_rows]
             qkv = fused[i].qkv if fused else None
-            q_norm = hasattr(attn, "q_norm")  # Qwen3: RMSNorm over head_dim before RoPE
-            if qkv is not None and not q_norm:  # one product; q and k side by side get RoPE together
+            if qkv is not None:  # one product, split into row-strided views
                 out = self._linear(x, qkv.weight, qkv.bias)
-                qk = apply_rope(out[:, : qkv.sizes[0] + qkv.sizes[1]].view(n, s.num_heads + s.num_kv_heads,
-                                                                            s.head_dim), cos, sin, self.backend)
-                q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
-                v = out[:, qkv.sizes[0] + qkv.sizes[1] :].view(n, s.num_kv_heads, s.head_dim)
+                q, k, v = out.split(qkv.sizes, dim=-1)
             else:
-                if qkv is not None:  # one product, split into row-strided views
-                    q, k, v = self._linear(x, qkv.weight, qkv.bias).split(qkv.sizes, dim=-1)
-                else:
-                    q = self._linear(x, attn.q_proj.weight, attn.q_proj.bias)
-                    k = self._linear(x, attn.k_proj.weight, attn.k_proj.bias)
-                    v = self._linear(x, attn.v_proj.weight, attn.v_proj.bias)
-                q = q.view(n, s.num_heads, s.head_dim)
-                k, v = k.view(n, s.num_kv_heads, s.head_dim), v.view(n, s.num_kv_heads, s.head_dim)
-                if q_norm:
-                    q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
-                    k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+                q = self._linear(x, attn.q_proj.weight, attn.q_proj.bias)
+                k = self._linear(x, attn.k_proj.weight, attn.k_proj.bias)
+                v = self._linear(x, attn.v_proj.weight, attn.v_proj.bias)
+            q = q.view(n, s.num_heads, s.head_dim)
+            k, v = k.view(n, s.num_kv_heads, s.head_dim), v.view(n, s.num_kv_heads, s.head_dim)
+            q_norm = hasattr(attn, "q_norm")
+            if q_norm:  # Qwen3: RMSNorm over head_dim before RoPE
+                q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
+                k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+            if qkv is not None and not q_norm:  # q and k side by side in the product's rows: RoPE in one launch
+                width = s.num_heads + s.num_kv_heads
+                qk = apply_rope(out[:, : width * s.head_dim].view(n, width, s.head_dim), cos, sin, self.backend)
+                q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
+            else:
                 q, k = apply_rope(q, cos, sin, self.backend), apply_rope(k, cos, sin, self.backend)
             cache.write(i, write_slots, k, v)
             k_cache, v_cache = cache.layer(i)
