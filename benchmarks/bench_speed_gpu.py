@@ -11,7 +11,10 @@ Per model (docs/gpu-speed.md explains every column):
 * the oracle drafter (``specdec.eval.oracle_drafter``) at tau 2, 3 and 4, as a chain and as a tree, paying a
   random EAGLE layer's real drafting each step: speedup over specdec's plain decoding at the same batch;
 * transformers' ``generate()`` with its static cache (eager, batch 1) as the same-run baseline, where it fits the
-  budget.
+  budget;
+* a profile of batch-1 plain decoding and of the oracle chain at the first tau with EAGLE's drafting
+  (benchmarks/step_profile.py): GPU busy and idle time per step, kernels, graph and host launches, host waits on
+  the device and the engine's phases on the host, so that a number that misses its goal says why.
 
 Models run in order of importance, each within its share of ``--budget`` seconds; whatever does not fit is marked
 skipped in the report instead of overrunning, so the run ends in time. ``report`` JSON + Markdown are rewritten
@@ -30,11 +33,15 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_profile import markdown_rows, profiled  # noqa: E402
+
 FULL_MODELS = ("synthetic:llama-3.1-8b", "default", "synthetic:qwen3-1.7b", "synthetic:llama-3.2-1b")
 EMBEDDED_SHAPE = "synthetic:smollm2-135m"  # the embedded model's shape: its speed where its GGUF is not at hand
 REHEARSAL_MODELS = ("synthetic:llama-3.1-8b@tiny", "synthetic:qwen3-1.7b@tiny", "synthetic:llama-3.2-1b@tiny")
 TAUS = (3.0, 2.0, 4.0)  # tau 3 first: the one the goals name
 CHAIN_DEPTH = 6
+PROFILE_TOKENS = 32  # new tokens per profiled call (the trace's size)
 TREE_DEPTH, TREE_WIDTH = 8, 8  # 64 nodes: the largest tree a step verifies
 
 
@@ -175,8 +182,8 @@ class ModelRun:
     def __init__(self, spec: str, args, device: torch.device, dtype: torch.dtype, bandwidth: float, clock: Clock,
                  save) -> None:
         self.spec, self.args, self.device, self.dtype, self.clock, self.save = spec, args, device, dtype, clock, save
-        self.result: dict = dict(model=spec, plain={}, oracle=[], verify_cost=None, hf_static=None, skipped=[],
-                                 errors=[])
+        self.result: dict = dict(model=spec, plain={}, oracle=[], verify_cost=None, hf_static=None, profile=[],
+                                 skipped=[], errors=[])
         self.bandwidth = bandwidth
 
     def item(self, name: str, fn, estimate: float | None = None) -> None:
@@ -229,6 +236,7 @@ class ModelRun:
         self.item("verify cost", lambda: self.curve(pool[0]))
         for shape in ("chain", "tree"):
             oracle(b0, first, shape, True)
+        self.item(f"profile b{b0}", lambda: self.profile(pool[:b0], first))
         for b in reversed(rest):  # the largest batch first: the goals name batch 32
             self.item(f"plain b{b}", lambda b=b: self.plain(pool[:b]))
             oracle(b, first, "chain", False)
@@ -293,7 +301,6 @@ class ModelRun:
         return 2 * self.args.new_tokens / tau * max(1.0, batch / 4) * self.draft_seconds_per_step
 
     def oracle(self, prompts, tau: float, shape: str, eagle: bool) -> None:
-        from specdec.drafters.eagle import EagleDrafter
         from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter
 
         b = len(prompts)
@@ -302,16 +309,11 @@ class ModelRun:
         depth, width = (CHAIN_DEPTH, 1) if shape == "chain" else (TREE_DEPTH, TREE_WIDTH)
         profile = AcceptanceProfile.for_tau(tau, depth, width)
         nodes = depth * width
-
         inners = []
 
         def drafter():
-            # graphs on: captured on CUDA (what "auto" does there); uncaptured on the CPU, so the rehearsal runs the
-            # padded static growth the GPU replays
-            inner = (EagleDrafter(model=self.eagle, depth=depth, top_k=width, max_nodes=nodes, adapt_depth=False,
-                                  cuda_graphs=True) if eagle else None)
-            inners.append(inner)
-            return OracleDrafter(self.references[b], profile, inner=inner, seed=1)
+            inners.append(self.eagle_drafter(depth, width) if eagle else None)
+            return OracleDrafter(self.references[b], profile, inner=inners[-1], seed=1)
 
         run_generate(self.loaded, prompts, self.args.new_tokens, drafter=drafter(), speculation="always")  # warm-up
         graphs = inners[0].graphs if eagle else None  # kept on the EAGLE model: the timed call replays its graphs
@@ -327,6 +329,33 @@ class ModelRun:
                    speedup=row["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
                    identical_to_plain=f"{same}/{b}")
         self.result["oracle"].append(row)
+
+    def eagle_drafter(self, depth: int, width: int):
+        """The random EAGLE layer drafting a fixed tree, graphs on: captured on CUDA (what "auto" does there);
+        uncaptured on the CPU, so the rehearsal runs the padded static growth the GPU replays."""
+        from specdec.drafters.eagle import EagleDrafter
+
+        return EagleDrafter(model=self.eagle, depth=depth, top_k=width, max_nodes=depth * width, adapt_depth=False,
+                            cuda_graphs=True)
+
+    def profile(self, prompts, tau: float) -> None:
+        """Plain decoding and the oracle chain at ``tau`` with EAGLE's drafting, each one call under the profiler
+        (benchmarks/step_profile.py), after the timed rows warmed them up (kernels compiled, graphs captured)."""
+        from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter
+
+        b = len(prompts)
+        if b not in self.references:
+            self.plain(prompts)
+        tokens = min(self.args.new_tokens, PROFILE_TOKENS)
+        chain = AcceptanceProfile.for_tau(tau, CHAIN_DEPTH, 1)
+        calls = [(f"plain b{b}", {}),
+                 (f"oracle chain tau {tau} +eagle b{b}",
+                  dict(drafter=OracleDrafter(self.references[b], chain, inner=self.eagle_drafter(CHAIN_DEPTH, 1),
+                                             seed=1), speculation="always"))]
+        for name, kwargs in calls:
+            with profiled(self.device) as trace:
+                row = run_generate(self.loaded, prompts, tokens, **kwargs)
+            self.result["profile"].append(dict(call=name, new_tokens=tokens, tau=row["tau"], summary=trace.summary()))
 
     def hf(self, prompt) -> None:
         self.result["hf_static"] = hf_static(self.loaded.model, prompt, self.args.new_tokens)
@@ -377,6 +406,7 @@ def markdown(report: dict) -> str:
                              f"{r['tau_target']:.1f} | {r['tau']:.2f} | {r['step_ms']:.3f} | "
                              f"{1e3 * r['draft_seconds'] / r['steps']:.3f} | {r['decode_tokens_per_s']:.1f} | "
                              f"**{r['speedup']:.2f}x** | {r['identical_to_plain']} |")
+        lines += markdown_rows(m)
         if m["skipped"]:
             lines += ["", "skipped (out of time): " + "; ".join(m["skipped"])]
         if m["errors"]:

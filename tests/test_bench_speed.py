@@ -37,8 +37,13 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     assert rows == {("chain", 1, True), ("tree", 1, True), ("chain", 2, True), ("chain", 2, False), ("tree", 2, False)}
     assert all(r["identical_to_plain"] == f"{r['batch']}/{r['batch']}" for r in model["oracle"])  # greedy exactness
     assert model["hf_static"]["new_tokens"] == 6
+    assert [r["call"] for r in model["profile"]] == ["plain b1", "oracle chain tau 3.0 +eagle b1"]
+    plain, oracle = (r["summary"] for r in model["profile"])
+    assert plain["steps"] == 6 and plain["aten_ops_per_step"] > 0 and "verify" in plain["phases_ms_per_step"]
+    assert oracle["steps"] < plain["steps"] and oracle["phases_ms_per_step"]["propose"] > 0  # EAGLE drafted
     text = (tmp_path / "speed.md").read_text()
     assert "## synthetic:qwen3-1.7b@tiny" in text and "speedup vs plain" in text and "REHEARSAL" in text
+    assert "| oracle chain tau 3.0 +eagle b1 |" in text
 
 
 def test_what_does_not_fit_the_budget_is_skipped_and_reported(bench, tmp_path):
@@ -57,3 +62,39 @@ def test_weight_read_floor_counts_what_a_decode_step_reads(bench):
         shape = synthetic.parse(name)
         unread = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
         assert bench.weight_bytes(synthetic.build(name, device="cpu")) == 4 * (shape.num_params - unread)
+
+
+def test_profile_summary_counts_a_steps_device_time_launches_and_waits():
+    """Fake trace of two steps (microseconds): the GPU's busy time is the union of its intervals, only events inside
+    the steps count, and the host's waits, launches and phases are per step."""
+    import sys
+    from types import SimpleNamespace as E
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from step_profile import summarize
+    from torch.autograd import DeviceType
+
+    def ev(name, start, end, device=DeviceType.CPU, parent=None):
+        return E(name=name, time_range=E(start=start, end=end), device_type=device, cpu_parent=parent)
+
+    step1, step2 = ev("engine.step", 0, 100), ev("engine.step", 100, 200)
+    gpu = DeviceType.CUDA
+    events = [step1, step2, ev("engine.verify", 10, 60, parent=step1), ev("engine.accept", 110, 130, parent=step2),
+              ev("cudaGraphLaunch", 12, 14, parent=step1), ev("cudaLaunchKernel", 112, 113, parent=step2),
+              ev("cudaStreamSynchronize", 60, 90), ev("cudaStreamSynchronize", 150, 160),
+              ev("matmul_kernel", 20, 50, gpu), ev("attn_kernel", 40, 70, gpu),  # overlapping: 50 us busy
+              ev("matmul_kernel", 120, 140, gpu), ev("Memcpy DtoH (Device -> Pinned)", 150, 151, gpu),
+              ev("late_kernel", 190, 210, gpu),  # ends after the last step: not counted
+              ev("aten::mm", 15, 16, parent=step1), ev("aten::copy_", 15.2, 15.5, parent=ev("aten::mm", 15, 16))]
+    s = summarize(events)
+    assert s["steps"] == 2 and s["wall_ms_per_step"] == 0.1
+    assert abs(s["gpu_busy_ms_per_step"] - (50 + 20 + 1) / 2 / 1e3) < 1e-12
+    assert abs(s["gpu_idle_share"] - (1 - 71 / 200)) < 1e-12
+    assert s["kernels_per_step"] == 1.5 and s["copies_per_step"] == {"Memcpy DtoH": 0.5}
+    assert s["graph_launches_per_step"] == 0.5 and s["host_launches_per_step"] == 0.5
+    assert s["syncs_per_step"] == 1.0 and abs(s["sync_wait_ms_per_step"] - 0.02) < 1e-12
+    assert s["phases_ms_per_step"] == {"verify": 0.025, "accept": 0.01} and s["aten_ops_per_step"] == 0.5
+    assert [k["name"] for k in s["top_kernels"]] == ["matmul_kernel", "attn_kernel"]
+    assert s["top_kernels"][0]["per_step"] == 1.0 and abs(s["top_kernels"][0]["share"] - 50 / 80) < 1e-12
+    with pytest.raises(ValueError, match="no engine step"):
+        summarize([ev("aten::mm", 0, 1)])

@@ -1,0 +1,165 @@
+"""Where a decode step's time goes, from one torch.profiler trace: the speed command's profile rows.
+
+    with profiled(device) as trace:
+        generate(...)
+    summary = trace.summary()          # per step: wall, GPU busy, launches, host waits, engine phases, top kernels
+
+Only the engine's steps count (from the first ``Engine.step`` to the end of the last; prefill and set-up are left
+out). Per step it gives the wall time under the profiler (which adds some per launch: the timed rows give the speed,
+this gives the shares), the GPU's busy time (the union of its kernel and copy intervals) and what is left idle,
+kernels run, CUDA-graph launches and launches from the host, the host's waits on the device (synchronisations and
+their seconds), and the host time of each engine phase (propose, verify_batch, verify, accept, commit, ...). On the
+CPU (the rehearsal) there are no device events: it counts the aten ops the steps run instead.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import Counter, defaultdict
+
+import torch
+
+PHASES = ("step", "propose", "verify_batch", "verify", "process", "accept", "keep_new_hidden", "commit")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                "cudaLaunchCooperativeKernel")
+GRAPH_CALLS = ("cudaGraphLaunch", "cuGraphLaunch")
+TOP_KERNELS = 8
+
+
+@contextlib.contextmanager
+def _annotated_engine():
+    """Each engine phase inside a profiler range named ``engine.<phase>`` (restored afterwards)."""
+    from specdec.engine import Engine
+
+    saved = {name: Engine.__dict__[name] for name in PHASES}  # as defined: a staticmethod stays one
+
+    def annotate(name, attr):
+        method = attr.__func__ if isinstance(attr, staticmethod) else attr
+
+        @functools.wraps(method)
+        def wrapper(*args, **kwargs):
+            with torch.profiler.record_function(f"engine.{name}"):
+                return method(*args, **kwargs)
+        return staticmethod(wrapper) if isinstance(attr, staticmethod) else wrapper
+
+    try:
+        for name, attr in saved.items():
+            setattr(Engine, name, annotate(name, attr))
+        yield
+    finally:
+        for name, attr in saved.items():
+            setattr(Engine, name, attr)
+
+
+class Trace:
+    def __init__(self) -> None:
+        self.events = None
+
+    def summary(self) -> dict:
+        return summarize(self.events)
+
+
+@contextlib.contextmanager
+def profiled(device: torch.device):
+    """Profile the block (CPU, and CUDA on a CUDA device) with the engine's phases annotated; the device is waited
+    for before the trace closes."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    trace = Trace()
+    with _annotated_engine(), torch.profiler.profile(activities=activities) as prof:
+        yield trace
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    trace.events = prof.events()
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    """Microseconds covered by at least one of the (start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _is_device(event) -> bool:
+    return event.device_type != torch.autograd.DeviceType.CPU
+
+
+def summarize(events) -> dict:
+    """The per-step figures of the module doc, from a profiler's events (``prof.events()``)."""
+    steps = [e for e in events if e.name == "engine.step"]
+    if not steps:
+        raise ValueError("the profiled block ran no engine step")
+    start, end = min(e.time_range.start for e in steps), max(e.time_range.end for e in steps)
+    n = len(steps)
+
+    def inside(e) -> bool:
+        return start <= e.time_range.start and e.time_range.end <= end
+
+    window = [e for e in events if inside(e)]
+    device = [e for e in window if _is_device(e)]
+    host = [e for e in window if not _is_device(e)]
+    kernels = [e for e in device if not e.name.startswith(("Memcpy", "Memset"))]
+    copies = Counter(e.name.split(" (")[0] for e in device if e.name.startswith(("Memcpy", "Memset")))
+    wall_us = end - start
+    busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in device])
+    syncs = [e for e in host if e.name in SYNC_CALLS]
+    phases: dict[str, float] = defaultdict(float)
+    for e in host:
+        if e.name.startswith("engine.") and e.name != "engine.step":
+            phases[e.name[len("engine."):]] += e.time_range.end - e.time_range.start
+    per_kernel: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        per_kernel[e.name].append(e.time_range.end - e.time_range.start)
+    kernel_us = sum(sum(d) for d in per_kernel.values())
+    top = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
+    top_aten = Counter(e.name for e in host if e.name.startswith("aten::")
+                       and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+    return dict(
+        steps=n,
+        wall_ms_per_step=wall_us / n / 1e3,
+        gpu_busy_ms_per_step=busy_us / n / 1e3 if device else None,
+        gpu_idle_share=1.0 - busy_us / wall_us if device and wall_us > 0 else None,
+        kernels_per_step=len(kernels) / n,
+        graph_launches_per_step=sum(e.name in GRAPH_CALLS for e in host) / n,
+        host_launches_per_step=sum(e.name in LAUNCH_CALLS for e in host) / n,
+        copies_per_step={k: v / n for k, v in sorted(copies.items())},
+        syncs_per_step=len(syncs) / n,
+        sync_wait_ms_per_step=sum(e.time_range.end - e.time_range.start for e in syncs) / n / 1e3,
+        phases_ms_per_step={k: v / n / 1e3 for k, v in sorted(phases.items(), key=lambda kv: -kv[1])},
+        aten_ops_per_step=sum(top_aten.values()) / n,
+        top_kernels=[dict(name=name[:80], per_step=len(d) / n, us_per_step=sum(d) / n,
+                          share=sum(d) / kernel_us if kernel_us else None) for name, d in top],
+    )
+
+
+def markdown_rows(model: dict) -> list[str]:
+    """The report's lines for one model's profile rows (bench_speed_gpu.markdown)."""
+    rows = model.get("profile") or []
+    if not rows:
+        return []
+    lines = ["", "Profile (torch.profiler, which adds time per launch: shares, not speeds):", "",
+             "| call | steps | wall ms/step | GPU busy ms/step | GPU idle | kernels/step | graph launches/step | "
+             "host launches/step | syncs/step (wait ms) | host phases, ms/step |", "|---" * 10 + "|"]
+    for r in rows:
+        s = r["summary"]
+        busy = "-" if s["gpu_busy_ms_per_step"] is None else f"{s['gpu_busy_ms_per_step']:.3f}"
+        idle = "-" if s["gpu_idle_share"] is None else f"{100 * s['gpu_idle_share']:.0f}%"
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in s["phases_ms_per_step"].items())
+        kernels = (f"{s['kernels_per_step']:.0f}" if s["gpu_busy_ms_per_step"] is not None
+                   else f"({s['aten_ops_per_step']:.0f} aten ops)")
+        lines.append(f"| {r['call']} | {s['steps']} | {s['wall_ms_per_step']:.3f} | {busy} | {idle} | {kernels} | "
+                     f"{s['graph_launches_per_step']:.1f} | {s['host_launches_per_step']:.1f} | "
+                     f"{s['syncs_per_step']:.1f} ({s['sync_wait_ms_per_step']:.3f}) | {phases} |")
+    for r in rows:
+        if r["summary"]["top_kernels"]:
+            lines += ["", f"{r['call']}, kernels by GPU time: " + "; ".join(
+                f"`{k['name'][:48]}` {k['per_step']:.0f}/step {k['us_per_step']:.0f} us ({100 * k['share']:.0f}%)"
+                for k in r["summary"]["top_kernels"])]
+    return lines
