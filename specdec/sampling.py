@@ -114,8 +114,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
 def choose_max(logits: torch.Tensor) -> torch.Tensor:
     """[..., vocab] -> [...] int64 argmax, as greedy decoding takes it; a row holding a NaN, or only -inf, gets
     the id ``vocab`` (outside the vocabulary, see the module docstring). No host sync."""
-    values, tokens = logits.max(-1)  # max propagates NaN
-    return tokens.masked_fill_(values.isnan() | (values == float("-inf")), logits.shape[-1])
+    values, tokens = logits.max(-1)  # max propagates NaN, and NaN > -inf is False
+    return torch.where(values > float("-inf"), tokens, logits.shape[-1])
 
 
 def check_chosen(acceptances: Sequence[Any], vocab: int, where: Callable[[int], tuple[int, int, int]]) -> None:
