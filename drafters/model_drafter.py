@@ -201,7 +201,7 @@ class ModelDrafter(Drafter):
         self.draft_forwards += 1
         batch = builder.build()
         if self.graphed is not None:
-            out = self.graphed(batch.token_ids, batch.positions, batch.plan)
+            out = self.graphed(batch)
             if out is not None:  # else a prefill, or no bucket fits: eager
                 return out.logits
         rows = torch.arange(batch.token_ids.numel(), device=batch.token_ids.device)

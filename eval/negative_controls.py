@@ -119,7 +119,7 @@ class OffByOneTreeMaskEngine(Engine):
 
     def verify_batch(self, live: list[SequenceState], trees: list[DraftTree]) -> VerifyBatch:
         batch = super().verify_batch(live, trees)
-        plan = AttentionPlan(tuple(_sees_next(s) for s in batch.plan.seqs), batch.plan.write_slots)
+        plan = AttentionPlan(tuple(_sees_next(s) for s in batch.plan.seqs))
         return dataclasses.replace(batch, plan=plan)
 
 

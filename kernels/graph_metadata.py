@@ -1,84 +1,129 @@
-"""Fixed-capacity tree-attention metadata: the inputs of the CUDA-graph buckets (``specdec.cuda_graphs``).
+"""The CUDA-graph buckets' per-step inputs (``specdec.cuda_graphs``): buffers that never move, loaded by one copy.
 
-A CUDA graph replays the same launches on the same memory, so the kernel's inputs must live in
-buffers that never move. :func:`static_metadata` allocates them for a bucket (at most ``batch``
-sequences of at most ``tokens_per_seq`` new tokens and ``max_keys`` keys each); before each
-replay :func:`load_plan_` copies the step's :class:`~specdec.attention.AttentionPlan` into them.
-The launch grid depends only on the bucket: tiles past a sequence's real tokens, and sequences
-past the real batch (``q_len = 0``), read no keys and write nothing.
+A CUDA graph replays the same launches on the same memory, so a bucket's inputs (at most ``batch`` sequences of
+at most ``tokens_per_seq`` new tokens, ``rows = batch * tokens_per_seq``) live in one device buffer shared by every
+bucket, each laid out from its start:
 
-    meta = static_metadata(batch=8, tokens_per_seq=17, max_keys=4096, device="cuda")
-    small = bucket_view(meta, batch=2, tokens_per_seq=4)   # a smaller bucket over the same buffers
-    load_plan_(meta, plan)                      # outside the graph, every step
-    tree_attention(q_padded, k_cache, v_cache, meta, scale, num_splits=S)   # q: [8 * 17, H, D]
+    int64 [rows] token ids | int64 [rows] positions | int64 [rows] ancestor bits | int32 [rows] KV write slots |
+    int32 [5, batch] ctx_lens, num_masked, q_starts, q_lens, tree_mode | int32 [batch, max_blocks] block tables
 
-Warm up once before capturing (the tile list is copied to the device on first use) and keep
-``num_splits`` fixed per bucket: it is part of the launch.
+Before each replay :meth:`StaticInputs.load_` writes the step's values there from the host alone (the builder's
+token ids, positions and ancestor bits; each sequence's blocks in the cache, pages of ``block_size`` slots) into a
+pinned buffer and moves the bucket's layout in one asynchronous copy: no other launch, no read of the device.
+The real tokens come first; padded rows are token 0 at position 0 writing into the scratch slot, and padded
+sequences have ``q_len`` 0, so the kernel gives them no tile. Warm up once before capturing (the tile list is
+copied to the device on first use).
+
+    inputs = StaticInputs(max_batch=32, max_tokens_per_seq=64, max_keys=8192, block_size=16, scratch_slot=s,
+                          device="cuda")
+    bucket = inputs.bucket(batch=2, tokens_per_seq=4)    # views: the graph's inputs
+    inputs.load_(bucket, forward_batch)                   # outside the graph, every step
 """
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from specdec.kernels.tree_attention import TreeAttentionMetadata
 
-
-def static_metadata(
-    batch: int, tokens_per_seq: int, max_keys: int, device: torch.device | str
-) -> TreeAttentionMetadata:
-    if min(batch, tokens_per_seq, max_keys) < 1:
-        raise ValueError(f"batch, tokens_per_seq and max_keys must be >= 1, got {batch}, {tokens_per_seq}, {max_keys}")
-
-    def zeros(*shape, dtype=torch.int32):
-        return torch.zeros(*shape, dtype=dtype, device=device)
-
-    return TreeAttentionMetadata(
-        block_tables=zeros(batch, max_keys),  # page size 1: one slot per key, as from_plan
-        page_size=1,
-        ctx_lens=zeros(batch),
-        num_masked=zeros(batch),
-        q_starts=zeros(batch),
-        q_lens=zeros(batch),
-        tree_mode=zeros(batch),
-        q_bits=zeros(batch * tokens_per_seq, dtype=torch.long),
-        host_q_lens=(tokens_per_seq,) * batch,
-        max_ctx_len=max_keys,
-        padded=True,
-    )
+FIELDS = ("ctx_lens", "num_masked", "q_starts", "q_lens", "tree_mode")  # the [5, batch] int32 rows, in order
 
 
-def bucket_view(static: TreeAttentionMetadata, batch: int, tokens_per_seq: int) -> TreeAttentionMetadata:
-    """The metadata of a smaller bucket as prefix views of ``static``'s buffers (no copy): buckets of
-    different shapes can share one allocation, each with its own launch grid (tile list)."""
-    rows = batch * tokens_per_seq
-    if batch > static.block_tables.shape[0] or rows > static.q_bits.numel():
-        raise ValueError(f"a {batch} x {tokens_per_seq} bucket does not fit in the static metadata")
-    return dataclasses.replace(
-        static, block_tables=static.block_tables[:batch], ctx_lens=static.ctx_lens[:batch],
-        num_masked=static.num_masked[:batch], q_starts=static.q_starts[:batch], q_lens=static.q_lens[:batch],
-        tree_mode=static.tree_mode[:batch], q_bits=static.q_bits[:rows], host_q_lens=(tokens_per_seq,) * batch,
-        _tiles={},
-    )
+@dataclass(frozen=True)
+class BucketInputs:
+    """One bucket's views of the shared buffer: what its graph reads."""
+
+    batch: int
+    tokens_per_seq: int
+    words: int  # int64 words of its layout (the copy's length)
+    token_ids: torch.Tensor  # [rows] int64
+    positions: torch.Tensor  # [rows] int64
+    write_slots: torch.Tensor  # [rows] int32
+    metadata: TreeAttentionMetadata  # over the bits, the [5, batch] rows and the block tables
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.tokens_per_seq
 
 
-def load_plan_(static: TreeAttentionMetadata, plan) -> None:
-    """Copy ``plan``'s kernel metadata into the buffers of ``static`` (in place; device copies only)."""
-    batch, max_keys = static.block_tables.shape
-    per_seq = static.host_q_lens[0]
-    seqs = plan.seqs
-    if len(seqs) > batch:
-        raise ValueError(f"plan has {len(seqs)} sequences, the bucket holds {batch}")
-    for b, s in enumerate(seqs):
-        if s.num_new > per_seq or s.key_slots.numel() > max_keys:
-            raise ValueError(f"sequence {b}: {s.num_new} new tokens / {s.key_slots.numel()} keys exceed the bucket "
-                             f"({per_seq} / {max_keys})")
-    dyn = plan.kernel_metadata
-    if dyn.num_tokens > static.q_bits.numel():
-        raise ValueError(f"plan has {dyn.num_tokens} tokens, the bucket holds {static.q_bits.numel()}")
-    n = len(seqs)
-    static.block_tables[:n, : dyn.block_tables.shape[1]].copy_(dyn.block_tables)
-    for name in ("ctx_lens", "num_masked", "q_starts", "q_lens", "tree_mode"):
-        buf = getattr(static, name)
-        buf[:n].copy_(getattr(dyn, name))
-        buf[n:].zero_()  # q_len 0: the padded sequences' tiles are inert
-    static.q_bits[: dyn.num_tokens].copy_(dyn.q_bits)
+class StaticInputs:
+    def __init__(self, max_batch: int, max_tokens_per_seq: int, max_keys: int, block_size: int, scratch_slot: int,
+                 device: torch.device | str) -> None:
+        if min(max_batch, max_tokens_per_seq, max_keys, block_size) < 1:
+            raise ValueError(f"max_batch, max_tokens_per_seq, max_keys and block_size must be >= 1, got {max_batch}, "
+                             f"{max_tokens_per_seq}, {max_keys}, {block_size}")
+        self.max_batch, self.max_tokens_per_seq, self.max_keys = max_batch, max_tokens_per_seq, max_keys
+        self.block_size, self.scratch_slot = block_size, scratch_slot
+        self.max_blocks = -(-max_keys // block_size)
+        self.device = torch.device(device)
+        words = self._words(max_batch, max_batch * max_tokens_per_seq)
+        self.buffer = torch.zeros(words, dtype=torch.long, device=self.device)
+        if self.device.type == "cuda":  # two pinned buffers in turn, each reused once its copy has run
+            self.staging = [torch.zeros(words, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self.copied: list[torch.cuda.Event | None] = [None, None]
+        else:  # the host's memory is the device's: written in place
+            self.staging, self.copied = [self.buffer], [None]
+        self.turn = 0
+
+    def _words(self, batch: int, rows: int) -> int:
+        return 3 * rows + (rows + len(FIELDS) * batch + batch * self.max_blocks + 1) // 2
+
+    def _split(self, buf, batch: int, rows: int, int32):
+        """``buf`` (a tensor or a numpy array of int64 words) -> the layout's parts (module doc) as views."""
+        tokens, positions, bits = buf[:rows], buf[rows : 2 * rows], buf[2 * rows : 3 * rows]
+        small = buf[3 * rows : self._words(batch, rows)].view(int32)
+        meta_end = rows + len(FIELDS) * batch
+        tables = small[meta_end : meta_end + batch * self.max_blocks].reshape(batch, self.max_blocks)
+        return tokens, positions, bits, small[:rows], small[rows:meta_end].reshape(len(FIELDS), batch), tables
+
+    def bucket(self, batch: int, tokens_per_seq: int) -> BucketInputs:
+        if not (1 <= batch <= self.max_batch and 1 <= tokens_per_seq <= self.max_tokens_per_seq):
+            raise ValueError(f"a {batch} x {tokens_per_seq} bucket does not fit in inputs sized for "
+                             f"{self.max_batch} x {self.max_tokens_per_seq}")
+        rows = batch * tokens_per_seq
+        tokens, positions, bits, slots, meta, tables = self._split(self.buffer, batch, rows, torch.int32)
+        metadata = TreeAttentionMetadata(
+            block_tables=tables, page_size=self.block_size, ctx_lens=meta[0], num_masked=meta[1], q_starts=meta[2],
+            q_lens=meta[3], tree_mode=meta[4], q_bits=bits, host_q_lens=(tokens_per_seq,) * batch,
+            max_ctx_len=self.max_keys, padded=True,
+        )
+        return BucketInputs(batch, tokens_per_seq, self._words(batch, rows), tokens, positions, slots, metadata)
+
+    def load_(self, bucket: BucketInputs, batch) -> None:
+        """Write ``batch``'s step (a :class:`~specdec.attention.ForwardBatch` over this cache) into ``bucket``'s
+        inputs: built on the host, one asynchronous copy to the device."""
+        seqs, n = batch.plan.seqs, len(batch.tokens)
+        if len(seqs) > bucket.batch or n > bucket.rows:
+            raise ValueError(f"the step has {len(seqs)} sequences and {n} tokens; the bucket holds {bucket.batch} "
+                             f"and {bucket.rows}")
+        host = self.staging[self.turn]
+        event = self.copied[self.turn]
+        if event is not None:
+            event.synchronize()  # this buffer's last copy has long run (a step reads the device before the next)
+        tokens, positions, bits, slots, meta, tables = self._split(host.numpy(), bucket.batch, bucket.rows, np.int32)
+        tokens[:n], tokens[n:] = batch.tokens, 0
+        positions[:n], positions[n:] = batch.position_list, 0
+        bits[:] = 0
+        slots[n:] = self.scratch_slot
+        meta[:, len(seqs):] = 0
+        size = self.block_size
+        for b, (s, seq_id) in enumerate(zip(seqs, batch.seq_ids)):
+            keys = s.key_slots.numel()
+            if s.num_new > bucket.tokens_per_seq or keys > self.max_keys:
+                raise ValueError(f"sequence {b}: {s.num_new} new tokens / {keys} keys exceed the bucket "
+                                 f"({bucket.tokens_per_seq} / {self.max_keys})")
+            table = np.asarray(batch.cache.block_tables[seq_id][: -(-keys // size)], dtype=np.int64)
+            tables[b, : table.size] = table
+            rows = slice(s.query_start, s.query_start + s.num_new)
+            written = np.arange(keys - s.num_new, keys)  # a builder writes the new tokens to the last keys
+            slots[rows] = table[written // size] * size + written % size
+            meta[:, b] = (s.num_visible, s.num_masked, s.query_start, s.num_new, s.ancestor_bits is not None)
+            if s.ancestor_bits is not None:
+                bits[rows] = s.ancestor_bits.cpu().numpy()  # on the host as the builder was given them
+        if host is not self.buffer:
+            self.buffer[: bucket.words].copy_(host[: bucket.words], non_blocking=True)
+            if self.copied[self.turn] is None:
+                self.copied[self.turn] = torch.cuda.Event()
+            self.copied[self.turn].record()
+            self.turn = 1 - self.turn

@@ -51,6 +51,18 @@ class PagedCase:
         return TreeAttentionMetadata.build(self.block_tables, self.page_size, self.cache_lens, self.new_masks,
                                            device=self.q.device)
 
+    def forward_batch(self):
+        """The case as a builder's ForwardBatch over a cache holding its block tables (token ids and positions are
+        placeholders): what a CUDA-graph bucket loads (specdec.kernels.graph_metadata)."""
+        from types import SimpleNamespace
+
+        from specdec.attention import ForwardBatch
+
+        cache = SimpleNamespace(block_tables=dict(enumerate(self.block_tables)))
+        rows = tuple(range(s.query_start, s.query_start + s.num_new) for s in self.plan.seqs)
+        n = self.q.shape[0]
+        return ForwardBatch([0] * n, [0] * n, self.plan, rows, tuple(range(len(rows))), cache, self.q.device)
+
 
 def random_case(
     cache_lens: list[int],
@@ -92,7 +104,7 @@ def random_case(
     k_cache = torch.randn(shape, generator=gen).to(device, dtype)
     v_cache = torch.randn(shape, generator=gen).to(device, dtype)
     q = torch.randn(start, num_kv_heads * group, head_dim, generator=gen).to(device, dtype)
-    plan = AttentionPlan(tuple(seqs), torch.cat([s.key_slots[-s.num_new:] for s in seqs]))
+    plan = AttentionPlan(tuple(seqs))
     return PagedCase(q, k_cache, v_cache, tables, page_size, list(cache_lens), masks, plan, head_dim**-0.5)
 
 

@@ -33,8 +33,9 @@ class SeqAttention:
     num_new: int  # new tokens (queries) of this sequence in this forward
     key_slots: torch.Tensor  # [num_visible + num_masked] cache slots of every key, position order
     num_visible: int  # leading keys every query sees
-    # [num_new] int64 on key_slots' device, bit j = the query sees masked key j; None = causal: the masked keys
-    # are the new tokens themselves and query i sees masked keys 0..i
+    # [num_new] int64, bit j = the query sees masked key j; None = causal: the masked keys are the new tokens
+    # themselves and query i sees masked keys 0..i. On the host as the drafter built them (the users move them:
+    # a CUDA-graph step stages them with its other inputs), or on key_slots' device
     ancestor_bits: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
@@ -77,7 +78,7 @@ class SeqAttention:
         else:
             bit = torch.ones(self.num_masked, dtype=torch.long, device=device) << torch.arange(self.num_masked,
                                                                                                device=device)
-            mask[:, self.num_visible :] = (self.ancestor_bits.to(device)[:, None] & bit) != 0
+            mask[:, self.num_visible :] = (to_device(self.ancestor_bits, torch.long, device)[:, None] & bit) != 0
         return mask
 
     @cached_property
@@ -115,7 +116,12 @@ class PaddedBatch:
 @dataclass(frozen=True)
 class AttentionPlan:
     seqs: tuple[SeqAttention, ...]
-    write_slots: torch.Tensor  # [num_tokens] slot each new token's K/V is written to
+
+    @cached_property
+    def write_slots(self) -> torch.Tensor:  # [num_tokens] slot each new token's K/V is written to
+        """A sequence's new tokens are written to its last ``num_new`` keys (a lone sequence's: a view)."""
+        slots = [s.key_slots[s.key_slots.numel() - s.num_new :] for s in self.seqs]
+        return slots[0] if len(slots) == 1 else torch.cat(slots)
 
     @cached_property
     def padded(self) -> PaddedBatch | None:
@@ -186,12 +192,24 @@ class AttentionPlan:
 
 @dataclass(frozen=True)
 class ForwardBatch:
-    """The model's inputs for one forward over several sequences."""
+    """The model's inputs for one forward over several sequences: built on the host, moved to the device when
+    the eager forward asks (a CUDA-graph step stages the host values into its own buffers instead)."""
 
-    token_ids: torch.Tensor  # [T] new tokens of every sequence, flattened
-    positions: torch.Tensor  # [T]
+    tokens: list[int]  # [T] new tokens of every sequence, flattened (host)
+    position_list: list[int]  # [T] (host)
     plan: AttentionPlan
     rows: tuple[range, ...]  # rows of T per sequence, in the order added
+    seq_ids: tuple[int, ...]  # the cache's sequence of each, in the order added
+    cache: "object"  # the PagedKVCache whose slots the plan names
+    device: torch.device
+
+    @cached_property
+    def token_ids(self) -> torch.Tensor:  # [T] int64 on the device
+        return to_device(self.tokens, torch.long, self.device)
+
+    @cached_property
+    def positions(self) -> torch.Tensor:  # [T] int64 on the device
+        return to_device(self.position_list, torch.long, self.device)
 
 
 @dataclass
@@ -208,31 +226,28 @@ class BatchBuilder:
 
     cache: "object"  # PagedKVCache (slots(seq_id, start, end))
     device: torch.device
+    _seq_ids: list[int] = field(default_factory=list)
     _tokens: list[int] = field(default_factory=list)
     _positions: list[int] = field(default_factory=list)
     _seqs: list[SeqAttention] = field(default_factory=list)
-    _write_slots: list[torch.Tensor] = field(default_factory=list)
     _rows: list[range] = field(default_factory=list)
 
     def add(self, seq_id: int, tokens: Sequence[int], positions: Sequence[int] | torch.Tensor, num_keys: int,
             num_visible: int, ancestor_bits: torch.Tensor | None = None) -> range:
         start, n = len(self._tokens), len(tokens)
         key_slots = self.cache.slots(seq_id, 0, num_keys)
-        bits = None if ancestor_bits is None else to_device(ancestor_bits, torch.long, key_slots.device)
-        self._seqs.append(SeqAttention(start, n, key_slots, num_visible, bits))
-        self._write_slots.append(key_slots[num_keys - n :])
+        if ancestor_bits is not None and ancestor_bits.dtype != torch.long:
+            ancestor_bits = ancestor_bits.long()
+        self._seqs.append(SeqAttention(start, n, key_slots, num_visible, ancestor_bits))
+        self._seq_ids.append(seq_id)
         self._tokens.extend(tokens)
         self._positions.extend(positions.tolist() if isinstance(positions, torch.Tensor) else positions)
         self._rows.append(range(start, start + n))
         return self._rows[-1]
 
     def build(self) -> ForwardBatch:
-        return ForwardBatch(
-            token_ids=to_device(self._tokens, torch.long, self.device),
-            positions=to_device(self._positions, torch.long, self.device),
-            plan=AttentionPlan(tuple(self._seqs), torch.cat(self._write_slots)),
-            rows=tuple(self._rows),
-        )
+        return ForwardBatch(self._tokens, self._positions, AttentionPlan(tuple(self._seqs)),
+                            tuple(self._rows), tuple(self._seq_ids), self.cache, self.device)
 
 
 def paged_attention(

@@ -4,12 +4,11 @@ A CUDA graph replays a forward's many small kernel launches from one launch, on 
 :class:`GraphedForward` pads each verify step up to a *bucket* (at most ``batch`` sequences of at most
 ``tokens_per_seq`` new tokens each) and keeps, per bucket:
 
-* static inputs [batch * tokens_per_seq]: token ids, positions, cache write slots. The step's
-  real tokens come first; the rows after them hold token 0 at position 0 and write their K/V
-  into one reserved *scratch slot* that no sequence ever reads;
-* the tree-attention metadata (:mod:`specdec.kernels.graph_metadata`), refilled in place from
-  the step's :class:`~specdec.attention.AttentionPlan`; in the kernel, padded rows and padded
-  sequences read no keys and write nothing;
+* static inputs (:mod:`specdec.kernels.graph_metadata`): token ids, positions, cache write slots and the
+  tree-attention metadata, written from the host values of the step's :class:`~specdec.attention.ForwardBatch`
+  and moved by one asynchronous copy per step. The step's real tokens come first; the rows after them hold
+  token 0 at position 0 and write their K/V into one reserved *scratch slot* that no sequence ever reads; in
+  the kernel, padded rows and padded sequences read no keys and write nothing;
 * on CUDA, the captured graph and its static output: the final hidden states of every row. The
   LM head runs after the replay on the step's real rows only, so padding costs no
   ``rows x vocab`` logits.
@@ -19,7 +18,7 @@ The returned hidden states are views of the bucket's static output, valid until 
 ``capture=False`` runs the same padded static forward eagerly (the tests, in the Triton interpreter).
 
     graphed = GraphedForward(runner, cache, GraphConfig())
-    out = graphed(batch.token_ids, batch.positions, batch.plan)  # None when no bucket fits
+    out = graphed(builder.build())  # None when no bucket fits (builder: a BatchBuilder over graphed.cache)
 
 ``generate(cuda_graphs="auto")`` (the default) uses graphs on CUDA with the Triton backend, through one
 GraphedForward per loaded model (:func:`model_graphs`, kept on the model object and freed with it, or by
@@ -71,7 +70,7 @@ class GraphConfig:
 class StaticPlan:
     """What the model forward reads from a plan on the Triton path, in buffers that never move."""
 
-    write_slots: torch.Tensor  # [batch * tokens_per_seq] cache slot per row; padding -> the scratch slot
+    write_slots: torch.Tensor  # [batch * tokens_per_seq] int32 cache slot per row; padding -> the scratch slot
     kernel_metadata: object  # TreeAttentionMetadata over views of the shared static buffers
 
 
@@ -79,6 +78,7 @@ class StaticPlan:
 class _Bucket:
     batch: int
     tokens_per_seq: int
+    inputs: object  # specdec.kernels.graph_metadata.BucketInputs: views of the shared static buffer
     plan: StaticPlan
     output: ForwardOutput | None = None  # static output of the last run / of the capture
     graph: object = None  # torch.cuda.CUDAGraph once captured
@@ -98,7 +98,7 @@ class GraphedForward:
                              f"runner and cache are built; this cache's backend is {cache.backend.name}")
         if config.capture and not cache.kv.is_cuda:
             raise ValueError(f"capture=True needs a CUDA device, the cache is on {cache.kv.device}")
-        from specdec.kernels.graph_metadata import static_metadata
+        from specdec.kernels.graph_metadata import StaticInputs
 
         self.runner, self.cache, self.config = runner, cache, config
         device = cache.kv.device
@@ -107,12 +107,10 @@ class GraphedForward:
         self.scratch_slot = int(cache.slots(SCRATCH_SEQ_ID, 0, 1)[0])
         max_rows = config.batch_sizes[-1] * config.tokens_per_seq[-1]
         self.max_keys = min(runner.shape.max_positions, cache.num_blocks * cache.block_size)
-        # one set of input buffers for all buckets: a bucket's are prefix views of them
-        self.token_ids = torch.zeros(max_rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
-        self.write_slots = torch.full((max_rows,), self.scratch_slot, dtype=torch.long, device=device)
+        # one input buffer for all buckets, each laid out from its start
+        self.inputs = StaticInputs(config.batch_sizes[-1], config.tokens_per_seq[-1], self.max_keys,
+                                   cache.block_size, self.scratch_slot, device)
         self.logits_rows = torch.arange(max_rows, device=device)
-        self.metadata = static_metadata(config.batch_sizes[-1], config.tokens_per_seq[-1], self.max_keys, device)
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if config.capture else None  # shared by all graphs
         self.replays = 0
@@ -157,10 +155,13 @@ class GraphedForward:
             return None
         return self.config.batch_sizes[b], self.config.tokens_per_seq[t]
 
-    def __call__(self, token_ids: torch.Tensor, positions: torch.Tensor, plan) -> ForwardOutput | None:
-        """Logits and hidden states of the real rows of a verify step ([num_tokens, ...]), or None
-        when the step fits no bucket (the caller then runs the eager forward)."""
-        seqs = plan.seqs
+    def __call__(self, batch) -> ForwardOutput | None:
+        """Logits and hidden states of the real rows of a verify step (``batch``: a ForwardBatch built over this
+        object's cache; [num_tokens, ...]), or None when the step fits no bucket (the caller then runs the eager
+        forward)."""
+        if batch.cache is not self.cache:
+            raise ValueError("this step was built over another KV cache than the CUDA graphs' own")
+        seqs = batch.plan.seqs
         if any(s.prefill for s in seqs) or any(s.key_slots.numel() > self.max_keys for s in seqs):
             return None
         max_new = max(s.num_new for s in seqs)
@@ -169,8 +170,8 @@ class GraphedForward:
             logger.debug("no CUDA-graph bucket for %d sequences x %d tokens: eager forward", len(seqs), max_new)
             return None
         bucket = self.buckets.get(key) or self._new_bucket(*key)
-        n = token_ids.numel()
-        self._load(bucket, token_ids, positions, plan)
+        n = len(batch.tokens)
+        self.inputs.load_(bucket.inputs, batch)
         if not self.config.capture:
             bucket.output = self._run(bucket)
         else:
@@ -183,28 +184,14 @@ class GraphedForward:
 
     # ---- internals ----------------------------------------------------------------------
     def _new_bucket(self, batch: int, tokens_per_seq: int) -> _Bucket:
-        from specdec.kernels.graph_metadata import bucket_view
-
-        meta = bucket_view(self.metadata, batch, tokens_per_seq)
-        bucket = _Bucket(batch, tokens_per_seq, StaticPlan(self.write_slots[: batch * tokens_per_seq], meta))
+        inputs = self.inputs.bucket(batch, tokens_per_seq)
+        bucket = _Bucket(batch, tokens_per_seq, inputs, StaticPlan(inputs.write_slots, inputs.metadata))
         self.buckets[batch, tokens_per_seq] = bucket
         return bucket
 
-    def _load(self, bucket: _Bucket, token_ids: torch.Tensor, positions: torch.Tensor, plan) -> None:
-        from specdec.kernels.graph_metadata import load_plan_
-
-        n, rows = token_ids.numel(), bucket.rows
-        self.token_ids[:n].copy_(token_ids)
-        self.token_ids[n:rows].zero_()
-        self.positions[:n].copy_(positions)
-        self.positions[n:rows].zero_()
-        self.write_slots[:n].copy_(plan.write_slots)
-        self.write_slots[n:rows].fill_(self.scratch_slot)
-        load_plan_(bucket.plan.kernel_metadata, plan)
-
     def _run(self, bucket: _Bucket) -> ForwardOutput:
-        rows = bucket.rows
-        return self.runner.forward(self.token_ids[:rows], self.positions[:rows], bucket.plan, self.cache,
+        rows, inputs = bucket.rows, bucket.inputs
+        return self.runner.forward(inputs.token_ids, inputs.positions, bucket.plan, self.cache,
                                    self.logits_rows[:rows], with_logits=False)
 
     def _capture(self, bucket: _Bucket) -> None:

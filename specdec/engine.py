@@ -19,14 +19,16 @@ anything when not asked for.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
-from specdec.attention import AttentionPlan, BatchBuilder, ForwardBatch
+from specdec.attention import BatchBuilder, ForwardBatch
 from specdec.audit import DraftAudit
 from specdec.coupling import Coupling, coupled_sample, sequence_keys
 from specdec.cuda_graphs import GraphedForward
@@ -81,17 +83,26 @@ class SequenceState:
 
 
 @dataclass(frozen=True)
-class VerifyBatch:
-    token_ids: torch.Tensor  # [T] root + tree nodes of every live sequence, flattened
-    positions: torch.Tensor  # [T]
-    plan: AttentionPlan
-    row_index: torch.Tensor  # [B, max_nodes + 1] rows of T per sequence (padding repeats its first row)
+class VerifyBatch(ForwardBatch):
+    """One verify forward: the root and tree nodes of every live sequence, flattened into T rows."""
 
     @classmethod
     def of(cls, batch: ForwardBatch) -> "VerifyBatch":
-        width = max(len(r) for r in batch.rows)
-        rows = [list(r) + [r[0]] * (width - len(r)) for r in batch.rows]
-        return cls(batch.token_ids, batch.positions, batch.plan, to_device(rows, torch.long, batch.token_ids.device))
+        return cls(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)})
+
+    @cached_property
+    def row_index(self) -> torch.Tensor:  # [B, max_nodes + 1] rows of T per sequence (padding repeats its first row)
+        width = max(len(r) for r in self.rows)
+        rows = [list(r) + [r[0]] * (width - len(r)) for r in self.rows]
+        return to_device(rows, torch.long, self.device)
+
+    def per_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [B, max_nodes + 1, ...] (``x[row_index]``): a view where every sequence has as many rows
+        (plain decoding: rows are added in order, so sequence b's are b * width ...), with no index copied over."""
+        width = max(len(r) for r in self.rows)
+        if all(len(r) == width for r in self.rows):
+            return x.reshape(len(self.rows), width, *x.shape[1:])
+        return x[self.row_index]
 
 
 class Engine:
@@ -172,10 +183,10 @@ class Engine:
         t1 = time.perf_counter()
         batch = self.verify_batch(live, trees)
         out = self.verify(batch)
-        target_logits = self.process(live, trees, out.logits[batch.row_index])
+        target_logits = self.process(live, trees, batch.per_sequence(out.logits))
         acceptances = self.accept(live, trees, target_logits)
         if self.keep_hidden:
-            self.keep_new_hidden(live, acceptances, self.drafter_rows(out)[batch.row_index])
+            self.keep_new_hidden(live, acceptances, batch.per_sequence(self.drafter_rows(out)))
         emitted = self.commit(live, acceptances)
         if self.output_logprobs:
             self.record_logprobs(live, acceptances, target_logits, emitted)
@@ -267,7 +278,7 @@ class Engine:
         """ONE target forward over every root and tree node of every live sequence."""
         self.forward_passes += 1
         if self.graphed is not None and not self.feature_layers:  # graphs return the final hidden states only
-            out = self.graphed(batch.token_ids, batch.positions, batch.plan)
+            out = self.graphed(batch)
             if out is not None:  # else no bucket fits this step
                 return out
         all_rows = torch.arange(batch.token_ids.numel(), device=batch.token_ids.device)

@@ -34,7 +34,7 @@ def _dense_float64(case) -> torch.Tensor:
 def _per_sequence(case) -> torch.Tensor:
     out = torch.empty_like(case.q)
     for s in case.plan.seqs:
-        one = AttentionPlan((s,), case.plan.write_slots)
+        one = AttentionPlan((s,))
         assert one.padded is None
         rows = slice(s.query_start, s.query_start + s.num_new)
         out[rows] = paged_attention(case.q, case.k_cache, case.v_cache, one, case.scale)[rows]
@@ -89,7 +89,7 @@ def test_a_wrong_mask_is_caught():
                        if not (int(s.ancestor_bits[r]) >> j) & 1)  # the random tree hides some node from a row
     bits = s.ancestor_bits.clone()
     bits[row] |= 1 << hidden
-    bad = AttentionPlan((dataclasses.replace(s, ancestor_bits=bits),) + case.plan.seqs[1:], case.plan.write_slots)
+    bad = AttentionPlan((dataclasses.replace(s, ancestor_bits=bits),) + case.plan.seqs[1:])
     got = paged_attention(case.q, case.k_cache, case.v_cache, bad, case.scale)
     assert not torch.allclose(got.double(), _dense_float64(case), atol=1e-5, rtol=0)
 

@@ -105,7 +105,7 @@ def test_the_kernel_key_table_lists_the_reference_keys():
     seqs = (SeqAttention(0, 13, torch.randperm(40, generator=gen)[:20 + 13], 21, bits),  # a tree after 21 keys
             SeqAttention(13, 5, torch.arange(100, 105), 0),  # a prefill
             SeqAttention(18, 1, torch.arange(200, 230), 29))  # a decode step
-    plan = AttentionPlan(seqs, torch.zeros(19, dtype=torch.long))
+    plan = AttentionPlan(seqs)
     slots, lens = plan.invariant_rows
     listed = [keys for seq_keys, _ in plan.invariant_row_keys for keys in seq_keys]
     assert lens.tolist() == [k.numel() for k in listed]

@@ -79,7 +79,7 @@ def test_buckets_give_the_eager_logits_step_after_step(loaded):
         eager = engine.verify(batch)
         key = graphed.bucket_for(len(live), max(1 + t.num_nodes for t in trees))
         seen.add(key)
-        static = graphed(batch.token_ids, batch.positions, batch.plan)
+        static = graphed(batch)
         assert static is not None and static.logits.shape == eager.logits.shape
         # the bucket's forward stops at the final hidden states of all its (padded) rows: no rows x vocab
         # logits; the LM head ran on the step's real rows only
@@ -192,6 +192,53 @@ def test_steps_outside_every_bucket_fall_back(loaded):
     assert seqs[0].new_tokens == reference
     assert 0 < graphed.replays < engine.forward_passes  # some steps fit (1-2 tokens), the larger ones did not
     assert cache.num_free_blocks < cache.num_blocks  # the scratch block stays reserved
+
+
+def test_a_graphed_step_moves_its_inputs_in_one_copy(loaded, monkeypatch):
+    """Outside the replayed forward a plain graphed step runs the LM head and the greedy choice, and moves its
+    inputs (token ids, positions, write slots, the attention metadata) in at most one copy: no per-field copies,
+    fills or index uploads, each of which is a launch, and on a GPU the host's time, every step."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    runner, s = loaded.runner, loaded.runner.shape
+    cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, 4, 32, runner.dtype, runner.device, runner.backend)
+    graphed = GraphedForward(runner, cache, GraphConfig(batch_sizes=(1, 2), tokens_per_seq=(1, 2), capture=CAPTURE))
+    inside, real_run = [0], GraphedForward._run
+
+    def run(self, *args):
+        inside[0] += 1
+        try:
+            return real_run(self, *args)
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(GraphedForward, "_run", run)
+    views = {"view", "_unsafe_view", "slice", "select", "expand", "alias", "detach", "reshape", "t", "unsqueeze",
+             "split", "split_with_sizes", "as_strided", "lift_fresh", "empty", "empty_strided"}
+
+    class Count(TorchDispatchMode):
+        ops: Counter = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside[0] and func.overloadpacket.__name__ not in views:
+                self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    engine = Engine(runner, cache, sampling=SamplingConfig(), stop=StopCriteria(10), graphed=graphed)
+    engine.add(ragged_prompts(2, VOCAB, seed=5, max_len=9))
+    engine.step()  # the first replay of the bucket (a capture on a GPU)
+    steps, counter = 0, Count()
+    while engine.live:
+        with counter:
+            engine.step()
+        steps += 1
+    ops = counter.ops
+    assert graphed.replays == steps + 1 and steps >= 6
+    # the LM head once a step and the inputs' one copy; nothing reserved a block (32-token blocks)
+    assert ops["linear"] == steps and ops["copy_"] <= steps, ops
+    assert not {"zero_", "fill_", "index", "index_select", "_to_copy", "cat", "masked_fill_"} & set(ops), ops
 
 
 def test_bad_configs_and_backends_are_refused(loaded):

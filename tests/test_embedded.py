@@ -108,7 +108,7 @@ def test_logits_match_transformers(loaded, prompts):
     cache.add(0)
     cache.reserve(0, len(ids))
     slots = cache.slots(0, 0, len(ids))
-    plan = AttentionPlan((SeqAttention(0, len(ids), slots, 0),), slots)  # a causal run over the whole prompt
+    plan = AttentionPlan((SeqAttention(0, len(ids), slots, 0),))  # a causal run over the whole prompt
     got = runner.forward(torch.tensor(ids), torch.arange(len(ids)), plan, cache, torch.arange(len(ids))).logits
     ref = loaded.model(torch.tensor([ids])).logits[0].float()
     err = (got - ref).abs().max().item()

@@ -144,37 +144,50 @@ def test_sweep(group, page_size, num_splits):
     check(case, num_splits=num_splits, atol=1.5 * FP32_ATOL, via_plan=True)
 
 
-def test_static_bucket_metadata_matches_reference_across_steps():
-    # CUDA-graph groundwork: one fixed-capacity metadata, two different steps loaded into it in place
-    from specdec.kernels.graph_metadata import bucket_view, load_plan_, static_metadata
+def test_static_bucket_inputs_match_reference_across_steps():
+    """CUDA-graph buckets: one fixed buffer, two different steps (ragged, trees, shuffled pages) loaded into a
+    bucket in place from the host, and a smaller bucket over the same memory: the kernel on the loaded metadata
+    gives the reference's attention, and the staged write slots are the plan's."""
+    from specdec.kernels.graph_metadata import StaticInputs
 
-    meta = static_metadata(batch=4, tokens_per_seq=8, max_keys=64, device=DEVICE)
-    buffers = [meta.block_tables.data_ptr(), meta.q_bits.data_ptr(), meta.ctx_lens.data_ptr()]
+    inputs = StaticInputs(max_batch=4, max_tokens_per_seq=8, max_keys=64, block_size=4, scratch_slot=99,
+                          device=DEVICE)
+    bucket = inputs.bucket(batch=4, tokens_per_seq=8)
+    buffers = [bucket.metadata.block_tables.data_ptr(), bucket.metadata.q_bits.data_ptr(), bucket.token_ids.data_ptr()]
     for seed, (cache_lens, new) in enumerate([([9, 30, 3], [1, (TREE, 6), 2]), ([40, 0], [(TREE, 7), 5])]):
         case = random_case(cache_lens, new, num_kv_heads=2, group=3, page_size=4, seed=seed, device=DEVICE)
-        load_plan_(meta, case.plan)
+        inputs.load_(bucket, case.forward_batch())
         n = case.q.shape[0]
+        assert torch.equal(bucket.write_slots[:n].long(), case.plan.write_slots.to(DEVICE))
+        assert bucket.write_slots[n:].eq(99).all() and bucket.metadata.q_lens[len(cache_lens):].eq(0).all()
         q = torch.zeros(32, *case.q.shape[1:], dtype=case.q.dtype, device=DEVICE)
         q[:n] = case.q
         for splits in (1, 2):
-            out = tree_attention(q, case.k_cache, case.v_cache, meta, case.scale, num_splits=splits)[:n]
+            out = tree_attention(q, case.k_cache, case.v_cache, bucket.metadata, case.scale, num_splits=splits)[:n]
             err = (out - reference_attention(case)).abs().max().item()
             assert err <= FP32_ATOL, f"step {seed}, {splits} splits: max abs error {err:.3g}"
-    assert buffers == [meta.block_tables.data_ptr(), meta.q_bits.data_ptr(), meta.ctx_lens.data_ptr()]
+    assert buffers == [bucket.metadata.block_tables.data_ptr(), bucket.metadata.q_bits.data_ptr(),
+                       bucket.token_ids.data_ptr()]
+    small = inputs.bucket(batch=2, tokens_per_seq=4)  # the same memory, its own layout and grid
+    case = random_case([5, 11], [(TREE, 3), 1], num_kv_heads=2, group=3, page_size=4, seed=7, device=DEVICE)
+    inputs.load_(small, case.forward_batch())
+    assert small.token_ids.data_ptr() == bucket.token_ids.data_ptr() and small.metadata.num_tokens == 8
+    q = torch.zeros(8, *case.q.shape[1:], dtype=case.q.dtype, device=DEVICE)
+    q[: case.q.shape[0]] = case.q
+    out = tree_attention(q, case.k_cache, case.v_cache, small.metadata, case.scale)[: case.q.shape[0]]
+    assert (out - reference_attention(case)).abs().max().item() <= FP32_ATOL
     too_long = random_case([3], [9], device=DEVICE)
     with pytest.raises(ValueError, match="exceed the bucket"):
-        load_plan_(meta, too_long.plan)
-    small = bucket_view(meta, batch=2, tokens_per_seq=4)  # prefix views: the same memory, its own grid
-    assert small.block_tables.data_ptr() == meta.block_tables.data_ptr() and small.num_tokens == 8
+        inputs.load_(bucket, too_long.forward_batch())
     with pytest.raises(ValueError, match="does not fit"):
-        bucket_view(meta, batch=8, tokens_per_seq=8)
+        inputs.bucket(batch=8, tokens_per_seq=8)
 
 
 def test_split_launch_gives_padded_rows_zeros_whatever_the_memory_held(monkeypatch):
     """A CUDA-graph bucket's padding rows are covered by no tile: the split merge must not read their unwritten
     partial results. Uninitialised buffers are poisoned with NaN here (torch.empty's memory is whatever was
     there: the interpreter warned of overflows in 0 * garbage once in a suite run)."""
-    from specdec.kernels.graph_metadata import load_plan_, static_metadata
+    from specdec.kernels.graph_metadata import StaticInputs
 
     real_empty = torch.empty
 
@@ -182,9 +195,11 @@ def test_split_launch_gives_padded_rows_zeros_whatever_the_memory_held(monkeypat
         out = real_empty(*args, **kwargs)
         return out.fill_(float("nan")) if out.is_floating_point() else out
 
-    meta = static_metadata(batch=4, tokens_per_seq=8, max_keys=64, device=DEVICE)
+    inputs = StaticInputs(4, 8, max_keys=64, block_size=4, scratch_slot=0, device=DEVICE)
+    bucket = inputs.bucket(batch=4, tokens_per_seq=8)
+    meta = bucket.metadata
     case = random_case([9, 30, 3], [1, (TREE, 6), 2], num_kv_heads=2, group=3, page_size=4, seed=0, device=DEVICE)
-    load_plan_(meta, case.plan)
+    inputs.load_(bucket, case.forward_batch())
     n = case.q.shape[0]
     q = torch.zeros(32, *case.q.shape[1:], dtype=case.q.dtype, device=DEVICE)
     q[:n] = case.q
@@ -238,7 +253,7 @@ def _hidden_columns_case(committed: int, seed: int = 0):
     verify = SeqAttention(8, 6, verify_slots, 13, verify.ancestor_bits.to(DEVICE))
     decode = SeqAttention(14, 1, torch.randperm(num_slots, generator=gen)[:31].to(DEVICE), 30)
     seqs = (drafter, verify, decode)
-    plan = AttentionPlan(seqs, torch.cat([s.key_slots[-s.num_new:] for s in seqs]))
+    plan = AttentionPlan(seqs)
     kvh, group, dim = 2, 3, 16
     k_cache = torch.randn(num_slots, kvh, dim, generator=gen).to(DEVICE)
     v_cache = torch.randn(num_slots, kvh, dim, generator=gen).to(DEVICE)

@@ -16,7 +16,7 @@ def run_engine_forward(runner: LlamaRunner, cache: PagedKVCache, seq_id: int, to
     cached = cache.lengths[seq_id]
     cache.reserve(seq_id, n)
     key_slots = cache.slots(seq_id, 0, cached + n)
-    plan = AttentionPlan((seq_attention_from_mask(0, key_slots, cached, mask),), key_slots[cached:])
+    plan = AttentionPlan((seq_attention_from_mask(0, key_slots, cached, mask),))
     if positions is None:
         positions = torch.arange(cached, cached + n)
     out = runner.forward(torch.tensor(tokens), positions, plan, cache, torch.arange(n))
