@@ -61,7 +61,9 @@ def configs():
     for dtype, tname in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
         shapes = HEAD_SHAPES.items() if tname == "bf16" else [("llama8b", HEAD_SHAPES["llama8b"])]
         for shape, (group, head_dim) in shapes:
-            for max_new, page, split in ((1, 16, True), (17, 1, False), (65, 64, True), (512, 16, False)):
+            # page 16: the CUDA-graph buckets (the cache's blocks); page 1: an eager step's slot table
+            for max_new, page, split in ((1, 16, True), (17, 16, False), (17, 1, False), (65, 16, True),
+                                         (65, 64, True), (512, 16, False)):
                 cfg = ta.launch_config(group, head_dim, max_new, dtype)
                 warps = cfg.pop("num_warps")
                 cfg.update(PAGE_SIZE=page, SPLIT=split, OFF64=False)
