@@ -338,11 +338,17 @@ class LlamaRunner:
                 k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
             if qkv is not None and not q_norm:  # q and k side by side in the product's rows: RoPE in one launch
                 width = s.num_heads + s.num_kv_heads
-                qk = apply_rope(out[:, : width * s.head_dim].view(n, width, s.head_dim), cos, sin, self.backend)
-                q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
+                qk = out[:, : width * s.head_dim].view(n, width, s.head_dim)
+                if cache.backend.triton and self.backend.triton:  # with the KV store, in the same launch
+                    cache.write_rotated(i, write_slots, qk, v, cos, sin, s.num_heads)
+                    q = qk[:, : s.num_heads]
+                else:
+                    qk = apply_rope(qk, cos, sin, self.backend)
+                    q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
+                    cache.write(i, write_slots, k, v)
             else:
                 q, k = apply_rope(q, cos, sin, self.backend), apply_rope(k, cos, sin, self.backend)
-            cache.write(i, write_slots, k, v)
+                cache.write(i, write_slots, k, v)
             k_cache, v_cache = cache.layer(i)
             o = self._attention(q, k_cache, v_cache, plan, cache.backend)
             delta = self._linear(o.reshape(n, s.num_heads * s.head_dim), attn.o_proj.weight, attn.o_proj.bias)
@@ -357,10 +363,14 @@ class LlamaRunner:
             delta = self._linear(silu_mul(gate, up, self.backend), mlp.down_proj.weight, mlp.down_proj.bias)
         if logits_rows is None:
             return None
-        h = h + delta
+        if self.backend.triton:  # the residual add and the final norm in one launch, over every row
+            h, normed = add_rms_norm(h, delta, self.final_norm, self.eps, self.backend)
+            hidden = normed[logits_rows]
+        else:  # the norm of the rows asked for only
+            h = h + delta
+            hidden = rms_norm(h[logits_rows], self.final_norm, self.eps)
         if len(self.layers) in feature_layers:
             streams[len(self.layers)] = h[logits_rows]
-        hidden = rms_norm(h[logits_rows], self.final_norm, self.eps)
         features = torch.cat([streams[i] for i in feature_layers], dim=-1) if feature_layers else None
         return ForwardOutput(self.logits(hidden) if with_logits else None, hidden, features)
 
