@@ -80,7 +80,7 @@ def configs():
                 dict(WIDTH=1024, BLOCK_W=1024), 4))
     out.append(("compact", kw._compact_kernel, _types(kw._compact_kernel, dict(KV="*bf16", Src="*i32", Dst="*i32")),
                 dict(WIDTH=192, BLOCK_W=256), 4))
-    for hidden, heads, head_dim, width in ((576, 9, 64, 1536), (4096, 32, 128, 14336)):  # embedded, Llama-8B
+    for hidden, heads, head_dim, width, kv_heads in ((576, 9, 64, 1536, 3), (4096, 32, 128, 14336, 8)):  # embedded, 8B
         out.append((f"add+rmsnorm {hidden}", fo._add_rms_norm_kernel,
                     _types(fo._add_rms_norm_kernel, dict(H="*bf16", Delta="*bf16", W="*bf16", Out="*bf16",
                                                          eps="fp32")),
@@ -88,6 +88,11 @@ def configs():
         out.append((f"rope {heads}x{head_dim}", fo._rope_kernel,
                     _types(fo._rope_kernel, dict(X="*bf16", Cos="*bf16", Sin="*bf16")),
                     dict(HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(heads), BLOCK_HALF=head_dim // 2), 4))
+        out.append((f"rope+kv write {heads}+{kv_heads}x{head_dim}", fo._rope_write_kernel,
+                    _types(fo._rope_write_kernel, dict(X="*bf16", V="*bf16", Cos="*bf16", Sin="*bf16", Dst="*bf16",
+                                                       Slots="*i32")),
+                    dict(HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(heads + kv_heads),
+                         BLOCK_HALF=head_dim // 2, BLOCK_V=triton.next_power_of_2(kv_heads * head_dim)), 4))
         out.append((f"silu*mul {width}", fo._silu_mul_kernel,
                     _types(fo._silu_mul_kernel, dict(G="*bf16", U="*bf16", Out="*bf16")), dict(BLOCK=1024), 4))
     return out

@@ -6,6 +6,8 @@ chains of small PyTorch ops in ``specdec/models/llama.py`` when the Triton backe
 * :func:`add_rms_norm`: ``h += delta`` (the residual add, in place) and ``RMSNorm(h) * weight``;
   one launch instead of ~7;
 * :func:`rope_`: rotary embedding of q and k in place; one launch instead of ~10;
+* :func:`rope_write_`: the same over a fused QKV product's q and k, and the rotated k and v stored into the
+  KV cache's slots (as ``kv_write.write_kv``); one launch instead of two;
 * :func:`silu_mul`: ``silu(gate) * up``; one launch instead of 2.
 
 Each rounds where the PyTorch reference rounds (every op's result to the activation dtype;
@@ -64,6 +66,40 @@ def _rope_kernel(X, Cos, Sin, stride_xt, stride_xh, stride_ct, num_heads, HALF: 
 
 
 @triton.jit
+def _rope_write_kernel(X, V, Cos, Sin, Dst, Slots, stride_xt, stride_xh, stride_vt, stride_ct, stride_plane,
+                       stride_slot, num_heads, num_q_heads, kv_width, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_HALF: tl.constexpr, BLOCK_V: tl.constexpr):
+    # X: one token row holds num_q_heads q heads, then the k heads; Dst: the layer's K plane (V: stride_plane on)
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    ok = (heads < num_heads) & (cols < HALF)
+    c_ok = cols < HALF
+    dt = X.dtype.element_ty
+    c1 = tl.load(Cos + t * stride_ct + cols, mask=c_ok, other=0.0).to(tl.float32)
+    c2 = tl.load(Cos + t * stride_ct + HALF + cols, mask=c_ok, other=0.0).to(tl.float32)
+    s1 = tl.load(Sin + t * stride_ct + cols, mask=c_ok, other=0.0).to(tl.float32)
+    s2 = tl.load(Sin + t * stride_ct + HALF + cols, mask=c_ok, other=0.0).to(tl.float32)
+    base = X + t * stride_xt + heads * stride_xh + cols
+    x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=ok, other=0.0).to(tl.float32)
+    # as _rope_kernel: each product and the sum rounded
+    a1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+    a2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    tl.store(base, a1, mask=ok)
+    tl.store(base + HALF, a2, mask=ok)
+    slot = tl.load(Slots + t).to(tl.int64)
+    is_k = ok & (heads >= num_q_heads)
+    k_dst = Dst + slot * stride_slot + (heads - num_q_heads) * (2 * HALF) + cols
+    tl.store(k_dst, a1.to(Dst.dtype.element_ty), mask=is_k)
+    tl.store(k_dst + HALF, a2.to(Dst.dtype.element_ty), mask=is_k)
+    v_cols = tl.arange(0, BLOCK_V)
+    v_ok = v_cols < kv_width
+    v = tl.load(V + t * stride_vt + v_cols, mask=v_ok)
+    tl.store(Dst + stride_plane + slot * stride_slot + v_cols, v.to(Dst.dtype.element_ty), mask=v_ok)
+
+
+@triton.jit
 def _silu_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, N, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -113,6 +149,35 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
                            BLOCK_H=triton.next_power_of_2(heads), BLOCK_HALF=triton.next_power_of_2(D // 2),
                            enable_fp_fusion=False)
     return x
+
+
+def rope_write_(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
+                layer: int, slots: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """:func:`rope_` of ``qk`` [T, q_heads + kv_heads, D] in place (the q heads, then the k heads), and the rotated
+    k and ``v`` [T, kv_heads, D] stored at ``slots`` [T] of layer ``layer`` of the cache ``kv`` [layers, 2, slots,
+    kv_heads, D] (``kv_write.write_kv``), in one launch. Returns ``qk``."""
+    _check_rows(qk, "qk", 3)
+    T, heads, D = qk.shape
+    kv_heads = heads - num_q_heads
+    if D % 2 or cos.shape != (T, 1, D) or sin.shape != cos.shape:
+        raise ValueError(f"qk {tuple(qk.shape)} needs an even head_dim and cos / sin of shape [{T}, 1, {D}], "
+                         f"got {tuple(cos.shape)} / {tuple(sin.shape)}")
+    if not kv.is_contiguous() or kv.dim() != 5 or kv.shape[3:] != (kv_heads, D) or v.shape != (T, kv_heads, D):
+        raise ValueError(f"v {tuple(v.shape)} and a contiguous cache of {kv_heads} heads x {D} (got "
+                         f"{tuple(kv.shape)}) must match qk's {kv_heads} k heads")
+    if slots.shape != (T,):
+        raise ValueError(f"slots must be [{T}], got {tuple(slots.shape)}")
+    if v.stride(2) != 1 or v.stride(1) != D:
+        v = v.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    slots = slots.to(device=kv.device, dtype=torch.int32)
+    if T:
+        _rope_write_kernel[(T,)](qk, v, cos, sin, kv[layer, 0], slots, qk.stride(0), qk.stride(1), v.stride(0),
+                                 cos.stride(0), kv.stride(1), kv.stride(2), heads, num_q_heads, kv_heads * D,
+                                 HALF=D // 2, BLOCK_H=triton.next_power_of_2(heads),
+                                 BLOCK_HALF=triton.next_power_of_2(D // 2),
+                                 BLOCK_V=triton.next_power_of_2(kv_heads * D), enable_fp_fusion=False)
+    return qk
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -67,6 +67,40 @@ def test_rope_in_place(dtype, heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 24), (32, 8, 128)])
+def test_rope_write_is_rope_then_the_kv_store(dtype, q_heads, kv_heads, head_dim):
+    """One launch over a fused QKV product's rows (q, k, v side by side): q and k rotated in place and the rotated k
+    and v in the cache's slots, bitwise what rope_ and then write_kv give; other slots and layers untouched."""
+    from specdec.kernels.fused_ops import rope_write_
+    from specdec.kernels.kv_write import write_kv
+
+    gen = torch.Generator().manual_seed(q_heads * head_dim + kv_heads)
+    T, width = 5, q_heads + 2 * kv_heads
+    out = torch.randn(T, width * head_dim, generator=gen).to(DEVICE, dtype)  # the product's rows
+    positions = torch.tensor([3, 4, 9, 100, 2047]).float()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.cat([positions[:, None] * inv_freq[None]] * 2, dim=-1)
+    cos, sin = emb.cos().to(DEVICE, dtype)[:, None, :], emb.sin().to(DEVICE, dtype)[:, None, :]
+    kv = torch.randn(2, 2, 20, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    slots = torch.tensor([7, 0, 19, 3, 12], device=DEVICE)
+
+    def split(rows):
+        qk = rows[:, : (q_heads + kv_heads) * head_dim].view(T, q_heads + kv_heads, head_dim)
+        return qk, rows[:, (q_heads + kv_heads) * head_dim :].view(T, kv_heads, head_dim)
+
+    want_rows, want_kv = out.clone(), kv.clone()
+    qk, v = split(want_rows)
+    rope_(qk, cos, sin)
+    write_kv(want_kv, 1, slots, qk[:, q_heads:], v)
+    got_rows, got_kv = out.clone(), kv.clone()
+    qk, v = split(got_rows)
+    assert rope_write_(qk, v, cos, sin, got_kv, 1, slots, q_heads) is qk
+    assert torch.equal(got_rows, want_rows) and torch.equal(got_kv, want_kv)
+    with pytest.raises(ValueError, match="k heads"):
+        rope_write_(qk, v[:, :1], cos, sin, got_kv, 1, slots, q_heads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [128, 1536, 3000])
 def test_silu_mul(dtype, width):
     gen = torch.Generator().manual_seed(width)
