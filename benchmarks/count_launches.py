@@ -1,0 +1,163 @@
+"""Device work of the GPU path, counted on any CPU through the Triton interpreter: what a step launches.
+
+    python benchmarks/count_launches.py [--model synthetic:smollm2-135m@tiny] [--batch 1]
+
+Two counts, for the model with separate and with fused (packed) projections:
+
+* **per decode forward** (one token, batch 1, on the Triton backend): aten ops that are not views, plus Triton
+  kernel launches; per layer and for the rest of the forward (embedding, RoPE tables, final norm, ...). Inside a
+  CUDA graph each is one kernel the GPU runs in turn;
+* **per graphed plain step, outside the graph** (``cuda_graphs=True``, uncaptured here): the launches the host
+  issues one by one each step besides the replay (the inputs' copy, the LM head, the greedy choice, ...).
+
+Counts, not times: on a GPU each launch costs the host a few microseconds and the GPU at least one kernel's start.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+# views, allocations and the interpreter's own argument handling: no device work
+NOT_LAUNCHES = {"view", "_unsafe_view", "slice", "split", "split_with_sizes", "as_strided", "t", "transpose", "expand",
+                "unsqueeze", "squeeze", "select", "detach", "detach_", "alias", "permute", "reshape", "unbind",
+                "lift_fresh", "empty", "empty_like", "empty_strided", "scalar_tensor"}
+
+
+class Launches(TorchDispatchMode):
+    """Counts aten ops that launch device work (while ``paused`` is 0) and Triton kernel launches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        same = (name in ("to", "_to_copy") and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor)
+                and out.data_ptr() == args[0].data_ptr())  # a no-op conversion
+        if not self.paused and name not in NOT_LAUNCHES and not same:
+            self.ops[name] += 1
+        return out
+
+    def __enter__(self):
+        import triton.runtime.interpreter as interpreter
+
+        self._run = real = interpreter.InterpretedFunction.run
+        counter = self
+
+        def run(fn, *args, **kwargs):  # a kernel launch: counted once, its inner tensor ops not at all
+            if not counter.paused:
+                counter.ops[f"triton:{fn.fn.__name__}"] += 1
+            counter.paused += 1
+            try:
+                return real(fn, *args, **kwargs)
+            finally:
+                counter.paused -= 1
+
+        interpreter.InterpretedFunction.run = run
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        import triton.runtime.interpreter as interpreter
+
+        interpreter.InterpretedFunction.run = self._run
+        return super().__exit__(*exc)
+
+
+def forward_launches(runner) -> collections.Counter:
+    """One decode forward (batch 1, after an 8-token prefill) of ``runner`` (on the Triton backend)."""
+    from specdec.attention import BatchBuilder
+    from specdec.kv_cache import PagedKVCache
+
+    s = runner.shape
+    cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, 8, 16, runner.dtype, runner.device, runner.backend)
+    cache.add(0)
+    cache.reserve(0, 9)
+    builder = BatchBuilder(cache, runner.device)
+    builder.add(0, list(range(1, 9)), range(8), 8, 0)
+    batch = builder.build()
+    runner.forward(batch.token_ids, batch.positions, batch.plan, cache, None)
+    cache.commit({0: range(8)})
+    cache.reserve(0, 1)
+    builder = BatchBuilder(cache, runner.device)
+    builder.add(0, [5], [8], 9, 8)
+    batch = builder.build()
+    token_ids, positions, rows = batch.token_ids, batch.positions, torch.arange(1)  # uploaded before counting
+    with Launches() as counter:
+        runner.forward(token_ids, positions, batch.plan, cache, rows, with_logits=False)
+    return counter.ops
+
+
+def step_launches(loaded, batch: int, steps: int = 12) -> tuple[collections.Counter, int]:
+    """Plain decoding with CUDA graphs (uncaptured): launches per step outside the replayed forward."""
+    from specdec.cuda_graphs import GraphedForward
+    from specdec.engine import Engine
+    from specdec.generate import generate
+
+    counter = Launches()
+    real_run, real_step = GraphedForward._run, Engine.step
+    count = [0]
+
+    def run(self, *args):
+        counter.paused += 1
+        try:
+            return real_run(self, *args)
+        finally:
+            counter.paused -= 1
+
+    def step(self):
+        count[0] += 1
+        with counter:
+            return real_step(self)
+
+    GraphedForward._run, Engine.step = run, step
+    try:
+        prompts = [[5 + b, 6, 7, 8, 9, 10, 11, 12] for b in range(batch)]
+        generate(loaded, prompts, max_new_tokens=steps, cuda_graphs=True)
+    finally:
+        GraphedForward._run, Engine.step = real_run, real_step
+    return counter.ops, count[0]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="synthetic:smollm2-135m@tiny")
+    ap.add_argument("--batch", type=int, default=1, help="sequences of the graphed plain steps")
+    args = ap.parse_args(argv)
+    os.environ["SPECDEC_ATTENTION"] = "triton"
+    from specdec.models.fused_projections import pack_projections
+    from specdec.models.llama import LlamaRunner
+    from specdec.models.loader import load_model
+
+    loaded = load_model(args.model, device="cpu")
+    layers = len(loaded.model.model.layers)
+    if layers < 2:
+        ap.error("the model needs at least 2 layers (a layer's launches are the full forward's less a 1-layer one's)")
+    for packed in (False, True):
+        model = copy.deepcopy(loaded.model)
+        if packed:
+            pack_projections(model)
+        runner = LlamaRunner(model, backend="triton")
+        full, one = forward_launches(runner), forward_launches(runner.truncated(1))
+        per_layer = {k: (full[k] - one[k]) / (layers - 1) for k in full if full[k] != one[k]}
+        rest = {k: one[k] - per_layer.get(k, 0) for k in one if one[k] - per_layer.get(k, 0)}
+        print(f"{'fused' if packed else 'separate'} projections, one decode forward of {layers} layers: "
+              f"{sum(full.values())} launches; per layer {sum(per_layer.values()):g} "
+              f"{dict(sorted(per_layer.items()))}; "
+              f"the rest {sum(rest.values()):g} {dict(sorted(rest.items()))}")
+    ops, steps = step_launches(loaded, args.batch)
+    print(f"graphed plain step, batch {args.batch}, outside the replay: {sum(ops.values()) / steps:.1f} launches "
+          f"per step over {steps} steps {dict(sorted(ops.items()))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
