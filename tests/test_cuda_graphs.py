@@ -241,6 +241,19 @@ def test_a_graphed_step_moves_its_inputs_in_one_copy(loaded, monkeypatch):
     assert not {"zero_", "fill_", "index", "index_select", "_to_copy", "cat", "masked_fill_"} & set(ops), ops
 
 
+def test_the_buckets_rope_table_is_the_eager_rope(loaded):
+    """A replay gathers cos / sin from a table the eager forward's own rope() computed once: the same bits at every
+    position a bucket can see, the first and the last included."""
+    runner = loaded.runner
+    graphed = GraphedForward(runner, make_cache(runner), GraphConfig(batch_sizes=(1,), tokens_per_seq=(1,),
+                                                                     capture=CAPTURE))
+    cos, sin = graphed.rope_table
+    assert cos.shape[0] == graphed.max_keys
+    positions = torch.tensor([0, 1, 17, 100, graphed.max_keys - 1], device=runner.device)
+    want_cos, want_sin = runner.rope(positions)
+    assert torch.equal(cos[positions], want_cos) and torch.equal(sin[positions], want_sin)
+
+
 def test_bad_configs_and_backends_are_refused(loaded):
     for bad in (dict(batch_sizes=()), dict(batch_sizes=(2, 1)), dict(tokens_per_seq=(0, 4)),
                 dict(tokens_per_seq=(1, 65)), dict(batch_sizes=(1, 1))):

@@ -261,6 +261,9 @@ class LlamaRunner:
         return paged_attention(q, k_cache, v_cache, plan, self.scale, backend)
 
     def _rope_for(self, positions: torch.Tensor, plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        table = getattr(plan, "rope_table", None)  # a CUDA-graph bucket's: rope() of every position, computed once
+        if table is not None and not self.invariant:
+            return table[0][positions], table[1][positions]
         if not self.invariant:
             return self.rope(positions)
         table = self._rope_table
