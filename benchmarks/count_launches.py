@@ -7,8 +7,9 @@ Two counts, for the model with separate and with fused (packed) projections:
 * **per decode forward** (one token, batch 1, on the Triton backend): aten ops that are not views, plus Triton
   kernel launches; per layer and for the rest of the forward (embedding, RoPE tables, final norm, ...). Inside a
   CUDA graph each is one kernel the GPU runs in turn;
-* **per graphed plain step, outside the graph** (``cuda_graphs=True``, uncaptured here): the launches the host
-  issues one by one each step besides the replay (the inputs' copy, the LM head, the greedy choice, ...).
+* **per graphed plain step** (``cuda_graphs=True``, uncaptured here): the launches inside the bucket's forward
+  (what a replay runs), and those the host issues one by one each step besides the replay (the inputs' copy, the
+  LM head, the greedy choice, ...).
 
 Counts, not times: on a GPU each launch costs the host a few microseconds and the GPU at least one kernel's start.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
@@ -31,20 +33,26 @@ NOT_LAUNCHES = {"view", "_unsafe_view", "slice", "split", "split_with_sizes", "a
 
 
 class Launches(TorchDispatchMode):
-    """Counts aten ops that launch device work (while ``paused`` is 0) and Triton kernel launches."""
+    """Counts aten ops that launch device work (while ``paused`` is 0) and Triton kernel launches; ``ops`` while
+    ``inside`` is 0, ``inside_ops`` while it is not."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
-        self.paused = 0
+        self.inside_ops: collections.Counter = collections.Counter()
+        self.paused = self.inside = 0
+
+    def count(self, name: str) -> None:
+        if not self.paused:
+            (self.inside_ops if self.inside else self.ops)[name] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         same = (name in ("to", "_to_copy") and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor)
                 and out.data_ptr() == args[0].data_ptr())  # a no-op conversion
-        if not self.paused and name not in NOT_LAUNCHES and not same:
-            self.ops[name] += 1
+        if name not in NOT_LAUNCHES and not same:
+            self.count(name)
         return out
 
     def __enter__(self):
@@ -54,8 +62,7 @@ class Launches(TorchDispatchMode):
         counter = self
 
         def run(fn, *args, **kwargs):  # a kernel launch: counted once, its inner tensor ops not at all
-            if not counter.paused:
-                counter.ops[f"triton:{fn.fn.__name__}"] += 1
+            counter.count(f"triton:{fn.fn.__name__}")
             counter.paused += 1
             try:
                 return real(fn, *args, **kwargs)
@@ -96,8 +103,8 @@ def forward_launches(runner) -> collections.Counter:
     return counter.ops
 
 
-def step_launches(loaded, batch: int, steps: int = 12) -> tuple[collections.Counter, int]:
-    """Plain decoding with CUDA graphs (uncaptured): launches per step outside the replayed forward."""
+def step_launches(loaded, batch: int, steps: int = 12) -> tuple[Launches, int]:
+    """Plain decoding with CUDA graphs (uncaptured): launches inside and outside the replayed forward."""
     from specdec.cuda_graphs import GraphedForward
     from specdec.engine import Engine
     from specdec.generate import generate
@@ -107,11 +114,11 @@ def step_launches(loaded, batch: int, steps: int = 12) -> tuple[collections.Coun
     count = [0]
 
     def run(self, *args):
-        counter.paused += 1
+        counter.inside += 1
         try:
             return real_run(self, *args)
         finally:
-            counter.paused -= 1
+            counter.inside -= 1
 
     def step(self):
         count[0] += 1
@@ -124,7 +131,7 @@ def step_launches(loaded, batch: int, steps: int = 12) -> tuple[collections.Coun
         generate(loaded, prompts, max_new_tokens=steps, cuda_graphs=True)
     finally:
         GraphedForward._run, Engine.step = real_run, real_step
-    return counter.ops, count[0]
+    return counter, count[0]
 
 
 def main(argv=None) -> int:
@@ -153,9 +160,13 @@ def main(argv=None) -> int:
               f"{sum(full.values())} launches; per layer {sum(per_layer.values()):g} "
               f"{dict(sorted(per_layer.items()))}; "
               f"the rest {sum(rest.values()):g} {dict(sorted(rest.items()))}")
-    ops, steps = step_launches(loaded, args.batch)
-    print(f"graphed plain step, batch {args.batch}, outside the replay: {sum(ops.values()) / steps:.1f} launches "
-          f"per step over {steps} steps {dict(sorted(ops.items()))}")
+    packed = copy.deepcopy(loaded.model)  # as specdec lays out the models it builds on CUDA
+    pack_projections(packed)
+    graphed = dataclasses.replace(loaded, model=packed, runner=LlamaRunner(packed, backend="triton"))
+    counter, steps = step_launches(graphed, args.batch)
+    for where, ops in (("inside the replayed forward", counter.inside_ops), ("outside the replay", counter.ops)):
+        print(f"graphed plain step, batch {args.batch}, {where}: {sum(ops.values()) / steps:.1f} launches per step "
+              f"over {steps} steps {dict(sorted(ops.items()))}")
     return 0
 
 
