@@ -43,9 +43,9 @@ def _add_rms_norm_kernel(H, Delta, W, Out, stride_h, stride_d, stride_o, N, eps,
 
 
 @triton.jit
-def _rope_kernel(X, Cos, Sin, stride_xt, stride_xh, stride_ct, num_heads, HALF: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _rope_row(X, Cos, Sin, t, stride_xt, stride_xh, stride_ct, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+              BLOCK_HALF: tl.constexpr):
+    """Token row t of X: its heads rotated in place. Returns (heads, cols, ok, a1, a2): the rotated halves, stored."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     ok = (heads < num_heads) & (cols < HALF)
@@ -59,10 +59,18 @@ def _rope_kernel(X, Cos, Sin, stride_xt, stride_xh, stride_ct, num_heads, HALF: 
     x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=ok, other=0.0).to(tl.float32)
     # reference: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]; each product and the sum rounded
-    a1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
-    a2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
-    tl.store(base, a1.to(dt), mask=ok)
-    tl.store(base + HALF, a2.to(dt), mask=ok)
+    a1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+    a2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    tl.store(base, a1, mask=ok)
+    tl.store(base + HALF, a2, mask=ok)
+    return heads, cols, ok, a1, a2
+
+
+@triton.jit
+def _rope_kernel(X, Cos, Sin, stride_xt, stride_xh, stride_ct, num_heads, HALF: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    _rope_row(X, Cos, Sin, tl.program_id(0).to(tl.int64), stride_xt, stride_xh, stride_ct, num_heads, HALF, BLOCK_H,
+              BLOCK_HALF)
 
 
 @triton.jit
@@ -71,23 +79,8 @@ def _rope_write_kernel(X, V, Cos, Sin, Dst, Slots, stride_xt, stride_xh, stride_
                        BLOCK_HALF: tl.constexpr, BLOCK_V: tl.constexpr):
     # X: one token row holds num_q_heads q heads, then the k heads; Dst: the layer's K plane (V: stride_plane on)
     t = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
-    ok = (heads < num_heads) & (cols < HALF)
-    c_ok = cols < HALF
-    dt = X.dtype.element_ty
-    c1 = tl.load(Cos + t * stride_ct + cols, mask=c_ok, other=0.0).to(tl.float32)
-    c2 = tl.load(Cos + t * stride_ct + HALF + cols, mask=c_ok, other=0.0).to(tl.float32)
-    s1 = tl.load(Sin + t * stride_ct + cols, mask=c_ok, other=0.0).to(tl.float32)
-    s2 = tl.load(Sin + t * stride_ct + HALF + cols, mask=c_ok, other=0.0).to(tl.float32)
-    base = X + t * stride_xt + heads * stride_xh + cols
-    x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=ok, other=0.0).to(tl.float32)
-    # as _rope_kernel: each product and the sum rounded
-    a1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-    a2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
-    tl.store(base, a1, mask=ok)
-    tl.store(base + HALF, a2, mask=ok)
+    heads, cols, ok, a1, a2 = _rope_row(X, Cos, Sin, t, stride_xt, stride_xh, stride_ct, num_heads, HALF, BLOCK_H,
+                                        BLOCK_HALF)
     slot = tl.load(Slots + t).to(tl.int64)
     is_k = ok & (heads >= num_q_heads)
     k_dst = Dst + slot * stride_slot + (heads - num_q_heads) * (2 * HALF) + cols
