@@ -78,6 +78,7 @@ class TargetView:
     # the speculation policy's costs (None: it does not size trees: speculation="always", seeded standard sampling)
     costs: CostView | None = None
     seed: int | None = None  # generate()'s seed for drafters that sample (None: unseeded)
+    graphs: bool = False  # the engine replays its verify steps as captured CUDA graphs (price verifies so)
 
 
 class TokenView(Sequence[int]):

@@ -157,9 +157,10 @@ class CombinedDrafter(Drafter):
         self.gate.start(costs if self.config.gate else None, memory_key(self, getattr(target, "runner", None)))
         self.curve = costs.verify_cost if costs is not None else None
         if self.config.cost_model and self.verify_cost is None and self.curve is None:
-            from specdec.cost_model import load_cost_model
+            from specdec.cost_model import CalibrationConfig, load_cost_model
 
-            self.costs = load_cost_model(target.runner)
+            # verify steps priced as the engine runs them: replayed CUDA graphs, or eager
+            self.costs = load_cost_model(target.runner, CalibrationConfig(graphs=getattr(target, "graphs", False)))
             self.curve = self.costs.relative
         for child in self.children:
             child.attach(target)

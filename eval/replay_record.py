@@ -101,7 +101,11 @@ def measure_costs(loaded: Any, prompts: Sequence[Sequence[int]], config: RecordC
     except ImportError:
         load_cost_model = None
     if load_cost_model is not None and config.cost_source == "cost-model":
-        model = load_cost_model(loaded.runner)
+        from specdec.cost_model import CalibrationConfig
+        from specdec.cuda_graphs import auto_uses_graphs
+
+        # priced as generate() runs verify steps by default: replayed CUDA graphs where "auto" uses them
+        model = load_cost_model(loaded.runner, CalibrationConfig(graphs=auto_uses_graphs(loaded.runner)))
         return {"verify_seconds": {n: float(model.seconds(n, 1)) for n in range(1, MAX_TREE_NODES + 2)},
                 "source": "specdec.cost_model", "context_tokens": model.config.context}
     from specdec.eval.pricing import size_chunks

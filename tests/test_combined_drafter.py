@@ -227,12 +227,12 @@ def test_cost_model_option_ranks_by_the_measured_curve(monkeypatch):
             self.asked.append((n, batch))
             return 1.0 if n <= 2 else 10.0
 
-    costs = Costs()
-    monkeypatch.setattr(cost_model, "load_cost_model", lambda runner: costs)
+    costs, configs = Costs(), []
+    monkeypatch.setattr(cost_model, "load_cost_model", lambda runner, config: configs.append(config) or costs)
     combined = CombinedDrafter([Scripted([[1, 2, 3, 4, 5, 6, 7, 8]], "long"), Scripted([[9]], "short")],
                                mode="best", cost_model=True)
-    combined.attach(type("Target", (), {"runner": None})())
-    assert combined.costs is costs
+    combined.attach(SimpleNamespace(runner=None, graphs=True))
+    assert combined.costs is costs and configs[0].graphs  # priced as the engine's replayed CUDA graphs run
     assert combined.propose([view([0]), view([1], 1)])[0].tokens.tolist() == [9]
     assert (9, 2) in costs.asked and (2, 2) in costs.asked  # root + nodes, at the batch size of the step
     # without it, free nodes (alpha 0) favour the long chain (2.0 vs 1.5 expected tokens at the 0.5 prior)
@@ -246,7 +246,7 @@ def test_the_engines_own_cost_curve_ranks_trees_before_a_calibrated_one(monkeypa
     the combined drafter ranks by it, and cost_model=True then loads nothing."""
     import specdec.cost_model as cost_model
 
-    def no_load(runner):
+    def no_load(runner, config=None):
         raise AssertionError("the engine's curve was offered: nothing to load")
 
     monkeypatch.setattr(cost_model, "load_cost_model", no_load)

@@ -44,6 +44,7 @@ def test_drafter_is_attached_once_and_sees_the_hidden_state_of_the_token_before_
     assert all(s.tau > 2.5 for s in out.stats)  # accepted paths really were followed
     assert len(drafter.attached) == 1
     assert drafter.attached[0].cache is not None and drafter.attached[0].sampling.do_sample is False
+    assert drafter.attached[0].graphs is False  # eager verify steps (graphs are replayed on CUDA only)
     checked = 0
     for tokens, hidden in drafter.seen:
         if len(tokens) < 2:
@@ -82,3 +83,23 @@ def test_a_drafter_cannot_change_committed_tokens():
     # speculation="always": the guard would stop asking a drafter that never proposes anything
     assert generate(model, prompts, max_new_tokens=6, drafter=mutator, speculation="always") == plain
     assert mutator.errors and len(mutator.errors) == 3 * 2 * 6  # every edit, every sequence, every step refused
+
+
+def test_the_target_view_says_whether_verify_steps_replay_cuda_graphs():
+    """Drafters that price verify steps (the combined drafter's cost model) price them as the engine runs them."""
+    from types import SimpleNamespace
+
+    from specdec.engine import Engine
+    from specdec.kv_cache import PagedKVCache
+    from specdec.models.llama import LlamaRunner
+    from specdec.sampling import SamplingConfig
+    from specdec.stopping import StopCriteria
+
+    runner = LlamaRunner(build_tiny_model("llama-gqa-tied"))
+    s = runner.shape
+    cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, 8, 16, runner.dtype, runner.device, runner.backend)
+    for capture in (True, False):
+        drafter = HiddenRecorder({})
+        graphed = SimpleNamespace(config=SimpleNamespace(capture=capture))  # what the engine reads of its graphs
+        Engine(runner, cache, sampling=SamplingConfig(), stop=StopCriteria(4), drafter=drafter, graphed=graphed)
+        assert drafter.attached[0].graphs is capture
