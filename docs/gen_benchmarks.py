@@ -41,6 +41,7 @@ python benchmarks/bench_verify_cost.py    # cost of verifying k tokens vs one de
 python benchmarks/bench_drafters_cpu.py   # tau and tokens/s of every drafter vs plain decoding
 python benchmarks/bench_eagle_cpu.py      # EAGLE / Medusa checkpoints vs plain decoding and n-gram
 python benchmarks/bench_host_overhead.py  # the engine's per-sequence host work per step, by phase
+python benchmarks/count_launches.py       # what the GPU path launches per forward and per graphed step (counts)
 python benchmarks/gpu_check.py            # the whole GPU path (tests, kernels, end to end): see GPU
 ```
 
