@@ -20,6 +20,8 @@ The returned hidden states are views of the bucket's static output, valid until 
     graphed = GraphedForward(runner, cache, GraphConfig())
     out = graphed(builder.build())  # None when no bucket fits (builder: a BatchBuilder over graphed.cache)
 
+A step that fits no bucket runs the eager forward; so does every step after a capture that failed (logged once).
+
 ``generate(cuda_graphs="auto")`` (the default) uses graphs on CUDA with the Triton backend, through one
 GraphedForward per loaded model (:func:`model_graphs`, kept on the model object and freed with it, or by
 :func:`release_model_graphs`): its buckets are captured once and replayed by every later call. It serves one
@@ -117,6 +119,7 @@ class GraphedForward:
         self.rope_table = runner.rope(torch.arange(self.max_keys, device=device))
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if config.capture else None  # shared by all graphs
+        self.failed = False  # a capture failed: every later step runs the eager forward
         self.replays = 0
 
     @classmethod
@@ -166,7 +169,7 @@ class GraphedForward:
         if batch.cache is not self.cache:
             raise ValueError("this step was built over another KV cache than the CUDA graphs' own")
         seqs = batch.plan.seqs
-        if any(s.prefill for s in seqs) or any(s.key_slots.numel() > self.max_keys for s in seqs):
+        if self.failed or any(s.prefill for s in seqs) or any(s.key_slots.numel() > self.max_keys for s in seqs):
             return None
         max_new = max(s.num_new for s in seqs)
         key = self.bucket_for(len(seqs), max_new)
@@ -180,7 +183,14 @@ class GraphedForward:
             bucket.output = self._run(bucket)
         else:
             if bucket.graph is None:
-                self._capture(bucket)
+                try:
+                    self._capture(bucket)
+                except Exception as error:  # noqa: BLE001 - any capture failure: run eagerly, say so once
+                    # the warm-up may have written this step's K/V: the eager forward rewrites the same values
+                    self.failed = True
+                    logger.warning("CUDA-graph capture failed (%s: %s); verifying with eager forwards from now on",
+                                   type(error).__name__, error)
+                    return None
             bucket.graph.replay()
         self.replays += 1
         hidden = bucket.output.hidden[:n]

@@ -194,6 +194,30 @@ def test_steps_outside_every_bucket_fall_back(loaded):
     assert cache.num_free_blocks < cache.num_blocks  # the scratch block stays reserved
 
 
+def test_a_failed_capture_falls_back_to_eager_forwards(loaded, monkeypatch, caplog):
+    """A capture that raises (an unsupported op, out of memory) costs the graphs, not the generation: the engine
+    verifies eagerly from then on, with the same tokens, and says so once."""
+    runner = loaded.runner
+    graphed = GraphedForward.with_cache(runner, max_tokens=256, block_size=16, config=GraphConfig(capture=CAPTURE))
+    graphed.config = dataclasses.replace(graphed.config, capture=True)  # as on CUDA, where buckets get captured
+    captures = []
+
+    def failing(bucket):
+        captures.append(bucket)
+        graphed._run(bucket)  # the warm-up, which writes the loaded step's K/V, ran before capture failed
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphed, "_capture", failing)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    drafter = RandomTreeDrafter(VOCAB, max_nodes=6, seed=0)
+    with caplog.at_level(logging.WARNING, logger="specdec.cuda_graphs"):
+        out = generate(loaded, prompts, max_new_tokens=10, cuda_graphs=graphed, drafter=drafter,
+                       speculation="always")
+    assert out == generate(loaded, prompts, max_new_tokens=10)
+    assert graphed.failed and len(captures) == 1 and graphed.replays == 0
+    assert sum("CUDA-graph capture failed" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_a_graphed_step_moves_its_inputs_in_one_copy(loaded, monkeypatch):
     """Outside the replayed forward a plain graphed step runs the LM head and the greedy choice, and moves its
     inputs (token ids, positions, write slots, the attention metadata) in at most one copy: no per-field copies,
