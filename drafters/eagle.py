@@ -31,7 +31,6 @@ With a reduced draft vocabulary only those tokens are ever proposed.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +42,7 @@ from specdec.drafters.eagle_depth import DepthChooser
 from specdec.drafters.eagle_graphs import EagleGraphs, eagle_graphs
 from specdec.drafters.eagle_grow import GrowInputs, TreeGrower
 from specdec.drafters.eagle_model import EagleModel
+from specdec.drafters.level_clock import LevelClock
 from specdec.drafters.loaded_once import load_once
 from torch.nn import functional as F
 
@@ -117,7 +117,8 @@ class EagleDrafter(Drafter):
         c, o = self.model.config, self.options
         self.depth, self.top_k = o.depth or c.depth, o.top_k or c.top_k
         self.max_nodes = min(o.max_nodes or c.max_nodes, MAX_TREE_NODES)
-        self.draft_ids = self.model.draft_ids  # [N] or None
+        # [N] token id of each reduced logit, on the host (read per tree: no copy from the device), or None
+        self.draft_ids = None if self.model.draft_ids is None else self.model.draft_ids.cpu()
         vocab = len(c.draft_vocab) or c.vocab_size
         if self.top_k > vocab:
             raise InputError(f"eagle: top_k={self.top_k} exceeds the draft vocabulary of {vocab} tokens")
@@ -159,12 +160,14 @@ class EagleDrafter(Drafter):
         depth = self.chooser.choose(max(len(seqs), 1))
         catch_up = any(v.seq_id not in self.caches for v in seqs)
         level_seconds = [0.0] * depth  # level 1 includes the catch-up
-        t0 = time.perf_counter()
+        clock = LevelClock(self.target.runner.device)
         roots = self._catch_up(seqs)
+        clock.mark()
         live = [i for i in range(len(seqs)) if i in roots]  # a one-token prompt's first step has no feature yet
         trees = [DraftTree.empty() for _ in seqs]
         if live:
-            grown = self._grow([seqs[i] for i in live], torch.stack([roots[i] for i in live]), depth, level_seconds, t0)
+            grown = self._grow([seqs[i] for i in live], torch.stack([roots[i] for i in live]), depth, level_seconds,
+                               clock)
             for i, tree in zip(live, grown):
                 trees[i] = tree
         for view, tree in zip(seqs, trees):
@@ -231,46 +234,36 @@ class EagleDrafter(Drafter):
         return {i: out[b, k - 1] for b, ((i, _), k) in enumerate(zip(rows, lengths))}
 
     def _grow(self, views: Sequence[SequenceView], h_root: torch.Tensor, max_depth: int, level_seconds: list[float],
-              t0: float) -> list[DraftTree]:
+              clock: LevelClock) -> list[DraftTree]:
         """The sequences' trees from their root features ``h_root`` [B, H]: the candidate pools grown on the device
         (drafters/eagle_grow.py; replayed as a CUDA graph when ``self.graphs`` has a bucket), read by the host
-        once, reranked. ``level_seconds[j]`` gains the wall time of level j + 1 (the device waited for when the
-        depth chooser prices levels; a replayed growth's time is shared evenly among its levels)."""
+        once, reranked. ``level_seconds[j]`` gains the wall time of level j + 1, level 1 with the catch-up that
+        ``clock`` has marked (drafters/level_clock.py: no wait for the device between levels; a replayed growth's
+        time is shared evenly among its levels)."""
         dev = self.target.runner.device
         root_pos = [len(v.token_ids) - 1 for v in views]
         keys = [v.noise_key for v in views]
-        pool, since = None, t0
+        pool = None
         if self.graphs is not None:
-            since = self._level_done(level_seconds, 1, t0)  # the catch-up
             caches = [(c.k, c.v) for c in (self.caches[v.seq_id] for v in views)]
             pool = self.graphs.pool(caches, h_root, root_pos, keys, max_depth)
             if pool is not None:
+                clock.mark()
                 rows = pool.tolist()  # the one read of the device
-                share = (time.perf_counter() - since) / max_depth
-                for j in range(max_depth):
-                    level_seconds[j] += share
-        if pool is None:  # eager (no bucket fits, or a capture failed): level 1 continues from the catch-up's end
+                catch_up, growth = clock.split()
+                level_seconds[:] = [growth / max_depth] * max_depth
+                level_seconds[0] += catch_up
+        if pool is None:  # eager (no bucket fits, or a capture failed)
             past_k, past_v, real = self._past(views)  # the roots' catch-up: at least one key each
             inputs = GrowInputs(h_root, past_k, past_v, real, to_device(root_pos, torch.long, dev),
                                 to_device(keys, torch.long, dev))
-            clock = [since]
+            rows = self.grower.pool(inputs, max_depth, lambda depth: clock.mark()).tolist()  # the one read
+            catch_up, *levels = clock.split()
+            level_seconds[:] = levels
+            level_seconds[0] += catch_up
+        return [self._rerank(tok, [int(p) for p in parent], cum, cond) for tok, parent, cum, cond in rows]
 
-            def on_level(depth: int) -> None:
-                clock[0] = self._level_done(level_seconds, depth, clock[0])
-
-            rows = self.grower.pool(inputs, max_depth, on_level).tolist()  # the one read of the device
-        return [self._rerank(tok, [int(p) for p in parent], cum, cond, dev) for tok, parent, cum, cond in rows]
-
-    def _level_done(self, level_seconds: list[float], depth: int, since: float) -> float:
-        """``level_seconds[depth - 1]`` gains the time since ``since``; on CUDA the device is waited for only when
-        the depth chooser prices levels (otherwise the levels stay queued, one read at the end)."""
-        if self.chooser.active and self.target.runner.device.type == "cuda":
-            torch.cuda.synchronize(self.target.runner.device)
-        now = time.perf_counter()
-        level_seconds[depth - 1] += now - since
-        return now
-
-    def _rerank(self, tok, parent, cum, cond, dev) -> DraftTree:
+    def _rerank(self, tok, parent, cum, cond) -> DraftTree:
         """The max_nodes best candidates by cumulative log-probability, parents before children."""
         keep = sorted(range(len(tok)), key=lambda i: (-cum[i], i))[: self.max_nodes]
         chosen = set(keep)
@@ -286,7 +279,7 @@ class EagleDrafter(Drafter):
         new_index = {p: n for n, p in enumerate(order)}
         ids = torch.tensor([tok[i] for i in order], dtype=torch.long)
         if self.draft_ids is not None:
-            ids = self.draft_ids.cpu()[ids]
+            ids = self.draft_ids[ids]
         parents = torch.tensor([new_index[parent[i]] if parent[i] >= 0 else -1 for i in order], dtype=torch.long)
         scores = torch.tensor([cond[i] for i in order], dtype=torch.float32).exp().clamp(0.0, 1.0)
         return DraftTree(ids, parents, scores=scores)

@@ -4,6 +4,7 @@ without the engine's decode time or cost curve, and in the engine the output sta
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -115,3 +116,33 @@ def test_in_the_engine_the_depth_follows_the_costs_and_the_output_is_the_targets
 def test_adapt_depth_option_must_be_a_bool():
     with pytest.raises(InputError, match="adapt_depth must be True or False"):
         EagleDrafter(model=None, path="x", adapt_depth="yes")
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_each_call_times_every_level_it_drafted_within_its_own_wall_time(graphs, monkeypatch):
+    """The levels' seconds (drafters/level_clock.py; level 1 with the catch-up) cover the depth drafted and never add
+    up to more than the call took, eagerly and through the (uncaptured) graph buckets."""
+    model = build_tiny_model()
+    torch.manual_seed(0)
+    eagle = EagleModel(EagleConfig.for_target(model.config, depth=3, top_k=2, max_nodes=6))
+    eagle.init_from_target(model)
+    drafter = EagleDrafter(model=eagle, adapt_depth=False, cuda_graphs=graphs)
+    calls = []
+    propose, record = EagleDrafter.propose, DepthChooser.record_seconds
+
+    def timed(self, seqs):
+        t0 = time.perf_counter()
+        trees = propose(self, seqs)
+        calls[-1].append(time.perf_counter() - t0)
+        return trees
+
+    monkeypatch.setattr(EagleDrafter, "propose", timed)
+    def recorded(self, seconds, catch_up):
+        calls.append([list(seconds)])
+        record(self, seconds, catch_up)
+
+    monkeypatch.setattr(DepthChooser, "record_seconds", recorded)
+    generate(model, [[5, 9, 11, 2, 5, 9, 11], [7, 3, 4]], drafter=drafter, max_new_tokens=12, speculation="always")
+    assert len(calls) > 3 and (drafter.graphs is not None) == graphs
+    for seconds, wall in calls:
+        assert len(seconds) == 3 and min(seconds) > 0 and sum(seconds) <= wall, (seconds, wall)

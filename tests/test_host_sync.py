@@ -1,11 +1,17 @@
-"""On a GPU, an engine step synchronises the host with the device once: when it reads the target's choices.
-Every per-step input built on the host goes through ``specdec.host_copy.to_device`` (pinned, asynchronous)."""
+"""On a GPU, an engine step synchronises the host with the device once: when it reads the target's choices (an
+EAGLE step twice: it also reads its candidate pool, to rerank). Every per-step input built on the host goes through
+``specdec.host_copy.to_device`` (pinned, asynchronous); drafting times its levels with events
+(``specdec.drafters.level_clock``), not by waiting for the device."""
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
 import torch
+from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.eagle_model import EagleConfig, EagleModel
+from specdec.drafters.level_clock import LevelClock
 
 from specdec.engine import Engine
 from specdec.generate import generate
@@ -21,8 +27,31 @@ def test_to_device_gives_the_values_on_the_device_in_the_dtype():
     assert to_device(host, torch.long, device).tolist() == [1, 0]
 
 
+def test_the_level_clock_gives_each_part_its_time_and_the_call_its_total():
+    clock = LevelClock(torch.device("cpu"))
+    time.sleep(0.02)
+    clock.mark()
+    clock.mark()
+    time.sleep(0.01)  # after the last mark: the last part's
+    parts = clock.split()
+    total = time.perf_counter() - clock.start
+    assert len(parts) == 2 and parts[0] >= 0.02 and parts[1] >= 0.01 and sum(parts) <= total
+
+    class Event:  # CUDA events as the device stamped them, in milliseconds
+        def __init__(self, ms):
+            self.ms = ms
+
+        def elapsed_time(self, other):
+            return other.ms - self.ms
+
+    clock.cuda, clock.marks = True, [Event(0.0), Event(3.0), Event(4.0)]
+    clock.start = time.perf_counter() - 0.5  # the call's wall time, launches and the final read included
+    catch_up, growth = clock.split()
+    assert catch_up == pytest.approx(3 * growth) and 0.5 <= catch_up + growth < 0.6
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA synchronisations")
-@pytest.mark.parametrize("drafter", [None, "ngram"])
+@pytest.mark.parametrize("drafter", [None, "ngram", "eagle"])
 def test_a_step_synchronises_once(drafter, monkeypatch):
     syncs: list[int] = []
     step = Engine.step
@@ -38,8 +67,14 @@ def test_a_step_synchronises_once(drafter, monkeypatch):
             syncs.append(sum("synchronizing" in str(w.message) for w in caught))
 
     model = build_tiny_model().cuda()
+    if drafter == "eagle":  # its candidate pool is read once per step, to rerank
+        torch.manual_seed(0)
+        eagle = EagleModel(EagleConfig.for_target(model.config, draft_vocab=tuple(range(0, 96, 2))))
+        eagle.init_from_target(model)
+        drafter = EagleDrafter(model=eagle.cuda())
+    reads = 2 if isinstance(drafter, EagleDrafter) else 1
     prompts = ragged_prompts(3, seed=1)[1:]
     generate(model, prompts, max_new_tokens=24, drafter=drafter, speculation="always")  # compiles, captures
     monkeypatch.setattr(Engine, "step", counted)
-    generate(model, prompts, max_new_tokens=24, drafter=drafter, speculation="always")
-    assert syncs and max(syncs[1:]) <= 1, syncs
+    generate(model, prompts, max_new_tokens=24, drafter=drafter)  # the default policy: EAGLE chooses its depth
+    assert syncs and max(syncs[1:]) <= reads, syncs
