@@ -8,7 +8,7 @@ Each step, for all sequences together (drafters/eagle_model.py has the layer):
 1. **catch up**: the target's hidden states of the positions committed since the last step
    (``SequenceView.new_hidden``) paired with the tokens that follow them run through the draft
    layer as one causal block (the sequences' blocks and caches right-padded to the longest and
-   masked); their keys / values join the drafter's own per-sequence cache.
+   masked); their keys / values join the drafter's own (drafters/eagle_kv.py: a row per sequence).
    An EAGLE-3 head names its ``feature_layers``: the engine then passes the residual streams
    entering those target layers instead of the final-norm states, and the head fuses them (fc).
    The last row predicts the root's feature; its logits score depth 1.
@@ -41,6 +41,7 @@ from specdec.drafters.eagle_checkpoint import EagleCheckpointError, check_fits_t
 from specdec.drafters.eagle_depth import DepthChooser
 from specdec.drafters.eagle_graphs import EagleGraphs, eagle_graphs
 from specdec.drafters.eagle_grow import GrowInputs, TreeGrower
+from specdec.drafters.eagle_kv import EagleKV
 from specdec.drafters.eagle_model import EagleModel
 from specdec.drafters.level_clock import LevelClock
 from specdec.drafters.loaded_once import load_once
@@ -80,12 +81,6 @@ class EagleDraftConfig:
             raise InputError(f"eagle: max_nodes must be <= {MAX_TREE_NODES}, got {self.max_nodes}")
 
 
-@dataclass
-class _SeqCache:
-    k: torch.Tensor  # [1, kv_heads, P, head_dim] keys of the committed (feature, token) pairs
-    v: torch.Tensor  # [1, kv_heads, P, head_dim]
-
-
 class EagleDrafter(Drafter):
     name = "eagle"
     needs_hidden_states = True
@@ -99,7 +94,7 @@ class EagleDrafter(Drafter):
             raise InputError(f"eagle: model= must be an EagleModel, got {type(model).__name__}")
         self.options = EagleDraftConfig(**options)
         self.path, self.model = path, model
-        self.caches: dict[int, _SeqCache] = {}
+        self.kv: EagleKV | None = None  # the layer's keys / values of every sequence's committed positions
         # seq_id -> the most probable chain of its last proposal (tokens, parents), for the depth chooser
         self._last: dict[int, tuple[list[int], list[int]]] = {}
 
@@ -115,6 +110,7 @@ class EagleDrafter(Drafter):
             check_fits_target(self.model.config, runner.hf_model.config, "the given EagleModel")
         self.model.to(device=runner.device, dtype=runner.dtype).eval()
         c, o = self.model.config, self.options
+        self.kv = EagleKV(c.num_kv_heads, c.head_dim, runner.dtype, runner.device)
         self.depth, self.top_k = o.depth or c.depth, o.top_k or c.top_k
         self.max_nodes = min(o.max_nodes or c.max_nodes, MAX_TREE_NODES)
         # [N] token id of each reduced logit, on the host (read per tree: no copy from the device), or None
@@ -146,7 +142,7 @@ class EagleDrafter(Drafter):
             self.chooser.observe(*matched_levels(*last, committed))
 
     def release(self, seq_id: int) -> None:
-        self.caches.pop(seq_id, None)
+        self.kv.release(seq_id)
         self._last.pop(seq_id, None)
         self.chooser.finish()
 
@@ -158,7 +154,7 @@ class EagleDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
         depth = self.chooser.choose(max(len(seqs), 1))
-        catch_up = any(v.seq_id not in self.caches for v in seqs)
+        catch_up = any(v.seq_id not in self.kv for v in seqs)
         level_seconds = [0.0] * depth  # level 1 includes the catch-up
         clock = LevelClock(self.target.runner.device)
         roots = self._catch_up(seqs)
@@ -174,25 +170,6 @@ class EagleDrafter(Drafter):
             self._last[view.seq_id] = _top_chain(tree)
         self.chooser.record_seconds(level_seconds, catch_up)
         return trees
-
-    def _past(self, views: Sequence[SequenceView]) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-        """The sequences' cached keys / values, right-padded to the longest ([B, kv_heads, P, head_dim] each,
-        None when all are empty), and [B, P] bool: the real (non-padding) columns."""
-        caches = [self.caches.get(v.seq_id) for v in views]
-        lengths = [0 if c is None else c.k.shape[2] for c in caches]
-        P, dev = max(lengths), self.target.runner.device
-        real = torch.arange(P, device=dev)[None] < to_device(lengths, torch.long, dev)[:, None]
-        if P == 0:
-            return None, None, real
-        if len(views) == 1:
-            return caches[0].k, caches[0].v, real
-        longest = caches[lengths.index(P)].k
-        k = longest.new_zeros(len(views), *longest.shape[1:])
-        v = torch.zeros_like(k)
-        for b, c in enumerate(caches):
-            if c is not None:
-                k[b, :, : lengths[b]], v[b, :, : lengths[b]] = c.k[0], c.v[0]
-        return k, v, real
 
     def _catch_up(self, seqs: Sequence[SequenceView]) -> dict[int, torch.Tensor]:
         """Run every sequence's newly committed (feature, next token) pairs, all sequences as one right-padded
@@ -218,19 +195,13 @@ class EagleDrafter(Drafter):
             tokens[b, :k] = torch.tensor(v.token_ids[root - k + 1 : root + 1])
             positions[b, :k] = torch.arange(root - k + 1, root + 1)
             hidden[b, :k] = v.new_hidden
-        past_k, past_v, real = self._past(views)
+        past_k, past_v, real = self.kv.gather([v.seq_id for v in views])
         mask = torch.cat([real[:, None].expand(B, L, real.shape[1]),
                           torch.ones(L, L, dtype=torch.bool, device=dev).tril().expand(B, L, L)], dim=2)
         embeds = F.embedding(to_device(tokens, torch.long, dev), runner.embed)
         out, new_k, new_v = model(embeds, model.fuse(hidden.to(runner.dtype)), to_device(positions, torch.long, dev),
                                   mask, past_k, past_v)
-        for b, (v, k) in enumerate(zip(views, lengths)):
-            cache = self.caches.get(v.seq_id)
-            if cache is None:
-                self.caches[v.seq_id] = _SeqCache(new_k[b : b + 1, :, :k], new_v[b : b + 1, :, :k])
-            else:
-                cache.k = torch.cat([cache.k, new_k[b : b + 1, :, :k]], dim=2)
-                cache.v = torch.cat([cache.v, new_v[b : b + 1, :, :k]], dim=2)
+        self.kv.append([v.seq_id for v in views], new_k, new_v, lengths)
         return {i: out[b, k - 1] for b, ((i, _), k) in enumerate(zip(rows, lengths))}
 
     def _grow(self, views: Sequence[SequenceView], h_root: torch.Tensor, max_depth: int, level_seconds: list[float],
@@ -244,9 +215,10 @@ class EagleDrafter(Drafter):
         root_pos = [len(v.token_ids) - 1 for v in views]
         keys = [v.noise_key for v in views]
         pool = None
+        past_k, past_v, real = self.kv.gather([v.seq_id for v in views])  # the roots' catch-up: a key each at least
         if self.graphs is not None:
-            caches = [(c.k, c.v) for c in (self.caches[v.seq_id] for v in views)]
-            pool = self.graphs.pool(caches, h_root, root_pos, keys, max_depth)
+            pool = self.graphs.pool(past_k, past_v, self.kv.lengths([v.seq_id for v in views]), h_root, root_pos,
+                                    keys, max_depth)
             if pool is not None:
                 clock.mark()
                 rows = pool.tolist()  # the one read of the device
@@ -254,7 +226,6 @@ class EagleDrafter(Drafter):
                 level_seconds[:] = [growth / max_depth] * max_depth
                 level_seconds[0] += catch_up
         if pool is None:  # eager (no bucket fits, or a capture failed)
-            past_k, past_v, real = self._past(views)  # the roots' catch-up: at least one key each
             inputs = GrowInputs(h_root, past_k, past_v, real, to_device(root_pos, torch.long, dev),
                                 to_device(keys, torch.long, dev))
             rows = self.grower.pool(inputs, max_depth, lambda depth: clock.mark()).tolist()  # the one read

@@ -15,7 +15,7 @@ settings, reused by later generate() calls. A call that fits no bucket, or a cap
 runs eagerly.
 
     graphs = eagle_graphs(grower, capture=True)
-    pool = graphs.pool(caches, h_root, root_positions, noise_keys, depth)   # [B, 4, S] float64, or None
+    pool = graphs.pool(past_k, past_v, key_counts, h_root, root_positions, noise_keys, depth)  # [B, 4, S] or None
 """
 from __future__ import annotations
 
@@ -78,16 +78,17 @@ class EagleGraphs:
             return None
         return self.config.batch_sizes[b], keys
 
-    def pool(self, caches: Sequence[tuple[torch.Tensor, torch.Tensor]], h_root: torch.Tensor,
+    def pool(self, past_k: torch.Tensor, past_v: torch.Tensor, key_counts: Sequence[int], h_root: torch.Tensor,
              root_positions: Sequence[int], noise_keys: Sequence[int], depth: int) -> torch.Tensor | None:
-        """The sequences' pools ([B, 4, S], a view of a static output valid until the next call) from their
-        caches ((k, v) [1, kv_heads, L, head_dim] each), root features [B, H], root positions and noise keys;
-        None when the call fits no bucket or capture failed (the caller grows eagerly)."""
-        key = None if self.failed else self.bucket_for(len(caches), max(k.shape[2] for k, _ in caches))
+        """The sequences' pools ([B, 4, S], a view of a static output valid until the next call) from their cached
+        keys / values ([B, kv_heads, P, head_dim] each, right-padded; sequence b's first ``key_counts[b]`` columns
+        are real), root features [B, H], root positions and noise keys; None when the call fits no bucket or
+        capture failed (the caller grows eagerly)."""
+        key = None if self.failed else self.bucket_for(len(key_counts), past_k.shape[2])
         if key is None:
             return None
-        bucket = self.buckets.get(key) or self._new_bucket(*key, caches[0][0], h_root)
-        self._load(bucket, caches, h_root, root_positions, noise_keys)
+        bucket = self.buckets.get(key) or self._new_bucket(*key, past_k, h_root)
+        self._load(bucket, past_k, past_v, key_counts, h_root, root_positions, noise_keys)
         if not self.config.capture:
             bucket.pools[depth] = self._grow(bucket, depth)
         elif depth not in bucket.graphs:
@@ -101,7 +102,7 @@ class EagleGraphs:
         else:
             bucket.graphs[depth].replay()
         self.replays += 1
-        return bucket.pools[depth][: len(caches)]
+        return bucket.pools[depth][: len(key_counts)]
 
     # ---- internals ----------------------------------------------------------------------
     def _new_bucket(self, batch: int, keys: int, like_k: torch.Tensor, like_h: torch.Tensor) -> _Bucket:
@@ -116,15 +117,15 @@ class EagleGraphs:
         bucket = self.buckets[batch, keys] = _Bucket(inputs, meta)
         return bucket
 
-    def _load(self, bucket: _Bucket, caches, h_root: torch.Tensor, root_positions, noise_keys) -> None:
-        x, B = bucket.inputs, len(caches)
+    def _load(self, bucket: _Bucket, past_k, past_v, key_counts, h_root: torch.Tensor, root_positions,
+              noise_keys) -> None:
+        x, (B, _, P, _) = bucket.inputs, past_k.shape
         x.h_root[:B].copy_(h_root)
         x.h_root[B:].zero_()
-        for b, (k, v) in enumerate(caches):  # stale columns past a sequence's keys stay: they are masked
-            x.past_k[b, :, : k.shape[2]].copy_(k[0])
-            x.past_v[b, :, : v.shape[2]].copy_(v[0])
+        x.past_k[:B, :, :P].copy_(past_k)  # columns past a sequence's keys (stale, finite) are masked
+        x.past_v[:B, :, :P].copy_(past_v)
         meta = torch.zeros(3, bucket.meta.shape[1], dtype=torch.long)  # padded sequences: no keys, position 0
-        meta[0, :B] = torch.tensor([k.shape[2] for k, _ in caches])
+        meta[0, :B] = torch.tensor(list(key_counts))
         meta[1, :B] = torch.tensor(list(root_positions))
         meta[2, :B] = torch.tensor(list(noise_keys))
         bucket.meta.copy_(to_device(meta, torch.long, bucket.meta.device))  # a device-to-device copy: no sync

@@ -307,3 +307,35 @@ def test_non_finite_weights_are_a_checkpoint_error(tmp_path, value):
     save_eagle(eagle, tmp_path)
     with pytest.raises(EagleCheckpointError, match=r"model.safetensors: weights hold NaN or infinite values \(fc"):
         generate(model, [[1, 2, 3]], max_new_tokens=2, drafter="eagle", drafter_options={"path": str(tmp_path)})
+
+
+def test_the_kv_slab_holds_each_sequences_keys_through_growth_and_reused_rows():
+    """drafters/eagle_kv.py against per-sequence concatenation: appends of 1-5 columns for sequences that come and
+    go, with rows and capacity growing from 2 x 4; a gather is each sequence's keys, right-padded and masked."""
+    from specdec.drafters.eagle_kv import EagleKV
+
+    gen = torch.Generator().manual_seed(0)
+    kv = EagleKV(2, 3, torch.float32, torch.device("cpu"), rows=2, capacity=4)
+    want: dict[int, torch.Tensor] = {}
+    live, next_id = [], 0
+    for step in range(40):
+        if len(live) < 5 and step % 3 == 0:
+            live.append(next_id)
+            next_id += 1
+        if step % 7 == 6:
+            gone = live.pop(0)
+            kv.release(gone)
+            want.pop(gone, None)
+        counts = [int(torch.randint(1, 6, (1,), generator=gen)) for _ in live]
+        new_k = torch.randn(len(live), 2, max(counts), 3, generator=gen)
+        kv.append(live, new_k, -new_k, counts)
+        for b, (i, n) in enumerate(zip(live, counts)):
+            want[i] = torch.cat([want.get(i, torch.zeros(2, 0, 3)), new_k[b, :, :n]], dim=1)
+        for ids in (live, live[-1:]):
+            k, v, real = kv.gather(ids)
+            for b, i in enumerate(ids):
+                n = want[i].shape[1]
+                assert real[b].tolist() == [True] * n + [False] * (k.shape[2] - n)
+                assert torch.equal(k[b, :, :n], want[i]) and torch.equal(v[b, :, :n], -want[i])
+    assert kv.k.shape[0] >= 5 and kv.k.shape[2] > 4 and len(kv.row) == len(live)
+    assert kv.gather([next_id])[0] is None  # a sequence never seen has no keys
