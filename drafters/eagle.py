@@ -187,14 +187,12 @@ class EagleDrafter(Drafter):
             raise InputError(f"eagle: this EAGLE-3 head reads target layers {list(model.config.feature_layers)}, but "
                              f"the engine passed final hidden states (an EAGLE-3 head cannot run inside the "
                              f"combined drafter)")
-        tokens = torch.zeros(B, L, dtype=torch.long)  # t_{j+1}, j < root
-        positions = torch.zeros(B, L, dtype=torch.long)
-        hidden = views[0].new_hidden.new_zeros(B, L, views[0].new_hidden.shape[-1])
-        for b, (v, k) in enumerate(zip(views, lengths)):
+        tokens, positions = [], []  # [B, L] each: t_{j+1} and j for the positions j < root, right-padded with 0
+        for v, k in zip(views, lengths):
             root = len(v.token_ids) - 1
-            tokens[b, :k] = torch.tensor(v.token_ids[root - k + 1 : root + 1])
-            positions[b, :k] = torch.arange(root - k + 1, root + 1)
-            hidden[b, :k] = v.new_hidden
+            tokens.append(list(v.token_ids[root - k + 1 : root + 1]) + [0] * (L - k))
+            positions.append(list(range(root - k + 1, root + 1)) + [0] * (L - k))
+        hidden = self._padded_hidden(views, lengths, L)
         past_k, past_v, real = self.kv.gather([v.seq_id for v in views])
         mask = torch.cat([real[:, None].expand(B, L, real.shape[1]),
                           torch.ones(L, L, dtype=torch.bool, device=dev).tril().expand(B, L, L)], dim=2)
@@ -203,6 +201,18 @@ class EagleDrafter(Drafter):
                                   mask, past_k, past_v)
         self.kv.append([v.seq_id for v in views], new_k, new_v, lengths)
         return {i: out[b, k - 1] for b, ((i, _), k) in enumerate(zip(rows, lengths))}
+
+    @staticmethod
+    def _padded_hidden(views: Sequence[SequenceView], lengths: list[int], L: int) -> torch.Tensor:
+        """The views' ``new_hidden`` ([k_b, F] each) right-padded with zeros into [B, L, F]: one store for all."""
+        first = views[0].new_hidden
+        if len(views) == 1:
+            return first[None]
+        hidden = first.new_zeros(len(views), L, first.shape[-1])
+        rows = [b * L + j for b, k in enumerate(lengths) for j in range(k)]
+        hidden.view(-1, first.shape[-1])[to_device(rows, torch.long, first.device)] = torch.cat(
+            [v.new_hidden for v in views])
+        return hidden
 
     def _grow(self, views: Sequence[SequenceView], h_root: torch.Tensor, max_depth: int, level_seconds: list[float],
               clock: LevelClock) -> list[DraftTree]:

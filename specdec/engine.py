@@ -346,10 +346,15 @@ class Engine:
 
     @staticmethod
     def keep_new_hidden(live: list[SequenceState], acceptances: list[Acceptance], hidden: torch.Tensor) -> None:
-        """hidden [B, max_nodes + 1, H]: keep the rows of the root and the accepted nodes (the committed path)."""
-        for b, (s, acc) in enumerate(zip(live, acceptances)):
-            rows = torch.cat([acc.accepted_nodes.new_zeros(1), acc.accepted_nodes + 1]).to(hidden.device)
-            new = hidden[b, rows]
+        """hidden [B, max_nodes + 1, H]: keep the rows of the root and the accepted nodes (the committed path), all
+        sequences' by one gather (views of it, one per sequence)."""
+        B, W = hidden.shape[:2]
+        index, counts = [], []
+        for b, acc in enumerate(acceptances):
+            index += [b * W] + [b * W + 1 + int(i) for i in acc.accepted_nodes]
+            counts.append(1 + len(acc.accepted_nodes))
+        kept = hidden.reshape(B * W, -1)[to_device(index, torch.long, hidden.device)].split(counts)
+        for s, new in zip(live, kept):
             if not s.hidden_seen and s.new_hidden is not None:  # the guard skipped the drafter: it gets them all
                 new = torch.cat([s.new_hidden, new])
             s.new_hidden, s.hidden_seen = new, False
