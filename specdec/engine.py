@@ -351,7 +351,7 @@ class Engine:
         B, W = hidden.shape[:2]
         index, counts = [], []
         for b, acc in enumerate(acceptances):
-            index += [b * W] + [b * W + 1 + int(i) for i in acc.accepted_nodes]
+            index += [b * W] + [b * W + 1 + i for i in acc.accepted_nodes.tolist()]
             counts.append(1 + len(acc.accepted_nodes))
         kept = hidden.reshape(B * W, -1)[to_device(index, torch.long, hidden.device)].split(counts)
         for s, new in zip(live, kept):
@@ -378,7 +378,7 @@ class Engine:
                     self.drafter.release(s.seq_id)
                 continue
             # root (offset 0) and the accepted nodes (offset 1 + node) become positions length..
-            keep[s.seq_id] = [0] + [1 + int(i) for i in acc.accepted_nodes]
+            keep[s.seq_id] = [0] + [1 + i for i in acc.accepted_nodes.tolist()]
             if self.drafter is not None:
                 self.drafter.on_accept(s.seq_id, emitted[s.seq_id])
         self.cache.commit(keep)

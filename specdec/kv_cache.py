@@ -178,7 +178,7 @@ class PagedKVCache:
         """Per sequence, keep the K/V written at offsets ``keep`` (relative to its length,
         strictly increasing) as its next positions; release every block past the new end.
 
-        One gather + one scatter moves the kept K/V of all sequences in all layers.
+        One copy of the slots, then one gather + one scatter, move the kept K/V of all sequences in all layers.
         """
         # check every sequence before changing any: a bad entry leaves the cache as it was (all-or-nothing)
         checked: list[tuple[int, list[int]]] = []
@@ -191,25 +191,25 @@ class PagedKVCache:
             if offsets and self.lengths[seq_id] + offsets[-1] >= len(self.block_tables[seq_id]) * self.block_size:
                 raise IndexError(f"sequence {seq_id}: offset {offsets[-1]} was never reserved")
             checked.append((seq_id, offsets))
-        src: list[torch.Tensor] = []
-        dst: list[torch.Tensor] = []
+        src: list[int] = []  # slots, computed on the host from the block tables: one copy for all sequences
+        dst: list[int] = []
+        size = self.block_size
         for seq_id, offsets in checked:
             length = self.lengths[seq_id]
+            table = self.block_tables[seq_id]
             moved = [j for j, off in enumerate(offsets) if off != j]
             if moved:
                 first = moved[0]  # offsets[j] >= j, so everything before `first` is in place
-                s = self.slots(seq_id, length, length + offsets[-1] + 1)
-                src.append(s[to_device(offsets[first:], torch.long, s.device)])
-                dst.append(s[first : len(offsets)])
+                src += [table[p // size] * size + p % size for p in (length + o for o in offsets[first:])]
+                dst += [table[p // size] * size + p % size for p in range(length + first, length + len(offsets))]
             self.lengths[seq_id] = length + len(offsets)
-            table = self.block_tables[seq_id]
             keep_blocks = self._blocks_for(self.lengths[seq_id])
             if keep_blocks < len(table):
                 self._free.extend(reversed(table[keep_blocks:]))
                 del table[keep_blocks:]
                 self._slot_rows[seq_id] = self._slot_rows[seq_id][: keep_blocks * self.block_size]
         if src:
-            src_t, dst_t = torch.cat(src), torch.cat(dst)
+            src_t, dst_t = to_device([src, dst], torch.long, self.kv.device)
             if self.backend.triton:  # one launch; pairs in order, reads never follow a write of their slot
                 self.backend.kv.compact_kv(self.kv, src_t, dst_t)
             else:

@@ -73,6 +73,41 @@ def test_commit_moves_tree_path_into_place():
     assert got.tolist() == [[0, 2, 5], [10, 12, 15]]
 
 
+def test_a_batch_commit_moves_every_sequences_kv_with_one_copy_of_the_slots():
+    """Slots are computed on the host from the block tables: a commit of many tree paths is one copy of the slots
+    and one move, not an upload and a gather per sequence (on a GPU, each a launch and a pinned copy)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in ("view", "slice", "select", "alias", "lift_fresh"):
+                self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    cache = PagedKVCache(2, 1, 1, num_blocks=64, block_size=4)
+    keep, want = {}, {}
+    for seq in range(8):
+        cache.add(seq)
+        cache.reserve(seq, 3 + seq)  # 3 + seq committed, then 6 rows of a step
+        cache.commit({seq: range(3 + seq)})
+        cache.reserve(seq, 6)
+        slots = cache.slots(seq, 3 + seq, 9 + seq)
+        vals = (100 * seq + torch.arange(6.0)).view(6, 1, 1)
+        cache.write(1, slots, vals, -vals)
+        keep[seq] = [0, 2, 5] if seq % 2 else [0, 1, 4]
+        want[seq] = [100 * seq + o for o in keep[seq]]
+    with Ops() as ops:
+        cache.commit(keep)
+    assert len(ops.names) <= 3, ops.names  # the slots' copy, the gather, the scatter
+    for seq in range(8):
+        got = cache.kv[1, :, cache.slots(seq, 3 + seq, 6 + seq)].flatten(1)
+        assert got.tolist() == [want[seq], [-x for x in want[seq]]]
+
+
 def test_out_of_blocks_is_clear_and_writes_nothing():
     cache = PagedKVCache(1, 1, 1, num_blocks=2, block_size=4)
     cache.add(0)
