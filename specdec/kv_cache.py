@@ -14,9 +14,13 @@ Life of a sequence::
     cache.commit({seq_id: keep})              # keep[j] (offset from length) -> position length + j
     cache.free(seq_id)
 
-Invariants: positions ``[0, length)`` of a sequence hold committed K/V; after a commit a
-sequence owns exactly ``ceil(length / block_size)`` blocks (waste < one block); running
-out of blocks raises :class:`CacheFullError` before anything is written.
+Invariants: positions ``[0, length)`` of a sequence hold committed K/V and ``[length, reserved)`` are writable
+(reserved since the last commit); after a commit a sequence owns the ``ceil(length / block_size)`` blocks that
+hold it plus at most one *spare*, the next block it had reserved: a draft tree spills into the next block at most
+steps and is mostly rejected, so freeing that block at every commit and taking one back at the next reservation
+rebuilt the sequence's slot row each step (on a GPU, a copy and a concatenation per sequence and step). Spares are
+given back when a reservation would otherwise run out of blocks, so running out of blocks raises
+:class:`CacheFullError` exactly when it did without them, before anything is written.
 
 ``slots()`` is called for every sequence on every step (attention reads all its keys), so each sequence's
 slot row is kept on the cache's device and only grown by the blocks a reservation adds: a step costs a view,
@@ -86,6 +90,7 @@ class PagedKVCache:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+        self.reserved: dict[int, int] = {}  # seq_id -> end of its writable positions (>= its length)
         # seq_id -> [len(block_tables[seq_id]) * block_size] int64: the slot of every reserved position
         self._slot_rows: dict[int, torch.Tensor] = {}
 
@@ -98,12 +103,12 @@ class PagedKVCache:
         if seq_id in self.block_tables:
             raise ValueError(f"sequence {seq_id} is already in the cache")
         self.block_tables[seq_id] = []
-        self.lengths[seq_id] = 0
+        self.lengths[seq_id] = self.reserved[seq_id] = 0
         self._slot_rows[seq_id] = torch.empty(0, dtype=torch.long, device=self.kv.device)
 
     def free(self, seq_id: int) -> None:
         self._free.extend(reversed(self.block_tables.pop(seq_id)))
-        del self.lengths[seq_id]
+        del self.lengths[seq_id], self.reserved[seq_id]
         del self._slot_rows[seq_id]
 
     def _blocks_for(self, num_tokens: int) -> int:
@@ -119,17 +124,35 @@ class PagedKVCache:
             s: self._blocks_for(self.lengths[s] + n) - len(self.block_tables[s]) for s, n in num_new.items()
         }
         total = sum(max(0, k) for k in need.values())
-        if total > len(self._free):
+        spares = self._spares(num_new) if total > len(self._free) else {}  # (never one of the asked blocks)
+        if total > len(self._free) + sum(len(self.block_tables[s]) - keep for s, keep in spares.items()):
             raise CacheFullError(
                 f"KV cache out of blocks: this step needs {total} more blocks of {self.block_size} tokens, "
                 f"{len(self._free)} of {self.num_blocks} are free. Pass a larger num_blocks, or fewer / "
                 f"shorter sequences, or a smaller draft tree."
             )
+        for s, keep in spares.items():  # short: the spares go back first
+            table = self.block_tables[s]
+            self._free.extend(reversed(table[keep:]))
+            del table[keep:]
+            self._slot_rows[s] = self._slot_rows[s][: keep * self.block_size]
         for s, k in need.items():
             if k > 0:
                 new_blocks = [self._free.pop() for _ in range(k)]
                 self.block_tables[s].extend(new_blocks)
                 self._slot_rows[s] = torch.cat([self._slot_rows[s], self._block_slots(new_blocks)])
+        for s, n in num_new.items():
+            self.reserved[s] = max(self.reserved[s], self.lengths[s] + n)
+
+    def _spares(self, num_new: Mapping[int, int]) -> dict[int, int]:
+        """{seq_id: blocks it keeps} for the sequences holding a block in which none of their positions lies
+        (committed, reserved, or asked by ``num_new``)."""
+        out = {}
+        for s, table in self.block_tables.items():
+            keep = self._blocks_for(max(self.reserved[s], self.lengths[s] + num_new.get(s, 0)))
+            if keep < len(table):
+                out[s] = keep
+        return out
 
     def _block_slots(self, blocks: list[int]) -> torch.Tensor:  # [len(blocks) * block_size] int64
         offsets = torch.arange(self.block_size, dtype=torch.long)
@@ -148,10 +171,9 @@ class PagedKVCache:
         self.reserve_many(num_new)
 
     def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:  # [end - start] int64
-        row = self._slot_rows[seq_id]
-        if end > row.numel():
+        if end > self.reserved[seq_id]:
             raise IndexError(f"positions up to {end} of sequence {seq_id} are not reserved")
-        return row[start:max(start, end)]  # a view: never write into it
+        return self._slot_rows[seq_id][start:max(start, end)]  # a view: never write into it
 
     # ---- data ---------------------------------------------------------------------------
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_slots, kv_heads, head_dim]
@@ -176,7 +198,7 @@ class PagedKVCache:
 
     def commit(self, keep: Mapping[int, Sequence[int]]) -> None:
         """Per sequence, keep the K/V written at offsets ``keep`` (relative to its length,
-        strictly increasing) as its next positions; release every block past the new end.
+        strictly increasing) as its next positions; release every block past the new end but one (the spare).
 
         One copy of the slots, then one gather + one scatter, move the kept K/V of all sequences in all layers.
         """
@@ -188,7 +210,7 @@ class PagedKVCache:
                 raise ValueError(f"keep offsets must be increasing and >= 0, got {offsets}")
             if seq_id not in self.lengths:
                 raise KeyError(f"sequence {seq_id} is not in the cache")
-            if offsets and self.lengths[seq_id] + offsets[-1] >= len(self.block_tables[seq_id]) * self.block_size:
+            if offsets and self.lengths[seq_id] + offsets[-1] >= self.reserved[seq_id]:
                 raise IndexError(f"sequence {seq_id}: offset {offsets[-1]} was never reserved")
             checked.append((seq_id, offsets))
         src: list[int] = []  # slots, computed on the host from the block tables: one copy for all sequences
@@ -202,8 +224,8 @@ class PagedKVCache:
                 first = moved[0]  # offsets[j] >= j, so everything before `first` is in place
                 src += [table[p // size] * size + p % size for p in (length + o for o in offsets[first:])]
                 dst += [table[p // size] * size + p % size for p in range(length + first, length + len(offsets))]
-            self.lengths[seq_id] = length + len(offsets)
-            keep_blocks = self._blocks_for(self.lengths[seq_id])
+            self.lengths[seq_id] = self.reserved[seq_id] = length + len(offsets)
+            keep_blocks = self._blocks_for(self.lengths[seq_id]) + 1  # + the spare (module doc)
             if keep_blocks < len(table):
                 self._free.extend(reversed(table[keep_blocks:]))
                 del table[keep_blocks:]

@@ -240,7 +240,8 @@ LAYERS, KV_HEADS, HEAD_DIM = 2, 1, 2
 
 class CacheMachine(RuleBasedStateMachine):
     """Random add / reserve / write / commit / free / scribble sequences against a reference model kept here:
-    per live sequence its committed K/V (dense) and how far it has reserved."""
+    per live sequence its committed K/V (dense), how far it has reserved, and how many blocks it holds (those its
+    positions need, and after a commit at most one spare, given back when a reservation runs short)."""
 
     @initialize(block_size=st.sampled_from([1, 2, 3, 4, 16]), num_blocks=st.integers(1, 24))
     def setup(self, block_size, num_blocks):
@@ -248,6 +249,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache = PagedKVCache(LAYERS, KV_HEADS, HEAD_DIM, num_blocks=num_blocks, block_size=block_size)
         self.committed: dict[int, torch.Tensor] = {}  # seq -> [layers, 2, length, heads, dim]
         self.reserved: dict[int, int] = {}  # seq -> end of its writable positions (>= its length)
+        self.held: dict[int, int] = {}  # seq -> blocks it holds
         self.next_id = 0
         self.counter = 0.0  # every written value is distinct, so any misplaced K/V shows
         for _ in range(3):
@@ -296,8 +298,14 @@ class CacheMachine(RuleBasedStateMachine):
             self._assert_unchanged(snap)  # all-or-nothing: nothing reserved, nothing written
             return False
         assert not full, "reserve_many handed out more blocks than exist"
+        need = sum(max(0, self._blocks(self.committed[s].shape[2] + n) - self.held[s]) for s, n in num_new.items())
+        if need > self.num_blocks - sum(self.held.values()):  # short: every spare is given back first
+            for s in self.held:
+                self.held[s] = min(self.held[s], self._blocks(max(self.reserved[s],
+                                                                  self.committed[s].shape[2] + num_new.get(s, 0))))
         for s, n in num_new.items():
             self.reserved[s] = max(self.reserved[s], self.committed[s].shape[2] + n)
+            self.held[s] = max(self.held[s], self._blocks(self.reserved[s]))
         return True
 
     # ---- rules ----
@@ -307,14 +315,14 @@ class CacheMachine(RuleBasedStateMachine):
             return
         self.cache.add(self.next_id)
         self.committed[self.next_id] = torch.zeros(LAYERS, 2, 0, KV_HEADS, HEAD_DIM)
-        self.reserved[self.next_id] = 0
+        self.reserved[self.next_id] = self.held[self.next_id] = 0
         self.next_id += 1
 
     @rule(data=st.data())
     def free(self, data):
         (s,) = self._pick(data, 1)
         self.cache.free(s)
-        del self.committed[s], self.reserved[s]
+        del self.committed[s], self.reserved[s], self.held[s]
 
     @rule(data=st.data())
     def reserve(self, data):
@@ -342,6 +350,7 @@ class CacheMachine(RuleBasedStateMachine):
         for s, offsets in keep.items():
             self.committed[s] = torch.cat([self.committed[s], written[s][:, :, offsets]], dim=2)
             self.reserved[s] = self.committed[s].shape[2]
+            self.held[s] = min(self.held[s], self._blocks(self.reserved[s]) + 1)  # keeps a spare
 
     @rule(data=st.data())
     def scribble_scratch(self, data):
@@ -384,7 +393,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert len(owned) == len(set(owned)), "a block is owned twice"
         assert len(free) == len(set(free)) and not set(free) & set(owned), "a free block is also owned / listed twice"
         assert sorted(owned + free) == list(range(self.num_blocks)), "blocks lost or invented"
-        assert self.cache.num_free_blocks == self.num_blocks - sum(self._blocks(r) for r in self.reserved.values())
+        assert self.cache.num_free_blocks == self.num_blocks - sum(self.held.values())
 
     @invariant()
     def sequences_match_the_reference(self):
@@ -394,18 +403,19 @@ class CacheMachine(RuleBasedStateMachine):
         for s, ref in self.committed.items():
             length = ref.shape[2]
             assert self.cache.lengths[s] == length
-            assert len(self.cache.block_tables[s]) == self._blocks(self.reserved[s]), "waste beyond the reservation"
+            assert len(self.cache.block_tables[s]) == self.held[s] <= self._blocks(self.reserved[s]) + 1, \
+                "waste beyond the reservation and one spare"
             got = self.cache.kv[:, :, self.cache.slots(s, 0, length)]
             assert torch.equal(got, ref), f"committed K/V of sequence {s} differ from the reference"
 
     @invariant()
     def slots_follow_the_block_tables(self):
-        # slots() serves a kept slot row (grown on reserve, cut on commit): it must equal the block-table formula
-        # for every reserved position, and refuse one past them
+        # slots() serves a kept slot row (grown on reserve, cut when blocks go): it must equal the block-table
+        # formula for every reserved position, and refuse one past them (a spare block's too, until reserved)
         if not hasattr(self, "cache"):
             return
         for s, table in self.cache.block_tables.items():
-            reserved = len(table) * self.bs
+            reserved = self.reserved[s]
             want = [table[p // self.bs] * self.bs + p % self.bs for p in range(reserved)]
             assert self.cache.slots(s, 0, reserved).tolist() == want, f"slot map of sequence {s} is stale"
             if reserved:
