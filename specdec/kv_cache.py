@@ -136,11 +136,15 @@ class PagedKVCache:
             self._free.extend(reversed(table[keep:]))
             del table[keep:]
             self._slot_rows[s] = self._slot_rows[s][: keep * self.block_size]
-        for s, k in need.items():
-            if k > 0:
-                new_blocks = [self._free.pop() for _ in range(k)]
-                self.block_tables[s].extend(new_blocks)
-                self._slot_rows[s] = torch.cat([self._slot_rows[s], self._block_slots(new_blocks)])
+        grown = {s: [self._free.pop() for _ in range(k)] for s, k in need.items() if k > 0}
+        if grown:  # the new blocks' slots of every sequence in one copy
+            size = self.block_size
+            slots = to_device([b * size + o for blocks in grown.values() for b in blocks for o in range(size)],
+                              torch.long, self.kv.device).split([len(blocks) * size for blocks in grown.values()])
+            for (s, blocks), new in zip(grown.items(), slots):
+                self.block_tables[s].extend(blocks)
+                row = self._slot_rows[s]
+                self._slot_rows[s] = torch.cat([row, new]) if row.numel() else new
         for s, n in num_new.items():
             self.reserved[s] = max(self.reserved[s], self.lengths[s] + n)
 
@@ -153,11 +157,6 @@ class PagedKVCache:
             if keep < len(table):
                 out[s] = keep
         return out
-
-    def _block_slots(self, blocks: list[int]) -> torch.Tensor:  # [len(blocks) * block_size] int64
-        offsets = torch.arange(self.block_size, dtype=torch.long)
-        rows = torch.tensor(blocks, dtype=torch.long)[:, None] * self.block_size + offsets
-        return to_device(rows.reshape(-1), torch.long, self.kv.device)  # one copy per reservation that grows
 
     def committed_length(self, seq_id: int) -> int:
         """Positions of ``seq_id`` that hold committed K/V."""

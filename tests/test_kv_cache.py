@@ -5,8 +5,22 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdec.kv_cache import CacheConfig, CacheFullError, PagedKVCache
+
+
+class Ops(TorchDispatchMode):
+    """The names of the aten ops run inside it, views left out: on a GPU each is a launch or a copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in ("view", "slice", "select", "alias", "lift_fresh", "split"):
+            self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def _random_run(seed: int, block_size: int, steps: int = 200):
@@ -79,18 +93,6 @@ def test_commit_moves_tree_path_into_place():
 def test_a_batch_commit_moves_every_sequences_kv_with_one_copy_of_the_slots():
     """Slots are computed on the host from the block tables: a commit of many tree paths is one copy of the slots
     and one move, not an upload and a gather per sequence (on a GPU, each a launch and a pinned copy)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ not in ("view", "slice", "select", "alias", "lift_fresh"):
-                self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     cache = PagedKVCache(2, 1, 1, num_blocks=64, block_size=4)
     keep, want = {}, {}
     for seq in range(8):
@@ -109,6 +111,20 @@ def test_a_batch_commit_moves_every_sequences_kv_with_one_copy_of_the_slots():
     for seq in range(8):
         got = cache.kv[1, :, cache.slots(seq, 3 + seq, 6 + seq)].flatten(1)
         assert got.tolist() == [want[seq], [-x for x in want[seq]]]
+
+
+def test_a_reservation_uploads_every_sequences_new_slots_in_one_copy():
+    cache = PagedKVCache(1, 1, 1, num_blocks=64, block_size=4)
+    for seq in range(8):
+        cache.add(seq)
+        cache.reserve(seq, 3 + seq % 2)
+        cache.commit({seq: range(3 + seq % 2)})
+    with Ops() as ops:
+        cache.reserve_many({seq: 6 for seq in range(8)})  # each needs a new block, half of them two
+    assert ops.names.count("_to_copy") + ops.names.count("copy_") <= 1 and len(ops.names) <= 1 + 8 + 2, ops.names
+    for seq, table in cache.block_tables.items():
+        want = [table[p // 4] * 4 + p % 4 for p in range(len(table) * 4)]
+        assert cache._slot_rows[seq].tolist() == want
 
 
 def test_a_rejected_tree_keeps_its_next_block_and_the_next_step_reuses_it():
