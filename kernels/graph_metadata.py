@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from specdec.kernels.tree_attention import TreeAttentionMetadata
 
+from specdec.kv_cache import blocks_for
+
 FIELDS = ("ctx_lens", "num_masked", "q_starts", "q_lens", "tree_mode")  # the [5, batch] int32 rows, in order
 
 
@@ -55,7 +57,7 @@ class StaticInputs:
                              f"{max_tokens_per_seq}, {max_keys}, {block_size}")
         self.max_batch, self.max_tokens_per_seq, self.max_keys = max_batch, max_tokens_per_seq, max_keys
         self.block_size, self.scratch_slot = block_size, scratch_slot
-        self.max_blocks = -(-max_keys // block_size)
+        self.max_blocks = blocks_for(max_keys, block_size)
         self.device = torch.device(device)
         words = self._words(max_batch, max_batch * max_tokens_per_seq)
         self.buffer = torch.zeros(words, dtype=torch.long, device=self.device)
@@ -107,17 +109,16 @@ class StaticInputs:
         bits[:] = 0
         slots[n:] = self.scratch_slot
         meta[:, len(seqs):] = 0
-        size = self.block_size
         for b, (s, seq_id) in enumerate(zip(seqs, batch.seq_ids)):
             keys = s.key_slots.numel()
             if s.num_new > bucket.tokens_per_seq or keys > self.max_keys:
                 raise ValueError(f"sequence {b}: {s.num_new} new tokens / {keys} keys exceed the bucket "
                                  f"({bucket.tokens_per_seq} / {self.max_keys})")
-            table = np.asarray(batch.cache.block_tables[seq_id][: -(-keys // size)], dtype=np.int64)
+            table = np.asarray(batch.cache.block_tables[seq_id][: blocks_for(keys, self.block_size)], dtype=np.int64)
             tables[b, : table.size] = table
             rows = slice(s.query_start, s.query_start + s.num_new)
-            written = np.arange(keys - s.num_new, keys)  # a builder writes the new tokens to the last keys
-            slots[rows] = table[written // size] * size + written % size
+            # a builder writes the new tokens to the last keys
+            slots[rows] = batch.cache.host_slots(seq_id, range(keys - s.num_new, keys))
             meta[:, b] = (s.num_visible, s.num_masked, s.query_start, s.num_new, s.ancestor_bits is not None)
             if s.ancestor_bits is not None:
                 bits[rows] = s.ancestor_bits.cpu().numpy()  # on the host as the builder was given them

@@ -16,11 +16,10 @@ Life of a sequence::
 
 Invariants: positions ``[0, length)`` of a sequence hold committed K/V and ``[length, reserved)`` are writable
 (reserved since the last commit); after a commit a sequence owns the ``ceil(length / block_size)`` blocks that
-hold it plus at most one *spare*, the next block it had reserved: a draft tree spills into the next block at most
-steps and is mostly rejected, so freeing that block at every commit and taking one back at the next reservation
-rebuilt the sequence's slot row each step (on a GPU, a copy and a concatenation per sequence and step). Spares are
-given back when a reservation would otherwise run out of blocks, so running out of blocks raises
-:class:`CacheFullError` exactly when it did without them, before anything is written.
+hold it plus at most one *spare*, the next block it had reserved, which the next step's draft tree usually spills
+into again (its slot row then stays as it is). Spares are given back when a reservation would otherwise run out of
+blocks, so :class:`CacheFullError` is raised exactly when the blocks holding positions leave too few, before
+anything is written.
 
 ``slots()`` is called for every sequence on every step (attention reads all its keys), so each sequence's
 slot row is kept on the cache's device and only grown by the blocks a reservation adds: a step costs a view,
@@ -29,7 +28,7 @@ not an O(context) Python list and a host-to-device copy per sequence. Slot rows 
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -132,10 +131,7 @@ class PagedKVCache:
                 f"shorter sequences, or a smaller draft tree."
             )
         for s, keep in spares.items():  # short: the spares go back first
-            table = self.block_tables[s]
-            self._free.extend(reversed(table[keep:]))
-            del table[keep:]
-            self._slot_rows[s] = self._slot_rows[s][: keep * self.block_size]
+            self._release_blocks(s, keep)
         grown = {s: [self._free.pop() for _ in range(k)] for s, k in need.items() if k > 0}
         if grown:  # the new blocks' slots of every sequence in one copy
             size = self.block_size
@@ -157,6 +153,19 @@ class PagedKVCache:
             if keep < len(table):
                 out[s] = keep
         return out
+
+    def _release_blocks(self, seq_id: int, keep: int) -> None:
+        """Free the sequence's blocks past its first ``keep``."""
+        table = self.block_tables[seq_id]
+        if keep < len(table):
+            self._free.extend(reversed(table[keep:]))
+            del table[keep:]
+            self._slot_rows[seq_id] = self._slot_rows[seq_id][: keep * self.block_size]
+
+    def host_slots(self, seq_id: int, positions: Iterable[int]) -> list[int]:
+        """The slots of ``positions`` of ``seq_id``, from its block table on the host (no device read)."""
+        table, size = self.block_tables[seq_id], self.block_size
+        return [table[p // size] * size + p % size for p in positions]
 
     def committed_length(self, seq_id: int) -> int:
         """Positions of ``seq_id`` that hold committed K/V."""
@@ -214,21 +223,15 @@ class PagedKVCache:
             checked.append((seq_id, offsets))
         src: list[int] = []  # slots, computed on the host from the block tables: one copy for all sequences
         dst: list[int] = []
-        size = self.block_size
         for seq_id, offsets in checked:
             length = self.lengths[seq_id]
-            table = self.block_tables[seq_id]
             moved = [j for j, off in enumerate(offsets) if off != j]
             if moved:
                 first = moved[0]  # offsets[j] >= j, so everything before `first` is in place
-                src += [table[p // size] * size + p % size for p in (length + o for o in offsets[first:])]
-                dst += [table[p // size] * size + p % size for p in range(length + first, length + len(offsets))]
+                src += self.host_slots(seq_id, (length + o for o in offsets[first:]))
+                dst += self.host_slots(seq_id, range(length + first, length + len(offsets)))
             self.lengths[seq_id] = self.reserved[seq_id] = length + len(offsets)
-            keep_blocks = self._blocks_for(self.lengths[seq_id]) + 1  # + the spare (module doc)
-            if keep_blocks < len(table):
-                self._free.extend(reversed(table[keep_blocks:]))
-                del table[keep_blocks:]
-                self._slot_rows[seq_id] = self._slot_rows[seq_id][: keep_blocks * self.block_size]
+            self._release_blocks(seq_id, self._blocks_for(self.lengths[seq_id]) + 1)  # keeps the spare (module doc)
         if src:
             src_t, dst_t = to_device([src, dst], torch.long, self.kv.device)
             if self.backend.triton:  # one launch; pairs in order, reads never follow a write of their slot

@@ -261,11 +261,9 @@ class LlamaRunner:
         return paged_attention(q, k_cache, v_cache, plan, self.scale, backend)
 
     def _rope_for(self, positions: torch.Tensor, plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        table = getattr(plan, "rope_table", None)  # a CUDA-graph bucket's: rope() of every position, computed once
-        if table is not None and not self.invariant:
-            return table[0][positions], table[1][positions]
         if not self.invariant:
-            return self.rope(positions)
+            table = getattr(plan, "rope_table", None)  # a CUDA-graph bucket's: rope() of every position, computed once
+            return self.rope(positions) if table is None else (table[0][positions], table[1][positions])
         table = self._rope_table
         if table is None or table.inv_freq.device != self.device:
             table = self._rope_table = invariant_ops.RopeTable(self.rotary.inv_freq, self.attention_scaling,
