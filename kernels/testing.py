@@ -57,8 +57,12 @@ class PagedCase:
         from types import SimpleNamespace
 
         from specdec.attention import ForwardBatch
+        from specdec.kv_cache import table_slots
 
-        cache = SimpleNamespace(block_tables=dict(enumerate(self.block_tables)))
+        tables = dict(enumerate(self.block_tables))
+        cache = SimpleNamespace(block_tables=tables,
+                                host_slots=lambda seq_id, positions: table_slots(tables[seq_id], self.page_size,
+                                                                                 positions))
         rows = tuple(range(s.query_start, s.query_start + s.num_new) for s in self.plan.seqs)
         n = self.q.shape[0]
         return ForwardBatch([0] * n, [0] * n, self.plan, rows, tuple(range(len(rows))), cache, self.q.device)

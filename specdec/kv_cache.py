@@ -38,6 +38,11 @@ from specdec.host_copy import to_device
 from specdec.kernels.dispatch import Backend, resolve_backend
 
 
+def table_slots(table: Sequence[int], block_size: int, positions: Iterable[int]) -> list[int]:
+    """The slots of ``positions`` of a sequence whose block table is ``table`` (module doc)."""
+    return [table[p // block_size] * block_size + p % block_size for p in positions]
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks of ``block_size`` tokens that hold ``num_tokens`` tokens (ceil division)."""
     return -(-num_tokens // block_size)
@@ -164,8 +169,7 @@ class PagedKVCache:
 
     def host_slots(self, seq_id: int, positions: Iterable[int]) -> list[int]:
         """The slots of ``positions`` of ``seq_id``, from its block table on the host (no device read)."""
-        table, size = self.block_tables[seq_id], self.block_size
-        return [table[p // size] * size + p % size for p in positions]
+        return table_slots(self.block_tables[seq_id], self.block_size, positions)
 
     def committed_length(self, seq_id: int) -> int:
         """Positions of ``seq_id`` that hold committed K/V."""
