@@ -5,17 +5,17 @@
 
 Each step, for all sequences together (drafters/eagle_model.py has the layer):
 
-1. **catch up**: the target's hidden states of the positions committed since the last step
-   (``SequenceView.new_hidden``) paired with the tokens that follow them run through the draft
-   layer as one causal block (the sequences' blocks and caches right-padded to the longest and
-   masked); their keys / values join the drafter's own (drafters/eagle_kv.py: a row per sequence).
+1. **catch up** (drafters/eagle_catch_up.py): the target's hidden states of the positions committed since the
+   last step (``SequenceView.new_hidden``) paired with the tokens that follow them run through the draft layer as
+   one causal block, right-padded and masked; their keys / values join the drafter's (drafters/eagle_kv.py).
    An EAGLE-3 head names its ``feature_layers``: the engine then passes the residual streams
    entering those target layers instead of the final-norm states, and the head fuses them (fc).
    The last row predicts the root's feature; its logits score depth 1.
 2. **grow** (EAGLE-2, drafters/eagle_grow.py): ``depth - 1`` times, the ``top_k`` candidates of the
    newest depth with the highest cumulative draft log-probability run as queries and each adds its
-   ``top_k`` best children to the candidate pool, one forward of [sequences, top_k] queries per depth;
-   on CUDA (``cuda_graphs="auto"``) replayed as a CUDA graph of fixed shapes (drafters/eagle_graphs.py).
+   ``top_k`` best children to the candidate pool, one forward of [sequences, top_k] queries per depth.
+   On CUDA (``cuda_graphs="auto"``) steps 1 and 2 are replayed as one CUDA graph of fixed shapes
+   (drafters/eagle_graphs.py; a prompt's catch-up runs eagerly and the growth alone is replayed).
 3. **rerank**: the ``max_nodes`` candidates with the highest cumulative log-probability form the
    tree (ancestor-closed: a child never scores above its parent).
 
@@ -37,15 +37,15 @@ from dataclasses import dataclass
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView, check_path_option
 from specdec.drafters.call_memory import memory_key
+from specdec.drafters.eagle_catch_up import CatchUpInputs, catch_up
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, check_fits_target, load_eagle
 from specdec.drafters.eagle_depth import DepthChooser
-from specdec.drafters.eagle_graphs import EagleGraphs, eagle_graphs
+from specdec.drafters.eagle_graphs import CachedKeys, CatchUpRows, EagleGraphs, eagle_graphs
 from specdec.drafters.eagle_grow import GrowInputs, TreeGrower
 from specdec.drafters.eagle_kv import EagleKV
 from specdec.drafters.eagle_model import EagleModel
 from specdec.drafters.level_clock import LevelClock
 from specdec.drafters.loaded_once import load_once
-from torch.nn import functional as F
 
 from specdec.errors import InputError
 from specdec.host_copy import to_device
@@ -156,51 +156,85 @@ class EagleDrafter(Drafter):
         depth = self.chooser.choose(max(len(seqs), 1))
         catch_up = any(v.seq_id not in self.kv for v in seqs)
         level_seconds = [0.0] * depth  # level 1 includes the catch-up
-        clock = LevelClock(self.target.runner.device)
-        roots = self._catch_up(seqs)
-        clock.mark()
-        live = [i for i in range(len(seqs)) if i in roots]  # a one-token prompt's first step has no feature yet
-        trees = [DraftTree.empty() for _ in seqs]
+        live = [i for i, v in enumerate(seqs) if v.new_hidden is not None]  # a one-token prompt's first step has
+        trees = [DraftTree.empty() for _ in seqs]  # no feature yet
         if live:
-            grown = self._grow([seqs[i] for i in live], torch.stack([roots[i] for i in live]), depth, level_seconds,
-                               clock)
-            for i, tree in zip(live, grown):
-                trees[i] = tree
+            pools = self._draft([seqs[i] for i in live], depth, level_seconds)
+            for i, (tok, parent, cum, cond) in zip(live, pools):
+                trees[i] = self._rerank(tok, [int(p) for p in parent], cum, cond)
         for view, tree in zip(seqs, trees):
             self._last[view.seq_id] = _top_chain(tree)
         self.chooser.record_seconds(level_seconds, catch_up)
         return trees
 
-    def _catch_up(self, seqs: Sequence[SequenceView]) -> dict[int, torch.Tensor]:
-        """Run every sequence's newly committed (feature, next token) pairs, all sequences as one right-padded
-        causal block (a padded row or key is seen only by padded rows); their keys / values join each sequence's
-        cache. -> {index in ``seqs``: the root's predicted feature [H]}."""
-        rows = [(i, v) for i, v in enumerate(seqs) if v.new_hidden is not None]
-        if not rows:
-            return {}
-        runner, model = self.target.runner, self.model
-        dev = runner.device
-        views = [v for _, v in rows]
-        lengths = [v.new_hidden.shape[0] for v in views]
-        B, L = len(views), max(lengths)
+    def _draft(self, views: Sequence[SequenceView], depth: int, level_seconds: list[float]) -> list:
+        """The sequences' candidate pools, read by the host once (rows of [4, S], drafters/eagle_grow.py): the
+        catch-up (drafters/eagle_catch_up.py), its keys / values joining each sequence's cache, then the growth.
+        With ``self.graphs`` the whole call is one replay when a bucket holds it, else the growth alone is.
+        ``level_seconds[j]`` gains the wall time of level j + 1, level 1 with the catch-up (drafters/level_clock.py:
+        no wait for the device between levels; a replay's time is shared evenly among its levels, the catch-up
+        counting as one)."""
+        clock = LevelClock(self.target.runner.device)
+        ids = [v.seq_id for v in views]
+        rows = self._catch_up_rows(views)
+        past = self._cached(views)
+        if self.graphs is not None and all(i in self.kv for i in ids):
+            out = self.graphs.caught_up_pool(past, rows, depth)
+            if out is not None:
+                pool, new_k, new_v = out
+                self.kv.append(ids, new_k, new_v, rows.counts)
+                clock.mark()
+                pools = pool.tolist()  # the one read of the device
+                (seconds,) = clock.split()
+                level_seconds[:] = [seconds / (depth + 1)] * depth
+                level_seconds[0] *= 2
+                return pools
+        dev = self.target.runner.device
+        x = CatchUpInputs.upload(rows.hidden, rows.tokens, rows.positions, rows.counts)
+        h_root, new_k, new_v = catch_up(self.model, self.target.runner.embed, x, past.k, past.v, past.real)
+        self.kv.append(ids, new_k, new_v, rows.counts)
+        clock.mark()
+        past = self._cached(views)  # the roots' catch-up: a key each at least
+        pool = None if self.graphs is None else self.graphs.pool(past, h_root, depth)
+        if pool is not None:
+            clock.mark()
+            pools = pool.tolist()  # the one read of the device
+            seconds, growth = clock.split()
+            level_seconds[:] = [growth / depth] * depth
+        else:  # eager (no bucket fits, or a capture failed)
+            inputs = GrowInputs(h_root, past.k, past.v, past.real,
+                                to_device(past.root_positions, torch.long, dev),
+                                to_device(past.noise_keys, torch.long, dev))
+            pools = self.grower.pool(inputs, depth, lambda d: clock.mark()).tolist()  # the one read
+            seconds, *levels = clock.split()
+            level_seconds[:] = levels
+        level_seconds[0] += seconds
+        return pools
+
+    def _cached(self, views: Sequence[SequenceView]) -> CachedKeys:
+        """The sequences' cached keys / values in the slab, right-padded (None when none has a key yet)."""
+        ids = [v.seq_id for v in views]
+        k, v, real = self.kv.gather(ids)
+        return CachedKeys(k, v, real, self.kv.lengths(ids), [len(v.token_ids) - 1 for v in views],
+                          [v.noise_key for v in views])
+
+    def _catch_up_rows(self, views: Sequence[SequenceView]) -> CatchUpRows:
+        """Every sequence's newly committed (feature, next token) pairs, right-padded to the longest: the features
+        ``new_hidden`` at positions j < root and the tokens t_{j+1} at positions j + 1."""
+        model = self.model
         if model.eagle3 and views[0].new_hidden.shape[-1] != model.fc.in_features:
             raise InputError(f"eagle: this EAGLE-3 head reads target layers {list(model.config.feature_layers)}, but "
                              f"the engine passed final hidden states (an EAGLE-3 head cannot run inside the "
                              f"combined drafter)")
-        tokens, positions = [], []  # [B, L] each: t_{j+1} and j for the positions j < root, right-padded with 0
-        for v, k in zip(views, lengths):
+        counts = [v.new_hidden.shape[0] for v in views]
+        L = max(counts)
+        tokens, positions = [], []  # [B][L] each: t_{j+1} and j + 1 for the positions j < root, right-padded with 0
+        for v, k in zip(views, counts):
             root = len(v.token_ids) - 1
             tokens.append(list(v.token_ids[root - k + 1 : root + 1]) + [0] * (L - k))
             positions.append(list(range(root - k + 1, root + 1)) + [0] * (L - k))
-        hidden = self._padded_hidden(views, lengths, L)
-        past_k, past_v, real = self.kv.gather([v.seq_id for v in views])
-        mask = torch.cat([real[:, None].expand(B, L, real.shape[1]),
-                          torch.ones(L, L, dtype=torch.bool, device=dev).tril().expand(B, L, L)], dim=2)
-        embeds = F.embedding(to_device(tokens, torch.long, dev), runner.embed)
-        out, new_k, new_v = model(embeds, model.fuse(hidden.to(runner.dtype)), to_device(positions, torch.long, dev),
-                                  mask, past_k, past_v)
-        self.kv.append([v.seq_id for v in views], new_k, new_v, lengths)
-        return {i: out[b, k - 1] for b, ((i, _), k) in enumerate(zip(rows, lengths))}
+        hidden = self._padded_hidden(views, counts, L).to(self.target.runner.dtype)
+        return CatchUpRows(hidden, tokens, positions, counts)
 
     @staticmethod
     def _padded_hidden(views: Sequence[SequenceView], lengths: list[int], L: int) -> torch.Tensor:
@@ -213,36 +247,6 @@ class EagleDrafter(Drafter):
         hidden.view(-1, first.shape[-1])[to_device(rows, torch.long, first.device)] = torch.cat(
             [v.new_hidden for v in views])
         return hidden
-
-    def _grow(self, views: Sequence[SequenceView], h_root: torch.Tensor, max_depth: int, level_seconds: list[float],
-              clock: LevelClock) -> list[DraftTree]:
-        """The sequences' trees from their root features ``h_root`` [B, H]: the candidate pools grown on the device
-        (drafters/eagle_grow.py; replayed as a CUDA graph when ``self.graphs`` has a bucket), read by the host
-        once, reranked. ``level_seconds[j]`` gains the wall time of level j + 1, level 1 with the catch-up that
-        ``clock`` has marked (drafters/level_clock.py: no wait for the device between levels; a replayed growth's
-        time is shared evenly among its levels)."""
-        dev = self.target.runner.device
-        root_pos = [len(v.token_ids) - 1 for v in views]
-        keys = [v.noise_key for v in views]
-        pool = None
-        past_k, past_v, real = self.kv.gather([v.seq_id for v in views])  # the roots' catch-up: a key each at least
-        if self.graphs is not None:
-            pool = self.graphs.pool(past_k, past_v, self.kv.lengths([v.seq_id for v in views]), h_root, root_pos,
-                                    keys, max_depth)
-            if pool is not None:
-                clock.mark()
-                rows = pool.tolist()  # the one read of the device
-                catch_up, growth = clock.split()
-                level_seconds[:] = [growth / max_depth] * max_depth
-                level_seconds[0] += catch_up
-        if pool is None:  # eager (no bucket fits, or a capture failed)
-            inputs = GrowInputs(h_root, past_k, past_v, real, to_device(root_pos, torch.long, dev),
-                                to_device(keys, torch.long, dev))
-            rows = self.grower.pool(inputs, max_depth, lambda depth: clock.mark()).tolist()  # the one read
-            catch_up, *levels = clock.split()
-            level_seconds[:] = levels
-            level_seconds[0] += catch_up
-        return [self._rerank(tok, [int(p) for p in parent], cum, cond) for tok, parent, cum, cond in rows]
 
     def _rerank(self, tok, parent, cum, cond) -> DraftTree:
         """The max_nodes best candidates by cumulative log-probability, parents before children."""

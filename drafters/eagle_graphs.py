@@ -1,21 +1,25 @@
-"""EAGLE's tree growth at fixed shapes, replayed as CUDA graphs.
+"""A whole EAGLE drafting call (catch-up and tree growth) at fixed shapes, replayed as one CUDA graph.
 
-Eagerly, each level of the growth (drafters/eagle_grow.py) launches a few dozen small kernels, which on a GPU cost
-more host time than device time. :class:`EagleGraphs` pads a call to a *bucket*: its sequences to a batch size of
-``batch_sizes`` and their cached keys to a power of two (at least ``min_keys``). Per bucket it keeps static inputs
-(root features, cached keys / values, and per sequence its key count, root position and noise key); per bucket
-and depth a graph of the whole growth and its static pool. A call copies its inputs in, replays, and the host reads
-the pool once. Padded sequences see no cached key and padded key columns are masked, so each real sequence's pool
-is the eager growth's up to the rounding of differently shaped products (which can only change the tree, never
-the output: the verifier decides).
+Eagerly, the catch-up (drafters/eagle_catch_up.py) and each level of the growth (drafters/eagle_grow.py) launch a
+few dozen small kernels, which on a GPU cost more host time than device time. :class:`EagleGraphs` pads a call to
+a *bucket*: its sequences to a batch size of ``batch_sizes``, their cached keys to a power of two (at least
+``min_keys``) and their catch-up rows to one of ``catch_up_rows``. Per bucket it keeps static inputs (cached keys /
+values; per sequence its key count, root position and noise key; the catch-up's target rows, tokens, positions and
+row count, or the roots' features when the catch-up ran eagerly); per bucket and depth a graph of the whole call
+and its static outputs. A call copies its inputs in, replays, and the host reads the pool once. In the graph the
+catch-up's keys join the cached ones after each sequence's last (the columns the eager slab gives them). Padded
+sequences see no cached key and padded key columns and rows are masked, so each real sequence's pool is the eager
+call's up to the rounding of differently shaped products (which can only change the tree, never the output: the
+verifier decides).
 
-Without a GPU, ``capture=False`` runs the same padded static growth eagerly (the tests). The graphs bake in the
+Without a GPU, ``capture=False`` runs the same padded static call eagerly (the tests). The graphs bake in the
 sampling settings and the coupling seed: :func:`eagle_graphs` keeps one EagleGraphs per EAGLE model and such
 settings, reused by later generate() calls. A call that fits no bucket, or a capture that fails (logged once),
 runs eagerly.
 
     graphs = eagle_graphs(grower, capture=True)
-    pool = graphs.pool(past_k, past_v, key_counts, h_root, root_positions, noise_keys, depth)  # [B, 4, S] or None
+    pool = graphs.pool(past, h_root, depth)                    # growth only: [B, 4, S] or None
+    out = graphs.caught_up_pool(past, rows, depth)             # catch-up + growth: (pool, new_k, new_v) or None
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from specdec.drafters.eagle_catch_up import CatchUpInputs, catch_up
 from specdec.drafters.eagle_grow import GrowInputs, TreeGrower
 
 from specdec.host_copy import to_device
@@ -40,21 +45,53 @@ class EagleGraphConfig:
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     min_keys: int = 64  # the smallest cached-key bucket; the others are its powers-of-two multiples
     max_keys: int = 1 << 16
-    capture: bool = True  # False: run the padded static growth eagerly (CPU tests)
+    # catch-up rows per sequence (1 + the tokens a step accepted); a longer catch-up (a prompt's, or steps the
+    # guard decoded plainly) runs eagerly and only the growth is replayed
+    catch_up_rows: tuple[int, ...] = (8, 32)
+    capture: bool = True  # False: run the padded static call eagerly (CPU tests)
 
     def __post_init__(self) -> None:
-        sizes = self.batch_sizes
-        if not sizes or any(not isinstance(x, int) or x < 1 for x in sizes) or list(sizes) != sorted(set(sizes)):
-            raise ValueError(f"batch_sizes must be strictly increasing positive ints, got {sizes!r}")
+        for name in ("batch_sizes", "catch_up_rows"):
+            sizes = getattr(self, name)
+            if not sizes or any(not isinstance(x, int) or x < 1 for x in sizes) or list(sizes) != sorted(set(sizes)):
+                raise ValueError(f"{name} must be strictly increasing positive ints, got {sizes!r}")
         if not 1 <= self.min_keys <= self.max_keys:
             raise ValueError(f"need 1 <= min_keys <= max_keys, got {self.min_keys}, {self.max_keys}")
 
 
+@dataclass(frozen=True)
+class CachedKeys:
+    """The sequences' cached keys / values ([B, kv_heads, P, head_dim] each, right-padded: sequence b's first
+    ``counts[b]`` columns are its own, as ``real`` [B, P] says; None when P is 0), their root positions and noise
+    keys: what every call reads."""
+
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    real: torch.Tensor
+    counts: Sequence[int]
+    root_positions: Sequence[int]
+    noise_keys: Sequence[int]
+
+
+@dataclass(frozen=True)
+class CatchUpRows:
+    """A call's catch-up on the host side: target rows [B, L, F] on the device, right-padded host lists."""
+
+    hidden: torch.Tensor
+    tokens: Sequence[Sequence[int]]  # [B][L]
+    positions: Sequence[Sequence[int]]  # [B][L]
+    counts: Sequence[int]  # [B] real rows (>= 1)
+
+
 @dataclass
 class _Bucket:
-    inputs: GrowInputs  # static; real is computed in the growth from ``meta``
-    meta: torch.Tensor  # [3, batch] int64: key count, root position, noise key per sequence
-    pools: dict[int, torch.Tensor] = field(default_factory=dict)  # depth -> static [batch, 4, S] output
+    inputs: GrowInputs  # static; ``real`` and (with a catch-up) ``h_root`` are computed in the call
+    # [batch, 3 + (2 R + 1 with a catch-up of R rows)] int64: per sequence its key count, root position and noise
+    # key, then the catch-up's tokens, positions and row count
+    meta: torch.Tensor
+    catch: CatchUpInputs | None  # static (views of ``meta`` and a hidden buffer); None: the bucket only grows
+    # depth -> static outputs: pool [batch, 4, S], and with a catch-up its keys / values [batch, kv_heads, R, head_dim]
+    outputs: dict[int, tuple] = field(default_factory=dict)
     graphs: dict[int, object] = field(default_factory=dict)  # depth -> torch.cuda.CUDAGraph
 
 
@@ -63,34 +100,116 @@ class EagleGraphs:
 
     def __init__(self, grower: TreeGrower, config: EagleGraphConfig = EagleGraphConfig()) -> None:
         self.grower, self.config = grower, config
-        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.buckets: dict[tuple[int, int, int], _Bucket] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if config.capture else None
         self.failed = False  # a capture failed: every later call runs eagerly
         self.replays = 0
 
-    def bucket_for(self, num_seqs: int, num_keys: int) -> tuple[int, int] | None:
-        """The smallest (batch, keys) bucket holding the call, None when none does."""
+    def bucket_for(self, num_seqs: int, num_keys: int, rows: int = 0) -> tuple[int, int, int] | None:
+        """The smallest (batch, keys, catch-up rows) bucket holding the call (``rows`` 0: growth only; the keys
+        then include the catch-up's), None when none does."""
         b = bisect.bisect_left(self.config.batch_sizes, num_seqs)
-        keys = self.config.min_keys
-        while keys < num_keys:
-            keys *= 2
-        if b == len(self.config.batch_sizes) or keys > self.config.max_keys:
+        r = bisect.bisect_left(self.config.catch_up_rows, rows) if rows else -1
+        if b == len(self.config.batch_sizes) or r == len(self.config.catch_up_rows):
             return None
-        return self.config.batch_sizes[b], keys
+        rows = self.config.catch_up_rows[r] if rows else 0
+        keys = self.config.min_keys
+        while keys < num_keys + rows:
+            keys *= 2
+        if keys > self.config.max_keys:
+            return None
+        return self.config.batch_sizes[b], keys, rows
 
-    def pool(self, past_k: torch.Tensor, past_v: torch.Tensor, key_counts: Sequence[int], h_root: torch.Tensor,
-             root_positions: Sequence[int], noise_keys: Sequence[int], depth: int) -> torch.Tensor | None:
-        """The sequences' pools ([B, 4, S], a view of a static output valid until the next call) from their cached
-        keys / values ([B, kv_heads, P, head_dim] each, right-padded; sequence b's first ``key_counts[b]`` columns
-        are real), root features [B, H], root positions and noise keys; None when the call fits no bucket or
-        capture failed (the caller grows eagerly)."""
-        key = None if self.failed else self.bucket_for(len(key_counts), past_k.shape[2])
+    def pool(self, past: CachedKeys, h_root: torch.Tensor, depth: int) -> torch.Tensor | None:
+        """The sequences' pools ([B, 4, S], a view of a static output valid until the next call) grown from their
+        root features ``h_root`` [B, H]; None when the call fits no bucket or capture failed (the caller grows
+        eagerly)."""
+        key = None if self.failed else self.bucket_for(len(past.counts), past.k.shape[2])
         if key is None:
             return None
-        bucket = self.buckets.get(key) or self._new_bucket(*key, past_k, h_root)
-        self._load(bucket, past_k, past_v, key_counts, h_root, root_positions, noise_keys)
+        bucket = self.buckets.get(key) or self._new_bucket(key, past.k, h_root.shape[-1], None)
+        self._load(bucket, past)
+        B = h_root.shape[0]
+        bucket.inputs.h_root[:B].copy_(h_root)
+        bucket.inputs.h_root[B:].zero_()
+        out = self._call(bucket, depth)
+        return None if out is None else out[0][:B]
+
+    def caught_up_pool(self, past: CachedKeys, rows: CatchUpRows, depth: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The catch-up and the growth in one call: (pools [B, 4, S], the catch-up's keys and values
+        [B, kv_heads, R, head_dim], sequence b's first ``rows.counts[b]`` columns its own), views of static outputs
+        valid until the next call, which the caller adds to its cache; None when the call fits no bucket or capture
+        failed (the caller catches up and grows eagerly)."""
+        B, L = len(past.counts), rows.hidden.shape[1]
+        key = None if self.failed else self.bucket_for(B, past.k.shape[2], L)
+        if key is None:
+            return None
+        bucket = self.buckets.get(key) or self._new_bucket(key, past.k, self.grower.model.config.hidden_size,
+                                                           rows.hidden)
+        self._load(bucket, past, rows)
+        bucket.catch.hidden[:B, :L].copy_(rows.hidden)  # rows past a sequence's own are masked (module doc)
+        out = self._call(bucket, depth)
+        return None if out is None else tuple(t[:B] for t in out)
+
+    # ---- internals ----------------------------------------------------------------------
+    def _new_bucket(self, key: tuple[int, int, int], like_k: torch.Tensor, hidden_size: int,
+                    like_rows: torch.Tensor | None) -> _Bucket:
+        batch, keys, rows = key
+        _, kv_heads, _, head_dim = like_k.shape
+        dev = like_k.device
+        past_k = like_k.new_zeros(batch, kv_heads, keys, head_dim)
+        meta = torch.zeros(batch, 3 + (2 * rows + 1 if rows else 0), dtype=torch.long, device=dev)
+        inputs = GrowInputs(h_root=like_k.new_zeros(batch, hidden_size), past_k=past_k,
+                            past_v=torch.zeros_like(past_k), real=torch.zeros(batch, keys, dtype=torch.bool,
+                                                                              device=dev),
+                            root_pos=meta[:, 1], noise_keys=meta[:, 2])
+        catch = None
+        if rows:
+            catch = CatchUpInputs(like_rows.new_zeros(batch, rows, like_rows.shape[-1]), meta[:, 3 : 3 + rows],
+                                  meta[:, 3 + rows : 3 + 2 * rows], meta[:, 3 + 2 * rows])
+        bucket = self.buckets[key] = _Bucket(inputs, meta, catch)
+        return bucket
+
+    def _load(self, bucket: _Bucket, past: CachedKeys, rows: CatchUpRows | None = None) -> None:
+        x, (B, _, P, _) = bucket.inputs, past.k.shape
+        x.past_k[:B, :, :P].copy_(past.k)  # columns past a sequence's keys (stale, finite) are masked
+        x.past_v[:B, :, :P].copy_(past.v)
+        meta = torch.zeros(bucket.meta.shape, dtype=torch.long)  # padded sequences: no keys or rows, position 0
+        meta[:B, 0] = torch.tensor(list(past.counts))
+        meta[:B, 1] = torch.tensor(list(past.root_positions))
+        meta[:B, 2] = torch.tensor(list(past.noise_keys))
+        if rows is not None:
+            R, L = bucket.catch.tokens.shape[1], len(rows.tokens[0])
+            meta[:B, 3 : 3 + L] = torch.tensor([list(t) for t in rows.tokens])
+            meta[:B, 3 + R : 3 + R + L] = torch.tensor([list(p) for p in rows.positions])
+            meta[:B, 3 + 2 * R] = torch.tensor(list(rows.counts))
+        bucket.meta.copy_(to_device(meta, torch.long, bucket.meta.device))  # a device-to-device copy: no sync
+
+    def _run(self, bucket: _Bucket, depth: int) -> tuple:
+        """The padded call on the bucket's static tensors: what is captured, and run eagerly without capture."""
+        x, meta, c = bucket.inputs, bucket.meta, bucket.catch
+        batch, keys = x.real.shape
+        columns = torch.arange(keys, device=x.real.device)
+        torch.lt(columns[None], meta[:, :1], out=x.real)  # the cached key columns, on the device
+        if c is None:
+            return self.grower.pool(x, depth), None, None
+        h_root, new_k, new_v = catch_up(self.grower.model, self.grower.embed, c, x.past_k, x.past_v, x.real)
+        x.h_root.copy_(h_root)
+        # the catch-up's keys join each sequence's cached ones after its last: columns count .. count + R - 1
+        rows = c.tokens.shape[1]
+        cols = meta[:, :1] + torch.arange(rows, device=columns.device)[None]  # [batch, R]
+        seqs = torch.arange(batch, device=columns.device)[:, None].expand(batch, rows)
+        x.past_k[seqs, :, cols] = new_k.transpose(1, 2)
+        x.past_v[seqs, :, cols] = new_v.transpose(1, 2)
+        torch.lt(columns[None], (meta[:, 0] + c.counts)[:, None], out=x.real)
+        return self.grower.pool(x, depth), new_k, new_v
+
+    def _call(self, bucket: _Bucket, depth: int) -> tuple | None:
+        """Run the loaded bucket at ``depth`` (capturing its graph the first time) -> its static outputs, or None
+        when a capture failed."""
         if not self.config.capture:
-            bucket.pools[depth] = self._grow(bucket, depth)
+            bucket.outputs[depth] = self._run(bucket, depth)
         elif depth not in bucket.graphs:
             try:
                 self._capture(bucket, depth)
@@ -102,55 +221,26 @@ class EagleGraphs:
         else:
             bucket.graphs[depth].replay()
         self.replays += 1
-        return bucket.pools[depth][: len(key_counts)]
-
-    # ---- internals ----------------------------------------------------------------------
-    def _new_bucket(self, batch: int, keys: int, like_k: torch.Tensor, like_h: torch.Tensor) -> _Bucket:
-        _, kv_heads, _, head_dim = like_k.shape
-        dev = like_k.device
-        past_k = like_k.new_zeros(batch, kv_heads, keys, head_dim)
-        meta = torch.zeros(3, batch, dtype=torch.long, device=dev)
-        inputs = GrowInputs(h_root=like_h.new_zeros(batch, like_h.shape[-1]), past_k=past_k,
-                            past_v=torch.zeros_like(past_k), real=torch.zeros(batch, keys, dtype=torch.bool,
-                                                                              device=dev),
-                            root_pos=meta[1], noise_keys=meta[2])
-        bucket = self.buckets[batch, keys] = _Bucket(inputs, meta)
-        return bucket
-
-    def _load(self, bucket: _Bucket, past_k, past_v, key_counts, h_root: torch.Tensor, root_positions,
-              noise_keys) -> None:
-        x, (B, _, P, _) = bucket.inputs, past_k.shape
-        x.h_root[:B].copy_(h_root)
-        x.h_root[B:].zero_()
-        x.past_k[:B, :, :P].copy_(past_k)  # columns past a sequence's keys (stale, finite) are masked
-        x.past_v[:B, :, :P].copy_(past_v)
-        meta = torch.zeros(3, bucket.meta.shape[1], dtype=torch.long)  # padded sequences: no keys, position 0
-        meta[0, :B] = torch.tensor(list(key_counts))
-        meta[1, :B] = torch.tensor(list(root_positions))
-        meta[2, :B] = torch.tensor(list(noise_keys))
-        bucket.meta.copy_(to_device(meta, torch.long, bucket.meta.device))  # a device-to-device copy: no sync
-
-    def _grow(self, bucket: _Bucket, depth: int) -> torch.Tensor:
-        x = bucket.inputs
-        columns = torch.arange(x.real.shape[1], device=x.real.device)
-        torch.lt(columns[None], bucket.meta[0][:, None], out=x.real)  # the real key columns, on the device
-        return self.grower.pool(x, depth)
+        return bucket.outputs[depth]
 
     def _capture(self, bucket: _Bucket, depth: int) -> None:
-        # warm-up on a side stream, as torch.cuda.graph asks; it grows the loaded call for real, and so does the
-        # capture's first replay, whose pool the caller reads
+        # warm-up on a side stream, as torch.cuda.graph asks: it runs the loaded call for real, but the capture's
+        # first replay runs it again from the inputs (the warm-up's catch-up keys land in masked columns) and
+        # its outputs are what the caller reads
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._grow(bucket, depth)
+            self._run(bucket, depth)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            bucket.pools[depth] = self._grow(bucket, depth)
+            bucket.outputs[depth] = self._run(bucket, depth)
         graph.replay()
         bucket.graphs[depth] = graph
-        batch, keys = bucket.meta.shape[1], bucket.inputs.past_k.shape[2]
-        logger.info("eagle: captured a CUDA graph for %d sequences x %d cached keys, depth %d", batch, keys, depth)
+        batch, keys, rows = bucket.meta.shape[0], bucket.inputs.past_k.shape[2], 0 if bucket.catch is None else (
+            bucket.catch.tokens.shape[1])
+        logger.info("eagle: captured a CUDA graph for %d sequences x %d cached keys, %s, depth %d", batch, keys,
+                    f"{rows} catch-up rows" if rows else "no catch-up", depth)
 
 
 def eagle_graphs(grower: TreeGrower, capture: bool) -> EagleGraphs:

@@ -86,6 +86,21 @@ def test_greedy_output_is_the_targets_batched_and_single(vocab, before):
         assert set(torch.cat([t.tokens for t in trees]).tolist()) <= set(vocab)
 
 
+def test_graph_buckets_draft_the_eager_trees_with_fused_features():
+    """EAGLE-3 through the padded static call that CUDA graphs replay (uncaptured here): the catch-up fuses the
+    three feature layers inside the call, over a reduced vocabulary, and every tree is the eager call's."""
+    model = build_tiny_model()
+    head = eagle3_head(model, tuple(range(0, 96, 2)), depth=3, top_k=3, max_nodes=8)
+    prompts = ragged_prompts(3, seed=4, max_len=30)
+    trees = {}
+    for graphs in (False, True):
+        drafter = Recorder(model=head, adapt_depth=False, cuda_graphs=graphs)
+        out = generate(model, prompts, max_new_tokens=20, drafter=drafter, speculation="always")
+        trees[graphs] = out, [(t.tokens.tolist(), t.parents.tolist()) for t in drafter.trees]
+    assert trees[True] == trees[False] and len(trees[True][1]) > 6
+    assert any(key[2] for key in drafter.graphs.buckets)  # a catch-up ran inside the call
+
+
 def test_the_head_cannot_silently_read_final_hidden_states():
     """Inside the combined drafter the engine passes final-norm states: refused in one line, not drafted from."""
     model = build_tiny_model()

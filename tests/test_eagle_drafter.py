@@ -95,9 +95,10 @@ def test_batched_drafting_proposes_the_trees_each_sequence_gets_alone(sampling):
 @pytest.mark.parametrize("sampling", [{}, dict(do_sample=True, temperature=0.8, seed=3, sampler="coupled")],
                          ids=["greedy", "coupled"])
 def test_graph_buckets_grow_the_trees_the_eager_growth_does(device, sampling):
-    """The padded static growth that CUDA graphs replay (on the CPU uncaptured, cuda_graphs=True) proposes the
-    eager growth's trees: 3 sequences padded to a batch of 4, cached keys padded to 64 and then 128. Its graphs are
-    kept on the EAGLE model for the same settings, and a call outside every bucket grows eagerly."""
+    """The padded static call that CUDA graphs replay (on the CPU uncaptured, cuda_graphs=True), catch-up and
+    growth, proposes the eager call's trees: 3 sequences padded to a batch of 4, cached keys padded to 64 and then
+    128, catch-ups to 8 rows, their keys written into the bucket and then the drafter's cache. Its graphs are kept
+    on the EAGLE model for the same settings, and a call outside every bucket runs eagerly."""
     model = build_tiny_model().to(device)
     eagle = _eagle(model, depth=4, top_k=3, max_nodes=10)
     prompts = ragged_prompts(3, seed=0, max_len=60)  # 1, 48 and 56 tokens
@@ -115,7 +116,8 @@ def test_graph_buckets_grow_the_trees_the_eager_growth_does(device, sampling):
     # the CPU pads without changing a bit; a GPU's products of other shapes may round a rare near-tie otherwise
     assert all(same) if device == "cpu" else sum(same) >= 0.9 * len(same)
     graphs = static.graphs
-    assert {(4, 64), (4, 128)} <= set(graphs.buckets) and graphs.replays > len(eager.seen) // 3
+    # the first calls catch up on prompts eagerly and replay the growth; later ones replay the catch-up too
+    assert {(4, 64, 0), (4, 128, 8)} <= set(graphs.buckets) and graphs.replays > len(eager.seen) // 3
     assert graphs.config.capture == (device == "cuda")
     again = EagleDrafter(model=eagle, adapt_depth=False, cuda_graphs=True)
     generate(model, prompts[:2], drafter=again, **kw)
@@ -123,8 +125,9 @@ def test_graph_buckets_grow_the_trees_the_eager_growth_does(device, sampling):
     other = EagleDrafter(model=eagle, adapt_depth=False, cuda_graphs=True, top_k=2)
     generate(model, prompts[:2], drafter=other, **kw)
     assert other.graphs is not graphs
-    assert graphs.bucket_for(3, 65) == (4, 128)
+    assert graphs.bucket_for(3, 65) == (4, 128, 0) and graphs.bucket_for(3, 57, 5) == (4, 128, 8)
     assert graphs.bucket_for(33, 10) is None and graphs.bucket_for(1, graphs.config.max_keys + 1) is None
+    assert graphs.bucket_for(1, 10, 33) is None  # a catch-up longer than every bucket
 
 
 def test_stats_record_the_nodes_each_step_verified():

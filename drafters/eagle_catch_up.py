@@ -1,0 +1,47 @@
+"""EAGLE's catch-up on the device: the draft layer over each sequence's newly committed (feature, next token) pairs.
+
+A function of tensors only, with no host read and no shape that depends on values, so the eager drafter and the
+CUDA-graph replay of a whole drafting call (drafters/eagle_graphs.py) run the same code. Sequences are right-padded
+to ``L`` rows; row j of a sequence attends to its real cached keys and to rows 0..j (causal), so a padded row is
+seen by no real row and the real rows' outputs do not depend on the padding. The last real row predicts the
+root's feature, from which the tree grows (drafters/eagle_grow.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from specdec.host_copy import to_device
+
+
+@dataclass(frozen=True)
+class CatchUpInputs:
+    hidden: torch.Tensor  # [B, L, F] target rows (final-norm states, or EAGLE-3's feature layers), right-padded
+    tokens: torch.Tensor  # [B, L] int64: the token after each row's position, right-padded with 0
+    positions: torch.Tensor  # [B, L] int64: those tokens' positions, right-padded with 0
+    counts: torch.Tensor  # [B] int64: real rows per sequence (0: a padded sequence)
+
+    @classmethod
+    def upload(cls, hidden: torch.Tensor, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]],
+               counts: Sequence[int]) -> "CatchUpInputs":
+        """From right-padded host lists ([B][L] each) and ``hidden`` on the device: one copy to the device."""
+        L = hidden.shape[1]
+        packed = to_device([list(t) + list(p) + [c] for t, p, c in zip(tokens, positions, counts)], torch.long,
+                           hidden.device)  # [B, 2L + 1]
+        return cls(hidden, packed[:, :L], packed[:, L:2 * L], packed[:, 2 * L])
+
+
+def catch_up(model, embed: torch.Tensor, x: CatchUpInputs, past_k: torch.Tensor | None,
+             past_v: torch.Tensor | None, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> the roots' predicted features [B, H] and the rows' keys / values [B, kv_heads, L, head_dim] each.
+    ``past_k`` / ``past_v`` [B, kv_heads, P, head_dim] (None when P is 0) are the cached keys, ``real`` [B, P] which
+    of their columns are a sequence's own."""
+    B, L = x.tokens.shape
+    causal = torch.ones(L, L, dtype=torch.bool, device=x.tokens.device).tril().expand(B, L, L)
+    mask = torch.cat([real[:, None].expand(B, L, real.shape[1]), causal], dim=2)  # [B, L, P + L]
+    out, new_k, new_v = model(F.embedding(x.tokens, embed), model.fuse(x.hidden), x.positions, mask, past_k, past_v)
+    last = (x.counts - 1).clamp(min=0)  # a padded sequence reads its row 0
+    return out.gather(1, last[:, None, None].expand(B, 1, out.shape[-1]))[:, 0], new_k, new_v
