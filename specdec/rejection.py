@@ -17,7 +17,8 @@ is the limit case: the child equal to the target's argmax is accepted.
 Coupled sampling (:mod:`specdec.coupling`) replaces the random acceptance by the deterministic walk of
 :func:`follow_choices` over the target's Gumbel-max tokens, as greedy decoding does with its argmax.
 
-The walk is vectorised over the batch (loops run over depth and sibling rank only). The law
+The walk is vectorised over the batch (loops run over depth and sibling rank only); on a GPU it
+never reads the device before its result (:func:`_walk`). The law
 itself lives in :class:`AcceptanceRule`, shared with the exact-law enumerator
 (``specdec.eval.exact_law``) so that deliberately broken rules can be shown to fail. Under that
 exact rule, batches of deterministic trees (EAGLE, n-gram, Medusa) take a shortcut with the same law
@@ -152,7 +153,7 @@ class _PaddedTrees:
 def _tree_tables(trees: Sequence[DraftTree], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens [B, N] (0-padded) and children [B, N + 1, W] (child node ids in order, -1 padded; row 0 = the root),
     assembled on the CPU (trees are small host records), then moved to ``device`` in one copy each."""
-    b, n = len(trees), max(t.num_nodes for t in trees)
+    b, n = len(trees), max(1, max(t.num_nodes for t in trees))  # a column at least: the walk indexes it
     w = max((len(k) for t in trees for k in t.children), default=0)
     tokens = torch.zeros(b, n, dtype=torch.long, device="cpu")
     children = torch.full((b, n + 1, max(w, 1)), -1, dtype=torch.long, device="cpu")
@@ -163,19 +164,30 @@ def _tree_tables(trees: Sequence[DraftTree], device: torch.device) -> tuple[torc
     return to_device(tokens, torch.long, device), to_device(children, torch.long, device)
 
 
-# One node's children, tried for every walking row: (idx [L] batch rows, cur [L] their nodes, target [L, V] the
-# target's probabilities there) -> (accepted [L] child node or -1, leaf [L], final(done) [D, V] the distribution
-# the bonus / recovered token of the finished rows ``done`` [L] is drawn from)
-TryChildren = Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
-                       tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]
+# One node's children, tried for every row of the batch: (cur [B] each row's node, target [B, V] the target's
+# probabilities there, live [B] the rows still walking, uniforms [W, B] one per sibling rank) -> (accepted [B] child
+# node or -1, leaf [B], final(rows) [R, V] the distribution the bonus / recovered token of rows that end here is drawn
+# from, for ``rows`` [R] or None = every row). Rows that are not live may compute anything: the walk masks them.
+Final = Callable[[torch.Tensor | None], torch.Tensor]
+TryChildren = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                       tuple[torch.Tensor, torch.Tensor, Final]]
 
 
 def _walk(trees: Sequence[DraftTree], target_logits: torch.Tensor, sampling: SamplingConfig,
-          generator: torch.Generator | None, try_children: TryChildren) -> list[Acceptance]:
+          generator: torch.Generator | None, try_children: TryChildren, width: int,
+          stop_early: bool | None = None) -> list[Acceptance]:
     """From the root down, batched: at each node ``try_children`` accepts one child or none; a row ends at a leaf
-    (bonus token) or where every child was rejected (recovered token)."""
+    (bonus token) or where every child was rejected (recovered token).
+
+    No shape depends on a value, so the device is never read during the walk: every row runs every level, the
+    rows that have ended masked, and every uniform of the walk is drawn up front (per level, one per row for the
+    final draw, then ``width`` per row for the siblings). The host reads the result once. ``stop_early`` (default:
+    off the GPU, where a read is free) stops the levels and sibling ranks once no row walks on; the tokens are the
+    same, as only ended rows would have used the skipped levels' uniforms, and it computes the target's probabilities
+    of the walking rows alone, and draws for the rows that end."""
     # every tensor of the walk lives on the logits' device (the generator too: rejection_sample checks)
     bsz, device = len(trees), target_logits.device
+    stop_early = device.type != "cuda" if stop_early is None else stop_early
     rows = torch.arange(bsz, device=device)
     node = torch.full((bsz,), -1, dtype=torch.long, device=device)  # current node (-1 = root)
     live = torch.ones(bsz, dtype=torch.bool, device=device)  # still walking
@@ -185,26 +197,42 @@ def _walk(trees: Sequence[DraftTree], target_logits: torch.Tensor, sampling: Sam
     path = torch.full((bsz, depth + 1), -1, dtype=torch.long, device=device)  # accepted node per depth
     path_len = torch.zeros(bsz, dtype=torch.long, device=device)
     tried_depths = torch.zeros(bsz, dtype=torch.long, device=device)
-    while bool(live.any()):
-        idx = rows[live]
-        cur = node[idx]
-        target = logits_to_probs(target_logits[idx, cur + 1].to(torch.float64), sampling)  # [L, V]
-        accepted, leaf, final = try_children(idx, cur, target)
-        done = leaf | (accepted < 0)
-        if bool(done.any()):
-            next_token[idx[done]] = sample(final(done), generator)
-            is_bonus[idx[done]] = leaf[done]
-        tried_depths[idx] += (~leaf).long()
-        go = idx[~done]
-        path[go, path_len[go]] = accepted[~done]
-        path_len[go] += 1
-        node[idx] = torch.where(done, cur, accepted)
-        live[idx[done]] = False
-    path, path_len = path.tolist(), path_len.tolist()  # one copy to the host for the whole batch
-    next_token, is_bonus, tried_depths = next_token.tolist(), is_bonus.tolist(), tried_depths.tolist()
-    return [
-        _finish(t, path[b][: path_len[b]], next_token[b], is_bonus[b], tried_depths[b]) for b, t in enumerate(trees)
-    ]
+    final_u = torch.rand(depth + 1, bsz, generator=generator, dtype=torch.float64, device=device)
+    sibling_u = torch.rand(depth + 1, width, bsz, generator=generator, dtype=torch.float64, device=device)
+    for level in range(depth + 1):  # a row at level l stands on a node of depth l: a leaf by l = depth
+        if stop_early and not bool(live.any()):
+            break
+        target = _target_probs(target_logits, node, live if stop_early else None, sampling)  # [B, V]
+        accepted, leaf, final = try_children(node, target, live, sibling_u[level])
+        done = live & (leaf | (accepted < 0))
+        if stop_early:  # the rows that end here alone
+            idx = done.nonzero()[:, 0]
+            next_token[idx] = sample(final(idx), uniforms=final_u[level, idx])
+        else:
+            next_token = torch.where(done, sample(final(None), uniforms=final_u[level]), next_token)
+        is_bonus = torch.where(done, leaf, is_bonus)
+        tried_depths += (live & ~leaf).long()
+        go = live & ~done
+        path[rows, path_len] = torch.where(go, accepted, path[rows, path_len])
+        path_len += go.long()
+        node = torch.where(go, accepted, node)
+        live = go
+    # one copy to the host for the whole batch
+    out = torch.cat([path, torch.stack([path_len, next_token, is_bonus.long(), tried_depths], 1)], 1).tolist()
+    return [_finish(t, row[: row[depth + 1]], row[depth + 2], bool(row[depth + 3]), row[depth + 4])
+            for t, row in zip(trees, out)]
+
+
+def _target_probs(target_logits: torch.Tensor, node: torch.Tensor, only: torch.Tensor | None,
+                  sampling: SamplingConfig) -> torch.Tensor:
+    """[B, V] float64 target probabilities at each row's node; with ``only`` [B] bool (off the GPU, where finding
+    the rows is free) of those rows alone, the others zero."""
+    if only is None or bool(only.all()):
+        return logits_to_probs(target_logits[torch.arange(len(node), device=node.device), node + 1].to(torch.float64),
+                               sampling)
+    idx = only.nonzero()[:, 0]
+    out = torch.zeros(len(node), target_logits.shape[-1], dtype=torch.float64, device=node.device)
+    return out.index_copy_(0, idx, logits_to_probs(target_logits[idx, node[idx] + 1].to(torch.float64), sampling))
 
 
 def _stochastic(
@@ -213,89 +241,93 @@ def _stochastic(
     sampling: SamplingConfig,
     generator: torch.Generator | None,
     rule: AcceptanceRule,
+    stop_early: bool | None = None,
 ) -> list[Acceptance]:
     """The walk of any tree under any rule, on vocabulary-wide residuals."""
     vocab, device, dtype = target_logits.shape[-1], target_logits.device, torch.float64
+    stop_early = device.type != "cuda" if stop_early is None else stop_early
     pt = _PaddedTrees.build(trees, vocab, dtype, device)
+    rows = torch.arange(len(trees), device=device)
 
-    def try_children(idx, cur, target):
-        kids = pt.children[idx, cur + 1]  # [L, W]
+    def try_children(cur, target, live, uniforms):
+        kids = pt.children[rows, cur + 1]  # [B, W]
         leaf = kids[:, 0] < 0
         has_own = cur >= 0
-        own = pt.draft_probs[idx, cur.clamp(min=0)] if pt.draft_probs.shape[1] else target
+        own = pt.draft_probs[rows, cur.clamp(min=0)] if pt.draft_probs.shape[1] else target
         residual = target
         tried = torch.zeros_like(target, dtype=torch.bool)
         accepted = torch.full_like(cur, -1)
         for k in range(kids.shape[1]):
             child = kids[:, k]
-            trying = (child >= 0) & (accepted < 0)
-            if not bool(trying.any()):
+            trying = live & (child >= 0) & (accepted < 0)
+            if stop_early and not bool(trying.any()):
                 break
             c = child.clamp(min=0)
-            tok = pt.tokens[idx, c]
-            draft = rule.sibling_draft(pt.draft_probs[idx, c], tried, pt.without_replacement[idx])
-            det = pt.deterministic[idx]
-            u = torch.rand(len(idx), generator=generator, dtype=dtype, device=device)
-            take = trying & (u < rule.accept_prob(residual, draft, tok, det))
+            tok = pt.tokens[rows, c]
+            draft = rule.sibling_draft(pt.draft_probs[rows, c], tried, pt.without_replacement)
+            det = pt.deterministic
+            take = trying & (uniforms[k] < rule.accept_prob(residual, draft, tok, det))
             accepted = torch.where(take, child, accepted)
             reject = trying & ~take
             residual = torch.where(reject[:, None], rule.after_reject(residual, draft, tok, det), residual)
-            tried = tried | (reject[:, None] & torch.nn.functional.one_hot(tok, vocab).bool())
-        # leaves draw the bonus token, nodes whose children were all rejected the recovered token
-        final = torch.where(leaf[:, None], rule.bonus_dist(target, own, has_own), rule.recovered_dist(residual, target))
-        return accepted, leaf, lambda done: final[done]
+            tried = tried.scatter(1, tok[:, None], tried.gather(1, tok[:, None]) | reject[:, None])  # no read
+        def final(idx):  # leaves draw the bonus token, nodes whose children were all rejected the recovered token
+            at = slice(None) if idx is None else idx
+            return torch.where(leaf[at, None], rule.bonus_dist(target[at], own[at], has_own[at]),
+                               rule.recovered_dist(residual[at], target[at]))
 
-    return _walk(trees, target_logits, sampling, generator, try_children)
+        return accepted, leaf, final
+
+    return _walk(trees, target_logits, sampling, generator, try_children, pt.children.shape[2], stop_early)
 
 
 def _deterministic(trees: Sequence[DraftTree], target_logits: torch.Tensor, sampling: SamplingConfig,
-                   generator: torch.Generator | None) -> list[Acceptance]:
+                   generator: torch.Generator | None, stop_early: bool | None = None) -> list[Acceptance]:
     """The exact rule's walk for trees whose candidates were picked without sampling (EAGLE, n-gram, Medusa), on
     the target's probabilities gathered at the child tokens instead of vocabulary-wide residuals.
 
     It is the same law: after rejecting candidates of target probabilities ``p_1..p_k``, the residual is
     ``target_probs`` with them zeroed, so candidate ``k + 1`` is accepted with ``p_{k+1} / (1 - p_1 - .. - p_k)``
-    (0 for a token already zeroed), and the recovered token is drawn from the zeroed row. The uniforms are drawn
-    in the walk's order, so the tokens are the walk's up to float64 rounding; a rejection that would leave no
-    mass keeps the row as it was, as the walk's ``_normalise`` does. Per visited depth this does one
-    vocabulary-wide softmax and, where a row ends, one draw: the walk did ~8 vocabulary-wide float64 operations
-    per candidate tried."""
+    (0 for a token already zeroed), and the recovered token is drawn from the zeroed row. It uses the walk's
+    uniforms, so the tokens are the walk's up to float64 rounding; a rejection that would leave no mass keeps the
+    row as it was, as the walk's ``_normalise`` does. Per level this does one vocabulary-wide softmax and one
+    draw: the walk did ~8 vocabulary-wide float64 operations per candidate tried."""
     device, dtype = target_logits.device, torch.float64
+    stop_early = device.type != "cuda" if stop_early is None else stop_early
     tokens, kid_nodes = _tree_tables(trees, device)  # kid_nodes [B, N + 1, W]: the k-th child of row r, -1 = none
     w = kid_nodes.shape[2]
     picked = tokens.gather(1, kid_nodes.clamp(min=0).flatten(1)).view_as(kid_nodes)
     kid_tokens = torch.where(kid_nodes >= 0, picked, -1)  # [B, N + 1, W] their tokens, -1 = none
+    rows = torch.arange(len(trees), device=device)
 
-    def try_children(idx, cur, target):
-        kids, toks = kid_nodes[idx, cur + 1], kid_tokens[idx, cur + 1]  # [L, W]
+    def try_children(cur, target, live, uniforms):
+        kids, toks = kid_nodes[rows, cur + 1], kid_tokens[rows, cur + 1]  # [B, W]
         leaf = kids[:, 0] < 0
-        p_kid = torch.where(kids < 0, 0.0, target.gather(1, toks.clamp(min=0)))  # [L, W]
-        left = torch.ones(len(idx), dtype=dtype, device=device)  # [L] mass of the residual before normalising
-        zeroed = torch.zeros(len(idx), w, dtype=torch.bool, device=device)  # [L, W] candidates zeroed in it
+        p_kid = torch.where(kids < 0, 0.0, target.gather(1, toks.clamp(min=0)))  # [B, W]
+        left = torch.ones(len(cur), dtype=dtype, device=device)  # [B] mass of the residual before normalising
+        zeroed = torch.zeros(len(cur), w, dtype=torch.bool, device=device)  # [B, W] candidates zeroed in it
         accepted = torch.full_like(cur, -1)
         for k in range(w):
-            trying = (kids[:, k] >= 0) & (accepted < 0)
-            if not bool(trying.any()):
+            trying = live & (kids[:, k] >= 0) & (accepted < 0)
+            if stop_early and not bool(trying.any()):
                 break
-            u = torch.rand(len(idx), generator=generator, dtype=dtype, device=device)
-            gone = (zeroed & (toks == toks[:, k : k + 1])).any(-1)  # [L] an earlier sibling's token, zeroed
+            gone = (zeroed & (toks == toks[:, k : k + 1])).any(-1)  # [B] an earlier sibling's token, zeroed
             p = torch.where(gone, 0.0, p_kid[:, k])
-            take = trying & (u < p / left)
+            take = trying & (uniforms[k] < p / left)
             accepted = torch.where(take, kids[:, k], accepted)
             removed = trying & ~take & (left - p > 1e-12 * left)  # else the residual stays as it was
             left = torch.where(removed, left - p, left)
             zeroed[:, k] = removed
-
-        def final(done):  # a leaf's bonus token from the target's probabilities, else the zeroed residual's
-            drop = zeroed[done] & ~leaf[done, None]  # [D, W]
+        def final(idx):  # a leaf's bonus token from the target's probabilities, else the zeroed residual's
+            at = slice(None) if idx is None else idx
             # min with 0 at the dropped tokens, with inf elsewhere (padding, kept): the same whatever the order in
             # which repeated tokens write their column
-            zero_or_inf = torch.where(drop, 0.0, float("inf")).to(dtype)
-            return target[done].scatter_reduce_(1, toks[done].clamp(min=0), zero_or_inf, reduce="amin")
+            zero_or_inf = torch.where(zeroed[at] & ~leaf[at, None], 0.0, float("inf")).to(dtype)
+            return target[at].scatter_reduce(1, toks[at].clamp(min=0), zero_or_inf, reduce="amin")
 
         return accepted, leaf, final
 
-    return _walk(trees, target_logits, sampling, generator, try_children)
+    return _walk(trees, target_logits, sampling, generator, try_children, w, stop_early)
 
 
 def rejection_sample(

@@ -1,7 +1,7 @@
-"""On a GPU, an engine step synchronises the host with the device once: when it reads the target's choices (an
-EAGLE step twice: it also reads its candidate pool, to rerank). Every per-step input built on the host goes through
-``specdec.host_copy.to_device`` (pinned, asynchronous); drafting times its levels with events
-(``specdec.drafters.level_clock``), not by waiting for the device."""
+"""On a GPU, an engine step synchronises the host with the device once: when it reads the target's choices, or under
+sampling the rejection walk's result (an EAGLE step twice: it also reads its candidate pool, to rerank). Every
+per-step input built on the host goes through ``specdec.host_copy.to_device`` (pinned, asynchronous); drafting
+times its levels with events (``specdec.drafters.level_clock``), not by waiting for the device."""
 from __future__ import annotations
 
 import time
@@ -51,8 +51,10 @@ def test_the_level_clock_gives_each_part_its_time_and_the_call_its_total():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA synchronisations")
-@pytest.mark.parametrize("drafter", [None, "ngram", "eagle"])
-def test_a_step_synchronises_once(drafter, monkeypatch):
+@pytest.mark.parametrize("drafter,sampled", [(None, False), ("ngram", False), ("eagle", False), (None, True),
+                                             ("ngram", True), ("eagle", True)])
+def test_a_step_synchronises_once(drafter, sampled, monkeypatch):
+    """Sampled steps too: the rejection walk masks ended rows instead of reading which rows still walk."""
     syncs: list[int] = []
     step = Engine.step
 
@@ -74,7 +76,8 @@ def test_a_step_synchronises_once(drafter, monkeypatch):
         drafter = EagleDrafter(model=eagle.cuda())
     reads = 2 if isinstance(drafter, EagleDrafter) else 1
     prompts = ragged_prompts(3, seed=1)[1:]
-    generate(model, prompts, max_new_tokens=24, drafter=drafter, speculation="always")  # compiles, captures
+    kw = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=2) if sampled else {}
+    generate(model, prompts, max_new_tokens=24, drafter=drafter, speculation="always", **kw)  # compiles, captures
     monkeypatch.setattr(Engine, "step", counted)
-    generate(model, prompts, max_new_tokens=24, drafter=drafter)  # the default policy: EAGLE chooses its depth
+    generate(model, prompts, max_new_tokens=24, drafter=drafter, **kw)  # the default policy: EAGLE chooses its depth
     assert syncs and max(syncs[1:]) <= reads, syncs

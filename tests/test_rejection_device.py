@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdec.rejection import EXACT, rejection_sample
 from specdec.sampling import SamplingConfig
@@ -146,3 +147,66 @@ def test_deterministic_trees_draw_what_the_full_walk_draws(device, sampling, mon
     rejection_sample([DraftTree.chain([1, 2])], torch.zeros(1, 3, vocab, device=device), sampling,
                      torch.Generator(device=device))
     assert calls == [1]
+
+
+class DeviceReads(TorchDispatchMode):
+    """Counts the ops whose result the host must wait for: a tensor's truth value or item, and a boolean mask's
+    indices (its shape depends on the values); ``.tolist()`` is counted by the test."""
+
+    READS = {"_local_scalar_dense", "nonzero", "masked_select"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.READS:
+            self.reads.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def walk_once(walk: str, batch, logits, seed: int, stop_early: bool):
+    from specdec.rejection import _deterministic, _stochastic
+
+    sampling, gen = SamplingConfig(True, 0.8, 0, 0.95), torch.Generator().manual_seed(seed)
+    if walk == "vocabulary-wide":
+        return _stochastic(batch, logits, sampling, gen, EXACT, stop_early)
+    return _deterministic(batch, logits, sampling, gen, stop_early)
+
+
+@pytest.mark.parametrize("walk", ["vocabulary-wide", "deterministic"])
+def test_the_sampled_walk_reads_the_device_once_and_stopping_early_changes_no_token(walk, monkeypatch):
+    """On a GPU the walk runs every level of the deepest tree with ended rows masked (stop_early=False), so the
+    host reads the device once, for the result: counted here on the CPU. Stopping once no row walks on (the CPU's
+    default) gives the same tokens and records from the same generator, over random batches of mixed depths."""
+    tolists, host = [], set()  # the trees are host records: reading them is no read of the device
+    real_tolist = torch.Tensor.tolist
+
+    def tolist(self):
+        if self.data_ptr() not in host:
+            tolists.append(tuple(self.shape))
+        return real_tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    gen = torch.Generator().manual_seed(5)
+    vocab, compared = 6, 0
+    for trial in range(30):
+        batch = random_deterministic_trees(vocab, gen)
+        if walk == "vocabulary-wide":
+            probs = torch.softmax(torch.randn(4, vocab, generator=gen), -1)  # sampled siblings, with and without
+            mode = (DraftMode.INDEPENDENT, DraftMode.WITHOUT_REPLACEMENT)[trial % 2]  # replacement
+            batch[-1] = DraftTree([1, 2, 3, 1], [-1, -1, 0, 0], probs, mode)
+        host = {x.data_ptr() for t in batch for x in (t.tokens, t.parents)}
+        rows = max(t.num_nodes for t in batch) + 1
+        logits = torch.randn(len(batch), rows, vocab, generator=gen) * 2
+        tolists.clear()
+        with DeviceReads() as mode:
+            masked = walk_once(walk, batch, logits, trial, stop_early=False)
+        assert mode.reads == [] and len(tolists) == 1, (mode.reads, len(tolists))
+        early = walk_once(walk, batch, logits, trial, stop_early=True)
+        assert records(early) == records(masked), trial
+        compared += any(len(a.accepted_nodes) for a in masked)
+    assert compared > 10  # paths were accepted, not only roots
+    with DeviceReads() as mode:  # the count can fail
+        bool(torch.ones(2).any())
+    assert mode.reads == ["_local_scalar_dense"]
