@@ -14,10 +14,10 @@ Each step, for all sequences together (drafters/eagle_model.py has the layer):
 2. **grow** (EAGLE-2, drafters/eagle_grow.py): ``depth - 1`` times, the ``top_k`` candidates of the
    newest depth with the highest cumulative draft log-probability run as queries and each adds its
    ``top_k`` best children to the candidate pool, one forward of [sequences, top_k] queries per depth.
-   On CUDA (``cuda_graphs="auto"``) steps 1 and 2 are replayed as one CUDA graph of fixed shapes
-   (drafters/eagle_graphs.py; a prompt's catch-up runs eagerly and the growth alone is replayed).
-3. **rerank**: the ``max_nodes`` candidates with the highest cumulative log-probability form the
-   tree (ancestor-closed: a child never scores above its parent).
+3. **rerank** (on the device, drafters/eagle_rerank.py): the ``max_nodes`` candidates with the highest cumulative
+   log-probability form the tree (ancestor-closed: a child never scores above its parent); the host reads them.
+On CUDA (``cuda_graphs="auto"``) steps 1-3 are replayed as one CUDA graph of fixed shapes (drafters/eagle_graphs.py;
+a prompt's catch-up runs eagerly, and the rest is replayed).
 
 ``depth`` is an upper bound: with ``adapt_depth`` (the default) each call drafts the depth whose expected
 committed tokens best cover its draft time and verify cost on the machine at hand, learned from the run
@@ -119,7 +119,7 @@ class EagleDrafter(Drafter):
         if self.top_k > vocab:
             raise InputError(f"eagle: top_k={self.top_k} exceeds the draft vocabulary of {vocab} tokens")
         self.grower = TreeGrower(self.model, runner.embed, runner.lm_head, target.sampling, target.coupling,
-                                 self.top_k, runner.shape.vocab_size)
+                                 self.top_k, runner.shape.vocab_size, self.max_nodes)
         graphs = o.cuda_graphs if o.cuda_graphs != "auto" else runner.device.type == "cuda"
         self.graphs: EagleGraphs | None = eagle_graphs(self.grower, runner.device.type == "cuda") if graphs else None
         self.chooser = DepthChooser(self.depth)
@@ -160,16 +160,17 @@ class EagleDrafter(Drafter):
         trees = [DraftTree.empty() for _ in seqs]  # no feature yet
         if live:
             pools = self._draft([seqs[i] for i in live], depth, level_seconds)
-            for i, (tok, parent, cum, cond) in zip(live, pools):
-                trees[i] = self._rerank(tok, [int(p) for p in parent], cum, cond)
+            for i, (tok, parent, _, cond) in zip(live, pools):
+                trees[i] = self._tree(tok, parent, cond)
         for view, tree in zip(seqs, trees):
             self._last[view.seq_id] = _top_chain(tree)
         self.chooser.record_seconds(level_seconds, catch_up)
         return trees
 
     def _draft(self, views: Sequence[SequenceView], depth: int, level_seconds: list[float]) -> list:
-        """The sequences' candidate pools, read by the host once (rows of [4, S], drafters/eagle_grow.py): the
-        catch-up (drafters/eagle_catch_up.py), its keys / values joining each sequence's cache, then the growth.
+        """The sequences' reranked candidate pools, read by the host once (rows of [4, M], drafters/eagle_rerank.py):
+        the catch-up (drafters/eagle_catch_up.py), its keys / values joining each sequence's cache, the growth
+        (drafters/eagle_grow.py) and the rerank.
         With ``self.graphs`` the whole call is one replay when a bucket holds it, else the growth alone is.
         ``level_seconds[j]`` gains the wall time of level j + 1, level 1 with the catch-up (drafters/level_clock.py:
         no wait for the device between levels; a replay's time is shared evenly among its levels, the catch-up
@@ -205,7 +206,7 @@ class EagleDrafter(Drafter):
             inputs = GrowInputs(h_root, past.k, past.v, past.real,
                                 to_device(past.root_positions, torch.long, dev),
                                 to_device(past.noise_keys, torch.long, dev))
-            pools = self.grower.pool(inputs, depth, lambda d: clock.mark()).tolist()  # the one read
+            pools = self.grower.tree_rows(inputs, depth, lambda d: clock.mark()).tolist()  # the one read
             seconds, *levels = clock.split()
             level_seconds[:] = levels
         level_seconds[0] += seconds
@@ -248,26 +249,25 @@ class EagleDrafter(Drafter):
             [v.new_hidden for v in views])
         return hidden
 
-    def _rerank(self, tok, parent, cum, cond) -> DraftTree:
-        """The max_nodes best candidates by cumulative log-probability, parents before children."""
-        keep = sorted(range(len(tok)), key=lambda i: (-cum[i], i))[: self.max_nodes]
-        chosen = set(keep)
-        for i in list(keep):  # ties could drop an ancestor: keep the tree closed (never exceeds the pool)
-            a = parent[i]
-            while a >= 0 and a not in chosen:
-                chosen.add(a)
-                a = parent[a]
-        order = sorted(chosen)  # pool order is topological (parents are created first)
-        while len(order) > self.max_nodes:  # drop the worst leaves added for closure
-            leaves = [i for i in order if not any(parent[j] == i for j in order)]
-            order.remove(min(leaves, key=lambda i: (cum[i], -i)))
-        new_index = {p: n for n, p in enumerate(order)}
-        ids = torch.tensor([tok[i] for i in order], dtype=torch.long)
+    def _tree(self, tok: list[float], parent: list[float], cond: list[float]) -> DraftTree:
+        """A tree from its reranked candidates (drafters/eagle_rerank.py): reduced token indices, parents among them
+        (-1: the root; -2: left out of the rerank, then dropped with its subtree), log-probabilities under the
+        parent."""
+        parents = [int(p) for p in parent]
+        if -2 in parents:  # only with NaN scores: keep the nodes whose ancestors were all kept
+            kept: list[int] = []
+            place = {}
+            for i, p in enumerate(parents):
+                if p == -1 or (p >= 0 and p in place):
+                    place[i] = len(kept)
+                    kept.append(i)
+            tok, cond = [tok[i] for i in kept], [cond[i] for i in kept]
+            parents = [place[parents[i]] if parents[i] >= 0 else -1 for i in kept]
+        ids = torch.tensor([int(t) for t in tok], dtype=torch.long)
         if self.draft_ids is not None:
             ids = self.draft_ids[ids]
-        parents = torch.tensor([new_index[parent[i]] if parent[i] >= 0 else -1 for i in order], dtype=torch.long)
-        scores = torch.tensor([cond[i] for i in order], dtype=torch.float32).exp().clamp(0.0, 1.0)
-        return DraftTree(ids, parents, scores=scores)
+        scores = torch.tensor(cond, dtype=torch.float32).exp().clamp(0.0, 1.0)
+        return DraftTree(ids, torch.tensor(parents, dtype=torch.long), scores=scores)
 
 
 def _top_chain(tree: DraftTree) -> tuple[list[int], list[int]]:

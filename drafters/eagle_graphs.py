@@ -6,7 +6,8 @@ a *bucket*: its sequences to a batch size of ``batch_sizes``, their cached keys 
 ``min_keys``) and their catch-up rows to one of ``catch_up_rows``. Per bucket it keeps static inputs (cached keys /
 values; per sequence its key count, root position and noise key; the catch-up's target rows, tokens, positions and
 row count, or the roots' features when the catch-up ran eagerly); per bucket and depth a graph of the whole call
-and its static outputs. A call copies its inputs in, replays, and the host reads the pool once. In the graph the
+and its static outputs. A call copies its inputs in, replays, and the host reads the reranked candidates once
+(drafters/eagle_rerank.py). In the graph the
 catch-up's keys join the cached ones after each sequence's last (the columns the eager slab gives them). Padded
 sequences see no cached key and padded key columns and rows are masked, so each real sequence's pool is the eager
 call's up to the rounding of differently shaped products (which can only change the tree, never the output: the
@@ -18,8 +19,8 @@ settings, reused by later generate() calls. A call that fits no bucket, or a cap
 runs eagerly.
 
     graphs = eagle_graphs(grower, capture=True)
-    pool = graphs.pool(past, h_root, depth)                    # growth only: [B, 4, S] or None
-    out = graphs.caught_up_pool(past, rows, depth)             # catch-up + growth: (pool, new_k, new_v) or None
+    pool = graphs.pool(past, h_root, depth)         # growth and rerank: [B, 4, M] or None
+    out = graphs.caught_up_pool(past, rows, depth)  # catch-up, growth and rerank: (pool, new_k, new_v) or None
 """
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ class _Bucket:
     # key, then the catch-up's tokens, positions and row count
     meta: torch.Tensor
     catch: CatchUpInputs | None  # static (views of ``meta`` and a hidden buffer); None: the bucket only grows
-    # depth -> static outputs: pool [batch, 4, S], and with a catch-up its keys / values [batch, kv_heads, R, head_dim]
+    # depth -> static outputs: reranked pool [batch, 4, M], and with a catch-up its keys / values
+    # [batch, kv_heads, R, head_dim]
     outputs: dict[int, tuple] = field(default_factory=dict)
     graphs: dict[int, object] = field(default_factory=dict)  # depth -> torch.cuda.CUDAGraph
 
@@ -121,8 +123,8 @@ class EagleGraphs:
         return self.config.batch_sizes[b], keys, rows
 
     def pool(self, past: CachedKeys, h_root: torch.Tensor, depth: int) -> torch.Tensor | None:
-        """The sequences' pools ([B, 4, S], a view of a static output valid until the next call) grown from their
-        root features ``h_root`` [B, H]; None when the call fits no bucket or capture failed (the caller grows
+        """The sequences' reranked pools ([B, 4, M], a view of a static output valid until the next call) grown from
+        their root features ``h_root`` [B, H]; None when the call fits no bucket or capture failed (the caller grows
         eagerly)."""
         key = None if self.failed else self.bucket_for(len(past.counts), past.k.shape[2])
         if key is None:
@@ -137,7 +139,7 @@ class EagleGraphs:
 
     def caught_up_pool(self, past: CachedKeys, rows: CatchUpRows, depth: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The catch-up and the growth in one call: (pools [B, 4, S], the catch-up's keys and values
+        """The catch-up, the growth and the rerank in one call: (pools [B, 4, M], the catch-up's keys and values
         [B, kv_heads, R, head_dim], sequence b's first ``rows.counts[b]`` columns its own), views of static outputs
         valid until the next call, which the caller adds to its cache; None when the call fits no bucket or capture
         failed (the caller catches up and grows eagerly)."""
@@ -193,7 +195,7 @@ class EagleGraphs:
         columns = torch.arange(keys, device=x.real.device)
         torch.lt(columns[None], meta[:, :1], out=x.real)  # the cached key columns, on the device
         if c is None:
-            return self.grower.pool(x, depth), None, None
+            return self.grower.tree_rows(x, depth), None, None
         h_root, new_k, new_v = catch_up(self.grower.model, self.grower.embed, c, x.past_k, x.past_v, x.real)
         x.h_root.copy_(h_root)
         # the catch-up's keys join each sequence's cached ones after its last: columns count .. count + R - 1
@@ -203,7 +205,7 @@ class EagleGraphs:
         x.past_k[seqs, :, cols] = new_k.transpose(1, 2)
         x.past_v[seqs, :, cols] = new_v.transpose(1, 2)
         torch.lt(columns[None], (meta[:, 0] + c.counts)[:, None], out=x.real)
-        return self.grower.pool(x, depth), new_k, new_v
+        return self.grower.tree_rows(x, depth), new_k, new_v
 
     def _call(self, bucket: _Bucket, depth: int) -> tuple | None:
         """Run the loaded bucket at ``depth`` (capturing its graph the first time) -> its static outputs, or None
@@ -249,7 +251,7 @@ def eagle_graphs(grower: TreeGrower, capture: bool) -> EagleGraphs:
     LM head in their memory, and bake in the sampling settings and the coupling seed."""
     model = grower.model
     key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in (grower.embed, grower.lm_head, *model.parameters()))
-    key += (grower.sampling, grower.coupling, grower.top_k, capture)
+    key += (grower.sampling, grower.coupling, grower.top_k, grower.max_nodes, capture)
     kept: dict = model.__dict__.setdefault(_MODEL_ATTR, {})
     if key not in kept:
         while len(kept) >= MAX_KEPT:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from specdec.drafters.eagle_rerank import rerank
 from torch.nn import functional as F
 
 from specdec.coupling import Coupling, perturbed_logits
@@ -37,9 +38,10 @@ class TreeGrower:
     """Grows pools for one EAGLE model over one target (its embeddings and LM head) under one sampling setup."""
 
     def __init__(self, model, embed: torch.Tensor, lm_head: torch.Tensor, sampling: SamplingConfig,
-                 coupling: Coupling | None, top_k: int, vocab_size: int) -> None:
+                 coupling: Coupling | None, top_k: int, vocab_size: int, max_nodes: int) -> None:
         self.model, self.embed, self.lm_head = model, embed, lm_head
         self.sampling, self.coupling, self.top_k, self.vocab_size = sampling, coupling, top_k, vocab_size
+        self.max_nodes = max_nodes  # candidates kept per tree (drafters/eagle_rerank.py)
         self.draft_ids = model.draft_ids  # [N] token id of each reduced logit, None = the full vocabulary
 
     def token_logp(self, features: torch.Tensor, positions: torch.Tensor, noise_keys: torch.Tensor) -> torch.Tensor:
@@ -54,6 +56,11 @@ class TreeGrower:
         if s.do_sample and s.temperature != 1.0:
             logits = logits / s.temperature
         return F.log_softmax(logits, dim=-1)
+
+    def tree_rows(self, x: GrowInputs, depth: int, on_level: Callable[[int], None] = lambda depth: None
+                  ) -> torch.Tensor:
+        """The pools of ``depth`` levels reranked on the device -> [B, 4, M] (drafters/eagle_rerank.py)."""
+        return rerank(self.pool(x, depth, on_level), self.max_nodes)
 
     def pool(self, x: GrowInputs, depth: int, on_level: Callable[[int], None] = lambda depth: None) -> torch.Tensor:
         """The candidate pools of ``depth`` levels -> [B, 4, S] float64 (module doc; S = K + (depth - 1) K^2).

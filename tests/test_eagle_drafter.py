@@ -342,3 +342,60 @@ def test_the_kv_slab_holds_each_sequences_keys_through_growth_and_reused_rows():
                 assert torch.equal(k[b, :, :n], want[i]) and torch.equal(v[b, :, :n], -want[i])
     assert kv.k.shape[0] >= 5 and kv.k.shape[2] > 4 and len(kv.row) == len(live)
     assert kv.gather([next_id])[0] is None  # a sequence never seen has no keys
+
+
+def _pools(batch: int, top_k: int, depth: int, gen: torch.Generator) -> torch.Tensor:
+    """Random candidate pools as the growth lays them out ([B, 4, S]): parents before children, cumulative
+    log-probabilities that never rise along a path, rounded so that candidates tie."""
+    S = top_k + (depth - 1) * top_k * top_k
+    pools = torch.zeros(batch, 4, S, dtype=torch.float64)
+    for b in range(batch):
+        parent = [-1] * top_k
+        for d in range(1, depth):
+            start, width = (0, top_k) if d == 1 else (top_k + (d - 2) * top_k * top_k, top_k * top_k)
+            parent += [start + int(torch.randint(width, (1,), generator=gen)) for _ in range(top_k * top_k)]
+        cond = -(torch.rand(S, generator=gen) * 4).round(decimals=0)  # 0, -1, ..., -4: many ties
+        cum = [0.0] * S
+        for i, p in enumerate(parent):
+            cum[i] = float(cond[i]) + (cum[p] if p >= 0 else 0.0)
+        pools[b, 0] = torch.randint(100, (S,), generator=gen).double()
+        pools[b, 1], pools[b, 2], pools[b, 3] = torch.tensor(parent).double(), torch.tensor(cum), cond.double()
+    return pools
+
+
+def test_the_device_rerank_keeps_the_best_candidates_closed_under_parents():
+    """drafters/eagle_rerank.py against the rule written out on the host: the max_nodes best by cumulative
+    log-probability (ties to the earlier candidate), in pool order, parents renumbered; with ties everywhere the
+    kept set is still closed under parents. A candidate whose parent is left out (NaN scores) is marked and the
+    drafter drops its subtree."""
+    from specdec.drafters.eagle_rerank import rerank
+
+    gen = torch.Generator().manual_seed(0)
+    for top_k, depth, max_nodes in ((2, 3, 5), (3, 4, 10), (4, 5, 64), (2, 2, 64)):
+        pools = _pools(6, top_k, depth, gen)
+        got = rerank(pools, max_nodes)
+        for b in range(6):
+            tok, parent, cum, cond = pools[b].tolist()
+            keep = sorted(sorted(range(len(tok)), key=lambda i: (-cum[i], i))[:max_nodes])
+            place = {i: n for n, i in enumerate(keep)}
+            assert all(parent[i] < 0 or parent[i] in place for i in keep)  # closed
+            want = [[tok[i] for i in keep], [place.get(int(parent[i]), -1) for i in keep], [cum[i] for i in keep],
+                    [cond[i] for i in keep]]
+            assert got[b].tolist() == want, (top_k, depth, b)
+    pools = _pools(1, 2, 3, gen)
+    pools[0, 2, 1] = float("nan")  # candidate 1 sorts last and is left out; its children are kept
+    rows = rerank(pools, 5)[0].tolist()
+    assert -2.0 in rows[1]
+    model = build_tiny_model()
+    drafter = EagleDrafter(model=_eagle(model, depth=3, top_k=2, max_nodes=5))
+    drafter.draft_ids = None
+    tree = drafter._tree(rows[0], rows[1], rows[3])
+
+    def reaches_the_root(i: int) -> bool:
+        p = rows[1][i]
+        while p >= 0:
+            p = rows[1][int(p)]
+        return p == -1
+
+    assert tree.num_nodes == sum(map(reaches_the_root, range(len(rows[1])))) < len(rows[1])
+    assert tree.num_nodes >= 1 and all(p < i for i, p in enumerate(tree.parents.tolist()))
