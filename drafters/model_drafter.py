@@ -40,6 +40,7 @@ from specdec.attention import BatchBuilder
 from specdec.coupling import perturbed_logits
 from specdec.cuda_graphs import GraphedForward, auto_uses_graphs, model_graphs
 from specdec.errors import InputError
+from specdec.host_copy import to_device
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaRunner
 from specdec.sampling import logits_to_probs
@@ -225,7 +226,7 @@ class ModelDrafter(Drafter):
             last_rows.append(rows[-1])
         logits = self._forward(builder)
         cache.commit({v.seq_id: range(len(v.token_ids) - cache.lengths[v.seq_id]) for v in live})
-        return logits[torch.tensor(last_rows, device=logits.device)]
+        return logits[to_device(last_rows, torch.long, logits.device)]
 
     def _root_forward(self, live: list[SequenceView]) -> torch.Tensor:  # [B, vocab] logits at each root
         """Shared cache: committed K/V are the target's (every token but the root, the engine's invariant); only

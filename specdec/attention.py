@@ -138,17 +138,17 @@ class AttentionPlan:
         key_slots = torch.nn.utils.rnn.pad_sequence([s.key_slots for s in self.seqs], batch_first=True,
                                                     padding_value=-1)  # [batch, max_keys]
         key_slots = torch.where(key_slots < 0, key_slots[:, :1], key_slots)
-        num_keys = torch.tensor([s.key_slots.numel() for s in self.seqs], device=device)  # [batch]
+        num_keys = to_device([s.key_slots.numel() for s in self.seqs], torch.long, device)  # [batch]
         rows: list[int] = []
         out_index: list[int] = []
         for b, s in enumerate(self.seqs):
             rows.extend(range(s.query_start, s.query_start + s.num_new))
             rows.extend([0] * (max_new - s.num_new))
             out_index.extend(range(b * max_new, b * max_new + s.num_new))
-        query_rows = torch.tensor(rows, dtype=torch.long, device=device).view(len(self.seqs), max_new)
+        query_rows = to_device(rows, torch.long, device).view(len(self.seqs), max_new)
         # every real row sees its sequence's keys; a padding row its first key only
-        real_row = torch.arange(max_new, device=device) < torch.tensor([s.num_new for s in self.seqs],
-                                                                     device=device)[:, None]  # [batch, max_new]
+        real_row = torch.arange(max_new, device=device) < to_device([s.num_new for s in self.seqs], torch.long,
+                                                                    device)[:, None]  # [batch, max_new]
         key_seen = torch.arange(key_slots.shape[1], device=device) < num_keys[:, None]  # [batch, max_keys]
         mask = real_row[:, :, None] & key_seen[:, None, :]
         mask[:, :, 0] = True
@@ -157,7 +157,7 @@ class AttentionPlan:
             if dense is not None:
                 mask[b, : s.num_new, : dense.shape[1]] = dense
         return PaddedBatch(key_slots, query_rows, mask[:, None],
-                           torch.tensor(out_index, dtype=torch.long, device=device))
+                           to_device(out_index, torch.long, device))
 
     @cached_property
     def invariant_row_keys(self) -> tuple[tuple[list[torch.Tensor], range], ...]:

@@ -130,7 +130,7 @@ class Coupling:
         if not isinstance(positions, torch.Tensor):
             positions = to_device([list(p) for p in positions], torch.long, device)
         noise = self.gumbel(key_t, positions, vocab)
-        return noise if columns is None else noise[..., columns.to(noise.device)]
+        return noise if columns is None else noise[..., to_device(columns, torch.long, noise.device)]
 
 
 def perturbed_logits(logits: torch.Tensor, sampling: SamplingConfig, gumbel: torch.Tensor) -> torch.Tensor:
@@ -163,7 +163,9 @@ def coupled_sample(
     max_depth = max(t.max_depth for t in trees)
     offsets = torch.arange(max_depth + 1, dtype=torch.long)  # [D + 1]
     positions = torch.tensor(list(root_positions), dtype=torch.long)[:, None] + 1 + offsets  # [B, D + 1]
-    gumbel = coupling.gumbel(keys.to(device), positions.to(device), vocab)  # [B, D + 1, V]
+    # host values reach the device through to_device: a blocking copy would wait for every queued kernel
+    gumbel = coupling.gumbel(to_device(keys, torch.long, device), to_device(positions, torch.long, device),
+                             vocab)  # [B, D + 1, V]
     # one depth at a time: the rows at depth d share the noise of position root + 1 + d, and no [B, rows, V]
     # index or float64 copy of every row is ever built (rows x vocab can be large on a GPU)
     at_depth: list[tuple[list[int], list[int]]] = [([], []) for _ in range(max_depth + 1)]
@@ -174,7 +176,6 @@ def coupled_sample(
     chosen = torch.zeros(target_logits.shape[:2], dtype=torch.long, device=device)  # [B, max_nodes + 1]
     for d, (batch_rows, tree_rows) in enumerate(at_depth):
         if batch_rows:
-            b_idx = torch.tensor(batch_rows, device=device)
-            r_idx = torch.tensor(tree_rows, device=device)
+            b_idx, r_idx = to_device([batch_rows, tree_rows], torch.long, device)
             chosen[b_idx, r_idx] = coupled_tokens(target_logits[b_idx, r_idx], sampling, gumbel[b_idx, d])
     return follow_choices(trees, chosen.tolist())

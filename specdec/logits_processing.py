@@ -35,6 +35,7 @@ import torch
 
 from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import check_bool, check_int, check_real, describe, is_int
+from specdec.host_copy import to_device
 from specdec.tree import DraftTree
 
 PREFIX_ONLY_HELP = (
@@ -196,9 +197,10 @@ class LogitsProcessing:
         for r, (base, suffix, prompt_length) in enumerate(prefixes):
             groups.setdefault((prompt_length if by_prompt else 0, len(base) + len(suffix)), []).append(r)
         for (prompt_length, _), rows in groups.items():
-            ids = torch.stack([torch.cat([prefixes[r][0], torch.tensor(list(prefixes[r][1]), dtype=torch.long)])
-                               for r in rows]).to(scores.device)
-            index = torch.tensor(rows, device=scores.device)
+            ids = to_device(torch.stack([torch.cat([prefixes[r][0], torch.tensor(list(prefixes[r][1]),
+                                                                     dtype=torch.long)]) for r in rows]),
+                            torch.long, scores.device)
+            index = to_device(rows, torch.long, scores.device)
             out[index] = self.process_rows(ids, out[index], prompt_length).to(out.dtype)
         return out
 
@@ -215,6 +217,6 @@ class LogitsProcessing:
                 b_idx.append(b)
                 r_idx.append(row)
         out = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32, copy=True)
-        b_idx, r_idx = torch.tensor(b_idx, device=logits.device), torch.tensor(r_idx, device=logits.device)
+        b_idx, r_idx = to_device([b_idx, r_idx], torch.long, logits.device)  # no blocking copy
         out[b_idx, r_idx] = self.process_prefixes(prefixes, out[b_idx, r_idx])
         return out

@@ -51,10 +51,12 @@ def test_the_level_clock_gives_each_part_its_time_and_the_call_its_total():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA synchronisations")
-@pytest.mark.parametrize("drafter,sampled", [(None, False), ("ngram", False), ("eagle", False), (None, True),
-                                             ("ngram", True), ("eagle", True)])
+@pytest.mark.parametrize("drafter,sampled", [(None, ""), ("ngram", ""), ("eagle", ""), (None, "rejection"),
+                                             ("ngram", "rejection"), ("eagle", "rejection"), ("ngram", "coupled"),
+                                             ("eagle", "coupled"), ("ngram", "penalty")])
 def test_a_step_synchronises_once(drafter, sampled, monkeypatch):
-    """Sampled steps too: the rejection walk masks ended rows instead of reading which rows still walk."""
+    """Sampled steps too: the rejection walk masks ended rows instead of reading which rows still walk, and the
+    coupled walk's and the logits processors' row indices reach the device without a blocking copy."""
     syncs: list[int] = []
     step = Engine.step
 
@@ -76,7 +78,10 @@ def test_a_step_synchronises_once(drafter, sampled, monkeypatch):
         drafter = EagleDrafter(model=eagle.cuda())
     reads = 2 if isinstance(drafter, EagleDrafter) else 1
     prompts = ragged_prompts(3, seed=1)[1:]
-    kw = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=2) if sampled else {}
+    kw = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=2, sampler="coupled" if sampled == "coupled" else
+              "standard") if sampled in ("rejection", "coupled") else {}
+    if sampled == "penalty":  # logits processors: every verify row with its own prefix
+        kw = dict(repetition_penalty=1.2)
     generate(model, prompts, max_new_tokens=24, drafter=drafter, speculation="always", **kw)  # compiles, captures
     monkeypatch.setattr(Engine, "step", counted)
     generate(model, prompts, max_new_tokens=24, drafter=drafter, **kw)  # the default policy: EAGLE chooses its depth
