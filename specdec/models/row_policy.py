@@ -4,8 +4,9 @@ On CPU, BLAS libraries take different paths for small row counts: ``F.linear`` o
 small-GEMM path where ``weight @ x^T`` reads the weight at GEMV speed, a single row may run on one thread
 where two rows use both, and on some machines 2-4 rows cost more than 8. MKL also re-packs the weight on every
 call, while a product over weights packed once in oneDNN's blocked layout (``packed_linear``) can cost nearly
-the same for 1 to 16 rows. So for every row count m <= ``SMALL_M_MAX`` the policy records how to compute it: ``cols[m] = c``
-means "the transposed product with c >= m columns (the c - m extra columns copy row 0 and are dropped)",
+the same for 1 to 16 rows. So for every row count m <= ``SMALL_M_MAX`` the policy records how to compute it:
+``cols[m] = c`` means "the transposed product with c >= m columns (the c - m extra columns copy row 0 and are
+dropped)",
 ``cols[m] = PACKED`` the product over packed weights; a row count missing from ``cols`` goes through
 ``F.linear``. Every choice returns ``F.linear``'s values for the rows given, up to float rounding (each
 library sums in its own order, as F.linear itself does for different row counts).
