@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from specdec.errors import InputError
+from specdec.host_copy import to_device
 
 IGNORE = -100  # reduced label of a token outside the draft vocabulary (cross-entropy's ignore_index)
 
@@ -92,7 +93,7 @@ class DraftVocab:
     def expand(self, reduced_probs: torch.Tensor) -> torch.Tensor:
         """[..., N] probabilities over the reduced vocabulary -> [..., vocab], zero outside it."""
         out = reduced_probs.new_zeros(*reduced_probs.shape[:-1], self.vocab_size)
-        out[..., self.ids.to(out.device)] = reduced_probs
+        out[..., to_device(self.ids, torch.long, out.device)] = reduced_probs  # no blocking copy
         return out
 
     def rows(self, lm_head: torch.Tensor) -> torch.Tensor:

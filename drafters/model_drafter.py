@@ -313,18 +313,26 @@ class ModelDrafter(Drafter):
                 cands = sorted(cands, key=lambda c: -c[0])[: min(cfg.beam, budget - len(nodes))]
             for score, parent, token in cands:
                 nodes.append(_Node(parent, token, score, None))
-        else:
-            width = cfg.width(depth)
-            for parent, logits, score in frontier:
-                draft_probs = logits_to_probs(logits.float(), sampling)  # [vocab], or [N] over a draft vocabulary
-                if self.draft_vocab is not None:
-                    draft_probs = self.draft_vocab.expand(draft_probs)  # [vocab], zero outside the N tokens
-                replacement = self.mode is DraftMode.INDEPENDENT
-                n = width if replacement else min(width, int((draft_probs > 0).sum()))
-                picks = torch.multinomial(draft_probs, n, replacement=replacement, generator=self.generator)
-                for t in picks.tolist():
-                    nodes.append(_Node(parent, t, score, draft_probs))
+        else:  # every frontier node's children drawn at once: one read of the device per depth
+            draft_probs = logits_to_probs(torch.stack([logits for _, logits, _ in frontier]).float(), sampling)
+            if self.draft_vocab is not None:  # [frontier, N] -> [frontier, vocab], zero outside the N tokens
+                draft_probs = self.draft_vocab.expand(draft_probs)
+            picks = self._draw(draft_probs, cfg.width(depth)).tolist()
+            for (parent, _, score), probs, row in zip(frontier, draft_probs, picks):
+                nodes.extend(_Node(parent, t, score, probs) for t in row if t >= 0)
         return list(range(start, len(nodes)))
+
+    def _draw(self, draft_probs: torch.Tensor, width: int) -> torch.Tensor:
+        """[F, vocab] -> [F, width] sampled children per row in draw order, -1 = none: independent draws, or draws
+        without replacement as the ``width`` largest of log-probability + Gumbel noise (Gumbel-top-k: the same law
+        as drawing one at a time and renormalising). A token of probability 0 is never drawn, so a row with fewer
+        tokens than ``width`` gets fewer children."""
+        if self.mode is DraftMode.INDEPENDENT:
+            return torch.multinomial(draft_probs, width, replacement=True, generator=self.generator)
+        u = torch.rand(draft_probs.shape, generator=self.generator, dtype=torch.float64, device=draft_probs.device)
+        gumbel = -(-u.clamp_(2.0**-60, 1.0 - 2.0**-53).log()).log()  # finite: u kept inside (0, 1)
+        top = torch.topk(draft_probs.double().log() + gumbel, min(width, draft_probs.shape[-1]))
+        return torch.where(top.values > float("-inf"), top.indices, -1)
 
     def _ranking(self, logits: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
         """Frontier nodes' [.., n] logits -> [.., n] probabilities that rank their candidate children: the draft
