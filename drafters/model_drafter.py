@@ -5,7 +5,8 @@ of the sequence's *committed* tokens:
 
 1. catch up: one batched forward over the tokens committed since the last step; they are committed;
 2. grow: one batched forward per depth over the new frontier nodes of every sequence, their K/V at scratch
-   slots past the root (each node sees the committed prefix, the root and its ancestors);
+   slots past the root (each node sees the committed prefix, the root and its ancestors); a static tree of chosen
+   candidates keeps its choices on the device and is read once (``_grow_static``), others once per depth;
 3. release the scratch slots: rejected drafts cost nothing to roll back; accepted ones are recomputed in the
    next catch-up.
 
@@ -139,6 +140,10 @@ class ModelDrafter(Drafter):
         elif mode == "auto":
             mode = "deterministic" if target.sampling.greedy or self.config.tree == "dynamic" else "independent"
         self.mode = DraftMode(mode)
+        # a static tree of chosen (not sampled) candidates has its shape before its tokens: grown on the device and
+        # read once (_grow_static), unless logits processors need each node's prefix on the host
+        self.static_on_device = (self.config.tree == "static" and self.mode is DraftMode.DETERMINISTIC
+                                 and (target.processing is None or self.draft_vocab is not None))
         seed = self.config.seed if self.config.seed is not None else target.seed
         self.generator = None
         if seed is not None:  # never generate()'s own stream: shared uniforms would couple drafts and acceptance
@@ -184,7 +189,8 @@ class ModelDrafter(Drafter):
             if self.cache is None:
                 self.cache = self._own_cache()
             root_logits = self._root_forward(live) if self.shares_target_cache else self._catch_up(live)
-            for v, tree in zip(live, self._grow(live, root_logits)):
+            grow = self._grow_static if self.static_on_device else self._grow
+            for v, tree in zip(live, grow(live, root_logits)):
                 trees[v.seq_id] = tree
         return [trees[v.seq_id] for v in seqs]
 
@@ -198,15 +204,18 @@ class ModelDrafter(Drafter):
         return PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, tc.num_blocks, tc.block_size,
                             self.runner.dtype, self.runner.device, self.runner.backend)
 
-    def _forward(self, builder: BatchBuilder) -> torch.Tensor:  # [rows, vocab] logits of every new token
+    def _forward(self, builder: BatchBuilder, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[rows, vocab] logits of every new token; ``token_ids`` [rows] on the device stand for the builder's
+        (placeholder) tokens."""
         self.draft_forwards += 1
         batch = builder.build()
         if self.graphed is not None:
-            out = self.graphed(batch)
+            out = self.graphed(batch, token_ids)
             if out is not None:  # else a prefill, or no bucket fits: eager
                 return out.logits
-        rows = torch.arange(batch.token_ids.numel(), device=batch.token_ids.device)
-        return self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache, rows).logits
+        tokens = batch.token_ids if token_ids is None else token_ids
+        rows = torch.arange(tokens.numel(), device=tokens.device)
+        return self.runner.forward(tokens, batch.positions, batch.plan, self.cache, rows).logits
 
     def _catch_up(self, live: list[SequenceView]) -> torch.Tensor:  # [B, vocab] logits at each root
         cache = self.cache
@@ -259,6 +268,36 @@ class ModelDrafter(Drafter):
         if not self.shares_target_cache:  # drop the scratch K/V of the draft nodes
             cache.commit({v.seq_id: [] for v in live})
         return [self._tree(ns) for ns in nodes]
+
+    def _grow_static(self, live: list[SequenceView], root_logits: torch.Tensor) -> list[DraftTree]:
+        """A static tree of chosen candidates (a chain by default) for every sequence: its shape is the config's, so
+        each depth's children (the top-w of each frontier node, as ``_children`` picks them) stay on the device and
+        run through the next forward as device token ids; the host reads the tokens once."""
+        cfg, B, dev = self.config, len(live), root_logits.device
+        ids = None if self.draft_vocab is None else to_device(self.draft_vocab.ids, torch.long, dev)
+        parents: list[int] = []  # the tree's shape, the same for every sequence
+        frontier = [-1]  # its newest nodes (-1: the root)
+        logits = root_logits  # [B * len(frontier), n], sequence-major
+        chosen = []  # per depth [B, new nodes] token ids
+        for depth in range(1, cfg.num_draft_tokens + 1):
+            noise = None
+            if self.target.coupling is not None:  # [B * frontier, n]: a sequence's noise for all its frontier
+                noise = torch.stack([self._noise(v, depth) for v in live]).repeat_interleave(len(frontier), 0)
+            probs = self._ranking(logits, noise)
+            top = torch.topk(probs, min(cfg.width(depth), probs.shape[-1])).indices  # [B * frontier, w]
+            tokens = (top if ids is None else ids[top]).reshape(B, -1)  # [B, frontier * w]
+            new = list(range(len(parents), len(parents) + tokens.shape[1]))
+            parents += [p for p in frontier for _ in range(top.shape[1])]
+            chosen.append(tokens)
+            frontier = new
+            if depth == cfg.num_draft_tokens:
+                break
+            nodes = [[_Node(p, 0, 1.0, None) for p in parents] for _ in live]  # tokens: the device's
+            logits = self._forward_nodes(live, nodes, [new] * B, depth, tokens.reshape(-1))
+        if not self.shares_target_cache:  # drop the scratch K/V of the draft nodes
+            self.cache.commit({v.seq_id: [] for v in live})
+        rows = torch.cat(chosen, dim=1).tolist()  # the one read of the device
+        return [DraftTree(row, parents) for row in rows]
 
     def _process_frontier(self, live: list[SequenceView], nodes: list[list[_Node]], frontier) -> None:
         """The target's logits processors (TargetView.processing) on each frontier node's logits, with that node's
@@ -343,7 +382,8 @@ class ModelDrafter(Drafter):
             return perturbed_logits(logits, sampling, noise).softmax(-1)
         return logits.float().softmax(-1) if sampling.greedy else logits_to_probs(logits.float(), sampling)
 
-    def _forward_nodes(self, live, nodes, new_per_seq, depth) -> torch.Tensor:  # [sum(new), vocab]
+    def _forward_nodes(self, live, nodes, new_per_seq, depth, token_ids: torch.Tensor | None = None
+                       ) -> torch.Tensor:  # [sum(new), vocab]; token_ids [sum(new)] stand for the nodes' tokens
         cache = self.cache
         # node i lives at position len(tokens) + i: right after the root (committed, or scratch when shared)
         cache.reserve_scratch({v.seq_id: len(v.token_ids) + len(nodes[b]) - cache.committed_length(v.seq_id)
@@ -364,7 +404,7 @@ class ModelDrafter(Drafter):
             builder.add(v.seq_id, [nodes[b][i].token for i in new], [committed - 1 + depth] * len(new),
                         num_keys=committed + new[-1] + 1, num_visible=committed,
                         ancestor_bits=torch.tensor(bits, dtype=torch.long))
-        return self._forward(builder)
+        return self._forward(builder, token_ids)
 
     def _tree(self, nodes: list[_Node]) -> DraftTree:
         if not nodes:

@@ -162,10 +162,11 @@ class GraphedForward:
             return None
         return self.config.batch_sizes[b], self.config.tokens_per_seq[t]
 
-    def __call__(self, batch) -> ForwardOutput | None:
+    def __call__(self, batch, token_ids: torch.Tensor | None = None) -> ForwardOutput | None:
         """Logits and hidden states of the real rows of a verify step (``batch``: a ForwardBatch built over this
         object's cache; [num_tokens, ...]), or None when the step fits no bucket (the caller then runs the eager
-        forward)."""
+        forward). ``token_ids`` [num_tokens] on the device stand for the batch's tokens (a drafter's choices that
+        the host has not read)."""
         if batch.cache is not self.cache:
             raise ValueError("this step was built over another KV cache than the CUDA graphs' own")
         seqs = batch.plan.seqs
@@ -179,6 +180,8 @@ class GraphedForward:
         bucket = self.buckets.get(key) or self._new_bucket(*key)
         n = len(batch.tokens)
         self.inputs.load_(bucket.inputs, batch)
+        if token_ids is not None:
+            bucket.inputs.token_ids[:n].copy_(token_ids)
         if not self.config.capture:
             bucket.output = self._run(bucket)
         else:
