@@ -170,8 +170,8 @@ class EagleDrafter(Drafter):
     def _draft(self, views: Sequence[SequenceView], depth: int, level_seconds: list[float]) -> list:
         """The sequences' reranked candidate pools, read by the host once (rows of [4, M], drafters/eagle_rerank.py):
         the catch-up (drafters/eagle_catch_up.py), its keys / values joining each sequence's cache, the growth
-        (drafters/eagle_grow.py) and the rerank.
-        With ``self.graphs`` the whole call is one replay when a bucket holds it, else the growth alone is.
+        (drafters/eagle_grow.py) and the rerank. With ``self.graphs`` the whole call is one replay when a bucket
+        holds it, else all but the catch-up is.
         ``level_seconds[j]`` gains the wall time of level j + 1, level 1 with the catch-up (drafters/level_clock.py:
         no wait for the device between levels; a replay's time is shared evenly among its levels, the catch-up
         counting as one)."""
@@ -215,8 +215,8 @@ class EagleDrafter(Drafter):
     def _cached(self, views: Sequence[SequenceView]) -> CachedKeys:
         """The sequences' cached keys / values in the slab, right-padded (None when none has a key yet)."""
         ids = [v.seq_id for v in views]
-        k, v, real = self.kv.gather(ids)
-        return CachedKeys(k, v, real, self.kv.lengths(ids), [len(v.token_ids) - 1 for v in views],
+        keys, values, real = self.kv.gather(ids)
+        return CachedKeys(keys, values, real, self.kv.lengths(ids), [len(v.token_ids) - 1 for v in views],
                           [v.noise_key for v in views])
 
     def _catch_up_rows(self, views: Sequence[SequenceView]) -> CatchUpRows:

@@ -14,8 +14,8 @@ call's up to the rounding of differently shaped products (which can only change 
 verifier decides).
 
 Without a GPU, ``capture=False`` runs the same padded static call eagerly (the tests). The graphs bake in the
-sampling settings and the coupling seed: :func:`eagle_graphs` keeps one EagleGraphs per EAGLE model and such
-settings, reused by later generate() calls. A call that fits no bucket, or a capture that fails (logged once),
+tree size, the sampling settings and the coupling seed: :func:`eagle_graphs` keeps one EagleGraphs per EAGLE model
+and such settings, reused by later generate() calls. A call that fits no bucket, or a capture that fails (logged once),
 runs eagerly.
 
     graphs = eagle_graphs(grower, capture=True)
@@ -248,7 +248,7 @@ class EagleGraphs:
 def eagle_graphs(grower: TreeGrower, capture: bool) -> EagleGraphs:
     """The EagleGraphs of ``grower``'s model under its settings, kept on the model (at most MAX_KEPT, the oldest
     dropped first) and reused by later calls: the graphs read the model's weights and the target's embeddings and
-    LM head in their memory, and bake in the sampling settings and the coupling seed."""
+    LM head in their memory, and bake in the tree size, the sampling settings and the coupling seed."""
     model = grower.model
     key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in (grower.embed, grower.lm_head, *model.parameters()))
     key += (grower.sampling, grower.coupling, grower.top_k, grower.max_nodes, capture)
