@@ -182,9 +182,9 @@ def _walk(trees: Sequence[DraftTree], target_logits: torch.Tensor, sampling: Sam
     No shape depends on a value, so the device is never read during the walk: every row runs every level, the
     rows that have ended masked, and every uniform of the walk is drawn up front (per level, one per row for the
     final draw, then ``width`` per row for the siblings). The host reads the result once. ``stop_early`` (default:
-    off the GPU, where a read is free) stops the levels and sibling ranks once no row walks on; the tokens are the
-    same, as only ended rows would have used the skipped levels' uniforms, and it computes the target's probabilities
-    of the walking rows alone, and draws for the rows that end."""
+    off the GPU, where a read is free) stops the levels and sibling ranks once no row walks on, computes the
+    target's probabilities for the walking rows alone and draws only for the rows that end: the same tokens, as the
+    skipped work concerns ended rows only."""
     # every tensor of the walk lives on the logits' device (the generator too: rejection_sample checks)
     bsz, device = len(trees), target_logits.device
     stop_early = device.type != "cuda" if stop_early is None else stop_early
