@@ -42,7 +42,7 @@ from specdec.rejection import EXACT, Acceptance, AcceptanceRule, rejection_sampl
 from specdec.sampling import SamplingConfig, check_chosen
 from specdec.speculation_policy import ProposeCall, SpeculationPolicy, StepRecord
 from specdec.stopping import StopCriteria
-from specdec.tree import DraftError, DraftTree
+from specdec.tree import DraftError, DraftTree, validate_trees
 
 logger = logging.getLogger(__name__)
 
@@ -233,12 +233,11 @@ class Engine:
         if not isinstance(trees, (list, tuple)) or len(trees) != len(live):
             got = f"{len(trees)} trees" if isinstance(trees, (list, tuple)) else type(trees).__name__
             raise DraftError(f"{name}: propose() must return one DraftTree per sequence ({len(live)}), got {got}")
-        out = []
-        for s, tree in zip(live, trees):
+        for tree in trees:
             if not isinstance(tree, DraftTree):
                 raise DraftError(f"{name}: propose() returned {type(tree).__name__}, expected DraftTree")
-            tree.validate(self.runner.shape.vocab_size, drafter=name)
-            out.append(self._fit_budget(s, tree))
+        validate_trees(trees, self.runner.shape.vocab_size, drafter=name)  # one read of the device for all
+        out = [self._fit_budget(s, tree) for s, tree in zip(live, trees)]
         draft_seconds = time.perf_counter() - t0
         if self.audit is not None:
             self.audit.observe_many(trees, name)  # every tree as proposed, before pruning

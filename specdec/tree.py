@@ -23,6 +23,7 @@ import torch
 
 from specdec.errors import SpecdecError
 from specdec.generate_inputs import is_int
+from specdec.host_copy import to_device
 
 MAX_TREE_NODES = 64  # the ancestor bitmask of the GPU kernels holds 64 bits
 _EMPTY: "DraftTree | None" = None  # DraftTree.empty()
@@ -258,6 +259,10 @@ class DraftTree:
         at least): the exact rule sees the distributions that were sampled from, summing to 1 up to
         that dtype's rounding (float32: ~1e-7, the precision torch.multinomial draws float32 rows with).
         """
+        validate_trees([self], vocab_size, drafter, atol)
+
+    def _check_structure(self, vocab_size: int, drafter: str) -> None:
+        """The host-side checks of :meth:`validate`: parents, token range, distinct siblings, draft_probs' shape."""
         n = self.num_nodes
         # the structure was checked at construction, but tensors are mutable: re-check what the engine relies on
         if self.parents.numel() != n or _first_bad_parent(self.parents) is not None:
@@ -274,36 +279,66 @@ class DraftTree:
                 if j != i:
                     raise DraftError(f"{drafter}: nodes {j} and {i} are siblings with the same token {key[1]}, "
                                      "impossible when drawn without replacement")
-        if self.draft_probs is None:
-            return
         probs = self.draft_probs
+        if probs is None:
+            return
         if probs.dim() != 2 or probs.shape[0] != n:
             raise DraftError(f"{drafter}: draft_probs must be [num_nodes={n}, vocab], got {tuple(probs.shape)}")
         if probs.shape[1] != vocab_size:
             raise DraftError(f"{drafter}: draft_probs has {probs.shape[1]} columns but the target vocabulary has "
                              f"{vocab_size} tokens (drafter and target must share one vocabulary)")
-        finite = torch.isfinite(probs)
-        if not bool(finite.all()):
-            kind = "NaN" if bool(torch.isnan(probs).any()) else "inf"
-            rows = (~finite).any(-1).nonzero().flatten().tolist()
-            raise DraftError(f"{drafter}: draft_probs contains {kind} (rows of nodes {rows[:5]})")
-        if bool((probs < 0).any()):
-            rows = (probs < 0).any(-1).nonzero().flatten().tolist()
-            raise DraftError(f"{drafter}: draft_probs has negative entries (rows of nodes {rows[:5]})")
+
+    def _probs_checks(self, vocab_size: int, atol: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """On draft_probs' device, no read: [4] bool (a NaN / inf, a negative entry, a row not summing to 1, a
+        drafted token of probability 0) and the rows' float64 sums."""
+        probs = self.draft_probs
         sums = probs.double().sum(-1)
         if probs.dtype.is_floating_point:
             info = torch.finfo(probs.dtype)
             atol = max(atol, info.eps + vocab_size * info.smallest_normal * info.eps)
-        if not bool(torch.allclose(sums, torch.ones_like(sums), atol=atol)):
+        drawn = probs.gather(1, to_device(self.tokens, torch.long, probs.device)[:, None]).squeeze(1)
+        flags = torch.stack([~torch.isfinite(probs).all(), (probs < 0).any(),
+                             ~torch.isclose(sums, torch.ones_like(sums), rtol=1e-5, atol=atol).all(),
+                             (drawn <= 0).any()])
+        return flags, sums
+
+    def _raise_probs_error(self, flags: list[bool], sums: torch.Tensor, drafter: str) -> None:
+        """The first failed check of ``flags`` (:meth:`_probs_checks`), with its rows: only an error reads more."""
+        probs = self.draft_probs
+        if flags[0]:
+            kind = "NaN" if bool(torch.isnan(probs).any()) else "inf"
+            rows = (~torch.isfinite(probs)).any(-1).nonzero().flatten().tolist()
+            raise DraftError(f"{drafter}: draft_probs contains {kind} (rows of nodes {rows[:5]})")
+        if flags[1]:
+            rows = (probs < 0).any(-1).nonzero().flatten().tolist()
+            raise DraftError(f"{drafter}: draft_probs has negative entries (rows of nodes {rows[:5]})")
+        if flags[2]:
             raise DraftError(f"{drafter}: draft_probs rows must sum to 1, got {[round(x, 6) for x in sums.tolist()]}")
         drawn = probs.gather(1, self.tokens.to(probs.device)[:, None]).squeeze(1)
-        if bool((drawn <= 0).any()):
-            nodes = (drawn <= 0).nonzero().flatten().tolist()
-            raise DraftError(f"{drafter}: drafted tokens at nodes {nodes[:5]} have draft probability 0, "
-                             "so they cannot have been sampled from draft_probs")
+        nodes = (drawn <= 0).nonzero().flatten().tolist()
+        raise DraftError(f"{drafter}: drafted tokens at nodes {nodes[:5]} have draft probability 0, "
+                         "so they cannot have been sampled from draft_probs")
+
+
+def validate_trees(trees: Sequence[DraftTree], vocab_size: int, drafter: str = "drafter", atol: float = 1e-4
+                   ) -> None:
+    """:meth:`DraftTree.validate` of every tree, the draft_probs of all of them checked with one read of the device
+    (a read per check and tree made the host wait for the GPU four times per sampled tree). The first failing tree
+    raises, as one validate() after another would."""
+    checks = []
+    for tree in trees:
+        tree._check_structure(vocab_size, drafter)
+        if tree.draft_probs is not None:
+            checks.append((tree, *tree._probs_checks(vocab_size, atol)))
+    if not checks:
+        return
+    failed = torch.stack([flags for _, flags, _ in checks]).tolist()  # the one read
+    for (tree, _, sums), row in zip(checks, failed):
+        if any(row):
+            tree._raise_probs_error(row, sums, drafter)
         # invariant from here on: every row sums to 1 up to its dtype's rounding
-        dtype = torch.promote_types(probs.dtype, torch.float32)
-        object.__setattr__(self, "draft_probs", (probs.double() / sums[:, None]).to(dtype))
+        dtype = torch.promote_types(tree.draft_probs.dtype, torch.float32)
+        object.__setattr__(tree, "draft_probs", (tree.draft_probs.double() / sums[:, None]).to(dtype))
 
 
 def matched_levels(tokens: Sequence[int], parents: Sequence[int], committed: Sequence[int]) -> tuple[int, int]:

@@ -171,3 +171,50 @@ def test_half_precision_rows_pass_with_a_tolerance_of_their_dtype_and_vocabulary
     DraftTree(tokens, [-1] * 6, probs, DraftMode.INDEPENDENT).validate(vocab, "half")
     with pytest.raises(DraftError, match="half: draft_probs rows must sum to 1"):  # a real error is still one
         DraftTree(tokens, [-1] * 6, probs * 1.05, DraftMode.INDEPENDENT).validate(vocab, "half")
+
+
+def test_a_steps_sampled_trees_are_validated_with_one_read_of_the_device(monkeypatch):
+    """The engine checks every tree's draft_probs (finite, non-negative, rows summing to 1, drafted tokens possible)
+    together: one read of the device for the step, where each check of each tree was one (a host wait per check on
+    a GPU). Counted here as reads of boolean results; a bad tree still raises its own message."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from specdec.tree import validate_trees
+
+    reads = []
+
+    class BoolReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "_local_scalar_dense" and args[0].dtype == torch.bool:
+                reads.append("item")
+            return func(*args, **(kwargs or {}))
+
+    real_tolist = torch.Tensor.tolist
+
+    def tolist(self):
+        if self.dtype == torch.bool:
+            reads.append("tolist")
+        return real_tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    gen = torch.Generator().manual_seed(0)
+    vocab = 12
+
+    def sampled():
+        probs = torch.softmax(torch.randn(3, vocab, generator=gen), -1)
+        return DraftTree([1, 2, 3], [-1, 0, 0], probs, DraftMode.INDEPENDENT)
+
+    trees = [sampled() for _ in range(5)] + [DraftTree.chain([4, 5])]
+    with BoolReads():
+        validate_trees(trees, vocab, "d")
+    assert reads == ["tolist"]
+    assert all(torch.allclose(t.draft_probs.sum(-1).double(), torch.ones(3, dtype=torch.float64)) for t in trees[:5])
+    reads.clear()
+    with BoolReads():
+        for tree in trees:
+            tree.validate(vocab, "d")
+    assert len(reads) == 5  # one per sampled tree when validated one by one
+    bad = sampled()
+    bad.draft_probs[1, 3] = -0.5
+    with pytest.raises(DraftError, match="d: draft_probs has negative entries \\(rows of nodes \\[1\\]\\)"):
+        validate_trees(trees[:2] + [bad], vocab, "d")
