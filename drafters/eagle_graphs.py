@@ -1,4 +1,4 @@
-"""A whole EAGLE drafting call (catch-up and tree growth) at fixed shapes, replayed as one CUDA graph.
+"""A whole EAGLE drafting call (catch-up, tree growth and rerank) at fixed shapes, replayed as one CUDA graph.
 
 Eagerly, the catch-up (drafters/eagle_catch_up.py) and each level of the growth (drafters/eagle_grow.py) launch a
 few dozen small kernels, which on a GPU cost more host time than device time. :class:`EagleGraphs` pads a call to
@@ -7,16 +7,15 @@ a *bucket*: its sequences to a batch size of ``batch_sizes``, their cached keys 
 values; per sequence its key count, root position and noise key; the catch-up's target rows, tokens, positions and
 row count, or the roots' features when the catch-up ran eagerly); per bucket and depth a graph of the whole call
 and its static outputs. A call copies its inputs in, replays, and the host reads the reranked candidates once
-(drafters/eagle_rerank.py). In the graph the
-catch-up's keys join the cached ones after each sequence's last (the columns the eager slab gives them). Padded
-sequences see no cached key and padded key columns and rows are masked, so each real sequence's pool is the eager
-call's up to the rounding of differently shaped products (which can only change the tree, never the output: the
-verifier decides).
+(drafters/eagle_rerank.py). In the graph the catch-up's keys join the cached ones after each sequence's last (the
+columns the eager slab gives them). Padded sequences see no cached key and padded key columns and rows are masked,
+so each real sequence's pool is the eager call's up to the rounding of differently shaped products (which can only
+change the tree, never the output: the verifier decides).
 
 Without a GPU, ``capture=False`` runs the same padded static call eagerly (the tests). The graphs bake in the
 tree size, the sampling settings and the coupling seed: :func:`eagle_graphs` keeps one EagleGraphs per EAGLE model
-and such settings, reused by later generate() calls. A call that fits no bucket, or a capture that fails (logged once),
-runs eagerly.
+and such settings, reused by later generate() calls. A call that fits no bucket, or a capture that fails (logged
+once), runs eagerly.
 
     graphs = eagle_graphs(grower, capture=True)
     pool = graphs.pool(past, h_root, depth)         # growth and rerank: [B, 4, M] or None

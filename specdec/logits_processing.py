@@ -197,10 +197,9 @@ class LogitsProcessing:
         for r, (base, suffix, prompt_length) in enumerate(prefixes):
             groups.setdefault((prompt_length if by_prompt else 0, len(base) + len(suffix)), []).append(r)
         for (prompt_length, _), rows in groups.items():
-            ids = to_device(torch.stack([torch.cat([prefixes[r][0], torch.tensor(list(prefixes[r][1]),
-                                                                     dtype=torch.long)]) for r in rows]),
-                            torch.long, scores.device)
-            index = to_device(rows, torch.long, scores.device)
+            ids = torch.stack([torch.cat([prefixes[r][0], torch.tensor(list(prefixes[r][1]), dtype=torch.long)])
+                               for r in rows])
+            ids, index = to_device(ids, torch.long, scores.device), to_device(rows, torch.long, scores.device)
             out[index] = self.process_rows(ids, out[index], prompt_length).to(out.dtype)
         return out
 

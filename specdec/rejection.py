@@ -173,21 +173,25 @@ TryChildren = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                        tuple[torch.Tensor, torch.Tensor, Final]]
 
 
+def _stops_early(stop_early: bool | None, device: torch.device) -> bool:
+    """The walk's ``stop_early``: as asked, else off the GPU only, where reading the device is free."""
+    return device.type != "cuda" if stop_early is None else stop_early
+
+
 def _walk(trees: Sequence[DraftTree], target_logits: torch.Tensor, sampling: SamplingConfig,
-          generator: torch.Generator | None, try_children: TryChildren, width: int,
-          stop_early: bool | None = None) -> list[Acceptance]:
+          generator: torch.Generator | None, try_children: TryChildren, width: int, stop_early: bool
+          ) -> list[Acceptance]:
     """From the root down, batched: at each node ``try_children`` accepts one child or none; a row ends at a leaf
     (bonus token) or where every child was rejected (recovered token).
 
     No shape depends on a value, so the device is never read during the walk: every row runs every level, the
     rows that have ended masked, and every uniform of the walk is drawn up front (per level, one per row for the
-    final draw, then ``width`` per row for the siblings). The host reads the result once. ``stop_early`` (default:
-    off the GPU, where a read is free) stops the levels and sibling ranks once no row walks on, computes the
+    final draw, then ``width`` per row for the siblings). The host reads the result once. ``stop_early``
+    (:func:`_stops_early`) stops the levels and sibling ranks once no row walks on, computes the
     target's probabilities for the walking rows alone and draws only for the rows that end: the same tokens, as the
     skipped work concerns ended rows only."""
     # every tensor of the walk lives on the logits' device (the generator too: rejection_sample checks)
     bsz, device = len(trees), target_logits.device
-    stop_early = device.type != "cuda" if stop_early is None else stop_early
     rows = torch.arange(bsz, device=device)
     node = torch.full((bsz,), -1, dtype=torch.long, device=device)  # current node (-1 = root)
     live = torch.ones(bsz, dtype=torch.bool, device=device)  # still walking
@@ -245,7 +249,7 @@ def _stochastic(
 ) -> list[Acceptance]:
     """The walk of any tree under any rule, on vocabulary-wide residuals."""
     vocab, device, dtype = target_logits.shape[-1], target_logits.device, torch.float64
-    stop_early = device.type != "cuda" if stop_early is None else stop_early
+    stop_early = _stops_early(stop_early, device)
     pt = _PaddedTrees.build(trees, vocab, dtype, device)
     rows = torch.arange(len(trees), device=device)
 
@@ -271,6 +275,7 @@ def _stochastic(
             reject = trying & ~take
             residual = torch.where(reject[:, None], rule.after_reject(residual, draft, tok, det), residual)
             tried = tried.scatter(1, tok[:, None], tried.gather(1, tok[:, None]) | reject[:, None])  # no read
+
         def final(idx):  # leaves draw the bonus token, nodes whose children were all rejected the recovered token
             at = slice(None) if idx is None else idx
             return torch.where(leaf[at, None], rule.bonus_dist(target[at], own[at], has_own[at]),
@@ -293,7 +298,7 @@ def _deterministic(trees: Sequence[DraftTree], target_logits: torch.Tensor, samp
     row as it was, as the walk's ``_normalise`` does. Per level this does one vocabulary-wide softmax and one
     draw: the walk did ~8 vocabulary-wide float64 operations per candidate tried."""
     device, dtype = target_logits.device, torch.float64
-    stop_early = device.type != "cuda" if stop_early is None else stop_early
+    stop_early = _stops_early(stop_early, device)
     tokens, kid_nodes = _tree_tables(trees, device)  # kid_nodes [B, N + 1, W]: the k-th child of row r, -1 = none
     w = kid_nodes.shape[2]
     picked = tokens.gather(1, kid_nodes.clamp(min=0).flatten(1)).view_as(kid_nodes)
@@ -318,6 +323,7 @@ def _deterministic(trees: Sequence[DraftTree], target_logits: torch.Tensor, samp
             removed = trying & ~take & (left - p > 1e-12 * left)  # else the residual stays as it was
             left = torch.where(removed, left - p, left)
             zeroed[:, k] = removed
+
         def final(idx):  # a leaf's bonus token from the target's probabilities, else the zeroed residual's
             at = slice(None) if idx is None else idx
             # min with 0 at the dropped tokens, with inf elsewhere (padding, kept): the same whatever the order in

@@ -323,8 +323,8 @@ class DraftTree:
 def validate_trees(trees: Sequence[DraftTree], vocab_size: int, drafter: str = "drafter", atol: float = 1e-4
                    ) -> None:
     """:meth:`DraftTree.validate` of every tree, the draft_probs of all of them checked with one read of the device
-    (a read per check and tree made the host wait for the GPU four times per sampled tree). The first failing tree
-    raises, as one validate() after another would."""
+    (a read per check and tree made the host wait for the GPU four times per sampled tree): every tree's host-side
+    checks first, then the draft_probs checks; a failing tree raises its own message."""
     checks = []
     for tree in trees:
         tree._check_structure(vocab_size, drafter)
