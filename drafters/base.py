@@ -17,11 +17,12 @@ Lifecycle, driven by the engine:
 3. ``on_accept(seq_id, committed)`` after EVERY commit, proposed for or not.
 4. ``release(seq_id)`` when a sequence finishes.
 
-Two more answer the speculation policy: ``cost_key()`` (what the drafter's cost depends on: what is learned of it
-is kept per key) and ``forward_seconds()`` (one forward of its own model: a drafter whose every depth costs a
-target decode step is never asked). A drafter that sets ``needs_hidden_states = True`` finds in
-``SequenceView.new_hidden`` the target's final-norm hidden states of the positions committed since its previous
-``propose``, ending at the token *before* the root (``feature_layers``: those layers' input streams instead).
+Three more answer the speculation policy: ``cost_key()`` (what the drafter's cost depends on: what is learned of
+it is kept per key), ``forward_seconds()`` (one forward of its own model: a drafter whose every depth costs a
+target decode step is never asked) and ``catches_up`` (whether a sequence's first call costs more than a step).
+A drafter that sets ``needs_hidden_states = True`` finds in ``SequenceView.new_hidden`` the target's final-norm
+hidden states of the positions committed since its previous ``propose``, ending at the token *before* the root
+(``feature_layers``: those layers' input streams instead).
 
 The engine talks to every drafter through this class. Any object with a ``propose`` method is accepted too:
 :func:`as_drafter` wraps it once, so the engine never probes attributes.
@@ -129,6 +130,9 @@ class Drafter(ABC):
     # with needs_hidden_states: the target layers whose input streams propose reads instead of the final hidden
     # states (an EAGLE-3 head's); read by the engine once, when it is built
     feature_layers: tuple[int, ...] = ()
+    # a sequence's first propose does one-off work over its prompt (EAGLE's layer over every prompt row, a draft
+    # model's prefill), so its time is no step's; False: every call costs as a step does (self-draft, Medusa)
+    catches_up: bool = True
 
     def attach(self, target: TargetView) -> None:
         """Called once by the engine before any sequence is added."""
@@ -160,14 +164,15 @@ class Drafter(ABC):
 
 
 class _ObjectDrafter(Drafter):
-    """A plain object with ``propose`` (and optionally ``name``, ``needs_hidden_states``, ``attach``,
-    ``on_accept``, ``release``) seen through the Drafter contract."""
+    """A plain object with ``propose`` (and optionally ``name``, ``needs_hidden_states``, ``feature_layers``,
+    ``catches_up``, ``attach``, ``on_accept``, ``release``) seen through the Drafter contract."""
 
     def __init__(self, obj: Any) -> None:
         self.obj = obj
         self.name = str(getattr(obj, "name", type(obj).__name__))
         self.needs_hidden_states = bool(getattr(obj, "needs_hidden_states", False))
         self.feature_layers = tuple(getattr(obj, "feature_layers", ()) or ())
+        self.catches_up = bool(getattr(obj, "catches_up", True))
 
     def _call(self, method: str, *args: Any) -> Any:
         fn = getattr(self.obj, method, None)

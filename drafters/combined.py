@@ -134,6 +134,7 @@ class CombinedDrafter(Drafter):
         self._batch = 1  # sequences of the current propose (the cost curve depends on the batch)
         self.name = "combined(" + "+".join(c.name for c in self.children) + ")"
         self.needs_hidden_states = any(c.needs_hidden_states for c in self.children)
+        self.catches_up = any(c.catches_up for c in self.children)
         self.rates = [_Rate() for _ in self.children]
         # seq_id -> (whether every child ran, per child (tokens, parents) of its last proposal): online rates, gate
         self._last: dict[int, tuple[bool, list[tuple[list[int], list[int]]]]] = {}
@@ -205,7 +206,7 @@ class CombinedDrafter(Drafter):
                 per_child.append([DraftTree.empty() for _ in seqs])
                 lists.append([([], [])] * len(seqs))
                 continue
-            catch_up = any((k, v.seq_id) not in self._seen for v in seqs)
+            catch_up = child.catches_up and any((k, v.seq_id) not in self._seen for v in seqs)
             t0 = time.perf_counter()
             trees = child.propose(self._views_for(k, seqs))
             if len(trees) != len(seqs):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Any
 
 from specdec.drafters.base import TargetView
@@ -46,8 +47,15 @@ def check_vocabularies(draft_runner: LlamaRunner, draft_tok: Any, target_runner:
             )
 
 
-def _num_params(runner: LlamaRunner) -> int:
-    return sum(p.numel() for p in runner.hf_model.parameters())
+_PARAMS: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def num_params(module: Any) -> int:
+    """Parameters of a torch module, counted once per module object (each generate() call builds its drafter and
+    asks again; walking a model's parameters costs milliseconds)."""
+    if module not in _PARAMS:
+        _PARAMS[module] = sum(p.numel() for p in module.parameters())
+    return _PARAMS[module]
 
 
 class DraftModelDrafter(ModelDrafter):
@@ -69,16 +77,18 @@ class DraftModelDrafter(ModelDrafter):
         if isinstance(spec, (str, os.PathLike)):
             return f"{super().cost_key()}|{spec}"
         module = getattr(spec, "model", spec)
-        params = sum(p.numel() for p in module.parameters()) if hasattr(module, "parameters") else None
+        params = num_params(module) if hasattr(module, "parameters") else None
         return f"{super().cost_key()}|{type(module).__qualname__}:{params}"
 
     def make_runner(self, target: TargetView) -> LlamaRunner:
         loaded = load_model(self.model_spec, tokenizer=self.tokenizer, device=target.runner.device)
         runner = loaded.runner
+        if runner is target.runner:  # the target drafting for itself (a baseline): nothing to compare
+            return runner
         check_vocabularies(runner, loaded.tokenizer, target.runner, target.tokenizer)
         if runner.dtype != target.runner.dtype:
             logger.info("draft-model: draft model runs in %s, target in %s", runner.dtype, target.runner.dtype)
-        draft_params, target_params = _num_params(runner), _num_params(target.runner)
+        draft_params, target_params = num_params(runner.hf_model), num_params(target.runner.hf_model)
         if draft_params > target_params:
             logger.warning(
                 "draft-model: the draft model (%.1fM parameters) is bigger than the target (%.1fM); "

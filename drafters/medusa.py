@@ -90,6 +90,7 @@ class MedusaDraftConfig:
 class MedusaDrafter(Drafter):
     name = "medusa"
     needs_hidden_states = True
+    catches_up = False  # the heads read the root's hidden state only: a first call is a step
 
     def __init__(self, path: str | None = None, heads: MedusaHeads | None = None, **options) -> None:
         """``path`` (a checkpoint directory) or ``heads`` (a MedusaHeads module); ``options``: MedusaDraftConfig."""

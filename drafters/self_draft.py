@@ -36,6 +36,7 @@ DEFAULT_DRAFT_TOKENS = 2
 class SelfDraftDrafter(ModelDrafter):
     name = "self-draft"
     shares_target_cache = True
+    catches_up = False  # the first N layers' K/V of the prompt are the target's: a first call is a step
 
     def __init__(self, num_layers: int = DEFAULT_LAYERS, draft_vocab: Any = None, **options: Any) -> None:
         """``draft_vocab``: None (full vocabulary), a size, a list of token ids, or a path (see the module doc)."""

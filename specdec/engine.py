@@ -218,7 +218,7 @@ class Engine:
         views = [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, s.new_hidden, s.noise_key)
                  for s in live]
         # a sequence's first call catches the drafter up on its whole prompt: a one-off, not a step's cost
-        catch_up = any(s.proposals == 0 for s in live)
+        catch_up = self.drafter.catches_up and any(s.proposals == 0 for s in live)
         for s in live:
             s.hidden_seen = True
             s.proposals += 1

@@ -94,7 +94,7 @@ class SpeculationPolicy:
 
     def observe(self, step: StepRecord) -> None:
         """Learn from a finished step: acceptance per sequence, the verify time; forget finished sequences."""
-        if self.sizer is None:
+        if self.sizer is None or self.sizer.off:  # off: the drafter is never asked, so nothing learned is used
             return
         for s, acc in zip(step.live, step.acceptances):
             self.sizer.observe(s.seq_id, step.emitted[s.seq_id], acc.accepted_nodes.tolist())

@@ -192,6 +192,33 @@ def test_a_sequences_first_propose_call_is_not_a_steps_draft_cost(monkeypatch):
     assert sizer.draft_cost(1) == pytest.approx(0.1 + 0.2 * (0.2 - 0.1))
 
 
+
+class NoCatchUp(Scripted):
+    catches_up = False  # a sequence's first call costs what a step's does (self-draft, Medusa)
+
+
+def test_a_drafter_without_a_catch_up_is_priced_by_its_first_call(fixed_costs, monkeypatch):
+    """Self-draft's first call for a sequence takes what every later one does (its layers' K/V of the prompt are the
+    target's): flagged as a catch-up, it priced nothing, so the guard asked again three steps later, one probe more
+    per answer (self-draft on the embedded model probed 4 times in 64 tokens). Not flagged, the first judgement
+    prices the probe and the next waits for banked budget; a drafter that catches up keeps the early second probe."""
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4]
+    plain = generate(model, [prompt], max_new_tokens=140)[0]
+    drafter = NoCatchUp(plain, len(prompt), 32, switch=10**9)
+    assert generate(model, [prompt], max_new_tokens=140, drafter=drafter)[0] == plain
+    assert drafter.asked_at[:2] == [0, BANKED_HALF_STEP], drafter.asked_at
+    drafter = Scripted(plain, len(prompt), 32, switch=10**9)
+    assert generate(model, [prompt], max_new_tokens=140, drafter=drafter)[0] == plain
+    assert drafter.asked_at[:3] == [0, 3, BANKED_HALF_STEP], drafter.asked_at
+
+    recorded = []  # the built-in drafters say it: self-draft's calls are never flagged
+    real = TreeSizer.record_draft
+    monkeypatch.setattr(TreeSizer, "record_draft", lambda self, s, catch_up=False: recorded.append(catch_up)
+                        or real(self, s, catch_up))
+    generate(model, [prompt], max_new_tokens=8, drafter="self-draft", drafter_options={"num_layers": 1})
+    assert recorded and not any(recorded)
+
 def test_never_pays_when_a_draft_forward_costs_a_decode_step_whatever_the_acceptance():
     assert TreeSizer(FLAT).never_pays(1.0)  # r = 1: L drafted tokens cost L steps + a verify, commit <= L + 1
     assert not TreeSizer(FLAT).never_pays(0.5)  # 1 + 1 > 0.5 + c(2) = 1.5: a chain of one could pay
