@@ -37,10 +37,10 @@ from dataclasses import dataclass
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView, check_path_option
 from specdec.drafters.call_memory import memory_key
-from specdec.drafters.eagle_catch_up import CatchUpInputs, catch_up
+from specdec.drafters.eagle_catch_up import CatchUpInputs, CatchUpRows, catch_up
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, check_fits_target, load_eagle
 from specdec.drafters.eagle_depth import DepthChooser
-from specdec.drafters.eagle_graphs import CachedKeys, CatchUpRows, EagleGraphs, eagle_graphs
+from specdec.drafters.eagle_graphs import CachedKeys, EagleGraphs, eagle_graphs
 from specdec.drafters.eagle_grow import GrowInputs, TreeGrower
 from specdec.drafters.eagle_kv import EagleKV
 from specdec.drafters.eagle_model import EagleModel
@@ -191,7 +191,7 @@ class EagleDrafter(Drafter):
                 level_seconds[0] *= 2
                 return pools
         dev = self.target.runner.device
-        x = CatchUpInputs.upload(rows.hidden, rows.tokens, rows.positions, rows.counts)
+        x = CatchUpInputs.upload(rows)
         h_root, new_k, new_v = catch_up(self.model, self.target.runner.embed, x, past.k, past.v, past.real)
         self.kv.append(ids, new_k, new_v, rows.counts)
         clock.mark()
@@ -215,9 +215,9 @@ class EagleDrafter(Drafter):
     def _cached(self, views: Sequence[SequenceView]) -> CachedKeys:
         """The sequences' cached keys / values in the slab, right-padded (None when none has a key yet)."""
         ids = [v.seq_id for v in views]
-        keys, values, real = self.kv.gather(ids)
-        return CachedKeys(keys, values, real, self.kv.lengths(ids), [len(v.token_ids) - 1 for v in views],
-                          [v.noise_key for v in views])
+        keys, values = self.kv.gather(ids)
+        return CachedKeys(keys, values, self.kv.lengths(ids), [len(v.token_ids) - 1 for v in views],
+                          [v.noise_key for v in views], self.target.runner.device)
 
     def _catch_up_rows(self, views: Sequence[SequenceView]) -> CatchUpRows:
         """Every sequence's newly committed (feature, next token) pairs, right-padded to the longest: the features

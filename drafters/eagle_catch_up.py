@@ -18,6 +18,22 @@ from specdec.host_copy import to_device
 
 
 @dataclass(frozen=True)
+class CatchUpRows:
+    """A call's catch-up on the host side: target rows [B, L, F] on the device, right-padded host lists."""
+
+    hidden: torch.Tensor
+    tokens: Sequence[Sequence[int]]  # [B][L]
+    positions: Sequence[Sequence[int]]  # [B][L]
+    counts: Sequence[int]  # [B] real rows (>= 1)
+
+    def packed(self, width: int) -> list[list[int]]:
+        """[B][2 width + 1] per sequence: its tokens and positions right-padded with 0 to ``width``, and its count
+        (the layout of :meth:`CatchUpInputs.upload` and of a graph bucket's inputs)."""
+        pad = width - len(self.tokens[0])
+        return [[*t, *[0] * pad, *p, *[0] * pad, c] for t, p, c in zip(self.tokens, self.positions, self.counts)]
+
+
+@dataclass(frozen=True)
 class CatchUpInputs:
     hidden: torch.Tensor  # [B, L, F] target rows (final-norm states, or EAGLE-3's feature layers), right-padded
     tokens: torch.Tensor  # [B, L] int64: the token after each row's position, right-padded with 0
@@ -25,13 +41,11 @@ class CatchUpInputs:
     counts: torch.Tensor  # [B] int64: real rows per sequence (0: a padded sequence)
 
     @classmethod
-    def upload(cls, hidden: torch.Tensor, tokens: Sequence[Sequence[int]], positions: Sequence[Sequence[int]],
-               counts: Sequence[int]) -> "CatchUpInputs":
-        """From right-padded host lists ([B][L] each) and ``hidden`` on the device: one copy to the device."""
-        L = hidden.shape[1]
-        packed = to_device([list(t) + list(p) + [c] for t, p, c in zip(tokens, positions, counts)], torch.long,
-                           hidden.device)  # [B, 2L + 1]
-        return cls(hidden, packed[:, :L], packed[:, L:2 * L], packed[:, 2 * L])
+    def upload(cls, rows: CatchUpRows) -> "CatchUpInputs":
+        """From the host lists and the rows on the device: one copy to the device."""
+        L = rows.hidden.shape[1]
+        packed = to_device(rows.packed(L), torch.long, rows.hidden.device)  # [B, 2L + 1]
+        return cls(rows.hidden, packed[:, :L], packed[:, L:2 * L], packed[:, 2 * L])
 
 
 def catch_up(model, embed: torch.Tensor, x: CatchUpInputs, past_k: torch.Tensor | None,

@@ -27,9 +27,10 @@ import bisect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
-from specdec.drafters.eagle_catch_up import CatchUpInputs, catch_up
+from specdec.drafters.eagle_catch_up import CatchUpInputs, CatchUpRows, catch_up
 from specdec.drafters.eagle_grow import GrowInputs, TreeGrower
 
 from specdec.host_copy import to_device
@@ -62,25 +63,21 @@ class EagleGraphConfig:
 @dataclass(frozen=True)
 class CachedKeys:
     """The sequences' cached keys / values ([B, kv_heads, P, head_dim] each, right-padded: sequence b's first
-    ``counts[b]`` columns are its own, as ``real`` [B, P] says; None when P is 0), their root positions and noise
-    keys: what every call reads."""
+    ``counts[b]`` columns are its own; None when P is 0), their root positions and noise keys: what every call
+    reads."""
 
     k: torch.Tensor | None
     v: torch.Tensor | None
-    real: torch.Tensor
     counts: Sequence[int]
     root_positions: Sequence[int]
     noise_keys: Sequence[int]
+    device: torch.device
 
-
-@dataclass(frozen=True)
-class CatchUpRows:
-    """A call's catch-up on the host side: target rows [B, L, F] on the device, right-padded host lists."""
-
-    hidden: torch.Tensor
-    tokens: Sequence[Sequence[int]]  # [B][L]
-    positions: Sequence[Sequence[int]]  # [B][L]
-    counts: Sequence[int]  # [B] real rows (>= 1)
+    @cached_property
+    def real(self) -> torch.Tensor:  # [B, P] bool: sequence b's own columns (built when the eager path asks)
+        width = 0 if self.k is None else self.k.shape[2]
+        return torch.arange(width, device=self.device)[None] < to_device(list(self.counts), torch.long,
+                                                                        self.device)[:, None]
 
 
 @dataclass
@@ -181,10 +178,7 @@ class EagleGraphs:
         meta[:B, 1] = torch.tensor(list(past.root_positions))
         meta[:B, 2] = torch.tensor(list(past.noise_keys))
         if rows is not None:
-            R, L = bucket.catch.tokens.shape[1], len(rows.tokens[0])
-            meta[:B, 3 : 3 + L] = torch.tensor([list(t) for t in rows.tokens])
-            meta[:B, 3 + R : 3 + R + L] = torch.tensor([list(p) for p in rows.positions])
-            meta[:B, 3 + 2 * R] = torch.tensor(list(rows.counts))
+            meta[:B, 3:] = torch.tensor(rows.packed(bucket.catch.tokens.shape[1]))
         bucket.meta.copy_(to_device(meta, torch.long, bucket.meta.device))  # a device-to-device copy: no sync
 
     def _run(self, bucket: _Bucket, depth: int) -> tuple:

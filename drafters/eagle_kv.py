@@ -2,8 +2,8 @@
 
     kv = EagleKV(kv_heads, head_dim, dtype, device)
     kv.append(seq_ids, new_k, new_v, counts)  # [B, kv_heads, L, head_dim]: sequence b's first counts[b] columns
-    k, v, real = kv.gather(seq_ids)           # [B, kv_heads, P, head_dim] right-padded, real [B, P]; None, None
-                                              # when no sequence has a key
+    k, v = kv.gather(seq_ids)                 # [B, kv_heads, P, head_dim] right-padded; None, None when no
+                                              # sequence has a key
     kv.release(seq_id)
 
 The slab is ``[rows, kv_heads, capacity, head_dim]`` for keys and for values. A step's write for all its sequences is
@@ -12,8 +12,8 @@ grown by ``torch.cat`` cost two launches per sequence and a copy of the whole ca
 double when full (one copy, amortised).
 
 Invariant: row ``r`` of a sequence holds its keys in columns ``[0, length)``; every other column holds zeros or
-another (finite) sequence's stale keys, which ``real`` masks: a masked key weighs exactly 0, so results are the
-same bits as with zero padding.
+another (finite) sequence's stale keys, which the reader masks by ``lengths``: a masked key weighs exactly 0, so
+results are the same bits as with zero padding.
 """
 from __future__ import annotations
 
@@ -68,20 +68,19 @@ class EagleKV:
         self.k[row, :, col] = new_k[src_b, :, src_j]
         self.v[row, :, col] = new_v[src_b, :, src_j]
 
-    def gather(self, seq_ids) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    def gather(self, seq_ids) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The sequences' keys / values right-padded to the longest ([B, kv_heads, P, head_dim] each; None when P
-        is 0) and [B, P] bool: the real columns."""
+        is 0): sequence b's first ``lengths([...])[b]`` columns are its own."""
         lengths = self.lengths(seq_ids)
         P = max(lengths, default=0)
-        real = torch.arange(P, device=self.device)[None] < to_device(lengths, torch.long, self.device)[:, None]
         if P == 0:
-            return None, None, real
+            return None, None
         if len(seq_ids) == 1:
             r = self.row[seq_ids[0]]
-            return self.k[r : r + 1, :, :P], self.v[r : r + 1, :, :P], real
+            return self.k[r : r + 1, :, :P], self.v[r : r + 1, :, :P]
         rows = to_device([self.row.get(i, self.row[seq_ids[lengths.index(P)]]) for i in seq_ids], torch.long,
                          self.device)  # a sequence without keys reads any row: all its columns are masked
-        return self.k[:, :, :P].index_select(0, rows), self.v[:, :, :P].index_select(0, rows), real
+        return self.k[:, :, :P].index_select(0, rows), self.v[:, :, :P].index_select(0, rows)
 
     def release(self, seq_id: int) -> None:
         row = self.row.pop(seq_id, None)
