@@ -11,7 +11,8 @@ Two counts, for the model with separate and with fused (packed) projections:
   (what a replay runs), and those the host issues one by one each step besides the replay (the inputs' copy, the
   LM head, the greedy choice, ...).
 
-Counts, not times: on a GPU each launch costs the host a few microseconds and the GPU at least one kernel's start.
+Counts, not times (by :class:`specdec.launches.Launches`): on a GPU each launch costs the host a few microseconds
+and the GPU at least one kernel's start.
 """
 from __future__ import annotations
 
@@ -24,59 +25,8 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-# views, allocations and the interpreter's own argument handling: no device work
-NOT_LAUNCHES = {"view", "_unsafe_view", "slice", "split", "split_with_sizes", "as_strided", "t", "transpose", "expand",
-                "unsqueeze", "squeeze", "select", "detach", "detach_", "alias", "permute", "reshape", "unbind",
-                "lift_fresh", "empty", "empty_like", "empty_strided", "scalar_tensor"}
-
-
-class Launches(TorchDispatchMode):
-    """Counts aten ops that launch device work (while ``paused`` is 0) and Triton kernel launches; ``ops`` while
-    ``inside`` is 0, ``inside_ops`` while it is not."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-        self.inside_ops: collections.Counter = collections.Counter()
-        self.paused = self.inside = 0
-
-    def count(self, name: str) -> None:
-        if not self.paused:
-            (self.inside_ops if self.inside else self.ops)[name] += 1
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        same = (name in ("to", "_to_copy") and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor)
-                and out.data_ptr() == args[0].data_ptr())  # a no-op conversion
-        if name not in NOT_LAUNCHES and not same:
-            self.count(name)
-        return out
-
-    def __enter__(self):
-        import triton.runtime.interpreter as interpreter
-
-        self._run = real = interpreter.InterpretedFunction.run
-        counter = self
-
-        def run(fn, *args, **kwargs):  # a kernel launch: counted once, its inner tensor ops not at all
-            counter.count(f"triton:{fn.fn.__name__}")
-            counter.paused += 1
-            try:
-                return real(fn, *args, **kwargs)
-            finally:
-                counter.paused -= 1
-
-        interpreter.InterpretedFunction.run = run
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        import triton.runtime.interpreter as interpreter
-
-        interpreter.InterpretedFunction.run = self._run
-        return super().__exit__(*exc)
+from specdec.launches import Launches  # noqa: E402
 
 
 def forward_launches(runner) -> collections.Counter:

@@ -222,38 +222,26 @@ def test_a_graphed_step_moves_its_inputs_in_one_copy(loaded, monkeypatch):
     """Outside the replayed forward a plain graphed step runs the LM head and the greedy choice, and moves its
     inputs (token ids, positions, write slots, the attention metadata) in at most one copy: no per-field copies,
     fills or index uploads, each of which is a launch, and on a GPU the host's time, every step."""
-    from collections import Counter
-
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from specdec.launches import Launches
 
     runner, s = loaded.runner, loaded.runner.shape
     cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, 4, 32, runner.dtype, runner.device, runner.backend)
     graphed = GraphedForward(runner, cache, GraphConfig(batch_sizes=(1, 2), tokens_per_seq=(1, 2), capture=CAPTURE))
-    inside, real_run = [0], GraphedForward._run
+    counter, real_run = Launches(), GraphedForward._run
 
-    def run(self, *args):
-        inside[0] += 1
+    def run(self, *args):  # what a replay runs is counted apart
+        counter.inside += 1
         try:
             return real_run(self, *args)
         finally:
-            inside[0] -= 1
+            counter.inside -= 1
 
     monkeypatch.setattr(GraphedForward, "_run", run)
-    views = {"view", "_unsafe_view", "slice", "select", "expand", "alias", "detach", "reshape", "t", "unsqueeze",
-             "split", "split_with_sizes", "as_strided", "lift_fresh", "empty", "empty_strided"}
-
-    class Count(TorchDispatchMode):
-        ops: Counter = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not inside[0] and func.overloadpacket.__name__ not in views:
-                self.ops[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
 
     engine = Engine(runner, cache, sampling=SamplingConfig(), stop=StopCriteria(10), graphed=graphed)
     engine.add(ragged_prompts(2, VOCAB, seed=5, max_len=9))
     engine.step()  # the first replay of the bucket (a capture on a GPU)
-    steps, counter = 0, Count()
+    steps = 0
     while engine.live:
         with counter:
             engine.step()

@@ -5,22 +5,9 @@ import random
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdec.kv_cache import CacheConfig, CacheFullError, PagedKVCache
-
-
-class Ops(TorchDispatchMode):
-    """The names of the aten ops run inside it, views left out: on a GPU each is a launch or a copy."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ not in ("view", "slice", "select", "alias", "lift_fresh", "split"):
-            self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
+from specdec.launches import Launches
 
 
 def _random_run(seed: int, block_size: int, steps: int = 200):
@@ -105,9 +92,9 @@ def test_a_batch_commit_moves_every_sequences_kv_with_one_copy_of_the_slots():
         cache.write(1, slots, vals, -vals)
         keep[seq] = [0, 2, 5] if seq % 2 else [0, 1, 4]
         want[seq] = [100 * seq + o for o in keep[seq]]
-    with Ops() as ops:
+    with Launches() as counter:
         cache.commit(keep)
-    assert len(ops.names) <= 3, ops.names  # the slots' copy, the gather, the scatter
+    assert sum(counter.ops.values()) <= 3, counter.ops  # the slots' copy, the gather, the scatter
     for seq in range(8):
         got = cache.kv[1, :, cache.slots(seq, 3 + seq, 6 + seq)].flatten(1)
         assert got.tolist() == [want[seq], [-x for x in want[seq]]]
@@ -119,9 +106,10 @@ def test_a_reservation_uploads_every_sequences_new_slots_in_one_copy():
         cache.add(seq)
         cache.reserve(seq, 3 + seq % 2)
         cache.commit({seq: range(3 + seq % 2)})
-    with Ops() as ops:
+    with Launches() as counter:
         cache.reserve_many({seq: 6 for seq in range(8)})  # each needs a new block, half of them two
-    assert ops.names.count("_to_copy") + ops.names.count("copy_") <= 1 and len(ops.names) <= 1 + 8 + 2, ops.names
+    ops = counter.ops
+    assert ops["_to_copy"] + ops["copy_"] <= 1 and sum(ops.values()) <= 1 + 8 + 2, ops
     for seq, table in cache.block_tables.items():
         want = [table[p // 4] * 4 + p % 4 for p in range(len(table) * 4)]
         assert cache._slot_rows[seq].tolist() == want

@@ -1,0 +1,73 @@
+"""Counting the device work a piece of code launches, on any machine: aten ops that are not views or allocations,
+plus Triton kernel launches (under ``TRITON_INTERPRET=1`` a kernel's inner tensor ops are not counted).
+
+    with Launches() as counter:
+        engine.step()
+    counter.ops            # Counter: op name -> launches issued by the host one by one
+    counter.inside_ops     # ... those issued while ``counter.inside`` > 0 (e.g. inside a replayed graph)
+
+Counts, not times: on a GPU each launch costs the host a few microseconds and the GPU at least one kernel's start.
+Used by ``benchmarks/count_launches.py`` and by the tests that bound what a step launches.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# views, allocations and the interpreter's own argument handling: no device work
+NOT_LAUNCHES = {"view", "_unsafe_view", "slice", "split", "split_with_sizes", "as_strided", "t", "transpose", "expand",
+                "unsqueeze", "squeeze", "select", "detach", "detach_", "alias", "permute", "reshape", "unbind",
+                "lift_fresh", "empty", "empty_like", "empty_strided", "scalar_tensor"}
+
+
+class Launches(TorchDispatchMode):
+    """Counts aten ops that launch device work (while ``paused`` is 0) and Triton kernel launches; into ``ops`` while
+    ``inside`` is 0, into ``inside_ops`` while it is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.inside_ops: collections.Counter = collections.Counter()
+        self.paused = self.inside = 0
+        self._run = None  # the Triton interpreter's launch, while it is wrapped
+
+    def count(self, name: str) -> None:
+        if not self.paused:
+            (self.inside_ops if self.inside else self.ops)[name] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        same = (name in ("to", "_to_copy") and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor)
+                and out.data_ptr() == args[0].data_ptr())  # a no-op conversion
+        if name not in NOT_LAUNCHES and not same:
+            self.count(name)
+        return out
+
+    def __enter__(self):
+        try:
+            import triton.runtime.interpreter as interpreter
+        except ImportError:  # no Triton: aten ops only
+            return super().__enter__()
+        self._run = real = interpreter.InterpretedFunction.run
+        counter = self
+
+        def run(fn, *args, **kwargs):  # a kernel launch: counted once, its inner tensor ops not at all
+            counter.count(f"triton:{fn.fn.__name__}")
+            counter.paused += 1
+            try:
+                return real(fn, *args, **kwargs)
+            finally:
+                counter.paused -= 1
+
+        interpreter.InterpretedFunction.run = run
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._run is not None:
+            import triton.runtime.interpreter as interpreter
+
+            interpreter.InterpretedFunction.run, self._run = self._run, None
+        return super().__exit__(*exc)
