@@ -5,8 +5,8 @@ of the sequence's *committed* tokens:
 
 1. catch up: one batched forward over the tokens committed since the last step; they are committed;
 2. grow: one batched forward per depth over the new frontier nodes of every sequence, their K/V at scratch
-   slots past the root (each node sees the committed prefix, the root and its ancestors); a static tree of chosen
-   candidates keeps its choices on the device and is read once (``_grow_static``), others once per depth;
+   slots past the root (each node sees the committed prefix, the root and its ancestors); a static tree keeps its
+   children, chosen or sampled, on the device and is read once (``_grow_static``), others once per depth;
 3. release the scratch slots: rejected drafts cost nothing to roll back; accepted ones are recomputed in the
    next catch-up.
 
@@ -140,9 +140,11 @@ class ModelDrafter(Drafter):
         elif mode == "auto":
             mode = "deterministic" if target.sampling.greedy or self.config.tree == "dynamic" else "independent"
         self.mode = DraftMode(mode)
-        # a static tree of chosen (not sampled) candidates has its shape before its tokens: grown on the device and
-        # read once (_grow_static), unless logits processors need each node's prefix on the host
-        self.static_on_device = (self.config.tree == "static" and self.mode is DraftMode.DETERMINISTIC
+        # a static tree has its shape before its tokens: grown on the device and read once (_grow_static), unless
+        # logits processors need each node's prefix on the host, or children drawn without replacement may be
+        # fewer than the width (a distribution with fewer possible tokens)
+        fixed_shape = self.mode is not DraftMode.WITHOUT_REPLACEMENT or all(w == 1 for w in self.config.widths)
+        self.static_on_device = (self.config.tree == "static" and fixed_shape
                                  and (target.processing is None or self.draft_vocab is not None))
         seed = self.config.seed if self.config.seed is not None else target.seed
         self.generator = None
@@ -270,24 +272,32 @@ class ModelDrafter(Drafter):
         return [self._tree(ns) for ns in nodes]
 
     def _grow_static(self, live: list[SequenceView], root_logits: torch.Tensor) -> list[DraftTree]:
-        """A static tree of chosen candidates (a chain by default) for every sequence: its shape is the config's, so
-        each depth's children (the top-w of each frontier node, as ``_children`` picks them) stay on the device and
-        run through the next forward as device token ids; the host reads the tokens once."""
+        """A static tree (a chain by default) for every sequence: its shape is the config's, so each depth's
+        children (chosen or drawn per frontier node, as ``_children`` does) stay on the device and run through the
+        next forward as device token ids; the host reads the tokens once. Sampled children are drawn for every
+        sequence at once, in ``_children``'s order (sequence by sequence), and keep their rows' draft_probs."""
         cfg, B, dev = self.config, len(live), root_logits.device
         ids = None if self.draft_vocab is None else to_device(self.draft_vocab.ids, torch.long, dev)
         parents: list[int] = []  # the tree's shape, the same for every sequence
         frontier = [-1]  # its newest nodes (-1: the root)
         logits = root_logits  # [B * len(frontier), n], sequence-major
-        chosen = []  # per depth [B, new nodes] token ids
+        chosen, drawn_from = [], []  # per depth [B, new nodes] token ids, and (sampled) [B, new nodes, vocab]
         for depth in range(1, cfg.num_draft_tokens + 1):
+            width = cfg.width(depth)
             noise = None
             if self.target.coupling is not None:  # [B * frontier, n]: a sequence's noise for all its frontier
                 noise = torch.stack([self._noise(v, depth) for v in live]).repeat_interleave(len(frontier), 0)
-            probs = self._ranking(logits, noise)
-            top = torch.topk(probs, min(cfg.width(depth), probs.shape[-1])).indices  # [B * frontier, w]
-            tokens = (top if ids is None else ids[top]).reshape(B, -1)  # [B, frontier * w]
+            if self.mode is DraftMode.DETERMINISTIC:
+                top = torch.topk(self._ranking(logits, noise), min(width, logits.shape[-1])).indices  # [B * F, w]
+                tokens = (top if ids is None else ids[top]).reshape(B, -1)  # [B, frontier * w]
+            else:
+                draft_probs = logits_to_probs(logits.float(), self.target.sampling)  # [B * frontier, n]
+                if self.draft_vocab is not None:  # -> [B * frontier, vocab], zero outside the N tokens
+                    draft_probs = self.draft_vocab.expand(draft_probs)
+                tokens = self._draw(draft_probs, width).reshape(B, -1)  # token ids, never -1 (fixed_shape)
+                drawn_from.append(draft_probs.repeat_interleave(width, 0).reshape(B, tokens.shape[1], -1))
             new = list(range(len(parents), len(parents) + tokens.shape[1]))
-            parents += [p for p in frontier for _ in range(top.shape[1])]
+            parents += [p for p in frontier for _ in range(tokens.shape[1] // len(frontier))]
             chosen.append(tokens)
             frontier = new
             if depth == cfg.num_draft_tokens:
@@ -297,7 +307,10 @@ class ModelDrafter(Drafter):
         if not self.shares_target_cache:  # drop the scratch K/V of the draft nodes
             self.cache.commit({v.seq_id: [] for v in live})
         rows = torch.cat(chosen, dim=1).tolist()  # the one read of the device
-        return [DraftTree(row, parents) for row in rows]
+        if not drawn_from:
+            return [DraftTree(row, parents) for row in rows]
+        probs = torch.cat(drawn_from, dim=1)  # [B, nodes, vocab]
+        return [DraftTree(row, parents, probs[b], self.mode) for b, row in enumerate(rows)]
 
     def _process_frontier(self, live: list[SequenceView], nodes: list[list[_Node]], frontier) -> None:
         """The target's logits processors (TargetView.processing) on each frontier node's logits, with that node's

@@ -1,5 +1,6 @@
 """On a GPU, an engine step synchronises the host with the device once: when it reads the target's choices, or under
-sampling the rejection walk's result (an EAGLE step twice: it also reads its candidate pool, to rerank). Every
+sampling the rejection walk's result (an EAGLE step twice: it also reads its candidate pool, to rerank; a draft
+model's step twice, it reads its tree, and sampled three times: the tree's draft_probs are checked in one read). Every
 per-step input built on the host goes through ``specdec.host_copy.to_device`` (pinned, asynchronous); drafting
 times its levels with events (``specdec.drafters.level_clock``), not by waiting for the device."""
 from __future__ import annotations
@@ -9,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 from specdec.drafters.level_clock import LevelClock
@@ -53,7 +55,8 @@ def test_the_level_clock_gives_each_part_its_time_and_the_call_its_total():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA synchronisations")
 @pytest.mark.parametrize("drafter,sampled", [(None, ""), ("ngram", ""), ("eagle", ""), (None, "rejection"),
                                              ("ngram", "rejection"), ("eagle", "rejection"), ("ngram", "coupled"),
-                                             ("eagle", "coupled"), ("ngram", "penalty")])
+                                             ("eagle", "coupled"), ("ngram", "penalty"), ("draft-model", ""),
+                                             ("draft-model", "rejection")])
 def test_a_step_synchronises_once(drafter, sampled, monkeypatch):
     """Sampled steps too: the rejection walk masks ended rows instead of reading which rows still walk, and the
     coupled walk's and the logits processors' row indices reach the device without a blocking copy."""
@@ -76,7 +79,10 @@ def test_a_step_synchronises_once(drafter, sampled, monkeypatch):
         eagle = EagleModel(EagleConfig.for_target(model.config, draft_vocab=tuple(range(0, 96, 2))))
         eagle.init_from_target(model)
         drafter = EagleDrafter(model=eagle.cuda())
-    reads = 2 if isinstance(drafter, EagleDrafter) else 1
+    if drafter == "draft-model":  # its tree is read once per step; sampled, its draft_probs' checks once more
+        drafter = DraftModelDrafter(model=build_tiny_model(seed=7).cuda())
+    reads = 1 + isinstance(drafter, (EagleDrafter, DraftModelDrafter)) + (isinstance(drafter, DraftModelDrafter)
+                                                                        and sampled == "rejection")
     prompts = ragged_prompts(3, seed=1)[1:]
     kw = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=2, sampler="coupled" if sampled == "coupled" else
               "standard") if sampled in ("rejection", "coupled") else {}
@@ -84,5 +90,7 @@ def test_a_step_synchronises_once(drafter, sampled, monkeypatch):
         kw = dict(repetition_penalty=1.2)
     generate(model, prompts, max_new_tokens=24, drafter=drafter, speculation="always", **kw)  # compiles, captures
     monkeypatch.setattr(Engine, "step", counted)
-    generate(model, prompts, max_new_tokens=24, drafter=drafter, **kw)  # the default policy: EAGLE chooses its depth
+    # the default policy (EAGLE chooses its depth); a draft model as costly as the target would never be asked
+    policy = dict(speculation="always") if isinstance(drafter, DraftModelDrafter) else {}
+    generate(model, prompts, max_new_tokens=24, drafter=drafter, **kw, **policy)
     assert syncs and max(syncs[1:]) <= reads, syncs

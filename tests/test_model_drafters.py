@@ -249,27 +249,32 @@ def test_sampling_law_with_dynamic_tree_matches_plain():
     assert drafter.mode.value == "deterministic" and drafter.draft_forwards > 0
 
 
-@pytest.mark.parametrize("sampling", [{}, dict(do_sample=True, temperature=0.9, seed=5, sampler="coupled")],
-                         ids=["greedy", "coupled"])
+@pytest.mark.parametrize("sampling", [{}, dict(do_sample=True, temperature=0.9, seed=5, sampler="coupled"),
+                                      dict(do_sample=True, temperature=0.9, top_p=0.9, seed=5)],
+                         ids=["greedy", "coupled", "sampled"])
 @pytest.mark.parametrize("name, options", [
     ("self-draft", dict(num_layers=1, num_draft_tokens=4)),
     ("draft-model", dict(widths=(2, 2), num_draft_tokens=3)),
-], ids=["self-chain", "draft-model-static-tree"])
+    ("draft-model", dict(num_draft_tokens=3, mode="without_replacement")),
+], ids=["self-chain", "draft-model-static-tree", "draft-model-chain-without-replacement"])
 def test_static_trees_grown_on_the_device_are_the_host_grown_trees(name, options, sampling):
-    """A static tree of chosen candidates is grown on the device (the children of a depth run through the next
-    forward as device token ids, the host reads the tree once): the trees, depth by depth, are those of the growth
-    that reads each depth's choices on the host."""
+    """A static tree is grown on the device (the children of a depth, chosen or drawn, run through the next forward
+    as device token ids, the host reads the tree once): the trees, depth by depth, with their draft_probs, are those
+    of the growth that reads each depth's children on the host (on the CPU a batched draw takes its rows' random
+    numbers in the order the host growth's draws, sequence by sequence, take them)."""
     target = build_tiny_model(num_hidden_layers=3)
     kinds = {"self-draft": SelfDraftDrafter, "draft-model": DraftModelDrafter}
 
     class Recorder(kinds[name]):
         def attach(self, target_view):
             super().attach(target_view)
-            self.static_on_device = self.on_device
+            self.decided, self.static_on_device = self.static_on_device, self.on_device
 
         def propose(self, seqs):
             trees = super().propose(seqs)
-            self.seen.update((tuple(v.token_ids), (t.tokens.tolist(), t.parents.tolist())) for v, t in zip(seqs, trees))
+            self.seen.update((tuple(v.token_ids), (t.tokens.tolist(), t.parents.tolist(), t.mode,
+                                                   None if t.draft_probs is None else t.draft_probs.tolist()))
+                             for v, t in zip(seqs, trees))
             return trees
 
     extra = {"model": build_tiny_model(seed=7)} if name == "draft-model" else {}
@@ -279,4 +284,5 @@ def test_static_trees_grown_on_the_device_are_the_host_grown_trees(name, options
         drafter.on_device, drafter.seen = on_device, {}
         out = specdec.generate(target, PROMPTS, max_new_tokens=20, drafter=drafter, speculation="always", **sampling)
         runs.append((out, drafter.seen))
+        assert drafter.decided  # every tree here has its shape before its tokens
     assert runs[0] == runs[1] and len(runs[0][1]) > 10
