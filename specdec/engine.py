@@ -59,10 +59,11 @@ class SequenceState:
     step_lengths: list[int] = field(default_factory=list)  # tokens committed by each step
     step_nodes: list[int] = field(default_factory=list)  # draft nodes each step verified (after sizing)
     finished_at: float | None = None  # time.perf_counter() when it finished
-    # [k, hidden_size] target final-norm hidden states of the k positions committed by the last prefill or
-    # step, ending at token_ids[-2] (kept only for drafters that ask; None for a one-token prompt's first step)
-    new_hidden: torch.Tensor | None = None
-    hidden_seen: bool = False  # new_hidden reached the drafter (else the next step's rows are appended to it)
+    # the target's final-norm hidden states (or a drafter's feature layers) of the positions committed since the
+    # drafter last saw them, ending at token_ids[-2], a [k_i, hidden_size] chunk per prefill or step (kept only for
+    # drafters that ask): steps the guard decodes plainly add chunks, joined only when the drafter is asked
+    hidden_chunks: list[torch.Tensor] = field(default_factory=list)
+    hidden_seen: bool = False  # the chunks reached the drafter (else the next step's rows are added to them)
     plain_by_guard: int = 0  # steps the break-even guard decoded plainly without asking the drafter
     proposals: int = 0  # propose calls that included this sequence
     noise_key: int = 0  # coupled sampling: the sequence's key (specdec.coupling.sequence_keys)
@@ -71,6 +72,14 @@ class SequenceState:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def new_hidden(self) -> torch.Tensor | None:
+        """[k, hidden_size] the hidden states the drafter has not seen (SequenceView.new_hidden); None for a one-token
+        prompt's first step."""
+        if len(self.hidden_chunks) > 1:
+            self.hidden_chunks = [torch.cat(self.hidden_chunks)]
+        return self.hidden_chunks[0] if self.hidden_chunks else None
 
     @property
     def new_tokens(self) -> list[int]:
@@ -171,7 +180,7 @@ class Engine:
                                       feature_layers=self.feature_layers)
             if self.keep_hidden:
                 for s, seq_rows in zip(todo, batch.rows):
-                    s.new_hidden = self.drafter_rows(out)[list(seq_rows)]
+                    s.hidden_chunks = [self.drafter_rows(out)[list(seq_rows)]]
             self.cache.commit({s.seq_id: range(len(s.token_ids) - 1) for s in todo})
         return new
 
@@ -354,9 +363,10 @@ class Engine:
             counts.append(1 + len(acc.accepted_nodes))
         kept = hidden.reshape(B * W, -1)[to_device(index, torch.long, hidden.device)].split(counts)
         for s, new in zip(live, kept):
-            if not s.hidden_seen and s.new_hidden is not None:  # the guard skipped the drafter: it gets them all
-                new = torch.cat([s.new_hidden, new])
-            s.new_hidden, s.hidden_seen = new, False
+            if s.hidden_seen:
+                s.hidden_chunks, s.hidden_seen = [new], False
+            else:  # the guard skipped the drafter: it gets them all when next asked (joined then, not every step)
+                s.hidden_chunks.append(new)
 
     def commit(self, live: list[SequenceState], acceptances: list[Acceptance]) -> dict[int, list[int]]:
         """Emit accepted + next tokens (up to a stop), keep the accepted path's K/V, free the rest."""

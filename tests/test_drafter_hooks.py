@@ -57,6 +57,48 @@ def test_drafter_is_attached_once_and_sees_the_hidden_state_of_the_token_before_
     assert checked >= 10
 
 
+
+class RowsRecorder(Drafter):
+    """Records every hidden-state row it is given, per sequence; proposes nothing."""
+
+    name = "rows-recorder"
+    needs_hidden_states = True
+
+    def __init__(self) -> None:
+        self.rows: dict[int, list[torch.Tensor]] = {}
+        self.tokens: dict[int, list[int]] = {}
+
+    def propose(self, seqs):
+        for v in seqs:
+            if v.new_hidden is not None:
+                self.rows.setdefault(v.seq_id, []).append(v.new_hidden.clone())
+            self.tokens[v.seq_id] = list(v.token_ids)
+        return [DraftTree.empty() for _ in seqs]
+
+
+def test_a_drafter_the_guard_skipped_gets_every_row_committed_meanwhile(monkeypatch):
+    """Steps decoded plainly keep their hidden states for the drafter: when next asked it gets every position
+    committed since it last saw one (EAGLE catches up on them), each position once, in order."""
+    from specdec.speculation_policy import SpeculationPolicy
+
+    calls = []
+
+    def every_third_step(self, live):  # the guard asks the drafter one step in three
+        calls.append(1)
+        return live if len(calls) % 3 == 1 else []
+
+    monkeypatch.setattr(SpeculationPolicy, "who_drafts", every_third_step)
+    model = build_tiny_model("llama-gqa-tied")
+    drafter = RowsRecorder()
+    generate(model, [[5, 9, 11, 2], [7, 3]], drafter=drafter, max_new_tokens=20, speculation="always")
+    assert len(calls) >= 18 and set(drafter.rows) == {0, 1}
+    for seq_id, chunks in drafter.rows.items():
+        tokens = drafter.tokens[seq_id]  # as of its last call: rows of every position before its root
+        assert len(chunks) >= 5
+        with torch.no_grad():
+            ref = model.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
+        torch.testing.assert_close(torch.cat(chunks), ref, atol=1e-4, rtol=1e-4)
+
 class Mutator(Drafter):
     """A careless plugin: it edits the tokens it was shown, then proposes nothing."""
 
