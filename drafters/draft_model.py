@@ -37,6 +37,11 @@ def check_vocabularies(draft_runner: LlamaRunner, draft_tok: Any, target_runner:
     if draft_tok is None or target_tok is None:
         logger.warning("draft-model: a tokenizer is missing, so only the vocabulary sizes were compared")
         return
+    try:
+        if target_tok in _MATCHED.get(draft_tok, ()):  # checked by an earlier generate() call
+            return
+    except TypeError:  # a tokenizer that cannot be weakly referenced or hashed: checked every time
+        pass
     step = max(1, tv // samples)
     for i in range(0, tv, step):
         a, b = draft_tok.convert_ids_to_tokens(i), target_tok.convert_ids_to_tokens(i)
@@ -45,6 +50,14 @@ def check_vocabularies(draft_runner: LlamaRunner, draft_tok: Any, target_runner:
                 f"draft-model: token id {i} is {a!r} for the draft model but {b!r} for the target; "
                 "the two models need the same tokenizer"
             )
+    try:
+        _MATCHED.setdefault(draft_tok, weakref.WeakSet()).add(target_tok)
+    except TypeError:
+        pass
+
+
+# draft tokenizer -> the target tokenizers found to map every checked id alike (4,000 lookups, ~5 ms, per call)
+_MATCHED: "weakref.WeakKeyDictionary[Any, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 
 
 _PARAMS: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()

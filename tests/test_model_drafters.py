@@ -55,16 +55,25 @@ def test_draft_model_refuses_a_tokenizer_that_maps_ids_differently():
     from specdec.drafters.draft_model import check_vocabularies
 
     class Tok:
+        lookups = 0
+
         def __init__(self, shift):
             self.shift = shift
 
         def convert_ids_to_tokens(self, i):
+            Tok.lookups += 1
             return f"t{i + (self.shift if i > 40 else 0)}"
 
     runner = specdec.models.loader.load_model(build_tiny_model()).runner
-    check_vocabularies(runner, Tok(0), runner, Tok(0))
-    with pytest.raises(VocabularyMismatchError, match="token id 4[1-9]"):
-        check_vocabularies(runner, Tok(1), runner, Tok(0))
+    draft, target = Tok(0), Tok(0)
+    check_vocabularies(runner, draft, runner, target)
+    looked = Tok.lookups
+    check_vocabularies(runner, draft, runner, target)  # the same pair again (a later generate() call): not re-read
+    assert looked > 0 and Tok.lookups == looked
+    shifted = Tok(1)
+    for _ in range(2):  # a mismatch is found every time, never remembered as checked
+        with pytest.raises(VocabularyMismatchError, match="token id 4[1-9]"):
+            check_vocabularies(runner, shifted, runner, target)
 
 
 def test_bigger_draft_model_warns(caplog):
