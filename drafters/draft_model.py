@@ -94,8 +94,6 @@ class DraftModelDrafter(ModelDrafter):
     def make_runner(self, target: TargetView) -> LlamaRunner:
         loaded = load_model(self.model_spec, tokenizer=self.tokenizer, device=target.runner.device)
         runner = loaded.runner
-        if runner is target.runner:  # the target drafting for itself (a baseline): nothing to compare
-            return runner
         check_vocabularies(runner, loaded.tokenizer, target.runner, target.tokenizer)
         if runner.dtype != target.runner.dtype:
             logger.info("draft-model: draft model runs in %s, target in %s", runner.dtype, target.runner.dtype)

@@ -174,9 +174,7 @@ class EagleGraphs:
         x.past_k[:B, :, :P].copy_(past.k)  # columns past a sequence's keys (stale, finite) are masked
         x.past_v[:B, :, :P].copy_(past.v)
         meta = torch.zeros(bucket.meta.shape, dtype=torch.long)  # padded sequences: no keys or rows, position 0
-        meta[:B, 0] = torch.tensor(list(past.counts))
-        meta[:B, 1] = torch.tensor(list(past.root_positions))
-        meta[:B, 2] = torch.tensor(list(past.noise_keys))
+        meta[:B, :3] = torch.tensor(list(zip(past.counts, past.root_positions, past.noise_keys)))
         if rows is not None:
             meta[:B, 3:] = torch.tensor(rows.packed(bucket.catch.tokens.shape[1]))
         bucket.meta.copy_(to_device(meta, torch.long, bucket.meta.device))  # a device-to-device copy: no sync

@@ -291,9 +291,7 @@ class ModelDrafter(Drafter):
                 top = torch.topk(self._ranking(logits, noise), min(width, logits.shape[-1])).indices  # [B * F, w]
                 tokens = (top if ids is None else ids[top]).reshape(B, -1)  # [B, frontier * w]
             else:
-                draft_probs = logits_to_probs(logits.float(), self.target.sampling)  # [B * frontier, n]
-                if self.draft_vocab is not None:  # -> [B * frontier, vocab], zero outside the N tokens
-                    draft_probs = self.draft_vocab.expand(draft_probs)
+                draft_probs = self._draft_probs(logits)  # [B * frontier, vocab]
                 tokens = self._draw(draft_probs, width).reshape(B, -1)  # token ids, never -1 (fixed_shape)
                 drawn_from.append(draft_probs.repeat_interleave(width, 0).reshape(B, tokens.shape[1], -1))
             new = list(range(len(parents), len(parents) + tokens.shape[1]))
@@ -350,7 +348,7 @@ class ModelDrafter(Drafter):
                   noise: torch.Tensor | None = None) -> list[int]:
         """Choose the children of this depth; append them to ``nodes``; return their indices. ``noise`` [n]:
         coupled sampling ranks each node's candidates by its perturbed logits (a Gumbel-top-k sample)."""
-        cfg, sampling = self.config, self.target.sampling
+        cfg = self.config
         start = len(nodes)
         if noise is not None or self.mode is DraftMode.DETERMINISTIC:
             k = cfg.beam if cfg.tree == "dynamic" else cfg.width(depth)
@@ -366,13 +364,17 @@ class ModelDrafter(Drafter):
             for score, parent, token in cands:
                 nodes.append(_Node(parent, token, score, None))
         else:  # every frontier node's children drawn at once: one read of the device per depth
-            draft_probs = logits_to_probs(torch.stack([logits for _, logits, _ in frontier]).float(), sampling)
-            if self.draft_vocab is not None:  # [frontier, N] -> [frontier, vocab], zero outside the N tokens
-                draft_probs = self.draft_vocab.expand(draft_probs)
+            draft_probs = self._draft_probs(torch.stack([logits for _, logits, _ in frontier]))  # [frontier, vocab]
             picks = self._draw(draft_probs, cfg.width(depth)).tolist()
             for (parent, _, score), probs, row in zip(frontier, draft_probs, picks):
                 nodes.extend(_Node(parent, t, score, probs) for t in row if t >= 0)
         return list(range(start, len(nodes)))
+
+    def _draft_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Frontier nodes' [F, n] logits -> [F, vocab] the distributions their sampled children are drawn from (and
+        sent as draft_probs): the target's sampling transform, zero outside a reduced draft vocabulary."""
+        probs = logits_to_probs(logits.float(), self.target.sampling)
+        return probs if self.draft_vocab is None else self.draft_vocab.expand(probs)
 
     def _draw(self, draft_probs: torch.Tensor, width: int) -> torch.Tensor:
         """[F, vocab] -> [F, width] sampled children per row in draw order, -1 = none: independent draws, or draws

@@ -81,8 +81,11 @@ def test_a_step_synchronises_once(drafter, sampled, monkeypatch):
         drafter = EagleDrafter(model=eagle.cuda())
     if drafter == "draft-model":  # its tree is read once per step; sampled, its draft_probs' checks once more
         drafter = DraftModelDrafter(model=build_tiny_model(seed=7).cuda())
-    reads = 1 + isinstance(drafter, (EagleDrafter, DraftModelDrafter)) + (isinstance(drafter, DraftModelDrafter)
-                                                                        and sampled == "rejection")
+    reads = 1  # the target's choices, or the walk's result
+    if isinstance(drafter, (EagleDrafter, DraftModelDrafter)):
+        reads += 1  # the drafter's candidates
+    if isinstance(drafter, DraftModelDrafter) and sampled == "rejection":
+        reads += 1  # the checks of its trees' draft_probs
     prompts = ragged_prompts(3, seed=1)[1:]
     kw = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=2, sampler="coupled" if sampled == "coupled" else
               "standard") if sampled in ("rejection", "coupled") else {}
