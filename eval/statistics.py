@@ -28,7 +28,7 @@ def run_sampler(case: SyntheticCase, rule: AcceptanceRule = EXACT, n: int = 30_0
     g = torch.Generator().manual_seed(seed)
     trees, logits = sample_trees(case, n, g)
     accs = rejection_sample(trees, logits, case.sampling, g, rule=rule)
-    return [tuple(a.accepted_tokens.tolist()) + (a.next_token,) for a in accs], accs
+    return [a.accepted_tokens + (a.next_token,) for a in accs], accs
 
 
 def goodness_of_fit(samples: list, law: Law, tv: float, alpha: float) -> tuple[float, float]:
@@ -93,7 +93,7 @@ def acceptance_rate_test(case: SyntheticCase, n: int, seed: int = 1, rule: Accep
     """Single-node chain: (measured rate, sum(min(target_probs, draft_probs)), binomial p-value)."""
     expected = float(torch.minimum(case.target_probs(case.prefix), case.draft_probs(case.prefix)).sum())
     _, accs = run_sampler(case, rule, n=n, seed=seed)
-    accepted = sum(int(a.accepted_nodes.numel()) for a in accs)
+    accepted = sum(len(a.accepted_nodes) for a in accs)
     return accepted / n, expected, float(stats.binomtest(accepted, n, expected).pvalue)
 
 
@@ -103,10 +103,10 @@ def chain_tau_test(case: SyntheticCase, n: int, seed: int = 2, rule: AcceptanceR
     a = float(torch.minimum(case.target_probs(()), case.draft_probs(())).sum())
     expected = (1 - a ** (k + 1)) / (1 - a)
     _, accs = run_sampler(case, rule, n=n, seed=seed)
-    committed = np.array([x.accepted_nodes.numel() + 1 for x in accs], float)
+    committed = np.array([len(x.accepted_nodes) + 1 for x in accs], float)
     spread = committed.std(ddof=1) / math.sqrt(n)
     z = (committed.mean() - expected) / spread if spread > 0 else (0.0 if committed.mean() == expected else math.inf)
-    accepted = torch.stack([x.depth_accepted for x in accs]).sum(0).double()
-    tried = torch.stack([x.depth_tried for x in accs]).sum(0).double()
+    accepted = torch.tensor([x.depth_accepted for x in accs], dtype=torch.float64).sum(0)
+    tried = torch.tensor([x.depth_tried for x in accs], dtype=torch.float64).sum(0)
     z_depth = ((accepted / tried - a) / torch.sqrt(a * (1 - a) / tried)).tolist()
     return float(committed.mean()), expected, float(z), z_depth

@@ -359,7 +359,7 @@ class Engine:
         B, W = hidden.shape[:2]
         index, counts = [], []
         for b, acc in enumerate(acceptances):
-            index += [b * W] + [b * W + 1 + i for i in acc.accepted_nodes.tolist()]
+            index += [b * W] + [b * W + 1 + i for i in acc.accepted_nodes]
             counts.append(1 + len(acc.accepted_nodes))
         kept = hidden.reshape(B * W, -1)[to_device(index, torch.long, hidden.device)].split(counts)
         for s, new in zip(live, kept):
@@ -373,7 +373,7 @@ class Engine:
         keep: dict[int, list[int]] = {}
         emitted: dict[int, list[int]] = {}
         for s, acc in zip(live, acceptances):
-            committed = acc.accepted_tokens.tolist() + [int(acc.next_token)]
+            committed = [*acc.accepted_tokens, acc.next_token]
             count, reason = self.stop.scan(s.new_tokens, committed)
             emitted[s.seq_id] = committed[:count]
             s.token_ids.extend(committed[:count])
@@ -387,7 +387,7 @@ class Engine:
                     self.drafter.release(s.seq_id)
                 continue
             # root (offset 0) and the accepted nodes (offset 1 + node) become positions length..
-            keep[s.seq_id] = [0] + [1 + i for i in acc.accepted_nodes.tolist()]
+            keep[s.seq_id] = [0] + [1 + i for i in acc.accepted_nodes]
             if self.drafter is not None:
                 self.drafter.on_accept(s.seq_id, emitted[s.seq_id])
         self.cache.commit(keep)
@@ -395,9 +395,8 @@ class Engine:
 
     @staticmethod
     def _count_depths(s: SequenceState, acc: Acceptance) -> None:
-        tried, accepted = acc.depth_tried.tolist(), acc.depth_accepted.tolist()
-        for stats, new in ((s.depth_tried, tried), (s.depth_accepted, accepted)):
+        for stats, new in ((s.depth_tried, acc.depth_tried), (s.depth_accepted, acc.depth_accepted)):
             if len(stats) < len(new):
                 stats.extend([0] * (len(new) - len(stats)))
             for d, x in enumerate(new):
-                stats[d] += int(x)
+                stats[d] += x

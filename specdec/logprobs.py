@@ -28,7 +28,7 @@ from specdec.sampling import SamplingConfig, sampling_logits
 def committed_rows(acceptance: Acceptance, count: int) -> list[int]:
     """The verify rows (0 = root, 1 + i = node i) whose logits chose the first ``count`` committed tokens
     (``accepted_tokens + [next_token]``, cut at a stop)."""
-    return ([0] + [1 + int(i) for i in acceptance.accepted_nodes.tolist()])[:count]
+    return ([0] + [1 + i for i in acceptance.accepted_nodes])[:count]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], sampling: SamplingConfig) -> list[float]:

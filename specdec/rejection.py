@@ -85,30 +85,22 @@ EXACT = AcceptanceRule()
 
 @dataclass(frozen=True)
 class Acceptance:
-    """What one sequence commits in one step: ``accepted_tokens + [next_token]``."""
+    """What one sequence commits in one step: ``accepted_tokens + (next_token,)``. Host values (the walk's one read
+    gives them, and the engine reads them per sequence per step: no tensor is built for them)."""
 
-    accepted_nodes: torch.Tensor  # [num_accepted] node indices of the accepted path, root-to-leaf
-    accepted_tokens: torch.Tensor  # [num_accepted] their token ids
+    accepted_nodes: tuple[int, ...]  # [num_accepted] node indices of the accepted path, root-to-leaf
+    accepted_tokens: tuple[int, ...]  # [num_accepted] their token ids
     next_token: int  # recovered token (a rejection ended the path) or bonus token
     is_bonus: bool
-    depth_tried: torch.Tensor  # [max_depth] 1 where a child at depth d+1 was tried (parent accepted)
-    depth_accepted: torch.Tensor  # [max_depth] 1 where a node at depth d+1 was accepted
-
-
-_NONE = torch.empty(0, dtype=torch.long)  # every empty field of every record: records are read, never written
+    depth_tried: tuple[int, ...]  # [max_depth] 1 where a child at depth d+1 was tried (parent accepted)
+    depth_accepted: tuple[int, ...]  # [max_depth] 1 where a node at depth d+1 was accepted
 
 
 def _finish(tree: DraftTree, path: list[int], next_token: int, is_bonus: bool, tried_depths: int) -> Acceptance:
-    """Acceptance records are host tensors, like the DraftTree they index."""
     depth, tried = tree.max_depth, min(tried_depths, tree.max_depth)
     tokens = tree.tokens.tolist() if path else []
-
-    def host(values: list[int]) -> torch.Tensor:  # built from lists: this runs per sequence per step
-        # a plain step (no draft) has four empty fields: one shared tensor, not four new ones per sequence
-        return torch.tensor(values, dtype=torch.long, device="cpu") if values else _NONE
-
-    return Acceptance(host(path), host([tokens[i] for i in path]), next_token, is_bonus,
-                      host([1] * tried + [0] * (depth - tried)), host([1] * len(path) + [0] * (depth - len(path))))
+    return Acceptance(tuple(path), tuple(tokens[i] for i in path), next_token, is_bonus,
+                      (1,) * tried + (0,) * (depth - tried), (1,) * len(path) + (0,) * (depth - len(path)))
 
 
 def follow_choices(trees: Sequence[DraftTree], choices: list[list[int]]) -> list[Acceptance]:

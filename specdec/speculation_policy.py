@@ -97,7 +97,7 @@ class SpeculationPolicy:
         if self.sizer is None or self.sizer.off:  # off: the drafter is never asked, so nothing learned is used
             return
         for s, acc in zip(step.live, step.acceptances):
-            self.sizer.observe(s.seq_id, step.emitted[s.seq_id], acc.accepted_nodes.tolist())
+            self.sizer.observe(s.seq_id, step.emitted[s.seq_id], list(acc.accepted_nodes))
             if s.finished:
                 self.sizer.release(s.seq_id)
         self.sizer.record_step(step.verify_seconds, step.query_tokens, len(step.live))

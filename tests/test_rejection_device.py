@@ -91,7 +91,7 @@ def test_token_draw_follows_the_probabilities_never_draws_a_zero_and_stays_on_de
 
 def records(acceptances) -> list[tuple]:
     """What a sequence commits and what the step records, per acceptance, as plain values."""
-    return [(a.next_token, a.is_bonus, a.accepted_nodes.tolist(), a.depth_tried.tolist()) for a in acceptances]
+    return [(a.next_token, a.is_bonus, list(a.accepted_nodes), list(a.depth_tried)) for a in acceptances]
 
 
 def test_plain_steps_draw_what_the_full_walk_draws(device):

@@ -65,9 +65,9 @@ def test_greedy_walks_the_matching_branch():
     for row, tok in [(0, 6), (1, 1), (2, 8), (3, 3), (4, 2)]:
         logits[0, row, tok] = 5.0
     acc = rejection_sample([tree], logits, SamplingConfig())[0]
-    assert acc.accepted_nodes.tolist() == [1, 3] and acc.accepted_tokens.tolist() == [6, 8]
+    assert acc.accepted_nodes == (1, 3) and acc.accepted_tokens == (6, 8)
     assert acc.next_token == 2 and acc.is_bonus
-    assert acc.depth_tried.tolist() == [1, 1] and acc.depth_accepted.tolist() == [1, 1]
+    assert acc.depth_tried == (1, 1) and acc.depth_accepted == (1, 1)
 
 
 def test_greedy_rejection_gives_recovered_argmax():
@@ -75,18 +75,18 @@ def test_greedy_rejection_gives_recovered_argmax():
     logits = torch.zeros(1, 3, 6)
     logits[0, 0, 3] = 9.0
     acc = rejection_sample([tree], logits, SamplingConfig())[0]
-    assert acc.accepted_nodes.numel() == 0 and acc.next_token == 3 and not acc.is_bonus
-    assert acc.depth_tried.tolist() == [1, 0] and acc.depth_accepted.tolist() == [0, 0]
+    assert len(acc.accepted_nodes) == 0 and acc.next_token == 3 and not acc.is_bonus
+    assert acc.depth_tried == (1, 0) and acc.depth_accepted == (0, 0)
 
 
 def test_ragged_batch_and_empty_trees():
     trees = [DraftTree.empty(), DraftTree.chain([1, 2, 3]), DraftTree([1, 2], [-1, -1])]
     logits = torch.randn(3, 4, 8)
     out = rejection_sample(trees, logits, SamplingConfig(do_sample=True), torch.Generator().manual_seed(0))
-    assert len(out) == 3 and out[0].is_bonus and out[0].accepted_nodes.numel() == 0
+    assert len(out) == 3 and out[0].is_bonus and len(out[0].accepted_nodes) == 0
     for tree, acc in zip(trees, out):
-        assert acc.depth_tried.numel() == tree.max_depth
-        path = acc.accepted_nodes.tolist()
+        assert len(acc.depth_tried) == tree.max_depth
+        path = list(acc.accepted_nodes)
         assert all(int(tree.parents[b]) == a for a, b in zip([-1] + path, path))  # a root-to-node path
 
 
@@ -96,7 +96,7 @@ def test_deterministic_candidate_with_target_mass_one_is_always_accepted():
     g = torch.Generator().manual_seed(0)
     for _ in range(50):
         acc = rejection_sample([tree], logits, SamplingConfig(do_sample=True), g)[0]
-        assert acc.accepted_tokens.tolist() == [2]
+        assert acc.accepted_tokens == (2,)
 
 
 def test_impossible_draft_is_never_accepted_and_never_recovered():
@@ -107,4 +107,4 @@ def test_impossible_draft_is_never_accepted_and_never_recovered():
     g = torch.Generator().manual_seed(0)
     for _ in range(100):
         acc = rejection_sample([tree], logits, SamplingConfig(do_sample=True), g)[0]
-        assert acc.accepted_nodes.numel() == 0 and acc.next_token in (0, 2)
+        assert len(acc.accepted_nodes) == 0 and acc.next_token in (0, 2)

@@ -71,7 +71,7 @@ def first_tokens(trees: list[DraftTree], seed: int = 0) -> list[int]:
     width = 1 + max(t.num_nodes for t in trees)
     logits = TARGET.log().float().expand(len(trees), width, -1).contiguous()
     accs = rejection_sample(trees, logits, SamplingConfig(do_sample=True), torch.Generator().manual_seed(seed))
-    return [(a.accepted_tokens.tolist() + [int(a.next_token)])[0] for a in accs]
+    return [(*a.accepted_tokens, a.next_token)[0] for a in accs]
 
 
 def law_test(tokens: list[int], exact: bool) -> None:
