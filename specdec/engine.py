@@ -268,6 +268,10 @@ class Engine:
         row, the nodes by their ancestor bits (the root's row sees none of them)."""
         self.cache.reserve_many({s.seq_id: 1 + t.num_nodes for s, t in zip(live, trees)})
         builder = BatchBuilder(self.cache, self.runner.device)
+        # every tree's [1 + num_nodes] ancestor bits (the root's row sees no node) from one host tensor
+        drafted = [t for t in trees if t.num_nodes]
+        flat = [b for t in drafted for b in (0, *t.ancestor_bit_list)]
+        bits = iter(torch.tensor(flat, dtype=torch.long).split([1 + t.num_nodes for t in drafted]))
         for s, tree in zip(live, trees):
             cached, root_position = self.cache.committed_length(s.seq_id), len(s.token_ids) - 1
             if cached != root_position:  # the invariant between steps (module docstring)
@@ -277,8 +281,7 @@ class Engine:
             positions = [root_position] + [root_position + d for d in tree.depth_list]
             tokens = [s.token_ids[-1]] + tree.tokens.tolist()
             if tree.num_nodes:
-                bits = torch.tensor([0] + tree.ancestor_bit_list, dtype=torch.long)  # [1 + num_nodes]
-                builder.add(s.seq_id, tokens, positions, cached + len(tokens), cached + 1, bits)
+                builder.add(s.seq_id, tokens, positions, cached + len(tokens), cached + 1, next(bits))
             else:
                 builder.add(s.seq_id, tokens, positions, cached + 1, cached)
         return VerifyBatch.of(builder.build())

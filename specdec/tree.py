@@ -170,7 +170,7 @@ class DraftTree:
     def depths(self) -> torch.Tensor:  # [num_nodes], root children have depth 1
         return torch.tensor(self.depth_list, dtype=torch.long, device=self.parents.device)
 
-    @property
+    @cached_property
     def max_depth(self) -> int:
         return max(self.depth_list, default=0)
 
@@ -268,13 +268,14 @@ class DraftTree:
         if self.parents.numel() != n or _first_bad_parent(self.parents) is not None:
             raise DraftError(f"{drafter}: malformed tree: parents must satisfy -1 <= parents[i] < i, "
                              f"got {self.parents.tolist()}")
-        if n and (int(self.tokens.min()) < 0 or int(self.tokens.max()) >= vocab_size):
-            bad = ((self.tokens < 0) | (self.tokens >= vocab_size)).nonzero().flatten().tolist()
-            where = ", ".join(f"node {i} has token {int(self.tokens[i])}" for i in bad[:5])
+        tokens = self.tokens.tolist()  # one read (a tree of at most 64 nodes), not a reduction each way
+        if n and (min(tokens) < 0 or max(tokens) >= vocab_size):
+            bad = [(i, t) for i, t in enumerate(tokens) if not 0 <= t < vocab_size]
+            where = ", ".join(f"node {i} has token {t}" for i, t in bad[:5])
             raise DraftError(f"{drafter}: draft token ids outside the vocabulary [0, {vocab_size}): {where}")
         if self.mode is DraftMode.WITHOUT_REPLACEMENT:  # siblings (same parent) have distinct tokens
             first: dict[tuple[int, int], int] = {}
-            for i, key in enumerate(zip(self.parents.tolist(), self.tokens.tolist())):
+            for i, key in enumerate(zip(self.parents.tolist(), tokens)):
                 j = first.setdefault(key, i)
                 if j != i:
                     raise DraftError(f"{drafter}: nodes {j} and {i} are siblings with the same token {key[1]}, "
