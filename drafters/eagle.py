@@ -160,16 +160,16 @@ class EagleDrafter(Drafter):
         trees = [DraftTree.empty() for _ in seqs]  # no feature yet
         if live:
             pools = self._draft([seqs[i] for i in live], depth, level_seconds)
-            for i, (tok, parent, _, cond) in zip(live, pools):
-                trees[i] = self._tree(tok, parent, cond)
+            for i, tree in zip(live, self._trees(pools)):
+                trees[i] = tree
         for view, tree in zip(seqs, trees):
             self._last[view.seq_id] = _top_chain(tree)
         self.chooser.record_seconds(level_seconds, catch_up)
         return trees
 
-    def _draft(self, views: Sequence[SequenceView], depth: int, level_seconds: list[float]) -> list:
-        """The sequences' reranked candidate pools, read by the host once (rows of [4, M], drafters/eagle_rerank.py):
-        the catch-up (drafters/eagle_catch_up.py), its keys / values joining each sequence's cache, the growth
+    def _draft(self, views: Sequence[SequenceView], depth: int, level_seconds: list[float]) -> torch.Tensor:
+        """The sequences' reranked candidate pools, read by the host once ([B, 4, M], drafters/eagle_rerank.py): the
+        catch-up (drafters/eagle_catch_up.py), its keys / values joining each sequence's cache, the growth
         (drafters/eagle_grow.py) and the rerank. With ``self.graphs`` the whole call is one replay when a bucket
         holds it, else all but the catch-up is.
         ``level_seconds[j]`` gains the wall time of level j + 1, level 1 with the catch-up (drafters/level_clock.py:
@@ -185,7 +185,7 @@ class EagleDrafter(Drafter):
                 pool, new_k, new_v = out
                 self.kv.append(ids, new_k, new_v, rows.counts)
                 clock.mark()
-                pools = pool.tolist()  # the one read of the device
+                pools = pool.cpu()  # the one read of the device
                 (seconds,) = clock.split()
                 level_seconds[:] = [seconds / (depth + 1)] * depth
                 level_seconds[0] *= 2
@@ -199,14 +199,14 @@ class EagleDrafter(Drafter):
         pool = None if self.graphs is None else self.graphs.pool(past, h_root, depth)
         if pool is not None:
             clock.mark()
-            pools = pool.tolist()  # the one read of the device
+            pools = pool.cpu()  # the one read of the device
             seconds, growth = clock.split()
             level_seconds[:] = [growth / depth] * depth
         else:  # eager (no bucket fits, or a capture failed)
             inputs = GrowInputs(h_root, past.k, past.v, past.real,
                                 to_device(past.root_positions, torch.long, dev),
                                 to_device(past.noise_keys, torch.long, dev))
-            pools = self.grower.tree_rows(inputs, depth, lambda d: clock.mark()).tolist()  # the one read
+            pools = self.grower.tree_rows(inputs, depth, lambda d: clock.mark()).cpu()  # the one read
             seconds, *levels = clock.split()
             level_seconds[:] = levels
         level_seconds[0] += seconds
@@ -249,25 +249,30 @@ class EagleDrafter(Drafter):
             [v.new_hidden for v in views])
         return hidden
 
-    def _tree(self, tok: list[float], parent: list[float], cond: list[float]) -> DraftTree:
-        """A tree from its reranked candidates (drafters/eagle_rerank.py): reduced token indices, parents among them
-        (-1: the root; -2: left out of the rerank, then dropped with its subtree), log-probabilities under the
-        parent."""
-        parents = [int(p) for p in parent]
-        if -2 in parents:  # only with NaN scores: keep the nodes whose ancestors were all kept
-            kept: list[int] = []
-            place = {}
-            for i, p in enumerate(parents):
-                if p == -1 or (p >= 0 and p in place):
-                    place[i] = len(kept)
-                    kept.append(i)
-            tok, cond = [tok[i] for i in kept], [cond[i] for i in kept]
-            parents = [place[parents[i]] if parents[i] >= 0 else -1 for i in kept]
-        ids = torch.tensor([int(t) for t in tok], dtype=torch.long)
+    def _trees(self, pools: torch.Tensor) -> list[DraftTree]:
+        """Trees from their reranked candidates, [B, 4, M] on the host (drafters/eagle_rerank.py): reduced token
+        indices, parents among them, cumulative and conditional log-probabilities. Each field is converted for the
+        whole batch at once (per tree, that was five tensor ops between the read and the verify)."""
+        tokens = pools[:, 0].long()
         if self.draft_ids is not None:
-            ids = self.draft_ids[ids]
-        scores = torch.tensor(cond, dtype=torch.float32).exp().clamp(0.0, 1.0)
-        return DraftTree(ids, torch.tensor(parents, dtype=torch.long), scores=scores)
+            tokens = self.draft_ids[tokens]
+        scores = pools[:, 3].float().exp().clamp(0.0, 1.0)  # the draft probability under the parent
+        return [_tree(*row) for row in zip(tokens, pools[:, 1].long(), scores)]
+
+
+def _tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> DraftTree:
+    """One sequence's tree: parents -1 (the root) or among the kept; -2: left out of the rerank (only with NaN
+    scores), then dropped with its subtree."""
+    listed = parents.tolist()
+    if -2 in listed:  # keep the nodes whose ancestors were all kept
+        place: dict[int, int] = {}
+        for i, p in enumerate(listed):
+            if p == -1 or p in place:
+                place[i] = len(place)
+        kept = list(place)
+        tokens, scores = tokens[kept], scores[kept]
+        parents = torch.tensor([place[listed[i]] if listed[i] >= 0 else -1 for i in kept], dtype=torch.long)
+    return DraftTree(tokens, parents, scores=scores)
 
 
 def _top_chain(tree: DraftTree) -> tuple[list[int], list[int]]:

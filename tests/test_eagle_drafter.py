@@ -385,12 +385,13 @@ def test_the_device_rerank_keeps_the_best_candidates_closed_under_parents():
             assert got[b].tolist() == want, (top_k, depth, b)
     pools = _pools(1, 2, 3, gen)
     pools[0, 2, 1] = float("nan")  # candidate 1 sorts last and is left out; its children are kept
-    rows = rerank(pools, 5)[0].tolist()
+    reranked = rerank(pools, 5)
+    rows = reranked[0].tolist()
     assert -2.0 in rows[1]
     model = build_tiny_model()
     drafter = EagleDrafter(model=_eagle(model, depth=3, top_k=2, max_nodes=5))
     drafter.draft_ids = None
-    tree = drafter._tree(rows[0], rows[1], rows[3])
+    (tree,) = drafter._trees(reranked)
 
     def reaches_the_root(i: int) -> bool:
         p = rows[1][i]
