@@ -86,9 +86,13 @@ class SequenceState:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def num_new_tokens(self) -> int:  # len(new_tokens), without copying them
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def tau(self) -> float:
         """Committed tokens per target forward (mean accepted length + 1)."""
-        return len(self.new_tokens) / self.steps if self.steps else 0.0
+        return self.num_new_tokens / self.steps if self.steps else 0.0
 
 
 @dataclass(frozen=True)
@@ -257,7 +261,7 @@ class Engine:
         """Drop nodes deeper than the tokens still allowed (max_new_tokens, context)."""
         root_position = len(s.token_ids) - 1
         max_depth = min(
-            self.stop.max_new_tokens - len(s.new_tokens) - 1, self.runner.shape.max_positions - 1 - root_position
+            self.stop.max_new_tokens - s.num_new_tokens - 1, self.runner.shape.max_positions - 1 - root_position
         )
         if tree.num_nodes and tree.max_depth > max_depth:
             return tree.prune(tree.depths <= max(max_depth, 0))
@@ -271,7 +275,7 @@ class Engine:
         # every tree's [1 + num_nodes] ancestor bits (the root's row sees no node) from one host tensor
         drafted = [t for t in trees if t.num_nodes]
         flat = [b for t in drafted for b in (0, *t.ancestor_bit_list)]
-        bits = iter(torch.tensor(flat, dtype=torch.long).split([1 + t.num_nodes for t in drafted]))
+        bits = iter(torch.tensor(flat, dtype=torch.long).split([1 + t.num_nodes for t in drafted]) if drafted else ())
         for s, tree in zip(live, trees):
             cached, root_position = self.cache.committed_length(s.seq_id), len(s.token_ids) - 1
             if cached != root_position:  # the invariant between steps (module docstring)
@@ -335,7 +339,7 @@ class Engine:
         rejection sampler, or the coupled walk (the same text as plain coupled sampling, whatever the trees)."""
         acceptances = self.acceptor(live, trees, target_logits)
         check_chosen(acceptances, target_logits.shape[-1],
-                     lambda b: (live[b].seq_id, live[b].steps + 1, len(live[b].new_tokens)))
+                     lambda b: (live[b].seq_id, live[b].steps + 1, live[b].num_new_tokens))
         return acceptances
 
     def rejection_walk(self, live: list[SequenceState], trees: list[DraftTree], target_logits: torch.Tensor
@@ -377,7 +381,7 @@ class Engine:
         emitted: dict[int, list[int]] = {}
         for s, acc in zip(live, acceptances):
             committed = [*acc.accepted_tokens, acc.next_token]
-            count, reason = self.stop.scan(s.new_tokens, committed)
+            count, reason = self.stop.scan(s.token_ids, committed, start=s.num_prompt_tokens)
             emitted[s.seq_id] = committed[:count]
             s.token_ids.extend(committed[:count])
             s.steps += 1

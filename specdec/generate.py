@@ -247,7 +247,7 @@ def run(engine: Engine, request: GenerateRequest) -> Any:
                     else:
                         streamer(seq_id, toks)
                 if request.progress:
-                    done = sum(len(s.new_tokens) for s in seqs)
+                    done = sum(s.num_new_tokens for s in seqs)
                     bar.update(done - bar.n)
                     bar.set_postfix(tau=f"{done / max(sum(s.steps for s in seqs), 1):.2f}")
     finally:

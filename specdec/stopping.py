@@ -40,14 +40,19 @@ class StopCriteria:
             raise InputError(f"stop strings need a tokenizer (the model has none: pass tokenizer=...), or pass "
                              f"token-id stop sequences instead of {list(self.stop_strings)[:3]}")
 
-    def scan(self, generated: Sequence[int], committed: Sequence[int]) -> tuple[int, str | None]:
-        """How many of `committed` (appended after `generated`) to emit, and why it stopped.
+    def scan(self, tokens: Sequence[int], committed: Sequence[int], start: int = 0) -> tuple[int, str | None]:
+        """How many of `committed` (appended after ``tokens``, of which ``tokens[start:]`` were generated) to emit,
+        and why it stopped.
 
-        Returns (count, reason) with reason in {None, "eos", "stop", "length"}.
+        Returns (count, reason) with reason in {None, "eos", "stop", "length"}. Only the tokens a check reads are
+        copied (the last stop sequence's length, or every generated token for stop strings): this runs per
+        sequence per step, and copying a long generation each time cost more than the checks.
         """
-        history = list(generated)
+        generated = len(tokens) - start
         max_seq = max((len(s) for s in self.stop_sequences), default=0)
         max_chars = max((len(s) for s in self.stop_strings), default=0)
+        keep = generated if max_chars else min(generated, max(max_seq - 1, 0))
+        history = list(tokens[len(tokens) - keep :]) if keep else []
         # tokens decoded per stop-string check: enough at >= 1 character per token, else it grows
         window = max_chars + WINDOW_SLACK_CHARS + 2
         for i, tok in enumerate(committed):
@@ -60,7 +65,7 @@ class StopCriteria:
                 tail, window = self._tail(history, window, max_chars)
                 if any(s in tail for s in self.stop_strings):
                     return i + 1, "stop"
-            if len(history) >= self.max_new_tokens:
+            if generated + i + 1 >= self.max_new_tokens:
                 return i + 1, "length"
         return len(committed), None
 

@@ -156,8 +156,8 @@ class DraftTree:
         return cls(tokens, parents, draft_probs, mode, scores)
 
     # ---- derived structure --------------------------------------------------------------
-    @property
-    def num_nodes(self) -> int:
+    @cached_property
+    def num_nodes(self) -> int:  # the engine asks per sequence several times a step
         return self.tokens.shape[0]
 
     @cached_property

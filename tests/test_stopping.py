@@ -30,6 +30,23 @@ def test_stop_sequence_spanning_history_and_commit():
     assert stop.scan([1, 3], [4, 6, 5]) == (3, None)
 
 
+def test_tokens_before_start_are_the_prompt_for_every_check():
+    """The engine passes a sequence's whole token list and where its generated tokens start: the prompt counts for
+    no check (the length, a stop sequence or a stop string straddling it), as when only the generated tokens were
+    passed."""
+    prompt = [9, 3, 4]
+    for stop, generated, committed in [
+        (StopCriteria(5), [1, 2, 3], [4, 5, 6, 7]),
+        (StopCriteria(100, stop_sequences=((3, 4, 5),)), [], [5, 6, 3, 4, 5, 1]),
+        (StopCriteria(100, stop_sequences=((4, 5),)), [1] * 40 + [4], [5, 6]),
+        (StopCriteria(100, stop_strings=("dfg",), tokenizer=CharTokenizer()), [], [5, 6, 3, 5, 6]),
+    ]:
+        alone = stop.scan(generated, committed)
+        assert stop.scan(prompt + generated, committed, start=len(prompt)) == alone, (stop, alone)
+    assert StopCriteria(100, stop_sequences=((3, 4, 5),)).scan(prompt, [5], start=len(prompt)) == (1, None)
+    assert StopCriteria(100, stop_sequences=((3, 4, 5),)).scan(prompt, [5], start=1) == (1, "stop")
+
+
 def test_stop_string_across_token_boundaries():
     stop = StopCriteria(100, stop_strings=("cde",), tokenizer=CharTokenizer())
     assert stop.scan([0, 2], [3, 4, 5]) == (2, "stop")  # "a c | d e f": stops at "e"
