@@ -137,8 +137,11 @@ class NGramDrafter(Drafter):
     def score(self, match: int, depth: int) -> float:
         """Estimated P(accepted | parent accepted) of a node at ``depth`` drafted from a ``match``-token match:
         the rate observed so far, behind two pseudo-observations of a prior that grows with the match."""
-        acc, tried = self.acceptance.get(self._key(match, depth), (0.0, 0.0))
-        prior = min(0.9, 0.2 + 0.1 * match)
+        return self._rate(self._key(match, depth))
+
+    def _rate(self, key: tuple[int, int]) -> float:  # score() of a (match, capped depth) key
+        acc, tried = self.acceptance.get(key, (0.0, 0.0))
+        prior = min(0.9, 0.2 + 0.1 * key[0])
         return (acc + 2.0 * prior) / (tried + 2.0)
 
     @staticmethod
@@ -213,7 +216,8 @@ class NGramDrafter(Drafter):
             depths.append(1 if p < 0 else depths[p] + 1)
         keys = [self._key(n, d) for n, d in zip(node_match, depths)]
         self._pending[seq.seq_id] = (node_tokens, node_parents, keys)
-        scores = torch.tensor([self.score(n, d) for n, d in zip(node_match, depths)], dtype=torch.float32)
+        rates = {key: self._rate(key) for key in set(keys)}  # nodes share a few (match, depth) keys
+        scores = torch.tensor([rates[key] for key in keys], dtype=torch.float32)
         return DraftTree(node_tokens, node_parents, scores=scores)
 
     def _insert(self, tokens, length, start, depth, node_tokens, node_parents, children) -> int:
@@ -223,12 +227,13 @@ class NGramDrafter(Drafter):
         length - start (the text "abcab" continues "cabca..."), so a match near the end still
         yields a full-depth branch."""
         cfg = self.config
-        drafted: list[int] = []
+        drafted = [int(t) for t in tokens[start : min(start + depth, length)]]  # one slice of the history
+        period = length - start
         parent, added = -1, 0
         for k in range(depth):
-            j = start + k
-            tok = int(tokens[j]) if j < length else drafted[j - length]
-            drafted.append(tok)
+            if k >= len(drafted):
+                drafted.append(drafted[k - period])
+            tok = drafted[k]
             child = children[parent + 1].get(tok)
             if child is None:
                 if len(node_tokens) >= cfg.max_nodes:
