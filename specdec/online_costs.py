@@ -31,7 +31,11 @@ class OnlineCosts:
     prior: float = 8.0  # pseudo-samples behind a correction of 1
     min_samples: int = 3  # samples of a size (and of 1 token) before that size is corrected: a median outvotes one
     samples: dict[tuple[int, int], deque] = field(default_factory=dict)  # (batch bucket, n) -> recent seconds
+    medians: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # ... and their median
     factors: dict[tuple[int, int], float] = field(default_factory=dict)  # (batch bucket, n) -> correction
+    # (batch bucket, n) -> relative(n): sizing asks for every prefix of every tree, every step; a correction
+    # that moves forgets its own entries (record)
+    known: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.window < 1 or self.prior <= 0 or not 1 <= self.min_samples <= self.window:
@@ -41,22 +45,28 @@ class OnlineCosts:
     def record(self, verify_seconds: float, n: int, batch: int) -> None:
         """One step's verify wall time, ``n`` query tokens for its largest sequence."""
         bucket = self.costs.batch_bucket(batch)
-        self.samples.setdefault((bucket, n), deque(maxlen=self.window)).append(verify_seconds)
+        own = self.samples.setdefault((bucket, n), deque(maxlen=self.window))
+        own.append(verify_seconds)
+        # a plain step moves every size's correction: each keeps its median, computed when its samples change
+        self.medians[(bucket, n)] = statistics.median(own)
         for key in [k for k in self.samples if k[0] == bucket and k[1] != 1] if n == 1 else [(bucket, n)]:
             self.factors[key] = self._factor(*key)
+            self.known.pop(key, None)
 
     def _factor(self, bucket: int, n: int) -> float:
         base, own = self.samples.get((bucket, 1)), self.samples.get((bucket, n))
         if not base or not own or min(len(base), len(own)) < self.min_samples:
             return 1.0
-        observed = statistics.median(own) / statistics.median(base)
+        observed = self.medians[(bucket, n)] / self.medians[(bucket, 1)]
         raw = observed / self.costs.relative(n, bucket)
         weight = min(len(base), len(own)) / (min(len(base), len(own)) + self.prior)
         return min(max(1.0 + weight * (raw - 1.0), 0.5), 2.0)
 
     def relative(self, n: int, batch: int = 1) -> float:
         """c(n) / c(1) in plain decode steps (>= 1), with this run's correction where it has one."""
-        calibrated = self.costs.relative(n, batch)
-        if n <= 1:
-            return calibrated
-        return max(calibrated * self.factors.get((self.costs.batch_bucket(batch), n), 1.0), 1.0)
+        key = (self.costs.batch_bucket(batch), n)
+        value = self.known.get(key)
+        if value is None:
+            calibrated = self.costs.relative(n, batch)  # fixed once the bucket's curve exists
+            value = self.known[key] = calibrated if n <= 1 else max(calibrated * self.factors.get(key, 1.0), 1.0)
+        return value
