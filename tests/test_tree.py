@@ -137,7 +137,8 @@ def test_float_or_bool_draft_tokens_are_refused_not_truncated(tokens, problem):
     (dict(tokens=[1, 2], parents=[-1, 0], scores=torch.tensor([0.5, float("nan")])), r"scores must lie in \[0, 1\]"),
     (dict(tokens=[1, 2], parents=[-1, 0], scores=torch.tensor([1.5, 0.5])), r"scores must lie in \[0, 1\]"),
     (dict(tokens=[1, 2], parents=[-1, 0], scores=torch.tensor([0.5, -1e-6])), r"scores must lie in \[0, 1\]"),
-    (dict(tokens=[1, 2], parents=[-1, 0], scores=torch.tensor([0.5])), r"scores must be a float tensor \[num_nodes=2\]"),
+    (dict(tokens=[1, 2], parents=[-1, 0], scores=torch.tensor([0.5])),
+     r"scores must be a float tensor \[num_nodes=2\]"),
 ])
 def test_malformed_inputs_raise_one_line_draft_error(kwargs, problem):
     with pytest.raises(DraftError, match=rf"^{problem}") as err:
