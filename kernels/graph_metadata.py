@@ -106,22 +106,27 @@ class StaticInputs:
         tokens, positions, bits, slots, meta, tables = self._split(host.numpy(), bucket.batch, bucket.rows, np.int32)
         tokens[:n], tokens[n:] = batch.tokens, 0
         positions[:n], positions[n:] = batch.position_list, 0
-        bits[:] = 0
         slots[n:] = self.scratch_slot
+        bits[n:] = 0
         meta[:, len(seqs):] = 0
+        # per sequence, Python lists only; each field is stored once for the whole step (rows in query order)
+        new_slots: list[int] = []
+        new_bits: list[int] = []
+        fields: list[tuple[int, ...]] = []
         for b, (s, seq_id) in enumerate(zip(seqs, batch.seq_ids)):
             keys = s.key_slots.numel()
             if s.num_new > bucket.tokens_per_seq or keys > self.max_keys:
                 raise ValueError(f"sequence {b}: {s.num_new} new tokens / {keys} keys exceed the bucket "
                                  f"({bucket.tokens_per_seq} / {self.max_keys})")
-            table = np.asarray(batch.cache.block_tables[seq_id][: blocks_for(keys, self.block_size)], dtype=np.int64)
-            tables[b, : table.size] = table
-            rows = slice(s.query_start, s.query_start + s.num_new)
+            table = batch.cache.block_tables[seq_id][: blocks_for(keys, self.block_size)]
+            tables[b, : len(table)] = table
             # a builder writes the new tokens to the last keys
-            slots[rows] = batch.cache.host_slots(seq_id, range(keys - s.num_new, keys))
-            meta[:, b] = (s.num_visible, s.num_masked, s.query_start, s.num_new, s.ancestor_bits is not None)
-            if s.ancestor_bits is not None:
-                bits[rows] = s.ancestor_bits.cpu().numpy()  # on the host as the builder was given them
+            new_slots += batch.cache.host_slots(seq_id, range(keys - s.num_new, keys))
+            # on the host as the builder was given them
+            new_bits += [0] * s.num_new if s.ancestor_bits is None else s.ancestor_bits.tolist()
+            fields.append((s.num_visible, s.num_masked, s.query_start, s.num_new, s.ancestor_bits is not None))
+        slots[:n], bits[:n] = new_slots, new_bits
+        meta[:, : len(seqs)] = np.array(fields, dtype=np.int32).T
         if host is not self.buffer:
             self.buffer[: bucket.words].copy_(host[: bucket.words], non_blocking=True)
             if self.copied[self.turn] is None:
