@@ -251,8 +251,8 @@ class EagleDrafter(Drafter):
 
     def _trees(self, pools: torch.Tensor) -> list[DraftTree]:
         """Trees from their reranked candidates, [B, 4, M] on the host (drafters/eagle_rerank.py): reduced token
-        indices, parents among them, cumulative and conditional log-probabilities. Each field is converted for the
-        whole batch at once (per tree, that was five tensor ops between the read and the verify)."""
+        indices, parents among them, cumulative and conditional log-probabilities. Each field is converted once for
+        the whole batch: this runs between the read and the verify launch."""
         tokens = pools[:, 0].long()
         if self.draft_ids is not None:
             tokens = self.draft_ids[tokens]

@@ -46,7 +46,7 @@ class StopCriteria:
 
         Returns (count, reason) with reason in {None, "eos", "stop", "length"}. Only the tokens a check reads are
         copied (the last stop sequence's length, or every generated token for stop strings): this runs per
-        sequence per step, and copying a long generation each time cost more than the checks.
+        sequence per step.
         """
         generated = len(tokens) - start
         max_seq = max((len(s) for s in self.stop_sequences), default=0)

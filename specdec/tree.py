@@ -132,7 +132,7 @@ class DraftTree:
             if not isinstance(sc, torch.Tensor) or not sc.is_floating_point() or tuple(sc.shape) != (tokens.numel(),):
                 got = tuple(sc.shape) if isinstance(sc, torch.Tensor) else type(sc).__name__
                 raise DraftError(f"scores must be a float tensor [num_nodes={tokens.numel()}], got {got}")
-            # one read of at most 64 values (four tensor ops per tree before); NaN fails the comparison
+            # one read of at most 64 values, no tensor op; NaN fails the comparison
             if not all(0.0 <= x <= 1.0 for x in sc.tolist()):
                 raise DraftError("scores must lie in [0, 1] (estimated acceptance probabilities)")
 
