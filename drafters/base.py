@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from specdec.kv_cache import PagedKVCache
     from specdec.logits_processing import LogitsProcessing
     from specdec.models.llama import LlamaRunner
+    from specdec.pending_trees import PendingTrees
     from specdec.sampling import SamplingConfig
 
 
@@ -133,6 +134,8 @@ class Drafter(ABC):
     # a sequence's first propose does one-off work over its prompt (EAGLE's layer over every prompt row, a draft
     # model's prefill), so its time is no step's; False: every call costs as a step does (self-draft, Medusa)
     catches_up: bool = True
+    # propose_pending is offered: the step's trees may stay on the device until the verify is launched
+    pending_trees: bool = False
 
     def attach(self, target: TargetView) -> None:
         """Called once by the engine before any sequence is added."""
@@ -141,6 +144,11 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
         """One draft tree per sequence, in the order of ``seqs``."""
+
+    def propose_pending(self, seqs: Sequence[SequenceView]) -> "PendingTrees":
+        """What :meth:`propose` gives, left on the device (specdec/pending_trees.py); only where ``pending_trees``
+        is set. The engine calls it, instead of propose, only when it verifies every tree whole."""
+        raise NotImplementedError(f"{self.name} does not offer pending trees")
 
     def on_accept(self, seq_id: int, committed: Sequence[int]) -> None:
         """Tokens committed to ``seq_id`` this step (accepted drafts + recovered/bonus)."""

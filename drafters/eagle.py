@@ -31,7 +31,7 @@ With a reduced draft vocabulary only those tokens are ever proposed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +49,7 @@ from specdec.drafters.loaded_once import load_once
 
 from specdec.errors import InputError
 from specdec.host_copy import to_device
+from specdec.pending_trees import PendingTrees, tree_fields
 from specdec.tree import MAX_TREE_NODES, DraftTree, matched_levels
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class EagleDraftConfig:
 class EagleDrafter(Drafter):
     name = "eagle"
     needs_hidden_states = True
+    pending_trees = True  # propose_pending: the engine may verify the trees before the host reads them
 
     def __init__(self, path: str | None = None, model: EagleModel | None = None, **options) -> None:
         """``path`` (a checkpoint directory) or ``model`` (an EagleModel); ``options``: EagleDraftConfig."""
@@ -153,64 +155,99 @@ class EagleDrafter(Drafter):
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
-        depth = self.chooser.choose(max(len(seqs), 1))
-        catch_up = any(v.seq_id not in self.kv for v in seqs)
-        level_seconds = [0.0] * depth  # level 1 includes the catch-up
-        live = [i for i, v in enumerate(seqs) if v.new_hidden is not None]  # a one-token prompt's first step has
-        trees = [DraftTree.empty() for _ in seqs]  # no feature yet
-        if live:
-            pools = self._draft([seqs[i] for i in live], depth, level_seconds)
-            for i, tree in zip(live, self._trees(pools)):
+        call = self._draft(seqs)
+        return self._finish(call, None if call.pool is None else call.pool.cpu())  # the one read of the device
+
+
+    @torch.inference_mode()
+    def propose_pending(self, seqs: Sequence[SequenceView]) -> PendingTrees:
+        """The call's trees left on the device (specdec/pending_trees.py): the host copy of the candidates starts
+        now and is read when the engine has launched the verify."""
+        call = self._draft(seqs)
+        call.clock.stop()  # the drafting's own seconds, not the host's work until the read
+        sizes = [0] * len(seqs)
+        if call.pool is None:
+            nothing = torch.zeros(0, dtype=torch.long, device=self.target.runner.device)
+            return PendingTrees(tuple(sizes), nothing, nothing, nothing, 0, lambda: self._finish(call, None))
+        pool = call.pool  # [L, 4, M] on the device
+        tokens = pool[:, 0].long()
+        if self.model.draft_ids is not None:
+            tokens = self.model.draft_ids[tokens]
+        depths, bits = tree_fields(_parents(pool), call.depth)
+        for i in call.live:
+            sizes[i] = pool.shape[2]
+        if pool.is_cuda:
+            host = torch.empty(pool.shape, dtype=pool.dtype, pin_memory=True).copy_(pool, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host, copied = pool.clone(), None  # a replay's pool is a static buffer: the next call overwrites it
+
+        def read() -> list[DraftTree]:
+            if copied is not None:
+                copied.synchronize()  # the drafting's end: the device is verifying by now
+            return self._finish(call, host)
+
+        return PendingTrees(tuple(sizes), tokens.flatten(), depths.flatten(), bits.flatten(), call.depth, read)
+
+    def _finish(self, call: "_Call", pools: torch.Tensor | None) -> list[DraftTree]:
+        """The call's trees from its candidates read by the host ([L, 4, M]; None: no sequence drafted), and what
+        the depth chooser learns from the call."""
+        trees = [DraftTree.empty() for _ in call.seqs]
+        level_seconds = [0.0] * call.depth  # level 1 includes the catch-up
+        if pools is not None:
+            for i, tree in zip(call.live, self._trees(pools)):
                 trees[i] = tree
-        for view, tree in zip(seqs, trees):
+            level_seconds = call.levels(call.clock.split())
+        for view, tree in zip(call.seqs, trees):
             self._last[view.seq_id] = _top_chain(tree)
-        self.chooser.record_seconds(level_seconds, catch_up)
+        self.chooser.record_seconds(level_seconds, call.catch_up)
         return trees
 
-    def _draft(self, views: Sequence[SequenceView], depth: int, level_seconds: list[float]) -> torch.Tensor:
-        """The sequences' reranked candidate pools, read by the host once ([B, 4, M], drafters/eagle_rerank.py): the
-        catch-up (drafters/eagle_catch_up.py), its keys / values joining each sequence's cache, the growth
+    def _draft(self, seqs: Sequence[SequenceView]) -> "_Call":
+        """Draft for the sequences with a feature (a one-token prompt's first step has none): their reranked
+        candidate pools on the device ([L, 4, M], drafters/eagle_rerank.py), not read: the catch-up
+        (drafters/eagle_catch_up.py), its keys / values joining each sequence's cache, the growth
         (drafters/eagle_grow.py) and the rerank. With ``self.graphs`` the whole call is one replay when a bucket
         holds it, else all but the catch-up is.
-        ``level_seconds[j]`` gains the wall time of level j + 1, level 1 with the catch-up (drafters/level_clock.py:
-        no wait for the device between levels; a replay's time is shared evenly among its levels, the catch-up
-        counting as one)."""
+        The call's clock marks its parts (drafters/level_clock.py: no wait for the device between levels); the
+        call's ``levels`` turns their seconds into each level's, level 1 with the catch-up (a replay's time is
+        shared evenly among its levels, the catch-up counting as one)."""
+        depth = self.chooser.choose(max(len(seqs), 1))
         clock = LevelClock(self.target.runner.device)
+        live = [i for i, v in enumerate(seqs) if v.new_hidden is not None]
+        call = _Call(seqs, live, depth, any(v.seq_id not in self.kv for v in seqs), clock)
+        if not live:
+            return call
+        views = [seqs[i] for i in live]
         ids = [v.seq_id for v in views]
         rows = self._catch_up_rows(views)
         past = self._cached(views)
         if self.graphs is not None and all(i in self.kv for i in ids):
             out = self.graphs.caught_up_pool(past, rows, depth)
             if out is not None:
-                pool, new_k, new_v = out
+                call.pool, new_k, new_v = out
                 self.kv.append(ids, new_k, new_v, rows.counts)
                 clock.mark()
-                pools = pool.cpu()  # the one read of the device
-                (seconds,) = clock.split()
-                level_seconds[:] = [seconds / (depth + 1)] * depth
-                level_seconds[0] *= 2
-                return pools
+                call.levels = lambda p: [2 * p[0] / (depth + 1)] + [p[0] / (depth + 1)] * (depth - 1)
+                return call
         dev = self.target.runner.device
         x = CatchUpInputs.upload(rows)
         h_root, new_k, new_v = catch_up(self.model, self.target.runner.embed, x, past.k, past.v, past.real)
         self.kv.append(ids, new_k, new_v, rows.counts)
         clock.mark()
         past = self._cached(views)  # the roots' catch-up: a key each at least
-        pool = None if self.graphs is None else self.graphs.pool(past, h_root, depth)
-        if pool is not None:
+        call.pool = None if self.graphs is None else self.graphs.pool(past, h_root, depth)
+        if call.pool is not None:
             clock.mark()
-            pools = pool.cpu()  # the one read of the device
-            seconds, growth = clock.split()
-            level_seconds[:] = [growth / depth] * depth
+            call.levels = lambda p: [p[0] + p[1] / depth] + [p[1] / depth] * (depth - 1)
         else:  # eager (no bucket fits, or a capture failed)
             inputs = GrowInputs(h_root, past.k, past.v, past.real,
                                 to_device(past.root_positions, torch.long, dev),
                                 to_device(past.noise_keys, torch.long, dev))
-            pools = self.grower.tree_rows(inputs, depth, lambda d: clock.mark()).cpu()  # the one read
-            seconds, *levels = clock.split()
-            level_seconds[:] = levels
-        level_seconds[0] += seconds
-        return pools
+            call.pool = self.grower.tree_rows(inputs, depth, lambda d: clock.mark())
+            call.levels = lambda p: [p[0] + p[1]] + p[2:]
+        return call
 
     def _cached(self, views: Sequence[SequenceView]) -> CachedKeys:
         """The sequences' cached keys / values in the slab, right-padded (None when none has a key yet)."""
@@ -252,27 +289,20 @@ class EagleDrafter(Drafter):
     def _trees(self, pools: torch.Tensor) -> list[DraftTree]:
         """Trees from their reranked candidates, [B, 4, M] on the host (drafters/eagle_rerank.py): reduced token
         indices, parents among them, cumulative and conditional log-probabilities. Each field is converted once for
-        the whole batch: this runs between the read and the verify launch."""
+        the whole batch: this runs between the read and the verify launch (or while the device verifies)."""
         tokens = pools[:, 0].long()
         if self.draft_ids is not None:
             tokens = self.draft_ids[tokens]
-        scores = pools[:, 3].float().exp().clamp(0.0, 1.0)  # the draft probability under the parent
-        return [_tree(*row) for row in zip(tokens, pools[:, 1].long(), scores)]
+        # the draft probability under the parent (0 where NaN)
+        scores = pools[:, 3].float().exp().nan_to_num(0.0).clamp(0.0, 1.0)
+        return [DraftTree(*row, scores=s) for *row, s in zip(tokens, _parents(pools), scores)]
 
 
-def _tree(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> DraftTree:
-    """One sequence's tree: parents -1 (the root) or among the kept; -2: left out of the rerank (only with NaN
-    scores), then dropped with its subtree."""
-    listed = parents.tolist()
-    if -2 in listed:  # keep the nodes whose ancestors were all kept
-        place: dict[int, int] = {}
-        for i, p in enumerate(listed):
-            if p == -1 or p in place:
-                place[i] = len(place)
-        kept = list(place)
-        tokens, scores = tokens[kept], scores[kept]
-        parents = torch.tensor([place[listed[i]] if listed[i] >= 0 else -1 for i in kept], dtype=torch.long)
-    return DraftTree(tokens, parents, scores=scores)
+def _parents(pools: torch.Tensor) -> torch.Tensor:
+    """[B, M] parents of the reranked candidates: -1 (the root) or among the kept. A candidate whose parent was left
+    out of the rerank (-2: only with NaN scores) becomes a root child, on the host as on the device (PendingTrees):
+    verified like any node, so still exact."""
+    return pools[:, 1].long().clamp(min=-1)
 
 
 def _top_chain(tree: DraftTree) -> tuple[list[int], list[int]]:
@@ -289,6 +319,19 @@ def _top_chain(tree: DraftTree) -> tuple[list[int], list[int]]:
             return chain, list(range(-1, len(chain) - 1))
         node = max(kids, key=lambda i: (scores[i], -i))
         chain.append(tokens[node])
+
+
+@dataclass
+class _Call:
+    """One propose call between its drafting and the host's read of its candidates."""
+
+    seqs: Sequence[SequenceView]
+    live: list[int]  # indices of the sequences that drafted (those with a feature)
+    depth: int  # levels drafted, chosen for this call
+    catch_up: bool  # a sequence's first call (its prompt's catch-up)
+    clock: LevelClock
+    pool: torch.Tensor | None = None  # [len(live), 4, M] reranked candidates on the device
+    levels: Callable[[list[float]], list[float]] = list  # the clock's parts -> seconds per level
 
 
 __all__ = ["EagleDrafter", "EagleDraftConfig", "EagleCheckpointError"]

@@ -6,7 +6,7 @@ A function of tensors only, with no host read, so it runs inside the drafting ca
 the earlier candidate (a stable sort). The kept set is closed under parents: a child's cumulative log-probability
 is its parent's plus a log-probability <= 0 (a float32 sum, never above its parent's), and a parent precedes its
 children in the pool, so it ranks at least as high. A candidate whose parent was left out all the same (NaN
-scores) gets the parent -2, which the drafter drops.
+scores) gets the parent -2; the drafter makes it a root child.
 
     rows = rerank(pool, max_nodes)  # [B, 4, M]: reduced token index, parent among the kept (-1: the root),
                                     # cumulative and conditional log-probability; M = min(max_nodes, S)

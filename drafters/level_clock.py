@@ -29,6 +29,7 @@ class LevelClock:
         self.cuda = device.type == "cuda"
         self.start = time.perf_counter()
         self.marks: list = [self._now()]  # the start, then each part's end: CUDA events or host seconds
+        self.stopped: float | None = None  # stop()'s time
 
     def _now(self):
         if not self.cuda:
@@ -41,14 +42,22 @@ class LevelClock:
         """The part running since the last mark (or the start) ends here."""
         self.marks.append(self._now())
 
+    def stop(self) -> None:
+        """The call's work is all queued, and the host goes on to other work before reading its result (a pending
+        proposal, specdec/pending_trees.py): the parts' seconds are then the call's own, on the CPU the wall time
+        until now, on CUDA the device's time between the marks."""
+        self.stopped = time.perf_counter()
+
     def split(self) -> list[float]:
         """Seconds of each marked part; call after the device has finished the marked work (a read of its result)."""
-        total = time.perf_counter() - self.start
+        total = (self.stopped or time.perf_counter()) - self.start
         marks = self.marks
         if len(marks) < 2:
             return []
         if self.cuda:
             parts = [max(a.elapsed_time(b), 0.0) for a, b in zip(marks, marks[1:])]  # device milliseconds
+            if self.stopped is not None:
+                return [p / 1000.0 for p in parts]
         else:
             parts = [b - a for a, b in zip(marks, marks[1:])]
             parts[-1] += total - sum(parts)  # the host's time after the last mark

@@ -8,7 +8,8 @@ not it. So speedup at any tau can be measured end to end on any target, random w
 Invariants: proposals are deterministic candidates (``draft_probs`` None), so greedy output is the target's whatever
 the oracle proposes; its own draws come from its own seeded generator (never the target's randomness); the tree's
 shape is fixed before its tokens are drawn. ``inner=`` runs a real drafter's ``propose`` each step and discards its
-tokens, so a step also pays that drafter's true cost (an EAGLE head's forward, a draft model's). Measure with
+tokens, so a step also pays that drafter's true cost (an EAGLE head's forward, a draft model's; one that offers
+pending trees, EAGLE's, is read after the target's choices, as the engine reads it with its own trees). Measure with
 ``speculation="always"``: the guard and tree sizing would otherwise cut the trees the profile describes. Where the
 target's output leaves the reference (bf16 near-ties), the oracle stops knowing the answer; the measured tau says so.
 
@@ -18,7 +19,7 @@ target's output leaves the reference (bf16 near-ties), the oracle stops knowing 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,6 +99,7 @@ class OracleDrafter(Drafter):
         self.feature_layers = () if inner is None else inner.feature_layers  # an EAGLE-3 head's true cost too
         self.proposed_hits = [0] * len(profile.rates)  # per depth: steps whose tree held the reference token
         self.proposed_tries = [0] * len(profile.rates)  # per depth: steps whose parent on the path held it
+        self.unread: Callable[[], object] | None = None  # the inner drafter's pending trees, read before it learns
 
     def cost_key(self) -> str:
         inner = "" if self.inner is None else "|" + self.inner.cost_key()
@@ -112,16 +114,27 @@ class OracleDrafter(Drafter):
 
     def on_accept(self, seq_id: int, committed: Sequence[int]) -> None:
         if self.inner is not None:
+            self._read_inner()
             self.inner.on_accept(seq_id, committed)
 
     def release(self, seq_id: int) -> None:
         if self.inner is not None:
+            self._read_inner()
             self.inner.release(seq_id)
 
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
-        if self.inner is not None:
-            self.inner.propose(seqs)  # its true cost; its tokens are not used
+        if self.inner is not None:  # its true cost; its tokens are not used
+            self._read_inner()
+            if self.inner.pending_trees:
+                self.unread = self.inner.propose_pending(seqs).read
+            else:
+                self.inner.propose(seqs)
         return [self._tree(view) for view in seqs]
+
+    def _read_inner(self) -> None:
+        if self.unread is not None:
+            unread, self.unread = self.unread, None
+            unread()
 
     def _tree(self, view: SequenceView) -> DraftTree:
         rates, width = self.profile.rates, self.profile.width

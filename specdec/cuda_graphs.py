@@ -162,38 +162,49 @@ class GraphedForward:
             return None
         return self.config.batch_sizes[b], self.config.tokens_per_seq[t]
 
-    def __call__(self, batch, token_ids: torch.Tensor | None = None) -> ForwardOutput | None:
+    def fits(self, num_seqs: int, max_new: int, max_keys: int) -> bool:
+        """Whether a step of ``num_seqs`` sequences, at most ``max_new`` new tokens and ``max_keys`` keys each,
+        runs through a bucket (no prefill among them)."""
+        return not self.failed and max_keys <= self.max_keys and self.bucket_for(num_seqs, max_new) is not None
+
+    def __call__(self, batch, token_ids: torch.Tensor | None = None, nodes=None) -> ForwardOutput | None:
         """Logits and hidden states of the real rows of a verify step (``batch``: a ForwardBatch built over this
         object's cache; [num_tokens, ...]), or None when the step fits no bucket (the caller then runs the eager
         forward). ``token_ids`` [num_tokens] on the device stand for the batch's tokens (a drafter's choices that
-        the host has not read)."""
+        the host has not read); ``nodes`` (specdec.pending_trees.NodeRows) for some rows' tokens, positions and
+        ancestor bits (trees the host has not read): such a step, checked by :meth:`fits`, always runs here."""
         if batch.cache is not self.cache:
             raise ValueError("this step was built over another KV cache than the CUDA graphs' own")
         seqs = batch.plan.seqs
-        if self.failed or any(s.prefill for s in seqs) or any(s.key_slots.numel() > self.max_keys for s in seqs):
-            return None
         max_new = max(s.num_new for s in seqs)
-        key = self.bucket_for(len(seqs), max_new)
-        if key is None:
+        if any(s.prefill for s in seqs) or not self.fits(len(seqs), max_new, max(s.key_slots.numel() for s in seqs)):
+            if nodes is not None:
+                raise ValueError("a step with pending trees must fit a CUDA-graph bucket (GraphedForward.fits)")
             logger.debug("no CUDA-graph bucket for %d sequences x %d tokens: eager forward", len(seqs), max_new)
             return None
+        key = self.bucket_for(len(seqs), max_new)
         bucket = self.buckets.get(key) or self._new_bucket(*key)
         n = len(batch.tokens)
         self.inputs.load_(bucket.inputs, batch)
         if token_ids is not None:
             bucket.inputs.token_ids[:n].copy_(token_ids)
-        if not self.config.capture:
+        if nodes is not None:  # after the load's copy, on the same stream
+            bucket.inputs.token_ids.index_copy_(0, nodes.rows, nodes.tokens)
+            bucket.inputs.positions.index_copy_(0, nodes.rows, nodes.positions)
+            bucket.inputs.metadata.q_bits.index_copy_(0, nodes.rows, nodes.ancestor_bits)
+        if self.config.capture and bucket.graph is None:
+            try:
+                self._capture(bucket)
+            except Exception as error:  # noqa: BLE001 - any capture failure: run eagerly, say so once
+                # the warm-up may have written this step's K/V: the eager forward rewrites the same values
+                self.failed = True
+                logger.warning("CUDA-graph capture failed (%s: %s); verifying with eager forwards from now on",
+                               type(error).__name__, error)
+                if nodes is None:
+                    return None
+        if bucket.graph is None:  # uncaptured, or pending trees' inputs after a failed capture (they live only here)
             bucket.output = self._run(bucket)
         else:
-            if bucket.graph is None:
-                try:
-                    self._capture(bucket)
-                except Exception as error:  # noqa: BLE001 - any capture failure: run eagerly, say so once
-                    # the warm-up may have written this step's K/V: the eager forward rewrites the same values
-                    self.failed = True
-                    logger.warning("CUDA-graph capture failed (%s: %s); verifying with eager forwards from now on",
-                                   type(error).__name__, error)
-                    return None
             bucket.graph.replay()
         self.replays += 1
         hidden = bucket.output.hidden[:n]

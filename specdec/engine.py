@@ -38,6 +38,7 @@ from specdec.kv_cache import PagedKVCache
 from specdec.logits_processing import LogitsProcessing
 from specdec.logprobs import committed_rows, token_logprobs
 from specdec.models.llama import ForwardOutput, LlamaRunner
+from specdec.pending_trees import NodeRows, PendingTrees
 from specdec.rejection import EXACT, Acceptance, AcceptanceRule, rejection_sample
 from specdec.sampling import SamplingConfig, check_chosen
 from specdec.speculation_policy import ProposeCall, SpeculationPolicy, StepRecord
@@ -99,9 +100,12 @@ class SequenceState:
 class VerifyBatch(ForwardBatch):
     """One verify forward: the root and tree nodes of every live sequence, flattened into T rows."""
 
+    # pending trees' nodes, whose tokens, positions and ancestor bits the device writes (the host's are placeholders)
+    nodes: NodeRows | None = None
+
     @classmethod
-    def of(cls, batch: ForwardBatch) -> "VerifyBatch":
-        return cls(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)})
+    def of(cls, batch: ForwardBatch, nodes: NodeRows | None = None) -> "VerifyBatch":
+        return cls(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}, nodes=nodes)
 
     @cached_property
     def row_index(self) -> torch.Tensor:  # [B, max_nodes + 1] rows of T per sequence (padding repeats its first row)
@@ -156,6 +160,10 @@ class Engine:
         self.policy = (policy or SpeculationPolicy()).start(self.drafter, target)
         # EAGLE-3: the drafter's rows are these layers' streams
         self.feature_layers: tuple[int, ...] = () if self.drafter is None else tuple(self.drafter.feature_layers)
+        # the drafter's trees may stay on the device until the verify is launched (specdec.pending_trees): every tree
+        # is verified whole, through CUDA-graph buckets (whose inputs the device can write), and nothing audits them
+        self.pending = (self.drafter is not None and self.drafter.pending_trees and self.policy.verifies_whole
+                        and graphed is not None and not self.feature_layers and audit is None)
 
     @property
     def live(self) -> list[SequenceState]:
@@ -193,10 +201,11 @@ class Engine:
         """Draft, verify, sample, commit. Returns the tokens emitted per seq_id this step."""
         t0 = time.perf_counter()
         live = self.live
-        trees = self.propose(live)
+        drafts = self.propose(live)  # DraftTrees, or PendingTrees left on the device
         t1 = time.perf_counter()
-        batch = self.verify_batch(live, trees)
+        batch = self.verify_batch(live, drafts)
         out = self.verify(batch)
+        trees = self.read(live, drafts)  # pending trees: read while the device verifies
         target_logits = self.process(live, trees, batch.per_sequence(out.logits))
         acceptances = self.accept(live, trees, target_logits)
         if self.keep_hidden:
@@ -212,9 +221,14 @@ class Engine:
         self.policy.observe(StepRecord(live, acceptances, emitted, t2 - t1, 1 + max(t.num_nodes for t in trees)))
         return emitted
 
-    def propose(self, live: list[SequenceState]) -> list[DraftTree]:
+    def propose(self, live: list[SequenceState]) -> list[DraftTree] | PendingTrees:
         if self.drafter is None:
             return [DraftTree.empty() for _ in live]
+        if self.pending:
+            drafts = self.drafter.propose_pending(self._views(live))
+            if self._verifiable(live, drafts):
+                return drafts
+            return self.read(live, drafts)  # near a sequence's budget, or beyond every bucket: read first
         asked = self.policy.who_drafts(live)
         if len(asked) == len(live):
             return self._ask_drafter(live)
@@ -227,18 +241,32 @@ class Engine:
         by_id = {s.seq_id: t for s, t in zip(asked, self._ask_drafter(asked))}
         return [by_id.get(s.seq_id, DraftTree.empty()) for s in live]
 
-    def _ask_drafter(self, live: list[SequenceState]) -> list[DraftTree]:
-        views = [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, s.new_hidden, s.noise_key)
-                 for s in live]
-        # a sequence's first call catches the drafter up on its whole prompt: a one-off, not a step's cost
-        catch_up = self.drafter.catches_up and any(s.proposals == 0 for s in live)
+    def _views(self, live: list[SequenceState]) -> list[SequenceView]:
+        """What the drafter sees of each sequence; they are marked as asked."""
         for s in live:
             s.hidden_seen = True
             s.proposals += 1
-        name = self.drafter.name
+        return [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, s.new_hidden, s.noise_key)
+                for s in live]
+
+    def _ask_drafter(self, live: list[SequenceState]) -> list[DraftTree]:
+        # a sequence's first call catches the drafter up on its whole prompt: a one-off, not a step's cost
+        catch_up = self.drafter.catches_up and any(s.proposals == 0 for s in live)
+        views = self._views(live)
         t0 = time.perf_counter()
+        trees = self._checked(live, lambda: self.drafter.propose(views))
+        out = [self._fit_budget(s, tree) for s, tree in zip(live, trees)]
+        draft_seconds = time.perf_counter() - t0
+        if self.audit is not None:
+            self.audit.observe_many(trees, self.drafter.name)  # every tree as proposed, before pruning
+        # the part expected to pay (pruning is exact)
+        return self.policy.size(ProposeCall([s.seq_id for s in live], out, len(self.live), draft_seconds, catch_up))
+
+    def _checked(self, live: list[SequenceState], propose) -> list[DraftTree]:
+        """``propose()``'s trees, one valid DraftTree per sequence, or a DraftError that names the drafter."""
+        name = self.drafter.name
         try:
-            trees = self.drafter.propose(views)
+            trees = propose()
         except DraftError as err:  # e.g. a malformed DraftTree built inside the drafter: say whose it is
             if str(err).startswith(f"{name}:"):
                 raise
@@ -250,52 +278,84 @@ class Engine:
             if not isinstance(tree, DraftTree):
                 raise DraftError(f"{name}: propose() returned {type(tree).__name__}, expected DraftTree")
         validate_trees(trees, self.runner.shape.vocab_size, drafter=name)  # one read of the device for all
-        out = [self._fit_budget(s, tree) for s, tree in zip(live, trees)]
-        draft_seconds = time.perf_counter() - t0
-        if self.audit is not None:
-            self.audit.observe_many(trees, name)  # every tree as proposed, before pruning
-        # the part expected to pay (pruning is exact)
-        return self.policy.size(ProposeCall([s.seq_id for s in live], out, len(self.live), draft_seconds, catch_up))
+        return trees
+
+    def _verifiable(self, live: list[SequenceState], drafts: PendingTrees) -> bool:
+        """Whether pending trees can be verified before they are read: whole (every sequence has the tokens left
+        for their depth) and through a CUDA-graph bucket."""
+        longest = 1 + max(drafts.num_nodes, default=0)
+        return (all(self._depth_budget(s) >= drafts.max_depth for s in live)
+                and self.graphed.fits(len(live), longest, max(len(s.token_ids) for s in live) + longest - 1))
+
+    def read(self, live: list[SequenceState], drafts: list[DraftTree] | PendingTrees) -> list[DraftTree]:
+        """The trees the verify holds: pending trees read by the host (checked as propose()'s are), node for node the
+        ones verified; host trees as they are."""
+        if not isinstance(drafts, PendingTrees):
+            return drafts
+        trees = self._checked(live, drafts.read)
+        if [t.num_nodes for t in trees] != list(drafts.num_nodes):
+            raise DraftError(f"{self.drafter.name}: its pending trees have {list(drafts.num_nodes)} nodes, the trees "
+                             f"read {[t.num_nodes for t in trees]}")
+        return trees
 
     def _fit_budget(self, s: SequenceState, tree: DraftTree) -> DraftTree:
         """Drop nodes deeper than the tokens still allowed (max_new_tokens, context)."""
-        root_position = len(s.token_ids) - 1
-        max_depth = min(
-            self.stop.max_new_tokens - s.num_new_tokens - 1, self.runner.shape.max_positions - 1 - root_position
-        )
+        max_depth = self._depth_budget(s)
         if tree.num_nodes and tree.max_depth > max_depth:
             return tree.prune(tree.depths <= max(max_depth, 0))
         return tree
 
-    def verify_batch(self, live: list[SequenceState], trees: list[DraftTree]) -> VerifyBatch:
+    def _depth_budget(self, s: SequenceState) -> int:
+        """The deepest node worth verifying for ``s``: its tokens still allowed (max_new_tokens, context) but one."""
+        root_position = len(s.token_ids) - 1
+        return min(self.stop.max_new_tokens - s.num_new_tokens - 1, self.runner.shape.max_positions - 1 - root_position)
+
+    def verify_batch(self, live: list[SequenceState], drafts: list[DraftTree] | PendingTrees) -> VerifyBatch:
         """Root + tree nodes of every live sequence: the cached prefix and the root are visible to every
-        row, the nodes by their ancestor bits (the root's row sees none of them)."""
-        self.cache.reserve_many({s.seq_id: 1 + t.num_nodes for s, t in zip(live, trees)})
+        row, the nodes by their ancestor bits (the root's row sees none of them). Pending trees' nodes get
+        placeholders here, and their values on the device (``VerifyBatch.nodes``)."""
+        pending = drafts if isinstance(drafts, PendingTrees) else None
+        sizes = list(pending.num_nodes) if pending is not None else [t.num_nodes for t in drafts]
+        self.cache.reserve_many({s.seq_id: 1 + n for s, n in zip(live, sizes)})
         builder = BatchBuilder(self.cache, self.runner.device)
         # every tree's [1 + num_nodes] ancestor bits (the root's row sees no node) from one host tensor
-        drafted = [t for t in trees if t.num_nodes]
-        flat = [b for t in drafted for b in (0, *t.ancestor_bit_list)]
-        bits = iter(torch.tensor(flat, dtype=torch.long).split([1 + t.num_nodes for t in drafted]) if drafted else ())
-        for s, tree in zip(live, trees):
+        flat = ([0] * sum(1 + n for n in sizes if n) if pending is not None else
+                [b for t in drafts if t.num_nodes for b in (0, *t.ancestor_bit_list)])
+        bits = iter(torch.tensor(flat, dtype=torch.long).split([1 + n for n in sizes if n]) if flat else ())
+        for b, (s, n) in enumerate(zip(live, sizes)):
             cached, root_position = self.cache.committed_length(s.seq_id), len(s.token_ids) - 1
             if cached != root_position:  # the invariant between steps (module docstring)
                 raise RuntimeError(f"sequence {s.seq_id}: the KV cache holds {cached} committed positions, "
                                    f"expected {root_position} (every token but the root)")
             # host-side per-sequence vectors (a drafter's tree may live on its device); the builder moves them once
-            positions = [root_position] + [root_position + d for d in tree.depth_list]
-            tokens = [s.token_ids[-1]] + tree.tokens.tolist()
-            if tree.num_nodes:
+            if pending is not None:
+                positions, tokens = [root_position] * (1 + n), [s.token_ids[-1]] + [0] * n
+            else:
+                positions = [root_position] + [root_position + d for d in drafts[b].depth_list]
+                tokens = [s.token_ids[-1]] + drafts[b].tokens.tolist()
+            if n:
                 builder.add(s.seq_id, tokens, positions, cached + len(tokens), cached + 1, next(bits))
             else:
                 builder.add(s.seq_id, tokens, positions, cached + 1, cached)
-        return VerifyBatch.of(builder.build())
+        batch = builder.build()
+        return VerifyBatch.of(batch, None if pending is None else self._node_rows(live, pending, batch.rows))
+
+    def _node_rows(self, live: list[SequenceState], pending: PendingTrees, rows: tuple[range, ...]) -> NodeRows:
+        """Where the pending trees' nodes sit in the verify (after each root's row), and their values on the device."""
+        index, roots = [], []
+        for s, n, r in zip(live, pending.num_nodes, rows):
+            index += range(r.start + 1, r.start + 1 + n)
+            roots += [len(s.token_ids) - 1] * n
+        device = self.runner.device
+        return NodeRows(to_device(index, torch.long, device), pending.tokens,
+                        to_device(roots, torch.long, device) + pending.depths, pending.ancestor_bits)
 
     def verify(self, batch: VerifyBatch) -> ForwardOutput:
         """ONE target forward over every root and tree node of every live sequence."""
         self.forward_passes += 1
         if self.graphed is not None and not self.feature_layers:  # graphs return the final hidden states only
-            out = self.graphed(batch)
-            if out is not None:  # else no bucket fits this step
+            out = self.graphed(batch, nodes=batch.nodes)
+            if out is not None:  # else no bucket fits this step (never with pending trees: Engine._verifiable)
                 return out
         all_rows = torch.arange(batch.token_ids.numel(), device=batch.token_ids.device)
         return self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache, all_rows,

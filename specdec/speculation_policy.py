@@ -80,6 +80,11 @@ class SpeculationPolicy:
             self.sizer.switch_off()
         return self
 
+    @property
+    def verifies_whole(self) -> bool:
+        """Every proposal is verified whole, from every sequence (no sizer, so no guard)."""
+        return self.sizer is None
+
     def who_drafts(self, live: list["SequenceState"]) -> list["SequenceState"]:
         """The sequences the drafter proposes for this step (the guard's choice; all of them without a sizer)."""
         if self.sizer is None:

@@ -395,7 +395,84 @@ def test_verify_costs_measured_through_the_buckets(loaded, monkeypatch):
 
     calls = []
     replay = GraphedForward.__call__
-    monkeypatch.setattr(GraphedForward, "__call__", lambda self, *a: calls.append(1) or replay(self, *a))
+    monkeypatch.setattr(GraphedForward, "__call__", lambda self, *a, **kw: calls.append(1) or replay(self, *a, **kw))
     costs = measure_verify_costs(loaded.runner, [[1, 2, 3, 4]], [1, 3], SamplingConfig(), repeats=1, graphs=True)
     assert sorted(costs) == [1, 3] and all(c > 0 for c in costs.values())
     assert len(calls) == 4  # 2 rounds x 2 sizes, every verify through the buckets
+
+
+def _eagle_head(loaded, draft_vocab=()):
+    from specdec.drafters.eagle_model import EagleConfig, EagleModel
+
+    torch.manual_seed(0)
+    eagle = EagleModel(EagleConfig.for_target(loaded.model.config, draft_vocab=tuple(draft_vocab), depth=3, top_k=3,
+                                              max_nodes=8))
+    eagle.init_from_target(loaded.model)
+    return eagle.to(DEVICE)
+
+
+def test_pending_eagle_trees_are_verified_before_the_host_reads_them(loaded, monkeypatch):
+    """With every tree verified whole and the verify through buckets, EAGLE's trees stay on the device until the
+    verify is launched (specdec.pending_trees): the device writes the nodes' tokens (through a reduced vocabulary),
+    positions and ancestor bits into the bucket. Each such step's logits equal the eager forward's over the trees the
+    host then reads; near the token budget the trees are read first."""
+    from specdec.drafters.eagle import EagleDrafter
+    from specdec.pending_trees import PendingTrees
+
+    runner = loaded.runner
+    cache = make_cache(runner, blocks=96)
+    graphed = GraphedForward(runner, cache, GraphConfig(batch_sizes=(1, 2), tokens_per_seq=(1, 16), capture=CAPTURE))
+    drafter = EagleDrafter(model=_eagle_head(loaded, range(0, VOCAB, 2)), adapt_depth=False, cuda_graphs=True)
+    engine = Engine(runner, cache, sampling=SamplingConfig(), stop=StopCriteria(9), drafter=drafter, graphed=graphed)
+    assert engine.pending
+    events, outs = [], []
+    verify, read = Engine.verify, Engine.read
+
+    def verified(self, batch):
+        events.append("verify")
+        outs.append(verify(self, batch))
+        return outs[-1]
+
+    def checked(self, live, drafts):
+        after = bool(events) and events[-1] == "verify"  # else read first: this step's verify comes next
+        trees = read(self, live, drafts)
+        events.append("host trees")
+        if isinstance(drafts, PendingTrees):
+            events[-1] = "pending read after its verify" if after else "pending read first"
+            if after:
+                host = self.verify_batch(live, trees)  # the same slots, the host's values
+                eager = self.runner.forward(host.token_ids, host.positions, host.plan, self.cache,
+                                            torch.arange(len(host.tokens), device=DEVICE))
+                assert (outs[-1].logits - eager.logits).abs().max().item() <= 1e-4
+        return trees
+
+    monkeypatch.setattr(Engine, "verify", verified)
+    monkeypatch.setattr(Engine, "read", checked)
+    seqs = engine.add([[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]])
+    while engine.live:
+        engine.step()
+    assert events.count("pending read after its verify") >= 2 and events.count("pending read first") >= 1, events
+    assert all(len(s.new_tokens) == 9 for s in seqs)
+    assert [s.new_tokens for s in seqs] == [t[len(p):] for p, t in zip(
+        ([1, 2, 3, 4, 5, 6, 7], [9, 8, 7]), generate(loaded, [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]], max_new_tokens=9))]
+
+
+@pytest.mark.parametrize("sampled", ["greedy", "rejection", "coupled"])
+def test_pending_eagle_trees_give_the_text_of_trees_read_first(loaded, sampled, monkeypatch):
+    """generate(cuda_graphs=True, speculation="always") with EAGLE: the same tokens whether its trees are verified
+    pending or read first (the same trees, the same walk), and greedy, the target's plain tokens."""
+    from specdec.drafters.eagle import EagleDrafter
+
+    eagle = _eagle_head(loaded)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    kw = {} if sampled == "greedy" else dict(do_sample=True, temperature=0.9, seed=3,
+                                             sampler="coupled" if sampled == "coupled" else "standard")
+    outs = []
+    for pending in (True, False):
+        monkeypatch.setattr(EagleDrafter, "pending_trees", pending)
+        drafter = EagleDrafter(model=eagle, adapt_depth=False, cuda_graphs=True)
+        outs.append(generate(loaded, prompts, max_new_tokens=8, drafter=drafter, cuda_graphs=True,
+                             speculation="always", **kw))
+    assert outs[0] == outs[1]
+    if sampled == "greedy":
+        assert outs[0] == generate(loaded, prompts, max_new_tokens=8)

@@ -1,5 +1,6 @@
 """On a GPU, an engine step synchronises the host with the device once: when it reads the target's choices, or under
-sampling the rejection walk's result (an EAGLE step twice: it also reads its candidate pool, to rerank; a draft
+sampling the rejection walk's result (an EAGLE step twice when its trees are sized: it also reads its candidate pool;
+verified whole, its trees are read once the verify is launched, specdec/pending_trees.py; a draft
 model's step twice, it reads its tree, and sampled three times: the tree's draft_probs are checked in one read). Every
 per-step input built on the host goes through ``specdec.host_copy.to_device`` (pinned, asynchronous); drafting
 times its levels with events (``specdec.drafters.level_clock``), not by waiting for the device."""
@@ -56,7 +57,8 @@ def test_the_level_clock_gives_each_part_its_time_and_the_call_its_total():
 @pytest.mark.parametrize("drafter,sampled", [(None, ""), ("ngram", ""), ("eagle", ""), (None, "rejection"),
                                              ("ngram", "rejection"), ("eagle", "rejection"), ("ngram", "coupled"),
                                              ("eagle", "coupled"), ("ngram", "penalty"), ("draft-model", ""),
-                                             ("draft-model", "rejection")])
+                                             ("draft-model", "rejection"), ("eagle-whole", ""),
+                                             ("eagle-whole", "rejection")])
 def test_a_step_synchronises_once(drafter, sampled, monkeypatch):
     """Sampled steps too: the rejection walk masks ended rows instead of reading which rows still walk, and the
     coupled walk's and the logits processors' row indices reach the device without a blocking copy."""
@@ -74,7 +76,8 @@ def test_a_step_synchronises_once(drafter, sampled, monkeypatch):
             syncs.append(sum("synchronizing" in str(w.message) for w in caught))
 
     model = build_tiny_model().cuda()
-    if drafter == "eagle":  # its candidate pool is read once per step, to rerank
+    whole = drafter == "eagle-whole"  # speculation="always": its pending trees are read after the verify's launch
+    if drafter in ("eagle", "eagle-whole"):  # its candidate pool is read once per step, to rerank
         torch.manual_seed(0)
         eagle = EagleModel(EagleConfig.for_target(model.config, draft_vocab=tuple(range(0, 96, 2))))
         eagle.init_from_target(model)
@@ -82,7 +85,7 @@ def test_a_step_synchronises_once(drafter, sampled, monkeypatch):
     if drafter == "draft-model":  # its tree is read once per step; sampled, its draft_probs' checks once more
         drafter = DraftModelDrafter(model=build_tiny_model(seed=7).cuda())
     reads = 1  # the target's choices, or the walk's result
-    if isinstance(drafter, (EagleDrafter, DraftModelDrafter)):
+    if isinstance(drafter, (EagleDrafter, DraftModelDrafter)) and not whole:
         reads += 1  # the drafter's candidates
     if isinstance(drafter, DraftModelDrafter) and sampled == "rejection":
         reads += 1  # the checks of its trees' draft_probs
@@ -94,6 +97,6 @@ def test_a_step_synchronises_once(drafter, sampled, monkeypatch):
     generate(model, prompts, max_new_tokens=24, drafter=drafter, speculation="always", **kw)  # compiles, captures
     monkeypatch.setattr(Engine, "step", counted)
     # the default policy (EAGLE chooses its depth); a draft model as costly as the target would never be asked
-    policy = dict(speculation="always") if isinstance(drafter, DraftModelDrafter) else {}
+    policy = dict(speculation="always") if isinstance(drafter, DraftModelDrafter) or whole else {}
     generate(model, prompts, max_new_tokens=24, drafter=drafter, **kw, **policy)
     assert syncs and max(syncs[1:]) <= reads, syncs

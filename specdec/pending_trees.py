@@ -1,0 +1,66 @@
+"""PendingTrees: a step's draft trees still on the device, verified before the host reads them.
+
+A drafter whose candidates come out of the device (EAGLE's reranked pool) would make the host wait for its
+drafting before the verify could be built: on a GPU the device then idles while the host turns the candidates into
+trees and the verify's inputs. A pending proposal hands the engine what the verify needs without that read: each
+sequence's node count (fixed before drafting, on the host) and, on the device, the nodes' target token ids, depths
+and ancestor bits (:func:`tree_fields`). The engine builds the verify around them (CUDA-graph inputs written on the
+device, ``specdec.cuda_graphs``), launches it, and only then calls :meth:`PendingTrees.read`: the host copy of the
+candidates, started right after drafting, is ready by then, and the device goes on verifying meanwhile.
+
+Invariant: ``read()`` returns exactly the trees the device fields describe (node for node, in the same order), so
+the rows the target verified are the trees the acceptance walks.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specdec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class PendingTrees:
+    """One propose call's trees, one per sequence asked, still on the device (module doc)."""
+
+    num_nodes: tuple[int, ...]  # per sequence, in the order asked (0: the empty tree)
+    tokens: torch.Tensor  # [K] target token ids of every node, sequences in order (K = sum(num_nodes)), device
+    depths: torch.Tensor  # [K] depth of each node (a root child: 1), device
+    ancestor_bits: torch.Tensor  # [K] int64, bit j: node j of its sequence is the node itself or an ancestor, device
+    max_depth: int  # no node is deeper (the engine reads the trees first where a sequence has fewer tokens left)
+    read: Callable[[], list[DraftTree]]  # the host's trees; waits, if at all, for the drafting alone
+
+    def __post_init__(self) -> None:
+        total = sum(self.num_nodes)
+        for name in ("tokens", "depths", "ancestor_bits"):
+            if tuple(getattr(self, name).shape) != (total,):
+                raise ValueError(f"PendingTrees.{name} must be [{total}], got {tuple(getattr(self, name).shape)}")
+
+
+def tree_fields(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents [B, M] (-1: a root child; each parent precedes its child) -> ([B, M] depths, [B, M] int64 ancestor
+    bits), on their device with no read: ``max_depth`` rounds of one gather up the tree (no node is deeper)."""
+    M = parents.shape[1]
+    index = torch.arange(M, device=parents.device)
+    bits = (torch.ones_like(parents) << index).expand_as(parents).clone()
+    depths = torch.ones_like(parents)
+    up = parents  # each node's ancestor so many levels up (-1: past the root)
+    for _ in range(max_depth - 1):
+        has = up >= 0
+        at = up.clamp(min=0)
+        bits |= torch.where(has, torch.ones_like(at) << at, 0)
+        depths += has.long()
+        up = torch.where(has, parents.gather(1, at), -1)
+    return depths, bits
+
+
+@dataclass(frozen=True)
+class NodeRows:
+    """Pending trees laid out in one verify forward: the values the device writes into the forward's inputs."""
+
+    rows: torch.Tensor  # [K] the forward's row of each node (int64, device)
+    tokens: torch.Tensor  # [K] token ids
+    positions: torch.Tensor  # [K] root position + depth
+    ancestor_bits: torch.Tensor  # [K] int64, over the sequence's nodes (the root's row sees none)
