@@ -417,6 +417,7 @@ def test_pending_eagle_trees_are_verified_before_the_host_reads_them(loaded, mon
     positions and ancestor bits into the bucket. Each such step's logits equal the eager forward's over the trees the
     host then reads; near the token budget the trees are read first."""
     from specdec.drafters.eagle import EagleDrafter
+
     from specdec.pending_trees import PendingTrees
 
     runner = loaded.runner
