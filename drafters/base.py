@@ -13,7 +13,8 @@ Lifecycle, driven by the engine:
    drawn tokens, scores computed from them, or a shape that depends on them (a drafter may give ``scores`` and
    token-dependent shapes; they do not decide what of it is verified). With ``speculation="auto"`` the guard may leave
    sequences out of ``views``, or skip the call: a drafter must not assume it sees every step, and reads what was
-   committed meanwhile from ``token_ids`` (and ``new_hidden``).
+   committed meanwhile from ``token_ids`` (and ``new_hidden``). A drafter with ``pending_trees`` also offers
+   ``propose_pending``: the same trees left on the device (specdec/pending_trees.py), read after the verify's launch.
 3. ``on_accept(seq_id, committed)`` after EVERY commit, proposed for or not.
 4. ``release(seq_id)`` when a sequence finishes.
 

@@ -158,7 +158,6 @@ class EagleDrafter(Drafter):
         call = self._draft(seqs)
         return self._finish(call, None if call.pool is None else call.pool.cpu())  # the one read of the device
 
-
     @torch.inference_mode()
     def propose_pending(self, seqs: Sequence[SequenceView]) -> PendingTrees:
         """The call's trees left on the device (specdec/pending_trees.py): the host copy of the candidates starts
@@ -168,7 +167,8 @@ class EagleDrafter(Drafter):
         sizes = [0] * len(seqs)
         if call.pool is None:
             nothing = torch.zeros(0, dtype=torch.long, device=self.target.runner.device)
-            return PendingTrees(tuple(sizes), nothing, nothing, nothing, 0, lambda: self._finish(call, None))
+            return PendingTrees(tuple(sizes), nothing, nothing, nothing, 0, lambda: self._finish(call, None),
+                                lambda: call.seconds)
         pool = call.pool  # [L, 4, M] on the device
         tokens = pool[:, 0].long()
         if self.model.draft_ids is not None:
@@ -188,7 +188,8 @@ class EagleDrafter(Drafter):
                 copied.synchronize()  # the drafting's end: the device is verifying by now
             return self._finish(call, host)
 
-        return PendingTrees(tuple(sizes), tokens.flatten(), depths.flatten(), bits.flatten(), call.depth, read)
+        return PendingTrees(tuple(sizes), tokens.flatten(), depths.flatten(), bits.flatten(), call.depth, read,
+                            lambda: call.seconds)
 
     def _finish(self, call: "_Call", pools: torch.Tensor | None) -> list[DraftTree]:
         """The call's trees from its candidates read by the host ([L, 4, M]; None: no sequence drafted), and what
@@ -199,6 +200,7 @@ class EagleDrafter(Drafter):
             for i, tree in zip(call.live, self._trees(pools)):
                 trees[i] = tree
             level_seconds = call.levels(call.clock.split())
+        call.seconds = sum(level_seconds)
         for view, tree in zip(call.seqs, trees):
             self._last[view.seq_id] = _top_chain(tree)
         self.chooser.record_seconds(level_seconds, call.catch_up)
@@ -332,6 +334,7 @@ class _Call:
     clock: LevelClock
     pool: torch.Tensor | None = None  # [len(live), 4, M] reranked candidates on the device
     levels: Callable[[list[float]], list[float]] = list  # the clock's parts -> seconds per level
+    seconds: float = 0.0  # the drafting's, once the pool is read
 
 
 __all__ = ["EagleDrafter", "EagleDraftConfig", "EagleCheckpointError"]

@@ -12,6 +12,9 @@ The :class:`~specdec.speculation_policy.SpeculationPolicy` decides who drafts an
 verified (``speculation="auto"``, the default of generate(): the break-even guard and tree sizing by the measured
 cost model); the acceptor (rejection or coupled sampling) is chosen once, when the engine is built.
 
+On a GPU a drafter's trees may stay on the device until the verify is launched (:mod:`specdec.pending_trees`): the
+step reads them after :meth:`Engine.verify`, where the policy expects to verify them whole.
+
 Logits processors (repetition penalty, min_new_tokens, ...: :mod:`specdec.logits_processing`) are applied to the
 target's logits of every verify row with that row's own prefix before the walk (:meth:`Engine.process`); with
 ``output_logprobs`` each committed token's log-probability is kept (:mod:`specdec.logprobs`). Neither costs
@@ -122,6 +125,20 @@ class VerifyBatch(ForwardBatch):
         return x[self.row_index]
 
 
+@dataclass(frozen=True)
+class PendingStep:
+    """A step's proposal left on the device (specdec.pending_trees), from the sequences the guard asked."""
+
+    trees: PendingTrees  # one per asked sequence
+    asked: list[SequenceState]  # in batch order
+    catch_up: bool  # the call included a sequence's first
+
+    def num_nodes(self, live: list[SequenceState]) -> list[int]:
+        """Per live sequence: its pending tree's nodes, 0 where it was not asked."""
+        by_id = {s.seq_id: n for s, n in zip(self.asked, self.trees.num_nodes)}
+        return [by_id.get(s.seq_id, 0) for s in live]
+
+
 class Engine:
     def __init__(
         self,
@@ -160,10 +177,11 @@ class Engine:
         self.policy = (policy or SpeculationPolicy()).start(self.drafter, target)
         # EAGLE-3: the drafter's rows are these layers' streams
         self.feature_layers: tuple[int, ...] = () if self.drafter is None else tuple(self.drafter.feature_layers)
-        # the drafter's trees may stay on the device until the verify is launched (specdec.pending_trees): every tree
-        # is verified whole, through CUDA-graph buckets (whose inputs the device can write), and nothing audits them
-        self.pending = (self.drafter is not None and self.drafter.pending_trees and self.policy.verifies_whole
-                        and graphed is not None and not self.feature_layers and audit is None)
+        # the drafter's trees may stay on the device until the verify is launched (specdec.pending_trees), on steps
+        # whose trees the policy expects to verify whole: the verify runs through CUDA-graph buckets (whose inputs the
+        # device can write)
+        self.pending = (self.drafter is not None and self.drafter.pending_trees and graphed is not None
+                        and not self.feature_layers)
 
     @property
     def live(self) -> list[SequenceState]:
@@ -201,7 +219,7 @@ class Engine:
         """Draft, verify, sample, commit. Returns the tokens emitted per seq_id this step."""
         t0 = time.perf_counter()
         live = self.live
-        drafts = self.propose(live)  # DraftTrees, or PendingTrees left on the device
+        drafts = self.propose(live)  # DraftTrees, or a PendingStep: trees left on the device
         t1 = time.perf_counter()
         batch = self.verify_batch(live, drafts)
         out = self.verify(batch)
@@ -221,48 +239,56 @@ class Engine:
         self.policy.observe(StepRecord(live, acceptances, emitted, t2 - t1, 1 + max(t.num_nodes for t in trees)))
         return emitted
 
-    def propose(self, live: list[SequenceState]) -> list[DraftTree] | PendingTrees:
+    def propose(self, live: list[SequenceState]) -> list[DraftTree] | PendingStep:
         if self.drafter is None:
             return [DraftTree.empty() for _ in live]
-        if self.pending:
-            drafts = self.drafter.propose_pending(self._views(live))
-            if self._verifiable(live, drafts):
-                return drafts
-            return self.read(live, drafts)  # near a sequence's budget, or beyond every bucket: read first
         asked = self.policy.who_drafts(live)
-        if len(asked) == len(live):
-            return self._ask_drafter(live)
-        for s in live:
-            s.plain_by_guard += 1
-        for s in asked:
-            s.plain_by_guard -= 1
+        if len(asked) < len(live):
+            for s in live:
+                s.plain_by_guard += 1
+            for s in asked:
+                s.plain_by_guard -= 1
         if not asked:  # the guard decodes every sequence plainly this step: the drafter is not asked
             return [DraftTree.empty() for _ in live]
-        by_id = {s.seq_id: t for s, t in zip(asked, self._ask_drafter(asked))}
+        # a sequence's first call catches the drafter up on its whole prompt: a one-off, not a step's cost
+        catch_up = self.drafter.catches_up and any(s.proposals == 0 for s in asked)
+        if self.pending and self.policy.verifies_whole:
+            step = PendingStep(self.drafter.propose_pending(self._views(asked)), asked, catch_up)
+            if self._verifiable(live, step):
+                return step
+            # near a sequence's token budget, or beyond every bucket: read first, as from propose()
+            return self._spread(live, asked, self._sized(asked, *self._read(step), catch_up))
+        views = self._views(asked)
+        t0 = time.perf_counter()
+        trees = self._checked(asked, lambda: self.drafter.propose(views))
+        return self._spread(live, asked, self._sized(asked, trees, time.perf_counter() - t0, catch_up))
+
+    @staticmethod
+    def _spread(live: list[SequenceState], asked: list[SequenceState], trees: list[DraftTree]) -> list[DraftTree]:
+        """The asked sequences' trees in the batch, the empty tree for the others."""
+        if len(asked) == len(live):
+            return trees
+        by_id = {s.seq_id: t for s, t in zip(asked, trees)}
         return [by_id.get(s.seq_id, DraftTree.empty()) for s in live]
 
-    def _views(self, live: list[SequenceState]) -> list[SequenceView]:
+    def _views(self, asked: list[SequenceState]) -> list[SequenceView]:
         """What the drafter sees of each sequence; they are marked as asked."""
-        for s in live:
+        for s in asked:
             s.hidden_seen = True
             s.proposals += 1
         return [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, s.new_hidden, s.noise_key)
-                for s in live]
+                for s in asked]
 
-    def _ask_drafter(self, live: list[SequenceState]) -> list[DraftTree]:
-        # a sequence's first call catches the drafter up on its whole prompt: a one-off, not a step's cost
-        catch_up = self.drafter.catches_up and any(s.proposals == 0 for s in live)
-        views = self._views(live)
-        t0 = time.perf_counter()
-        trees = self._checked(live, lambda: self.drafter.propose(views))
-        out = [self._fit_budget(s, tree) for s, tree in zip(live, trees)]
-        draft_seconds = time.perf_counter() - t0
+    def _sized(self, asked: list[SequenceState], trees: list[DraftTree], draft_seconds: float, catch_up: bool
+               ) -> list[DraftTree]:
+        """The part of each proposed tree to verify: cut to the sequence's token budget, then to what is expected to
+        pay (pruning is exact)."""
         if self.audit is not None:
             self.audit.observe_many(trees, self.drafter.name)  # every tree as proposed, before pruning
-        # the part expected to pay (pruning is exact)
-        return self.policy.size(ProposeCall([s.seq_id for s in live], out, len(self.live), draft_seconds, catch_up))
+        out = [self._fit_budget(s, tree) for s, tree in zip(asked, trees)]
+        return self.policy.size(ProposeCall([s.seq_id for s in asked], out, len(self.live), draft_seconds, catch_up))
 
-    def _checked(self, live: list[SequenceState], propose) -> list[DraftTree]:
+    def _checked(self, asked: list[SequenceState], propose) -> list[DraftTree]:
         """``propose()``'s trees, one valid DraftTree per sequence, or a DraftError that names the drafter."""
         name = self.drafter.name
         try:
@@ -271,32 +297,40 @@ class Engine:
             if str(err).startswith(f"{name}:"):
                 raise
             raise DraftError(f"{name}: {err}") from err
-        if not isinstance(trees, (list, tuple)) or len(trees) != len(live):
+        if not isinstance(trees, (list, tuple)) or len(trees) != len(asked):
             got = f"{len(trees)} trees" if isinstance(trees, (list, tuple)) else type(trees).__name__
-            raise DraftError(f"{name}: propose() must return one DraftTree per sequence ({len(live)}), got {got}")
+            raise DraftError(f"{name}: propose() must return one DraftTree per sequence ({len(asked)}), got {got}")
         for tree in trees:
             if not isinstance(tree, DraftTree):
                 raise DraftError(f"{name}: propose() returned {type(tree).__name__}, expected DraftTree")
         validate_trees(trees, self.runner.shape.vocab_size, drafter=name)  # one read of the device for all
         return trees
 
-    def _verifiable(self, live: list[SequenceState], drafts: PendingTrees) -> bool:
+    def _verifiable(self, live: list[SequenceState], step: PendingStep) -> bool:
         """Whether pending trees can be verified before they are read: whole (every sequence has the tokens left
         for their depth) and through a CUDA-graph bucket."""
-        longest = 1 + max(drafts.num_nodes, default=0)
-        return (all(self._depth_budget(s) >= drafts.max_depth for s in live)
+        longest = 1 + max(step.trees.num_nodes)
+        return (all(self._depth_budget(s) >= step.trees.max_depth for s in step.asked)
                 and self.graphed.fits(len(live), longest, max(len(s.token_ids) for s in live) + longest - 1))
 
-    def read(self, live: list[SequenceState], drafts: list[DraftTree] | PendingTrees) -> list[DraftTree]:
-        """The trees the verify holds: pending trees read by the host (checked as propose()'s are), node for node the
-        ones verified; host trees as they are."""
-        if not isinstance(drafts, PendingTrees):
+    def _read(self, step: PendingStep) -> tuple[list[DraftTree], float]:
+        """Pending trees read by the host (checked as propose()'s are), node for node the ones on the device, and the
+        drafting's seconds."""
+        trees = self._checked(step.asked, step.trees.read)
+        if [t.num_nodes for t in trees] != list(step.trees.num_nodes):
+            raise DraftError(f"{self.drafter.name}: its pending trees have {list(step.trees.num_nodes)} nodes, the "
+                             f"trees read {[t.num_nodes for t in trees]}")
+        return trees, step.trees.seconds()
+
+    def read(self, live: list[SequenceState], drafts: list[DraftTree] | PendingStep) -> list[DraftTree]:
+        """The trees the verify holds: pending trees read by the host once the verify is launched, whole (the
+        policy's sizing sees them as it would have before the verify: what it would have cut is learned, and the
+        next step reads its trees first); host trees as they are."""
+        if not isinstance(drafts, PendingStep):
             return drafts
-        trees = self._checked(live, drafts.read)
-        if [t.num_nodes for t in trees] != list(drafts.num_nodes):
-            raise DraftError(f"{self.drafter.name}: its pending trees have {list(drafts.num_nodes)} nodes, the trees "
-                             f"read {[t.num_nodes for t in trees]}")
-        return trees
+        trees, seconds = self._read(drafts)
+        self._sized(drafts.asked, trees, seconds, drafts.catch_up)
+        return self._spread(live, drafts.asked, trees)
 
     def _fit_budget(self, s: SequenceState, tree: DraftTree) -> DraftTree:
         """Drop nodes deeper than the tokens still allowed (max_new_tokens, context)."""
@@ -310,12 +344,12 @@ class Engine:
         root_position = len(s.token_ids) - 1
         return min(self.stop.max_new_tokens - s.num_new_tokens - 1, self.runner.shape.max_positions - 1 - root_position)
 
-    def verify_batch(self, live: list[SequenceState], drafts: list[DraftTree] | PendingTrees) -> VerifyBatch:
+    def verify_batch(self, live: list[SequenceState], drafts: list[DraftTree] | PendingStep) -> VerifyBatch:
         """Root + tree nodes of every live sequence: the cached prefix and the root are visible to every
         row, the nodes by their ancestor bits (the root's row sees none of them). Pending trees' nodes get
         placeholders here, and their values on the device (``VerifyBatch.nodes``)."""
-        pending = drafts if isinstance(drafts, PendingTrees) else None
-        sizes = list(pending.num_nodes) if pending is not None else [t.num_nodes for t in drafts]
+        pending = drafts.trees if isinstance(drafts, PendingStep) else None
+        sizes = drafts.num_nodes(live) if pending is not None else [t.num_nodes for t in drafts]
         self.cache.reserve_many({s.seq_id: 1 + n for s, n in zip(live, sizes)})
         builder = BatchBuilder(self.cache, self.runner.device)
         # every tree's [1 + num_nodes] ancestor bits (the root's row sees no node) from one host tensor
@@ -338,12 +372,13 @@ class Engine:
             else:
                 builder.add(s.seq_id, tokens, positions, cached + 1, cached)
         batch = builder.build()
-        return VerifyBatch.of(batch, None if pending is None else self._node_rows(live, pending, batch.rows))
+        return VerifyBatch.of(batch, None if pending is None else self._node_rows(live, sizes, pending, batch.rows))
 
-    def _node_rows(self, live: list[SequenceState], pending: PendingTrees, rows: tuple[range, ...]) -> NodeRows:
+    def _node_rows(self, live: list[SequenceState], sizes: list[int], pending: PendingTrees, rows: tuple[range, ...]
+                   ) -> NodeRows:
         """Where the pending trees' nodes sit in the verify (after each root's row), and their values on the device."""
         index, roots = [], []
-        for s, n, r in zip(live, pending.num_nodes, rows):
+        for s, n, r in zip(live, sizes, rows):
             index += range(r.start + 1, r.start + 1 + n)
             roots += [len(s.token_ids) - 1] * n
         device = self.runner.device

@@ -3,7 +3,7 @@
 A drafter whose candidates come out of the device (EAGLE's reranked pool) would make the host wait for its
 drafting before the verify could be built: on a GPU the device then idles while the host turns the candidates into
 trees and the verify's inputs. A pending proposal hands the engine what the verify needs without that read: each
-sequence's node count (fixed before drafting, on the host) and, on the device, the nodes' target token ids, depths
+sequence's node count (known on the host without a read) and, on the device, the nodes' target token ids, depths
 and ancestor bits (:func:`tree_fields`). The engine builds the verify around them (CUDA-graph inputs written on the
 device, ``specdec.cuda_graphs``), launches it, and only then calls :meth:`PendingTrees.read`: the host copy of the
 candidates, started right after drafting, is ready by then, and the device goes on verifying meanwhile.
@@ -31,6 +31,7 @@ class PendingTrees:
     ancestor_bits: torch.Tensor  # [K] int64, bit j: node j of its sequence is the node itself or an ancestor, device
     max_depth: int  # no node is deeper (the engine reads the trees first where a sequence has fewer tokens left)
     read: Callable[[], list[DraftTree]]  # the host's trees; waits, if at all, for the drafting alone
+    seconds: Callable[[], float]  # after read(): the drafting's seconds (on CUDA the device's time)
 
     def __post_init__(self) -> None:
         total = sum(self.num_nodes)

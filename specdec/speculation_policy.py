@@ -64,6 +64,7 @@ class SpeculationPolicy:
     def __init__(self, sizer: TreeSizer | None = None) -> None:
         self.sizer = sizer
         self.costs = None if sizer is None else CostView(sizer.online.relative, sizer.step_seconds)
+        self.cut_last = False  # the last size() cut a tree
 
     def start(self, drafter: Drafter | None, target: TargetView) -> "SpeculationPolicy":
         """Attach ``drafter`` to ``target`` with the policy's costs; returns the policy. A drafter whose own forward
@@ -82,8 +83,10 @@ class SpeculationPolicy:
 
     @property
     def verifies_whole(self) -> bool:
-        """Every proposal is verified whole, from every sequence (no sizer, so no guard)."""
-        return self.sizer is None
+        """This step's proposals are expected to be verified whole: there is no sizer, or its last call cut no tree.
+        A drafter's pending trees (specdec.pending_trees) are then verified before they are sized, and sized after
+        (what sizing would have cut is learned, and the next step sizes its trees first)."""
+        return not self.cut_last
 
     def who_drafts(self, live: list["SequenceState"]) -> list["SequenceState"]:
         """The sequences the drafter proposes for this step (the guard's choice; all of them without a sizer)."""
@@ -95,7 +98,9 @@ class SpeculationPolicy:
         """The part of each proposed tree to verify, and the call's draft time recorded."""
         if self.sizer is None:
             return call.trees
-        return self.sizer.size_call(call.seq_ids, call.trees, call.batch, call.draft_seconds, call.catch_up)
+        sized = self.sizer.size_call(call.seq_ids, call.trees, call.batch, call.draft_seconds, call.catch_up)
+        self.cut_last = any(a.num_nodes < b.num_nodes for a, b in zip(sized, call.trees))
+        return sized
 
     def observe(self, step: StepRecord) -> None:
         """Learn from a finished step: acceptance per sequence, the verify time; forget finished sequences."""

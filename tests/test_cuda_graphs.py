@@ -418,8 +418,6 @@ def test_pending_eagle_trees_are_verified_before_the_host_reads_them(loaded, mon
     host then reads; near the token budget the trees are read first."""
     from specdec.drafters.eagle import EagleDrafter
 
-    from specdec.pending_trees import PendingTrees
-
     runner = loaded.runner
     cache = make_cache(runner, blocks=96)
     graphed = GraphedForward(runner, cache, GraphConfig(batch_sizes=(1, 2), tokens_per_seq=(1, 16), capture=CAPTURE))
@@ -427,28 +425,27 @@ def test_pending_eagle_trees_are_verified_before_the_host_reads_them(loaded, mon
     engine = Engine(runner, cache, sampling=SamplingConfig(), stop=StopCriteria(9), drafter=drafter, graphed=graphed)
     assert engine.pending
     events, outs = [], []
-    verify, read = Engine.verify, Engine.read
+    propose, verify, read = Engine.propose, Engine.verify, Engine._read
 
     def verified(self, batch):
         events.append("verify")
         outs.append(verify(self, batch))
         return outs[-1]
 
-    def checked(self, live, drafts):
-        after = bool(events) and events[-1] == "verify"  # else read first: this step's verify comes next
-        trees = read(self, live, drafts)
-        events.append("host trees")
-        if isinstance(drafts, PendingTrees):
-            events[-1] = "pending read after its verify" if after else "pending read first"
-            if after:
-                host = self.verify_batch(live, trees)  # the same slots, the host's values
-                eager = self.runner.forward(host.token_ids, host.positions, host.plan, self.cache,
-                                            torch.arange(len(host.tokens), device=DEVICE))
-                assert (outs[-1].logits - eager.logits).abs().max().item() <= 1e-4
-        return trees
+    def checked(self, step):
+        after = events[-1] == "verify"  # else read first: this step's verify comes next
+        trees, seconds = read(self, step)
+        events.append("pending read after its verify" if after else "pending read first")
+        if after:
+            host = self.verify_batch(self.live, trees)  # the same slots, the host's values (every sequence drafted)
+            eager = self.runner.forward(host.token_ids, host.positions, host.plan, self.cache,
+                                        torch.arange(len(host.tokens), device=DEVICE))
+            assert (outs[-1].logits - eager.logits).abs().max().item() <= 1e-4
+        return trees, seconds
 
+    monkeypatch.setattr(Engine, "propose", lambda self, live: events.append("propose") or propose(self, live))
     monkeypatch.setattr(Engine, "verify", verified)
-    monkeypatch.setattr(Engine, "read", checked)
+    monkeypatch.setattr(Engine, "_read", checked)
     seqs = engine.add([[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]])
     while engine.live:
         engine.step()
@@ -477,3 +474,46 @@ def test_pending_eagle_trees_give_the_text_of_trees_read_first(loaded, sampled, 
     assert outs[0] == outs[1]
     if sampled == "greedy":
         assert outs[0] == generate(loaded, prompts, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("cuts", [False, True])
+def test_pending_trees_under_tree_sizing(loaded, cuts, monkeypatch):
+    """With the speculation policy's sizer (speculation="auto"), trees are left pending while its last sizing cut
+    none: verified whole, then sized after the read (what it would cut is learned). Once it cuts, the next steps
+    size their trees before the verify, as drafters without pending trees do. Greedy stays the target's."""
+    from specdec.drafters.eagle import EagleDrafter
+
+    from specdec.cost_model import CostModel
+    from specdec.speculation_policy import SpeculationPolicy
+    from specdec.tree_sizing import TreeSizer
+
+    size = TreeSizer.size
+
+    def sizing(self, seq_id, tree, batch):  # the sizer's own call (its learning, the guard), then a fixed answer
+        size(self, seq_id, tree, batch)
+        return tree.prune(tree.depths <= 1) if cuts and tree.num_nodes else tree
+
+    monkeypatch.setattr(TreeSizer, "size", sizing)
+    monkeypatch.setattr(TreeSizer, "wants_draft", lambda self, seq_id: True)
+    calls = []
+    for name in ("propose", "propose_pending"):
+        method = getattr(EagleDrafter, name)
+        monkeypatch.setattr(EagleDrafter, name, lambda self, seqs, m=method, n=name: calls.append(n) or m(self, seqs))
+    runner = loaded.runner
+    cache = make_cache(runner, blocks=96)
+    graphed = GraphedForward(runner, cache, GraphConfig(batch_sizes=(1, 2), tokens_per_seq=(1, 16), capture=CAPTURE))
+    policy = SpeculationPolicy(TreeSizer(CostModel({}, {1: {1: 1.0, 65: 1.0}})))
+    engine = Engine(runner, cache, sampling=SamplingConfig(), stop=StopCriteria(8), graphed=graphed, policy=policy,
+                    drafter=EagleDrafter(model=_eagle_head(loaded), adapt_depth=False, cuda_graphs=True))
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    seqs = engine.add(prompts)
+    while engine.live:
+        engine.step()
+    assert calls[0] == "propose_pending"
+    if cuts:  # the first step's trees were verified whole; sizing cut them, so every later step sized first
+        assert calls[1:] and set(calls[1:]) == {"propose"}
+        assert max(n for s in seqs for n in s.step_nodes[1:]) <= 3  # top_k root children
+    else:
+        assert set(calls) == {"propose_pending"} and max(seqs[0].step_nodes) == 8
+    assert [s.new_tokens for s in seqs] == [t[len(p):] for p, t in zip(prompts, generate(loaded, prompts,
+                                                                                          max_new_tokens=8))]
