@@ -8,8 +8,8 @@ Only the engine's steps count (from the first ``Engine.step`` to the end of the 
 out). Per step it gives the wall time under the profiler (which adds some per launch: the timed rows give the speed,
 this gives the shares), the GPU's busy time (the union of its kernel and copy intervals) and what is left idle,
 kernels run, CUDA-graph launches and launches from the host, the host's waits on the device (synchronisations and
-their seconds), and the host time of each engine phase (propose, verify_batch, verify, accept, commit, ...). On the
-CPU (the rehearsal) there are no device events: it counts the aten ops the steps run instead.
+their seconds), and the host time of each engine phase (propose, verify_batch, verify, read, accept, commit, ...).
+On the CPU (the rehearsal) there are no device events: it counts the aten ops the steps run instead.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from collections import Counter, defaultdict
 
 import torch
 
-PHASES = ("step", "propose", "verify_batch", "verify", "process", "accept", "keep_new_hidden", "commit")
+PHASES = ("step", "propose", "verify_batch", "verify", "read", "process", "accept", "keep_new_hidden", "commit")
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
               "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",

@@ -6,7 +6,8 @@ of the sequence's *committed* tokens:
 1. catch up: one batched forward over the tokens committed since the last step; they are committed;
 2. grow: one batched forward per depth over the new frontier nodes of every sequence, their K/V at scratch
    slots past the root (each node sees the committed prefix, the root and its ancestors); a static tree keeps its
-   children, chosen or sampled, on the device and is read once (``_grow_static``), others once per depth;
+   children, chosen or sampled, on the device and is read once (``_grow_static``), others once per depth; a static
+   tree may stay pending (``propose_pending``, specdec/pending_trees.py), read after the verify's launch;
 3. release the scratch slots: rejected drafts cost nothing to roll back; accepted ones are recomputed in the
    next catch-up.
 
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView
 from specdec.drafters.draft_vocab import DraftVocab
+from specdec.drafters.level_clock import LevelClock
 
 from specdec.attention import BatchBuilder
 from specdec.coupling import perturbed_logits
@@ -44,6 +46,7 @@ from specdec.errors import InputError
 from specdec.host_copy import to_device
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaRunner
+from specdec.pending_trees import PendingTrees
 from specdec.sampling import logits_to_probs
 from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree
 
@@ -182,19 +185,70 @@ class ModelDrafter(Drafter):
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
+        live = self._live(seqs)
+        trees = {v.seq_id: DraftTree.empty() for v in seqs}
+        if live:
+            root_logits = self._root_logits(live)
+            if self.static_on_device:
+                tokens, parents, probs = self._grow_static(live, root_logits)
+                grown = self._static_trees(tokens.tolist(), parents, probs)  # the one read of the device
+            else:
+                grown = self._grow(live, root_logits)
+            for v, tree in zip(live, grown):
+                trees[v.seq_id] = tree
+        return [trees[v.seq_id] for v in seqs]
+
+    @property
+    def pending_trees(self) -> bool:  # after attach: a static tree grown on the device has its shape on the host
+        return getattr(self, "static_on_device", False)
+
+    @torch.inference_mode()
+    def propose_pending(self, seqs: Sequence[SequenceView]) -> PendingTrees:
+        """The static trees left on the device (specdec/pending_trees.py): their shape is the config's, their tokens
+        are copied to pinned memory after drafting and read once the engine has launched the verify."""
+        if not self.static_on_device:
+            raise NotImplementedError(f"{self.name}: only a static tree grown on the device can stay pending")
+        live = self._live(seqs)
+        clock = LevelClock(self.runner.device)
+        dev = self.runner.device
+        if not live:
+            nothing = torch.zeros(0, dtype=torch.long, device=dev)
+            return PendingTrees((0,) * len(seqs), nothing, nothing, nothing, 0,
+                                lambda: [DraftTree.empty() for _ in seqs], lambda: 0.0)
+        tokens, parents, probs = self._grow_static(live, self._root_logits(live))  # [L, N] token ids on the device
+        clock.mark()
+        clock.stop()
+        tree = DraftTree(torch.zeros(len(parents), dtype=torch.long), parents)  # the shape alone
+        depths = to_device(tree.depth_list * len(live), torch.long, dev)
+        bits = to_device(tree.ancestor_bit_list * len(live), torch.long, dev)
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host, copied = tokens, None
+        ids = {v.seq_id for v in live}
+
+        def read() -> list[DraftTree]:
+            if copied is not None:
+                copied.synchronize()  # the drafting's end: the device is verifying by now
+            grown = iter(self._static_trees(host.tolist(), parents, probs))
+            return [next(grown) if v.seq_id in ids else DraftTree.empty() for v in seqs]
+
+        sizes = tuple(len(parents) if v.seq_id in ids else 0 for v in seqs)
+        return PendingTrees(sizes, tokens.flatten(), depths, bits, tree.max_depth, read, lambda: sum(clock.split()))
+
+    def _live(self, seqs: Sequence[SequenceView]) -> list[SequenceView]:
+        """The sequences with room for a draft token."""
         if self.runner is None:
             raise RuntimeError(f"{self.name}: attach(target) must be called before propose()")
         max_pos = self.runner.shape.max_positions
-        live = [v for v in seqs if len(v.token_ids) + 1 < max_pos]
-        trees = {v.seq_id: DraftTree.empty() for v in seqs}
-        if live:
-            if self.cache is None:
-                self.cache = self._own_cache()
-            root_logits = self._root_forward(live) if self.shares_target_cache else self._catch_up(live)
-            grow = self._grow_static if self.static_on_device else self._grow
-            for v, tree in zip(live, grow(live, root_logits)):
-                trees[v.seq_id] = tree
-        return [trees[v.seq_id] for v in seqs]
+        return [v for v in seqs if len(v.token_ids) + 1 < max_pos]
+
+    def _root_logits(self, live: list[SequenceView]) -> torch.Tensor:  # [B, vocab] logits at each root
+        if self.cache is None:
+            self.cache = self._own_cache()
+        return self._root_forward(live) if self.shares_target_cache else self._catch_up(live)
 
     def _own_cache(self) -> PagedKVCache:
         """As many slots as the target's pool: committed tokens + at most MAX_TREE_NODES scratch; with graphs, the
@@ -271,11 +325,13 @@ class ModelDrafter(Drafter):
             cache.commit({v.seq_id: [] for v in live})
         return [self._tree(ns) for ns in nodes]
 
-    def _grow_static(self, live: list[SequenceView], root_logits: torch.Tensor) -> list[DraftTree]:
+    def _grow_static(self, live: list[SequenceView], root_logits: torch.Tensor
+                     ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
         """A static tree (a chain by default) for every sequence: its shape is the config's, so each depth's
         children (chosen or drawn per frontier node, as ``_children`` does) stay on the device and run through the
-        next forward as device token ids; the host reads the tokens once. Sampled children are drawn for every
-        sequence at once, in ``_children``'s order (sequence by sequence), and keep their rows' draft_probs."""
+        next forward as device token ids. Sampled children are drawn for every sequence at once, in ``_children``'s
+        order (sequence by sequence), and keep their rows' draft_probs. Returns the [B, nodes] token ids on the
+        device (not read), the shape's parents, and (sampled) the [B, nodes, vocab] draft_probs."""
         cfg, B, dev = self.config, len(live), root_logits.device
         ids = None if self.draft_vocab is None else to_device(self.draft_vocab.ids, torch.long, dev)
         parents: list[int] = []  # the tree's shape, the same for every sequence
@@ -304,10 +360,13 @@ class ModelDrafter(Drafter):
             logits = self._forward_nodes(live, nodes, [new] * B, depth, tokens.reshape(-1))
         if not self.shares_target_cache:  # drop the scratch K/V of the draft nodes
             self.cache.commit({v.seq_id: [] for v in live})
-        rows = torch.cat(chosen, dim=1).tolist()  # the one read of the device
-        if not drawn_from:
+        return torch.cat(chosen, dim=1), parents, torch.cat(drawn_from, dim=1) if drawn_from else None
+
+    def _static_trees(self, rows: list[list[int]], parents: list[int], probs: torch.Tensor | None
+                      ) -> list[DraftTree]:
+        """The static trees from their token ids read by the host ([B][nodes]), with their draft_probs if sampled."""
+        if probs is None:
             return [DraftTree(row, parents) for row in rows]
-        probs = torch.cat(drawn_from, dim=1)  # [B, nodes, vocab]
         return [DraftTree(row, parents, probs[b], self.mode) for b, row in enumerate(rows)]
 
     def _process_frontier(self, live: list[SequenceView], nodes: list[list[_Node]], frontier) -> None:

@@ -279,14 +279,15 @@ class Engine:
         return [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, s.new_hidden, s.noise_key)
                 for s in asked]
 
-    def _sized(self, asked: list[SequenceState], trees: list[DraftTree], draft_seconds: float, catch_up: bool
-               ) -> list[DraftTree]:
+    def _sized(self, asked: list[SequenceState], trees: list[DraftTree], draft_seconds: float, catch_up: bool,
+               verified: bool = False) -> list[DraftTree]:
         """The part of each proposed tree to verify: cut to the sequence's token budget, then to what is expected to
-        pay (pruning is exact)."""
+        pay (pruning is exact). ``verified``: pending trees already verified whole, sized to learn from."""
         if self.audit is not None:
             self.audit.observe_many(trees, self.drafter.name)  # every tree as proposed, before pruning
         out = [self._fit_budget(s, tree) for s, tree in zip(asked, trees)]
-        return self.policy.size(ProposeCall([s.seq_id for s in asked], out, len(self.live), draft_seconds, catch_up))
+        return self.policy.size(ProposeCall([s.seq_id for s in asked], out, len(self.live), draft_seconds, catch_up,
+                                            verified))
 
     def _checked(self, asked: list[SequenceState], propose) -> list[DraftTree]:
         """``propose()``'s trees, one valid DraftTree per sequence, or a DraftError that names the drafter."""
@@ -329,8 +330,7 @@ class Engine:
         if not isinstance(drafts, PendingStep):
             return drafts
         trees, seconds = self._read(drafts)
-        self._sized(drafts.asked, trees, seconds, drafts.catch_up)
-        return self._spread(live, drafts.asked, trees)
+        return self._spread(live, drafts.asked, self._sized(drafts.asked, trees, seconds, drafts.catch_up, True))
 
     def _fit_budget(self, s: SequenceState, tree: DraftTree) -> DraftTree:
         """Drop nodes deeper than the tokens still allowed (max_new_tokens, context)."""

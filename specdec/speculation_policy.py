@@ -45,6 +45,7 @@ class ProposeCall:
     batch: int  # live sequences this step
     draft_seconds: float  # wall seconds of the call
     catch_up: bool  # the call included a sequence's first (the drafter caught up on its whole prompt)
+    verified: bool = False  # pending trees, already verified whole: sizing is learned from, not applied
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,9 @@ class SpeculationPolicy:
             return call.trees
         sized = self.sizer.size_call(call.seq_ids, call.trees, call.batch, call.draft_seconds, call.catch_up)
         self.cut_last = any(a.num_nodes < b.num_nodes for a, b in zip(sized, call.trees))
+        if call.verified:
+            self.sizer.verified_whole(call.seq_ids)
+            return call.trees
         return sized
 
     def observe(self, step: StepRecord) -> None:

@@ -358,6 +358,14 @@ class TreeSizer:
         keep[order[:best_k]] = True
         return tree.prune(keep.to(tree.parents.device))
 
+    def verified_whole(self, seq_ids: list[int]) -> None:
+        """The trees just sized were verified whole (pending trees, specdec/pending_trees.py): the acceptance to
+        learn from indexes every node."""
+        for seq_id in seq_ids:
+            pending = self.pending.get(seq_id)
+            if pending is not None:
+                pending.kept = list(range(pending.tree.num_nodes))
+
     def _best_prefix(self, gains: list[float], draft: float, batch: int) -> int:
         """k maximising ``(1 + sum(gains[:k])) / (draft + c(1 + k))``, 0 unless it beats the empty tree by the
         margin."""

@@ -128,13 +128,20 @@ def test_engine_with_buckets_is_greedy_identical(loaded):
 def test_draft_model_forwards_run_through_buckets_of_its_own(loaded):
     """The draft-model drafter's forwards after its first catch-up (a prefill: eager) run through graph buckets over
     a cache kept with the draft model and reused by the next call. Drafting with the target itself, while the
-    target verifies through its own buckets, the two caches stay apart: the trees are those of eager drafting on the
-    reference backend, the tokens plain decoding's."""
+    target verifies through its own buckets, the two caches stay apart: the trees (there pending: verified before
+    the host reads them) are those of eager drafting on the reference backend, the tokens plain decoding's."""
     from specdec.drafters.draft_model import DraftModelDrafter
 
     class Recorder(DraftModelDrafter):
         def propose(self, seqs):
-            trees = super().propose(seqs)
+            return self.record(seqs, super().propose(seqs))
+
+        def propose_pending(self, seqs):  # the target's verify through buckets: the trees stay on the device
+            pending = super().propose_pending(seqs)
+            self.pending += 1
+            return dataclasses.replace(pending, read=lambda: self.record(seqs, pending.read()))
+
+        def record(self, seqs, trees):
             self.seen.update((tuple(v.token_ids), (t.tokens.tolist(), t.parents.tolist())) for v, t in zip(seqs, trees))
             return trees
 
@@ -142,14 +149,15 @@ def test_draft_model_forwards_run_through_buckets_of_its_own(loaded):
     prompts = ragged_prompts(3, VOCAB, seed=3, max_len=16)[1:]
     kw = dict(max_new_tokens=8, speculation="always")
     eager = Recorder(model=reference, num_draft_tokens=3, widths=(2,), cuda_graphs=False)
-    eager.seen = {}
+    eager.seen, eager.pending = {}, 0
     plain = generate(reference, prompts, max_new_tokens=8)
     assert generate(reference, prompts, drafter=eager, **kw) == plain
     graphed = Recorder(model=loaded, num_draft_tokens=3, widths=(2,), cuda_graphs=True)
-    graphed.seen = {}
+    graphed.seen, graphed.pending = {}, 0
     verify_graphs = model_graphs(loaded.runner, 16, 16)  # what cuda_graphs="auto" gives the target on a GPU
     assert generate(loaded, prompts, drafter=graphed, cuda_graphs=verify_graphs, **kw) == plain
     assert graphed.seen == eager.seen and graphed.graphed.replays == graphed.draft_forwards - 1 > 0
+    assert graphed.pending > 0 == eager.pending  # the target's verify replays buckets only for the second
     assert graphed.graphed is not verify_graphs and graphed.graphed.cache is graphed.cache
     assert verify_graphs.replays > 0 and model_graphs(loaded.runner, 16, 16) is verify_graphs  # both kept
     again = DraftModelDrafter(model=loaded, num_draft_tokens=3, widths=(2,), cuda_graphs=True)
@@ -455,22 +463,32 @@ def test_pending_eagle_trees_are_verified_before_the_host_reads_them(loaded, mon
         ([1, 2, 3, 4, 5, 6, 7], [9, 8, 7]), generate(loaded, [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]], max_new_tokens=9))]
 
 
-@pytest.mark.parametrize("sampled", ["greedy", "rejection", "coupled"])
-def test_pending_eagle_trees_give_the_text_of_trees_read_first(loaded, sampled, monkeypatch):
-    """generate(cuda_graphs=True, speculation="always") with EAGLE: the same tokens whether its trees are verified
-    pending or read first (the same trees, the same walk), and greedy, the target's plain tokens."""
+@pytest.mark.parametrize("drafter,sampled", [("eagle", "greedy"), ("eagle", "rejection"), ("eagle", "coupled"),
+                                             ("draft-model", "rejection")])
+def test_pending_trees_give_the_text_of_trees_read_first(loaded, drafter, sampled, monkeypatch):
+    """generate(cuda_graphs=True, speculation="always"): the same tokens whether the drafter's trees are verified
+    pending or read first (the same trees, the same walk; a draft model's sampled trees keep their draft_probs), and
+    greedy, the target's plain tokens."""
+    from specdec.drafters.draft_model import DraftModelDrafter
     from specdec.drafters.eagle import EagleDrafter
 
+    kind = EagleDrafter if drafter == "eagle" else DraftModelDrafter
     eagle = _eagle_head(loaded)
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
     kw = {} if sampled == "greedy" else dict(do_sample=True, temperature=0.9, seed=3,
                                              sampler="coupled" if sampled == "coupled" else "standard")
-    outs = []
-    for pending in (True, False):
-        monkeypatch.setattr(EagleDrafter, "pending_trees", pending)
-        drafter = EagleDrafter(model=eagle, adapt_depth=False, cuda_graphs=True)
-        outs.append(generate(loaded, prompts, max_new_tokens=8, drafter=drafter, cuda_graphs=True,
+    outs, pending = [], []
+    for allowed in (True, False):
+        pending.clear()
+        monkeypatch.setattr(kind, "pending_trees", allowed)
+        monkeypatch.setattr(kind, "propose_pending",
+                            lambda self, seqs, m=kind.propose_pending: pending.append(1) or m(self, seqs))
+        proposer = (EagleDrafter(model=eagle, adapt_depth=False, cuda_graphs=True) if drafter == "eagle" else
+                    DraftModelDrafter(model=build_tiny_model("llama-gqa-tied", VOCAB, seed=7), num_draft_tokens=3,
+                                      cuda_graphs=False))
+        outs.append(generate(loaded, prompts, max_new_tokens=8, drafter=proposer, cuda_graphs=True,
                              speculation="always", **kw))
+        assert bool(pending) == allowed
     assert outs[0] == outs[1]
     if sampled == "greedy":
         assert outs[0] == generate(loaded, prompts, max_new_tokens=8)

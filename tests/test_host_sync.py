@@ -1,7 +1,7 @@
 """On a GPU, an engine step synchronises the host with the device once: when it reads the target's choices, or under
-sampling the rejection walk's result (an EAGLE step twice when its trees are sized: it also reads its candidate pool;
-verified whole, its trees are read once the verify is launched, specdec/pending_trees.py; a draft
-model's step twice, it reads its tree, and sampled three times: the tree's draft_probs are checked in one read). Every
+sampling the rejection walk's result (an EAGLE step twice when its trees are sized before the verify: it also reads
+its candidate pool; verified whole, its trees, as a draft model's static trees, are read once the verify is launched,
+specdec/pending_trees.py; a draft model's sampled step once more: its draft_probs are checked in one read). Every
 per-step input built on the host goes through ``specdec.host_copy.to_device`` (pinned, asynchronous); drafting
 times its levels with events (``specdec.drafters.level_clock``), not by waiting for the device."""
 from __future__ import annotations
@@ -82,13 +82,13 @@ def test_a_step_synchronises_once(drafter, sampled, monkeypatch):
         eagle = EagleModel(EagleConfig.for_target(model.config, draft_vocab=tuple(range(0, 96, 2))))
         eagle.init_from_target(model)
         drafter = EagleDrafter(model=eagle.cuda())
-    if drafter == "draft-model":  # its tree is read once per step; sampled, its draft_probs' checks once more
-        drafter = DraftModelDrafter(model=build_tiny_model(seed=7).cuda())
+    if drafter == "draft-model":  # its static tree stays pending (every tree verified whole); sampled, its
+        drafter = DraftModelDrafter(model=build_tiny_model(seed=7).cuda())  # draft_probs are checked in one read
     reads = 1  # the target's choices, or the walk's result
-    if isinstance(drafter, (EagleDrafter, DraftModelDrafter)) and not whole:
-        reads += 1  # the drafter's candidates
+    if isinstance(drafter, EagleDrafter) and not whole:
+        reads += 1  # the drafter's candidates, read before the verify to size its trees
     if isinstance(drafter, DraftModelDrafter) and sampled == "rejection":
-        reads += 1  # the checks of its trees' draft_probs
+        reads += 1  # the checks of its trees' draft_probs (once the verify is launched)
     prompts = ragged_prompts(3, seed=1)[1:]
     kw = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=2, sampler="coupled" if sampled == "coupled" else
               "standard") if sampled in ("rejection", "coupled") else {}

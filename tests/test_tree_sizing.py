@@ -14,7 +14,7 @@ from specdec.cost_model import CostModel
 from specdec.generate import generate
 from specdec.online_costs import OnlineCosts
 from specdec.testing import build_tiny_model
-from specdec.tree import DraftTree
+from specdec.tree import DraftMode, DraftTree
 from specdec.tree_sizing import TreeSizer
 
 FLAT = CostModel({}, {1: {1: 1.0, 65: 1.0}})  # verifying is free: only the draft cost counts
@@ -389,3 +389,15 @@ def test_a_probe_is_priced_by_the_drafters_cheapest_path():
     assert sizer.draft_cost(1) > 0.3 and sizer.probe_cost(1) < 0.2  # the low envelope rises slowly toward 0.6
     sizer.size(0, DraftTree.empty(), batch=1)  # nothing proposed: unpaid
     assert sizer.guards[0].price == pytest.approx(sizer.probe_cost(1))
+
+
+def test_a_pending_tree_verified_whole_is_learned_node_for_node():
+    """Pending trees (specdec.pending_trees) are verified whole and sized after: what is learned of a sampled tree
+    indexes every verified node, not only the part sizing would have kept."""
+    sizer = TreeSizer(CostModel({}, {1: {1: 1.0, 2: 1.5, 65: 64.0}}))  # every extra token costs half a step or more
+    sizer.last_shape = [-1, 0, 1]  # an earlier sampled chain
+    tree = DraftTree([1, 2, 3], [-1, 0, 1], torch.full((3, 8), 1 / 8), DraftMode.INDEPENDENT)
+    assert sizer.size(0, tree, batch=1).num_nodes < 3  # what sizing would have verified
+    sizer.verified_whole([0])
+    sizer.observe(0, [1, 2, 3, 4], accepted_nodes=[0, 1, 2])  # indices into the whole tree, as verified
+    assert sizer.unscored == {(1, 0): [1.0, 1.0], (2, 0): [1.0, 1.0], (3, 0): [1.0, 1.0]}
