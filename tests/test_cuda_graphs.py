@@ -483,9 +483,9 @@ def test_pending_trees_give_the_text_of_trees_read_first(loaded, drafter, sample
         monkeypatch.setattr(kind, "pending_trees", allowed)
         monkeypatch.setattr(kind, "propose_pending",
                             lambda self, seqs, m=kind.propose_pending: pending.append(1) or m(self, seqs))
+        small = build_tiny_model("llama-gqa-tied", VOCAB, seed=7).to(DEVICE)
         proposer = (EagleDrafter(model=eagle, adapt_depth=False, cuda_graphs=True) if drafter == "eagle" else
-                    DraftModelDrafter(model=build_tiny_model("llama-gqa-tied", VOCAB, seed=7), num_draft_tokens=3,
-                                      cuda_graphs=False))
+                    DraftModelDrafter(model=small, num_draft_tokens=3, cuda_graphs=False))
         outs.append(generate(loaded, prompts, max_new_tokens=8, drafter=proposer, cuda_graphs=True,
                              speculation="always", **kw))
         assert bool(pending) == allowed
