@@ -13,6 +13,7 @@ the rows the target verified are the trees the acceptance walks.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,19 +43,20 @@ class PendingTrees:
 
 def tree_fields(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """parents [B, M] (-1: a root child; each parent precedes its child) -> ([B, M] depths, [B, M] int64 ancestor
-    bits), on their device with no read: ``max_depth`` rounds of one gather up the tree (no node is deeper)."""
-    M = parents.shape[1]
-    index = torch.arange(M, device=parents.device)
-    bits = (torch.ones_like(parents) << index).expand_as(parents).clone()
-    depths = torch.ones_like(parents)
-    up = parents  # each node's ancestor so many levels up (-1: past the root)
-    for _ in range(max_depth - 1):
-        has = up >= 0
-        at = up.clamp(min=0)
-        bits |= torch.where(has, torch.ones_like(at) << at, 0)
-        depths += has.long()
-        up = torch.where(has, parents.gather(1, at), -1)
-    return depths, bits
+    bits), on their device with no read. Pointer doubling: after round r each node holds the bits and the count of
+    the 2^r nearest nodes on its path (itself first), so ceil(log2(max_depth)) rounds of three gathers cover every
+    path; column M stands past the root (no bit, depth 0, its own parent)."""
+    B, M = parents.shape
+    dev = parents.device
+    up = torch.cat([torch.where(parents < 0, M, parents), torch.full((B, 1), M, dtype=torch.long, device=dev)], 1)
+    index = torch.arange(M + 1, device=dev)
+    bits = torch.where(index < M, torch.ones_like(index) << index, 0).expand(B, M + 1)
+    depths = (index < M).long().expand(B, M + 1)
+    for _ in range(math.ceil(math.log2(max_depth)) if max_depth > 1 else 0):
+        bits = bits | bits.gather(1, up)
+        depths = depths + depths.gather(1, up)
+        up = up.gather(1, up)
+    return depths[:, :M], bits[:, :M]
 
 
 @dataclass(frozen=True)
