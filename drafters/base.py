@@ -148,7 +148,7 @@ class Drafter(ABC):
 
     def propose_pending(self, seqs: Sequence[SequenceView]) -> "PendingTrees":
         """What :meth:`propose` gives, left on the device (specdec/pending_trees.py); only where ``pending_trees``
-        is set. The engine calls it, instead of propose, only when it verifies every tree whole."""
+        is set. The engine calls it instead of propose on steps whose trees it expects to verify whole."""
         raise NotImplementedError(f"{self.name} does not offer pending trees")
 
     def on_accept(self, seq_id: int, committed: Sequence[int]) -> None:

@@ -115,8 +115,10 @@ class EagleDrafter(Drafter):
         self.kv = EagleKV(c.num_kv_heads, c.head_dim, runner.dtype, runner.device)
         self.depth, self.top_k = o.depth or c.depth, o.top_k or c.top_k
         self.max_nodes = min(o.max_nodes or c.max_nodes, MAX_TREE_NODES)
-        # [N] token id of each reduced logit, on the host (read per tree: no copy from the device), or None
-        self.draft_ids = None if self.model.draft_ids is None else self.model.draft_ids.cpu()
+        # [N] token id of each reduced logit, or None: on the device for pending trees, and on the host (read per
+        # tree: no copy from the device)
+        self.device_draft_ids = self.model.draft_ids
+        self.draft_ids = None if self.device_draft_ids is None else self.device_draft_ids.cpu()
         vocab = len(c.draft_vocab) or c.vocab_size
         if self.top_k > vocab:
             raise InputError(f"eagle: top_k={self.top_k} exceeds the draft vocabulary of {vocab} tokens")
@@ -171,8 +173,8 @@ class EagleDrafter(Drafter):
                                 lambda: call.seconds)
         pool = call.pool  # [L, 4, M] on the device
         tokens = pool[:, 0].long()
-        if self.model.draft_ids is not None:
-            tokens = self.model.draft_ids[tokens]
+        if self.device_draft_ids is not None:
+            tokens = self.device_draft_ids[tokens]
         depths, bits = tree_fields(_parents(pool), call.depth)
         for i in call.live:
             sizes[i] = pool.shape[2]
