@@ -9,9 +9,9 @@ A CUDA graph replays a forward's many small kernel launches from one launch, on 
   and moved by one asynchronous copy per step. The step's real tokens come first; the rows after them hold
   token 0 at position 0 and write their K/V into one reserved *scratch slot* that no sequence ever reads; in
   the kernel, padded rows and padded sequences read no keys and write nothing;
-* on CUDA, the captured graph and its static output: the final hidden states of every row. The
-  LM head runs after the replay on the step's real rows only, so padding costs no
-  ``rows x vocab`` logits.
+* on CUDA, the captured graph and its static output: the final hidden states of every row (and, in buckets of
+  their own, the input streams of an EAGLE-3 head's ``feature_layers``). The LM head runs after the replay on the
+  step's real rows only, so padding costs no ``rows x vocab`` logits.
 
 Rows meet only in attention, so the real rows get the eager forward's values (padded rows are never read).
 The returned hidden states are views of the bucket's static output, valid until the next call. Without a GPU,
@@ -83,6 +83,7 @@ class _Bucket:
     tokens_per_seq: int
     inputs: object  # specdec.kernels.graph_metadata.BucketInputs: views of the shared static buffer
     plan: StaticPlan
+    feature_layers: tuple[int, ...] = ()  # the layers whose input streams its forward returns (an EAGLE-3 head's)
     output: ForwardOutput | None = None  # static output of the last run / of the capture
     graph: object = None  # torch.cuda.CUDAGraph once captured
 
@@ -167,12 +168,15 @@ class GraphedForward:
         runs through a bucket (no prefill among them)."""
         return not self.failed and max_keys <= self.max_keys and self.bucket_for(num_seqs, max_new) is not None
 
-    def __call__(self, batch, token_ids: torch.Tensor | None = None, nodes=None) -> ForwardOutput | None:
+    def __call__(self, batch, token_ids: torch.Tensor | None = None, nodes=None,
+                 feature_layers: tuple[int, ...] = ()) -> ForwardOutput | None:
         """Logits and hidden states of the real rows of a verify step (``batch``: a ForwardBatch built over this
         object's cache; [num_tokens, ...]), or None when the step fits no bucket (the caller then runs the eager
         forward). ``token_ids`` [num_tokens] on the device stand for the batch's tokens (a drafter's choices that
         the host has not read); ``nodes`` (specdec.pending_trees.NodeRows) for some rows' tokens, positions and
-        ancestor bits (trees the host has not read): such a step, checked by :meth:`fits`, always runs here."""
+        ancestor bits (trees the host has not read): such a step, checked by :meth:`fits`, always runs here.
+        ``feature_layers``: those layers' input streams come back too (``ForwardOutput.features``, an EAGLE-3
+        head's), from buckets of their own."""
         if batch.cache is not self.cache:
             raise ValueError("this step was built over another KV cache than the CUDA graphs' own")
         seqs = batch.plan.seqs
@@ -182,7 +186,7 @@ class GraphedForward:
                 raise ValueError("a step with pending trees must fit a CUDA-graph bucket (GraphedForward.fits)")
             logger.debug("no CUDA-graph bucket for %d sequences x %d tokens: eager forward", len(seqs), max_new)
             return None
-        key = self.bucket_for(len(seqs), max_new)
+        key = self.bucket_for(len(seqs), max_new) + ((tuple(feature_layers),) if feature_layers else ())
         bucket = self.buckets.get(key) or self._new_bucket(*key)
         n = len(batch.tokens)
         self.inputs.load_(bucket.inputs, batch)
@@ -208,20 +212,21 @@ class GraphedForward:
             bucket.graph.replay()
         self.replays += 1
         hidden = bucket.output.hidden[:n]
-        return ForwardOutput(self.runner.logits(hidden), hidden)
+        features = None if bucket.output.features is None else bucket.output.features[:n]
+        return ForwardOutput(self.runner.logits(hidden), hidden, features)
 
     # ---- internals ----------------------------------------------------------------------
-    def _new_bucket(self, batch: int, tokens_per_seq: int) -> _Bucket:
+    def _new_bucket(self, batch: int, tokens_per_seq: int, feature_layers: tuple[int, ...] = ()) -> _Bucket:
         inputs = self.inputs.bucket(batch, tokens_per_seq)
         bucket = _Bucket(batch, tokens_per_seq, inputs, StaticPlan(inputs.write_slots, inputs.metadata,
-                                                                   self.rope_table))
-        self.buckets[batch, tokens_per_seq] = bucket
+                                                                   self.rope_table), feature_layers=feature_layers)
+        self.buckets[(batch, tokens_per_seq) + ((feature_layers,) if feature_layers else ())] = bucket
         return bucket
 
     def _run(self, bucket: _Bucket) -> ForwardOutput:
         rows, inputs = bucket.rows, bucket.inputs
         return self.runner.forward(inputs.token_ids, inputs.positions, bucket.plan, self.cache,
-                                   self.logits_rows[:rows], with_logits=False)
+                                   self.logits_rows[:rows], with_logits=False, feature_layers=bucket.feature_layers)
 
     def _capture(self, bucket: _Bucket) -> None:
         # warm-up on a side stream, as torch.cuda.graph asks: compiles the kernels, copies the tile lists to
@@ -235,7 +240,9 @@ class GraphedForward:
         with torch.cuda.graph(graph, pool=self.pool):
             bucket.output = self._run(bucket)
         bucket.graph = graph
-        logger.info("captured a CUDA graph for %d sequences x %d tokens", bucket.batch, bucket.tokens_per_seq)
+        streams = f", with the input streams of layers {list(bucket.feature_layers)}" if bucket.feature_layers else ""
+        logger.info("captured a CUDA graph for %d sequences x %d tokens%s", bucket.batch, bucket.tokens_per_seq,
+                    streams)
 
 
 def auto_uses_graphs(runner: LlamaRunner) -> bool:

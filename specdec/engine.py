@@ -180,8 +180,7 @@ class Engine:
         # the drafter's trees may stay on the device until the verify is launched (specdec.pending_trees), on steps
         # whose trees the policy expects to verify whole: the verify runs through CUDA-graph buckets (whose inputs the
         # device can write)
-        self.pending = (self.drafter is not None and self.drafter.pending_trees and graphed is not None
-                        and not self.feature_layers)
+        self.pending = self.drafter is not None and self.drafter.pending_trees and graphed is not None
 
     @property
     def live(self) -> list[SequenceState]:
@@ -388,8 +387,8 @@ class Engine:
     def verify(self, batch: VerifyBatch) -> ForwardOutput:
         """ONE target forward over every root and tree node of every live sequence."""
         self.forward_passes += 1
-        if self.graphed is not None and not self.feature_layers:  # graphs return the final hidden states only
-            out = self.graphed(batch, nodes=batch.nodes)
+        if self.graphed is not None:
+            out = self.graphed(batch, nodes=batch.nodes, feature_layers=self.feature_layers)
             if out is not None:  # else no bucket fits this step (never with pending trees: Engine._verifiable)
                 return out
         all_rows = torch.arange(batch.token_ids.numel(), device=batch.token_ids.device)

@@ -535,3 +535,39 @@ def test_pending_trees_under_tree_sizing(loaded, cuts, monkeypatch):
         assert set(calls) == {"propose_pending"} and max(seqs[0].step_nodes) == 8
     assert [s.new_tokens for s in seqs] == [t[len(p):] for p, t in zip(prompts, generate(loaded, prompts,
                                                                                           max_new_tokens=8))]
+
+
+def test_eagle3_feature_layers_come_back_from_buckets_of_their_own(loaded):
+    """An EAGLE-3 head reads the residual streams entering three target layers: a bucket asked for them returns
+    them (and the logits) as the eager forward does, apart from the plain buckets, so the head's verify steps
+    replay too; its trees (pending, speculation="always") give plain greedy's tokens."""
+    from specdec.drafters.eagle import EagleDrafter
+    from specdec.drafters.eagle_model import EagleConfig, EagleModel
+
+    runner = loaded.runner
+    layers = (0, 1, 2)  # a 2-layer model: both inputs and the last stream
+    cache = make_cache(runner)
+    graphed = GraphedForward(runner, cache, GraphConfig(batch_sizes=(1, 2, 4), tokens_per_seq=(1, 8, 16),
+                                                        capture=CAPTURE))
+    engine = Engine(runner, cache, sampling=SamplingConfig(), stop=StopCriteria(8),
+                    drafter=RandomTreeDrafter(VOCAB, max_nodes=7, max_depth=3, seed=1))
+    engine.add(ragged_prompts(3, VOCAB, seed=6, max_len=20))
+    live = engine.live
+    batch = engine.verify_batch(live, engine.propose(live))
+    eager = runner.forward(batch.token_ids, batch.positions, batch.plan, cache,
+                           torch.arange(len(batch.tokens), device=DEVICE), feature_layers=layers)
+    static = graphed(batch, feature_layers=layers)
+    assert static.features.shape == eager.features.shape == (len(batch.tokens), 3 * runner.shape.hidden_size)
+    assert (static.features - eager.features).abs().max().item() <= 1e-4
+    assert (static.logits - eager.logits).abs().max().item() <= 1e-4
+    assert graphed(batch).features is None and {len(k) for k in graphed.buckets} == {2, 3}  # plain and EAGLE-3
+
+    torch.manual_seed(0)
+    head = EagleModel(EagleConfig.for_target(loaded.model.config, arch="eagle3", depth=3, top_k=3, max_nodes=8))
+    head.init_from_target(loaded.model)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    graphs = GraphedForward.with_cache(runner, max_tokens=256, block_size=16, config=GraphConfig(capture=CAPTURE))
+    out = generate(loaded, prompts, max_new_tokens=8, drafter=EagleDrafter(model=head.to(DEVICE), adapt_depth=False),
+                   cuda_graphs=graphs, speculation="always", return_dict=True)
+    assert out.sequences == generate(loaded, prompts, max_new_tokens=8)
+    assert graphs.replays == out.forward_passes and any(len(k) == 3 for k in graphs.buckets)
