@@ -48,7 +48,7 @@ from specdec.drafters.level_clock import LevelClock
 from specdec.drafters.loaded_once import load_once
 
 from specdec.errors import InputError
-from specdec.host_copy import to_device
+from specdec.host_copy import to_device, to_host_later
 from specdec.pending_trees import PendingTrees, tree_fields
 from specdec.tree import MAX_TREE_NODES, DraftTree, matched_levels
 
@@ -166,11 +166,9 @@ class EagleDrafter(Drafter):
         now and is read when the engine has launched the verify."""
         call = self._draft(seqs)
         call.clock.stop()  # the drafting's own seconds, not the host's work until the read
-        sizes = [0] * len(seqs)
         if call.pool is None:
-            nothing = torch.zeros(0, dtype=torch.long, device=self.target.runner.device)
-            return PendingTrees(tuple(sizes), nothing, nothing, nothing, 0, lambda: self._finish(call, None),
-                                lambda: call.seconds)
+            return PendingTrees.none(len(seqs), self.target.runner.device, lambda: self._finish(call, None))
+        sizes = [0] * len(seqs)
         pool = call.pool  # [L, 4, M] on the device
         tokens = pool[:, 0].long()
         if self.device_draft_ids is not None:
@@ -178,20 +176,9 @@ class EagleDrafter(Drafter):
         depths, bits = tree_fields(_parents(pool), call.depth)
         for i in call.live:
             sizes[i] = pool.shape[2]
-        if pool.is_cuda:
-            host = torch.empty(pool.shape, dtype=pool.dtype, pin_memory=True).copy_(pool, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        else:
-            host, copied = pool.clone(), None  # a replay's pool is a static buffer: the next call overwrites it
-
-        def read() -> list[DraftTree]:
-            if copied is not None:
-                copied.synchronize()  # the drafting's end: the device is verifying by now
-            return self._finish(call, host)
-
-        return PendingTrees(tuple(sizes), tokens.flatten(), depths.flatten(), bits.flatten(), call.depth, read,
-                            lambda: call.seconds)
+        host = to_host_later(pool)  # waited for once the verify is launched: the device is verifying by then
+        return PendingTrees(tuple(sizes), tokens.flatten(), depths.flatten(), bits.flatten(), call.depth,
+                            lambda: self._finish(call, host()), lambda: call.seconds)
 
     def _finish(self, call: "_Call", pools: torch.Tensor | None) -> list[DraftTree]:
         """The call's trees from its candidates read by the host ([L, 4, M]; None: no sequence drafted), and what

@@ -43,7 +43,7 @@ from specdec.attention import BatchBuilder
 from specdec.coupling import perturbed_logits
 from specdec.cuda_graphs import GraphedForward, auto_uses_graphs, model_graphs
 from specdec.errors import InputError
-from specdec.host_copy import to_device
+from specdec.host_copy import to_device, to_host_later
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaRunner
 from specdec.pending_trees import PendingTrees
@@ -212,27 +212,18 @@ class ModelDrafter(Drafter):
         clock = LevelClock(self.runner.device)
         dev = self.runner.device
         if not live:
-            nothing = torch.zeros(0, dtype=torch.long, device=dev)
-            return PendingTrees((0,) * len(seqs), nothing, nothing, nothing, 0,
-                                lambda: [DraftTree.empty() for _ in seqs], lambda: 0.0)
+            return PendingTrees.none(len(seqs), dev, lambda: [DraftTree.empty() for _ in seqs])
         tokens, parents, probs = self._grow_static(live, self._root_logits(live))  # [L, N] token ids on the device
         clock.mark()
         clock.stop()
         tree = DraftTree(torch.zeros(len(parents), dtype=torch.long), parents)  # the shape alone
         depths = to_device(tree.depth_list * len(live), torch.long, dev)
         bits = to_device(tree.ancestor_bit_list * len(live), torch.long, dev)
-        if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        else:
-            host, copied = tokens, None
+        host = to_host_later(tokens)  # waited for once the verify is launched: the device is verifying by then
         ids = {v.seq_id for v in live}
 
         def read() -> list[DraftTree]:
-            if copied is not None:
-                copied.synchronize()  # the drafting's end: the device is verifying by now
-            grown = iter(self._static_trees(host.tolist(), parents, probs))
+            grown = iter(self._static_trees(host().tolist(), parents, probs))
             return [next(grown) if v.seq_id in ids else DraftTree.empty() for v in seqs]
 
         sizes = tuple(len(parents) if v.seq_id in ids else 0 for v in seqs)

@@ -34,6 +34,13 @@ class PendingTrees:
     read: Callable[[], list[DraftTree]]  # the host's trees; waits, if at all, for the drafting alone
     seconds: Callable[[], float]  # after read(): the drafting's seconds (on CUDA the device's time)
 
+    @classmethod
+    def none(cls, num_seqs: int, device: torch.device, read: Callable[[], list[DraftTree]]) -> "PendingTrees":
+        """A call in which no sequence drafted: every tree empty (``read`` gives them, and does the drafter's
+        bookkeeping)."""
+        nothing = torch.zeros(0, dtype=torch.long, device=device)
+        return cls((0,) * num_seqs, nothing, nothing, nothing, 0, read, lambda: 0.0)
+
     def __post_init__(self) -> None:
         total = sum(self.num_nodes)
         for name in ("tokens", "depths", "ancestor_bits"):

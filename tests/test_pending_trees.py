@@ -28,5 +28,7 @@ def test_tree_fields_equal_the_draft_trees_depths_and_bits():
 def test_pending_trees_fields_must_hold_every_node():
     three = torch.zeros(3, dtype=torch.long)
     PendingTrees((2, 0, 1), three, three, three, 2, list, lambda: 0.0)
+    nobody = PendingTrees.none(2, torch.device("cpu"), lambda: [DraftTree.empty(), DraftTree.empty()])
+    assert nobody.num_nodes == (0, 0) and nobody.tokens.numel() == 0 and nobody.seconds() == 0.0
     with pytest.raises(ValueError, match="depths must be"):
         PendingTrees((2, 0, 2), torch.zeros(4, dtype=torch.long), three, three, 2, list, lambda: 0.0)
