@@ -187,7 +187,7 @@ class GraphedForward:
             logger.debug("no CUDA-graph bucket for %d sequences x %d tokens: eager forward", len(seqs), max_new)
             return None
         key = self.bucket_for(len(seqs), max_new) + ((tuple(feature_layers),) if feature_layers else ())
-        bucket = self.buckets.get(key) or self._new_bucket(*key)
+        bucket = self.buckets.get(key) or self._new_bucket(key)
         n = len(batch.tokens)
         self.inputs.load_(bucket.inputs, batch)
         if token_ids is not None:
@@ -216,11 +216,13 @@ class GraphedForward:
         return ForwardOutput(self.runner.logits(hidden), hidden, features)
 
     # ---- internals ----------------------------------------------------------------------
-    def _new_bucket(self, batch: int, tokens_per_seq: int, feature_layers: tuple[int, ...] = ()) -> _Bucket:
+    def _new_bucket(self, key: tuple) -> _Bucket:
+        """``key``: (batch, tokens_per_seq), and the feature layers where a step asks for some."""
+        batch, tokens_per_seq, *feature_layers = key
         inputs = self.inputs.bucket(batch, tokens_per_seq)
         bucket = _Bucket(batch, tokens_per_seq, inputs, StaticPlan(inputs.write_slots, inputs.metadata,
-                                                                   self.rope_table), feature_layers=feature_layers)
-        self.buckets[(batch, tokens_per_seq) + ((feature_layers,) if feature_layers else ())] = bucket
+                                                                   self.rope_table), *feature_layers)
+        self.buckets[key] = bucket
         return bucket
 
     def _run(self, bucket: _Bucket) -> ForwardOutput:
