@@ -3,7 +3,8 @@
 For every (drafter, category) cell it runs the category's prompts through specdec with that drafter and records
 tau, acceptance per depth, the accepted-length histogram, tokens/s, the time split between drafting and
 verification and the mean draft-tree size; per category it also runs specdec plain decoding and (greedy only)
-transformers' ``generate()``.
+transformers' ``generate()``. Where the target replays CUDA graphs, its graph cache is sized and every bucket
+captured before the first cell (``warm_up_model_graphs``), so no timed cell pays a capture.
 
 Definitions (documented in the report): accepted length of a step = draft tokens accepted in it (every step
 commits accepted + 1); tau = committed tokens per target forward; acceptance at depth d = P(a node at depth d
@@ -57,6 +58,7 @@ from specdec.eval.resume import (
 )
 
 from specdec.atomic_write import write_json
+from specdec.cuda_graphs import warm_up_model_graphs
 from specdec.generate import generate
 from specdec.output import acceptance_rates
 from specdec.sampling import SamplingConfig
@@ -354,6 +356,10 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
                     sampler=config.sampler)
     options = dict(config.drafters)
     warm = next((ps[:1] for ps in prompts.values() if ps), [])
+    calls = [[len(p) for p in ps[i : i + config.batch_size]] for ps in prompts.values()
+             for i in range(0, len(ps), config.batch_size)]
+    if calls:  # on CUDA: the target's graph cache sized and its buckets captured now, not inside a timed cell
+        warm_up_model_graphs(loaded.runner, calls, config.max_new_tokens)
     for label in config.labels:  # warm-up: first-call costs out of the measurements
         if warm and label != "hf-greedy":
             drafter = None if label == "plain" else config.drafter_name(label)

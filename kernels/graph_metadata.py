@@ -92,6 +92,13 @@ class StaticInputs:
         )
         return BucketInputs(batch, tokens_per_seq, self._words(batch, rows), tokens, positions, slots, metadata)
 
+    def pad_(self, bucket: BucketInputs) -> None:
+        """Fill ``bucket``'s inputs with padding alone (no sequence has a query; every row is token 0 at position 0
+        writing the scratch slot): a forward over them, a warm-up or a capture ahead of any step, changes no
+        sequence's K/V."""
+        self.buffer[: bucket.words].zero_()  # on the stream of any copy load_ queued before
+        bucket.write_slots.fill_(self.scratch_slot)
+
     def load_(self, bucket: BucketInputs, batch) -> None:
         """Write ``batch``'s step (a :class:`~specdec.attention.ForwardBatch` over this cache) into ``bucket``'s
         inputs: built on the host, one asynchronous copy to the device."""

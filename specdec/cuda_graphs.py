@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from specdec.errors import InputError
-from specdec.kv_cache import CacheFullError, PagedKVCache
+from specdec.kv_cache import CacheFullError, PagedKVCache, blocks_needed
 from specdec.models.llama import ForwardOutput, LlamaRunner
 from specdec.tree import MAX_TREE_NODES
 
@@ -196,16 +196,8 @@ class GraphedForward:
             bucket.inputs.token_ids.index_copy_(0, nodes.rows, nodes.tokens)
             bucket.inputs.positions.index_copy_(0, nodes.rows, nodes.positions)
             bucket.inputs.metadata.q_bits.index_copy_(0, nodes.rows, nodes.ancestor_bits)
-        if self.config.capture and bucket.graph is None:
-            try:
-                self._capture(bucket)
-            except Exception as error:  # noqa: BLE001 - any capture failure: run eagerly, say so once
-                # the warm-up may have written this step's K/V: the eager forward rewrites the same values
-                self.failed = True
-                logger.warning("CUDA-graph capture failed (%s: %s); verifying with eager forwards from now on",
-                               type(error).__name__, error)
-                if nodes is None:
-                    return None
+        if self.config.capture and bucket.graph is None and not self._captured(bucket) and nodes is None:
+            return None  # the warm-up may have written this step's K/V: the eager forward rewrites the same values
         if bucket.graph is None:  # uncaptured, or pending trees' inputs after a failed capture (they live only here)
             bucket.output = self._run(bucket)
         else:
@@ -215,7 +207,41 @@ class GraphedForward:
         features = None if bucket.output.features is None else bucket.output.features[:n]
         return ForwardOutput(self.runner.logits(hidden), hidden, features)
 
+    def warm_up(self, num_seqs: int, feature_layers: tuple[int, ...] = ()) -> int:
+        """Build every bucket of up to ``num_seqs`` sequences (rounded up to a bucket) and run each once on padding
+        alone, which writes only the scratch slot; on CUDA that run is the capture. A step that meets a new bucket
+        otherwise captures it inside its own time (~0.1-1 s on a GPU): measurements warm up first. Returns how many
+        buckets were new; stops at a failed capture (logged, eager from then on)."""
+        top = self.bucket_for(num_seqs, 1)
+        if top is None:
+            raise ValueError(f"no bucket holds {num_seqs} sequences (at most {self.config.batch_sizes[-1]})")
+        extra = (tuple(feature_layers),) if feature_layers else ()
+        new = 0
+        for key in [(b, t) + extra for b in self.config.batch_sizes if b <= top[0] for t in self.config.tokens_per_seq]:
+            if key in self.buckets or self.failed:
+                continue
+            bucket = self._new_bucket(key)
+            self.inputs.pad_(bucket.inputs)
+            if self.config.capture:
+                self._captured(bucket)
+            else:
+                bucket.output = self._run(bucket)
+            new += 1
+        return new
+
     # ---- internals ----------------------------------------------------------------------
+    def _captured(self, bucket: _Bucket) -> bool:
+        """Capture ``bucket``'s graph; a capture that raises (an unsupported op, out of memory) costs the graphs,
+        not the generation: every later step runs eagerly, said once."""
+        try:
+            self._capture(bucket)
+            return True
+        except Exception as error:  # noqa: BLE001 - any capture failure
+            self.failed = True
+            logger.warning("CUDA-graph capture failed (%s: %s); verifying with eager forwards from now on",
+                           type(error).__name__, error)
+            return False
+
     def _new_bucket(self, key: tuple) -> _Bucket:
         """``key``: (batch, tokens_per_seq), and the feature layers where a step asks for some."""
         batch, tokens_per_seq, *feature_layers = key
@@ -295,6 +321,23 @@ def model_graphs(runner: LlamaRunner, block_size: int, blocks_needed: int,
     model.__dict__[attr] = graphed  # a cycle model -> graphs -> runner -> model, collected with the model
     logger.info("cuda_graphs=auto: a graph cache of %d KV blocks for this model as %s, reused by later calls", blocks,
                 role)
+    return graphed
+
+
+def warm_up_model_graphs(runner: LlamaRunner, batches: Iterable[Sequence[int]], max_new_tokens: int,
+                         block_size: int = 16) -> GraphedForward | None:
+    """For measurements: where ``cuda_graphs="auto"`` replays graphs, the model's graph cache sized once for the
+    largest of ``batches`` (each the prompt lengths of one generate() call, a drafter's whole tree on top) and its
+    buckets of up to that many sequences captured (:meth:`GraphedForward.warm_up`), so that no timed call grows
+    the cache or captures a graph. None where "auto" runs eagerly."""
+    if not auto_uses_graphs(runner):
+        return None
+    batches = [list(lengths) for lengths in batches]
+    if not batches or not all(batches):
+        raise ValueError("warm_up_model_graphs needs at least one batch of at least one prompt")
+    needed = max(blocks_needed(lengths, max_new_tokens, block_size, MAX_TREE_NODES) for lengths in batches)
+    graphed = model_graphs(runner, block_size, needed)
+    graphed.warm_up(min(max(map(len, batches)), graphed.config.batch_sizes[-1]))  # larger steps run eagerly
     return graphed
 
 

@@ -186,6 +186,52 @@ def test_fused_projections_on_the_triton_path(loaded):
     assert generate(fused, prompts, max_new_tokens=6, cuda_graphs=True) == plain
 
 
+def test_warm_up_builds_the_buckets_ahead_and_writes_only_the_scratch_slot(loaded):
+    """A measurement's warm-up builds (on CUDA: captures) every bucket of up to N sequences on padding alone: no
+    sequence's K/V changes, and the generations after it meet no new bucket and give the eager tokens."""
+    runner = loaded.runner
+    graphed = GraphedForward(runner, make_cache(runner, seed=1),  # shuffled: the scratch slot is not slot 0
+                             GraphConfig(batch_sizes=(1, 2, 4), tokens_per_seq=(1, 4, 8), capture=CAPTURE))
+    assert graphed.scratch_slot != 0
+    kv = graphed.cache.kv
+    kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(0)).to(kv))
+    before = kv.clone()
+    assert graphed.warm_up(2) == 6 and graphed.warm_up(1) == 0  # batches 1 and 2 x 3 sizes, once
+    scratch = torch.zeros(kv.shape[2], dtype=torch.bool)
+    scratch[graphed.scratch_slot] = True
+    assert torch.equal(kv[:, :, ~scratch], before[:, :, ~scratch])
+    buckets = dict(graphed.buckets)
+    assert sorted(buckets) == [(b, t) for b in (1, 2) for t in (1, 4, 8)]
+    assert all((b.graph is not None) == CAPTURE for b in buckets.values())
+    prompts = [[4, 5, 6, 4, 5, 6, 4], [7, 8, 9]]
+    drafter = RandomTreeDrafter(VOCAB, max_nodes=7, seed=2)
+    out = generate(loaded, prompts, max_new_tokens=10, cuda_graphs=graphed, drafter=drafter, speculation="always",
+                   block_size=4)
+    assert out == generate(loaded, prompts, max_new_tokens=10)
+    assert graphed.buckets == buckets and graphed.replays > 0  # every step met a bucket built ahead
+    assert graphed.warm_up(3) == 3  # up to the bucket that holds 3 sequences
+    with pytest.raises(ValueError, match="at most 4"):
+        graphed.warm_up(5)
+
+
+def test_warm_up_model_graphs_sizes_the_models_cache_once(loaded, monkeypatch):
+    from specdec import cuda_graphs
+
+    assert cuda_graphs.warm_up_model_graphs(on_reference(loaded).runner, [[5]], 8) is None  # "auto" is eager there
+    release_model_graphs(loaded)
+    monkeypatch.setattr(cuda_graphs, "auto_uses_graphs", lambda runner: True)  # as on CUDA
+    monkeypatch.setattr(cuda_graphs, "GraphConfig", lambda **kw: GraphConfig(batch_sizes=(1, 2, 4),
+                                                                             tokens_per_seq=(1, 8), capture=CAPTURE))
+    graphed = cuda_graphs.warm_up_model_graphs(loaded.runner, [[30], [3, 100]], 20)
+    assert graphed is loaded.model.__dict__["_specdec_graphed_forward"]
+    assert graphed.cache.num_blocks - 1 == 6 + 12  # the largest call's blocks (a whole tree on top), and the scratch
+    assert sorted(graphed.buckets) == [(1, 1), (1, 8), (2, 1), (2, 8)]  # up to the largest call's sequences
+    assert len(cuda_graphs.warm_up_model_graphs(loaded.runner, [[5] * 6], 8).buckets) == 6  # more than any bucket
+    with pytest.raises(ValueError, match="at least one prompt"):
+        cuda_graphs.warm_up_model_graphs(loaded.runner, [[]], 8)
+    release_model_graphs(loaded)
+
+
 def test_steps_outside_every_bucket_fall_back(loaded):
     runner = loaded.runner
     cache = make_cache(runner)

@@ -118,11 +118,14 @@ def test_rank_files_merge_to_the_single_process_numbers(tmp_path, loaded):
     assert all(r["predicted_speedup"] is not None for r in rows if r["drafter"] != "plain")
 
 
-def test_sampling_and_batches_through_run_suite(tmp_path, loaded):
+def test_sampling_and_batches_through_run_suite(tmp_path, loaded, monkeypatch):
     cfg = SuiteConfig((_oracle(loaded), ("ngram", {})), ("rep",), prompts_per_category=3, max_new_tokens=16,
                       temperature=0.8, batch_size=2, hf_baseline=True, seed=1, calibration_repeats=2)
     prompts = {"rep": PROMPTS["rep"] + [[7, 8, 7, 8, 7, 8]]}  # batches of 2 and 1
+    warmed = []  # on CUDA the target's graphs are sized for every call of the run before the first cell
+    monkeypatch.setattr("specdec.eval.acceptance.warm_up_model_graphs", lambda *args: warmed.append(args[1:]))
     cells = run_suite(loaded, prompts, cfg, tmp_path)
+    assert warmed == [([[8, 5], [6]], 16)]
     assert set(cells) == {("plain", "rep"), ("draft-model", "rep"), ("ngram", "rep")}  # no HF baseline when sampling
     plain, oracle = cells[("plain", "rep")], cells[("draft-model", "rep")]
     assert plain.new_tokens == oracle.new_tokens == cells[("ngram", "rep")].new_tokens == 48
