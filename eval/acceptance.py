@@ -364,7 +364,7 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
         if warm and label != "hf-greedy":
             drafter = None if label == "plain" else config.drafter_name(label)
             generate(loaded, warm, max_new_tokens=4, drafter=drafter, drafter_options=options.get(label) or None,
-                     **sampling)
+                     speculation="always", **sampling)  # as the cells: their trees' first verify happens here
     for category, mine in prompts.items():
         for label in config.labels:
             path = cell_path(out, label, category, rank)

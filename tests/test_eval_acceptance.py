@@ -124,8 +124,19 @@ def test_sampling_and_batches_through_run_suite(tmp_path, loaded, monkeypatch):
     prompts = {"rep": PROMPTS["rep"] + [[7, 8, 7, 8, 7, 8]]}  # batches of 2 and 1
     warmed = []  # on CUDA the target's graphs are sized for every call of the run before the first cell
     monkeypatch.setattr("specdec.eval.acceptance.warm_up_model_graphs", lambda *args: warmed.append(args[1:]))
+    import specdec.eval.acceptance as suite
+
+    calls, generate = [], suite.generate
+
+    def recorded(*args, **kwargs):
+        calls.append((kwargs["max_new_tokens"], kwargs.get("speculation")))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(suite, "generate", recorded)
     cells = run_suite(loaded, prompts, cfg, tmp_path)
     assert warmed == [([[8, 5], [6]], 16)]
+    # the warm-up runs as the cells do (whole trees): a guarded warm-up left the first cell its first tree verify
+    assert [c for c in calls if c[0] == 4] == [(4, "always")] * 3 and {c[1] for c in calls} == {"always"}
     assert set(cells) == {("plain", "rep"), ("draft-model", "rep"), ("ngram", "rep")}  # no HF baseline when sampling
     plain, oracle = cells[("plain", "rep")], cells[("draft-model", "rep")]
     assert plain.new_tokens == oracle.new_tokens == cells[("ngram", "rep")].new_tokens == 48
