@@ -6,6 +6,7 @@
     python benchmarks/gpu_check.py --steps env,speed             # speed at real sizes, at most ~7 minutes
     python benchmarks/gpu_check.py --steps env,graphs,speed      # the same after the CUDA-graph tests, ~8.5 min
     python benchmarks/gpu_check.py --steps speed --rehearse      # the same on the CPU, tiny shapes (no GPU)
+    python benchmarks/gpu_check.py --steps speed,acceptance --model /tmp/smol.gguf   # every goal's speed number
 
 Steps, run in this order, each in its own process with its own time limit, so a crash or a hang in one
 is reported and the others still run:
@@ -23,6 +24,9 @@ is reported and the others still run:
   plain / n-gram, eager and CUDA graphs, and bf16 greedy identity against transformers with each
   divergence classified as a near-tie (transformers' own logit gap there is within bf16 rounding)
   or a bug.
+* ``acceptance`` (not in the default set): ``specdec eval acceptance`` with the n-gram drafter on the embedded model
+  (``--model``), every prompt category, 128 new tokens, ``--acceptance-prompts`` prompts each: n-gram over plain
+  decoding per category, the goals' n-gram rows. Its model needs a tokenizer: the embedded GGUF, not its shape.
 * ``speed`` (not in the default set; ``--steps env,speed``): ``bench_speed_gpu.py``, plain decoding against the
   weight-read floor, the verify-cost curve and the oracle drafter's speedup at tau 2-4 for synthetic targets of
   published shapes (Llama-3.1-8B, Qwen3-1.7B, Llama-3.2-1B) and the embedded model, batch 1 / 8 / 32, with
@@ -30,7 +34,8 @@ is reported and the others still run:
   what does not fit as skipped; ``speed.json`` / ``speed.md`` hold its numbers. ``--rehearse`` runs it on the CPU
   with tiny shapes, so a GPU session only measures.
 
-``report.json`` holds every number; ``report.md`` starts with what failed. Exit status: 0 when every
+``report.json`` holds every number; ``report.md`` starts with the goals of docs/gpu-speed.md, each met, missed or
+not measured by this run (``gpu_goals.py``), then what failed. Exit status: 0 when every
 step passed, 1 when one failed, 2 without a CUDA device.
 """
 from __future__ import annotations
@@ -46,11 +51,16 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_goals  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
-STEPS = ("env", "tests", "graphs", "kernels", "e2e", "speed")
+STEPS = ("env", "tests", "graphs", "kernels", "e2e", "acceptance", "speed")
+REHEARSED = ("acceptance", "speed")  # the steps --rehearse runs on the CPU
 DEFAULT_STEPS = ("env", "tests", "kernels", "e2e")
 SPEED_BUDGET_S, SPEED_TIMEOUT_S = 360, 440  # the speed step: measuring, and its process with loading and imports
+ACCEPTANCE_TIMEOUT_S = 240  # about 40 s on an H200: 7 categories x 4 prompts x (plain, n-gram) of ~0.3 s each
 # (tests/test_kernels_compile.py is left out: it compiles for sm_90 without a GPU; here every kernel compiles
 # and runs natively)
 KERNEL_FILES = ["tests/test_kernels_attention.py", "tests/test_kernels_kv.py", "tests/test_kernels_fused_ops.py",
@@ -73,18 +83,20 @@ def parse_args(argv=None):
                     help="model of the e2e step and the embedded model of the speed step (alias, checkpoint dir or "
                          ".gguf)")
     ap.add_argument("--prompts", type=int, default=2, help="e2e prompts per category")
+    ap.add_argument("--acceptance-prompts", type=int, default=4, help="acceptance prompts per category")
     ap.add_argument("--workers", type=int, default=8, help="pytest-xdist workers sharing the GPU")
     ap.add_argument("--slow", action="store_true",
                     help="also the CUDA cases of tests marked slow (sampling laws over 6,000 sequences, model "
                          "drafters' seeded runs): several more minutes")
     ap.add_argument("--rehearse", action="store_true",
-                    help="with --steps speed alone: run it on the CPU with tiny shapes (checks the command, no GPU)")
+                    help=f"with steps of {', '.join(REHEARSED)} only: run them on the CPU with tiny shapes and few "
+                         "tokens (checks the command, no GPU)")
     args = ap.parse_args(argv)
     unknown = set(args.steps.split(",")) - set(STEPS)
     if unknown:
         ap.error(f"unknown steps {sorted(unknown)}; choose from {', '.join(STEPS)}")
-    if args.rehearse and args.steps != "speed":
-        ap.error("--rehearse goes with --steps speed alone")
+    if args.rehearse and not set(args.steps.split(",")) <= set(REHEARSED):
+        ap.error(f"--rehearse goes with steps of {', '.join(REHEARSED)} only")
     return args
 
 
@@ -192,6 +204,24 @@ def step_e2e(out: Path, model: str, prompts: int) -> dict:
                 divergence_bugs=bugs, table=tail(out / "e2e.log", 30), **data)
 
 
+def step_acceptance(out: Path, rehearse: bool, model: str, prompts: int) -> dict:
+    from specdec.eval.prompts import CATEGORIES
+
+    folder = out / "acceptance"
+    cmd = [sys.executable, "-P", "-m", "specdec.cli", "eval", "acceptance", "--model", model, "--drafters", "ngram",
+           "--prompts", str(1 if rehearse else prompts), "--max-new-tokens", str(8 if rehearse else 128),
+           "--no-hf-baseline", "--no-plots", "--calibration-repeats", "0", "--out", str(folder)]
+    rc, seconds = run(cmd, out / "acceptance.log", timeout=ACCEPTANCE_TIMEOUT_S)
+    js = folder / "report.json"
+    data = json.loads(js.read_text()) if rc == 0 and js.is_file() else {}
+    keep = ("category", "tau", "speedup_vs_plain", "decode_speedup_vs_plain", "tokens_per_s", "identical_to_plain")
+    rows = [{k: r[k] for k in keep} for r in data.get("rows", [])
+            if r["drafter"] == "ngram" and r["category"] in CATEGORIES]
+    ok = rc == 0 and len(rows) == len(CATEGORIES)  # every category of the suite
+    return dict(status="passed" if ok else "failed", rc=rc, seconds=round(seconds, 1), meta=data.get("meta"),
+                rows=rows, log_tail=None if ok else tail(out / "acceptance.log"))
+
+
 def step_speed(out: Path, rehearse: bool, model: str) -> dict:
     cmd = [sys.executable, "-P", str(BENCH / "bench_speed_gpu.py"), "--out", str(out), "--embedded", model]
     cmd += ["--rehearse"] if rehearse else ["--budget", str(SPEED_BUDGET_S)]
@@ -214,6 +244,7 @@ def markdown(report: dict) -> str:
     lines += ["| step | status | seconds |", "|---|---|---|"]
     for name, step in report["steps"].items():
         lines.append(f"| {name} | **{step['status']}** | {step.get('seconds', '')} |")
+    lines += [""] + gpu_goals.markdown(gpu_goals.goals(report["steps"]), report.get("rehearse", False))
     failures = [(name, step) for name, step in report["steps"].items() if step["status"] != "passed"]
     if failures:
         lines += ["", "## What failed", ""]
@@ -227,7 +258,7 @@ def markdown(report: dict) -> str:
             if step.get("error"):
                 lines += ["```", step["error"], "```"]
             lines += [f"- {e}" for e in step.get("errors", []) if isinstance(e, str)]
-            if step.get("log_tail") and name == "speed":
+            if step.get("log_tail") and name in ("speed", "acceptance"):
                 lines += ["```", step["log_tail"], "```"]
             if step.get("table") and name == "e2e":
                 lines += ["```", step["table"], "```"]
@@ -250,6 +281,14 @@ def markdown(report: dict) -> str:
             for d in divs:
                 lines.append(f"- {method}, prompt {d['prompt']}: diverges at token {d['position']} "
                              f"({d['got']} vs {d['want']}), transformers' logit gap {d['gap']:.4f}: {d['kind']}")
+    acceptance = report["steps"].get("acceptance")
+    if acceptance and acceptance.get("rows"):
+        lines += ["", "## n-gram by category (specdec eval acceptance)", "",
+                  "| category | tau | over plain | decode over plain | same text as plain |", "|---|---|---|---|---|"]
+        for r in acceptance["rows"]:
+            decode = r["decode_speedup_vs_plain"]
+            lines.append(f"| {r['category']} | {r['tau']:.2f} | {r['speedup_vs_plain']:.2f}x | "
+                         f"{'' if decode is None else f'{decode:.2f}x'} | {r['identical_to_plain']} |")
     speed = report["steps"].get("speed")
     if speed and speed.get("table"):
         lines += ["", "## Speed", ""] + ["#" + line if line.startswith("#") else line  # its headings one level down
@@ -266,8 +305,9 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = dict(date=str(datetime.datetime.now().replace(microsecond=0)), steps={})
+    report = dict(date=str(datetime.datetime.now().replace(microsecond=0)), rehearse=args.rehearse, steps={})
     steps = {"env": lambda: step_env(out), "speed": lambda: step_speed(out, args.rehearse, args.model),
+             "acceptance": lambda: step_acceptance(out, args.rehearse, args.model, args.acceptance_prompts),
              "tests": lambda: step_tests(out, args.workers, args.slow),
              "graphs": lambda: step_tests(out, args.workers, args.slow, graphs_only=True),
              "kernels": lambda: step_kernels(out), "e2e": lambda: step_e2e(out, args.model, args.prompts)}
@@ -284,6 +324,7 @@ def main(argv=None) -> int:
         print(f"[gpu_check] {name}: {result['status']} ({result['seconds']} s)", flush=True)
         (out / "report.json").write_text(json.dumps(report, indent=1))  # partial reports survive a kill
     report["seconds"] = round(time.perf_counter() - t_all, 1)
+    report["goals"] = gpu_goals.as_json(gpu_goals.goals(report["steps"]))
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "report.md").write_text(markdown(report))
     print(markdown(report))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -44,9 +45,85 @@ def test_every_device_parametrised_test_file_is_run_by_gpu_check():
     assert all((REPO / f).is_file() for f in listed), "gpu_check lists a test file that does not exist"
 
 
-def test_speed_step_is_opt_in_and_rehearses_alone():
+def test_speed_and_acceptance_steps_are_opt_in_and_rehearse_alone():
     check = _gpu_check()
-    assert "speed" not in check.parse_args([]).steps.split(",")  # the default run keeps its length
+    default = check.parse_args([]).steps.split(",")
+    assert "speed" not in default and "acceptance" not in default  # the default run keeps its length
     assert check.parse_args(["--steps", "speed", "--rehearse"]).rehearse
+    assert check.parse_args(["--steps", "speed,acceptance", "--rehearse"]).rehearse
     with pytest.raises(SystemExit):
         check.parse_args(["--steps", "env,speed", "--rehearse"])  # the CPU rehearsal has no GPU steps
+
+
+def _speed_report(floor=1.1, chain=2.5, batch32=(1.0, 0.96), c64=1.3, small=1200.0):
+    def oracle(shape, batch, eagle, speedup, tau_target=3.0):
+        return dict(shape=shape, batch=batch, eagle=eagle, tau_target=tau_target, speedup=speedup, tau=2.9)
+
+    target = dict(model="synthetic:llama-3.1-8b", note=None,
+                  plain={"1": dict(step_over_floor=floor, decode_tokens_per_s=150.0, floor_tokens_per_s=165.0)},
+                  oracle=[oracle("chain", 1, False, 9.9), oracle("chain", 1, True, chain, 2.0),
+                          oracle("chain", 1, True, chain), *(oracle("chain", 32, False, s) for s in batch32)],
+                  verify_cost=dict(ratio={"1": 1.0, "64": c64}))
+    embedded = dict(model="default", note="'default' did not load (OSError: no file): synthetic:smollm2-135m",
+                    plain={"1": dict(decode_tokens_per_s=small)}, oracle=[], verify_cost=None)
+    return dict(status="passed", report=dict(models=[target, embedded]))
+
+
+def _acceptance(**speedups):
+    rows = [dict(category=c, tau=1.5, speedup_vs_plain=v, decode_speedup_vs_plain=v, tokens_per_s=100.0,
+                 identical_to_plain=True) for c, v in speedups.items()]
+    return dict(status="passed", rows=rows)
+
+
+def test_goals_are_judged_from_the_reports_steps():
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_goals import goals
+
+    steps = dict(speed=_speed_report(), acceptance=_acceptance(chat=0.99, summarisation=1.9, rag=1.7),
+                 tests=dict(status="passed", device_cuda=dict(passed=58, failed=0)))
+    verdicts = [g.verdict for g in goals(steps)]
+    assert verdicts == ["met", "met", "missed", "missed", "met", "missed", "met", "missed", "met", "not measured"]
+    judged = {g.what: g for g in goals(steps)}
+    assert judged["8B shape, batch 32: speculation over plain, every oracle row"].measured.startswith("0.96x")
+    embedded = next(g for g in judged.values() if g.what.startswith("embedded model"))
+    assert "synthetic:smollm2-135m stood in" in embedded.what  # the embedded model's shape, said so
+    assert judged["n-gram on the embedded model over plain, every category of specdec eval acceptance"].measured \
+        == "0.99x (chat) lowest of 3"
+    other = dict(speed=_speed_report(floor=1.2, chain=2.3, batch32=(0.98,), c64=1.2, small=900.0),
+                 acceptance=_acceptance(chat=1.0, summarisation=1.7, rag=1.8),
+                 tests=dict(status="failed", device_cuda=dict(passed=57, failed=1)),
+                 e2e=dict(status="passed", rc=0, divergence_bugs=0))
+    assert [g.verdict for g in goals(other)] == ["missed", "missed", "met", "met", "missed", "met", "missed", "met",
+                                                "missed", "met"]
+    assert {g.verdict for g in goals({})} == {"not measured"}  # nothing ran: nothing met
+    batch1 = _speed_report()
+    batch1["report"]["models"][0]["oracle"] = batch1["report"]["models"][0]["oracle"][:3]  # no batch-32 row
+    assert goals(dict(speed=batch1))[3].verdict == "not measured"
+
+
+def test_the_report_starts_with_the_goals_and_lists_the_acceptance_rows(tmp_path, monkeypatch):
+    check = _gpu_check()
+    report = dict(date="today", rehearse=False,
+                  steps=dict(speed=_speed_report(), acceptance=_acceptance(chat=1.1, rag=2.0)))
+    text = check.markdown(report)
+    assert text.index("## Goals") < text.index("## n-gram by category")
+    assert "| rag | 1.50 | 2.00x | 2.00x | True |" in text and "REHEARSAL" not in text
+
+    def fake_run(cmd, log, timeout, env=None):  # the CLI's report, as specdec eval acceptance writes it
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        rows = [dict(drafter=d, category=c, tau=1.2, speedup_vs_plain=1.1, decode_speedup_vs_plain=None,
+                     tokens_per_s=9.0, identical_to_plain=True, level="category")
+                for d in ("plain", "ngram") for c in CATEGORIES + ("overall",)]
+        (out / "report.json").write_text(json.dumps(dict(meta=dict(device="cuda"), rows=rows)))
+        log.write_text("")
+        return 0, 1.0
+
+    from specdec.eval.prompts import CATEGORIES
+
+    monkeypatch.setattr(check, "run", fake_run)
+    step = check.step_acceptance(tmp_path, rehearse=False, model="/tmp/smol.gguf", prompts=4)
+    assert step["status"] == "passed" and [r["category"] for r in step["rows"]] == list(CATEGORIES)
+    assert step["meta"] == dict(device="cuda")
