@@ -152,11 +152,12 @@ def run_generate(loaded, prompts, new_tokens: int, **kwargs) -> dict:
     new = sum(len(t) for t in out.new_tokens)
     decode = out.seconds - out.prefill_seconds
     steps = max(out.forward_passes, 1)
+    nodes = [n for st in out.stats for n in st.step_nodes]  # draft nodes each sequence-step verified, after sizing
     return dict(new_tokens=new, seconds=out.seconds, prefill_seconds=out.prefill_seconds,
                 decode_tokens_per_s=(new - len(prompts)) / decode if decode > 0 else None, steps=steps,
                 step_ms=1e3 * decode / steps, tau=statistics.mean(s.tau for s in out.stats),
-                draft_seconds=out.draft_seconds,
-                outputs=out.new_tokens)
+                draft_seconds=out.draft_seconds, verified_nodes=statistics.mean(nodes) if nodes else 0.0,
+                drafted_share=sum(n > 0 for n in nodes) / len(nodes) if nodes else 0.0, outputs=out.new_tokens)
 
 
 def hf_static(model, prompt: list[int], new_tokens: int) -> dict:
@@ -228,9 +229,11 @@ class ModelRun:
         b0, rest = args.batches[0], args.batches[1:]
         first, others = args.taus[0], args.taus[1:]
 
-        def oracle(b: int, tau: float, shape: str, eagle: bool) -> None:
+        def oracle(b: int, tau: float, shape: str, eagle: bool, speculation: str = "always") -> None:
             name = f"oracle {shape} tau {tau} b{b}{' +eagle' if eagle else ''}"
-            self.item(name, lambda: self.oracle(pool[:b], tau, shape, eagle), self.estimate(b, tau) if eagle else None)
+            name += "" if speculation == "always" else f" {speculation}"
+            self.item(name, lambda: self.oracle(pool[:b], tau, shape, eagle, speculation),
+                      self.estimate(b, tau) if eagle else None)
 
         self.item(f"plain b{b0}", lambda: self.plain(pool[:b0]))
         self.item("verify cost", lambda: self.curve(pool[0]))
@@ -240,6 +243,8 @@ class ModelRun:
         for b in reversed(rest):  # the largest batch first: the goals name batch 32
             self.item(f"plain b{b}", lambda b=b: self.plain(pool[:b]))
             oracle(b, first, "chain", False)
+            for shape in ("chain", "tree"):  # what a user gets there: the policy sizes the trees, the guard may skip
+                oracle(b, first, shape, False, "auto")
         for tau in others:
             for shape in ("chain", "tree"):
                 oracle(b0, tau, shape, True)
@@ -300,7 +305,7 @@ class ModelRun:
             return None
         return 2 * self.args.new_tokens / tau * max(1.0, batch / 4) * self.draft_seconds_per_step
 
-    def oracle(self, prompts, tau: float, shape: str, eagle: bool) -> None:
+    def oracle(self, prompts, tau: float, shape: str, eagle: bool, speculation: str = "always") -> None:
         from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter
 
         b = len(prompts)
@@ -315,17 +320,19 @@ class ModelRun:
             inners.append(self.eagle_drafter(depth, width) if eagle else None)
             return OracleDrafter(self.references[b], profile, inner=inners[-1], seed=1)
 
-        run_generate(self.loaded, prompts, self.args.new_tokens, drafter=drafter(), speculation="always")  # warm-up
+        # warm-up, the same call (with "auto" it also calibrates the cost model at this batch)
+        run_generate(self.loaded, prompts, self.args.new_tokens, drafter=drafter(), speculation=speculation)
         graphs = inners[0].graphs if eagle else None  # kept on the EAGLE model: the timed call replays its graphs
         replays = graphs.replays if graphs is not None else 0
-        row = run_generate(self.loaded, prompts, self.args.new_tokens, drafter=drafter(), speculation="always")
+        row = run_generate(self.loaded, prompts, self.args.new_tokens, drafter=drafter(), speculation=speculation)
         row["draft_graph_replays"] = (graphs.replays - replays) if graphs is not None else 0
         outputs = row.pop("outputs")
         plain = self.result["plain"][str(b)]
         same = sum(out == self.references[b][tuple(p)] for p, out in zip(prompts, outputs))
         if eagle and b == 1 and self.draft_seconds_per_step is None:
             self.draft_seconds_per_step = row["draft_seconds"] / row["steps"]
-        row.update(shape=shape, batch=b, eagle=eagle, tau_target=tau, nodes=nodes, profile_rate=profile.rates[0],
+        row.update(shape=shape, batch=b, eagle=eagle, speculation=speculation, tau_target=tau, nodes=nodes,
+                   profile_rate=profile.rates[0],
                    speedup=row["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
                    identical_to_plain=f"{same}/{b}")
         self.result["oracle"].append(row)
@@ -399,10 +406,13 @@ def markdown(report: dict) -> str:
             lines += ["", "verify cost c(n) / c(1): " + ", ".join(f"{n}: {ratio[n]:.2f}" for n in picks)
                       + f" (c(1) = {m['verify_cost']['ms'][min(ratio)]:.3f} ms)"]
         if m["oracle"]:
-            lines += ["", "| oracle | batch | nodes | drafting | tau target | tau | step ms | draft ms/step | "
-                          "decode tok/s | speedup vs plain | same text |", "|---" * 11 + "|"]
+            lines += ["", "| oracle | batch | nodes | drafting | speculation | tau target | tau | step ms | "
+                          "draft ms/step | decode tok/s | speedup vs plain | same text |", "|---" * 12 + "|"]
             for r in m["oracle"]:
-                lines.append(f"| {r['shape']} | {r['batch']} | {r['nodes']} | {_drafting(r)} | "
+                kept = "" if r.get("speculation", "always") == "always" else (
+                    f" ({r['verified_nodes']:.1f} verified, {100 * r['drafted_share']:.0f}% of steps drafted)")
+                lines.append(f"| {r['shape']} | {r['batch']} | {r['nodes']}{kept} | {_drafting(r)} | "
+                             f"{r.get('speculation', 'always')} | "
                              f"{r['tau_target']:.1f} | {r['tau']:.2f} | {r['step_ms']:.3f} | "
                              f"{1e3 * r['draft_seconds'] / r['steps']:.3f} | {r['decode_tokens_per_s']:.1f} | "
                              f"**{r['speedup']:.2f}x** | {r['identical_to_plain']} |")

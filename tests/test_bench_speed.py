@@ -33,8 +33,12 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     assert model["errors"] == [] and model["skipped"] == []
     assert sorted(model["plain"]) == ["1", "2"] and model["weight_bytes"] > 0
     assert sorted(model["verify_cost"]["ratio"], key=int) == ["1", "2", "64"]
-    rows = {(r["shape"], r["batch"], r["eagle"]) for r in model["oracle"]}
-    assert rows == {("chain", 1, True), ("tree", 1, True), ("chain", 2, True), ("chain", 2, False), ("tree", 2, False)}
+    rows = {(r["shape"], r["batch"], r["eagle"], r["speculation"]) for r in model["oracle"]}
+    assert rows == {("chain", 1, True, "always"), ("tree", 1, True, "always"), ("chain", 2, True, "always"),
+                    ("chain", 2, False, "always"), ("tree", 2, False, "always"),
+                    ("chain", 2, False, "auto"), ("tree", 2, False, "auto")}  # the policy's rows at batch > 1
+    auto = [r for r in model["oracle"] if r["speculation"] == "auto"]
+    assert all(0 <= r["verified_nodes"] <= r["nodes"] and 0 <= r["drafted_share"] <= 1 for r in auto)
     assert all(r["identical_to_plain"] == f"{r['batch']}/{r['batch']}" for r in model["oracle"])  # greedy exactness
     assert model["hf_static"]["new_tokens"] == 6
     assert [r["call"] for r in model["profile"]] == ["plain b1", "oracle chain tau 3.0 +eagle b1"]
