@@ -181,9 +181,9 @@ COUPLING_FAULTS: dict[str, EngineFault] = {
 class ShapeAwareSizer(TreeSizer):
     """Cuts a sampled tree at the best prefix of its own shape, which may depend on its drawn tokens."""
 
-    def _sampled_prefix(self, seq_id: int, tree: DraftTree, draft: float, batch: int) -> int:
-        parents = tree.parents.tolist()
-        return self._best_prefix(_path_probs(self._rates(_unscored_keys(parents)), parents), draft, batch)
+    def _sampled_prefix(self, seq_id: int, tree: DraftTree, draft: float, batch: int, costs: list[float]) -> int:
+        parents = tree.parents.tolist()  # costs cover the tree at hand (TreeSizer.size)
+        return self._best_prefix(_path_probs(self._rates(_unscored_keys(tuple(parents))), parents), draft, costs)
 
 
 class ScoreChoosingCombined(CombinedDrafter):

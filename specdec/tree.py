@@ -220,23 +220,34 @@ class DraftTree:
 
     def prune(self, keep: torch.Tensor) -> "DraftTree":
         """Sub-tree of the nodes where `keep` [num_nodes] bool is True (must be ancestor-closed)."""
-        keep = torch.as_tensor(keep, dtype=torch.bool)
-        kept = keep.tolist()
-        new_index: list[int] = []  # old index -> new index (-1: dropped)
+        kept = torch.as_tensor(keep, dtype=torch.bool).tolist()
+        return self.subtree([i for i, k in enumerate(kept) if k])
+
+    def subtree(self, nodes: list[int]) -> "DraftTree":
+        """Sub-tree of ``nodes``: ascending node indices, ancestor-closed (what tree sizing keeps, per sequence and
+        step: one gather per tensor)."""
+        if any(a >= b for a, b in zip(nodes, nodes[1:])) or (nodes and not 0 <= nodes[0] <= nodes[-1] < self.num_nodes):
+            raise ValueError(f"subtree: node indices must be ascending within [0, {self.num_nodes}), got {nodes}")
+        old_parents = self.parents.tolist()
+        new_index = {-1: -1}  # old index -> new index, of the nodes kept so far
         parents: list[int] = []
-        for i, p in enumerate(self.parents.tolist()):
-            if not kept[i]:
-                new_index.append(-1)
-                continue
-            if p >= 0 and not kept[p]:
+        for j, i in enumerate(nodes):
+            p = old_parents[i]
+            if p not in new_index:
                 raise ValueError("prune: a kept node's parent is dropped")
-            new_index.append(len(parents))
-            parents.append(new_index[p] if p >= 0 else -1)
-        probs = None if self.draft_probs is None else self.draft_probs[keep.to(self.draft_probs.device)]
-        scores = None if self.scores is None else self.scores[keep.to(self.scores.device)]
-        tokens = self.tokens[keep.to(self.tokens.device)]
-        return self._trusted(tokens, torch.tensor(parents, dtype=torch.long, device=self.parents.device), probs,
-                             scores)
+            new_index[i] = j
+            parents.append(new_index[p])
+        index = {}  # per device
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if t.device not in index:
+                index[t.device] = torch.tensor(nodes, dtype=torch.long, device=t.device)
+            return t[index[t.device]]
+
+        return self._trusted(pick(self.tokens), torch.tensor(parents, dtype=torch.long, device=self.parents.device),
+                             pick(self.draft_probs), pick(self.scores))
 
     def _trusted(self, tokens: torch.Tensor, parents: torch.Tensor, draft_probs: torch.Tensor | None,
                  scores: torch.Tensor | None) -> "DraftTree":

@@ -24,9 +24,8 @@ the constants: docs/speculation-policy.md.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
-
-import torch
 
 from specdec.cost_model import CostModel
 from specdec.online_costs import OnlineCosts
@@ -66,7 +65,8 @@ def _path_probs(accept: list[float], parents: list[int]) -> list[float]:
     return path
 
 
-def _unscored_keys(parents: list[int]) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=1024)  # a drafter proposes few shapes (EAGLE's, a static tree's): each worked out once
+def _unscored_keys(parents: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """(depth, rank among siblings) per node, capped: what unscored acceptance is learned and looked up by."""
     seen: dict[int, int] = {}
     depths: list[int] = []
@@ -76,7 +76,7 @@ def _unscored_keys(parents: list[int]) -> list[tuple[int, int]]:
         rank = seen.get(p, 0)
         seen[p] = rank + 1
         keys.append((min(depths[-1], 16), min(rank, 4)))
-    return keys
+    return tuple(keys)
 
 
 @dataclass(frozen=True)
@@ -160,6 +160,7 @@ class TreeSizer:
 
     def __post_init__(self) -> None:
         self.unscored: dict[tuple[int, int], list[float]] = {}  # (depth, rank) -> [accepted, tried]
+        self.rates_of: dict[tuple, list[float]] = {}  # _rates per node-key tuple, until unscored learns again
         self.score_bins = [[0.0, 0.0] for _ in range(_BINS)]  # [accepted, predicted] of tried scored nodes
         # sampled trees are cut by the shape of an earlier one (_sampled_prefix): per sequence, and the last one
         # of any sequence whose step has finished
@@ -296,21 +297,25 @@ class TreeSizer:
             # was read as over-confident by ~1.2x, so its trees were kept where they did not pay
             pooled = ((sum(a for a, _ in self.score_bins) + cfg.prior_weight)
                       / (sum(p for _, p in self.score_bins) + cfg.prior_weight))
-            out = []
-            for s in tree.scores.tolist():
-                acc, pred = self.score_bins[min(int(s * _BINS), _BINS - 1)]
-                out.append(min(1.0, s * (acc + cfg.prior_weight * pooled) / (pred + cfg.prior_weight)))
-            return out
-        return self._rates(_unscored_keys(tree.parents.tolist()))
+            factor = [(acc + cfg.prior_weight * pooled) / (pred + cfg.prior_weight) for acc, pred in self.score_bins]
+            factor.append(factor[-1])  # a score of 1.0 is in the last bin
+            return [min(1.0, s * factor[int(s * _BINS)]) for s in tree.scores.tolist()]
+        return self._rates(_unscored_keys(tuple(tree.parents.tolist())))
 
-    def _rates(self, keys: list[tuple[int, int]]) -> list[float]:
-        """The acceptance observed in this run (with the prior) per (depth, rank among siblings)."""
-        cfg = self.config
-        out = []
-        for key in keys:
-            acc, tried = self.unscored.get(key, (0.0, 0.0))
-            out.append((acc + cfg.prior * cfg.prior_weight) / (tried + cfg.prior_weight))
+    def _rates(self, keys: tuple[tuple[int, int], ...]) -> list[float]:
+        """The acceptance observed in this run (with the prior) per (depth, rank among siblings); the list is shared
+        by the trees of that shape until :meth:`observe` learns (read it, never change it)."""
+        out = self.rates_of.get(keys)
+        if out is None:
+            cfg = self.config
+            out = self.rates_of[keys] = [(acc + cfg.prior * cfg.prior_weight) / (tried + cfg.prior_weight)
+                                         for acc, tried in (self.unscored.get(key, (0.0, 0.0)) for key in keys)]
         return out
+
+    def _relative_costs(self, batch: int, nodes: int) -> list[float]:
+        """c(1 + k) / c(1) for k = 0..nodes at ``batch``: looked up once for a whole call's trees (the costs move only
+        when a verify is recorded)."""
+        return [self.online.relative(1 + k, batch) for k in range(nodes + 1)]
 
     # ---- sizing -----------------------------------------------------------------------------
     def size_call(self, seq_ids: list[int], trees: list[DraftTree], batch: int, draft_seconds: float,
@@ -323,40 +328,40 @@ class TreeSizer:
         sampled = any(t.mode is not DraftMode.DETERMINISTIC for t in trees)
         if not sampled:
             self.record_draft(draft_seconds, catch_up)
-        out = [self.size(seq_id, tree, batch) for seq_id, tree in zip(seq_ids, trees)]
+        costs = self._relative_costs(batch, max((t.num_nodes for t in trees), default=0))
+        out = [self.size(seq_id, tree, batch, costs) for seq_id, tree in zip(seq_ids, trees)]
         if sampled:
             self.record_draft(draft_seconds, catch_up)
         return out
 
-    def size(self, seq_id: int, tree: DraftTree, batch: int) -> DraftTree:
-        """The best-paying ancestor-closed part of ``tree`` (possibly empty); judges the guard."""
+    def size(self, seq_id: int, tree: DraftTree, batch: int, costs: list[float] | None = None) -> DraftTree:
+        """The best-paying ancestor-closed part of ``tree`` (possibly empty); judges the guard. ``costs``: this
+        call's :meth:`_relative_costs` (looked up here if not given)."""
         if tree.num_nodes == 0:
             self.pending.pop(seq_id, None)
             self._judge(seq_id, 1.0, self.draft_cost(batch) + 1.0, batch)
             return tree
+        if costs is None or len(costs) <= tree.num_nodes:
+            costs = self._relative_costs(batch, tree.num_nodes)
         d = self.draft_cost(batch)
         parents = tree.parents.tolist()
         if tree.mode is DraftMode.DETERMINISTIC:
             accept = self.acceptance(tree)
             path = _path_probs(accept, parents)
-            order = sorted(range(len(path)), key=lambda i: (-path[i], i))
-            best_k = self._best_prefix([path[i] for i in order], d, batch)
+            order = sorted(range(len(path)), key=path.__getitem__, reverse=True)  # stable: ties in node order
+            best_k = self._best_prefix([path[i] for i in order], d, costs)
         else:  # a prefix of the drafter's order, its length fixed before this tree was drawn (module doc)
             accept = self.acceptance(tree, use_scores=False)
             path = _path_probs(accept, parents)
             order = list(range(len(path)))
-            best_k = self._sampled_prefix(seq_id, tree, d, batch)
+            best_k = self._sampled_prefix(seq_id, tree, d, batch, costs)
             self.shapes[seq_id] = parents
         kept_tokens = 1.0 + sum(path[i] for i in order[:best_k])
-        kept_cost = d + (self.online.relative(1 + best_k, batch) if best_k else 1.0)
+        kept_cost = d + (costs[best_k] if best_k else 1.0)
         kept = sorted(order[:best_k])
-        self.pending[seq_id] = _Pending(tree, accept, kept, d + self.online.relative(1 + tree.num_nodes, batch))
+        self.pending[seq_id] = _Pending(tree, accept, kept, d + costs[tree.num_nodes])
         self._judge(seq_id, kept_tokens, kept_cost, batch)
-        if best_k == tree.num_nodes:
-            return tree
-        keep = torch.zeros(tree.num_nodes, dtype=torch.bool)
-        keep[order[:best_k]] = True
-        return tree.prune(keep.to(tree.parents.device))
+        return tree if best_k == tree.num_nodes else tree.subtree(kept)
 
     def verified_whole(self, seq_ids: list[int]) -> None:
         """The trees just sized were verified whole (pending trees, specdec/pending_trees.py): the acceptance to
@@ -366,26 +371,28 @@ class TreeSizer:
             if pending is not None:
                 pending.kept = list(range(pending.tree.num_nodes))
 
-    def _best_prefix(self, gains: list[float], draft: float, batch: int) -> int:
-        """k maximising ``(1 + sum(gains[:k])) / (draft + c(1 + k))``, 0 unless it beats the empty tree by the
-        margin."""
+    def _best_prefix(self, gains: list[float], draft: float, costs: list[float]) -> int:
+        """k maximising ``(1 + sum(gains[:k])) / (draft + c(1 + k))`` (``costs[k]``: c(1 + k) / c(1)), 0 unless it
+        beats the empty tree by the margin."""
         best_k, best, expected = 0, (1.0 + self.config.margin) / (draft + 1.0), 1.0
         for k, gain in enumerate(gains, start=1):
             expected += gain
-            ratio = expected / (draft + self.online.relative(1 + k, batch))
+            ratio = expected / (draft + costs[k])
             if ratio > best:
                 best_k, best = k, ratio
         return best_k
 
-    def _sampled_prefix(self, seq_id: int, tree: DraftTree, draft: float, batch: int) -> int:
+    def _sampled_prefix(self, seq_id: int, tree: DraftTree, draft: float, batch: int, costs: list[float]) -> int:
         """How many leading nodes of a sampled tree to verify, decided on the shape of the last sampled tree
         this sequence (else any sequence of this sizer, in a finished step) proposed: nothing of the tree at
         hand, whose shape may depend on its drawn tokens. No such shape yet: the whole tree."""
         reference = self.shapes.get(seq_id, self.last_shape)
         if reference is None:
             return tree.num_nodes
-        path = _path_probs(self._rates(_unscored_keys(reference)), reference)
-        return min(self._best_prefix(path, draft, batch), tree.num_nodes)
+        if len(costs) <= len(reference):
+            costs = self._relative_costs(batch, len(reference))
+        path = _path_probs(self._rates(_unscored_keys(tuple(reference))), reference)
+        return min(self._best_prefix(path, draft, costs), tree.num_nodes)
 
     # ---- learning ---------------------------------------------------------------------------
     def observe(self, seq_id: int, committed: list[int], accepted_nodes: list[int] | None = None) -> None:
@@ -423,11 +430,12 @@ class TreeSizer:
                     b[0] = b[0] * self.config.decay + float(ok)
                     b[1] = b[1] * self.config.decay + s
         else:
-            for key, t_, ok in zip(_unscored_keys(parents), tried, on_path):
+            for key, t_, ok in zip(_unscored_keys(tuple(parents)), tried, on_path):
                 if t_:
                     entry = self.unscored.setdefault(key, [0.0, 0.0])
                     entry[0] = entry[0] * self.config.decay + float(ok)
                     entry[1] = entry[1] * self.config.decay + 1.0
+            self.rates_of.clear()
         longest = max((d for d, ok in zip(depths, on_path) if ok), default=0)
         # the drafts paid (by the margin): probe next step, one growth step of the backoff undone
         if 1 + longest > pending.cost * (1.0 + self.config.margin):

@@ -57,6 +57,40 @@ def test_prune_refuses_orphans():
     t = DraftTree.chain([1, 2, 3])
     with pytest.raises(ValueError):
         t.prune(torch.tensor([False, True, True]))
+    with pytest.raises(ValueError, match="parent is dropped"):
+        t.subtree([0, 2])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_subtree_keeps_the_nodes_given_with_their_probs_and_scores(seed):
+    """What tree sizing keeps (ascending indices of an ancestor-closed set): every field, the tree's own paths."""
+    rng = random.Random(seed)
+    t = random_tree(rng, 30)
+    probs = torch.rand(t.num_nodes, 5, generator=torch.Generator().manual_seed(seed))
+    t = DraftTree(t.tokens, t.parents, probs / probs.sum(1, keepdim=True), DraftMode.INDEPENDENT,
+                  torch.rand(t.num_nodes, generator=torch.Generator().manual_seed(seed)))
+    keep = [i for i in range(t.num_nodes) if rng.random() < 0.6]
+    parents = t.parents.tolist()
+    keep = sorted({a for i in keep for a in _ancestors_and_self(parents, i)})
+    sub = t.subtree(keep)
+    assert sub.tokens.tolist() == [t.tokens[i].item() for i in keep]
+    assert sub.depths.tolist() == [t.depths[i].item() for i in keep]
+    assert [-1 if q < 0 else keep[q] for q in sub.parents.tolist()] == [parents[i] for i in keep]  # same edges
+    assert torch.equal(sub.draft_probs, t.draft_probs[keep]) and torch.equal(sub.scores, t.scores[keep])
+    mask = torch.zeros(t.num_nodes, dtype=torch.bool)
+    mask[keep] = True
+    pruned = t.prune(mask)
+    assert torch.equal(pruned.tokens, sub.tokens) and torch.equal(pruned.parents, sub.parents)
+    with pytest.raises(ValueError, match="ascending"):
+        t.subtree(keep[::-1])
+    with pytest.raises(ValueError, match="ascending"):
+        t.subtree([0, t.num_nodes])
+
+
+def _ancestors_and_self(parents, i):
+    while i >= 0:
+        yield i
+        i = parents[i]
 
 
 def test_validation_errors():
