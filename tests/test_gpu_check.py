@@ -130,3 +130,32 @@ def test_the_report_starts_with_the_goals_and_lists_the_acceptance_rows(tmp_path
     step = check.step_acceptance(tmp_path, rehearse=False, model="/tmp/smol.gguf", prompts=4)
     assert step["status"] == "passed" and [r["category"] for r in step["rows"]] == list(CATEGORIES)
     assert step["meta"] == dict(device="cuda")
+
+
+def test_carried_gguf_parts_join_to_the_file_and_the_calls_name_them(tmp_path, monkeypatch):
+    """benchmarks/gpu_carry.py: the GGUF in two parts (one per device call, under 64 MiB each), joined by the second
+    call's command and checked by MD5; each call carries the parts its command reads."""
+    import hashlib
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_carry
+
+    blob = tmp_path / "model.gguf"
+    blob.write_bytes(bytes(range(256)) * 1001)  # an odd length: the parts differ by a byte
+    monkeypatch.setattr(gpu_carry, "REPO", tmp_path)
+    monkeypatch.setattr(gpu_carry, "WHEELS", tmp_path / ".whl")
+    parts = gpu_carry.split(blob, tmp_path / ".gl")
+    assert [p.name for p in parts] == ["smol.gguf.part1", "smol.gguf.part2"]
+    assert b"".join(p.read_bytes() for p in parts) == blob.read_bytes()
+    md5 = (tmp_path / ".gl" / "smol.gguf.md5").read_text().split()
+    assert md5 == [hashlib.md5(blob.read_bytes()).hexdigest(), "/tmp/smol.gguf"]
+    (first, carry1), (second, carry2) = gpu_carry.calls(parts, [tmp_path / ".whl" / "gguf.whl"])
+    assert carry1 == [".gl/smol.gguf.part1", ".gl/smol.gguf.md5", ".whl"] and carry2 == [".gl/smol.gguf.part2"]
+    assert "--steps env,graphs" in first and "--steps speed,acceptance --model /tmp/smol.gguf" in second
+    join = second.split(" && ")[0].replace("/tmp/", f"{tmp_path}/joined/").replace(".gl/", f"{tmp_path}/.gl/")
+    (tmp_path / "joined").mkdir()
+    (tmp_path / "joined" / "smol.gguf.part1").write_bytes(parts[0].read_bytes())  # what the first call kept
+    subprocess.run(join, shell=True, check=True)
+    assert (tmp_path / "joined" / "smol.gguf").read_bytes() == blob.read_bytes()
