@@ -554,8 +554,8 @@ def test_pending_trees_under_tree_sizing(loaded, cuts, monkeypatch):
 
     size = TreeSizer.size
 
-    def sizing(self, seq_id, tree, batch):  # the sizer's own call (its learning, the guard), then a fixed answer
-        size(self, seq_id, tree, batch)
+    def sizing(self, seq_id, tree, batch, costs=None):  # the sizer's own call (its learning, the guard), then a
+        size(self, seq_id, tree, batch, costs)            # fixed answer
         return tree.prune(tree.depths <= 1) if cuts and tree.num_nodes else tree
 
     monkeypatch.setattr(TreeSizer, "size", sizing)
