@@ -123,6 +123,8 @@ class ModelDrafter(Drafter):
         self.graphed: GraphedForward | None = None  # the draft model's graph buckets, with its cache (_own_cache)
         self.use_graphs = False  # decided at attach (DraftConfig.cuda_graphs)
         self._draft_ids: list[int] | None = None  # draft_vocab.ids as a list: logit column -> token id
+        # pending static trees of a batch size: (depths, ancestor bits) of every node on the device, and the depth
+        self._pending_fields: dict[tuple[tuple[int, ...], int], tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     # ---- lifecycle --------------------------------------------------------------------
     def make_runner(self, target: TargetView) -> LlamaRunner:
@@ -137,6 +139,7 @@ class ModelDrafter(Drafter):
         # a decode step: the break-even guard's never_pays) holds no second KV pool as large as the target's
         self.cache = target.cache if self.shares_target_cache else None
         self.graphed, self.use_graphs = None, self._uses_graphs()
+        self._pending_fields = {}
         mode = self.config.mode
         if target.coupling is not None:  # candidates by the shared noise; the engine's coupled walk verifies
             mode = "deterministic"
@@ -216,9 +219,7 @@ class ModelDrafter(Drafter):
         tokens, parents, probs = self._grow_static(live, self._root_logits(live))  # [L, N] token ids on the device
         clock.mark()
         clock.stop()
-        tree = DraftTree(torch.zeros(len(parents), dtype=torch.long), parents)  # the shape alone
-        depths = to_device(tree.depth_list * len(live), torch.long, dev)
-        bits = to_device(tree.ancestor_bit_list * len(live), torch.long, dev)
+        depths, bits, max_depth = self._static_fields(parents, len(live))
         host = to_host_later(tokens)  # waited for once the verify is launched: the device is verifying by then
         ids = {v.seq_id for v in live}
 
@@ -227,7 +228,18 @@ class ModelDrafter(Drafter):
             return [next(grown) if v.seq_id in ids else DraftTree.empty() for v in seqs]
 
         sizes = tuple(len(parents) if v.seq_id in ids else 0 for v in seqs)
-        return PendingTrees(sizes, tokens.flatten(), depths, bits, tree.max_depth, read, lambda: sum(clock.split()))
+        return PendingTrees(sizes, tokens.flatten(), depths, bits, max_depth, read, lambda: sum(clock.split()))
+
+    def _static_fields(self, parents: list[int], batch: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Depths and ancestor bits of ``batch`` static trees of this shape on the device, and their depth: the
+        shape is the config's, so they are built once per batch size, not each step."""
+        key = (tuple(parents), batch)
+        if key not in self._pending_fields:
+            tree = DraftTree(torch.zeros(len(parents), dtype=torch.long), parents)  # the shape alone
+            dev = self.runner.device
+            self._pending_fields[key] = (to_device(tree.depth_list * batch, torch.long, dev),
+                                         to_device(tree.ancestor_bit_list * batch, torch.long, dev), tree.max_depth)
+        return self._pending_fields[key]
 
     def _live(self, seqs: Sequence[SequenceView]) -> list[SequenceView]:
         """The sequences with room for a draft token."""
