@@ -100,6 +100,9 @@ class OracleDrafter(Drafter):
         self.proposed_hits = [0] * len(profile.rates)  # per depth: steps whose tree held the reference token
         self.proposed_tries = [0] * len(profile.rates)  # per depth: steps whose parent on the path held it
         self.unread: Callable[[], object] | None = None  # the inner drafter's pending trees, read before it learns
+        # every tree's shape: at each depth ``width`` children of the previous depth's first child (one tensor, shared)
+        self.parents = torch.tensor([-1 if d == 0 else (d - 1) * profile.width
+                                     for d in range(len(profile.rates)) for _ in range(profile.width)])
 
     def cost_key(self) -> str:
         inner = "" if self.inner is None else "|" + self.inner.cost_key()
@@ -141,7 +144,7 @@ class OracleDrafter(Drafter):
         reference = self.continuations.get(tuple(view.token_ids[: view.num_prompt_tokens]), [])
         done = len(view.token_ids) - view.num_prompt_tokens  # new tokens committed; the root is the last of them
         draws = torch.rand(len(rates), generator=self.generator).tolist()  # fixed count: one draw per depth
-        tokens, parents, parent, on_path = [], [], -1, True
+        tokens, on_path = [], True
         for d, rate in enumerate(rates):
             want = reference[done + d] if done + d < len(reference) else None
             hit = on_path and want is not None and draws[d] < rate
@@ -149,10 +152,7 @@ class OracleDrafter(Drafter):
                 self.proposed_tries[d] += 1
                 self.proposed_hits[d] += hit
             wrong = want if want is not None else view.token_ids[-1]
-            first = len(tokens)
-            for j in range(width):
-                tok = want if (hit and j == 0) else (wrong + 1 + j) % self.vocab
-                tokens.append(tok)
-                parents.append(parent)
-            parent, on_path = first, hit  # the next depth hangs under this depth's first child
-        return DraftTree(tokens, parents, None, DraftMode.DETERMINISTIC)
+            tokens += [want if (hit and j == 0) else (wrong + 1 + j) % self.vocab for j in range(width)]
+            on_path = hit  # the next depth hangs under this depth's first child (self.parents)
+        # built from tensors: the instrument's own host time per step stays small next to a real drafter's
+        return DraftTree(torch.tensor(tokens), self.parents, None, DraftMode.DETERMINISTIC)
