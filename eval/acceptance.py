@@ -58,7 +58,7 @@ from specdec.eval.resume import (
 )
 
 from specdec.atomic_write import write_json
-from specdec.cuda_graphs import warm_up_model_graphs
+from specdec.cuda_graphs import auto_uses_graphs, warm_up_model_graphs
 from specdec.generate import generate
 from specdec.output import acceptance_rates
 from specdec.sampling import SamplingConfig
@@ -318,12 +318,14 @@ def _median_batch(prompts: list[list[int]], size: int) -> list[list[int]]:
 
 def _calibrate(loaded: Any, cell: Cell, batch: list[list[int]], config: SuiteConfig) -> None:
     """Time a plain step, a step of the mean tree size and one of every tree size the cell verified
-    (specdec.eval.pricing), each run of sizes on a fresh context."""
+    (specdec.eval.pricing), each run of sizes on a fresh context; through CUDA graphs where generate() replays them
+    (an eager GPU step costs several times a graphed one: it would price another machine)."""
     n = max(1, round(1 + cell.mean_tree_nodes))
     costs: dict[int, float] = {}
     for sizes in size_chunks(calibration_sizes(cell.step_nodes_histogram, cell.mean_tree_nodes)):
         costs.update(measure_verify_costs(loaded.runner, batch, sizes, config.sampling, config.max_new_tokens // 2,
-                                          config.calibration_repeats, config.seed))
+                                          config.calibration_repeats, config.seed,
+                                          graphs=auto_uses_graphs(loaded.runner)))  # as the cells verified
     context = sum(len(p) for p in batch) / len(batch) + config.max_new_tokens // 2
     common = {"plain_seconds": costs[1], "batch": len(batch), "context_tokens": round(context, 1),
               "repeats": config.calibration_repeats}

@@ -133,8 +133,14 @@ def test_sampling_and_batches_through_run_suite(tmp_path, loaded, monkeypatch):
         return generate(*args, **kwargs)
 
     monkeypatch.setattr(suite, "generate", recorded)
+    graphed = []  # and its verify costs are timed as generate() verifies: through graphs where "auto" uses them
+    measure = suite.measure_verify_costs
+    monkeypatch.setattr(suite, "auto_uses_graphs", lambda runner: "as auto decides")
+    monkeypatch.setattr(suite, "measure_verify_costs",
+                        lambda *a, graphs=False, **k: graphed.append(graphs) or measure(*a, **k))
     cells = run_suite(loaded, prompts, cfg, tmp_path)
     assert warmed == [([[8, 5], [6]], 16)]
+    assert graphed and set(graphed) == {"as auto decides"}
     # the warm-up runs as the cells do (whole trees): a guarded warm-up left the first cell its first tree verify
     assert [c for c in calls if c[0] == 4] == [(4, "always")] * 3 and {c[1] for c in calls} == {"always"}
     assert set(cells) == {("plain", "rep"), ("draft-model", "rep"), ("ngram", "rep")}  # no HF baseline when sampling
