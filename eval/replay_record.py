@@ -110,6 +110,7 @@ def measure_costs(loaded: Any, prompts: Sequence[Sequence[int]], config: RecordC
                 "source": "specdec.cost_model", "context_tokens": model.config.context}
     from specdec.eval.pricing import size_chunks
 
+    from specdec.cuda_graphs import auto_uses_graphs
     from specdec.sampling import SamplingConfig
     from specdec.verify_cost import measure_verify_costs
 
@@ -119,7 +120,8 @@ def measure_costs(loaded: Any, prompts: Sequence[Sequence[int]], config: RecordC
     for sizes in size_chunks(list(COST_GRID)):  # each run of sizes on a fresh context
         room = loaded.runner.shape.max_positions - (config.cost_repeats + 1) * sum(sizes) - 2
         costs.update(measure_verify_costs(loaded.runner, [median], sizes, SamplingConfig(False),
-                                          max(0, min(extra, room - len(median))), config.cost_repeats, config.seed))
+                                          max(0, min(extra, room - len(median))), config.cost_repeats, config.seed,
+                                          graphs=auto_uses_graphs(loaded.runner)))  # as generate() verifies
     return {"verify_seconds": costs, "source": "measured (specdec.verify_cost)", "repeats": config.cost_repeats,
             "context_tokens": len(median) + extra}
 
