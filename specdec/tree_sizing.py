@@ -25,7 +25,7 @@ the constants: docs/speculation-policy.md.
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from specdec.cost_model import CostModel
 from specdec.online_costs import OnlineCosts
@@ -450,5 +450,5 @@ class TreeSizer:
             kept = _Kept(guard.backoff, [list(b) for b in self.score_bins],
                          [[d, r, a, t] for (d, r), (a, t) in self.unscored.items()], guard.tokens, guard.cost,
                          None if self.last_shape is None else list(self.last_shape), self._kept_price(guard))
-            remember("guard", self.memory, asdict(kept), persist=True)
+            remember("guard", self.memory, dict(vars(kept)), persist=True)  # its lists are fresh copies already
 
