@@ -79,6 +79,15 @@ def _unscored_keys(parents: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     return tuple(keys)
 
 
+@functools.lru_cache(maxsize=1024)
+def _children(parents: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Each node's children in node order, at index ``node + 1`` (index 0: the root's)."""
+    out: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for i, p in enumerate(parents):
+        out[p + 1].append(i)
+    return tuple(map(tuple, out))
+
+
 @dataclass(frozen=True)
 class SizingConfig:
     prior: float = 0.3  # acceptance assumed for unscored nodes before any observation
@@ -406,37 +415,50 @@ class TreeSizer:
         if pending is None:
             return
         tree = pending.tree
-        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-        depths = tree.depths.tolist()
-        on_path = [False] * len(tokens)  # node accepted (its whole path matches)
-        tried = [False] * len(tokens)
-        accepted_set = verified = None
-        if tree.mode is not DraftMode.DETERMINISTIC:
-            accepted_set = {pending.kept[j] for j in accepted_nodes or []}
+        parents = tuple(tree.parents.tolist())
+        tokens = tree.tokens.tolist()
+        sampled = tree.mode is not DraftMode.DETERMINISTIC
+        if sampled:
+            accepted = {pending.kept[j] for j in accepted_nodes or []}
             verified = set(pending.kept)
-            self.last_shape = parents
-        for i, (t, p, d) in enumerate(zip(tokens, parents, depths)):
-            parent_ok = p < 0 or on_path[p]
-            if accepted_set is None:
-                tried[i] = parent_ok and d <= len(committed)
-                on_path[i] = tried[i] and committed[d - 1] == t
-            else:
-                tried[i] = parent_ok and i in verified
-                on_path[i] = i in accepted_set
-        if tree.scores is not None and tree.mode is DraftMode.DETERMINISTIC:
-            for s, t_, ok in zip(tree.scores.tolist(), tried, on_path):
-                if t_:
-                    b = self.score_bins[min(int(s * _BINS), _BINS - 1)]
-                    b[0] = b[0] * self.config.decay + float(ok)
-                    b[1] = b[1] * self.config.decay + s
+            self.last_shape = list(parents)
+        # walk down the accepted path: a node is tried when its parent is the root or accepted (the nodes below a
+        # rejected one are never looked at)
+        children = _children(parents)
+        tried, on_path, level, longest = [], set(), children[0], 0
+        for depth in range(1, len(tokens) + 1):
+            below = []
+            for i in level:
+                if sampled:
+                    if i in verified:
+                        tried.append(i)
+                    ok = i in accepted
+                else:
+                    if depth > len(committed):
+                        continue
+                    tried.append(i)
+                    ok = committed[depth - 1] == tokens[i]
+                if ok:
+                    on_path.add(i)
+                    longest = depth
+                    below += children[i + 1]
+            if not below:
+                break
+            level = below
+        tried.sort()  # learned in node order, as the decaying sums' rounding expects
+        if tree.scores is not None and not sampled:
+            scores = tree.scores.tolist()
+            for i in tried:
+                b = self.score_bins[min(int(scores[i] * _BINS), _BINS - 1)]
+                b[0] = b[0] * self.config.decay + float(i in on_path)
+                b[1] = b[1] * self.config.decay + scores[i]
         else:
-            for key, t_, ok in zip(_unscored_keys(tuple(parents)), tried, on_path):
-                if t_:
-                    entry = self.unscored.setdefault(key, [0.0, 0.0])
-                    entry[0] = entry[0] * self.config.decay + float(ok)
-                    entry[1] = entry[1] * self.config.decay + 1.0
+            keys = _unscored_keys(parents)
+            for i in tried:
+                entry = self.unscored.setdefault(keys[i], [0.0, 0.0])
+                entry[0] = entry[0] * self.config.decay + float(i in on_path)
+                entry[1] = entry[1] * self.config.decay + 1.0
             self.rates_of.clear()
-        longest = max((d for d, ok in zip(depths, on_path) if ok), default=0)
         # the drafts paid (by the margin): probe next step, one growth step of the backoff undone
         if 1 + longest > pending.cost * (1.0 + self.config.margin):
             guard = self._guard(seq_id)
