@@ -10,8 +10,8 @@ Batch 1, greedy. Per prompt, in this order (after an untimed warm-up of each on 
 * ``specdec_plain``: specdec without a drafter (Triton kernels on CUDA, ``SPECDEC_ATTENTION``);
 * ``specdec_ngram``: specdec with the n-gram drafter;
 * ``specdec_plain_graphs`` / ``specdec_ngram_graphs``: the same with the verify forward replayed as
-  CUDA graphs (one ``GraphedForward.with_cache`` reused by every call, so each bucket is captured
-  once, during the warm-up or the first prompt that needs it); ``--no-graphs`` leaves them out;
+  CUDA graphs (one ``GraphedForward.with_cache`` reused by every call, every batch-1 bucket captured
+  before the first prompt); ``--no-graphs`` leaves them out;
 * ``specdec_plain_ref`` (``--compare-reference``): plain decoding with ``SPECDEC_ATTENTION=reference``.
 
 Prints tokens/s per category and overall, each method's ratio to ``hf_static``, n-gram vs plain,
@@ -109,6 +109,7 @@ def main(argv=None) -> int:
         from specdec.cuda_graphs import GraphedForward
 
         graphed = GraphedForward.with_cache(loaded.runner, max_tokens=loaded.runner.shape.max_positions + 256)
+        graphed.warm_up(1)  # every batch-1 bucket captured now: n-gram's trees meet sizes the warm-up prompts may not
 
     # the same weights through a runner on the PyTorch reference backend (the backend is chosen per runner)
     reference = dataclasses.replace(loaded, runner=LlamaRunner(model, backend="reference"))

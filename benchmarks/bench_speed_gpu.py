@@ -268,9 +268,10 @@ class ModelRun:
         from specdec.tree import MAX_TREE_NODES
 
         runner = self.loaded.runner
+        self.graphs = None
         if auto_uses_graphs(runner):
             lengths = [self.args.prompt_len] * max(self.args.batches)
-            model_graphs(runner, 16, blocks_needed(lengths, self.args.new_tokens, 16, MAX_TREE_NODES))
+            self.graphs = model_graphs(runner, 16, blocks_needed(lengths, self.args.new_tokens, 16, MAX_TREE_NODES))
 
     def plain(self, prompts) -> None:
         b = len(prompts)
@@ -320,6 +321,10 @@ class ModelRun:
             inners.append(self.eagle_drafter(depth, width) if eagle else None)
             return OracleDrafter(self.references[b], profile, inner=inners[-1], seed=1)
 
+        if speculation != "always" and self.graphs is not None:
+            # the policy sizes trees by measured times, so the timed call may verify sizes its warm-up did not meet:
+            # every bucket of this batch captured now, not inside the timed call
+            self.graphs.warm_up(b)
         # warm-up, the same call (with "auto" it also calibrates the cost model at this batch)
         run_generate(self.loaded, prompts, self.args.new_tokens, drafter=drafter(), speculation=speculation)
         graphs = inners[0].graphs if eagle else None  # kept on the EAGLE model: the timed call replays its graphs
