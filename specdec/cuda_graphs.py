@@ -335,8 +335,12 @@ def warm_up_model_graphs(runner: LlamaRunner, batches: Iterable[Sequence[int]], 
     batches = [list(lengths) for lengths in batches]
     if not batches or not all(batches):
         raise ValueError("warm_up_model_graphs needs at least one batch of at least one prompt")
+    from specdec.generate_inputs import check_cache_fits
+
     needed = max(blocks_needed(lengths, max_new_tokens, block_size, MAX_TREE_NODES) for lengths in batches)
-    graphed = model_graphs(runner, block_size, needed)
+    graphed = model_graphs(runner, block_size, needed,  # refused in one line where generate() would refuse it
+                           lambda blocks: check_cache_fits(runner.shape, blocks, block_size, runner.dtype,
+                                                           runner.device, explicit=False))
     graphed.warm_up(min(max(map(len, batches)), graphed.config.batch_sizes[-1]))  # larger steps run eagerly
     return graphed
 

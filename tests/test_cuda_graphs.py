@@ -227,6 +227,9 @@ def test_warm_up_model_graphs_sizes_the_models_cache_once(loaded, monkeypatch):
     assert graphed.cache.num_blocks - 1 == 6 + 12  # the largest call's blocks (a whole tree on top), and the scratch
     assert sorted(graphed.buckets) == [(1, 1), (1, 8), (2, 1), (2, 8)]  # up to the largest call's sequences
     assert len(cuda_graphs.warm_up_model_graphs(loaded.runner, [[5] * 6], 8).buckets) == 6  # more than any bucket
+    monkeypatch.setattr("specdec.kv_cache.available_memory_bytes", lambda device: 1)
+    with pytest.raises(CacheFullError, match="only 0.00 GiB are available"):  # as generate() refuses it, in a line
+        cuda_graphs.warm_up_model_graphs(loaded.runner, [[5] * 600], 8)
     with pytest.raises(ValueError, match="at least one prompt"):
         cuda_graphs.warm_up_model_graphs(loaded.runner, [[]], 8)
     release_model_graphs(loaded)
