@@ -360,13 +360,16 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
     warm = next((ps[:1] for ps in prompts.values() if ps), [])
     calls = [[len(p) for p in ps[i : i + config.batch_size]] for ps in prompts.values()
              for i in range(0, len(ps), config.batch_size)]
-    if calls:  # on CUDA: the target's graph cache sized and its buckets captured now, not inside a timed cell
-        warm_up_model_graphs(loaded.runner, calls, config.max_new_tokens)
+    # on CUDA: the target's graph cache sized and its buckets captured now, not inside a timed cell
+    graphs = warm_up_model_graphs(loaded.runner, calls, config.max_new_tokens) if calls else None
     for label in config.labels:  # warm-up: first-call costs out of the measurements
         if warm and label != "hf-greedy":
-            drafter = None if label == "plain" else config.drafter_name(label)
-            generate(loaded, warm, max_new_tokens=4, drafter=drafter, drafter_options=options.get(label) or None,
-                     speculation="always", **sampling)  # as the cells: their trees' first verify happens here
+            drafter = None if label == "plain" else get_drafter(config.drafter_name(label), **options[label])
+            generate(loaded, warm, max_new_tokens=4, drafter=drafter, speculation="always",
+                     **sampling)  # as the cells: their trees' first verify happens here
+            layers = getattr(drafter, "feature_layers", ())  # an EAGLE-3 head's, known once attached
+            if graphs is not None and layers:  # its verify buckets return those layers' streams: captured too
+                graphs.warm_up(min(max(map(len, calls)), graphs.config.batch_sizes[-1]), layers)
     for category, mine in prompts.items():
         for label in config.labels:
             path = cell_path(out, label, category, rank)

@@ -161,10 +161,18 @@ def test_embedded_model_greedy_identity_with_an_eagle3_tree():
     assert sum(s.steps for s in spec.stats) < sum(s.new_tokens for s in spec.stats)
 
 
-def test_the_acceptance_suite_and_the_oracle_hand_an_eagle3_head_its_feature_layers(tmp_path):
+def test_the_acceptance_suite_and_the_oracle_hand_an_eagle3_head_its_feature_layers(tmp_path, monkeypatch):
     """Wrappers of a drafter (the suite's counting drafter, the oracle around a real drafter's forward) pass its
-    feature layers on: the suite once failed on every EAGLE-3 head ("the engine passed final hidden states")."""
+    feature layers on: the suite once failed on every EAGLE-3 head ("the engine passed final hidden states"). On
+    CUDA the suite's warm-up also captures the verify buckets that return those layers' streams."""
+    from types import SimpleNamespace
+
     from specdec.eval.acceptance import SuiteConfig, run_suite
+
+    warmed = []
+    graphs = SimpleNamespace(config=SimpleNamespace(batch_sizes=(1, 2, 4)),
+                             warm_up=lambda n, layers=(): warmed.append((n, layers)))
+    monkeypatch.setattr("specdec.eval.acceptance.warm_up_model_graphs", lambda *args: graphs)  # as on CUDA
     from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter, reference_continuations
 
     model = build_tiny_model()
@@ -176,6 +184,7 @@ def test_the_acceptance_suite_and_the_oracle_hand_an_eagle3_head_its_feature_lay
     cells = run_suite(loaded, prompts, config, tmp_path)
     assert cells["eagle", "rep"].new_tokens == cells["plain", "rep"].new_tokens == 16
     assert cells["eagle", "rep"].drafts > 0
+    assert warmed == [(1, head.config.feature_layers)] and head.config.feature_layers  # batches of 1 prompt
     references = reference_continuations(loaded, prompts["rep"], 8)
     oracle = OracleDrafter(references, AcceptanceProfile((0.5,)), inner=EagleDrafter(model=head))
     assert oracle.feature_layers == head.config.feature_layers
