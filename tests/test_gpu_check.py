@@ -153,7 +153,7 @@ def test_carried_gguf_parts_join_to_the_file_and_the_calls_name_them(tmp_path, m
     assert md5 == [hashlib.md5(blob.read_bytes()).hexdigest(), "/tmp/smol.gguf"]
     (first, carry1), (second, carry2) = gpu_carry.calls(parts, [tmp_path / ".whl" / "gguf.whl"])
     assert carry1 == [".gl/smol.gguf.part1", ".gl/smol.gguf.md5", ".whl"] and carry2 == [".gl/smol.gguf.part2"]
-    assert "--steps env,graphs" in first and "--steps speed,acceptance --model /tmp/smol.gguf" in second
+    assert "--steps env,graphs" in first and "--steps acceptance,speed --model /tmp/smol.gguf" in second
     join = second.split(" && ")[0].replace("/tmp/", f"{tmp_path}/joined/").replace(".gl/", f"{tmp_path}/.gl/")
     (tmp_path / "joined").mkdir()
     (tmp_path / "joined" / "smol.gguf.part1").write_bytes(parts[0].read_bytes())  # what the first call kept
