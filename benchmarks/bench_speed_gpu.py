@@ -41,6 +41,7 @@ EMBEDDED_SHAPE = "synthetic:smollm2-135m"  # the embedded model's shape: its spe
 REHEARSAL_MODELS = ("synthetic:llama-3.1-8b@tiny", "synthetic:qwen3-1.7b@tiny", "synthetic:llama-3.2-1b@tiny")
 TAUS = (3.0, 2.0, 4.0)  # tau 3 first: the one the goals name
 CHAIN_DEPTH = 6
+SHORT_CHAIN_DEPTH = 4  # the same tau from fewer, likelier levels: less drafting per step (EAGLE's depth is its own)
 PROFILE_TOKENS = 32  # new tokens per profiled call (the trace's size)
 TREE_DEPTH, TREE_WIDTH = 8, 8  # 64 nodes: the largest tree a step verifies
 
@@ -218,8 +219,10 @@ class ModelRun:
         sync(self.device)
         wbytes = weight_bytes(model)
         floor_ms = 1e3 * wbytes / self.bandwidth
+        eagle_bytes = sum(p.numel() * p.element_size() for p in self.eagle.parameters())  # read once per level
         self.result.update(build_seconds=round(time.perf_counter() - t0, 2), weight_bytes=wbytes,
-                           floor_step_ms=floor_ms, eagle_draft_vocab=len(self.eagle.config.draft_vocab) or None)
+                           floor_step_ms=floor_ms, eagle_draft_vocab=len(self.eagle.config.draft_vocab) or None,
+                           eagle_weight_bytes=eagle_bytes)
         self.presize_graphs()
         gen = torch.Generator().manual_seed(0)
         vocab = self.loaded.runner.shape.vocab_size
@@ -229,16 +232,18 @@ class ModelRun:
         b0, rest = args.batches[0], args.batches[1:]
         first, others = args.taus[0], args.taus[1:]
 
-        def oracle(b: int, tau: float, shape: str, eagle: bool, speculation: str = "always") -> None:
-            name = f"oracle {shape} tau {tau} b{b}{' +eagle' if eagle else ''}"
-            name += "" if speculation == "always" else f" {speculation}"
-            self.item(name, lambda: self.oracle(pool[:b], tau, shape, eagle, speculation),
+        def oracle(b: int, tau: float, shape: str, eagle: bool, speculation: str = "always",
+                   depth: int | None = None) -> None:
+            name = f"oracle {shape}{'' if depth is None else f' depth {depth}'} tau {tau} b{b}"
+            name += (" +eagle" if eagle else "") + ("" if speculation == "always" else f" {speculation}")
+            self.item(name, lambda: self.oracle(pool[:b], tau, shape, eagle, speculation, depth),
                       self.estimate(b, tau) if eagle else None)
 
         self.item(f"plain b{b0}", lambda: self.plain(pool[:b0]))
         self.item("verify cost", lambda: self.curve(pool[0]))
         for shape in ("chain", "tree"):
             oracle(b0, first, shape, True)
+        oracle(b0, first, "chain", True, depth=SHORT_CHAIN_DEPTH)
         self.item(f"profile b{b0}", lambda: self.profile(pool[:b0], first))
         for b in reversed(rest):  # the largest batch first: the goals name batch 32
             self.item(f"plain b{b}", lambda b=b: self.plain(pool[:b]))
@@ -306,13 +311,14 @@ class ModelRun:
             return None
         return 2 * self.args.new_tokens / tau * max(1.0, batch / 4) * self.draft_seconds_per_step
 
-    def oracle(self, prompts, tau: float, shape: str, eagle: bool, speculation: str = "always") -> None:
+    def oracle(self, prompts, tau: float, shape: str, eagle: bool, speculation: str = "always",
+               depth: int | None = None) -> None:
         from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter
 
         b = len(prompts)
         if b not in self.references:
             self.plain(prompts)
-        depth, width = (CHAIN_DEPTH, 1) if shape == "chain" else (TREE_DEPTH, TREE_WIDTH)
+        depth, width = (depth or CHAIN_DEPTH, 1) if shape == "chain" else (depth or TREE_DEPTH, TREE_WIDTH)
         profile = AcceptanceProfile.for_tau(tau, depth, width)
         nodes = depth * width
         inners = []
@@ -336,11 +342,17 @@ class ModelRun:
         same = sum(out == self.references[b][tuple(p)] for p, out in zip(prompts, outputs))
         if eagle and b == 1 and self.draft_seconds_per_step is None:
             self.draft_seconds_per_step = row["draft_seconds"] / row["steps"]
-        row.update(shape=shape, batch=b, eagle=eagle, speculation=speculation, tau_target=tau, nodes=nodes,
-                   profile_rate=profile.rates[0],
+        row.update(shape=shape, depth=depth, batch=b, eagle=eagle, speculation=speculation, tau_target=tau,
+                   nodes=nodes, profile_rate=profile.rates[0],
                    speedup=row["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
-                   identical_to_plain=f"{same}/{b}")
+                   bound=self.bound(tau, depth if eagle else 0), identical_to_plain=f"{same}/{b}")
         self.result["oracle"].append(row)
+
+    def bound(self, tau: float, eagle_levels: int) -> float:
+        """The speedup weight reads allow: tau tokens per step, a step reading the target's weights once (a verify
+        at the floor) and the EAGLE layer's once per level drafted, at the copy bandwidth of this run."""
+        floor = self.result["floor_step_ms"]
+        return tau * floor / (floor + eagle_levels * 1e3 * self.result["eagle_weight_bytes"] / self.bandwidth)
 
     def eagle_drafter(self, depth: int, width: int):
         """The random EAGLE layer drafting a fixed tree, graphs on: captured on CUDA (what "auto" does there);
@@ -381,6 +393,11 @@ def _drafting(row: dict) -> str:
     return f"EAGLE, {replays} graph replays" if replays else "EAGLE, eager"
 
 
+def _bound(row: dict) -> str:
+    """The row's weight-read bound (reports before 2026-11-29 have none)."""
+    return f"{row['bound']:.2f}x" if row.get("bound") is not None else ""
+
+
 def markdown(report: dict) -> str:
     env = report["env"]
     lines = [f"# specdec speed, {report['date']}", "",
@@ -412,7 +429,8 @@ def markdown(report: dict) -> str:
                       + f" (c(1) = {m['verify_cost']['ms'][min(ratio)]:.3f} ms)"]
         if m["oracle"]:
             lines += ["", "| oracle | batch | nodes | drafting | speculation | tau target | tau | step ms | "
-                          "draft ms/step | decode tok/s | speedup vs plain | same text |", "|---" * 12 + "|"]
+                          "draft ms/step | decode tok/s | speedup vs plain | weight-read bound | same text |",
+                      "|---" * 13 + "|"]
             for r in m["oracle"]:
                 kept = "" if r.get("speculation", "always") == "always" else (
                     f" ({r['verified_nodes']:.1f} verified, {100 * r['drafted_share']:.0f}% of steps drafted)")
@@ -420,7 +438,7 @@ def markdown(report: dict) -> str:
                              f"{r.get('speculation', 'always')} | "
                              f"{r['tau_target']:.1f} | {r['tau']:.2f} | {r['step_ms']:.3f} | "
                              f"{1e3 * r['draft_seconds'] / r['steps']:.3f} | {r['decode_tokens_per_s']:.1f} | "
-                             f"**{r['speedup']:.2f}x** | {r['identical_to_plain']} |")
+                             f"**{r['speedup']:.2f}x** | {_bound(r)} | {r['identical_to_plain']} |")
         lines += markdown_rows(m)
         if m["skipped"]:
             lines += ["", "skipped (out of time): " + "; ".join(m["skipped"])]

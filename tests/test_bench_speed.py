@@ -33,10 +33,16 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     assert model["errors"] == [] and model["skipped"] == []
     assert sorted(model["plain"]) == ["1", "2"] and model["weight_bytes"] > 0
     assert sorted(model["verify_cost"]["ratio"], key=int) == ["1", "2", "64"]
-    rows = {(r["shape"], r["batch"], r["eagle"], r["speculation"]) for r in model["oracle"]}
-    assert rows == {("chain", 1, True, "always"), ("tree", 1, True, "always"), ("chain", 2, True, "always"),
-                    ("chain", 2, False, "always"), ("tree", 2, False, "always"),
-                    ("chain", 2, False, "auto"), ("tree", 2, False, "auto")}  # the policy's rows at batch > 1
+    rows = {(r["shape"], r["nodes"], r["batch"], r["eagle"], r["speculation"]) for r in model["oracle"]}
+    assert rows == {("chain", 6, 1, True, "always"), ("chain", 4, 1, True, "always"), ("tree", 64, 1, True, "always"),
+                    ("chain", 6, 2, True, "always"), ("chain", 6, 2, False, "always"),
+                    ("tree", 64, 2, False, "always"),
+                    ("chain", 6, 2, False, "auto"), ("tree", 64, 2, False, "auto")}  # the policy's rows at batch > 1
+    for r in model["oracle"]:  # the weight-read bound: tau, less the EAGLE layer's reads per level drafted
+        assert r["bound"] == pytest.approx(r["tau_target"]) if not r["eagle"] else 0 < r["bound"] < r["tau_target"]
+    chains = sorted((r for r in model["oracle"] if r["eagle"] and r["shape"] == "chain" and r["batch"] == 1),
+                    key=lambda r: r["depth"])
+    assert chains[0]["bound"] > chains[1]["bound"]  # fewer levels, fewer reads of the layer
     auto = [r for r in model["oracle"] if r["speculation"] == "auto"]
     assert all(0 <= r["verified_nodes"] <= r["nodes"] and 0 <= r["drafted_share"] <= 1 for r in auto)
     assert all(r["identical_to_plain"] == f"{r['batch']}/{r['batch']}" for r in model["oracle"])  # greedy exactness

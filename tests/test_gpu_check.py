@@ -63,7 +63,9 @@ def _speed_report(floor=1.1, chain=2.5, batch32=(1.0, 0.96), c64=1.3, small=1200
     target = dict(model="synthetic:llama-3.1-8b", note=None,
                   plain={"1": dict(step_over_floor=floor, decode_tokens_per_s=150.0, floor_tokens_per_s=165.0)},
                   oracle=[oracle("chain", 1, False, 9.9), oracle("chain", 1, True, chain, 2.0),
-                          oracle("chain", 1, True, chain), oracle("tree", 32, False, 0.5),  # "always": not judged
+                          dict(oracle("chain", 1, True, chain - 0.3), depth=6, bound=2.3),  # the best chain counts
+                          dict(oracle("chain", 1, True, chain), depth=4, bound=2.6),
+                          oracle("tree", 32, False, 0.5),  # "always": not judged
                           *(oracle("chain", 32, False, s, speculation="auto") for s in batch32)],
                   verify_cost=dict(ratio={"1": 1.0, "64": c64}))
     embedded = dict(model="default", note="'default' did not load (OSError: no file): synthetic:smollm2-135m",
@@ -88,6 +90,8 @@ def test_goals_are_judged_from_the_reports_steps():
     verdicts = [g.verdict for g in goals(steps)]
     assert verdicts == ["met", "met", "missed", "missed", "met", "missed", "met", "missed", "met", "not measured"]
     judged = {g.what: g for g in goals(steps)}
+    chained = next(g for g in judged.values() if "oracle chain" in g.what)
+    assert chained.measured == "2.50x (tau 2.90, a chain of 4; weight reads allow 2.60x)"
     batch32 = next(g for g in judged.values() if g.what.startswith("8B shape, batch 32"))
     assert batch32.measured.startswith("0.96x lowest of 2")
     embedded = next(g for g in judged.values() if g.what.startswith("embedded model"))
@@ -102,7 +106,7 @@ def test_goals_are_judged_from_the_reports_steps():
                                                 "missed", "met"]
     assert {g.verdict for g in goals({})} == {"not measured"}  # nothing ran: nothing met
     batch1 = _speed_report()
-    batch1["report"]["models"][0]["oracle"] = batch1["report"]["models"][0]["oracle"][:4]  # no batch-32 auto row
+    batch1["report"]["models"][0]["oracle"] = batch1["report"]["models"][0]["oracle"][:5]  # no batch-32 auto row
     assert goals(dict(speed=batch1))[3].verdict == "not measured"
 
 
