@@ -90,9 +90,10 @@ def _result(r: dict, level: str) -> list[str]:
         out += [r["conditions"], ""]
     if r.get("columns"):
         out += _table(r["columns"], r["rows"]) + [""]
-    for note in r.get("notes", []):
+    notes = r.get("notes") or []
+    for note in [notes] if isinstance(notes, str) else notes:  # one note, or a list of them (as ``command``)
         out += [f"- {note}"]
-    if r.get("notes"):
+    if notes:
         out += [""]
     return out
 

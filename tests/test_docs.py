@@ -40,6 +40,15 @@ def test_benchmarks_page_shows_the_latest_result_per_machine_class(tmp_path):
     assert "NEW RUN" in history and "OLD RUN" in history
 
 
+def test_a_results_note_renders_whole_given_as_one_string_or_a_list():
+    gen = _gen_benchmarks()
+    base = dict(date="2026-01-01", machine_class="cpu-avx512", title="T", machine="m", benchmark="b", command="c",
+                file="r.json")
+    for notes in ("one note, whole.", ["one note, whole."]):
+        lines = gen._result(dict(base, notes=notes), "####")
+        assert "- one note, whole." in lines and "- o" not in lines  # never a bullet per character
+
+
 def _nav_pages() -> set[str]:
     text = (REPO / "mkdocs.yml").read_text()
     nav = text.split("\nnav:", 1)[1]
