@@ -79,15 +79,6 @@ def _unscored_keys(parents: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     return tuple(keys)
 
 
-@functools.lru_cache(maxsize=1024)
-def _children(parents: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
-    """Each node's children in node order, at index ``node + 1`` (index 0: the root's)."""
-    out: list[list[int]] = [[] for _ in range(len(parents) + 1)]
-    for i, p in enumerate(parents):
-        out[p + 1].append(i)
-    return tuple(map(tuple, out))
-
-
 @dataclass(frozen=True)
 class SizingConfig:
     prior: float = 0.3  # acceptance assumed for unscored nodes before any observation
@@ -424,7 +415,7 @@ class TreeSizer:
             self.last_shape = list(parents)
         # walk down the accepted path: a node is tried when its parent is the root or accepted (the nodes below a
         # rejected one are never looked at)
-        children = _children(parents)
+        children = tree.children  # index 0: the root's, i + 1: node i's
         tried, on_path, level, longest = [], set(), children[0], 0
         for depth in range(1, len(tokens) + 1):
             below = []
