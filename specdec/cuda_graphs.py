@@ -186,7 +186,7 @@ class GraphedForward:
                 raise ValueError("a step with pending trees must fit a CUDA-graph bucket (GraphedForward.fits)")
             logger.debug("no CUDA-graph bucket for %d sequences x %d tokens: eager forward", len(seqs), max_new)
             return None
-        key = self.bucket_for(len(seqs), max_new) + ((tuple(feature_layers),) if feature_layers else ())
+        key = _bucket_key(*self.bucket_for(len(seqs), max_new), feature_layers)
         bucket = self.buckets.get(key) or self._new_bucket(key)
         n = len(batch.tokens)
         self.inputs.load_(bucket.inputs, batch)
@@ -215,9 +215,9 @@ class GraphedForward:
         top = self.bucket_for(num_seqs, 1)
         if top is None:
             raise ValueError(f"no bucket holds {num_seqs} sequences (at most {self.config.batch_sizes[-1]})")
-        extra = (tuple(feature_layers),) if feature_layers else ()
         new = 0
-        for key in [(b, t) + extra for b in self.config.batch_sizes if b <= top[0] for t in self.config.tokens_per_seq]:
+        for key in [_bucket_key(b, t, feature_layers) for b in self.config.batch_sizes if b <= top[0]
+                    for t in self.config.tokens_per_seq]:
             if key in self.buckets or self.failed:
                 continue
             bucket = self._new_bucket(key)
@@ -271,6 +271,12 @@ class GraphedForward:
         streams = f", with the input streams of layers {list(bucket.feature_layers)}" if bucket.feature_layers else ""
         logger.info("captured a CUDA graph for %d sequences x %d tokens%s", bucket.batch, bucket.tokens_per_seq,
                     streams)
+
+
+def _bucket_key(batch: int, tokens_per_seq: int, feature_layers: tuple[int, ...] = ()) -> tuple:
+    """A bucket's key in ``GraphedForward.buckets``: its shape, and the feature layers its forward returns, if any
+    (an EAGLE-3 head's buckets are kept apart from the plain ones)."""
+    return (batch, tokens_per_seq) + ((tuple(feature_layers),) if feature_layers else ())
 
 
 def auto_uses_graphs(runner: LlamaRunner) -> bool:
