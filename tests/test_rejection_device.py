@@ -153,7 +153,7 @@ class DeviceReads(TorchDispatchMode):
     """Counts the ops whose result the host must wait for: a tensor's truth value or item, and a boolean mask's
     indices (its shape depends on the values); ``.tolist()`` is counted by the test."""
 
-    READS = {"_local_scalar_dense", "nonzero", "masked_select"}
+    READS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select"}  # 2nd, 3rd: inference mode
 
     def __init__(self) -> None:
         super().__init__()
