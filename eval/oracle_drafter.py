@@ -8,10 +8,12 @@ not it. So speedup at any tau can be measured end to end on any target, random w
 Invariants: proposals are deterministic candidates (``draft_probs`` None), so greedy output is the target's whatever
 the oracle proposes; its own draws come from its own seeded generator (never the target's randomness); the tree's
 shape is fixed before its tokens are drawn. ``inner=`` runs a real drafter's ``propose`` each step and discards its
-tokens, so a step also pays that drafter's true cost (an EAGLE head's forward, a draft model's; one that offers
-pending trees, EAGLE's, is read after the target's choices, as the engine reads it with its own trees). Measure with
-``speculation="always"``: the guard and tree sizing would otherwise cut the trees the profile describes. Where the
-target's output leaves the reference (bf16 near-ties), the oracle stops knowing the answer; the measured tau says so.
+tokens, so a step also pays that drafter's true cost (an EAGLE head's forward, a draft model's). Where the inner
+drafter offers pending trees (EAGLE's), so does the oracle: its own trees' fields go to the device, and the inner's
+candidates are read when the engine reads the step's trees, after the verify's launch, as EAGLE's own would be.
+Measure with ``speculation="always"``: the guard and tree sizing would otherwise cut the trees the profile
+describes. Where the target's output leaves the reference (bf16 near-ties), the oracle stops knowing the answer; the
+measured tau says so.
 
     oracle = OracleDrafter(reference_continuations(loaded, prompts, 128), AcceptanceProfile.constant(0.8, 6))
     out = generate(loaded, prompts, drafter=oracle, max_new_tokens=128, speculation="always")
@@ -19,7 +21,7 @@ target's output leaves the reference (bf16 near-ties), the oracle stops knowing 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +29,8 @@ import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView
 
 from specdec.errors import InputError
+from specdec.host_copy import to_device
+from specdec.pending_trees import PendingTrees
 from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree
 
 
@@ -99,10 +103,12 @@ class OracleDrafter(Drafter):
         self.feature_layers = () if inner is None else inner.feature_layers  # an EAGLE-3 head's true cost too
         self.proposed_hits = [0] * len(profile.rates)  # per depth: steps whose tree held the reference token
         self.proposed_tries = [0] * len(profile.rates)  # per depth: steps whose parent on the path held it
-        self.unread: Callable[[], object] | None = None  # the inner drafter's pending trees, read before it learns
+        self.pending_trees = bool(inner is not None and inner.pending_trees)  # as the inner drafter (module doc)
         # every tree's shape: at each depth ``width`` children of the previous depth's first child (one tensor, shared)
         self.parents = torch.tensor([-1 if d == 0 else (d - 1) * profile.width
                                      for d in range(len(profile.rates)) for _ in range(profile.width)])
+        shape = DraftTree(torch.zeros_like(self.parents), self.parents)  # every tree's depths and ancestor bits
+        self.shape_fields = (shape.depth_list, shape.ancestor_bit_list)
 
     def cost_key(self) -> str:
         inner = "" if self.inner is None else "|" + self.inner.cost_key()
@@ -117,27 +123,32 @@ class OracleDrafter(Drafter):
 
     def on_accept(self, seq_id: int, committed: Sequence[int]) -> None:
         if self.inner is not None:
-            self._read_inner()
             self.inner.on_accept(seq_id, committed)
 
     def release(self, seq_id: int) -> None:
         if self.inner is not None:
-            self._read_inner()
             self.inner.release(seq_id)
 
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
         if self.inner is not None:  # its true cost; its tokens are not used
-            self._read_inner()
-            if self.inner.pending_trees:
-                self.unread = self.inner.propose_pending(seqs).read
-            else:
-                self.inner.propose(seqs)
+            self.inner.propose(seqs)
         return [self._tree(view) for view in seqs]
 
-    def _read_inner(self) -> None:
-        if self.unread is not None:
-            unread, self.unread = self.unread, None
-            unread()
+    def propose_pending(self, seqs: Sequence[SequenceView]) -> PendingTrees:
+        """The oracle's trees with their fields on the device, while the inner drafter's pending trees are read when
+        the engine reads these (after the verify's launch): each step pays EAGLE's drafting where EAGLE's own
+        pending step does."""
+        inner = self.inner.propose_pending(seqs)
+        trees = [self._tree(view) for view in seqs]
+        depths, bits = self.shape_fields
+        fields = to_device([[t for tree in trees for t in tree.tokens.tolist()], depths * len(trees),
+                            bits * len(trees)], torch.long, self.target.runner.device)  # one copy: [3, K]
+
+        def read() -> list[DraftTree]:
+            inner.read()
+            return trees
+
+        return PendingTrees(tuple(t.num_nodes for t in trees), *fields, len(self.profile.rates), read, inner.seconds)
 
     def _tree(self, view: SequenceView) -> DraftTree:
         rates, width = self.profile.rates, self.profile.width

@@ -621,3 +621,30 @@ def test_eagle3_feature_layers_come_back_from_buckets_of_their_own(loaded):
                    cuda_graphs=graphs, speculation="always", return_dict=True)
     assert out.sequences == generate(loaded, prompts, max_new_tokens=8)
     assert graphs.replays == out.forward_passes and any(len(k) == 3 for k in graphs.buckets)
+
+
+def test_the_oracle_leaves_its_trees_pending_as_eagle_does(loaded, monkeypatch):
+    """With an EAGLE head for its cost, the oracle offers pending trees as EAGLE does: its trees' fields go to the
+    device with the head's drafting, and the head's candidates are read after the verify's launch (where EAGLE's
+    own pending step reads them), not after the target's choices, when the device would idle. Greedy output stays
+    the reference's."""
+    from specdec.drafters.eagle import EagleDrafter
+    from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter, reference_continuations
+
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    references = reference_continuations(loaded, prompts, 10)
+    events = []
+    for owner, name in ((Engine, "propose"), (Engine, "verify"), (Engine, "accept"), (EagleDrafter, "_finish")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _r=real, _n=name, **k: events.append(_n) or _r(*a, **k))
+    oracle = OracleDrafter(references, AcceptanceProfile.constant(0.7, 3),
+                           inner=EagleDrafter(model=_eagle_head(loaded), adapt_depth=False, cuda_graphs=True), seed=2)
+    assert oracle.pending_trees
+    graphs = GraphedForward.with_cache(loaded.runner, max_tokens=256, block_size=16, config=GraphConfig(
+        capture=CAPTURE))
+    out = generate(loaded, prompts, max_new_tokens=10, drafter=oracle, cuda_graphs=graphs, speculation="always",
+                   return_dict=True)
+    assert out.new_tokens == [references[tuple(p)] for p in prompts] and max(out.stats[0].step_nodes) == 3
+    steps = "".join({"propose": "p", "verify": "v", "_finish": "r", "accept": "a"}[e] for e in events).split("a")
+    # propose, verify, read: pending; propose, read, verify: read first (near the token budget)
+    assert set(steps[:-1]) <= {"pvr", "prv"} and steps.count("pvr") >= 2 and steps[-1] == "", steps
