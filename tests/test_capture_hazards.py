@@ -28,6 +28,7 @@ from specdec.drafters.eagle_model import EagleConfig, EagleModel  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import specdec  # noqa: E402
+from specdec import host_copy  # noqa: E402
 from specdec.cuda_graphs import GraphedForward  # noqa: E402
 from specdec.generate import generate  # noqa: E402
 from specdec.models.llama import LlamaRunner  # noqa: E402
@@ -43,8 +44,9 @@ pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWar
 class CaptureHazards(TorchDispatchMode):
     """Records, as "op at file:line" (the innermost frame of specdec's own code), what a capture refuses: a host
     wait (an item or truth value, a boolean mask's indices or selection, a unique), a tensor built from host data
-    (beyond a 0-d scalar), and a host read (``tolist``, ``cpu``, ``numpy``). Triton kernel launches run unwatched:
-    under the interpreter their argument copies are the interpreter's, not specdec's."""
+    (beyond a 0-d scalar), and a host read (``tolist``, ``cpu``, ``numpy``); and ``specdec.host_copy``'s copies,
+    which a capture may take but would replay from the same pinned buffer, stale. Triton kernel launches run
+    unwatched: under the interpreter their argument copies are the interpreter's, not specdec's."""
 
     WAITS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2", "unique_dim",
              "unique_consecutive"}  # item and is_nonzero: what inference mode dispatches instead of the first
@@ -102,6 +104,18 @@ class CaptureHazards(TorchDispatchMode):
         interpreter.InterpretedFunction.run = unwatched(interpreter.InterpretedFunction.run)
         for n in self.HOST_READS:
             setattr(torch.Tensor, n, read(getattr(torch.Tensor, n), n))
+        def copy(real):
+            def call(*args, **kwargs):
+                mode.note(f"host_copy.{real.__name__}")
+                return real(*args, **kwargs)
+            return call
+
+        copies = (host_copy.to_device, host_copy.to_host_later)
+        for module in [m for m in list(sys.modules.values()) if m is not None]:  # wherever specdec imported them
+            for name, value in list(vars(module).items()):
+                if any(value is f for f in copies):
+                    self._saved[module, name] = value
+                    setattr(module, name, copy(value))
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -125,7 +139,10 @@ def test_the_check_sees_each_hazard_and_where():
         y = x + 1
         bool(y.any())
         y.sum().item()
-    assert [h.split(" at ")[0] for h in hazards.found] == ["is_nonzero", "item"]
+        host_copy.to_device([1, 2], torch.long, DEVICE)  # a capture would replay its pinned buffer, stale
+    assert [h.split(" at ")[0] for h in hazards.found] == ["is_nonzero", "item", "host_copy.to_device",
+                                                           "a tensor from host data"]
+    assert host_copy.to_device.__module__ == "specdec.host_copy" and host_copy.to_device.__name__ == "to_device"
     assert torch.Tensor.tolist is tolist  # restored on exit
 
 
