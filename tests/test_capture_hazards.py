@@ -5,7 +5,9 @@ copy from host memory; where it is refused, specdec logs it once and verifies or
 a GPU run shows only as lost speed. These tests run every callable that specdec captures (a verify bucket's
 forward, with and without EAGLE-3's feature layers, a draft model's bucket, EAGLE's whole drafting call: greedy,
 over a reduced vocabulary and coupled) under :class:`CaptureHazards`, from each callable's second run on: the
-first is the capture's warm-up, which may upload what later runs reuse (a bucket's tile lists).
+first is the capture's warm-up, which may upload what later runs reuse (a bucket's tile lists). A replay repeats
+the captured run's host values (Python numbers given to ops, kernels' grids and scalar arguments), so every later
+run of a bucket must trace what its second run traced.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class CaptureHazards(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.found: list[str] = []
+        self.trace: list[tuple] = []  # every op and kernel launch with its arguments' shapes and host values
         self.paused = 0
         self._saved: dict = {}
 
@@ -70,6 +73,8 @@ class CaptureHazards(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        if not self.paused:
+            self.trace.append((str(func), _signature(args), _signature(kwargs or {})))
         if name in self.WAITS:
             self.note(name)
         elif name in ("index", "index_put", "index_put_") and any(
@@ -85,10 +90,12 @@ class CaptureHazards(TorchDispatchMode):
         mode = self
 
         def unwatched(real):
-            def run(*args, **kwargs):
+            def run(kernel, *args, **kwargs):  # a launch: its grid and host values are what a replay repeats
+                if not mode.paused:
+                    mode.trace.append((f"triton:{kernel.fn.__name__}", _signature(args), _signature(kwargs)))
                 mode.paused += 1
                 try:
-                    return real(*args, **kwargs)
+                    return real(kernel, *args, **kwargs)
                 finally:
                     mode.paused -= 1
             return run
@@ -122,6 +129,23 @@ class CaptureHazards(TorchDispatchMode):
         for (owner, name), real in self._saved.items():
             setattr(owner, name, real)
         return super().__exit__(*exc)
+
+
+def _signature(value):
+    """What a replay repeats of an argument: a tensor's shape and dtype (its values are the device's, read when the
+    graph runs), any other value itself (baked into the graph when it was captured)."""
+    if isinstance(value, torch.Tensor):
+        return "tensor", tuple(value.shape), value.dtype
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _signature(v)) for k, v in value.items())
+    if isinstance(value, float):
+        return repr(value)  # NaN equals itself
+    if value is None or isinstance(value, (bool, int, str, torch.dtype, torch.device, torch.layout,
+                                           torch.memory_format)):
+        return value
+    return "callable" if callable(value) else type(value).__name__
 
 
 def test_the_check_sees_each_hazard_and_where():
@@ -161,22 +185,29 @@ def _head(loaded, **config):
 
 def test_what_cuda_graphs_capture_never_needs_the_host(loaded, monkeypatch):
     """Greedy and sampled generations through every kind of captured callable: no hazard in any of their runs
-    after the first, and each kind ran watched."""
+    after the first, every later run the captured one's ops and host values, and each kind ran watched."""
     hazards: dict[str, list[str]] = collections.defaultdict(list)
     watched: collections.Counter = collections.Counter()
     runs: collections.Counter = collections.Counter()
+    captured: dict[tuple, list] = {}  # per bucket (and depth): the second run's trace, which a graph would replay
 
     def watching(cls):
         real = cls._run
 
         def run(self, bucket, *args):
-            runs[id(bucket), args] += 1
-            if runs[id(bucket), args] == 1:  # the capture's warm-up run
+            key = id(bucket), args
+            runs[key] += 1
+            if runs[key] == 1:  # the capture's warm-up run
                 return real(self, bucket, *args)
             with CaptureHazards() as mode:
                 out = real(self, bucket, *args)
             watched[cls.__name__] += 1
             hazards[cls.__name__].extend(mode.found)
+            replayed = captured.setdefault(key, mode.trace)
+            if mode.trace != replayed:  # a replay would run the captured ops, with the captured host values
+                at = next((i for i, (a, b) in enumerate(zip(mode.trace, replayed)) if a != b), len(replayed))
+                hazards[cls.__name__].append(f"run {runs[key]} differs from the captured run at op {at}: "
+                                             f"{mode.trace[at:at + 1]} against {replayed[at:at + 1]}")
             return out
 
         monkeypatch.setattr(cls, "_run", run)
