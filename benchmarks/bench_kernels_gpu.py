@@ -1,6 +1,6 @@
 """Tree-attention kernel sweep on a GPU: time, KV-read bandwidth vs copy bandwidth, and speed vs SDPA.
 
-    python benchmarks/bench_kernels_gpu.py                      # the full sweep of the kernel goals (docs/gpu/kernels.md)
+    python benchmarks/bench_kernels_gpu.py                  # the full sweep of the kernel goals (docs/gpu/kernels.md)
     python benchmarks/bench_kernels_gpu.py --quick              # a few points
     python benchmarks/bench_kernels_gpu.py --batch 1 --context 8192 --tree 1,16 --json out.json
 

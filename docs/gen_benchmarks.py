@@ -5,7 +5,8 @@ differs from what the results give (tests/test_docs.py runs it). mkdocs also loa
 the page from the results at build time, so the site never shows a stale page.
 
 A result file holds one measurement: ``date``, ``machine_class`` (one of MACHINE_CLASSES), ``machine``,
-``benchmark``, ``title``, ``command``, optionally ``run`` (orders results of one date), ``commit``, ``conditions``, ``columns`` + ``rows`` (a table)
+``benchmark``, ``title``, ``command``, optionally ``run`` (orders results of one date), ``commit``, ``conditions``,
+``columns`` + ``rows`` (a table)
 and ``notes``. The page shows the latest result per machine class and benchmark, then every result by date.
 """
 from __future__ import annotations

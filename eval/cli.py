@@ -259,8 +259,9 @@ def run_acceptance(args) -> int:
         return 0
     from_file = {c.category for c in conversations if not c.where.startswith("built-in")}
     rows = report_rows(cells, cell_turns(conversations), mt_bench=from_file)
-    meta = {"model": loaded.name, "drafters": names, **({"renamed": dict(renamed)} if renamed else {}), "temperature": args.temperature, "sampler": args.sampler,
-            "max_new_tokens": args.max_new_tokens, "prompts_file": args.prompts_file,
+    meta = {"model": loaded.name, "drafters": names, **({"renamed": dict(renamed)} if renamed else {}),
+            "temperature": args.temperature, "sampler": args.sampler, "max_new_tokens": args.max_new_tokens,
+            "prompts_file": args.prompts_file,
             "prompts_per_category": ("all" if args.prompts is None and args.prompts_file
                                      else config.prompts_per_category),
             "conversations": len(conversations), "turns": turns,

@@ -2,7 +2,8 @@
 
 * :func:`linear`: x @ W^T (+ bias) over fixed tiles (``BLOCK_M`` x ``BLOCK_N``, K reduced in ``BLOCK_K`` steps
   in order, products of fp32-widened inputs, tf32 for half inputs where that is exact): one compiled kernel per
-  (dtype, shape of W) whatever the row count, every row of a tile computed alike, no split-K. cuBLAS chooses its algorithm by M; this kernel does not.
+  (dtype, shape of W) whatever the row count, every row of a tile computed alike, no split-K. cuBLAS chooses its
+  algorithm by M; this kernel does not.
 * :func:`attention`: one program per (query row, head) reduces the row's visible keys (``Slots`` [T, max_keys],
   in position order, ``Lens`` [T] of them) in blocks of ``BLOCK_N`` by an online softmax in fp32, never split:
   the order of a row's reduction is fixed by how many keys it sees, which is its position + 1 whatever the tree

@@ -32,8 +32,8 @@ def test_benchmarks_page_shows_the_latest_result_per_machine_class(tmp_path):
     gen = _gen_benchmarks()
     for name, date, title in [("a", "2026-01-01", "OLD RUN"), ("b", "2026-02-01", "NEW RUN")]:
         (tmp_path / f"{name}.json").write_text(
-            '{"date": "%s", "machine_class": "cpu-avx512", "title": "%s", "machine": "m", "benchmark": "drafters", '
-            '"command": "python x.py"}' % (date, title))
+            f'{{"date": "{date}", "machine_class": "cpu-avx512", "title": "{title}", "machine": "m", '
+            '"benchmark": "drafters", "command": "python x.py"}')
     page = gen.render(gen.load_results(tmp_path))
     latest, history = page.split("## History")
     assert "NEW RUN" in latest and "OLD RUN" not in latest
@@ -86,7 +86,8 @@ def test_readme_is_short_and_undated():
     assert len(readme.splitlines()) <= 250
     assert readme.count("2026-") <= 2
     issue = re.compile(r"issue ?[0-9]+", re.I)
-    offenders = [str(p.relative_to(REPO)) for p in [REPO / "README.md", *DOCS.rglob("*.md")] if issue.search(p.read_text())]
+    offenders = [str(p.relative_to(REPO)) for p in [REPO / "README.md", *DOCS.rglob("*.md")]
+                 if issue.search(p.read_text())]
     assert not offenders, f"issue numbers (a tracker readers cannot see) in {offenders}"
 
 

@@ -215,13 +215,13 @@ def test_medusa_heads_export_to_vllms_layout_with_the_same_logits(tmp_path):
     assert raw["model_type"] == "medusa" and raw["num_heads"] == 3 and raw["num_hidden_layers"] == 2
     assert raw["medusa_fc_bias"] is True and raw["base_model_name_or_path"] == "org/tiny-target"
     sd = load_file(str(tmp_path / "v" / "model.safetensors"))
-    assert set(sd) == {f"blocks.{h}.layers.{l}.{p}" for h in range(3) for l in range(2) for p in ("weight", "bias")} \
+    assert set(sd) == {f"blocks.{h}.layers.{i}.{p}" for h in range(3) for i in range(2) for p in ("weight", "bias")} \
         | {f"lm_heads.{h}.weight" for h in range(3)}
     x = torch.randn(5, H)
     want = heads(x)  # [heads, rows, vocab]
     for h in range(3):  # vLLM's ResidualBlock: x = x + silu(layer(x)) per layer, then lm_heads[h]
         y = x
-        for l in range(2):
-            y = y + torch.nn.functional.silu(y @ sd[f"blocks.{h}.layers.{l}.weight"].T
-                                             + sd[f"blocks.{h}.layers.{l}.bias"])
+        for i in range(2):
+            y = y + torch.nn.functional.silu(y @ sd[f"blocks.{h}.layers.{i}.weight"].T
+                                             + sd[f"blocks.{h}.layers.{i}.bias"])
         torch.testing.assert_close(y @ sd[f"lm_heads.{h}.weight"].T, want[h], rtol=1e-5, atol=1e-5)

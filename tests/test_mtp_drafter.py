@@ -114,8 +114,8 @@ def test_exact_law_passes_and_broken_rules_fail(tmp_path):
     sizes = CertificateSizes(stat_samples=2000, identity_prompts=3, identity_tokens=12, sample_sequences=400,
                              sample_tokens=2, e2e_tv=0.15)
     prompts = lambda n: [[1, 2, 3, 1, 2, 3], [5, 6, 7, 5], [9, 4, 9, 4, 9]][:n]  # noqa: E731
-    cert = run_certificate(loaded, "mtp", {"path": str(tmp_path), "depth": 2, "top_k": 2, "max_nodes": 3}, SamplingConfig(True, 0.9, 6),
-                           sizes, prompts, levels=("exact", "e2e"))
+    cert = run_certificate(loaded, "mtp", {"path": str(tmp_path), "depth": 2, "top_k": 2, "max_nodes": 3},
+                           SamplingConfig(True, 0.9, 6), sizes, prompts, levels=("exact", "e2e"))
     failed = [(c.level, c.name, c.control, c.detail) for c in cert.checks if not c.as_expected]
     assert cert.passed and not cert.void, failed
     assert [c for c in cert.checks if c.control] and all(not c.passed for c in cert.checks if c.control)
