@@ -173,10 +173,13 @@ class EagleGraphs:
         x, (B, _, P, _) = bucket.inputs, past.k.shape
         x.past_k[:B, :, :P].copy_(past.k)  # columns past a sequence's keys (stale, finite) are masked
         x.past_v[:B, :, :P].copy_(past.v)
-        meta = torch.zeros(bucket.meta.shape, dtype=torch.long)  # padded sequences: no keys or rows, position 0
-        meta[:B, :3] = torch.tensor(list(zip(past.counts, past.root_positions, past.noise_keys)))
-        if rows is not None:
-            meta[:B, 3:] = torch.tensor(rows.packed(bucket.catch.tokens.shape[1]))
+        batch, width = bucket.meta.shape
+        fields = zip(past.counts, past.root_positions, past.noise_keys)
+        if rows is None:
+            meta = [list(f) for f in fields]
+        else:
+            meta = [[*f, *r] for f, r in zip(fields, rows.packed(bucket.catch.tokens.shape[1]))]
+        meta += [[0] * width] * (batch - B)  # padded sequences: no keys or rows, position 0
         bucket.meta.copy_(to_device(meta, torch.long, bucket.meta.device))  # a device-to-device copy: no sync
 
     def _run(self, bucket: _Bucket, depth: int) -> tuple:
