@@ -235,6 +235,11 @@ def step_speed(out: Path, rehearse: bool, model: str) -> dict:
                 log_tail=None if ok else tail(out / "speed.log"), report=data)
 
 
+def _fenced(text: str) -> list[str]:
+    """``text`` as a code block, with the blank line after it that a list or paragraph following it needs."""
+    return ["```", text, "```", ""]
+
+
 def markdown(report: dict) -> str:
     lines = [f"# specdec GPU check, {report['date']}", ""]
     env = report["steps"].get("env", {})
@@ -254,14 +259,14 @@ def markdown(report: dict) -> str:
                 if isinstance(part, dict):
                     lines += [f"- {f}" for f in part.get("failures", [])]
                     if part.get("log_tail"):
-                        lines += ["```", part["log_tail"], "```"]
+                        lines += _fenced(part["log_tail"])
             if step.get("error"):
-                lines += ["```", step["error"], "```"]
+                lines += _fenced(step["error"])
             lines += [f"- {e}" for e in step.get("errors", []) if isinstance(e, str)]
             if step.get("log_tail") and name in ("speed", "acceptance"):
-                lines += ["```", step["log_tail"], "```"]
+                lines += _fenced(step["log_tail"])
             if step.get("table") and name == "e2e":
-                lines += ["```", step["table"], "```"]
+                lines += _fenced(step["table"])
     tests = report["steps"].get("tests") or report["steps"].get("graphs")
     if tests:
         lines += ["", "## Tests on CUDA", ""]
@@ -273,10 +278,10 @@ def markdown(report: dict) -> str:
     if kernels:
         for name in ("graph", "eager"):
             if kernels.get(name):
-                lines += ["", f"## Kernels ({name} timing)", "", "```", kernels[name]["table"], "```"]
+                lines += ["", f"## Kernels ({name} timing)", "", *_fenced(kernels[name]["table"])]
     e2e = report["steps"].get("e2e")
     if e2e and e2e.get("table"):
-        lines += ["", "## End to end", "", "```", e2e["table"], "```"]
+        lines += ["", "## End to end", "", *_fenced(e2e["table"])]
         for method, divs in e2e.get("divergences", {}).items():
             for d in divs:
                 lines.append(f"- {method}, prompt {d['prompt']}: diverges at token {d['position']} "

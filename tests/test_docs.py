@@ -103,3 +103,61 @@ def test_module_docstrings_are_short_and_undated(package):
             dated.append(path.name)
     assert not long, f"module docstrings over 30 lines (measurements and history go to docs/): {long}"
     assert not dated, f"dates in code (measurements go to docs/results): {dated}"
+
+
+_ITEM = re.compile(r"^ *([*+-]|\d+[.)]) ")
+
+
+def list_pitfalls(text: str) -> list[tuple[int, str]]:
+    """(line, why) for each list Python-Markdown (what mkdocs renders with) would not render as written: a nested
+    item indented by fewer than four spaces becomes a sibling of its parent, and a list right after a paragraph or a
+    code block, with no blank line between, becomes text of it."""
+    found, fenced, block, in_list = [], False, None, False
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced, block = not fenced, "fence"
+            continue
+        if fenced:
+            continue
+        if not line.strip():
+            block = None
+            continue
+        item = _ITEM.match(line)
+        if item and in_list and re.match(r"^ {1,3}\S", line):
+            found.append((n, "a nested item needs four spaces"))
+        if item and block in ("fence", "paragraph"):
+            found.append((n, "a list needs a blank line before it"))
+            block = "flagged"
+        if block is None:  # a block's first line says what it is
+            in_list = bool(item) or (in_list and line.startswith(" "))
+            block = "list" if in_list else "other" if line.lstrip().startswith(("|", "#", "<", ">", "!!!")) else (
+                "paragraph")
+        elif block == "fence":
+            block = "paragraph"
+    return found
+
+
+def test_lists_render_as_written():
+    assert [why for _, why in list_pitfalls("Text\n- item")] == ["a list needs a blank line before it"]
+    assert [why for _, why in list_pitfalls("```\ncode\n```\n- item")] == ["a list needs a blank line before it"]
+    assert [why for _, why in list_pitfalls("- a\n  - b")] == ["a nested item needs four spaces"]
+    assert list_pitfalls("- a\n    - b\n- c\n\nText\n\n- d\ncontinued\n- e\n\n```\n- not a list\n```\n\n1. one")  == []
+    offenders = [f"{p.relative_to(REPO)}:{n}: {why}" for p in sorted(DOCS.rglob("*.md"))
+                 for n, why in list_pitfalls(p.read_text())]
+    assert offenders == []
+
+
+def test_the_gpu_check_report_renders_its_lists():
+    """The report a GPU run commits: its failures, end-to-end divergences and test counts as lists, after code
+    blocks."""
+    spec = importlib.util.spec_from_file_location("gpu_check_md", REPO / "benchmarks" / "gpu_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    tests = {"status": "failed", "kernels_and_graphs": dict(passed=3, failed=1, skipped=0, seconds=9.0,
+                                                            failures=["tests/test_x.py::test_y"], log_tail="E boom")}
+    e2e = {"status": "failed", "error": "Traceback ...", "errors": ["a drafter failed"], "table": "| tok/s |",
+           "divergences": {"specdec_plain": [dict(prompt=0, position=76, got=1, want=2, gap=-0.125,
+                                                  kind="near-tie")]}}
+    text = check.markdown({"date": "2026-11-29", "steps": {"tests": tests, "e2e": e2e}})
+    assert "- specdec_plain, prompt 0: diverges at token 76" in text and "- tests/test_x.py::test_y" in text
+    assert list_pitfalls(text) == [], text
