@@ -232,5 +232,8 @@ def test_what_cuda_graphs_capture_never_needs_the_host(loaded, monkeypatch):
         generate(loaded, prompts, max_new_tokens=10, drafter=drafter, cuda_graphs=True, speculation="always", **kw)
     generate(loaded, prompts[:1], max_new_tokens=4, cuda_graphs=True)  # plain decoding's one-token buckets
     assert dict(hazards) == {k: [] for k in hazards}, dict(hazards)
-    assert watched["GraphedForward"] >= 10 and watched["EagleGraphs"] >= 3, dict(watched)
-    assert compared["GraphedForward"] >= 5 and compared["EagleGraphs"] >= 5, dict(compared)
+    if DEVICE == "cuda":  # each bucket runs twice (the warm-up and the capture), then replays
+        assert watched["GraphedForward"] >= 3 and watched["EagleGraphs"] >= 1, dict(watched)
+    else:  # uncaptured, every call runs the bucket: its later runs are compared with the second
+        assert watched["GraphedForward"] >= 10 and watched["EagleGraphs"] >= 3, dict(watched)
+        assert compared["GraphedForward"] >= 5 and compared["EagleGraphs"] >= 5, dict(compared)

@@ -141,7 +141,7 @@ def test_lists_render_as_written():
     assert [why for _, why in list_pitfalls("Text\n- item")] == ["a list needs a blank line before it"]
     assert [why for _, why in list_pitfalls("```\ncode\n```\n- item")] == ["a list needs a blank line before it"]
     assert [why for _, why in list_pitfalls("- a\n  - b")] == ["a nested item needs four spaces"]
-    assert list_pitfalls("- a\n    - b\n- c\n\nText\n\n- d\ncontinued\n- e\n\n```\n- not a list\n```\n\n1. one")  == []
+    assert list_pitfalls("- a\n    - b\n- c\n\nText\n\n- d\ncontinued\n- e\n\n```\n- not a list\n```\n\n1. one") == []
     offenders = [f"{p.relative_to(REPO)}:{n}: {why}" for p in sorted(DOCS.rglob("*.md"))
                  for n, why in list_pitfalls(p.read_text())]
     assert offenders == []
