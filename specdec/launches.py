@@ -16,10 +16,11 @@ import collections
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# views, allocations and the interpreter's own argument handling: no device work
+# views, allocations, the interpreter's own argument handling and the conjugate / negative-bit checks that
+# ``.numpy()`` and ``.tolist()`` make (they return the tensor itself unless it carries such a bit): no device work
 NOT_LAUNCHES = {"view", "_unsafe_view", "slice", "split", "split_with_sizes", "as_strided", "t", "transpose", "expand",
                 "unsqueeze", "squeeze", "select", "detach", "detach_", "alias", "permute", "reshape", "unbind",
-                "lift_fresh", "empty", "empty_like", "empty_strided", "scalar_tensor"}
+                "lift_fresh", "empty", "empty_like", "empty_strided", "scalar_tensor", "resolve_conj", "resolve_neg"}
 
 
 class Launches(TorchDispatchMode):

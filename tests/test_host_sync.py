@@ -30,6 +30,19 @@ def test_to_device_gives_the_values_on_the_device_in_the_dtype():
     assert to_device(host, torch.long, device).tolist() == [1, 0]
 
 
+def test_reading_a_host_tensor_is_no_launch():
+    """``.numpy()`` and ``.tolist()`` dispatch the conjugate / negative-bit checks, which return the tensor itself:
+    counted as launches they overstated a draft-model step's by about 15."""
+    from specdec.launches import Launches
+
+    x = torch.arange(4)
+    with Launches() as counter:
+        x.numpy()
+        x.tolist()
+        x + 1
+    assert dict(counter.ops) == {"add": 1}
+
+
 def test_the_level_clock_gives_each_part_its_time_and_the_call_its_total():
     clock = LevelClock(torch.device("cpu"))
     time.sleep(0.02)
