@@ -31,12 +31,13 @@ def test_to_device_gives_the_values_on_the_device_in_the_dtype():
 
 
 def test_reading_a_host_tensor_is_no_launch():
-    """``.numpy()`` and ``.tolist()`` dispatch the conjugate / negative-bit checks, which return the tensor itself:
-    counted as launches they overstated a draft-model step's by about 15."""
+    """In inference mode (as the engine runs) ``.numpy()`` and ``.tolist()`` dispatch the conjugate / negative-bit
+    checks, which return the tensor itself: counted as launches they overstated a draft-model step's by about 15."""
     from specdec.launches import Launches
 
-    x = torch.arange(4)
-    with Launches() as counter:
+    with torch.inference_mode():
+        x = torch.arange(4)
+    with torch.inference_mode(), Launches() as counter:
         x.numpy()
         x.tolist()
         x + 1
