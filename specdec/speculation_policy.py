@@ -99,12 +99,10 @@ class SpeculationPolicy:
         """The part of each proposed tree to verify, and the call's draft time recorded."""
         if self.sizer is None:
             return call.trees
-        sized = self.sizer.size_call(call.seq_ids, call.trees, call.batch, call.draft_seconds, call.catch_up)
+        sized = self.sizer.size_call(call.seq_ids, call.trees, call.batch, call.draft_seconds, call.catch_up,
+                                     call.verified)
         self.cut_last = any(a.num_nodes < b.num_nodes for a, b in zip(sized, call.trees))
-        if call.verified:
-            self.sizer.verified_whole(call.seq_ids)
-            return call.trees
-        return sized
+        return call.trees if call.verified else sized
 
     def observe(self, step: StepRecord) -> None:
         """Learn from a finished step: acceptance per sequence, the verify time; forget finished sequences."""

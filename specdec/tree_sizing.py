@@ -319,12 +319,14 @@ class TreeSizer:
 
     # ---- sizing -----------------------------------------------------------------------------
     def size_call(self, seq_ids: list[int], trees: list[DraftTree], batch: int, draft_seconds: float,
-                  catch_up: bool = False) -> list[DraftTree]:
+                  catch_up: bool = False, verified: bool = False) -> list[DraftTree]:
         """Size every tree of one propose call (:meth:`size`) and record the call's draft time.
 
         A call of deterministic trees is priced by its own time (the first probe already knows what drafting
         costs). With a sampled tree the time is recorded after sizing: a drafter whose run time depended on what
-        it drew must not move the cut (module doc, Sampled trees)."""
+        it drew must not move the cut (module doc, Sampled trees). ``verified``: the trees were verified whole
+        before this call (pending trees, specdec/pending_trees.py): sized to learn what would have been cut, their
+        acceptance is learned node for node."""
         sampled = any(t.mode is not DraftMode.DETERMINISTIC for t in trees)
         if not sampled:
             self.record_draft(draft_seconds, catch_up)
@@ -332,6 +334,11 @@ class TreeSizer:
         out = [self.size(seq_id, tree, batch, costs) for seq_id, tree in zip(seq_ids, trees)]
         if sampled:
             self.record_draft(draft_seconds, catch_up)
+        if verified:
+            for seq_id in seq_ids:
+                pending = self.pending.get(seq_id)
+                if pending is not None:
+                    pending.kept = list(range(pending.tree.num_nodes))
         return out
 
     def size(self, seq_id: int, tree: DraftTree, batch: int, costs: list[float] | None = None) -> DraftTree:
@@ -362,14 +369,6 @@ class TreeSizer:
         self.pending[seq_id] = _Pending(tree, accept, kept, d + costs[tree.num_nodes])
         self._judge(seq_id, kept_tokens, kept_cost, batch)
         return tree if best_k == tree.num_nodes else tree.subtree(kept)
-
-    def verified_whole(self, seq_ids: list[int]) -> None:
-        """The trees just sized were verified whole (pending trees, specdec/pending_trees.py): the acceptance to
-        learn from indexes every node."""
-        for seq_id in seq_ids:
-            pending = self.pending.get(seq_id)
-            if pending is not None:
-                pending.kept = list(range(pending.tree.num_nodes))
 
     def _best_prefix(self, gains: list[float], draft: float, costs: list[float]) -> int:
         """k maximising ``(1 + sum(gains[:k])) / (draft + c(1 + k))`` (``costs[k]``: c(1 + k) / c(1)), 0 unless it

@@ -397,8 +397,8 @@ def test_a_pending_tree_verified_whole_is_learned_node_for_node():
     sizer = TreeSizer(CostModel({}, {1: {1: 1.0, 2: 1.5, 65: 64.0}}))  # every extra token costs half a step or more
     sizer.last_shape = [-1, 0, 1]  # an earlier sampled chain
     tree = DraftTree([1, 2, 3], [-1, 0, 1], torch.full((3, 8), 1 / 8), DraftMode.INDEPENDENT)
-    assert sizer.size(0, tree, batch=1).num_nodes < 3  # what sizing would have verified
-    sizer.verified_whole([0])
+    sized = sizer.size_call([0], [tree], batch=1, draft_seconds=0.0, verified=True)
+    assert sized[0].num_nodes < 3  # what sizing would have verified
     sizer.observe(0, [1, 2, 3, 4], accepted_nodes=[0, 1, 2])  # indices into the whole tree, as verified
     assert sizer.unscored == {(1, 0): [1.0, 1.0], (2, 0): [1.0, 1.0], (3, 0): [1.0, 1.0]}
 
