@@ -224,7 +224,9 @@ def test_a_steps_sampled_trees_are_validated_with_one_read_of_the_device(monkeyp
 
     class BoolReads(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ == "_local_scalar_dense" and args[0].dtype == torch.bool:
+            # item / is_nonzero: what inference mode (the engine's) dispatches for a truth value
+            if func.overloadpacket.__name__ in ("_local_scalar_dense", "item", "is_nonzero") and (
+                    args[0].dtype == torch.bool):
                 reads.append("item")
             return func(*args, **(kwargs or {}))
 
@@ -245,6 +247,10 @@ def test_a_steps_sampled_trees_are_validated_with_one_read_of_the_device(monkeyp
 
     trees = [sampled() for _ in range(5)] + [DraftTree.chain([4, 5])]
     with BoolReads():
+        validate_trees(trees, vocab, "d")
+    assert reads == ["tolist"]
+    reads.clear()
+    with torch.inference_mode(), BoolReads():  # as the engine validates
         validate_trees(trees, vocab, "d")
     assert reads == ["tolist"]
     assert all(torch.allclose(t.draft_probs.sum(-1).double(), torch.ones(3, dtype=torch.float64)) for t in trees[:5])
