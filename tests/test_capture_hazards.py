@@ -47,8 +47,9 @@ class CaptureHazards(TorchDispatchMode):
     """Records, as "op at file:line" (the innermost frame of specdec's own code), what a capture refuses: a host
     wait (an item or truth value, a boolean mask's indices or selection, a unique), a tensor built from host data
     (beyond a 0-d scalar), and a host read (``tolist``, ``cpu``, ``numpy``); and ``specdec.host_copy``'s copies,
-    which a capture may take but would replay from the same pinned buffer, stale. Triton kernel launches run
-    unwatched: under the interpreter their argument copies are the interpreter's, not specdec's."""
+    which a capture may take but would replay from the same pinned buffer, stale. ``trace`` keeps every op and
+    Triton launch with its arguments' shapes and host values, what a replay repeats. A launch's inside runs
+    unwatched: under the interpreter its argument copies are the interpreter's, not specdec's."""
 
     WAITS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2", "unique_dim",
              "unique_consecutive"}  # item and is_nonzero: what inference mode dispatches instead of the first
@@ -100,29 +101,23 @@ class CaptureHazards(TorchDispatchMode):
                     mode.paused -= 1
             return run
 
-        def read(real, name):
-            def method(tensor, *args, **kwargs):
-                mode.note(f"Tensor.{name}")
-                return real(tensor, *args, **kwargs)
-            return method
-
-        self._saved = {(interpreter.InterpretedFunction, "run"): interpreter.InterpretedFunction.run}
-        self._saved.update({(torch.Tensor, n): getattr(torch.Tensor, n) for n in self.HOST_READS})
-        interpreter.InterpretedFunction.run = unwatched(interpreter.InterpretedFunction.run)
-        for n in self.HOST_READS:
-            setattr(torch.Tensor, n, read(getattr(torch.Tensor, n), n))
-        def copy(real):
+        def noted(real, what):
             def call(*args, **kwargs):
-                mode.note(f"host_copy.{real.__name__}")
+                mode.note(what)
                 return real(*args, **kwargs)
             return call
 
+        self._saved = {(interpreter.InterpretedFunction, "run"): interpreter.InterpretedFunction.run}
+        interpreter.InterpretedFunction.run = unwatched(interpreter.InterpretedFunction.run)
+        for n in self.HOST_READS:
+            self._saved[torch.Tensor, n] = getattr(torch.Tensor, n)
+            setattr(torch.Tensor, n, noted(getattr(torch.Tensor, n), f"Tensor.{n}"))
         copies = (host_copy.to_device, host_copy.to_host_later)
         for module in [m for m in list(sys.modules.values()) if m is not None]:  # wherever specdec imported them
             for name, value in list(vars(module).items()):
                 if any(value is f for f in copies):
                     self._saved[module, name] = value
-                    setattr(module, name, copy(value))
+                    setattr(module, name, noted(value, f"host_copy.{value.__name__}"))
         return super().__enter__()
 
     def __exit__(self, *exc):
