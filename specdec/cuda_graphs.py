@@ -196,8 +196,10 @@ class GraphedForward:
             bucket.inputs.token_ids.index_copy_(0, nodes.rows, nodes.tokens)
             bucket.inputs.positions.index_copy_(0, nodes.rows, nodes.positions)
             bucket.inputs.metadata.q_bits.index_copy_(0, nodes.rows, nodes.ancestor_bits)
-        if self.config.capture and bucket.graph is None and not self._captured(bucket) and nodes is None:
-            return None  # the warm-up may have written this step's K/V: the eager forward rewrites the same values
+        if self.config.capture and bucket.graph is None:
+            captured = self._captured(bucket)
+            if not captured and nodes is None:
+                return None  # the warm-up may have written this step's K/V: the eager forward rewrites the same values
         if bucket.graph is None:  # uncaptured, or pending trees' inputs after a failed capture (they live only here)
             bucket.output = self._run(bucket)
         else:
@@ -218,7 +220,9 @@ class GraphedForward:
         new = 0
         for key in [_bucket_key(b, t, feature_layers) for b in self.config.batch_sizes if b <= top[0]
                     for t in self.config.tokens_per_seq]:
-            if key in self.buckets or self.failed:
+            if self.failed:
+                break
+            if key in self.buckets:
                 continue
             bucket = self._new_bucket(key)
             self.inputs.pad_(bucket.inputs)
