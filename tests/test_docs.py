@@ -14,11 +14,16 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 
 
-def _gen_benchmarks():
-    spec = importlib.util.spec_from_file_location("gen_benchmarks", DOCS / "gen_benchmarks.py")
+def _script(path: Path):
+    """A script of the repo (not a package module) loaded as a module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _gen_benchmarks():
+    return _script(DOCS / "gen_benchmarks.py")
 
 
 def test_benchmarks_page_is_generated_from_the_results():
@@ -150,9 +155,7 @@ def test_lists_render_as_written():
 def test_the_gpu_check_report_renders_its_lists():
     """The report a GPU run commits: its failures, end-to-end divergences and test counts as lists, after code
     blocks."""
-    spec = importlib.util.spec_from_file_location("gpu_check_md", REPO / "benchmarks" / "gpu_check.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    check = _script(REPO / "benchmarks" / "gpu_check.py")
     tests = {"status": "failed", "kernels_and_graphs": dict(passed=3, failed=1, skipped=0, seconds=9.0,
                                                             failures=["tests/test_x.py::test_y"], log_tail="E boom")}
     e2e = {"status": "failed", "error": "Traceback ...", "errors": ["a drafter failed"], "table": "| tok/s |",
