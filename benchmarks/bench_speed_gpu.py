@@ -7,7 +7,7 @@ Per model (docs/gpu-speed.md explains every column):
 
 * plain decoding at batch 1, 8 and 32: decode tokens/s (prefill excluded) against the weight-read floor (weight
   bytes / the device-to-device copy bandwidth measured in the same run, one weight read per step);
-* the verify-cost curve c(n) / c(1), n = 1..64 query tokens of one sequence, as the engine runs it (graphed);
+* the verify-cost curve c(n) / c(1), n = 1..65 query tokens of one sequence, as the engine runs it (graphed);
 * the oracle drafter (``specdec.eval.oracle_drafter``) at tau 2, 3 and 4, as a chain and as a tree, paying a
   random EAGLE layer's real drafting each step: speedup over specdec's plain decoding at the same batch;
 * transformers' ``generate()`` with its static cache (eager, batch 1) as the same-run baseline, where it fits the
@@ -58,7 +58,7 @@ def parse_args(argv=None):
     ap.add_argument("--batches", default=None, help="default 1,8,32; rehearsal 1,2,4")
     ap.add_argument("--taus", default=",".join(str(t) for t in TAUS))
     ap.add_argument("--sizes", default=None,
-                    help="verify-cost query sizes: 'A-B' or a comma list (default 1-64; rehearsal 1,2,4,8,16,32,64)")
+                    help="verify-cost query sizes: 'A-B' or a comma list (default 1-65, up to the root and a 64-node tree; rehearsal 1,2,4,8,16,32,64,65)")
     ap.add_argument("--new-tokens", type=int, default=None, help="per sequence (default 128; rehearsal 8)")
     ap.add_argument("--prompt-len", type=int, default=None, help="random prompt tokens (default 128; rehearsal 8)")
     ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default 400; rehearsal 50)")
@@ -66,7 +66,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     args.models = args.models.split(",") if args.models else list(REHEARSAL_MODELS if args.rehearse else FULL_MODELS)
     args.batches = [int(b) for b in (args.batches or ("1,2,4" if args.rehearse else "1,8,32")).split(",")]
-    args.sizes = args.sizes or ("1,2,4,8,16,32,64" if args.rehearse else "1-64")
+    args.sizes = args.sizes or ("1,2,4,8,16,32,64,65" if args.rehearse else "1-65")
     args.taus = [float(t) for t in args.taus.split(",")]
     if "-" in args.sizes:
         lo, hi = (int(x) for x in args.sizes.split("-"))
@@ -424,7 +424,7 @@ def markdown(report: dict) -> str:
                           f"(prefill included){ratio}"]
         if m["verify_cost"]:
             ratio = m["verify_cost"]["ratio"]
-            picks = [n for n in (1, 2, 4, 8, 16, 24, 32, 48, 64) if n in ratio]
+            picks = [n for n in (1, 2, 4, 8, 16, 24, 32, 48, 64, 65) if n in ratio]
             lines += ["", "verify cost c(n) / c(1): " + ", ".join(f"{n}: {ratio[n]:.2f}" for n in picks)
                       + f" (c(1) = {m['verify_cost']['ms'][min(ratio)]:.3f} ms)"]
         if m["oracle"]:

@@ -50,13 +50,17 @@ AUTO = "auto"
 # target itself, drafting in a cache of its own)
 _MODEL_ATTRS = {"target": "_specdec_graphed_forward", "draft": "_specdec_graphed_forward_draft"}
 SCRATCH_SEQ_ID = -1  # the cache "sequence" owning the scratch slot; engine ids are >= 0
-MAX_TOKENS_PER_SEQ = MAX_TREE_NODES  # a tree-mode query's ancestor mask is one 64-bit word in the kernel
+# the largest step a sequence verifies: its root and a tree of MAX_TREE_NODES nodes (the root is visible to every query,
+# so a tree-mode query's ancestor mask covers the nodes alone: one 64-bit word in the kernel)
+MAX_TOKENS_PER_SEQ = 1 + MAX_TREE_NODES
 
 
 @dataclass(frozen=True)
 class GraphConfig:
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    tokens_per_seq: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # root + tree nodes per sequence
+    # root + tree nodes per sequence; the last holds the largest tree, a 64-token bucket stays for the steps below it
+    # (a 65-row bucket runs one more attention tile per sequence, which re-reads the cached keys)
+    tokens_per_seq: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, MAX_TOKENS_PER_SEQ)
     capture: bool = True  # False: run the padded static forward eagerly (CPU, interpreter tests)
 
     def __post_init__(self) -> None:

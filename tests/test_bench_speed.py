@@ -23,7 +23,7 @@ def _no_row_calibration(monkeypatch):
     monkeypatch.setattr("specdec.engine_setup.ensure_row_policy", lambda runner: None)  # no calibration per shape
 
 
-ARGS = ["--rehearse", "--models", "synthetic:qwen3-1.7b@tiny", "--batches", "1,2", "--taus", "3", "--sizes", "1,2,64",
+ARGS = ["--rehearse", "--models", "synthetic:qwen3-1.7b@tiny", "--batches", "1,2", "--taus", "3", "--sizes", "1,2,65",
         "--new-tokens", "6", "--prompt-len", "5"]
 
 
@@ -32,7 +32,7 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     model = json.loads((tmp_path / "speed.json").read_text())["models"][0]
     assert model["errors"] == [] and model["skipped"] == []
     assert sorted(model["plain"]) == ["1", "2"] and model["weight_bytes"] > 0
-    assert sorted(model["verify_cost"]["ratio"], key=int) == ["1", "2", "64"]
+    assert sorted(model["verify_cost"]["ratio"], key=int) == ["1", "2", "65"]
     rows = {(r["shape"], r["nodes"], r["batch"], r["eagle"], r["speculation"]) for r in model["oracle"]}
     assert rows == {("chain", 6, 1, True, "always"), ("chain", 4, 1, True, "always"), ("tree", 64, 1, True, "always"),
                     ("chain", 6, 2, True, "always"), ("chain", 6, 2, False, "always"),

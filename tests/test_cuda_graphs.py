@@ -235,6 +235,27 @@ def test_warm_up_model_graphs_sizes_the_models_cache_once(loaded, monkeypatch):
     release_model_graphs(loaded)
 
 
+def test_the_largest_tree_verifies_through_a_bucket(loaded):
+    """The root and a 64-node tree, 65 query tokens, the largest step the engine verifies, runs through a bucket of
+    the default config as every smaller step does. The buckets stopped at 64 tokens: on a GPU such a step ran
+    eagerly, and so did the cost model's calibration of that size, from which every tree of 33-64 nodes was
+    priced."""
+    from specdec.cost_model import CalibrationConfig
+    from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter, reference_continuations
+    from specdec.tree import MAX_TREE_NODES
+
+    assert max(CalibrationConfig().sizes) <= GraphConfig().tokens_per_seq[-1]  # every size calibrated is replayed
+    prompts = [[1, 2, 3, 4, 5, 6]]
+    reference = reference_continuations(loaded, prompts, 10, eos_token_id=[])
+    graphed = GraphedForward.with_cache(loaded.runner, max_tokens=256, config=GraphConfig(capture=CAPTURE))
+    oracle = OracleDrafter(reference, AcceptanceProfile.for_tau(3.0, 8, 8), seed=1)  # 8 levels x 8: 64 nodes
+    out = generate(loaded, prompts, max_new_tokens=10, eos_token_id=[], cuda_graphs=graphed, drafter=oracle,
+                   speculation="always", return_dict=True)
+    assert out.new_tokens == [reference[tuple(prompts[0])]]
+    assert out.stats[0].step_nodes[0] == MAX_TREE_NODES
+    assert graphed.replays == out.forward_passes
+
+
 def test_steps_outside_every_bucket_fall_back(loaded):
     runner = loaded.runner
     cache = make_cache(runner)
@@ -326,7 +347,7 @@ def test_the_buckets_rope_table_is_the_eager_rope(loaded):
 
 def test_bad_configs_and_backends_are_refused(loaded):
     for bad in (dict(batch_sizes=()), dict(batch_sizes=(2, 1)), dict(tokens_per_seq=(0, 4)),
-                dict(tokens_per_seq=(1, 65)), dict(batch_sizes=(1, 1))):
+                dict(tokens_per_seq=(1, 66)), dict(batch_sizes=(1, 1))):
         with pytest.raises(ValueError):
             GraphConfig(**bad)
     reference = on_reference(loaded)

@@ -55,7 +55,7 @@ def test_speed_and_acceptance_steps_are_opt_in_and_rehearse_alone():
         check.parse_args(["--steps", "env,speed", "--rehearse"])  # the CPU rehearsal has no GPU steps
 
 
-def _speed_report(floor=1.1, chain=2.5, batch32=(1.0, 0.96), c64=1.3, small=1200.0):
+def _speed_report(floor=1.1, chain=2.5, batch32=(1.0, 0.96), c65=1.3, small=1200.0):
     def oracle(shape, batch, eagle, speedup, tau_target=3.0, speculation="always"):
         return dict(shape=shape, batch=batch, eagle=eagle, tau_target=tau_target, speedup=speedup, tau=2.9,
                     speculation=speculation)
@@ -67,7 +67,7 @@ def _speed_report(floor=1.1, chain=2.5, batch32=(1.0, 0.96), c64=1.3, small=1200
                           dict(oracle("chain", 1, True, chain), depth=4, bound=2.6),
                           oracle("tree", 32, False, 0.5),  # "always": not judged
                           *(oracle("chain", 32, False, s, speculation="auto") for s in batch32)],
-                  verify_cost=dict(ratio={"1": 1.0, "64": c64}))
+                  verify_cost=dict(ratio={"1": 1.0, "64": 1.0, "65": c65}))
     embedded = dict(model="default", note="'default' did not load (OSError: no file): synthetic:smollm2-135m",
                     plain={"1": dict(decode_tokens_per_s=small)}, oracle=[], verify_cost=None)
     return dict(status="passed", report=dict(models=[target, embedded]))
@@ -98,7 +98,7 @@ def test_goals_are_judged_from_the_reports_steps():
     assert "synthetic:smollm2-135m stood in" in embedded.what  # the embedded model's shape, said so
     assert judged["n-gram on the embedded model over plain, every category of specdec eval acceptance"].measured \
         == "0.99x (chat) lowest of 3"
-    other = dict(speed=_speed_report(floor=1.2, chain=2.3, batch32=(0.98,), c64=1.2, small=900.0),
+    other = dict(speed=_speed_report(floor=1.2, chain=2.3, batch32=(0.98,), c65=1.2, small=900.0),
                  acceptance=_acceptance(chat=1.0, summarisation=1.7, rag=1.8),
                  tests=dict(status="failed", device_cuda=dict(passed=57, failed=1)),
                  e2e=dict(status="passed", rc=0, divergence_bugs=0))
