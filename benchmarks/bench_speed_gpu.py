@@ -58,7 +58,8 @@ def parse_args(argv=None):
     ap.add_argument("--batches", default=None, help="default 1,8,32; rehearsal 1,2,4")
     ap.add_argument("--taus", default=",".join(str(t) for t in TAUS))
     ap.add_argument("--sizes", default=None,
-                    help="verify-cost query sizes: 'A-B' or a comma list (default 1-65, up to the root and a 64-node tree; rehearsal 1,2,4,8,16,32,64,65)")
+                    help="verify-cost query sizes: 'A-B' or a comma list (default 1-65: up to the root and a 64-node "
+                         "tree; rehearsal 1,2,4,8,16,32,64,65)")
     ap.add_argument("--new-tokens", type=int, default=None, help="per sequence (default 128; rehearsal 8)")
     ap.add_argument("--prompt-len", type=int, default=None, help="random prompt tokens (default 128; rehearsal 8)")
     ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default 400; rehearsal 50)")

@@ -125,6 +125,7 @@ class GraphedForward:
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if config.capture else None  # shared by all graphs
         self.failed = False  # a capture failed: every later step runs the eager forward
+        self.told_eager = False  # a decode step fitting no bucket was logged at info level (_note_eager)
         self.replays = 0
 
     @classmethod
@@ -188,7 +189,7 @@ class GraphedForward:
         if any(s.prefill for s in seqs) or not self.fits(len(seqs), max_new, max(s.key_slots.numel() for s in seqs)):
             if nodes is not None:
                 raise ValueError("a step with pending trees must fit a CUDA-graph bucket (GraphedForward.fits)")
-            logger.debug("no CUDA-graph bucket for %d sequences x %d tokens: eager forward", len(seqs), max_new)
+            self._note_eager(seqs, max_new)
             return None
         key = _bucket_key(*self.bucket_for(len(seqs), max_new), feature_layers)
         bucket = self.buckets.get(key) or self._new_bucket(key)
@@ -212,6 +213,18 @@ class GraphedForward:
         hidden = bucket.output.hidden[:n]
         features = None if bucket.output.features is None else bucket.output.features[:n]
         return ForwardOutput(self.runner.logits(hidden), hidden, features)
+
+    def _note_eager(self, seqs, max_new: int) -> None:
+        """Say that a decode step runs the eager forward: once at info level (on a GPU it is several times slower,
+        and nothing else shows it), then at debug level. A prefill, or any step after a failed capture (warned
+        then), is expected to."""
+        if self.failed or any(s.prefill for s in seqs):
+            return
+        say = logger.debug if self.told_eager else logger.info
+        self.told_eager = True
+        say("a forward of %d sequences x %d new tokens (%d keys) fits no CUDA-graph bucket (at most %d x %d, %d keys): "
+            "eager forwards for such steps", len(seqs), max_new, max(s.key_slots.numel() for s in seqs),
+            self.config.batch_sizes[-1], self.config.tokens_per_seq[-1], self.max_keys)
 
     def warm_up(self, num_seqs: int, feature_layers: tuple[int, ...] = ()) -> int:
         """Build every bucket of up to ``num_seqs`` sequences (rounded up to a bucket) and run each once on padding

@@ -240,8 +240,9 @@ def test_the_largest_tree_verifies_through_a_bucket(loaded):
     the default config as every smaller step does. The buckets stopped at 64 tokens: on a GPU such a step ran
     eagerly, and so did the cost model's calibration of that size, from which every tree of 33-64 nodes was
     priced."""
-    from specdec.cost_model import CalibrationConfig
     from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter, reference_continuations
+
+    from specdec.cost_model import CalibrationConfig
     from specdec.tree import MAX_TREE_NODES
 
     assert max(CalibrationConfig().sizes) <= GraphConfig().tokens_per_seq[-1]  # every size calibrated is replayed
@@ -256,7 +257,7 @@ def test_the_largest_tree_verifies_through_a_bucket(loaded):
     assert graphed.replays == out.forward_passes
 
 
-def test_steps_outside_every_bucket_fall_back(loaded):
+def test_steps_outside_every_bucket_fall_back(loaded, caplog):
     runner = loaded.runner
     cache = make_cache(runner)
     graphed = GraphedForward(runner, cache, GraphConfig(batch_sizes=(1,), tokens_per_seq=(1, 2), capture=CAPTURE))
@@ -265,11 +266,14 @@ def test_steps_outside_every_bucket_fall_back(loaded):
     drafter = RandomTreeDrafter(VOCAB, max_nodes=6, seed=0)
     engine = Engine(runner, cache, sampling=SamplingConfig(), stop=StopCriteria(12), drafter=drafter, graphed=graphed)
     seqs = engine.add([[1, 2, 3, 4, 5]])
-    while engine.live:
-        engine.step()
+    with caplog.at_level(logging.INFO, logger="specdec.cuda_graphs"):
+        while engine.live:
+            engine.step()
     reference = generate(loaded, [[1, 2, 3, 4, 5]], max_new_tokens=12)[0][5:]
     assert seqs[0].new_tokens == reference
     assert 0 < graphed.replays < engine.forward_passes  # some steps fit (1-2 tokens), the larger ones did not
+    said = [r for r in caplog.records if "fits no CUDA-graph bucket" in r.getMessage()]
+    assert len(said) == 1 and "(at most 1 x 2" in said[0].getMessage()  # once, not at every such step
     assert cache.num_free_blocks < cache.num_blocks  # the scratch block stays reserved
 
 
