@@ -8,7 +8,7 @@ A step of speculative decoding costs ``draft + c(n)`` where n = 1 + kept tree no
 expected committed tokens exceed that cost in units of a plain decode step (:mod:`specdec.tree_sizing`).
 ``c(n)`` is measured here with the acceptance suite's own timer (:func:`specdec.verify_cost.
 measure_verify_costs`: a real engine step, target forward + rejection sampling + KV commit) on a grid of
-n (1 to the tree-node limit + 1, interpolated linearly between grid points; a batch's grid stops at
+n (1 to the tree-node limit + 1, interpolated linearly between grid points; on a CPU a batch's grid stops at
 ``BATCH_QUERY_TOKENS`` query tokens per step and is extrapolated past it), one batch size at a time:
 batch 1 when first needed, any other batch size (rounded up to a power of two) lazily, the first time a
 step runs with that many sequences. Draft costs are not measured here: they depend on the drafter and the
@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -268,10 +269,13 @@ def calibrate(runner, batch: int, config: CalibrationConfig) -> dict[int, float]
     """Median seconds of one engine step with n query tokens per sequence, batch ``batch``, n on the grid."""
     from specdec.verify_cost import measure_verify_costs
 
-    # a batch runs batch x n query tokens per step: past BATCH_QUERY_TOKENS the curve is extrapolated linearly from
-    # its last two points (the forward is compute-bound there), and the prefilled context shrinks with the batch,
-    # so any batch size calibrates in seconds (the full grid took 131 s at batch 32 on one thread, this ~12 s)
-    sizes = [n for n in config.sizes if n <= 2 or batch * n <= BATCH_QUERY_TOKENS]
+    # a batch runs batch x n query tokens per step. On a CPU, past BATCH_QUERY_TOKENS the curve is extrapolated
+    # linearly from its last two points (the forward is compute-bound there), and the prefilled context shrinks with
+    # the batch, so any batch size calibrates in seconds (the full grid took 131 s at batch 32 on one thread, this
+    # ~12 s). A GPU's forward stays near one weight read far past that many tokens, and its steps take milliseconds:
+    # the whole grid is timed (extrapolated from that flat stretch, 32 x 65 tokens would cost about what 32 x 4 do)
+    cap = BATCH_QUERY_TOKENS if runner.device.type != "cuda" else math.inf
+    sizes = [n for n in config.sizes if n <= 2 or batch * n <= cap]
     context = min(config.context, max(runner.shape.max_positions // 4, 2), max(16, BATCH_CONTEXT_TOKENS // batch))
     repeats = config.repeats
     while (repeats + 1) * sum(sizes) + context + 2 > runner.shape.max_positions:  # a short-context model

@@ -337,6 +337,29 @@ def test_a_large_batch_calibrates_a_short_grid_and_extrapolates(monkeypatch):
         == {1, 2, 3, 4, 8}
 
 
+def test_a_gpu_times_the_whole_grid_at_every_batch_size(monkeypatch):
+    """On a GPU the forward stays memory-bound far past BATCH_QUERY_TOKENS, where the CPU's grid stops and
+    extrapolates: batch 32 times every size up to the root and a 64-node tree, and prices them as timed."""
+    from specdec import verify_cost
+    from specdec.tree import MAX_TREE_NODES
+
+    timed = {}
+
+    def fake(runner, prompts, sizes, sampling, **kw):  # flat up to 128 query tokens, then compute-bound
+        timed["sizes"] = list(sizes)
+        return {n: 1e-3 * max(1.0, len(prompts) * n / 128) for n in sizes}
+
+    monkeypatch.setattr(verify_cost, "measure_verify_costs", fake)
+    gpu = SimpleNamespace(device=torch.device("cuda"), shape=SimpleNamespace(max_positions=8192, vocab_size=64))
+    config = CalibrationConfig()
+    curve = cost_model.calibrate(gpu, 32, config)
+    assert timed["sizes"] == list(config.sizes) and max(config.sizes) == MAX_TREE_NODES + 1
+    assert CostModel({}, {32: curve}).relative(MAX_TREE_NODES + 1, 32) == pytest.approx(32 * 65 / 128)
+    cpu = SimpleNamespace(device=torch.device("cpu"), shape=gpu.shape)
+    cost_model.calibrate(cpu, 32, config)
+    assert timed["sizes"] == [1, 2, 3, 4]  # the CPU's short grid, as before
+
+
 def test_drafter_layers_multiply_under_the_row_policy(monkeypatch):
     """EAGLE's and Medusa's projections go through linear() (their draft steps are a few rows, as the target's
     verify is): with a policy installed, every projection of a 1-row draft step takes the transposed product
