@@ -310,6 +310,8 @@ def load_cost_model(runner, config: CalibrationConfig | None = None, cache_dir: 
         ensure_row_policy(runner, config, cache_dir)
     key = machine_key(runner) | {"model": model_fingerprint(runner), "rows": row_policy.active_cols(),
                                  "workload": asdict(config)}
+    if runner.device.type == "cuda":  # a batch's whole grid is timed there (calibrate): older, shorter curves go
+        key["batch_grid"] = "whole"
     key = json.loads(json.dumps(key))  # as it reads back from JSON (tuples -> lists, int keys -> str)
     file = _cache_dir(cache_dir) / f"verify-{_digest(key)}.json"
     curves = _MEMO.get(str(file))
