@@ -228,7 +228,8 @@ class ModelDrafter(Drafter):
             return [next(grown) if v.seq_id in ids else DraftTree.empty() for v in seqs]
 
         sizes = tuple(len(parents) if v.seq_id in ids else 0 for v in seqs)
-        return PendingTrees(sizes, tokens.flatten(), depths, bits, max_depth, read, lambda: sum(clock.split()))
+        return PendingTrees(sizes, tokens.flatten(), depths, bits, max_depth, read, lambda: sum(clock.split()),
+                            clock.stopped)
 
     def _static_fields(self, parents: list[int], batch: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Depths and ancestor bits of ``batch`` static trees of this shape on the device, and their depth: the

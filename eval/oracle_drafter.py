@@ -148,7 +148,8 @@ class OracleDrafter(Drafter):
             inner.read()
             return trees
 
-        return PendingTrees(tuple(t.num_nodes for t in trees), *fields, len(self.profile.rates), read, inner.seconds)
+        return PendingTrees(tuple(t.num_nodes for t in trees), *fields, len(self.profile.rates), read, inner.seconds,
+                            inner.queued_at)
 
     def _tree(self, view: SequenceView) -> DraftTree:
         rates, width = self.profile.rates, self.profile.width

@@ -181,6 +181,8 @@ class Engine:
         # whose trees the policy expects to verify whole: the verify runs through CUDA-graph buckets (whose inputs the
         # device can write)
         self.pending = self.drafter is not None and self.drafter.pending_trees and graphed is not None
+        # on CUDA the device drafts pending trees after propose() returns, ahead of the verify on its stream
+        self.drafts_during_verify = self.pending and runner.device.type == "cuda"
 
     @property
     def live(self) -> list[SequenceState]:
@@ -233,9 +235,11 @@ class Engine:
         for s, tree in zip(live, trees):
             s.step_nodes.append(tree.num_nodes)
         t2 = time.perf_counter()
-        self.seconds["draft"] += t1 - t0
-        self.seconds["verify"] += t2 - t1  # verify forward + sampling + commit
-        self.policy.observe(StepRecord(live, acceptances, emitted, t2 - t1, 1 + max(t.num_nodes for t in trees)))
+        drafting = self.drafting_after(t1, t2, drafts)  # pending trees' drafting inside t1..t2 (CUDA)
+        self.seconds["draft"] += t1 - t0 + drafting
+        self.seconds["verify"] += t2 - t1 - drafting  # verify forward + sampling + commit
+        self.policy.observe(StepRecord(live, acceptances, emitted, t2 - t1 - drafting,
+                                       1 + max(t.num_nodes for t in trees)))
         return emitted
 
     def propose(self, live: list[SequenceState]) -> list[DraftTree] | PendingStep:
@@ -337,6 +341,16 @@ class Engine:
         if tree.num_nodes and tree.max_depth > max_depth:
             return tree.prune(tree.depths <= max(max_depth, 0))
         return tree
+
+    def drafting_after(self, t1: float, t2: float, drafts: list[DraftTree] | PendingStep) -> float:
+        """Seconds of pending trees' drafting that the device ran after ``t1``, so inside the verify's wall time
+        ``t2 - t1`` (its price would otherwise count the drafting twice, as verify and as draft): on CUDA, their
+        device seconds less the time since their work was queued (which the device spent on it already), at most
+        half the span; 0 where the drafting ended before ``t1`` (trees read in propose(), or the CPU's)."""
+        if not (self.drafts_during_verify and isinstance(drafts, PendingStep)):
+            return 0.0
+        pending = drafts.trees
+        return min(max(pending.seconds() - (t1 - pending.queued_at), 0.0), (t2 - t1) / 2)
 
     def _depth_budget(self, s: SequenceState) -> int:
         """The deepest node worth verifying for ``s``: its tokens still allowed (max_new_tokens, context) but one."""
