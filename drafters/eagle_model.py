@@ -222,9 +222,16 @@ class EagleModel(nn.Module):
 
     @property
     def draft_ids(self) -> torch.Tensor | None:  # [N] token id of each reduced logit, None = full vocabulary
+        """One tensor per ``d2t`` buffer, kept on the model: a captured CUDA graph reads it by address, and later
+        drafters over this model replay that graph (drafters/eagle_graphs.py), so they must not each make their own
+        (the first drafter's was freed with it, under a graph that still read it)."""
         if self.lm_head is None or self.d2t is None:
             return None
-        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+        made_from, ids = self.__dict__.get("_draft_ids", (None, None))
+        if made_from is not self.d2t:  # first use, or d2t was moved or reloaded
+            ids = self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+            self.__dict__["_draft_ids"] = (self.d2t, ids)
+        return ids
 
     def init_from_target(self, hf_model) -> None:
         """Start from the target's last decoder layer (its output projections scaled down, so the layer starts near

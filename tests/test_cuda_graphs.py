@@ -545,6 +545,7 @@ def test_the_drafting_a_gpu_runs_inside_the_verify_is_priced_as_drafting(loaded,
     from the verify's seconds, by which tree sizes are priced, to the draft's. On the CPU nothing moves: the drafting
     ends inside propose()."""
     from specdec.drafters.eagle import EagleDrafter
+
     from specdec.engine import PendingStep
     from specdec.pending_trees import PendingTrees
     from specdec.tree import DraftTree

@@ -130,6 +130,26 @@ def test_graph_buckets_grow_the_trees_the_eager_growth_does(device, sampling):
     assert graphs.bucket_for(1, 10, 33) is None  # a catch-up longer than every bucket
 
 
+def test_drafters_over_one_model_replay_its_graphs_with_its_draft_ids():
+    """A captured EAGLE graph reads the reduced vocabulary's token ids by address, and later drafters over the same
+    model replay it (its graphs are kept on the model): the ids are one tensor of the model, not one per drafter,
+    whose own was freed with it under a graph that still read it (on a GPU: other data, or a device assert)."""
+    import gc
+    import weakref
+
+    model = build_tiny_model()
+    eagle = _eagle(model, vocab=range(0, 96, 3), depth=3, top_k=2, max_nodes=6)
+    prompts, kw = ragged_prompts(2, seed=0, max_len=20), dict(max_new_tokens=8, speculation="always")
+    first = EagleDrafter(model=eagle, adapt_depth=False, cuda_graphs=True)
+    generate(model, prompts, drafter=first, **kw)
+    graphs, read = first.graphs, weakref.ref(first.grower.draft_ids)  # what the graphs were built to read
+    del first
+    gc.collect()
+    later = EagleDrafter(model=eagle, adapt_depth=False, cuda_graphs=True)
+    generate(model, prompts, drafter=later, **kw)
+    assert later.graphs is graphs and read() is not None and later.grower.draft_ids is read()
+
+
 def test_stats_record_the_nodes_each_step_verified():
     model = build_tiny_model()
     drafter = Recorder(model=_eagle(model, depth=3, top_k=2, max_nodes=5))
