@@ -65,7 +65,8 @@ class ChildGate(CallMemory):
         return self.costs is not None and 1 < self.parts <= MAX_SUBSETS_CHILDREN
 
     def record_seconds(self, k: int, seconds: float, catch_up: bool) -> None:
-        """Wall time of child k's propose call (``catch_up``: a sequence's first for it, see DraftTime)."""
+        """Wall time of child k's propose call (``catch_up``: a one-off, a sequence's first for it or a CUDA-graph
+        capture, see DraftTime)."""
         self._record(k, seconds, catch_up)
 
     def observe(self, successes: tuple[int, ...], nodes: tuple[int, ...]) -> None:

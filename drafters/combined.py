@@ -42,6 +42,7 @@ from specdec.drafters.call_memory import memory_key
 from specdec.drafters.child_gate import ChildGate
 from specdec.drafters.registry import get_drafter
 
+from specdec.cuda_graphs import captures
 from specdec.errors import InputError, InputTypeError
 from specdec.tree import MAX_TREE_NODES, DraftError, DraftMode, DraftTree, matched_levels
 from specdec.tree_merge import expected_committed_tokens, merge_trees
@@ -207,12 +208,13 @@ class CombinedDrafter(Drafter):
                 lists.append([([], [])] * len(seqs))
                 continue
             catch_up = child.catches_up and any((k, v.seq_id) not in self._seen for v in seqs)
-            t0 = time.perf_counter()
+            captured, t0 = captures(), time.perf_counter()
             trees = child.propose(self._views_for(k, seqs))
             if len(trees) != len(seqs):
                 raise DraftError(f"{child.name}: returned {len(trees)} trees for {len(seqs)} sequences")
             lists.append([(t.tokens.tolist(), t.parents.tolist()) for t in trees])  # syncs: timed with the drafts
-            self.gate.record_seconds(k, time.perf_counter() - t0, catch_up)
+            # a call that captured a CUDA graph is a one-off too (DraftTime)
+            self.gate.record_seconds(k, time.perf_counter() - t0, catch_up or captures() > captured)
             self._seen.update((k, v.seq_id) for v in seqs)
             per_child.append(trees)
         out = []

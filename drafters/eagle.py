@@ -47,6 +47,7 @@ from specdec.drafters.eagle_model import EagleModel
 from specdec.drafters.level_clock import LevelClock
 from specdec.drafters.loaded_once import load_once
 
+from specdec.cuda_graphs import captures
 from specdec.errors import InputError
 from specdec.host_copy import to_device, to_host_later
 from specdec.pending_trees import PendingTrees, tree_fields
@@ -196,6 +197,14 @@ class EagleDrafter(Drafter):
         return trees
 
     def _draft(self, seqs: Sequence[SequenceView]) -> "_Call":
+        """:meth:`_launch`; a call during which a CUDA graph was captured is a one-off, as a sequence's first is:
+        its time is the capture's, and prices no level (the depth chooser's, the engine's draft time)."""
+        before = captures()
+        call = self._launch(seqs)
+        call.catch_up = call.catch_up or captures() > before
+        return call
+
+    def _launch(self, seqs: Sequence[SequenceView]) -> "_Call":
         """Draft for the sequences with a feature (a one-token prompt's first step has none): their reranked
         candidate pools on the device ([L, 4, M], drafters/eagle_rerank.py), not read: the catch-up
         (drafters/eagle_catch_up.py), its keys / values joining each sequence's cache, the growth
@@ -319,7 +328,7 @@ class _Call:
     seqs: Sequence[SequenceView]
     live: list[int]  # indices of the sequences that drafted (those with a feature)
     depth: int  # levels drafted, chosen for this call
-    catch_up: bool  # a sequence's first call (its prompt's catch-up)
+    catch_up: bool  # a one-off: a sequence's first call (its prompt's catch-up), or one that captured a CUDA graph
     clock: LevelClock
     pool: torch.Tensor | None = None  # [len(live), 4, M] reranked candidates on the device
     levels: Callable[[list[float]], list[float]] = list  # the clock's parts -> seconds per level

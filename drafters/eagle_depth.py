@@ -69,7 +69,7 @@ class DepthChooser(CallMemory):
 
     def record_seconds(self, level_seconds: Sequence[float], catch_up: bool) -> None:
         """Wall seconds of each level drafted by one call (all its sequences); ``catch_up``: the call included a
-        sequence's first, whose level 1 ran over its whole prompt."""
+        one-off, a sequence's first (whose level 1 ran over its whole prompt) or a CUDA-graph capture."""
         for j, seconds in enumerate(level_seconds):
             self._record(j, seconds, catch_up and j == 0)
 

@@ -33,6 +33,7 @@ import torch
 from specdec.drafters.eagle_catch_up import CatchUpInputs, CatchUpRows, catch_up
 from specdec.drafters.eagle_grow import GrowInputs, TreeGrower
 
+from specdec.cuda_graphs import note_capture
 from specdec.host_copy import to_device
 
 logger = logging.getLogger(__name__)
@@ -220,6 +221,7 @@ class EagleGraphs:
         return bucket.outputs[depth]
 
     def _capture(self, bucket: _Bucket, depth: int) -> None:
+        note_capture()
         # warm-up on a side stream, as torch.cuda.graph asks: it runs the loaded call for real, but the capture's
         # first replay runs it again from the inputs (the warm-up's catch-up keys land in masked columns) and
         # its outputs are what the caller reads

@@ -53,6 +53,19 @@ SCRATCH_SEQ_ID = -1  # the cache "sequence" owning the scratch slot; engine ids 
 # the largest step a sequence verifies: its root and a tree of MAX_TREE_NODES nodes (the root is visible to every query,
 # so a tree-mode query's ancestor mask covers the nodes alone: one 64-bit word in the kernel)
 MAX_TOKENS_PER_SEQ = 1 + MAX_TREE_NODES
+_CAPTURES = [0]  # CUDA-graph captures attempted in this process, by GraphedForward and by EAGLE's graphs (captures)
+
+
+def captures() -> int:
+    """How many CUDA-graph captures this process has attempted (verify and draft-model buckets, EAGLE's drafting
+    calls). A call during which the count grew paid a capture (~0.1-1 s on a GPU, with its warm-up and
+    synchronisations): a one-off, whose time must not price a drafter's step or a verify."""
+    return _CAPTURES[0]
+
+
+def note_capture() -> None:
+    """Count one capture attempt (:func:`captures`)."""
+    _CAPTURES[0] += 1
 
 
 @dataclass(frozen=True)
@@ -278,6 +291,7 @@ class GraphedForward:
                                    self.logits_rows[:rows], with_logits=False, feature_layers=bucket.feature_layers)
 
     def _capture(self, bucket: _Bucket) -> None:
+        note_capture()
         # warm-up on a side stream, as torch.cuda.graph asks: compiles the kernels, copies the tile lists to
         # the device. It runs the loaded step for real; the replay that follows rewrites the same K/V.
         side = torch.cuda.Stream()

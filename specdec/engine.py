@@ -34,7 +34,7 @@ import torch
 from specdec.attention import BatchBuilder, ForwardBatch
 from specdec.audit import DraftAudit
 from specdec.coupling import Coupling, coupled_sample, sequence_keys
-from specdec.cuda_graphs import GraphedForward
+from specdec.cuda_graphs import GraphedForward, captures
 from specdec.drafters.base import Drafter, SequenceView, TargetView, TokenView, as_drafter
 from specdec.host_copy import to_device
 from specdec.kv_cache import PagedKVCache
@@ -222,6 +222,7 @@ class Engine:
         live = self.live
         drafts = self.propose(live)  # DraftTrees, or a PendingStep: trees left on the device
         t1 = time.perf_counter()
+        captured = captures()
         batch = self.verify_batch(live, drafts)
         out = self.verify(batch)
         trees = self.read(live, drafts)  # pending trees: read while the device verifies
@@ -238,8 +239,9 @@ class Engine:
         drafting = self.drafting_after(t1, t2, drafts)  # pending trees' drafting inside t1..t2 (CUDA)
         self.seconds["draft"] += t1 - t0 + drafting
         self.seconds["verify"] += t2 - t1 - drafting  # verify forward + sampling + commit
-        self.policy.observe(StepRecord(live, acceptances, emitted, t2 - t1 - drafting,
-                                       1 + max(t.num_nodes for t in trees)))
+        # a verify that captured a CUDA graph paid a one-off: its time prices no step
+        timed = t2 - t1 - drafting if captures() == captured else None
+        self.policy.observe(StepRecord(live, acceptances, emitted, timed, 1 + max(t.num_nodes for t in trees)))
         return emitted
 
     def propose(self, live: list[SequenceState]) -> list[DraftTree] | PendingStep:
@@ -253,18 +255,22 @@ class Engine:
                 s.plain_by_guard -= 1
         if not asked:  # the guard decodes every sequence plainly this step: the drafter is not asked
             return [DraftTree.empty() for _ in live]
-        # a sequence's first call catches the drafter up on its whole prompt: a one-off, not a step's cost
+        # a one-off, not a step's cost: a sequence's first call catches the drafter up on its whole prompt; a call
+        # that captured a CUDA graph paid for the capture
         catch_up = self.drafter.catches_up and any(s.proposals == 0 for s in asked)
+        captured = captures()
         if self.pending and self.policy.verifies_whole:
-            step = PendingStep(self.drafter.propose_pending(self._views(asked)), asked, catch_up)
+            trees = self.drafter.propose_pending(self._views(asked))
+            step = PendingStep(trees, asked, catch_up or captures() > captured)
             if self._verifiable(live, step):
                 return step
             # near a sequence's token budget, or beyond every bucket: read first, as from propose()
-            return self._spread(live, asked, self._sized(asked, *self._read(step), catch_up))
+            return self._spread(live, asked, self._sized(asked, *self._read(step), step.catch_up))
         views = self._views(asked)
         t0 = time.perf_counter()
         trees = self._checked(asked, lambda: self.drafter.propose(views))
-        return self._spread(live, asked, self._sized(asked, trees, time.perf_counter() - t0, catch_up))
+        seconds = time.perf_counter() - t0
+        return self._spread(live, asked, self._sized(asked, trees, seconds, catch_up or captures() > captured))
 
     @staticmethod
     def _spread(live: list[SequenceState], asked: list[SequenceState], trees: list[DraftTree]) -> list[DraftTree]:

@@ -55,7 +55,9 @@ class StepRecord:
     live: Sequence["SequenceState"]  # the step's sequences (finished ones included), in batch order
     acceptances: Sequence["Acceptance"]  # per sequence: accepted_nodes index the verified (sized) tree
     emitted: dict[int, list[int]]  # seq_id -> the tokens it committed this step
-    verify_seconds: float  # wall seconds of the verify half of the step (forward, sampling, commit)
+    # wall seconds of the verify half of the step (forward, sampling, commit); None: it paid a one-off (a CUDA-graph
+    # capture), and its time prices nothing
+    verify_seconds: float | None
     query_tokens: int  # 1 + the largest verified tree's nodes
 
 
@@ -112,6 +114,7 @@ class SpeculationPolicy:
             self.sizer.observe(s.seq_id, step.emitted[s.seq_id], list(acc.accepted_nodes))
             if s.finished:
                 self.sizer.release(s.seq_id)
-        self.sizer.record_step(step.verify_seconds, step.query_tokens, len(step.live))
+        if step.verify_seconds is not None:
+            self.sizer.record_step(step.verify_seconds, step.query_tokens, len(step.live))
         if all(s.finished for s in step.live):  # every step holds every live sequence: the run is over
             save()

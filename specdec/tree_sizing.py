@@ -103,8 +103,10 @@ class SizingConfig:
 class DraftTime:
     """A drafter's wall seconds per propose call: an exponential average (weight ``ema`` on the newest call).
 
-    ``record(seconds, catch_up=True)``: the call included a sequence's first (the drafter caught up on its whole
-    prompt: EAGLE's layer over every prompt row, a draft model's prefill), a one-off, not a step's cost. It stands in
+    ``record(seconds, catch_up=True)``: the call included a one-off, not a step's cost: a sequence's first (the
+    drafter caught up on its whole prompt: EAGLE's layer over every prompt row, a draft model's prefill), or a
+    CUDA-graph capture (:func:`specdec.cuda_graphs.captures`; ~0.1-1 s on a GPU, which as a step's time would price
+    the guard's probes at a hundred steps' worth or more). It stands in
     only while nothing else is known, and the next call's time replaces it: as the first sample of the average, a
     512-token summary's first EAGLE call (~16 steps' worth) set a maximal backoff that the guard's memory carried
     into the next calls (EAGLE then drafted nothing on qa after summarisation). Used by the tree sizer, and per part
@@ -189,8 +191,8 @@ class TreeSizer:
         """Wall time of one propose call, recorded before its trees are sized: the first probe's judgement (and so
         the guard's first backoff) already knows what drafting costs.
 
-        ``catch_up``: the call included a sequence's first, a one-off that prices this call's judgement only when
-        nothing else is known (:class:`DraftTime`)."""
+        ``catch_up``: the call included a one-off (a sequence's first, a CUDA-graph capture) that prices this call's
+        judgement only when nothing else is known (:class:`DraftTime`)."""
         self.draft_time.record(draft_seconds, catch_up)
 
     def record_step(self, verify_seconds: float, query_tokens: int, batch: int) -> None:

@@ -150,6 +150,32 @@ def test_drafters_over_one_model_replay_its_graphs_with_its_draft_ids():
     assert later.graphs is graphs and read() is not None and later.grower.draft_ids is read()
 
 
+def test_a_drafting_call_that_captured_a_graph_prices_no_level(monkeypatch):
+    """EAGLE's depth chooser prices its levels by its calls' times: a call that captured a CUDA graph (~0.1-1 s on
+    a GPU) is a one-off there, as a sequence's first call is, and its time prices no level."""
+    from specdec.drafters.eagle_depth import DepthChooser
+    from specdec.drafters.eagle_graphs import EagleGraphs
+
+    from specdec.cuda_graphs import note_capture
+
+    flags, calls = [], []
+    record, call = DepthChooser.record_seconds, EagleGraphs._call
+
+    def capturing_at_the_second(self, bucket, depth):
+        calls.append(depth)
+        if len(calls) == 2:
+            note_capture()
+        return call(self, bucket, depth)
+
+    monkeypatch.setattr(DepthChooser, "record_seconds", lambda self, seconds, catch_up: flags.append(catch_up)
+                        or record(self, seconds, catch_up))
+    monkeypatch.setattr(EagleGraphs, "_call", capturing_at_the_second)
+    model = build_tiny_model()
+    drafter = EagleDrafter(model=_eagle(model, depth=3, top_k=2, max_nodes=6), adapt_depth=False, cuda_graphs=True)
+    generate(model, [[5, 6, 7, 8, 9, 10, 11, 12]], max_new_tokens=10, drafter=drafter, speculation="always")
+    assert flags[:2] == [True, True] and not any(flags[2:]) and len(flags) >= 3  # the prompt's catch-up, a capture
+
+
 def test_stats_record_the_nodes_each_step_verified():
     model = build_tiny_model()
     drafter = Recorder(model=_eagle(model, depth=3, top_k=2, max_nodes=5))

@@ -11,6 +11,7 @@ from specdec.drafters.base import Drafter
 
 from specdec import engine_setup
 from specdec.cost_model import CostModel
+from specdec.cuda_graphs import note_capture
 from specdec.generate import generate
 from specdec.online_costs import OnlineCosts
 from specdec.testing import build_tiny_model
@@ -191,6 +192,42 @@ def test_a_sequences_first_propose_call_is_not_a_steps_draft_cost(monkeypatch):
     sizer.record_draft(0.2)
     assert sizer.draft_cost(1) == pytest.approx(0.1 + 0.2 * (0.2 - 0.1))
 
+
+
+class CapturesOnItsSecondCall(Scripted):  # as a drafter whose graphs are captured at their first replay
+    def propose(self, seqs):
+        if len(self.asked_at) == 1:
+            note_capture()
+        return super().propose(seqs)
+
+
+def test_a_call_that_captured_a_cuda_graph_prices_nothing(monkeypatch):
+    """A CUDA-graph capture (~0.1-1 s on a GPU) inside a drafter's call or a step's verify is a one-off: the call
+    is flagged as a sequence's first is (its time prices no step's draft), and the step's verify time is not
+    recorded. As a step's draft time, a capture would price the guard's probes at a hundred steps or more."""
+    from specdec.engine import Engine
+
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4]
+    plain = generate(model, [prompt], max_new_tokens=30)[0]
+    flags, timed, steps = [], [], []
+    draft, step, verify = TreeSizer.record_draft, TreeSizer.record_step, Engine.verify
+
+    def verify_capturing_at_the_third_step(self, batch):
+        steps.append(1)
+        if len(steps) == 3:
+            note_capture()
+        return verify(self, batch)
+
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: FLAT)  # no calibration steps
+    monkeypatch.setattr(TreeSizer, "record_draft", lambda self, s, catch_up=False: flags.append(catch_up)
+                        or draft(self, s, catch_up))
+    monkeypatch.setattr(TreeSizer, "record_step", lambda self, *a: timed.append(a) or step(self, *a))
+    monkeypatch.setattr(Engine, "verify", verify_capturing_at_the_third_step)
+    drafter = CapturesOnItsSecondCall(plain, len(prompt), 32, switch=10**9)
+    assert generate(model, [prompt], max_new_tokens=30, drafter=drafter)[0] == plain
+    assert flags[:2] == [True, True] and not any(flags[2:]) and len(flags) == len(drafter.asked_at) >= 3
+    assert len(timed) == len(steps) - 1  # every step's verify time but the capturing one's
 
 
 class NoCatchUp(Scripted):
