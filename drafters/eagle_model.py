@@ -208,8 +208,7 @@ class EagleModel(nn.Module):
             self.d2t = None
         else:
             self.lm_head = None  # the target's own LM head
-        steps = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device="cpu")
-        self.register_buffer("inv_freq", 1.0 / (c.rope_theta ** (steps / c.head_dim)), persistent=False)
+        self._inv_freqs: dict[torch.device, torch.Tensor] = {}  # RoPE frequencies per device (_inv_freq)
 
     @classmethod
     def from_state(cls, config: EagleConfig, state: dict[str, torch.Tensor]) -> "EagleModel":
@@ -295,8 +294,18 @@ class EagleModel(nn.Module):
                              f"position ({self.fc.in_features} values), got {features.shape[-1]}")
         return self.fc(features)
 
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        """RoPE frequencies in float32 on ``device`` whatever the module's dtype: as a buffer, ``Module.to(bfloat16)``
+        rounded them (by up to 0.4%: about a radian of angle 256 positions apart) away from the float32 rotation the
+        layer was trained with. Computed on the CPU, as they always were, once per device."""
+        if device not in self._inv_freqs:
+            c = self.config
+            steps = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device="cpu")
+            self._inv_freqs[device] = (1.0 / (c.rope_theta ** (steps / c.head_dim))).to(device)
+        return self._inv_freqs[device]
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq  # [..., L, head_dim / 2]
+        freqs = positions.float()[..., None] * self._inv_freq(positions.device)  # [..., L, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)  # [..., L, head_dim] each
 
