@@ -179,7 +179,7 @@ class EagleDrafter(Drafter):
             sizes[i] = pool.shape[2]
         host = to_host_later(pool)  # waited for once the verify is launched: the device is verifying by then
         return PendingTrees(tuple(sizes), tokens.flatten(), depths.flatten(), bits.flatten(), call.depth,
-                            lambda: self._finish(call, host()), lambda: call.seconds, call.clock.stopped)
+                            lambda: self._finish(call, host()), lambda: call.seconds, call.clock.start)
 
     def _finish(self, call: "_Call", pools: torch.Tensor | None) -> list[DraftTree]:
         """The call's trees from its candidates read by the host ([L, 4, M]; None: no sequence drafted), and what

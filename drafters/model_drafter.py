@@ -229,7 +229,7 @@ class ModelDrafter(Drafter):
 
         sizes = tuple(len(parents) if v.seq_id in ids else 0 for v in seqs)
         return PendingTrees(sizes, tokens.flatten(), depths, bits, max_depth, read, lambda: sum(clock.split()),
-                            clock.stopped)
+                            clock.start)
 
     def _static_fields(self, parents: list[int], batch: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Depths and ancestor bits of ``batch`` static trees of this shape on the device, and their depth: the

@@ -149,7 +149,7 @@ class OracleDrafter(Drafter):
             return trees
 
         return PendingTrees(tuple(t.num_nodes for t in trees), *fields, len(self.profile.rates), read, inner.seconds,
-                            inner.queued_at)
+                            inner.started_at)
 
     def _tree(self, view: SequenceView) -> DraftTree:
         rates, width = self.profile.rates, self.profile.width

@@ -350,13 +350,14 @@ class Engine:
 
     def drafting_after(self, t1: float, t2: float, drafts: list[DraftTree] | PendingStep) -> float:
         """Seconds of pending trees' drafting that the device ran after ``t1``, so inside the verify's wall time
-        ``t2 - t1`` (its price would otherwise count the drafting twice, as verify and as draft): on CUDA, their
-        device seconds less the time since their work was queued (which the device spent on it already), at most
-        half the span; 0 where the drafting ended before ``t1`` (trees read in propose(), or the CPU's)."""
+        ``t2 - t1`` (its price would otherwise count the drafting twice, as verify and as draft): on CUDA, from
+        ``t1`` to the drafting's end, its device seconds after its clock's start (the device is idle when a step
+        begins), at most half the span; 0 where the drafting ended before ``t1`` (trees read in propose(), or the
+        CPU's)."""
         if not (self.drafts_during_verify and isinstance(drafts, PendingStep)):
             return 0.0
         pending = drafts.trees
-        return min(max(pending.seconds() - (t1 - pending.queued_at), 0.0), (t2 - t1) / 2)
+        return min(max(pending.started_at + pending.seconds() - t1, 0.0), (t2 - t1) / 2)
 
     def _depth_budget(self, s: SequenceState) -> int:
         """The deepest node worth verifying for ``s``: its tokens still allowed (max_new_tokens, context) but one."""

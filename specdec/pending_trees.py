@@ -34,9 +34,9 @@ class PendingTrees:
     max_depth: int  # no node is deeper (the engine reads the trees first where a sequence has fewer tokens left)
     read: Callable[[], list[DraftTree]]  # the host's trees; waits, if at all, for the drafting alone
     seconds: Callable[[], float]  # after read(): the drafting's seconds (on CUDA the device's time)
-    # host time (time.perf_counter) when the drafting's device work was all queued: the device had begun it by then
-    # (default: when these trees were built, later still)
-    queued_at: float = field(default_factory=time.perf_counter)
+    # host time (time.perf_counter) from which seconds() counts: the drafting ended about seconds() after it
+    # (default: when these trees were built)
+    started_at: float = field(default_factory=time.perf_counter)
 
     @classmethod
     def none(cls, num_seqs: int, device: torch.device, read: Callable[[], list[DraftTree]]) -> "PendingTrees":

@@ -541,9 +541,9 @@ def test_pending_eagle_trees_are_verified_before_the_host_reads_them(loaded, mon
 def test_the_drafting_a_gpu_runs_inside_the_verify_is_priced_as_drafting(loaded, monkeypatch):
     """On CUDA the device drafts pending trees after propose() returns, ahead of the verify on its stream, so the
     verify's wall time holds what was left of the drafting, which the policy also prices as the draft's time. The
-    engine moves that part (the drafting's device seconds less the time since it was queued, at most half the span)
-    from the verify's seconds, by which tree sizes are priced, to the draft's. On the CPU nothing moves: the drafting
-    ends inside propose()."""
+    engine moves that part (from t1 to the drafting's end, its device seconds after its clock started; at most half
+    the span) from the verify's seconds, by which tree sizes are priced, to the draft's. On the CPU nothing moves:
+    the drafting ends inside propose()."""
     from specdec.drafters.eagle import EagleDrafter
 
     from specdec.engine import PendingStep
@@ -558,20 +558,23 @@ def test_the_drafting_a_gpu_runs_inside_the_verify_is_priced_as_drafting(loaded,
     assert engine.pending and engine.drafts_during_verify == CAPTURE
     engine.drafts_during_verify = True  # as on CUDA, from here on
     one = torch.zeros(1, dtype=torch.long)
-    step = PendingStep(PendingTrees((1,), one, one, one, 1, list, lambda: 0.004, queued_at=10.0), [], False)
+    step = PendingStep(PendingTrees((1,), one, one, one, 1, list, lambda: 0.004, started_at=10.0), [], False)
     assert engine.drafting_after(10.001, 10.011, step) == pytest.approx(0.003)  # 4 ms drafted, 1 ms before t1
     assert engine.drafting_after(10.005, 10.011, step) == 0.0  # all of it before t1
     assert engine.drafting_after(10.001, 10.003, step) == pytest.approx(0.001)  # at most half the span
     assert engine.drafting_after(10.001, 10.011, [DraftTree.empty()]) == 0.0  # trees read in propose()
+    # in the steps (where the CPU's drafting ended before t1, a quarter of each pending step's span stands in)
     records, moved = [], []
-    observe, after = engine.policy.observe, Engine.drafting_after
+    observe = engine.policy.observe
     monkeypatch.setattr(engine.policy, "observe", lambda record: records.append(record) or observe(record))
-    monkeypatch.setattr(Engine, "drafting_after", lambda *a: moved.append(after(*a)) or moved[-1])
+    monkeypatch.setattr(Engine, "drafting_after", lambda self, t1, t2, drafts: moved.append(
+        (t2 - t1) / 4 if isinstance(drafts, PendingStep) else 0.0) or moved[-1])
     engine.add([[1, 2, 3, 4, 5, 6, 7]])
     while engine.live:
         engine.step()
     assert len(moved) == len(records) == engine.forward_passes and sum(moved) > 0
     assert engine.seconds["verify"] == pytest.approx(sum(r.verify_seconds for r in records))  # what the policy saw
+    assert all(r.verify_seconds == pytest.approx(3 * m) for r, m in zip(records, moved) if m)
     assert engine.seconds["draft"] >= sum(moved)
 
 
