@@ -316,6 +316,8 @@ class ModelRun:
                depth: int | None = None) -> None:
         from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter
 
+        from specdec.cost_model import CALIBRATIONS
+
         b = len(prompts)
         if b not in self.references:
             self.plain(prompts)
@@ -328,16 +330,15 @@ class ModelRun:
             inners.append(self.eagle_drafter(depth, width) if eagle else None)
             return OracleDrafter(self.references[b], profile, inner=inners[-1], seed=1)
 
-        if speculation != "always" and self.graphs is not None:
-            # the policy sizes trees by measured times, so the timed call may verify sizes its warm-up did not meet:
-            # every bucket of this batch captured now, not inside the timed call
-            self.graphs.warm_up(b)
-        # warm-up, the same call (with "auto" it also calibrates the cost model at this batch)
+        if speculation != "always":
+            self.ready_for_the_policy(b)
+        # warm-up, the same call
         run_generate(self.loaded, prompts, self.args.new_tokens, drafter=drafter(), speculation=speculation)
         graphs = inners[0].graphs if eagle else None  # kept on the EAGLE model: the timed call replays its graphs
-        replays = graphs.replays if graphs is not None else 0
+        replays, calibrations = (graphs.replays if graphs is not None else 0), CALIBRATIONS["verify"]
         row = run_generate(self.loaded, prompts, self.args.new_tokens, drafter=drafter(), speculation=speculation)
         row["draft_graph_replays"] = (graphs.replays - replays) if graphs is not None else 0
+        row["calibrations_timed"] = CALIBRATIONS["verify"] - calibrations  # 0, or the row timed a calibration too
         outputs = row.pop("outputs")
         plain = self.result["plain"][str(b)]
         same = sum(out == self.references[b][tuple(p)] for p, out in zip(prompts, outputs))
@@ -348,6 +349,24 @@ class ModelRun:
                    speedup=row["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
                    bound=self.bound(tau, depth if eagle else 0), identical_to_plain=f"{same}/{b}")
         self.result["oracle"].append(row)
+
+    def ready_for_the_policy(self, batch: int) -> None:
+        """Before a default-policy row: the policy sizes trees by measured times, so its timed call may meet tree
+        sizes and batch sizes its warm-up did not. Every graph bucket of up to ``batch`` sequences is captured now,
+        and the cost model's curve of every batch size the call passes through as its sequences finish (1, 2, 4, ...,
+        ``batch`` rounded up) is calibrated now: the policy calibrates a batch size the first time a step runs with it,
+        and a calibration inside the timed call (a cache, its own graphs, ~40 steps) would be timed with it."""
+        from specdec.cost_model import CalibrationConfig, CostModel, load_cost_model
+
+        runner = self.loaded.runner
+        if self.graphs is not None:
+            self.graphs.warm_up(batch)
+        graphs = self.graphs is not None and self.graphs.config.capture  # as generate() prices its verify steps
+        costs = load_cost_model(runner, CalibrationConfig(graphs=graphs))
+        size = 1
+        while size <= CostModel.batch_bucket(batch):
+            costs.curve(size)
+            size *= 2
 
     def bound(self, tau: float, eagle_levels: int) -> float:
         """The speedup weight reads allow: tau tokens per step, a step reading the target's weights once (a verify

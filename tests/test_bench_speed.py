@@ -45,6 +45,7 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     assert chains[0]["bound"] > chains[1]["bound"]  # fewer levels, fewer reads of the layer
     auto = [r for r in model["oracle"] if r["speculation"] == "auto"]
     assert all(0 <= r["verified_nodes"] <= r["nodes"] and 0 <= r["drafted_share"] <= 1 for r in auto)
+    assert all(r["calibrations_timed"] == 0 for r in model["oracle"])  # the policy's rows calibrated before timing
     assert all(r["identical_to_plain"] == f"{r['batch']}/{r['batch']}" for r in model["oracle"])  # greedy exactness
     assert model["hf_static"]["new_tokens"] == 6
     assert [r["call"] for r in model["profile"]] == ["plain b1", "oracle chain tau 3.0 +eagle b1"]
