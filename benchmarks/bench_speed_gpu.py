@@ -146,7 +146,8 @@ def load(spec: str, embedded: str, device: torch.device, dtype: torch.dtype):
 
 
 def run_generate(loaded, prompts, new_tokens: int, **kwargs) -> dict:
-    """One timed generate(): decode tokens/s excludes the prefill (whose step gives each sequence's first token)."""
+    """One timed generate(): decode tokens/s excludes the prefill, which runs each prompt but its last token: every
+    new token comes from a step."""
     from specdec.generate import generate
 
     sync(loaded.runner.device)
@@ -156,7 +157,7 @@ def run_generate(loaded, prompts, new_tokens: int, **kwargs) -> dict:
     steps = max(out.forward_passes, 1)
     nodes = [n for st in out.stats for n in st.step_nodes]  # draft nodes each sequence-step verified, after sizing
     return dict(new_tokens=new, seconds=out.seconds, prefill_seconds=out.prefill_seconds,
-                decode_tokens_per_s=(new - len(prompts)) / decode if decode > 0 else None, steps=steps,
+                decode_tokens_per_s=new / decode if decode > 0 else None, steps=steps,
                 step_ms=1e3 * decode / steps, tau=statistics.mean(s.tau for s in out.stats),
                 draft_seconds=out.draft_seconds, verified_nodes=statistics.mean(nodes) if nodes else 0.0,
                 drafted_share=sum(n > 0 for n in nodes) / len(nodes) if nodes else 0.0, outputs=out.new_tokens)

@@ -233,6 +233,8 @@ def run(engine: Engine, request: GenerateRequest) -> Any:
         if put_end:  # the prompt first, as transformers does (TextStreamer(skip_prompt=True) drops it)
             streamer.put(torch.tensor([request.layout.rows[0]], dtype=torch.long))
         seqs = engine.add(request.prompts)
+        if engine.runner.device.type == "cuda":  # the prefill is queued: its time, not the first step's, once it ran
+            torch.cuda.synchronize(engine.runner.device)
         prefill_seconds = time.perf_counter() - start
         total = request.config.max_new_tokens * len(seqs)
         with tqdm(total=total, unit="tok", desc="generate", disable=not request.progress) as bar:
