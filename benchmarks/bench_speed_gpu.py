@@ -38,6 +38,7 @@ from step_profile import markdown_rows, profiled  # noqa: E402
 
 FULL_MODELS = ("synthetic:llama-3.1-8b", "default", "synthetic:qwen3-1.7b", "synthetic:llama-3.2-1b")
 EMBEDDED_SHAPE = "synthetic:smollm2-135m"  # the embedded model's shape: its speed where its GGUF is not at hand
+FIRST_MODEL_WEIGHT = 2.0  # the first model's budget share, against each later model's 1
 REHEARSAL_MODELS = ("synthetic:llama-3.1-8b@tiny", "synthetic:qwen3-1.7b@tiny", "synthetic:llama-3.2-1b@tiny")
 TAUS = (3.0, 2.0, 4.0)  # tau 3 first: the one the goals name
 CHAIN_DEPTH = 6
@@ -87,8 +88,10 @@ class Clock:
         self.end = time.perf_counter() + budget
         self.share_end = self.end
 
-    def start_share(self, models_left: int) -> None:
-        self.share_end = time.perf_counter() + max(0.0, self.end - time.perf_counter()) / max(models_left, 1)
+    def start_share(self, models_left: int, weight: float = 1.0) -> None:
+        """A model's share of what is left: ``weight`` to each later model's 1."""
+        left = max(0.0, self.end - time.perf_counter())
+        self.share_end = time.perf_counter() + left * weight / (weight + max(models_left, 1) - 1)
 
     def allows(self) -> bool:
         return time.perf_counter() < self.share_end
@@ -241,17 +244,19 @@ class ModelRun:
             self.item(name, lambda: self.oracle(pool[:b], tau, shape, eagle, speculation, depth),
                       self.estimate(b, tau) if eagle else None)
 
+        # the goals' rows first: plain, the curve, the EAGLE chains at tau 3, the default policy at the largest batch
         self.item(f"plain b{b0}", lambda: self.plain(pool[:b0]))
         self.item("verify cost", lambda: self.curve(pool[0]))
-        for shape in ("chain", "tree"):
-            oracle(b0, first, shape, True)
+        oracle(b0, first, "chain", True)
         oracle(b0, first, "chain", True, depth=SHORT_CHAIN_DEPTH)
-        self.item(f"profile b{b0}", lambda: self.profile(pool[:b0], first))
         for b in reversed(rest):  # the largest batch first: the goals name batch 32
             self.item(f"plain b{b}", lambda b=b: self.plain(pool[:b]))
-            oracle(b, first, "chain", False)
             for shape in ("chain", "tree"):  # what a user gets there: the policy sizes the trees, the guard may skip
                 oracle(b, first, shape, False, "auto")
+        oracle(b0, first, "tree", True)
+        self.item(f"profile b{b0}", lambda: self.profile(pool[:b0], first))
+        for b in reversed(rest):
+            oracle(b, first, "chain", False)
         for tau in others:
             for shape in ("chain", "tree"):
                 oracle(b0, tau, shape, True)
@@ -495,7 +500,9 @@ def main(argv=None) -> int:
         (out / "speed.md").write_text(markdown(report))
 
     for i, spec in enumerate(args.models):
-        clock.start_share(len(args.models) - i)
+        # the first model (the 8B shape), whose rows most goals read, gets twice a later one's share (a share it
+        # leaves unspent goes to the others)
+        clock.start_share(len(args.models) - i, FIRST_MODEL_WEIGHT if i == 0 else 1.0)
         run = ModelRun(spec, args, device, dtype, bandwidth, clock, save)
         report["models"].append(run.result)
         try:
