@@ -47,6 +47,22 @@ def test_every_tiny_shape_builds_with_its_counted_parameters(name):
     assert sum(p.numel() for p in model.parameters()) == synthetic.parse(f"synthetic:{name}@tiny").num_params
 
 
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-1.7b"])  # untied, and tied with q/k norms
+def test_greedy_choices_lead_by_a_wide_margin_in_bfloat16(name):
+    """A speculative run must not part from plain decoding by rounding (the oracle drafter proposes the plain run's
+    text): the greedy token leads every other logit by dozens of bf16 ulps at each step (with plain random weights,
+    a few, at times one), and it is the prompt's last token, repeated."""
+    model = synthetic.build(f"{name}@tiny", device="cpu", dtype=torch.bfloat16)
+    ids, gaps = torch.tensor([[5, 17, 99, 3, 42]]), []
+    with torch.inference_mode():
+        for _ in range(6):
+            logits = model(ids).logits[0, -1].float()
+            top = logits.topk(2).values
+            gaps.append(((top[0] - top[1]) / 2.0 ** (torch.floor(torch.log2(top[0].abs())) - 7)).item())
+            ids = torch.cat([ids, logits.argmax().view(1, 1)], 1)
+    assert ids[0, 5:].tolist() == [42] * 6 and min(gaps) >= 32, gaps
+
+
 def test_build_leaves_the_callers_rng_alone():
     torch.manual_seed(123)
     want = torch.rand(3)

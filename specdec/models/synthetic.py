@@ -1,7 +1,9 @@
 """Synthetic targets: published model shapes with random weights, built on the device, no download.
 
 A published shape has the same weight reads, GEMM shapes and attention work as the real model, so it measures
-speed at that size; it says nothing about acceptance (see the oracle drafter, ``specdec.eval.oracle_drafter``).
+speed at that size; it says nothing about acceptance (see the oracle drafter, ``specdec.eval.oracle_drafter``). The
+random weights are arranged so that greedy decoding has wide margins (:func:`_widen_margins`): it repeats the
+prompt's last token, and no rounding of a speculative run parts it from plain decoding.
 
     model = build("llama-3.1-8b", device="cuda", dtype=torch.bfloat16, seed=0)   # a transformers model
     load_model("synthetic:llama-3.1-8b")          # by name, wherever a model is accepted
@@ -28,6 +30,7 @@ from specdec.errors import InputError
 PREFIX = "synthetic:"
 TINY_SUFFIX = "@tiny"
 EAGLE_DRAFT_VOCAB = 32768  # reduced LM head of the random EAGLE layer at full size (EAGLE-3 heads use ~32k)
+RESIDUAL_WRITE_SCALE = 2.0**-12  # o_proj and down_proj weights scaled (_widen_margins); a power of two: exact in bf16
 
 _LLAMA3_ROPE = (("rope_type", "llama3"), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
                 ("original_max_position_embeddings", 8192))
@@ -159,7 +162,25 @@ def build(spec: str | SyntheticShape, *, device: str | torch.device | None = Non
     with torch.random.fork_rng(devices=cuda), torch.device(device):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(shape.hf_config(), dtype=dtype)
+    _widen_margins(model)
     return model.eval()
+
+
+@torch.no_grad()
+def _widen_margins(model) -> None:
+    """Random weights whose greedy choices no rounding flips: each layer's writes to the residual stream (o_proj,
+    down_proj) scaled by RESIDUAL_WRITE_SCALE and the LM head made the embeddings (copied where untied), so the final
+    hidden state stays near the last token's embedding, whose own logit leads every other by ~150 bf16 ulps (greedy
+    decoding repeats the prompt's last token). With the plain random weights the top two sat a few ulps apart (median
+    7, at times 1, on llama-3.2-1b in bf16), so a GPU's other kernels for other row counts parted a speculative run
+    from the plain one the oracle drafter takes its reference from, after which it proposed tokens of another text.
+    Each step's work (weight reads, GEMM shapes, attention) is the same."""
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.mul_(RESIDUAL_WRITE_SCALE)
+        layer.mlp.down_proj.weight.mul_(RESIDUAL_WRITE_SCALE)
+    head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    if head is not embed:
+        head.copy_(embed)
 
 
 def draft_spec(spec: str) -> str | None:
