@@ -122,6 +122,7 @@ class GraphedForward:
         from specdec.kernels.graph_metadata import StaticInputs
 
         self.runner, self.cache, self.config = runner, cache, config
+        self.weights = weights_key(runner)  # where the weights its graphs read were when they were built (_serves)
         device = cache.kv.device
         cache.add(SCRATCH_SEQ_ID)
         cache.reserve(SCRATCH_SEQ_ID, 1)  # one block, held for the engine's lifetime
@@ -319,14 +320,19 @@ def auto_uses_graphs(runner: LlamaRunner) -> bool:
     return runner.device.type == "cuda" and runner.backend.triton
 
 
+def weights_key(runner: LlamaRunner) -> tuple:
+    """Where each of the model's weights is (address, dtype, device): captured graphs read them there."""
+    return tuple((p.data_ptr(), p.dtype, p.device) for p in runner.hf_model.parameters())
+
+
 def _serves(graphed: GraphedForward, runner: LlamaRunner, block_size: int, blocks_needed: int) -> bool:
-    """Whether a model's GraphedForward still serves this request: same weights in the same memory (a model moved
-    to another device or dtype has new tensors, which its graphs do not read), same backend and block size, and
-    enough blocks once the earlier call's sequences are freed."""
+    """Whether a model's GraphedForward still serves this request: same weights in the same memory, same backend
+    and block size, and enough blocks once the earlier call's sequences are freed. A model moved to another device or
+    dtype keeps its Parameter objects and swaps their storage, which its graphs would read freed: the addresses are
+    compared, not the tensors."""
     old = graphed.runner
-    same = (old.hf_model is runner.hf_model and old.embed.data_ptr() == runner.embed.data_ptr()
-            and old.dtype == runner.dtype and old.device == runner.device and old.backend.name == runner.backend.name
-            and graphed.cache.block_size == block_size)
+    same = (old.hf_model is runner.hf_model and graphed.weights == weights_key(runner)
+            and old.backend.name == runner.backend.name and graphed.cache.block_size == block_size)
     return same and graphed.cache.num_blocks - 1 >= blocks_needed  # one block is the scratch slot's
 
 

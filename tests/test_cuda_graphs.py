@@ -457,6 +457,20 @@ def test_one_graph_cache_per_model_is_reused_and_grows(loaded):
     assert release_model_graphs(loaded.model) and not release_model_graphs(loaded.model)
 
 
+def test_a_model_whose_weights_moved_gets_new_graphs():
+    """Module.to() keeps a model's Parameter objects and swaps their storage: graphs captured over the old storage
+    would read freed memory, so a model moved away and back (offloading) or cast gets a new graph cache. The check
+    compared the Parameters with themselves, and passed."""
+    model = load_model(build_tiny_model("llama-gqa-tied", VOCAB), device=DEVICE)
+    runner = LlamaRunner(model.model, backend="triton")
+    config = GraphConfig(capture=CAPTURE)
+    first = model_graphs(runner, 16, 4, config=config)
+    assert model_graphs(runner, 16, 4, config=config) is first
+    model.model.to(torch.float64).to(torch.float32)  # the same Parameters, new storage
+    assert model_graphs(runner, 16, 4, config=config) is not first
+    release_model_graphs(model)
+
+
 @pytest.mark.skipif(not CAPTURE, reason="captures CUDA graphs")
 def test_auto_on_cuda_reuses_the_models_graphs_across_calls(loaded):
     release_model_graphs(loaded)
