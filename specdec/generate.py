@@ -28,6 +28,7 @@ Streamers: ``streamer=fn`` gets ``fn(batch_index, tokens)`` as tokens are commit
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -127,7 +128,15 @@ def generate(
                       attention_mask=attention_mask, generation_config=generation_config, generator=generator,
                       streamer=streamer, return_dict=return_dict, tokenizer=tokenizer, progress=progress,
                       cuda_graphs=cuda_graphs, **config_fields)
-    return run(build_engine(request), request)
+    with on_device(request.loaded.runner.device):
+        return run(build_engine(request), request)
+
+
+def on_device(device: torch.device):
+    """The model's GPU as the current one while it generates (elsewhere nothing): Triton launches its kernels, and
+    torch its streams, events and graph captures, on the current device, so a model on ``cuda:1`` would get kernels
+    on ``cuda:0``."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def prepare(model: Any, input_ids: Any, *, drafter: Any = None, drafter_options: dict | None = None,

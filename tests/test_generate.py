@@ -1,6 +1,8 @@
 """generate(): plain decoding is exactly transformers' decoding, batched or not; inputs, stops, seeds and errors."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from scipy import stats
@@ -244,3 +246,21 @@ def test_checkpoint_directory_roundtrip(tmp_path):
     model.save_pretrained(tmp_path)
     ref = specdec.generate(model, [PROMPTS[0]], max_new_tokens=8)
     assert specdec.generate(str(tmp_path), [PROMPTS[0]], max_new_tokens=8) == ref
+
+
+def test_a_model_on_another_gpu_generates_with_that_gpu_current(monkeypatch):
+    """Triton launches kernels, and torch makes streams, events and graph captures, on the current CUDA device: a
+    model on cuda:1 would get cuda:0's. generate() makes the model's device current while it runs (on the CPU,
+    nothing)."""
+    import importlib
+
+    gen = importlib.import_module("specdec.generate")  # the module (specdec.generate is also the function)
+    entered = []
+    monkeypatch.setattr(gen, "on_device", lambda device: entered.append(device) or contextlib.nullcontext())
+    model = build_tiny_model()
+    gen.generate(model, [[1, 2, 3]], max_new_tokens=2)
+    assert entered == [torch.device("cpu")]
+    monkeypatch.undo()
+    on_cuda = gen.on_device(torch.device("cuda", 1))  # built without touching CUDA
+    assert isinstance(on_cuda, torch.cuda.device) and on_cuda.idx == 1
+    assert isinstance(gen.on_device(torch.device("cpu")), contextlib.nullcontext)
