@@ -69,6 +69,11 @@ def add_parser(sub) -> None:
     a.add_argument("--sampler", choices=("standard", "coupled"), default="standard",
                    help="when sampling: standard rejection sampling (default) or coupled (specdec.coupling)")
     a.add_argument("--batch-size", type=int, default=1)
+    a.add_argument("--device", default="auto",
+                   help="where the model runs: auto (default: this process's GPU, one per process under accelerate, "
+                        "else cpu), cpu, cuda, cuda:1, ...")
+    a.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="weights / activations dtype (default: float32)")
     a.add_argument("--calibration-repeats", type=int, default=5,
                    help="timed verify steps per query size for the predicted speedup (default 5; 0 = no prediction)")
     a.add_argument("--no-hf-baseline", action="store_true", help="skip transformers' generate() baseline")
@@ -108,6 +113,22 @@ def _options(pairs: list[str]) -> dict:
     from specdec.cli import _parse_options
 
     return _parse_options(pairs)
+
+
+def _suite_device(spec: str):
+    """``--device``: "auto" is this process's GPU (accelerate's local rank: one per process), or the CPU without
+    one; any other value is checked as ``specdec generate --device`` checks it."""
+    import torch
+
+    from specdec.cli import _check_device
+
+    if spec != "auto":
+        return _check_device(spec)
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    from accelerate import PartialState
+
+    return torch.device("cuda", PartialState().local_process_index % torch.cuda.device_count())
 
 
 def _encoder(loaded):
@@ -197,6 +218,7 @@ def run_lossless(args) -> int:
 
 
 def run_acceptance(args) -> int:
+    import torch
     from specdec.drafters.registry import available
     from specdec.eval.acceptance import BASELINES, SuiteConfig
     from specdec.eval.conversations import cell_turns, chat_codec, run_conversations
@@ -231,7 +253,8 @@ def run_acceptance(args) -> int:
     config = SuiteConfig(tuple((d, per_drafter[d]) for d in names), tuple(categories),
                          args.prompts or DEFAULT_PROMPTS, args.max_new_tokens, args.temperature, args.batch_size,
                          not args.no_hf_baseline, args.seed, args.calibration_repeats, args.sampler, renamed)
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                        device=_suite_device(args.device))
     turns = sum(len(c.turns) for c in conversations)
     total = turns * (len(names) + 1) * args.max_new_tokens
     bar = tqdm(total=total, unit="tok", desc="acceptance", disable=None)
