@@ -118,13 +118,16 @@ def test_the_report_starts_with_the_goals_and_lists_the_acceptance_rows(tmp_path
     assert text.index("## Goals") < text.index("## n-gram by category")
     assert "| rag | 1.50 | 2.00x | 2.00x | True |" in text and "REHEARSAL" not in text
 
+    ran_on = ["cuda:0"]
+
     def fake_run(cmd, log, timeout, env=None):  # the CLI's report, as specdec eval acceptance writes it
+        assert cmd[cmd.index("--device") + 1] == "cuda" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
         out = Path(cmd[cmd.index("--out") + 1])
-        out.mkdir(parents=True)
+        out.mkdir(parents=True, exist_ok=True)
         rows = [dict(drafter=d, category=c, tau=1.2, speedup_vs_plain=1.1, decode_speedup_vs_plain=None,
                      tokens_per_s=9.0, identical_to_plain=True, level="category")
                 for d in ("plain", "ngram") for c in CATEGORIES + ("overall",)]
-        (out / "report.json").write_text(json.dumps(dict(meta=dict(device="cuda"), rows=rows)))
+        (out / "report.json").write_text(json.dumps(dict(meta=dict(device=ran_on[0]), rows=rows)))
         log.write_text("")
         return 0, 1.0
 
@@ -133,13 +136,18 @@ def test_the_report_starts_with_the_goals_and_lists_the_acceptance_rows(tmp_path
     monkeypatch.setattr(check, "run", fake_run)
     step = check.step_acceptance(tmp_path, rehearse=False, model="/tmp/smol.gguf", prompts=4)
     assert step["status"] == "passed" and [r["category"] for r in step["rows"]] == list(CATEGORIES)
-    assert step["meta"] == dict(device="cuda")
+    assert step["meta"] == dict(device="cuda:0")
+    # the suite's folder stays outside the report's (a device call brings back 8 files): its report alone comes in
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["acceptance.json", "acceptance.log"]
+    ran_on[0] = "cpu"  # the suite ran on the CPU of the GPU machine: its speeds are no GPU's
+    assert check.step_acceptance(tmp_path, rehearse=False, model="/tmp/smol.gguf", prompts=4)["status"] == "failed"
 
 
 def test_carried_gguf_parts_join_to_the_file_and_the_calls_name_them(tmp_path, monkeypatch):
     """benchmarks/gpu_carry.py: the GGUF in two parts (one per device call, under 64 MiB each), joined by the second
     call's command and checked by MD5; each call carries the parts its command reads."""
     import hashlib
+    import re
     import subprocess
     import sys
 
@@ -156,10 +164,33 @@ def test_carried_gguf_parts_join_to_the_file_and_the_calls_name_them(tmp_path, m
     md5 = (tmp_path / ".gl" / "smol.gguf.md5").read_text().split()
     assert md5 == [hashlib.md5(blob.read_bytes()).hexdigest(), "/tmp/smol.gguf"]
     (first, carry1), (second, carry2) = gpu_carry.calls(parts, [tmp_path / ".whl" / "gguf.whl"])
-    assert carry1 == [".gl/smol.gguf.part1", ".gl/smol.gguf.md5", ".whl"] and carry2 == [".gl/smol.gguf.part2"]
-    assert "--steps env,graphs" in first and "--steps acceptance,speed --model /tmp/smol.gguf" in second
-    join = second.split(" && ")[0].replace("/tmp/", f"{tmp_path}/joined/").replace(".gl/", f"{tmp_path}/.gl/")
+    assert carry1 == [".gl/smol.gguf.part1", ".gl/smol.gguf.md5", ".whl"]
+    assert carry2 == [".gl/smol.gguf.part2", ".gl/smol.gguf.md5", ".whl"]  # a fresh machine can install again
+    assert "--steps env,tests" in first and "--steps acceptance,speed --model $M" in second
+    assert all(f"--deadline-s {gpu_carry.DEADLINE_S}" in c for c in (first, second)) and gpu_carry.DEADLINE_S < 600
+    join = re.search(r"cat \S+ \S+ > \S+", second).group(0)
+    join = join.replace("/tmp/", f"{tmp_path}/joined/").replace(".gl/", f"{tmp_path}/.gl/")
     (tmp_path / "joined").mkdir()
     (tmp_path / "joined" / "smol.gguf.part1").write_bytes(parts[0].read_bytes())  # what the first call kept
     subprocess.run(join, shell=True, check=True)
     assert (tmp_path / "joined" / "smol.gguf").read_bytes() == blob.read_bytes()
+
+
+def test_a_deadline_shrinks_each_steps_limit_and_the_speed_budget(tmp_path, monkeypatch):
+    """--deadline-s: a device call's own limit (600 s) must never cut the check, whose report is written after each
+    step; every step's limit, and the speed step's measuring budget, shrink to what is left."""
+    import time
+    from types import SimpleNamespace
+
+    check = _gpu_check()
+    limits = []
+    monkeypatch.setattr(check.subprocess, "run", lambda cmd, **kw: limits.append(kw["timeout"])
+                        or SimpleNamespace(returncode=0))
+    monkeypatch.setattr(check, "DEADLINE", [time.perf_counter() + 100])
+    check.run(["true"], tmp_path / "log", timeout=240)
+    assert 80 < limits[-1] <= 100 - check.DEADLINE_MARGIN_S
+    step = check.step_speed(tmp_path, rehearse=False, model="default")  # ~85 s left: no room for its budget
+    assert step["status"] == "failed" and "not run" in step["errors"][0] and len(limits) == 1
+    check.DEADLINE[0] = time.perf_counter() + 400
+    check.step_speed(tmp_path, rehearse=False, model="default")
+    assert limits[-1] <= 400 - check.DEADLINE_MARGIN_S  # the process's limit, its budget inside it
