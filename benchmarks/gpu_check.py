@@ -180,8 +180,9 @@ def step_tests(out: Path, workers: int, slow: bool, graphs_only: bool = False) -
     result, failed = {}, False
     for name, (files, limit) in runs.items():
         xml = out / f"tests_{name}.xml"
+        # --maxprocesses too: pyproject's addopts cap xdist at 4 workers, which a 16-core GPU machine need not keep
         cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
-               f"--junitxml={xml}", *files]
+               "--maxprocesses", str(workers), f"--junitxml={xml}", *files]
         rc, seconds = run(cmd, out / f"tests_{name}.log", timeout=limit)
         summary = junit_summary(xml)
         # pytest exits 5 when -k selects nothing: a CPU-only file set is not a failure of the GPU path
