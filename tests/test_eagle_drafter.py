@@ -110,11 +110,14 @@ def test_graph_buckets_grow_the_trees_the_eager_growth_does(device, sampling):
         runs[graphs] = generate(model, prompts, drafter=drafter, **kw), drafter
     (eager_out, eager), (static_out, static) = runs[False], runs[True]
     assert static_out == eager_out and eager.graphs is None
-    assert static.seen.keys() == eager.seen.keys()
-    same = [static.seen[k].tokens.tolist() == tree.tokens.tolist()
-            and static.seen[k].parents.tolist() == tree.parents.tolist() for k, tree in eager.seen.items()]
-    # the CPU pads without changing a bit; a GPU's products of other shapes may round a rare near-tie otherwise
-    assert all(same) if device == "cpu" else sum(same) >= 0.9 * len(same)
+    # the CPU pads without changing a bit; a GPU's products of other shapes may round a rare near-tie otherwise, and
+    # a tree that differs may commit another count of tokens, so that later calls see other prefixes
+    shared = static.seen.keys() & eager.seen.keys()
+    cpu = device == "cpu"
+    assert shared == static.seen.keys() == eager.seen.keys() if cpu else len(shared) >= 0.8 * len(eager.seen)
+    same = [static.seen[k].tokens.tolist() == eager.seen[k].tokens.tolist()
+            and static.seen[k].parents.tolist() == eager.seen[k].parents.tolist() for k in shared]
+    assert all(same) if cpu else sum(same) >= 0.9 * len(same)
     graphs = static.graphs
     # the first calls catch up on prompts eagerly and replay the growth; later ones replay the catch-up too
     assert {(4, 64, 0), (4, 128, 8)} <= set(graphs.buckets) and graphs.replays > len(eager.seen) // 3
