@@ -186,6 +186,7 @@ def test_what_cuda_graphs_capture_never_needs_the_host(loaded, monkeypatch):
     runs: collections.Counter = collections.Counter()
     captured: dict[tuple, list] = {}  # per bucket (and depth): the second run's trace, which a graph would replay
     compared: collections.Counter = collections.Counter()  # later runs checked against it
+    alive: list = []  # every bucket seen, kept: a freed one's id() could name a later call's new bucket
 
     def watching(cls):
         real = cls._run
@@ -194,6 +195,7 @@ def test_what_cuda_graphs_capture_never_needs_the_host(loaded, monkeypatch):
             key = id(bucket), args
             runs[key] += 1
             if runs[key] == 1:  # the capture's warm-up run
+                alive.append(bucket)
                 return real(self, bucket, *args)
             with CaptureHazards() as mode:
                 out = real(self, bucket, *args)
