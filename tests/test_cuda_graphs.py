@@ -590,8 +590,11 @@ def test_the_drafting_a_gpu_runs_inside_the_verify_is_priced_as_drafting(loaded,
     while engine.live:
         engine.step()
     assert len(moved) == len(records) == engine.forward_passes and sum(moved) > 0
-    assert engine.seconds["verify"] == pytest.approx(sum(r.verify_seconds for r in records))  # what the policy saw
-    assert all(r.verify_seconds == pytest.approx(3 * m) for r, m in zip(records, moved) if m)
+    # what the policy saw (on a GPU a step that captured a graph is left out: verify_seconds None)
+    timed = [r.verify_seconds for r in records if r.verify_seconds is not None]
+    assert timed and engine.seconds["verify"] >= sum(timed) - 1e-9
+    assert CAPTURE or engine.seconds["verify"] == pytest.approx(sum(timed))
+    assert all(r.verify_seconds == pytest.approx(3 * m) for r, m in zip(records, moved) if m and r.verify_seconds)
     assert engine.seconds["draft"] >= sum(moved)
 
 
