@@ -231,7 +231,8 @@ def step_acceptance(out: Path, rehearse: bool, model: str, prompts: int) -> dict
     cmd = [sys.executable, "-P", "-m", "specdec.cli", "eval", "acceptance", "--model", model, "--drafters", "ngram",
            "--prompts", str(1 if rehearse else prompts), "--max-new-tokens", str(8 if rehearse else 128),
            "--no-hf-baseline", "--no-plots", "--calibration-repeats", "0", "--out", str(folder)]
-    cmd += ["--device", "cpu"] if rehearse else ["--device", "cuda", "--dtype", "bfloat16"]  # it ran on the CPU
+    # on the GPU, as the goals mean (without --device the suite would load the model on the machine's CPU)
+    cmd += ["--device", "cpu"] if rehearse else ["--device", "cuda", "--dtype", "bfloat16"]
     rc, seconds = run(cmd, out / "acceptance.log", timeout=ACCEPTANCE_TIMEOUT_S)
     js = folder / "report.json"
     data = json.loads(js.read_text()) if rc == 0 and js.is_file() else {}

@@ -38,8 +38,7 @@ def add_parser(sub) -> None:
                    help="comma list of exact, stats, e2e, coupled, bitwise (coupled sampling: its law, and "
                         "speculative == plain token for token; bitwise: the bit-exact mode, speculative == plain "
                         "bit for bit in the model's dtype, see docs/bit-exact.md; neither in the default)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="weights / activations dtype (default: the loader's, float32)")
+    _add_dtype(p)
     p.add_argument("--full", action="store_true", help="sample sizes that detect TV 0.01 (meant for a GPU)")
     p.add_argument("--stat-samples", type=int, help="draws per synthetic case (default 20000)")
     p.add_argument("--identity-prompts", type=int, help="prompts for greedy identity (default 8)")
@@ -72,8 +71,7 @@ def add_parser(sub) -> None:
     a.add_argument("--device", default="auto",
                    help="where the model runs: auto (default: this process's GPU, one per process under accelerate, "
                         "else cpu), cpu, cuda, cuda:1, ...")
-    a.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
-                   help="weights / activations dtype (default: float32)")
+    _add_dtype(a)
     a.add_argument("--calibration-repeats", type=int, default=5,
                    help="timed verify steps per query size for the predicted speedup (default 5; 0 = no prediction)")
     a.add_argument("--no-hf-baseline", action="store_true", help="skip transformers' generate() baseline")
@@ -107,6 +105,13 @@ def _common(p) -> None:
                         "drafters prefix the name: medusa.path=DIR")
     p.add_argument("--out", default=None, help="output directory (default: runs/eval-<command>)")
     p.add_argument("--seed", type=int, default=0)
+
+
+def _add_dtype(p) -> None:
+    from specdec.cli import DTYPES  # specdec.cli registers these parsers: loaded by now
+
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="weights / activations dtype (default: the loader's, float32)")
 
 
 def _options(pairs: list[str]) -> dict:

@@ -45,7 +45,7 @@ CALIBRATIONS = {"verify": 0, "rows": 0}  # measurements run by this process (cac
 _MEMO: dict[str, dict[int, dict[int, float]]] = {}  # cache file -> curves: one process reads the disk once per key
 _ROWS_DONE: set[str] = set()
 _PACKING: dict[str, bool] = {}  # row-policy key (without "packed") -> packed weights allowed, decided once per process
-BATCH_QUERY_TOKENS = 128  # calibration grid of a batch: sizes n with batch * n above this are extrapolated
+BATCH_QUERY_TOKENS = 128  # a CPU's calibration grid of a batch: sizes n with batch * n above this are extrapolated
 BATCH_CONTEXT_TOKENS = 1024  # and at most this many context tokens are prefilled over the whole batch
 STREAM_BYTES = 128 * 2**20  # the row policy times at least this many bytes of weights: beyond a CPU's last-level cache
 
@@ -265,6 +265,11 @@ class CostModel:
         return max(self.seconds(n, batch) / self.decode_seconds(batch), 1.0)
 
 
+def times_whole_grid(runner) -> bool:
+    """Whether a batch's calibration times every size of the grid (a GPU) or stops at BATCH_QUERY_TOKENS (calibrate)."""
+    return runner.device.type == "cuda"
+
+
 def calibrate(runner, batch: int, config: CalibrationConfig) -> dict[int, float]:
     """Median seconds of one engine step with n query tokens per sequence, batch ``batch``, n on the grid."""
     from specdec.verify_cost import measure_verify_costs
@@ -274,7 +279,7 @@ def calibrate(runner, batch: int, config: CalibrationConfig) -> dict[int, float]
     # the batch, so any batch size calibrates in seconds (the full grid took 131 s at batch 32 on one thread, this
     # ~12 s). A GPU's forward stays near one weight read far past that many tokens, and its steps take milliseconds:
     # the whole grid is timed (extrapolated from that flat stretch, 32 x 65 tokens would cost about what 32 x 4 do)
-    cap = BATCH_QUERY_TOKENS if runner.device.type != "cuda" else math.inf
+    cap = math.inf if times_whole_grid(runner) else BATCH_QUERY_TOKENS
     sizes = [n for n in config.sizes if n <= 2 or batch * n <= cap]
     context = min(config.context, max(runner.shape.max_positions // 4, 2), max(16, BATCH_CONTEXT_TOKENS // batch))
     repeats = config.repeats
@@ -310,7 +315,7 @@ def load_cost_model(runner, config: CalibrationConfig | None = None, cache_dir: 
         ensure_row_policy(runner, config, cache_dir)
     key = machine_key(runner) | {"model": model_fingerprint(runner), "rows": row_policy.active_cols(),
                                  "workload": asdict(config)}
-    if runner.device.type == "cuda":  # a batch's whole grid is timed there (calibrate): older, shorter curves go
+    if times_whole_grid(runner):  # older curves of this device, whose batches stopped short, are measured again
         key["batch_grid"] = "whole"
     key = json.loads(json.dumps(key))  # as it reads back from JSON (tuples -> lists, int keys -> str)
     file = _cache_dir(cache_dir) / f"verify-{_digest(key)}.json"
