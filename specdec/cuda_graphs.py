@@ -353,6 +353,8 @@ def model_graphs(runner: LlamaRunner, block_size: int, blocks_needed: int,
         graphed.release_sequences()
         return graphed
     grown = 0 if graphed is None else 2 * (graphed.cache.num_blocks - 1)
+    if graphed is not None:  # its KV memory is free for the new cache even where an old TargetView holds the cache
+        graphed.cache.discard()
     model.__dict__.pop(attr, None)
     del graphed
     blocks = blocks_needed
@@ -398,4 +400,8 @@ def release_model_graphs(model: Any) -> bool:
     from specdec.models.loader import LoadedModel
 
     model = model.model if isinstance(model, LoadedModel) else model
-    return any([model.__dict__.pop(attr, None) is not None for attr in _MODEL_ATTRS.values()])
+    released = [model.__dict__.pop(attr, None) for attr in _MODEL_ATTRS.values()]
+    for graphed in released:
+        if graphed is not None:  # freed now, though a drafter reused across calls may still hold its cache
+            graphed.cache.discard()
+    return any(graphed is not None for graphed in released)

@@ -103,6 +103,16 @@ class PagedKVCache:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
+    def discard(self) -> None:
+        """Free the storage now, though something may still hold this cache (a drafter reused across generate()
+        calls keeps the last call's TargetView): it then holds no sequence and no block, and any reservation raises
+        CacheFullError."""
+        self.kv = self.kv.new_empty((*self.kv.shape[:2], 0, *self.kv.shape[3:]))
+        self.num_blocks = 0
+        self._free = []
+        for table in (self.block_tables, self.lengths, self.reserved, self._slot_rows):
+            table.clear()
+
     def add(self, seq_id: int) -> None:
         if seq_id in self.block_tables:
             raise ValueError(f"sequence {seq_id} is already in the cache")

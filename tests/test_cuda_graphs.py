@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 
 import dataclasses  # noqa: E402
 import logging  # noqa: E402
+import weakref  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -445,8 +446,13 @@ def test_one_graph_cache_per_model_is_reused_and_grows(loaded):
     first.cache.add(7)  # an earlier call's leftover sequence
     first.cache.reserve(7, 3)
     assert model_graphs(runner, 16, 4, config=config) is first and 7 not in first.cache.lengths
+    old_kv = weakref.ref(first.cache.kv)  # `first` holds the old cache, as a drafter reused across calls does
     grown = model_graphs(runner, 16, 9, config=config)  # outgrown: twice the blocks, when they fit
     assert grown is not first and grown.cache.num_blocks - 1 == 12
+    assert old_kv() is None and first.cache.num_blocks == 0  # the old KV memory was freed for the new cache
+    first.cache.add(0)
+    with pytest.raises(CacheFullError):
+        first.cache.reserve(0, 1)
     refused = []
 
     def check_fits(blocks):
@@ -456,8 +462,10 @@ def test_one_graph_cache_per_model_is_reused_and_grows(loaded):
 
     exact = model_graphs(runner, 16, 13, check_fits, config=config)  # doubling to 24 does not fit: exactly 13
     assert refused == [25] and exact.cache.num_blocks - 1 == 13
-    assert model_graphs(runner, 8, 2, config=config) is not exact  # another block size
+    other = model_graphs(runner, 8, 2, config=config)
+    assert other is not exact  # another block size
     assert release_model_graphs(loaded.model) and not release_model_graphs(loaded.model)
+    assert other.cache.kv.numel() == 0  # released now, though this test still holds it
 
 
 def test_a_model_whose_weights_moved_gets_new_graphs():
