@@ -342,8 +342,8 @@ def model_graphs(runner: LlamaRunner, block_size: int, blocks_needed: int,
     """The loaded model's own GraphedForward (its KV cache emptied), built or grown when this request needs it.
 
     A request that outgrows the cache gets a new one of twice the old blocks (fewer rebuilds, each recapturing the
-    buckets) when that many fit, else exactly what it needs; the old cache and graphs are dropped first, so their
-    memory is free for the new ones. ``check_fits(blocks)`` raises CacheFullError when ``blocks`` do not fit.
+    buckets) when that many fit, else exactly what it needs; the old cache's memory is freed first (a drafter
+    reused across calls still holds the last call's view of it) and its graphs dropped. ``check_fits(blocks)`` raises CacheFullError when ``blocks`` do not fit.
     ``config``: a new cache's buckets (default: captured on CUDA; uncaptured elsewhere, the interpreter tests).
     ``role``: "target" (the engine's verify) or "draft" (a draft-model drafter's forwards): each its own cache."""
     model: Any = runner.hf_model
