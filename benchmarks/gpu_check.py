@@ -227,17 +227,18 @@ def step_acceptance(out: Path, rehearse: bool, model: str, prompts: int) -> dict
 
     # the suite's own folder (4 files and its cells) outside out: a device call brings back 8 files at most, and
     # its report comes back as acceptance.json
-    folder = Path(tempfile.mkdtemp(prefix="gpu_check-acceptance-"))
-    cmd = [sys.executable, "-P", "-m", "specdec.cli", "eval", "acceptance", "--model", model, "--drafters", "ngram",
-           "--prompts", str(1 if rehearse else prompts), "--max-new-tokens", str(8 if rehearse else 128),
-           "--no-hf-baseline", "--no-plots", "--calibration-repeats", "0", "--out", str(folder)]
-    # on the GPU, as the goals mean (without --device the suite would load the model on the machine's CPU)
-    cmd += ["--device", "cpu"] if rehearse else ["--device", "cuda", "--dtype", "bfloat16"]
-    rc, seconds = run(cmd, out / "acceptance.log", timeout=ACCEPTANCE_TIMEOUT_S)
-    js = folder / "report.json"
-    data = json.loads(js.read_text()) if rc == 0 and js.is_file() else {}
-    if data:
-        shutil.copyfile(js, out / "acceptance.json")
+    with tempfile.TemporaryDirectory(prefix="gpu_check-acceptance-") as tmp:
+        folder = Path(tmp)
+        cmd = [sys.executable, "-P", "-m", "specdec.cli", "eval", "acceptance", "--model", model, "--drafters",
+               "ngram", "--prompts", str(1 if rehearse else prompts), "--max-new-tokens", str(8 if rehearse else 128),
+               "--no-hf-baseline", "--no-plots", "--calibration-repeats", "0", "--out", str(folder)]
+        # on the GPU, as the goals mean (without --device the suite would load the model on the machine's CPU)
+        cmd += ["--device", "cpu"] if rehearse else ["--device", "cuda", "--dtype", "bfloat16"]
+        rc, seconds = run(cmd, out / "acceptance.log", timeout=ACCEPTANCE_TIMEOUT_S)
+        js = folder / "report.json"
+        data = json.loads(js.read_text()) if rc == 0 and js.is_file() else {}
+        if data:
+            shutil.copyfile(js, out / "acceptance.json")
     keep = ("category", "tau", "speedup_vs_plain", "decode_speedup_vs_plain", "tokens_per_s", "identical_to_plain")
     rows = [{k: r[k] for k in keep} for r in data.get("rows", [])
             if r["drafter"] == "ngram" and r["category"] in CATEGORIES]

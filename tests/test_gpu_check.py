@@ -118,11 +118,12 @@ def test_the_report_starts_with_the_goals_and_lists_the_acceptance_rows(tmp_path
     assert text.index("## Goals") < text.index("## n-gram by category")
     assert "| rag | 1.50 | 2.00x | 2.00x | True |" in text and "REHEARSAL" not in text
 
-    ran_on = ["cuda:0"]
+    ran_on, folders = ["cuda:0"], []
 
     def fake_run(cmd, log, timeout, env=None):  # the CLI's report, as specdec eval acceptance writes it
         assert cmd[cmd.index("--device") + 1] == "cuda" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
         out = Path(cmd[cmd.index("--out") + 1])
+        folders.append(out)
         out.mkdir(parents=True, exist_ok=True)
         rows = [dict(drafter=d, category=c, tau=1.2, speedup_vs_plain=1.1, decode_speedup_vs_plain=None,
                      tokens_per_s=9.0, identical_to_plain=True, level="category")
@@ -139,6 +140,7 @@ def test_the_report_starts_with_the_goals_and_lists_the_acceptance_rows(tmp_path
     assert step["meta"] == dict(device="cuda:0")
     # the suite's folder stays outside the report's (a device call brings back 8 files): its report alone comes in
     assert sorted(p.name for p in tmp_path.iterdir()) == ["acceptance.json", "acceptance.log"]
+    assert not folders[-1].exists()  # and is removed
     ran_on[0] = "cpu"  # the suite ran on the CPU of the GPU machine: its speeds are no GPU's
     assert check.step_acceptance(tmp_path, rehearse=False, model="/tmp/smol.gguf", prompts=4)["status"] == "failed"
 
