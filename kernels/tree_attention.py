@@ -318,18 +318,26 @@ def _default_splits(meta: TreeAttentionMetadata, programs: int, device: torch.de
     return max(1, min(want, meta.max_ctx_len // MIN_SPLIT_CHUNK, 64))
 
 
-def launch_config(group: int, head_dim: int, max_new: int, dtype: torch.dtype) -> dict:
+def launch_config(group: int, head_dim: int, max_new: int, dtype: torch.dtype, gpu: bool = True) -> dict:
     """Tile shape of the attention kernel (constexprs + num_warps). BLOCK_M = BLOCK_Q * GROUP_PAD rows in
     [16, 128], covering the largest per-sequence token count when it can; BLOCK_N 32 for head_dim 128
-    keeps a decode tile at ~184 registers on sm_90 (64 needs 255), see ``python -m specdec.kernels.compile_check``."""
+    keeps a decode tile at ~184 registers on sm_90 (64 needs 255), see ``python -m specdec.kernels.compile_check``.
+    float32 on a GPU (``gpu``) takes tiles of at most 32 x 16, 32-row ones on 8 warps: 64-row tiles spilled
+    registers on sm_90 at every published shape (up to 9 KB of stack per thread); the Triton interpreter keeps the
+    larger tiles, which it runs faster."""
     group_pad = triton.next_power_of_2(group)
-    max_m = 64 if dtype == torch.float32 else 128  # fp32 128-row tiles spill on sm_90
+    fp32_gpu = dtype == torch.float32 and gpu
+    max_m = 32 if fp32_gpu else 64 if dtype == torch.float32 else 128
     block_q = max(max(1, 16 // group_pad), min(triton.next_power_of_2(max_new), max(1, max_m // group_pad)))
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m = block_q * group_pad
+    if fp32_gpu:
+        block_n, num_warps = 16, 8 if block_m >= 32 else 4
+    else:
+        block_n, num_warps = 32 if block_d >= 128 else 64, 8 if block_m * block_d >= 64 * 128 else 4
     return dict(
-        HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=32 if block_d >= 128 else 64,
-        BLOCK_D=block_d, DOT_PREC="ieee" if dtype == torch.float32 else "tf32",
-        num_warps=8 if block_q * group_pad * block_d >= 64 * 128 else 4,
+        HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
+        BLOCK_D=block_d, DOT_PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
 
 
@@ -351,7 +359,7 @@ def tree_attention(
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("q, k_cache and v_cache need a contiguous last (head_dim) dimension, and k_cache and "
                          "v_cache the same strides")
-    cfg = launch_config(H // KVH, D, max(meta.host_q_lens), q.dtype)
+    cfg = launch_config(H // KVH, D, max(meta.host_q_lens), q.dtype, q.is_cuda)
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
     num_warps = cfg.pop("num_warps")

@@ -26,9 +26,11 @@ def run_check(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_kernels_compile_for_h100_quick():
-    proc = run_check("--quick")
+    """... and attention does not spill registers: float32 tree tiles of 64 rows spilled up to 9 KB of stack per
+    thread on sm_90 (912 bytes in the 8B shape's config here), a slow local-memory round trip in every tile."""
+    proc = run_check("--quick", "--max-stack", "64")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "8/8 kernels compiled for sm_90" in proc.stdout
+    assert "9/9 kernels compiled for sm_90" in proc.stdout and "attn fp32 llama8b new=65" in proc.stdout
 
 
 @pytest.mark.slow
