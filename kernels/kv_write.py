@@ -29,7 +29,7 @@ def _write_kernel(K, V, Dst, Slots, stride_k, stride_v, stride_plane, stride_slo
     tl.store(Dst + stride_plane + slot * stride_slot + cols, v.to(Dst.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # one compile for any number of pairs (see tree_attention)
 def _compact_kernel(KV, Src, Dst, num_pairs, stride_plane, stride_slot, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
     # one program per (layer x {K, V} plane, column chunk); pairs run in list order, so a pair never
     # sees a slot overwritten by a later one -- equal to gather-then-scatter when no pair reads a slot an

@@ -69,7 +69,9 @@ def _load_kv_tile(K, V, bt, pos, ok, kvh, d, d_ok, stride_kvt, stride_kvh, PAGE_
     return k, v
 
 
-@triton.jit
+# integers that change with a step's keys or splits are not specialised (==1, divisible by 16): each new class
+# would compile the kernel again (~1 s) in the middle of a timed run
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "masked_split"])
 def _tree_attn_kernel(
     Q, K, V, Out, PartO, PartLse,
     BlockTables, CtxLens, NumMasked, QStarts, QLens, TreeMode, QBits, TileSeq, TileQ0,

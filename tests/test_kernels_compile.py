@@ -38,3 +38,51 @@ def test_every_launch_config_compiles_for_h100():
     proc = run_check()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "FAIL" not in proc.stdout
+
+
+SPECIALISATIONS = """
+import inspect, torch
+from triton.backends.nvidia.compiler import CUDABackend
+from triton._C.libtriton import native_specialize_impl
+from specdec.kernels import kv_write as kw, tree_attention as ta
+
+keys = {}
+def recorder(kernel):
+    def run(*args, grid, warmup, **kwargs):  # the key a GPU launch compiles under, as JITFunction.run builds it
+        bound = inspect.signature(kernel.fn).bind(*args, **{k: v for k, v in kwargs.items()
+                                                           if k in kernel.arg_names})
+        pairs = list(zip(kernel.params, bound.arguments.values()))
+        consts = tuple(v for p, v in pairs if p.is_constexpr)  # the tile shape: a kernel of its own anyway
+        key = tuple(native_specialize_impl(CUDABackend, v, p.is_const, not p.do_not_specialize,
+                                           not p.do_not_specialize_on_alignment)
+                    for p, v in pairs if not p.is_constexpr)
+        keys.setdefault(kernel.fn.__name__, {}).setdefault(consts, set()).add(key)
+    kernel.run = run
+recorder(ta._tree_attn_kernel)
+recorder(kw._compact_kernel)
+recorder(ta._merge_kernel)  # after a split (NUM_PARTS, a constexpr, is the split's)
+k = v = torch.zeros(4096, 3, 64, dtype=torch.bfloat16)
+i32 = lambda: torch.zeros(1, dtype=torch.int32)
+for n, ctx in ((40, 0), (128, 0), (144, 0), (1, 2000), (1, 2048)):  # prefills of 40, 128 and 144 keys, decodes
+    table = torch.zeros(1, ctx + n, dtype=torch.int32)  # an eager step's page-size-1 slot table: stride ctx + n
+    meta = ta.TreeAttentionMetadata(table, 1, i32(), i32(), i32(), i32(), i32(), torch.zeros(n, dtype=torch.long),
+                                    (n,), ctx)
+    for splits in (1, 2, 16) if ctx else (1,):
+        ta.tree_attention(torch.zeros(n, 9, 64, dtype=torch.bfloat16), k, v, meta, 0.125, num_splits=splits)
+kv = torch.zeros(2, 2, 64, 3, 64, dtype=torch.bfloat16)
+for pairs in (1, 4, 16):
+    kw.compact_kv(kv, torch.arange(pairs), torch.arange(pairs) + 32)
+# the most runtime specialisations of one tile shape, per kernel
+print({name: max(map(len, found.values())) for name, found in sorted(keys.items()) if name != "_merge_kernel"})
+"""
+
+
+def test_a_steps_key_count_or_splits_compile_no_new_kernel():
+    """On a GPU Triton compiles a kernel again for each class of an integer argument (equal to 1, divisible by 16,
+    other): a prefill of 128 keys, a new split count or 16 compacted pairs met first inside a timed run compiled
+    there (~1 s). Such arguments are not specialised: one key per kernel and split mode."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-P", "-c", SPECIALISATIONS], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-2] == "{'_compact_kernel': 1, '_tree_attn_kernel': 1}", proc.stdout
