@@ -6,7 +6,8 @@
 Batch 1, greedy. Per prompt, in this order (after an untimed warm-up of each on one more prompt per category):
 
 * ``hf_dynamic``: transformers ``generate()`` with its default (dynamic) cache;
-* ``hf_static``: ``generate(cache_implementation="static")``;
+* ``hf_static``: ``generate(cache_implementation="static")`` (``--skip-static`` leaves it out: on CUDA transformers
+  compiles it with torch.compile, again as the cache grows, most of a short run's time);
 * ``specdec_plain``: specdec without a drafter (Triton kernels on CUDA, ``SPECDEC_ATTENTION``);
 * ``specdec_ngram``: specdec with the n-gram drafter;
 * ``specdec_plain_graphs`` / ``specdec_ngram_graphs``: the same with the verify forward replayed as
@@ -14,8 +15,8 @@ Batch 1, greedy. Per prompt, in this order (after an untimed warm-up of each on 
   before the first prompt); ``--no-graphs`` leaves them out;
 * ``specdec_plain_ref`` (``--compare-reference``): plain decoding with ``SPECDEC_ATTENTION=reference``.
 
-Prints tokens/s per category and overall, each method's ratio to ``hf_static``, n-gram vs plain,
-and how many outputs equal transformers' greedy tokens. bf16 may legitimately diverge where two
+Prints tokens/s per category and overall, each method's ratio to ``hf_static`` (else the reference), n-gram vs
+plain, and how many outputs equal transformers' greedy tokens. bf16 may legitimately diverge where two
 tokens nearly tie, so every specdec output that parts from transformers' (``hf_dynamic``, else
 ``hf_static``) is classified at its first divergence by transformers' own logit gap between the
 two tokens there: a ``near-tie`` when the gap is within 4 bf16 units in the last place of the
@@ -45,11 +46,15 @@ def parse_args(argv=None):
     ap.add_argument("--model", default="default")
     ap.add_argument("--compare-reference", action="store_true", help="also time plain decoding on the reference path")
     ap.add_argument("--skip-dynamic", action="store_true", help="skip transformers' dynamic-cache generate (slow)")
+    ap.add_argument("--skip-static", action="store_true",
+                    help="skip transformers' static-cache generate (its torch.compile runs take most of a short run)")
     ap.add_argument("--no-graphs", action="store_true", help="leave out the CUDA-graph rows")
     ap.add_argument("--json", help="also write the totals to this JSON file")
     args = ap.parse_args(argv)
     if args.prompts < 1 or args.max_new_tokens < 1:
         ap.error("--prompts and --max-new-tokens must be >= 1")
+    if args.skip_dynamic and args.skip_static:
+        ap.error("--skip-dynamic and --skip-static leave no transformers reference to compare with")
     return args
 
 
@@ -122,7 +127,8 @@ def main(argv=None) -> int:
     methods = {}
     if not args.skip_dynamic:
         methods["hf_dynamic"] = lambda ids: hf(ids, n_new)
-    methods["hf_static"] = lambda ids: hf(ids, n_new, cache_implementation="static")
+    if not args.skip_static:
+        methods["hf_static"] = lambda ids: hf(ids, n_new, cache_implementation="static")
     methods["specdec_plain"] = lambda ids: sd(ids, n_new)
     methods["specdec_ngram"] = lambda ids: sd(ids, n_new, drafter="ngram")
     if graphed is not None:
@@ -166,8 +172,9 @@ def main(argv=None) -> int:
         print(f"{cat}: " + "  ".join(f"{m} {n / s:8.1f} tok/s" for m, (n, s) in cat_tot.items()), flush=True)
     tps = {m: n / s for m, (n, s) in totals.items()}
     print("ALL:")
+    baseline = "hf_static" if "hf_static" in tps else reference
     for m, v in tps.items():
-        print(f"  {m:<20} {v:8.1f} tok/s   vs hf_static {v / tps['hf_static']:5.2f}x   "
+        print(f"  {m:<20} {v:8.1f} tok/s   vs {baseline} {v / tps[baseline]:5.2f}x   "
               f"same tokens as {reference} {same[m]}/{count}")
     print(f"  specdec_ngram / specdec_plain = {tps['specdec_ngram'] / tps['specdec_plain']:.2f}x")
     if graphed is not None:

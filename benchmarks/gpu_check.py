@@ -85,6 +85,9 @@ def parse_args(argv=None):
                     help="model of the e2e step and the embedded model of the speed step (alias, checkpoint dir or "
                          ".gguf)")
     ap.add_argument("--prompts", type=int, default=2, help="e2e prompts per category")
+    ap.add_argument("--quick-e2e", action="store_true",
+                    help="e2e without transformers' static-cache rows, whose torch.compile runs take most of its time "
+                         "(divergences are judged against the dynamic cache either way)")
     ap.add_argument("--acceptance-prompts", type=int, default=4, help="acceptance prompts per category")
     ap.add_argument("--workers", type=int, default=8, help="pytest-xdist workers sharing the GPU")
     ap.add_argument("--slow", action="store_true",
@@ -210,10 +213,10 @@ def step_kernels(out: Path) -> dict:
     return dict(status="failed" if failed else "passed", **result)
 
 
-def step_e2e(out: Path, model: str, prompts: int) -> dict:
+def step_e2e(out: Path, model: str, prompts: int, quick: bool = False) -> dict:
     js = out / "e2e.json"
     cmd = [sys.executable, "-P", str(BENCH / "bench_e2e_gpu.py"), "--model", model, "--prompts", str(prompts),
-           "--json", str(js)]
+           "--json", str(js)] + (["--skip-static"] if quick else [])
     rc, seconds = run(cmd, out / "e2e.log", timeout=330)
     ok = rc == 0 and js.is_file()
     data = json.loads(js.read_text()) if ok else {}
@@ -345,7 +348,8 @@ def main(argv=None) -> int:
              "acceptance": lambda: step_acceptance(out, args.rehearse, args.model, args.acceptance_prompts),
              "tests": lambda: step_tests(out, args.workers, args.slow),
              "graphs": lambda: step_tests(out, args.workers, args.slow, graphs_only=True),
-             "kernels": lambda: step_kernels(out), "e2e": lambda: step_e2e(out, args.model, args.prompts)}
+             "kernels": lambda: step_kernels(out),
+             "e2e": lambda: step_e2e(out, args.model, args.prompts, args.quick_e2e)}
     t_all = time.perf_counter()
     DEADLINE[0] = None if args.deadline_s is None else t_all + args.deadline_s
     for name in args.steps.split(","):

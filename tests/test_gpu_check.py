@@ -169,8 +169,8 @@ def test_carried_gguf_parts_join_to_the_file_and_the_calls_name_them(tmp_path, m
     assert carry1 == [".gl/smol.gguf.part1", ".gl/smol.gguf.md5", ".whl"]
     assert carry2 == [".gl/smol.gguf.part2", ".gl/smol.gguf.md5", ".whl"]  # a fresh machine can install again
     # measurements first: speed needs no GGUF, the second call's steps need its weights and tokenizer
-    assert "--steps env,speed --model default" in first and "--steps acceptance,e2e,graphs" in second
-    assert "--model $M" in second
+    assert "--steps env,speed --model default" in first and "--steps acceptance,graphs,e2e" in second
+    assert "--model $M" in second and "--quick-e2e" in second  # e2e last and short: ~90 s of ~270
     # both calls, the machine's start and their overheads inside a session's device time
     deadlines = [int(re.search(r"--deadline-s (\d+)", c).group(1)) for c in (first, second)]
     used = gpu_carry.START_S + sum(deadlines) + 2 * gpu_carry.CALL_OVERHEAD_S
@@ -205,3 +205,24 @@ def test_a_deadline_shrinks_each_steps_limit_and_the_speed_budget(tmp_path, monk
     check.DEADLINE[0] = time.perf_counter() + 400
     check.step_speed(tmp_path, rehearse=False, model="default")
     assert limits[-1] <= 400 - check.DEADLINE_MARGIN_S  # the process's limit, its budget inside it
+
+
+def test_a_quick_e2e_step_leaves_out_the_static_cache(tmp_path, monkeypatch):
+    """--quick-e2e: the end-to-end step without transformers' static-cache rows (torch.compile), which a short
+    device call has no time for; its divergences are judged against the dynamic cache as before."""
+    import sys
+
+    check = _gpu_check()
+    seen = []
+    monkeypatch.setattr(check, "run", lambda cmd, log, timeout, env=None: seen.append(cmd) or log.write_text("")
+                        or (1, 0.0))
+    assert check.step_e2e(tmp_path, "default", 1, quick=True)["status"] == "failed"  # no JSON came back
+    check.step_e2e(tmp_path, "default", 1)
+    assert "--skip-static" in seen[0] and "--skip-static" not in seen[1]
+    assert check.parse_args(["--steps", "e2e", "--quick-e2e"]).quick_e2e
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_e2e_gpu
+
+    assert bench_e2e_gpu.parse_args(["--skip-static"]).skip_static
+    with pytest.raises(SystemExit):  # no transformers reference left
+        bench_e2e_gpu.parse_args(["--skip-static", "--skip-dynamic"])
