@@ -1,43 +1,343 @@
-"""Compile every kernel for a CUDA architecture WITHOUT a GPU (Triton's bundled ptxas), and report registers.
+"""Compile every kernel launch the engine makes for a CUDA architecture WITHOUT a GPU (Triton's bundled ptxas).
 
-    python -m specdec.kernels.compile_check              # sm_90 (H100), the launch configs the wrappers use
+    python -m specdec.kernels.compile_check              # sm_90 (H100 / H200): every recorded launch
+    python -m specdec.kernels.compile_check --quick      # a handful: 8B decode and tree, float32 tree, merge, KV, norm
+    python -m specdec.kernels.compile_check --list       # what would be compiled, without compiling
     python -m specdec.kernels.compile_check --arch 80 --resources
 
-The interpreter checks semantics but not what the GPU compiler accepts (layouts, dot shapes, register
-spills); this catches those errors on a CPU-only machine. It must run with TRITON_INTERPRET unset
-(interpreted kernels cannot be compiled); the test suite runs it in a subprocess.
+The interpreter checks semantics, not what the GPU compiler accepts (layouts, dot shapes, register spills).
+Launches are recorded, not listed: the wrappers run on CPU tensors of real model shapes and dtypes (eager steps,
+every CUDA-graph bucket) with each kernel's ``run`` replaced by a recorder, tiles and split counts as on a GPU with
+``SMS`` SMs. Each distinct (kernel, signature, constexprs, attrs, options) compiles once, specialised as a GPU
+launch of the same arguments is (alignment hints, integers equal to 1 made constants); an attention or merge launch
+that spills more than ``--max-stack`` bytes of stack per thread fails. Run with TRITON_INTERPRET unset.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import inspect
+import json
 import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from types import SimpleNamespace
+from unittest import mock
 
 import torch
 
-HEAD_SHAPES = {"llama8b": (4, 128), "embedded": (3, 64), "mha": (1, 128), "gqa8": (8, 128)}  # (group, head_dim)
+SMS = 132  # H100 SXM / H200: split-KV counts as chosen there
+CUDA = torch.device("cuda")  # what the attention's split heuristic is told it runs on (no GPU is touched)
+DEFAULT_MAX_STACK = 8  # stack bytes per thread an attention or merge launch may spill (16-bit tiles spill none)
 
 
-def _types(kernel, pointers: dict[str, str], default: str = "i32") -> dict[str, str]:
-    sig = {n: default for n in inspect.signature(kernel.fn).parameters}
-    sig.update(pointers)
-    return sig
+@dataclass(frozen=True)
+class Model:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    qk_norm: bool = False  # Qwen3: q and k normed per head (new contiguous tensors), RoPE and KV write apart
 
 
-def _compile(kernel, types: dict[str, str], consts: dict, arch: int, num_warps: int = 4):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+MODELS = {
+    "llama8b": Model(32, 8, 128, 4096, 14336),  # Llama-3.1-8B
+    "qwen3-1.7b": Model(16, 8, 128, 2048, 6144, qk_norm=True),
+    "llama1b": Model(32, 8, 64, 2048, 8192),  # Llama-3.2-1B
+    "smollm2": Model(9, 3, 64, 576, 1536),  # SmolLM2-135M
+}
+DTYPES = {"bf16": (torch.bfloat16, tuple(MODELS)), "fp16": (torch.float16, ("llama8b", "smollm2")),
+          "fp32": (torch.float32, ("llama8b", "smollm2"))}
+EAGER_BATCHES = (1, 2, 8, 32)
+EAGER_NEW = (1, 2, 3, 5, 9, 17, 33, 65)  # tokens per sequence of a decode, chain or tree step
+EAGER_CONTEXTS = (100, 1000, 8000)  # cached keys: no split, and split counts of a short and a long context
+PREFILLS = (1, 40, 128, 512, 8192)  # prompt lengths (batches 1 and 2, nothing cached)
+GRAPH_MAX_KEYS = (8192, 131072)  # a CUDA-graph bucket's key capacity (its split counts)
+GRAPH_PAGE = 16  # the KV cache's default block size: a bucket's block-table pages
+HUGE_CACHE_STEPS = ((1, 1, 8000), (4, 65, 100))  # eager steps over a K plane of >= 2**31 elements (OFF64)
+INVARIANT_ROWS = (1, 7, 32)  # a forward's rows in the bit-exact mode: M == 1, other, divisible by 16
+INVARIANT_KEYS = (1, 17, 2048)  # its slot table's width (the most keys of a row): == 1, other, divisible by 16
+KERNEL_NAMES = {"_tree_attn_kernel": "attn", "_merge_kernel": "merge", "_write_kernel": "kv write",
+                "_compact_kernel": "compact", "_add_rms_norm_kernel": "add+rmsnorm", "_rope_kernel": "rope",
+                "_rope_write_kernel": "rope+kv write", "_silu_mul_kernel": "silu*mul",
+                "_linear_kernel": "invariant linear", "_attention_kernel": "invariant attn"}
+SHOWN = ("BLOCK_Q", "BLOCK_N", "PAGE_SIZE", "SPLIT", "OFF64", "BLOCK_S", "HAS_DELTA", "BLOCK_H", "HAS_BIAS")
+STACK_CHECKED = ("_tree_attn_kernel", "_merge_kernel")
 
-    names = list(inspect.signature(kernel.fn).parameters)
-    sig = {n: ("constexpr" if n in consts else types[n]) for n in names}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+# ---- recording launches ------------------------------------------------------------------------------------------
+@dataclass
+class Launch:
+    """One distinct kernel compilation: what ``triton.compile`` gets for a GPU launch, and where it was first met."""
+
+    module: str
+    kernel_name: str
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: dict
+    dtype: str
+    label: str
+
+    @property
+    def key(self) -> str:
+        return json.dumps([self.kernel_name, self.signature, sorted(map(repr, self.constexprs.items())),
+                           sorted(map(repr, self.attrs.items())), sorted(map(repr, self.options.items()))])
+
+    @property
+    def name(self) -> str:
+        names = list(self.signature)
+        shown = " ".join(f"{names[i]}={v}" for (i,), v in self.constexprs.items() if names[i] in SHOWN)
+        return " ".join(filter(None, (KERNEL_NAMES[self.kernel_name], self.dtype, self.label, shown)))
+
+    def kernel(self):
+        return getattr(importlib.import_module(self.module), self.kernel_name)
 
 
+def _specialise(kernel, args, kwargs) -> tuple[dict, dict, dict, dict]:
+    """(signature, constexprs, attrs, options) of a launch as ``JITFunction.run`` builds them on a CUDA device."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    params = inspect.signature(kernel.fn).parameters
+    bound = inspect.signature(kernel.fn).bind(*args, **{k: v for k, v in kwargs.items() if k in params})
+    bound.apply_defaults()
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (param, value) in enumerate(zip(kernel.params, bound.arguments.values())):
+        if param.is_constexpr:
+            signature[param.name], constexprs[(i,)] = "constexpr", value
+            continue
+        ty, attr = native_specialize_impl(CUDABackend, value, param.is_const, not param.do_not_specialize,
+                                          not param.do_not_specialize_on_alignment)
+        signature[param.name] = ty
+        if ty == "constexpr":  # an integer equal to 1
+            constexprs[(i,)] = attr
+        elif isinstance(attr, str):
+            attrs[(i,)] = CUDABackend.parse_attr(attr)
+    return signature, constexprs, attrs, {k: v for k, v in kwargs.items() if k not in params}
+
+
+def _kernels() -> list:
+    from specdec.kernels import fused_ops as fo
+    from specdec.kernels import invariant_ops as io
+    from specdec.kernels import kv_write as kw
+    from specdec.kernels import tree_attention as ta
+
+    return [ta._tree_attn_kernel, ta._merge_kernel, kw._write_kernel, kw._compact_kernel, fo._add_rms_norm_kernel,
+            fo._rope_kernel, fo._rope_write_kernel, fo._silu_mul_kernel, io._linear_kernel, io._attention_kernel]
+
+
+@dataclass
+class Recorder:
+    """Replaces each kernel's ``run`` with a recorder, and the attention's tile and split choices with a GPU's."""
+
+    launches: dict = field(default_factory=dict)  # key -> Launch, in order of first launch
+    label: str = ""
+    dtype: str = ""
+
+    @contextlib.contextmanager
+    def installed(self):
+        from specdec.kernels import tree_attention as ta
+
+        config, splits = ta.launch_config, ta._default_splits
+        sms = SimpleNamespace(multi_processor_count=SMS)
+
+        def gpu_tiles(group, head_dim, max_new, dtype, gpu=False):
+            return config(group, head_dim, max_new, dtype, True)
+
+        def gpu_splits(meta, programs, device):
+            return splits(meta, programs, CUDA)
+
+        with contextlib.ExitStack() as stack:
+            for kernel in _kernels():
+                stack.enter_context(mock.patch.object(kernel, "run", self._runner(kernel)))
+            stack.enter_context(mock.patch.object(ta, "launch_config", gpu_tiles))
+            stack.enter_context(mock.patch.object(ta, "_default_splits", gpu_splits))
+            stack.enter_context(mock.patch.object(torch.cuda, "get_device_properties", lambda device: sms))
+            yield self
+
+    def _runner(self, kernel):
+        def run(*args, grid, warmup, **kwargs):
+            signature, constexprs, attrs, options = _specialise(kernel, args, kwargs)
+            launch = Launch(kernel.fn.__module__, kernel.fn.__name__, signature, constexprs, attrs, options,
+                            self.dtype, self.label)
+            self.launches.setdefault(launch.key, launch)
+
+        return run
+
+
+# ---- driving the wrappers at real shapes ---------------------------------------------------------------------------
+def _q(rows: int, m: Model, dtype) -> torch.Tensor:
+    """q as the runner passes it: a row-strided view of a fused QKV product, or a contiguous normed tensor (Qwen3)."""
+    if m.qk_norm:
+        return torch.empty(rows, m.heads, m.head_dim, dtype=dtype)
+    out = torch.empty(rows, (m.heads + 2 * m.kv_heads) * m.head_dim, dtype=dtype)
+    return out[:, : (m.heads + m.kv_heads) * m.head_dim].view(rows, m.heads + m.kv_heads, m.head_dim)[:, : m.heads]
+
+
+def _kv(m: Model, dtype, slots: int = 4096, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    kv = torch.empty(1, 2, slots, m.kv_heads, m.head_dim, dtype=dtype, device=device)  # a layer of the cache
+    return kv[0, 0], kv[0, 1]
+
+
+def _eager_meta(batch: int, new: int, ctx: int):
+    """``TreeAttentionMetadata.from_plan`` of a step: a page-size-1 slot table over each sequence's keys."""
+    from specdec.kernels import tree_attention as ta
+
+    def i32():
+        return torch.zeros(batch, dtype=torch.int32)
+
+    table = torch.zeros(batch, ctx + new, dtype=torch.int32)
+    return ta.TreeAttentionMetadata(table, 1, i32(), i32(), i32(), i32(), i32(),
+                                    torch.zeros(batch * new, dtype=torch.long), (new,) * batch, ctx)
+
+
+def _eager_steps() -> list[tuple[int, int, int]]:
+    """(batch, new tokens per sequence, cached keys) of the eager steps driven: decode, chains, trees, prefills."""
+    steps = [(b, n, c) for b in EAGER_BATCHES for n in EAGER_NEW for c in EAGER_CONTEXTS]
+    return steps + [(b, n, 0) for b in (1, 2) for n in PREFILLS]
+
+
+def _graph_buckets():
+    """(bucket, label) of every CUDA-graph bucket, at each key capacity."""
+    from specdec.kernels.graph_metadata import StaticInputs
+
+    from specdec.cuda_graphs import GraphConfig
+
+    cfg = GraphConfig()
+    for max_keys in GRAPH_MAX_KEYS:
+        inputs = StaticInputs(cfg.batch_sizes[-1], cfg.tokens_per_seq[-1], max_keys, GRAPH_PAGE, 0, "cpu")
+        for b in cfg.batch_sizes:
+            for t in cfg.tokens_per_seq:
+                yield inputs.bucket(b, t), f"graph B={b} t={t} keys={max_keys}"
+
+
+def _eager_attention(rec: Recorder, name: str, m: Model, dtype, steps, huge: bool = False) -> None:
+    """``tree_attention`` over eager steps; ``huge``: a K plane of >= 2**31 elements (meta tensors, no memory)."""
+    from specdec.kernels import tree_attention as ta
+
+    k, v = _kv(m, dtype, 2**31 // (m.kv_heads * m.head_dim) + 1, "meta") if huge else _kv(m, dtype)
+    for batch, new, ctx in steps:
+        rec.label = f"{name} eager B={batch} n={new} ctx={ctx}" + (" huge cache" if huge else "")
+        ta.tree_attention(_q(batch * new, m, dtype), k, v, _eager_meta(batch, new, ctx), m.head_dim**-0.5)
+
+
+def _graph_attention(rec: Recorder, name: str, m: Model, dtype) -> None:
+    from specdec.kernels import tree_attention as ta
+
+    k, v = _kv(m, dtype)
+    for bucket, label in _graph_buckets():
+        rec.label = f"{name} {label}"
+        ta.tree_attention(_q(bucket.rows, m, dtype), k, v, bucket.metadata, m.head_dim**-0.5)
+
+
+def _layer_ops(rec: Recorder, name: str, m: Model, dtype, slots: torch.Tensor, label: str) -> None:
+    """A layer's fused ops and KV store over ``slots`` (a step's write slots), with a fused QKV product or not."""
+    from specdec.kernels import fused_ops as fo
+    from specdec.kernels import kv_write as kw
+
+    rec.label = f"{name} {label}"
+    rows, d = slots.numel(), m.head_dim
+    kv = torch.empty(2, 2, 64, m.kv_heads, d, dtype=dtype)  # [layers, 2, slots, kv heads, head_dim]
+    h = torch.empty(rows, m.hidden, dtype=dtype)
+    weight = torch.empty(m.hidden, dtype=dtype)
+    fo.add_rms_norm(h, torch.empty_like(h), weight, 1e-5)
+    fo.add_rms_norm(h, None, weight, 1e-5)  # the first layer's norm
+    cos, sin = torch.empty(rows, 1, d, dtype=dtype), torch.empty(rows, 1, d, dtype=dtype)
+    qkv = torch.empty(rows, (m.heads + 2 * m.kv_heads) * d, dtype=dtype)
+    v = qkv[:, (m.heads + m.kv_heads) * d:].view(rows, m.kv_heads, d)
+    if not m.qk_norm:  # a fused QKV product: RoPE and KV store in one launch
+        fo.rope_write_(qkv[:, : (m.heads + m.kv_heads) * d].view(rows, -1, d), v, cos, sin, kv, 1, slots, m.heads)
+    fo.rope_(torch.empty(rows, m.heads, d, dtype=dtype), cos, sin)  # separate products, or Qwen3's normed q, k
+    fo.rope_(torch.empty(rows, m.kv_heads, d, dtype=dtype), cos, sin)
+    kw.write_kv(kv, 1, slots, torch.empty(rows, m.kv_heads, d, dtype=dtype), v)
+    gate_up = torch.empty(rows, 2 * m.intermediate, dtype=dtype)
+    fo.silu_mul(gate_up[:, : m.intermediate], gate_up[:, m.intermediate:])
+    fo.silu_mul(torch.empty(rows, m.intermediate, dtype=dtype), torch.empty(rows, m.intermediate, dtype=dtype))
+
+
+def _compaction(rec: Recorder, name: str, m: Model, dtype) -> None:
+    from specdec.kernels import kv_write as kw
+
+    rec.label = f"{name} commit"
+    pairs = torch.arange(10).view(2, 5)  # the cache's src / dst slots: rows of one [2, n] tensor
+    kw.compact_kv(torch.empty(2, 2, 64, m.kv_heads, m.head_dim, dtype=dtype), pairs[0], pairs[1])
+
+
+def _invariant_ops(rec: Recorder, name: str, m: Model, dtype) -> None:
+    """The bit-exact mode: every product and the attention through ``invariant_ops`` (unfused, contiguous q)."""
+    from specdec.kernels import invariant_ops as io
+
+    k, v = _kv(m, dtype)
+    hd = m.heads * m.head_dim
+    products = ((hd, m.hidden), (m.kv_heads * m.head_dim, m.hidden), (m.hidden, hd), (m.intermediate, m.hidden),
+                (m.hidden, m.intermediate), (49152, m.hidden))
+    for rows in INVARIANT_ROWS:
+        rec.label = f"{name} bit-exact rows={rows}"
+        for n_out, n_in in products:
+            io.linear(torch.empty(rows, n_in, dtype=dtype), torch.empty(n_out, n_in, dtype=dtype))
+        io.linear(torch.empty(rows, m.hidden, dtype=dtype), torch.empty(hd, m.hidden, dtype=dtype),
+                  torch.empty(hd, dtype=dtype))
+        for keys in INVARIANT_KEYS:
+            rec.label = f"{name} bit-exact rows={rows} keys={keys}"
+            io.attention(torch.empty(rows, m.heads, m.head_dim, dtype=dtype), k, v,
+                         torch.zeros(rows, keys, dtype=torch.long), torch.ones(rows, dtype=torch.long),
+                         m.head_dim**-0.5)
+
+
+def _drive_all(rec: Recorder) -> None:
+    for dname, (dtype, models) in DTYPES.items():
+        rec.dtype = dname
+        for name in models:
+            m = MODELS[name]
+            _eager_attention(rec, name, m, dtype, _eager_steps())
+            _graph_attention(rec, name, m, dtype)
+            _eager_attention(rec, name, m, dtype, HUGE_CACHE_STEPS, huge=True)
+            for rows in (1, 7, 64):
+                _layer_ops(rec, name, m, dtype, torch.zeros(rows, dtype=torch.int32), f"eager rows={rows}")
+            for bucket, label in _graph_buckets():  # write slots inside the static buffer: alignment varies
+                _layer_ops(rec, name, m, dtype, bucket.write_slots, label)
+            _compaction(rec, name, m, dtype)
+            _invariant_ops(rec, name, m, dtype)
+
+
+def _drive_quick(rec: Recorder) -> None:
+    """The 8B shape: a split bf16 decode (and its merge), bf16 and float32 65-token trees, KV store, one norm."""
+    from specdec.kernels import fused_ops as fo
+    from specdec.kernels import kv_write as kw
+
+    m = MODELS["llama8b"]
+    rec.dtype = "bf16"
+    _eager_attention(rec, "llama8b", m, torch.bfloat16, [(1, 1, 1000), (1, 65, 100)])
+    rec.dtype = "fp32"
+    _eager_attention(rec, "llama8b", m, torch.float32, [(1, 65, 100)])
+    rec.dtype, rec.label = "bf16", "llama8b eager rows=1"
+    kv = torch.empty(2, 2, 64, m.kv_heads, m.head_dim, dtype=torch.bfloat16)
+    kv_rows = torch.empty(1, m.kv_heads, m.head_dim, dtype=torch.bfloat16)
+    kw.write_kv(kv, 1, torch.zeros(1, dtype=torch.int32), kv_rows, kv_rows)
+    fo.add_rms_norm(torch.empty(1, m.hidden, dtype=torch.bfloat16), torch.empty(1, m.hidden, dtype=torch.bfloat16),
+                    torch.empty(m.hidden, dtype=torch.bfloat16), 1e-5)
+    _compaction(rec, "llama8b", m, torch.bfloat16)
+
+
+def record(quick: bool = False) -> list[Launch]:
+    """Every distinct launch of the wrappers at the real shapes, in order of first launch (``quick``: a handful)."""
+    rec = Recorder()
+    with rec.installed():
+        try:
+            (_drive_quick if quick else _drive_all)(rec)
+        except Exception as e:  # a wrapper rejecting a real shape: name the step
+            raise RuntimeError(f"{rec.dtype} {rec.label}: {type(e).__name__}: {' '.join(str(e).split())}") from e
+    return list(rec.launches.values())
+
+
+# ---- compiling -----------------------------------------------------------------------------------------------------
 def _resources(compiled) -> str:
     import triton
 
@@ -52,56 +352,45 @@ def _resources(compiled) -> str:
 
 def _stack_bytes(resources: str) -> int:
     """The per-thread stack (register spills) in a :func:`_resources` line, 0 when it names none."""
-    field = next((f for f in resources.split() if f.startswith("STACK:")), "STACK:0")
-    return int(field.split(":")[1])
+    entry = next((f for f in resources.split() if f.startswith("STACK:")), "STACK:0")
+    return int(entry.split(":")[1])
 
 
-def configs():
-    """(name, kernel, types, constexprs, num_warps) for what the wrappers launch on a GPU."""
+def _compile(launch: Launch, arch: int):
     import triton
-    from specdec.kernels import fused_ops as fo
-    from specdec.kernels import kv_write as kw
-    from specdec.kernels import tree_attention as ta
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
 
-    out = []
-    for dtype, tname in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
-        shapes = HEAD_SHAPES.items() if tname == "bf16" else [("llama8b", HEAD_SHAPES["llama8b"])]
-        for shape, (group, head_dim) in shapes:
-            # page 16: the CUDA-graph buckets (the cache's blocks); page 1: an eager step's slot table
-            for max_new, page, split in ((1, 16, True), (17, 16, False), (17, 1, False), (65, 16, True),
-                                         (65, 64, True), (512, 16, False)):
-                cfg = ta.launch_config(group, head_dim, max_new, dtype)
-                warps = cfg.pop("num_warps")
-                cfg.update(PAGE_SIZE=page, SPLIT=split, OFF64=False)
-                types = _types(ta._tree_attn_kernel, dict(
-                    Q=f"*{tname}", K=f"*{tname}", V=f"*{tname}", Out=f"*{tname}", PartO="*fp32", PartLse="*fp32",
-                    BlockTables="*i32", CtxLens="*i32", NumMasked="*i32", QStarts="*i32", QLens="*i32",
-                    TreeMode="*i32", QBits="*i64", TileSeq="*i32", TileQ0="*i32", qk_scale="fp32"))
-                out.append((f"attn {tname} {shape} new={max_new} page={page} split={split}", ta._tree_attn_kernel,
-                            types, cfg, warps))
-    out.append(("merge", ta._merge_kernel, _types(ta._merge_kernel, dict(PartO="*fp32", PartLse="*fp32", Out="*bf16")),
-                dict(NUM_PARTS=9, BLOCK_S=16, HEAD_DIM=128, BLOCK_D=128), 4))
-    out.append(("kv write", kw._write_kernel, _types(kw._write_kernel, dict(K="*bf16", V="*bf16", Dst="*bf16",
-                                                                           Slots="*i32")),
-                dict(WIDTH=1024, BLOCK_W=1024), 4))
-    out.append(("compact", kw._compact_kernel, _types(kw._compact_kernel, dict(KV="*bf16", Src="*i32", Dst="*i32")),
-                dict(WIDTH=192, BLOCK_W=256), 4))
-    for hidden, heads, head_dim, width, kv_heads in ((576, 9, 64, 1536, 3), (4096, 32, 128, 14336, 8)):  # embedded, 8B
-        out.append((f"add+rmsnorm {hidden}", fo._add_rms_norm_kernel,
-                    _types(fo._add_rms_norm_kernel, dict(H="*bf16", Delta="*bf16", W="*bf16", Out="*bf16",
-                                                         eps="fp32")),
-                    dict(HAS_DELTA=True, BLOCK=triton.next_power_of_2(hidden)), 4))
-        out.append((f"rope {heads}x{head_dim}", fo._rope_kernel,
-                    _types(fo._rope_kernel, dict(X="*bf16", Cos="*bf16", Sin="*bf16")),
-                    dict(HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(heads), BLOCK_HALF=head_dim // 2), 4))
-        out.append((f"rope+kv write {heads}+{kv_heads}x{head_dim}", fo._rope_write_kernel,
-                    _types(fo._rope_write_kernel, dict(X="*bf16", V="*bf16", Cos="*bf16", Sin="*bf16", Dst="*bf16",
-                                                       Slots="*i32")),
-                    dict(HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(heads + kv_heads),
-                         BLOCK_HALF=head_dim // 2, BLOCK_V=triton.next_power_of_2(kv_heads * head_dim)), 4))
-        out.append((f"silu*mul {width}", fo._silu_mul_kernel,
-                    _types(fo._silu_mul_kernel, dict(G="*bf16", U="*bf16", Out="*bf16")), dict(BLOCK=1024), 4))
-    return out
+    src = ASTSource(fn=launch.kernel(), signature=launch.signature, constexprs=launch.constexprs, attrs=launch.attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
+
+
+def check(launch: Launch, arch: int, max_stack: int, show_resources: bool) -> tuple[bool, str]:
+    """(ok, the CLI's line) for one launch: compiled, and within ``max_stack`` if an attention or merge kernel."""
+    try:
+        compiled = _compile(launch, arch)
+    except Exception as e:  # report every failing launch, not only the first
+        return False, f"FAIL {launch.name}: {type(e).__name__}: {' '.join(str(e).split())[:2000]}"
+    resources = _resources(compiled)
+    if launch.kernel_name in STACK_CHECKED and _stack_bytes(resources) > max_stack:
+        return False, f"FAIL {launch.name}: spills registers ({resources}; at most {max_stack} bytes of stack allowed)"
+    extra = f"  {resources}" if show_resources else ""
+    warps = launch.options.get("num_warps", 4)
+    return True, f"ok   {launch.name}  warps={warps} shared={compiled.metadata.shared}B{extra}"
+
+
+def _check_all(todo: list[Launch], args):
+    """The lines of :func:`check`, in order; on ``args.jobs`` processes when there is more than a handful."""
+    work = [(la, args.arch, args.max_stack, args.resources) for la in todo]
+    if args.jobs <= 1 or len(todo) < 16:
+        yield from (check(*w) for w in work)
+        return
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+        yield from pool.map(check, *zip(*work), chunksize=4)
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def main(argv=None) -> int:
@@ -109,33 +398,29 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100, 80 = A100)")
     ap.add_argument("--resources", action="store_true", help="print registers / stack (spills) per kernel")
     ap.add_argument("--quick", action="store_true",
-                    help="one config per kernel (three for attention: bf16 decode and tree, a float32 tree)")
-    ap.add_argument("--max-stack", type=int, default=None, metavar="BYTES",
-                    help="fail an attention config that spills more than BYTES of stack per thread (implies "
-                         "--resources)")
+                    help="a handful: bf16 decode and tree and a float32 tree of the 8B shape, merge, KV, norm")
+    ap.add_argument("--list", action="store_true", help="print what would be compiled, compile nothing")
+    ap.add_argument("--max-stack", type=int, default=DEFAULT_MAX_STACK, metavar="BYTES",
+                    help=f"fail an attention or merge launch that spills more than BYTES of stack per thread "
+                         f"(default {DEFAULT_MAX_STACK})")
+    ap.add_argument("--jobs", type=int, default=_cpus(), help="compiler processes (default: the CPUs usable)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2
-    todo = configs()
-    if args.quick:  # + merge, KV, embedded fused; the float32 tree tile, which spilled on sm_90 at 64 rows
-        todo = (todo[:2] + [c for c in todo if c[0].startswith("attn fp32") and "new=65" in c[0]][:1]
-                + [c for c in todo if not c[0].startswith("attn")][:6])
+    try:
+        todo = record(args.quick)
+    except RuntimeError as e:
+        print(f"FAIL driving the wrappers at {e}")
+        return 1
+    if args.list:
+        print("\n".join(la.name for la in todo))
+        print(f"{len(todo)} kernels to compile")
+        return 0
     failed = 0
-    for name, kernel, types, consts, warps in todo:
-        try:
-            compiled = _compile(kernel, types, consts, args.arch, warps)
-        except Exception as e:  # report every failing config, not only the first
-            failed += 1
-            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
-            continue
-        resources = _resources(compiled) if args.resources or args.max_stack is not None else ""
-        if args.max_stack is not None and name.startswith("attn") and _stack_bytes(resources) > args.max_stack:
-            failed += 1
-            print(f"FAIL {name}: spills registers ({resources}; at most {args.max_stack} bytes of stack allowed)")
-            continue
-        extra = f"  {resources}" if resources else ""
-        print(f"ok   {name}  warps={warps} shared={compiled.metadata.shared}B{extra}", flush=True)
+    for ok, line in _check_all(todo, args):
+        failed += not ok
+        print(line, flush=True)
     print(f"{len(todo) - failed}/{len(todo)} kernels compiled for sm_{args.arch}")
     return 1 if failed else 0
 

@@ -157,13 +157,15 @@ def _tree_attn_kernel(
                  out.to(Out.dtype.element_ty), mask=m2)
 
 
-@triton.jit
+# the number of parts is a runtime value: an eager step's split count grows with its context (one more every
+# MIN_SPLIT_CHUNK keys), and as a constexpr each count compiled a kernel of its own; BLOCK_S (a power of two) only
+@triton.jit(do_not_specialize=["num_parts"])
 def _merge_kernel(PartO, PartLse, Out, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-                  NUM_PARTS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                  num_parts, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sidx = tl.arange(0, BLOCK_S)
-    s_ok = sidx < NUM_PARTS
+    s_ok = sidx < num_parts
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     # a padding row of a CUDA-graph bucket (beyond its sequence's q_len) has every lse at its -inf fill and part_o
@@ -398,7 +400,7 @@ def tree_attention(
         _merge_kernel[(T, H)](
             part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
             part_lse.stride(1), out.stride(0), out.stride(1),
-            NUM_PARTS=parts, BLOCK_S=triton.next_power_of_2(parts), HEAD_DIM=D, BLOCK_D=cfg["BLOCK_D"],
+            num_parts=parts, BLOCK_S=triton.next_power_of_2(parts), HEAD_DIM=D, BLOCK_D=cfg["BLOCK_D"],
         )
     return out
 

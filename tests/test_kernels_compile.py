@@ -26,11 +26,43 @@ def run_check(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_kernels_compile_for_h100_quick():
-    """... and attention does not spill registers: float32 tree tiles of 64 rows spilled up to 9 KB of stack per
-    thread on sm_90 (912 bytes in the 8B shape's config here), a slow local-memory round trip in every tile."""
-    proc = run_check("--quick", "--max-stack", "64")
+    """A handful of launches compile as a GPU launch specialises them, and attention does not spill registers beyond
+    the default --max-stack: float32 tree tiles of 64 rows spilled up to 9 KB of stack per thread on sm_90, a slow
+    local-memory round trip in every tile."""
+    proc = run_check("--quick", "--resources")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "9/9 kernels compiled for sm_90" in proc.stdout and "attn fp32 llama8b new=65" in proc.stdout
+    assert "7/7 kernels compiled for sm_90" in proc.stdout, proc.stdout
+    for name in ("attn bf16 llama8b eager B=1 n=1 ctx=1000", "merge bf16", "attn bf16 llama8b eager B=1 n=65",
+                 "attn fp32 llama8b eager B=1 n=65", "kv write bf16", "compact bf16", "add+rmsnorm bf16"):
+        assert f"ok   {name}" in proc.stdout, name
+
+
+def test_the_check_covers_what_the_engine_launches():
+    """The full check's launches are recorded from the wrappers at real shapes (no compile here): every model shape
+    and dtype, the CUDA-graph buckets' 8- and 16-token tiles, eager page-size-1 steps split and not, 64-bit offsets,
+    merges of up to 65 parts, and the bit-exact mode's kernels."""
+    proc = run_check("--list")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = proc.stdout.splitlines()
+    assert names[-1].endswith(" kernels to compile") and int(names[-1].split()[0]) == len(names) - 1 > 100, names[-1]
+
+    def found(prefix: str, *parts: str) -> bool:
+        return any(n.startswith(prefix) and all(p in n for p in parts) for n in names)
+
+    for model in ("llama8b", "qwen3-1.7b", "llama1b", "smollm2"):
+        for tile in ("BLOCK_Q=8 ", "BLOCK_Q=16 "):
+            assert found(f"attn bf16 {model} graph", tile, "PAGE_SIZE=16"), (model, tile)
+        for split in ("SPLIT=True", "SPLIT=False"):
+            assert found(f"attn bf16 {model} eager", "PAGE_SIZE=1 ", split), (model, split)
+        assert found(f"attn bf16 {model}", "OFF64=True"), model
+        assert found(f"invariant attn bf16 {model}"), model
+    for dtype in ("bf16", "fp16", "fp32"):
+        for kernel in ("rope", "silu*mul", "compact", "invariant linear", "invariant attn"):
+            assert found(f"{kernel} {dtype} "), (kernel, dtype)
+        for model in ("llama8b", "smollm2"):  # launches of one key are named after the first shape met
+            for kernel in ("attn", "merge", "kv write", "rope+kv write", "add+rmsnorm"):
+                assert found(f"{kernel} {dtype} {model}"), (kernel, dtype, model)
+    assert found("merge bf16 smollm2", "BLOCK_S=128")
 
 
 @pytest.mark.slow
@@ -38,6 +70,9 @@ def test_every_launch_config_compiles_for_h100():
     proc = run_check()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "FAIL" not in proc.stdout
+    lines = proc.stdout.splitlines()
+    compiled = sum(line.startswith("ok   ") for line in lines)
+    assert lines[-1] == f"{compiled}/{compiled} kernels compiled for sm_90", lines[-1]
 
 
 SPECIALISATIONS = """
@@ -60,7 +95,7 @@ def recorder(kernel):
     kernel.run = run
 recorder(ta._tree_attn_kernel)
 recorder(kw._compact_kernel)
-recorder(ta._merge_kernel)  # after a split (NUM_PARTS, a constexpr, is the split's)
+recorder(ta._merge_kernel)  # after a split
 k = v = torch.zeros(4096, 3, 64, dtype=torch.bfloat16)
 i32 = lambda: torch.zeros(1, dtype=torch.int32)
 for n, ctx in ((40, 0), (128, 0), (144, 0), (1, 2000), (1, 2048)):  # prefills of 40, 128 and 144 keys, decodes
@@ -74,15 +109,24 @@ for pairs in (1, 4, 16):
     kw.compact_kv(kv, torch.arange(pairs), torch.arange(pairs) + 32)
 # the most runtime specialisations of one tile shape, per kernel
 print({name: max(map(len, found.values())) for name, found in sorted(keys.items()) if name != "_merge_kernel"})
+keys.clear()
+meta = ta.TreeAttentionMetadata(torch.zeros(1, 16385, dtype=torch.int32), 1, i32(), i32(), i32(), i32(), i32(),
+                                torch.zeros(1, dtype=torch.long), (1,), 16384)
+for splits in range(2, 65):  # an eager decode's split count grows with its context
+    ta.tree_attention(torch.zeros(1, 9, 64, dtype=torch.bfloat16), k, v, meta, 0.125, num_splits=splits)
+print(sum(map(len, keys["_merge_kernel"].values())))  # merge kernels compiled for 63 split counts
 """
 
 
 def test_a_steps_key_count_or_splits_compile_no_new_kernel():
     """On a GPU Triton compiles a kernel again for each class of an integer argument (equal to 1, divisible by 16,
-    other): a prefill of 128 keys, a new split count or 16 compacted pairs met first inside a timed run compiled
-    there (~1 s). Such arguments are not specialised: one key per kernel and split mode."""
+    other), and for each value of a constexpr: a prefill of 128 keys, a new split count or 16 compacted pairs met
+    first inside a timed run compiled there (~1 s), and the merge compiled once per split count (a constexpr), so an
+    eager generation compiled one more every 256 keys of context. Such arguments are not specialised."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-P", "-c", SPECIALISATIONS], capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split("\n")[-2] == "{'_compact_kernel': 1, '_tree_attn_kernel': 1}", proc.stdout
+    assert proc.stdout.split("\n")[-3] == "{'_compact_kernel': 1, '_tree_attn_kernel': 1}", proc.stdout
+    # the merge of an eager step's splits: one kernel per power of two of parts (BLOCK_S), not per split count
+    assert int(proc.stdout.split("\n")[-2]) <= 7, proc.stdout
