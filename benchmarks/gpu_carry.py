@@ -11,9 +11,9 @@ the calls are planned inside it, measurements first:
 1. installs, keeps its part in /tmp and measures speed (``--steps env,speed``): synthetic shapes need no GGUF, and
    the embedded model's shape stands in for it (plain speed depends on shapes, not weights);
 2. made at once (an idle machine is given back after ~30 s), joins the GGUF, checks its MD5 and runs what needs its
-   weights and tokenizer, the CUDA-graph tests, and bf16 end to end in what is left (``--steps
-   acceptance,graphs,e2e``). It installs again on a fresh machine, where the GGUF cannot be joined and the
-   acceptance and e2e steps fail.
+   weights and tokenizer, the greedy device tests (float32 identity of every drafter), bf16 end to end, and the
+   CUDA-graph tests in what is left (``--steps acceptance,identity,e2e,graphs``): the goals' steps first. It
+   installs again on a fresh machine, where the GGUF cannot be joined and the acceptance and e2e steps fail.
 
 Each runs gpu_check with ``--deadline-s``, so its steps end and its report is written inside the call's device
 time. The device test cases (``--steps tests``, ~4 minutes) need a session of their own. Both folders are
@@ -91,7 +91,7 @@ def calls(parts: list[Path], wheels: list[Path], budget_s: float = DEVICE_BUDGET
              "--steps env,speed --model default --out $OUT/speed")
     second = (f"{{ python3 -c 'import specdec' 2>/dev/null || {{ {install}; }}; }} && cp .gl/{NAME}.md5 /tmp/ && "
               f"{{ cat /tmp/{parts[0].name} {rel(parts[1])} > /tmp/{NAME} && md5sum -c /tmp/{NAME}.md5 && "
-              f"M=/tmp/{NAME} || M=default; }}; {check} --deadline-s {second} --steps acceptance,graphs,e2e "
+              f"M=/tmp/{NAME} || M=default; }}; {check} --deadline-s {second} --steps acceptance,identity,e2e,graphs "
               "--prompts 1 --quick-e2e --model $M --out $OUT/check")
     carried = [f".gl/{NAME}.md5", rel(WHEELS)]
     return [(first, [rel(parts[0]), *carried]), (second, [rel(parts[1]), *carried])]

@@ -18,6 +18,8 @@ is reported and the others still run:
   speculative vs plain sampling, seeded model drafters).
 * ``graphs``: the first half of ``tests`` alone (the kernel, CUDA-graph and host-synchronisation tests, about a
   minute), to run before ``speed`` in one call: the speed numbers come from the paths these tests check.
+* ``identity``: of the second half, the greedy cases alone (``-k "cuda and greedy"``): every drafter's greedy
+  output is the target's on CUDA, in float32, through CUDA graphs where ``cuda_graphs="auto"`` uses them.
 * ``kernels``: ``bench_kernels_gpu.py`` over the goal points of ``docs/gpu/kernels.md``, timed as
   CUDA-graph replays (the kernel alone) and with ``do_bench`` (what one eager call costs).
 * ``e2e``: ``bench_e2e_gpu.py`` on the embedded model (bf16, batch 1, greedy): transformers, specdec
@@ -58,7 +60,7 @@ import gpu_goals  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
-STEPS = ("env", "tests", "graphs", "kernels", "e2e", "acceptance", "speed")
+STEPS = ("env", "tests", "graphs", "identity", "kernels", "e2e", "acceptance", "speed")
 REHEARSED = ("acceptance", "speed")  # the steps --rehearse runs on the CPU
 DEFAULT_STEPS = ("env", "tests", "kernels", "e2e")
 SPEED_BUDGET_S, SPEED_TIMEOUT_S = 360, 440  # the speed step: measuring, and its process with loading and imports
@@ -173,13 +175,18 @@ def step_env(out: Path) -> dict:
     return dict(status="passed", **info)
 
 
-def step_tests(out: Path, workers: int, slow: bool, graphs_only: bool = False) -> dict:
+def step_tests(out: Path, workers: int, slow: bool, part: str = "all") -> dict:
+    """``part``: "all" (``tests``), "graphs" (the kernel and graph files) or "identity" (the greedy device cases)."""
     # the slow device cases alone ran past 240 s on an H100: opt-in, with a longer limit. The kernel and graph files
     # took 47 s on an H200: alone (``graphs``), limited to leave a call of 600 s its speed step
-    runs = {"kernels_and_graphs": (KERNEL_FILES, 150 if graphs_only else 240)}
-    if not graphs_only:
+    runs = {}
+    if part in ("all", "graphs"):
+        runs["kernels_and_graphs"] = (KERNEL_FILES, 150 if part == "graphs" else 240)
+    if part == "all":
         runs["device_cuda"] = (DEVICE_FILES + ["-k", "cuda"] + ([] if slow else ["-m", "not slow"]),
                                600 if slow else 240)
+    if part == "identity":
+        runs["greedy_cuda"] = (DEVICE_FILES + ["-k", "cuda and greedy", "-m", "not slow"], 180)
     result, failed = {}, False
     for name, (files, limit) in runs.items():
         xml = out / f"tests_{name}.xml"
@@ -300,13 +307,13 @@ def markdown(report: dict) -> str:
                 lines += _fenced(step["log_tail"])
             if step.get("table") and name == "e2e":
                 lines += _fenced(step["table"])
-    tests = report["steps"].get("tests") or report["steps"].get("graphs")
-    if tests:
+    parts = [(name, part) for step in ("tests", "graphs", "identity") for name, part in
+             (report["steps"].get(step) or {}).items() if isinstance(part, dict)]
+    if parts:
         lines += ["", "## Tests on CUDA", ""]
-        for name, part in tests.items():
-            if isinstance(part, dict):
-                lines.append(f"- {name}: {part['passed']} passed, {part['failed']} failed, {part['skipped']} skipped "
-                             f"({part['seconds']} s)")
+        for name, part in parts:
+            lines.append(f"- {name}: {part['passed']} passed, {part['failed']} failed, {part['skipped']} skipped "
+                         f"({part['seconds']} s)")
     kernels = report["steps"].get("kernels")
     if kernels:
         for name in ("graph", "eager"):
@@ -347,7 +354,8 @@ def main(argv=None) -> int:
     steps = {"env": lambda: step_env(out), "speed": lambda: step_speed(out, args.rehearse, args.model),
              "acceptance": lambda: step_acceptance(out, args.rehearse, args.model, args.acceptance_prompts),
              "tests": lambda: step_tests(out, args.workers, args.slow),
-             "graphs": lambda: step_tests(out, args.workers, args.slow, graphs_only=True),
+             "graphs": lambda: step_tests(out, args.workers, args.slow, part="graphs"),
+             "identity": lambda: step_tests(out, args.workers, args.slow, part="identity"),
              "kernels": lambda: step_kernels(out),
              "e2e": lambda: step_e2e(out, args.model, args.prompts, args.quick_e2e)}
     t_all = time.perf_counter()

@@ -4,9 +4,9 @@
 
 Every number comes from a step of the same report: ``speed`` (bench_speed_gpu.py: plain decoding against the
 weight-read floor, the verify-cost curve, the oracle rows), ``acceptance`` (``specdec eval acceptance`` with n-gram
-on the embedded model), ``tests`` / ``graphs`` (the CUDA test cases) and ``e2e`` (bf16 divergences classified). A
-goal whose step did not run, or whose row was skipped, is "not measured", never met. In a CPU rehearsal the shapes
-are tiny and the verdicts check the report's plumbing only.
+on the embedded model), ``tests`` / ``identity`` (the CUDA test cases) and ``e2e`` (bf16 divergences classified).
+A goal whose step did not run, or whose row was skipped, is "not measured", never met. In a CPU rehearsal the
+shapes are tiny and the verdicts check the report's plumbing only.
 """
 from __future__ import annotations
 
@@ -87,8 +87,8 @@ def _ngram_goals(acceptance: dict) -> list[Goal]:
 
 
 def _exactness_goals(steps: dict) -> list[Goal]:
-    tests = steps.get("tests") or {}
-    device = tests.get("device_cuda")
+    # every device case (``tests``), or their greedy ones (``identity``)
+    device = (steps.get("tests") or {}).get("device_cuda") or (steps.get("identity") or {}).get("greedy_cuda")
     greedy = None if not device else device["failed"] == 0 and device["passed"] > 0
     found = Goal("greedy identity of every drafter on CUDA (the device test cases)", "every case passes",
                  "" if greedy is None else f"{device['passed']} passed, {device['failed']} failed",

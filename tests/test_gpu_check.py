@@ -105,6 +105,11 @@ def test_goals_are_judged_from_the_reports_steps():
     assert [g.verdict for g in goals(other)] == ["missed", "missed", "met", "met", "missed", "met", "missed", "met",
                                                 "missed", "met"]
     assert {g.verdict for g in goals({})} == {"not measured"}  # nothing ran: nothing met
+    # the greedy device cases alone (the identity step) judge the identity goal as every device case does
+    identity = dict(identity=dict(status="failed", greedy_cuda=dict(passed=41, failed=1)))
+    assert [g.verdict for g in goals(identity)][-2:] == ["missed", "not measured"]
+    identity["identity"]["greedy_cuda"]["failed"] = 0
+    assert goals(identity)[-2].verdict == "met" and goals(identity)[-2].measured == "41 passed, 0 failed"
     batch1 = _speed_report()
     batch1["report"]["models"][0]["oracle"] = batch1["report"]["models"][0]["oracle"][:5]  # no batch-32 auto row
     assert goals(dict(speed=batch1))[3].verdict == "not measured"
@@ -169,7 +174,7 @@ def test_carried_gguf_parts_join_to_the_file_and_the_calls_name_them(tmp_path, m
     assert carry1 == [".gl/smol.gguf.part1", ".gl/smol.gguf.md5", ".whl"]
     assert carry2 == [".gl/smol.gguf.part2", ".gl/smol.gguf.md5", ".whl"]  # a fresh machine can install again
     # measurements first: speed needs no GGUF, the second call's steps need its weights and tokenizer
-    assert "--steps env,speed --model default" in first and "--steps acceptance,graphs,e2e" in second
+    assert "--steps env,speed --model default" in first and "--steps acceptance,identity,e2e,graphs" in second
     assert "--model $M" in second and "--quick-e2e" in second  # e2e last and short: ~90 s of ~270
     # both calls, the machine's start and their overheads inside a session's device time
     deadlines = [int(re.search(r"--deadline-s (\d+)", c).group(1)) for c in (first, second)]
@@ -205,6 +210,16 @@ def test_a_deadline_shrinks_each_steps_limit_and_the_speed_budget(tmp_path, monk
     check.DEADLINE[0] = time.perf_counter() + 400
     check.step_speed(tmp_path, rehearse=False, model="default")
     assert limits[-1] <= 400 - check.DEADLINE_MARGIN_S  # the process's limit, its budget inside it
+
+
+def test_the_identity_step_runs_the_greedy_device_cases_alone(tmp_path, monkeypatch):
+    check = _gpu_check()
+    seen = []
+    monkeypatch.setattr(check, "run", lambda cmd, log, timeout, env=None: seen.append(cmd) or (0, 1.0))
+    step = check.step_tests(tmp_path, workers=8, slow=False, part="identity")
+    assert list(step) == ["status", "greedy_cuda"] and len(seen) == 1
+    assert seen[0][seen[0].index("-k") + 1] == "cuda and greedy" and "tests/test_eagle_drafter.py" in seen[0]
+    assert "identity" in check.parse_args(["--steps", "identity"]).steps
 
 
 def test_a_quick_e2e_step_leaves_out_the_static_cache(tmp_path, monkeypatch):
