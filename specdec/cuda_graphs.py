@@ -343,7 +343,8 @@ def model_graphs(runner: LlamaRunner, block_size: int, blocks_needed: int,
 
     A request that outgrows the cache gets a new one of twice the old blocks (fewer rebuilds, each recapturing the
     buckets) when that many fit, else exactly what it needs; the old cache's memory is freed first (a drafter
-    reused across calls still holds the last call's view of it) and its graphs dropped. ``check_fits(blocks)`` raises CacheFullError when ``blocks`` do not fit.
+    reused across calls still holds the last call's view of it) and its graphs dropped. ``check_fits(blocks)``
+    raises CacheFullError when ``blocks`` do not fit.
     ``config``: a new cache's buckets (default: captured on CUDA; uncaptured elsewhere, the interpreter tests).
     ``role``: "target" (the engine's verify) or "draft" (a draft-model drafter's forwards): each its own cache."""
     model: Any = runner.hf_model
