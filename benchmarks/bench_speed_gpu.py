@@ -38,7 +38,9 @@ from step_profile import markdown_rows, profiled  # noqa: E402
 
 FULL_MODELS = ("synthetic:llama-3.1-8b", "default", "synthetic:qwen3-1.7b", "synthetic:llama-3.2-1b")
 EMBEDDED_SHAPE = "synthetic:smollm2-135m"  # the embedded model's shape: its speed where its GGUF is not at hand
-FIRST_MODEL_WEIGHT = 2.0  # the first model's budget share, against each later model's 1
+# the first model's budget share, against each later model's 1: the 8B shape, four of the goals' rows (the embedded
+# model, next, needs only its plain row; a model's unspent share passes to the next)
+FIRST_MODEL_WEIGHT = 3.0
 REHEARSAL_MODELS = ("synthetic:llama-3.1-8b@tiny", "synthetic:qwen3-1.7b@tiny", "synthetic:llama-3.2-1b@tiny")
 TAUS = (3.0, 2.0, 4.0)  # tau 3 first: the one the goals name
 CHAIN_DEPTH = 6
