@@ -140,6 +140,7 @@ class GraphedForward:
         self.pool = torch.cuda.graph_pool_handle() if config.capture else None  # shared by all graphs
         self.failed = False  # a capture failed: every later step runs the eager forward
         self.told_eager = False  # a decode step fitting no bucket was logged at info level (_note_eager)
+        self.discarded = False  # its cache and graphs were freed (discard): any later use is an error
         self.replays = 0
 
     @classmethod
@@ -155,6 +156,19 @@ class GraphedForward:
                              runner.device, runner.backend)
         return cls(runner, cache, config)
 
+    def discard(self) -> None:
+        """Free the KV cache and the graphs now (the model's graph cache grew or was released), though a caller may
+        still hold this object or its cache: using either afterwards is a one-line error, never a write into freed
+        memory."""
+        self.cache.discard()
+        self.buckets.clear()
+        self.discarded = True
+
+    def _check_live(self) -> None:
+        if self.discarded:
+            raise InputError("this GraphedForward was released (its model's graph cache grew or was released): "
+                             "take the model's current one (specdec.cuda_graphs.model_graphs)")
+
     def release_sequences(self) -> None:
         """Free every sequence in the cache except the scratch slot's (before a new generation)."""
         for seq_id in [i for i in self.cache.lengths if i != SCRATCH_SEQ_ID]:
@@ -163,6 +177,7 @@ class GraphedForward:
     def cache_for(self, runner: LlamaRunner, block_size: int, blocks_needed: int) -> PagedKVCache:
         """This object's KV cache for a new generation by ``runner``, emptied of any earlier call's sequences
         (left over only if that call raised mid-generation); a one-line InputError if it cannot serve it."""
+        self._check_live()
         if self.runner.hf_model is not runner.hf_model:
             raise InputError("cuda_graphs: this GraphedForward was built for another model")
         if self.cache.block_size != block_size:
@@ -196,6 +211,7 @@ class GraphedForward:
         ancestor bits (trees the host has not read): such a step, checked by :meth:`fits`, always runs here.
         ``feature_layers``: those layers' input streams come back too (``ForwardOutput.features``, an EAGLE-3
         head's), from buckets of their own."""
+        self._check_live()
         if batch.cache is not self.cache:
             raise ValueError("this step was built over another KV cache than the CUDA graphs' own")
         seqs = batch.plan.seqs
@@ -245,6 +261,7 @@ class GraphedForward:
         alone, which writes only the scratch slot; on CUDA that run is the capture. A step that meets a new bucket
         otherwise captures it inside its own time (~0.1-1 s on a GPU): measurements warm up first. Returns how many
         buckets were new; stops at a failed capture (logged, eager from then on)."""
+        self._check_live()
         top = self.bucket_for(num_seqs, 1)
         if top is None:
             raise ValueError(f"no bucket holds {num_seqs} sequences (at most {self.config.batch_sizes[-1]})")
@@ -355,7 +372,7 @@ def model_graphs(runner: LlamaRunner, block_size: int, blocks_needed: int,
         return graphed
     grown = 0 if graphed is None else 2 * (graphed.cache.num_blocks - 1)
     if graphed is not None:  # its KV memory is free for the new cache even where an old TargetView holds the cache
-        graphed.cache.discard()
+        graphed.discard()
     model.__dict__.pop(attr, None)
     del graphed
     blocks = blocks_needed
@@ -404,5 +421,5 @@ def release_model_graphs(model: Any) -> bool:
     released = [model.__dict__.pop(attr, None) for attr in _MODEL_ATTRS.values()]
     for graphed in released:
         if graphed is not None:  # freed now, though a drafter reused across calls may still hold its cache
-            graphed.cache.discard()
+            graphed.discard()
     return any(graphed is not None for graphed in released)

@@ -453,6 +453,10 @@ def test_one_graph_cache_per_model_is_reused_and_grows(loaded):
     first.cache.add(0)
     with pytest.raises(CacheFullError):
         first.cache.reserve(0, 1)
+    with pytest.raises(InputError, match="released"):  # it wrote its warm-up into the freed cache
+        first.warm_up(1)
+    with pytest.raises(InputError, match="released"):
+        generate(loaded, [[1, 2, 3]], max_new_tokens=2, cuda_graphs=first)
     refused = []
 
     def check_fits(blocks):
