@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ from specdec.drafters.level_clock import LevelClock
 
 from specdec.attention import BatchBuilder
 from specdec.coupling import perturbed_logits
-from specdec.cuda_graphs import GraphedForward, auto_uses_graphs, model_graphs
+from specdec.cuda_graphs import GraphedForward, auto_uses_graphs, current_model_graphs, model_graphs
 from specdec.errors import InputError
 from specdec.host_copy import to_device, to_host_later
 from specdec.kv_cache import PagedKVCache
@@ -258,11 +259,26 @@ class ModelDrafter(Drafter):
         """As many slots as the target's pool: committed tokens + at most MAX_TREE_NODES scratch; with graphs, the
         cache of the draft model's graph buckets (kept with the model and reused by later calls)."""
         tc, shape = self.target.cache, self.runner.shape
+        if self.use_graphs and self._graphs_taken():
+            logger.info("%s: another drafter over the same draft model drafts through its CUDA graphs in this call; "
+                        "this one drafts eagerly in a cache of its own", self.name)
+            self.use_graphs = False
         if self.use_graphs:
             self.graphed = model_graphs(self.runner, tc.block_size, tc.num_blocks, role="draft")
+            self.graphed.user = (weakref.ref(self), weakref.ref(self.target))
             return self.graphed.cache
         return PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, tc.num_blocks, tc.block_size,
                             self.runner.dtype, self.runner.device, self.runner.backend)
+
+    def _graphs_taken(self) -> bool:
+        """Whether another drafter in this generate() call drafts in the draft model's graph cache (two children of
+        the combined drafter over one model): sharing it, each catch-up found the other's sequences caught up to the
+        root and started them over, a whole prefill per step."""
+        held = current_model_graphs(self.runner, "draft")
+        if held is None or held.user is None:
+            return False
+        drafter, target = (ref() for ref in held.user)
+        return drafter is not None and drafter is not self and target is self.target
 
     def _forward(self, builder: BatchBuilder, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """[rows, vocab] logits of every new token; ``token_ids`` [rows] on the device stand for the builder's

@@ -26,12 +26,14 @@ A step that fits no bucket runs the eager forward; so does every step after a ca
 GraphedForward per loaded model (:func:`model_graphs`, kept on the model object and freed with it, or by
 :func:`release_model_graphs`): its buckets are captured once and replayed by every later call. It serves one
 generate() at a time; elsewhere (CPU) "auto" is eager, as before. A draft-model drafter keeps buckets of its
-own on its model (``model_graphs(..., role="draft")``), apart from the target's even when the models are one.
+own on its model (``model_graphs(..., role="draft")``), apart from the target's even when the models are one; a
+second drafter over the same model in the same call drafts eagerly in a cache of its own.
 """
 from __future__ import annotations
 
 import bisect
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -141,6 +143,9 @@ class GraphedForward:
         self.failed = False  # a capture failed: every later step runs the eager forward
         self.told_eager = False  # a decode step fitting no bucket was logged at info level (_note_eager)
         self.discarded = False  # its cache and graphs were freed (discard): any later use is an error
+        # who drafts in it during the current generate() call (a draft-model drafter, weakly), and that call's
+        # TargetView: a second drafter over the same model in the same call keeps out (specdec.drafters.model_drafter)
+        self.user: tuple[weakref.ref, weakref.ref] | None = None
         self.replays = 0
 
     @classmethod
@@ -351,6 +356,11 @@ def _serves(graphed: GraphedForward, runner: LlamaRunner, block_size: int, block
     same = (old.hf_model is runner.hf_model and graphed.weights == weights_key(runner)
             and old.backend.name == runner.backend.name and graphed.cache.block_size == block_size)
     return same and graphed.cache.num_blocks - 1 >= blocks_needed  # one block is the scratch slot's
+
+
+def current_model_graphs(runner: LlamaRunner, role: str = "target") -> GraphedForward | None:
+    """The model's GraphedForward in ``role``, if it has one, as it is: nothing is freed, built or grown."""
+    return runner.hf_model.__dict__.get(_MODEL_ATTRS[role])
 
 
 def model_graphs(runner: LlamaRunner, block_size: int, blocks_needed: int,

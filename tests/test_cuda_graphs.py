@@ -171,6 +171,41 @@ def test_draft_model_forwards_run_through_buckets_of_its_own(loaded):
                  **kw)
 
 
+def test_two_draft_model_drafters_over_one_model_do_not_share_its_graph_cache(loaded):
+    """Two children of the combined drafter over one draft model, both through CUDA graphs: sharing the model's
+    draft graph cache, each catch-up found the other's sequences caught up to the root and started them over (a
+    whole prefill per step). The second drafts eagerly in a cache of its own; the text stays plain decoding's."""
+    from specdec.drafters.combined import CombinedDrafter
+    from specdec.drafters.draft_model import DraftModelDrafter
+
+    release_model_graphs(loaded)
+    prompts = ragged_prompts(3, VOCAB, seed=5, max_len=16)[1:]
+    kw = dict(max_new_tokens=10, speculation="always")
+    first, second = (DraftModelDrafter(model=loaded, num_draft_tokens=3, widths=w, cuda_graphs=True)
+                     for w in ((1,), (2,)))
+    restarts = []
+    real_free = PagedKVCache.free
+
+    def free(cache, seq_id):  # a sequence freed in a draft cache while it is still being generated
+        restarts.append(seq_id)
+        return real_free(cache, seq_id)
+
+    PagedKVCache.free = free
+    try:
+        out = generate(loaded, prompts, drafter=CombinedDrafter([first, second]), cuda_graphs=False, **kw)
+    finally:
+        PagedKVCache.free = real_free
+    assert out == generate(loaded, prompts, max_new_tokens=10, cuda_graphs=False)
+    assert first.graphed is not None and first.cache is first.graphed.cache
+    assert second.graphed is None and second.cache is not first.cache
+    # each sequence freed at its end from the target's cache and each drafter's, never restarted mid-generation
+    assert len(restarts) == 3 * len(prompts)
+    again = DraftModelDrafter(model=loaded, num_draft_tokens=3, widths=(1,), cuda_graphs=True)
+    generate(loaded, prompts, drafter=again, cuda_graphs=False, **kw)  # a later call: the graphs are its own
+    assert again.graphed is first.graphed
+    release_model_graphs(loaded)
+
+
 def test_fused_projections_on_the_triton_path(loaded):
     """A packed copy of the model (one QKV and one gate/up product per layer, so q, k and v reach the RoPE and
     KV-write kernels as row-strided views) decodes the reference backend's tokens through graph buckets."""
