@@ -26,8 +26,7 @@ A step that fits no bucket runs the eager forward; so does every step after a ca
 GraphedForward per loaded model (:func:`model_graphs`, kept on the model object and freed with it, or by
 :func:`release_model_graphs`): its buckets are captured once and replayed by every later call. It serves one
 generate() at a time; elsewhere (CPU) "auto" is eager, as before. A draft-model drafter keeps buckets of its
-own on its model (``model_graphs(..., role="draft")``), apart from the target's even when the models are one; a
-second drafter over the same model in the same call drafts eagerly in a cache of its own.
+own on its model (``model_graphs(..., role="draft")``), apart from the target's even when the models are one.
 """
 from __future__ import annotations
 
