@@ -502,8 +502,7 @@ def main(argv=None) -> int:
         (out / "speed.md").write_text(markdown(report))
 
     for i, spec in enumerate(args.models):
-        # the first model (the 8B shape), whose rows most goals read, gets twice a later one's share (a share it
-        # leaves unspent goes to the others)
+        # the first model (the 8B shape) gets FIRST_MODEL_WEIGHT shares to a later one's 1
         clock.start_share(len(args.models) - i, FIRST_MODEL_WEIGHT if i == 0 else 1.0)
         run = ModelRun(spec, args, device, dtype, bandwidth, clock, save)
         report["models"].append(run.result)
