@@ -92,7 +92,9 @@ class DraftModelDrafter(ModelDrafter):
         return f"{super().cost_key()}|{type(module).__qualname__}:{params}"
 
     def make_runner(self, target: TargetView) -> LlamaRunner:
-        loaded = load_model(self.model_spec, tokenizer=self.tokenizer, device=target.runner.device)
+        # one named by a path loads in the target's dtype; a loaded model keeps its own
+        loaded = load_model(self.model_spec, tokenizer=self.tokenizer, dtype=target.runner.dtype,
+                            device=target.runner.device)
         runner = loaded.runner
         check_vocabularies(runner, loaded.tokenizer, target.runner, target.tokenizer)
         if runner.dtype != target.runner.dtype:

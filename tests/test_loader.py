@@ -1,7 +1,10 @@
 """Model resolution: cached GGUF conversion is reused, clear errors for bad specs."""
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from specdec.models import embedded
 from specdec.models.loader import load_model
@@ -111,3 +114,26 @@ def test_a_loaded_checkpoint_is_shared_while_held_and_freed_after(tmp_path):
     gc.collect()
     assert shared and other_device
     assert ref() is None
+
+
+@pytest.mark.parametrize("declared, device, expected", [
+    ({"dtype": "float16"}, "cuda", torch.float16), ({"torch_dtype": "bfloat16"}, "cuda:1", torch.bfloat16),
+    ({"dtype": "float32"}, "cuda", torch.bfloat16), ({}, "cuda", torch.bfloat16),
+    ({"dtype": "float16"}, "cpu", torch.float32), ({"dtype": "bfloat16"}, None, torch.float32),
+])
+def test_a_checkpoint_without_a_dtype_loads_in_half_precision_on_cuda_only(tmp_path, declared, device, expected):
+    """On CUDA a checkpoint loaded in float32 unless told otherwise: an 8B model at twice its bytes per token. It now
+    takes its own half dtype there, bfloat16 when it declares none; elsewhere float32 as before."""
+    from specdec.models.loader import checkpoint_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps(declared))
+    assert checkpoint_dtype(tmp_path, device) == expected
+
+
+def test_a_checkpoint_loads_in_float32_on_the_cpu_and_in_the_dtype_asked_for(tmp_path):
+    from specdec.testing import build_tiny_model
+
+    model = build_tiny_model(vocab_size=32).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "tiny")
+    assert load_model(str(tmp_path / "tiny"), device="cpu").runner.dtype == torch.float32
+    assert load_model(str(tmp_path / "tiny"), dtype=torch.float16).runner.dtype == torch.float16

@@ -84,6 +84,18 @@ def test_bigger_draft_model_warns(caplog):
     assert any("bigger than the target" in r.message for r in caplog.records)
 
 
+def test_draft_model_named_by_path_loads_in_the_targets_dtype(tmp_path):
+    """A draft checkpoint given as a path follows the target's dtype (it loaded in float32 whatever the target's:
+    on CUDA a float32 draft beside a bf16 target reads twice its bytes); a loaded draft model keeps its own."""
+    build_tiny_model(seed=5).save_pretrained(tmp_path / "draft")
+    target = build_tiny_model().to(torch.bfloat16)
+    by_path, loaded = DraftModelDrafter(str(tmp_path / "draft")), DraftModelDrafter(build_tiny_model(seed=5))
+    for drafter in (by_path, loaded):
+        specdec.generate(target, [[1, 2, 3]], max_new_tokens=3, drafter=drafter)
+    assert by_path.runner.dtype == torch.bfloat16
+    assert loaded.runner.dtype == torch.float32
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(num_draft_tokens=0), "num_draft_tokens"), (dict(tree="beam"), "tree"), (dict(mode="typical"), "mode"),
     (dict(widths=(8, 8)), "nodes"), (dict(tree="dynamic", mode="independent"), "deterministic"),

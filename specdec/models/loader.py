@@ -5,7 +5,8 @@ Accepted: a loaded transformers ``PreTrainedModel``; a local checkpoint director
 default's alias (``"smollm2-135m-instruct"``, also ``"default"``); a synthetic target of a published shape with
 random weights (``"synthetic:llama-3.1-8b"``, ``"synthetic:qwen3-1.7b@tiny"``: :mod:`specdec.models.synthetic`,
 built on ``device``, default CUDA when present, in ``dtype``, default bf16 there). Never downloads,
-never runs remote code unless ``trust_remote_code=True`` is passed.
+never runs remote code unless ``trust_remote_code=True`` is passed. Without ``dtype`` a checkpoint loads in float32,
+or, for ``device`` CUDA, in the half dtype its config declares (bfloat16 when it declares float32 or none).
 
     loaded = load_model("default")
     loaded.runner, loaded.tokenizer
@@ -18,6 +19,7 @@ as the hub id of the model it quantizes (its GGUF is a Q4_1 copy of it), a loade
 """
 from __future__ import annotations
 
+import json
 import logging
 import weakref
 from dataclasses import dataclass
@@ -66,13 +68,29 @@ def _is_hf_model(obj: Any) -> bool:
     return isinstance(obj, PreTrainedModel)
 
 
-def _from_dir(path: Path, dtype: torch.dtype | None, trust_remote_code: bool) -> tuple[Any, Any]:
+HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # config.json names a checkpoint keeps on CUDA
+
+
+def checkpoint_dtype(path: Path, device: str | torch.device | None) -> torch.dtype:
+    """The dtype a checkpoint directory loads in when none is asked for: float32 unless it goes to CUDA; there the
+    half dtype its config.json declares (``dtype``, or ``torch_dtype`` before transformers 5), else bfloat16, as
+    synthetic targets are built there. A float32 8B model would read twice the bytes per token."""
+    if device is None or torch.device(device).type != "cuda":
+        return torch.float32
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    return HALF_DTYPES.get(config.get("dtype") or config.get("torch_dtype"), torch.bfloat16)
+
+
+def _from_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a transformers checkpoint directory (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype or torch.float32, local_files_only=True, trust_remote_code=trust_remote_code
+        path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
     )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
@@ -117,7 +135,7 @@ def _load_path(spec: str, dtype: torch.dtype | None, device: str | torch.device 
                 f"model, or one of the aliases {', '.join(embedded.ALIASES)} (nothing is downloaded)"
             )
         name = p.name
-    model, tokenizer = _from_dir(path, dtype, trust_remote_code)
+    model, tokenizer = _from_dir(path, dtype or checkpoint_dtype(path, device), trust_remote_code)
     if device is not None:
         model.to(device)  # before it is shared: a later load for another device gets its own copy
     _pack_on_cuda(model)
