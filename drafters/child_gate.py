@@ -17,9 +17,11 @@ expected committed tokens per unit of cost over the last ``window`` records, in 
 with ``d_k`` child k's draft seconds per call (:class:`specdec.tree_sizing.DraftTime`) over the engine's seconds
 per decode step and ``c`` the verify-cost curve the combined drafter ranks trees with.
 
-**Probes.** Until ``warmup`` records exist every child runs; afterwards every child runs again every
-``ceil(d_left_out / probe_budget)`` calls (at most ``max_interval``), and a probe showing the left-out children
-adding tokens is followed by another at the next call.
+**Probes.** The children left out run again every ``ceil(d_left_out / probe_budget)`` calls (at most
+``max_interval``), and a probe showing them adding tokens is followed by another at the next call. Until
+``warmup`` records exist, the children left out are those costlier than both the budget and the cheapest child:
+a costly child run on every call of the warm-up made the whole drafter look too dear to the break-even guard,
+which held it back, its cheap children with it, for dozens of steps.
 
 **Memory**: records and timings are kept across calls per ``memory_key`` (:mod:`specdec.drafters.call_memory`).
 **Off** without the policy's costs (``speculation="always"``, seeded standard sampling): every child runs at every
@@ -92,10 +94,17 @@ class ChildGate(CallMemory):
         """Which children propose this call; ``tree_cost(nodes, batch)``: verify cost of a tree of that many nodes
         (and its root) in plain decode steps."""
         cfg = self.config
-        if not self.active or len(self.records) < cfg.warmup or any(t.seconds is None for t in self.times):
+        if not self.active or any(t.seconds is None for t in self.times):
             return self._full()
-        subsets = (s for r in range(1, self.parts + 1) for s in itertools.combinations(range(self.parts), r))
-        self.best = best = max(subsets, key=lambda s: self.value(s, batch, tree_cost, nodes_cap))
+        if len(self.records) < cfg.warmup:  # no decision yet: the cheap children, the others as probes (module doc)
+            costs = [self.draft_cost(k, batch) for k in range(self.parts)]
+            best = tuple(k for k in range(self.parts) if costs[k] <= max(cfg.probe_budget, min(costs)))
+            last = self.records[-1][0] if self.records else None  # the last call where every child ran
+            self.probe_next |= last is not None and max(last) > max(last[k] for k in best)
+        else:
+            subsets = (s for r in range(1, self.parts + 1) for s in itertools.combinations(range(self.parts), r))
+            best = max(subsets, key=lambda s: self.value(s, batch, tree_cost, nodes_cap))
+        self.best = best
         left_out = [k for k in range(self.parts) if k not in best]
         # a probe costs the left-out children's drafts once: at most probe_budget decode steps per call on average
         probe_cost = sum(self.draft_cost(k, batch) for k in left_out)

@@ -277,10 +277,13 @@ class TreeSizer:
             guard.price = None
             return
         self.unpaid += 1
-        # a probe costs its draft and the verify of its kept tree beyond a plain step (cost - 1): at most
-        # probe_budget of a decode step per step on average
-        excess = max(cost - 1.0, self.draft_cost(batch))
-        cap = min(self.config.max_backoff, int(excess / self.config.probe_budget))
+        # a probe costs its draft and the verify of its kept tree beyond a plain step: at most probe_budget of a
+        # decode step per step on average. The draft is priced as a probe is, by its cheapest recent call: the
+        # average lags a drafter that has made itself cheaper (the combined drafter, its costly child gated out,
+        # was held back for dozens of steps by the calls before its gate had decided)
+        draft = self.draft_cost(batch)
+        excess = cost - draft - 1.0 + (draft if self.draft_time.low is None else self.probe_cost(batch))
+        cap = min(self.config.max_backoff, int(max(excess, 0.0) / self.config.probe_budget))
         guard.backoff = min(max(4 * guard.backoff, 2), cap)
         guard.skip = guard.backoff
         # the price: what asking the drafter costs for sure, its cheapest draft (the verify of a kept tree is the

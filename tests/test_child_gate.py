@@ -48,17 +48,31 @@ def test_an_expensive_child_that_adds_nothing_is_left_out_and_probed_within_budg
     runs = drive(gate, 200, lambda call: ((1, 0), (2, 2)))  # child 0 matches a level, child 1 never
     assert all(run[0] for run in runs)
     full = sum(all(run) for run in runs)
-    # warm-up (3 records), then a probe every ceil(0.5 / 0.02) = 25 calls: ~2% of a decode step per call
-    assert 3 + 200 // 25 - 1 <= full <= 3 + 200 // 25 + 1
+    # a probe every ceil(0.5 / 0.02) = 25 calls, ~2% of a decode step per call, from the start: the warm-up's
+    # records come from probes too (it ran the expensive child at every call, 3 of them)
+    assert 200 // 25 - 1 <= full <= 200 // 25 + 1
     # the same gate with the expensive child made cheap keeps both: nothing to gain by leaving it out
     cheap = gate_with([0.001, 0.001])
     assert all(all(run) for run in drive(cheap, 50, lambda call: ((1, 0), (2, 2))))
 
 
 def test_an_expensive_child_that_pays_keeps_running():
-    gate = gate_with([0.001, 0.05])
-    runs = drive(gate, 100, lambda call: ((0, 4), (2, 4)))  # child 1's chain is accepted 4 deep
+    # a first call times every child; its record shows the expensive one adding levels, so it runs at every call
+    gate = ChildGate(2, GateConfig())
+    gate.start(CostView(tree_cost, lambda batch: 0.1))
+    runs = []
+    for _ in range(100):
+        runs.append(gate.choose(1, tree_cost, 64))
+        for k in range(2):
+            if runs[-1][k]:
+                gate.record_seconds(k, [0.001, 0.05][k], catch_up=False)
+        if all(runs[-1]):
+            gate.observe((0, 4), (2, 4))  # child 1's chain is accepted 4 deep
     assert all(run[1] for run in runs)
+    # timed, with no record yet: the expensive child waits for its first probe, then runs at every call
+    runs = drive(gate_with([0.001, 0.05]), 100, lambda call: ((0, 4), (2, 4)))
+    first = next(i for i, run in enumerate(runs) if run[1])
+    assert first < 25 and all(run[1] for run in runs[first:])
 
 
 def test_a_left_out_child_that_starts_paying_is_back_within_a_few_probes():
@@ -178,9 +192,9 @@ def test_generate_leaves_out_a_slow_child_that_adds_nothing_and_stays_greedy_exa
     if gate == "off":  # no decode time offered (speculation="always" or seeded sampling): every child, every call
         assert slow.calls == oracle.calls
         return
-    # warm-up (2 calls of 2 sequences), then a probe every 64 calls: the slow child's rows reach it across the
+    # the first call (no child timed yet), then a probe every 64 calls: the slow child's rows reach it across the
     # calls it missed (HiddenRows checks)
-    assert slow.calls == 3
+    assert slow.calls == 2
     # the next call with the same children starts from what this one learned: no warm-up, the probe at call 64
     slow = HiddenRows("slow")
     assert generate(model, prompts, drafter=gated([Oracle(), slow], decode_seconds, monkeypatch),

@@ -428,6 +428,23 @@ def test_a_probe_is_priced_by_the_drafters_cheapest_path():
     assert sizer.guards[0].price == pytest.approx(sizer.probe_cost(1))
 
 
+def test_a_drafter_that_made_itself_cheap_is_not_held_back_by_its_dearer_past():
+    """The backoff is capped by what a probe costs, its cheapest draft (its price) plus the verify beyond a step: a
+    combined drafter whose gate had just left out a child costing 0.6 of a step was capped by its average draft
+    time, still ~0.4 steps, and skipped for 2, 8, 32 steps while its n-gram child cost 0.5% of one (cold chat: tau
+    1.06 against n-gram's 1.25 alone)."""
+    sizer = TreeSizer(FLAT)  # a decode step is 1 s
+    for _ in range(3):
+        sizer.record_draft(0.6)
+        sizer.size(0, DraftTree.empty(), batch=1)
+    assert sizer.guards[0].backoff > 0
+    sizer.record_draft(0.005)  # the costly child left out
+    sizer.size(0, DraftTree.empty(), batch=1)
+    assert sizer.draft_cost(1) > 0.3  # the average has not caught up
+    assert sizer.guards[0].backoff == sizer.guards[0].skip == 0
+    assert sizer.guards[0].price == pytest.approx(0.005)
+
+
 def test_a_pending_tree_verified_whole_is_learned_node_for_node():
     """Pending trees (specdec.pending_trees) are verified whole and sized after: what is learned of a sampled tree
     indexes every verified node, not only the part sizing would have kept."""
