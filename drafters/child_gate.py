@@ -19,7 +19,8 @@ per decode step and ``c`` the verify-cost curve the combined drafter ranks trees
 
 **Probes.** The children left out run again every ``ceil(d_left_out / probe_budget)`` calls (at most
 ``max_interval``), and a probe showing them adding tokens is followed by another at the next call. Until
-``warmup`` records exist, the children left out are those costlier than both the budget and the cheapest child:
+``warmup`` records exist, the children left out are those costlier than both the budget and the cheapest child
+(timed by a step, not by a first call's catch-up):
 a costly child run on every call of the warm-up made the whole drafter look too dear to the break-even guard,
 which held it back, its cheap children with it, for dozens of steps.
 
@@ -43,7 +44,7 @@ MAX_SUBSETS_CHILDREN = 6  # beyond this many children every subset is too many t
 class GateConfig(DeciderConfig):
     """``window`` records, ``probe_budget`` spent running left-out children (:class:`DeciderConfig`)."""
 
-    warmup: int = 3  # records gathered with every child running before any is left out
+    warmup: int = 3  # records before the first decision (until then the costly children run as probes)
 
 
 class ChildGate(CallMemory):
@@ -54,7 +55,7 @@ class ChildGate(CallMemory):
 
     def _reset(self) -> None:
         self.since_full = 0  # calls since every child last ran
-        self.best: tuple[int, ...] | None = None  # the subset chosen by the last decision (None: none yet)
+        self.best: tuple[int, ...] | None = None  # the subset run outside probes (the warm-up's cheap children)
         self.probe_next = False  # the last probe showed the left-out children adding tokens
 
     @property
@@ -98,7 +99,8 @@ class ChildGate(CallMemory):
             return self._full()
         if len(self.records) < cfg.warmup:  # no decision yet: the cheap children, the others as probes (module doc)
             costs = [self.draft_cost(k, batch) for k in range(self.parts)]
-            best = tuple(k for k in range(self.parts) if costs[k] <= max(cfg.probe_budget, min(costs)))
+            best = tuple(k for k in range(self.parts)  # a first call's catch-up time says nothing of a step's
+                         if self.times[k].provisional or costs[k] <= max(cfg.probe_budget, min(costs)))
             last = self.records[-1][0] if self.records else None  # the last call where every child ran
             self.probe_next |= last is not None and max(last) > max(last[k] for k in best)
         else:

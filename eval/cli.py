@@ -111,8 +111,8 @@ def _add_dtype(p) -> None:
     from specdec.cli import DTYPES  # specdec.cli registers these parsers: loaded by now
 
     p.add_argument("--dtype", choices=DTYPES, default=None,
-                   help="weights / activations dtype (default: float32; on CUDA a checkpoint's own half dtype, "
-                        "bfloat16 if it declares none)")
+                   help="weights / activations dtype (default: float32; on CUDA the half dtype a checkpoint declares, "
+                        "else bfloat16)")
 
 
 def _options(pairs: list[str]) -> dict:

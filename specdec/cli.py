@@ -169,8 +169,8 @@ def _add_generate(sub) -> None:
                         "byte-identical to plain decoding's with any drafter, in any dtype (docs/bit-exact.md)")
     p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="weights / activations dtype (default: float32; with --device cuda a checkpoint's own half "
-                        "dtype, bfloat16 if it declares none)")
+                   help="weights / activations dtype (default: float32; with --device cuda the half dtype a checkpoint "
+                        "declares, else bfloat16)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the verify forward as CUDA graphs (default: on with --device cuda, off elsewhere; "
                         "see docs/kernels.md)")

@@ -84,6 +84,25 @@ def test_a_left_out_child_that_starts_paying_is_back_within_a_few_probes():
     assert all(run[1] for run in runs[-20:])
 
 
+def test_a_child_timed_only_by_its_catch_up_is_not_left_out_by_that_time():
+    """A first call's catch-up (EAGLE's layer over the whole prompt: 16 decode steps here) is no step's cost: the
+    warm-up runs the child again for a step's time, then keeps it while it pays (left out by the catch-up's time,
+    it was probed once in 64 calls, again as a catch-up)."""
+    gate = ChildGate(2, GateConfig())
+    gate.start(CostView(tree_cost, lambda batch: 0.025))
+    runs, timed = [], set()
+    for call in range(40):
+        runs.append(gate.choose(1, tree_cost, 64))
+        for k in range(2):
+            if runs[-1][k]:
+                first = k not in timed
+                gate.record_seconds(k, ([0.002, 0.4] if first else [0.0005, 0.0025])[k], catch_up=first)
+                timed.add(k)
+        if all(runs[-1]):
+            gate.observe((1, 1) if call == 0 else (0, 3), (4, 8))  # child 1 adds nothing at first, then 3 levels
+    assert all(run[1] for run in runs)
+
+
 def test_the_gate_is_off_without_the_policys_costs():
     gate = ChildGate(2)
     gate.start(None)
@@ -192,9 +211,9 @@ def test_generate_leaves_out_a_slow_child_that_adds_nothing_and_stays_greedy_exa
     if gate == "off":  # no decode time offered (speculation="always" or seeded sampling): every child, every call
         assert slow.calls == oracle.calls
         return
-    # the first call (no child timed yet), then a probe every 64 calls: the slow child's rows reach it across the
-    # calls it missed (HiddenRows checks)
-    assert slow.calls == 2
+    # the first two calls (the first, a catch-up, times no step), then a probe every 64 calls: the slow child's rows
+    # reach it across the calls it missed (HiddenRows checks)
+    assert slow.calls == 3
     # the next call with the same children starts from what this one learned: no warm-up, the probe at call 64
     slow = HiddenRows("slow")
     assert generate(model, prompts, drafter=gated([Oracle(), slow], decode_seconds, monkeypatch),
