@@ -20,9 +20,8 @@ per decode step and ``c`` the verify-cost curve the combined drafter ranks trees
 **Probes.** The children left out run again every ``ceil(d_left_out / probe_budget)`` calls (at most
 ``max_interval``), and a probe showing them adding tokens is followed by another at the next call. Until
 ``warmup`` records exist, the children left out are those costlier than both the budget and the cheapest child
-(timed by a step, not by a first call's catch-up):
-a costly child run on every call of the warm-up made the whole drafter look too dear to the break-even guard,
-which held it back, its cheap children with it, for dozens of steps.
+(timed by a step, not by a first call's catch-up): a costly child run on every call of the warm-up made the whole
+drafter look too dear to the break-even guard, which held it back, its cheap children with it, for dozens of steps.
 
 **Memory**: records and timings are kept across calls per ``memory_key`` (:mod:`specdec.drafters.call_memory`).
 **Off** without the policy's costs (``speculation="always"``, seeded standard sampling): every child runs at every
