@@ -116,18 +116,18 @@ def test_a_loaded_checkpoint_is_shared_while_held_and_freed_after(tmp_path):
     assert ref() is None
 
 
-@pytest.mark.parametrize("declared, device, expected", [
+@pytest.mark.parametrize("declared, to, expected", [  # "to", not "device": no device fixture (gpu_check's scan)
     ({"dtype": "float16"}, "cuda", torch.float16), ({"torch_dtype": "bfloat16"}, "cuda:1", torch.bfloat16),
     ({"dtype": "float32"}, "cuda", torch.bfloat16), ({}, "cuda", torch.bfloat16),
     ({"dtype": "float16"}, "cpu", torch.float32), ({"dtype": "bfloat16"}, None, torch.float32),
 ])
-def test_a_checkpoint_without_a_dtype_loads_in_half_precision_on_cuda_only(tmp_path, declared, device, expected):
+def test_a_checkpoint_without_a_dtype_loads_in_half_precision_on_cuda_only(tmp_path, declared, to, expected):
     """On CUDA a checkpoint loaded in float32 unless told otherwise: an 8B model at twice its bytes per token. It now
     takes its own half dtype there, bfloat16 when it declares none; elsewhere float32 as before."""
     from specdec.models.loader import checkpoint_dtype
 
     (tmp_path / "config.json").write_text(json.dumps(declared))
-    assert checkpoint_dtype(tmp_path, device) == expected
+    assert checkpoint_dtype(tmp_path, to) == expected
 
 
 def test_a_checkpoint_loads_in_float32_on_the_cpu_and_in_the_dtype_asked_for(tmp_path):
