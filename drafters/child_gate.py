@@ -74,8 +74,13 @@ class ChildGate(CallMemory):
     def observe(self, successes: tuple[int, ...], nodes: tuple[int, ...]) -> None:
         """A sequence's step where every child ran: levels of each child's proposal that matched, its nodes."""
         self.records.append((successes, nodes))
-        if self.best is not None and max(successes) > max(successes[k] for k in self.best):
+        if self.best is not None and self._left_out_add(successes, self.best):
             self.probe_next = True
+
+    @staticmethod
+    def _left_out_add(successes: tuple[int, ...], best: tuple[int, ...]) -> bool:
+        """Whether a record where every child ran shows the children outside ``best`` adding levels."""
+        return max(successes) > max(successes[k] for k in best)
 
     def draft_cost(self, k: int, batch: int) -> float:
         """Child k's draft cost per call in plain decode steps (0 before it was timed)."""
@@ -100,8 +105,8 @@ class ChildGate(CallMemory):
             costs = [self.draft_cost(k, batch) for k in range(self.parts)]
             best = tuple(k for k in range(self.parts)  # a first call's catch-up time says nothing of a step's
                          if self.times[k].provisional or costs[k] <= max(cfg.probe_budget, min(costs)))
-            last = self.records[-1][0] if self.records else None  # the last call where every child ran
-            self.probe_next |= last is not None and max(last) > max(last[k] for k in best)
+            # the first record came before any choice (observe had no best to weigh it against)
+            self.probe_next |= bool(self.records) and self._left_out_add(self.records[-1][0], best)
         else:
             subsets = (s for r in range(1, self.parts + 1) for s in itertools.combinations(range(self.parts), r))
             best = max(subsets, key=lambda s: self.value(s, batch, tree_cost, nodes_cap))

@@ -264,9 +264,11 @@ class TreeSizer:
             guard.credit -= guard.price
         return True
 
-    def _judge(self, seq_id: int, tokens: float, cost: float, batch: int) -> None:
-        """A drafted step's expected committed tokens and cost join the sequence's running averages, which decide
-        whether drafting pays (module doc, Guard)."""
+    def _judge(self, seq_id: int, tokens: float, verify: float, batch: int) -> None:
+        """A drafted step's expected committed tokens and cost (the draft, plus ``verify``: c(1 + kept nodes) in
+        decode steps) join the sequence's running averages, which decide whether drafting pays (module doc, Guard)."""
+        draft = self.draft_cost(batch)
+        cost = draft + verify
         guard = self._guard(seq_id)
         guard.tokens = self._ema(guard.tokens, tokens, self.config.judge_ema)
         guard.cost = self._ema(guard.cost, cost, self.config.judge_ema)
@@ -281,8 +283,7 @@ class TreeSizer:
         # decode step per step on average. The draft is priced as a probe is, by its cheapest recent call: the
         # average lags a drafter that has made itself cheaper (the combined drafter, its costly child gated out,
         # was held back for dozens of steps by the calls before its gate had decided)
-        draft = self.draft_cost(batch)
-        excess = cost - draft - 1.0 + (draft if self.draft_time.low is None else self.probe_cost(batch))
+        excess = verify - 1.0 + (draft if self.draft_time.low is None else self.probe_cost(batch))
         cap = min(self.config.max_backoff, int(max(excess, 0.0) / self.config.probe_budget))
         guard.backoff = min(max(4 * guard.backoff, 2), cap)
         guard.skip = guard.backoff
@@ -351,7 +352,7 @@ class TreeSizer:
         call's :meth:`_relative_costs` (looked up here if not given)."""
         if tree.num_nodes == 0:
             self.pending.pop(seq_id, None)
-            self._judge(seq_id, 1.0, self.draft_cost(batch) + 1.0, batch)
+            self._judge(seq_id, 1.0, 1.0, batch)
             return tree
         if costs is None or len(costs) <= tree.num_nodes:
             costs = self._relative_costs(batch, tree.num_nodes)
@@ -369,10 +370,9 @@ class TreeSizer:
             best_k = self._sampled_prefix(seq_id, tree, d, batch, costs)
             self.shapes[seq_id] = parents
         kept_tokens = 1.0 + sum(path[i] for i in order[:best_k])
-        kept_cost = d + (costs[best_k] if best_k else 1.0)
         kept = sorted(order[:best_k])
         self.pending[seq_id] = _Pending(tree, accept, kept, d + costs[tree.num_nodes])
-        self._judge(seq_id, kept_tokens, kept_cost, batch)
+        self._judge(seq_id, kept_tokens, costs[best_k] if best_k else 1.0, batch)
         return tree if best_k == tree.num_nodes else tree.subtree(kept)
 
     def _best_prefix(self, gains: list[float], draft: float, costs: list[float]) -> int:

@@ -75,13 +75,14 @@ def checkpoint_dtype(path: Path, device: str | torch.device | None) -> torch.dty
     """The dtype a checkpoint directory loads in when none is asked for: float32 unless it goes to CUDA; there the
     half dtype its config.json declares (``dtype``, or ``torch_dtype`` before transformers 5), else bfloat16, as
     synthetic targets are built there. A float32 8B model would read twice the bytes per token."""
-    if device is None or torch.device(device).type != "cuda":
-        return torch.float32
+    default = synthetic.default_dtype(torch.device("cpu" if device is None else device))
+    if default == torch.float32:
+        return default
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         config = {}
-    return HALF_DTYPES.get(config.get("dtype") or config.get("torch_dtype"), torch.bfloat16)
+    return HALF_DTYPES.get(config.get("dtype") or config.get("torch_dtype"), default)
 
 
 def _from_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[Any, Any]:
