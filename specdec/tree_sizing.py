@@ -12,9 +12,9 @@ the product along the path) for ``d + c(1 + |S|)`` decode steps (d: draft time, 
 :mod:`specdec.online_costs`). The best prefix of the nodes ordered by P_i is kept when it beats the empty tree
 by ``margin``. The guard keeps running averages per sequence and skips the drafter with a growing backoff when
 they do not pay, probing again when the sequence has banked the probe's price (``probe_budget`` of a decode step
-per step of its call: probes cost at most that share of any call); ``never_pays`` drafters are never asked.
-``memory`` carries backoff, probe price and acceptance evidence across calls, and processes
-(:mod:`specdec.remembered`, in the cost cache).
+per step: probes cost at most that share of a call, or of a run of calls); ``never_pays`` drafters are never asked.
+``memory`` carries backoff, probe price, banked budget and acceptance evidence across calls, and processes
+(:mod:`specdec.remembered`, in the cost cache): a run of short calls is guarded as one long call would be.
 
 Invariants: pruning is exact (an ancestor-closed part of the tree), so sizing changes speed only. A sampled tree is
 cut only to a prefix of the drafter's node order whose length was decided, with token-independent estimates, on an
@@ -33,6 +33,10 @@ from specdec.remembered import recall, remember
 from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree
 
 _BINS = 10  # score bins of the online correction
+# what the guard keeps across calls, in this meaning (_Kept); a memory of another format is a fresh start. Bump it
+# when the guard's decisions change what a kept value means: a backoff and price from an older guard (priced while
+# the combined drafter still ran its costly child) kept a cheap drafter unasked in every later short call
+MEMORY_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -47,14 +51,18 @@ class _Kept:
     cost: float | None = None  # ... and its cost
     last_shape: list | None = None  # parents of the last sampled tree
     price: float | None = None  # the guard's probe price (None: drafting paid when the sequence finished)
+    skip: int = 0  # steps of the backoff left to skip, and probe budget banked: a run of calls is guarded as one
+    credit: float = 0.0  # long call is, so short calls still probe a drafter remembered not to pay (module doc)
+    format: int = 0  # MEMORY_FORMAT when written (0: a memory older than the format)
 
     @classmethod
     def recalled(cls, key: tuple | None) -> "_Kept | None":
         data = recall("guard", key, persist=True)
         try:
-            return None if data is None else cls(**data)
+            kept = None if data is None else cls(**data)
         except TypeError:  # written by another version: start fresh
             return None
+        return kept if kept is not None and kept.format == MEMORY_FORMAT else None
 
 
 def _path_probs(accept: list[float], parents: list[int]) -> list[float]:
@@ -143,7 +151,7 @@ class _Guard:
     # while drafting does not pay: what a probe surely costs (its draft), in decode steps (None: it pays, or
     # nothing is known yet); a probe waits until the sequence has banked that much probe budget (credit)
     price: float | None = None
-    credit: float = 0.0  # probe budget banked in this call: probe_budget per step, spent by probes
+    credit: float = 0.0  # probe budget banked: probe_budget per step, spent by probes, kept across calls (_Kept)
 
 
 @dataclass
@@ -219,8 +227,8 @@ class TreeSizer:
     def _guard(self, seq_id: int) -> _Guard:
         if seq_id not in self.guards:
             kept = _Kept.recalled(self.memory) or _Kept()
-            self.guards[seq_id] = _Guard(backoff=kept.backoff, skip=kept.backoff // 2, tokens=kept.tokens,
-                                         cost=kept.cost, price=kept.price)
+            self.guards[seq_id] = _Guard(backoff=kept.backoff, skip=kept.skip, tokens=kept.tokens, cost=kept.cost,
+                                         price=kept.price, credit=kept.credit)
         return self.guards[seq_id]
 
     def _pays(self, tokens: float, cost: float) -> bool:
@@ -252,9 +260,10 @@ class TreeSizer:
         if self.off:
             guard.skipped_steps += 1
             return False
-        # the probe budget of a call: probe_budget of a decode step per step, at most one step's worth (or one
-        # probe's) banked; a drafter that does not pay probes only on what the call has banked, so a call too short
-        # to afford a probe decodes plainly (module doc, Guard)
+        # the probe budget: probe_budget of a decode step per step, at most one step's worth (or one probe's)
+        # banked; a drafter that does not pay probes only on what has been banked, in this call and the calls it
+        # remembers, so a call too short to afford a probe decodes plainly and leaves its savings to the next
+        # (module doc, Guard)
         guard.credit = min(guard.credit + self.config.probe_budget, max(1.0, guard.price or 0.0))
         if guard.skip > 0 or (guard.price is not None and guard.credit < guard.price):
             guard.skip = max(guard.skip - 1, 0)
@@ -466,6 +475,7 @@ class TreeSizer:
         if guard is not None and not self.off:
             kept = _Kept(guard.backoff, [list(b) for b in self.score_bins],
                          [[d, r, a, t] for (d, r), (a, t) in self.unscored.items()], guard.tokens, guard.cost,
-                         None if self.last_shape is None else list(self.last_shape), self._kept_price(guard))
+                         None if self.last_shape is None else list(self.last_shape), self._kept_price(guard),
+                         guard.skip, guard.credit, MEMORY_FORMAT)
             remember("guard", self.memory, dict(vars(kept)), persist=True)  # its lists are fresh copies already
 

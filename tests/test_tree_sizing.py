@@ -3,6 +3,7 @@ prefix is kept, nothing is kept when nothing pays, and the guard stops asking a 
 and asks again once it matches; speculation="always" asks every step."""
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -16,7 +17,7 @@ from specdec.generate import generate
 from specdec.online_costs import OnlineCosts
 from specdec.testing import build_tiny_model
 from specdec.tree import DraftMode, DraftTree
-from specdec.tree_sizing import TreeSizer
+from specdec.tree_sizing import MEMORY_FORMAT, TreeSizer
 
 FLAT = CostModel({}, {1: {1: 1.0, 65: 1.0}})  # verifying is free: only the draft cost counts
 
@@ -286,7 +287,7 @@ def test_the_target_drafting_for_itself_is_never_asked_under_the_guard():
 
 def test_guard_remembers_across_calls_where_a_drafter_stopped_paying(fixed_costs):
     """generate() once per answer: the second call of a drafter that never matched starts priced (no probe until
-    the call has banked one), the same text; once a call finds it paying, the next call asks it from the first
+    the calls have banked one), the same text; once a call finds it paying, the next call asks it from the first
     step. What a call leaves is judged by its running averages, not by its last step (cut to the token budget)."""
     model = build_tiny_model(vocab_size=32, seed=2)
     prompt = [1, 2, 3, 4]
@@ -298,17 +299,20 @@ def test_guard_remembers_across_calls_where_a_drafter_stopped_paying(fixed_costs
         assert generate(model, [prompt], max_new_tokens=new, drafter=drafter)[0] == plain[: len(prompt) + new]
         calls.append(drafter.asked_at)
     assert calls[0] == [0, 3, BANKED_HALF_STEP]  # a fresh guard: the catch-up, a priced probe, then budget
-    assert calls[1] == [BANKED_HALF_STEP]  # remembered not to pay: no probe before the call can afford one
-    # still remembered; the first probe pays, and from then on the drafter is asked every step (5 tokens each)
-    assert calls[2] == [BANKED_HALF_STEP, BANKED_HALF_STEP + 5, BANKED_HALF_STEP + 10]
-    # three paying steps do not outweigh two calls of evidence; a long paying call does
-    assert calls[3][:2] == [BANKED_HALF_STEP, BANKED_HALF_STEP + 5] and len(calls[3]) > 20
-    assert calls[4][0] == 0  # the last call ended paying: asked from the first step
+    # remembered not to pay: no probe before the calls can afford one; the first call banked 10 steps' budget
+    # after its last probe (steps 50-59), so this call's probe comes 10 steps earlier than a fresh bank's
+    assert calls[1] == [BANKED_HALF_STEP - 10]
+    # still remembered (20 steps banked after the last probe); the first probe pays, and from then on the drafter is
+    # asked every step (5 tokens each); six paying steps outweigh two calls of evidence
+    assert calls[2] == [30, 35, 40, 45, 50, 55]
+    assert calls[3][:2] == [0, 5] and len(calls[3]) == 40  # the last call ended paying: asked from the first step
+    assert calls[4][0] == 0
 
 
 def test_guard_memory_outlives_the_process_in_the_cost_cache(fixed_costs, tmp_path):
     """What the guard learned is kept in the cost cache too: a new process (this one's store emptied) starts where
-    the last call left off; an unreadable file is a fresh start, never an error."""
+    the last call left off; an unreadable file, or one an older guard wrote (another MEMORY_FORMAT: its backoff and
+    price meant something else), is a fresh start, never an error."""
     from specdec.remembered import forget_all, use_folder
 
     use_folder(tmp_path)
@@ -316,17 +320,38 @@ def test_guard_memory_outlives_the_process_in_the_cost_cache(fixed_costs, tmp_pa
     prompt = [1, 2, 3, 4]
     plain = generate(model, [prompt], max_new_tokens=60)[0]
     asked = []
-    for damage in (False, False, True):
+    for damage in (None, None, "older format", "not json"):
         forget_all()  # a new process
         for file in tmp_path.glob("*.json") if damage else ():
-            file.write_text("{not json")
+            data = json.loads(file.read_text())
+            data["value"]["format"] = MEMORY_FORMAT - 1
+            file.write_text(json.dumps(data) if damage == "older format" else "{not json")
         drafter = Scripted(plain, len(prompt), 32, switch=10**9)
         assert generate(model, [prompt], max_new_tokens=60, drafter=drafter)[0] == plain
         asked.append(drafter.asked_at)
     assert list(tmp_path.glob("guard-*.json"))
     assert asked[0] == [0, 3, BANKED_HALF_STEP]  # nothing kept yet: probes at once
-    assert asked[1] == [BANKED_HALF_STEP]  # the last process's judgement, read from the cost cache
-    assert asked[2] == [0, 3, BANKED_HALF_STEP]  # unreadable: fresh
+    assert asked[1] == [BANKED_HALF_STEP - 10]  # the last process's judgement and bank, read from the cost cache
+    assert asked[2] == [0, 3, BANKED_HALF_STEP]  # an older guard's memory: fresh
+    assert asked[3] == [0, 3, BANKED_HALF_STEP]  # unreadable: fresh
+
+
+def test_short_calls_probe_a_drafter_remembered_not_to_pay_as_one_long_call_would(fixed_costs):
+    """One generate() per 20-token answer of a drafter that never matches: the guard keeps its backoff and banked
+    probe budget across calls, so the answers together probe once per ~50 steps (a probe costs half a step, the
+    budget is 1% of a step per step). Each call once started with an empty bank and half its backoff: no call
+    after the first could afford a probe, and a drafter that began to pay later was never asked again."""
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4]
+    plain = generate(model, [prompt], max_new_tokens=20)[0]
+    probes = []  # step numbers counted over all the calls
+    for call in range(12):
+        drafter = Scripted(plain, len(prompt), 32, switch=10**9)
+        assert generate(model, [prompt], max_new_tokens=20, drafter=drafter)[0] == plain
+        probes += [20 * call + step for step in drafter.asked_at]
+    assert probes[:2] == [0, 3] and len(probes) >= 6, probes
+    gaps = [b - a for a, b in zip(probes[2:], probes[3:])]
+    assert all(BANKED_HALF_STEP - 1 <= gap <= BANKED_HALF_STEP + 3 for gap in gaps), probes
 
 
 class ScriptedCheckpoint(Drafter):
@@ -354,7 +379,7 @@ def test_guard_memory_is_kept_per_checkpoint_not_per_drafter_name(fixed_costs):
     assert good.script.asked_at[0] == 0  # a fresh guard for this checkpoint: asked from the first step
     again = ScriptedCheckpoint("bad", plain, len(prompt), 32, 10**9)
     assert generate(model, [prompt], max_new_tokens=60, drafter=again)[0] == plain
-    assert again.script.asked_at == [BANKED_HALF_STEP]  # the bad checkpoint's own judgement is remembered
+    assert again.script.asked_at == [BANKED_HALF_STEP - 10]  # the bad checkpoint's own judgement (and bank)
 
 
 def test_the_first_unpaid_probe_backs_off_with_its_own_draft_time():
