@@ -106,7 +106,9 @@ def test_a_loaded_checkpoint_is_shared_while_held_and_freed_after(tmp_path):
 
     def load_twice() -> tuple[weakref.ref, bool, bool]:  # locals only: pytest keeps no assertion temporaries
         first = load_model(str(tmp_path / "tiny"))
-        shared = load_model(str(tmp_path / "tiny")).model is first.model
+        # asked again, or with the dtype and device it got without asking: the same model, not a second copy
+        shared = (load_model(str(tmp_path / "tiny")).model is first.model
+                  and load_model(str(tmp_path / "tiny"), dtype=torch.float32, device="cpu").model is first.model)
         other_device = load_model(str(tmp_path / "tiny"), device="meta").model is not first.model
         return weakref.ref(first.model), shared, other_device
 
@@ -128,6 +130,21 @@ def test_a_checkpoint_without_a_dtype_loads_in_half_precision_on_cuda_only(tmp_p
 
     (tmp_path / "config.json").write_text(json.dumps(declared))
     assert checkpoint_dtype(tmp_path, to) == expected
+
+
+def test_the_shared_model_key_is_the_dtype_and_device_a_load_ends_in(tmp_path, monkeypatch):
+    """On CUDA, a checkpoint loaded with no dtype and again with the half dtype it declares, or on "cuda" and
+    "cuda:0", was two copies (an 8B model twice) while both were held: the key held the dtype and device as asked."""
+    from specdec.models.loader import _model_key
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float16"}))
+    spec = str(tmp_path)
+    assert _model_key(spec, None, "cuda", False) == _model_key(spec, torch.float16, "cuda:0", False)
+    assert _model_key(spec, None, "cuda:1", False) != _model_key(spec, None, "cuda:0", False)
+    assert _model_key(spec, None, None, False) == _model_key(spec, torch.float32, "cpu", False)
+    assert _model_key("synthetic:tiny", None, None, False)[1:3] == (torch.bfloat16, "cuda:0")  # built on the GPU
 
 
 def test_a_checkpoint_loads_in_float32_on_the_cpu_and_in_the_dtype_asked_for(tmp_path):

@@ -103,13 +103,36 @@ def _from_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[
 
 # Models loaded from a path, shared while someone still holds them (a second load_model of the same
 # checkpoint, dtype and device costs nothing then) and freed with their last user: nothing is kept alive here.
-_MODELS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (spec, dtype, device, trust) -> model
+_MODELS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # _model_key(...) -> model
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (tokenizer, name, source)
+
+
+def _config_dir(spec: str) -> Path:
+    """Where the config.json of a checkpoint spec is (or will be, once a GGUF is converted): nothing is read."""
+    if spec in embedded.ALIASES:
+        return embedded.converted_dir(embedded.embedded_gguf_path())
+    p = Path(spec).expanduser()
+    return embedded.converted_dir(p) if p.suffix == ".gguf" and p.is_file() else p
+
+
+def _model_key(spec: str, dtype: torch.dtype | None, device: str | torch.device | None, trust_remote_code: bool):
+    """The shared-model key of a load: the dtype and device it ends in, not as they were asked, so asks that end in
+    one model share it (no dtype and the checkpoint's own; ``"cuda"`` and ``"cuda:0"``; no device and the CPU)."""
+    synthetic_spec = synthetic.is_synthetic(spec)
+    if device is None:
+        device = synthetic.default_device() if synthetic_spec else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    if dtype is None:
+        dtype = synthetic.default_dtype(device) if synthetic_spec else checkpoint_dtype(_config_dir(spec), device)
+    return spec, dtype, str(device), trust_remote_code
 
 
 def _load_path(spec: str, dtype: torch.dtype | None, device: str | torch.device | None,
                trust_remote_code: bool) -> tuple[Any, Any, str, str]:
-    key = (spec, dtype, None if device is None else str(torch.device(device)), trust_remote_code)
+    key = _model_key(spec, dtype, device, trust_remote_code)
+    dtype = key[1]
     model = _MODELS.get(key)
     if model is not None:
         return (model, *_TOKENIZERS[model])
@@ -136,7 +159,7 @@ def _load_path(spec: str, dtype: torch.dtype | None, device: str | torch.device 
                 f"model, or one of the aliases {', '.join(embedded.ALIASES)} (nothing is downloaded)"
             )
         name = p.name
-    model, tokenizer = _from_dir(path, dtype or checkpoint_dtype(path, device), trust_remote_code)
+    model, tokenizer = _from_dir(path, dtype, trust_remote_code)
     if device is not None:
         model.to(device)  # before it is shared: a later load for another device gets its own copy
     _pack_on_cuda(model)
