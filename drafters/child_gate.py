@@ -45,6 +45,11 @@ class GateConfig(DeciderConfig):
 
     warmup: int = 3  # records before the first decision (until then the costly children run as probes)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.warmup > self.window:  # only the last window records are kept: the warm-up would never end
+            raise ValueError(f"invalid GateConfig: warmup={self.warmup} exceeds window={self.window}")
+
 
 class ChildGate(CallMemory):
     """records: (successes, nodes) per child of a step where every child ran; times: per child, seconds per call;

@@ -226,7 +226,9 @@ def test_gate_option_must_be_a_bool():
         CombinedDrafter(["ngram"], gate="yes")
 
 
-@pytest.mark.parametrize("bad", [{"warmup": 0}, {"window": 0}, {"probe_budget": 0.0}, {"ema": 1.5}])
+# a warm-up longer than the records kept would never end
+@pytest.mark.parametrize("bad", [{"warmup": 0}, {"window": 0}, {"probe_budget": 0.0}, {"ema": 1.5},
+                                 {"warmup": 5, "window": 4}])
 def test_gate_and_depth_configs_refuse_settings_out_of_range(bad):
     from specdec.drafters.eagle_depth import DepthConfig
 
