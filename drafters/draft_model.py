@@ -76,7 +76,8 @@ class DraftModelDrafter(ModelDrafter):
         if model is None:  # before anything loads: a silent default model only fits targets of its own vocabulary
             raise InputError("draft-model needs model=: a smaller model with the target's vocabulary (a transformers "
                              "model, checkpoint directory, .gguf file or alias), e.g. "
-                             "drafter_options={'model': './small-llama'}")
+                             "drafter_options={'model': './small-llama'}, on the command line "
+                             "--drafter-option model=./small-llama")
         if isinstance(model, (bool, int, float, list, tuple, dict)):  # e.g. a JSON value where a path was meant
             raise InputTypeError(f"draft-model: model= must be a transformers model, a checkpoint path or an alias, "
                                  f"got {type(model).__name__} {model!r}")

@@ -92,7 +92,8 @@ class EagleDrafter(Drafter):
         """``path`` (a checkpoint directory) or ``model`` (an EagleModel); ``options``: EagleDraftConfig."""
         check_path_option("eagle", path)
         if (path is None) == (model is None):
-            raise InputError("eagle: give exactly one of path= (a checkpoint directory) or model= (EagleModel)")
+            raise InputError("eagle: give exactly one of path= (a checkpoint directory; on the command line "
+                             "--drafter-option path=DIR) or model= (an EagleModel)")
         if model is not None and not isinstance(model, EagleModel):
             raise InputError(f"eagle: model= must be an EagleModel, got {type(model).__name__}")
         self.options = EagleDraftConfig(**options)

@@ -42,6 +42,7 @@ from specdec.drafters.medusa_heads import MedusaCheckpointError, MedusaHeads, lo
 from specdec.drafters.medusa_tree import default_choices, dynamic_tree, static_tree, validate_choices
 
 from specdec.coupling import perturbed_logits
+from specdec.errors import InputError
 from specdec.tree import MAX_TREE_NODES, DraftTree
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,8 @@ class MedusaDrafter(Drafter):
         """``path`` (a checkpoint directory) or ``heads`` (a MedusaHeads module); ``options``: MedusaDraftConfig."""
         check_path_option("medusa", path)
         if (path is None) == (heads is None):
-            raise ValueError("medusa: give exactly one of path= (a checkpoint directory) or heads= (MedusaHeads)")
+            raise InputError("medusa: give exactly one of path= (a checkpoint directory; on the command line "
+                             "--drafter-option path=DIR) or heads= (a MedusaHeads)")
         if heads is not None and not isinstance(heads, MedusaHeads):
             raise TypeError(f"medusa: heads= must be a MedusaHeads module, got {type(heads).__name__}")
         self.config = MedusaDraftConfig(**options)

@@ -102,8 +102,13 @@ def _read_prompt(args) -> tuple[str, str]:
     if args.prompt_file is not None and args.prompt is not None:
         raise CLIError(f"got a prompt argument and --prompt-file {args.prompt_file!r}: give the prompt one way only")
     if args.prompt_file is not None:
-        with open(args.prompt_file, "rb") as f:
-            return _decode(f.read(), f"--prompt-file {args.prompt_file!r}"), f"--prompt-file {args.prompt_file!r}"
+        where = f"--prompt-file {args.prompt_file!r}"
+        try:
+            with open(args.prompt_file, "rb") as f:
+                return _decode(f.read(), where), where
+        except OSError as err:  # (argparse takes --prompt for an abbreviation of --prompt-file)
+            raise CLIError(f"{where}: cannot read it ({err.strerror or err}); to give the prompt itself, pass it "
+                           "as the argument") from None
     if args.prompt is not None and args.prompt != "-":
         return _check_argument(args.prompt, "the prompt argument"), "the prompt argument"
     stdin = sys.stdin

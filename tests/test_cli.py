@@ -134,7 +134,11 @@ def gpt2_ckpt(tmp_path_factory):
         (["hi", "--model", "{ckpt}", "--drafter-option", "num_draft_tokens=3"], "needs --drafter NAME"),
         (["hi", "--model", "{ckpt}", "--num-blocks", "1"], "KV cache out of blocks"),  # CacheFullError
         (["hi", "--model", "{ckpt}", "--max-new-tokens", "600"], "exceeds the model's context"),
-        (["--prompt-file", "/no/such/prompt.txt", "--model", "{ckpt}"], "No such file"),
+        (["--prompt-file", "/no/such/prompt.txt", "--model", "{ckpt}"], "--prompt-file '/no/such/prompt.txt': "
+                                                                          "cannot read it \\(No such file"),
+        (["hi", "--model", "{ckpt}", "--drafter", "eagle"], "on the command line --drafter-option path=DIR"),
+        (["hi", "--model", "{ckpt}", "--drafter", "medusa"], "on the command line --drafter-option path=DIR"),
+        (["hi", "--model", "{ckpt}", "--drafter", "draft-model"], "on the command line --drafter-option model="),
         (["hi", "--model", "{no_tokenizer_ckpt}"], "has no tokenizer"),
         (["hi", "--model", "{gpt2_ckpt}"], "supported"),  # UnsupportedModelError
         (["hi", "--model", "{ckpt}", "--cuda-graphs"], "needs --device cuda"),
