@@ -21,6 +21,7 @@ A different key re-measures. ``CALIBRATIONS`` counts the measurements this proce
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -69,6 +70,18 @@ class CalibrationConfig:
         if self.context < 1 or self.repeats < 1 or self.row_repeats < 1:
             raise ValueError("calibration context, repeats and row_repeats must be >= 1")
         object.__setattr__(self, "sizes", sizes)
+
+
+@contextlib.contextmanager
+def _one_off(what: str, total: int, unit: str, where: Path | None):
+    """A measurement the caller waits for once (then cached in ``where``): said in one warning, as a model's
+    conversion is, and shown as a progress bar on a terminal when it lasts over a second; yields the bar's step."""
+    from tqdm.auto import tqdm
+
+    logger.warning("measuring %s for the speculation policy, once%s", what,
+                   "" if where is None else f" (cached in {where})")
+    with tqdm(total=total, unit=unit, desc="measuring costs", delay=1.0, disable=None, leave=False) as bar:
+        yield bar.update
 
 
 def _device_name(device: torch.device) -> str:
@@ -209,8 +222,10 @@ def ensure_row_policy(runner, config: CalibrationConfig | None = None, cache_dir
         weights, scales = streamed_weights(runner)
         CALIBRATIONS["rows"] += 1
         t0 = time.perf_counter()
-        cols = row_policy.measure_row_policy(weights, repeats=(config or CalibrationConfig()).row_repeats,
-                                             scales=scales, allow_packed=packed)
+        with _one_off(f"this CPU's matrix products (1-{row_policy.SMALL_M_MAX} rows, {threads} threads)",
+                      row_policy.SMALL_M_MAX, "rows", file.parent) as step:
+            cols = row_policy.measure_row_policy(weights, repeats=(config or CalibrationConfig()).row_repeats,
+                                                 scales=scales, allow_packed=packed, progress=step)
         data = {"key": key, "cols": {str(m): c for m, c in cols.items()}}
         write_cache(file, data)
         logger.info("row policy measured for %d threads in %.1f s: %s", threads, time.perf_counter() - t0, cols)
@@ -238,7 +253,7 @@ class CostModel:
             if self.runner is None:  # nearest measured batch size
                 b = min(self.curves, key=lambda x: abs(x - b))
             else:
-                self.curves[b] = calibrate(self.runner, b, self.config)
+                self.curves[b] = calibrate(self.runner, b, self.config, None if self.file is None else self.file.parent)
                 if self.file is not None:
                     write_cache(self.file, {"key": self.key, "curves": {str(k): {str(n): s for n, s in v.items()}
                                                                      for k, v in self.curves.items()}})
@@ -270,8 +285,9 @@ def times_whole_grid(runner) -> bool:
     return runner.device.type == "cuda"
 
 
-def calibrate(runner, batch: int, config: CalibrationConfig) -> dict[int, float]:
-    """Median seconds of one engine step with n query tokens per sequence, batch ``batch``, n on the grid."""
+def calibrate(runner, batch: int, config: CalibrationConfig, where: Path | None = None) -> dict[int, float]:
+    """Median seconds of one engine step with n query tokens per sequence, batch ``batch``, n on the grid
+    (``where``: the folder its cache file goes to, for the message the caller waits with)."""
     from specdec.verify_cost import measure_verify_costs
 
     # a batch runs batch x n query tokens per step. On a CPU, past BATCH_QUERY_TOKENS the curve is extrapolated
@@ -293,7 +309,10 @@ def calibrate(runner, batch: int, config: CalibrationConfig) -> dict[int, float]
     prompts = [[(7 + 13 * i + b) % runner.shape.vocab_size for i in range(context)] for b in range(batch)]
     CALIBRATIONS["verify"] += 1
     t0 = time.perf_counter()
-    times = measure_verify_costs(runner, prompts, sizes, SamplingConfig(), repeats=repeats, graphs=config.graphs)
+    with _one_off(f"verify steps of 1-{sizes[-1]} tokens at batch {batch}",
+                  (repeats + 1) * len(sizes), "step", where) as step:
+        times = measure_verify_costs(runner, prompts, sizes, SamplingConfig(), repeats=repeats, graphs=config.graphs,
+                                     progress=step)
     logger.info("verify cost measured (batch %d, %d sizes) in %.1f s: c(1) = %.2f ms, c(%d) = %.2fx",
                 batch, len(sizes), time.perf_counter() - t0, times[1] * 1e3, sizes[-1], times[sizes[-1]] / times[1])
     # the row policy can compute n rows as m > n rows, so a measured c(n) above a larger c(m) is noise (or a

@@ -7,7 +7,7 @@ on a batch like the cell's, and builds its predicted speedup from these costs.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -35,7 +35,8 @@ class _ChainDrafter(Drafter):
 
 def measure_verify_costs(runner: LlamaRunner, prompts: Sequence[Sequence[int]], query_tokens: Sequence[int],
                          sampling: SamplingConfig, extra_context: int = 0, repeats: int = 5,
-                         seed: int = 0, graphs: bool = False) -> dict[int, float]:
+                         seed: int = 0, graphs: bool = False,
+                         progress: Callable[[], object] | None = None) -> dict[int, float]:
     """Median seconds of one engine verify step with ``n`` query tokens per sequence, for each n.
 
     One batch of ``len(prompts)`` sequences, each extended by ``extra_context`` tokens (its
@@ -44,6 +45,7 @@ def measure_verify_costs(runner: LlamaRunner, prompts: Sequence[Sequence[int]], 
     n - 1 nodes. The first round is a warm-up. The time is the engine's own verify timer:
     target forward + rejection sampling + KV commit. ``graphs``: through fixed-shape buckets replayed as CUDA
     graphs (:mod:`specdec.cuda_graphs`; CUDA with the Triton backend), as ``generate()`` runs on a GPU.
+    ``progress``: called after each step (``(repeats + 1) * len(query_tokens)`` calls).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -78,4 +80,6 @@ def measure_verify_costs(runner: LlamaRunner, prompts: Sequence[Sequence[int]], 
             engine.step()
             if r:
                 times[n].append(engine.seconds["verify"] - before)
+            if progress is not None:
+                progress()
     return {n: statistics.median(ts) for n, ts in times.items()}

@@ -2,6 +2,7 @@
 interpolation of c(n); the CPU row policy of linear() measured, installed and exact."""
 from __future__ import annotations
 
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -33,9 +34,9 @@ def _calls(monkeypatch) -> list[int]:
     calls = []
     real = cost_model.calibrate
 
-    def counting(runner, batch, config):
+    def counting(runner, batch, config, where=None):
         calls.append(batch)
-        return real(runner, batch, config)
+        return real(runner, batch, config, where)
 
     monkeypatch.setattr(cost_model, "calibrate", counting)
     return calls
@@ -142,6 +143,36 @@ def test_row_policy_measured_once_per_key_and_installed(fresh):
     cost_model._ROWS_DONE.clear()
     cost_model.ensure_row_policy(runner, SMALL, cache_dir=fresh)  # from disk
     assert cost_model.CALIBRATIONS["rows"] == before + 1 and torch.get_num_threads() in row_policy._ACTIVE
+
+
+def test_a_measurement_the_user_waits_for_says_so_once_and_shows_its_progress(fresh, monkeypatch, caplog):
+    """On a fresh 2-core machine the first generate() with a drafter spent ~1 min measuring the row policy and the
+    verify curve in silence (the CLI printed nothing until its answer). Each one-off now says what it measures and
+    where it is cached, in one warning, and steps a progress bar to its end; a cached load says nothing."""
+    bars = []
+    real_one_off = cost_model._one_off
+
+    @contextlib.contextmanager
+    def watched(what, total, unit, where):
+        with real_one_off(what, total, unit, where) as step:
+            bars.append([total, 0])
+            yield lambda: (step(), bars[-1].__setitem__(1, bars[-1][1] + 1))
+
+    monkeypatch.setattr(cost_model, "_one_off", watched)
+    runner = LlamaRunner(build_tiny_model(seed=0))
+    row_policy.uninstall()
+    with caplog.at_level("WARNING", logger="specdec.cost_model"):
+        load_cost_model(runner, SMALL, cache_dir=fresh)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "matrix products" in said[0] and "verify steps of 1-4 tokens at batch 1" in said[1]
+    assert all(f"cached in {fresh}" in line for line in said)
+    assert bars == [[row_policy.SMALL_M_MAX] * 2, [2 * 3] * 2]  # every row count; (repeats + 1) x 3 sizes
+    caplog.clear()
+    monkeypatch.setattr(cost_model, "_MEMO", {})
+    cost_model._ROWS_DONE.clear()
+    with caplog.at_level("WARNING", logger="specdec.cost_model"):
+        load_cost_model(runner, SMALL, cache_dir=fresh)  # a new process: both from the disk
+    assert not caplog.records and len(bars) == 2
 
 
 def test_interpolation_and_relative_cost():

@@ -33,7 +33,7 @@ import logging
 import statistics
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -137,14 +137,15 @@ def _weighted_pass(products, scales: Sequence[float]) -> float:
 
 @torch.inference_mode()
 def measure_row_policy(weights: Sequence[torch.Tensor], max_rows: int = SMALL_M_MAX, repeats: int = 5,
-                       scales: Sequence[float] | None = None, allow_packed: bool = False) -> dict[int, int]:
+                       scales: Sequence[float] | None = None, allow_packed: bool = False,
+                       progress: Callable[[], object] | None = None) -> dict[int, int]:
     """Time ``F.linear``, the transposed product and (``allow_packed`` and oneDNN present) the packed product
     for 1..max_rows rows over ``weights``, and return the fastest way to compute each row count, padding allowed
     for the transposed product (m rows computed as c >= m when c is faster).
 
     ``weights`` should be what a forward streams (more bytes than the last-level cache holds: see the module
     doc); ``scales[i]`` weighs matrix i's time (a sample of every k-th layer stands for k layers), default 1.
-    CPU tensors only."""
+    CPU tensors only. ``progress``: called after each row count is timed (``max_rows`` calls)."""
     if not weights or any(w.device.type != "cpu" or w.dim() != 2 for w in weights):
         raise ValueError("measure_row_policy needs 2-D CPU weight matrices")
     scales = [1.0] * len(weights) if scales is None else [float(s) for s in scales]
@@ -171,6 +172,8 @@ def measure_row_policy(weights: Sequence[torch.Tensor], max_rows: int = SMALL_M_
         transposed[m] = statistics.median(t[1] for t in times)
         if packs is not None:
             packed[m] = statistics.median(t[2] for t in times)
+        if progress is not None:
+            progress()
     cols: dict[int, int] = {}
     for m in range(1, max_rows + 1):
         best_cost, best = plain[m], None  # F.linear on exactly m rows is the default
