@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 CALIBRATIONS = {"verify": 0, "rows": 0}  # measurements run by this process (cache misses)
 _MEMO: dict[str, dict[int, dict[int, float]]] = {}  # cache file -> curves: one process reads the disk once per key
-_ROWS_DONE: set[str] = set()
+_ROWS_DONE: dict[str, dict[int, int]] = {}  # row-policy cache file -> its policy, read or measured in this process
 _PACKING: dict[str, bool] = {}  # row-policy key (without "packed") -> packed weights allowed, decided once per process
 BATCH_QUERY_TOKENS = 128  # a CPU's calibration grid of a batch: sizes n with batch * n above this are extrapolated
 BATCH_CONTEXT_TOKENS = 1024  # and at most this many context tokens are prefilled over the whole batch
@@ -78,8 +78,7 @@ def _one_off(what: str, total: int, unit: str, where: Path | None):
     conversion is, and shown as a progress bar on a terminal when it lasts over a second; yields the bar's step."""
     from tqdm.auto import tqdm
 
-    logger.warning("measuring %s for the speculation policy, once%s", what,
-                   "" if where is None else f" (cached in {where})")
+    logger.warning("measuring %s, once%s", what, "" if where is None else f" (cached in {where})")
     with tqdm(total=total, unit=unit, desc="measuring costs", delay=1.0, disable=None, leave=False) as bar:
         yield bar.update
 
@@ -215,22 +214,29 @@ def ensure_row_policy(runner, config: CalibrationConfig | None = None, cache_dir
     packed = _PACKING[base]
     key |= {"packed": packed}
     file = _cache_dir(cache_dir) / f"rows-{_digest(key)}.json"
-    if str(file) in _ROWS_DONE and threads in row_policy._ACTIVE:
-        return
+    cols = _ROWS_DONE.get(str(file))
+    if cols is None:
+        cols = _ROWS_DONE[str(file)] = _read_or_measure_rows(runner, config, key, file, packed)
+    # installed at every engine build: another model's policy (another dtype or shape) may be the active one
+    row_policy.install(threads, cols, runner.dtype)
+
+
+def _read_or_measure_rows(runner, config: CalibrationConfig | None, key: dict, file: Path, packed: bool) -> dict:
+    """The row policy cached in ``file`` under ``key``, else measured now and cached there."""
+    threads = torch.get_num_threads()
     data = read_cache(file)
     if data is None or data.get("key") != key:
         weights, scales = streamed_weights(runner)
         CALIBRATIONS["rows"] += 1
         t0 = time.perf_counter()
-        with _one_off(f"this CPU's matrix products (1-{row_policy.SMALL_M_MAX} rows, {threads} threads)",
+        with _one_off(f"this CPU's matrix products of 1-{row_policy.SMALL_M_MAX} rows on {threads} threads",
                       row_policy.SMALL_M_MAX, "rows", file.parent) as step:
             cols = row_policy.measure_row_policy(weights, repeats=(config or CalibrationConfig()).row_repeats,
                                                  scales=scales, allow_packed=packed, progress=step)
         data = {"key": key, "cols": {str(m): c for m, c in cols.items()}}
         write_cache(file, data)
         logger.info("row policy measured for %d threads in %.1f s: %s", threads, time.perf_counter() - t0, cols)
-    row_policy.install(threads, {int(m): int(c) for m, c in data["cols"].items()})
-    _ROWS_DONE.add(str(file))
+    return {int(m): int(c) for m, c in data["cols"].items()}
 
 
 @dataclass
@@ -309,7 +315,7 @@ def calibrate(runner, batch: int, config: CalibrationConfig, where: Path | None 
     prompts = [[(7 + 13 * i + b) % runner.shape.vocab_size for i in range(context)] for b in range(batch)]
     CALIBRATIONS["verify"] += 1
     t0 = time.perf_counter()
-    with _one_off(f"verify steps of 1-{sizes[-1]} tokens at batch {batch}",
+    with _one_off(f"verify steps of 1-{sizes[-1]} tokens at batch {batch} for the speculation policy",
                   (repeats + 1) * len(sizes), "step", where) as step:
         times = measure_verify_costs(runner, prompts, sizes, SamplingConfig(), repeats=repeats, graphs=config.graphs,
                                      progress=step)
@@ -332,7 +338,7 @@ def load_cost_model(runner, config: CalibrationConfig | None = None, cache_dir: 
     config = config or CalibrationConfig()
     if install_rows:
         ensure_row_policy(runner, config, cache_dir)
-    key = machine_key(runner) | {"model": model_fingerprint(runner), "rows": row_policy.active_cols(),
+    key = machine_key(runner) | {"model": model_fingerprint(runner), "rows": row_policy.active_cols(runner.dtype),
                                  "workload": asdict(config)}
     if times_whole_grid(runner):  # older curves of this device, whose batches stopped short, are measured again
         key["batch_grid"] = "whole"

@@ -22,7 +22,7 @@ SMALL = CalibrationConfig(sizes=(1, 2, 4), context=16, repeats=1, row_repeats=1)
 def fresh(monkeypatch, tmp_path):
     """An empty cache dir and no in-process memo (as in a new process); row policies restored after."""
     monkeypatch.setattr(cost_model, "_MEMO", {})
-    monkeypatch.setattr(cost_model, "_ROWS_DONE", set())
+    monkeypatch.setattr(cost_model, "_ROWS_DONE", {})
     monkeypatch.setattr(cost_model, "_PACKING", {})
     saved = dict(row_policy._ACTIVE)
     yield tmp_path
@@ -138,11 +138,32 @@ def test_row_policy_measured_once_per_key_and_installed(fresh):
     before = cost_model.CALIBRATIONS["rows"]
     row_policy.uninstall()
     cost_model.ensure_row_policy(runner, SMALL, cache_dir=fresh)
-    assert cost_model.CALIBRATIONS["rows"] == before + 1 and torch.get_num_threads() in row_policy._ACTIVE
+    assert cost_model.CALIBRATIONS["rows"] == before + 1
+    assert (torch.get_num_threads(), runner.dtype) in row_policy._ACTIVE
     row_policy.uninstall()
     cost_model._ROWS_DONE.clear()
     cost_model.ensure_row_policy(runner, SMALL, cache_dir=fresh)  # from disk
-    assert cost_model.CALIBRATIONS["rows"] == before + 1 and torch.get_num_threads() in row_policy._ACTIVE
+    assert cost_model.CALIBRATIONS["rows"] == before + 1
+    assert (torch.get_num_threads(), runner.dtype) in row_policy._ACTIVE
+
+
+def test_each_model_runs_under_its_own_row_policy(fresh, monkeypatch):
+    """A process with two models: the one whose engine is built runs under its own policy, and a dtype's weights
+    never under another dtype's. The policy was per thread count only, and an engine build skipped installing a
+    policy it had installed before: a float16 model built after a bfloat16 one multiplied under the bf16 policy,
+    whose packed products oneDNN refuses for fp16 weights on CPUs without avx512_fp16 (a raw RuntimeError)."""
+    policies = {(torch.float16, 64): {1: 2}, (torch.bfloat16, 64): {1: 4, 2: 4}, (torch.float16, 32): {1: 3}}
+    monkeypatch.setattr(row_policy, "measure_row_policy",
+                        lambda weights, **_: dict(policies[weights[0].dtype, weights[0].shape[1]]))
+    fp16 = LlamaRunner(build_tiny_model(seed=0).to(torch.float16))
+    bf16 = LlamaRunner(build_tiny_model(seed=1).to(torch.bfloat16))
+    narrow = LlamaRunner(build_tiny_model(seed=2, hidden_size=32).to(torch.float16))
+    row_policy.uninstall()
+    for runner, expected in ((fp16, {1: 2}), (bf16, {1: 4, 2: 4}), (narrow, {1: 3}), (fp16, {1: 2})):
+        cost_model.ensure_row_policy(runner, SMALL, cache_dir=fresh)
+        assert row_policy.active_cols(runner.dtype) == expected
+    assert row_policy.active_cols(torch.bfloat16) == {1: 4, 2: 4}  # kept beside the fp16 model's
+    assert row_policy.active_cols(torch.float32) == {}  # nothing measured for float32 weights
 
 
 def test_a_measurement_the_user_waits_for_says_so_once_and_shows_its_progress(fresh, monkeypatch, caplog):
@@ -410,7 +431,7 @@ def test_drafter_layers_multiply_under_the_row_policy(monkeypatch):
     calls = []
     real = row_policy.transposed_linear
     monkeypatch.setattr(row_policy, "transposed_linear", lambda x, w, cols: calls.append(w.shape) or real(x, w, cols))
-    monkeypatch.setitem(row_policy._ACTIVE, torch.get_num_threads(), {1: 2})
+    monkeypatch.setitem(row_policy._ACTIVE, (torch.get_num_threads(), torch.float32), {1: 2})
     model = build_tiny_model(vocab_size=64, seed=1)
     eagle = EagleModel(EagleConfig.for_target(model.config, draft_vocab=tuple(range(32))))
     h = torch.randn(1, 1, 64, generator=gen)

@@ -24,7 +24,7 @@ from tests.test_head_layouts import N, _inputs, specdec_logits, write_sglang_che
 def _products_as_speculators_computes_them(monkeypatch):
     """specdec's layers multiply by F.linear here, as speculators' do: a CPU row policy installed in this process by
     an earlier test (a transposed or packed product for some row counts) rounds a logit past 1e-5 now and then."""
-    monkeypatch.setattr(row_policy, "active_cols", lambda: {})
+    monkeypatch.setattr(row_policy, "active_cols", lambda dtype=None: {})
 
 
 @pytest.fixture(scope="module")

@@ -133,7 +133,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     never takes the packed one, which has no autograd.
     """
     if x.device.type == "cpu":
-        cols = row_policy.active_cols().get(x.shape[0])
+        cols = row_policy.active_cols(weight.dtype).get(x.shape[0])
         if cols == row_policy.PACKED:
             if not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
                 return row_policy.packed_linear(x, weight, bias)

@@ -12,7 +12,7 @@ dropped)",
 library sums in its own order, as F.linear itself does for different row counts).
 
     policy = measure_row_policy(weights, scales)   # a few seconds: products over what a forward streams
-    install(torch.get_num_threads(), policy)       # linear() reads it from now on
+    install(torch.get_num_threads(), policy, dtype)  # linear() reads it from now on
 
 Packed weights are copies (the model's weight bytes once more, made on a weight's first packed product and
 dropped with the weight; a weight changed in place is packed again), so ``measure_row_policy`` offers them only
@@ -23,8 +23,8 @@ memory. Timed over one layer's matrices, which fit in the last-level cache, sing
 as anything, while streamed it can read at half the speed of the two-column transposed product
 (measurements: docs/speculation-policy.md and docs/results/).
 
-Policies are per torch thread count (``active_cols()`` reads the current one); with none installed for
-the current count, ``linear()`` is ``F.linear``. :func:`specdec.cost_model.ensure_row_policy` measures
+Policies are per torch thread count and weight dtype (``active_cols(dtype)`` reads the current count's); with none
+installed, ``linear()`` is ``F.linear``. :func:`specdec.cost_model.ensure_row_policy` measures
 once per machine / weight shapes / dtype / thread count and caches the result on disk.
 """
 from __future__ import annotations
@@ -45,33 +45,34 @@ PACKED = 0  # a policy's value for "the product over oneDNN-packed weights" (pac
 PACK_ROWS = 8  # the row count oneDNN is told to lay packed weights out for; 8 and 16 timed the same for 1-16 rows
 _MIN_GAIN = 0.05  # a layout other than F.linear (or padding) must win by 5%: no chasing of timing noise
 
-_ACTIVE: dict[int, dict[int, int]] = {}  # torch thread count -> {rows: columns of the transposed product, or PACKED}
+# (torch thread count, weight dtype) -> {rows: columns of the transposed product, or PACKED}: a policy measured for
+# one dtype never reaches another's weights (oneDNN packs bf16 weights on CPUs where it cannot pack fp16 ones)
+_ACTIVE: dict[tuple[int, torch.dtype], dict[int, int]] = {}
 # id(weight) -> (weak reference to it, its version counter when packed, the packed copy); an entry leaves with its
 # weight (weakref.finalize), and a version that moved (an optimizer step, a load) packs the weight again
 _PACKED: dict[int, tuple[weakref.ref, int | None, torch.Tensor]] = {}
 
 
-def install(threads: int, cols: dict[int, int]) -> None:
-    """Use ``cols`` (rows -> transposed columns, or PACKED) whenever torch runs on ``threads`` threads."""
+def install(threads: int, cols: dict[int, int], dtype: torch.dtype = torch.float32) -> None:
+    """Use ``cols`` (rows -> transposed columns, or PACKED) for ``dtype`` weights whenever torch runs on ``threads``
+    threads."""
     bad = {m: c for m, c in cols.items() if not (1 <= m <= c <= SMALL_M_MAX or (c == PACKED and 1 <= m <= SMALL_M_MAX))}
     if bad:
         raise ValueError(f"row policy: need 1 <= rows <= columns <= {SMALL_M_MAX} (or PACKED = {PACKED}), got {bad}")
     if PACKED in cols.values() and not packing_available():
         raise ValueError("row policy: packed products need PyTorch's oneDNN (mkldnn) backend, which is unavailable")
-    _ACTIVE[int(threads)] = {int(m): int(c) for m, c in cols.items()}
+    _ACTIVE[int(threads), dtype] = {int(m): int(c) for m, c in cols.items()}
 
 
 def uninstall(threads: int | None = None) -> None:
-    """Forget the policy of ``threads`` (None: every policy); linear() falls back to F.linear."""
-    if threads is None:
-        _ACTIVE.clear()
-    else:
-        _ACTIVE.pop(int(threads), None)
+    """Forget the policies of ``threads`` (None: every policy); linear() falls back to F.linear."""
+    for key in [k for k in _ACTIVE if threads is None or k[0] == int(threads)]:
+        del _ACTIVE[key]
 
 
-def active_cols() -> dict[int, int]:
-    """The policy of the current torch thread count ({} when none is installed)."""
-    return _ACTIVE.get(torch.get_num_threads(), {})
+def active_cols(dtype: torch.dtype = torch.float32) -> dict[int, int]:
+    """The policy of the current torch thread count for ``dtype`` weights ({} when none is installed)."""
+    return _ACTIVE.get((torch.get_num_threads(), dtype), {})
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, cols: int) -> torch.Tensor:
