@@ -174,13 +174,15 @@ class ModelDrafter(Drafter):
 
     def forward_seconds(self) -> float | None:
         """A decode step of the draft model, from its cost model (the target's own curve when it IS the target).
-        None for self-draft: its layers are a part of the target's, so it costs less by construction."""
+        None for self-draft (its layers are a part of the target's, so it costs less by construction) and for a
+        draft model whose context is too short to time."""
         if self.runner is None or self.shares_target_cache:
             return None
         from specdec.cost_model import CalibrationConfig, load_cost_model
 
         graphs = self.use_graphs and self.runner.device.type == "cuda"  # priced as it runs: replayed graphs
-        return load_cost_model(self.runner, CalibrationConfig(graphs=graphs), install_rows=False).decode_seconds()
+        costs = load_cost_model(self.runner, CalibrationConfig(graphs=graphs), install_rows=False)
+        return costs.decode_seconds() if costs.measured else None  # too short a context to time: the guard probes
 
     def release(self, seq_id: int) -> None:
         if self.cache is not None and not self.shares_target_cache and seq_id in self.cache.lengths:

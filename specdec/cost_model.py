@@ -248,6 +248,7 @@ class CostModel:
     runner: object = field(default=None, repr=False, compare=False)  # None: a loaded / fixed model, no lazy runs
     config: CalibrationConfig = field(default_factory=CalibrationConfig)
     file: Path | None = None
+    measured: bool = True  # False: a model too short to calibrate, every verified token priced at a decode step
 
     @staticmethod
     def batch_bucket(batch: int) -> int:
@@ -291,11 +292,8 @@ def times_whole_grid(runner) -> bool:
     return runner.device.type == "cuda"
 
 
-def calibrate(runner, batch: int, config: CalibrationConfig, where: Path | None = None) -> dict[int, float]:
-    """Median seconds of one engine step with n query tokens per sequence, batch ``batch``, n on the grid
-    (``where``: the folder its cache file goes to, for the message the caller waits with)."""
-    from specdec.verify_cost import measure_verify_costs
-
+def _plan(runner, batch: int, config: CalibrationConfig) -> tuple[list[int], int, int] | None:
+    """(sizes, repeats, context) of a batch's calibration, fitted into the model's context (None: it cannot fit)."""
     # a batch runs batch x n query tokens per step. On a CPU, past BATCH_QUERY_TOKENS the curve is extrapolated
     # linearly from its last two points (the forward is compute-bound there), and the prefilled context shrinks with
     # the batch, so any batch size calibrates in seconds (the full grid took 131 s at batch 32 on one thread, this
@@ -311,7 +309,19 @@ def calibrate(runner, batch: int, config: CalibrationConfig, where: Path | None 
         elif len(sizes) > 2:
             sizes.pop()  # extrapolated linearly from the last two points
         else:
-            break
+            return None
+    return sizes, repeats, context
+
+
+def calibrate(runner, batch: int, config: CalibrationConfig, where: Path | None = None) -> dict[int, float]:
+    """Median seconds of one engine step with n query tokens per sequence, batch ``batch``, n on the grid
+    (``where``: the folder its cache file goes to, for the message the caller waits with)."""
+    from specdec.verify_cost import measure_verify_costs
+
+    plan = _plan(runner, batch, config)
+    if plan is None:
+        raise ValueError(f"the model's context ({runner.shape.max_positions}) is too short to calibrate")
+    sizes, repeats, context = plan
     prompts = [[(7 + 13 * i + b) % runner.shape.vocab_size for i in range(context)] for b in range(batch)]
     CALIBRATIONS["verify"] += 1
     t0 = time.perf_counter()
@@ -338,6 +348,10 @@ def load_cost_model(runner, config: CalibrationConfig | None = None, cache_dir: 
     config = config or CalibrationConfig()
     if install_rows:
         ensure_row_policy(runner, config, cache_dir)
+    if _plan(runner, 1, config) is None:  # no room for two verify sizes: price every token at a decode step
+        logger.info("a context of %d tokens is too short to measure verify costs: speculation='auto' decodes "
+                    "plainly", runner.shape.max_positions)
+        return CostModel({"unmeasured": True}, {1: {1: 1.0, 2: 2.0}}, None, config, measured=False)
     key = machine_key(runner) | {"model": model_fingerprint(runner), "rows": row_policy.active_cols(runner.dtype),
                                  "workload": asdict(config)}
     if times_whole_grid(runner):  # older curves of this device, whose batches stopped short, are measured again

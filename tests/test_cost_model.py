@@ -147,6 +147,24 @@ def test_row_policy_measured_once_per_key_and_installed(fresh):
     assert (torch.get_num_threads(), runner.dtype) in row_policy._ACTIVE
 
 
+def test_a_model_too_short_to_calibrate_decodes_plainly_under_auto():
+    """A context of 6 tokens has no room for the calibration's steps: generate() with a drafter raised a bare
+    ValueError from the calibration (plain decoding and speculation='always' worked). Now speculation='auto' prices
+    every verified token at a decode step, so it decodes plainly; a draft model that short is priced as unknown."""
+    from specdec.generate import generate
+
+    short = build_tiny_model(vocab_size=64, max_position_embeddings=6)
+    prompts = [[45, 14], [9]]
+    plain = generate(short, prompts, max_new_tokens=3)
+    out = generate(short, prompts, max_new_tokens=3, drafter="ngram", return_dict=True)
+    assert out.sequences == plain and all(s.steps == 3 for s in out.stats)  # one token per step
+    costs = load_cost_model(LlamaRunner(short))
+    assert not costs.measured and costs.relative(5) == 5.0
+    draft = build_tiny_model(vocab_size=64, seed=3, max_position_embeddings=8)
+    assert generate(short, [[1, 2]], max_new_tokens=4, drafter="draft-model", drafter_options={"model": draft}) \
+        == generate(short, [[1, 2]], max_new_tokens=4)
+
+
 def test_each_model_runs_under_its_own_row_policy(fresh, monkeypatch):
     """A process with two models: the one whose engine is built runs under its own policy, and a dtype's weights
     never under another dtype's. The policy was per thread count only, and an engine build skipped installing a
