@@ -354,6 +354,29 @@ def test_short_calls_probe_a_drafter_remembered_not_to_pay_as_one_long_call_woul
     assert all(BANKED_HALF_STEP - 1 <= gap <= BANKED_HALF_STEP + 3 for gap in gaps), probes
 
 
+def test_a_run_of_short_calls_pays_for_its_probes_catch_ups():
+    """In a run of short calls nearly every probe is a sequence's first ask of its call: a catch-up (EAGLE's layer
+    over the prompt, a draft model's prefill), here 10 decode steps against a step's 0.6. Charged only its price,
+    the probes of a drafter that never pays took ~6% of 100 calls of 16 steps; charged what they cost, the bank pays
+    them back first and the run stays near the 1% budget (the first call's catch-up alone is 0.6% of it)."""
+    drafted = steps = asks_after_first_call = 0
+    for call in range(100):
+        sizer = TreeSizer(FLAT, memory=("catch-up",))  # FLAT: a decode step is 1 s
+        asked_before = False
+        for _ in range(16):
+            if sizer.wants_draft(0):
+                seconds = 0.6 if asked_before else 10.0
+                sizer.size_call([0], [DraftTree.chain([5, 6])], 1, seconds, catch_up=not asked_before)
+                sizer.observe(0, [1])  # never the drafted token
+                drafted += seconds
+                asks_after_first_call += call > 0
+                asked_before = True
+            steps += 1
+        sizer.release(0)
+    assert asks_after_first_call >= 1  # still probed: the bank and the backoff carry over
+    assert drafted / steps < 0.025, (drafted, steps)
+
+
 class ScriptedCheckpoint(Drafter):
     """Scripted under one name for every checkpoint ``path``, as two EAGLE or Medusa checkpoints share theirs."""
 
