@@ -106,6 +106,9 @@ def measure_costs(loaded: Any, prompts: Sequence[Sequence[int]], config: RecordC
 
         # priced as generate() runs verify steps by default: replayed CUDA graphs where "auto" uses them
         model = load_cost_model(loaded.runner, CalibrationConfig(graphs=auto_uses_graphs(loaded.runner)))
+        if not model.measured:  # its curve prices tokens, not seconds: a record must hold this machine's times
+            raise InputError(f"the model's context ({loaded.runner.shape.max_positions} tokens) is too short to "
+                             "measure verify costs, which a replay record holds")
         return {"verify_seconds": {n: float(model.seconds(n, 1)) for n in range(1, MAX_TREE_NODES + 2)},
                 "source": "specdec.cost_model", "context_tokens": model.config.context}
     from specdec.eval.pricing import size_chunks

@@ -149,8 +149,9 @@ def test_row_policy_measured_once_per_key_and_installed(fresh):
 
 def test_a_model_too_short_to_calibrate_decodes_plainly_under_auto():
     """A context of 6 tokens has no room for the calibration's steps: generate() with a drafter raised a bare
-    ValueError from the calibration (plain decoding and speculation='always' worked). Now speculation='auto' prices
-    every verified token at a decode step, so it decodes plainly; a draft model that short is priced as unknown."""
+    ValueError from the calibration (plain decoding and speculation='always' worked). Now speculation='auto' decodes
+    plainly (an unmeasured curve, every verified token at a decode step, and the guard off); a draft model that
+    short is priced as unknown."""
     from specdec.generate import generate
 
     short = build_tiny_model(vocab_size=64, max_position_embeddings=6)
@@ -163,6 +164,16 @@ def test_a_model_too_short_to_calibrate_decodes_plainly_under_auto():
     draft = build_tiny_model(vocab_size=64, seed=3, max_position_embeddings=8)
     assert generate(short, [[1, 2]], max_new_tokens=4, drafter="draft-model", drafter_options={"model": draft}) \
         == generate(short, [[1, 2]], max_new_tokens=4)
+    # the guard is off from the start: a long draft model beside it is not calibrated for nothing, and sampled
+    # trees (verified whole where no earlier shape sizes them) are not asked either
+    calibrations = cost_model.CALIBRATIONS["verify"]
+    long_draft = build_tiny_model(vocab_size=64, seed=4)
+    out = generate(short, [[1, 2]], max_new_tokens=4, drafter="draft-model", drafter_options={"model": long_draft},
+                   return_dict=True)
+    assert out.stats[0].steps == 4 and cost_model.CALIBRATIONS["verify"] == calibrations
+    out = generate(short, prompts, max_new_tokens=3, drafter="ngram", do_sample=True, seed=1, sampler="coupled",
+                   return_dict=True)
+    assert all(s.steps == 3 for s in out.stats)
 
 
 def test_each_model_runs_under_its_own_row_policy(fresh, monkeypatch):
