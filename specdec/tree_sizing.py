@@ -63,7 +63,10 @@ class _Kept:
             kept = None if data is None else cls(**data)
         except TypeError:  # written by another version: start fresh
             return None
-        return kept if kept is not None and kept.format == MEMORY_FORMAT else None
+        if kept is None or kept.format != MEMORY_FORMAT:
+            return None
+        counts = (kept.backoff, kept.skip, kept.credit)  # a damaged file's nulls would fail the guard's arithmetic
+        return kept if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in counts) else None
 
 
 def _path_probs(accept: list[float], parents: list[int]) -> list[float]:

@@ -311,8 +311,8 @@ def test_guard_remembers_across_calls_where_a_drafter_stopped_paying(fixed_costs
 
 def test_guard_memory_outlives_the_process_in_the_cost_cache(fixed_costs, tmp_path):
     """What the guard learned is kept in the cost cache too: a new process (this one's store emptied) starts where
-    the last call left off; an unreadable file, or one an older guard wrote (another MEMORY_FORMAT: its backoff and
-    price meant something else), is a fresh start, never an error."""
+    the last call left off; an unreadable or damaged file, or one an older guard wrote (another MEMORY_FORMAT: its
+    backoff and price meant something else), is a fresh start, never an error."""
     from specdec.remembered import forget_all, use_folder
 
     use_folder(tmp_path)
@@ -320,12 +320,12 @@ def test_guard_memory_outlives_the_process_in_the_cost_cache(fixed_costs, tmp_pa
     prompt = [1, 2, 3, 4]
     plain = generate(model, [prompt], max_new_tokens=60)[0]
     asked = []
-    for damage in (None, None, "older format", "not json"):
+    for damage in (None, None, "older format", "a null", "not json"):
         forget_all()  # a new process
         for file in tmp_path.glob("*.json") if damage else ():
             data = json.loads(file.read_text())
-            data["value"]["format"] = MEMORY_FORMAT - 1
-            file.write_text(json.dumps(data) if damage == "older format" else "{not json")
+            data["value"] |= {"format": MEMORY_FORMAT - 1} if damage == "older format" else {"skip": None}
+            file.write_text("{not json" if damage == "not json" else json.dumps(data))
         drafter = Scripted(plain, len(prompt), 32, switch=10**9)
         assert generate(model, [prompt], max_new_tokens=60, drafter=drafter)[0] == plain
         asked.append(drafter.asked_at)
@@ -333,7 +333,7 @@ def test_guard_memory_outlives_the_process_in_the_cost_cache(fixed_costs, tmp_pa
     assert asked[0] == [0, 3, BANKED_HALF_STEP]  # nothing kept yet: probes at once
     assert asked[1] == [BANKED_HALF_STEP - 10]  # the last process's judgement and bank, read from the cost cache
     assert asked[2] == [0, 3, BANKED_HALF_STEP]  # an older guard's memory: fresh
-    assert asked[3] == [0, 3, BANKED_HALF_STEP]  # unreadable: fresh
+    assert asked[3] == asked[4] == [0, 3, BANKED_HALF_STEP]  # a count that is no number, or unreadable: fresh
 
 
 def test_short_calls_probe_a_drafter_remembered_not_to_pay_as_one_long_call_would(fixed_costs):
