@@ -115,8 +115,7 @@ def _policy(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault
     costs = load_cost_model(runner, CalibrationConfig(graphs=graphs))
     # the guard remembers across calls per target cost curve and drafter (specdec.remembered); cost_key() names a
     # drafter's checkpoint too, so two EAGLE or Medusa checkpoints keep apart backoffs
-    memory = (str(costs.file), drafter.cost_key()) if costs.measured else None  # unmeasured: nothing to key it by
-    return SpeculationPolicy(TreeSizer(costs, memory=memory))
+    return SpeculationPolicy(TreeSizer(costs, memory=(str(costs.file), drafter.cost_key())))
 
 
 def _processing(request: "GenerateRequest") -> LogitsProcessing | None:

@@ -76,11 +76,8 @@ class SpeculationPolicy:
             self.sizer = self.costs = None
             return self
         drafter.attach(replace(target, costs=self.costs))
-        if self.sizer is not None and not self.sizer.costs.measured:  # a context too short to time (cost_model)
-            logger.info("%s: the target's context is too short to measure what drafting costs; decoding plainly "
-                        "(speculation='always' verifies its drafts anyway)", drafter.name)
-            self.sizer.switch_off()
-        elif self.sizer is not None and self.sizer.never_pays(drafter.forward_seconds()):
+        # (a sizer off from the start, on unmeasured costs, asks for no draft model's forward time)
+        if self.sizer is not None and not self.sizer.off and self.sizer.never_pays(drafter.forward_seconds()):
             log = logger.warning if drafter.name not in _NEVER_PAYS_WARNED else logger.debug
             _NEVER_PAYS_WARNED.add(drafter.name)
             log("%s: one forward of its model costs a decode step of the target or more, so no draft can pay; "

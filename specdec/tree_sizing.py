@@ -52,18 +52,22 @@ class _Kept:
     cost: float | None = None  # ... and its cost
     last_shape: list | None = None  # parents of the last sampled tree
     price: float | None = None  # the guard's probe price (None: drafting paid when the sequence finished)
-    skip: int = 0  # steps of the backoff left to skip, and probe budget banked: a run of calls is guarded as one
-    credit: float = 0.0  # long call is, so short calls still probe a drafter remembered not to pay (module doc)
+    # with the backoff, a run of calls is guarded as one long call is (short calls still probe a drafter remembered
+    # not to pay: module doc)
+    skip: int = 0  # steps of the backoff left to skip
+    credit: float = 0.0  # probe budget banked (below zero: a catch-up still being paid back)
     format: int = 0  # MEMORY_FORMAT when written (0: a memory older than the format)
 
     @classmethod
     def recalled(cls, key: tuple | None) -> "_Kept | None":
         data = recall("guard", key, persist=True)
+        if data is None:
+            return None
         try:
-            kept = None if data is None else cls(**data)
+            kept = cls(**data)
         except TypeError:  # written by another version: start fresh
             return None
-        if kept is None or kept.format != MEMORY_FORMAT:
+        if kept.format != MEMORY_FORMAT:
             return None
         counts = (kept.backoff, kept.skip, kept.credit)  # a damaged file's nulls would fail the guard's arithmetic
         return kept if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in counts) else None
@@ -174,6 +178,8 @@ class TreeSizer:
     memory: tuple | None = None  # key of the guard's memory across calls (module doc); None: start fresh
 
     def __post_init__(self) -> None:
+        if not self.costs.measured:  # nothing learned on unmeasured costs is kept, nor read
+            self.memory = None
         self.unscored: dict[tuple[int, int], list[float]] = {}  # (depth, rank) -> [accepted, tried]
         self.rates_of: dict[tuple, list[float]] = {}  # _rates per node-key tuple, until unscored learns again
         self.score_bins = [[0.0, 0.0] for _ in range(_BINS)]  # [accepted, predicted] of tried scored nodes
@@ -193,7 +199,9 @@ class TreeSizer:
         self.decode_seconds: float | None = None  # EMA of a plain decode step, from verify times
         self.paid = 0  # proposals that were expected to pay (stats, tests)
         self.unpaid = 0
-        self.off = False  # never_pays held: no sequence drafts (switch_off)
+        # no sequence drafts: never_pays held (switch_off), or the costs are unmeasured (a context too short to time,
+        # specdec.cost_model), which price every verified token at a decode step
+        self.off = not self.costs.measured
 
     # ---- costs ----------------------------------------------------------------------------
     def _ema(self, old: float | None, new: float, weight: float | None = None) -> float:
@@ -289,6 +297,7 @@ class TreeSizer:
             guard = self.guards.get(seq_id)
             if guard is not None and guard.charged is not None:
                 guard.credit -= max(cost - guard.charged, 0.0)
+
     def _judge(self, seq_id: int, tokens: float, verify: float, batch: int) -> None:
         """A drafted step's expected committed tokens and cost (the draft, plus ``verify``: c(1 + kept nodes) in
         decode steps) join the sequence's running averages, which decide whether drafting pays (module doc, Guard)."""
