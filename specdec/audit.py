@@ -21,8 +21,8 @@ Ville's inequality P(it ever reaches 1 / alpha) <= alpha over the whole run, che
 alpha = 1e-6. Bins stop at 1/64 on purpose (float32 sampling cannot draw the tiniest tail tokens, an honest
 artefact finer bins would flag). Power, resolution and cost, measured: docs/sampling.md.
 
-The transforms are elementwise passes over [num_nodes, vocab] in draft_probs' own device and dtype (float32 at
-least); only 5 x num_nodes numbers travel to the host.
+The transforms are elementwise passes over [num_nodes, vocab] in draft_probs' device and dtype (float32 at least);
+5 x num_nodes numbers travel to the host, on CUDA while the engine goes on (tested at the next step).
 
 Across calls, :func:`audit_of` keeps one audit per drafter object for the life of the process: calls with the same
 instance continue one test martingale, so Ville's bound holds however the draws are split into calls, and a liar
@@ -37,6 +37,7 @@ import weakref
 import torch
 
 from specdec.errors import InputError
+from specdec.host_copy import to_device, to_host_later
 from specdec.tree import DraftError, DraftMode, DraftTree
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class DraftAudit:
         self._counts = torch.zeros(int(self._bins.sum()), dtype=torch.float64)  # [sum of bins]
         self._log_e = torch.zeros(len(self._bins), dtype=torch.float64)  # [C] log of each product
         self._log_threshold = math.log(1 / alpha)
+        self._waiting = None  # (the host read of a step's [5, n] transforms, drafter), on CUDA: settle()
 
     @property
     def e_value(self) -> float:
@@ -80,29 +82,49 @@ class DraftAudit:
         """Audit one step's proposals. The sampled nodes of every independent-mode tree go through one batched
         transform (their rows need nothing from each other); a without-replacement tree, whose rows depend on
         their earlier siblings, goes alone. Under an honest drafter every u is uniform given all earlier ones,
-        whatever the order they are fed in, so the grouping keeps the test valid."""
+        whatever the order they are fed in, so the grouping keeps the test valid. On CUDA the transforms reach the
+        host without the step waiting for them: they are tested at the next call of this audit or at
+        :meth:`settle` (the engine's end of a call), so an alarm may come one step later."""
+        self.settle()
         sampled = [t for t in trees if t.mode is not DraftMode.DETERMINISTIC and t.num_nodes]
         independent = [t for t in sampled if t.mode is DraftMode.INDEPENDENT]
+        parts = []  # [5, nodes] per group, on the draft_probs' device
         if independent:
             device = independent[0].draft_probs.device
             probs = torch.cat([t.draft_probs.to(device) for t in independent])
-            tokens = torch.cat([t.tokens.to(device) for t in independent])
-            self.update(self._randomise(*self._intervals(probs, tokens, None, drafter)), drafter)
+            ids = [t.tokens for t in independent]
+            tokens = (to_device(torch.cat(ids), torch.long, device) if all(not x.is_cuda for x in ids)
+                      else torch.cat([to_device(x, torch.long, device) for x in ids]))
+            parts.append(self._parts(probs, tokens, None))
         for t in sampled:
             if t.mode is DraftMode.WITHOUT_REPLACEMENT:
-                self.update(self.transform(t, drafter), drafter)
+                parts.append(self._parts(t.draft_probs, t.tokens, t.parents))
+        if not parts:
+            return
+        parts = torch.cat([p.to(parts[0].device) for p in parts], 1)
+        self._waiting = (to_host_later(parts), drafter)
+        if not _reads_later(parts):
+            self.settle()
+
+    def settle(self) -> None:
+        """Test the transforms still on their way to the host (:meth:`observe_many`, on CUDA); raises as it does."""
+        if self._waiting is None:
+            return
+        (read, drafter), self._waiting = self._waiting, None
+        self.update(self._randomise(*self._from_parts(read(), drafter)), drafter)
 
     def intervals(self, tree: DraftTree, drafter: str = "drafter") -> tuple[torch.Tensor, torch.Tensor]:
         """(lo, width), each [num_nodes, 2] float64 on the host: node i's PIT is lo + V * width (columns = VIEWS)."""
         without_replacement = tree.mode is DraftMode.WITHOUT_REPLACEMENT
-        return self._intervals(tree.draft_probs, tree.tokens, tree.parents if without_replacement else None, drafter)
+        parts = self._parts(tree.draft_probs, tree.tokens, tree.parents if without_replacement else None)
+        return self._from_parts(parts.cpu(), drafter)
 
-    def _intervals(self, probs: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None,
-                   drafter: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``probs`` [n, vocab] (stays on its device and in its dtype), ``tokens`` [n]; ``parents`` [n] for a
+    def _parts(self, probs: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor | None) -> torch.Tensor:
+        """[5, n] (mass below x in token order, q(x), mass above q(x), mass tied with it, total), in ``probs``'
+        device and dtype (float32 at least), no read. ``probs`` [n, vocab], ``tokens`` [n]; ``parents`` [n] for a
         without-replacement tree (each row loses its earlier siblings' tokens), None for independent rows."""
         dev, n = probs.device, probs.shape[0]
-        tokens = tokens.to(dev)
+        tokens = to_device(tokens, torch.long, dev)
         # Masked sums as dot products with exact signs s in {+1, 0, -1} (a float difference is 0 only when the two
         # are equal), in the rows' dtype, float32 at least: bool masks cost ~4x more on CPU, float64 rows 2x the
         # bytes. With A, B the mass strictly above / below q(x): sum(q * s) = A - B, sum(q * |s|) = A + B. Rounding
@@ -119,7 +141,7 @@ class DraftAudit:
         below = (total + torch.linalg.vecdot(q, sign)) / 2
         drawn = drawn.squeeze(1)
         if parents is not None:  # without replacement: remove the earlier siblings' tokens from row i
-            parents = parents.to(dev)
+            parents = to_device(parents, torch.long, dev)
             at_sibling = q.gather(1, tokens[None, :].expand(n, n))  # [n, n]: q_i(x_j)
             earlier = (parents[:, None] == parents[None, :]) & torch.ones(n, n, dtype=torch.bool, device=dev).tril(-1)
             removed = torch.where(earlier, at_sibling, 0)  # [n, n], row i: mass of i's earlier siblings
@@ -127,11 +149,16 @@ class DraftAudit:
             below = below - torch.where(tokens[None, :] < tokens[:, None], removed, 0).sum(-1)
             higher = higher - torch.where(at_sibling > drawn[:, None], removed, 0).sum(-1)
             tied = tied - torch.where(at_sibling == drawn[:, None], removed, 0).sum(-1)
-        parts = torch.stack([below, drawn, higher, tied, total]).cpu().double()  # [5, n]: the one transfer
-        below, drawn, higher, tied, total = parts.unbind()
+        return torch.stack([below, drawn, higher, tied, total])
+
+    @staticmethod
+    def _from_parts(parts: torch.Tensor, drafter: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_parts`' [5, n] read by the host -> (lo, width), each [n, 2] float64."""
+        below, drawn, higher, tied, total = parts.double().unbind()
         if bool((total <= 0).any()):
             node = int((total <= 0).nonzero()[0])
-            raise DraftError(f"{drafter}: sibling {node} was drawn after its earlier siblings exhausted draft_probs")
+            raise DraftError(f"{drafter}: sampled node {node} of its step was drawn after its earlier siblings "
+                             "exhausted draft_probs")
         return torch.stack([below, higher], -1) / total[:, None], torch.stack([drawn, tied], -1) / total[:, None]
 
     def transform(self, tree: DraftTree, drafter: str = "drafter") -> torch.Tensor:
@@ -176,6 +203,12 @@ class DraftAudit:
                 f"strongest in the {best}); speculative sampling would not be exact with this "
                 "drafter (generate(audit_drafts=False) turns the audit off)"
             )
+
+
+def _reads_later(parts: torch.Tensor) -> bool:
+    """Whether a step's transforms are tested at the audit's next use rather than now: on CUDA, where reading them
+    now would make the host wait for the device."""
+    return parts.is_cuda
 
 
 _AUDITS: dict[int, DraftAudit] = {}  # id(drafter object) -> its audit, dropped when the object is collected

@@ -244,6 +244,11 @@ class Engine:
         self.policy.observe(StepRecord(live, acceptances, emitted, timed, 1 + max(t.num_nodes for t in trees)))
         return emitted
 
+    def finish(self) -> None:
+        """The end of a call: the draft audit tests what the last step left on its way to the host (on CUDA)."""
+        if self.audit is not None:
+            self.audit.settle()
+
     def propose(self, live: list[SequenceState]) -> list[DraftTree] | PendingStep:
         if self.drafter is None:
             return [DraftTree.empty() for _ in live]

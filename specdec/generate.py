@@ -261,6 +261,7 @@ def run(engine: Engine, request: GenerateRequest) -> Any:
                     done = sum(s.num_new_tokens for s in seqs)
                     bar.update(done - bar.n)
                     bar.set_postfix(tau=f"{done / max(sum(s.steps for s in seqs), 1):.2f}")
+        engine.finish()
     finally:
         if put_end:
             streamer.end()

@@ -243,10 +243,10 @@ class DraftTree:
             if t is None:
                 return None
             if t.device not in index:
-                index[t.device] = torch.tensor(nodes, dtype=torch.long, device=t.device)
+                index[t.device] = to_device(nodes, torch.long, t.device)  # no stream sync on CUDA
             return t[index[t.device]]
 
-        return self._trusted(pick(self.tokens), torch.tensor(parents, dtype=torch.long, device=self.parents.device),
+        return self._trusted(pick(self.tokens), to_device(parents, torch.long, self.parents.device),
                              pick(self.draft_probs), pick(self.scores))
 
     def _trusted(self, tokens: torch.Tensor, parents: torch.Tensor, draft_probs: torch.Tensor | None,

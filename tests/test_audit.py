@@ -8,7 +8,7 @@ import torch
 from specdec.drafters.base import Drafter
 
 import specdec
-from specdec.audit import VIEWS, DraftAudit
+from specdec.audit import VIEWS, DraftAudit, audit_of
 from specdec.testing import build_tiny_model
 from specdec.tree import DraftError, DraftMode, DraftTree
 
@@ -252,3 +252,23 @@ def test_a_liar_is_caught_over_many_short_calls_with_the_same_object():
         for call in range(200):
             specdec.generate(model, [[1, 2, 3]], max_new_tokens=2, drafter=duck, do_sample=True, seed=call,
                              speculation="always")
+
+
+def test_a_deferred_read_loses_no_draw_and_still_stops_a_liar(monkeypatch):
+    """On CUDA a step's transforms are tested at the audit's next use, the last step's when generate() ends: the
+    audit sees every sampled node, as when each step is tested at once, and a liar is still stopped."""
+    model = build_tiny_model()
+    counts = {}
+    for deferred in (False, True):
+        monkeypatch.setattr("specdec.audit._reads_later", lambda parts: deferred)
+        drafter = TemperatureLiar()  # its lies are mild: 16 tokens are too few to raise the alarm
+        specdec.generate(model, [[1, 2, 3]], max_new_tokens=16, drafter=drafter, do_sample=True, seed=0,
+                         speculation="always")
+        audit = audit_of(drafter)
+        assert audit._waiting is None  # settled at the end of the call
+        counts[deferred] = (audit.draws, audit.e_value)
+    assert counts[True][0] == counts[False][0] > 0
+    assert counts[True][1] == pytest.approx(counts[False][1], rel=1e-12)
+    with pytest.raises(DraftError, match="temperature-liar"):
+        specdec.generate(model, [[1, 2, 3]] * 8, max_new_tokens=16, drafter=TemperatureLiar(), do_sample=True, seed=0,
+                         speculation="always")
