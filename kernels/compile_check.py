@@ -67,7 +67,8 @@ KERNEL_NAMES = {"_tree_attn_kernel": "attn", "_merge_kernel": "merge", "_write_k
                 "_compact_kernel": "compact", "_add_rms_norm_kernel": "add+rmsnorm", "_rope_kernel": "rope",
                 "_rope_write_kernel": "rope+kv write", "_silu_mul_kernel": "silu*mul",
                 "_linear_kernel": "invariant linear", "_attention_kernel": "invariant attn"}
-SHOWN = ("BLOCK_Q", "BLOCK_N", "PAGE_SIZE", "SPLIT", "OFF64", "BLOCK_S", "HAS_DELTA", "BLOCK_H", "HAS_BIAS")
+SHOWN = ("BLOCK_Q", "BLOCK_N", "PAGE_SIZE", "SPLIT", "OFF64", "BLOCK_S", "HAS_DELTA", "BLOCK_H", "HAS_BIAS",
+         "HAS_NORM")
 STACK_CHECKED = ("_tree_attn_kernel", "_merge_kernel")
 
 
@@ -252,9 +253,10 @@ def _layer_ops(rec: Recorder, name: str, m: Model, dtype, slots: torch.Tensor, l
     cos, sin = torch.empty(rows, 1, d, dtype=dtype), torch.empty(rows, 1, d, dtype=dtype)
     qkv = torch.empty(rows, (m.heads + 2 * m.kv_heads) * d, dtype=dtype)
     v = qkv[:, (m.heads + m.kv_heads) * d:].view(rows, m.kv_heads, d)
-    if not m.qk_norm:  # a fused QKV product: RoPE and KV store in one launch
-        fo.rope_write_(qkv[:, : (m.heads + m.kv_heads) * d].view(rows, -1, d), v, cos, sin, kv, 1, slots, m.heads)
-    fo.rope_(torch.empty(rows, m.heads, d, dtype=dtype), cos, sin)  # separate products, or Qwen3's normed q, k
+    # a fused QKV product: RoPE and KV store in one launch, after Qwen3's per-head q / k norms in the same launch
+    norms = (torch.empty(d, dtype=dtype), torch.empty(d, dtype=dtype), 1e-6, 1e-6) if m.qk_norm else None
+    fo.rope_write_(qkv[:, : (m.heads + m.kv_heads) * d].view(rows, -1, d), v, cos, sin, kv, 1, slots, m.heads, norms)
+    fo.rope_(torch.empty(rows, m.heads, d, dtype=dtype), cos, sin)  # separate products (normed apart, in PyTorch)
     fo.rope_(torch.empty(rows, m.kv_heads, d, dtype=dtype), cos, sin)
     kw.write_kv(kv, 1, slots, torch.empty(rows, m.kv_heads, d, dtype=dtype), v)
     gate_up = torch.empty(rows, 2 * m.intermediate, dtype=dtype)

@@ -7,7 +7,8 @@ chains of small PyTorch ops in ``specdec/models/llama.py`` when the Triton backe
   one launch instead of ~7;
 * :func:`rope_`: rotary embedding of q and k in place; one launch instead of ~10;
 * :func:`rope_write_`: the same over a fused QKV product's q and k, and the rotated k and v stored into the
-  KV cache's slots (as ``kv_write.write_kv``); one launch instead of two;
+  KV cache's slots (as ``kv_write.write_kv``); one launch instead of two (with Qwen3's per-head q / k RMSNorm
+  first: instead of ~20);
 * :func:`silu_mul`: ``silu(gate) * up``; one launch instead of 2.
 
 Each rounds where the PyTorch reference rounds (every op's result to the activation dtype;
@@ -44,8 +45,9 @@ def _add_rms_norm_kernel(H, Delta, W, Out, stride_h, stride_d, stride_o, N, eps,
 
 @triton.jit
 def _rope_row(X, Cos, Sin, t, stride_xt, stride_xh, stride_ct, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-              BLOCK_HALF: tl.constexpr):
-    """Token row t of X: its heads rotated in place. Returns (heads, cols, ok, a1, a2): the rotated halves, stored."""
+              BLOCK_HALF: tl.constexpr, QW, KW, num_q_heads, q_eps, k_eps, HAS_NORM: tl.constexpr):
+    """Token row t of X: its heads rotated in place, each first RMS-normed over head_dim with QW (the first
+    num_q_heads heads) or KW (the others) when HAS_NORM. Returns (heads, cols, ok, a1, a2): the halves, stored."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     ok = (heads < num_heads) & (cols < HALF)
@@ -58,6 +60,15 @@ def _rope_row(X, Cos, Sin, t, stride_xt, stride_xh, stride_ct, num_heads, HALF: 
     base = X + t * stride_xt + heads * stride_xh + cols
     x1 = tl.load(base, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=ok, other=0.0).to(tl.float32)
+    if HAS_NORM:  # reference rms_norm: statistics in fp32, the normed row rounded, then the weight's product rounded
+        is_q = heads < num_q_heads
+        eps = tl.where(is_q, q_eps, k_eps)
+        inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1)[:, None] + tl.sum(x2 * x2, axis=1)[:, None]) / (2 * HALF) + eps)
+        w1 = tl.where(is_q, tl.load(QW + cols, mask=c_ok, other=0.0), tl.load(KW + cols, mask=c_ok, other=0.0))
+        w2 = tl.where(is_q, tl.load(QW + HALF + cols, mask=c_ok, other=0.0),
+                      tl.load(KW + HALF + cols, mask=c_ok, other=0.0))
+        x1 = (w1.to(tl.float32) * (x1 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = (w2.to(tl.float32) * (x2 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     # reference: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]; each product and the sum rounded
     a1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
     a2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
@@ -70,17 +81,17 @@ def _rope_row(X, Cos, Sin, t, stride_xt, stride_xh, stride_ct, num_heads, HALF: 
 def _rope_kernel(X, Cos, Sin, stride_xt, stride_xh, stride_ct, num_heads, HALF: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     _rope_row(X, Cos, Sin, tl.program_id(0).to(tl.int64), stride_xt, stride_xh, stride_ct, num_heads, HALF, BLOCK_H,
-              BLOCK_HALF)
+              BLOCK_HALF, X, X, 0, 0.0, 0.0, False)
 
 
 @triton.jit
-def _rope_write_kernel(X, V, Cos, Sin, Dst, Slots, stride_xt, stride_xh, stride_vt, stride_ct, stride_plane,
-                       stride_slot, num_heads, num_q_heads, kv_width, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_HALF: tl.constexpr, BLOCK_V: tl.constexpr):
+def _rope_write_kernel(X, V, Cos, Sin, Dst, Slots, QW, KW, stride_xt, stride_xh, stride_vt, stride_ct, stride_plane,
+                       stride_slot, num_heads, num_q_heads, kv_width, q_eps, k_eps, HALF: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_V: tl.constexpr, HAS_NORM: tl.constexpr):
     # X: one token row holds num_q_heads q heads, then the k heads; Dst: the layer's K plane (V: stride_plane on)
     t = tl.program_id(0).to(tl.int64)
     heads, cols, ok, a1, a2 = _rope_row(X, Cos, Sin, t, stride_xt, stride_xh, stride_ct, num_heads, HALF, BLOCK_H,
-                                        BLOCK_HALF)
+                                        BLOCK_HALF, QW, KW, num_q_heads, q_eps, k_eps, HAS_NORM)
     slot = tl.load(Slots + t).to(tl.int64)
     is_k = ok & (heads >= num_q_heads)
     k_dst = Dst + slot * stride_slot + (heads - num_q_heads) * (2 * HALF) + cols
@@ -145,10 +156,12 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def rope_write_(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
-                layer: int, slots: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+                layer: int, slots: torch.Tensor, num_q_heads: int,
+                norms: tuple[torch.Tensor, torch.Tensor, float, float] | None = None) -> torch.Tensor:
     """:func:`rope_` of ``qk`` [T, q_heads + kv_heads, D] in place (the q heads, then the k heads), and the rotated
     k and ``v`` [T, kv_heads, D] stored at ``slots`` [T] of layer ``layer`` of the cache ``kv`` [layers, 2, slots,
-    kv_heads, D] (``kv_write.write_kv``), in one launch. Returns ``qk``."""
+    kv_heads, D] (``kv_write.write_kv``), in one launch. ``norms`` (q weight [D], k weight [D], q eps, k eps): each
+    head RMS-normed over D first, as Qwen3's q_norm / k_norm (``llama.rms_norm``). Returns ``qk``."""
     _check_rows(qk, "qk", 3)
     T, heads, D = qk.shape
     kv_heads = heads - num_q_heads
@@ -164,12 +177,16 @@ def rope_write_(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch
         v = v.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     slots = slots.to(device=kv.device, dtype=torch.int32)
+    q_w, k_w, q_eps, k_eps = norms if norms is not None else (qk, qk, 0.0, 0.0)
+    if norms is not None and (q_w.shape != (D,) or k_w.shape != (D,)):
+        raise ValueError(f"norms: the q and k weights must be [{D}], got {tuple(q_w.shape)} / {tuple(k_w.shape)}")
     if T:
-        _rope_write_kernel[(T,)](qk, v, cos, sin, kv[layer, 0], slots, qk.stride(0), qk.stride(1), v.stride(0),
-                                 cos.stride(0), kv.stride(1), kv.stride(2), heads, num_q_heads, kv_heads * D,
-                                 HALF=D // 2, BLOCK_H=triton.next_power_of_2(heads),
-                                 BLOCK_HALF=triton.next_power_of_2(D // 2),
-                                 BLOCK_V=triton.next_power_of_2(kv_heads * D), enable_fp_fusion=False)
+        _rope_write_kernel[(T,)](qk, v, cos, sin, kv[layer, 0], slots, q_w.contiguous(), k_w.contiguous(),
+                                 qk.stride(0), qk.stride(1), v.stride(0), cos.stride(0), kv.stride(1), kv.stride(2),
+                                 heads, num_q_heads, kv_heads * D, float(q_eps), float(k_eps), HALF=D // 2,
+                                 BLOCK_H=triton.next_power_of_2(heads), BLOCK_HALF=triton.next_power_of_2(D // 2),
+                                 BLOCK_V=triton.next_power_of_2(kv_heads * D), HAS_NORM=norms is not None,
+                                 enable_fp_fusion=False)
     return qk
 
 

@@ -210,13 +210,14 @@ class PagedKVCache:
         self.kv[layer, 1].index_copy_(0, slots, v)
 
     def write_rotated(self, layer: int, slots: torch.Tensor, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, num_q_heads: int) -> None:
+                      sin: torch.Tensor, num_q_heads: int, norms=None) -> None:
         """Triton backend: RoPE of qk [num_tokens, q_heads + kv_heads, head_dim] (q heads, then k heads) in place,
         and the rotated k and v [num_tokens, kv_heads, head_dim] into slots [num_tokens]: :meth:`write` fused with
-        the RoPE before it, one launch (``kernels.fused_ops.rope_write_``)."""
+        the RoPE before it, one launch (``kernels.fused_ops.rope_write_``; ``norms``: Qwen3's per-head q / k
+        RMSNorm before the RoPE, in the same launch)."""
         if not self.backend.triton:
             raise ValueError("write_rotated needs the Triton backend; the reference runs RoPE, then write()")
-        self.backend.fused.rope_write_(qk, v, cos, sin, self.kv, layer, slots, num_q_heads)
+        self.backend.fused.rope_write_(qk, v, cos, sin, self.kv, layer, slots, num_q_heads, norms)
 
     def commit(self, keep: Mapping[int, Sequence[int]]) -> None:
         """Per sequence, keep the K/V written at offsets ``keep`` (relative to its length,

@@ -63,6 +63,8 @@ def test_the_check_covers_what_the_engine_launches():
             for kernel in ("attn", "merge", "kv write", "rope+kv write", "add+rmsnorm"):
                 assert found(f"{kernel} {dtype} {model}"), (kernel, dtype, model)
     assert found("merge bf16 smollm2", "BLOCK_S=128")
+    assert found("rope+kv write bf16 qwen3-1.7b", "HAS_NORM=True")  # Qwen3's q / k norms in the same launch
+    assert found("rope+kv write bf16 llama8b", "HAS_NORM=False")
 
 
 @pytest.mark.slow

@@ -101,6 +101,72 @@ def test_rope_write_is_rope_then_the_kv_store(dtype, q_heads, kv_heads, head_dim
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16)])
+def test_rope_write_norms_each_head_first_as_qwen3(dtype, q_heads, kv_heads, head_dim):
+    """With ``norms``, the same launch RMS-norms each q head with the q weight and each k head with the k weight
+    (Qwen3's q_norm / k_norm) before the rotation: the reference's rms_norm, then RoPE, then the KV store."""
+    from specdec.kernels.fused_ops import rope_write_
+    from specdec.kernels.kv_write import write_kv
+
+    gen = torch.Generator().manual_seed(q_heads + head_dim)
+    T, width = 4, q_heads + 2 * kv_heads
+    rows = (torch.randn(T, width * head_dim, generator=gen) * 3).to(DEVICE, dtype)
+    q_w = (1 + torch.randn(head_dim, generator=gen) / 4).to(DEVICE, dtype)
+    k_w = (1 + torch.randn(head_dim, generator=gen) / 4).to(DEVICE, dtype)
+    positions = torch.tensor([0, 5, 77, 1000]).float()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.cat([positions[:, None] * inv_freq[None]] * 2, dim=-1)
+    cos, sin = emb.cos().to(DEVICE, dtype)[:, None, :], emb.sin().to(DEVICE, dtype)[:, None, :]
+    kv = torch.randn(2, 2, 8, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    slots = torch.tensor([5, 0, 7, 2], device=DEVICE)
+    qk_width = (q_heads + kv_heads) * head_dim
+
+    ref = rows.clone()
+    q = llama.rms_norm(ref[:, : q_heads * head_dim].view(T, q_heads, head_dim), q_w, 1e-6)
+    k = llama.rms_norm(ref[:, q_heads * head_dim : qk_width].view(T, kv_heads, head_dim), k_w, 1e-5)
+    q, k = llama.apply_rope(q, cos, sin, REFERENCE), llama.apply_rope(k, cos, sin, REFERENCE)
+    v = ref[:, qk_width:].view(T, kv_heads, head_dim)
+    want_kv = kv.clone()
+    write_kv(want_kv, 1, slots, k, v)
+
+    got_kv = kv.clone()
+    qk = rows[:, :qk_width].view(T, q_heads + kv_heads, head_dim)
+    rope_write_(qk, rows[:, qk_width:].view(T, kv_heads, head_dim), cos, sin, got_kv, 1, slots, q_heads,
+                (q_w, k_w, 1e-6, 1e-5))
+    close(qk, torch.cat([q, k], 1), dtype)
+    close(got_kv, want_kv, dtype)
+    assert torch.equal(got_kv[0], kv[0])  # other layers untouched
+    with pytest.raises(ValueError, match="weights must be"):
+        rope_write_(qk, rows[:, qk_width:].view(T, kv_heads, head_dim), cos, sin, got_kv, 1, slots, q_heads,
+                    (q_w[:-1], k_w, 1e-6, 1e-5))
+
+
+def test_a_qwen3_model_on_the_triton_backend_gives_the_reference_logprobs(monkeypatch):
+    """A packed Qwen3 layer (q_norm / k_norm) norms, rotates and stores q / k in the one fused launch on the Triton
+    backend: its decoding's log-probabilities are the reference backend's, in float32."""
+    from specdec.generate import generate
+    from specdec.models.fused_projections import pack_projections
+    from specdec.testing import build_tiny_model, ragged_prompts
+
+    model = build_tiny_model("qwen3-qknorm", 64).to(DEVICE)
+    assert pack_projections(model) > 0
+    calls = []
+    real = llama.rms_norm
+    monkeypatch.setattr(llama, "rms_norm", lambda *a: calls.append(a[0].dim()) or real(*a))
+    out = {}
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("SPECDEC_ATTENTION", backend)  # read when the runners and caches are built
+        calls.clear()
+        out[backend] = generate(model, ragged_prompts(2, 64, seed=4), max_new_tokens=6, return_dict=True,
+                                output_logprobs=True, cuda_graphs=False)
+        out[backend + " per-head norms"] = sum(d == 3 for d in calls)  # rms_norm over [T, heads, head_dim]
+    assert out["reference per-head norms"] > 0 and out["triton per-head norms"] == 0
+    assert out["triton"].new_tokens == out["reference"].new_tokens
+    got, want = (torch.tensor(sum(out[b].logprobs, [])) for b in ("triton", "reference"))
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [128, 1536, 3000])
 def test_silu_mul(dtype, width):
     gen = torch.Generator().manual_seed(width)

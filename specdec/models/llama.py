@@ -333,15 +333,18 @@ class LlamaRunner:
                 v = self._linear(x, attn.v_proj.weight, attn.v_proj.bias)
             q = q.view(n, s.num_heads, s.head_dim)
             k, v = k.view(n, s.num_kv_heads, s.head_dim), v.view(n, s.num_kv_heads, s.head_dim)
-            q_norm = hasattr(attn, "q_norm")
-            if q_norm:  # Qwen3: RMSNorm over head_dim before RoPE
+            q_norm = hasattr(attn, "q_norm")  # Qwen3: RMSNorm over head_dim before RoPE
+            one_launch = qkv is not None and cache.backend.triton and self.backend.triton
+            if q_norm and not one_launch:
                 q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
                 k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
-            if qkv is not None and not q_norm:  # q and k side by side in the product's rows: RoPE in one launch
+            if qkv is not None and (one_launch or not q_norm):  # q and k side by side in the product's rows
                 width = s.num_heads + s.num_kv_heads
                 qk = out[:, : width * s.head_dim].view(n, width, s.head_dim)
-                if cache.backend.triton and self.backend.triton:  # with the KV store, in the same launch
-                    cache.write_rotated(i, write_slots, qk, v, cos, sin, s.num_heads)
+                if one_launch:  # the norm (Qwen3), RoPE and the KV store in one launch
+                    norms = ((attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon,
+                              attn.k_norm.variance_epsilon) if q_norm else None)
+                    cache.write_rotated(i, write_slots, qk, v, cos, sin, s.num_heads, norms)
                     q = qk[:, : s.num_heads]
                 else:
                     qk = apply_rope(qk, cos, sin, self.backend)
