@@ -125,7 +125,8 @@ class EagleDrafter(Drafter):
         if self.top_k > vocab:
             raise InputError(f"eagle: top_k={self.top_k} exceeds the draft vocabulary of {vocab} tokens")
         self.grower = TreeGrower(self.model, runner.embed, runner.lm_head, target.sampling, target.coupling,
-                                 self.top_k, runner.shape.vocab_size, self.max_nodes)
+                                 self.top_k, runner.shape.vocab_size, self.max_nodes,
+                                 runner.backend.fused if runner.backend.triton else None)
         graphs = o.cuda_graphs if o.cuda_graphs != "auto" else runner.device.type == "cuda"
         self.graphs: EagleGraphs | None = eagle_graphs(self.grower, runner.device.type == "cuda") if graphs else None
         self.chooser = DepthChooser(self.depth)
@@ -234,7 +235,8 @@ class EagleDrafter(Drafter):
                 return call
         dev = self.target.runner.device
         x = CatchUpInputs.upload(rows)
-        h_root, new_k, new_v = catch_up(self.model, self.target.runner.embed, x, past.k, past.v, past.real)
+        h_root, new_k, new_v = catch_up(self.model, self.target.runner.embed, x, past.k, past.v, past.real,
+                                        self.grower.fused)
         self.kv.append(ids, new_k, new_v, rows.counts)
         clock.mark()
         past = self._cached(views)  # the roots' catch-up: a key each at least

@@ -49,13 +49,15 @@ class CatchUpInputs:
 
 
 def catch_up(model, embed: torch.Tensor, x: CatchUpInputs, past_k: torch.Tensor | None,
-             past_v: torch.Tensor | None, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             past_v: torch.Tensor | None, real: torch.Tensor, fused=None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> the roots' predicted features [B, H] and the rows' keys / values [B, kv_heads, L, head_dim] each.
     ``past_k`` / ``past_v`` [B, kv_heads, P, head_dim] (None when P is 0) are the cached keys, ``real`` [B, P] which
-    of their columns are a sequence's own."""
+    of their columns are a sequence's own; ``fused``: the layer's fused element-wise ops (TreeGrower.fused)."""
     B, L = x.tokens.shape
     causal = torch.ones(L, L, dtype=torch.bool, device=x.tokens.device).tril().expand(B, L, L)
     mask = torch.cat([real[:, None].expand(B, L, real.shape[1]), causal], dim=2)  # [B, L, P + L]
-    out, new_k, new_v = model(F.embedding(x.tokens, embed), model.fuse(x.hidden), x.positions, mask, past_k, past_v)
+    out, new_k, new_v = model(F.embedding(x.tokens, embed), model.fuse(x.hidden), x.positions, mask, past_k, past_v,
+                              fused)
     last = (x.counts - 1).clamp(min=0)  # a padded sequence reads its row 0
     return out.gather(1, last[:, None, None].expand(B, 1, out.shape[-1]))[:, 0], new_k, new_v

@@ -191,7 +191,8 @@ class EagleGraphs:
         torch.lt(columns[None], meta[:, :1], out=x.real)  # the cached key columns, on the device
         if c is None:
             return self.grower.tree_rows(x, depth), None, None
-        h_root, new_k, new_v = catch_up(self.grower.model, self.grower.embed, c, x.past_k, x.past_v, x.real)
+        h_root, new_k, new_v = catch_up(self.grower.model, self.grower.embed, c, x.past_k, x.past_v, x.real,
+                                        self.grower.fused)
         x.h_root.copy_(h_root)
         # the catch-up's keys join each sequence's cached ones after its last: columns count .. count + R - 1
         rows = c.tokens.shape[1]
@@ -247,7 +248,7 @@ def eagle_graphs(grower: TreeGrower, capture: bool) -> EagleGraphs:
     LM head in their memory, and bake in the tree size, the sampling settings and the coupling seed."""
     model = grower.model
     key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in (grower.embed, grower.lm_head, *model.parameters()))
-    key += (grower.sampling, grower.coupling, grower.top_k, grower.max_nodes, capture)
+    key += (grower.sampling, grower.coupling, grower.top_k, grower.max_nodes, grower.fused is not None, capture)
     kept: dict = model.__dict__.setdefault(_MODEL_ATTR, {})
     if key not in kept:
         while len(kept) >= MAX_KEPT:

@@ -38,8 +38,9 @@ class TreeGrower:
     """Grows pools for one EAGLE model over one target (its embeddings and LM head) under one sampling setup."""
 
     def __init__(self, model, embed: torch.Tensor, lm_head: torch.Tensor, sampling: SamplingConfig,
-                 coupling: Coupling | None, top_k: int, vocab_size: int, max_nodes: int) -> None:
+                 coupling: Coupling | None, top_k: int, vocab_size: int, max_nodes: int, fused=None) -> None:
         self.model, self.embed, self.lm_head = model, embed, lm_head
+        self.fused = fused  # kernels.fused_ops on the target's Triton backend: the layer's element-wise steps fused
         self.sampling, self.coupling, self.top_k, self.vocab_size = sampling, coupling, top_k, vocab_size
         self.max_nodes = max_nodes  # candidates kept per tree (drafters/eagle_rerank.py)
         self.draft_ids = model.draft_ids  # [N] token id of each reduced logit, None = the full vocabulary
@@ -80,15 +81,18 @@ class TreeGrower:
         itself = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
         past = x.real[:, None].expand(B, K, P)
         tree_k = tree_v = None  # [B, kv_heads, E, head_dim] keys / values of the expanded nodes
+        # every level's RoPE tables at once: level d's queries sit at root_pos + d - 1
+        cos, sin = model.rope(x.root_pos[:, None] + torch.arange(1, max(depth, 2), device=dev), dtype)
         on_level(1)
         for d in range(2, depth + 1):
             embeds = F.embedding(front_tok if self.draft_ids is None else self.draft_ids[front_tok], self.embed)
             positions = (x.root_pos + d - 1)[:, None].expand(B, K)
+            rope = (cos[:, d - 2, None].expand(B, K, -1), sin[:, d - 2, None].expand(B, K, -1))  # [B, K, head_dim]
             tree_mask = torch.cat([ancestors, itself], dim=2)  # [B, K, E + K] ancestors, then itself
             mask = torch.cat([past, tree_mask], dim=2)
             keys_k = x.past_k if tree_k is None else torch.cat([x.past_k, tree_k], dim=2)
             keys_v = x.past_v if tree_v is None else torch.cat([x.past_v, tree_v], dim=2)
-            out, nk, nv = model(embeds, feats.to(dtype), positions, mask, keys_k, keys_v)
+            out, nk, nv = model(embeds, feats.to(dtype), positions, mask, keys_k, keys_v, self.fused, rope)
             tree_k = nk if tree_k is None else torch.cat([tree_k, nk], dim=2)
             tree_v = nv if tree_v is None else torch.cat([tree_v, nv], dim=2)
             child = torch.topk(self.token_logp(out, x.root_pos + d, x.noise_keys), K)  # [B, K rows, K children]

@@ -174,6 +174,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused) -> torch.Tensor:
+    """:func:`_rms_norm`, or with ``fused`` (kernels.fused_ops, inference on the Triton backend) one launch for it."""
+    if fused is None:
+        return _rms_norm(x, weight, eps)
+    return fused.add_rms_norm(x.reshape(-1, x.shape[-1]), None, weight, eps)[1].view(x.shape)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
@@ -317,6 +324,8 @@ class EagleModel(nn.Module):
         mask: torch.Tensor,  # [B or 1, L, P + L] bool, True = may attend (P = past keys)
         past_k: torch.Tensor | None = None,  # [B, kv_heads, P, head_dim]
         past_v: torch.Tensor | None = None,
+        fused=None,  # kernels.fused_ops: the norms, RoPE and SiLU-mul as single launches (inference, Triton)
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # this call's rope(positions), computed ahead
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Predicted features [B, L, H] and this call's keys / values [B, kv_heads, L, head_dim] (EAGLE-3:
         ``features`` is the fused or fed-back hidden state and the prediction is the pre-norm output)."""
@@ -324,34 +333,48 @@ class EagleModel(nn.Module):
         B, L, _ = embeds.shape
         layer = self.layers[0]
         attn = layer.self_attn
+        eps = c.rms_norm_eps
         if self.eagle3:
-            hidden = _rms_norm(features, layer.hidden_norm.weight, c.rms_norm_eps)
+            hidden = _norm(features, layer.hidden_norm.weight, eps, fused)
             x = hidden if c.norm_before_residual else features  # the residual around attention
-            a = torch.cat([_rms_norm(embeds, layer.input_layernorm.weight, c.rms_norm_eps), hidden], dim=-1)
+            a = torch.cat([_norm(embeds, layer.input_layernorm.weight, eps, fused), hidden], dim=-1)
         elif self.mtp:
-            x = self.fc(torch.cat([_rms_norm(embeds, self.enorm.weight, c.rms_norm_eps),
-                                   _rms_norm(features, self.hnorm.weight, c.rms_norm_eps)], dim=-1))
-            a = _rms_norm(x, layer.input_layernorm.weight, c.rms_norm_eps)
+            x = self.fc(torch.cat([_norm(embeds, self.enorm.weight, eps, fused),
+                                   _norm(features, self.hnorm.weight, eps, fused)], dim=-1))
+            a = _norm(x, layer.input_layernorm.weight, eps, fused)
         else:
             x = self.fc(torch.cat([embeds, features], dim=-1))
-            a = _rms_norm(x, layer.input_layernorm.weight, c.rms_norm_eps) if c.norms else x
-        q = attn.q_proj(a).view(B, L, c.num_heads, c.head_dim).transpose(1, 2)
-        k = attn.k_proj(a).view(B, L, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            a = _norm(x, layer.input_layernorm.weight, eps, fused) if c.norms else x
+        q = attn.q_proj(a).view(B, L, c.num_heads, c.head_dim)
+        k = attn.k_proj(a).view(B, L, c.num_kv_heads, c.head_dim)
         v = attn.v_proj(a).view(B, L, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        cos, sin = self.rope(positions, x.dtype)
-        if cos.dim() == 2:
-            cos, sin = cos[None], sin[None]
-        cos, sin = cos[:, None], sin[:, None]  # [B or 1, 1, L, head_dim]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = rope if rope is not None else self.rope(positions, x.dtype)  # [B or 1 or none, L, head_dim]
+        if fused is not None:  # in place over [B * L, heads, head_dim] rows, before the heads move forward
+            cos, sin = (t.expand(B, L, c.head_dim).reshape(B * L, 1, c.head_dim) for t in (cos, sin))
+            q = fused.rope_(q.view(B * L, c.num_heads, c.head_dim), cos, sin).view(B, L, c.num_heads, c.head_dim)
+            k = fused.rope_(k.view(B * L, c.num_kv_heads, c.head_dim), cos, sin).view(B, L, c.num_kv_heads,
+                                                                                     c.head_dim)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        else:
+            if cos.dim() == 2:
+                cos, sin = cos[None], sin[None]
+            cos, sin = cos[:, None], sin[:, None]  # [B or 1, 1, L, head_dim]
+            q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
         groups = c.num_heads // c.num_kv_heads
         o = F.scaled_dot_product_attention(q, keys.repeat_interleave(groups, dim=1),
                                            values.repeat_interleave(groups, dim=1), attn_mask=mask[:, None])
         h = x + attn.o_proj(o.transpose(1, 2).reshape(B, L, c.num_heads * c.head_dim))
-        h = h + layer.mlp(_rms_norm(h, layer.post_attention_layernorm.weight, c.rms_norm_eps))
+        m = _norm(h, layer.post_attention_layernorm.weight, eps, fused)
+        if fused is None:
+            h = h + layer.mlp(m)
+        else:
+            mlp = layer.mlp
+            act = fused.silu_mul(mlp.gate_proj(m).reshape(B * L, -1), mlp.up_proj(m).reshape(B * L, -1))
+            h = h + mlp.down_proj(act).view(B, L, -1)
         if self.norm is not None and not (self.eagle3 or self.mtp):
-            h = _rms_norm(h, self.norm.weight, c.rms_norm_eps)
+            h = _norm(h, self.norm.weight, eps, fused)
         return h, k, v
 
     def logits(self, features: torch.Tensor, target_lm_head: torch.Tensor) -> torch.Tensor:

@@ -166,6 +166,41 @@ def test_a_qwen3_model_on_the_triton_backend_gives_the_reference_logprobs(monkey
     assert torch.allclose(got, want, atol=1e-4)
 
 
+@pytest.mark.parametrize("arch,fields", [("eagle1", {}), ("eagle1", dict(norms=False)),
+                                         ("eagle3", dict(norm_before_residual=True)), ("mtp", {})])
+def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields):
+    """EAGLE's drafting layer (EAGLE-1, -3 and MTP) with the target's fused ops, as the drafter runs it on the
+    Triton backend: its norms, RoPE and SiLU-mul each one launch, the features, keys and values of the PyTorch
+    forward (float32, a past of cached keys and a tree mask), with RoPE tables given or computed."""
+    import specdec.kernels.fused_ops as fused
+    from specdec.drafters.eagle_model import EagleConfig, EagleModel
+    from specdec.launches import Launches
+    from specdec.testing import build_tiny_model
+
+    target = build_tiny_model("llama-gqa-tied", 64)
+    torch.manual_seed(0)
+    model = EagleModel(EagleConfig.for_target(target.config, arch=arch, **fields)).to(DEVICE).eval()
+    for p in model.parameters():  # norms away from 1: a wrong weight shows
+        torch.nn.init.normal_(p, 0.5 if p.dim() == 1 else 0.0, 0.2)
+    c, gen = model.config, torch.Generator().manual_seed(1)
+    B, L, P = 2, 3, 5
+    embeds = torch.randn(B, L, c.hidden_size, generator=gen).to(DEVICE)
+    features = model.fuse(torch.randn(B, L, c.hidden_size * (c.num_features if arch == "eagle3" else 1),
+                                      generator=gen).to(DEVICE))
+    positions = torch.tensor([[5, 6, 7], [2, 3, 4]], device=DEVICE)
+    mask = torch.ones(B, L, P + L, dtype=torch.bool, device=DEVICE).tril(P)
+    past_k = torch.randn(B, c.num_kv_heads, P, c.head_dim, generator=gen).to(DEVICE)
+    past_v = torch.randn(B, c.num_kv_heads, P, c.head_dim, generator=gen).to(DEVICE)
+    args = (embeds, features, positions, mask, past_k, past_v)
+    with torch.inference_mode():
+        want = model(*args)
+        with Launches() as launches:
+            got = model(*args, fused, model.rope(positions, torch.float32))
+    for name, a, b in zip(("features", "keys", "values"), got, want):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (name, (a - b).abs().max().item())
+    assert not {"rsqrt", "neg", "silu"} & set(launches.ops), launches.ops  # no PyTorch norm, rotation or SiLU left
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [128, 1536, 3000])
 def test_silu_mul(dtype, width):
