@@ -48,7 +48,7 @@ from specdec.host_copy import to_device, to_host_later
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaRunner
 from specdec.pending_trees import PendingTrees
-from specdec.sampling import logits_to_probs, sample
+from specdec.sampling import logits_to_probs, sample_each
 from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree
 
 logger = logging.getLogger(__name__)
@@ -370,9 +370,9 @@ class ModelDrafter(Drafter):
                 tokens = (top if ids is None else ids[top]).reshape(B, -1)  # [B, frontier * w]
             else:
                 draft_probs = self._draft_probs(logits)  # [B * frontier, vocab]
-                # a row with no law (NaN / zero draft_probs) draws -1 or n: kept in range for the verify's inputs,
-                # the read's draft_probs checks then refuse the tree
-                tokens = self._draw(draft_probs, width).clamp_(0, draft_probs.shape[-1] - 1).reshape(B, -1)
+                # a row with no law (NaN / zero draft_probs) draws no child without replacement (-1): kept in range
+                # for the verify's inputs, the read's draft_probs checks then refuse the tree
+                tokens = self._draw(draft_probs, width).clamp_(min=0).reshape(B, -1)
                 drawn_from.append(draft_probs.repeat_interleave(width, 0).reshape(B, tokens.shape[1], -1))
             new = list(range(len(parents), len(parents) + tokens.shape[1]))
             parents += [p for p in frontier for _ in range(tokens.shape[1] // len(frontier))]
@@ -464,10 +464,10 @@ class ModelDrafter(Drafter):
         without replacement as the ``width`` largest of log-probability + Gumbel noise (Gumbel-top-k: the same law
         as drawing one at a time and renormalising). A token of probability 0 is never drawn, so a row with fewer
         tokens than ``width`` gets fewer children."""
-        if self.mode is DraftMode.INDEPENDENT:  # not torch.multinomial: on CUDA it checks its input with a host read
+        if self.mode is DraftMode.INDEPENDENT:  # a row with no law (NaN): a token the draft_probs checks refuse
             F, n = draft_probs.shape
             u = torch.rand(F, width, generator=self.generator, dtype=torch.float64, device=draft_probs.device)
-            return sample(draft_probs[:, None].expand(F, width, n), uniforms=u)  # a row with no law: the id n
+            return sample_each(draft_probs, u).clamp_(max=n - 1)
         u = torch.rand(draft_probs.shape, generator=self.generator, dtype=torch.float64, device=draft_probs.device)
         gumbel = -(-u.clamp_(2.0**-60, 1.0 - 2.0**-53).log()).log()  # finite: u kept inside (0, 1)
         top = torch.topk(draft_probs.double().log() + gumbel, min(width, draft_probs.shape[-1]))

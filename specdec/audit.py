@@ -86,9 +86,10 @@ class DraftAudit:
         host without the step waiting for them: they are tested at the next call of this audit or at
         :meth:`settle` (the engine's end of a call), so an alarm may come one step later."""
         self.settle()
-        sampled = [t for t in trees if t.mode is not DraftMode.DETERMINISTIC and t.num_nodes]
-        independent = [t for t in sampled if t.mode is DraftMode.INDEPENDENT]
+        sampled = [(b, t) for b, t in enumerate(trees) if t.mode is not DraftMode.DETERMINISTIC and t.num_nodes]
+        independent = [t for _, t in sampled if t.mode is DraftMode.INDEPENDENT]
         parts = []  # [5, nodes] per group, on the draft_probs' device
+        owners = []  # (index of the tree in ``trees``, node) of each column, independent trees first
         if independent:
             device = independent[0].draft_probs.device
             probs = torch.cat([t.draft_probs.to(device) for t in independent])
@@ -96,13 +97,15 @@ class DraftAudit:
             tokens = (to_device(torch.cat(ids), torch.long, device) if all(not x.is_cuda for x in ids)
                       else torch.cat([to_device(x, torch.long, device) for x in ids]))
             parts.append(self._parts(probs, tokens, None))
-        for t in sampled:
+            owners += [(b, i) for b, t in sampled if t.mode is DraftMode.INDEPENDENT for i in range(t.num_nodes)]
+        for b, t in sampled:
             if t.mode is DraftMode.WITHOUT_REPLACEMENT:
                 parts.append(self._parts(t.draft_probs, t.tokens, t.parents))
+                owners += [(b, i) for i in range(t.num_nodes)]
         if not parts:
             return
         parts = torch.cat([p.to(parts[0].device) for p in parts], 1)
-        self._waiting = (to_host_later(parts), drafter)
+        self._waiting = (to_host_later(parts), drafter, owners)
         if not _reads_later(parts):
             self.settle()
 
@@ -110,8 +113,8 @@ class DraftAudit:
         """Test the transforms still on their way to the host (:meth:`observe_many`, on CUDA); raises as it does."""
         if self._waiting is None:
             return
-        (read, drafter), self._waiting = self._waiting, None
-        self.update(self._randomise(*self._from_parts(read(), drafter)), drafter)
+        (read, drafter, owners), self._waiting = self._waiting, None
+        self.update(self._randomise(*self._from_parts(read(), drafter, owners)), drafter)
 
     def intervals(self, tree: DraftTree, drafter: str = "drafter") -> tuple[torch.Tensor, torch.Tensor]:
         """(lo, width), each [num_nodes, 2] float64 on the host: node i's PIT is lo + V * width (columns = VIEWS)."""
@@ -152,13 +155,15 @@ class DraftAudit:
         return torch.stack([below, drawn, higher, tied, total])
 
     @staticmethod
-    def _from_parts(parts: torch.Tensor, drafter: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_parts`' [5, n] read by the host -> (lo, width), each [n, 2] float64."""
+    def _from_parts(parts: torch.Tensor, drafter: str, owners: list[tuple[int, int]] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_parts`' [5, n] read by the host -> (lo, width), each [n, 2] float64; ``owners``: (tree index in
+        the step, node) of each column, None for one tree's columns (its nodes)."""
         below, drawn, higher, tied, total = parts.double().unbind()
         if bool((total <= 0).any()):
-            node = int((total <= 0).nonzero()[0])
-            raise DraftError(f"{drafter}: sampled node {node} of its step was drawn after its earlier siblings "
-                             "exhausted draft_probs")
+            column = int((total <= 0).nonzero()[0])
+            where = f"node {column}" if owners is None else "node {1} of the step's tree {0}".format(*owners[column])
+            raise DraftError(f"{drafter}: {where} was drawn after its earlier siblings exhausted draft_probs")
         return torch.stack([below, higher], -1) / total[:, None], torch.stack([drawn, tied], -1) / total[:, None]
 
     def transform(self, tree: DraftTree, drafter: str = "drafter") -> torch.Tensor:

@@ -20,7 +20,7 @@ def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.T
     """``values`` (a list, or a host tensor) as a ``dtype`` tensor on ``device``, copied without a stream sync."""
     device = torch.device(device)
     if isinstance(values, torch.Tensor):
-        if values.device == device or device.type != "cuda":
+        if values.device == device or device.type != "cuda" or values.device.type != "cpu":  # a device's own copy
             return values.to(device=device, dtype=dtype)
         return values.to(dtype).pin_memory().to(device, non_blocking=True)
     if device.type != "cuda":

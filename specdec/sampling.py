@@ -103,15 +103,21 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None, unifor
     multinomial misses tokens below ~3e-8 of the running sum), and a zero-probability token is never drawn: a zero
     adds nothing to the running sum, so the first index whose sum exceeds the point drawn (in ``[0, total)``) has a
     positive probability. A row whose sum is not finite and positive gets the id ``vocab``. No host sync."""
-    flat = probs.reshape(-1, probs.shape[-1]).to(torch.float64)
-    running = flat.cumsum(-1)  # [R, V]
-    total = running[:, -1:]  # [R, 1]
+    flat = probs.reshape(-1, probs.shape[-1])
     u = (torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
          if uniforms is None else uniforms.reshape(-1, 1))
-    point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # [R, 1] in [0, total)
-    tokens = torch.searchsorted(running, point, right=True)  # [R, 1]
+    return sample_each(flat, u).reshape(probs.shape[:-1])
+
+
+def sample_each(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[R, vocab] probs, [R, k] float64 uniforms -> [R, k] int64: k independent draws per row, as :func:`sample`
+    draws one (a row with no law: the id ``vocab``), from one cumulative sum per row."""
+    running = probs.to(torch.float64).cumsum(-1)  # [R, V]
+    total = running[:, -1:]  # [R, 1]
+    point = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))  # [R, k] in [0, total)
+    tokens = torch.searchsorted(running, point, right=True)  # [R, k]
     no_law = ~(torch.isfinite(total) & (total > 0))  # [R, 1]: NaN / inf probabilities, or none left
-    return tokens.masked_fill_(no_law, probs.shape[-1]).reshape(probs.shape[:-1])
+    return tokens.masked_fill_(no_law, probs.shape[-1])
 
 
 def choose_max(logits: torch.Tensor) -> torch.Tensor:

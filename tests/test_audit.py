@@ -272,3 +272,18 @@ def test_a_deferred_read_loses_no_draw_and_still_stops_a_liar(monkeypatch):
     with pytest.raises(DraftError, match="temperature-liar"):
         specdec.generate(model, [[1, 2, 3]] * 8, max_new_tokens=16, drafter=TemperatureLiar(), do_sample=True, seed=0,
                          speculation="always")
+
+
+def test_an_exhausted_sibling_is_named_by_its_tree_and_node():
+    """A step's sampled nodes are audited together, independent trees first: a without-replacement sibling drawn
+    after its earlier siblings took all the mass is named by its own tree and node, not its place in the step."""
+    only_first = torch.zeros(VOCAB)
+    only_first[0] = 1.0
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(VOCAB, generator=gen), -1)
+    honest = _tree(gen, DraftMode.INDEPENDENT, probs, probs)  # 4 nodes, audited first
+    exhausted = DraftTree([0, 1], [-1, -1], only_first.expand(2, VOCAB).clone(), DraftMode.WITHOUT_REPLACEMENT)
+    with pytest.raises(DraftError, match=r"^d: node 1 of the step's tree 2 was drawn after its earlier siblings"):
+        DraftAudit().observe_many([DraftTree.empty(), honest, exhausted], "d")
+    with pytest.raises(DraftError, match=r"^d: node 1 was drawn after"):
+        DraftAudit().intervals(exhausted, "d")

@@ -309,10 +309,12 @@ def test_static_trees_grown_on_the_device_are_the_host_grown_trees(name, options
     assert runs[0] == runs[1] and len(runs[0][1]) > 10
 
 
-@pytest.mark.parametrize("shape", [dict(), dict(widths=(2, 2), num_draft_tokens=3)])
-def test_a_draft_model_gone_nan_stops_sampling_with_the_drafters_error(shape):
+@pytest.mark.parametrize("shape,penalty", [(dict(), None), (dict(widths=(2, 2), num_draft_tokens=3), None),
+                                           (dict(widths=(2, 2), num_draft_tokens=3), 1.3)])
+def test_a_draft_model_gone_nan_stops_sampling_with_the_drafters_error(shape, penalty):
     """A draft model whose logits are NaN (a float16 overflow, a damaged checkpoint) stops a sampled call with the
-    one-line DraftError of the draft_probs checks; its draws raised torch.multinomial's bare RuntimeError."""
+    one-line DraftError of the draft_probs checks, grown on the device or (a logits processor) on the host; its
+    draws raised torch.multinomial's bare RuntimeError."""
     from specdec.tree import DraftError
 
     draft = build_tiny_model(seed=7)
@@ -320,4 +322,5 @@ def test_a_draft_model_gone_nan_stops_sampling_with_the_drafters_error(shape):
         draft.model.norm.weight.fill_(float("nan"))
     with pytest.raises(DraftError, match=r"^draft-model: draft_probs contains NaN"):
         specdec.generate(build_tiny_model(), [[1, 2, 3, 4]], max_new_tokens=4, do_sample=True, seed=0,
-                         drafter=DraftModelDrafter(model=draft, **shape), speculation="always")
+                         drafter=DraftModelDrafter(model=draft, **shape), speculation="always",
+                         **({} if penalty is None else dict(repetition_penalty=penalty)))
