@@ -391,8 +391,9 @@ class ModelRun:
                             cuda_graphs=True)
 
     def profile(self, prompts, tau: float) -> None:
-        """Plain decoding and the oracle chain at ``tau`` with EAGLE's drafting, each one call under the profiler
-        (benchmarks/step_profile.py), after the timed rows warmed them up (kernels compiled, graphs captured)."""
+        """Plain decoding, the oracle chain at ``tau`` with EAGLE's drafting and the oracle's 64-node tree (each
+        step a 65-token verify: c(65)), each one call under the profiler (benchmarks/step_profile.py), after the
+        timed rows warmed them up (kernels compiled, graphs captured)."""
         from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter
 
         b = len(prompts)
@@ -400,10 +401,13 @@ class ModelRun:
             self.plain(prompts)
         tokens = min(self.args.new_tokens, PROFILE_TOKENS)
         chain = AcceptanceProfile.for_tau(tau, CHAIN_DEPTH, 1)
+        tree = AcceptanceProfile.for_tau(tau, TREE_DEPTH, TREE_WIDTH)
         calls = [(f"plain b{b}", {}),
                  (f"oracle chain tau {tau} +eagle b{b}",
                   dict(drafter=OracleDrafter(self.references[b], chain, inner=self.eagle_drafter(CHAIN_DEPTH, 1),
-                                             seed=1), speculation="always"))]
+                                             seed=1), speculation="always")),
+                 (f"oracle tree tau {tau} b{b}",
+                  dict(drafter=OracleDrafter(self.references[b], tree, seed=1), speculation="always"))]
         for name, kwargs in calls:
             with profiled(self.device) as trace:
                 row = run_generate(self.loaded, prompts, tokens, **kwargs)

@@ -48,10 +48,12 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     assert all(r["calibrations_timed"] == 0 for r in model["oracle"])  # the policy's rows calibrated before timing
     assert all(r["identical_to_plain"] == f"{r['batch']}/{r['batch']}" for r in model["oracle"])  # greedy exactness
     assert model["hf_static"]["new_tokens"] == 6
-    assert [r["call"] for r in model["profile"]] == ["plain b1", "oracle chain tau 3.0 +eagle b1"]
-    plain, oracle = (r["summary"] for r in model["profile"])
+    assert [r["call"] for r in model["profile"]] == ["plain b1", "oracle chain tau 3.0 +eagle b1",
+                                                      "oracle tree tau 3.0 b1"]
+    plain, oracle, tree = (r["summary"] for r in model["profile"])
     assert plain["steps"] == 6 and plain["aten_ops_per_step"] > 0 and "verify" in plain["phases_ms_per_step"]
     assert oracle["steps"] < plain["steps"] and oracle["phases_ms_per_step"]["propose"] > 0  # EAGLE drafted
+    assert tree["steps"] < plain["steps"]  # the 64-node trees' 65-token verifies, accepted as the profile says
     text = (tmp_path / "speed.md").read_text()
     assert "## synthetic:qwen3-1.7b@tiny" in text and "speedup vs plain" in text and "REHEARSAL" in text
     assert "| oracle chain tau 3.0 +eagle b1 |" in text
@@ -85,8 +87,9 @@ def test_profile_summary_counts_a_steps_device_time_launches_and_waits():
     from step_profile import summarize
     from torch.autograd import DeviceType
 
-    def ev(name, start, end, device=DeviceType.CPU, parent=None):
-        return E(name=name, time_range=E(start=start, end=end), device_type=device, cpu_parent=parent)
+    def ev(name, start, end, device=DeviceType.CPU, parent=None, annotation=False):
+        return E(name=name, time_range=E(start=start, end=end), device_type=device, cpu_parent=parent,
+                 is_user_annotation=annotation)
 
     step1, step2 = ev("engine.step", 0, 100), ev("engine.step", 100, 200)
     gpu = DeviceType.CUDA
@@ -96,12 +99,14 @@ def test_profile_summary_counts_a_steps_device_time_launches_and_waits():
               ev("matmul_kernel", 20, 50, gpu), ev("attn_kernel", 40, 70, gpu),  # overlapping: 50 us busy
               ev("matmul_kernel", 120, 140, gpu), ev("Memcpy DtoH (Device -> Pinned)", 150, 151, gpu),
               ev("late_kernel", 190, 210, gpu),  # ends after the last step: not counted
+              ev("engine.verify", 10, 100, gpu, annotation=True),  # a phase's range on the device: no kernel
               ev("aten::mm", 15, 16, parent=step1), ev("aten::copy_", 15.2, 15.5, parent=ev("aten::mm", 15, 16))]
     s = summarize(events)
     assert s["steps"] == 2 and s["wall_ms_per_step"] == 0.1
     assert abs(s["gpu_busy_ms_per_step"] - (50 + 20 + 1) / 2 / 1e3) < 1e-12
     assert abs(s["gpu_idle_share"] - (1 - 71 / 200)) < 1e-12
     assert s["kernels_per_step"] == 1.5 and s["copies_per_step"] == {"Memcpy DtoH": 0.5}
+    assert abs(s["kernel_ms_per_step"] - (30 + 30 + 20) / 2 / 1e3) < 1e-12
     assert s["graph_launches_per_step"] == 0.5 and s["host_launches_per_step"] == 0.5
     assert s["syncs_per_step"] == 1.0 and abs(s["sync_wait_ms_per_step"] - 0.02) < 1e-12
     assert s["phases_ms_per_step"] == {"verify": 0.025, "accept": 0.01} and s["aten_ops_per_step"] == 0.5
