@@ -115,8 +115,9 @@ def main(argv=None) -> int:
     wheels = sorted(WHEELS.glob("*.whl"))
     for i, (command, carry) in enumerate(calls(parts, wheels, args.budget_s), start=1):
         print(f"device call {i}: carry={carry}\n  {command}\n")
-    print(f"Make call 2 within 30 s of call 1's end. If status then leaves less than planned, its --deadline-s is "
-          f"budget_left_s - {CALL_OVERHEAD_S + GAP_S}.")
+    print(f"Make call 2 within 30 s of call 1's end, with --deadline-s set to the budget_left_s of call 1's lease "
+          f"less {CALL_OVERHEAD_S + GAP_S} (at most {600 - CALL_OVERHEAD_S}): a machine that started quickly leaves "
+          "more than planned (2026-11-30: 531 s left, planned for 250).")
     return 0
 
 
