@@ -1,15 +1,17 @@
 """Device work of the GPU path, counted on any CPU through the Triton interpreter: what a step launches.
 
-    python benchmarks/count_launches.py [--model synthetic:smollm2-135m@tiny] [--batch 1]
+    python benchmarks/count_launches.py [--model synthetic:smollm2-135m@tiny] [--batch 1] [--eagle 6,1]
 
-Two counts, for the model with separate and with fused (packed) projections:
+Counts for the model with separate and with fused (packed) projections, and for an EAGLE layer of its shape:
 
 * **per decode forward** (one token, batch 1, on the Triton backend): aten ops that are not views, plus Triton
   kernel launches; per layer and for the rest of the forward (embedding, RoPE tables, final norm, ...). Inside a
   CUDA graph each is one kernel the GPU runs in turn;
 * **per graphed plain step** (``cuda_graphs=True``, uncaptured here): the launches inside the bucket's forward
   (what a replay runs), and those the host issues one by one each step besides the replay (the inputs' copy, the
-  LM head, the greedy choice, ...).
+  LM head, the greedy choice, ...);
+* **per EAGLE drafting call** (``--eagle DEPTH,TOP_K``, a random layer of the model's shape, float32): on the
+  reference and the Triton backend, per call and per level of its growth.
 
 Counts, not times (by :class:`specdec.launches.Launches`): on a GPU each launch costs the host a few microseconds
 and the GPU at least one kernel's start.
@@ -27,6 +29,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 import torch  # noqa: E402
 
 from specdec.launches import Launches  # noqa: E402
+from specdec.models.llama import LlamaRunner  # noqa: E402
 
 
 def forward_launches(runner) -> collections.Counter:
@@ -84,14 +87,45 @@ def step_launches(loaded, batch: int, steps: int = 12) -> tuple[Launches, int]:
     return counter, count[0]
 
 
+def eagle_launches(loaded, depth: int, width: int, backend: str, calls: int = 8) -> tuple[collections.Counter, int]:
+    """A random EAGLE layer for the model (specdec.models.synthetic.eagle_head) drafting a fixed tree of ``depth``
+    levels and top-k ``width`` through its padded growth (as its CUDA graphs replay it), on ``backend``: launches
+    over ``calls`` drafting calls after a sequence's first (its catch-up over the prompt), and the calls."""
+    from specdec.drafters.eagle import EagleDrafter
+    from specdec.generate import generate
+    from specdec.models import synthetic
+
+    target = dataclasses.replace(loaded, runner=LlamaRunner(loaded.model, backend=backend))
+    eagle = synthetic.eagle_head(loaded.model.config, device="cpu", dtype=torch.float32)
+    drafter = EagleDrafter(model=eagle, depth=depth, top_k=width, max_nodes=depth * width, adapt_depth=False,
+                           cuda_graphs=True)
+    counter, seen = collections.Counter(), [0]
+    propose = drafter.propose
+
+    def counted(seqs):
+        seen[0] += 1
+        if seen[0] == 1 or seen[0] > calls + 1:  # the first call catches up on the whole prompt
+            return propose(seqs)
+        with Launches() as launches:
+            out = propose(seqs)
+        counter.update(launches.ops)
+        return out
+
+    drafter.propose = counted
+    generate(target, [[(7 * i + 3) % 50 + 1 for i in range(40)]], max_new_tokens=4 * calls, drafter=drafter,
+             speculation="always")
+    return counter, min(seen[0] - 1, calls)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="synthetic:smollm2-135m@tiny")
     ap.add_argument("--batch", type=int, default=1, help="sequences of the graphed plain steps")
+    ap.add_argument("--eagle", default="6,1", metavar="DEPTH,TOP_K",
+                    help="EAGLE's drafting calls counted for a tree of this depth and top-k ('' for none)")
     args = ap.parse_args(argv)
     os.environ["SPECDEC_ATTENTION"] = "triton"
     from specdec.models.fused_projections import pack_projections
-    from specdec.models.llama import LlamaRunner
     from specdec.models.loader import load_model
 
     loaded = load_model(args.model, device="cpu")
@@ -117,6 +151,14 @@ def main(argv=None) -> int:
     for where, ops in (("inside the replayed forward", counter.inside_ops), ("outside the replay", counter.ops)):
         print(f"graphed plain step, batch {args.batch}, {where}: {sum(ops.values()) / steps:.1f} launches per step "
               f"over {steps} steps {dict(sorted(ops.items()))}")
+    if args.eagle:
+        depth, width = (int(x) for x in args.eagle.split(","))
+        for backend in ("reference", "triton"):
+            ops, calls = eagle_launches(loaded, depth, width, backend)
+            total = sum(ops.values()) / calls
+            top = dict(sorted(((k, round(v / calls, 1)) for k, v in ops.most_common(12))))
+            print(f"EAGLE drafting, depth {depth}, top-k {width}, {backend} backend: {total:.1f} launches per call "
+                  f"({total / depth:.1f} per level) over {calls} calls; the most: {top}")
     return 0
 
 
