@@ -92,6 +92,7 @@ def eagle_launches(loaded, depth: int, width: int, backend: str, calls: int = 8)
     levels and top-k ``width`` through its padded growth (as its CUDA graphs replay it), on ``backend``: launches
     over ``calls`` drafting calls after a sequence's first (its catch-up over the prompt), and the calls."""
     from specdec.drafters.eagle import EagleDrafter
+
     from specdec.generate import generate
     from specdec.models import synthetic
 

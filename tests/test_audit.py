@@ -260,7 +260,7 @@ def test_a_deferred_read_loses_no_draw_and_still_stops_a_liar(monkeypatch):
     model = build_tiny_model()
     counts = {}
     for deferred in (False, True):
-        monkeypatch.setattr("specdec.audit._reads_later", lambda parts: deferred)
+        monkeypatch.setattr("specdec.audit._reads_later", lambda parts, deferred=deferred: deferred)
         drafter = TemperatureLiar()  # its lies are mild: 16 tokens are too few to raise the alarm
         specdec.generate(model, [[1, 2, 3]], max_new_tokens=16, drafter=drafter, do_sample=True, seed=0,
                          speculation="always")

@@ -174,6 +174,7 @@ def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields)
     forward (float32, a past of cached keys and a tree mask), with RoPE tables given or computed."""
     import specdec.kernels.fused_ops as fused
     from specdec.drafters.eagle_model import EagleConfig, EagleModel
+
     from specdec.launches import Launches
     from specdec.testing import build_tiny_model
 
