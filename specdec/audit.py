@@ -64,7 +64,7 @@ class DraftAudit:
         self._counts = torch.zeros(int(self._bins.sum()), dtype=torch.float64)  # [sum of bins]
         self._log_e = torch.zeros(len(self._bins), dtype=torch.float64)  # [C] log of each product
         self._log_threshold = math.log(1 / alpha)
-        self._waiting = None  # (the host read of a step's [5, n] transforms, drafter), on CUDA: settle()
+        self._waiting = None  # (host read of a step's [5, n] transforms, drafter, owners), on CUDA: settle()
 
     @property
     def e_value(self) -> float:
