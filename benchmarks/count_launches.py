@@ -11,7 +11,9 @@ Counts for the model with separate and with fused (packed) projections, and for 
   (what a replay runs), and those the host issues one by one each step besides the replay (the inputs' copy, the
   LM head, the greedy choice, ...);
 * **per EAGLE drafting call** (``--eagle DEPTH,TOP_K``, a random layer of the model's shape, float32): on the
-  reference and the Triton backend, per call and per level of its growth.
+  reference and the Triton backend, per call (catch-up, growth and rerank) and that over the depth.
+
+The CPU's row policy for small products (``specdec.models.row_policy``) is left off, as a GPU runs without it.
 
 Counts, not times (by :class:`specdec.launches.Launches`): on a GPU each launch costs the host a few microseconds
 and the GPU at least one kernel's start.
@@ -126,6 +128,12 @@ def main(argv=None) -> int:
                     help="EAGLE's drafting calls counted for a tree of this depth and top-k ('' for none)")
     args = ap.parse_args(argv)
     os.environ["SPECDEC_ATTENTION"] = "triton"
+    # a CPU's row policy sends small products through padded, transposed ones (more launches); a GPU never does
+    from specdec import engine_setup
+    from specdec.models import row_policy
+
+    row_policy.uninstall()
+    engine_setup.ensure_row_policy = lambda runner: None
     from specdec.models.fused_projections import pack_projections
     from specdec.models.loader import load_model
 
@@ -159,7 +167,7 @@ def main(argv=None) -> int:
             total = sum(ops.values()) / calls
             top = dict(sorted(((k, round(v / calls, 1)) for k, v in ops.most_common(12))))
             print(f"EAGLE drafting, depth {depth}, top-k {width}, {backend} backend: {total:.1f} launches per call "
-                  f"({total / depth:.1f} per level) over {calls} calls; the most: {top}")
+                  f"({total / depth:.1f} per level of depth) over {calls} calls; the most: {top}")
     return 0
 
 

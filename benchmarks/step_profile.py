@@ -96,7 +96,7 @@ def _is_device(event) -> bool:
 
 def summarize(events) -> dict:
     """The per-step figures of the module doc, from a profiler's events (``prof.events()``)."""
-    steps = [e for e in events if e.name == "engine.step"]
+    steps = [e for e in events if e.name == "engine.step" and e.device_type == torch.autograd.DeviceType.CPU]
     if not steps:
         raise ValueError("the profiled block ran no engine step")
     start, end = min(e.time_range.start for e in steps), max(e.time_range.end for e in steps)

@@ -329,6 +329,8 @@ class EagleModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Predicted features [B, L, H] and this call's keys / values [B, kv_heads, L, head_dim] (EAGLE-3:
         ``features`` is the fused or fed-back hidden state and the prediction is the pre-norm output)."""
+        if fused is not None and torch.is_grad_enabled():
+            raise InputError("EagleModel.forward: the fused ops have no gradients; train without fused=")
         c = self.config
         B, L, _ = embeds.shape
         layer = self.layers[0]

@@ -175,6 +175,7 @@ def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields)
     import specdec.kernels.fused_ops as fused
     from specdec.drafters.eagle_model import EagleConfig, EagleModel
 
+    from specdec.errors import InputError
     from specdec.launches import Launches
     from specdec.testing import build_tiny_model
 
@@ -200,6 +201,8 @@ def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields)
     for name, a, b in zip(("features", "keys", "values"), got, want):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (name, (a - b).abs().max().item())
     assert not {"rsqrt", "neg", "silu"} & set(launches.ops), launches.ops  # no PyTorch norm, rotation or SiLU left
+    with pytest.raises(InputError, match="no gradients"):  # the kernels have no backward: never in training
+        model(*args, fused)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
