@@ -81,8 +81,8 @@ class TreeGrower:
         itself = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
         past = x.real[:, None].expand(B, K, P)
         tree_k = tree_v = None  # [B, kv_heads, E, head_dim] keys / values of the expanded nodes
-        # every level's RoPE tables at once: level d's queries sit at root_pos + d - 1
-        cos, sin = model.rope(x.root_pos[:, None] + torch.arange(1, max(depth, 2), device=dev), dtype)
+        if depth > 1:  # every level's RoPE tables at once: level d's queries sit at root_pos + d - 1
+            cos, sin = model.rope(x.root_pos[:, None] + torch.arange(1, depth, device=dev), dtype)
         on_level(1)
         for d in range(2, depth + 1):
             embeds = F.embedding(front_tok if self.draft_ids is None else self.draft_ids[front_tok], self.embed)
