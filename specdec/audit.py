@@ -64,7 +64,7 @@ class DraftAudit:
         self._counts = torch.zeros(int(self._bins.sum()), dtype=torch.float64)  # [sum of bins]
         self._log_e = torch.zeros(len(self._bins), dtype=torch.float64)  # [C] log of each product
         self._log_threshold = math.log(1 / alpha)
-        self._waiting = None  # (host read of a step's [5, n] transforms, drafter, owners), on CUDA: settle()
+        self._waiting = None  # (host read of a step's [5, n] transforms, drafter, spans), on CUDA: settle()
 
     @property
     def e_value(self) -> float:
@@ -87,34 +87,39 @@ class DraftAudit:
         :meth:`settle` (the engine's end of a call), so an alarm may come one step later."""
         self.settle()
         sampled = [(b, t) for b, t in enumerate(trees) if t.mode is not DraftMode.DETERMINISTIC and t.num_nodes]
-        independent = [t for _, t in sampled if t.mode is DraftMode.INDEPENDENT]
+        independent = [(b, t) for b, t in sampled if t.mode is DraftMode.INDEPENDENT]
         parts = []  # [5, nodes] per group, on the draft_probs' device
-        owners = []  # (index of the tree in ``trees``, node) of each column, independent trees first
+        spans = [(b, t.num_nodes) for b, t in independent]  # (tree index in ``trees``, nodes) in column order
         if independent:
-            device = independent[0].draft_probs.device
-            probs = torch.cat([t.draft_probs.to(device) for t in independent])
-            ids = [t.tokens for t in independent]
+            device = independent[0][1].draft_probs.device
+            probs = torch.cat([t.draft_probs.to(device) for _, t in independent])
+            ids = [t.tokens for _, t in independent]
             tokens = (to_device(torch.cat(ids), torch.long, device) if all(not x.is_cuda for x in ids)
                       else torch.cat([to_device(x, torch.long, device) for x in ids]))
             parts.append(self._parts(probs, tokens, None))
-            owners += [(b, i) for b, t in sampled if t.mode is DraftMode.INDEPENDENT for i in range(t.num_nodes)]
         for b, t in sampled:
             if t.mode is DraftMode.WITHOUT_REPLACEMENT:
                 parts.append(self._parts(t.draft_probs, t.tokens, t.parents))
-                owners += [(b, i) for i in range(t.num_nodes)]
+                spans.append((b, t.num_nodes))
         if not parts:
             return
         parts = torch.cat([p.to(parts[0].device) for p in parts], 1)
-        self._waiting = (to_host_later(parts), drafter, owners)
-        if not _reads_later(parts):
-            self.settle()
+        if _reads_later(parts):
+            self._waiting = (to_host_later(parts), drafter, spans)
+        else:
+            self._test(parts, drafter, spans)
 
     def settle(self) -> None:
         """Test the transforms still on their way to the host (:meth:`observe_many`, on CUDA); raises as it does."""
         if self._waiting is None:
             return
-        (read, drafter, owners), self._waiting = self._waiting, None
-        self.update(self._randomise(*self._from_parts(read(), drafter, owners)), drafter)
+        (read, drafter, spans), self._waiting = self._waiting, None
+        self._test(read(), drafter, spans)
+
+    def _test(self, parts: torch.Tensor, drafter: str, spans: list[tuple[int, int]]) -> None:
+        """Feed a step's transforms ([5, n], read by the host) to the test; ``spans``: (tree index, nodes) of its
+        columns in order, to name a node in an error."""
+        self.update(self._randomise(*self._from_parts(parts, drafter, spans)), drafter)
 
     def intervals(self, tree: DraftTree, drafter: str = "drafter") -> tuple[torch.Tensor, torch.Tensor]:
         """(lo, width), each [num_nodes, 2] float64 on the host: node i's PIT is lo + V * width (columns = VIEWS)."""
@@ -155,14 +160,19 @@ class DraftAudit:
         return torch.stack([below, drawn, higher, tied, total])
 
     @staticmethod
-    def _from_parts(parts: torch.Tensor, drafter: str, owners: list[tuple[int, int]] | None = None
+    def _from_parts(parts: torch.Tensor, drafter: str, spans: list[tuple[int, int]] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_parts`' [5, n] read by the host -> (lo, width), each [n, 2] float64; ``owners``: (tree index in
-        the step, node) of each column, None for one tree's columns (its nodes)."""
+        """:meth:`_parts`' [5, n] read by the host -> (lo, width), each [n, 2] float64; ``spans``: (tree index in
+        the step, nodes) of the columns in order, None for one tree's columns (its nodes)."""
         below, drawn, higher, tied, total = parts.double().unbind()
         if bool((total <= 0).any()):
-            column = int((total <= 0).nonzero()[0])
-            where = f"node {column}" if owners is None else "node {1} of the step's tree {0}".format(*owners[column])
+            node = int((total <= 0).nonzero()[0])
+            where = f"node {node}"
+            for tree, nodes in spans or ():
+                if node < nodes:
+                    where = f"node {node} of the step's tree {tree}"
+                    break
+                node -= nodes
             raise DraftError(f"{drafter}: {where} was drawn after its earlier siblings exhausted draft_probs")
         return torch.stack([below, higher], -1) / total[:, None], torch.stack([drawn, tied], -1) / total[:, None]
 
