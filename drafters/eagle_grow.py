@@ -86,13 +86,12 @@ class TreeGrower:
         on_level(1)
         for d in range(2, depth + 1):
             embeds = F.embedding(front_tok if self.draft_ids is None else self.draft_ids[front_tok], self.embed)
-            positions = (x.root_pos + d - 1)[:, None].expand(B, K)
             rope = (cos[:, d - 2, None].expand(B, K, -1), sin[:, d - 2, None].expand(B, K, -1))  # [B, K, head_dim]
             tree_mask = torch.cat([ancestors, itself], dim=2)  # [B, K, E + K] ancestors, then itself
             mask = torch.cat([past, tree_mask], dim=2)
             keys_k = x.past_k if tree_k is None else torch.cat([x.past_k, tree_k], dim=2)
             keys_v = x.past_v if tree_v is None else torch.cat([x.past_v, tree_v], dim=2)
-            out, nk, nv = model(embeds, feats.to(dtype), positions, mask, keys_k, keys_v, self.fused, rope)
+            out, nk, nv = model(embeds, feats.to(dtype), None, mask, keys_k, keys_v, self.fused, rope)
             tree_k = nk if tree_k is None else torch.cat([tree_k, nk], dim=2)
             tree_v = nv if tree_v is None else torch.cat([tree_v, nv], dim=2)
             child = torch.topk(self.token_logp(out, x.root_pos + d, x.noise_keys), K)  # [B, K rows, K children]

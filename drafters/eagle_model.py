@@ -320,7 +320,7 @@ class EagleModel(nn.Module):
         self,
         embeds: torch.Tensor,  # [B, L, H] target embeddings of the tokens t_{j+1}
         features: torch.Tensor,  # [B, L, H] target (or predicted) features f_j
-        positions: torch.Tensor,  # [B, L] or [L] position ids (of t_{j+1})
+        positions: torch.Tensor | None,  # [B, L] or [L] position ids (of t_{j+1}); None when ``rope`` is given
         mask: torch.Tensor,  # [B or 1, L, P + L] bool, True = may attend (P = past keys)
         past_k: torch.Tensor | None = None,  # [B, kv_heads, P, head_dim]
         past_v: torch.Tensor | None = None,
