@@ -334,23 +334,22 @@ class LlamaRunner:
             q = q.view(n, s.num_heads, s.head_dim)
             k, v = k.view(n, s.num_kv_heads, s.head_dim), v.view(n, s.num_kv_heads, s.head_dim)
             q_norm = hasattr(attn, "q_norm")  # Qwen3: RMSNorm over head_dim before RoPE
-            one_launch = qkv is not None and cache.backend.triton and self.backend.triton
-            if q_norm and not one_launch:
-                q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
-                k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
-            if qkv is not None and (one_launch or not q_norm):  # q and k side by side in the product's rows
-                width = s.num_heads + s.num_kv_heads
+            width = s.num_heads + s.num_kv_heads  # a fused product's rows: q and k side by side, then v
+            if qkv is not None and cache.backend.triton and self.backend.triton:
+                # the norm (Qwen3), RoPE and the KV store in one launch
                 qk = out[:, : width * s.head_dim].view(n, width, s.head_dim)
-                if one_launch:  # the norm (Qwen3), RoPE and the KV store in one launch
-                    norms = ((attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon,
-                              attn.k_norm.variance_epsilon) if q_norm else None)
-                    cache.write_rotated(i, write_slots, qk, v, cos, sin, s.num_heads, norms)
-                    q = qk[:, : s.num_heads]
-                else:
-                    qk = apply_rope(qk, cos, sin, self.backend)
-                    q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
-                    cache.write(i, write_slots, k, v)
+                norms = ((attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon,
+                          attn.k_norm.variance_epsilon) if q_norm else None)
+                cache.write_rotated(i, write_slots, qk, v, cos, sin, s.num_heads, norms)
+                q = qk[:, : s.num_heads]
+            elif qkv is not None and not q_norm:  # RoPE of q and k in one launch
+                qk = apply_rope(out[:, : width * s.head_dim].view(n, width, s.head_dim), cos, sin, self.backend)
+                q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
+                cache.write(i, write_slots, k, v)
             else:
+                if q_norm:
+                    q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
+                    k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
                 q, k = apply_rope(q, cos, sin, self.backend), apply_rope(k, cos, sin, self.backend)
                 cache.write(i, write_slots, k, v)
             k_cache, v_cache = cache.layer(i)
