@@ -223,6 +223,10 @@ class ModelRun:
         fused = self.loaded.runner._fused_projections() or []
         self.result["fused_layers"] = sum(p.qkv is not None and p.gate_up is not None for p in fused)
         self.eagle = synthetic.eagle_head(model.config, device=self.device, dtype=self.dtype)
+        if args.rehearse:  # its projections too, as eagle_head lays them out on CUDA
+            from specdec.models.fused_projections import pack_layers
+
+            pack_layers(self.eagle.layers)
         sync(self.device)
         wbytes = weight_bytes(model)
         floor_ms = 1e3 * wbytes / self.bandwidth

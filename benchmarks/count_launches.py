@@ -10,8 +10,9 @@ Counts for the model with separate and with fused (packed) projections, and for 
 * **per graphed plain step** (``cuda_graphs=True``, uncaptured here): the launches inside the bucket's forward
   (what a replay runs), and those the host issues one by one each step besides the replay (the inputs' copy, the
   LM head, the greedy choice, ...);
-* **per EAGLE drafting call** (``--eagle DEPTH,TOP_K``, a random layer of the model's shape, float32): on the
-  reference and the Triton backend, per call (catch-up, growth and rerank) and that over the depth.
+* **per EAGLE drafting call** (``--eagle DEPTH,TOP_K``, a random layer of the model's shape, float32, its
+  projections packed as on CUDA): on the reference and the Triton backend, per call (catch-up, growth and rerank)
+  and that over the depth.
 
 The CPU's row policy for small products (``specdec.models.row_policy``) is left off, as a GPU runs without it.
 
@@ -97,9 +98,11 @@ def eagle_launches(loaded, depth: int, width: int, backend: str, calls: int = 8)
 
     from specdec.generate import generate
     from specdec.models import synthetic
+    from specdec.models.fused_projections import pack_layers
 
     target = dataclasses.replace(loaded, runner=LlamaRunner(loaded.model, backend=backend))
     eagle = synthetic.eagle_head(loaded.model.config, device="cpu", dtype=torch.float32)
+    pack_layers(eagle.layers)  # as eagle_head lays it out on CUDA: one QKV and one gate/up product
     drafter = EagleDrafter(model=eagle, depth=depth, top_k=width, max_nodes=depth * width, adapt_depth=False,
                            cuda_graphs=True)
     counter, seen = collections.Counter(), [0]

@@ -98,6 +98,7 @@ class EagleDrafter(Drafter):
             raise InputError(f"eagle: model= must be an EagleModel, got {type(model).__name__}")
         self.options = EagleDraftConfig(**options)
         self.path, self.model = path, model
+        self.packs = model is None  # specdec's own layer gets the CUDA layout (EagleModel.pack_on_cuda)
         self.kv: EagleKV | None = None  # the layer's keys / values of every sequence's committed positions
         # seq_id -> the most probable chain of its last proposal (tokens, parents), for the depth chooser
         self._last: dict[int, tuple[list[int], list[int]]] = {}
@@ -113,6 +114,8 @@ class EagleDrafter(Drafter):
         else:
             check_fits_target(self.model.config, runner.hf_model.config, "the given EagleModel")
         self.model.to(device=runner.device, dtype=runner.dtype).eval()
+        if self.packs:
+            self.model.pack_on_cuda()
         c, o = self.model.config, self.options
         self.kv = EagleKV(c.num_kv_heads, c.head_dim, runner.dtype, runner.device)
         self.depth, self.top_k = o.depth or c.depth, o.top_k or c.top_k

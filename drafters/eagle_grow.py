@@ -48,7 +48,7 @@ class TreeGrower:
     def token_logp(self, features: torch.Tensor, positions: torch.Tensor, noise_keys: torch.Tensor) -> torch.Tensor:
         """[B, R, H] predicted features of nodes whose children sit at ``positions`` [B] -> [B, R, N] draft
         log-probabilities (module doc)."""
-        logits = self.model.logits(features, self.lm_head).float()
+        logits = self.model.logits(features, self.lm_head, self.fused).float()
         s, coupling = self.sampling, self.coupling
         if coupling is not None:  # [B, 1, N] the children's position's noise
             noise = coupling.draft_noise_batch(noise_keys, positions[:, None], self.vocab_size, logits.device,

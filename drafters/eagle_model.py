@@ -36,6 +36,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from specdec.errors import InputError
+from specdec.models.fused_projections import LayerProjections, pack_layers
 from specdec.models.llama import Linear, linear
 
 INIT_OUTPUT_SCALE = 0.1  # init_from_target: attention / MLP outputs start small next to the passed-through feature
@@ -311,6 +312,23 @@ class EagleModel(nn.Module):
             self._inv_freqs[device] = (1.0 / (c.rope_theta ** (steps / c.head_dim))).to(device)
         return self._inv_freqs[device]
 
+    def pack_on_cuda(self) -> "EagleModel":
+        """On CUDA, its q/k/v and gate/up weights re-laid side by side (specdec.models.fused_projections), as specdec
+        lays out the layers it loads or builds; elsewhere, and for a layer passed in as an object, as built."""
+        if self.layers[0].mlp.up_proj.weight.device.type == "cuda":
+            pack_layers(self.layers)
+        return self
+
+    def projections(self) -> LayerProjections:
+        """The layer's QKV and gate/up products as one each where its weights lie side by side (packed on CUDA,
+        specdec.models.fused_projections), found again when the weights move; the fused-op forward multiplies so."""
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        key = (attn.q_proj.weight.data_ptr(), attn.v_proj.weight.data_ptr(), mlp.up_proj.weight.data_ptr())
+        found = self.__dict__.get("_projections")
+        if found is None or found[0] != key:
+            found = self.__dict__["_projections"] = key, LayerProjections.of(self.layers[0])
+        return found[1]
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self._inv_freq(positions.device)  # [..., L, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -324,7 +342,9 @@ class EagleModel(nn.Module):
         mask: torch.Tensor,  # [B or 1, L, P + L] bool, True = may attend (P = past keys)
         past_k: torch.Tensor | None = None,  # [B, kv_heads, P, head_dim]
         past_v: torch.Tensor | None = None,
-        fused=None,  # kernels.fused_ops: the norms, RoPE and SiLU-mul as single launches (inference, Triton)
+        # kernels.fused_ops (inference, Triton): each norm with its residual add, RoPE and SiLU-mul one launch, and the
+        # QKV and gate/up products one each where the weights are packed (projections)
+        fused=None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # this call's rope(positions), computed ahead
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Predicted features [B, L, H] and this call's keys / values [B, kv_heads, L, head_dim] (EAGLE-3:
@@ -347,42 +367,57 @@ class EagleModel(nn.Module):
         else:
             x = self.fc(torch.cat([embeds, features], dim=-1))
             a = _norm(x, layer.input_layernorm.weight, eps, fused) if c.norms else x
-        q = attn.q_proj(a).view(B, L, c.num_heads, c.head_dim)
-        k = attn.k_proj(a).view(B, L, c.num_kv_heads, c.head_dim)
-        v = attn.v_proj(a).view(B, L, c.num_kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = rope if rope is not None else self.rope(positions, x.dtype)  # [B or 1 or none, L, head_dim]
-        if fused is not None:  # in place over [B * L, heads, head_dim] rows, before the heads move forward
+        proj = self.projections() if fused is not None else None
+        if fused is not None:  # rotated in place over [B * L, heads, head_dim] rows, before the heads move forward
             cos, sin = (t.expand(B, L, c.head_dim).reshape(B * L, 1, c.head_dim) for t in (cos, sin))
-            q = fused.rope_(q.view(B * L, c.num_heads, c.head_dim), cos, sin).view(B, L, c.num_heads, c.head_dim)
-            k = fused.rope_(k.view(B * L, c.num_kv_heads, c.head_dim), cos, sin).view(B, L, c.num_kv_heads,
-                                                                                     c.head_dim)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if proj is not None and proj.qkv is not None:  # one product; q and k rotated in one launch
+            width = c.num_heads + c.num_kv_heads  # the product's columns: q and k heads side by side, then v
+            out = linear(a.reshape(B * L, -1), proj.qkv.weight, proj.qkv.bias)
+            qk = fused.rope_(out[:, : width * c.head_dim].view(B * L, width, c.head_dim), cos, sin)
+            q, k, v = qk[:, : c.num_heads], qk[:, c.num_heads :], out[:, width * c.head_dim :]
         else:
+            q, k, v = attn.q_proj(a), attn.k_proj(a), attn.v_proj(a)
+            if fused is not None:
+                q = fused.rope_(q.view(B * L, c.num_heads, c.head_dim), cos, sin)
+                k = fused.rope_(k.view(B * L, c.num_kv_heads, c.head_dim), cos, sin)
+        q = q.reshape(B, L, c.num_heads, c.head_dim).transpose(1, 2)  # views: [B, heads, L, head_dim]
+        k = k.reshape(B, L, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = v.reshape(B, L, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        if fused is None:
             if cos.dim() == 2:
                 cos, sin = cos[None], sin[None]
             cos, sin = cos[:, None], sin[:, None]  # [B or 1, 1, L, head_dim]
-            q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
         groups = c.num_heads // c.num_kv_heads
         o = F.scaled_dot_product_attention(q, keys.repeat_interleave(groups, dim=1),
                                            values.repeat_interleave(groups, dim=1), attn_mask=mask[:, None])
-        h = x + attn.o_proj(o.transpose(1, 2).reshape(B, L, c.num_heads * c.head_dim))
-        m = _norm(h, layer.post_attention_layernorm.weight, eps, fused)
+        o = attn.o_proj(o.transpose(1, 2).reshape(B, L, c.num_heads * c.head_dim))
+        final_norm = self.norm is not None and not (self.eagle3 or self.mtp)  # EAGLE-1's output norm
         if fused is None:
-            h = h + layer.mlp(m)
+            h = x + o
+            h = h + layer.mlp(_rms_norm(h, layer.post_attention_layernorm.weight, eps))
+            return (_rms_norm(h, self.norm.weight, eps) if final_norm else h), k, v
+        # each residual add in its norm's launch, into the block's fresh output (x + o == o + x, bit for bit)
+        H = c.hidden_size
+        h, m = fused.add_rms_norm(o.view(B * L, H), x.reshape(B * L, H), layer.post_attention_layernorm.weight, eps)
+        mlp = layer.mlp
+        if proj.gate_up is not None:
+            gate, up = linear(m, proj.gate_up.weight, proj.gate_up.bias).split(proj.gate_up.sizes, dim=-1)
         else:
-            mlp = layer.mlp
-            act = fused.silu_mul(mlp.gate_proj(m).reshape(B * L, -1), mlp.up_proj(m).reshape(B * L, -1))
-            h = h + mlp.down_proj(act).view(B, L, -1)
-        if self.norm is not None and not (self.eagle3 or self.mtp):
-            h = _norm(h, self.norm.weight, eps, fused)
-        return h, k, v
+            gate, up = mlp.gate_proj(m), mlp.up_proj(m)
+        down = mlp.down_proj(fused.silu_mul(gate, up))
+        if final_norm:
+            return fused.add_rms_norm(down, h, self.norm.weight, eps)[1].view(B, L, H), k, v
+        return down.add_(h).view(B, L, H), k, v
 
-    def logits(self, features: torch.Tensor, target_lm_head: torch.Tensor) -> torch.Tensor:
-        """[.., H] predicted features -> [.., N] draft logits (N = the draft vocabulary, or the target's)."""
+    def logits(self, features: torch.Tensor, target_lm_head: torch.Tensor, fused=None) -> torch.Tensor:
+        """[.., H] predicted features -> [.., N] draft logits (N = the draft vocabulary, or the target's);
+        ``fused`` as in :meth:`forward` (EAGLE-3's and MTP's output norm in one launch)."""
         if self.eagle3 or self.mtp:
-            features = _rms_norm(features, self.norm.weight, self.config.rms_norm_eps)
+            features = _norm(features, self.norm.weight, self.config.rms_norm_eps, fused)
         if self.lm_head is not None:
             return self.lm_head(features)
         flat = linear(features.reshape(-1, features.shape[-1]), target_lm_head)

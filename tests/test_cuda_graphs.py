@@ -548,27 +548,35 @@ def test_verify_costs_measured_through_the_buckets(loaded, monkeypatch):
     assert len(calls) == 4  # 2 rounds x 2 sizes, every verify through the buckets
 
 
-def _eagle_head(loaded, draft_vocab=()):
+def _eagle_head(loaded, draft_vocab=(), packed=False):
+    """``packed``: its QKV and gate/up weights side by side, as specdec lays out its own heads on CUDA."""
     from specdec.drafters.eagle_model import EagleConfig, EagleModel
+
+    from specdec.models.fused_projections import pack_layers
 
     torch.manual_seed(0)
     eagle = EagleModel(EagleConfig.for_target(loaded.model.config, draft_vocab=tuple(draft_vocab), depth=3, top_k=3,
                                               max_nodes=8))
     eagle.init_from_target(loaded.model)
-    return eagle.to(DEVICE)
+    eagle = eagle.to(DEVICE)
+    if packed:
+        assert pack_layers(eagle.layers) == 2
+    return eagle
 
 
 def test_pending_eagle_trees_are_verified_before_the_host_reads_them(loaded, monkeypatch):
     """With every tree verified whole and the verify through buckets, EAGLE's trees stay on the device until the
     verify is launched (specdec.pending_trees): the device writes the nodes' tokens (through a reduced vocabulary),
     positions and ancestor bits into the bucket. Each such step's logits equal the eager forward's over the trees the
-    host then reads; near the token budget the trees are read first."""
+    host then reads; near the token budget the trees are read first. The head's projections are packed, as specdec
+    lays out its own heads on CUDA: its catch-up and growth run one QKV and one gate/up product each."""
     from specdec.drafters.eagle import EagleDrafter
 
     runner = loaded.runner
     cache = make_cache(runner, blocks=96)
     graphed = GraphedForward(runner, cache, GraphConfig(batch_sizes=(1, 2), tokens_per_seq=(1, 16), capture=CAPTURE))
-    drafter = EagleDrafter(model=_eagle_head(loaded, range(0, VOCAB, 2)), adapt_depth=False, cuda_graphs=True)
+    drafter = EagleDrafter(model=_eagle_head(loaded, range(0, VOCAB, 2), packed=True), adapt_depth=False,
+                           cuda_graphs=True)
     engine = Engine(runner, cache, sampling=SamplingConfig(), stop=StopCriteria(9), drafter=drafter, graphed=graphed)
     assert engine.pending
     events, outs = [], []

@@ -249,14 +249,18 @@ def test_checkpoint_round_trip_and_published_layout(tmp_path):
 
 def test_a_checkpoint_is_loaded_once_per_process_until_its_files_change(tmp_path, monkeypatch):
     """generate(drafter="eagle", path=...) once per answer read and checked the checkpoint in every call (0.14 s of
-    a 16-token answer's ~1 s on a 2-core CPU); the layer is now taken from the last call while the files stay."""
+    a 16-token answer's ~1 s on a 2-core CPU); the layer is now taken from the last call while the files stay.
+    A loaded layer is laid out for CUDA at every attach (EagleModel.pack_on_cuda: on the CPU as built), a layer
+    passed in as an object never."""
     from specdec.drafters import eagle as eagle_module
     from specdec.drafters.loaded_once import forget
 
     forget()
-    reads = []
+    reads, packs = [], []
     real = eagle_module.load_eagle
     monkeypatch.setattr(eagle_module, "load_eagle", lambda *a, **k: reads.append(1) or real(*a, **k))
+    real_pack = EagleModel.pack_on_cuda
+    monkeypatch.setattr(EagleModel, "pack_on_cuda", lambda self: packs.append(self) or real_pack(self))
     model = build_tiny_model()
     save_eagle(_eagle(model, depth=2, top_k=2, max_nodes=3), tmp_path)
     prompts = ragged_prompts(2, seed=6)
@@ -264,6 +268,10 @@ def test_a_checkpoint_is_loaded_once_per_process_until_its_files_change(tmp_path
     drafted = [generate(model, prompts, max_new_tokens=8, drafter="eagle", drafter_options={"path": str(tmp_path)},
                         speculation="always") for _ in range(3)]
     assert drafted == [plain] * 3 and len(reads) == 1
+    assert len(packs) == 3 and len({id(m) for m in packs}) == 1
+    given = EagleDrafter(model=_eagle(model, depth=2, top_k=2, max_nodes=3))
+    assert generate(model, prompts, max_new_tokens=8, drafter=given, speculation="always") == plain
+    assert len(packs) == 3
     save_eagle(_eagle(model, seed=1, depth=2, top_k=2, max_nodes=3), tmp_path)  # rewritten: read again
     assert generate(model, prompts, max_new_tokens=8, drafter="eagle", drafter_options={"path": str(tmp_path)},
                     speculation="always") == plain and len(reads) == 2

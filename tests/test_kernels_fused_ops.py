@@ -166,17 +166,21 @@ def test_a_qwen3_model_on_the_triton_backend_gives_the_reference_logprobs(monkey
     assert torch.allclose(got, want, atol=1e-4)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
 @pytest.mark.parametrize("arch,fields", [("eagle1", {}), ("eagle1", dict(norms=False)),
-                                         ("eagle3", dict(norm_before_residual=True)), ("mtp", {})])
-def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields):
+                                         ("eagle3", dict(norm_before_residual=True)), ("eagle3", {}), ("mtp", {})])
+def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields, packed):
     """EAGLE's drafting layer (EAGLE-1, -3 and MTP) with the target's fused ops, as the drafter runs it on the
-    Triton backend: its norms, RoPE and SiLU-mul each one launch, the features, keys and values of the PyTorch
-    forward (float32, a past of cached keys and a tree mask), with RoPE tables given or computed."""
+    Triton backend: its norms (each with its residual add), RoPE and SiLU-mul each one launch, and with its weights
+    packed as on CUDA one QKV and one gate/up product, q and k rotated in one launch: the features, keys, values and
+    draft logits of the PyTorch forward (float32, a past of cached keys and a tree mask), with RoPE tables given or
+    computed."""
     import specdec.kernels.fused_ops as fused
     from specdec.drafters.eagle_model import EagleConfig, EagleModel
 
     from specdec.errors import InputError
     from specdec.launches import Launches
+    from specdec.models.fused_projections import pack_layers
     from specdec.testing import build_tiny_model
 
     target = build_tiny_model("llama-gqa-tied", 64)
@@ -184,6 +188,10 @@ def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields)
     model = EagleModel(EagleConfig.for_target(target.config, arch=arch, **fields)).to(DEVICE).eval()
     for p in model.parameters():  # norms away from 1: a wrong weight shows
         torch.nn.init.normal_(p, 0.5 if p.dim() == 1 else 0.0, 0.2)
+    if packed:  # as specdec lays out the EAGLE layers it loads or builds on CUDA
+        assert pack_layers(model.layers) == 2
+    proj = model.projections()
+    assert (proj.qkv is not None, proj.gate_up is not None) == (packed, packed)
     c, gen = model.config, torch.Generator().manual_seed(1)
     B, L, P = 2, 3, 5
     embeds = torch.randn(B, L, c.hidden_size, generator=gen).to(DEVICE)
@@ -194,13 +202,22 @@ def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields)
     past_k = torch.randn(B, c.num_kv_heads, P, c.head_dim, generator=gen).to(DEVICE)
     past_v = torch.randn(B, c.num_kv_heads, P, c.head_dim, generator=gen).to(DEVICE)
     args = (embeds, features, positions, mask, past_k, past_v)
+    head = target.get_output_embeddings().weight.detach().to(DEVICE)
     with torch.inference_mode():
         want = model(*args)
+        want = (*want, model.logits(want[0], head))
         with Launches() as launches:
             got = model(*args, fused, model.rope(positions, torch.float32))
-    for name, a, b in zip(("features", "keys", "values"), got, want):
+            got = (*got, model.logits(got[0], head, fused))
+    for name, a, b in zip(("features", "keys", "values", "logits"), got, want):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (name, (a - b).abs().max().item())
-    assert not {"rsqrt", "neg", "silu"} & set(launches.ops), launches.ops  # no PyTorch norm, rotation or SiLU left
+    # no PyTorch norm, rotation, SiLU or residual add left; with packed weights, one product for q, k and v, one for
+    # gate and up, and one RoPE launch
+    assert not {"rsqrt", "neg", "silu", "add"} & set(launches.ops), launches.ops
+    products = (arch != "eagle3") + 2 + (2 if packed else 5) + 1  # fc (EAGLE-3's ran before), o, down; q/k/v,
+    # gate/up; the LM head
+    assert launches.ops["linear"] == products, launches.ops
+    assert launches.ops["triton:_rope_kernel"] == (1 if packed else 2), launches.ops
     with pytest.raises(InputError, match="no gradients"):  # the kernels have no backward: never in training
         model(*args, fused)
 

@@ -7,10 +7,11 @@ the runner multiplies once and splits the output into views, no copy.
 
 :func:`pack_projections` lays a model out so: each layer's blocks become one tensor whose row slices the
 parameters then are (same parameter objects, same values; the peak is one layer's block more). specdec packs the
-models it builds itself on CUDA (synthetic targets, checkpoints and GGUF files it loads); a model passed in as an
-object is never re-laid, and its products stay separate, as do all products of the bit-exact mode. A parameter
-given new storage later (``param.data = ...``) ends the fusion of its layer only if the runner is rebuilt:
-replace weights in place (``copy_``, ``load_state_dict``) on a packed model.
+models it builds itself on CUDA (synthetic targets, checkpoints and GGUF files it loads, and the EAGLE layers it
+loads or builds, whose fused-op forward then multiplies once per block); a model passed in as an object is never
+re-laid, and its products stay separate, as do all products of the bit-exact mode. A parameter given new storage
+later (``param.data = ...``) ends the fusion of its layer only if the runner is rebuilt: replace weights in place
+(``copy_``, ``load_state_dict``) on a packed model.
 
 A wider product may round a column differently than the narrow ones; plain and speculative decoding use the same
 products, so exactness is unaffected.
@@ -69,12 +70,18 @@ class LayerProjections:
                    fuse([m.weight for m in gate_up], [m.bias for m in gate_up]))
 
 
-@torch.no_grad()
 def pack_projections(hf_model) -> int:
     """Re-lay each layer's q/k/v and gate/up parameters as row slices of one tensor each (module doc); the number
     of blocks packed. Parameters keep their identity, values, dtype and device."""
+    return pack_layers(hf_model.model.layers)
+
+
+@torch.no_grad()
+def pack_layers(layers) -> int:
+    """:func:`pack_projections` over decoder layers with Llama's module names (``self_attn.q_proj``, ...,
+    ``mlp.up_proj``): a target's, or an EAGLE draft layer's (drafters/eagle_model.py)."""
     packed = 0
-    for layer in hf_model.model.layers:
+    for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         for modules in ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]):
             weights = [m.weight for m in modules]

@@ -194,7 +194,8 @@ def draft_spec(spec: str) -> str | None:
 
 def eagle_head(target_config, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                seed: int = 0, draft_vocab: int | None = None):
-    """A random EAGLE layer shaped for the target (one decoder layer of its shape), on ``device`` in ``dtype``.
+    """A random EAGLE layer shaped for the target (one decoder layer of its shape), on ``device`` in ``dtype``; on CUDA
+    its projections packed as the layers specdec loads are (EagleModel.pack_on_cuda).
 
     ``draft_vocab``: the size of its reduced LM head (ids 0..N-1); default EAGLE_DRAFT_VOCAB for vocabularies larger
     than that, else the full vocabulary (the target's own LM head, as for the @tiny shapes)."""
@@ -217,4 +218,4 @@ def eagle_head(target_config, *, device: str | torch.device | None = None, dtype
             model = EagleModel(config)
         finally:
             torch.set_default_dtype(previous)
-    return model.to(device=device, dtype=dtype).eval()  # buffers are built on the CPU by name
+    return model.to(device=device, dtype=dtype).eval().pack_on_cuda()  # buffers are built on the CPU by name
