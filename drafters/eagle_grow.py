@@ -45,14 +45,15 @@ class TreeGrower:
         self.max_nodes = max_nodes  # candidates kept per tree (drafters/eagle_rerank.py)
         self.draft_ids = model.draft_ids  # [N] token id of each reduced logit, None = the full vocabulary
 
-    def token_logp(self, features: torch.Tensor, positions: torch.Tensor, noise_keys: torch.Tensor) -> torch.Tensor:
-        """[B, R, H] predicted features of nodes whose children sit at ``positions`` [B] -> [B, R, N] draft
-        log-probabilities (module doc)."""
+    def token_logp(self, features: torch.Tensor, root_pos: torch.Tensor, depth: int, noise_keys: torch.Tensor
+                   ) -> torch.Tensor:
+        """[B, R, H] predicted features of nodes whose children sit at depth ``depth`` below roots at ``root_pos``
+        [B] -> [B, R, N] draft log-probabilities (module doc)."""
         logits = self.model.logits(features, self.lm_head, self.fused).float()
         s, coupling = self.sampling, self.coupling
         if coupling is not None:  # [B, 1, N] the children's position's noise
-            noise = coupling.draft_noise_batch(noise_keys, positions[:, None], self.vocab_size, logits.device,
-                                               self.draft_ids)
+            noise = coupling.draft_noise_batch(noise_keys, (root_pos + depth)[:, None], self.vocab_size,
+                                               logits.device, self.draft_ids)
             return perturbed_logits(logits, s, noise).log_softmax(-1)
         if s.do_sample and s.temperature != 1.0:
             logits = logits / s.temperature
@@ -70,7 +71,7 @@ class TreeGrower:
         B, P = x.real.shape
         dev, dtype = x.h_root.device, x.past_k.dtype
         h_root = x.h_root
-        top = torch.topk(self.token_logp(h_root[:, None], x.root_pos + 1, x.noise_keys)[:, 0], K)
+        top = torch.topk(self.token_logp(h_root[:, None], x.root_pos, 1, x.noise_keys)[:, 0], K)
         tok, cum, cond = [top.indices], [top.values], [top.values]
         parent = [torch.full((B, K), -1, dtype=torch.long, device=dev)]
         size = K  # pool entries so far
@@ -80,21 +81,22 @@ class TreeGrower:
         ancestors = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)  # [B, K, E] among the tree key rows
         itself = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
         past = x.real[:, None].expand(B, K, P)
-        tree_k = tree_v = None  # [B, kv_heads, E, head_dim] keys / values of the expanded nodes
-        if depth > 1:  # every level's RoPE tables at once: level d's queries sit at root_pos + d - 1
+        if depth > 1:
+            # every level's RoPE tables at once: level d's queries sit at root_pos + d - 1
             cos, sin = model.rope(x.root_pos[:, None] + torch.arange(1, depth, device=dev), dtype)
+            # the call's keys / values: the cached ones, then each level's K as it is expanded (columns never read
+            # before they are written)
+            keys = [t.new_empty(B, t.shape[1], P + (depth - 1) * K, t.shape[3]) for t in (x.past_k, x.past_v)]
+            for buf, cached in zip(keys, (x.past_k, x.past_v)):
+                buf[:, :, :P] = cached
         on_level(1)
         for d in range(2, depth + 1):
             embeds = F.embedding(front_tok if self.draft_ids is None else self.draft_ids[front_tok], self.embed)
             rope = (cos[:, d - 2, None].expand(B, K, -1), sin[:, d - 2, None].expand(B, K, -1))  # [B, K, head_dim]
-            tree_mask = torch.cat([ancestors, itself], dim=2)  # [B, K, E + K] ancestors, then itself
-            mask = torch.cat([past, tree_mask], dim=2)
-            keys_k = x.past_k if tree_k is None else torch.cat([x.past_k, tree_k], dim=2)
-            keys_v = x.past_v if tree_v is None else torch.cat([x.past_v, tree_v], dim=2)
-            out, nk, nv = model(embeds, feats.to(dtype), None, mask, keys_k, keys_v, self.fused, rope)
-            tree_k = nk if tree_k is None else torch.cat([tree_k, nk], dim=2)
-            tree_v = nv if tree_v is None else torch.cat([tree_v, nv], dim=2)
-            child = torch.topk(self.token_logp(out, x.root_pos + d, x.noise_keys), K)  # [B, K rows, K children]
+            mask = torch.cat([past, ancestors, itself], dim=2)  # [B, K, P + E + K]: cached keys, ancestors, itself
+            out, _, _ = model(embeds, feats.to(dtype), None, mask, fused=self.fused, rope=rope,
+                              into=(*keys, P + (d - 2) * K))
+            child = torch.topk(self.token_logp(out, x.root_pos, d, x.noise_keys), K)  # [B, K rows, K children]
             child_tok, child_lp = child.indices.flatten(1), child.values.flatten(1)  # [B, K * K]
             child_cum = (front_cum[..., None] + child.values).flatten(1)  # float32 sums, as the tree's scores
             tok.append(child_tok), cum.append(child_cum), cond.append(child_lp)
@@ -105,6 +107,6 @@ class TreeGrower:
             frontier, size = size + order, size + K * K
             front_tok, front_cum = child_tok.gather(1, order), child_cum.gather(1, order)
             feats = out.gather(1, rows[..., None].expand(B, K, out.shape[-1]))
-            ancestors = tree_mask.gather(1, rows[..., None].expand(B, K, tree_mask.shape[-1]))
+            ancestors = mask[:, :, P:].gather(1, rows[..., None].expand(B, K, mask.shape[-1] - P))
             on_level(d)
         return torch.stack([torch.cat(part, dim=1).to(torch.float64) for part in (tok, parent, cum, cond)], dim=1)

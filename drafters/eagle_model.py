@@ -346,6 +346,9 @@ class EagleModel(nn.Module):
         # QKV and gate/up products one each where the weights are packed (projections)
         fused=None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # this call's rope(positions), computed ahead
+        # (keys, values [B, kv_heads, S, head_dim], start) in place of past_k / past_v: the past is columns
+        # [0, start), and this call's keys / values are written at start .. start + L - 1 (no copy of the past)
+        into: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Predicted features [B, L, H] and this call's keys / values [B, kv_heads, L, head_dim] (EAGLE-3:
         ``features`` is the fused or fed-back hidden state and the prediction is the pre-norm output)."""
@@ -389,8 +392,14 @@ class EagleModel(nn.Module):
                 cos, sin = cos[None], sin[None]
             cos, sin = cos[:, None], sin[:, None]  # [B or 1, 1, L, head_dim]
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
-        values = v if past_v is None else torch.cat([past_v, v], dim=2)
+        if into is not None:
+            buf_k, buf_v, start = into
+            buf_k[:, :, start : start + L] = k
+            buf_v[:, :, start : start + L] = v
+            keys, values = buf_k[:, :, : start + L], buf_v[:, :, : start + L]
+        else:
+            keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+            values = v if past_v is None else torch.cat([past_v, v], dim=2)
         groups = c.num_heads // c.num_kv_heads
         o = F.scaled_dot_product_attention(q, keys.repeat_interleave(groups, dim=1),
                                            values.repeat_interleave(groups, dim=1), attn_mask=mask[:, None])

@@ -174,7 +174,7 @@ def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields,
     Triton backend: its norms (each with its residual add), RoPE and SiLU-mul each one launch, and with its weights
     packed as on CUDA one QKV and one gate/up product, q and k rotated in one launch: the features, keys, values and
     draft logits of the PyTorch forward (float32, a past of cached keys and a tree mask), with RoPE tables given or
-    computed."""
+    computed, and with the past in a buffer the call writes its keys and values into (``into``)."""
     import specdec.kernels.fused_ops as fused
     from specdec.drafters.eagle_model import EagleConfig, EagleModel
 
@@ -218,6 +218,16 @@ def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields,
     # gate/up; the LM head
     assert launches.ops["linear"] == products, launches.ops
     assert launches.ops["triton:_rope_kernel"] == (1 if packed else 2), launches.ops
+    # into= (the growth's buffer of keys / values): the same results, this call's keys and values written after the
+    # past, the columns after them neither written nor read (NaN there would reach the features)
+    bufs = [torch.full((B, c.num_kv_heads, P + L + 2, c.head_dim), float("nan"), device=DEVICE) for _ in range(2)]
+    for buf, past in zip(bufs, (past_k, past_v)):
+        buf[:, :, :P] = past
+    with torch.inference_mode():
+        into = model(*args[:4], fused=fused, rope=model.rope(positions, torch.float32), into=(*bufs, P))
+    assert all(torch.equal(a, b) for a, b in zip(into, got[:3]))
+    assert torch.equal(bufs[0][:, :, P : P + L], got[1]) and torch.equal(bufs[1][:, :, P : P + L], got[2])
+    assert bufs[0][:, :, P + L :].isnan().all() and bufs[1][:, :, P + L :].isnan().all()
     with pytest.raises(InputError, match="no gradients"):  # the kernels have no backward: never in training
         model(*args, fused)
 
