@@ -88,7 +88,7 @@ class StaticInputs:
         metadata = TreeAttentionMetadata(
             block_tables=tables, page_size=self.block_size, ctx_lens=meta[0], num_masked=meta[1], q_starts=meta[2],
             q_lens=meta[3], tree_mode=meta[4], q_bits=bits, host_q_lens=(tokens_per_seq,) * batch,
-            max_ctx_len=self.max_keys, padded=True,
+            max_ctx_len=self.max_keys,
         )
         return BucketInputs(batch, tokens_per_seq, self._words(batch, rows), tokens, positions, slots, metadata)
 

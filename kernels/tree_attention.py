@@ -158,18 +158,25 @@ def _tree_attn_kernel(
 
 
 # the number of parts is a runtime value: an eager step's split count grows with its context (one more every
-# MIN_SPLIT_CHUNK keys), and as a constexpr each count compiled a kernel of its own; BLOCK_S (a power of two) only
-@triton.jit(do_not_specialize=["num_parts"])
-def _merge_kernel(PartO, PartLse, Out, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-                  num_parts, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+# MIN_SPLIT_CHUNK keys), and as a constexpr each count compiled a kernel of its own; BLOCK_S (a power of two) only;
+# likewise the batch's sequences, BLOCK_B
+@triton.jit(do_not_specialize=["num_parts", "num_seqs"])
+def _merge_kernel(PartO, PartLse, Out, QStarts, QLens, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                  stride_ot, stride_oh, num_parts, num_seqs, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    # a padding row of a CUDA-graph bucket (in no sequence's q_starts .. + q_lens) has no part the attention kernel
+    # wrote: none is read, and it gets zeros (no fill of its parts per layer)
+    b = tl.arange(0, BLOCK_B)
+    b_ok = b < num_seqs
+    q_start = tl.load(QStarts + b, mask=b_ok, other=0)
+    q_len = tl.load(QLens + b, mask=b_ok, other=0)
+    covered = tl.sum(((t >= q_start) & (t < q_start + q_len)).to(tl.int32), 0)  # 1 for a real row, else 0
     sidx = tl.arange(0, BLOCK_S)
-    s_ok = sidx < num_parts
+    s_ok = sidx < tl.where(covered > 0, num_parts, 0)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    # a padding row of a CUDA-graph bucket (beyond its sequence's q_len) has every lse at its -inf fill and part_o
-    # unwritten: its weights are 0, its parts are not read, and it gets zeros, not 0 * garbage
     lse = tl.load(PartLse + sidx * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [S], 0 for empty parts
@@ -228,9 +235,6 @@ class TreeAttentionMetadata:
     host_q_lens: tuple[int, ...]
     max_ctx_len: int  # upper bound, host side (split heuristic)
     _tiles: dict = field(default_factory=dict, compare=False, repr=False)
-    # q_lens may be below host_q_lens (a CUDA-graph bucket, kernels.graph_metadata): rows the kernel writes
-    # nothing for exist, so a split launch's partial results start empty for the merge
-    padded: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -376,12 +380,9 @@ def tree_attention(
     split = num_splits > 1
     out = torch.empty_like(q)
     parts = num_splits + 1 if split else 1
-    if split:
+    if split:  # a real row's every part is written by the kernel, a padding row's none (the merge reads it so)
         part_o = torch.empty(parts, T, H, D, dtype=torch.float32, device=q.device)
-        if meta.padded:  # -inf: padding rows' parts stay empty for the merge (not uninitialised memory)
-            part_lse = torch.full((parts, T, H), float("-inf"), dtype=torch.float32, device=q.device)
-        else:  # every row's every part is written by the kernel: no fill launch per layer
-            part_lse = torch.empty(parts, T, H, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(parts, T, H, dtype=torch.float32, device=q.device)
     else:  # unused placeholders with valid strides
         part_o = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
@@ -397,10 +398,12 @@ def tree_attention(
         OFF64=max(k_cache.numel(), v_cache.numel()) >= 2**31, num_warps=num_warps, **cfg,
     )
     if split:
+        num_seqs = meta.q_lens.numel()
         _merge_kernel[(T, H)](
-            part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
-            part_lse.stride(1), out.stride(0), out.stride(1),
-            num_parts=parts, BLOCK_S=triton.next_power_of_2(parts), HEAD_DIM=D, BLOCK_D=cfg["BLOCK_D"],
+            part_o, part_lse, out, meta.q_starts, meta.q_lens, part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+            num_parts=parts, num_seqs=num_seqs, BLOCK_S=triton.next_power_of_2(parts),
+            BLOCK_B=triton.next_power_of_2(num_seqs), HEAD_DIM=D, BLOCK_D=cfg["BLOCK_D"],
         )
     return out
 
