@@ -16,9 +16,10 @@ Batch 1, greedy. Per prompt, in this order (after an untimed warm-up of each on 
 * ``specdec_plain_ref`` (``--compare-reference``): plain decoding with ``SPECDEC_ATTENTION=reference``.
 
 Prints tokens/s per category and overall, each method's ratio to ``hf_static`` (else the reference), n-gram vs
-plain, and how many outputs equal transformers' greedy tokens. bf16 may legitimately diverge where two
-tokens nearly tie, so every specdec output that parts from transformers' (``hf_dynamic``, else
-``hf_static``) is classified at its first divergence by transformers' own logit gap between the
+plain, how each drafter speculated over the timed prompts (steps, tau, the steps that verified a draft and their
+nodes; ``speculation`` in the JSON), and how many outputs equal transformers' greedy tokens. bf16 may
+legitimately diverge where two tokens nearly tie, so every specdec output that parts from transformers'
+(``hf_dynamic``, else ``hf_static``) is classified at its first divergence by transformers' own logit gap between the
 two tokens there: a ``near-tie`` when the gap is within 4 bf16 units in the last place of the
 larger logit, else a ``bug``. Refuses to run without CUDA.
 """
@@ -119,23 +120,36 @@ def main(argv=None) -> int:
     # the same weights through a runner on the PyTorch reference backend (the backend is chosen per runner)
     reference = dataclasses.replace(loaded, runner=LlamaRunner(model, backend="reference"))
 
-    def sd(ids, n, drafter=None, attention=None, graphs=False):
+    # per specdec method, over the timed prompts: how it speculated (what a ratio to plain comes from)
+    speculation: dict[str, dict[str, int]] = {}
+    timing = [False]  # True while a timed prompt runs
+
+    def sd(ids, n, drafter=None, attention=None, graphs=False, method=""):
         target = reference if attention == "reference" else loaded
-        return generate(target, [ids], max_new_tokens=n, drafter=drafter, return_dict=True,
-                        cuda_graphs=graphed if graphs else False).new_tokens[0]
+        out = generate(target, [ids], max_new_tokens=n, drafter=drafter, return_dict=True,
+                       cuda_graphs=graphed if graphs else False)
+        if timing[0]:
+            stats, row = out.stats[0], speculation.setdefault(method, dict(steps=0, tokens=0, drafted_steps=0,
+                                                                           nodes=0))
+            row["steps"] += stats.steps
+            row["tokens"] += stats.new_tokens
+            row["drafted_steps"] += sum(1 for k in stats.step_nodes if k)  # steps that verified a draft
+            row["nodes"] += sum(stats.step_nodes)
+        return out.new_tokens[0]
 
     methods = {}
     if not args.skip_dynamic:
         methods["hf_dynamic"] = lambda ids: hf(ids, n_new)
     if not args.skip_static:
         methods["hf_static"] = lambda ids: hf(ids, n_new, cache_implementation="static")
-    methods["specdec_plain"] = lambda ids: sd(ids, n_new)
-    methods["specdec_ngram"] = lambda ids: sd(ids, n_new, drafter="ngram")
+    methods["specdec_plain"] = lambda ids: sd(ids, n_new, method="specdec_plain")
+    methods["specdec_ngram"] = lambda ids: sd(ids, n_new, drafter="ngram", method="specdec_ngram")
     if graphed is not None:
-        methods["specdec_plain_graphs"] = lambda ids: sd(ids, n_new, graphs=True)
-        methods["specdec_ngram_graphs"] = lambda ids: sd(ids, n_new, drafter="ngram", graphs=True)
+        methods["specdec_plain_graphs"] = lambda ids: sd(ids, n_new, graphs=True, method="specdec_plain_graphs")
+        methods["specdec_ngram_graphs"] = lambda ids: sd(ids, n_new, drafter="ngram", graphs=True,
+                                                         method="specdec_ngram_graphs")
     if args.compare_reference:
-        methods["specdec_plain_ref"] = lambda ids: sd(ids, n_new, attention="reference")
+        methods["specdec_plain_ref"] = lambda ids: sd(ids, n_new, attention="reference", method="specdec_plain_ref")
 
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.model} bf16, batch 1, greedy, "
           f"{n_new} new tokens, backend {loaded.runner.backend.name}")
@@ -145,6 +159,7 @@ def main(argv=None) -> int:
     for texts in prompts.values():
         for fn in methods.values():
             fn(chat_ids(tok, texts[0]))
+    timing[0] = True
     totals = {m: [0, 0.0] for m in methods}
     reference = "hf_static" if args.skip_dynamic else "hf_dynamic"
     same = {m: 0 for m in methods}
@@ -183,11 +198,15 @@ def main(argv=None) -> int:
         print(f"  graphs: plain {tps['specdec_plain_graphs'] / tps['specdec_plain']:.2f}x eager, ngram "
               f"{tps['specdec_ngram_graphs'] / tps['specdec_ngram']:.2f}x eager; {len(graphed.buckets)} buckets "
               f"captured: {sorted(graphed.buckets)}")
+    for m, row in speculation.items():
+        if row["drafted_steps"]:
+            print(f"  {m}: {row['tokens']} tokens in {row['steps']} steps (tau {row['tokens'] / row['steps']:.2f}), "
+                  f"{row['drafted_steps']} verified a draft ({row['nodes'] / row['drafted_steps']:.1f} nodes each)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), tokens_per_s=tps, per_category=per_category,
                            reference=reference, same_as_reference=same, divergences=divergences,
-                           prompts=count, max_new_tokens=n_new), f, indent=1)
+                           speculation=speculation, prompts=count, max_new_tokens=n_new), f, indent=1)
     for m, divs in divergences.items():
         for d in divs:
             print(f"  {m} prompt {d['prompt']} ({d['category']}): diverges at token {d['position']}, "
