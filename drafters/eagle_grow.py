@@ -44,6 +44,7 @@ class TreeGrower:
         self.sampling, self.coupling, self.top_k, self.vocab_size = sampling, coupling, top_k, vocab_size
         self.max_nodes = max_nodes  # candidates kept per tree (drafters/eagle_rerank.py)
         self.draft_ids = model.draft_ids  # [N] token id of each reduced logit, None = the full vocabulary
+        self.chain = top_k == 1  # one candidate a level, the next one's parent: nothing to rank or gather (pool)
 
     def token_logp(self, features: torch.Tensor, root_pos: torch.Tensor, depth: int, noise_keys: torch.Tensor
                    ) -> torch.Tensor:
@@ -73,9 +74,11 @@ class TreeGrower:
         h_root = x.h_root
         top = torch.topk(self.token_logp(h_root[:, None], x.root_pos, 1, x.noise_keys)[:, 0], K)
         tok, cum, cond = [top.indices], [top.values], [top.values]
-        parent = [torch.full((B, K), -1, dtype=torch.long, device=dev)]
-        size = K  # pool entries so far
-        frontier = torch.arange(K, device=dev).expand(B, K)  # pool indices expanded next
+        chain = self.chain
+        if not chain:
+            parent = [torch.full((B, K), -1, dtype=torch.long, device=dev)]
+            size = K  # pool entries so far
+            frontier = torch.arange(K, device=dev).expand(B, K)  # pool indices expanded next
         front_tok, front_cum = top.indices, top.values  # [B, K] their tokens, cumulative log-probabilities
         feats = h_root[:, None].expand(B, K, h_root.shape[-1])  # [B, K, H] the feature each query reads: its parent's
         ancestors = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)  # [B, K, E] among the tree key rows
@@ -100,6 +103,10 @@ class TreeGrower:
             child_tok, child_lp = child.indices.flatten(1), child.values.flatten(1)  # [B, K * K]
             child_cum = (front_cum[..., None] + child.values).flatten(1)  # float32 sums, as the tree's scores
             tok.append(child_tok), cum.append(child_cum), cond.append(child_lp)
+            if chain:
+                front_tok, front_cum, feats, ancestors = child_tok, child_cum, out, mask[:, :, P:]
+                on_level(d)
+                continue
             parent.append(frontier.repeat_interleave(K, dim=1))  # child j of row j // K
             # the K best children by cumulative log-probability (ties: the first, a stable sort), in pool order
             order = torch.sort(torch.sort(-child_cum, dim=1, stable=True).indices[:, :K], dim=1).values  # [B, K]
@@ -109,4 +116,7 @@ class TreeGrower:
             feats = out.gather(1, rows[..., None].expand(B, K, out.shape[-1]))
             ancestors = mask[:, :, P:].gather(1, rows[..., None].expand(B, K, mask.shape[-1] - P))
             on_level(d)
-        return torch.stack([torch.cat(part, dim=1).to(torch.float64) for part in (tok, parent, cum, cond)], dim=1)
+        # a chain's parents: the root, then each level's one node
+        parents = torch.arange(-1, depth - 1, device=dev).expand(B, depth) if chain else torch.cat(parent, dim=1)
+        fields = (torch.cat(tok, dim=1), parents, torch.cat(cum, dim=1), torch.cat(cond, dim=1))
+        return torch.stack([f.to(torch.float64) for f in fields], dim=1)

@@ -463,3 +463,35 @@ def test_the_device_rerank_keeps_the_best_candidates_closed_under_parents():
     assert tree.num_nodes == len(rows[1]) and tree.tokens.tolist() == [int(t) for t in rows[0]]
     assert tree.parents.tolist() == [-1 if p == -2 else int(p) for p in rows[1]]
     assert tree.num_nodes >= 1 and all(p < i for i, p in enumerate(tree.parents.tolist()))
+
+
+@pytest.mark.parametrize("coupled", [False, True], ids=["greedy", "coupled"])
+def test_a_chain_grows_the_pool_the_ranking_path_grows(coupled):
+    """top_k 1: each level's one child is the next level's parent, so the growth ranks and gathers nothing; its
+    pool is the general path's bit for bit (tokens, parents, cumulative and conditional log-probabilities), for a
+    batch whose cached keys have padding columns, greedy and under coupled sampling's noise."""
+    from specdec.drafters.eagle_grow import GrowInputs, TreeGrower
+
+    from specdec.coupling import Coupling
+    from specdec.sampling import SamplingConfig
+
+    model = build_tiny_model()
+    eagle = _eagle(model, depth=5, top_k=1, max_nodes=5).eval()
+    c, gen = eagle.config, torch.Generator().manual_seed(3)
+    B, P = 3, 9
+    x = GrowInputs(torch.randn(B, c.hidden_size, generator=gen), torch.randn(B, c.num_kv_heads, P, c.head_dim,
+                                                                              generator=gen),
+                   torch.randn(B, c.num_kv_heads, P, c.head_dim, generator=gen),
+                   torch.arange(P)[None] < torch.tensor([[9], [4], [1]]), torch.tensor([20, 8, 3]),
+                   torch.tensor([5, 6, 7]))
+    sampling = SamplingConfig(do_sample=True, temperature=0.8) if coupled else SamplingConfig()
+    grower = TreeGrower(eagle, model.get_input_embeddings().weight.detach(),
+                        model.get_output_embeddings().weight.detach(), sampling, Coupling(seed=11) if coupled else None,
+                        1, c.vocab_size, 5)
+    assert grower.chain
+    with torch.inference_mode():
+        fast = grower.pool(x, 5)
+        grower.chain = False  # the ranking path: sorts, gathers and parents by index
+        ranked = grower.pool(x, 5)
+    assert fast.shape == (B, 4, 5) and torch.equal(fast, ranked)
+    assert fast[:, 1].tolist() == [[-1, 0, 1, 2, 3]] * B
