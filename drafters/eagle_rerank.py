@@ -20,6 +20,8 @@ def rerank(pool: torch.Tensor, max_nodes: int) -> torch.Tensor:
     """[B, 4, S] candidate pools (drafters/eagle_grow.py) -> [B, 4, M] the kept candidates (module doc)."""
     B, _, S = pool.shape
     M = min(max_nodes, S)
+    if M == S:  # every candidate kept, in pool order, parents as they are (a chain's pool, most often): no launch
+        return pool
     tok, parent, cum, cond = pool.unbind(1)
     best = torch.sort(-cum, dim=1, stable=True).indices[:, :M]
     kept = torch.sort(best, dim=1).values  # [B, M] in pool order: parents before children

@@ -450,6 +450,8 @@ def test_the_device_rerank_keeps_the_best_candidates_closed_under_parents():
             want = [[tok[i] for i in keep], [place.get(int(parent[i]), -1) for i in keep], [cum[i] for i in keep],
                     [cond[i] for i in keep]]
             assert got[b].tolist() == want, (top_k, depth, b)
+    whole = _pools(2, 2, 2, gen)
+    assert rerank(whole, whole.shape[2]) is whole  # every candidate kept (a chain's pool): the pool itself
     pools = _pools(1, 2, 3, gen)
     pools[0, 2, 1] = float("nan")  # candidate 1 sorts last and is left out; its children are kept
     reranked = rerank(pools, 5)
