@@ -321,13 +321,21 @@ class EagleModel(nn.Module):
 
     def projections(self) -> LayerProjections:
         """The layer's QKV and gate/up products as one each where its weights lie side by side (packed on CUDA,
-        specdec.models.fused_projections), found again when the weights move; the fused-op forward multiplies so."""
+        specdec.models.fused_projections), found again when any of those weights is replaced or moves; the fused-op
+        forward multiplies so."""
         attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
-        key = (attn.q_proj.weight.data_ptr(), attn.v_proj.weight.data_ptr(), mlp.up_proj.weight.data_ptr())
+        parts = [m.weight for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)]
+        parts += [m.bias for m in (attn.q_proj, attn.k_proj, attn.v_proj) if m.bias is not None]
+        key = tuple((id(t), t.data_ptr()) for t in parts)
         found = self.__dict__.get("_projections")
         if found is None or found[0] != key:
             found = self.__dict__["_projections"] = key, LayerProjections.of(self.layers[0])
         return found[1]
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .cuda() / .half() ...: the products found over the old weights would keep their memory alive
+        self.__dict__.pop("_projections", None)
+        return super()._apply(fn, *args, **kwargs)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self._inv_freq(positions.device)  # [..., L, head_dim / 2]

@@ -569,14 +569,19 @@ def test_pending_eagle_trees_are_verified_before_the_host_reads_them(loaded, mon
     verify is launched (specdec.pending_trees): the device writes the nodes' tokens (through a reduced vocabulary),
     positions and ancestor bits into the bucket. Each such step's logits equal the eager forward's over the trees the
     host then reads; near the token budget the trees are read first. The head's projections are packed, as specdec
-    lays out its own heads on CUDA: its catch-up and growth run one QKV and one gate/up product each."""
+    lays out its own heads on CUDA, and its catch-up and growth take the packed products (their values: the fused-op
+    layer test)."""
     from specdec.drafters.eagle import EagleDrafter
+    from specdec.drafters.eagle_model import EagleModel
 
     runner = loaded.runner
     cache = make_cache(runner, blocks=96)
     graphed = GraphedForward(runner, cache, GraphConfig(batch_sizes=(1, 2), tokens_per_seq=(1, 16), capture=CAPTURE))
     drafter = EagleDrafter(model=_eagle_head(loaded, range(0, VOCAB, 2), packed=True), adapt_depth=False,
                            cuda_graphs=True)
+    found = []
+    projections = EagleModel.projections
+    monkeypatch.setattr(EagleModel, "projections", lambda self: found.append(projections(self)) or found[-1])
     engine = Engine(runner, cache, sampling=SamplingConfig(), stop=StopCriteria(9), drafter=drafter, graphed=graphed)
     assert engine.pending
     events, outs = [], []
@@ -605,6 +610,7 @@ def test_pending_eagle_trees_are_verified_before_the_host_reads_them(loaded, mon
     while engine.live:
         engine.step()
     assert events.count("pending read after its verify") >= 2 and events.count("pending read first") >= 1, events
+    assert found and all(p.qkv is not None and p.gate_up is not None for p in found)
     assert all(len(s.new_tokens) == 9 for s in seqs)
     assert [s.new_tokens for s in seqs] == [t[len(p):] for p, t in zip(
         ([1, 2, 3, 4, 5, 6, 7], [9, 8, 7]), generate(loaded, [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]], max_new_tokens=9))]

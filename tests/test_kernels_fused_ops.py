@@ -169,19 +169,24 @@ def test_a_qwen3_model_on_the_triton_backend_gives_the_reference_logprobs(monkey
 @pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
 @pytest.mark.parametrize("arch,fields", [("eagle1", {}), ("eagle1", dict(norms=False)),
                                          ("eagle3", dict(norm_before_residual=True)), ("eagle3", {}), ("mtp", {})])
-def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields, packed):
+def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields, packed, monkeypatch):
     """EAGLE's drafting layer (EAGLE-1, -3 and MTP) with the target's fused ops, as the drafter runs it on the
     Triton backend: its norms (each with its residual add), RoPE and SiLU-mul each one launch, and with its weights
     packed as on CUDA one QKV and one gate/up product, q and k rotated in one launch: the features, keys, values and
     draft logits of the PyTorch forward (float32, a past of cached keys and a tree mask), with RoPE tables given or
-    computed, and with the past in a buffer the call writes its keys and values into (``into``)."""
+    computed, and with the past in a buffer the call writes its keys and values into (``into``). No input is
+    written, an expanded one (as the growth's first level passes its roots' features) included."""
     import specdec.kernels.fused_ops as fused
     from specdec.drafters.eagle_model import EagleConfig, EagleModel
 
     from specdec.errors import InputError
     from specdec.launches import Launches
+    from specdec.models import row_policy
     from specdec.models.fused_projections import pack_layers
     from specdec.testing import build_tiny_model
+
+    # products as a GPU runs them (F.linear): a CPU row policy an earlier test installed would run them otherwise
+    monkeypatch.setattr(row_policy, "_ACTIVE", {})
 
     target = build_tiny_model("llama-gqa-tied", 64)
     torch.manual_seed(0)
@@ -203,6 +208,7 @@ def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields,
     past_v = torch.randn(B, c.num_kv_heads, P, c.head_dim, generator=gen).to(DEVICE)
     args = (embeds, features, positions, mask, past_k, past_v)
     head = target.get_output_embeddings().weight.detach().to(DEVICE)
+    inputs = [t.clone() for t in args]
     with torch.inference_mode():
         want = model(*args)
         want = (*want, model.logits(want[0], head))
@@ -211,6 +217,12 @@ def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields,
             got = (*got, model.logits(got[0], head, fused))
     for name, a, b in zip(("features", "keys", "values", "logits"), got, want):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (name, (a - b).abs().max().item())
+    assert all(torch.equal(a, b) for a, b in zip(args, inputs))  # nothing written into the caller's tensors
+    expanded = (embeds, features[:, :1].expand(B, L, -1), *args[2:])
+    with torch.inference_mode():
+        want_expanded, got_expanded = model(*expanded), model(*expanded, fused)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got_expanded, want_expanded))
+    assert torch.equal(features, inputs[1])
     # no PyTorch norm, rotation, SiLU or residual add left; with packed weights, one product for q, k and v, one for
     # gate and up, and one RoPE launch
     assert not {"rsqrt", "neg", "silu", "add"} & set(launches.ops), launches.ops
@@ -230,6 +242,12 @@ def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields,
     assert bufs[0][:, :, P + L :].isnan().all() and bufs[1][:, :, P + L :].isnan().all()
     with pytest.raises(InputError, match="no gradients"):  # the kernels have no backward: never in training
         model(*args, fused)
+    if packed:  # a weight given new storage ends its block's product, found again; a cast drops the products found
+        attn = model.layers[0].self_attn
+        attn.k_proj.weight.data = torch.randn_like(attn.k_proj.weight)
+        assert model.projections().qkv is None and model.projections().gate_up is not None
+        model.to(torch.float64)
+        assert "_projections" not in model.__dict__
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
