@@ -23,6 +23,14 @@ NOT_LAUNCHES = {"view", "_unsafe_view", "slice", "split", "split_with_sizes", "a
                 "lift_fresh", "empty", "empty_like", "empty_strided", "scalar_tensor", "resolve_conj", "resolve_neg"}
 
 
+def _aliases(name: str, out, args) -> bool:
+    """An op that is not in place and returns its first argument's memory: a view (``flatten``, ``unflatten`` of a
+    contiguous tensor, ...) or a no-op (``to`` its own dtype, ``contiguous`` of a contiguous tensor): no device work."""
+    return (not name.endswith("_") and isinstance(out, torch.Tensor) and bool(args)
+            and isinstance(args[0], torch.Tensor) and out.numel() > 0
+            and out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr())
+
+
 class Launches(TorchDispatchMode):
     """Counts aten ops that launch device work (while ``paused`` is 0) and Triton kernel launches; into ``ops`` while
     ``inside`` is 0, into ``inside_ops`` while it is not."""
@@ -41,9 +49,7 @@ class Launches(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        same = (name in ("to", "_to_copy") and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor)
-                and out.data_ptr() == args[0].data_ptr())  # a no-op conversion
-        if name not in NOT_LAUNCHES and not same:
+        if name not in NOT_LAUNCHES and not _aliases(name, out, args):
             self.count(name)
         return out
 
