@@ -88,10 +88,13 @@ class TreeGrower:
             # every level's RoPE tables at once: level d's queries sit at root_pos + d - 1
             cos, sin = model.rope(x.root_pos[:, None] + torch.arange(1, depth, device=dev), dtype)
             # the call's keys / values: the cached ones, then each level's K as it is expanded (columns never read
-            # before they are written)
-            keys = [t.new_empty(B, t.shape[1], P + (depth - 1) * K, t.shape[3]) for t in (x.past_k, x.past_v)]
+            # before they are written), each repeated for its query heads once, not at every level
+            c = model.config
+            groups = c.num_heads // c.num_kv_heads
+            keys = [t.new_empty(B, c.num_heads, P + (depth - 1) * K, c.head_dim) for t in (x.past_k, x.past_v)]
             for buf, cached in zip(keys, (x.past_k, x.past_v)):
-                buf[:, :, :P] = cached
+                buf[:, :, :P].unflatten(1, (c.num_kv_heads, groups)).copy_(cached[:, :, None].expand(
+                    B, c.num_kv_heads, groups, P, c.head_dim))
         on_level(1)
         for d in range(2, depth + 1):
             embeds = F.embedding(front_tok if self.draft_ids is None else self.draft_ids[front_tok], self.embed)

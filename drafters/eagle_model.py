@@ -354,8 +354,9 @@ class EagleModel(nn.Module):
         # QKV and gate/up products one each where the weights are packed (projections)
         fused=None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # this call's rope(positions), computed ahead
-        # (keys, values [B, kv_heads, S, head_dim], start) in place of past_k / past_v: the past is columns
-        # [0, start), and this call's keys / values are written at start .. start + L - 1 (no copy of the past)
+        # (keys, values [B, kv_heads or heads, S, head_dim], start) in place of past_k / past_v: the past is columns
+        # [0, start), and this call's keys / values are written at start .. start + L - 1 (no copy of the past);
+        # buffers of ``num_heads`` rows hold each key repeated for its query heads (no repeat per call)
         into: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Predicted features [B, L, H] and this call's keys / values [B, kv_heads, L, head_dim] (EAGLE-3:
@@ -400,17 +401,24 @@ class EagleModel(nn.Module):
                 cos, sin = cos[None], sin[None]
             cos, sin = cos[:, None], sin[:, None]  # [B or 1, 1, L, head_dim]
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        groups = c.num_heads // c.num_kv_heads
         if into is not None:
             buf_k, buf_v, start = into
-            buf_k[:, :, start : start + L] = k
-            buf_v[:, :, start : start + L] = v
+            repeated = buf_k.shape[1] == c.num_heads and groups > 1
+            for buf, new in ((buf_k, k), (buf_v, v)):
+                if repeated:  # head h of the buffer is kv head h // groups, as repeat_interleave lays them out
+                    buf[:, :, start : start + L].unflatten(1, (c.num_kv_heads, groups)).copy_(new[:, :, None].expand(
+                        B, c.num_kv_heads, groups, L, c.head_dim))
+                else:
+                    buf[:, :, start : start + L] = new
             keys, values = buf_k[:, :, : start + L], buf_v[:, :, : start + L]
         else:
             keys = k if past_k is None else torch.cat([past_k, k], dim=2)
             values = v if past_v is None else torch.cat([past_v, v], dim=2)
-        groups = c.num_heads // c.num_kv_heads
-        o = F.scaled_dot_product_attention(q, keys.repeat_interleave(groups, dim=1),
-                                           values.repeat_interleave(groups, dim=1), attn_mask=mask[:, None])
+            repeated = False
+        if not repeated:
+            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
         o = attn.o_proj(o.transpose(1, 2).reshape(B, L, c.num_heads * c.head_dim))
         final_norm = self.norm is not None and not (self.eagle3 or self.mtp)  # EAGLE-1's output norm
         if fused is None:

@@ -240,6 +240,17 @@ def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields,
     assert all(torch.equal(a, b) for a, b in zip(into, got[:3]))
     assert torch.equal(bufs[0][:, :, P : P + L], got[1]) and torch.equal(bufs[1][:, :, P : P + L], got[2])
     assert bufs[0][:, :, P + L :].isnan().all() and bufs[1][:, :, P + L :].isnan().all()
+    # buffers of query heads (as the growth keeps them): each key written once per head of its group
+    groups = c.num_heads // c.num_kv_heads
+    bufs = [torch.full((B, c.num_heads, P + L + 2, c.head_dim), float("nan"), device=DEVICE) for _ in range(2)]
+    for buf, past in zip(bufs, (past_k, past_v)):
+        buf[:, :, :P] = past.repeat_interleave(groups, dim=1)
+    with torch.inference_mode():
+        into = model(*args[:4], fused=fused, rope=model.rope(positions, torch.float32), into=(*bufs, P))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(into, got[:3]))
+    for buf, new in zip(bufs, into[1:]):
+        assert torch.equal(buf[:, :, P : P + L], new.repeat_interleave(groups, dim=1))
+        assert buf[:, :, P + L :].isnan().all()
     with pytest.raises(InputError, match="no gradients"):  # the kernels have no backward: never in training
         model(*args, fused)
     if packed:  # a weight given new storage ends its block's product, found again; a cast drops the products found
