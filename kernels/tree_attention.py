@@ -33,6 +33,7 @@ from specdec.tree import MAX_TREE_NODES
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_CHUNK = 256  # keys per split program below which splitting does not pay
+MERGE_SEQS = 16  # sequences the merge reads at a time (finding a row's sequence; one kernel for every batch size)
 _BIT_WEIGHTS = torch.ones(MAX_TREE_NODES, dtype=torch.long) << torch.arange(MAX_TREE_NODES)  # bit 63 wraps: ok
 
 
@@ -159,7 +160,7 @@ def _tree_attn_kernel(
 
 # the number of parts is a runtime value: an eager step's split count grows with its context (one more every
 # MIN_SPLIT_CHUNK keys), and as a constexpr each count compiled a kernel of its own; BLOCK_S (a power of two) only;
-# likewise the batch's sequences, BLOCK_B
+# likewise the batch's sequences, read MERGE_SEQS at a time
 @triton.jit(do_not_specialize=["num_parts", "num_seqs"])
 def _merge_kernel(PartO, PartLse, Out, QStarts, QLens, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                   stride_ot, stride_oh, num_parts, num_seqs, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -168,11 +169,13 @@ def _merge_kernel(PartO, PartLse, Out, QStarts, QLens, stride_ps, stride_pt, str
     h = tl.program_id(1)
     # a padding row of a CUDA-graph bucket (in no sequence's q_starts .. + q_lens) has no part the attention kernel
     # wrote: none is read, and it gets zeros (no fill of its parts per layer)
-    b = tl.arange(0, BLOCK_B)
-    b_ok = b < num_seqs
-    q_start = tl.load(QStarts + b, mask=b_ok, other=0)
-    q_len = tl.load(QLens + b, mask=b_ok, other=0)
-    covered = tl.sum(((t >= q_start) & (t < q_start + q_len)).to(tl.int32), 0)  # 1 for a real row, else 0
+    covered = 0  # 1 for a real row, else 0
+    for b0 in range(0, num_seqs, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        b_ok = b < num_seqs
+        q_start = tl.load(QStarts + b, mask=b_ok, other=0)
+        q_len = tl.load(QLens + b, mask=b_ok, other=0)
+        covered += tl.sum(((t >= q_start) & (t < q_start + q_len)).to(tl.int32), 0)
     sidx = tl.arange(0, BLOCK_S)
     s_ok = sidx < tl.where(covered > 0, num_parts, 0)
     d = tl.arange(0, BLOCK_D)
@@ -402,8 +405,8 @@ def tree_attention(
         _merge_kernel[(T, H)](
             part_o, part_lse, out, meta.q_starts, meta.q_lens, part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-            num_parts=parts, num_seqs=num_seqs, BLOCK_S=triton.next_power_of_2(parts),
-            BLOCK_B=triton.next_power_of_2(num_seqs), HEAD_DIM=D, BLOCK_D=cfg["BLOCK_D"],
+            num_parts=parts, num_seqs=num_seqs, BLOCK_S=triton.next_power_of_2(parts), BLOCK_B=MERGE_SEQS,
+            HEAD_DIM=D, BLOCK_D=cfg["BLOCK_D"],
         )
     return out
 

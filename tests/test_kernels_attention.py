@@ -73,6 +73,18 @@ def test_split_kv_more_splits_than_keys():
     check(case, num_splits=6)
 
 
+def test_split_merge_over_more_sequences_than_it_reads_at_once():
+    """The merge finds a row's sequence reading the batch MERGE_SEQS sequences at a time (one kernel for every batch
+    size): a batch of more, decode rows and trees, every row merged from its parts, by the plan and by the builder."""
+    from specdec.kernels.tree_attention import MERGE_SEQS
+
+    n = MERGE_SEQS + 3
+    case = random_case([5 + 3 * b for b in range(n)], [(TREE, 3) if b % 4 == 0 else 1 for b in range(n)],
+                       num_kv_heads=1, group=2, head_dim=16, page_size=4, seed=13, device=DEVICE)
+    check(case, num_splits=2)
+    check(case, num_splits=3, via_plan=True)
+
+
 def test_contiguous_block_table_and_head_dim_not_power_of_two():
     case = random_case([20], [(TREE, 5)], num_kv_heads=1, group=3, head_dim=24, page_size=8, shuffle=False,
                        seed=9, device=DEVICE)
