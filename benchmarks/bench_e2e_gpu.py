@@ -118,14 +118,14 @@ def main(argv=None) -> int:
         graphed.warm_up(1)  # every batch-1 bucket captured now: n-gram's trees meet sizes the warm-up prompts may not
 
     # the same weights through a runner on the PyTorch reference backend (the backend is chosen per runner)
-    reference = dataclasses.replace(loaded, runner=LlamaRunner(model, backend="reference"))
+    on_reference = dataclasses.replace(loaded, runner=LlamaRunner(model, backend="reference"))
 
     # per specdec method, over the timed prompts: how it speculated (what a ratio to plain comes from)
     speculation: dict[str, dict[str, int]] = {}
     timing = [False]  # True while a timed prompt runs
 
     def sd(ids, n, drafter=None, attention=None, graphs=False, method=""):
-        target = reference if attention == "reference" else loaded
+        target = on_reference if attention == "reference" else loaded  # not ``reference``: a method's name below
         out = generate(target, [ids], max_new_tokens=n, drafter=drafter, return_dict=True,
                        cuda_graphs=graphed if graphs else False)
         if timing[0]:
