@@ -416,7 +416,7 @@ class EagleModel(nn.Module):
             keys = k if past_k is None else torch.cat([past_k, k], dim=2)
             values = v if past_v is None else torch.cat([past_v, v], dim=2)
             repeated = False
-        if not repeated:
+        if not repeated and groups > 1:
             keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
         o = attn.o_proj(o.transpose(1, 2).reshape(B, L, c.num_heads * c.head_dim))

@@ -23,12 +23,17 @@ NOT_LAUNCHES = {"view", "_unsafe_view", "slice", "split", "split_with_sizes", "a
                 "lift_fresh", "empty", "empty_like", "empty_strided", "scalar_tensor", "resolve_conj", "resolve_neg"}
 
 
-def _aliases(name: str, out, args) -> bool:
-    """An op that is not in place and returns its first argument's memory: a view (``flatten``, ``unflatten`` of a
-    contiguous tensor, ...) or a no-op (``to`` its own dtype, ``contiguous`` of a contiguous tensor): no device work."""
-    return (not name.endswith("_") and isinstance(out, torch.Tensor) and bool(args)
-            and isinstance(args[0], torch.Tensor) and out.numel() > 0
-            and out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr())
+def _aliases(func, out, args) -> bool:
+    """An op that writes nothing (neither in place nor into an ``out=`` tensor) and returns its first argument's memory:
+    a view (``flatten``, ``unflatten`` of a contiguous tensor, ...) or a no-op (``to`` its own dtype, ``contiguous``
+    of a contiguous tensor): no device work. Meta tensors and tensors without storage are never taken for one."""
+    if (func._schema.is_mutable or not isinstance(out, torch.Tensor) or not args
+            or not isinstance(args[0], torch.Tensor) or out.device.type == "meta" or out.numel() == 0):
+        return False
+    try:
+        return out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):  # sparse, mkldnn, wrapper subclasses: no storage to compare
+        return False
 
 
 class Launches(TorchDispatchMode):
@@ -49,7 +54,7 @@ class Launches(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if name not in NOT_LAUNCHES and not _aliases(name, out, args):
+        if name not in NOT_LAUNCHES and not _aliases(func, out, args):
             self.count(name)
         return out
 

@@ -44,6 +44,22 @@ def test_reading_a_host_tensor_is_no_launch():
     assert dict(counter.ops) == {"add": 1}
 
 
+def test_views_and_no_op_conversions_are_no_launch_but_writes_are():
+    """An op that returns its input's memory and writes nothing (flatten, unflatten, to its own dtype) launches
+    nothing on a GPU; one that writes into its input's memory through out= does, and so does any op on meta tensors
+    (whose storage addresses are all 0)."""
+    from specdec.launches import Launches
+
+    x = torch.arange(6.0)
+    with torch.inference_mode(), Launches() as counter:
+        x.flatten()
+        x.view(2, 3).unflatten(0, (1, 2))
+        x.to(torch.float32)
+        torch.add(x, 1, out=x)
+        torch.empty(3, device="meta") + 1
+    assert dict(counter.ops) == {"add": 2}
+
+
 def test_the_level_clock_gives_each_part_its_time_and_the_call_its_total():
     clock = LevelClock(torch.device("cpu"))
     time.sleep(0.02)
