@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 import collections  # noqa: E402
 import dataclasses  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -66,7 +67,9 @@ class CaptureHazards(TorchDispatchMode):
         if self.paused:
             return
         frame = sys._getframe(1)
-        while frame is not None and not (frame.f_code.co_filename.startswith(str(ROOT))
+        # the repository's own frames, not its tests' (ROOT + "/": a sibling such as ROOT + "_venv" holding torch is
+        # not the repository)
+        while frame is not None and not (frame.f_code.co_filename.startswith(str(ROOT) + os.sep)
                                          and "/tests/" not in frame.f_code.co_filename):
             frame = frame.f_back
         where = "?" if frame is None else f"{Path(frame.f_code.co_filename).relative_to(ROOT)}:{frame.f_lineno}"
