@@ -81,6 +81,15 @@ def _grad_mode_restored():
     assert torch.is_grad_enabled(), "this test left torch's grad mode disabled"
 
 
+@pytest.fixture
+def gpu_products(monkeypatch):
+    """Products as a GPU runs them (F.linear): no CPU row policy, which an earlier test in the same process may have
+    installed and which runs small products as mm / cat / add (tests that count what a step launches)."""
+    from specdec.models import row_policy
+
+    monkeypatch.setattr(row_policy, "_ACTIVE", {})
+
+
 # CPU always, CUDA as well when a GPU is present: a test that takes `device` runs once per entry. On CUDA the
 # engine takes the Triton kernel path (SPECDEC_ATTENTION=auto), so these tests check the GPU path end to end.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

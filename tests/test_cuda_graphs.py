@@ -337,15 +337,12 @@ def test_a_failed_capture_falls_back_to_eager_forwards(loaded, monkeypatch, capl
     assert sum("CUDA-graph capture failed" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_a_graphed_step_moves_its_inputs_in_one_copy(loaded, monkeypatch):
+def test_a_graphed_step_moves_its_inputs_in_one_copy(loaded, monkeypatch, gpu_products):
     """Outside the replayed forward a plain graphed step runs the LM head and the greedy choice, and moves its
     inputs (token ids, positions, write slots, the attention metadata) in at most one copy: no per-field copies,
     fills or index uploads, each of which is a launch, and on a GPU the host's time, every step."""
     from specdec.launches import Launches
-    from specdec.models import row_policy
 
-    # products as a GPU runs them (F.linear): a CPU row policy an earlier test installed would run them otherwise
-    monkeypatch.setattr(row_policy, "_ACTIVE", {})
     runner, s = loaded.runner, loaded.runner.shape
     cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, 4, 32, runner.dtype, runner.device, runner.backend)
     graphed = GraphedForward(runner, cache, GraphConfig(batch_sizes=(1, 2), tokens_per_seq=(1, 2), capture=CAPTURE))

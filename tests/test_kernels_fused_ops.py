@@ -169,7 +169,7 @@ def test_a_qwen3_model_on_the_triton_backend_gives_the_reference_logprobs(monkey
 @pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
 @pytest.mark.parametrize("arch,fields", [("eagle1", {}), ("eagle1", dict(norms=False)),
                                          ("eagle3", dict(norm_before_residual=True)), ("eagle3", {}), ("mtp", {})])
-def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields, packed, monkeypatch):
+def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields, packed, gpu_products):
     """EAGLE's drafting layer (EAGLE-1, -3 and MTP) with the target's fused ops, as the drafter runs it on the
     Triton backend: its norms (each with its residual add), RoPE and SiLU-mul each one launch, and with its weights
     packed as on CUDA one QKV and one gate/up product, q and k rotated in one launch: the features, keys, values and
@@ -181,12 +181,8 @@ def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields,
 
     from specdec.errors import InputError
     from specdec.launches import Launches
-    from specdec.models import row_policy
     from specdec.models.fused_projections import pack_layers
     from specdec.testing import build_tiny_model
-
-    # products as a GPU runs them (F.linear): a CPU row policy an earlier test installed would run them otherwise
-    monkeypatch.setattr(row_policy, "_ACTIVE", {})
 
     target = build_tiny_model("llama-gqa-tied", 64)
     torch.manual_seed(0)
