@@ -106,18 +106,17 @@ class TreeGrower:
             child_tok, child_lp = child.indices.flatten(1), child.values.flatten(1)  # [B, K * K]
             child_cum = (front_cum[..., None] + child.values).flatten(1)  # float32 sums, as the tree's scores
             tok.append(child_tok), cum.append(child_cum), cond.append(child_lp)
-            if chain:
+            if chain:  # the one child is the next frontier, as it is
                 front_tok, front_cum, feats, ancestors = child_tok, child_cum, out, mask[:, :, P:]
-                on_level(d)
-                continue
-            parent.append(frontier.repeat_interleave(K, dim=1))  # child j of row j // K
-            # the K best children by cumulative log-probability (ties: the first, a stable sort), in pool order
-            order = torch.sort(torch.sort(-child_cum, dim=1, stable=True).indices[:, :K], dim=1).values  # [B, K]
-            rows = order // K  # the row of ``out`` each new frontier node's parent is
-            frontier, size = size + order, size + K * K
-            front_tok, front_cum = child_tok.gather(1, order), child_cum.gather(1, order)
-            feats = out.gather(1, rows[..., None].expand(B, K, out.shape[-1]))
-            ancestors = mask[:, :, P:].gather(1, rows[..., None].expand(B, K, mask.shape[-1] - P))
+            else:
+                parent.append(frontier.repeat_interleave(K, dim=1))  # child j of row j // K
+                # the K best children by cumulative log-probability (ties: the first, a stable sort), in pool order
+                order = torch.sort(torch.sort(-child_cum, dim=1, stable=True).indices[:, :K], dim=1).values  # [B, K]
+                rows = order // K  # the row of ``out`` each new frontier node's parent is
+                frontier, size = size + order, size + K * K
+                front_tok, front_cum = child_tok.gather(1, order), child_cum.gather(1, order)
+                feats = out.gather(1, rows[..., None].expand(B, K, out.shape[-1]))
+                ancestors = mask[:, :, P:].gather(1, rows[..., None].expand(B, K, mask.shape[-1] - P))
             on_level(d)
         # a chain's parents: the root, then each level's one node
         parents = torch.arange(-1, depth - 1, device=dev).expand(B, depth) if chain else torch.cat(parent, dim=1)
