@@ -1,0 +1,80 @@
+"""What the GPU path launches, held to its budget: a decode layer's kernels and an EAGLE growth level's.
+
+On a GPU each launch costs a kernel's start, inside a CUDA graph too, so at batch 1 the counts below are a large
+part of a step's time (docs/gpu-speed.md). They are counted on the CPU through the Triton interpreter by
+benchmarks/count_launches.py, which these tests run; a change that adds a launch per layer or per level fails
+here instead of on the next scarce GPU run. Update the budget on purpose, with the measured step time that pays
+for it.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+from specdec.kernels.testing import kernel_device
+
+DEVICE = kernel_device()  # sets TRITON_INTERPRET=1 without a GPU: must run before triton is imported
+pytest.importorskip("triton")
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "synthetic:llama-3.1-8b@tiny"  # GQA, untied, Llama 3 RoPE; 2 layers
+
+
+def _count_launches():
+    path = REPO / "benchmarks" / "count_launches.py"
+    spec = importlib.util.spec_from_file_location("count_launches_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def counting(monkeypatch, gpu_products):
+    """The benchmark's setting: the Triton backend, products as a GPU runs them (no CPU row policy)."""
+    from specdec import engine_setup
+
+    monkeypatch.setenv("SPECDEC_ATTENTION", "triton")
+    monkeypatch.setattr(engine_setup, "ensure_row_policy", lambda runner: None)
+    from specdec.models.loader import load_model
+
+    return _count_launches(), load_model(MODEL, device="cpu")
+
+
+def test_a_packed_decode_layer_launches_ten_kernels_with_split_attention(counting, monkeypatch):
+    count, loaded = counting
+    from specdec.kernels import tree_attention as ta
+
+    from specdec.models.fused_projections import pack_projections
+    from specdec.models.llama import LlamaRunner
+
+    # a CUDA-graph bucket's attention splits its keys (its capacity reaches 2 x MIN_SPLIT_CHUNK), so it merges
+    monkeypatch.setattr(ta, "_default_splits", lambda meta, programs, device: 2)
+    model = copy.deepcopy(loaded.model)
+    pack_projections(model)
+    runner = LlamaRunner(model, backend="triton")
+    full, one = count.forward_launches(runner), count.forward_launches(runner.truncated(1))
+    per_layer = collections.Counter({k: full[k] - one[k] for k in full if full[k] != one[k]})
+    assert per_layer == {
+        "linear": 4,  # QKV, o, gate/up, down
+        "triton:_add_rms_norm_kernel": 2,  # each residual add with the next norm
+        "triton:_rope_write_kernel": 1,  # RoPE of q and k, and the K/V write
+        "triton:_tree_attn_kernel": 1,
+        "triton:_merge_kernel": 1,  # the split parts, merged
+        "triton:_silu_mul_kernel": 1,
+    }, dict(per_layer)
+
+
+def test_an_eagle_growth_level_stays_within_twenty_launches(counting):
+    count, loaded = counting
+    # a chain (top-k 1), as the speed command's oracle rows draft; each call's growth one level deeper
+    (ops2, calls2), (ops3, calls3) = (count.eagle_launches(loaded, depth, 1, "triton", calls=2) for depth in (2, 3))
+    per_call = [sum(ops.values()) / calls for ops, calls in ((ops2, calls2), (ops3, calls3))]
+    level = per_call[1] - per_call[0]
+    assert 0 < level <= 20, (level, dict(ops3 - ops2))
+    # the rest of a call (the catch-up over the accepted tokens, the first level, the reranked pool)
+    assert per_call[0] - 2 * level <= 62, (per_call, dict(ops2))
+    assert ops3["triton:_add_rms_norm_kernel"] and not {"rsqrt", "silu"} & set(ops3), dict(ops3)  # the fused path
+
