@@ -178,29 +178,40 @@ def _add_generate(sub) -> None:
                         "declares, else bfloat16)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the verify forward as CUDA graphs (default: on with --device cuda, off elsewhere; "
-                        "see docs/kernels.md)")
+                        "see docs/gpu/kernels.md)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON document (the text and the summary) to stdout instead of streaming the text")
     p.set_defaults(func=_run_generate)
 
 
-PATH_OPTIONS = ("path", "model")  # drafter options naming a file, directory or alias: always the text as given
+PATH_OPTIONS = ("path", "model")  # drafter options naming a file, directory or alias: the text, never a number
 
 
 def _parse_options(pairs: list[str]) -> dict:
     """``KEY=VALUE`` pairs -> drafter options: VALUE parsed as JSON when possible, except for paths (a directory
-    named 2024 stays "2024")."""
+    named 2024 stays "2024"; ``path="DIR"``, the JSON string, is DIR), also after a drafter's prefix
+    (``medusa.path=DIR``)."""
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
             raise CLIError(f"--drafter-option needs KEY=VALUE, got {pair!r}")
         key = key.replace("-", "_")
-        try:
-            options[key] = value if key in PATH_OPTIONS else json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
+        options[key] = _path_text(value) if key.rpartition(".")[2] in PATH_OPTIONS else _json_or_text(value)
     return options
+
+
+def _json_or_text(value: str):
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _path_text(value: str) -> str:
+    quoted = len(value) >= 2 and value[0] == value[-1] == '"'
+    text = _json_or_text(value) if quoted else value
+    return text if isinstance(text, str) else value
 
 
 def _run_generate(args) -> int:
@@ -319,8 +330,22 @@ def main(argv: list[str] | None = None) -> int:
         return 130  # 128 + SIGINT
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its mistakes in one line, as every other mistake is (no usage block before it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
+def _command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args`` ran: ``specdec eval lossless``'s for ``specdec eval lossless ...``."""
+    while subs := [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]:
+        parser = subs[0].choices[getattr(args, subs[0].dest)]
+    return parser
+
+
 def _main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
+    parser = _Parser(prog="specdec", description="Lossless speculative decoding.")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log progress (model conversion etc.); on errors show the traceback")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -333,7 +358,9 @@ def _main(argv: list[str]) -> int:
                 raise
             continue
         module.add_parser(sub)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's parser: "specdec generate: error: unrecognized arguments: ..."
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     if sys.stdout is None:  # `specdec ... >&-`: Python sets sys.stdout to None
         print(f"specdec {args.command}: error: stdout is closed, so the output would be lost; redirect it to a "
               "file or to /dev/null instead", file=sys.stderr)

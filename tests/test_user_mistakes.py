@@ -43,6 +43,10 @@ def test_a_numeric_path_option_stays_a_path(capsys):
     traceback); other values are still JSON."""
     assert _parse_options(["path=2024", "model=7", "num-draft-tokens=3"]) == {"path": "2024", "model": "7",
                                                                               "num_draft_tokens": 3}
+    # a path quoted as JSON (path=\"DIR\" in a shell) is DIR, as it always was after a drafter's prefix, where a
+    # number stays a path too
+    assert _parse_options(['path="heads/"', 'medusa.path="A"', "eagle.path=7", 'draft-model.model=""']) == {
+        "path": "heads/", "medusa.path": "A", "eagle.path": "7", "draft_model.model": ""}
     rc, line = run(capsys, "generate", "hi", "--model", "nowhere", "--drafter", "medusa",
                    "--drafter-option", "path=2024", "--max-new-tokens", "2")
     assert rc == 2 and line.startswith("specdec generate: error: ")
@@ -133,3 +137,17 @@ def test_sampling_options_with_greedy_decoding_warn(caplog):
         specdec.generate(model, [[1, 2]], max_new_tokens=3, do_sample=True, seed=0, top_p=0.5)
         specdec.generate(model, [[1, 2]], max_new_tokens=3, temperature=1.0)  # neutral values say nothing
     assert "ignored" not in caplog.text
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["generate", "hi", "--dtype", "fp8"], "specdec generate: error: argument --dtype: invalid choice: 'fp8'"),
+    (["generate", "hi", "--bogus"], "specdec generate: error: unrecognized arguments: --bogus"),
+    (["eval", "lossless", "--bogus", "1"], "specdec eval lossless: error: unrecognized arguments: --bogus 1"),
+])
+def test_a_bad_option_is_one_line_from_its_command(capsys, argv, said):
+    """argparse's own mistakes are one line too (no usage block before it), said by the command that was run."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith(said), err
+    assert err.rstrip().endswith(f"(see specdec {' '.join(argv[:2 if argv[0] == 'eval' else 1])} --help)")
