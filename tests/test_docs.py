@@ -83,6 +83,8 @@ def test_ci_runs_the_readme_test_command():
     ci = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
     readme = (REPO / "README.md").read_text()
     assert f"```bash\n{ci}\n```" in readme, "the README's test command and .ci/run differ"
+    started = (REPO / "docs" / "getting-started.md").read_text()
+    assert f"```bash\n{ci}\n```" in started, "Getting started's test command and .ci/run differ"
     assert "mkdocs build --strict" in ci and ".[dev,docs]" in ci
 
 

@@ -113,7 +113,8 @@ def _common_args(p, name: str) -> None:
                    help="loss weight of head i (Medusa) or draft depth i+1 (EAGLE) is head_decay**i")
     g.add_argument("--loss", choices=LOSSES, default="ce",
                    help="ce: cross-entropy vs the target's argmax; kl: KL divergence from the target's whole "
-                        "next-token distribution (teaches the lower ranks a tree uses; ~1/3 more compute per step)")
+                        "next-token distribution (teaches the lower ranks a tree uses; about 50%% more time per step "
+                        "on a CPU)")
     g.add_argument("--precision", choices=PRECISIONS, default="no", help="mixed precision for the heads")
     g.add_argument("--no-feature-cache", action="store_true",
                    help="recompute the target's hidden states every batch instead of once per sequence "
