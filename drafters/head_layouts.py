@@ -3,7 +3,8 @@
 Read (detected from config.json and the tensor names, :func:`read_eagle3`):
 
 * EAGLE's repository and SGLang: a Llama-style config (``LlamaForCausalLMEagle3``), ``midlayer.*``, ``fc``,
-  ``norm``, ``lm_head``, ``d2t``, ``t2d``; feature layers in ``eagle_config.eagle_aux_hidden_state_layer_ids``;
+  ``norm``, ``lm_head``, ``d2t``, ``t2d``; feature layers in ``eagle_config.eagle_aux_hidden_state_layer_ids``
+  as layer *outputs* (SGLang reads the stream entering layer id + 1; specdec's feature layer f is id f - 1);
 * speculators: ``speculators_model_type: eagle3`` with ``transformer_layer_config``, ``speculators_config``
   (the verifier) and ``eagle_aux_hidden_state_layer_ids``; ``layers.0.*``;
 * vLLM configs naming ``Eagle3LlamaForCausalLM`` / ``LlamaForCausalLMEagle3`` (keys may carry ``model.``);
@@ -62,10 +63,12 @@ def _verifier(raw: dict) -> str:
 
 
 def _feature_layers(raw: dict, target_config, where: str) -> tuple[int, ...]:
-    ids = (raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids") or (raw.get("specdec_eagle") or {}).get("feature_layers"))
-    if ids:
+    ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("specdec_eagle") or {}).get("feature_layers")
+    if ids:  # speculators' and vLLM's ids, as specdec's: the streams entering those layers
         return tuple(int(i) for i in ids)
+    outputs = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if outputs:  # EAGLE / SGLang's: layer outputs (SGLang captures the stream entering layer id + 1)
+        return tuple(int(i) + 1 for i in outputs)
     if target_config is None:
         raise EagleCheckpointError(f"{where}: the head does not name the target layers it reads, and no target "
                                    "model was given to take the published default from")
@@ -196,7 +199,7 @@ def write_eagle3(model: EagleModel, directory: str | os.PathLike, fmt: str, targ
                    for k, v in tensors.items()}
         config = {**_llama_layer(c), "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab,
                   "norm_before_residual": c.norm_before_residual, "target_model": target,
-                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.feature_layers),
+                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": [f - 1 for f in c.feature_layers],  # outputs
                                    "use_aux_hidden_state": True}}
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)

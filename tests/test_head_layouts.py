@@ -47,7 +47,7 @@ def write_sglang_checkpoint(path, seed=0, norm_before_residual=False, layers=(0,
               "intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV,
               "num_hidden_layers": 1, "vocab_size": V, "draft_vocab_size": N, "rms_norm_eps": 1e-6,
               "rope_theta": 10000.0, "hidden_act": "silu", "norm_before_residual": norm_before_residual,
-              "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}}
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [f - 1 for f in layers]}}  # SGLang: outputs
     (path / "config.json").write_text(json.dumps(config))
     return sd
 
@@ -135,6 +135,8 @@ def test_export_then_import_is_the_identity_and_configs_name_the_target(tmp_path
             assert raw["transformer_layer_config"]["num_hidden_layers"] == 1
         else:
             assert raw["target_model"] == "org/tiny-target" and raw["architectures"] == ["LlamaForCausalLMEagle3"]
+            # SGLang captures the stream entering layer id + 1: specdec's streams (0, 1, 2) are ids -1, 0, 1
+            assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 0, 1]
         assert set(written) >= {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
         assert written["t2d"].sum() == N and torch.equal(written["d2t"], sd["d2t"])
 
@@ -182,6 +184,20 @@ def test_heads_for_another_target_and_inconsistent_maps_are_refused(tmp_path, ta
         load_eagle(tmp_path / "v", target.config)
 
 
+def test_sglang_layer_ids_name_layer_outputs(tmp_path):
+    """SGLang's eagle_config ids are layer outputs (its default capture, the streams entering 2, L // 2 and L - 3,
+    is ids 1, L // 2 - 1, L - 4); speculators' / vLLM's top-level ids are the streams entering those layers."""
+    deep = build_tiny_model(num_hidden_layers=8)
+    write_sglang_checkpoint(tmp_path / "s")
+    raw = json.loads((tmp_path / "s" / "config.json").read_text())
+    raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 3, 4]
+    (tmp_path / "s" / "config.json").write_text(json.dumps(raw))
+    assert load_eagle(tmp_path / "s", deep.config).config.feature_layers == (2, 4, 5)
+    raw["eagle_aux_hidden_state_layer_ids"] = [1, 3, 4]  # a top-level list (vLLM's meaning) comes first
+    (tmp_path / "s" / "config.json").write_text(json.dumps(raw))
+    assert load_eagle(tmp_path / "s", deep.config).config.feature_layers == (1, 3, 4)
+
+
 def test_speculators_config_without_layer_ids_takes_the_published_default(tmp_path, target):
     write_sglang_checkpoint(tmp_path / "s")
     export_head(tmp_path / "s", "speculators", tmp_path / "spec", target="t")
@@ -225,3 +241,25 @@ def test_medusa_heads_export_to_vllms_layout_with_the_same_logits(tmp_path):
             y = y + torch.nn.functional.silu(y @ sd[f"blocks.{h}.layers.{i}.weight"].T
                                              + sd[f"blocks.{h}.layers.{i}.bias"])
         torch.testing.assert_close(y @ sd[f"lm_heads.{h}.weight"].T, want[h], rtol=1e-5, atol=1e-5)
+
+
+def test_export_replaces_nothing_unasked(tmp_path, capsys):
+    """export-head wrote its config.json over whatever --output-dir held (a trained Medusa head there no longer
+    loaded); now a non-empty directory needs --overwrite, which replaces an earlier export only."""
+    write_sglang_checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text('{"medusa_num_heads": 4}')
+    argv = ["export-head", str(tmp_path / "src"), "--format", "speculators", "--output-dir", str(out),
+            "--target", "t"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "is not empty (config.json); pass --overwrite" in err and err.count("\n") == 1
+    assert (out / "config.json").read_text() == '{"medusa_num_heads": 4}'
+    (out / "config.json").unlink()
+    assert main(argv) == 0 and main([*argv, "--overwrite"]) == 0  # an empty directory, then an earlier export
+    (out / "notes.txt").write_text("the user's")
+    assert main([*argv, "--overwrite"]) == 2
+    assert "holds more than an earlier export (notes.txt)" in capsys.readouterr().err
+    assert main(["export-head", str(tmp_path / "nowhere"), "--format", "sglang", "--output-dir", str(out)]) == 2
+    assert "nowhere does not exist" in capsys.readouterr().err
