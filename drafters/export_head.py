@@ -17,9 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
-from specdec.drafters.eagle_checkpoint import CONFIG_FILE, EagleCheckpointError, _read_config, _read_weights
+from specdec.drafters.eagle_checkpoint import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    EagleCheckpointError,
+    _read_config,
+    _read_weights,
+)
 from specdec.drafters.eagle_model import EagleModel
 
 from specdec.atomic_write import replaced_atomically, write_json
@@ -28,20 +35,40 @@ from specdec.errors import InputError
 FORMATS = ("speculators", "sglang", "vllm")
 
 
-def export_head(source: str | Path, fmt: str, output_dir: str | Path, target: str | None = None) -> tuple[Path, str]:
-    """Write the head at ``source`` in ``fmt`` to ``output_dir``; returns the directory and what was written."""
+def export_head(source: str | Path, fmt: str, output_dir: str | Path, target: str | None = None,
+                overwrite: bool = False) -> tuple[Path, str]:
+    """Write the head at ``source`` in ``fmt`` to ``output_dir``; returns the directory and what was written. A
+    non-empty ``output_dir`` is refused unless ``overwrite``, and then written only over an earlier export."""
     from specdec.drafters.medusa_heads import WEIGHTS_FILE as MEDUSA_WEIGHTS
 
     src, out = Path(source), Path(output_dir)
     if fmt not in FORMATS:
         raise InputError(f"export-head: --format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if not src.exists():
+        raise InputError(f"export-head: {src} does not exist")
     if not src.is_dir():
         raise InputError(f"export-head: {src} is not a head directory")
     if out.resolve() == src.resolve():
         raise InputError(f"export-head: --output-dir {out} is the source's own directory")
+    _check_output_dir(out, overwrite)
     if (src / MEDUSA_WEIGHTS).is_file():
         return _export_medusa(src, fmt, out, target), "Medusa heads"
     return _export_eagle(src, fmt, out, target), "an EAGLE-3 head"
+
+
+def _check_output_dir(out: Path, overwrite: bool) -> None:
+    """Nothing in ``out`` is replaced unasked (a head or model there would be broken by another config.json), and
+    with ``overwrite`` only an earlier export is (its config and weights, and leftovers of their atomic writes)."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"export-head: --output-dir {out} exists and is not a directory")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not overwrite:
+        raise InputError(f"export-head: --output-dir {out} is not empty ({', '.join(held[:5])}); pass --overwrite to "
+                         "replace an earlier export there, or name another directory")
+    others = [n for n in held if n not in (CONFIG_FILE, WEIGHTS_FILE) and not re.fullmatch(r".+\.\d+\.tmp", n)]
+    if others:
+        raise InputError(f"export-head: --overwrite will not write into {out}: it holds more than an earlier export "
+                         f"({', '.join(others[:5])}); name another directory")
 
 
 def _target(recorded: str, given: str | None, src: Path) -> str:
@@ -110,13 +137,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("source", help="the head's directory (specdec's own or any layout the eagle drafter loads)")
     p.add_argument("--format", required=True, choices=FORMATS, help="the layout to write")
     p.add_argument("--output-dir", required=True, help="where to write it")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export in --output-dir (a directory holding anything else is refused)")
     p.add_argument("--target", default=None,
                    help="the target model (hub id or path) to name in the config; default: the one the head records")
     p.set_defaults(func=_run)
 
 
 def _run(args) -> int:
-    out, what = export_head(args.source, args.format, args.output_dir, args.target)
+    out, what = export_head(args.source, args.format, args.output_dir, args.target, args.overwrite)
     target = json.loads((out / CONFIG_FILE).read_text())
     named = ((target.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") \
         or target.get("target_model") or target.get("base_model_name_or_path")
