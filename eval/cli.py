@@ -10,15 +10,19 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 from specdec.eval.prompts import CATEGORIES as DEFAULT_CATEGORIES
 
+from specdec.atomic_write import replaced_atomically, write_json
 from specdec.models.embedded import DEFAULT_ALIAS
 
 DEFAULT_PROMPTS = 20
+CERTIFICATE_FILES = ("certificate.json", "certificate.md")
+ACCEPTANCE_FILES = ("report.json", "report.md", "settings.json", "cells")  # what a run writes into --out
 
 
 def add_parser(sub) -> None:
@@ -104,6 +108,8 @@ def _common(p) -> None:
                    help="drafter option, repeatable; VALUE parsed as JSON when possible; with several "
                         "drafters prefix the name: medusa.path=DIR")
     p.add_argument("--out", default=None, help="output directory (default: runs/eval-<command>)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run found in --out (without it such a directory is refused)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -183,6 +189,18 @@ def check_out_dir(out: Path) -> None:
         raise ValueError(f"--out {out}: exists and is not a directory")
 
 
+def check_earlier_run(out: Path, names: tuple[str, ...], overwrite: bool, resumable: bool = False) -> list[Path]:
+    """Refuse, before any work, an --out holding an earlier run's ``names`` unless ``overwrite``: its results would be
+    replaced (or, for the acceptance suite, mixed with this run's). Returns what is there, for --overwrite to clear."""
+    check_out_dir(out)
+    found = [out / n for n in names if (out / n).exists()]
+    if found and not overwrite:
+        resume = "pass --resume to continue it, " if resumable else ""
+        raise ValueError(f"--out {out} holds an earlier run ({', '.join(p.name for p in found)}); {resume}pass "
+                         "--overwrite to replace it, or name another directory")
+    return found
+
+
 def run_lossless(args) -> int:
     from dataclasses import replace
 
@@ -205,17 +223,19 @@ def run_lossless(args) -> int:
                                                "sample_sequences") if getattr(args, k) is not None}
     sizes = replace(sizes, **overrides)
     sampling = SamplingConfig(args.temperature > 0, args.temperature or 1.0, args.top_k, args.top_p)
+    out = Path(args.out or "runs/eval-lossless")
+    check_earlier_run(out, CERTIFICATE_FILES, args.overwrite)  # before minutes of work, not after
     torch.manual_seed(args.seed)
     loaded = load_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None)
     encode = _encoder(loaded)
     make_prompts = lambda n: [encode(t) for t in load_prompts("chat", n)]  # noqa: E731
-    out = Path(args.out or "runs/eval-lossless")
     print(f"[specdec eval lossless] {loaded.name} + {args.drafter}, levels {','.join(levels)}", file=sys.stderr)
     cert = run_certificate(loaded, args.drafter, _options(args.drafter_option), sampling, sizes, make_prompts, levels,
                            progress=lambda msg: print(f"  ... {msg}", file=sys.stderr), seed=args.seed)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "certificate.json").write_text(json.dumps(cert.to_json(), indent=2, default=str))
-    (out / "certificate.md").write_text(cert.to_markdown())
+    write_json(out / CERTIFICATE_FILES[0], json.loads(json.dumps(cert.to_json(), default=str)), indent=2)
+    with replaced_atomically(out / CERTIFICATE_FILES[1]) as tmp:
+        tmp.write_text(cert.to_markdown())
     for w in cert.warnings:
         print(f"warning: {w}", file=sys.stderr)
     verdict = "VOID" if cert.void else ("PASSED" if cert.passed else "FAILED")
@@ -242,7 +262,14 @@ def run_acceptance(args) -> int:
     if unknown:
         raise ValueError(f"unknown drafter(s) {', '.join(unknown)}; available: {', '.join(available())}")
     out = Path(args.out or "runs/eval-acceptance")
-    check_out_dir(out)
+    if args.resume and args.overwrite:
+        raise ValueError("--resume keeps an earlier run's cells and --overwrite replaces them: pass one")
+    if not args.resume:  # a resume checks the earlier run's settings and cells itself
+        earlier = check_earlier_run(out, ACCEPTANCE_FILES, args.overwrite, resumable=True)
+        if os.environ.get("RANK", "0") == "0":  # once, under accelerate launch too
+            for found in earlier:  # with the cells of rows this run may not have, which it would report
+                for path in sorted(found.glob("*__*.json")) if found.is_dir() else [found]:
+                    path.unlink(missing_ok=True)
     conversations = select_conversations(args.categories, args.prompts, args.prompts_file, args.prompt_column)
     categories = list(dict.fromkeys(c.category for c in conversations))
     per_drafter: dict[str, dict] = {d: {} for d in names}

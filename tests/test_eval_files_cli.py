@@ -98,3 +98,31 @@ def test_replay_record_never_replaces_a_file_unasked(models, tmp_path, capsys):
     assert _main([*record[:4], models[1], *record[5:], "--out", str(other)], capsys)[0] == 0
     second = json.loads(other.read_text())
     assert second["model"] == first["model"] and second["model_fingerprint"] != first["model_fingerprint"]
+
+
+def test_an_earlier_run_in_out_is_replaced_only_with_overwrite(models, tmp_path, capsys):
+    """A second run into the same --out was silently reported over the first (and its cells of other rows were
+    reported with the new ones); a certificate's --out was checked only after its minutes of work."""
+    out = tmp_path / "run"
+    argv = ["eval", "acceptance", "--model", models[0], "--categories", "chat", "--prompts", "1", *RUN, "--out",
+            str(out)]
+    assert _main(argv, capsys)[0] == 0
+    report = (out / "report.json").read_bytes()
+    code, captured = _main([*argv[:-2], "--categories", "qa", "--out", str(out)], capsys)
+    err = captured.err.strip()
+    assert code == 2 and "\n" not in err
+    assert "holds an earlier run (report.json, report.md, settings.json, cells)" in err
+    assert "--resume" in err and "--overwrite" in err and (out / "report.json").read_bytes() == report
+    assert _main([*argv, "--resume", "--overwrite"], capsys)[0] == 2
+    (out / "cells" / "ngram__chat.json").rename(out / "cells" / "ngram__old.json")  # a row this run will not have
+    (out / "cells" / "notes.txt").write_text("the user's")
+    code, _ = _main([*argv[:-2], "--categories", "qa", "--out", str(out), "--overwrite"], capsys)
+    assert code == 0
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    assert {r["category"] for r in rows if r["level"] != "overall"} == {"qa"}
+    assert sorted(p.name for p in (out / "cells").iterdir()) == ["ngram__qa.json", "notes.txt", "plain__qa.json"]
+    cert = tmp_path / "cert"
+    cert.mkdir()
+    (cert / "certificate.json").write_text("{}")
+    code, captured = _main(["eval", "lossless", "--model", "nowhere", "--out", str(cert)], capsys)
+    assert code == 2 and "holds an earlier run (certificate.json)" in captured.err  # before loading the model
