@@ -150,11 +150,14 @@ def _add_generate(sub) -> None:
     p.add_argument("--drafter", default=None, help="drafter name, e.g. ngram (default: plain decoding)")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="drafter option, repeatable; VALUE parsed as JSON when possible")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    # unset, these five are the model's generation_config's (as in generate()), else the defaults named here
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="new tokens at most (default: the model's generation_config, else 128)")
+    p.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
+                   help="sample instead of greedy decoding (default: the model's generation_config, else greedy)")
+    p.add_argument("--temperature", type=float, default=None, help="default: the model's generation_config, else 1")
+    p.add_argument("--top-k", type=int, default=None, help="default: the model's generation_config, else 0 (off)")
+    p.add_argument("--top-p", type=float, default=None, help="default: the model's generation_config, else 1 (off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string, repeatable")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
@@ -184,6 +187,7 @@ def _add_generate(sub) -> None:
     p.set_defaults(func=_run_generate)
 
 
+GENERATION_FLAGS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p")  # unset: the model's config
 PATH_OPTIONS = ("path", "model")  # drafter options naming a file, directory or alias: the text, never a number
 
 
@@ -247,7 +251,11 @@ def _generate(args, stream_class) -> tuple[str, dict]:
                        "(or put the system text at the start of the prompt)")
     stop = [_check_argument(s, "--stop") for s in args.stop] if args.stop else args.stop
     # check what needs no model before the (slow) model load
-    SamplingConfig(args.do_sample, args.temperature, args.top_k, args.top_p)
+    settings = {k: getattr(args, k) for k in GENERATION_FLAGS if getattr(args, k) is not None}
+    SamplingConfig(bool(args.do_sample), settings.get("temperature", 1.0), settings.get("top_k", 0),
+                   settings.get("top_p", 1.0))
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     options = _parse_options(args.drafter_option)
     if options and not args.drafter:
         raise CLIError("--drafter-option needs --drafter NAME: without a drafter the options would be ignored")
@@ -279,9 +287,7 @@ def _generate(args, stream_class) -> tuple[str, dict]:
     try:
         with torch.no_grad():
             out = generate(
-                loaded, [ids], drafter=drafter,
-                max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop, streamer=stream,
+                loaded, [ids], drafter=drafter, **settings, seed=args.seed, stop=stop, streamer=stream,
                 return_dict=True, block_size=args.block_size, num_blocks=args.num_blocks,
                 speculation=args.speculation, sampler=args.sampler,
                 cuda_graphs="auto" if args.cuda_graphs is None else args.cuda_graphs,

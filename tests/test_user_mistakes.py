@@ -151,3 +151,27 @@ def test_a_bad_option_is_one_line_from_its_command(capsys, argv, said):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith(said), err
     assert err.rstrip().endswith(f"(see specdec {' '.join(argv[:2 if argv[0] == 'eval' else 1])} --help)")
+
+
+def test_the_command_line_takes_the_models_generation_config_where_no_flag_is_given(tmp_path, capsys):
+    """`specdec generate` passed its flags' defaults (greedy, 128 tokens) as keyword arguments, which win over a
+    checkpoint's generation_config.json: a model configured to sample, or to stop at 6 tokens, did neither."""
+    import json
+    from pathlib import Path
+
+    from specdec.testing import save_tiny_checkpoint
+
+    path = Path(save_tiny_checkpoint(tmp_path / "m"))
+    (path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 5.0,
+                                                             "max_new_tokens": 6}))
+
+    def summary(*flags):
+        assert main(["generate", "hello", "--model", str(path), "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    runs = [summary("--seed", str(seed)) for seed in range(4)]
+    assert all(r["new_tokens"] == 6 for r in runs) and len({r["text"] for r in runs}) > 1  # sampled, 6 tokens
+    greedy = [summary("--no-do-sample", "--max-new-tokens", "9", "--seed", str(seed)) for seed in range(2)]
+    assert greedy[0]["new_tokens"] == 9 and greedy[0]["text"] == greedy[1]["text"]
+    rc, line = run(capsys, "generate", "hello", "--model", str(path), "--max-new-tokens", "0")
+    assert rc == 2 and "--max-new-tokens must be >= 1" in line
