@@ -343,6 +343,19 @@ def test_a_crash_during_a_checkpoint_save_leaves_the_previous_one_usable(tmp_pat
     fresh = _tiny_training_state()
     assert ckpt_io.load_checkpoint(ckpt, *fresh) == 4
     assert all(torch.equal(a, b) for a, b in zip(fresh[0].state_dict().values(), heads.state_dict().values()))
+    if crash == "between the renames":  # the resumed run's next save dies before its new one is in place: the
+        # only complete checkpoint (checkpoint.old) used to be deleted first, leaving nothing to resume from
+        def dying(src, dst):
+            raise OSError("killed")
+
+        monkeypatch.setattr(ckpt_io.os, "replace", dying)
+        with pytest.raises(OSError):
+            ckpt_io.save_checkpoint(tmp_path, heads, optimizer, scheduler, 8, {}, "fp")
+        monkeypatch.undo()
+        assert ckpt_io.load_checkpoint(ckpt_io.find_checkpoint(tmp_path), *_tiny_training_state()) == 4
+        ckpt_io.save_checkpoint(tmp_path, heads, optimizer, scheduler, 8, {}, "fp")  # and a save then succeeds
+        assert ckpt_io.find_checkpoint(tmp_path) == tmp_path / ckpt_io.CKPT and not (tmp_path / ckpt_io.OLD).exists()
+        assert ckpt_io.load_checkpoint(ckpt_io.find_checkpoint(tmp_path), *_tiny_training_state()) == 8
 
 
 @pytest.mark.parametrize("name", ["heads.safetensors", "optimizer.pt", "state.json"])
@@ -421,3 +434,28 @@ def test_measured_tau_verifies_every_tree_whole(monkeypatch):
     heads = MedusaHeads(MedusaConfig(2, 1, 8, 16))
     tau = evaluate.measure_tau(loaded, heads, [[0], [0, 0]], ["a", "b"], max_new_tokens=6, tree="dynamic")
     assert tau["tau"] == 2.0 and asked and all(k.get("speculation") == "always" for k in asked)
+
+
+def test_a_run_that_ended_before_its_first_checkpoint_does_not_block_its_rerun(tiny, tmp_path):
+    """A run failing on its data (after its run.json and log were written) left a directory the corrected rerun
+    refused as "another run"; there is nothing to resume or lose in it. One with a checkpoint is still refused,
+    and Ctrl-C says which of the two it left."""
+    from specdec.train.cli import _what_is_left
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text("{}")
+    (out / "train.log").write_text("ERROR the data had no text field")
+    assert "saved no checkpoint yet" in _what_is_left(out)
+    assert trainer.prepare_output_dir(_cfg(tiny, out)) is None and not out.exists()
+    out.mkdir()
+    (out / "run.json").write_text("{}")
+    heads, optimizer, scheduler = _tiny_training_state()
+    ckpt_io.save_checkpoint(out, heads, optimizer, scheduler, 4, {}, "fp")
+    with pytest.raises(OutputDirError, match="is not empty"):
+        trainer.prepare_output_dir(_cfg(tiny, out))
+    assert _what_is_left(out) == "the checkpoint of step 4 is intact (continue with --resume)"
+    (out / "notes.txt").write_text("the user's")
+    (out / ckpt_io.CKPT).rename(tmp_path / "elsewhere")
+    with pytest.raises(OutputDirError, match="is not empty"):  # a file the run did not write: never replaced unasked
+        trainer.prepare_output_dir(_cfg(tiny, out))

@@ -42,12 +42,26 @@ def save_checkpoint(output_dir: Path, heads, optimizer, scheduler, step: int, co
     for f in tmp.iterdir():  # make the bytes durable before the rename makes them visible
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
+    if final.exists():  # else checkpoint.old is the complete one (a kill between the renames): kept until replaced
+        shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
+    _fsync_dir(output_dir)  # the renames durable before the old checkpoint goes
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # a platform whose directories cannot be opened (Windows): renames are what it offers
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def find_checkpoint(output_dir: Path) -> Path | None:
