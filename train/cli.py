@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from specdec.train.config import EVAL_TREES, LOSSES, PRECISIONS, PROMPT_SOURCES, SCHEDULES, SELF_PROMPTS
 
@@ -161,6 +162,20 @@ def config_from_args(args):
     )
 
 
+def _what_is_left(out: Path) -> str:
+    """After Ctrl-C: the checkpoint a --resume continues from, or that there is none."""
+    from specdec.train.checkpoint import find_checkpoint, read_state
+
+    ckpt = find_checkpoint(out)
+    if ckpt is None:
+        return "it saved no checkpoint yet (see --save-every), so a rerun starts again"
+    try:
+        step = read_state(ckpt)["step"]
+    except (OSError, ValueError, KeyError):
+        step = "?"
+    return f"the checkpoint of step {step} is intact (continue with --resume)"
+
+
 def run(args) -> int:
     from specdec.train.data import TrainDataError
     from specdec.train.pipeline import run_training
@@ -173,8 +188,7 @@ def run(args) -> int:
         print(f"specdec train-{args.drafter}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"specdec train-{args.drafter}: interrupted; the last checkpoint is intact (continue with --resume)",
-              file=sys.stderr)
+        print(f"specdec train-{args.drafter}: interrupted; {_what_is_left(Path(args.output_dir))}", file=sys.stderr)
         return 130
     if report:
         keys = ("top1", "top5", "tree", "seconds") if args.drafter == "eagle" else \

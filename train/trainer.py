@@ -35,6 +35,7 @@ from specdec.errors import SpecdecError
 
 logger = logging.getLogger(__name__)
 RUN_FILE = "run.json"
+NO_CHECKPOINT_RUN = frozenset({RUN_FILE, "train.log", "history.jsonl"})  # a run stopped before it saved anything
 
 
 class OutputDirError(SpecdecError, ValueError):
@@ -97,6 +98,13 @@ def prepare_output_dir(cfg: TrainConfig) -> Path | None:
             raise OutputDirError(f"--resume: the checkpoint in {out} is from a different configuration ({diff})")
         return ckpt
     if out.exists() and any(out.iterdir()):
+        left = sorted(p.name for p in out.iterdir())
+        if not cfg.overwrite and set(left) <= NO_CHECKPOINT_RUN:  # nothing to resume, nothing a rerun would lose
+            _check_deletable(out)
+            logger.warning("%s holds a run that ended before its first checkpoint (%s): replacing it", out,
+                           ", ".join(left))
+            shutil.rmtree(out)
+            return None
         if not cfg.overwrite:
             raise OutputDirError(f"{out} is not empty (it holds another run?): pass --resume to continue it or "
                                  "--overwrite to replace it")
