@@ -117,6 +117,8 @@ class _Rate:
 class CombinedDrafter(Drafter):
     """Several drafters as one: see the module docstring."""
 
+    options_config = CombinedConfig  # what **options configure (drafters.registry.option_names)
+
     def __init__(self, drafters: Sequence[Any] = ("ngram",), config: CombinedConfig | None = None,
                  verify_cost: Callable[[int], float] | None = None, **options: Any) -> None:
         if config is not None and options:

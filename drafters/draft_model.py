@@ -70,6 +70,7 @@ def num_params(module: Any) -> int:
 
 
 class DraftModelDrafter(ModelDrafter):
+    options_config = DraftConfig  # what **options configure (drafters.registry.option_names)
     name = "draft-model"
 
     def __init__(self, model: Any = None, tokenizer: Any = None, **options: Any) -> None:

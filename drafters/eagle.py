@@ -84,6 +84,7 @@ class EagleDraftConfig:
 
 
 class EagleDrafter(Drafter):
+    options_config = EagleDraftConfig  # what **options configure (drafters.registry.option_names)
     name = "eagle"
     needs_hidden_states = True
     pending_trees = True  # propose_pending: the engine may verify the trees before the host reads them

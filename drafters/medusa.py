@@ -89,6 +89,7 @@ class MedusaDraftConfig:
 
 
 class MedusaDrafter(Drafter):
+    options_config = MedusaDraftConfig  # what **options configure (drafters.registry.option_names)
     name = "medusa"
     needs_hidden_states = True
     catches_up = False  # the heads read the root's hidden state only: a first call is a step

@@ -81,6 +81,7 @@ class _SeqIndex:
 
 
 class NGramDrafter(Drafter):
+    options_config = NGramConfig  # what **options configure (drafters.registry.option_names)
     name = "ngram"
 
     def __init__(self, config: NGramConfig | None = None, **options: int) -> None:

@@ -1,10 +1,16 @@
-"""Drafter lookup by name: built-ins first, then the ``specdec.drafters`` entry points."""
+"""Drafter lookup by name: built-ins first, then the ``specdec.drafters`` entry points. Options a drafter does not
+take are refused by name with the list of those it does (a class forwarding ``**options`` to a config dataclass
+names it as ``options_config``)."""
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from importlib.metadata import entry_points
 from typing import Any
 
 from specdec.drafters.base import Drafter, as_drafter
+
+from specdec.errors import InputTypeError
 
 BUILTIN = {
     "ngram": "specdec.drafters.ngram:NGramDrafter",
@@ -47,4 +53,26 @@ def get_drafter(spec: Any, **options: Any) -> Drafter | None:
         if not eps:
             raise ValueError(f"unknown drafter {spec!r}; available: {', '.join(available())}")
         cls = eps[0].load()
+    known = option_names(cls)
+    unknown = sorted(set(options) - known) if known is not None else []
+    if unknown:
+        raise InputTypeError(f"drafter {spec!r} has no option {', '.join(map(repr, unknown))}; its options: "
+                             f"{', '.join(sorted(known))}")
     return cls(**options)
+
+
+def option_names(cls: type) -> set[str] | None:
+    """The options ``cls(**options)`` takes: its constructor's named parameters and, where it forwards the rest, the
+    fields of its ``options_config``; None when that cannot be told (a third party's ``**kwargs``)."""
+    names, rest = set(), False
+    for p in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+        if p.kind is p.VAR_KEYWORD:
+            rest = True
+        elif p.kind is not p.VAR_POSITIONAL:
+            names.add(p.name)
+    if not rest:
+        return names
+    config = getattr(cls, "options_config", None)
+    if config is None:
+        return None
+    return names | {f.name for f in dataclasses.fields(config) if f.init}

@@ -34,6 +34,7 @@ DEFAULT_DRAFT_TOKENS = 2
 
 
 class SelfDraftDrafter(ModelDrafter):
+    options_config = DraftConfig  # what **options configure (drafters.registry.option_names)
     name = "self-draft"
     shares_target_cache = True
     catches_up = False  # the first N layers' K/V of the prompt are the target's: a first call is a step

@@ -129,7 +129,7 @@ def gpt2_ckpt(tmp_path_factory):
         (["hi", "--model", "{ckpt}", "--drafter", "no-such-drafter"], "unknown drafter 'no-such-drafter'"),
         (["hi", "--model", "{ckpt}", "--do-sample", "--temperature", "0"], "temperature must be > 0"),
         (["hi", "--model", "{ckpt}", "--top-p", "1.5"], r"top_p must lie in \(0, 1\]"),
-        (["hi", "--model", "{ckpt}", "--drafter", "ngram", "--drafter-option", "bogus=1"], "unknown option"),
+        (["hi", "--model", "{ckpt}", "--drafter", "ngram", "--drafter-option", "bogus=1"], "has no option 'bogus'"),
         (["hi", "--model", "{ckpt}", "--drafter", "ngram", "--drafter-option", "bogus"], "KEY=VALUE"),
         (["hi", "--model", "{ckpt}", "--drafter-option", "num_draft_tokens=3"], "needs --drafter NAME"),
         (["hi", "--model", "{ckpt}", "--num-blocks", "1"], "KV cache out of blocks"),  # CacheFullError
