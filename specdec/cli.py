@@ -122,22 +122,11 @@ def _read_prompt(args) -> tuple[str, str]:
 
 def _check_device(spec: str):
     """`spec` as a torch.device this torch can allocate on, checked before the (slow) model load."""
-    import torch
+    from specdec.models.loader import check_device
 
-    try:
-        device = torch.device(spec)
-    except (RuntimeError, ValueError, TypeError):
-        raise CLIError(f"--device {spec!r} is not a device torch knows; use cpu, cuda or cuda:N") from None
-    if device.type == "meta":
+    if spec.strip() == "meta":
         raise CLIError("--device meta holds no weights; use cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CLIError(f"--device {spec!r}: no CUDA device is available (torch {torch.__version__})")
-    try:
-        torch.empty(1, device=device)
-    except Exception as err:  # noqa: BLE001 - each backend fails its own way (Assertion-, NotImplemented-, ...)
-        reason = (str(err).split(". ")[0].splitlines() or [type(err).__name__])[0][:200]  # first sentence
-        raise CLIError(f"--device {spec!r}: torch {torch.__version__} cannot use it ({reason})") from None
-    return device
+    return check_device(spec, "--device")
 
 
 def _add_generate(sub) -> None:

@@ -158,6 +158,9 @@ def _kv_cache(request: "GenerateRequest", fault: EngineFault | None) -> tuple[Pa
 
             graphed = model_graphs(runner, block_size, needed, check_fits)
             return graphed.cache_for(runner, block_size, needed), graphed
+    if graphs and not runner.backend.triton:  # CPU tests run uncaptured graphs on the Triton interpreter
+        raise InputError(f"cuda_graphs=True needs a CUDA device, and the model runs on {runner.device}: pass "
+                         "cuda_graphs='auto' (the default: graphs on CUDA, eager elsewhere) or False")
     blocks = needed if config.num_blocks is None else config.num_blocks
     blocks += int(graphs)  # the graphs' scratch slot holds one block
     check_cache_fits(shape, blocks, block_size, runner.dtype, runner.device, explicit=config.num_blocks is not None)

@@ -4,6 +4,7 @@ Ctrl-C while the command line is still importing torch, draft_probs that track g
 vocabulary, max_new_tokens=None, and sampling options given with greedy decoding."""
 from __future__ import annotations
 
+import importlib
 import logging
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def test_wrong_drafter_argument_types_are_one_line_before_the_model_loads(drafte
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the drafter argument was checked")
 
-    monkeypatch.setattr(sys.modules["specdec.generate"], "load_model", no_load)
+    monkeypatch.setattr(importlib.import_module("specdec.generate"), "load_model", no_load)  # imported lazily
     with pytest.raises(InputTypeError, match=match):
         specdec.generate(build_tiny_model(), [[1, 2]], max_new_tokens=2, drafter=drafter, drafter_options=options)
 
@@ -175,3 +176,17 @@ def test_the_command_line_takes_the_models_generation_config_where_no_flag_is_gi
     assert greedy[0]["new_tokens"] == 9 and greedy[0]["text"] == greedy[1]["text"]
     rc, line = run(capsys, "generate", "hello", "--model", str(path), "--max-new-tokens", "0")
     assert rc == 2 and "--max-new-tokens must be >= 1" in line
+
+
+@pytest.mark.parametrize("kwargs, said", [
+    (dict(device="tpu"), "device 'tpu' is not a device torch knows"),
+    (dict(dtype="fp8"), "dtype must be a floating torch.dtype or one of float32, bfloat16, float16, got 'fp8'"),
+    (dict(dtype=torch.int8), "dtype must be a floating torch.dtype"),
+])
+def test_load_model_refuses_a_bad_device_or_dtype_in_one_line(kwargs, said):
+    """load_model(device="tpu") raised torch's RuntimeError listing twenty backends, dtype="fp8" an AttributeError."""
+    with pytest.raises(InputError) as err:
+        specdec.load_model("synthetic:qwen3-0.6b@tiny", **kwargs)
+    assert str(err.value).startswith(said) and "\n" not in str(err.value)
+    named = specdec.load_model("synthetic:qwen3-0.6b@tiny", dtype="bfloat16", device="cpu")  # a dtype by its name
+    assert named.runner.dtype == torch.bfloat16

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from specdec.errors import InputTypeError
+from specdec.errors import InputError, InputTypeError
 from specdec.models import embedded, synthetic
 from specdec.models.fused_projections import pack_projections
 from specdec.models.llama import LlamaRunner
@@ -176,6 +176,35 @@ def _pack_on_cuda(model) -> None:
         logger.debug("fused %d QKV / gate-up projection blocks", blocks)
 
 
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def check_dtype(dtype: Any) -> torch.dtype | None:
+    """``dtype`` as a floating torch.dtype (a name among DTYPE_NAMES is taken too), or a one-line InputError."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPE_NAMES:
+        return getattr(torch, dtype.removeprefix("torch."))
+    raise InputError(f"dtype must be a floating torch.dtype or one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
+
+
+def check_device(spec: Any, label: str = "device") -> torch.device:
+    """``spec`` as a torch.device this torch can allocate on, checked before a (slow) model load; ``label`` names
+    the argument in the one-line InputError."""
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError, TypeError):
+        raise InputError(f"{label} {spec!r} is not a device torch knows; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"{label} {spec!r}: no CUDA device is available (torch {torch.__version__})")
+    try:
+        torch.empty(1, device=device)
+    except Exception as err:  # noqa: BLE001 - each backend fails its own way (Assertion-, NotImplemented-, ...)
+        reason = (str(err).split(". ")[0].splitlines() or [type(err).__name__])[0][:200]  # first sentence
+        raise InputError(f"{label} {spec!r}: torch {torch.__version__} cannot use it ({reason})") from None
+    return device
+
+
 def load_model(
     spec: Any,
     *,
@@ -186,6 +215,8 @@ def load_model(
 ) -> LoadedModel:
     if isinstance(spec, LoadedModel):
         return spec
+    dtype = check_dtype(dtype)
+    device = check_device(device) if device is not None else None
     if _is_hf_model(spec):
         model, name = spec, getattr(spec.config, "_name_or_path", type(spec).__name__)
         source = model_reference(getattr(spec.config, "_name_or_path", "") or "")
