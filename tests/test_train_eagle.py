@@ -181,7 +181,7 @@ def test_tree_choice_pairs_each_candidate_with_plain_decoding(monkeypatch):
               "seconds": {"data": 1, "train": 1, "eval": 1, "total": 3}}
     assert "No tree beat plain decoding" not in render_markdown(report)
     table[1]["speedup_vs_plain"] = 0.95
-    assert "No tree beat plain decoding on this machine** (the best: 0.95x)" in render_markdown(report)
+    assert "No tree beat plain decoding on this machine** (the best: 0.95x at tau 1.40" in render_markdown(report)
 
 
 def test_tree_choice_verifies_every_candidate_whole_and_stops_when_larger_trees_keep_losing(monkeypatch):
@@ -194,7 +194,8 @@ def test_tree_choice_verifies_every_candidate_whole_and_stops_when_larger_trees_
 
     def run(loaded, ids, max_new_tokens, drafter=None, **config):
         calls.append((drafter is not None, config.get("speculation")))
-        return (next(tree_speed) if drafter is not None and len(calls) > 1 else 1.0), 1.0
+        tree = drafter is not None and len(calls) > 1
+        return (next(tree_speed) if tree else 1.0), (1.5 if tree else 1.0)
 
     monkeypatch.setattr(eagle_evaluate, "_run", run)
     monkeypatch.setattr("specdec.drafters.eagle.EagleDrafter", lambda **options: options)
@@ -204,6 +205,91 @@ def test_tree_choice_verifies_every_candidate_whole_and_stops_when_larger_trees_
     assert [round(r["speedup_vs_plain"], 3) for r in table] == [1.1, 1.3, 1.2, 1.0]
     timed = calls[1:]  # after the warm-up: (plain, tree) per prompt per candidate
     assert timed[0::2] == [(False, None)] * 8 and timed[1::2] == [(True, "always")] * 8
+
+
+def test_without_timing_the_saved_tree_comes_from_the_accuracies_and_stays_within_the_trained_depth(tiny, tmp_path):
+    """eval_tau off: the saved tree is the deepest depth (up to the trained one) whose chain-acceptance estimate,
+    the product of the per-depth top-1, is >= 0.1, not EagleConfig's default depth-5 tree; the report says so."""
+    from transformers import AutoConfig
+
+    report = run_training(_cfg(tiny, tmp_path / "r", max_steps=2, save_every=2))
+    assert report["tree"]["depth"] <= 2 and report["tree_choice"]["by"] == "accuracies"
+    assert "**not timed** (--no-eval-tau)" in (tmp_path / "r" / "report.md").read_text()
+    from specdec.train.eagle_evaluate import tree_from_accuracies
+
+    expected = tree_from_accuracies(report["top1"], 2)[0]
+    assert (report["tree"]["depth"], report["tree"]["top_k"], report["tree"]["max_nodes"]) == expected
+    eagle = load_eagle(tmp_path / "r", AutoConfig.from_pretrained(tiny / "model"))
+    assert (eagle.config.depth, eagle.config.top_k, eagle.config.max_nodes) == expected
+    assert tree_from_accuracies([0.6, 0.5, 0.4, 0.3], train_depth=4) == ((3, 3, 6), pytest.approx([0.6, 0.3, 0.12,
+                                                                                                    0.036]))
+    assert tree_from_accuracies([0.6, 0.5, 0.4, 0.3], train_depth=2)[0] == (2, 1, 2)
+    assert tree_from_accuracies([0.05, 0.9], train_depth=2)[0] == (1, 1, 1)  # nothing pays: the smallest tree
+
+
+def test_a_tree_that_accepted_nothing_does_not_win_by_timing_noise(monkeypatch, caplog):
+    """Every candidate at tau 1.00 (nothing accepted), one timed at 1.01x of plain: noise, not a win. The smallest
+    tree is saved, the log warns and the report says no tree beat plain decoding."""
+    from specdec.train import eagle_evaluate
+    from specdec.train.eagle_report import render_markdown
+
+    speeds = iter([(50.0, 1.0),  # warm-up
+                   (10.0, 1.0), (10.0, 1.0), (10.0, 1.0), (10.0, 1.0),  # candidate 1: plain, tree per prompt
+                   (10.0, 1.0), (10.1, 1.0), (10.0, 1.0), (10.1, 1.0)])  # candidate 2: 1.01x, tau 1
+    monkeypatch.setattr(eagle_evaluate, "_run", lambda *a, **k: next(speeds))
+    monkeypatch.setattr("specdec.drafters.eagle.EagleDrafter", lambda **options: options)
+    with caplog.at_level("WARNING", logger="specdec.train.eagle_evaluate"):
+        best, table = eagle_evaluate.choose_tree_by_speed(None, None, [[1], [2]], 4,
+                                                          candidates=((1, 1, 1), (2, 1, 2)))
+    assert best == (1, 1, 1) and round(table[1]["speedup_vs_plain"], 3) == 1.01
+    assert "no tree beat plain decoding" in caplog.text
+    report = {"config": {"eagle_steps": 2}, "draft_vocab": {}, "model": "m", "steps": 1, "train_sequences": 1,
+              "processes": 1, "final_loss": 1.0, "held_out_sequences": 1, "top1": [0.5], "top5": [0.7],
+              "tree_measurements": table, "tree": {"depth": 1, "top_k": 1, "max_nodes": 1},
+              "seconds": {"data": 1, "train": 1, "eval": 1, "total": 3}}
+    assert "No tree beat plain decoding on this machine** (the best: 1.01x at tau 1.00" in render_markdown(report)
+    table[1]["tau"] = 1.3  # drafts accepted, but 1.01x is still within noise
+    assert not eagle_evaluate.tree_pays(table[1])
+    table[1]["speedup_vs_plain"] = 1.1
+    assert eagle_evaluate.tree_pays(table[1]) and "No tree beat" not in render_markdown(report)
+
+
+def test_tree_choice_shows_a_progress_bar_when_the_run_does(tiny, tmp_path, monkeypatch):
+    """The tree choice (minutes in the quick recipe) drives a bar over the timed prompts; cfg.progress reaches it."""
+    import tqdm.auto
+    from specdec.train import eagle_evaluate, eagle_report
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total=None, **kw):
+            self.total, self.n, self.kw = total, 0, kw
+            bars.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def close(self):
+            pass
+
+    with monkeypatch.context() as m:
+        m.setattr(tqdm.auto, "tqdm", Bar)
+        m.setattr(eagle_evaluate, "_run", lambda *a, **k: (10.0, 1.5))
+        m.setattr("specdec.drafters.eagle.EagleDrafter", lambda **options: options)
+        eagle_evaluate.choose_tree_by_speed(None, None, [[1], [2], [3]], 4, candidates=((1, 1, 1), (2, 1, 2)),
+                                            progress=True)
+    assert [(b.total, b.n, b.kw.get("desc")) for b in bars] == [(6, 6, "tree choice")]
+    seen = []
+
+    def choose(loaded, eagle, prompts, max_new_tokens, **kw):
+        seen.append(kw.get("progress"))
+        return (1, 1, 1), [{"depth": 1, "top_k": 1, "max_nodes": 1, "tau": 1.5, "tokens_per_s": 10.0,
+                            "plain_tokens_per_s": 8.0, "speedup_vs_plain": 1.25}]
+
+    monkeypatch.setattr(eagle_report, "choose_tree_by_speed", choose)
+    run_training(_cfg(tiny, tmp_path / "on", max_steps=1, save_every=1, eval_tau=True, progress=True))
+    run_training(_cfg(tiny, tmp_path / "off", max_steps=1, save_every=1, eval_tau=True, progress=False))
+    assert seen == [True, False]
 
 
 # ---- EAGLE-3 ------------------------------------------------------------------------------------------------------

@@ -146,6 +146,22 @@ def test_max_grad_norm_clips_every_step_and_zero_means_off(tiny, tmp_path, monke
         _cfg(tiny, tmp_path, max_grad_norm=-1.0)
 
 
+def test_logged_lr_is_the_one_each_step_used(tiny, tmp_path, monkeypatch):
+    """history.jsonl's lr is the rate the optimizer stepped with, not the scheduler's next one: with 3 warmup steps
+    the first step uses lr / 4."""
+    used, real_step = [], torch.optim.AdamW.step
+
+    def step(self, *a, **k):
+        used.append(self.param_groups[0]["lr"])
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    cfg = _cfg(tiny, tmp_path, warmup_steps=3, schedule="cosine")
+    history = trainer.train_heads(cfg, *_model_and_seqs(tiny), _accelerator(), None)[1]
+    assert [h["lr"] for h in history] == used
+    assert used[0] == pytest.approx(cfg.lr / 4) and used[3] == pytest.approx(cfg.lr)
+
+
 def _model_and_seqs(tiny):
     from transformers import AutoModelForCausalLM
 

@@ -2,9 +2,10 @@
 
     acc = eagle_accuracies(model, eagle, held_out, steps=3)          # {"top1": [...], "top5": [...]}
     best, table = choose_tree_by_speed(loaded, eagle, prompts, max_new_tokens=64)
+    best, chain = tree_from_accuracies(acc["top1"], train_depth=3)  # --no-eval-tau: nothing timed
 
 The tree (depth, top-k, node budget) is not taken from a table: each candidate drafts the same
-held-out chat prompts, each right after plain decoding of the same prompt, and the candidate with the
+held-out chat prompts, each right after plain decoding of the same prompt, and the paying candidate with the
 highest speedup over plain decoding is written to the checkpoint together with the measurements.
 """
 from __future__ import annotations
@@ -23,6 +24,29 @@ logger = logging.getLogger(__name__)
 # costs a decode step, the padded 1-row product's own price, 3-4 rows 1.35 and 6 rows 1.8), larger for GPUs
 TREE_CANDIDATES = ((1, 1, 1), (2, 1, 2), (3, 1, 3), (3, 2, 4), (3, 3, 6), (4, 4, 10), (5, 6, 16), (6, 8, 24),
                    (6, 10, 40))
+# a measured speedup below this is timing noise, not a win (a tree that accepted nothing has measured 1.01x)
+PAYS_MARGIN = 1.02
+# tree_from_accuracies: a depth whose whole chain is accepted less often adds less than this many tokens per step,
+# about what drafting one more depth costs (δ ≈ 0.1 of a decode step, docs/training/eagle.md)
+MIN_CHAIN_ACCEPTANCE = 0.1
+
+
+def tree_pays(m: dict) -> bool:
+    """A measured candidate pays only if it accepted drafts (tau above 1) and beat plain decoding past noise."""
+    return m["tau"] > 1.0 and m["speedup_vs_plain"] >= PAYS_MARGIN
+
+
+def tree_from_accuracies(top1: list[float], train_depth: int, candidates=TREE_CANDIDATES,
+                         min_chain: float = MIN_CHAIN_ACCEPTANCE) -> tuple[tuple[int, int, int], list[float]]:
+    """The tree without timing: the deepest depth up to ``train_depth`` whose estimated chance of accepting the
+    whole chain (the product of the per-depth top-1) is still >= ``min_chain`` (at least depth 1), with the largest
+    candidate of at most that depth. Returns it and the chain estimates."""
+    chain, p = [], 1.0
+    for a in top1[:train_depth]:
+        p *= a
+        chain.append(p)
+    depth = max(1, sum(c >= min_chain for c in chain))  # accuracies <= 1: the products never rise
+    return max((c for c in candidates if c[0] <= depth), key=lambda c: (c[0], c[2])), chain
 
 
 @torch.no_grad()
@@ -63,16 +87,23 @@ def _run(loaded, ids, max_new_tokens: int, drafter=None, **config) -> tuple[floa
 
 
 def choose_tree_by_speed(loaded, eagle, prompts: list[list[int]], max_new_tokens: int, candidates=TREE_CANDIDATES,
-                         patience: int = 2, **config) -> tuple[tuple[int, int, int], list[dict]]:
-    """Time each candidate tree against plain decoding on the same prompts (batch 1, greedy) and return the one
-    with the highest speedup, with the table. Plain decoding runs right before each candidate on each prompt, and
-    a candidate's speedup is the geometric mean of those per-prompt ratios, so a machine whose speed drifts moves
-    both sides of every ratio alike. Every candidate's tree is verified whole (``speculation="always"``): under the
-    default guard a tree that does not pay is left out and the candidate times plain decoding. Candidates go from
-    small to large; after ``patience`` in a row below the best so far the larger ones are not tried."""
+                         patience: int = 2, progress: bool = False,
+                         **config) -> tuple[tuple[int, int, int], list[dict]]:
+    """Time each candidate tree against plain decoding on the same prompts (batch 1, greedy) and return the paying
+    one (``tree_pays``) with the highest speedup, with the table; when none pays, the smallest tree. Plain decoding
+    runs right before each candidate on each prompt, and a candidate's speedup is the geometric mean of those
+    per-prompt ratios, so a machine whose speed drifts moves both sides of every ratio alike. Every candidate's
+    tree is verified whole (``speculation="always"``): under the default guard a tree that does not pay is left out
+    and the candidate times plain decoding. Candidates go from small to large; after ``patience`` in a row below the
+    best so far the larger ones are not tried. ``progress``: a tqdm bar over the timed prompts."""
     from specdec.drafters.eagle import EagleDrafter
 
     table = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(candidates) * len(prompts), desc="tree choice", unit="prompt")
     # warm-up, with a drafter: the first drafting call of a process loads (on a fresh machine: calibrates, ~10 s)
     # the cost model, which once landed in the first candidate's time (depth 1 measured 0.90x, then 1.17x)
     _run(loaded, prompts[:1], 8, EagleDrafter(model=eagle, depth=1, top_k=1, max_nodes=1), **config)
@@ -85,6 +116,8 @@ def choose_tree_by_speed(loaded, eagle, prompts: list[list[int]], max_new_tokens
             runs.append(_run(loaded, [p], max_new_tokens, EagleDrafter(model=eagle, depth=depth, top_k=top_k,
                                                                       max_nodes=nodes, adapt_depth=False),
                              **{**config, "speculation": "always"}))
+            if bar is not None:
+                bar.update(1)
         speedup = math.exp(sum(math.log(r[0] / b) for r, b in zip(runs, plain)) / len(runs))
         best_so_far = max((r["speedup_vs_plain"] for r in table), default=0.0)
         table.append({"depth": depth, "top_k": top_k, "max_nodes": nodes,
@@ -97,5 +130,16 @@ def choose_tree_by_speed(loaded, eagle, prompts: list[list[int]], max_new_tokens
             logger.info("eagle tree choice: %d candidates in a row slower than the best; larger ones not tried",
                         patience)
             break
-    best = max(table, key=lambda r: r["speedup_vs_plain"])
+    if bar is not None:
+        bar.close()
+    paying = [r for r in table if tree_pays(r)]
+    if paying:
+        best = max(paying, key=lambda r: r["speedup_vs_plain"])
+    else:
+        top = max(table, key=lambda r: r["speedup_vs_plain"])
+        best = min(table, key=lambda r: (r["max_nodes"], r["depth"]))
+        logger.warning("eagle tree choice: no tree beat plain decoding (the best: %.2fx, tau %.2f; a tree pays with "
+                       "tau above 1 and at least %.2fx); saving the smallest, depth %d top-k %d nodes %d",
+                       top["speedup_vs_plain"], top["tau"], PAYS_MARGIN, best["depth"], best["top_k"],
+                       best["max_nodes"])
     return (best["depth"], best["top_k"], best["max_nodes"]), table

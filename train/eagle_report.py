@@ -2,8 +2,8 @@
 
     report = finish_eagle(cfg, loaded, eagle, history, held_out, train_seqs, vocab_info, times, accelerator)
 
-Writes ``config.json`` + ``model.safetensors`` (drafters/eagle_checkpoint.py) with the chosen tree,
-``report.json`` and ``report.md`` into the output directory.
+Writes ``config.json`` + ``model.safetensors`` (drafters/eagle_checkpoint.py) with the chosen tree (timed; with
+``eval_tau`` off, from the accuracies), ``report.json`` and ``report.md`` into the output directory.
 """
 from __future__ import annotations
 
@@ -14,7 +14,14 @@ import time
 from pathlib import Path
 
 from specdec.drafters.eagle_checkpoint import save_eagle
-from specdec.train.eagle_evaluate import choose_tree_by_speed, eagle_accuracies
+from specdec.train.eagle_evaluate import (
+    MIN_CHAIN_ACCEPTANCE,
+    PAYS_MARGIN,
+    choose_tree_by_speed,
+    eagle_accuracies,
+    tree_from_accuracies,
+    tree_pays,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +43,17 @@ def finish_eagle(cfg, loaded, eagle, history, held_out, train_seqs, vocab_info: 
 
         prompts = [encode_prompt(loaded.tokenizer, p) for p in load_prompts("chat", cfg.eval_prompts)]
         save_eagle(eagle, out)  # the measurement below loads nothing, but a kill here keeps the weights
-        (depth, top_k, nodes), tree_table = choose_tree_by_speed(loaded, eagle, prompts, cfg.eval_max_new_tokens)
-        eagle.config = dataclasses.replace(eagle.config, depth=depth, top_k=top_k, max_nodes=nodes)
+        (depth, top_k, nodes), tree_table = choose_tree_by_speed(loaded, eagle, prompts, cfg.eval_max_new_tokens,
+                                                                 progress=cfg.progress)
+        choice = {"by": "speed", "pays": any(tree_pays(m) for m in tree_table)}
+    else:  # nothing timed: the depth the accuracies support, at most the trained one
+        which = "response_top1" if acc.get("response_top1") else "top1"
+        (depth, top_k, nodes), chain = tree_from_accuracies(acc[which], cfg.eagle_steps)
+        choice = {"by": "accuracies", "accuracies": which, "chain_acceptance": chain,
+                  "min_chain_acceptance": MIN_CHAIN_ACCEPTANCE}
+        logger.info("eagle tree from the %s accuracies, not timed (eval_tau off): depth %d top-k %d nodes %d "
+                    "(estimated chain acceptance %s)", which, depth, top_k, nodes, [round(c, 3) for c in chain])
+    eagle.config = dataclasses.replace(eagle.config, depth=depth, top_k=top_k, max_nodes=nodes)
     save_eagle(eagle, out, extra={"draft_vocab_coverage": vocab_info.get("coverage")})
     t_end = time.perf_counter()
     report = {
@@ -47,7 +63,7 @@ def finish_eagle(cfg, loaded, eagle, history, held_out, train_seqs, vocab_info: 
         "top1": acc["top1"], "top5": acc["top5"], "positions": acc["positions"], "draft_vocab": vocab_info,
         "response_top1": acc.get("response_top1"), "response_top5": acc.get("response_top5"),
         "tree": {"depth": eagle.config.depth, "top_k": eagle.config.top_k, "max_nodes": eagle.config.max_nodes},
-        "tree_measurements": tree_table,
+        "tree_choice": choice, "tree_measurements": tree_table,
         "seconds": {"data": times["data"] - times["start"], "train": times["train"] - times["data"],
                     "eval": t_end - times["train"], "total": t_end - times["start"]},
         "processes": accelerator.num_processes,
@@ -83,14 +99,28 @@ def render_markdown(r: dict) -> str:
         for m in r["tree_measurements"]:
             lines.append(f"| {m['depth']} | {m['top_k']} | {m['max_nodes']} | {m['tau']:.2f} | "
                          f"{m['tokens_per_s']:.1f} | {m['speedup_vs_plain']:.2f}x |")
-    t = r["tree"]
-    lines += ["", f"Saved tree: depth {t['depth']}, top-k {t['top_k']}, {t['max_nodes']} nodes."]
-    best = max((m["speedup_vs_plain"] for m in r["tree_measurements"]), default=None)
-    if best is not None and best < 1.0:
-        lines += ["", f"**No tree beat plain decoding on this machine** (the best: {best:.2f}x). The saved tree is the "
-                  "least slow; at run time the break-even guard decodes plainly wherever drafting is not expected "
-                  "to pay, so this layer stays near plain decoding here. More varied training data raises its "
-                  "acceptance; a machine where verifying a tree costs less (a GPU) changes the balance."]
+    t, choice = r["tree"], r.get("tree_choice") or {}
+    saved = f"Saved tree: depth {t['depth']}, top-k {t['top_k']}, {t['max_nodes']} nodes"
+    if r["tree_measurements"]:
+        lines += ["", saved + "."]
+        if not any(tree_pays(m) for m in r["tree_measurements"]):
+            top = max(r["tree_measurements"], key=lambda m: m["speedup_vs_plain"])
+            lines += ["", f"**No tree beat plain decoding on this machine** (the best: {top['speedup_vs_plain']:.2f}x "
+                      f"at tau {top['tau']:.2f}; a tree pays only with tau above 1 and at least {PAYS_MARGIN:.2f}x, "
+                      "past timing noise). The saved tree is the smallest; at run time the break-even guard decodes "
+                      "plainly wherever drafting is not expected to pay, so this layer stays near plain decoding "
+                      "here. More varied training data raises its acceptance; a machine where verifying a tree "
+                      "costs less (a GPU) changes the balance."]
+    elif choice.get("by") == "accuracies":
+        which = "responses-only top-1" if choice["accuracies"] == "response_top1" else "top-1"
+        chain = ", ".join(f"{c:.2f}" for c in choice["chain_acceptance"])
+        lines += ["", f"{saved}, chosen from the {which} accuracies above, **not timed** (--no-eval-tau): the "
+                  f"deepest depth up to the trained {c['eagle_steps']} whose estimated chance of accepting the whole "
+                  f"chain (the product of the per-depth top-1: {chain}) is at least "
+                  f"{choice['min_chain_acceptance']:.2f}, with the largest candidate tree of that depth. Whether it "
+                  "pays on a machine was not measured."]
+    else:
+        lines += ["", saved + " (not measured)."]
     s = r["seconds"]
     lines += ["", f"Wall time: data {s['data']:.0f} s, training {s['train']:.0f} s, evaluation {s['eval']:.0f} s, "
               f"total {s['total']:.0f} s", ""]

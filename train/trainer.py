@@ -264,12 +264,13 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
             stats[0] /= nproc
         if cfg.max_grad_norm > 0:  # after the averaging: every process clips the same gradient
             torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]  # the rate this step uses (scheduler.step() below moves to the next)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
         top1 = [float(stats[1 + i] / max(1.0, float(stats[1 + depths + i]))) for i in range(depths)]
-        rec = {"step": step, "loss": float(stats[0]), "top1": top1, "lr": scheduler.get_last_lr()[0]}
+        rec = {"step": step, "loss": float(stats[0]), "top1": top1, "lr": lr}
         if accelerator.is_main_process:
             history.append(rec)
             with open(hist_file, "a") as f:
