@@ -98,7 +98,13 @@ def _check_argument(value: str, source: str) -> str:
 
 
 def _read_prompt(args) -> tuple[str, str]:
-    """`(prompt, where it came from)`: the argument, --prompt-file, or stdin."""
+    """`(prompt, where it came from)`: the argument, --prompt-file, or stdin, less the one trailing newline a file
+    or `echo` ends with (the argument is taken as it is)."""
+    text, where = _read_prompt_text(args)
+    return (text[:-1] if where != "the prompt argument" and text.endswith("\n") else text), where
+
+
+def _read_prompt_text(args) -> tuple[str, str]:
     if args.prompt_file is not None and args.prompt is not None:
         raise CLIError(f"got a prompt argument and --prompt-file {args.prompt_file!r}: give the prompt one way only")
     if args.prompt_file is not None:
@@ -132,8 +138,8 @@ def _check_device(spec: str):
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text, plainly or speculatively",
                        description="Generate text from a prompt and print it with its speed.")
-    p.add_argument("prompt", nargs="?", help="the prompt ('-' or omitted: read stdin)")
-    p.add_argument("--prompt-file", help="read the prompt from this file")
+    p.add_argument("prompt", nargs="?", help="the prompt ('-' or omitted: read stdin, less one trailing newline)")
+    p.add_argument("--prompt-file", help="read the prompt from this file (less one trailing newline)")
     p.add_argument("--model", default=DEFAULT_ALIAS,
                    help=f"checkpoint directory, .gguf file or alias (default: {DEFAULT_ALIAS})")
     p.add_argument("--drafter", default=None, help="drafter name, e.g. ngram (default: plain decoding)")
@@ -332,6 +338,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
+def _verbose_everywhere(parser: argparse.ArgumentParser) -> None:
+    """-v after the command as before it (specdec generate -v ...): every subcommand's parser takes it too."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                                 help="log progress; on errors show the traceback (as specdec -v)")
+                _verbose_everywhere(sub)
+
+
 def _command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
     """The parser of the (sub)command ``args`` ran: ``specdec eval lossless``'s for ``specdec eval lossless ...``."""
     while subs := [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]:
@@ -353,6 +369,7 @@ def _main(argv: list[str]) -> int:
                 raise
             continue
         module.add_parser(sub)
+    _verbose_everywhere(parser)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's parser: "specdec generate: error: unrecognized arguments: ..."
         _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -376,7 +393,7 @@ def _main(argv: list[str]) -> int:
             _silence_stdout()
             return 141  # 128 + SIGPIPE, what the shell reports for `yes | head`
         _flush_stdout()  # streamed text first, then the error on its own line
-        message = " ".join(str(err).split()) or type(err).__name__
+        message = (" ".join(str(err).split()) or type(err).__name__).removeprefix(f"{args.command}: ")
         print(f"specdec {args.command}: error: {message}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as err:  # an extra was not installed (README: "What each command needs")

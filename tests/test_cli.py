@@ -56,11 +56,11 @@ def test_prompt_from_argument_prints_the_text_and_a_summary_line(ckpt, capsys):
 def test_prompt_file_stdin_and_dash_give_the_same_output(ckpt, capsys, monkeypatch, tmp_path):
     _, reference, _ = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(N))
     prompt_file = tmp_path / "prompt.txt"
-    prompt_file.write_text(PROMPT, encoding="utf-8")
+    prompt_file.write_text(PROMPT + "\n", encoding="utf-8")  # a file's, or echo's, last newline is not the prompt's
     rc, out, _ = run(capsys, "--prompt-file", str(prompt_file), "--model", ckpt, "--max-new-tokens", str(N))
     assert rc == 0 and out == reference
     for argv in ([], ["-"]):
-        monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+        monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT + "\n"))
         rc, out, _ = run(capsys, *argv, "--model", ckpt, "--max-new-tokens", str(N))
         assert rc == 0 and out == reference, argv
     # a different prompt gives a different text: the prompt really is read from where it is given

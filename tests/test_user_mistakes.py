@@ -190,3 +190,16 @@ def test_load_model_refuses_a_bad_device_or_dtype_in_one_line(kwargs, said):
     assert str(err.value).startswith(said) and "\n" not in str(err.value)
     named = specdec.load_model("synthetic:qwen3-0.6b@tiny", dtype="bfloat16", device="cpu")  # a dtype by its name
     assert named.runner.dtype == torch.bfloat16
+
+
+def test_verbose_after_the_command_and_no_repeated_prefix(tmp_path, capsys):
+    """-v after the command was an unrecognized argument; an error message that names its command was printed
+    after the command's prefix again ("specdec export-head: error: export-head: ...")."""
+    rc, line = run(capsys, "export-head", str(tmp_path / "nowhere"), "--format", "sglang", "--output-dir",
+                   str(tmp_path / "o"))
+    assert rc == 2 and line.startswith("specdec export-head: error: ") and line.count("export-head:") == 1
+    from specdec.errors import InputError
+
+    with pytest.raises(InputError, match="does not exist"):  # -v shows the traceback: the error is raised
+        main(["export-head", str(tmp_path / "nowhere"), "--format", "sglang", "--output-dir", str(tmp_path / "o"),
+              "-v"])

@@ -185,6 +185,8 @@ def run(args) -> int:
     try:
         report = run_training(config_from_args(args))
     except (TrainDataError, OutputDirError, ValueError, FileNotFoundError) as err:
+        if getattr(args, "verbose", False):  # -v: the traceback, as for every other command
+            raise
         print(f"specdec train-{args.drafter}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
