@@ -6,8 +6,8 @@
 
 * EAGLE-3 heads (any layout the eagle drafter loads): ``speculators`` (vLLM reads it directly; ``vllm`` is an
   alias) or ``sglang`` (EAGLE's own layout, ``midlayer.*``); :mod:`specdec.drafters.head_layouts`.
-* Medusa heads with their own LM heads over the full vocabulary: vLLM's Medusa layout (``blocks.{h}.layers.{l}``,
-  ``lm_heads.{h}``, ``model_type: medusa``).
+* Medusa heads with their own LM heads: vLLM's Medusa layout (``blocks.{h}.layers.{l}``, ``lm_heads.{h}``,
+  ``model_type: medusa``; a reduced draft vocabulary as ``token_map`` with ``truncated_vocab_size``).
 * EAGLE-1 heads: no serving engine loads specdec's layer (its input / output norms and reduced head), so the
   command refuses in one line.
 
@@ -20,6 +20,7 @@ import json
 import re
 from pathlib import Path
 
+import torch
 from specdec.drafters.eagle_checkpoint import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -103,10 +104,9 @@ def _export_medusa(src: Path, fmt: str, out: Path, target: str | None) -> Path:
         raise InputError(f"export-head: Medusa heads are written in vLLM's layout (--format vllm), not {fmt!r}")
     heads = load_medusa(src)
     c = heads.config
-    if c.shared_lm_head or c.draft_vocab:
-        raise InputError("export-head: vLLM's Medusa layout needs each head's own LM head over the full "
-                         "vocabulary; these heads " + ("share the target's" if c.shared_lm_head else
-                                                       f"score a reduced vocabulary of {len(c.draft_vocab)} tokens"))
+    if c.shared_lm_head:
+        raise InputError("export-head: vLLM's Medusa layout needs each head's own LM head; these heads share the "
+                         "target's")
     tensors = {}
     for key, value in heads.heads.state_dict().items():
         head, layer, *rest = key.split(".")
@@ -115,8 +115,11 @@ def _export_medusa(src: Path, fmt: str, out: Path, target: str | None) -> Path:
         else:  # {head}.{layer}.linear.{weight,bias}
             tensors[f"blocks.{head}.layers.{layer}.{rest[-1]}"] = value
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    if c.draft_vocab:  # vLLM scatters row j of each head's logits to token token_map[j]
+        tensors["token_map"] = torch.tensor(c.draft_vocab, dtype=torch.int64)
     config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": c.hidden_size,
-              "vocab_size": c.vocab_size, "truncated_vocab_size": c.vocab_size, "num_heads": c.num_heads,
+              "vocab_size": c.vocab_size, "truncated_vocab_size": len(c.draft_vocab) or c.vocab_size,
+              "num_heads": c.num_heads,
               "num_hidden_layers": c.num_layers, "original_lm_head": False,
               "medusa_fc_bias": any(k.endswith(".bias") for k in tensors),
               "base_model_name_or_path": _target(c.base_model_name_or_path, target, src)}

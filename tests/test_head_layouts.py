@@ -243,6 +243,32 @@ def test_medusa_heads_export_to_vllms_layout_with_the_same_logits(tmp_path):
         torch.testing.assert_close(y @ sd[f"lm_heads.{h}.weight"].T, want[h], rtol=1e-5, atol=1e-5)
 
 
+def test_medusa_heads_of_a_reduced_vocabulary_export_with_vllms_token_map(tmp_path):
+    """vLLM's Medusa scatters row j of each head's logits to token token_map[j] (-inf elsewhere) when
+    truncated_vocab_size < vocab_size; such heads were refused as having no place there."""
+    torch.manual_seed(0)
+    vocab = (57, 3, 89, 12, 40)  # frequency order, as --draft-vocab keeps it
+    heads = MedusaHeads(MedusaConfig(2, 1, H, V, base_model_name_or_path="t", draft_vocab=vocab))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.1)
+    (tmp_path / "m").mkdir()
+    save_medusa(heads, tmp_path / "m")
+    export_head(tmp_path / "m", "vllm", tmp_path / "v")
+    raw = json.loads((tmp_path / "v" / "config.json").read_text())
+    assert (raw["vocab_size"], raw["truncated_vocab_size"]) == (V, len(vocab))
+    sd = load_file(str(tmp_path / "v" / "model.safetensors"))
+    assert sd["token_map"].dtype == torch.int64 and sd["token_map"].tolist() == list(vocab)
+    x = torch.randn(4, H)
+    want = heads(x)  # [heads, rows, N]: column j scores token vocab[j]
+    for h in range(2):
+        y = x + torch.nn.functional.silu(x @ sd[f"blocks.{h}.layers.0.weight"].T + sd[f"blocks.{h}.layers.0.bias"])
+        scattered = torch.full((4, V), float("-inf"))
+        scattered[:, sd["token_map"]] = y @ sd[f"lm_heads.{h}.weight"].T
+        torch.testing.assert_close(scattered[:, list(vocab)], want[h], rtol=1e-5, atol=1e-5)
+        assert scattered.argmax(-1).tolist() == [vocab[j] for j in want[h].argmax(-1).tolist()]
+
+
 def test_export_replaces_nothing_unasked(tmp_path, capsys):
     """export-head wrote its config.json over whatever --output-dir held (a trained Medusa head there no longer
     loaded); now a non-empty directory needs --overwrite, which replaces an earlier export only."""
