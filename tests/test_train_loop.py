@@ -287,7 +287,10 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny, tmp_path, monkeypatch
     assert ckpt_io.read_state(ckpt_io.find_checkpoint(part))["step"] == 4
     with pytest.raises(OutputDirError, match="different configuration.*num_heads"):
         run_training(_cfg(tiny, part, eval_tau=False, resume=True, num_heads=3))
-    run_training(_cfg(tiny, part, eval_tau=False, resume=True))
+    with pytest.raises(OutputDirError, match=r"different configuration \(max_steps: checkpoint 6 vs now 8\)"):
+        run_training(_cfg(tiny, part, eval_tau=False, resume=True, max_steps=8))
+    # --epochs is ignored under --max-steps: resuming with another value is the same run (it was refused)
+    run_training(_cfg(tiny, part, eval_tau=False, resume=True, epochs=7))
     a, b = load_file(str(full / "medusa_lm_head.safetensors")), load_file(str(part / "medusa_lm_head.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ha = [json.loads(x) for x in (full / "history.jsonl").read_text().splitlines()]

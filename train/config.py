@@ -154,7 +154,10 @@ class TrainConfig:
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
 
     def differences(self, other: dict) -> list[str]:
+        """The fields that shape the trained heads and differ from ``other`` (a saved config): what a resume
+        refuses. ``epochs`` does not count where both set ``max_steps``, which overrides it."""
         other = {**_ADDED_LATER, **other}
         mine = asdict(self)
+        ignored = {"epochs"} if mine["max_steps"] is not None and other.get("max_steps") == mine["max_steps"] else set()
         return [f"{k}: checkpoint {other.get(k)!r} vs now {mine[k]!r}" for k in sorted(mine)
-                if k not in RESUMABLE_FIELDS and other.get(k) != mine[k]]
+                if k not in RESUMABLE_FIELDS | ignored and other.get(k) != mine[k]]

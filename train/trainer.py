@@ -93,9 +93,11 @@ def prepare_output_dir(cfg: TrainConfig) -> Path | None:
             raise OutputDirError(f"--resume: {out} holds no checkpoint to resume from")
         ckpt_io.check_readable(ckpt)
         state = ckpt_io.read_state(ckpt)
-        if state["fingerprint"] != cfg.fingerprint():
-            diff = "; ".join(cfg.differences(state["config"])) or "unknown"
-            raise OutputDirError(f"--resume: the checkpoint in {out} is from a different configuration ({diff})")
+        diff = cfg.differences(state["config"]) if state["fingerprint"] != cfg.fingerprint() else []
+        if diff:  # the fingerprints of configs that differ only where nothing trained changes (--epochs under
+            # --max-steps) differ too: the fields decide
+            raise OutputDirError(f"--resume: the checkpoint in {out} is from a different configuration "
+                                 f"({'; '.join(diff)})")
         return ckpt
     if out.exists() and any(out.iterdir()):
         left = sorted(p.name for p in out.iterdir())
