@@ -27,6 +27,7 @@ from specdec.drafters.draft_vocab import DraftVocab
 from specdec.drafters.model_drafter import DraftConfig, ModelDrafter
 from specdec.drafters.vocab_sources import check_spec, resolve_draft_vocab
 
+from specdec.errors import InputError
 from specdec.models.llama import LlamaRunner
 
 DEFAULT_LAYERS = 4
@@ -58,7 +59,8 @@ class SelfDraftDrafter(ModelDrafter):
     def make_runner(self, target: TargetView) -> LlamaRunner:
         total = target.runner.shape.num_layers
         if self.num_layers >= total:
-            raise ValueError(f"self-draft: num_layers={self.num_layers} must be below the target's {total} layers")
+            raise InputError(f"self-draft: num_layers={self.num_layers} must be below the target's {total} layers; "
+                             f"give a num_layers option from 1 to {total - 1}")
         runner = target.runner.truncated(self.num_layers)
         if self.draft_vocab_spec is not None:
             vocab_size = target.runner.shape.vocab_size

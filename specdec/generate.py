@@ -159,6 +159,8 @@ def prepare(model: Any, input_ids: Any, *, drafter: Any = None, drafter_options:
         raise InputError("pass seed= or generator=, not both: the generator's own state would silently win")
     if not (isinstance(cuda_graphs, (bool, GraphedForward)) or cuda_graphs == AUTO):
         raise InputTypeError(f"cuda_graphs must be a bool, \"auto\" or a GraphedForward, got {describe(cuda_graphs)}")
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):  # read by stop strings
+        raise InputTypeError(f"tokenizer must be a tokenizer (with decode()) or None, got {describe(tokenizer)}")
     inputs = parse_input_ids(*unpack_encoding(input_ids, attention_mask))
     if options and drafter is None:
         raise InputError("drafter_options were given without a drafter: they would be ignored (pass drafter=...)")

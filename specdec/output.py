@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -68,6 +68,13 @@ class GenerateOutput:
     # after the logits processors and the sampling transform (greedy: log_softmax of the processed logits;
     # specdec.logprobs), the same with or without a drafter; None when not asked for
     logprobs: list[list[float]] | None = None
+
+    def __getitem__(self, key: str) -> Any:
+        """A field by name, ``out["sequences"]``, as transformers' generate outputs give it."""
+        names = [f.name for f in fields(self)]
+        if key not in names:  # an int index too: transformers' tuple order is not kept
+            raise KeyError(f"GenerateOutput has no field {key!r}; its fields: {', '.join(names)}")
+        return getattr(self, key)
 
     @property
     def total_new_tokens(self) -> int:

@@ -98,6 +98,9 @@ def test_eos_and_stop_sequences_end_generation():
     first = free.index(eos)
     out = specdec.generate(model, [PROMPTS[0]], max_new_tokens=30, eos_token_id=eos, return_dict=True)
     assert out.new_tokens[0] == free[: first + 1] and out.stats[0].finish_reason == "eos"
+    assert out["sequences"] is out.sequences and out["new_tokens"] is out.new_tokens  # as transformers' outputs
+    with pytest.raises(KeyError, match="no field 'scores'; its fields: sequences, new_tokens"):
+        out["scores"]
     stop_seq = free[7:9]
     out = specdec.generate(model, [PROMPTS[0]], max_new_tokens=30, stop=[stop_seq], return_dict=True)
     end = next(i for i in range(1, 30) if free[i - 1 : i + 1] == stop_seq) + 1

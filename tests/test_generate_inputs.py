@@ -193,6 +193,10 @@ def test_ragged_lists_take_a_ragged_mask():
     (dict(eos_token_id=np.array([1.0])), InputTypeError, r"eos_token_id .*float64"),
     (dict(eos_token_id=np.array([[1]])), InputTypeError, r"eos_token_id"),
     (dict(eos_token_id=[1, "2"]), InputTypeError, r"eos_token_id"),
+    # an AttributeError at the first stop check, after the model had loaded and prefilled
+    (dict(tokenizer="not-a-tokenizer", stop=["ab"]), InputTypeError, r"tokenizer must be a tokenizer .*got str"),
+    # a bare ValueError from the engine's build with the drafter's default 4 layers on this 2-layer model
+    (dict(drafter="self-draft"), InputError, r"self-draft: num_layers=4 must be below the target's 2 layers"),
 ])
 def test_bad_scalar_argument_is_a_one_line_error(kwargs, error, match):
     _one_line_error(error, match, **kwargs)
