@@ -478,3 +478,23 @@ def test_a_run_that_ended_before_its_first_checkpoint_does_not_block_its_rerun(t
     (out / ckpt_io.CKPT).rename(tmp_path / "elsewhere")
     with pytest.raises(OutputDirError, match="is not empty"):  # a file the run did not write: never replaced unasked
         trainer.prepare_output_dir(_cfg(tiny, out))
+
+
+def test_a_resume_names_input_files_that_changed_since_the_checkpoint(tiny, tmp_path, caplog):
+    """The same --data path with other contents resumed silently (the fingerprint holds the path only); each
+    checkpoint records its inputs' sizes and times, and a resume names those that changed."""
+    import shutil
+
+    data = tmp_path / "data.jsonl"
+    shutil.copyfile(tiny / "data.jsonl", data)
+    out = tmp_path / "run"
+    run_training(_cfg(tiny, out, data=str(data), eval_tau=False, max_steps=2, save_every=2))
+    cfg = _cfg(tiny, out, data=str(data), eval_tau=False, max_steps=2, save_every=2, resume=True)
+    with caplog.at_level("WARNING", logger="specdec.train.trainer"):
+        trainer.prepare_output_dir(cfg)
+    assert "changed since the checkpoint" not in caplog.text
+    with open(data, "a") as f:
+        f.write(json.dumps({"text": "one more record"}) + "\n")
+    with caplog.at_level("WARNING", logger="specdec.train.trainer"):
+        assert trainer.prepare_output_dir(cfg) is not None  # resumed, with a warning naming the file
+    assert f"--resume: {data} changed since the checkpoint was saved" in caplog.text

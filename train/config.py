@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 SCHEDULES = ("cosine", "linear", "constant")
 EVAL_TREES = ("static", "dynamic")
@@ -144,6 +145,18 @@ class TrainConfig:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def input_stamps(self) -> dict[str, list[int]]:
+        """Size and modification time of the files read as training input (--data, --prompts-file; a directory's
+        files summed), recorded with each checkpoint: a resume names the ones that changed since."""
+        stamps = {}
+        for path in (self.data, self.prompts_file):
+            if path is None:
+                continue
+            files = [Path(path)] if Path(path).is_file() else sorted(Path(path).rglob("*"))
+            stats = [f.stat() for f in files if f.is_file()]
+            stamps[path] = [sum(st.st_size for st in stats), max((st.st_mtime_ns for st in stats), default=0)]
+        return stamps
 
     def fingerprint(self) -> str:
         """Hash of everything that shapes the trained heads (not the output dir, logging or evaluation)."""

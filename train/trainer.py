@@ -98,6 +98,11 @@ def prepare_output_dir(cfg: TrainConfig) -> Path | None:
             # --max-steps) differ too: the fields decide
             raise OutputDirError(f"--resume: the checkpoint in {out} is from a different configuration "
                                  f"({'; '.join(diff)})")
+        before, now = state["config"].get("inputs"), cfg.input_stamps()
+        changed = sorted(p for p in now if before is not None and before.get(p) != now[p])
+        if changed:  # the path is the same, so the configuration is: what it holds may not be
+            logger.warning("--resume: %s changed since the checkpoint was saved (size or modification time); the "
+                           "resumed run reads it as it is now", ", ".join(changed))
         return ckpt
     if out.exists() and any(out.iterdir()):
         left = sorted(p.name for p in out.iterdir())
@@ -284,7 +289,8 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
                 logger.info("step %d/%d loss %.4f top1 %s lr %.2e", step, total, rec["loss"],
                             " ".join(f"{t:.3f}" for t in top1), rec["lr"])
             if step % cfg.save_every == 0 or step == total:
-                ckpt_io.save_checkpoint(out, heads, optimizer, scheduler, step, cfg.to_json(), cfg.fingerprint())
+                ckpt_io.save_checkpoint(out, heads, optimizer, scheduler, step,
+                                        {**cfg.to_json(), "inputs": cfg.input_stamps()}, cfg.fingerprint())
         accelerator.wait_for_everyone()
     if bar is not None:
         bar.close()
