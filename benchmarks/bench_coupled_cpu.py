@@ -25,7 +25,7 @@ import specdec.drafters.draft_model  # noqa: E402,F401 -- imported up front: the
 import specdec.drafters.medusa  # noqa: E402,F401
 import specdec.drafters.ngram  # noqa: E402,F401
 import specdec.drafters.self_draft  # noqa: E402,F401
-from common import chat_ids  # noqa: E402
+from common import add_overwrite, chat_ids, check_new_files  # noqa: E402
 from specdec.eval.divergence import greedy_identity  # noqa: E402
 from specdec.eval.prompts import CATEGORIES, load_prompts  # noqa: E402
 
@@ -131,16 +131,17 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="suffix of the output file name")
     ap.add_argument("--model", default="default")
     ap.add_argument("--out", default="runs/coupled")
+    add_overwrite(ap)
     args = ap.parse_args()
+    file = Path(args.out) / f"coupled-{args.part}{args.tag}.json"
+    check_new_files(ap, args.overwrite, file)
     loaded = load_model(args.model)
     out: dict = {"model": loaded.name, "seed": args.seed}
     if args.part in ("identity", "both"):
         identity_part(loaded, args, out)
     if args.part in ("tau", "both"):
         tau_part(loaded, args, out)
-    path = Path(args.out)
-    path.mkdir(parents=True, exist_ok=True)
-    file = path / f"coupled-{args.part}{args.tag}.json"
+    file.parent.mkdir(parents=True, exist_ok=True)
     file.write_text(json.dumps(out, indent=2))
     print(f"wrote {file}")
 

@@ -49,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import drafter_grid  # noqa: E402
-from common import chat_ids, eagle_rows, forget_guard, time_specdec  # noqa: E402
+from common import add_overwrite, chat_ids, check_new_files, eagle_rows, forget_guard, time_specdec  # noqa: E402
 
 from specdec.cost_model import load_cost_model  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
@@ -62,7 +62,8 @@ class Totals:
     believes; one-sequence runs only)."""
 
     tokens: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # by --clock
+    wall_seconds: float = 0.0  # generate()'s own wall time, whatever the clock
     decode_seconds: float = 0.0
     draft_seconds: float = 0.0  # inside drafter.propose
     predicted_seconds: float = 0.0
@@ -72,6 +73,7 @@ class Totals:
     def add(self, seconds: float, out, costs, bad: bool) -> None:
         self.tokens += sum(map(len, out.new_tokens))
         self.seconds += seconds
+        self.wall_seconds += out.seconds
         self.decode_seconds += out.draft_seconds + out.verify_seconds
         self.draft_seconds += out.draft_seconds
         if costs is not None and len(out.stats) == 1:
@@ -93,7 +95,7 @@ class Totals:
 
     @property
     def draft_share(self) -> float:
-        return self.draft_seconds / self.seconds
+        return self.draft_seconds / self.wall_seconds  # the engine times propose in wall seconds
 
     @property
     def tau(self) -> float:
@@ -256,7 +258,7 @@ def grid_mode(args, loaded, table: dict, run) -> list[dict]:
         if args.out:  # after every length: a grid stopped part way keeps the lengths it finished
             done = args.lengths[: args.lengths.index(length) + 1]
             drafter_grid.write_result(args.out, cells, list(table), list(columns), done, sys.argv, loaded.name,
-                                      args.prompts, args.repeats, args.cold, args.clock)
+                                      {c: len(v) for c, v in columns.items()}, args.repeats, args.cold, args.clock)
     print(drafter_grid.summary(cells))
     return cells
 
@@ -285,6 +287,7 @@ def parse_args(argv: list[str] | None = None):
                     help="what a call's time is: wall seconds, or the process's CPU seconds (with OMP_NUM_THREADS=1 "
                          "on a machine shared with other work: the call's own work, not the other work's share of "
                          "the cores; the engine's guard still acts on wall times)")
+    add_overwrite(ap)
     args = ap.parse_args(argv)
     if args.grid and args.sweep_self_draft:
         ap.error("--grid and --sweep-self-draft are separate runs")
@@ -296,6 +299,7 @@ def parse_args(argv: list[str] | None = None):
         ap.error("--lengths, --prompts and --repeats must be positive")
     args.categories = drafter_grid.expand_categories(
         args.categories or ("all,held-out,batch8" if args.grid else "summarisation,code,chat"), ap.error)
+    check_new_files(ap, args.overwrite, args.out if args.grid else args.json)  # what this run would write
     return ap, args
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import chat_ids, eagle_rows, time_specdec  # noqa: E402
+from common import add_overwrite, chat_ids, check_new_files, eagle_rows, time_specdec  # noqa: E402
 from specdec.eval.prompts import CATEGORIES, load_prompts  # noqa: E402
 
 from specdec.models.loader import load_model  # noqa: E402
@@ -58,7 +58,9 @@ def main() -> None:
     ap.add_argument("--eagle-tree", action="append", default=[], type=tree_shape, metavar="DEPTH,TOP_K,NODES",
                     help="also run the layer with this fixed tree (repeatable)")
     ap.add_argument("--json", help="also write the numbers to this JSON file")
+    add_overwrite(ap)
     args = ap.parse_args()
+    check_new_files(ap, args.overwrite, args.json)
     torch.set_grad_enabled(False)
     loaded = load_model("default")
     # "plain (again)": plain decoding a second time in every block, this run's noise floor
@@ -89,23 +91,22 @@ def main() -> None:
     print(f"{mode}, {args.max_new_tokens} new tokens, {args.prompts} prompt(s) per category x {args.repeats} "
           "run(s), batch 1")
     for cat in args.categories.split(","):
-        totals = {k: {"tokens": 0, "seconds": 0.0, "steps": 0, "differ": 0, "tried": [], "accepted": []}
+        totals = {k: {"tokens": 0, "seconds": 0.0, "steps": 0, "differ": set(), "tried": [], "accepted": []}
                   for k in table}
         keys = list(table)
         runs = [(p, r, text) for p, text in enumerate(load_prompts(cat, args.prompts)) for r in range(args.repeats)]
         for p, r, text in runs:
             ids = chat_ids(loaded.tokenizer, text)
-            ref = None
             shift = (p + r) % len(keys)  # order rotated per prompt and repeat: no drafter always runs after another
-            for key in keys[shift:] + keys[:shift]:
-                seconds, out = run(table[key], ids)
+            block = {key: run(table[key], ids) for key in keys[shift:] + keys[:shift]}
+            for key, (seconds, out) in block.items():
                 s, toks = out.stats[0], out.new_tokens[0]
-                ref = toks if ref is None else ref
                 t = totals[key]
                 t["tokens"] += len(toks)
                 t["seconds"] += seconds
                 t["steps"] += s.steps
-                t["differ"] += int(not sampling and toks != ref)
+                if not sampling and toks != block["plain"][1].new_tokens[0]:  # plain's tokens of the same block
+                    t["differ"].add(p)
                 for field, new in (("tried", s.depth_tried), ("accepted", s.depth_accepted)):
                     acc = t[field]
                     acc.extend([0] * (len(new) - len(acc)))
@@ -120,10 +121,10 @@ def main() -> None:
             report["categories"][cat][key] = {"tokens_per_s": tps, "speedup_vs_plain": tps / base,
                                               "tau": t["tokens"] / max(1, t["steps"]),
                                               "acceptance_per_depth": per_depth,
-                                              "prompts_differing_from_plain": t["differ"]}
+                                              "prompts_differing_from_plain": len(t["differ"])}
             depth = " ".join(f"{a:.2f}" for a in per_depth[:8])
             print(f"{'':<6} {key:<18} {tps:8.2f} {tps / base:8.2f}x {t['tokens'] / max(1, t['steps']):6.2f}   "
-                  f"{depth}" + (f"  ({t['differ']} prompts differ from plain!)" if t["differ"] else ""))
+                  f"{depth}" + (f"  ({len(t['differ'])} prompts differ from plain!)" if t["differ"] else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
 

@@ -1,14 +1,14 @@
 """The bit-exact mode on the CPU: divergences from plain decoding with and without it, and what it costs.
 
-    python benchmarks/bench_invariant_cpu.py --dtype bfloat16 --prompts 20 --tokens 128 --out docs/results/x.json
+    python benchmarks/bench_invariant_cpu.py --dtype bfloat16 --prompts 20 --tokens 128 --out docs/results/raw/x.json
     python benchmarks/bench_invariant_cpu.py --setting coupled        # T=0.8, sampler="coupled"
 
 For each mode (default, invariant=True) plain decoding of each prompt alone is the reference. Every drafter then
 decodes the prompts in ragged batches of ``--batch`` and ``--alone`` of them one at a time; every output whose
 tokens or log-probability bits part from plain's is a divergence, reported at its first token with the logit gap
 of the model there (top-1 minus top-2, transformers' forward in the same dtype). Speed: plain and n-gram, each
-prompt alone, the two modes interleaved prompt by prompt; only same-run ratios are printed. The JSON is rewritten
-after every cell, so an interrupted run keeps what it measured.
+prompt alone, the two modes interleaved prompt by prompt after an untimed warm-up of each; only same-run ratios are
+printed. The JSON is rewritten after every cell, so an interrupted run keeps what it measured.
 
 Medusa and EAGLE run trained heads when ``--medusa-path`` / ``--eagle-path`` name checkpoints (the quick recipes'),
 else untrained ones (heads initialised from the LM head, the layer from the target's last layer): identity needs
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import chat_ids  # noqa: E402
+from common import add_overwrite, chat_ids, check_new_files, cpu_features, cpu_name  # noqa: E402
 
 
 def drafters(loaded, medusa_path=None, eagle_path=None):
@@ -62,7 +62,7 @@ def drafters(loaded, medusa_path=None, eagle_path=None):
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--prompts", type=int, default=20)
@@ -76,11 +76,13 @@ def main() -> int:
                     help="drafters also run on the default path (its divergences)")
     ap.add_argument("--medusa-path", default=None, help="trained Medusa heads (else untrained ones)")
     ap.add_argument("--eagle-path", default=None, help="a trained EAGLE checkpoint (else an untrained layer)")
-    ap.add_argument("--machine", default="2-core Xeon (AVX-512, no bf16 instructions)",
-                    help="the machine, in words, for the JSON")
+    ap.add_argument("--machine", default=None, help="the machine, in words, for the JSON (default: this CPU's name)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    add_overwrite(ap)
+    args = ap.parse_args(argv)
+    check_new_files(ap, args.overwrite, args.out)
+    machine = args.machine or f"{cpu_name()} ({cpu_features()}), {args.threads} torch thread(s)"
     torch.set_num_threads(args.threads)
 
     from specdec.eval.bitwise_level import bitwise_identity, plain_outputs
@@ -96,8 +98,7 @@ def main() -> int:
     table = drafters(loaded, args.medusa_path, args.eagle_path)
     result = {"model": loaded.name, "dtype": args.dtype, "setting": args.setting, "prompts": len(prompts),
               "tokens": args.tokens, "batch": args.batch, "threads": args.threads,
-              "machine": args.machine, "medusa_path": args.medusa_path, "eagle_path": args.eagle_path,
-              "plain_seconds": {}, "cells": []}
+              "machine": machine, "medusa_path": args.medusa_path, "eagle_path": args.eagle_path, "cells": []}
     out = Path(args.out) if args.out else None
 
     def save():
@@ -109,6 +110,11 @@ def main() -> int:
     plain = {False: [], True: []}
     speed = {"plain": {False: 0.0, True: 0.0}, "ngram": {False: 0.0, True: 0.0}}
     tokens_done = {False: 0, True: 0}
+    warm = chat_ids(loaded.tokenizer, "Hello!")
+    for invariant in (False, True):  # untimed warm-up: one-time setup (calibrations) stays out of the timed calls
+        plain_outputs(loaded, [warm], args.tokens, invariant, sampling)
+        if args.setting == "greedy":
+            generate(loaded, [warm], max_new_tokens=args.tokens, drafter="ngram", invariant=invariant)
     for i, p in enumerate(prompts):
         for invariant in (False, True) if i % 2 == 0 else (True, False):  # order alternates: drift hits both
             t0 = time.perf_counter()

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import chat_ids, time_specdec  # noqa: E402
+from common import add_overwrite, chat_ids, check_new_files, time_specdec  # noqa: E402
 from specdec.drafters.medusa import MedusaDrafter  # noqa: E402
 from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads, load_medusa  # noqa: E402
 from specdec.drafters.vocab_sources import builtin_prompt_tokens  # noqa: E402
@@ -51,11 +51,13 @@ def main() -> None:
     ap.add_argument("--reduced-path", help="a reduced-vocabulary Medusa checkpoint instead of built heads")
     ap.add_argument("--max-nodes", type=int, default=8, help="dynamic tree node budget")
     ap.add_argument("--self-draft", action="store_true", help="also self-draft (4 layers), full vs reduced")
-    ap.add_argument("--speculation", default="always",
+    ap.add_argument("--speculation", default="always", choices=("always", "auto"),
                     help="generate(speculation=...) where supported: 'always' verifies every tree (draft cost "
                          "measured each step), 'auto' lets the cost guard skip drafts that do not pay")
     ap.add_argument("--json", help="also write the numbers to this JSON file")
+    add_overwrite(ap)
     args = ap.parse_args()
+    check_new_files(ap, args.overwrite, args.json)
     torch.set_grad_enabled(False)
     loaded = load_model("default")
     tok = loaded.tokenizer

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import chat_ids, time_hf_generate, time_specdec  # noqa: E402
+from common import add_overwrite, chat_ids, check_new_files, time_hf_generate, time_specdec  # noqa: E402
 from specdec.eval.prompts import load_prompts  # noqa: E402
 
 from specdec.models.loader import load_model  # noqa: E402
@@ -38,7 +38,9 @@ def main() -> None:
     ap.add_argument("--lookup-tokens", type=int, default=10, help="transformers prompt_lookup_num_tokens")
     ap.add_argument("--drafter-options", default="{}", help="JSON options for the ngram drafter")
     ap.add_argument("--json", help="also write the numbers to this JSON file")
+    add_overwrite(ap)
     args = ap.parse_args()
+    check_new_files(ap, args.overwrite, args.json)
     torch.set_grad_enabled(False)
     options = json.loads(args.drafter_options)
     loaded = load_model("default")

@@ -17,9 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_overwrite, check_new_files  # noqa: E402
 
 from specdec.cost_model import CostModel
 from specdec.tree import DraftMode, DraftTree
@@ -79,7 +84,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--json", default=None)
+    add_overwrite(ap)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    check_new_files(ap, args.overwrite, args.json)
     torch.set_num_threads(1)
     rows = [measure(*cell, args.rounds) for cell in GRID]
     print(f"{'batch':>5} {'nodes':>5} {'scores':>7} {'size_call ms':>13} {'observe ms':>11} {'release ms':>11} "

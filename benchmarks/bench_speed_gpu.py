@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_overwrite, check_new_files  # noqa: E402
 from step_profile import markdown_rows, profiled  # noqa: E402
 
 FULL_MODELS = ("synthetic:llama-3.1-8b", "default", "synthetic:qwen3-1.7b", "synthetic:llama-3.2-1b")
@@ -67,7 +68,9 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=None, help="random prompt tokens (default 128; rehearsal 8)")
     ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default 400; rehearsal 50)")
     ap.add_argument("--no-hf", action="store_true", help="leave out transformers' static-cache baseline")
+    add_overwrite(ap)
     args = ap.parse_args(argv)
+    check_new_files(ap, args.overwrite, Path(args.out) / "speed.json", Path(args.out) / "speed.md")
     args.models = args.models.split(",") if args.models else list(REHEARSAL_MODELS if args.rehearse else FULL_MODELS)
     args.batches = [int(b) for b in (args.batches or ("1,2,4" if args.rehearse else "1,8,32")).split(",")]
     args.sizes = args.sizes or ("1,2,4,8,16,32,64,65" if args.rehearse else "1-65")
@@ -350,6 +353,7 @@ class ModelRun:
         replays, calibrations = (graphs.replays if graphs is not None else 0), CALIBRATIONS["verify"]
         row = run_generate(self.loaded, prompts, self.args.new_tokens, drafter=drafter(), speculation=speculation)
         row["draft_graph_replays"] = (graphs.replays - replays) if graphs is not None else 0
+        row["draft_graphs_captured"] = graphs is not None and graphs.config.capture  # False: uncaptured (CPU)
         row["calibrations_timed"] = CALIBRATIONS["verify"] - calibrations  # 0, or the row timed a calibration too
         outputs = row.pop("outputs")
         plain = self.result["plain"][str(b)]
@@ -359,7 +363,7 @@ class ModelRun:
         row.update(shape=shape, depth=depth, batch=b, eagle=eagle, speculation=speculation, tau_target=tau,
                    nodes=nodes, profile_rate=profile.rates[0],
                    speedup=row["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
-                   bound=self.bound(tau, depth if eagle else 0), identical_to_plain=f"{same}/{b}")
+                   bound=self.bound(row["tau"], depth if eagle else 0), identical_to_plain=f"{same}/{b}")
         self.result["oracle"].append(row)
 
     def ready_for_the_policy(self, batch: int) -> None:
@@ -381,8 +385,9 @@ class ModelRun:
             size *= 2
 
     def bound(self, tau: float, eagle_levels: int) -> float:
-        """The speedup weight reads allow: tau tokens per step, a step reading the target's weights once (a verify
-        at the floor) and the EAGLE layer's once per level drafted, at the copy bandwidth of this run."""
+        """The speedup weight reads allow: tau (the row's measured) tokens per step, a step reading the target's
+        weights once (a verify at the floor) and the EAGLE layer's once per level drafted, at the copy bandwidth of
+        this run."""
         floor = self.result["floor_step_ms"]
         return tau * floor / (floor + eagle_levels * 1e3 * self.result["eagle_weight_bytes"] / self.bandwidth)
 
@@ -422,11 +427,16 @@ class ModelRun:
 
 
 def _drafting(row: dict) -> str:
-    """The oracle row's drafting: none, or EAGLE's, eager or replayed as CUDA graphs (how many growths were)."""
+    """The oracle row's drafting: none, or EAGLE's, eager, replayed as CUDA graphs (how many growths were) or, on
+    the CPU, the padded static growth uncaptured."""
     if not row["eagle"]:
         return "none"
     replays = row.get("draft_graph_replays", 0)
-    return f"EAGLE, {replays} graph replays" if replays else "EAGLE, eager"
+    if not replays:
+        return "EAGLE, eager"
+    if row.get("draft_graphs_captured", True):  # older reports lack the field: they ran on CUDA
+        return f"EAGLE, {replays} graph replays"
+    return f"EAGLE, {replays} uncaptured static growths"
 
 
 def _bound(row: dict) -> str:

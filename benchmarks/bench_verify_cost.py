@@ -20,16 +20,21 @@ from specdec.sampling import SamplingConfig
 from specdec.verify_cost import measure_verify_costs
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=600)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--sizes", default="1,2,3,4,5,6,8,12,16")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    try:
+        sizes = sorted({int(x) for x in args.sizes.split(",")})
+    except ValueError:
+        ap.error(f"--sizes: comma-separated integers, got {args.sizes!r}")
+    if min(sizes) < 1 or args.context < 1 or args.reps < 1:
+        ap.error("--sizes, --context and --reps must be positive")
     torch.set_grad_enabled(False)
     loaded = load_model("default")
     ensure_row_policy(loaded.runner)  # linear()'s measured CPU row policy, as every engine built by generate() runs
-    sizes = sorted({int(x) for x in args.sizes.split(",")})
     times = measure_verify_costs(loaded.runner, [list(range(100, 100 + args.context))], [1, *sizes], SamplingConfig(),
                                  repeats=args.reps)
     base = times[1] * 1000

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import platform
 import shutil
 import tempfile
 import time
@@ -63,3 +64,45 @@ def eagle_rows(path: str) -> dict[str, tuple[str, dict]]:
 def ratio_line(name: str, base_tokens: int, base_s: float, tokens: int, seconds: float) -> str:
     base_tps, tps = base_tokens / base_s, tokens / seconds
     return f"{name:<28} {tps:8.2f} tok/s   vs baseline {base_tps:8.2f} tok/s   ratio {tps / base_tps:5.2f}x"
+
+
+def check_new_files(ap, overwrite: bool, *paths) -> None:
+    """A one-line ``ap.error`` when a result file would replace one that exists, unless ``overwrite``."""
+    for path in paths:
+        if path is not None and not overwrite and Path(path).exists():
+            ap.error(f"{path} exists; pass --overwrite to replace it")
+
+
+def add_overwrite(ap) -> None:
+    ap.add_argument("--overwrite", action="store_true", help="replace result files that exist (else refused)")
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def machine_class() -> str | None:
+    """docs/gen_benchmarks.py's machine class of this CPU, or None when it names none."""
+    info = _cpuinfo()
+    avx512 = " avx512f" in info
+    if "GenuineIntel" in info:
+        return "cpu-intel-avx512" if avx512 else None
+    if "AuthenticAMD" in info:
+        return "cpu-avx512" if avx512 else "cpu-no-avx512"
+    return None
+
+
+def cpu_name() -> str:
+    names = [line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")]
+    return f"{names[0]}, {len(names)} cores" if names else platform.machine() + " CPU"
+
+
+def cpu_features() -> str:
+    """What this CPU offers a bf16 product, in words: "AVX-512, no bf16 instructions" and the like."""
+    flags = next((set(line.split(":", 1)[1].split()) for line in _cpuinfo().splitlines()
+                  if line.startswith("flags")), set())
+    avx512 = "AVX-512" if "avx512f" in flags else "no AVX-512"
+    return f"{avx512}, {'' if flags & {'avx512_bf16', 'amx_bf16'} else 'no '}bf16 instructions"

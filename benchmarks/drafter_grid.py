@@ -10,10 +10,10 @@ rows x columns) and keeps every cell's numbers under ``cells``.
 from __future__ import annotations
 
 import datetime
-import platform
 import shlex
 from pathlib import Path
 
+from common import cpu_name, machine_class
 from held_out_prompts import load_held_out
 from specdec.eval.prompts import CATEGORIES, load_prompts
 
@@ -112,33 +112,25 @@ def summary(cells: list[dict]) -> str:
             f"Interval straddling {FLOOR}: {names(straddle)}\nOutputs differing from plain: {names(differ)}")
 
 
-def _cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-
-
-def machine_class() -> str | None:
-    """docs/gen_benchmarks.py's machine class of this CPU, or None when it names none."""
-    info = _cpuinfo()
-    avx512 = " avx512f" in info
-    if "GenuineIntel" in info:
-        return "cpu-intel-avx512" if avx512 else None
-    if "AuthenticAMD" in info:
-        return "cpu-avx512" if avx512 else "cpu-no-avx512"
-    return None
-
-
-def cpu_name() -> str:
-    names = [line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")]
-    return f"{names[0]}, {len(names)} cores" if names else platform.machine() + " CPU"
+def counts_text(counts: dict[str, int], repeats: int) -> str:
+    """The inputs each column ran and the blocks each interval rests on, in words."""
+    singles = {SHORT.get(c, c): n for c, n in counts.items() if c != BATCH}
+    if len(set(singles.values())) == 1:
+        parts = [f"{next(iter(singles.values()))} prompts per column"]
+    else:
+        parts = ["prompts per column: " + ", ".join(f"{c} {n}" for c, n in singles.items())] if singles else []
+    if BATCH in counts:
+        parts.append(f"batch8: {counts[BATCH]} ragged batches of {BATCH_SIZE}")
+    sizes = set(counts.values())
+    blocks = str(sizes.pop() * repeats) if len(sizes) == 1 else f"its column's count x {repeats}"
+    return f"{'; '.join(parts)}; {repeats} repeat(s): each interval rests on {blocks} blocks."
 
 
 def write_result(path: str, cells: list[dict], drafters: list[str], columns: list[str], lengths: list[int],
-                 argv: list[str], model: str, prompts: int, repeats: int, cold: bool = False,
+                 argv: list[str], model: str, counts: dict[str, int], repeats: int, cold: bool = False,
                  clock: str = "wall") -> None:
-    """The grid in docs/results/'s schema: rows (drafter, length) x columns, and every cell's numbers."""
+    """The grid in docs/results/'s schema: rows (drafter, length) x columns, and every cell's numbers; ``counts``:
+    the inputs each column ran (prompts, or batch8's batches)."""
     import torch
 
     rows = [row for length in lengths for row in grid_rows(cells, length, drafters, columns)]
@@ -153,11 +145,11 @@ def write_result(path: str, cells: list[dict], drafters: list[str], columns: lis
         "command": "python benchmarks/bench_drafters_cpu.py " + shlex.join(argv[1:]),
         "conditions": ("Cold: the guard's memory forgotten before every call, each call as a new process's first. "
                        if cold else "")
-                      + ("Times are the process's CPU seconds, not wall seconds. " if clock == "cpu" else "")
-                      + (f"{prompts} prompts per column (batch8: {prompts} ragged batches of {BATCH_SIZE}), {repeats} "
-                       f"repeat(s): each interval rests on {prompts * repeats} blocks. Cells: paired ratio to plain "
-                       f"(tau, when above 1.00) [90% interval]; SLOWER: interval wholly below {FLOOR}; DIFFERS: some "
-                       "output is not plain decoding's."),
+                      + ("Times are the process's CPU seconds, not wall seconds (draft_share: of wall seconds). "
+                         if clock == "cpu" else "")
+                      + f"{counts_text(counts, repeats)} Cells: paired ratio to plain (tau, when above 1.00) [90% "
+                        f"interval]; SLOWER: interval wholly below {FLOOR}; DIFFERS: some output is not plain "
+                        "decoding's.",
         "columns": ["drafter", "new tokens"] + [SHORT.get(c, c) for c in columns],
         "rows": rows,
         "notes": [f"{slower} cell(s) with the interval wholly below {FLOOR}; {differ} with an output other than "

@@ -75,17 +75,23 @@ def deadline_now(budget_left_s: float) -> int:
     return int(min(600 - CALL_OVERHEAD_S, budget_left_s - CALL_OVERHEAD_S - GAP_S))
 
 
-def calls(parts: list[Path], wheels: list[Path], budget_s: float = DEVICE_BUDGET_S) -> list[tuple[str, list[str]]]:
-    """(command, carry) of the two device calls, for ``budget_s`` seconds of device time. The first installs, keeps
-    its part of the GGUF and measures speed; the second joins the GGUF and runs the steps that need it. The second
-    carries the wheels and the MD5 too, and installs again if the machine it got is a fresh one (given back between
-    the calls). Raises ValueError when the budget leaves the second call too little."""
+def check_budget(budget_s: float) -> int:
+    """The second call's --deadline-s for ``budget_s``; ValueError when that is too little."""
     second = second_deadline(budget_s)
     if second < MIN_SECOND_S:
         first_alone = START_S + FIRST_DEADLINE_S + CALL_OVERHEAD_S + GAP_S
         hint = "run the first alone" if budget_s >= first_alone else f"the first alone needs {first_alone} s"
         raise ValueError(f"{budget_s:.0f} s of device time leave the second call {second} s (at least "
                          f"{MIN_SECOND_S}): {hint}")
+    return second
+
+
+def calls(parts: list[Path], wheels: list[Path], budget_s: float = DEVICE_BUDGET_S) -> list[tuple[str, list[str]]]:
+    """(command, carry) of the two device calls, for ``budget_s`` seconds of device time. The first installs, keeps
+    its part of the GGUF and measures speed; the second joins the GGUF and runs the steps that need it. The second
+    carries the wheels and the MD5 too, and installs again if the machine it got is a fresh one (given back between
+    the calls). Raises ValueError when the budget leaves the second call too little."""
+    second = check_budget(budget_s)
     rel = lambda p: str(p.relative_to(REPO))  # noqa: E731
     install = ("python3 -m pip install -q --no-index --no-deps " + " ".join(rel(w) for w in wheels)
                + " && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .")
@@ -106,6 +112,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=DEVICE_BUDGET_S,
                     help=f"device time left before the first call, from status (default {DEVICE_BUDGET_S})")
     args = ap.parse_args(argv)
+    try:
+        check_budget(args.budget_s)  # before anything is split, deleted or downloaded
+    except ValueError as err:
+        ap.error(f"--budget-s: {err}")
     gguf = Path(args.gguf) if args.gguf else embedded_gguf()
     parts = split(gguf, PARTS)
     shutil.rmtree(WHEELS, ignore_errors=True)  # no older download beside the pinned ones

@@ -102,6 +102,8 @@ def parse_args(argv=None):
                     help=f"with steps of {', '.join(REHEARSED)} only: run them on the CPU with tiny shapes and few "
                          "tokens (checks the command, no GPU)")
     args = ap.parse_args(argv)
+    if args.deadline_s is not None and args.deadline_s <= 0:
+        ap.error(f"--deadline-s must be positive, got {args.deadline_s:g}")
     unknown = set(args.steps.split(",")) - set(STEPS)
     if unknown:
         ap.error(f"unknown steps {sorted(unknown)}; choose from {', '.join(STEPS)}")
@@ -263,7 +265,8 @@ def step_speed(out: Path, rehearse: bool, model: str) -> dict:
     budget = min(SPEED_BUDGET_S, time_left() - (SPEED_TIMEOUT_S - SPEED_BUDGET_S))
     if not rehearse and budget < 60:
         return dict(status="failed", seconds=0.0, errors=[f"not run: {budget:.0f} s of budget left (--deadline-s)"])
-    cmd = [sys.executable, "-P", str(BENCH / "bench_speed_gpu.py"), "--out", str(out), "--embedded", model]
+    cmd = [sys.executable, "-P", str(BENCH / "bench_speed_gpu.py"), "--out", str(out), "--embedded", model,
+           "--overwrite"]  # the report folder's earlier speed files are this check's to replace
     cmd += ["--rehearse"] if rehearse else ["--budget", str(round(budget))]
     rc, seconds = run(cmd, out / "speed.log", timeout=SPEED_TIMEOUT_S)
     js = out / "speed.json"

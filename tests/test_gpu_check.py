@@ -45,6 +45,32 @@ def test_every_device_parametrised_test_file_is_run_by_gpu_check():
     assert all((REPO / f).is_file() for f in listed), "gpu_check lists a test file that does not exist"
 
 
+@pytest.mark.parametrize("deadline", ["0", "-5"])
+def test_a_deadline_that_is_no_time_is_refused(deadline, capsys):
+    with pytest.raises(SystemExit):
+        _gpu_check().parse_args(["--deadline-s", deadline])
+    assert "--deadline-s must be positive" in capsys.readouterr().err
+
+
+def test_carry_checks_the_budget_before_splitting_or_downloading(monkeypatch, capsys):
+    """A budget too small for the second call: one line, and nothing split, deleted or downloaded."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_carry
+
+    def touched(*args, **kwargs):
+        raise AssertionError("prepared before the budget was checked")
+
+    for name in ("embedded_gguf", "split"):
+        monkeypatch.setattr(gpu_carry, name, touched)
+    monkeypatch.setattr(gpu_carry.shutil, "rmtree", touched)
+    monkeypatch.setattr(gpu_carry.subprocess, "run", touched)
+    with pytest.raises(SystemExit) as exit_:
+        gpu_carry.main(["--budget-s", "500", "--gguf", "x.gguf"])
+    assert exit_.value.code == 2 and "the first alone needs" in capsys.readouterr().err
+
+
 def test_speed_and_acceptance_steps_are_opt_in_and_rehearse_alone():
     check = _gpu_check()
     default = check.parse_args([]).steps.split(",")
