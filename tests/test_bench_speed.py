@@ -1,21 +1,19 @@
 """The GPU speed command's CPU rehearsal: every row of the report is measured and written, tiny shape, few tokens."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.script_loading import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_speed_under_test", REPO / "benchmarks" / "bench_speed_gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_speed_gpu")
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,6 @@ import inspect
 import json
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,17 +15,13 @@ import specdec.eval.bitwise_level  # noqa: F401
 import torch
 
 import specdec.generate  # noqa: F401
+from tests.script_loading import load_script
 
-REPO = Path(__file__).resolve().parents[1]
 BARE = ("common", "drafter_grid", "held_out_prompts", "step_profile")  # what the scripts import by bare names
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_scripts_under_test", REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script(name, "_scripts_under_test")
 
 
 @pytest.fixture(autouse=True)

@@ -4,21 +4,19 @@ after them failed; tests/test_host_sync.py was, until 2026-11-28)."""
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
 
+from tests.script_loading import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check_under_test", REPO / "benchmarks" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_check")
 
 
 def _files_with_device_tests() -> set[str]:

@@ -10,27 +10,22 @@ from __future__ import annotations
 
 import collections
 import copy
-import importlib.util
-from pathlib import Path
 
 import pytest
 from specdec.kernels.testing import kernel_device
+
+from tests.script_loading import load_script
 
 DEVICE = kernel_device()  # sets TRITON_INTERPRET=1 without a GPU: must run before triton is imported
 pytest.importorskip("triton")
 # counted on CPU tensors through the interpreter (as count_launches.py runs), which a GPU machine does not turn on
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="counts launches in the Triton interpreter, on the CPU")
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = "synthetic:llama-3.1-8b@tiny"  # GQA, untied, Llama 3 RoPE; 2 layers
 
 
 def _count_launches():
-    path = REPO / "benchmarks" / "count_launches.py"
-    spec = importlib.util.spec_from_file_location("count_launches_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("count_launches")
 
 
 @pytest.fixture

@@ -3,22 +3,16 @@ one column and a ragged batch, every cell against plain decoding in the same run
 written) and profile_short_call.py (every phase timed, the engine left unwrapped afterwards)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.script_loading import load_script
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_under_test", REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script(name)
 
 
 @pytest.fixture(scope="module")

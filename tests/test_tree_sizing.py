@@ -508,14 +508,11 @@ def test_a_pending_tree_verified_whole_is_learned_node_for_node():
 def test_the_policy_host_benchmark_runs_and_keeps_trees_under_flat_costs(tmp_path):
     """benchmarks/bench_policy_host.py (the sizer's host time per step): every row measured, and under a GPU-like
     flat cost curve the sizer keeps nodes of every tree, so the rows time real sizing and learning."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_policy_host.py"
-    spec = importlib.util.spec_from_file_location("bench_policy_host_under_test", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from tests.script_loading import load_script
+
+    bench = load_script("bench_policy_host")
     assert bench.main(["--rounds", "2", "--json", str(tmp_path / "rows.json")]) == 0
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert [(r["batch"], r["nodes"], r["scored"]) for r in rows] == [(b, d * w, s) for b, d, w, s in bench.GRID]
