@@ -124,12 +124,19 @@ def generate(
     ``return_dict``: None = ``return_dict_in_generate`` if a layer sets it, else False. Ignored inputs
     (``token_type_ids`` and the other :data:`~specdec.generate_inputs.IGNORED_INPUT_KEYS`) may come as keyword
     arguments, as ``**tokenizer(...)`` passes them."""
-    request = prepare(model, input_ids, drafter=drafter, drafter_options=drafter_options,
-                      attention_mask=attention_mask, generation_config=generation_config, generator=generator,
-                      streamer=streamer, return_dict=return_dict, tokenizer=tokenizer, progress=progress,
-                      cuda_graphs=cuda_graphs, **config_fields)
+    try:
+        request = prepare(model, input_ids, drafter=drafter, drafter_options=drafter_options,
+                          attention_mask=attention_mask, generation_config=generation_config, generator=generator,
+                          streamer=streamer, return_dict=return_dict, tokenizer=tokenizer, progress=progress,
+                          cuda_graphs=cuda_graphs, **config_fields)
+        with on_device(request.loaded.runner.device):
+            engine = build_engine(request)
+    except BaseException:
+        if is_put_end_streamer(streamer):  # a thread iterating a TextIteratorStreamer would wait for ever
+            streamer.end()
+        raise
     with on_device(request.loaded.runner.device):
-        return run(build_engine(request), request)
+        return run(engine, request)  # which ends the streamer itself, also on failure
 
 
 def on_device(device: torch.device):

@@ -312,6 +312,20 @@ def test_put_end_streamer_ends_even_when_generation_fails():
     assert streamer.calls[-1] == ("end",) and len(streamer.calls) == 4
 
 
+def test_a_streamer_is_ended_when_the_call_fails_before_it_streams():
+    """A refused call (here the engine's build: self-draft deeper than the model) never ended the streamer, so a
+    thread iterating a TextIteratorStreamer waited for ever."""
+    streamer = transformers.TextIteratorStreamer(_tok(), skip_prompt=True, timeout=5)
+    with pytest.raises(InputError, match="self-draft: num_layers"):
+        specdec.generate(_shared_model(), [[1, 2, 3]], max_new_tokens=4, streamer=streamer, drafter="self-draft",
+                         drafter_options={"num_layers": 99})
+    assert "".join(streamer) == ""  # ended: the iteration stops at once (without end() it times out)
+    recorder = Recorder()
+    with pytest.raises(InputError, match="one sequence"):
+        specdec.generate(_shared_model(), [[1, 2], [3, 4]], streamer=recorder)
+    assert recorder.calls == [("end",)]
+
+
 def test_put_end_streamer_takes_one_sequence_as_in_transformers():
     with pytest.raises(InputError, match=r"one sequence, as in transformers, but this call generates 3") as info:
         specdec.generate("no/such/model", **_enc("left"), streamer=Recorder())
