@@ -16,6 +16,7 @@ fields a transformers ``GenerationConfig`` sets do; a field left at its default 
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -26,6 +27,14 @@ from specdec.logits_processing import check_processing_fields
 from specdec.sampling import SamplingConfig
 
 SPECULATION_MODES = ("auto", "always")
+
+
+def unknown_arguments(unknown: list[str], known: set[str]) -> str:
+    """The one-line error for misspelt generation arguments: the likely meant ones first, then every name."""
+    plural = "s" if len(unknown) > 1 else ""
+    meant = [m for name in unknown for m in difflib.get_close_matches(name, known, n=1)]
+    hint = f" (did you mean {', '.join(meant)}?)" if meant else ""
+    return f"unknown generation argument{plural} {', '.join(unknown)}{hint}; known: {', '.join(sorted(known))}"
 
 
 @dataclass(frozen=True)
@@ -132,8 +141,6 @@ class GenerationConfig:
         known = {f.name for f in fields(self)}
         unknown = sorted(set(changes) - known)
         if unknown:
-            plural = "s" if len(unknown) > 1 else ""
-            raise InputTypeError(f"unknown generation argument{plural} {', '.join(unknown)}; "
-                                 f"known: {', '.join(sorted(known))}")
+            raise InputTypeError(unknown_arguments(unknown, known))
         given = {name: getattr(self, name) for name in self.fields_set}
         return type(self)(**{**given, **changes})

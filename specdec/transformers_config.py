@@ -37,7 +37,7 @@ from typing import Any
 
 from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import describe
-from specdec.generation_config import GenerationConfig
+from specdec.generation_config import GenerationConfig, unknown_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -177,9 +177,7 @@ def kwargs_layer(kwargs: Mapping[str, Any]) -> ConfigLayer:
     """generate()'s keyword arguments (the highest layer); an unknown name is an InputTypeError (a typo)."""
     unknown = sorted(set(kwargs) - _known_names())
     if unknown:
-        plural = "s" if len(unknown) > 1 else ""
-        raise InputTypeError(f"unknown generation argument{plural} {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(_known_names()))}")
+        raise InputTypeError(unknown_arguments(unknown, _known_names()))
     return _read(KWARGS, kwargs, transformers=False, kwargs=True)
 
 

@@ -180,7 +180,8 @@ def test_ragged_lists_take_a_ragged_mask():
     # the negative controls are not generate() arguments (eval.negative_controls.generate_with_control injects them)
     (dict(acceptance_rule="exact"), InputTypeError, r"unknown generation argument acceptance_rule; known: "),
     (dict(engine_fault="wrong_slot"), InputTypeError, r"unknown generation argument engine_fault"),
-    (dict(max_new_token=3), InputTypeError, r"unknown generation argument max_new_token; known: .*max_new_tokens"),
+    (dict(max_new_token=3), InputTypeError,
+     r"unknown generation argument max_new_token \(did you mean max_new_tokens\?\); known: .*max_new_tokens"),
     (dict(generation_config={"max_new_tokens": 3}), InputTypeError,
      r"generation_config must be a specdec or transformers GenerationConfig"),
     (dict(drafter="no-such-drafter"), InputError, r"unknown drafter 'no-such-drafter'; available: .*ngram"),
