@@ -117,12 +117,26 @@ class Certificate:
     def passed(self) -> bool:
         return not self.void and all(c.passed for c in self.checks if c.control is None)
 
+    @property
+    def underpowered(self) -> bool:
+        """A check of the configuration itself had power below 0.9 at its TV: its pass says less than it seems."""
+        return any(c.control is None and c.power is not None and c.power < 0.9 for c in self.checks)
+
+    @property
+    def verdict(self) -> str:
+        if self.void:
+            return "VOID (a negative control was not caught)"
+        if not self.passed:
+            return "FAILED"
+        return "PASSED, underpowered (see the warnings)" if self.underpowered else "PASSED"
+
     def to_json(self) -> dict:
-        return {"passed": self.passed, "void": self.void, "config": self.config, "seconds": self.seconds,
-                "warnings": self.warnings, "checks": [asdict(c) | {"as_expected": c.as_expected} for c in self.checks]}
+        return {"passed": self.passed, "void": self.void, "underpowered": self.underpowered, "config": self.config,
+                "seconds": self.seconds, "warnings": self.warnings,
+                "checks": [asdict(c) | {"as_expected": c.as_expected} for c in self.checks]}
 
     def to_markdown(self) -> str:
-        verdict = "VOID (a negative control was not caught)" if self.void else ("PASSED" if self.passed else "FAILED")
+        verdict = self.verdict
         lines = [f"# Losslessness certificate: {verdict}", ""]
         lines += [f"- {k}: `{v}`" for k, v in self.config.items()]
         lines += [f"- wall time: {self.seconds:.1f} s", ""]

@@ -238,8 +238,7 @@ def run_lossless(args) -> int:
         tmp.write_text(cert.to_markdown())
     for w in cert.warnings:
         print(f"warning: {w}", file=sys.stderr)
-    verdict = "VOID" if cert.void else ("PASSED" if cert.passed else "FAILED")
-    print(f"certificate {verdict} in {cert.seconds:.0f} s: {out / 'certificate.md'}")
+    print(f"certificate {cert.verdict} in {cert.seconds:.0f} s: {out / 'certificate.md'}")
     return 0 if cert.passed else 1
 
 
