@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -77,9 +78,9 @@ class CombinedConfig:
         for name, lo, hi in (("alpha", 0.0, None), ("prior_score", 0.0, 1.0), ("prior_weight", 0.0, None)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= lo \
-                    or (hi is not None and value > hi):
+                    or not math.isfinite(value) or (hi is not None and value > hi):
                 bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-                raise InputError(f"combined drafter: {name} must be a number {bound}, got {value!r}")
+                raise InputError(f"combined drafter: {name} must be a finite number {bound}, got {value!r}")
         for name in ("cost_model", "gate"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"combined drafter: {name} must be True or False, got {getattr(self, name)!r}")
@@ -123,6 +124,8 @@ class CombinedDrafter(Drafter):
                  verify_cost: Callable[[int], float] | None = None, **options: Any) -> None:
         if config is not None and options:
             raise InputError("combined drafter: pass either config= or keyword options, not both")
+        if config is not None and not isinstance(config, CombinedConfig):
+            raise InputTypeError(f"combined drafter: config must be a CombinedConfig, got {type(config).__name__}")
         self.config = config or CombinedConfig(**options)
         if isinstance(drafters, (str, Mapping)) or not isinstance(drafters, Sequence) or not drafters:
             raise InputError("combined drafter: drafters must be a non-empty list of children, "

@@ -29,6 +29,8 @@ def validate_choices(choices: Sequence[Sequence[int]], num_heads: int) -> tuple[
     if isinstance(choices, (str, bytes)):
         raise ValueError(f"medusa_choices must be a list of top-k paths such as [[0], [1], [0, 0]], got {choices!r}")
     try:
+        if any(isinstance(k, (bool, float)) for p in choices for k in p):  # 0.5 was taken as rank 0
+            raise TypeError("not integers")
         paths = sorted({tuple(int(k) for k in p) for p in choices}, key=lambda p: (len(p), p))
     except (TypeError, ValueError) as err:
         raise ValueError(f"medusa_choices must be a list of lists of integer ranks, got {choices!r}") from err

@@ -43,7 +43,8 @@ from specdec.drafters.level_clock import LevelClock
 from specdec.attention import BatchBuilder
 from specdec.coupling import perturbed_logits
 from specdec.cuda_graphs import GraphedForward, auto_uses_graphs, current_model_graphs, model_graphs
-from specdec.errors import InputError
+from specdec.errors import InputError, InputTypeError
+from specdec.generate_inputs import check_int, describe
 from specdec.host_copy import to_device, to_host_later
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaRunner
@@ -71,21 +72,25 @@ class DraftConfig:
     cuda_graphs: bool | str = "auto"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
-        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be a positive int, got {self.num_draft_tokens!r}")
+        if isinstance(self.widths, (str, bytes)) or not isinstance(self.widths, (list, tuple)):
+            raise InputTypeError(f"widths must be a list of ints (children per node at each depth), got "
+                                 f"{describe(self.widths)}")
+        widths = tuple(check_int(f"widths[{i}]", w, minimum=1) for i, w in enumerate(self.widths))
+        object.__setattr__(self, "widths", widths)
+        check_int("num_draft_tokens", self.num_draft_tokens, minimum=1)
+        check_int("max_nodes", self.max_nodes, minimum=1, maximum=MAX_TREE_NODES)
+        check_int("beam", self.beam, minimum=1)
+        check_int("seed", self.seed, optional=True)
         if self.tree not in ("static", "dynamic"):
             raise ValueError(f"tree must be 'static' or 'dynamic', got {self.tree!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "auto"):
             raise ValueError(f"cuda_graphs must be True, False or 'auto', got {self.cuda_graphs!r}")
-        if any(w < 1 for w in self.widths) or len(self.widths) > self.num_draft_tokens:
-            raise ValueError(f"widths must be >= 1 and at most num_draft_tokens long, got {list(self.widths)}")
+        if len(self.widths) > self.num_draft_tokens:
+            raise ValueError(f"widths must be at most num_draft_tokens long, got {list(self.widths)}")
         if self.tree == "dynamic" and self.mode in ("independent", "without_replacement"):
             raise ValueError("a dynamic tree picks candidates deterministically; use mode='deterministic' or 'auto'")
-        if not 1 <= self.max_nodes <= MAX_TREE_NODES or self.beam < 1:
-            raise ValueError(f"max_nodes must be in [1, {MAX_TREE_NODES}] and beam >= 1")
         if self.tree == "static" and self.static_nodes() > MAX_TREE_NODES:
             raise ValueError(f"widths {list(self.widths)} give {self.static_nodes()} nodes; at most {MAX_TREE_NODES}")
 

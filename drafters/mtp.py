@@ -22,7 +22,7 @@ import logging
 from pathlib import Path
 
 import torch
-from specdec.drafters.base import TargetView
+from specdec.drafters.base import TargetView, check_path_option
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
@@ -79,6 +79,7 @@ class MtpDrafter(EagleDrafter):
     def __init__(self, path: str | None = None, layer: int = 0, **options) -> None:
         """``path``: the checkpoint directory holding the MTP weights (default: the target's own); ``layer``: which
         MTP layer; ``options``: the tree (EagleDraftConfig; default depth 3, top-k 4, 8 nodes)."""
+        check_path_option("mtp", path)
         if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
             raise InputError(f"mtp: layer must be an integer >= 0, got {layer!r}")
         super().__init__(model=None, path="", **options)

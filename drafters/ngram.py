@@ -52,8 +52,9 @@ class NGramConfig:
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"ngram drafter: {f.name} must be an int, got {value!r}")
-            if value < (0 if f.name == "long_draft_tokens" else 1):
-                raise ValueError(f"ngram drafter: {f.name} must be >= 1, got {value}")
+            low = 0 if f.name == "long_draft_tokens" else 1  # 0: no long chains
+            if value < low:
+                raise ValueError(f"ngram drafter: {f.name} must be >= {low}, got {value}")
         if self.max_ngram < self.min_ngram:
             raise ValueError(
                 f"ngram drafter: max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})"
@@ -87,6 +88,8 @@ class NGramDrafter(Drafter):
     def __init__(self, config: NGramConfig | None = None, **options: int) -> None:
         if config is not None and options:
             raise ValueError("ngram drafter: pass either config= or keyword options, not both")
+        if config is not None and not isinstance(config, NGramConfig):
+            raise TypeError(f"ngram drafter: config must be an NGramConfig, got {type(config).__name__}")
         if config is None:
             known = {f.name for f in fields(NGramConfig)}
             unknown = sorted(set(options) - known)

@@ -196,6 +196,19 @@ def test_ragged_lists_take_a_ragged_mask():
     (dict(eos_token_id=[1, "2"]), InputTypeError, r"eos_token_id"),
     # an AttributeError at the first stop check, after the model had loaded and prefilled
     (dict(tokenizer="not-a-tokenizer", stop=["ab"]), InputTypeError, r"tokenizer must be a tokenizer .*got str"),
+    # options of the wrong type that failed mid-generation (beam=1.5: topk's TypeError), or were taken silently
+    # (widths="3" as (3,), medusa rank 0.5 as 0, an infinite prior weight as NaN rates), or named no option
+    (dict(drafter="self-draft", drafter_options={"num_layers": 1, "tree": "dynamic", "beam": 1.5}), InputTypeError,
+     r"beam must be an int, got float 1.5"),
+    (dict(drafter="self-draft", drafter_options={"num_layers": 1, "widths": "3"}), InputTypeError,
+     r"widths must be a list of ints"),
+    (dict(drafter="self-draft", drafter_options={"num_layers": 1, "max_nodes": True}), InputTypeError,
+     r"max_nodes must be an int, got bool"),
+    (dict(drafter="combined", drafter_options={"prior_weight": float("inf")}), InputError,
+     r"prior_weight must be a finite number"),
+    (dict(drafter="ngram", drafter_options={"config": {"max_nodes": 3}}), InputTypeError,
+     r"config must be an NGramConfig, got dict"),
+    (dict(drafter="mtp", drafter_options={"path": 5}), InputTypeError, r"mtp: path= must be a checkpoint directory"),
     # a bare ValueError from the engine's build with the drafter's default 4 layers on this 2-layer model
     (dict(drafter="self-draft"), InputError, r"self-draft: num_layers=4 must be below the target's 2 layers"),
 ])

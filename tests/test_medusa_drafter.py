@@ -281,7 +281,8 @@ def test_heads_object_that_does_not_fit_the_target_is_refused(size, match):
 
 @pytest.mark.parametrize("choices, match", [
     ([[0], [1, 0]], "lacks its prefix"), ([[0], [0, 0], [0, 0, 0]], "deeper than the 2"), ([], "empty"),
-    ([[-1]], ">= 0"), ([[0], [0, "x"]], "integer ranks"), ([[r] for r in range(65)], "at most 64"),
+    ([[-1]], ">= 0"), ([[0], [0, "x"]], "integer ranks"), ([[0.5]], "integer ranks"),  # 0.5 was taken as 0
+    ([[r] for r in range(65)], "at most 64"),
     ([[0], [200]], "rank 200, but the vocabulary has 96"),
 ])
 def test_bad_medusa_choices_are_refused_on_attach(choices, match):
