@@ -129,14 +129,23 @@ def generate(
                           attention_mask=attention_mask, generation_config=generation_config, generator=generator,
                           streamer=streamer, return_dict=return_dict, tokenizer=tokenizer, progress=progress,
                           cuda_graphs=cuda_graphs, **config_fields)
-        with on_device(request.loaded.runner.device):
-            engine = build_engine(request)
     except BaseException:
-        if is_put_end_streamer(streamer):  # a thread iterating a TextIteratorStreamer would wait for ever
-            streamer.end()
+        _end_refused(streamer)
         raise
     with on_device(request.loaded.runner.device):
+        try:
+            engine = build_engine(request)
+        except BaseException:
+            _end_refused(streamer)
+            raise
         return run(engine, request)  # which ends the streamer itself, also on failure
+
+
+def _end_refused(streamer: Any) -> None:
+    """A call refused before it streamed still ends a put() / end() streamer: a thread iterating a
+    TextIteratorStreamer would wait for ever."""
+    if is_put_end_streamer(streamer):
+        streamer.end()
 
 
 def on_device(device: torch.device):
