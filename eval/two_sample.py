@@ -41,8 +41,9 @@ def two_sample_chi2(a: Sequence[Hashable], b: Sequence[Hashable], tv: float = 0.
     if table.shape[1] < 2:
         return 1.0, 0.0  # one outcome only: nothing to compare, no power
     p = float(stats.chi2_contingency(table)[1])
-    # the hardest alternative at total variation tv (eval.statistics.chi2_power): noncentrality 4 tv^2 n_a n_b / n
-    lam = len(a) * len(b) / (len(a) + len(b)) * 4 * tv**2
+    # against a shift between the two likeliest outcomes, as eval.statistics.chi2_power (not the hardest one)
+    pooled = np.sort(table.sum(0) / table.sum())[::-1]
+    lam = len(a) * len(b) / (len(a) + len(b)) * tv**2 * (1 / pooled[0] + 1 / pooled[1])
     df = table.shape[1] - 1
     power = float(1 - stats.ncx2.cdf(stats.chi2.ppf(1 - alpha, df), df, lam))
     return p, power
