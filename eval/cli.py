@@ -17,7 +17,7 @@ from pathlib import Path
 
 from specdec.eval.prompts import CATEGORIES as DEFAULT_CATEGORIES
 
-from specdec.atomic_write import replaced_atomically, write_json
+from specdec.atomic_write import replaced_atomically
 from specdec.models.embedded import DEFAULT_ALIAS
 
 DEFAULT_PROMPTS = 20
@@ -233,9 +233,10 @@ def run_lossless(args) -> int:
     cert = run_certificate(loaded, args.drafter, _options(args.drafter_option), sampling, sizes, make_prompts, levels,
                            progress=lambda msg: print(f"  ... {msg}", file=sys.stderr), seed=args.seed)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / CERTIFICATE_FILES[0], json.loads(json.dumps(cert.to_json(), default=str)), indent=2)
-    with replaced_atomically(out / CERTIFICATE_FILES[1]) as tmp:
-        tmp.write_text(cert.to_markdown())
+    for name, text in zip(CERTIFICATE_FILES, (json.dumps(cert.to_json(), indent=2, default=str),
+                                              cert.to_markdown())):
+        with replaced_atomically(out / name) as tmp:
+            tmp.write_text(text)
     for w in cert.warnings:
         print(f"warning: {w}", file=sys.stderr)
     print(f"certificate {cert.verdict} in {cert.seconds:.0f} s: {out / 'certificate.md'}")

@@ -130,9 +130,10 @@ def _check_device(spec: str):
     """`spec` as a torch.device this torch can allocate on, checked before the (slow) model load."""
     from specdec.models.loader import check_device
 
-    if spec.strip() == "meta":
+    device = check_device(spec, "--device")
+    if device.type == "meta":
         raise CLIError("--device meta holds no weights; use cpu, cuda or cuda:N")
-    return check_device(spec, "--device")
+    return device
 
 
 def _add_generate(sub) -> None:
@@ -247,8 +248,7 @@ def _generate(args, stream_class) -> tuple[str, dict]:
     stop = [_check_argument(s, "--stop") for s in args.stop] if args.stop else args.stop
     # check what needs no model before the (slow) model load
     settings = {k: getattr(args, k) for k in GENERATION_FLAGS if getattr(args, k) is not None}
-    SamplingConfig(bool(args.do_sample), settings.get("temperature", 1.0), settings.get("top_k", 0),
-                   settings.get("top_p", 1.0))
+    SamplingConfig(bool(args.do_sample), **{k: settings[k] for k in ("temperature", "top_k", "top_p") if k in settings})
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     options = _parse_options(args.drafter_option)

@@ -230,6 +230,9 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
     micro_per_epoch = max(1, len(train_seqs) // cfg.batch_size)
     total = cfg.max_steps or max(1, cfg.epochs * micro_per_epoch // cfg.grad_accum)
     scheduler = make_scheduler(optimizer, cfg, total)
+    # what every checkpoint records: the configuration and the inputs as this run read them (taken once, not at
+    # each save: a file edited mid-run was read before the edit)
+    saved_config, fingerprint = {**cfg.to_json(), "inputs": cfg.input_stamps()}, cfg.fingerprint()
     step = 0
     if resume_from is not None:
         step = ckpt_io.load_checkpoint(resume_from, heads, optimizer, scheduler)
@@ -289,8 +292,7 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
                 logger.info("step %d/%d loss %.4f top1 %s lr %.2e", step, total, rec["loss"],
                             " ".join(f"{t:.3f}" for t in top1), rec["lr"])
             if step % cfg.save_every == 0 or step == total:
-                ckpt_io.save_checkpoint(out, heads, optimizer, scheduler, step,
-                                        {**cfg.to_json(), "inputs": cfg.input_stamps()}, cfg.fingerprint())
+                ckpt_io.save_checkpoint(out, heads, optimizer, scheduler, step, saved_config, fingerprint)
         accelerator.wait_for_everyone()
     if bar is not None:
         bar.close()
