@@ -49,18 +49,19 @@ def law_checks(sampling: SamplingConfig, sizes: CertificateSizes, seed: int) -> 
     checks, pvalues = [], {}
     for name, logits, law, noise in cases:
         tokens = coupled_tokens(logits.expand(n, -1), sampling, noise).tolist()
-        p, power = goodness_of_fit(tokens, law, sizes.stat_tv, level_alpha)
-        pvalues[name] = p
-        checks.append(Check(f"plain coupled sampling == target law ({name})", LEVEL, True, None, p_value=p,
-                            samples=n, power=power, detail=f"{len(law)} tokens in the support"))
+        fit = goodness_of_fit(tokens, law, sizes.stat_tv, level_alpha)
+        pvalues[name] = fit.p_value
+        checks.append(Check(f"plain coupled sampling == target law ({name})", LEVEL, True, None, p_value=fit.p_value,
+                            samples=n, power=fit.power, detects_tv=fit.detects_tv,
+                            detail=f"{len(law)} tokens in the support"))
     rejected = holm(pvalues, sizes.alpha)  # names whose null is rejected, family-wise at alpha
     for c, (name, *_rest) in zip(checks, cases):
         c.passed = name not in rejected
     name, logits, law, noise = cases[0]
     reused = coupled_tokens(logits.expand(n, -1), sampling, noise[:1].expand(n, -1)).tolist()
-    p, power = goodness_of_fit(reused, law, sizes.stat_tv, level_alpha)
-    checks.append(Check(f"plain coupled sampling == target law ({name})", LEVEL, p > level_alpha, "noise_reused",
-                        p_value=p, samples=n, power=power))
+    fit = goodness_of_fit(reused, law, sizes.stat_tv, level_alpha)
+    checks.append(Check(f"plain coupled sampling == target law ({name})", LEVEL, fit.p_value > level_alpha,
+                        "noise_reused", p_value=fit.p_value, samples=n, power=fit.power, detects_tv=fit.detects_tv))
     return checks
 
 

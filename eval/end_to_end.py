@@ -52,7 +52,8 @@ def sampled_two_sample(loaded: Any, prompt: list[int], drafter: Any, options: di
                                  speculation="always", **common)
     a = [tuple(t[:k]) for t in plain.new_tokens]
     b = [tuple(t[:k]) for t in spec.new_tokens]
-    chi2_p, power = two_sample_chi2(a, b, tv=sizes.e2e_tv, alpha=sizes.alpha)
+    fit = two_sample_chi2(a, b, tv=sizes.e2e_tv, alpha=sizes.alpha)
     logp = sequence_logprobs(loaded.model, list(prompt), a + b)
     ks_p = float(stats.ks_2samp([logp[x] for x in a], [logp[x] for x in b]).pvalue)
-    return {"chi2_p": chi2_p, "ks_p": ks_p, "power": power, "tau": spec.tau, "distinct_outcomes": len(set(a + b))}
+    return {"chi2_p": fit.p_value, "ks_p": ks_p, "power": fit.power, "detects_tv": fit.detects_tv, "tau": spec.tau,
+            "distinct_outcomes": len(set(a + b))}

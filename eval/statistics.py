@@ -7,17 +7,18 @@ Used by ``tests/test_rejection_stats.py`` and by the certificate (``specdec eval
     rejected = holm({"case-a": p_a, "case-b": p_b}, alpha=0.01)
 
 The power is the probability of rejecting, at level ``alpha``, the hardest alternative at
-total-variation distance ``tv`` for this statistic (moving ``tv`` of mass between the two
-most likely outcomes), so callers can check their sample size was able to fail.
+total-variation distance ``tv`` over the test's bins (moving ``tv`` of mass from one half of
+the law to the other), so callers can check their sample size was able to fail.
 """
 from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy import stats
+from scipy import optimize, stats
 from specdec.eval.exact_law import Law, SyntheticCase, sample_trees
 
 from specdec.rejection import EXACT, AcceptanceRule, rejection_sample
@@ -31,12 +32,26 @@ def run_sampler(case: SyntheticCase, rule: AcceptanceRule = EXACT, n: int = 30_0
     return [a.accepted_tokens + (a.next_token,) for a in accs], accs
 
 
-def goodness_of_fit(samples: list, law: Law, tv: float, alpha: float) -> tuple[float, float]:
-    """(p-value, power at TV ``tv`` and level ``alpha``) of a chi-square test, rare bins pooled."""
+@dataclass(frozen=True)
+class ChiSquare:
+    """A chi-square test's result. It unpacks as ``p, power = ...``; ``detects_tv`` is the smallest TV from the
+    tested law it catches with probability 0.9 at its level (inf: one bin, nothing to test)."""
+
+    p_value: float
+    power: float  # at the TV asked for, against the hardest alternative (chi2_power)
+    detects_tv: float
+
+    def __iter__(self):
+        return iter((self.p_value, self.power))
+
+
+def goodness_of_fit(samples: list, law: Law, tv: float, alpha: float) -> ChiSquare:
+    """Chi-square test of ``samples`` against ``law``, rare bins pooled: p-value, power at TV ``tv`` and level
+    ``alpha``, and the TV it detects."""
     n = len(samples)
     counts = Counter(samples)
     if any(law.get(k, 0.0) == 0.0 for k in counts):
-        return 0.0, 1.0  # an outcome the exact law forbids
+        return ChiSquare(0.0, 1.0, 0.0)  # an outcome the exact law forbids
     keys = sorted(law, key=law.get, reverse=True)
     big = [k for k in keys if law[k] * n >= 5]
     small = [k for k in keys if law[k] * n < 5]
@@ -46,29 +61,29 @@ def goodness_of_fit(samples: list, law: Law, tv: float, alpha: float) -> tuple[f
         obs.append(sum(counts.get(k, 0) for k in small))
         exp.append(sum(law[k] for k in small) * n)
     if len(obs) < 2:
-        return 1.0, 0.0
+        return ChiSquare(1.0, 0.0, math.inf)
     p = float(stats.chisquare(obs, np.array(exp) * sum(obs) / sum(exp)).pvalue)
-    return p, chi2_power(n, law, tv, alpha, len(obs) - 1)
+    df = len(obs) - 1
+    return ChiSquare(p, chi2_power(n, tv, alpha, df), detectable_tv(n, alpha, df))
 
 
-def chi2_power(n: int, law: Law, tv: float, alpha: float, df: int) -> float:
-    """Power of the chi-square test against a shift of ``tv`` between the law's two likeliest outcomes. That is
-    not the hardest alternative at that TV (mass moved between two halves of the law, noncentrality 4 n tv^2), so
-    this overstates the power against subtle biases: docs/evaluation.md says so."""
-    keys = sorted(law, key=law.get, reverse=True)
-    p1, p2 = (law[k] for k in keys[:2]) if len(keys) > 1 else (1.0, 1.0)
-    lam = n * tv**2 * (1 / p1 + 1 / p2)
+def chi2_power(n: float, tv: float, alpha: float, df: int) -> float:
+    """Power of a chi-square test with ``df`` degrees of freedom at level ``alpha`` against EVERY alternative at
+    total variation ``tv`` from the tested law, over the test's bins (a shift inside a pooled bin is invisible).
+
+    The noncentrality of a shift delta is n * sum(delta^2 / p); at a given TV it is least, 4 n tv^2, when tv of
+    mass moves from one half of the law to the other in proportion to it, so this is a lower bound on the power
+    against any such alternative. ``n`` is the sample size (a two-sample test's n_a n_b / (n_a + n_b))."""
     crit = stats.chi2.ppf(1 - alpha, df)
-    return float(1 - stats.ncx2.cdf(crit, df, lam))
+    return float(1 - stats.ncx2.cdf(crit, df, 4 * n * tv**2))
 
 
-def samples_for_power(law: Law, tv: float, alpha: float, power: float = 0.9, df: int | None = None) -> int:
-    """Smallest n (to 2 significant digits) whose chi2_power reaches ``power``."""
-    df = df or max(1, sum(1 for v in law.values() if v > 0) - 1)
-    n = 100
-    while chi2_power(n, law, tv, alpha, df) < power:
-        n = int(n * 1.25) + 1
-    return n
+def detectable_tv(n: float, alpha: float, df: int, power: float = 0.9) -> float:
+    """The smallest TV that :func:`chi2_power` detects with probability ``power``: what a test of this size can
+    claim."""
+    crit = stats.chi2.ppf(1 - alpha, df)
+    lam = optimize.brentq(lambda lam: 1 - stats.ncx2.cdf(crit, df, lam) - power, 0.0, 1e6)
+    return math.sqrt(lam / (4 * n))
 
 
 def total_variation_bound(samples: list, law: Law, confidence: float = 0.99) -> float:

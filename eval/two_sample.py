@@ -10,20 +10,23 @@ distance ``tv`` for this statistic, so a test can assert it was able to fail.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
 import numpy as np
 from scipy import stats
+from specdec.eval.statistics import ChiSquare, chi2_power, detectable_tv
 
 
 def two_sample_chi2(a: Sequence[Hashable], b: Sequence[Hashable], tv: float = 0.05,
-                    alpha: float = 1e-3) -> tuple[float, float]:
-    """(p-value, power to detect TV ``tv`` at level ``alpha``) of a two-sample chi-square test.
+                    alpha: float = 1e-3) -> ChiSquare:
+    """A two-sample chi-square test: p-value, power to detect TV ``tv`` at level ``alpha``, and the TV it detects
+    (:class:`specdec.eval.statistics.ChiSquare`, which unpacks as ``p, power``).
 
-    Bins whose expected count is below 5 are pooled into one. The power is computed for
-    moving ``tv`` of mass between the two most likely bins (noncentrality
-    ``n_a n_b / (n_a + n_b) * tv^2 * (1/p1 + 1/p2)``), the hardest such alternative.
+    Bins whose expected count is below 5 are pooled into one. The power is against the hardest
+    alternative at that TV over the bins (:func:`specdec.eval.statistics.chi2_power`, with the
+    effective size ``n_a n_b / (n_a + n_b)``).
     """
     if not a or not b:
         raise ValueError("two_sample_chi2 needs samples on both sides")
@@ -39,11 +42,7 @@ def two_sample_chi2(a: Sequence[Hashable], b: Sequence[Hashable], tv: float = 0.
     table = np.stack([ca, cb])
     table = table[:, table.sum(0) > 0]
     if table.shape[1] < 2:
-        return 1.0, 0.0  # one outcome only: nothing to compare, no power
+        return ChiSquare(1.0, 0.0, math.inf)  # one outcome only: nothing to compare, no power
     p = float(stats.chi2_contingency(table)[1])
-    # against a shift between the two likeliest outcomes, as eval.statistics.chi2_power (not the hardest one)
-    pooled = np.sort(table.sum(0) / table.sum())[::-1]
-    lam = len(a) * len(b) / (len(a) + len(b)) * tv**2 * (1 / pooled[0] + 1 / pooled[1])
-    df = table.shape[1] - 1
-    power = float(1 - stats.ncx2.cdf(stats.chi2.ppf(1 - alpha, df), df, lam))
-    return p, power
+    n, df = len(a) * len(b) / (len(a) + len(b)), table.shape[1] - 1
+    return ChiSquare(p, chi2_power(n, tv, alpha, df), detectable_tv(n, alpha, df))

@@ -216,7 +216,7 @@ def test_self_draft_sampling_law_with_a_reduced_vocabulary_matches_plain():
     drafter = SelfDraftDrafter(num_layers=1, draft_vocab=[1, 3], mode="independent", num_draft_tokens=3, seed=4)
     spec, tau = first_tokens(drafter, 2)
     assert tau > 1.1  # drafts are accepted: the rejection rule really meets the reduced draft_probs
-    p, power = two_sample_chi2(plain, spec, tv=0.05)
+    p, power = two_sample_chi2(plain, spec, tv=0.08)
     assert power >= 0.9 and p > 1e-3, (p, power)
     assert {0, 2} <= {t for s in spec for t in s}  # out-of-vocabulary tokens still appear (recovered tokens)
 

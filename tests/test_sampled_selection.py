@@ -75,7 +75,7 @@ def first_tokens(trees: list[DraftTree], seed: int = 0) -> list[int]:
 
 
 def law_test(tokens: list[int], exact: bool) -> None:
-    p, power = goodness_of_fit(tokens, {t: float(q) for t, q in enumerate(TARGET)}, tv=0.03, alpha=1e-3)
+    p, power = goodness_of_fit(tokens, {t: float(q) for t, q in enumerate(TARGET)}, tv=0.045, alpha=1e-3)
     assert len(tokens) >= 4000 and power > 0.9, power
     assert (p > 1e-3) if exact else (p < 1e-6), p
 
@@ -112,7 +112,7 @@ def test_sizing_never_cuts_a_sampled_tree_by_its_own_token_dependent_shape(seven
 def test_generate_sizes_token_shaped_sampled_trees_exactly(seven_nodes_pay):
     """End to end through generate(speculation="auto"): an earlier call showed the sizer the seven-node shape
     (remembered per drafter), then 1,000 copies of a prompt; the first new token keeps the target's law
-    (chi-square; this sample size detects TV 0.08 with power 0.9) and the sampled node is verified."""
+    (chi-square; this sample size detects TV 0.09 with power 0.9) and the sampled node is verified."""
     model = build_tiny_model(vocab_size=4, seed=5)
     with torch.no_grad():
         law = model(torch.tensor([PROMPT])).logits[0, -1].double().softmax(-1)
@@ -120,7 +120,7 @@ def test_generate_sizes_token_shaped_sampled_trees_exactly(seven_nodes_pay):
     generate(model, [PROMPT], drafter=Sampled(grow=True), seed=1, **kw)
     out = generate(model, [PROMPT] * 1000, drafter=Sampled(grow=False), seed=11, **kw)
     assert all(s.step_nodes[0] >= 1 for s in out.stats)
-    p, power = goodness_of_fit([s[len(PROMPT)] for s in out.sequences], dict(enumerate(law.tolist())), tv=0.08,
+    p, power = goodness_of_fit([s[len(PROMPT)] for s in out.sequences], dict(enumerate(law.tolist())), tv=0.09,
                                alpha=1e-3)
     assert power > 0.9 and p > 1e-3, (p, power)
 
