@@ -114,7 +114,8 @@ def first_divergence(i: int, prompt: list[int], plain: tuple[list[int], list[flo
         if model is None or j is None or j >= len(a):
             return None
         x, y = tokens[j]
-        return diagnose(model, list(prompt) + a[:j], i, j, x, max(y, 0)).gap
+        d = diagnose(model, list(prompt) + a[:j], i, j, x, max(y, 0))
+        return d.top1_logit - d.top2_logit
 
     x, y = tokens[first]
     delta = lb[first] - la[first] if x == y else math.nan

@@ -287,7 +287,8 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
         checks.append(Check(name, "end-to-end", real == 0, control, samples=sum(r.tokens_compared for r in results),
                             detail=detail))
         if control is None and ties:
-            warnings.append(f"greedy identity: {ties} divergences were numerical near-ties (top-1/top-2 gap < 1e-3)")
+            warnings.append(f"greedy identity: {ties} divergences were numerical near-ties (both tokens within 1e-3 of "
+                            "the top logit)")
         if control is None and tau <= 1.0:
             warnings.append("greedy identity: no draft was accepted, so the accepted-draft path (tree-node logits, "
                             "KV compaction) was never tested and the engine-fault controls can hardly be caught")

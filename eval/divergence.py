@@ -5,12 +5,13 @@
 
 At the first position where speculative and plain greedy output differ, the target's
 logits for the common prefix are recomputed with the transformers model (an implementation
-independent of specdec's runner): if the top-1 / top-2 gap there is below ``near_tie``,
-the divergence is classified ``numerical near-tie`` (float rounding picked the other of two
-equal candidates); otherwise it is a ``real mismatch``, i.e. a bug. Under coupled sampling
+independent of specdec's runner): if both emitted tokens lie within ``near_tie`` of the top
+logit there, the divergence is classified ``numerical near-tie`` (float rounding picked the
+other of two equal candidates); otherwise it is a ``real mismatch``, i.e. a bug (a token far
+below the top is one even where the top two are tied). Under coupled sampling
 (``sampling={"do_sample": True, "seed": 7, "sampler": "coupled", ...}``) the candidates are ranked by
-the perturbed logits ``sampling_logits + G`` of :mod:`specdec.coupling` (float64), whose top-1 / top-2 gap
-decides the same way with ``COUPLED_NEAR_TIE``.
+the perturbed logits ``sampling_logits + G`` of :mod:`specdec.coupling` (float64), which decide the same way
+with ``COUPLED_NEAR_TIE``.
 
 ``rule`` / ``fault`` run the speculative side with a negative control of
 :mod:`specdec.eval.negative_controls` (a broken acceptance rule / a broken engine).
@@ -41,7 +42,7 @@ class Divergence:
     speculative_token: int
     top1_logit: float
     top2_logit: float
-    gap: float
+    gap: float  # top logit - the lower of the two emitted tokens' logits
     kind: str  # "numerical near-tie" | "real mismatch"
 
 
@@ -75,7 +76,7 @@ def diagnose(model: Any, prefix: list[int], prompt: int, position: int, plain: i
         noise = coupling.draft_noise(key, [len(prefix)], logits.shape[-1], logits.device)[0]
         logits = perturbed_logits(logits, sampling, noise)
     top = torch.topk(logits, 2).values.tolist()
-    gap = top[0] - top[1]
+    gap = top[0] - min(float(logits[plain]), float(logits[spec]))
     kind = "numerical near-tie" if gap < near_tie else "real mismatch"
     return Divergence(prompt, position, plain, spec, top[0], top[1], gap, kind)
 

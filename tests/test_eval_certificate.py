@@ -74,6 +74,9 @@ def test_divergence_is_diagnosed_as_real_or_near_tie():
 
     d = diagnose(Tied(), [1, 2], prompt=0, position=0, plain=4, spec=7)
     assert d.kind == "numerical near-tie" and d.gap == 0.0
+    # a token far below the tied top two is a bug, not rounding (only the top-2 gap was looked at)
+    d = diagnose(Tied(), [1, 2], prompt=0, position=0, plain=4, spec=9)
+    assert d.kind == "real mismatch" and d.gap == 5.0
 
 
 def _fault_setup():
