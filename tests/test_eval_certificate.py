@@ -198,3 +198,13 @@ def test_certificate_sizes_detect_the_tv_they_state(sizes):
             law = step_law(case, EXACT)(case.prefix)
             bins = sum(1 for q in law.values() if q * n >= 5) + any(q * n < 5 for q in law.values())
             assert detectable_tv(n, sizes.alpha / len(cases), bins - 1) <= sizes.stat_tv, (name, sampling)
+
+
+def test_statistics_alone_run_only_the_controls_that_apply():
+    """With --levels stats alone, a broken rule identical to the exact one for the drafter's modes (bonus from the
+    drafter, for n-gram's deterministic candidates) passed its statistics and voided the certificate."""
+    sizes = CertificateSizes(stat_samples=2000)
+    cert = run_certificate(None, "ngram", {}, SamplingConfig(True, 0.9, 6), sizes, _prompts, levels=("stats",))
+    assert not cert.void and cert.passed, [(c.control, c.passed) for c in cert.checks]
+    assert {c.level for c in cert.checks} == {"sampler-statistics"}
+    assert "always_accept" in {c.control for c in cert.checks}
