@@ -142,6 +142,8 @@ class GraphedForward:
         self.failed = False  # a capture failed: every later step runs the eager forward
         self.told_eager = False  # a decode step fitting no bucket was logged at info level (_note_eager)
         self.discarded = False  # its cache and graphs were freed (discard): any later use is an error
+        self.shared = False  # its cache serves call after call (with_cache: the model's, or a caller's)
+        self.serving = False  # a generate() call is running in it (set and cleared by specdec.generate.run)
         # who drafts in it during the current generate() call (a draft-model drafter, weakly), and that call's
         # TargetView: a second drafter over the same model in the same call keeps out (specdec.drafters.model_drafter)
         self.user: tuple[weakref.ref, weakref.ref] | None = None
@@ -158,7 +160,9 @@ class GraphedForward:
         blocks = -(-max_tokens // block_size) + 1
         cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, blocks, block_size, runner.dtype,
                              runner.device, runner.backend)
-        return cls(runner, cache, config)
+        graphed = cls(runner, cache, config)
+        graphed.shared = True
+        return graphed
 
     def discard(self) -> None:
         """Free the KV cache and the graphs now (the model's graph cache grew or was released), though a caller may
@@ -182,6 +186,10 @@ class GraphedForward:
         """This object's KV cache for a new generation by ``runner``, emptied of any earlier call's sequences
         (left over only if that call raised mid-generation); a one-line InputError if it cannot serve it."""
         self._check_live()
+        if self.serving:
+            raise InputError("this GraphedForward is serving another generate() call (one at a time: a call made "
+                             "from a streamer, or from another thread, needs cuda_graphs=False or its own "
+                             "GraphedForward)")
         if self.runner.hf_model is not runner.hf_model:
             raise InputError("cuda_graphs: this GraphedForward was built for another model")
         if self.cache.block_size != block_size:

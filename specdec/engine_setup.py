@@ -24,7 +24,14 @@ import torch
 from specdec.audit import audit_of
 from specdec.cost_model import CalibrationConfig, ensure_row_policy, load_cost_model
 from specdec.coupling import Coupling
-from specdec.cuda_graphs import AUTO, GraphConfig, GraphedForward, auto_uses_graphs, model_graphs
+from specdec.cuda_graphs import (
+    AUTO,
+    GraphConfig,
+    GraphedForward,
+    auto_uses_graphs,
+    current_model_graphs,
+    model_graphs,
+)
 from specdec.drafters.base import _ObjectDrafter
 from specdec.engine import Engine
 from specdec.errors import InputError, InputTypeError
@@ -152,6 +159,11 @@ def _kv_cache(request: "GenerateRequest", fault: EngineFault | None) -> tuple[Pa
         return _graphed_cache(graphs, request, needed, fault), graphs
     if graphs == AUTO:  # on CUDA: the model's own graph cache, reused by later calls; else eager
         graphs = fault is None and not config.invariant and auto_uses_graphs(runner)  # the bit-exact mode: eager
+        serving = current_model_graphs(runner)
+        if graphs and serving is not None and serving.serving:  # a call from inside another's (a streamer's)
+            logger.info("cuda_graphs=auto: the model's graph cache serves another generate() call; this one runs "
+                        "eagerly")
+            graphs = False
         if graphs and config.num_blocks is None:
             def check_fits(blocks: int) -> None:
                 check_cache_fits(shape, blocks, block_size, runner.dtype, runner.device, explicit=False)

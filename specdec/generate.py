@@ -256,6 +256,8 @@ def run(engine: Engine, request: GenerateRequest) -> Any:
     start = time.perf_counter()
     streamer = request.streamer
     put_end = is_put_end_streamer(streamer)
+    if engine.graphed is not None and engine.graphed.shared:  # a call made meanwhile (a streamer's) keeps out
+        engine.graphed.serving = True
     try:
         if put_end:  # the prompt first, as transformers does (TextStreamer(skip_prompt=True) drops it)
             streamer.put(torch.tensor([request.layout.rows[0]], dtype=torch.long))
@@ -281,6 +283,7 @@ def run(engine: Engine, request: GenerateRequest) -> Any:
                     bar.set_postfix(tau=f"{done / max(sum(s.steps for s in seqs), 1):.2f}")
         engine.finish()
     finally:
+        engine.close()
         if put_end:
             streamer.end()
     return pack_output(engine, seqs, request.layout, request.return_dict, start, prefill_seconds)

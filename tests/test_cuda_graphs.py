@@ -794,3 +794,35 @@ def test_the_oracle_leaves_its_trees_pending_as_eagle_does(loaded, monkeypatch):
     steps = "".join({"propose": "p", "verify": "v", "_finish": "r", "accept": "a"}[e] for e in events).split("a")
     # propose, verify, read: pending; propose, read, verify: read first (near the token budget)
     assert set(steps[:-1]) <= {"pvr", "prv"} and steps.count("pvr") >= 2 and steps[-1] == "", steps
+
+
+def test_a_call_made_while_another_runs_keeps_out_of_its_graph_cache(loaded, monkeypatch):
+    """A streamer that calls generate() on the same model (a tool call, a judge) met the model's shared graph cache
+    in use: the inner call freed the outer call's sequences, which then died on a bare KeyError. The inner call now
+    runs eagerly beside it (cuda_graphs="auto"), or is refused in one line (a caller's GraphedForward)."""
+    from specdec import cuda_graphs
+
+    release_model_graphs(loaded)
+    prompts, inner_prompt = [[1, 2, 3, 4]], [[7, 8, 9]]
+    plain = generate(on_reference(loaded), prompts, max_new_tokens=4)
+    inner_plain = generate(on_reference(loaded), inner_prompt, max_new_tokens=2)
+    monkeypatch.setattr("specdec.engine_setup.auto_uses_graphs", lambda runner: True)  # as on CUDA
+    monkeypatch.setattr(cuda_graphs, "GraphConfig", lambda **kw: GraphConfig(batch_sizes=(1,), tokens_per_seq=(1,),
+                                                                             capture=CAPTURE))
+    inner = []
+
+    def streamer(seq, tokens):
+        if not inner:  # once, mid-call
+            inner.append(generate(loaded, inner_prompt, max_new_tokens=2))
+
+    assert generate(loaded, prompts, max_new_tokens=4, streamer=streamer) == plain
+    assert inner == [inner_plain]
+    graphed = loaded.model.__dict__["_specdec_graphed_forward"]
+    assert not graphed.serving and graphed.cache.lengths.keys() <= {cuda_graphs.SCRATCH_SEQ_ID}
+
+    own = GraphedForward.with_cache(loaded.runner, max_tokens=64, config=GraphConfig(capture=CAPTURE))
+    with pytest.raises(InputError, match=r"^this GraphedForward is serving another generate\(\) call"):
+        generate(loaded, prompts, max_new_tokens=4, cuda_graphs=own,
+                 streamer=lambda seq, tokens: generate(loaded, inner_prompt, max_new_tokens=2, cuda_graphs=own))
+    assert not own.serving and generate(loaded, prompts, max_new_tokens=4, cuda_graphs=own) == plain
+    release_model_graphs(loaded)

@@ -145,3 +145,45 @@ def test_the_target_view_says_whether_verify_steps_replay_cuda_graphs():
         graphed = SimpleNamespace(config=SimpleNamespace(capture=capture))  # what the engine reads of its graphs
         Engine(runner, cache, sampling=SamplingConfig(), stop=StopCriteria(4), drafter=drafter, graphed=graphed)
         assert drafter.attached[0].graphs is capture
+
+
+class Remembering(Drafter):
+    """Keeps per-sequence history, as the contract allows, and forgets it in release()."""
+
+    name = "remembering"
+
+    def __init__(self) -> None:
+        self.history: dict[int, int] = {}
+        self.target = None
+
+    def attach(self, target: TargetView) -> None:
+        self.target = target
+
+    def propose(self, seqs):
+        for v in seqs:
+            self.history[v.seq_id] = len(v.token_ids)
+        return [DraftTree.chain([1]) for _ in seqs]
+
+    def release(self, seq_id: int) -> None:
+        del self.history[seq_id]
+
+
+def test_a_call_that_raises_releases_its_sequences_and_frees_its_cache():
+    """A call that ended on an exception (here its streamer's) never released its live sequences from the drafter,
+    which met their ids again in the next call as if they were its own; and a drafter reused across calls kept the
+    last call's whole KV pool alive (through its TargetView) until its next call."""
+    import pytest
+
+    model = build_tiny_model("llama-gqa-tied")
+    drafter = Remembering()
+
+    def streamer(seq, tokens):
+        raise RuntimeError("the client went away")
+
+    with pytest.raises(RuntimeError, match="the client went away"):
+        generate(model, [[5, 9, 11, 2], [7, 3]], drafter=drafter, max_new_tokens=8, streamer=streamer)
+    assert drafter.history == {}  # both sequences released
+    assert drafter.target.cache.num_blocks == 0 and drafter.target.cache.kv.numel() == 0
+    out = generate(model, [[5, 9, 11, 2]], drafter=drafter, max_new_tokens=8)
+    assert out == generate(model, [[5, 9, 11, 2]], max_new_tokens=8) and drafter.history == {}
+    assert drafter.target.cache.kv.numel() == 0  # freed after a call that ended normally too
