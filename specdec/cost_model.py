@@ -15,8 +15,9 @@ step runs with that many sequences. Draft costs are not measured here: they depe
 text, so the engine measures them online (:class:`specdec.tree_sizing.TreeSizer`).
 
 The result is cached as JSON under ``cache_root()/costs`` keyed by everything it depends on: the model
-(shape + a checksum of some weights), dtype, device and its name, torch thread count, torch version, the
-CPU row policy (which is itself measured first: :func:`ensure_row_policy`) and the calibration's workload.
+(shape + a checksum of some weights), dtype, device and its name (a GPU's; a CPU's model name, family and ISA flags),
+torch thread count, torch version, the CPU row policy (which is itself measured first: :func:`ensure_row_policy`)
+and the calibration's workload.
 A different key re-measures. ``CALIBRATIONS`` counts the measurements this process ran (tests).
 """
 from __future__ import annotations
@@ -27,13 +28,13 @@ import json
 import logging
 import math
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from specdec import cpu_info
 from specdec.atomic_write import write_json
 from specdec.kv_cache import available_memory_bytes
 from specdec.models import row_policy
@@ -83,10 +84,13 @@ def _one_off(what: str, total: int, unit: str, where: Path | None):
         yield bar.update
 
 
-def _device_name(device: torch.device) -> str:
+def _device(device: torch.device) -> dict:
+    """What names the processor a measurement ran on: a GPU's device name; a CPU's model name, its x86 family and
+    model numbers and the flags its matrix products depend on (:mod:`specdec.cpu_info`): "x86_64" alone keyed an
+    EPYC's costs to a Xeon."""
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
+        return {"device_name": torch.cuda.get_device_name(device)}
+    return {"device_name": cpu_info.cpu_model(), "cpu": cpu_info.cpu_signature(), "isa": cpu_info.isa()}
 
 
 CHECKSUM_SAMPLES = 1 << 16  # entries per tensor that _checksum reads (evenly strided)
@@ -106,9 +110,10 @@ def _checksum(tensors) -> str:
 
 
 def machine_key(runner) -> dict:
-    """What every measurement on ``runner`` depends on besides the weights' values."""
+    """What every measurement on ``runner`` depends on besides the weights' values: the model's shape, dtype,
+    device, the processor (:func:`_device`), torch's thread count and version, and the attention backend."""
     return {"shape": asdict(runner.shape), "dtype": str(runner.dtype), "device": str(runner.device),
-            "device_name": _device_name(runner.device), "threads": torch.get_num_threads(),
+            **_device(runner.device), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "backend": str(getattr(runner.backend, "name", runner.backend))}
 
 
@@ -149,12 +154,16 @@ def cache_dir() -> Path:
 
 
 def read_cache(file: Path) -> dict | None:
-    """A measurement cache file's JSON, or None when it is missing or unreadable (then measured again)."""
+    """A measurement cache file's JSON object, or None when it is missing, unreadable or not an object (then
+    measured again)."""
     try:
-        return json.loads(file.read_text()) if file.is_file() else None
+        data = json.loads(file.read_text()) if file.is_file() else None
+        if data is None or isinstance(data, dict):
+            return data
     except (OSError, ValueError):
-        logger.warning("cost model: unreadable cache file %s; measuring again", file)
-        return None
+        pass
+    logger.warning("cost model: unreadable cache file %s; measuring again", file)
+    return None
 
 
 def write_cache(file: Path, data: dict) -> None:
@@ -198,8 +207,8 @@ def packed_weights_allowed(runner) -> bool:
 
 def ensure_row_policy(runner, config: CalibrationConfig | None = None, cache_dir: str | Path | None = None) -> None:
     """Install the CPU row policy of ``linear()`` for the current thread count, measured on this machine over
-    the matrices a forward streams (:func:`streamed_weights`; cached on disk by machine, weight shapes, dtype and
-    thread count). No-op on GPU."""
+    the matrices a forward streams (:func:`streamed_weights`; cached on disk by :func:`machine_key`: CPU model and
+    ISA flags, weight shapes, dtype and thread count). No-op on GPU."""
     if runner.device.type != "cpu" or not len(runner.layers):
         return
     threads = torch.get_num_threads()

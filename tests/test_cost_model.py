@@ -133,6 +133,81 @@ def test_checksum_reads_a_strided_sample_of_large_tensors():
     assert cost_model._checksum([t.view(10, -1)]) != cost_model._checksum([t])  # the shape counts
 
 
+def _proc_cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
+def test_the_cost_key_names_this_cpu_model_and_thread_count():
+    """The key named the CPU by ``platform.processor() or platform.machine()``: "x86_64" on every Linux PC, so
+    costs measured on one CPU were read as their own by another sharing the home directory."""
+    model = _proc_cpu_model()
+    if model is None:
+        pytest.skip("no model name in /proc/cpuinfo")
+    key = cost_model.machine_key(LlamaRunner(build_tiny_model(seed=0)))
+    assert model in key["device_name"] and key["threads"] == torch.get_num_threads()
+
+
+def _cpuinfo(model: str, flags: str = "fpu sse2 avx2 fma", family: int = 25) -> str:
+    return "".join(f"processor\t: {i}\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: 17\n"
+                   f"model name\t: {model}\nflags\t\t: {flags}\n\n" for i in range(2))
+
+
+def test_each_cpu_model_has_its_own_costs_and_row_policy(fresh, monkeypatch):
+    """Two CPUs under one cache folder (a home directory shared between machines): each measures and keeps its own
+    c(n) and row policy, and a CPU that comes back reads its own from disk."""
+    from specdec import cpu_info
+
+    calls = _calls(monkeypatch)
+    runner = LlamaRunner(build_tiny_model(seed=0))
+    rows = cost_model.CALIBRATIONS["rows"]
+    files = {}
+    for text in (_cpuinfo("AMD EPYC 9454 48-Core Processor"), _cpuinfo("Intel(R) Xeon(R) Platinum 8488C"),
+                 _cpuinfo("AMD EPYC 9454 48-Core Processor", "fpu sse2 avx2 fma avx512f"),  # a VM showing AVX-512
+                 _cpuinfo("AMD EPYC 9454 48-Core Processor", family=26)):  # a generic VM name, another family
+        monkeypatch.setattr(cpu_info, "cpuinfo_text", lambda text=text: text)
+        files[text] = load_cost_model(runner, SMALL, cache_dir=fresh).file
+    assert calls == [1, 1, 1, 1] and cost_model.CALIBRATIONS["rows"] == rows + 4
+    assert len(set(files.values())) == 4 and len(list(fresh.glob("verify-*.json"))) == 4
+    assert len(list(fresh.glob("rows-*.json"))) == 4
+    # the first CPU again, in a new process: its own measurements, from disk
+    monkeypatch.setattr(cost_model, "_MEMO", {})
+    monkeypatch.setattr(cost_model, "_ROWS_DONE", {})
+    first = next(iter(files))
+    monkeypatch.setattr(cpu_info, "cpuinfo_text", lambda: first)
+    assert load_cost_model(runner, SMALL, cache_dir=fresh).file == files[first]
+    assert calls == [1, 1, 1, 1] and cost_model.CALIBRATIONS["rows"] == rows + 4
+
+
+def test_a_cost_file_of_another_key_or_format_is_measured_again(fresh, monkeypatch):
+    """A cache written under the old key (the CPU named "x86_64") is never read, and a file that is not a JSON object
+    is measured again rather than failing the call."""
+    calls = _calls(monkeypatch)
+    runner = LlamaRunner(build_tiny_model(seed=0))
+    model = load_cost_model(runner, SMALL, cache_dir=fresh)
+    old = {k: v for k, v in model.key.items() if k not in ("cpu", "isa")} | {"device_name": "x86_64"}
+    assert cost_model._digest(old) != cost_model._digest(model.key)
+    model.file.write_text("[1, 2]")
+    monkeypatch.setattr(cost_model, "_MEMO", {})
+    assert load_cost_model(runner, SMALL, cache_dir=fresh).curve(1) and calls == [1, 1]
+
+
+def test_cpu_info_reads_model_names_arm_parts_and_isa_flags():
+    from specdec import cpu_info
+
+    hybrid = _cpuinfo("Core A") + _cpuinfo("Core B", "avx2 avx512f amx_tile md_clear")
+    assert cpu_info.cpu_model(hybrid) == "Core A + Core B"
+    assert cpu_info.cpu_signature(hybrid) == "AuthenticAMD family 25 model 17"
+    assert cpu_info.isa(_cpuinfo("X", "fpu md_clear avx512f amx_tile avx2")) == "amx_tile avx2 avx512f"
+    arm = "processor\t: 0\nFeatures\t: fp asimd sve2 bf16\nCPU implementer\t: 0x41\nCPU part\t: 0xd4f\n"
+    assert cpu_info.cpu_model(arm) == "Arm implementer 0x41 part 0xd4f"
+    assert cpu_info.isa(arm) == "asimd bf16 sve2" and cpu_info.cpu_signature(arm) == ""
+    assert cpu_info.cpu_model("") == cpu_info._os_cpu_name() != ""
+
+
 def test_row_policy_measured_once_per_key_and_installed(fresh):
     runner = LlamaRunner(build_tiny_model(seed=0))
     before = cost_model.CALIBRATIONS["rows"]
