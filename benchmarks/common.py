@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import atexit
 import os
-import platform
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from specdec import cpu_info
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
@@ -77,32 +78,25 @@ def add_overwrite(ap) -> None:
     ap.add_argument("--overwrite", action="store_true", help="replace result files that exist (else refused)")
 
 
-def _cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-
-
 def machine_class() -> str | None:
     """docs/gen_benchmarks.py's machine class of this CPU, or None when it names none."""
-    info = _cpuinfo()
-    avx512 = " avx512f" in info
-    if "GenuineIntel" in info:
+    vendor = next(iter(cpu_info.cpuinfo_values("vendor_id")), "")
+    avx512 = "avx512f" in cpu_info.cpu_flags()
+    if vendor == "GenuineIntel":
         return "cpu-intel-avx512" if avx512 else None
-    if "AuthenticAMD" in info:
+    if vendor == "AuthenticAMD":
         return "cpu-avx512" if avx512 else "cpu-no-avx512"
     return None
 
 
 def cpu_name() -> str:
-    names = [line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")]
-    return f"{names[0]}, {len(names)} cores" if names else platform.machine() + " CPU"
+    """This CPU's model name (as the cost cache keys it: :func:`specdec.cpu_info.cpu_model`) and its logical CPUs."""
+    count = len(cpu_info.cpuinfo_values("model name")) or os.cpu_count()
+    return f"{cpu_info.cpu_model()}, {count} cores"
 
 
 def cpu_features() -> str:
     """What this CPU offers a bf16 product, in words: "AVX-512, no bf16 instructions" and the like."""
-    flags = next((set(line.split(":", 1)[1].split()) for line in _cpuinfo().splitlines()
-                  if line.startswith("flags")), set())
+    flags = cpu_info.cpu_flags()
     avx512 = "AVX-512" if "avx512f" in flags else "no AVX-512"
     return f"{avx512}, {'' if flags & {'avx512_bf16', 'amx_bf16'} else 'no '}bf16 instructions"
