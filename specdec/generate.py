@@ -197,18 +197,19 @@ def prepare(model: Any, input_ids: Any, *, drafter: Any = None, drafter_options:
     if generator is not None and generator.device.type != runner.device.type:
         raise InputError(f"generator is on {generator.device} but the model is on {runner.device}: "
                          "sampling runs on the model's device, so create it with torch.Generator(device=...) there")
+    eos_token_id = config.eos_token_id  # kwargs > generation_config= > the model's generation_config
+    if eos_token_id is None:  # the model config's own, as transformers' generation_config takes it
+        eos_token_id = getattr(loaded.model.config, "eos_token_id", None)
+    eos = parse_eos_ids(eos_token_id, shape.vocab_size)
+    pad_token_id = _pad_token_id(config.pad_token_id, early.pad_token_id is not None, shape.vocab_size)
+    inputs = inputs.infer_mask(pad_token_id, eos)  # a padded tensor without attention_mask, as transformers
     check_vocabulary("input_ids", inputs.prompts, shape.vocab_size)
     check_vocabulary("stop", [list(s) for s in config.stop_sequences], shape.vocab_size)
     longest = max(len(p) for p in inputs.prompts)
     how = f" (max_length from {resolved.length_from})" if resolved.length_from else ""
     shape.check_fits(longest, config.max_new_tokens, how)  # names the sliding window where that is the limit
-    eos_token_id = config.eos_token_id  # kwargs > generation_config= > the model's generation_config
-    if eos_token_id is None:  # the model config's own, as transformers' generation_config takes it
-        eos_token_id = getattr(loaded.model.config, "eos_token_id", None)
-    eos = parse_eos_ids(eos_token_id, shape.vocab_size)
     stop = StopCriteria(config.max_new_tokens, frozenset(eos), config.stop_sequences, config.stop_strings,
                         loaded.tokenizer)
-    pad_token_id = _pad_token_id(config.pad_token_id, early.pad_token_id is not None, shape.vocab_size)
     pad_token_id = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)  # as transformers
     layout = OutputLayout(tuple(tuple(r) for r in inputs.rows), inputs.tensor_device is not None, pad_token_id,
                           inputs.tensor_device)

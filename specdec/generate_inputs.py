@@ -15,7 +15,7 @@ import math
 import numbers
 import reprlib
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,6 +191,7 @@ class Inputs:
     prompts: list[list[int]]  # one per row, positions with attention_mask 0 removed
     rows: list[list[int]]  # as given, padding included
     tensor_device: torch.device | None  # a tensor came in: the result is a tensor on this device; None: lists
+    masked: bool = False  # an attention_mask came with them
 
     @property
     def length(self) -> int:
@@ -200,7 +201,20 @@ class Inputs:
     def repeat(self, n: int) -> "Inputs":
         """Each row ``n`` times, consecutively (``num_return_sequences``)."""
         return Inputs([p for p in self.prompts for _ in range(n)], [r for r in self.rows for _ in range(n)],
-                      self.tensor_device)
+                      self.tensor_device, self.masked)
+
+    def infer_mask(self, pad_token_id: int | None, eos: Sequence[int]) -> "Inputs":
+        """transformers' rule for a tensor without attention_mask: where the pad id occurs in it and is no EOS id,
+        its positions are padding (dropped from the prompts); else every position is a token."""
+        if (self.masked or self.tensor_device is None or pad_token_id is None or pad_token_id in eos
+                or not any(pad_token_id in r for r in self.rows)):
+            return self
+        prompts = [[t for t in r if t != pad_token_id] for r in self.rows]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise InputError(f"prompt {i} is all padding (pad_token_id {pad_token_id}, no attention_mask): "
+                                 "every prompt needs at least one token")
+        return Inputs(prompts, self.rows, self.tensor_device, True)
 
 
 def parse_input_ids(input_ids: Any, attention_mask: Any = None) -> Inputs:
@@ -232,7 +246,8 @@ def parse_input_ids(input_ids: Any, attention_mask: Any = None) -> Inputs:
         if not p:
             why = " (its attention_mask row has no 1)" if attention_mask is not None else ""
             raise InputError(f"prompt {i} is empty{why}: every prompt needs at least one token")
-    return Inputs(prompts, rows, input_ids.device if isinstance(input_ids, torch.Tensor) else None)
+    return Inputs(prompts, rows, input_ids.device if isinstance(input_ids, torch.Tensor) else None,
+                  attention_mask is not None)
 
 
 def check_vocabulary(name: str, sequences: list[list[int]], vocab_size: int) -> None:

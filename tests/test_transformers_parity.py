@@ -81,6 +81,24 @@ def test_left_padded_batch_is_transformers_tensor_with_eos_padding(device):
     assert [_up_to_eos(r, eos) for r in out[:, width:].tolist()] == res.new_tokens  # out[:, L:] = the new tokens
 
 
+def test_a_padded_tensor_without_mask_is_unpadded_by_the_pad_id_as_transformers():
+    """transformers infers the mask of a tensor without attention_mask from the pad id, where it occurs in the
+    tensor and is no EOS id; specdec prefilled the pads as prompt tokens and decoded something else. Where the pad
+    id is an EOS id (or absent) every position is a token, in both."""
+    model = _shared_model()
+    enc = _enc("left")
+    pad = model.generation_config.pad_token_id
+    assert pad is not None and (enc["input_ids"] == pad).any()
+    want = hf(model, enc["input_ids"], max_new_tokens=8, do_sample=False)
+    out = specdec.generate(model, enc["input_ids"], max_new_tokens=8)
+    assert torch.equal(out, want)
+    assert torch.equal(out, specdec.generate(model, **enc, max_new_tokens=8))  # the mask it would have been given
+    kept = hf(model, enc["input_ids"], max_new_tokens=8, do_sample=False, eos_token_id=pad)
+    assert torch.equal(specdec.generate(model, enc["input_ids"], max_new_tokens=8, eos_token_id=pad), kept)
+    with pytest.raises(InputError, match="prompt 0 is all padding"):
+        specdec.generate(model, torch.full((1, 3), pad), max_new_tokens=2)
+
+
 def test_right_padded_batch_keeps_its_layout_and_decodes_the_unpadded_prompts():
     """transformers decodes a right-padded batch from the pad tokens (it warns); specdec honours the mask. The
     layout is transformers': the rows as given, then the new tokens, which are those of the left-padded batch."""
