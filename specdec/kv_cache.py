@@ -141,17 +141,20 @@ class PagedKVCache:
         spares = self._spares(num_new) if total > len(self._free) else {}  # (never one of the asked blocks)
         if total > len(self._free) + sum(len(self.block_tables[s]) - keep for s, keep in spares.items()):
             raise CacheFullError(
-                f"KV cache out of blocks: this step needs {total} more blocks of {self.block_size} tokens, "
+                f"KV cache out of blocks: {total} more blocks of {self.block_size} tokens are needed, "
                 f"{len(self._free)} of {self.num_blocks} are free. Pass a larger num_blocks, or fewer / "
-                f"shorter sequences, or a smaller draft tree."
+                f"shorter sequences (a drafter's tree needs room too)."
             )
         for s, keep in spares.items():  # short: the spares go back first
             self._release_blocks(s, keep)
-        grown = {s: [self._free.pop() for _ in range(k)] for s, k in need.items() if k > 0}
+        taken = self._free[len(self._free) - total:][::-1]  # as many pop()s would give them
+        handed = iter(taken)
+        grown = {s: [next(handed) for _ in range(k)] for s, k in need.items() if k > 0}
         if grown:  # the new blocks' slots of every sequence in one copy
             size = self.block_size
             slots = to_device([b * size + o for blocks in grown.values() for b in blocks for o in range(size)],
                               torch.long, self.kv.device).split([len(blocks) * size for blocks in grown.values()])
+            del self._free[len(self._free) - total:]  # only now: an interrupted copy loses no block
             for (s, blocks), new in zip(grown.items(), slots):
                 self.block_tables[s].extend(blocks)
                 row = self._slot_rows[s]

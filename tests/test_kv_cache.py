@@ -146,6 +146,24 @@ def test_out_of_blocks_is_clear_and_writes_nothing():
     assert len(cache.block_tables[1]) == 0 and len(cache.block_tables[0]) == 2
 
 
+def test_a_reservation_interrupted_during_its_copy_loses_no_block(monkeypatch):
+    """Blocks were taken off the free list before their slots were copied to the device: an interrupt (or an
+    out-of-memory error) there lost them for good in a cache that outlives a call (a model's graph cache)."""
+    cache = PagedKVCache(1, 1, 1, num_blocks=8, block_size=4)
+    cache.add(0)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("specdec.kv_cache.to_device", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cache.reserve(0, 12)
+    monkeypatch.undo()
+    assert cache.num_free_blocks == 8 and cache.block_tables[0] == []
+    cache.reserve(0, 32)  # every block is still there
+    assert cache.num_free_blocks == 0
+
+
 def test_bad_keep_offsets_rejected():
     cache = PagedKVCache(1, 1, 1, num_blocks=2, block_size=4)
     cache.add(0)
