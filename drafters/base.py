@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -163,6 +163,13 @@ class Drafter(ABC):
         model they load add what identifies it."""
         return "|".join([type(self).__qualname__, self.name,
                          *(repr(getattr(self, attr, None)) for attr in ("config", "options", "path"))])
+
+    def draw_source(self, seed: int | None) -> Hashable | None:
+        """What this drafter's random draws in one call are a function of, given the seed it is attached with
+        (``TargetView.seed``): the draft audit keeps evidence across calls only from sources it has not seen
+        (specdec/audit.py). None: torch's global RNG. A drafter that draws from a stream it reseeds per call
+        from a seed of its own returns that seed."""
+        return seed
 
     def forward_seconds(self) -> float | None:
         """After ``attach``: seconds of one forward of the drafter's own model over one token, measured on this

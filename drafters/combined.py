@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,6 +196,10 @@ class CombinedDrafter(Drafter):
 
     def cost_key(self) -> str:
         return "|".join([super().cost_key(), *(child.cost_key() for child in self.children)])
+
+    def draw_source(self, seed: int | None) -> Hashable | None:
+        sources = tuple(child.draw_source(seed) for child in self.children)
+        return None if all(s is None for s in sources) else sources
 
     # ---- proposals ---------------------------------------------------------------------------
     def child_rate(self, k: int) -> float:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -164,6 +164,9 @@ class ModelDrafter(Drafter):
             digest = hashlib.blake2b(f"specdec.drafter:{seed}".encode(), digest_size=8).digest()
             self.generator = torch.Generator(device=self.runner.device)
             self.generator.manual_seed(int.from_bytes(digest, "little") >> 1)
+
+    def draw_source(self, seed: int | None) -> Hashable | None:  # the seed attach() seeds self.generator from
+        return self.config.seed if self.config.seed is not None else seed
 
     def _uses_graphs(self) -> bool:
         wanted = self.config.cuda_graphs

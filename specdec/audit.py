@@ -24,15 +24,20 @@ artefact finer bins would flag). Power, resolution and cost, measured: docs/samp
 The transforms are elementwise passes over [num_nodes, vocab] in draft_probs' device and dtype (float32 at least);
 5 x num_nodes numbers travel to the host, on CUDA while the engine goes on (tested at the next step).
 
-Across calls, :func:`audit_of` keeps one audit per drafter object for the life of the process: calls with the same
+Across calls, :func:`call_audit` keeps one audit per drafter object for the life of the process: calls with the same
 instance continue one test martingale, so Ville's bound holds however the draws are split into calls, and a liar
-whose calls are each too short is caught over many (what stays unseen: docs/draft-audit.md).
+whose calls are each too short is caught over many. Only fresh draws join it: a call whose random numbers an earlier
+call already drew (the same seed, torch's RNG reset to the same state) repeats that call's draws, which are no
+new evidence, and is audited on its own (docs/draft-audit.md).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import weakref
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -70,6 +75,11 @@ class DraftAudit:
     def e_value(self) -> float:
         """Current evidence against the drafter (mean of the component martingales; starts at 1)."""
         return math.exp(self._log_mean(self._log_e))
+
+    @property
+    def convicted(self) -> bool:
+        """Whether the evidence has reached 1 / alpha (every later draw raises again)."""
+        return self._log_mean(self._log_e) >= self._log_threshold
 
     def _log_mean(self, log_e: torch.Tensor) -> float | torch.Tensor:
         return torch.logsumexp(log_e, -1) - math.log(log_e.shape[-1])
@@ -226,22 +236,68 @@ def _reads_later(parts: torch.Tensor) -> bool:
     return parts.is_cuda
 
 
-_AUDITS: dict[int, DraftAudit] = {}  # id(drafter object) -> its audit, dropped when the object is collected
+MAX_SOURCES = 1 << 16  # draw sources remembered per drafter object; calls beyond them are audited on their own
 
 
-def audit_of(drafter: object) -> DraftAudit:
-    """The process-wide audit of ``drafter`` (the object the caller passed): every generate() call with it feeds
-    the same evidence. Keyed by identity, never equality; an object that cannot be weakly referenced gets a fresh
-    audit (keeping it alive to remember it would leak the drafter)."""
+@dataclass
+class _Kept:
+    """A drafter object's audit across calls and the draw sources (Drafter.draw_source) already fed to it."""
+
+    audit: DraftAudit = field(default_factory=DraftAudit)
+    sources: set = field(default_factory=set)
+
+
+_AUDITS: dict[int, _Kept] = {}  # id(drafter object) -> its audit, dropped when the object is collected
+
+
+def _kept(drafter: object) -> _Kept | None:
+    """The process-wide record of ``drafter`` (identity, never equality); None for an object that cannot be weakly
+    referenced (keeping it alive to remember it would leak the drafter)."""
     key = id(drafter)
     if key in _AUDITS:
         return _AUDITS[key]
-    audit = DraftAudit()
+    kept = _Kept()
     try:
         weakref.finalize(drafter, _AUDITS.pop, key, None)
     except TypeError:
         logger.debug("%s cannot be weakly referenced: its draft audit starts afresh in every call",
                      type(drafter).__name__)
-        return audit
-    _AUDITS[key] = audit
-    return audit
+        return None
+    _AUDITS[key] = kept
+    return kept
+
+
+def audit_of(drafter: object) -> DraftAudit:
+    """The process-wide audit of ``drafter`` (the object the caller passed): the evidence of every call with it whose
+    draws were fresh (:func:`call_audit`)."""
+    kept = _kept(drafter)
+    return kept.audit if kept is not None else DraftAudit()
+
+
+def call_audit(drafter: object, source: Hashable | None) -> DraftAudit:
+    """The audit of one generate() call with ``drafter``, whose random draws are a function of ``source``
+    (``Drafter.draw_source``; None: torch's global RNG, identified by its state now): the process-wide one when
+    ``source`` is new for this object, else a fresh audit of this call alone. A repeated source redraws an earlier
+    call's random numbers; adding them again would count the same evidence twice, and an honest drafter reused with
+    one seed was convicted at its third call. A convicted drafter stays convicted."""
+    kept = _kept(drafter)
+    if kept is None:
+        return DraftAudit()
+    if kept.audit.convicted:
+        return kept.audit
+    if source is None:
+        source = ("torch rng", _global_rng_state())
+    if source in kept.sources or len(kept.sources) >= MAX_SOURCES:
+        logger.debug("this call's draft randomness was seen before (or too many were): audited on its own")
+        return DraftAudit()
+    kept.sources.add(source)
+    return kept.audit
+
+
+def _global_rng_state() -> bytes:
+    """A digest of torch's default generators' states (CPU, and CUDA once initialised): what unseeded draws use."""
+    digest = hashlib.blake2b(torch.random.get_rng_state().numpy().tobytes(), digest_size=16)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for state in torch.cuda.get_rng_state_all():
+            digest.update(state.numpy().tobytes())
+    return digest.digest()

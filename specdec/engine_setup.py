@@ -8,10 +8,11 @@ What is decided here: the CPU row policy of ``linear()``; with a drafter and ``s
 policy and its measured cost model (:mod:`specdec.cost_model`, cached; the first use on a machine calibrates for up to
 ~20 s; none for seeded standard sampling); the KV cache's size (the request's worst case, checked against the device's
 memory before anything is allocated) or a reused CUDA-graph cache; the drafter's seed, the sampling generator, the
-draft audit (one per drafter object, kept across calls), the logits processors (:mod:`specdec.logits_processing`; None
-when the config asks for none) and whether log-probabilities are kept. The certificate's negative controls
-(:mod:`specdec.eval.negative_controls`) enter here too, and only here: a broken acceptance rule (``rule=``) or a
-broken engine / cache (``fault=``), so that real callers of ``generate()`` cannot switch them on by accident.
+draft audit (one per drafter object, kept across the calls whose draws are fresh), the logits processors
+(:mod:`specdec.logits_processing`; None when the config asks for none) and whether log-probabilities are kept. The
+certificate's negative controls (:mod:`specdec.eval.negative_controls`) enter here too, and only here: a broken
+acceptance rule (``rule=``) or a broken engine / cache (``fault=``), so that real callers of ``generate()`` cannot
+switch them on by accident.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.audit import audit_of
+from specdec.audit import call_audit
 from specdec.cost_model import CalibrationConfig, ensure_row_policy, load_cost_model
 from specdec.coupling import Coupling
 from specdec.cuda_graphs import (
@@ -95,7 +96,8 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
         generator = torch.Generator(device=runner.device).manual_seed(config.seed)  # on the logits' device
     audit = None
     if config.audit_drafts and drafter is not None and config.do_sample:  # evidence kept across calls per drafter
-        audit = audit_of(drafter.obj if isinstance(drafter, _ObjectDrafter) else drafter)
+        audit = call_audit(drafter.obj if isinstance(drafter, _ObjectDrafter) else drafter,
+                           drafter.draw_source(drafter_seed))
     ensure_row_policy(runner)  # linear()'s CPU row policy, measured on this machine (cached)
     engine_cls = Engine if fault is None else fault.engine_cls
     return engine_cls(runner, cache, sampling=config.sampling, stop=request.stop, drafter=drafter, policy=policy,
