@@ -170,6 +170,7 @@ class Engine:
         self.seqs: list[SequenceState] = []
         self.forward_passes = 0
         self.seconds = {"draft": 0.0, "verify": 0.0}  # wall time of the two halves of step(), summed
+        self.audit_in_verify = 0.0  # this step's draft audit seconds inside the verify's wall time (pending trees)
         self.keep_hidden = self.drafter is not None and self.drafter.needs_hidden_states
         # who drafts and how much is verified (None: every proposal whole); it attaches the drafter
         target = TargetView(runner, cache, sampling, stop.tokenizer, self.coupling, processing, seed=draft_seed,
@@ -220,6 +221,7 @@ class Engine:
         """Draft, verify, sample, commit. Returns the tokens emitted per seq_id this step."""
         t0 = time.perf_counter()
         live = self.live
+        self.audit_in_verify = 0.0
         drafts = self.propose(live)  # DraftTrees, or a PendingStep: trees left on the device
         t1 = time.perf_counter()
         captured = captures()
@@ -236,7 +238,8 @@ class Engine:
         for s, tree in zip(live, trees):
             s.step_nodes.append(tree.num_nodes)
         t2 = time.perf_counter()
-        drafting = self.drafting_after(t1, t2, drafts)  # pending trees' drafting inside t1..t2 (CUDA)
+        # pending trees' drafting inside t1..t2 (CUDA), and their audit (read())
+        drafting = self.drafting_after(t1, t2, drafts) + self.audit_in_verify
         self.seconds["draft"] += t1 - t0 + drafting
         self.seconds["verify"] += t2 - t1 - drafting  # verify forward + sampling + commit
         # a verify that captured a CUDA graph paid a one-off: its time prices no step
@@ -311,9 +314,15 @@ class Engine:
     def _sized(self, asked: list[SequenceState], trees: list[DraftTree], draft_seconds: float, catch_up: bool,
                verified: bool = False) -> list[DraftTree]:
         """The part of each proposed tree to verify: cut to the sequence's token budget, then to what is expected to
-        pay (pruning is exact). ``verified``: pending trees already verified whole, sized to learn from."""
+        pay (pruning is exact). ``verified``: pending trees already verified whole, sized to learn from. The draft
+        audit's time is the drafter's: the policy prices drafting by ``draft_seconds`` plus it."""
         if self.audit is not None:
+            t0 = time.perf_counter()
             self.audit.observe_many(trees, self.drafter.name)  # every tree as proposed, before pruning
+            audited = time.perf_counter() - t0
+            draft_seconds += audited
+            if verified:  # read() runs inside the verify's wall time: step() moves it to the draft's
+                self.audit_in_verify = audited
         out = [self._fit_budget(s, tree) for s, tree in zip(asked, trees)]
         return self.policy.size(ProposeCall([s.seq_id for s in asked], out, len(self.live), draft_seconds, catch_up,
                                             verified))

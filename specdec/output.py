@@ -62,7 +62,7 @@ class GenerateOutput:
     seconds: float
     prefill_seconds: float
     forward_passes: int
-    draft_seconds: float = 0.0  # time in drafter.propose (all steps)
+    draft_seconds: float = 0.0  # time in drafter.propose and the draft audit (all steps)
     verify_seconds: float = 0.0  # time in verification, sampling and commit (all steps)
     # output_logprobs=True (or output_scores=True): per sequence, the target's log-probability of each new token
     # after the logits processors and the sampling transform (greedy: log_softmax of the processed logits;

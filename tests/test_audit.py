@@ -309,3 +309,28 @@ def test_an_honest_drafter_reused_with_the_same_randomness_is_never_convicted(re
     if repeat != "DraftConfig(seed=0)":  # there the target samples afresh; the drafter's stream restarts
         assert len(texts) == 1  # every call replayed the first
     assert draws[0] > 0 and set(draws) == {draws[0]}  # the kept evidence holds the first call's draws only
+
+
+def test_the_audits_time_is_priced_as_drafting(monkeypatch):
+    """The audit runs after the drafter's timer and before the verify's: its time was in neither of the two the
+    guard and tree sizing price a step by. It is the drafter's cost, so the policy sees it in draft_seconds."""
+    import time
+
+    from specdec.speculation_policy import SpeculationPolicy
+
+    pause, priced, observe, size = 0.02, [], DraftAudit.observe_many, SpeculationPolicy.size
+
+    def slow_observe(self, trees, drafter):
+        time.sleep(pause)
+        observe(self, trees, drafter)
+
+    def spy(self, call):
+        priced.append(call.draft_seconds)
+        return size(self, call)
+
+    monkeypatch.setattr(DraftAudit, "observe_many", slow_observe)
+    monkeypatch.setattr(SpeculationPolicy, "size", spy)
+    out = specdec.generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=8, drafter=TemperatureLiar(),
+                           do_sample=True, seed=0, speculation="always", audit_drafts=True, return_dict=True)
+    assert priced and min(priced) >= pause
+    assert out.draft_seconds >= pause * len(priced)
