@@ -21,6 +21,7 @@ Lifecycle, driven by the engine:
 Three more answer the speculation policy: ``cost_key()`` (what the drafter's cost depends on: what is learned of
 it is kept per key), ``forward_seconds()`` (one forward of its own model: a drafter whose every depth costs a
 target decode step is never asked) and ``catches_up`` (whether a sequence's first call costs more than a step).
+``draw_source(seed)`` answers the draft audit: what a call's random draws come from.
 A drafter that sets ``needs_hidden_states = True`` finds in ``SequenceView.new_hidden`` the target's final-norm
 hidden states of the positions committed since its previous ``propose``, ending at the token *before* the root
 (``feature_layers``: those layers' input streams instead).

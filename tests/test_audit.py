@@ -334,3 +334,16 @@ def test_the_audits_time_is_priced_as_drafting(monkeypatch):
                            do_sample=True, seed=0, speculation="always", audit_drafts=True, return_dict=True)
     assert priced and min(priced) >= pause
     assert out.draft_seconds >= pause * len(priced)
+
+
+def test_only_a_new_draw_source_joins_the_kept_evidence_and_a_conviction_stays():
+    from specdec.audit import call_audit
+
+    drafter = TemperatureLiar()
+    kept = call_audit(drafter, 1)
+    assert kept is audit_of(drafter) and call_audit(drafter, 2) is kept
+    assert call_audit(drafter, 1) is not kept  # a repeat: audited on its own
+    with pytest.raises(DraftError):
+        for _ in range(1000):
+            kept.observe(drafter.propose([None])[0], "temperature-liar")
+    assert kept.convicted and call_audit(drafter, 1) is kept  # convicted on fresh draws: every call raises again
