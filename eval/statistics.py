@@ -50,8 +50,7 @@ def goodness_of_fit(samples: list, law: Law, tv: float, alpha: float) -> ChiSqua
     ``alpha``, and the TV it detects."""
     n = len(samples)
     counts = Counter(samples)
-    if any(law.get(k, 0.0) == 0.0 for k in counts):
-        return ChiSquare(0.0, 1.0, 0.0)  # an outcome the exact law forbids
+    forbidden = any(law.get(k, 0.0) == 0.0 for k in counts)  # an outcome the exact law forbids: p = 0
     keys = sorted(law, key=law.get, reverse=True)
     big = [k for k in keys if law[k] * n >= 5]
     small = [k for k in keys if law[k] * n < 5]
@@ -61,8 +60,8 @@ def goodness_of_fit(samples: list, law: Law, tv: float, alpha: float) -> ChiSqua
         obs.append(sum(counts.get(k, 0) for k in small))
         exp.append(sum(law[k] for k in small) * n)
     if len(obs) < 2:
-        return ChiSquare(1.0, 0.0, math.inf)
-    p = float(stats.chisquare(obs, np.array(exp) * sum(obs) / sum(exp)).pvalue)
+        return ChiSquare(0.0 if forbidden else 1.0, 0.0, math.inf)
+    p = 0.0 if forbidden else float(stats.chisquare(obs, np.array(exp) * sum(obs) / sum(exp)).pvalue)
     df = len(obs) - 1
     return ChiSquare(p, chi2_power(n, tv, alpha, df), detectable_tv(n, alpha, df))
 
