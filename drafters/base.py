@@ -16,18 +16,17 @@ Lifecycle, driven by the engine:
    committed meanwhile from ``token_ids`` (and ``new_hidden``). A drafter with ``pending_trees`` also offers
    ``propose_pending``: the same trees left on the device (specdec/pending_trees.py), read after the verify's launch.
 3. ``on_accept(seq_id, committed)`` after EVERY commit, proposed for or not.
-4. ``release(seq_id)`` when a sequence finishes.
+4. ``release(seq_id)`` when a sequence finishes, or its call ends early (an exception).
 
 Three more answer the speculation policy: ``cost_key()`` (what the drafter's cost depends on: what is learned of
 it is kept per key), ``forward_seconds()`` (one forward of its own model: a drafter whose every depth costs a
-target decode step is never asked) and ``catches_up`` (whether a sequence's first call costs more than a step).
-``draw_source(seed)`` answers the draft audit: what a call's random draws come from.
+target decode step is never asked) and ``catches_up`` (whether a sequence's first call costs more than a step);
+``draw_source(seed)`` the draft audit (what a call's random draws come from).
 A drafter that sets ``needs_hidden_states = True`` finds in ``SequenceView.new_hidden`` the target's final-norm
 hidden states of the positions committed since its previous ``propose``, ending at the token *before* the root
 (``feature_layers``: those layers' input streams instead).
 
-The engine talks to every drafter through this class. Any object with a ``propose`` method is accepted too:
-:func:`as_drafter` wraps it once, so the engine never probes attributes.
+The engine talks to every drafter through this class (any object with ``propose`` is wrapped by :func:`as_drafter`).
 """
 from __future__ import annotations
 

@@ -22,13 +22,11 @@ alpha = 1e-6. Bins stop at 1/64 on purpose (float32 sampling cannot draw the tin
 artefact finer bins would flag). Power, resolution and cost, measured: docs/sampling.md.
 
 The transforms are elementwise passes over [num_nodes, vocab] in draft_probs' device and dtype (float32 at least);
-5 x num_nodes numbers travel to the host, on CUDA while the engine goes on (tested at the next step).
-
-Across calls, :func:`call_audit` keeps one audit per drafter object for the life of the process: calls with the same
-instance continue one test martingale, so Ville's bound holds however the draws are split into calls, and a liar
-whose calls are each too short is caught over many. Only fresh draws join it: a call whose random numbers an earlier
-call already drew (the same seed, torch's RNG reset to the same state) repeats that call's draws, which are no
-new evidence, and is audited on its own (docs/draft-audit.md).
+5 x num_nodes numbers travel to the host, on CUDA while the engine goes on (tested at the next step). Across calls,
+:func:`call_audit` keeps one audit per drafter object for the life of the process: calls with the same instance
+continue one test martingale (Ville's bound holds however the draws are split into calls; a liar whose calls are each
+too short is caught over many). Only fresh draws join it: a call redrawing an earlier call's random numbers (the same
+seed, torch's RNG reset to one state) adds no evidence and is audited alone (docs/draft-audit.md).
 """
 from __future__ import annotations
 
