@@ -170,7 +170,6 @@ class Engine:
         self.seqs: list[SequenceState] = []
         self.forward_passes = 0
         self.seconds = {"draft": 0.0, "verify": 0.0}  # wall time of the two halves of step(), summed
-        self.audit_in_verify = 0.0  # this step's draft audit seconds inside the verify's wall time (pending trees)
         self.keep_hidden = self.drafter is not None and self.drafter.needs_hidden_states
         # who drafts and how much is verified (None: every proposal whole); it attaches the drafter
         target = TargetView(runner, cache, sampling, stop.tokenizer, self.coupling, processing, seed=draft_seed,
@@ -221,13 +220,12 @@ class Engine:
         """Draft, verify, sample, commit. Returns the tokens emitted per seq_id this step."""
         t0 = time.perf_counter()
         live = self.live
-        self.audit_in_verify = 0.0
         drafts = self.propose(live)  # DraftTrees, or a PendingStep: trees left on the device
         t1 = time.perf_counter()
         captured = captures()
         batch = self.verify_batch(live, drafts)
         out = self.verify(batch)
-        trees = self.read(live, drafts)  # pending trees: read while the device verifies
+        trees, audited = self.read(live, drafts)  # pending trees: read (and audited) while the device verifies
         target_logits = self.process(live, trees, batch.per_sequence(out.logits))
         acceptances = self.accept(live, trees, target_logits)
         if self.keep_hidden:
@@ -238,8 +236,7 @@ class Engine:
         for s, tree in zip(live, trees):
             s.step_nodes.append(tree.num_nodes)
         t2 = time.perf_counter()
-        # pending trees' drafting inside t1..t2 (CUDA), and their audit (read())
-        drafting = self.drafting_after(t1, t2, drafts) + self.audit_in_verify
+        drafting = self.drafting_after(t1, t2, drafts) + audited  # pending trees' drafting and audit inside t1..t2
         self.seconds["draft"] += t1 - t0 + drafting
         self.seconds["verify"] += t2 - t1 - drafting  # verify forward + sampling + commit
         # a verify that captured a CUDA graph paid a one-off: its time prices no step
@@ -288,11 +285,12 @@ class Engine:
             if self._verifiable(live, step):
                 return step
             # near a sequence's token budget, or beyond every bucket: read first, as from propose()
-            return self._spread(live, asked, self._sized(asked, *self._read(step), step.catch_up))
+            trees, seconds = self._read(step)
+            return self._spread(live, asked, self._sized(asked, trees, seconds + self._audited(trees), step.catch_up))
         views = self._views(asked)
         t0 = time.perf_counter()
         trees = self._checked(asked, lambda: self.drafter.propose(views))
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0 + self._audited(trees)
         return self._spread(live, asked, self._sized(asked, trees, seconds, catch_up or captures() > captured))
 
     @staticmethod
@@ -314,18 +312,20 @@ class Engine:
     def _sized(self, asked: list[SequenceState], trees: list[DraftTree], draft_seconds: float, catch_up: bool,
                verified: bool = False) -> list[DraftTree]:
         """The part of each proposed tree to verify: cut to the sequence's token budget, then to what is expected to
-        pay (pruning is exact). ``verified``: pending trees already verified whole, sized to learn from. The draft
-        audit's time is the drafter's: the policy prices drafting by ``draft_seconds`` plus it."""
-        if self.audit is not None:
-            t0 = time.perf_counter()
-            self.audit.observe_many(trees, self.drafter.name)  # every tree as proposed, before pruning
-            audited = time.perf_counter() - t0
-            draft_seconds += audited
-            if verified:  # read() runs inside the verify's wall time: step() moves it to the draft's
-                self.audit_in_verify = audited
+        pay (pruning is exact). ``verified``: pending trees already verified whole, sized to learn from.
+        ``draft_seconds``: the drafter's, its trees' audit included (:meth:`_audited`)."""
         out = [self._fit_budget(s, tree) for s, tree in zip(asked, trees)]
         return self.policy.size(ProposeCall([s.seq_id for s in asked], out, len(self.live), draft_seconds, catch_up,
                                             verified))
+
+    def _audited(self, trees: list[DraftTree]) -> float:
+        """The draft audit of every tree as proposed, before pruning; its seconds, which the policy prices as
+        drafting (0 without an audit)."""
+        if self.audit is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.audit.observe_many(trees, self.drafter.name)
+        return time.perf_counter() - t0
 
     def _checked(self, asked: list[SequenceState], propose) -> list[DraftTree]:
         """``propose()``'s trees, one valid DraftTree per sequence, or a DraftError that names the drafter."""
@@ -361,14 +361,17 @@ class Engine:
                              f"trees read {[t.num_nodes for t in trees]}")
         return trees, step.trees.seconds()
 
-    def read(self, live: list[SequenceState], drafts: list[DraftTree] | PendingStep) -> list[DraftTree]:
+    def read(self, live: list[SequenceState], drafts: list[DraftTree] | PendingStep) -> tuple[list[DraftTree], float]:
         """The trees the verify holds: pending trees read by the host once the verify is launched, whole (the
         policy's sizing sees them as it would have before the verify: what it would have cut is learned, and the
-        next step reads its trees first); host trees as they are."""
+        next step reads its trees first); host trees as they are. With the seconds of the pending trees' audit, which
+        ran inside the verify's wall time."""
         if not isinstance(drafts, PendingStep):
-            return drafts
+            return drafts, 0.0
         trees, seconds = self._read(drafts)
-        return self._spread(live, drafts.asked, self._sized(drafts.asked, trees, seconds, drafts.catch_up, True))
+        audited = self._audited(trees)
+        sized = self._sized(drafts.asked, trees, seconds + audited, drafts.catch_up, True)
+        return self._spread(live, drafts.asked, sized), audited
 
     def _fit_budget(self, s: SequenceState, tree: DraftTree) -> DraftTree:
         """Drop nodes deeper than the tokens still allowed (max_new_tokens, context)."""
