@@ -142,7 +142,9 @@ class GraphedForward:
         self.failed = False  # a capture failed: every later step runs the eager forward
         self.told_eager = False  # a decode step fitting no bucket was logged at info level (_note_eager)
         self.discarded = False  # its cache and graphs were freed (discard): any later use is an error
-        self.shared = False  # its cache serves call after call (with_cache: the model's, or a caller's)
+        # its cache serves call after call (the model's, a caller's); False: made for one generate() call, whose end
+        # frees its cache (specdec.engine_setup, cuda_graphs=True)
+        self.shared = True
         self.serving = False  # a generate() call is running in it (set and cleared by specdec.generate.run)
         # who drafts in it during the current generate() call (a draft-model drafter, weakly), and that call's
         # TargetView: a second drafter over the same model in the same call keeps out (specdec.drafters.model_drafter)
@@ -160,9 +162,7 @@ class GraphedForward:
         blocks = -(-max_tokens // block_size) + 1
         cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, blocks, block_size, runner.dtype,
                              runner.device, runner.backend)
-        graphed = cls(runner, cache, config)
-        graphed.shared = True
-        return graphed
+        return cls(runner, cache, config)
 
     def discard(self) -> None:
         """Free the KV cache and the graphs now (the model's graph cache grew or was released), though a caller may

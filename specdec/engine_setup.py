@@ -182,6 +182,8 @@ def _kv_cache(request: "GenerateRequest", fault: EngineFault | None) -> tuple[Pa
     cache = cache_cls(shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block_size, runner.dtype,
                       runner.device, runner.backend)  # one backend per engine: the runner's
     graphed = GraphedForward(runner, cache, GraphConfig(capture=cache.kv.is_cuda)) if graphs else None
+    if graphed is not None:
+        graphed.shared = False  # this call's alone
     return cache, graphed
 
 
