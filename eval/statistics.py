@@ -44,6 +44,14 @@ class ChiSquare:
     def __iter__(self):
         return iter((self.p_value, self.power))
 
+    @classmethod
+    def of(cls, p_value: float, n: float, df: int, tv: float, alpha: float) -> "ChiSquare":
+        """The result of a test of size ``n`` (a two-sample test's n_a n_b / (n_a + n_b)) with ``df`` degrees of
+        freedom; none (one bin) has no power."""
+        if df < 1:
+            return cls(p_value, 0.0, math.inf)
+        return cls(p_value, chi2_power(n, tv, alpha, df), detectable_tv(n, alpha, df))
+
 
 def goodness_of_fit(samples: list, law: Law, tv: float, alpha: float) -> ChiSquare:
     """Chi-square test of ``samples`` against ``law``, rare bins pooled: p-value, power at TV ``tv`` and level
@@ -59,11 +67,10 @@ def goodness_of_fit(samples: list, law: Law, tv: float, alpha: float) -> ChiSqua
     if small:
         obs.append(sum(counts.get(k, 0) for k in small))
         exp.append(sum(law[k] for k in small) * n)
-    if len(obs) < 2:
-        return ChiSquare(0.0 if forbidden else 1.0, 0.0, math.inf)
-    p = 0.0 if forbidden else float(stats.chisquare(obs, np.array(exp) * sum(obs) / sum(exp)).pvalue)
-    df = len(obs) - 1
-    return ChiSquare(p, chi2_power(n, tv, alpha, df), detectable_tv(n, alpha, df))
+    if forbidden or len(obs) < 2:
+        return ChiSquare.of(0.0 if forbidden else 1.0, n, len(obs) - 1, tv, alpha)
+    p = float(stats.chisquare(obs, np.array(exp) * sum(obs) / sum(exp)).pvalue)
+    return ChiSquare.of(p, n, len(obs) - 1, tv, alpha)
 
 
 def chi2_power(n: float, tv: float, alpha: float, df: int) -> float:

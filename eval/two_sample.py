@@ -10,13 +10,12 @@ distance ``tv`` for this statistic, so a test can assert it was able to fail.
 """
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
 import numpy as np
 from scipy import stats
-from specdec.eval.statistics import ChiSquare, chi2_power, detectable_tv
+from specdec.eval.statistics import ChiSquare
 
 
 def two_sample_chi2(a: Sequence[Hashable], b: Sequence[Hashable], tv: float = 0.05,
@@ -41,8 +40,7 @@ def two_sample_chi2(a: Sequence[Hashable], b: Sequence[Hashable], tv: float = 0.
         cb = np.append(cb[~rare], cb[rare].sum())
     table = np.stack([ca, cb])
     table = table[:, table.sum(0) > 0]
-    if table.shape[1] < 2:
-        return ChiSquare(1.0, 0.0, math.inf)  # one outcome only: nothing to compare, no power
-    p = float(stats.chi2_contingency(table)[1])
     n, df = len(a) * len(b) / (len(a) + len(b)), table.shape[1] - 1
-    return ChiSquare(p, chi2_power(n, tv, alpha, df), detectable_tv(n, alpha, df))
+    if df < 1:
+        return ChiSquare.of(1.0, n, df, tv, alpha)  # one outcome only: nothing to compare, no power
+    return ChiSquare.of(float(stats.chi2_contingency(table)[1]), n, df, tv, alpha)

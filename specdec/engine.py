@@ -253,15 +253,13 @@ class Engine:
         """The end of a call however it ended (run()'s ``finally``): sequences a raised call left live are freed and
         released from the drafter (which would meet their ids again in the next call); a KV cache of this call alone
         frees its storage now (a drafter reused across calls holds this call's view of it); a shared graph cache
-        serves the next call."""
+        is left to the next call."""
         for s in self.live:
             if s.seq_id in self.cache.block_tables:
                 self.cache.free(s.seq_id)
             if self.drafter is not None:
                 self.drafter.release(s.seq_id)
-        if self.graphed is not None and self.graphed.shared:
-            self.graphed.serving = False
-        else:
+        if self.graphed is None or not self.graphed.shared:
             self.cache.discard()
 
     def propose(self, live: list[SequenceState]) -> list[DraftTree] | PendingStep:

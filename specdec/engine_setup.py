@@ -161,8 +161,8 @@ def _kv_cache(request: "GenerateRequest", fault: EngineFault | None) -> tuple[Pa
         return _graphed_cache(graphs, request, needed, fault), graphs
     if graphs == AUTO:  # on CUDA: the model's own graph cache, reused by later calls; else eager
         graphs = fault is None and not config.invariant and auto_uses_graphs(runner)  # the bit-exact mode: eager
-        serving = current_model_graphs(runner)
-        if graphs and serving is not None and serving.serving:  # a call from inside another's (a streamer's)
+        held = current_model_graphs(runner) if graphs else None
+        if held is not None and held.serving:  # a call from inside another's (a streamer's)
             logger.info("cuda_graphs=auto: the model's graph cache serves another generate() call; this one runs "
                         "eagerly")
             graphs = False

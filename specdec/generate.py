@@ -257,8 +257,9 @@ def run(engine: Engine, request: GenerateRequest) -> Any:
     start = time.perf_counter()
     streamer = request.streamer
     put_end = is_put_end_streamer(streamer)
-    if engine.graphed is not None and engine.graphed.shared:  # a call made meanwhile (a streamer's) keeps out
-        engine.graphed.serving = True
+    shared = engine.graphed if engine.graphed is not None and engine.graphed.shared else None
+    if shared is not None:  # a call made meanwhile (a streamer's) keeps out of its cache
+        shared.serving = True
     try:
         if put_end:  # the prompt first, as transformers does (TextStreamer(skip_prompt=True) drops it)
             streamer.put(torch.tensor([request.layout.rows[0]], dtype=torch.long))
@@ -285,6 +286,8 @@ def run(engine: Engine, request: GenerateRequest) -> Any:
         engine.finish()
     finally:
         engine.close()
+        if shared is not None:
+            shared.serving = False
         if put_end:
             streamer.end()
     return pack_output(engine, seqs, request.layout, request.return_dict, start, prefill_seconds)
