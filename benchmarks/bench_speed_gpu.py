@@ -12,9 +12,10 @@ Per model (docs/gpu-speed.md explains every column):
   random EAGLE layer's real drafting each step: speedup over specdec's plain decoding at the same batch;
 * transformers' ``generate()`` with its static cache (eager, batch 1) as the same-run baseline, where it fits the
   budget;
-* a profile of batch-1 plain decoding and of the oracle chain at the first tau with EAGLE's drafting
-  (benchmarks/step_profile.py): GPU busy and idle time per step, kernels, graph and host launches, host waits on
-  the device and the engine's phases on the host, so that a number that misses its goal says why.
+* a profile of batch-1 plain decoding and of the oracle chain at the first tau with EAGLE's drafting, replayed
+  and eager (benchmarks/step_profile.py): GPU busy and idle time per step, kernels, graph and host launches and
+  the ops issuing them (eager: each op's kernels), host waits on the device and the engine's phases on the host,
+  so that a number that misses its goal says why.
 
 Models run in order of importance, each within its share of ``--budget`` seconds; whatever does not fit is marked
 skipped in the report instead of overrunning, so the run ends in time. ``report`` JSON + Markdown are rewritten
@@ -391,18 +392,20 @@ class ModelRun:
         floor = self.result["floor_step_ms"]
         return tau * floor / (floor + eagle_levels * 1e3 * self.result["eagle_weight_bytes"] / self.bandwidth)
 
-    def eagle_drafter(self, depth: int, width: int):
+    def eagle_drafter(self, depth: int, width: int, graphs: bool = True):
         """The random EAGLE layer drafting a fixed tree, graphs on: captured on CUDA (what "auto" does there);
-        uncaptured on the CPU, so the rehearsal runs the padded static growth the GPU replays."""
+        uncaptured on the CPU, so the rehearsal runs the padded static growth the GPU replays. ``graphs=False``:
+        eager (the profile's count of each op's kernels)."""
         from specdec.drafters.eagle import EagleDrafter
 
         return EagleDrafter(model=self.eagle, depth=depth, top_k=width, max_nodes=depth * width, adapt_depth=False,
-                            cuda_graphs=True)
+                            cuda_graphs=graphs)
 
     def profile(self, prompts, tau: float) -> None:
-        """Plain decoding, the oracle chain at ``tau`` with EAGLE's drafting and the oracle's 64-node tree (each
-        step a 65-token verify: c(65)), each one call under the profiler (benchmarks/step_profile.py), after the
-        timed rows warmed them up (kernels compiled, graphs captured)."""
+        """Plain decoding, the oracle chain at ``tau`` with EAGLE's drafting (replayed, then eager: the kernels each
+        op of a level launches) and the oracle's 64-node tree (each step a 65-token verify: c(65)), each one call
+        under the profiler (benchmarks/step_profile.py), after the timed rows warmed them up (kernels compiled,
+        graphs captured)."""
         from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter
 
         b = len(prompts)
@@ -415,6 +418,10 @@ class ModelRun:
                  (f"oracle chain tau {tau} +eagle b{b}",
                   dict(drafter=OracleDrafter(self.references[b], chain, inner=self.eagle_drafter(CHAIN_DEPTH, 1),
                                              seed=1), speculation="always")),
+                 (f"oracle chain tau {tau} +eagle eager b{b}",
+                  dict(drafter=OracleDrafter(self.references[b], chain,
+                                             inner=self.eagle_drafter(CHAIN_DEPTH, 1, graphs=False), seed=1),
+                       speculation="always")),
                  (f"oracle tree tau {tau} b{b}",
                   dict(drafter=OracleDrafter(self.references[b], tree, seed=1), speculation="always"))]
         for name, kwargs in calls:

@@ -7,9 +7,10 @@
 Only the engine's steps count (from the first ``Engine.step`` to the end of the last; prefill and set-up are left
 out). Per step it gives the wall time under the profiler (which adds some per launch: the timed rows give the speed,
 this gives the shares), the GPU's busy time (the union of its kernel and copy intervals, not the engine's
-``record_function`` ranges the profiler also puts on the device's timeline) and what is left idle,
-kernels run, CUDA-graph launches and launches from the host, the host's waits on the device (synchronisations and
-their seconds), and the host time of each engine phase (propose, verify_batch, verify, read, accept, commit, ...).
+``record_function`` ranges the profiler also puts on the device's timeline) and what is left idle, kernels run,
+CUDA-graph launches and launches from the host (and the ops issuing them: of an eager call, each op's kernels), the
+host's waits on the device (synchronisations and their seconds), and the host time of each engine phase (propose,
+verify_batch, verify, read, accept, commit, ...).
 On the CPU (the rehearsal) there are no device events: it counts the aten ops the steps run instead.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cu
                 "cudaLaunchCooperativeKernel")
 GRAPH_CALLS = ("cudaGraphLaunch", "cuGraphLaunch")
 TOP_KERNELS = 24  # the report names 8; the JSON keeps these
+TOP_OPS = 16  # ops kept by the launches they issue from the host
 
 
 @contextlib.contextmanager
@@ -94,6 +96,19 @@ def _is_device(event) -> bool:
     return event.device_type != torch.autograd.DeviceType.CPU and not getattr(event, "is_user_annotation", False)
 
 
+def _launching_op(launch) -> str:
+    """The op that issued a host launch: the outermost aten op above it, else the innermost range that is no engine
+    phase (a Triton kernel's launch sits under no aten op), else "(none)"."""
+    aten, other, parent = None, None, launch.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            aten = parent.name
+        elif other is None and not parent.name.startswith("engine."):
+            other = parent.name
+        parent = parent.cpu_parent
+    return aten or other or "(none)"
+
+
 def summarize(events) -> dict:
     """The per-step figures of the module doc, from a profiler's events (``prof.events()``)."""
     steps = [e for e in events if e.name == "engine.step" and e.device_type == torch.autograd.DeviceType.CPU]
@@ -124,6 +139,7 @@ def summarize(events) -> dict:
     top = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
     top_aten = Counter(e.name for e in host if e.name.startswith("aten::")
                        and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+    by_op = Counter(_launching_op(e) for e in host if e.name in LAUNCH_CALLS)
     return dict(
         steps=n,
         wall_ms_per_step=wall_us / n / 1e3,
@@ -138,6 +154,10 @@ def summarize(events) -> dict:
         sync_wait_ms_per_step=sum(e.time_range.end - e.time_range.start for e in syncs) / n / 1e3,
         phases_ms_per_step={k: v / n / 1e3 for k, v in sorted(phases.items(), key=lambda kv: -kv[1])},
         aten_ops_per_step=sum(top_aten.values()) / n,
+        # the host's kernel launches (outside CUDA graphs) by the outermost aten op issuing them: which ops of an
+        # eager call launch many kernels each on the device (its CPU count is the op's; a GPU's, its kernels')
+        host_launches_by_op={k: v / n for k, v in by_op.most_common(TOP_OPS)},
+        aten_ops_by_name={k: v / n for k, v in top_aten.most_common(TOP_OPS)},  # outermost ones
         top_kernels=[dict(name=name[:80], per_step=len(d) / n, us_per_step=sum(d) / n,
                           share=sum(d) / kernel_us if kernel_us else None) for name, d in top],
     )
@@ -166,4 +186,10 @@ def markdown_rows(model: dict) -> list[str]:
             lines += ["", f"{r['call']}, kernels by GPU time: " + "; ".join(
                 f"`{k['name'][:48]}` {k['per_step']:.0f}/step {k['us_per_step']:.0f} us ({100 * k['share']:.0f}%)"
                 for k in r["summary"]["top_kernels"][:8])]
+        s = r["summary"]  # reports before 2026-11-30 have neither count by op
+        what, ops = (("host launches", s["host_launches_by_op"]) if s.get("host_launches_by_op") else
+                     ("aten ops", s.get("aten_ops_by_name")))  # the CPU's: no launches
+        if ops:
+            lines += ["", f"{r['call']}, {what} by the op issuing them: " + "; ".join(
+                f"`{op}` {v:.1f}/step" for op, v in list(ops.items())[:10])]
     return lines

@@ -47,8 +47,9 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     assert all(r["identical_to_plain"] == f"{r['batch']}/{r['batch']}" for r in model["oracle"])  # greedy exactness
     assert model["hf_static"]["new_tokens"] == 6
     assert [r["call"] for r in model["profile"]] == ["plain b1", "oracle chain tau 3.0 +eagle b1",
-                                                      "oracle tree tau 3.0 b1"]
-    plain, oracle, tree = (r["summary"] for r in model["profile"])
+                                                      "oracle chain tau 3.0 +eagle eager b1", "oracle tree tau 3.0 b1"]
+    plain, oracle, eager, tree = (r["summary"] for r in model["profile"])
+    assert eager["steps"] == oracle["steps"] and eager["aten_ops_per_step"] > oracle["aten_ops_per_step"] * 0.5
     assert plain["steps"] == 6 and plain["aten_ops_per_step"] > 0 and "verify" in plain["phases_ms_per_step"]
     assert oracle["steps"] < plain["steps"] and oracle["phases_ms_per_step"]["propose"] > 0  # EAGLE drafted
     assert tree["steps"] < plain["steps"]  # the 64-node trees' 65-token verifies, accepted as the profile says
@@ -100,13 +101,19 @@ def test_profile_summary_counts_a_steps_device_time_launches_and_waits():
               ev("late_kernel", 190, 210, gpu),  # ends after the last step: not counted
               ev("engine.verify", 10, 100, gpu, annotation=True),  # a phase's range on the device: no kernel
               ev("aten::mm", 15, 16, parent=step1), ev("aten::copy_", 15.2, 15.5, parent=ev("aten::mm", 15, 16))]
+    # launches by the op issuing them: the outermost aten op, else the innermost range that is no engine phase
+    linear = ev("aten::linear", 120, 130, parent=ev("engine.propose", 115, 135, parent=step2))
+    events += [ev("cudaLaunchKernel", 121, 122, parent=ev("aten::mm", 120, 125, parent=linear)),
+               ev("cuLaunchKernel", 131, 132, parent=ev("fused_rope", 131, 133, parent=ev("engine.verify", 130, 140)))]
     s = summarize(events)
     assert s["steps"] == 2 and s["wall_ms_per_step"] == 0.1
     assert abs(s["gpu_busy_ms_per_step"] - (50 + 20 + 1) / 2 / 1e3) < 1e-12
     assert abs(s["gpu_idle_share"] - (1 - 71 / 200)) < 1e-12
     assert s["kernels_per_step"] == 1.5 and s["copies_per_step"] == {"Memcpy DtoH": 0.5}
     assert abs(s["kernel_ms_per_step"] - (30 + 30 + 20) / 2 / 1e3) < 1e-12
-    assert s["graph_launches_per_step"] == 0.5 and s["host_launches_per_step"] == 0.5
+    assert s["graph_launches_per_step"] == 0.5 and s["host_launches_per_step"] == 1.5
+    assert s["host_launches_by_op"] == {"(none)": 0.5, "aten::linear": 0.5, "fused_rope": 0.5}
+    assert s["aten_ops_by_name"] == {"aten::mm": 0.5}  # the outermost ones in the trace (copy_ is inside mm)
     assert s["syncs_per_step"] == 1.0 and abs(s["sync_wait_ms_per_step"] - 0.02) < 1e-12
     assert s["phases_ms_per_step"] == {"verify": 0.025, "accept": 0.01} and s["aten_ops_per_step"] == 0.5
     assert [k["name"] for k in s["top_kernels"]] == ["matmul_kernel", "attn_kernel"]
