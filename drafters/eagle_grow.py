@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from specdec.drafters.eagle_rerank import rerank
+from specdec.drafters.top_k import top_k
 from torch.nn import functional as F
 
 from specdec.coupling import Coupling, perturbed_logits
@@ -72,14 +73,14 @@ class TreeGrower:
         B, P = x.real.shape
         dev, dtype = x.h_root.device, x.past_k.dtype
         h_root = x.h_root
-        top = torch.topk(self.token_logp(h_root[:, None], x.root_pos, 1, x.noise_keys)[:, 0], K)
-        tok, cum, cond = [top.indices], [top.values], [top.values]
+        values, indices = top_k(self.token_logp(h_root[:, None], x.root_pos, 1, x.noise_keys)[:, 0], K)
+        tok, cum, cond = [indices], [values], [values]
         chain = self.chain
         if not chain:
             parent = [torch.full((B, K), -1, dtype=torch.long, device=dev)]
             size = K  # pool entries so far
             frontier = torch.arange(K, device=dev).expand(B, K)  # pool indices expanded next
-        front_tok, front_cum = top.indices, top.values  # [B, K] their tokens, cumulative log-probabilities
+        front_tok, front_cum = indices, values  # [B, K] their tokens, cumulative log-probabilities
         feats = h_root[:, None].expand(B, K, h_root.shape[-1])  # [B, K, H] the feature each query reads: its parent's
         ancestors = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)  # [B, K, E] among the tree key rows
         itself = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
@@ -102,9 +103,9 @@ class TreeGrower:
             mask = torch.cat([past, ancestors, itself], dim=2)  # [B, K, P + E + K]: cached keys, ancestors, itself
             out, _, _ = model(embeds, feats.to(dtype), None, mask, fused=self.fused, rope=rope,
                               into=(*keys, P + (d - 2) * K))
-            child = torch.topk(self.token_logp(out, x.root_pos, d, x.noise_keys), K)  # [B, K rows, K children]
-            child_tok, child_lp = child.indices.flatten(1), child.values.flatten(1)  # [B, K * K]
-            child_cum = (front_cum[..., None] + child.values).flatten(1)  # float32 sums, as the tree's scores
+            child_lp, child_tok = top_k(self.token_logp(out, x.root_pos, d, x.noise_keys), K)  # [B, K rows, K]
+            child_cum = (front_cum[..., None] + child_lp).flatten(1)  # float32 sums, as the tree's scores
+            child_tok, child_lp = child_tok.flatten(1), child_lp.flatten(1)  # [B, K * K]
             tok.append(child_tok), cum.append(child_cum), cond.append(child_lp)
             if chain:  # the one child is the next frontier, as it is
                 front_tok, front_cum, feats, ancestors = child_tok, child_cum, out, mask[:, :, P:]

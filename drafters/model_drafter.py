@@ -39,6 +39,7 @@ import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView
 from specdec.drafters.draft_vocab import DraftVocab
 from specdec.drafters.level_clock import LevelClock
+from specdec.drafters.top_k import top_k
 
 from specdec.attention import BatchBuilder
 from specdec.coupling import perturbed_logits
@@ -374,7 +375,7 @@ class ModelDrafter(Drafter):
             if self.target.coupling is not None:  # [B * frontier, n]: a sequence's noise for all its frontier
                 noise = torch.stack([self._noise(v, depth) for v in live]).repeat_interleave(len(frontier), 0)
             if self.mode is DraftMode.DETERMINISTIC:
-                top = torch.topk(self._ranking(logits, noise), min(width, logits.shape[-1])).indices  # [B * F, w]
+                top = top_k(self._ranking(logits, noise), min(width, logits.shape[-1]))[1]  # [B * F, w]
                 tokens = (top if ids is None else ids[top]).reshape(B, -1)  # [B, frontier * w]
             else:
                 draft_probs = self._draft_probs(logits)  # [B * frontier, vocab]

@@ -74,4 +74,17 @@ def test_an_eagle_growth_level_stays_within_twenty_launches(counting):
     # the rest of a call (the catch-up over the accepted tokens, the first level, the reranked pool)
     assert per_call[0] - 2 * level <= 62, (per_call, dict(ops2))
     assert ops3["triton:_add_rms_norm_kernel"] and not {"rsqrt", "silu"} & set(ops3), dict(ops3)  # the fused path
+    # a chain's one candidate per level is one max reduction: CUDA's topk is a radix select of ~8 device operations
+    assert "topk" not in ops3 and ops3["max"] >= 3, dict(ops3)
+
+
+def test_top_k_is_topk_and_a_single_candidate_the_first_maximum():
+    import torch
+    from specdec.drafters.top_k import top_k
+
+    scores = torch.tensor([[0.5, 2.0, -1.0, 2.0, 1.5], [3.0, 0.0, 3.0, -2.0, 1.0]])
+    values, indices = top_k(scores, 1)
+    assert values.tolist() == [[2.0], [3.0]] and indices.tolist() == [[1], [0]]  # ties: the first
+    for k in (2, 5):
+        assert [t.tolist() for t in top_k(scores, k)] == [t.tolist() for t in torch.topk(scores, k)]
 
