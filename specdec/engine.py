@@ -157,6 +157,7 @@ class Engine:
         coupling: Coupling | None = None,
         processing: LogitsProcessing | None = None,
         output_logprobs: bool = False,
+        fit_free_blocks: bool = False,
     ) -> None:
         self.runner, self.cache, self.sampling, self.stop = runner, cache, sampling, stop
         self.drafter, self.generator, self.audit = as_drafter(drafter), generator, audit
@@ -167,6 +168,9 @@ class Engine:
         self.acceptor = self.coupled_walk if self.coupling is not None else self.rejection_walk  # fixed for the run
         self.processing = processing  # logits processors at every tree row with its own prefix; None = none
         self.output_logprobs = output_logprobs  # keep each committed token's log-probability (SequenceState)
+        # the KV pool may not hold every tree (an explicit num_blocks below the request's worst case): each tree is cut
+        # to the blocks free for its sequence before the verify (Engine._kv_rooms)
+        self.fit_free_blocks = fit_free_blocks
         self.seqs: list[SequenceState] = []
         self.forward_passes = 0
         self.seconds = {"draft": 0.0, "verify": 0.0}  # wall time of the two halves of step(), summed
@@ -309,10 +313,15 @@ class Engine:
 
     def _sized(self, asked: list[SequenceState], trees: list[DraftTree], draft_seconds: float, catch_up: bool,
                verified: bool = False) -> list[DraftTree]:
-        """The part of each proposed tree to verify: cut to the sequence's token budget, then to what is expected to
-        pay (pruning is exact). ``verified``: pending trees already verified whole, sized to learn from.
+        """The part of each proposed tree to verify: cut to the sequence's token budget and to the KV blocks it may
+        take (:meth:`_kv_rooms`: the nodes before the first it has no room for), then to what is expected to pay
+        (pruning is exact). ``verified``: pending trees already verified whole, sized to learn from.
         ``draft_seconds``: the drafter's, its trees' audit included (:meth:`_audited`)."""
         out = [self._fit_budget(s, tree) for s, tree in zip(asked, trees)]
+        rooms = None if verified else self._kv_rooms(asked)  # verified trees fitted the blocks (_verifiable)
+        if rooms is not None:
+            out = [tree.subtree(list(range(room))) if tree.num_nodes > room else tree
+                   for tree, room in zip(out, rooms)]
         return self.policy.size(ProposeCall([s.seq_id for s in asked], out, len(self.live), draft_seconds, catch_up,
                                             verified))
 
@@ -345,10 +354,23 @@ class Engine:
 
     def _verifiable(self, live: list[SequenceState], step: PendingStep) -> bool:
         """Whether pending trees can be verified before they are read: whole (every sequence has the tokens left
-        for their depth) and through a CUDA-graph bucket."""
+        for their depth, and the KV blocks for its nodes) and through a CUDA-graph bucket."""
         longest = 1 + max(step.trees.num_nodes)
+        rooms = self._kv_rooms(step.asked)
         return (all(self._depth_budget(s) >= step.trees.max_depth for s in step.asked)
+                and (rooms is None or all(n <= room for n, room in zip(step.trees.num_nodes, rooms)))
                 and self.graphed.fits(len(live), longest, max(len(s.token_ids) for s in live) + longest - 1))
+
+    def _kv_rooms(self, asked: list[SequenceState]) -> list[int] | None:
+        """Per asked sequence, the most tree nodes the KV pool holds for it in this step's verify: its own blocks'
+        room, and an equal share of the free blocks among the asked (PagedKVCache.room). From block counts before the
+        verify, never from a token drawn, so the cut is exact as the depth cut is (a tree's nodes come parents
+        first: its first nodes are a tree). None: the pool holds every tree (fit_free_blocks off); 0 where even the
+        roots do not fit (the verify's reservation raises CacheFullError, as plain decoding's would)."""
+        if not self.fit_free_blocks:
+            return None
+        room = self.cache.room([s.seq_id for s in self.live], {s.seq_id for s in asked})
+        return [room[s.seq_id] - 1 for s in asked]  # the root takes one position
 
     def _read(self, step: PendingStep) -> tuple[list[DraftTree], float]:
         """Pending trees read by the host (checked as propose()'s are), node for node the ones on the device, and the

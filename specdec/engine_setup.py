@@ -80,6 +80,7 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
     runner = request.loaded.runner.invariant_mode(config.invariant)  # the bit-exact mode shares every weight
     processing, output_logprobs = _processing(request), _wants_logprobs(request)  # refusals before allocating
     cache, graphed = _kv_cache(request, fault)
+    fit_free_blocks = _pool_may_run_short(request)
     drafter, generator = request.drafter, request.generator
     # first, so that one draw of generator= gives the same noise with and without a drafter
     coupling = _coupling(config, generator) if config.sampler == "coupled" and config.do_sample else None
@@ -102,7 +103,8 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
     engine_cls = Engine if fault is None else fault.engine_cls
     return engine_cls(runner, cache, sampling=config.sampling, stop=request.stop, drafter=drafter, policy=policy,
                       generator=generator, draft_seed=drafter_seed, audit=audit, rule=rule, graphed=graphed,
-                      coupling=coupling, processing=processing, output_logprobs=output_logprobs)
+                      coupling=coupling, processing=processing, output_logprobs=output_logprobs,
+                      fit_free_blocks=fit_free_blocks)
 
 
 def _policy(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault | None, coupling: Coupling | None,
@@ -150,12 +152,25 @@ def _coupling(config, generator: torch.Generator | None) -> Coupling:
     return Coupling(int(draw))
 
 
+def _worst_case_blocks(request: "GenerateRequest", tree_budget: int) -> int:
+    """The blocks with which no sequence of the request can run out, with trees of ``tree_budget`` nodes."""
+    return blocks_needed(map(len, request.prompts), request.config.max_new_tokens, request.config.block_size,
+                         tree_budget)
+
+
+def _pool_may_run_short(request: "GenerateRequest") -> bool:
+    """Whether an explicit num_blocks is below the request's worst case with the drafter's trees: the engine then
+    cuts each tree to the blocks free for it (exact)."""
+    num_blocks = request.config.num_blocks
+    return num_blocks is not None and request.drafter is not None and num_blocks < _worst_case_blocks(
+        request, MAX_TREE_NODES)
+
+
 def _kv_cache(request: "GenerateRequest", fault: EngineFault | None) -> tuple[PagedKVCache, GraphedForward | None]:
     runner, config = request.loaded.runner, request.config
     shape, block_size = runner.shape, config.block_size
     # worst case of this request: no sequence can run out
-    needed = blocks_needed(map(len, request.prompts), config.max_new_tokens, block_size,
-                           MAX_TREE_NODES if request.drafter is not None else 0)
+    needed = _worst_case_blocks(request, MAX_TREE_NODES if request.drafter is not None else 0)
     graphs = request.cuda_graphs
     if isinstance(graphs, GraphedForward):  # its own cache and graphs, reused call after call
         return _graphed_cache(graphs, request, needed, fault), graphs

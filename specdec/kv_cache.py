@@ -28,7 +28,7 @@ not an O(context) Python list and a host-to-device copy per sequence. Slot rows 
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +53,13 @@ def blocks_needed(prompt_lengths, max_new_tokens: int, block_size: int, tree_bud
     answer at ``max_new_tokens``, a whole draft tree of ``tree_budget`` nodes on top (0 without a drafter), and the
     bonus token."""
     return sum(blocks_for(n + max_new_tokens + tree_budget + 1, block_size) for n in prompt_lengths)
+
+
+def plain_blocks_needed(prompt_lengths, max_new_tokens: int, block_size: int) -> int:
+    """The most blocks plain decoding of these prompts can hold: every position but the last new token's (no step
+    runs it). A pool this large never runs out with a drafter either: the engine cuts its trees to the free blocks
+    (Engine._kv_rooms); only a drafter that reserves in the target's cache itself (self-draft) is not cut."""
+    return sum(blocks_for(n + max_new_tokens - 1, block_size) for n in prompt_lengths)
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,21 @@ class PagedKVCache:
                 self._slot_rows[s] = torch.cat([row, new]) if row.numel() else new
         for s, n in num_new.items():
             self.reserved[s] = max(self.reserved[s], self.lengths[s] + n)
+
+    def room(self, seq_ids: Sequence[int], sharing: Collection[int]) -> dict[int, int]:
+        """Per sequence of ``seq_ids``, the most positions from its length that one ``reserve_many`` of them all can
+        take: the blocks it must hold anyway (its next position and what is reserved already), and for those in
+        ``sharing`` an equal share of the rest (the free blocks, and the blocks of ``seq_ids`` past what they must
+        hold; where it does not divide, the first ones in ``seq_ids`` get a block more). From block counts alone:
+        ``reserve_many({s: n_s})`` with every ``n_s <= room[s]`` never raises if the pool holds every sequence's next
+        position; if it does not, the room is 1 (that position: the reservation raises CacheFullError)."""
+        base = {s: self._blocks_for(max(self.reserved[s], self.lengths[s] + 1)) for s in seq_ids}
+        pool = len(self._free) + sum(len(self.block_tables[s]) - base[s] for s in seq_ids)
+        if pool < 0:
+            return {s: 1 for s in seq_ids}
+        shared = [s for s in seq_ids if s in sharing]
+        extra = {s: pool // len(shared) + (i < pool % len(shared)) for i, s in enumerate(shared)}
+        return {s: (base[s] + extra.get(s, 0)) * self.block_size - self.lengths[s] for s in seq_ids}
 
     def _spares(self, num_new: Mapping[int, int]) -> dict[int, int]:
         """{seq_id: blocks it keeps} for the sequences holding a block in which none of their positions lies

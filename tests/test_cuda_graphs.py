@@ -616,6 +616,29 @@ def test_pending_eagle_trees_are_verified_before_the_host_reads_them(loaded, mon
         ([1, 2, 3, 4, 5, 6, 7], [9, 8, 7]), generate(loaded, [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]], max_new_tokens=9))]
 
 
+def test_pending_trees_the_free_blocks_cannot_hold_are_read_first(loaded):
+    """Where the pool may run short (an explicit num_blocks below the request's worst case: fit_free_blocks), pending
+    trees are verified before the host reads them only if the free KV blocks hold them; else they are read first,
+    and cut to the blocks (Engine._sized), as near the token budget."""
+    from specdec.engine import PendingStep
+    from specdec.pending_trees import PendingTrees
+
+    runner = loaded.runner
+    cache = make_cache(runner, blocks=4)  # blocks of 4 positions: the graphs' scratch block and 3 for the sequence
+    graphed = GraphedForward(runner, cache, GraphConfig(batch_sizes=(1,), tokens_per_seq=(1, 16), capture=CAPTURE))
+    engine = Engine(runner, cache, sampling=SamplingConfig(), stop=StopCriteria(8), graphed=graphed,
+                    fit_free_blocks=True)
+    seq, = engine.add([[1, 2, 3, 4, 5, 6]])  # 5 positions in 2 blocks, 1 free: the root and 6 nodes fit
+
+    def pending(n: int) -> PendingStep:
+        zeros = torch.zeros(n, dtype=torch.long, device=DEVICE)
+        return PendingStep(PendingTrees((n,), zeros, zeros + 1, zeros, 1, list, lambda: 0.0), [seq], False)
+
+    assert engine._verifiable([seq], pending(6)) and not engine._verifiable([seq], pending(7))
+    engine.fit_free_blocks = False  # a pool sized for every tree
+    assert engine._verifiable([seq], pending(7))
+
+
 def test_the_drafting_a_gpu_runs_inside_the_verify_is_priced_as_drafting(loaded, monkeypatch):
     """On CUDA the device drafts pending trees after propose() returns, ahead of the verify on its stream, so the
     verify's wall time holds what was left of the drafting, which the policy also prices as the draft's time. The

@@ -1,6 +1,7 @@
 """Paged KV cache: random writes / compactions / frees against a dense per-sequence model."""
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -204,3 +205,41 @@ def test_bad_commit_changes_nothing_for_any_sequence():
     assert cache.lengths == {0: 2, 1: 1} and cache.num_free_blocks == 0  # each keeps a spare block
     assert cache.kv[0, 0, cache.slots(0, 0, 2)].flatten().tolist() == [0, 2]
     assert cache.kv[0, 0, cache.slots(1, 0, 1)].flatten().tolist() == [11]
+
+
+def test_room_shares_the_free_blocks_and_spares_and_one_reservation_takes_it_all():
+    """PagedKVCache.room: what each sequence may reserve in one reserve_many of them all; its own blocks' room (the
+    partly filled last one, its spare) and, for the sharing ones, an equal share of the rest (free blocks, the others'
+    spares): that reservation succeeds and leaves no block free, one position more for a sharing sequence raises."""
+    rng = random.Random(0)
+    for _ in range(200):
+        block_size, num_seqs = rng.choice([1, 3, 4]), rng.randint(1, 4)
+        cache = PagedKVCache(1, 1, 1, num_blocks=rng.randint(num_seqs, 16), block_size=block_size)
+        for s in range(num_seqs):
+            cache.add(s)
+        for _ in range(rng.randint(0, 6)):  # steps: a tree of n positions reserved, its root and a path kept
+            s, n = rng.randrange(num_seqs), rng.randint(1, 2 * block_size + 1)
+            try:
+                cache.reserve(s, n)
+            except CacheFullError:
+                continue
+            cache.commit({s: range(rng.randint(1, n))})
+        sharing = {s for s in range(num_seqs) if rng.random() < 0.6}
+        room = cache.room(list(range(num_seqs)), sharing)
+        roots = sum(-(-(cache.lengths[s] + 1) // block_size) for s in range(num_seqs))
+        if roots > cache.num_blocks:  # not even every sequence's next position fits
+            assert set(room.values()) == {1}
+            with pytest.raises(CacheFullError):
+                cache.reserve_many(room)
+            continue
+        extra = {s: (cache.lengths[s] + room[s]) // block_size - -(-(cache.lengths[s] + 1) // block_size)
+                 for s in range(num_seqs)}
+        assert all((cache.lengths[s] + room[s]) % block_size == 0 for s in range(num_seqs))
+        assert all(extra[s] == 0 for s in range(num_seqs) if s not in sharing)
+        if sharing:
+            assert max(extra[s] for s in sharing) - min(extra[s] for s in sharing) <= 1
+            more = rng.choice(sorted(sharing))
+            with pytest.raises(CacheFullError):
+                copy.deepcopy(cache).reserve_many({**room, more: room[more] + 1})
+        cache.reserve_many(room)
+        assert cache.num_free_blocks == 0 or not sharing

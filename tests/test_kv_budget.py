@@ -1,0 +1,44 @@
+"""An explicit num_blocks below the request's worst case: draft trees are cut to the free KV blocks (exact), so a
+drafter never changes the outcome."""
+from __future__ import annotations
+
+import pytest
+
+import specdec
+from specdec.kv_cache import plain_blocks_needed
+from specdec.testing import RandomTreeDrafter, build_tiny_model
+
+PROMPT = [5, 6, 7, 8] * 8  # 32 tokens: with 64 new ones, plain decoding holds 95 positions, 6 blocks of 16
+
+
+def wide_trees(seed: int = 0, mode: str = "deterministic") -> RandomTreeDrafter:
+    return RandomTreeDrafter(96, max_nodes=24, max_depth=2, max_width=12, mode=mode, seed=seed)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_wide_trees_near_the_end_are_cut_to_the_free_blocks(sampled):
+    """6 blocks hold plain decoding's 64 new tokens exactly; wide trees near the end must be cut to the free blocks,
+    not raise CacheFullError, and give plain decoding's tokens (greedy, and coupled sampling: its text does not
+    depend on the trees)."""
+    model = build_tiny_model()
+    kw = dict(max_new_tokens=64, block_size=16, num_blocks=6)
+    if sampled:
+        kw.update(do_sample=True, temperature=0.8, seed=11, sampler="coupled")
+    assert plain_blocks_needed([len(PROMPT)], 64, 16) == 6
+    plain = specdec.generate(model, [PROMPT], **kw)
+    assert len(plain[0]) == len(PROMPT) + 64
+    mode = "independent" if sampled else "deterministic"
+    out = specdec.generate(model, [PROMPT], drafter=wide_trees(0, mode), speculation="always", return_dict=True, **kw)
+    assert out.sequences == plain
+    assert max(out.stats[0].step_nodes) > 0  # the drafter's trees were verified, not all cut away
+
+
+def test_a_ragged_batch_shares_the_free_blocks():
+    """Two sequences in a pool of exactly plain decoding's size: each tree is cut to its share, the batch finishes
+    with the plain tokens of each."""
+    model = build_tiny_model()
+    prompts = [PROMPT, [9, 10, 11] * 7]
+    kw = dict(max_new_tokens=40, block_size=8, num_blocks=plain_blocks_needed(map(len, prompts), 40, 8))
+    plain = specdec.generate(model, prompts, **kw)
+    assert specdec.generate(model, prompts, drafter=wide_trees(1), speculation="always", **kw) == plain
+
