@@ -37,7 +37,7 @@ from specdec.drafters.base import _ObjectDrafter
 from specdec.engine import Engine
 from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import check_cache_fits, describe
-from specdec.kv_cache import PagedKVCache, blocks_needed
+from specdec.kv_cache import PagedKVCache, blocks_needed, plain_blocks_needed
 from specdec.logits_processing import LogitsProcessing
 from specdec.rejection import EXACT, AcceptanceRule
 from specdec.speculation_policy import SpeculationPolicy
@@ -160,10 +160,17 @@ def _worst_case_blocks(request: "GenerateRequest", tree_budget: int) -> int:
 
 def _pool_may_run_short(request: "GenerateRequest") -> bool:
     """Whether an explicit num_blocks is below the request's worst case with the drafter's trees: the engine then
-    cuts each tree to the blocks free for it (exact)."""
+    cuts each tree to the blocks free for it (exact). Below what plain decoding can hold, a warning: the call may
+    raise CacheFullError (at or above it, it never does: the trees are cut)."""
     num_blocks = request.config.num_blocks
-    return num_blocks is not None and request.drafter is not None and num_blocks < _worst_case_blocks(
-        request, MAX_TREE_NODES)
+    if num_blocks is None:
+        return False
+    plain = plain_blocks_needed(map(len, request.prompts), request.config.max_new_tokens, request.config.block_size)
+    if num_blocks < plain:
+        logger.warning("num_blocks=%d is below the %d blocks of %d tokens that the prompts and max_new_tokens=%d "
+                       "can need: the call may raise CacheFullError (with the tokens generated so far in its "
+                       "new_tokens)", num_blocks, plain, request.config.block_size, request.config.max_new_tokens)
+    return request.drafter is not None and num_blocks < _worst_case_blocks(request, MAX_TREE_NODES)
 
 
 def _kv_cache(request: "GenerateRequest", fault: EngineFault | None) -> tuple[PagedKVCache, GraphedForward | None]:

@@ -56,6 +56,7 @@ from specdec.generate_inputs import (
     unpack_encoding,
 )
 from specdec.generation_config import GenerationConfig
+from specdec.kv_cache import CacheFullError
 from specdec.models.loader import LoadedModel, load_model
 from specdec.output import GenerateOutput, OutputLayout, SequenceStats, pack_output
 from specdec.stopping import StopCriteria
@@ -253,13 +254,15 @@ def _check_streamer_batch(put_end: bool, sequences: int) -> None:
 
 
 def run(engine: Engine, request: GenerateRequest) -> Any:
-    """Prefill, then Engine.step() until every sequence has stopped; stream, show progress, pack."""
+    """Prefill, then Engine.step() until every sequence has stopped; stream, show progress, pack. A CacheFullError
+    after the prefill carries the tokens generated until then (its new_tokens)."""
     start = time.perf_counter()
     streamer = request.streamer
     put_end = is_put_end_streamer(streamer)
     shared = engine.graphed if engine.graphed is not None and engine.graphed.shared else None
     if shared is not None:  # a call made meanwhile (a streamer's) keeps out of its cache
         shared.serving = True
+    seqs = []
     try:
         if put_end:  # the prompt first, as transformers does (TextStreamer(skip_prompt=True) drops it)
             streamer.put(torch.tensor([request.layout.rows[0]], dtype=torch.long))
@@ -284,6 +287,12 @@ def run(engine: Engine, request: GenerateRequest) -> Any:
                     bar.update(done - bar.n)
                     bar.set_postfix(tau=f"{done / max(sum(s.steps for s in seqs), 1):.2f}")
         engine.finish()
+    except CacheFullError as err:
+        if not seqs:  # the prefill's: nothing was generated
+            raise
+        new_tokens = [s.new_tokens for s in seqs]
+        raise CacheFullError(f"{err} The {sum(map(len, new_tokens))} tokens generated so far are in this error's "
+                             "new_tokens.", new_tokens) from err
     finally:
         engine.close()
         if shared is not None:

@@ -75,7 +75,12 @@ class CacheConfig:
 
 
 class CacheFullError(SpecdecError, RuntimeError):
-    """The block pool cannot hold what was asked; nothing was written."""
+    """The block pool cannot hold what was asked; nothing was written. Raised by generate() after its prefill,
+    ``new_tokens`` holds each sequence's tokens generated until then (in the output's order; else None)."""
+
+    def __init__(self, message: str, new_tokens: list[list[int]] | None = None) -> None:
+        super().__init__(message)
+        self.new_tokens = new_tokens
 
 
 class PagedKVCache:

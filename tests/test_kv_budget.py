@@ -1,11 +1,14 @@
 """An explicit num_blocks below the request's worst case: draft trees are cut to the free KV blocks (exact), so a
-drafter never changes the outcome."""
+drafter never changes the outcome; below what plain decoding holds, a warning, and the CacheFullError keeps the
+tokens generated."""
 from __future__ import annotations
+
+import logging
 
 import pytest
 
 import specdec
-from specdec.kv_cache import plain_blocks_needed
+from specdec.kv_cache import CacheFullError, plain_blocks_needed
 from specdec.testing import RandomTreeDrafter, build_tiny_model
 
 PROMPT = [5, 6, 7, 8] * 8  # 32 tokens: with 64 new ones, plain decoding holds 95 positions, 6 blocks of 16
@@ -42,3 +45,21 @@ def test_a_ragged_batch_shares_the_free_blocks():
     plain = specdec.generate(model, prompts, **kw)
     assert specdec.generate(model, prompts, drafter=wide_trees(1), speculation="always", **kw) == plain
 
+
+def test_a_pool_below_plain_decoding_warns_and_the_error_keeps_the_tokens(caplog):
+    """num_blocks=3 holds 48 positions of the 95 that plain decoding needs: a warning when the call is built, then a
+    CacheFullError that carries the tokens generated until then (plain decoding's first ones)."""
+    model = build_tiny_model()
+    full = specdec.generate(model, [PROMPT], max_new_tokens=64)[0][len(PROMPT):]
+    streamed = []
+    with caplog.at_level(logging.WARNING, logger="specdec"):
+        with pytest.raises(CacheFullError, match="17 tokens generated so far are in this error's new_tokens") as err:
+            specdec.generate(model, [PROMPT], max_new_tokens=64, num_blocks=3, drafter=wide_trees(),
+                             speculation="always", streamer=lambda seq, toks: streamed.extend(toks))
+    assert any("num_blocks=3 is below the 6 blocks" in r.getMessage() and "CacheFullError" in r.getMessage()
+               for r in caplog.records)
+    assert err.value.new_tokens == [streamed] == [full[:17]]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specdec"):
+        specdec.generate(model, [PROMPT], max_new_tokens=64, num_blocks=6)  # exactly enough: no warning
+    assert not [r for r in caplog.records if "num_blocks" in r.getMessage()]
