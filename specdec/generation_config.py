@@ -53,7 +53,9 @@ class GenerationConfig:
     stop: Any = None  # a string, or a list of strings (need the tokenizer) and / or token-id sequences
     pad_token_id: int | None = None  # fills a tensor result; None = the model's, else the smallest EOS id, else 0
     block_size: int = 16  # KV cache block size in tokens
-    num_blocks: int | None = None  # KV cache size; None = enough for every prompt + max_new_tokens + a draft tree
+    # KV cache size; None = enough for every prompt + max_new_tokens + a draft tree. Below that, draft trees are cut
+    # to the free blocks (exact); below plain decoding's need, a warning, and CacheFullError may end the call
+    num_blocks: int | None = None
     audit_drafts: bool = True  # statistical audit of sampled drafts (specdec.audit)
     # "auto": verify the part of each draft tree that the measured cost model expects to pay and decode plainly
     # when none does (specdec.tree_sizing); "always": verify every proposed tree whole (measuring a drafter).
