@@ -18,10 +18,10 @@ Lifecycle, driven by the engine:
 3. ``on_accept(seq_id, committed)`` after EVERY commit, proposed for or not.
 4. ``release(seq_id)`` when a sequence finishes, or its call ends early (an exception).
 
-Three more answer the speculation policy: ``cost_key()`` (what the drafter's cost depends on: what is learned of
-it is kept per key), ``forward_seconds()`` (one forward of its own model: a drafter whose every depth costs a
-target decode step is never asked) and ``catches_up`` (whether a sequence's first call costs more than a step);
-``draw_source(seed)`` the draft audit (what a call's random draws come from).
+The speculation policy asks ``cost_key()`` (what the drafter's cost depends on: what is learned is kept per key),
+``never_pays_by_shape()`` / ``forward_seconds()`` (one forward of its own model costs a target decode step, by its
+shapes / as measured: it is never asked) and ``catches_up`` (a sequence's first call costs more than a step); the
+draft audit asks ``draw_source(seed)`` (what a call's random draws come from).
 A drafter that sets ``needs_hidden_states = True`` finds in ``SequenceView.new_hidden`` the target's final-norm
 hidden states of the positions committed since its previous ``propose``, ending at the token *before* the root
 (``feature_layers``: those layers' input streams instead).
@@ -170,6 +170,12 @@ class Drafter(ABC):
         (specdec/audit.py). None: torch's global RNG. A drafter that draws from a stream it reseeds per call
         from a seed of its own returns that seed."""
         return seed
+
+    def never_pays_by_shape(self) -> str | None:
+        """After ``attach``: why one forward of the drafter's own model does at least a target decode step's work,
+        read from what is fixed before a call's first token (the models, their shapes, device and dtype; never a
+        timing or a token), so that no draft can pay; None when it may pay. A seeded call acts on it too."""
+        return None
 
     def forward_seconds(self) -> float | None:
         """After ``attach``: seconds of one forward of the drafter's own model over one token, measured on this

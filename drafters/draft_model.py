@@ -69,6 +69,15 @@ def num_params(module: Any) -> int:
     return _PARAMS[module]
 
 
+def forward_work(runner: LlamaRunner) -> tuple[int, int, int]:
+    """What one token's forward through ``runner`` multiplies and reads, as sizes its cost grows with: the weights
+    of its layers and LM head (the embedding is a lookup), and the widths of the keys it reads and of the queries
+    it attends with, over all its layers."""
+    s = runner.shape
+    weights = num_params(runner.layers) + runner.lm_head.numel()
+    return weights, s.num_layers * s.num_kv_heads * s.head_dim, s.num_layers * s.num_heads * s.head_dim
+
+
 class DraftModelDrafter(ModelDrafter):
     options_config = DraftConfig  # what **options configure (drafters.registry.option_names)
     name = "draft-model"
@@ -92,6 +101,23 @@ class DraftModelDrafter(ModelDrafter):
         module = getattr(spec, "model", spec)
         params = num_params(module) if hasattr(module, "parameters") else None
         return f"{super().cost_key()}|{type(module).__qualname__}:{params}"
+
+    def never_pays_by_shape(self) -> str | None:
+        """Its model is the target, or does at least the target's work per token (:func:`forward_work`, every
+        size) run as the target runs (device, dtype, backend, the bit-exact mode, replayed graphs)."""
+        draft, target = self.runner, self.target.runner
+        if draft is None or (draft.invariant, draft.device, draft.dtype, draft.backend.name) != (
+                target.invariant, target.device, target.dtype, target.backend.name):
+            return None
+        if self.use_graphs and draft.device.type == "cuda" and not self.target.graphs:
+            return None  # replayed graphs may be cheaper than the target's eager verify
+        if draft.hf_model is target.hf_model:
+            return "its model is the target itself"
+        mine, theirs = forward_work(draft), forward_work(target)
+        if any(a < b for a, b in zip(mine, theirs)):
+            return None
+        return (f"its model does at least the target's work per token ({mine[0] / 1e6:.1f}M weights, the "
+                f"target {theirs[0] / 1e6:.1f}M) on the same device and dtype")
 
     def make_runner(self, target: TargetView) -> LlamaRunner:
         # one named by a path loads in the target's dtype; a loaded model keeps its own

@@ -112,17 +112,18 @@ def _policy(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault
     """The speculation policy: tree sizing and the break-even guard (speculation="auto"), or none: verify every
     proposal whole.
 
-    None for negative controls, whose broken rule must meet the drafts it is meant to mishandle, and for seeded
-    standard sampling: there a tree of another shape draws other random numbers, so a seed gives one text only if
-    no decision reads this machine's measurements (which a deleted cache or a recalibration changes); its trees are
-    verified whole. Coupled sampling needs no such care: its text does not depend on the trees at all."""
+    None for negative controls, whose broken rule must meet the drafts it is meant to mishandle. Seeded standard
+    sampling keeps only what reads no measurement: there a tree of another shape draws other random numbers, so a
+    seed gives one text only if no decision reads this machine's measurements (which a deleted cache or a
+    recalibration changes); its trees are verified whole, and a drafter that can never pay by its shapes alone is
+    never asked. Coupled sampling needs no such care: its text does not depend on the trees at all."""
     config, drafter, runner = request.config, request.drafter, request.loaded.runner
     if drafter is None or config.speculation != "auto" or rule is not EXACT or fault is not None:
         return SpeculationPolicy()
     if config.do_sample and (config.seed is not None or generator is not None) and coupling is None:
         logger.info("seeded standard sampling verifies every draft tree whole, so the seed's text does not depend "
                     "on this machine's measured costs; sampler='coupled' keeps one text per seed and sizes trees")
-        return SpeculationPolicy()
+        return SpeculationPolicy(auto=True)
     costs = load_cost_model(runner, CalibrationConfig(graphs=graphs))
     # the guard remembers across calls per target cost curve and drafter (specdec.remembered); cost_key() names a
     # drafter's checkpoint too, so two EAGLE or Medusa checkpoints keep apart backoffs

@@ -12,7 +12,8 @@ times (:mod:`specdec.online_costs`), the guard and tree sizing (:mod:`specdec.tr
 check on a drafter's own forward. Drafters see its costs as one :class:`~specdec.drafters.base.CostView`, which the
 combined drafter's child gate and EAGLE's depth chooser price their choices with; what is learned is kept across
 calls in one store (:mod:`specdec.remembered`). ``SpeculationPolicy()`` without a sizer verifies every proposal
-whole and hands drafters no costs (``speculation="always"``, seeded standard sampling, no drafter).
+whole and hands drafters no costs (``speculation="always"``, no drafter); ``SpeculationPolicy(auto=True)`` does so
+too but never asks a drafter that can never pay by its shapes (seeded standard sampling: it reads no timing).
 
 Invariant: the policy changes what is verified, never what is committed (pruning keeps an ancestor-closed part).
 """
@@ -64,25 +65,37 @@ class StepRecord:
 class SpeculationPolicy:
     """Who drafts and how much is verified (module doc); ``sizer`` None: every proposal is verified whole."""
 
-    def __init__(self, sizer: TreeSizer | None = None) -> None:
+    def __init__(self, sizer: TreeSizer | None = None, auto: bool = False) -> None:
+        """``auto`` (implied by a sizer): speculation="auto", which never asks a drafter that can never pay."""
         self.sizer = sizer
+        self.auto = auto or sizer is not None
         self.costs = None if sizer is None else CostView(sizer.online.relative, sizer.step_seconds)
         self.cut_last = False  # the last size() cut a tree
+        self.plain = False  # the drafter can never pay: it is never asked
 
     def start(self, drafter: Drafter | None, target: TargetView) -> "SpeculationPolicy":
-        """Attach ``drafter`` to ``target`` with the policy's costs; returns the policy. A drafter whose own forward
-        costs a decode step of the target or more can never pay: it is never asked (decided once, here)."""
+        """Attach ``drafter`` to ``target`` with the policy's costs; returns the policy. With ``auto``, a drafter
+        whose own forward costs a decode step of the target or more can never pay: it is never asked (decided once,
+        here). By its shapes (``never_pays_by_shape``) always; by its measured forward only with a sizer."""
         if drafter is None:
             self.sizer = self.costs = None
             return self
         drafter.attach(replace(target, costs=self.costs))
+        if not self.auto:
+            return self
+        why = drafter.never_pays_by_shape()
         # (a sizer off from the start, on unmeasured costs, asks for no draft model's forward time)
-        if self.sizer is not None and not self.sizer.off and self.sizer.never_pays(drafter.forward_seconds()):
+        if why is None and self.sizer is not None and not self.sizer.off and self.sizer.never_pays(
+                drafter.forward_seconds()):
+            why = "one forward of its model costs a decode step of the target or more"
+        if why is not None:
             log = logger.warning if drafter.name not in _NEVER_PAYS_WARNED else logger.debug
             _NEVER_PAYS_WARNED.add(drafter.name)
-            log("%s: one forward of its model costs a decode step of the target or more, so no draft can pay; "
-                "decoding plainly (speculation='always' verifies its drafts anyway)", drafter.name)
-            self.sizer.switch_off()
+            log("%s: %s, so no draft can pay; decoding plainly (speculation='always' verifies its drafts anyway)",
+                drafter.name, why)
+            self.plain = True
+            if self.sizer is not None:
+                self.sizer.switch_off()
         return self
 
     @property
@@ -93,7 +106,10 @@ class SpeculationPolicy:
         return not self.cut_last
 
     def who_drafts(self, live: list["SequenceState"]) -> list["SequenceState"]:
-        """The sequences the drafter proposes for this step (the guard's choice; all of them without a sizer)."""
+        """The sequences the drafter proposes for this step (the guard's choice; all of them without a sizer; none
+        when the drafter can never pay)."""
+        if self.plain:
+            return []
         if self.sizer is None:
             return live
         return [s for s in live if self.sizer.wants_draft(s.seq_id)]

@@ -5,6 +5,7 @@ import logging
 
 import pytest
 import torch
+from specdec.drafters.base import TargetView
 from specdec.drafters.draft_model import DraftModelDrafter, VocabularyMismatchError
 from specdec.drafters.model_drafter import DraftConfig
 from specdec.drafters.self_draft import SelfDraftDrafter
@@ -12,7 +13,9 @@ from specdec.eval.negative_controls import generate_with_control
 from specdec.eval.two_sample import two_sample_chi2
 
 import specdec
+from specdec.models.loader import load_model
 from specdec.rejection import EXACT
+from specdec.sampling import SamplingConfig
 from specdec.testing import build_tiny_model
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 8], [10, 20, 30, 10, 20, 30, 10, 20], [5], [11] * 3 + [12, 13]]
@@ -82,6 +85,27 @@ def test_bigger_draft_model_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="specdec.drafters.draft_model"):
         specdec.generate(target, [[1, 2]], max_new_tokens=4, drafter=DraftModelDrafter(big))
     assert any("bigger than the target" in r.message for r in caplog.records)
+
+
+def test_a_draft_model_never_pays_by_its_shapes_only_when_it_does_the_targets_work_as_the_target_runs():
+    """Decided from what is fixed before the first token, never a timing: the target itself, or a model with at
+    least the target's weights, keys and queries per token on its device and dtype. Fewer layers, fewer KV heads
+    (more weights notwithstanding), another dtype, or a target in the slower bit-exact mode: it may pay."""
+    target = build_tiny_model()
+
+    def verdict(draft, invariant=False):
+        drafter = DraftModelDrafter(draft)
+        runner = load_model(target).runner.invariant_mode(invariant)
+        drafter.attach(TargetView(runner, None, SamplingConfig()))
+        return drafter.never_pays_by_shape()
+
+    assert verdict(target) == "its model is the target itself"
+    for same_or_bigger in (build_tiny_model(seed=7), build_tiny_model(intermediate_size=256)):
+        assert "at least the target's work per token" in verdict(same_or_bigger)
+    assert verdict(build_tiny_model(num_hidden_layers=1)) is None
+    assert verdict(build_tiny_model(num_key_value_heads=1, intermediate_size=256)) is None
+    assert verdict(build_tiny_model(seed=7).to(torch.bfloat16)) is None
+    assert verdict(target, invariant=True) is None
 
 
 def test_draft_model_named_by_path_loads_in_the_targets_dtype(tmp_path):
@@ -201,7 +225,8 @@ def test_sampled_drafts_carry_the_distribution_they_were_drawn_from():
 ])
 def test_seeded_generate_is_reproducible_whatever_the_global_rng(name, options, device):
     target = build_tiny_model(num_hidden_layers=2).to(device)
-    options = dict(options, **({"model": build_tiny_model(seed=7).to(device)} if name == "draft-model" else {}))
+    if name == "draft-model":  # a layer fewer than the target: one of its size can never pay and is never asked
+        options = dict(options, model=build_tiny_model(seed=7, num_hidden_layers=1).to(device))
     outs = []
     for global_seed in (0, 1, 0):
         torch.manual_seed(global_seed)
@@ -216,7 +241,8 @@ def test_seeded_generate_is_reproducible_whatever_the_global_rng(name, options, 
 
 def test_reused_drafter_instance_is_reseeded_by_each_generate_call():
     target = build_tiny_model(num_hidden_layers=2)
-    drafter = DraftModelDrafter(build_tiny_model(seed=7), mode="independent", widths=(2,), num_draft_tokens=3)
+    drafter = DraftModelDrafter(build_tiny_model(seed=7, num_hidden_layers=1), mode="independent", widths=(2,),
+                                num_draft_tokens=3)
     outs = []
     for global_seed in (0, 1):
         torch.manual_seed(global_seed)

@@ -1,6 +1,7 @@
 """One seed, one text, whatever the cost cache holds: seeded standard sampling reads no measurement of this machine
 (its trees are verified whole), so deleting the cache, a recalibration that measures another curve, a first call
-and a new process all give the same text; no timing run draws from a drafter's own random numbers."""
+and a new process all give the same text; no timing run draws from a drafter's own random numbers. A drafter that
+can never pay by its shapes alone is not asked under a seed either."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 
@@ -30,7 +32,9 @@ def drafters(model) -> dict:
     eagle = EagleModel(EagleConfig.for_target(model.config, depth=3, top_k=2, max_nodes=6))
     eagle.init_from_target(model)
     return {"ngram": lambda: ("ngram", None),
-            "draft-model": lambda: ("draft-model", {"model": build_tiny_model(seed=4), "num_draft_tokens": 3}),
+            # a layer fewer than the target: one of its size would never be asked (it can never pay)
+            "draft-model": lambda: ("draft-model", {"model": build_tiny_model(seed=4, num_hidden_layers=1),
+                                                    "num_draft_tokens": 3}),
             "eagle": lambda: (EagleDrafter(model=eagle), None)}
 
 
@@ -82,6 +86,43 @@ def test_a_drafters_own_randomness_is_not_consumed_before_its_first_call(tmp_pat
     with_fresh_cache(tmp_path, monkeypatch, "flat")
     first, second = (generate(model, [PROMPT], drafter=OwnRandom(vocab), **KW).sequences for _ in range(2))
     assert first == second
+
+
+def counted(model, **options) -> DraftModelDrafter:
+    """A draft-model drafter that counts its propose calls (``calls``)."""
+    drafter = DraftModelDrafter(model, **options)
+    drafter.calls, propose = 0, drafter.propose
+
+    def counting(seqs):
+        drafter.calls += 1
+        return propose(seqs)
+
+    drafter.propose = counting
+    return drafter
+
+
+def test_a_seeded_call_never_asks_a_draft_model_as_costly_as_the_target():
+    """The target itself, or a model of its size, drafting: no draft can pay, and the shapes say so before the first
+    token, so a seeded call decodes plainly and never asks it: with seed= the text is plain decoding's, with
+    generator= one text per generator state. A smaller draft model is still asked under a seed."""
+    model = build_tiny_model()
+    plain = generate(model, [PROMPT], **KW)
+    for draft in (model, build_tiny_model(seed=4)):
+        drafter = counted(draft, num_draft_tokens=3)
+        out = generate(model, [PROMPT], drafter=drafter, **KW)
+        assert drafter.calls == 0 and drafter.cache is None and out.sequences == plain.sequences
+        assert out.stats[0].steps == KW["max_new_tokens"]
+    unseeded = {k: v for k, v in KW.items() if k != "seed"}
+    texts = []
+    for _ in range(2):
+        drafter = counted(model, num_draft_tokens=3)
+        texts.append(generate(model, [PROMPT], drafter=drafter, generator=torch.Generator().manual_seed(13),
+                              **unseeded).sequences)
+        assert drafter.calls == 0
+    assert texts[0] == texts[1]
+    smaller = counted(build_tiny_model(seed=4, num_hidden_layers=1), num_draft_tokens=3)
+    out = generate(model, [PROMPT], drafter=smaller, **KW)
+    assert smaller.calls > 0 and out.stats[0].steps < KW["max_new_tokens"]
 
 
 @pytest.mark.slow
