@@ -3,17 +3,24 @@
     costs = OnlineCosts(cost_model)                 # one per TreeSizer
     costs.record(verify_seconds, n, batch)          # after each step: n query tokens (its largest sequence)
     costs.relative(n, batch)                        # c(n) / c(1): calibrated, times what this run observed
+    costs.plain_step_due(batch)                     # before a step: decode it plainly, to measure c(1)
 
-The calibration (:mod:`specdec.cost_model`) times bare chain drafts on a synthetic prompt. A real step does
-more, and more for some drafters than others (hidden states for EAGLE and Medusa, a tree's ancestor mask,
-acceptance learned from every node), so sizing on the calibrated curve alone keeps trees that do not pay.
+The calibration (:mod:`specdec.cost_model`) times bare chain drafts on a synthetic prompt, perhaps while the machine
+was quieter or busier than now; a real step does more for some drafters (hidden states for EAGLE and Medusa, a
+tree's ancestor mask), so sizing on the calibrated curve alone keeps trees that do not pay.
 
 **Correction.** For each (batch bucket, n) the last ``window`` verify times are kept; the correction of n is
-``(median at n / median at 1) / calibrated relative(n)``, shrunk toward 1 by the evidence, ``w = k / (k +
-prior)`` with ``k`` the smaller of the two sample counts, and clipped to [0.5, 2]. Medians, because a shared
-machine has outlier steps; a window, because the context grows and the machine drifts. Without steps of 1 token
-nothing is corrected. Sizes seen fewer than ``min_samples`` times keep their calibrated cost (the median of one
-or two samples is their mean, which one slow step would set for the rest of a run).
+``(median at n / median at 1) / calibrated relative(n)``, shrunk toward 1 by the evidence, ``w = k / (k + prior)``
+with ``k`` the smaller of the two sample counts, and clipped to [0.5, 2]. Medians, because a shared machine has
+outlier steps; a window, because the context grows and the machine drifts. A size seen fewer than ``min_samples``
+times (one slow step would set a median of one or two) takes the correction interpolated linearly in n between the
+nearest corrected sizes (1 at n = 1; above the largest, the largest's): a curve found too flat where trees were
+verified is not believed next to them.
+
+**Plain steps.** The correction divides by 1-token (plain) steps' times. A bucket whose steps all draft (the guard
+believes drafting pays, perhaps on a curve too flat) has none: :meth:`plain_step_due` asks for one after
+``plain_every[0]`` steps of more tokens while the bucket has fewer than ``min_samples``, after ``plain_every[1]``
+(~3% of steps) once it has them, never in a run that decodes plainly that often anyway.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specdec.cost_model import CostModel
+from specdec.tree import MAX_TREE_NODES
 
 
 @dataclass
@@ -30,43 +38,99 @@ class OnlineCosts:
     window: int = 32  # verify times kept per (batch bucket, n)
     prior: float = 8.0  # pseudo-samples behind a correction of 1
     min_samples: int = 3  # samples of a size (and of 1 token) before that size is corrected: a median outvotes one
+    # steps of more than 1 token after which a 1-token step is due: while the bucket has fewer than min_samples of
+    # them, and after (module doc, Plain steps)
+    plain_every: tuple[int, int] = (8, 32)
     samples: dict[tuple[int, int], deque] = field(default_factory=dict)  # (batch bucket, n) -> recent seconds
     medians: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # ... and their median
-    factors: dict[tuple[int, int], float] = field(default_factory=dict)  # (batch bucket, n) -> correction
-    # (batch bucket, n) -> relative(n): sizing asks for every prefix of every tree, every step; a correction
-    # that moves forgets its own entries (record)
-    known: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
+    factors: dict[tuple[int, int], float] = field(default_factory=dict)  # (batch bucket, n) -> measured correction
+    drafted: dict[int, int] = field(default_factory=dict)  # batch bucket -> steps of n > 1 since its last n = 1
+    # batch bucket -> (sizes, corrections) of the measured corrections, (1, 1.0) first: what relative() interpolates
+    anchors: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict, repr=False)
+    # batch bucket -> relative(n) at index n, up to the largest n asked: sizing asks for every prefix of every tree,
+    # every step; recomputed when the bucket's anchors moved (stale)
+    known: dict[int, list[float]] = field(default_factory=dict, repr=False)
+    stale: set[int] = field(default_factory=set, repr=False)
+    calibrated: dict[int, list[float]] = field(default_factory=dict, repr=False)  # ... the cost model's, as known
 
     def __post_init__(self) -> None:
-        if self.window < 1 or self.prior <= 0 or not 1 <= self.min_samples <= self.window:
-            raise ValueError(f"OnlineCosts needs window >= 1, prior > 0 and 1 <= min_samples <= window, got "
-                             f"{self.window}, {self.prior}, {self.min_samples}")
+        if (self.window < 1 or self.prior <= 0 or not 1 <= self.min_samples <= self.window
+                or not 1 <= self.plain_every[0] <= self.plain_every[1]):
+            raise ValueError(f"OnlineCosts needs window >= 1, prior > 0, 1 <= min_samples <= window and 1 <= "
+                             f"plain_every[0] <= plain_every[1], got {self.window}, {self.prior}, {self.min_samples}, "
+                             f"{self.plain_every}")
 
     def record(self, verify_seconds: float, n: int, batch: int) -> None:
         """One step's verify wall time, ``n`` query tokens for its largest sequence."""
         bucket = self.costs.batch_bucket(batch)
-        own = self.samples.setdefault((bucket, n), deque(maxlen=self.window))
-        own.append(verify_seconds)
-        # a plain step moves every size's correction: each keeps its median, computed when its samples change
-        self.medians[(bucket, n)] = statistics.median(own)
-        for key in [k for k in self.samples if k[0] == bucket and k[1] != 1] if n == 1 else [(bucket, n)]:
-            self.factors[key] = self._factor(*key)
-            self.known.pop(key, None)
+        self._add(bucket, n, [verify_seconds])
+        self.drafted[bucket] = 0 if n == 1 else self.drafted.get(bucket, 0) + 1
+        self._correct(bucket, None if n == 1 else n)  # a plain step moves every size's correction
 
-    def _factor(self, bucket: int, n: int) -> float:
-        base, own = self.samples.get((bucket, 1)), self.samples.get((bucket, n))
-        if not base or not own or min(len(base), len(own)) < self.min_samples:
-            return 1.0
-        observed = self.medians[(bucket, n)] / self.medians[(bucket, 1)]
-        raw = observed / self.costs.relative(n, bucket)
-        weight = min(len(base), len(own)) / (min(len(base), len(own)) + self.prior)
-        return min(max(1.0 + weight * (raw - 1.0), 0.5), 2.0)
+    def plain_step_due(self, batch: int) -> bool:
+        """Whether this step should verify no draft at all: the bucket's correction needs a 1-token step's time
+        (module doc, Plain steps)."""
+        bucket = self.costs.batch_bucket(batch)
+        thin = len(self.samples.get((bucket, 1), ())) < self.min_samples
+        return self.drafted.get(bucket, 0) >= self.plain_every[0 if thin else 1]
 
     def relative(self, n: int, batch: int = 1) -> float:
         """c(n) / c(1) in plain decode steps (>= 1), with this run's correction where it has one."""
-        key = (self.costs.batch_bucket(batch), n)
-        value = self.known.get(key)
-        if value is None:
-            calibrated = self.costs.relative(n, batch)  # fixed once the bucket's curve exists
-            value = self.known[key] = calibrated if n <= 1 else max(calibrated * self.factors.get(key, 1.0), 1.0)
-        return value
+        bucket = self.costs.batch_bucket(batch)
+        curve = self.known.get(bucket, ())
+        if n >= len(curve) or bucket in self.stale:
+            # recomputed as long as it was, or extended by doubling up to a whole tree (sizing asks for n = 1, 2, ...)
+            top = len(curve) - 1 if n < len(curve) else max(n, min(2 * len(curve) - 2, MAX_TREE_NODES + 1))
+            curve = self.known[bucket] = self._curve(bucket, top)
+            self.stale.discard(bucket)
+        return curve[max(n, 1)]
+
+    def _add(self, bucket: int, n: int, seconds: list[float]) -> None:
+        own = self.samples.setdefault((bucket, n), deque(maxlen=self.window))
+        own.extend(seconds)
+        self.medians[(bucket, n)] = statistics.median(own)
+
+    def _correct(self, bucket: int, n: int | None) -> None:
+        """Recompute the correction of size ``n`` (None: of every size) and the bucket's anchors."""
+        sizes = [k for k in self.samples if k[0] == bucket and k[1] != 1] if n is None else [(bucket, n)]
+        for key in sizes:
+            factor = self._factor(*key)
+            if factor is None:
+                self.factors.pop(key, None)
+            else:
+                self.factors[key] = factor
+        measured = sorted((k[1], f) for k, f in self.factors.items() if k[0] == bucket)
+        anchors = ([1] + [m for m, _ in measured], [1.0] + [f for _, f in measured])
+        if anchors != self.anchors.get(bucket):
+            self.anchors[bucket] = anchors
+            self.stale.add(bucket)
+
+    def _factor(self, bucket: int, n: int) -> float | None:
+        """Size ``n``'s measured correction (None: too few samples of n or of 1 token)."""
+        base, own = self.samples.get((bucket, 1)), self.samples.get((bucket, n))
+        if not base or not own or min(len(base), len(own)) < self.min_samples:
+            return None
+        observed = self.medians[(bucket, n)] / self.medians[(bucket, 1)]
+        raw = observed / self._calibrated(bucket, n)[n]
+        weight = min(len(base), len(own)) / (min(len(base), len(own)) + self.prior)
+        return min(max(1.0 + weight * (raw - 1.0), 0.5), 2.0)
+
+    def _calibrated(self, bucket: int, top: int) -> list[float]:
+        """The cost model's relative(n) at ``bucket``, n = 0..top at least (fixed once the bucket's curve exists)."""
+        calibrated = self.calibrated.setdefault(bucket, [1.0, 1.0])
+        while len(calibrated) <= top:
+            calibrated.append(self.costs.relative(len(calibrated), bucket))
+        return calibrated
+
+    def _curve(self, bucket: int, top: int) -> list[float]:
+        """relative(n) for n = 0..top: the calibrated curve times the measured corrections, interpolated linearly in n
+        between them (1 at n = 1), the largest one's above it (module doc)."""
+        sizes, factors = self.anchors.get(bucket, ([1], [1.0]))
+        calibrated = self._calibrated(bucket, top)
+        out = [1.0, 1.0]
+        ends = sizes[1:] + [max(top, sizes[-1]) + 1]  # past the largest: its correction (slope 0)
+        for lo, hi, low, high in zip(sizes, ends, factors, factors[1:] + factors[-1:]):
+            slope = (high - low) / (hi - lo)
+            out += [max(c * (low + slope * (n - lo)), 1.0)
+                    for n, c in enumerate(calibrated[lo + 1:min(hi, top) + 1], lo + 1)]
+        return out

@@ -106,12 +106,14 @@ class SpeculationPolicy:
         return not self.cut_last
 
     def who_drafts(self, live: list["SequenceState"]) -> list["SequenceState"]:
-        """The sequences the drafter proposes for this step (the guard's choice; all of them without a sizer; none
-        when the drafter can never pay)."""
+        """The sequences the drafter proposes for this step: none when the drafter can never pay, all of them without
+        a sizer, none when the cost correction asks for a plain step, else the guard's choice."""
         if self.plain:
             return []
         if self.sizer is None:
             return live
+        if self.sizer.plain_step_due(len(live)):  # the cost correction measures a plain step: nobody drafts
+            return []
         return [s for s in live if self.sizer.wants_draft(s.seq_id)]
 
     def size(self, call: ProposeCall) -> list[DraftTree]:

@@ -222,6 +222,12 @@ class TreeSizer:
         relative = self.online.relative(query_tokens, batch)
         self.decode_seconds = self._ema(self.decode_seconds, verify_seconds / relative)
 
+    def plain_step_due(self, batch: int) -> bool:
+        """Whether every sequence decodes plainly this step, so that the verify-cost correction measures a plain step
+        (:meth:`OnlineCosts.plain_step_due`; a run whose steps all draft has none). Exact: a plain step commits the
+        target's own token, by the same rule as any step."""
+        return not self.off and self.online.plain_step_due(batch)
+
     def step_seconds(self, batch: int) -> float:
         """Wall seconds of one plain decode step: this run's, else the cost model's at ``batch``."""
         return self.decode_seconds or self.costs.decode_seconds(batch)

@@ -2,16 +2,28 @@
 sizer pricing trees with it."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from specdec import engine_setup
 from specdec.cost_model import CostModel
+from specdec.generate import generate
 from specdec.online_costs import OnlineCosts
+from specdec.speculation_policy import SpeculationPolicy
+from specdec.testing import build_tiny_model
 from specdec.tree import DraftTree
 from specdec.tree_sizing import SizingConfig, TreeSizer
 
 # calibrated: 2 tokens cost a decode step, 3 tokens 1.2
 CALIBRATED = CostModel({}, {1: {1: 0.030, 2: 0.030, 3: 0.036, 65: 1.0}})
+FLAT_CACHE = CostModel({}, {1: {1: 0.010, 65: 0.010}})  # a cached curve too flat for this machine: c(n) = c(1)
+
+
+def steep(n: int) -> float:
+    """What a verify of n tokens really costs on this (pretend) machine: c(17) = 1.96 c(1)."""
+    return 0.010 * (1 + 0.06 * (n - 1))
 
 
 def test_observed_step_times_correct_the_calibrated_curve_where_observed():
@@ -22,8 +34,41 @@ def test_observed_step_times_correct_the_calibrated_curve_where_observed():
         online.record(0.045, 2, 1)  # a real 2-token step costs 1.5 decode steps here
     # shrunk toward 1 by the evidence (32 samples against a prior of 8): 1 + 0.8 * 0.5
     assert online.relative(2) == pytest.approx(1.4)
-    assert online.relative(3) == pytest.approx(1.2)  # never observed: calibrated
+    # never observed: calibrated, times the correction of the largest size measured below it
+    assert online.relative(3) == pytest.approx(1.2 * 1.4)
     assert online.relative(2, batch=4) == pytest.approx(1.0)  # another batch bucket: its own evidence (none)
+
+
+def test_a_size_without_samples_of_its_own_takes_the_correction_of_the_sizes_around_it():
+    """A cached curve that is flat (c(n) = c(1)) where a 17-token verify really costs 1.96 decode steps: once that is
+    measured, the sizes in between cost between 1 and c(17) (interpolated in n), larger ones c(17)'s correction; with
+    each size at its calibrated cost the sizer walked down one untried size at a time, each seen three times."""
+    online = OnlineCosts(FLAT_CACHE)
+    for _ in range(32):
+        online.record(steep(1), 1, 1)
+        online.record(steep(17), 17, 1)
+    top = 1 + 0.8 * 0.96  # shrunk toward 1 by the evidence: 32 samples against a prior of 8
+    assert online.relative(17) == pytest.approx(top)
+    assert online.relative(9) == pytest.approx(1 + (top - 1) / 2)
+    assert [online.relative(n) for n in range(1, 18)] == sorted(online.relative(n) for n in range(1, 18))
+    assert online.relative(40) == pytest.approx(top)
+
+
+def test_a_run_whose_steps_all_draft_measures_a_plain_step_now_and_then():
+    """The correction divides by plain steps' times: a bucket that only drafts asks for one after 8 drafted steps
+    until it has 3, then after 32 (to keep them fresh); a run that decodes plainly now and then is never asked."""
+    online = OnlineCosts(FLAT_CACHE)
+    due = []
+    for _ in range(200):
+        due.append(online.plain_step_due(1))
+        online.record(steep(1) if due[-1] else steep(17), 1 if due[-1] else 17, 1)
+    at = [i for i, d in enumerate(due) if d]
+    assert at[:4] == [8, 17, 26, 59] and [b - a for a, b in zip(at[3:], at[4:])] == [33] * (len(at) - 4)
+    assert online.relative(17) > 1.2 and not online.plain_step_due(2)  # another batch bucket drafted nothing yet
+    plainly = OnlineCosts(FLAT_CACHE)
+    for i in range(200):
+        assert not plainly.plain_step_due(1)
+        plainly.record(steep(1) if i % 8 == 0 else steep(17), 1 if i % 8 == 0 else 17, 1)  # the guard's skips
 
 
 def test_without_one_token_steps_nothing_is_corrected():
@@ -96,3 +141,63 @@ def test_bad_settings_are_refused():
         OnlineCosts(CALIBRATED, window=0)
     with pytest.raises(ValueError):
         SizingConfig(margin=1.5)
+
+
+class HalfRight:
+    """A 16-token chain whose first token is the plain continuation's at every other call, the others never: only the
+    first node pays, and only where verifying it costs about a plain step."""
+
+    name = "half-right"
+
+    def __init__(self, plain: list[int], vocab: int) -> None:
+        self.plain, self.vocab, self.calls = plain, vocab, 0
+
+    def propose(self, seqs):
+        out = []
+        for s in seqs:
+            right = self.plain[len(s.token_ids): len(s.token_ids) + 16]
+            self.calls += 1
+            first = right[0] if self.calls % 2 else (right[0] + 1) % self.vocab
+            out.append(DraftTree.chain([first] + [(t + 1) % self.vocab for t in right[1:]]))
+        return out
+
+
+@pytest.fixture
+def flat_cache_on_a_steep_machine(monkeypatch):
+    """The cached curve is flat (FLAT_CACHE) and every verify takes steep(n) seconds; drafting is free."""
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: FLAT_CACHE)
+    monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: 0.0)
+    monkeypatch.setattr(TreeSizer, "probe_cost", lambda self, batch: 0.0)
+    observe = SpeculationPolicy.observe
+
+    def timed_as_steep(self, step):
+        observe(self, step if step.verify_seconds is None else replace(step, verify_seconds=steep(step.query_tokens)))
+
+    monkeypatch.setattr(SpeculationPolicy, "observe", timed_as_steep)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"do_sample": True, "sampler": "coupled", "seed": 3}],
+                         ids=["greedy", "coupled"])
+def test_a_too_flat_cached_curve_is_corrected_in_a_run_where_every_step_drafts(flat_cache_on_a_steep_machine,
+                                                                               sampling):
+    """The cached curve says 16 more verified tokens are free; here they cost about a decode step. The guard believed
+    drafting paid, so no step was plain, nothing was corrected, and every step verified all 16 nodes (1.3-1.4x plain
+    decoding's time in a real run). Plain steps now and then measure c(1): within ~30 steps the trees are cut to
+    what pays, the first node; the text is plain decoding's (a plain step commits the target's own token)."""
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4]
+    plain = generate(model, [prompt], max_new_tokens=120, **sampling)[0]
+    out = generate(model, [prompt], max_new_tokens=100, drafter=HalfRight(plain, 32), return_dict=True, **sampling)
+    assert out.sequences[0] == plain[: len(prompt) + 100]
+    nodes = list(out.stats[0].step_nodes)
+    assert 0 in nodes[:30] and max(nodes[30:]) <= 2, nodes
+
+
+def test_seeded_standard_sampling_still_verifies_every_draft_whole(flat_cache_on_a_steep_machine):
+    """No plain step is forced where the policy is off: a seed's text must not depend on measured times."""
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4]
+    plain = generate(model, [prompt], max_new_tokens=60)[0]
+    out = generate(model, [prompt], max_new_tokens=40, drafter=HalfRight(plain, 32), return_dict=True,
+                   do_sample=True, seed=3)
+    assert 0 not in out.stats[0].step_nodes[:-1]  # the last step: one token left to the budget
