@@ -21,6 +21,9 @@ verified is not believed next to them.
 believes drafting pays, perhaps on a curve too flat) has none: :meth:`plain_step_due` asks for one after
 ``plain_every[0]`` steps of more tokens while the bucket has fewer than ``min_samples``, after ``plain_every[1]``
 (~3% of steps) once it has them, never in a run that decodes plainly that often anyway.
+
+**Across calls** (:meth:`kept`, :meth:`restore`, in the guard's memory): a call starts from the last ``min_samples``
+times of each size, enough to correct its first steps, few enough that a load changed since is soon outvoted.
 """
 from __future__ import annotations
 
@@ -65,7 +68,8 @@ class OnlineCosts:
         bucket = self.costs.batch_bucket(batch)
         self._add(bucket, n, [verify_seconds])
         self.drafted[bucket] = 0 if n == 1 else self.drafted.get(bucket, 0) + 1
-        self._correct(bucket, None if n == 1 else n)  # a plain step moves every size's correction
+        # a plain step moves every size's correction (and a bucket's first record corrects restored samples)
+        self._correct(bucket, None if n == 1 or bucket not in self.anchors else n)
 
     def plain_step_due(self, batch: int) -> bool:
         """Whether this step should verify no draft at all: the bucket's correction needs a 1-token step's time
@@ -84,6 +88,20 @@ class OnlineCosts:
             curve = self.known[bucket] = self._curve(bucket, top)
             self.stale.discard(bucket)
         return curve[max(n, 1)]
+
+    def kept(self) -> dict:
+        """What a later call starts from (:meth:`restore`; JSON-able): the last ``min_samples`` times of each size,
+        enough to correct its first steps and few enough that its own times soon outvote them (a machine's load
+        changes between calls and processes), and the steps drafted since each bucket's last plain one."""
+        return {"verify_times": [[b, n, list(s)[-self.min_samples:]] for (b, n), s in self.samples.items()],
+                "since_plain": [[b, d] for b, d in self.drafted.items()]}
+
+    def restore(self, verify_times: list, since_plain: list) -> None:
+        """Start from an earlier call's evidence (:meth:`kept`). A bucket is corrected when first used, so no batch
+        size is calibrated here."""
+        for bucket, n, seconds in verify_times:
+            self._add(int(bucket), int(n), [float(x) for x in seconds])
+        self.drafted.update((int(b), int(d)) for b, d in since_plain)
 
     def _add(self, bucket: int, n: int, seconds: list[float]) -> None:
         own = self.samples.setdefault((bucket, n), deque(maxlen=self.window))
@@ -125,7 +143,9 @@ class OnlineCosts:
     def _curve(self, bucket: int, top: int) -> list[float]:
         """relative(n) for n = 0..top: the calibrated curve times the measured corrections, interpolated linearly in n
         between them (1 at n = 1), the largest one's above it (module doc)."""
-        sizes, factors = self.anchors.get(bucket, ([1], [1.0]))
+        if bucket not in self.anchors:  # its first use (restored samples, or none yet)
+            self._correct(bucket, None)
+        sizes, factors = self.anchors[bucket]
         calibrated = self._calibrated(bucket, top)
         out = [1.0, 1.0]
         ends = sizes[1:] + [max(top, sizes[-1]) + 1]  # past the largest: its correction (slope 0)

@@ -129,11 +129,11 @@ class SpeculationPolicy:
         """Learn from a finished step: acceptance per sequence, the verify time; forget finished sequences."""
         if self.sizer is None or self.sizer.off:  # off: the drafter is never asked, so nothing learned is used
             return
+        if step.verify_seconds is not None:  # first: a finished sequence's release keeps it for the next call
+            self.sizer.record_step(step.verify_seconds, step.query_tokens, len(step.live))
         for s, acc in zip(step.live, step.acceptances):
             self.sizer.observe(s.seq_id, step.emitted[s.seq_id], list(acc.accepted_nodes))
             if s.finished:
                 self.sizer.release(s.seq_id)
-        if step.verify_seconds is not None:
-            self.sizer.record_step(step.verify_seconds, step.query_tokens, len(step.live))
         if all(s.finished for s in step.live):  # every step holds every live sequence: the run is over
             save()

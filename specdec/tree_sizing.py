@@ -14,8 +14,9 @@ by ``margin``. The guard keeps running averages per sequence and skips the draft
 they do not pay, probing again when the sequence has banked the probe's price (``probe_budget`` of a decode step
 per step: probes, catch-ups included, cost about that share of a run of calls); ``never_pays`` drafters are never
 asked.
-``memory`` carries backoff, probe price, banked budget and acceptance evidence across calls, and processes
-(:mod:`specdec.remembered`, in the cost cache): a run of short calls is guarded as one long call would be.
+``memory`` carries backoff, probe price, banked budget, acceptance evidence and the verify times that correct the
+cost curve across calls, and processes (:mod:`specdec.remembered`, in the cost cache): a run of short calls is guarded
+as one long call would be.
 
 Invariants: pruning is exact (an ancestor-closed part of the tree), so sizing changes speed only. A sampled tree is
 cut only to a prefix of the drafter's node order whose length was decided, with token-independent estimates, on an
@@ -57,6 +58,9 @@ class _Kept:
     skip: int = 0  # steps of the backoff left to skip
     credit: float = 0.0  # probe budget banked (below zero: a catch-up still being paid back)
     format: int = 0  # MEMORY_FORMAT when written (0: a memory older than the format)
+    # the verify-cost correction's last evidence (OnlineCosts.kept): a run of short calls corrects the curve too
+    verify_times: list = field(default_factory=list)
+    since_plain: list = field(default_factory=list)
 
     @classmethod
     def recalled(cls, key: tuple | None) -> "_Kept | None":
@@ -187,12 +191,16 @@ class TreeSizer:
         # of any sequence whose step has finished
         self.shapes: dict[int, list[int]] = {}
         self.last_shape: list[int] | None = None
+        self.online = OnlineCosts(self.costs)  # the calibrated curve, corrected by this run's verify times
         kept = _Kept.recalled(self.memory)
         if kept is not None and len(kept.score_bins) == _BINS:  # what earlier calls learned (module doc, Memory)
             self.score_bins = [list(b) for b in kept.score_bins]
             self.unscored = {(d, r): [a, t] for d, r, a, t in kept.unscored}
             self.last_shape = None if kept.last_shape is None else list(kept.last_shape)
-        self.online = OnlineCosts(self.costs)  # the calibrated curve, corrected by this run's verify times
+            try:
+                self.online.restore(kept.verify_times, kept.since_plain)
+            except (TypeError, ValueError):  # a damaged file: the calibrated curve
+                self.online = OnlineCosts(self.costs)
         self.guards: dict[int, _Guard] = {}
         self.pending: dict[int, _Pending] = {}
         self.draft_time = DraftTime(self.config.ema)  # seconds per propose call
@@ -509,6 +517,6 @@ class TreeSizer:
             kept = _Kept(guard.backoff, [list(b) for b in self.score_bins],
                          [[d, r, a, t] for (d, r), (a, t) in self.unscored.items()], guard.tokens, guard.cost,
                          None if self.last_shape is None else list(self.last_shape), self._kept_price(guard),
-                         guard.skip, guard.credit, MEMORY_FORMAT)
+                         guard.skip, guard.credit, MEMORY_FORMAT, **self.online.kept())
             remember("guard", self.memory, dict(vars(kept)), persist=True)  # its lists are fresh copies already
 

@@ -2,6 +2,7 @@
 sizer pricing trees with it."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -191,6 +192,30 @@ def test_a_too_flat_cached_curve_is_corrected_in_a_run_where_every_step_drafts(f
     assert out.sequences[0] == plain[: len(prompt) + 100]
     nodes = list(out.stats[0].step_nodes)
     assert 0 in nodes[:30] and max(nodes[30:]) <= 2, nodes
+
+
+def test_short_calls_correct_the_curve_together(flat_cache_on_a_steep_machine, tmp_path):
+    """One generate() per 12-token answer: a call has too few steps to measure plain steps enough, and each call
+    started again from the cached curve. The last verify times are kept with the guard's memory, so a run of short
+    calls is corrected too; damaged ones in the cost cache are a fresh start, never an error."""
+    from specdec.remembered import forget_all, use_folder
+
+    use_folder(tmp_path)
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4]
+    plain = generate(model, [prompt], max_new_tokens=20)[0]
+    nodes = []
+    for _ in range(10):
+        out = generate(model, [prompt], max_new_tokens=12, drafter=HalfRight(plain, 32), return_dict=True)
+        assert out.sequences[0] == plain[: len(prompt) + 12]
+        nodes.append(list(out.stats[0].step_nodes))
+    assert max(nodes[-1]) <= 2, nodes
+    forget_all()  # a new process, reading a damaged file
+    for file in tmp_path.glob("guard-*.json"):
+        data = json.loads(file.read_text())
+        file.write_text(json.dumps(data | {"value": data["value"] | {"verify_times": [[1, "two", None]]}}))
+    out = generate(model, [prompt], max_new_tokens=12, drafter=HalfRight(plain, 32), return_dict=True)
+    assert out.sequences[0] == plain[: len(prompt) + 12]
 
 
 def test_seeded_standard_sampling_still_verifies_every_draft_whole(flat_cache_on_a_steep_machine):
