@@ -236,13 +236,14 @@ def test_a_model_too_short_to_calibrate_decodes_plainly_under_auto():
     assert out.sequences == plain and all(s.steps == 3 for s in out.stats)  # one token per step
     costs = load_cost_model(LlamaRunner(short))
     assert not costs.measured and costs.relative(5) == 5.0
-    draft = build_tiny_model(vocab_size=64, seed=3, max_position_embeddings=8)
+    # a layer fewer than the target (one of its size is never asked, by its shapes)
+    draft = build_tiny_model(vocab_size=64, seed=3, max_position_embeddings=8, num_hidden_layers=1)
     assert generate(short, [[1, 2]], max_new_tokens=4, drafter="draft-model", drafter_options={"model": draft}) \
         == generate(short, [[1, 2]], max_new_tokens=4)
     # the guard is off from the start: a long draft model beside it is not calibrated for nothing, and sampled
     # trees (verified whole where no earlier shape sizes them) are not asked either
     calibrations = cost_model.CALIBRATIONS["verify"]
-    long_draft = build_tiny_model(vocab_size=64, seed=4)
+    long_draft = build_tiny_model(vocab_size=64, seed=4, num_hidden_layers=1)
     out = generate(short, [[1, 2]], max_new_tokens=4, drafter="draft-model", drafter_options={"model": long_draft},
                    return_dict=True)
     assert out.stats[0].steps == 4 and cost_model.CALIBRATIONS["verify"] == calibrations

@@ -117,8 +117,11 @@ def _medusa(model, **options):
 DRAFTERS = {
     "ngram": lambda m: ("ngram", {}),
     "draft-model-chain": lambda m: ("draft-model", {"model": m}),
-    "draft-model-static-tree": lambda m: ("draft-model", {"model": build_tiny_model(seed=1), "widths": (2, 2)}),
-    "draft-model-dynamic": lambda m: ("draft-model", {"model": build_tiny_model(seed=1), "tree": "dynamic"}),
+    # a layer fewer than the target: under speculation="auto" one of its size is never asked (it cannot pay)
+    "draft-model-static-tree": lambda m: ("draft-model", {"model": build_tiny_model(seed=1, num_hidden_layers=1),
+                                                          "widths": (2, 2)}),
+    "draft-model-dynamic": lambda m: ("draft-model", {"model": build_tiny_model(seed=1, num_hidden_layers=1),
+                                                      "tree": "dynamic"}),
     "self-draft": lambda m: ("self-draft", {"num_layers": 1}),
     "medusa-static": lambda m: (_medusa(m), {}),
     "medusa-dynamic": lambda m: (_medusa(m, tree="dynamic"), {}),
@@ -235,8 +238,9 @@ def test_identity_on_every_device(device):
     model = build_tiny_model().to(device)
     kw = dict(max_new_tokens=32, **SAMPLE)
     plain = specdec.generate(model, PROMPTS, **kw)
-    for drafter, options in (("ngram", None), ("draft-model", {"model": model})):
-        assert specdec.generate(model, PROMPTS, drafter=drafter, drafter_options=options, **kw) == plain
+    for drafter, options in (("ngram", None), ("draft-model", {"model": model})):  # "always": the target can't pay
+        assert specdec.generate(model, PROMPTS, drafter=drafter, drafter_options=options, speculation="always",
+                                **kw) == plain
 
 
 # ---- the certificate's coupled level ----------------------------------------------------------------------------

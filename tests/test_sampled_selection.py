@@ -143,7 +143,7 @@ def test_model_drafters_without_replacement_keep_the_law_when_sized(monkeypatch,
     """Their child count is min(width, support), so it depends on the drawn tokens under top-k / top-p; sizing
     with speculation="auto" keeps the law of the first two new tokens (chi-square, power >= 0.9 at TV 0.07)."""
     model = build_tiny_model(vocab_size=4, seed=5)
-    draft = build_tiny_model(vocab_size=4, seed=6)
+    draft = build_tiny_model(vocab_size=4, seed=6, num_hidden_layers=1)  # one of the target's size is never asked
     # two verified nodes pay, more do not: trees are cut (by the shape an earlier call showed the sizer)
     costs = CostModel({}, {1: {1: 1.0, 3: 1.0, 4: 3.0, 65: 100.0}})
     monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: costs)
