@@ -282,7 +282,8 @@ def _generate(args, stream_class) -> tuple[str, dict]:
     try:
         with torch.no_grad():
             out = generate(
-                loaded, [ids], drafter=drafter, **settings, seed=args.seed, stop=stop, streamer=stream,
+                loaded, [ids], drafter=drafter, **settings, seed=args.seed, streamer=stream,
+                **({} if stop is None else {"stop": stop}),  # a keyword None would clear the model's stop_strings
                 return_dict=True, block_size=args.block_size, num_blocks=args.num_blocks,
                 speculation=args.speculation, sampler=args.sampler,
                 cuda_graphs="auto" if args.cuda_graphs is None else args.cuda_graphs,

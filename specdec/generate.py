@@ -98,7 +98,7 @@ class GenerateRequest:
 
 def generate(
     model: Any,
-    input_ids: Any,
+    input_ids: Any = None,
     *,
     drafter: Any = None,
     drafter_options: dict | None = None,
@@ -121,6 +121,8 @@ def generate(
     ``seed`` (or ``generator``) also seeds sampled drafts: the drafter's ``seed_from_generate`` gets
     ``seed`` (or one draw of ``generator``) before it is attached, unless its own ``seed`` option is set,
     so the output does not depend on torch's global RNG.
+
+    ``inputs=`` (transformers' name) is taken for ``input_ids``.
 
     ``return_dict``: None = ``return_dict_in_generate`` if a layer sets it, else False. Ignored inputs
     (``token_type_ids`` and the other :data:`~specdec.generate_inputs.IGNORED_INPUT_KEYS`) may come as keyword
@@ -156,13 +158,14 @@ def on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def prepare(model: Any, input_ids: Any, *, drafter: Any = None, drafter_options: dict | None = None,
+def prepare(model: Any, input_ids: Any = None, *, drafter: Any = None, drafter_options: dict | None = None,
             attention_mask: Any = None, generation_config: Any = None, generator: torch.Generator | None = None,
             streamer: Streamer | None = None, return_dict: bool | None = None, tokenizer: Any = None,
             progress: bool = False, cuda_graphs: bool | str | GraphedForward = AUTO,
             **config_fields: Any) -> GenerateRequest:
     """generate()'s arguments, checked (what needs no model first), the model loaded, the drafter built."""
     config_fields = {k: v for k, v in config_fields.items() if k not in IGNORED_INPUT_KEYS}
+    input_ids = _input_ids(input_ids, config_fields.pop("inputs", None))
     layers = [config_layer(generation_config), kwargs_layer(config_fields)]  # lowest precedence first
     if return_dict is not None:
         check_bool("return_dict", return_dict)
@@ -199,7 +202,8 @@ def prepare(model: Any, input_ids: Any, *, drafter: Any = None, drafter_options:
         raise InputError(f"generator is on {generator.device} but the model is on {runner.device}: "
                          "sampling runs on the model's device, so create it with torch.Generator(device=...) there")
     eos_token_id = config.eos_token_id  # kwargs > generation_config= > the model's generation_config
-    if eos_token_id is None:  # the model config's own, as transformers' generation_config takes it
+    if eos_token_id is None and getattr(loaded.model, "generation_config", None) is None:
+        # transformers reads EOS from the generation config only; a model without one has its config's
         eos_token_id = getattr(loaded.model.config, "eos_token_id", None)
     eos = parse_eos_ids(eos_token_id, shape.vocab_size)
     pad_token_id = _pad_token_id(config.pad_token_id, early.pad_token_id is not None, shape.vocab_size)
@@ -232,6 +236,16 @@ def _warn_unused_sampling(config: GenerationConfig, given: GenerationConfig) -> 
     if unused:
         logger.warning("do_sample is False (greedy decoding), so these sampling options are ignored: %s; pass "
                        "do_sample=True to sample", ", ".join(unused))
+
+
+def _input_ids(input_ids: Any, inputs: Any) -> Any:
+    """``input_ids``, or transformers' ``inputs=`` for it: one of them, not both."""
+    if input_ids is not None and inputs is not None:
+        raise InputError("pass input_ids or inputs= (transformers' name for it), not both")
+    if input_ids is None and inputs is None:
+        raise InputTypeError(f"input_ids must be token ids or a tokenizer's encoding (transformers' inputs= is read "
+                             f"as input_ids), got {describe(input_ids)}")
+    return input_ids if input_ids is not None else inputs
 
 
 def _pad_token_id(pad_token_id: int | None, from_caller: bool, vocab_size: int) -> int | None:

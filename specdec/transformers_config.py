@@ -6,25 +6,27 @@
     keyword arguments  >  generation_config=  >  the model's generation_config (generation_config.json)  >  defaults
 
 A layer contributes only the fields it *sets* (a transformers config's non-None fields, a specdec config's
-``fields_set``, the keyword arguments given); None never overrides. Every transformers field is one of:
+``fields_set``, the keyword arguments given). A config's None never overrides; a keyword argument's None does, as
+in transformers 5 (:data:`NONE_KWARG`): ``eos_token_id=None`` is no EOS, ``stop_strings`` / ``bad_words_ids`` /
+``pad_token_id`` None are none, sampling fields None are off. Every transformers field is one of:
 
 * read: the fields of specdec's GenerationConfig under transformers' names; ``stop_strings`` as ``stop``,
   ``return_dict_in_generate`` as ``return_dict``, ``output_scores`` as ``output_logprobs``, the prefix-only
   logits processors (:mod:`specdec.logits_processing`);
 * ignored, because it cannot change the tokens (:data:`IGNORED`: ``bos_token_id``, cache and compile settings,
   assisted-generation tuning, ...);
-* refused when set to anything but its neutral value (:data:`REFUSED`: beam search, contrastive search, other
-  processors and warpers, ``output_attentions``, ...): a one-line InputError naming the field and where it came
-  from. A field this file does not know is refused the same way; custom keys of a generation_config.json are
-  logged and ignored; an unknown keyword argument is an InputTypeError.
+* refused when set to anything but a neutral value (:data:`REFUSED`: beam search, but length_penalty /
+  early_stopping under num_beams 1, contrastive search, other processors and warpers, ``stopping_criteria``, ...): a
+  one-line InputError naming the field and where it came from. A field this file does not know is refused the same
+  way; custom keys of a generation_config.json are logged and ignored; an unknown keyword is an InputTypeError.
 
 Sampling defaults: when a transformers config (passed or the model's) sets ``do_sample=True`` and no layer sets
-``top_k``, top-k is transformers' 50; sampling asked for only by keyword or by a specdec config keeps specdec's
-``top_k=0`` (the full distribution).
+``top_k``, top-k is transformers' 50; sampling asked for only by keyword or a specdec config keeps ``top_k=0``.
 
 Lengths: ``max_length`` counts the prompt as ``input_ids.shape[-1]`` (the longest row of a list input);
 ``max_new_tokens`` wins where both are set, whatever layer each comes from; neither set anywhere: 128 new tokens.
-``max_new_tokens=None`` is unset, as in transformers (``max_length`` or a lower layer decides).
+The keyword ``max_new_tokens=None`` clears the lower layers' value, as in transformers 5: ``max_length`` decides,
+else specdec's 128 (where transformers' default gives 20 new tokens: the documented difference).
 """
 from __future__ import annotations
 
@@ -54,6 +56,8 @@ IGNORED: dict[str, str] = {
     "bos_token_id": "used only to start generation without a prompt",
     "decoder_start_token_id": "encoder-decoder models only",
     "transformers_version": "metadata",
+    "renormalize_logits": "a log_softmax after the last processor: the same probabilities and argmax",
+    "synced_gpus": "keeps several GPUs of one transformers run in step",
     **dict.fromkeys(("use_cache", "cache_implementation", "cache_config", "max_cache_len", "compile_config",
                      "disable_compile", "prefill_chunk_size", "continuous_batching_config"), _RUNTIME),
     **dict.fromkeys(("is_assistant", "num_assistant_tokens", "num_assistant_tokens_schedule",
@@ -71,14 +75,14 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "force_words_ids": ((), _BEAM),
     "penalty_alpha": ((), "contrastive search"), "low_memory": ((False,), "contrastive search"),
     "dola_layers": ((), "DoLa decoding"),
-    "min_p": ((), _WARPER), "top_h": ((), _WARPER), "typical_p": ((1.0,), _WARPER),
+    "min_p": ((0, 0.0), _WARPER), "top_h": ((), _WARPER), "typical_p": ((1.0,), _WARPER),
     "epsilon_cutoff": ((0.0,), _WARPER), "eta_cutoff": ((0.0,), _WARPER),
     "encoder_repetition_penalty": ((1.0,), _PROCESSOR), "encoder_no_repeat_ngram_size": ((0,), _PROCESSOR),
     "min_length": ((0,), _PROCESSOR),
     "forced_bos_token_id": ((), _PROCESSOR), "forced_eos_token_id": ((), _PROCESSOR),
     "exponential_decay_length_penalty": ((), _PROCESSOR), "suppress_tokens": ((), _PROCESSOR),
     "begin_suppress_tokens": ((), _PROCESSOR), "sequence_bias": ((), _PROCESSOR),
-    "remove_invalid_values": ((False,), _PROCESSOR), "renormalize_logits": ((False,), _PROCESSOR),
+    "remove_invalid_values": ((False,), _PROCESSOR),
     "guidance_scale": ((1, 1.0), "classifier-free guidance"), "watermarking_config": ((), "watermarking"),
     "token_healing": ((False,), "token healing"), "max_time": ((), "a time limit (the output would depend on speed)"),
     **dict.fromkeys(("output_attentions", "output_hidden_states", "output_logits"),
@@ -88,7 +92,15 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_mtp": ((False,), "multi-token prediction heads"),
     "speculation_type": ((), "transformers' speculation types"),
     "assistant_ensemble_weight": ((), "lossy ensemble verification"),
+    # transformers' generate() arguments that are no config fields
+    "stopping_criteria": ((), "custom stopping criteria (use stop= or eos_token_id=)"),
+    "prefix_allowed_tokens_fn": ((), "a constraint on the next token (use bad_words_ids= or a prefix-only "
+                                     "logits_processor=)"),
+    "assistant_model": ((), "transformers' assisted generation (use drafter=)"),
+    **dict.fromkeys(("negative_prompt_ids", "negative_prompt_attention_mask"), ((), "classifier-free guidance")),
+    "custom_generate": ((), "a custom decoding loop"),
 }
+BEAM_ONLY = frozenset({"length_penalty", "early_stopping"})  # change nothing where num_beams is 1
 
 
 @dataclass(frozen=True)
@@ -106,8 +118,12 @@ def _specdec_fields() -> set[str]:
     return {f.name for f in fields(GenerationConfig)}
 
 
-_DEFAULTS = {f.name: f.default for f in fields(GenerationConfig)}  # specdec's defaults
-NONE_IS_UNSET = frozenset({"max_new_tokens"})  # keyword arguments that transformers reads as unset when None
+# a keyword argument's None, which overrides the lower layers as in transformers 5: the value it stands for, or
+# UNSET (the field falls back to max_length / specdec's default). Fields not named keep None (pad_token_id, stop,
+# bad_words_ids, seed, and the processors' None = off); num_return_sequences=None is refused, as transformers fails
+UNSET = object()
+NONE_KWARG: dict[str, Any] = {"max_new_tokens": UNSET, "max_length": UNSET, "eos_token_id": (), "do_sample": False,
+                              "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 
 
 def _known_names() -> set[str]:
@@ -127,8 +143,8 @@ def _is_transformers_config(value: Any) -> bool:
 
 
 def _is_neutral(name: str, value: Any) -> bool:
-    """None, False, or a value of ``name`` that changes nothing (num_beams=1, repetition_penalty=1.0, ...)."""
-    if value is None or value is False:
+    """None, False, empty, or a value of ``name`` that changes nothing (num_beams=1, min_p=0, ...)."""
+    if value is None or value is False or (isinstance(value, (list, tuple, dict, set, frozenset)) and not value):
         return True
     neutral = REFUSED.get(name, ((), ""))[0]
     return not isinstance(value, bool) and isinstance(value, numbers.Number) and any(
@@ -138,15 +154,14 @@ def _is_neutral(name: str, value: Any) -> bool:
 def _read(source: str, items: Mapping[str, Any], transformers: bool, kwargs: bool = False) -> ConfigLayer:
     """``items`` (name -> value; None = unset) as a layer; names nobody knows (custom entries of a
     transformers config) are logged and ignored, as transformers ignores them. ``kwargs`` (keyword
-    arguments): None is kept for a refused field, so that it overrides a lower layer's value, and for a
-    specdec field that cannot be None, so that GenerationConfig refuses it (``top_p=None``)."""
+    arguments): None is kept, so that it overrides a lower layer's value (:data:`NONE_KWARG`), or so that
+    GenerationConfig refuses it for a specdec field that cannot be None (``block_size=None``)."""
     known = _specdec_fields()
     values: dict[str, Any] = {}
     refused: dict[str, Any] = {}
     return_dict = None
     for name, value in items.items():
-        if value is None and not (kwargs and (name in REFUSED or (_DEFAULTS.get(name, None) is not None
-                                                                  and name not in NONE_IS_UNSET))):
+        if value is None and not kwargs:
             continue
         if name in known or name in ALIASES:
             target = ALIASES.get(name, name)
@@ -155,6 +170,7 @@ def _read(source: str, items: Mapping[str, Any], transformers: bool, kwargs: boo
                                  f"{next(a for a, t in ALIASES.items() if t == target)}: pass one")
             values[target] = value
         elif name == RETURN_DICT:
+            value = False if value is None else value  # a keyword's None: off, as transformers reads it
             if not isinstance(value, bool):
                 raise InputTypeError(f"{RETURN_DICT} must be True or False, got {describe(value)}")
             return_dict = value
@@ -221,13 +237,22 @@ def resolve(layers: Sequence[ConfigLayer], prompt_length: int | None = None,
             merged[name], origin[name] = value, layer
         refused.update({name: (value, layer.source) for name, value in layer.refused.items()})
         layer_return_dict = layer.return_dict if layer.return_dict is not None else layer_return_dict
+    one_beam = _is_neutral("num_beams", refused.get("num_beams", (None,))[0])
     for name, (value, source) in refused.items():
-        if not _is_neutral(name, value):
+        if name in BEAM_ONLY and one_beam:
+            logger.debug("%s: %s=%r ignored: beam search only, and num_beams is 1", source, name, value)
+        elif not _is_neutral(name, value):
             what = REFUSED.get(name, ((), "a transformers setting specdec does not know"))[1]
             neutral = (REFUSED.get(name, ((), ""))[0] or (None,))[0]
             hint = "unset it" if source == KWARGS else f"unset it, or pass {name}={neutral!r} to generate()"
             raise InputError(f"{source} sets {name}={_short(value)}: {what}; specdec refuses it rather than "
                              f"ignore it ({hint})")
+    for name, value in list(merged.items()):
+        if value is None and name in NONE_KWARG:  # only a keyword argument brings a None
+            if NONE_KWARG[name] is UNSET:
+                del merged[name]
+            else:
+                merged[name] = NONE_KWARG[name]
     asks_transformers_sampling = any(layer.transformers and layer.values.get("do_sample") is True for layer in layers)
     if merged.get("do_sample") is True and "top_k" not in merged and asks_transformers_sampling:
         merged["top_k"] = TRANSFORMERS_TOP_K

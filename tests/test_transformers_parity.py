@@ -210,7 +210,9 @@ def test_eos_and_pad_from_each_layer_as_transformers():
     eos_b = next(t for t in range(3, len(_tok())) if t != eos_a)
     model = _model(eos_token_id=eos_a, pad_token_id=2)
     passed = transformers.GenerationConfig(eos_token_id=[eos_b, eos_a])  # pad from the model's config
-    for kwargs in (dict(), dict(generation_config=passed), dict(generation_config=passed, pad_token_id=4)):
+    # pad_token_id=None clears the model's 2: rows that stopped early are padded with the first EOS id
+    for kwargs in (dict(), dict(generation_config=passed), dict(generation_config=passed, pad_token_id=4),
+                   dict(pad_token_id=None)):
         want = hf(model, **enc, max_new_tokens=12, do_sample=False, **kwargs)
         assert torch.equal(specdec.generate(model, **enc, max_new_tokens=12, **kwargs), want), kwargs
     assert (hf(model, **enc, max_new_tokens=12, do_sample=False)[:, -1] == 2).any()  # padding really shows
@@ -262,6 +264,90 @@ def test_unsupported_fields_are_refused_from_every_layer():
     # a typo is still a typo
     with pytest.raises(specdec.InputTypeError, match=r"argument num_beam \(did you mean num_beams\?\);"):
         specdec.generate("no/such/model", **enc, num_beam=2)
+
+
+def _first_greedy_token(enc) -> int:
+    return int(hf(_shared_model(), **enc, max_new_tokens=1, do_sample=False)[0, -1])
+
+
+def test_a_keyword_none_clears_the_model_config_value_as_transformers():
+    tok = _tok()
+    enc = _enc("left", texts=["hello world"])
+    t = _first_greedy_token(enc)  # a token that ends (or is banned from) the first step
+    for generation, kwargs in ((dict(eos_token_id=t), dict(eos_token_id=None)),
+                               (dict(bad_words_ids=[[t]]), dict(bad_words_ids=None)),
+                               (dict(stop_strings=[tok.decode([t])]), dict(stop_strings=None)),
+                               (dict(max_new_tokens=2, max_length=enc["input_ids"].shape[1] + 5),
+                                dict(max_new_tokens=None))):
+        model = _model(**generation)
+        want = hf(model, **enc, tokenizer=tok, **{"max_new_tokens": 6, **kwargs})
+        assert want.shape[1] > enc["input_ids"].shape[1] + 2, generation  # the model's value really is cleared
+        assert torch.equal(specdec.generate(model, **enc, tokenizer=tok, **{"max_new_tokens": 6, **kwargs}),
+                           want), generation
+    # max_new_tokens=None and no max_length anywhere: specdec's default (transformers': 20)
+    assert prepare(_model(max_new_tokens=2), [[1, 2]], max_new_tokens=None).config.max_new_tokens == 128
+
+
+def test_eos_comes_from_the_generation_config_only_as_transformers():
+    enc = _enc("left", texts=["hello world"])
+    t = _first_greedy_token(enc)
+    model = build_tiny_model(vocab_size=len(_tok()), seed=1, eos_token_id=t)  # generation_config: no EOS
+    assert model.config.eos_token_id == t and model.generation_config.eos_token_id is None
+    want = hf(model, **enc, max_new_tokens=6)
+    assert want.shape[1] == enc["input_ids"].shape[1] + 6
+    assert torch.equal(specdec.generate(model, **enc, max_new_tokens=6), want)
+    model.generation_config = None  # a model without a generation config: its config's EOS
+    assert prepare(model, [[1, 2]]).stop.eos_token_ids == frozenset({t})
+
+
+def test_none_for_a_sampling_field_is_off_as_transformers():
+    enc = _enc("left")
+    sampling = _model(do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
+    greedy = hf(sampling, **enc, max_new_tokens=4, do_sample=None)
+    assert torch.equal(specdec.generate(sampling, **enc, max_new_tokens=4, do_sample=None), greedy)
+    assert torch.equal(greedy, hf(_shared_model(), **enc, max_new_tokens=4))
+    config = prepare(sampling, [[1, 2]], temperature=None, top_k=None, top_p=None).config
+    assert config.sampling == specdec.SamplingConfig(True, 1.0, 0, 1.0)
+    one = _model(do_sample=True, top_k=1)  # top-k 1: sampling that is deterministic, so comparable
+    for kwargs in (dict(temperature=None), dict(top_p=None)):
+        assert torch.equal(specdec.generate(one, **enc, max_new_tokens=4, **kwargs),
+                           hf(one, **enc, max_new_tokens=4, **kwargs)), kwargs
+
+
+def test_settings_that_change_nothing_are_accepted_as_transformers_runs_them():
+    enc = _enc("left")
+    plain = hf(_shared_model(), **enc, max_new_tokens=3, do_sample=False)
+    for kwargs in (dict(min_p=0.0), dict(suppress_tokens=[]), dict(renormalize_logits=True),
+                   dict(early_stopping=True, length_penalty=0.6, num_beams=1)):
+        assert torch.equal(hf(_shared_model(), **enc, max_new_tokens=3, **kwargs), plain), kwargs
+        assert torch.equal(specdec.generate(_shared_model(), **enc, max_new_tokens=3, **kwargs), plain), kwargs
+    model = _model(early_stopping=True, length_penalty=0.6, min_p=0.0, renormalize_logits=True)
+    assert torch.equal(specdec.generate(model, **enc, max_new_tokens=3), hf(model, **enc, max_new_tokens=3))
+    with pytest.raises(InputError, match="num_beams=2"):  # with beams they would matter: still refused
+        specdec.generate(model, **enc, max_new_tokens=3, num_beams=2)
+    with pytest.raises(InputError, match="min_p=0.1"):
+        specdec.generate(_shared_model(), **enc, max_new_tokens=3, min_p=0.1)
+
+
+def test_transformers_generate_arguments_are_refused_by_name_or_read():
+    enc = _enc("left")
+    plain = specdec.generate(_shared_model(), **enc, max_new_tokens=3)
+    none = dict(stopping_criteria=None, prefix_allowed_tokens_fn=None, assistant_model=None, synced_gpus=False)
+    assert torch.equal(specdec.generate(_shared_model(), **enc, max_new_tokens=3, **none), plain)
+    assert torch.equal(specdec.generate(_shared_model(), **enc, max_new_tokens=3,
+                                        stopping_criteria=transformers.StoppingCriteriaList()), plain)
+    for name, value, hint in (("stopping_criteria", [transformers.MaxLengthCriteria(5)], "stop="),
+                              ("prefix_allowed_tokens_fn", lambda batch, ids: [1], "logits_processor=")):
+        with pytest.raises(InputError, match=rf"keyword argument sets {name}=.*{hint}") as info:
+            specdec.generate("no/such/model", **enc, **{name: value})
+        assert len(str(info.value)) < 250 and "\n" not in str(info.value)
+    # inputs=, transformers' name for the prompt
+    assert torch.equal(specdec.generate(_shared_model(), inputs=enc["input_ids"],
+                                        attention_mask=enc["attention_mask"], max_new_tokens=3), plain)
+    with pytest.raises(InputError, match="input_ids or inputs="):
+        specdec.generate(_shared_model(), enc["input_ids"], inputs=enc["input_ids"])
+    with pytest.raises(specdec.InputTypeError, match="input_ids must be token ids.*NoneType"):
+        specdec.generate(_shared_model(), max_new_tokens=3)
 
 
 def test_custom_entries_of_the_model_config_are_ignored_as_transformers_ignores_them():

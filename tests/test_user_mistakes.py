@@ -121,7 +121,7 @@ def test_pad_token_id_outside_the_vocabulary_is_refused():
 
 
 def test_max_new_tokens_none_leaves_the_length_to_max_length():
-    """transformers reads max_new_tokens=None as unset; it was an InputTypeError."""
+    """max_new_tokens=None leaves the length to max_length, as in transformers; it was an InputTypeError."""
     model = build_tiny_model()
     assert len(specdec.generate(model, [[1, 2]], max_new_tokens=None, max_length=5)[0]) == 5
     assert len(specdec.generate(model, [[1, 2]], max_new_tokens=None)[0]) == 2 + 128  # specdec's default
