@@ -51,7 +51,7 @@ class GenerationConfig:
     seed: int | None = None  # seeds sampling and sampled drafts; None = torch's global RNG
     eos_token_id: Any = None  # int, list of ints, 0-D / 1-D integer tensor; None = the model's own
     stop: Any = None  # a string, or a list of strings (need the tokenizer) and / or token-id sequences
-    pad_token_id: int | None = None  # fills a tensor result; None = the model's, else the smallest EOS id, else 0
+    pad_token_id: int | None = None  # fills a tensor result; None = the model's, else the first EOS id, else 0
     block_size: int = 16  # KV cache block size in tokens
     # KV cache size; None = enough for every prompt + max_new_tokens + a draft tree. Below that, draft trees are cut
     # to the free blocks (exact); below plain decoding's need, a warning, and CacheFullError may end the call

@@ -155,7 +155,7 @@ class PagedKVCache:
             raise CacheFullError(
                 f"KV cache out of blocks: {total} more blocks of {self.block_size} tokens are needed, "
                 f"{len(self._free)} of {self.num_blocks} are free. Pass a larger num_blocks, or fewer / "
-                f"shorter sequences (a drafter's tree needs room too)."
+                f"shorter sequences."
             )
         for s, keep in spares.items():  # short: the spares go back first
             self._release_blocks(s, keep)
