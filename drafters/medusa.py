@@ -40,6 +40,7 @@ from specdec.drafters.base import Drafter, SequenceView, TargetView, check_path_
 from specdec.drafters.loaded_once import load_once
 from specdec.drafters.medusa_heads import MedusaCheckpointError, MedusaHeads, load_medusa
 from specdec.drafters.medusa_tree import default_choices, dynamic_tree, static_tree, validate_choices
+from specdec.drafters.top_k import top_k
 
 from specdec.coupling import perturbed_logits
 from specdec.errors import InputError
@@ -167,14 +168,14 @@ class MedusaDrafter(Drafter):
         else:
             depth, k = self.heads.config.num_heads, min(self.config.top_k, self.draft_size)
         logits = self._head_logits(hidden, depth)  # [depth, B, draft_size], one forward for the batch
-        top = torch.topk(self._scores(logits, [seqs[i] for i in ready]), k, dim=-1)  # [depth, B, k], best first
-        tokens = top.indices if self.vocab is None else self.vocab.to_full(top.indices)  # [depth, B, k] token ids
+        values, indices = top_k(self._scores(logits, [seqs[i] for i in ready]), k)  # [depth, B, k], best first
+        tokens = indices if self.vocab is None else self.vocab.to_full(indices)  # [depth, B, k] token ids
         top_tokens = tokens.transpose(0, 1).tolist()  # [B][depth][k]
         if self.config.tree == "static":
             for b, i in enumerate(ready):
                 trees[i] = static_tree(self.paths, top_tokens[b])
         else:
-            top_logp = top.values.transpose(0, 1).tolist()
+            top_logp = values.transpose(0, 1).tolist()
             for b, i in enumerate(ready):
                 trees[i] = dynamic_tree(top_tokens[b], top_logp[b], self.config.max_nodes)
         return trees

@@ -446,8 +446,7 @@ class ModelDrafter(Drafter):
             k = cfg.beam if cfg.tree == "dynamic" else cfg.width(depth)
             ids = self._draft_ids  # None: logit column == token id
             probs = self._ranking(torch.stack([logits for _, logits, _ in frontier]), noise)  # [frontier, n]
-            top = torch.topk(probs, min(k, probs.shape[-1]))
-            values, columns = top.values.tolist(), top.indices.tolist()  # one read of the device per depth
+            values, columns = (t.tolist() for t in top_k(probs, min(k, probs.shape[-1])))  # one read per depth
             cands = [(score * p, parent, t if ids is None else ids[t])
                      for (parent, _, score), row_p, row_t in zip(frontier, values, columns)
                      for p, t in zip(row_p, row_t)]
@@ -479,8 +478,8 @@ class ModelDrafter(Drafter):
             return sample_each(draft_probs, u).clamp_(max=n - 1)
         u = torch.rand(draft_probs.shape, generator=self.generator, dtype=torch.float64, device=draft_probs.device)
         gumbel = -(-u.clamp_(2.0**-60, 1.0 - 2.0**-53).log()).log()  # finite: u kept inside (0, 1)
-        top = torch.topk(draft_probs.double().log() + gumbel, min(width, draft_probs.shape[-1]))
-        return torch.where(top.values > float("-inf"), top.indices, -1)
+        values, indices = top_k(draft_probs.double().log() + gumbel, min(width, draft_probs.shape[-1]))
+        return torch.where(values > float("-inf"), indices, -1)
 
     def _ranking(self, logits: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
         """Frontier nodes' [.., n] logits -> [.., n] probabilities that rank their candidate children: the draft
