@@ -68,7 +68,8 @@ ACCEPTANCE_TIMEOUT_S = 240  # about 40 s on an H200: 7 categories x 4 prompts x 
 # (tests/test_kernels_compile.py is left out: it compiles for sm_90 without a GPU; here every kernel compiles
 # and runs natively)
 KERNEL_FILES = ["tests/test_kernels_attention.py", "tests/test_kernels_kv.py", "tests/test_kernels_fused_ops.py",
-                "tests/test_cuda_graphs.py", "tests/test_capture_hazards.py", "tests/test_host_sync.py"]
+                "tests/test_cuda_graphs.py", "tests/test_decode_ahead.py", "tests/test_capture_hazards.py",
+                "tests/test_host_sync.py"]
 # every test file with a `device`-parametrised test (tests/test_gpu_check.py keeps this list complete)
 DEVICE_FILES = ["tests/test_generate.py", "tests/test_speculative.py", "tests/test_rejection_device.py",
                 "tests/test_model_drafters.py", "tests/test_medusa_drafter.py", "tests/test_eagle_drafter.py",

@@ -13,7 +13,8 @@ verified (``speculation="auto"``, the default of generate(): the break-even guar
 cost model); the acceptor (rejection or coupled sampling) is chosen once, when the engine is built.
 
 On a GPU a drafter's trees may stay on the device until the verify is launched (:mod:`specdec.pending_trees`): the
-step reads them after :meth:`Engine.verify`, where the policy expects to verify them whole.
+step reads them after :meth:`Engine.verify`, where the policy expects to verify them whole. Plain decoding through
+CUDA-graph buckets queues each step before reading the one before it (:mod:`specdec.decode_ahead`).
 
 Logits processors (repetition penalty, min_new_tokens, ...: :mod:`specdec.logits_processing`) are applied to the
 target's logits of every verify row with that row's own prefix before the walk (:meth:`Engine.process`); with
@@ -35,6 +36,7 @@ from specdec.attention import BatchBuilder, ForwardBatch
 from specdec.audit import DraftAudit
 from specdec.coupling import Coupling, coupled_sample, sequence_keys
 from specdec.cuda_graphs import GraphedForward, captures
+from specdec.decode_ahead import DecodeAhead
 from specdec.drafters.base import Drafter, SequenceView, TargetView, TokenView, as_drafter
 from specdec.host_copy import to_device
 from specdec.kv_cache import PagedKVCache
@@ -158,6 +160,7 @@ class Engine:
         processing: LogitsProcessing | None = None,
         output_logprobs: bool = False,
         fit_free_blocks: bool = False,
+        queue_ahead: bool = True,
     ) -> None:
         self.runner, self.cache, self.sampling, self.stop = runner, cache, sampling, stop
         self.drafter, self.generator, self.audit = as_drafter(drafter), generator, audit
@@ -187,6 +190,11 @@ class Engine:
         self.pending = self.drafter is not None and self.drafter.pending_trees and graphed is not None
         # on CUDA the device drafts pending trees after propose() returns, ahead of the verify on its stream
         self.drafts_during_verify = self.pending and runner.device.type == "cuda"
+        # plain decoding (greedy or standard sampling) through CUDA-graph buckets, where the host need not see a step's
+        # logits: each step is queued before the host reads the one before it (specdec.decode_ahead)
+        plain = self.drafter is None and self.coupling is None and rule is EXACT
+        ahead = queue_ahead and plain and graphed is not None and processing is None and not output_logprobs
+        self.ahead = DecodeAhead(self) if ahead else None
 
     @property
     def live(self) -> list[SequenceState]:
@@ -222,6 +230,8 @@ class Engine:
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> dict[int, list[int]]:
         """Draft, verify, sample, commit. Returns the tokens emitted per seq_id this step."""
+        if self.ahead is not None:  # plain decoding: the next step is queued before this one is read
+            return self.ahead.step()
         t0 = time.perf_counter()
         live = self.live
         drafts = self.propose(live)  # DraftTrees, or a PendingStep: trees left on the device
@@ -457,15 +467,18 @@ class Engine:
         return NodeRows(to_device(index, torch.long, device), pending.tokens,
                         to_device(roots, torch.long, device) + pending.depths, pending.ancestor_bits)
 
-    def verify(self, batch: VerifyBatch) -> ForwardOutput:
-        """ONE target forward over every root and tree node of every live sequence."""
+    def verify(self, batch: ForwardBatch, token_ids: torch.Tensor | None = None) -> ForwardOutput:
+        """ONE target forward over every root and tree node of every live sequence. ``token_ids`` [T] on the device
+        stand for the batch's tokens (a queued plain step's roots, specdec.decode_ahead)."""
         self.forward_passes += 1
+        nodes = batch.nodes if isinstance(batch, VerifyBatch) else None
         if self.graphed is not None:
-            out = self.graphed(batch, nodes=batch.nodes, feature_layers=self.feature_layers)
+            out = self.graphed(batch, token_ids, nodes=nodes, feature_layers=self.feature_layers)
             if out is not None:  # else no bucket fits this step (never with pending trees: Engine._verifiable)
                 return out
-        all_rows = torch.arange(batch.token_ids.numel(), device=batch.token_ids.device)
-        return self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache, all_rows,
+        token_ids = batch.token_ids if token_ids is None else token_ids
+        all_rows = torch.arange(token_ids.numel(), device=token_ids.device)
+        return self.runner.forward(token_ids, batch.positions, batch.plan, self.cache, all_rows,
                                    feature_layers=self.feature_layers)
 
     def drafter_rows(self, out: ForwardOutput) -> torch.Tensor:

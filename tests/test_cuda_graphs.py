@@ -337,10 +337,13 @@ def test_a_failed_capture_falls_back_to_eager_forwards(loaded, monkeypatch, capl
     assert sum("CUDA-graph capture failed" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_a_graphed_step_moves_its_inputs_in_one_copy(loaded, monkeypatch, gpu_products):
+@pytest.mark.parametrize("queue_ahead", [False, True])
+def test_a_graphed_step_moves_its_inputs_in_one_copy(loaded, monkeypatch, gpu_products, queue_ahead):
     """Outside the replayed forward a plain graphed step runs the LM head and the greedy choice, and moves its
     inputs (token ids, positions, write slots, the attention metadata) in at most one copy: no per-field copies,
-    fills or index uploads, each of which is a launch, and on a GPU the host's time, every step."""
+    fills or index uploads, each of which is a launch, and on a GPU the host's time, every step. Queued ahead
+    (specdec.decode_ahead), a step launches the next one's: the same, the roots' copy from the device and their
+    clamp, and the choices' copy to the host."""
     from specdec.launches import Launches
 
     runner, s = loaded.runner, loaded.runner.shape
@@ -357,22 +360,29 @@ def test_a_graphed_step_moves_its_inputs_in_one_copy(loaded, monkeypatch, gpu_pr
 
     monkeypatch.setattr(GraphedForward, "_run", run)
 
-    engine = Engine(runner, cache, sampling=SamplingConfig(), stop=StopCriteria(10), graphed=graphed)
+    engine = Engine(runner, cache, sampling=SamplingConfig(), stop=StopCriteria(10), graphed=graphed,
+                    queue_ahead=queue_ahead)
     engine.add(ragged_prompts(2, VOCAB, seed=5, max_len=9))
-    engine.step()  # the first replay of the bucket (a capture on a GPU)
+    engine.step()  # the first replay of the bucket (a capture on a GPU); queued ahead, the second's launch too
     steps = 0
     while engine.live:
         with counter:
             engine.step()
         steps += 1
     ops = counter.ops
-    assert graphed.replays == steps + 1 and steps >= 6
-    # the LM head once a step and the inputs' one copy; nothing reserved a block (32-token blocks)
-    assert ops["linear"] == steps and ops["copy_"] <= steps, ops
+    launches = steps - 1 if queue_ahead else steps  # queued ahead, the last step launches none
+    assert graphed.replays == launches + 1 + queue_ahead and steps >= 6
+    # the LM head once a launch and the inputs' one copy; nothing reserved a block (32-token blocks)
+    assert ops["linear"] == launches, ops
     assert not {"zero_", "fill_", "index", "index_select", "cat", "masked_fill_"} & set(ops), ops
-    # on a GPU the read of the greedy choices copies them to the host (to_copy, to outside inference mode), once a
-    # step: the step's one synchronisation; on the CPU the read copies nothing
-    assert ops["_to_copy"] + ops["to"] <= (steps if CAPTURE else 0), ops
+    if not queue_ahead:
+        assert ops["copy_"] <= steps, ops
+        # on a GPU the read of the greedy choices copies them to the host (to_copy, to outside inference mode), once
+        # a step: the step's one synchronisation; on the CPU the read copies nothing
+        assert ops["_to_copy"] + ops["to"] <= (steps if CAPTURE else 0), ops
+    else:  # the roots' copy into the graph's inputs; on a GPU the inputs' copy, and the choices' to pinned memory
+        assert ops["clamp"] == launches and ops["copy_"] <= (3 if CAPTURE else 1) * launches, ops
+        assert ops["_to_copy"] + ops["to"] == 0, ops
 
 
 def test_the_buckets_rope_table_is_the_eager_rope(loaded):

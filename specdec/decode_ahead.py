@@ -1,0 +1,111 @@
+"""Plain decoding with the next step queued before the host reads this one.
+
+A plain step on a GPU ends with the host waiting for the target's choices, then building the next step's
+inputs while the device idles: on an H200 the embedded model's 1.36 ms step left the device idle about half of it.
+Here each step is launched with the step before it still unread, its token input written on the device from that
+step's choices (:class:`~specdec.cuda_graphs.GraphedForward`'s ``token_ids``); only then does the host read the
+earlier step. The device runs step i + 1 while the host reads, checks and commits step i, so a step costs about
+the larger of the host's and the device's work, not their sum.
+
+Invariants:
+
+* the tokens are plain decoding's: the same forward over the same inputs, the same choices (the argmax, or draws
+  from the run's generator in the same order), learned by the host a step later;
+* a step is queued only where every sequence of the unread step may still take a token after it (max_new_tokens,
+  the context) and the KV pool holds one more position for each; a sequence that stops on an EOS or a stop string
+  in the unread step has one step of work thrown away (its K/V went to positions of its own, freed with it);
+* a choice outside the vocabulary (a row with no valid logit) is fed as the last id to the queued step, which is
+  thrown away when reading the step before it raises ``InvalidLogitsError``.
+
+The :class:`~specdec.engine.Engine` decides once, when it is built, whether its steps run here: plain decoding,
+greedy or standard sampling (no drafter, coupled sampling, logits processor or log-probabilities), through a
+GraphedForward.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdec.attention import BatchBuilder
+from specdec.cuda_graphs import captures
+from specdec.host_copy import to_device, to_host_later
+from specdec.kv_cache import CacheFullError
+from specdec.rejection import follow_choices, plain_choices
+from specdec.sampling import check_chosen
+from specdec.speculation_policy import StepRecord
+from specdec.tree import DraftTree
+
+if TYPE_CHECKING:
+    from specdec.engine import Engine, SequenceState
+
+
+@dataclass
+class QueuedStep:
+    """A plain step launched on the device, not yet read by the host."""
+
+    seqs: list[SequenceState]  # the sequences it decodes, in batch order (some may stop before it is read)
+    choices: torch.Tensor  # [B] int64 on the device: each sequence's token (the vocabulary size: a row with no law)
+    read: Callable[[], torch.Tensor]  # -> [B] the choices on the host, waiting for this step's copy alone
+    vocab: int  # the logits' width
+
+
+class DecodeAhead:
+    """The engine's steps for plain decoding, one step queued ahead (module doc)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.queued: QueuedStep | None = None  # the step the device runs ahead of the host, if any
+
+    def step(self) -> dict[int, list[int]]:
+        """Read and commit one step, with the next one queued first. Returns the tokens emitted per seq_id."""
+        e = self.engine
+        t0, captured = time.perf_counter(), captures()
+        step = self.queued or self.launch(e.live, None)
+        rows = [b for b, s in enumerate(step.seqs) if not s.finished]  # stopped in the step before it: thrown away
+        live = [step.seqs[b] for b in rows]
+        self.queued = self.launch(live, step, rows) if self._may_queue(live) else None
+        choices = step.read().tolist()
+        acceptances = follow_choices([DraftTree.empty()] * len(live), [[choices[b]] for b in rows])
+        check_chosen(acceptances, step.vocab,
+                     lambda b: (live[b].seq_id, live[b].steps + 1, live[b].num_new_tokens))
+        emitted = e.commit(live, acceptances)
+        for s in live:
+            s.step_nodes.append(0)
+        seconds = time.perf_counter() - t0
+        e.seconds["verify"] += seconds
+        # a step that captured a CUDA graph paid a one-off: its time prices nothing
+        e.policy.observe(StepRecord(live, acceptances, emitted, seconds if captures() == captured else None, 1))
+        return emitted
+
+    def _may_queue(self, live: list[SequenceState]) -> bool:
+        """Whether every sequence may take a token after the unread step (its root is ``token_ids[-1]``)."""
+        return bool(live) and all(self.engine._depth_budget(s) >= 1 for s in live)
+
+    def launch(self, seqs: list[SequenceState], after: QueuedStep | None, rows: list[int] | None = None
+               ) -> QueuedStep | None:
+        """Queue a plain step of ``seqs``: their roots are ``token_ids[-1]``, or, ``after`` an unread step, that
+        step's choices at its ``rows`` (one position further). None where the KV pool has no room for it then."""
+        e, cache = self.engine, self.engine.cache
+        ahead = int(after is not None)
+        try:
+            cache.reserve_many({s.seq_id: 1 + ahead for s in seqs})
+        except CacheFullError:
+            if after is None:
+                raise
+            return None  # the unread step is read first; its commit frees what the next one needs
+        builder = BatchBuilder(cache, e.runner.device)
+        for s in seqs:
+            root = len(s.token_ids) - 1 + ahead
+            builder.add(s.seq_id, [0 if ahead else s.token_ids[-1]], [root], root + 1, root)
+        roots = None
+        if after is not None:  # on the device, never read: the last id stands for "no valid logit"
+            picked = after.choices if len(rows) == len(after.seqs) else after.choices[to_device(rows, torch.long,
+                                                                                              e.runner.device)]
+            roots = picked.clamp(max=e.runner.shape.vocab_size - 1)
+        out = e.verify(builder.build(), roots)
+        choices = plain_choices(out.logits, e.sampling, e.generator)  # [B, V]: one row per sequence
+        return QueuedStep(seqs, choices, to_host_later(choices), out.logits.shape[-1])

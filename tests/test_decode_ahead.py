@@ -1,0 +1,170 @@
+"""Plain decoding with each step queued before the last is read (specdec.decode_ahead) gives the tokens of plain
+decoding read step by step, greedy or sampled: early stops in a ragged batch, the context's and the pool's edges,
+invalid logits.
+
+On CPU the buckets run eagerly in the Triton interpreter; with a GPU they are captured and replayed."""
+from __future__ import annotations
+
+import pytest
+from specdec.kernels.testing import kernel_device
+
+DEVICE = kernel_device()  # sets TRITON_INTERPRET=1 without a GPU: must run before triton is imported
+pytest.importorskip("triton")
+
+import dataclasses  # noqa: E402
+
+import torch  # noqa: E402
+
+from specdec.cuda_graphs import GraphConfig, GraphedForward  # noqa: E402
+from specdec.decode_ahead import DecodeAhead  # noqa: E402
+from specdec.engine import Engine  # noqa: E402
+from specdec.generate import generate  # noqa: E402
+from specdec.kv_cache import CacheFullError, PagedKVCache  # noqa: E402
+from specdec.models.llama import LlamaRunner  # noqa: E402
+from specdec.models.loader import load_model  # noqa: E402
+from specdec.sampling import InvalidLogitsError, SamplingConfig  # noqa: E402
+from specdec.stopping import StopCriteria  # noqa: E402
+from specdec.testing import build_tiny_model, ragged_prompts  # noqa: E402
+
+VOCAB = 64
+GREEDY = SamplingConfig()
+CONFIG = GraphConfig(batch_sizes=(1, 2, 4), tokens_per_seq=(1, 2), capture=DEVICE == "cuda")
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    model = load_model(build_tiny_model("llama-gqa-tied", VOCAB), device=DEVICE)
+    return dataclasses.replace(model, runner=LlamaRunner(model.model, backend="triton"))
+
+
+def run(runner, prompts, stop: StopCriteria, queue_ahead: bool, blocks: int = 48, cache_cls=PagedKVCache,
+        sampling: SamplingConfig = GREEDY, seed: int | None = None):
+    """(new tokens, finish reasons, engine) of one generation (greedy, or sampled from a generator seeded with
+    ``seed``) through uncaptured (CPU) or captured buckets."""
+    s = runner.shape
+    cache = cache_cls(s.num_layers, s.num_kv_heads, s.head_dim, blocks, 4, runner.dtype, runner.device,
+                      runner.backend)
+    generator = None if seed is None else torch.Generator(device=runner.device).manual_seed(seed)
+    engine = Engine(runner, cache, sampling=sampling, stop=stop, graphed=GraphedForward(runner, cache, CONFIG),
+                    generator=generator, queue_ahead=queue_ahead)
+    seqs = engine.add(prompts)
+    while engine.live:
+        engine.step()
+    return [q.new_tokens for q in seqs], [q.finish_reason for q in seqs], engine
+
+
+def count_queued(monkeypatch) -> list[int]:
+    """Patch DecodeAhead.launch to count the steps queued behind an unread one (their batch sizes)."""
+    queued, launch = [], DecodeAhead.launch
+
+    def spy(self, seqs, after, rows=None):
+        if after is not None:
+            queued.append(len(seqs))
+        return launch(self, seqs, after, rows)
+
+    monkeypatch.setattr(DecodeAhead, "launch", spy)
+    return queued
+
+
+def test_queued_steps_give_plain_decodings_tokens(loaded, monkeypatch):
+    """A ragged batch whose sequences stop on an EOS at different steps (one in the middle of the batch, one at
+    its first token), and by length: the tokens, finish reasons and forward count of the synchronous engine, plus
+    one thrown-away step per EOS stop; every step but the first and the last was queued behind an unread one."""
+    runner = loaded.runner
+    prompts = ragged_prompts(3, VOCAB, seed=4, max_len=12)
+    free, _, _ = run(runner, prompts, StopCriteria(10), queue_ahead=False)
+    eos = [free[1][3], free[2][0]]  # the middle sequence stops at its 4th token (or before), the last at its 1st
+    assert free[0][:1] != [eos[0]] and eos[0] not in free[0][:1] and eos[1] not in free[0][:1]
+    stop = StopCriteria(10, eos_token_ids=set(eos))
+    want, reasons, sync = run(runner, prompts, stop, queue_ahead=False)
+    assert "eos" in reasons and sync.ahead is None
+    queued = count_queued(monkeypatch)
+    got, got_reasons, ahead = run(runner, prompts, stop, queue_ahead=True)
+    assert ahead.ahead is not None
+    assert (got, got_reasons) == (want, reasons)
+    thrown = reasons.count("eos")
+    assert ahead.forward_passes <= sync.forward_passes + thrown
+    assert len(queued) == sync.forward_passes - 1 > 0  # every step but the first was queued
+    assert ahead.cache.num_free_blocks == ahead.cache.num_blocks - 1  # only the scratch slot's block is held
+
+
+def test_sampled_steps_draw_what_plain_sampling_draws(loaded, monkeypatch):
+    """Standard sampling from a seeded generator: a batch stopping by length, and one sequence stopping on an EOS
+    (the thrown-away step draws after the last token), give the text of steps read first."""
+    runner, hot = loaded.runner, SamplingConfig(do_sample=True, temperature=1.5)
+    prompts = ragged_prompts(2, VOCAB, seed=9, max_len=10)
+    queued = count_queued(monkeypatch)
+    for batch, stop in ((prompts, StopCriteria(8)), (prompts[1:], None)):
+        if stop is None:  # the 5th token of the sampled text as EOS (its first occurrence ends the text)
+            first, _, _ = run(runner, batch, StopCriteria(8), queue_ahead=False, sampling=hot, seed=3)
+            stop = StopCriteria(8, eos_token_ids={first[0][4]})
+        want, reasons, _ = run(runner, batch, stop, queue_ahead=False, sampling=hot, seed=3)
+        got, got_reasons, _ = run(runner, batch, stop, queue_ahead=True, sampling=hot, seed=3)
+        assert (got, got_reasons) == (want, reasons)
+    assert reasons == ["eos"] and len(set(want[0])) > 1 and queued
+
+
+def test_a_step_is_not_queued_past_the_context(loaded, monkeypatch):
+    """A sequence whose context ends before max_new_tokens: no step is queued at a position the model lacks."""
+    short = load_model(build_tiny_model("llama-gqa-tied", VOCAB, max_position_embeddings=24), device=DEVICE)
+    runner = LlamaRunner(short.model, backend="triton")
+    prompts = [list(range(1, 18))]
+    want, _, _ = run(runner, prompts, StopCriteria(6), queue_ahead=False)
+    queued = count_queued(monkeypatch)
+    got, _, engine = run(runner, prompts, StopCriteria(6), queue_ahead=True)
+    assert got == want and len(want[0]) == 6
+    assert len(queued) == 5  # roots at positions 17..22: the last of the 24 positions is never a root
+
+
+class TightCache(PagedKVCache):
+    """A pool that refuses every reservation of two positions (a queued step's), as a full pool would."""
+
+    def reserve_many(self, num_new):
+        if any(n == 2 for n in num_new.values()):
+            raise CacheFullError("full")
+        return super().reserve_many(num_new)
+
+
+def test_a_full_pool_reads_the_step_first(loaded):
+    """Where the pool has no room for a queued step's position, the unread step is read first: same tokens."""
+    runner = loaded.runner
+    prompts = ragged_prompts(2, VOCAB, seed=6, max_len=10)
+    want, _, _ = run(runner, prompts, StopCriteria(5), queue_ahead=False)
+    got, _, engine = run(runner, prompts, StopCriteria(5), queue_ahead=True, cache_cls=TightCache)
+    assert got == want and engine.ahead is not None and engine.ahead.queued is None
+
+
+def test_invalid_logits_raise_the_error_not_an_index_error(loaded, monkeypatch):
+    """A step whose logits are all NaN chose the id outside the vocabulary; the step queued behind it embeds a valid
+    id (an embedding lookup of the vocabulary size would fail on the device), and the read raises
+    InvalidLogitsError naming the step."""
+    runner = loaded.runner
+    calls = []
+    logits = LlamaRunner.logits
+
+    def poisoned(self, hidden):
+        out = logits(self, hidden)
+        calls.append(1)
+        return torch.full_like(out, float("nan")) if len(calls) == 3 else out
+
+    monkeypatch.setattr(LlamaRunner, "logits", poisoned)
+    with pytest.raises(InvalidLogitsError, match="step 3"):
+        run(runner, ragged_prompts(2, VOCAB, seed=7, max_len=8), StopCriteria(8), queue_ahead=True)
+    assert len(calls) == 4  # the poisoned step's successor ran (queued), and was thrown away
+
+
+def test_generate_queues_plain_steps_only(loaded, monkeypatch):
+    """generate() through buckets queues plain steps, with the tokens of eager decoding; coupled sampling, a
+    drafter or log-probabilities keep each step read first."""
+    prompts = ragged_prompts(2, VOCAB, seed=8, max_len=10)
+    eager = generate(loaded, prompts, max_new_tokens=6, cuda_graphs=False)
+    queued = count_queued(monkeypatch)
+    graphed = GraphedForward.with_cache(loaded.runner, 256, 16, CONFIG)
+    assert generate(loaded, prompts, max_new_tokens=6, cuda_graphs=graphed) == eager
+    assert len(queued) == 5
+    for kwargs in (dict(do_sample=True, seed=0, sampler="coupled"), dict(drafter="ngram", speculation="always"),
+                   dict(output_logprobs=True, return_dict=True)):
+        generate(loaded, prompts, max_new_tokens=3, cuda_graphs=graphed, **kwargs)
+    assert len(queued) == 5
