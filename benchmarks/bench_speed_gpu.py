@@ -6,7 +6,8 @@
 Per model (docs/gpu-speed.md explains every column):
 
 * plain decoding at batch 1, 8 and 32: decode tokens/s (prefill excluded) against the weight-read floor (weight
-  bytes / the device-to-device copy bandwidth measured in the same run, one weight read per step);
+  bytes / the device-to-device copy bandwidth measured in the same run, one weight read per step); at batch 1 also
+  with each step read before the next is launched, what queuing steps ahead saves (specdec/decode_ahead.py);
 * the verify-cost curve c(n) / c(1), n = 1..65 query tokens of one sequence, as the engine runs it (graphed);
 * the oracle drafter (``specdec.eval.oracle_drafter``) at tau 2, 3 and 4, as a chain and as a tree, paying a
   random EAGLE layer's real drafting each step: speedup over specdec's plain decoding at the same batch;
@@ -24,6 +25,7 @@ after every measurement, so a killed run keeps what it measured. Exit status 0 a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -172,6 +174,24 @@ def run_generate(loaded, prompts, new_tokens: int, **kwargs) -> dict:
                 drafted_share=sum(n > 0 for n in nodes) / len(nodes) if nodes else 0.0, outputs=out.new_tokens)
 
 
+@contextlib.contextmanager
+def steps_read_first():
+    """Engines built inside read each plain step before launching the next (``Engine(queue_ahead=False)``): the
+    same-run baseline of plain decoding queued ahead."""
+    from specdec.engine import Engine
+
+    init = Engine.__init__
+
+    def read_first(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "queue_ahead": False})
+
+    Engine.__init__ = read_first
+    try:
+        yield
+    finally:
+        Engine.__init__ = init
+
+
 def hf_static(model, prompt: list[int], new_tokens: int) -> dict:
     """transformers' greedy generate() with its static cache (eager), batch 1: a warm-up, then one timed call."""
     device = next(model.parameters()).device
@@ -296,6 +316,8 @@ class ModelRun:
             self.graphs = model_graphs(runner, 16, blocks_needed(lengths, self.args.new_tokens, 16, MAX_TREE_NODES))
 
     def plain(self, prompts) -> None:
+        """Plain decoding's row; at the first batch also with each step read before the next is launched (the
+        engine's steps without specdec/decode_ahead.py): what queuing a step ahead saves, in the same run."""
         b = len(prompts)
         # warm-up, the same call: compiles the kernels and captures every bucket the timed call meets
         run_generate(self.loaded, prompts, self.args.new_tokens)
@@ -303,6 +325,11 @@ class ModelRun:
         self.references[b] = {tuple(p): out for p, out in zip(prompts, row.pop("outputs"))}
         step_floor = self.result["floor_step_ms"]
         row.update(floor_tokens_per_s=b * 1e3 / step_floor, step_over_floor=row["step_ms"] / step_floor)
+        if b == self.args.batches[0]:
+            with steps_read_first():
+                first = run_generate(self.loaded, prompts, self.args.new_tokens)
+            row.update(read_first_tokens_per_s=first["decode_tokens_per_s"],
+                       read_first_same_text=first["outputs"] == [self.references[b][tuple(p)] for p in prompts])
         self.result["plain"][str(b)] = row
 
     def curve(self, prompt) -> None:
@@ -465,10 +492,13 @@ def markdown(report: dict) -> str:
                          f"built in {m['build_seconds']} s; EAGLE draft vocabulary {m['eagle_draft_vocab'] or 'full'}; "
                          f"fused QKV / gate-up projections in {m.get('fused_layers', 0)} layers")
         if m["plain"]:
-            lines += ["", "| batch | decode tok/s | floor tok/s | step ms | step / floor |", "|---|---|---|---|---|"]
+            lines += ["", "| batch | decode tok/s | floor tok/s | step ms | step / floor | steps read first: tok/s |",
+                      "|---|---|---|---|---|---|"]
             for b, r in sorted(m["plain"].items(), key=lambda kv: int(kv[0])):
+                first = "" if "read_first_tokens_per_s" not in r else (
+                    f"{r['read_first_tokens_per_s']:.1f}" + ("" if r["read_first_same_text"] else " (other text!)"))
                 lines.append(f"| {b} | {r['decode_tokens_per_s']:.1f} | {r['floor_tokens_per_s']:.1f} | "
-                             f"{r['step_ms']:.3f} | {r['step_over_floor']:.2f} |")
+                             f"{r['step_ms']:.3f} | {r['step_over_floor']:.2f} | {first} |")
         if m["hf_static"]:
             p1 = m["plain"].get("1")  # the same definition on both sides: new tokens / seconds, prefill included
             ratio = "" if not p1 else (f"; specdec plain, counted alike, is "

@@ -30,6 +30,8 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     model = json.loads((tmp_path / "speed.json").read_text())["models"][0]
     assert model["errors"] == [] and model["skipped"] == []
     assert sorted(model["plain"]) == ["1", "2"] and model["weight_bytes"] > 0
+    # batch 1 also with each step read first (the same-run baseline of steps queued ahead), with the same text
+    assert model["plain"]["1"]["read_first_same_text"] and "read_first_tokens_per_s" not in model["plain"]["2"]
     assert sorted(model["verify_cost"]["ratio"], key=int) == ["1", "2", "65"]
     rows = {(r["shape"], r["nodes"], r["batch"], r["eagle"], r["speculation"]) for r in model["oracle"]}
     assert rows == {("chain", 6, 1, True, "always"), ("chain", 4, 1, True, "always"), ("tree", 64, 1, True, "always"),
