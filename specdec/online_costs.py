@@ -17,6 +17,10 @@ times (one slow step would set a median of one or two) takes the correction inte
 nearest corrected sizes (1 at n = 1; above the largest, the largest's): a curve found too flat where trees were
 verified is not believed next to them.
 
+**Monotone.** A verify of more tokens is never priced below one of fewer: the curve is its running maximum in n
+(each size's correction has its own noise; a dip, c(6) below c(2), made the sizer keep a larger tree for being
+cheaper). It errs toward dear trees and, unlike a pooled fit, does not depend on how far the curve was extended.
+
 **Plain steps.** The correction divides by 1-token (plain) steps' times. A bucket whose steps all draft (the guard
 believes drafting pays, perhaps on a curve too flat) has none: :meth:`plain_step_due` asks for one after
 ``plain_every[0]`` steps of more tokens while the bucket has fewer than ``min_samples``, after ``plain_every[1]``
@@ -27,6 +31,7 @@ times of each size, enough to correct its first steps, few enough that a load ch
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -153,4 +158,4 @@ class OnlineCosts:
             slope = (high - low) / (hi - lo)
             out += [max(c * (low + slope * (n - lo)), 1.0)
                     for n, c in enumerate(calibrated[lo + 1:min(hi, top) + 1], lo + 1)]
-        return out
+        return list(itertools.accumulate(out, max))  # non-decreasing (module doc, Monotone)
