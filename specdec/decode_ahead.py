@@ -18,8 +18,8 @@ Invariants:
   thrown away when reading the step before it raises ``InvalidLogitsError``.
 
 The :class:`~specdec.engine.Engine` decides once, when it is built, whether its steps run here: plain decoding,
-greedy or standard sampling (no drafter, coupled sampling, logits processor or log-probabilities), through a
-GraphedForward.
+greedy or standard sampling (no drafter or one the policy never asks; no coupled sampling, logits processor or
+log-probabilities), through a GraphedForward.
 """
 from __future__ import annotations
 

@@ -190,9 +190,10 @@ class Engine:
         self.pending = self.drafter is not None and self.drafter.pending_trees and graphed is not None
         # on CUDA the device drafts pending trees after propose() returns, ahead of the verify on its stream
         self.drafts_during_verify = self.pending and runner.device.type == "cuda"
-        # plain decoding (greedy or standard sampling) through CUDA-graph buckets, where the host need not see a step's
-        # logits: each step is queued before the host reads the one before it (specdec.decode_ahead)
-        plain = self.drafter is None and self.coupling is None and rule is EXACT
+        # plain decoding (greedy or standard sampling; no drafter, or one the policy never asks) through CUDA-graph
+        # buckets, where the host need not see a step's logits: each step is queued before the host reads the one
+        # before it (specdec.decode_ahead)
+        plain = (self.drafter is None or self.policy.plain) and self.coupling is None and rule is EXACT
         ahead = queue_ahead and plain and graphed is not None and processing is None and not output_logprobs
         self.ahead = DecodeAhead(self) if ahead else None
 

@@ -156,15 +156,21 @@ def test_invalid_logits_raise_the_error_not_an_index_error(loaded, monkeypatch):
 
 
 def test_generate_queues_plain_steps_only(loaded, monkeypatch):
-    """generate() through buckets queues plain steps, with the tokens of eager decoding; coupled sampling, a
+    """generate() through buckets queues plain steps, with the tokens of eager decoding, also with a draft model
+    the policy never asks (the target itself: a drafter never slower than plain decoding); coupled sampling, a
     drafter or log-probabilities keep each step read first."""
+    from specdec.drafters.draft_model import DraftModelDrafter
+
     prompts = ragged_prompts(2, VOCAB, seed=8, max_len=10)
     eager = generate(loaded, prompts, max_new_tokens=6, cuda_graphs=False)
     queued = count_queued(monkeypatch)
     graphed = GraphedForward.with_cache(loaded.runner, 256, 16, CONFIG)
     assert generate(loaded, prompts, max_new_tokens=6, cuda_graphs=graphed) == eager
     assert len(queued) == 5
+    itself = DraftModelDrafter(loaded, cuda_graphs=False)
+    assert generate(loaded, prompts, max_new_tokens=6, cuda_graphs=graphed, drafter=itself) == eager
+    assert len(queued) == 10
     for kwargs in (dict(do_sample=True, seed=0, sampler="coupled"), dict(drafter="ngram", speculation="always"),
                    dict(output_logprobs=True, return_dict=True)):
         generate(loaded, prompts, max_new_tokens=3, cuda_graphs=graphed, **kwargs)
-    assert len(queued) == 5
+    assert len(queued) == 10
