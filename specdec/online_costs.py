@@ -17,9 +17,8 @@ times (one slow step would set a median of one or two) takes the correction inte
 nearest corrected sizes (1 at n = 1; above the largest, the largest's): a curve found too flat where trees were
 verified is not believed next to them.
 
-**Monotone.** A verify of more tokens is never priced below one of fewer: the curve is its running maximum in n
-(each size's correction has its own noise; a dip, c(6) below c(2), made the sizer keep a larger tree for being
-cheaper). It errs toward dear trees and, unlike a pooled fit, does not depend on how far the curve was extended.
+**Monotone.** The curve is its running maximum in n: each size's correction has its own noise, and a dip (c(6) below
+c(2)) made the sizer keep a larger tree for being cheaper. Unlike a pooled fit it ignores how far the curve reaches.
 
 **Plain steps.** The correction divides by 1-token (plain) steps' times. A bucket whose steps all draft (the guard
 believes drafting pays, perhaps on a curve too flat) has none: :meth:`plain_step_due` asks for one after

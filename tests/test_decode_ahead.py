@@ -174,3 +174,32 @@ def test_generate_queues_plain_steps_only(loaded, monkeypatch):
                    dict(output_logprobs=True, return_dict=True)):
         generate(loaded, prompts, max_new_tokens=3, cuda_graphs=graphed, **kwargs)
     assert len(queued) == 10
+
+
+def test_steps_without_a_bucket_run_eagerly_from_the_devices_tokens(loaded, monkeypatch):
+    """A batch larger than every bucket, and a bucket whose capture fails: those queued steps run the eager forward
+    on the unread step's choices, with the tokens of steps read first."""
+    runner = loaded.runner
+    prompts = ragged_prompts(5, VOCAB, seed=10, max_len=8)
+    want, _, _ = run(runner, prompts, StopCriteria(5), queue_ahead=False)
+    queued = count_queued(monkeypatch)
+    got, _, engine = run(runner, prompts, StopCriteria(5), queue_ahead=True)  # 5 sequences: buckets hold 4
+    assert got == want and queued and engine.graphed.replays == 0
+
+    def failing(self, bucket):  # as on CUDA where a capture fails: the warm-up ran, then the capture raised
+        self._run(bucket)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(GraphedForward, "_capture", failing)
+    monkeypatch.setattr(GraphedForward, "__init__", _capturing(GraphedForward.__init__))
+    got, _, engine = run(runner, prompts[:2], StopCriteria(5), queue_ahead=True)
+    want, _, _ = run(runner, prompts[:2], StopCriteria(5), queue_ahead=False)
+    assert got == want and engine.graphed.failed and engine.graphed.replays == 0
+
+
+def _capturing(init):
+    """GraphedForward.__init__ that then asks for captures, as on CUDA (the capture itself is patched)."""
+    def wrapped(self, runner, cache, config=CONFIG):
+        init(self, runner, cache, dataclasses.replace(config, capture=False))
+        self.config = dataclasses.replace(config, capture=True)
+    return wrapped
