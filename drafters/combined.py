@@ -24,6 +24,7 @@ drawn, so it is valued by the child's rate on the shape of its previous sampled 
 
 Which children run: with ``gate=True`` a child whose extra committed tokens do not cover its own draft time is
 left out of a call and probed again (:mod:`specdec.drafters.child_gate`); off under ``speculation="always"``.
+Where the gate has no costs (seeded sampling), a child that can never pay by its shapes is left out of the run.
 A child left out still sees every ``on_accept``, and a child reading hidden states gets, at its next call, every
 row since its last.
 """
@@ -145,6 +146,7 @@ class CombinedDrafter(Drafter):
         # seq_id -> (whether every child ran, per child (tokens, parents) of its last proposal): online rates, gate
         self._last: dict[int, tuple[bool, list[tuple[list[int], list[int]]]]] = {}
         self.gate = ChildGate(len(self.children))
+        self.left_out: frozenset[int] = frozenset()  # children that never pay, out of this run (never_pays_by_shape)
         self._held: dict[tuple[int, int], torch.Tensor] = {}  # (child, seq_id) -> hidden rows it has not seen yet
         self._seen: set[tuple[int, int]] = set()  # (child, seq_id) that proposed once: later calls are no catch-up
         self.chosen: list[int] = [0] * (len(self.children) + 1)  # instrumentation: picks per child, last = merge
@@ -157,6 +159,7 @@ class CombinedDrafter(Drafter):
         self.target = target
         self.rates = [_Rate() for _ in self.children]
         self._sampled_shape = [None] * len(self.children)
+        self.left_out = frozenset()
         self._last.clear()
         self._held.clear()
         self._seen.clear()
@@ -194,6 +197,19 @@ class CombinedDrafter(Drafter):
         for child in self.children:
             child.release(seq_id)
 
+    def never_pays_by_shape(self) -> str | None:
+        """Why no child can pay (None if one may). Asked under speculation="auto" only: where the gate cannot price
+        the children (no costs: a seeded call), a child that can never pay by its shapes is left out of the run, as
+        the gate leaves it out by its measured time elsewhere; decided from shapes, so a seed still gives one text."""
+        why = [child.never_pays_by_shape() for child in self.children]
+        if all(w is not None for w in why):
+            return "; ".join(f"{child.name}: {w}" for child, w in zip(self.children, why))
+        if not self.gate.active:
+            self.left_out = frozenset(k for k, w in enumerate(why) if w is not None)
+            for k in sorted(self.left_out):
+                logger.info("%s: child %s left out of this call (%s)", self.name, self.children[k].name, why[k])
+        return None
+
     def cost_key(self) -> str:
         return "|".join([super().cost_key(), *(child.cost_key() for child in self.children)])
 
@@ -209,6 +225,8 @@ class CombinedDrafter(Drafter):
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
         self._batch = max(len(seqs), 1)
         run = self.gate.choose(self._batch, self.tree_cost, self.config.max_nodes)
+        if self.left_out:
+            run = tuple(r and k not in self.left_out for k, r in enumerate(run))
         per_child, lists = [], []
         for k, child in enumerate(self.children):
             if not run[k]:
@@ -237,8 +255,9 @@ class CombinedDrafter(Drafter):
         return out
 
     def _hold_hidden(self, k: int, seqs: Sequence[SequenceView]) -> None:
-        """Child k is left out this call: keep the hidden rows it would have seen for its next call."""
-        if not self.children[k].needs_hidden_states:
+        """Child k is left out this call: keep the hidden rows it would have seen for its next call (none for a child
+        left out of the run)."""
+        if not self.children[k].needs_hidden_states or k in self.left_out:
             return
         for v in seqs:
             if v.new_hidden is not None:

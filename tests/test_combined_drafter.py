@@ -335,3 +335,25 @@ def test_bad_options_are_one_line_input_errors():
     model = build_tiny_model()
     with pytest.raises(InputError, match="unknown drafter"):
         generate(model, [[1, 2]], drafter="combined", drafter_options={"drafters": ["nope"]}, max_new_tokens=2)
+
+
+def test_a_child_that_can_never_pay_is_left_out_of_a_seeded_call():
+    """Seeded standard sampling (no costs: the gate cannot price a child) with a draft model that is the target
+    itself: it is never asked, and the seed gives the text of the combined drafter without it. Under "always"
+    it still drafts."""
+    from specdec.drafters.draft_model import DraftModelDrafter
+
+    target = build_tiny_model()
+    calls = []
+
+    class Counted(DraftModelDrafter):
+        def propose(self, seqs):
+            calls.append(len(seqs))
+            return super().propose(seqs)
+
+    kw = dict(max_new_tokens=8, do_sample=True, temperature=0.8, seed=4)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7]]
+    with_it = generate(target, prompts, drafter=CombinedDrafter(["ngram", Counted(target)]), **kw)
+    assert calls == [] and with_it == generate(target, prompts, drafter=CombinedDrafter(["ngram"]), **kw)
+    generate(target, prompts, drafter=CombinedDrafter(["ngram", Counted(target)]), speculation="always", **kw)
+    assert calls
