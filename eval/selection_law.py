@@ -85,13 +85,12 @@ def token_shaped_tree(x: int, draft_probs: torch.Tensor = DRAFT, children: int =
 
 
 def sizer_case(sizer_cls=None) -> SelectionCase:
-    """The tree sizer on :func:`token_shaped_tree` under a cost curve where seven nodes pay and one does not (flat from
-    2 to 8 tokens: one node does not pay its step, six more do).
+    """The tree sizer on :func:`token_shaped_tree` under a cost curve where seven nodes pay and one does not.
     The sizer has seen the seven-node shape in an earlier step (the case where a cut is possible at all)."""
     from specdec.cost_model import CostModel
     from specdec.tree_sizing import TreeSizer
 
-    costs = CostModel({}, {1: {1: 1.0, 2: 1.5, 8: 1.5, 65: 60.0}})
+    costs = CostModel({}, {1: {1: 1.0, 2: 2.0, 8: 1.2, 65: 60.0}})
     sizer_cls = sizer_cls or TreeSizer
 
     def verified(x: int) -> DraftTree:

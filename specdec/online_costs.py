@@ -17,9 +17,6 @@ times (one slow step would set a median of one or two) takes the correction inte
 nearest corrected sizes (1 at n = 1; above the largest, the largest's): a curve found too flat where trees were
 verified is not believed next to them.
 
-**Monotone.** The curve is its running maximum in n: each size's correction has its own noise, and a dip (c(6) below
-c(2)) made the sizer keep a larger tree for being cheaper. Unlike a pooled fit it ignores how far the curve reaches.
-
 **Plain steps.** The correction divides by 1-token (plain) steps' times. A bucket whose steps all draft (the guard
 believes drafting pays, perhaps on a curve too flat) has none: :meth:`plain_step_due` asks for one after
 ``plain_every[0]`` steps of more tokens while the bucket has fewer than ``min_samples``, after ``plain_every[1]``
@@ -30,7 +27,6 @@ times of each size, enough to correct its first steps, few enough that a load ch
 """
 from __future__ import annotations
 
-import itertools
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -157,4 +153,4 @@ class OnlineCosts:
             slope = (high - low) / (hi - lo)
             out += [max(c * (low + slope * (n - lo)), 1.0)
                     for n, c in enumerate(calibrated[lo + 1:min(hi, top) + 1], lo + 1)]
-        return list(itertools.accumulate(out, max))  # non-decreasing (module doc, Monotone)
+        return out

@@ -55,21 +55,6 @@ def test_a_size_without_samples_of_its_own_takes_the_correction_of_the_sizes_aro
     assert online.relative(40) == pytest.approx(top)
 
 
-def test_a_noisy_correction_never_prices_more_tokens_below_fewer():
-    """2-token steps measured slow (a load spike) and 6-token ones fast: the corrections alone priced c(6) below c(2),
-    and the sizer kept larger trees for being cheaper. The curve is non-decreasing, each size at least its own
-    correction, and c(2) as measured whatever the curve's length."""
-    online = OnlineCosts(FLAT_CACHE)
-    for _ in range(32):
-        online.record(0.010, 1, 1)
-        online.record(0.016, 2, 1)
-        online.record(0.011, 6, 1)
-    assert online.factors[(1, 2)] > online.factors[(1, 6)]  # the measured corrections dip
-    curve = [online.relative(n) for n in range(1, 66)]
-    assert curve == sorted(curve) and curve[1] == pytest.approx(1 + 0.8 * 0.6)
-    assert curve[5] >= 1 + 0.8 * 0.1 and curve[5] == curve[1]
-
-
 def test_a_run_whose_steps_all_draft_measures_a_plain_step_now_and_then():
     """The correction divides by plain steps' times: a bucket that only drafts asks for one after 8 drafted steps
     until it has 3, then after 32 (to keep them fresh); a run that decodes plainly now and then is never asked."""

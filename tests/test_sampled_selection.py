@@ -92,9 +92,8 @@ def test_the_combined_drafter_never_chooses_a_sampled_child_by_its_drawn_token(c
 
 @pytest.fixture
 def seven_nodes_pay(monkeypatch):
-    """Seven verified nodes pay, one does not (the curve flat from 2 to 8 tokens); drafting is free; no wall time
-    moves the curve."""
-    costs = CostModel({}, {1: {1: 1.0, 2: 1.5, 8: 1.5, 65: 60.0}})
+    """Seven verified nodes pay, one does not; drafting is free; no wall time moves the curve."""
+    costs = CostModel({}, {1: {1: 1.0, 2: 2.0, 8: 1.0, 65: 60.0}})
     monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: costs)
     monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: 0.0)
     monkeypatch.setattr(OnlineCosts, "record", lambda self, *args: None)
