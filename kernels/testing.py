@@ -21,6 +21,24 @@ def kernel_device() -> str:
     return "cpu"
 
 
+# a CUDA-graph bucket's padded rows carry uninitialised attention output through the layers (never read back): in the
+# interpreter numpy may warn that their garbage overflows, or multiplies into NaN (tests: pytest filterwarnings)
+PADDED_ROWS_WARNINGS = ("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
+
+
+def triton_tiny_model(vocab_size: int, device: str):
+    """A tiny random model (``specdec.testing``) loaded on the Triton backend, the interpreter on CPU: its runner and,
+    through it, every cache built for it."""
+    import dataclasses
+
+    from specdec.models.llama import LlamaRunner
+    from specdec.models.loader import load_model
+    from specdec.testing import build_tiny_model
+
+    model = load_model(build_tiny_model("llama-gqa-tied", vocab_size), device=device)
+    return dataclasses.replace(model, runner=LlamaRunner(model.model, backend="triton"))
+
+
 def random_tree_mask(num_nodes: int, gen: torch.Generator) -> torch.Tensor:
     """[1 + num_nodes, 1 + num_nodes] bool verify mask of a random DraftTree (root first), as the engine builds it."""
     from specdec.tree import DraftTree

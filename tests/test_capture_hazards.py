@@ -12,7 +12,7 @@ run of a bucket must trace what its second run traced.
 from __future__ import annotations
 
 import pytest
-from specdec.kernels.testing import kernel_device
+from specdec.kernels.testing import PADDED_ROWS_WARNINGS, kernel_device, triton_tiny_model
 
 DEVICE = kernel_device()  # sets TRITON_INTERPRET=1 without a GPU: must run before triton is imported
 pytest.importorskip("triton")
@@ -40,8 +40,7 @@ from specdec.testing import RandomTreeDrafter, build_tiny_model  # noqa: E402
 
 VOCAB = 64
 ROOT = Path(specdec.__file__).resolve().parents[1]  # the checkout: specdec/, drafters/, kernels/
-pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),  # padded rows' garbage
-              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
+pytestmark = [pytest.mark.filterwarnings(w) for w in PADDED_ROWS_WARNINGS]  # padded rows' garbage
 
 
 class CaptureHazards(TorchDispatchMode):
@@ -170,8 +169,7 @@ def test_the_check_sees_each_hazard_and_where():
 
 @pytest.fixture(scope="module")
 def loaded():
-    model = load_model(build_tiny_model("llama-gqa-tied", VOCAB), device=DEVICE)
-    return dataclasses.replace(model, runner=LlamaRunner(model.model, backend="triton"))
+    return triton_tiny_model(VOCAB, DEVICE)
 
 
 def _head(loaded, **config):

@@ -6,7 +6,7 @@ with a GPU the same tests capture and replay real CUDA graphs.
 from __future__ import annotations
 
 import pytest
-from specdec.kernels.testing import kernel_device
+from specdec.kernels.testing import PADDED_ROWS_WARNINGS, kernel_device, triton_tiny_model
 
 DEVICE = kernel_device()  # sets TRITON_INTERPRET=1 without a GPU: must run before triton is imported
 pytest.importorskip("triton")
@@ -31,17 +31,13 @@ from specdec.testing import RandomTreeDrafter, build_tiny_model, ragged_prompts 
 
 VOCAB = 64
 CAPTURE = DEVICE == "cuda"
-# a bucket's padded rows carry uninitialised attention output through the layers (never read back):
-# in the interpreter numpy may warn that their garbage overflows, or multiplies into NaN
-pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
+pytestmark = [pytest.mark.filterwarnings(w) for w in PADDED_ROWS_WARNINGS]  # padded rows' garbage
 
 
 @pytest.fixture(scope="module")
 def loaded():
     """The tiny model on the Triton backend (interpreter on CPU): runner and, through it, every cache."""
-    model = load_model(build_tiny_model("llama-gqa-tied", VOCAB), device=DEVICE)
-    return dataclasses.replace(model, runner=LlamaRunner(model.model, backend="triton"))
+    return triton_tiny_model(VOCAB, DEVICE)
 
 
 def on_reference(loaded):

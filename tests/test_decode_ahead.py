@@ -6,7 +6,7 @@ On CPU the buckets run eagerly in the Triton interpreter; with a GPU they are ca
 from __future__ import annotations
 
 import pytest
-from specdec.kernels.testing import kernel_device
+from specdec.kernels.testing import PADDED_ROWS_WARNINGS, kernel_device, triton_tiny_model
 
 DEVICE = kernel_device()  # sets TRITON_INTERPRET=1 without a GPU: must run before triton is imported
 pytest.importorskip("triton")
@@ -29,14 +29,12 @@ from specdec.testing import build_tiny_model, ragged_prompts  # noqa: E402
 VOCAB = 64
 GREEDY = SamplingConfig()
 CONFIG = GraphConfig(batch_sizes=(1, 2, 4), tokens_per_seq=(1, 2), capture=DEVICE == "cuda")
-pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
+pytestmark = [pytest.mark.filterwarnings(w) for w in PADDED_ROWS_WARNINGS]  # padded rows' garbage
 
 
 @pytest.fixture(scope="module")
 def loaded():
-    model = load_model(build_tiny_model("llama-gqa-tied", VOCAB), device=DEVICE)
-    return dataclasses.replace(model, runner=LlamaRunner(model.model, backend="triton"))
+    return triton_tiny_model(VOCAB, DEVICE)
 
 
 def run(runner, prompts, stop: StopCriteria, queue_ahead: bool, blocks: int = 48, cache_cls=PagedKVCache,
