@@ -39,7 +39,7 @@ from specdec.cuda_graphs import GraphedForward, captures
 from specdec.decode_ahead import DecodeAhead
 from specdec.drafters.base import Drafter, SequenceView, TargetView, TokenView, as_drafter
 from specdec.host_copy import to_device
-from specdec.kv_cache import PagedKVCache
+from specdec.kv_cache import CacheFullError, PagedKVCache
 from specdec.logits_processing import LogitsProcessing
 from specdec.logprobs import committed_rows, token_logprobs
 from specdec.models.llama import ForwardOutput, LlamaRunner
@@ -288,6 +288,18 @@ class Engine:
                 s.plain_by_guard -= 1
         if not asked:  # the guard decodes every sequence plainly this step: the drafter is not asked
             return [DraftTree.empty() for _ in live]
+        try:
+            return self._draft(live, asked)
+        except CacheFullError:
+            if not self.fit_free_blocks:
+                raise
+            # an explicit pool had no room for the drafter's own K/V (self-draft drafts in this cache): this step
+            # decodes plainly, as the pool's block counts decide (never a token drawn), so exactly
+            logger.debug("no KV blocks free for drafting: a plain step")
+            return [DraftTree.empty() for _ in live]
+
+    def _draft(self, live: list[SequenceState], asked: list[SequenceState]) -> list[DraftTree] | PendingStep:
+        """The asked sequences' proposals, sized by the policy (propose())."""
         # a one-off, not a step's cost: a sequence's first call catches the drafter up on its whole prompt; a call
         # that captured a CUDA graph paid for the capture
         catch_up = self.drafter.catches_up and any(s.proposals == 0 for s in asked)

@@ -63,3 +63,19 @@ def test_a_pool_below_plain_decoding_warns_and_the_error_keeps_the_tokens(caplog
     with caplog.at_level(logging.WARNING, logger="specdec"):
         specdec.generate(model, [PROMPT], max_new_tokens=64, num_blocks=6)  # exactly enough: no warning
     assert not [r for r in caplog.records if "num_blocks" in r.getMessage()]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_drafter_writing_into_the_targets_cache_never_fails_a_call_plain_decoding_finishes(sampled):
+    """Self-draft reserves its draft nodes' K/V in the target's own cache while it drafts: in a pool that holds plain
+    decoding's 64 new tokens exactly, a step whose drafting finds no room decodes plainly, where the reservation
+    raised CacheFullError. The tokens are plain decoding's (greedy, and coupled sampling)."""
+    model = build_tiny_model()
+    kw = dict(max_new_tokens=64, block_size=16, num_blocks=6)
+    if sampled:
+        kw.update(do_sample=True, temperature=0.8, seed=5, sampler="coupled")
+    plain = specdec.generate(model, [PROMPT], **kw)
+    options = dict(num_layers=1, num_draft_tokens=4, tree="dynamic", max_nodes=24)
+    out = specdec.generate(model, [PROMPT], drafter="self-draft", drafter_options=options, speculation="always",
+                           return_dict=True, **kw)
+    assert out.sequences == plain and max(out.stats[0].step_nodes) > 0
