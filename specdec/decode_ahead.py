@@ -35,7 +35,6 @@ from specdec.cuda_graphs import captures
 from specdec.host_copy import to_device, to_host_later
 from specdec.kv_cache import CacheFullError
 from specdec.rejection import follow_choices, plain_choices
-from specdec.sampling import check_chosen
 from specdec.speculation_policy import StepRecord
 from specdec.tree import DraftTree
 
@@ -70,8 +69,7 @@ class DecodeAhead:
         self.queued = self.launch(live, step, rows) if self._may_queue(live) else None
         choices = step.read().tolist()
         acceptances = follow_choices([DraftTree.empty()] * len(live), [[choices[b]] for b in rows])
-        check_chosen(acceptances, step.vocab,
-                     lambda b: (live[b].seq_id, live[b].steps + 1, live[b].num_new_tokens))
+        e.check_chosen(live, acceptances, step.vocab)
         emitted = e.commit(live, acceptances)
         for s in live:
             s.step_nodes.append(0)

@@ -531,9 +531,13 @@ class Engine:
         """target_logits [B, max_nodes + 1, V] -> what each sequence commits, by the run's acceptor: the exact
         rejection sampler, or the coupled walk (the same text as plain coupled sampling, whatever the trees)."""
         acceptances = self.acceptor(live, trees, target_logits)
-        check_chosen(acceptances, target_logits.shape[-1],
-                     lambda b: (live[b].seq_id, live[b].steps + 1, live[b].num_new_tokens))
+        self.check_chosen(live, acceptances, target_logits.shape[-1])
         return acceptances
+
+    @staticmethod
+    def check_chosen(live: list[SequenceState], acceptances: list[Acceptance], vocab: int) -> None:
+        """InvalidLogitsError naming the sequence, step and token where a row had no law (specdec.sampling)."""
+        check_chosen(acceptances, vocab, lambda b: (live[b].seq_id, live[b].steps + 1, live[b].num_new_tokens))
 
     def rejection_walk(self, live: list[SequenceState], trees: list[DraftTree], target_logits: torch.Tensor
                        ) -> list[Acceptance]:

@@ -58,7 +58,7 @@ def blocks_needed(prompt_lengths, max_new_tokens: int, block_size: int, tree_bud
 def plain_blocks_needed(prompt_lengths, max_new_tokens: int, block_size: int) -> int:
     """The most blocks plain decoding of these prompts can hold: every position but the last new token's (no step
     runs it). A pool this large never runs out with a drafter either: the engine cuts its trees to the free blocks
-    (Engine._kv_rooms); only a drafter that reserves in the target's cache itself (self-draft) is not cut."""
+    (Engine._kv_rooms), and a step whose drafting finds no room in the target's cache (self-draft) decodes plainly."""
     return sum(blocks_for(n + max_new_tokens - 1, block_size) for n in prompt_lengths)
 
 
