@@ -79,8 +79,10 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
         raise InputError("invariant=True does not run through CUDA graphs: pass cuda_graphs=False (or 'auto')")
     runner = request.loaded.runner.invariant_mode(config.invariant)  # the bit-exact mode shares every weight
     processing, output_logprobs = _processing(request), _wants_logprobs(request)  # refusals before allocating
-    cache, graphed = _kv_cache(request, fault)
-    fit_free_blocks = _pool_may_run_short(request)
+    # the request's worst case: no sequence can run out with a pool this large, its drafter's trees included
+    needed = _worst_case_blocks(request, MAX_TREE_NODES if request.drafter is not None else 0)
+    cache, graphed = _kv_cache(request, needed, fault)
+    fit_free_blocks = _pool_may_run_short(request, needed)
     drafter, generator = request.drafter, request.generator
     # first, so that one draw of generator= gives the same noise with and without a drafter
     coupling = _coupling(config, generator) if config.sampler == "coupled" and config.do_sample else None
@@ -159,10 +161,10 @@ def _worst_case_blocks(request: "GenerateRequest", tree_budget: int) -> int:
                          tree_budget)
 
 
-def _pool_may_run_short(request: "GenerateRequest") -> bool:
-    """Whether an explicit num_blocks is below the request's worst case with the drafter's trees: the engine then
-    cuts each tree to the blocks free for it (exact). Below what plain decoding can hold, a warning: the call may
-    raise CacheFullError (at or above it, it never does: the trees are cut)."""
+def _pool_may_run_short(request: "GenerateRequest", needed: int) -> bool:
+    """Whether an explicit num_blocks is below ``needed``, the request's worst case with the drafter's trees: the
+    engine then cuts each tree to the blocks free for it (exact). Below what plain decoding can hold, a warning: the
+    call may raise CacheFullError (at or above it, it never does: the trees are cut)."""
     num_blocks = request.config.num_blocks
     if num_blocks is None:
         return False
@@ -171,14 +173,15 @@ def _pool_may_run_short(request: "GenerateRequest") -> bool:
         logger.warning("num_blocks=%d is below the %d blocks of %d tokens that the prompts and max_new_tokens=%d "
                        "can need: the call may raise CacheFullError (with the tokens generated so far in its "
                        "new_tokens)", num_blocks, plain, request.config.block_size, request.config.max_new_tokens)
-    return request.drafter is not None and num_blocks < _worst_case_blocks(request, MAX_TREE_NODES)
+    return request.drafter is not None and num_blocks < needed
 
 
-def _kv_cache(request: "GenerateRequest", fault: EngineFault | None) -> tuple[PagedKVCache, GraphedForward | None]:
+def _kv_cache(request: "GenerateRequest", needed: int, fault: EngineFault | None
+              ) -> tuple[PagedKVCache, GraphedForward | None]:
+    """The call's KV cache (``needed`` blocks, the request's worst case, unless num_blocks says otherwise) and its
+    CUDA graphs, if any."""
     runner, config = request.loaded.runner, request.config
     shape, block_size = runner.shape, config.block_size
-    # worst case of this request: no sequence can run out
-    needed = _worst_case_blocks(request, MAX_TREE_NODES if request.drafter is not None else 0)
     graphs = request.cuda_graphs
     if isinstance(graphs, GraphedForward):  # its own cache and graphs, reused call after call
         return _graphed_cache(graphs, request, needed, fault), graphs
