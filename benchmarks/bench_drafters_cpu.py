@@ -26,7 +26,8 @@ verify of its probes' trees) more tightly than the ratios can on a noisy machine
 Drafters run with ``speculation="auto"`` (the default: tree sizing by the measured cost model and the
 break-even guard) unless ``--speculation always``; the row "ngram (whole trees)" runs n-gram with
 ``speculation="always"`` in the same run, for comparison; "combined (every child)" runs the combined drafter
-without its child gate.
+without its child gate. The guard's memory starts empty in every run (``--cold``: before every call;
+``--machine-memory``: from what earlier runs on this machine left), so two runs of one command start alike.
 
 ``--grid`` runs every drafter (short names: ngram, draft-model, self-draft, medusa-untrained, medusa and eagle with
 their paths, combined, ngram+eagle) at every ``--lengths`` on every category (the seven, ``held-out``: prompts
@@ -235,7 +236,13 @@ def category_mode(args, loaded, table: dict, run) -> None:
         inputs = [chat_ids(loaded.tokenizer, text) for text in drafter_grid.category_prompts(cat, args.prompts)]
         report[cat] = category_report(cat, measure(table, run, inputs, args.repeats, args.max_new_tokens, costs))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        Path(args.json).write_text(json.dumps({"guard_memory": guard_memory(args)} | report, indent=2))
+
+
+def guard_memory(args) -> str:
+    """Where the guard's memory of this run started: ``cold`` (empty before every call), ``run`` (empty at the run's
+    start, carried from call to call), ``machine`` (what earlier runs left on disk)."""
+    return "cold" if args.cold else "machine" if args.machine_memory else "run"
 
 
 def grid_mode(args, loaded, table: dict, run) -> list[dict]:
@@ -258,7 +265,8 @@ def grid_mode(args, loaded, table: dict, run) -> list[dict]:
         if args.out:  # after every length: a grid stopped part way keeps the lengths it finished
             done = args.lengths[: args.lengths.index(length) + 1]
             drafter_grid.write_result(args.out, cells, list(table), list(columns), done, sys.argv, loaded.name,
-                                      {c: len(v) for c, v in columns.items()}, args.repeats, args.cold, args.clock)
+                                      {c: len(v) for c, v in columns.items()}, args.repeats, guard_memory(args),
+                                      args.clock)
     print(drafter_grid.summary(cells))
     return cells
 
@@ -281,8 +289,13 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--grid", action="store_true", help="every drafter x --lengths x --categories (see above)")
     ap.add_argument("--lengths", default="16,32,64,128", help="--grid: comma-separated new-token counts")
     ap.add_argument("--out", help="--grid: write the grid to this JSON file, in the docs/results/ schema")
-    ap.add_argument("--cold", action="store_true", help="forget what the guard learned before every call: each "
-                    "call as a new process's first (a CLI user's case)")
+    memory = ap.add_mutually_exclusive_group()
+    memory.add_argument("--cold", action="store_true", help="forget what the guard learned before every call: each "
+                        "call as a new process's first (a CLI user's case)")
+    memory.add_argument("--machine-memory", action="store_true",
+                        help="start from what earlier runs on this machine taught the guard (its memory on disk) and "
+                        "leave this run's there; default: the run's own memory, empty at its start, so two runs of "
+                        "one command start alike")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="what a call's time is: wall seconds, or the process's CPU seconds (with OMP_NUM_THREADS=1 "
                          "on a machine shared with other work: the call's own work, not the other work's share of "
@@ -307,6 +320,8 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
     ap, args = parse_args(argv)
     torch.set_grad_enabled(False)
     try:
+        if not args.machine_memory:  # the run's own memory, in a folder of its own (--cold: emptied every call)
+            forget_guard()
         loaded = load_model(args.model)
         table = drafters(args, loaded)
         if args.grid:

@@ -126,8 +126,16 @@ def counts_text(counts: dict[str, int], repeats: int) -> str:
     return f"{'; '.join(parts)}; {repeats} repeat(s): each interval rests on {blocks} blocks."
 
 
+# where the guard's memory started (bench_drafters_cpu.guard_memory) -> what the result file's conditions say
+MEMORY_CONDITIONS = {
+    "cold": "Cold: the guard's memory forgotten before every call, each call as a new process's first. ",
+    "run": "The guard's memory empty at the run's start, carried from call to call. ",
+    "machine": "The guard started from what earlier runs on this machine left in its memory. ",
+}
+
+
 def write_result(path: str, cells: list[dict], drafters: list[str], columns: list[str], lengths: list[int],
-                 argv: list[str], model: str, counts: dict[str, int], repeats: int, cold: bool = False,
+                 argv: list[str], model: str, counts: dict[str, int], repeats: int, memory: str = "run",
                  clock: str = "wall") -> None:
     """The grid in docs/results/'s schema: rows (drafter, length) x columns, and every cell's numbers; ``counts``:
     the inputs each column ran (prompts, or batch8's batches)."""
@@ -143,8 +151,7 @@ def write_result(path: str, cells: list[dict], drafters: list[str], columns: lis
         "benchmark": "drafter-grid",
         "title": "Every drafter x new-token length x category, paired against plain decoding",
         "command": "python benchmarks/bench_drafters_cpu.py " + shlex.join(argv[1:]),
-        "conditions": ("Cold: the guard's memory forgotten before every call, each call as a new process's first. "
-                       if cold else "")
+        "conditions": MEMORY_CONDITIONS[memory]
                       + ("Times are the process's CPU seconds, not wall seconds (draft_share: of wall seconds). "
                          if clock == "cpu" else "")
                       + f"{counts_text(counts, repeats)} Cells: paired ratio to plain (tau, when above 1.00) [90% "

@@ -137,11 +137,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     ap.add_argument("--model", default="default")
-    ap.add_argument("--cold", action="store_true",
-                    help="forget what the guard learned before every call: each call as a new process's first")
+    memory = ap.add_mutually_exclusive_group()
+    memory.add_argument("--cold", action="store_true",
+                        help="forget what the guard learned before every call: each call as a new process's first")
+    memory.add_argument("--machine-memory", action="store_true",
+                        help="start from what earlier runs on this machine taught the guard (its memory on disk); "
+                        "default: the run's own memory, empty at its start")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.machine_memory:  # the run's own memory, in a folder of its own (--cold: emptied every call)
+        forget_guard()
     loaded = load_model(args.model)
     timers = Timers()
     undo = timers.install(drafter_class(args.drafter))
@@ -184,7 +190,8 @@ def report(args, timers: Timers, counts) -> None:
     calls = counts[args.drafter]["calls"]
     total = mine["wall"]["generate()"]
     print(f"\n{args.drafter} vs plain, {args.category}, {args.max_new_tokens} new tokens, {calls} calls each"
-          f"{' (cold: the guard forgets before each call)' if args.cold else ''}, "
+          f"{' (cold: the guard forgets before each call)' if args.cold else ''}"
+          f"{' (the guard starting from what this machine remembered)' if args.machine_memory else ''}, "
           f"{torch.get_num_threads()} thread(s); per call, inclusive; share: of the drafter's call (wall)")
     print(f"{'phase':<40} {'calls':>6} {'wall ms':>9} {'cpu ms':>9} {'share':>7}   {'plain: calls':>12} {'wall ms':>9}"
           f" {'cpu ms':>9}")

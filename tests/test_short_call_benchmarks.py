@@ -60,6 +60,24 @@ def test_grid_measures_every_cell_and_checks_outputs(bench, chat_ckpt, tmp_path)
     assert len(result["cells"]) == len(cells)
 
 
+@pytest.mark.parametrize("flag", [None, "--machine-memory"])
+def test_the_guard_memory_of_a_run_is_its_own_unless_asked(bench, chat_ckpt, tmp_path, flag):
+    """By default a run neither starts from nor writes to the machine's guard memory (two runs start alike)."""
+    from specdec import remembered
+
+    machine = remembered._FOLDER  # this test's stand-in for the machine's memory (conftest)
+    out = tmp_path / "grid.json"
+    bench.main(["--grid", "--model", str(chat_ckpt), "--drafters", "ngram", "--lengths", "4", "--categories",
+                "held-out", "--prompts", "1", "--out", str(out)] + ([flag] if flag else []))
+    written = sorted(p.name for p in machine.glob("*.json")) if machine.is_dir() else []
+    conditions = json.loads(out.read_text())["conditions"]
+    if flag:
+        assert written and conditions.startswith("The guard started from what earlier runs"), (written, conditions)
+    else:
+        assert not written and conditions.startswith("The guard's memory empty at the run's start"), written
+        assert remembered._FOLDER != machine
+
+
 def test_ragged_batches_cycle_through_the_columns(bench):
     grid = sys.modules["drafter_grid"]
     batches = grid.ragged_batches({"a": [[1], [2, 2]], "b": [[3, 3, 3]]}, batches=2, size=4)
