@@ -455,8 +455,12 @@ class ModelDrafter(Drafter):
             for score, parent, token in cands:
                 nodes.append(_Node(parent, token, score, None))
         else:  # every frontier node's children drawn at once: one read of the device per depth
-            draft_probs = self._draft_probs(torch.stack([logits for _, logits, _ in frontier]))  # [frontier, vocab]
-            picks = self._draw(draft_probs, cfg.width(depth)).tolist()
+            rows = torch.stack([logits for _, logits, _ in frontier])  # [frontier, n], processed
+            draft_probs = self._draft_probs(rows)  # [frontier, vocab]
+            picks = self._draw(draft_probs, cfg.width(depth))
+            # the logits processors left a node's prefix no token (a draft path plain decoding may never take): no
+            # child. A NaN row is no such node: its draws stay, and the draft_probs checks refuse the tree
+            picks = picks.masked_fill_((rows == float("-inf")).all(-1, keepdim=True), -1).tolist()
             for (parent, _, score), probs, row in zip(frontier, draft_probs, picks):
                 nodes.extend(_Node(parent, t, score, probs) for t in row if t >= 0)
         return list(range(start, len(nodes)))
