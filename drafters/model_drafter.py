@@ -442,6 +442,8 @@ class ModelDrafter(Drafter):
         coupled sampling ranks each node's candidates by its perturbed logits (a Gumbel-top-k sample)."""
         cfg = self.config
         start = len(nodes)
+        if not frontier:  # this sequence's tree ended at the last depth while another's grows on
+            return []
         if noise is not None or self.mode is DraftMode.DETERMINISTIC:
             k = cfg.beam if cfg.tree == "dynamic" else cfg.width(depth)
             ids = self._draft_ids  # None: logit column == token id

@@ -255,18 +255,21 @@ def test_coupled_sampling_with_processors_is_the_same_text_with_any_drafter(mode
         assert specdec.generate(model, [p], max_new_tokens=NEW, drafter="ngram", **COUPLED) == [ref]
 
 
-@pytest.mark.parametrize("drafter", ["self-draft", "draft-model"])
-def test_a_sampled_draft_path_the_processors_leave_no_token_ends_there(drafter):
+@pytest.mark.parametrize("drafter,mode", [("self-draft", "auto"), ("self-draft", "without_replacement"),
+                                          ("draft-model", "auto")])
+def test_a_sampled_draft_path_the_processors_leave_no_token_ends_there(drafter, mode):
     """14 distinct prompt ids of 16, no_repeat_ngram_size=1: two tokens remain, so a draft node below depth 2 has no
-    token left to draw from. Such a node gets no children (the call raised DraftError on its NaN draft_probs where
-    plain decoding finishes)."""
+    token left to draw from. Such a node gets no children, while the other sequence's tree grows on (the call raised
+    DraftError on the node's NaN draft_probs, or stacked an empty frontier, where plain decoding finishes)."""
     tiny = build_tiny_model(vocab_size=16, num_hidden_layers=2)
-    options = {"num_draft_tokens": 4} | ({"num_layers": 1} if drafter == "self-draft" else {"model": tiny})
-    for seed in range(3):
+    options = {"num_draft_tokens": 4, "mode": mode}
+    options |= {"num_layers": 1} if drafter == "self-draft" else {"model": tiny}
+    for seed in range(2):
         kw = dict(max_new_tokens=2, no_repeat_ngram_size=1, do_sample=True, seed=seed, return_dict=True)
-        out = specdec.generate(tiny, [list(range(1, 15))], drafter=drafter, drafter_options=options,
+        out = specdec.generate(tiny, [list(range(1, 15)), [1]], drafter=drafter, drafter_options=options,
                                speculation="always", **kw)
         assert sorted(out.new_tokens[0]) == [0, 15], out.new_tokens  # each remaining token once, as plain's
+        assert len(set(out.new_tokens[1]) | {1}) == 3, out.new_tokens
         assert out.stats[0].step_nodes[0] == 1, out.stats[0].step_nodes  # its tree, cut to the 2 tokens: drafted
 
 
