@@ -129,6 +129,19 @@ def test_stop_strings_with_a_real_tokenizer(drafter):
     assert any(s in tok.decode(out.new_tokens[0]) for s in stops)  # the stop string itself is kept
 
 
+def test_a_tokenizer_passed_with_a_loaded_model_serves_the_call():
+    """generate(load_model(model), tokenizer=tok, stop=[...]) stops by tok, as with the model itself (the tokenizer
+    was dropped: "stop strings need a tokenizer"); the loaded model is left as it was."""
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(vocab_size=len(tok))
+    loaded = specdec.load_model(model)
+    free = tok.decode(specdec.generate(model, [[5, 6, 7]], max_new_tokens=12)[0][3:])
+    kw = dict(max_new_tokens=12, stop=[free[4:6]], tokenizer=tok, return_dict=True)
+    out = specdec.generate(loaded, [[5, 6, 7]], **kw)
+    assert out.new_tokens == specdec.generate(model, [[5, 6, 7]], **kw).new_tokens
+    assert out.stats[0].finish_reason == "stop" and loaded.tokenizer is None
+
+
 def test_generator_argument_drives_sampling(device):
     model = build_tiny_model().to(device)
     kwargs = dict(max_new_tokens=10, do_sample=True, top_k=20)

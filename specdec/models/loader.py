@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -213,8 +213,8 @@ def load_model(
     device: str | torch.device | None = None,
     trust_remote_code: bool = False,
 ) -> LoadedModel:
-    if isinstance(spec, LoadedModel):
-        return spec
+    if isinstance(spec, LoadedModel):  # a tokenizer passed with it serves this use (generate(tokenizer=...))
+        return spec if tokenizer is None or tokenizer is spec.tokenizer else replace(spec, tokenizer=tokenizer)
     dtype = check_dtype(dtype)
     device = check_device(device) if device is not None else None
     if _is_hf_model(spec):
