@@ -50,7 +50,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import drafter_grid  # noqa: E402
-from common import add_overwrite, chat_ids, check_new_files, eagle_rows, forget_guard, time_specdec  # noqa: E402
+from common import (  # noqa: E402
+    add_guard_memory,
+    add_overwrite,
+    chat_ids,
+    check_new_files,
+    eagle_rows,
+    forget_guard,
+    guard_memory,
+    start_guard_memory,
+    time_specdec,
+)
 
 from specdec.cost_model import load_cost_model  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
@@ -239,11 +249,6 @@ def category_mode(args, loaded, table: dict, run) -> None:
         Path(args.json).write_text(json.dumps({"guard_memory": guard_memory(args)} | report, indent=2))
 
 
-def guard_memory(args) -> str:
-    """Where the guard's memory of this run started: ``cold`` (empty before every call), ``run`` (empty at the run's
-    start, carried from call to call), ``machine`` (what earlier runs left on disk)."""
-    return "cold" if args.cold else "machine" if args.machine_memory else "run"
-
 
 def grid_mode(args, loaded, table: dict, run) -> list[dict]:
     """Every row x length x column (drafter_grid.py): per cell the paired ratio to plain and whether every output
@@ -289,13 +294,7 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--grid", action="store_true", help="every drafter x --lengths x --categories (see above)")
     ap.add_argument("--lengths", default="16,32,64,128", help="--grid: comma-separated new-token counts")
     ap.add_argument("--out", help="--grid: write the grid to this JSON file, in the docs/results/ schema")
-    memory = ap.add_mutually_exclusive_group()
-    memory.add_argument("--cold", action="store_true", help="forget what the guard learned before every call: each "
-                        "call as a new process's first (a CLI user's case)")
-    memory.add_argument("--machine-memory", action="store_true",
-                        help="start from what earlier runs on this machine taught the guard (its memory on disk) and "
-                        "leave this run's there; default: the run's own memory, empty at its start, so two runs of "
-                        "one command start alike")
+    add_guard_memory(ap)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="what a call's time is: wall seconds, or the process's CPU seconds (with OMP_NUM_THREADS=1 "
                          "on a machine shared with other work: the call's own work, not the other work's share of "
@@ -320,8 +319,7 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
     ap, args = parse_args(argv)
     torch.set_grad_enabled(False)
     try:
-        if not args.machine_memory:  # the run's own memory, in a folder of its own (--cold: emptied every call)
-            forget_guard()
+        start_guard_memory(args)
         loaded = load_model(args.model)
         table = drafters(args, loaded)
         if args.grid:

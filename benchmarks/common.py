@@ -55,6 +55,30 @@ _FORGOTTEN = Path(tempfile.gettempdir()) / f"specdec-remembered-{os.getpid()}"
 atexit.register(shutil.rmtree, _FORGOTTEN, ignore_errors=True)
 
 
+def add_guard_memory(ap) -> None:
+    """The options saying where a run's guard memory starts (:func:`guard_memory`)."""
+    memory = ap.add_mutually_exclusive_group()
+    memory.add_argument("--cold", action="store_true", help="forget what the guard learned before every call: each "
+                        "call as a new process's first (a CLI user's case)")
+    memory.add_argument("--machine-memory", action="store_true",
+                        help="start from what earlier runs on this machine taught the guard (its memory on disk) and "
+                        "leave this run's there; default: the run's own memory, empty at its start, so two runs of "
+                        "one command start alike")
+
+
+def start_guard_memory(args) -> None:
+    """Before a run's first call: unless --machine-memory, the run's own memory, in a folder of its own (--cold
+    empties it before every call besides)."""
+    if not args.machine_memory:
+        forget_guard()
+
+
+def guard_memory(args) -> str:
+    """Where the guard's memory of this run started: ``cold`` (empty before every call), ``run`` (empty at the run's
+    start, carried from call to call), ``machine`` (what earlier runs left on disk)."""
+    return "cold" if args.cold else "machine" if args.machine_memory else "run"
+
+
 def eagle_rows(path: str) -> dict[str, tuple[str, dict]]:
     """Benchmark rows (drafter name, options) of a trained EAGLE layer: alone, and merged per step with n-gram's
     copies by the combined drafter (whose child gate leaves the layer out of a call where it does not pay)."""

@@ -126,7 +126,7 @@ def counts_text(counts: dict[str, int], repeats: int) -> str:
     return f"{'; '.join(parts)}; {repeats} repeat(s): each interval rests on {blocks} blocks."
 
 
-# where the guard's memory started (bench_drafters_cpu.guard_memory) -> what the result file's conditions say
+# where the guard's memory started (common.guard_memory) -> what the result file's conditions say
 MEMORY_CONDITIONS = {
     "cold": "Cold: the guard's memory forgotten before every call, each call as a new process's first. ",
     "run": "The guard's memory empty at the run's start, carried from call to call. ",

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import chat_ids, forget_guard  # noqa: E402
+from common import add_guard_memory, chat_ids, forget_guard, start_guard_memory  # noqa: E402
 from drafter_grid import category_prompts  # noqa: E402
 from specdec.drafters import base as drafter_base  # noqa: E402
 
@@ -137,17 +137,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     ap.add_argument("--model", default="default")
-    memory = ap.add_mutually_exclusive_group()
-    memory.add_argument("--cold", action="store_true",
-                        help="forget what the guard learned before every call: each call as a new process's first")
-    memory.add_argument("--machine-memory", action="store_true",
-                        help="start from what earlier runs on this machine taught the guard (its memory on disk); "
-                        "default: the run's own memory, empty at its start")
+    add_guard_memory(ap)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not args.machine_memory:  # the run's own memory, in a folder of its own (--cold: emptied every call)
-        forget_guard()
+    start_guard_memory(args)
     loaded = load_model(args.model)
     timers = Timers()
     undo = timers.install(drafter_class(args.drafter))
