@@ -94,7 +94,11 @@ class DecodeAhead:
         except CacheFullError:
             if after is None:
                 raise
-            return None  # the unread step is read first; its commit frees what the next one needs
+            # the unread step is read first; its commit frees what the next one needs. The commit before it set
+            # each reservation back to the committed length: its position is reserved again (in the block the
+            # commit kept as the spare, where its K/V already is: no block is taken)
+            cache.reserve_many({s.seq_id: 1 for s in seqs})
+            return None
         builder = BatchBuilder(cache, e.runner.device)
         for s in seqs:
             root = len(s.token_ids) - 1 + ahead

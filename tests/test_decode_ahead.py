@@ -134,6 +134,31 @@ def test_a_full_pool_reads_the_step_first(loaded):
     assert got == want and engine.ahead is not None and engine.ahead.queued is None
 
 
+class FillingCache(PagedKVCache):
+    """A pool that takes two queued steps, then refuses every further one (as a pool filling up does)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.queued_room = 2
+
+    def reserve_many(self, num_new):
+        if any(n == 2 for n in num_new.values()):
+            if self.queued_room == 0:
+                raise CacheFullError("full")
+            self.queued_room -= 1
+        return super().reserve_many(num_new)
+
+
+def test_a_pool_that_fills_behind_a_queued_step_reads_it_first(loaded):
+    """The pool refuses the next step while one is queued: the queued step (whose position the commit before it
+    had given back) is read and committed, and decoding goes on plainly, with plain decoding's tokens."""
+    runner = loaded.runner
+    prompts = ragged_prompts(2, VOCAB, seed=6, max_len=10)
+    want, _, _ = run(runner, prompts, StopCriteria(6), queue_ahead=False)
+    got, _, engine = run(runner, prompts, StopCriteria(6), queue_ahead=True, cache_cls=FillingCache)
+    assert got == want and engine.cache.queued_room == 0
+
+
 def test_invalid_logits_raise_the_error_not_an_index_error(loaded, monkeypatch):
     """A step whose logits are all NaN chose the id outside the vocabulary; the step queued behind it embeds a valid
     id (an embedding lookup of the vocabulary size would fail on the device), and the read raises
