@@ -73,8 +73,9 @@ def test_parquet_and_saved_dataset(tmp_path):
 
 
 @pytest.mark.parametrize("case,match", [
-    ("missing", "not found"), ("unknown", "unknown data format"), ("empty", "empty"),
+    ("missing", "not found"), ("unknown", "unknown data format"), ("empty", "d.jsonl is empty"),
     ("nofield", "neither"), ("corrupt", "cannot read"), ("plain_dir", "not a dataset"),
+    ("latin1", "d.jsonl is not UTF-8 text"),
 ])
 def test_data_errors(tmp_path, case, match):
     if case == "missing":
@@ -88,6 +89,9 @@ def test_data_errors(tmp_path, case, match):
     elif case == "nofield":
         f = tmp_path / "d.jsonl"
         _jsonl(f, [{"content": "x"}])
+    elif case == "latin1":
+        f = tmp_path / "d.jsonl"
+        f.write_bytes('{"text": "caf\u00e9 au lait"}\n'.encode("latin-1"))
     elif case == "corrupt":
         f = tmp_path / "d.parquet"
         f.write_bytes(b"not parquet at all")

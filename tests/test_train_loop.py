@@ -71,6 +71,22 @@ def test_one_step_lowers_loss_on_a_fixed_batch(loss):
     assert after < before - 1e-3
 
 
+def test_a_batch_too_short_for_a_head_trains_the_others():
+    """A micro-batch whose sequences all end before head 2's target: that head's loss is 0 and still backpropagates
+    (a zero with no graph raised an autograd error mid-run)."""
+    from specdec.testing import build_tiny_model
+
+    model = build_tiny_model("llama-mha-untied", vocab_size=64)
+    heads = MedusaHeads(MedusaConfig(3, 1, model.config.hidden_size, 64))
+    lm_w = model.get_output_embeddings().weight.detach()
+    ids, mask = features.collate([[1, 5, 9], [4, 4]], "cpu")
+    hidden, labels = features.target_features(model, ids, mask)
+    loss, correct, count = trainer.head_loss(heads, 2, hidden, labels, mask, lm_w, "ce")
+    loss.backward()
+    assert loss.item() == 0.0 and (correct, count) == (0, 0)
+    assert all(p.grad is not None and not p.grad.any() for p in heads.heads[2].parameters())
+
+
 def test_kl_loss_is_zero_only_for_the_target_distribution():
     """KL vs the target's distribution at t+1+i: 0 when the head reproduces it, > 0 otherwise."""
     from specdec.testing import build_tiny_model
@@ -258,6 +274,12 @@ def test_output_dir_refusal_and_overwrite(tiny, tmp_path, monkeypatch):
     with pytest.raises(TrainDataError, match="not found"):
         run_training(_cfg(tiny, run, eval_tau=False, overwrite=True, data=str(tmp_path / "typo.jsonl")))
     assert sorted(p.name for p in run.iterdir()) == before and (run / "config.json").is_file()
+    # so are what the data holds and the context: a wrong field or a seq_len past the model's context too
+    with pytest.raises(TrainDataError, match="neither a 'content'"):
+        run_training(_cfg(tiny, run, eval_tau=False, overwrite=True, text_field="content"))
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        run_training(_cfg(tiny, run, eval_tau=False, overwrite=True, seq_len=100_000))
+    assert sorted(p.name for p in run.iterdir()) == before
     monkeypatch.chdir(run)  # never the working directory, even when it is a run
     with pytest.raises(OutputDirError, match="working directory"):
         run_training(_cfg(tiny, ".", eval_tau=False, overwrite=True, max_steps=2))

@@ -34,6 +34,8 @@ def _load_dataset(path: Path):
                 ds = ds[split]
             return ds
         suffix = path.suffix.lower()
+        if suffix in (".jsonl", ".json", ".parquet") and path.stat().st_size == 0:
+            raise TrainDataError(f"training data {path} is empty")
         if suffix in (".jsonl", ".json"):
             return datasets.load_dataset("json", data_files=str(path), split="train")
         if suffix == ".parquet":
@@ -54,7 +56,10 @@ def load_texts(data: str, text_field: str = "text", messages_field: str = "messa
         raise TrainDataError(f"training data {path} is empty")
     columns = set(ds.column_names)
     if text_field in columns:
-        texts = [t for t in ds[text_field] if isinstance(t, str) and t.strip()]
+        try:  # datasets decodes a JSON file's text lazily
+            texts = [t for t in ds[text_field] if isinstance(t, str) and t.strip()]
+        except UnicodeDecodeError as err:
+            raise TrainDataError(f"training data {path} is not UTF-8 text (byte {err.start}: {err.reason})") from err
     elif messages_field in columns:
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise TrainDataError(f"{path} holds chat messages but the model's tokenizer has no chat template")

@@ -33,23 +33,39 @@ def distill_graphs(cfg: TrainConfig, loaded) -> bool:
     return use_graphs(loaded, {"auto": None, "on": True, "off": False}[cfg.distill_cuda_graphs])
 
 
-def _sequences(cfg: TrainConfig, loaded, accelerator) -> tuple[list[list[int]], dict[tuple[int, ...], int]]:
-    """Training sequences, and for self-distilled ones the length of each one's prompt (keyed by the sequence):
-    the accuracies that predict drafting speed are those on the responses, not on the chat template."""
+def read_inputs(cfg: TrainConfig, loaded) -> list:
+    """What the run reads from the user's files, read (and refused) before ``--overwrite`` deletes anything: the
+    tokenized training sequences of ``--data``, the prompts of ``--prompts-file``, or [] (built-in or self-written
+    prompts)."""
     if cfg.data is not None:
         texts = load_texts(cfg.data, cfg.text_field, cfg.messages_field, loaded.tokenizer)
-        return tokenize_texts(loaded.tokenizer, texts, cfg.seq_len), {}
+        return tokenize_texts(loaded.tokenizer, texts, cfg.seq_len)
+    if not cfg.prompts_file:
+        return []
+    path = Path(cfg.prompts_file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise TrainDataError(f"prompts file {path} is not UTF-8 text (byte {err.start}: {err.reason})") from err
+    prompts = [x.strip() for x in text.splitlines() if x.strip()]
+    if not prompts:
+        raise TrainDataError(f"prompts file {path} is empty")
+    return prompts[: cfg.num_prompts]
+
+
+def _sequences(cfg: TrainConfig, loaded, accelerator,
+               inputs: list) -> tuple[list[list[int]], dict[tuple[int, ...], int]]:
+    """Training sequences (``inputs``: :func:`read_inputs`), and for self-distilled ones the length of each one's
+    prompt (keyed by the sequence): the accuracies that predict drafting speed are those on the responses, not on
+    the chat template."""
+    if cfg.data is not None:
+        return inputs, {}
     from specdec.train.distill import self_distill
     from specdec.train.prompts import builtin_prompts
     from specdec.train.self_prompts import self_written_prompts
 
-    if cfg.prompts_file:
-        path = Path(cfg.prompts_file)  # its existence: check_inputs(), before the output directory is touched
-        prompts = [x.strip() for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
-        if not prompts:
-            raise TrainDataError(f"prompts file {path} is empty")
-        prompts = prompts[: cfg.num_prompts]
-    elif cfg.prompt_source == "builtin":
+    prompts = inputs
+    if not cfg.prompts_file and cfg.prompt_source == "builtin":
         prompts = builtin_prompts(cfg.num_prompts, seed=cfg.seed)
     seqs = None
     for turn in (0, 1):  # the main process generates, the others then read its cache
@@ -121,8 +137,12 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
     # what can fail without training fails before the output directory is touched (--overwrite deletes it)
     check_inputs(cfg)
     loaded = load_model(cfg.model)
+    max_pos = getattr(loaded.model.config, "max_position_embeddings", None)
+    if max_pos is not None and cfg.seq_len > max_pos:
+        raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's context of {max_pos} tokens")
     if cfg.data is None:
         distill_graphs(cfg, loaded)
+    inputs = read_inputs(cfg, loaded)
     resume_from = None
     if accelerator.is_main_process:
         resume_from = prepare_output_dir(cfg)
@@ -137,13 +157,10 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
     try:
         model = loaded.model.to(accelerator.device)
         model.requires_grad_(False)
-        max_pos = getattr(model.config, "max_position_embeddings", None)
-        if max_pos is not None and cfg.seq_len > max_pos:
-            raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's context of {max_pos} tokens")
         if accelerator.is_main_process:
             (out / RUN_FILE).write_text(json.dumps({"config": cfg.to_json(), "fingerprint": cfg.fingerprint()},
                                                    indent=2))
-        seqs, prompt_lengths = _sequences(cfg, loaded, accelerator)
+        seqs, prompt_lengths = _sequences(cfg, loaded, accelerator, inputs)
         train_seqs, held_out = split_held_out(seqs, cfg.held_out_fraction)
         logger.info("%d training / %d held-out sequences (%d / %d tokens)", len(train_seqs), len(held_out),
                     sum(map(len, train_seqs)), sum(map(len, held_out)))

@@ -144,8 +144,8 @@ def head_loss(heads: MedusaHeads, i: int, hidden, labels, mask, lm_w,
     over the target's logits of those ids), the best any reduced head can match. ``correct`` /
     ``count`` always count every position, so an out-of-vocabulary label is a miss."""
     shift = 1 + i
-    if hidden.shape[1] <= shift:
-        return hidden.new_zeros(()), 0, 0
+    if hidden.shape[1] <= shift:  # every sequence too short for this head: a zero that still reaches its weights
+        return sum(p.sum() for p in heads.heads[i].parameters()) * 0.0, 0, 0
     h = hidden[:, :-shift]  # [B, L-shift, H]
     y = labels[:, shift:]
     valid = mask[:, shift:].bool()
