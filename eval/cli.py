@@ -190,6 +190,14 @@ def check_out_dir(out: Path) -> None:
         raise ValueError(f"--out {out}: exists and is not a directory")
 
 
+def make_out_dir(out: Path) -> None:
+    """Create --out before any work: a directory that cannot be made fails now, not after the run."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--out {out}: cannot create it ({err.strerror})") from err
+
+
 def check_earlier_run(out: Path, names: tuple[str, ...], overwrite: bool, resumable: bool = False) -> list[Path]:
     """Refuse, before any work, an --out holding an earlier run's ``names`` unless ``overwrite``: its results would be
     replaced (or, for the acceptance suite, mixed with this run's). Returns what is there, for --overwrite to clear."""
@@ -226,6 +234,7 @@ def run_lossless(args) -> int:
     sampling = SamplingConfig(args.temperature > 0, args.temperature or 1.0, args.top_k, args.top_p)
     out = Path(args.out or "runs/eval-lossless")
     check_earlier_run(out, CERTIFICATE_FILES, args.overwrite)  # before minutes of work, not after
+    make_out_dir(out)
     torch.manual_seed(args.seed)
     loaded = load_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None)
     encode = _encoder(loaded)
@@ -265,12 +274,7 @@ def run_acceptance(args) -> int:
     out = Path(args.out or "runs/eval-acceptance")
     if args.resume and args.overwrite:
         raise ValueError("--resume keeps an earlier run's cells and --overwrite replaces them: pass one")
-    if not args.resume:  # a resume checks the earlier run's settings and cells itself
-        earlier = check_earlier_run(out, ACCEPTANCE_FILES, args.overwrite, resumable=True)
-        if os.environ.get("RANK", "0") == "0":  # once, under accelerate launch too
-            for found in earlier:  # with the cells of rows this run may not have, which it would report
-                for path in sorted(found.glob("*__*.json")) if found.is_dir() else [found]:
-                    path.unlink(missing_ok=True)
+    earlier = [] if args.resume else check_earlier_run(out, ACCEPTANCE_FILES, args.overwrite, resumable=True)
     conversations = select_conversations(args.categories, args.prompts, args.prompts_file, args.prompt_column)
     categories = list(dict.fromkeys(c.category for c in conversations))
     per_drafter: dict[str, dict] = {d: {} for d in names}
@@ -289,6 +293,13 @@ def run_acceptance(args) -> int:
                          not args.no_hf_baseline, args.seed, args.calibration_repeats, args.sampler, renamed)
     loaded = load_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None,
                         device=_suite_device(args.device))
+    # --overwrite clears the earlier run only now that this one's prompts, options and model are known to be good
+    # (a resume checks the earlier run's settings and cells itself)
+    if os.environ.get("RANK", "0") == "0":  # once, under accelerate launch too
+        for found in earlier:  # with the cells of rows this run may not have, which it would report
+            for path in sorted(found.glob("*__*.json")) if found.is_dir() else [found]:
+                path.unlink(missing_ok=True)
+    make_out_dir(out)
     turns = sum(len(c.turns) for c in conversations)
     total = turns * (len(names) + 1) * args.max_new_tokens
     bar = tqdm(total=total, unit="tok", desc="acceptance", disable=None)

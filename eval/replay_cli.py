@@ -79,6 +79,8 @@ def run_record(args) -> int:
                           args.costs)
     inputs = [x for x in (args.prompts_file, args.model) if x]  # the model too, when it names a file
     check_record_path(args.out, args.overwrite, inputs)
+    if args.prompts is not None and args.prompts < 1:
+        raise ValueError(f"--prompts must be at least 1, got {args.prompts}")
     category = args.category if args.category is not None or args.prompts_file else "chat"
     conversations = select_conversations(category, args.prompts or (None if args.prompts_file else 5),
                                          args.prompts_file, args.prompt_column)
@@ -104,9 +106,12 @@ def _budgets(spec: str | None) -> list[int | None]:
     if spec is None:
         return [None]
     try:
-        return [int(x) for x in spec.split(",") if x.strip()]
+        budgets = [int(x) for x in spec.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--max-nodes takes an integer or a comma list of integers, got {spec!r}") from None
+        budgets = []
+    if not budgets:
+        raise ValueError(f"--max-nodes takes an integer or a comma list of integers, got {spec!r}")
+    return budgets
 
 
 def run_replay(args) -> int:

@@ -175,6 +175,10 @@ def check_record_path(path: str | Path, overwrite: bool, inputs: Sequence[str | 
         raise InputError(f"--out {path} is a directory; name the record file to write")
     if path.exists() and not overwrite:
         raise InputError(f"--out {path} exists; pass --overwrite to replace it, or name another file")
+    try:  # a folder the record cannot go into fails now, not after the recording
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InputError(f"--out {path}: cannot create its folder {path.parent} ({err.strerror})") from err
 
 
 def save_record(record: dict, path: str | Path) -> Path:

@@ -87,6 +87,11 @@ def test_replay_record_never_replaces_a_file_unasked(models, tmp_path, capsys):
         code, captured = _main([*record, "--out", str(prompts), *extra], capsys)
         assert code == 2 and "is the run's input" in captured.err
         assert prompts.read_bytes() == original
+    (tmp_path / "file").write_text("")
+    for bad, says in ((["--out", str(tmp_path / "file" / "run.json")], "cannot create its folder"),
+                      (["--out", str(tmp_path / "x.json"), "--prompts", "0"], "--prompts must be at least 1")):
+        code, captured = _main([*record, *bad], capsys)  # before recording, not after
+        assert code == 2 and says in captured.err and "recorded" not in captured.out
     existing = tmp_path / "run.json"
     existing.write_text("someone's results")
     code, captured = _main([*record, "--out", str(existing)], capsys)
@@ -114,6 +119,10 @@ def test_an_earlier_run_in_out_is_replaced_only_with_overwrite(models, tmp_path,
     assert "holds an earlier run (report.json, report.md, settings.json, cells)" in err
     assert "--resume" in err and "--overwrite" in err and (out / "report.json").read_bytes() == report
     assert _main([*argv, "--resume", "--overwrite"], capsys)[0] == 2
+    # --overwrite with a model or a prompts file that fails replaces nothing: the earlier run stays whole
+    for bad in (["--model", str(tmp_path / "nowhere")], ["--prompts-file", str(tmp_path / "none.jsonl")]):
+        code, _ = _main([*argv, *bad, "--overwrite"], capsys)
+        assert code == 2 and (out / "report.json").read_bytes() == report and (out / "cells").is_dir()
     (out / "cells" / "ngram__chat.json").rename(out / "cells" / "ngram__old.json")  # a row this run will not have
     (out / "cells" / "notes.txt").write_text("the user's")
     code, _ = _main([*argv[:-2], "--categories", "qa", "--out", str(out), "--overwrite"], capsys)
@@ -126,3 +135,7 @@ def test_an_earlier_run_in_out_is_replaced_only_with_overwrite(models, tmp_path,
     (cert / "certificate.json").write_text("{}")
     code, captured = _main(["eval", "lossless", "--model", "nowhere", "--out", str(cert)], capsys)
     assert code == 2 and "holds an earlier run (certificate.json)" in captured.err  # before loading the model
+    (tmp_path / "file").write_text("")  # an --out that cannot be made fails before the run, naming --out
+    code, captured = _main(["eval", "lossless", "--model", models[0], "--out", str(tmp_path / "file" / "cert")],
+                           capsys)
+    assert code == 2 and "--out" in captured.err and "cannot create it" in captured.err

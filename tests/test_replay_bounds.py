@@ -112,6 +112,9 @@ def test_cli_prints_the_three_rows_and_json(tiny_record, tmp_path, capsys):
     assert main(["eval", "replay", "bound", "--record", str(path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["copy"]["tau"] >= data["oracle"]["tau"] and data["sequences"] == 2
+    for budgets in (",", " "):  # no budget at all: a one-line error, not an IndexError
+        assert main(["eval", "replay", "run", "--record", str(path), "--max-nodes", budgets]) == 2
+        assert "--max-nodes takes an integer" in capsys.readouterr().err
 
 
 def test_overall_speedups_rescale_the_curve_to_the_recorded_decode_step():
