@@ -55,7 +55,7 @@ def save_eagle(model: EagleModel, directory: str | os.PathLike, extra: dict | No
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
         "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-        "draft_vocab_size": len(c.draft_vocab) or c.vocab_size,
+        "max_position_embeddings": c.max_position_embeddings, "draft_vocab_size": len(c.draft_vocab) or c.vocab_size,
         "specdec_eagle": {"num_features": c.num_features, "depth": c.depth, "top_k": c.top_k,
                           "max_nodes": c.max_nodes, "base_model_name_or_path": c.base_model_name_or_path,
                           **eagle3, **(extra or {})},
@@ -129,6 +129,7 @@ def config_from_checkpoint(raw: dict, state: dict[str, torch.Tensor], where: str
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), rope_theta=float(raw.get("rope_theta", 10000.0)),
             num_features=_num_features(raw, state, hidden), draft_vocab=ids, norms="norm.weight" in state,
             base_model_name_or_path=str(extra.get("base_model_name_or_path", "")),
+            max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
             **{k: int(extra[k]) for k in ("depth", "top_k", "max_nodes") if k in extra})
     except KeyError as err:
         raise EagleCheckpointError(f"{where}: config.json lacks {err.args[0]!r}") from None

@@ -72,6 +72,8 @@ class EagleConfig:
     feature_layers: tuple[int, ...] = ()  # eagle3: target layer ids whose input residual streams are fused
     norm_before_residual: bool = False  # eagle3: the residual around attention is hidden_norm(hidden)
     own_lm_head: bool = False  # eagle3 over the full vocabulary: its own [V, H] head instead of the target's
+    # the target's context, written into exported configs (serving engines size the draft's positions by it)
+    max_position_embeddings: int = 4096
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -90,7 +92,7 @@ class EagleConfig:
             raise InputError("EagleConfig: feature_layers, norm_before_residual and own_lm_head are EAGLE-3 options "
                              "(arch='eagle3')")
         for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
-                     "num_features", "depth", "top_k", "max_nodes"):
+                     "num_features", "depth", "top_k", "max_nodes", "max_position_embeddings"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"EagleConfig.{name} must be a positive integer, got {value!r}")
@@ -113,7 +115,8 @@ class EagleConfig:
             num_kv_heads=getattr(hf_config, "num_key_value_heads", heads) or heads,
             head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
             vocab_size=hf_config.vocab_size, rms_norm_eps=float(hf_config.rms_norm_eps), rope_theta=float(theta),
-            base_model_name_or_path=str(getattr(hf_config, "_name_or_path", "") or ""))
+            base_model_name_or_path=str(getattr(hf_config, "_name_or_path", "") or ""),
+            max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", None) or 4096))
         fields.update(overrides)
         if fields.get("arch") == "eagle3" and not fields.get("feature_layers"):
             fields["feature_layers"] = default_feature_layers(hf_config.num_hidden_layers)

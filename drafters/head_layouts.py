@@ -132,6 +132,7 @@ def read_eagle3(raw: dict, state: dict[str, torch.Tensor], where: str, target_co
             arch="eagle3", feature_layers=_feature_layers(raw, target_config, where),
             norm_before_residual=bool(raw.get("norm_before_residual", layer.get("norm_before_residual", False))),
             draft_vocab=ids, own_lm_head=own_head, base_model_name_or_path=_verifier(raw),
+            max_position_embeddings=int(layer.get("max_position_embeddings") or 4096),
             **{k: int(extra[k]) for k in ("depth", "top_k", "max_nodes") if k in extra})
     except KeyError as err:
         raise EagleCheckpointError(f"{where}: config.json lacks {err.args[0]!r}") from None
@@ -168,7 +169,7 @@ def _llama_layer(c: EagleConfig) -> dict:
             "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
             "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-            "max_position_embeddings": 4096, "attention_bias": False, "mlp_bias": False,
+            "max_position_embeddings": c.max_position_embeddings, "attention_bias": False, "mlp_bias": False,
             "tie_word_embeddings": False}
 
 

@@ -47,6 +47,7 @@ def write_sglang_checkpoint(path, seed=0, norm_before_residual=False, layers=(0,
               "intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV,
               "num_hidden_layers": 1, "vocab_size": V, "draft_vocab_size": N, "rms_norm_eps": 1e-6,
               "rope_theta": 10000.0, "hidden_act": "silu", "norm_before_residual": norm_before_residual,
+              "max_position_embeddings": 32768,
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [f - 1 for f in layers]}}  # SGLang: outputs
     (path / "config.json").write_text(json.dumps(config))
     return sd
@@ -127,6 +128,9 @@ def test_export_then_import_is_the_identity_and_configs_name_the_target(tmp_path
                                    atol=1e-5)
         again = load_eagle(out, target.config)
         assert again.config.draft_vocab == model.config.draft_vocab
+        # the target's context travels with the head (serving engines size the draft's positions by it)
+        layer = raw.get("transformer_layer_config", raw)
+        assert layer["max_position_embeddings"] == again.config.max_position_embeddings == 32768
         for key, value in model.state_dict().items():
             assert torch.equal(again.state_dict()[key], value), (fmt, key)
         if fmt == "speculators":
@@ -139,6 +143,19 @@ def test_export_then_import_is_the_identity_and_configs_name_the_target(tmp_path
             assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 0, 1]
         assert set(written) >= {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
         assert written["t2d"].sum() == N and torch.equal(written["d2t"], sd["d2t"])
+
+
+def test_a_head_made_for_a_target_exports_the_targets_context(tmp_path):
+    """A head shaped for a target records its context, save and load keep it, and both layouts write it (they
+    wrote 4096 whatever the target's)."""
+    target = build_tiny_model(max_position_embeddings=32768)
+    config = EagleConfig.for_target(target.config, arch="eagle3", own_lm_head=True)
+    save_eagle(EagleModel(config), tmp_path / "head")
+    assert load_eagle(tmp_path / "head", target.config).config.max_position_embeddings == 32768
+    for fmt in ("speculators", "sglang"):
+        out, _ = export_head(tmp_path / "head", fmt, tmp_path / fmt, target="org/tiny-target")
+        raw = json.loads((out / "config.json").read_text())
+        assert raw.get("transformer_layer_config", raw)["max_position_embeddings"] == 32768
 
 
 def test_a_specdec_head_with_an_unsorted_vocabulary_exports_sorted_and_drafts_the_same(tmp_path, target):
