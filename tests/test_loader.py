@@ -124,6 +124,19 @@ def test_directory_without_config(tmp_path):
         load_model(str(tmp_path))
 
 
+def test_a_truncated_weights_file_is_a_one_line_input_error(tmp_path):
+    """A half-copied checkpoint: a specdec.InputError naming the folder (the CLI's one line), not safetensors' own
+    error type, which no caller catches."""
+    from specdec.errors import InputError
+    from specdec.testing import save_tiny_checkpoint
+
+    path = save_tiny_checkpoint(tmp_path / "tiny")
+    weights = tmp_path / "tiny" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:3000])
+    with pytest.raises(InputError, match="safetensors weights cannot be read"):
+        load_model(path)
+
+
 def test_a_loaded_checkpoint_is_shared_while_held_and_freed_after(tmp_path):
     """Loading the same directory twice while the first model is held gives that model back; once its last
     user drops it, nothing in specdec keeps it alive (an lru_cache once held up to four models forever)."""

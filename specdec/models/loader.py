@@ -90,9 +90,15 @@ def _from_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[
 
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a transformers checkpoint directory (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
-    )
+    from safetensors import SafetensorError
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except SafetensorError as err:  # a truncated or half-downloaded weights file
+        raise InputError(f"{path}: its safetensors weights cannot be read ({err}); copy or download them again") \
+            from err
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
