@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
 from specdec.eval.exact_law import SyntheticCase, emitted_law, max_abs_error, step_law, target_law
 from specdec.eval.negative_controls import BROKEN_RULES, ENGINE_FAULTS
 from specdec.eval.selection_law import selection_cases
@@ -49,7 +50,7 @@ from specdec.eval.statistics import (
 
 from specdec.rejection import EXACT
 from specdec.sampling import SamplingConfig
-from specdec.tree import DraftMode
+from specdec.tree import DraftMode, DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +191,46 @@ def exact_law_checks(modes: list[DraftMode], sampling: SamplingConfig) -> list[C
                             samples=len(cases), detail=f"{len(cases)} cases, vocab 4-6, depth <= 3, width <= 3"))
     if sampling.do_sample and any(m is not DraftMode.DETERMINISTIC for m in modes):
         checks += selection_checks()
+    if sampling.do_sample:
+        checks += fast_path_checks(sampling)
+    return checks
+
+
+def _random_trees(vocab: int, gen: torch.Generator) -> list[DraftTree]:
+    """A batch of deterministic trees of 0..7 nodes with random parents, siblings often repeating a token."""
+    trees = []
+    for _ in range(6):
+        n = int(torch.randint(0, 8, (1,), generator=gen))
+        parents = [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(n)]
+        tokens = torch.randint(0, min(vocab, 5), (n,), generator=gen).tolist()
+        trees.append(DraftTree(tokens, parents) if n else DraftTree.empty())
+    return trees
+
+
+def fast_path_checks(sampling: SamplingConfig, trials: int = 400) -> list[Check]:
+    """The exact-law level enumerates the acceptance rule; the sampler users run takes shortcuts for deterministic
+    trees (n-gram, Medusa, EAGLE, MTP) and for steps with no draft. Given the same generator, those shortcuts
+    must draw what the full walk over the rule draws, draft for draft (a 2% bias in an acceptance ratio changes
+    some draws); the control runs the walk with a rule that accepts every candidate."""
+    from specdec.rejection import _stochastic, rejection_sample
+
+    def disagreements(rule) -> int:
+        gen, vocab, bad = torch.Generator().manual_seed(11), 6, 0
+        for trial in range(trials):
+            trees = _random_trees(vocab, gen) if trial % 4 else [DraftTree.empty()] * 3  # a quarter: plain steps
+            logits = torch.randn(len(trees), max(t.num_nodes for t in trees) + 1, vocab, generator=gen) * 2
+            fast = rejection_sample(trees, logits, sampling, torch.Generator().manual_seed(trial), rule)
+            walk = _stochastic(trees, logits, sampling, torch.Generator().manual_seed(trial), EXACT)
+            bad += [(a.next_token, a.accepted_nodes) for a in fast] != [(a.next_token, a.accepted_nodes)
+                                                                         for a in walk]
+        return bad
+
+    checks = []
+    for control, rule in ((None, EXACT), ("always_accept", BROKEN_RULES["always_accept"])):
+        bad = disagreements(rule)
+        checks.append(Check("sampler's fast paths == full walk", "exact-law", bad == 0, control, samples=trials,
+                            detail=f"{bad} of {trials} seeded batches drew otherwise (deterministic trees, plain "
+                                   f"steps; vocab 6)"))
     return checks
 
 

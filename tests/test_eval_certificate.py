@@ -208,3 +208,30 @@ def test_statistics_alone_run_only_the_controls_that_apply():
     assert not cert.void and cert.passed, [(c.control, c.passed) for c in cert.checks]
     assert {c.level for c in cert.checks} == {"sampler-statistics"}
     assert "always_accept" in {c.control for c in cert.checks}
+
+
+def test_a_biased_shortcut_of_the_sampler_fails_the_exact_level(monkeypatch):
+    """The exact law is the acceptance rule's; the sampler's shortcut for deterministic trees (what n-gram, Medusa,
+    EAGLE and MTP run) accepting 1% too often passed every level before the fast-path row: it must fail it."""
+    import specdec.rejection as rejection
+    from specdec.eval.certificate import fast_path_checks
+
+    sampling = SamplingConfig(True, 0.8, 50)
+    exact, control = fast_path_checks(sampling)
+    assert exact.passed and exact.control is None and not control.passed and control.as_expected
+    walk, deterministic = rejection._walk, rejection._deterministic
+
+    def biased(*args):
+        def over_accepting(trees, logits, sampling, generator, try_children, *rest):
+            def tried(cur, target, live, uniforms):
+                return try_children(cur, target, live, uniforms / 1.01)  # u < 1.01 p / left
+            return walk(trees, logits, sampling, generator, tried, *rest)
+
+        monkeypatch.setattr(rejection, "_walk", over_accepting)
+        try:
+            return deterministic(*args)
+        finally:
+            monkeypatch.setattr(rejection, "_walk", walk)
+
+    monkeypatch.setattr(rejection, "_deterministic", biased)
+    assert not fast_path_checks(sampling)[0].passed
