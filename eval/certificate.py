@@ -255,7 +255,10 @@ def sampler_cases(modes: list[DraftMode], sampling: SamplingConfig) -> dict[str,
 
 
 def sampler_checks(modes: list[DraftMode], sampling: SamplingConfig, sizes: CertificateSizes,
-                   applicable: set[str]) -> tuple[list[Check], list[str]]:
+                   applicable: set[str], seed: int = 0) -> tuple[list[Check], list[str]]:
+    """``seed`` (the CLI's --seed) moves every draw: another seed is an independent repeat (0: the draws of the
+    committed certificates)."""
+    draws = 1000 * seed
     stat_sampling = sampling if sampling.do_sample else SamplingConfig(True)
     cases = sampler_cases(modes, stat_sampling)
     laws = {name: dict(step_law(c, EXACT)(c.prefix)) for name, c in cases.items()}
@@ -264,7 +267,7 @@ def sampler_checks(modes: list[DraftMode], sampling: SamplingConfig, sizes: Cert
     for rule_name, rule in [("exact", EXACT)] + [(r, BROKEN_RULES[r]) for r in sorted(applicable)]:
         fits, bounds = {}, {}
         for name, case in cases.items():
-            samples, _ = run_sampler(case, rule, n=n, seed=7)
+            samples, _ = run_sampler(case, rule, n=n, seed=7 + draws)
             fits[name] = goodness_of_fit(samples, laws[name], sizes.stat_tv, level_alpha)
             bounds[name] = total_variation_bound(samples, laws[name])
         rejected = holm({k: f.p_value for k, f in fits.items()}, sizes.alpha)
@@ -282,11 +285,11 @@ def sampler_checks(modes: list[DraftMode], sampling: SamplingConfig, sizes: Cert
     single = SyntheticCase(8, (1,), DraftMode.INDEPENDENT, stat_sampling, seed=21)
     for rule_name, rule in [("exact", EXACT), ("always_accept", BROKEN_RULES["always_accept"])]:
         control = None if rule is EXACT else rule_name
-        rate, expected, p = acceptance_rate_test(single, n, rule=rule)
+        rate, expected, p = acceptance_rate_test(single, n, seed=1 + draws, rule=rule)
         checks.append(Check("acceptance rate == sum(min(target_probs, draft_probs))", "sampler-statistics",
                             p > sizes.alpha, control, p_value=p, samples=n,
                             detail=f"measured {rate:.4f}, expected {expected:.4f}"))
-        mean, tau, z, _ = chain_tau_test(chain, n, rule=rule)
+        mean, tau, z, _ = chain_tau_test(chain, n, seed=2 + draws, rule=rule)
         checks.append(Check("chain tau == (1 - a^(k+1)) / (1 - a), k=4", "sampler-statistics", abs(z) < 4, control,
                             samples=n, detail=f"measured {mean:.4f}, expected {tau:.4f}, z={z:.2f}"))
     return checks, warnings
@@ -294,7 +297,8 @@ def sampler_checks(modes: list[DraftMode], sampling: SamplingConfig, sizes: Cert
 
 # ---- level 3 --------------------------------------------------------------------------------
 def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: SamplingConfig,
-                      sizes: CertificateSizes, make_prompts: Callable[[int], list[list[int]]]) -> tuple[list, list]:
+                      sizes: CertificateSizes, make_prompts: Callable[[int], list[list[int]]],
+                      seed: int = 0) -> tuple[list, list]:
     from specdec.eval.divergence import greedy_identity
     from specdec.eval.end_to_end import sampled_two_sample
 
@@ -339,7 +343,8 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
     start = plain[0][: len(prompts[0]) + sizes.identity_tokens // 2]
     for rule_name, rule in (("exact", EXACT), ("always_accept", BROKEN_RULES["always_accept"])):
         control = None if rule is EXACT else rule_name
-        res = sampled_two_sample(loaded, start, drafter, options, e2e_sampling, sizes, rule)
+        res = sampled_two_sample(loaded, start, drafter, options, e2e_sampling, sizes, rule,
+                                 seeds=(1 + 2 * seed, 2 + 2 * seed))
         # two tests of one hypothesis: Holm keeps the family-wise false-failure rate at alpha
         ok = not holm({"chi2": res["chi2_p"], "ks": res["ks_p"]}, sizes.alpha)
         checks.append(Check(f"sampled {sizes.sample_tokens} tokens mid-answer vs plain sampling", "end-to-end", ok,
@@ -373,12 +378,12 @@ def run_certificate(loaded: Any, drafter: Any, options: dict, sampling: Sampling
         applicable = {c.control for c in checks if c.control and "not applicable" not in c.detail} & set(BROKEN_RULES)
     if "stats" in levels:
         progress("sampler statistics")
-        checks, warnings = sampler_checks(modes, sampling, sizes, applicable)
+        checks, warnings = sampler_checks(modes, sampling, sizes, applicable, seed)
         cert.checks += checks
         cert.warnings += warnings
     if "e2e" in levels:
         progress("end to end")
-        checks, warnings = end_to_end_checks(loaded, drafter, options, sampling, sizes, make_prompts)
+        checks, warnings = end_to_end_checks(loaded, drafter, options, sampling, sizes, make_prompts, seed)
         cert.checks += checks
         cert.warnings += warnings
     if "coupled" in levels:

@@ -111,7 +111,9 @@ def _common(p) -> None:
     p.add_argument("--out", default=None, help="output directory (default: runs/eval-<command>)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run found in --out (without it such a directory is refused)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the run's random draws; another seed repeats a certificate's statistics and "
+                        "end-to-end sampling independently (default: 0)")
 
 
 def _add_dtype(p) -> None:

@@ -213,8 +213,9 @@ def test_statistics_alone_run_only_the_controls_that_apply():
 def test_a_biased_shortcut_of_the_sampler_fails_the_exact_level(monkeypatch):
     """The exact law is the acceptance rule's; the sampler's shortcut for deterministic trees (what n-gram, Medusa,
     EAGLE and MTP run) accepting 1% too often passed every level before the fast-path row: it must fail it."""
-    import specdec.rejection as rejection
     from specdec.eval.certificate import fast_path_checks
+
+    import specdec.rejection as rejection
 
     sampling = SamplingConfig(True, 0.8, 50)
     exact, control = fast_path_checks(sampling)
@@ -235,3 +236,21 @@ def test_a_biased_shortcut_of_the_sampler_fails_the_exact_level(monkeypatch):
 
     monkeypatch.setattr(rejection, "_deterministic", biased)
     assert not fast_path_checks(sampling)[0].passed
+
+
+def test_another_seed_draws_the_statistics_anew():
+    """--seed reached only the coupled and bit-exact levels: every rerun of a certificate drew the same samples,
+    so a pass or a chance failure could not be repeated independently."""
+    from dataclasses import replace
+
+    from specdec.eval.certificate import sampler_checks
+
+    from specdec.tree import DraftMode
+
+    sizes = replace(CertificateSizes(), stat_samples=2000)
+    def p_values(seed):
+        checks, _ = sampler_checks([DraftMode.DETERMINISTIC], SamplingConfig(True, 0.8), sizes, set(), seed)
+        return [c.p_value for c in checks]
+
+    first = p_values(0)
+    assert first[0] is not None and p_values(0) == first and p_values(1) != first
