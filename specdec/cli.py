@@ -289,9 +289,10 @@ def _generate(args, stream_class) -> tuple[str, dict]:
                 cuda_graphs="auto" if args.cuda_graphs is None else args.cuda_graphs,
                 invariant=args.invariant,
             )
-    except KeyboardInterrupt:
+    except BaseException:  # Ctrl-C, or an error mid-generation (the KV cache full, ...)
         if stream is not None:  # keep what was generated: the rest of the text and its newline, then main's line
-            stream.finish()
+            with contextlib.suppress(OSError, ValueError):  # stdout gone (a closed pipe, a full disk): nothing to end
+                stream.finish()
         raise
     if stream is not None:
         stream.finish()

@@ -224,6 +224,25 @@ def test_ctrl_c_keeps_the_streamed_text_and_exits_130(ckpt, capsys, monkeypatch)
     assert "Traceback" not in err and err.splitlines()[-1] == "specdec generate: interrupted"
 
 
+def test_an_error_mid_generation_ends_the_streamed_line_first(ckpt, capsys, monkeypatch):
+    """A KV cache that fills after three streamed tokens: the text is kept and its line ended, and the error is a
+    line of its own (it was printed right after the text, on the same terminal line)."""
+    from specdec.cli import _TextStream
+    from specdec.kv_cache import CacheFullError
+
+    stream_call = _TextStream.__call__
+
+    def full_after_three_tokens(self, seq_index, new_tokens):
+        stream_call(self, seq_index, new_tokens)
+        if len(self.tokens) >= 3:
+            raise CacheFullError("KV cache out of blocks")
+
+    monkeypatch.setattr(_TextStream, "__call__", full_after_three_tokens)
+    rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", "50")
+    assert rc == 2 and out == greedy_text(ckpt, 3) + "\n"
+    assert err.splitlines()[-1].startswith("specdec generate: error: KV cache out of blocks")
+
+
 def test_ctrl_c_with_json_leaves_stdout_empty(ckpt, capsys, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
