@@ -520,3 +520,16 @@ def test_a_resume_names_input_files_that_changed_since_the_checkpoint(tiny, tmp_
     with caplog.at_level("WARNING", logger="specdec.train.trainer"):
         assert trainer.prepare_output_dir(cfg) is not None  # resumed, with a warning naming the file
     assert f"--resume: {data} changed since the checkpoint was saved" in caplog.text
+
+
+def test_a_history_line_cut_short_by_a_kill_does_not_block_resume(tmp_path):
+    """A kill mid-append left a torn last line in history.jsonl, and every --resume then failed on it (the
+    checkpoint was whole); it is dropped now. A bad line elsewhere is an error naming the file and the line."""
+    from specdec.train.trainer import read_history
+
+    path = tmp_path / "history.jsonl"
+    path.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.4}\n{"step": 3, "lo')
+    assert [h["step"] for h in read_history(path)] == [1, 2]
+    path.write_text('{"step": 1, "loss": 2.5}\n{"st\n{"step": 3, "loss": 2.3}\n')
+    with pytest.raises(OutputDirError, match="line 2 is not JSON"):
+        read_history(path)

@@ -31,6 +31,7 @@ from specdec.train.config import TrainConfig
 from specdec.train.features import FeatureCache, collate, target_features
 from torch.nn import functional as F
 
+from specdec.atomic_write import replaced_atomically
 from specdec.errors import SpecdecError
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,22 @@ def prepare_output_dir(cfg: TrainConfig) -> Path | None:
         _check_deletable(out)
         shutil.rmtree(out)
     return None
+
+
+def read_history(path: Path) -> list[dict]:
+    """The records of ``history.jsonl``; a last line cut short (a kill mid-append) is dropped with a warning: the
+    checkpoint, not the history, says where a resumed run starts."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    history = []
+    for i, line in enumerate(lines):
+        try:
+            history.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i < len(lines) - 1:
+                raise OutputDirError(f"{path} line {i + 1} is not JSON ({err.msg}); delete the line to resume") \
+                    from err
+            logger.warning("%s: its last line was cut short (the run was killed while writing it): dropped", path)
+    return history
 
 
 def batch_rows(num_train: int, micro: int, batch_size: int, seed: int) -> list[int]:
@@ -240,8 +257,9 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
     history = []
     hist_file = out / "history.jsonl"
     if accelerator.is_main_process and resume_from is not None and hist_file.exists():
-        history = [json.loads(x) for x in hist_file.read_text().splitlines() if json.loads(x)["step"] <= step]
-        hist_file.write_text("".join(json.dumps(h) + "\n" for h in history))
+        history = [h for h in read_history(hist_file) if h["step"] <= step]
+        with replaced_atomically(hist_file) as tmp:
+            tmp.write_text("".join(json.dumps(h) + "\n" for h in history))
     bar = None
     if cfg.progress and accelerator.is_main_process:
         from tqdm.auto import tqdm
