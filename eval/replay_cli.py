@@ -167,5 +167,7 @@ def run_bound(args) -> int:
         decode = "-" if r["decode_speedup"] is None else f"x{r['decode_speedup']:.2f}"
         print(f"{name:>34} {r['tau']:>6.2f} {decode:>7} {overall:>7}")
     print("note: the bounds verify, each step, only the path that will be accepted (perfect foresight); speedups are "
-          "over plain decoding on the record's cost curve, overall with the recorded prefill")
+          "over plain decoding on the record's cost curve, overall with the recorded prefill. The copy bound bounds "
+          "the speedups; its tau is that of its cheapest steps, and a lookup drafter with longer, dearer steps can "
+          "accept more per step")
     return 0
