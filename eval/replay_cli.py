@@ -117,7 +117,7 @@ def _budgets(spec: str | None) -> list[int | None]:
 def run_replay(args) -> int:
     from specdec.eval.cli import _options
     from specdec.eval.replay import ReplayConfig, replay
-    from specdec.eval.replay_record import load_record
+    from specdec.eval.replay_record import load_record, verify_cost_at
 
     record = load_record(args.record)
     options = _options(args.drafter_option)
@@ -127,9 +127,9 @@ def run_replay(args) -> int:
         print(json.dumps({"record": str(Path(args.record)), "model": record["model"], "results": results}, indent=1))
         return 0
     tokens = sum(len(s["new_tokens"]) for s in record["sequences"])
-    c1 = record["costs"]["verify_seconds"][1]
+    c1 = verify_cost_at(record["costs"]["verify_seconds"], 1)
     print(f"{record['model']}, {len(record['sequences'])} prompts, {tokens} tokens; c_verify(1) = {c1 * 1e3:.2f} ms "
-          f"({record['device']}, {record['threads']} threads)")
+          f"({record.get('device', '?')}, {record.get('threads', '?')} threads)")
     print(f"{'drafter':>12} {'max_nodes':>9} {'guard':>5} {'T':>4} {'tau':>6} {'nodes':>6} {'draft ms':>8} "
           f"{'speedup':>8} {'overall':>8}")
     for r in results:
@@ -157,8 +157,8 @@ def run_bound(args) -> int:
         print(json.dumps({"record": str(Path(args.record)), "model": record["model"], **out}, indent=1))
         return 0
     share = "not in this record" if out["prefill_share"] is None else f"{out['prefill_share']:.1%} of plain's time"
-    print(f"{record['model']}, {out['sequences']} prompts, {out['new_tokens']} tokens ({record['device']}, "
-          f"{record['threads']} threads); prefill {share}")
+    print(f"{record['model']}, {out['sequences']} prompts, {out['new_tokens']} tokens ({record.get('device', '?')}, "
+          f"{record.get('threads', '?')} threads); prefill {share}")
     print(f"{'':>34} {'tau':>6} {'decode':>7} {'overall':>7}")
     rows = (("copy bound (any lookup drafter)", out["copy"]), (f"oracle over {out['drafter']}'s trees", out["oracle"]),
             (f"{out['drafter']} replayed, guard on", out["replay"]))

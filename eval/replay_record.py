@@ -202,11 +202,28 @@ def load_record(path: str | Path) -> dict:
     if data.get("version") != VERSION:
         raise InputError(f"replay record {path}: version {data.get('version')!r}, this specdec reads {VERSION}")
     try:
-        data["costs"]["verify_seconds"] = {int(n): float(s) for n, s in data["costs"]["verify_seconds"].items()}
+        costs = {int(n): float(s) for n, s in data["costs"]["verify_seconds"].items()}
+        if any(not math.isfinite(c) or c <= 0 for c in costs.values()):
+            raise ValueError("a verify cost is not a positive number of seconds")
+        if costs and 1 not in costs:
+            raise ValueError("no verify cost of size 1 (a decode step), which every speedup is over")
+        data["costs"]["verify_seconds"] = costs
+        int(data["vocab_size"]), str(data["model"])  # noqa: B018 (present, of their type)
+        if int(data["max_new_tokens"]) < 1:
+            raise ValueError("max_new_tokens below 1")
+        if not isinstance(data["sequences"], list) or not data["sequences"]:
+            raise ValueError("no sequences")
         for s in data["sequences"]:
+            [int(t) for t in s["prompt_ids"]], [int(t) for t in s["new_tokens"]]  # noqa: B018 (ids are ints)
+            prefill = s.get("prefill_seconds")
+            if prefill is not None and not (isinstance(prefill, (int, float)) and math.isfinite(prefill)
+                                            and prefill >= 0):
+                raise ValueError(f"prefill_seconds {prefill!r} is not a number of seconds")
             if len(s["topk_ids"]) != len(s["new_tokens"]) or len(s["topk_logprobs"]) != len(s["new_tokens"]):
                 raise ValueError("top-k rows and new tokens differ in number")
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
+    except KeyError as err:
+        raise InputError(f"replay record {path}: malformed (no {err.args[0]!r})") from None
+    except (TypeError, ValueError, AttributeError) as err:
         raise InputError(f"replay record {path}: malformed ({err})") from None
     return data
 

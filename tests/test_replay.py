@@ -79,6 +79,19 @@ def test_record_round_trip_and_refusals(tmp_path, recorded):
         load_record(tmp_path / "other.json")
     with pytest.raises(InputError, match="greedy record"):
         replay({**record, "temperature": 0.7}, ReplayConfig("ngram"))
+    # damage that reached the replay as a KeyError / TypeError traceback, or a result of 'x-5.69' / 'xnan'
+    fresh = json.loads(path.read_text())
+    breaks = {"no 'prompt_ids'": lambda d: d["sequences"][0].pop("prompt_ids"),
+              "no verify cost of size 1": lambda d: d["costs"]["verify_seconds"].pop("1"),
+              "not a positive number": lambda d: d["costs"]["verify_seconds"].update({"1": -1.0}),
+              "no sequences": lambda d: d.update(sequences=[]),
+              "prefill_seconds 'fast'": lambda d: d["sequences"][0].update(prefill_seconds="fast")}
+    for says, damage in breaks.items():
+        data = json.loads(json.dumps(fresh))
+        damage(data)
+        (tmp_path / "damaged.json").write_text(json.dumps(data))
+        with pytest.raises(InputError, match=says):
+            load_record(tmp_path / "damaged.json")
 
 
 class _HiddenDrafter(Drafter):
