@@ -196,7 +196,7 @@ def exact_law_checks(modes: list[DraftMode], sampling: SamplingConfig) -> list[C
     return checks
 
 
-def _random_trees(vocab: int, gen: torch.Generator) -> list[DraftTree]:
+def random_deterministic_trees(vocab: int, gen: torch.Generator) -> list[DraftTree]:
     """A batch of deterministic trees of 0..7 nodes with random parents, siblings often repeating a token."""
     trees = []
     for _ in range(6):
@@ -217,7 +217,8 @@ def fast_path_checks(sampling: SamplingConfig, trials: int = 400) -> list[Check]
     def disagreements(rule) -> int:
         gen, vocab, bad = torch.Generator().manual_seed(11), 6, 0
         for trial in range(trials):
-            trees = _random_trees(vocab, gen) if trial % 4 else [DraftTree.empty()] * 3  # a quarter: plain steps
+            # three batches in four of deterministic trees, the fourth of plain steps
+            trees = random_deterministic_trees(vocab, gen) if trial % 4 else [DraftTree.empty()] * 3
             logits = torch.randn(len(trees), max(t.num_nodes for t in trees) + 1, vocab, generator=gen) * 2
             fast = rejection_sample(trees, logits, sampling, torch.Generator().manual_seed(trial), rule)
             walk = _stochastic(trees, logits, sampling, torch.Generator().manual_seed(trial), EXACT)

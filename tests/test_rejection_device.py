@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from specdec.eval.certificate import random_deterministic_trees
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -106,17 +107,6 @@ def test_plain_steps_draw_what_the_full_walk_draws(device):
         fast = rejection_sample(trees, logits, sampling, torch.Generator(device=device).manual_seed(seed))
         walk = _stochastic(trees, logits, sampling, torch.Generator(device=device).manual_seed(seed), EXACT)
         assert records(fast) == records(walk)
-
-
-def random_deterministic_trees(vocab: int, gen: torch.Generator) -> list[DraftTree]:
-    """Trees of 0..7 nodes with random parents; sibling tokens drawn from few values, so siblings repeat a token."""
-    out = []
-    for _ in range(6):
-        n = int(torch.randint(0, 8, (1,), generator=gen))
-        parents = [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(n)]
-        tokens = torch.randint(0, min(vocab, 5), (n,), generator=gen).tolist()
-        out.append(DraftTree(tokens, parents) if n else DraftTree.empty())
-    return out
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(True, 1.0), SamplingConfig(True, 0.7, 3, 0.9),
