@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 import torch
-from specdec.drafters.eagle_model import EagleConfig, EagleModel
+from specdec.drafters.eagle_model import UNRECORDED_CONTEXT, EagleConfig, EagleModel
 
 from specdec.atomic_write import replaced_atomically, write_json
 from specdec.errors import SpecdecError
@@ -129,7 +129,7 @@ def config_from_checkpoint(raw: dict, state: dict[str, torch.Tensor], where: str
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), rope_theta=float(raw.get("rope_theta", 10000.0)),
             num_features=_num_features(raw, state, hidden), draft_vocab=ids, norms="norm.weight" in state,
             base_model_name_or_path=str(extra.get("base_model_name_or_path", "")),
-            max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
+            max_position_embeddings=int(raw.get("max_position_embeddings") or UNRECORDED_CONTEXT),
             **{k: int(extra[k]) for k in ("depth", "top_k", "max_nodes") if k in extra})
     except KeyError as err:
         raise EagleCheckpointError(f"{where}: config.json lacks {err.args[0]!r}") from None

@@ -41,6 +41,7 @@ from specdec.models.llama import Linear, linear
 
 INIT_OUTPUT_SCALE = 0.1  # init_from_target: attention / MLP outputs start small next to the passed-through feature
 ARCHS = ("eagle1", "eagle3", "mtp")
+UNRECORDED_CONTEXT = 4096  # max_position_embeddings of a head whose target's context was not recorded
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -73,7 +74,7 @@ class EagleConfig:
     norm_before_residual: bool = False  # eagle3: the residual around attention is hidden_norm(hidden)
     own_lm_head: bool = False  # eagle3 over the full vocabulary: its own [V, H] head instead of the target's
     # the target's context, written into exported configs (serving engines size the draft's positions by it)
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = UNRECORDED_CONTEXT
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -116,7 +117,7 @@ class EagleConfig:
             head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
             vocab_size=hf_config.vocab_size, rms_norm_eps=float(hf_config.rms_norm_eps), rope_theta=float(theta),
             base_model_name_or_path=str(getattr(hf_config, "_name_or_path", "") or ""),
-            max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", None) or 4096))
+            max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", None) or UNRECORDED_CONTEXT))
         fields.update(overrides)
         if fields.get("arch") == "eagle3" and not fields.get("feature_layers"):
             fields["feature_layers"] = default_feature_layers(hf_config.num_hidden_layers)

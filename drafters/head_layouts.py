@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from specdec.drafters.eagle_checkpoint import CONFIG_FILE, WEIGHTS_FILE, EagleCheckpointError
-from specdec.drafters.eagle_model import EagleConfig, EagleModel, default_feature_layers
+from specdec.drafters.eagle_model import UNRECORDED_CONTEXT, EagleConfig, EagleModel, default_feature_layers
 
 from specdec.atomic_write import replaced_atomically, write_json
 
@@ -132,7 +132,7 @@ def read_eagle3(raw: dict, state: dict[str, torch.Tensor], where: str, target_co
             arch="eagle3", feature_layers=_feature_layers(raw, target_config, where),
             norm_before_residual=bool(raw.get("norm_before_residual", layer.get("norm_before_residual", False))),
             draft_vocab=ids, own_lm_head=own_head, base_model_name_or_path=_verifier(raw),
-            max_position_embeddings=int(layer.get("max_position_embeddings") or 4096),
+            max_position_embeddings=int(layer.get("max_position_embeddings") or UNRECORDED_CONTEXT),
             **{k: int(extra[k]) for k in ("depth", "top_k", "max_nodes") if k in extra})
     except KeyError as err:
         raise EagleCheckpointError(f"{where}: config.json lacks {err.args[0]!r}") from None
