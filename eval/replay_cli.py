@@ -79,11 +79,9 @@ def run_record(args) -> int:
                           args.costs)
     inputs = [x for x in (args.prompts_file, args.model) if x]  # the model too, when it names a file
     check_record_path(args.out, args.overwrite, inputs)
-    if args.prompts is not None and args.prompts < 1:
-        raise ValueError(f"--prompts must be at least 1, got {args.prompts}")
     category = args.category if args.category is not None or args.prompts_file else "chat"
-    conversations = select_conversations(category, args.prompts or (None if args.prompts_file else 5),
-                                         args.prompts_file, args.prompt_column)
+    prompts = args.prompts if args.prompts is not None else (None if args.prompts_file else 5)  # a file: all of it
+    conversations = select_conversations(category, prompts, args.prompts_file, args.prompt_column)
     later = sum(len(c.turns) > 1 for c in conversations)
     if later:
         print(f"note: {later} conversations have later turns; a replay record keeps each one's first turn "

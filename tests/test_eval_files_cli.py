@@ -89,7 +89,7 @@ def test_replay_record_never_replaces_a_file_unasked(models, tmp_path, capsys):
         assert prompts.read_bytes() == original
     (tmp_path / "file").write_text("")
     for bad, says in ((["--out", str(tmp_path / "file" / "run.json")], "cannot create its folder"),
-                      (["--out", str(tmp_path / "x.json"), "--prompts", "0"], "--prompts must be at least 1")):
+                      (["--out", str(tmp_path / "x.json"), "--prompts", "0"], "--prompts must be >= 1")):
         code, captured = _main([*record, *bad], capsys)  # before recording, not after
         assert code == 2 and says in captured.err and "recorded" not in captured.out
     existing = tmp_path / "run.json"
