@@ -248,6 +248,7 @@ def test_another_seed_draws_the_statistics_anew():
     from specdec.tree import DraftMode
 
     sizes = replace(CertificateSizes(), stat_samples=2000)
+
     def p_values(seed):
         checks, _ = sampler_checks([DraftMode.DETERMINISTIC], SamplingConfig(True, 0.8), sizes, set(), seed)
         return [c.p_value for c in checks]
