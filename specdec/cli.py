@@ -12,8 +12,9 @@ The text streams to stdout; a one-line summary (tokens, tokens/s, tau) goes to s
 ``--json``, stdout carries exactly one JSON document (the text and the summary) and nothing else.
 Errors meant for the user (bad options, unknown model or drafter, a prompt that is not UTF-8
 text, a truncated .gguf, a drafter's malformed proposal, KV cache out of blocks...) print one line
-``specdec <command>: error: ...`` and exit with code 2; Ctrl-C keeps the text streamed so far,
-prints ``specdec <command>: interrupted`` and exits with code 130. ``-v`` shows the traceback instead.
+``specdec <command>: error: ...``, naming the full command (``specdec eval replay run: error: ...``),
+and exit with code 2; Ctrl-C keeps the text streamed so far, prints ``specdec <command>: interrupted``
+and exits with code 130. ``-v`` shows the traceback instead.
 """
 from __future__ import annotations
 
@@ -375,8 +376,9 @@ def _main(argv: list[str]) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's parser: "specdec generate: error: unrecognized arguments: ..."
         _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
+    name = _command_parser(parser, args).prog  # "specdec eval replay run": the one the user typed
     if sys.stdout is None:  # `specdec ... >&-`: Python sets sys.stdout to None
-        print(f"specdec {args.command}: error: stdout is closed, so the output would be lost; redirect it to a "
+        print(f"{name}: error: stdout is closed, so the output would be lost; redirect it to a "
               "file or to /dev/null instead", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -396,7 +398,7 @@ def _main(argv: list[str]) -> int:
             return 141  # 128 + SIGPIPE, what the shell reports for `yes | head`
         _flush_stdout()  # streamed text first, then the error on its own line
         message = (" ".join(str(err).split()) or type(err).__name__).removeprefix(f"{args.command}: ")
-        print(f"specdec {args.command}: error: {message}", file=sys.stderr)
+        print(f"{name}: error: {message}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as err:  # an extra was not installed (README: "What each command needs")
         if args.verbose or not err.name or err.name.split(".")[0] in ("specdec",):
@@ -404,14 +406,14 @@ def _main(argv: list[str]) -> int:
         _flush_stdout()
         extra = EXTRA_OF_COMMAND.get(args.command)
         hint = f"pip install 'specdec[{extra}]'" if extra else f"pip install {err.name.split('.')[0]}"
-        print(f"specdec {args.command}: error: the Python package {err.name.split('.')[0]!r} is missing; "
+        print(f"{name}: error: the Python package {err.name.split('.')[0]!r} is missing; "
               f"install it with {hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if args.verbose:
             raise
         _flush_stdout()
-        print(f"specdec {args.command}: interrupted", file=sys.stderr)
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130  # 128 + SIGINT
     finally:
         if hf_bars:

@@ -263,7 +263,7 @@ def test_ctrl_c_in_another_subcommand_is_one_line_too(capsys, monkeypatch, tmp_p
     except KeyboardInterrupt:
         pytest.fail("KeyboardInterrupt escaped main()")
     err = capsys.readouterr().err
-    assert rc == 130 and "Traceback" not in err and err.splitlines()[-1] == "specdec eval: interrupted"
+    assert rc == 130 and "Traceback" not in err and err.splitlines()[-1] == "specdec eval lossless: interrupted"
 
 
 SIGINT_AFTER_THREE_TOKENS = """
@@ -340,3 +340,12 @@ def test_a_missing_extra_is_one_line_naming_the_install(command, extra, capsys, 
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert "'scipy' is missing" in err and f"specdec[{extra}]" in err
+
+
+def test_an_error_names_the_full_subcommand(capsys, tmp_path):
+    """`specdec eval replay run` fails as itself, not as `specdec eval`: the line names the command typed."""
+    record = tmp_path / "record.json"
+    record.write_text("{}")
+    assert main(["eval", "replay", "run", "--record", str(record)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("specdec eval replay run: error: ") and str(record) in line, line

@@ -224,7 +224,7 @@ def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, capsys, argv, mess
 
     assert main(["eval", "acceptance", "--out", str(tmp_path), *argv]) == 2
     err = capsys.readouterr().err
-    assert "specdec eval: error:" in err and message in err
+    assert "specdec eval acceptance: error:" in err and message in err
     assert not any(tmp_path.iterdir())  # nothing was run or written
 
 

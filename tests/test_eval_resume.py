@@ -234,5 +234,5 @@ def test_cli_resume_over_an_edited_cell_exits_2_naming_it(tmp_path, capsys):
     capsys.readouterr()
     assert main([*argv, "--resume"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("specdec eval: error: cannot resume"), err
+    assert len(err) == 1 and err[0].startswith("specdec eval acceptance: error: cannot resume"), err
     assert str(path) in err[0] and "sha256 does not match" in err[0]
