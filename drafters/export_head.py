@@ -15,7 +15,6 @@ Every config names the target model: ``--target``, else the base model the head 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
@@ -32,6 +31,7 @@ from specdec.drafters.eagle_model import EagleModel
 
 from specdec.atomic_write import replaced_atomically, write_json
 from specdec.errors import InputError
+from specdec.help_format import DefaultsHelpFormatter
 
 FORMATS = ("speculators", "sglang", "vllm")
 
@@ -136,7 +136,7 @@ def add_parser(subparsers) -> None:
         "export-head", help="write an EAGLE-3 or Medusa head in the layout vLLM / SGLang serve",
         description="Write a head trained or loaded by specdec in the speculators layout (vllm serve reads it; "
                     "--format vllm is the same for EAGLE-3), EAGLE / SGLang's layout, or vLLM's Medusa layout.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     p.add_argument("source", help="the head's directory (specdec's own or any layout the eagle drafter loads)")
     p.add_argument("--format", required=True, choices=FORMATS, help="the layout to write")
     p.add_argument("--output-dir", required=True, help="where to write it")

@@ -45,6 +45,8 @@ from specdec.drafters.medusa_heads import (
     save_medusa,
 )
 
+from specdec.help_format import DefaultsHelpFormatter
+
 logger = logging.getLogger(__name__)
 
 PUBLISHED_PICKLE = "medusa_lm_head.pt"
@@ -369,7 +371,7 @@ def add_parser(subparsers) -> None:
                     "read with torch.load(weights_only=True), or medusa_lm_head.safetensors) or a Medusa-2 / axolotl "
                     "model whose weights hold medusa_head.* tensors, and write config.json + "
                     "medusa_lm_head.safetensors for --drafter medusa --drafter-option path=DIR. Local files only.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     p.add_argument("source", help="the published checkpoint: a directory or its medusa_lm_head.pt / .safetensors")
     p.add_argument("--output-dir", required=True, help="where to write the converted heads")
     p.add_argument("--base-model", default=None,

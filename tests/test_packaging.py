@@ -161,8 +161,8 @@ def _command_extras() -> dict[str, str]:
     return table
 
 
-def _cli_commands() -> dict[str, str]:
-    """Every leaf command of `specdec` (e.g. "eval replay record") -> the module of the function that runs it."""
+def _leaf_parsers() -> dict:
+    """Every leaf command of `specdec` (e.g. "eval replay record") -> its parser."""
     import argparse
 
     from specdec import cli
@@ -177,13 +177,28 @@ def _cli_commands() -> dict[str, str]:
     def walk(p, prefix):
         actions = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
         if not actions:
-            out[prefix] = p.get_default("func").__module__
+            out[prefix] = p
         for a in actions:
             for name, child in a.choices.items():
                 walk(child, f"{prefix} {name}".strip())
 
     walk(parser, "")
     return out
+
+
+def _cli_commands() -> dict[str, str]:
+    """Every leaf command of `specdec` -> the module of the function that runs it."""
+    return {command: p.get_default("func").__module__ for command, p in _leaf_parsers().items()}
+
+
+def test_help_says_each_default_once_and_never_none():
+    """argparse's defaults formatter appended "(default: None)" to options whose help says what their absence means
+    ("(default: all) (default: None)"): every option's help names its default at most once, and never as None."""
+    for command, parser in _leaf_parsers().items():
+        for action in parser._actions:
+            text = " ".join(parser._get_formatter()._expand_help(action).split()) if action.help else ""
+            assert "(default: None)" not in text, f"specdec {command} {action.option_strings}: {text}"
+            assert text.count("(default:") <= 1, f"specdec {command} {action.option_strings}: {text}"
 
 
 def _extra_of(command: str, table: dict[str, str]) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from specdec.train.config import EVAL_TREES, LOSSES, PRECISIONS, PROMPT_SOURCES, SCHEDULES, SELF_PROMPTS
 
+from specdec.help_format import DefaultsHelpFormatter
 from specdec.models.embedded import DEFAULT_ALIAS
 
 
@@ -25,7 +26,7 @@ def add_parser(subparsers) -> None:
         description="Train Medusa heads on a frozen target model (self-distillation from prompts by default), "
                     "evaluate them, choose a medusa_choices tree and write the published Medusa checkpoint layout "
                     "plus report.json / report.md. Multi-process: accelerate launch ... -m specdec.cli train-medusa.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     g = p.add_argument_group("model and heads")
     g.add_argument("--model", default=DEFAULT_ALIAS, help="target model: alias, HF checkpoint dir or .gguf file")
     g.add_argument("--num-heads", type=int, default=3, help="number of Medusa heads (head i predicts token t+2+i)")
@@ -43,7 +44,7 @@ def add_parser(subparsers) -> None:
                     "(self-distillation from prompts by default), measure per-depth accuracies, choose the draft "
                     "tree by timing it against plain decoding, and write config.json + model.safetensors plus "
                     "report.json / report.md. Load it with --drafter eagle --drafter-option path=DIR.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     g = p.add_argument_group("model and draft layer")
     g.add_argument("--model", default=DEFAULT_ALIAS, help="target model: alias, HF checkpoint dir or .gguf file")
     g.add_argument("--train-depth", type=int, default=3, dest="eagle_steps",
@@ -61,7 +62,8 @@ def add_parser(subparsers) -> None:
 def _draft_vocab_arg(g, default) -> None:
     g.add_argument("--draft-vocab", default=default, type=_vocab_size,
                    help="reduced draft vocabulary: N (the N most frequent training tokens), 'auto' (the smallest of "
-                        "1k..32k covering --draft-vocab-coverage of the training tokens) or 'full'")
+                        "1k..32k covering --draft-vocab-coverage of the training tokens) or 'full' "
+                        f"(default: {default or 'full'})")
     g.add_argument("--draft-vocab-coverage", type=float, default=0.97,
                    help="with --draft-vocab auto: share of the training tokens the vocabulary must cover")
 
