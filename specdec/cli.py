@@ -236,6 +236,7 @@ def _generate(args, stream_class) -> tuple[str, dict]:
 
     from specdec.drafters.registry import get_drafter
     from specdec.generate import generate
+    from specdec.kv_cache import CacheFullError
     from specdec.models.loader import load_model
     from specdec.sampling import SamplingConfig
 
@@ -290,10 +291,15 @@ def _generate(args, stream_class) -> tuple[str, dict]:
                 cuda_graphs="auto" if args.cuda_graphs is None else args.cuda_graphs,
                 invariant=args.invariant,
             )
-    except BaseException:  # Ctrl-C, or an error mid-generation (the KV cache full, ...)
+    except BaseException as err:  # Ctrl-C, or an error mid-generation (the KV cache full, ...)
         if stream is not None:  # keep what was generated: the rest of the text and its newline, then main's line
             with contextlib.suppress(OSError, ValueError):  # stdout gone (a closed pipe, a full disk): nothing to end
                 stream.finish()
+        if isinstance(err, CacheFullError) and args.num_blocks is not None:  # its advice names generate()'s argument
+            when = ("the KV cache cannot hold the prompt" if err.new_tokens is None else
+                    f"the KV cache ran out of blocks after {sum(map(len, err.new_tokens))} new tokens (kept above)")
+            raise CLIError(f"{when}: --num-blocks {args.num_blocks} is too few for this prompt and --max-new-tokens; "
+                           "pass a larger --num-blocks, or leave it out to size the cache to fit") from err
         raise
     if stream is not None:
         stream.finish()

@@ -349,3 +349,14 @@ def test_an_error_names_the_full_subcommand(capsys, tmp_path):
     assert main(["eval", "replay", "run", "--record", str(record)]) == 2
     line = capsys.readouterr().err.strip()
     assert line.startswith("specdec eval replay run: error: ") and str(record) in line, line
+
+
+def test_a_kv_cache_full_mid_generation_speaks_of_the_cli_options(ckpt, capsys):
+    """The library's CacheFullError says "pass a larger num_blocks ... in this error's new_tokens": on the command
+    line the tokens are the text printed above, and the option is --num-blocks."""
+    rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", "40", "--block-size", "4",
+                       "--num-blocks", "14")
+    line = err.splitlines()[-1]
+    assert rc == 2 and out.strip() and out.endswith("\n"), (out, err)
+    assert line.startswith("specdec generate: error: the KV cache ran out of blocks after ") and "kept above" in line
+    assert "--num-blocks 14 is too few" in line and "new_tokens" not in line and "num_blocks" not in line, line
