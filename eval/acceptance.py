@@ -20,9 +20,10 @@ It models decoding only; the JSON also gives the decode-only measured speedup (p
 
 Each finished cell is written at once to ``<out>/cells/<drafter>__<category>[.rank<r>].json`` with its schema, the
 digest of its settings and a SHA-256 of its content, so a crashed run resumes where it stopped (``resume=True``).
-``settings.json`` records the model by its content (config and sampled weights). Before measuring, a resume refuses
-(``ResumeError`` naming each file) any finished cell that is unreadable, of another schema, edited, measured under
-other settings, or without a checksum (``specdec.eval.resume``). Under ``accelerate launch`` every process takes its
+``settings.json`` records the model by its content (config and sampled weights) and the speed conditions (device,
+threads, torch). Before measuring, a resume refuses (``ResumeError`` naming each file) any finished cell that is
+unreadable, of another schema, edited, measured under other settings or conditions, or without a checksum
+(``specdec.eval.resume``). Under ``accelerate launch`` every process takes its
 share of the prompts and the main process merges the rank files. Multi-turn records (``specdec.eval.conversations``)
 give one cell row per turn. Cells of older runs are still read by :func:`read_cell` for their reports, never reused by
 a resume.
@@ -55,6 +56,7 @@ from specdec.eval.resume import (
     seal_cell,
     settings_digest,
     settings_record,
+    speed_conditions,
 )
 
 from specdec.atomic_write import write_json
@@ -350,7 +352,7 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
     those of ``prompts`` in one process); each cell records their digest, and with ``resume`` only finished cells
     measured under them are kept (checked before anything is measured)."""
     if settings is None:
-        settings = run_settings(model_identity(loaded), prompts, config, 1)
+        settings = run_settings(model_identity(loaded), prompts, config, 1, speed_conditions(loaded))
     digest = settings_digest(settings)
     if resume:
         check_finished_cells(out, config.labels, list(prompts), [rank], settings)
@@ -411,7 +413,7 @@ def run_suite(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
     state = PartialState(cpu=not torch.cuda.is_available())  # CPU-only: processes talk over gloo
     rank = state.process_index if state.num_processes > 1 else None
     settings = run_settings(model_identity(loaded), prompts if prompts_identity is None else prompts_identity, config,
-                            state.num_processes)
+                            state.num_processes, speed_conditions(loaded))
     check_resumable(out, settings, resume)
     if resume:  # every process checks every rank's cells, so all of them stop together on a bad one
         ranks = [None] if rank is None else list(range(state.num_processes))
