@@ -3,8 +3,8 @@
 For every (drafter, category) cell it runs the category's prompts through specdec with that drafter and records
 tau, acceptance per depth, the accepted-length histogram, tokens/s, the time split between drafting and
 verification and the mean draft-tree size; per category it also runs specdec plain decoding and (greedy only)
-transformers' ``generate()``. Where the target replays CUDA graphs, its graph cache is sized and every bucket
-captured before the first cell (``warm_up_model_graphs``), so no timed cell pays a capture.
+transformers' ``generate()`` on the same batches. Where the target replays CUDA graphs, its graph cache is sized
+and every bucket captured before the first cell (``warm_up_model_graphs``), so no timed cell pays a capture.
 
 Definitions (documented in the report): accepted length of a step = draft tokens accepted in it (every step
 commits accepted + 1); tau = committed tokens per target forward; acceptance at depth d = P(a node at depth d
@@ -20,9 +20,10 @@ It models decoding only; the JSON also gives the decode-only measured speedup (p
 
 Each finished cell is written at once to ``<out>/cells/<drafter>__<category>[.rank<r>].json`` with its schema, the
 digest of its settings and a SHA-256 of its content, so a crashed run resumes where it stopped (``resume=True``).
-``settings.json`` records the model by its content (config and sampled weights). Before measuring, a resume refuses
-(``ResumeError`` naming each file) any finished cell that is unreadable, of another schema, edited, measured under
-other settings, or without a checksum (``specdec.eval.resume``). Under ``accelerate launch`` every process takes its
+``settings.json`` records the model by its content (config and sampled weights) and the speed conditions (device,
+threads, torch). Before measuring, a resume refuses (``ResumeError`` naming each file) any finished cell that is
+unreadable, of another schema, edited, measured under other settings or conditions, or without a checksum
+(``specdec.eval.resume``). Under ``accelerate launch`` every process takes its
 share of the prompts and the main process merges the rank files. Multi-turn records (``specdec.eval.conversations``)
 give one cell row per turn. Cells of older runs are still read by :func:`read_cell` for their reports, never reused by
 a resume.
@@ -55,6 +56,7 @@ from specdec.eval.resume import (
     seal_cell,
     settings_digest,
     settings_record,
+    speed_conditions,
 )
 
 from specdec.atomic_write import write_json
@@ -297,15 +299,33 @@ class _CountingDrafter(Drafter):
         self.inner.release(seq_id)
 
 
-def _hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> tuple[int, float]:
+def hf_greedy_batch(model: Any, batch: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy ``generate()`` on ``batch`` in one call, as specdec's cell runs it: left-padded, with an
+    attention mask; each prompt's new tokens up to and including its first end-of-sequence token."""
+    gen = model.generation_config
+    eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+    eos = {int(t) for t in eos if t is not None}
+    pad = gen.pad_token_id if gen.pad_token_id is not None else min(eos, default=0)
+    width = max(map(len, batch))
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in batch], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    new = []
+    for row in out[:, width:].tolist():
+        stop = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))  # finished rows are padded after it
+        new.append(row[:stop])
+    return new
+
+
+def _hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int, batch_size: int) -> tuple[int, float]:
+    """New tokens and seconds of transformers' greedy baseline over ``prompts``, in the cells' batches."""
     tokens, seconds = 0, 0.0
-    for ids in prompts:
-        x = torch.tensor([ids], device=model.device)
+    for i in range(0, len(prompts), batch_size):
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False)
+            new = hf_greedy_batch(model, prompts[i : i + batch_size], max_new_tokens)
         seconds += time.perf_counter() - t0
-        tokens += out.shape[1] - len(ids)
+        tokens += sum(map(len, new))
     return tokens, seconds
 
 
@@ -350,7 +370,7 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
     those of ``prompts`` in one process); each cell records their digest, and with ``resume`` only finished cells
     measured under them are kept (checked before anything is measured)."""
     if settings is None:
-        settings = run_settings(model_identity(loaded), prompts, config, 1)
+        settings = run_settings(model_identity(loaded), prompts, config, 1, speed_conditions(loaded))
     digest = settings_digest(settings)
     if resume:
         check_finished_cells(out, config.labels, list(prompts), [rank], settings)
@@ -363,7 +383,10 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
     # on CUDA: the target's graph cache sized and its buckets captured now, not inside a timed cell
     graphs = warm_up_model_graphs(loaded.runner, calls, config.max_new_tokens) if calls else None
     for label in config.labels:  # warm-up: first-call costs out of the measurements
-        if warm and label != "hf-greedy":
+        if warm and label == "hf-greedy":  # transformers' too, as its baseline is timed like the cells
+            with torch.inference_mode():
+                hf_greedy_batch(loaded.model, warm, 4)
+        elif warm:
             drafter = None if label == "plain" else get_drafter(config.drafter_name(label), **options[label])
             generate(loaded, warm, max_new_tokens=4, drafter=drafter, speculation="always",
                      **sampling)  # as the cells: their trees' first verify happens here
@@ -378,7 +401,8 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
                 continue
             cell = Cell(label, category)
             if label == "hf-greedy":
-                cell.new_tokens, cell.seconds = _hf_greedy(loaded.model, mine, config.max_new_tokens)
+                cell.new_tokens, cell.seconds = _hf_greedy(loaded.model, mine, config.max_new_tokens,
+                                                            config.batch_size)
                 cell.prompts = len(mine)
             else:
                 for i in range(0, len(mine), config.batch_size):
@@ -411,7 +435,7 @@ def run_suite(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
     state = PartialState(cpu=not torch.cuda.is_available())  # CPU-only: processes talk over gloo
     rank = state.process_index if state.num_processes > 1 else None
     settings = run_settings(model_identity(loaded), prompts if prompts_identity is None else prompts_identity, config,
-                            state.num_processes)
+                            state.num_processes, speed_conditions(loaded))
     check_resumable(out, settings, resume)
     if resume:  # every process checks every rank's cells, so all of them stop together on a bad one
         ranks = [None] if rank is None else list(range(state.num_processes))

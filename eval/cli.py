@@ -83,7 +83,8 @@ def add_parser(sub) -> None:
     a.add_argument("--no-plots", action="store_true")
     a.add_argument("--resume", action="store_true",
                    help="keep finished cells found in --out; each is checked first (schema, checksum, settings), "
-                        "and one that is damaged, edited or measured with other settings is an error naming it")
+                        "and one that is damaged, edited or measured with other settings or on another device, "
+                        "thread count or torch is an error naming it")
     a.set_defaults(func=_inference(run_acceptance))
 
     from specdec.eval.replay_cli import add_parser as add_replay

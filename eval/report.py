@@ -20,7 +20,8 @@ DEFINITIONS = """\
 - **same as plain**: every prompt's committed tokens equal plain decoding's in this run (greedy and coupled sampling
   must say yes; standard sampling draws other tokens by design).
 - **speedup vs plain / vs HF**: tokens/s (prefill included) over specdec plain decoding / transformers' greedy
-  `generate()`, measured in the same run on the same prompts.
+  `generate()`, measured in the same run on the same prompts in the same batches (transformers' left-padded, with
+  an attention mask).
 - **predicted**: tau x c_plain / (c_draft + c_verify(n)), from costs measured apart from the run it predicts.
   c_verify(n) = seconds of one verify step (one target forward over n query tokens per sequence = root + tree
   nodes, then rejection sampling and KV commit), timed by a short calibration after each cell: median of

@@ -12,6 +12,9 @@ File formats (canonical JSON = ``json.dumps(obj, sort_keys=True, separators=(","
   settings>}``; that digest is the run's *settings digest*.
 * ``settings.json`` names the model by its content (:func:`model_identity`): a model of the same name with other
   weights is other settings.
+* its ``machine`` entry (:func:`speed_conditions`: device, processor, torch's threads and version, attention backend)
+  is part of the settings: a cell's tokens/s only compare with the same run's plain cell measured under the same
+  conditions, so a resume under other ones is refused naming each difference.
 * a cell: ``{"schema": CELL_SCHEMA, "settings_sha256": <settings digest it was measured under>, "rank": r | null,
   "cell": {<Cell fields>}, "sha256": <SHA-256 of the canonical object without "sha256">}``.
 
@@ -39,7 +42,8 @@ from specdec.errors import SpecdecError
 if TYPE_CHECKING:
     from specdec.eval.acceptance import SuiteConfig
 
-SETTINGS_SCHEMA = "specdec-acceptance-settings/2"  # /1: a bare settings object without schema or checksum
+SETTINGS_SCHEMA = "specdec-acceptance-settings/3"  # /2: no machine; /1: a bare settings object, no schema or checksum
+_NO_MACHINE_SCHEMA = "specdec-acceptance-settings/2"
 CELL_SCHEMA = "specdec-acceptance-cell/3"  # /2: no output digest; /1: bare Cell fields without schema or checksum
 OLDER_CELL_SCHEMAS = ("specdec-acceptance-cell/2",)  # read for old reports, never reused by a resume
 # one entry of Cell.calibration (acceptance._calibrate writes them)
@@ -48,6 +52,7 @@ CALIBRATION_KEYS = frozenset({"query_tokens", "plain_seconds", "verify_seconds",
 _CELL_KEYS = {"schema", "settings_sha256", "rank", "cell", "sha256"}
 _SETTINGS_KEYS = {"schema", "settings", "sha256"}
 _AGAIN = "run without --resume to measure every cell anew"
+_ANEW = "measure every cell anew (--overwrite instead of --resume)"
 
 
 class ResumeError(SpecdecError, ValueError):
@@ -83,11 +88,30 @@ def model_identity(loaded: Any) -> dict:
             "model_fingerprint": model_fingerprint(loaded.model)}
 
 
-def run_settings(model: dict, prompts: Any, config: "SuiteConfig", num_processes: int) -> dict:
+def speed_conditions(loaded: Any) -> dict:
+    """What a cell's speed depends on besides the settings: the device's type and name (a GPU's; a CPU's model,
+    family and flags, as :mod:`specdec.cost_model` keys them), torch's intra-op threads and version, and the attention
+    backend. Not the device's index: every process of a run on identical GPUs records the same."""
+    import torch
+
+    from specdec import cpu_info
+
+    runner = getattr(loaded, "runner", None)
+    device = torch.device(getattr(runner, "device", None) or "cpu")
+    processor = ({"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else
+                 {"device_name": cpu_info.cpu_model(), "cpu": cpu_info.cpu_signature(), "isa": cpu_info.isa()})
+    backend = getattr(runner, "backend", None)
+    return {"device": device.type, **processor, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "attention": str(getattr(backend, "name", backend))}
+
+
+def run_settings(model: dict, prompts: Any, config: "SuiteConfig", num_processes: int, machine: dict) -> dict:
     """What a cell's numbers depend on, as stored in ``<out>/settings.json`` (JSON types only); ``model``:
-    :func:`model_identity`, ``prompts``: anything JSON that fixes the prompts (their ids, or the conversations)."""
+    :func:`model_identity`, ``prompts``: anything JSON that fixes the prompts (their ids, or the conversations),
+    ``machine``: :func:`speed_conditions`."""
     digest = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]
-    settings = {**model, "prompts_sha256": digest, "num_processes": num_processes, **asdict(config)}
+    settings = {**model, "prompts_sha256": digest, "num_processes": num_processes, **asdict(config),
+                "machine": machine}
     if not settings["renamed"]:  # runs without renamed rows keep the digest they had before rows could be renamed
         del settings["renamed"]
     # objects among drafter options (a draft model) are named by their name or type
@@ -160,14 +184,33 @@ def check_resumable(out: Path, settings: dict, resume: bool) -> None:
     if not resume or not path.exists():
         return
     try:
+        data = load_json(path)
+    except ResumeError:
+        data = None  # read_settings says why
+    if isinstance(data, dict) and data.get("schema") == _NO_MACHINE_SCHEMA:  # its cells' digests lack it too
+        raise ResumeError(f"cannot resume {out}: {path} was written by an older specdec, which did not record the "
+                          f"device, threads and torch its speeds were measured under; {_ANEW}")
+    try:
         before = read_settings(path)
     except ResumeError as err:  # safe to drop: every cell is checked against its own settings digest
         raise ResumeError(f"cannot resume {out}: {err}; delete it to resume anyway (each cell records the settings "
                           f"it was measured under), or {_AGAIN}") from err
-    changed = sorted(k for k in set(settings) | set(before) if settings.get(k) != before.get(k))
+    changed = sorted(k for k in set(settings) | set(before) if k != "machine" and settings.get(k) != before.get(k))
+    moved = _differences(before.get("machine"), settings.get("machine"))
+    if moved:
+        also = f"; other settings too: {', '.join(changed)}" if changed else ""
+        raise ResumeError(f"cannot resume {out}: its cells were measured under other speed conditions "
+                          f"({'; '.join(moved)}{also}); resume under the conditions {path} records, or {_ANEW}")
     if changed:
         raise ResumeError(f"cannot resume {out}: its cells were measured with other settings ({', '.join(changed)} "
                           f"differ, {path}); use another output directory, or {_AGAIN}")
+
+
+def _differences(before: Any, now: Any) -> list[str]:
+    """``"threads: 2 in settings.json, 1 now"`` for every entry of two machine records that differs."""
+    before, now = (x if isinstance(x, dict) else {} for x in (before, now))
+    return [f"{k}: {json.dumps(before.get(k))} in settings.json, {json.dumps(now.get(k))} now"
+            for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)]
 
 
 def open_cell(path: Path, settings_sha256: str | None = None, expect: tuple[str, str, int | None] | None = None,

@@ -263,3 +263,24 @@ def test_coupled_sampler_reaches_every_cell(tmp_path, loaded, monkeypatch):
     assert set(seen) == {("coupled", True)}
     with pytest.raises(ValueError, match="sampler"):
         dataclasses.replace(cfg, sampler="gumbel")
+
+
+def test_hf_baseline_runs_the_cells_batches_and_gives_their_tokens(tmp_path, loaded, monkeypatch):
+    """At --batch-size 2 the vs-HF ratio compares like with like: transformers' generate() gets the same batches as
+    specdec's cells (left-padded, masked), and its greedy tokens are those of one prompt at a time."""
+    from specdec.eval.acceptance import hf_greedy_batch
+
+    prompts = PROMPTS["rep"] + PROMPTS["mixed"][:1]  # three prompts of lengths 8, 5, 4
+    alone = [hf_greedy_batch(loaded.model, [p], 10)[0] for p in prompts]
+    assert hf_greedy_batch(loaded.model, prompts, 10) == alone and all(len(t) > 0 for t in alone)
+    monkeypatch.setattr(loaded.model.generation_config, "eos_token_id", alone[1][0])  # the second prompt stops
+    assert hf_greedy_batch(loaded.model, prompts, 10) == [alone[0], alone[1][:1], alone[2]]
+    monkeypatch.undo()
+    shapes, generate = [], loaded.model.generate
+    monkeypatch.setattr(loaded.model, "generate", lambda ids, **kw: shapes.append(tuple(ids.shape)) or
+                        generate(ids, **kw))
+    cfg = SuiteConfig((("ngram", {}),), ("rep",), prompts_per_category=3, max_new_tokens=10, batch_size=2,
+                      calibration_repeats=0)
+    run_cells(loaded, {"rep": prompts}, cfg, tmp_path)
+    assert shapes == [(1, 8), (2, 8), (1, 4)]  # a warm-up call, then the cells' batches
+    assert read_cell(cell_path(tmp_path, "hf-greedy", "rep")).new_tokens == sum(map(len, alone))

@@ -202,6 +202,34 @@ def test_a_damaged_settings_json_is_refused_naming_it(loaded, config, run, damag
     assert _snapshot(run / "cells") == cells and json.loads(path.read_text())["schema"]
 
 
+def test_a_resume_under_other_threads_is_refused_naming_them(loaded, config, run):
+    """Speed depends on torch's threads: a run measured under one thread resumed under two would set the new cells'
+    tokens/s against the old plain cell's. Refused in one line naming the difference, also without settings.json
+    (every cell's settings digest holds the conditions)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        message = _refused(loaded, config, run, "settings.json", match="other speed conditions")
+        assert f"threads: {threads} in settings.json, {threads + 1} now" in message and "--overwrite" in message
+        (run / "settings.json").unlink()
+        _refused(loaded, config, run, "cells/plain__rep.json", "cells/ngram__mix.json",
+                 match="4 finished cell file.*other settings than this run's")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_run_of_a_specdec_that_did_not_record_the_machine_is_refused(loaded, config, run):
+    path = run / "settings.json"
+    data = json.loads(path.read_text())
+    del data["settings"]["machine"]
+    data.update(schema="specdec-acceptance-settings/2", sha256=_sha256(data["settings"]))
+    path.write_text(json.dumps(data))
+    message = _refused(loaded, config, run, "settings.json", match="older specdec, which did not record the device")
+    assert "--overwrite" in message
+
+
 def test_rank_files_are_checked_for_their_rank(loaded, config, tmp_path):
     """Each process's cell file records its rank: rank 0's file copied over rank 1's is refused, on resume and when
     the run's cells are merged."""
