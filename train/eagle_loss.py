@@ -14,6 +14,7 @@ speculators' ``ttt_steps`` and SpecForge's ``ttt_length`` train it.
 
     loss, correct, count = eagle_loss(model, ids, hidden, labels, mask, embed_w, lm_w, steps=3)
     # correct[s] / count[s]: top-1 agreement with the target at draft depth s + 1
+    over = eagle_loss_counts(model, labels, mask, vocab_size, steps=3)  # what each term averages over
 """
 from __future__ import annotations
 
@@ -31,6 +32,35 @@ def unrolled_mask(L: int, s: int, device) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
+def _depth_targets(model: EagleModel, labels, mask, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``valid`` [B, L-1] (the queries that predict a real token) and their targets [B, L-1] (the target's token,
+    mapped into the draft vocabulary: -100 outside it)."""
+    valid = mask[:, 1:].bool()
+    want_token = labels[:, 1:]  # the target's token after t_{j+1}
+    draft_ids = model.draft_ids
+    if draft_ids is None:
+        return valid, want_token
+    return valid, DraftVocab(draft_ids.cpu(), vocab_size).to_reduced(want_token)
+
+
+def _depth_rows(valid: torch.Tensor, s: int) -> torch.Tensor:
+    rows = valid.clone()
+    rows[:, : s - 1] = False  # the first s - 1 queries have no depth-s context
+    return rows
+
+
+def eagle_loss_counts(model: EagleModel, labels, mask, vocab_size: int, steps: int) -> list[int]:
+    """What each term of :func:`eagle_loss` averages over in this batch: per depth the positions with a target in
+    the draft vocabulary (token loss), then per depth every position (feature regression; EAGLE-3 has none)."""
+    valid, want_index = _depth_targets(model, labels, mask, vocab_size)
+    ce, reg = [], []
+    for s in range(1, steps + 1):
+        rows = _depth_rows(valid, s)
+        ce.append(int((want_index[rows] != IGNORE).sum()))
+        reg.append(0 if model.eagle3 else int(rows.sum()))
+    return ce + reg
+
+
 def eagle_loss(
     model: EagleModel,
     ids: torch.Tensor,  # [B, L] token ids
@@ -43,23 +73,22 @@ def eagle_loss(
     reg_weight: float = 1.0,
     step_decay: float = 0.8,
     top5: list[int] | None = None,
+    over: list[int] | None = None,
 ) -> tuple[torch.Tensor, list[int], list[int]]:
     """Weighted sum over passes of cross-entropy vs the target's token + reg_weight * smooth-L1 vs its feature.
+    Each term is its sum over positions divided by its entry of ``over`` (laid out as :func:`eagle_loss_counts`;
+    default: this batch's own counts, so a mean; the trainer passes the optimizer step's counts).
     ``top5``, if given, receives per depth the count of positions whose target token is in the draft's top 5."""
     B, L = ids.shape
     n = L - 1  # queries j = 0..L-2 read (f_j, t_{j+1}) and predict position j + 1
     if n < 1:
         return hidden.new_zeros(()), [0] * steps, [0] * steps
+    if over is None:
+        over = eagle_loss_counts(model, labels, mask, lm_w.shape[0], steps)
     dev = hidden.device
     embeds = F.embedding(ids[:, 1:], embed_w).to(hidden.dtype)  # [B, n, H] embeddings of t_{j+1}
     want_feature = hidden[:, 1:]  # [B, n, H] f_{j+1}
-    want_token = labels[:, 1:]  # [B, n] the target's token after t_{j+1}
-    valid = mask[:, 1:].bool()  # [B, n]
-    draft_ids = model.draft_ids
-    if draft_ids is not None:
-        want_index = DraftVocab(draft_ids.cpu(), lm_w.shape[0]).to_reduced(want_token)
-    else:
-        want_index = want_token
+    valid, want_index = _depth_targets(model, labels, mask, lm_w.shape[0])  # [B, n]
     positions = torch.arange(1, L, device=dev)
     keys_k, keys_v = [], []
     features = model.fuse(hidden[:, :-1])  # pass 1 reads the target's features (EAGLE-3: fused by fc)
@@ -74,8 +103,7 @@ def eagle_loss(
         past_v = torch.cat(keys_v, dim=2) if keys_v else None
         out, k, v = model(embeds, features, positions, attn[None], past_k, past_v)
         keys_k.append(k), keys_v.append(v)
-        rows = valid.clone()
-        rows[:, : s - 1] = False  # the first s - 1 queries have no depth-s context
+        rows = _depth_rows(valid, s)
         if not bool(rows.any()):
             correct.append(0), count.append(0)
             if top5 is not None:
@@ -84,9 +112,12 @@ def eagle_loss(
         pred = out[rows]  # [R, H]
         logits = model.logits(pred, lm_w).float()
         target = want_index[rows]
-        ce = F.cross_entropy(logits, target, ignore_index=IGNORE) if bool((target != IGNORE).any()) else \
-            logits.sum() * 0.0
-        reg = 0.0 if model.eagle3 else F.smooth_l1_loss(pred.float(), want_feature[rows].float())
+        ce = F.cross_entropy(logits, target, ignore_index=IGNORE, reduction="sum") \
+            if bool((target != IGNORE).any()) else logits.sum() * 0.0
+        ce = ce / max(1.0, float(over[s - 1]))
+        reg = 0.0 if model.eagle3 else \
+            F.smooth_l1_loss(pred.float(), want_feature[rows].float(), reduction="sum") / (
+                pred.shape[-1] * max(1.0, float(over[steps + s - 1])))  # the mean over elements: H per position
         total = total + step_decay ** (s - 1) * (ce + reg_weight * reg)
         correct.append(int((logits.argmax(-1) == target).sum()))  # out-of-vocabulary tokens count as misses
         if top5 is not None:

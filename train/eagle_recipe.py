@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 from specdec.train.config import TrainConfig
-from specdec.train.eagle_loss import eagle_loss
+from specdec.train.eagle_loss import eagle_loss, eagle_loss_counts
 
 
 class EagleRecipe:
@@ -34,10 +34,15 @@ class EagleRecipe:
         self.cfg, self.depths = cfg, cfg.eagle_steps
         self.feature_layers = config.feature_layers  # EAGLE-3: what the feature cache holds instead of final states
 
-    def accumulate(self, ids, hidden, labels, mask, scale: float, autocast) -> tuple[torch.Tensor, list, list]:
+    def loss_counts(self, labels, mask) -> list[int]:
+        """The positions each term of the unrolled loss averages over in this micro-batch."""
+        return eagle_loss_counts(self.module, labels, mask, self.lm_w.shape[0], self.cfg.eagle_steps)
+
+    def accumulate(self, ids, hidden, labels, mask, over: list[int], autocast) -> tuple[torch.Tensor, list, list]:
+        """Backward of this micro-batch's share of the step's loss (``over``: the step's :meth:`loss_counts`)."""
         with autocast():
             loss, correct, count = eagle_loss(self.module, ids, hidden, labels, mask, self.embed_w, self.lm_w,
                                               steps=self.cfg.eagle_steps, reg_weight=self.cfg.reg_weight,
-                                              step_decay=self.cfg.head_decay)
-        (loss * scale).backward()
-        return loss.detach() * scale, correct, count
+                                              step_decay=self.cfg.head_decay, over=over)
+        loss.backward()
+        return loss.detach(), correct, count

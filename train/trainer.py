@@ -4,14 +4,18 @@
     history = train_drafter(cfg, recipe, model, train_seqs, accelerator, resume_from)   # any recipe
 
 A recipe (``MedusaRecipe`` here, ``EagleRecipe`` in train/eagle_recipe.py) owns the trained module and
-its loss; the loop (data order, accumulation, cross-process averaging, schedule, checkpoints) is shared.
+its loss; the loop (data order, accumulation, cross-process reduction, schedule, checkpoints) is shared.
 
 Head ``i`` at position ``t`` learns the target's own greedy prediction at position ``t + 1 + i``
 (the token the target would produce at ``t + 2 + i``), weighted by ``head_decay ** i``. The target's
 hidden states and argmax labels are computed once per sequence before the first step
 (``FeatureCache``; or once per batch with ``cache_features=False``), under ``no_grad`` in float32.
-Batches: ``batch_size`` is the global micro-batch; with N processes each takes rows ``p::N``,
-gradients are averaged across processes by hand (no DDP), so 1 and N processes see the same data.
+Batches: ``batch_size`` is the global micro-batch; with N processes each takes rows ``p::N``.
+A step's loss is, per term (a head; an EAGLE depth's token loss or feature regression), the mean over
+every loss position of its ``grad_accum`` micro-batches on all processes: the recipe counts them
+(``loss_counts``) before any backward, the counts are summed across processes, each micro-batch's
+summed loss is divided by them, and the gradients are summed across processes by hand (no DDP).
+So ``grad_accum`` N equals one batch N times larger and N processes equal one, whatever the lengths.
 """
 from __future__ import annotations
 
@@ -146,14 +150,34 @@ def batch_rows(num_train: int, micro: int, batch_size: int, seed: int) -> list[i
     return perm[k * batch_size : (k + 1) * batch_size].tolist()
 
 
+def _head_targets(heads: MedusaHeads, i: int, labels, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head i's positions (``valid`` [B, L-1-i] bool) and its targets there ([N]; -100 outside a draft vocabulary)."""
+    shift = 1 + i
+    valid = mask[:, shift:].bool()
+    y = labels[:, shift:][valid]
+    vocab = heads.vocab()
+    return valid, (y if vocab is None else vocab.to_reduced(y))
+
+
+def head_loss_count(heads: MedusaHeads, i: int, labels, mask, loss: str = "ce") -> int:
+    """How many positions head i's loss averages over in this batch: every valid one for ``kl``; for ``ce`` those
+    whose label lies in the draft vocabulary."""
+    valid, target = _head_targets(heads, i, labels, mask)
+    return int(valid.sum()) if loss == "kl" else int((target != IGNORE).sum())
+
+
 def head_loss(heads: MedusaHeads, i: int, hidden, labels, mask, lm_w,
-              loss: str = "ce") -> tuple[torch.Tensor, int, int]:
+              loss: str = "ce", over: int | None = None) -> tuple[torch.Tensor, int, int]:
     """Head i's loss vs the target's prediction at t+1+i; returns (loss, correct, count).
 
     ``ce``: cross-entropy against the target's argmax. ``kl``: KL(target || head) against the
     target's whole next-token distribution at t+1+i, recomputed from the cached final-norm hidden
     state (one extra LM-head forward, no gradient); it also teaches the ranks below the argmax,
     which a tree's siblings use.
+
+    The loss is the sum over positions divided by ``over``: by default this batch's own count
+    (:func:`head_loss_count`), a mean; the trainer passes the whole optimizer step's count, so the
+    losses of its micro-batches (and processes) add up to the mean over all of them.
 
     Heads over a reduced draft vocabulary (``heads.config.draft_vocab``) score N tokens: ``ce`` maps
     the labels into it and ignores positions whose label lies outside (they carry no gradient);
@@ -163,22 +187,21 @@ def head_loss(heads: MedusaHeads, i: int, hidden, labels, mask, lm_w,
     shift = 1 + i
     if hidden.shape[1] <= shift:  # every sequence too short for this head: a zero that still reaches its weights
         return sum(p.sum() for p in heads.heads[i].parameters()) * 0.0, 0, 0
-    h = hidden[:, :-shift]  # [B, L-shift, H]
-    y = labels[:, shift:]
-    valid = mask[:, shift:].bool()
-    x = heads.heads[i](h[valid])  # [N, H]
+    valid, target = _head_targets(heads, i, labels, mask)
+    x = heads.heads[i](hidden[:, :-shift][valid])  # [N, H]
     rows = heads.lm_rows(lm_w)  # [draft_size, H] target LM-head rows of the scored tokens
     logits = F.linear(x, rows) if heads.config.shared_lm_head else x  # [N, draft_size]
-    vocab = heads.vocab()
-    target = y[valid] if vocab is None else vocab.to_reduced(y[valid])  # [N], -100 outside a draft vocabulary
     if loss == "kl":
         with torch.no_grad():
             target_logp = F.linear(hidden[:, shift:][valid], rows).float().log_softmax(-1)  # [N, draft_size]
-        value = F.kl_div(logits.float().log_softmax(-1), target_logp, log_target=True, reduction="batchmean")
+        value = F.kl_div(logits.float().log_softmax(-1), target_logp, log_target=True, reduction="sum")
+        n = int(valid.sum())
     elif bool((target != IGNORE).any()):
-        value = F.cross_entropy(logits.float(), target, ignore_index=IGNORE)
+        value = F.cross_entropy(logits.float(), target, ignore_index=IGNORE, reduction="sum")
+        n = int((target != IGNORE).sum())
     else:  # every label outside the draft vocabulary: nothing to learn here (mean over none would be NaN)
-        value = logits.float().sum() * 0.0
+        value, n = logits.float().sum() * 0.0, 0
+    value = value / max(1.0, float(n if over is None else over))
     correct = int((logits.argmax(-1) == target).sum())
     return value, correct, int(target.numel())
 
@@ -213,14 +236,19 @@ class MedusaRecipe:
         self.cfg, self.depths = cfg, cfg.num_heads
         self.weights = [cfg.head_decay**i for i in range(cfg.num_heads)]
 
-    def accumulate(self, ids, hidden, labels, mask, scale: float, autocast) -> tuple[torch.Tensor, list, list]:
-        """Backward of this micro-batch's loss times ``scale``; returns (loss, correct per depth, count per depth)."""
+    def loss_counts(self, labels, mask) -> list[int]:
+        """The positions each head's loss averages over in this micro-batch."""
+        return [head_loss_count(self.module, i, labels, mask, self.cfg.loss) for i in range(self.cfg.num_heads)]
+
+    def accumulate(self, ids, hidden, labels, mask, over: list[int], autocast) -> tuple[torch.Tensor, list, list]:
+        """Backward of this micro-batch's share of the step's loss (head i's summed loss / ``over[i]``, the step's
+        count of :meth:`loss_counts`); returns (that share, correct per depth, count per depth)."""
         total, correct, count = hidden.new_zeros(()), [], []
         for i in range(self.cfg.num_heads):  # one graph per head: peak memory is one head's logits
             with autocast():
-                loss, c, n = head_loss(self.module, i, hidden, labels, mask, self.lm_w, self.cfg.loss)
-            (self.weights[i] * loss * scale).backward()
-            total = total + self.weights[i] * loss.detach() * scale
+                loss, c, n = head_loss(self.module, i, hidden, labels, mask, self.lm_w, self.cfg.loss, over[i])
+            (self.weights[i] * loss).backward()
+            total = total + self.weights[i] * loss.detach()
             correct.append(c), count.append(n)
         return total, correct, count
 
@@ -272,7 +300,7 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
                                       feature_layers=getattr(recipe, "feature_layers", ()))
     heads.train()
     while step < total:
-        stats = torch.zeros(1 + 2 * depths, device=accelerator.device)  # loss sum, correct[d], count[d]
+        window = []  # the step's micro-batches: what the loss averages over is counted before any backward
         for a in range(cfg.grad_accum):
             rows = batch_rows(len(train_seqs), step * cfg.grad_accum + a, cfg.batch_size, cfg.seed)[rank::nproc]
             ids, mask = collate([train_seqs[r] for r in rows], accelerator.device)
@@ -280,16 +308,23 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
                 hidden, labels, mask = features.batch(rows)
             else:
                 hidden, labels = target_features(model, ids, mask, getattr(recipe, "feature_layers", ()))
-            loss, correct, count = recipe.accumulate(ids, hidden, labels, mask, 1.0 / cfg.grad_accum,
-                                                     accelerator.autocast)
+            window.append((ids, hidden, labels, mask))
+        over = torch.tensor([recipe.loss_counts(labels, mask) for _, _, labels, mask in window],
+                            dtype=torch.long, device=accelerator.device).sum(0)
+        if nproc > 1:  # every process divides by the count of the whole global step
+            over = accelerator.reduce(over, reduction="sum")
+        over = over.tolist()
+        stats = torch.zeros(1 + 2 * depths, device=accelerator.device)  # loss, correct[d], count[d]
+        for ids, hidden, labels, mask in window:
+            loss, correct, count = recipe.accumulate(ids, hidden, labels, mask, over, accelerator.autocast)
             stats[0] += loss.detach()
             stats[1 : 1 + depths] += torch.tensor(correct, dtype=stats.dtype, device=stats.device)
             stats[1 + depths :] += torch.tensor(count, dtype=stats.dtype, device=stats.device)
-        if nproc > 1:
+        del window
+        if nproc > 1:  # each process's gradient is its share of the global step's: their sum is the step's
             for p in params:
-                p.grad = accelerator.reduce(p.grad, reduction="mean")
+                p.grad = accelerator.reduce(p.grad, reduction="sum")
             stats = accelerator.reduce(stats, reduction="sum")
-            stats[0] /= nproc
         if cfg.max_grad_norm > 0:  # after the averaging: every process clips the same gradient
             torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         lr = scheduler.get_last_lr()[0]  # the rate this step uses (scheduler.step() below moves to the next)
