@@ -211,6 +211,8 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
             (out / "report.md").write_text(render_markdown(report))
             logger.info("done: top1 %s, tau %s", acc["top1"], tau and round(tau["tau"], 3))
         accelerator.wait_for_everyone()
+        if accelerator.num_processes > 1:  # close the process group here: left to exit, a rank could abort in teardown
+            accelerator.end_training()
         return report
     finally:
         if handler is not None:
