@@ -127,14 +127,26 @@ def _common_args(p, name: str) -> None:
     g.add_argument("--log-every", type=int, default=10, help="log a line to train.log every N steps")
     g.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its checkpoint")
     g.add_argument("--overwrite", action="store_true", help="delete whatever --output-dir holds and start afresh")
-    g.add_argument("--tree-budget", type=int, default=64, help="nodes of the chosen medusa_choices tree (<= 64)")
     g.add_argument("--eval-prompts", type=int, default=24, help="held-out chat prompts for the tau measurement")
     g.add_argument("--eval-max-new-tokens", type=int, default=128, help="tokens per prompt for tau")
-    g.add_argument("--eval-tree", choices=EVAL_TREES, default="static",
-                   help="tree of the tau measurement: the chosen medusa_choices, or a per-step dynamic tree of "
-                        "--tree-budget nodes from the heads' top-20 (drafter options tree=dynamic top_k=20)")
+    if name == "train-medusa":
+        g.add_argument("--tree-budget", type=int, default=64, help="nodes of the chosen medusa_choices tree (<= 64)")
+        g.add_argument("--eval-tree", choices=EVAL_TREES, default="static",
+                       help="tree of the tau measurement: the chosen medusa_choices, or a per-step dynamic tree of "
+                            "--tree-budget nodes from the heads' top-20 (drafter options tree=dynamic top_k=20)")
+    else:  # train-eagle times candidate trees (train/eagle_evaluate.py): Medusa's tree options would do nothing
+        for option in ("--tree-budget", "--eval-tree"):
+            g.add_argument(option, action=_MedusaOnly, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     g.add_argument("--no-eval-tau", action="store_true", help="skip the tau measurement")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+class _MedusaOnly(argparse.Action):
+    """A train-medusa option given to train-eagle: refused in one line rather than accepted and ignored."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is a train-medusa option (the medusa_choices tree); train-eagle chooses its "
+                     "tree by timing candidates on the --eval-prompts (docs/training/eagle.md)")
 
 
 def config_from_args(args):
@@ -156,8 +168,8 @@ def config_from_args(args):
         max_steps=args.max_steps, head_decay=args.head_decay, loss=args.loss, precision=args.precision,
         cache_features=not args.no_feature_cache, seed=args.seed,
         held_out_fraction=args.held_out_fraction, save_every=args.save_every, log_every=args.log_every,
-        tree_budget=args.tree_budget, eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens,
-        eval_tau=not args.no_eval_tau, eval_tree=args.eval_tree,
+        eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens, eval_tau=not args.no_eval_tau,
+        **{k: getattr(args, k) for k in ("tree_budget", "eval_tree") if hasattr(args, k)},  # train-medusa's only
         resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
     )
 

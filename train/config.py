@@ -78,7 +78,7 @@ class TrainConfig:
     held_out_fraction: float = 0.05
     save_every: int = 50
     log_every: int = 10
-    tree_budget: int = 64
+    tree_budget: int = 64  # Medusa only (an EAGLE run times candidate trees): nodes of the medusa_choices tree
     eval_prompts: int = 24
     eval_max_new_tokens: int = 128
     eval_tau: bool = True
@@ -117,6 +117,9 @@ class TrainConfig:
                              "data or prompts_file")
         if self.eval_tree not in EVAL_TREES:
             raise ValueError(f"eval_tree must be one of {EVAL_TREES}, got {self.eval_tree!r}")
+        if self.drafter == "eagle" and (self.eval_tree, self.tree_budget) != ("static", 64):
+            raise ValueError("tree_budget and eval_tree choose Medusa's medusa_choices tree; an EAGLE run chooses its "
+                             "tree by timing candidates (train/eagle_evaluate.py): leave them at their defaults")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if self.precision not in PRECISIONS:
