@@ -320,6 +320,41 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny, tmp_path, monkeypatch
     assert [h["loss"] for h in ha] == [h["loss"] for h in hb]
 
 
+def test_sigterm_takes_the_path_of_ctrl_c(tiny, tmp_path, monkeypatch, capsys):
+    """SIGTERM (schedulers, `timeout`) ended training unannounced; it now stops it as Ctrl-C does: one line naming
+    the checkpoint a --resume continues from, exit 143, and the caller's own SIGTERM handler back afterwards."""
+    import os
+    import signal
+
+    from specdec.cli import main
+
+    class CallersHandler(Exception):
+        pass
+
+    def callers_handler(signum, frame):
+        raise CallersHandler  # what the old code let through (instead of the process dying)
+
+    real_rows = trainer.batch_rows
+
+    def terminated_at_step_5(num, micro, bs, seed):
+        if micro == 4:  # step 5 starts after the step-4 checkpoint
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_rows(num, micro, bs, seed)
+
+    monkeypatch.setattr(trainer, "batch_rows", terminated_at_step_5)
+    previous = signal.signal(signal.SIGTERM, callers_handler)
+    try:
+        rc = main(["train-medusa", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"),
+                   "--output-dir", str(tmp_path / "run"), "--num-heads", "2", "--seq-len", "32", "--batch-size",
+                   "4", "--max-steps", "6", "--save-every", "2", "--no-eval-tau", "--no-progress"])
+        assert signal.getsignal(signal.SIGTERM) is callers_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 143 and err[-1] == ("specdec train-medusa: terminated (SIGTERM); the checkpoint of step 4 is intact "
+                                     "(continue with --resume)")
+
+
 def test_checkpoint_swap_survives_a_kill_between_renames(tmp_path):
     (tmp_path / "checkpoint.tmp").mkdir()  # half-written: ignored
     assert ckpt_io.find_checkpoint(tmp_path) is None

@@ -9,8 +9,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -188,6 +190,28 @@ def _what_is_left(out: Path) -> str:
     return f"the checkpoint of step {step} is intact (continue with --resume)"
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what schedulers, ``timeout`` and ``kill`` send), raised where it arrives: it takes Ctrl-C's path."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """While training runs, SIGTERM raises :class:`Terminated` instead of ending the process unannounced; the
+    previous handler is restored after."""
+    def handler(signum, frame):
+        raise Terminated
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: only the main thread may handle signals
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run(args) -> int:
     from specdec.train.data import TrainDataError
     from specdec.train.pipeline import run_training
@@ -195,15 +219,17 @@ def run(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        report = run_training(config_from_args(args))
+        with sigterm_as_interrupt():
+            report = run_training(config_from_args(args))
     except (TrainDataError, OutputDirError, ValueError, FileNotFoundError) as err:
         if getattr(args, "verbose", False):  # -v: the traceback, as for every other command
             raise
         print(f"specdec train-{args.drafter}: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"specdec train-{args.drafter}: interrupted; {_what_is_left(Path(args.output_dir))}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        how = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
+        print(f"specdec train-{args.drafter}: {how}; {_what_is_left(Path(args.output_dir))}", file=sys.stderr)
+        return 128 + (signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT)
     if report:
         keys = ("top1", "top5", "tree", "seconds") if args.drafter == "eagle" else \
             ("top1", "top5", "estimated_tau", "tau", "seconds")
