@@ -568,3 +568,39 @@ def test_a_history_line_cut_short_by_a_kill_does_not_block_resume(tmp_path):
     path.write_text('{"step": 1, "loss": 2.5}\n{"st\n{"step": 3, "loss": 2.3}\n')
     with pytest.raises(OutputDirError, match="line 2 is not JSON"):
         read_history(path)
+
+
+def _copied_run(tiny, tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copytree(tiny / "model", tmp_path / "model")
+    shutil.copyfile(tiny / "data.jsonl", tmp_path / "data.jsonl")
+    monkeypatch.chdir(tmp_path)
+    run_training(_cfg(tiny, tmp_path / "run", model="model", data="data.jsonl", eval_tau=False, max_steps=2,
+                      save_every=2))
+
+
+def test_resume_compares_paths_resolved(tiny, tmp_path, monkeypatch):
+    """--resume refused `./model` after `model` (another spelling of one directory) as "a different
+    configuration"; another directory is still refused."""
+    _copied_run(tiny, tmp_path, monkeypatch)
+    again = dict(eval_tau=False, max_steps=2, save_every=2, resume=True)
+    assert run_training(_cfg(tiny, tmp_path / "run", model="./model", data=str(tmp_path / "data.jsonl"),
+                             **again))["steps"] == 2  # resumed at its last step: nothing left to train
+    with pytest.raises(OutputDirError, match="different configuration.*model: checkpoint 'model' vs now"):
+        run_training(_cfg(tiny, tmp_path / "run", model=str(tiny / "model"), data="data.jsonl", **again))
+
+
+def test_resume_refuses_a_target_retrained_into_the_same_directory(tiny, tmp_path, monkeypatch):
+    """The checkpoint recorded the target's path only, so a model retrained into the same directory resumed
+    silently; its content identity (config and sampled weights) is recorded and compared now."""
+    from transformers import AutoModelForCausalLM
+
+    _copied_run(tiny, tmp_path, monkeypatch)
+    retrained = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    with torch.no_grad():
+        retrained.model.layers[0].mlp.up_proj.weight.add_(0.01)  # a middle weight, the config unchanged
+    retrained.save_pretrained(tmp_path / "model")
+    with pytest.raises(OutputDirError, match=r"--resume: the target model model is not the one the checkpoint"):
+        run_training(_cfg(tiny, tmp_path / "run", model="model", data="data.jsonl", eval_tau=False, max_steps=2,
+                          save_every=2, resume=True))

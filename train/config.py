@@ -22,6 +22,16 @@ RESUMABLE_FIELDS = frozenset({"output_dir", "save_every", "log_every", "eval_pro
 
 
 DRAFTERS = ("medusa", "eagle")
+# fields naming a local file or directory (the model may also be an alias or hub id): a resume compares them resolved
+PATH_FIELDS = ("model", "data", "prompts_file")
+
+
+def resolved_path(value: str | None) -> str | None:
+    """``value`` as an absolute path when it names something on disk (``./tiny`` and ``tiny`` alike), else as given
+    (an alias, a hub id, None)."""
+    if value is None or not Path(value).expanduser().exists():
+        return value
+    return str(Path(value).expanduser().resolve())
 
 
 # fields added with train-eagle, and their defaults (a run saved before them has none)
@@ -161,6 +171,11 @@ class TrainConfig:
             stamps[path] = [sum(st.st_size for st in stats), max((st.st_mtime_ns for st in stats), default=0)]
         return stamps
 
+    def resolved_paths(self) -> dict[str, str | None]:
+        """The path fields resolved (:func:`resolved_path`), recorded with each checkpoint: a resume compares these,
+        not the spelling."""
+        return {k: resolved_path(getattr(self, k)) for k in PATH_FIELDS}
+
     def fingerprint(self) -> str:
         """Hash of everything that shapes the trained heads (not the output dir, logging or evaluation)."""
         core = {k: v for k, v in asdict(self).items() if k not in RESUMABLE_FIELDS}
@@ -171,9 +186,12 @@ class TrainConfig:
 
     def differences(self, other: dict) -> list[str]:
         """The fields that shape the trained heads and differ from ``other`` (a saved config): what a resume
-        refuses. ``epochs`` does not count where both set ``max_steps``, which overrides it."""
+        refuses. ``epochs`` does not count where both set ``max_steps``, which overrides it. Paths count resolved
+        (``other``'s as recorded at the checkpoint, else resolved now): another spelling of a path is the same run."""
         other = {**_ADDED_LATER, **other}
         mine = asdict(self)
         ignored = {"epochs"} if mine["max_steps"] is not None and other.get("max_steps") == mine["max_steps"] else set()
+        saved = other.get("resolved") or {k: resolved_path(other.get(k)) for k in PATH_FIELDS}
+        ignored |= {k for k, v in self.resolved_paths().items() if k in saved and saved[k] == v}
         return [f"{k}: checkpoint {other.get(k)!r} vs now {mine[k]!r}" for k in sorted(mine)
                 if k not in RESUMABLE_FIELDS | ignored and other.get(k) != mine[k]]
