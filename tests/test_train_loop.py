@@ -355,6 +355,30 @@ def test_sigterm_takes_the_path_of_ctrl_c(tiny, tmp_path, monkeypatch, capsys):
                                      "(continue with --resume)")
 
 
+@pytest.mark.parametrize("verbose", [False, True])
+def test_training_logs_info_to_the_console_with_v_only(tiny, tmp_path, verbose):
+    """train-medusa printed its INFO lines without -v (the pipeline lowers the specdec logger to INFO for
+    train.log, and the console's handler had no level of its own); now with -v only, as every other command."""
+    import io
+    import logging
+
+    from specdec.cli import main
+
+    root, console = logging.getLogger(), logging.StreamHandler(io.StringIO())  # what specdec.cli's basicConfig adds
+    level = root.level
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    root.addHandler(console)
+    try:
+        assert main(["train-medusa", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"),
+                     "--output-dir", str(tmp_path / "run"), "--num-heads", "2", "--seq-len", "32", "--batch-size",
+                     "4", "--max-steps", "2", "--no-eval-tau", "--no-progress", *(["-v"] if verbose else [])]) == 0
+    finally:
+        root.removeHandler(console)
+        root.setLevel(level)
+    assert ("step 2/2" in console.stream.getvalue()) == verbose and console.level == logging.NOTSET
+    assert "step 2/2" in (tmp_path / "run" / "train.log").read_text()
+
+
 def test_checkpoint_swap_survives_a_kill_between_renames(tmp_path):
     (tmp_path / "checkpoint.tmp").mkdir()  # half-written: ignored
     assert ckpt_io.find_checkpoint(tmp_path) is None

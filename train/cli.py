@@ -212,14 +212,38 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def console_at_cli_level(verbose: bool):
+    """The console as for every other command: INFO lines and datasets' progress bars with -v only. train.log
+    records INFO (the pipeline lowers the specdec logger's level for it), and records reach the console's handlers
+    whatever the root logger's level, so those handlers take the CLI's level (the root's) while training runs."""
+    root = logging.getLogger()
+    unset = [h for h in root.handlers if h.level == logging.NOTSET]
+    for handler in unset:
+        handler.setLevel(root.level)
+    bars = None
+    if not verbose:
+        with contextlib.suppress(ImportError):  # the train extra missing: the pipeline says so
+            import datasets
+
+            bars = not datasets.are_progress_bars_disabled()
+            datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        for handler in unset:
+            handler.setLevel(logging.NOTSET)
+        if bars:
+            datasets.enable_progress_bars()
+
+
 def run(args) -> int:
     from specdec.train.data import TrainDataError
     from specdec.train.pipeline import run_training
     from specdec.train.trainer import OutputDirError
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        with sigterm_as_interrupt():
+        with sigterm_as_interrupt(), console_at_cli_level(getattr(args, "verbose", False)):
             report = run_training(config_from_args(args))
     except (TrainDataError, OutputDirError, ValueError, FileNotFoundError) as err:
         if getattr(args, "verbose", False):  # -v: the traceback, as for every other command
