@@ -141,6 +141,18 @@ def test_a_subject_of_a_held_out_chat_prompt_is_refused(monkeypatch):
         builtin._check_disjoint()
 
 
+def test_a_bad_jsonl_line_is_named_once(tmp_path, caplog):
+    """A line that is not JSON gave datasets' ERROR log twice (its handler and the root's) and then "cannot read
+    ...: DatasetGenerationError: An error occurred while generating the dataset"; now one error naming the line."""
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": "fine"}\n{not json}\n')
+    with caplog.at_level("INFO"), pytest.raises(TrainDataError) as err:
+        load_texts(str(f))
+    assert str(err.value) == (f"cannot read training data {f}: line 2 is not JSON (Expecting property name enclosed "
+                              "in double quotes, column 2)")
+    assert not [r for r in caplog.records if r.name.startswith("datasets") and r.levelname == "ERROR"]
+
+
 def test_an_interrupted_self_distillation_continues_from_its_finished_batches(tmp_path, monkeypatch):
     """Self-distillation kept nothing until its last batch, so a Ctrl-C or SIGTERM lost every generated answer;
     finished batches are kept now and a rerun generates only the rest: the same sequences as one whole run."""
