@@ -606,13 +606,17 @@ def _copied_run(tiny, tmp_path, monkeypatch):
 
 def test_resume_compares_paths_resolved(tiny, tmp_path, monkeypatch):
     """--resume refused `./model` after `model` (another spelling of one directory) as "a different
-    configuration"; another directory is still refused."""
+    configuration"; another directory is still refused, also under the same spelling from elsewhere."""
     _copied_run(tiny, tmp_path, monkeypatch)
     again = dict(eval_tau=False, max_steps=2, save_every=2, resume=True)
     assert run_training(_cfg(tiny, tmp_path / "run", model="./model", data=str(tmp_path / "data.jsonl"),
                              **again))["steps"] == 2  # resumed at its last step: nothing left to train
-    with pytest.raises(OutputDirError, match="different configuration.*model: checkpoint 'model' vs now"):
+    was = f"model: checkpoint '{tmp_path / 'model'}' vs now '{tiny / 'model'}'"
+    with pytest.raises(OutputDirError, match=f"different configuration.*{was}"):
         run_training(_cfg(tiny, tmp_path / "run", model=str(tiny / "model"), data="data.jsonl", **again))
+    monkeypatch.chdir(tiny)  # the same spelling in another working directory: another directory
+    with pytest.raises(OutputDirError, match=f"different configuration.*{was}"):
+        run_training(_cfg(tiny, tmp_path / "run", model="model", data="data.jsonl", **again))
 
 
 def test_resume_refuses_a_target_retrained_into_the_same_directory(tiny, tmp_path, monkeypatch):

@@ -187,11 +187,15 @@ class TrainConfig:
     def differences(self, other: dict) -> list[str]:
         """The fields that shape the trained heads and differ from ``other`` (a saved config): what a resume
         refuses. ``epochs`` does not count where both set ``max_steps``, which overrides it. Paths count resolved
-        (``other``'s as recorded at the checkpoint, else resolved now): another spelling of a path is the same run."""
+        (``other``'s as recorded at the checkpoint, else resolved now): another spelling of a path is the same run,
+        the same spelling from another working directory another."""
         other = {**_ADDED_LATER, **other}
         mine = asdict(self)
-        ignored = {"epochs"} if mine["max_steps"] is not None and other.get("max_steps") == mine["max_steps"] else set()
-        saved = other.get("resolved") or {k: resolved_path(other.get(k)) for k in PATH_FIELDS}
-        ignored |= {k for k, v in self.resolved_paths().items() if k in saved and saved[k] == v}
-        return [f"{k}: checkpoint {other.get(k)!r} vs now {mine[k]!r}" for k in sorted(mine)
-                if k not in RESUMABLE_FIELDS | ignored and other.get(k) != mine[k]]
+        ignored = set(PATH_FIELDS)
+        if mine["max_steps"] is not None and other.get("max_steps") == mine["max_steps"]:
+            ignored.add("epochs")
+        saved = {**{k: resolved_path(other.get(k)) for k in PATH_FIELDS}, **(other.get("resolved") or {})}
+        now = self.resolved_paths()
+        return sorted([f"{k}: checkpoint {other.get(k)!r} vs now {mine[k]!r}" for k in mine
+                       if k not in RESUMABLE_FIELDS | ignored and other.get(k) != mine[k]]
+                      + [f"{k}: checkpoint {saved[k]!r} vs now {now[k]!r}" for k in PATH_FIELDS if saved[k] != now[k]])

@@ -102,9 +102,9 @@ def prepare_output_dir(cfg: TrainConfig, target: str | None = None) -> Path | No
             raise OutputDirError(f"--resume: {out} holds no checkpoint to resume from")
         ckpt_io.check_readable(ckpt)
         state = ckpt_io.read_state(ckpt)
-        diff = cfg.differences(state["config"]) if state["fingerprint"] != cfg.fingerprint() else []
-        if diff:  # the fingerprints of configs that differ only where nothing trained changes (--epochs under
-            # --max-steps, another spelling of a path) differ too: the fields decide
+        diff = cfg.differences(state["config"])  # the fields decide, not the fingerprint: it differs where
+        # nothing trained changes (--epochs under --max-steps, another spelling of a path) and holds paths as given
+        if diff:
             raise OutputDirError(f"--resume: the checkpoint in {out} is from a different configuration "
                                  f"({'; '.join(diff)})")
         trained_on = state["config"].get("target")  # None: a checkpoint saved before targets were recorded
