@@ -9,7 +9,7 @@
 * Medusa heads with their own LM heads: vLLM's Medusa layout (``blocks.{h}.layers.{l}``, ``lm_heads.{h}``,
   ``model_type: medusa``; a reduced draft vocabulary as ``token_map`` with ``truncated_vocab_size``).
 * EAGLE-1 heads: no serving engine loads specdec's layer (its input / output norms and reduced head), so the
-  command refuses in one line.
+  command refuses in one line. A directory holding no draft head (a model, say) is refused naming what was expected.
 
 Every config names the target model: ``--target``, else the base model the head recorded when it was trained.
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from specdec.drafters.eagle_checkpoint import (
     CONFIG_FILE,
+    PICKLES,
     WEIGHTS_FILE,
     EagleCheckpointError,
     _read_config,
@@ -54,7 +55,18 @@ def export_head(source: str | Path, fmt: str, output_dir: str | Path, target: st
     _check_output_dir(out, overwrite)
     if (src / MEDUSA_WEIGHTS).is_file():
         return _export_medusa(src, fmt, out, target), "Medusa heads"
+    if not (src / CONFIG_FILE).is_file() or not ((src / WEIGHTS_FILE).is_file() or
+                                                 any((src / n).exists() for n in PICKLES)):
+        raise _no_head(src, f"it has no {CONFIG_FILE} + {WEIGHTS_FILE}")
     return _export_eagle(src, fmt, out, target), "an EAGLE-3 head"
+
+
+def _no_head(src: Path, why: str) -> InputError:
+    from specdec.drafters.medusa_heads import WEIGHTS_FILE as MEDUSA_WEIGHTS
+
+    return InputError(f"export-head: {src} holds no draft head ({why}); expected a head directory: Medusa heads "
+                      f"({MEDUSA_WEIGHTS}) or an EAGLE-3 head ({CONFIG_FILE} + {WEIGHTS_FILE} with fc.* "
+                      "tensors), as train-medusa and train-eagle --arch eagle3 write them")
 
 
 def _check_output_dir(out: Path, overwrite: bool) -> None:
@@ -80,9 +92,12 @@ def _target(recorded: str, given: str | None, src: Path) -> str:
 
 
 def _export_eagle(src: Path, fmt: str, out: Path, target: str | None) -> Path:
-    from specdec.drafters.head_layouts import is_eagle3, read_eagle3, write_eagle3
+    from specdec.drafters.head_layouts import is_eagle3, layer_model_type, read_eagle3, write_eagle3
 
     raw, state = _read_config(src), _read_weights(src)
+    if not is_eagle3(raw, state) and "fc.weight" not in state and "specdec_eagle" not in raw:
+        looks = f": it looks like a {layer_model_type(raw)} model" if layer_model_type(raw) else ""
+        raise _no_head(src, f"{WEIGHTS_FILE} has no fc.* tensors{looks}")
     if not is_eagle3(raw, state):
         raise EagleCheckpointError(f"export-head: {src} is an EAGLE-1 head; vLLM and SGLang load no layout of "
                                    "specdec's EAGLE-1 layer (input / output norms, reduced LM head): use EAGLE-3")

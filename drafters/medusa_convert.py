@@ -81,8 +81,18 @@ def find_published(path: str | os.PathLike) -> tuple[str, list[Path]] | None:
     return None
 
 
+# how torch.save's legacy (pre-zip) format begins: its magic number, pickled with protocol 2
+_LEGACY_TORCH_START = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)[:-1]
+_EXPECTED = "expected a torch.save'd state dict of Medusa head tensors (medusa_lm_head.pt)"
+
+
 def _load_pickle(file: Path) -> dict:
     """A torch.save'd state dict, read with weights_only=True (memory-mapped when the format allows)."""
+    with open(file, "rb") as f:
+        start = f.read(len(_LEGACY_TORCH_START))
+    if not start.startswith(b"PK\x03\x04") and start != _LEGACY_TORCH_START:  # a zip archive's first bytes
+        raise MedusaCheckpointError(f"{file} is not a torch checkpoint (neither torch.save's zip archive nor its "
+                                    f"legacy format); {_EXPECTED}")
     try:
         try:
             obj = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
@@ -91,18 +101,24 @@ def _load_pickle(file: Path) -> dict:
                 raise
             obj = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        first = (str(err).strip().splitlines() or ["?"])[0][:300]
+        first = _first_line(err)
         raise MedusaCheckpointError(
             f"{file} holds more than tensors: torch.load(weights_only=True) refused it ({first}); specdec never "
             "unpickles arbitrary objects. Re-save only its state dict (tensors) with torch.save or safetensors"
         ) from err
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise MedusaCheckpointError(f"{file} is not a readable torch checkpoint: {err}") from err
+    except Exception as err:  # a damaged file: torch's readers raise RuntimeError, EOFError, IndexError, ...
+        raise MedusaCheckpointError(f"{file} is a damaged torch checkpoint ({type(err).__name__}: {_first_line(err)}); "
+                                    f"{_EXPECTED}") from err
     if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                             for k, v in obj.items()):
         raise MedusaCheckpointError(f"{file} is not a state dict (a dict of tensors): it holds a "
                                     f"{type(obj).__name__}")
     return obj
+
+
+def _first_line(err: Exception) -> str:
+    """The first line of torch's message, without its terminal styling."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", (str(err).strip().splitlines() or ["?"])[0])[:300]
 
 
 def _read_tensors(kind: str, files: list[Path]) -> dict[str, torch.Tensor]:

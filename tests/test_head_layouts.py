@@ -235,6 +235,21 @@ def test_eagle1_export_is_refused_in_one_line(tmp_path, target, capsys):
     assert len(err) == 1 and "EAGLE-1 head" in err[0]
 
 
+def test_a_directory_without_a_draft_head_is_named_as_such(tmp_path, target, capsys):
+    """export-head on a model's directory called it an EAGLE-1 head (anything not EAGLE-3 was): it holds no head
+    at all, and the line says what a head directory holds."""
+    target.save_pretrained(tmp_path / "model")
+    (tmp_path / "empty").mkdir()
+    capsys.readouterr()  # transformers' progress bar while saving
+    for source in ("model", "empty"):
+        argv = ["export-head", str(tmp_path / source), "--format", "sglang", "--output-dir", str(tmp_path / "o")]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{tmp_path / source} holds no draft head" in err[0] and "EAGLE-1" not in err[0]
+        assert "expected a head directory: Medusa heads (medusa_lm_head.safetensors) or an EAGLE-3 head" in err[0]
+        assert ("it looks like a llama model" in err[0]) == (source == "model")
+
+
 def test_medusa_heads_export_to_vllms_layout_with_the_same_logits(tmp_path):
     torch.manual_seed(0)
     heads = MedusaHeads(MedusaConfig(3, 2, H, V, base_model_name_or_path="org/tiny-target"))

@@ -199,6 +199,28 @@ def test_a_pickle_that_is_not_weights_only_is_refused_unexecuted(tmp_path):
         load_medusa(src, HIDDEN, VOCAB)  # the drafter never reads the pickle itself
 
 
+def test_a_file_that_is_no_torch_checkpoint_is_one_line_naming_it(tmp_path, capsys):
+    """A .pt of other bytes raised the weights-only unpickler's IndexError as a traceback; it is now one line naming
+    the file and what was expected (read weights-only or not at all), as is a damaged archive, while the legacy
+    (pre-zip) format still converts."""
+    from specdec.cli import main
+
+    (tmp_path / "garbage.pt").write_bytes(b"this is not a torch file at all\n" * 10)
+    assert main(["convert-medusa", str(tmp_path / "garbage.pt"), "--output-dir", str(tmp_path / "o"),
+                 "--base-model", "a/b"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"specdec convert-medusa: error: {tmp_path / 'garbage.pt'} is not a torch checkpoint (neither "
+                   "torch.save's zip archive nor its legacy format); expected a torch.save'd state dict of Medusa "
+                   "head tensors (medusa_lm_head.pt)"]
+    state = medusa_module(2, 1).state_dict()
+    torch.save(state, tmp_path / "whole.pt")
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "whole.pt").read_bytes()[:300])
+    with pytest.raises(MedusaCheckpointError, match=r"cut\.pt is a damaged torch checkpoint \(RuntimeError: "):
+        read_published(tmp_path / "cut.pt", base_model="a/b")
+    torch.save(state, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    assert read_published(tmp_path / "legacy.pt", base_model="a/b")[0].num_heads == 2
+
+
 def _edit(state, problem):
     if problem == "lm-bias":
         state["0.1.bias"] = torch.zeros(VOCAB)

@@ -139,3 +139,49 @@ def test_a_subject_of_a_held_out_chat_prompt_is_refused(monkeypatch):
     monkeypatch.setattr(builtin, "SUBJECTS", builtin.SUBJECTS + ("the water cycle",))
     with pytest.raises(RuntimeError, match="water cycle"):
         builtin._check_disjoint()
+
+
+def test_a_bad_jsonl_line_is_named_once(tmp_path, caplog):
+    """A line that is not JSON gave datasets' ERROR log twice (its handler and the root's) and then "cannot read
+    ...: DatasetGenerationError: An error occurred while generating the dataset"; now one error naming the line."""
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": "fine"}\n{not json}\n')
+    with caplog.at_level("INFO"), pytest.raises(TrainDataError) as err:
+        load_texts(str(f))
+    assert str(err.value) == (f"cannot read training data {f}: line 2 is not JSON (Expecting property name enclosed "
+                              "in double quotes, column 2)")
+    assert not [r for r in caplog.records if r.name.startswith("datasets") and r.levelname == "ERROR"]
+
+
+def test_an_interrupted_self_distillation_continues_from_its_finished_batches(tmp_path, monkeypatch):
+    """Self-distillation kept nothing until its last batch, so a Ctrl-C or SIGTERM lost every generated answer;
+    finished batches are kept now and a rerun generates only the rest: the same sequences as one whole run."""
+    import importlib
+
+    from specdec.train.distill import self_distill
+
+    from specdec.models.loader import load_model
+    from specdec.testing import build_tiny_model
+
+    generate_module = importlib.import_module("specdec.generate")
+    loaded = load_model(build_tiny_model(vocab_size=64))
+    prompts = [[(7 * i + j) % 60 + 2 for j in range(3 + i % 4)] for i in range(7)]
+    kwargs = dict(max_new_tokens=4, batch_size=3, progress=False, do_sample=True, seed=5)
+    whole = self_distill(loaded, prompts, cache_dir=tmp_path / "whole", **kwargs)
+    real, calls = generate_module.generate, []
+
+    def interrupted_at_the_third_batch(model, chunk, **kw):
+        calls.append(len(chunk))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(model, chunk, **kw)
+
+    monkeypatch.setattr(generate_module, "generate", interrupted_at_the_third_batch)
+    with pytest.raises(KeyboardInterrupt):
+        self_distill(loaded, prompts, cache_dir=tmp_path / "part", **kwargs)
+    (partial,) = (tmp_path / "part").glob("*.partial.jsonl")
+    with open(partial, "a") as f:
+        f.write('{"start": 6, "sequ')  # a line cut short by a kill mid-append: dropped
+    calls.clear()
+    assert self_distill(loaded, prompts, cache_dir=tmp_path / "part", **kwargs) == whole
+    assert calls == [1] and not partial.exists()  # only the last prompt was generated again

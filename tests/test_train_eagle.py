@@ -60,6 +60,22 @@ def test_cli_run_writes_loadable_checkpoint_and_report(tiny, tmp_path):
     assert "EAGLE training report" in (out / "report.md").read_text()
 
 
+@pytest.mark.parametrize("option", [["--tree-budget", "8"], ["--eval-tree", "dynamic"]])
+def test_medusa_tree_options_are_refused_not_ignored(tiny, tmp_path, capsys, option):
+    """train-eagle accepted --tree-budget / --eval-tree (Medusa's medusa_choices tree) and did nothing with them:
+    an EAGLE run times its candidate trees. Refused in one line, by the CLI and by the config."""
+    from specdec.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train-eagle", "--model", str(tiny / "model"), "--data", str(tmp_path / "none.jsonl"),
+              "--output-dir", str(tmp_path / "run"), *option])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert f"{option[0]} is a train-medusa option" in err
+    with pytest.raises(ValueError, match="tree_budget and eval_tree choose Medusa's"):
+        _cfg(tiny, tmp_path / "run", **{option[0][2:].replace("-", "_"): 8 if option[1] == "8" else option[1]})
+
+
 def test_one_run_lowers_the_loss(tiny, tmp_path):
     report = run_training(_cfg(tiny, tmp_path / "r", max_steps=8, save_every=8))
     hist = [json.loads(x) for x in (tmp_path / "r" / "history.jsonl").read_text().splitlines()]

@@ -414,6 +414,65 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny, tmp_path, monkeypatch
     assert [h["loss"] for h in ha] == [h["loss"] for h in hb]
 
 
+def test_sigterm_takes_the_path_of_ctrl_c(tiny, tmp_path, monkeypatch, capsys):
+    """SIGTERM (schedulers, `timeout`) ended training unannounced; it now stops it as Ctrl-C does: one line naming
+    the checkpoint a --resume continues from, exit 143, and the caller's own SIGTERM handler back afterwards."""
+    import os
+    import signal
+
+    from specdec.cli import main
+
+    class CallersHandler(Exception):
+        pass
+
+    def callers_handler(signum, frame):
+        raise CallersHandler  # what the old code let through (instead of the process dying)
+
+    real_rows = trainer.batch_rows
+
+    def terminated_at_step_5(num, micro, bs, seed):
+        if micro == 4:  # step 5 starts after the step-4 checkpoint
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_rows(num, micro, bs, seed)
+
+    monkeypatch.setattr(trainer, "batch_rows", terminated_at_step_5)
+    previous = signal.signal(signal.SIGTERM, callers_handler)
+    try:
+        rc = main(["train-medusa", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"),
+                   "--output-dir", str(tmp_path / "run"), "--num-heads", "2", "--seq-len", "32", "--batch-size",
+                   "4", "--max-steps", "6", "--save-every", "2", "--no-eval-tau", "--no-progress"])
+        assert signal.getsignal(signal.SIGTERM) is callers_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 143 and err[-1] == ("specdec train-medusa: terminated (SIGTERM); the checkpoint of step 4 is intact "
+                                     "(continue with --resume)")
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_training_logs_info_to_the_console_with_v_only(tiny, tmp_path, verbose):
+    """train-medusa printed its INFO lines without -v (the pipeline lowers the specdec logger to INFO for
+    train.log, and the console's handler had no level of its own); now with -v only, as every other command."""
+    import io
+    import logging
+
+    from specdec.cli import main
+
+    root, console = logging.getLogger(), logging.StreamHandler(io.StringIO())  # what specdec.cli's basicConfig adds
+    level = root.level
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    root.addHandler(console)
+    try:
+        assert main(["train-medusa", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"),
+                     "--output-dir", str(tmp_path / "run"), "--num-heads", "2", "--seq-len", "32", "--batch-size",
+                     "4", "--max-steps", "2", "--no-eval-tau", "--no-progress", *(["-v"] if verbose else [])]) == 0
+    finally:
+        root.removeHandler(console)
+        root.setLevel(level)
+    assert ("step 2/2" in console.stream.getvalue()) == verbose and console.level == logging.NOTSET
+    assert "step 2/2" in (tmp_path / "run" / "train.log").read_text()
+
+
 def test_checkpoint_swap_survives_a_kill_between_renames(tmp_path):
     (tmp_path / "checkpoint.tmp").mkdir()  # half-written: ignored
     assert ckpt_io.find_checkpoint(tmp_path) is None
@@ -627,3 +686,43 @@ def test_a_history_line_cut_short_by_a_kill_does_not_block_resume(tmp_path):
     path.write_text('{"step": 1, "loss": 2.5}\n{"st\n{"step": 3, "loss": 2.3}\n')
     with pytest.raises(OutputDirError, match="line 2 is not JSON"):
         read_history(path)
+
+
+def _copied_run(tiny, tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copytree(tiny / "model", tmp_path / "model")
+    shutil.copyfile(tiny / "data.jsonl", tmp_path / "data.jsonl")
+    monkeypatch.chdir(tmp_path)
+    run_training(_cfg(tiny, tmp_path / "run", model="model", data="data.jsonl", eval_tau=False, max_steps=2,
+                      save_every=2))
+
+
+def test_resume_compares_paths_resolved(tiny, tmp_path, monkeypatch):
+    """--resume refused `./model` after `model` (another spelling of one directory) as "a different
+    configuration"; another directory is still refused, also under the same spelling from elsewhere."""
+    _copied_run(tiny, tmp_path, monkeypatch)
+    again = dict(eval_tau=False, max_steps=2, save_every=2, resume=True)
+    assert run_training(_cfg(tiny, tmp_path / "run", model="./model", data=str(tmp_path / "data.jsonl"),
+                             **again))["steps"] == 2  # resumed at its last step: nothing left to train
+    was = f"model: checkpoint '{tmp_path / 'model'}' vs now '{tiny / 'model'}'"
+    with pytest.raises(OutputDirError, match=f"different configuration.*{was}"):
+        run_training(_cfg(tiny, tmp_path / "run", model=str(tiny / "model"), data="data.jsonl", **again))
+    monkeypatch.chdir(tiny)  # the same spelling in another working directory: another directory
+    with pytest.raises(OutputDirError, match=f"different configuration.*{was}"):
+        run_training(_cfg(tiny, tmp_path / "run", model="model", data="data.jsonl", **again))
+
+
+def test_resume_refuses_a_target_retrained_into_the_same_directory(tiny, tmp_path, monkeypatch):
+    """The checkpoint recorded the target's path only, so a model retrained into the same directory resumed
+    silently; its content identity (config and sampled weights) is recorded and compared now."""
+    from transformers import AutoModelForCausalLM
+
+    _copied_run(tiny, tmp_path, monkeypatch)
+    retrained = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    with torch.no_grad():
+        retrained.model.layers[0].mlp.up_proj.weight.add_(0.01)  # a middle weight, the config unchanged
+    retrained.save_pretrained(tmp_path / "model")
+    with pytest.raises(OutputDirError, match=r"--resume: the target model model is not the one the checkpoint"):
+        run_training(_cfg(tiny, tmp_path / "run", model="model", data="data.jsonl", eval_tau=False, max_steps=2,
+                          save_every=2, resume=True))

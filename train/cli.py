@@ -9,8 +9,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -129,14 +131,26 @@ def _common_args(p, name: str) -> None:
     g.add_argument("--log-every", type=int, default=10, help="log a line to train.log every N steps")
     g.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its checkpoint")
     g.add_argument("--overwrite", action="store_true", help="delete whatever --output-dir holds and start afresh")
-    g.add_argument("--tree-budget", type=int, default=64, help="nodes of the chosen medusa_choices tree (<= 64)")
     g.add_argument("--eval-prompts", type=int, default=24, help="held-out chat prompts for the tau measurement")
     g.add_argument("--eval-max-new-tokens", type=int, default=128, help="tokens per prompt for tau")
-    g.add_argument("--eval-tree", choices=EVAL_TREES, default="static",
-                   help="tree of the tau measurement: the chosen medusa_choices, or a per-step dynamic tree of "
-                        "--tree-budget nodes from the heads' top-20 (drafter options tree=dynamic top_k=20)")
+    if name == "train-medusa":
+        g.add_argument("--tree-budget", type=int, default=64, help="nodes of the chosen medusa_choices tree (<= 64)")
+        g.add_argument("--eval-tree", choices=EVAL_TREES, default="static",
+                       help="tree of the tau measurement: the chosen medusa_choices, or a per-step dynamic tree of "
+                            "--tree-budget nodes from the heads' top-20 (drafter options tree=dynamic top_k=20)")
+    else:  # train-eagle times candidate trees (train/eagle_evaluate.py): Medusa's tree options would do nothing
+        for option in ("--tree-budget", "--eval-tree"):
+            g.add_argument(option, action=_MedusaOnly, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     g.add_argument("--no-eval-tau", action="store_true", help="skip the tau measurement")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+class _MedusaOnly(argparse.Action):
+    """A train-medusa option given to train-eagle: refused in one line rather than accepted and ignored."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is a train-medusa option (the medusa_choices tree); train-eagle chooses its "
+                     "tree by timing candidates on the --eval-prompts (docs/training/eagle.md)")
 
 
 def config_from_args(args):
@@ -158,8 +172,8 @@ def config_from_args(args):
         max_steps=args.max_steps, head_decay=args.head_decay, loss=args.loss, precision=args.precision,
         cache_features=not args.no_feature_cache, seed=args.seed,
         held_out_fraction=args.held_out_fraction, save_every=args.save_every, log_every=args.log_every,
-        tree_budget=args.tree_budget, eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens,
-        eval_tau=not args.no_eval_tau, eval_tree=args.eval_tree,
+        eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens, eval_tau=not args.no_eval_tau,
+        **{k: getattr(args, k) for k in ("tree_budget", "eval_tree") if hasattr(args, k)},  # train-medusa's only
         resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
     )
 
@@ -178,22 +192,70 @@ def _what_is_left(out: Path) -> str:
     return f"the checkpoint of step {step} is intact (continue with --resume)"
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what schedulers, ``timeout`` and ``kill`` send), raised where it arrives: it takes Ctrl-C's path."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """While training runs, SIGTERM raises :class:`Terminated` instead of ending the process unannounced; the
+    previous handler is restored after."""
+    def handler(signum, frame):
+        raise Terminated
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: only the main thread may handle signals
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def console_at_cli_level(verbose: bool):
+    """The console as for every other command: INFO lines and datasets' progress bars with -v only. train.log
+    records INFO (the pipeline lowers the specdec logger's level for it), and records reach the console's handlers
+    whatever the root logger's level, so those handlers take the CLI's level (the root's) while training runs."""
+    root = logging.getLogger()
+    unset = [h for h in root.handlers if h.level == logging.NOTSET]
+    for handler in unset:
+        handler.setLevel(root.level)
+    bars = None
+    if not verbose:
+        with contextlib.suppress(ImportError):  # the train extra missing: the pipeline says so
+            import datasets
+
+            bars = not datasets.are_progress_bars_disabled()
+            datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        for handler in unset:
+            handler.setLevel(logging.NOTSET)
+        if bars:
+            datasets.enable_progress_bars()
+
+
 def run(args) -> int:
     from specdec.train.data import TrainDataError
     from specdec.train.pipeline import run_training
     from specdec.train.trainer import OutputDirError
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        report = run_training(config_from_args(args))
+        with sigterm_as_interrupt(), console_at_cli_level(getattr(args, "verbose", False)):
+            report = run_training(config_from_args(args))
     except (TrainDataError, OutputDirError, ValueError, FileNotFoundError) as err:
         if getattr(args, "verbose", False):  # -v: the traceback, as for every other command
             raise
         print(f"specdec train-{args.drafter}: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"specdec train-{args.drafter}: interrupted; {_what_is_left(Path(args.output_dir))}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        how = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
+        print(f"specdec train-{args.drafter}: {how}; {_what_is_left(Path(args.output_dir))}", file=sys.stderr)
+        return 128 + (signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT)
     if report:
         keys = ("top1", "top5", "tree", "seconds") if args.drafter == "eagle" else \
             ("top1", "top5", "estimated_tau", "tau", "seconds")

@@ -22,6 +22,16 @@ RESUMABLE_FIELDS = frozenset({"output_dir", "save_every", "log_every", "eval_pro
 
 
 DRAFTERS = ("medusa", "eagle")
+# fields naming a local file or directory (the model may also be an alias or hub id): a resume compares them resolved
+PATH_FIELDS = ("model", "data", "prompts_file")
+
+
+def resolved_path(value: str | None) -> str | None:
+    """``value`` as an absolute path when it names something on disk (``./tiny`` and ``tiny`` alike), else as given
+    (an alias, a hub id, None)."""
+    if value is None or not Path(value).expanduser().exists():
+        return value
+    return str(Path(value).expanduser().resolve())
 
 
 # fields added with train-eagle, and their defaults (a run saved before them has none)
@@ -78,7 +88,7 @@ class TrainConfig:
     held_out_fraction: float = 0.05
     save_every: int = 50
     log_every: int = 10
-    tree_budget: int = 64
+    tree_budget: int = 64  # Medusa only (an EAGLE run times candidate trees): nodes of the medusa_choices tree
     eval_prompts: int = 24
     eval_max_new_tokens: int = 128
     eval_tau: bool = True
@@ -117,6 +127,9 @@ class TrainConfig:
                              "data or prompts_file")
         if self.eval_tree not in EVAL_TREES:
             raise ValueError(f"eval_tree must be one of {EVAL_TREES}, got {self.eval_tree!r}")
+        if self.drafter == "eagle" and (self.eval_tree, self.tree_budget) != ("static", 64):
+            raise ValueError("tree_budget and eval_tree choose Medusa's medusa_choices tree; an EAGLE run chooses its "
+                             "tree by timing candidates (train/eagle_evaluate.py): leave them at their defaults")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if self.precision not in PRECISIONS:
@@ -158,6 +171,11 @@ class TrainConfig:
             stamps[path] = [sum(st.st_size for st in stats), max((st.st_mtime_ns for st in stats), default=0)]
         return stamps
 
+    def resolved_paths(self) -> dict[str, str | None]:
+        """The path fields resolved (:func:`resolved_path`), recorded with each checkpoint: a resume compares these,
+        not the spelling."""
+        return {k: resolved_path(getattr(self, k)) for k in PATH_FIELDS}
+
     def fingerprint(self) -> str:
         """Hash of everything that shapes the trained heads (not the output dir, logging or evaluation)."""
         core = {k: v for k, v in asdict(self).items() if k not in RESUMABLE_FIELDS}
@@ -168,9 +186,16 @@ class TrainConfig:
 
     def differences(self, other: dict) -> list[str]:
         """The fields that shape the trained heads and differ from ``other`` (a saved config): what a resume
-        refuses. ``epochs`` does not count where both set ``max_steps``, which overrides it."""
+        refuses. ``epochs`` does not count where both set ``max_steps``, which overrides it. Paths count resolved
+        (``other``'s as recorded at the checkpoint, else resolved now): another spelling of a path is the same run,
+        the same spelling from another working directory another."""
         other = {**_ADDED_LATER, **other}
         mine = asdict(self)
-        ignored = {"epochs"} if mine["max_steps"] is not None and other.get("max_steps") == mine["max_steps"] else set()
-        return [f"{k}: checkpoint {other.get(k)!r} vs now {mine[k]!r}" for k in sorted(mine)
-                if k not in RESUMABLE_FIELDS | ignored and other.get(k) != mine[k]]
+        ignored = set(PATH_FIELDS)
+        if mine["max_steps"] is not None and other.get("max_steps") == mine["max_steps"]:
+            ignored.add("epochs")
+        saved = {**{k: resolved_path(other.get(k)) for k in PATH_FIELDS}, **(other.get("resolved") or {})}
+        now = self.resolved_paths()
+        return sorted([f"{k}: checkpoint {other.get(k)!r} vs now {mine[k]!r}" for k in mine
+                       if k not in RESUMABLE_FIELDS | ignored and other.get(k) != mine[k]]
+                      + [f"{k}: checkpoint {saved[k]!r} vs now {now[k]!r}" for k in PATH_FIELDS if saved[k] != now[k]])

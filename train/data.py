@@ -10,6 +10,9 @@ with the tokenizer's chat template. Anything else is a :class:`TrainDataError` n
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 from specdec.errors import SpecdecError
@@ -36,15 +39,47 @@ def _load_dataset(path: Path):
         suffix = path.suffix.lower()
         if suffix in (".jsonl", ".json", ".parquet") and path.stat().st_size == 0:
             raise TrainDataError(f"training data {path} is empty")
-        if suffix in (".jsonl", ".json"):
-            return datasets.load_dataset("json", data_files=str(path), split="train")
-        if suffix == ".parquet":
-            return datasets.load_dataset("parquet", data_files=str(path), split="train")
+        if suffix in (".jsonl", ".json", ".parquet"):
+            with _datasets_errors_unlogged():
+                return datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=str(path),
+                                             split="train")
     except TrainDataError:
         raise
     except Exception as err:  # datasets raises many types for bad files
-        raise TrainDataError(f"cannot read training data {path}: {type(err).__name__}: {err}") from err
+        raise TrainDataError(f"cannot read training data {path}: {_what_is_wrong(path, err)}") from err
     raise TrainDataError(f"unknown data format {path.name!r}: use .jsonl/.json, .parquet or a saved datasets dir")
+
+
+@contextmanager
+def _datasets_errors_unlogged():
+    """datasets logs a bad file's error (on its own handler and again through the root logger) before raising it;
+    the error reaches the user once, as a TrainDataError."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _what_is_wrong(path: Path, err: Exception) -> str:
+    """What makes ``path`` unreadable: for a JSON Lines file its first line that is not JSON, else the innermost
+    cause datasets wraps (its own DatasetGenerationError says only that generating failed)."""
+    if path.suffix.lower() == ".jsonl":
+        try:
+            with open(path, encoding="utf-8") as f:
+                for number, line in enumerate(f, 1):
+                    try:
+                        json.loads(line) if line.strip() else None
+                    except json.JSONDecodeError as bad:
+                        return f"line {number} is not JSON ({bad.msg}, column {bad.colno})"
+        except (UnicodeDecodeError, OSError):
+            pass  # said below, from datasets' error
+    while err.__cause__ is not None or err.__context__ is not None:
+        err = err.__cause__ or err.__context__
+    first = (str(err).strip().splitlines() or [""])[0]
+    return f"{type(err).__name__}: {first}"
 
 
 def load_texts(data: str, text_field: str = "text", messages_field: str = "messages", tokenizer=None) -> list[str]:

@@ -1,7 +1,9 @@
 """Self-distillation: the target model answers prompts itself (specdec's batched ``generate()``).
 
 The heads then learn the target's own distribution. Results are cached on disk, keyed by the
-model, the prompts and the generation settings, so a second run does not regenerate. On a GPU the
+model, the prompts and the generation settings, so a second run does not regenerate. Each finished
+batch is appended to ``<key>.partial.jsonl`` first, so a run interrupted part-way (Ctrl-C, SIGTERM, a
+crash) continues from its last finished batch when run again with the same settings. On a GPU the
 decode steps replay as CUDA graphs from one set of buckets reused chunk after chunk (:func:`use_graphs`).
 
     seqs = self_distill(loaded, prompts, max_new_tokens=128, batch_size=16, cache_dir=...)
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.atomic_write import write_json
+from specdec.atomic_write import replaced_atomically, write_json
 from specdec.models.embedded import cache_root
 
 logger = logging.getLogger(__name__)
@@ -103,20 +105,29 @@ def self_distill(loaded, prompts: list[str] | list[list[int]], *, max_new_tokens
     if file.is_file():
         logger.info("self-distillation cache hit: %s", file)
         return json.loads(file.read_text())["sequences"]
+    partial = cache / f"{key}.partial.jsonl"
+    out = _finished_batches(partial, ids)
+    if out:
+        logger.info("self-distillation continues an interrupted run: %d of %d prompts were done (%s)", len(out),
+                    len(ids), partial)
     graphed = decoding_graphs(loaded, [len(p) for p in ids], max_new_tokens, batch_size) if graphs else False
-    out: list[list[int]] = []
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(ids), unit="prompt", desc="self-distill")
+        bar = tqdm(total=len(ids), initial=len(out), unit="prompt", desc="self-distill")
     new_tokens, t0 = 0, time.perf_counter()  # graph capture counted: it is part of what the recipe pays
-    for start in range(0, len(ids), batch_size):
+    for start in range(len(out), len(ids), batch_size):  # a sampled run's batches keep their starts: same seeds
         chunk = ids[start : start + batch_size]
         res = generate(loaded, chunk, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                        seed=seed + start if do_sample else None, return_dict=True,
                        cuda_graphs=graphed)
-        out.extend(list(p) + list(n) for p, n in zip(chunk, res.new_tokens))
+        done = [list(p) + list(n) for p, n in zip(chunk, res.new_tokens)]
+        with open(partial, "a", encoding="utf-8") as f:  # kept before the next batch starts
+            f.write(json.dumps({"start": start, "sequences": done}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        out.extend(done)
         new_tokens += sum(map(len, res.new_tokens))
         if bar is not None:
             bar.update(len(chunk))
@@ -125,9 +136,36 @@ def self_distill(loaded, prompts: list[str] | list[list[int]], *, max_new_tokens
         bar.close()
     seconds = time.perf_counter() - t0
     write_json(file, {"sequences": out})
+    partial.unlink(missing_ok=True)
     logger.info("self-distilled %d sequences (%d new tokens) in %.1f s, %.0f tokens/s, %s; cached in %s", len(out),
                 new_tokens, seconds, new_tokens / max(seconds, 1e-9),
                 _how(graphed, batch_size), file)
+    return out
+
+
+def _finished_batches(partial: Path, ids: list[list[int]]) -> list[list[int]]:
+    """The sequences of the batches an interrupted run appended to ``partial``, in order from the first prompt; the
+    file is rewritten to hold only those (a line cut short by a kill, and anything after it, is dropped), so the
+    batches of this run append after whole lines. Creates the cache directory."""
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    if not partial.is_file():
+        return []
+    out: list[list[int]] = []
+    kept = []
+    for line in partial.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            start, seqs = record["start"], record["sequences"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            break
+        # each sequence must continue its own prompt (the key already fixes the model, prompts and settings)
+        if start != len(out) or not seqs or start + len(seqs) > len(ids) or any(
+                s[: len(ids[start + i])] != list(ids[start + i]) for i, s in enumerate(seqs)):
+            break
+        out.extend(seqs)
+        kept.append(line + "\n")
+    with replaced_atomically(partial) as tmp:
+        tmp.write_text("".join(kept), encoding="utf-8")
     return out
 
 

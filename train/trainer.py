@@ -31,7 +31,7 @@ from specdec.drafters.draft_vocab import IGNORE
 from specdec.drafters.eagle_checkpoint import WEIGHTS_FILE as EAGLE_WEIGHTS_FILE
 from specdec.drafters.medusa_heads import CONFIG_FILE, WEIGHTS_FILE, MedusaConfig, MedusaHeads
 from specdec.train import checkpoint as ckpt_io
-from specdec.train.config import TrainConfig
+from specdec.train.config import TrainConfig, resolved_path
 from specdec.train.features import FeatureCache, collate, target_features
 from torch.nn import functional as F
 
@@ -89,8 +89,16 @@ def _check_deletable(out: Path) -> None:
                              f"({', '.join(foreign[:5])}); move them or choose another --output-dir")
 
 
-def prepare_output_dir(cfg: TrainConfig) -> Path | None:
-    """Apply the refusal rules; returns the checkpoint to resume from (or None)."""
+def target_fingerprint(model) -> str:
+    """The target's identity by content (config and sampled weights), recorded with each checkpoint."""
+    from specdec.eval.resume import model_fingerprint
+
+    return model_fingerprint(model)
+
+
+def prepare_output_dir(cfg: TrainConfig, target: str | None = None) -> Path | None:
+    """Apply the refusal rules; returns the checkpoint to resume from (or None). ``target``: the
+    :func:`target_fingerprint` of the model loaded now, which a resume requires to be the checkpoint's."""
     out = Path(cfg.output_dir)
     if cfg.resume:
         ckpt = ckpt_io.find_checkpoint(out)
@@ -98,13 +106,20 @@ def prepare_output_dir(cfg: TrainConfig) -> Path | None:
             raise OutputDirError(f"--resume: {out} holds no checkpoint to resume from")
         ckpt_io.check_readable(ckpt)
         state = ckpt_io.read_state(ckpt)
-        diff = cfg.differences(state["config"]) if state["fingerprint"] != cfg.fingerprint() else []
-        if diff:  # the fingerprints of configs that differ only where nothing trained changes (--epochs under
-            # --max-steps) differ too: the fields decide
+        diff = cfg.differences(state["config"])  # the fields decide, not the fingerprint: it differs where
+        # nothing trained changes (--epochs under --max-steps, another spelling of a path) and holds paths as given
+        if diff:
             raise OutputDirError(f"--resume: the checkpoint in {out} is from a different configuration "
                                  f"({'; '.join(diff)})")
+        trained_on = state["config"].get("target")  # None: a checkpoint saved before targets were recorded
+        if target is not None and trained_on is not None and trained_on != target:
+            raise OutputDirError(f"--resume: the target model {cfg.model} is not the one the checkpoint in {out} was "
+                                 f"trained on (its config or weights changed: fingerprint {trained_on} then, "
+                                 f"{target} now); restore that model, or start afresh with --overwrite")
         before, now = state["config"].get("inputs"), cfg.input_stamps()
-        changed = sorted(p for p in now if before is not None and before.get(p) != now[p])
+        if before is not None:  # keyed by the path as given: compared resolved
+            before = {resolved_path(p): stamp for p, stamp in before.items()}
+        changed = sorted(p for p in now if before is not None and before.get(resolved_path(p)) != now[p])
         if changed:  # the path is the same, so the configuration is: what it holds may not be
             logger.warning("--resume: %s changed since the checkpoint was saved (size or modification time); the "
                            "resumed run reads it as it is now", ", ".join(changed))
@@ -277,7 +292,9 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
     scheduler = make_scheduler(optimizer, cfg, total)
     # what every checkpoint records: the configuration and the inputs as this run read them (taken once, not at
     # each save: a file edited mid-run was read before the edit)
-    saved_config, fingerprint = {**cfg.to_json(), "inputs": cfg.input_stamps()}, cfg.fingerprint()
+    saved_config = {**cfg.to_json(), "inputs": cfg.input_stamps(), "resolved": cfg.resolved_paths(),
+                    "target": target_fingerprint(model)}
+    fingerprint = cfg.fingerprint()
     step = 0
     if resume_from is not None:
         step = ckpt_io.load_checkpoint(resume_from, heads, optimizer, scheduler)
