@@ -4,7 +4,7 @@
     save_record(record, "run.json"); record = load_record("run.json")
 
 A record names its model by display name, source and content fingerprint
-(:func:`specdec.eval.resume.model_fingerprint`), and holds, per prompt, the prompt ids, the
+(:func:`specdec.models.fingerprint.model_fingerprint`), and holds, per prompt, the prompt ids, the
 committed tokens of a plain run (greedy, or sampled at ``temperature``), the seconds that run
 spent on the prompt's prefill, and the target's top-k tokens with their log-probabilities
 (temperature 1, before any sampling transform) at every generated position; and, for the whole

@@ -185,3 +185,21 @@ def test_an_interrupted_self_distillation_continues_from_its_finished_batches(tm
     calls.clear()
     assert self_distill(loaded, prompts, cache_dir=tmp_path / "part", **kwargs) == whole
     assert calls == [1] and not partial.exists()  # only the last prompt was generated again
+
+
+def test_a_retrained_middle_layer_is_not_served_from_the_distillation_cache(tmp_path):
+    """The self-distillation cache was keyed by sums of the first three and last two weights only: a target retrained
+    in a middle layer got the old model's text back. Its key is now the model's content fingerprint."""
+    import torch
+    from specdec.train.distill import self_distill
+
+    from specdec.models.loader import load_model
+    from specdec.testing import build_tiny_model
+
+    loaded = load_model(build_tiny_model(vocab_size=64))
+    kwargs = dict(max_new_tokens=3, batch_size=2, progress=False, cache_dir=tmp_path)
+    self_distill(loaded, [[5, 6, 7], [8, 9]], **kwargs)
+    with torch.no_grad():
+        loaded.model.model.layers[0].mlp.down_proj.weight.mul_(-1.5)
+    self_distill(loaded, [[5, 6, 7], [8, 9]], **kwargs)
+    assert len(list(tmp_path.glob("*.json"))) == 2  # generated anew under a key of its own, not a cache hit

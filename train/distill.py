@@ -18,25 +18,15 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
 from specdec.atomic_write import replaced_atomically, write_json
 from specdec.models.embedded import cache_root
+from specdec.models.fingerprint import model_fingerprint
 
 logger = logging.getLogger(__name__)
 
 
 def default_cache_dir() -> Path:
     return cache_root() / "distill"  # $SPECDEC_CACHE_DIR, else ~/.cache/specdec
-
-
-def model_fingerprint(model) -> str:
-    """Config + a checksum of a few weights: changes when the model does, cheap to compute."""
-    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
-    with torch.no_grad():
-        for _, p in list(model.named_parameters())[:3] + list(model.named_parameters())[-2:]:
-            h.update(f"{p.double().sum().item():.10e}".encode())
-    return h.hexdigest()[:16]
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:

@@ -20,7 +20,9 @@ import torch
 from specdec.drafters.medusa_heads import save_medusa
 from specdec.train.config import SELF_PROMPTS, TrainConfig
 from specdec.train.data import TrainDataError, load_texts, split_held_out, tokenize_texts
-from specdec.train.trainer import RUN_FILE, prepare_output_dir, target_fingerprint, train_heads
+from specdec.train.trainer import RUN_FILE, prepare_output_dir, train_heads
+
+from specdec.models.fingerprint import model_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +147,7 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
     inputs = read_inputs(cfg, loaded)
     resume_from = None
     if accelerator.is_main_process:
-        resume_from = prepare_output_dir(cfg, target_fingerprint(loaded.model))
+        resume_from = prepare_output_dir(cfg, model_fingerprint(loaded.model))
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process and cfg.resume:
         from specdec.train.checkpoint import find_checkpoint

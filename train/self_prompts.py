@@ -71,7 +71,7 @@ def _end_of_turn(loaded) -> set[int]:
 
 
 def _cache_file(loaded, n: int, seed: int, batch_size: int, cache_dir, graphs: bool) -> Path:
-    from specdec.train.distill import model_fingerprint
+    from specdec.models.fingerprint import model_fingerprint
 
     key = {"model": model_fingerprint(loaded.model), "n": n, "seed": seed, "batch_size": batch_size,
            "temperature": TEMPERATURE, "top_p": TOP_P, "max_tokens": MAX_TOKENS, "min_words": MIN_WORDS,

@@ -37,6 +37,7 @@ from torch.nn import functional as F
 
 from specdec.atomic_write import replaced_atomically
 from specdec.errors import SpecdecError
+from specdec.models.fingerprint import model_fingerprint
 
 logger = logging.getLogger(__name__)
 RUN_FILE = "run.json"
@@ -89,16 +90,10 @@ def _check_deletable(out: Path) -> None:
                              f"({', '.join(foreign[:5])}); move them or choose another --output-dir")
 
 
-def target_fingerprint(model) -> str:
-    """The target's identity by content (config and sampled weights), recorded with each checkpoint."""
-    from specdec.eval.resume import model_fingerprint
-
-    return model_fingerprint(model)
-
-
 def prepare_output_dir(cfg: TrainConfig, target: str | None = None) -> Path | None:
     """Apply the refusal rules; returns the checkpoint to resume from (or None). ``target``: the
-    :func:`target_fingerprint` of the model loaded now, which a resume requires to be the checkpoint's."""
+    :func:`~specdec.models.fingerprint.model_fingerprint` of the model loaded now, which a resume requires to be
+    the checkpoint's."""
     out = Path(cfg.output_dir)
     if cfg.resume:
         ckpt = ckpt_io.find_checkpoint(out)
@@ -293,7 +288,7 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
     # what every checkpoint records: the configuration and the inputs as this run read them (taken once, not at
     # each save: a file edited mid-run was read before the edit)
     saved_config = {**cfg.to_json(), "inputs": cfg.input_stamps(), "resolved": cfg.resolved_paths(),
-                    "target": target_fingerprint(model)}
+                    "target": model_fingerprint(model)}
     fingerprint = cfg.fingerprint()
     step = 0
     if resume_from is not None:
