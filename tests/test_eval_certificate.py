@@ -255,3 +255,59 @@ def test_another_seed_draws_the_statistics_anew():
 
     first = p_values(0)
     assert first[0] is not None and p_values(0) == first and p_values(1) != first
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(True, 0.8, 50), SamplingConfig(True, 1.5, 0, 0.999),
+                                      SamplingConfig(True, 2.0, 6, 0.9999), SamplingConfig(True, 0.7, 3, 0.9)],
+                         ids=str)
+def test_every_sampling_transform_bites_in_some_case(sampling):
+    """The synthetic cases have 4-8 tokens: top-k 50 (the committed certificates' setting) removed no token of any
+    of them, and top-p 0.999 at temperature 1.5 none either, so the exact-law and statistics levels claimed
+    transforms they never ran. Each transform that is on must change the target of one case at least."""
+    from dataclasses import replace
+
+    from specdec.eval.certificate import acceptance_cases, sampler_cases
+
+    from specdec.sampling import logits_to_probs
+    from specdec.tree import DraftMode
+
+    def bites(cases, name, off):
+        """The transform changes the target at a case's prefix, applied after the ones before it (temperature, top-k,
+        top-p): a top-k that top-p alone would cut to changes nothing of the final law but is still run."""
+        later = {"temperature": dict(top_k=0, top_p=1.0), "top_k": dict(top_p=1.0), "top_p": {}}[name]
+        def probs(c, **kw):
+            return logits_to_probs(c.target_logits(c.prefix), replace(c.sampling, **later, **kw))
+
+        return any(not torch.equal(probs(c), probs(c, **{name: off})) for c in cases)
+
+    import specdec.eval.certificate as certificate
+
+    levels = {"stats": list(sampler_cases(list(DraftMode), sampling).values()),
+              "acceptance rows": [c for single, chain, _ in acceptance_cases(list(DraftMode), sampling).values()
+                                  for c in (single, chain)],
+              "exact": certificate.exact_law_cases(list(DraftMode), sampling)}
+    for level, cases in levels.items():
+        for name, off in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0)):
+            if getattr(sampling, name) != off:
+                assert bites(cases, name, off), (level, name)
+
+
+def test_acceptance_rows_check_deterministic_candidates_in_closed_form():
+    """The acceptance-rate and chain-tau rows used an independent draft whatever the drafter: n-gram, Medusa, EAGLE
+    and MTP propose deterministic candidates, whose closed form (sum of the candidates' target_probs) went
+    unchecked. Their rows now run it, and always-accept fails them."""
+    from dataclasses import replace
+
+    from specdec.eval.certificate import sampler_checks
+
+    from specdec.tree import DraftMode
+
+    checks, _ = sampler_checks([DraftMode.DETERMINISTIC], SamplingConfig(True, 0.8, 50),
+                               replace(CertificateSizes(), stat_samples=4000), set())
+    rows = [c for c in checks if "deterministic candidates" in c.detail]
+    assert {c.name for c in rows} == {"acceptance rate == sum(target_probs[candidates])",
+                                      "chain tau == (1 - a^(k+1)) / (1 - a), k=4"}
+    assert all(c.passed for c in rows if c.control is None) and len(rows) == 4
+    assert not any(c.passed for c in rows if c.control == "always_accept")
+    assert not any("independent draft" in c.detail for c in checks)  # n-gram draws nothing: not its kind
+
