@@ -11,10 +11,9 @@ broken engines there (an off-by-one tree mask, a wrong KV compaction slot):
 2. ``sampler-statistics``: the real vectorised sampler, many draws per case: chi-square with pooled bins (Holm
    over cases, power at the requested TV reported), a TV upper bound, acceptance rate and chain tau vs their
    closed forms for the drafter's draft kinds (:func:`acceptance_cases`).
-3. ``end-to-end`` on the model: greedy token identity vs plain decoding (with divergence
-   diagnostics), and sampled output vs plain sampling from the middle of a greedy answer
-   (two-sample chi-square on the next tokens, two-sample Kolmogorov-Smirnov on their
-   log-probabilities under the target; Holm over the two).
+3. ``end-to-end`` on the model: greedy token identity vs plain decoding (with divergence diagnostics), also under
+   the default speculation policy, and sampled output vs plain sampling from the middle of a greedy answer
+   (two-sample chi-square, and KS on log-probabilities under the target; Holm over the two).
 4. ``coupled`` (:mod:`specdec.eval.coupled_level`, only when asked): coupled sampling's law, and
    speculative coupled output == plain coupled output token for token, batched and single, with
    broken couplings (noise keyed to the step, to the batch row) as its controls.
@@ -397,6 +396,7 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
         if control is None and tau <= 1.0:
             warnings.append("greedy identity: no draft was accepted, so the accepted-draft path (tree-node logits, "
                             "KV compaction) was never tested and the engine-fault controls can hardly be caught")
+    checks.append(default_policy_identity(loaded, prompts, drafter, options, sizes, plain))
     e2e_sampling = sampling if sampling.do_sample else SamplingConfig(True)
     # sample from the middle of an answer (prompt + half its greedy answer): an answer's first tokens
     # are where drafters are accepted least, and a check whose drafts are all rejected tests little
@@ -420,6 +420,29 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
                             f"{res['detects_tv']:.3g}, not {sizes.e2e_tv} (power {res['power']:.2f} < 0.9 there); "
                             "raise --sample-sequences (or use --full)")
     return checks, warnings
+
+
+def default_policy_identity(loaded: Any, prompts: list[list[int]], drafter: Any, options: dict,
+                            sizes: CertificateSizes, plain: list[list[int]]) -> Check:
+    """Greedy identity on the path users run: generate()'s default speculation policy ("auto"), whose break-even
+    guard and tree sizing choose from measured costs between plain and speculative steps and how much of a tree to
+    verify. Those choices read only what was fixed before the step's tokens were drawn (the exact-law level's
+    selection rows check the sizer on sampled trees); greedy output must not depend on them at all. The negative
+    controls cannot run here: a broken rule or engine always verifies whole (specdec.engine_setup)."""
+    from specdec.eval.divergence import greedy_identity
+
+    from specdec.generation_config import GenerationConfig
+
+    policy = GenerationConfig().speculation
+    res = greedy_identity(loaded, prompts, drafter, options, sizes.identity_tokens, True, plain=plain,
+                          speculation=policy)
+    real = res.real_mismatches
+    detail = (f"speculation={policy!r}; tau {res.tau:.2f}; {real} real mismatches, "
+              f"{len(res.divergences) - real} numerical near-ties")
+    if res.tau <= 1.0:
+        detail += "; the policy drafted nothing that was accepted (plain steps only, or every draft rejected)"
+    return Check(f"greedy identity vs plain decoding, default speculation={policy!r} (batched)", "end-to-end",
+                 real == 0, samples=res.tokens_compared, detail=detail)
 
 
 def run_certificate(loaded: Any, drafter: Any, options: dict, sampling: SamplingConfig, sizes: CertificateSizes,

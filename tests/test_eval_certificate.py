@@ -311,3 +311,39 @@ def test_acceptance_rows_check_deterministic_candidates_in_closed_form():
     assert not any(c.passed for c in rows if c.control == "always_accept")
     assert not any("independent draft" in c.detail for c in checks)  # n-gram draws nothing: not its kind
 
+
+def test_end_to_end_checks_greedy_identity_on_the_default_speculation_policy():
+    """Greedy identity ran only with speculation="always"; users run the default ("auto"), where the guard and the
+    tree sizing choose between plain and speculative steps. A row checks that path too, and it can fail."""
+    import specdec.eval.divergence as divergence
+    from specdec.eval.certificate import default_policy_identity
+    from specdec.eval.negative_controls import BROKEN_RULES
+
+    from specdec.generation_config import GenerationConfig
+
+    loaded, prompts = _fault_setup()
+    sizes = CertificateSizes(identity_prompts=8, identity_tokens=32, sample_sequences=40, sample_tokens=1)
+    cert = run_certificate(loaded, "ngram", {}, SamplingConfig(True, 0.9, 6), sizes, lambda n: prompts[:n],
+                           levels=("e2e",))
+    default = GenerationConfig().speculation
+    rows = [c for c in cert.checks if f"speculation={default!r}" in c.name]
+    assert len(rows) == 1 and rows[0].passed and rows[0].control is None, rows
+
+    calls = []
+    real = divergence.generate_with_control
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["speculation"])
+        return real(*args, **kwargs)
+
+    plain = generate(loaded, prompts, max_new_tokens=32)
+    divergence.generate_with_control = spy
+    try:
+        assert default_policy_identity(loaded, prompts, "ngram", {}, sizes, plain).passed
+    finally:
+        divergence.generate_with_control = real
+    assert calls == [default]
+    broken = greedy_identity(loaded, prompts, "ngram", {}, 32, plain=plain, rule=BROKEN_RULES["always_accept"],
+                             speculation=default)
+    assert broken.real_mismatches > 0  # the speculation argument reaches generate(): this path can fail
+
