@@ -13,7 +13,7 @@ broken engines there (an off-by-one tree mask, a wrong KV compaction slot):
    closed forms for the drafter's draft kinds (:func:`acceptance_cases`).
 3. ``end-to-end`` on the model: greedy token identity vs plain decoding (with divergence diagnostics), also under
    the default speculation policy, and sampled output vs plain sampling from the middle of a greedy answer
-   (two-sample chi-square, and KS on log-probabilities under the target; Holm over the two).
+   (two-sample chi-square, power at alpha / 2, and KS on log-probabilities under the target; Holm over the two).
 4. ``coupled`` (:mod:`specdec.eval.coupled_level`, only when asked): coupled sampling's law, and
    speculative coupled output == plain coupled output token for token, batched and single, with
    broken couplings (noise keyed to the step, to the batch row) as its controls.

@@ -347,3 +347,28 @@ def test_end_to_end_checks_greedy_identity_on_the_default_speculation_policy():
                              speculation=default)
     assert broken.real_mismatches > 0  # the speculation argument reaches generate(): this path can fail
 
+
+def test_end_to_end_power_is_reported_at_the_level_the_check_decides_at(monkeypatch):
+    """The sampled end-to-end check fails when Holm over its two tests (chi-square, KS) rejects at alpha, i.e. when
+    one p-value is <= alpha / 2; its chi-square power was reported at alpha, more than the check had."""
+    import specdec.eval.end_to_end as end_to_end
+    from specdec.eval.statistics import holm
+    from specdec.eval.two_sample import two_sample_chi2
+
+    seen = []
+
+    def recording(a, b, tv, alpha):
+        seen.append((a, b, tv))
+        return two_sample_chi2(a, b, tv, alpha)
+
+    monkeypatch.setattr(end_to_end, "two_sample_chi2", recording)
+    loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
+    sizes = CertificateSizes(sample_sequences=300, sample_tokens=1, e2e_tv=0.1)
+    res = end_to_end.sampled_two_sample(loaded, [1, 2, 3, 1, 2], "ngram", {}, SamplingConfig(True), sizes)
+    # the largest p-value of the chi-square alone that fails the check, by the certificate's own decision
+    level = max(p for p in (sizes.alpha * x / 1000 for x in range(1, 1001))
+                if holm({"chi2": p, "ks": 1.0}, sizes.alpha))
+    (a, b, tv), = seen
+    assert level == pytest.approx(sizes.alpha / 2)
+    assert res["power"] == pytest.approx(two_sample_chi2(a, b, tv, level).power)
+    assert res["power"] < two_sample_chi2(a, b, tv, sizes.alpha).power
