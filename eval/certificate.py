@@ -46,7 +46,7 @@ from specdec.eval.statistics import (
     run_sampler,
     total_variation_bound,
 )
-from specdec.eval.synthetic_sampling import biting, for_vocab, idle_everywhere
+from specdec.eval.synthetic_sampling import biting, for_vocab, idle_everywhere, idle_transforms
 
 from specdec.rejection import EXACT
 from specdec.sampling import SamplingConfig
@@ -340,10 +340,11 @@ def acceptance_cases(modes: list[DraftMode], sampling: SamplingConfig
     sampling = for_vocab(sampling, 8)
 
     def informative(make: Callable[[int], SyntheticCase], first: int) -> SyntheticCase:
-        for seed in range(first, first + 40):
-            if 0.2 <= analytic_acceptance(case := make(seed), case.prefix) <= 0.8:
-                return case
-        return case  # no seed gives one (top-k 1: a is 0 or 1); the rows are then weak but still true
+        cases = [make(seed) for seed in range(first, first + 40)]
+        moderate = [c for c in cases if 0.2 <= analytic_acceptance(c, c.prefix) <= 0.8]
+        # one where every transform bites, else one that biting() may have to sharpen (lowering its acceptance),
+        # else none is moderate (top-k 1: a is 0 or 1) and the rows are weak but still true
+        return next((c for c in moderate if not idle_transforms(c)), (moderate or cases)[0])
 
     cases = []
     for mode, width, _ in kinds.values():
