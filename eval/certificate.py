@@ -5,17 +5,15 @@ rules of :mod:`specdec.eval.negative_controls` (which must fail; a control that 
 level it should fail voids the certificate); the end-to-end greedy identity also runs the
 broken engines there (an off-by-one tree mask, a wrong KV compaction slot):
 
-1. ``exact-law``: float64 enumeration on small synthetic cases, for the drafter's
-   mode(s) and the chosen temperature / top-k / top-p: emitted law == target law to 1e-12; with sampled
-   modes also the selections of sampled trees (sizing, the combined drafter), broken selections as controls.
-2. ``sampler-statistics``: the real vectorised sampler, many draws per case: chi-square
-   with pooled bins (Holm over cases, power at the requested TV reported), a TV upper
-   bound, acceptance rate vs sum(min(target_probs, draft_probs)), chain tau vs
-   (1 - a^(k+1)) / (1 - a).
-3. ``end-to-end`` on the model: greedy token identity vs plain decoding (with divergence
-   diagnostics), and sampled output vs plain sampling from the middle of a greedy answer
-   (two-sample chi-square on the next tokens, two-sample Kolmogorov-Smirnov on their
-   log-probabilities under the target; Holm over the two).
+1. ``exact-law``: float64 enumeration on small synthetic cases, for the drafter's mode(s) and the chosen
+   temperature / top-k / top-p (each made to bite: :mod:`specdec.eval.synthetic_sampling`): emitted law == target
+   law to 1e-12; with sampled modes also the selections of sampled trees (sizing, the combined drafter).
+2. ``sampler-statistics``: the real vectorised sampler, many draws per case: chi-square with pooled bins (Holm
+   over cases, power at the requested TV reported), a TV upper bound, acceptance rate and chain tau vs their
+   closed forms for the drafter's draft kinds (:func:`acceptance_cases`).
+3. ``end-to-end`` on the model: greedy token identity vs plain decoding (with divergence diagnostics), also under
+   the default speculation policy, and sampled output vs plain sampling from the middle of a greedy answer
+   (two-sample chi-square, power at alpha / 2, and KS on log-probabilities under the target; Holm over the two).
 4. ``coupled`` (:mod:`specdec.eval.coupled_level`, only when asked): coupled sampling's law, and
    speculative coupled output == plain coupled output token for token, batched and single, with
    broken couplings (noise keyed to the step, to the batch row) as its controls.
@@ -41,12 +39,14 @@ from specdec.eval.negative_controls import BROKEN_RULES, ENGINE_FAULTS
 from specdec.eval.selection_law import selection_cases
 from specdec.eval.statistics import (
     acceptance_rate_test,
+    analytic_acceptance,
     chain_tau_test,
     goodness_of_fit,
     holm,
     run_sampler,
     total_variation_bound,
 )
+from specdec.eval.synthetic_sampling import biting, for_vocab, idle_everywhere, idle_transforms
 
 from specdec.rejection import EXACT
 from specdec.sampling import SamplingConfig
@@ -175,9 +175,28 @@ def drafter_modes(drafter: Any, options: dict, sampling: SamplingConfig) -> list
 
 
 # ---- level 1 --------------------------------------------------------------------------------
+def transforms_note(sampling: SamplingConfig, cases: list[SyntheticCase]) -> str:
+    """What a level's detail says of how its cases ran the sampling setting."""
+    note = ""
+    ks = sorted({c.sampling.top_k for c in cases})
+    if sampling.do_sample and ks != [sampling.top_k]:
+        note += f"; top-k {sampling.top_k} run as {'/'.join(map(str, ks))} (below each vocab, so that it bites)"
+    idle = idle_everywhere(cases)
+    if idle:
+        note += f"; {', '.join(sorted(idle))} removed no token in any case"
+    return note
+
+
+
+def exact_law_cases(modes: list[DraftMode], sampling: SamplingConfig) -> list[SyntheticCase]:
+    """Vocabularies 4 and 6, every shape and mode; top-k below each vocabulary and a target sharp enough for top-p
+    to remove tokens in one case at least (:mod:`specdec.eval.synthetic_sampling`)."""
+    return biting([SyntheticCase(v, shape, m, for_vocab(sampling, v), seed=v + 10 * i)
+                   for i, (v, shape, m) in enumerate(itertools.product((4, 6), SHAPES, modes))])
+
+
 def exact_law_checks(modes: list[DraftMode], sampling: SamplingConfig) -> list[Check]:
-    cases = [SyntheticCase(v, shape, m, sampling, seed=v + 10 * i)
-             for i, (v, shape, m) in enumerate(itertools.product((4, 6), SHAPES, modes))]
+    cases = exact_law_cases(modes, sampling)
     checks = []
     for name, rule in [("exact", EXACT)] + list(BROKEN_RULES.items()):
         worst = max(max_abs_error(emitted_law(c, rule, 2), target_law(c, 2)) for c in cases)
@@ -188,7 +207,8 @@ def exact_law_checks(modes: list[DraftMode], sampling: SamplingConfig) -> list[C
                                 samples=len(cases), detail=detail))
             continue
         checks.append(Check("emitted law == target law", "exact-law", worst <= EXACT_TOL, control, bound=worst,
-                            samples=len(cases), detail=f"{len(cases)} cases, vocab 4-6, depth <= 3, width <= 3"))
+                            samples=len(cases), detail=f"{len(cases)} cases, vocab 4-6, depth <= 3, width <= 3"
+                                                       f"{transforms_note(sampling, cases)}"))
     if sampling.do_sample and any(m is not DraftMode.DETERMINISTIC for m in modes):
         checks += selection_checks()
     if sampling.do_sample:
@@ -214,8 +234,11 @@ def fast_path_checks(sampling: SamplingConfig, trials: int = 400) -> list[Check]
     some draws); the control runs the walk with a rule that accepts every candidate."""
     from specdec.rejection import _stochastic, rejection_sample
 
+    vocab = 6
+    sampling = for_vocab(sampling, vocab)
+
     def disagreements(rule) -> int:
-        gen, vocab, bad = torch.Generator().manual_seed(11), 6, 0
+        gen, bad = torch.Generator().manual_seed(11), 0
         for trial in range(trials):
             # three batches in four of deterministic trees, the fourth of plain steps
             trees = random_deterministic_trees(vocab, gen) if trial % 4 else [DraftTree.empty()] * 3
@@ -249,10 +272,11 @@ def selection_checks() -> list[Check]:
 
 # ---- level 2 --------------------------------------------------------------------------------
 def sampler_cases(modes: list[DraftMode], sampling: SamplingConfig) -> dict[str, SyntheticCase]:
-    """One synthetic case per draft mode, vocabulary 6, for the chi-square against the exact law."""
+    """One synthetic case per draft mode, vocabulary 6, for the chi-square against the exact law (every sampling
+    transform biting in one at least: :mod:`specdec.eval.synthetic_sampling`)."""
     shapes = {DraftMode.INDEPENDENT: (2, 1), DraftMode.WITHOUT_REPLACEMENT: (3,), DraftMode.DETERMINISTIC: (2, 2)}
-    return {f"{m.value}-{shapes[m]}": SyntheticCase(6, shapes[m], m, sampling, seed=31 + i)
-            for i, m in enumerate(modes)}
+    cases = biting([SyntheticCase(6, shapes[m], m, for_vocab(sampling, 6), seed=31 + i) for i, m in enumerate(modes)])
+    return {f"{c.mode.value}-{c.widths}": c for c in cases}
 
 
 def sampler_checks(modes: list[DraftMode], sampling: SamplingConfig, sizes: CertificateSizes,
@@ -281,19 +305,54 @@ def sampler_checks(modes: list[DraftMode], sampling: SamplingConfig, sizes: Cert
         if control is None and power < 0.9:
             warnings.append(f"sampler statistics: {n} draws per case detect TV {detects:.3g}, not {sizes.stat_tv} "
                             f"(power {power:.2f} < 0.9 there); raise --stat-samples")
-    chain = SyntheticCase(8, (1,) * 4, DraftMode.INDEPENDENT, stat_sampling, seed=22, prefix_independent=True,
-                          draft_sharpness=1.0)
-    single = SyntheticCase(8, (1,), DraftMode.INDEPENDENT, stat_sampling, seed=21)
-    for rule_name, rule in [("exact", EXACT), ("always_accept", BROKEN_RULES["always_accept"])]:
-        control = None if rule is EXACT else rule_name
-        rate, expected, p = acceptance_rate_test(single, n, seed=1 + draws, rule=rule)
-        checks.append(Check("acceptance rate == sum(min(target_probs, draft_probs))", "sampler-statistics",
-                            p > sizes.alpha, control, p_value=p, samples=n,
-                            detail=f"measured {rate:.4f}, expected {expected:.4f}"))
-        mean, tau, z, _ = chain_tau_test(chain, n, seed=2 + draws, rule=rule)
-        checks.append(Check("chain tau == (1 - a^(k+1)) / (1 - a), k=4", "sampler-statistics", abs(z) < 4, control,
-                            samples=n, detail=f"measured {mean:.4f}, expected {tau:.4f}, z={z:.2f}"))
+    for kind, (single, chain, formula) in acceptance_cases(modes, stat_sampling).items():
+        for rule_name, rule in [("exact", EXACT), ("always_accept", BROKEN_RULES["always_accept"])]:
+            control = None if rule is EXACT else rule_name
+            rate, expected, p = acceptance_rate_test(single, n, seed=1 + draws, rule=rule)
+            checks.append(Check(f"acceptance rate == {formula}", "sampler-statistics", p > sizes.alpha, control,
+                                p_value=p, samples=n,
+                                detail=f"{kind}, {single.widths[0]} per node; measured {rate:.4f}, expected "
+                                       f"{expected:.4f}"))
+            mean, tau, z, _ = chain_tau_test(chain, n, seed=2 + draws, rule=rule)
+            checks.append(Check("chain tau == (1 - a^(k+1)) / (1 - a), k=4", "sampler-statistics", abs(z) < 4,
+                                control, samples=n,
+                                detail=f"{kind}, a = {formula}; measured {mean:.4f}, expected {tau:.4f}, z={z:.2f}"))
+    rows = [c for single, chain, _ in acceptance_cases(modes, stat_sampling).values() for c in (single, chain)]
+    for name, group in (("sampler statistics", list(cases.values())), ("acceptance rows", rows)):
+        if idle := idle_everywhere(group):
+            warnings.append(f"{name}: {', '.join(sorted(idle))} removed no token in any synthetic case")
     return checks, warnings
+
+
+def acceptance_cases(modes: list[DraftMode], sampling: SamplingConfig
+                     ) -> dict[str, tuple[SyntheticCase, SyntheticCase, str]]:
+    """The draft kinds of ``modes`` that have a closed-form acceptance (:func:`statistics.analytic_acceptance`):
+    kind -> (one level of children, a prefix-independent chain of 4, the formula). Sampled modes: one independent
+    child (drawing without replacement is the same for one child; several sampled siblings have no closed form).
+    Deterministic candidates: two of them, and a chain. Seeds are the first from 21 that give an acceptance in
+    [0.2, 0.8] (a candidate outside the target's top-k would make the rows trivial); top-k and top-p bite as in the
+    other levels (:mod:`specdec.eval.synthetic_sampling`)."""
+    kinds = {}
+    if any(m is not DraftMode.DETERMINISTIC for m in modes):
+        kinds["independent draft"] = (DraftMode.INDEPENDENT, 1, "sum(min(target_probs, draft_probs))")
+    if DraftMode.DETERMINISTIC in modes:
+        kinds["deterministic candidates"] = (DraftMode.DETERMINISTIC, 2, "sum(target_probs[candidates])")
+    sampling = for_vocab(sampling, 8)
+
+    def informative(make: Callable[[int], SyntheticCase], first: int) -> SyntheticCase:
+        cases = [make(seed) for seed in range(first, first + 40)]
+        moderate = [c for c in cases if 0.2 <= analytic_acceptance(c, c.prefix) <= 0.8]
+        # one where every transform bites, else one that biting() may have to sharpen (lowering its acceptance),
+        # else none is moderate (top-k 1: a is 0 or 1) and the rows are weak but still true
+        return next((c for c in moderate if not idle_transforms(c)), (moderate or cases)[0])
+
+    cases = []
+    for mode, width, _ in kinds.values():
+        cases.append(informative(lambda seed, m=mode, w=width: SyntheticCase(8, (w,), m, sampling, seed=seed), 21))
+        cases.append(informative(lambda seed, m=mode: SyntheticCase(8, (1,) * 4, m, sampling, seed=seed,
+                                                                    prefix_independent=True, draft_sharpness=1.0), 22))
+    cases = biting(cases)
+    return {kind: (cases[2 * i], cases[2 * i + 1], formula) for i, (kind, (*_, formula)) in enumerate(kinds.items())}
 
 
 # ---- level 3 --------------------------------------------------------------------------------
@@ -338,6 +397,7 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
         if control is None and tau <= 1.0:
             warnings.append("greedy identity: no draft was accepted, so the accepted-draft path (tree-node logits, "
                             "KV compaction) was never tested and the engine-fault controls can hardly be caught")
+    checks.append(default_policy_identity(loaded, prompts, drafter, options, sizes, plain))
     e2e_sampling = sampling if sampling.do_sample else SamplingConfig(True)
     # sample from the middle of an answer (prompt + half its greedy answer): an answer's first tokens
     # are where drafters are accepted least, and a check whose drafts are all rejected tests little
@@ -361,6 +421,29 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
                             f"{res['detects_tv']:.3g}, not {sizes.e2e_tv} (power {res['power']:.2f} < 0.9 there); "
                             "raise --sample-sequences (or use --full)")
     return checks, warnings
+
+
+def default_policy_identity(loaded: Any, prompts: list[list[int]], drafter: Any, options: dict,
+                            sizes: CertificateSizes, plain: list[list[int]]) -> Check:
+    """Greedy identity on the path users run: generate()'s default speculation policy ("auto"), whose break-even
+    guard and tree sizing choose from measured costs between plain and speculative steps and how much of a tree to
+    verify. Those choices read only what was fixed before the step's tokens were drawn (the exact-law level's
+    selection rows check the sizer on sampled trees); greedy output must not depend on them at all. The negative
+    controls cannot run here: a broken rule or engine always verifies whole (specdec.engine_setup)."""
+    from specdec.eval.divergence import greedy_identity
+
+    from specdec.generation_config import GenerationConfig
+
+    policy = GenerationConfig().speculation
+    res = greedy_identity(loaded, prompts, drafter, options, sizes.identity_tokens, True, plain=plain,
+                          speculation=policy)
+    real = res.real_mismatches
+    detail = (f"speculation={policy!r}; tau {res.tau:.2f}; {real} real mismatches, "
+              f"{len(res.divergences) - real} numerical near-ties")
+    if res.tau <= 1.0:
+        detail += "; the policy drafted nothing that was accepted (plain steps only, or every draft rejected)"
+    return Check(f"greedy identity vs plain decoding, default speculation={policy!r} (batched)", "end-to-end",
+                 real == 0, samples=res.tokens_compared, detail=detail)
 
 
 def run_certificate(loaded: Any, drafter: Any, options: dict, sampling: SamplingConfig, sizes: CertificateSizes,

@@ -84,10 +84,13 @@ def diagnose(model: Any, prefix: list[int], prompt: int, position: int, plain: i
 def greedy_identity(loaded: Any, prompts: list[list[int]], drafter: Any, drafter_options: dict | None = None,
                     max_new_tokens: int = 64, batched: bool = True, rule: AcceptanceRule = EXACT,
                     near_tie: float = NEAR_TIE, plain: list[list[int]] | None = None,
-                    fault: EngineFault | None = None, sampling: dict | None = None) -> IdentityResult:
+                    fault: EngineFault | None = None, sampling: dict | None = None,
+                    speculation: str = "always") -> IdentityResult:
     """``plain``: plain output for ``prompts`` if already computed (prompt + new tokens). ``sampling``: generate()
     keyword arguments of a coupled-sampling run (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
-    ``sampler="coupled"``), both sides; None = greedy."""
+    ``sampler="coupled"``), both sides; None = greedy. ``speculation``: the speculative side's policy; "always"
+    checks every proposal (the break-even guard would stop asking a drafter that does not pay, e.g. on a tiny
+    model), "auto" the path users run by default."""
     sampling = dict(sampling or {})
     coupled = sampling.get("sampler") == "coupled" and sampling.get("do_sample", False)
     if sampling and not coupled:
@@ -95,10 +98,8 @@ def greedy_identity(loaded: Any, prompts: list[list[int]], drafter: Any, drafter
                          "sampling keeps the law, not the text)")
     if coupled and sampling.get("seed") is None:
         raise ValueError("identity under coupled sampling needs a seed, the same on both sides")
-    # speculation="always": every proposal verified whole, so identity is checked on the drafting path (the
-    # break-even guard would stop asking a drafter that does not pay, e.g. on a tiny model)
     spec_kw = dict(rule=rule, fault=fault, max_new_tokens=max_new_tokens, drafter=drafter,
-                   drafter_options=drafter_options, return_dict=True, speculation="always", **sampling)
+                   drafter_options=drafter_options, return_dict=True, speculation=speculation, **sampling)
     if plain is None:
         plain = generate(loaded, prompts, max_new_tokens=max_new_tokens, **sampling)
     if coupled:

@@ -22,6 +22,7 @@ from scipy import optimize, stats
 from specdec.eval.exact_law import Law, SyntheticCase, sample_trees
 
 from specdec.rejection import EXACT, AcceptanceRule, rejection_sample
+from specdec.tree import DraftMode
 
 
 def run_sampler(case: SyntheticCase, rule: AcceptanceRule = EXACT, n: int = 30_000, seed: int = 0):
@@ -113,19 +114,38 @@ def holm(pvalues: dict[str, float], alpha: float) -> list[str]:
     return rejected
 
 
+def analytic_acceptance(case: SyntheticCase, prefix: tuple[int, ...]) -> float:
+    """P(one of the root's children is accepted) in closed form, for the draft kinds that have one: a single sampled
+    child (independent or drawn without replacement, the same for one child), sum(min(target_probs, draft_probs));
+    deterministic candidates x_1..x_w, sum(target_probs[x_i]) (each is accepted with its share of what the earlier
+    ones left). Several sampled siblings have none (each rejection reshapes the residual the next is tested on):
+    the exact law covers them."""
+    target, width = case.target_probs(prefix), case.widths[0]
+    if case.mode is DraftMode.DETERMINISTIC:
+        return float(target[case.candidates(prefix, width)].sum())
+    if width != 1:
+        raise ValueError("no closed form for the acceptance of several sampled siblings")
+    return float(torch.minimum(target, case.draft_probs(prefix)).sum())
+
+
 def acceptance_rate_test(case: SyntheticCase, n: int, seed: int = 1, rule: AcceptanceRule = EXACT):
-    """Single-node chain: (measured rate, sum(min(target_probs, draft_probs)), binomial p-value)."""
-    expected = float(torch.minimum(case.target_probs(case.prefix), case.draft_probs(case.prefix)).sum())
+    """One level of children: (measured rate, :func:`analytic_acceptance`, binomial p-value)."""
+    if len(case.widths) != 1:
+        raise ValueError("acceptance_rate_test takes one level of children")
+    expected = analytic_acceptance(case, case.prefix)
     _, accs = run_sampler(case, rule, n=n, seed=seed)
     accepted = sum(len(a.accepted_nodes) for a in accs)
     return accepted / n, expected, float(stats.binomtest(accepted, n, expected).pvalue)
 
 
 def chain_tau_test(case: SyntheticCase, n: int, seed: int = 2, rule: AcceptanceRule = EXACT):
-    """Prefix-independent chain of k: (mean committed, (1 - a^(k+1)) / (1 - a), z, per-depth z)."""
+    """Prefix-independent chain of k (a sampled or a deterministic draft): (mean committed, (1 - a^(k+1)) / (1 - a),
+    z, per-depth z), ``a`` the :func:`analytic_acceptance` of one node, the same at every depth."""
+    if not case.prefix_independent or any(w != 1 for w in case.widths):
+        raise ValueError("chain_tau_test takes a prefix-independent chain")
     k = len(case.widths)
-    a = float(torch.minimum(case.target_probs(()), case.draft_probs(())).sum())
-    expected = (1 - a ** (k + 1)) / (1 - a)
+    a = analytic_acceptance(case, ())
+    expected = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1.0
     _, accs = run_sampler(case, rule, n=n, seed=seed)
     committed = np.array([len(x.accepted_nodes) + 1 for x in accs], float)
     spread = committed.std(ddof=1) / math.sqrt(n)

@@ -255,3 +255,120 @@ def test_another_seed_draws_the_statistics_anew():
 
     first = p_values(0)
     assert first[0] is not None and p_values(0) == first and p_values(1) != first
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(True, 0.8, 50), SamplingConfig(True, 1.5, 0, 0.999),
+                                      SamplingConfig(True, 2.0, 6, 0.9999), SamplingConfig(True, 0.7, 3, 0.9)],
+                         ids=str)
+def test_every_sampling_transform_bites_in_some_case(sampling):
+    """The synthetic cases have 4-8 tokens: top-k 50 (the committed certificates' setting) removed no token of any
+    of them, and top-p 0.999 at temperature 1.5 none either, so the exact-law and statistics levels claimed
+    transforms they never ran. Each transform that is on must change the target of one case at least."""
+    from dataclasses import replace
+
+    from specdec.eval.certificate import acceptance_cases, sampler_cases
+
+    from specdec.sampling import logits_to_probs
+    from specdec.tree import DraftMode
+
+    def bites(cases, name, off):
+        """The transform changes the target at a case's prefix, applied after the ones before it (temperature, top-k,
+        top-p): a top-k that top-p alone would cut to changes nothing of the final law but is still run."""
+        later = {"temperature": dict(top_k=0, top_p=1.0), "top_k": dict(top_p=1.0), "top_p": {}}[name]
+        def probs(c, **kw):
+            return logits_to_probs(c.target_logits(c.prefix), replace(c.sampling, **later, **kw))
+
+        return any(not torch.equal(probs(c), probs(c, **{name: off})) for c in cases)
+
+    import specdec.eval.certificate as certificate
+
+    levels = {"stats": list(sampler_cases(list(DraftMode), sampling).values()),
+              "acceptance rows": [c for single, chain, _ in acceptance_cases(list(DraftMode), sampling).values()
+                                  for c in (single, chain)],
+              "exact": certificate.exact_law_cases(list(DraftMode), sampling)}
+    for level, cases in levels.items():
+        for name, off in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0)):
+            if getattr(sampling, name) != off:
+                assert bites(cases, name, off), (level, name)
+
+
+def test_acceptance_rows_check_deterministic_candidates_in_closed_form():
+    """The acceptance-rate and chain-tau rows used an independent draft whatever the drafter: n-gram, Medusa, EAGLE
+    and MTP propose deterministic candidates, whose closed form (sum of the candidates' target_probs) went
+    unchecked. Their rows now run it, and always-accept fails them."""
+    from dataclasses import replace
+
+    from specdec.eval.certificate import sampler_checks
+
+    from specdec.tree import DraftMode
+
+    checks, _ = sampler_checks([DraftMode.DETERMINISTIC], SamplingConfig(True, 0.8, 50),
+                               replace(CertificateSizes(), stat_samples=4000), set())
+    rows = [c for c in checks if "deterministic candidates" in c.detail]
+    assert {c.name for c in rows} == {"acceptance rate == sum(target_probs[candidates])",
+                                      "chain tau == (1 - a^(k+1)) / (1 - a), k=4"}
+    assert all(c.passed for c in rows if c.control is None) and len(rows) == 4
+    assert not any(c.passed for c in rows if c.control == "always_accept")
+    assert not any("independent draft" in c.detail for c in checks)  # n-gram draws nothing: not its kind
+
+
+def test_end_to_end_checks_greedy_identity_on_the_default_speculation_policy():
+    """Greedy identity ran only with speculation="always"; users run the default ("auto"), where the guard and the
+    tree sizing choose between plain and speculative steps. A row checks that path too, and it can fail."""
+    import specdec.eval.divergence as divergence
+    from specdec.eval.certificate import default_policy_identity
+    from specdec.eval.negative_controls import BROKEN_RULES
+
+    from specdec.generation_config import GenerationConfig
+
+    loaded, prompts = _fault_setup()
+    sizes = CertificateSizes(identity_prompts=8, identity_tokens=32, sample_sequences=40, sample_tokens=1)
+    cert = run_certificate(loaded, "ngram", {}, SamplingConfig(True, 0.9, 6), sizes, lambda n: prompts[:n],
+                           levels=("e2e",))
+    default = GenerationConfig().speculation
+    rows = [c for c in cert.checks if f"speculation={default!r}" in c.name]
+    assert len(rows) == 1 and rows[0].passed and rows[0].control is None, rows
+
+    calls = []
+    real = divergence.generate_with_control
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["speculation"])
+        return real(*args, **kwargs)
+
+    plain = generate(loaded, prompts, max_new_tokens=32)
+    divergence.generate_with_control = spy
+    try:
+        assert default_policy_identity(loaded, prompts, "ngram", {}, sizes, plain).passed
+    finally:
+        divergence.generate_with_control = real
+    assert calls == [default]
+    broken = greedy_identity(loaded, prompts, "ngram", {}, 32, plain=plain, rule=BROKEN_RULES["always_accept"],
+                             speculation=default)
+    assert broken.real_mismatches > 0  # the speculation argument reaches generate(): this path can fail
+
+
+def test_end_to_end_power_is_reported_at_the_level_the_check_decides_at(monkeypatch):
+    """The sampled end-to-end check fails when Holm over its two tests (chi-square, KS) rejects at alpha, i.e. when
+    one p-value is <= alpha / 2; its chi-square power was reported at alpha, more than the check had."""
+    import specdec.eval.end_to_end as end_to_end
+    from specdec.eval.statistics import holm
+    from specdec.eval.two_sample import two_sample_chi2
+
+    seen = []
+
+    def recording(a, b, tv, alpha):
+        seen.append((a, b, tv))
+        return two_sample_chi2(a, b, tv, alpha)
+
+    monkeypatch.setattr(end_to_end, "two_sample_chi2", recording)
+    loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
+    sizes = CertificateSizes(sample_sequences=300, sample_tokens=1, e2e_tv=0.1)
+    res = end_to_end.sampled_two_sample(loaded, [1, 2, 3, 1, 2], "ngram", {}, SamplingConfig(True), sizes)
+    # the largest p-value of the chi-square alone that fails the check, by the certificate's own decision
+    level = max(p for p in (sizes.alpha * x / 1000 for x in range(1, 1001))
+                if holm({"chi2": p, "ks": 1.0}, sizes.alpha))
+    (a, b, tv), = seen
+    assert level == pytest.approx(sizes.alpha / 2)
+    assert res["power"] == pytest.approx(two_sample_chi2(a, b, tv, level).power)
+    assert res["power"] < two_sample_chi2(a, b, tv, sizes.alpha).power

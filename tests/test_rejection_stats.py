@@ -72,3 +72,16 @@ def test_chain_mean_accepted_length_matches_closed_form():
 def test_acceptance_checks_fail_for_a_broken_rule():
     case = SyntheticCase(8, (1,), DraftMode.INDEPENDENT, SamplingConfig(True, 0.9), seed=21)
     assert acceptance_rate_test(case, n=20_000, rule=BROKEN_RULES["always_accept"])[2] < 1e-6
+
+
+def test_deterministic_candidates_accept_with_their_summed_target_probs():
+    """w deterministic candidates at a node: one is accepted with probability sum(target_probs[candidates]) (each
+    with its share of what the earlier ones left); a chain of them has tau (1 - a^(k+1)) / (1 - a) with that a."""
+    siblings = SyntheticCase(8, (3,), DraftMode.DETERMINISTIC, SamplingConfig(True, 0.9, 6), seed=25)
+    rate, expected, p = acceptance_rate_test(siblings, n=20_000)
+    assert 0.2 < expected < 0.9 and p > 1e-3, (rate, expected)
+    chain = SyntheticCase(8, (1,) * 4, DraftMode.DETERMINISTIC, SamplingConfig(True), seed=24, prefix_independent=True,
+                          draft_sharpness=1.0)
+    mean, expected, z, z_depth = chain_tau_test(chain, n=20_000)
+    assert expected > 1.2 and abs(z) < 4 and all(abs(x) < 4 for x in z_depth), (mean, expected, z_depth)
+    assert acceptance_rate_test(siblings, n=20_000, rule=BROKEN_RULES["always_accept"])[2] < 1e-6
