@@ -168,7 +168,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--sampler", choices=("standard", "coupled"), default="standard",
                    help="with --do-sample: standard (default) exact rejection sampling; coupled: Gumbel-max noise "
                         "keyed by seed, prompt and position, so a --seed prints the same text with or without a "
-                        "drafter")
+                        "drafter (in float32, or with --invariant)")
     p.add_argument("--invariant", action="store_true",
                    help="bit-exact mode: the target computes every row as a one-row forward would, so the text is "
                         "byte-identical to plain decoding's with any drafter, in any dtype (docs/bit-exact.md)")

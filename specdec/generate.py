@@ -118,9 +118,9 @@ def generate(
     call (also in the Triton interpreter on CPU, uncaptured), ``False`` never; pass a :class:`GraphedForward`
     (``GraphedForward.with_cache``) to keep a KV cache and graphs of your own from call to call.
 
-    ``seed`` (or ``generator``) also seeds sampled drafts: the drafter's ``seed_from_generate`` gets
-    ``seed`` (or one draw of ``generator``) before it is attached, unless its own ``seed`` option is set,
-    so the output does not depend on torch's global RNG.
+    ``seed`` (or ``generator``) also seeds sampled drafts: the drafter reads ``seed`` (or one draw of
+    ``generator``) as ``TargetView.seed`` in ``attach``, unless its own ``seed`` option is set, so the output
+    does not depend on torch's global RNG.
 
     ``inputs=`` (transformers' name) is taken for ``input_ids``.
 
