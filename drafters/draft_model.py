@@ -61,6 +61,19 @@ def check_vocabularies(draft_runner: LlamaRunner, draft_tok: Any, target_runner:
         pass
 
 
+def _tokenizer(spec: Any) -> Any:
+    """The tokenizer= option: a tokenizer as given; a directory (what the command line can pass) loaded from it."""
+    if not isinstance(spec, (str, os.PathLike)):
+        return spec
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise InputError(f"draft-model: tokenizer={str(spec)!r} holds no tokenizer ({' '.join(str(err).split())[:200]})"
+                         ) from err
+
+
 def num_params(module: Any) -> int:
     """Parameters of a torch module, counted once per module object (each generate() call builds its drafter and
     asks again; walking a model's parameters costs milliseconds)."""
@@ -91,6 +104,10 @@ class DraftModelDrafter(ModelDrafter):
         if isinstance(model, (bool, int, float, list, tuple, dict)):  # e.g. a JSON value where a path was meant
             raise InputTypeError(f"draft-model: model= must be a transformers model, a checkpoint path or an alias, "
                                  f"got {type(model).__name__} {model!r}")
+        if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)) and \
+                not hasattr(tokenizer, "convert_ids_to_tokens"):
+            raise InputTypeError(f"draft-model: tokenizer= must be a transformers tokenizer or the directory of one, "
+                                 f"got {type(tokenizer).__name__} {tokenizer!r}")
         super().__init__(DraftConfig(**options))
         self.model_spec, self.tokenizer = model, tokenizer
 
@@ -121,7 +138,7 @@ class DraftModelDrafter(ModelDrafter):
 
     def make_runner(self, target: TargetView) -> LlamaRunner:
         # one named by a path loads in the target's dtype; a loaded model keeps its own
-        loaded = load_model(self.model_spec, tokenizer=self.tokenizer, dtype=target.runner.dtype,
+        loaded = load_model(self.model_spec, tokenizer=_tokenizer(self.tokenizer), dtype=target.runner.dtype,
                             device=target.runner.device)
         runner = loaded.runner
         check_vocabularies(runner, loaded.tokenizer, target.runner, target.tokenizer)

@@ -79,6 +79,25 @@ def test_draft_model_refuses_a_tokenizer_that_maps_ids_differently():
             check_vocabularies(runner, shifted, runner, target)
 
 
+def test_draft_model_tokenizer_option_is_a_tokenizer_or_its_directory(tmp_path):
+    """tokenizer= took anything and failed deep in the vocabulary check with an AttributeError: a directory (what
+    the command line passes) is now loaded, anything else is refused in one line naming the option."""
+    from specdec.errors import InputError, InputTypeError
+    from specdec.testing import save_tiny_checkpoint
+
+    ckpt = save_tiny_checkpoint(tmp_path / "tiny")
+    target = specdec.models.loader.load_model(ckpt)
+    with pytest.raises(InputTypeError, match="tokenizer= must be a transformers tokenizer"):
+        specdec.generate(target, [[3, 4, 5]], max_new_tokens=4, drafter="draft-model",
+                         drafter_options={"model": ckpt, "tokenizer": 5})
+    with pytest.raises(InputError, match="holds no tokenizer"):
+        specdec.generate(target, [[3, 4, 5]], max_new_tokens=4, drafter="draft-model",
+                         drafter_options={"model": ckpt, "tokenizer": str(tmp_path / "nothing")})
+    plain = specdec.generate(target, [[3, 4, 5]], max_new_tokens=6)
+    assert specdec.generate(target, [[3, 4, 5]], max_new_tokens=6, drafter="draft-model",
+                            drafter_options={"model": ckpt, "tokenizer": str(ckpt)}) == plain
+
+
 def test_bigger_draft_model_warns(caplog):
     target = build_tiny_model()
     big = build_tiny_model(hidden_size=128, intermediate_size=256, num_attention_heads=4)
