@@ -185,13 +185,14 @@ def _add_generate(sub) -> None:
 
 
 GENERATION_FLAGS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p")  # unset: the model's config
-PATH_OPTIONS = ("path", "model")  # drafter options naming a file, directory or alias: the text, never a number
+PATH_OPTIONS = ("path", "model", "tokenizer")  # options naming a file, directory or alias: the text, never a number
+PYTHON_LITERALS = {"True": True, "False": False, "None": None}  # as a Python user types them (JSON: true, false, null)
 
 
 def _parse_options(pairs: list[str]) -> dict:
-    """``KEY=VALUE`` pairs -> drafter options: VALUE parsed as JSON when possible, except for paths (a directory
-    named 2024 stays "2024"; ``path="DIR"``, the JSON string, is DIR), also after a drafter's prefix
-    (``medusa.path=DIR``)."""
+    """``KEY=VALUE`` pairs -> drafter options: VALUE parsed as JSON (or True / False / None) when possible, except
+    for paths (a directory named 2024 stays "2024"; ``path="DIR"``, the JSON string, is DIR), also after a
+    drafter's prefix (``medusa.path=DIR``)."""
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -203,6 +204,8 @@ def _parse_options(pairs: list[str]) -> dict:
 
 
 def _json_or_text(value: str):
+    if value in PYTHON_LITERALS:
+        return PYTHON_LITERALS[value]
     try:
         return json.loads(value)
     except json.JSONDecodeError:

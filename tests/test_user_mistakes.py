@@ -48,6 +48,10 @@ def test_a_numeric_path_option_stays_a_path(capsys):
     # number stays a path too
     assert _parse_options(['path="heads/"', 'medusa.path="A"', "eagle.path=7", 'draft-model.model=""']) == {
         "path": "heads/", "medusa.path": "A", "eagle.path": "7", "draft_model.model": ""}
+    # Python's spellings, which the messages print (cuda_graphs=True read as the text 'True' was refused with
+    # "must be True, False or 'auto', got 'True'"); a tokenizer directory stays a path
+    assert _parse_options(["cuda_graphs=True", "adapt_depth=False", "seed=None", "tokenizer=1"]) == {
+        "cuda_graphs": True, "adapt_depth": False, "seed": None, "tokenizer": "1"}
     rc, line = run(capsys, "generate", "hi", "--model", "nowhere", "--drafter", "medusa",
                    "--drafter-option", "path=2024", "--max-new-tokens", "2")
     assert rc == 2 and line.startswith("specdec generate: error: ")
