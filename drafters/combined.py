@@ -97,6 +97,9 @@ def build_child(spec: Any) -> Drafter:
         if not isinstance(name, str):
             raise InputTypeError(f"combined drafter: a child given as a dict needs a 'name' string, got {spec!r}")
         return get_drafter(name, **options)
+    if isinstance(spec, type):  # its propose() would be called unbound, once the model has loaded
+        raise InputTypeError(f"combined drafter: a child must be an instance, got the class {spec.__name__}: pass "
+                             f"{spec.__name__}(...)")
     if callable(getattr(spec, "propose", None)):
         return as_drafter(spec)
     raise InputTypeError(f"combined drafter: each child must be a name, a dict with 'name', or a drafter, "

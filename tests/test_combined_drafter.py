@@ -143,6 +143,15 @@ def test_children_are_built_by_name_dict_or_instance_and_see_every_lifecycle_cal
     assert not CombinedDrafter(["ngram", Scripted([[1]])]).needs_hidden_states
 
 
+def test_a_child_given_as_a_class_is_refused_at_once():
+    """combined(drafters=[NGramDrafter]) was accepted and failed at attach with "missing 1 required positional
+    argument", after the model had loaded; get_drafter(NGramDrafter) already refused the class."""
+    from specdec.errors import InputTypeError
+
+    with pytest.raises(InputTypeError, match="got the class NGramDrafter: pass NGramDrafter"):
+        get_drafter("combined", drafters=["ngram", NGramDrafter])
+
+
 def test_generate_forwards_on_accept_and_release_to_every_child_and_stays_greedy_exact():
     model = build_tiny_model()
     prompts = [[5, 9, 11, 2, 5, 9], [7, 3]]
