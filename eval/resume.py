@@ -163,15 +163,12 @@ def check_resumable(out: Path, settings: dict, resume: bool) -> None:
     if not resume or not path.exists():
         return
     try:
-        data = load_json(path)
-    except ResumeError:
-        data = None  # read_settings says why
-    if isinstance(data, dict) and data.get("schema") == _NO_MACHINE_SCHEMA:  # its cells' digests lack it too
-        raise ResumeError(f"cannot resume {out}: {path} was written by an older specdec, which did not record the "
-                          f"device, threads and torch its speeds were measured under; {_ANEW}")
-    try:
         before = read_settings(path)
-    except ResumeError as err:  # safe to drop: every cell is checked against its own settings digest
+    except ResumeError as err:
+        if _schema(path) == _NO_MACHINE_SCHEMA:  # its cells' digests lack the machine too: deleting it cannot help
+            raise ResumeError(f"cannot resume {out}: {path} was written by an older specdec, which did not record "
+                              f"the device, threads and torch its speeds were measured under; {_ANEW}") from err
+        # safe to drop: every cell is checked against its own settings digest
         raise ResumeError(f"cannot resume {out}: {err}; delete it to resume anyway (each cell records the settings "
                           f"it was measured under), or {_AGAIN}") from err
     changed = sorted(k for k in set(settings) | set(before) if k != "machine" and settings.get(k) != before.get(k))
@@ -183,6 +180,15 @@ def check_resumable(out: Path, settings: dict, resume: bool) -> None:
     if changed:
         raise ResumeError(f"cannot resume {out}: its cells were measured with other settings ({', '.join(changed)} "
                           f"differ, {path}); use another output directory, or {_AGAIN}")
+
+
+def _schema(path: Path) -> Any:
+    """The schema a run file names, None where it names none or cannot be read."""
+    try:
+        data = load_json(path)
+    except ResumeError:
+        return None
+    return data.get("schema") if isinstance(data, dict) else None
 
 
 def _differences(before: Any, now: Any) -> list[str]:
