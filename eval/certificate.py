@@ -187,7 +187,6 @@ def transforms_note(sampling: SamplingConfig, cases: list[SyntheticCase]) -> str
     return note
 
 
-
 def exact_law_cases(modes: list[DraftMode], sampling: SamplingConfig) -> list[SyntheticCase]:
     """Vocabularies 4 and 6, every shape and mode; top-k below each vocabulary and a target sharp enough for top-p
     to remove tokens in one case at least (:mod:`specdec.eval.synthetic_sampling`)."""
@@ -305,7 +304,8 @@ def sampler_checks(modes: list[DraftMode], sampling: SamplingConfig, sizes: Cert
         if control is None and power < 0.9:
             warnings.append(f"sampler statistics: {n} draws per case detect TV {detects:.3g}, not {sizes.stat_tv} "
                             f"(power {power:.2f} < 0.9 there); raise --stat-samples")
-    for kind, (single, chain, formula) in acceptance_cases(modes, stat_sampling).items():
+    acceptance = acceptance_cases(modes, stat_sampling)
+    for kind, (single, chain, formula) in acceptance.items():
         for rule_name, rule in [("exact", EXACT), ("always_accept", BROKEN_RULES["always_accept"])]:
             control = None if rule is EXACT else rule_name
             rate, expected, p = acceptance_rate_test(single, n, seed=1 + draws, rule=rule)
@@ -317,7 +317,7 @@ def sampler_checks(modes: list[DraftMode], sampling: SamplingConfig, sizes: Cert
             checks.append(Check("chain tau == (1 - a^(k+1)) / (1 - a), k=4", "sampler-statistics", abs(z) < 4,
                                 control, samples=n,
                                 detail=f"{kind}, a = {formula}; measured {mean:.4f}, expected {tau:.4f}, z={z:.2f}"))
-    rows = [c for single, chain, _ in acceptance_cases(modes, stat_sampling).values() for c in (single, chain)]
+    rows = [c for single, chain, _ in acceptance.values() for c in (single, chain)]
     for name, group in (("sampler statistics", list(cases.values())), ("acceptance rows", rows)):
         if idle := idle_everywhere(group):
             warnings.append(f"{name}: {', '.join(sorted(idle))} removed no token in any synthetic case")

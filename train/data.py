@@ -37,9 +37,9 @@ def _load_dataset(path: Path):
                 ds = ds[split]
             return ds
         suffix = path.suffix.lower()
-        if suffix in (".jsonl", ".json", ".parquet") and path.stat().st_size == 0:
-            raise TrainDataError(f"training data {path} is empty")
         if suffix in (".jsonl", ".json", ".parquet"):
+            if path.stat().st_size == 0:
+                raise TrainDataError(f"training data {path} is empty")
             with _datasets_errors_unlogged():
                 return datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=str(path),
                                              split="train")
