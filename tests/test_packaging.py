@@ -172,6 +172,7 @@ def _leaf_parsers() -> dict:
     cli._add_generate(sub)
     for name in cli.SUBCOMMAND_MODULES:
         importlib.import_module(name).add_parser(sub)
+    cli._verbose_everywhere(parser)
     out = {}
 
     def walk(p, prefix):
@@ -189,6 +190,35 @@ def _leaf_parsers() -> dict:
 def _cli_commands() -> dict[str, str]:
     """Every leaf command of `specdec` -> the module of the function that runs it."""
     return {command: p.get_default("func").__module__ for command, p in _leaf_parsers().items()}
+
+
+def _synopses() -> list[tuple[str, str, str]]:
+    """(page, command, its synopsis text) for every `specdec ...` line (and its indented continuation lines) in a
+    ```text or ```bash block of the README and the docs pages."""
+    out = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        for block in re.findall(r"```(?:text|bash)\n(.*?)```", page.read_text(), flags=re.S):
+            for entry in re.split(r"\n(?=\S)|&&|;", block):
+                words = re.match(r"\s*specdec((?: [a-z][a-z-]*)+)", entry)
+                if words:
+                    out.append((page.name, words.group(1).strip(), entry))
+    return out
+
+
+def test_every_option_a_synopsis_shows_exists():
+    """The README's and docs' synopses are written by hand: each option they show must be one the command takes, so
+    a renamed or removed option cannot linger there."""
+    parsers = _leaf_parsers()
+    checked = 0
+    for page, words, text in _synopses():
+        command = next((c for c in sorted(parsers, key=len, reverse=True) if (words + " ").startswith(c + " ")), None)
+        if command is None:  # "specdec eval replay ...": a group of commands, not one
+            continue
+        options = {o for a in parsers[command]._actions for o in a.option_strings}
+        for option in re.findall(r"(?<![\w-])--?[a-z][a-z-]*", re.sub(r"#.*", "", text)):
+            assert option in options, f"{page}: the synopsis of specdec {command} shows {option}, not an option of it"
+            checked += 1
+    assert checked > 40  # the synopses were found
 
 
 def test_help_says_each_default_once_and_never_none():
