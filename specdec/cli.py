@@ -157,7 +157,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=None, help="default: the model's generation_config, else 1 (off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None,
-                   help="stop string, repeatable; the output ends with it (kept, as in transformers)")
+                   help="stop string, repeatable; kept in the output, as in transformers")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--system", default=None, help="system message for the chat template")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
