@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from specdec.drafters.base import TargetView, check_path_option
-from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.eagle import EagleDraftConfig, EagleDrafter
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 
@@ -73,12 +75,20 @@ def read_mtp_layer(directory: str | Path, num_layers: int, index: int = 0) -> tu
                                f"model.layers.{num_layers + index}.eh_proj weights)")
 
 
+@dataclass(frozen=True)
+class MtpDraftConfig(EagleDraftConfig):
+    """EagleDraftConfig whose messages name the mtp drafter."""
+
+    drafter: ClassVar[str] = "mtp"
+
+
 class MtpDrafter(EagleDrafter):
+    options_config = MtpDraftConfig
     name = "mtp"
 
     def __init__(self, path: str | None = None, layer: int = 0, **options) -> None:
         """``path``: the checkpoint directory holding the MTP weights (default: the target's own); ``layer``: which
-        MTP layer; ``options``: the tree (EagleDraftConfig; default depth 3, top-k 4, 8 nodes)."""
+        MTP layer; ``options``: the tree (MtpDraftConfig, as EagleDraftConfig; default depth 3, top-k 4, 8 nodes)."""
         check_path_option("mtp", path)
         if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
             raise InputError(f"mtp: layer must be an integer >= 0, got {layer!r}")
@@ -92,6 +102,9 @@ class MtpDrafter(EagleDrafter):
         if self.model is None:
             hf = target.runner.hf_model
             source = self.source or getattr(hf.config, "_name_or_path", "") or ""
+            if not self.source and not (source and Path(source).is_dir()):
+                raise InputError("mtp: the target was not loaded from a directory, so its MTP layers cannot be read "
+                                 "from its checkpoint: give path= (the directory whose safetensors hold them)")
             state, layout = read_mtp_layer(source, hf.config.num_hidden_layers, self.layer)
             config = EagleConfig.for_target(hf.config, arch="mtp", depth=3, top_k=4, max_nodes=8,
                                             base_model_name_or_path=str(source))

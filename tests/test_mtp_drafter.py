@@ -11,8 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError
 from specdec.drafters.mtp import MtpDrafter, read_mtp_layer
+from specdec.drafters.registry import get_drafter
 from specdec.eval.certificate import CertificateSizes, run_certificate
 
+from specdec.errors import InputError
 from specdec.generate import generate
 from specdec.models.loader import load_model
 from specdec.sampling import SamplingConfig
@@ -125,3 +127,24 @@ def test_a_target_without_mtp_layers_is_refused_in_one_line(tmp_path):
     build_tiny_model().save_pretrained(tmp_path)
     with pytest.raises(EagleCheckpointError, match="has no MTP layer 0"):
         generate(load_model(str(tmp_path)), [[1, 2, 3]], max_new_tokens=2, drafter=MtpDrafter())
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"top_k": 0}, "mtp: top_k must be a positive integer, got 0"),
+    ({"max_nodes": 65}, "mtp: max_nodes must be <= 64, got 65"),
+    ({"adapt_depth": "no"}, "mtp: adapt_depth must be True or False"),
+])
+def test_option_mistakes_name_the_mtp_drafter(options, match):
+    with pytest.raises(InputError, match=match):
+        get_drafter("mtp", **options)
+
+
+def test_top_k_beyond_the_vocabulary_names_the_mtp_drafter(tmp_path):
+    write_target_with_mtp(tmp_path, "mimo")
+    with pytest.raises(InputError, match="^mtp: top_k=97 exceeds the draft vocabulary of 96 tokens"):
+        generate(load_model(str(tmp_path)), [[1, 2, 3]], max_new_tokens=2, drafter=MtpDrafter(top_k=97))
+
+
+def test_a_target_not_loaded_from_a_directory_asks_for_path():
+    with pytest.raises(InputError, match="^mtp: the target was not loaded from a directory.*give path="):
+        generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=2, drafter="mtp")
