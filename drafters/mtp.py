@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 MIMO = {"token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "fc", "final_layernorm": "norm"}
 DEEPSEEK = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "fc", "shared_head.norm": "norm"}
 LAYER_PARTS = ("input_layernorm.", "self_attn.", "post_attention_layernorm.", "mlp.")
+# config.json fields a path= checkpoint must share with the target for its MTP layer to be the target's: the layer
+# reads the target's hidden states and embeddings and drafts through its LM head (DeepSeek's index is after L layers)
+SAME_TARGET = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -44,6 +47,26 @@ def _weight_files(directory: Path) -> list[Path]:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [directory / s for s in shards]
     return sorted(directory.glob("*.safetensors"))
+
+
+def check_same_target(directory: Path, target_config) -> None:
+    """Refuse a ``path=`` checkpoint of another model: its config.json must agree with the target on SAME_TARGET
+    (a layer of another model with the same hidden size loads and drafts, uselessly), naming both sides."""
+    file = directory / "config.json"
+    if not file.is_file():
+        raise EagleCheckpointError(f"mtp: {directory} has no config.json to tell whether its MTP layer was made for "
+                                   "the target")
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise EagleCheckpointError(f"mtp: {file} is not valid JSON: {err}") from err
+    if not isinstance(raw, dict):
+        raise EagleCheckpointError(f"mtp: {file} must hold a JSON object")
+    for name in SAME_TARGET:
+        mine, theirs = raw.get(name), getattr(target_config, name, None)
+        if mine is not None and theirs is not None and mine != theirs:
+            raise EagleCheckpointError(f"mtp: {directory}: the checkpoint has {name}={mine} but the target model has "
+                                       f"{name}={theirs}: it was made for another target")
 
 
 def read_mtp_layer(directory: str | Path, num_layers: int, index: int = 0) -> tuple[dict[str, torch.Tensor], str]:
@@ -105,6 +128,8 @@ class MtpDrafter(EagleDrafter):
             if not self.source and not (source and Path(source).is_dir()):
                 raise InputError("mtp: the target was not loaded from a directory, so its MTP layers cannot be read "
                                  "from its checkpoint: give path= (the directory whose safetensors hold them)")
+            if self.source and Path(source).is_dir():
+                check_same_target(Path(source), hf.config)
             state, layout = read_mtp_layer(source, hf.config.num_hidden_layers, self.layer)
             config = EagleConfig.for_target(hf.config, arch="mtp", depth=3, top_k=4, max_nodes=8,
                                             base_model_name_or_path=str(source))

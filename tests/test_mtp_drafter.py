@@ -4,7 +4,9 @@ layer's logits equal an independent forward, greedy output is the target's, the 
 rules caught; a checkpoint without MTP weights is refused in one line. No real MTP checkpoint was available."""
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -148,3 +150,24 @@ def test_top_k_beyond_the_vocabulary_names_the_mtp_drafter(tmp_path):
 def test_a_target_not_loaded_from_a_directory_asks_for_path():
     with pytest.raises(InputError, match="^mtp: the target was not loaded from a directory.*give path="):
         generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=2, drafter="mtp")
+
+
+@pytest.mark.parametrize("field, value", [("vocab_size", 80), ("num_hidden_layers", 3)])
+def test_a_path_to_another_models_checkpoint_is_refused_naming_both_sides(tmp_path, field, value):
+    """A layer of another model with the target's hidden size loads and drafts (uselessly): its config says so."""
+    target, _ = write_target_with_mtp(tmp_path / "target", "mimo")
+    write_target_with_mtp(tmp_path / "other", "mimo", seed=1, vocab_size=80 if field == "vocab_size" else 96)
+    config = json.loads((tmp_path / "other" / "config.json").read_text())
+    (tmp_path / "other" / "config.json").write_text(json.dumps({**config, field: value}))
+    match = f"the checkpoint has {field}={value} but the target model has {field}={getattr(target.config, field)}"
+    with pytest.raises(EagleCheckpointError, match=match):
+        generate(load_model(str(tmp_path / "target")), [[1, 2, 3]], max_new_tokens=2,
+                 drafter=MtpDrafter(path=str(tmp_path / "other")))
+    (tmp_path / "bare").mkdir()  # the weights without a config: nothing tells whose layer it is
+    shutil.copy(tmp_path / "target" / "model.safetensors", tmp_path / "bare")
+    with pytest.raises(EagleCheckpointError, match="bare has no config.json"):
+        generate(load_model(str(tmp_path / "target")), [[1, 2, 3]], max_new_tokens=2,
+                 drafter=MtpDrafter(path=str(tmp_path / "bare")))
+    out = generate(load_model(str(tmp_path / "target")), [[1, 2, 3]], max_new_tokens=2,  # its own copy is fine
+                   drafter=MtpDrafter(path=str(tmp_path / "target")))
+    assert len(out[0]) == 5
