@@ -62,7 +62,7 @@ class EagleDraftConfig:
     """Tree shape; None = the value the checkpoint was trained and measured with."""
 
     drafter: ClassVar[str] = "eagle"  # the drafter its messages name (MtpDraftConfig: "mtp")
-    depth: int | None = None  # draft steps (tree depth)
+    depth: int | None = None  # draft steps (tree depth); at most max_nodes are grown (no tree is deeper)
     top_k: int | None = None  # children per expanded node, and nodes expanded per depth
     max_nodes: int | None = None  # nodes kept after reranking
     # draft, per call, the depth (<= depth) that pays best on this machine (drafters/eagle_depth.py); False: always
@@ -121,8 +121,10 @@ class EagleDrafter(Drafter):
             self.model.pack_on_cuda()
         c, o = self.model.config, self.options
         self.kv = EagleKV(c.num_kv_heads, c.head_dim, runner.dtype, runner.device)
-        self.depth, self.top_k = o.depth or c.depth, o.top_k or c.top_k
+        self.top_k = o.top_k or c.top_k
         self.max_nodes = min(o.max_nodes or c.max_nodes, MAX_TREE_NODES)
+        # levels grown: a tree of max_nodes nodes is never deeper, so levels past it would be grown and dropped
+        self.depth = min(o.depth or c.depth, self.max_nodes)
         # [N] token id of each reduced logit, or None: on the device for pending trees, and on the host (read per
         # tree: no copy from the device)
         self.device_draft_ids = self.model.draft_ids
