@@ -177,6 +177,10 @@ class CombinedDrafter(Drafter):
             self.curve = self.costs.relative
         for child in self.children:
             child.attach(target)
+            if child.feature_layers:  # known once attached (a head given by path loads here); before any forward
+                raise InputError(f"combined drafter: child {child.name} is an EAGLE-3 head reading target layers "
+                                 f"{list(child.feature_layers)}, but the combined drafter is passed final hidden "
+                                 "states (an EAGLE-3 head cannot run inside the combined drafter)")
 
     def on_accept(self, seq_id: int, committed: Sequence[int]) -> None:
         full, trees = self._last.pop(seq_id, (False, []))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView, check_path_option
@@ -60,7 +61,8 @@ logger = logging.getLogger(__name__)
 class EagleDraftConfig:
     """Tree shape; None = the value the checkpoint was trained and measured with."""
 
-    depth: int | None = None  # draft steps (tree depth)
+    drafter: ClassVar[str] = "eagle"  # the drafter its messages name (MtpDraftConfig: "mtp")
+    depth: int | None = None  # draft steps (tree depth); at most max_nodes are grown (no tree is deeper)
     top_k: int | None = None  # children per expanded node, and nodes expanded per depth
     max_nodes: int | None = None  # nodes kept after reranking
     # draft, per call, the depth (<= depth) that pays best on this machine (drafters/eagle_depth.py); False: always
@@ -72,15 +74,15 @@ class EagleDraftConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.adapt_depth, bool):
-            raise InputError(f"eagle: adapt_depth must be True or False, got {self.adapt_depth!r}")
+            raise InputError(f"{self.drafter}: adapt_depth must be True or False, got {self.adapt_depth!r}")
         if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "auto"):
-            raise InputError(f"eagle: cuda_graphs must be True, False or 'auto', got {self.cuda_graphs!r}")
+            raise InputError(f"{self.drafter}: cuda_graphs must be True, False or 'auto', got {self.cuda_graphs!r}")
         for name in ("depth", "top_k", "max_nodes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise InputError(f"eagle: {name} must be a positive integer, got {value!r}")
+                raise InputError(f"{self.drafter}: {name} must be a positive integer, got {value!r}")
         if self.max_nodes is not None and self.max_nodes > MAX_TREE_NODES:
-            raise InputError(f"eagle: max_nodes must be <= {MAX_TREE_NODES}, got {self.max_nodes}")
+            raise InputError(f"{self.drafter}: max_nodes must be <= {MAX_TREE_NODES}, got {self.max_nodes}")
 
 
 class EagleDrafter(Drafter):
@@ -91,13 +93,13 @@ class EagleDrafter(Drafter):
 
     def __init__(self, path: str | None = None, model: EagleModel | None = None, **options) -> None:
         """``path`` (a checkpoint directory) or ``model`` (an EagleModel); ``options``: EagleDraftConfig."""
-        check_path_option("eagle", path)
+        check_path_option(self.name, path)
         if (path is None) == (model is None):
-            raise InputError("eagle: give exactly one of path= (a checkpoint directory; on the command line "
+            raise InputError(f"{self.name}: give exactly one of path= (a checkpoint directory; on the command line "
                              "--drafter-option path=DIR) or model= (an EagleModel)")
         if model is not None and not isinstance(model, EagleModel):
-            raise InputError(f"eagle: model= must be an EagleModel, got {type(model).__name__}")
-        self.options = EagleDraftConfig(**options)
+            raise InputError(f"{self.name}: model= must be an EagleModel, got {type(model).__name__}")
+        self.options = self.options_config(**options)
         self.path, self.model = path, model
         self.packs = model is None  # specdec's own layer gets the CUDA layout (EagleModel.pack_on_cuda)
         self.kv: EagleKV | None = None  # the layer's keys / values of every sequence's committed positions
@@ -119,15 +121,17 @@ class EagleDrafter(Drafter):
             self.model.pack_on_cuda()
         c, o = self.model.config, self.options
         self.kv = EagleKV(c.num_kv_heads, c.head_dim, runner.dtype, runner.device)
-        self.depth, self.top_k = o.depth or c.depth, o.top_k or c.top_k
+        self.top_k = o.top_k or c.top_k
         self.max_nodes = min(o.max_nodes or c.max_nodes, MAX_TREE_NODES)
+        # levels grown: a tree of max_nodes nodes is never deeper, so levels past it would be grown and dropped
+        self.depth = min(o.depth or c.depth, self.max_nodes)
         # [N] token id of each reduced logit, or None: on the device for pending trees, and on the host (read per
         # tree: no copy from the device)
         self.device_draft_ids = self.model.draft_ids
         self.draft_ids = None if self.device_draft_ids is None else self.device_draft_ids.cpu()
         vocab = len(c.draft_vocab) or c.vocab_size
         if self.top_k > vocab:
-            raise InputError(f"eagle: top_k={self.top_k} exceeds the draft vocabulary of {vocab} tokens")
+            raise InputError(f"{self.name}: top_k={self.top_k} exceeds the draft vocabulary of {vocab} tokens")
         self.grower = TreeGrower(self.model, runner.embed, runner.lm_head, target.sampling, target.coupling,
                                  self.top_k, runner.shape.vocab_size, self.max_nodes,
                                  runner.backend.fused if runner.backend.triton else None)
@@ -137,7 +141,7 @@ class EagleDrafter(Drafter):
         adapt = self.options.adapt_depth
         self.chooser.start(target.costs if adapt else None, memory_key(self, runner))
         self._last.clear()
-        logger.info("eagle: depth %d%s, top-k %d, %d nodes, draft vocabulary %d%s", self.depth,
+        logger.info("%s: depth %d%s, top-k %d, %d nodes, draft vocabulary %d%s", self.name, self.depth,
                     " at most (chosen per call)" if self.chooser.active else "", self.top_k, self.max_nodes, vocab,
                     ", CUDA graphs" if self.graphs is not None and self.graphs.config.capture else "")
 

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from specdec.drafters.base import TargetView, check_path_option
-from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.eagle import EagleDraftConfig, EagleDrafter
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 
@@ -34,6 +36,9 @@ logger = logging.getLogger(__name__)
 MIMO = {"token_layernorm": "enorm", "hidden_layernorm": "hnorm", "input_proj": "fc", "final_layernorm": "norm"}
 DEEPSEEK = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "fc", "shared_head.norm": "norm"}
 LAYER_PARTS = ("input_layernorm.", "self_attn.", "post_attention_layernorm.", "mlp.")
+# config.json fields a path= checkpoint must share with the target for its MTP layer to be the target's: the layer
+# reads the target's hidden states and embeddings and drafts through its LM head (DeepSeek's index is after L layers)
+SAME_TARGET = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -42,6 +47,26 @@ def _weight_files(directory: Path) -> list[Path]:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [directory / s for s in shards]
     return sorted(directory.glob("*.safetensors"))
+
+
+def check_same_target(directory: Path, target_config) -> None:
+    """Refuse a ``path=`` checkpoint of another model: its config.json must agree with the target on SAME_TARGET
+    (a layer of another model with the same hidden size loads and drafts, uselessly), naming both sides."""
+    file = directory / "config.json"
+    if not file.is_file():
+        raise EagleCheckpointError(f"mtp: {directory} has no config.json to tell whether its MTP layer was made for "
+                                   "the target")
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise EagleCheckpointError(f"mtp: {file} is not valid JSON: {err}") from err
+    if not isinstance(raw, dict):
+        raise EagleCheckpointError(f"mtp: {file} must hold a JSON object")
+    for name in SAME_TARGET:
+        mine, theirs = raw.get(name), getattr(target_config, name, None)
+        if mine is not None and theirs is not None and mine != theirs:
+            raise EagleCheckpointError(f"mtp: {directory}: the checkpoint has {name}={mine} but the target model has "
+                                       f"{name}={theirs}: it was made for another target")
 
 
 def read_mtp_layer(directory: str | Path, num_layers: int, index: int = 0) -> tuple[dict[str, torch.Tensor], str]:
@@ -73,12 +98,20 @@ def read_mtp_layer(directory: str | Path, num_layers: int, index: int = 0) -> tu
                                f"model.layers.{num_layers + index}.eh_proj weights)")
 
 
+@dataclass(frozen=True)
+class MtpDraftConfig(EagleDraftConfig):
+    """EagleDraftConfig whose messages name the mtp drafter."""
+
+    drafter: ClassVar[str] = "mtp"
+
+
 class MtpDrafter(EagleDrafter):
+    options_config = MtpDraftConfig
     name = "mtp"
 
     def __init__(self, path: str | None = None, layer: int = 0, **options) -> None:
         """``path``: the checkpoint directory holding the MTP weights (default: the target's own); ``layer``: which
-        MTP layer; ``options``: the tree (EagleDraftConfig; default depth 3, top-k 4, 8 nodes)."""
+        MTP layer; ``options``: the tree (MtpDraftConfig, as EagleDraftConfig; default depth 3, top-k 4, 8 nodes)."""
         check_path_option("mtp", path)
         if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
             raise InputError(f"mtp: layer must be an integer >= 0, got {layer!r}")
@@ -92,6 +125,11 @@ class MtpDrafter(EagleDrafter):
         if self.model is None:
             hf = target.runner.hf_model
             source = self.source or getattr(hf.config, "_name_or_path", "") or ""
+            if not self.source and not (source and Path(source).is_dir()):
+                raise InputError("mtp: the target was not loaded from a directory, so its MTP layers cannot be read "
+                                 "from its checkpoint: give path= (the directory whose safetensors hold them)")
+            if self.source and Path(source).is_dir():
+                check_same_target(Path(source), hf.config)
             state, layout = read_mtp_layer(source, hf.config.num_hidden_layers, self.layer)
             config = EagleConfig.for_target(hf.config, arch="mtp", depth=3, top_k=4, max_nodes=8,
                                             base_model_name_or_path=str(source))

@@ -101,11 +101,18 @@ def test_graph_buckets_draft_the_eager_trees_with_fused_features():
     assert any(key[2] for key in drafter.graphs.buckets)  # a catch-up ran inside the call
 
 
-def test_the_head_cannot_silently_read_final_hidden_states():
-    """Inside the combined drafter the engine passes final-norm states: refused in one line, not drafted from."""
+def test_the_head_cannot_silently_read_final_hidden_states(monkeypatch):
+    """Inside the combined drafter the engine passes final-norm states: refused in one line at attach, before the
+    prompt's forward (it was refused at the first propose, after the prefill)."""
+    from specdec.engine import Engine
+
+    def no_prefill(*args):
+        raise AssertionError("the prompt ran through the target before the head was refused")
+
+    monkeypatch.setattr(Engine, "add", no_prefill)
     model = build_tiny_model()
     head = eagle3_head(model, depth=2, top_k=2, max_nodes=3)
-    with pytest.raises(InputError, match="combined drafter"):
+    with pytest.raises(InputError, match="EAGLE-3 head cannot run inside the combined drafter"):
         generate(model, [[4, 5, 6, 7]], max_new_tokens=4, drafter="combined",
                  drafter_options={"drafters": ["ngram", EagleDrafter(model=head)]}, speculation="always")
 

@@ -328,6 +328,23 @@ def test_wrong_target_pickles_and_broken_eagle3_are_refused(tmp_path):
         load_eagle(tmp_path / "pickled" / "..", model.config)
 
 
+def test_depth_beyond_max_nodes_grows_no_more_levels_than_a_tree_can_hold():
+    """depth=50 with max_nodes=4 grew 50 levels per call, and the tree kept at most 4 of them."""
+    model = build_tiny_model()
+    prompts = ragged_prompts(2, seed=5)
+    plain = generate(model, prompts, max_new_tokens=8)
+    depths = []
+
+    class Depths(EagleDrafter):
+        def _finish(self, call, pools):
+            depths.append(call.depth)
+            return super()._finish(call, pools)
+
+    drafter = Depths(model=_eagle(model, depth=2, top_k=2, max_nodes=4), depth=50, max_nodes=4, adapt_depth=False)
+    assert generate(model, prompts, max_new_tokens=8, drafter=drafter, speculation="always") == plain
+    assert depths and max(depths) == 4 and drafter.chooser.max_depth == 4  # adapt_depth's bound too
+
+
 def test_bad_options_are_one_line_errors():
     from specdec.errors import InputError
 

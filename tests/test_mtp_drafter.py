@@ -4,15 +4,19 @@ layer's logits equal an independent forward, greedy output is the target's, the 
 rules caught; a checkpoint without MTP weights is refused in one line. No real MTP checkpoint was available."""
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError
 from specdec.drafters.mtp import MtpDrafter, read_mtp_layer
+from specdec.drafters.registry import get_drafter
 from specdec.eval.certificate import CertificateSizes, run_certificate
 
+from specdec.errors import InputError
 from specdec.generate import generate
 from specdec.models.loader import load_model
 from specdec.sampling import SamplingConfig
@@ -125,3 +129,45 @@ def test_a_target_without_mtp_layers_is_refused_in_one_line(tmp_path):
     build_tiny_model().save_pretrained(tmp_path)
     with pytest.raises(EagleCheckpointError, match="has no MTP layer 0"):
         generate(load_model(str(tmp_path)), [[1, 2, 3]], max_new_tokens=2, drafter=MtpDrafter())
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"top_k": 0}, "mtp: top_k must be a positive integer, got 0"),
+    ({"max_nodes": 65}, "mtp: max_nodes must be <= 64, got 65"),
+    ({"adapt_depth": "no"}, "mtp: adapt_depth must be True or False"),
+])
+def test_option_mistakes_name_the_mtp_drafter(options, match):
+    with pytest.raises(InputError, match=match):
+        get_drafter("mtp", **options)
+
+
+def test_top_k_beyond_the_vocabulary_names_the_mtp_drafter(tmp_path):
+    write_target_with_mtp(tmp_path, "mimo")
+    with pytest.raises(InputError, match="^mtp: top_k=97 exceeds the draft vocabulary of 96 tokens"):
+        generate(load_model(str(tmp_path)), [[1, 2, 3]], max_new_tokens=2, drafter=MtpDrafter(top_k=97))
+
+
+def test_a_target_not_loaded_from_a_directory_asks_for_path():
+    with pytest.raises(InputError, match="^mtp: the target was not loaded from a directory.*give path="):
+        generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=2, drafter="mtp")
+
+
+@pytest.mark.parametrize("field, value", [("vocab_size", 80), ("num_hidden_layers", 3)])
+def test_a_path_to_another_models_checkpoint_is_refused_naming_both_sides(tmp_path, field, value):
+    """A layer of another model with the target's hidden size loads and drafts (uselessly): its config says so."""
+    target, _ = write_target_with_mtp(tmp_path / "target", "mimo")
+    write_target_with_mtp(tmp_path / "other", "mimo", seed=1, vocab_size=80 if field == "vocab_size" else 96)
+    config = json.loads((tmp_path / "other" / "config.json").read_text())
+    (tmp_path / "other" / "config.json").write_text(json.dumps({**config, field: value}))
+    match = f"the checkpoint has {field}={value} but the target model has {field}={getattr(target.config, field)}"
+    with pytest.raises(EagleCheckpointError, match=match):
+        generate(load_model(str(tmp_path / "target")), [[1, 2, 3]], max_new_tokens=2,
+                 drafter=MtpDrafter(path=str(tmp_path / "other")))
+    (tmp_path / "bare").mkdir()  # the weights without a config: nothing tells whose layer it is
+    shutil.copy(tmp_path / "target" / "model.safetensors", tmp_path / "bare")
+    with pytest.raises(EagleCheckpointError, match="bare has no config.json"):
+        generate(load_model(str(tmp_path / "target")), [[1, 2, 3]], max_new_tokens=2,
+                 drafter=MtpDrafter(path=str(tmp_path / "bare")))
+    out = generate(load_model(str(tmp_path / "target")), [[1, 2, 3]], max_new_tokens=2,  # its own copy is fine
+                   drafter=MtpDrafter(path=str(tmp_path / "target")))
+    assert len(out[0]) == 5
