@@ -2,7 +2,87 @@
 before the model loads), float32 by default on every device, and the certificate says where it ran."""
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
+
+import pytest
+import torch
+
+from specdec.testing import save_tiny_checkpoint
+
+SMALL = ["--levels", "e2e", "--identity-prompts", "1", "--identity-tokens", "4", "--sample-sequences", "20"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def _main(argv, capsys):
+    from specdec.cli import main
+
+    capsys.readouterr()
+    code = main(argv)
+    return code, capsys.readouterr()
+
+
+def test_the_certificate_records_the_device_and_dtype_it_ran_on(ckpt, tmp_path, capsys):
+    out = tmp_path / "cert"
+    code, captured = _main(["eval", "lossless", "--model", ckpt, "--device", "cpu", *SMALL, "--out", str(out)], capsys)
+    cert = json.loads((out / "certificate.json").read_text())
+    assert code == (0 if cert["passed"] else 1), captured.err
+    assert (cert["config"]["device"], cert["config"]["dtype"]) == ("cpu", "float32")
+    md = (out / "certificate.md").read_text()
+    assert "- device: `cpu`" in md and "- dtype: `float32`" in md
+    assert "on cpu (float32)" in captured.err
+    assert any(c["level"] == "end-to-end" for c in cert["checks"])
+
+
+def test_cuda_without_a_gpu_is_one_line_before_the_model_loads(ckpt, tmp_path, capsys, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before --device was checked")
+
+    monkeypatch.setattr("specdec.models.loader.load_model", load_model)
+    out = tmp_path / "cert"
+    code, captured = _main(["eval", "lossless", "--model", ckpt, "--device", "cuda", "--out", str(out)], capsys)
+    lines = captured.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "--device" in lines[0] and "no CUDA device" in lines[0], captured.err
+    assert not out.exists()  # refused before --out was made
+
+
+def test_the_model_loads_in_float32_on_the_device_asked(tmp_path, capsys, monkeypatch):
+    """float32 whatever the device (load_model's own default is bfloat16 on CUDA); --dtype still chooses."""
+    seen = []
+
+    def load_model(spec, **kwargs):
+        seen.append((kwargs.get("dtype"), kwargs.get("device")))
+        raise ValueError("stop here")
+
+    monkeypatch.setattr("specdec.models.loader.load_model", load_model)
+    for extra in ([], ["--dtype", "bfloat16"]):
+        code, _ = _main(["eval", "lossless", "--device", "cpu", *extra, "--out", str(tmp_path / "c"), "--overwrite"],
+                        capsys)
+        assert code == 2
+    assert seen == [(torch.float32, torch.device("cpu")), (torch.bfloat16, torch.device("cpu"))]
+
+
+def test_half_precision_identity_is_flagged():
+    """The identity checks' near-tie margins are float32's: a bf16 certificate says so."""
+    from specdec.eval.certificate import CertificateSizes, run_certificate
+
+    from specdec.models.loader import load_model
+    from specdec.sampling import SamplingConfig
+    from specdec.testing import build_tiny_model
+
+    loaded = load_model(build_tiny_model(vocab_size=12, seed=3).to(torch.bfloat16))
+    sizes = CertificateSizes(identity_prompts=1, identity_tokens=4, sample_sequences=20, sample_tokens=1)
+    cert = run_certificate(loaded, "ngram", {}, SamplingConfig(True), sizes, lambda n: [[1, 2, 3, 1, 2]][:n],
+                           levels=("e2e",))
+    assert cert.config["dtype"] == "bfloat16"
+    assert any("near-tie margins are float32's" in w for w in cert.warnings)
 
 
 def test_negative_controls_run_on_the_model_device(monkeypatch):
