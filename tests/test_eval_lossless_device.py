@@ -104,3 +104,35 @@ def test_negative_controls_run_on_the_model_device(monkeypatch):
     loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
     negative_controls.generate_with_control(loaded, [[1, 2, 3]], max_new_tokens=2, drafter="ngram")
     assert entered == [loaded.runner.device]
+
+
+def test_end_to_end_sampling_runs_in_chunks_that_fit(monkeypatch):
+    """--full samples 40,000 sequences a side; in one generate() call the embedded model's KV cache would need
+    412 GiB (float32), more than any GPU has. The sequences run in chunks, the first seeded as before."""
+    import specdec.eval.end_to_end as end_to_end
+    from specdec.eval.certificate import CertificateSizes
+
+    from specdec.models.loader import load_model
+    from specdec.sampling import SamplingConfig
+    from specdec.testing import build_tiny_model
+
+    calls = []
+    plain, spec = end_to_end.generate, end_to_end.generate_with_control
+
+    def counted(real, side):
+        def call(loaded, prompts, *args, **kwargs):
+            calls.append((side, len(prompts), kwargs["seed"]))
+            return real(loaded, prompts, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(end_to_end, "CHUNK", 8, raising=False)
+    monkeypatch.setattr(end_to_end, "generate", counted(plain, "plain"))
+    monkeypatch.setattr(end_to_end, "generate_with_control", counted(spec, "spec"))
+    loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
+    sizes = CertificateSizes(sample_sequences=20, sample_tokens=1)
+    res = end_to_end.sampled_two_sample(loaded, [1, 2, 3, 1, 2], "ngram", {}, SamplingConfig(True), sizes)
+    assert [(side, n) for side, n, _ in calls] == [("plain", 8), ("plain", 8), ("plain", 4), ("spec", 8),
+                                                    ("spec", 8), ("spec", 4)]
+    seeds = [seed for _, _, seed in calls]
+    assert seeds[0] == 1 and seeds[3] == 2 and len(set(seeds)) == 6
+    assert res["tau"] >= 1.0
