@@ -446,13 +446,27 @@ def default_policy_identity(loaded: Any, prompts: list[list[int]], drafter: Any,
                  real == 0, samples=res.tokens_compared, detail=detail)
 
 
+def where_it_ran(loaded: Any) -> dict:
+    """The model's device and dtype, for the certificate's config (none without a model: the synthetic levels run
+    on the CPU, in float64)."""
+    runner = getattr(loaded, "runner", None)
+    if runner is None:
+        return {}
+    return {"device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch.")}
+
+
 def run_certificate(loaded: Any, drafter: Any, options: dict, sampling: SamplingConfig, sizes: CertificateSizes,
                     make_prompts: Callable[[int], list[list[int]]], levels: tuple[str, ...] = ("exact", "stats", "e2e"),
                     progress: Callable[[str], None] = lambda msg: None, seed: int = 0) -> Certificate:
     start = time.perf_counter()
     modes = drafter_modes(drafter, options, sampling)
-    cert = Certificate({"model": getattr(loaded, "name", str(loaded)), "drafter": str(drafter), "options": options,
-                        "sampling": asdict(sampling), "modes": [m.value for m in modes], "sizes": asdict(sizes)})
+    cert = Certificate({"model": getattr(loaded, "name", str(loaded)), **where_it_ran(loaded), "drafter": str(drafter),
+                        "options": options, "sampling": asdict(sampling), "modes": [m.value for m in modes],
+                        "sizes": asdict(sizes)})
+    if cert.config.get("dtype", "float32") != "float32" and {"e2e", "coupled"} & set(levels):
+        cert.warnings.append(f"the model runs in {cert.config['dtype']}: the identity checks' near-tie margins are "
+                             "float32's, so a divergence at half-precision rounding counts as a real mismatch (run "
+                             "in float32, or check the bit-exact mode with --levels bitwise)")
     if "exact" in levels or "stats" in levels:
         progress("exact law")
         checks = exact_law_checks(modes, sampling)

@@ -42,9 +42,15 @@ def add_parser(sub) -> None:
                    help="comma list of exact, stats, e2e, coupled, bitwise (coupled sampling: its law, and "
                         "speculative == plain token for token; bitwise: the bit-exact mode, speculative == plain "
                         "bit for bit in the model's dtype, see docs/bit-exact.md; neither in the default)")
-    _add_dtype(p)
+    p.add_argument("--device", default="auto",
+                   help="where the model runs, for every level that runs it (end to end, coupled, bitwise; exact and "
+                        "stats run on the CPU): auto (default: the GPU, else cpu), cpu, cuda, cuda:1, ...; the "
+                        "certificate records it (its CUDA path is not yet run on a GPU by any test)")
+    _add_dtype(p, "weights / activations dtype (default: float32 on every device: the greedy identity's near-tie "
+                  "margin is float32's)")
     p.add_argument("--full", action="store_true",
-                   help="sample sizes that detect TV 0.01 in the sampler statistics, 0.025 end to end (for a GPU)")
+                   help="sample sizes that detect TV 0.01 in the sampler statistics, 0.025 end to end (hours on a "
+                        "CPU: run it with a GPU, --device auto or cuda)")
     p.add_argument("--stat-samples", type=int, help="draws per synthetic case (default 50000)")
     p.add_argument("--identity-prompts", type=int, help="prompts for greedy identity (default 8)")
     p.add_argument("--identity-tokens", type=int, help="new tokens per prompt for greedy identity (default 64)")
@@ -117,12 +123,11 @@ def _common(p) -> None:
                         "end-to-end sampling independently (default: 0)")
 
 
-def _add_dtype(p) -> None:
+def _add_dtype(p, text: str = "weights / activations dtype (default: float32; on CUDA the half dtype a checkpoint "
+                                 "declares, else bfloat16)") -> None:
     from specdec.cli import DTYPES  # specdec.cli registers these parsers: loaded by now
 
-    p.add_argument("--dtype", choices=DTYPES, default=None,
-                   help="weights / activations dtype (default: float32; on CUDA the half dtype a checkpoint declares, "
-                        "else bfloat16)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help=text)
 
 
 def _options(pairs: list[str]) -> dict:
@@ -235,14 +240,19 @@ def run_lossless(args) -> int:
                                                "sample_sequences") if getattr(args, k) is not None}
     sizes = replace(sizes, **overrides)
     sampling = SamplingConfig(args.temperature > 0, args.temperature or 1.0, args.top_k, args.top_p)
+    device = _suite_device(args.device)
     out = Path(args.out or "runs/eval-lossless")
     check_earlier_run(out, CERTIFICATE_FILES, args.overwrite)  # before minutes of work, not after
     make_out_dir(out)
     torch.manual_seed(args.seed)
-    loaded = load_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    # float32 on a GPU too (not the half dtype eval acceptance takes there): greedy identity is defined in float32,
+    # and its near-tie margin (specdec.eval.divergence.NEAR_TIE) is too narrow for half-precision rounding
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype or "float32"), device=device)
     encode = _encoder(loaded)
     make_prompts = lambda n: [encode(t) for t in load_prompts("chat", n)]  # noqa: E731
-    print(f"[specdec eval lossless] {loaded.name} + {args.drafter}, levels {','.join(levels)}", file=sys.stderr)
+    runner = loaded.runner
+    print(f"[specdec eval lossless] {loaded.name} + {args.drafter}, levels {','.join(levels)}, on {runner.device} "
+          f"({str(runner.dtype).removeprefix('torch.')})", file=sys.stderr)
     cert = run_certificate(loaded, args.drafter, _options(args.drafter_option), sampling, sizes, make_prompts, levels,
                            progress=lambda msg: print(f"  ... {msg}", file=sys.stderr), seed=args.seed)
     out.mkdir(parents=True, exist_ok=True)

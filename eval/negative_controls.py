@@ -29,7 +29,7 @@ from specdec.drafters.combined import CombinedDrafter
 from specdec.attention import AttentionPlan, SeqAttention
 from specdec.engine import Engine, SequenceState, VerifyBatch
 from specdec.engine_setup import EngineFault, build_engine
-from specdec.generate import prepare, run
+from specdec.generate import on_device, prepare, run
 from specdec.kv_cache import PagedKVCache
 from specdec.rejection import EXACT, AcceptanceRule
 from specdec.tree import DraftTree
@@ -198,4 +198,5 @@ def generate_with_control(model, input_ids, rule: AcceptanceRule = EXACT, fault:
     """``specdec.generate(model, input_ids, **generate_kwargs)`` with a broken ``rule`` or ``fault`` built into its
     engine: deliberately WRONG output, for the certificate's negative controls (EXACT and None: the real thing)."""
     request = prepare(model, input_ids, **generate_kwargs)
-    return run(build_engine(request, rule, fault), request)
+    with on_device(request.loaded.runner.device):  # as generate(): kernels on the model's GPU, not the current one
+        return run(build_engine(request, rule, fault), request)
