@@ -259,3 +259,17 @@ def test_certificate_coupled_level_passes_and_catches_its_controls(model):
     assert len(law) == 6 and all(c.power >= 0.9 for c in law)
     identity = next(c for c in cert.checks if c.control is None and "==" in c.name and "law" not in c.name)
     assert "0 real mismatches" in identity.detail and "tau 1.00" not in identity.detail
+
+
+def test_certificate_coupled_law_rows_run_top_k_where_it_removes_tokens():
+    """The law rows' cases have 16 tokens: a top-k of 16 or more (the committed certificates' 50) removed nothing
+    there, so the rows checked the law without the top-k the certificate names. It now runs as 14."""
+    from specdec.eval.certificate import CertificateSizes
+    from specdec.eval.coupled_level import LAW_VOCAB, law_checks
+
+    sizes = CertificateSizes(stat_samples=500, stat_tv=0.2)
+    for top_k in (50, 8):
+        rows = [c for c in law_checks(SamplingConfig(True, 0.8, top_k), sizes, seed=0) if c.control is None]
+        kept = min(top_k, LAW_VOCAB - 2)
+        assert rows and all(c.detail.startswith(f"{kept} of {LAW_VOCAB} tokens") for c in rows), rows[0].detail
+        assert all(("run as" in c.detail) == (top_k >= LAW_VOCAB - 1) for c in rows)
