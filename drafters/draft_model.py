@@ -104,6 +104,11 @@ class DraftModelDrafter(ModelDrafter):
         if isinstance(model, (bool, int, float, list, tuple, dict)):  # e.g. a JSON value where a path was meant
             raise InputTypeError(f"draft-model: model= must be a transformers model, a checkpoint path or an alias, "
                                  f"got {type(model).__name__} {model!r}")
+        if isinstance(model, str) and not model:  # Path("") is the current directory
+            raise InputError("draft-model: model= is the empty string; give a checkpoint directory, .gguf file or "
+                             "alias")
+        if isinstance(tokenizer, str) and not tokenizer:
+            raise InputError("draft-model: tokenizer= is the empty string; give a tokenizer or the directory of one")
         if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)) and \
                 not hasattr(tokenizer, "convert_ids_to_tokens"):
             raise InputTypeError(f"draft-model: tokenizer= must be a transformers tokenizer or the directory of one, "

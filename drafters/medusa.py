@@ -39,21 +39,25 @@ import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView, check_path_option
 from specdec.drafters.loaded_once import load_once
 from specdec.drafters.medusa_heads import MedusaCheckpointError, MedusaHeads, load_medusa
-from specdec.drafters.medusa_tree import default_choices, dynamic_tree, static_tree, validate_choices
+from specdec.drafters.medusa_tree import check_paths, default_choices, dynamic_tree, static_tree, validate_choices
 from specdec.drafters.top_k import top_k
 
 from specdec.coupling import perturbed_logits
-from specdec.errors import InputError
+from specdec.errors import InputError, InputTypeError
+from specdec.generate_inputs import check_int
 from specdec.tree import MAX_TREE_NODES, DraftTree
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["MedusaDrafter", "validate_choices"]
 
+DEFAULT_TOP_K = 8
+
 
 @dataclass(frozen=True)
 class MedusaDraftConfig:
-    """How the Medusa drafter shapes its tree (validated here, before any checkpoint is read).
+    """How the Medusa drafter shapes its tree (validated here, before any checkpoint is read; what needs the heads,
+    a path deeper than they are or a rank beyond their vocabulary, is checked on attach).
 
     ``max_nodes`` bounds the dynamic tree and the default static tree (explicit choices: <= 64 paths);
     the default of 16 nodes is sized for CPUs, where verifying many nodes costs more than a decode step."""
@@ -61,32 +65,36 @@ class MedusaDraftConfig:
     tree: str = "static"  # "static" (medusa_choices) | "dynamic" (best-first per step)
     medusa_choices: tuple[tuple[int, ...], ...] | None = None  # static tree paths; None = saved / default
     max_nodes: int = 16
-    top_k: int = 8  # tokens per head a dynamic tree considers
+    top_k: int | None = None  # tokens per head a dynamic tree considers; None: 8, at most the draft vocabulary
 
     def __post_init__(self) -> None:
-        for name in ("max_nodes", "top_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"medusa: {name} must be a positive integer, got {value!r}")
-        if self.max_nodes > MAX_TREE_NODES:
-            raise ValueError(f"medusa: max_nodes must be <= {MAX_TREE_NODES} (the tree-mask limit), "
-                             f"got {self.max_nodes}")
+        check_int("medusa: max_nodes", self.max_nodes, minimum=1, maximum=MAX_TREE_NODES)
+        check_int("medusa: top_k", self.top_k, minimum=1, optional=True)
         if self.tree not in ("static", "dynamic"):
-            raise ValueError(f"medusa: tree must be 'static' or 'dynamic', got {self.tree!r}")
+            raise InputError(f"medusa: tree must be 'static' or 'dynamic', got {self.tree!r}")
         choices = self.medusa_choices
         if isinstance(choices, str):  # e.g. from a CLI option or a config file
             try:
                 choices = json.loads(choices)
             except json.JSONDecodeError as err:
-                raise ValueError(f"medusa: medusa_choices is not a JSON list of paths: {choices!r}") from err
+                raise InputError(f"medusa: medusa_choices is not a JSON list of paths: {choices!r}") from err
         if choices is not None:
             if self.tree == "dynamic":
-                raise ValueError("medusa: medusa_choices define a static tree; they cannot be used with tree='dynamic'")
+                raise InputError("medusa: medusa_choices define a static tree; they cannot be used with "
+                                 "tree='dynamic'")
             try:
-                choices = tuple(tuple(path) for path in choices)
-            except TypeError as err:
-                raise ValueError(f"medusa: medusa_choices must be a list of paths (lists of ranks): {err}") from err
-            object.__setattr__(self, "medusa_choices", choices)
+                check_paths(choices)
+            except InputError as err:
+                raise InputError(f"medusa: {err}") from err
+            object.__setattr__(self, "medusa_choices", tuple(tuple(int(k) for k in path) for path in choices))
+
+    def tokens_per_head(self, draft_size: int) -> int:
+        """``top_k`` over heads of ``draft_size`` tokens: a given one must fit, the default is cut to fit."""
+        if self.top_k is None:
+            return min(DEFAULT_TOP_K, draft_size)
+        if self.top_k > draft_size:
+            raise InputError(f"medusa: top_k={self.top_k} exceeds the draft vocabulary of {draft_size} tokens")
+        return self.top_k
 
 
 class MedusaDrafter(Drafter):
@@ -98,11 +106,13 @@ class MedusaDrafter(Drafter):
     def __init__(self, path: str | None = None, heads: MedusaHeads | None = None, **options) -> None:
         """``path`` (a checkpoint directory) or ``heads`` (a MedusaHeads module); ``options``: MedusaDraftConfig."""
         check_path_option("medusa", path)
+        if isinstance(path, str) and not path:  # Path("") is the current directory
+            raise InputError("medusa: path= is the empty string; give the heads' checkpoint directory")
         if (path is None) == (heads is None):
             raise InputError("medusa: give exactly one of path= (a checkpoint directory; on the command line "
                              "--drafter-option path=DIR) or heads= (a MedusaHeads)")
         if heads is not None and not isinstance(heads, MedusaHeads):
-            raise TypeError(f"medusa: heads= must be a MedusaHeads module, got {type(heads).__name__}")
+            raise InputTypeError(f"medusa: heads= must be a MedusaHeads module, got {type(heads).__name__}")
         self.config = MedusaDraftConfig(**options)
         self.path, self.heads = path, heads
         self.paths: tuple[tuple[int, ...], ...] = ()
@@ -135,6 +145,7 @@ class MedusaDrafter(Drafter):
         if self.vocab is not None:
             self.vocab.to(runner.device)
         self.draft_size = cfg.draft_size
+        self.k_per_head = self.config.tokens_per_head(cfg.draft_size)
         if self.config.tree == "static":
             if self.config.medusa_choices is not None:
                 source, choices = "given", self.config.medusa_choices
@@ -142,16 +153,15 @@ class MedusaDrafter(Drafter):
                 source, choices = "saved in the checkpoint", cfg.medusa_choices
             else:
                 source = "default"
-                top_k = min(self.config.top_k, cfg.draft_size)
-                choices = default_choices(cfg.num_heads, self.config.max_nodes, top_k)
+                choices = default_choices(cfg.num_heads, self.config.max_nodes, self.k_per_head)
             try:
                 self.paths = validate_choices(choices, cfg.num_heads)
-            except ValueError as err:
-                raise ValueError(f"medusa: {source} medusa_choices: {err}") from err
+            except InputError as err:
+                raise InputError(f"medusa: {source} medusa_choices: {err}") from err
             worst = max(max(p) for p in self.paths)
             if worst >= cfg.draft_size:
                 what = "draft vocabulary" if cfg.draft_vocab else "vocabulary"
-                raise ValueError(f"medusa: medusa_choices use rank {worst}, but the {what} has {cfg.draft_size}")
+                raise InputError(f"medusa: medusa_choices use rank {worst}, but the {what} has {cfg.draft_size}")
             logger.info("medusa: static tree of %d nodes, depth %d (%s choices)", len(self.paths),
                         len(self.paths[-1]), source)
 
@@ -166,7 +176,7 @@ class MedusaDrafter(Drafter):
         if self.config.tree == "static":
             depth, k = len(self.paths[-1]), max(max(p) for p in self.paths) + 1
         else:
-            depth, k = self.heads.config.num_heads, min(self.config.top_k, self.draft_size)
+            depth, k = self.heads.config.num_heads, self.k_per_head
         logits = self._head_logits(hidden, depth)  # [depth, B, draft_size], one forward for the batch
         values, indices = top_k(self._scores(logits, [seqs[i] for i in ready]), k)  # [depth, B, k], best first
         tokens = indices if self.vocab is None else self.vocab.to_full(indices)  # [depth, B, k] token ids

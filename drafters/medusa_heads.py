@@ -68,12 +68,12 @@ class MedusaConfig:
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_layers", "hidden_size", "vocab_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < (0 if name == "num_layers" else 1):
-                raise ValueError(f"MedusaConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
+                raise InputError(f"MedusaConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
         choices = tuple(tuple(int(k) for k in path) for path in self.medusa_choices)
         object.__setattr__(self, "medusa_choices", choices)
         for path in choices:
             if not path or len(path) > self.num_heads or min(path) < 0:
-                raise ValueError(
+                raise InputError(
                     f"medusa_choices path {list(path)} must be a non-empty list of top-k ranks, "
                     f"at most num_heads={self.num_heads} long"
                 )

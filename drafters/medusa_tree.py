@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from collections.abc import Sequence
 
+from specdec.errors import InputError
 from specdec.tree import MAX_TREE_NODES, DraftTree
 
 # Prior of the default static tree: P(head d's rank-r token is right) ~ HEAD_ACCURACY[d] * RANK_DECAY**r.
@@ -24,30 +26,46 @@ HEAD_ACCURACY = (0.6, 0.4, 0.3, 0.25, 0.2)
 RANK_DECAY = 0.35
 
 
-def validate_choices(choices: Sequence[Sequence[int]], num_heads: int) -> tuple[tuple[int, ...], ...]:
-    """Sort by (depth, path); raise ValueError for a missing prefix, a path too deep, or too many nodes."""
+def check_paths(choices, allow_repeats: bool = False) -> tuple[tuple[int, ...], ...]:
+    """Sorted by (depth, path): what can be checked without the heads (ranks, prefixes, size). ``allow_repeats``: a
+    path listed twice counts once (a checkpoint's saved list); else it is refused (a given list: a typo)."""
     if isinstance(choices, (str, bytes)):
-        raise ValueError(f"medusa_choices must be a list of top-k paths such as [[0], [1], [0, 0]], got {choices!r}")
+        raise InputError(f"medusa_choices must be a list of top-k paths such as [[0], [1], [0, 0]], got {choices!r}")
     try:
-        if any(isinstance(k, (bool, float)) for p in choices for k in p):  # 0.5 was taken as rank 0
-            raise TypeError("not integers")
-        paths = sorted({tuple(int(k) for k in p) for p in choices}, key=lambda p: (len(p), p))
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"medusa_choices must be a list of lists of integer ranks, got {choices!r}") from err
-    if not paths:
-        raise ValueError("medusa_choices is empty")
+        listed = [tuple(_rank(k) for k in p) for p in choices]
+    except TypeError as err:
+        raise InputError(f"medusa_choices must be a list of lists of integer ranks, got {choices!r}") from err
+    if not listed:
+        raise InputError("medusa_choices is empty")
+    paths = sorted(set(listed), key=lambda p: (len(p), p))
+    if len(paths) < len(listed) and not allow_repeats:
+        twice = next(p for i, p in enumerate(listed) if p in listed[:i])
+        raise InputError(f"medusa_choices lists path {list(twice)} more than once")
     if len(paths) > MAX_TREE_NODES:
-        raise ValueError(f"medusa_choices has {len(paths)} paths; a tree holds at most {MAX_TREE_NODES} nodes")
+        raise InputError(f"medusa_choices has {len(paths)} paths; a tree holds at most {MAX_TREE_NODES} nodes")
     known = set()
     for p in paths:
         if not p or min(p) < 0:
-            raise ValueError(f"medusa_choices path {list(p)} must be a non-empty list of ranks >= 0")
-        if len(p) > num_heads:
-            raise ValueError(f"medusa_choices path {list(p)} is deeper than the {num_heads} Medusa heads")
+            raise InputError(f"medusa_choices path {list(p)} must be a non-empty list of ranks >= 0")
         if len(p) > 1 and p[:-1] not in known:
-            raise ValueError(f"medusa_choices path {list(p)} lacks its prefix {list(p[:-1])}")
+            raise InputError(f"medusa_choices path {list(p)} lacks its prefix {list(p[:-1])}")
         known.add(p)
     return tuple(paths)
+
+
+def _rank(k) -> int:  # an int, not a bool, float (0.5 was taken as rank 0) or text ("1" was taken as rank 1)
+    if isinstance(k, bool):
+        raise TypeError("a bool")
+    return operator.index(k)
+
+
+def validate_choices(choices: Sequence[Sequence[int]], num_heads: int) -> tuple[tuple[int, ...], ...]:
+    """:func:`check_paths` (a repeated path counts once), and no path deeper than the ``num_heads`` heads."""
+    paths = check_paths(choices, allow_repeats=True)
+    for p in paths:
+        if len(p) > num_heads:
+            raise InputError(f"medusa_choices path {list(p)} is deeper than the {num_heads} Medusa heads")
+    return paths
 
 
 def static_tree(paths: Sequence[tuple[int, ...]], top_tokens: Sequence[Sequence[int]]) -> DraftTree:

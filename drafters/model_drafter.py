@@ -83,17 +83,24 @@ class DraftConfig:
         check_int("beam", self.beam, minimum=1)
         check_int("seed", self.seed, optional=True)
         if self.tree not in ("static", "dynamic"):
-            raise ValueError(f"tree must be 'static' or 'dynamic', got {self.tree!r}")
+            raise InputError(f"tree must be 'static' or 'dynamic', got {self.tree!r}")
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+            raise InputError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "auto"):
-            raise ValueError(f"cuda_graphs must be True, False or 'auto', got {self.cuda_graphs!r}")
+            raise InputError(f"cuda_graphs must be True, False or 'auto', got {self.cuda_graphs!r}")
         if len(self.widths) > self.num_draft_tokens:
-            raise ValueError(f"widths must be at most num_draft_tokens long, got {list(self.widths)}")
+            raise InputError(f"widths must be at most num_draft_tokens long, got {list(self.widths)} with "
+                             f"num_draft_tokens={self.num_draft_tokens}")
+        if self.tree == "dynamic" and self.widths:  # () is the default: these were given, and would do nothing
+            raise InputError(f"widths {list(self.widths)} shape a static tree; a dynamic tree is shaped by max_nodes "
+                             "and beam (drop widths, or use tree='static')")
         if self.tree == "dynamic" and self.mode in ("independent", "without_replacement"):
-            raise ValueError("a dynamic tree picks candidates deterministically; use mode='deterministic' or 'auto'")
+            raise InputError("a dynamic tree picks candidates deterministically; use mode='deterministic' or 'auto'")
         if self.tree == "static" and self.static_nodes() > MAX_TREE_NODES:
-            raise ValueError(f"widths {list(self.widths)} give {self.static_nodes()} nodes; at most {MAX_TREE_NODES}")
+            chains = len(self.widths) < self.num_draft_tokens  # the deeper levels: one child per node
+            raise InputError(f"widths {list(self.widths)} with num_draft_tokens={self.num_draft_tokens} give "
+                             f"{self.static_nodes()} nodes{' (depths past the widths continue as chains)' * chains}; "
+                             f"at most {MAX_TREE_NODES}: lower the widths or num_draft_tokens")
 
     def width(self, depth: int) -> int:  # depth is 1-based
         return self.widths[depth - 1] if depth <= len(self.widths) else 1

@@ -27,6 +27,7 @@ from dataclasses import dataclass, fields
 import torch
 from specdec.drafters.base import Drafter, SequenceView
 
+from specdec.errors import InputError, InputTypeError
 from specdec.tree import MAX_TREE_NODES, DraftTree
 
 logger = logging.getLogger(__name__)
@@ -51,16 +52,16 @@ class NGramConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"ngram drafter: {f.name} must be an int, got {value!r}")
+                raise InputError(f"ngram drafter: {f.name} must be an int, got {value!r}")
             low = 0 if f.name == "long_draft_tokens" else 1  # 0: no long chains
             if value < low:
-                raise ValueError(f"ngram drafter: {f.name} must be >= {low}, got {value}")
+                raise InputError(f"ngram drafter: {f.name} must be >= {low}, got {value}")
         if self.max_ngram < self.min_ngram:
-            raise ValueError(
+            raise InputError(
                 f"ngram drafter: max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})"
             )
         if self.max_nodes > MAX_TREE_NODES:
-            raise ValueError(
+            raise InputError(
                 f"ngram drafter: max_nodes must be <= {MAX_TREE_NODES} (the tree-mask limit), got {self.max_nodes}"
             )
 
@@ -87,15 +88,21 @@ class NGramDrafter(Drafter):
 
     def __init__(self, config: NGramConfig | None = None, **options: int) -> None:
         if config is not None and options:
-            raise ValueError("ngram drafter: pass either config= or keyword options, not both")
+            raise InputError("ngram drafter: pass either config= or keyword options, not both")
         if config is not None and not isinstance(config, NGramConfig):
-            raise TypeError(f"ngram drafter: config must be an NGramConfig, got {type(config).__name__}")
+            raise InputTypeError(f"ngram drafter: config must be an NGramConfig, got {type(config).__name__}")
         if config is None:
             known = {f.name for f in fields(NGramConfig)}
             unknown = sorted(set(options) - known)
             if unknown:
-                raise ValueError(f"ngram drafter: unknown option(s) {unknown}; valid: {sorted(known)}")
+                raise InputError(f"ngram drafter: unknown option(s) {unknown}; valid: {sorted(known)}")
             config = NGramConfig(**options)
+            # given by name, a long match no key can reach is a mistake (long_draft_tokens=0 turns chains off); a
+            # default long_match_ngram above a small max_ngram just leaves them off (docs/drafters/ngram.md)
+            long, most = config.long_match_ngram, config.max_ngram
+            if "long_match_ngram" in options and config.long_draft_tokens and long > most:
+                raise InputError(f"ngram drafter: long_match_ngram={long} exceeds max_ngram={most}, so long chains "
+                                 "could never start; raise max_ngram, or pass long_draft_tokens=0 to turn them off")
         self.config = config
         self._index: dict[int, _SeqIndex] = {}
         # instrumentation (tests, profiling): n-gram insertions and occurrences scanned, ever

@@ -10,7 +10,7 @@ from typing import Any
 
 from specdec.drafters.base import Drafter, as_drafter
 
-from specdec.errors import InputTypeError
+from specdec.errors import InputError, InputTypeError
 
 BUILTIN = {
     "ngram": "specdec.drafters.ngram:NGramDrafter",
@@ -39,19 +39,20 @@ def get_drafter(spec: Any, **options: Any) -> Drafter | None:
     """``None`` -> None (plain decoding); a Drafter -> itself; another object with ``propose`` -> a Drafter
     view of it (:func:`~specdec.drafters.base.as_drafter`); a name -> a new drafter."""
     if isinstance(spec, type):  # its propose() would be called unbound, once the model has loaded
-        raise TypeError(f"drafter must be an instance, got the class {spec.__name__}: pass {spec.__name__}(...)")
+        raise InputTypeError(f"drafter must be an instance, got the class {spec.__name__}: pass {spec.__name__}(...)")
     if spec is None or isinstance(spec, Drafter) or callable(getattr(spec, "propose", None)):
-        if options and spec is not None:
-            raise ValueError("drafter options can only be given with a drafter name")
+        if options:  # None: they would be dropped; an instance: it is built already
+            raise InputError(f"drafter options ({', '.join(sorted(options))}) can only be given with a drafter name, "
+                             f"got {'None' if spec is None else type(spec).__name__}")
         return as_drafter(spec)
     if not isinstance(spec, str):
-        raise TypeError(f"drafter must be None, a name or a Drafter instance, got {type(spec).__name__}")
+        raise InputTypeError(f"drafter must be None, a name or a Drafter instance, got {type(spec).__name__}")
     if spec in BUILTIN:
         cls = _load(BUILTIN[spec])
     else:
         eps = [ep for ep in entry_points(group="specdec.drafters") if ep.name == spec]
         if not eps:
-            raise ValueError(f"unknown drafter {spec!r}; available: {', '.join(available())}")
+            raise InputError(f"unknown drafter {spec!r}; available: {', '.join(available())}")
         cls = eps[0].load()
     known = option_names(cls)
     unknown = sorted(set(options) - known) if known is not None else []

@@ -28,6 +28,7 @@ from specdec.drafters.model_drafter import DraftConfig, ModelDrafter
 from specdec.drafters.vocab_sources import check_spec, resolve_draft_vocab
 
 from specdec.errors import InputError
+from specdec.generate_inputs import check_int
 from specdec.models.llama import LlamaRunner
 
 DEFAULT_LAYERS = 4
@@ -44,8 +45,7 @@ class SelfDraftDrafter(ModelDrafter):
         """``draft_vocab``: None (full vocabulary), a size, a list of token ids, or a path (see the module doc)."""
         options.setdefault("num_draft_tokens", DEFAULT_DRAFT_TOKENS)
         super().__init__(DraftConfig(**options))
-        if not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"self-draft: num_layers must be a positive int, got {num_layers!r}")
+        check_int("self-draft: num_layers", num_layers, minimum=1)  # True is no layer count
         if draft_vocab is not None:
             check_spec(draft_vocab)
         self.num_layers = num_layers

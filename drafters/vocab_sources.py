@@ -44,6 +44,8 @@ def check_spec(spec) -> None:
             raise InputError(f"draft_vocab must be a positive number of tokens, got {spec}")
         return
     if isinstance(spec, (str, os.PathLike)):
+        if not str(spec):  # Path("") is ".": the current directory's config.json would be read
+            raise InputError("draft_vocab must be a size, a list of token ids or a path, got the empty string")
         return
     if isinstance(spec, (list, tuple)) and spec and all(isinstance(t, int) and not isinstance(t, bool) for t in spec):
         return

@@ -302,7 +302,7 @@ def test_saved_choices_too_deep_for_the_heads_are_refused(tmp_path):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(), "exactly one of path= .* or heads="), (dict(heads=object()), "MedusaHeads"),
     (dict(path="x", tree="typical"), "'static' or 'dynamic'"), (dict(path="x", max_nodes=65), "<= 64"),
-    (dict(path="x", top_k=0), "top_k must be a positive"), (dict(path="x", medusa_choices="[[0],"), "not a JSON"),
+    (dict(path="x", top_k=0), "top_k must be >= 1"), (dict(path="x", medusa_choices="[[0],"), "not a JSON"),
     (dict(path="x", tree="dynamic", medusa_choices=[[0]]), "cannot be used with tree='dynamic'"),
 ])
 def test_bad_options_are_refused(kwargs, match):

@@ -1,0 +1,82 @@
+"""Drafter option mistakes raise a SpecdecError (InputError / InputTypeError) of one line naming the option, when
+the drafter is built, before any model or checkpoint is read: the n-gram, draft-model, self-draft and Medusa
+options, and the registry's own refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from specdec.drafters.medusa import MedusaDrafter
+from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
+from specdec.drafters.registry import get_drafter
+
+import specdec
+from specdec.errors import InputError, InputTypeError, SpecdecError
+from specdec.testing import build_tiny_model
+
+BAD = [
+    ("ngram", dict(max_nodes=0), "max_nodes must be >= 1"),
+    ("ngram", dict(max_ngram=2.5), "max_ngram must be an int"),
+    ("ngram", dict(config=5), "config must be an NGramConfig"),
+    ("ngram", dict(long_match_ngram=8, max_ngram=6), "long_match_ngram=8 exceeds max_ngram=6"),
+    ("self-draft", dict(tree="Dynamic"), "tree must be 'static' or 'dynamic'"),
+    ("self-draft", dict(mode="greedy"), "mode must be one of"),
+    ("self-draft", dict(cuda_graphs="yes"), "cuda_graphs must be"),
+    ("self-draft", dict(widths=[2] * 5), "widths must be at most num_draft_tokens long"),
+    ("self-draft", dict(widths=[40]), r"widths \[40\] with num_draft_tokens=2 give 80 nodes \(depths past the widths "
+                                      r"continue as chains\); at most 64"),
+    ("self-draft", dict(tree="dynamic", widths=[2, 2]), r"widths \[2, 2\] shape a static tree"),
+    ("self-draft", dict(num_layers=0), "num_layers must be >= 1"),
+    ("self-draft", dict(num_layers=True), "num_layers must be an int, got bool True"),
+    ("self-draft", dict(draft_vocab=""), "draft_vocab .* got the empty string"),
+    ("draft-model", dict(model=""), "model= is the empty string"),
+    ("draft-model", dict(model="x", tokenizer=""), "tokenizer= is the empty string"),
+    ("draft-model", dict(model="x", widths=[20]), "num_draft_tokens=4 give 80 nodes"),
+    ("medusa", dict(path=""), "path= is the empty string"),
+    ("medusa", dict(path="x", top_k=0), "top_k must be >= 1"),
+    ("medusa", dict(path="x", max_nodes=65), "max_nodes must be <= 64"),
+    ("medusa", dict(path="x", tree="typical"), "tree must be"),
+    ("medusa", dict(heads="x"), "heads= must be a MedusaHeads"),
+    # medusa_choices: checked here, not after the target and the checkpoint have loaded
+    ("medusa", dict(path="x", medusa_choices=[]), "medusa_choices is empty"),
+    ("medusa", dict(path="x", medusa_choices=[["a"]]), "integer ranks"),
+    ("medusa", dict(path="x", medusa_choices=[["0"]]), "integer ranks"),  # text was taken as the rank
+    ("medusa", dict(path="x", medusa_choices=[[0.5]]), "integer ranks"),
+    ("medusa", dict(path="x", medusa_choices=[[True]]), "integer ranks"),
+    ("medusa", dict(path="x", medusa_choices=[[-1]]), ">= 0"),
+    ("medusa", dict(path="x", medusa_choices=[[0, 0]]), r"lacks its prefix \[0\]"),
+    ("medusa", dict(path="x", medusa_choices=[[0], [1], [0]]), r"lists path \[0\] more than once"),
+    ("medusa", dict(path="x", medusa_choices="[[0], [1, 0]]"), "lacks its prefix"),
+    ("nope", {}, "unknown drafter 'nope'"),
+    (None, dict(max_nodes=3), r"drafter options \(max_nodes\) can only be given with a drafter name, got None"),
+]
+
+
+@pytest.mark.parametrize("name, options, match", BAD)
+def test_bad_drafter_options_are_one_line_specdec_errors(name, options, match, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # draft_vocab="" read the config.json of the current directory
+    (tmp_path / "config.json").write_text(json.dumps({"draft_vocab": [1, 2, 3]}))
+    with pytest.raises(SpecdecError, match=match) as err:
+        get_drafter(name, **options)
+    assert isinstance(err.value, (InputError, InputTypeError)) and "\n" not in str(err.value)
+
+
+def test_medusa_top_k_beyond_the_draft_vocabulary_is_refused_as_eagle_does():
+    """It was cut to the vocabulary without a word; the default top_k (8) is still cut to a smaller vocabulary."""
+    model = build_tiny_model()
+    heads = MedusaHeads(MedusaConfig(2, 1, 64, 96))
+    for tree in ("dynamic", "static"):
+        with pytest.raises(InputError, match="medusa: top_k=1000 exceeds the draft vocabulary of 96 tokens"):
+            specdec.generate(model, [[1, 2, 3]], max_new_tokens=2, drafter=MedusaDrafter(heads=heads, tree=tree,
+                                                                                         top_k=1000))
+    small = MedusaHeads(MedusaConfig(2, 1, 64, 96, draft_vocab=[1, 2, 3]))
+    drafter = MedusaDrafter(heads=small, tree="dynamic")
+    specdec.generate(model, [[1, 2, 3]], max_new_tokens=2, drafter=drafter)
+    assert drafter.k_per_head == 3
+
+
+def test_medusa_heads_config_mistakes_are_specdec_errors():
+    with pytest.raises(InputError, match="MedusaConfig.num_heads must be a positive integer, got 0"):
+        MedusaConfig(0, 1, 64, 96)
+    with pytest.raises(InputError, match=r"path \[0, 0, 0\] .* at most num_heads=2 long"):
+        MedusaConfig(2, 1, 64, 96, medusa_choices=((0,), (0, 0), (0, 0, 0)))
