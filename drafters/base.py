@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specdec.errors import InputTypeError
+from specdec.errors import InputError, InputTypeError
 from specdec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -227,7 +227,10 @@ def as_drafter(obj: Any) -> Drafter | None:
 
 
 def check_path_option(drafter: str, path: Any) -> None:
-    """A drafter's ``path=`` option is a checkpoint directory: a str or os.PathLike (None: not given)."""
+    """A drafter's ``path=`` option is a checkpoint directory: a str or os.PathLike (None: not given), never the
+    empty string (``Path("")`` is the current directory, which would be read instead)."""
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise InputTypeError(f"{drafter}: path= must be a checkpoint directory (a str or os.PathLike), got "
                              f"{type(path).__name__} {path!r}")
+    if isinstance(path, str) and not path:
+        raise InputError(f"{drafter}: path= is the empty string; give a checkpoint directory")

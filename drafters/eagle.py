@@ -90,11 +90,12 @@ class EagleDrafter(Drafter):
     name = "eagle"
     needs_hidden_states = True
     pending_trees = True  # propose_pending: the engine may verify the trees before the host reads them
+    layer_from_target = False  # True (mtp): with neither path= nor model=, the layer is read from the target's files
 
     def __init__(self, path: str | None = None, model: EagleModel | None = None, **options) -> None:
         """``path`` (a checkpoint directory) or ``model`` (an EagleModel); ``options``: EagleDraftConfig."""
         check_path_option(self.name, path)
-        if (path is None) == (model is None):
+        if (path is None) == (model is None) and not (self.layer_from_target and model is None):
             raise InputError(f"{self.name}: give exactly one of path= (a checkpoint directory; on the command line "
                              "--drafter-option path=DIR) or model= (an EagleModel)")
         if model is not None and not isinstance(model, EagleModel):

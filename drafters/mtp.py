@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-from specdec.drafters.base import TargetView, check_path_option
+from specdec.drafters.base import TargetView
 from specdec.drafters.eagle import EagleDraftConfig, EagleDrafter
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
@@ -108,14 +108,14 @@ class MtpDraftConfig(EagleDraftConfig):
 class MtpDrafter(EagleDrafter):
     options_config = MtpDraftConfig
     name = "mtp"
+    layer_from_target = True
 
     def __init__(self, path: str | None = None, layer: int = 0, **options) -> None:
         """``path``: the checkpoint directory holding the MTP weights (default: the target's own); ``layer``: which
         MTP layer; ``options``: the tree (MtpDraftConfig, as EagleDraftConfig; default depth 3, top-k 4, 8 nodes)."""
-        check_path_option("mtp", path)
         if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
             raise InputError(f"mtp: layer must be an integer >= 0, got {layer!r}")
-        super().__init__(model=None, path="", **options)
+        super().__init__(path=path, **options)
         self.path, self.layer, self.source = path, layer, path
 
     def cost_key(self) -> str:  # the checkpoint (None: the target's own) and the layer; the target is keyed apart

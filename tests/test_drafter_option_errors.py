@@ -80,3 +80,11 @@ def test_medusa_heads_config_mistakes_are_specdec_errors():
         MedusaConfig(0, 1, 64, 96)
     with pytest.raises(InputError, match=r"path \[0, 0, 0\] .* at most num_heads=2 long"):
         MedusaConfig(2, 1, 64, 96, medusa_choices=((0,), (0, 0), (0, 0, 0)))
+
+
+@pytest.mark.parametrize("name", ["eagle", "medusa", "mtp"])
+def test_an_empty_path_is_refused_before_the_current_directory_is_read(name):
+    """``Path("")`` is ".": eagle read the current directory as its checkpoint and failed there; mtp took "" for
+    the target's own checkpoint. Each refuses the empty string by name, as medusa did."""
+    with pytest.raises(InputError, match=f"^{name}: path= is the empty string"):
+        get_drafter(name, path="")
