@@ -506,10 +506,12 @@ def markdown(report: dict) -> str:
             lines += ["", f"transformers static-cache generate(), batch 1: {m['hf_static']['tokens_per_s']:.1f} tok/s "
                           f"(prefill included){ratio}"]
         if m["verify_cost"]:
-            ratio = m["verify_cost"]["ratio"]
+            # int keys in a live run, strings once the report went through JSON (a re-rendered speed.json)
+            ratio = {int(n): c for n, c in m["verify_cost"]["ratio"].items()}
+            ms = {int(n): c for n, c in m["verify_cost"]["ms"].items()}
             picks = [n for n in (1, 2, 4, 8, 16, 24, 32, 48, 64, 65) if n in ratio]
             lines += ["", "verify cost c(n) / c(1): " + ", ".join(f"{n}: {ratio[n]:.2f}" for n in picks)
-                      + f" (c(1) = {m['verify_cost']['ms'][min(ratio)]:.3f} ms)"]
+                      + f" (c(1) = {ms[min(ratio)]:.3f} ms)"]
         if m["oracle"]:
             lines += ["", "| oracle | batch | nodes | drafting | speculation | tau target | tau | step ms | "
                           "draft ms/step | decode tok/s | speedup vs plain | weight-read bound | same text |",

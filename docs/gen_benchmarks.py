@@ -6,8 +6,9 @@ the page from the results at build time, so the site never shows a stale page.
 
 A result file holds one measurement: ``date``, ``machine_class`` (one of MACHINE_CLASSES), ``machine``,
 ``benchmark``, ``title``, ``command``, optionally ``run`` (orders results of one date), ``commit``, ``conditions``,
-``columns`` + ``rows`` (a table)
-and ``notes``. The page shows the latest result per machine class and benchmark, then every result by date.
+``columns`` + ``rows`` (a table), ``notes`` and ``kind`` (``history``: shown in the history only). The page shows
+the latest result per machine class and benchmark, then every result by date; two results that tie for latest
+(same class, benchmark, date and run) are refused, as one would hide the other.
 """
 from __future__ import annotations
 
@@ -108,6 +109,10 @@ def render(results: list[dict]) -> str:
         out += [f"### {label}", ""]
         latest: dict[str, dict] = {}
         for r in sorted(mine, key=_order):
+            before = latest.get(r["benchmark"])
+            if before is not None and _order(before)[:2] == _order(r)[:2]:
+                raise ValueError(f"{before['file']} and {r['file']}: the same machine_class, benchmark, date and run, "
+                                 "so one would hide the other; give one its own benchmark, a run or kind history")
             latest[r["benchmark"]] = r
         for r in sorted(latest.values(), key=lambda r: (r["benchmark"], r["date"])):
             out += _result(r, "####")

@@ -70,6 +70,17 @@ def test_what_does_not_fit_the_budget_is_skipped_and_reported(bench, tmp_path):
     assert "skipped (out of time)" in (tmp_path / "speed.md").read_text()
 
 
+def test_a_report_read_back_from_json_renders_its_verify_cost_curve(bench):
+    """speed.json's keys are strings once written; a re-rendered report keeps the curve a live run rendered."""
+    model = dict(model="synthetic:tiny", plain={}, hf_static=None, oracle=[], skipped=[], errors=[],
+                 verify_cost=dict(ms={1: 2.0, 2: 2.2, 65: 3.0}, ratio={1: 1.0, 2: 1.1, 65: 1.5}))
+    report = dict(date="today", rehearse=False, new_tokens=8, prompt_len=8, models=[model],
+                  env=dict(device_name="GPU", dtype="bfloat16", torch="2", copy_gb_per_s=1000.0))
+    want = "verify cost c(n) / c(1): 1: 1.00, 2: 1.10, 65: 1.50 (c(1) = 2.000 ms)"
+    assert want in bench.markdown(report)
+    assert want in bench.markdown(json.loads(json.dumps(report)))
+
+
 def test_weight_read_floor_counts_what_a_decode_step_reads(bench):
     from specdec.models import synthetic
 

@@ -45,6 +45,20 @@ def test_benchmarks_page_shows_the_latest_result_per_machine_class(tmp_path):
     assert "NEW RUN" in history and "OLD RUN" in history
 
 
+def test_two_results_that_tie_for_latest_are_refused(tmp_path):
+    """Same class, benchmark and date, no run: the page could show only one of them as the latest."""
+    gen = _gen_benchmarks()
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.json").write_text(
+            f'{{"date": "2026-01-01", "machine_class": "cpu-avx512", "title": "{name}", "machine": "m", '
+            '"benchmark": "drafters", "command": "python x.py"}')
+    with pytest.raises(ValueError, match="a.json and b.json"):
+        gen.render(gen.load_results(tmp_path))
+    (tmp_path / "b.json").write_text((tmp_path / "b.json").read_text().replace('"drafters"', '"drafters", "run": 2'))
+    latest = gen.render(gen.load_results(tmp_path)).split("## History")[0]
+    assert "#### b" in latest and "#### a" not in latest  # a run orders them
+
+
 def test_a_results_note_renders_whole_given_as_one_string_or_a_list():
     gen = _gen_benchmarks()
     base = dict(date="2026-01-01", machine_class="cpu-avx512", title="T", machine="m", benchmark="b", command="c",
