@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specdec.errors import InputError, InputTypeError
+from specdec.errors import InputError, InputTypeError, SpecdecError
 from specdec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -224,6 +225,16 @@ def as_drafter(obj: Any) -> Drafter | None:
     if not callable(getattr(obj, "propose", None)):
         raise TypeError(f"a drafter needs a propose(sequences) method; {type(obj).__name__} has none")
     return _ObjectDrafter(obj)
+
+
+@contextmanager
+def refusals_named(drafter: str) -> Iterator[None]:
+    """A SpecdecError raised inside comes out with the drafter's name in front (``self-draft: widths ...``), for
+    checks shared by several drafters (DraftConfig, draft vocabularies) that do not know whose option they check."""
+    try:
+        yield
+    except SpecdecError as err:
+        raise type(err)(f"{drafter}: {err}") from None
 
 
 def check_path_option(drafter: str, path: Any) -> None:

@@ -15,7 +15,7 @@ import os
 import weakref
 from typing import Any
 
-from specdec.drafters.base import TargetView
+from specdec.drafters.base import TargetView, refusals_named
 from specdec.drafters.model_drafter import DraftConfig, ModelDrafter
 
 from specdec.errors import InputError, InputTypeError, SpecdecError
@@ -113,7 +113,8 @@ class DraftModelDrafter(ModelDrafter):
                 not hasattr(tokenizer, "convert_ids_to_tokens"):
             raise InputTypeError(f"draft-model: tokenizer= must be a transformers tokenizer or the directory of one, "
                                  f"got {type(tokenizer).__name__} {tokenizer!r}")
-        super().__init__(DraftConfig(**options))
+        with refusals_named(self.name):
+            super().__init__(DraftConfig(**options))
         self.model_spec, self.tokenizer = model, tokenizer
 
     def cost_key(self) -> str:  # the draft model: its path, else its class and size

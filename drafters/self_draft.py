@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdec.drafters.base import TargetView
+from specdec.drafters.base import TargetView, refusals_named
 from specdec.drafters.draft_vocab import DraftVocab
 from specdec.drafters.model_drafter import DraftConfig, ModelDrafter
 from specdec.drafters.vocab_sources import check_spec, resolve_draft_vocab
@@ -44,10 +44,11 @@ class SelfDraftDrafter(ModelDrafter):
     def __init__(self, num_layers: int = DEFAULT_LAYERS, draft_vocab: Any = None, **options: Any) -> None:
         """``draft_vocab``: None (full vocabulary), a size, a list of token ids, or a path (see the module doc)."""
         options.setdefault("num_draft_tokens", DEFAULT_DRAFT_TOKENS)
-        super().__init__(DraftConfig(**options))
-        check_int("self-draft: num_layers", num_layers, minimum=1)  # True is no layer count
-        if draft_vocab is not None:
-            check_spec(draft_vocab)
+        with refusals_named(self.name):
+            super().__init__(DraftConfig(**options))
+            check_int("num_layers", num_layers, minimum=1)  # True is no layer count
+            if draft_vocab is not None:
+                check_spec(draft_vocab)
         self.num_layers = num_layers
         self.draft_vocab_spec = draft_vocab
 

@@ -88,3 +88,13 @@ def test_an_empty_path_is_refused_before_the_current_directory_is_read(name):
     the target's own checkpoint. Each refuses the empty string by name, as medusa did."""
     with pytest.raises(InputError, match=f"^{name}: path= is the empty string"):
         get_drafter(name, path="")
+
+
+@pytest.mark.parametrize("name,options", [("self-draft", dict(widths=[40])), ("self-draft", dict(tree="nope")),
+                                          ("self-draft", dict(num_layers=0)), ("self-draft", dict(draft_vocab=0)),
+                                          ("draft-model", dict(model="x", mode="nope"))])
+def test_shared_option_checks_name_the_drafter(name, options):
+    """DraftConfig and the draft-vocabulary check serve two drafters and named neither ("tree must be ..."); inside
+    a combined drafter or a grid the user could not tell whose option was wrong."""
+    with pytest.raises(SpecdecError, match=f"^{name}: "):
+        get_drafter(name, **options)
