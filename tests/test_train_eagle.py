@@ -99,7 +99,7 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny, tmp_path, monkeypatch
     with pytest.raises(KeyboardInterrupt):
         run_training(_cfg(tiny, part))
     monkeypatch.setattr(trainer, "batch_rows", real_rows)
-    assert ckpt_io.read_state(ckpt_io.find_checkpoint(part))["step"] == 4
+    assert ckpt_io.read_state(ckpt_io.find_checkpoint(part))["step"] == 5  # step 5: saved by the interrupt
     with pytest.raises(OutputDirError, match="different configuration.*eagle_steps"):
         run_training(_cfg(tiny, part, resume=True, eagle_steps=3))
     run_training(_cfg(tiny, part, resume=True))

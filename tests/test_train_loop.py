@@ -383,35 +383,93 @@ def test_output_dir_refusal_and_overwrite(tiny, tmp_path, monkeypatch):
     assert (run / "config.json").is_file() and not (run / "report.md.123.tmp").exists()
 
 
-def test_resume_after_kill_matches_uninterrupted_run(tiny, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def uninterrupted(tiny, tmp_path_factory):
+    """A 6-step run, saved every 2 steps, that nothing interrupts: what an interrupted and resumed one must equal."""
+    full = tmp_path_factory.mktemp("uninterrupted") / "full"
+    run_training(_cfg(tiny, full, eval_tau=False))
+    return full
+
+
+def _same_run(full, part) -> None:
     from safetensors.torch import load_file
 
-    full = tmp_path / "full"
-    run_training(_cfg(tiny, full, eval_tau=False))
-    real_rows = trainer.batch_rows
+    a, b = load_file(str(full / "medusa_lm_head.safetensors")), load_file(str(part / "medusa_lm_head.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ha = [json.loads(x) for x in (full / "history.jsonl").read_text().splitlines()]
+    hb = [json.loads(x) for x in (part / "history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in hb] == list(range(1, 7)) and [h["loss"] for h in ha] == [h["loss"] for h in hb]
 
-    def dying_rows(num, micro, bs, seed):
-        if micro == 5:  # step 5 starts after the step-4 checkpoint: a kill mid-way
+
+def test_resume_after_kill_matches_uninterrupted_run(tiny, uninterrupted, tmp_path, monkeypatch):
+    """Ctrl-C in step 6, its gradient accumulated but not applied: the 5 steps done are saved (the checkpoint of
+    step 4 was all an interrupt left), and --resume from them ends as the uninterrupted run."""
+    real_accumulate, calls = trainer.MedusaRecipe.accumulate, []
+
+    def interrupted_in_step_6(self, *args):
+        out = real_accumulate(self, *args)
+        calls.append(1)
+        if len(calls) == 6:  # after the backward, before the optimizer step
             raise KeyboardInterrupt
-        return real_rows(num, micro, bs, seed)
+        return out
 
     part = tmp_path / "part"
-    monkeypatch.setattr(trainer, "batch_rows", dying_rows)
-    with pytest.raises(KeyboardInterrupt):
+    monkeypatch.setattr(trainer.MedusaRecipe, "accumulate", interrupted_in_step_6)
+    with pytest.raises(KeyboardInterrupt) as interrupt:
         run_training(_cfg(tiny, part, eval_tau=False))
-    monkeypatch.setattr(trainer, "batch_rows", real_rows)
-    assert ckpt_io.read_state(ckpt_io.find_checkpoint(part))["step"] == 4
+    monkeypatch.undo()
+    assert ckpt_io.read_state(ckpt_io.find_checkpoint(part))["step"] == 5 and interrupt.value.saved_step == 5
     with pytest.raises(OutputDirError, match="different configuration.*num_heads"):
         run_training(_cfg(tiny, part, eval_tau=False, resume=True, num_heads=3))
     with pytest.raises(OutputDirError, match=r"different configuration \(max_steps: checkpoint 6 vs now 8\)"):
         run_training(_cfg(tiny, part, eval_tau=False, resume=True, max_steps=8))
     # --epochs is ignored under --max-steps: resuming with another value is the same run (it was refused)
     run_training(_cfg(tiny, part, eval_tau=False, resume=True, epochs=7))
-    a, b = load_file(str(full / "medusa_lm_head.safetensors")), load_file(str(part / "medusa_lm_head.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    ha = [json.loads(x) for x in (full / "history.jsonl").read_text().splitlines()]
-    hb = [json.loads(x) for x in (part / "history.jsonl").read_text().splitlines()]
-    assert [h["loss"] for h in ha] == [h["loss"] for h in hb]
+    _same_run(uninterrupted, part)
+
+
+def test_a_sigterm_inside_an_optimizer_step_saves_that_step_whole(tiny, uninterrupted, tmp_path, monkeypatch):
+    """SIGTERM between the optimizer's step and the scheduler's (a scheduler's time limit lands anywhere): it takes
+    effect once step 5 is complete, which is saved and named, and --resume ends as the uninterrupted run. Saved where
+    it landed, the checkpoint would hold step 5's weights under step 4's schedule and data position."""
+    import os
+    import signal
+
+    from specdec.train.cli import Terminated, _what_is_left, sigterm_as_interrupt
+
+    real_step, calls = torch.optim.AdamW.step, []
+
+    def step_then_sigterm(self, *args, **kwargs):
+        out = real_step(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    part = tmp_path / "part"
+    monkeypatch.setattr(torch.optim.AdamW, "step", step_then_sigterm)
+    with sigterm_as_interrupt(), pytest.raises(Terminated) as interrupt:
+        run_training(_cfg(tiny, part, eval_tau=False))
+    monkeypatch.undo()
+    assert ckpt_io.read_state(ckpt_io.find_checkpoint(part))["step"] == 5
+    assert _what_is_left(part, interrupt.value) == "saved the checkpoint of step 5 (continue with --resume)"
+    run_training(_cfg(tiny, part, eval_tau=False, resume=True))
+    _same_run(uninterrupted, part)
+
+
+def test_several_processes_keep_the_last_checkpoint_on_an_interrupt(tmp_path):
+    """A run of several processes does not save on an interrupt (a save could wait on a process that stopped); the
+    one-line message says the steps since the last checkpoint are lost."""
+    from specdec.train.cli import _what_is_left
+
+    err, saves = KeyboardInterrupt(), []
+    trainer._keep_on_interrupt(err, 7, 4, 2, lambda: saves.append(1))
+    assert saves == [] and err.unsaved_steps == 3
+    heads, optimizer, scheduler = _tiny_training_state()
+    ckpt_io.save_checkpoint(tmp_path, heads, optimizer, scheduler, 4, {}, "fp")
+    assert _what_is_left(tmp_path, err) == ("the checkpoint of step 4 is intact (continue with --resume); the 3 "
+                                            "step(s) after it are lost: a run of several processes saves only every "
+                                            "--save-every steps")
 
 
 def test_sigterm_takes_the_path_of_ctrl_c(tiny, tmp_path, monkeypatch, capsys):

@@ -28,7 +28,8 @@ class CheckpointError(SpecdecError, ValueError):
 
 
 def save_checkpoint(output_dir: Path, heads, optimizer, scheduler, step: int, config: dict,
-                    fingerprint: str) -> Path:
+                    fingerprint: str, rng_state: torch.Tensor | None = None) -> Path:
+    """``rng_state``: the RNG state to record (default: the current one)."""
     from safetensors.torch import save_file
 
     tmp, final, old = output_dir / TMP, output_dir / CKPT, output_dir / OLD
@@ -37,7 +38,7 @@ def save_checkpoint(output_dir: Path, heads, optimizer, scheduler, step: int, co
     save_file({k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}, str(tmp / "heads.safetensors"))
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
+    torch.save({"torch": torch.get_rng_state() if rng_state is None else rng_state}, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, "fingerprint": fingerprint, "config": config}, indent=2))
     for f in tmp.iterdir():  # make the bytes durable before the rename makes them visible
         with open(f, "rb") as fh:

@@ -178,18 +178,25 @@ def config_from_args(args):
     )
 
 
-def _what_is_left(out: Path) -> str:
-    """After Ctrl-C: the checkpoint a --resume continues from, or that there is none."""
+def _what_is_left(out: Path, interrupt: KeyboardInterrupt | None = None) -> str:
+    """After Ctrl-C: the checkpoint a --resume continues from (saved by the interrupt, or earlier), or that there is
+    none; and the steps lost since, which a run of several processes does not save (train/trainer.py)."""
     from specdec.train.checkpoint import find_checkpoint, read_state
 
+    saved = getattr(interrupt, "saved_step", None)
+    if saved is not None:
+        return f"saved the checkpoint of step {saved} (continue with --resume)"
+    lost = getattr(interrupt, "unsaved_steps", 0)
+    lost = f"; the {lost} step(s) after it are lost: a run of several processes saves only every --save-every " \
+        "steps" if lost else ""
     ckpt = find_checkpoint(out)
     if ckpt is None:
-        return "it saved no checkpoint yet (see --save-every), so a rerun starts again"
+        return f"it saved no checkpoint yet (see --save-every), so a rerun starts again{lost}"
     try:
         step = read_state(ckpt)["step"]
     except (OSError, ValueError, KeyError):
         step = "?"
-    return f"the checkpoint of step {step} is intact (continue with --resume)"
+    return f"the checkpoint of step {step} is intact (continue with --resume){lost}"
 
 
 class Terminated(KeyboardInterrupt):
@@ -254,7 +261,7 @@ def run(args) -> int:
         return 2
     except KeyboardInterrupt as err:
         how = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
-        print(f"specdec train-{args.drafter}: {how}; {_what_is_left(Path(args.output_dir))}", file=sys.stderr)
+        print(f"specdec train-{args.drafter}: {how}; {_what_is_left(Path(args.output_dir), err)}", file=sys.stderr)
         return 128 + (signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT)
     if report:
         keys = ("top1", "top5", "tree", "seconds") if args.drafter == "eagle" else \
