@@ -250,9 +250,10 @@ def category_mode(args, loaded, table: dict, run) -> None:
 
 
 
-def grid_mode(args, loaded, table: dict, run) -> list[dict]:
+def grid_mode(args, loaded, table: dict, run, every_drafter: list[str]) -> list[dict]:
     """Every row x length x column (drafter_grid.py): per cell the paired ratio to plain and whether every output
-    is plain decoding's; one table per length, and the grid as a docs/results file with ``--out``."""
+    is plain decoding's; one table per length, and the grid as a docs/results file with ``--out``
+    (``every_drafter``: the grid drafters this run could have measured)."""
     columns = drafter_grid.grid_inputs(loaded.tokenizer, args.categories, args.prompts, chat_ids)
     cells = []
     for length in args.lengths:
@@ -270,8 +271,8 @@ def grid_mode(args, loaded, table: dict, run) -> list[dict]:
         if args.out:  # after every length: a grid stopped part way keeps the lengths it finished
             done = args.lengths[: args.lengths.index(length) + 1]
             drafter_grid.write_result(args.out, cells, list(table), list(columns), done, sys.argv, loaded.name,
-                                      {c: len(v) for c, v in columns.items()}, args.repeats, guard_memory(args),
-                                      args.clock)
+                                      {c: len(v) for c, v in columns.items()}, args.repeats, every_drafter,
+                                      guard_memory(args), args.clock)
     print(drafter_grid.summary(cells))
     return cells
 
@@ -292,7 +293,8 @@ def parse_args(argv: list[str] | None = None):
                     help="auto: tree sizing + break-even guard (default); always: verify every tree whole")
     ap.add_argument("--json", help="also write the numbers to this JSON file")
     ap.add_argument("--grid", action="store_true", help="every drafter x --lengths x --categories (see above)")
-    ap.add_argument("--lengths", default="16,32,64,128", help="--grid: comma-separated new-token counts")
+    ap.add_argument("--lengths", default=",".join(map(str, drafter_grid.LENGTHS)),
+                    help="--grid: comma-separated new-token counts")
     ap.add_argument("--out", help="--grid: write the grid to this JSON file, in the docs/results/ schema")
     add_guard_memory(ap)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -324,6 +326,7 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
         table = drafters(args, loaded)
         if args.grid:
             table = {k: v for k, v in table.items() if k in ("plain", "plain (again)") or k in GRID_ROWS.values()}
+            every_drafter = [short for short, row in GRID_ROWS.items() if row in table]
             table = select_rows(ap, table, args.drafters, GRID_ROWS) if args.drafters else {
                 "plain": table["plain"], "plain (again)": table["plain (again)"]} | {
                 short: table[row] for short, row in GRID_ROWS.items() if row in table}
@@ -352,7 +355,7 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
                 for size in drafter_grid.batch_sizes():
                     run(spec, [warm] * size, min(args.lengths))
         if args.grid:
-            return grid_mode(args, loaded, table, run)
+            return grid_mode(args, loaded, table, run, every_drafter)
         category_mode(args, loaded, table, run)
     finally:
         torch.set_grad_enabled(True)

@@ -20,6 +20,7 @@ from specdec.eval.prompts import CATEGORIES, load_prompts
 from specdec.atomic_write import write_json
 
 HELD_OUT, BATCH = "held-out", "batch8"
+LENGTHS = (16, 32, 64, 128)  # --lengths' default
 BATCH_SIZE = 8
 FLOOR = 0.97  # a drafter whose paired interval lies wholly below this ratio is slower than plain decoding
 SHORT = {"summarisation": "summ", "translation": "transl"}
@@ -126,6 +127,22 @@ def counts_text(counts: dict[str, int], repeats: int) -> str:
     return f"{'; '.join(parts)}; {repeats} repeat(s): each interval rests on {blocks} blocks."
 
 
+def benchmark_key(drafters: list[str], every_drafter: list[str], columns: list[str], lengths: list[int]) -> str:
+    """The result's ``benchmark``: ``drafter-grid``, then what sets this grid apart from the full one (the drafters
+    when not every one the run could measure, the columns when not all, the lengths when not LENGTHS), e.g.
+    ``drafter-grid-64-128`` or ``drafter-grid-medusa``: two grids of one day must be two benchmarks, as
+    docs/gen_benchmarks.py shows one result per benchmark and refuses two that tie for latest."""
+    drafters = [d for d in drafters if d not in ("plain", "plain (again)")]
+    parts = ["drafter-grid"]
+    if set(drafters) != set(every_drafter):
+        parts += drafters
+    if set(columns) != {*CATEGORIES, HELD_OUT, BATCH}:
+        parts += [SHORT.get(c, c) for c in columns]
+    if set(lengths) != set(LENGTHS):
+        parts += [str(n) for n in lengths]
+    return "-".join(parts)
+
+
 # where the guard's memory started (common.guard_memory) -> what the result file's conditions say
 MEMORY_CONDITIONS = {
     "cold": "Cold: the guard's memory forgotten before every call, each call as a new process's first. ",
@@ -135,10 +152,11 @@ MEMORY_CONDITIONS = {
 
 
 def write_result(path: str, cells: list[dict], drafters: list[str], columns: list[str], lengths: list[int],
-                 argv: list[str], model: str, counts: dict[str, int], repeats: int, memory: str = "run",
-                 clock: str = "wall") -> None:
+                 argv: list[str], model: str, counts: dict[str, int], repeats: int, every_drafter: list[str],
+                 memory: str = "run", clock: str = "wall") -> None:
     """The grid in docs/results/'s schema: rows (drafter, length) x columns, and every cell's numbers; ``counts``:
-    the inputs each column ran (prompts, or batch8's batches)."""
+    the inputs each column ran (prompts, or batch8's batches); ``every_drafter``: the grid's drafters this run could
+    have measured (benchmark_key)."""
     import torch
 
     rows = [row for length in lengths for row in grid_rows(cells, length, drafters, columns)]
@@ -148,7 +166,7 @@ def write_result(path: str, cells: list[dict], drafters: list[str], columns: lis
         "date": datetime.date.today().isoformat(),
         "machine_class": machine_class(),
         "machine": f"{cpu_name()}, {torch.get_num_threads()} torch threads; {model}, greedy, speculation auto",
-        "benchmark": "drafter-grid",
+        "benchmark": benchmark_key(drafters, every_drafter, columns, lengths),
         "title": "Every drafter x new-token length x category, paired against plain decoding",
         "command": "python benchmarks/bench_drafters_cpu.py " + shlex.join(argv[1:]),
         "conditions": MEMORY_CONDITIONS[memory]

@@ -48,7 +48,8 @@ python benchmarks/gpu_check.py            # the whole GPU path (tests, kernels, 
 ```
 
 To add a result, commit a JSON file under `docs/results/` (the fields are described in
-`docs/gen_benchmarks.py`) and run `python docs/gen_benchmarks.py`.
+`docs/gen_benchmarks.py`) and run `python docs/gen_benchmarks.py`. Other pages quote a result's table only in a
+region marked `generated: results/FILE.json table`, which `python docs/gen_result_tables.py` fills from the file.
 """
 
 

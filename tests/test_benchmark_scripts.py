@@ -7,6 +7,7 @@ import inspect
 import json
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 import specdec.generate  # noqa: F401
 from tests.script_loading import load_script
 
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 BARE = ("common", "drafter_grid", "held_out_prompts", "step_profile")  # what the scripts import by bare names
 
 
@@ -170,3 +172,22 @@ def test_grid_result_counts_the_prompts_each_column_ran():
     assert "30 prompts" not in text and "60 blocks" not in text
     assert grid.counts_text({"chat": 3, "batch8": 3}, 2) == (
         "3 prompts per column; batch8: 3 ragged batches of 8; 2 repeat(s): each interval rests on 6 blocks.")
+
+
+def test_each_drafter_grid_setting_is_its_own_benchmark():
+    """Grids of one day that differ in drafters, columns or lengths are different benchmarks (the benchmarks page
+    refuses two results of one benchmark that tie for latest); the keys are those of the committed grids."""
+    _script("bench_drafters_cpu")
+    grid = sys.modules["drafter_grid"]
+    every = ["ngram", "draft-model", "self-draft", "medusa-untrained", "medusa", "eagle", "combined", "ngram+eagle"]
+    columns = ["chat", "code", "summarisation", "qa", "math", "translation", "rag", "held-out", "batch8"]
+    key = grid.benchmark_key
+    assert key(["plain", "plain (again)"] + every, every, columns, [16, 32, 64, 128]) == "drafter-grid"
+    assert key(every, every, columns, [16, 32]) == "drafter-grid-16-32"
+    assert key(every, every, columns, [64, 128]) == "drafter-grid-64-128"
+    assert key(["plain", "medusa"], every, columns, [16, 32, 64, 128]) == "drafter-grid-medusa"
+    assert key(["ngram", "self-draft"], every, ["chat", "qa", "batch8"], [16, 64]) == (
+        "drafter-grid-ngram-self-draft-chat-qa-batch8-16-64")
+    committed = {json.loads(p.read_text())["benchmark"] for p in RESULTS.glob("*-drafter-grid-*.json")
+                 if json.loads(p.read_text()).get("kind") != "history"}
+    assert committed == {"drafter-grid-16-32", "drafter-grid-64-128", "drafter-grid-medusa"}

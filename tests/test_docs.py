@@ -1,6 +1,7 @@
-"""The documentation stays whole: the benchmarks page is what the committed results give, every page is in the
-navigation, the API reference lists every registered drafter, CI runs the README's test command, module docstrings
-stay short and undated. (`mkdocs build --strict` in .ci/run is the full check; these take well under a second.)"""
+"""The documentation stays whole: the benchmarks page and the result tables other pages quote are what the
+committed results give, every page is in the navigation, the API reference lists every registered drafter, CI runs
+the README's test command, module docstrings stay short and undated. (`mkdocs build --strict` in .ci/run is the full
+check; these take well under a second.)"""
 from __future__ import annotations
 
 import ast
@@ -31,6 +32,33 @@ def test_benchmarks_page_is_generated_from_the_results():
     results = gen.load_results()
     assert results, "no results under docs/results"
     assert (DOCS / "benchmarks.md").read_text() == gen.render(results), "run: python docs/gen_benchmarks.py"
+
+
+def test_result_tables_on_other_pages_are_generated_from_the_results():
+    gen = _script(DOCS / "gen_result_tables.py")
+    assert gen.pages(), "no page has a generated region"
+    assert gen.main(["--check"]) == 0, "run: python docs/gen_result_tables.py"
+
+
+def test_a_stale_or_broken_result_region_is_caught(tmp_path, monkeypatch):
+    gen = _script(DOCS / "gen_result_tables.py")
+    results = {"r.json": dict(file="r.json", columns=["a", "b"], rows=[["x", "1.5"]])}
+    region = "<!-- generated: results/r.json table -->\n{}<!-- end generated -->"
+    page = "Text.\n\n" + region.format("\n| a | b |\n|---|---|\n| x | 1.4 |\n\n") + "\n\nMore."
+    filled = gen.fill(page, results)
+    assert "| x | 1.5 |" in filled and "1.4" not in filled and filled.endswith("-->\n\nMore.")
+    assert gen.fill(filled, results) == filled
+    for broken, why in [(page.replace("r.json", "s.json"), "no result file"),
+                        (page.replace(" table -->", " notes -->"), "unknown part"),
+                        (page.replace("<!-- end generated -->", ""), "malformed")]:
+        with pytest.raises(ValueError, match=why):
+            gen.fill(broken, results)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "p.md").write_text(page)
+    monkeypatch.setattr(gen, "DOCS", tmp_path / "docs")
+    monkeypatch.setattr(gen, "_by_file", lambda: results)
+    assert gen.main(["--check"]) == 1 and (tmp_path / "docs" / "p.md").read_text() == page
+    assert gen.main([]) == 0 and gen.main(["--check"]) == 0
 
 
 def test_benchmarks_page_shows_the_latest_result_per_machine_class(tmp_path):

@@ -52,7 +52,7 @@ def test_grid_measures_every_cell_and_checks_outputs(bench, chat_ckpt, tmp_path)
         assert 0 < low <= mean <= high
     assert all(c["paired_speedup"] == [1.0, 1.0, 1.0] for c in cells if c["drafter"] == "plain")
     result = json.loads(out.read_text())
-    assert result["benchmark"] == "drafter-grid" and result["conditions"].startswith("Cold:")
+    assert result["benchmark"] == "drafter-grid-ngram-held-out-batch8-6" and result["conditions"].startswith("Cold:")
     assert "CPU seconds" in result["conditions"]
     assert result["columns"] == ["drafter", "new tokens", "held-out", "batch8"]
     assert [r[0] for r in result["rows"]] == ["plain tok/s", "plain (again)", "ngram"]

@@ -1,0 +1,93 @@
+"""Fill the result tables that docs pages quote from docs/results/*.json, so no page holds a hand copy.
+
+A page marks a copy of one result file's table as a generated region::
+
+    <!-- generated: results/2026-11-28-cpu-intel-avx512-bit-exact.json table -->
+    (the table, written here)
+    <!-- end generated -->
+
+Run by hand after changing a result (``python docs/gen_result_tables.py``); ``--check`` exits 1 when a page's
+region differs from what its result gives (tests/test_docs.py runs it). mkdocs also loads this file as a hook and
+fills the regions at build time. The table is rendered as docs/gen_benchmarks.py renders it on the benchmarks page.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+REGION = re.compile(r"<!-- generated: results/(?P<file>[\w.-]+\.json) (?P<part>\w+) -->\n(?P<body>.*?)"
+                    r"<!-- end generated -->", re.S)
+START, END = "<!-- generated:", "<!-- end generated -->"
+
+
+def _benchmarks():
+    """docs/gen_benchmarks.py, this file's sibling (docs/ is no package)."""
+    spec = importlib.util.spec_from_file_location("gen_benchmarks", DOCS / "gen_benchmarks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_GEN = _benchmarks()
+
+
+def render_part(result: dict, part: str) -> str:
+    """What a region holds: ``table``, the result's columns and rows."""
+    if part != "table":
+        raise ValueError(f"unknown part {part!r} (known: table)")
+    if not result.get("columns"):
+        raise ValueError(f"{result['file']} has no table")
+    return "\n" + "\n".join(_GEN._table(result["columns"], result["rows"])) + "\n\n"
+
+
+def fill(text: str, results: dict[str, dict], where: str = "page") -> str:
+    """``text`` with every region rewritten from ``results`` (file name -> result)."""
+    if text.count(START) != text.count(END) or text.count(START) != len(REGION.findall(text)):
+        raise ValueError(f"{where}: a generated region is malformed or has no end marker ({END})")
+
+    def region(match: re.Match) -> str:
+        name = match["file"]
+        if name not in results:
+            raise ValueError(f"{where}: no result file docs/results/{name}")
+        try:
+            body = render_part(results[name], match["part"])
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        return f"<!-- generated: results/{name} {match['part']} -->\n{body}{END}"
+
+    return REGION.sub(region, text)
+
+
+def pages() -> list[Path]:
+    return [p for p in sorted(DOCS.rglob("*.md")) if START in p.read_text()]
+
+
+def _by_file() -> dict[str, dict]:
+    return {r["file"]: r for r in _GEN.load_results()}
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    """mkdocs hook: a page's generated regions are always filled from the results."""
+    return fill(markdown, _by_file(), page.file.src_uri) if START in markdown else markdown
+
+
+def main(argv: list[str]) -> int:
+    results, stale = _by_file(), []
+    for page in pages():
+        text = page.read_text()
+        new = fill(text, results, str(page.relative_to(DOCS.parent)))
+        if new != text:
+            stale.append(str(page.relative_to(DOCS.parent)))
+            if "--check" not in argv:
+                page.write_text(new)
+    if stale and "--check" in argv:
+        print(f"out of date: {', '.join(stale)}: run python docs/gen_result_tables.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
