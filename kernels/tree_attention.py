@@ -27,6 +27,7 @@ from functools import lru_cache
 import torch
 import triton
 import triton.language as tl
+from specdec.kernels.dispatch import BackendError
 
 from specdec.host_copy import to_device
 from specdec.tree import MAX_TREE_NODES
@@ -352,6 +353,13 @@ def launch_config(group: int, head_dim: int, max_new: int, dtype: torch.dtype, g
     )
 
 
+def _interpreted() -> bool:
+    """Whether the kernels run in the Triton interpreter (TRITON_INTERPRET=1 when triton was imported)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_tree_attn_kernel, InterpretedFunction)
+
+
 def tree_attention(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [num_slots, KVH, D]
@@ -370,6 +378,9 @@ def tree_attention(
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("q, k_cache and v_cache need a contiguous last (head_dim) dimension, and k_cache and "
                          "v_cache the same strides")
+    if q.dtype == torch.bfloat16 and not q.is_cuda and _interpreted():
+        raise BackendError("bfloat16 attention cannot run in the Triton interpreter (its bf16 dot products come out "
+                           "wrong): use float32 or float16 there, or the reference backend")
     cfg = launch_config(H // KVH, D, max(meta.host_q_lens), q.dtype, q.is_cuda)
     if block_n is not None:
         cfg["BLOCK_N"] = block_n

@@ -142,6 +142,19 @@ def test_half_precision_on_gpu(dtype):
     check(case, num_splits=4, atol=2e-2)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the Triton interpreter's limits")
+def test_bf16_is_refused_in_the_interpreter_whose_bf16_dots_are_wrong():
+    """The interpreter's bf16 tl.dot returns garbage (output errors ~1e9): a bf16 model on the Triton backend on CPU
+    got nonsense attention silently. It is refused by name; float16 runs there and matches the reference."""
+    from specdec.kernels.dispatch import BackendError
+
+    case = random_case([5], [(TREE, 3)], seed=4, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(BackendError, match="bfloat16 attention cannot run in the Triton interpreter"):
+        tree_attention(case.q, case.k_cache, case.v_cache, case.metadata(), case.scale)
+    half = random_case([5, 0], [(TREE, 3), 4], seed=4, device=DEVICE, dtype=torch.float16)
+    check(half, num_splits=2, atol=4e-3)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("page_size", [1, 16])
