@@ -181,13 +181,18 @@ class PagedKVCache:
         hold; where it does not divide, the first ones in ``seq_ids`` get a block more). From block counts alone:
         ``reserve_many({s: n_s})`` with every ``n_s <= room[s]`` never raises if the pool holds every sequence's next
         position; if it does not, the room is 1 (that position: the reservation raises CacheFullError)."""
-        base = {s: self._blocks_for(max(self.reserved[s], self.lengths[s] + 1)) for s in seq_ids}
-        pool = len(self._free) + sum(len(self.block_tables[s]) - base[s] for s in seq_ids)
+        base, pool = self._headroom(seq_ids)
         if pool < 0:
             return {s: 1 for s in seq_ids}
         shared = [s for s in seq_ids if s in sharing]
         extra = {s: pool // len(shared) + (i < pool % len(shared)) for i, s in enumerate(shared)}
         return {s: (base[s] + extra.get(s, 0)) * self.block_size - self.lengths[s] for s in seq_ids}
+
+    def _headroom(self, seq_ids: Sequence[int]) -> tuple[dict[int, int], int]:
+        """Per sequence, the blocks it must hold (its next position and what is reserved already), and the blocks
+        left over once every one of ``seq_ids`` holds them (negative: the pool cannot)."""
+        base = {s: self._blocks_for(max(self.reserved[s], self.lengths[s] + 1)) for s in seq_ids}
+        return base, len(self._free) + sum(len(self.block_tables[s]) - base[s] for s in seq_ids)
 
     def _spares(self, num_new: Mapping[int, int]) -> dict[int, int]:
         """{seq_id: blocks it keeps} for the sequences holding a block in which none of their positions lies
@@ -219,7 +224,15 @@ class PagedKVCache:
         """The scratch region: positions ``[committed_length, committed_length + n)`` per sequence, reserved
         (all-or-nothing) for a drafter that runs layers of the target over this cache (self-draft). The engine
         owns it: its next verify overwrites those positions and its commit keeps or releases them; a drafter
-        writes only there and never commits."""
+        writes only there and never commits. Only from the blocks left once every sequence holds its next position
+        (else CacheFullError): a sequence the drafter was not asked for still decodes in a pool of plain decoding's
+        size, though the scratch would fit in the blocks it needs next (or a spare block it holds)."""
+        base, pool = self._headroom(list(self.block_tables))
+        extra = sum(max(0, self._blocks_for(self.lengths[s] + n) - base[s]) for s, n in num_new.items())
+        if extra > pool:
+            raise CacheFullError(f"KV cache out of blocks for drafting: {extra} more blocks of {self.block_size} "
+                                 f"tokens are needed, {max(pool, 0)} are left once every sequence holds its next "
+                                 "position. Pass a larger num_blocks.")
         self.reserve_many(num_new)
 
     def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:  # [end - start] int64

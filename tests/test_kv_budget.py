@@ -79,3 +79,19 @@ def test_a_drafter_writing_into_the_targets_cache_never_fails_a_call_plain_decod
     out = specdec.generate(model, [PROMPT], drafter="self-draft", drafter_options=options, speculation="always",
                            return_dict=True, **kw)
     assert out.sequences == plain and max(out.stats[0].step_nodes) > 0
+
+
+def test_drafting_in_the_targets_cache_leaves_the_next_position_of_a_sequence_not_asked(monkeypatch):
+    """Two sequences in a pool of exactly plain decoding's size, the guard asking only the second: self-draft's
+    scratch reservation for it must not take the block the first one's plain step needs next (it once did, and the
+    verify raised CacheFullError in a pool that plain decoding fits)."""
+    from specdec.speculation_policy import SpeculationPolicy
+
+    model = build_tiny_model()
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    kw = dict(max_new_tokens=3, block_size=1, num_blocks=plain_blocks_needed(map(len, prompts), 3, 1))
+    plain = specdec.generate(model, prompts, **kw)
+    monkeypatch.setattr(SpeculationPolicy, "who_drafts", lambda self, live: [s for s in live if s.seq_id == 1])
+    options = dict(num_layers=1, num_draft_tokens=4)
+    out = specdec.generate(model, prompts, drafter="self-draft", drafter_options=options, speculation="always", **kw)
+    assert out == plain
