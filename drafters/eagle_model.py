@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from specdec.errors import InputError
+from specdec.errors import InputError, InputTypeError
 from specdec.models.fused_projections import LayerProjections, pack_layers
 from specdec.models.llama import Linear, linear
 
@@ -63,7 +63,7 @@ class EagleConfig:
     rope_theta: float = 10000.0
     num_features: int = 1  # target feature vectors per position (1: EAGLE-1/2's last hidden state; eagle3: derived)
     norms: bool = True  # input and output RMSNorm (specdec's layers); False: the published EAGLE-1 layer
-    draft_vocab: tuple[int, ...] = ()  # token ids of a reduced LM head; () = the target's full LM head
+    draft_vocab: tuple[int, ...] = ()  # token ids of a reduced LM head; () or None = the target's full LM head
     base_model_name_or_path: str = ""
     # the draft tree chosen by training (drafter options override): depth, candidates per expansion, node budget
     depth: int = 5
@@ -100,6 +100,10 @@ class EagleConfig:
         if self.num_heads % self.num_kv_heads:
             raise InputError(f"EagleConfig: num_heads {self.num_heads} is not a multiple of num_kv_heads "
                              f"{self.num_kv_heads}")
+        if self.draft_vocab is None:  # the full vocabulary, as the drafters' draft_vocab=None means
+            object.__setattr__(self, "draft_vocab", ())
+        if isinstance(self.draft_vocab, (str, bytes)) or not hasattr(self.draft_vocab, "__iter__"):
+            raise InputTypeError(f"EagleConfig.draft_vocab must be a list of token ids, got {self.draft_vocab!r}")
         vocab = tuple(int(t) for t in self.draft_vocab)
         object.__setattr__(self, "draft_vocab", vocab)
         if vocab and (min(vocab) < 0 or max(vocab) >= self.vocab_size or len(set(vocab)) != len(vocab)):

@@ -98,3 +98,14 @@ def test_shared_option_checks_name_the_drafter(name, options):
     a combined drafter or a grid the user could not tell whose option was wrong."""
     with pytest.raises(SpecdecError, match=f"^{name}: "):
         get_drafter(name, **options)
+
+
+def test_an_eagle_config_reads_draft_vocab_none_as_the_full_vocabulary():
+    """self-draft reads draft_vocab=None as the full vocabulary; EagleConfig failed on it with a bare TypeError
+    ("'NoneType' object is not iterable"). A value that is no list of ids is refused in one line."""
+    from specdec.drafters.eagle_model import EagleConfig
+
+    config = build_tiny_model().config
+    assert EagleConfig.for_target(config, draft_vocab=None).draft_vocab == ()
+    with pytest.raises(InputTypeError, match="draft_vocab must be a list of token ids"):
+        EagleConfig.for_target(config, draft_vocab=5)
