@@ -65,9 +65,13 @@ def save_eagle(model: EagleModel, directory: str | os.PathLike, extra: dict | No
 
 
 def _read_config(path: Path) -> dict:
-    file = path / CONFIG_FILE
+    return read_json_object(path / CONFIG_FILE, f"{path} is not an EAGLE checkpoint: {CONFIG_FILE} is missing")
+
+
+def read_json_object(file: Path, missing: str) -> dict:
+    """The JSON object in ``file``; ``missing``: the message when there is no such file."""
     if not file.is_file():
-        raise EagleCheckpointError(f"{path} is not an EAGLE checkpoint: {CONFIG_FILE} is missing")
+        raise EagleCheckpointError(missing)
     try:
         raw = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

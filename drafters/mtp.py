@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 from specdec.drafters.base import TargetView
 from specdec.drafters.eagle import EagleDraftConfig, EagleDrafter
-from specdec.drafters.eagle_checkpoint import EagleCheckpointError
+from specdec.drafters.eagle_checkpoint import EagleCheckpointError, read_json_object
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 
 from specdec.errors import InputError
@@ -52,16 +52,11 @@ def _weight_files(directory: Path) -> list[Path]:
 def check_same_target(directory: Path, target_config) -> None:
     """Refuse a ``path=`` checkpoint of another model: its config.json must agree with the target on SAME_TARGET
     (a layer of another model with the same hidden size loads and drafts, uselessly), naming both sides."""
-    file = directory / "config.json"
-    if not file.is_file():
-        raise EagleCheckpointError(f"mtp: {directory} has no config.json to tell whether its MTP layer was made for "
-                                   "the target")
     try:
-        raw = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise EagleCheckpointError(f"mtp: {file} is not valid JSON: {err}") from err
-    if not isinstance(raw, dict):
-        raise EagleCheckpointError(f"mtp: {file} must hold a JSON object")
+        raw = read_json_object(directory / "config.json", f"{directory} has no config.json to tell whether its MTP "
+                               "layer was made for the target")
+    except EagleCheckpointError as err:
+        raise EagleCheckpointError(f"mtp: {err}") from None
     for name in SAME_TARGET:
         mine, theirs = raw.get(name), getattr(target_config, name, None)
         if mine is not None and theirs is not None and mine != theirs:
