@@ -33,10 +33,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
-from specdec.drafters.base import Drafter, SequenceView, TargetView, check_path_option
+from specdec.drafters.base import Drafter, SequenceView, TargetView, check_path_option, refusals_named
 from specdec.drafters.call_memory import memory_key
 from specdec.drafters.eagle_catch_up import CatchUpInputs, CatchUpRows, catch_up
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, check_fits_target, load_eagle
@@ -61,7 +60,6 @@ logger = logging.getLogger(__name__)
 class EagleDraftConfig:
     """Tree shape; None = the value the checkpoint was trained and measured with."""
 
-    drafter: ClassVar[str] = "eagle"  # the drafter its messages name (MtpDraftConfig: "mtp")
     depth: int | None = None  # draft steps (tree depth); at most max_nodes are grown (no tree is deeper)
     top_k: int | None = None  # children per expanded node, and nodes expanded per depth
     max_nodes: int | None = None  # nodes kept after reranking
@@ -74,15 +72,15 @@ class EagleDraftConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.adapt_depth, bool):
-            raise InputError(f"{self.drafter}: adapt_depth must be True or False, got {self.adapt_depth!r}")
+            raise InputError(f"adapt_depth must be True or False, got {self.adapt_depth!r}")
         if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "auto"):
-            raise InputError(f"{self.drafter}: cuda_graphs must be True, False or 'auto', got {self.cuda_graphs!r}")
+            raise InputError(f"cuda_graphs must be True, False or 'auto', got {self.cuda_graphs!r}")
         for name in ("depth", "top_k", "max_nodes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise InputError(f"{self.drafter}: {name} must be a positive integer, got {value!r}")
+                raise InputError(f"{name} must be a positive integer, got {value!r}")
         if self.max_nodes is not None and self.max_nodes > MAX_TREE_NODES:
-            raise InputError(f"{self.drafter}: max_nodes must be <= {MAX_TREE_NODES}, got {self.max_nodes}")
+            raise InputError(f"max_nodes must be <= {MAX_TREE_NODES}, got {self.max_nodes}")
 
 
 class EagleDrafter(Drafter):
@@ -100,7 +98,8 @@ class EagleDrafter(Drafter):
                              "--drafter-option path=DIR) or model= (an EagleModel)")
         if model is not None and not isinstance(model, EagleModel):
             raise InputError(f"{self.name}: model= must be an EagleModel, got {type(model).__name__}")
-        self.options = self.options_config(**options)
+        with refusals_named(self.name):  # the config's refusals name eagle or mtp
+            self.options = EagleDraftConfig(**options)
         self.path, self.model = path, model
         self.packs = model is None  # specdec's own layer gets the CUDA layout (EagleModel.pack_on_cuda)
         self.kv: EagleKV | None = None  # the layer's keys / values of every sequence's committed positions

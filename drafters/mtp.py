@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 from specdec.drafters.base import TargetView
-from specdec.drafters.eagle import EagleDraftConfig, EagleDrafter
+from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, read_json_object
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 
@@ -93,21 +91,13 @@ def read_mtp_layer(directory: str | Path, num_layers: int, index: int = 0) -> tu
                                f"model.layers.{num_layers + index}.eh_proj weights)")
 
 
-@dataclass(frozen=True)
-class MtpDraftConfig(EagleDraftConfig):
-    """EagleDraftConfig whose messages name the mtp drafter."""
-
-    drafter: ClassVar[str] = "mtp"
-
-
 class MtpDrafter(EagleDrafter):
-    options_config = MtpDraftConfig
     name = "mtp"
     layer_from_target = True
 
     def __init__(self, path: str | None = None, layer: int = 0, **options) -> None:
         """``path``: the checkpoint directory holding the MTP weights (default: the target's own); ``layer``: which
-        MTP layer; ``options``: the tree (MtpDraftConfig, as EagleDraftConfig; default depth 3, top-k 4, 8 nodes)."""
+        MTP layer; ``options``: the tree (EagleDraftConfig; default depth 3, top-k 4, 8 nodes)."""
         if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
             raise InputError(f"mtp: layer must be an integer >= 0, got {layer!r}")
         super().__init__(path=path, **options)
