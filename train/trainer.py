@@ -334,6 +334,10 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
                                       feature_layers=getattr(recipe, "feature_layers", ()))
     heads.train()
     saved, rng = step, torch.get_rng_state()  # the last step saved; the RNG state a checkpoint of `step` holds
+
+    def save() -> None:  # the checkpoint of the last completed step
+        ckpt_io.save_checkpoint(out, heads, optimizer, scheduler, step, saved_config, fingerprint, rng_state=rng)
+
     try:
         while step < total:
             window = []  # the step's micro-batches: what the loss averages over is counted before any backward
@@ -375,6 +379,7 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
                     history.append(rec)
                     with open(hist_file, "a") as f:
                         f.write(json.dumps(rec) + "\n")
+            due = step % cfg.save_every == 0 or step == total
             if accelerator.is_main_process:
                 if bar is not None:
                     bar.update(1)
@@ -382,15 +387,14 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
                 if step % cfg.log_every == 0 or step == total:
                     logger.info("step %d/%d loss %.4f top1 %s lr %.2e", step, total, rec["loss"],
                                 " ".join(f"{t:.3f}" for t in top1), rec["lr"])
-                if step % cfg.save_every == 0 or step == total:
-                    ckpt_io.save_checkpoint(out, heads, optimizer, scheduler, step, saved_config, fingerprint)
-            if step % cfg.save_every == 0 or step == total:  # saved (by the main process)
+                if due:
+                    save()
+            if due:  # saved (by the main process)
                 saved = step
             accelerator.wait_for_everyone()
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM through the CLI: keep the steps since the last save
         if step > saved:
-            _keep_on_interrupt(err, step, saved, nproc, lambda: ckpt_io.save_checkpoint(
-                out, heads, optimizer, scheduler, step, saved_config, fingerprint, rng_state=rng))
+            _keep_on_interrupt(err, step, saved, nproc, save)
         raise
     if bar is not None:
         bar.close()
