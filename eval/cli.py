@@ -223,7 +223,7 @@ def run_lossless(args) -> int:
 
     import torch
     from specdec.drafters.registry import available
-    from specdec.eval.certificate import CertificateSizes, run_certificate
+    from specdec.eval.certificate import CertificateSizes, run_certificate, where_it_ran
     from specdec.eval.prompts import load_prompts
 
     from specdec.models.loader import load_model
@@ -250,9 +250,9 @@ def run_lossless(args) -> int:
     loaded = load_model(args.model, dtype=getattr(torch, args.dtype or "float32"), device=device)
     encode = _encoder(loaded)
     make_prompts = lambda n: [encode(t) for t in load_prompts("chat", n)]  # noqa: E731
-    runner = loaded.runner
-    print(f"[specdec eval lossless] {loaded.name} + {args.drafter}, levels {','.join(levels)}, on {runner.device} "
-          f"({str(runner.dtype).removeprefix('torch.')})", file=sys.stderr)
+    ran = where_it_ran(loaded)
+    print(f"[specdec eval lossless] {loaded.name} + {args.drafter}, levels {','.join(levels)}, on {ran['device']} "
+          f"({ran['dtype']})", file=sys.stderr)
     cert = run_certificate(loaded, args.drafter, _options(args.drafter_option), sampling, sizes, make_prompts, levels,
                            progress=lambda msg: print(f"  ... {msg}", file=sys.stderr), seed=args.seed)
     out.mkdir(parents=True, exist_ok=True)
