@@ -6,9 +6,10 @@ the page from the results at build time, so the site never shows a stale page.
 
 A result file holds one measurement: ``date``, ``machine_class`` (one of MACHINE_CLASSES), ``machine``,
 ``benchmark``, ``title``, ``command``, optionally ``run`` (orders results of one date), ``commit``, ``conditions``,
-``columns`` + ``rows`` (a table), ``notes`` and ``kind`` (``history``: shown in the history only). The page shows
-the latest result per machine class and benchmark, then every result by date; two results that tie for latest
-(same class, benchmark, date and run) are refused, as one would hide the other.
+``columns`` + ``rows`` (a table), ``tables`` (further tables of the same run, each a ``name``, ``columns`` and
+``rows``), ``notes`` and ``kind`` (``history``: shown in the history only). The page shows the latest result per
+machine class and benchmark, then every result by date; two results that tie for latest (same class, benchmark,
+date and run) are refused, as one would hide the other.
 """
 from __future__ import annotations
 
@@ -91,8 +92,8 @@ def _result(r: dict, level: str) -> list[str]:
     out += ["```bash", *commands, "```", ""]
     if r.get("conditions"):
         out += [r["conditions"], ""]
-    if r.get("columns"):
-        out += _table(r["columns"], r["rows"]) + [""]
+    for table in ([r] if r.get("columns") else []) + r.get("tables", []):
+        out += _table(table["columns"], table["rows"]) + [""]
     notes = r.get("notes") or []
     for note in [notes] if isinstance(notes, str) else notes:  # one note, or a list of them (as ``command``)
         out += [f"- {note}"]

@@ -6,6 +6,9 @@ A page marks a copy of one result file's table as a generated region::
     (the table, written here)
     <!-- end generated -->
 
+A result's further tables (its ``tables``, each with a ``name``) are marked ``table NAME``, e.g.
+``<!-- generated: results/FILE.json table mt_bench_ngram -->``.
+
 Run by hand after changing a result (``python docs/gen_result_tables.py``); ``--check`` exits 1 when a page's
 region differs from what its result gives (tests/test_docs.py runs it). mkdocs also loads this file as a hook and
 fills the regions at build time. The table is rendered as docs/gen_benchmarks.py renders it on the benchmarks page.
@@ -18,8 +21,8 @@ import sys
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
-REGION = re.compile(r"<!-- generated: results/(?P<file>[\w.-]+\.json) (?P<part>\w+) -->\n(?P<body>.*?)"
-                    r"<!-- end generated -->", re.S)
+REGION = re.compile(r"<!-- generated: results/(?P<file>[\w.-]+\.json) (?P<part>\w+)(?: (?P<name>\w+))? -->\n"
+                    r"(?P<body>.*?)<!-- end generated -->", re.S)
 START, END = "<!-- generated:", "<!-- end generated -->"
 
 
@@ -34,11 +37,16 @@ def _benchmarks():
 _GEN = _benchmarks()
 
 
-def render_part(result: dict, part: str) -> str:
-    """What a region holds: ``table``, the result's columns and rows."""
+def render_part(result: dict, part: str, name: str | None = None) -> str:
+    """What a region holds: ``table``, the result's columns and rows, or ``table NAME``, its further table NAME."""
     if part != "table":
         raise ValueError(f"unknown part {part!r} (known: table)")
-    if not result.get("columns"):
+    if name is not None:
+        named = {t["name"]: t for t in result.get("tables", [])}
+        if name not in named:
+            raise ValueError(f"{result['file']} has no table {name!r} (it has: {', '.join(named) or 'none'})")
+        result = named[name]
+    elif not result.get("columns"):
         raise ValueError(f"{result['file']} has no table")
     return "\n" + "\n".join(_GEN._table(result["columns"], result["rows"])) + "\n\n"
 
@@ -53,10 +61,11 @@ def fill(text: str, results: dict[str, dict], where: str = "page") -> str:
         if name not in results:
             raise ValueError(f"{where}: no result file docs/results/{name}")
         try:
-            body = render_part(results[name], match["part"])
+            body = render_part(results[name], match["part"], match["name"])
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
-        return f"<!-- generated: results/{name} {match['part']} -->\n{body}{END}"
+        marker = " ".join(filter(None, [f"results/{name}", match["part"], match["name"]]))
+        return f"<!-- generated: {marker} -->\n{body}{END}"
 
     return REGION.sub(region, text)
 

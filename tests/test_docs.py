@@ -61,6 +61,21 @@ def test_a_stale_or_broken_result_region_is_caught(tmp_path, monkeypatch):
     assert gen.main([]) == 0 and gen.main(["--check"]) == 0
 
 
+def test_a_results_further_table_fills_its_named_region_and_shows_on_the_benchmarks_page():
+    gen = _script(DOCS / "gen_result_tables.py")
+    extra = dict(name="per_turn", columns=["turn", "x"], rows=[["1", "2.5"]])
+    result = dict(date="2026-01-01", machine_class="cpu-avx512", title="T", machine="m", benchmark="b", command="c",
+                  file="r.json", columns=["a"], rows=[["main"]], tables=[extra])
+    page = "<!-- generated: results/r.json table per_turn -->\nstale\n<!-- end generated -->"
+    filled = gen.fill(page, {"r.json": result})
+    assert filled == "<!-- generated: results/r.json table per_turn -->\n\n| turn | x |\n|---|---|\n| 1 | 2.5 |\n\n" \
+        "<!-- end generated -->"
+    with pytest.raises(ValueError, match="has no table 'per_tun' \\(it has: per_turn\\)"):
+        gen.fill(page.replace("per_turn", "per_tun"), {"r.json": result})
+    lines = _gen_benchmarks()._result(result, "####")
+    assert "| main |" in lines and "| 1 | 2.5 |" in lines
+
+
 def test_benchmarks_page_shows_the_latest_result_per_machine_class(tmp_path):
     gen = _gen_benchmarks()
     for name, date, title in [("a", "2026-01-01", "OLD RUN"), ("b", "2026-02-01", "NEW RUN")]:
