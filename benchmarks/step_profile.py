@@ -30,11 +30,13 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cu
 GRAPH_CALLS = ("cudaGraphLaunch", "cuGraphLaunch")
 TOP_KERNELS = 24  # the report names 8; the JSON keeps these
 TOP_OPS = 16  # ops kept by the launches they issue from the host
-# kernel kinds by name (lower case), first match wins: cuBLAS / cuBLASLt / CUTLASS products and specdec's invariant
-# linear; the tree attention and its split-KV merge (kernels/tree_attention.py), invariant attention, SDPA / flash
-KERNEL_KINDS = (("products", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitkreduce", "_linear_kernel")),
-                ("attention", ("attn", "attention", "flash", "_merge_kernel", "sdpa")),
+# kernel kinds by name (lower case), first match wins: the tree attention and its split-KV merge
+# (kernels/tree_attention.py), invariant attention, SDPA / flash / CUTLASS fmha; cuBLAS / cuBLASLt / CUTLASS products
+# and specdec's invariant linear; norms. The rest is "other"; KINDS is the order they are reported in
+KERNEL_KINDS = (("attention", ("attn", "attention", "flash", "fmha", "_merge_kernel", "sdpa")),
+                ("products", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitkreduce", "_linear_kernel")),
                 ("norms", ("norm",)))
+KINDS = ("products", "attention", "norms", "other")
 
 
 @contextlib.contextmanager
@@ -163,7 +165,7 @@ def summarize(events) -> dict:
         kernels_per_step=len(kernels) / n,
         kernel_ms_per_step=kernel_us / n / 1e3,  # summed, overlaps counted twice (streams): <= busy only on one
         # the same by kind (products, attention, norms, other): where a larger step's extra device time goes
-        kernel_ms_by_kind={k: by_kind[k] / n / 1e3 for k, _ in KERNEL_KINDS + (("other", ()),) if k in by_kind},
+        kernel_ms_by_kind={k: by_kind[k] / n / 1e3 for k in KINDS if k in by_kind},
         graph_launches_per_step=sum(e.name in GRAPH_CALLS for e in host) / n,
         host_launches_per_step=sum(e.name in LAUNCH_CALLS for e in host) / n,
         copies_per_step={k: v / n for k, v in sorted(copies.items())},

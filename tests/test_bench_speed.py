@@ -153,8 +153,9 @@ def test_profile_summary_splits_kernel_time_by_kind():
 
     events = [ev("engine.step", 0, 100, DeviceType.CPU), ev("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_splitK_TNT", 0, 30),
               ev("ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_tn", 30, 36), ev("_linear_kernel", 36, 38),
-              ev("_tree_attn_kernel", 40, 50), ev("_merge_kernel", 50, 55), ev("_add_rms_norm_kernel", 55, 59),
-              ev("_rope_write_kernel", 60, 63), ev("Memcpy HtoD (Pinned -> Device)", 63, 64)]
+              ev("_tree_attn_kernel", 40, 48), ev("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", 48, 50),
+              ev("_merge_kernel", 50, 55), ev("_add_rms_norm_kernel", 55, 59), ev("_rope_write_kernel", 60, 63),
+              ev("Memcpy HtoD (Pinned -> Device)", 63, 64)]
     s = summarize(events)
     assert s["kernel_ms_by_kind"] == pytest.approx(dict(products=0.038, attention=0.015, norms=0.004, other=0.003))
     assert list(s["kernel_ms_by_kind"]) == ["products", "attention", "norms", "other"]
