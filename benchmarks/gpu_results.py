@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 ENV_LINE = re.compile(r"^(?P<gpu>[^\n(]+?) \([^\n)]*\), torch (?P<torch>\S+) \(CUDA [^\n)]*\), triton (?P<triton>\S+), "
                       r"transformers (?P<transformers>\S+)$", re.M)
 COMMIT = re.compile(r"Code at `?(?P<commit>[0-9a-f]{7,40})\b")
-COMMAND = re.compile(r"`(python3? benchmarks/gpu_check\.py [^`]+)`")
+COMMAND = re.compile(r"`[^`]*?(python3? benchmarks/gpu_check\.py [^`]+)`")  # past an install or PYTHONUNBUFFERED=1
 E2E_METHODS = (("hf_dynamic", "transformers, dynamic cache"), ("hf_static", "transformers, static cache"),
                ("specdec_plain", "specdec plain, eager"), ("specdec_ngram", "specdec n-gram, eager"),
                ("specdec_plain_graphs", "specdec plain, CUDA graphs"),

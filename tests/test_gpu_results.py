@@ -44,11 +44,13 @@ def test_a_run_without_its_commit_or_with_results_written_is_refused(script, tmp
 
 def test_what_a_later_run_records_is_said(script, tmp_path):
     """The e2e step's speculation record gives n-gram's tau with graphs; a run of other rows skipped names them;
-    a JSON the folder lacks gives no result."""
+    a JSON the folder lacks gives no result; a call quoted as gpu_carry.py prints it is found."""
     run = tmp_path / "run"
     run.mkdir()
-    for name in ("report.md", "speed_report.md", "speed.json", "e2e.json"):
+    for name in ("speed_report.md", "speed.json", "e2e.json"):
         shutil.copy(RUN / name, run / name)
+    call = "python3 benchmarks/gpu_check.py --deadline-s 410 --steps env,speed"
+    (run / "report.md").write_text((RUN / "report.md").read_text().replace(f"`{call}", f"`PYTHONUNBUFFERED=1 {call}"))
     e2e = json.loads((run / "e2e.json").read_text())
     e2e["speculation"] = {"specdec_ngram_graphs": dict(steps=100, tokens=150, drafted_steps=40, nodes=90)}
     (run / "e2e.json").write_text(json.dumps(e2e))
@@ -57,6 +59,7 @@ def test_what_a_later_run_records_is_said(script, tmp_path):
     (run / "speed.json").write_text(json.dumps(speed))
     made = script.results(script.Run(run))
     assert sorted(made) == ["2026-11-30-gpu-h200-e2e.json", "2026-11-30-gpu-h200-speed.json"]
+    assert made["2026-11-30-gpu-h200-speed.json"]["command"].startswith(call + " --model default   # its speed step")
     assert made["2026-11-30-gpu-h200-e2e.json"]["notes"][0].endswith(
         "summarisation 0.97x); with graphs tau 1.50, a draft verified in 40% of steps.")
     assert made["2026-11-30-gpu-h200-speed.json"]["notes"][-1] == (
