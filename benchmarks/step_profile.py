@@ -31,10 +31,10 @@ GRAPH_CALLS = ("cudaGraphLaunch", "cuGraphLaunch")
 TOP_KERNELS = 24  # the report names 8; the JSON keeps these
 TOP_OPS = 16  # ops kept by the launches they issue from the host
 # kernel kinds by name (lower case), first match wins: the tree attention and its split-KV merge
-# (kernels/tree_attention.py), invariant attention, SDPA / flash / CUTLASS fmha; cuBLAS / cuBLASLt / CUTLASS products
-# and specdec's invariant linear; norms. The rest is "other"; KINDS is the order they are reported in
+# (kernels/tree_attention.py), invariant attention, SDPA / flash / CUTLASS fmha; cuBLAS / cuBLASLt / CUTLASS products,
+# Triton matmuls and specdec's invariant linear; norms. The rest is "other"; KINDS is the order they are reported in
 KERNEL_KINDS = (("attention", ("attn", "attention", "flash", "fmha", "_merge_kernel", "sdpa")),
-                ("products", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitkreduce", "_linear_kernel")),
+                ("products", ("gemm", "gemv", "matmul", "nvjet", "cutlass", "xmma", "splitkreduce", "_linear_kernel")),
                 ("norms", ("norm",)))
 KINDS = ("products", "attention", "norms", "other")
 

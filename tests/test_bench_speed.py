@@ -152,7 +152,8 @@ def test_profile_summary_splits_kernel_time_by_kind():
                  is_user_annotation=False)
 
     events = [ev("engine.step", 0, 100, DeviceType.CPU), ev("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_splitK_TNT", 0, 30),
-              ev("ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_tn", 30, 36), ev("_linear_kernel", 36, 38),
+              ev("ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_tn", 30, 35), ev("matmul_kernel", 35, 36),
+              ev("_linear_kernel", 36, 38),
               ev("_tree_attn_kernel", 40, 48), ev("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", 48, 50),
               ev("_merge_kernel", 50, 55), ev("_add_rms_norm_kernel", 55, 59), ev("_rope_write_kernel", 60, 63),
               ev("Memcpy HtoD (Pinned -> Device)", 63, 64)]
