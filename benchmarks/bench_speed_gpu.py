@@ -13,14 +13,16 @@ Per model (docs/gpu-speed.md explains every column):
   random EAGLE layer's real drafting each step: speedup over specdec's plain decoding at the same batch;
 * transformers' ``generate()`` with its static cache (eager, batch 1) as the same-run baseline, where it fits the
   budget;
-* a profile of batch-1 plain decoding and of the oracle chain at the first tau with EAGLE's drafting, replayed
-  and eager (benchmarks/step_profile.py): GPU busy and idle time per step, kernels, graph and host launches and
-  the ops issuing them (eager: each op's kernels), host waits on the device and the engine's phases on the host,
-  so that a number that misses its goal says why.
+* a profile of batch-1 plain decoding, of the oracle chain at the first tau with EAGLE's drafting, replayed
+  and eager, and of the oracle's 64-node tree (each step a 65-token verify) (benchmarks/step_profile.py): GPU busy
+  and idle time per step, kernel time by kind (products, attention, norms), graph and host launches and the ops
+  issuing them (eager: each op's kernels), host waits on the device and the engine's phases on the host, so that a
+  number that misses its goal says why.
 
 Models run in order of importance, each within its share of ``--budget`` seconds; whatever does not fit is marked
-skipped in the report instead of overrunning, so the run ends in time. ``report`` JSON + Markdown are rewritten
-after every measurement, so a killed run keeps what it measured. Exit status 0 also when items were skipped.
+skipped in the report instead of overrunning, so the run ends in time; ``item_seconds`` says what each took.
+``report`` JSON + Markdown are rewritten after every measurement, so a killed run keeps what it measured. Exit
+status 0 also when items were skipped.
 """
 from __future__ import annotations
 
@@ -216,7 +218,7 @@ class ModelRun:
                  save) -> None:
         self.spec, self.args, self.device, self.dtype, self.clock, self.save = spec, args, device, dtype, clock, save
         self.result: dict = dict(model=spec, plain={}, oracle=[], verify_cost=None, hf_static=None, profile=[],
-                                 skipped=[], errors=[])
+                                 skipped=[], errors=[], item_seconds={})
         self.bandwidth = bandwidth
 
     def item(self, name: str, fn, estimate: float | None = None) -> None:
@@ -229,6 +231,7 @@ class ModelRun:
             fn()
         except Exception as err:  # one failed measurement must not lose the others
             self.result["errors"].append(f"{name}: {type(err).__name__}: {' '.join(str(err).split())[:400]}")
+        self.result["item_seconds"][name] = round(time.perf_counter() - t0, 2)  # what the next run's budget needs
         print(f"[speed] {self.spec}: {name} ({time.perf_counter() - t0:.1f} s)", flush=True)
         self.save()
 
@@ -452,9 +455,12 @@ class ModelRun:
                  (f"oracle tree tau {tau} b{b}",
                   dict(drafter=OracleDrafter(self.references[b], tree, seed=1), speculation="always"))]
         for name, kwargs in calls:
+            t0 = time.perf_counter()
             with profiled(self.device) as trace:
                 row = run_generate(self.loaded, prompts, tokens, **kwargs)
-            self.result["profile"].append(dict(call=name, new_tokens=tokens, tau=row["tau"], summary=trace.summary()))
+            summary = trace.summary()
+            self.result["profile"].append(dict(call=name, new_tokens=tokens, tau=row["tau"], summary=summary,
+                                               seconds=round(time.perf_counter() - t0, 2)))  # the trace's reading too
 
     def hf(self, prompt) -> None:
         self.result["hf_static"] = hf_static(self.loaded.model, prompt, self.args.new_tokens)

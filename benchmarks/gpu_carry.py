@@ -128,6 +128,8 @@ def main(argv=None) -> int:
     print(f"Make call 2 within 30 s of call 1's end, with --deadline-s set to the budget_left_s of call 1's lease "
           f"less {CALL_OVERHEAD_S + GAP_S} (at most {600 - CALL_OVERHEAD_S}): a machine that started quickly leaves "
           "more than planned (2026-11-30: 531 s left, planned for 250).")
+    print("Then commit the run: its folder under docs/gpu/, then python benchmarks/gpu_results.py docs/gpu/KIND-DATE "
+          "(docs/gpu-speed.md, 'Committing a run').")
     return 0
 
 

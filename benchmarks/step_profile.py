@@ -7,7 +7,8 @@
 Only the engine's steps count (from the first ``Engine.step`` to the end of the last; prefill and set-up are left
 out). Per step it gives the wall time under the profiler (which adds some per launch: the timed rows give the speed,
 this gives the shares), the GPU's busy time (the union of its kernel and copy intervals, not the engine's
-``record_function`` ranges the profiler also puts on the device's timeline) and what is left idle, kernels run,
+``record_function`` ranges the profiler also puts on the device's timeline) and what is left idle, kernels run and
+their time by kind (products, attention, norms, other: where a 65-token verify's extra time goes against a decode's),
 CUDA-graph launches and launches from the host (and the ops issuing them: of an eager call, each op's kernels), the
 host's waits on the device (synchronisations and their seconds), and the host time of each engine phase (propose,
 verify_batch, verify, read, accept, commit, ...).
@@ -29,6 +30,13 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cu
 GRAPH_CALLS = ("cudaGraphLaunch", "cuGraphLaunch")
 TOP_KERNELS = 24  # the report names 8; the JSON keeps these
 TOP_OPS = 16  # ops kept by the launches they issue from the host
+# kernel kinds by name (lower case), first match wins: the tree attention and its split-KV merge
+# (kernels/tree_attention.py), invariant attention, SDPA / flash / CUTLASS fmha; cuBLAS / cuBLASLt / CUTLASS products,
+# Triton matmuls and specdec's invariant linear; norms. The rest is "other"; KINDS is the order they are reported in
+KERNEL_KINDS = (("attention", ("attn", "attention", "flash", "fmha", "_merge_kernel", "sdpa")),
+                ("products", ("gemm", "gemv", "matmul", "nvjet", "cutlass", "xmma", "splitkreduce", "_linear_kernel")),
+                ("norms", ("norm",)))
+KINDS = ("products", "attention", "norms", "other")
 
 
 @contextlib.contextmanager
@@ -109,6 +117,12 @@ def _launching_op(launch) -> str:
     return aten or other or "(none)"
 
 
+def kernel_kind(name: str) -> str:
+    """products, attention, norms or other: what a kernel of that name computes (KERNEL_KINDS)."""
+    low = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in low for m in marks)), "other")
+
+
 def summarize(events) -> dict:
     """The per-step figures of the module doc, from a profiler's events (``prof.events()``)."""
     steps = [e for e in events if e.name == "engine.step" and e.device_type == torch.autograd.DeviceType.CPU]
@@ -136,6 +150,9 @@ def summarize(events) -> dict:
     for e in kernels:
         per_kernel[e.name].append(e.time_range.end - e.time_range.start)
     kernel_us = sum(sum(d) for d in per_kernel.values())
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, d in per_kernel.items():
+        by_kind[kernel_kind(name)] += sum(d)
     top = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
     top_aten = Counter(e.name for e in host if e.name.startswith("aten::")
                        and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
@@ -147,6 +164,8 @@ def summarize(events) -> dict:
         gpu_idle_share=1.0 - busy_us / wall_us if device and wall_us > 0 else None,
         kernels_per_step=len(kernels) / n,
         kernel_ms_per_step=kernel_us / n / 1e3,  # summed, overlaps counted twice (streams): <= busy only on one
+        # the same by kind (products, attention, norms, other): where a larger step's extra device time goes
+        kernel_ms_by_kind={k: by_kind[k] / n / 1e3 for k in KINDS if k in by_kind},
         graph_launches_per_step=sum(e.name in GRAPH_CALLS for e in host) / n,
         host_launches_per_step=sum(e.name in LAUNCH_CALLS for e in host) / n,
         copies_per_step={k: v / n for k, v in sorted(copies.items())},
@@ -182,6 +201,12 @@ def markdown_rows(model: dict) -> list[str]:
                      f"{s['graph_launches_per_step']:.1f} | {s['host_launches_per_step']:.1f} | "
                      f"{s['syncs_per_step']:.1f} ({s['sync_wait_ms_per_step']:.3f}) | {phases} |")
     for r in rows:
+        s = r["summary"]  # older reports have no kinds
+        if s.get("kernel_ms_by_kind"):
+            lines += ["", f"{r['call']}, kernel time by kind, ms/step: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in s["kernel_ms_by_kind"].items())
+                + f" (all {s['kernel_ms_per_step']:.3f}; GPU busy {s['gpu_busy_ms_per_step']:.3f} of "
+                  f"{s['wall_ms_per_step']:.3f} wall)"]
         if r["summary"]["top_kernels"]:
             lines += ["", f"{r['call']}, kernels by GPU time: " + "; ".join(
                 f"`{k['name'][:48]}` {k['per_step']:.0f}/step {k['us_per_step']:.0f} us ({100 * k['share']:.0f}%)"

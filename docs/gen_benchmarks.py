@@ -49,8 +49,10 @@ python benchmarks/gpu_check.py            # the whole GPU path (tests, kernels, 
 ```
 
 To add a result, commit a JSON file under `docs/results/` (the fields are described in
-`docs/gen_benchmarks.py`) and run `python docs/gen_benchmarks.py`. Other pages quote a result's table only in a
-region marked `generated: results/FILE.json table`, which `python docs/gen_result_tables.py` fills from the file.
+`docs/gen_benchmarks.py`) and run `python docs/gen_benchmarks.py`; a GPU run's folder under `docs/gpu/` gives its
+files with `python benchmarks/gpu_results.py docs/gpu/KIND-DATE` ([GPU speed](gpu-speed.md#committing-a-run)).
+Other pages quote a result's table only in a region marked `generated: results/FILE.json table`, which
+`python docs/gen_result_tables.py` fills from the file.
 """
 
 

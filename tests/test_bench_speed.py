@@ -55,6 +55,8 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     assert plain["steps"] == 6 and plain["aten_ops_per_step"] > 0 and "verify" in plain["phases_ms_per_step"]
     assert oracle["steps"] < plain["steps"] and oracle["phases_ms_per_step"]["propose"] > 0  # EAGLE drafted
     assert tree["steps"] < plain["steps"]  # the 64-node trees' 65-token verifies, accepted as the profile says
+    assert {"plain b1", "verify cost", "profile b1"} <= set(model["item_seconds"])  # what each row cost
+    assert all(r["seconds"] > 0 for r in model["profile"]) and tree["kernel_ms_by_kind"] == {}  # no kernels on a CPU
     text = (tmp_path / "speed.md").read_text()
     assert "## synthetic:qwen3-1.7b@tiny" in text and "speedup vs plain" in text and "REHEARSAL" in text
     assert "| oracle chain tau 3.0 +eagle b1 |" in text
@@ -133,3 +135,31 @@ def test_profile_summary_counts_a_steps_device_time_launches_and_waits():
     assert s["top_kernels"][0]["per_step"] == 1.0 and abs(s["top_kernels"][0]["share"] - 50 / 80) < 1e-12
     with pytest.raises(ValueError, match="no engine step"):
         summarize([ev("aten::mm", 0, 1)])
+
+
+def test_profile_summary_splits_kernel_time_by_kind():
+    """A 65-token verify's extra time against a decode's, by kind: cuBLAS's and specdec's products, the tree attention
+    and its split-KV merge, the norms, the rest (names as an H200 trace gives them; one step, microseconds)."""
+    import sys
+    from types import SimpleNamespace as E
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from step_profile import markdown_rows, summarize
+    from torch.autograd import DeviceType
+
+    def ev(name, start, end, device=DeviceType.CUDA):
+        return E(name=name, time_range=E(start=start, end=end), device_type=device, cpu_parent=None,
+                 is_user_annotation=False)
+
+    events = [ev("engine.step", 0, 100, DeviceType.CPU), ev("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_splitK_TNT", 0, 30),
+              ev("ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_tn", 30, 35), ev("matmul_kernel", 35, 36),
+              ev("_linear_kernel", 36, 38),
+              ev("_tree_attn_kernel", 40, 48), ev("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", 48, 50),
+              ev("_merge_kernel", 50, 55), ev("_add_rms_norm_kernel", 55, 59), ev("_rope_write_kernel", 60, 63),
+              ev("Memcpy HtoD (Pinned -> Device)", 63, 64)]
+    s = summarize(events)
+    assert s["kernel_ms_by_kind"] == pytest.approx(dict(products=0.038, attention=0.015, norms=0.004, other=0.003))
+    assert list(s["kernel_ms_by_kind"]) == ["products", "attention", "norms", "other"]
+    text = "\n".join(markdown_rows(dict(profile=[dict(call="oracle tree tau 3.0 b1", summary=s)])))
+    assert ("oracle tree tau 3.0 b1, kernel time by kind, ms/step: products 0.038, attention 0.015, norms 0.004, "
+            "other 0.003 (all 0.060; GPU busy 0.061 of 0.100 wall)") in text
