@@ -497,7 +497,7 @@ def test_held_interrupts_stop_as_their_own_signal_else_as_the_peers():
 
 # run by `accelerate launch` in each of two processes: an uninterrupted run, the same run interrupted (rank 0 gets
 # SIGINT as step 3 starts, before its collective; rank 1 SIGTERM as step 3's update is applied, after it) and
-# resumed; the CLI's exit codes go to rank<r>.json
+# resumed; the CLI's exit codes, and how many of the runs closed the process group, go to rank<r>.json
 TWO_PROCESS_DRIVER = """
 import json, os, signal, sys
 import torch, accelerate
@@ -505,7 +505,8 @@ from specdec.cli import main
 from specdec.train import trainer
 
 rank, args, out = int(os.environ["RANK"]), json.loads(sys.argv[1]), sys.argv[2]
-accelerate.Accelerator.end_training = lambda self: None  # the three runs share one process group
+ended = []
+accelerate.Accelerator.end_training = lambda self: ended.append(1)  # the three runs share one process group
 armed, calls, real_rows, real_step = [False], [], trainer.batch_rows, torch.optim.AdamW.step
 
 def rows(num, micro, *a):
@@ -527,7 +528,7 @@ codes.append(main(args + ["--output-dir", out + "/part"]))
 armed[0] = False
 codes.append(main(args + ["--output-dir", out + "/part", "--resume"]))
 with open(f"{out}/rank{rank}.json", "w") as f:
-    json.dump(codes, f)
+    json.dump([codes, len(ended)], f)
 torch.distributed.destroy_process_group()
 """
 
@@ -536,8 +537,8 @@ torch.distributed.destroy_process_group()
 def test_two_processes_interrupted_at_different_points_save_the_step_they_agree_on(tiny, tmp_path):
     """Two real processes (gloo), each signalled at another point of step 3 (one before the step's collective, one
     after it): both finish step 3 and stop there, the main process saves it (they kept only the last --save-every
-    checkpoint, here none), each exits with its own signal's code (130, 143), and --resume ends as the
-    uninterrupted run: the same weights, bit for bit, and the same losses."""
+    checkpoint, here none), each exits with its own signal's code (130, 143) having closed the process group, and
+    --resume ends as the uninterrupted run: the same weights, bit for bit, and the same losses."""
     import os
     import subprocess
     import sys
@@ -554,7 +555,9 @@ def test_two_processes_interrupted_at_different_points_save_the_step_they_agree_
     proc = subprocess.run(launch + [json.dumps(args), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [[0, 130, 0], [0, 143, 0]]
+    # the interrupted run closes its process group as a finished one does (left to exit, a rank can abort)
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [[[0, 130, 0], 3],
+                                                                                      [[0, 143, 0], 3]]
     assert "specdec train-medusa: interrupted; saved the checkpoint of step 3 (continue with --resume)" in proc.stderr
     assert "specdec train-medusa: terminated (SIGTERM); saved the checkpoint of step 3" in proc.stderr
     full, part = tmp_path / "full", tmp_path / "part"

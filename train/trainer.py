@@ -356,7 +356,7 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
         ckpt_io.save_checkpoint(out, heads, optimizer, scheduler, step, saved_config, fingerprint, rng_state=rng)
 
     held = InterruptsHeld() if nproc > 1 else contextlib.nullcontext()
-    agreed = None  # several processes: the step all of them stopped after on an interrupt, once it is saved
+    agreed = None  # several processes: the step all of them stopped after on an interrupt
     with held:  # its end handles a signal that came after the last step's collective: that step is saved
         try:
             while step < total:
@@ -415,12 +415,17 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
                     saved = step
                 if seen is not None and bool(seen.any()):  # every process finished this step: it is the one to keep
                     if step == saved or _saved_by_main(accelerator, save, step):
-                        saved = agreed = step
+                        saved = step
+                    agreed = step
                     held.stop(seen)
                 accelerator.wait_for_everyone()
         except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM through the CLI: keep the steps since the last save
-            if agreed is not None:
-                err.saved_step = agreed
+            if agreed is not None:  # every process stops here: the group can be closed as at the end of a run
+                err.processes_stopped_together = True
+                if saved == agreed:
+                    err.saved_step = agreed
+                else:  # the main process could not save (it said why)
+                    err.unsaved_steps = agreed - saved
             elif step > saved:
                 _keep_on_interrupt(err, step, saved, nproc, save)
             raise
