@@ -495,6 +495,30 @@ def test_held_interrupts_stop_as_their_own_signal_else_as_the_peers():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+@pytest.mark.parametrize("disk_full", [False, True])
+def test_after_an_agreed_interrupt_every_process_learns_whether_the_main_one_saved(disk_full):
+    """The main process saves once; every process learns whether it could (a full disk leaves the last checkpoint,
+    and each process's line then names the steps lost, not a checkpoint that is not there)."""
+    import threading
+
+    group, saves, answers = _Threads(2), [], [None, None]
+
+    def save():
+        saves.append(1)
+        if disk_full:
+            raise OSError(28, "No space left on device")
+
+    def run(r):
+        answers[r] = trainer._saved_by_main(group.rank(r), save, 3)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert saves == [1] and answers == [not disk_full] * 2
+
+
 # run by `accelerate launch` in each of two processes: an uninterrupted run, the same run interrupted (rank 0 gets
 # SIGINT as step 3 starts, before its collective; rank 1 SIGTERM as step 3's update is applied, after it) and
 # resumed; the CLI's exit codes, and how many of the runs closed the process group, go to rank<r>.json

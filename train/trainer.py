@@ -269,8 +269,9 @@ class MedusaRecipe:
 def _keep_on_interrupt(err: KeyboardInterrupt, step: int, saved: int, nproc: int, save) -> None:
     """An interrupt after step ``step``, the last save at ``saved`` (< step): one process saves the checkpoint of
     ``step`` (``save()``) and records it on ``err`` as ``saved_step``. Several processes agree on their step first
-    (train/agreed_interrupts.py) and save there; one stopped without it (a save that failed, a handler set outside
-    Python) does not save here, as the others may wait for it in a collective: ``err`` records ``unsaved_steps``."""
+    (train/agreed_interrupts.py) and save there; one stopped otherwise (a KeyboardInterrupt no process recorded, e.g.
+    outside the main thread) does not save here, as the others may wait for it in a collective: ``err`` records
+    ``unsaved_steps``."""
     if nproc > 1:
         err.unsaved_steps = step - saved
         logger.warning("interrupted after step %d: no checkpoint saved; the %d step(s) since the last one are lost",
