@@ -180,15 +180,14 @@ def config_from_args(args):
 
 def _what_is_left(out: Path, interrupt: KeyboardInterrupt | None = None) -> str:
     """After Ctrl-C: the checkpoint a --resume continues from (saved by the interrupt, or earlier), or that there is
-    none; and the steps lost since, which a run of several processes does not save (train/trainer.py)."""
+    none; and the steps lost since, where the interrupt could not save them (train/trainer.py)."""
     from specdec.train.checkpoint import find_checkpoint, read_state
 
     saved = getattr(interrupt, "saved_step", None)
     if saved is not None:
         return f"saved the checkpoint of step {saved} (continue with --resume)"
     lost = getattr(interrupt, "unsaved_steps", 0)
-    lost = f"; the {lost} step(s) after it are lost: a run of several processes saves only every --save-every " \
-        "steps" if lost else ""
+    lost = f"; the {lost} step(s) after it are lost (not saved on this interrupt)" if lost else ""
     ckpt = find_checkpoint(out)
     if ckpt is None:
         return f"it saved no checkpoint yet (see --save-every), so a rerun starts again{lost}"

@@ -37,8 +37,13 @@ def interrupts_deferred() -> Iterator[None]:
         for s, handler in previous.items():
             signal.signal(s, handler)
         for s in dict.fromkeys(caught):  # in the order they came; the first that raises ends the rest
-            handler = previous[s]
-            if callable(handler):
-                handler(s, None)
-            elif handler == signal.SIG_DFL:
-                os.kill(os.getpid(), s)
+            handle_as_before(s, previous[s])
+
+
+def handle_as_before(signum: int, handler) -> None:
+    """What ``handler`` (a handler ``signal.signal`` returned) does with ``signum``: call it, or for the default
+    action send the signal again (SIGTERM then ends the process); an ignored signal does nothing."""
+    if callable(handler):
+        handler(signum, None)
+    elif handler == signal.SIG_DFL:
+        os.kill(os.getpid(), signum)

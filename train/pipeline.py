@@ -216,6 +216,10 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
         if accelerator.num_processes > 1:  # close the process group here: left to exit, a rank could abort in teardown
             accelerator.end_training()
         return report
+    except KeyboardInterrupt as err:
+        if getattr(err, "processes_stopped_together", False):  # as above; only then does no process wait in the group
+            accelerator.end_training()
+        raise
     finally:
         if handler is not None:
             logging.getLogger("specdec").removeHandler(handler)

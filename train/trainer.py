@@ -19,6 +19,7 @@ So ``grad_accum`` N equals one batch N times larger and N processes equal one, w
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -31,6 +32,7 @@ from specdec.drafters.draft_vocab import IGNORE
 from specdec.drafters.eagle_checkpoint import WEIGHTS_FILE as EAGLE_WEIGHTS_FILE
 from specdec.drafters.medusa_heads import CONFIG_FILE, WEIGHTS_FILE, MedusaConfig, MedusaHeads
 from specdec.train import checkpoint as ckpt_io
+from specdec.train.agreed_interrupts import InterruptsHeld
 from specdec.train.config import TrainConfig, resolved_path
 from specdec.train.deferred_interrupts import interrupts_deferred
 from specdec.train.features import FeatureCache, collate, target_features
@@ -266,13 +268,14 @@ class MedusaRecipe:
 
 def _keep_on_interrupt(err: KeyboardInterrupt, step: int, saved: int, nproc: int, save) -> None:
     """An interrupt after step ``step``, the last save at ``saved`` (< step): one process saves the checkpoint of
-    ``step`` (``save()``) and records it on ``err`` as ``saved_step``; several processes do not (a signal reaches
-    each at another point, and a save after it could wait forever on a process that has stopped): ``err`` records
+    ``step`` (``save()``) and records it on ``err`` as ``saved_step``. Several processes agree on their step first
+    (train/agreed_interrupts.py) and save there; one stopped otherwise (a KeyboardInterrupt no process recorded, e.g.
+    outside the main thread) does not save here, as the others may wait for it in a collective: ``err`` records
     ``unsaved_steps``."""
     if nproc > 1:
         err.unsaved_steps = step - saved
-        logger.warning("interrupted after step %d: a run of %d processes saves no checkpoint on an interrupt; the "
-                       "%d step(s) since the last one are lost", step, nproc, step - saved)
+        logger.warning("interrupted after step %d: no checkpoint saved; the %d step(s) since the last one are lost",
+                       step, step - saved)
         return
     try:
         save()
@@ -281,6 +284,20 @@ def _keep_on_interrupt(err: KeyboardInterrupt, step: int, saved: int, nproc: int
         return
     err.saved_step = step
     logger.info("interrupted after step %d: saved its checkpoint", step)
+
+
+def _saved_by_main(accelerator, save, step: int) -> bool:
+    """Every process, after the same step: the main process saves its checkpoint (``save()``); whether it could, on
+    every process (a full disk leaves the last checkpoint)."""
+    ok = 0.0
+    if accelerator.is_main_process:
+        try:
+            save()
+            ok = 1.0
+            logger.info("interrupted after step %d: saved its checkpoint", step)
+        except OSError as err:
+            logger.warning("interrupted after step %d: its checkpoint could not be saved (%s)", step, err)
+    return bool(accelerator.reduce(torch.tensor([ok], device=accelerator.device), reduction="sum").item())
 
 
 def train_heads(cfg: TrainConfig, model, train_seqs: list[list[int]], accelerator, resume_from: Path | None,
@@ -296,7 +313,8 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
     """Train ``recipe.module`` (Medusa heads, an EAGLE layer) against the frozen target; returns the history of
     logged {step, loss, top1 per draft depth}. Saves checkpoints; resumes bit-exactly from ``resume_from``. An
     interrupt (Ctrl-C, SIGTERM) never lands inside an optimizer step; one process then saves the last completed
-    step before the interrupt goes on (:func:`_keep_on_interrupt`)."""
+    step before the interrupt goes on (:func:`_keep_on_interrupt`). Several processes record it and all stop after
+    the step whose collective first carries it, once the main process has saved that step."""
     out = Path(cfg.output_dir)
     nproc, rank = accelerator.num_processes, accelerator.process_index
     if cfg.batch_size % nproc:
@@ -338,64 +356,80 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
     def save() -> None:  # the checkpoint of the last completed step
         ckpt_io.save_checkpoint(out, heads, optimizer, scheduler, step, saved_config, fingerprint, rng_state=rng)
 
-    try:
-        while step < total:
-            window = []  # the step's micro-batches: what the loss averages over is counted before any backward
-            for a in range(cfg.grad_accum):
-                rows = batch_rows(len(train_seqs), step * cfg.grad_accum + a, cfg.batch_size, cfg.seed)[rank::nproc]
-                ids, mask = collate([train_seqs[r] for r in rows], accelerator.device)
-                if features is not None:
-                    hidden, labels, mask = features.batch(rows)
-                else:
-                    hidden, labels = target_features(model, ids, mask, getattr(recipe, "feature_layers", ()))
-                window.append((ids, hidden, labels, mask))
-            over = torch.tensor([recipe.loss_counts(labels, mask) for _, _, labels, mask in window],
-                                dtype=torch.long, device=accelerator.device).sum(0)
-            if nproc > 1:  # every process divides by the count of the whole global step
-                over = accelerator.reduce(over, reduction="sum")
-            over = over.tolist()
-            stats = torch.zeros(1 + 2 * depths, device=accelerator.device)  # loss, correct[d], count[d]
-            for ids, hidden, labels, mask in window:
-                loss, correct, count = recipe.accumulate(ids, hidden, labels, mask, over, accelerator.autocast)
-                stats[0] += loss.detach()
-                stats[1 : 1 + depths] += torch.tensor(correct, dtype=stats.dtype, device=stats.device)
-                stats[1 + depths :] += torch.tensor(count, dtype=stats.dtype, device=stats.device)
-            del window
-            if nproc > 1:  # each process's gradient is its share of the global step's: their sum is the step's
-                for p in params:
-                    p.grad = accelerator.reduce(p.grad, reduction="sum")
-                stats = accelerator.reduce(stats, reduction="sum")
-            if cfg.max_grad_norm > 0:  # after the averaging: every process clips the same gradient
-                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            lr = scheduler.get_last_lr()[0]  # the rate this step uses (scheduler.step() below moves to the next)
-            top1 = [float(stats[1 + i] / max(1.0, float(stats[1 + depths + i]))) for i in range(depths)]
-            rec = {"step": step + 1, "loss": float(stats[0]), "top1": top1, "lr": lr}
-            with interrupts_deferred():  # an interrupt lands before the step or after it, never inside
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                step, rng = step + 1, torch.get_rng_state()
+    held = InterruptsHeld() if nproc > 1 else contextlib.nullcontext()
+    agreed = None  # several processes: the step all of them stopped after on an interrupt
+    with held:  # its end handles a signal that came after the last step's collective: that step is saved
+        try:
+            while step < total:
+                window = []  # the step's micro-batches: what the loss averages over is counted before any backward
+                for a in range(cfg.grad_accum):
+                    rows = batch_rows(len(train_seqs), step * cfg.grad_accum + a, cfg.batch_size, cfg.seed)[rank::nproc]
+                    ids, mask = collate([train_seqs[r] for r in rows], accelerator.device)
+                    if features is not None:
+                        hidden, labels, mask = features.batch(rows)
+                    else:
+                        hidden, labels = target_features(model, ids, mask, getattr(recipe, "feature_layers", ()))
+                    window.append((ids, hidden, labels, mask))
+                over = torch.tensor([recipe.loss_counts(labels, mask) for _, _, labels, mask in window],
+                                    dtype=torch.long, device=accelerator.device).sum(0)
+                if nproc > 1:  # every process divides by the count of the whole global step
+                    over = accelerator.reduce(over, reduction="sum")
+                over = over.tolist()
+                stats = torch.zeros(1 + 2 * depths, device=accelerator.device)  # loss, correct[d], count[d]
+                for ids, hidden, labels, mask in window:
+                    loss, correct, count = recipe.accumulate(ids, hidden, labels, mask, over, accelerator.autocast)
+                    stats[0] += loss.detach()
+                    stats[1 : 1 + depths] += torch.tensor(correct, dtype=stats.dtype, device=stats.device)
+                    stats[1 + depths :] += torch.tensor(count, dtype=stats.dtype, device=stats.device)
+                del window
+                seen = None  # the interrupts the processes got, summed (several processes)
+                if nproc > 1:  # each process's gradient is its share of the global step's: their sum is the step's
+                    for p in params:
+                        p.grad = accelerator.reduce(p.grad, reduction="sum")
+                    stats = accelerator.reduce(torch.cat([stats, held.recorded(stats.device)]), reduction="sum")
+                    stats, seen = stats[:-2], stats[-2:]
+                if cfg.max_grad_norm > 0:  # after the averaging: every process clips the same gradient
+                    torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+                lr = scheduler.get_last_lr()[0]  # the rate this step uses (scheduler.step() below moves to the next)
+                top1 = [float(stats[1 + i] / max(1.0, float(stats[1 + depths + i]))) for i in range(depths)]
+                rec = {"step": step + 1, "loss": float(stats[0]), "top1": top1, "lr": lr}
+                with interrupts_deferred():  # an interrupt lands before the step or after it, never inside
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    step, rng = step + 1, torch.get_rng_state()
+                    if accelerator.is_main_process:
+                        history.append(rec)
+                        with open(hist_file, "a") as f:
+                            f.write(json.dumps(rec) + "\n")
+                due = step % cfg.save_every == 0 or step == total
                 if accelerator.is_main_process:
-                    history.append(rec)
-                    with open(hist_file, "a") as f:
-                        f.write(json.dumps(rec) + "\n")
-            due = step % cfg.save_every == 0 or step == total
-            if accelerator.is_main_process:
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{rec['loss']:.3f}", top1="/".join(f"{t:.2f}" for t in top1))
-                if step % cfg.log_every == 0 or step == total:
-                    logger.info("step %d/%d loss %.4f top1 %s lr %.2e", step, total, rec["loss"],
-                                " ".join(f"{t:.3f}" for t in top1), rec["lr"])
-                if due:
-                    save()
-            if due:  # saved (by the main process)
-                saved = step
-            accelerator.wait_for_everyone()
-    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM through the CLI: keep the steps since the last save
-        if step > saved:
-            _keep_on_interrupt(err, step, saved, nproc, save)
-        raise
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{rec['loss']:.3f}", top1="/".join(f"{t:.2f}" for t in top1))
+                    if step % cfg.log_every == 0 or step == total:
+                        logger.info("step %d/%d loss %.4f top1 %s lr %.2e", step, total, rec["loss"],
+                                    " ".join(f"{t:.3f}" for t in top1), rec["lr"])
+                    if due:
+                        save()
+                if due:  # saved (by the main process)
+                    saved = step
+                if seen is not None and bool(seen.any()):  # every process finished this step: it is the one to keep
+                    if step == saved or _saved_by_main(accelerator, save, step):
+                        saved = step
+                    agreed = step
+                    held.stop(seen)
+                accelerator.wait_for_everyone()
+        except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM through the CLI: keep the steps since the last save
+            if agreed is not None:  # every process stops here: the group can be closed as at the end of a run
+                err.processes_stopped_together = True
+                if saved == agreed:
+                    err.saved_step = agreed
+                else:  # the main process could not save (it said why)
+                    err.unsaved_steps = agreed - saved
+            elif step > saved:
+                _keep_on_interrupt(err, step, saved, nproc, save)
+            raise
     if bar is not None:
         bar.close()
     heads.eval()
