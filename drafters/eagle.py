@@ -86,6 +86,7 @@ class EagleDraftConfig:
 class EagleDrafter(Drafter):
     options_config = EagleDraftConfig  # what **options configure (drafters.registry.option_names)
     name = "eagle"
+    python_only_options = frozenset({"model"})  # not --drafter-option keys (drafters.registry)
     needs_hidden_states = True
     pending_trees = True  # propose_pending: the engine may verify the trees before the host reads them
     layer_from_target = False  # True (mtp): with neither path= nor model=, the layer is read from the target's files
