@@ -137,7 +137,8 @@ class EagleDrafter(Drafter):
                                  self.top_k, runner.shape.vocab_size, self.max_nodes,
                                  runner.backend.fused if runner.backend.triton else None)
         graphs = o.cuda_graphs if o.cuda_graphs != "auto" else runner.device.type == "cuda"
-        self.graphs: EagleGraphs | None = eagle_graphs(self.grower, runner.device.type == "cuda") if graphs else None
+        capture = runner.device.type == "cuda"
+        self.graphs: EagleGraphs | None = eagle_graphs(self.grower, capture, self.name) if graphs else None
         self.chooser = DepthChooser(self.depth)
         adapt = self.options.adapt_depth
         self.chooser.start(target.costs if adapt else None, memory_key(self, runner))
