@@ -222,6 +222,8 @@ class LlamaRunner:
         self.rotary = base.rotary_emb
         self.attention_scaling = float(getattr(self.rotary, "attention_scaling", 1.0))
         self.backend = resolve_backend(self.embed.device, backend)  # fused element-wise ops; the cache's its own
+        if self.backend.triton:  # before any forward, not at the first attention
+            self.backend.attention.check_head_dim(head_dim)
         if invariant:
             self.invariant = True
 
