@@ -157,6 +157,23 @@ def test_bf16_is_refused_in_the_interpreter_whose_bf16_dots_are_wrong():
     check(half, num_splits=2, atol=4e-3)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the Triton interpreter's limits")
+def test_a_bf16_model_is_refused_in_the_interpreter_also_in_the_bit_exact_mode(monkeypatch):
+    """The bit-exact mode's kernels never reach tree attention's refusal: a bf16 model on the Triton backend in the
+    interpreter ran there silently, its logits off the GPU kernels' by the interpreter's truncating bf16 casts
+    (SPECDEC_ATTENTION=triton specdec generate --dtype bfloat16 --invariant). The runner refuses it when built."""
+    from specdec.kernels.dispatch import BackendError
+
+    import specdec
+    from specdec.testing import build_tiny_model
+
+    monkeypatch.setenv("SPECDEC_ATTENTION", "triton")
+    model = build_tiny_model(vocab_size=32, num_hidden_layers=1).to(torch.bfloat16)
+    with pytest.raises(BackendError, match="^a bfloat16 model cannot run on the Triton backend in the Triton "
+                                           "interpreter"):
+        specdec.generate(model, [[1, 2, 3]], max_new_tokens=2, invariant=True)
+
+
 @pytest.mark.parametrize("head_dim", [320, 512])
 def test_heads_wider_than_256_match_reference(head_dim):
     """Up to MAX_HEAD_DIM the kernel matches the reference (16-bit tiles over such heads are capped at 32 rows:
