@@ -138,6 +138,9 @@ class Drafter(ABC):
     catches_up: bool = True
     # propose_pending is offered: the step's trees may stay on the device until the verify is launched
     pending_trees: bool = False
+    # constructor options only Python can give (a config object, a module, a callable): the command line's
+    # --drafter-option lists leave them out (drafters.registry.check_options)
+    python_only_options: frozenset[str] = frozenset()
 
     def attach(self, target: TargetView) -> None:
         """Called once by the engine before any sequence is added."""

@@ -123,6 +123,7 @@ class CombinedDrafter(Drafter):
     """Several drafters as one: see the module docstring."""
 
     options_config = CombinedConfig  # what **options configure (drafters.registry.option_names)
+    python_only_options = frozenset({"config", "verify_cost"})  # not --drafter-option keys (drafters.registry)
 
     def __init__(self, drafters: Sequence[Any] = ("ngram",), config: CombinedConfig | None = None,
                  verify_cost: Callable[[int], float] | None = None, **options: Any) -> None:

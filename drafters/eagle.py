@@ -86,6 +86,7 @@ class EagleDraftConfig:
 class EagleDrafter(Drafter):
     options_config = EagleDraftConfig  # what **options configure (drafters.registry.option_names)
     name = "eagle"
+    python_only_options = frozenset({"model"})  # not --drafter-option keys (drafters.registry)
     needs_hidden_states = True
     pending_trees = True  # propose_pending: the engine may verify the trees before the host reads them
     layer_from_target = False  # True (mtp): with neither path= nor model=, the layer is read from the target's files
@@ -136,7 +137,8 @@ class EagleDrafter(Drafter):
                                  self.top_k, runner.shape.vocab_size, self.max_nodes,
                                  runner.backend.fused if runner.backend.triton else None)
         graphs = o.cuda_graphs if o.cuda_graphs != "auto" else runner.device.type == "cuda"
-        self.graphs: EagleGraphs | None = eagle_graphs(self.grower, runner.device.type == "cuda") if graphs else None
+        capture = runner.device.type == "cuda"
+        self.graphs: EagleGraphs | None = eagle_graphs(self.grower, capture, self.name) if graphs else None
         self.chooser = DepthChooser(self.depth)
         adapt = self.options.adapt_depth
         self.chooser.start(target.costs if adapt else None, memory_key(self, runner))

@@ -97,8 +97,9 @@ class _Bucket:
 class EagleGraphs:
     """One grower's buckets and graphs (module doc)."""
 
-    def __init__(self, grower: TreeGrower, config: EagleGraphConfig = EagleGraphConfig()) -> None:
+    def __init__(self, grower: TreeGrower, config: EagleGraphConfig = EagleGraphConfig(), name: str = "eagle") -> None:
         self.grower, self.config = grower, config
+        self.name = name  # the drafter's, in its logs (mtp runs on EAGLE's machinery)
         self.buckets: dict[tuple[int, int, int], _Bucket] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if config.capture else None
         self.failed = False  # a capture failed: every later call runs eagerly
@@ -213,8 +214,8 @@ class EagleGraphs:
                 self._capture(bucket, depth)
             except Exception as error:  # noqa: BLE001 - any capture failure: draft eagerly, say so once
                 self.failed = True
-                logger.warning("eagle: CUDA-graph capture failed (%s: %s); drafting eagerly", type(error).__name__,
-                               error)
+                logger.warning("%s: CUDA-graph capture failed (%s: %s); drafting eagerly", self.name,
+                               type(error).__name__, error)
                 return None
         else:
             bucket.graphs[depth].replay()
@@ -238,14 +239,15 @@ class EagleGraphs:
         bucket.graphs[depth] = graph
         batch, keys, rows = bucket.meta.shape[0], bucket.inputs.past_k.shape[2], 0 if bucket.catch is None else (
             bucket.catch.tokens.shape[1])
-        logger.info("eagle: captured a CUDA graph for %d sequences x %d cached keys, %s, depth %d", batch, keys,
+        logger.info("%s: captured a CUDA graph for %d sequences x %d cached keys, %s, depth %d", self.name, batch, keys,
                     f"{rows} catch-up rows" if rows else "no catch-up", depth)
 
 
-def eagle_graphs(grower: TreeGrower, capture: bool) -> EagleGraphs:
+def eagle_graphs(grower: TreeGrower, capture: bool, name: str = "eagle") -> EagleGraphs:
     """The EagleGraphs of ``grower``'s model under its settings, kept on the model (at most MAX_KEPT, the oldest
     dropped first) and reused by later calls: the graphs read the model's weights and the target's embeddings and
-    LM head in their memory, and bake in the tree size, the sampling settings and the coupling seed."""
+    LM head in their memory, and bake in the tree size, the sampling settings and the coupling seed. ``name``: the
+    drafter's, for the logs."""
     model = grower.model
     key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in (grower.embed, grower.lm_head, *model.parameters()))
     key += (grower.sampling, grower.coupling, grower.top_k, grower.max_nodes, grower.fused is not None, capture)
@@ -253,7 +255,7 @@ def eagle_graphs(grower: TreeGrower, capture: bool) -> EagleGraphs:
     if key not in kept:
         while len(kept) >= MAX_KEPT:
             kept.pop(next(iter(kept)))
-        kept[key] = EagleGraphs(grower, EagleGraphConfig(capture=capture))
-    else:
-        kept[key].grower = grower  # same tensors and settings; the newest drafter's view of them
+        kept[key] = EagleGraphs(grower, EagleGraphConfig(capture=capture), name)
+    else:  # same tensors and settings; the newest drafter's view of them
+        kept[key].grower, kept[key].name = grower, name
     return kept[key]

@@ -100,6 +100,7 @@ class MedusaDraftConfig:
 class MedusaDrafter(Drafter):
     options_config = MedusaDraftConfig  # what **options configure (drafters.registry.option_names)
     name = "medusa"
+    python_only_options = frozenset({"heads"})  # not --drafter-option keys (drafters.registry)
     needs_hidden_states = True
     catches_up = False  # the heads read the root's hidden state only: a first call is a step
 

@@ -85,6 +85,7 @@ class _SeqIndex:
 class NGramDrafter(Drafter):
     options_config = NGramConfig  # what **options configure (drafters.registry.option_names)
     name = "ngram"
+    python_only_options = frozenset({"config"})  # not --drafter-option keys (drafters.registry)
 
     def __init__(self, config: NGramConfig | None = None, **options: int) -> None:
         if config is not None and options:

@@ -1,6 +1,7 @@
 """Drafter lookup by name: built-ins first, then the ``specdec.drafters`` entry points. Options a drafter does not
 take are refused by name with the list of those it does (a class forwarding ``**options`` to a config dataclass
-names it as ``options_config``)."""
+names it as ``options_config``). On the command line that list leaves out the options only Python can give (a
+drafter names them as ``python_only_options``: a config object, a module, a callable)."""
 from __future__ import annotations
 
 import dataclasses
@@ -47,19 +48,39 @@ def get_drafter(spec: Any, **options: Any) -> Drafter | None:
         return as_drafter(spec)
     if not isinstance(spec, str):
         raise InputTypeError(f"drafter must be None, a name or a Drafter instance, got {type(spec).__name__}")
+    check_options(spec, options)
+    return drafter_class(spec)(**options)
+
+
+def drafter_class(spec: str) -> type:
+    """The class the drafter name ``spec`` builds; InputError for an unknown name."""
     if spec in BUILTIN:
-        cls = _load(BUILTIN[spec])
-    else:
-        eps = [ep for ep in entry_points(group="specdec.drafters") if ep.name == spec]
-        if not eps:
-            raise InputError(f"unknown drafter {spec!r}; available: {', '.join(available())}")
-        cls = eps[0].load()
+        return _load(BUILTIN[spec])
+    eps = [ep for ep in entry_points(group="specdec.drafters") if ep.name == spec]
+    if not eps:
+        raise InputError(f"unknown drafter {spec!r}; available: {', '.join(available())}")
+    return eps[0].load()
+
+
+def check_options(spec: str, options: Any, *, command_line: bool = False) -> None:
+    """Refuse the options the drafter named ``spec`` does not take, naming those it does: as ``get_drafter`` takes
+    them, or (``command_line``) as ``--drafter-option KEY=VALUE`` gives them, without ``python_only_options``."""
+    cls = drafter_class(spec)
     known = option_names(cls)
-    unknown = sorted(set(options) - known) if known is not None else []
+    if known is None:
+        return
+    if not command_line:
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InputTypeError(f"drafter {spec!r} has no option {', '.join(map(repr, unknown))}; its options: "
+                                 f"{', '.join(sorted(known))}")
+        return
+    python_only = set(getattr(cls, "python_only_options", ()))  # a class that is no Drafter may lack it
+    unknown = sorted(set(options) - (known - python_only))
     if unknown:
-        raise InputTypeError(f"drafter {spec!r} has no option {', '.join(map(repr, unknown))}; its options: "
-                             f"{', '.join(sorted(known))}")
-    return cls(**options)
+        named = ", ".join(f"{k!r} (Python only)" if k in python_only else repr(k) for k in unknown)
+        raise InputTypeError(f"drafter {spec!r} has no --drafter-option {named}; its KEY=VALUE keys: "
+                             f"{', '.join(sorted(known - python_only))}")
 
 
 def option_names(cls: type) -> set[str] | None:

@@ -130,10 +130,17 @@ def _add_dtype(p, text: str = "weights / activations dtype (default: float32; on
     p.add_argument("--dtype", choices=DTYPES, default=None, help=text)
 
 
-def _options(pairs: list[str]) -> dict:
+def _options(pairs: list[str], drafter: str | None = None) -> dict:
+    """``--drafter-option`` pairs -> options; given the drafter's name, those it does not take are refused as the
+    command line spells them."""
+    from specdec.drafters.registry import check_options
+
     from specdec.cli import _parse_options
 
-    return _parse_options(pairs)
+    options = _parse_options(pairs)
+    if drafter is not None and options:
+        check_options(drafter, options, command_line=True)
+    return options
 
 
 def _suite_device(spec: str):
@@ -242,6 +249,7 @@ def run_lossless(args) -> int:
     sampling = SamplingConfig(args.temperature > 0, args.temperature or 1.0, args.top_k, args.top_p)
     device = _suite_device(args.device)
     out = Path(args.out or "runs/eval-lossless")
+    options = _options(args.drafter_option, args.drafter)
     check_earlier_run(out, CERTIFICATE_FILES, args.overwrite)  # before minutes of work, not after
     make_out_dir(out)
     torch.manual_seed(args.seed)
@@ -253,7 +261,7 @@ def run_lossless(args) -> int:
     ran = where_it_ran(loaded)
     print(f"[specdec eval lossless] {loaded.name} + {args.drafter}, levels {','.join(levels)}, on {ran['device']} "
           f"({ran['dtype']})", file=sys.stderr)
-    cert = run_certificate(loaded, args.drafter, _options(args.drafter_option), sampling, sizes, make_prompts, levels,
+    cert = run_certificate(loaded, args.drafter, options, sampling, sizes, make_prompts, levels,
                            progress=lambda msg: print(f"  ... {msg}", file=sys.stderr), seed=args.seed)
     out.mkdir(parents=True, exist_ok=True)
     for name, text in zip(CERTIFICATE_FILES, (json.dumps(cert.to_json(), indent=2, default=str),
@@ -268,7 +276,7 @@ def run_lossless(args) -> int:
 
 def run_acceptance(args) -> int:
     import torch
-    from specdec.drafters.registry import available
+    from specdec.drafters.registry import available, check_options
     from specdec.eval.acceptance import BASELINES, SuiteConfig
     from specdec.eval.conversations import cell_turns, chat_codec, run_conversations
     from specdec.eval.report import write_reports
@@ -301,6 +309,8 @@ def run_acceptance(args) -> int:
         else:
             raise ValueError(f"--drafter-option {key}: with several drafters, prefix the drafter name "
                              f"(e.g. {names[0]}.{key}=...)")
+    for d in names:  # options a drafter does not take, as the command line spells them, before the model loads
+        check_options(kinds.get(d, d), per_drafter[d], command_line=True)
     config = SuiteConfig(tuple((d, per_drafter[d]) for d in names), tuple(categories),
                          args.prompts or DEFAULT_PROMPTS, args.max_new_tokens, args.temperature, args.batch_size,
                          not args.no_hf_baseline, args.seed, args.calibration_repeats, args.sampler, renamed)

@@ -117,8 +117,8 @@ def run_replay(args) -> int:
     from specdec.eval.replay import ReplayConfig, replay
     from specdec.eval.replay_record import load_record, verify_cost_at
 
+    options = _options(args.drafter_option, args.drafter)
     record = load_record(args.record)
-    options = _options(args.drafter_option)
     results = [replay(record, ReplayConfig(args.drafter, options, n, args.temperature, args.guard == "on"))
                for n in _budgets(args.max_nodes)]
     if args.json:
@@ -150,7 +150,7 @@ def run_bound(args) -> int:
     from specdec.eval.replay_record import load_record
 
     record = load_record(args.record)
-    out = replay_bounds(record, ReplayConfig(args.drafter, _options(args.drafter_option)))
+    out = replay_bounds(record, ReplayConfig(args.drafter, _options(args.drafter_option, args.drafter)))
     if args.json:
         print(json.dumps({"record": str(Path(args.record)), "model": record["model"], **out}, indent=1))
         return 0

@@ -1,7 +1,7 @@
 """Compile every kernel launch the engine makes for a CUDA architecture WITHOUT a GPU (Triton's bundled ptxas).
 
     python -m specdec.kernels.compile_check              # sm_90 (H100 / H200): every recorded launch
-    python -m specdec.kernels.compile_check --quick      # a handful: 8B decode and tree, float32 tree, merge, KV, norm
+    python -m specdec.kernels.compile_check --quick      # a handful (8B decode and tree, head_dim 512 tree, ...)
     python -m specdec.kernels.compile_check --list       # what would be compiled, without compiling
     python -m specdec.kernels.compile_check --arch 80 --resources
 
@@ -52,6 +52,9 @@ MODELS = {
     "llama1b": Model(32, 8, 64, 2048, 8192),  # Llama-3.2-1B
     "smollm2": Model(9, 3, 64, 576, 1536),  # SmolLM2-135M
 }
+# the widest head the tree-attention kernel takes (tree_attention.MAX_HEAD_DIM), no published shape: its attention
+WIDE_HEADS = Model(8, 2, 512, 4096, 8192)
+WIDE_HEAD_STEPS = [(b, n, c) for b in (1, 8) for n in (1, 9, 65) for c in (100, 8000)]  # (batch, new, cached keys)
 DTYPES = {"bf16": (torch.bfloat16, tuple(MODELS)), "fp16": (torch.float16, ("llama8b", "smollm2")),
           "fp32": (torch.float32, ("llama8b", "smollm2"))}
 EAGER_BATCHES = (1, 2, 8, 32)
@@ -307,16 +310,19 @@ def _drive_all(rec: Recorder) -> None:
                 _layer_ops(rec, name, m, dtype, bucket.write_slots, label)
             _compaction(rec, name, m, dtype)
             _invariant_ops(rec, name, m, dtype)
+        _eager_attention(rec, "head512", WIDE_HEADS, dtype, WIDE_HEAD_STEPS)
 
 
 def _drive_quick(rec: Recorder) -> None:
-    """The 8B shape: a split bf16 decode (and its merge), bf16 and float32 65-token trees, KV store, one norm."""
+    """The 8B shape: a split bf16 decode (and its merge), bf16 and float32 65-token trees, KV store, one norm; a
+    bf16 65-token tree over head_dim 512."""
     from specdec.kernels import fused_ops as fo
     from specdec.kernels import kv_write as kw
 
     m = MODELS["llama8b"]
     rec.dtype = "bf16"
     _eager_attention(rec, "llama8b", m, torch.bfloat16, [(1, 1, 1000), (1, 65, 100)])
+    _eager_attention(rec, "head512", WIDE_HEADS, torch.bfloat16, [(1, 65, 100)])
     rec.dtype = "fp32"
     _eager_attention(rec, "llama8b", m, torch.float32, [(1, 65, 100)])
     rec.dtype, rec.label = "bf16", "llama8b eager rows=1"
@@ -400,7 +406,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100, 80 = A100)")
     ap.add_argument("--resources", action="store_true", help="print registers / stack (spills) per kernel")
     ap.add_argument("--quick", action="store_true",
-                    help="a handful: bf16 decode and tree and a float32 tree of the 8B shape, merge, KV, norm")
+                    help="a handful: bf16 decode and tree and a float32 tree of the 8B shape, merge, KV, norm, a "
+                         "bf16 tree over head_dim 512")
     ap.add_argument("--list", action="store_true", help="print what would be compiled, compile nothing")
     ap.add_argument("--max-stack", type=int, default=DEFAULT_MAX_STACK, metavar="BYTES",
                     help=f"fail an attention or merge launch that spills more than BYTES of stack per thread "

@@ -29,12 +29,16 @@ import triton
 import triton.language as tl
 from specdec.kernels.dispatch import BackendError
 
+from specdec.errors import InputError
 from specdec.host_copy import to_device
 from specdec.tree import MAX_TREE_NODES
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_CHUNK = 256  # keys per split program below which splitting does not pay
 MERGE_SEQS = 16  # sequences the merge reads at a time (finding a row's sequence; one kernel for every batch size)
+# largest head_dim the kernel takes: up to 512 its tiles compile for sm_90 without spilling registers
+# (python -m specdec.kernels.compile_check); at 1024 even the smallest float32 tile spills 1.6 KB per thread
+MAX_HEAD_DIM = 512
 _BIT_WEIGHTS = torch.ones(MAX_TREE_NODES, dtype=torch.long) << torch.arange(MAX_TREE_NODES)  # bit 63 wraps: ok
 
 
@@ -339,9 +343,10 @@ def launch_config(group: int, head_dim: int, max_new: int, dtype: torch.dtype, g
     larger tiles, which it runs faster."""
     group_pad = triton.next_power_of_2(group)
     fp32_gpu = dtype == torch.float32 and gpu
-    max_m = 32 if fp32_gpu else 64 if dtype == torch.float32 else 128
-    block_q = max(max(1, 16 // group_pad), min(triton.next_power_of_2(max_new), max(1, max_m // group_pad)))
     block_d = max(16, triton.next_power_of_2(head_dim))
+    # 16-bit tiles of 64 rows over head_dim 512 spilled up to 1.7 KB of registers per thread on sm_90
+    max_m = 32 if fp32_gpu or block_d > 256 else 64 if dtype == torch.float32 else 128
+    block_q = max(max(1, 16 // group_pad), min(triton.next_power_of_2(max_new), max(1, max_m // group_pad)))
     block_m = block_q * group_pad
     if fp32_gpu:
         block_n, num_warps = 16, 8 if block_m >= 32 else 4
@@ -351,6 +356,13 @@ def launch_config(group: int, head_dim: int, max_new: int, dtype: torch.dtype, g
         HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_D=block_d, DOT_PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
+
+
+def check_head_dim(head_dim: int) -> None:
+    """InputError for a head_dim the kernel does not take (above MAX_HEAD_DIM), naming the way out."""
+    if head_dim > MAX_HEAD_DIM:
+        raise InputError(f"head_dim {head_dim} exceeds the Triton tree-attention kernel's limit of {MAX_HEAD_DIM}; "
+                         f"use the reference backend (backend='reference' or SPECDEC_ATTENTION=reference)")
 
 
 def _interpreted() -> bool:
@@ -378,6 +390,7 @@ def tree_attention(
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("q, k_cache and v_cache need a contiguous last (head_dim) dimension, and k_cache and "
                          "v_cache the same strides")
+    check_head_dim(D)
     if q.dtype == torch.bfloat16 and not q.is_cuda and _interpreted():
         raise BackendError("bfloat16 attention cannot run in the Triton interpreter (its bf16 dot products come out "
                            "wrong): use float32 or float16 there, or the reference backend")

@@ -238,7 +238,7 @@ def _generate(args, stream_class) -> tuple[str, dict]:
     stdout as it is generated (None: do not stream)."""
     import torch
 
-    from specdec.drafters.registry import get_drafter
+    from specdec.drafters.registry import check_options, get_drafter
     from specdec.generate import generate
     from specdec.kv_cache import CacheFullError
     from specdec.models.loader import load_model
@@ -260,6 +260,8 @@ def _generate(args, stream_class) -> tuple[str, dict]:
     options = _parse_options(args.drafter_option)
     if options and not args.drafter:
         raise CLIError("--drafter-option needs --drafter NAME: without a drafter the options would be ignored")
+    if options:  # named as the command line spells them, not as Python passes them
+        check_options(args.drafter, options, command_line=True)
     try:
         drafter = get_drafter(args.drafter, **options)
     except TypeError as err:

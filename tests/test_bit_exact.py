@@ -231,3 +231,27 @@ def test_a_divergence_records_where_the_text_parts_as_well_as_the_first_bit():
     assert (bits_only.position, bits_only.text_position) == (3, None)
     shorter = first_divergence(0, [1], plain, ([5, 6], [-0.5, -0.25]))
     assert (shorter.position, shorter.text_position, shorter.speculative_token) == (2, 2, -1)
+
+
+def test_a_default_path_that_is_exact_on_the_device_makes_its_control_not_applicable(bf16_model, monkeypatch):
+    """On a device whose default kernels do not depend on the row count (a GPU in float32 may be one), the
+    default_path control passes its checks: that voided the certificate although the mode was exact. Simulated
+    here by a default path that is the invariant one: its checks are not applicable (neither pass nor void, with a
+    warning), row_dependent_kernel still fails, and the certificate passes."""
+    from specdec.eval.certificate import CertificateSizes, run_certificate
+
+    from specdec.models.loader import load_model
+    from specdec.sampling import SamplingConfig
+
+    always_invariant = LlamaRunner.invariant_mode
+    monkeypatch.setattr(LlamaRunner, "invariant_mode", lambda self, on=True: always_invariant(self, True))
+    loaded = load_model(bf16_model)
+    sizes = CertificateSizes(identity_prompts=2, identity_tokens=8)
+    cert = run_certificate(loaded, "ngram", {}, SamplingConfig(False), sizes,
+                           lambda n: [list(p) for p in (PROMPTS * n)[:n]], levels=("bitwise",))
+    default = [c for c in cert.checks if c.control == "default_path"]
+    assert len(default) == 2 and all("not applicable on this device" in c.detail for c in default), cert.to_markdown()
+    assert [c.passed for c in cert.checks if c.control == "row_dependent_kernel"] == [False], cert.to_markdown()
+    assert cert.passed and not cert.void, cert.to_markdown()
+    assert any("default path was row-invariant on this device" in w for w in cert.warnings), cert.warnings
+    assert "| n/a |" in cert.to_markdown()

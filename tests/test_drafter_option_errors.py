@@ -109,3 +109,22 @@ def test_an_eagle_config_reads_draft_vocab_none_as_the_full_vocabulary():
     assert EagleConfig.for_target(config, draft_vocab=None).draft_vocab == ()
     with pytest.raises(InputTypeError, match="draft_vocab must be a list of token ids"):
         EagleConfig.for_target(config, draft_vocab=5)
+
+
+@pytest.mark.parametrize("name, python_only", [("ngram", "config"), ("eagle", "model"), ("medusa", "heads"),
+                                               ("combined", "verify_cost")])
+def test_unknown_option_lists_name_what_the_caller_can_pass_where_it_is(name, python_only, capsys):
+    """On the command line the list of a drafter's options holds its --drafter-option keys, not the options only
+    Python can give (a config object, a module, a callable), and such an option is refused as Python only; in
+    Python the list names every keyword the drafter takes."""
+    from specdec.cli import main
+
+    rc = main(["generate", "hi", "--model", "synthetic:tiny", "--drafter", name, "--drafter-option", "bogus=1",
+               "--drafter-option", f"{python_only}=1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert f"has no --drafter-option 'bogus', '{python_only}' (Python only); its KEY=VALUE keys: " in line, line
+    assert python_only not in line.rpartition("keys: ")[2].split(", "), line
+    with pytest.raises(InputTypeError, match=rf"drafter '{name}' has no option 'bogus'; its options: .*{python_only}"):
+        specdec.generate("synthetic:tiny", [[1, 2, 3]], drafter=name, drafter_options={"bogus": 1})

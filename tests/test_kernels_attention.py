@@ -16,6 +16,8 @@ import torch  # noqa: E402
 from specdec.kernels import tree_attention as ta  # noqa: E402
 from specdec.kernels.tree_attention import TreeAttentionMetadata, tree_attention  # noqa: E402
 
+from specdec.errors import InputError  # noqa: E402
+
 TREE = "tree"
 
 
@@ -153,6 +155,40 @@ def test_bf16_is_refused_in_the_interpreter_whose_bf16_dots_are_wrong():
         tree_attention(case.q, case.k_cache, case.v_cache, case.metadata(), case.scale)
     half = random_case([5, 0], [(TREE, 3), 4], seed=4, device=DEVICE, dtype=torch.float16)
     check(half, num_splits=2, atol=4e-3)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the Triton interpreter's limits")
+def test_a_bf16_model_is_refused_in_the_interpreter_also_in_the_bit_exact_mode(monkeypatch):
+    """The bit-exact mode's kernels never reach tree attention's refusal: a bf16 model on the Triton backend in the
+    interpreter ran there silently, its logits off the GPU kernels' by the interpreter's truncating bf16 casts
+    (SPECDEC_ATTENTION=triton specdec generate --dtype bfloat16 --invariant). The runner refuses it when built."""
+    from specdec.kernels.dispatch import BackendError
+
+    import specdec
+    from specdec.testing import build_tiny_model
+
+    monkeypatch.setenv("SPECDEC_ATTENTION", "triton")
+    model = build_tiny_model(vocab_size=32, num_hidden_layers=1).to(torch.bfloat16)
+    with pytest.raises(BackendError, match="^a bfloat16 model cannot run on the Triton backend in the Triton "
+                                           "interpreter"):
+        specdec.generate(model, [[1, 2, 3]], max_new_tokens=2, invariant=True)
+
+
+@pytest.mark.parametrize("head_dim", [320, 512])
+def test_heads_wider_than_256_match_reference(head_dim):
+    """Up to MAX_HEAD_DIM the kernel matches the reference (16-bit tiles over such heads are capped at 32 rows:
+    wider ones spilled registers on sm_90, see test_kernels_compile); past it the runner refuses the Triton backend
+    when it is built, in one line naming head_dim and the limit, instead of compiling tiles that spill."""
+    from specdec.models.llama import LlamaRunner
+    from specdec.testing import build_tiny_model
+
+    case = random_case([9, 3], [(TREE, 5), 1], num_kv_heads=1, group=2, head_dim=head_dim, seed=1, device=DEVICE)
+    check(case, num_splits=2)
+    assert ta.launch_config(4, head_dim, 65, torch.bfloat16)["BLOCK_Q"] * 4 == 32
+    model = build_tiny_model(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=2 * head_dim)
+    with pytest.raises(InputError, match=rf"^head_dim {2 * head_dim} exceeds the Triton tree-attention kernel's "
+                                         rf"limit of 512; use the reference backend"):
+        LlamaRunner(model, backend="triton")
 
 
 @pytest.mark.slow

@@ -5,13 +5,16 @@ rules caught; a checkpoint without MTP weights is refused in one line. No real M
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError
+from specdec.drafters.eagle_graphs import EagleGraphConfig
 from specdec.drafters.mtp import MtpDrafter, read_mtp_layer
 from specdec.drafters.registry import get_drafter
 from specdec.eval.certificate import CertificateSizes, run_certificate
@@ -123,6 +126,21 @@ def test_exact_law_passes_and_broken_rules_fail(tmp_path):
     failed = [(c.level, c.name, c.control, c.detail) for c in cert.checks if not c.as_expected]
     assert cert.passed and not cert.void, failed
     assert [c for c in cert.checks if c.control] and all(not c.passed for c in cert.checks if c.control)
+
+
+def test_the_draft_graphs_log_under_the_mtp_name(tmp_path, caplog):
+    """mtp drafts through EAGLE's CUDA-graph machinery, whose logs named "eagle": a failed capture (simulated, on
+    CPU the graphs run eagerly) is logged under the drafter the user chose."""
+    write_target_with_mtp(tmp_path, "mimo")
+    drafter = MtpDrafter(depth=2, cuda_graphs=True)
+    generate(load_model(str(tmp_path)), [[1, 2, 3]], max_new_tokens=3, drafter=drafter, speculation="always")
+    graphs = drafter.graphs
+    graphs.config = EagleGraphConfig(capture=True)
+    graphs._capture = lambda bucket, depth: (_ for _ in ()).throw(RuntimeError("no capture here"))
+    with caplog.at_level(logging.WARNING, logger="specdec.drafters.eagle_graphs"):
+        assert graphs._call(SimpleNamespace(graphs={}, outputs={}), 2) is None
+    assert [r.getMessage() for r in caplog.records if r.name == "specdec.drafters.eagle_graphs"] == [
+        "mtp: CUDA-graph capture failed (RuntimeError: no capture here); drafting eagerly"]
 
 
 def test_a_target_without_mtp_layers_is_refused_in_one_line(tmp_path):

@@ -27,7 +27,7 @@ from torch import nn
 
 from specdec.attention import AttentionPlan, paged_attention
 from specdec.errors import InputError, SpecdecError
-from specdec.kernels.dispatch import Backend, resolve_backend
+from specdec.kernels.dispatch import Backend, BackendError, resolve_backend
 from specdec.kv_cache import PagedKVCache
 from specdec.models import invariant_ops, row_policy
 from specdec.models.fused_projections import LayerProjections
@@ -222,6 +222,13 @@ class LlamaRunner:
         self.rotary = base.rotary_emb
         self.attention_scaling = float(getattr(self.rotary, "attention_scaling", 1.0))
         self.backend = resolve_backend(self.embed.device, backend)  # fused element-wise ops; the cache's its own
+        if self.backend.triton:  # before any forward, not at the first attention
+            self.backend.attention.check_head_dim(head_dim)
+            if self.dtype == torch.bfloat16 and self.embed.device.type != "cuda":  # the interpreter (dispatch)
+                # tree attention refuses bf16 there itself, but the bit-exact mode's kernels would run on
+                raise BackendError("a bfloat16 model cannot run on the Triton backend in the Triton interpreter (its "
+                                   "bf16 dot products come out wrong and its bf16 casts truncate): use float32 or "
+                                   "float16 there, or the reference backend")
         if invariant:
             self.invariant = True
 
