@@ -240,6 +240,41 @@ def list_pitfalls(text: str) -> list[tuple[int, str]]:
     return found
 
 
+MEASURED = re.compile(r"\b\d+(?:\.\d+)?x\b|tok/s|\b\d+(?:\.\d+)? ?ms\b|\b\d+(?:\.\d+)?%")
+# Tables that may hold such numbers outside a generated region, by page and header line (say why):
+HAND_TABLES = {
+    ("gpu-speed.md", "| goal | target | from |"),  # the goals' targets, not measurements
+}
+
+
+def _hand_tables(text: str) -> list[str]:
+    """Header lines of the markdown tables outside generated regions and code blocks whose rows hold
+    measured-looking numbers (1.23x, tok/s, ms, %)."""
+    text = re.sub(r"<!-- generated:.*?<!-- end generated -->|```.*?```", "", text, flags=re.S)
+    found, table = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        if table and any(MEASURED.search(row) for row in table[2:]):
+            found.append(table[0])
+        table = []
+    return found
+
+
+def test_measured_numbers_in_docs_tables_come_from_results():
+    """A table of measurements is a generated region (docs/gen_result_tables.py), not a hand copy. Run reports
+    (docs/gpu/RUN/, docs/eval/) and the benchmarks page are written by their scripts."""
+    pages = [p for p in sorted(DOCS.rglob("*.md")) if p.relative_to(DOCS).parts[0] not in ("eval", "results")
+             and not (p.relative_to(DOCS).parts[0] == "gpu" and len(p.relative_to(DOCS).parts) > 2)
+             and p.name != "benchmarks.md"]
+    copies = [f"{page.relative_to(DOCS)}: {header}" for page in pages
+              for header in _hand_tables(page.read_text()) if (str(page.relative_to(DOCS)), header) not in HAND_TABLES]
+    assert not copies, "hand-copied measurements; generate them from docs/results (or allow-list them):\n" + \
+        "\n".join(copies)
+    assert _hand_tables("| a | b |\n|---|---|\n| plain | 1.5x |\n") == ["| a | b |"]
+
+
 def test_lists_render_as_written():
     assert [why for _, why in list_pitfalls("Text\n- item")] == ["a list needs a blank line before it"]
     assert [why for _, why in list_pitfalls("```\ncode\n```\n- item")] == ["a list needs a blank line before it"]
