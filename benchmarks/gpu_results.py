@@ -11,7 +11,8 @@ note is computed from those files; the names come from them too: the GPU kind an
 environment line, the commit from the session report's "Code at <hash>", the device calls from its backticked
 ``gpu_check.py`` commands (the one with ``speed`` in its steps, the one with ``acceptance`` or ``e2e``). A flag
 replaces each. A result whose JSON the folder lacks is not written. Existing files are refused without
-``--overwrite``.
+``--overwrite``. ``DATE-gpu-KIND-goals.json`` holds the goals as the calls' reports judged them, each goal from the
+call that measured it.
 """
 from __future__ import annotations
 
@@ -276,11 +277,47 @@ def speed_result(run: Run) -> dict:
          "c(32)", "c(65)", "transformers, batch 1 tok/s"], rows, notes)
 
 
+def _goal_rows(text: str) -> list[list[str]]:
+    """A gpu_check report's goals table (benchmarks/gpu_goals.py's markdown), as rows of four cells."""
+    table = text.split("## Goals\n", 1)[1] if "## Goals\n" in text else ""
+    rows = [[c.strip().strip("*") for c in line.strip().strip("|").split(" | ")]
+            for line in table.splitlines() if line.startswith("| ")]
+    return [r for r in rows[1:] if len(r) == 4]  # rows[0] is the header
+
+
+def goals_result(run: Run) -> dict | None:
+    """The goals from the calls' reports (the session's own report.md may annotate them): each goal from the call
+    that measured it, "not measured" where none did."""
+    tables = {name: _goal_rows(text) for name, text in run.texts.items() if name != "report.md"}
+    tables = {name: rows for name, rows in tables.items() if rows}
+    if not tables:
+        return None
+    if len({len(rows) for rows in tables.values()}) > 1:
+        raise RunError(f"{run.folder}: the reports' goals tables differ in length ({', '.join(tables)})")
+    rows = []
+    for each in zip(*tables.values()):  # gpu_goals.goals lists every goal in one order
+        rows.append(next((r for r in each if r[3] != "not measured"), each[0]))
+    met = sum(r[3] == "met" for r in rows)
+    commands = [c for c in (run.speed_command, run.check_command) if c]
+    return run.result(
+        "goals", "every device call of the run",
+        "The GPU goals (docs/gpu-speed.md) as the run's reports judged them (benchmarks/gpu_goals.py)",
+        commands or "python3 benchmarks/gpu_check.py",
+        "Each goal from the call that measured it: the Goals tables of " + ", ".join(sorted(tables))
+        + f". Report: {run.where('report.md')}.",
+        ["goal", "target", f"measured ({run.machine.split(',')[0]}, {run.date})", "verdict"], rows,
+        [f"{met} of the {len(rows)} goals met."])
+
+
 def results(run: Run) -> dict[str, dict]:
-    """File name -> result, for each of the run's JSON files."""
+    """File name -> result, for each of the run's JSON files, and its goals where its reports judged them."""
     made = {"e2e": (run.e2e, e2e_result), "acceptance": (run.acceptance, acceptance_result),
             "speed": (run.speed, speed_result)}
-    return {f"{run.date}-{run.kind}-{name}.json": make(run) for name, (data, make) in made.items() if data}
+    out = {f"{run.date}-{run.kind}-{name}.json": make(run) for name, (data, make) in made.items() if data}
+    goals = goals_result(run)
+    if goals:
+        out[f"{run.date}-{run.kind}-goals.json"] = goals
+    return out
 
 
 def main(argv=None) -> int:

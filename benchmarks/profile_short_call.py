@@ -3,6 +3,8 @@
     python benchmarks/profile_short_call.py                                  # self-draft, chat, 64 new tokens
     python benchmarks/profile_short_call.py --drafter ngram --category qa
     python benchmarks/profile_short_call.py --prompts 8 --max-new-tokens 32 --threads 1
+    python benchmarks/profile_short_call.py --threads 1 --out prof.json                 # a docs/results file
+    python benchmarks/profile_short_call.py --threads 1 --cold --out prof.json --append  # ... with a second column
 
 Plain and the drafter alternate per prompt (greedy, after one warm-up call each), with timers wrapped around the
 engine's phases: the call's set-up (prepare, build_engine and inside it the cost model, the row policy, the KV cache
@@ -12,12 +14,16 @@ guard's judgement (size_call), the verify forward, acceptance, commit and the po
 record_step). Times are inclusive (a phase holds the phases inside it), per call, wall (perf_counter) and CPU
 (process_time: on a shared machine the CPU time of a phase is steadier than its wall time). Prints each phase's
 seconds per call and share of the drafter's call, plain's figure beside it, the counts (steps, drafter calls,
-probes that verified nothing), and the call's ratio to plain.
+probes that verified nothing), and the call's ratio to plain. ``--out`` writes the run as a docs/results file: a
+column of CPU times per call (the steadier clock on a shared machine); ``--append`` adds a run's column to one.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
+import json
+import shlex
 import sys
 import time
 from collections import defaultdict
@@ -26,12 +32,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_guard_memory, chat_ids, forget_guard, start_guard_memory  # noqa: E402
+from common import (  # noqa: E402
+    add_guard_memory,
+    add_overwrite,
+    chat_ids,
+    check_new_files,
+    cpu_name,
+    forget_guard,
+    guard_memory,
+    machine_class,
+    start_guard_memory,
+)
 from drafter_grid import category_prompts  # noqa: E402
 from specdec.drafters import base as drafter_base  # noqa: E402
 
 from specdec import engine as engine_mod  # noqa: E402
 from specdec import engine_setup, speculation_policy, tree_sizing  # noqa: E402
+from specdec.atomic_write import write_json  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
 
 generate = importlib.import_module("specdec.generate")  # the module (specdec.generate is also the function)
@@ -138,7 +155,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     ap.add_argument("--model", default="default")
     add_guard_memory(ap)
+    ap.add_argument("--out", type=Path, help="write the run to this JSON file, in the docs/results/ schema")
+    ap.add_argument("--append", action="store_true", help="--out: add this run's column to the file written before")
+    add_overwrite(ap)
     args = ap.parse_args(argv)
+    if args.append and not (args.out and args.out.is_file()):
+        ap.error("--append needs --out naming a file this script wrote")
+    if not args.append:
+        check_new_files(ap, args.overwrite, args.out)
     if args.threads:
         torch.set_num_threads(args.threads)
     start_guard_memory(args)
@@ -152,6 +176,12 @@ def main(argv: list[str] | None = None) -> None:
         uninstall(undo)
         torch.set_grad_enabled(True)
     report(args, timers, counts)
+    if args.out:
+        command = "python benchmarks/profile_short_call.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+        try:
+            write_result(args.out, args, timers, counts, loaded, command)
+        except ValueError as err:
+            ap.error(str(err))
 
 
 def run_calls(args, loaded, timers: Timers) -> dict:
@@ -200,6 +230,82 @@ def report(args, timers: Timers, counts) -> None:
           f"{plain['cpu']['generate()'] / mine['cpu']['generate()']:.3f}x cpu (same calls, interleaved)")
     for key, n in counts.items():
         print(f"{key}: " + ", ".join(f"{k} {v / calls:.1f}/call" for k, v in n.items() if k != "calls"))
+
+
+GUARD = ("guard decision (wants_draft)", "sizing + judgement (size_call)", "guard learning (TreeSizer.observe)",
+         "verify timing (record_step)")
+VERIFY = "    verify forward (Engine.verify)"
+MEMORIES = ("warm, empty at the run's start and carried from call to call; cold, forgotten before every call; "
+            "machine memory, what earlier runs on this machine left.")
+TITLE = "Where a short call's time goes: the engine's phases per call, the drafter against plain decoding"
+
+
+def result_column(args, timers: Timers, counts) -> tuple[str, list[list[str]], str]:
+    """This run as a results column: its label, (row label, cell) pairs in CPU time per call, and its noise note."""
+    plain, mine = timers.runs["plain"], timers.runs[args.drafter]
+    calls = counts[args.drafter]["calls"]
+    cpu = {k: 1e3 * v / calls for k, v in mine["cpu"].items()}
+    pcpu = {k: 1e3 * v / calls for k, v in plain["cpu"].items()}
+    per = {k: v / calls for k, v in mine["calls"].items()}
+    steps, psteps = counts[args.drafter]["steps"] / calls, counts["plain"]["steps"] / calls
+    total = cpu["generate()"]
+
+    def share(ms: float) -> str:
+        return f"{100 * ms / total:.2f}%"
+
+    guard = sum(cpu.get(k, 0.0) for k in GUARD)
+    probed, probes = cpu.get(PROBED, 0.0), per.get(PROBED, 0)
+    label = f"{args.drafter}, {args.category}, {args.max_new_tokens}, " + \
+        {"run": "warm", "cold": "cold", "machine": "machine memory"}[guard_memory(args)]
+    rows = [
+        ["call: CPU ms, steps (plain's)", f"{total:.0f} ms, {steps:.1f} steps ({pcpu['generate()']:.0f} ms, "
+                                          f"{psteps:.1f})"],
+        ["set-up (build_engine; plain's)", f"{cpu['  build_engine']:.1f} ms ({pcpu['  build_engine']:.1f}), "
+                                           f"{share(cpu['  build_engine'])}"],
+        ["drafter calls (propose)", f"{per.get('      propose', 0):.1f} calls, {cpu.get('      propose', 0):.1f} ms, "
+                                    f"{share(cpu.get('      propose', 0))}"],
+        ["guard bookkeeping (wants_draft, size_call, observe, record_step)", f"{guard:.1f} ms, {share(guard)}"],
+        ["steps with draft nodes: their verify forward", f"{probes:.1f} steps, {probed:.1f} ms, {share(probed)}"],
+        ["plain's decode step (verify forward)", f"{pcpu[VERIFY] / psteps:.1f} ms"],
+        ["call, ratio to plain (CPU / wall)", f"{pcpu['generate()'] / total:.3f}x / "
+                                              f"{plain['wall']['generate()'] / mine['wall']['generate()']:.3f}x"],
+    ]
+    one_row = (cpu[VERIFY] - probed) / max(steps - probes, 1e-9) / (pcpu[VERIFY] / psteps) - 1
+    note = (f"{label}: outside the steps with draft nodes, a 1-row verify forward of the drafter's calls differed "
+            f"from plain's by {100 * one_row:+.1f}% (the machine's noise: the same work).")
+    return label, rows, note
+
+
+def write_result(path: Path, args, timers: Timers, counts, loaded, command: str) -> None:
+    """The run as a docs/results file, or (``--append``) as one more column of the file at ``path``."""
+    label, rows, note = result_column(args, timers, counts)
+    if args.append:
+        data = json.loads(path.read_text())
+        if data.get("benchmark") != "short-call-profile" or [r[0] for r in data["rows"]] != [r[0] for r in rows]:
+            raise ValueError(f"{path}: not a short-call profile with these rows; --append adds to one")
+        data["columns"].append(label)
+        data["rows"] = [old + new[1:] for old, new in zip(data["rows"], rows)]
+        data["command"] = [data["command"]] if isinstance(data["command"], str) else data["command"]
+        data["command"].append(command)
+        data["notes"].append(note)
+    else:
+        dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+        data = {
+            "date": datetime.date.today().isoformat(),
+            "machine_class": machine_class(),
+            "machine": f"{cpu_name()}, {torch.get_num_threads()} torch thread(s)",
+            "benchmark": "short-call-profile",
+            "title": TITLE,
+            "command": [command],
+            "conditions": f"Model {args.model}, {dtype}, greedy, {args.prompts} call(s) per row after one warm-up call "
+                          "each, plain and the drafter alternating per prompt. A column is drafter, category, new "
+                          "tokens and where the guard's memory started: " + MEMORIES + " Every figure is CPU time "
+                          "(process_time) per call, inclusive; a share is of the drafter's call.",
+            "columns": ["per call, CPU time", label],
+            "rows": rows,
+            "notes": [note],
+        }
+    write_json(path, data, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ A page marks a copy of one result file's table as a generated region::
     <!-- end generated -->
 
 A result's further tables (its ``tables``, each with a ``name``) are marked ``table NAME``, e.g.
-``<!-- generated: results/FILE.json table mt_bench_ngram -->``.
+``<!-- generated: results/FILE.json table mt_bench_ngram -->``. A name with ``*`` takes the newest result that
+matches it (``results/*-gpu-h200-goals.json table``), so committing a newer result updates the page.
+``results/*-gpu-*.json latest_per_gpu`` is the GPU page's table of each GPU's latest results (docs/gpu_latest.py).
 
 Run by hand after changing a result (``python docs/gen_result_tables.py``); ``--check`` exits 1 when a page's
 region differs from what its result gives (tests/test_docs.py runs it). mkdocs also loads this file as a hook and
@@ -15,32 +17,41 @@ fills the regions at build time. The table is rendered as docs/gen_benchmarks.py
 """
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import re
 import sys
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
-REGION = re.compile(r"<!-- generated: results/(?P<file>[\w.-]+\.json) (?P<part>\w+)(?: (?P<name>\w+))? -->\n"
+REGION = re.compile(r"<!-- generated: results/(?P<file>[\w.*-]+\.json) (?P<part>\w+)(?: (?P<name>\w+))? -->\n"
                     r"(?P<body>.*?)<!-- end generated -->", re.S)
 START, END = "<!-- generated:", "<!-- end generated -->"
 
 
-def _benchmarks():
-    """docs/gen_benchmarks.py, this file's sibling (docs/ is no package)."""
-    spec = importlib.util.spec_from_file_location("gen_benchmarks", DOCS / "gen_benchmarks.py")
+def _sibling(name: str):
+    """docs/NAME.py, this file's sibling (docs/ is no package)."""
+    spec = importlib.util.spec_from_file_location(name, DOCS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-_GEN = _benchmarks()
+_GEN = _sibling("gen_benchmarks")
+_LATEST = _sibling("gpu_latest")
+PARTS = ("table", "latest_per_gpu")
 
 
-def render_part(result: dict, part: str, name: str | None = None) -> str:
-    """What a region holds: ``table``, the result's columns and rows, or ``table NAME``, its further table NAME."""
-    if part != "table":
-        raise ValueError(f"unknown part {part!r} (known: table)")
+def render_part(result: dict | list[dict], part: str, name: str | None = None) -> str:
+    """What a region holds: ``table``, the result's columns and rows, or ``table NAME``, its further table NAME;
+    ``latest_per_gpu``, the GPU page's table from a list of results."""
+    if part not in PARTS:
+        raise ValueError(f"unknown part {part!r} (known: {', '.join(PARTS)})")
+    if part == "latest_per_gpu":
+        columns, rows = _LATEST.table(result if isinstance(result, list) else [result], _GEN.MACHINE_CLASSES)
+        return "\n" + "\n".join(_GEN._table(columns, rows)) + "\n\n"
+    if isinstance(result, list):  # a name with *: the newest match
+        result = max(result, key=_GEN._order)
     if name is not None:
         named = {t["name"]: t for t in result.get("tables", [])}
         if name not in named:
@@ -58,10 +69,12 @@ def fill(text: str, results: dict[str, dict], where: str = "page") -> str:
 
     def region(match: re.Match) -> str:
         name = match["file"]
-        if name not in results:
+        found = [results[f] for f in sorted(results) if fnmatch.fnmatchcase(f, name)] if "*" in name else \
+            [results[name]] if name in results else []
+        if not found:
             raise ValueError(f"{where}: no result file docs/results/{name}")
         try:
-            body = render_part(results[name], match["part"], match["name"])
+            body = render_part(found if "*" in name else found[0], match["part"], match["name"])
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
         marker = " ".join(filter(None, [f"results/{name}", match["part"], match["name"]]))

@@ -76,6 +76,45 @@ def test_a_results_further_table_fills_its_named_region_and_shows_on_the_benchma
     assert "| main |" in lines and "| 1 | 2.5 |" in lines
 
 
+def test_a_starred_region_takes_the_newest_result_and_the_gpu_table_each_gpus_latest():
+    """A newer run's files update the page: ``*`` picks the newest match, and the GPU page's table takes each GPU's
+    newest result of each kind, dates a cell older than that GPU's latest run and says what none measured."""
+    gen = _script(DOCS / "gen_result_tables.py")
+
+    def result(file, date, cls, benchmark, **kw):
+        return dict(file=file, date=date, machine_class=cls, benchmark=benchmark, title=file, **kw)
+
+    e2e = dict(columns=["tok/s", "chat", "all"], conditions="Report: docs/gpu/KIND-DATE/.")
+    results = {r["file"]: r for r in [
+        result("2026-01-01-gpu-h200-goals.json", "2026-01-01", "gpu-h200", "goals", columns=["g"], rows=[["old"]],
+               notes=["1 of the 2 goals met."]),
+        result("2026-02-01-gpu-h200-goals.json", "2026-02-01", "gpu-h200", "goals", columns=["g"], rows=[["new"]],
+               notes=["2 of the 2 goals met."]),
+        result("2026-02-01-gpu-h200-e2e.json", "2026-02-01", "gpu-h200", "e2e", **dict(
+            e2e, rows=[["specdec plain, CUDA graphs", "500.0", "510.0"], ["specdec n-gram, CUDA graphs", "600.0",
+                                                                            "600.0"]],
+            conditions="Report: docs/gpu/h200-2026-02-01/.")),
+        result("2026-01-15-gpu-h100-e2e.json", "2026-01-15", "gpu-h100", "e2e", **dict(
+            e2e, rows=[["specdec plain, CUDA graphs", "300.0", "300.0"], ["specdec n-gram, CUDA graphs", "150.0*",
+                                                                            "150.0*"]],
+            conditions="Report: docs/gpu/h100-2026-01-15/.")),
+        result("2026-01-20-gpu-h100-kernels.json", "2026-01-20", "gpu-h100", "kernels", notes=["Fast. Every point"]),
+        result("2026-03-01-cpu-avx512-eagle-gpu-layer.json", "2026-03-01", "cpu-avx512", "eagle"),
+    ]}
+    goals = gen.fill("<!-- generated: results/*-gpu-h200-goals.json table -->\n<!-- end generated -->", results)
+    assert "| new |" in goals and "old" not in goals
+    page = gen.fill("<!-- generated: results/*-gpu-*.json latest_per_gpu -->\n<!-- end generated -->", results)
+    cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in page.splitlines() if line[:2] == "| "]
+    rows = {c[0]: c[1:] for c in cells}
+    assert rows[""] == ["NVIDIA H200", "NVIDIA H100"]  # newest run first; the CPU result is no GPU's
+    assert rows["latest run"] == ["[2026-02-01](h200-2026-02-01/report.md)", "[2026-01-15](h100-2026-01-15/report.md)"]
+    assert rows["goals ([GPU speed](../gpu-speed.md#goals))"] == ["2 of the 2 goals met", "not measured"]
+    assert rows["plain decoding, embedded model, bf16, batch 1, CUDA graphs"] == ["510.0 tok/s", "300.0 tok/s"]
+    assert rows["n-gram, end to end (generate()'s defaults of the day), CUDA graphs"] == [
+        "1.20x plain by category", "not measured (chat left out: marked * in the result)"]
+    assert rows["kernels"] == ["not measured", "Fast (2026-01-20)"]
+
+
 def test_benchmarks_page_shows_the_latest_result_per_machine_class(tmp_path):
     gen = _gen_benchmarks()
     for name, date, title in [("a", "2026-01-01", "OLD RUN"), ("b", "2026-02-01", "NEW RUN")]:
@@ -199,6 +238,41 @@ def list_pitfalls(text: str) -> list[tuple[int, str]]:
         elif block == "fence":
             block = "paragraph"
     return found
+
+
+MEASURED = re.compile(r"\b\d+(?:\.\d+)?x\b|tok/s|\b\d+(?:\.\d+)? ?ms\b|\b\d+(?:\.\d+)?%")
+# Tables that may hold such numbers outside a generated region, by page and header line (say why):
+HAND_TABLES = {
+    ("gpu-speed.md", "| goal | target | from |"),  # the goals' targets, not measurements
+}
+
+
+def _hand_tables(text: str) -> list[str]:
+    """Header lines of the markdown tables outside generated regions and code blocks whose rows hold
+    measured-looking numbers (1.23x, tok/s, ms, %)."""
+    text = re.sub(r"<!-- generated:.*?<!-- end generated -->|```.*?```", "", text, flags=re.S)
+    found, table = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        if table and any(MEASURED.search(row) for row in table[2:]):
+            found.append(table[0])
+        table = []
+    return found
+
+
+def test_measured_numbers_in_docs_tables_come_from_results():
+    """A table of measurements is a generated region (docs/gen_result_tables.py), not a hand copy. Run reports
+    (docs/gpu/RUN/, docs/eval/) and the benchmarks page are written by their scripts."""
+    pages = [p for p in sorted(DOCS.rglob("*.md")) if p.relative_to(DOCS).parts[0] not in ("eval", "results")
+             and not (p.relative_to(DOCS).parts[0] == "gpu" and len(p.relative_to(DOCS).parts) > 2)
+             and p.name != "benchmarks.md"]
+    copies = [f"{page.relative_to(DOCS)}: {header}" for page in pages
+              for header in _hand_tables(page.read_text()) if (str(page.relative_to(DOCS)), header) not in HAND_TABLES]
+    assert not copies, "hand-copied measurements; generate them from docs/results (or allow-list them):\n" + \
+        "\n".join(copies)
+    assert _hand_tables("| a | b |\n|---|---|\n| plain | 1.5x |\n") == ["| a | b |"]
 
 
 def test_lists_render_as_written():

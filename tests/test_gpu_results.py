@@ -21,7 +21,7 @@ def script():
 def test_the_committed_h200_run_gives_its_committed_result_files(script, tmp_path):
     assert script.main([str(RUN), "--out", str(tmp_path)]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == [f"2026-11-30-gpu-h200-{n}.json" for n in ("acceptance", "e2e", "speed")]
+    assert names == [f"2026-11-30-gpu-h200-{n}.json" for n in ("acceptance", "e2e", "goals", "speed")]
     for name in names:
         assert (tmp_path / name).read_text() == (REPO / "docs" / "results" / name).read_text(), name
 
@@ -44,7 +44,8 @@ def test_a_run_without_its_commit_or_with_results_written_is_refused(script, tmp
 
 def test_what_a_later_run_records_is_said(script, tmp_path):
     """The e2e step's speculation record gives n-gram's tau with graphs; a run of other rows skipped names them;
-    a JSON the folder lacks gives no result; a call quoted as gpu_carry.py prints it is found."""
+    a JSON the folder lacks gives no result; a call quoted as gpu_carry.py prints it is found; goals no call
+    measured stay "not measured"."""
     run = tmp_path / "run"
     run.mkdir()
     for name in ("speed_report.md", "speed.json", "e2e.json"):
@@ -58,7 +59,9 @@ def test_what_a_later_run_records_is_said(script, tmp_path):
     speed["models"][2]["skipped"] = ["plain b8", "oracle chain tau 2.0 b8"]
     (run / "speed.json").write_text(json.dumps(speed))
     made = script.results(script.Run(run))
-    assert sorted(made) == ["2026-11-30-gpu-h200-e2e.json", "2026-11-30-gpu-h200-speed.json"]
+    assert sorted(made) == [f"2026-11-30-gpu-h200-{n}.json" for n in ("e2e", "goals", "speed")]
+    goals = made["2026-11-30-gpu-h200-goals.json"]  # from the speed call's report alone
+    assert [r[3] for r in goals["rows"]].count("not measured") == 5 and goals["notes"] == ["1 of the 10 goals met."]
     assert made["2026-11-30-gpu-h200-speed.json"]["command"].startswith(call + " --model default   # its speed step")
     assert made["2026-11-30-gpu-h200-e2e.json"]["notes"][0].endswith(
         "summarisation 0.97x); with graphs tau 1.50, a draft verified in 40% of steps.")

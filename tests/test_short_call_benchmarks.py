@@ -1,6 +1,7 @@
 """The short-call benchmarks end to end on a tiny model: bench_drafters_cpu.py --grid (one drafter x one length x
 one column and a ragged batch, every cell against plain decoding in the same run, outputs checked, the result file
-written) and profile_short_call.py (every phase timed, the engine left unwrapped afterwards)."""
+written) and profile_short_call.py (every phase timed, the engine left unwrapped afterwards, its result file
+written and a column appended)."""
 from __future__ import annotations
 
 import json
@@ -107,3 +108,25 @@ def test_profile_times_every_phase_and_unwraps_the_engine(profiler, chat_ckpt, c
     assert float(rows["guard decision (wants_draft)"][0]) >= 1 and "propose" in rows
     assert "ngram speed vs plain" in out and "outputs unlike plain 0.0/call" in out
     assert (Engine.verify, Engine.step, TreeSizer.wants_draft, NGramDrafter.propose) == before
+
+
+def test_profile_writes_its_result_file_and_appends_a_column(profiler, chat_ckpt, tmp_path, capsys):
+    """--out writes the run in the docs/results schema (CPU time per call); --append adds a run's column."""
+    out = tmp_path / "prof.json"
+    base = ["--model", str(chat_ckpt), "--drafter", "ngram", "--category", "held-out", "--prompts", "1",
+            "--max-new-tokens", "4", "--out", str(out)]
+    profiler.main(base)
+    with pytest.raises(SystemExit):
+        profiler.main(base)
+    assert "exists; pass --overwrite" in capsys.readouterr().err
+    profiler.main(base + ["--cold", "--append"])
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "short-call-profile" and result["date"] and "machine_class" in result
+    assert result["columns"] == ["per call, CPU time", "ngram, held-out, 4, warm", "ngram, held-out, 4, cold"]
+    assert len(result["command"]) == 2 and result["command"][1].endswith("--cold --append")
+    rows = {r[0]: r[1:] for r in result["rows"]}
+    assert len(rows) == 7 and all(len(cells) == 2 for cells in rows.values())
+    call = rows["call: CPU ms, steps (plain's)"][0]
+    assert call.endswith(")") and " steps (" in call
+    assert all(c.endswith("x") and " / " in c for c in rows["call, ratio to plain (CPU / wall)"])
+    assert len(result["notes"]) == 2 and result["notes"][1].startswith("ngram, held-out, 4, cold: ")

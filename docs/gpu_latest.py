@@ -1,0 +1,128 @@
+"""The GPU page's table of latest results per GPU, built from docs/results (docs/gen_result_tables.py's
+``latest_per_gpu`` part): one column per GPU kind, newest run first, each cell from that GPU's newest result of one
+benchmark (``e2e``, ``acceptance``, ``speed``, ``goals``, ``kernels``), dated where it predates the GPU's latest run.
+
+Its links are relative to docs/gpu/, the page that shows it. A cell with no result says "not measured".
+"""
+from __future__ import annotations
+
+import re
+
+RUN_FOLDER = re.compile(r"docs/gpu/([\w.-]+)/")
+NONE = "not measured"
+
+
+def _num(cell: str) -> float | None:
+    """A cell's number ("1,476" -> 1476.0), None where it is marked (``*``: the result says why) or empty."""
+    cell = str(cell).replace(",", "").rstrip("x")
+    try:
+        return float(cell)
+    except ValueError:
+        return None
+
+
+def _row(result: dict, *words: str) -> list | None:
+    """The first row whose label holds every word."""
+    return next((r for r in result.get("rows", []) if all(w in r[0] for w in words)), None)
+
+
+def _range(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}x" if len(values) > 1 else f"{values[0]:.2f}x"
+
+
+def _goal(result: dict, words: str) -> str:
+    row = _row(result, words)
+    return f"{row[2]}: {row[3]}" if row and row[2] else NONE
+
+
+def plain_embedded(r: dict) -> str:
+    graphs, eager, hf = _row(r, "plain", "CUDA graphs"), _row(r, "plain", "eager"), _row(r, "transformers", "dynamic")
+    if not graphs:
+        return NONE
+    text = f"{graphs[-1]} tok/s" + (f" ({eager[-1]} eager)" if eager else "")
+    return text + (f"; transformers (dynamic cache) {hf[-1]}" if hf else "")
+
+
+def plain_8b(r: dict) -> str:
+    row = _row(r, "Llama-3.1-8B")
+    if not row:
+        return NONE
+    cells = dict(zip(r["columns"], row))
+    return (f"{cells['batch 1 tok/s']} tok/s, {cells['step / weight-read floor']}x its weight-read floor; "
+            f"c(65) {cells['c(65)']}")
+
+
+def ngram_suite(r: dict) -> str:
+    rows = [row for row in r["rows"] if row[0] != "overall"]
+    ratios = [_num(row[r["columns"].index("over plain")]) for row in rows]
+    return f"{_range([x for x in ratios if x is not None])} plain by category" if rows else NONE
+
+
+def ngram_e2e(r: dict) -> str:
+    plain, ngram = _row(r, "plain", "CUDA graphs"), _row(r, "n-gram", "CUDA graphs")
+    if not (plain and ngram):
+        return NONE
+    cats = r["columns"][1:-1]
+    pairs = {c: (_num(p), _num(n)) for c, p, n in zip(cats, plain[1:-1], ngram[1:-1])}
+    ratios = [n / p for p, n in pairs.values() if p and n]
+    left = [c for c, (p, n) in pairs.items() if not (p and n)]
+    return (f"{_range(ratios)} plain by category" if ratios else NONE) + (
+        f" ({', '.join(left)} left out: marked * in the result)" if left else "")
+
+
+def identity(r: dict) -> str:
+    return next((n for n in r.get("notes", []) if "divergence" in n), NONE)
+
+
+def kernels(r: dict) -> str:
+    if r.get("columns"):
+        return r["title"]
+    return (r.get("notes") or [r["title"]])[0].split(" Every point")[0]
+
+
+ROWS = [  # label, benchmark, cell
+    ("goals ([GPU speed](../gpu-speed.md#goals))", "goals",
+     lambda r: (r.get("notes") or [NONE])[0].rstrip(".")),
+    ("plain decoding, embedded model, bf16, batch 1, CUDA graphs", "e2e", plain_embedded),
+    ("plain decoding, Llama-3.1-8B shape, bf16, batch 1, CUDA graphs", "speed", plain_8b),
+    ("oracle chain at tau 3 with EAGLE's drafting, 8B shape", "goals", lambda r: _goal(r, "oracle chain")),
+    ("n-gram, acceptance suite (every tree verified, guard off)", "acceptance", ngram_suite),
+    ("n-gram, end to end (generate()'s defaults of the day), CUDA graphs", "e2e", ngram_e2e),
+    ("greedy identity on CUDA (the device test cases)", "goals", lambda r: _goal(r, "greedy identity")),
+    ("bf16 greedy identity vs transformers", "e2e", identity),
+    ("kernels", "kernels", kernels),
+]
+
+
+def _newest(results: list[dict]) -> dict:
+    return max(results, key=lambda r: (r["date"], r.get("run", 0), r["file"]))
+
+
+def table(results: list[dict], labels: dict[str, str]) -> tuple[list[str], list[list[str]]]:
+    """Columns and rows from ``results`` (those of GPU classes count; ``labels``: machine class -> its name)."""
+    by_gpu: dict[str, list[dict]] = {}
+    for r in results:
+        if r["machine_class"].startswith("gpu-") and r.get("kind", "benchmark") == "benchmark":
+            by_gpu.setdefault(r["machine_class"], []).append(r)
+    if not by_gpu:
+        raise ValueError("no GPU result")
+    gpus = sorted(by_gpu, key=lambda g: _newest(by_gpu[g])["date"], reverse=True)
+    latest = {}
+    for g in gpus:
+        runs = [r for r in by_gpu[g] if RUN_FOLDER.search(r.get("conditions", ""))]
+        run = _newest(runs) if runs else None
+        latest[g] = run and (run["date"], RUN_FOLDER.search(run["conditions"])[1])
+    rows = [["latest run"] + [f"[{latest[g][0]}]({latest[g][1]}/report.md)" if latest[g] else NONE for g in gpus]]
+    for label, benchmark, cell in ROWS:
+        row = [label]
+        for g in gpus:
+            mine = [r for r in by_gpu[g] if r["benchmark"] == benchmark]
+            if not mine:
+                row.append(NONE)
+                continue
+            r = _newest(mine)
+            text = cell(r).rstrip(".")
+            dated = latest[g] is None or r["date"] != latest[g][0]
+            row.append(text + (f" ({r['date']})" if dated and text != NONE else ""))
+        rows.append(row)
+    return [""] + [labels[g].removeprefix("GPU, ") for g in gpus], rows
