@@ -391,6 +391,93 @@ def _start(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], acceler
     return run, _Position(step=step, saved=step, rng=torch.get_rng_state(), history=history)
 
 
+def _micro_batches(run: _Run, step: int) -> list[tuple]:
+    """This process's rows of the ``grad_accum`` micro-batches of the step after ``step``: (ids, hidden, labels,
+    mask) each."""
+    cfg, accelerator = run.cfg, run.accelerator
+    nproc, rank = accelerator.num_processes, accelerator.process_index
+    window = []
+    for a in range(cfg.grad_accum):
+        rows = batch_rows(len(run.train_seqs), step * cfg.grad_accum + a, cfg.batch_size, cfg.seed)[rank::nproc]
+        ids, mask = collate([run.train_seqs[r] for r in rows], accelerator.device)
+        if run.features is not None:
+            hidden, labels, mask = run.features.batch(rows)
+        else:
+            hidden, labels = target_features(run.model, ids, mask, getattr(run.recipe, "feature_layers", ()))
+        window.append((ids, hidden, labels, mask))
+    return window
+
+
+def _local_gradient(run: _Run, step: int) -> torch.Tensor:
+    """Backward of this process's share of the loss of the step after ``step``; returns its statistics
+    [loss, correct per depth, count per depth]."""
+    recipe, accelerator, depths = run.recipe, run.accelerator, run.recipe.depths
+    window = _micro_batches(run, step)  # what the loss averages over is counted before any backward
+    over = torch.tensor([recipe.loss_counts(labels, mask) for _, _, labels, mask in window],
+                        dtype=torch.long, device=accelerator.device).sum(0)
+    if accelerator.num_processes > 1:  # every process divides by the count of the whole global step
+        over = accelerator.reduce(over, reduction="sum")
+    over = over.tolist()
+    stats = torch.zeros(1 + 2 * depths, device=accelerator.device)  # loss, correct[d], count[d]
+    for ids, hidden, labels, mask in window:
+        loss, correct, count = recipe.accumulate(ids, hidden, labels, mask, over, accelerator.autocast)
+        stats[0] += loss.detach()
+        stats[1 : 1 + depths] += torch.tensor(correct, dtype=stats.dtype, device=stats.device)
+        stats[1 + depths :] += torch.tensor(count, dtype=stats.dtype, device=stats.device)
+    return stats
+
+
+def _summed_over_processes(run: _Run, stats: torch.Tensor, held) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Several processes: the gradients and ``stats`` summed over them, and the interrupts they got (``held``'s
+    flags, carried in the statistics' collective) summed: (stats, seen). One process: (stats, None)."""
+    accelerator = run.accelerator
+    if accelerator.num_processes == 1:
+        return stats, None
+    for p in run.params:  # each process's gradient is its share of the global step's: their sum is the step's
+        p.grad = accelerator.reduce(p.grad, reduction="sum")
+    stats = accelerator.reduce(torch.cat([stats, held.recorded(stats.device)]), reduction="sum")
+    return stats[:-2], stats[-2:]
+
+
+def _apply_step(run: _Run, at: _Position, stats: torch.Tensor) -> dict:
+    """Clip the step's gradient, apply it and advance ``at``; returns the step's record (appended to the history
+    on the main process)."""
+    cfg, depths, scheduler = run.cfg, run.recipe.depths, run.scheduler
+    if cfg.max_grad_norm > 0:  # after the summing: every process clips the same gradient
+        torch.nn.utils.clip_grad_norm_(run.params, cfg.max_grad_norm)
+    lr = scheduler.get_last_lr()[0]  # the rate this step uses (scheduler.step() below moves to the next)
+    top1 = [float(stats[1 + i] / max(1.0, float(stats[1 + depths + i]))) for i in range(depths)]
+    rec = {"step": at.step + 1, "loss": float(stats[0]), "top1": top1, "lr": lr}
+    with interrupts_deferred():  # an interrupt lands before the step or after it, never inside
+        run.optimizer.step()
+        scheduler.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        # `at` advances inside the block: an interrupt handled at its end finds the step counted, and keeps it
+        at.step, at.rng = at.step + 1, torch.get_rng_state()
+        if run.accelerator.is_main_process:
+            at.history.append(rec)
+            with open(run.hist_file, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+    return rec
+
+
+def _log_and_save(run: _Run, at: _Position, rec: dict) -> None:
+    """After step ``at.step`` (``rec``): the progress bar, the log line, and the checkpoint when due (main process)."""
+    cfg, total = run.cfg, run.total
+    due = at.step % cfg.save_every == 0 or at.step == total
+    if run.accelerator.is_main_process:
+        if run.bar is not None:
+            run.bar.update(1)
+            run.bar.set_postfix(loss=f"{rec['loss']:.3f}", top1="/".join(f"{t:.2f}" for t in rec["top1"]))
+        if at.step % cfg.log_every == 0 or at.step == total:
+            logger.info("step %d/%d loss %.4f top1 %s lr %.2e", at.step, total, rec["loss"],
+                        " ".join(f"{t:.3f}" for t in rec["top1"]), rec["lr"])
+        if due:
+            run.save(at)
+    if due:  # saved (by the main process)
+        at.saved = at.step
+
+
 def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], accelerator,
                   resume_from: Path | None) -> list[dict]:
     """Train ``recipe.module`` (Medusa heads, an EAGLE layer) against the frozen target; returns the history of
@@ -399,9 +486,7 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
     step before the interrupt goes on (:func:`_keep_on_interrupt`). Several processes record it and all stop after
     the step whose collective first carries it, once the main process has saved that step."""
     run, at = _start(cfg, recipe, model, train_seqs, accelerator, resume_from)
-    nproc, rank = accelerator.num_processes, accelerator.process_index
-    depths, params, optimizer, scheduler = recipe.depths, run.params, run.optimizer, run.scheduler
-    hist_file, total, bar, features = run.hist_file, run.total, run.bar, run.features
+    nproc = accelerator.num_processes
     held = InterruptsHeld() if nproc > 1 else contextlib.nullcontext()
 
     def save() -> None:  # the checkpoint of the last completed step
@@ -409,61 +494,10 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
 
     with held:  # its end handles a signal that came after the last step's collective: that step is saved
         try:
-            while at.step < total:
-                window = []  # the step's micro-batches: what the loss averages over is counted before any backward
-                for a in range(cfg.grad_accum):
-                    rows = batch_rows(len(train_seqs), at.step * cfg.grad_accum + a, cfg.batch_size,
-                                      cfg.seed)[rank::nproc]
-                    ids, mask = collate([train_seqs[r] for r in rows], accelerator.device)
-                    if features is not None:
-                        hidden, labels, mask = features.batch(rows)
-                    else:
-                        hidden, labels = target_features(model, ids, mask, getattr(recipe, "feature_layers", ()))
-                    window.append((ids, hidden, labels, mask))
-                over = torch.tensor([recipe.loss_counts(labels, mask) for _, _, labels, mask in window],
-                                    dtype=torch.long, device=accelerator.device).sum(0)
-                if nproc > 1:  # every process divides by the count of the whole global step
-                    over = accelerator.reduce(over, reduction="sum")
-                over = over.tolist()
-                stats = torch.zeros(1 + 2 * depths, device=accelerator.device)  # loss, correct[d], count[d]
-                for ids, hidden, labels, mask in window:
-                    loss, correct, count = recipe.accumulate(ids, hidden, labels, mask, over, accelerator.autocast)
-                    stats[0] += loss.detach()
-                    stats[1 : 1 + depths] += torch.tensor(correct, dtype=stats.dtype, device=stats.device)
-                    stats[1 + depths :] += torch.tensor(count, dtype=stats.dtype, device=stats.device)
-                del window
-                seen = None  # the interrupts the processes got, summed (several processes)
-                if nproc > 1:  # each process's gradient is its share of the global step's: their sum is the step's
-                    for p in params:
-                        p.grad = accelerator.reduce(p.grad, reduction="sum")
-                    stats = accelerator.reduce(torch.cat([stats, held.recorded(stats.device)]), reduction="sum")
-                    stats, seen = stats[:-2], stats[-2:]
-                if cfg.max_grad_norm > 0:  # after the averaging: every process clips the same gradient
-                    torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                lr = scheduler.get_last_lr()[0]  # the rate this step uses (scheduler.step() below moves to the next)
-                top1 = [float(stats[1 + i] / max(1.0, float(stats[1 + depths + i]))) for i in range(depths)]
-                rec = {"step": at.step + 1, "loss": float(stats[0]), "top1": top1, "lr": lr}
-                with interrupts_deferred():  # an interrupt lands before the step or after it, never inside
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    at.step, at.rng = at.step + 1, torch.get_rng_state()
-                    if accelerator.is_main_process:
-                        at.history.append(rec)
-                        with open(hist_file, "a") as f:
-                            f.write(json.dumps(rec) + "\n")
-                due = at.step % cfg.save_every == 0 or at.step == total
-                if accelerator.is_main_process:
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(loss=f"{rec['loss']:.3f}", top1="/".join(f"{t:.2f}" for t in top1))
-                    if at.step % cfg.log_every == 0 or at.step == total:
-                        logger.info("step %d/%d loss %.4f top1 %s lr %.2e", at.step, total, rec["loss"],
-                                    " ".join(f"{t:.3f}" for t in top1), rec["lr"])
-                    if due:
-                        save()
-                if due:  # saved (by the main process)
-                    at.saved = at.step
+            while at.step < run.total:
+                stats, seen = _summed_over_processes(run, _local_gradient(run, at.step), held)
+                rec = _apply_step(run, at, stats)
+                _log_and_save(run, at, rec)
                 if seen is not None and bool(seen.any()):  # every process finished this step: it is the one to keep
                     if at.step == at.saved or _saved_by_main(accelerator, save, at.step):
                         at.saved = at.step
@@ -480,7 +514,7 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
             elif at.step > at.saved:
                 _keep_on_interrupt(err, at.step, at.saved, nproc, save)
             raise
-    if bar is not None:
-        bar.close()
+    if run.bar is not None:
+        run.bar.close()
     recipe.module.eval()
     return at.history
