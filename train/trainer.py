@@ -20,6 +20,7 @@ So ``grad_accum`` N equals one batch N times larger and N processes equal one, w
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -27,7 +28,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from specdec.drafters.draft_vocab import IGNORE
@@ -478,6 +479,28 @@ def _log_and_save(run: _Run, at: _Position, rec: dict) -> None:
         at.saved = at.step
 
 
+def _stop_together(run: _Run, at: _Position, seen: torch.Tensor, held: InterruptsHeld) -> NoReturn:
+    """Several processes, an interrupt one of them recorded (``seen``: their flags summed): every process finished
+    this step, the one to keep; the main process saves it unless it just did, then each stops (``held.stop``)."""
+    if at.step == at.saved or _saved_by_main(run.accelerator, functools.partial(run.save, at), at.step):
+        at.saved = at.step
+    at.agreed = at.step
+    held.stop(seen)
+
+
+def _record_interrupt(err: KeyboardInterrupt, run: _Run, at: _Position) -> None:
+    """On ``err``, what an interrupt leaves (for the CLI's line); one process first saves the steps since the last
+    checkpoint (:func:`_keep_on_interrupt`)."""
+    if at.agreed is not None:  # every process stops here: the group can be closed as at the end of a run
+        err.processes_stopped_together = True
+        if at.saved == at.agreed:
+            err.saved_step = at.agreed
+        else:  # the main process could not save (it said why)
+            err.unsaved_steps = at.agreed - at.saved
+    elif at.step > at.saved:
+        _keep_on_interrupt(err, at.step, at.saved, run.accelerator.num_processes, functools.partial(run.save, at))
+
+
 def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], accelerator,
                   resume_from: Path | None) -> list[dict]:
     """Train ``recipe.module`` (Medusa heads, an EAGLE layer) against the frozen target; returns the history of
@@ -486,33 +509,19 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
     step before the interrupt goes on (:func:`_keep_on_interrupt`). Several processes record it and all stop after
     the step whose collective first carries it, once the main process has saved that step."""
     run, at = _start(cfg, recipe, model, train_seqs, accelerator, resume_from)
-    nproc = accelerator.num_processes
-    held = InterruptsHeld() if nproc > 1 else contextlib.nullcontext()
-
-    def save() -> None:  # the checkpoint of the last completed step
-        run.save(at)
-
+    held = InterruptsHeld() if accelerator.num_processes > 1 else contextlib.nullcontext()
     with held:  # its end handles a signal that came after the last step's collective: that step is saved
         try:
             while at.step < run.total:
-                stats, seen = _summed_over_processes(run, _local_gradient(run, at.step), held)
+                stats = _local_gradient(run, at.step)  # this process's share of the step: its backward is done
+                stats, seen = _summed_over_processes(run, stats, held)
                 rec = _apply_step(run, at, stats)
                 _log_and_save(run, at, rec)
                 if seen is not None and bool(seen.any()):  # every process finished this step: it is the one to keep
-                    if at.step == at.saved or _saved_by_main(accelerator, save, at.step):
-                        at.saved = at.step
-                    at.agreed = at.step
-                    held.stop(seen)
+                    _stop_together(run, at, seen, held)
                 accelerator.wait_for_everyone()
         except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM through the CLI: keep the steps since the last save
-            if at.agreed is not None:  # every process stops here: the group can be closed as at the end of a run
-                err.processes_stopped_together = True
-                if at.saved == at.agreed:
-                    err.saved_step = at.agreed
-                else:  # the main process could not save (it said why)
-                    err.unsaved_steps = at.agreed - at.saved
-            elif at.step > at.saved:
-                _keep_on_interrupt(err, at.step, at.saved, nproc, save)
+            _record_interrupt(err, run, at)
             raise
     if run.bar is not None:
         run.bar.close()
