@@ -122,21 +122,12 @@ def check_inputs(cfg: TrainConfig) -> None:
         raise TrainDataError(f"prompts file not found: {cfg.prompts_file}")
 
 
-def run_training(cfg: TrainConfig, accelerator=None) -> dict:
-    from accelerate import Accelerator
-    from specdec.train.choices import choose_tree
-    from specdec.train.evaluate import head_accuracies, measure_tau
-
+def _load_and_prepare(cfg: TrainConfig, accelerator) -> tuple:
+    """What can fail without training, failed before the output directory is touched (--overwrite deletes it):
+    the inputs, the model and its context; then the output directory's rules. Returns (the loaded model, what
+    :func:`read_inputs` read, the checkpoint to resume from or None)."""
     from specdec.models.loader import load_model
 
-    if accelerator is None:  # cpu=True on a CPU-only box: a multi-process launch then uses gloo (MULTI_CPU)
-        accelerator = Accelerator(mixed_precision=cfg.precision, cpu=not torch.cuda.is_available())
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != accelerator.num_processes:
-        raise RuntimeError(f"launched as {world} processes but accelerate set up {accelerator.num_processes}: on a "
-                           "CPU-only machine use `accelerate launch --multi_gpu --num_processes N` or torchrun")
-    t0 = time.perf_counter()
-    # what can fail without training fails before the output directory is touched (--overwrite deletes it)
     check_inputs(cfg)
     loaded = load_model(cfg.model)
     max_pos = getattr(loaded.model.config, "max_position_embeddings", None)
@@ -153,6 +144,73 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
         from specdec.train.checkpoint import find_checkpoint
 
         resume_from = find_checkpoint(Path(cfg.output_dir))
+    return loaded, inputs, resume_from
+
+
+def _train(cfg: TrainConfig, loaded, model, train_seqs: list[list[int]], accelerator,
+           resume_from: Path | None) -> tuple:
+    """The drafter ``cfg`` names, trained (over a draft vocabulary chosen here); returns (its module, the history,
+    what the draft vocabulary covers)."""
+    draft_vocab, vocab_info = choose_draft_vocab(cfg, train_seqs, model)
+    if cfg.drafter == "eagle":
+        from specdec.train.eagle_recipe import EagleRecipe
+        from specdec.train.trainer import train_drafter
+
+        recipe = EagleRecipe(cfg, model, accelerator.device, loaded.source, draft_vocab)
+        history = train_drafter(cfg, recipe, model, train_seqs, accelerator, resume_from)
+        return recipe.module, history, vocab_info
+    heads, history = train_heads(cfg, model, train_seqs, accelerator, resume_from, loaded.source, draft_vocab)
+    return heads, history, vocab_info
+
+
+def _finish_medusa(cfg: TrainConfig, loaded, model, heads, history: list[dict], held_out: list, train_seqs: list,
+                   accelerator, times: dict) -> dict:
+    """The main process, after training Medusa heads: their accuracies, the tree they choose, saved with it, tau
+    measured (--eval-tau); writes and returns the report. ``times``: perf_counter at start, data and train."""
+    from specdec.train.choices import choose_tree
+    from specdec.train.evaluate import head_accuracies, measure_tau
+
+    out = Path(cfg.output_dir)
+    # --held-out-fraction 0: accuracies on training data, and the report says so
+    acc = head_accuracies(model, heads, held_out or train_seqs, device=accelerator.device)
+    choices, est_tau = choose_tree(acc["rank_acc"], cfg.tree_budget)
+    heads.config = dataclasses.replace(heads.config, medusa_choices=tuple(choices))
+    save_medusa(heads, out)
+    tau = None
+    if cfg.eval_tau:
+        from specdec.eval.prompts import load_prompts
+
+        tau = measure_tau(loaded, heads, choices, load_prompts("chat", cfg.eval_prompts),
+                          cfg.eval_max_new_tokens, progress=cfg.progress, tree=cfg.eval_tree)
+    t0, t_data, t_train, t_end = times["start"], times["data"], times["train"], time.perf_counter()
+    report = {
+        "config": cfg.to_json(), "model": loaded.name, "train_sequences": len(train_seqs),
+        "held_out_sequences": len(held_out), "accuracy_data": "held-out" if held_out else "training",
+        "steps": history[-1]["step"] if history else 0,
+        "final_loss": history[-1]["loss"] if history else None,
+        "top1": acc["top1"], "top5": acc["top5"], "rank_acc": acc["rank_acc"],
+        "medusa_choices": [list(c) for c in choices], "estimated_tau": est_tau, "tau": tau,
+        "seconds": {"data": t_data - t0, "train": t_train - t_data, "eval": t_end - t_train,
+                    "total": t_end - t0},
+        "processes": accelerator.num_processes,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(render_markdown(report))
+    logger.info("done: top1 %s, tau %s", acc["top1"], tau and round(tau["tau"], 3))
+    return report
+
+
+def run_training(cfg: TrainConfig, accelerator=None) -> dict:
+    from accelerate import Accelerator
+
+    if accelerator is None:  # cpu=True on a CPU-only box: a multi-process launch then uses gloo (MULTI_CPU)
+        accelerator = Accelerator(mixed_precision=cfg.precision, cpu=not torch.cuda.is_available())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != accelerator.num_processes:
+        raise RuntimeError(f"launched as {world} processes but accelerate set up {accelerator.num_processes}: on a "
+                           "CPU-only machine use `accelerate launch --multi_gpu --num_processes N` or torchrun")
+    t0 = time.perf_counter()
+    loaded, inputs, resume_from = _load_and_prepare(cfg, accelerator)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     handler = _log_to_file(out) if accelerator.is_main_process else None
@@ -167,51 +225,16 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
         logger.info("%d training / %d held-out sequences (%d / %d tokens)", len(train_seqs), len(held_out),
                     sum(map(len, train_seqs)), sum(map(len, held_out)))
         t_data = time.perf_counter()
-        draft_vocab, vocab_info = choose_draft_vocab(cfg, train_seqs, model)
-        if cfg.drafter == "eagle":
-            from specdec.train.eagle_recipe import EagleRecipe
-            from specdec.train.trainer import train_drafter
-
-            recipe = EagleRecipe(cfg, model, accelerator.device, loaded.source, draft_vocab)
-            history = train_drafter(cfg, recipe, model, train_seqs, accelerator, resume_from)
-            heads = recipe.module
-        else:
-            heads, history = train_heads(cfg, model, train_seqs, accelerator, resume_from, loaded.source,
-                                          draft_vocab)
-        t_train = time.perf_counter()
+        heads, history, vocab_info = _train(cfg, loaded, model, train_seqs, accelerator, resume_from)
+        times = {"start": t0, "data": t_data, "train": time.perf_counter()}
         report: dict = {}
         if accelerator.is_main_process and cfg.drafter == "eagle":
             from specdec.train.eagle_report import finish_eagle
 
-            report = finish_eagle(cfg, loaded, heads, history, held_out, train_seqs, vocab_info,
-                                  {"start": t0, "data": t_data, "train": t_train}, accelerator, prompt_lengths)
+            report = finish_eagle(cfg, loaded, heads, history, held_out, train_seqs, vocab_info, times, accelerator,
+                                  prompt_lengths)
         elif accelerator.is_main_process:
-            # --held-out-fraction 0: accuracies on training data, and the report says so
-            acc = head_accuracies(model, heads, held_out or train_seqs, device=accelerator.device)
-            choices, est_tau = choose_tree(acc["rank_acc"], cfg.tree_budget)
-            heads.config = dataclasses.replace(heads.config, medusa_choices=tuple(choices))
-            save_medusa(heads, out)
-            tau = None
-            if cfg.eval_tau:
-                from specdec.eval.prompts import load_prompts
-
-                tau = measure_tau(loaded, heads, choices, load_prompts("chat", cfg.eval_prompts),
-                                  cfg.eval_max_new_tokens, progress=cfg.progress, tree=cfg.eval_tree)
-            t_end = time.perf_counter()
-            report = {
-                "config": cfg.to_json(), "model": loaded.name, "train_sequences": len(train_seqs),
-                "held_out_sequences": len(held_out), "accuracy_data": "held-out" if held_out else "training",
-                "steps": history[-1]["step"] if history else 0,
-                "final_loss": history[-1]["loss"] if history else None,
-                "top1": acc["top1"], "top5": acc["top5"], "rank_acc": acc["rank_acc"],
-                "medusa_choices": [list(c) for c in choices], "estimated_tau": est_tau, "tau": tau,
-                "seconds": {"data": t_data - t0, "train": t_train - t_data, "eval": t_end - t_train,
-                            "total": t_end - t0},
-                "processes": accelerator.num_processes,
-            }
-            (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-            (out / "report.md").write_text(render_markdown(report))
-            logger.info("done: top1 %s, tau %s", acc["top1"], tau and round(tau["tau"], 3))
+            report = _finish_medusa(cfg, loaded, model, heads, history, held_out, train_seqs, accelerator, times)
         accelerator.wait_for_everyone()
         if accelerator.num_processes > 1:  # close the process group here: left to exit, a rank could abort in teardown
             accelerator.end_training()
