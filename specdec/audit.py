@@ -146,6 +146,13 @@ class DraftAudit:
         # bytes. With A, B the mass strictly above / below q(x): sum(q * s) = A - B, sum(q * |s|) = A + B. Rounding
         # moves u by ~1e-7, far below the finest bin (1/64), and float32 sampling is no more precise than that.
         q = probs.detach().to(torch.promote_types(probs.dtype, torch.float32))  # [n, vocab]; a claim, not a graph
+        if parents is not None:  # without replacement: row i loses its earlier siblings' tokens before any sum
+            # (subtracting their mass from the row's sums cancelled: a first sibling holding all but 1e-6 of the row
+            # left the second's interval ~10% off in float32, and an honest drafter was convicted)
+            parents = to_device(parents, torch.long, dev)
+            earlier = (parents[:, None] == parents[None, :]) & torch.ones(n, n, dtype=torch.bool, device=dev).tril(-1)
+            taken = torch.zeros_like(q).scatter_add_(1, tokens[None, :].expand(n, n), earlier.to(q.dtype))  # [n, V]
+            q = q.masked_fill(taken > 0, 0.0)
         drawn = q.gather(1, tokens[:, None])  # [n, 1] q_i(x_i)
         total = q.sum(-1)
         sign = torch.sub(q, drawn).sign_()
@@ -156,15 +163,6 @@ class DraftAudit:
         torch.sub(tokens[:, None].to(q.dtype) - 0.5, ids, out=sign).sign_()  # +1 before x in token order, else -1
         below = (total + torch.linalg.vecdot(q, sign)) / 2
         drawn = drawn.squeeze(1)
-        if parents is not None:  # without replacement: remove the earlier siblings' tokens from row i
-            parents = to_device(parents, torch.long, dev)
-            at_sibling = q.gather(1, tokens[None, :].expand(n, n))  # [n, n]: q_i(x_j)
-            earlier = (parents[:, None] == parents[None, :]) & torch.ones(n, n, dtype=torch.bool, device=dev).tril(-1)
-            removed = torch.where(earlier, at_sibling, 0)  # [n, n], row i: mass of i's earlier siblings
-            total = total - removed.sum(-1)
-            below = below - torch.where(tokens[None, :] < tokens[:, None], removed, 0).sum(-1)
-            higher = higher - torch.where(at_sibling > drawn[:, None], removed, 0).sum(-1)
-            tied = tied - torch.where(at_sibling == drawn[:, None], removed, 0).sum(-1)
         return torch.stack([below, drawn, higher, tied, total])
 
     @staticmethod

@@ -69,6 +69,21 @@ def test_pit_is_exactly_uniform_given_the_past():
         torch.testing.assert_close(given_x0, torch.full_like(given_x0, 1 / 8), rtol=0, atol=1e-12)
 
 
+def test_a_sibling_after_one_holding_almost_all_the_mass_gets_its_exact_interval():
+    """Without replacement, the second sibling's row is the first row without the first token. Subtracting the first
+    token's mass from the float32 row's sums cancelled when it held all but 1e-6 of the row: the interval came out
+    ~10% off, and an honest drafter with such draft_probs was convicted after ~1,200 steps."""
+    q = torch.tensor([1 - 1e-6, 2e-7, 5e-7, 3e-7, 0.0])  # float32, as drafters report them
+    tree = DraftTree([0, 2], [-1, -1], q.expand(2, 5).clone(), DraftMode.WITHOUT_REPLACEMENT)
+    lo, width = DraftAudit().intervals(tree)
+    rest = q.double()[1:].sum()
+    # token order: below token 2 lies token 1; probability order: token 2 is the most likely of the rest
+    want_lo = torch.tensor([q[1].double() / rest, 0.0], dtype=torch.float64)
+    want_width = torch.tensor([q[2].double() / rest] * 2, dtype=torch.float64)
+    torch.testing.assert_close(lo[1], want_lo, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(width[1], want_width, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", [DraftMode.INDEPENDENT, DraftMode.WITHOUT_REPLACEMENT])
 def test_transform_on_the_trees_device_matches_a_float64_reference(device, mode):
     """The PIT is computed where draft_probs live, in their float32; compare with a plain float64 loop (the rounding,
