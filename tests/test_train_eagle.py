@@ -14,8 +14,8 @@ from specdec.drafters.eagle_checkpoint import EagleCheckpointError, load_eagle  
 from specdec.train import checkpoint as ckpt_io  # noqa: E402
 from specdec.train import trainer  # noqa: E402
 from specdec.train.config import TrainConfig  # noqa: E402
+from specdec.train.output_dir import OutputDirError  # noqa: E402
 from specdec.train.pipeline import run_training  # noqa: E402
-from specdec.train.trainer import OutputDirError  # noqa: E402
 
 TEXTS = [f"the {w} number {i} likes {w[::-1]} and sings, {i * 7}" for i, w in
          enumerate(["cat", "dog", "bird", "fish", "frog", "bee", "owl", "fox", "cow", "yak", "eel", "ant"] * 2)]

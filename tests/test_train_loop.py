@@ -12,11 +12,11 @@ pytest.importorskip("datasets")
 
 from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads, load_medusa  # noqa: E402
 from specdec.train import checkpoint as ckpt_io  # noqa: E402
-from specdec.train import features, trainer  # noqa: E402
+from specdec.train import features, output_dir, trainer  # noqa: E402
 from specdec.train.choices import choose_tree  # noqa: E402
 from specdec.train.config import TrainConfig  # noqa: E402
+from specdec.train.output_dir import OutputDirError  # noqa: E402
 from specdec.train.pipeline import run_training  # noqa: E402
-from specdec.train.trainer import OutputDirError  # noqa: E402
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz .,?!'0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ")
 TEXTS = [f"the {w} number {i} likes {w[::-1]} and sings, {i * 7}" for i, w in
@@ -778,11 +778,11 @@ def test_overwrite_refuses_user_files_at_any_depth(tmp_path, mine):
     (run / mine).write_text("the user's")
     cfg = SimpleNamespace(output_dir=str(run), resume=False, overwrite=True)
     with pytest.raises(OutputDirError, match=f"does not write .*{mine.split('/')[0]}"):
-        trainer.prepare_output_dir(cfg)
+        output_dir.prepare_output_dir(cfg)
     assert (run / mine).read_text() == "the user's"
     for eagle in (False, True):  # what a Medusa or an EAGLE run writes is deleted
         run = _fake_run(tmp_path / f"clean-{eagle}", eagle)
-        assert trainer.prepare_output_dir(SimpleNamespace(output_dir=str(run), resume=False, overwrite=True)) is None
+        assert output_dir.prepare_output_dir(SimpleNamespace(output_dir=str(run), resume=False, overwrite=True)) is None
         assert not run.exists()
 
 
@@ -819,18 +819,18 @@ def test_a_run_that_ended_before_its_first_checkpoint_does_not_block_its_rerun(t
     (out / "run.json").write_text("{}")
     (out / "train.log").write_text("ERROR the data had no text field")
     assert "saved no checkpoint yet" in _what_is_left(out)
-    assert trainer.prepare_output_dir(_cfg(tiny, out)) is None and not out.exists()
+    assert output_dir.prepare_output_dir(_cfg(tiny, out)) is None and not out.exists()
     out.mkdir()
     (out / "run.json").write_text("{}")
     heads, optimizer, scheduler = _tiny_training_state()
     ckpt_io.save_checkpoint(out, heads, optimizer, scheduler, 4, {}, "fp")
     with pytest.raises(OutputDirError, match="is not empty"):
-        trainer.prepare_output_dir(_cfg(tiny, out))
+        output_dir.prepare_output_dir(_cfg(tiny, out))
     assert _what_is_left(out) == "the checkpoint of step 4 is intact (continue with --resume)"
     (out / "notes.txt").write_text("the user's")
     (out / ckpt_io.CKPT).rename(tmp_path / "elsewhere")
     with pytest.raises(OutputDirError, match="is not empty"):  # a file the run did not write: never replaced unasked
-        trainer.prepare_output_dir(_cfg(tiny, out))
+        output_dir.prepare_output_dir(_cfg(tiny, out))
 
 
 def test_a_resume_names_input_files_that_changed_since_the_checkpoint(tiny, tmp_path, caplog):
@@ -843,20 +843,20 @@ def test_a_resume_names_input_files_that_changed_since_the_checkpoint(tiny, tmp_
     out = tmp_path / "run"
     run_training(_cfg(tiny, out, data=str(data), eval_tau=False, max_steps=2, save_every=2))
     cfg = _cfg(tiny, out, data=str(data), eval_tau=False, max_steps=2, save_every=2, resume=True)
-    with caplog.at_level("WARNING", logger="specdec.train.trainer"):
-        trainer.prepare_output_dir(cfg)
+    with caplog.at_level("WARNING", logger="specdec.train.output_dir"):
+        output_dir.prepare_output_dir(cfg)
     assert "changed since the checkpoint" not in caplog.text
     with open(data, "a") as f:
         f.write(json.dumps({"text": "one more record"}) + "\n")
-    with caplog.at_level("WARNING", logger="specdec.train.trainer"):
-        assert trainer.prepare_output_dir(cfg) is not None  # resumed, with a warning naming the file
+    with caplog.at_level("WARNING", logger="specdec.train.output_dir"):
+        assert output_dir.prepare_output_dir(cfg) is not None  # resumed, with a warning naming the file
     assert f"--resume: {data} changed since the checkpoint was saved" in caplog.text
 
 
 def test_a_history_line_cut_short_by_a_kill_does_not_block_resume(tmp_path):
     """A kill mid-append left a torn last line in history.jsonl, and every --resume then failed on it (the
     checkpoint was whole); it is dropped now. A bad line elsewhere is an error naming the file and the line."""
-    from specdec.train.trainer import read_history
+    from specdec.train.output_dir import read_history
 
     path = tmp_path / "history.jsonl"
     path.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.4}\n{"step": 3, "lo')

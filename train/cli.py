@@ -247,8 +247,8 @@ def console_at_cli_level(verbose: bool):
 
 def run(args) -> int:
     from specdec.train.data import TrainDataError
+    from specdec.train.output_dir import OutputDirError
     from specdec.train.pipeline import run_training
-    from specdec.train.trainer import OutputDirError
 
     try:
         with sigterm_as_interrupt(), console_at_cli_level(getattr(args, "verbose", False)):
