@@ -12,7 +12,7 @@ pytest.importorskip("datasets")
 
 from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads, load_medusa  # noqa: E402
 from specdec.train import checkpoint as ckpt_io  # noqa: E402
-from specdec.train import features, output_dir, trainer  # noqa: E402
+from specdec.train import features, medusa_loss, medusa_recipe, output_dir, trainer  # noqa: E402
 from specdec.train.choices import choose_tree  # noqa: E402
 from specdec.train.config import TrainConfig  # noqa: E402
 from specdec.train.output_dir import OutputDirError  # noqa: E402
@@ -61,7 +61,7 @@ def test_one_step_lowers_loss_on_a_fixed_batch(loss):
     opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
 
     def total():
-        return sum(0.8**i * trainer.head_loss(heads, i, hidden, labels, mask, lm_w, loss)[0] for i in range(3))
+        return sum(0.8**i * medusa_loss.head_loss(heads, i, hidden, labels, mask, lm_w, loss)[0] for i in range(3))
 
     before = total()
     before.backward()
@@ -81,7 +81,7 @@ def test_a_batch_too_short_for_a_head_trains_the_others():
     lm_w = model.get_output_embeddings().weight.detach()
     ids, mask = features.collate([[1, 5, 9], [4, 4]], "cpu")
     hidden, labels = features.target_features(model, ids, mask)
-    loss, correct, count = trainer.head_loss(heads, 2, hidden, labels, mask, lm_w, "ce")
+    loss, correct, count = medusa_loss.head_loss(heads, 2, hidden, labels, mask, lm_w, "ce")
     loss.backward()
     assert loss.item() == 0.0 and (correct, count) == (0, 0)
     assert all(p.grad is not None and not p.grad.any() for p in heads.heads[2].parameters())
@@ -99,9 +99,9 @@ def test_kl_loss_is_zero_only_for_the_target_distribution():
     # the same hidden state at every position: the head (identity ResBlock at init, shared LM head)
     # then outputs exactly the target's distribution at t+1
     same = hidden[:, :1].expand_as(hidden).contiguous()
-    exact, _, _ = trainer.head_loss(heads, 0, same, labels, mask, lm_w, "kl")
+    exact, _, _ = medusa_loss.head_loss(heads, 0, same, labels, mask, lm_w, "kl")
     assert abs(exact.item()) < 1e-5
-    wrong, _, _ = trainer.head_loss(heads, 0, hidden, labels, mask, lm_w, "kl")
+    wrong, _, _ = medusa_loss.head_loss(heads, 0, hidden, labels, mask, lm_w, "kl")
     assert wrong.item() > 1e-3
     with pytest.raises(ValueError, match="loss must be one of"):
         TrainConfig(model="default", output_dir="unused", loss="mse")
@@ -129,7 +129,7 @@ def test_cached_and_uncached_training_follow_the_same_curve(tiny, tmp_path):
     def run(name, cache):
         (tmp_path / name).mkdir()
         cfg = _cfg(tiny, tmp_path / name, cache_features=cache)
-        return trainer.train_heads(cfg, *_model_and_seqs(tiny), _accelerator(), None)[1]
+        return medusa_recipe.train_heads(cfg, *_model_and_seqs(tiny), _accelerator(), None)[1]
 
     cached, direct = run("cached", True), run("direct", False)
     assert [h["step"] for h in cached] == [h["step"] for h in direct]
@@ -151,8 +151,8 @@ def test_max_grad_norm_clips_every_step_and_zero_means_off(tiny, tmp_path, monke
     for name, clip in (("free", 0.0), ("clipped", 1e-3)):
         seen.clear()
         (tmp_path / name).mkdir()
-        trainer.train_heads(_cfg(tiny, tmp_path / name, max_grad_norm=clip), *_model_and_seqs(tiny), _accelerator(),
-                            None)
+        medusa_recipe.train_heads(_cfg(tiny, tmp_path / name, max_grad_norm=clip), *_model_and_seqs(tiny),
+                                  _accelerator(), None)
         assert len(seen) == 6
         if clip:
             assert max(seen) <= clip * (1 + 1e-4), seen
@@ -173,7 +173,7 @@ def test_logged_lr_is_the_one_each_step_used(tiny, tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
     cfg = _cfg(tiny, tmp_path, warmup_steps=3, schedule="cosine")
-    history = trainer.train_heads(cfg, *_model_and_seqs(tiny), _accelerator(), None)[1]
+    history = medusa_recipe.train_heads(cfg, *_model_and_seqs(tiny), _accelerator(), None)[1]
     assert [h["lr"] for h in history] == used
     assert used[0] == pytest.approx(cfg.lr / 4) and used[3] == pytest.approx(cfg.lr)
 
@@ -224,7 +224,7 @@ def _first_step_gradient(tiny, out, drafter, seqs, monkeypatch, processes=1, **k
     for _ in range(processes):  # built here, one after the other: they seed the global generator
         torch.manual_seed(cfg.seed)
         recipes.append(EagleRecipe(cfg, model, "cpu", draft_vocab=vocab) if drafter == "eagle" else
-                       trainer.MedusaRecipe(cfg, model, "cpu", draft_vocab=vocab if cfg.loss == "ce" else ()))
+                       medusa_recipe.MedusaRecipe(cfg, model, "cpu", draft_vocab=vocab if cfg.loss == "ce" else ()))
     if processes == 1:
         history = trainer.train_drafter(cfg, recipes[0], model, seqs, _accelerator(), None)
         return grads, history[0]["loss"]
@@ -404,7 +404,7 @@ def _same_run(full, part) -> None:
 def test_resume_after_kill_matches_uninterrupted_run(tiny, uninterrupted, tmp_path, monkeypatch):
     """Ctrl-C in step 6, its gradient accumulated but not applied: the 5 steps done are saved (the checkpoint of
     step 4 was all an interrupt left), and --resume from them ends as the uninterrupted run."""
-    real_accumulate, calls = trainer.MedusaRecipe.accumulate, []
+    real_accumulate, calls = medusa_recipe.MedusaRecipe.accumulate, []
 
     def interrupted_in_step_6(self, *args):
         out = real_accumulate(self, *args)
@@ -414,7 +414,7 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny, uninterrupted, tmp_pa
         return out
 
     part = tmp_path / "part"
-    monkeypatch.setattr(trainer.MedusaRecipe, "accumulate", interrupted_in_step_6)
+    monkeypatch.setattr(medusa_recipe.MedusaRecipe, "accumulate", interrupted_in_step_6)
     with pytest.raises(KeyboardInterrupt) as interrupt:
         run_training(_cfg(tiny, part, eval_tau=False))
     monkeypatch.undo()

@@ -20,8 +20,8 @@ import torch
 from specdec.drafters.medusa_heads import save_medusa
 from specdec.train.config import SELF_PROMPTS, TrainConfig
 from specdec.train.data import TrainDataError, load_texts, split_held_out, tokenize_texts
+from specdec.train.medusa_recipe import train_heads
 from specdec.train.output_dir import RUN_FILE, prepare_output_dir
-from specdec.train.trainer import train_heads
 
 from specdec.models.fingerprint import model_fingerprint
 

@@ -1,14 +1,12 @@
-"""The draft-head training loop: frozen target, distillation loss, accelerate, checkpoints, resume.
+"""The training loop every drafter shares: frozen target, accelerate, gradient accumulation, checkpoints, resume.
 
-    heads, history = train_heads(cfg, model, train_seqs, accelerator, resume_from)      # Medusa
-    history = train_drafter(cfg, recipe, model, train_seqs, accelerator, resume_from)   # any recipe
+    history = train_drafter(cfg, recipe, model, train_seqs, accelerator, resume_from)
 
-A recipe (``MedusaRecipe`` here, ``EagleRecipe`` in train/eagle_recipe.py) owns the trained module and
-its loss; the loop (data order, accumulation, cross-process reduction, schedule, checkpoints) is shared.
+A recipe (``MedusaRecipe`` in train/medusa_recipe.py, ``EagleRecipe`` in train/eagle_recipe.py) owns the trained
+module and its loss; the loop (data order, accumulation, cross-process reduction, schedule, checkpoints) is
+shared.
 
-Head ``i`` at position ``t`` learns the target's own greedy prediction at position ``t + 1 + i``
-(the token the target would produce at ``t + 2 + i``), weighted by ``head_decay ** i``. The target's
-hidden states and argmax labels are computed once per sequence before the first step
+The target's hidden states and argmax labels are computed once per sequence before the first step
 (``FeatureCache``; or once per batch with ``cache_features=False``), under ``no_grad`` in float32.
 Batches: ``batch_size`` is the global micro-batch; with N processes each takes rows ``p::N``.
 A step's loss is, per term (a head; an EAGLE depth's token loss or feature regression), the mean over
@@ -29,15 +27,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
-from specdec.drafters.draft_vocab import IGNORE
-from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
 from specdec.train import checkpoint as ckpt_io
 from specdec.train.agreed_interrupts import InterruptsHeld
 from specdec.train.config import TrainConfig
 from specdec.train.deferred_interrupts import interrupts_deferred
 from specdec.train.features import FeatureCache, collate, target_features
 from specdec.train.output_dir import read_history
-from torch.nn import functional as F
 
 from specdec.atomic_write import replaced_atomically
 from specdec.models.fingerprint import model_fingerprint
@@ -54,62 +49,6 @@ def batch_rows(num_train: int, micro: int, batch_size: int, seed: int) -> list[i
     return perm[k * batch_size : (k + 1) * batch_size].tolist()
 
 
-def _head_targets(heads: MedusaHeads, i: int, labels, mask) -> tuple[torch.Tensor, torch.Tensor]:
-    """Head i's positions (``valid`` [B, L-1-i] bool) and its targets there ([N]; -100 outside a draft vocabulary)."""
-    shift = 1 + i
-    valid = mask[:, shift:].bool()
-    y = labels[:, shift:][valid]
-    vocab = heads.vocab()
-    return valid, (y if vocab is None else vocab.to_reduced(y))
-
-
-def head_loss_count(heads: MedusaHeads, i: int, labels, mask, loss: str = "ce") -> int:
-    """How many positions head i's loss averages over in this batch: every valid one for ``kl``; for ``ce`` those
-    whose label lies in the draft vocabulary."""
-    valid, target = _head_targets(heads, i, labels, mask)
-    return int(valid.sum()) if loss == "kl" else int((target != IGNORE).sum())
-
-
-def head_loss(heads: MedusaHeads, i: int, hidden, labels, mask, lm_w,
-              loss: str = "ce", over: int | None = None) -> tuple[torch.Tensor, int, int]:
-    """Head i's loss vs the target's prediction at t+1+i; returns (loss, correct, count).
-
-    ``ce``: cross-entropy against the target's argmax. ``kl``: KL(target || head) against the
-    target's whole next-token distribution at t+1+i, recomputed from the cached final-norm hidden
-    state (one extra LM-head forward, no gradient); it also teaches the ranks below the argmax,
-    which a tree's siblings use.
-
-    The loss is the sum over positions divided by ``over``: by default this batch's own count
-    (:func:`head_loss_count`), a mean; the trainer passes the whole optimizer step's count, so the
-    losses of its micro-batches (and processes) add up to the mean over all of them.
-
-    Heads over a reduced draft vocabulary (``heads.config.draft_vocab``) score N tokens: ``ce`` maps
-    the labels into it and ignores positions whose label lies outside (they carry no gradient);
-    ``kl`` uses the target's distribution restricted to the N tokens and renormalised (a softmax
-    over the target's logits of those ids), the best any reduced head can match. ``correct`` /
-    ``count`` always count every position, so an out-of-vocabulary label is a miss."""
-    shift = 1 + i
-    if hidden.shape[1] <= shift:  # every sequence too short for this head: a zero that still reaches its weights
-        return sum(p.sum() for p in heads.heads[i].parameters()) * 0.0, 0, 0
-    valid, target = _head_targets(heads, i, labels, mask)
-    x = heads.heads[i](hidden[:, :-shift][valid])  # [N, H]
-    rows = heads.lm_rows(lm_w)  # [draft_size, H] target LM-head rows of the scored tokens
-    logits = F.linear(x, rows) if heads.config.shared_lm_head else x  # [N, draft_size]
-    if loss == "kl":
-        with torch.no_grad():
-            target_logp = F.linear(hidden[:, shift:][valid], rows).float().log_softmax(-1)  # [N, draft_size]
-        value = F.kl_div(logits.float().log_softmax(-1), target_logp, log_target=True, reduction="sum")
-        n = int(valid.sum())
-    elif bool((target != IGNORE).any()):
-        value = F.cross_entropy(logits.float(), target, ignore_index=IGNORE, reduction="sum")
-        n = int((target != IGNORE).sum())
-    else:  # every label outside the draft vocabulary: nothing to learn here (mean over none would be NaN)
-        value, n = logits.float().sum() * 0.0, 0
-    value = value / max(1.0, float(n if over is None else over))
-    correct = int((logits.argmax(-1) == target).sum())
-    return value, correct, int(target.numel())
-
-
 def make_scheduler(optimizer, cfg: TrainConfig, total_steps: int):
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -122,39 +61,6 @@ def make_scheduler(optimizer, cfg: TrainConfig, total_steps: int):
         return 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-class MedusaRecipe:
-    """What the shared loop trains for ``train-medusa``: the heads, one weighted loss per head."""
-
-    name = "train-medusa"
-
-    def __init__(self, cfg: TrainConfig, model, device, model_name: str = "", draft_vocab: tuple[int, ...] = ()):
-        shape_cfg = model.config
-        extra = {"draft_vocab": tuple(draft_vocab)} if draft_vocab else {}
-        self.module = MedusaHeads(MedusaConfig(cfg.num_heads, cfg.num_layers, shape_cfg.hidden_size,
-                                               shape_cfg.vocab_size, cfg.shared_lm_head, model_name,
-                                               **extra)).to(device)
-        self.lm_w = model.get_output_embeddings().weight.detach()
-        self.module.init_lm_heads_from(self.lm_w)
-        self.cfg, self.depths = cfg, cfg.num_heads
-        self.weights = [cfg.head_decay**i for i in range(cfg.num_heads)]
-
-    def loss_counts(self, labels, mask) -> list[int]:
-        """The positions each head's loss averages over in this micro-batch."""
-        return [head_loss_count(self.module, i, labels, mask, self.cfg.loss) for i in range(self.cfg.num_heads)]
-
-    def accumulate(self, ids, hidden, labels, mask, over: list[int], autocast) -> tuple[torch.Tensor, list, list]:
-        """Backward of this micro-batch's share of the step's loss (head i's summed loss / ``over[i]``, the step's
-        count of :meth:`loss_counts`); returns (that share, correct per depth, count per depth)."""
-        total, correct, count = hidden.new_zeros(()), [], []
-        for i in range(self.cfg.num_heads):  # one graph per head: peak memory is one head's logits
-            with autocast():
-                loss, c, n = head_loss(self.module, i, hidden, labels, mask, self.lm_w, self.cfg.loss, over[i])
-            (self.weights[i] * loss).backward()
-            total = total + self.weights[i] * loss.detach()
-            correct.append(c), count.append(n)
-        return total, correct, count
 
 
 def _keep_on_interrupt(err: KeyboardInterrupt, step: int, saved: int, nproc: int, save) -> None:
@@ -189,14 +95,6 @@ def _saved_by_main(accelerator, save, step: int) -> bool:
         except OSError as err:
             logger.warning("interrupted after step %d: its checkpoint could not be saved (%s)", step, err)
     return bool(accelerator.reduce(torch.tensor([ok], device=accelerator.device), reduction="sum").item())
-
-
-def train_heads(cfg: TrainConfig, model, train_seqs: list[list[int]], accelerator, resume_from: Path | None,
-                model_name: str = "", draft_vocab: tuple[int, ...] = ()) -> tuple[MedusaHeads, list[dict]]:
-    """Train Medusa heads; returns (heads, history)."""
-    torch.manual_seed(cfg.seed)
-    recipe = MedusaRecipe(cfg, model, accelerator.device, model_name, draft_vocab)
-    return recipe.module, train_drafter(cfg, recipe, model, train_seqs, accelerator, resume_from)
 
 
 @dataclass(frozen=True)
