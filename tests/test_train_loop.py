@@ -12,7 +12,7 @@ pytest.importorskip("datasets")
 
 from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads, load_medusa  # noqa: E402
 from specdec.train import checkpoint as ckpt_io  # noqa: E402
-from specdec.train import features, medusa_loss, medusa_recipe, output_dir, trainer  # noqa: E402
+from specdec.train import features, interrupt_saves, loop, medusa_loss, medusa_recipe, output_dir  # noqa: E402
 from specdec.train.choices import choose_tree  # noqa: E402
 from specdec.train.config import TrainConfig  # noqa: E402
 from specdec.train.output_dir import OutputDirError  # noqa: E402
@@ -226,13 +226,13 @@ def _first_step_gradient(tiny, out, drafter, seqs, monkeypatch, processes=1, **k
         recipes.append(EagleRecipe(cfg, model, "cpu", draft_vocab=vocab) if drafter == "eagle" else
                        medusa_recipe.MedusaRecipe(cfg, model, "cpu", draft_vocab=vocab if cfg.loss == "ce" else ()))
     if processes == 1:
-        history = trainer.train_drafter(cfg, recipes[0], model, seqs, _accelerator(), None)
+        history = loop.train_drafter(cfg, recipes[0], model, seqs, _accelerator(), None)
         return grads, history[0]["loss"]
     group, histories, errors = _Threads(processes), [None] * processes, []
 
     def run(r):
         try:
-            histories[r] = trainer.train_drafter(cfg, recipes[r], model, seqs, group.rank(r), None)
+            histories[r] = loop.train_drafter(cfg, recipes[r], model, seqs, group.rank(r), None)
         except BaseException as err:  # noqa: BLE001 - re-raised below, in the test's thread
             errors.append(err)
             group.barrier.abort()
@@ -463,7 +463,7 @@ def test_an_interrupt_several_processes_could_not_save_names_the_steps_lost(tmp_
     from specdec.train.cli import _what_is_left
 
     err, saves = KeyboardInterrupt(), []
-    trainer._keep_on_interrupt(err, 7, 4, 2, lambda: saves.append(1))
+    interrupt_saves._keep_on_interrupt(err, 7, 4, 2, lambda: saves.append(1))
     assert saves == [] and err.unsaved_steps == 3
     heads, optimizer, scheduler = _tiny_training_state()
     ckpt_io.save_checkpoint(tmp_path, heads, optimizer, scheduler, 4, {}, "fp")
@@ -509,7 +509,7 @@ def test_after_an_agreed_interrupt_every_process_learns_whether_the_main_one_sav
             raise OSError(28, "No space left on device")
 
     def run(r):
-        answers[r] = trainer._saved_by_main(group.rank(r), save, 3)
+        answers[r] = interrupt_saves._saved_by_main(group.rank(r), save, 3)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
     for t in threads:
@@ -526,12 +526,12 @@ TWO_PROCESS_DRIVER = """
 import json, os, signal, sys
 import torch, accelerate
 from specdec.cli import main
-from specdec.train import trainer
+from specdec.train import loop
 
 rank, args, out = int(os.environ["RANK"]), json.loads(sys.argv[1]), sys.argv[2]
 ended = []
 accelerate.Accelerator.end_training = lambda self: ended.append(1)  # the three runs share one process group
-armed, calls, real_rows, real_step = [False], [], trainer.batch_rows, torch.optim.AdamW.step
+armed, calls, real_rows, real_step = [False], [], loop.batch_rows, torch.optim.AdamW.step
 
 def rows(num, micro, *a):
     if armed[0] and rank == 0 and micro == 2:
@@ -545,7 +545,7 @@ def step(self, *a, **k):
         os.kill(os.getpid(), signal.SIGTERM)
     return done
 
-trainer.batch_rows, torch.optim.AdamW.step = rows, step
+loop.batch_rows, torch.optim.AdamW.step = rows, step
 codes = [main(args + ["--output-dir", out + "/full"])]
 armed[0], calls[:] = True, []
 codes.append(main(args + ["--output-dir", out + "/part"]))
@@ -606,14 +606,14 @@ def test_sigterm_takes_the_path_of_ctrl_c(tiny, tmp_path, monkeypatch, capsys):
     def callers_handler(signum, frame):
         raise CallersHandler  # what the old code let through (instead of the process dying)
 
-    real_rows = trainer.batch_rows
+    real_rows = loop.batch_rows
 
     def terminated_at_step_5(num, micro, bs, seed):
         if micro == 4:  # step 5 starts after the step-4 checkpoint
             os.kill(os.getpid(), signal.SIGTERM)
         return real_rows(num, micro, bs, seed)
 
-    monkeypatch.setattr(trainer, "batch_rows", terminated_at_step_5)
+    monkeypatch.setattr(loop, "batch_rows", terminated_at_step_5)
     previous = signal.signal(signal.SIGTERM, callers_handler)
     try:
         rc = main(["train-medusa", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"),

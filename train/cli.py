@@ -180,7 +180,7 @@ def config_from_args(args):
 
 def _what_is_left(out: Path, interrupt: KeyboardInterrupt | None = None) -> str:
     """After Ctrl-C: the checkpoint a --resume continues from (saved by the interrupt, or earlier), or that there is
-    none; and the steps lost since, where the interrupt could not save them (train/trainer.py)."""
+    none; and the steps lost since, where the interrupt could not save them (train/interrupt_saves.py)."""
     from specdec.train.checkpoint import find_checkpoint, read_state
 
     saved = getattr(interrupt, "saved_step", None)

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
 from specdec.train.config import TrainConfig
+from specdec.train.loop import train_drafter
 from specdec.train.medusa_loss import head_loss, head_loss_count
-from specdec.train.trainer import train_drafter
 
 
 class MedusaRecipe:

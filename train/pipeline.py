@@ -155,7 +155,7 @@ def _train(cfg: TrainConfig, loaded, model, train_seqs: list[list[int]], acceler
     draft_vocab, vocab_info = choose_draft_vocab(cfg, train_seqs, model)
     if cfg.drafter == "eagle":
         from specdec.train.eagle_recipe import EagleRecipe
-        from specdec.train.trainer import train_drafter
+        from specdec.train.loop import train_drafter
 
         recipe = EagleRecipe(cfg, model, accelerator.device, loaded.source, draft_vocab)
         history = train_drafter(cfg, recipe, model, train_seqs, accelerator, resume_from)

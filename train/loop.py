@@ -4,7 +4,7 @@
 
 A recipe (``MedusaRecipe`` in train/medusa_recipe.py, ``EagleRecipe`` in train/eagle_recipe.py) owns the trained
 module and its loss; the loop (data order, accumulation, cross-process reduction, schedule, checkpoints) is
-shared.
+shared. What an interrupt saves is train/interrupt_saves.py's.
 
 The target's hidden states and argmax labels are computed once per sequence before the first step
 (``FeatureCache``; or once per batch with ``cache_features=False``), under ``no_grad`` in float32.
@@ -18,13 +18,12 @@ So ``grad_accum`` N equals one batch N times larger and N processes equal one, w
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from specdec.train import checkpoint as ckpt_io
@@ -32,6 +31,7 @@ from specdec.train.agreed_interrupts import InterruptsHeld
 from specdec.train.config import TrainConfig
 from specdec.train.deferred_interrupts import interrupts_deferred
 from specdec.train.features import FeatureCache, collate, target_features
+from specdec.train.interrupt_saves import record_interrupt, stop_together
 from specdec.train.output_dir import read_history
 
 from specdec.atomic_write import replaced_atomically
@@ -63,42 +63,8 @@ def make_scheduler(optimizer, cfg: TrainConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def _keep_on_interrupt(err: KeyboardInterrupt, step: int, saved: int, nproc: int, save) -> None:
-    """An interrupt after step ``step``, the last save at ``saved`` (< step): one process saves the checkpoint of
-    ``step`` (``save()``) and records it on ``err`` as ``saved_step``. Several processes agree on their step first
-    (train/agreed_interrupts.py) and save there; one stopped otherwise (a KeyboardInterrupt no process recorded, e.g.
-    outside the main thread) does not save here, as the others may wait for it in a collective: ``err`` records
-    ``unsaved_steps``."""
-    if nproc > 1:
-        err.unsaved_steps = step - saved
-        logger.warning("interrupted after step %d: no checkpoint saved; the %d step(s) since the last one are lost",
-                       step, step - saved)
-        return
-    try:
-        save()
-    except OSError as save_err:  # a full disk: the interrupt still ends the run, with the last checkpoint left
-        logger.warning("interrupted after step %d: its checkpoint could not be saved (%s)", step, save_err)
-        return
-    err.saved_step = step
-    logger.info("interrupted after step %d: saved its checkpoint", step)
-
-
-def _saved_by_main(accelerator, save, step: int) -> bool:
-    """Every process, after the same step: the main process saves its checkpoint (``save()``); whether it could, on
-    every process (a full disk leaves the last checkpoint)."""
-    ok = 0.0
-    if accelerator.is_main_process:
-        try:
-            save()
-            ok = 1.0
-            logger.info("interrupted after step %d: saved its checkpoint", step)
-        except OSError as err:
-            logger.warning("interrupted after step %d: its checkpoint could not be saved (%s)", step, err)
-    return bool(accelerator.reduce(torch.tensor([ok], device=accelerator.device), reduction="sum").item())
-
-
 @dataclass(frozen=True)
-class _Run:
+class Run:
     """What every step of one run reads, fixed before the first: the data, the trained parameters with their
     optimizer and schedule, and where the run writes."""
 
@@ -119,14 +85,14 @@ class _Run:
     hist_file: Path
     bar: Any  # the main process's progress bar (--progress), else None
 
-    def save(self, at: _Position) -> None:
+    def save(self, at: Position) -> None:
         """The checkpoint of the last completed step."""
         ckpt_io.save_checkpoint(Path(self.cfg.output_dir), self.recipe.module, self.optimizer, self.scheduler,
                                 at.step, self.saved_config, self.fingerprint, rng_state=at.rng)
 
 
 @dataclass
-class _Position:
+class Position:
     """Where the run is: what the loop advances and what a checkpoint or an interrupt reads."""
 
     step: int  # the optimizer steps completed
@@ -137,7 +103,7 @@ class _Position:
 
 
 def _start(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], accelerator,
-           resume_from: Path | None) -> tuple[_Run, _Position]:
+           resume_from: Path | None) -> tuple[Run, Position]:
     """The run's optimizer, schedule and features, resumed from ``resume_from`` (its history cut at its step)."""
     out = Path(cfg.output_dir)
     nproc = accelerator.num_processes
@@ -173,12 +139,12 @@ def _start(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], acceler
                                       progress=cfg.progress and accelerator.is_main_process,
                                       feature_layers=getattr(recipe, "feature_layers", ()))
     heads.train()
-    run = _Run(cfg, recipe, model, train_seqs, accelerator, features, params, optimizer, scheduler, total,
-               saved_config, fingerprint, hist_file, bar)
-    return run, _Position(step=step, saved=step, rng=torch.get_rng_state(), history=history)
+    run = Run(cfg, recipe, model, train_seqs, accelerator, features, params, optimizer, scheduler, total,
+              saved_config, fingerprint, hist_file, bar)
+    return run, Position(step=step, saved=step, rng=torch.get_rng_state(), history=history)
 
 
-def _micro_batches(run: _Run, step: int) -> list[tuple]:
+def _micro_batches(run: Run, step: int) -> list[tuple]:
     """This process's rows of the ``grad_accum`` micro-batches of the step after ``step``: (ids, hidden, labels,
     mask) each."""
     cfg, accelerator = run.cfg, run.accelerator
@@ -195,7 +161,7 @@ def _micro_batches(run: _Run, step: int) -> list[tuple]:
     return window
 
 
-def _local_gradient(run: _Run, step: int) -> torch.Tensor:
+def _local_gradient(run: Run, step: int) -> torch.Tensor:
     """Backward of this process's share of the loss of the step after ``step``; returns its statistics
     [loss, correct per depth, count per depth]."""
     recipe, accelerator, depths = run.recipe, run.accelerator, run.recipe.depths
@@ -214,7 +180,7 @@ def _local_gradient(run: _Run, step: int) -> torch.Tensor:
     return stats
 
 
-def _summed_over_processes(run: _Run, stats: torch.Tensor, held) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _summed_over_processes(run: Run, stats: torch.Tensor, held) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Several processes: the gradients and ``stats`` summed over them, and the interrupts they got (``held``'s
     flags, carried in the statistics' collective) summed: (stats, seen). One process: (stats, None)."""
     accelerator = run.accelerator
@@ -226,7 +192,7 @@ def _summed_over_processes(run: _Run, stats: torch.Tensor, held) -> tuple[torch.
     return stats[:-2], stats[-2:]
 
 
-def _apply_step(run: _Run, at: _Position, stats: torch.Tensor) -> dict:
+def _apply_step(run: Run, at: Position, stats: torch.Tensor) -> dict:
     """Clip the step's gradient, apply it and advance ``at``; returns the step's record (appended to the history
     on the main process)."""
     cfg, depths, scheduler = run.cfg, run.recipe.depths, run.scheduler
@@ -248,7 +214,7 @@ def _apply_step(run: _Run, at: _Position, stats: torch.Tensor) -> dict:
     return rec
 
 
-def _log_and_save(run: _Run, at: _Position, rec: dict) -> None:
+def _log_and_save(run: Run, at: Position, rec: dict) -> None:
     """After step ``at.step`` (``rec``): the progress bar, the log line, and the checkpoint when due (main process)."""
     cfg, total = run.cfg, run.total
     due = at.step % cfg.save_every == 0 or at.step == total
@@ -265,34 +231,12 @@ def _log_and_save(run: _Run, at: _Position, rec: dict) -> None:
         at.saved = at.step
 
 
-def _stop_together(run: _Run, at: _Position, seen: torch.Tensor, held: InterruptsHeld) -> NoReturn:
-    """Several processes, an interrupt one of them recorded (``seen``: their flags summed): every process finished
-    this step, the one to keep; the main process saves it unless it just did, then each stops (``held.stop``)."""
-    if at.step == at.saved or _saved_by_main(run.accelerator, functools.partial(run.save, at), at.step):
-        at.saved = at.step
-    at.agreed = at.step
-    held.stop(seen)
-
-
-def _record_interrupt(err: KeyboardInterrupt, run: _Run, at: _Position) -> None:
-    """On ``err``, what an interrupt leaves (for the CLI's line); one process first saves the steps since the last
-    checkpoint (:func:`_keep_on_interrupt`)."""
-    if at.agreed is not None:  # every process stops here: the group can be closed as at the end of a run
-        err.processes_stopped_together = True
-        if at.saved == at.agreed:
-            err.saved_step = at.agreed
-        else:  # the main process could not save (it said why)
-            err.unsaved_steps = at.agreed - at.saved
-    elif at.step > at.saved:
-        _keep_on_interrupt(err, at.step, at.saved, run.accelerator.num_processes, functools.partial(run.save, at))
-
-
 def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], accelerator,
                   resume_from: Path | None) -> list[dict]:
     """Train ``recipe.module`` (Medusa heads, an EAGLE layer) against the frozen target; returns the history of
     logged {step, loss, top1 per draft depth}. Saves checkpoints; resumes bit-exactly from ``resume_from``. An
     interrupt (Ctrl-C, SIGTERM) never lands inside an optimizer step; one process then saves the last completed
-    step before the interrupt goes on (:func:`_keep_on_interrupt`). Several processes record it and all stop after
+    step before the interrupt goes on (train/interrupt_saves.py). Several processes record it and all stop after
     the step whose collective first carries it, once the main process has saved that step."""
     run, at = _start(cfg, recipe, model, train_seqs, accelerator, resume_from)
     held = InterruptsHeld() if accelerator.num_processes > 1 else contextlib.nullcontext()
@@ -304,10 +248,10 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
                 rec = _apply_step(run, at, stats)
                 _log_and_save(run, at, rec)
                 if seen is not None and bool(seen.any()):  # every process finished this step: it is the one to keep
-                    _stop_together(run, at, seen, held)
+                    stop_together(run, at, seen, held)
                 accelerator.wait_for_everyone()
         except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM through the CLI: keep the steps since the last save
-            _record_interrupt(err, run, at)
+            record_interrupt(err, run, at)
             raise
     if run.bar is not None:
         run.bar.close()
