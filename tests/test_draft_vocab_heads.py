@@ -12,7 +12,7 @@ from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.medusa_heads import MedusaCheckpointError, MedusaConfig, MedusaHeads, load_medusa, save_medusa
 from specdec.drafters.self_draft import SelfDraftDrafter
 from specdec.drafters.vocab_sources import builtin_prompt_tokens
-from specdec.train import evaluate, features, trainer
+from specdec.train import evaluate, features, medusa_loss
 
 import specdec
 from specdec.errors import InputError
@@ -269,7 +269,7 @@ def test_reduced_head_loss_lowers_after_a_step(loss, shared):
     opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
 
     def total():
-        return sum(trainer.head_loss(heads, i, hidden, labels, mask, lm_w, loss)[0] for i in range(3))
+        return sum(medusa_loss.head_loss(heads, i, hidden, labels, mask, lm_w, loss)[0] for i in range(3))
 
     before = total()
     assert torch.isfinite(before)
@@ -286,7 +286,7 @@ def test_reduced_head_loss_ignores_labels_outside_but_counts_them_as_misses():
     y = labels[:, 1:][mask[:, 1:].bool()]  # head 0's labels
     inside = sorted(set(y.tolist()))[: len(set(y.tolist())) // 2]
     heads = reduced_heads(model, inside + [62, 63], noise=0.2)
-    value, correct, count = trainer.head_loss(heads, 0, hidden, labels, mask, lm_w, "ce")
+    value, correct, count = medusa_loss.head_loss(heads, 0, hidden, labels, mask, lm_w, "ce")
     logits = heads.heads[0](hidden[:, :-1][mask[:, 1:].bool()])  # [positions, N]
     keep = torch.tensor([t in inside for t in y.tolist()])
     expected = torch.nn.functional.cross_entropy(logits[keep], torch.tensor([inside.index(t) for t in y[keep]]))
@@ -294,7 +294,7 @@ def test_reduced_head_loss_ignores_labels_outside_but_counts_them_as_misses():
     assert count == y.numel() and keep.sum() < count  # positions outside are counted
     assert correct == int((heads.vocab().to_full(logits.argmax(-1)) == y).sum())
     nothing = reduced_heads(model, [62, 63])  # no label inside: a zero loss, not NaN
-    value, correct, count = trainer.head_loss(nothing, 0, hidden, labels, mask, lm_w, "ce")
+    value, correct, count = medusa_loss.head_loss(nothing, 0, hidden, labels, mask, lm_w, "ce")
     assert float(value.detach()) == 0.0 and correct == 0 and count == y.numel()
 
 

@@ -12,10 +12,10 @@ pytest.importorskip("datasets")
 
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, load_eagle  # noqa: E402
 from specdec.train import checkpoint as ckpt_io  # noqa: E402
-from specdec.train import trainer  # noqa: E402
+from specdec.train import loop  # noqa: E402
 from specdec.train.config import TrainConfig  # noqa: E402
+from specdec.train.output_dir import OutputDirError  # noqa: E402
 from specdec.train.pipeline import run_training  # noqa: E402
-from specdec.train.trainer import OutputDirError  # noqa: E402
 
 TEXTS = [f"the {w} number {i} likes {w[::-1]} and sings, {i * 7}" for i, w in
          enumerate(["cat", "dog", "bird", "fish", "frog", "bee", "owl", "fox", "cow", "yak", "eel", "ant"] * 2)]
@@ -87,7 +87,7 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny, tmp_path, monkeypatch
 
     full = tmp_path / "full"
     run_training(_cfg(tiny, full))
-    real_rows = trainer.batch_rows
+    real_rows = loop.batch_rows
 
     def dying_rows(num, micro, bs, seed):
         if micro == 5:
@@ -95,10 +95,10 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny, tmp_path, monkeypatch
         return real_rows(num, micro, bs, seed)
 
     part = tmp_path / "part"
-    monkeypatch.setattr(trainer, "batch_rows", dying_rows)
+    monkeypatch.setattr(loop, "batch_rows", dying_rows)
     with pytest.raises(KeyboardInterrupt):
         run_training(_cfg(tiny, part))
-    monkeypatch.setattr(trainer, "batch_rows", real_rows)
+    monkeypatch.setattr(loop, "batch_rows", real_rows)
     assert ckpt_io.read_state(ckpt_io.find_checkpoint(part))["step"] == 5  # step 5: saved by the interrupt
     with pytest.raises(OutputDirError, match="different configuration.*eagle_steps"):
         run_training(_cfg(tiny, part, resume=True, eagle_steps=3))

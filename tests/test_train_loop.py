@@ -12,11 +12,11 @@ pytest.importorskip("datasets")
 
 from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads, load_medusa  # noqa: E402
 from specdec.train import checkpoint as ckpt_io  # noqa: E402
-from specdec.train import features, trainer  # noqa: E402
+from specdec.train import features, interrupt_saves, loop, medusa_loss, medusa_recipe, output_dir  # noqa: E402
 from specdec.train.choices import choose_tree  # noqa: E402
 from specdec.train.config import TrainConfig  # noqa: E402
+from specdec.train.output_dir import OutputDirError  # noqa: E402
 from specdec.train.pipeline import run_training  # noqa: E402
-from specdec.train.trainer import OutputDirError  # noqa: E402
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz .,?!'0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ")
 TEXTS = [f"the {w} number {i} likes {w[::-1]} and sings, {i * 7}" for i, w in
@@ -61,7 +61,7 @@ def test_one_step_lowers_loss_on_a_fixed_batch(loss):
     opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
 
     def total():
-        return sum(0.8**i * trainer.head_loss(heads, i, hidden, labels, mask, lm_w, loss)[0] for i in range(3))
+        return sum(0.8**i * medusa_loss.head_loss(heads, i, hidden, labels, mask, lm_w, loss)[0] for i in range(3))
 
     before = total()
     before.backward()
@@ -81,7 +81,7 @@ def test_a_batch_too_short_for_a_head_trains_the_others():
     lm_w = model.get_output_embeddings().weight.detach()
     ids, mask = features.collate([[1, 5, 9], [4, 4]], "cpu")
     hidden, labels = features.target_features(model, ids, mask)
-    loss, correct, count = trainer.head_loss(heads, 2, hidden, labels, mask, lm_w, "ce")
+    loss, correct, count = medusa_loss.head_loss(heads, 2, hidden, labels, mask, lm_w, "ce")
     loss.backward()
     assert loss.item() == 0.0 and (correct, count) == (0, 0)
     assert all(p.grad is not None and not p.grad.any() for p in heads.heads[2].parameters())
@@ -99,9 +99,9 @@ def test_kl_loss_is_zero_only_for_the_target_distribution():
     # the same hidden state at every position: the head (identity ResBlock at init, shared LM head)
     # then outputs exactly the target's distribution at t+1
     same = hidden[:, :1].expand_as(hidden).contiguous()
-    exact, _, _ = trainer.head_loss(heads, 0, same, labels, mask, lm_w, "kl")
+    exact, _, _ = medusa_loss.head_loss(heads, 0, same, labels, mask, lm_w, "kl")
     assert abs(exact.item()) < 1e-5
-    wrong, _, _ = trainer.head_loss(heads, 0, hidden, labels, mask, lm_w, "kl")
+    wrong, _, _ = medusa_loss.head_loss(heads, 0, hidden, labels, mask, lm_w, "kl")
     assert wrong.item() > 1e-3
     with pytest.raises(ValueError, match="loss must be one of"):
         TrainConfig(model="default", output_dir="unused", loss="mse")
@@ -129,7 +129,7 @@ def test_cached_and_uncached_training_follow_the_same_curve(tiny, tmp_path):
     def run(name, cache):
         (tmp_path / name).mkdir()
         cfg = _cfg(tiny, tmp_path / name, cache_features=cache)
-        return trainer.train_heads(cfg, *_model_and_seqs(tiny), _accelerator(), None)[1]
+        return medusa_recipe.train_heads(cfg, *_model_and_seqs(tiny), _accelerator(), None)[1]
 
     cached, direct = run("cached", True), run("direct", False)
     assert [h["step"] for h in cached] == [h["step"] for h in direct]
@@ -151,8 +151,8 @@ def test_max_grad_norm_clips_every_step_and_zero_means_off(tiny, tmp_path, monke
     for name, clip in (("free", 0.0), ("clipped", 1e-3)):
         seen.clear()
         (tmp_path / name).mkdir()
-        trainer.train_heads(_cfg(tiny, tmp_path / name, max_grad_norm=clip), *_model_and_seqs(tiny), _accelerator(),
-                            None)
+        medusa_recipe.train_heads(_cfg(tiny, tmp_path / name, max_grad_norm=clip), *_model_and_seqs(tiny),
+                                  _accelerator(), None)
         assert len(seen) == 6
         if clip:
             assert max(seen) <= clip * (1 + 1e-4), seen
@@ -173,7 +173,7 @@ def test_logged_lr_is_the_one_each_step_used(tiny, tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
     cfg = _cfg(tiny, tmp_path, warmup_steps=3, schedule="cosine")
-    history = trainer.train_heads(cfg, *_model_and_seqs(tiny), _accelerator(), None)[1]
+    history = medusa_recipe.train_heads(cfg, *_model_and_seqs(tiny), _accelerator(), None)[1]
     assert [h["lr"] for h in history] == used
     assert used[0] == pytest.approx(cfg.lr / 4) and used[3] == pytest.approx(cfg.lr)
 
@@ -224,15 +224,15 @@ def _first_step_gradient(tiny, out, drafter, seqs, monkeypatch, processes=1, **k
     for _ in range(processes):  # built here, one after the other: they seed the global generator
         torch.manual_seed(cfg.seed)
         recipes.append(EagleRecipe(cfg, model, "cpu", draft_vocab=vocab) if drafter == "eagle" else
-                       trainer.MedusaRecipe(cfg, model, "cpu", draft_vocab=vocab if cfg.loss == "ce" else ()))
+                       medusa_recipe.MedusaRecipe(cfg, model, "cpu", draft_vocab=vocab if cfg.loss == "ce" else ()))
     if processes == 1:
-        history = trainer.train_drafter(cfg, recipes[0], model, seqs, _accelerator(), None)
+        history = loop.train_drafter(cfg, recipes[0], model, seqs, _accelerator(), None)
         return grads, history[0]["loss"]
     group, histories, errors = _Threads(processes), [None] * processes, []
 
     def run(r):
         try:
-            histories[r] = trainer.train_drafter(cfg, recipes[r], model, seqs, group.rank(r), None)
+            histories[r] = loop.train_drafter(cfg, recipes[r], model, seqs, group.rank(r), None)
         except BaseException as err:  # noqa: BLE001 - re-raised below, in the test's thread
             errors.append(err)
             group.barrier.abort()
@@ -404,7 +404,7 @@ def _same_run(full, part) -> None:
 def test_resume_after_kill_matches_uninterrupted_run(tiny, uninterrupted, tmp_path, monkeypatch):
     """Ctrl-C in step 6, its gradient accumulated but not applied: the 5 steps done are saved (the checkpoint of
     step 4 was all an interrupt left), and --resume from them ends as the uninterrupted run."""
-    real_accumulate, calls = trainer.MedusaRecipe.accumulate, []
+    real_accumulate, calls = medusa_recipe.MedusaRecipe.accumulate, []
 
     def interrupted_in_step_6(self, *args):
         out = real_accumulate(self, *args)
@@ -414,7 +414,7 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny, uninterrupted, tmp_pa
         return out
 
     part = tmp_path / "part"
-    monkeypatch.setattr(trainer.MedusaRecipe, "accumulate", interrupted_in_step_6)
+    monkeypatch.setattr(medusa_recipe.MedusaRecipe, "accumulate", interrupted_in_step_6)
     with pytest.raises(KeyboardInterrupt) as interrupt:
         run_training(_cfg(tiny, part, eval_tau=False))
     monkeypatch.undo()
@@ -463,7 +463,7 @@ def test_an_interrupt_several_processes_could_not_save_names_the_steps_lost(tmp_
     from specdec.train.cli import _what_is_left
 
     err, saves = KeyboardInterrupt(), []
-    trainer._keep_on_interrupt(err, 7, 4, 2, lambda: saves.append(1))
+    interrupt_saves._keep_on_interrupt(err, 7, 4, 2, lambda: saves.append(1))
     assert saves == [] and err.unsaved_steps == 3
     heads, optimizer, scheduler = _tiny_training_state()
     ckpt_io.save_checkpoint(tmp_path, heads, optimizer, scheduler, 4, {}, "fp")
@@ -509,7 +509,7 @@ def test_after_an_agreed_interrupt_every_process_learns_whether_the_main_one_sav
             raise OSError(28, "No space left on device")
 
     def run(r):
-        answers[r] = trainer._saved_by_main(group.rank(r), save, 3)
+        answers[r] = interrupt_saves._saved_by_main(group.rank(r), save, 3)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
     for t in threads:
@@ -526,12 +526,12 @@ TWO_PROCESS_DRIVER = """
 import json, os, signal, sys
 import torch, accelerate
 from specdec.cli import main
-from specdec.train import trainer
+from specdec.train import loop
 
 rank, args, out = int(os.environ["RANK"]), json.loads(sys.argv[1]), sys.argv[2]
 ended = []
 accelerate.Accelerator.end_training = lambda self: ended.append(1)  # the three runs share one process group
-armed, calls, real_rows, real_step = [False], [], trainer.batch_rows, torch.optim.AdamW.step
+armed, calls, real_rows, real_step = [False], [], loop.batch_rows, torch.optim.AdamW.step
 
 def rows(num, micro, *a):
     if armed[0] and rank == 0 and micro == 2:
@@ -545,7 +545,7 @@ def step(self, *a, **k):
         os.kill(os.getpid(), signal.SIGTERM)
     return done
 
-trainer.batch_rows, torch.optim.AdamW.step = rows, step
+loop.batch_rows, torch.optim.AdamW.step = rows, step
 codes = [main(args + ["--output-dir", out + "/full"])]
 armed[0], calls[:] = True, []
 codes.append(main(args + ["--output-dir", out + "/part"]))
@@ -606,14 +606,14 @@ def test_sigterm_takes_the_path_of_ctrl_c(tiny, tmp_path, monkeypatch, capsys):
     def callers_handler(signum, frame):
         raise CallersHandler  # what the old code let through (instead of the process dying)
 
-    real_rows = trainer.batch_rows
+    real_rows = loop.batch_rows
 
     def terminated_at_step_5(num, micro, bs, seed):
         if micro == 4:  # step 5 starts after the step-4 checkpoint
             os.kill(os.getpid(), signal.SIGTERM)
         return real_rows(num, micro, bs, seed)
 
-    monkeypatch.setattr(trainer, "batch_rows", terminated_at_step_5)
+    monkeypatch.setattr(loop, "batch_rows", terminated_at_step_5)
     previous = signal.signal(signal.SIGTERM, callers_handler)
     try:
         rc = main(["train-medusa", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"),
@@ -778,11 +778,11 @@ def test_overwrite_refuses_user_files_at_any_depth(tmp_path, mine):
     (run / mine).write_text("the user's")
     cfg = SimpleNamespace(output_dir=str(run), resume=False, overwrite=True)
     with pytest.raises(OutputDirError, match=f"does not write .*{mine.split('/')[0]}"):
-        trainer.prepare_output_dir(cfg)
+        output_dir.prepare_output_dir(cfg)
     assert (run / mine).read_text() == "the user's"
     for eagle in (False, True):  # what a Medusa or an EAGLE run writes is deleted
         run = _fake_run(tmp_path / f"clean-{eagle}", eagle)
-        assert trainer.prepare_output_dir(SimpleNamespace(output_dir=str(run), resume=False, overwrite=True)) is None
+        assert output_dir.prepare_output_dir(SimpleNamespace(output_dir=str(run), resume=False, overwrite=True)) is None
         assert not run.exists()
 
 
@@ -819,18 +819,18 @@ def test_a_run_that_ended_before_its_first_checkpoint_does_not_block_its_rerun(t
     (out / "run.json").write_text("{}")
     (out / "train.log").write_text("ERROR the data had no text field")
     assert "saved no checkpoint yet" in _what_is_left(out)
-    assert trainer.prepare_output_dir(_cfg(tiny, out)) is None and not out.exists()
+    assert output_dir.prepare_output_dir(_cfg(tiny, out)) is None and not out.exists()
     out.mkdir()
     (out / "run.json").write_text("{}")
     heads, optimizer, scheduler = _tiny_training_state()
     ckpt_io.save_checkpoint(out, heads, optimizer, scheduler, 4, {}, "fp")
     with pytest.raises(OutputDirError, match="is not empty"):
-        trainer.prepare_output_dir(_cfg(tiny, out))
+        output_dir.prepare_output_dir(_cfg(tiny, out))
     assert _what_is_left(out) == "the checkpoint of step 4 is intact (continue with --resume)"
     (out / "notes.txt").write_text("the user's")
     (out / ckpt_io.CKPT).rename(tmp_path / "elsewhere")
     with pytest.raises(OutputDirError, match="is not empty"):  # a file the run did not write: never replaced unasked
-        trainer.prepare_output_dir(_cfg(tiny, out))
+        output_dir.prepare_output_dir(_cfg(tiny, out))
 
 
 def test_a_resume_names_input_files_that_changed_since_the_checkpoint(tiny, tmp_path, caplog):
@@ -843,20 +843,20 @@ def test_a_resume_names_input_files_that_changed_since_the_checkpoint(tiny, tmp_
     out = tmp_path / "run"
     run_training(_cfg(tiny, out, data=str(data), eval_tau=False, max_steps=2, save_every=2))
     cfg = _cfg(tiny, out, data=str(data), eval_tau=False, max_steps=2, save_every=2, resume=True)
-    with caplog.at_level("WARNING", logger="specdec.train.trainer"):
-        trainer.prepare_output_dir(cfg)
+    with caplog.at_level("WARNING", logger="specdec.train.output_dir"):
+        output_dir.prepare_output_dir(cfg)
     assert "changed since the checkpoint" not in caplog.text
     with open(data, "a") as f:
         f.write(json.dumps({"text": "one more record"}) + "\n")
-    with caplog.at_level("WARNING", logger="specdec.train.trainer"):
-        assert trainer.prepare_output_dir(cfg) is not None  # resumed, with a warning naming the file
+    with caplog.at_level("WARNING", logger="specdec.train.output_dir"):
+        assert output_dir.prepare_output_dir(cfg) is not None  # resumed, with a warning naming the file
     assert f"--resume: {data} changed since the checkpoint was saved" in caplog.text
 
 
 def test_a_history_line_cut_short_by_a_kill_does_not_block_resume(tmp_path):
     """A kill mid-append left a torn last line in history.jsonl, and every --resume then failed on it (the
     checkpoint was whole); it is dropped now. A bad line elsewhere is an error naming the file and the line."""
-    from specdec.train.trainer import read_history
+    from specdec.train.output_dir import read_history
 
     path = tmp_path / "history.jsonl"
     path.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.4}\n{"step": 3, "lo')

@@ -180,7 +180,7 @@ def config_from_args(args):
 
 def _what_is_left(out: Path, interrupt: KeyboardInterrupt | None = None) -> str:
     """After Ctrl-C: the checkpoint a --resume continues from (saved by the interrupt, or earlier), or that there is
-    none; and the steps lost since, where the interrupt could not save them (train/trainer.py)."""
+    none; and the steps lost since, where the interrupt could not save them (train/interrupt_saves.py)."""
     from specdec.train.checkpoint import find_checkpoint, read_state
 
     saved = getattr(interrupt, "saved_step", None)
@@ -247,8 +247,8 @@ def console_at_cli_level(verbose: bool):
 
 def run(args) -> int:
     from specdec.train.data import TrainDataError
+    from specdec.train.output_dir import OutputDirError
     from specdec.train.pipeline import run_training
-    from specdec.train.trainer import OutputDirError
 
     try:
         with sigterm_as_interrupt(), console_at_cli_level(getattr(args, "verbose", False)):

@@ -77,7 +77,7 @@ def eagle_loss(
 ) -> tuple[torch.Tensor, list[int], list[int]]:
     """Weighted sum over passes of cross-entropy vs the target's token + reg_weight * smooth-L1 vs its feature.
     Each term is its sum over positions divided by its entry of ``over`` (laid out as :func:`eagle_loss_counts`;
-    default: this batch's own counts, so a mean; the trainer passes the optimizer step's counts).
+    default: this batch's own counts, so a mean; the training loop passes the optimizer step's counts).
     ``top5``, if given, receives per depth the count of positions whose target token is in the draft's top 5."""
     B, L = ids.shape
     n = L - 1  # queries j = 0..L-2 read (f_j, t_{j+1}) and predict position j + 1

@@ -20,7 +20,8 @@ import torch
 from specdec.drafters.medusa_heads import save_medusa
 from specdec.train.config import SELF_PROMPTS, TrainConfig
 from specdec.train.data import TrainDataError, load_texts, split_held_out, tokenize_texts
-from specdec.train.trainer import RUN_FILE, prepare_output_dir, train_heads
+from specdec.train.medusa_recipe import train_heads
+from specdec.train.output_dir import RUN_FILE, prepare_output_dir
 
 from specdec.models.fingerprint import model_fingerprint
 
@@ -154,7 +155,7 @@ def _train(cfg: TrainConfig, loaded, model, train_seqs: list[list[int]], acceler
     draft_vocab, vocab_info = choose_draft_vocab(cfg, train_seqs, model)
     if cfg.drafter == "eagle":
         from specdec.train.eagle_recipe import EagleRecipe
-        from specdec.train.trainer import train_drafter
+        from specdec.train.loop import train_drafter
 
         recipe = EagleRecipe(cfg, model, accelerator.device, loaded.source, draft_vocab)
         history = train_drafter(cfg, recipe, model, train_seqs, accelerator, resume_from)

@@ -1,0 +1,136 @@
+"""A training run's output directory: what a run writes there, when a new run may use it, what --resume reads.
+
+    resume_from = prepare_output_dir(cfg, model_fingerprint(model))  # the checkpoint to resume from, or None
+    history = read_history(out / "history.jsonl")
+
+A fresh run needs an empty directory, or one holding only a run that stopped before its first checkpoint (then
+replaced). ``--overwrite`` deletes a directory only where everything in it, at any depth, is a name a run writes
+(``RUN_NAMES``; a checkpoint's files in the checkpoint directories), and never the working directory, one of its
+parents or the home directory. ``--resume`` needs a readable checkpoint of the same configuration and target model;
+an input file changed since that checkpoint is named in a warning. Every refusal is an ``OutputDirError``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+
+from specdec.drafters.eagle_checkpoint import WEIGHTS_FILE as EAGLE_WEIGHTS_FILE
+from specdec.drafters.medusa_heads import CONFIG_FILE, WEIGHTS_FILE
+from specdec.train import checkpoint as ckpt_io
+from specdec.train.config import TrainConfig, resolved_path
+
+from specdec.errors import SpecdecError
+
+logger = logging.getLogger(__name__)
+RUN_FILE = "run.json"
+NO_CHECKPOINT_RUN = frozenset({RUN_FILE, "train.log", "history.jsonl"})  # a run stopped before it saved anything
+
+
+class OutputDirError(SpecdecError, ValueError):
+    """The output directory holds another run (or resume finds nothing / a different configuration)."""
+
+
+# what a training run writes into its output directory (Medusa or EAGLE weights), and into its checkpoint
+# directories; --overwrite deletes a directory holding nothing else, at any depth
+RUN_NAMES = frozenset({RUN_FILE, "train.log", "history.jsonl", "report.json", "report.md", CONFIG_FILE, WEIGHTS_FILE,
+                       EAGLE_WEIGHTS_FILE})
+CHECKPOINT_DIRS = (ckpt_io.CKPT, ckpt_io.TMP, ckpt_io.OLD)
+
+
+def _written_by_a_run(name: str, names: frozenset[str] | tuple[str, ...] = RUN_NAMES) -> bool:
+    """A name a run writes, or the leftover of an interrupted atomic write of one (NAME.PID.tmp)."""
+    leftover = re.fullmatch(r"(.+)\.\d+\.tmp", name)
+    return name in names or (leftover is not None and leftover.group(1) in names)
+
+
+def _foreign(out: Path) -> list[str]:
+    """Paths under ``out`` (relative) that a training run does not write: any file or link of another name, any
+    directory but the checkpoint's, and anything in a checkpoint directory but a checkpoint's files."""
+    foreign = []
+    for p in sorted(out.iterdir()):
+        if p.is_dir() and not p.is_symlink() and p.name in CHECKPOINT_DIRS:
+            foreign += [f"{p.name}/{q.name}" for q in sorted(p.iterdir())
+                        if q.is_symlink() or not q.is_file() or not _written_by_a_run(q.name, ckpt_io.FILES)]
+        elif p.is_symlink() or not p.is_file() or not _written_by_a_run(p.name):
+            foreign.append(p.name)
+    return foreign
+
+
+def _check_deletable(out: Path) -> None:
+    """Raise OutputDirError unless ``out`` is recognisably a specdec training run that --overwrite may delete."""
+    target, here = out.resolve(), Path.cwd().resolve()
+    if target == here or target in here.parents or target == Path.home().resolve():
+        raise OutputDirError(f"--overwrite will not delete {out}: it is the working directory, one of its parents "
+                             "or the home directory; choose a dedicated --output-dir")
+    names = {p.name for p in out.iterdir()}
+    if RUN_FILE not in names:
+        raise OutputDirError(f"--overwrite will not delete {out}: it holds no {RUN_FILE}, so it is not a specdec "
+                             "training run; empty it yourself or choose another --output-dir")
+    foreign = _foreign(out)
+    if foreign:
+        raise OutputDirError(f"--overwrite will not delete {out}: it holds files a training run does not write "
+                             f"({', '.join(foreign[:5])}); move them or choose another --output-dir")
+
+
+def prepare_output_dir(cfg: TrainConfig, target: str | None = None) -> Path | None:
+    """Apply the refusal rules; returns the checkpoint to resume from (or None). ``target``: the
+    :func:`~specdec.models.fingerprint.model_fingerprint` of the model loaded now, which a resume requires to be
+    the checkpoint's."""
+    out = Path(cfg.output_dir)
+    if cfg.resume:
+        ckpt = ckpt_io.find_checkpoint(out)
+        if ckpt is None:
+            raise OutputDirError(f"--resume: {out} holds no checkpoint to resume from")
+        ckpt_io.check_readable(ckpt)
+        state = ckpt_io.read_state(ckpt)
+        diff = cfg.differences(state["config"])  # the fields decide, not the fingerprint: it differs where
+        # nothing trained changes (--epochs under --max-steps, another spelling of a path) and holds paths as given
+        if diff:
+            raise OutputDirError(f"--resume: the checkpoint in {out} is from a different configuration "
+                                 f"({'; '.join(diff)})")
+        trained_on = state["config"].get("target")  # None: a checkpoint saved before targets were recorded
+        if target is not None and trained_on is not None and trained_on != target:
+            raise OutputDirError(f"--resume: the target model {cfg.model} is not the one the checkpoint in {out} was "
+                                 f"trained on (its config or weights changed: fingerprint {trained_on} then, "
+                                 f"{target} now); restore that model, or start afresh with --overwrite")
+        before, now = state["config"].get("inputs"), cfg.input_stamps()
+        if before is not None:  # keyed by the path as given: compared resolved
+            before = {resolved_path(p): stamp for p, stamp in before.items()}
+        changed = sorted(p for p in now if before is not None and before.get(resolved_path(p)) != now[p])
+        if changed:  # the path is the same, so the configuration is: what it holds may not be
+            logger.warning("--resume: %s changed since the checkpoint was saved (size or modification time); the "
+                           "resumed run reads it as it is now", ", ".join(changed))
+        return ckpt
+    if out.exists() and any(out.iterdir()):
+        left = sorted(p.name for p in out.iterdir())
+        if not cfg.overwrite and set(left) <= NO_CHECKPOINT_RUN:  # nothing to resume, nothing a rerun would lose
+            _check_deletable(out)
+            logger.warning("%s holds a run that ended before its first checkpoint (%s): replacing it", out,
+                           ", ".join(left))
+            shutil.rmtree(out)
+            return None
+        if not cfg.overwrite:
+            raise OutputDirError(f"{out} is not empty (it holds another run?): pass --resume to continue it or "
+                                 "--overwrite to replace it")
+        _check_deletable(out)
+        shutil.rmtree(out)
+    return None
+
+
+def read_history(path: Path) -> list[dict]:
+    """The records of ``history.jsonl``; a last line cut short (a kill mid-append) is dropped with a warning: the
+    checkpoint, not the history, says where a resumed run starts."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    history = []
+    for i, line in enumerate(lines):
+        try:
+            history.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i < len(lines) - 1:
+                raise OutputDirError(f"{path} line {i + 1} is not JSON ({err.msg}); delete the line to resume") \
+                    from err
+            logger.warning("%s: its last line was cut short (the run was killed while writing it): dropped", path)
+    return history
