@@ -26,10 +26,19 @@ ACCEPTANCE_FILES = ("report.json", "report.md", "settings.json", "cells")  # wha
 
 
 def add_parser(sub) -> None:
+    """Register ``specdec eval`` with its subcommands lossless, acceptance and replay."""
     ev = sub.add_parser("eval", help="losslessness certificate and acceptance / speed suite",
                         description="Prove a configuration lossless, or measure what it buys.")
     ev_sub = ev.add_subparsers(dest="eval_command", required=True)
+    _add_lossless(ev_sub)
+    _add_acceptance(ev_sub)
+    from specdec.eval.replay_cli import add_parser as add_replay
 
+    add_replay(ev_sub, _inference)  # specdec eval replay record / run
+
+
+def _add_lossless(ev_sub) -> None:
+    """``specdec eval lossless``: the losslessness certificate."""
     p = ev_sub.add_parser("lossless", help="losslessness certificate (JSON + Markdown)",
                           description="Exact law, sampler statistics and end-to-end checks, each with negative "
                                       "controls that must fail. Exit code 0 = passed, 1 = failed or void.")
@@ -57,6 +66,9 @@ def add_parser(sub) -> None:
     p.add_argument("--sample-sequences", type=int, help="sampled sequences per side end to end (default 600)")
     p.set_defaults(func=_inference(run_lossless))
 
+
+def _add_acceptance(ev_sub) -> None:
+    """``specdec eval acceptance``: the acceptance and speed suite."""
     a = ev_sub.add_parser("acceptance", help="tau, acceptance per depth and speed per drafter x category",
                           description="Runs drafters over prompt categories against plain decoding and "
                                       "transformers' generate(), same run; writes JSON, Markdown and PNG plots.")
@@ -92,10 +104,6 @@ def add_parser(sub) -> None:
                         "and one that is damaged, edited or measured with other settings or on another device, "
                         "thread count or torch is an error naming it")
     a.set_defaults(func=_inference(run_acceptance))
-
-    from specdec.eval.replay_cli import add_parser as add_replay
-
-    add_replay(ev_sub, _inference)  # specdec eval replay record / run
 
 
 def _inference(command):
