@@ -409,6 +409,24 @@ def _command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentP
 
 
 def _main(argv: list[str]) -> int:
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's parser: "specdec generate: error: unrecognized arguments: ..."
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
+    name = _command_parser(parser, args).prog  # "specdec eval replay run": the one the user typed
+    if sys.stdout is None:  # `specdec ... >&-`: Python sets sys.stdout to None
+        print(f"{name}: error: stdout is closed, so the output would be lost; redirect it to a "
+              "file or to /dev/null instead", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    with _transformers_bars(shown=args.verbose):
+        return _run_command(args, name)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The ``specdec`` parser: generate, the command of every module in SUBCOMMAND_MODULES that is installed, and
+    -v on each."""
     parser = _Parser(prog="specdec", description="Lossless speculative decoding.")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log progress (model conversion etc.); on errors show the traceback")
@@ -423,51 +441,65 @@ def _main(argv: list[str]) -> int:
             continue
         module.add_parser(sub)
     _verbose_everywhere(parser)
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:  # said by the command's parser: "specdec generate: error: unrecognized arguments: ..."
-        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
-    name = _command_parser(parser, args).prog  # "specdec eval replay run": the one the user typed
-    if sys.stdout is None:  # `specdec ... >&-`: Python sets sys.stdout to None
-        print(f"{name}: error: stdout is closed, so the output would be lost; redirect it to a "
-              "file or to /dev/null instead", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    return parser
+
+
+@contextlib.contextmanager
+def _transformers_bars(shown: bool):
+    """transformers' own progress bars (loading weights, GGUF tensors) are -v detail, not output: off unless
+    `shown`, and back as they were afterwards."""
     from transformers.utils import logging as hf_logging
 
     hf_bars = hf_logging.is_progress_bar_enabled()
-    if not args.verbose:  # transformers' own bars (loading weights, GGUF tensors) are -v detail, not output
+    if not shown:
         hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if hf_bars:
+            hf_logging.enable_progress_bar()
+
+
+def _run_command(args, name: str) -> int:
+    """Run the command `name`; the errors meant for the user, a missing extra and Ctrl-C become one line and an exit
+    code (with -v they are raised instead)."""
     try:
         return args.func(args)
     except USER_ERRORS as err:
         if args.verbose:
             raise
-        if isinstance(err, BrokenPipeError):  # `specdec generate ... | head`: the reader left, nothing to say
-            _silence_stdout()
-            return 141  # 128 + SIGPIPE, what the shell reports for `yes | head`
-        _flush_stdout()  # streamed text first, then the error on its own line
-        message = (" ".join(str(err).split()) or type(err).__name__).removeprefix(f"{args.command}: ")
-        print(f"{name}: error: {message}", file=sys.stderr)
-        return 2
+        return _user_error(err, name, args.command)
     except ModuleNotFoundError as err:  # an extra was not installed (README: "What each command needs")
         if args.verbose or not err.name or err.name.split(".")[0] in ("specdec",):
             raise
-        _flush_stdout()
-        extra = EXTRA_OF_COMMAND.get(args.command)
-        hint = f"pip install 'specdec[{extra}]'" if extra else f"pip install {err.name.split('.')[0]}"
-        print(f"{name}: error: the Python package {err.name.split('.')[0]!r} is missing; "
-              f"install it with {hint}", file=sys.stderr)
-        return 2
+        return _missing_package(err, name, args.command)
     except KeyboardInterrupt:
         if args.verbose:
             raise
         _flush_stdout()
         print(f"{name}: interrupted", file=sys.stderr)
         return 130  # 128 + SIGINT
-    finally:
-        if hf_bars:
-            hf_logging.enable_progress_bar()
+
+
+def _user_error(err: Exception, name: str, command: str) -> int:
+    """`err` as one line ``specdec <command>: error: ...`` after the text streamed so far; its exit code."""
+    if isinstance(err, BrokenPipeError):  # `specdec generate ... | head`: the reader left, nothing to say
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what the shell reports for `yes | head`
+    _flush_stdout()  # streamed text first, then the error on its own line
+    message = (" ".join(str(err).split()) or type(err).__name__).removeprefix(f"{command}: ")
+    print(f"{name}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _missing_package(err: ModuleNotFoundError, name: str, command: str) -> int:
+    """The package `err` misses, and the extra of `command` that installs it, as one line; its exit code."""
+    _flush_stdout()
+    extra = EXTRA_OF_COMMAND.get(command)
+    hint = f"pip install 'specdec[{extra}]'" if extra else f"pip install {err.name.split('.')[0]}"
+    print(f"{name}: error: the Python package {err.name.split('.')[0]!r} is missing; "
+          f"install it with {hint}", file=sys.stderr)
+    return 2
 
 
 def _flush_stdout() -> None:
