@@ -26,10 +26,19 @@ ACCEPTANCE_FILES = ("report.json", "report.md", "settings.json", "cells")  # wha
 
 
 def add_parser(sub) -> None:
+    """Register ``specdec eval`` with its subcommands lossless, acceptance and replay."""
     ev = sub.add_parser("eval", help="losslessness certificate and acceptance / speed suite",
                         description="Prove a configuration lossless, or measure what it buys.")
     ev_sub = ev.add_subparsers(dest="eval_command", required=True)
+    _add_lossless(ev_sub)
+    _add_acceptance(ev_sub)
+    from specdec.eval.replay_cli import add_parser as add_replay
 
+    add_replay(ev_sub, _inference)  # specdec eval replay record / run
+
+
+def _add_lossless(ev_sub) -> None:
+    """``specdec eval lossless``: the losslessness certificate."""
     p = ev_sub.add_parser("lossless", help="losslessness certificate (JSON + Markdown)",
                           description="Exact law, sampler statistics and end-to-end checks, each with negative "
                                       "controls that must fail. Exit code 0 = passed, 1 = failed or void.")
@@ -57,6 +66,9 @@ def add_parser(sub) -> None:
     p.add_argument("--sample-sequences", type=int, help="sampled sequences per side end to end (default 600)")
     p.set_defaults(func=_inference(run_lossless))
 
+
+def _add_acceptance(ev_sub) -> None:
+    """``specdec eval acceptance``: the acceptance and speed suite."""
     a = ev_sub.add_parser("acceptance", help="tau, acceptance per depth and speed per drafter x category",
                           description="Runs drafters over prompt categories against plain decoding and "
                                       "transformers' generate(), same run; writes JSON, Markdown and PNG plots.")
@@ -92,10 +104,6 @@ def add_parser(sub) -> None:
                         "and one that is damaged, edited or measured with other settings or on another device, "
                         "thread count or torch is an error naming it")
     a.set_defaults(func=_inference(run_acceptance))
-
-    from specdec.eval.replay_cli import add_parser as add_replay
-
-    add_replay(ev_sub, _inference)  # specdec eval replay record / run
 
 
 def _inference(command):
@@ -276,31 +284,68 @@ def run_lossless(args) -> int:
 
 def run_acceptance(args) -> int:
     import torch
-    from specdec.drafters.registry import available, check_options
-    from specdec.eval.acceptance import BASELINES, SuiteConfig
-    from specdec.eval.conversations import cell_turns, chat_codec, run_conversations
-    from specdec.eval.report import write_reports
-    from specdec.eval.spec_bench import report_rows
-    from tqdm.auto import tqdm
 
     from specdec.models.loader import load_model
 
-    rows = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    names, renamed = _drafter_rows(args.drafters)
+    out = Path(args.out or "runs/eval-acceptance")
+    if args.resume and args.overwrite:
+        raise ValueError("--resume keeps an earlier run's cells and --overwrite replaces them: pass one")
+    earlier = [] if args.resume else check_earlier_run(out, ACCEPTANCE_FILES, args.overwrite, resumable=True)
+    conversations = select_conversations(args.categories, args.prompts, args.prompts_file, args.prompt_column)
+    config = _suite_config(args, names, renamed, conversations)
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                        device=_suite_device(args.device))
+    # --overwrite clears the earlier run only now that this one's prompts, options and model are known to be good
+    # (a resume checks the earlier run's settings and cells itself)
+    _clear_earlier_run(earlier)
+    make_out_dir(out)
+    t0 = time.perf_counter()
+    cells = _run_cells(loaded, conversations, config, out, args.resume)
+    from accelerate import PartialState
+
+    state = PartialState()
+    if not state.is_main_process:
+        return 0
+    _report(args, loaded, conversations, config, cells, out, state.num_processes, t0)
+    return 0
+
+
+def _drafter_rows(drafters: str) -> tuple[list[str], tuple[tuple[str, str], ...]]:
+    """``--drafters`` -> (row labels, (label, drafter name) of the rows named LABEL=NAME); unknown drafters refused."""
+    from specdec.drafters.registry import available
+
+    rows = [d.strip() for d in drafters.split(",") if d.strip()]
     renamed = tuple((label.strip(), name.strip()) for label, eq, name in (r.partition("=") for r in rows) if eq)
     names = [r.partition("=")[0].strip() for r in rows]  # row labels
     kinds = dict(renamed)
     unknown = [kinds.get(d, d) for d in names if kinds.get(d, d) not in available()]
     if unknown:
         raise ValueError(f"unknown drafter(s) {', '.join(unknown)}; available: {', '.join(available())}")
-    out = Path(args.out or "runs/eval-acceptance")
-    if args.resume and args.overwrite:
-        raise ValueError("--resume keeps an earlier run's cells and --overwrite replaces them: pass one")
-    earlier = [] if args.resume else check_earlier_run(out, ACCEPTANCE_FILES, args.overwrite, resumable=True)
-    conversations = select_conversations(args.categories, args.prompts, args.prompts_file, args.prompt_column)
+    return names, renamed
+
+
+def _suite_config(args, names: list[str], renamed: tuple[tuple[str, str], ...], conversations: list):
+    """The suite's SuiteConfig, each row with its own --drafter-option values (checked before the model loads)."""
+    from specdec.drafters.registry import check_options
+    from specdec.eval.acceptance import SuiteConfig
+
+    per_drafter = _options_per_row(args.drafter_option, names)
+    kinds = dict(renamed)
+    for d in names:  # options a drafter does not take, as the command line spells them, before the model loads
+        check_options(kinds.get(d, d), per_drafter[d], command_line=True)
     categories = list(dict.fromkeys(c.category for c in conversations))
+    return SuiteConfig(tuple((d, per_drafter[d]) for d in names), tuple(categories),
+                       args.prompts or DEFAULT_PROMPTS, args.max_new_tokens, args.temperature, args.batch_size,
+                       not args.no_hf_baseline, args.seed, args.calibration_repeats, args.sampler, renamed)
+
+
+def _options_per_row(pairs: list[str], names: list[str]) -> dict[str, dict]:
+    """``--drafter-option`` pairs -> each row's options: ``LABEL.KEY=VALUE`` goes to that row, a bare ``KEY=VALUE``
+    to the only row (with several rows it is refused)."""
     per_drafter: dict[str, dict] = {d: {} for d in names}
     by_key = {d.replace("-", "_"): d for d in names}  # option keys arrive with - turned into _
-    for key, value in _options(args.drafter_option).items():
+    for key, value in _options(pairs).items():
         target, dot, name = key.partition(".")
         if dot and target in by_key:  # medusa.path=DIR -> option "path" of medusa
             per_drafter[by_key[target]][name] = value
@@ -309,25 +354,26 @@ def run_acceptance(args) -> int:
         else:
             raise ValueError(f"--drafter-option {key}: with several drafters, prefix the drafter name "
                              f"(e.g. {names[0]}.{key}=...)")
-    for d in names:  # options a drafter does not take, as the command line spells them, before the model loads
-        check_options(kinds.get(d, d), per_drafter[d], command_line=True)
-    config = SuiteConfig(tuple((d, per_drafter[d]) for d in names), tuple(categories),
-                         args.prompts or DEFAULT_PROMPTS, args.max_new_tokens, args.temperature, args.batch_size,
-                         not args.no_hf_baseline, args.seed, args.calibration_repeats, args.sampler, renamed)
-    loaded = load_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None,
-                        device=_suite_device(args.device))
-    # --overwrite clears the earlier run only now that this one's prompts, options and model are known to be good
-    # (a resume checks the earlier run's settings and cells itself)
+    return per_drafter
+
+
+def _clear_earlier_run(earlier: list[Path]) -> None:
+    """Delete what ``check_earlier_run`` found (--overwrite), with the cells of rows this run may not have, which it
+    would report."""
     if os.environ.get("RANK", "0") == "0":  # once, under accelerate launch too
-        for found in earlier:  # with the cells of rows this run may not have, which it would report
+        for found in earlier:
             for path in sorted(found.glob("*__*.json")) if found.is_dir() else [found]:
                 path.unlink(missing_ok=True)
-    make_out_dir(out)
-    turns = sum(len(c.turns) for c in conversations)
-    total = turns * (len(names) + 1) * args.max_new_tokens
-    bar = tqdm(total=total, unit="tok", desc="acceptance", disable=None)
-    t0 = time.perf_counter()
 
+
+def _run_cells(loaded, conversations: list, config, out: Path, resume: bool) -> dict:
+    """Measure every cell (specdec.eval.conversations) under a progress bar of the new tokens."""
+    from specdec.eval.conversations import chat_codec, run_conversations
+    from tqdm.auto import tqdm
+
+    turns = sum(len(c.turns) for c in conversations)
+    total = turns * (len(config.drafters) + 1) * config.max_new_tokens
+    bar = tqdm(total=total, unit="tok", desc="acceptance", disable=None)
     shown: dict[tuple[str, str], int] = {}  # new tokens of each cell already counted by the bar
 
     def progress(category, cell):
@@ -340,33 +386,50 @@ def run_acceptance(args) -> int:
     def answering(turn, count):
         bar.set_postfix_str(f"the model answers turn {turn} of {count} conversations (plain) for the next turn")
 
-    cells = run_conversations(loaded, conversations, chat_codec(loaded), config, out, resume=args.resume,
+    cells = run_conversations(loaded, conversations, chat_codec(loaded), config, out, resume=resume,
                               on_progress=progress, on_turn=answering)
     bar.close()
-    from accelerate import PartialState
+    return cells
 
-    state = PartialState()
-    if not state.is_main_process:
-        return 0
+
+def _report(args, loaded, conversations: list, config, cells: dict, out: Path, processes: int, t0: float) -> None:
+    """Write the reports into ``out`` and print one line per drafter row and category, then where the reports are."""
+    from specdec.eval.conversations import cell_turns
+    from specdec.eval.report import write_reports
+    from specdec.eval.spec_bench import report_rows
+
     from_file = {c.category for c in conversations if not c.where.startswith("built-in")}
     rows = report_rows(cells, cell_turns(conversations), mt_bench=from_file)
-    meta = {"model": loaded.name, "drafters": names, **({"renamed": dict(renamed)} if renamed else {}),
+    meta = _report_meta(args, loaded, conversations, config, processes, t0)
+    written = write_reports(rows, out, meta, with_plots=not args.no_plots)
+    _print_rows(rows, greedy=config.temperature == 0)
+    print("reports:", ", ".join(str(p) for p in written))
+
+
+def _report_meta(args, loaded, conversations: list, config, processes: int, t0: float) -> dict:
+    renamed = config.renamed
+    return {"model": loaded.name, "drafters": [d for d, _ in config.drafters],
+            **({"renamed": dict(renamed)} if renamed else {}),
             "temperature": args.temperature, "sampler": args.sampler, "max_new_tokens": args.max_new_tokens,
             "prompts_file": args.prompts_file,
             "prompts_per_category": ("all" if args.prompts is None and args.prompts_file
                                      else config.prompts_per_category),
-            "conversations": len(conversations), "turns": turns,
+            "conversations": len(conversations), "turns": sum(len(c.turns) for c in conversations),
             "batch_size": args.batch_size, "calibration_repeats": args.calibration_repeats,
-            "processes": state.num_processes,
+            "processes": processes,
             "device": str(loaded.runner.device), "seconds": round(time.perf_counter() - t0, 1),
             "date": time.strftime("%Y-%m-%d")}
-    written = write_reports(rows, out, meta, with_plots=not args.no_plots)
+
+
+def _print_rows(rows: list[dict], greedy: bool) -> None:
+    """One line per drafter row and category: tau, speed, speedup vs plain (measured, predicted); greedy runs flag
+    output that differs from plain decoding's."""
+    from specdec.eval.acceptance import BASELINES
+
     fmt = lambda x: "-" if x is None else f"x{x:.2f}"  # noqa: E731
     same = lambda x: "" if x is None else ("" if x else "  OUTPUT DIFFERS FROM PLAIN")  # noqa: E731
     for r in rows:
         if r["drafter"] not in BASELINES and r["level"] != "turn":
             print(f"{r['drafter']:>14} {r['category']:<14} tau {r['tau']:.2f}  {r['tokens_per_s']:.1f} tok/s  "
                   f"{fmt(r['speedup_vs_plain'])} vs plain, predicted {fmt(r['predicted_speedup'])}"
-                  f"{same(r['identical_to_plain'] if config.temperature == 0 else None)}")
-    print("reports:", ", ".join(str(p) for p in written))
-    return 0
+                  f"{same(r['identical_to_plain'] if greedy else None)}")

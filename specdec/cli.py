@@ -238,12 +238,28 @@ def _generate(args, stream_class) -> tuple[str, dict]:
     stdout as it is generated (None: do not stream)."""
     import torch
 
-    from specdec.drafters.registry import check_options, get_drafter
-    from specdec.generate import generate
-    from specdec.kv_cache import CacheFullError
     from specdec.models.loader import load_model
-    from specdec.sampling import SamplingConfig
 
+    # check what needs no model before the (slow) model load
+    text, system, stop = _checked_texts(args)
+    settings = _generation_settings(args)
+    drafter = _cli_drafter(args)
+    device = _check_device(args.device)
+    if args.cuda_graphs and device.type != "cuda":
+        raise CLIError("--cuda-graphs needs --device cuda")
+    t0 = time.perf_counter()
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, device=device)
+    load_seconds = time.perf_counter() - t0
+    tok = loaded.tokenizer
+    ids = _prompt_ids(tok, args, text, system)
+    stream = stream_class(tok) if stream_class is not None else None
+    out = _generate_streamed(loaded, ids, drafter, settings, stop, args, stream)
+    summary = _summary(loaded, args, out, load_seconds)
+    return tok.decode(out.new_tokens[0], skip_special_tokens=True), summary
+
+
+def _checked_texts(args) -> tuple[str, str | None, list[str] | None]:
+    """`(prompt, --system, --stop)` as valid text; an empty prompt, or --system without a chat template, refused."""
     text, source = _read_prompt(args)
     if not text.strip():
         raise CLIError(f"the prompt is empty (read from {source})")
@@ -252,29 +268,39 @@ def _generate(args, stream_class) -> tuple[str, dict]:
         raise CLIError("--system goes into the chat template, which --no-chat-template turns off; drop one of them "
                        "(or put the system text at the start of the prompt)")
     stop = [_check_argument(s, "--stop") for s in args.stop] if args.stop else args.stop
-    # check what needs no model before the (slow) model load
+    return text, system, stop
+
+
+def _generation_settings(args) -> dict:
+    """The generation flags given (GENERATION_FLAGS; the others are the model's generation_config's), checked."""
+    from specdec.sampling import SamplingConfig
+
     settings = {k: getattr(args, k) for k in GENERATION_FLAGS if getattr(args, k) is not None}
     SamplingConfig(bool(args.do_sample), **{k: settings[k] for k in ("temperature", "top_k", "top_p") if k in settings})
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    return settings
+
+
+def _cli_drafter(args):
+    """The drafter --drafter and --drafter-option ask for (None: plain decoding)."""
+    from specdec.drafters.registry import check_options, get_drafter
+
     options = _parse_options(args.drafter_option)
     if options and not args.drafter:
         raise CLIError("--drafter-option needs --drafter NAME: without a drafter the options would be ignored")
     if options:  # named as the command line spells them, not as Python passes them
         check_options(args.drafter, options, command_line=True)
     try:
-        drafter = get_drafter(args.drafter, **options)
+        return get_drafter(args.drafter, **options)
     except TypeError as err:
         if not options:
             raise
         raise CLIError(f"drafter {args.drafter!r} does not accept these --drafter-option values: {err}") from err
-    device = _check_device(args.device)
-    if args.cuda_graphs and device.type != "cuda":
-        raise CLIError("--cuda-graphs needs --device cuda")
-    t0 = time.perf_counter()
-    loaded = load_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None, device=device)
-    load_seconds = time.perf_counter() - t0
-    tok = loaded.tokenizer
+
+
+def _prompt_ids(tok, args, text: str, system: str | None) -> list[int]:
+    """The prompt's token ids, through the tokenizer's chat template unless --no-chat-template (or it has none)."""
     if tok is None:
         raise CLIError(f"model {args.model!r} has no tokenizer; the CLI needs one (save it next to the checkpoint)")
     if system is not None and not getattr(tok, "chat_template", None):
@@ -283,10 +309,18 @@ def _generate(args, stream_class) -> tuple[str, dict]:
     if not args.no_chat_template and getattr(tok, "chat_template", None):
         messages = ([{"role": "system", "content": system}] if system else [])
         messages.append({"role": "user", "content": text})
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
-    else:
-        ids = tok(text)["input_ids"]
-    stream = stream_class(tok) if stream_class is not None else None
+        return tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    return tok(text)["input_ids"]
+
+
+def _generate_streamed(loaded, ids: list[int], drafter, settings: dict, stop: list[str] | None, args, stream):
+    """generate() with the CLI's options, streaming into `stream` (None: not streamed). On an error or Ctrl-C the
+    text streamed so far is ended with a newline; a full KV cache under --num-blocks names the option."""
+    import torch
+
+    from specdec.generate import generate
+    from specdec.kv_cache import CacheFullError
+
     try:
         with torch.no_grad():
             out = generate(
@@ -309,15 +343,19 @@ def _generate(args, stream_class) -> tuple[str, dict]:
         raise
     if stream is not None:
         stream.finish()
+    return out
+
+
+def _summary(loaded, args, out, load_seconds: float) -> dict:
+    """What the summary line (or --json) reports of the run."""
     s = out.stats[0]
-    summary = {
+    return {
         "model": loaded.name, "dtype": str(loaded.runner.dtype).removeprefix("torch."),
         "device": str(loaded.runner.device), "drafter": args.drafter or "none", "prompt_tokens": s.prompt_tokens,
         "new_tokens": s.new_tokens, "seconds": round(out.seconds, 3), "tokens_per_s": round(s.tokens_per_second, 2),
         "tau": round(s.tau, 3), "steps": s.steps, "finish": s.finish_reason, "load_seconds": round(load_seconds, 2),
         "acceptance_per_depth": [round(a, 3) for a in s.acceptance_per_depth],
     }
-    return tok.decode(out.new_tokens[0], skip_special_tokens=True), summary
 
 
 def _print_summary(summary: dict) -> None:
@@ -371,6 +409,24 @@ def _command_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentP
 
 
 def _main(argv: list[str]) -> int:
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's parser: "specdec generate: error: unrecognized arguments: ..."
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
+    name = _command_parser(parser, args).prog  # "specdec eval replay run": the one the user typed
+    if sys.stdout is None:  # `specdec ... >&-`: Python sets sys.stdout to None
+        print(f"{name}: error: stdout is closed, so the output would be lost; redirect it to a "
+              "file or to /dev/null instead", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    with _transformers_bars(shown=args.verbose):
+        return _run_command(args, name)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The ``specdec`` parser: generate, the command of every module in SUBCOMMAND_MODULES that is installed, and
+    -v on each."""
     parser = _Parser(prog="specdec", description="Lossless speculative decoding.")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log progress (model conversion etc.); on errors show the traceback")
@@ -385,51 +441,65 @@ def _main(argv: list[str]) -> int:
             continue
         module.add_parser(sub)
     _verbose_everywhere(parser)
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:  # said by the command's parser: "specdec generate: error: unrecognized arguments: ..."
-        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
-    name = _command_parser(parser, args).prog  # "specdec eval replay run": the one the user typed
-    if sys.stdout is None:  # `specdec ... >&-`: Python sets sys.stdout to None
-        print(f"{name}: error: stdout is closed, so the output would be lost; redirect it to a "
-              "file or to /dev/null instead", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    return parser
+
+
+@contextlib.contextmanager
+def _transformers_bars(shown: bool):
+    """transformers' own progress bars (loading weights, GGUF tensors) are -v detail, not output: off unless
+    `shown`, and back as they were afterwards."""
     from transformers.utils import logging as hf_logging
 
     hf_bars = hf_logging.is_progress_bar_enabled()
-    if not args.verbose:  # transformers' own bars (loading weights, GGUF tensors) are -v detail, not output
+    if not shown:
         hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if hf_bars:
+            hf_logging.enable_progress_bar()
+
+
+def _run_command(args, name: str) -> int:
+    """Run the command `name`; the errors meant for the user, a missing extra and Ctrl-C become one line and an exit
+    code (with -v they are raised instead)."""
     try:
         return args.func(args)
     except USER_ERRORS as err:
         if args.verbose:
             raise
-        if isinstance(err, BrokenPipeError):  # `specdec generate ... | head`: the reader left, nothing to say
-            _silence_stdout()
-            return 141  # 128 + SIGPIPE, what the shell reports for `yes | head`
-        _flush_stdout()  # streamed text first, then the error on its own line
-        message = (" ".join(str(err).split()) or type(err).__name__).removeprefix(f"{args.command}: ")
-        print(f"{name}: error: {message}", file=sys.stderr)
-        return 2
+        return _user_error(err, name, args.command)
     except ModuleNotFoundError as err:  # an extra was not installed (README: "What each command needs")
         if args.verbose or not err.name or err.name.split(".")[0] in ("specdec",):
             raise
-        _flush_stdout()
-        extra = EXTRA_OF_COMMAND.get(args.command)
-        hint = f"pip install 'specdec[{extra}]'" if extra else f"pip install {err.name.split('.')[0]}"
-        print(f"{name}: error: the Python package {err.name.split('.')[0]!r} is missing; "
-              f"install it with {hint}", file=sys.stderr)
-        return 2
+        return _missing_package(err, name, args.command)
     except KeyboardInterrupt:
         if args.verbose:
             raise
         _flush_stdout()
         print(f"{name}: interrupted", file=sys.stderr)
         return 130  # 128 + SIGINT
-    finally:
-        if hf_bars:
-            hf_logging.enable_progress_bar()
+
+
+def _user_error(err: Exception, name: str, command: str) -> int:
+    """`err` as one line ``specdec <command>: error: ...`` after the text streamed so far; its exit code."""
+    if isinstance(err, BrokenPipeError):  # `specdec generate ... | head`: the reader left, nothing to say
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what the shell reports for `yes | head`
+    _flush_stdout()  # streamed text first, then the error on its own line
+    message = (" ".join(str(err).split()) or type(err).__name__).removeprefix(f"{command}: ")
+    print(f"{name}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _missing_package(err: ModuleNotFoundError, name: str, command: str) -> int:
+    """The package `err` misses, and the extra of `command` that installs it, as one line; its exit code."""
+    _flush_stdout()
+    extra = EXTRA_OF_COMMAND.get(command)
+    hint = f"pip install 'specdec[{extra}]'" if extra else f"pip install {err.name.split('.')[0]}"
+    print(f"{name}: error: the Python package {err.name.split('.')[0]!r} is missing; "
+          f"install it with {hint}", file=sys.stderr)
+    return 2
 
 
 def _flush_stdout() -> None:
