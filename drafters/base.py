@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -141,6 +141,11 @@ class Drafter(ABC):
     # constructor options only Python can give (a config object, a module, a callable): the command line's
     # --drafter-option lists leave them out (drafters.registry.check_options)
     python_only_options: frozenset[str] = frozenset()
+
+    @classmethod
+    def check_nested_options(cls, options: Mapping[str, Any], *, command_line: bool = False) -> None:
+        """Refuse, before anything is built, options of the drafters nested in ``options`` (a combined drafter's
+        children) that they do not take: drafters.registry.check_options calls it after the drafter's own."""
 
     def attach(self, target: TargetView) -> None:
         """Called once by the engine before any sequence is added."""

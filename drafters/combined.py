@@ -42,7 +42,7 @@ import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView, as_drafter
 from specdec.drafters.call_memory import memory_key
 from specdec.drafters.child_gate import ChildGate
-from specdec.drafters.registry import get_drafter
+from specdec.drafters.registry import check_options, get_drafter
 
 from specdec.cuda_graphs import captures
 from specdec.errors import InputError, InputTypeError
@@ -87,15 +87,14 @@ class CombinedConfig:
                 raise InputError(f"combined drafter: {name} must be True or False, got {getattr(self, name)!r}")
 
 
-def build_child(spec: Any) -> Drafter:
-    """A child drafter from a name, ``{"name": ..., **options}``, or a Drafter / object with ``propose``."""
+def build_child(spec: Any, index: int = 0) -> Drafter:
+    """A child drafter from a name, ``{"name": ..., **options}``, or a Drafter / object with ``propose``; ``index``:
+    its place in ``drafters``, named in a refusal of its options."""
     if isinstance(spec, str):
         return get_drafter(spec)
     if isinstance(spec, Mapping):
-        options = dict(spec)
-        name = options.pop("name", None)
-        if not isinstance(name, str):
-            raise InputTypeError(f"combined drafter: a child given as a dict needs a 'name' string, got {spec!r}")
+        name, options = _child_options(spec)
+        check_options(name, options, within=_where(index))
         return get_drafter(name, **options)
     if isinstance(spec, type):  # its propose() would be called unbound, once the model has loaded
         raise InputTypeError(f"combined drafter: a child must be an instance, got the class {spec.__name__}: pass "
@@ -104,6 +103,18 @@ def build_child(spec: Any) -> Drafter:
         return as_drafter(spec)
     raise InputTypeError(f"combined drafter: each child must be a name, a dict with 'name', or a drafter, "
                          f"got {type(spec).__name__}")
+
+
+def _child_options(spec: Mapping) -> tuple[str, dict]:
+    options = dict(spec)
+    name = options.pop("name", None)
+    if not isinstance(name, str):
+        raise InputTypeError(f"combined drafter: a child given as a dict needs a 'name' string, got {spec!r}")
+    return name, options
+
+
+def _where(index: int) -> str:
+    return f"combined drafter's drafters[{index}]"
 
 
 class _Rate:
@@ -125,6 +136,16 @@ class CombinedDrafter(Drafter):
     options_config = CombinedConfig  # what **options configure (drafters.registry.option_names)
     python_only_options = frozenset({"config", "verify_cost"})  # not --drafter-option keys (drafters.registry)
 
+    @classmethod
+    def check_nested_options(cls, options: Mapping[str, Any], *, command_line: bool = False) -> None:
+        """The options of the children given as ``{"name": ..., **options}``, each named by its place in drafters
+        (before anything is built: on the command line, before the model loads)."""
+        drafters = options.get("drafters", ())
+        if isinstance(drafters, Sequence) and not isinstance(drafters, str):
+            for k, spec in enumerate(drafters):
+                if isinstance(spec, Mapping):
+                    check_options(*_child_options(spec), command_line=command_line, within=_where(k))
+
     def __init__(self, drafters: Sequence[Any] = ("ngram",), config: CombinedConfig | None = None,
                  verify_cost: Callable[[int], float] | None = None, **options: Any) -> None:
         if config is not None and options:
@@ -135,7 +156,7 @@ class CombinedDrafter(Drafter):
         if isinstance(drafters, (str, Mapping)) or not isinstance(drafters, Sequence) or not drafters:
             raise InputError("combined drafter: drafters must be a non-empty list of children, "
                              f"got {drafters!r}")
-        self.children: list[Drafter] = [build_child(spec) for spec in drafters]
+        self.children: list[Drafter] = [build_child(spec, k) for k, spec in enumerate(drafters)]
         if verify_cost is not None and not callable(verify_cost):
             raise InputTypeError("combined drafter: verify_cost must be a callable n -> cost in decode steps")
         self.verify_cost = verify_cost

@@ -1,7 +1,8 @@
 """Drafter lookup by name: built-ins first, then the ``specdec.drafters`` entry points. Options a drafter does not
 take are refused by name with the list of those it does (a class forwarding ``**options`` to a config dataclass
 names it as ``options_config``). On the command line that list leaves out the options only Python can give (a
-drafter names them as ``python_only_options``: a config object, a module, a callable)."""
+drafter names them as ``python_only_options``: a config object, a module, a callable). Drafters nested in the
+options (a combined drafter's children) are checked the same way, each named with where it sits."""
 from __future__ import annotations
 
 import dataclasses
@@ -62,25 +63,29 @@ def drafter_class(spec: str) -> type:
     return eps[0].load()
 
 
-def check_options(spec: str, options: Any, *, command_line: bool = False) -> None:
+def check_options(spec: str, options: Any, *, command_line: bool = False, within: str | None = None) -> None:
     """Refuse the options the drafter named ``spec`` does not take, naming those it does: as ``get_drafter`` takes
-    them, or (``command_line``) as ``--drafter-option KEY=VALUE`` gives them, without ``python_only_options``."""
+    them, or (``command_line``) as ``--drafter-option KEY=VALUE`` gives them, without ``python_only_options``;
+    then those of the drafters nested in them (``Drafter.check_nested_options``). ``within``: where a nested
+    drafter sits, named in the message (``combined drafter's drafters[1]``)."""
     cls = drafter_class(spec)
     known = option_names(cls)
-    if known is None:
-        return
-    if not command_line:
+    subject = f"drafter {spec!r}" + (f" ({within})" if within else "")
+    if known is not None and not command_line:
         unknown = sorted(set(options) - known)
         if unknown:
-            raise InputTypeError(f"drafter {spec!r} has no option {', '.join(map(repr, unknown))}; its options: "
+            raise InputTypeError(f"{subject} has no option {', '.join(map(repr, unknown))}; its options: "
                                  f"{', '.join(sorted(known))}")
-        return
-    python_only = set(getattr(cls, "python_only_options", ()))  # a class that is no Drafter may lack it
-    unknown = sorted(set(options) - (known - python_only))
-    if unknown:
-        named = ", ".join(f"{k!r} (Python only)" if k in python_only else repr(k) for k in unknown)
-        raise InputTypeError(f"drafter {spec!r} has no --drafter-option {named}; its KEY=VALUE keys: "
-                             f"{', '.join(sorted(known - python_only))}")
+    elif known is not None:
+        python_only = set(getattr(cls, "python_only_options", ()))  # a class that is no Drafter may lack it
+        unknown = sorted(set(options) - (known - python_only))
+        if unknown:
+            named = ", ".join(f"{k!r} (Python only)" if k in python_only else repr(k) for k in unknown)
+            flag, keys = ("option", "its command-line keys") if within else ("--drafter-option", "its KEY=VALUE keys")
+            raise InputTypeError(f"{subject} has no {flag} {named}; {keys}: {', '.join(sorted(known - python_only))}")
+    nested = getattr(cls, "check_nested_options", None)  # a class that is no Drafter may lack it
+    if nested is not None:
+        nested(options, command_line=command_line)
 
 
 def option_names(cls: type) -> set[str] | None:

@@ -11,7 +11,8 @@ model's own dtype. Checked on the model with the drafter:
 
 Controls that must fail: ``default_path`` (the same checks with ``invariant=False``: BLAS kernels chosen by row
 count, attention over padded batches) and ``row_dependent_kernel`` (an invariant runner whose products split
-the K reduction in two whenever they have more than one row: what a library choosing kernels by M does). Where
+the K reduction in two whenever they have more than one row: what a library choosing kernels by M does; the text
+checks run it on two prompts, batched and alone, which is enough to fail by construction). Where
 the default path itself gives every row of the batched forward bitwise its one-row logits (a device whose kernels
 do not depend on the row count, e.g. some GPUs in float32), ``default_path`` has nothing to catch: its checks are
 recorded as not applicable there (neither pass nor void, with a warning) and ``row_dependent_kernel``, which
@@ -38,6 +39,7 @@ from specdec.sampling import SamplingConfig
 
 LEVEL = "bitwise"
 CONTROLS = ("default_path", "row_dependent_kernel")
+CONTROL_PROMPTS = 2  # prompts of the text checks' row_dependent_kernel control (batched, and each alone)
 # the detail of a default_path check where that path is row-invariant (run_certificate reads "not applicable")
 EXACT_DEFAULT = ("not applicable on this device: its default path gave every row bitwise its one-row logits, so "
                  "this control had nothing to catch")
@@ -183,12 +185,18 @@ def bitwise_checks(loaded: Any, drafter: Any, options: dict, sampling: SamplingC
         settings.append(("coupled", dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,
                                          top_p=sampling.top_p, seed=seed, sampler="coupled")))
     tokens = sizes.identity_tokens
+    # row_dependent_kernel differs by construction, so each text check has a control that fails on every device;
+    # run on CONTROL_PROMPTS prompts (batched, and each alone): enough to fail, at a fraction of the checks' time
+    broken = dataclasses.replace(loaded, runner=row_dependent(loaded.runner))
+    runs = ((None, loaded, True, prompts), ("default_path", loaded, False, prompts),
+            ("row_dependent_kernel", broken, True, prompts[:CONTROL_PROMPTS]))
     for name, kw in settings:
-        for control, invariant in ((None, True), ("default_path", False)):
-            plain = plain_outputs(loaded, prompts, tokens, invariant, kw)
-            results = [bitwise_identity(loaded, prompts, drafter, options, tokens, True, invariant, plain, kw),
-                       bitwise_identity(loaded, prompts[:2], drafter, options, tokens, False, invariant, plain[:2],
-                                        kw)]
+        for control, model, invariant, some in runs:
+            plain = plain_outputs(model, some, tokens, invariant, kw)
+            gaps = control != "row_dependent_kernel"  # where a broken kernel parts needs no diagnosis
+            results = [bitwise_identity(model, some, drafter, options, tokens, True, invariant, plain, kw, gaps),
+                       bitwise_identity(model, some[:2], drafter, options, tokens, False, invariant, plain[:2], kw,
+                                        gaps)]
             divergences = [d for r in results for d in r.divergences]
             token_level = [d for d in divergences if d.text_position is not None]
             detail = (f"tau {results[0].tau:.2f}; {len(divergences)} outputs differ ({len(token_level)} in text, "

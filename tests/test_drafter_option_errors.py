@@ -128,3 +128,24 @@ def test_unknown_option_lists_name_what_the_caller_can_pass_where_it_is(name, py
     assert python_only not in line.rpartition("keys: ")[2].split(", "), line
     with pytest.raises(InputTypeError, match=rf"drafter '{name}' has no option 'bogus'; its options: .*{python_only}"):
         specdec.generate("synthetic:tiny", [[1, 2, 3]], drafter=name, drafter_options={"bogus": 1})
+
+
+def test_a_combined_drafters_child_options_are_refused_naming_the_child_as_the_caller_passes_them(capsys):
+    """A child given as {"name": ..., **options}: on the command line its unknown and Python-only options are refused
+    before anything loads, naming the child and the keys the command line can give it; in Python the message names
+    the child and every keyword it takes."""
+    from specdec.cli import main
+
+    children = json.dumps(["ngram", {"name": "ngram", "bogus": 1, "config": 2}])
+    rc = main(["generate", "hi", "--model", "synthetic:tiny", "--drafter", "combined",
+               "--drafter-option", f"drafters={children}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert ("drafter 'ngram' (combined drafter's drafters[1]) has no option 'bogus', 'config' (Python only); "
+            "its command-line keys: ") in line, line
+    assert "config" not in line.rpartition("keys: ")[2].split(", "), line
+    with pytest.raises(InputTypeError, match=r"drafter 'ngram' \(combined drafter's drafters\[1\]\) has no option "
+                                             r"'bogus'; its options: config, "):
+        specdec.generate("synthetic:tiny", [[1, 2, 3]], drafter="combined",
+                         drafter_options={"drafters": ["ngram", {"name": "ngram", "bogus": 1}]})
