@@ -475,13 +475,18 @@ def test_held_interrupts_stop_as_their_own_signal_else_as_the_peers():
     """After the processes agree to stop, each stops as its own signal would have stopped it; one that got none
     stops as its peers' (SIGTERM before SIGINT), and a signal that came after the last agreement is handled when
     the block ends."""
+    import contextlib
     import os
     import signal
 
     from specdec.train.agreed_interrupts import InterruptsHeld
     from specdec.train.cli import Terminated, sigterm_as_interrupt
 
-    with sigterm_as_interrupt():
+    # Python's own SIGINT handler, as in a training process (an xdist worker may run with SIGINT ignored, and an
+    # ignored signal of its own rightly stops a process as its peers' instead)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    with sigterm_as_interrupt(), contextlib.ExitStack() as undo:
+        undo.callback(signal.signal, signal.SIGINT, before)
         for own, seen, raised in (([], [1, 1], Terminated), ([], [1, 0], KeyboardInterrupt),
                                   ([signal.SIGINT], [1, 1], KeyboardInterrupt), ([signal.SIGTERM], [0, 1], Terminated)):
             with pytest.raises(KeyboardInterrupt) as stopped, InterruptsHeld() as held:
