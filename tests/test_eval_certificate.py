@@ -394,7 +394,7 @@ def test_sampled_end_to_end_check_verifies_drafts_for_the_compared_tokens():
     greedy_like = SamplingConfig(True, 1.0, 1)  # top-k 1: the oracle's greedy tokens are always accepted
     res = end_to_end.sampled_two_sample(loaded, prompts[0], LateOracle(reference, AcceptanceProfile.constant(1.0, 4)),
                                         {}, greedy_like, sizes)
-    assert res["tau"] > 1.5 and res["drafted"] == pytest.approx(0.5)  # the 2nd compared token: an accepted draft
+    assert res["tau"] > 1.4 and res["drafted"] == pytest.approx(0.5)  # the 2nd compared token: an accepted draft
     assert res["chi2_p"] > 0.5
     # a drafter that is always wrong, accepted by a broken rule, now changes the compared tokens
     wrong = LateOracle(reference, AcceptanceProfile.constant(0.0, 4))
