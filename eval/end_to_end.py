@@ -3,9 +3,12 @@
     res = sampled_two_sample(loaded, prompt_ids, "ngram", {}, SamplingConfig(True, 0.8), sizes)
     res["chi2_p"], res["ks_p"], res["power"]
 
-Both sides sample ``sizes.sample_sequences`` continuations of ``sizes.sample_tokens``
-tokens from the same prompt with different seeds. Two tests: a two-sample chi-square on
-the joint law of those tokens (rare outcomes pooled), and a two-sample Kolmogorov-Smirnov
+Both sides sample ``sizes.sample_sequences`` continuations of ``sizes.sample_tokens + sizes.sample_lookahead``
+tokens from the same prompt with different seeds and compare the first ``sizes.sample_tokens`` (a marginal of the
+same law, so still exact). The lookahead lets the steps that make the compared tokens verify drafts: with
+max_new_tokens = sample_tokens the last compared token's step has no room for a draft (its bonus token would pass
+the budget), so the window would test plain vs plain. Two tests: a two-sample chi-square on
+the joint law of the compared tokens (rare outcomes pooled), and a two-sample Kolmogorov-Smirnov
 test on their log-probability under the target (teacher-forced with the transformers model,
 an independent implementation). The certificate decides on them with Holm at ``sizes.alpha``,
 so the chi-square alone fails the check at ``sizes.alpha / 2`` (:data:`TESTS`): its power to
@@ -48,11 +51,22 @@ def sequence_logprobs(model: Any, prompt: list[int], continuations: list[tuple[i
     return {c: float(sum(step_logp[c[:d]][c[d]] for d in range(len(c)))) for c in distinct}
 
 
+def drafted_in_window(step_lengths: tuple[int, ...], k: int) -> int:
+    """How many of a sequence's first ``k`` tokens were accepted drafts: every token of a step but its last (the
+    target's own: the bonus or the correction)."""
+    drafted = position = 0
+    for length in step_lengths:
+        drafted += max(min(position + length - 1, k) - position, 0)
+        position += length
+    return drafted
+
+
 def sampled_two_sample(loaded: Any, prompt: list[int], drafter: Any, options: dict, sampling: SamplingConfig,
                        sizes: Any, rule: AcceptanceRule = EXACT, seeds: tuple[int, int] = (1, 2)) -> dict:
     n, k = sizes.sample_sequences, sizes.sample_tokens
-    common = dict(max_new_tokens=k, do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,
-                  top_p=sampling.top_p, return_dict=True)
+    # the law of the first k tokens of k + lookahead: a marginal of the law compared, so exactness still requires it
+    common = dict(max_new_tokens=k + sizes.sample_lookahead, do_sample=True, temperature=sampling.temperature,
+                  top_k=sampling.top_k, top_p=sampling.top_p, return_dict=True)
     chunks = [(c, min(CHUNK, n - start)) for c, start in enumerate(range(0, n, CHUNK))]
     plain = [generate(loaded, [prompt] * size, seed=seeds[0] + c * CHUNK_SEED_STRIDE, **common) for c, size in chunks]
     # speculation="always": every proposal verified whole, as under the negative controls' broken rules (seeded
@@ -62,11 +76,14 @@ def sampled_two_sample(loaded: Any, prompt: list[int], drafter: Any, options: di
             for c, size in chunks]
     a = [tuple(t[:k]) for out in plain for t in out.new_tokens]
     b = [tuple(t[:k]) for out in spec for t in out.new_tokens]
-    steps = sum(s.steps for o in spec for s in o.stats)  # tau over every chunk, as GenerateOutput.tau of one
-    tau = sum(s.new_tokens for o in spec for s in o.stats) / steps if steps else 0.0
+    runs = [s for o in spec for s in o.stats]
+    steps = sum(s.steps for s in runs)  # tau over every chunk and the whole generation, as GenerateOutput.tau of one
+    tau = sum(s.new_tokens for s in runs) / steps if steps else 0.0
+    compared = sum(len(t[:k]) for t in b)
+    drafted = sum(drafted_in_window(s.step_lengths, k) for s in runs) / compared if compared else 0.0
     # Holm's first step: alone, the chi-square fails the pair at alpha / TESTS; its power there is what the check has
     fit = two_sample_chi2(a, b, tv=sizes.e2e_tv, alpha=sizes.alpha / TESTS)
     logp = sequence_logprobs(loaded.model, list(prompt), a + b)
     ks_p = float(stats.ks_2samp([logp[x] for x in a], [logp[x] for x in b]).pvalue)
     return {"chi2_p": fit.p_value, "ks_p": ks_p, "power": fit.power, "detects_tv": fit.detects_tv, "tau": tau,
-            "distinct_outcomes": len(set(a + b))}
+            "drafted": drafted, "distinct_outcomes": len(set(a + b))}

@@ -372,3 +372,32 @@ def test_end_to_end_power_is_reported_at_the_level_the_check_decides_at(monkeypa
     assert level == pytest.approx(sizes.alpha / 2)
     assert res["power"] == pytest.approx(two_sample_chi2(a, b, tv, level).power)
     assert res["power"] < two_sample_chi2(a, b, tv, sizes.alpha).power
+
+
+def test_sampled_end_to_end_check_verifies_drafts_for_the_compared_tokens():
+    """With max_new_tokens = sample_tokens the step making the last compared token had no room for a draft, so a
+    drafter that first proposes at the second step (Medusa and EAGLE heads need the root's hidden state) was never
+    verified there: the check compared plain with plain, and a broken acceptance rule could not fail it."""
+    import specdec.eval.end_to_end as end_to_end
+    from specdec.eval.negative_controls import BROKEN_RULES
+    from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter, reference_continuations
+
+    from specdec.tree import DraftTree
+
+    class LateOracle(OracleDrafter):
+        def _tree(self, view):
+            return DraftTree.empty() if len(view.token_ids) == view.num_prompt_tokens else super()._tree(view)
+
+    loaded, prompts = _fault_setup()
+    reference = reference_continuations(loaded, prompts[:1], 8)
+    sizes = CertificateSizes(sample_sequences=20, sample_tokens=2)
+    greedy_like = SamplingConfig(True, 1.0, 1)  # top-k 1: the oracle's greedy tokens are always accepted
+    res = end_to_end.sampled_two_sample(loaded, prompts[0], LateOracle(reference, AcceptanceProfile.constant(1.0, 4)),
+                                        {}, greedy_like, sizes)
+    assert res["tau"] > 1.4 and res["drafted"] == pytest.approx(0.5)  # the 2nd compared token: an accepted draft
+    assert res["chi2_p"] > 0.5
+    # a drafter that is always wrong, accepted by a broken rule, now changes the compared tokens
+    wrong = LateOracle(reference, AcceptanceProfile.constant(0.0, 4))
+    broken = BROKEN_RULES["always_accept"]
+    res = end_to_end.sampled_two_sample(loaded, prompts[0], wrong, {}, greedy_like, sizes, broken)
+    assert res["chi2_p"] < 1e-4
