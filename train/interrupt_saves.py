@@ -36,27 +36,27 @@ def _keep_on_interrupt(err: KeyboardInterrupt, step: int, saved: int, nproc: int
         logger.warning("interrupted after step %d: no checkpoint saved; the %d step(s) since the last one are lost",
                        step, step - saved)
         return
-    try:
-        save()
-    except OSError as save_err:  # a full disk: the interrupt still ends the run, with the last checkpoint left
-        logger.warning("interrupted after step %d: its checkpoint could not be saved (%s)", step, save_err)
-        return
-    err.saved_step = step
-    logger.info("interrupted after step %d: saved its checkpoint", step)
+    if _saved(save, step):
+        err.saved_step = step
 
 
 def _saved_by_main(accelerator, save, step: int) -> bool:
     """Every process, after the same step: the main process saves its checkpoint (``save()``); whether it could, on
     every process (a full disk leaves the last checkpoint)."""
-    ok = 0.0
-    if accelerator.is_main_process:
-        try:
-            save()
-            ok = 1.0
-            logger.info("interrupted after step %d: saved its checkpoint", step)
-        except OSError as err:
-            logger.warning("interrupted after step %d: its checkpoint could not be saved (%s)", step, err)
+    ok = float(accelerator.is_main_process and _saved(save, step))
     return bool(accelerator.reduce(torch.tensor([ok], device=accelerator.device), reduction="sum").item())
+
+
+def _saved(save, step: int) -> bool:
+    """Save the checkpoint of step ``step`` (``save()``) and say so; False where it could not be written (a full
+    disk: the interrupt still ends the run, with the last checkpoint left)."""
+    try:
+        save()
+    except OSError as err:
+        logger.warning("interrupted after step %d: its checkpoint could not be saved (%s)", step, err)
+        return False
+    logger.info("interrupted after step %d: saved its checkpoint", step)
+    return True
 
 
 def stop_together(run: Run, at: Position, seen: torch.Tensor, held: InterruptsHeld) -> NoReturn:
