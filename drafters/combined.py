@@ -42,7 +42,7 @@ import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView, as_drafter
 from specdec.drafters.call_memory import memory_key
 from specdec.drafters.child_gate import ChildGate
-from specdec.drafters.registry import check_options, get_drafter
+from specdec.drafters.registry import check_options, drafter_class, get_drafter
 
 from specdec.cuda_graphs import captures
 from specdec.errors import InputError, InputTypeError
@@ -94,8 +94,8 @@ def build_child(spec: Any, index: int = 0) -> Drafter:
         return get_drafter(spec)
     if isinstance(spec, Mapping):
         name, options = _child_options(spec)
-        check_options(name, options, within=_where(index))
-        return get_drafter(name, **options)
+        check_options(name, options, within=_where(index))  # get_drafter's check, naming where the child sits
+        return drafter_class(name)(**options)
     if isinstance(spec, type):  # its propose() would be called unbound, once the model has loaded
         raise InputTypeError(f"combined drafter: a child must be an instance, got the class {spec.__name__}: pass "
                              f"{spec.__name__}(...)")
