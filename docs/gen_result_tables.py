@@ -48,7 +48,8 @@ def render_part(result: dict | list[dict], part: str, name: str | None = None) -
     if part not in PARTS:
         raise ValueError(f"unknown part {part!r} (known: {', '.join(PARTS)})")
     if part == "latest_per_gpu":
-        columns, rows = _LATEST.table(result if isinstance(result, list) else [result], _GEN.MACHINE_CLASSES)
+        columns, rows = _LATEST.table(result if isinstance(result, list) else [result], _GEN.MACHINE_CLASSES,
+                                     _GEN._order)
         return "\n" + "\n".join(_GEN._table(columns, rows)) + "\n\n"
     if isinstance(result, list):  # a name with *: the newest match
         result = max(result, key=_GEN._order)

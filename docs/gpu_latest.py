@@ -94,12 +94,13 @@ ROWS = [  # label, benchmark, cell
 ]
 
 
-def _newest(results: list[dict]) -> dict:
-    return max(results, key=lambda r: (r["date"], r.get("run", 0), r["file"]))
+def table(results: list[dict], labels: dict[str, str], order) -> tuple[list[str], list[list[str]]]:
+    """Columns and rows from ``results`` (those of GPU classes count; ``labels``: machine class -> its name;
+    ``order``: a result's sort key, the newest last, as the benchmarks page orders them)."""
 
+    def _newest(some: list[dict]) -> dict:
+        return max(some, key=order)
 
-def table(results: list[dict], labels: dict[str, str]) -> tuple[list[str], list[list[str]]]:
-    """Columns and rows from ``results`` (those of GPU classes count; ``labels``: machine class -> its name)."""
     by_gpu: dict[str, list[dict]] = {}
     for r in results:
         if r["machine_class"].startswith("gpu-") and r.get("kind", "benchmark") == "benchmark":
