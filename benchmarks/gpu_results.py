@@ -113,10 +113,13 @@ class Run:
         return cmd
 
     def result(self, benchmark: str, machine: str, title: str, command: str, conditions: str, columns: list,
-               rows: list, notes: list) -> dict:
+               rows: list, notes: list, row_keys: list[str] | None = None) -> dict:
+        """A result file's fields; ``row_keys``: one key per row, what the row measured as the run's JSON names it
+        (``specdec_plain_graphs``, ``synthetic:llama-3.1-8b``), by which docs/gpu_latest.py finds it."""
+        keyed = {} if row_keys is None else {"row_keys": row_keys}
         return {"date": self.date, "machine_class": self.kind, "machine": f"{self.machine}; {machine}",
                 "benchmark": benchmark, "title": title, "command": command, "commit": self.commit,
-                "conditions": conditions, "columns": columns, "rows": rows, "notes": notes}
+                "conditions": conditions, "columns": columns, "rows": rows, **keyed, "notes": notes}
 
 
 def machine_classes() -> dict[str, str]:
@@ -172,7 +175,8 @@ def e2e_result(run: Run) -> dict:
                   + f"Report: {run.where()}.")
     return run.result("e2e", f"embedded model, bf16, batch 1, greedy, {e2e['max_new_tokens']} new tokens",
                       "End to end: specdec plain and n-gram, eager and CUDA graphs, vs transformers (tok/s)",
-                      run.command("check"), conditions, ["tok/s"] + cats + ["all"], rows, notes)
+                      run.command("check"), conditions, ["tok/s"] + cats + ["all"], rows, notes,
+                      [k for k, _ in methods])
 
 
 def acceptance_result(run: Run) -> dict:
@@ -226,8 +230,8 @@ def _plain(rows: dict, batch: str, key: str, fmt: str) -> str:
 
 def speed_result(run: Run) -> dict:
     spd = run.speed
-    rows = []
-    for m in sorted((m for m in spd["models"] if "weight_bytes" in m), key=lambda m: -m["weight_bytes"]):
+    rows, models = [], sorted((m for m in spd["models"] if "weight_bytes" in m), key=lambda m: -m["weight_bytes"])
+    for m in models:
         pl, vc = m["plain"], (m["verify_cost"] or {}).get("ratio", {})
         rows.append([_label(m), f"{m['weight_bytes'] / 1e9:.2f} GB", _plain(pl, "1", "decode_tokens_per_s", ".1f"),
                      _plain(pl, "1", "step_over_floor", ".2f"), _plain(pl, "8", "decode_tokens_per_s", ",.0f"),
@@ -274,7 +278,7 @@ def speed_result(run: Run) -> dict:
         "static-cache generate() run eagerly (disable_compile=True), prefill included. " + stood_in
         + f"Every row: {run.where(report)}.",
         ["shape", "weights", "batch 1 tok/s", "step / weight-read floor", "batch 8 tok/s", "batch 32 tok/s", "c(16)",
-         "c(32)", "c(65)", "transformers, batch 1 tok/s"], rows, notes)
+         "c(32)", "c(65)", "transformers, batch 1 tok/s"], rows, notes, [m["model"] for m in models])
 
 
 def _goal_rows(text: str) -> list[list[str]]:

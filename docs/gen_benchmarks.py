@@ -6,10 +6,11 @@ the page from the results at build time, so the site never shows a stale page.
 
 A result file holds one measurement: ``date``, ``machine_class`` (one of MACHINE_CLASSES), ``machine``,
 ``benchmark``, ``title``, ``command``, optionally ``run`` (orders results of one date), ``commit``, ``conditions``,
-``columns`` + ``rows`` (a table), ``tables`` (further tables of the same run, each a ``name``, ``columns`` and
-``rows``), ``notes`` and ``kind`` (``history``: shown in the history only). The page shows the latest result per
-machine class and benchmark, then every result by date; two results that tie for latest (same class, benchmark,
-date and run) are refused, as one would hide the other.
+``columns`` + ``rows`` (a table), ``row_keys`` (a key per row, what it measured: docs/gpu_latest.py finds rows by
+it), ``tables`` (further tables of the same run, each a ``name``, ``columns`` and ``rows``), ``notes`` and ``kind``
+(``history``: shown in the history only). The page shows the latest result per machine class and benchmark, then
+every result by date; two results that tie for latest (same class, benchmark, date and run) are refused, as one
+would hide the other.
 """
 from __future__ import annotations
 

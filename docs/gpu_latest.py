@@ -3,6 +3,12 @@
 benchmark (``e2e``, ``acceptance``, ``speed``, ``goals``, ``kernels``), dated where it predates the GPU's latest run.
 
 Its links are relative to docs/gpu/, the page that shows it. A cell with no result says "not measured".
+
+Rows of a result are found by what they measured, never by words of a label that a writer may reword: by the
+``row_keys`` benchmarks/gpu_results.py writes (e2e.json's method names, speed.json's model names), where a key
+absent means the run did not measure it; in a result written without them, by the exact labels those files used
+(``LABELS``), and there a row not found is an error, as is a goal row, a column or the divergence note the result
+should hold: a renamed row fails the page's generation instead of showing "not measured".
 """
 from __future__ import annotations
 
@@ -10,6 +16,17 @@ import re
 
 RUN_FOLDER = re.compile(r"docs/gpu/([\w.-]+)/")
 NONE = "not measured"
+# the rows the table reads, as the producer keys them (benchmarks/gpu_results.py: E2E_METHODS, SHAPES)
+HF_DYNAMIC, PLAIN_EAGER, PLAIN_GRAPHS, NGRAM_GRAPHS = ("hf_dynamic", "specdec_plain", "specdec_plain_graphs",
+                                                      "specdec_ngram_graphs")
+SHAPE_8B = "synthetic:llama-3.1-8b"
+LABELS = {  # key -> the labels of its row in the committed results written without row_keys
+    HF_DYNAMIC: ("transformers, dynamic cache", "transformers `generate()` (dynamic cache)"),
+    PLAIN_EAGER: ("specdec plain, eager",),
+    PLAIN_GRAPHS: ("specdec plain, CUDA graphs",),
+    NGRAM_GRAPHS: ("specdec n-gram, CUDA graphs", "specdec + n-gram, CUDA graphs"),
+    SHAPE_8B: ("Llama-3.1-8B",),
+}
 
 
 def _num(cell: str) -> float | None:
@@ -21,9 +38,33 @@ def _num(cell: str) -> float | None:
         return None
 
 
-def _row(result: dict, *words: str) -> list | None:
-    """The first row whose label holds every word."""
-    return next((r for r in result.get("rows", []) if all(w in r[0] for w in words)), None)
+def _row(result: dict, key: str) -> list | None:
+    """The row that measured ``key`` (module doc): None where the result's ``row_keys`` lack it."""
+    rows, keys = result.get("rows", []), result.get("row_keys")
+    if keys is not None:
+        if len(keys) != len(rows):
+            raise ValueError(f"{result['file']}: {len(keys)} row_keys for {len(rows)} rows")
+        return rows[keys.index(key)] if key in keys else None
+    found = next((r for r in rows if r[0] in LABELS[key]), None)
+    if found is None:
+        raise ValueError(f"{result['file']}: no row_keys, and no row labelled {' or '.join(map(repr, LABELS[key]))} "
+                         f"({key}): write it with benchmarks/gpu_results.py, or add its label to docs/gpu_latest.py")
+    return found
+
+
+def _goal_row(result: dict, words: str) -> list:
+    """The goal whose label holds ``words``: every goals result lists every goal (benchmarks/gpu_goals.py)."""
+    found = next((r for r in result.get("rows", []) if words in r[0]), None)
+    if found is None:
+        raise ValueError(f"{result['file']}: no goal holding {words!r}: a goal renamed in benchmarks/gpu_goals.py? "
+                         "Update docs/gpu_latest.py's ROWS")
+    return found
+
+
+def _column(result: dict, name: str) -> int:
+    if name not in result.get("columns", []):
+        raise ValueError(f"{result['file']}: no column {name!r} (it has: {', '.join(result.get('columns', []))})")
+    return result["columns"].index(name)
 
 
 def _range(values: list[float]) -> str:
@@ -31,12 +72,12 @@ def _range(values: list[float]) -> str:
 
 
 def _goal(result: dict, words: str) -> str:
-    row = _row(result, words)
-    return f"{row[2]}: {row[3]}" if row and row[2] else NONE
+    row = _goal_row(result, words)
+    return f"{row[2]}: {row[3]}" if row[2] else NONE
 
 
 def plain_embedded(r: dict) -> str:
-    graphs, eager, hf = _row(r, "plain", "CUDA graphs"), _row(r, "plain", "eager"), _row(r, "transformers", "dynamic")
+    graphs, eager, hf = _row(r, PLAIN_GRAPHS), _row(r, PLAIN_EAGER), _row(r, HF_DYNAMIC)
     if not graphs:
         return NONE
     text = f"{graphs[-1]} tok/s" + (f" ({eager[-1]} eager)" if eager else "")
@@ -44,22 +85,22 @@ def plain_embedded(r: dict) -> str:
 
 
 def plain_8b(r: dict) -> str:
-    row = _row(r, "Llama-3.1-8B")
+    row = _row(r, SHAPE_8B)
     if not row:
         return NONE
-    cells = dict(zip(r["columns"], row))
-    return (f"{cells['batch 1 tok/s']} tok/s, {cells['step / weight-read floor']}x its weight-read floor; "
-            f"c(65) {cells['c(65)']}")
+    cell = {name: row[_column(r, name)] for name in ("batch 1 tok/s", "step / weight-read floor", "c(65)")}
+    return (f"{cell['batch 1 tok/s']} tok/s, {cell['step / weight-read floor']}x its weight-read floor; "
+            f"c(65) {cell['c(65)']}")
 
 
 def ngram_suite(r: dict) -> str:
     rows = [row for row in r["rows"] if row[0] != "overall"]
-    ratios = [_num(row[r["columns"].index("over plain")]) for row in rows]
+    ratios = [_num(row[_column(r, "over plain")]) for row in rows]
     return f"{_range([x for x in ratios if x is not None])} plain by category" if rows else NONE
 
 
 def ngram_e2e(r: dict) -> str:
-    plain, ngram = _row(r, "plain", "CUDA graphs"), _row(r, "n-gram", "CUDA graphs")
+    plain, ngram = _row(r, PLAIN_GRAPHS), _row(r, NGRAM_GRAPHS)
     if not (plain and ngram):
         return NONE
     cats = r["columns"][1:-1]
@@ -71,7 +112,11 @@ def ngram_e2e(r: dict) -> str:
 
 
 def identity(r: dict) -> str:
-    return next((n for n in r.get("notes", []) if "divergence" in n), NONE)
+    """The note on the outputs that parted from transformers' ("No output diverged ...", "... divergences ...")."""
+    found = next((n for n in r.get("notes", []) if "diverge" in n), None)
+    if found is None:
+        raise ValueError(f"{r['file']}: no note on divergences from transformers' greedy tokens")
+    return found
 
 
 def kernels(r: dict) -> str:

@@ -34,7 +34,8 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +43,7 @@ import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView, as_drafter
 from specdec.drafters.call_memory import memory_key
 from specdec.drafters.child_gate import ChildGate
-from specdec.drafters.registry import check_options, drafter_class, get_drafter
+from specdec.drafters.registry import check_options, drafter_class
 
 from specdec.cuda_graphs import captures
 from specdec.errors import InputError, InputTypeError
@@ -89,32 +90,62 @@ class CombinedConfig:
 
 def build_child(spec: Any, index: int = 0) -> Drafter:
     """A child drafter from a name, ``{"name": ..., **options}``, or a Drafter / object with ``propose``; ``index``:
-    its place in ``drafters``, named in a refusal of its options."""
-    if isinstance(spec, str):
-        return get_drafter(spec)
-    if isinstance(spec, Mapping):
-        name, options = _child_options(spec)
-        check_options(name, options, within=_where(index))  # get_drafter's check, naming where the child sits
-        return drafter_class(name)(**options)
-    if isinstance(spec, type):  # its propose() would be called unbound, once the model has loaded
-        raise InputTypeError(f"combined drafter: a child must be an instance, got the class {spec.__name__}: pass "
-                             f"{spec.__name__}(...)")
-    if callable(getattr(spec, "propose", None)):
+    its place in ``drafters``, which every refusal of it names (:func:`_refusals_name_child`)."""
+    with _refusals_name_child(index):
+        if isinstance(spec, (str, Mapping)):
+            name, options = _child_options(spec)
+            check_options(name, options, nested=True)  # get_drafter's check
+            return drafter_class(name)(**options)
+        _check_instance(spec)
         return as_drafter(spec)
-    raise InputTypeError(f"combined drafter: each child must be a name, a dict with 'name', or a drafter, "
-                         f"got {type(spec).__name__}")
 
 
-def _child_options(spec: Mapping) -> tuple[str, dict]:
+def _children(drafters: Any) -> Sequence[Any]:
+    """``drafters`` if it is a non-empty list of children (each one checked on its own)."""
+    if isinstance(drafters, (str, Mapping)) or not isinstance(drafters, Sequence) or not drafters:
+        raise InputError(f"combined drafter: drafters must be a non-empty list of children, got {drafters!r}")
+    return drafters
+
+
+def _child_options(spec: str | Mapping) -> tuple[str, dict]:
+    """A child given by name or as ``{"name": ..., **options}``: its name and options."""
+    if isinstance(spec, str):
+        return spec, {}
     options = dict(spec)
     name = options.pop("name", None)
     if not isinstance(name, str):
-        raise InputTypeError(f"combined drafter: a child given as a dict needs a 'name' string, got {spec!r}")
+        raise InputTypeError(f"a child given as a dict needs a 'name' string, got {spec!r}")
     return name, options
 
 
+def _check_instance(spec: Any) -> None:
+    """Refuse a child that is neither a name nor a dict and no drafter instance."""
+    if isinstance(spec, type):  # its propose() would be called unbound, once the model has loaded
+        raise InputTypeError(f"a child must be an instance, got the class {spec.__name__}: pass {spec.__name__}(...)")
+    if not callable(getattr(spec, "propose", None)):
+        raise InputTypeError(f"a child must be a drafter name, a dict with 'name', or a drafter, "
+                             f"got {type(spec).__name__}")
+
+
+_WHERE = "combined drafter's "
+
+
 def _where(index: int) -> str:
-    return f"combined drafter's drafters[{index}]"
+    return f"{_WHERE}drafters[{index}]"
+
+
+@contextmanager
+def _refusals_name_child(index: int) -> Iterator[None]:
+    """An InputError / InputTypeError raised inside, re-raised (same builtin base) naming the child by its place:
+    ``combined drafter's drafters[1]: <refusal>``; one from a nested combined drafter's child names the whole path,
+    ``combined drafter's drafters[0].drafters[1]: <refusal>``."""
+    try:
+        yield
+    except (InputError, InputTypeError) as err:
+        message = str(err)
+        nested = message.startswith(_WHERE + "drafters[")
+        named = f"{_where(index)}.{message[len(_WHERE):]}" if nested else f"{_where(index)}: {message}"
+        raise (InputTypeError if isinstance(err, TypeError) else InputError)(named) from err
 
 
 class _Rate:
@@ -138,13 +169,17 @@ class CombinedDrafter(Drafter):
 
     @classmethod
     def check_nested_options(cls, options: Mapping[str, Any], *, command_line: bool = False) -> None:
-        """The options of the children given as ``{"name": ..., **options}``, each named by its place in drafters
-        (before anything is built: on the command line, before the model loads)."""
-        drafters = options.get("drafters", ())
-        if isinstance(drafters, Sequence) and not isinstance(drafters, str):
-            for k, spec in enumerate(drafters):
-                if isinstance(spec, Mapping):
-                    check_options(*_child_options(spec), command_line=command_line, within=_where(k))
+        """The children as far as they can be told before anything is built (on the command line, before the model
+        loads): the list, each child's form and name, and the options of one given as ``{"name": ..., **options}``;
+        each refusal names the child by its place in drafters. Option values are checked when the child is built."""
+        if "drafters" not in options:
+            return
+        for k, spec in enumerate(_children(options["drafters"])):
+            with _refusals_name_child(k):
+                if isinstance(spec, (str, Mapping)):
+                    check_options(*_child_options(spec), command_line=command_line, nested=True)
+                else:
+                    _check_instance(spec)
 
     def __init__(self, drafters: Sequence[Any] = ("ngram",), config: CombinedConfig | None = None,
                  verify_cost: Callable[[int], float] | None = None, **options: Any) -> None:
@@ -153,10 +188,7 @@ class CombinedDrafter(Drafter):
         if config is not None and not isinstance(config, CombinedConfig):
             raise InputTypeError(f"combined drafter: config must be a CombinedConfig, got {type(config).__name__}")
         self.config = config or CombinedConfig(**options)
-        if isinstance(drafters, (str, Mapping)) or not isinstance(drafters, Sequence) or not drafters:
-            raise InputError("combined drafter: drafters must be a non-empty list of children, "
-                             f"got {drafters!r}")
-        self.children: list[Drafter] = [build_child(spec, k) for k, spec in enumerate(drafters)]
+        self.children: list[Drafter] = [build_child(spec, k) for k, spec in enumerate(_children(drafters))]
         if verify_cost is not None and not callable(verify_cost):
             raise InputTypeError("combined drafter: verify_cost must be a callable n -> cost in decode steps")
         self.verify_cost = verify_cost
@@ -197,10 +229,10 @@ class CombinedDrafter(Drafter):
             # verify steps priced as the engine runs them: replayed CUDA graphs, or eager
             self.costs = load_cost_model(target.runner, CalibrationConfig(graphs=getattr(target, "graphs", False)))
             self.curve = self.costs.relative
-        for child in self.children:
+        for k, child in enumerate(self.children):
             child.attach(target)
             if child.feature_layers:  # known once attached (a head given by path loads here); before any forward
-                raise InputError(f"combined drafter: child {child.name} is an EAGLE-3 head reading target layers "
+                raise InputError(f"{_where(k)}: {child.name} is an EAGLE-3 head reading target layers "
                                  f"{list(child.feature_layers)}, but the combined drafter is passed final hidden "
                                  "states (an EAGLE-3 head cannot run inside the combined drafter)")
 

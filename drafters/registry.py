@@ -2,7 +2,7 @@
 take are refused by name with the list of those it does (a class forwarding ``**options`` to a config dataclass
 names it as ``options_config``). On the command line that list leaves out the options only Python can give (a
 drafter names them as ``python_only_options``: a config object, a module, a callable). Drafters nested in the
-options (a combined drafter's children) are checked the same way, each named with where it sits."""
+options (a combined drafter's children) are checked the same way; the nesting drafter names where each sits."""
 from __future__ import annotations
 
 import dataclasses
@@ -63,14 +63,14 @@ def drafter_class(spec: str) -> type:
     return eps[0].load()
 
 
-def check_options(spec: str, options: Any, *, command_line: bool = False, within: str | None = None) -> None:
+def check_options(spec: str, options: Any, *, command_line: bool = False, nested: bool = False) -> None:
     """Refuse the options the drafter named ``spec`` does not take, naming those it does: as ``get_drafter`` takes
     them, or (``command_line``) as ``--drafter-option KEY=VALUE`` gives them, without ``python_only_options``;
-    then those of the drafters nested in them (``Drafter.check_nested_options``). ``within``: where a nested
-    drafter sits, named in the message (``combined drafter's drafters[1]``)."""
+    then those of the drafters nested in them (``Drafter.check_nested_options``). ``nested``: the drafter sits in
+    another's options (a combined drafter's child), which names where it sits in the refusal."""
     cls = drafter_class(spec)
     known = option_names(cls)
-    subject = f"drafter {spec!r}" + (f" ({within})" if within else "")
+    subject = f"drafter {spec!r}"
     if known is not None and not command_line:
         unknown = sorted(set(options) - known)
         if unknown:
@@ -81,11 +81,11 @@ def check_options(spec: str, options: Any, *, command_line: bool = False, within
         unknown = sorted(set(options) - (known - python_only))
         if unknown:
             named = ", ".join(f"{k!r} (Python only)" if k in python_only else repr(k) for k in unknown)
-            flag, keys = ("option", "its command-line keys") if within else ("--drafter-option", "its KEY=VALUE keys")
+            flag, keys = ("option", "its command-line keys") if nested else ("--drafter-option", "its KEY=VALUE keys")
             raise InputTypeError(f"{subject} has no {flag} {named}; {keys}: {', '.join(sorted(known - python_only))}")
-    nested = getattr(cls, "check_nested_options", None)  # a class that is no Drafter may lack it
-    if nested is not None:
-        nested(options, command_line=command_line)
+    check_nested = getattr(cls, "check_nested_options", None)  # a class that is no Drafter may lack it
+    if check_nested is not None:
+        check_nested(options, command_line=command_line)
 
 
 def option_names(cls: type) -> set[str] | None:

@@ -84,11 +84,13 @@ def test_a_starred_region_takes_the_newest_result_and_the_gpu_table_each_gpus_la
     def result(file, date, cls, benchmark, **kw):
         return dict(file=file, date=date, machine_class=cls, benchmark=benchmark, title=file, **kw)
 
-    e2e = dict(columns=["tok/s", "chat", "all"], conditions="Report: docs/gpu/KIND-DATE/.")
+    e2e = dict(columns=["tok/s", "chat", "all"], conditions="Report: docs/gpu/KIND-DATE/.",
+               row_keys=["specdec_plain_graphs", "specdec_ngram_graphs"], notes=["No output diverged."])
     results = {r["file"]: r for r in [
         result("2026-01-01-gpu-h200-goals.json", "2026-01-01", "gpu-h200", "goals", columns=["g"], rows=[["old"]],
                notes=["1 of the 2 goals met."]),
-        result("2026-02-01-gpu-h200-goals.json", "2026-02-01", "gpu-h200", "goals", columns=["g"], rows=[["new"]],
+        result("2026-02-01-gpu-h200-goals.json", "2026-02-01", "gpu-h200", "goals", columns=["g", "t", "m", "v"],
+               rows=[["new oracle chain", "t", "", "not measured"], ["new greedy identity", "t", "", "not measured"]],
                notes=["2 of the 2 goals met."]),
         result("2026-02-01-gpu-h200-e2e.json", "2026-02-01", "gpu-h200", "e2e", **dict(
             e2e, rows=[["specdec plain, CUDA graphs", "500.0", "510.0"], ["specdec n-gram, CUDA graphs", "600.0",
@@ -102,7 +104,7 @@ def test_a_starred_region_takes_the_newest_result_and_the_gpu_table_each_gpus_la
         result("2026-03-01-cpu-avx512-eagle-gpu-layer.json", "2026-03-01", "cpu-avx512", "eagle"),
     ]}
     goals = gen.fill("<!-- generated: results/*-gpu-h200-goals.json table -->\n<!-- end generated -->", results)
-    assert "| new |" in goals and "old" not in goals
+    assert "| new oracle chain |" in goals and "old" not in goals
     page = gen.fill("<!-- generated: results/*-gpu-*.json latest_per_gpu -->\n<!-- end generated -->", results)
     cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in page.splitlines() if line[:2] == "| "]
     rows = {c[0]: c[1:] for c in cells}
@@ -113,6 +115,57 @@ def test_a_starred_region_takes_the_newest_result_and_the_gpu_table_each_gpus_la
     assert rows["n-gram, end to end (generate()'s defaults of the day), CUDA graphs"] == [
         "1.20x plain by category", "not measured (chat left out: marked * in the result)"]
     assert rows["kernels"] == ["not measured", "Fast (2026-01-20)"]
+
+
+def _gpu_table(*results: dict) -> dict[str, list[str]]:
+    """The GPU page's table from ``results`` (file names given), as label -> cells."""
+    gen = _script(DOCS / "gen_result_tables.py")
+    page = gen.render_part(list(results), "latest_per_gpu")
+    cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in page.splitlines() if line[:2] == "| "]
+    return {c[0]: c[1:] for c in cells}
+
+
+def _gpu_e2e(**kw) -> dict:
+    return dict(file="2026-02-01-gpu-h200-e2e.json", date="2026-02-01", machine_class="gpu-h200", benchmark="e2e",
+                title="e2e", conditions="Report: docs/gpu/h200-2026-02-01/.", columns=["tok/s", "chat", "all"],
+                notes=["Every one of the 2 divergences from transformers' greedy tokens is a near-tie."]) | kw
+
+
+PLAIN = "plain decoding, embedded model, bf16, batch 1, CUDA graphs"
+NGRAM = "n-gram, end to end (generate()'s defaults of the day), CUDA graphs"
+
+
+def test_the_gpu_table_finds_rows_by_the_key_the_writer_gave_them_not_by_their_labels():
+    """Rows were found by words of their labels ("plain", "CUDA graphs"): a reworded label showed "not measured".
+    They are found by row_keys; a key a result lacks is a row its run did not measure. The note of a run whose
+    outputs all matched transformers' ("No output diverged") is no "divergence" and showed "not measured" too."""
+    rows = _gpu_table(_gpu_e2e(rows=[["eager, no drafter", "50.0", "51.0"], ["graphs, no drafter", "500.0", "510.0"],
+                                     ["graphs, prompt lookup", "600.0", "612.0"]],
+                               row_keys=["specdec_plain", "specdec_plain_graphs", "specdec_ngram_graphs"],
+                               notes=["No output diverged from transformers' greedy tokens."]))
+    assert rows[PLAIN] == ["510.0 tok/s (51.0 eager)"]  # no hf_dynamic key: transformers was not run
+    assert rows[NGRAM] == ["1.20x plain by category"]
+    assert rows["bf16 greedy identity vs transformers"] == ["No output diverged from transformers' greedy tokens"]
+    assert _gpu_table(_gpu_e2e(rows=[["x", "1.0", "1.0"]], row_keys=["specdec_plain"]))[PLAIN] == ["not measured"]
+
+
+@pytest.mark.parametrize("result, refusal", [
+    # written without row_keys (the committed files before them): a row not labelled as those files labelled it
+    (_gpu_e2e(rows=[["specdec plain (CUDA graphs)", "500.0", "510.0"]]),
+     r"2026-02-01-gpu-h200-e2e.json: no row_keys, and no row labelled 'specdec plain, CUDA graphs'"),
+    (_gpu_e2e(rows=[["specdec plain, CUDA graphs", "500.0", "510.0"]], row_keys=[]), "0 row_keys for 1 rows"),
+    (_gpu_e2e(rows=[["a", "1", "1"]], row_keys=["specdec_plain_graphs"], notes=[]), "no note on divergences"),
+    (dict(file="2026-02-01-gpu-h200-goals.json", date="2026-02-01", machine_class="gpu-h200", benchmark="goals",
+          title="goals", columns=["goal", "target", "measured", "verdict"], notes=["1 of the 1 goals met."],
+          rows=[["greedy identity on CUDA", "every case passes", "40 passed, 0 failed", "met"]]),
+     "2026-02-01-gpu-h200-goals.json: no goal holding 'oracle chain'"),
+    (dict(file="2026-02-01-gpu-h200-speed.json", date="2026-02-01", machine_class="gpu-h200", benchmark="speed",
+          title="speed", columns=["shape", "tok/s at batch 1"], rows=[["Llama-3.1-8B", "190.0"]],
+          row_keys=["synthetic:llama-3.1-8b"]), "no column 'batch 1 tok/s'"),
+])
+def test_a_row_the_gpu_table_cannot_find_fails_the_page_instead_of_showing_not_measured(result, refusal):
+    with pytest.raises(ValueError, match=refusal):
+        _gpu_table(result)
 
 
 def test_benchmarks_page_shows_the_latest_result_per_machine_class(tmp_path):

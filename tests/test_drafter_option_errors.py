@@ -4,11 +4,13 @@ options, and the registry's own refusals."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+from specdec.drafters.combined import CombinedDrafter
 from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
-from specdec.drafters.registry import get_drafter
+from specdec.drafters.registry import check_options, get_drafter
 
 import specdec
 from specdec.errors import InputError, InputTypeError, SpecdecError
@@ -142,10 +144,74 @@ def test_a_combined_drafters_child_options_are_refused_naming_the_child_as_the_c
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err, err
     line = err.strip().splitlines()[-1]
-    assert ("drafter 'ngram' (combined drafter's drafters[1]) has no option 'bogus', 'config' (Python only); "
+    assert ("combined drafter's drafters[1]: drafter 'ngram' has no option 'bogus', 'config' (Python only); "
             "its command-line keys: ") in line, line
     assert "config" not in line.rpartition("keys: ")[2].split(", "), line
-    with pytest.raises(InputTypeError, match=r"drafter 'ngram' \(combined drafter's drafters\[1\]\) has no option "
+    with pytest.raises(InputTypeError, match=r"^combined drafter's drafters\[1\]: drafter 'ngram' has no option "
                                              r"'bogus'; its options: config, "):
         specdec.generate("synthetic:tiny", [[1, 2, 3]], drafter="combined",
                          drafter_options={"drafters": ["ngram", {"name": "ngram", "bogus": 1}]})
+
+
+# (drafters, where the mistake is, what is refused there, whether the check before building sees it)
+NESTED = "combined drafter's drafters"
+BAD_CHILDREN = [
+    (["nope"], "[0]", "unknown drafter 'nope'; available: ", True),
+    (["ngram", "nope"], "[1]", "unknown drafter 'nope'", True),
+    ([{"name": "nope"}], "[0]", "unknown drafter 'nope'", True),
+    (["ngram", {"name": "nope", "max_nodes": 3}], "[1]", "unknown drafter 'nope'", True),
+    (["ngram", {"max_nodes": 3}], "[1]", "a child given as a dict needs a 'name' string, got {'max_nodes': 3}", True),
+    (["ngram", {"name": 5}], "[1]", "a child given as a dict needs a 'name' string, got {'name': 5}", True),
+    (["ngram", 5], "[1]", "a child must be a drafter name, a dict with 'name', or a drafter, got int", True),
+    (["ngram", None], "[1]", "a child must be a drafter name, .* got NoneType", True),
+    (["ngram", ["ngram"]], "[1]", "a child must be a drafter name, .* got list", True),
+    (["ngram", {"name": "ngram", "bogus": 1}], "[1]", "drafter 'ngram' has no option 'bogus'", True),
+    (["ngram", {"name": "ngram", "max_nodes": 0}], "[1]", "ngram drafter: max_nodes must be >= 1, got 0", False),
+    ([{"name": "combined", "drafters": ["ngram", {"name": "nope"}]}], "[0].drafters[1]", "unknown drafter 'nope'",
+     True),
+    (["ngram", {"name": "combined", "drafters": [5]}], "[1].drafters[0]", "a child must be a drafter name", True),
+    ([{"name": "combined", "drafters": [{"name": "ngram", "bogus": 1}]}], "[0].drafters[0]",
+     "drafter 'ngram' has no option 'bogus'", True),
+    ([{"name": "combined", "drafters": [{"name": "combined", "drafters": ["nope"]}]}], "[0].drafters[0].drafters[0]",
+     "unknown drafter 'nope'", True),
+    ([{"name": "combined", "drafters": []}], "[0]",
+     r"combined drafter: drafters must be a non-empty list of children, got \[\]", True),
+    ([{"name": "combined", "mode": "average"}], "[0]", "combined drafter: mode must be one of", False),
+]
+
+
+@pytest.mark.parametrize("drafters, where, refusal, checked", BAD_CHILDREN)
+def test_every_malformed_combined_child_is_refused_naming_its_place(drafters, where, refusal, checked, capsys):
+    """An unknown name, a dict without a 'name' string, a child of no known form, a child's unknown or bad option,
+    each also inside a nested combined drafter: refused in one line that starts with the child's place
+    (``combined drafter's drafters[1]: ...``), in Python and on the command line. The unknown name in a dict, the
+    forms and the nested children were refused without naming the child, a form only once the drafter was built."""
+    from specdec.cli import main
+
+    match = "^" + re.escape(NESTED + where + ": ") + refusal
+    for build in (lambda: CombinedDrafter(drafters), lambda: get_drafter("combined", drafters=drafters)):
+        with pytest.raises(SpecdecError, match=match) as err:
+            build()
+        assert isinstance(err.value, (InputError, InputTypeError)) and "\n" not in str(err.value)
+    if checked:  # before anything is built: on the command line, before the model loads
+        with pytest.raises(SpecdecError, match=match):
+            check_options("combined", {"drafters": drafters}, command_line=True)
+    else:  # an option's value: checked where the child is built
+        check_options("combined", {"drafters": drafters}, command_line=True)
+    rc = main(["generate", "hi", "--model", "synthetic:tiny", "--drafter", "combined",
+               "--drafter-option", f"drafters={json.dumps(drafters)}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert re.search(match, line.partition("error: ")[2]), line
+
+
+def test_a_combined_child_given_in_python_is_refused_naming_its_place():
+    """As drafter_options of generate (the unknown name in a dict was refused without its place), and a drafter
+    class where an instance belongs (only Python can pass one)."""
+    with pytest.raises(InputError, match=r"^combined drafter's drafters\[1\]: unknown drafter 'nope'"):
+        specdec.generate("synthetic:tiny", [[1, 2, 3]], drafter="combined",
+                         drafter_options={"drafters": ["ngram", {"name": "nope"}]})
+    with pytest.raises(InputTypeError, match=r"^combined drafter's drafters\[1\]: a child must be an instance, got the "
+                                             r"class CombinedDrafter: pass CombinedDrafter\(...\)"):
+        get_drafter("combined", drafters=["ngram", CombinedDrafter])

@@ -1,6 +1,7 @@
 """benchmarks/gpu_results.py: a GPU run's folder gives the docs' result files, named from the run itself."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -68,3 +69,30 @@ def test_what_a_later_run_records_is_said(script, tmp_path):
     assert made["2026-11-30-gpu-h200-speed.json"]["notes"][-1] == (
         "Every oracle row of every shape gave the plain run's text. Qwen3-1.7B: two rows (plain b8; oracle chain tau "
         "2.0 b8) left out for time.")
+
+
+def _gpu_table(made: dict[str, dict]) -> dict[str, list[str]]:
+    """The GPU page's latest-results table (docs/gpu_latest.py) from ``made`` alone, as label -> cells."""
+    spec = importlib.util.spec_from_file_location("gen_result_tables", REPO / "docs" / "gen_result_tables.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    page = gen.render_part([dict(r, file=name) for name, r in made.items()], "latest_per_gpu")
+    cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in page.splitlines() if line[:2] == "| "]
+    return {c[0]: c[1:] for c in cells}
+
+
+def test_the_gpu_table_reads_a_run_whatever_labels_this_script_gives_its_rows(script, tmp_path, monkeypatch):
+    """The table found the end-to-end and 8B rows by words of their labels, so rewording a label here showed "not
+    measured" on the GPU page; it reads the row_keys written here. A run whose outputs all matched transformers'
+    says so in the table (its note, "No output diverged", was read as none measured)."""
+    table = _gpu_table(script.results(script.Run(RUN)))
+    assert "not measured" not in table["plain decoding, embedded model, bf16, batch 1, CUDA graphs"][0]
+    monkeypatch.setattr(script, "E2E_METHODS", tuple((k, f"method {k}") for k, _ in script.E2E_METHODS))
+    monkeypatch.setattr(script, "SHAPES", {k: f"shape {v}" for k, v in script.SHAPES.items()})
+    assert _gpu_table(script.results(script.Run(RUN))) == table
+    run = tmp_path / "h200-2026-11-30"
+    shutil.copytree(RUN, run)
+    e2e = json.loads((run / "e2e.json").read_text())
+    (run / "e2e.json").write_text(json.dumps(dict(e2e, divergences={k: [] for k in e2e["divergences"]})))
+    clean = _gpu_table(script.results(script.Run(run)))["bf16 greedy identity vs transformers"]
+    assert clean[0].startswith("No output diverged from transformers' greedy tokens"), clean  # dated: not in docs/
