@@ -742,7 +742,9 @@ def test_two_processes_interrupted_outside_the_training_loop_stop_together(tiny,
     assert ranks == [[[0, 130, 143, 143, 0], [1]], [[0, 130, 143, 0, 0], [1]]]
     lines = [x for x in proc.stderr.splitlines() if x.startswith("specdec train-medusa:")]
     none = "it saved no checkpoint yet (see --save-every), so a rerun starts again"
-    assert sorted(lines) == sorted([f"specdec train-medusa: interrupted; {none}"] * 2
+    assert sorted(lines) == sorted(["specdec train-medusa: interrupted; self-distillation kept its answers to 2 of 8 "
+                                    "prompts, so a rerun generates only the rest",  # the main process: it distils
+                                    f"specdec train-medusa: interrupted; {none}"]
                                    + [f"specdec train-medusa: terminated (SIGTERM); {none}"] * 2
                                    + ["specdec train-medusa: terminated (SIGTERM); the checkpoint of step 4 is intact "
                                       "(continue with --resume)"])
@@ -786,6 +788,41 @@ def test_sigterm_takes_the_path_of_ctrl_c(tiny, tmp_path, monkeypatch, capsys):
     assert rc == 143 and err[-1] == ("specdec train-medusa: terminated (SIGTERM); the checkpoint of step 4 is intact "
                                      "(continue with --resume)")
 
+
+def test_an_interrupt_during_self_distillation_names_the_answers_kept(tiny, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during self-distillation said "it saved no checkpoint yet, so a rerun starts again", though its
+    finished batches of answers are kept and a rerun generates only the rest; the line now says so (and names the
+    checkpoint as before where one is left)."""
+    import importlib
+
+    from specdec.cli import main
+
+    generate_module = importlib.import_module("specdec.generate")
+    real, calls = generate_module.generate, []
+
+    def interrupted_at_the_third_batch(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(generate_module, "generate", interrupted_at_the_third_batch)
+    args = ["train-medusa", "--model", str(tiny / "model"), "--output-dir", str(tmp_path / "run"), "--num-heads",
+            "2", "--seq-len", "32", "--batch-size", "4", "--max-steps", "2", "--num-prompts", "8",
+            "--distill-max-new-tokens", "4", "--distill-batch-size", "2", "--no-eval-tau", "--no-progress"]
+    assert main(args) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "specdec train-medusa: interrupted; self-distillation kept its answers to 4 of 8 prompts, so a rerun "
+        "generates only the rest")
+    from specdec.train.cli import _what_is_left
+
+    err = KeyboardInterrupt()  # a resumed run distilling again (its cache deleted) leaves its checkpoint
+    err.distilled = (4, 8)
+    ckpt_io.save_checkpoint(tmp_path / "run", *_tiny_training_state(), 4, {}, "fp")
+    assert _what_is_left(tmp_path / "run", err) == ("self-distillation kept its answers to 4 of 8 prompts, so a rerun "
+                                                    "generates only the rest; the checkpoint of step 4 is intact "
+                                                    "(continue with --resume)")
 
 @pytest.mark.parametrize("verbose", [False, True])
 def test_training_logs_info_to_the_console_with_v_only(tiny, tmp_path, verbose):
