@@ -500,6 +500,68 @@ def test_held_interrupts_stop_as_their_own_signal_else_as_the_peers():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_outside_the_loop_a_signal_acts_at_once_and_the_meetings_carry_it():
+    """Outside the training loop (``hold=False``) a signal acts where it lands, as in one process, and is recorded;
+    the process that stopped makes the others' next meeting with it (they stop there as its signal: SIGTERM), and a
+    signal that comes while the processes meet is held until the meeting is over. A sketch of the others' side: the
+    collective gives what they add."""
+    import contextlib
+    import os
+    import signal
+    from types import SimpleNamespace
+
+    from specdec.train.agreed_interrupts import InterruptsHeld
+    from specdec.train.cli import Terminated, sigterm_as_interrupt
+
+    def meeting(peers, during=None, fails=False):
+        def reduce(flags, reduction):
+            sent.append(flags.tolist())
+            if during is not None:
+                os.kill(os.getpid(), during)  # while the processes meet
+            if fails:
+                raise RuntimeError("Connection closed by peer")
+            return flags + torch.tensor(peers, dtype=torch.float)
+
+        sent = []
+        return SimpleNamespace(device=None, reduce=reduce), sent
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    with sigterm_as_interrupt(), contextlib.ExitStack() as undo:
+        undo.callback(signal.signal, signal.SIGINT, before)
+        # this process stops at once, then meets the others with its signal; they stop, so it marks the interrupt
+        accelerator, sent = meeting([0, 0])
+        with pytest.raises(Terminated) as stopped, InterruptsHeld(hold=False) as agreed:
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                raise AssertionError("SIGTERM did not act")
+            except KeyboardInterrupt as err:
+                agreed.meet_after(accelerator, err)
+                raise
+        assert sent == [[0, 1]] and stopped.value.processes_stopped_together
+        # the others gone already: it stops all the same, unmarked
+        accelerator, sent = meeting([0, 0], fails=True)
+        with pytest.raises(KeyboardInterrupt) as stopped, InterruptsHeld(hold=False) as agreed:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+            except KeyboardInterrupt as err:
+                agreed.meet_after(accelerator, err)
+                raise
+        assert sent == [[1, 0]] and not hasattr(stopped.value, "processes_stopped_together")
+        # the others' side: a peer's signal at the meeting stops this process as that signal
+        accelerator, sent = meeting([0, 1])
+        with pytest.raises(Terminated) as stopped, InterruptsHeld(hold=False) as agreed:
+            agreed.meet(accelerator)
+        assert sent == [[0, 0]] and stopped.value.processes_stopped_together
+        # a signal during a meeting is handled after it (the others learn it at the next), and during the last one
+        # when the block ends
+        for last in (False, True):
+            accelerator, sent = meeting([0, 0], during=signal.SIGINT)
+            with pytest.raises(KeyboardInterrupt) as stopped, InterruptsHeld(hold=False) as agreed:
+                agreed.meet(accelerator, last=last)
+                assert last, "the signal during the meeting was not handled after it"
+            assert sent == [[0, 0]] and not hasattr(stopped.value, "processes_stopped_together")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
 @pytest.mark.parametrize("disk_full", [False, True])
 def test_after_an_agreed_interrupt_every_process_learns_whether_the_main_one_saved(disk_full):
     """The main process saves once; every process learns whether it could (a full disk leaves the last checkpoint,
@@ -597,6 +659,101 @@ def test_two_processes_interrupted_at_different_points_save_the_step_they_agree_
     assert "resumed from" in (part / "train.log").read_text()
 
 
+# run by `accelerate launch` in each of two processes, self-distilling: an uninterrupted run (its own distillation
+# cache), then into another directory and cache: rank 0 gets SIGINT during the distillation, after its first batch;
+# the rerun, SIGTERM on rank 1 as it builds its feature cache (rank 0 goes on to the first step); the next rerun,
+# SIGTERM on rank 0 as it evaluates, after training; then --resume. Exit codes, and the distillation batches kept
+# after the first interrupt, go to rank<r>.json
+OUTSIDE_THE_LOOP_DRIVER = """
+import importlib, json, os, signal, sys
+from datetime import timedelta
+from pathlib import Path
+import torch, accelerate
+from specdec.cli import main
+from specdec.train import evaluate, features
+
+generate = importlib.import_module("specdec.generate")  # the module (the package exports the function by its name)
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's process has it (a test worker may not)
+# the runs share one process group; where processes fall out of step, a collective fails in a minute, not thirty
+torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=60))
+accelerate.Accelerator.end_training = lambda self: None
+rank, args, out = int(os.environ["RANK"]), json.loads(sys.argv[1]), Path(sys.argv[2])
+armed, batches = [None], []
+real_generate, real_build, real_accuracies = generate.generate, features.FeatureCache.build, evaluate.head_accuracies
+
+def distilling(*a, **k):
+    batches.append(1)
+    if armed[0] == "distill" and rank == 0 and len(batches) == 2:
+        os.kill(os.getpid(), signal.SIGINT)
+    return real_generate(*a, **k)
+
+def building(*a, **k):
+    if armed[0] == "features" and rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real_build(*a, **k)
+
+def evaluating(*a, **k):
+    if armed[0] == "evaluation" and rank == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real_accuracies(*a, **k)
+
+generate.generate, evaluate.head_accuracies = distilling, evaluating
+features.FeatureCache.build = staticmethod(building)
+codes, kept = [], None
+for name, phase, extra in (("full", None, []), ("part", "distill", []), ("part", "features", []),
+                           ("part", "evaluation", []), ("part", None, ["--resume"])):
+    os.environ["SPECDEC_CACHE_DIR"] = str(out / ("cache-" + name))
+    armed[0], batches[:] = phase, []
+    codes.append(main(args + ["--output-dir", str(out / name)] + extra))
+    if phase == "distill":
+        kept = [len(p.read_text().splitlines()) for p in (out / "cache-part").rglob("*.partial.jsonl")]
+with open(out / f"rank{rank}.json", "w") as f:
+    json.dump([codes, kept], f)
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_interrupted_outside_the_training_loop_stop_together(tiny, tmp_path):
+    """Two real processes (gloo), each interrupt outside the training loop: one process stopped where the signal
+    landed and the other crashed at its next collective ("Connection closed by peer", a traceback) or waited on.
+    Now both stop, each with its line and exit code (one that got no signal takes its peer's), at the next point
+    where they wait for each other: during self-distillation (its first batch is kept), before the first step; an
+    interrupt of the evaluation, which the main process runs alone after training, stops it only. The reruns go on
+    from what was kept, and --resume ends as the uninterrupted run: the same heads, bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    driver = tmp_path / "driver.py"
+    driver.write_text(OUTSIDE_THE_LOOP_DRIVER)
+    args = ["train-medusa", "--model", str(tiny / "model"), "--num-heads", "2", "--seq-len", "32", "--batch-size",
+            "4", "--max-steps", "4", "--num-prompts", "8", "--distill-max-new-tokens", "8", "--distill-batch-size",
+            "2", "--no-eval-tau", "--no-progress", "--held-out-fraction", "0.25"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(driver)]
+    proc = subprocess.run(launch + [json.dumps(args), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks == [[[0, 130, 143, 143, 0], [1]], [[0, 130, 143, 0, 0], [1]]]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("specdec train-medusa:")]
+    none = "it saved no checkpoint yet (see --save-every), so a rerun starts again"
+    assert sorted(lines) == sorted(["specdec train-medusa: interrupted; self-distillation kept its answers to 2 of 8 "
+                                    "prompts, so a rerun generates only the rest",  # the main process: it distils
+                                    f"specdec train-medusa: interrupted; {none}"]
+                                   + [f"specdec train-medusa: terminated (SIGTERM); {none}"] * 2
+                                   + ["specdec train-medusa: terminated (SIGTERM); the checkpoint of step 4 is intact "
+                                      "(continue with --resume)"])
+    full, part = tmp_path / "full", tmp_path / "part"
+    a, b = load_file(str(full / "medusa_lm_head.safetensors")), load_file(str(part / "medusa_lm_head.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((part / "report.json").read_text())["top1"] == json.loads((full / "report.json").read_text())[
+        "top1"]
+
 def test_sigterm_takes_the_path_of_ctrl_c(tiny, tmp_path, monkeypatch, capsys):
     """SIGTERM (schedulers, `timeout`) ended training unannounced; it now stops it as Ctrl-C does: one line naming
     the checkpoint a --resume continues from, exit 143, and the caller's own SIGTERM handler back afterwards."""
@@ -631,6 +788,41 @@ def test_sigterm_takes_the_path_of_ctrl_c(tiny, tmp_path, monkeypatch, capsys):
     assert rc == 143 and err[-1] == ("specdec train-medusa: terminated (SIGTERM); the checkpoint of step 4 is intact "
                                      "(continue with --resume)")
 
+
+def test_an_interrupt_during_self_distillation_names_the_answers_kept(tiny, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during self-distillation said "it saved no checkpoint yet, so a rerun starts again", though its
+    finished batches of answers are kept and a rerun generates only the rest; the line now says so (and names the
+    checkpoint as before where one is left)."""
+    import importlib
+
+    from specdec.cli import main
+
+    generate_module = importlib.import_module("specdec.generate")
+    real, calls = generate_module.generate, []
+
+    def interrupted_at_the_third_batch(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(generate_module, "generate", interrupted_at_the_third_batch)
+    args = ["train-medusa", "--model", str(tiny / "model"), "--output-dir", str(tmp_path / "run"), "--num-heads",
+            "2", "--seq-len", "32", "--batch-size", "4", "--max-steps", "2", "--num-prompts", "8",
+            "--distill-max-new-tokens", "4", "--distill-batch-size", "2", "--no-eval-tau", "--no-progress"]
+    assert main(args) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "specdec train-medusa: interrupted; self-distillation kept its answers to 4 of 8 prompts, so a rerun "
+        "generates only the rest")
+    from specdec.train.cli import _what_is_left
+
+    err = KeyboardInterrupt()  # a resumed run distilling again (its cache deleted) leaves its checkpoint
+    err.distilled = (4, 8)
+    ckpt_io.save_checkpoint(tmp_path / "run", *_tiny_training_state(), 4, {}, "fp")
+    assert _what_is_left(tmp_path / "run", err) == ("self-distillation kept its answers to 4 of 8 prompts, so a rerun "
+                                                    "generates only the rest; the checkpoint of step 4 is intact "
+                                                    "(continue with --resume)")
 
 @pytest.mark.parametrize("verbose", [False, True])
 def test_training_logs_info_to_the_console_with_v_only(tiny, tmp_path, verbose):

@@ -1,38 +1,49 @@
-"""Ctrl-C and SIGTERM in a run of several processes, acted on after a step every process agrees on.
+"""Ctrl-C and SIGTERM in a run of several processes: every process stops at a collective all of them make.
 
 A signal reaches one process (``kill``), or each at another point (a terminal's Ctrl-C, a scheduler's SIGTERM,
-the launcher passing one on). Stopping where it lands would leave the other processes waiting in a collective, so
-none could save. Here each process records the signal instead; every step the processes add up what they
-recorded in a collective the step makes anyway, so all see it at the same step, finish that step, the main
-process saves it, and each stops as its own signal would have stopped it (one that got none takes its peers':
-SIGTERM if any got it, else SIGINT).
+the launcher passing one on). Stopping where it lands would leave the other processes waiting in a collective (or
+failing in it: "Connection closed by peer"). Here each process records the signal, and the collectives the
+processes make anyway carry what they recorded (summed), so all learn it at the same one and stop there, each as
+its own signal would have stopped it (one that got none takes its peers': SIGTERM if any got it, else SIGINT).
 
-    with InterruptsHeld() as held:
+    with InterruptsHeld() as held:                        # the training loop: held, acted on after a whole step
         while training:
             seen = accelerator.reduce(held.recorded())    # on every process, at the same point of each step
             ...                                           # the rest of the step
             if seen.any():
                 save(); held.stop(seen)
 
-A signal after the last such collective is handled when the block ends. Outside the main thread, where Python
-cannot set handlers, nothing is held.
+    with InterruptsHeld(hold=False) as agreed:            # the rest of a run: a signal acts at once, as in one process
+        try:
+            prepare(); agreed.meet(accelerator)           # in place of a barrier
+        except KeyboardInterrupt as err:
+            agreed.meet_after(accelerator, err)           # the others' next meeting: they stop there too
+
+A held signal after the last collective is handled when the block ends. Outside the main thread, where Python
+cannot set handlers, nothing is recorded.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 from typing import NoReturn
 
 import torch
 from specdec.train.deferred_interrupts import SIGNALS, handle_as_before
 
+logger = logging.getLogger(__name__)
+
 
 class InterruptsHeld:
-    """Records SIGINT and SIGTERM while the block runs; :meth:`stop` or the block's end handles them."""
+    """Records SIGINT and SIGTERM while the block runs. Held (the default), a signal is only recorded: :meth:`stop`
+    or the block's end handles it. With ``hold=False`` each is also handled as it comes, as without the block, except
+    during :meth:`meet`."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold: bool = True) -> None:
         self.caught: list[int] = []
         self.previous: dict = {}
+        self.hold = hold
 
     def __enter__(self) -> InterruptsHeld:
         # a handler set outside Python (getsignal gives None) could not be put back: that signal is left alone
@@ -43,6 +54,15 @@ class InterruptsHeld:
 
     def _record(self, signum, frame) -> None:
         self.caught.append(signum)
+        if not self.hold:
+            self._handle(signum)
+
+    def _handle(self, signum: int) -> None:
+        """What the handler in place before the block does with ``signum`` (the default action ends the process)."""
+        previous = self.previous.get(signum)
+        if previous == signal.SIG_DFL:  # sent again below: it must not reach _record
+            self._restore()
+        handle_as_before(signum, previous)
 
     def recorded(self, device=None) -> torch.Tensor:
         """Whether this process got each of SIGINT, SIGTERM (1.0 / 0.0): summed over the processes, what they got."""
@@ -54,17 +74,52 @@ class InterruptsHeld:
             signal.signal(s, handler)
         return previous
 
+    def meet(self, accelerator, last: bool = False) -> None:
+        """Every process, at the same point (a barrier that carries the signals): where any process recorded one,
+        every process stops here (:meth:`stop`). A signal during the collective is held; with ``hold=False`` it is
+        handled right after, and the others learn it at the next meeting (:meth:`meet_after`). After the ``last``
+        meeting signals are held: the block's end handles them."""
+        hold, self.hold, before = self.hold, True, len(self.caught)
+        try:
+            seen = accelerator.reduce(self.recorded(accelerator.device), reduction="sum")
+            if bool(seen.any()):
+                self.stop(seen)
+        finally:
+            self.hold = hold or last
+        if not self.hold:
+            for s in dict.fromkeys(self.caught[before:]):
+                self._handle(s)
+
+    def meet_after(self, accelerator, err: KeyboardInterrupt) -> None:
+        """This process was stopped by a signal it recorded (``err``) outside the loop, where the others go on to
+        their next :meth:`meet`: it makes that meeting with its signal, so they stop there too, and marks ``err``
+        ``processes_stopped_together``. Signals are only recorded from here on: this process is stopping."""
+        if not self.caught or getattr(err, "processes_stopped_together", False):
+            return  # not a signal this block recorded (the others' meeting could be another collective), or done
+        self.hold = True
+        try:
+            accelerator.reduce(self.recorded(accelerator.device), reduction="sum")
+        except RuntimeError as gone:  # the others had stopped already (gloo: "Connection closed by peer")
+            logger.warning("interrupted: the other processes had already stopped (%s)", str(gone).split("\n")[0])
+            return
+        err.processes_stopped_together = True
+
     def stop(self, seen: torch.Tensor) -> NoReturn:
         """Stop as this process's first signal would have, else as its peers' (``seen``: :meth:`recorded` summed over
-        the processes); KeyboardInterrupt where every handler ignores them (the peers stop all the same)."""
+        the processes); KeyboardInterrupt where every handler ignores them (the peers stop all the same). What it
+        raises is marked ``processes_stopped_together``."""
         previous = self._restore()
         peers = [s for s, n in reversed(list(zip(SIGNALS, seen.tolist()))) if n > 0]  # SIGTERM first
-        for s in dict.fromkeys(self.caught + peers):
-            handle_as_before(s, previous.get(s, signal.getsignal(s)))
-        raise KeyboardInterrupt
+        try:
+            for s in dict.fromkeys(self.caught + peers):
+                handle_as_before(s, previous.get(s, signal.getsignal(s)))
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as err:
+            err.processes_stopped_together = True
+            raise
 
     def __exit__(self, exc_type, exc, tb) -> None:
         previous = self._restore()
-        if exc_type is None:  # a signal after the last agreement: handled now
+        if exc_type is None and self.hold:  # a signal after the last agreement: handled now
             for s in dict.fromkeys(self.caught):
                 handle_as_before(s, previous.get(s))

@@ -180,7 +180,8 @@ def config_from_args(args):
 
 def _what_is_left(out: Path, interrupt: KeyboardInterrupt | None = None) -> str:
     """After Ctrl-C: the checkpoint a --resume continues from (saved by the interrupt, or earlier), or that there is
-    none; and the steps lost since, where the interrupt could not save them (train/interrupt_saves.py)."""
+    none; and the steps lost since, where the interrupt could not save them (train/interrupt_saves.py). Interrupted
+    while self-distilling: the answers it kept (train/distill.py)."""
     from specdec.train.checkpoint import find_checkpoint, read_state
 
     saved = getattr(interrupt, "saved_step", None)
@@ -189,6 +190,11 @@ def _what_is_left(out: Path, interrupt: KeyboardInterrupt | None = None) -> str:
     lost = getattr(interrupt, "unsaved_steps", 0)
     lost = f"; the {lost} step(s) after it are lost (not saved on this interrupt)" if lost else ""
     ckpt = find_checkpoint(out)
+    distilled = getattr(interrupt, "distilled", None)
+    if distilled is not None:  # before this run's training: what is kept is the answers
+        kept = f"self-distillation kept its answers to {distilled[0]} of {distilled[1]} prompts, so a rerun " \
+               "generates only the rest"
+        return kept if ckpt is None else f"{kept}; {_what_is_left(out)}"
     if ckpt is None:
         return f"it saved no checkpoint yet (see --save-every), so a rerun starts again{lost}"
     try:

@@ -107,21 +107,25 @@ def self_distill(loaded, prompts: list[str] | list[list[int]], *, max_new_tokens
 
         bar = tqdm(total=len(ids), initial=len(out), unit="prompt", desc="self-distill")
     new_tokens, t0 = 0, time.perf_counter()  # graph capture counted: it is part of what the recipe pays
-    for start in range(len(out), len(ids), batch_size):  # a sampled run's batches keep their starts: same seeds
-        chunk = ids[start : start + batch_size]
-        res = generate(loaded, chunk, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-                       seed=seed + start if do_sample else None, return_dict=True,
-                       cuda_graphs=graphed)
-        done = [list(p) + list(n) for p, n in zip(chunk, res.new_tokens)]
-        with open(partial, "a", encoding="utf-8") as f:  # kept before the next batch starts
-            f.write(json.dumps({"start": start, "sequences": done}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        out.extend(done)
-        new_tokens += sum(map(len, res.new_tokens))
-        if bar is not None:
-            bar.update(len(chunk))
-            bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+    try:
+        for start in range(len(out), len(ids), batch_size):  # a sampled run's batches keep their starts: same seeds
+            chunk = ids[start : start + batch_size]
+            res = generate(loaded, chunk, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                           temperature=temperature, seed=seed + start if do_sample else None, return_dict=True,
+                           cuda_graphs=graphed)
+            done = [list(p) + list(n) for p, n in zip(chunk, res.new_tokens)]
+            with open(partial, "a", encoding="utf-8") as f:  # kept before the next batch starts
+                f.write(json.dumps({"start": start, "sequences": done}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            out.extend(done)
+            new_tokens += sum(map(len, res.new_tokens))
+            if bar is not None:
+                bar.update(len(chunk))
+                bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+    except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM through the CLI: it names what is kept (train/cli.py)
+        err.distilled = (len(out), len(ids))
+        raise
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - t0

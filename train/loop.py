@@ -237,10 +237,13 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
     logged {step, loss, top1 per draft depth}. Saves checkpoints; resumes bit-exactly from ``resume_from``. An
     interrupt (Ctrl-C, SIGTERM) never lands inside an optimizer step; one process then saves the last completed
     step before the interrupt goes on (train/interrupt_saves.py). Several processes record it and all stop after
-    the step whose collective first carries it, once the main process has saved that step."""
+    the step whose collective first carries it, once the main process has saved that step; one that stopped before
+    the first step (train/agreed_interrupts.py's ``meet_after``) stops them all before it."""
     run, at = _start(cfg, recipe, model, train_seqs, accelerator, resume_from)
     held = InterruptsHeld() if accelerator.num_processes > 1 else contextlib.nullcontext()
     with held:  # its end handles a signal that came after the last step's collective: that step is saved
+        if accelerator.num_processes > 1:  # they meet before the first step: one stopped before it stops them all
+            held.meet(accelerator)
         try:
             while at.step < run.total:
                 stats = _local_gradient(run, at.step)  # this process's share of the step: its backward is done

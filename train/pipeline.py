@@ -9,15 +9,19 @@ with the chosen ``medusa_choices``), ``report.json``, ``report.md``, ``train.log
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from specdec.drafters.medusa_heads import save_medusa
+from specdec.train.agreed_interrupts import InterruptsHeld
 from specdec.train.config import SELF_PROMPTS, TrainConfig
 from specdec.train.data import TrainDataError, load_texts, split_held_out, tokenize_texts
 from specdec.train.medusa_recipe import train_heads
@@ -56,11 +60,11 @@ def read_inputs(cfg: TrainConfig, loaded) -> list:
     return prompts[: cfg.num_prompts]
 
 
-def _sequences(cfg: TrainConfig, loaded, accelerator,
-               inputs: list) -> tuple[list[list[int]], dict[tuple[int, ...], int]]:
+def _sequences(cfg: TrainConfig, loaded, accelerator, inputs: list,
+               meet: Callable[[], None]) -> tuple[list[list[int]], dict[tuple[int, ...], int]]:
     """Training sequences (``inputs``: :func:`read_inputs`), and for self-distilled ones the length of each one's
     prompt (keyed by the sequence): the accuracies that predict drafting speed are those on the responses, not on
-    the chat template."""
+    the chat template. ``meet``: where the processes wait for each other (:func:`_processes_together`)."""
     if cfg.data is not None:
         return inputs, {}
     from specdec.train.distill import self_distill
@@ -80,7 +84,7 @@ def _sequences(cfg: TrainConfig, loaded, accelerator,
                                                cuda_graphs=graphs)
             seqs = self_distill(loaded, prompts, max_new_tokens=cfg.distill_max_new_tokens,
                                 batch_size=cfg.distill_batch_size, progress=cfg.progress, cuda_graphs=graphs)
-        accelerator.wait_for_everyone()
+        meet()
     from specdec.train.distill import encode_prompt
 
     lengths = [len(encode_prompt(loaded.tokenizer, p)) for p in prompts]
@@ -107,12 +111,40 @@ def choose_draft_vocab(cfg: TrainConfig, train_seqs: list[list[int]], model) -> 
     return ids, info
 
 
-def _log_to_file(out: Path) -> logging.Handler:
+@contextlib.contextmanager
+def _logged_to_file(out: Path) -> Iterator[None]:
     handler = logging.FileHandler(out / "train.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger("specdec").addHandler(handler)
     logging.getLogger("specdec").setLevel(logging.INFO)
-    return handler
+    try:
+        yield
+    finally:
+        logging.getLogger("specdec").removeHandler(handler)
+        handler.close()
+
+
+@contextlib.contextmanager
+def _processes_together(accelerator) -> Iterator[Callable[[], None]]:
+    """Several processes, up to the end of training: yields ``meet``, the barrier where they wait for each other,
+    which also carries Ctrl-C and SIGTERM (train/agreed_interrupts.py). Outside the training loop a signal stops its
+    process where it lands, as in one process (self-distillation keeps its finished batches), and the others at
+    their next meeting. At the block's end they meet a last time and close the process group (left to exit, a rank
+    could abort in teardown); a signal during that meeting stops its process after it. The main process then
+    evaluates alone. One process: ``meet`` does nothing."""
+    if accelerator.num_processes == 1:
+        yield accelerator.wait_for_everyone
+        return
+    with InterruptsHeld(hold=False) as agreed:
+        try:
+            yield functools.partial(agreed.meet, accelerator)
+            agreed.meet(accelerator, last=True)  # a signal during it is handled at the end of the block
+        except KeyboardInterrupt as err:
+            agreed.meet_after(accelerator, err)
+            if getattr(err, "processes_stopped_together", False):  # only then does no process wait in the group
+                accelerator.end_training()
+            raise
+        accelerator.end_training()
 
 
 def check_inputs(cfg: TrainConfig) -> None:
@@ -123,10 +155,11 @@ def check_inputs(cfg: TrainConfig) -> None:
         raise TrainDataError(f"prompts file not found: {cfg.prompts_file}")
 
 
-def _load_and_prepare(cfg: TrainConfig, accelerator) -> tuple:
+def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None]) -> tuple:
     """What can fail without training, failed before the output directory is touched (--overwrite deletes it):
-    the inputs, the model and its context; then the output directory's rules. Returns (the loaded model, what
-    :func:`read_inputs` read, the checkpoint to resume from or None)."""
+    the inputs, the model and its context; then the output directory's rules (the main process; the others
+    ``meet`` it after). Returns (the loaded model, what :func:`read_inputs` read, the checkpoint to resume from or
+    None)."""
     from specdec.models.loader import load_model
 
     check_inputs(cfg)
@@ -140,7 +173,7 @@ def _load_and_prepare(cfg: TrainConfig, accelerator) -> tuple:
     resume_from = None
     if accelerator.is_main_process:
         resume_from = prepare_output_dir(cfg, model_fingerprint(loaded.model))
-    accelerator.wait_for_everyone()
+    meet()
     if not accelerator.is_main_process and cfg.resume:
         from specdec.train.checkpoint import find_checkpoint
 
@@ -211,43 +244,33 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
         raise RuntimeError(f"launched as {world} processes but accelerate set up {accelerator.num_processes}: on a "
                            "CPU-only machine use `accelerate launch --multi_gpu --num_processes N` or torchrun")
     t0 = time.perf_counter()
-    loaded, inputs, resume_from = _load_and_prepare(cfg, accelerator)
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    handler = _log_to_file(out) if accelerator.is_main_process else None
-    try:
-        model = loaded.model.to(accelerator.device)
-        model.requires_grad_(False)
-        if accelerator.is_main_process:
-            (out / RUN_FILE).write_text(json.dumps({"config": cfg.to_json(), "fingerprint": cfg.fingerprint()},
-                                                   indent=2))
-        seqs, prompt_lengths = _sequences(cfg, loaded, accelerator, inputs)
-        train_seqs, held_out = split_held_out(seqs, cfg.held_out_fraction)
-        logger.info("%d training / %d held-out sequences (%d / %d tokens)", len(train_seqs), len(held_out),
-                    sum(map(len, train_seqs)), sum(map(len, held_out)))
-        t_data = time.perf_counter()
-        heads, history, vocab_info = _train(cfg, loaded, model, train_seqs, accelerator, resume_from)
+    with contextlib.ExitStack() as log:  # train.log, from when the output directory is ready to the report
+        with _processes_together(accelerator) as meet:
+            loaded, inputs, resume_from = _load_and_prepare(cfg, accelerator, meet)
+            out = Path(cfg.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            if accelerator.is_main_process:
+                log.enter_context(_logged_to_file(out))
+            model = loaded.model.to(accelerator.device)
+            model.requires_grad_(False)
+            if accelerator.is_main_process:
+                (out / RUN_FILE).write_text(json.dumps({"config": cfg.to_json(), "fingerprint": cfg.fingerprint()},
+                                                       indent=2))
+            seqs, prompt_lengths = _sequences(cfg, loaded, accelerator, inputs, meet)
+            train_seqs, held_out = split_held_out(seqs, cfg.held_out_fraction)
+            logger.info("%d training / %d held-out sequences (%d / %d tokens)", len(train_seqs), len(held_out),
+                        sum(map(len, train_seqs)), sum(map(len, held_out)))
+            t_data = time.perf_counter()
+            heads, history, vocab_info = _train(cfg, loaded, model, train_seqs, accelerator, resume_from)
         times = {"start": t0, "data": t_data, "train": time.perf_counter()}
-        report: dict = {}
-        if accelerator.is_main_process and cfg.drafter == "eagle":
+        if not accelerator.is_main_process:
+            return {}
+        if cfg.drafter == "eagle":
             from specdec.train.eagle_report import finish_eagle
 
-            report = finish_eagle(cfg, loaded, heads, history, held_out, train_seqs, vocab_info, times, accelerator,
-                                  prompt_lengths)
-        elif accelerator.is_main_process:
-            report = _finish_medusa(cfg, loaded, model, heads, history, held_out, train_seqs, accelerator, times)
-        accelerator.wait_for_everyone()
-        if accelerator.num_processes > 1:  # close the process group here: left to exit, a rank could abort in teardown
-            accelerator.end_training()
-        return report
-    except KeyboardInterrupt as err:
-        if getattr(err, "processes_stopped_together", False):  # as above; only then does no process wait in the group
-            accelerator.end_training()
-        raise
-    finally:
-        if handler is not None:
-            logging.getLogger("specdec").removeHandler(handler)
-            handler.close()
+            return finish_eagle(cfg, loaded, heads, history, held_out, train_seqs, vocab_info, times, accelerator,
+                                prompt_lengths)
+        return _finish_medusa(cfg, loaded, model, heads, history, held_out, train_seqs, accelerator, times)
 
 
 def render_markdown(r: dict) -> str:
