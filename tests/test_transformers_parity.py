@@ -168,6 +168,43 @@ def test_transformers_refuses_token_type_ids_on_llama_and_specdec_ignores_them()
                                         max_new_tokens=2))
 
 
+def test_a_row_its_stop_string_ended_is_padded_also_where_transformers_without_eos_keeps_generating_it():
+    """Documented difference: transformers pads a row its stop string ended only when an EOS id is set (without
+    one it keeps generating that row while the others run); specdec pads it either way. With an EOS id (one that
+    never comes) the two agree tensor for tensor."""
+    model, tok = _shared_model(), _tok()
+    enc = _enc("left")
+    width = enc["input_ids"].shape[1]
+    kwargs = dict(max_new_tokens=12, stop_strings="?", tokenizer=tok)
+    assert model.generation_config.eos_token_id is None
+    want = hf(model, **enc, do_sample=False, **kwargs)
+    out = specdec.generate(model, **enc, **kwargs)
+    end = next(i for i in range(width, want.shape[1]) if tok.decode(want[1, i:i + 1]) == "?") + 1
+    assert end < want.shape[1] and "?" not in tok.decode(want[[0, 2], width:].flatten())  # only row 1 stops
+    assert torch.equal(out[:, :end], want[:, :end]) and torch.equal(out[[0, 2]], want[[0, 2]])
+    assert out[1, end:].eq(0).all() and not want[1, end:].eq(0).any()  # padded / generated on
+    never = next(t for t in range(1, len(tok)) if t not in want)
+    assert torch.equal(specdec.generate(model, **enc, eos_token_id=never, **kwargs),
+                       hf(model, **enc, do_sample=False, eos_token_id=never, **kwargs))
+
+
+def test_a_masked_position_inside_a_prompt_is_no_token_where_transformers_processors_read_it():
+    """Documented difference: a masked position that is no left padding (a 0 inside an attention_mask row, or the
+    pad id inside a tensor given without one) is dropped from the prompt, so every processor sees the prompt
+    alone; transformers' repetition_penalty reads it as a token (it skips left padding only). Without a processor
+    the two agree."""
+    model = build_tiny_model("llama-mha-untied", vocab_size=len(_tok()), seed=0)
+    ids, alone = torch.tensor([[64, 0, 41, 21]]), torch.tensor([[64, 41, 21]])
+    assert model.generation_config.pad_token_id == 0
+    kwargs = dict(max_new_tokens=6, repetition_penalty=0.8)
+    want = hf(model, alone, do_sample=False, **kwargs)[:, 3:]
+    for mask in (dict(attention_mask=torch.tensor([[1, 0, 1, 1]])), dict()):
+        assert torch.equal(specdec.generate(model, ids, **mask, **kwargs)[:, 4:], want), mask
+        assert not torch.equal(hf(model, ids, **mask, do_sample=False, **kwargs)[:, 4:], want), mask
+        assert torch.equal(specdec.generate(model, ids, **mask, max_new_tokens=6),
+                           hf(model, ids, **mask, do_sample=False, max_new_tokens=6)), mask
+
+
 def test_bad_encodings_are_one_line_errors_before_the_model_loads():
     enc = _enc("left")
     cases = [
