@@ -17,6 +17,7 @@ import transformers
 import specdec
 from specdec.errors import InputError, SpecdecError
 from specdec.generate import prepare
+from specdec.sampling import InvalidLogitsError
 from specdec.testing import build_tiny_model, build_tiny_tokenizer
 
 TEXTS = ["hello world", "ab", "the quick brown fox"]
@@ -531,3 +532,18 @@ def test_max_length_counts_the_padded_input_and_max_new_tokens_wins():
         hf(model, **enc, max_length=width)
     with pytest.raises(InputError, match=rf"max_length={width} \(from keyword argument\) leaves no room"):
         specdec.generate(model, **enc, max_length=width)
+
+
+def test_processors_that_leave_no_token_stop_with_an_error_where_transformers_greedy_emits_token_0():
+    """Documented difference: no_repeat_ngram_size=1 over an 8-token vocabulary bans every token by the 7th new
+    one; transformers' greedy search then emits token 0 (the argmax of all -inf), specdec stops with a one-line
+    InvalidLogitsError. The tokens before agree."""
+    model = build_tiny_model(vocab_size=8, seed=0)
+    ids = torch.tensor([[1, 2]])
+    want = hf(model, ids, max_new_tokens=9, do_sample=False, no_repeat_ngram_size=1)
+    assert want[0, -3:].tolist() == [0, 0, 0]  # 0 repeated: no_repeat_ngram_size broken
+    with pytest.raises(InvalidLogitsError, match=r"sequence 0, step \d+, new token 7: the target's logits leave no "
+                                                 r"token") as info:
+        specdec.generate(model, ids, max_new_tokens=9, no_repeat_ngram_size=1)
+    assert "\n" not in str(info.value)
+    assert torch.equal(specdec.generate(model, ids, max_new_tokens=6, no_repeat_ngram_size=1), want[:, :8])
