@@ -140,6 +140,18 @@ def test_ragged_lists_take_a_ragged_mask():
     assert out == [[5, 6, 7, 0] + want[0], [8, 9] + want[1]]
 
 
+def test_a_numpy_array_is_read_as_lists_are():
+    """docs/getting-started.md: a numpy array (transformers' generate() takes none) gives lists, and without a mask
+    its pad ids are tokens; a tensor's are padding, as transformers infers them."""
+    ids = np.array([[0, 0, 3, 4], [7, 8, 9, 10]])  # the pad id 0 (the model's) left-pads row 0
+    assert _model().generation_config.pad_token_id == 0
+    lists = _gen(ids.tolist())
+    assert _gen(ids) == lists and isinstance(lists, list)
+    unpadded = _gen(torch.tensor(ids)).tolist()
+    assert unpadded == _gen(torch.tensor(ids), attention_mask=torch.tensor(ids != 0)).tolist()
+    assert unpadded[0] != lists[0]  # the pads change row 0: read as tokens or not, the two are told apart
+
+
 # ---- scalar arguments ------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(max_new_tokens=4.0), InputTypeError, r"max_new_tokens must be an int, got float 4.0"),

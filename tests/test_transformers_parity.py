@@ -17,6 +17,7 @@ import transformers
 import specdec
 from specdec.errors import InputError, SpecdecError
 from specdec.generate import prepare
+from specdec.sampling import InvalidLogitsError
 from specdec.testing import build_tiny_model, build_tiny_tokenizer
 
 TEXTS = ["hello world", "ab", "the quick brown fox"]
@@ -166,6 +167,43 @@ def test_transformers_refuses_token_type_ids_on_llama_and_specdec_ignores_them()
     assert torch.equal(specdec.generate(model, **enc, max_new_tokens=2),
                        specdec.generate(model, enc["input_ids"], attention_mask=enc["attention_mask"],
                                         max_new_tokens=2))
+
+
+def test_a_row_its_stop_string_ended_is_padded_also_where_transformers_without_eos_keeps_generating_it():
+    """Documented difference: transformers pads a row its stop string ended only when an EOS id is set (without
+    one it keeps generating that row while the others run); specdec pads it either way. With an EOS id (one that
+    never comes) the two agree tensor for tensor."""
+    model, tok = _shared_model(), _tok()
+    enc = _enc("left")
+    width = enc["input_ids"].shape[1]
+    kwargs = dict(max_new_tokens=12, stop_strings="?", tokenizer=tok)
+    assert model.generation_config.eos_token_id is None
+    want = hf(model, **enc, do_sample=False, **kwargs)
+    out = specdec.generate(model, **enc, **kwargs)
+    end = next(i for i in range(width, want.shape[1]) if tok.decode(want[1, i:i + 1]) == "?") + 1
+    assert end < want.shape[1] and "?" not in tok.decode(want[[0, 2], width:].flatten())  # only row 1 stops
+    assert torch.equal(out[:, :end], want[:, :end]) and torch.equal(out[[0, 2]], want[[0, 2]])
+    assert out[1, end:].eq(0).all() and not want[1, end:].eq(0).any()  # padded / generated on
+    never = next(t for t in range(1, len(tok)) if t not in want)
+    assert torch.equal(specdec.generate(model, **enc, eos_token_id=never, **kwargs),
+                       hf(model, **enc, do_sample=False, eos_token_id=never, **kwargs))
+
+
+def test_a_masked_position_inside_a_prompt_is_no_token_where_transformers_processors_read_it():
+    """Documented difference: a masked position that is no left padding (a 0 inside an attention_mask row, or the
+    pad id inside a tensor given without one) is dropped from the prompt, so every processor sees the prompt
+    alone; transformers' repetition_penalty reads it as a token (it skips left padding only). Without a processor
+    the two agree."""
+    model = build_tiny_model("llama-mha-untied", vocab_size=len(_tok()), seed=0)
+    ids, alone = torch.tensor([[64, 0, 41, 21]]), torch.tensor([[64, 41, 21]])
+    assert model.generation_config.pad_token_id == 0
+    kwargs = dict(max_new_tokens=6, repetition_penalty=0.8)
+    want = hf(model, alone, do_sample=False, **kwargs)[:, 3:]
+    for mask in (dict(attention_mask=torch.tensor([[1, 0, 1, 1]])), dict()):
+        assert torch.equal(specdec.generate(model, ids, **mask, **kwargs)[:, 4:], want), mask
+        assert not torch.equal(hf(model, ids, **mask, do_sample=False, **kwargs)[:, 4:], want), mask
+        assert torch.equal(specdec.generate(model, ids, **mask, max_new_tokens=6),
+                           hf(model, ids, **mask, do_sample=False, max_new_tokens=6)), mask
 
 
 def test_bad_encodings_are_one_line_errors_before_the_model_loads():
@@ -494,3 +532,18 @@ def test_max_length_counts_the_padded_input_and_max_new_tokens_wins():
         hf(model, **enc, max_length=width)
     with pytest.raises(InputError, match=rf"max_length={width} \(from keyword argument\) leaves no room"):
         specdec.generate(model, **enc, max_length=width)
+
+
+def test_processors_that_leave_no_token_stop_with_an_error_where_transformers_greedy_emits_token_0():
+    """Documented difference: no_repeat_ngram_size=1 over an 8-token vocabulary bans every token by the 7th new
+    one; transformers' greedy search then emits token 0 (the argmax of all -inf), specdec stops with a one-line
+    InvalidLogitsError. The tokens before agree."""
+    model = build_tiny_model(vocab_size=8, seed=0)
+    ids = torch.tensor([[1, 2]])
+    want = hf(model, ids, max_new_tokens=9, do_sample=False, no_repeat_ngram_size=1)
+    assert want[0, -3:].tolist() == [0, 0, 0]  # 0 repeated: no_repeat_ngram_size broken
+    with pytest.raises(InvalidLogitsError, match=r"sequence 0, step \d+, new token 7: the target's logits leave no "
+                                                 r"token") as info:
+        specdec.generate(model, ids, max_new_tokens=9, no_repeat_ngram_size=1)
+    assert "\n" not in str(info.value)
+    assert torch.equal(specdec.generate(model, ids, max_new_tokens=6, no_repeat_ngram_size=1), want[:, :8])
