@@ -482,14 +482,15 @@ class Engine:
 
     def verify(self, batch: ForwardBatch, token_ids: torch.Tensor | None = None) -> ForwardOutput:
         """ONE target forward over every root and tree node of every live sequence. ``token_ids`` [T] on the device
-        stand for the batch's tokens (a queued plain step's roots, specdec.decode_ahead)."""
+        stand for the batch's tokens (a queued plain step's roots, specdec.decode_ahead; an id past the vocabulary,
+        a row with no law, runs as the last id)."""
         self.forward_passes += 1
         nodes = batch.nodes if isinstance(batch, VerifyBatch) else None
         if self.graphed is not None:
             out = self.graphed(batch, token_ids, nodes=nodes, feature_layers=self.feature_layers)
             if out is not None:  # else no bucket fits this step (never with pending trees: Engine._verifiable)
                 return out
-        token_ids = batch.token_ids if token_ids is None else token_ids
+        token_ids = batch.token_ids if token_ids is None else token_ids.clamp(max=self.runner.shape.vocab_size - 1)
         all_rows = torch.arange(token_ids.numel(), device=token_ids.device)
         return self.runner.forward(token_ids, batch.positions, batch.plan, self.cache, all_rows,
                                    feature_layers=self.feature_layers)
