@@ -450,7 +450,7 @@ class Engine:
         # every tree's [1 + num_nodes] ancestor bits (the root's row sees no node) from one host tensor
         flat = ([0] * sum(1 + n for n in sizes if n) if pending is not None else
                 [b for t in drafts if t.num_nodes for b in (0, *t.ancestor_bit_list)])
-        bits = iter(torch.tensor(flat, dtype=torch.long).split([1 + n for n in sizes if n]) if flat else ())
+        bits = iter(torch.tensor(flat, dtype=torch.long).split_with_sizes([1 + n for n in sizes if n]) if flat else ())
         for b, (s, n) in enumerate(zip(live, sizes)):
             cached, root_position = self.cache.committed_length(s.seq_id), len(s.token_ids) - 1
             if cached != root_position:  # the invariant between steps (module docstring)

@@ -165,7 +165,7 @@ class PagedKVCache:
         if grown:  # the new blocks' slots of every sequence in one copy
             size = self.block_size
             slots = to_device([b * size + o for blocks in grown.values() for b in blocks for o in range(size)],
-                              torch.long, self.kv.device).split([len(blocks) * size for blocks in grown.values()])
+                              torch.long, self.kv.device).split_with_sizes([len(b) * size for b in grown.values()])
             del self._free[len(self._free) - total:]  # only now: an interrupted copy loses no block
             for (s, blocks), new in zip(grown.items(), slots):
                 self.block_tables[s].extend(blocks)
