@@ -1,6 +1,7 @@
 """Host-side work of the engine per sequence and step: what a step costs beyond the target's forward.
 
     python benchmarks/bench_host_overhead.py [--sequences 3000] [--tokens 3] [--repeats 3] [--prompt-tokens 8]
+    python benchmarks/bench_host_overhead.py --batch1 [--tokens 400] [--repeats 3]
 
 A tiny model (vocabulary 4, two layers, one thread) whose forward is almost free, a batch of many short
 sampled sequences (the shape of the sampling-law tests), and each step split into the engine's phases:
@@ -9,19 +10,31 @@ seconds per phase, the microseconds per sequence-step, and the share of the step
 plain decoding, the n-gram drafter and random trees (``specdec.testing.RandomTreeDrafter``). On a real model
 the forward dominates; these are the per-sequence costs that sit before every step of a large batch, on a GPU
 as on a CPU. Best of ``--repeats`` runs per row (a noisy machine only ever adds time).
+
+``--batch1``: one sequence, where a small model on a GPU waits for the host (docs/gpu-speed.md). The host's
+microseconds per step outside the target's forward, in thread CPU time (a busy machine's waits are not counted),
+and the aten ops a step launches there (``specdec.launches``), for plain decoding (greedy and sampled) and n-gram
+(``speculation="always"``), on the eager path and on the GPU's (CUDA-graph buckets, uncaptured, the Triton
+backend in its interpreter: plain steps queued ahead). The forward is a near-free stand-in (its time and
+launches left out, as are Triton kernels the interpreter runs outside it): the next token a fixed function of
+the token and its position, a repetitive text the n-gram drafter predicts in part.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import os
 import time
 
-import torch
-from specdec.eval.negative_controls import generate_with_control
+os.environ.setdefault("TRITON_INTERPRET", "1")  # --batch1's graphed path, before triton is imported
 
-from specdec.engine import Engine
-from specdec.rejection import EXACT
-from specdec.testing import RandomTreeDrafter, build_tiny_model
+import torch  # noqa: E402
+from specdec.eval.negative_controls import generate_with_control  # noqa: E402
+
+from specdec.engine import Engine  # noqa: E402
+from specdec.rejection import EXACT  # noqa: E402
+from specdec.testing import RandomTreeDrafter, build_tiny_model  # noqa: E402
 
 PHASES = ("add", "propose", "verify_batch", "verify", "accept", "commit")
 
@@ -42,15 +55,103 @@ def timed_engine(seconds: dict[str, float]) -> None:
         setattr(Engine, name, wrapper)
 
 
+def batch1(tokens: int, repeats: int) -> None:
+    """The ``--batch1`` rows (module doc)."""
+    from specdec import cost_model, engine_setup
+    from specdec.generate import generate
+    from specdec.launches import Launches
+    from specdec.models import row_policy
+    from specdec.models.llama import ForwardOutput, LlamaRunner
+    from specdec.models.loader import load_model
+
+    os.environ["SPECDEC_ATTENTION"] = "triton"  # the graphed path's caches (the eager runner keeps its reference)
+    row_policy.uninstall()  # products as a GPU runs them (count_launches.py): the CPU's row policy off
+    engine_setup.ensure_row_policy = cost_model.ensure_row_policy = lambda *args, **kwargs: None
+    vocab = 96
+    model = load_model(build_tiny_model(vocab_size=vocab, max_position_embeddings=tokens + 64), device="cpu")
+    cycle = torch.tensor([t // 8 * 8 + (t + 1) % 8 for t in range(vocab)])  # cycles of 8 tokens, left every 29th
+
+    @torch.inference_mode()
+    def stand_in(runner, token_ids, positions, plan, cache, logits_rows, with_logits=True, feature_layers=()):
+        nxt = torch.where(positions % 29 == 0, (token_ids * 5 + positions) % vocab, cycle[token_ids])
+        hidden = runner.lm_head[nxt] * 4.0
+        hidden = hidden if logits_rows is None else hidden[logits_rows]
+        return ForwardOutput(runner.logits(hidden) if with_logits else None, hidden, None)
+
+    import triton.runtime.interpreter as interpreter
+    clock, inside, spent = [0.0, 0.0, 0], [0], [None]  # step s, excluded s, steps; inside the forward; counter
+
+    def excluded(run):  # the stand-in forward, or a Triton kernel the interpreter runs: left out of the host time
+        def wrapper(*args, **kwargs):
+            if inside[0]:
+                return run(*args, **kwargs)
+            inside[0] += 1
+            if spent[0] is not None:
+                spent[0].inside += 1
+            t0 = time.thread_time()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                clock[1] += time.thread_time() - t0
+                inside[0] -= 1
+                if spent[0] is not None:
+                    spent[0].inside -= 1
+        return wrapper
+
+    def step(self, _step=Engine.step):
+        t0 = time.thread_time()
+        try:
+            if spent[0] is None:
+                return _step(self)
+            with spent[0]:
+                return _step(self)
+        finally:
+            clock[0] += time.thread_time() - t0
+            clock[2] += 1
+
+    LlamaRunner.forward, Engine.step = excluded(stand_in), step
+    interpreter.InterpretedFunction.run = excluded(interpreter.InterpretedFunction.run)
+    paths = {path: LlamaRunner(model.model, backend=backend) for path, backend in (("eager", "reference"),
+                                                                                  ("graphed", "triton"))}
+    rows = {"plain": {}, "sampled": dict(do_sample=True, seed=1, temperature=0.9),
+            "ngram": dict(drafter="ngram", speculation="always")}
+    prompt = [[5, 6, 7, 8, 9, 10, 11, 12] * 2]
+    print(f"batch 1, {tokens} new tokens after a {len(prompt[0])}-token prompt, tiny model, stand-in forward, "
+          f"1 thread, best of {repeats}")
+    print(f"{'path':<9}{'decoding':<10}{'steps':>6}{'host us/step':>14}{'ops/step':>10}   ops outside the forward")
+    for path, runner in paths.items():
+        loaded = dataclasses.replace(model, runner=runner)
+        for name, kwargs in rows.items():
+            call = functools.partial(generate, loaded, prompt, max_new_tokens=tokens, cuda_graphs=path == "graphed",
+                                     **kwargs)
+            call()  # warm-up: the policy's costs, Triton's compiles
+            best = None
+            for _ in range(repeats):
+                clock[:] = [0.0, 0.0, 0]
+                call()
+                per = (clock[0] - clock[1]) / clock[2] * 1e6
+                best = per if best is None else min(best, per)
+            spent[0], clock[2] = Launches(), 0
+            call()
+            ops, steps, spent[0] = spent[0].ops, clock[2], None
+            print(f"{path:<9}{name:<10}{steps:6d}{best:14.1f}{sum(ops.values()) / steps:10.2f}   "
+                  + ", ".join(f"{k} {v / steps:.2f}" for k, v in sorted(ops.items())))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sequences", type=int, default=3000)
-    ap.add_argument("--tokens", type=int, default=3, help="new tokens per sequence (sampled, temperature 0.9)")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="new tokens per sequence (sampled, temperature 0.9; default 3, with --batch1 400)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=8,
                     help="prompt length: per-step work that grows with the context shows at a few hundred")
+    ap.add_argument("--batch1", action="store_true", help="one sequence: host us per step outside the forward")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.batch1:
+        return batch1(args.tokens or 400, args.repeats)
+    args.tokens = args.tokens or 3
     seconds = dict.fromkeys(PHASES, 0.0)
     timed_engine(seconds)
     model = build_tiny_model(vocab_size=4, seed=3)

@@ -204,11 +204,17 @@ class NGramDrafter(Drafter):
         children: list[dict[int, int]] = [{}]
         node_match: list[int] = []  # match length of the branch that added each node
         branches = 0
+        # an end position met again under a shorter key: its continuation is in the trie already, as deep (a
+        # shorter match never drafts deeper), and would add no node
+        inserted: set[int] = set()
         for n in range(min(cfg.max_ngram, length - 1), cfg.min_ngram - 1, -1):
             occurrences = idx.tables[n].get(tuple(tail[len(tail) - n :]))
             if not occurrences:
                 continue
             for e in reversed(occurrences[-cfg.max_occurrences :]):  # most recent first
+                if e in inserted:
+                    continue
+                inserted.add(e)
                 self.occurrences_scanned += 1
                 depth = cfg.num_draft_tokens
                 if cfg.long_draft_tokens and n >= cfg.long_match_ngram:

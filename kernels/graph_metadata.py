@@ -67,6 +67,7 @@ class StaticInputs:
         else:  # the host's memory is the device's: written in place
             self.staging, self.copied = [self.buffer], [None]
         self.turn = 0
+        self._host_parts: dict[tuple[int, int, int], tuple] = {}  # (turn, batch, rows) -> the staging buffer's parts
 
     def _words(self, batch: int, rows: int) -> int:
         return 3 * rows + (rows + len(FIELDS) * batch + batch * self.max_blocks + 1) // 2
@@ -110,7 +111,10 @@ class StaticInputs:
         event = self.copied[self.turn]
         if event is not None:
             event.synchronize()  # this buffer's last copy has long run (a step reads the device before the next)
-        tokens, positions, bits, slots, meta, tables = self._split(host.numpy(), bucket.batch, bucket.rows, np.int32)
+        key = (self.turn, bucket.batch, bucket.rows)
+        if key not in self._host_parts:  # numpy views of the staging buffer, made once per bucket (they never move)
+            self._host_parts[key] = self._split(host.numpy(), bucket.batch, bucket.rows, np.int32)
+        tokens, positions, bits, slots, meta, tables = self._host_parts[key]
         tokens[:n], tokens[n:] = batch.tokens, 0
         positions[:n], positions[n:] = batch.position_list, 0
         slots[n:] = self.scratch_slot

@@ -204,12 +204,16 @@ class ForwardBatch:
     device: torch.device
 
     @cached_property
+    def _ids(self) -> torch.Tensor:  # [2, T] int64 on the device: tokens and positions, moved by one copy
+        return to_device([self.tokens, self.position_list], torch.long, self.device)
+
+    @cached_property
     def token_ids(self) -> torch.Tensor:  # [T] int64 on the device
-        return to_device(self.tokens, torch.long, self.device)
+        return self._ids[0]
 
     @cached_property
     def positions(self) -> torch.Tensor:  # [T] int64 on the device
-        return to_device(self.position_list, torch.long, self.device)
+        return self._ids[1]
 
 
 @dataclass

@@ -219,8 +219,9 @@ class GraphedForward:
         """Logits and hidden states of the real rows of a verify step (``batch``: a ForwardBatch built over this
         object's cache; [num_tokens, ...]), or None when the step fits no bucket (the caller then runs the eager
         forward). ``token_ids`` [num_tokens] on the device stand for the batch's tokens (a drafter's choices that
-        the host has not read); ``nodes`` (specdec.pending_trees.NodeRows) for some rows' tokens, positions and
-        ancestor bits (trees the host has not read): such a step, checked by :meth:`fits`, always runs here.
+        the host has not read; an id past the vocabulary, a row with no law, runs as the last id); ``nodes``
+        (specdec.pending_trees.NodeRows) for some rows' tokens, positions and ancestor bits (trees the host has not
+        read): such a step, checked by :meth:`fits`, always runs here.
         ``feature_layers``: those layers' input streams come back too (``ForwardOutput.features``, an EAGLE-3
         head's), from buckets of their own."""
         self._check_live()
@@ -237,8 +238,8 @@ class GraphedForward:
         bucket = self.buckets.get(key) or self._new_bucket(key)
         n = len(batch.tokens)
         self.inputs.load_(bucket.inputs, batch)
-        if token_ids is not None:
-            bucket.inputs.token_ids[:n].copy_(token_ids)
+        if token_ids is not None:  # copied and clamped in one launch
+            torch.clamp(token_ids, max=self.runner.shape.vocab_size - 1, out=bucket.inputs.token_ids[:n])
         if nodes is not None:  # after the load's copy, on the same stream
             bucket.inputs.token_ids.index_copy_(0, nodes.rows, nodes.tokens)
             bucket.inputs.positions.index_copy_(0, nodes.rows, nodes.positions)

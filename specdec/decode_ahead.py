@@ -34,9 +34,8 @@ from specdec.attention import BatchBuilder
 from specdec.cuda_graphs import captures
 from specdec.host_copy import to_device, to_host_later
 from specdec.kv_cache import CacheFullError
-from specdec.rejection import follow_choices, plain_choices
+from specdec.rejection import plain_acceptances, plain_choices
 from specdec.speculation_policy import StepRecord
-from specdec.tree import DraftTree
 
 if TYPE_CHECKING:
     from specdec.engine import Engine, SequenceState
@@ -68,7 +67,7 @@ class DecodeAhead:
         live = [step.seqs[b] for b in rows]
         self.queued = self.launch(live, step, rows) if self._may_queue(live) else None
         choices = step.read().tolist()
-        acceptances = follow_choices([DraftTree.empty()] * len(live), [[choices[b]] for b in rows])
+        acceptances = plain_acceptances([choices[b] for b in rows])
         e.check_chosen(live, acceptances, step.vocab)
         emitted = e.commit(live, acceptances)
         for s in live:
@@ -104,10 +103,9 @@ class DecodeAhead:
             root = len(s.token_ids) - 1 + ahead
             builder.add(s.seq_id, [0 if ahead else s.token_ids[-1]], [root], root + 1, root)
         roots = None
-        if after is not None:  # on the device, never read: the last id stands for "no valid logit"
-            picked = after.choices if len(rows) == len(after.seqs) else after.choices[to_device(rows, torch.long,
+        if after is not None:  # on the device, never read (the verify runs the id "no valid logit" as the last id)
+            roots = after.choices if len(rows) == len(after.seqs) else after.choices[to_device(rows, torch.long,
                                                                                               e.runner.device)]
-            roots = picked.clamp(max=e.runner.shape.vocab_size - 1)
         out = e.verify(builder.build(), roots)
         choices = plain_choices(out.logits, e.sampling, e.generator)  # [B, V]: one row per sequence
         return QueuedStep(seqs, choices, to_host_later(choices), out.logits.shape[-1])

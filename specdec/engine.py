@@ -450,7 +450,7 @@ class Engine:
         # every tree's [1 + num_nodes] ancestor bits (the root's row sees no node) from one host tensor
         flat = ([0] * sum(1 + n for n in sizes if n) if pending is not None else
                 [b for t in drafts if t.num_nodes for b in (0, *t.ancestor_bit_list)])
-        bits = iter(torch.tensor(flat, dtype=torch.long).split([1 + n for n in sizes if n]) if flat else ())
+        bits = iter(torch.tensor(flat, dtype=torch.long).split_with_sizes([1 + n for n in sizes if n]) if flat else ())
         for b, (s, n) in enumerate(zip(live, sizes)):
             cached, root_position = self.cache.committed_length(s.seq_id), len(s.token_ids) - 1
             if cached != root_position:  # the invariant between steps (module docstring)
@@ -482,14 +482,15 @@ class Engine:
 
     def verify(self, batch: ForwardBatch, token_ids: torch.Tensor | None = None) -> ForwardOutput:
         """ONE target forward over every root and tree node of every live sequence. ``token_ids`` [T] on the device
-        stand for the batch's tokens (a queued plain step's roots, specdec.decode_ahead)."""
+        stand for the batch's tokens (a queued plain step's roots, specdec.decode_ahead; an id past the vocabulary,
+        a row with no law, runs as the last id)."""
         self.forward_passes += 1
         nodes = batch.nodes if isinstance(batch, VerifyBatch) else None
         if self.graphed is not None:
             out = self.graphed(batch, token_ids, nodes=nodes, feature_layers=self.feature_layers)
             if out is not None:  # else no bucket fits this step (never with pending trees: Engine._verifiable)
                 return out
-        token_ids = batch.token_ids if token_ids is None else token_ids
+        token_ids = batch.token_ids if token_ids is None else token_ids.clamp(max=self.runner.shape.vocab_size - 1)
         all_rows = torch.arange(token_ids.numel(), device=token_ids.device)
         return self.runner.forward(token_ids, batch.positions, batch.plan, self.cache, all_rows,
                                    feature_layers=self.feature_layers)

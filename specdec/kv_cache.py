@@ -165,7 +165,7 @@ class PagedKVCache:
         if grown:  # the new blocks' slots of every sequence in one copy
             size = self.block_size
             slots = to_device([b * size + o for blocks in grown.values() for b in blocks for o in range(size)],
-                              torch.long, self.kv.device).split([len(blocks) * size for blocks in grown.values()])
+                              torch.long, self.kv.device).split_with_sizes([len(b) * size for b in grown.values()])
             del self._free[len(self._free) - total:]  # only now: an interrupted copy loses no block
             for (s, blocks), new in zip(grown.items(), slots):
                 self.block_tables[s].extend(blocks)
@@ -290,8 +290,8 @@ class PagedKVCache:
                 dst += self.host_slots(seq_id, range(length + first, length + len(offsets)))
             self.lengths[seq_id] = self.reserved[seq_id] = length + len(offsets)
             self._release_blocks(seq_id, self._blocks_for(self.lengths[seq_id]) + 1)  # keeps the spare (module doc)
-        if src:
-            src_t, dst_t = to_device([src, dst], torch.long, self.kv.device)
+        if src:  # the kernel's slots are int32: made so on the host, not by two conversions on the device
+            src_t, dst_t = to_device([src, dst], torch.int32 if self.backend.triton else torch.long, self.kv.device)
             if self.backend.triton:  # one launch; pairs in order, reads never follow a write of their slot
                 self.backend.kv.compact_kv(self.kv, src_t, dst_t)
             else:

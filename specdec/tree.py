@@ -50,12 +50,14 @@ def _id_vector(value, what: str) -> torch.Tensor:
 
     Float, bool and complex ids are refused, not truncated: a drafter that hands over 3.7 has a bug."""
     if isinstance(value, (list, tuple)):
-        for i, x in enumerate(value):
-            if not is_int(x):
-                raise DraftError(f"{what} must be integer ids, got {_describe(x)} at node {i} "
-                                 "(float and bool ids are refused, not truncated)")
+        if not all(type(x) is int for x in value):  # the common case at once; else each id checked and converted
+            for i, x in enumerate(value):
+                if not is_int(x):
+                    raise DraftError(f"{what} must be integer ids, got {_describe(x)} at node {i} "
+                                     "(float and bool ids are refused, not truncated)")
+            value = [int(x) for x in value]
         try:
-            return torch.tensor([int(x) for x in value], dtype=torch.long)
+            return torch.tensor(value, dtype=torch.long)
         except (RuntimeError, OverflowError, ValueError) as err:  # an int beyond int64
             raise DraftError(f"{what}: id out of the int64 range ({str(err).splitlines()[0]})") from None
     try:

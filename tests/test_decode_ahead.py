@@ -159,10 +159,11 @@ def test_a_pool_that_fills_behind_a_queued_step_reads_it_first(loaded):
     assert got == want and engine.cache.queued_room == 0
 
 
-def test_invalid_logits_raise_the_error_not_an_index_error(loaded, monkeypatch):
+@pytest.mark.parametrize("batch", [2, 5], ids=["bucket", "eager"])  # buckets hold 4 sequences
+def test_invalid_logits_raise_the_error_not_an_index_error(loaded, monkeypatch, batch):
     """A step whose logits are all NaN chose the id outside the vocabulary; the step queued behind it embeds a valid
-    id (an embedding lookup of the vocabulary size would fail on the device), and the read raises
-    InvalidLogitsError naming the step."""
+    id (an embedding lookup of the vocabulary size would fail on the device), through a bucket or the eager forward,
+    and the read raises InvalidLogitsError naming the step."""
     runner = loaded.runner
     calls = []
     logits = LlamaRunner.logits
@@ -174,7 +175,7 @@ def test_invalid_logits_raise_the_error_not_an_index_error(loaded, monkeypatch):
 
     monkeypatch.setattr(LlamaRunner, "logits", poisoned)
     with pytest.raises(InvalidLogitsError, match="step 3"):
-        run(runner, ragged_prompts(2, VOCAB, seed=7, max_len=8), StopCriteria(8), queue_ahead=True)
+        run(runner, ragged_prompts(batch, VOCAB, seed=7, max_len=8), StopCriteria(8), queue_ahead=True)
     assert len(calls) == 4  # the poisoned step's successor ran (queued), and was thrown away
 
 

@@ -1,4 +1,5 @@
-"""What the GPU path launches, held to its budget: a decode layer's kernels and an EAGLE growth level's.
+"""What the GPU path launches, held to its budget: a decode layer's kernels, a graphed plain step's outside its replay,
+a commit's, and an EAGLE growth level's.
 
 On a GPU each launch costs a kernel's start, inside a CUDA graph too, so at batch 1 the counts below are a large
 part of a step's time (docs/gpu-speed.md). They are counted on the CPU through the Triton interpreter by
@@ -62,6 +63,34 @@ def test_a_packed_decode_layer_launches_ten_kernels_with_split_attention(countin
         "triton:_merge_kernel": 1,  # the split parts, merged
         "triton:_silu_mul_kernel": 1,
     }, dict(per_layer)
+
+
+def test_a_graphed_plain_step_launches_six_kernels_outside_its_replay(counting):
+    count, loaded = counting
+    counter, steps = count.step_launches(loaded, 1)
+    outside = collections.Counter(counter.ops)
+    outside.pop("cat", None)  # a sequence's slot row grows by a block every 16 positions
+    # the LM head, the greedy choice (its no-law check: gt, where), the choices' copy to the host (a clone on the
+    # CPU), and the queued step's token input: copied from the choices on the device and clamped into the vocabulary
+    # in one launch (every step but the first, whose roots are the host's)
+    assert outside == {"linear": steps, "max": steps, "gt": steps, "where": steps, "clone": steps,
+                       "clamp": steps - 1}, (steps, dict(outside))
+
+
+def test_a_commit_that_moves_kv_launches_one_kernel():
+    """The accepted path's K/V moved into place for all layers: the compaction kernel alone, its slot lists made as
+    it reads them (int32) on the host, not converted on the device (two launches a speculative step)."""
+    import torch
+
+    from specdec.kv_cache import PagedKVCache
+    from specdec.launches import Launches
+
+    cache = PagedKVCache(2, 2, 16, 4, 16, torch.float32, "cpu", "triton")
+    cache.add(0)
+    cache.reserve(0, 8)
+    with Launches() as counter:
+        cache.commit({0: [0, 2, 5]})  # the root in place; offsets 2 and 5 move to 1 and 2
+    assert dict(counter.ops) == {"triton:_compact_kernel": 1}
 
 
 def test_an_eagle_growth_level_stays_within_twenty_launches(counting):

@@ -227,6 +227,17 @@ def test_per_step_work_is_independent_of_history_length():
         assert 0 < tree.num_nodes <= cfg.max_nodes
 
 
+def test_an_end_met_again_under_a_shorter_key_is_walked_once():
+    """An occurrence of a key is one of every shorter key: in a periodic text every n matches the same end
+    positions, whose continuations are in the trie already. Each is walked once, and the tree is the reference's."""
+    cfg = NGramConfig()
+    tokens = [1, 2, 3, 4, 5] * 20
+    d = NGramDrafter(cfg)
+    tree = propose1(d, tokens)
+    assert (tree.tokens.tolist(), tree.parents.tolist()) == reference(tokens, cfg)
+    assert d.occurrences_scanned == cfg.max_occurrences  # the longest key's most recent ends; no shorter key adds one
+
+
 # ---- configuration -----------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "options, match",
