@@ -54,6 +54,17 @@ class SequenceStats:
                    tuple(s.step_nodes))
 
 
+# transformers' generate-output fields specdec does not return, and what to read instead
+_TRANSFORMERS_ONLY = {
+    "scores": "pass output_logprobs=True (or output_scores=True) and read .logprobs, each new token's log-probability",
+    "logits": "the raw logits are not kept; .logprobs holds each new token's log-probability (output_logprobs=True)",
+    "attentions": "specdec returns no attention weights",
+    "hidden_states": "specdec returns no hidden states",
+    "past_key_values": "the KV cache is paged and freed after the call; nothing to continue from",
+    "beam_indices": "specdec does not run beam search",
+}
+
+
 @dataclass(frozen=True)
 class GenerateOutput:
     sequences: Any  # like transformers: each input row as given + its new tokens (tensor or lists)
@@ -69,11 +80,18 @@ class GenerateOutput:
     # specdec.logprobs), the same with or without a drafter; None when not asked for
     logprobs: list[list[float]] | None = None
 
+    def __getattr__(self, name: str) -> Any:
+        """Only reached for a missing attribute: transformers' output fields that specdec has not are named so."""
+        if name in _TRANSFORMERS_ONLY:
+            raise AttributeError(f"GenerateOutput has no {name!r} (transformers' field): {_TRANSFORMERS_ONLY[name]}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def __getitem__(self, key: str) -> Any:
         """A field by name, ``out["sequences"]``, as transformers' generate outputs give it."""
         names = [f.name for f in fields(self)]
         if key not in names:  # an int index too: transformers' tuple order is not kept
-            raise KeyError(f"GenerateOutput has no field {key!r}; its fields: {', '.join(names)}")
+            hint = f"; {_TRANSFORMERS_ONLY[key]}" if key in _TRANSFORMERS_ONLY else ""
+            raise KeyError(f"GenerateOutput has no field {key!r}; its fields: {', '.join(names)}{hint}")
         return getattr(self, key)
 
     @property

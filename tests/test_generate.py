@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -101,6 +102,12 @@ def test_eos_and_stop_sequences_end_generation():
     assert out["sequences"] is out.sequences and out["new_tokens"] is out.new_tokens  # as transformers' outputs
     with pytest.raises(KeyError, match="no field 'scores'; its fields: sequences, new_tokens"):
         out["scores"]
+    # transformers' fields that specdec has not say what to read instead, one line, as attributes too
+    with pytest.raises(AttributeError, match=r"no 'scores' \(transformers' field\): pass output_logprobs=True"):
+        _ = out.scores
+    with pytest.raises(AttributeError, match="object has no attribute 'nope'"):
+        _ = out.nope
+    assert not hasattr(out, "__deepcopy__") and copy.deepcopy(out).new_tokens == out.new_tokens
     stop_seq = free[7:9]
     out = specdec.generate(model, [PROMPTS[0]], max_new_tokens=30, stop=[stop_seq], return_dict=True)
     end = next(i for i in range(1, 30) if free[i - 1 : i + 1] == stop_seq) + 1
