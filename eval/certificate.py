@@ -409,10 +409,10 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
                             "KV compaction) was never tested and the engine-fault controls can hardly be caught")
     checks.append(default_policy_identity(loaded, prompts, drafter, options, sizes, plain))
     e2e_sampling = sampling if sampling.do_sample else SamplingConfig(True)
-    # the start: a greedy-answer prefix where a pilot, on seeds the check never uses, saw the most accepted drafts
-    # (an answer's first tokens, or its middle, may have none, and a check whose drafts are all rejected tests
-    # little); the pilot's draws are independent of the check's, so the choice keeps its p-values exact
-    # (specdec.eval.sampled_start)
+    # the start: a greedy-answer prefix where a pilot, on seeds the check never uses, saw drafts both accepted and
+    # rejected (where all are rejected the accepted-draft path goes untested; where all are accepted the target is
+    # near-certain and a rule that accepts everything passes); the pilot's draws are independent of the check's, so
+    # the choice keeps its p-values exact (specdec.eval.sampled_start)
     choice = choose_start(loaded, prompts, plain, greedy_steps, drafter, options, e2e_sampling, sizes, seed)
     for rule_name, rule in (("exact", EXACT), ("always_accept", BROKEN_RULES["always_accept"])):
         control = None if rule is EXACT else rule_name
@@ -427,6 +427,7 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
                             power=res["power"], detects_tv=res["detects_tv"],
                             detail=f"chi-square p={res['chi2_p']:.3g}, log-prob KS p={res['ks_p']:.3g}, "
                                    f"tau {res['tau']:.3f}, {res['drafted']:.1%} of compared tokens accepted drafts, "
+                                   f"{res['rejected']:.1%} rejected drafts per compared token, "
                                    f"{res['distinct_outcomes']} distinct outcomes; {choice.detail}"))
         # what matters is whether accepted drafts fed the compared tokens, not the lookahead past them
         if control is None and res["drafted"] < 0.02:

@@ -68,6 +68,15 @@ def drafted_share(new_tokens: list[list[int]], stats: list[Any], k: int) -> floa
     return sum(drafted_in_window(s.step_lengths, k) for s in stats) / compared if compared else 0.0
 
 
+def rejected_share(new_tokens: list[list[int]], stats: list[Any], k: int) -> float:
+    """Per compared token (the first ``k`` of each sequence), the drafts rejected: steps that tried a child at some
+    depth and accepted none there, each then emitting a recovered token. Counted over the whole generation; with a
+    lookahead of 1 every such token is a compared one (a step verifies no deeper than the tokens allowed but one)."""
+    compared = sum(len(t[:k]) for t in new_tokens)
+    rejected = sum(sum(s.depth_tried) - sum(s.depth_accepted) for s in stats)
+    return rejected / compared if compared else 0.0
+
+
 @torch.inference_mode()
 def sequence_logprobs(model: Any, prompt: list[int], continuations: list[tuple[int, ...]],
                       chunk: int = 64) -> dict[tuple[int, ...], float]:
@@ -117,4 +126,5 @@ def sampled_two_sample(loaded: Any, prompt: list[int], drafter: Any, options: di
     logp = sequence_logprobs(loaded.model, list(prompt), a + b)
     ks_p = float(stats.ks_2samp([logp[x] for x in a], [logp[x] for x in b]).pvalue)
     return {"chi2_p": fit.p_value, "ks_p": ks_p, "power": fit.power, "detects_tv": fit.detects_tv, "tau": tau,
-            "drafted": drafted_share(b, runs, k), "distinct_outcomes": len(set(a + b))}
+            "drafted": drafted_share(b, runs, k), "rejected": rejected_share(b, runs, k),
+            "distinct_outcomes": len(set(a + b))}
