@@ -12,8 +12,9 @@ broken engines there (an off-by-one tree mask, a wrong KV compaction slot):
    over cases, power at the requested TV reported), a TV upper bound, acceptance rate and chain tau vs their
    closed forms for the drafter's draft kinds (:func:`acceptance_cases`).
 3. ``end-to-end`` on the model: greedy token identity vs plain decoding (with divergence diagnostics), also under
-   the default speculation policy, and sampled output vs plain sampling from the middle of a greedy answer
-   (two-sample chi-square, power at alpha / 2, and KS on log-probabilities under the target; Holm over the two).
+   the default speculation policy, and sampled output vs plain sampling from a greedy-answer prefix where a pilot
+   saw drafts accepted (:mod:`specdec.eval.sampled_start`; two-sample chi-square, power at alpha / 2, and KS on
+   log-probabilities under the target; Holm over the two).
 4. ``coupled`` (:mod:`specdec.eval.coupled_level`, only when asked): coupled sampling's law, and
    speculative coupled output == plain coupled output token for token, batched and single, with
    broken couplings (noise keyed to the step, to the batch row) as its controls.
@@ -73,10 +74,14 @@ class CertificateSizes:
     sample_lookahead: int = 1
     e2e_tv: float = 0.2
     alpha: float = 0.01
+    # where the sampled check starts (specdec.eval.sampled_start): a pilot of pilot_sequences speculative
+    # continuations at each of start_candidates greedy-answer prefixes, about a tenth of the check's sampling
+    start_candidates: int = 8
+    pilot_sequences: int = 32
 
     def __post_init__(self) -> None:
         if min(self.stat_samples, self.identity_prompts, self.identity_tokens, self.sample_sequences,
-               self.sample_tokens) < 1 or self.sample_lookahead < 0:
+               self.sample_tokens, self.start_candidates, self.pilot_sequences) < 1 or self.sample_lookahead < 0:
             raise ValueError("certificate sample sizes must be >= 1 (the lookahead >= 0)")
         if not 0 < self.alpha < 1 or not 0 < self.stat_tv < 1 or not 0 < self.e2e_tv < 1:
             raise ValueError("alpha and the TV targets must lie in (0, 1)")
@@ -86,7 +91,7 @@ class CertificateSizes:
         """Sized to detect TV 0.01 in the sampler statistics and 0.025 end to end (hours on a CPU; meant for a
         GPU)."""
         return cls(stat_samples=250_000, stat_tv=0.01, identity_prompts=20, identity_tokens=256,
-                   sample_sequences=40_000, sample_tokens=2, e2e_tv=0.025)
+                   sample_sequences=40_000, sample_tokens=2, e2e_tv=0.025, start_candidates=20, pilot_sequences=200)
 
 
 @dataclass
@@ -362,7 +367,8 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
                       sizes: CertificateSizes, make_prompts: Callable[[int], list[list[int]]],
                       seed: int = 0) -> tuple[list, list]:
     from specdec.eval.divergence import greedy_identity
-    from specdec.eval.end_to_end import sampled_two_sample
+    from specdec.eval.end_to_end import check_seeds, sampled_two_sample
+    from specdec.eval.sampled_start import choose_start
 
     checks, warnings = [], []
     from specdec.generate import generate
@@ -380,6 +386,8 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
         if fault is None:
             results.append(greedy_identity(loaded, prompts[:2], drafter, options, sizes.identity_tokens, False, rule,
                                            plain=plain[:2]))
+        if control is None:
+            greedy_steps = results[0].step_lengths  # where the exact engine's greedy drafts were accepted
         divergences = [d for r in results for d in r.divergences]
         real = sum(r.real_mismatches for r in results)
         ties = len(divergences) - real
@@ -401,28 +409,32 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
                             "KV compaction) was never tested and the engine-fault controls can hardly be caught")
     checks.append(default_policy_identity(loaded, prompts, drafter, options, sizes, plain))
     e2e_sampling = sampling if sampling.do_sample else SamplingConfig(True)
-    # sample from the middle of an answer (prompt + half its greedy answer): an answer's first tokens
-    # are where drafters are accepted least, and a check whose drafts are all rejected tests little
-    start = plain[0][: len(prompts[0]) + sizes.identity_tokens // 2]
+    # the start: a greedy-answer prefix where a pilot, on seeds the check never uses, saw drafts both accepted and
+    # rejected (where all are rejected the accepted-draft path goes untested; where all are accepted the target is
+    # near-certain and a rule that accepts everything passes); the pilot's draws are independent of the check's, so
+    # the choice keeps its p-values exact (specdec.eval.sampled_start)
+    choice = choose_start(loaded, prompts, plain, greedy_steps, drafter, options, e2e_sampling, sizes, seed)
     for rule_name, rule in (("exact", EXACT), ("always_accept", BROKEN_RULES["always_accept"])):
         control = None if rule is EXACT else rule_name
-        res = sampled_two_sample(loaded, start, drafter, options, e2e_sampling, sizes, rule,
-                                 seeds=(1 + 2 * seed, 2 + 2 * seed))
+        res = sampled_two_sample(loaded, choice.ids, drafter, options, e2e_sampling, sizes, rule,
+                                 seeds=check_seeds(seed))
         # two tests of one hypothesis: Holm keeps the family-wise false-failure rate at alpha
         ok = not holm({"chi2": res["chi2_p"], "ks": res["ks_p"]}, sizes.alpha)
-        name = (f"sampled {sizes.sample_tokens} tokens mid-answer (of {sizes.sample_tokens + sizes.sample_lookahead})"
-                " vs plain sampling")
+        name = (f"sampled {sizes.sample_tokens} tokens (of {sizes.sample_tokens + sizes.sample_lookahead}) in a "
+                "greedy answer vs plain sampling")
         checks.append(Check(name, "end-to-end", ok,
                             control, p_value=min(res["chi2_p"], res["ks_p"]), samples=sizes.sample_sequences,
                             power=res["power"], detects_tv=res["detects_tv"],
                             detail=f"chi-square p={res['chi2_p']:.3g}, log-prob KS p={res['ks_p']:.3g}, "
                                    f"tau {res['tau']:.3f}, {res['drafted']:.1%} of compared tokens accepted drafts, "
-                                   f"{res['distinct_outcomes']} distinct outcomes"))
+                                   f"{res['rejected']:.1%} rejected drafts per compared token, "
+                                   f"{res['distinct_outcomes']} distinct outcomes; {choice.detail}"))
         # what matters is whether accepted drafts fed the compared tokens, not the lookahead past them
         if control is None and res["drafted"] < 0.02:
             warnings.append(f"end-to-end sampling: drafts were almost never accepted ({res['drafted']:.1%} of the "
-                            f"compared tokens; tau {res['tau']:.3f} over the whole generation), so this "
-                            "check mostly exercises the rejection path; the sampler statistics cover acceptance")
+                            f"compared tokens; tau {res['tau']:.3f} over the whole generation) at the best of "
+                            f"{len(choice.candidates)} starts a pilot tried, so this check mostly exercises the "
+                            "rejection path; the sampler statistics cover acceptance")
         if control is None and res["power"] < 0.9:
             warnings.append(f"end-to-end sampling: {sizes.sample_sequences} sequences per side detect TV "
                             f"{res['detects_tv']:.3g}, not {sizes.e2e_tv} (power {res['power']:.2f} < 0.9 there); "

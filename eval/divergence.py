@@ -52,6 +52,8 @@ class IdentityResult:
     tokens_compared: int
     divergences: tuple[Divergence, ...]
     tau: float
+    # per prompt, the tokens each speculative step committed (accepted drafts + 1): where drafts were accepted
+    step_lengths: tuple[tuple[int, ...], ...] = ()
 
     @property
     def real_mismatches(self) -> int:
@@ -110,10 +112,11 @@ def greedy_identity(loaded: Any, prompts: list[list[int]], drafter: Any, drafter
             near_tie = COUPLED_NEAR_TIE
     if batched:
         out = generate_with_control(loaded, prompts, **spec_kw)
-        spec, tau = out.sequences, out.tau
+        spec, tau, stats = out.sequences, out.tau, out.stats
     else:
         outs = [generate_with_control(loaded, [p], **spec_kw) for p in prompts]
         spec = [o.sequences[0] for o in outs]
+        stats = [o.stats[0] for o in outs]
         tau = sum(o.total_new_tokens for o in outs) / max(1, sum(s.steps for o in outs for s in o.stats))
     divergences = []
     compared = 0
@@ -129,4 +132,4 @@ def greedy_identity(loaded: Any, prompts: list[list[int]], drafter: Any, drafter
                     how = (Coupling(sampling["seed"]), sampling_config, keys[i]) if coupled else None
                     divergences.append(diagnose(loaded.model, a[: len(p) + j], i, j, x, y, near_tie, how))
                 break
-    return IdentityResult(len(prompts), compared, tuple(divergences), tau)
+    return IdentityResult(len(prompts), compared, tuple(divergences), tau, tuple(s.step_lengths for s in stats))
