@@ -303,6 +303,17 @@ def test_run_writes_loadable_layout_and_report(tiny, tmp_path):
                  "--output-dir", str(out), "--no-progress"]) == 2
 
 
+def _launch_two(*script: str) -> list[str]:
+    """`accelerate launch` of ``script`` as two processes on this machine (gloo on a CPU). Port 0: the launcher's
+    store takes a free port. On the default port (29500) two launches starting together (other pytest-xdist workers,
+    other test runs on the machine) both found it free and one failed with EADDRINUSE."""
+    import sys
+
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no",
+            *script]
+
+
 @pytest.mark.slow
 def test_two_processes_follow_the_single_process_curve(tiny, tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2` on a CPU-only machine: two real processes (gloo),
@@ -317,8 +328,7 @@ def test_two_processes_follow_the_single_process_curve(tiny, tmp_path):
     args = ["train-medusa", "--model", str(tiny / "model"), "--data", str(data), "--num-heads", "2",
             "--seq-len", "64", "--batch-size", "4", "--max-steps", "6", "--lr", "3e-3", "--no-eval-tau",
             "--no-progress", "--held-out-fraction", "0.2"]
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "specdec.cli"]
+    launch = _launch_two("-m", "specdec.cli")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name, cmd in (("one", [sys.executable, "-m", "specdec.cli"]), ("two", launch)):
         proc = subprocess.run(cmd + args + ["--output-dir", str(tmp_path / name)], cwd=tmp_path, env=env,
@@ -632,7 +642,6 @@ def test_two_processes_interrupted_at_different_points_save_the_step_they_agree_
     --resume ends as the uninterrupted run: the same weights, bit for bit, and the same losses."""
     import os
     import subprocess
-    import sys
 
     from safetensors.torch import load_file
 
@@ -641,8 +650,7 @@ def test_two_processes_interrupted_at_different_points_save_the_step_they_agree_
     args = ["train-medusa", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"), "--num-heads", "2",
             "--seq-len", "32", "--batch-size", "4", "--max-steps", "6", "--save-every", "100", "--lr", "3e-3",
             "--no-eval-tau", "--no-progress", "--held-out-fraction", "0.2"]
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(driver)]
+    launch = _launch_two(str(driver))
     proc = subprocess.run(launch + [json.dumps(args), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -723,7 +731,6 @@ def test_two_processes_interrupted_outside_the_training_loop_stop_together(tiny,
     from what was kept, and --resume ends as the uninterrupted run: the same heads, bit for bit."""
     import os
     import subprocess
-    import sys
 
     from safetensors.torch import load_file
 
@@ -732,8 +739,7 @@ def test_two_processes_interrupted_outside_the_training_loop_stop_together(tiny,
     args = ["train-medusa", "--model", str(tiny / "model"), "--num-heads", "2", "--seq-len", "32", "--batch-size",
             "4", "--max-steps", "4", "--num-prompts", "8", "--distill-max-new-tokens", "8", "--distill-batch-size",
             "2", "--no-eval-tau", "--no-progress", "--held-out-fraction", "0.25"]
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(driver)]
+    launch = _launch_two(str(driver))
     proc = subprocess.run(launch + [json.dumps(args), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
