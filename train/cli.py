@@ -192,8 +192,13 @@ def _what_is_left(out: Path, interrupt: KeyboardInterrupt | None = None) -> str:
     ckpt = find_checkpoint(out)
     distilled = getattr(interrupt, "distilled", None)
     if distilled is not None:  # before this run's training: what is kept is the answers
-        kept = f"self-distillation kept its answers to {distilled[0]} of {distilled[1]} prompts, so a rerun " \
-               "generates only the rest"
+        answers, prompts, processes = distilled
+        if processes == 1:
+            kept = f"self-distillation kept its answers to {answers} of {prompts} prompts"
+        else:  # a process knows the others' batches up to their last exchange
+            known = f" (at least {answers} of {prompts} prompts)" if answers else ""
+            kept = f"self-distillation kept the answers its processes finished{known}"
+        kept += ", so a rerun generates only the rest"
         return kept if ckpt is None else f"{kept}; {_what_is_left(out)}"
     if ckpt is None:
         return f"it saved no checkpoint yet (see --save-every), so a rerun starts again{lost}"
