@@ -793,6 +793,40 @@ def test_two_processes_interrupted_outside_the_training_loop_stop_together(tiny,
     assert data[0] == data[1] == data[2] and len(data[0]) == 1 and len(data[0][0]["sequences"]) == 8
 
 
+def test_the_line_of_an_interrupt_or_error_is_one_write(tmp_path, monkeypatch):
+    """The processes of a run stop together and each writes its line to the same stderr; print() wrote the text and
+    its newline in two writes where Python runs unbuffered (PYTHONUNBUFFERED, as under pytest-xdist), and two
+    processes' lines came out as one ("...starts againspecdec train-medusa: ..."). Each line is now one write."""
+    import sys
+    from types import SimpleNamespace
+
+    from specdec.train import cli, pipeline
+    from specdec.train.data import TrainDataError
+
+    class Stderr:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, text):
+            self.writes.append(text)
+
+        def flush(self):
+            pass
+
+    stderr = Stderr()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.setattr(cli, "config_from_args", lambda args: None)
+    args = SimpleNamespace(drafter="medusa", output_dir=str(tmp_path), verbose=False)
+    for stop, code in ((KeyboardInterrupt(), 130), (cli.Terminated(), 143), (TrainDataError("no data"), 2)):
+        def run_training(cfg, stop=stop):
+            raise stop
+
+        monkeypatch.setattr(pipeline, "run_training", run_training)
+        assert cli.run(args) == code
+    assert [w.count("\n") for w in stderr.writes] == [1, 1, 1] and all(w.endswith("\n") for w in stderr.writes)
+    assert stderr.writes[2] == "specdec train-medusa: error: no data\n"
+
+
 def test_sigterm_takes_the_path_of_ctrl_c(tiny, tmp_path, monkeypatch, capsys):
     """SIGTERM (schedulers, `timeout`) ended training unannounced; it now stops it as Ctrl-C does: one line naming
     the checkpoint a --resume continues from, exit 143, and the caller's own SIGTERM handler back afterwards."""
