@@ -56,6 +56,34 @@ def test_only_whole_unique_and_held_out_free_turns_are_kept_and_cached(tmp_path,
     assert more == got and len(calls) == 1 + 2  # 4 n draws at most: fewer prompts than asked, with a warning
 
 
+def test_processes_write_the_prompts_together_and_all_get_those_of_one(tmp_path, monkeypatch):
+    """Several processes: each draws every N-th batch, the batches are exchanged round by round and read in order,
+    so every process gets what one process writes (the same seeds, duplicates dropped in the same order; a batch
+    drawn past the last one needed is not read)."""
+    import threading
+
+    from tests.thread_teams import run_as_team
+
+    loaded = _loaded()
+    tok, end = loaded.tokenizer, loaded.model.config.eos_token_id
+    things, lock, calls = ["apples", "boats", "clouds", "drums"], threading.Lock(), []
+
+    def fake_generate(model, prompts, *, seed, **kwargs):
+        k = seed // 2  # the batch: its first draw
+        with lock:
+            calls.append(k)
+        turns = [f"talk to me about {things[k % 2]}", f"please describe the {things[k]}"]  # the first repeats
+        return SimpleNamespace(new_tokens=[tok(t, add_special_tokens=False)["input_ids"] + [end] for t in turns])
+
+    monkeypatch.setattr(generate_module, "generate", fake_generate)
+    one = self_prompts.self_written_prompts(loaded, 5, batch_size=2, cache_dir=tmp_path / "one", progress=False)
+    assert len(one) == 5 and sorted(calls) == [0, 1, 2]
+    calls.clear()
+    two = run_as_team(2, lambda team: self_prompts.self_written_prompts(loaded, 5, batch_size=2, progress=False,
+                                                                        cache_dir=tmp_path / "two", team=team))
+    assert two == [one, one] and sorted(calls) == [0, 1, 2, 3]  # batch 3, of the second round, is not needed
+
+
 def test_a_model_that_never_ends_its_turn_or_has_no_chat_template_is_refused(tmp_path, monkeypatch):
     loaded = _loaded()
     monkeypatch.setattr(generate_module, "generate",

@@ -187,6 +187,88 @@ def test_an_interrupted_self_distillation_continues_from_its_finished_batches(tm
     assert calls == [1] and not partial.exists()  # only the last prompt was generated again
 
 
+def test_processes_share_the_self_distillation_and_all_get_the_data_of_one(tmp_path, monkeypatch):
+    """Several processes waited for the main one to self-distil alone, inside a collective that times out (10 min on
+    NCCL). Each now generates every N-th batch, they exchange them round by round, and every process returns the
+    sequences of one process: the same batches, a sampled one with the same seed, whoever generates it."""
+    import importlib
+    import threading
+
+    from specdec.train.distill import self_distill
+
+    from specdec.models.loader import load_model
+    from specdec.testing import build_tiny_model
+    from tests.thread_teams import run_as_team
+
+    generate_module = importlib.import_module("specdec.generate")
+    loaded = load_model(build_tiny_model(vocab_size=64))
+    prompts = [[(7 * i + j) % 60 + 2 for j in range(3 + i % 4)] for i in range(7)]
+    kwargs = dict(max_new_tokens=4, batch_size=2, progress=False, do_sample=True, seed=5)
+    whole = self_distill(loaded, prompts, cache_dir=tmp_path / "one", **kwargs)
+    real, lock, calls = generate_module.generate, threading.Lock(), []
+
+    def one_at_a_time(model, chunk, **kw):  # the threads share one model
+        with lock:
+            calls.append((threading.current_thread().name, prompts.index(chunk[0])))
+            return real(model, chunk, **kw)
+
+    monkeypatch.setattr(generate_module, "generate", one_at_a_time)
+    got = run_as_team(3, lambda team: self_distill(loaded, prompts, cache_dir=tmp_path / "three", team=team, **kwargs))
+    assert got == [whole] * 3
+    by_thread = {}
+    for name, start in calls:
+        by_thread.setdefault(name, []).append(start)
+    assert sorted(by_thread.values()) == [[0, 6], [2], [4]]  # batch k on process k % 3
+    files = [sorted(p.name for p in (tmp_path / d).iterdir()) for d in ("one", "three")]
+    assert files[0] == files[1] and len(files[0]) == 1  # the same cache file, no partial file left
+
+
+def test_an_interrupted_shared_self_distillation_keeps_every_process_batches(tmp_path, monkeypatch):
+    """An interrupt of a self-distillation several processes share keeps the batches each of them finished (each in
+    its own partial file); a rerun with another number of processes generates only the rest, and processes whose
+    caches are not one directory get the answers they lack from the others instead of generating them."""
+    import importlib
+    import threading
+
+    from specdec.train.distill import self_distill
+
+    from specdec.models.loader import load_model
+    from specdec.testing import build_tiny_model
+    from tests.thread_teams import run_as_team
+
+    generate_module = importlib.import_module("specdec.generate")
+    loaded = load_model(build_tiny_model(vocab_size=64))
+    prompts = [[(7 * i + j) % 60 + 2 for j in range(3 + i % 4)] for i in range(7)]
+    kwargs = dict(max_new_tokens=4, batch_size=2, progress=False, do_sample=True, seed=5)
+    whole = self_distill(loaded, prompts, cache_dir=tmp_path / "one", **kwargs)
+    real, lock, calls = generate_module.generate, threading.Lock(), []
+
+    def interrupted_at_the_last_batch(model, chunk, **kw):
+        with lock:
+            calls.append(prompts.index(chunk[0]))
+            if chunk[0] == prompts[6]:
+                raise KeyboardInterrupt
+            return real(model, chunk, **kw)
+
+    monkeypatch.setattr(generate_module, "generate", interrupted_at_the_last_batch)
+    part = tmp_path / "part"
+    got = run_as_team(2, lambda team: self_distill(loaded, prompts, cache_dir=part, team=team, **kwargs))
+    # each knows of the first round's batches and its own: process 0 finished its second, and stopped at the exchange
+    assert [err.distilled for err in got] == [(6, 7, 2), (4, 7, 2)]
+    kept = {p.name.split(".", 1)[1]: [json.loads(x)["start"] for x in p.read_text().splitlines()]
+            for p in part.glob("*.partial*.jsonl")}
+    assert kept == {"partial.jsonl": [0, 4], "partial.1.jsonl": [2]}
+    calls.clear()
+    monkeypatch.setattr(generate_module, "generate", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    got = run_as_team(3, lambda team: self_distill(loaded, prompts, cache_dir=part, team=team, **kwargs))
+    assert got == [whole] * 3
+    assert calls == [[prompts[6]]] and not list(part.glob("*.partial*"))  # only the missing batch, files removed
+    calls.clear()  # a cache directory each: the one that holds the answers sends them
+    assert run_as_team(2, lambda team: self_distill(loaded, prompts, cache_dir=[part, tmp_path / "own"][team.index],
+                                                    team=team, **kwargs)) == [whole] * 2
+    assert calls == [] and json.loads(next((tmp_path / "own").glob("*.json")).read_text())["sequences"] == whole
+
+
 def test_a_retrained_middle_layer_is_not_served_from_the_distillation_cache(tmp_path):
     """The self-distillation cache was keyed by sums of the first three and last two weights only: a target retrained
     in a middle layer got the old model's text back. Its key is now the model's content fingerprint."""

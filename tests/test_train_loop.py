@@ -570,6 +570,27 @@ def test_outside_the_loop_a_signal_acts_at_once_and_the_meetings_carry_it():
                 agreed.meet(accelerator, last=last)
                 assert last, "the signal during the meeting was not handled after it"
             assert sent == [[0, 0]] and not hasattr(stopped.value, "processes_stopped_together")
+        # an exchange is a meeting: what the processes then do together runs only where none stops, and a signal
+        # during it is held until it is over too
+        together = []
+
+        def gather(during=None):
+            if during is not None:
+                os.kill(os.getpid(), during)
+            together.append(1)
+            return "everyone's"
+
+        accelerator, sent = meeting([0, 0])
+        with InterruptsHeld(hold=False) as agreed:
+            assert agreed.meet(accelerator, then=gather) == "everyone's" and together == [1]
+        accelerator, sent = meeting([0, 1])
+        with pytest.raises(Terminated), InterruptsHeld(hold=False) as agreed:
+            agreed.meet(accelerator, then=gather)
+        assert together == [1]
+        accelerator, sent = meeting([0, 0])
+        with pytest.raises(KeyboardInterrupt) as stopped, InterruptsHeld(hold=False) as agreed:
+            agreed.meet(accelerator, then=lambda: gather(signal.SIGINT))
+        assert together == [1, 1] and not hasattr(stopped.value, "processes_stopped_together")
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 @pytest.mark.parametrize("disk_full", [False, True])
@@ -667,11 +688,12 @@ def test_two_processes_interrupted_at_different_points_save_the_step_they_agree_
     assert "resumed from" in (part / "train.log").read_text()
 
 
-# run by `accelerate launch` in each of two processes, self-distilling: an uninterrupted run (its own distillation
-# cache), then into another directory and cache: rank 0 gets SIGINT during the distillation, after its first batch;
-# the rerun, SIGTERM on rank 1 as it builds its feature cache (rank 0 goes on to the first step); the next rerun,
-# SIGTERM on rank 0 as it evaluates, after training; then --resume. Exit codes, and the distillation batches kept
-# after the first interrupt, go to rank<r>.json
+# run by `accelerate launch` in each of two processes, self-distilling (4 batches: the processes take every other
+# one): an uninterrupted run (its own distillation cache), then into another directory and cache: rank 0 gets SIGINT
+# as its second batch starts (rank 1 is generating its own); the rerun, SIGTERM on rank 1 as it builds its feature
+# cache (rank 0 goes on to the first step); the next rerun, SIGTERM on rank 0 as it evaluates, after training; then
+# --resume. Exit codes, the batches each process kept after the first interrupt and the batches each generated in
+# every run go to rank<r>.json
 OUTSIDE_THE_LOOP_DRIVER = """
 import importlib, json, os, signal, sys
 from datetime import timedelta
@@ -707,50 +729,57 @@ def evaluating(*a, **k):
 
 generate.generate, evaluate.head_accuracies = distilling, evaluating
 features.FeatureCache.build = staticmethod(building)
-codes, kept = [], None
+codes, kept, generated = [], None, []
 for name, phase, extra in (("full", None, []), ("part", "distill", []), ("part", "features", []),
                            ("part", "evaluation", []), ("part", None, ["--resume"])):
     os.environ["SPECDEC_CACHE_DIR"] = str(out / ("cache-" + name))
     armed[0], batches[:] = phase, []
     codes.append(main(args + ["--output-dir", str(out / name)] + extra))
+    generated.append(len(batches))
     if phase == "distill":
-        kept = [len(p.read_text().splitlines()) for p in (out / "cache-part").rglob("*.partial.jsonl")]
+        kept = {p.name.split(".", 1)[1]: [json.loads(x)["start"] for x in p.read_text().splitlines()]
+                for p in (out / "cache-part").rglob("*.partial*.jsonl")}
 with open(out / f"rank{rank}.json", "w") as f:
-    json.dump([codes, kept], f)
+    json.dump([codes, kept, generated], f)
 torch.distributed.destroy_process_group()
 """
 
 
 @pytest.mark.slow
-def test_two_processes_interrupted_outside_the_training_loop_stop_together(tiny, tmp_path):
+def test_two_processes_interrupted_outside_the_training_loop_stop_together(tiny, tmp_path, monkeypatch):
     """Two real processes (gloo), each interrupt outside the training loop: one process stopped where the signal
     landed and the other crashed at its next collective ("Connection closed by peer", a traceback) or waited on.
     Now both stop, each with its line and exit code (one that got no signal takes its peer's), at the next point
-    where they wait for each other: during self-distillation (its first batch is kept), before the first step; an
-    interrupt of the evaluation, which the main process runs alone after training, stops it only. The reruns go on
-    from what was kept, and --resume ends as the uninterrupted run: the same heads, bit for bit."""
+    where they wait for each other: during self-distillation, which they share (each keeps the batches it
+    finished), before the first step; an interrupt of the evaluation, which the main process runs alone after
+    training, stops it only. The reruns go on from what was kept, and --resume ends as the uninterrupted run: the
+    same heads, bit for bit. The self-distilled data are those of one process."""
     import os
     import subprocess
 
     from safetensors.torch import load_file
+
+    from specdec.cli import main
 
     driver = tmp_path / "driver.py"
     driver.write_text(OUTSIDE_THE_LOOP_DRIVER)
     args = ["train-medusa", "--model", str(tiny / "model"), "--num-heads", "2", "--seq-len", "32", "--batch-size",
             "4", "--max-steps", "4", "--num-prompts", "8", "--distill-max-new-tokens", "8", "--distill-batch-size",
             "2", "--no-eval-tau", "--no-progress", "--held-out-fraction", "0.25"]
-    launch = _launch_two(str(driver))
-    proc = subprocess.run(launch + [json.dumps(args), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=400)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache-one"))  # first: it measures the CPU for both runs
+    assert main(args + ["--output-dir", str(tmp_path / "one")]) == 0
+    proc = subprocess.run(_launch_two(str(driver)) + [json.dumps(args), str(tmp_path)], cwd=tmp_path,
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert ranks == [[[0, 130, 143, 143, 0], [1]], [[0, 130, 143, 0, 0], [1]]]
+    kept = {"partial.jsonl": [0], "partial.1.jsonl": [2, 6]}  # the batch each was generating when they stopped: 6
+    assert ranks == [[[0, 130, 143, 143, 0], kept, [2, 2, 1, 0, 0]], [[0, 130, 143, 0, 0], kept, [2, 2, 0, 0, 0]]]
     lines = [x for x in proc.stderr.splitlines() if x.startswith("specdec train-medusa:")]
     none = "it saved no checkpoint yet (see --save-every), so a rerun starts again"
-    assert sorted(lines) == sorted(["specdec train-medusa: interrupted; self-distillation kept its answers to 2 of 8 "
-                                    "prompts, so a rerun generates only the rest",  # the main process: it distils
-                                    f"specdec train-medusa: interrupted; {none}"]
+    assert sorted(lines) == sorted([f"specdec train-medusa: interrupted; self-distillation kept the answers its "
+                                    f"processes finished (at least {n} of 8 prompts), so a rerun generates only the "
+                                    "rest" for n in (4, 6)]
                                    + [f"specdec train-medusa: terminated (SIGTERM); {none}"] * 2
                                    + ["specdec train-medusa: terminated (SIGTERM); the checkpoint of step 4 is intact "
                                       "(continue with --resume)"])
@@ -759,6 +788,44 @@ def test_two_processes_interrupted_outside_the_training_loop_stop_together(tiny,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((part / "report.json").read_text())["top1"] == json.loads((full / "report.json").read_text())[
         "top1"]
+    data = [[json.loads(f.read_text()) for f in (tmp_path / f"cache-{n}").rglob("distill/*.json")]
+            for n in ("one", "full", "part")]
+    assert data[0] == data[1] == data[2] and len(data[0]) == 1 and len(data[0][0]["sequences"]) == 8
+
+
+def test_the_line_of_an_interrupt_or_error_is_one_write(tmp_path, monkeypatch):
+    """The processes of a run stop together and each writes its line to the same stderr; print() wrote the text and
+    its newline in two writes where Python runs unbuffered (PYTHONUNBUFFERED, as under pytest-xdist), and two
+    processes' lines came out as one ("...starts againspecdec train-medusa: ..."). Each line is now one write."""
+    import sys
+    from types import SimpleNamespace
+
+    from specdec.train import cli, pipeline
+    from specdec.train.data import TrainDataError
+
+    class Stderr:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, text):
+            self.writes.append(text)
+
+        def flush(self):
+            pass
+
+    stderr = Stderr()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.setattr(cli, "config_from_args", lambda args: None)
+    args = SimpleNamespace(drafter="medusa", output_dir=str(tmp_path), verbose=False)
+    for stop, code in ((KeyboardInterrupt(), 130), (cli.Terminated(), 143), (TrainDataError("no data"), 2)):
+        def run_training(cfg, stop=stop):
+            raise stop
+
+        monkeypatch.setattr(pipeline, "run_training", run_training)
+        assert cli.run(args) == code
+    assert [w.count("\n") for w in stderr.writes] == [1, 1, 1] and all(w.endswith("\n") for w in stderr.writes)
+    assert stderr.writes[2] == "specdec train-medusa: error: no data\n"
+
 
 def test_sigterm_takes_the_path_of_ctrl_c(tiny, tmp_path, monkeypatch, capsys):
     """SIGTERM (schedulers, `timeout`) ended training unannounced; it now stops it as Ctrl-C does: one line naming
@@ -824,11 +891,16 @@ def test_an_interrupt_during_self_distillation_names_the_answers_kept(tiny, tmp_
     from specdec.train.cli import _what_is_left
 
     err = KeyboardInterrupt()  # a resumed run distilling again (its cache deleted) leaves its checkpoint
-    err.distilled = (4, 8)
+    err.distilled = (4, 8, 1)
     ckpt_io.save_checkpoint(tmp_path / "run", *_tiny_training_state(), 4, {}, "fp")
     assert _what_is_left(tmp_path / "run", err) == ("self-distillation kept its answers to 4 of 8 prompts, so a rerun "
                                                     "generates only the rest; the checkpoint of step 4 is intact "
                                                     "(continue with --resume)")
+    # several processes share the distillation: each knows the others' batches up to their last exchange
+    for known, said in ((4, " (at least 4 of 8 prompts)"), (0, "")):
+        err.distilled = (known, 8, 2)
+        assert _what_is_left(tmp_path / "run", err).startswith(
+            f"self-distillation kept the answers its processes finished{said}, so a rerun generates only the rest; ")
 
 @pytest.mark.parametrize("verbose", [False, True])
 def test_training_logs_info_to_the_console_with_v_only(tiny, tmp_path, verbose):

@@ -27,12 +27,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-from typing import NoReturn
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
 
 import torch
 from specdec.train.deferred_interrupts import SIGNALS, handle_as_before
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class InterruptsHeld:
@@ -74,21 +76,24 @@ class InterruptsHeld:
             signal.signal(s, handler)
         return previous
 
-    def meet(self, accelerator, last: bool = False) -> None:
+    def meet(self, accelerator, last: bool = False, then: Callable[[], T] | None = None) -> T | None:
         """Every process, at the same point (a barrier that carries the signals): where any process recorded one,
-        every process stops here (:meth:`stop`). A signal during the collective is held; with ``hold=False`` it is
-        handled right after, and the others learn it at the next meeting (:meth:`meet_after`). After the ``last``
-        meeting signals are held: the block's end handles them."""
+        every process stops here (:meth:`stop`); else they do ``then()`` together (another collective, e.g. an
+        exchange of what they made: train/process_team.py) and its result is returned. A signal during the
+        meeting is held; with ``hold=False`` it is handled right after, and the others learn it at the next meeting
+        (:meth:`meet_after`). After the ``last`` meeting signals are held: the block's end handles them."""
         hold, self.hold, before = self.hold, True, len(self.caught)
         try:
             seen = accelerator.reduce(self.recorded(accelerator.device), reduction="sum")
             if bool(seen.any()):
                 self.stop(seen)
+            together = then() if then is not None else None
         finally:
             self.hold = hold or last
         if not self.hold:
             for s in dict.fromkeys(self.caught[before:]):
                 self._handle(s)
+        return together
 
     def meet_after(self, accelerator, err: KeyboardInterrupt) -> None:
         """This process was stopped by a signal it recorded (``err``) outside the loop, where the others go on to

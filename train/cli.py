@@ -192,8 +192,13 @@ def _what_is_left(out: Path, interrupt: KeyboardInterrupt | None = None) -> str:
     ckpt = find_checkpoint(out)
     distilled = getattr(interrupt, "distilled", None)
     if distilled is not None:  # before this run's training: what is kept is the answers
-        kept = f"self-distillation kept its answers to {distilled[0]} of {distilled[1]} prompts, so a rerun " \
-               "generates only the rest"
+        answers, prompts, processes = distilled
+        if processes == 1:
+            kept = f"self-distillation kept its answers to {answers} of {prompts} prompts"
+        else:  # a process knows the others' batches up to their last exchange
+            known = f" (at least {answers} of {prompts} prompts)" if answers else ""
+            kept = f"self-distillation kept the answers its processes finished{known}"
+        kept += ", so a rerun generates only the rest"
         return kept if ckpt is None else f"{kept}; {_what_is_left(out)}"
     if ckpt is None:
         return f"it saved no checkpoint yet (see --save-every), so a rerun starts again{lost}"
@@ -251,6 +256,14 @@ def console_at_cli_level(verbose: bool):
             datasets.enable_progress_bars()
 
 
+def _say(line: str) -> None:
+    """``line`` on stderr in one write: the processes of a run share the terminal (or the launcher's pipe) and stop
+    together, and print() writes the text and its newline apart when Python runs unbuffered (PYTHONUNBUFFERED, -u),
+    so two processes' lines came out run together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def run(args) -> int:
     from specdec.train.data import TrainDataError
     from specdec.train.output_dir import OutputDirError
@@ -262,11 +275,11 @@ def run(args) -> int:
     except (TrainDataError, OutputDirError, ValueError, FileNotFoundError) as err:
         if getattr(args, "verbose", False):  # -v: the traceback, as for every other command
             raise
-        print(f"specdec train-{args.drafter}: error: {err}", file=sys.stderr)
+        _say(f"specdec train-{args.drafter}: error: {err}")
         return 2
     except KeyboardInterrupt as err:
         how = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
-        print(f"specdec train-{args.drafter}: {how}; {_what_is_left(Path(args.output_dir), err)}", file=sys.stderr)
+        _say(f"specdec train-{args.drafter}: {how}; {_what_is_left(Path(args.output_dir), err)}")
         return 128 + (signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT)
     if report:
         keys = ("top1", "top5", "tree", "seconds") if args.drafter == "eagle" else \

@@ -2,8 +2,11 @@
 
 The heads then learn the target's own distribution. Results are cached on disk, keyed by the
 model, the prompts and the generation settings, so a second run does not regenerate. Each finished
-batch is appended to ``<key>.partial.jsonl`` first, so a run interrupted part-way (Ctrl-C, SIGTERM, a
-crash) continues from its last finished batch when run again with the same settings. On a GPU the
+batch is appended to ``<key>.partial.jsonl`` first (``<key>.partial.<p>.jsonl`` by process p of several), so a
+run interrupted part-way (Ctrl-C, SIGTERM, a crash) generates only the batches still missing when run again with
+the same settings, with any number of processes. Several processes share the batches, one each per round, and
+exchange them (train/process_team.py): N processes distil N times as fast, and a batch is the same prompts (a
+sampled one the same seed) whoever generates it, so the data do not depend on the process count. On a GPU the
 decode steps replay as CUDA graphs from one set of buckets reused chunk after chunk (:func:`use_graphs`).
 
     seqs = self_distill(loaded, prompts, max_new_tokens=128, batch_size=16, cache_dir=...)
@@ -17,6 +20,8 @@ import logging
 import os
 import time
 from pathlib import Path
+
+from specdec.train.process_team import Team
 
 from specdec.atomic_write import replaced_atomically, write_json
 from specdec.models.embedded import cache_root
@@ -77,11 +82,15 @@ def decoding_graphs(loaded, prompt_lengths: list[int], max_new_tokens: int, batc
 def self_distill(loaded, prompts: list[str] | list[list[int]], *, max_new_tokens: int, batch_size: int = 16,
                  do_sample: bool = False, temperature: float = 1.0, seed: int = 0,
                  cache_dir: str | os.PathLike | None = None, progress: bool = True,
-                 cuda_graphs: bool | None = None) -> list[list[int]]:
+                 cuda_graphs: bool | None = None, team: Team | None = None) -> list[list[int]]:
     """``cuda_graphs``: see :func:`use_graphs` (None: on where they can be captured). Graphs change bf16 rounding at
-    near-ties, so data made with them is cached under its own key."""
+    near-ties, so data made with them is cached under its own key. ``team``: the processes of a run distilling
+    together (train/process_team.py); each generates every ``team.size``-th batch still missing, they exchange
+    them batch by batch, and every process returns the sequences of a run of one process (a batch keeps its prompts
+    and, sampled, its seed, whoever generates it). ``progress``: a bar on the first process."""
     from specdec.generate import generate
 
+    team = team or Team.alone()
     ids = [p if isinstance(p, list) else encode_prompt(loaded.tokenizer, p) for p in prompts]
     graphs = use_graphs(loaded, cuda_graphs)
     key = {"model": model_fingerprint(loaded.model), "prompts": ids, "max_new_tokens": max_new_tokens,
@@ -92,75 +101,145 @@ def self_distill(loaded, prompts: list[str] | list[list[int]], *, max_new_tokens
     key = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     file = cache / f"{key}.json"
-    if file.is_file():
-        logger.info("self-distillation cache hit: %s", file)
-        return json.loads(file.read_text())["sequences"]
-    partial = cache / f"{key}.partial.jsonl"
-    out = _finished_batches(partial, ids)
-    if out:
-        logger.info("self-distillation continues an interrupted run: %d of %d prompts were done (%s)", len(out),
-                    len(ids), partial)
-    graphed = decoding_graphs(loaded, [len(p) for p in ids], max_new_tokens, batch_size) if graphs else False
+    cached = json.loads(file.read_text())["sequences"] if file.is_file() else None
+    held = dict(enumerate(cached)) if cached is not None else _kept_answers(cache, key, ids, team.index)
+    starts = range(0, len(ids), batch_size)  # a batch is these prompts whoever generates it: a sampled one's seed too
+    whole = [s for s in starts if all(i in held for i in range(s, min(s + batch_size, len(ids))))]
+    try:
+        views = team.exchange((cached is not None, whole))  # what each process found: a cache, finished batches
+        if all(found for found, _ in views):
+            logger.info("self-distillation cache hit: %s", file)
+            return cached
+        todo = _what_is_left(held, [set(w) for _, w in views], len(ids), batch_size, team, cache)
+        graphed = (decoding_graphs(loaded, [len(p) for p in ids], max_new_tokens, batch_size)
+                   if graphs and todo[team.index :: team.size] else False)
+
+        def answers(start: int) -> list[list[int]]:
+            chunk = ids[start : start + batch_size]
+            res = generate(loaded, chunk, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                           seed=seed + start if do_sample else None, return_dict=True, cuda_graphs=graphed)
+            return [list(p) + list(n) for p, n in zip(chunk, res.new_tokens)]
+
+        t0 = time.perf_counter()  # graph capture counted: it is part of what the recipe pays
+        new_tokens = _in_rounds(answers, todo, batch_size, ids, held, team, _partial_file(cache, key, team.index),
+                                progress and team.index == 0)
+        seconds = time.perf_counter() - t0
+        out = [held[i] for i in range(len(ids))]
+        _cache_whole(file, out, _partial_files(cache, key), _partial_file(cache, key, team.index), team)
+    except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM through the CLI: it names what is kept (train/cli.py)
+        err.distilled = (len(held), len(ids), team.size)  # several processes: those this one knows of
+        raise
+    logger.info("self-distilled %d sequences (%d new tokens) in %.1f s, %.0f tokens/s, %s%s; cached in %s", len(out),
+                new_tokens, seconds, new_tokens / max(seconds, 1e-9), _how(graphed, batch_size),
+                f", {team.size} processes" if team.size > 1 else "", file)
+    return out
+
+
+def _what_is_left(held: dict[int, list[int]], found: list[set[int]], n: int, batch_size: int, team: Team,
+                  cache: Path) -> list[int]:
+    """The starts of the batches no process holds whole (``found``: the starts each process holds). Where the
+    processes found different ones (caches that are not one directory: each node its own disk), the first process
+    holding a batch another lacks sends it (an exchange every process makes, or none does)."""
+    done = set().union(*found)
+    if done != set.intersection(*found):
+        mine = {s: [held[i] for i in range(s, min(s + batch_size, n))] for s in sorted(done)
+                if any(s not in f for f in found) and next(p for p, f in enumerate(found) if s in f) == team.index}
+        for theirs in team.exchange(mine):
+            for s, seqs in theirs.items():
+                held.update(zip(range(s, s + len(seqs)), seqs))
+    if done:
+        logger.info("self-distillation continues an interrupted run: %d of %d prompts were done (%s)",
+                    sum(min(batch_size, n - s) for s in done), n, cache)
+    return [s for s in range(0, n, batch_size) if s not in done]
+
+
+def _in_rounds(answers, todo: list[int], batch_size: int, ids: list[list[int]], held: dict[int, list[int]],
+               team: Team, own: Path, progress: bool) -> int:
+    """Generate the batches starting at ``todo`` (``answers(start)``), each process every ``team.size``-th, one per
+    round: each is appended to this process's partial file ``own`` before the next starts, then the round's batches
+    are exchanged into ``held``. Returns the tokens generated (by every process)."""
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(ids), initial=len(out), unit="prompt", desc="self-distill")
-    new_tokens, t0 = 0, time.perf_counter()  # graph capture counted: it is part of what the recipe pays
-    try:
-        for start in range(len(out), len(ids), batch_size):  # a sampled run's batches keep their starts: same seeds
-            chunk = ids[start : start + batch_size]
-            res = generate(loaded, chunk, max_new_tokens=max_new_tokens, do_sample=do_sample,
-                           temperature=temperature, seed=seed + start if do_sample else None, return_dict=True,
-                           cuda_graphs=graphed)
-            done = [list(p) + list(n) for p, n in zip(chunk, res.new_tokens)]
-            with open(partial, "a", encoding="utf-8") as f:  # kept before the next batch starts
-                f.write(json.dumps({"start": start, "sequences": done}) + "\n")
+        left = sum(len(ids[s : s + batch_size]) for s in todo)
+        bar = tqdm(total=len(ids), initial=len(ids) - left, unit="prompt", desc="self-distill")
+    new_tokens, t0 = 0, time.perf_counter()
+    for start, _ in team.rounds(todo):
+        made = {}
+        if start is not None:
+            made[start] = answers(start)
+            with open(own, "a", encoding="utf-8") as f:  # kept before the next batch starts
+                f.write(json.dumps({"start": start, "sequences": made[start]}) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-            out.extend(done)
-            new_tokens += sum(map(len, res.new_tokens))
-            if bar is not None:
-                bar.update(len(chunk))
-                bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
-    except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM through the CLI: it names what is kept (train/cli.py)
-        err.distilled = (len(out), len(ids))
-        raise
+            held.update(zip(range(start, start + len(made[start])), made[start]))
+        for theirs in team.exchange(made):  # every process's batch of this round
+            for s, seqs in theirs.items():
+                held.update(zip(range(s, s + len(seqs)), seqs))
+                new_tokens += sum(len(x) - len(ids[s + i]) for i, x in enumerate(seqs))
+                if bar is not None:
+                    bar.update(len(seqs))
+                    bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     if bar is not None:
         bar.close()
-    seconds = time.perf_counter() - t0
-    write_json(file, {"sequences": out})
-    partial.unlink(missing_ok=True)
-    logger.info("self-distilled %d sequences (%d new tokens) in %.1f s, %.0f tokens/s, %s; cached in %s", len(out),
-                new_tokens, seconds, new_tokens / max(seconds, 1e-9),
-                _how(graphed, batch_size), file)
-    return out
+    return new_tokens
 
 
-def _finished_batches(partial: Path, ids: list[list[int]]) -> list[list[int]]:
-    """The sequences of the batches an interrupted run appended to ``partial``, in order from the first prompt; the
-    file is rewritten to hold only those (a line cut short by a kill, and anything after it, is dropped), so the
-    batches of this run append after whole lines. Creates the cache directory."""
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    if not partial.is_file():
-        return []
-    out: list[list[int]] = []
-    kept = []
-    for line in partial.read_text(encoding="utf-8").splitlines():
+def _cache_whole(file: Path, out: list[list[int]], partials: list[Path], own: Path, team: Team) -> None:
+    """Write the whole distillation to ``file`` and remove the partial files: the first process, then every other
+    whose cache directory is not the first one's (another node's disk) and so lacks ``file``, each its own partial
+    file (one writer per directory: two with one process id, on two nodes, would share a temporary file)."""
+    if team.index == 0:
+        write_json(file, {"sequences": out})
+        for partial in partials:  # every process's: they have finished appending
+            partial.unlink(missing_ok=True)
+    team.meet()
+    if team.index > 0:
+        if not file.is_file():
+            write_json(file, {"sequences": out})
+        own.unlink(missing_ok=True)
+
+
+def _partial_file(cache: Path, key: str, index: int) -> Path:
+    """Where process ``index`` appends its finished batches (each process its own file: no two append to one)."""
+    return cache / (f"{key}.partial.jsonl" if index == 0 else f"{key}.partial.{index}.jsonl")
+
+
+def _partial_files(cache: Path, key: str) -> list[Path]:
+    return sorted(cache.glob(f"{key}.partial*.jsonl"))
+
+
+def _kept_answers(cache: Path, key: str, ids: list[list[int]], index: int) -> dict[int, list[int]]:
+    """The answers (by prompt index) of the batches interrupted runs appended to the partial files, whichever process
+    wrote them; process ``index``'s own file is rewritten to hold only those (a line cut short by a kill, and
+    anything after it, is dropped), so its batches of this run append after whole lines. Creates the cache
+    directory."""
+    cache.mkdir(parents=True, exist_ok=True)
+    held: dict[int, list[int]] = {}
+    own = _partial_file(cache, key, index)
+    for partial in _partial_files(cache, key):
         try:
-            record = json.loads(line)
-            start, seqs = record["start"], record["sequences"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            break
-        # each sequence must continue its own prompt (the key already fixes the model, prompts and settings)
-        if start != len(out) or not seqs or start + len(seqs) > len(ids) or any(
-                s[: len(ids[start + i])] != list(ids[start + i]) for i, s in enumerate(seqs)):
-            break
-        out.extend(seqs)
-        kept.append(line + "\n")
-    with replaced_atomically(partial) as tmp:
-        tmp.write_text("".join(kept), encoding="utf-8")
-    return out
+            lines = partial.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:  # removed since: a run that completed the cache meanwhile
+            continue
+        kept = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+                start, seqs = record["start"], record["sequences"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                break
+            # each sequence must continue its own prompt (the key already fixes the model, prompts and settings)
+            if not isinstance(start, int) or start < 0 or not seqs or start + len(seqs) > len(ids) or any(
+                    s[: len(ids[start + i])] != list(ids[start + i]) for i, s in enumerate(seqs)):
+                break
+            held.update(zip(range(start, start + len(seqs)), seqs))
+            kept.append(line + "\n")
+        if partial == own:
+            with replaced_atomically(partial) as tmp:
+                tmp.write_text("".join(kept), encoding="utf-8")
+    return held
 
 
 def _how(graphed, batch_size: int) -> str:

@@ -26,6 +26,7 @@ from specdec.train.config import SELF_PROMPTS, TrainConfig
 from specdec.train.data import TrainDataError, load_texts, split_held_out, tokenize_texts
 from specdec.train.medusa_recipe import train_heads
 from specdec.train.output_dir import RUN_FILE, prepare_output_dir
+from specdec.train.process_team import Team
 
 from specdec.models.fingerprint import model_fingerprint
 
@@ -60,11 +61,12 @@ def read_inputs(cfg: TrainConfig, loaded) -> list:
     return prompts[: cfg.num_prompts]
 
 
-def _sequences(cfg: TrainConfig, loaded, accelerator, inputs: list,
-               meet: Callable[[], None]) -> tuple[list[list[int]], dict[tuple[int, ...], int]]:
+def _sequences(cfg: TrainConfig, loaded, inputs: list,
+               team: Team) -> tuple[list[list[int]], dict[tuple[int, ...], int]]:
     """Training sequences (``inputs``: :func:`read_inputs`), and for self-distilled ones the length of each one's
     prompt (keyed by the sequence): the accuracies that predict drafting speed are those on the responses, not on
-    the chat template. ``meet``: where the processes wait for each other (:func:`_processes_together`)."""
+    the chat template. Several processes (``team``) self-distil together, each its share of the batches, and all
+    get the sequences one process would have made."""
     if cfg.data is not None:
         return inputs, {}
     from specdec.train.distill import self_distill
@@ -74,17 +76,13 @@ def _sequences(cfg: TrainConfig, loaded, accelerator, inputs: list,
     prompts = inputs
     if not cfg.prompts_file and cfg.prompt_source == "builtin":
         prompts = builtin_prompts(cfg.num_prompts, seed=cfg.seed)
-    seqs = None
-    for turn in (0, 1):  # the main process generates, the others then read its cache
-        if (turn == 0) == accelerator.is_main_process:
-            graphs = distill_graphs(cfg, loaded)
-            if cfg.prompt_source == "self":
-                prompts = self_written_prompts(loaded, cfg.num_prompts or SELF_PROMPTS, seed=cfg.seed,
-                                               batch_size=cfg.distill_batch_size, progress=cfg.progress,
-                                               cuda_graphs=graphs)
-            seqs = self_distill(loaded, prompts, max_new_tokens=cfg.distill_max_new_tokens,
-                                batch_size=cfg.distill_batch_size, progress=cfg.progress, cuda_graphs=graphs)
-        meet()
+    graphs = distill_graphs(cfg, loaded)
+    if cfg.prompt_source == "self":
+        prompts = self_written_prompts(loaded, cfg.num_prompts or SELF_PROMPTS, seed=cfg.seed,
+                                       batch_size=cfg.distill_batch_size, progress=cfg.progress, cuda_graphs=graphs,
+                                       team=team)
+    seqs = self_distill(loaded, prompts, max_new_tokens=cfg.distill_max_new_tokens, batch_size=cfg.distill_batch_size,
+                        progress=cfg.progress, cuda_graphs=graphs, team=team)
     from specdec.train.distill import encode_prompt
 
     lengths = [len(encode_prompt(loaded.tokenizer, p)) for p in prompts]
@@ -125,19 +123,24 @@ def _logged_to_file(out: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _processes_together(accelerator) -> Iterator[Callable[[], None]]:
-    """Several processes, up to the end of training: yields ``meet``, the barrier where they wait for each other,
-    which also carries Ctrl-C and SIGTERM (train/agreed_interrupts.py). Outside the training loop a signal stops its
-    process where it lands, as in one process (self-distillation keeps its finished batches), and the others at
-    their next meeting. At the block's end they meet a last time and close the process group (left to exit, a rank
-    could abort in teardown); a signal during that meeting stops its process after it. The main process then
-    evaluates alone. One process: ``meet`` does nothing."""
+def _processes_together(accelerator) -> Iterator[Team]:
+    """Several processes, up to the end of training: yields their :class:`Team`, whose ``meet`` (the barrier where
+    they wait for each other) and ``exchange`` (of what each made, e.g. its share of the self-distillation) also
+    carry Ctrl-C and SIGTERM (train/agreed_interrupts.py). Outside the training loop a signal stops its process
+    where it lands, as in one process (self-distillation keeps its finished batches), and the others at their next
+    meeting. At the block's end they meet a last time and close the process group (left to exit, a rank could abort
+    in teardown); a signal during that meeting stops its process after it. The main process then evaluates alone.
+    One process: ``Team.alone()``."""
     if accelerator.num_processes == 1:
-        yield accelerator.wait_for_everyone
+        yield Team.alone()
         return
+    from accelerate.utils import gather_object
+
     with InterruptsHeld(hold=False) as agreed:
         try:
-            yield functools.partial(agreed.meet, accelerator)
+            yield Team(accelerator.process_index, accelerator.num_processes,
+                       meet=functools.partial(agreed.meet, accelerator),
+                       exchange=lambda made: agreed.meet(accelerator, then=lambda: gather_object([made])))
             agreed.meet(accelerator, last=True)  # a signal during it is handled at the end of the block
         except KeyboardInterrupt as err:
             agreed.meet_after(accelerator, err)
@@ -245,8 +248,8 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
                            "CPU-only machine use `accelerate launch --multi_gpu --num_processes N` or torchrun")
     t0 = time.perf_counter()
     with contextlib.ExitStack() as log:  # train.log, from when the output directory is ready to the report
-        with _processes_together(accelerator) as meet:
-            loaded, inputs, resume_from = _load_and_prepare(cfg, accelerator, meet)
+        with _processes_together(accelerator) as team:
+            loaded, inputs, resume_from = _load_and_prepare(cfg, accelerator, team.meet)
             out = Path(cfg.output_dir)
             out.mkdir(parents=True, exist_ok=True)
             if accelerator.is_main_process:
@@ -256,7 +259,7 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
             if accelerator.is_main_process:
                 (out / RUN_FILE).write_text(json.dumps({"config": cfg.to_json(), "fingerprint": cfg.fingerprint()},
                                                        indent=2))
-            seqs, prompt_lengths = _sequences(cfg, loaded, accelerator, inputs, meet)
+            seqs, prompt_lengths = _sequences(cfg, loaded, inputs, team)
             train_seqs, held_out = split_held_out(seqs, cfg.held_out_fraction)
             logger.info("%d training / %d held-out sequences (%d / %d tokens)", len(train_seqs), len(held_out),
                         sum(map(len, train_seqs)), sum(map(len, held_out)))

@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from specdec.train.data import TrainDataError
+from specdec.train.process_team import Team
 
 from specdec.atomic_write import write_json
 from specdec.models.embedded import cache_root
@@ -84,18 +85,22 @@ def _cache_file(loaded, n: int, seed: int, batch_size: int, cache_dir, graphs: b
 
 
 def self_written_prompts(loaded, n: int, *, seed: int = 0, batch_size: int = 64, cache_dir=None,
-                         progress: bool = True, cuda_graphs: bool | None = None) -> list[str]:
+                         progress: bool = True, cuda_graphs: bool | None = None, team: Team | None = None) -> list[str]:
     """``n`` user prompts sampled from the target (module doc); at most ``4 n`` are drawn to find them.
-    ``cuda_graphs``: as in :func:`specdec.train.distill.use_graphs` (None: where they are captured)."""
+    ``cuda_graphs``: as in :func:`specdec.train.distill.use_graphs` (None: where they are captured). ``team``:
+    the processes of a run writing them together (train/process_team.py), each every ``team.size``-th batch of
+    draws, exchanged round by round; the batches are read in order, so every process returns the prompts of a run
+    of one process (a batch's seed is its first draw's number, whoever draws it)."""
     from specdec.train.distill import decoding_graphs, use_graphs
 
     from specdec.generate import generate
 
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    team = team or Team.alone()
     graphs = use_graphs(loaded, cuda_graphs)
     file = _cache_file(loaded, n, seed, batch_size, cache_dir, graphs)
-    if file.is_file():
+    if all(team.exchange(file.is_file())):
         logger.info("self-written prompts: cache hit %s", file)
         return json.loads(file.read_text())["prompts"]
     tok = loaded.tokenizer
@@ -106,29 +111,36 @@ def self_written_prompts(loaded, n: int, *, seed: int = 0, batch_size: int = 64,
     seen: set[str] = set()
     drawn = dropped_close = 0
     bar = None
-    if progress:
+    if progress and team.index == 0:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=n, unit="prompt", desc="prompts by the target")
-    while len(prompts) < n and drawn < 4 * n:
-        res = generate(loaded, [prefix] * batch_size, max_new_tokens=MAX_TOKENS, do_sample=True,
-                       temperature=TEMPERATURE, top_p=TOP_P, seed=seed * 1_000_003 + drawn, return_dict=True,
-                       cuda_graphs=graphed)
-        drawn += batch_size
-        for new in res.new_tokens:
-            new = list(new)
-            if not new or new[-1] not in end:  # cut off at MAX_TOKENS: not a whole user turn
-                continue
-            text = tok.decode(new[:-1], skip_special_tokens=True).strip()
-            if len(text.split()) < MIN_WORDS or text in seen:
-                continue
-            if too_close(text, held_out):
-                dropped_close += 1
-                continue
-            seen.add(text)
-            prompts.append(text)
-            if bar is not None and len(prompts) <= n:
-                bar.update(1)
+    for mine, firsts in team.rounds(range(0, 4 * n, batch_size)):  # the first draw of each batch, 4 n draws at most
+        made = None
+        if mine is not None:
+            res = generate(loaded, [prefix] * batch_size, max_new_tokens=MAX_TOKENS, do_sample=True,
+                           temperature=TEMPERATURE, top_p=TOP_P, seed=seed * 1_000_003 + mine, return_dict=True,
+                           cuda_graphs=graphed)
+            made = [list(new) for new in res.new_tokens]
+        for first, batch in zip(firsts, team.exchange(made)):  # in the order one process draws them
+            if len(prompts) >= n:
+                break
+            drawn = first + batch_size
+            for new in batch:
+                if not new or new[-1] not in end:  # cut off at MAX_TOKENS: not a whole user turn
+                    continue
+                text = tok.decode(new[:-1], skip_special_tokens=True).strip()
+                if len(text.split()) < MIN_WORDS or text in seen:
+                    continue
+                if too_close(text, held_out):
+                    dropped_close += 1
+                    continue
+                seen.add(text)
+                prompts.append(text)
+                if bar is not None and len(prompts) <= n:
+                    bar.update(1)
+        if len(prompts) >= n:
+            break
     if bar is not None:
         bar.close()
     if not prompts:
