@@ -35,7 +35,8 @@ COMMAND = re.compile(r"`[^`]*?(python3? benchmarks/gpu_check\.py [^`]+)`")  # pa
 E2E_METHODS = (("hf_dynamic", "transformers, dynamic cache"), ("hf_static", "transformers, static cache"),
                ("specdec_plain", "specdec plain, eager"), ("specdec_ngram", "specdec n-gram, eager"),
                ("specdec_plain_graphs", "specdec plain, CUDA graphs"),
-               ("specdec_ngram_graphs", "specdec n-gram, CUDA graphs"))
+               ("specdec_ngram_graphs", "specdec n-gram, CUDA graphs"),
+               ("specdec_plain_ref", "specdec plain, reference attention"))
 SHAPES = {"synthetic:llama-3.1-8b": "Llama-3.1-8B", "synthetic:qwen3-1.7b": "Qwen3-1.7B",
           "synthetic:qwen3-0.6b": "Qwen3-0.6B", "synthetic:llama-3.2-1b": "Llama-3.2-1B", "default": "SmolLM2-135M"}
 GOALS_SHAPE = "synthetic:llama-3.1-8b"  # the shape the goals' oracle rows name
@@ -139,7 +140,8 @@ def e2e_result(run: Run) -> dict:
     e2e = run.e2e
     cats = list(e2e["per_category"])
     pc, tps = e2e["per_category"], e2e["tokens_per_s"]
-    methods = [(k, label) for k, label in E2E_METHODS if k in tps]
+    labels = dict(E2E_METHODS)  # a method this script has no label for keeps its row, under its own name
+    methods = [(k, labels[k]) for k, _ in E2E_METHODS if k in tps] + [(k, k) for k in tps if k not in labels]
     rows = [[label] + [f1(pc[c][k]) for c in cats] + [f1(tps[k])] for k, label in methods]
     per = e2e["prompts"] // len(cats)
     notes = []

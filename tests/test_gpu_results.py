@@ -55,6 +55,8 @@ def test_what_a_later_run_records_is_said(script, tmp_path):
     (run / "report.md").write_text((RUN / "report.md").read_text().replace(f"`{call}", f"`PYTHONUNBUFFERED=1 {call}"))
     e2e = json.loads((run / "e2e.json").read_text())
     e2e["speculation"] = {"specdec_ngram_graphs": dict(steps=100, tokens=150, drafted_steps=40, nodes=90)}
+    for row in [e2e["tokens_per_s"], *e2e["per_category"].values()]:  # --compare-reference's row, and one unknown
+        row.update(specdec_plain_ref=50.0, specdec_new_method=60.0)
     (run / "e2e.json").write_text(json.dumps(e2e))
     speed = json.loads((run / "speed.json").read_text())
     speed["models"][2]["skipped"] = ["plain b8", "oracle chain tau 2.0 b8"]
@@ -64,6 +66,8 @@ def test_what_a_later_run_records_is_said(script, tmp_path):
     goals = made["2026-11-30-gpu-h200-goals.json"]  # from the speed call's report alone
     assert [r[3] for r in goals["rows"]].count("not measured") == 5 and goals["notes"] == ["1 of the 10 goals met."]
     assert made["2026-11-30-gpu-h200-speed.json"]["command"].startswith(call + " --model default   # its speed step")
+    e2e_rows = {r[0]: r[-1] for r in made["2026-11-30-gpu-h200-e2e.json"]["rows"]}
+    assert e2e_rows["specdec plain, reference attention"] == "50.0" and e2e_rows["specdec_new_method"] == "60.0"
     assert made["2026-11-30-gpu-h200-e2e.json"]["notes"][0].endswith(
         "summarisation 0.97x); with graphs tau 1.50, a draft verified in 40% of steps.")
     assert made["2026-11-30-gpu-h200-speed.json"]["notes"][-1] == (
