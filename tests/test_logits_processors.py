@@ -2,7 +2,10 @@
 
 Greedy decoding with each processor (repetition penalty, no_repeat_ngram_size, bad_words_ids, min_new_tokens, a
 caller's prefix-only processors) gives transformers' ``model.generate()`` tokens, plain and with drafters (n-gram,
-the target as its own draft model, random trees), batched and single; coupled sampling with a penalty gives the
+the target as its own draft model, random trees), batched and single; so do transformers' other processors
+(sequence_bias, min_length, forced BOS / EOS, remove_invalid_values, exponential decay, suppress_tokens,
+begin_suppress_tokens) in a left-padded batch, where the length-dependent ones count as transformers counts (and
+min_length / forced_bos_token_id depend on the batch's width, as there); coupled sampling with a penalty gives the
 same text with and without a drafter; the sampled law of the first tokens with a penalty is plain sampling's (and a
 variant processing every node with the root's prefix fails); each node's rows get exactly their own prefix;
 log-probabilities equal transformers' processed scores and do not depend on the drafter."""
