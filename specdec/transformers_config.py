@@ -16,10 +16,9 @@ in transformers 5 (:data:`NONE_KWARG`): ``eos_token_id=None`` is no EOS, ``stop_
 * ignored, because it cannot change the tokens (:data:`IGNORED`: ``bos_token_id``, cache and compile settings,
   assisted-generation tuning, ...);
 * refused when set to anything but a neutral value (:data:`REFUSED`: beam search, but length_penalty /
-  early_stopping under num_beams 1, contrastive search, encoder_* processors, warpers but temperature / top-k /
-  top-p, ``stopping_criteria``, ...): a one-line InputError naming the field and where it came from. A field this
-  file does not know is refused the same way; custom keys of a generation_config.json are logged and ignored; an
-  unknown keyword is an InputTypeError.
+  early_stopping under num_beams 1, contrastive search, encoder_* processors, other warpers, stopping_criteria,
+  ...): a one-line InputError naming the field and its source. A field this file does not know is refused the
+  same way; custom keys of a generation_config.json are logged and ignored; an unknown keyword: InputTypeError.
 
 Sampling defaults: when a transformers config (passed or the model's) sets ``do_sample=True`` and no layer sets
 ``top_k``, top-k is transformers' 50; sampling asked for only by keyword or a specdec config keeps ``top_k=0``.
