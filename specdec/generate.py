@@ -94,6 +94,9 @@ class GenerateRequest:
     progress: bool
     return_dict: bool
     layout: OutputLayout  # the result: each input row as given + its new tokens, tensor or lists
+    # input_ids.shape[-1] (the longest row of lists): what max_length, min_length and transformers' other
+    # length-dependent processors count (specdec.logits_processing)
+    prompt_width: int
 
 
 def generate(
@@ -219,7 +222,7 @@ def prepare(model: Any, input_ids: Any = None, *, drafter: Any = None, drafter_o
     layout = OutputLayout(tuple(tuple(r) for r in inputs.rows), inputs.tensor_device is not None, pad_token_id,
                           inputs.tensor_device)
     return GenerateRequest(loaded, inputs.prompts, config, stop, drafter_obj, generator, cuda_graphs, streamer,
-                           progress, resolved.return_dict, layout)
+                           progress, resolved.return_dict, layout, inputs.length)
 
 
 # sampling options and their neutral values: given with greedy decoding they change nothing (transformers warns too)

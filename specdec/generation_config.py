@@ -23,7 +23,7 @@ from typing import Any
 from specdec.coupling import SAMPLERS
 from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import check_bool, check_int, describe, parse_stop
-from specdec.logits_processing import check_processing_fields
+from specdec.processor_fields import PROCESSOR_FIELDS, check_processing_fields
 from specdec.sampling import SamplingConfig
 
 SPECULATION_MODES = ("auto", "always")
@@ -81,6 +81,17 @@ class GenerationConfig:
     # be, whatever else shares it (tree nodes, other sequences), so speculative output is byte-identical to plain
     # decoding's in every dtype (specdec.models.invariant_ops; docs/bit-exact.md)
     invariant: bool = False
+    # more of transformers' logits processors (specdec.logits_processing; placed last so that positional
+    # arguments keep their meaning). min_length: EOS cannot come before the prompt, counted as input_ids.shape[-1]
+    # as max_length counts it, plus the new tokens reach it; 0 = off; min_new_tokens, where set, replaces it
+    min_length: int = 0
+    sequence_bias: Any = None  # {(token ids): bias} or [[token ids, bias], ...]: added where the ids would complete
+    forced_bos_token_id: int | None = None  # the first new token where input_ids.shape[-1] is 1 (transformers' rule)
+    forced_eos_token_id: Any = None  # token id(s) forced as the last new token (at max_new_tokens)
+    remove_invalid_values: bool = False  # NaN -> 0 and +-inf -> the dtype's max / min, after the processors above
+    exponential_decay_length_penalty: Any = None  # (start_index, decay_factor): EOS logits grow after start new tokens
+    suppress_tokens: Any = None  # token ids that are never generated
+    begin_suppress_tokens: Any = None  # token ids that are not generated as the first new token
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "GenerationConfig":
         # record which fields the caller gave (positionally or by name) before the dataclass __init__ fills in
@@ -116,9 +127,7 @@ class GenerationConfig:
             raise InputError(f"sampler must be one of {', '.join(map(repr, SAMPLERS))}, got {describe(self.sampler)}")
         self.sampling  # noqa: B018 -- do_sample / temperature / top_k / top_p checked by SamplingConfig
         parse_stop(self.stop)
-        for name, value in check_processing_fields(self.repetition_penalty, self.no_repeat_ngram_size,
-                                                   self.bad_words_ids, self.min_new_tokens, self.logits_processor,
-                                                   self.logits_processor_prefix_only).items():
+        for name, value in check_processing_fields(**{n: getattr(self, n) for n in PROCESSOR_FIELDS}).items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "invariant", check_bool("invariant", self.invariant))
         for name in ("output_logprobs", "output_scores"):  # None = False, as transformers reads it

@@ -7,19 +7,22 @@ ancestors and node i. The greedy walk, the rejection sampler and coupled samplin
 the scores plain decoding with the same processors sees, so the output is plain decoding's (greedy token for
 token, the same law, the same coupled text). Plain decoding is the empty tree: the root's row only.
 
-    processing = LogitsProcessing.from_config(config, eos_token_ids, vocab_size)   # None: nothing to apply
+    processing = LogitsProcessing.from_config(config, eos_token_ids, vocab_size, prompt_width)  # None: none
     logits = processing.apply([(s.token_ids, s.num_prompt_tokens) for s in live], trees, logits)
 
-The processors are transformers' own classes, in the order transformers' ``generate()`` builds them:
-``repetition_penalty``, ``no_repeat_ngram_size``, ``bad_words_ids``, ``min_new_tokens`` (built per prompt
-length), then the caller's ``logits_processor=`` (a caller's processor of a built-in's class takes its place).
-Other transformers processors stay refused (:mod:`specdec.transformers_config`).
-
-A caller's processor must be declared prefix-only (``logits_processor_prefix_only=True``): it is called many
-times per step, on rows later rejected, in groups of any size and order, so it must map ``(input_ids [rows, L],
-scores [rows, V]) -> [rows, V]`` with each row a function of that row alone. A row's ``input_ids`` is its prompt
-without padding followed by the committed and drafted tokens, as if decoded alone; rows of equal length are
-batched, so no row is ever padded. Scores are processed in float32 (float64 stays float64).
+The processors are transformers' own classes, in transformers 5's order (``_get_logits_processor``):
+sequence_bias, repetition_penalty, no_repeat_ngram_size, bad_words_ids, min_length, min_new_tokens,
+forced_bos_token_id, forced_eos_token_id, remove_invalid_values, exponential_decay_length_penalty,
+suppress_tokens, begin_suppress_tokens, then the caller's ``logits_processor=`` (one of a built-in's class takes
+its place). A row's ``input_ids`` is its prompt without padding, then the committed and drafted tokens, as if
+decoded alone; rows of equal length are batched, so no row is ever padded. The processors that count from the
+prompt (:class:`PerPrompt`) are built per prompt length, shifted to act after as many new tokens as in
+transformers' left-padded batch, whose lengths count ``prompt_width`` (``input_ids.shape[-1]``): the same for
+every row but for ``min_length`` (a row shorter than the width must generate more) and ``forced_bos_token_id``
+(acts only where the width is 1). A caller's processor must be declared prefix-only
+(``logits_processor_prefix_only=True``): it is called many times per step, on rows later rejected, in groups of
+any size and order, so each output row must be a function of that row alone. Scores are processed in float32
+(float64 stays float64).
 
 The full-vocabulary model drafters process their own logits the same way (``TargetView.processing``) so their
 drafts get accepted; Medusa, EAGLE and reduced-vocabulary drafters do not: that costs acceptance, never
@@ -34,70 +37,25 @@ from typing import Any
 import torch
 
 from specdec.errors import InputError, InputTypeError
-from specdec.generate_inputs import check_bool, check_int, check_real, describe, is_int
+from specdec.generate_inputs import describe
 from specdec.host_copy import to_device
+from specdec.processor_fields import check_vocabulary_ids
 from specdec.tree import DraftTree
 
-PREFIX_ONLY_HELP = (
-    "logits_processor needs logits_processor_prefix_only=True: speculative decoding calls each processor at every "
-    "draft-tree node with that node's own prefix (many rows per step, in any grouping, also on tokens that are "
-    "then rejected), which keeps the output exact only for a processor whose output rows depend on their "
-    "input_ids and scores alone; one that keeps state across calls would change it. Pass "
-    "logits_processor_prefix_only=True if yours is such a processor"
-)
 
+@dataclass(frozen=True)
+class PerPrompt:
+    """A transformers processor whose arguments count from the prompt's length: ``build(prompt_length, device)``
+    makes it for rows of that prompt length; it changes a row's scores only after ``first`` to ``last`` new tokens
+    (None: no end; ``last < first``: never), so rows outside that range skip it."""
 
-class _MinNewTokens:
-    """Placeholder for ``MinNewTokensLengthLogitsProcessor``, built per prompt length when rows are processed."""
+    kind: type  # the transformers class built (a caller's processor of that class takes its place)
+    build: Callable[[int, torch.device], Callable]
+    first: int = 0
+    last: int | None = None
 
-
-_MIN_NEW_TOKENS = _MinNewTokens()
-
-
-def check_processing_fields(repetition_penalty: Any, no_repeat_ngram_size: Any, bad_words_ids: Any,
-                            min_new_tokens: Any, logits_processor: Any, logits_processor_prefix_only: Any
-                            ) -> dict[str, Any]:
-    """GenerationConfig's processor fields checked and normalised (None = off; one-line InputError /
-    InputTypeError naming the field): the values to store."""
-    repetition_penalty = check_real("repetition_penalty", 1.0 if repetition_penalty is None else repetition_penalty)
-    if not repetition_penalty > 0:
-        raise InputError(f"repetition_penalty must be > 0 (1.0 = off), got {repetition_penalty}")
-    ngram = check_int("no_repeat_ngram_size", 0 if no_repeat_ngram_size is None else no_repeat_ngram_size, minimum=0)
-    min_new = check_int("min_new_tokens", 0 if min_new_tokens is None else min_new_tokens, minimum=0)
-    check_bool("logits_processor_prefix_only", logits_processor_prefix_only)
-    processors = _check_processors(logits_processor)
-    if processors and not logits_processor_prefix_only:
-        raise InputError(PREFIX_ONLY_HELP)
-    return dict(repetition_penalty=repetition_penalty, no_repeat_ngram_size=ngram,
-                bad_words_ids=_check_bad_words(bad_words_ids), min_new_tokens=min_new, logits_processor=processors)
-
-
-def _check_bad_words(value: Any) -> tuple[tuple[int, ...], ...] | None:
-    if value is None:
-        return None
-    how = "a non-empty list of non-empty token-id lists, e.g. [[12], [7, 8]]"
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
-        raise InputTypeError(f"bad_words_ids must be {how}, got {describe(value)}")
-    out = []
-    for i, word in enumerate(value):
-        if isinstance(word, (str, bytes)) or not isinstance(word, (list, tuple)) or not word:
-            raise InputTypeError(f"bad_words_ids[{i}] must be a non-empty list of token ids, got {describe(word)}")
-        if not all(is_int(t) and int(t) >= 0 for t in word):
-            raise InputTypeError(f"bad_words_ids[{i}] must hold token ids >= 0, got {describe(word)}")
-        out.append(tuple(int(t) for t in word))
-    return tuple(out)
-
-
-def _check_processors(value: Any) -> tuple[Callable, ...]:
-    """None, one processor, or a list / tuple / LogitsProcessorList of them -> a tuple of callables."""
-    if value is None:
-        return ()
-    items = list(value) if isinstance(value, (list, tuple)) else [value]
-    for i, p in enumerate(items):
-        if not callable(p):
-            raise InputTypeError(f"logits_processor[{i}] must be a callable (input_ids, scores) -> scores, "
-                                 f"got {describe(p)}")
-    return tuple(items)
+    def acts(self, new_tokens: int) -> bool:
+        return self.first <= new_tokens and (self.last is None or new_tokens <= self.last)
 
 
 def node_suffixes(tree: DraftTree) -> list[list[int]]:
@@ -112,72 +70,108 @@ def node_suffixes(tree: DraftTree) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class LogitsProcessing:
-    """The processors of one generate() call, in transformers' order (``_MIN_NEW_TOKENS`` marks where
-    ``MinNewTokensLengthLogitsProcessor`` goes: it is built per prompt length)."""
+    """The processors of one generate() call, in transformers' order: callables, and :class:`PerPrompt` ones
+    built per prompt length when rows are processed."""
 
-    processors: tuple[Callable, ...]
-    min_new_tokens: int = 0
-    eos_token_ids: tuple[int, ...] = ()
+    processors: tuple[Callable | PerPrompt, ...]
 
     def __post_init__(self) -> None:
         if not self.processors:
             raise InputError("LogitsProcessing needs at least one processor (use None for none)")
-        if not all(callable(p) or p is _MIN_NEW_TOKENS for p in self.processors):
+        if not all(callable(p) or isinstance(p, PerPrompt) for p in self.processors):
             raise InputTypeError("LogitsProcessing.processors must be callables (input_ids, scores) -> scores")
-        check_int("min_new_tokens", self.min_new_tokens, minimum=0)
-        if self.has_min_new_tokens != (self.min_new_tokens > 0 and bool(self.eos_token_ids)):
-            raise InputError("LogitsProcessing: the min_new_tokens placeholder needs min_new_tokens > 0 and EOS ids")
 
     @property
-    def has_min_new_tokens(self) -> bool:
-        return any(p is _MIN_NEW_TOKENS for p in self.processors)
+    def per_prompt(self) -> bool:
+        """Whether a processor counts from the prompt (rows are then grouped by prompt length too)."""
+        return any(isinstance(p, PerPrompt) for p in self.processors)
 
     @classmethod
-    def from_config(cls, config: Any, eos_token_ids: Sequence[int], vocab_size: int) -> LogitsProcessing | None:
-        """The processors ``config`` (a checked GenerationConfig) asks for; None when there are none (the
-        engine then runs no processing code at all)."""
+    def from_config(cls, config: Any, eos_token_ids: Sequence[int], vocab_size: int,
+                    prompt_width: int | None = None) -> LogitsProcessing | None:
+        """The processors ``config`` (a checked GenerationConfig, max_new_tokens resolved) asks for; None when
+        there are none (the engine then runs no processing code at all). ``prompt_width``: transformers'
+        ``input_ids.shape[-1]`` (the longest row of lists), which min_length, forced_bos_token_id and
+        begin_suppress_tokens count; needed only with them."""
         from transformers import (
+            ExponentialDecayLengthPenalty,
+            ForcedBOSTokenLogitsProcessor,
+            ForcedEOSTokenLogitsProcessor,
+            InfNanRemoveLogitsProcessor,
+            MinLengthLogitsProcessor,
             MinNewTokensLengthLogitsProcessor,
             NoBadWordsLogitsProcessor,
             NoRepeatNGramLogitsProcessor,
             RepetitionPenaltyLogitsProcessor,
+            SequenceBiasLogitsProcessor,
+            SuppressTokensAtBeginLogitsProcessor,
+            SuppressTokensLogitsProcessor,
         )
 
-        eos = tuple(sorted(int(e) for e in eos_token_ids))
-        defaults: list[tuple[type, Callable]] = []  # (class a caller's processor replaces it by, processor)
+        check_vocabulary_ids(config, vocab_size)
+        eos = sorted({int(e) for e in eos_token_ids})
+        new_max = config.max_new_tokens  # transformers' max_length is prompt_width + this
+        needs_width = config.min_length > 0 or config.forced_bos_token_id is not None or (
+            config.begin_suppress_tokens is not None)
+        if needs_width and prompt_width is None:
+            raise InputError("LogitsProcessing.from_config needs prompt_width with min_length, forced_bos_token_id "
+                             "or begin_suppress_tokens")
+        defaults: list[Callable | PerPrompt] = []  # transformers 5's _get_logits_processor, in its order
+        if config.sequence_bias is not None:
+            defaults.append(SequenceBiasLogitsProcessor([[list(ids), bias] for ids, bias in config.sequence_bias]))
         if config.repetition_penalty != 1.0:
-            defaults.append((RepetitionPenaltyLogitsProcessor, RepetitionPenaltyLogitsProcessor(
-                float(config.repetition_penalty))))
+            defaults.append(RepetitionPenaltyLogitsProcessor(float(config.repetition_penalty)))
         if config.no_repeat_ngram_size > 0:
-            defaults.append((NoRepeatNGramLogitsProcessor, NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size)))
+            defaults.append(NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
         if config.bad_words_ids is not None:
-            bad = [t for word in config.bad_words_ids for t in word if t >= vocab_size]
-            if bad:
-                raise InputError(f"bad_words_ids has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-            words = [list(w) for w in config.bad_words_ids]
-            defaults.append((NoBadWordsLogitsProcessor, NoBadWordsLogitsProcessor(words, list(eos) or None)))
+            defaults.append(NoBadWordsLogitsProcessor([list(w) for w in config.bad_words_ids], eos or None))
+        if config.min_length > 0 and eos:  # EOS is masked while prompt_width + new tokens < min_length
+            extra = config.min_length - prompt_width
+            defaults.append(PerPrompt(MinLengthLogitsProcessor, lambda p, device: MinLengthLogitsProcessor(
+                p + extra, eos, device=device), 0, extra - 1))
         if config.min_new_tokens > 0 and eos:
-            defaults.append((MinNewTokensLengthLogitsProcessor, _MIN_NEW_TOKENS))
+            n = config.min_new_tokens
+            defaults.append(PerPrompt(MinNewTokensLengthLogitsProcessor, lambda p, device: (
+                MinNewTokensLengthLogitsProcessor(p, n, eos, device=device)), 0, n - 1))
+        if config.forced_bos_token_id is not None:  # transformers forces it where input_ids.shape[-1] is 1
+            bos = config.forced_bos_token_id
+            defaults.append(PerPrompt(ForcedBOSTokenLogitsProcessor, lambda p, device: (
+                ForcedBOSTokenLogitsProcessor(bos)), 0, 0 if prompt_width == 1 else -1))
+        if config.forced_eos_token_id is not None:  # at max_length - 1: the last new token
+            forced = list(config.forced_eos_token_id)
+            defaults.append(PerPrompt(ForcedEOSTokenLogitsProcessor, lambda p, device: ForcedEOSTokenLogitsProcessor(
+                p + new_max, forced, device=device), new_max - 1, new_max - 1))
+        if config.remove_invalid_values:
+            defaults.append(InfNanRemoveLogitsProcessor())
+        if config.exponential_decay_length_penalty is not None:
+            if not eos:
+                raise InputError("exponential_decay_length_penalty raises the EOS logits and there is no EOS id "
+                                 "(transformers fails there too): pass eos_token_id, or unset it")
+            decay = config.exponential_decay_length_penalty
+            defaults.append(PerPrompt(ExponentialDecayLengthPenalty, lambda p, device: ExponentialDecayLengthPenalty(
+                decay, eos, p), decay[0] + 1))
+        if config.suppress_tokens is not None:
+            defaults.append(SuppressTokensLogitsProcessor(config.suppress_tokens))
+        if config.begin_suppress_tokens is not None:  # the first new token; the second after a forced BOS
+            at = 1 if prompt_width <= 1 and config.forced_bos_token_id is not None else 0
+            begin = config.begin_suppress_tokens
+            defaults.append(PerPrompt(SuppressTokensAtBeginLogitsProcessor, lambda p, device: (
+                SuppressTokensAtBeginLogitsProcessor(begin, p + at, device=device)), at, at))
         custom = list(config.logits_processor)
         # transformers 5's _merge_criteria_processor_list: a custom processor of a default's class takes its place
-        merged = [next((c for c in custom if type(c) is kind), p) for kind, p in defaults]
+        kinds = [p.kind if isinstance(p, PerPrompt) else type(p) for p in defaults]
+        merged = [next((c for c in custom if type(c) is kind), p) for kind, p in zip(kinds, defaults)]
         merged += [c for c in custom if not any(c is m for m in merged)]
-        if not merged:
-            return None
-        min_new = any(p is _MIN_NEW_TOKENS for p in merged)
-        return cls(tuple(merged), config.min_new_tokens if min_new else 0, eos if min_new else ())
+        return cls(tuple(merged)) if merged else None
 
     def process_rows(self, input_ids: torch.Tensor, scores: torch.Tensor, prompt_length: int) -> torch.Tensor:
         """input_ids [rows, L] (every row a prefix of L tokens whose prompt is ``prompt_length`` long), scores
         [rows, V] -> the processed scores [rows, V]: each processor in turn, as transformers' generate() calls it."""
         for i, p in enumerate(self.processors):
-            if p is _MIN_NEW_TOKENS:
-                if input_ids.shape[-1] - prompt_length >= self.min_new_tokens:
-                    continue  # past the minimum: the processor would change nothing
-                from transformers import MinNewTokensLengthLogitsProcessor
-
-                p = MinNewTokensLengthLogitsProcessor(prompt_length, self.min_new_tokens, list(self.eos_token_ids),
-                                                      device=scores.device)
+            if isinstance(p, PerPrompt):
+                if not p.acts(input_ids.shape[-1] - prompt_length):
+                    continue  # outside its range the processor would change nothing
+                p = p.build(prompt_length, scores.device)
             out = p(input_ids, scores)
             if not isinstance(out, torch.Tensor) or out.shape != scores.shape:
                 raise InputTypeError(f"logits processor {i} ({type(p).__name__}) returned {describe(out)}, expected "
@@ -189,10 +183,10 @@ class LogitsProcessing:
                          ) -> torch.Tensor:
         """prefixes [R]: (committed token ids [n] int64 CPU tensor, the tokens after them, the prompt's length),
         scores [R, V] -> the processed scores [R, V] (float32, float64 stays float64; a new tensor): row r
-        processed with prefix r. Rows of equal length (and, with min_new_tokens, equal prompt length) go through
-        the processors in one call, so no row is ever padded."""
+        processed with prefix r. Rows of equal length (and, with a :class:`PerPrompt` processor, equal prompt
+        length) go through the processors in one call, so no row is ever padded."""
         out = scores.to(torch.float64 if scores.dtype == torch.float64 else torch.float32, copy=True)
-        by_prompt = self.has_min_new_tokens  # MinNewTokensLengthLogitsProcessor counts from the prompt's length
+        by_prompt = self.per_prompt
         groups: dict[tuple[int, int], list[int]] = {}
         for r, (base, suffix, prompt_length) in enumerate(prefixes):
             groups.setdefault((prompt_length if by_prompt else 0, len(base) + len(suffix)), []).append(r)

@@ -55,8 +55,8 @@ class SamplingConfig:
             raise InputError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise InputError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InputError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.top_p <= 1.0:  # 0 keeps only the most likely token, as transformers' TopPLogitsWarper
+            raise InputError(f"top_p must lie in [0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

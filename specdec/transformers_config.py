@@ -16,17 +16,17 @@ in transformers 5 (:data:`NONE_KWARG`): ``eos_token_id=None`` is no EOS, ``stop_
 * ignored, because it cannot change the tokens (:data:`IGNORED`: ``bos_token_id``, cache and compile settings,
   assisted-generation tuning, ...);
 * refused when set to anything but a neutral value (:data:`REFUSED`: beam search, but length_penalty /
-  early_stopping under num_beams 1, contrastive search, other processors and warpers, ``stopping_criteria``, ...): a
-  one-line InputError naming the field and where it came from. A field this file does not know is refused the same
-  way; custom keys of a generation_config.json are logged and ignored; an unknown keyword is an InputTypeError.
+  early_stopping under num_beams 1, contrastive search, encoder_* processors, other warpers, stopping_criteria,
+  ...): a one-line InputError naming the field and its source. A field this file does not know is refused the
+  same way; custom keys of a generation_config.json are logged and ignored; an unknown keyword: InputTypeError.
 
 Sampling defaults: when a transformers config (passed or the model's) sets ``do_sample=True`` and no layer sets
 ``top_k``, top-k is transformers' 50; sampling asked for only by keyword or a specdec config keeps ``top_k=0``.
 
-Lengths: ``max_length`` counts the prompt as ``input_ids.shape[-1]`` (the longest row of a list input);
-``max_new_tokens`` wins where both are set, whatever layer each comes from; neither set anywhere: 128 new tokens.
-The keyword ``max_new_tokens=None`` clears the lower layers' value, as in transformers 5: ``max_length`` decides,
-else specdec's 128 (where transformers' default gives 20 new tokens: the documented difference).
+Lengths: ``max_length`` (and ``min_length``) count the prompt as ``input_ids.shape[-1]`` (the longest row of a list
+input); ``max_new_tokens`` (``min_new_tokens``) wins where both are set, whatever layer each comes from; neither
+set anywhere: 128 new tokens. The keyword ``max_new_tokens=None`` clears the lower layers' value, as in
+transformers 5: ``max_length`` decides, else specdec's 128 (transformers' default: 20 new tokens).
 """
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ IGNORED: dict[str, str] = {
 }
 
 # name -> (values that change nothing besides None, what the field does)
-_PROCESSOR = "a logits processor specdec does not apply"
+_ENCODER = ("an encoder-decoder processor (on a decoder-only model transformers reads the left-padded prompt as "
+            "the encoder input, pads included)")
 _WARPER = "a sampling warper specdec does not apply (it has temperature, top_k and top_p)"
 _BEAM = "beam search (specdec decodes greedily or samples)"
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -77,12 +78,7 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "dola_layers": ((), "DoLa decoding"),
     "min_p": ((0, 0.0), _WARPER), "top_h": ((), _WARPER), "typical_p": ((1.0,), _WARPER),
     "epsilon_cutoff": ((0.0,), _WARPER), "eta_cutoff": ((0.0,), _WARPER),
-    "encoder_repetition_penalty": ((1.0,), _PROCESSOR), "encoder_no_repeat_ngram_size": ((0,), _PROCESSOR),
-    "min_length": ((0,), _PROCESSOR),
-    "forced_bos_token_id": ((), _PROCESSOR), "forced_eos_token_id": ((), _PROCESSOR),
-    "exponential_decay_length_penalty": ((), _PROCESSOR), "suppress_tokens": ((), _PROCESSOR),
-    "begin_suppress_tokens": ((), _PROCESSOR), "sequence_bias": ((), _PROCESSOR),
-    "remove_invalid_values": ((False,), _PROCESSOR),
+    "encoder_repetition_penalty": ((1.0,), _ENCODER), "encoder_no_repeat_ngram_size": ((0,), _ENCODER),
     "guidance_scale": ((1, 1.0), "classifier-free guidance"), "watermarking_config": ((), "watermarking"),
     "token_healing": ((False,), "token healing"), "max_time": ((), "a time limit (the output would depend on speed)"),
     **dict.fromkeys(("output_attentions", "output_hidden_states", "output_logits"),
@@ -253,6 +249,8 @@ def resolve(layers: Sequence[ConfigLayer], prompt_length: int | None = None,
                 del merged[name]
             else:
                 merged[name] = NONE_KWARG[name]
+    if merged.get("min_new_tokens") is not None:  # transformers: min_length = min_new_tokens + the prompt's length
+        merged.pop("min_length", None)
     asks_transformers_sampling = any(layer.transformers and layer.values.get("do_sample") is True for layer in layers)
     if merged.get("do_sample") is True and "top_k" not in merged and asks_transformers_sampling:
         merged["top_k"] = TRANSFORMERS_TOP_K

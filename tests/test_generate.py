@@ -213,7 +213,7 @@ def test_seed_makes_sampling_reproducible(device):
         (dict(input_ids=[[1, 2, 500]]), "outside the vocabulary"),
         (dict(input_ids=[[1] * 500], max_new_tokens=100), "context"),
         (dict(do_sample=True, temperature=0.0), "temperature"),
-        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=-0.1), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-1), "top_k"),
         (dict(max_new_tokens=0), "max_new_tokens"),

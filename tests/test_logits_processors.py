@@ -2,7 +2,10 @@
 
 Greedy decoding with each processor (repetition penalty, no_repeat_ngram_size, bad_words_ids, min_new_tokens, a
 caller's prefix-only processors) gives transformers' ``model.generate()`` tokens, plain and with drafters (n-gram,
-the target as its own draft model, random trees), batched and single; coupled sampling with a penalty gives the
+the target as its own draft model, random trees), batched and single; so do transformers' other processors
+(sequence_bias, min_length, forced BOS / EOS, remove_invalid_values, exponential decay, suppress_tokens,
+begin_suppress_tokens) in a left-padded batch, where the length-dependent ones count as transformers counts (and
+min_length / forced_bos_token_id depend on the batch's width, as there); coupled sampling with a penalty gives the
 same text with and without a drafter; the sampled law of the first tokens with a penalty is plain sampling's (and a
 variant processing every node with the root's prefix fails); each node's rows get exactly their own prefix;
 log-probabilities equal transformers' processed scores and do not depend on the drafter."""
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from specdec.eval.negative_controls import generate_with_control
 from specdec.eval.two_sample import two_sample_chi2
 from transformers import (
@@ -164,6 +168,147 @@ def test_processors_from_the_models_generation_config(model):
                             no_repeat_ngram_size=0) == [hf_greedy(model, p) for p in PROMPTS]  # kwargs win
 
 
+# ---- transformers' other processors, in a left-padded batch ---------------------------------------------------
+WIDTH = max(len(p) for p in PROMPTS)  # input_ids.shape[-1] of the left-padded batch
+
+
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    return (torch.tensor([[0] * (width - len(p)) + p for p in prompts]),
+            torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]))
+
+
+def hf_batch(model, prompts, max_new_tokens=NEW, **kwargs) -> torch.Tensor:
+    """transformers' model.generate() on the left-padded batch of ``prompts``."""
+    ids, mask = left_padded(prompts)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+
+
+def _greedy_new(model) -> list[list[int]]:
+    """The unprocessed greedy new tokens of each prompt of the left-padded batch."""
+    return hf_batch(model, PROMPTS)[:, WIDTH:].tolist()
+
+
+def _first_and_last(model) -> tuple[list[int], list[int]]:
+    new = _greedy_new(model)
+    return [r[0] for r in new], [r[-1] for r in new]
+
+
+# Tokens the unprocessed greedy output contains (each row's first and last new token), so each processor changes it.
+# The length-dependent ones act after a number of new tokens that transformers counts from input_ids.shape[-1]
+MORE = {
+    # rows 0-2 would end at once; EOS is masked until WIDTH + 3 tokens: 3 new ones, also for the 2-token row
+    "min_length": lambda f, last: dict(eos_token_id=f[:3], min_length=WIDTH + 3),
+    "begin_suppress_tokens": lambda f, last: dict(begin_suppress_tokens=f),
+    "forced_eos_token_id": lambda f, last: dict(forced_eos_token_id=[7, 9], eos_token_id=last[0]),
+    "exponential_decay_length_penalty": lambda f, last: dict(exponential_decay_length_penalty=(5, 1.5),
+                                                             eos_token_id=[last[0], last[1], last[3]]),
+    "sequence_bias": lambda f, last: dict(sequence_bias={(f[0],): -10.0, (f[1], f[1]): -10.0,
+                                                         (f[2], f[2], f[2]): -20.0}),
+    "suppress_tokens": lambda f, last: dict(suppress_tokens=[f[0], f[2], last[0]]),
+    # remove_invalid_values turns the -inf of the others into finite values, before the decay penalty reads them
+    "all_together": lambda f, last: dict(suppress_tokens=f[:1], remove_invalid_values=True, sequence_bias=[
+        [[f[1], f[1]], -10.0]], begin_suppress_tokens=f[3:], forced_eos_token_id=7, min_length=WIDTH + 4,
+        eos_token_id=[last[0], last[1]], exponential_decay_length_penalty=(8, 1.3), repetition_penalty=1.2),
+}
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", list(MORE))
+def test_more_processors_equal_transformers_in_a_left_padded_batch_plain_and_speculative(model, case):
+    kwargs = MORE[case](*_first_and_last(model))
+    ids, mask = left_padded(PROMPTS)
+    ref = hf_batch(model, PROMPTS, **kwargs)
+    assert not _equal(ref, hf_batch(model, PROMPTS)), "the processor must change the output"
+    assert _equal(specdec.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, **kwargs), ref)
+    for name, drafter, options in [*drafters(model), ("self-draft", "self-draft", {"num_layers": 1})]:
+        out = specdec.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, drafter=drafter,
+                               drafter_options=options, speculation="always", return_dict=True, **kwargs)
+        assert _equal(out.sequences, ref), name
+        assert out.tau > 1.0, (name, out.tau)  # drafts were accepted, so node rows' processed logits chose tokens
+
+
+def test_min_length_counts_the_padded_width_as_transformers_and_max_length_do(model):
+    """Documented: min_length counts the prompt as input_ids.shape[-1], so in a left-padded batch the 2-token row
+    must generate WIDTH + 3 - WIDTH = 3 new tokens, where alone it must generate WIDTH + 1: its text depends on the
+    batch, in transformers and in specdec (every other processor gives each row what it gives alone)."""
+    eos = list(range(2, model.config.vocab_size, 2))  # half the vocabulary: a row ends soon after its minimum
+    kwargs = dict(eos_token_id=eos, min_length=WIDTH + 3)
+    ref = hf_batch(model, PROMPTS, **kwargs)
+    ids, mask = left_padded(PROMPTS)
+    assert _equal(specdec.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, **kwargs), ref)
+    batch = specdec.generate(model, PROMPTS, max_new_tokens=NEW, drafter="ngram", **kwargs)  # lists: the longest
+    new_batch = batch[1][2:]  # row is the width, as for max_length
+    assert new_batch == ref[1, WIDTH:WIDTH + len(new_batch)].tolist()
+    alone = specdec.generate(model, [PROMPTS[1]], max_new_tokens=NEW, drafter="ngram", **kwargs)[0]
+    assert alone == hf_greedy(model, PROMPTS[1], **kwargs)
+    new_alone = alone[2:]
+    assert new_batch[-1] in eos and 3 < len(new_batch) < WIDTH + 1 <= len(new_alone), (new_batch, new_alone)
+    # min_new_tokens, where a layer sets it, replaces min_length (transformers: min_length = min_new_tokens + width)
+    assert specdec.generate(model, PROMPTS, max_new_tokens=NEW, min_new_tokens=0, **kwargs) == \
+        specdec.generate(model, PROMPTS, max_new_tokens=NEW, eos_token_id=eos)
+    assert _equal(hf_batch(model, PROMPTS, min_new_tokens=0, **kwargs), hf_batch(model, PROMPTS, eos_token_id=eos))
+
+
+def test_forced_bos_token_id_acts_where_the_input_is_one_token_wide_as_transformers(model):
+    """transformers forces it where input_ids.shape[-1] is 1 (an encoder-decoder's decoder start): on a batch of
+    one-token prompts, the first new token, and begin_suppress_tokens then acts on the second; never in a wider
+    batch, not even on its one-token rows."""
+    first, _ = _first_and_last(model)
+    ones = [[7], [5]]
+    kwargs = dict(forced_bos_token_id=9, begin_suppress_tokens=first)
+    ref = hf_batch(model, ones, **kwargs)
+    assert ref[:, 1].tolist() == [9, 9]
+    ids, mask = left_padded(ones)
+    for drafter, options in ((None, None), ("draft-model", {"model": model, "num_draft_tokens": 4})):
+        assert _equal(specdec.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, drafter=drafter,
+                                       drafter_options=options, **kwargs), ref), drafter
+    wide = [[7], [5, 5, 5]]
+    ref = hf_batch(model, wide, forced_bos_token_id=9)
+    assert ref[0, 3] != 9 and _equal(ref, hf_batch(model, wide))  # not forced
+    ids, mask = left_padded(wide)
+    assert _equal(specdec.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, forced_bos_token_id=9,
+                                   drafter="ngram"), ref)
+
+
+def test_more_processors_from_transformers_configs_and_the_models_generation_config(model):
+    import copy
+
+    first, last = _first_and_last(model)
+    configured = copy.deepcopy(model)
+    configured.generation_config.suppress_tokens = [first[0]]
+    configured.generation_config.forced_eos_token_id = 7
+    configured.generation_config.eos_token_id = [last[0], first[1]]
+    configured.generation_config.min_length = WIDTH + 4
+    passed = transformers.GenerationConfig(sequence_bias=[[[first[2]], -10.0]], begin_suppress_tokens=[first[3]],
+                                           exponential_decay_length_penalty=[6, 1.4], remove_invalid_values=True)
+    ids, mask = left_padded(PROMPTS)
+    for kwargs in ({}, dict(min_new_tokens=1), dict(suppress_tokens=None, forced_eos_token_id=None)):
+        ref = hf_batch(configured, PROMPTS, generation_config=passed, **kwargs)
+        got = specdec.generate(configured, ids, attention_mask=mask, max_new_tokens=NEW, generation_config=passed,
+                               drafter="ngram", speculation="always", **kwargs)
+        assert _equal(got, ref), kwargs
+    assert not _equal(got, hf_batch(configured, PROMPTS, generation_config=passed))  # the kwargs' None cleared them
+
+
+def test_coupled_sampling_with_more_processors_is_the_same_text_with_any_drafter(model):
+    kwargs = dict(MORE["all_together"](*_first_and_last(model)), do_sample=True, seed=3, sampler="coupled",
+                  temperature=0.7)
+    ids, mask = left_padded(PROMPTS)
+    plain = specdec.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, **kwargs)
+    unprocessed = specdec.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, seed=3,
+                                   sampler="coupled", temperature=0.7)
+    assert not _equal(plain, unprocessed)
+    for name, drafter, options in drafters(model):
+        out = specdec.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, drafter=drafter,
+                               drafter_options=options, speculation="always", **kwargs)
+        assert _equal(out, plain), name
+
+
 # ---- each node's own prefix ---------------------------------------------------------------------------------
 class Recorder:
     """Prefix-only: adds to each row a number that identifies its input_ids, and records every call."""
@@ -201,7 +346,7 @@ def test_every_row_gets_its_own_prefix_in_equal_length_calls():
         assert torch.allclose(out[b, row], logits[b, row] + _signature(prefix), atol=1e-4), (b, row)
     assert torch.equal(out[1, 1:], logits[1, 1:])  # padding rows past a tree's nodes are left alone
     # with min_new_tokens, rows are grouped by prompt length too: MinNewTokens counts from input_ids.shape[-1]
-    eos_processing = LogitsProcessing((processing.processors[0], *_min_new(3, eos=10).processors), 3, (10,))
+    eos_processing = LogitsProcessing((processing.processors[0], *_min_new(3, eos=10).processors))
     recorder.calls.clear()
     out = eos_processing.apply(seqs, trees, logits)
     for (b, row), prefix in expected.items():
@@ -376,7 +521,35 @@ def test_nothing_is_processed_or_kept_when_not_asked(model):
     (dict(output_logprobs=True), InputError, "output_logprobs=True needs return_dict=True"),
     (dict(logits_processor=lambda ids, s: s[:, :3], logits_processor_prefix_only=True), InputTypeError,
      r"logits processor 0 \(function\) returned"),
+    (dict(min_length=-1), InputError, "min_length must be >= 0"),
+    (dict(min_length=2.5), InputTypeError, "min_length must be an int"),
+    (dict(suppress_tokens=5), InputTypeError, "suppress_tokens must be a list of token ids"),
+    (dict(suppress_tokens=[5, -1]), InputTypeError, r"suppress_tokens must hold token ids \(ints >= 0\)"),
+    (dict(suppress_tokens=[5, 96]), InputError, r"suppress_tokens has token ids outside the vocabulary \[0, 96\)"),
+    (dict(begin_suppress_tokens="ab"), InputTypeError, "begin_suppress_tokens must be a list"),
+    (dict(begin_suppress_tokens=[1.0]), InputTypeError, "begin_suppress_tokens must hold token ids"),
+    (dict(sequence_bias=5), InputTypeError, "sequence_bias must be a dict"),
+    (dict(sequence_bias={(): 1.0}), InputTypeError, "sequence_bias keys must be non-empty"),
+    (dict(sequence_bias={(3, -2): 1.0}), InputTypeError, "sequence_bias keys"),
+    (dict(sequence_bias={(3,): "x"}), InputTypeError, r"sequence_bias values must be numbers.*for \[3\]"),
+    (dict(sequence_bias=[[[3], float("nan")]]), InputTypeError, "sequence_bias values"),
+    (dict(sequence_bias=[[[3, 400], 1.0]]), InputError, "sequence_bias has token ids outside the vocabulary"),
+    (dict(forced_bos_token_id=-1), InputError, "forced_bos_token_id must be >= 0"),
+    (dict(forced_bos_token_id=96), InputError, "forced_bos_token_id has token ids outside"),
+    (dict(forced_eos_token_id="2"), InputTypeError, "forced_eos_token_id must be a token id or a list"),
+    (dict(forced_eos_token_id=[2, -1]), InputTypeError, "forced_eos_token_id must hold token ids"),
+    (dict(forced_eos_token_id=[2, 200]), InputError, "forced_eos_token_id has token ids outside"),
+    (dict(forced_eos_token_id=[2, 3], suppress_tokens=[3, 2]), InputError,
+     r"every token of forced_eos_token_id \(\[2, 3\]\) is also in suppress_tokens"),
+    (dict(remove_invalid_values="yes"), InputTypeError, "remove_invalid_values must be True or False"),
+    (dict(exponential_decay_length_penalty=2), InputTypeError, r"exponential_decay_length_penalty must be a pair"),
+    (dict(exponential_decay_length_penalty=(-1, 1.5), eos_token_id=2), InputError, "start_index must be >= 0"),
+    (dict(exponential_decay_length_penalty=(1, float("inf")), eos_token_id=2), InputError,
+     "decay_factor must be finite"),
+    (dict(exponential_decay_length_penalty=(1, 1.5)), InputError, "exponential_decay_length_penalty raises the EOS"),
+    (dict(encoder_repetition_penalty=1.5), InputError, "encoder_repetition_penalty=1.5: an encoder-decoder processor"),
 ])
 def test_bad_processor_arguments_are_one_line_errors(model, kwargs, error, match):
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as info:
         specdec.generate(model, PROMPTS[:2], max_new_tokens=4, **kwargs)
+    assert "\n" not in str(info.value)

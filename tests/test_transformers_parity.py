@@ -352,6 +352,21 @@ def test_none_for_a_sampling_field_is_off_as_transformers():
                            hf(one, **enc, max_new_tokens=4, **kwargs)), kwargs
 
 
+def test_top_p_zero_keeps_the_most_likely_token_as_transformers():
+    """transformers' TopPLogitsWarper takes top_p=0 and keeps one token (it was refused): sampling gives the greedy
+    tensor, in transformers and in specdec, with and without a drafter, standard and coupled."""
+    enc = _enc("left")
+    torch.manual_seed(0)
+    want = hf(_shared_model(), **enc, max_new_tokens=8, do_sample=True, top_p=0.0, temperature=0.7)
+    assert torch.equal(want, hf(_shared_model(), **enc, max_new_tokens=8, do_sample=False))
+    for sampler, drafter, options in (("standard", None, None), ("standard", "ngram", None),
+                                      ("coupled", "self-draft", {"num_layers": 1})):
+        got = specdec.generate(_shared_model(), **enc, max_new_tokens=8, do_sample=True, top_p=0.0, temperature=0.7,
+                               seed=1, sampler=sampler, drafter=drafter, drafter_options=options,
+                               speculation="always")
+        assert torch.equal(got, want), (sampler, drafter)
+
+
 def test_settings_that_change_nothing_are_accepted_as_transformers_runs_them():
     enc = _enc("left")
     plain = hf(_shared_model(), **enc, max_new_tokens=3, do_sample=False)
