@@ -209,25 +209,51 @@ def ensure_row_policy(runner, config: CalibrationConfig | None = None, cache_dir
     """Install the CPU row policy of ``linear()`` for the current thread count, measured on this machine over
     the matrices a forward streams (:func:`streamed_weights`; cached on disk by :func:`machine_key`: CPU model and
     ISA flags, weight shapes, dtype and thread count). No-op on GPU."""
+    row_policy_decision(runner, config, cache_dir)
+
+
+def row_policy_decision(runner, config: CalibrationConfig | None = None,
+                        cache_dir: str | Path | None = None) -> dict | None:
+    """:func:`ensure_row_policy`, returning what it installed: ``{"packed": whether packed weights were a
+    candidate, "cols": the policy}`` (None on GPU), for processes that must compute alike
+    (:func:`adopt_row_policy`)."""
     if runner.device.type != "cpu" or not len(runner.layers):
+        return None
+    key, file = _rows_file(runner, cache_dir)
+    cols = _ROWS_DONE.get(str(file))
+    if cols is None:
+        cols = _ROWS_DONE[str(file)] = _read_or_measure_rows(runner, config, key, file, key["packed"])
+    # installed at every engine build: another model's policy (another dtype or shape) may be the active one
+    row_policy.install(torch.get_num_threads(), cols, runner.dtype)
+    return {"packed": key["packed"], "cols": dict(cols)}
+
+
+def adopt_row_policy(runner, decision: dict | None, cache_dir: str | Path | None = None) -> None:
+    """Make another process's ``decision`` (:func:`row_policy_decision`) this process's row policy for ``runner``:
+    installed now and at every later :func:`ensure_row_policy` of this process, which then neither reads the disk
+    nor measures. Processes timing the same products side by side (an empty cache) can choose differently, and
+    another policy rounds another way: their greedy texts could part at near-ties."""
+    if decision is None or runner.device.type != "cpu" or not len(runner.layers):
         return
-    threads = torch.get_num_threads()
+    _, file = _rows_file(runner, cache_dir, packed=bool(decision["packed"]))
+    cols = _ROWS_DONE[str(file)] = {int(m): int(c) for m, c in decision["cols"].items()}
+    row_policy.install(torch.get_num_threads(), cols, runner.dtype)
+
+
+def _rows_file(runner, cache_dir: str | Path | None, packed: bool | None = None) -> tuple[dict, Path]:
+    """The row policy's cache key and file for ``runner``; ``packed``: the decision to take (else this process's)."""
     # "timing": how the policy was measured; a policy timed another way (over one cache-resident layer, as older
     # versions did) is measured again; "packed": whether packed weights were a candidate (older caches lack it), decided
     # once per process and key: the packed copies a policy makes use up the memory that decision measured, and must
     # not turn it (and the policy) over at the next engine build
     key = machine_key(runner) | {"kind": "rows", "timing": "streamed"}
     base = _digest(key)
-    if base not in _PACKING:
+    if packed is not None:
+        _PACKING[base] = packed
+    elif base not in _PACKING:
         _PACKING[base] = packed_weights_allowed(runner)
-    packed = _PACKING[base]
-    key |= {"packed": packed}
-    file = _cache_dir(cache_dir) / f"rows-{_digest(key)}.json"
-    cols = _ROWS_DONE.get(str(file))
-    if cols is None:
-        cols = _ROWS_DONE[str(file)] = _read_or_measure_rows(runner, config, key, file, packed)
-    # installed at every engine build: another model's policy (another dtype or shape) may be the active one
-    row_policy.install(threads, cols, runner.dtype)
+    key |= {"packed": _PACKING[base]}
+    return key, _cache_dir(cache_dir) / f"rows-{_digest(key)}.json"
 
 
 def _read_or_measure_rows(runner, config: CalibrationConfig | None, key: dict, file: Path, packed: bool) -> dict:

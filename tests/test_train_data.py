@@ -269,6 +269,70 @@ def test_an_interrupted_shared_self_distillation_keeps_every_process_batches(tmp
     assert calls == [] and json.loads(next((tmp_path / "own").glob("*.json")).read_text())["sequences"] == whole
 
 
+def test_processes_that_distil_at_once_decode_with_the_main_ones_row_policy(tmp_path, monkeypatch):
+    """On an empty cost cache each process measured linear()'s CPU row policy as its first batch began, side by side,
+    and could choose another one (another rounding: greedy answers that part from one process's at near-ties). The
+    first process now decides (measured here, or read from the cache) and the others take its policy. Threads stand
+    in for processes, each with its own memory of policies, and a fake measurement differs by process."""
+    import importlib
+    import threading
+
+    from specdec.train.distill import self_distill
+
+    from specdec import cost_model
+    from specdec.models import row_policy
+    from specdec.models.loader import load_model
+    from specdec.testing import build_tiny_model
+    from tests.thread_teams import run_as_team
+
+    class PerProcess:  # a module-level dict, one per thread: what each process holds on its own
+        def __init__(self):
+            self.local = threading.local()
+
+        def _d(self) -> dict:
+            if not hasattr(self.local, "d"):
+                self.local.d = {}
+            return self.local.d
+
+        def get(self, key, default=None):
+            return self._d().get(key, default)
+
+        def __getitem__(self, key):
+            return self._d()[key]
+
+        def __setitem__(self, key, value):
+            self._d()[key] = value
+
+        def __contains__(self, key):
+            return key in self._d()
+
+    for module, name in ((cost_model, "_ROWS_DONE"), (cost_model, "_PACKING"), (row_policy, "_ACTIVE")):
+        monkeypatch.setattr(module, name, PerProcess())
+    monkeypatch.setattr(cost_model, "read_cache", lambda file: None)  # an empty cache, written by neither
+    monkeypatch.setattr(cost_model, "write_cache", lambda file, data: None)
+    monkeypatch.setattr(cost_model, "streamed_weights", lambda runner: ([], []))  # what the fake times: nothing
+    who, measured = threading.local(), []
+    monkeypatch.setattr(row_policy, "measure_row_policy",
+                        lambda *a, **k: measured.append(who.rank) or {1: 2 + who.rank})  # a near-tie timed apart
+    generate_module = importlib.import_module("specdec.generate")
+    real, lock = generate_module.generate, threading.Lock()
+
+    def one_at_a_time(*a, **kw):  # the threads share one model
+        with lock:
+            return real(*a, **kw)
+
+    monkeypatch.setattr(generate_module, "generate", one_at_a_time)
+    loaded = load_model(build_tiny_model(vocab_size=64))
+    prompts = [[(7 * i + j) % 60 + 2 for j in range(3 + i % 4)] for i in range(4)]
+
+    def process(team):
+        who.rank = team.index
+        self_distill(loaded, prompts, max_new_tokens=3, batch_size=2, progress=False, cache_dir=tmp_path, team=team)
+        return row_policy.active_cols(loaded.runner.dtype)
+
+    assert run_as_team(2, process) == [{1: 2}, {1: 2}] and measured == [0]
+
+
 def test_a_retrained_middle_layer_is_not_served_from_the_distillation_cache(tmp_path):
     """The self-distillation cache was keyed by sums of the first three and last two weights only: a target retrained
     in a middle layer got the old model's text back. Its key is now the model's content fingerprint."""

@@ -793,6 +793,102 @@ def test_two_processes_interrupted_outside_the_training_loop_stop_together(tiny,
     assert data[0] == data[1] == data[2] and len(data[0]) == 1 and len(data[0][0]["sequences"]) == 8
 
 
+# run by `accelerate launch` in each of two processes: rank 1's third step fails (a bad batch) while rank 0 waits in
+# that step's all-reduce; each process's CLI exit code goes to rank<r>.json
+FAILING_PROCESS_DRIVER = """
+import json, os, sys
+from specdec.cli import main
+from specdec.train import loop
+
+rank, args, out = int(os.environ["RANK"]), json.loads(sys.argv[1]), sys.argv[2]
+real_rows = loop.batch_rows
+
+def rows(num, micro, *a):
+    if rank == 1 and micro == 2:
+        raise ValueError("a bad batch")
+    return real_rows(num, micro, *a)
+
+loop.batch_rows = rows
+code = main(args + ["--output-dir", out + "/run"])
+with open(f"{out}/rank{rank}.json", "w") as f:
+    json.dump(code, f)
+sys.exit(code)
+"""
+
+
+@pytest.mark.slow
+def test_an_error_on_one_process_stops_the_others_with_one_line(tiny, tmp_path):
+    """Two real processes (gloo): an error on one (here in its third step, while the other waits in that step's
+    all-reduce) gave the other a gloo traceback ("Connection closed by peer"). Now the failing process prints its
+    line as one process would (exit 2) and the other one line naming it (exit 1), no traceback from either; the
+    checkpoint of step 2 is left, as one process leaves it."""
+    import os
+    import subprocess
+
+    driver = tmp_path / "driver.py"
+    driver.write_text(FAILING_PROCESS_DRIVER)
+    args = ["train-medusa", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"), "--num-heads", "2",
+            "--seq-len", "32", "--batch-size", "4", "--max-steps", "6", "--save-every", "2", "--no-eval-tau",
+            "--no-progress", "--held-out-fraction", "0.2"]
+    proc = subprocess.run(_launch_two(str(driver)) + [json.dumps(args), str(tmp_path)], cwd=tmp_path,
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode != 0
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [1, 2], proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("specdec train-medusa:")]
+    assert sorted(lines) == ["specdec train-medusa: error: a bad batch",
+                             "specdec train-medusa: stopped: process 1 failed (its error is above)"], proc.stderr
+
+    # the launcher's own report of the exit codes aside, no process printed a traceback
+    assert "Connection closed" not in proc.stderr and not any(
+        x.startswith("[rank") and "Traceback" in x for x in proc.stderr.splitlines()), proc.stderr[-3000:]
+    assert ckpt_io.read_state(ckpt_io.find_checkpoint(tmp_path / "run"))["step"] == 2
+
+
+def test_a_process_tells_its_own_error_from_another_ones(monkeypatch):
+    """What each process makes of the error that stops it: its own leaves a note naming it; a collective that failed
+    while another process's note is there, or on a lost connection (then after a bounded wait for a note), and a
+    signal after another process failed (the launcher's SIGTERM), become PeerFailed naming that process. A stopping
+    process ignores SIGTERM (the launcher's must not cut its line)."""
+    import signal
+
+    from specdec.train import process_failures
+    from specdec.train.process_failures import FailureNotes, PeerFailed
+
+    class Store(dict):
+        def set(self, key, value):
+            self[key] = value
+
+        def check(self, keys):
+            return all(k in self for k in keys)
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(process_failures, "NOTE_WAIT_S", 0.05)
+    try:
+        store = Store()
+        one, zero = FailureNotes(store, 1, 2, 7), FailureNotes(store, 0, 2, 7)
+        assert zero.interrupted() is None  # no note: a signal is a signal
+        zero.stop(RuntimeError("CUDA out of memory"))  # no note of another process's, no lost connection: its own
+        assert store == {"specdec/run7/failed/0": "RuntimeError: CUDA out of memory"}
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        store.clear()
+        lost = (r"another process stopped without a word "
+                r"\(\[pair.cc:553\] Connection closed by peer \[127.0.0.1\]:4242\)$")
+        with pytest.raises(PeerFailed, match=lost):
+            zero.stop(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:4242\nmore"))
+        one.stop(ValueError("a bad batch"))
+        assert store == {"specdec/run7/failed/1": "ValueError: a bad batch"}
+        for stop in (lambda: zero.stop(RuntimeError("[pair.cc:553] Connection closed by peer")),
+                     lambda: zero.stop(RuntimeError("any message a collective gives")), zero.interrupted):
+            with pytest.raises(PeerFailed, match=r"^process 1 failed \(its error is above\)$") as stopped:
+                stop()
+            assert stopped.value.process == 1
+        assert FailureNotes(store, 0, 2, 8).failed() is None  # another run's notes are its own
+        zero.stop(ValueError("this process's own error, the other's note there or not"))
+        assert "specdec/run7/failed/0" in store
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_the_line_of_an_interrupt_or_error_is_one_write(tmp_path, monkeypatch):
     """The processes of a run stop together and each writes its line to the same stderr; print() wrote the text and
     its newline in two writes where Python runs unbuffered (PYTHONUNBUFFERED, as under pytest-xdist), and two
@@ -817,14 +913,18 @@ def test_the_line_of_an_interrupt_or_error_is_one_write(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "stderr", stderr)
     monkeypatch.setattr(cli, "config_from_args", lambda args: None)
     args = SimpleNamespace(drafter="medusa", output_dir=str(tmp_path), verbose=False)
-    for stop, code in ((KeyboardInterrupt(), 130), (cli.Terminated(), 143), (TrainDataError("no data"), 2)):
+    from specdec.train.process_failures import PeerFailed
+
+    for stop, code in ((KeyboardInterrupt(), 130), (cli.Terminated(), 143), (TrainDataError("no data"), 2),
+                       (PeerFailed(1), 1)):
         def run_training(cfg, stop=stop):
             raise stop
 
         monkeypatch.setattr(pipeline, "run_training", run_training)
         assert cli.run(args) == code
-    assert [w.count("\n") for w in stderr.writes] == [1, 1, 1] and all(w.endswith("\n") for w in stderr.writes)
+    assert [w.count("\n") for w in stderr.writes] == [1, 1, 1, 1] and all(w.endswith("\n") for w in stderr.writes)
     assert stderr.writes[2] == "specdec train-medusa: error: no data\n"
+    assert stderr.writes[3] == "specdec train-medusa: stopped: process 1 failed (its error is above)\n"
 
 
 def test_sigterm_takes_the_path_of_ctrl_c(tiny, tmp_path, monkeypatch, capsys):

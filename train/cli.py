@@ -228,7 +228,8 @@ def sigterm_as_interrupt():
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if signal.getsignal(signal.SIGTERM) is handler:  # else a run stopping on an error ignores it now: left so
+            signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
@@ -268,6 +269,7 @@ def run(args) -> int:
     from specdec.train.data import TrainDataError
     from specdec.train.output_dir import OutputDirError
     from specdec.train.pipeline import run_training
+    from specdec.train.process_failures import PeerFailed
 
     try:
         with sigterm_as_interrupt(), console_at_cli_level(getattr(args, "verbose", False)):
@@ -277,6 +279,9 @@ def run(args) -> int:
             raise
         _say(f"specdec train-{args.drafter}: error: {err}")
         return 2
+    except PeerFailed as err:  # another process's error stopped this one (its own line says why)
+        _say(f"specdec train-{args.drafter}: stopped: {err}")
+        return 1
     except KeyboardInterrupt as err:
         how = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
         _say(f"specdec train-{args.drafter}: {how}; {_what_is_left(Path(args.output_dir), err)}")

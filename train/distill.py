@@ -60,6 +60,19 @@ def use_graphs(loaded, cuda_graphs: bool | None) -> bool:
     return bool(cuda_graphs)
 
 
+def one_row_policy(loaded, team: Team) -> None:
+    """Several processes about to decode: ``linear()``'s CPU row policy is the first process's (read from the cost
+    cache, or measured while the others wait), not one measured by each at once: processes timing the same
+    products side by side can choose differently, and another policy rounds another way, so their answers could
+    part from one process's at near-ties (:func:`specdec.cost_model.adopt_row_policy`). Every process calls it."""
+    if team.size == 1:
+        return
+    from specdec.cost_model import adopt_row_policy, row_policy_decision
+
+    decision = row_policy_decision(loaded.runner) if team.index == 0 else None
+    adopt_row_policy(loaded.runner, team.exchange(decision)[0])
+
+
 def decoding_graphs(loaded, prompt_lengths: list[int], max_new_tokens: int, batch_size: int):
     """A :class:`~specdec.cuda_graphs.GraphedForward` for plain batched decoding of prompts of ``prompt_lengths``
     tokens, ``batch_size`` at a time in order, with a KV cache of its own as large as the largest chunk needs (what
@@ -111,6 +124,8 @@ def self_distill(loaded, prompts: list[str] | list[list[int]], *, max_new_tokens
             logger.info("self-distillation cache hit: %s", file)
             return cached
         todo = _what_is_left(held, [set(w) for _, w in views], len(ids), batch_size, team, cache)
+        if todo:
+            one_row_policy(loaded, team)
         graphed = (decoding_graphs(loaded, [len(p) for p in ids], max_new_tokens, batch_size)
                    if graphs and todo[team.index :: team.size] else False)
 

@@ -26,6 +26,7 @@ from specdec.train.config import SELF_PROMPTS, TrainConfig
 from specdec.train.data import TrainDataError, load_texts, split_held_out, tokenize_texts
 from specdec.train.medusa_recipe import train_heads
 from specdec.train.output_dir import RUN_FILE, prepare_output_dir
+from specdec.train.process_failures import FailureNotes
 from specdec.train.process_team import Team
 
 from specdec.models.fingerprint import model_fingerprint
@@ -130,24 +131,31 @@ def _processes_together(accelerator) -> Iterator[Team]:
     where it lands, as in one process (self-distillation keeps its finished batches), and the others at their next
     meeting. At the block's end they meet a last time and close the process group (left to exit, a rank could abort
     in teardown); a signal during that meeting stops its process after it. The main process then evaluates alone.
+    An error on one process stops the others at once with :class:`PeerFailed` (train/process_failures.py).
     One process: ``Team.alone()``."""
     if accelerator.num_processes == 1:
         yield Team.alone()
         return
     from accelerate.utils import gather_object
 
-    with InterruptsHeld(hold=False) as agreed:
-        try:
-            yield Team(accelerator.process_index, accelerator.num_processes,
-                       meet=functools.partial(agreed.meet, accelerator),
-                       exchange=lambda made: agreed.meet(accelerator, then=lambda: gather_object([made])))
-            agreed.meet(accelerator, last=True)  # a signal during it is handled at the end of the block
-        except KeyboardInterrupt as err:
-            agreed.meet_after(accelerator, err)
-            if getattr(err, "processes_stopped_together", False):  # only then does no process wait in the group
-                accelerator.end_training()
-            raise
-        accelerator.end_training()
+    notes = FailureNotes.of(accelerator)
+    try:
+        with InterruptsHeld(hold=False) as agreed:
+            try:
+                yield Team(accelerator.process_index, accelerator.num_processes,
+                           meet=functools.partial(agreed.meet, accelerator),
+                           exchange=lambda made: agreed.meet(accelerator, then=lambda: gather_object([made])))
+                agreed.meet(accelerator, last=True)  # a signal during it is handled at the end of the block
+            except KeyboardInterrupt as err:
+                notes.interrupted()  # the launcher's SIGTERM after another process failed: PeerFailed
+                agreed.meet_after(accelerator, err)
+                if getattr(err, "processes_stopped_together", False):  # only then does no process wait in the group
+                    accelerator.end_training()
+                raise
+            accelerator.end_training()
+    except Exception as err:  # an error on this process or another (train/process_failures.py)
+        notes.stop(err)
+        raise
 
 
 def check_inputs(cfg: TrainConfig) -> None:

@@ -91,7 +91,7 @@ def self_written_prompts(loaded, n: int, *, seed: int = 0, batch_size: int = 64,
     the processes of a run writing them together (train/process_team.py), each every ``team.size``-th batch of
     draws, exchanged round by round; the batches are read in order, so every process returns the prompts of a run
     of one process (a batch's seed is its first draw's number, whoever draws it)."""
-    from specdec.train.distill import decoding_graphs, use_graphs
+    from specdec.train.distill import decoding_graphs, one_row_policy, use_graphs
 
     from specdec.generate import generate
 
@@ -103,6 +103,7 @@ def self_written_prompts(loaded, n: int, *, seed: int = 0, batch_size: int = 64,
     if all(team.exchange(file.is_file())):
         logger.info("self-written prompts: cache hit %s", file)
         return json.loads(file.read_text())["prompts"]
+    one_row_policy(loaded, team)
     tok = loaded.tokenizer
     prefix, held_out = user_turn_prefix(tok), held_out_words()
     graphed = decoding_graphs(loaded, [len(prefix)] * batch_size, MAX_TOKENS, batch_size) if graphs else False
