@@ -74,8 +74,7 @@ def identity_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampling
                     prompts: list[list[int]], seed: int) -> tuple[list[Check], list[str]]:
     from specdec.generate import generate
 
-    kw = dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-              seed=seed, sampler="coupled")
+    kw = dict(sampling.generate_kwargs(), do_sample=True, seed=seed, sampler="coupled")
     tokens = sizes.identity_tokens
     plain = generate(loaded, prompts, max_new_tokens=tokens, **kw)
     checks, warnings = [], []
