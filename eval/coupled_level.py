@@ -3,7 +3,7 @@
 Coupled sampling (:mod:`specdec.coupling`) promises two things, checked here:
 
 1. **law**: plain coupled sampling draws the target's law. On small synthetic logit vectors under the
-   certificate's temperature / top-k / top-p, ``stat_samples`` coupled draws over fresh sequence keys and
+   certificate's sampling setting, ``stat_samples`` coupled draws over fresh sequence keys and
    over fresh positions of one key are tested against ``target_probs`` (chi-square, rare bins pooled,
    Holm over the cases, power at ``stat_tv`` reported). Control ``noise_reused`` (one noise row for every
    draw) must fail.

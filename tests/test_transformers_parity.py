@@ -447,8 +447,10 @@ def test_warpers_come_from_every_layer_and_a_keyword_none_turns_them_off():
 @pytest.mark.parametrize("kw, match", [
     (dict(min_p=1.5), r"min_p must lie in \[0, 1\]"), (dict(min_p=-0.1), "min_p must lie in"),
     (dict(typical_p=0.0), r"typical_p must lie in \(0, 1\]"), (dict(typical_p=1.5), "typical_p must lie in"),
-    (dict(epsilon_cutoff=-1e-3), r"epsilon_cutoff must lie in \[0, 1\)"), (dict(epsilon_cutoff=1.0), "epsilon_cutoff must lie in"),
-    (dict(eta_cutoff=-1e-3), r"eta_cutoff must lie in \[0, 1\)"), (dict(eta_cutoff=float("nan")), "eta_cutoff must lie in"),
+    (dict(epsilon_cutoff=-1e-3), r"epsilon_cutoff must lie in \[0, 1\)"),
+    (dict(epsilon_cutoff=1.0), "epsilon_cutoff must lie in"),
+    (dict(eta_cutoff=-1e-3), r"eta_cutoff must lie in \[0, 1\)"),
+    (dict(eta_cutoff=float("nan")), "eta_cutoff must lie in"),
     (dict(top_h=0.0), r"top_h must lie in \(0, 1\]"), (dict(top_h=1.5), "top_h must lie in"),
     (dict(min_p="0.1"), "min_p must be a number"), (dict(top_h=True), "top_h must be a number or None"),
 ])
