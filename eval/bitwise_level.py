@@ -182,8 +182,7 @@ def bitwise_checks(loaded: Any, drafter: Any, options: dict, sampling: SamplingC
                         "row_dependent_kernel control must still fail")
     settings = [("greedy", None)]
     if sampling.do_sample:
-        settings.append(("coupled", dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,
-                                         top_p=sampling.top_p, seed=seed, sampler="coupled")))
+        settings.append(("coupled", dict(sampling.generate_kwargs(), seed=seed, sampler="coupled")))
     tokens = sizes.identity_tokens
     # row_dependent_kernel differs by construction, so each text check has a control that fails on every device;
     # run on CONTROL_PROMPTS prompts (batched, and each alone): enough to fail, at a fraction of the checks' time

@@ -6,7 +6,7 @@ level it should fail voids the certificate); the end-to-end greedy identity also
 broken engines there (an off-by-one tree mask, a wrong KV compaction slot):
 
 1. ``exact-law``: float64 enumeration on small synthetic cases, for the drafter's mode(s) and the chosen
-   temperature / top-k / top-p (each made to bite: :mod:`specdec.eval.synthetic_sampling`): emitted law == target
+   sampling transform (each warper made to bite: :mod:`specdec.eval.synthetic_sampling`): emitted law == target
    law to 1e-12; with sampled modes also the selections of sampled trees (sizing, the combined drafter).
 2. ``sampler-statistics``: the real vectorised sampler, many draws per case: chi-square with pooled bins (Holm
    over cases, power at the requested TV reported), a TV upper bound, acceptance rate and chain tau vs their

@@ -47,6 +47,9 @@ def _add_lossless(ev_sub) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
+    from specdec.cli import add_warper_flags  # specdec.cli registers these parsers: loaded by now
+
+    add_warper_flags(p, "")
     p.add_argument("--levels", default="exact,stats,e2e",
                    help="comma list of exact, stats, e2e, coupled, bitwise (coupled sampling: its law, and "
                         "speculative == plain token for token; bitwise: the bit-exact mode, speculative == plain "
@@ -254,7 +257,10 @@ def run_lossless(args) -> int:
     overrides = {k: getattr(args, k) for k in ("stat_samples", "identity_prompts", "identity_tokens",
                                                "sample_sequences") if getattr(args, k) is not None}
     sizes = replace(sizes, **overrides)
-    sampling = SamplingConfig(args.temperature > 0, args.temperature or 1.0, args.top_k, args.top_p)
+    from specdec.cli import WARPER_FLAGS
+
+    sampling = SamplingConfig(args.temperature > 0, args.temperature or 1.0, args.top_k, args.top_p,
+                              **{name: getattr(args, name) for name in WARPER_FLAGS})
     device = _suite_device(args.device)
     out = Path(args.out or "runs/eval-lossless")
     options = _options(args.drafter_option, args.drafter)

@@ -3,7 +3,7 @@
 Coupled sampling (:mod:`specdec.coupling`) promises two things, checked here:
 
 1. **law**: plain coupled sampling draws the target's law. On small synthetic logit vectors under the
-   certificate's temperature / top-k / top-p, ``stat_samples`` coupled draws over fresh sequence keys and
+   certificate's sampling setting, ``stat_samples`` coupled draws over fresh sequence keys and
    over fresh positions of one key are tested against ``target_probs`` (chi-square, rare bins pooled,
    Holm over the cases, power at ``stat_tv`` reported). Control ``noise_reused`` (one noise row for every
    draw) must fail.
@@ -74,8 +74,7 @@ def identity_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampling
                     prompts: list[list[int]], seed: int) -> tuple[list[Check], list[str]]:
     from specdec.generate import generate
 
-    kw = dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-              seed=seed, sampler="coupled")
+    kw = dict(sampling.generate_kwargs(), do_sample=True, seed=seed, sampler="coupled")
     tokens = sizes.identity_tokens
     plain = generate(loaded, prompts, max_new_tokens=tokens, **kw)
     checks, warnings = [], []

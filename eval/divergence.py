@@ -89,7 +89,7 @@ def greedy_identity(loaded: Any, prompts: list[list[int]], drafter: Any, drafter
                     fault: EngineFault | None = None, sampling: dict | None = None,
                     speculation: str = "always") -> IdentityResult:
     """``plain``: plain output for ``prompts`` if already computed (prompt + new tokens). ``sampling``: generate()
-    keyword arguments of a coupled-sampling run (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
+    keyword arguments of a coupled-sampling run (``do_sample``, ``temperature``, the warpers, ``seed``,
     ``sampler="coupled"``), both sides; None = greedy. ``speculation``: the speculative side's policy; "always"
     checks every proposal (the break-even guard would stop asking a drafter that does not pay, e.g. on a tiny
     model), "auto" the path users run by default."""
@@ -105,8 +105,7 @@ def greedy_identity(loaded: Any, prompts: list[list[int]], drafter: Any, drafter
     if plain is None:
         plain = generate(loaded, prompts, max_new_tokens=max_new_tokens, **sampling)
     if coupled:
-        sampling_config = SamplingConfig(True, sampling.get("temperature", 1.0), sampling.get("top_k", 0),
-                                         sampling.get("top_p", 1.0))
+        sampling_config = SamplingConfig.from_kwargs(sampling)
         keys = sequence_keys(prompts) if batched else [sequence_keys([p])[0] for p in prompts]
         if near_tie == NEAR_TIE:
             near_tie = COUPLED_NEAR_TIE

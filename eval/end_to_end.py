@@ -57,8 +57,8 @@ def sample_in_chunks(run: Callable[[list[list[int]], int], Any], prompts: list[l
 
 def sampling_kwargs(sampling: SamplingConfig, sizes: Any) -> dict:
     """generate() arguments of one side: ``sample_tokens + sample_lookahead`` sampled tokens."""
-    return dict(max_new_tokens=sizes.sample_tokens + sizes.sample_lookahead, do_sample=True,
-                temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, return_dict=True)
+    return dict(sampling.generate_kwargs(), max_new_tokens=sizes.sample_tokens + sizes.sample_lookahead,
+                do_sample=True, return_dict=True)
 
 
 def drafted_share(new_tokens: list[list[int]], stats: list[Any], k: int) -> float:

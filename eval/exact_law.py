@@ -57,7 +57,7 @@ class SyntheticCase:
         return logits_to_probs(self.target_logits(prefix), self.sampling)
 
     def draft_probs(self, prefix: tuple[int, ...]) -> torch.Tensor:
-        # the drafter samples with the same temperature / top-k / top-p; when decoding greedily
+        # the drafter samples with the same sampling transform; when decoding greedily
         # it still proposes from its softened distribution (a stochastic drafter under greedy)
         sampling = self.sampling if self.sampling.do_sample else SamplingConfig(do_sample=True)
         return logits_to_probs(self.draft_logits(prefix), sampling)

@@ -22,10 +22,10 @@ import dataclasses
 import torch
 from specdec.eval.exact_law import SyntheticCase
 
-from specdec.sampling import SamplingConfig, logits_to_probs
+from specdec.sampling import WARPERS, SamplingConfig, logits_to_probs
 
 # a transform and the setting that turns it off, in the order sampling_logits applies them
-TRANSFORMS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+TRANSFORMS = {"temperature": 1.0, **WARPERS}
 SHARPEN_LIMIT = 8  # doublings of a case's target sharpness tried before giving up (2 ** 8 * 2: logits of +-1000)
 
 
@@ -38,7 +38,7 @@ def for_vocab(sampling: SamplingConfig, vocab: int) -> SamplingConfig:
 
 def idle_transforms(case: SyntheticCase) -> set[str]:
     """The transforms of ``case.sampling`` that are on but change nothing at its prefix: each is applied in turn
-    (temperature, top-k, top-p, as :func:`specdec.sampling.sampling_logits` does) and is idle where the target's
+    (temperature, then the warpers, as :func:`specdec.sampling.sampling_logits` does) and is idle where the target's
     probabilities after it equal those before it. None when decoding greedily (the argmax ignores them)."""
     sampling = case.sampling
     if sampling.greedy:

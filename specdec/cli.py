@@ -137,6 +137,22 @@ def _check_device(spec: str):
     return device
 
 
+# transformers' sampling warpers after top_p (specdec.warpers): flag -> off value, in the order they apply
+WARPER_FLAGS = {"min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
+
+
+def add_warper_flags(p, default: str) -> None:
+    """--min-p, --typical-p, --epsilon-cutoff, --eta-cutoff, --top-h; ``default`` starts each help's default."""
+    helps = {"min_p": "keep probabilities >= MIN_P x the largest one",
+             "typical_p": "typical sampling: the most locally typical tokens up to this mass",
+             "epsilon_cutoff": "keep probabilities >= EPSILON_CUTOFF",
+             "eta_cutoff": "keep probabilities >= min(ETA, sqrt(ETA) exp(-entropy))",
+             "top_h": "top-h: the most likely tokens within TOP_H x the entropy (applied before top-k)"}
+    for name, off in WARPER_FLAGS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=float, default=None if default else off,
+                       help=f"{helps[name]}; default: {default}{'off' if off is None else f'{off:g} (off)'}")
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text, plainly or speculatively",
                        description="Generate text from a prompt and print it with its speed.")
@@ -155,6 +171,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=None, help="default: the model's generation_config, else 1")
     p.add_argument("--top-k", type=int, default=None, help="default: the model's generation_config, else 0 (off)")
     p.add_argument("--top-p", type=float, default=None, help="default: the model's generation_config, else 1 (off)")
+    add_warper_flags(p, "the model's generation_config, else ")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None,
                    help="stop string, repeatable; kept in the output, as in transformers")
@@ -185,7 +202,8 @@ def _add_generate(sub) -> None:
     p.set_defaults(func=_run_generate)
 
 
-GENERATION_FLAGS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p")  # unset: the model's config
+# unset: the model's config
+GENERATION_FLAGS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", *WARPER_FLAGS)
 PATH_OPTIONS = ("path", "model", "tokenizer")  # options naming a file, directory or alias: the text, never a number
 PYTHON_LITERALS = {"True": True, "False": False, "None": None}  # as a Python user types them (JSON: true, false, null)
 
@@ -276,7 +294,7 @@ def _generation_settings(args) -> dict:
     from specdec.sampling import SamplingConfig
 
     settings = {k: getattr(args, k) for k in GENERATION_FLAGS if getattr(args, k) is not None}
-    SamplingConfig(bool(args.do_sample), **{k: settings[k] for k in ("temperature", "top_k", "top_p") if k in settings})
+    SamplingConfig.from_kwargs({**settings, "do_sample": bool(args.do_sample)})
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     return settings

@@ -4,8 +4,8 @@ Every token is drawn by the Gumbel-max rule::
 
     token_t = argmax_i ( sampling_logits_t[i] + G_t[i] )
 
-``sampling_logits_t`` are the target's logits at position ``t`` after temperature, ``-inf`` outside the top-k /
-top-p support (:func:`specdec.sampling.sampling_logits`, the transform behind ``target_probs``), and ``G_t[i]`` is
+``sampling_logits_t`` are the target's logits at position ``t`` after temperature, ``-inf`` where a warper removed
+the token (:func:`specdec.sampling.sampling_logits`, the transform behind ``target_probs``), and ``G_t[i]`` is
 standard Gumbel noise that is a pure function of the seed, the sequence's key and ``(t, i)``. Since
 ``argmax(l + G) ~ softmax(l)`` and each position has fresh noise, this samples the target's law exactly. The
 verify walk (:func:`coupled_sample`) computes the target's coupled token at every reached tree node and moves to

@@ -59,6 +59,7 @@ from specdec.generation_config import GenerationConfig
 from specdec.kv_cache import CacheFullError
 from specdec.models.loader import LoadedModel, load_model
 from specdec.output import GenerateOutput, OutputLayout, SequenceStats, pack_output
+from specdec.sampling import WARPERS
 from specdec.stopping import StopCriteria
 from specdec.transformers_config import config_layer, kwargs_layer, model_layer, resolve
 
@@ -226,7 +227,7 @@ def prepare(model: Any, input_ids: Any = None, *, drafter: Any = None, drafter_o
 
 
 # sampling options and their neutral values: given with greedy decoding they change nothing (transformers warns too)
-_SAMPLING_ONLY = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "sampler": "standard"}
+_SAMPLING_ONLY = {"temperature": 1.0, **WARPERS, "sampler": "standard"}
 
 
 def _warn_unused_sampling(config: GenerationConfig, given: GenerationConfig) -> None:

@@ -48,6 +48,12 @@ class GenerationConfig:
     temperature: float = 1.0
     top_k: int = 0  # 0 = disabled
     top_p: float = 1.0  # 1.0 = disabled
+    # transformers' other sampling warpers, applied after top_p in transformers' order (specdec.warpers)
+    min_p: float = 0.0  # 0 = disabled
+    typical_p: float = 1.0  # 1.0 = disabled
+    epsilon_cutoff: float = 0.0  # 0 = disabled
+    eta_cutoff: float = 0.0  # 0 = disabled
+    top_h: float | None = None  # None = disabled; applied before top_k, as transformers does
     seed: int | None = None  # seeds sampling and sampled drafts; None = torch's global RNG
     eos_token_id: Any = None  # int, list of ints, 0-D / 1-D integer tensor; None = the model's own
     stop: Any = None  # a string, or a list of strings (need the tokenizer) and / or token-id sequences
@@ -125,7 +131,7 @@ class GenerationConfig:
                              f"got {describe(self.speculation)}")
         if self.sampler not in SAMPLERS:
             raise InputError(f"sampler must be one of {', '.join(map(repr, SAMPLERS))}, got {describe(self.sampler)}")
-        self.sampling  # noqa: B018 -- do_sample / temperature / top_k / top_p checked by SamplingConfig
+        self.sampling  # noqa: B018 -- do_sample, temperature and the warpers checked by SamplingConfig
         parse_stop(self.stop)
         for name, value in check_processing_fields(**{n: getattr(self, n) for n in PROCESSOR_FIELDS}).items():
             object.__setattr__(self, name, value)
@@ -136,7 +142,7 @@ class GenerationConfig:
 
     @property
     def sampling(self) -> SamplingConfig:
-        return SamplingConfig(self.do_sample, self.temperature, self.top_k, self.top_p)
+        return SamplingConfig.from_kwargs({f.name: getattr(self, f.name) for f in fields(self)})
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

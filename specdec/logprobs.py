@@ -4,9 +4,9 @@ Each new token's log-probability is read from the target's logits at the verify 
 logits processors (:mod:`specdec.logits_processing`) and the sampling transform:
 
 * sampling (standard or coupled): ``log_softmax(sampling_logits(processed))`` at the token, where
-  :func:`~specdec.sampling.sampling_logits` divides by the temperature and puts ``-inf`` outside the top-k /
-  top-p support: the log of the probability the token was drawn with;
-* greedy: ``log_softmax(processed)`` at the token (no temperature, no top-k / top-p), i.e. the log-softmax of
+  :func:`~specdec.sampling.sampling_logits` divides by the temperature and puts ``-inf`` where the sampling
+  warpers (top-k, top-p, ...) remove the token: the log of the probability the token was drawn with;
+* greedy: ``log_softmax(processed)`` at the token (no temperature, no warpers), i.e. the log-softmax of
   the scores transformers returns with ``output_scores=True`` when it decodes greedily.
 
 The row that chose a committed token is the same with or without a drafter (the root's row for the first token

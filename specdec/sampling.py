@@ -1,8 +1,9 @@
 """Sampling configuration and the logits -> probabilities transform.
 
-The same transform (temperature, then top-k, then top-p, as in transformers'
-``generate``) is applied to the target's logits here and by every drafter to its own
-logits, so that ``target_probs`` and ``draft_probs`` live in the same space.
+The same transform (transformers' sampling warpers in the order its ``generate`` applies them: temperature,
+top-h, top-k, top-p, min-p, typical, epsilon, eta; :mod:`specdec.warpers`) is applied to the target's logits here
+and by every drafter to its own logits, so that ``target_probs`` and ``draft_probs`` live in the same space. The
+warpers decide which tokens to remove in float32, as transformers does, also when given float64 logits.
 Greedy decoding (``do_sample=False``) is the temperature-0 limit: a one-hot at argmax.
 
 A row with no law to choose from (NaN logits, +inf logits when sampling, every token masked to -inf) never
@@ -20,13 +21,19 @@ from typing import Any
 
 import torch
 
+from specdec import warpers
 from specdec.errors import InputError, InputTypeError, SpecdecError
 from specdec.generate_inputs import describe
 
 
 class InvalidLogitsError(SpecdecError, RuntimeError):
     """The target's logits at a step leave no token to choose: NaN or infinite values (a float16 overflow, a
-    damaged checkpoint) or every token removed (a logits processor, top-k / top-p over -inf logits)."""
+    damaged checkpoint) or every token removed (a logits processor, a sampling warper over -inf logits)."""
+
+
+# transformers' sampling warpers after temperature, in the order it applies them, with the value that turns each off
+WARPERS: dict[str, Any] = {"top_h": None, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
+                           "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 
 @dataclass(frozen=True)
@@ -35,15 +42,23 @@ class SamplingConfig:
     temperature: float = 1.0
     top_k: int = 0  # 0 = disabled
     top_p: float = 1.0  # 1.0 = disabled
+    min_p: float = 0.0  # 0 = disabled; keeps probabilities >= min_p * the largest one
+    typical_p: float = 1.0  # 1.0 = disabled; the most locally typical tokens up to this mass
+    epsilon_cutoff: float = 0.0  # 0 = disabled; keeps probabilities >= epsilon_cutoff
+    eta_cutoff: float = 0.0  # 0 = disabled; keeps probabilities >= min(eta, sqrt(eta) * exp(-entropy))
+    top_h: float | None = None  # None = disabled (top_h=1.0 still keeps 100 tokens at most, as in transformers)
 
     def __post_init__(self) -> None:
         # one-line InputError / InputTypeError naming the argument (specdec.errors); bools are not numbers here
         if not isinstance(self.do_sample, bool):
             raise InputTypeError(f"do_sample must be True or False, got {describe(self.do_sample)}")
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"):
             value = getattr(self, name)
+            if name == "top_h" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise InputTypeError(f"{name} must be a number, got {describe(value)}")
+                raise InputTypeError(f"{name} must be a number{' or None' if name == 'top_h' else ''}, "
+                                     f"got {describe(value)}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
             raise InputTypeError(f"top_k must be an int >= 0 (0 disables it), got {describe(self.top_k)}")
         if self.do_sample and not self.temperature > 0:
@@ -57,30 +72,47 @@ class SamplingConfig:
             raise InputError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 <= self.top_p <= 1.0:  # 0 keeps only the most likely token, as transformers' TopPLogitsWarper
             raise InputError(f"top_p must lie in [0, 1], got {self.top_p}")
+        # transformers' own ranges; where transformers skips a value silently (typical_p > 1, a cutoff outside
+        # (0, 1)), specdec refuses it rather than ignore it
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InputError(f"min_p must lie in [0, 1] (0 disables it), got {self.min_p}")
+        if not 0.0 < self.typical_p <= 1.0:
+            raise InputError(f"typical_p must lie in (0, 1] (1 disables it), got {self.typical_p}")
+        for name in ("epsilon_cutoff", "eta_cutoff"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise InputError(f"{name} must lie in [0, 1) (0 disables it), got {getattr(self, name)}")
+        if self.top_h is not None and not 0.0 < self.top_h <= 1.0:
+            raise InputError(f"top_h must lie in (0, 1] or be None (None disables it), got {self.top_h}")
 
     @property
     def greedy(self) -> bool:
         return not self.do_sample
 
+    def generate_kwargs(self) -> dict[str, Any]:
+        """This setting as ``generate()`` keyword arguments: ``do_sample``, ``temperature`` and every warper."""
+        return {"do_sample": self.do_sample, "temperature": self.temperature,
+                **{name: getattr(self, name) for name in WARPERS}}
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> SamplingConfig:
+        """The setting of ``generate()`` keyword arguments (the others ignored; unset ones off)."""
+        return cls(**{k: v for k, v in kwargs.items() if k in ("do_sample", "temperature", *WARPERS)})
+
 
 def sampling_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """[..., vocab] logits -> [..., vocab] temperature-scaled logits, -inf outside the top-k / top-p support
-    (float32, or float64 if given float64): softmax gives ``target_probs``; coupled sampling
-    (:mod:`specdec.coupling`) adds Gumbel noise to them. Sampling only (greedy has no temperature)."""
+    """[..., vocab] logits -> [..., vocab] temperature-scaled logits, -inf where transformers' warpers remove the
+    token (float32, or float64 if given float64): softmax gives ``target_probs``; coupled sampling
+    (:mod:`specdec.coupling`) adds Gumbel noise to them. Sampling only (greedy has no temperature).
+
+    Which tokens the warpers remove is decided in float32, by transformers' operations
+    (:mod:`specdec.warpers`), also for float64 logits: float32 logits carried in float64 are cut exactly where
+    transformers cuts them; the kept values stay in the given precision."""
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    logits = logits.to(dtype) / sampling.temperature
-    vocab = logits.shape[-1]
-    if 0 < sampling.top_k < vocab:
-        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cum <= 1.0 - sampling.top_p
-        drop_sorted[..., -1] = False  # always keep the most likely token
-        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+    scaled = logits.to(dtype) / sampling.temperature
+    if not warpers.active(sampling, logits.shape[-1]):
+        return scaled
+    scores = scaled if dtype == torch.float32 else logits.to(torch.float32) / sampling.temperature
+    return scaled.masked_fill(warpers.removed_by_warpers(scores, sampling), float("-inf"))
 
 
 def logits_to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
@@ -137,5 +169,5 @@ def check_chosen(acceptances: Sequence[Any], vocab: int, where: Callable[[int], 
             raise InvalidLogitsError(
                 f"sequence {seq_id}, step {step}, new token {before + len(acc.accepted_tokens) + 1}: the target's "
                 "logits leave no token to choose (NaN or infinite values, e.g. a float16 overflow or a damaged "
-                "checkpoint, or every token removed by a logits processor or top-k / top-p); stopping instead of "
+                "checkpoint, or every token removed by a logits processor or a sampling warper); stopping instead of "
                 "emitting an id outside the vocabulary")

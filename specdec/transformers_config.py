@@ -16,9 +16,9 @@ in transformers 5 (:data:`NONE_KWARG`): ``eos_token_id=None`` is no EOS, ``stop_
 * ignored, because it cannot change the tokens (:data:`IGNORED`: ``bos_token_id``, cache and compile settings,
   assisted-generation tuning, ...);
 * refused when set to anything but a neutral value (:data:`REFUSED`: beam search, but length_penalty /
-  early_stopping under num_beams 1, contrastive search, encoder_* processors, other warpers, stopping_criteria,
-  ...): a one-line InputError naming the field and its source. A field this file does not know is refused the
-  same way; custom keys of a generation_config.json are logged and ignored; an unknown keyword: InputTypeError.
+  early_stopping under num_beams 1, contrastive search, encoder_* processors, stopping_criteria, ...): a
+  one-line InputError naming the field and its source. A field this file does not know is refused the same way;
+  custom keys of a generation_config.json are logged and ignored; an unknown keyword: InputTypeError.
 
 Sampling defaults: when a transformers config (passed or the model's) sets ``do_sample=True`` and no layer sets
 ``top_k``, top-k is transformers' 50; sampling asked for only by keyword or a specdec config keeps ``top_k=0``.
@@ -68,7 +68,6 @@ IGNORED: dict[str, str] = {
 # name -> (values that change nothing besides None, what the field does)
 _ENCODER = ("an encoder-decoder processor (on a decoder-only model transformers reads the left-padded prompt as "
             "the encoder input, pads included)")
-_WARPER = "a sampling warper specdec does not apply (it has temperature, top_k and top_p)"
 _BEAM = "beam search (specdec decodes greedily or samples)"
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "num_beams": ((1,), _BEAM), "num_beam_groups": ((1,), _BEAM), "diversity_penalty": ((0.0,), _BEAM),
@@ -76,8 +75,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "force_words_ids": ((), _BEAM),
     "penalty_alpha": ((), "contrastive search"), "low_memory": ((False,), "contrastive search"),
     "dola_layers": ((), "DoLa decoding"),
-    "min_p": ((0, 0.0), _WARPER), "top_h": ((), _WARPER), "typical_p": ((1.0,), _WARPER),
-    "epsilon_cutoff": ((0.0,), _WARPER), "eta_cutoff": ((0.0,), _WARPER),
     "encoder_repetition_penalty": ((1.0,), _ENCODER), "encoder_no_repeat_ngram_size": ((0,), _ENCODER),
     "guidance_scale": ((1, 1.0), "classifier-free guidance"), "watermarking_config": ((), "watermarking"),
     "token_healing": ((False,), "token healing"), "max_time": ((), "a time limit (the output would depend on speed)"),
@@ -119,7 +116,8 @@ def _specdec_fields() -> set[str]:
 # bad_words_ids, seed, and the processors' None = off); num_return_sequences=None is refused, as transformers fails
 UNSET = object()
 NONE_KWARG: dict[str, Any] = {"max_new_tokens": UNSET, "max_length": UNSET, "eos_token_id": (), "do_sample": False,
-                              "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+                              "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
+                              "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 
 def _known_names() -> set[str]:

@@ -137,7 +137,9 @@ DRAFTERS = {
     "medusa": lambda m: (_medusa(m), {}),
     "eagle": lambda m: (_eagle(m), {}),
 }
-SETTINGS = {"greedy": {}, "coupled": dict(do_sample=True, temperature=0.8, seed=3, sampler="coupled")}
+SETTINGS = {"greedy": {}, "coupled": dict(do_sample=True, temperature=0.8, seed=3, sampler="coupled"),
+            "coupled-warpers": dict(do_sample=True, temperature=0.8, top_p=0.95, min_p=0.02, typical_p=0.95,
+                                    eta_cutoff=2e-3, top_h=0.95, seed=3, sampler="coupled")}
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,19 @@ def test_json_summary(ckpt, capsys):
     assert not SUMMARY.match(err)  # --json replaces the plain line
 
 
+def test_sampling_warper_flags_reach_generate(ckpt, capsys):
+    """--min-p, --typical-p, --epsilon-cutoff, --eta-cutoff and --top-h are generate()'s; --min-p 1 keeps only the
+    argmax, so sampling with it prints the greedy text."""
+    argv = [PROMPT, "--model", ckpt, "--max-new-tokens", str(N), "--do-sample", "--seed", "0"]
+    _, greedy, _ = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(N))
+    rc, out, err = run(capsys, *argv, "--min-p", "1")
+    assert rc == 0 and out == greedy, err
+    flags = ["--typical-p", "0.9", "--epsilon-cutoff", "0.001", "--eta-cutoff", "0.002", "--top-h", "0.9"]
+    rc, out, err = run(capsys, *argv, *flags, "--drafter", "ngram")
+    kw = dict(do_sample=True, seed=0, typical_p=0.9, epsilon_cutoff=0.001, eta_cutoff=0.002, top_h=0.9)
+    assert rc == 0 and out == expected_text(ckpt, PROMPT, drafter="ngram", **kw) + "\n", err
+
+
 def test_ngram_drafter_prints_tau_and_the_same_text(ckpt, capsys):
     n = 64
     _, plain, _ = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(n))
@@ -129,6 +142,9 @@ def gpt2_ckpt(tmp_path_factory):
         (["hi", "--model", "{ckpt}", "--drafter", "no-such-drafter"], "unknown drafter 'no-such-drafter'"),
         (["hi", "--model", "{ckpt}", "--do-sample", "--temperature", "0"], "temperature must be > 0"),
         (["hi", "--model", "{ckpt}", "--top-p", "1.5"], r"top_p must lie in \(0, 1\]"),
+        (["hi", "--model", "{ckpt}", "--min-p", "1.5"], r"min_p must lie in \[0, 1\]"),
+        (["hi", "--model", "{ckpt}", "--typical-p", "0"], r"typical_p must lie in \(0, 1\]"),
+        (["hi", "--model", "{ckpt}", "--eta-cutoff", "-0.1"], r"eta_cutoff must lie in \[0, 1\)"),
         (["hi", "--model", "{ckpt}", "--drafter", "ngram", "--drafter-option", "bogus=1"],
          "has no --drafter-option 'bogus'"),
         (["hi", "--model", "{ckpt}", "--drafter", "ngram", "--drafter-option", "bogus"], "KEY=VALUE"),

@@ -75,10 +75,11 @@ def test_coupling_rejects_a_bad_seed():
 
 
 # ---- the law --------------------------------------------------------------------------------------------------
-LAW_CASES = [SamplingConfig(True, 1.0), SamplingConfig(True, 0.7, top_k=5), SamplingConfig(True, 1.3, top_p=0.8)]
+LAW_CASES = [SamplingConfig(True, 1.0), SamplingConfig(True, 0.7, top_k=5), SamplingConfig(True, 1.3, top_p=0.8),
+             SamplingConfig(True, 1.3, min_p=0.1, typical_p=0.95, eta_cutoff=0.01)]
 
 
-@pytest.mark.parametrize("sampling", LAW_CASES, ids=["t1", "t0.7-topk5", "t1.3-topp0.8"])
+@pytest.mark.parametrize("sampling", LAW_CASES, ids=["t1", "t0.7-topk5", "t1.3-topp0.8", "t1.3-warpers"])
 @pytest.mark.parametrize("vary", ["key", "position"])
 def test_plain_coupled_sampling_has_the_targets_law(sampling, vary):
     """20,000 coupled draws over fresh keys (or fresh positions of one key) against target_probs: chi-square at
@@ -91,6 +92,7 @@ def test_plain_coupled_sampling_has_the_targets_law(sampling, vary):
     noise = Coupling(1).gumbel(keys, positions, 12)[:, 0]  # [n, 12]
     tokens = coupled_tokens(logits.expand(n, -1), sampling, noise).tolist()
     target_probs = logits_to_probs(logits, sampling)
+    assert int((target_probs > 0).sum()) > 1
     law = {i: float(p) for i, p in enumerate(target_probs) if p > 0}
     p_value, power = goodness_of_fit(tokens, law, tv=0.03, alpha=1e-3)
     assert power >= 0.9
@@ -130,6 +132,12 @@ DRAFTERS = {
 }
 
 
+# sampling settings of the speculative == plain checks (transformers' other warpers in "warpers")
+SETTINGS = {"t1": {}, "topk": dict(temperature=0.8, top_k=20, top_p=0.9),
+            "warpers": dict(temperature=0.9, min_p=0.02, typical_p=0.95, epsilon_cutoff=1e-3, eta_cutoff=2e-3,
+                            top_h=0.95)}
+
+
 @pytest.fixture(scope="module")
 def model():
     return build_tiny_model()
@@ -137,19 +145,21 @@ def model():
 
 @pytest.fixture(scope="module")
 def plain(model):
-    """Plain coupled sampling of the batch, at two sampling settings: every prompt but the second copy of [7, 8]
+    """Plain coupled sampling of the batch, at each of SETTINGS: every prompt but the second copy of [7, 8]
     as sampled alone (the second copy has a key of its own, so it is a different sample)."""
     out = {}
-    for name, extra in (("t1", {}), ("topk", dict(temperature=0.8, top_k=20, top_p=0.9))):
+    for name, extra in SETTINGS.items():
         kw = {**SAMPLE, **extra}
         out[name] = specdec.generate(model, PROMPTS, max_new_tokens=48, **kw)
         assert out[name][:4] == [specdec.generate(model, [p], max_new_tokens=48, **kw)[0] for p in PROMPTS[:4]]
+    # the warpers change the text (so the checks with them check something)
+    assert out["warpers"] != specdec.generate(model, PROMPTS, max_new_tokens=48, **{**SAMPLE, "temperature": 0.9})
     return out
 
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
 def test_speculative_coupled_output_is_plain_coupled_output(model, plain, name):
-    for setting, extra in (("t1", {}), ("topk", dict(temperature=0.8, top_k=20, top_p=0.9))):
+    for setting, extra in SETTINGS.items():
         drafter, options = DRAFTERS[name](model)
         kw = dict(max_new_tokens=48, drafter=drafter, drafter_options=options or None, **{**SAMPLE, **extra})
         batched = specdec.generate(model, PROMPTS, return_dict=True, speculation="always", **kw)

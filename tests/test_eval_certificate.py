@@ -45,6 +45,32 @@ def test_certificate_passes_and_every_control_is_caught(drafter, options):
     assert cert.to_json()["passed"] is True
 
 
+WARPED = SamplingConfig(True, 0.9, min_p=0.01, eta_cutoff=0.02)  # each removes tokens in some synthetic case
+
+
+def test_certificate_synthetic_levels_run_transformers_warpers():
+    """The exact-law level runs min_p / eta (transformers' warpers) with its controls, records them, and every
+    warper removes tokens in some case (no 'removed no token' note); the slow test below runs every level."""
+    cert = run_certificate(None, "draft-model", {"mode": "independent"}, WARPED, CertificateSizes(), _prompts,
+                           levels=("exact",))
+    failed = [(c.level, c.name, c.control, c.detail) for c in cert.checks if not c.as_expected]
+    assert cert.passed and not cert.void, failed
+    assert any(c.control for c in cert.checks) and all(not c.passed for c in cert.checks if c.control)
+    assert all("removed no token" not in c.detail for c in cert.checks), [c.detail for c in cert.checks]
+    sampling = cert.to_json()["config"]["sampling"]
+    assert sampling["min_p"] == 0.01 and sampling["eta_cutoff"] == 0.02
+
+
+@pytest.mark.slow
+def test_certificate_with_warpers_passes_end_to_end():
+    loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
+    options = {"mode": "independent", "widths": [2, 1], "num_draft_tokens": 2,
+               "model": build_tiny_model(vocab_size=12, seed=9)}
+    cert = run_certificate(loaded, "draft-model", options, WARPED, SMALL, _prompts)
+    failed = [(c.level, c.name, c.control, c.detail) for c in cert.checks if not c.as_expected]
+    assert cert.passed and not cert.void, failed
+
+
 def test_too_few_samples_void_the_certificate():
     loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
     tiny = CertificateSizes(stat_samples=30, identity_prompts=1, identity_tokens=4, sample_sequences=20)
@@ -258,23 +284,31 @@ def test_another_seed_draws_the_statistics_anew():
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(True, 0.8, 50), SamplingConfig(True, 1.5, 0, 0.999),
-                                      SamplingConfig(True, 2.0, 6, 0.9999), SamplingConfig(True, 0.7, 3, 0.9)],
+                                      SamplingConfig(True, 2.0, 6, 0.9999), SamplingConfig(True, 0.7, 3, 0.9),
+                                      SamplingConfig(True, 0.9, min_p=0.01, eta_cutoff=0.02),
+                                      SamplingConfig(True, 1.0, epsilon_cutoff=3e-4),
+                                      SamplingConfig(True, typical_p=0.9), SamplingConfig(True, 1.2, top_h=0.9)],
                          ids=str)
 def test_every_sampling_transform_bites_in_some_case(sampling):
     """The synthetic cases have 4-8 tokens: top-k 50 (the committed certificates' setting) removed no token of any
     of them, and top-p 0.999 at temperature 1.5 none either, so the exact-law and statistics levels claimed
-    transforms they never ran. Each transform that is on must change the target of one case at least."""
+    transforms they never ran. Each transform that is on must change the target of one case at least (the
+    warpers after top-p too: an epsilon_cutoff of 3e-4 removes nothing of a 6-token law unless sharpened; the
+    settings are ones where each warper can remove what the ones before it left)."""
     from dataclasses import replace
 
     from specdec.eval.certificate import acceptance_cases, sampler_cases
+    from specdec.eval.synthetic_sampling import TRANSFORMS
 
     from specdec.sampling import logits_to_probs
     from specdec.tree import DraftMode
 
     def bites(cases, name, off):
-        """The transform changes the target at a case's prefix, applied after the ones before it (temperature, top-k,
-        top-p): a top-k that top-p alone would cut to changes nothing of the final law but is still run."""
-        later = {"temperature": dict(top_k=0, top_p=1.0), "top_k": dict(top_p=1.0), "top_p": {}}[name]
+        """The transform changes the target at a case's prefix, applied after the ones before it (temperature,
+        top-h, top-k, top-p, ...): a top-k that top-p alone would cut to changes nothing of the final law but is
+        still run."""
+        names = list(TRANSFORMS)
+        later = {n: TRANSFORMS[n] for n in names[names.index(name) + 1:]}
         def probs(c, **kw):
             return logits_to_probs(c.target_logits(c.prefix), replace(c.sampling, **later, **kw))
 
@@ -287,7 +321,7 @@ def test_every_sampling_transform_bites_in_some_case(sampling):
                                   for c in (single, chain)],
               "exact": certificate.exact_law_cases(list(DraftMode), sampling)}
     for level, cases in levels.items():
-        for name, off in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0)):
+        for name, off in TRANSFORMS.items():
             if getattr(sampling, name) != off:
                 assert bites(cases, name, off), (level, name)
 
@@ -401,3 +435,30 @@ def test_sampled_end_to_end_check_verifies_drafts_for_the_compared_tokens():
     broken = BROKEN_RULES["always_accept"]
     res = end_to_end.sampled_two_sample(loaded, prompts[0], wrong, {}, greedy_like, sizes, broken)
     assert res["chi2_p"] < 1e-4
+
+
+def test_eval_lossless_takes_the_warper_flags(tmp_path, monkeypatch, capsys):
+    """--min-p, --typical-p, --epsilon-cutoff, --eta-cutoff and --top-h reach the certificate's sampling setting; a
+    value out of range is a one-line error before the model loads."""
+    import specdec.eval.certificate as certificate
+
+    from specdec.cli import main
+    from specdec.testing import save_tiny_checkpoint
+
+    seen = []
+
+    def fake(loaded, drafter, options, sampling, *args, **kwargs):
+        seen.append(sampling)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(certificate, "run_certificate", fake)
+    ckpt = save_tiny_checkpoint(tmp_path / "tiny")
+    flags = ["--min-p", "0.05", "--typical-p", "0.9", "--epsilon-cutoff", "3e-4", "--eta-cutoff", "1e-3",
+             "--top-h", "0.8"]
+    main(["eval", "lossless", "--model", ckpt, "--temperature", "0.8", *flags, "--out", str(tmp_path / "cert")])
+    assert seen == [SamplingConfig(True, 0.8, min_p=0.05, typical_p=0.9, epsilon_cutoff=3e-4, eta_cutoff=1e-3,
+                                   top_h=0.8)]
+    capsys.readouterr()
+    code = main(["eval", "lossless", "--model", "nowhere", "--min-p", "2", "--out", str(tmp_path / "c2")])
+    err = capsys.readouterr().err
+    assert code == 2 and "min_p must lie in [0, 1]" in err and len(err.strip().splitlines()) == 1, err

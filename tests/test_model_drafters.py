@@ -212,8 +212,11 @@ def test_sampling_law_test_catches_a_broken_sampler_with_draft_model():
     assert two_sample_chi2(plain, spec).p_value < 1e-6
 
 
-def test_sampled_drafts_carry_the_distribution_they_were_drawn_from():
-    """Each node's draft_probs row is the draft model's (temperature/top-k) distribution at its parent."""
+@pytest.mark.parametrize("kw", [dict(top_k=3), dict(temperature=1.2, min_p=0.12), dict(typical_p=0.6),
+                                dict(epsilon_cutoff=0.05), dict(eta_cutoff=0.1), dict(top_h=0.6)], ids=str)
+def test_sampled_drafts_carry_the_distribution_they_were_drawn_from(kw):
+    """Each node's draft_probs row is the draft model's distribution at its parent after the target's sampling
+    transform (temperature, top-k and transformers' other warpers)."""
     target = build_tiny_model(vocab_size=8, seed=3)
     trees = []
 
@@ -224,16 +227,39 @@ def test_sampled_drafts_carry_the_distribution_they_were_drawn_from():
             return out
 
     spy = Spy(target, seed=0, mode="independent", widths=(2,), num_draft_tokens=2)
-    specdec.generate(target, [[1, 2, 3]], max_new_tokens=6, drafter=spy, do_sample=True, seed=0, top_k=3,
+    specdec.generate(target, [[1, 2, 3]], max_new_tokens=6, drafter=spy, do_sample=True, seed=0, **kw,
                      speculation="always")
     assert trees and all(t.draft_probs is not None for t in trees)
     tree = trees[0]
     with torch.no_grad():
         logits = target(torch.tensor([[1, 2, 3]])).logits[0, -1]
-    expected = specdec.sampling.logits_to_probs(logits, specdec.sampling.SamplingConfig(True, 1.0, 3, 1.0))
+    expected = specdec.sampling.logits_to_probs(logits, specdec.sampling.SamplingConfig(True, **kw))
+    assert 1 < int((expected > 0).sum()) < 8  # the setting removes tokens here, not all but one
     for i in (tree.parents == -1).nonzero().flatten().tolist():
         torch.testing.assert_close(tree.draft_probs[i], expected, atol=1e-5, rtol=1e-5)
-    assert int((tree.draft_probs[0] > 0).sum()) == 3  # top-k applied to the draft like the target
+        assert torch.equal(tree.draft_probs[i] > 0, expected > 0)  # the transform applied to the draft like the target
+
+
+def test_self_draft_warps_its_draft_probs_as_the_target_samples():
+    """Self-draft samples its drafts from its own logits after the target's warpers: every draft_probs row keeps
+    only probabilities >= min_p times its largest (min_p), and some row lost tokens to it."""
+    target = build_tiny_model(vocab_size=8, seed=3)
+    trees = []
+
+    class Spy(SelfDraftDrafter):
+        def propose(self, seqs):
+            out = super().propose(seqs)
+            trees.extend(out)
+            return out
+
+    spy = Spy(num_layers=1, seed=0, mode="independent", widths=(2, 1), num_draft_tokens=3)
+    specdec.generate(target, [[1, 2, 3]], max_new_tokens=8, drafter=spy, do_sample=True, seed=0, min_p=0.3,
+                     speculation="always")
+    rows = torch.cat([t.draft_probs for t in trees if t.draft_probs is not None])
+    assert len(rows) > 0
+    kept = rows > 0
+    assert (rows[kept] >= 0.3 * rows.amax(-1, keepdim=True).expand_as(rows)[kept] * (1 - 1e-6)).all()
+    assert (kept.sum(-1) < 8).any()
 
 
 # ---- reproducibility: generate(seed=...) seeds sampled drafts too ----------------------------

@@ -1,8 +1,10 @@
 """Exact law: the emitted-token distribution of the acceptance procedure equals the target's
-to 1e-12 in float64, for every drafting mode and sampling transform; broken rules fail."""
+to 1e-12 in float64, for every drafting mode and sampling transform (transformers' warpers included); broken
+rules fail."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from specdec.eval.exact_law import SyntheticCase, emitted_law, max_abs_error, ta
 from specdec.eval.negative_controls import BROKEN_RULES
 
 from specdec.rejection import EXACT, rejection_sample
-from specdec.sampling import SamplingConfig
+from specdec.sampling import WARPERS, SamplingConfig, logits_to_probs
 from specdec.tree import DraftMode, DraftTree
 
 SAMPLINGS = {
@@ -21,6 +23,17 @@ SAMPLINGS = {
 }
 SHAPES = [(1,), (3,), (1, 1, 1), (2, 2), (3, 1), (1, 3), (2, 1, 2), (3, 3, 3)]
 MODES = [DraftMode.INDEPENDENT, DraftMode.WITHOUT_REPLACEMENT, DraftMode.DETERMINISTIC]
+# transformers' other warpers (specdec.warpers), each set to remove tokens of the 6-token cases below
+WARPED = {
+    "t0.9-minp0.1": SamplingConfig(do_sample=True, temperature=0.9, min_p=0.1),
+    "typical0.8": SamplingConfig(do_sample=True, typical_p=0.8),
+    "t1.2-epsilon0.05": SamplingConfig(do_sample=True, temperature=1.2, epsilon_cutoff=0.05),
+    "eta0.1": SamplingConfig(do_sample=True, eta_cutoff=0.1),
+    "toph0.8": SamplingConfig(do_sample=True, top_h=0.8),
+    "all": SamplingConfig(True, 0.8, 5, 0.95, min_p=0.05, typical_p=0.9, epsilon_cutoff=0.01, eta_cutoff=0.02,
+                          top_h=0.9),
+}
+WARPED_SHAPES = [(1,), (3,), (2, 2), (2, 1, 2)]
 
 
 def cases():
@@ -31,7 +44,13 @@ def cases():
                            id=f"v{vocab}-{'x'.join(map(str, shape))}-{mode.value}-{sname}")
 
 
-@pytest.mark.parametrize("case", list(cases()))
+def warped_cases():
+    for shape, mode, sname in itertools.product(WARPED_SHAPES, MODES, WARPED):
+        yield pytest.param(SyntheticCase(6, shape, mode, WARPED[sname], seed=6),
+                           id=f"v6-{'x'.join(map(str, shape))}-{mode.value}-{sname}")
+
+
+@pytest.mark.parametrize("case", list(cases()) + list(warped_cases()))
 def test_exact_law_equals_target(case):
     length = 2 if len(case.widths) > 1 else 3
     err = max_abs_error(emitted_law(case, EXACT, length), target_law(case, length))
@@ -46,6 +65,22 @@ def test_every_broken_rule_fails_the_exact_law(rule_name):
         case = SyntheticCase(vocab, shape, mode, SAMPLINGS[sname], seed=vocab)
         worst = max(worst, max_abs_error(emitted_law(case, rule, 2), target_law(case, 2)))
     assert worst > 1e-3, f"{rule_name} passed the exact-law test (max error {worst})"
+
+
+@pytest.mark.parametrize("sname", list(WARPED))
+def test_each_warper_removes_tokens_where_the_exact_law_looks(sname):
+    """The warped cases test something: each warper (after the temperature) removes tokens of the target at some
+    prefix the two-step laws visit; the combined setting (whose warpers overlap: on 6 tokens some of them remove
+    nothing the others leave) removes tokens the temperature alone keeps."""
+    sampling = WARPED[sname]
+    case = SyntheticCase(6, (1,), sampling=sampling, seed=6)
+    prefixes = [(0,)] + [(0, t) for t in range(6)]
+    on = [name for name, off in WARPERS.items() if getattr(sampling, name) != off]
+    offs = [WARPERS] if len(on) > 1 else [{on[0]: WARPERS[on[0]]}]
+    for off in offs:
+        without = replace(sampling, **off)
+        assert any(not torch.equal(logits_to_probs(case.target_logits(p), sampling),
+                                   logits_to_probs(case.target_logits(p), without)) for p in prefixes), on
 
 
 def test_plain_decoding_law():

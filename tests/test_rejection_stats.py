@@ -27,6 +27,12 @@ CASES = {
     "without-replacement": SyntheticCase(6, (3,), DraftMode.WITHOUT_REPLACEMENT, SamplingConfig(True, 1.0, 5), seed=13),
     "deterministic-tree": SyntheticCase(6, (2, 2), DraftMode.DETERMINISTIC, SamplingConfig(True, 1.2), seed=14),
     "plain-topp": SyntheticCase(6, (), DraftMode.DETERMINISTIC, SamplingConfig(True, 1.5, 0, 0.9), seed=15),
+    # transformers' other warpers; seeds where each removes tokens at the root or a child the step reaches
+    "tree-independent-minp-eta": SyntheticCase(6, (2, 1), DraftMode.INDEPENDENT,
+                                               SamplingConfig(True, 0.9, min_p=0.1, eta_cutoff=0.05), seed=26),
+    "deterministic-typical-epsilon-toph": SyntheticCase(
+        6, (2, 2), DraftMode.DETERMINISTIC, SamplingConfig(True, 1.2, typical_p=0.9, epsilon_cutoff=0.05, top_h=0.95),
+        seed=39),
 }
 
 

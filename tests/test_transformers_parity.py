@@ -285,8 +285,8 @@ def test_unsupported_fields_are_refused_from_every_layer():
     assert "\n" not in str(info.value)
     with pytest.raises(InputError, match=r"keyword argument sets output_attentions=True"):
         specdec.generate("no/such/model", **enc, output_attentions=True)
-    with pytest.raises(InputError, match=r"keyword argument sets typical_p=0.5"):
-        specdec.generate("no/such/model", **enc, typical_p=0.5)
+    with pytest.raises(InputError, match=r"keyword argument sets guidance_scale=1.5"):
+        specdec.generate("no/such/model", **enc, guidance_scale=1.5)
     model = _model(penalty_alpha=0.6)
     with pytest.raises(InputError, match=r"the model's generation_config sets penalty_alpha=0.6: contrastive "
                                          r"search.*pass penalty_alpha=None to generate\(\)"):
@@ -294,11 +294,12 @@ def test_unsupported_fields_are_refused_from_every_layer():
     # switched off by a higher layer, neutral values everywhere: accepted, and transformers agrees on the tokens
     plain = hf(_shared_model(), **enc, max_new_tokens=3, do_sample=False)
     assert torch.equal(specdec.generate(model, **enc, max_new_tokens=3, penalty_alpha=None), plain)
-    neutral = dict(num_beams=1, typical_p=1.0, output_attentions=False, use_cache=False, length_penalty=1.0)
+    neutral = dict(num_beams=1, guidance_scale=1.0, output_attentions=False, use_cache=False, length_penalty=1.0)
     assert torch.equal(specdec.generate(_shared_model(), **enc, max_new_tokens=3, **neutral), plain)
-    with pytest.raises(InputError, match="typical_p=0.9"):
-        specdec.generate(_model(typical_p=0.9), **enc, max_new_tokens=2)
-    assert torch.equal(specdec.generate(_model(typical_p=0.9), **enc, max_new_tokens=3, typical_p=1.0), plain)
+    with pytest.raises(InputError, match="guidance_scale=1.5"):
+        specdec.generate(_model(guidance_scale=1.5), **enc, max_new_tokens=2)
+    assert torch.equal(specdec.generate(_model(guidance_scale=1.5), **enc, max_new_tokens=3, guidance_scale=1.0),
+                       plain)
     # a typo is still a typo
     with pytest.raises(specdec.InputTypeError, match=r"argument num_beam \(did you mean num_beams\?\);"):
         specdec.generate("no/such/model", **enc, num_beam=2)
@@ -367,6 +368,115 @@ def test_top_p_zero_keeps_the_most_likely_token_as_transformers():
         assert torch.equal(got, want), (sampler, drafter)
 
 
+# ---- sampling warpers -----------------------------------------------------------------------------
+WARPER_SETTINGS = {
+    "min_p": dict(temperature=0.7, min_p=0.05), "min_p-1": dict(min_p=1.0), "typical": dict(typical_p=0.7),
+    "typical-sharp": dict(temperature=2.0, typical_p=0.2), "epsilon": dict(temperature=1.3, epsilon_cutoff=3e-3),
+    "eta": dict(eta_cutoff=2e-3), "top_h": dict(top_h=0.5), "top_h-1": dict(top_h=1.0),
+    "all": dict(temperature=0.9, top_k=40, top_p=0.9, min_p=0.1, typical_p=0.8, epsilon_cutoff=1e-3,
+                eta_cutoff=1e-3, top_h=0.7),
+}
+
+
+@pytest.mark.parametrize("name", list(WARPER_SETTINGS))
+def test_sampling_warpers_cut_where_transformers_generate_cuts(name):
+    """The sampling transform is the list of warpers transformers' generate(do_sample=True) builds for the same
+    settings, in its order: float32 logits give its scores bit for bit, float64 ones its kept tokens."""
+    from specdec.sampling import sampling_logits
+
+    kw = WARPER_SETTINGS[name]
+    config = transformers.GenerationConfig(do_sample=True, **{"top_k": 0, **kw})
+    warpers = _shared_model()._get_logits_processor(generation_config=config, input_ids_seq_length=1,
+                                                    logits_processor=transformers.LogitsProcessorList(), device="cpu")
+    assert len(warpers) == len(kw)  # each setting is one warper (temperature's included)
+    sampling = specdec.SamplingConfig(True, **kw)
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        logits = torch.randn(16, 300, generator=g) * torch.tensor([0.3, 1.0, 3.0, 8.0]).repeat(4)[:, None]
+        logits[::5, :7] = float("-inf")  # a processor's bans
+        logits[1::4, 10:20] = logits[1::4, 10:11]  # ties
+        if trial % 3 == 0:
+            logits = (logits * 4).round() / 4  # many ties
+        want = warpers(torch.zeros(16, 1, dtype=torch.long), logits.clone())
+        assert torch.equal(sampling_logits(logits, sampling), want), (name, trial)
+        kept = sampling_logits(logits.double(), sampling) > float("-inf")
+        assert torch.equal(kept, want > float("-inf")), (name, trial)
+
+
+def test_top_p_cuts_where_transformers_cuts_also_for_float64_logits():
+    """The rejection sampler carries the target's float32 logits in float64; top-p's cut used to be computed there
+    in float64 arithmetic, which on this row (one of ~40,000 random ones) keeps a token transformers' float32
+    top-p removes. The cut is now decided in float32, by transformers' operations."""
+    from specdec.sampling import sampling_logits
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(23):
+        logits = torch.randn(64, 2000, generator=g) * 3
+    row = logits[34:35]
+    warpers = [transformers.TemperatureLogitsWarper(1.3), transformers.TopPLogitsWarper(0.95)]
+    want = row.clone()
+    for w in warpers:
+        want = w(None, want)
+    x = row.double() / 1.3  # the cut in float64 arithmetic differs: this row is a witness
+    ascending, order = torch.sort(x, descending=False)
+    removed = (ascending.softmax(-1).cumsum(-1) <= 1 - 0.95).scatter(1, order, ascending.softmax(-1).cumsum(-1)
+                                                                   <= 1 - 0.95)
+    assert not torch.equal(~removed, want > float("-inf"))
+    kept = sampling_logits(row.double(), specdec.SamplingConfig(True, 1.3, 0, 0.95)) > float("-inf")
+    assert torch.equal(kept, want > float("-inf"))
+
+
+@pytest.mark.parametrize("kw", [dict(min_p=1.0), dict(temperature=0.6, top_h=1e-6), dict(typical_p=1e-6),
+                                dict(temperature=1.5, epsilon_cutoff=0.999)], ids=str)
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+def test_sampling_with_a_warper_that_keeps_one_token_is_transformers_output(kw, drafter):
+    """Settings under which each warper keeps one token (the argmax, or the most typical one) make sampling
+    deterministic, so specdec's output, plain or speculative, must be transformers' token for token (top-k off on
+    both sides: transformers' generate() would add its top-k 50, which changes which token is the most typical)."""
+    enc = _enc("left")
+    kw = dict(kw, top_k=0)
+    want = hf(_shared_model(), **enc, max_new_tokens=8, do_sample=True, **kw)
+    got = specdec.generate(_shared_model(), **enc, max_new_tokens=8, do_sample=True, drafter=drafter, seed=0, **kw)
+    assert torch.equal(got, want)
+    if "typical_p" not in kw:  # the argmax: greedy decoding
+        assert torch.equal(want, hf(_shared_model(), **enc, max_new_tokens=8, do_sample=False))
+
+
+def test_warpers_come_from_every_layer_and_a_keyword_none_turns_them_off():
+    enc = _enc("left")
+    warped = dict(min_p=0.1, typical_p=0.9, epsilon_cutoff=1e-3, eta_cutoff=2e-3, top_h=0.8)
+    model = _model(do_sample=True, temperature=0.7, **warped)
+    assert prepare(model, [[1, 2]]).config.sampling == specdec.SamplingConfig(True, 0.7, 50, 1.0, **warped)
+    config = transformers.GenerationConfig(do_sample=True, min_p=0.2)
+    assert prepare(model, [[1, 2]], generation_config=config, typical_p=0.5).config.sampling == \
+        specdec.SamplingConfig(True, 0.7, 50, 1.0, **{**warped, "min_p": 0.2, "typical_p": 0.5})
+    off = dict.fromkeys(warped)
+    assert prepare(model, [[1, 2]], **off).config.sampling == specdec.SamplingConfig(True, 0.7, 50, 1.0)
+    # greedy decoding ignores the warpers, as transformers does
+    greedy = hf(model, **enc, max_new_tokens=5, do_sample=False)
+    assert torch.equal(greedy, hf(_shared_model(), **enc, max_new_tokens=5, do_sample=False))
+    assert torch.equal(specdec.generate(model, **enc, max_new_tokens=5, do_sample=False), greedy)
+    assert torch.equal(specdec.generate(model, **enc, max_new_tokens=5, do_sample=False, drafter="ngram"), greedy)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(min_p=1.5), r"min_p must lie in \[0, 1\]"), (dict(min_p=-0.1), "min_p must lie in"),
+    (dict(typical_p=0.0), r"typical_p must lie in \(0, 1\]"), (dict(typical_p=1.5), "typical_p must lie in"),
+    (dict(epsilon_cutoff=-1e-3), r"epsilon_cutoff must lie in \[0, 1\)"),
+    (dict(epsilon_cutoff=1.0), "epsilon_cutoff must lie in"),
+    (dict(eta_cutoff=-1e-3), r"eta_cutoff must lie in \[0, 1\)"),
+    (dict(eta_cutoff=float("nan")), "eta_cutoff must lie in"),
+    (dict(top_h=0.0), r"top_h must lie in \(0, 1\]"), (dict(top_h=1.5), "top_h must lie in"),
+    (dict(min_p="0.1"), "min_p must be a number"), (dict(top_h=True), "top_h must be a number or None"),
+])
+def test_invalid_warper_values_are_one_line_errors(kw, match):
+    with pytest.raises(SpecdecError, match=match) as info:
+        specdec.generate("no/such/model", [[1, 2]], do_sample=True, **kw)
+    assert "\n" not in str(info.value)
+    with pytest.raises(SpecdecError, match=match):  # from the model's generation_config too
+        specdec.generate(_model(**kw), [[1, 2]], max_new_tokens=2, do_sample=True)
+
+
 def test_settings_that_change_nothing_are_accepted_as_transformers_runs_them():
     enc = _enc("left")
     plain = hf(_shared_model(), **enc, max_new_tokens=3, do_sample=False)
@@ -378,8 +488,6 @@ def test_settings_that_change_nothing_are_accepted_as_transformers_runs_them():
     assert torch.equal(specdec.generate(model, **enc, max_new_tokens=3), hf(model, **enc, max_new_tokens=3))
     with pytest.raises(InputError, match="num_beams=2"):  # with beams they would matter: still refused
         specdec.generate(model, **enc, max_new_tokens=3, num_beams=2)
-    with pytest.raises(InputError, match="min_p=0.1"):
-        specdec.generate(_shared_model(), **enc, max_new_tokens=3, min_p=0.1)
 
 
 def test_transformers_generate_arguments_are_refused_by_name_or_read():

@@ -134,8 +134,8 @@ def test_max_new_tokens_none_leaves_the_length_to_max_length():
 def test_sampling_options_with_greedy_decoding_warn(caplog):
     model = build_tiny_model()
     with caplog.at_level(logging.WARNING, logger="specdec.generate"):
-        greedy = specdec.generate(model, [[1, 2]], max_new_tokens=3, top_p=0.5, sampler="coupled")
-    assert "sampling options are ignored: top_p=0.5, sampler='coupled'" in caplog.text
+        greedy = specdec.generate(model, [[1, 2]], max_new_tokens=3, top_p=0.5, min_p=0.1, sampler="coupled")
+    assert "sampling options are ignored: top_p=0.5, min_p=0.1, sampler='coupled'" in caplog.text
     assert greedy == specdec.generate(model, [[1, 2]], max_new_tokens=3)  # ignored indeed
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="specdec.generate"):
