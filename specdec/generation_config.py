@@ -48,12 +48,6 @@ class GenerationConfig:
     temperature: float = 1.0
     top_k: int = 0  # 0 = disabled
     top_p: float = 1.0  # 1.0 = disabled
-    # transformers' other sampling warpers, applied after top_p in transformers' order (specdec.warpers)
-    min_p: float = 0.0  # 0 = disabled
-    typical_p: float = 1.0  # 1.0 = disabled
-    epsilon_cutoff: float = 0.0  # 0 = disabled
-    eta_cutoff: float = 0.0  # 0 = disabled
-    top_h: float | None = None  # None = disabled; applied before top_k, as transformers does
     seed: int | None = None  # seeds sampling and sampled drafts; None = torch's global RNG
     eos_token_id: Any = None  # int, list of ints, 0-D / 1-D integer tensor; None = the model's own
     stop: Any = None  # a string, or a list of strings (need the tokenizer) and / or token-id sequences
@@ -98,6 +92,13 @@ class GenerationConfig:
     exponential_decay_length_penalty: Any = None  # (start_index, decay_factor): EOS logits grow after start new tokens
     suppress_tokens: Any = None  # token ids that are never generated
     begin_suppress_tokens: Any = None  # token ids that are not generated as the first new token
+    # transformers' other sampling warpers, in transformers' order with temperature, top_k and top_p (specdec.warpers;
+    # placed last too)
+    min_p: float = 0.0  # 0 = disabled
+    typical_p: float = 1.0  # 1.0 = disabled
+    epsilon_cutoff: float = 0.0  # 0 = disabled
+    eta_cutoff: float = 0.0  # 0 = disabled
+    top_h: float | None = None  # None = disabled; applied before top_k, as transformers does
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "GenerationConfig":
         # record which fields the caller gave (positionally or by name) before the dataclass __init__ fills in

@@ -141,7 +141,7 @@ def gpt2_ckpt(tmp_path_factory):
         (["hi", "--model", "/no/such/model"], "unknown model '/no/such/model'"),
         (["hi", "--model", "{ckpt}", "--drafter", "no-such-drafter"], "unknown drafter 'no-such-drafter'"),
         (["hi", "--model", "{ckpt}", "--do-sample", "--temperature", "0"], "temperature must be > 0"),
-        (["hi", "--model", "{ckpt}", "--top-p", "1.5"], r"top_p must lie in \(0, 1\]"),
+        (["hi", "--model", "{ckpt}", "--top-p", "1.5"], r"top_p must lie in \[0, 1\]"),
         (["hi", "--model", "{ckpt}", "--min-p", "1.5"], r"min_p must lie in \[0, 1\]"),
         (["hi", "--model", "{ckpt}", "--typical-p", "0"], r"typical_p must lie in \(0, 1\]"),
         (["hi", "--model", "{ckpt}", "--eta-cutoff", "-0.1"], r"eta_cutoff must lie in \[0, 1\)"),
