@@ -218,14 +218,7 @@ def test_sampled_drafts_carry_the_distribution_they_were_drawn_from(kw):
     """Each node's draft_probs row is the draft model's distribution at its parent after the target's sampling
     transform (temperature, top-k and transformers' other warpers)."""
     target = build_tiny_model(vocab_size=8, seed=3)
-    trees = []
-
-    class Spy(DraftModelDrafter):
-        def propose(self, seqs):
-            out = super().propose(seqs)
-            trees.extend(out)
-            return out
-
+    Spy, trees = _spy_trees(DraftModelDrafter)
     spy = Spy(target, seed=0, mode="independent", widths=(2,), num_draft_tokens=2)
     specdec.generate(target, [[1, 2, 3]], max_new_tokens=6, drafter=spy, do_sample=True, seed=0, **kw,
                      speculation="always")
@@ -244,14 +237,7 @@ def test_self_draft_warps_its_draft_probs_as_the_target_samples():
     """Self-draft samples its drafts from its own logits after the target's warpers: every draft_probs row keeps
     only probabilities >= min_p times its largest (min_p), and some row lost tokens to it."""
     target = build_tiny_model(vocab_size=8, seed=3)
-    trees = []
-
-    class Spy(SelfDraftDrafter):
-        def propose(self, seqs):
-            out = super().propose(seqs)
-            trees.extend(out)
-            return out
-
+    Spy, trees = _spy_trees(SelfDraftDrafter)
     spy = Spy(num_layers=1, seed=0, mode="independent", widths=(2, 1), num_draft_tokens=3)
     specdec.generate(target, [[1, 2, 3]], max_new_tokens=8, drafter=spy, do_sample=True, seed=0, min_p=0.3,
                      speculation="always")
