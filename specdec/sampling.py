@@ -111,8 +111,16 @@ def sampling_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Ten
     scaled = logits.to(dtype) / sampling.temperature
     if not warpers.active(sampling, logits.shape[-1]):
         return scaled
-    scores = scaled if dtype == torch.float32 else logits.to(torch.float32) / sampling.temperature
-    return scaled.masked_fill(warpers.removed_by_warpers(scores, sampling), float("-inf"))
+    if dtype == torch.float32:
+        warped = warpers.warp(scaled, sampling)
+    else:
+        cut = warpers.warp(logits.to(torch.float32) / sampling.temperature, sampling) == float("-inf")
+        warped = scaled.masked_fill(cut, float("-inf"))
+    if sampling.top_h is not None:
+        # top-h can remove a NaN score (the other warpers never do: a comparison with NaN is false); it comes back,
+        # so the row has no law and the sampler reports it, instead of drawing from what top-h left
+        warped = torch.where(scaled.isnan(), scaled, warped)
+    return warped
 
 
 def logits_to_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """transformers' sampling warpers: which tokens they remove from a row of scores.
 
-    removed = removed_by_warpers(scores, sampling)   # [..., V] float32 scores (after temperature) -> [..., V] bool
+    warped = warp(scores, sampling)   # [..., V] float32 scores (after temperature) -> the same, -inf where removed
 
 transformers' ``generate(do_sample=True)`` applies, after the logits processors and in this order: temperature,
 ``top_h``, ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``
@@ -13,8 +13,8 @@ synchronise once on CUDA): transformers' ``EtaLogitsWarper`` and ``TopHLogitsWar
 ``Categorical`` (validation reads the device), and top-h writes through a boolean index. A warper whose setting
 changes nothing (``min_p=0``, ``top_k >= V``) is not run.
 
-A row with a NaN keeps it where a warper would remove it (see :func:`removed_by_warpers`): the sampler then finds
-no law in that row and the engine reports it, instead of drawing from what the warpers left.
+Warpers only set scores to -inf: a kept token keeps its score. Only top-h can remove a NaN score
+(:func:`specdec.sampling.sampling_logits` puts it back, so the sampler finds no law in such a row).
 """
 from __future__ import annotations
 
@@ -35,16 +35,16 @@ def active(sampling: Any, vocab: int) -> bool:
             or sampling.typical_p < 1.0 or sampling.epsilon_cutoff > 0 or sampling.eta_cutoff > 0)
 
 
-def removed_by_warpers(scores: torch.Tensor, sampling: Any) -> torch.Tensor:
-    """[..., V] float32 scores (the logits divided by the temperature, as transformers divides them) -> [..., V]
-    bool: the tokens transformers' warpers (``sampling``: a SamplingConfig) set to -inf, each applied to what the
-    previous ones left. Entries already -inf count as removed; NaN entries never do."""
+def warp(scores: torch.Tensor, sampling: Any) -> torch.Tensor:
+    """[..., V] float32 scores (the logits divided by the temperature, as transformers divides them) -> [..., V]:
+    the scores transformers' warpers (``sampling``: a SamplingConfig) leave, each applied to what the previous ones
+    left; removed tokens -inf."""
     shape = scores.shape
     x = scores.reshape(-1, shape[-1])
-    for warp in _chain(sampling.top_h, sampling.top_k if 0 < sampling.top_k < shape[-1] else 0, sampling.top_p,
+    for step in _chain(sampling.top_h, sampling.top_k if 0 < sampling.top_k < shape[-1] else 0, sampling.top_p,
                        sampling.min_p, sampling.typical_p, sampling.epsilon_cutoff, sampling.eta_cutoff):
-        x = warp(x)
-    return ((x == float("-inf")) & ~scores.reshape(-1, shape[-1]).isnan()).reshape(shape)
+        x = step(x)
+    return x.reshape(shape)
 
 
 @functools.lru_cache(maxsize=64)

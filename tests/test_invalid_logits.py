@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import specdec
-from specdec.sampling import InvalidLogitsError, choose_max, sample
+from specdec.sampling import InvalidLogitsError, SamplingConfig, choose_max, sample, sampling_logits
 from specdec.testing import build_tiny_model
 
 
@@ -56,3 +56,20 @@ def test_sample_and_choose_max_mark_rows_without_a_law(device):
     assert sample(probs).tolist() == [3, 3, 1, 3]
     logits = torch.tensor([[0.0, float("nan"), 1.0], [float("-inf")] * 3, [0.0, 2.0, float("-inf")]], device=device)
     assert choose_max(logits).tolist() == [3, 3, 1]
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=3), dict(top_p=0.5), dict(top_p=0.0), dict(min_p=0.3), dict(typical_p=0.4),
+                                dict(epsilon_cutoff=0.05), dict(eta_cutoff=0.05), dict(top_h=0.5),
+                                dict(top_k=5, top_p=0.3, min_p=0.5, typical_p=0.5, epsilon_cutoff=0.1, eta_cutoff=0.1,
+                                     top_h=0.3)], ids=str)
+def test_no_warper_setting_removes_a_nan_score(kw):
+    """A row with a NaN logit must keep it through the sampling warpers, so the sampler finds no law there and
+    reports it: had a warper set only the NaN to -inf, the row would be sampled from what was left. top-h can drop
+    a NaN (sampling_logits puts it back); the others never do, which a new transformers could change."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 50, generator=gen) * 4
+    nan_at = torch.rand(64, 50, generator=gen) < 0.2
+    logits[nan_at] = float("nan")
+    for dtype in (torch.float32, torch.float64):
+        warped = sampling_logits(logits.to(dtype), SamplingConfig(True, 0.9, **kw))
+        assert torch.equal(warped.isnan(), nan_at)
