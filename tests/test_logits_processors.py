@@ -451,6 +451,24 @@ def test_a_sampled_draft_path_the_processors_leave_no_token_ends_there(drafter, 
         assert out.stats[0].step_nodes[0] == 1, out.stats[0].step_nodes  # its tree, cut to the 2 tokens: drafted
 
 
+@pytest.mark.parametrize("eos", [0, 15])
+def test_a_row_with_no_token_left_after_a_drafted_eos_is_no_error(eos):
+    """14 distinct prompt ids of 16, no_repeat_ngram_size=1, the EOS one of the two ids left: plain decoding ends at
+    the EOS, but a model drafter drafts past it, where the row after both ids has no token left. The walk then
+    chose no token there, which raised InvalidLogitsError although commit drops everything after the EOS (found
+    by fuzzing against transformers); now only a row the committed tokens reach is an error."""
+    tiny = build_tiny_model(vocab_size=16, num_hidden_layers=2)
+    prompt, kw = list(range(1, 15)), dict(max_new_tokens=4, no_repeat_ngram_size=1, eos_token_id=eos)
+    want = hf_greedy(tiny, prompt, **kw)
+    for drafter, options in (("draft-model", {"model": tiny, "num_draft_tokens": 4}),
+                             ("self-draft", {"num_layers": 1, "num_draft_tokens": 4})):
+        assert specdec.generate(tiny, [prompt], drafter=drafter, drafter_options=options, speculation="always",
+                                **kw) == [want], drafter
+        coupled = dict(kw, do_sample=True, seed=0, sampler="coupled")
+        assert specdec.generate(tiny, [prompt], drafter=drafter, drafter_options=options, speculation="always",
+                                **coupled) == specdec.generate(tiny, [prompt], **coupled), drafter
+
+
 N = 6000  # per side: the test asserts its power to detect TV 0.08
 LAW_PROMPT = [2, 2, 2, 2]  # vocab 4: tokens 0, 1, 3 are new, so the penalty of a node depends on its ancestors
 LAW = dict(max_new_tokens=3, do_sample=True, repetition_penalty=10.0, return_dict=True, speculation="always")
