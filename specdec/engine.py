@@ -535,10 +535,14 @@ class Engine:
         self.check_chosen(live, acceptances, target_logits.shape[-1])
         return acceptances
 
-    @staticmethod
-    def check_chosen(live: list[SequenceState], acceptances: list[Acceptance], vocab: int) -> None:
-        """InvalidLogitsError naming the sequence, step and token where a row had no law (specdec.sampling)."""
-        check_chosen(acceptances, vocab, lambda b: (live[b].seq_id, live[b].steps + 1, live[b].num_new_tokens))
+    def check_chosen(self, live: list[SequenceState], acceptances: list[Acceptance], vocab: int) -> None:
+        """InvalidLogitsError naming the sequence, step and token where a row had no law (specdec.sampling), unless
+        the step's accepted tokens already end the sequence (a drafted EOS or stop): plain decoding never reaches
+        the row after them, and commit drops its token."""
+        checked = [b for b, acc in enumerate(acceptances) if acc.next_token < vocab or self.stop.scan(
+            live[b].token_ids, acc.accepted_tokens, start=live[b].num_prompt_tokens)[1] is None]
+        check_chosen([acceptances[b] for b in checked], vocab,
+                     lambda i: (live[checked[i]].seq_id, live[checked[i]].steps + 1, live[checked[i]].num_new_tokens))
 
     def rejection_walk(self, live: list[SequenceState], trees: list[DraftTree], target_logits: torch.Tensor
                        ) -> list[Acceptance]:

@@ -71,9 +71,14 @@ def node_suffixes(tree: DraftTree) -> list[list[int]]:
 @dataclass(frozen=True)
 class LogitsProcessing:
     """The processors of one generate() call, in transformers' order: callables, and :class:`PerPrompt` ones
-    built per prompt length when rows are processed."""
+    built per prompt length when rows are processed. ``max_new_tokens`` (None: no limit): a row after that many
+    new tokens or more is left as it is. Plain decoding never processes one (its last row follows
+    ``max_new_tokens - 1`` new tokens, as transformers' does); a model drafter drafting past the budget asks for
+    them, and the engine cuts those nodes. So a processor that fails past the budget (a table as long as the
+    longest sequence, a decay penalty that overflows there) fails with a drafter only where plain decoding does."""
 
     processors: tuple[Callable | PerPrompt, ...]
+    max_new_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.processors:
@@ -162,7 +167,7 @@ class LogitsProcessing:
         kinds = [p.kind if isinstance(p, PerPrompt) else type(p) for p in defaults]
         merged = [next((c for c in custom if type(c) is kind), p) for kind, p in zip(kinds, defaults)]
         merged += [c for c in custom if not any(c is m for m in merged)]
-        return cls(tuple(merged)) if merged else None
+        return cls(tuple(merged), new_max) if merged else None
 
     def process_rows(self, input_ids: torch.Tensor, scores: torch.Tensor, prompt_length: int) -> torch.Tensor:
         """input_ids [rows, L] (every row a prefix of L tokens whose prompt is ``prompt_length`` long), scores
@@ -183,13 +188,17 @@ class LogitsProcessing:
                          ) -> torch.Tensor:
         """prefixes [R]: (committed token ids [n] int64 CPU tensor, the tokens after them, the prompt's length),
         scores [R, V] -> the processed scores [R, V] (float32, float64 stays float64; a new tensor): row r
-        processed with prefix r. Rows of equal length (and, with a :class:`PerPrompt` processor, equal prompt
-        length) go through the processors in one call, so no row is ever padded."""
+        processed with prefix r (left as it is past ``max_new_tokens``). Rows of equal length (and, with a
+        :class:`PerPrompt` processor, equal prompt length) go through the processors in one call, so no row is ever
+        padded."""
         out = scores.to(torch.float64 if scores.dtype == torch.float64 else torch.float32, copy=True)
         by_prompt = self.per_prompt
         groups: dict[tuple[int, int], list[int]] = {}
         for r, (base, suffix, prompt_length) in enumerate(prefixes):
-            groups.setdefault((prompt_length if by_prompt else 0, len(base) + len(suffix)), []).append(r)
+            length = len(base) + len(suffix)
+            if self.max_new_tokens is not None and length - prompt_length >= self.max_new_tokens:
+                continue  # past the token budget: plain decoding never processes this row
+            groups.setdefault((prompt_length if by_prompt else 0, length), []).append(r)
         for (prompt_length, _), rows in groups.items():
             ids = torch.stack([torch.cat([prefixes[r][0], torch.tensor(list(prefixes[r][1]), dtype=torch.long)])
                                for r in rows])

@@ -375,6 +375,39 @@ class RootPrefixEngine(Engine):
 ROOT_PREFIX = EngineFault("processors_with_the_roots_prefix", engine_cls=RootPrefixEngine)
 
 
+class PositionTable:
+    """Prefix-only: a bias on token 5 read from a table as long as the longest row plain decoding processes
+    (the prompt, then max_new_tokens - 1 new tokens); a longer row is an IndexError."""
+
+    def __init__(self, length: int) -> None:
+        self.table = torch.linspace(-2.0, 2.0, length)
+
+    def __call__(self, input_ids, scores):
+        return scores + torch.nn.functional.one_hot(torch.tensor(5), scores.shape[-1]) * self.table[input_ids.shape[-1]]
+
+
+@pytest.mark.parametrize("case", ["table", "decay"])
+def test_no_row_past_the_token_budget_is_processed(model, case):
+    """A model drafter drafts num_draft_tokens deep also near the end, and the engine cuts the nodes past the
+    budget; the processors ran on those rows too, so a processor that fails past the budget failed with a drafter
+    where plain decoding and transformers run: a position table (IndexError), a decay penalty whose factor ** n
+    overflows a float just past it (1e30 ** 11; OverflowError, found by fuzzing against transformers)."""
+    prompts = [PROMPTS[0], PROMPTS[0][::-1]]  # unpadded: the table reads the row's length, as transformers' does
+    ids, mask = left_padded(prompts)
+    n = 11
+    if case == "table":
+        kwargs = dict(logits_processor=[PositionTable(ids.shape[-1] + n)], logits_processor_prefix_only=True)
+    else:  # the EOS is suppressed, so the penalty adds nothing, but transformers still computes 1e30 ** (new - 0)
+        kwargs = dict(exponential_decay_length_penalty=(0, 1e30), eos_token_id=3, suppress_tokens=[3])
+    ref = hf_batch(model, prompts, max_new_tokens=n, **hf_kwargs(kwargs))
+    assert case == "decay" or not _equal(ref, hf_batch(model, prompts, max_new_tokens=n)), "the table must matter"
+    for drafter, options in (("draft-model", {"model": model, "num_draft_tokens": 4}),
+                             ("self-draft", {"num_layers": 1, "num_draft_tokens": 4})):
+        out = specdec.generate(model, ids, attention_mask=mask, max_new_tokens=n, drafter=drafter,
+                               drafter_options=options, speculation="always", **kwargs)
+        assert _equal(out, ref), drafter
+
+
 def test_processing_every_node_with_the_roots_prefix_breaks_greedy_identity(model):
     ref = [hf_greedy(model, p, repetition_penalty=1.3) for p in PROMPTS]
     broken = generate_with_control(model, PROMPTS, EXACT, ROOT_PREFIX, max_new_tokens=NEW, drafter="draft-model",
@@ -416,6 +449,24 @@ def test_a_sampled_draft_path_the_processors_leave_no_token_ends_there(drafter, 
         assert sorted(out.new_tokens[0]) == [0, 15], out.new_tokens  # each remaining token once, as plain's
         assert len(set(out.new_tokens[1]) | {1}) == 3, out.new_tokens
         assert out.stats[0].step_nodes[0] == 1, out.stats[0].step_nodes  # its tree, cut to the 2 tokens: drafted
+
+
+@pytest.mark.parametrize("eos", [0, 15])
+def test_a_row_with_no_token_left_after_a_drafted_eos_is_no_error(eos):
+    """14 distinct prompt ids of 16, no_repeat_ngram_size=1, the EOS one of the two ids left: plain decoding ends at
+    the EOS, but a model drafter drafts past it, where the row after both ids has no token left. The walk then
+    chose no token there, which raised InvalidLogitsError although commit drops everything after the EOS (found
+    by fuzzing against transformers); now only a row the committed tokens reach is an error."""
+    tiny = build_tiny_model(vocab_size=16, num_hidden_layers=2)
+    prompt, kw = list(range(1, 15)), dict(max_new_tokens=4, no_repeat_ngram_size=1, eos_token_id=eos)
+    want = hf_greedy(tiny, prompt, **kw)
+    for drafter, options in (("draft-model", {"model": tiny, "num_draft_tokens": 4}),
+                             ("self-draft", {"num_layers": 1, "num_draft_tokens": 4})):
+        assert specdec.generate(tiny, [prompt], drafter=drafter, drafter_options=options, speculation="always",
+                                **kw) == [want], drafter
+        coupled = dict(kw, do_sample=True, seed=0, sampler="coupled")
+        assert specdec.generate(tiny, [prompt], drafter=drafter, drafter_options=options, speculation="always",
+                                **coupled) == specdec.generate(tiny, [prompt], **coupled), drafter
 
 
 N = 6000  # per side: the test asserts its power to detect TV 0.08
