@@ -187,6 +187,20 @@ def test_an_interrupted_self_distillation_continues_from_its_finished_batches(tm
     assert calls == [1] and not partial.exists()  # only the last prompt was generated again
 
 
+def _shared_distillation(cache_dir):
+    """The shared self-distillation tests' data: a tiny model, 7 prompts (4 batches of 2), sampled with one seed,
+    and one process's sequences for them (cached in ``cache_dir``)."""
+    from specdec.train.distill import self_distill
+
+    from specdec.models.loader import load_model
+    from specdec.testing import build_tiny_model
+
+    loaded = load_model(build_tiny_model(vocab_size=64))
+    prompts = [[(7 * i + j) % 60 + 2 for j in range(3 + i % 4)] for i in range(7)]
+    kwargs = dict(max_new_tokens=4, batch_size=2, progress=False, do_sample=True, seed=5)
+    return loaded, prompts, kwargs, self_distill(loaded, prompts, cache_dir=cache_dir, **kwargs)
+
+
 def test_processes_share_the_self_distillation_and_all_get_the_data_of_one(tmp_path, monkeypatch):
     """Several processes waited for the main one to self-distil alone, inside a collective that times out (10 min on
     NCCL). Each now generates every N-th batch, they exchange them round by round, and every process returns the
@@ -196,15 +210,10 @@ def test_processes_share_the_self_distillation_and_all_get_the_data_of_one(tmp_p
 
     from specdec.train.distill import self_distill
 
-    from specdec.models.loader import load_model
-    from specdec.testing import build_tiny_model
     from tests.thread_teams import run_as_team
 
     generate_module = importlib.import_module("specdec.generate")
-    loaded = load_model(build_tiny_model(vocab_size=64))
-    prompts = [[(7 * i + j) % 60 + 2 for j in range(3 + i % 4)] for i in range(7)]
-    kwargs = dict(max_new_tokens=4, batch_size=2, progress=False, do_sample=True, seed=5)
-    whole = self_distill(loaded, prompts, cache_dir=tmp_path / "one", **kwargs)
+    loaded, prompts, kwargs, whole = _shared_distillation(tmp_path / "one")
     real, lock, calls = generate_module.generate, threading.Lock(), []
 
     def one_at_a_time(model, chunk, **kw):  # the threads share one model
@@ -232,15 +241,10 @@ def test_an_interrupted_shared_self_distillation_keeps_every_process_batches(tmp
 
     from specdec.train.distill import self_distill
 
-    from specdec.models.loader import load_model
-    from specdec.testing import build_tiny_model
     from tests.thread_teams import run_as_team
 
     generate_module = importlib.import_module("specdec.generate")
-    loaded = load_model(build_tiny_model(vocab_size=64))
-    prompts = [[(7 * i + j) % 60 + 2 for j in range(3 + i % 4)] for i in range(7)]
-    kwargs = dict(max_new_tokens=4, batch_size=2, progress=False, do_sample=True, seed=5)
-    whole = self_distill(loaded, prompts, cache_dir=tmp_path / "one", **kwargs)
+    loaded, prompts, kwargs, whole = _shared_distillation(tmp_path / "one")
     real, lock, calls = generate_module.generate, threading.Lock(), []
 
     def interrupted_at_the_last_batch(model, chunk, **kw):
