@@ -137,8 +137,9 @@ def _check_device(spec: str):
     return device
 
 
-# transformers' sampling warpers after top_p (specdec.warpers): flag -> off value, in the order they apply
-WARPER_FLAGS = {"min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
+# transformers' sampling warpers other than top_k / top_p: flag -> off value, in the order they apply
+# (specdec.sampling.WARPERS, written out here: importing specdec.sampling loads torch, which the CLI defers)
+WARPER_FLAGS = {"top_h": None, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 
 def add_warper_flags(p, default: str) -> None:

@@ -40,6 +40,7 @@ from typing import Any
 from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import describe
 from specdec.generation_config import GenerationConfig, unknown_arguments
+from specdec.sampling import WARPERS
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +117,7 @@ def _specdec_fields() -> set[str]:
 # bad_words_ids, seed, and the processors' None = off); num_return_sequences=None is refused, as transformers fails
 UNSET = object()
 NONE_KWARG: dict[str, Any] = {"max_new_tokens": UNSET, "max_length": UNSET, "eos_token_id": (), "do_sample": False,
-                              "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0,
-                              "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+                              "temperature": 1.0, **{name: off for name, off in WARPERS.items() if off is not None}}
 
 
 def _known_names() -> set[str]:

@@ -31,8 +31,7 @@ Warper = Callable[[torch.Tensor], torch.Tensor]  # [rows, V] float32 scores -> t
 
 def active(sampling: Any, vocab: int) -> bool:
     """Whether any warper after temperature can remove a token of a ``vocab``-token row."""
-    return (sampling.top_h is not None or 0 < sampling.top_k < vocab or sampling.top_p < 1.0 or sampling.min_p > 0
-            or sampling.typical_p < 1.0 or sampling.epsilon_cutoff > 0 or sampling.eta_cutoff > 0)
+    return bool(_steps(sampling, vocab))
 
 
 def warp(scores: torch.Tensor, sampling: Any) -> torch.Tensor:
@@ -41,10 +40,15 @@ def warp(scores: torch.Tensor, sampling: Any) -> torch.Tensor:
     left; removed tokens -inf."""
     shape = scores.shape
     x = scores.reshape(-1, shape[-1])
-    for step in _chain(sampling.top_h, sampling.top_k if 0 < sampling.top_k < shape[-1] else 0, sampling.top_p,
-                       sampling.min_p, sampling.typical_p, sampling.epsilon_cutoff, sampling.eta_cutoff):
+    for step in _steps(sampling, shape[-1]):
         x = step(x)
     return x.reshape(shape)
+
+
+def _steps(sampling: Any, vocab: int) -> tuple[Warper, ...]:
+    """The warpers ``sampling`` runs on ``vocab``-token rows (none for a setting that changes nothing)."""
+    return _chain(sampling.top_h, sampling.top_k if 0 < sampling.top_k < vocab else 0, sampling.top_p,
+                  sampling.min_p, sampling.typical_p, sampling.epsilon_cutoff, sampling.eta_cutoff)
 
 
 @functools.lru_cache(maxsize=64)

@@ -94,6 +94,14 @@ def test_sampling_warper_flags_reach_generate(ckpt, capsys):
     assert rc == 0 and out == expected_text(ckpt, PROMPT, drafter="ngram", **kw) + "\n", err
 
 
+def test_the_warper_flags_are_the_sampling_warpers_with_their_off_values():
+    """The CLI writes its warper flags out (importing specdec.sampling loads torch): they must stay the sampler's."""
+    from specdec.cli import WARPER_FLAGS
+    from specdec.sampling import WARPERS
+
+    assert WARPER_FLAGS == {k: v for k, v in WARPERS.items() if k not in ("top_k", "top_p")}
+
+
 def test_ngram_drafter_prints_tau_and_the_same_text(ckpt, capsys):
     n = 64
     _, plain, _ = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(n))
