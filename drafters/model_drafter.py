@@ -427,7 +427,15 @@ class ModelDrafter(Drafter):
                 prefixes.append((base, path[::-1], v.num_prompt_tokens))
         if not prefixes:
             return
-        processed = processing.process_prefixes(prefixes, torch.stack([f[1] for fr in frontier for f in fr]))
+        raw = torch.stack([f[1] for fr in frontier for f in fr])
+        processed = processing.process_prefixes(prefixes, raw)
+        # a row the processors made NaN or +inf (an overflowing decay penalty, a caller's processor) is a prefix
+        # they leave no law to draw from: no token, so no children (as for a row they masked whole). A row NaN
+        # before them stays: the draft model's own fault, which the draft_probs checks report
+        def lawless(rows: torch.Tensor) -> torch.Tensor:  # [R] bool
+            return (rows.isnan() | (rows == float("inf"))).any(-1)
+
+        processed = processed.masked_fill((lawless(processed) & ~lawless(raw))[:, None], float("-inf"))
         row = 0
         for b, fr in enumerate(frontier):
             frontier[b] = [(i, processed[row + j], score) for j, (i, _, score) in enumerate(fr)]

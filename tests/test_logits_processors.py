@@ -469,6 +469,36 @@ def test_a_row_with_no_token_left_after_a_drafted_eos_is_no_error(eos):
                                 **coupled) == specdec.generate(tiny, [prompt], **coupled), drafter
 
 
+class InfinityAfter:
+    """A caller's prefix-only processor: the row after ``token`` gets +inf at one id (no law to sample from), and
+    ``token`` gains 6 logits everywhere else, so it is drawn often."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        after = (input_ids[:, -1] == self.token)[:, None]
+        boosted = scores.index_add(1, torch.tensor([self.token]), torch.full_like(scores[:, :1], 6.0))
+        return torch.where(after, boosted.index_fill(1, torch.tensor([0]), float("inf")), boosted)
+
+
+@pytest.mark.parametrize("drafter", ["draft-model", "self-draft"])
+def test_a_sampled_draft_row_the_processors_make_infinite_after_a_drafted_eos_gets_no_children(drafter):
+    """Plain decoding ends at the EOS, so it never samples the row after it; a model drafter drafts past the EOS,
+    where the processors left +inf. That row's draft_probs were NaN and the call raised DraftError (found by fuzzing:
+    an overflowing decay penalty); now the processors' lawless row gets no children, as a row they mask whole."""
+    tiny = build_tiny_model(vocab_size=16, num_hidden_layers=2)
+    options = {"num_draft_tokens": 4} | ({"num_layers": 1} if drafter == "self-draft" else {"model": tiny})
+    kw = dict(max_new_tokens=6, eos_token_id=5, logits_processor=[InfinityAfter(5)],
+              logits_processor_prefix_only=True, do_sample=True, return_dict=True)
+    prompts = [[1, 2, 3], [4, 6, 7, 8]]
+    for seed in range(3):
+        out = specdec.generate(tiny, prompts, drafter=drafter, drafter_options=options, speculation="always",
+                               seed=seed, **kw)
+        assert all(toks[-1] == 5 or len(toks) == 6 for toks in out.new_tokens), out.new_tokens
+        assert 5 in [t for toks in out.new_tokens for t in toks], out.new_tokens  # the EOS was drawn
+
+
 N = 6000  # per side: the test asserts its power to detect TV 0.08
 LAW_PROMPT = [2, 2, 2, 2]  # vocab 4: tokens 0, 1, 3 are new, so the penalty of a node depends on its ancestors
 LAW = dict(max_new_tokens=3, do_sample=True, repetition_penalty=10.0, return_dict=True, speculation="always")
