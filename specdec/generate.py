@@ -197,6 +197,7 @@ def prepare(model: Any, input_ids: Any = None, *, drafter: Any = None, drafter_o
     resolved = resolve([model_layer(loaded.model), *layers], prompt_length=inputs.length, return_dict=return_dict)
     config = resolved.config
     _warn_unused_sampling(config, early)
+    _warn_unreachable_minimum(config, inputs.length)
     if config.num_return_sequences > 1 and not config.do_sample:
         raise InputError(f"num_return_sequences={config.num_return_sequences} needs do_sample=True: greedy decoding "
                          "gives identical copies, and transformers refuses it too")
@@ -240,6 +241,19 @@ def _warn_unused_sampling(config: GenerationConfig, given: GenerationConfig) -> 
     if unused:
         logger.warning("do_sample is False (greedy decoding), so these sampling options are ignored: %s; pass "
                        "do_sample=True to sample", ", ".join(unused))
+
+
+def _warn_unreachable_minimum(config: GenerationConfig, prompt_width: int) -> None:
+    """Warn, as transformers does, when min_new_tokens / min_length ask for more tokens than max_new_tokens allows:
+    EOS stays masked to the end, so every sequence runs to max_new_tokens."""
+    if config.min_new_tokens > config.max_new_tokens:
+        asked = f"min_new_tokens={config.min_new_tokens}"
+    elif config.min_length > prompt_width + config.max_new_tokens:
+        asked = f"min_length={config.min_length} (the prompt's {prompt_width} tokens included)"
+    else:
+        return
+    logger.warning("%s is more than max_new_tokens=%d allows, so EOS is never allowed: every sequence runs to "
+                   "max_new_tokens", asked, config.max_new_tokens)
 
 
 def _input_ids(input_ids: Any, inputs: Any) -> Any:

@@ -1,7 +1,8 @@
 """User mistakes end in one line, never a traceback or a silently ignored option: --system where no chat template
 applies, a path option that looks like a number, a drafter class instead of an instance, a closed stdout,
 Ctrl-C while the command line is still importing torch, draft_probs that track gradients, a pad id outside the
-vocabulary, max_new_tokens=None, and sampling options given with greedy decoding."""
+vocabulary, max_new_tokens=None, sampling options given with greedy decoding, and a minimum length beyond
+the maximum."""
 from __future__ import annotations
 
 import importlib
@@ -142,6 +143,23 @@ def test_sampling_options_with_greedy_decoding_warn(caplog):
         specdec.generate(model, [[1, 2]], max_new_tokens=3, do_sample=True, seed=0, top_p=0.5)
         specdec.generate(model, [[1, 2]], max_new_tokens=3, temperature=1.0)  # neutral values say nothing
     assert "ignored" not in caplog.text
+
+
+def test_a_minimum_length_beyond_max_new_tokens_warns(caplog):
+    """min_new_tokens / min_length above what max_new_tokens allows keep EOS masked to the end: transformers warns,
+    and so does specdec now (it said nothing); exactly max_new_tokens (a way to ask for that many) says nothing."""
+    model = build_tiny_model()
+    with caplog.at_level(logging.WARNING, logger="specdec.generate"):
+        specdec.generate(model, [[1, 2]], max_new_tokens=3, min_new_tokens=4)
+        specdec.generate(model, [[1, 2]], max_new_tokens=3, min_length=6)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and said[0].startswith("min_new_tokens=4 is more than max_new_tokens=3 allows"), said
+    assert said[1].startswith("min_length=6 (the prompt's 2 tokens included) is more than max_new_tokens=3"), said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specdec.generate"):
+        specdec.generate(model, [[1, 2]], max_new_tokens=3, min_new_tokens=3)
+        specdec.generate(model, [[1, 2]], max_new_tokens=3, min_length=5)
+    assert not caplog.records, caplog.text
 
 
 @pytest.mark.parametrize("argv, said", [
