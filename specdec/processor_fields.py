@@ -11,6 +11,7 @@ transformers' dict conversion does). Checks that need the vocabulary (ids below 
 """
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping
@@ -28,11 +29,6 @@ PREFIX_ONLY_HELP = (
 )
 
 TokenIds = tuple[int, ...]
-PROCESSOR_FIELDS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_new_tokens", "logits_processor",
-                    "logits_processor_prefix_only", "min_length", "sequence_bias", "forced_bos_token_id",
-                    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
-                    "suppress_tokens", "begin_suppress_tokens")
-
 
 def check_processing_fields(repetition_penalty: Any = None, no_repeat_ngram_size: Any = None,
                             bad_words_ids: Any = None, min_new_tokens: Any = None, logits_processor: Any = None,
@@ -65,6 +61,9 @@ def check_processing_fields(repetition_penalty: Any = None, no_repeat_ngram_size
         suppress_tokens=_token_ids("suppress_tokens", suppress_tokens),
         begin_suppress_tokens=_token_ids("begin_suppress_tokens", begin_suppress_tokens),
     )
+
+
+PROCESSOR_FIELDS = tuple(inspect.signature(check_processing_fields).parameters)  # the fields, named once
 
 
 def check_vocabulary_ids(config: Any, vocab_size: int) -> None:
