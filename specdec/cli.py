@@ -173,12 +173,13 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=None, help="default: the model's generation_config, else 0 (off)")
     p.add_argument("--top-p", type=float, default=None, help="default: the model's generation_config, else 1 (off)")
     add_warper_flags(p, "the model's generation_config, else ")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampling: one text per seed (default: none, torch's global generator)")
     p.add_argument("--stop", action="append", default=None,
                    help="stop string, repeatable; kept in the output, as in transformers")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--system", default=None, help="system message for the chat template")
-    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV cache size in blocks (default: enough for the prompt, max-new-tokens and the drafts)")
     p.add_argument("--speculation", choices=("auto", "always"), default="auto",
