@@ -335,7 +335,7 @@ def _prompt_ids(tok, args, text: str, system: str | None) -> list[int]:
 
 def _generate_streamed(loaded, ids: list[int], drafter, settings: dict, stop: list[str] | None, args, stream):
     """generate() with the CLI's options, streaming into `stream` (None: not streamed). On an error or Ctrl-C the
-    text streamed so far is ended with a newline; a full KV cache under --num-blocks names the option."""
+    text streamed so far, if any, is ended with a newline; a full KV cache under --num-blocks names the option."""
     import torch
 
     from specdec.generate import generate
@@ -352,7 +352,8 @@ def _generate_streamed(loaded, ids: list[int], drafter, settings: dict, stop: li
                 invariant=args.invariant,
             )
     except BaseException as err:  # Ctrl-C, or an error mid-generation (the KV cache full, ...)
-        if stream is not None:  # keep what was generated: the rest of the text and its newline, then main's line
+        if stream is not None and stream.tokens:  # keep what was generated: the rest of the text and its newline,
+            # then main's line (nothing streamed: nothing to end, stdout stays empty)
             with contextlib.suppress(OSError, ValueError):  # stdout gone (a closed pipe, a full disk): nothing to end
                 stream.finish()
         if isinstance(err, CacheFullError) and args.num_blocks is not None:  # its advice names generate()'s argument
