@@ -45,8 +45,9 @@ def _add_lossless(ev_sub) -> None:
     _common(p)
     p.add_argument("--drafter", default="ngram", help="drafter name (default: ngram)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="keep the TOP_K most likely tokens; default: 0 (off)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="keep the most likely tokens up to this probability mass; default: 1 (off)")
     from specdec.cli import add_warper_flags  # specdec.cli registers these parsers: loaded by now
 
     add_warper_flags(p, "")
@@ -89,11 +90,11 @@ def _add_acceptance(ev_sub) -> None:
                                           "CSV, Parquet or a saved datasets directory (docs/benchmark-files.md)")
     a.add_argument("--prompt-column", default=None,
                    help="the field or column holding the prompt (default: the first of turns, prompt, text, messages)")
-    a.add_argument("--max-new-tokens", type=int, default=128)
+    a.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     a.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     a.add_argument("--sampler", choices=("standard", "coupled"), default="standard",
                    help="when sampling: standard rejection sampling (default) or coupled (specdec.coupling)")
-    a.add_argument("--batch-size", type=int, default=1)
+    a.add_argument("--batch-size", type=int, default=1, help="prompts per generate() call (default 1)")
     a.add_argument("--device", default="auto",
                    help="where the model runs: auto (default: this process's GPU, one per process under accelerate, "
                         "else cpu), cpu, cuda, cuda:1, ...")

@@ -37,14 +37,15 @@ def add_parser(ev_sub, inference) -> None:
     rec.add_argument("--prompts-file", help="your own prompts, each record in its own category (formats: "
                                             "docs/benchmark-files.md); a conversation's first turn is recorded")
     rec.add_argument("--prompt-column", default=None, help="the field or column holding the prompt")
-    rec.add_argument("--max-new-tokens", type=int, default=128)
+    rec.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     rec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     rec.add_argument("--top-k", type=int, default=20, help="target tokens kept per position (default 20)")
     rec.add_argument("--costs", choices=("cost-model", "measure"), default="cost-model",
                      help="verify costs from the engine's cached cost model (default) or timed here at the "
                           "prompts' context")
-    rec.add_argument("--cost-repeats", type=int, default=3, help="with --costs measure: timed steps per size")
-    rec.add_argument("--seed", type=int, default=0)
+    rec.add_argument("--cost-repeats", type=int, default=3,
+                     help="with --costs measure: timed steps per size (default 3)")
+    rec.add_argument("--seed", type=int, default=0, help="seed of the sampling with --temperature > 0 (default 0)")
     rec.set_defaults(func=inference(run_record))
 
     run = r_sub.add_parser("run", help="replay a drafter over a record")

@@ -173,12 +173,13 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=None, help="default: the model's generation_config, else 0 (off)")
     p.add_argument("--top-p", type=float, default=None, help="default: the model's generation_config, else 1 (off)")
     add_warper_flags(p, "the model's generation_config, else ")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampling: one text per seed (default: none, torch's global generator)")
     p.add_argument("--stop", action="append", default=None,
                    help="stop string, repeatable; kept in the output, as in transformers")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--system", default=None, help="system message for the chat template")
-    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV cache size in blocks (default: enough for the prompt, max-new-tokens and the drafts)")
     p.add_argument("--speculation", choices=("auto", "always"), default="auto",
@@ -334,7 +335,7 @@ def _prompt_ids(tok, args, text: str, system: str | None) -> list[int]:
 
 def _generate_streamed(loaded, ids: list[int], drafter, settings: dict, stop: list[str] | None, args, stream):
     """generate() with the CLI's options, streaming into `stream` (None: not streamed). On an error or Ctrl-C the
-    text streamed so far is ended with a newline; a full KV cache under --num-blocks names the option."""
+    text streamed so far, if any, is ended with a newline; a full KV cache under --num-blocks names the option."""
     import torch
 
     from specdec.generate import generate
@@ -351,7 +352,8 @@ def _generate_streamed(loaded, ids: list[int], drafter, settings: dict, stop: li
                 invariant=args.invariant,
             )
     except BaseException as err:  # Ctrl-C, or an error mid-generation (the KV cache full, ...)
-        if stream is not None:  # keep what was generated: the rest of the text and its newline, then main's line
+        if stream is not None and stream.tokens:  # keep what was generated: the rest of the text and its newline,
+            # then main's line (nothing streamed: nothing to end, stdout stays empty)
             with contextlib.suppress(OSError, ValueError):  # stdout gone (a closed pipe, a full disk): nothing to end
                 stream.finish()
         if isinstance(err, CacheFullError) and args.num_blocks is not None:  # its advice names generate()'s argument

@@ -215,6 +215,36 @@ def test_bad_option_type_is_argparse_exit_code_2(capsys):
     assert exc.value.code == 2 and "--temperature" in capsys.readouterr().err
 
 
+def _commands(parser, name: str = "specdec"):
+    """(command name, its parser) for ``parser`` and every subcommand under it."""
+    import argparse
+
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _commands(sub, f"{name} {sub_name}")
+
+
+def test_every_option_with_a_default_says_it_in_help():
+    """The README: "Every command's --help lists all its options with their defaults". An option whose default is a
+    value (not None, off or an empty list) names it in its --help line, by its help text or by the formatter."""
+    import argparse
+
+    from specdec.cli import _parser
+
+    silent = []
+    for command, parser in _commands(_parser()):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            off = action.default is None or action.default is False or action.default == []  # (0 is a value)
+            if action.help == argparse.SUPPRESS or action.default == argparse.SUPPRESS or off:
+                continue
+            if "default" not in (formatter._get_help_string(action) or "").lower():
+                silent.append(f"{command} {'/'.join(action.option_strings) or action.dest}={action.default!r}")
+    assert silent == [], f"--help does not say these defaults: {silent}"
+
+
 def test_verbose_shows_the_traceback_instead():
     with pytest.raises(FileNotFoundError, match="unknown model"):
         main(["-v", "generate", "hi", "--model", "/no/such/model"])

@@ -243,6 +243,20 @@ def test_an_error_mid_generation_ends_the_streamed_line_first(ckpt, capsys, monk
     assert err.splitlines()[-1].startswith("specdec generate: error: KV cache out of blocks")
 
 
+def test_an_error_or_ctrl_c_before_the_first_token_leaves_stdout_empty(ckpt, capsys, monkeypatch):
+    """Nothing streamed, no line to end: stdout stays empty (it used to get a lone newline, so `> out.txt` of a
+    failed call held an empty line)."""
+    rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--block-size", "0")  # refused inside generate()
+    assert (rc, out) == (2, "") and "block_size must be >= 1" in error_line(err)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module("specdec.generate"), "generate", interrupted)
+    rc, out, err = run(capsys, PROMPT, "--model", ckpt)
+    assert (rc, out) == (130, "") and err.splitlines()[-1] == "specdec generate: interrupted"
+
+
 def test_ctrl_c_with_json_leaves_stdout_empty(ckpt, capsys, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -338,6 +338,36 @@ def test_lists_render_as_written():
     assert offenders == []
 
 
+_SEPARATOR = re.compile(r"^\|(?: *:?-{3,}:? *\|)+ *$")
+
+
+def table_pitfalls(text: str) -> list[tuple[int, str]]:
+    """(line, why) for each table Python-Markdown would not render as one: its separator row (``| --- |``) must
+    come right after a header row with as many cells; without one the whole table is a paragraph of pipes."""
+    found, fenced, previous = [], False, ""
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and _SEPARATOR.match(line.strip()):
+            if not previous.startswith("|"):
+                found.append((n, "a table needs a header row above its | --- | row"))
+            elif previous.strip().strip("|").count("|") != line.strip().strip("|").count("|"):
+                found.append((n, "the header row and the | --- | row have different numbers of cells"))
+        previous = line.strip()
+    return found
+
+
+def test_tables_render_as_written():
+    assert [why for _, why in table_pitfalls("Text\n\n| --- | --- |\n| a | b |")] == [
+        "a table needs a header row above its | --- | row"]
+    assert [why for _, why in table_pitfalls("| a |\n| --- | --- |\n| a | b |")] == [
+        "the header row and the | --- | row have different numbers of cells"]
+    assert table_pitfalls("| a | b |\n|---|:---:|\n| 1 | 2 |\n\n```\n| --- |\n```") == []
+    offenders = [f"{p.relative_to(REPO)}:{n}: {why}" for p in [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
+                 for n, why in table_pitfalls(p.read_text())]
+    assert offenders == []
+
+
 def test_the_gpu_check_report_renders_its_lists():
     """The report a GPU run commits: its failures, end-to-end divergences and test counts as lists, after code
     blocks."""
