@@ -297,8 +297,10 @@ def _generation_settings(args) -> dict:
 
     settings = {k: getattr(args, k) for k in GENERATION_FLAGS if getattr(args, k) is not None}
     SamplingConfig.from_kwargs({**settings, "do_sample": bool(args.do_sample)})
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--block-size", args.block_size),
+                        ("--num-blocks", args.num_blocks)):
+        if value is not None and value < 1:  # refused before the model loads, by the flag's name
+            raise CLIError(f"{flag} must be >= 1, got {value}")
     return settings
 
 

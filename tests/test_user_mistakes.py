@@ -200,6 +200,13 @@ def test_the_command_line_takes_the_models_generation_config_where_no_flag_is_gi
     assert rc == 2 and "--max-new-tokens must be >= 1" in line
 
 
+@pytest.mark.parametrize("flag", ["--block-size", "--num-blocks"])
+def test_a_kv_cache_flag_below_one_is_refused_by_its_name_before_the_model_loads(flag, tmp_path, capsys):
+    """It was refused only after the model loaded (seconds), naming generate()'s block_size / num_blocks."""
+    rc, line = run(capsys, "generate", "hello", "--model", str(tmp_path / "absent"), flag, "0")
+    assert rc == 2 and line.endswith(f"{flag} must be >= 1, got 0"), line
+
+
 @pytest.mark.parametrize("kwargs, said", [
     (dict(device="tpu"), "device 'tpu' is not a device torch knows"),
     (dict(dtype="fp8"), "dtype must be a floating torch.dtype or one of float32, bfloat16, float16, got 'fp8'"),
