@@ -44,7 +44,10 @@ from specdec.tree import MAX_TREE_NODES
 logger = logging.getLogger(__name__)
 
 CALIBRATIONS = {"verify": 0, "rows": 0}  # measurements run by this process (cache misses)
-_MEMO: dict[str, dict[int, dict[int, float]]] = {}  # cache file -> curves: one process reads the disk once per key
+# models (or versions of a model's weights: a training loop updates them in place between calls) whose curves and
+# fingerprints a process keeps in memory, the most recently used; an older one's curves are read from disk again
+MEMO_LIMIT = 16
+_MEMO: dict[str, dict[int, dict[int, float]]] = {}  # cache file -> curves: the disk read once per key (MEMO_LIMIT)
 _ROWS_DONE: dict[str, dict[int, int]] = {}  # row-policy cache file -> its policy, read or measured in this process
 _PACKING: dict[str, bool] = {}  # row-policy key (without "packed") -> packed weights allowed, decided once per process
 BATCH_QUERY_TOKENS = 128  # a CPU's calibration grid of a batch: sizes n with batch * n above this are extrapolated
@@ -117,7 +120,16 @@ def machine_key(runner) -> dict:
             "torch": torch.__version__, "backend": str(getattr(runner.backend, "name", runner.backend))}
 
 
-_FINGERPRINTS: dict[tuple, str] = {}  # identity + version of the weights -> checksum
+_FINGERPRINTS: dict[tuple, str] = {}  # identity + version of the weights -> checksum (MEMO_LIMIT)
+
+
+def _memo_put(memo: dict, key, value) -> None:
+    """``memo[key] = value`` as its most recent entry (dicts keep insertion order), the least recently put entries
+    dropped past MEMO_LIMIT."""
+    memo.pop(key, None)
+    memo[key] = value
+    while len(memo) > MEMO_LIMIT:
+        del memo[next(iter(memo))]
 
 
 def model_fingerprint(runner) -> str:
@@ -127,8 +139,8 @@ def model_fingerprint(runner) -> str:
     first = list(runner.layers[0].parameters()) if len(runner.layers) else []
     tensors = [runner.embed, *first, runner.final_norm, runner.lm_head]
     ident = tuple((t.data_ptr(), t._version, tuple(t.shape), str(t.dtype), str(t.device)) for t in tensors)
-    if ident not in _FINGERPRINTS:
-        _FINGERPRINTS[ident] = _checksum(tensors)
+    found = _FINGERPRINTS.get(ident)
+    _memo_put(_FINGERPRINTS, ident, _checksum(tensors) if found is None else found)
     return _FINGERPRINTS[ident]
 
 
@@ -399,7 +411,8 @@ def load_cost_model(runner, config: CalibrationConfig | None = None, cache_dir: 
         curves = {}
         if data is not None and data.get("key") == key:
             curves = {int(b): {int(n): float(s) for n, s in c.items()} for b, c in data["curves"].items()}
-        _MEMO[str(file)] = curves  # shared: a batch size measured later is seen by every engine of this key
+    # shared: a batch size measured later is seen by every engine of this key (and written to disk)
+    _memo_put(_MEMO, str(file), curves)
     model = CostModel(key, curves, runner, config, file)
     model.curve(1)  # measured now if not cached
     return model

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.audit import call_audit
+from specdec.call_claims import CLAIMS
 from specdec.cost_model import CalibrationConfig, ensure_row_policy, load_cost_model
 from specdec.coupling import Coupling
 from specdec.cuda_graphs import (
@@ -82,6 +83,18 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
     # the request's worst case: no sequence can run out with a pool this large, its drafter's trees included
     needed = _worst_case_blocks(request, MAX_TREE_NODES if request.drafter is not None else 0)
     cache, graphed = _kv_cache(request, needed, fault)
+    try:
+        return _engine(request, rule, fault, runner, processing, output_logprobs, needed, cache, graphed)
+    except BaseException:
+        if graphed is not None and graphed.shared:  # taken by _kv_cache; run() gives it back after a call
+            graphed.serving = False
+        raise
+
+
+def _engine(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault | None, runner, processing,
+            output_logprobs: bool, needed: int, cache: PagedKVCache, graphed: GraphedForward | None) -> Engine:
+    """build_engine's part after the KV cache (and a shared graph cache, marked serving) was taken."""
+    config = request.config
     fit_free_blocks = _pool_may_run_short(request, needed)
     drafter, generator = request.drafter, request.generator
     # first, so that one draw of generator= gives the same noise with and without a drafter
@@ -184,20 +197,27 @@ def _kv_cache(request: "GenerateRequest", needed: int, fault: EngineFault | None
     shape, block_size = runner.shape, config.block_size
     graphs = request.cuda_graphs
     if isinstance(graphs, GraphedForward):  # its own cache and graphs, reused call after call
-        return _graphed_cache(graphs, request, needed, fault), graphs
+        with CLAIMS:  # checked and taken at once: another thread's call sees it serving (build_engine releases it)
+            cache = _graphed_cache(graphs, request, needed, fault)
+            graphs.serving = True
+        return cache, graphs
     if graphs == AUTO:  # on CUDA: the model's own graph cache, reused by later calls; else eager
         graphs = fault is None and not config.invariant and auto_uses_graphs(runner)  # the bit-exact mode: eager
-        held = current_model_graphs(runner) if graphs else None
-        if held is not None and held.serving:  # a call from inside another's (a streamer's)
-            logger.info("cuda_graphs=auto: the model's graph cache serves another generate() call; this one runs "
-                        "eagerly")
-            graphs = False
         if graphs and config.num_blocks is None:
             def check_fits(blocks: int) -> None:
                 check_cache_fits(shape, blocks, block_size, runner.dtype, runner.device, explicit=False)
 
-            graphed = model_graphs(runner, block_size, needed, check_fits)
-            return graphed.cache_for(runner, block_size, needed), graphed
+            with CLAIMS:  # checked and taken at once: two threads' calls must never both take it
+                held = current_model_graphs(runner)
+                if held is None or not held.serving:
+                    graphed = model_graphs(runner, block_size, needed, check_fits)
+                    cache = graphed.cache_for(runner, block_size, needed)
+                    graphed.serving = True
+                    return cache, graphed
+            # a call from inside another's (a streamer's), or beside it (another thread's)
+            logger.info("cuda_graphs=auto: the model's graph cache serves another generate() call; this one runs "
+                        "eagerly")
+            graphs = False
     if graphs and not runner.backend.triton:  # CPU tests run uncaptured graphs on the Triton interpreter
         raise InputError(f"cuda_graphs=True needs a CUDA device, and the model runs on {runner.device}: pass "
                          "cuda_graphs='auto' (the default: graphs on CUDA, eager elsewhere) or False")

@@ -38,6 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from tqdm.auto import tqdm
 
+from specdec.call_claims import drafter_claimed
 from specdec.cuda_graphs import AUTO, GraphedForward
 from specdec.drafters.base import Drafter
 from specdec.drafters.registry import get_drafter
@@ -139,8 +140,9 @@ def generate(
     except BaseException:
         _end_refused(streamer)
         raise
-    with on_device(request.loaded.runner.device):
+    with on_device(request.loaded.runner.device), contextlib.ExitStack() as held:
         try:
+            held.enter_context(drafter_claimed(request.drafter))  # one call at a time per drafter object
             engine = build_engine(request)
         except BaseException:
             _end_refused(streamer)

@@ -121,6 +121,27 @@ def test_model_fingerprint_is_memoised_and_sees_in_place_updates(monkeypatch):
     assert cost_model.model_fingerprint(runner) != first and len(sums) == 2
 
 
+def test_weights_updated_between_calls_keep_the_memos_bounded(monkeypatch, tmp_path):
+    """A training loop's rollouts update the weights in place between generate() calls: every version added an
+    entry to the fingerprint memo and to the curves memo, without bound (one per optimizer step, for the life of the
+    process). Both keep the MEMO_LIMIT most recent now (the curves are on disk), and a model in use stays memoised."""
+    from specdec import verify_cost
+
+    monkeypatch.setattr(verify_cost, "measure_verify_costs",
+                        lambda runner, prompts, sizes, sampling, **kw: {n: 1e-3 * (1 + 0.1 * (n - 1)) for n in sizes})
+    monkeypatch.setattr(cost_model, "_FINGERPRINTS", {})
+    monkeypatch.setattr(cost_model, "_MEMO", {})
+    model = build_tiny_model(seed=4)
+    runner = LlamaRunner(model)
+    for _ in range(cost_model.MEMO_LIMIT + 4):
+        load_cost_model(runner, SMALL, cache_dir=tmp_path)
+        with torch.no_grad():
+            model.lm_head.weight.add_(1e-3)  # an optimizer step
+    assert len(cost_model._FINGERPRINTS) == len(cost_model._MEMO) == cost_model.MEMO_LIMIT
+    newest = load_cost_model(runner, SMALL, cache_dir=tmp_path).file
+    assert list(cost_model._MEMO)[-1] == str(newest)
+
+
 def test_checksum_reads_a_strided_sample_of_large_tensors():
     """Keys of cached measurements: a strided sample, not every weight (the full float64 sums of the embedded
     model's embedding and LM head took 0.6 s of a CLI run's first generate() with a drafter)."""

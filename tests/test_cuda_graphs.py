@@ -855,3 +855,46 @@ def test_a_call_made_while_another_runs_keeps_out_of_its_graph_cache(loaded, mon
                  streamer=lambda seq, tokens: generate(loaded, inner_prompt, max_new_tokens=2, cuda_graphs=own))
     assert not own.serving and generate(loaded, prompts, max_new_tokens=4, cuda_graphs=own) == plain
     release_model_graphs(loaded)
+
+
+def test_two_threads_never_take_the_models_graph_cache_both(loaded, monkeypatch):
+    """A call marked the model's graph cache as serving only when its run() began: another thread's call that built
+    its engine in between took the same cache, and both ran their sequences in it. Taking the cache is now one
+    check-and-set under a lock, at the engine's build: the second call runs eagerly beside the first."""
+    import threading
+
+    from specdec import cuda_graphs, engine_setup
+
+    release_model_graphs(loaded)
+    first, second = [[1, 2, 3, 4]], [[7, 8, 9]]
+    plain = [generate(on_reference(loaded), p, max_new_tokens=4) for p in (first, second)]
+    monkeypatch.setattr("specdec.engine_setup.auto_uses_graphs", lambda runner: True)  # as on CUDA
+    monkeypatch.setattr(cuda_graphs, "GraphConfig", lambda **kw: GraphConfig(batch_sizes=(1,), tokens_per_seq=(1,),
+                                                                             capture=CAPTURE))
+    built, go, out = threading.Event(), threading.Event(), {}
+    real = engine_setup.ensure_row_policy
+
+    def paused(runner):  # the first call stops between taking its KV cache and running
+        if threading.current_thread() is thread:
+            built.set()
+            go.wait(timeout=60)
+        return real(runner)
+
+    def held(seq, tokens):  # the second call, mid-generation, lets the first one run to its end
+        if not go.is_set():
+            go.set()
+            thread.join(timeout=60)
+
+    monkeypatch.setattr(engine_setup, "ensure_row_policy", paused)
+    thread = threading.Thread(target=lambda: out.update(first=generate(loaded, first, max_new_tokens=4)))
+    thread.start()
+    try:
+        assert built.wait(timeout=60)
+        out["second"] = generate(loaded, second, max_new_tokens=4, streamer=held)
+    finally:
+        go.set()
+        thread.join(timeout=60)
+    assert [out.get("first"), out["second"]] == plain
+    graphed = loaded.model.__dict__["_specdec_graphed_forward"]
+    assert not graphed.serving and graphed.cache.lengths.keys() <= {cuda_graphs.SCRATCH_SEQ_ID}
+    release_model_graphs(loaded)
