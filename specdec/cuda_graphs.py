@@ -145,7 +145,7 @@ class GraphedForward:
         # its cache serves call after call (the model's, a caller's); False: made for one generate() call, whose end
         # frees its cache (specdec.engine_setup, cuda_graphs=True)
         self.shared = True
-        self.serving = False  # a generate() call is running in it (set and cleared by specdec.generate.run())
+        self.serving = False  # a generate() call is running in it (set by engine_setup, cleared by generate.run())
         # who drafts in it during the current generate() call (a draft-model drafter, weakly), and that call's
         # TargetView: a second drafter over the same model in the same call keeps out (specdec.drafters.model_drafter)
         self.user: tuple[weakref.ref, weakref.ref] | None = None
