@@ -28,6 +28,20 @@ logger = logging.getLogger(__name__)
 # draft tokenizer -> the target tokenizers found to map every checked id alike (4,000 lookups, ~5 ms, per call)
 _MATCHED: "weakref.WeakKeyDictionary[Any, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 _PARAMS: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # module -> its parameter count
+# (draft model, warning) -> the target models it was given about: each pair's warning once, not at every call
+_WARNED: "weakref.WeakKeyDictionary[Any, dict[str, weakref.WeakSet]]" = weakref.WeakKeyDictionary()
+
+
+def _warn_once(draft_runner: LlamaRunner, target_runner: LlamaRunner, message: str, *args: Any) -> None:
+    """logger.warning(message, *args) the first time this draft model meets this target with it."""
+    try:
+        seen = _WARNED.setdefault(draft_runner.hf_model, {}).setdefault(message, weakref.WeakSet())
+        if target_runner.hf_model in seen:
+            return
+        seen.add(target_runner.hf_model)
+    except TypeError:  # a module that cannot be weakly referenced: warned every time
+        pass
+    logger.warning(message, *args)
 
 
 class VocabularyMismatchError(SpecdecError, ValueError):
@@ -40,7 +54,8 @@ def check_vocabularies(draft_runner: LlamaRunner, draft_tok: Any, target_runner:
     if dv != tv:
         raise VocabularyMismatchError(f"draft-model: the draft model's vocabulary has {dv} ids, the target's {tv}")
     if draft_tok is None or target_tok is None:
-        logger.warning("draft-model: a tokenizer is missing, so only the vocabulary sizes were compared")
+        _warn_once(draft_runner, target_runner, "draft-model: a tokenizer is missing, so only the vocabulary sizes "
+                   "were compared")
         return
     try:
         if target_tok in _MATCHED.get(draft_tok, ()):  # checked by an earlier generate() call
@@ -152,8 +167,7 @@ class DraftModelDrafter(ModelDrafter):
             logger.info("draft-model: draft model runs in %s, target in %s", runner.dtype, target.runner.dtype)
         draft_params, target_params = num_params(runner.hf_model), num_params(target.runner.hf_model)
         if draft_params > target_params:
-            logger.warning(
-                "draft-model: the draft model (%.1fM parameters) is bigger than the target (%.1fM); "
-                "drafting will likely cost more than it saves", draft_params / 1e6, target_params / 1e6,
-            )
+            _warn_once(runner, target.runner, "draft-model: the draft model (%.1fM parameters) is bigger than the "
+                       "target (%.1fM); drafting will likely cost more than it saves", draft_params / 1e6,
+                       target_params / 1e6)
         return runner
