@@ -16,7 +16,6 @@ Every config names the target model: ``--target``, else the base model the head 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ from specdec.drafters.eagle_checkpoint import (
 )
 from specdec.drafters.eagle_model import EagleModel
 
-from specdec.atomic_write import replaced_atomically, write_json
+from specdec.atomic_write import leftover_of, replaced_atomically, write_json
 from specdec.errors import InputError
 from specdec.help_format import DefaultsHelpFormatter
 
@@ -78,7 +77,7 @@ def _check_output_dir(out: Path, overwrite: bool) -> None:
     if held and not overwrite:
         raise InputError(f"export-head: --output-dir {out} is not empty ({', '.join(held[:5])}); pass --overwrite to "
                          "replace an earlier export there, or name another directory")
-    others = [n for n in held if n not in (CONFIG_FILE, WEIGHTS_FILE) and not re.fullmatch(r".+\.\d+\.tmp", n)]
+    others = [n for n in held if (leftover_of(n) or n) not in (CONFIG_FILE, WEIGHTS_FILE)]
     if others:
         raise InputError(f"export-head: --overwrite will not write into {out}: it holds more than an earlier export "
                          f"({', '.join(others[:5])}); name another directory")

@@ -45,6 +45,7 @@ from specdec.drafters.medusa_heads import (
     save_medusa,
 )
 
+from specdec.atomic_write import leftover_of
 from specdec.help_format import DefaultsHelpFormatter
 
 logger = logging.getLogger(__name__)
@@ -366,7 +367,7 @@ def _check_previous_conversion(out: Path) -> None:
     """--overwrite replaces a previous conversion only: a directory holding exactly config.json (a Medusa one) and
     medusa_lm_head.safetensors (and leftovers of their atomic writes), never a model's or a training run's files."""
     others = sorted(p.name for p in out.iterdir()
-                    if p.name not in (CONFIG_FILE, WEIGHTS_FILE) and not re.fullmatch(r".+\.\d+\.tmp", p.name))
+                    if (leftover_of(p.name) or p.name) not in (CONFIG_FILE, WEIGHTS_FILE))
     if others:
         raise MedusaCheckpointError(f"--overwrite will not write into {out}: it holds more than a previous conversion "
                                     f"({', '.join(others[:5])}); choose another --output-dir")

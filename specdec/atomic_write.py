@@ -4,13 +4,16 @@
     with replaced_atomically(path / "weights.safetensors") as tmp:
         save_file(tensors, str(tmp))
 
-The data is written to a temporary file beside the target and renamed over it
-(``os.replace`` is atomic on POSIX and Windows within one filesystem).
+The data is written to a temporary file beside the target, ``NAME.PID.THREAD.tmp`` (one per process and thread:
+concurrent writers never share one), and renamed over it (``os.replace`` is atomic on POSIX and Windows within one
+filesystem). :func:`leftover_of` recognises the temporary file an interrupted write left.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,12 +25,19 @@ def replaced_atomically(path: str | os.PathLike) -> Iterator[Path]:
     and ``path`` keeps its old content. Creates the parent directory."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # per process: concurrent writers never share it
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         yield tmp
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def leftover_of(name: str) -> str | None:
+    """The file name whose interrupted atomic write left the temporary file ``name`` (``NAME.PID.THREAD.tmp``, or
+    ``NAME.PID.tmp`` as earlier versions named it); None for any other name."""
+    match = re.fullmatch(r"(.+?)\.\d+(?:\.\d+)?\.tmp", name)
+    return None if match is None else match.group(1)
 
 
 def write_json(path: str | os.PathLike, data, *, indent: int | None = None) -> Path:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ _STORE: dict[tuple[str, tuple], Any] = {}  # (decider, key) -> what it learned b
 _UNSAVED: set[tuple[str, tuple]] = set()  # persisted (decider, key) remembered since the last save()
 _MISSING = object()  # read from disk once and absent there
 _FOLDER: Path | None = None  # use_folder(); None: <cost dir>/remembered
+_UNSAVED_LOCK = threading.Lock()  # concurrent generate() calls: save() takes its batch while others remember
 
 
 def use_folder(folder: str | Path | None) -> None:
@@ -77,18 +79,22 @@ def remember(decider: str, key: tuple | None, value: Any, persist: bool = False)
         return
     _STORE[(decider, key)] = value
     if persist:
-        _UNSAVED.add((decider, key))
+        with _UNSAVED_LOCK:
+            _UNSAVED.add((decider, key))
 
 
 def save() -> None:
-    """Write every persisted value remembered since the last save to the cost cache."""
-    for decider, key in sorted(_UNSAVED, key=repr):
+    """Write every persisted value remembered since the last save to the cost cache (one remembered meanwhile, by
+    another thread's call, waits for the next save)."""
+    with _UNSAVED_LOCK:
+        batch = sorted(_UNSAVED, key=repr)
+        _UNSAVED.clear()
+    for decider, key in batch:
         file = _file(decider, key)
         try:
             write_json(file, {"key": [decider, key], "value": _STORE[(decider, key)]})
         except OSError as err:  # a read-only cache: this process still remembers
             logger.warning("remembered: could not write %s (%s)", file, err)
-    _UNSAVED.clear()
 
 
 def forget_all() -> None:

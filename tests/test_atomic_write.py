@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from specdec.atomic_write import replaced_atomically, write_json
+from specdec.atomic_write import leftover_of, replaced_atomically, write_json
 
 
 def test_writes_creates_parents_and_overwrites(tmp_path):
@@ -44,3 +44,26 @@ def test_a_writer_that_fails_midway_leaves_the_old_file(tmp_path):
             raise RuntimeError("writer crashed")
     assert path.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["w.bin"]
+
+
+def test_two_threads_writing_one_file_never_share_a_temporary_file(tmp_path):
+    """Concurrent generate() calls in one process may write one cache file at once: the temporary file was named by
+    the process alone, so two threads wrote into (and renamed) the same one."""
+    import threading
+
+    path, names = tmp_path / "x.json", []
+    with replaced_atomically(path) as mine:
+        thread = threading.Thread(target=lambda: names.append(_temporary_name(path)))
+        thread.start()
+        thread.join()
+        assert names and names[0] != mine.name, (names, mine.name)
+        mine.write_text("{}")
+    assert leftover_of(mine.name) == "x.json" and leftover_of(names[0]) == "x.json"
+    assert leftover_of("x.json.123.tmp") == "x.json"  # an earlier version's leftover
+    assert leftover_of("x.json") is None and leftover_of("x.json.tmp") is None
+
+
+def _temporary_name(path) -> str:
+    with replaced_atomically(path) as tmp:
+        tmp.write_text("{}")
+        return tmp.name

@@ -226,3 +226,27 @@ def test_seeded_standard_sampling_still_verifies_every_draft_whole(flat_cache_on
     out = generate(model, [prompt], max_new_tokens=40, drafter=HalfRight(plain, 32), return_dict=True,
                    do_sample=True, seed=3)
     assert 0 not in out.stats[0].step_nodes[:-1]  # the last step: one token left to the budget
+
+
+def test_a_value_remembered_while_another_call_saves_is_saved_next_time(tmp_path, monkeypatch):
+    """Concurrent generate() calls share the guard's store: save() cleared the whole unsaved set after writing,
+    dropping a value another thread's call had remembered meanwhile (so the next process never read it)."""
+    from specdec import remembered
+
+    remembered.use_folder(tmp_path)  # conftest gives each test a folder, and resets it after
+    write = remembered.write_json
+    others = []
+
+    def write_while_another_remembers(file, data):  # another thread's call finishes during this save
+        if not others:
+            others.append(1)
+            remembered.remember("guard", ("other",), {"v": 2}, persist=True)
+        return write(file, data)
+
+    monkeypatch.setattr(remembered, "write_json", write_while_another_remembers)
+    remembered.remember("guard", ("first",), {"v": 1}, persist=True)
+    remembered.save()
+    remembered.save()  # the next run's end
+    remembered.forget_all()  # a new process
+    assert remembered.recall("guard", ("first",), persist=True) == {"v": 1}
+    assert remembered.recall("guard", ("other",), persist=True) == {"v": 2}

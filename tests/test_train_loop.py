@@ -389,8 +389,10 @@ def test_output_dir_refusal_and_overwrite(tiny, tmp_path, monkeypatch):
         run_training(_cfg(tiny, ".", eval_tau=False, overwrite=True, max_steps=2))
     monkeypatch.chdir(tmp_path)
     (run / "report.md.123.tmp").write_text("")  # the leftover of an interrupted atomic write belongs to the run
+    (run / "history.jsonl.123.456.tmp").write_text("")  # so does one of a thread's (pid.thread)
     run_training(_cfg(tiny, run, eval_tau=False, overwrite=True, max_steps=2))
     assert (run / "config.json").is_file() and not (run / "report.md.123.tmp").exists()
+    assert not (run / "history.jsonl.123.456.tmp").exists()
 
 
 @pytest.fixture(scope="module")

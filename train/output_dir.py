@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from specdec.drafters.medusa_heads import CONFIG_FILE, WEIGHTS_FILE
 from specdec.train import checkpoint as ckpt_io
 from specdec.train.config import TrainConfig, resolved_path
 
+from specdec.atomic_write import leftover_of
 from specdec.errors import SpecdecError
 
 logger = logging.getLogger(__name__)
@@ -41,9 +41,8 @@ CHECKPOINT_DIRS = (ckpt_io.CKPT, ckpt_io.TMP, ckpt_io.OLD)
 
 
 def _written_by_a_run(name: str, names: frozenset[str] | tuple[str, ...] = RUN_NAMES) -> bool:
-    """A name a run writes, or the leftover of an interrupted atomic write of one (NAME.PID.tmp)."""
-    leftover = re.fullmatch(r"(.+)\.\d+\.tmp", name)
-    return name in names or (leftover is not None and leftover.group(1) in names)
+    """A name a run writes, or the leftover of an interrupted atomic write of one (specdec.atomic_write)."""
+    return name in names or leftover_of(name) in names
 
 
 def _foreign(out: Path) -> list[str]:
