@@ -14,10 +14,10 @@ batch 1 when first needed, any other batch size (rounded up to a power of two) l
 step runs with that many sequences. Draft costs are not measured here: they depend on the drafter and the
 text, so the engine measures them online (:class:`specdec.tree_sizing.TreeSizer`).
 
-The result is cached as JSON under ``cache_root()/costs`` keyed by everything it depends on: the model
-(shape + a checksum of some weights), dtype, device and its name (a GPU's; a CPU's model name, family and ISA flags),
-torch thread count, torch version, the CPU row policy (which is itself measured first: :func:`ensure_row_policy`)
-and the calibration's workload.
+The result is cached as JSON under ``cache_root()/costs`` keyed by everything it depends on: the model (its
+shapes, not its weights' values: :func:`model_structure`), dtype, device and its name (a GPU's; a CPU's model name,
+family and ISA flags), torch thread count, torch version, the CPU row policy (which is itself measured first:
+:func:`ensure_row_policy`) and the calibration's workload.
 A different key re-measures. ``CALIBRATIONS`` counts the measurements this process ran (tests).
 """
 from __future__ import annotations
@@ -101,8 +101,8 @@ CHECKSUM_SAMPLES = 1 << 16  # entries per tensor that _checksum reads (evenly st
 
 def _checksum(tensors) -> str:
     """Shapes + float64 sums of up to CHECKSUM_SAMPLES evenly strided entries per tensor: tells models apart (it
-    keys cached measurements, whose values depend on shapes, not weights) without reading every weight; the
-    full sums of the embedding and LM head cost 0.6 s of a CLI run's first generate() with a drafter."""
+    keys what the guard learned of a model, :func:`model_fingerprint`) without reading every weight; the full sums
+    of the embedding and LM head cost 0.6 s of a CLI run's first generate() with a drafter."""
     h = hashlib.sha256()
     with torch.no_grad():
         for t in tensors:
@@ -130,6 +130,15 @@ def _memo_put(memo: dict, key, value) -> None:
     memo[key] = value
     while len(memo) > MEMO_LIMIT:
         del memo[next(iter(memo))]
+
+
+def model_structure(runner) -> str:
+    """What of the model a measured cost depends on beyond :func:`machine_key`'s shape: the names, shapes and dtypes
+    of the embedding, the first layer's parameters (MLP width, q/k norms, biases), the final norm and the LM head.
+    Not their values: weights updated in place (a training loop's rollouts) keep their measured curves."""
+    first = list(runner.layers[0].named_parameters()) if len(runner.layers) else []
+    named = [("embed", runner.embed), *first, ("final_norm", runner.final_norm), ("lm_head", runner.lm_head)]
+    return _digest([[name, list(t.shape), str(t.dtype)] for name, t in named])
 
 
 def model_fingerprint(runner) -> str:
@@ -399,7 +408,7 @@ def load_cost_model(runner, config: CalibrationConfig | None = None, cache_dir: 
         logger.info("a context of %d tokens is too short to measure verify costs: speculation='auto' decodes "
                     "plainly", runner.shape.max_positions)
         return CostModel({"unmeasured": True}, {1: {1: 1.0, 2: 2.0}}, None, config, measured=False)
-    key = machine_key(runner) | {"model": model_fingerprint(runner), "rows": row_policy.active_cols(runner.dtype),
+    key = machine_key(runner) | {"model": model_structure(runner), "rows": row_policy.active_cols(runner.dtype),
                                  "workload": asdict(config)}
     if times_whole_grid(runner):  # older curves of this device, whose batches stopped short, are measured again
         key["batch_grid"] = "whole"

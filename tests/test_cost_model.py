@@ -51,8 +51,11 @@ def test_calibration_runs_once_per_key_and_is_reused(fresh, monkeypatch):
     monkeypatch.setattr(cost_model, "_MEMO", {})
     from_disk = load_cost_model(runner, SMALL, cache_dir=fresh)  # a new process: the disk cache
     assert calls == [1] and again.curve(1) == first.curve(1) == from_disk.curve(1)
-    # every part of the key re-measures: other weights, another workload, another thread count
+    # other weights of the same shapes cost the same; every part of the key re-measures: other shapes (an MLP
+    # width, which the config-level shape leaves out), another workload, another thread count
     load_cost_model(LlamaRunner(build_tiny_model(seed=1)), SMALL, cache_dir=fresh)
+    assert calls == [1]
+    load_cost_model(LlamaRunner(build_tiny_model(seed=1, intermediate_size=96)), SMALL, cache_dir=fresh)
     assert calls == [1, 1]
     load_cost_model(runner, CalibrationConfig(sizes=(1, 3), context=16, repeats=1, row_repeats=1), cache_dir=fresh)
     assert calls == [1, 1, 1]
@@ -121,10 +124,11 @@ def test_model_fingerprint_is_memoised_and_sees_in_place_updates(monkeypatch):
     assert cost_model.model_fingerprint(runner) != first and len(sums) == 2
 
 
-def test_weights_updated_between_calls_keep_the_memos_bounded(monkeypatch, tmp_path):
-    """A training loop's rollouts update the weights in place between generate() calls: every version added an
-    entry to the fingerprint memo and to the curves memo, without bound (one per optimizer step, for the life of the
-    process). Both keep the MEMO_LIMIT most recent now (the curves are on disk), and a model in use stays memoised."""
+def test_weights_updated_between_calls_keep_their_costs_and_the_memos_bounded(monkeypatch, tmp_path):
+    """A training loop's rollouts update the weights in place between generate() calls: every version was a new
+    cost-cache key, so each call measured the verify costs again (~20 s on the embedded model) and added an entry to
+    the fingerprint and curves memos, without bound. The curves are keyed by the model's shapes now (measured once);
+    the fingerprint, which keys what the guard learned, keeps the MEMO_LIMIT most recent versions."""
     from specdec import verify_cost
 
     monkeypatch.setattr(verify_cost, "measure_verify_costs",
@@ -133,13 +137,17 @@ def test_weights_updated_between_calls_keep_the_memos_bounded(monkeypatch, tmp_p
     monkeypatch.setattr(cost_model, "_MEMO", {})
     model = build_tiny_model(seed=4)
     runner = LlamaRunner(model)
+    first = load_cost_model(runner, SMALL, cache_dir=tmp_path).file
+    measured = cost_model.CALIBRATIONS["verify"]
     for _ in range(cost_model.MEMO_LIMIT + 4):
-        load_cost_model(runner, SMALL, cache_dir=tmp_path)
+        assert load_cost_model(runner, SMALL, cache_dir=tmp_path).file == first
+        cost_model.model_fingerprint(runner)  # as each generate() call's guard key reads it
         with torch.no_grad():
             model.lm_head.weight.add_(1e-3)  # an optimizer step
-    assert len(cost_model._FINGERPRINTS) == len(cost_model._MEMO) == cost_model.MEMO_LIMIT
-    newest = load_cost_model(runner, SMALL, cache_dir=tmp_path).file
-    assert list(cost_model._MEMO)[-1] == str(newest)
+    assert cost_model.CALIBRATIONS["verify"] == measured and len(cost_model._MEMO) == 1
+    assert len(cost_model._FINGERPRINTS) == cost_model.MEMO_LIMIT
+    other = build_tiny_model(seed=4, intermediate_size=48)  # another MLP width: its own curves
+    assert load_cost_model(LlamaRunner(other), SMALL, cache_dir=tmp_path).file != first
 
 
 def test_checksum_reads_a_strided_sample_of_large_tensors():
