@@ -44,8 +44,7 @@ from specdec.tree import MAX_TREE_NODES
 logger = logging.getLogger(__name__)
 
 CALIBRATIONS = {"verify": 0, "rows": 0}  # measurements run by this process (cache misses)
-# models (or versions of a model's weights: a training loop updates them in place between calls) whose curves and
-# fingerprints a process keeps in memory, the most recently used; an older one's curves are read from disk again
+# models whose curves a process keeps in memory, the most recently used; an older one's are read from disk again
 MEMO_LIMIT = 16
 _MEMO: dict[str, dict[int, dict[int, float]]] = {}  # cache file -> curves: the disk read once per key (MEMO_LIMIT)
 _ROWS_DONE: dict[str, dict[int, int]] = {}  # row-policy cache file -> its policy, read or measured in this process
@@ -96,31 +95,12 @@ def _device(device: torch.device) -> dict:
     return {"device_name": cpu_info.cpu_model(), "cpu": cpu_info.cpu_signature(), "isa": cpu_info.isa()}
 
 
-CHECKSUM_SAMPLES = 1 << 16  # entries per tensor that _checksum reads (evenly strided)
-
-
-def _checksum(tensors) -> str:
-    """Shapes + float64 sums of up to CHECKSUM_SAMPLES evenly strided entries per tensor: tells models apart (it
-    keys what the guard learned of a model, :func:`model_fingerprint`) without reading every weight; the full sums
-    of the embedding and LM head cost 0.6 s of a CLI run's first generate() with a drafter."""
-    h = hashlib.sha256()
-    with torch.no_grad():
-        for t in tensors:
-            flat = t.detach().reshape(-1)
-            sample = flat[:: max(1, flat.numel() // CHECKSUM_SAMPLES)]
-            h.update(f"{tuple(t.shape)}:{sample.double().sum().item():.10e}".encode())
-    return h.hexdigest()[:16]
-
-
 def machine_key(runner) -> dict:
     """What every measurement on ``runner`` depends on besides the weights' values: the model's shape, dtype,
     device, the processor (:func:`_device`), torch's thread count and version, and the attention backend."""
     return {"shape": asdict(runner.shape), "dtype": str(runner.dtype), "device": str(runner.device),
             **_device(runner.device), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "backend": str(getattr(runner.backend, "name", runner.backend))}
-
-
-_FINGERPRINTS: dict[tuple, str] = {}  # identity + version of the weights -> checksum (MEMO_LIMIT)
 
 
 def _memo_put(memo: dict, key, value) -> None:
@@ -139,18 +119,6 @@ def model_structure(runner) -> str:
     first = list(runner.layers[0].named_parameters()) if len(runner.layers) else []
     named = [("embed", runner.embed), *first, ("final_norm", runner.final_norm), ("lm_head", runner.lm_head)]
     return _digest([[name, list(t.shape), str(t.dtype)] for name, t in named])
-
-
-def model_fingerprint(runner) -> str:
-    """Shape + a checksum of a few weights (embedding, first layer, final norm, LM head): changes when the model
-    does. Memoised on the tensors' storage and version counters (an in-place update bumps the version); sampled
-    (:func:`_checksum`), so even the first call in a process costs milliseconds."""
-    first = list(runner.layers[0].parameters()) if len(runner.layers) else []
-    tensors = [runner.embed, *first, runner.final_norm, runner.lm_head]
-    ident = tuple((t.data_ptr(), t._version, tuple(t.shape), str(t.dtype), str(t.device)) for t in tensors)
-    found = _FINGERPRINTS.get(ident)
-    _memo_put(_FINGERPRINTS, ident, _checksum(tensors) if found is None else found)
-    return _FINGERPRINTS[ident]
 
 
 def _digest(key: dict) -> str:

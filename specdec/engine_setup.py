@@ -24,7 +24,7 @@ import torch
 
 from specdec.audit import call_audit
 from specdec.call_claims import CLAIMS
-from specdec.cost_model import CalibrationConfig, ensure_row_policy, load_cost_model, model_fingerprint
+from specdec.cost_model import CalibrationConfig, ensure_row_policy, load_cost_model
 from specdec.coupling import Coupling
 from specdec.cuda_graphs import (
     AUTO,
@@ -140,11 +140,9 @@ def _policy(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault
                     "on this machine's measured costs; sampler='coupled' keeps one text per seed and sizes trees")
         return SpeculationPolicy(auto=True)
     costs = load_cost_model(runner, CalibrationConfig(graphs=graphs))
-    # the guard remembers across calls per target cost curve, target weights and drafter (specdec.remembered): the
-    # curve is the shape's, what pays depends on the model too; cost_key() names a drafter's checkpoint, so two EAGLE
-    # or Medusa checkpoints keep apart backoffs
-    memory = (str(costs.file), model_fingerprint(runner), drafter.cost_key())
-    return SpeculationPolicy(TreeSizer(costs, memory=memory))
+    # the guard remembers across calls per target cost curve and drafter (specdec.remembered); cost_key() names a
+    # drafter's checkpoint too, so two EAGLE or Medusa checkpoints keep apart backoffs
+    return SpeculationPolicy(TreeSizer(costs, memory=(str(costs.file), drafter.cost_key())))
 
 
 def _processing(request: "GenerateRequest") -> LogitsProcessing | None:
