@@ -139,6 +139,9 @@ class EagleDrafter(Drafter):
         graphs = o.cuda_graphs if o.cuda_graphs != "auto" else runner.device.type == "cuda"
         capture = runner.device.type == "cuda"
         self.graphs: EagleGraphs | None = eagle_graphs(self.grower, capture, self.name) if graphs else None
+        if graphs and self.graphs is None:  # held by another call: its static buffers are that call's
+            logger.info("%s: the EAGLE model's CUDA graphs for these settings serve another generate() call; this "
+                        "one drafts eagerly", self.name)
         self.chooser = DepthChooser(self.depth)
         adapt = self.options.adapt_depth
         self.chooser.start(target.costs if adapt else None, memory_key(self, runner))

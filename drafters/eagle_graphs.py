@@ -14,10 +14,10 @@ change the tree, never the output: the verifier decides).
 
 Without a GPU, ``capture=False`` runs the same padded static call eagerly (the tests). The graphs bake in the
 tree size, the sampling settings and the coupling seed: :func:`eagle_graphs` keeps one EagleGraphs per EAGLE model
-and such settings, reused by later generate() calls. A call that fits no bucket, or a capture that fails (logged
-once), runs eagerly.
+and such settings, reused by later generate() calls, one call at a time (a concurrent one drafts eagerly). A call
+that fits no bucket, or a capture that fails (logged once), runs eagerly.
 
-    graphs = eagle_graphs(grower, capture=True)
+    graphs = eagle_graphs(grower, capture=True)  # None while another generate() call holds them
     pool = graphs.pool(past, h_root, depth)         # growth and rerank: [B, 4, M] or None
     out = graphs.caught_up_pool(past, rows, depth)  # catch-up, growth and rerank: (pool, new_k, new_v) or None
 """
@@ -33,6 +33,7 @@ import torch
 from specdec.drafters.eagle_catch_up import CatchUpInputs, CatchUpRows, catch_up
 from specdec.drafters.eagle_grow import GrowInputs, TreeGrower
 
+from specdec.call_claims import CLAIMS, held_for_call
 from specdec.cuda_graphs import note_capture
 from specdec.host_copy import to_device
 
@@ -103,6 +104,7 @@ class EagleGraphs:
         self.buckets: dict[tuple[int, int, int], _Bucket] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if config.capture else None
         self.failed = False  # a capture failed: every later call runs eagerly
+        self.serving = False  # a generate() call drafts in it (specdec.call_claims.held_for_call)
         self.replays = 0
 
     def bucket_for(self, num_seqs: int, num_keys: int, rows: int = 0) -> tuple[int, int, int] | None:
@@ -243,19 +245,23 @@ class EagleGraphs:
                     f"{rows} catch-up rows" if rows else "no catch-up", depth)
 
 
-def eagle_graphs(grower: TreeGrower, capture: bool, name: str = "eagle") -> EagleGraphs:
+def eagle_graphs(grower: TreeGrower, capture: bool, name: str = "eagle") -> EagleGraphs | None:
     """The EagleGraphs of ``grower``'s model under its settings, kept on the model (at most MAX_KEPT, the oldest
     dropped first) and reused by later calls: the graphs read the model's weights and the target's embeddings and
     LM head in their memory, and bake in the tree size, the sampling settings and the coupling seed. ``name``: the
-    drafter's, for the logs."""
+    drafter's, for the logs. Held for the generate() call running on this thread (specdec.call_claims); None when
+    another call holds it (its static buffers are that call's): the caller drafts eagerly."""
     model = grower.model
     key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in (grower.embed, grower.lm_head, *model.parameters()))
     key += (grower.sampling, grower.coupling, grower.top_k, grower.max_nodes, grower.fused is not None, capture)
-    kept: dict = model.__dict__.setdefault(_MODEL_ATTR, {})
-    if key not in kept:
-        while len(kept) >= MAX_KEPT:
-            kept.pop(next(iter(kept)))
-        kept[key] = EagleGraphs(grower, EagleGraphConfig(capture=capture), name)
-    else:  # same tensors and settings; the newest drafter's view of them
-        kept[key].grower, kept[key].name = grower, name
-    return kept[key]
+    with CLAIMS:  # found and taken at once
+        kept: dict = model.__dict__.setdefault(_MODEL_ATTR, {})
+        graphs = kept.get(key)
+        if graphs is None:
+            while len(kept) >= MAX_KEPT:  # a call still drafting in the one dropped keeps it to its end
+                kept.pop(next(iter(kept)))
+            graphs = kept[key] = EagleGraphs(grower, EagleGraphConfig(capture=capture), name)
+        if not held_for_call(graphs):
+            return None
+        graphs.grower, graphs.name = grower, name  # same tensors and settings; the newest drafter's view of them
+        return graphs

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -42,6 +41,7 @@ from specdec.drafters.level_clock import LevelClock
 from specdec.drafters.top_k import top_k
 
 from specdec.attention import BatchBuilder
+from specdec.call_claims import CLAIMS, held_for_call
 from specdec.coupling import perturbed_logits
 from specdec.cuda_graphs import GraphedForward, auto_uses_graphs, current_model_graphs, model_graphs
 from specdec.errors import InputError, InputTypeError
@@ -275,28 +275,22 @@ class ModelDrafter(Drafter):
 
     def _own_cache(self) -> PagedKVCache:
         """As many slots as the target's pool: committed tokens + at most MAX_TREE_NODES scratch; with graphs, the
-        cache of the draft model's graph buckets (kept with the model and reused by later calls)."""
+        cache of the draft model's graph buckets (kept with the model and reused by later calls), held for this
+        generate() call. Another drafter drafting in it meanwhile (another thread's call, a streamer's, another
+        child of this call's combined drafter) would free or grow it under that one: this one then drafts eagerly."""
         tc, shape = self.target.cache, self.runner.shape
-        if self.use_graphs and self._graphs_taken():
-            logger.info("%s: another drafter over the same draft model drafts through its CUDA graphs in this call; "
-                        "this one drafts eagerly in a cache of its own", self.name)
-            self.use_graphs = False
         if self.use_graphs:
-            self.graphed = model_graphs(self.runner, tc.block_size, tc.num_blocks, role="draft")
-            self.graphed.user = (weakref.ref(self), weakref.ref(self.target))
-            return self.graphed.cache
+            with CLAIMS:  # found and taken at once
+                held = current_model_graphs(self.runner, "draft")
+                if held is None or not held.serving:
+                    self.graphed = model_graphs(self.runner, tc.block_size, tc.num_blocks, role="draft")
+                    held_for_call(self.graphed)  # free: checked before model_graphs freed its sequences
+                    return self.graphed.cache
+            logger.info("%s: another drafter drafts through the draft model's CUDA graphs (in another generate() "
+                        "call, or in this one); this one drafts eagerly in a cache of its own", self.name)
+            self.use_graphs = False
         return PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, tc.num_blocks, tc.block_size,
                             self.runner.dtype, self.runner.device, self.runner.backend)
-
-    def _graphs_taken(self) -> bool:
-        """Whether another drafter in this generate() call drafts in the draft model's graph cache (two children of
-        the combined drafter over one model): sharing it, each catch-up found the other's sequences caught up to the
-        root and started them over, a whole prefill per step."""
-        held = current_model_graphs(self.runner, "draft")
-        if held is None or held.user is None:
-            return False
-        drafter, target = (ref() for ref in held.user)
-        return drafter is not None and drafter is not self and target is self.target
 
     def _forward(self, builder: BatchBuilder, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """[rows, vocab] logits of every new token; ``token_ids`` [rows] on the device stand for the builder's

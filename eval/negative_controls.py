@@ -27,6 +27,7 @@ import torch
 from specdec.drafters.combined import CombinedDrafter
 
 from specdec.attention import AttentionPlan, SeqAttention
+from specdec.call_claims import drafter_claimed
 from specdec.engine import Engine, SequenceState, VerifyBatch
 from specdec.engine_setup import EngineFault, build_engine
 from specdec.generate import on_device, prepare, run
@@ -198,5 +199,6 @@ def generate_with_control(model, input_ids, rule: AcceptanceRule = EXACT, fault:
     """``specdec.generate(model, input_ids, **generate_kwargs)`` with a broken ``rule`` or ``fault`` built into its
     engine: deliberately WRONG output, for the certificate's negative controls (EXACT and None: the real thing)."""
     request = prepare(model, input_ids, **generate_kwargs)
-    with on_device(request.loaded.runner.device):  # as generate(): kernels on the model's GPU, not the current one
+    # as generate(): kernels on the model's GPU, not the current one; the drafter and its graph caches held
+    with on_device(request.loaded.runner.device), drafter_claimed(request.drafter):
         return run(build_engine(request, rule, fault), request)

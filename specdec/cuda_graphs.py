@@ -26,13 +26,12 @@ A step that fits no bucket runs the eager forward; so does every step after a ca
 GraphedForward per loaded model (:func:`model_graphs`, kept on the model object and freed with it, or by
 :func:`release_model_graphs`): its buckets are captured once and replayed by every later call. It serves one
 generate() at a time; elsewhere (CPU) "auto" is eager, as before. A draft-model drafter keeps buckets of its
-own on its model (``model_graphs(..., role="draft")``), apart from the target's even when the models are one.
-"""
+own on its model (``model_graphs(..., role="draft")``, apart from the target's even when the models are one), also
+one call at a time (specdec.call_claims: a drafter that finds them serving drafts eagerly)."""
 from __future__ import annotations
 
 import bisect
 import logging
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -145,10 +144,9 @@ class GraphedForward:
         # its cache serves call after call (the model's, a caller's); False: made for one generate() call, whose end
         # frees its cache (specdec.engine_setup, cuda_graphs=True)
         self.shared = True
-        self.serving = False  # a generate() call is running in it (set by engine_setup, cleared by generate.run())
-        # who drafts in it during the current generate() call (a draft-model drafter, weakly), and that call's
-        # TargetView: a second drafter over the same model in the same call keeps out (specdec.drafters.model_drafter)
-        self.user: tuple[weakref.ref, weakref.ref] | None = None
+        # a generate() call is running in it: as the target's, set by engine_setup and cleared by generate.run(); as
+        # a draft model's, held for a drafter's call (specdec.call_claims.held_for_call)
+        self.serving = False
         self.replays = 0
 
     @classmethod

@@ -898,3 +898,42 @@ def test_two_threads_never_take_the_models_graph_cache_both(loaded, monkeypatch)
     graphed = loaded.model.__dict__["_specdec_graphed_forward"]
     assert not graphed.serving and graphed.cache.lengths.keys() <= {cuda_graphs.SCRATCH_SEQ_ID}
     release_model_graphs(loaded)
+
+
+def test_two_threads_drafting_with_one_draft_model_never_share_its_graph_cache(loaded, caplog):
+    """Two draft-model drafter objects over one draft model, in two threads' calls: the second call's drafter took
+    the model's draft graph cache while the first call drafted in it (only drafters of one call kept apart), and
+    grew it for its larger batch, freeing the first call's cache under it (the first call died). The cache is now
+    taken by one check-and-set for the whole call: the second call drafts eagerly in a cache of its own, said at
+    info level; both outputs are plain decoding's, and the graphs are given back at the first call's end."""
+    import threading
+
+    from specdec.drafters.draft_model import DraftModelDrafter
+
+    release_model_graphs(loaded)
+    first, second = [[1, 2, 3, 4]], [[7, 8, 9], [5, 6]]  # the second needs more KV blocks
+    target, kw = on_reference(loaded), dict(max_new_tokens=5, speculation="always")  # the drafter's model: Triton
+    plain = [generate(target, p, max_new_tokens=5) for p in (first, second)]
+    drafters = [DraftModelDrafter(model=loaded, num_draft_tokens=1, cuda_graphs=True) for _ in range(2)]
+    stepped, out = threading.Event(), {}
+
+    def held(seq, tokens):  # the first call, after a step drafted through the graphs, waits for the second's end
+        stepped.set()
+        thread.join(timeout=120)
+
+    thread = threading.Thread(target=lambda: stepped.wait(timeout=120) and out.update(
+        second=generate(target, second, drafter=drafters[1], **kw)))
+    thread.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="specdec.drafters.model_drafter"):
+            out["first"] = generate(target, first, drafter=drafters[0], streamer=held, **kw)
+    finally:
+        stepped.set()
+        thread.join(timeout=120)
+    assert [out["first"], out.get("second")] == plain
+    graphed = drafters[0].graphed
+    assert graphed is not None and graphed.replays == drafters[0].draft_forwards - 1 > 0  # undisturbed
+    assert drafters[1].graphed is None and drafters[1].cache is not graphed.cache
+    assert "drafts eagerly in a cache of its own" in caplog.text
+    assert not graphed.serving  # given back: a later call takes it
+    release_model_graphs(loaded)

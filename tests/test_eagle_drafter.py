@@ -4,6 +4,7 @@ published layout, refusals naming both sides), and the unrolled training loss.""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -151,6 +152,57 @@ def test_drafters_over_one_model_replay_its_graphs_with_its_draft_ids():
     later = EagleDrafter(model=eagle, adapt_depth=False, cuda_graphs=True)
     generate(model, prompts, drafter=later, **kw)
     assert later.graphs is graphs and read() is not None and later.grower.draft_ids is read()
+
+
+def test_two_threads_drafting_over_one_eagle_model_never_share_its_graphs(monkeypatch, caplog):
+    """Two EAGLE drafter objects over one EagleModel with equal settings, in two threads' calls: both drafted
+    through the one EagleGraphs kept on the model, so the second call's inputs overwrote the first one's static
+    buffers between its load and its run, and the first call drafted from the other call's keys (a wrong tree,
+    and wrong keys in its cache; on a GPU the pending trees read the other call's pool). The graphs are now taken
+    by one check-and-set for the whole call: the second call drafts eagerly, said at info level, and every tree
+    is the one each call drafts alone; a later call takes the graphs again."""
+    import threading
+
+    from specdec.drafters.eagle_graphs import EagleGraphs
+
+    model = build_tiny_model()
+    eagle = _eagle(model, depth=3, top_k=2, max_nodes=6)
+    first, second = [[1, 2, 3, 4, 5, 6, 7]], [[9, 8, 7, 6]]  # one sequence each: the same buckets
+    kw = dict(max_new_tokens=10, speculation="always")
+    alone = []
+    for prompt in (first, second):
+        drafter = ByPrefix(model=eagle, adapt_depth=False, cuda_graphs=False)
+        drafter.seen = {}
+        alone.append((generate(model, prompt, drafter=drafter, **kw), drafter.seen))
+    drafters = [ByPrefix(model=eagle, adapt_depth=False, cuda_graphs=True) for _ in range(2)]
+    for d in drafters:
+        d.seen = {}
+    out, runs, main = {}, [], threading.current_thread()
+    thread = threading.Thread(target=lambda: out.update(second=generate(model, second, drafter=drafters[1], **kw)))
+    run = EagleGraphs._run
+
+    def paused(self, bucket, depth):  # the first call's second graph call waits, loaded, for the other call's end
+        runs.append(threading.current_thread())
+        if runs[-1] is main and runs.count(main) == 2:
+            thread.start()
+            thread.join(timeout=120)
+        return run(self, bucket, depth)
+
+    monkeypatch.setattr(EagleGraphs, "_run", paused)
+    with caplog.at_level(logging.INFO, logger="specdec.drafters.eagle"):
+        out["first"] = generate(model, first, drafter=drafters[0], **kw)
+    thread.join(timeout=120)
+    assert [out["first"], out.get("second")] == [a[0] for a in alone]
+    def trees(seen):  # prefix by prefix, in the order drafted
+        return [(prefix, t.tokens.tolist(), t.parents.tolist()) for prefix, t in seen.items()]
+
+    assert [trees(d.seen) for d in drafters] == [trees(a[1]) for a in alone]  # none from the other call's keys
+    graphs = drafters[0].graphs
+    assert graphs is not None and drafters[1].graphs is None and not graphs.serving
+    assert "drafts eagerly" in caplog.text
+    again = EagleDrafter(model=eagle, adapt_depth=False, cuda_graphs=True)
+    generate(model, second, drafter=again, **kw)
+    assert again.graphs is graphs
 
 
 def test_a_drafting_call_that_captured_a_graph_prices_no_level(monkeypatch):
