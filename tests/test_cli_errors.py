@@ -246,8 +246,8 @@ def test_an_error_mid_generation_ends_the_streamed_line_first(ckpt, capsys, monk
 def test_an_error_or_ctrl_c_before_the_first_token_leaves_stdout_empty(ckpt, capsys, monkeypatch):
     """Nothing streamed, no line to end: stdout stays empty (it used to get a lone newline, so `> out.txt` of a
     failed call held an empty line)."""
-    rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--block-size", "0")  # refused inside generate()
-    assert (rc, out) == (2, "") and "block_size must be >= 1" in error_line(err)
+    rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--num-blocks", "1")  # the prompt's prefill runs out
+    assert (rc, out) == (2, "") and "--num-blocks" in error_line(err), err
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
