@@ -12,10 +12,10 @@ second call is refused in one line instead; calls with their own drafter objects
 (docs/getting-started.md, "Serving: many calls, several threads"). A combined drafter's children are claimed with
 it. Objects are held by identity (``id``) for the duration of the call only: nothing is kept after it.
 
-Graph caches kept on a model and reused by later calls (the target's, specdec.engine_setup; a draft model's and an
-EAGLE model's, taken by their drafters through :func:`held_for_call`) serve one call at a time: a call that finds
-one serving drafts or verifies eagerly beside it. A drafter's cache is held until the generate() call running on
-its thread ends (:func:`drafter_claimed` opens that call's scope).
+Graph caches kept on a model and reused by later calls (the target's, taken in specdec.engine_setup; a draft
+model's and an EAGLE model's, taken by their drafters) serve one call at a time: each is taken through
+:func:`held_for_call` and held until the generate() call running on its thread ends (:func:`drafter_claimed` opens
+that call's scope); a call that finds one serving verifies or drafts eagerly beside it.
 
 Invariant: a drafter object is in ``_IN_USE`` exactly while one generate() call runs with it; every change to
 ``_IN_USE`` and to a shared graph cache's ``serving`` flag happens under ``CLAIMS``.

@@ -144,8 +144,8 @@ class GraphedForward:
         # its cache serves call after call (the model's, a caller's); False: made for one generate() call, whose end
         # frees its cache (specdec.engine_setup, cuda_graphs=True)
         self.shared = True
-        # a generate() call is running in it: as the target's, set by engine_setup and cleared by generate.run(); as
-        # a draft model's, held for a drafter's call (specdec.call_claims.held_for_call)
+        # a generate() call runs in it (the target's or a draft model's): held until that call ends
+        # (specdec.call_claims.held_for_call)
         self.serving = False
         self.replays = 0
 

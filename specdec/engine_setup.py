@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.audit import call_audit
-from specdec.call_claims import CLAIMS
+from specdec.call_claims import CLAIMS, held_for_call
 from specdec.cost_model import CalibrationConfig, ensure_row_policy, load_cost_model
 from specdec.coupling import Coupling
 from specdec.cuda_graphs import (
@@ -82,19 +82,7 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
     processing, output_logprobs = _processing(request), _wants_logprobs(request)  # refusals before allocating
     # the request's worst case: no sequence can run out with a pool this large, its drafter's trees included
     needed = _worst_case_blocks(request, MAX_TREE_NODES if request.drafter is not None else 0)
-    cache, graphed = _kv_cache(request, needed, fault)
-    try:
-        return _engine(request, rule, fault, runner, processing, output_logprobs, needed, cache, graphed)
-    except BaseException:
-        if graphed is not None and graphed.shared:  # taken by _kv_cache; run() gives it back after a call
-            graphed.serving = False
-        raise
-
-
-def _engine(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault | None, runner, processing,
-            output_logprobs: bool, needed: int, cache: PagedKVCache, graphed: GraphedForward | None) -> Engine:
-    """build_engine's part after the KV cache (and a shared graph cache, marked serving) was taken."""
-    config = request.config
+    cache, graphed = _kv_cache(request, needed, fault)  # a shared graph cache: held until the call ends
     fit_free_blocks = _pool_may_run_short(request, needed)
     drafter, generator = request.drafter, request.generator
     # first, so that one draw of generator= gives the same noise with and without a drafter
@@ -197,9 +185,9 @@ def _kv_cache(request: "GenerateRequest", needed: int, fault: EngineFault | None
     shape, block_size = runner.shape, config.block_size
     graphs = request.cuda_graphs
     if isinstance(graphs, GraphedForward):  # its own cache and graphs, reused call after call
-        with CLAIMS:  # checked and taken at once: another thread's call sees it serving (build_engine releases it)
+        with CLAIMS:  # checked and taken at once: another thread's call sees it serving
             cache = _graphed_cache(graphs, request, needed, fault)
-            graphs.serving = True
+            held_for_call(graphs)  # free: _graphed_cache refuses one that serves
         return cache, graphs
     if graphs == AUTO:  # on CUDA: the model's own graph cache, reused by later calls; else eager
         graphs = fault is None and not config.invariant and auto_uses_graphs(runner)  # the bit-exact mode: eager
@@ -212,7 +200,7 @@ def _kv_cache(request: "GenerateRequest", needed: int, fault: EngineFault | None
                 if held is None or not held.serving:
                     graphed = model_graphs(runner, block_size, needed, check_fits)
                     cache = graphed.cache_for(runner, block_size, needed)
-                    graphed.serving = True
+                    held_for_call(graphed)  # free: checked before model_graphs freed its sequences
                     return cache, graphed
             # a call from inside another's (a streamer's), or beside it (another thread's)
             logger.info("cuda_graphs=auto: the model's graph cache serves another generate() call; this one runs "

@@ -293,9 +293,6 @@ def run(engine: Engine, request: GenerateRequest) -> Any:
     start = time.perf_counter()
     streamer = request.streamer
     put_end = is_put_end_streamer(streamer)
-    shared = engine.graphed if engine.graphed is not None and engine.graphed.shared else None
-    if shared is not None:  # a call made meanwhile (a streamer's) keeps out of its cache
-        shared.serving = True
     seqs = []
     try:
         if put_end:  # the prompt first, as transformers does (TextStreamer(skip_prompt=True) drops it)
@@ -329,8 +326,6 @@ def run(engine: Engine, request: GenerateRequest) -> Any:
                              "new_tokens.", new_tokens) from err
     finally:
         engine.close()
-        if shared is not None:
-            shared.serving = False
         if put_end:
             streamer.end()
     return pack_output(engine, seqs, request.layout, request.return_dict, start, prefill_seconds)

@@ -857,6 +857,36 @@ def test_a_call_made_while_another_runs_keeps_out_of_its_graph_cache(loaded, mon
     release_model_graphs(loaded)
 
 
+def test_a_call_failing_after_it_took_the_models_graph_cache_gives_it_back(loaded, monkeypatch):
+    """The model's graph cache is held from the engine's build to the call's end, whatever ends the call: a build
+    that fails after taking it, or a step that raises, leaves it free for the next call."""
+    from specdec import cuda_graphs, engine_setup
+
+    release_model_graphs(loaded)
+    monkeypatch.setattr("specdec.engine_setup.auto_uses_graphs", lambda runner: True)  # as on CUDA
+    monkeypatch.setattr(cuda_graphs, "GraphConfig", lambda **kw: GraphConfig(batch_sizes=(1,), tokens_per_seq=(1,),
+                                                                             capture=CAPTURE))
+    real = engine_setup.ensure_row_policy
+
+    def failing(runner):  # after _kv_cache took the graphs
+        raise RuntimeError("built halfway")
+
+    monkeypatch.setattr(engine_setup, "ensure_row_policy", failing)
+    with pytest.raises(RuntimeError, match="built halfway"):
+        generate(loaded, [[1, 2, 3]], max_new_tokens=3)
+    graphed = loaded.model.__dict__["_specdec_graphed_forward"]
+    assert not graphed.serving
+    monkeypatch.setattr(engine_setup, "ensure_row_policy", real)
+
+    def stop(seq, tokens):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        generate(loaded, [[1, 2, 3]], max_new_tokens=3, streamer=stop)
+    assert not graphed.serving and graphed.replays > 0
+    release_model_graphs(loaded)
+
+
 def test_two_threads_never_take_the_models_graph_cache_both(loaded, monkeypatch):
     """A call marked the model's graph cache as serving only when its run() began: another thread's call that built
     its engine in between took the same cache, and both ran their sequences in it. Taking the cache is now one
