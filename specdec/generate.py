@@ -242,7 +242,7 @@ def _warn_unused_sampling(config: GenerationConfig, given: GenerationConfig) -> 
               if name in given.fields_set and getattr(given, name) != neutral]
     if unused:
         logger.warning("do_sample is False (greedy decoding), so these sampling options are ignored: %s; pass "
-                       "do_sample=True to sample", ", ".join(unused))
+                       "do_sample=True (the CLI's --do-sample) to sample", ", ".join(unused))
 
 
 def _warn_unreachable_minimum(config: GenerationConfig, prompt_width: int) -> None:

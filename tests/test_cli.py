@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import subprocess
@@ -92,6 +93,15 @@ def test_sampling_warper_flags_reach_generate(ckpt, capsys):
     rc, out, err = run(capsys, *argv, *flags, "--drafter", "ngram")
     kw = dict(do_sample=True, seed=0, typical_p=0.9, epsilon_cutoff=0.001, eta_cutoff=0.002, top_h=0.9)
     assert rc == 0 and out == expected_text(ckpt, PROMPT, drafter="ngram", **kw) + "\n", err
+
+
+def test_a_sampling_flag_without_do_sample_warns_in_the_clis_spelling(ckpt, capsys, caplog):
+    """Greedy decoding ignores --temperature; the warning names the flag that turns sampling on."""
+    _, greedy, _ = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(N))
+    with caplog.at_level(logging.WARNING, logger="specdec"):
+        rc, out, _ = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(N), "--temperature", "0.5")
+    assert rc == 0 and out == greedy
+    assert "ignored: temperature=0.5" in caplog.text and "--do-sample" in caplog.text, caplog.text
 
 
 def test_the_warper_flags_are_the_sampling_warpers_with_their_off_values():
