@@ -45,6 +45,7 @@ from specdec.sampling import WARPERS
 logger = logging.getLogger(__name__)
 
 KWARGS = "keyword argument"  # the source named in messages about generate()'s keyword arguments
+MODEL_SOURCE = "the model's generation_config"
 TRANSFORMERS_TOP_K = 50  # transformers' top_k when sampling and no config sets it
 
 ALIASES = {"stop_strings": "stop"}  # transformers' name -> specdec's GenerationConfig field
@@ -207,7 +208,7 @@ def config_layer(config: Any, source: str = "generation_config=") -> ConfigLayer
 
 def model_layer(model: Any) -> ConfigLayer:
     """The loaded model's own ``generation_config`` (generation_config.json), if it has one."""
-    return config_layer(getattr(model, "generation_config", None), "the model's generation_config")
+    return config_layer(getattr(model, "generation_config", None), MODEL_SOURCE)
 
 
 @dataclass(frozen=True)
@@ -255,6 +256,10 @@ def resolve(layers: Sequence[ConfigLayer], prompt_length: int | None = None,
     length_from = None
     if prompt_length is not None and "max_length" in merged:
         max_length = merged.pop("max_length")
+        if "max_new_tokens" in merged and origin["max_length"].source != MODEL_SOURCE:  # the caller's, overruled
+            logger.warning("max_new_tokens=%s (from %s) and max_length=%s (from %s) are both set: max_new_tokens "
+                           "takes precedence, as in transformers", merged["max_new_tokens"],
+                           origin["max_new_tokens"].source, max_length, origin["max_length"].source)
         if "max_new_tokens" not in merged:
             length_from = origin["max_length"].source
             if max_length <= prompt_length:

@@ -9,6 +9,7 @@ callable), ``num_return_sequences`` and ``max_length``. Greedy results are compa
 from __future__ import annotations
 
 import functools
+import logging
 
 import pytest
 import torch
@@ -635,20 +636,25 @@ def test_num_return_sequences_with_greedy_is_refused_as_in_transformers():
     assert isinstance(info.value, SpecdecError) and "\n" not in str(info.value)
 
 
-def test_max_length_counts_the_padded_input_and_max_new_tokens_wins():
+def test_max_length_counts_the_padded_input_and_max_new_tokens_wins(caplog):
     model = _shared_model()
     enc = _enc("left")
     width = enc["input_ids"].shape[1]
     for kwargs in (dict(max_length=width + 5), dict(max_length=width + 2, max_new_tokens=6)):
         out = specdec.generate(model, **enc, **kwargs)
         assert torch.equal(out, hf(model, **enc, do_sample=False, **kwargs)), kwargs
-    assert specdec.generate(model, **enc, max_length=width + 2, max_new_tokens=6).shape[1] == width + 6
+    with caplog.at_level(logging.WARNING, logger="specdec"):  # the caller's max_length overruled: said, as in HF
+        assert specdec.generate(model, **enc, max_length=width + 2, max_new_tokens=6).shape[1] == width + 6
+    assert "max_new_tokens=6 (from keyword argument) and max_length=" in caplog.text
+    caplog.clear()
     # from the model's config, under a passed max_new_tokens (transformers: max_new_tokens wins across layers)
     capped = _model(max_length=width + 4)
     assert torch.equal(specdec.generate(capped, **enc), hf(capped, **enc))
     passed = transformers.GenerationConfig(max_new_tokens=2)
-    assert torch.equal(specdec.generate(capped, **enc, generation_config=passed),
-                       hf(capped, **enc, generation_config=passed))
+    with caplog.at_level(logging.WARNING, logger="specdec"):  # the model's own max_length: no warning
+        assert torch.equal(specdec.generate(capped, **enc, generation_config=passed),
+                           hf(capped, **enc, generation_config=passed))
+    assert "takes precedence" not in caplog.text
     # lists: the longest row is the input length
     assert [len(r) for r in specdec.generate(model, [[1, 2, 3], [4]], max_length=6)] == [6, 4]
     with pytest.raises(ValueError, match="max_length"):
