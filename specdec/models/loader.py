@@ -220,6 +220,11 @@ def load_model(
     trust_remote_code: bool = False,
 ) -> LoadedModel:
     if isinstance(spec, LoadedModel):  # a tokenizer passed with it serves this use (generate(tokenizer=...))
+        stale = spec.runner.stale()
+        if stale is not None:  # the model was changed since: a runner of it as it is now serves this use
+            logger.info("the LoadedModel's runner no longer describes its model (%s): built again for this call",
+                        stale)
+            spec = replace(spec, runner=spec.runner.rebuilt())
         return spec if tokenizer is None or tokenizer is spec.tokenizer else replace(spec, tokenizer=tokenizer)
     dtype = check_dtype(dtype)
     device = check_device(device) if device is not None else None
