@@ -199,6 +199,19 @@ def test_a_checkpoint_loads_in_float32_on_the_cpu_and_in_the_dtype_asked_for(tmp
     assert load_model(str(tmp_path / "tiny"), dtype=torch.float16).runner.dtype == torch.float16
 
 
+def test_a_shared_checkpoint_moved_to_another_dtype_is_not_given_out_as_the_one_asked_for(tmp_path):
+    """A holder's ``loaded.model.half()`` changed the shared model under its key: the next load asking for float32
+    got that float16 model. It now loads its own, and later loads share that one."""
+    from specdec.testing import build_tiny_model
+
+    build_tiny_model(vocab_size=32).save_pretrained(tmp_path / "tiny")
+    first = load_model(str(tmp_path / "tiny"))
+    first.model.half()
+    again = load_model(str(tmp_path / "tiny"), dtype=torch.float32)
+    assert again.runner.dtype == torch.float32 and again.model is not first.model
+    assert load_model(str(tmp_path / "tiny")).model is again.model
+
+
 def _new_lm_head(model):
     model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
 
