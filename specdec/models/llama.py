@@ -200,11 +200,21 @@ def _shape(cfg) -> ModelShape:
                       cfg.vocab_size, max_pos, window)
 
 
+_PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
 def _projection_parts(layers) -> tuple:
-    """Where each q/k/v and gate/up weight and bias of ``layers`` is (its data address; 0: none)."""
-    return tuple(0 if t is None else t.data_ptr() for layer in layers
-                 for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj,
-                           layer.mlp.up_proj) for t in (m.weight, m.bias))
+    """Where each q/k/v and gate/up weight and bias of ``layers`` is (its data address; 0: none). Read from the
+    modules' ``_modules`` / ``_parameters`` dicts: nn.Module attribute lookups took 0.5 ms a call on 30 layers."""
+    out = []
+    for layer in layers:
+        for block, names in _PROJECTIONS:
+            modules = layer._modules[block]._modules
+            for name in names:
+                params = modules[name]._parameters
+                bias = params.get("bias")
+                out += (params["weight"].data_ptr(), 0 if bias is None else bias.data_ptr())
+    return tuple(out)
 
 
 class LlamaRunner:
