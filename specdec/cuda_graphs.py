@@ -190,6 +190,10 @@ class GraphedForward:
                              "GraphedForward)")
         if self.runner.hf_model is not runner.hf_model:
             raise InputError("cuda_graphs: this GraphedForward was built for another model")
+        stale = self.runner.stale()  # its forward is its own runner's, which the call's check did not rebuild
+        if stale is not None:
+            raise InputError(f"cuda_graphs: this GraphedForward's model was changed since it was built ({stale}): "
+                             "build a new GraphedForward")
         if self.cache.block_size != block_size:
             raise InputError(f"block_size={block_size}, but the GraphedForward's cache uses {self.cache.block_size}")
         self.release_sequences()
@@ -359,7 +363,7 @@ def _serves(graphed: GraphedForward, runner: LlamaRunner, block_size: int, block
     dtype keeps its Parameter objects and swaps their storage, which its graphs would read freed: the addresses are
     compared, not the tensors."""
     old = graphed.runner
-    same = (old.hf_model is runner.hf_model and graphed.weights == weights_key(runner)
+    same = (old.hf_model is runner.hf_model and graphed.weights == weights_key(runner) and old.stale() is None
             and old.backend.name == runner.backend.name and graphed.cache.block_size == block_size)
     return same and graphed.cache.num_blocks - 1 >= blocks_needed  # one block is the scratch slot's
 

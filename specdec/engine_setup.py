@@ -135,7 +135,8 @@ def _policy(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault
 
 def _processing(request: "GenerateRequest") -> LogitsProcessing | None:
     return LogitsProcessing.from_config(request.config, sorted(request.stop.eos_token_ids),
-                                        request.loaded.runner.shape.vocab_size, request.prompt_width)
+                                        request.loaded.runner.shape.vocab_size, request.prompt_width,
+                                        request.loaded.runner.device)
 
 
 def _wants_logprobs(request: "GenerateRequest") -> bool:

@@ -58,6 +58,22 @@ class PerPrompt:
         return self.first <= new_tokens and (self.last is None or new_tokens <= self.last)
 
 
+def _forget_other_vocabulary(processor: Any, vocab_size: int, device: torch.device | None) -> None:
+    """A caller's transformers ``SequenceBiasLogitsProcessor`` (``NoBadWordsLogitsProcessor`` is one) reused from a
+    call with another vocabulary size or device: it prepared its bias tensors for that call's logits at its first
+    use and keeps them, so it would fail here with a raw shape or device error. It prepares them again, as a new
+    one would (once per call, never per step)."""
+    from transformers import SequenceBiasLogitsProcessor
+
+    if not isinstance(processor, SequenceBiasLogitsProcessor) or not getattr(processor, "prepared_bias_variables",
+                                                                              False):
+        return
+    bias = getattr(processor, "length_1_bias", None)
+    if not isinstance(bias, torch.Tensor) or bias.shape[-1] != vocab_size or (
+            device is not None and bias.device != torch.device(device)):
+        processor.prepared_bias_variables = False
+
+
 def node_suffixes(tree: DraftTree) -> list[list[int]]:
     """Per verify row (0 = root, 1 + i = node i): the tokens after the committed sequence in that row's prefix,
     root to node (the root's row: none; node i: its ancestors' tokens, then its own)."""
@@ -93,11 +109,11 @@ class LogitsProcessing:
 
     @classmethod
     def from_config(cls, config: Any, eos_token_ids: Sequence[int], vocab_size: int,
-                    prompt_width: int | None = None) -> LogitsProcessing | None:
+                    prompt_width: int | None = None, device: torch.device | None = None) -> LogitsProcessing | None:
         """The processors ``config`` (a checked GenerationConfig, max_new_tokens resolved) asks for; None when
         there are none (the engine then runs no processing code at all). ``prompt_width``: transformers'
         ``input_ids.shape[-1]`` (the longest row of lists), which min_length, forced_bos_token_id and
-        begin_suppress_tokens count; needed only with them."""
+        begin_suppress_tokens count; needed only with them. ``device``: the logits' (None: not known)."""
         from transformers import (
             ExponentialDecayLengthPenalty,
             ForcedBOSTokenLogitsProcessor,
@@ -163,6 +179,8 @@ class LogitsProcessing:
             defaults.append(PerPrompt(SuppressTokensAtBeginLogitsProcessor, lambda p, device: (
                 SuppressTokensAtBeginLogitsProcessor(begin, p + at, device=device)), at, at))
         custom = list(config.logits_processor)
+        for c in custom:
+            _forget_other_vocabulary(c, vocab_size, device)
         # transformers 5's _merge_criteria_processor_list: a custom processor of a default's class takes its place
         kinds = [p.kind if isinstance(p, PerPrompt) else type(p) for p in defaults]
         merged = [next((c for c in custom if type(c) is kind), p) for kind, p in zip(kinds, defaults)]

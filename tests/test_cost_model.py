@@ -383,6 +383,20 @@ def test_packed_copy_follows_its_weight():
     assert key not in row_policy._PACKED
 
 
+@needs_packing
+def test_packed_copy_follows_new_storage_of_its_parameter():
+    """``param.data = ...`` (and ``.half()`` then ``.float()``, which do it twice) gives a parameter new memory without
+    moving its version counter: it is packed again, never multiplied as the weight it was."""
+    gen = torch.Generator().manual_seed(2)
+    layer, x = torch.nn.Linear(16, 24, bias=False), torch.randn(3, 16, generator=gen)
+    row_policy.packed_weight(layer.weight)
+    layer.weight.data = torch.randn(24, 16, generator=gen)
+    torch.testing.assert_close(row_policy.packed_linear(x, layer.weight), x @ layer.weight.T, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        layer.half().float()  # the same values, rounded, maybe at the address packed from: still packed again
+    torch.testing.assert_close(row_policy.packed_linear(x, layer.weight), x @ layer.weight.T, rtol=1e-5, atol=1e-5)
+
+
 def test_packing_is_refused_where_unavailable(monkeypatch):
     monkeypatch.setattr(row_policy, "packing_available", lambda: False)
     with pytest.raises(ValueError, match="oneDNN"):

@@ -433,6 +433,20 @@ def test_a_reused_graphed_forward_keeps_its_cache_and_buckets(loaded):
         generate(loaded, prompts, max_new_tokens=2, cuda_graphs="yes")
 
 
+def test_a_graphed_forward_of_a_model_changed_since_is_refused(loaded):
+    """A GraphedForward runs the runner it was built with: after its model's LM head was replaced it kept decoding
+    with the old one. It is now refused in one line."""
+    graphed = GraphedForward.with_cache(loaded.runner, max_tokens=64, config=GraphConfig(capture=CAPTURE))
+    head = loaded.model.lm_head
+    loaded.model.lm_head = torch.nn.Linear(loaded.model.config.hidden_size, VOCAB, bias=False).to(DEVICE)
+    try:
+        with pytest.raises(ValueError, match=r"^cuda_graphs: this GraphedForward's model was changed since it was "
+                                             r"built \(its LM head was replaced\): build a new GraphedForward$"):
+            generate(loaded, [[4, 5, 6]], max_new_tokens=2, cuda_graphs=graphed)
+    finally:
+        loaded.model.lm_head = head  # the module's model, as the other tests use it
+
+
 def test_self_distillation_through_buckets_equals_eager_and_keeps_its_own_cache(loaded, tmp_path, caplog):
     """train-medusa / train-eagle's self-distillation decodes chunk after chunk through one GraphedForward (buckets
     1, 2, 4 and 5 for batches of 5, the last chunk smaller): the eager tokens, cached under a key of their own."""

@@ -197,3 +197,53 @@ def test_a_checkpoint_loads_in_float32_on_the_cpu_and_in_the_dtype_asked_for(tmp
     model.save_pretrained(tmp_path / "tiny")
     assert load_model(str(tmp_path / "tiny"), device="cpu").runner.dtype == torch.float32
     assert load_model(str(tmp_path / "tiny"), dtype=torch.float16).runner.dtype == torch.float16
+
+
+def test_a_shared_checkpoint_moved_to_another_dtype_is_not_given_out_as_the_one_asked_for(tmp_path):
+    """A holder's ``loaded.model.half()`` changed the shared model under its key: the next load asking for float32
+    got that float16 model. It now loads its own, and later loads share that one."""
+    from specdec.testing import build_tiny_model
+
+    build_tiny_model(vocab_size=32).save_pretrained(tmp_path / "tiny")
+    first = load_model(str(tmp_path / "tiny"))
+    first.model.half()
+    again = load_model(str(tmp_path / "tiny"), dtype=torch.float32)
+    assert again.runner.dtype == torch.float32 and again.model is not first.model
+    assert load_model(str(tmp_path / "tiny")).model is again.model
+
+
+def _new_lm_head(model):
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+
+
+def _new_storage_of_a_fused_weight(model):  # a weight of a layer whose products were fused (packed models, CUDA)
+    weight = model.model.layers[0].self_attn.k_proj.weight
+    weight.data = torch.randn_like(weight) * 3
+
+
+@pytest.mark.parametrize("change", [_new_lm_head, _new_storage_of_a_fused_weight,
+                                    lambda model: model.resize_token_embeddings(40, mean_resizing=False)])
+def test_a_loaded_model_changed_since_loading_decodes_as_it_is_now(change):
+    """A LoadedModel's runner holds its model's modules: one replaced since (a new lm_head, fewer tokens) was still
+    read, and a fused projection kept multiplying a weight given other memory since (param.data = ...), so a reused
+    LoadedModel decoded as the model was (fewer tokens: a raw IndexError). Each call now checks the runner once, and
+    builds it again where it no longer describes the model: the output is the model's own, as passed directly."""
+    import specdec
+    from specdec.models.fused_projections import pack_projections
+    from specdec.testing import build_tiny_model, ragged_prompts
+
+    model = build_tiny_model("llama-mha-untied", vocab_size=64)
+    pack_projections(model)  # what specdec does to the models it loads on CUDA; the CPU runs the same views
+    loaded = load_model(model)
+    prompts = ragged_prompts(2, vocab_size=40, seed=1, max_len=8) + [[3, 50]]  # 50: past the resized vocabulary
+
+    def run(target):
+        try:
+            return specdec.generate(target, prompts, max_new_tokens=8, speculation="always")
+        except specdec.InputError as err:
+            return str(err)
+
+    run(loaded)
+    assert load_model(loaded) is loaded  # unchanged: the same runner, nothing rebuilt
+    change(model)
+    assert run(loaded) == run(model)

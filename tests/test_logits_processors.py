@@ -634,3 +634,17 @@ def test_bad_processor_arguments_are_one_line_errors(model, kwargs, error, match
     with pytest.raises(error, match=match) as info:
         specdec.generate(model, PROMPTS[:2], max_new_tokens=4, **kwargs)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("make", [lambda: transformers.SequenceBiasLogitsProcessor([[[5], 9.0], [[3, 4], -5.0]]),
+                                  lambda: transformers.NoBadWordsLogitsProcessor([[5], [3, 4]])])
+def test_a_callers_sequence_bias_processor_reused_with_another_vocabulary(make):
+    """transformers' SequenceBiasLogitsProcessor (NoBadWords is one) prepares its bias for the vocabulary and device of
+    the first logits it sees and keeps it: reused in a call with a model of another vocabulary size it failed with a
+    raw shape error. It now prepares again for that call, and decodes as a new processor does."""
+    reused = make()
+    for vocab in (96, 64):
+        model = build_tiny_model(vocab_size=vocab, seed=vocab)
+        outs = [specdec.generate(model, PROMPTS[:2], max_new_tokens=6, logits_processor=[processor],
+                                 logits_processor_prefix_only=True) for processor in (reused, make())]
+        assert outs[0] == outs[1]

@@ -10,8 +10,9 @@ parameters then are (same parameter objects, same values; the peak is one layer'
 models it builds itself on CUDA (synthetic targets, checkpoints and GGUF files it loads, and the EAGLE layers it
 loads or builds, whose fused-op forward then multiplies once per block); a model passed in as an object is never
 re-laid, and its products stay separate, as do all products of the bit-exact mode. A parameter given new storage
-later (``param.data = ...``) ends the fusion of its layer only if the runner is rebuilt: replace weights in place
-(``copy_``, ``load_state_dict``) on a packed model.
+later (``param.data = ...``) ends the fusion of its layer: a LoadedModel's runner compares every part's address
+once per generate() call and is built again (``LlamaRunner.stale``); replacing weights in place (``copy_``,
+``load_state_dict``) keeps the fusion.
 
 A wider product may round a column differently than the narrow ones; plain and speculative decoding use the same
 products, so exactness is unaffected.

@@ -190,11 +190,39 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, backend: Backend) -> torch.Te
     return F.silu(gate) * up
 
 
+def _shape(cfg) -> ModelShape:
+    """The runner's shape of a transformers config."""
+    num_heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    window = sliding_window(cfg)
+    max_pos = cfg.max_position_embeddings if window is None else min(cfg.max_position_embeddings, window)
+    return ModelShape(cfg.num_hidden_layers, num_heads, cfg.num_key_value_heads, head_dim, cfg.hidden_size,
+                      cfg.vocab_size, max_pos, window)
+
+
+_PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+def _projection_parts(layers) -> tuple:
+    """Where each q/k/v and gate/up weight and bias of ``layers`` is (its data address; 0: none). Read from the
+    modules' ``_modules`` / ``_parameters`` dicts: nn.Module attribute lookups took 0.5 ms a call on 30 layers."""
+    out = []
+    for layer in layers:
+        for block, names in _PROJECTIONS:
+            modules = layer._modules[block]._modules
+            for name in names:
+                params = modules[name]._parameters
+                bias = params.get("bias")
+                out += (params["weight"].data_ptr(), 0 if bias is None else bias.data_ptr())
+    return tuple(out)
+
+
 class LlamaRunner:
     invariant: bool = False  # the bit-exact mode: see invariant_mode()
     _rope_table: invariant_ops.RopeTable | None = None
-    # per layer, its fused projections (specdec.models.fused_projections), for the weights' storage named by the key
-    _projections: tuple[tuple, list[LayerProjections] | None] = ((), None)
+    # per layer, its fused projections (specdec.models.fused_projections), for the weights' storage named by the key,
+    # and the address of every projection weight and bias when any is fused (stale())
+    _projections: tuple[tuple, list[LayerProjections] | None, tuple] = ((), None, ())
 
     def __init__(self, hf_model, backend: str | Backend | None = None, invariant: bool = False) -> None:
         """``backend``: "auto", "reference", "triton" or a resolved Backend; None reads SPECDEC_ATTENTION now.
@@ -204,14 +232,8 @@ class LlamaRunner:
         cfg = hf_model.config
         base = hf_model.model
         self.eps = cfg.rms_norm_eps
-        num_heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-        window = sliding_window(cfg)
-        max_pos = cfg.max_position_embeddings if window is None else min(cfg.max_position_embeddings, window)
-        self.shape = ModelShape(
-            cfg.num_hidden_layers, num_heads, cfg.num_key_value_heads, head_dim, cfg.hidden_size, cfg.vocab_size,
-            max_pos, window,
-        )
+        self.shape = _shape(cfg)
+        head_dim = self.shape.head_dim
         self.scale = head_dim**-0.5
         self.layers = base.layers
         self.embed = base.embed_tokens.weight
@@ -221,6 +243,8 @@ class LlamaRunner:
         # keep their identity), so a copy taken here would stay behind and cost a host-to-device copy per forward
         self.rotary = base.rotary_emb
         self.attention_scaling = float(getattr(self.rotary, "attention_scaling", 1.0))
+        self._backend_choice = backend  # what was asked for, resolved again by rebuilt()
+        self._built_on = self.embed.device.type  # the device type the backend was chosen for (stale())
         self.backend = resolve_backend(self.embed.device, backend)  # fused element-wise ops; the cache's its own
         if self.backend.triton:  # before any forward, not at the first attention
             self.backend.attention.check_head_dim(head_dim)
@@ -231,6 +255,34 @@ class LlamaRunner:
                                    "float16 there, or the reference backend")
         if invariant:
             self.invariant = True
+
+    def stale(self) -> str | None:
+        """What of its model changed since this runner was built such that its forward would no longer be the model's
+        (None: nothing): a module it reads replaced (``resize_token_embeddings`` to fewer tokens, a new ``lm_head``),
+        the shape the config gives, the device type its backend was chosen for, a fused projection's weight given
+        other memory (``param.data = ...``). A runner holds its model's modules, so identity is a sound test. Weights
+        changed in place, a dtype, a device of the same type need nothing: the forward reads them live.
+        Once per generate() call (:func:`specdec.models.loader.load_model`), never per step."""
+        base = self.hf_model.model
+        for name, mine, now in (("decoder layer list", self.layers, base.layers),
+                                ("token embedding", self.embed, base.embed_tokens.weight),
+                                ("final norm", self.final_norm, base.norm.weight),
+                                ("LM head", self.lm_head, self.hf_model.lm_head.weight),
+                                ("rotary embedding", self.rotary, base.rotary_emb)):
+            if mine is not now:
+                return f"its {name} was replaced"
+        if self.shape != _shape(self.hf_model.config):
+            return "its config gives another shape"
+        if self.embed.device.type != self._built_on:
+            return f"it moved from {self._built_on} to {self.embed.device.type}"
+        _, found, parts = self._projections
+        if found is not None and parts != _projection_parts(self.layers):
+            return "a fused projection's weight was given other memory"
+        return None
+
+    def rebuilt(self) -> "LlamaRunner":
+        """A new runner of this one's model, backend choice and mode: :meth:`stale`'s remedy."""
+        return LlamaRunner(self.hf_model, self._backend_choice, self.invariant)
 
     def invariant_mode(self, on: bool = True) -> "LlamaRunner":
         """This runner (``on`` equal to its mode) or a copy sharing every weight, in which every row's hidden
@@ -259,7 +311,9 @@ class LlamaRunner:
                len(self.layers))
         if self._projections[0] != key:
             found = [LayerProjections.of(layer) for layer in self.layers]
-            self._projections = key, found if any(p.qkv or p.gate_up for p in found) else None
+            fused = any(p.qkv or p.gate_up for p in found)
+            # with the address of every part, which the views keep alive: stale() compares them once per call
+            self._projections = key, found if fused else None, _projection_parts(self.layers) if fused else ()
         return self._projections[1]
 
     def _attention(self, q, k_cache, v_cache, plan: AttentionPlan, backend: Backend) -> torch.Tensor:

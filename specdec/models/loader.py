@@ -108,7 +108,8 @@ def _from_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[
 
 
 # Models loaded from a path, shared while someone still holds them (a second load_model of the same
-# checkpoint, dtype and device costs nothing then) and freed with their last user: nothing is kept alive here.
+# checkpoint, dtype and device costs nothing then; weights changed in place are shared too) and freed with their
+# last user: nothing is kept alive here. One moved to another dtype or device since is not given out (_lies_as).
 _MODELS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # _model_key(...) -> model
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (tokenizer, name, source)
 
@@ -135,12 +136,19 @@ def _model_key(spec: str, dtype: torch.dtype | None, device: str | torch.device 
     return spec, dtype, str(device), trust_remote_code
 
 
+def _lies_as(model, key: tuple) -> bool:
+    """Whether a shared model is still in the dtype and on the device of its key: a holder may have moved it since
+    (``loaded.model.half()``), and a later load asking for the key's must not get it so (it loads its own)."""
+    weight = model.get_input_embeddings().weight
+    return weight.dtype == key[1] and str(weight.device) == key[2]
+
+
 def _load_path(spec: str, dtype: torch.dtype | None, device: str | torch.device | None,
                trust_remote_code: bool) -> tuple[Any, Any, str, str]:
     key = _model_key(spec, dtype, device, trust_remote_code)
     dtype = key[1]
     model = _MODELS.get(key)
-    if model is not None:
+    if model is not None and _lies_as(model, key):
         return (model, *_TOKENIZERS[model])
     if synthetic.is_synthetic(spec):
         model = synthetic.build(spec, device=device, dtype=dtype)
@@ -220,6 +228,11 @@ def load_model(
     trust_remote_code: bool = False,
 ) -> LoadedModel:
     if isinstance(spec, LoadedModel):  # a tokenizer passed with it serves this use (generate(tokenizer=...))
+        stale = spec.runner.stale()
+        if stale is not None:  # the model was changed since: a runner of it as it is now serves this use
+            logger.info("the LoadedModel's runner no longer describes its model (%s): built again for this call",
+                        stale)
+            spec = replace(spec, runner=spec.runner.rebuilt())
         return spec if tokenizer is None or tokenizer is spec.tokenizer else replace(spec, tokenizer=tokenizer)
     dtype = check_dtype(dtype)
     device = check_device(device) if device is not None else None

@@ -15,7 +15,8 @@ library sums in its own order, as F.linear itself does for different row counts)
     install(torch.get_num_threads(), policy, dtype)  # linear() reads it from now on
 
 Packed weights are copies (the model's weight bytes once more, made on a weight's first packed product and
-dropped with the weight; a weight changed in place is packed again), so ``measure_row_policy`` offers them only
+dropped with the weight; a weight changed in place, or given other memory, ``param.data = ...`` as ``.to()`` and
+``.half()`` do, is packed again), so ``measure_row_policy`` offers them only
 when asked to (``allow_packed``: the caller checks that the memory is there) and where oneDNN is available.
 
 The products must be timed the way a forward runs them: every weight read once per forward, streamed from
@@ -37,6 +38,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +50,11 @@ _MIN_GAIN = 0.05  # a layout other than F.linear (or padding) must win by 5%: no
 # (torch thread count, weight dtype) -> {rows: columns of the transposed product, or PACKED}: a policy measured for
 # one dtype never reaches another's weights (oneDNN packs bf16 weights on CPUs where it cannot pack fp16 ones)
 _ACTIVE: dict[tuple[int, torch.dtype], dict[int, int]] = {}
-# id(weight) -> (weak reference to it, its version counter when packed, the packed copy); an entry leaves with its
-# weight (weakref.finalize), and a version that moved (an optimizer step, a load) packs the weight again
-_PACKED: dict[int, tuple[weakref.ref, int | None, torch.Tensor]] = {}
+# id(weight) -> (weak reference to it, its version counter, data address and weak reference to its storage when
+# packed, the packed copy); an entry leaves with its weight (weakref.finalize). A version that moved (an optimizer
+# step, a load) packs the weight again, and so does new storage (``param.data = ...``, which keeps the version): the
+# storage packed from must still live at the same address, since a freed one's address is soon another tensor's
+_PACKED: dict[int, tuple[weakref.ref, int | None, int, StorageWeakRef, torch.Tensor]] = {}
 
 
 def install(threads: int, cols: dict[int, int], dtype: torch.dtype = torch.float32) -> None:
@@ -106,15 +110,17 @@ def _version(weight: torch.Tensor) -> int | None:
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The packed copy of ``weight``, made on first use and kept while the weight lives and is unchanged."""
+    """The packed copy of ``weight``, made on first use and kept while the weight lives, unchanged, in the same
+    memory."""
     key, version = id(weight), _version(weight)
     entry = _PACKED.get(key)
-    if entry is not None and entry[0]() is weight and entry[1] == version:
-        return entry[2]
+    if (entry is not None and entry[0]() is weight and entry[1] == version and entry[2] == weight.data_ptr()
+            and not entry[3].expired()):
+        return entry[4]
     if entry is None or entry[0]() is not weight:
         weakref.finalize(weight, _PACKED.pop, key, None)
     packed = pack_weight(weight)
-    _PACKED[key] = (weakref.ref(weight), version, packed)
+    _PACKED[key] = (weakref.ref(weight), version, weight.data_ptr(), StorageWeakRef(weight.untyped_storage()), packed)
     return packed
 
 
