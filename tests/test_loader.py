@@ -247,3 +247,5 @@ def test_a_loaded_model_changed_since_loading_decodes_as_it_is_now(change):
     assert load_model(loaded) is loaded  # unchanged: the same runner, nothing rebuilt
     change(model)
     assert run(loaded) == run(model)
+    rebuilt = load_model(loaded).runner  # built once, then reused by later calls (and the model's graph cache)
+    assert rebuilt is not loaded.runner and load_model(loaded).runner is rebuilt

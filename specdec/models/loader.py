@@ -112,6 +112,9 @@ def _from_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[
 # last user: nothing is kept alive here. One moved to another dtype or device since is not given out (_lies_as).
 _MODELS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # _model_key(...) -> model
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (tokenizer, name, source)
+# a LoadedModel's runner that no longer describes its model -> the runner built again for it (LlamaRunner.stale):
+# later calls with that LoadedModel reuse it, and with it the model's CUDA-graph cache, until the model changes again
+_REBUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _config_dir(spec: str) -> Path:
@@ -230,9 +233,11 @@ def load_model(
     if isinstance(spec, LoadedModel):  # a tokenizer passed with it serves this use (generate(tokenizer=...))
         stale = spec.runner.stale()
         if stale is not None:  # the model was changed since: a runner of it as it is now serves this use
-            logger.info("the LoadedModel's runner no longer describes its model (%s): built again for this call",
-                        stale)
-            spec = replace(spec, runner=spec.runner.rebuilt())
+            runner = _REBUILT.get(spec.runner)
+            if runner is None or runner.stale() is not None:
+                logger.info("the LoadedModel's runner no longer describes its model (%s): built again", stale)
+                runner = _REBUILT[spec.runner] = spec.runner.rebuilt()
+            spec = replace(spec, runner=runner)
         return spec if tokenizer is None or tokenizer is spec.tokenizer else replace(spec, tokenizer=tokenizer)
     dtype = check_dtype(dtype)
     device = check_device(device) if device is not None else None
