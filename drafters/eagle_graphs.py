@@ -252,7 +252,9 @@ def eagle_graphs(grower: TreeGrower, capture: bool, name: str = "eagle") -> Eagl
     drafter's, for the logs. Held for the generate() call running on this thread (specdec.call_claims); None when
     another call holds it (its static buffers are that call's): the caller drafts eagerly."""
     model = grower.model
-    key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in (grower.embed, grower.lm_head, *model.parameters()))
+    ids = [] if grower.draft_ids is None else [grower.draft_ids]  # the reduced vocabulary's, read by address too
+    reads = [grower.embed, grower.lm_head, *model.parameters(), *ids]
+    key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in reads)
     key += (grower.sampling, grower.coupling, grower.top_k, grower.max_nodes, grower.fused is not None, capture)
     with CLAIMS:  # found and taken at once
         kept: dict = model.__dict__.setdefault(_MODEL_ATTR, {})

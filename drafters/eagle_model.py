@@ -242,10 +242,12 @@ class EagleModel(nn.Module):
         (the first drafter's was freed with it, under a graph that still read it)."""
         if self.lm_head is None or self.d2t is None:
             return None
-        made_from, ids = self.__dict__.get("_draft_ids", (None, None))
-        if made_from is not self.d2t:  # first use, or d2t was moved or reloaded
+        made_from, version, ids = self.__dict__.get("_draft_ids", (None, None, None))
+        if made_from is not self.d2t:  # first use, or d2t was moved or replaced
             ids = self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
-            self.__dict__["_draft_ids"] = (self.d2t, ids)
+        elif version != self.d2t._version:  # d2t changed in place (load_state_dict): so are they, at their address
+            ids.copy_(self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device))
+        self.__dict__["_draft_ids"] = (self.d2t, self.d2t._version, ids)
         return ids
 
     def init_from_target(self, hf_model) -> None:

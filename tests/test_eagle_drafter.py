@@ -154,6 +154,27 @@ def test_drafters_over_one_model_replay_its_graphs_with_its_draft_ids():
     assert later.graphs is graphs and read() is not None and later.grower.draft_ids is read()
 
 
+def test_draft_ids_follow_a_d2t_changed_in_place_or_replaced():
+    """The reduced vocabulary's token ids are made from ``d2t`` once and kept (graphs read them by address): a
+    ``d2t`` loaded in place (load_state_dict) left them as they were, so drafts named the old tokens; they now
+    change in place with it. A ``d2t`` replaced gives new ids, and graphs of their own (the kept ones read the old)."""
+    model = build_tiny_model()
+    eagle = _eagle(model, vocab=range(0, 96, 3), depth=3, top_k=2, max_nodes=6)
+    ids = eagle.draft_ids
+    assert ids.tolist() == list(range(0, 96, 3))
+    state = eagle.state_dict()
+    state["d2t"] = torch.arange(1, 97, 3) - torch.arange(32)  # the vocabulary 1, 4, ..., 94
+    eagle.load_state_dict(state)
+    assert eagle.draft_ids is ids and ids.tolist() == list(range(1, 97, 3))
+    prompts, kw = ragged_prompts(2, seed=0, max_len=20), dict(max_new_tokens=8, speculation="always")
+    first = EagleDrafter(model=eagle, adapt_depth=False, cuda_graphs=True)
+    assert generate(model, prompts, drafter=first, **kw) == generate(model, prompts, **kw)
+    eagle.d2t = torch.arange(2, 98, 3) - torch.arange(32)
+    later = EagleDrafter(model=eagle, adapt_depth=False, cuda_graphs=True)
+    assert generate(model, prompts, drafter=later, **kw) == generate(model, prompts, **kw)
+    assert later.grower.draft_ids.tolist() == list(range(2, 98, 3)) and later.graphs is not first.graphs
+
+
 def test_two_threads_drafting_over_one_eagle_model_never_share_its_graphs(monkeypatch, caplog):
     """Two EAGLE drafter objects over one EagleModel with equal settings, in two threads' calls: both drafted
     through the one EagleGraphs kept on the model, so the second call's inputs overwrote the first one's static
