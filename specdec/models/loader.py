@@ -8,7 +8,8 @@ built on ``device``, default CUDA when present, in ``dtype``, default bf16 there
 never runs remote code unless ``trust_remote_code=True`` is passed. Without ``dtype`` a checkpoint loads in float32,
 or, for ``device`` CUDA, in the half dtype its config declares (bfloat16 when it declares float32 or none).
 What a checkpoint directory must hold (config.json of a supported type, unquantized, safetensors, every tensor):
-:mod:`specdec.models.checkpoint_files` (it refuses in one line).
+:mod:`specdec.models.checkpoint_files`; what a model must be for specdec's forward to be its own:
+:mod:`specdec.models.runnable` (both refuse in one line).
 
     loaded = load_model("default")
     loaded.runner, loaded.tokenizer
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from specdec.errors import InputError, InputTypeError
-from specdec.models import checkpoint_files, embedded, synthetic
+from specdec.models import checkpoint_files, embedded, runnable, synthetic
 from specdec.models.fused_projections import pack_projections
 from specdec.models.llama import LlamaRunner
 
@@ -232,6 +233,8 @@ def load_model(
         return spec if tokenizer is None or tokenizer is spec.tokenizer else replace(spec, tokenizer=tokenizer)
     dtype = check_dtype(dtype)
     device = check_device(device) if device is not None else None
+    if isinstance(spec, torch.nn.Module) and _is_hf_model(getattr(spec, "_orig_mod", None)):
+        spec = spec._orig_mod  # torch.compile(model): specdec runs its own forward on the same weights
     if _is_hf_model(spec):
         model, name = spec, getattr(spec.config, "_name_or_path", type(spec).__name__)
         source = model_reference(getattr(spec.config, "_name_or_path", "") or "")
@@ -241,6 +244,11 @@ def load_model(
         model, loaded_tok, name, source = _load_path(str(spec), dtype, device, trust_remote_code)
         tokenizer = tokenizer or loaded_tok
     else:
-        raise InputTypeError(f"model must be a transformers model, a path or an alias, got {type(spec).__name__}")
+        hint = (" (a PEFT model: merge its adapter into the weights, model.merge_and_unload(), and pass the result)"
+                if hasattr(spec, "get_base_model") else "")
+        raise InputTypeError(f"model must be a transformers model, a path or an alias, got {type(spec).__name__}"
+                             f"{hint}")
     model.eval()
-    return LoadedModel(model, tokenizer, LlamaRunner(model), name, source)
+    runner = LlamaRunner(model)  # the family, its activation and RoPE (check_supported)
+    runnable.check_modules(model)  # nothing the runner's own forward would leave out
+    return LoadedModel(model, tokenizer, runner, name, source)
