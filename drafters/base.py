@@ -245,11 +245,13 @@ def refusals_named(drafter: str) -> Iterator[None]:
         raise type(err)(f"{drafter}: {err}") from None
 
 
-def check_path_option(drafter: str, path: Any) -> None:
+def check_path_option(drafter: str, path: Any) -> str | None:
     """A drafter's ``path=`` option is a checkpoint directory: a str or os.PathLike (None: not given), never the
-    empty string (``Path("")`` is the current directory, which would be read instead)."""
+    empty string (``Path("")`` is the current directory, which would be read instead). Returned with ``~`` expanded,
+    as the target's path is."""
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise InputTypeError(f"{drafter}: path= must be a checkpoint directory (a str or os.PathLike), got "
                              f"{type(path).__name__} {path!r}")
     if isinstance(path, str) and not path:
         raise InputError(f"{drafter}: path= is the empty string; give a checkpoint directory")
+    return None if path is None else os.path.expanduser(path)

@@ -93,7 +93,7 @@ class EagleDrafter(Drafter):
 
     def __init__(self, path: str | None = None, model: EagleModel | None = None, **options) -> None:
         """``path`` (a checkpoint directory) or ``model`` (an EagleModel); ``options``: EagleDraftConfig."""
-        check_path_option(self.name, path)
+        path = check_path_option(self.name, path)
         if (path is None) == (model is None) and not (self.layer_from_target and model is None):
             raise InputError(f"{self.name}: give exactly one of path= (a checkpoint directory; on the command line "
                              "--drafter-option path=DIR) or model= (an EagleModel)")

@@ -106,7 +106,7 @@ class MedusaDrafter(Drafter):
 
     def __init__(self, path: str | None = None, heads: MedusaHeads | None = None, **options) -> None:
         """``path`` (a checkpoint directory) or ``heads`` (a MedusaHeads module); ``options``: MedusaDraftConfig."""
-        check_path_option("medusa", path)
+        path = check_path_option("medusa", path)
         if (path is None) == (heads is None):
             raise InputError("medusa: give exactly one of path= (a checkpoint directory; on the command line "
                              "--drafter-option path=DIR) or heads= (a MedusaHeads)")

@@ -101,7 +101,7 @@ class MtpDrafter(EagleDrafter):
         if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
             raise InputError(f"mtp: layer must be an integer >= 0, got {layer!r}")
         super().__init__(path=path, **options)
-        self.path, self.layer, self.source = path, layer, path
+        self.layer, self.source = layer, self.path  # path= with ~ expanded (check_path_option)
 
     def cost_key(self) -> str:  # the checkpoint (None: the target's own) and the layer; the target is keyed apart
         return f"{type(self).__qualname__}|{self.name}|{self.source!r}|{self.layer}|{self.options!r}"

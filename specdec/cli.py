@@ -272,6 +272,10 @@ def _generate(args, stream_class) -> tuple[str, dict]:
     load_seconds = time.perf_counter() - t0
     tok = loaded.tokenizer
     ids = _prompt_ids(tok, args, text, system)
+    vocab = loaded.runner.shape.vocab_size
+    if ids and max(ids) >= vocab:  # the tokenizer is not the model's: say so, not "input_ids outside the vocabulary"
+        raise CLIError(f"the tokenizer of model {args.model!r} gave the prompt token id {max(ids)}, outside the "
+                       f"model's vocabulary of {vocab} (config.vocab_size): the tokenizer and the model do not match")
     stream = stream_class(tok) if stream_class is not None else None
     out = _generate_streamed(loaded, ids, drafter, settings, stop, args, stream)
     summary = _summary(loaded, args, out, load_seconds)

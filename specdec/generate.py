@@ -59,6 +59,7 @@ from specdec.generate_inputs import (
 from specdec.generation_config import GenerationConfig
 from specdec.kv_cache import CacheFullError
 from specdec.models.loader import LoadedModel, load_model
+from specdec.models.runnable import check_weights_present
 from specdec.output import GenerateOutput, OutputLayout, SequenceStats, pack_output
 from specdec.sampling import WARPERS
 from specdec.stopping import StopCriteria
@@ -208,6 +209,7 @@ def prepare(model: Any, input_ids: Any = None, *, drafter: Any = None, drafter_o
     if generator is not None and generator.device.type != runner.device.type:
         raise InputError(f"generator is on {generator.device} but the model is on {runner.device}: "
                          "sampling runs on the model's device, so create it with torch.Generator(device=...) there")
+    check_weights_present(loaded.model)  # not on the meta device, not offloaded, on one device
     eos_token_id = config.eos_token_id  # kwargs > generation_config= > the model's generation_config
     if eos_token_id is None and getattr(loaded.model, "generation_config", None) is None:
         # transformers reads EOS from the generation config only; a model without one has its config's

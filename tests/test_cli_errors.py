@@ -144,6 +144,17 @@ def test_unusable_device_is_one_line_before_the_model_loads(device, what, ckpt, 
     assert rc == 2 and "--device" in line and what in line, line
 
 
+def test_a_tokenizer_that_is_not_the_models_is_named(capsys, tmp_path):
+    """A tokenizer with more ids than the model's vocabulary (40 here, 70 characters) was reported as
+    "input_ids: ... outside the vocabulary", of ids the user never gave; the line now names the mismatch."""
+    from specdec.testing import build_tiny_model, build_tiny_tokenizer
+
+    build_tiny_model(vocab_size=40).save_pretrained(tmp_path)
+    build_tiny_tokenizer().save_pretrained(tmp_path)
+    rc, _, err = run(capsys, "hello ZZZ", "--model", str(tmp_path), "--max-new-tokens", "2")
+    line = error_line(err)
+    assert rc == 2 and "the tokenizer and the model do not match" in line and "vocabulary of 40" in line, line
+
 def gguf_bytes() -> tuple[bytes, int]:
     """A small but complete GGUF v3 file (metadata incl. a string array, two tensors), and where its data starts."""
     def string(s: str) -> bytes:

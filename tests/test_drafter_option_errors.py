@@ -92,6 +92,13 @@ def test_an_empty_path_is_refused_before_the_current_directory_is_read(name):
         get_drafter(name, path="")
 
 
+@pytest.mark.parametrize("name", ["eagle", "medusa", "mtp"])
+def test_a_head_path_under_home_is_expanded_as_the_targets_is(name, tmp_path, monkeypatch):
+    """``--model ~/m`` found the model, ``path=~/heads`` looked for a folder literally named "~"."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert get_drafter(name, path="~/heads").path == str(tmp_path / "heads")
+
+
 @pytest.mark.parametrize("name,options", [("self-draft", dict(widths=[40])), ("self-draft", dict(tree="nope")),
                                           ("self-draft", dict(num_layers=0)), ("self-draft", dict(draft_vocab=0)),
                                           ("draft-model", dict(model="x", mode="nope"))])

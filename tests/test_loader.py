@@ -249,3 +249,117 @@ def test_a_loaded_model_changed_since_loading_decodes_as_it_is_now(change):
     assert run(loaded) == run(model)
     rebuilt = load_model(loaded).runner  # built once, then reused by later calls (and the model's graph cache)
     assert rebuilt is not loaded.runner and load_model(loaded).runner is rebuilt
+
+
+# --- a checkpoint directory specdec cannot run exactly: one line, before or instead of running another model -------
+
+
+def _tiny_dir(path, **overrides) -> str:
+    from specdec.testing import build_tiny_model
+
+    build_tiny_model(vocab_size=32, **overrides).save_pretrained(path)
+    return str(path)
+
+
+def _edit_config(path, **changes) -> None:
+    file = path / "config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **changes}))
+
+
+@pytest.mark.parametrize("damage", ["a tensor the shard index names is absent", "saved tied, config says untied"])
+def test_a_tensor_missing_from_the_weights_is_refused_not_random(tmp_path, damage):
+    """transformers fills a tensor the files lack with random values and only warns: specdec ran that other model.
+    Both ways it happens: a shard missing a tensor its index names, and a checkpoint saved with tied embeddings
+    whose config.json says untied (lm_head.weight is nowhere)."""
+    from safetensors.torch import load_file, save_file
+
+    from specdec.errors import InputError
+
+    path = tmp_path / "ckpt"
+    if damage.startswith("a tensor"):
+        from specdec.testing import build_tiny_model
+
+        build_tiny_model(vocab_size=32).save_pretrained(path, max_shard_size="20KB")
+        index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+        name = "model.layers.1.mlp.down_proj.weight"
+        shard = str(path / index[name])
+        tensors = load_file(shard)
+        del tensors[name]
+        save_file(tensors, shard, metadata={"format": "pt"})
+        missing = name
+    else:
+        _tiny_dir(path, tie_word_embeddings=True)
+        _edit_config(path, tie_word_embeddings=False)
+        missing = "lm_head.weight"
+    with pytest.raises(InputError, match=f"lack 1 tensor.*{missing}.*random values") as err:
+        load_model(str(path))
+    assert "\n" not in str(err.value)
+
+
+def test_pickled_weights_are_never_loaded_and_the_refusal_says_how_to_convert(tmp_path):
+    """A directory with only pytorch_model.bin was unpickled (torch.load weights_only=True: narrower, still a pickle
+    parser on an untrusted file); now nothing of it is read, and the message gives the one-line conversion."""
+    import os
+
+    from specdec.errors import InputError
+
+    path = tmp_path / "ckpt"
+    _tiny_dir(path)
+    (path / "model.safetensors").unlink()
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    torch.save({"x": Payload()}, path / "pytorch_model.bin")
+    with pytest.raises(InputError, match=r"pickles \(pytorch_model.bin\).*never loads.*save_pretrained") as err:
+        load_model(str(path))
+    assert "\n" not in str(err.value) and not marker.exists()
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}, "quantized.*'bitsandbytes'"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantized.*'gptq'"),
+    ({"model_type": "mixtral"}, "model type 'mixtral' is not supported.*llama, mistral, qwen2, qwen3"),
+    ({"model_type": "frobnicator"}, "model type 'frobnicator' is not supported"),
+])
+def test_an_unsupported_config_is_refused_in_one_line_before_the_weights_load(tmp_path, monkeypatch, config, match):
+    """A quantized config ended in transformers' ImportError (bitsandbytes / optimum missing: a traceback from the
+    CLI); an unknown model_type in its three-line ValueError; a supported-by-transformers one (Mixtral) was refused
+    only after its weights had loaded. Now config.json alone decides, and the weights are never read."""
+    import transformers
+
+    from specdec.errors import SpecdecError
+
+    path = tmp_path / "ckpt"
+    _tiny_dir(path)
+    _edit_config(path, **config)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the weights were loaded"))
+    with pytest.raises(SpecdecError, match=match) as err:
+        load_model(str(path))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("ckpt/config.json", "is a file, not a checkpoint directory.*ckpt"),
+    ("ckpt/model.safetensors", "is a file, not a checkpoint directory"),
+    ("meta-llama/Llama-3.2-1B", "never downloads: fetch it first \\(hf download meta-llama/Llama-3.2-1B"),
+])
+def test_a_file_or_a_hub_id_says_what_to_pass_instead(tmp_path, monkeypatch, spec, match):
+    """A file inside a checkpoint, or a hub id, was "unknown model"; the message now says what to pass."""
+    _tiny_dir(tmp_path / "ckpt")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises((ValueError, OSError), match=match):
+        load_model(spec)
+
+
+def test_config_json_that_is_not_json_is_a_specdec_error(tmp_path):
+    from specdec.errors import InputError
+
+    path = tmp_path / "ckpt"
+    _tiny_dir(path)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(InputError, match="config.json is not valid JSON"):
+        load_model(str(path))

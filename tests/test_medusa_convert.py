@@ -15,6 +15,7 @@ from specdec.drafters.medusa_heads import MedusaCheckpointError, load_medusa
 from torch import nn
 
 import specdec
+from specdec.errors import InputError
 from specdec.models.loader import EMBEDDED_HUB_ID, load_model, model_reference
 from specdec.testing import build_tiny_model
 
@@ -142,7 +143,8 @@ def test_legacy_heads_sharing_the_base_lm_head(tmp_path, tiny_dir):
 @pytest.mark.parametrize("layout", ["safetensors", "sharded", "bin"])
 def test_medusa2_heads_inside_the_model_weights(tmp_path, layout):
     """Medusa-1.0 / axolotl: the model's config.json has medusa_num_heads, its weights hold medusa_head.*; the
-    target to use is that checkpoint itself, and transformers loads it ignoring the heads."""
+    target to use is that checkpoint itself, and transformers loads it ignoring the heads (a pickled one is converted
+    for its heads, and refused as a target)."""
     model = build_tiny_model("llama-mha-untied", vocab_size=VOCAB)
     model.config.medusa_num_heads, model.config.medusa_num_layers = 2, 1
     src = tmp_path / "medusa-1.0-tiny"
@@ -172,7 +174,12 @@ def test_medusa2_heads_inside_the_model_weights(tmp_path, layout):
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(MedusaCheckpointError, match="inside the model's weights.*convert-medusa"):
         load_medusa(src, HIDDEN, VOCAB)  # the hint names the command
-    target = load_model(cfg["base_model_name_or_path"]).model
+    if layout == "bin":  # the heads convert; the target itself is a pickle, which specdec never loads
+        with pytest.raises(InputError, match="pickles.*never loads"):
+            load_model(cfg["base_model_name_or_path"])
+        target = model
+    else:
+        target = load_model(cfg["base_model_name_or_path"]).model
     prompts = [[5, 6, 7, 8, 5, 6]]
     spec = specdec.generate(target, prompts, max_new_tokens=8, drafter="medusa", speculation="always",
                             drafter_options={"path": str(out)})

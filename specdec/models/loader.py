@@ -7,6 +7,9 @@ random weights (``"synthetic:llama-3.1-8b"``, ``"synthetic:qwen3-1.7b@tiny"``: :
 built on ``device``, default CUDA when present, in ``dtype``, default bf16 there). Never downloads,
 never runs remote code unless ``trust_remote_code=True`` is passed. Without ``dtype`` a checkpoint loads in float32,
 or, for ``device`` CUDA, in the half dtype its config declares (bfloat16 when it declares float32 or none).
+What a checkpoint directory must hold (config.json of a supported type, unquantized, safetensors, every tensor):
+:mod:`specdec.models.checkpoint_files`; what a model must be for specdec's forward to be its own:
+:mod:`specdec.models.runnable` (both refuse in one line).
 
     loaded = load_model("default")
     loaded.runner, loaded.tokenizer
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 
 from specdec.errors import InputError, InputTypeError
-from specdec.models import embedded, synthetic
+from specdec.models import checkpoint_files, embedded, runnable, synthetic
 from specdec.models.fused_projections import pack_projections
 from specdec.models.llama import LlamaRunner
 
@@ -88,21 +91,22 @@ def checkpoint_dtype(path: Path, device: str | torch.device | None) -> torch.dty
 def _from_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a transformers checkpoint directory (no config.json)")
+    checkpoint_files.check_before_load(path)  # config.json, model type, no quantization, no pickles
     from safetensors import SafetensorError
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code, use_safetensors=True,
+            output_loading_info=True,
         )
     except SafetensorError as err:  # a truncated or half-downloaded weights file
         raise InputError(f"{path}: its safetensors weights cannot be read ({err}); copy or download them again") \
             from err
+    checkpoint_files.check_loaded(path, info)  # no tensor left to transformers' random initialisation
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        logger.warning("no tokenizer loaded from %s (%s); token ids only", path, str(err))  # no traceback kept
+    except (OSError, ValueError) as err:  # one line, no traceback kept
+        logger.warning("no tokenizer loaded from %s (%s); token ids only", path, " ".join(str(err).split())[:300])
         tokenizer = None
     return model, tokenizer
 
@@ -170,10 +174,16 @@ def _load_path(spec: str, dtype: torch.dtype | None, device: str | torch.device 
             path = embedded.convert_gguf(p, embedded.converted_dir(p))
         elif p.is_dir():
             path = p
+        elif p.is_file():
+            raise InputError(f"model {spec!r} is a file, not a checkpoint directory: pass the directory that holds "
+                             f"config.json and the weights ({p.parent}?), or a .gguf file")
         else:
+            hub = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))  # "org/name": a hub id?
+            hint = (f"; specdec never downloads: fetch it first (hf download {spec} --local-dir DIR) and pass DIR"
+                    if hub else " (nothing is downloaded)")
             raise FileNotFoundError(
                 f"unknown model {spec!r}: pass a checkpoint directory, a .gguf file, a loaded transformers "
-                f"model, or one of the aliases {', '.join(embedded.ALIASES)} (nothing is downloaded)"
+                f"model, or one of the aliases {', '.join(embedded.ALIASES)}{hint}"
             )
         name = p.name
     model, tokenizer = _from_dir(path, dtype, trust_remote_code)
@@ -241,6 +251,8 @@ def load_model(
         return spec if tokenizer is None or tokenizer is spec.tokenizer else replace(spec, tokenizer=tokenizer)
     dtype = check_dtype(dtype)
     device = check_device(device) if device is not None else None
+    if isinstance(spec, torch.nn.Module) and _is_hf_model(getattr(spec, "_orig_mod", None)):
+        spec = spec._orig_mod  # torch.compile(model): specdec runs its own forward on the same weights
     if _is_hf_model(spec):
         model, name = spec, getattr(spec.config, "_name_or_path", type(spec).__name__)
         source = model_reference(getattr(spec.config, "_name_or_path", "") or "")
@@ -250,6 +262,11 @@ def load_model(
         model, loaded_tok, name, source = _load_path(str(spec), dtype, device, trust_remote_code)
         tokenizer = tokenizer or loaded_tok
     else:
-        raise InputTypeError(f"model must be a transformers model, a path or an alias, got {type(spec).__name__}")
+        hint = (" (a PEFT model: merge its adapter into the weights, model.merge_and_unload(), and pass the result)"
+                if hasattr(spec, "get_base_model") else "")
+        raise InputTypeError(f"model must be a transformers model, a path or an alias, got {type(spec).__name__}"
+                             f"{hint}")
     model.eval()
-    return LoadedModel(model, tokenizer, LlamaRunner(model), name, source)
+    runner = LlamaRunner(model)  # the family, its activation and RoPE (check_supported)
+    runnable.check_modules(model)  # nothing the runner's own forward would leave out
+    return LoadedModel(model, tokenizer, runner, name, source)

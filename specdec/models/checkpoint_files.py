@@ -1,0 +1,76 @@
+"""What a checkpoint directory must hold for specdec to load it, checked around transformers' ``from_pretrained``.
+
+Before the weights are read (:func:`check_before_load`, from config.json alone, so a 50 GB model of an unsupported
+kind is refused in milliseconds):
+
+* config.json is a JSON object whose ``model_type`` specdec runs (:data:`specdec.models.llama.SUPPORTED_MODEL_TYPES`)
+  and that declares no ``quantization_config``;
+* the weights are safetensors: pickles (``pytorch_model.bin``, ``*.pt``) are never loaded, since unpickling a file
+  can run code (``torch.load(weights_only=True)`` narrows that, it does not remove it); a one-line refusal says how
+  to convert them once, where the file is trusted.
+
+After (:func:`check_loaded`, from transformers' loading info): every tensor the model needs came from the files.
+transformers fills a missing one (a tensor the index names but its shard lacks, an untied ``lm_head`` saved tied)
+with random values and only warns; specdec would then run another model than the checkpoint's, so it refuses.
+Unexpected extra tensors are transformers' to ignore (it reports them).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from specdec.errors import InputError
+from specdec.models.llama import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+
+CONFIG = "config.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def check_before_load(path: Path) -> dict[str, Any]:
+    """The parsed config.json of the checkpoint directory ``path``, or a one-line error naming what is wrong."""
+    file = path / CONFIG
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} is not a transformers checkpoint directory (no {CONFIG})")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise InputError(f"{file} is not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{file} must hold a JSON object, got {type(config).__name__}")
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise InputError(f"{file} has no model_type; specdec runs the Llama family: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(f"model type {model_type!r} is not supported; specdec runs the Llama family: "
+                                    f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    quantization = config.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise UnsupportedModelError(f"{path}: quantized models are not supported (config.json quantization_config, "
+                                    f"quant_method {str(method)!r}): specdec multiplies by the layers' plain "
+                                    "weights; use an unquantized (float32 / bfloat16 / float16) copy")
+    if not any(path.glob("*.safetensors")):
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+        if pickles:
+            raise InputError(
+                f"{path}: its weights are pickles ({', '.join(pickles[:3])}), which specdec never loads (unpickling "
+                "can run code); convert them to safetensors once, where the file is trusted: python -c \"from "
+                "transformers import AutoModelForCausalLM as M; "
+                f"M.from_pretrained('{path}').save_pretrained('{path}')\"")
+        raise InputError(f"{path} holds no weights (no *.safetensors file next to {CONFIG})")
+    return config
+
+
+def check_loaded(path: Path, info: dict[str, Any]) -> None:
+    """A one-line InputError when transformers' loading ``info`` (``output_loading_info=True``) shows a tensor the
+    model needs that the files did not provide, or provided in another shape."""
+    missing = sorted(info.get("missing_keys") or ())
+    mismatched = sorted(str(k[0]) if isinstance(k, tuple) else str(k) for k in info.get("mismatched_keys") or ())
+    bad = missing + mismatched
+    if bad:
+        what = "lack" if missing else "have the wrong shape for"
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise InputError(f"{path}: the weights {what} {len(bad)} tensor(s) the model needs ({shown}); transformers "
+                         "would fill them with random values, so specdec refuses: the checkpoint is incomplete (a "
+                         "missing shard entry?) or does not match its config.json (e.g. tie_word_embeddings)")

@@ -1,0 +1,109 @@
+"""Whether specdec's own forward computes what a loaded transformers model computes; a one-line refusal if not.
+
+The runner (:mod:`specdec.models.llama`) reads the model's weights and runs its own Llama-family forward: it never
+calls a module's ``forward``. So whatever changes a module's output besides its weights would be silently left out:
+
+* a module that is not transformers' own code of a supported family, ``nn.Linear``, ``nn.Embedding`` or a SiLU
+  (LoRA / adapter layers injected into the projections, remote code, a custom subclass);
+* a forward hook or pre-hook (steering vectors, activation patching); transformers' own input-grad hook of
+  gradient checkpointing changes no value and is allowed;
+* quantized layers (``config.quantization_config``): the runner would multiply by the packed weights.
+
+:func:`check_modules` refuses these when a model is loaded; :func:`check_weights_present` refuses weights that are
+not there to read (the meta device, layers offloaded by accelerate's ``device_map`` / ``cpu_offload``) or that lie
+on several devices, before the first forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdec.models.llama import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+
+_FAMILY_MODULES = tuple(f"transformers.models.{t}.modeling_{t}" for t in SUPPORTED_MODEL_TYPES)
+_PLAIN = (nn.Linear, nn.Embedding, nn.ModuleList, nn.SiLU, nn.Dropout, nn.Identity)
+_INPUT_GRAD_HOOK = "enable_input_require_grads.<locals>.make_inputs_require_grads"  # gradient checkpointing's
+
+
+def _is_known(module: nn.Module) -> bool:
+    cls = type(module)
+    if cls in _PLAIN:
+        return True
+    if cls.__module__ == "transformers.activations":
+        return "SiLU" in cls.__name__  # hidden_act is checked to be silu; a swapped-in other activation is not
+    return cls.__module__ in _FAMILY_MODULES
+
+
+def _changing_hooks(module: nn.Module) -> list:
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+    return [h for h in hooks if not getattr(h, "__qualname__", "").endswith(_INPUT_GRAD_HOOK)]
+
+
+def check_modules(hf_model) -> None:
+    """An UnsupportedModelError naming the first module whose output specdec's forward would not reproduce. One pass
+    over the modules (~0.2 ms for an 8B model's 423): it runs at every load_model(), as a module may be replaced or
+    hooked between two calls."""
+    quantization = getattr(hf_model.config, "quantization_config", None)
+    if quantization is not None or getattr(hf_model, "hf_quantizer", None) is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else \
+            getattr(quantization, "quant_method", None)
+        method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+        raise UnsupportedModelError(f"quantized models are not supported (config.quantization_config, quant_method "
+                                    f"{str(method)!r}): specdec multiplies by the layers' plain weights; load an "
+                                    "unquantized (float32 / bfloat16 / float16) copy")
+    todo = [hf_model]
+    while todo:  # not hf_model.modules(), whose names cost 0.8 ms for an 8B model: 5x this walk
+        module = todo.pop()
+        if module is None:  # a child registered as None
+            continue
+        state = module.__dict__
+        todo.extend(state["_modules"].values())
+        if type(module) not in _KNOWN or state["_forward_hooks"] or state["_forward_pre_hooks"] or "forward" in state:
+            _check_module(hf_model, module)
+
+
+_KNOWN: set[type] = set()  # module classes _is_known accepted
+
+
+def _check_module(hf_model, module: nn.Module) -> None:
+    """Refuse ``module`` in one line, unless it is acceptable after all (a known class, an allowed hook)."""
+    if _is_known(module) and not _changing_hooks(module) and ("forward" not in vars(module) or
+                                                             _is_device_hook(module)):
+        _KNOWN.add(type(module))
+        return
+    where = next(name for name, m in hf_model.named_modules() if m is module) or "the model"
+    if not _is_known(module):
+        cls = type(module)
+        hint = " (merge an adapter into the weights first, e.g. peft's merge_and_unload())" \
+            if hasattr(module, "base_layer") else ""
+        raise UnsupportedModelError(
+            f"{where} is a {cls.__module__}.{cls.__qualname__}, not transformers' own code of the Llama family "
+            f"({', '.join(SUPPORTED_MODEL_TYPES)}): specdec runs its own forward on the weights and would leave "
+            f"out what this module computes{hint}")
+    if _changing_hooks(module):
+        raise UnsupportedModelError(f"{where} has a forward hook: specdec runs its own forward on the weights and "
+                                    "would leave out what the hook changes; remove it (handle.remove()) first")
+    raise UnsupportedModelError(f"{where} has its forward replaced: specdec runs its own forward on the weights and "
+                                "would leave out what the replacement computes; pass the model without it")
+
+
+def _is_device_hook(module: nn.Module) -> bool:
+    """accelerate's AlignDevicesHook (device_map dispatch): it only moves tensors; offloaded weights are refused by
+    check_weights_present."""
+    hook = getattr(module, "_hf_hook", None)
+    return type(hook).__name__ == "AlignDevicesHook" and type(hook).__module__.startswith("accelerate.")
+
+
+def check_weights_present(hf_model) -> None:
+    """An UnsupportedModelError unless every parameter holds real data on one device."""
+    devices: set[torch.device] = set()
+    for name, param in hf_model.named_parameters():
+        if param.is_meta:
+            raise UnsupportedModelError(
+                f"the model's weights are not loaded ({name} is on the meta device: built empty, or offloaded by "
+                "accelerate's device_map / cpu_offload); load it with every weight on one device (no offloading)")
+        devices.add(param.device)
+    if len(devices) > 1:
+        raise UnsupportedModelError(f"the model's weights lie on {len(devices)} devices "
+                                    f"({', '.join(sorted(map(str, devices)))}): specdec runs a model on one device; "
+                                    "load it with device_map on a single device, or move it with model.to(device)")

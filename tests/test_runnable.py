@@ -1,0 +1,120 @@
+"""A transformers model passed in whose output specdec's own forward would not reproduce is refused in one line:
+adapter layers injected into its projections, forward hooks, quantized layers, weights on the meta device or
+offloaded. What changes nothing (gradient checkpointing, train mode, torch.compile) runs, token-identical to
+transformers' greedy generate()."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec
+from specdec.models.llama import UnsupportedModelError
+from specdec.testing import build_tiny_model
+
+PROMPTS = [[1, 5, 9, 3], [7, 2]]
+
+
+def transformers_greedy(model, n: int = 8) -> list[list[int]]:
+    return [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0].tolist() for p in PROMPTS]
+
+
+def specdec_greedy(model, n: int = 8) -> list[list[int]]:
+    return [list(specdec.generate(model, [p], max_new_tokens=n, eos_token_id=None)[0]) for p in PROMPTS]
+
+
+class LoraLinear(torch.nn.Module):
+    """What peft injects: the base layer's weight is still there (``.weight``), its output is not the base's."""
+
+    def __init__(self, base: torch.nn.Linear) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = torch.nn.Linear(base.in_features, 2, bias=False)
+        self.lora_B = torch.nn.Linear(2, base.out_features, bias=False)
+        torch.nn.init.normal_(self.lora_B.weight)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base_layer.bias
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+def _lora(model):
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = LoraLinear(layer.self_attn.q_proj)
+    return "layers.1.self_attn.q_proj is a .*LoraLinear.*merge_and_unload"
+
+
+def _hook(model):
+    model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out * 2)  # a steering-style edit
+    return "model.layers.0.mlp has a forward hook.*handle.remove"
+
+
+def _forward(model):
+    model.model.norm.forward = lambda x: x
+    return "model.norm has its forward replaced"
+
+
+def _quantized(model):
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    return "quantized models are not supported.*'bitsandbytes'"
+
+
+@pytest.mark.parametrize("change", [_lora, _hook, _forward, _quantized], ids=lambda f: f.__name__.strip("_"))
+def test_a_model_whose_output_specdec_would_not_reproduce_is_refused(change):
+    """Each of these ran, and every token came from another model than the one passed (the runner reads the
+    weights and leaves out what the modules add)."""
+    model = build_tiny_model()
+    match = change(model)
+    with pytest.raises(UnsupportedModelError, match=match) as err:
+        specdec.generate(model, PROMPTS, max_new_tokens=2)
+    assert "\n" not in str(err.value)
+
+
+def test_weights_not_there_are_one_line_not_a_tensor_error():
+    """A model built on the meta device, or with layers offloaded by accelerate (their weights on meta, moved in
+    by hooks at forward time), failed deep in the forward: "Tensor.item() cannot be called on meta tensors"."""
+    from accelerate import cpu_offload
+
+    with torch.device("meta"):
+        empty = build_tiny_model()
+    offloaded = build_tiny_model()
+    cpu_offload(offloaded, execution_device=torch.device("cpu"))
+    for model in (empty, offloaded):
+        with pytest.raises(UnsupportedModelError, match="weights are not loaded.*meta device.*no offloading"):
+            specdec.generate(model, PROMPTS, max_new_tokens=2)
+
+
+def test_what_changes_no_output_runs_and_matches_transformers():
+    """Gradient checkpointing (transformers' input-grad hook) and train mode with dropout: the model's own greedy
+    tokens."""
+    model = build_tiny_model(attention_dropout=0.5)
+    expected = transformers_greedy(model)
+    model.gradient_checkpointing_enable()
+    model.train()
+    assert specdec_greedy(model) == expected
+
+
+def test_a_compiled_model_runs_as_the_model_it_compiles():
+    """torch.compile(model) was refused as "got OptimizedModule"; specdec runs its own forward on the same weights."""
+    model = build_tiny_model()
+    assert specdec_greedy(torch.compile(model)) == specdec_greedy(model)  # compiled lazily: never run here
+
+
+def test_a_peft_style_wrapper_is_told_to_merge():
+    class PeftLike(torch.nn.Module):
+        def __init__(self, model) -> None:
+            super().__init__()
+            self.base_model = model
+
+        def get_base_model(self):
+            return self.base_model
+
+    with pytest.raises(TypeError, match="got PeftLike.*merge_and_unload"):
+        specdec.generate(PeftLike(build_tiny_model()), PROMPTS, max_new_tokens=2)
