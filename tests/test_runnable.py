@@ -71,10 +71,13 @@ def test_a_model_whose_output_specdec_would_not_reproduce_is_refused(change):
     """Each of these ran, and every token came from another model than the one passed (the runner reads the
     weights and leaves out what the modules add)."""
     model = build_tiny_model()
+    loaded = specdec.load_model(model)  # changed after loading: a LoadedModel reused for the next call
     match = change(model)
     with pytest.raises(UnsupportedModelError, match=match) as err:
         specdec.generate(model, PROMPTS, max_new_tokens=2)
     assert "\n" not in str(err.value)
+    with pytest.raises(UnsupportedModelError, match=match):
+        specdec.generate(loaded, PROMPTS, max_new_tokens=2)
 
 
 def test_weights_not_there_are_one_line_not_a_tensor_error():

@@ -248,6 +248,7 @@ def load_model(
                 logger.info("the LoadedModel's runner no longer describes its model (%s): built again", stale)
                 runner = _REBUILT[spec.runner] = spec.runner.rebuilt()
             spec = replace(spec, runner=runner)
+        runnable.check_modules(spec.model)  # a module replaced or hooked since the load (~0.1 ms)
         return spec if tokenizer is None or tokenizer is spec.tokenizer else replace(spec, tokenizer=tokenizer)
     dtype = check_dtype(dtype)
     device = check_device(device) if device is not None else None
