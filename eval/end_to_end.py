@@ -26,6 +26,7 @@ from specdec.eval.negative_controls import generate_with_control
 from specdec.eval.two_sample import two_sample_chi2
 
 from specdec.generate import generate
+from specdec.models.loader import eval_mode
 from specdec.rejection import EXACT, AcceptanceRule
 from specdec.sampling import SamplingConfig
 
@@ -89,7 +90,8 @@ def sequence_logprobs(model: Any, prompt: list[int], continuations: list[tuple[i
         for i in range(0, len(prefixes), chunk):
             batch = prefixes[i : i + chunk]
             ids = torch.tensor([prompt + list(p) for p in batch], device=model.device)
-            logp = model(ids).logits[:, -1].float().log_softmax(-1).cpu()
+            with eval_mode(model):
+                logp = model(ids).logits[:, -1].float().log_softmax(-1).cpu()
             step_logp.update(zip(batch, logp))
     return {c: float(sum(step_logp[c[:d]][c[d]] for d in range(len(c)))) for c in distinct}
 

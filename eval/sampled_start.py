@@ -30,6 +30,7 @@ import torch
 from specdec.eval.end_to_end import drafted_share, pilot_seed, rejected_share, sample_in_chunks, sampling_kwargs
 from specdec.eval.negative_controls import generate_with_control
 
+from specdec.models.loader import eval_mode
 from specdec.sampling import SamplingConfig, logits_to_probs
 
 
@@ -70,7 +71,8 @@ def greedy_token_probs(model: Any, prompts: list[list[int]], plain: list[list[in
     for prompt, out in zip(prompts, plain):
         end = min(len(out), len(prompt) + tokens)
         ids = torch.tensor([out[:end]], device=model.device)
-        logits = model(ids).logits[0, len(prompt) - 1 : end - 1].float()
+        with eval_mode(model):
+            logits = model(ids).logits[0, len(prompt) - 1 : end - 1].float()
         law = logits_to_probs(logits, sampling)
         probs.append(law.gather(-1, ids[0, len(prompt) : end, None]).squeeze(-1).tolist())
     return probs

@@ -102,6 +102,15 @@ def test_what_changes_no_output_runs_and_matches_transformers():
     model.gradient_checkpointing_enable()
     model.train()
     assert specdec_greedy(model) == expected
+    # a training loop's rollouts: the model stays in train mode (generate() switched it to eval, which also turns
+    # gradient checkpointing off), and specdec's own transformers forwards run it in eval mode for their call only
+    assert model.training and all(m.training for m in model.modules())
+    from specdec.eval.end_to_end import sequence_logprobs
+
+    model.eval()
+    reference = sequence_logprobs(model, [1, 2, 3], [(4, 5)])
+    model.train()
+    assert sequence_logprobs(model, [1, 2, 3], [(4, 5)]) == reference and model.training
 
 
 def test_a_compiled_model_runs_as_the_model_it_compiles():

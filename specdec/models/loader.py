@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 import logging
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -116,6 +118,20 @@ def _from_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[
 # last user: nothing is kept alive here. One moved to another dtype or device since is not given out (_lies_as).
 _MODELS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # _model_key(...) -> model
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (tokenizer, name, source)
+@contextmanager
+def eval_mode(model) -> Iterator[Any]:
+    """``model`` in eval mode (no dropout) for a transformers forward of specdec's own, each module's mode given
+    back after: a caller's model passed in train mode (a training loop's rollouts) stays so. specdec's runner never
+    calls the modules, so generate() needs no mode at all."""
+    training = [m for m in model.modules() if m.training]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module in training:
+            module.training = True
+
+
 # a LoadedModel's runner that no longer describes its model -> the runner built again for it (LlamaRunner.stale):
 # later calls with that LoadedModel reuse it, and with it the model's CUDA-graph cache, until the model changes again
 _REBUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -261,13 +277,13 @@ def load_model(
             model.to(device)
     elif isinstance(spec, (str, Path)):
         model, loaded_tok, name, source = _load_path(str(spec), dtype, device, trust_remote_code)
+        model.eval()  # its transformers forward (training features, the certificate's checks) without dropout
         tokenizer = tokenizer or loaded_tok
     else:
         hint = (" (a PEFT model: merge its adapter into the weights, model.merge_and_unload(), and pass the result)"
                 if hasattr(spec, "get_base_model") else "")
         raise InputTypeError(f"model must be a transformers model, a path or an alias, got {type(spec).__name__}"
                              f"{hint}")
-    model.eval()
     runner = LlamaRunner(model)  # the family, its activation and RoPE (check_supported)
     runnable.check_modules(model)  # nothing the runner's own forward would leave out
     return LoadedModel(model, tokenizer, runner, name, source)
