@@ -83,7 +83,7 @@ def _tokenizer(spec: Any) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(spec, local_files_only=True)
+        return AutoTokenizer.from_pretrained(os.path.expanduser(spec), local_files_only=True)
     except (OSError, ValueError) as err:
         raise InputError(f"draft-model: tokenizer={str(spec)!r} holds no tokenizer ({' '.join(str(err).split())[:200]})"
                          ) from err

@@ -99,6 +99,17 @@ def test_a_head_path_under_home_is_expanded_as_the_targets_is(name, tmp_path, mo
     assert get_drafter(name, path="~/heads").path == str(tmp_path / "heads")
 
 
+def test_a_draft_tokenizer_under_home_is_expanded(tmp_path, monkeypatch):
+    """draft-model's ``tokenizer=~/tok`` (the CLI's --drafter-option) looked for a folder literally named "~"."""
+    from specdec.drafters.draft_model import _tokenizer
+
+    from specdec.testing import build_tiny_tokenizer
+
+    build_tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert _tokenizer("~/tok").convert_ids_to_tokens(1) == "a"
+
+
 @pytest.mark.parametrize("name,options", [("self-draft", dict(widths=[40])), ("self-draft", dict(tree="nope")),
                                           ("self-draft", dict(num_layers=0)), ("self-draft", dict(draft_vocab=0)),
                                           ("draft-model", dict(model="x", mode="nope"))])
