@@ -1,13 +1,16 @@
 """generate() called with torch's global state as a caller's program leaves it (specdec.ambient): autocast and a
-default device are set aside for the call, grad mode builds no graph."""
+default device are set aside for the call, grad mode builds no graph, and a config edited after the model was built
+is read as transformers' forward reads it (the norms' epsilon from the modules) or refused (another shape)."""
 from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 import specdec
 from specdec import ambient
+from specdec.models.llama import UnsupportedModelError
 from specdec.testing import RandomTreeDrafter, build_tiny_model, ragged_prompts
 
 PROMPTS = ragged_prompts(3, seed=2)
@@ -63,3 +66,26 @@ def test_grad_mode_train_mode_and_default_dtype_change_nothing_and_build_no_grap
     assert under == clean
     assert not saved  # nothing was kept for a backward pass: no autograd graph
     assert model.training  # left in the mode it was passed in
+
+
+def test_the_norms_epsilon_is_the_modules_not_an_edited_configs():
+    """transformers' RMSNorm keeps the epsilon it was built with; an edit of config.rms_norm_eps changes nothing
+    in its forward, so nothing in specdec's."""
+    model = build_tiny_model()
+    before = specdec.generate(model, PROMPTS, max_new_tokens=12)
+    model.config.rms_norm_eps = 0.5
+    assert specdec.generate(model, PROMPTS, max_new_tokens=12) == before
+    with torch.no_grad():
+        own = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0].tolist() for p in PROMPTS]
+    assert own == before
+
+
+@pytest.mark.parametrize("field, value, named", [("num_hidden_layers", 1, "model.model.layers[:n]"),
+                                                  ("head_dim", 8, "num_attention_heads x head_dim gives 32"),
+                                                  ("vocab_size", 50, "vocab_size gives 50, the model has 96")])
+def test_a_config_edited_to_another_shape_than_the_modules_is_refused(field, value, named):
+    model = build_tiny_model()
+    setattr(model.config, field, value)
+    with pytest.raises(UnsupportedModelError, match="config does not describe its modules") as err:
+        specdec.generate(model, PROMPTS, max_new_tokens=4)
+    assert named in str(err.value) and "\n" not in str(err.value)
