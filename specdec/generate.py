@@ -38,6 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from tqdm.auto import tqdm
 
+from specdec.ambient import neutral_torch_state
 from specdec.call_claims import drafter_claimed
 from specdec.cuda_graphs import AUTO, GraphedForward
 from specdec.drafters.base import Drafter
@@ -132,23 +133,26 @@ def generate(
 
     ``return_dict``: None = ``return_dict_in_generate`` if a layer sets it, else False. Ignored inputs
     (``token_type_ids`` and the other :data:`~specdec.generate_inputs.IGNORED_INPUT_KEYS`) may come as keyword
-    arguments, as ``**tokenizer(...)`` passes them."""
-    try:
-        request = prepare(model, input_ids, drafter=drafter, drafter_options=drafter_options,
-                          attention_mask=attention_mask, generation_config=generation_config, generator=generator,
-                          streamer=streamer, return_dict=return_dict, tokenizer=tokenizer, progress=progress,
-                          cuda_graphs=cuda_graphs, **config_fields)
-    except BaseException:
-        _end_refused(streamer)
-        raise
-    with on_device(request.loaded.runner.device), contextlib.ExitStack() as held:
+    arguments, as ``**tokenizer(...)`` passes them.
+
+    The caller's autocast and default device are set aside for the call (:mod:`specdec.ambient`)."""
+    with neutral_torch_state():
         try:
-            held.enter_context(drafter_claimed(request.drafter))  # one call at a time per drafter object
-            engine = build_engine(request)
+            request = prepare(model, input_ids, drafter=drafter, drafter_options=drafter_options,
+                              attention_mask=attention_mask, generation_config=generation_config, generator=generator,
+                              streamer=streamer, return_dict=return_dict, tokenizer=tokenizer, progress=progress,
+                              cuda_graphs=cuda_graphs, **config_fields)
         except BaseException:
             _end_refused(streamer)
             raise
-        return run(engine, request)  # which ends the streamer itself, also on failure
+        with on_device(request.loaded.runner.device), contextlib.ExitStack() as held:
+            try:
+                held.enter_context(drafter_claimed(request.drafter))  # one call at a time per drafter object
+                engine = build_engine(request)
+            except BaseException:
+                _end_refused(streamer)
+                raise
+            return run(engine, request)  # which ends the streamer itself, also on failure
 
 
 def _end_refused(streamer: Any) -> None:

@@ -121,6 +121,27 @@ def check_supported(hf_model) -> None:
         )
 
 
+def check_shape(hf_model, shape: ModelShape) -> None:
+    """An UnsupportedModelError where the config gives another shape than the modules have (a config edited after
+    the model was built): the runner sizes its cache and views by the config, transformers' forward computes with
+    the modules (and runs only the first ``config.num_hidden_layers`` layers)."""
+    layers = hf_model.model.layers
+    attn = layers[0].self_attn if len(layers) else None
+    found = {"num_hidden_layers": (shape.num_layers, len(layers)),
+             "hidden_size": (shape.hidden_size, hf_model.model.embed_tokens.weight.shape[-1]),
+             "vocab_size": (shape.vocab_size, hf_model.lm_head.weight.shape[0])}
+    if attn is not None:
+        found["num_attention_heads x head_dim"] = (shape.num_heads * shape.head_dim, attn.q_proj.weight.shape[0])
+        found["num_key_value_heads x head_dim"] = (shape.num_kv_heads * shape.head_dim, attn.k_proj.weight.shape[0])
+    wrong = [f"{name} gives {want}, the model has {have}" for name, (want, have) in found.items() if want != have]
+    if wrong:
+        hint = (" (model.model.layers = model.model.layers[:n] keeps the first n layers)"
+                if found["num_hidden_layers"][0] < len(layers) else "")
+        raise UnsupportedModelError(f"the model's config does not describe its modules ({'; '.join(wrong)}): was "
+                                    f"the config edited after the model was built? Set it back, or change the "
+                                    f"modules{hint}")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, in] @ weight[out, in]^T (+ bias).
 
@@ -231,8 +252,11 @@ class LlamaRunner:
         self.hf_model = hf_model
         cfg = hf_model.config
         base = hf_model.model
-        self.eps = cfg.rms_norm_eps
+        # the norms' own epsilon, as transformers' forward reads it (config.rms_norm_eps only built them: an edit of
+        # it since changes nothing there); each layer's norms are read in the forward
+        self.eps = base.norm.variance_epsilon
         self.shape = _shape(cfg)
+        check_shape(hf_model, self.shape)
         head_dim = self.shape.head_dim
         self.scale = head_dim**-0.5
         self.layers = base.layers
@@ -381,7 +405,8 @@ class LlamaRunner:
             write_slots = write_slots.to(device=cache.kv.device, dtype=torch.int32)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h, x = add_rms_norm(h, delta, layer.input_layernorm.weight, self.eps, self.backend)
+            norm = layer.input_layernorm
+            h, x = add_rms_norm(h, delta, norm.weight, norm.variance_epsilon, self.backend)
             if i in feature_layers and logits_rows is not None:
                 streams[i] = h[logits_rows]
             qkv = fused[i].qkv if fused else None
@@ -416,7 +441,8 @@ class LlamaRunner:
             k_cache, v_cache = cache.layer(i)
             o = self._attention(q, k_cache, v_cache, plan, cache.backend)
             delta = self._linear(o.reshape(n, s.num_heads * s.head_dim), attn.o_proj.weight, attn.o_proj.bias)
-            h, x = add_rms_norm(h, delta, layer.post_attention_layernorm.weight, self.eps, self.backend)
+            norm = layer.post_attention_layernorm
+            h, x = add_rms_norm(h, delta, norm.weight, norm.variance_epsilon, self.backend)
             mlp = layer.mlp
             gate_up = fused[i].gate_up if fused else None
             if gate_up is not None:

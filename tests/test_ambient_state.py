@@ -1,0 +1,91 @@
+"""generate() called with torch's global state as a caller's program leaves it (specdec.ambient): autocast and a
+default device are set aside for the call, grad mode builds no graph, and a config edited after the model was built
+is read as transformers' forward reads it (the norms' epsilon from the modules) or refused (another shape)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import specdec
+from specdec import ambient
+from specdec.models.llama import UnsupportedModelError
+from specdec.testing import RandomTreeDrafter, build_tiny_model, ragged_prompts
+
+PROMPTS = ragged_prompts(3, seed=2)
+
+
+def _outputs(model, **kw):
+    """Plain decoding and two drafters' (every draft verified), greedy."""
+    return [specdec.generate(model, PROMPTS, drafter=d, max_new_tokens=12, speculation="always", **kw)
+            for d in (None, "ngram", RandomTreeDrafter(96))]
+
+
+def test_autocast_is_set_aside_and_said_once(monkeypatch, caplog):
+    model = build_tiny_model()
+    clean = _outputs(model)
+    monkeypatch.setattr(ambient, "_WARNED_AUTOCAST", set())
+    with caplog.at_level(logging.WARNING, logger="specdec.ambient"), torch.autocast("cpu", dtype=torch.bfloat16):
+        under = _outputs(model)
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    assert under == clean and all(out == clean[0] for out in clean)
+    said = [r for r in caplog.records if "autocast" in r.getMessage()]
+    assert len(said) == 1 and "model's own dtype" in said[0].getMessage()
+
+
+def test_a_default_device_is_set_aside():
+    model = build_tiny_model()
+    clean = _outputs(model)
+    torch.set_default_device("meta")  # as "cuda" would, it puts every tensor made without a device elsewhere
+    try:
+        under = _outputs(model)
+        assert torch.get_default_device().type == "meta"
+    finally:
+        torch.set_default_device(None)
+    assert under == clean
+
+
+def test_grad_mode_train_mode_and_default_dtype_change_nothing_and_build_no_graph():
+    model = build_tiny_model()
+    clean = _outputs(model) + [specdec.generate(model, PROMPTS, drafter="ngram", max_new_tokens=12, do_sample=True,
+                                                seed=1, sampler="coupled")]
+    model.train()
+    assert all(p.requires_grad for p in model.parameters())
+    saved = []
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                                           lambda t: t):
+            under = _outputs(model) + [specdec.generate(model, PROMPTS, drafter="ngram", max_new_tokens=12,
+                                                        do_sample=True, seed=1, sampler="coupled")]
+            assert torch.is_grad_enabled() and torch.get_default_dtype() == torch.float64
+    finally:
+        torch.set_default_dtype(previous)
+    assert under == clean
+    assert not saved  # nothing was kept for a backward pass: no autograd graph
+    assert model.training  # left in the mode it was passed in
+
+
+def test_the_norms_epsilon_is_the_modules_not_an_edited_configs():
+    """transformers' RMSNorm keeps the epsilon it was built with; an edit of config.rms_norm_eps changes nothing
+    in its forward, so nothing in specdec's."""
+    model = build_tiny_model()
+    before = specdec.generate(model, PROMPTS, max_new_tokens=12)
+    model.config.rms_norm_eps = 0.5
+    assert specdec.generate(model, PROMPTS, max_new_tokens=12) == before
+    with torch.no_grad():
+        own = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0].tolist() for p in PROMPTS]
+    assert own == before
+
+
+@pytest.mark.parametrize("field, value, named", [("num_hidden_layers", 1, "model.model.layers[:n]"),
+                                                  ("head_dim", 8, "num_attention_heads x head_dim gives 32"),
+                                                  ("vocab_size", 50, "vocab_size gives 50, the model has 96")])
+def test_a_config_edited_to_another_shape_than_the_modules_is_refused(field, value, named):
+    model = build_tiny_model()
+    setattr(model.config, field, value)
+    with pytest.raises(UnsupportedModelError, match="config does not describe its modules") as err:
+        specdec.generate(model, PROMPTS, max_new_tokens=4)
+    assert named in str(err.value) and "\n" not in str(err.value)
