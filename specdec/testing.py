@@ -124,7 +124,8 @@ class RandomTreeDrafter(Drafter):
             nxt = []
             for parent in frontier:
                 width = self._randint(self.max_width + 1) if parent >= 0 else 1 + self._randint(self.max_width)
-                dist = torch.softmax(torch.randn(self.vocab_size, generator=self.gen) * 2 / self.temperature, -1)
+                noise = torch.randn(self.vocab_size, generator=self.gen, dtype=torch.float32)  # any default dtype
+                dist = torch.softmax(noise * 2 / self.temperature, -1)
                 if self.history_bias and history and self.mode is not DraftMode.DETERMINISTIC:
                     cand = history[self._randint(len(history))]
                     if cand < self.vocab_size:
