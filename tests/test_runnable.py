@@ -113,6 +113,18 @@ def test_what_changes_no_output_runs_and_matches_transformers():
     assert sequence_logprobs(model, [1, 2, 3], [(4, 5)]) == reference and model.training
 
 
+def test_a_model_once_asked_for_its_hidden_states_runs():
+    """transformers 5 records ``output_hidden_states`` / ``output_attentions`` with forward hooks that the first such
+    call leaves on the layers for good (no handle to remove them): the model was refused as "has a forward hook"
+    ever after, and so was EAGLE-3 training's evaluation, whose target features ask for hidden states."""
+    model = build_tiny_model(attn_implementation="eager")
+    expected = transformers_greedy(model)
+    model(torch.tensor([PROMPTS[0]]), output_hidden_states=True, output_attentions=True)
+    if not any(m._forward_hooks for m in model.modules()):
+        pytest.skip("this transformers records hidden states without hooks")
+    assert specdec_greedy(model) == expected
+
+
 def test_a_compiled_model_runs_as_the_model_it_compiles():
     """torch.compile(model) was refused as "got OptimizedModule"; specdec runs its own forward on the same weights."""
     model = build_tiny_model()

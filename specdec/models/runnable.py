@@ -5,8 +5,8 @@ calls a module's ``forward``. So whatever changes a module's output besides its 
 
 * a module that is not transformers' own code of a supported family, ``nn.Linear``, ``nn.Embedding`` or a SiLU
   (LoRA / adapter layers injected into the projections, remote code, a custom subclass);
-* a forward hook or pre-hook (steering vectors, activation patching); transformers' own input-grad hook of
-  gradient checkpointing changes no value and is allowed;
+* a forward hook or pre-hook (steering vectors, activation patching); transformers' own hooks that change no
+  value (gradient checkpointing's input-grad hook, the recorders ``output_hidden_states=True`` leaves) are allowed;
 * quantized layers (``config.quantization_config``): the runner would multiply by the packed weights.
 
 :func:`check_modules` refuses these when a model is loaded; :func:`check_weights_present` refuses weights that are
@@ -22,7 +22,9 @@ from specdec.models.llama import SUPPORTED_MODEL_TYPES, UnsupportedModelError
 
 _FAMILY_MODULES = tuple(f"transformers.models.{t}.modeling_{t}" for t in SUPPORTED_MODEL_TYPES)
 _PLAIN = (nn.Linear, nn.Embedding, nn.ModuleList, nn.SiLU, nn.Dropout, nn.Identity)
-_INPUT_GRAD_HOOK = "enable_input_require_grads.<locals>.make_inputs_require_grads"  # gradient checkpointing's
+# transformers' own hooks that change no value: gradient checkpointing's input-grad hook, and the recorders of
+# output_hidden_states / output_attentions, which its first such call leaves on the layers for good (transformers 5)
+_NEUTRAL_HOOKS = ("make_inputs_require_grads", "output_capturing_hook")
 
 
 def _is_known(module: nn.Module) -> bool:
@@ -36,7 +38,8 @@ def _is_known(module: nn.Module) -> bool:
 
 def _changing_hooks(module: nn.Module) -> list:
     hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
-    return [h for h in hooks if not getattr(h, "__qualname__", "").endswith(_INPUT_GRAD_HOOK)]
+    return [h for h in hooks if not (str(getattr(h, "__module__", "")).startswith("transformers.")
+                                     and getattr(h, "__name__", None) in _NEUTRAL_HOOKS)]
 
 
 def check_modules(hf_model) -> None:
