@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 import specdec
 from specdec.models.llama import UnsupportedModelError
@@ -111,6 +112,53 @@ def test_what_changes_no_output_runs_and_matches_transformers():
     reference = sequence_logprobs(model, [1, 2, 3], [(4, 5)])
     model.train()
     assert sequence_logprobs(model, [1, 2, 3], [(4, 5)]) == reference and model.training
+
+
+class WithHelper(LlamaForCausalLM):
+    """A user's subclass that only adds a method: it computes what LlamaForCausalLM computes."""
+
+    def num_weights(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+class ScaledLogits(LlamaForCausalLM):
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+
+def _subclassed(cls):
+    model = build_tiny_model()
+    mine = cls(model.config).eval()
+    mine.load_state_dict(model.state_dict())
+    mine.generation_config = model.generation_config
+    return mine
+
+
+def test_a_subclass_that_only_adds_a_method_runs_as_its_base():
+    """It was refused as "not transformers' own code of the Llama family"."""
+    model = _subclassed(WithHelper)
+    assert specdec_greedy(model) == transformers_greedy(model)
+
+
+def test_a_forward_compiled_in_place_runs_as_the_forward_it_compiles():
+    """``model.forward = torch.compile(model.forward)``, transformers' recipe for static caches, was refused as
+    "forward replaced"."""
+    model = build_tiny_model()
+    expected = transformers_greedy(model)
+    model.forward = torch.compile(model.forward)  # compiled lazily: never run here
+    model.model.layers[0].mlp.forward = torch.compile(model.model.layers[0].mlp.forward)
+    assert specdec_greedy(model) == expected
+
+
+def test_a_subclass_or_a_compiled_function_that_changes_the_forward_is_refused():
+    with pytest.raises(UnsupportedModelError, match="the model is a .*ScaledLogits, not transformers' own code"):
+        specdec.generate(_subclassed(ScaledLogits), PROMPTS, max_new_tokens=2)
+    model = build_tiny_model()
+    model.model.norm.forward = torch.compile(lambda x: x)
+    with pytest.raises(UnsupportedModelError, match="model.norm has its forward replaced"):
+        specdec.generate(model, PROMPTS, max_new_tokens=2)
 
 
 def test_a_model_once_asked_for_its_hidden_states_runs():

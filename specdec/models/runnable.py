@@ -4,9 +4,12 @@ The runner (:mod:`specdec.models.llama`) reads the model's weights and runs its 
 calls a module's ``forward``. So whatever changes a module's output besides its weights would be silently left out:
 
 * a module that is not transformers' own code of a supported family, ``nn.Linear``, ``nn.Embedding`` or a SiLU
-  (LoRA / adapter layers injected into the projections, remote code, a custom subclass);
+  (LoRA / adapter layers injected into the projections, remote code), or a subclass of one that redefines
+  ``forward`` (a subclass adding only helper methods computes what its base does and runs);
 * a forward hook or pre-hook (steering vectors, activation patching); transformers' own hooks that change no
   value (gradient checkpointing's input-grad hook, the recorders ``output_hidden_states=True`` leaves) are allowed;
+* a ``forward`` replaced on the instance, unless by accelerate's device hook or by ``torch.compile`` of the
+  module's own forward;
 * quantized layers (``config.quantization_config``): the runner would multiply by the packed weights.
 
 :func:`check_modules` refuses these when a model is loaded; :func:`check_weights_present` refuses weights that are
@@ -25,15 +28,26 @@ _PLAIN = (nn.Linear, nn.Embedding, nn.ModuleList, nn.SiLU, nn.Dropout, nn.Identi
 # transformers' own hooks that change no value: gradient checkpointing's input-grad hook, and the recorders of
 # output_hidden_states / output_attentions, which its first such call leaves on the layers for good (transformers 5)
 _NEUTRAL_HOOKS = ("make_inputs_require_grads", "output_capturing_hook")
+_CALLS = ("forward", "__call__", "_call_impl")  # what a subclass of a known class must leave to it
 
 
-def _is_known(module: nn.Module) -> bool:
-    cls = type(module)
+def _is_own(cls: type) -> bool:
     if cls in _PLAIN:
         return True
     if cls.__module__ == "transformers.activations":
         return "SiLU" in cls.__name__  # hidden_act is checked to be silu; a swapped-in other activation is not
     return cls.__module__ in _FAMILY_MODULES
+
+
+def _is_known(module: nn.Module) -> bool:
+    """A class of transformers' own family code (or a plain torch module), or a subclass of one that redefines no
+    forward (one adding a helper method computes what its base computes)."""
+    for cls in type(module).__mro__:
+        if _is_own(cls):
+            return True
+        if any(name in vars(cls) for name in _CALLS):
+            return False
+    return False
 
 
 def _changing_hooks(module: nn.Module) -> list:
@@ -71,7 +85,7 @@ _KNOWN: set[type] = set()  # module classes _is_known accepted
 def _check_module(hf_model, module: nn.Module) -> None:
     """Refuse ``module`` in one line, unless it is acceptable after all (a known class, an allowed hook)."""
     if _is_known(module) and not _changing_hooks(module) and ("forward" not in vars(module) or
-                                                             _is_device_hook(module)):
+                                                             _is_device_hook(module) or _is_compiled(module)):
         _KNOWN.add(type(module))
         return
     where = next(name for name, m in hf_model.named_modules() if m is module) or "the model"
@@ -81,13 +95,20 @@ def _check_module(hf_model, module: nn.Module) -> None:
             if hasattr(module, "base_layer") else ""
         raise UnsupportedModelError(
             f"{where} is a {cls.__module__}.{cls.__qualname__}, not transformers' own code of the Llama family "
-            f"({', '.join(SUPPORTED_MODEL_TYPES)}): specdec runs its own forward on the weights and would leave "
-            f"out what this module computes{hint}")
+            f"({', '.join(SUPPORTED_MODEL_TYPES)}) or a subclass of it that keeps its forward: specdec runs its own "
+            f"forward on the weights and would leave out what this module computes{hint}")
     if _changing_hooks(module):
         raise UnsupportedModelError(f"{where} has a forward hook: specdec runs its own forward on the weights and "
                                     "would leave out what the hook changes; remove it (handle.remove()) first")
     raise UnsupportedModelError(f"{where} has its forward replaced: specdec runs its own forward on the weights and "
                                 "would leave out what the replacement computes; pass the model without it")
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    """``module.forward = torch.compile(module.forward)`` (transformers' recipe for static caches): its own forward,
+    compiled, which computes what the class's forward computes (as a ``torch.compile(model)`` does)."""
+    own = getattr(vars(module)["forward"], "_torchdynamo_orig_callable", None)
+    return getattr(own, "__self__", None) is module and getattr(own, "__func__", None) is type(module).forward
 
 
 def _is_device_hook(module: nn.Module) -> bool:
