@@ -173,6 +173,56 @@ def test_a_model_once_asked_for_its_hidden_states_runs():
     assert specdec_greedy(model) == expected
 
 
+def write_tiny_gguf(path, vocab: int = 96, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                    ffn: int = 128) -> None:
+    """A float32 Llama .gguf file of random weights (the gguf package writes it in milliseconds)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types([1] * vocab)
+    rng = np.random.default_rng(0)
+    kv = kv_heads * hidden // heads
+    shapes = {"token_embd": (vocab, hidden), "output_norm": (hidden,), "output": (vocab, hidden)}
+    for i in range(layers):
+        shapes.update({f"blk.{i}.attn_norm": (hidden,), f"blk.{i}.attn_q": (hidden, hidden),
+                       f"blk.{i}.attn_k": (kv, hidden), f"blk.{i}.attn_v": (kv, hidden),
+                       f"blk.{i}.attn_output": (hidden, hidden), f"blk.{i}.ffn_norm": (hidden,),
+                       f"blk.{i}.ffn_gate": (ffn, hidden), f"blk.{i}.ffn_up": (ffn, hidden),
+                       f"blk.{i}.ffn_down": (hidden, ffn)})
+    for name, shape in shapes.items():
+        w.add_tensor(f"{name}.weight", (rng.standard_normal(shape) * 0.5 + (len(shape) == 1)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_gguf_file_transformers_dequantized_at_load_runs(tmp_path):
+    """``from_pretrained(dir, gguf_file=...)`` dequantizes into plain float layers but marks the config with
+    ``quantization_config`` (quant_method gguf): it was refused as a quantized model, though specdec runs its own
+    .gguf files through that very load."""
+    pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    assert getattr(model.config, "quantization_config", None) is not None  # what was refused
+    assert specdec_greedy(model) == transformers_greedy(model)
+
+
 def test_a_compiled_model_runs_as_the_model_it_compiles():
     """torch.compile(model) was refused as "got OptimizedModule"; specdec runs its own forward on the same weights."""
     model = build_tiny_model()

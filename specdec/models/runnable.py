@@ -10,7 +10,8 @@ calls a module's ``forward``. So whatever changes a module's output besides its 
   value (gradient checkpointing's input-grad hook, the recorders ``output_hidden_states=True`` leaves) are allowed;
 * a ``forward`` replaced on the instance, unless by accelerate's device hook or by ``torch.compile`` of the
   module's own forward;
-* quantized layers (``config.quantization_config``): the runner would multiply by the packed weights.
+* quantized layers (``config.quantization_config``): the runner would multiply by the packed weights. A ``.gguf``
+  file transformers dequantized at load (``gguf_file=``) holds plain layers and runs.
 
 :func:`check_modules` refuses these when a model is loaded; :func:`check_weights_present` refuses weights that are
 not there to read (the meta device, layers offloaded by accelerate's ``device_map`` / ``cpu_offload``) or that lie
@@ -61,10 +62,15 @@ def check_modules(hf_model) -> None:
     over the modules (~0.2 ms for an 8B model's 423): it runs at every load_model(), as a module may be replaced or
     hooked between two calls."""
     quantization = getattr(hf_model.config, "quantization_config", None)
-    if quantization is not None or getattr(hf_model, "hf_quantizer", None) is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else \
-            getattr(quantization, "quant_method", None)
-        method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    quantizer = getattr(hf_model, "hf_quantizer", None)
+    if quantization is None and quantizer is not None:
+        quantization = getattr(quantizer, "quantization_config", None)
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else \
+        getattr(quantization, "quant_method", None)
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    # a .gguf file loaded by transformers (gguf_file=...): dequantized into plain float layers at load, or kept in
+    # GGUF blocks by modules of transformers' GGUF integration, which the walk below refuses
+    if (quantization is not None or quantizer is not None) and method != "gguf":
         raise UnsupportedModelError(f"quantized models are not supported (config.quantization_config, quant_method "
                                     f"{str(method)!r}): specdec multiplies by the layers' plain weights; load an "
                                     "unquantized (float32 / bfloat16 / float16) copy")
@@ -93,6 +99,8 @@ def _check_module(hf_model, module: nn.Module) -> None:
         cls = type(module)
         hint = " (merge an adapter into the weights first, e.g. peft's merge_and_unload())" \
             if hasattr(module, "base_layer") else ""
+        if cls.__module__.startswith("transformers.integrations."):
+            hint = " (weights kept quantized: specdec multiplies by plain float32 / bfloat16 / float16 weights)"
         raise UnsupportedModelError(
             f"{where} is a {cls.__module__}.{cls.__qualname__}, not transformers' own code of the Llama family "
             f"({', '.join(SUPPORTED_MODEL_TYPES)}) or a subclass of it that keeps its forward: specdec runs its own "
