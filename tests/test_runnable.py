@@ -128,6 +128,11 @@ class ScaledLogits(LlamaForCausalLM):
         return out
 
 
+class Doubled(torch.nn.Module):
+    def forward(self, weight):
+        return weight * 2
+
+
 def _subclassed(cls):
     model = build_tiny_model()
     mine = cls(model.config).eval()
@@ -152,12 +157,16 @@ def test_a_forward_compiled_in_place_runs_as_the_forward_it_compiles():
     assert specdec_greedy(model) == expected
 
 
-def test_a_subclass_or_a_compiled_function_that_changes_the_forward_is_refused():
+def test_a_subclass_a_compiled_function_or_a_parametrization_that_changes_the_forward_is_refused():
     with pytest.raises(UnsupportedModelError, match="the model is a .*ScaledLogits, not transformers' own code"):
         specdec.generate(_subclassed(ScaledLogits), PROMPTS, max_new_tokens=2)
     model = build_tiny_model()
     model.model.norm.forward = torch.compile(lambda x: x)
     with pytest.raises(UnsupportedModelError, match="model.norm has its forward replaced"):
+        specdec.generate(model, PROMPTS, max_new_tokens=2)
+    model = build_tiny_model()  # a parametrized weight: its class gains a weight property, computed at each read
+    torch.nn.utils.parametrize.register_parametrization(model.model.layers[0].mlp.up_proj, "weight", Doubled())
+    with pytest.raises(UnsupportedModelError, match="layers.0.mlp.up_proj is a .*ParametrizedLinear"):
         specdec.generate(model, PROMPTS, max_new_tokens=2)
 
 

@@ -29,7 +29,8 @@ _PLAIN = (nn.Linear, nn.Embedding, nn.ModuleList, nn.SiLU, nn.Dropout, nn.Identi
 # transformers' own hooks that change no value: gradient checkpointing's input-grad hook, and the recorders of
 # output_hidden_states / output_attentions, which its first such call leaves on the layers for good (transformers 5)
 _NEUTRAL_HOOKS = ("make_inputs_require_grads", "output_capturing_hook")
-_CALLS = ("forward", "__call__", "_call_impl")  # what a subclass of a known class must leave to it
+# what a subclass of a known class must leave to it (besides properties: a parametrized weight is one)
+_CALLS = ("forward", "__call__", "_call_impl", "__getattr__", "__getattribute__")
 
 
 def _is_own(cls: type) -> bool:
@@ -41,12 +42,12 @@ def _is_own(cls: type) -> bool:
 
 
 def _is_known(module: nn.Module) -> bool:
-    """A class of transformers' own family code (or a plain torch module), or a subclass of one that redefines no
-    forward (one adding a helper method computes what its base computes)."""
+    """A class of transformers' own family code (or a plain torch module), or a subclass of one that adds only
+    methods (a helper computes nothing in the forward): no forward, attribute lookup or property of its own."""
     for cls in type(module).__mro__:
         if _is_own(cls):
             return True
-        if any(name in vars(cls) for name in _CALLS):
+        if any(name in _CALLS or isinstance(value, property) for name, value in vars(cls).items()):
             return False
     return False
 
