@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
 
 import specdec
 from specdec.models.llama import UnsupportedModelError
@@ -114,28 +113,30 @@ def test_what_changes_no_output_runs_and_matches_transformers():
     assert sequence_logprobs(model, [1, 2, 3], [(4, 5)]) == reference and model.training
 
 
-class WithHelper(LlamaForCausalLM):
-    """A user's subclass that only adds a method: it computes what LlamaForCausalLM computes."""
-
-    def num_weights(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-
-class ScaledLogits(LlamaForCausalLM):
-    def forward(self, *args, **kwargs):
-        out = super().forward(*args, **kwargs)
-        out.logits = out.logits * 2
-        return out
-
-
 class Doubled(torch.nn.Module):
     def forward(self, weight):
         return weight * 2
 
 
-def _subclassed(cls):
+def _subclassed(forward_changed: bool):
+    """The tiny model as an instance of a user's subclass (transformers imported here, not at collection: a test
+    module that imports it first would import triton before test_cuda_graphs sets TRITON_INTERPRET)."""
+    from transformers import LlamaForCausalLM
+
+    class WithHelper(LlamaForCausalLM):
+        """Only adds a method: it computes what LlamaForCausalLM computes."""
+
+        def num_weights(self) -> int:
+            return sum(p.numel() for p in self.parameters())
+
+    class ScaledLogits(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
     model = build_tiny_model()
-    mine = cls(model.config).eval()
+    mine = (ScaledLogits if forward_changed else WithHelper)(model.config).eval()
     mine.load_state_dict(model.state_dict())
     mine.generation_config = model.generation_config
     return mine
@@ -143,7 +144,7 @@ def _subclassed(cls):
 
 def test_a_subclass_that_only_adds_a_method_runs_as_its_base():
     """It was refused as "not transformers' own code of the Llama family"."""
-    model = _subclassed(WithHelper)
+    model = _subclassed(forward_changed=False)
     assert specdec_greedy(model) == transformers_greedy(model)
 
 
@@ -159,7 +160,7 @@ def test_a_forward_compiled_in_place_runs_as_the_forward_it_compiles():
 
 def test_a_subclass_a_compiled_function_or_a_parametrization_that_changes_the_forward_is_refused():
     with pytest.raises(UnsupportedModelError, match="the model is a .*ScaledLogits, not transformers' own code"):
-        specdec.generate(_subclassed(ScaledLogits), PROMPTS, max_new_tokens=2)
+        specdec.generate(_subclassed(forward_changed=True), PROMPTS, max_new_tokens=2)
     model = build_tiny_model()
     model.model.norm.forward = torch.compile(lambda x: x)
     with pytest.raises(UnsupportedModelError, match="model.norm has its forward replaced"):
