@@ -113,6 +113,126 @@ def test_what_changes_no_output_runs_and_matches_transformers():
     assert sequence_logprobs(model, [1, 2, 3], [(4, 5)]) == reference and model.training
 
 
+class Doubled(torch.nn.Module):
+    def forward(self, weight):
+        return weight * 2
+
+
+def _subclassed(forward_changed: bool):
+    """The tiny model as an instance of a user's subclass (transformers imported here, not at collection: a test
+    module that imports it first would import triton before test_cuda_graphs sets TRITON_INTERPRET)."""
+    from transformers import LlamaForCausalLM
+
+    class WithHelper(LlamaForCausalLM):
+        """Only adds a method: it computes what LlamaForCausalLM computes."""
+
+        def num_weights(self) -> int:
+            return sum(p.numel() for p in self.parameters())
+
+    class ScaledLogits(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    model = build_tiny_model()
+    mine = (ScaledLogits if forward_changed else WithHelper)(model.config).eval()
+    mine.load_state_dict(model.state_dict())
+    mine.generation_config = model.generation_config
+    return mine
+
+
+def test_a_subclass_that_only_adds_a_method_runs_as_its_base():
+    """It was refused as "not transformers' own code of the Llama family"."""
+    model = _subclassed(forward_changed=False)
+    assert specdec_greedy(model) == transformers_greedy(model)
+
+
+def test_a_forward_compiled_in_place_runs_as_the_forward_it_compiles():
+    """``model.forward = torch.compile(model.forward)``, transformers' recipe for static caches, was refused as
+    "forward replaced"."""
+    model = build_tiny_model()
+    expected = transformers_greedy(model)
+    model.forward = torch.compile(model.forward)  # compiled lazily: never run here
+    model.model.layers[0].mlp.forward = torch.compile(model.model.layers[0].mlp.forward)
+    assert specdec_greedy(model) == expected
+
+
+def test_a_subclass_a_compiled_function_or_a_parametrization_that_changes_the_forward_is_refused():
+    with pytest.raises(UnsupportedModelError, match="the model is a .*ScaledLogits, not transformers' own code"):
+        specdec.generate(_subclassed(forward_changed=True), PROMPTS, max_new_tokens=2)
+    model = build_tiny_model()
+    model.model.norm.forward = torch.compile(lambda x: x)
+    with pytest.raises(UnsupportedModelError, match="model.norm has its forward replaced"):
+        specdec.generate(model, PROMPTS, max_new_tokens=2)
+    model = build_tiny_model()  # a parametrized weight: its class gains a weight property, computed at each read
+    torch.nn.utils.parametrize.register_parametrization(model.model.layers[0].mlp.up_proj, "weight", Doubled())
+    with pytest.raises(UnsupportedModelError, match="layers.0.mlp.up_proj is a .*ParametrizedLinear"):
+        specdec.generate(model, PROMPTS, max_new_tokens=2)
+
+
+def test_a_model_once_asked_for_its_hidden_states_runs():
+    """transformers 5 records ``output_hidden_states`` / ``output_attentions`` with forward hooks that the first such
+    call leaves on the layers for good (no handle to remove them): the model was refused as "has a forward hook"
+    ever after, and so was EAGLE-3 training's evaluation, whose target features ask for hidden states."""
+    model = build_tiny_model(attn_implementation="eager")
+    expected = transformers_greedy(model)
+    model(torch.tensor([PROMPTS[0]]), output_hidden_states=True, output_attentions=True)
+    if not any(m._forward_hooks for m in model.modules()):
+        pytest.skip("this transformers records hidden states without hooks")
+    assert specdec_greedy(model) == expected
+
+
+def write_tiny_gguf(path, vocab: int = 96, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                    ffn: int = 128) -> None:
+    """A float32 Llama .gguf file of random weights (the gguf package writes it in milliseconds)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types([1] * vocab)
+    rng = np.random.default_rng(0)
+    kv = kv_heads * hidden // heads
+    shapes = {"token_embd": (vocab, hidden), "output_norm": (hidden,), "output": (vocab, hidden)}
+    for i in range(layers):
+        shapes.update({f"blk.{i}.attn_norm": (hidden,), f"blk.{i}.attn_q": (hidden, hidden),
+                       f"blk.{i}.attn_k": (kv, hidden), f"blk.{i}.attn_v": (kv, hidden),
+                       f"blk.{i}.attn_output": (hidden, hidden), f"blk.{i}.ffn_norm": (hidden,),
+                       f"blk.{i}.ffn_gate": (ffn, hidden), f"blk.{i}.ffn_up": (ffn, hidden),
+                       f"blk.{i}.ffn_down": (hidden, ffn)})
+    for name, shape in shapes.items():
+        w.add_tensor(f"{name}.weight", (rng.standard_normal(shape) * 0.5 + (len(shape) == 1)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_gguf_file_transformers_dequantized_at_load_runs(tmp_path):
+    """``from_pretrained(dir, gguf_file=...)`` dequantizes into plain float layers but marks the config with
+    ``quantization_config`` (quant_method gguf): it was refused as a quantized model, though specdec runs its own
+    .gguf files through that very load."""
+    pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    assert getattr(model.config, "quantization_config", None) is not None  # what was refused
+    assert specdec_greedy(model) == transformers_greedy(model)
+
+
 def test_a_compiled_model_runs_as_the_model_it_compiles():
     """torch.compile(model) was refused as "got OptimizedModule"; specdec runs its own forward on the same weights."""
     model = build_tiny_model()

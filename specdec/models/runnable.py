@@ -4,10 +4,14 @@ The runner (:mod:`specdec.models.llama`) reads the model's weights and runs its 
 calls a module's ``forward``. So whatever changes a module's output besides its weights would be silently left out:
 
 * a module that is not transformers' own code of a supported family, ``nn.Linear``, ``nn.Embedding`` or a SiLU
-  (LoRA / adapter layers injected into the projections, remote code, a custom subclass);
-* a forward hook or pre-hook (steering vectors, activation patching); transformers' own input-grad hook of
-  gradient checkpointing changes no value and is allowed;
-* quantized layers (``config.quantization_config``): the runner would multiply by the packed weights.
+  (LoRA / adapter layers injected into the projections, remote code), or a subclass of one that redefines
+  ``forward`` (a subclass adding only helper methods computes what its base does and runs);
+* a forward hook or pre-hook (steering vectors, activation patching); transformers' own hooks that change no
+  value (gradient checkpointing's input-grad hook, the recorders ``output_hidden_states=True`` leaves) are allowed;
+* a ``forward`` replaced on the instance, unless by accelerate's device hook or by ``torch.compile`` of the
+  module's own forward;
+* quantized layers (``config.quantization_config``): the runner would multiply by the packed weights. A ``.gguf``
+  file transformers dequantized at load (``gguf_file=``) holds plain layers and runs.
 
 :func:`check_modules` refuses these when a model is loaded; :func:`check_weights_present` refuses weights that are
 not there to read (the meta device, layers offloaded by accelerate's ``device_map`` / ``cpu_offload``) or that lie
@@ -22,11 +26,14 @@ from specdec.models.llama import SUPPORTED_MODEL_TYPES, UnsupportedModelError
 
 _FAMILY_MODULES = tuple(f"transformers.models.{t}.modeling_{t}" for t in SUPPORTED_MODEL_TYPES)
 _PLAIN = (nn.Linear, nn.Embedding, nn.ModuleList, nn.SiLU, nn.Dropout, nn.Identity)
-_INPUT_GRAD_HOOK = "enable_input_require_grads.<locals>.make_inputs_require_grads"  # gradient checkpointing's
+# transformers' own hooks that change no value: gradient checkpointing's input-grad hook, and the recorders of
+# output_hidden_states / output_attentions, which its first such call leaves on the layers for good (transformers 5)
+_NEUTRAL_HOOKS = ("make_inputs_require_grads", "output_capturing_hook")
+# what a subclass of a known class must leave to it (besides properties: a parametrized weight is one)
+_CALLS = ("forward", "__call__", "_call_impl", "__getattr__", "__getattribute__")
 
 
-def _is_known(module: nn.Module) -> bool:
-    cls = type(module)
+def _is_own(cls: type) -> bool:
     if cls in _PLAIN:
         return True
     if cls.__module__ == "transformers.activations":
@@ -34,9 +41,21 @@ def _is_known(module: nn.Module) -> bool:
     return cls.__module__ in _FAMILY_MODULES
 
 
+def _is_known(module: nn.Module) -> bool:
+    """A class of transformers' own family code (or a plain torch module), or a subclass of one that adds only
+    methods (a helper computes nothing in the forward): no forward, attribute lookup or property of its own."""
+    for cls in type(module).__mro__:
+        if _is_own(cls):
+            return True
+        if any(name in _CALLS or isinstance(value, property) for name, value in vars(cls).items()):
+            return False
+    return False
+
+
 def _changing_hooks(module: nn.Module) -> list:
     hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
-    return [h for h in hooks if not getattr(h, "__qualname__", "").endswith(_INPUT_GRAD_HOOK)]
+    return [h for h in hooks if not (str(getattr(h, "__module__", "")).startswith("transformers.")
+                                     and getattr(h, "__name__", None) in _NEUTRAL_HOOKS)]
 
 
 def check_modules(hf_model) -> None:
@@ -44,10 +63,15 @@ def check_modules(hf_model) -> None:
     over the modules (~0.2 ms for an 8B model's 423): it runs at every load_model(), as a module may be replaced or
     hooked between two calls."""
     quantization = getattr(hf_model.config, "quantization_config", None)
-    if quantization is not None or getattr(hf_model, "hf_quantizer", None) is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else \
-            getattr(quantization, "quant_method", None)
-        method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    quantizer = getattr(hf_model, "hf_quantizer", None)
+    if quantization is None and quantizer is not None:
+        quantization = getattr(quantizer, "quantization_config", None)
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else \
+        getattr(quantization, "quant_method", None)
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    # a .gguf file loaded by transformers (gguf_file=...): dequantized into plain float layers at load, or kept in
+    # GGUF blocks by modules of transformers' GGUF integration, which the walk below refuses
+    if (quantization is not None or quantizer is not None) and method != "gguf":
         raise UnsupportedModelError(f"quantized models are not supported (config.quantization_config, quant_method "
                                     f"{str(method)!r}): specdec multiplies by the layers' plain weights; load an "
                                     "unquantized (float32 / bfloat16 / float16) copy")
@@ -68,7 +92,7 @@ _KNOWN: set[type] = set()  # module classes _is_known accepted
 def _check_module(hf_model, module: nn.Module) -> None:
     """Refuse ``module`` in one line, unless it is acceptable after all (a known class, an allowed hook)."""
     if _is_known(module) and not _changing_hooks(module) and ("forward" not in vars(module) or
-                                                             _is_device_hook(module)):
+                                                             _is_device_hook(module) or _is_compiled(module)):
         _KNOWN.add(type(module))
         return
     where = next(name for name, m in hf_model.named_modules() if m is module) or "the model"
@@ -76,15 +100,24 @@ def _check_module(hf_model, module: nn.Module) -> None:
         cls = type(module)
         hint = " (merge an adapter into the weights first, e.g. peft's merge_and_unload())" \
             if hasattr(module, "base_layer") else ""
+        if cls.__module__.startswith("transformers.integrations."):
+            hint = " (weights kept quantized: specdec multiplies by plain float32 / bfloat16 / float16 weights)"
         raise UnsupportedModelError(
             f"{where} is a {cls.__module__}.{cls.__qualname__}, not transformers' own code of the Llama family "
-            f"({', '.join(SUPPORTED_MODEL_TYPES)}): specdec runs its own forward on the weights and would leave "
-            f"out what this module computes{hint}")
+            f"({', '.join(SUPPORTED_MODEL_TYPES)}) or a subclass of it that keeps its forward: specdec runs its own "
+            f"forward on the weights and would leave out what this module computes{hint}")
     if _changing_hooks(module):
         raise UnsupportedModelError(f"{where} has a forward hook: specdec runs its own forward on the weights and "
                                     "would leave out what the hook changes; remove it (handle.remove()) first")
     raise UnsupportedModelError(f"{where} has its forward replaced: specdec runs its own forward on the weights and "
                                 "would leave out what the replacement computes; pass the model without it")
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    """``module.forward = torch.compile(module.forward)`` (transformers' recipe for static caches): its own forward,
+    compiled, which computes what the class's forward computes (as a ``torch.compile(model)`` does)."""
+    own = getattr(vars(module)["forward"], "_torchdynamo_orig_callable", None)
+    return getattr(own, "__self__", None) is module and getattr(own, "__func__", None) is type(module).forward
 
 
 def _is_device_hook(module: nn.Module) -> bool:
