@@ -110,7 +110,8 @@ class EagleDrafter(Drafter):
     def attach(self, target: TargetView) -> None:
         self.target = target
         runner = target.runner
-        if self.model is None:
+        if self.path is not None and not self.layer_from_target:  # the layer loaded for this target and dtype,
+            # shared by the drafters of its checkpoint (drafters/loaded_once.py): taken anew per call, never moved
             target_config = runner.hf_model.config
             self.model = load_once("eagle", self.path, (target_config.to_json_string(), str(runner.dtype),
                                                         str(runner.device)),

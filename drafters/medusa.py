@@ -123,7 +123,7 @@ class MedusaDrafter(Drafter):
         self.target = target
         runner = target.runner
         shape = runner.shape
-        if self.heads is None:
+        if self.path is not None:  # the heads loaded for this target's shape, dtype and device (shared, never moved)
             self.heads = load_once("medusa", self.path, (shape.hidden_size, shape.vocab_size, str(runner.dtype),
                                                          str(runner.device)),
                                    lambda: load_medusa(self.path, shape.hidden_size, shape.vocab_size,

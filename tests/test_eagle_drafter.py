@@ -587,3 +587,19 @@ def test_a_chain_grows_the_pool_the_ranking_path_grows(coupled):
         ranked = grower.pool(x, 5)
     assert fast.shape == (B, 4, 5) and torch.equal(fast, ranked)
     assert fast[:, 1].tolist() == [[-1, 0, 1, 2, 3]] * B
+
+
+def test_a_path_drafter_reused_with_a_target_of_another_dtype_leaves_the_shared_layer_as_loaded(tmp_path):
+    """A layer loaded from a path is shared per (target, dtype, device) by every drafter of that checkpoint
+    (drafters/loaded_once.py): a drafter object reused with a bfloat16 target moved the float32 target's shared
+    layer to bfloat16 in place, under every other drafter holding it. Each call now takes its target's own."""
+    model = build_tiny_model()
+    save_eagle(_eagle(model, depth=2, top_k=2, max_nodes=3), tmp_path)
+    drafter = EagleDrafter(path=str(tmp_path))
+    prompts, kw = ragged_prompts(2, seed=0, max_len=12), dict(max_new_tokens=6, speculation="always")
+    plain = generate(model, prompts, **kw)
+    assert generate(model, prompts, drafter=drafter, **kw) == plain
+    shared = drafter.model
+    generate(build_tiny_model().to(torch.bfloat16), prompts, drafter=drafter, **kw)
+    assert drafter.model is not shared and next(shared.parameters()).dtype == torch.float32
+    assert generate(model, prompts, drafter=EagleDrafter(path=str(tmp_path)), **kw) == plain

@@ -354,3 +354,20 @@ def test_non_integer_config_fields_name_the_file(extra, match, tmp_path):
     write_published_checkpoint(tmp_path / "h", 2, 1, 64, 96, config_extra=extra)
     with pytest.raises(MedusaCheckpointError, match=match):
         load_medusa(tmp_path / "h", 64, 96)
+
+
+def test_a_path_drafter_reused_with_a_target_of_another_dtype_leaves_the_shared_heads_as_loaded(tmp_path):
+    """Heads loaded from a path are shared per (target shape, dtype, device) by every drafter of that checkpoint
+    (drafters/loaded_once.py): a drafter object reused with a bfloat16 target moved the float32 target's shared
+    heads to bfloat16 (``.to()`` in place), under every other drafter holding them. Each call now takes the heads
+    loaded for its own target."""
+    model = build_tiny_model("llama-mha-untied", vocab_size=96)
+    write_published_checkpoint(tmp_path / "h", 2, 1, 64, 96, lm_head=model.lm_head.weight.detach())
+    drafter = MedusaDrafter(path=str(tmp_path / "h"))
+    plain = specdec.generate(model, PROMPTS, max_new_tokens=8)
+    assert specdec.generate(model, PROMPTS, max_new_tokens=8, drafter=drafter) == plain
+    shared = drafter.heads
+    half = build_tiny_model("llama-mha-untied", vocab_size=96).to(torch.bfloat16)
+    specdec.generate(half, PROMPTS, max_new_tokens=8, drafter=drafter)
+    assert drafter.heads is not shared and next(shared.parameters()).dtype == torch.float32
+    assert specdec.generate(model, PROMPTS, max_new_tokens=8, drafter=MedusaDrafter(path=str(tmp_path / "h"))) == plain
