@@ -118,6 +118,8 @@ def _from_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[
 # last user: nothing is kept alive here. One moved to another dtype or device since is not given out (_lies_as).
 _MODELS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # _model_key(...) -> model
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (tokenizer, name, source)
+
+
 @contextmanager
 def eval_mode(model) -> Iterator[Any]:
     """``model`` in eval mode (no dropout) for a transformers forward of specdec's own, each module's mode given
