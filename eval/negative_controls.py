@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from specdec.drafters.combined import CombinedDrafter
 
+from specdec.ambient import neutral_torch_state
 from specdec.attention import AttentionPlan, SeqAttention
 from specdec.call_claims import drafter_claimed
 from specdec.engine import Engine, SequenceState, VerifyBatch
@@ -198,7 +199,9 @@ def generate_with_control(model, input_ids, rule: AcceptanceRule = EXACT, fault:
                           **generate_kwargs):
     """``specdec.generate(model, input_ids, **generate_kwargs)`` with a broken ``rule`` or ``fault`` built into its
     engine: deliberately WRONG output, for the certificate's negative controls (EXACT and None: the real thing)."""
-    request = prepare(model, input_ids, **generate_kwargs)
-    # as generate(): kernels on the model's GPU, not the current one; the drafter and its graph caches held
-    with on_device(request.loaded.runner.device), drafter_claimed(request.drafter):
-        return run(build_engine(request, rule, fault), request)
+    # as generate(): the caller's autocast and default device set aside, kernels on the model's GPU (not the current
+    # one), the drafter and its graph caches held
+    with neutral_torch_state():
+        request = prepare(model, input_ids, **generate_kwargs)
+        with on_device(request.loaded.runner.device), drafter_claimed(request.drafter):
+            return run(build_engine(request, rule, fault), request)

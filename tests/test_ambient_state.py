@@ -32,6 +32,10 @@ def test_autocast_is_set_aside_and_said_once(monkeypatch, caplog):
     assert under == clean and all(out == clean[0] for out in clean)
     said = [r for r in caplog.records if "autocast" in r.getMessage()]
     assert len(said) == 1 and "model's own dtype" in said[0].getMessage()
+    from specdec.eval.negative_controls import generate_with_control  # the certificate's generate(), likewise
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert generate_with_control(model, PROMPTS, max_new_tokens=12) == clean[0]
 
 
 def test_a_default_device_is_set_aside():
