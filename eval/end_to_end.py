@@ -85,14 +85,14 @@ def sequence_logprobs(model: Any, prompt: list[int], continuations: list[tuple[i
     distinct = sorted(set(continuations))
     step_logp: dict[tuple[int, ...], torch.Tensor] = {}  # prefix -> [vocab] log-probs of the next token
     depth = max((len(c) for c in distinct), default=0)
-    for d in range(depth):
-        prefixes = sorted({c[:d] for c in distinct if len(c) > d})
-        for i in range(0, len(prefixes), chunk):
-            batch = prefixes[i : i + chunk]
-            ids = torch.tensor([prompt + list(p) for p in batch], device=model.device)
-            with eval_mode(model):
+    with eval_mode(model):
+        for d in range(depth):
+            prefixes = sorted({c[:d] for c in distinct if len(c) > d})
+            for i in range(0, len(prefixes), chunk):
+                batch = prefixes[i : i + chunk]
+                ids = torch.tensor([prompt + list(p) for p in batch], device=model.device)
                 logp = model(ids).logits[:, -1].float().log_softmax(-1).cpu()
-            step_logp.update(zip(batch, logp))
+                step_logp.update(zip(batch, logp))
     return {c: float(sum(step_logp[c[:d]][c[d]] for d in range(len(c)))) for c in distinct}
 
 

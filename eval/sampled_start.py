@@ -68,13 +68,13 @@ def greedy_token_probs(model: Any, prompts: list[list[int]], plain: list[list[in
     """Per prompt, the sampling law's probability of each of the first ``tokens`` tokens of its greedy answer
     given the ones before (teacher forced with the transformers model, as the check's log-probabilities are)."""
     probs = []
-    for prompt, out in zip(prompts, plain):
-        end = min(len(out), len(prompt) + tokens)
-        ids = torch.tensor([out[:end]], device=model.device)
-        with eval_mode(model):
+    with eval_mode(model):
+        for prompt, out in zip(prompts, plain):
+            end = min(len(out), len(prompt) + tokens)
+            ids = torch.tensor([out[:end]], device=model.device)
             logits = model(ids).logits[0, len(prompt) - 1 : end - 1].float()
-        law = logits_to_probs(logits, sampling)
-        probs.append(law.gather(-1, ids[0, len(prompt) : end, None]).squeeze(-1).tolist())
+            law = logits_to_probs(logits, sampling)
+            probs.append(law.gather(-1, ids[0, len(prompt) : end, None]).squeeze(-1).tolist())
     return probs
 
 
