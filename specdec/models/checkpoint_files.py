@@ -22,6 +22,7 @@ from typing import Any
 
 from specdec.errors import InputError
 from specdec.models.llama import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+from specdec.models.runnable import quantized_refusal
 
 CONFIG = "config.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -47,9 +48,7 @@ def check_before_load(path: Path) -> dict[str, Any]:
     quantization = config.get("quantization_config")
     if quantization is not None:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise UnsupportedModelError(f"{path}: quantized models are not supported (config.json quantization_config, "
-                                    f"quant_method {str(method)!r}): specdec multiplies by the layers' plain "
-                                    "weights; use an unquantized (float32 / bfloat16 / float16) copy")
+        raise quantized_refusal(method, f"{file} quantization_config")
     if not any(path.glob("*.safetensors")):
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
         if pickles:

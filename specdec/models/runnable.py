@@ -20,6 +20,7 @@ on several devices, before the first forward.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,6 +61,14 @@ def _changing_hooks(module: nn.Module) -> list:
                                      and getattr(h, "__name__", None) in _NEUTRAL_HOOKS)]
 
 
+def quantized_refusal(method: Any, source: str) -> UnsupportedModelError:
+    """The one-line refusal of a quantized model, its ``quant_method`` read from ``source`` (a checkpoint's
+    config.json before loading, a loaded model's config)."""
+    return UnsupportedModelError(f"quantized models are not supported ({source}, quant_method {str(method)!r}): "
+                                 "specdec multiplies by the layers' plain weights; use an unquantized (float32 / "
+                                 "bfloat16 / float16) copy")
+
+
 def check_modules(hf_model) -> None:
     """An UnsupportedModelError naming the first module whose output specdec's forward would not reproduce. One pass
     over the modules (~0.2 ms for an 8B model's 423): it runs at every load_model(), as a module may be replaced or
@@ -74,9 +83,7 @@ def check_modules(hf_model) -> None:
     # a .gguf file loaded by transformers (gguf_file=...): dequantized into plain float layers at load, or kept in
     # GGUF blocks by modules of transformers' GGUF integration, which the walk below refuses
     if (quantization is not None or quantizer is not None) and method != "gguf":
-        raise UnsupportedModelError(f"quantized models are not supported (config.quantization_config, quant_method "
-                                    f"{str(method)!r}): specdec multiplies by the layers' plain weights; load an "
-                                    "unquantized (float32 / bfloat16 / float16) copy")
+        raise quantized_refusal(method, "config.quantization_config")
     for module, state in _walk(hf_model):
         if type(module) not in _KNOWN or state["_forward_hooks"] or state["_forward_pre_hooks"] or "forward" in state:
             _check_module(hf_model, module)
