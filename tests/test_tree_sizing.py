@@ -101,6 +101,11 @@ def fixed_costs(monkeypatch):
     monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: 0.5)  # half a decode step per propose
     monkeypatch.setattr(TreeSizer, "probe_cost", lambda self, batch: 0.5)  # ... on every path
     monkeypatch.setattr(OnlineCosts, "record", lambda self, *args: None)  # no wall time corrects the flat curve
+    # ... nor prices a catch-up: every propose call took half a decode step (a call's wall time, charged in full to
+    # a catch-up, went over once on a loaded CI worker and left a remembered guard without probe budget)
+    size_call = TreeSizer.size_call
+    monkeypatch.setattr(TreeSizer, "size_call", lambda self, ids, trees, batch, seconds, *args:
+                        size_call(self, ids, trees, batch, 0.5 * self.step_seconds(batch), *args))
 
 
 def test_guard_turns_speculation_off_for_a_drafter_that_never_matches_and_back_on(fixed_costs):
