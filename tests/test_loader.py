@@ -1,7 +1,9 @@
 """Model resolution: cached GGUF conversion is reused, clear errors for bad specs."""
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 
 import pytest
 import torch
@@ -294,6 +296,76 @@ def test_a_tensor_missing_from_the_weights_is_refused_not_random(tmp_path, damag
     with pytest.raises(InputError, match=f"lack 1 tensor.*{missing}.*random values") as err:
         load_model(str(path))
     assert "\n" not in str(err.value)
+
+
+class _Records(logging.Handler):
+    """What a logger emits, kept (transformers' loggers do not propagate to pytest's caplog)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.logger, self.messages = logging.getLogger(name), []
+
+    def __enter__(self):
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _load_report_shown(load) -> bool:
+    """Whether transformers logged its LOAD REPORT during ``load()`` (an InputError of it is let through)."""
+    from specdec.errors import InputError
+
+    with _Records("transformers.modeling_utils") as records, contextlib.suppress(InputError):
+        load()
+    return any("LOAD REPORT" in m for m in records.messages)
+
+
+def _rewrite_weights(path, change) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("damage, refusal", [
+    ("absent", "lack 1 tensor.*model.layers.0.mlp.up_proj.weight"),
+    ("shape", "wrong shape for 1 tensor.*model.layers.0.mlp.up_proj.weight"),
+])
+def test_a_refused_checkpoint_is_one_line_without_transformers_load_report(tmp_path, damage, refusal):
+    """transformers printed its LOAD REPORT table ("newly initialized ... Consider training") before specdec's
+    one-line refusal of a missing tensor, and raised its own RuntimeError ("look at the above report") on a tensor
+    of the wrong shape, which reached the command line as a traceback."""
+    from specdec.errors import InputError
+
+    path = tmp_path / "ckpt"
+    _tiny_dir(path)
+    name = "model.layers.0.mlp.up_proj.weight"
+    _rewrite_weights(path, lambda t: t.pop(name) if damage == "absent" else t.update({name: t[name][:-1].clone()}))
+    with pytest.raises(InputError, match=refusal) as err:
+        load_model(str(path))
+    assert "\n" not in str(err.value)
+    assert not _load_report_shown(lambda: load_model(str(path)))
+
+
+def test_extra_tensors_load_quietly_and_are_logged_in_one_line(tmp_path, caplog):
+    """A checkpoint with tensors of its own beside the model's (an MTP layer, Medusa heads), which a drafter reads:
+    transformers' LOAD REPORT called each one "UNEXPECTED ... not ok" in a table on stderr, under every `specdec
+    generate --drafter mtp`; specdec says it in one INFO line."""
+    path = tmp_path / "ckpt"
+    _tiny_dir(path)
+    _rewrite_weights(path, lambda t: t.update({f"model.mtp_layers.0.w{i}": torch.ones(2) for i in range(4)}))
+    with caplog.at_level("INFO", logger="specdec.models.checkpoint_files"):
+        assert not _load_report_shown(lambda: load_model(str(path)))
+    own = [r.getMessage() for r in caplog.records if r.name == "specdec.models.checkpoint_files"]
+    assert [line.count("\n") for line in own] == [0]
+    assert "4 tensor(s) of the files are not the model's" in caplog.text and "and 1 more" in caplog.text
+    assert not logging.getLogger("transformers.modeling_utils").filters  # the filter is gone after the load
 
 
 def test_pickled_weights_are_never_loaded_and_the_refusal_says_how_to_convert(tmp_path):

@@ -9,14 +9,19 @@ kind is refused in milliseconds):
   can run code (``torch.load(weights_only=True)`` narrows that, it does not remove it); a one-line refusal says how
   to convert them once, where the file is trusted.
 
-After (:func:`check_loaded`, from transformers' loading info): every tensor the model needs came from the files.
-transformers fills a missing one (a tensor the index names but its shard lacks, an untied ``lm_head`` saved tied)
-with random values and only warns; specdec would then run another model than the checkpoint's, so it refuses.
-Unexpected extra tensors are transformers' to ignore (it reports them).
+After (:func:`check_loaded`, from transformers' loading info): every tensor the model needs came from the files, in
+its shape. transformers fills a missing one (a tensor the index names but its shard lacks, an untied ``lm_head``
+saved tied) with random values and only warns; specdec would then run another model than the checkpoint's, so it
+refuses. Extra tensors (an MTP layer, Medusa heads kept in the model's weights) are the model's to ignore and a
+drafter's to read: one INFO line. transformers' own many-line LOAD REPORT of the same facts is left out while
+specdec loads (:func:`own_load_report`), so a refusal is one line and a checkpoint with extra tensors loads quietly.
 """
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +29,10 @@ from specdec.errors import InputError
 from specdec.models.llama import SUPPORTED_MODEL_TYPES, UnsupportedModelError
 from specdec.models.runnable import quantized_refusal
 
+logger = logging.getLogger(__name__)
+
 CONFIG = "config.json"
+HF_LOADING_LOGGER = "transformers.modeling_utils"  # where transformers logs its LOAD REPORT
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
@@ -61,9 +69,33 @@ def check_before_load(path: Path) -> dict[str, Any]:
     return config
 
 
+class _LoadReportFilter(logging.Filter):
+    """Drops transformers' LOAD REPORT, except one of conversion errors (which transformers raises on, pointing at
+    the report, and check_loaded does not read)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return "LOAD REPORT" not in message or "CONVERSION" in message
+
+
+@contextmanager
+def own_load_report() -> Iterator[None]:
+    """transformers' LOAD REPORT left out of the logs while this block loads: :func:`check_loaded` says what it
+    says (a table of many lines on stderr that called a refused checkpoint's missing tensors "newly initialized",
+    and every extra tensor of an MTP checkpoint "UNEXPECTED ... not ok")."""
+    report_filter = _LoadReportFilter()
+    hf_logger = logging.getLogger(HF_LOADING_LOGGER)
+    hf_logger.addFilter(report_filter)
+    try:
+        yield
+    finally:
+        hf_logger.removeFilter(report_filter)
+
+
 def check_loaded(path: Path, info: dict[str, Any]) -> None:
-    """A one-line InputError when transformers' loading ``info`` (``output_loading_info=True``) shows a tensor the
-    model needs that the files did not provide, or provided in another shape."""
+    """A one-line InputError when transformers' loading ``info`` (``output_loading_info=True``, loaded with
+    ``ignore_mismatched_sizes=True`` so that a wrong shape reaches here) shows a tensor the model needs that the
+    files did not provide, or provided in another shape; extra tensors are logged (INFO)."""
     missing = sorted(info.get("missing_keys") or ())
     mismatched = sorted(str(k[0]) if isinstance(k, tuple) else str(k) for k in info.get("mismatched_keys") or ())
     bad = missing + mismatched
@@ -73,3 +105,8 @@ def check_loaded(path: Path, info: dict[str, Any]) -> None:
         raise InputError(f"{path}: the weights {what} {len(bad)} tensor(s) the model needs ({shown}); transformers "
                          "would fill them with random values, so specdec refuses: the checkpoint is incomplete (a "
                          "missing shard entry?) or does not match its config.json (e.g. tie_word_embeddings)")
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    if unexpected:
+        logger.info("%s: %d tensor(s) of the files are not the model's and stay unused by it (%s%s); a drafter may "
+                    "read them (an MTP layer, Medusa heads)", path, len(unexpected), ", ".join(unexpected[:3]),
+                    f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else "")

@@ -97,10 +97,11 @@ def _from_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[
     from safetensors import SafetensorError
 
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code, use_safetensors=True,
-            output_loading_info=True,
-        )
+        with checkpoint_files.own_load_report():  # check_loaded says it, in one line
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code, use_safetensors=True,
+                output_loading_info=True, ignore_mismatched_sizes=True,  # a wrong shape: check_loaded refuses it
+            )
     except SafetensorError as err:  # a truncated or half-downloaded weights file
         raise InputError(f"{path}: its safetensors weights cannot be read ({err}); copy or download them again") \
             from err
