@@ -357,8 +357,8 @@ def convert_published(source: str | os.PathLike, output_dir: str | os.PathLike, 
     except RuntimeError as err:  # a mapping bug, not the user's file: say so plainly
         raise MedusaCheckpointError(f"{src}: the converted heads do not fit MedusaHeads: {err}") from err
     save_medusa(heads, out)
-    logger.info("converted %d Medusa heads (%d blocks each, %s LM head, %s) from %s to %s", config.num_heads,
-                config.num_layers, "shared" if config.shared_lm_head else "own",
+    logger.info("converted %d Medusa head(s) (%d residual block(s) each, %s LM head, %s) from %s to %s",
+                config.num_heads, config.num_layers, "shared" if config.shared_lm_head else "own",
                 next(iter(state.values())).dtype, src, out)
     return out
 
@@ -414,6 +414,7 @@ def _choices(text: str):
 def _run(args) -> int:
     out = convert_published(args.source, args.output_dir, args.base_model, args.medusa_choices, args.overwrite)
     cfg = json.loads((out / CONFIG_FILE).read_text())
-    print(f"wrote {out}: {cfg['medusa_num_heads']} heads, {cfg['medusa_num_layers']} blocks each, base model "
-          f"{cfg['base_model_name_or_path']}; use it with --drafter medusa --drafter-option path={out}")
+    heads, blocks = cfg["medusa_num_heads"], cfg["medusa_num_layers"]
+    print(f"wrote {out}: {heads} head{'s' * (heads != 1)}, {blocks} residual block{'s' * (blocks != 1)} each, "
+          f"base model {cfg['base_model_name_or_path']}; use it with --drafter medusa --drafter-option path={out}")
     return 0

@@ -294,7 +294,7 @@ def test_cli_converts_and_refuses_to_overwrite(tmp_path, capsys):
     src = write_medusa1(tmp_path / "src", medusa_module(2, 1), 1)
     out = tmp_path / "out"
     rc = main(["convert-medusa", str(src), "--output-dir", str(out), "--medusa-choices", "[[0],[1],[0,0]]"])
-    assert rc == 0 and "2 heads" in capsys.readouterr().out
+    assert rc == 0 and "2 heads, 1 residual block each" in capsys.readouterr().out
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["medusa_choices"] == [[0], [1], [0, 0]] and cfg["medusa_num_heads"] == 2
     assert main(["convert-medusa", str(src), "--output-dir", str(out)]) == 2
