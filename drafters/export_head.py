@@ -107,7 +107,18 @@ def _export_eagle(src: Path, fmt: str, out: Path, target: str | None) -> Path:
         raise EagleCheckpointError(f"{src}: the weights do not match config.json "
                                    f"({str(err).splitlines()[0]})") from err
     name = _target(config.base_model_name_or_path, target, src)
-    return write_eagle3(model, out, "sglang" if fmt == "sglang" else "speculators", name)
+    return write_eagle3(model, out, "sglang" if fmt == "sglang" else "speculators", name, _architectures(name))
+
+
+def _architectures(target: str) -> list[str]:
+    """The target's ``architectures`` from its config.json where ``target`` is a local checkpoint (speculators
+    records them for the verifier); [] for a hub id, as speculators leaves them until it reads the hub's config."""
+    config = Path(target).expanduser() / CONFIG_FILE
+    try:
+        found = json.loads(config.read_text()).get("architectures") if config.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [str(a) for a in found] if isinstance(found, list) else []
 
 
 def _export_medusa(src: Path, fmt: str, out: Path, target: str | None) -> Path:

@@ -56,6 +56,7 @@ def test_a_specdec_export_loads_in_speculators_with_the_same_logits(tmp_path, ta
     with torch.no_grad():  # vLLM shares the target's embedding with the head; speculators' stays NaN until given
         theirs.embed_tokens.weight.copy_(hf.model.embed_tokens.weight)
     assert theirs.config.eagle_aux_hidden_state_layer_ids == [0, 1, 2]
+    assert theirs.config.speculators_config.verifier.architectures == ["LlamaForCausalLM"]  # read from the target
     mine = load_eagle(tmp_path / "out", hf.config)
     _, aux, pos = _inputs(seed=3)
     ids = torch.tensor([5, 17, 3, 88, 41, 41, 9])
