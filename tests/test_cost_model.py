@@ -272,6 +272,7 @@ def test_each_model_runs_under_its_own_row_policy(fresh, monkeypatch):
     assert row_policy.active_cols(torch.float32) == {}  # nothing measured for float32 weights
 
 
+@pytest.mark.measured_verify_costs  # --verify-curve would replace what it tests
 def test_a_measurement_the_user_waits_for_says_so_once_and_shows_its_progress(fresh, monkeypatch, caplog):
     """On a fresh 2-core machine the first generate() with a drafter spent ~1 min measuring the row policy and the
     verify curve in silence (the CLI printed nothing until its answer). Each one-off now says what it measures and
