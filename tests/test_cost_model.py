@@ -3,7 +3,6 @@ interpolation of c(n); the CPU row policy of linear() measured, installed and ex
 from __future__ import annotations
 
 import contextlib
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -273,6 +272,7 @@ def test_each_model_runs_under_its_own_row_policy(fresh, monkeypatch):
     assert row_policy.active_cols(torch.float32) == {}  # nothing measured for float32 weights
 
 
+@pytest.mark.measured_verify_costs  # --verify-curve would replace what it tests
 def test_a_measurement_the_user_waits_for_says_so_once_and_shows_its_progress(fresh, monkeypatch, caplog):
     """On a fresh 2-core machine the first generate() with a drafter spent ~1 min measuring the row policy and the
     verify curve in silence (the CLI printed nothing until its answer). Each one-off now says what it measures and
@@ -444,25 +444,24 @@ def test_measure_row_policy_pads_only_to_faster_counts():
 
 def test_row_policy_weighs_each_matrix_by_its_scale(monkeypatch):
     """A sampled layer stands for ``scale`` layers: scripted costs where the small matrix favours F.linear and the
-    big one the transposed product; unscaled, F.linear wins the sum, with the big matrix counted 10 times not."""
+    big one the transposed product; unscaled, F.linear wins the sum, with the big matrix counted 10 times not. The
+    products advance a scripted clock: slept, a loaded CI worker's oversleeping turned the 21 vs 14 ms around."""
     big, small = torch.zeros(8, 4), torch.zeros(4, 4)
     seconds = {("linear", 8): 0.002, ("transposed", 8): 0.001, ("linear", 4): 0.001, ("transposed", 4): 0.004}
+    now = [0.0]
 
-    def fake_linear(x, w, b=None):
-        time.sleep(seconds["linear", w.shape[0]])
+    def spend(kind, w):
+        now[0] += seconds[kind, w.shape[0]]
 
-    def fake_transposed(x, w, cols):
-        time.sleep(seconds["transposed", w.shape[0]])
-
-    monkeypatch.setattr(row_policy, "F", SimpleNamespace(linear=fake_linear))
-    monkeypatch.setattr(row_policy, "transposed_linear", fake_transposed)
+    monkeypatch.setattr(row_policy, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(row_policy, "F", SimpleNamespace(linear=lambda x, w, b=None: spend("linear", w)))
+    monkeypatch.setattr(row_policy, "transposed_linear", lambda x, w, cols: spend("transposed", w))
     assert row_policy.measure_row_policy([big, small], max_rows=1, repeats=3) == {}  # 3 ms vs 5 ms
     assert row_policy.measure_row_policy([big, small], max_rows=1, repeats=3, scales=[10, 1]) == {1: 1}  # 21 vs 14
     # the packed product (2 ms over both matrices): chosen only when offered, wherever it is fastest
     seconds["packed", 8], seconds["packed", 4] = 0.0005, 0.0015
     monkeypatch.setattr(row_policy, "_packs", lambda weights: list(weights))
-    monkeypatch.setattr(row_policy, "packed_linear",
-                        lambda x, w, b=None, packed=None: time.sleep(seconds["packed", w.shape[0]]))
+    monkeypatch.setattr(row_policy, "packed_linear", lambda x, w, b=None, packed=None: spend("packed", w))
     assert row_policy.measure_row_policy([big, small], max_rows=1, repeats=3) == {}
     assert row_policy.measure_row_policy([big, small], max_rows=1, repeats=3,
                                          allow_packed=True) == {1: row_policy.PACKED}  # 2 ms vs 3 and 5

@@ -556,6 +556,7 @@ def test_auto_on_cuda_reuses_the_models_graphs_across_calls(loaded):
     release_model_graphs(loaded)
 
 
+@pytest.mark.measured_verify_costs  # --verify-curve would replace what it tests
 def test_verify_costs_measured_through_the_buckets(loaded, monkeypatch):
     """The speed command's c(n) on a GPU: measure_verify_costs(graphs=True) runs the engine's graphed verify."""
     from specdec.verify_cost import measure_verify_costs

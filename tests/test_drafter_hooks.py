@@ -40,7 +40,9 @@ def test_drafter_is_attached_once_and_sees_the_hidden_state_of_the_token_before_
     prompts = [[5, 9, 11, 2], [7]]
     plain = generate(model, prompts, max_new_tokens=30)
     drafter = HiddenRecorder({tuple(p): seq[len(p):] for p, seq in zip(prompts, plain)})
-    out = generate(model, prompts, drafter=drafter, max_new_tokens=24, return_dict=True)
+    # every chain verified whole: sized by the policy, the chains were cut where the guard priced a slow propose
+    # call on a loaded machine, and tau fell below what the test asks
+    out = generate(model, prompts, drafter=drafter, max_new_tokens=24, return_dict=True, speculation="always")
     assert all(s.tau > 2.5 for s in out.stats)  # accepted paths really were followed
     assert len(drafter.attached) == 1
     assert drafter.attached[0].cache is not None and drafter.attached[0].sampling.do_sample is False
