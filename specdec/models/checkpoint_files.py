@@ -27,7 +27,7 @@ from typing import Any
 
 from specdec.errors import InputError
 from specdec.models.llama import SUPPORTED_MODEL_TYPES, UnsupportedModelError
-from specdec.models.runnable import quantized_refusal
+from specdec.models.runnable import quant_method, quantized_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +55,7 @@ def check_before_load(path: Path) -> dict[str, Any]:
                                     f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     quantization = config.get("quantization_config")
     if quantization is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise quantized_refusal(method, f"{file} quantization_config")
+        raise quantized_refusal(quant_method(quantization), f"{file} quantization_config")
     if not any(path.glob("*.safetensors")):
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
         if pickles:

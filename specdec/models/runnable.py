@@ -61,6 +61,13 @@ def _changing_hooks(module: nn.Module) -> list:
                                      and getattr(h, "__name__", None) in _NEUTRAL_HOOKS)]
 
 
+def quant_method(quantization: Any) -> Any:
+    """The ``quant_method`` of a quantization config: a dict's (config.json) or a config object's, an enum's value."""
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else \
+        getattr(quantization, "quant_method", None)
+    return getattr(method, "value", method)  # transformers' QuantizationMethod enum
+
+
 def quantized_refusal(method: Any, source: str) -> UnsupportedModelError:
     """The one-line refusal of a quantized model, its ``quant_method`` read from ``source`` (a checkpoint's
     config.json before loading, a loaded model's config)."""
@@ -77,9 +84,7 @@ def check_modules(hf_model) -> None:
     quantizer = getattr(hf_model, "hf_quantizer", None)
     if quantization is None and quantizer is not None:
         quantization = getattr(quantizer, "quantization_config", None)
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else \
-        getattr(quantization, "quant_method", None)
-    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    method = quant_method(quantization)
     # a .gguf file loaded by transformers (gguf_file=...): dequantized into plain float layers at load, or kept in
     # GGUF blocks by modules of transformers' GGUF integration, which the walk below refuses
     if (quantization is not None or quantizer is not None) and method != "gguf":
