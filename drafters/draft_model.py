@@ -158,8 +158,10 @@ class DraftModelDrafter(ModelDrafter):
                 f"target {theirs[0] / 1e6:.1f}M) on the same device and dtype")
 
     def make_runner(self, target: TargetView) -> LlamaRunner:
-        # one named by a path loads in the target's dtype; a loaded model keeps its own
-        loaded = load_model(self.model_spec, tokenizer=_tokenizer(self.tokenizer), dtype=target.runner.dtype,
+        # one named by a path loads in the target's dtype; a loaded model keeps its own (load_model refuses a dtype
+        # asked of a loaded model)
+        dtype = target.runner.dtype if isinstance(self.model_spec, (str, os.PathLike)) else None
+        loaded = load_model(self.model_spec, tokenizer=_tokenizer(self.tokenizer), dtype=dtype,
                             device=target.runner.device)
         runner = loaded.runner
         check_vocabularies(runner, loaded.tokenizer, target.runner, target.tokenizer)

@@ -253,6 +253,24 @@ def test_a_loaded_model_changed_since_loading_decodes_as_it_is_now(change):
     assert rebuilt is not loaded.runner and load_model(loaded).runner is rebuilt
 
 
+def test_a_dtype_other_than_a_loaded_models_own_is_refused_not_ignored():
+    """dtype= with a model passed loaded (a transformers model, a LoadedModel) was ignored: asked for bfloat16, the
+    caller decoded in float32 and was told nothing. It is refused in one line that says how to convert; its own dtype
+    (or none) is accepted, and device= still moves the model as model.to(device) does."""
+    import specdec
+    from specdec.testing import build_tiny_model
+
+    model = build_tiny_model(vocab_size=32)
+    loaded = load_model(model, dtype=torch.float32, device="cpu")
+    assert loaded.runner.dtype == torch.float32 and load_model(loaded, dtype="float32", device="cpu") is loaded
+    for spec in (model, loaded):
+        with pytest.raises(specdec.InputError, match=r"already loaded in torch.float32: convert it first "
+                                                     r"\(model.to\(torch.bfloat16\)\)") as err:
+            load_model(spec, dtype=torch.bfloat16)
+        assert "\n" not in str(err.value)
+    assert model.dtype == torch.float32  # nothing converted behind the caller's back
+
+
 # --- a checkpoint directory specdec cannot run exactly: one line, before or instead of running another model -------
 
 

@@ -6,7 +6,9 @@ default's alias (``"smollm2-135m-instruct"``, also ``"default"``); a synthetic t
 random weights (``"synthetic:llama-3.1-8b"``, ``"synthetic:qwen3-1.7b@tiny"``: :mod:`specdec.models.synthetic`,
 built on ``device``, default CUDA when present, in ``dtype``, default bf16 there). Never downloads,
 never runs remote code unless ``trust_remote_code=True`` is passed. Without ``dtype`` a checkpoint loads in float32,
-or, for ``device`` CUDA, in the half dtype its config declares (bfloat16 when it declares float32 or none).
+or, for ``device`` CUDA, in the half dtype its config declares (bfloat16 when it declares float32 or none). A model
+passed loaded (or a ``LoadedModel``) is moved to ``device`` in place, as ``model.to(device)`` would; a ``dtype`` other
+than its own is refused, not converted behind the caller's back.
 What a checkpoint directory must hold (config.json of a supported type, unquantized, safetensors, every tensor):
 :mod:`specdec.models.checkpoint_files`; what a model must be for specdec's forward to be its own:
 :mod:`specdec.models.runnable` (both refuse in one line).
@@ -251,6 +253,23 @@ def check_device(spec: Any, label: str = "device") -> torch.device:
     return device
 
 
+def _to_device_as_loaded(model, dtype: torch.dtype | None, device: torch.device | None) -> None:
+    """A model passed loaded (a transformers model, a LoadedModel's) with ``dtype`` / ``device``: moved to ``device``
+    in place, as ``model.to(device)`` moves it (no copy of an 8B model's weights); a ``dtype`` other than its own is
+    refused in one line, as converting would change what the caller's model computes (module doc)."""
+    if dtype is not None:
+        own = next((p.dtype for p in model.parameters() if p.is_floating_point()), dtype)
+        if own != dtype:
+            raise InputError(f"dtype={dtype} is the dtype to load a checkpoint in, but the model passed is already "
+                             f"loaded in {own}: convert it first (model.to({dtype})) or leave dtype out")
+    if device is not None:
+        runnable.check_modules(model)  # a quantized model's .to() is transformers' traceback, this one line
+        now = next(model.parameters()).device
+        if now.type != device.type or device.index not in (None, now.index):
+            logger.info("moving the model passed to %s (in place: the caller's model object moves)", device)
+        model.to(device)
+
+
 def load_model(
     spec: Any,
     *,
@@ -259,7 +278,10 @@ def load_model(
     device: str | torch.device | None = None,
     trust_remote_code: bool = False,
 ) -> LoadedModel:
+    dtype = check_dtype(dtype)
+    device = check_device(device) if device is not None else None
     if isinstance(spec, LoadedModel):  # a tokenizer passed with it serves this use (generate(tokenizer=...))
+        _to_device_as_loaded(spec.model, dtype, device)
         stale = spec.runner.stale()
         if stale is not None:  # the model was changed since: a runner of it as it is now serves this use
             runner = _REBUILT.get(spec.runner)
@@ -269,15 +291,12 @@ def load_model(
             spec = replace(spec, runner=runner)
         runnable.check_modules(spec.model)  # a module replaced or hooked since the load (~0.1 ms)
         return spec if tokenizer is None or tokenizer is spec.tokenizer else replace(spec, tokenizer=tokenizer)
-    dtype = check_dtype(dtype)
-    device = check_device(device) if device is not None else None
     if isinstance(spec, torch.nn.Module) and _is_hf_model(getattr(spec, "_orig_mod", None)):
         spec = spec._orig_mod  # torch.compile(model): specdec runs its own forward on the same weights
     if _is_hf_model(spec):
         model, name = spec, getattr(spec.config, "_name_or_path", type(spec).__name__)
         source = model_reference(getattr(spec.config, "_name_or_path", "") or "")
-        if device is not None:
-            model.to(device)
+        _to_device_as_loaded(model, dtype, device)
     elif isinstance(spec, (str, Path)):
         model, loaded_tok, name, source = _load_path(str(spec), dtype, device, trust_remote_code)
         model.eval()  # its transformers forward (training features, the certificate's checks) without dropout
