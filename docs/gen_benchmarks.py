@@ -5,16 +5,19 @@ differs from what the results give (tests/test_docs.py runs it). mkdocs also loa
 the page from the results at build time, so the site never shows a stale page.
 
 A result file holds one measurement: ``date``, ``machine_class`` (one of MACHINE_CLASSES), ``machine``,
-``benchmark``, ``title``, ``command``, optionally ``run`` (orders results of one date), ``commit``, ``conditions``,
-``columns`` + ``rows`` (a table), ``row_keys`` (a key per row, what it measured: docs/gpu_latest.py finds rows by
-it), ``tables`` (further tables of the same run, each a ``name``, ``columns`` and ``rows``), ``notes`` and ``kind``
-(``history``: shown in the history only). The page shows the latest result per machine class and benchmark, then
-every result by date; two results that tie for latest (same class, benchmark, date and run) are refused, as one
-would hide the other.
+``benchmark``, ``title``, ``command`` (one, or a list: a runnable one by docs/doc_commands.py is shown as a bash
+block, any other as a "How it was measured:" line of text, as no reader could copy and run it), optionally ``run``
+(orders results of one date), ``commit``, ``conditions``, ``columns`` + ``rows`` (a table), ``row_keys`` (a key per
+row, what it measured: docs/gpu_latest.py finds rows by it), ``tables`` (further tables of the same run, each a
+``name``, ``columns`` and ``rows``), ``notes`` and ``kind`` (``history``: shown in the history only). The page shows
+the latest result per machine class and benchmark, then every result by date; two results that tie for latest (same
+class, benchmark, date and run) are refused, as one would hide the other.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -28,6 +31,17 @@ MACHINE_CLASSES = {
     "gpu-h100": "GPU, NVIDIA H100",
     "gpu-h200": "GPU, NVIDIA H200",
 }
+
+
+def _sibling(name: str):
+    """docs/NAME.py, this file's sibling (docs/ is no package; mkdocs loads this file as a hook)."""
+    spec = importlib.util.spec_from_file_location(name, DOCS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_COMMANDS = _sibling("doc_commands")
 REQUIRED = ("date", "machine_class", "machine", "benchmark", "title", "command")
 
 HEADER = """# Benchmarks
@@ -85,14 +99,40 @@ def _table(columns: list, rows: list) -> list[str]:
     return lines
 
 
+def _text(text: str) -> str:
+    """``text`` as Markdown shows it literally: no emphasis, link, code span or HTML tag made of its characters."""
+    text = re.sub(r"[\\`*\[\]]|(?<!\w)_|_(?!\w)", lambda m: "\\" + m.group(0), text)
+    return text.replace("<", "&lt;")
+
+
+def _commands(commands: list[str]) -> list[str]:
+    """A result's commands: each run of runnable ones (docs/doc_commands.py) as a bash block, any other entry (a
+    description, a script not in the repo) as a "How it was measured:" line of text, never a block to copy."""
+    out, block = [], []
+    for command in [*commands, None]:
+        if command is not None and not _COMMANDS.problems(command):
+            block.append(command)
+            continue
+        if block:
+            out += ["```bash", *block, "```", ""]
+            block = []
+        if command is not None:
+            missing = _COMMANDS.missing_files(command)
+            line = "How it was measured: " + _text(command)
+            if missing:
+                names = ", ".join(f"`{name}`" for name in missing)
+                line += f" ({names} {'is' if len(missing) == 1 else 'are'} not in the repo)"
+            out += [line, ""]
+    return out
+
+
 def _result(r: dict, level: str) -> list[str]:
     out = [f"{level} {r['title']}", ""]
     meta = f"**{r['date']}**, {r['machine']}"
     if r.get("commit"):
         meta += f", at `{r['commit']}`"
     out += [meta + f" ([`{r['file']}`](results/{r['file']}))", ""]
-    commands = r["command"] if isinstance(r["command"], list) else [r["command"]]
-    out += ["```bash", *commands, "```", ""]
+    out += _commands(r["command"] if isinstance(r["command"], list) else [r["command"]])
     if r.get("conditions"):
         out += [r["conditions"], ""]
     for table in ([r] if r.get("columns") else []) + r.get("tables", []):

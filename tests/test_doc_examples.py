@@ -4,12 +4,15 @@ of that command's parser, a value given to an option with choices (``--dtype bfl
 speculators|sglang|vllm``) is one of them, every ``--drafter-option KEY=VALUE`` is an option of its drafter; the
 same for ``python benchmarks/X.py`` and the modules run with ``python -m``; and every keyword of a ``generate()`` call
 in a Python block is a parameter of ``specdec.generate`` or a field of ``specdec.GenerationConfig``, its
-``drafter_options`` options of the named drafter. Static (no model runs): about a second."""
+``drafter_options`` options of the named drafter. Every ```bash block is a command a reader can run from the repo
+root (docs/doc_commands.py: a program, a file or module of the repo; no prose, no script that is not in the repo),
+its ``specdec`` commands ones the CLI has. Static (no model runs): about a second."""
 from __future__ import annotations
 
 import argparse
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import re
 import shlex
@@ -29,6 +32,7 @@ COMMAND = re.compile(r"\bspecdec(?:\.cli)?((?: (?:generate|train-medusa|train-ea
 SCRIPT = re.compile(r"\bpython3? (?:-P )?(?:(benchmarks/\w+)\.py|-m (specdec\.kernels\.compile_check))\b(.*)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z_]*$|^<.*>$|^\$")  # F, DIR, <layer>, $OUT: a value the reader fills in
+BASH_BLOCK = re.compile(r"^([ \t]*)```(?:bash|sh|shell)[ \t]*\n(.*?)^\1```", re.S | re.M)  # a list item's too
 
 
 def pages() -> list[Path]:
@@ -183,6 +187,43 @@ def command_problems() -> list[str]:
     return problems
 
 
+def doc_commands():
+    """docs/doc_commands.py (docs/ is no package): what a runnable command of the docs is."""
+    spec = importlib.util.spec_from_file_location("doc_commands", DOCS / "doc_commands.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bash_blocks(text: str) -> list[tuple[int, str]]:
+    """(line of the fence, body) of every ```bash block of ``text``."""
+    return [(text[:m.start()].count("\n") + 1, m.group(2)) for m in BASH_BLOCK.finditer(text)]
+
+
+def bash_block_problems() -> list[str]:
+    """Why a ```bash block of the docs is no command a reader can run: what docs/doc_commands.py finds (prose, a
+    script or module not in the repo, a synopsis), and a ``specdec`` command the CLI does not have."""
+    from specdec.cli import _parser
+
+    parsers, rule = _subcommands(_parser(), "specdec"), doc_commands()
+    problems = []
+    for page in pages():
+        for start, block in bash_blocks(page.read_text()):
+            commands, found = rule.parse(block)
+            for words in (w for w in commands if w[0] == "specdec"):
+                command = "specdec"
+                for word in words[1:]:
+                    subs = sorted(name.rpartition(" ")[2] for name in parsers if name.rpartition(" ")[0] == command)
+                    if not subs or word.startswith("-"):
+                        break
+                    if f"{command} {word}" not in parsers:
+                        found.append(f"{command} has no command {word!r} (it has: {', '.join(subs)})")
+                        break
+                    command += f" {word}"
+            problems += [f"{page.relative_to(REPO)}:{start}: {p}" for p in found]
+    return problems
+
+
 def _python_blocks(text: str) -> list[tuple[int, str]]:
     return [(text[:m.start()].count("\n") + 2, m.group(1)) for m in re.finditer(r"```python\n(.*?)```", text, re.S)]
 
@@ -220,6 +261,12 @@ def test_every_command_the_docs_show_takes_its_flags_and_drafter_options():
     assert not problems, "commands in the docs that their parsers refuse:\n" + "\n".join(problems)
 
 
+def test_every_bash_block_in_the_docs_is_a_command_a_reader_can_run():
+    problems = bash_block_problems()
+    assert not problems, "bash blocks in the docs that are no command to run from the repo root:\n" + \
+        "\n".join(problems)
+
+
 def test_every_generate_call_in_the_docs_uses_generates_keywords():
     problems = generate_call_problems()
     assert not problems, "generate() calls in the docs with keywords it does not take:\n" + "\n".join(problems)
@@ -255,3 +302,37 @@ def test_a_generate_call_with_a_keyword_generate_does_not_take_is_caught(tmp_pat
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     problems = generate_call_problems()
     assert len(problems) == 2 and "no keyword 'max_tokens'" in problems[0] and "'nodes'" in problems[1], problems
+
+
+@pytest.mark.parametrize("block, problem", [
+    ("python eagle_batch.py 3 ['{\"depth\": 3}']: generate() at batch 8, the per-sequence drafter (db76367)",
+     "eagle_batch.py is not a file of the repo"),
+    ("python benchmarks/bench_policy_host.py, run by the interpreter of a checkout (before), twice",
+     "benchmarks/bench_policy_host.py, is not a file of the repo"),
+    ("python benchmarks/bench_drafters_cpu.py --grid --lengths 16 ; the same with --lengths 128",
+     "'the' is not a program"),
+    ("python benchmarks/bench_invariant_cpu.py --setting greedy (and --setting coupled)", "'(' outside quotes"),
+    ("the cost model's calibration, context 128", "No closing quotation"),
+    ("python benchmarks/no_such_bench.py --prompts 2", "benchmarks/no_such_bench.py is not a file of the repo"),
+    ("python -m specdec.no_such_module", "python -m specdec.no_such_module: no such module"),
+    ("specdec eval losless --drafter ngram", "specdec eval has no command 'losless'"),
+    ("specdec eval lossless [--model M] [--drafter NAME]", "a synopsis"),
+])
+def test_a_bash_block_that_is_no_runnable_command_is_caught(tmp_path, monkeypatch, block, problem):
+    page = tmp_path / "README.md"
+    page.write_text(f"Text.\n\n1. A step:\n\n    ```bash\n    {block}\n    ```\n")
+    monkeypatch.setattr(sys.modules[__name__], "pages", lambda: [page])
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    problems = bash_block_problems()
+    assert len(problems) >= 1 and problem in problems[0] and problems[0].startswith("README.md:5: "), problems
+    page.write_text(
+        "```bash\n"
+        "for arch in eagle1 eagle3; do specdec train-eagle --arch $arch --output-dir $arch-smollm2; done\n"
+        "SPECDEC_CACHE_DIR=<empty but for the model> /usr/bin/time -v specdec eval replay bound --record run.json\n"
+        "python3 -P benchmarks/bench_invariant_cpu.py --setting {greedy|coupled} --eagle-path <layer>  # it's a note\n"
+        "python -m specdec.kernels.compile_check && python docs/gen_benchmarks.py --check\n"
+        "vllm serve serve/eagle3 --speculative-config '{\"method\": \"eagle3\"}' \\\n"
+        "  --tensor-parallel-size 1\n"
+        "python -m sglang.launch_server --model-path M; pip install -e '.[dev]' && pytest -n 0\n"
+        "```\n\n```text\n" + block + "\n```\n")
+    assert bash_block_problems() == []

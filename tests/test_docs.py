@@ -203,6 +203,23 @@ def test_a_results_note_renders_whole_given_as_one_string_or_a_list():
         assert "- one note, whole." in lines and "- o" not in lines  # never a bullet per character
 
 
+def test_a_results_command_is_a_bash_block_only_where_a_reader_can_run_it():
+    """A description, or a script that is not in the repo, is a line of text saying so, never a block to copy; the
+    runnable commands around it stay blocks, in order."""
+    gen = _gen_benchmarks()
+    base = dict(date="2026-01-01", machine_class="cpu-avx512", title="T", machine="m", benchmark="b", file="r.json")
+    lines = gen._result(dict(base, command=["python benchmarks/bench_ngram_cpu.py --prompts 3",
+                                            "python eagle_batch.py 3 <layer> *all*: generate() at batch 8",
+                                            "specdec eval replay bound --record run.json"]), "####")
+    text = "How it was measured: python eagle_batch.py 3 &lt;layer> \\*all\\*: generate() at batch 8 " \
+        "(`eagle_batch.py` is not in the repo)"
+    assert lines[lines.index("```bash"):] == ["```bash", "python benchmarks/bench_ngram_cpu.py --prompts 3", "```", "",
+                                              text, "", "```bash", "specdec eval replay bound --record run.json",
+                                              "```", ""]
+    lines = gen._result(dict(base, command="the cost model's calibration, context 128"), "####")
+    assert "```bash" not in lines and "How it was measured: the cost model's calibration, context 128" in lines
+
+
 def _nav_pages() -> set[str]:
     text = (REPO / "mkdocs.yml").read_text()
     nav = text.split("\nnav:", 1)[1]
