@@ -21,17 +21,16 @@ controls and must fail. Two kinds:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 import torch
 from specdec.drafters.combined import CombinedDrafter
 
-from specdec.ambient import neutral_torch_state
 from specdec.attention import AttentionPlan, SeqAttention
-from specdec.call_claims import drafter_claimed
 from specdec.engine import Engine, SequenceState, VerifyBatch
 from specdec.engine_setup import EngineFault, build_engine
-from specdec.generate import on_device, prepare, run
+from specdec.generate import generate_with
 from specdec.kv_cache import PagedKVCache
 from specdec.rejection import EXACT, AcceptanceRule
 from specdec.tree import DraftTree
@@ -198,10 +197,6 @@ class ScoreChoosingCombined(CombinedDrafter):
 def generate_with_control(model, input_ids, rule: AcceptanceRule = EXACT, fault: EngineFault | None = None,
                           **generate_kwargs):
     """``specdec.generate(model, input_ids, **generate_kwargs)`` with a broken ``rule`` or ``fault`` built into its
-    engine: deliberately WRONG output, for the certificate's negative controls (EXACT and None: the real thing)."""
-    # as generate(): the caller's autocast and default device set aside, kernels on the model's GPU (not the current
-    # one), the drafter and its graph caches held
-    with neutral_torch_state():
-        request = prepare(model, input_ids, **generate_kwargs)
-        with on_device(request.loaded.runner.device), drafter_claimed(request.drafter):
-            return run(build_engine(request, rule, fault), request)
+    engine: deliberately WRONG output, for the certificate's negative controls (EXACT and None: the real thing). It
+    runs in generate()'s own call frame (:func:`specdec.generate.generate_with`): only the engine differs."""
+    return generate_with(functools.partial(build_engine, rule=rule, fault=fault), model, input_ids, **generate_kwargs)

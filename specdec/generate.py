@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -136,30 +136,40 @@ def generate(
     arguments, as ``**tokenizer(...)`` passes them.
 
     The caller's autocast and default device are set aside for the call (:mod:`specdec.ambient`)."""
+    return generate_with(build_engine, model, input_ids, drafter=drafter, drafter_options=drafter_options,
+                         attention_mask=attention_mask, generation_config=generation_config, generator=generator,
+                         streamer=streamer, return_dict=return_dict, tokenizer=tokenizer, progress=progress,
+                         cuda_graphs=cuda_graphs, **config_fields)
+
+
+def generate_with(build: Callable[[GenerateRequest], Engine], model: Any, input_ids: Any = None,
+                  **arguments: Any) -> Any:
+    """generate(model, input_ids, **arguments) with its engine built by ``build`` (generate()'s is
+    :func:`~specdec.engine_setup.build_engine`; the certificate's negative controls build a broken one): the one call
+    frame of both. The caller's torch state set aside (:mod:`specdec.ambient`), the model's GPU current
+    (:func:`on_device`), the drafter held by this call alone (:mod:`specdec.call_claims`); a put() / end() streamer
+    is ended also when the call is refused before it streams."""
+    streamer = arguments.get("streamer")
     with neutral_torch_state():
-        try:
-            request = prepare(model, input_ids, drafter=drafter, drafter_options=drafter_options,
-                              attention_mask=attention_mask, generation_config=generation_config, generator=generator,
-                              streamer=streamer, return_dict=return_dict, tokenizer=tokenizer, progress=progress,
-                              cuda_graphs=cuda_graphs, **config_fields)
-        except BaseException:
-            _end_refused(streamer)
-            raise
+        with _ended_if_refused(streamer):
+            request = prepare(model, input_ids, **arguments)
         with on_device(request.loaded.runner.device), contextlib.ExitStack() as held:
-            try:
+            with _ended_if_refused(streamer):
                 held.enter_context(drafter_claimed(request.drafter))  # one call at a time per drafter object
-                engine = build_engine(request)
-            except BaseException:
-                _end_refused(streamer)
-                raise
+                engine = build(request)
             return run(engine, request)  # which ends the streamer itself, also on failure
 
 
-def _end_refused(streamer: Any) -> None:
+@contextlib.contextmanager
+def _ended_if_refused(streamer: Any) -> Iterator[None]:
     """A call refused before it streamed still ends a put() / end() streamer: a thread iterating a
     TextIteratorStreamer would wait for ever."""
-    if is_put_end_streamer(streamer):
-        streamer.end()
+    try:
+        yield
+    except BaseException:
+        if is_put_end_streamer(streamer):
+            streamer.end()
+        raise
 
 
 def on_device(device: torch.device):

@@ -87,7 +87,10 @@ def test_half_precision_identity_is_flagged():
 
 def test_negative_controls_run_on_the_model_device(monkeypatch):
     """generate_with_control (every speculative run of the certificate) makes the model's GPU the current one, as
-    generate() does: without it a model on cuda:1 would get its Triton kernels and graphs on cuda:0."""
+    generate() does (in generate()'s own call frame, specdec.generate.generate_with): without it a model on cuda:1
+    would get its Triton kernels and graphs on cuda:0."""
+    import importlib
+
     import specdec.eval.negative_controls as negative_controls
 
     from specdec.models.loader import load_model
@@ -100,7 +103,7 @@ def test_negative_controls_run_on_the_model_device(monkeypatch):
         entered.append(device)
         yield
 
-    monkeypatch.setattr(negative_controls, "on_device", recording, raising=False)
+    monkeypatch.setattr(importlib.import_module("specdec.generate"), "on_device", recording)
     loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
     negative_controls.generate_with_control(loaded, [[1, 2, 3]], max_new_tokens=2, drafter="ngram")
     assert entered == [loaded.runner.device]
