@@ -6,6 +6,9 @@
     engine = build_engine(request)                                           # specdec.engine_setup
     out = run(engine, request)                                               # the step loop + the output
 
+run inside one call frame (:func:`generate_with`: the caller's torch state set aside, the model's device current,
+the drafter held); called by hand, as tests do to inspect an engine, they run without it.
+
 Called as transformers' ``model.generate()`` is called, and returns what it returns:
 
     enc = tokenizer(texts, padding=True, return_tensors="pt")      # padding_side="left" or "right"
