@@ -5,9 +5,7 @@
     request = prepare(model, input_ids, drafter="ngram", max_new_tokens=64)  # checked inputs + model + config
     engine = build_engine(request)                                           # specdec.engine_setup
     out = run(engine, request)                                               # the step loop + the output
-
-run inside one call frame (:func:`generate_with`: the caller's torch state set aside, the model's device current,
-the drafter held); called by hand, as tests do to inspect an engine, they run without it.
+                                        # in generate_with's call frame (torch state, device, drafter held)
 
 Called as transformers' ``model.generate()`` is called, and returns what it returns:
 
