@@ -1,11 +1,10 @@
-"""``specdec.generate``: the Python entry point, as three steps.
+"""``specdec.generate``: the Python entry point, as three steps in one call frame (:func:`generate_with`).
 
     out = specdec.generate("default", [[1, 2, 3], [4, 5]], max_new_tokens=64, drafter="ngram")
 
     request = prepare(model, input_ids, drafter="ngram", max_new_tokens=64)  # checked inputs + model + config
     engine = build_engine(request)                                           # specdec.engine_setup
     out = run(engine, request)                                               # the step loop + the output
-                                        # in generate_with's call frame (torch state, device, drafter held)
 
 Called as transformers' ``model.generate()`` is called, and returns what it returns:
 
