@@ -60,7 +60,7 @@ def test_verify_rows_equal_plain_decoding_along_their_path(dtype):
     runner = _runner(dtype)
     prompts, trees = _case(6, [7, 12], [5, 3])
     batched = ic.batched_tree_logits(runner, prompts, trees)
-    for p, tree, got in zip(prompts, trees, batched):
+    for p, tree, got in zip(prompts, trees, batched, strict=True):
         assert torch.equal(got, ic.decoded_logits(runner, p, tree))
 
 

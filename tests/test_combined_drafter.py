@@ -326,7 +326,9 @@ def test_propose_always_returns_trees_that_validate_within_the_cap():
     combined = CombinedDrafter([Random(), Random(), "ngram"], max_nodes=MAX_TREE_NODES)
     for _ in range(30):
         tokens = [rng.randrange(20) for _ in range(40)]
-        for tree in combined.propose([view(tokens, 0), view(tokens[:7], 1)]):
+        trees = combined.propose([view(tokens, 0), view(tokens[:7], 1)])
+        assert len(trees) == 2
+        for tree in trees:
             assert tree.num_nodes <= MAX_TREE_NODES
             tree.validate(vocab_size=20)
         combined.on_accept(0, tokens[:3])

@@ -220,6 +220,7 @@ def test_certificate_sizes_detect_the_tv_they_state(sizes):
     for sampling in (SamplingConfig(True), SamplingConfig(True, 1.5), SamplingConfig(True, 0.8, 50),
                      SamplingConfig(True, 1.0, 0, 0.9)):
         cases = sampler_cases(list(DraftMode), sampling)
+        assert len(cases) == len(DraftMode), sorted(cases)  # one case per draft mode
         for name, case in cases.items():
             law = step_law(case, EXACT)(case.prefix)
             bins = sum(1 for q in law.values() if q * n >= 5) + any(q * n < 5 for q in law.values())

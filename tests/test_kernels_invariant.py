@@ -77,9 +77,10 @@ def test_a_tiny_model_on_the_triton_backend_is_row_invariant(dtype):
     prompts = [torch.randint(32, (n,), generator=gen).tolist() for n in (5, 3)]
     trees = [ic.random_tree(n, 32, gen) for n in (4, 2)]
     batched, alone = ic.alone_logits(runner, prompts, trees)
-    for b, a in zip(batched, alone):
+    assert len(batched) == len(prompts)  # a row per sequence: zip would stop at a shorter list
+    for b, a in zip(batched, alone, strict=True):
         assert torch.equal(b, a)
     reference = ic.batched_tree_logits(runner.invariant_mode(False), prompts, trees)  # the default kernels
-    for b, r in zip(batched, reference):
+    for b, r in zip(batched, reference, strict=True):
         assert (b - r).abs().max() <= 0.05 * r.abs().max()
 

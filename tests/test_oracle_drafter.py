@@ -64,6 +64,7 @@ def test_greedy_output_is_the_targets_whatever_the_oracle_knows(target):
 def test_perfect_oracle_commits_depth_plus_one_every_step(target):
     loaded, reference = target
     out = _run(loaded, OracleDrafter(reference, AcceptanceProfile.constant(1.0, 4)))
+    assert len(out.stats) == len(PROMPTS)
     for s in out.stats:
         assert set(s.step_lengths[:-1]) == {5}  # the last step may be cut by max_new_tokens
 

@@ -45,7 +45,7 @@ def test_greedy_equals_transformers_inside_the_window(drafter, device):
     new = WINDOW - len(prompts[0])  # the longest prompt fills the window exactly
     options = dict(drafter=drafter, speculation="always") if drafter else {}
     out = specdec.generate(model, prompts, max_new_tokens=new, **options)
-    for prompt, seq in zip(prompts, out):
+    for prompt, seq in zip(prompts, out, strict=True):
         ref = model.generate(torch.tensor([prompt], device=device), max_new_tokens=new, do_sample=False,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device))
         assert seq == ref[0].tolist()
