@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.py runs the CUDA cases of every test file that has them: a device-parametrised test, or one
-skipped without CUDA, left out of its lists never runs on a GPU (seven files were, 2026-11-26, and the first GPU run
-after them failed; tests/test_host_sync.py was, until 2026-11-28)."""
+skipped without CUDA, left out of its lists never runs on a GPU (seven files once were, and the first GPU run after
+them failed)."""
 from __future__ import annotations
 
 import ast

@@ -52,7 +52,7 @@ def test_kernel_bench_rejects_bad_tree_size():
 def test_kernel_bench_cpu_smoke(tmp_path):
     import torch
 
-    if torch.cuda.is_available():  # failed there on an H200 (2026-11-27; the native sweep is gpu_check's kernels step)
+    if torch.cuda.is_available():  # failed there on an H200 (the native sweep is gpu_check's kernels step)
         pytest.skip("a GPU is present: the interpreter smoke run is for machines without one")
     out = tmp_path / "points.json"
     proc = run("bench_kernels_gpu.py", "--cpu-smoke", "--json", str(out))

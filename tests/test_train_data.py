@@ -21,14 +21,6 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[UNK]")
 
 
-def save_tiny_model(path, vocab_size: int = 96) -> str:
-    from specdec.testing import build_tiny_model
-
-    build_tiny_model("llama-mha-untied", vocab_size=vocab_size).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return str(path)
-
-
 TEXTS = [f"the {w} number {i} likes {w[::-1]} and sings, {i * 7}" for i, w in
          enumerate(["cat", "dog", "bird", "fish", "frog", "bee", "owl", "fox", "cow", "yak", "eel", "ant"] * 2)]
 
