@@ -253,7 +253,7 @@ def check_device(spec: Any, label: str = "device") -> torch.device:
     return device
 
 
-def _to_device_as_loaded(model, dtype: torch.dtype | None, device: torch.device | None) -> None:
+def _place_passed_model(model, dtype: torch.dtype | None, device: torch.device | None) -> None:
     """A model passed loaded (a transformers model, a LoadedModel's) with ``dtype`` / ``device``: moved to ``device``
     in place, as ``model.to(device)`` moves it (no copy of an 8B model's weights); a ``dtype`` other than its own is
     refused in one line, as converting would change what the caller's model computes (module doc)."""
@@ -281,7 +281,7 @@ def load_model(
     dtype = check_dtype(dtype)
     device = check_device(device) if device is not None else None
     if isinstance(spec, LoadedModel):  # a tokenizer passed with it serves this use (generate(tokenizer=...))
-        _to_device_as_loaded(spec.model, dtype, device)
+        _place_passed_model(spec.model, dtype, device)
         stale = spec.runner.stale()
         if stale is not None:  # the model was changed since: a runner of it as it is now serves this use
             runner = _REBUILT.get(spec.runner)
@@ -296,7 +296,7 @@ def load_model(
     if _is_hf_model(spec):
         model, name = spec, getattr(spec.config, "_name_or_path", type(spec).__name__)
         source = model_reference(getattr(spec.config, "_name_or_path", "") or "")
-        _to_device_as_loaded(model, dtype, device)
+        _place_passed_model(model, dtype, device)
     elif isinstance(spec, (str, Path)):
         model, loaded_tok, name, source = _load_path(str(spec), dtype, device, trust_remote_code)
         model.eval()  # its transformers forward (training features, the certificate's checks) without dropout
