@@ -16,15 +16,13 @@ from specdec.eval.negative_controls import ScoreChoosingCombined, ShapeAwareSize
 from specdec.eval.selection_law import DRAFT, TARGET, selection_cases, token_shaped_tree
 from specdec.eval.statistics import goodness_of_fit
 
-from specdec import engine_setup
-from specdec.cost_model import CostModel
 from specdec.generate import generate
-from specdec.online_costs import OnlineCosts
 from specdec.rejection import rejection_sample
 from specdec.sampling import SamplingConfig, logits_to_probs
 from specdec.testing import build_tiny_model
 from specdec.tree import DraftMode, DraftTree
 from specdec.tree_sizing import TreeSizer
+from tests.fixed_costs import fix_costs
 
 N = 4000
 PROMPT = [1, 2, 3]
@@ -90,23 +88,10 @@ def test_the_combined_drafter_never_chooses_a_sampled_child_by_its_drawn_token(c
     law_test(first_tokens(drafter.propose(views(N))), exact)
 
 
-def fixed_costs(monkeypatch, curve: dict[int, float]) -> CostModel:
-    """Sizing on ``curve`` (c(n), decode step 1.0) and nothing of this machine's: no wall time moves the curve, and
-    every propose call took no time, so drafting is free and a guard's probe price and catch-up charge are nothing
-    (charged in wall time, they made a loaded worker's decisions differ: tests/test_tree_sizing.py, fixed_costs)."""
-    costs = CostModel({}, {1: curve})
-    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: costs)
-    monkeypatch.setattr(OnlineCosts, "record", lambda self, *args: None)
-    size_call = TreeSizer.size_call
-    monkeypatch.setattr(TreeSizer, "size_call", lambda self, ids, trees, batch, draft_seconds, *args, **kw:
-                        size_call(self, ids, trees, batch, 0.0, *args, **kw))
-    return costs
-
-
 @pytest.fixture
 def seven_nodes_pay(monkeypatch):
-    """Seven verified nodes pay, one does not; drafting is free (fixed_costs)."""
-    return fixed_costs(monkeypatch, {1: 1.0, 2: 2.0, 8: 1.0, 65: 60.0})
+    """Seven verified nodes pay, one does not; drafting is free; nothing of this machine's timings counts."""
+    return fix_costs(monkeypatch, {1: 1.0, 2: 2.0, 8: 1.0, 65: 60.0})
 
 
 def sized_generate(model, prompts, **kw):
@@ -165,7 +150,7 @@ def test_model_drafters_without_replacement_keep_the_law_when_sized(monkeypatch,
     draft = build_tiny_model(vocab_size=4, seed=6, num_hidden_layers=1)  # one of the target's size is never asked
     # two verified nodes pay best, a whole tree less: trees are cut (by the shape an earlier call showed the sizer),
     # and the earlier call's whole tree still paid, so the guard does not skip the call's first step
-    fixed_costs(monkeypatch, {1: 1.0, 3: 1.0, 7: 1.5, 65: 100.0})
+    fix_costs(monkeypatch, {1: 1.0, 3: 1.0, 7: 1.5, 65: 100.0})
     law = two_token_law(model, SamplingConfig(do_sample=True, **sampling))
     kw = dict(drafter="draft-model", audit_drafts=False, **sampling, return_dict=True,
               drafter_options={"model": draft, "num_draft_tokens": 2, "widths": [3, 2], "mode": "without_replacement",
