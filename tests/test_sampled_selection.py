@@ -16,15 +16,13 @@ from specdec.eval.negative_controls import ScoreChoosingCombined, ShapeAwareSize
 from specdec.eval.selection_law import DRAFT, TARGET, selection_cases, token_shaped_tree
 from specdec.eval.statistics import goodness_of_fit
 
-from specdec import engine_setup
-from specdec.cost_model import CostModel
 from specdec.generate import generate
-from specdec.online_costs import OnlineCosts
 from specdec.rejection import rejection_sample
 from specdec.sampling import SamplingConfig, logits_to_probs
 from specdec.testing import build_tiny_model
 from specdec.tree import DraftMode, DraftTree
 from specdec.tree_sizing import TreeSizer
+from tests.fixed_costs import fix_costs
 
 N = 4000
 PROMPT = [1, 2, 3]
@@ -94,12 +92,17 @@ def test_the_combined_drafter_never_chooses_a_sampled_child_by_its_drawn_token(c
 
 @pytest.fixture
 def seven_nodes_pay(monkeypatch):
-    """Seven verified nodes pay, one does not; drafting is free; no wall time moves the curve."""
-    costs = CostModel({}, {1: {1: 1.0, 2: 2.0, 8: 1.0, 65: 60.0}})
-    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: costs)
-    monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: 0.0)
-    monkeypatch.setattr(OnlineCosts, "record", lambda self, *args: None)
-    return costs
+    """Seven verified nodes pay, one does not; drafting is free; nothing of this machine's timings counts."""
+    return fix_costs(monkeypatch, {1: 1.0, 2: 2.0, 8: 1.0, 65: 60.0})
+
+
+def sized_generate(model, prompts, **kw):
+    """generate() with tree sizing, sampling from a fixed seed of torch's own generator: a ``seed=`` (or
+    ``generator=``) of standard sampling verifies every tree whole (specdec.engine_setup._policy), so the sizer
+    these tests are about would never run."""
+    with torch.random.fork_rng():
+        torch.manual_seed(kw.pop("torch_seed"))
+        return generate(model, prompts, speculation="auto", do_sample=True, sampler="standard", **kw)
 
 
 @pytest.mark.parametrize("sizer_cls, exact", [(TreeSizer, True), (ShapeAwareSizer, False)])
@@ -118,10 +121,11 @@ def test_generate_sizes_token_shaped_sampled_trees_exactly(seven_nodes_pay):
     model = build_tiny_model(vocab_size=4, seed=5)
     with torch.no_grad():
         law = model(torch.tensor([PROMPT])).logits[0, -1].double().softmax(-1)
-    kw = dict(do_sample=True, sampler="standard", audit_drafts=False, max_new_tokens=3, return_dict=True)
-    generate(model, [PROMPT], drafter=Sampled(grow=True), seed=1, **kw)
-    out = generate(model, [PROMPT] * 1000, drafter=Sampled(grow=False), seed=11, **kw)
+    kw = dict(audit_drafts=False, max_new_tokens=3, return_dict=True)
+    sized_generate(model, [PROMPT], drafter=Sampled(grow=True), torch_seed=1, **kw)
+    out = sized_generate(model, [PROMPT] * 1000, drafter=Sampled(grow=False), torch_seed=11, **kw)
     assert all(s.step_nodes[0] >= 1 for s in out.stats)
+    assert any(0 in s.step_nodes[1:] for s in out.stats)  # the sizer ran: a later one-node tree does not pay
     p, power = goodness_of_fit([s[len(PROMPT)] for s in out.sequences], dict(enumerate(law.tolist())), tv=0.09,
                                alpha=1e-3)
     assert power > 0.9 and p > 1e-3, (p, power)
@@ -146,17 +150,16 @@ def test_model_drafters_without_replacement_keep_the_law_when_sized(monkeypatch,
     with speculation="auto" keeps the law of the first two new tokens (chi-square, power >= 0.9 at TV 0.07)."""
     model = build_tiny_model(vocab_size=4, seed=5)
     draft = build_tiny_model(vocab_size=4, seed=6, num_hidden_layers=1)  # one of the target's size is never asked
-    # two verified nodes pay, more do not: trees are cut (by the shape an earlier call showed the sizer)
-    costs = CostModel({}, {1: {1: 1.0, 3: 1.0, 4: 3.0, 65: 100.0}})
-    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: costs)
-    monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: 0.0)
-    monkeypatch.setattr(OnlineCosts, "record", lambda self, *args: None)
+    # two verified nodes pay best, a whole tree less: trees are cut (by the shape an earlier call showed the sizer),
+    # and the earlier call's whole tree still paid, so the guard does not skip the call's first step
+    fix_costs(monkeypatch, {1: 1.0, 3: 1.0, 7: 1.5, 65: 100.0})
     law = two_token_law(model, SamplingConfig(do_sample=True, **sampling))
-    kw = dict(drafter="draft-model", speculation="auto", do_sample=True, sampler="standard", audit_drafts=False,
-              **sampling, drafter_options={"model": draft, "num_draft_tokens": 2, "widths": [3, 2],
-                                           "mode": "without_replacement"}, return_dict=True)
-    generate(model, [PROMPT], max_new_tokens=4, seed=1, **kw)
-    out = generate(model, [PROMPT] * 2000, max_new_tokens=2, seed=5, **kw)
+    kw = dict(drafter="draft-model", audit_drafts=False, **sampling, return_dict=True,
+              drafter_options={"model": draft, "num_draft_tokens": 2, "widths": [3, 2], "mode": "without_replacement",
+                               "seed": 3})
+    sized_generate(model, [PROMPT], max_new_tokens=4, torch_seed=1, **kw)
+    out = sized_generate(model, [PROMPT] * 2000, max_new_tokens=2, torch_seed=5, **kw)
     assert sum(s.step_nodes[0] for s in out.stats) >= 2000  # drafts were verified, not pruned away
+    assert max(s.step_nodes[0] for s in out.stats) == 2  # ... but cut to the two that pay (the sizer ran)
     p, power = goodness_of_fit([tuple(s[len(PROMPT):]) for s in out.sequences], law, tv=0.07, alpha=1e-3)
     assert power >= 0.9 and p > 1e-3, (p, power)
