@@ -257,14 +257,13 @@ def _place_passed_model(model, dtype: torch.dtype | None, device: torch.device |
     """A model passed loaded (a transformers model, a LoadedModel's) with ``dtype`` / ``device``: moved to ``device``
     in place, as ``model.to(device)`` moves it (no copy of an 8B model's weights); a ``dtype`` other than its own is
     refused in one line, as converting would change what the caller's model computes (module doc)."""
-    if dtype is not None:
-        own = next((p.dtype for p in model.parameters() if p.is_floating_point()), dtype)
-        if own != dtype:
-            raise InputError(f"dtype={dtype} is the dtype to load a checkpoint in, but the model passed is already "
-                             f"loaded in {own}: convert it first (model.to({dtype})) or leave dtype out")
+    weight = model.get_input_embeddings().weight  # its dtype is the runner's (LlamaRunner.dtype), as in _lies_as
+    if dtype is not None and weight.dtype != dtype:
+        raise InputError(f"dtype={dtype} is the dtype to load a checkpoint in, but the model passed is already "
+                         f"loaded in {weight.dtype}: convert it first (model.to({dtype})) or leave dtype out")
     if device is not None:
         runnable.check_modules(model)  # a quantized model's .to() is transformers' traceback, this one line
-        now = next(model.parameters()).device
+        now = weight.device
         if now.type != device.type or device.index not in (None, now.index):
             logger.info("moving the model passed to %s (in place: the caller's model object moves)", device)
         model.to(device)
