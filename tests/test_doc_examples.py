@@ -272,6 +272,15 @@ def test_every_generate_call_in_the_docs_uses_generates_keywords():
     assert not problems, "generate() calls in the docs with keywords it does not take:\n" + "\n".join(problems)
 
 
+@pytest.fixture
+def page(tmp_path, monkeypatch):
+    """A README.md of the test's own in an empty repo root: the only page the docs checks read."""
+    page = tmp_path / "README.md"
+    monkeypatch.setattr(sys.modules[__name__], "pages", lambda: [page])
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    return page
+
+
 @pytest.mark.parametrize("line, problem", [
     ("specdec generate --drafter ngram --max-new-token 64 \"hi\"", "specdec generate: no option --max-new-token"),
     ("`specdec eval acceptance --drafters ngram --prompt 3`", "specdec eval acceptance: no option --prompt"),
@@ -282,11 +291,8 @@ def test_every_generate_call_in_the_docs_uses_generates_keywords():
     ("accelerate launch -m specdec.cli train-medusa --output-dir h --num-head 2", "no option --num-head"),
     ("python benchmarks/bench_plain_cpu.py --prompt 2", "benchmarks/bench_plain_cpu: no option --prompt"),
 ])
-def test_a_doc_naming_a_flag_or_option_that_does_not_exist_is_caught(tmp_path, monkeypatch, line, problem):
-    page = tmp_path / "README.md"
+def test_a_doc_naming_a_flag_or_option_that_does_not_exist_is_caught(page, line, problem):
     page.write_text(f"Text.\n\n```bash\n{line}\n```\n")
-    monkeypatch.setattr(sys.modules[__name__], "pages", lambda: [page])
-    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     problems = command_problems()
     assert len(problems) == 1 and problem in problems[0], problems
     page.write_text("`specdec generate` takes `--seed S`: `specdec generate --dtype bfloat16 --drafter ngram` "
@@ -294,12 +300,9 @@ def test_a_doc_naming_a_flag_or_option_that_does_not_exist_is_caught(tmp_path, m
     assert command_problems() == []
 
 
-def test_a_generate_call_with_a_keyword_generate_does_not_take_is_caught(tmp_path, monkeypatch):
-    page = tmp_path / "README.md"
+def test_a_generate_call_with_a_keyword_generate_does_not_take_is_caught(page):
     page.write_text('```python\nout = specdec.generate(model, ids, drafter="ngram", max_tokens=8,\n'
                     '                       drafter_options={"max_ngram": 4, "nodes": 3})\n```\n')
-    monkeypatch.setattr(sys.modules[__name__], "pages", lambda: [page])
-    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     problems = generate_call_problems()
     assert len(problems) == 2 and "no keyword 'max_tokens'" in problems[0] and "'nodes'" in problems[1], problems
 
@@ -318,11 +321,8 @@ def test_a_generate_call_with_a_keyword_generate_does_not_take_is_caught(tmp_pat
     ("specdec eval losless --drafter ngram", "specdec eval has no command 'losless'"),
     ("specdec eval lossless [--model M] [--drafter NAME]", "a synopsis"),
 ])
-def test_a_bash_block_that_is_no_runnable_command_is_caught(tmp_path, monkeypatch, block, problem):
-    page = tmp_path / "README.md"
+def test_a_bash_block_that_is_no_runnable_command_is_caught(page, block, problem):
     page.write_text(f"Text.\n\n1. A step:\n\n    ```bash\n    {block}\n    ```\n")
-    monkeypatch.setattr(sys.modules[__name__], "pages", lambda: [page])
-    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     problems = bash_block_problems()
     assert len(problems) >= 1 and problem in problems[0] and problems[0].startswith("README.md:5: "), problems
     page.write_text(
