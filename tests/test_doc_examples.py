@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import importlib.util
 import inspect
 import re
 import shlex
@@ -22,7 +21,7 @@ from unittest import mock
 
 import pytest
 
-from tests.script_loading import load_script
+from tests.script_loading import load_file, load_script
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -189,10 +188,7 @@ def command_problems() -> list[str]:
 
 def doc_commands():
     """docs/doc_commands.py (docs/ is no package): what a runnable command of the docs is."""
-    spec = importlib.util.spec_from_file_location("doc_commands", DOCS / "doc_commands.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(DOCS / "doc_commands.py")
 
 
 def bash_blocks(text: str) -> list[tuple[int, str]]:

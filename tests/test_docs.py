@@ -5,26 +5,19 @@ check; these take well under a second.)"""
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 
+from tests.script_loading import load_file
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 
 
-def _script(path: Path):
-    """A script of the repo (not a package module) loaded as a module."""
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _gen_benchmarks():
-    return _script(DOCS / "gen_benchmarks.py")
+    return load_file(DOCS / "gen_benchmarks.py")
 
 
 def test_benchmarks_page_is_generated_from_the_results():
@@ -35,13 +28,13 @@ def test_benchmarks_page_is_generated_from_the_results():
 
 
 def test_result_tables_on_other_pages_are_generated_from_the_results():
-    gen = _script(DOCS / "gen_result_tables.py")
+    gen = load_file(DOCS / "gen_result_tables.py")
     assert gen.pages(), "no page has a generated region"
     assert gen.main(["--check"]) == 0, "run: python docs/gen_result_tables.py"
 
 
 def test_a_stale_or_broken_result_region_is_caught(tmp_path, monkeypatch):
-    gen = _script(DOCS / "gen_result_tables.py")
+    gen = load_file(DOCS / "gen_result_tables.py")
     results = {"r.json": dict(file="r.json", columns=["a", "b"], rows=[["x", "1.5"]])}
     region = "<!-- generated: results/r.json table -->\n{}<!-- end generated -->"
     page = "Text.\n\n" + region.format("\n| a | b |\n|---|---|\n| x | 1.4 |\n\n") + "\n\nMore."
@@ -62,7 +55,7 @@ def test_a_stale_or_broken_result_region_is_caught(tmp_path, monkeypatch):
 
 
 def test_a_results_further_table_fills_its_named_region_and_shows_on_the_benchmarks_page():
-    gen = _script(DOCS / "gen_result_tables.py")
+    gen = load_file(DOCS / "gen_result_tables.py")
     extra = dict(name="per_turn", columns=["turn", "x"], rows=[["1", "2.5"]])
     result = dict(date="2026-01-01", machine_class="cpu-avx512", title="T", machine="m", benchmark="b", command="c",
                   file="r.json", columns=["a"], rows=[["main"]], tables=[extra])
@@ -79,7 +72,7 @@ def test_a_results_further_table_fills_its_named_region_and_shows_on_the_benchma
 def test_a_starred_region_takes_the_newest_result_and_the_gpu_table_each_gpus_latest():
     """A newer run's files update the page: ``*`` picks the newest match, and the GPU page's table takes each GPU's
     newest result of each kind, dates a cell older than that GPU's latest run and says what none measured."""
-    gen = _script(DOCS / "gen_result_tables.py")
+    gen = load_file(DOCS / "gen_result_tables.py")
 
     def result(file, date, cls, benchmark, **kw):
         return dict(file=file, date=date, machine_class=cls, benchmark=benchmark, title=file, **kw)
@@ -119,7 +112,7 @@ def test_a_starred_region_takes_the_newest_result_and_the_gpu_table_each_gpus_la
 
 def _gpu_table(*results: dict) -> dict[str, list[str]]:
     """The GPU page's table from ``results`` (file names given), as label -> cells."""
-    gen = _script(DOCS / "gen_result_tables.py")
+    gen = load_file(DOCS / "gen_result_tables.py")
     page = gen.render_part(list(results), "latest_per_gpu")
     cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in page.splitlines() if line[:2] == "| "]
     return {c[0]: c[1:] for c in cells}
@@ -388,7 +381,7 @@ def test_tables_render_as_written():
 def test_the_gpu_check_report_renders_its_lists():
     """The report a GPU run commits: its failures, end-to-end divergences and test counts as lists, after code
     blocks."""
-    check = _script(REPO / "benchmarks" / "gpu_check.py")
+    check = load_file(REPO / "benchmarks" / "gpu_check.py")
     tests = {"status": "failed", "kernels_and_graphs": dict(passed=3, failed=1, skipped=0, seconds=9.0,
                                                             failures=["tests/test_x.py::test_y"], log_tail="E boom")}
     e2e = {"status": "failed", "error": "Traceback ...", "errors": ["a drafter failed"], "table": "| tok/s |",
