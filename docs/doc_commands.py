@@ -33,16 +33,17 @@ ASSIGNMENT = re.compile(r"[A-Za-z_]\w*=.*")
 PYTHON_FILE = re.compile(r"[\w./-]+\.py\b")
 
 
-def logical_lines(text: str) -> list[str]:
-    """The lines of ``text``, one ended by a backslash joined to the next."""
-    out, line = [], ""
-    for raw in text.splitlines():
-        if raw.rstrip().endswith("\\"):
-            line += raw.rstrip()[:-1] + " "
-            continue
-        out.append(line + raw)
-        line = ""
-    return out + ([line] if line else [])
+def logical_lines(text: str) -> list[tuple[int, str]]:
+    """(number of its first line, text) of every line of ``text``, one ended by a backslash joined to the next."""
+    lines, out, n = text.splitlines(), [], 0
+    while n < len(lines):
+        start, line = n + 1, lines[n]
+        while line.rstrip().endswith("\\") and n + 1 < len(lines):
+            n += 1
+            line = line.rstrip()[:-1] + " " + lines[n].strip()
+        out.append((start, line))
+        n += 1
+    return out
 
 
 def _package_dirs(root: Path) -> dict[str, str]:
@@ -133,7 +134,8 @@ def parse(text: str, root: Path = REPO) -> tuple[list[list[str]], list[str]]:
         commands.extend([words] if words else [])
         found.extend([problem] if problem else [])
 
-    for line in map(_cut_comment, logical_lines(text)):
+    for _, line in logical_lines(text):
+        line = _cut_comment(line)
         if OPTIONAL.search(line):
             found.append(f"{line.strip()[:60]!r}: a synopsis ([--flag] optional), no command: show it in a text block")
             continue

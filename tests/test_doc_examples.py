@@ -45,19 +45,6 @@ def pages() -> list[Path]:
     return found
 
 
-def command_lines(text: str) -> list[tuple[int, str]]:
-    """(line number, text) of every line, a line continued with a backslash joined to the next ones."""
-    lines, out, n = text.splitlines(), [], 0
-    while n < len(lines):
-        start, line = n + 1, lines[n]
-        while line.rstrip().endswith("\\") and n + 1 < len(lines):
-            n += 1
-            line = line.rstrip()[:-1] + " " + lines[n].strip()
-        out.append((start, line))
-        n += 1
-    return out
-
-
 def segments(line: str) -> list[str]:
     """The parts of ``line`` that can each hold one command: inline code spans and shell commands apart, comments
     cut."""
@@ -161,12 +148,12 @@ def flag_problems(argv: list[str], parser: argparse.ArgumentParser, command: str
 def command_problems() -> list[str]:
     from specdec.cli import _parser
 
-    parsers = _subcommands(_parser(), "specdec")
+    parsers, logical_lines = _subcommands(_parser(), "specdec"), doc_commands().logical_lines
     scripts: dict[str, argparse.ArgumentParser] = {}
     problems = []
     for page in pages():
         where = page.relative_to(REPO)
-        for n, line in command_lines(page.read_text()):
+        for n, line in logical_lines(page.read_text()):
             for segment in segments(line):
                 if m := COMMAND.search(segment):
                     command = "specdec"
