@@ -20,7 +20,8 @@ verified is not believed next to them.
 **Plain steps.** The correction divides by 1-token (plain) steps' times. A bucket whose steps all draft (the guard
 believes drafting pays, perhaps on a curve too flat) has none: :meth:`plain_step_due` asks for one after
 ``plain_every[0]`` steps of more tokens while the bucket has fewer than ``min_samples``, after ``plain_every[1]``
-(~3% of steps) once it has them, never in a run that decodes plainly that often anyway.
+(~3% of steps) once it has them, never in a run that decodes plainly that often anyway. The other way round, a curve
+too steep verifies no draft: the sizer then times 2-token verifies now and then (:meth:`drafted_evidence`).
 
 **Across calls** (:meth:`kept`, :meth:`restore`, in the guard's memory): a call starts from the last ``min_samples``
 times of each size, enough to correct its first steps, few enough that a load changed since is soon outvoted.
@@ -77,6 +78,18 @@ class OnlineCosts:
         bucket = self.costs.batch_bucket(batch)
         thin = len(self.samples.get((bucket, 1), ())) < self.min_samples
         return self.drafted.get(bucket, 0) >= self.plain_every[0 if thin else 1]
+
+    def drafted_evidence(self, batch: int) -> int:
+        """Verify times of drafted steps (n > 1) the bucket holds: what the correction of n > 1 can stand on."""
+        bucket = self.costs.batch_bucket(batch)
+        return sum(len(s) for (b, n), s in self.samples.items() if b == bucket and n > 1)
+
+    def observed(self, n: int, batch: int = 1, at_least: int = 1) -> float | None:
+        """c(n) / c(1) as this run's medians have it, unshrunk (None: fewer than ``at_least`` times of n or of 1)."""
+        bucket = self.costs.batch_bucket(batch)
+        if min(len(self.samples.get((bucket, n), ())), len(self.samples.get((bucket, 1), ()))) < max(at_least, 1):
+            return None
+        return self.medians[(bucket, n)] / self.medians[(bucket, 1)]
 
     def relative(self, n: int, batch: int = 1) -> float:
         """c(n) / c(1) in plain decode steps (>= 1), with this run's correction where it has one."""

@@ -13,7 +13,9 @@ the product along the path) for ``d + c(1 + |S|)`` decode steps (d: draft time, 
 by ``margin``. The guard keeps running averages per sequence and skips the drafter with a growing backoff when
 they do not pay, probing again when the sequence has banked the probe's price (``probe_budget`` of a decode step
 per step: probes, catch-ups included, cost about that share of a run of calls); ``never_pays`` drafters are never
-asked.
+asked. **Measured verifies**: while the run has timed few drafted verifies and the curve may be too steep, a tree cut
+to nothing keeps its best node now and then, paid from the same budget at what it costs beyond a plain step (a curve
+calibrated too steep verifies no draft, and plain steps alone correct nothing in it).
 ``memory`` carries backoff, probe price, banked budget, acceptance evidence and the verify times that correct the
 cost curve across calls, and processes (:mod:`specdec.remembered`, in the cost cache): a run of short calls is guarded
 as one long call would be.
@@ -173,6 +175,7 @@ class _Pending:  # what was proposed for a sequence this step, to learn from the
     accept: list[float]  # a_i used for sizing
     kept: list[int]  # indices (into tree) of the nodes verified, ascending: the pruned tree's node order
     cost: float  # of the whole tree, in decode steps: draft + c(1 + num_nodes)
+    best: int  # the first node of the sizing order: what a measured verify keeps of a tree cut to nothing
 
 
 @dataclass
@@ -374,7 +377,8 @@ class TreeSizer:
     # ---- sizing -----------------------------------------------------------------------------
     def size_call(self, seq_ids: list[int], trees: list[DraftTree], batch: int, draft_seconds: float,
                   catch_up: bool = False, verified: bool = False) -> list[DraftTree]:
-        """Size every tree of one propose call (:meth:`size`) and record the call's draft time.
+        """Size every tree of one propose call (:meth:`size`; one node of a tree cut to nothing where a measured verify
+        is due: :meth:`_measurement_due`) and record the call's draft time.
 
         A call of deterministic trees is priced by its own time (the first probe already knows what drafting
         costs). With a sampled tree the time is recorded after sizing: a drafter whose run time depended on what
@@ -388,6 +392,11 @@ class TreeSizer:
             self.record_draft(draft_seconds, catch_up)
         costs = self._relative_costs(batch, max((t.num_nodes for t in trees), default=0))
         out = [self.size(seq_id, tree, batch, costs) for seq_id, tree in zip(seq_ids, trees)]
+        for i, (seq_id, tree) in enumerate(zip(seq_ids, trees)):
+            if out[i].num_nodes == 0 < tree.num_nodes and not verified and self._measurement_due(seq_id, batch, costs):
+                pending = self.pending[seq_id]  # judged as the empty tree it was: a measurement, not a bet
+                pending.kept = [pending.best]
+                out[i] = tree.subtree(pending.kept)
         if sampled:
             self.record_draft(draft_seconds, catch_up)
         if verified:
@@ -421,9 +430,29 @@ class TreeSizer:
             self.shapes[seq_id] = parents
         kept_tokens = 1.0 + sum(path[i] for i in order[:best_k])
         kept = sorted(order[:best_k])
-        self.pending[seq_id] = _Pending(tree, accept, kept, d + costs[tree.num_nodes])
+        self.pending[seq_id] = _Pending(tree, accept, kept, d + costs[tree.num_nodes], order[0])
         self._judge(seq_id, kept_tokens, costs[best_k] if best_k else 1.0, batch)
         return tree if best_k == tree.num_nodes else tree.subtree(kept)
+
+    def _measurement_due(self, seq_id: int, batch: int, costs: list[float]) -> bool:
+        """Whether a tree cut to nothing keeps its best node anyway, so that the step times a 2-token verify (module
+        doc, Measured verifies): while the batch bucket holds fewer than a window of drafted verify times and the
+        curve may be too steep (this run has not timed 2 tokens ``min_samples`` times, or they cost less than the
+        curve says, by more than the margin), paid from the sequence's probe budget at what such a verify costs
+        beyond a plain step, as this run measured it (else as the curve has it, at most a step)."""
+        online = self.online
+        if online.drafted_evidence(batch) >= online.window:
+            return False
+        settled = online.observed(2, batch, at_least=online.min_samples)
+        if settled is not None and settled >= costs[1] * (1.0 - self.config.margin):
+            return False
+        observed = online.observed(2, batch)
+        charge = max(min((costs[1] if observed is None else observed) - 1.0, 1.0), 0.0)
+        guard = self._guard(seq_id)
+        if guard.credit < charge:
+            return False
+        guard.credit -= charge
+        return True
 
     def _best_prefix(self, gains: list[float], draft: float, costs: list[float]) -> int:
         """k maximising ``(1 + sum(gains[:k])) / (draft + c(1 + k))`` (``costs[k]``: c(1 + k) / c(1)), 0 unless it

@@ -228,6 +228,84 @@ def test_seeded_standard_sampling_still_verifies_every_draft_whole(flat_cache_on
     assert 0 not in out.stats[0].step_nodes[:-1]  # the last step: one token left to the budget
 
 
+STEEP_CACHE = CostModel({}, {1: {1: 0.010, 65: 0.650}})  # a cached curve too steep: c(n) = n c(1)
+
+
+def nearly_flat(n: int) -> float:
+    """What a verify of n tokens really costs on this (pretend) machine: c(17) = 1.32 c(1)."""
+    return 0.010 * (1 + 0.02 * (n - 1))
+
+
+def cache_on_a_machine(monkeypatch, cache: CostModel, seconds) -> None:
+    """The cached curve is ``cache``, every verify of n tokens takes ``seconds(n)``, drafting is free."""
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: cache)
+    monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: 0.0)
+    monkeypatch.setattr(TreeSizer, "probe_cost", lambda self, batch: 0.0)
+    observe = SpeculationPolicy.observe
+
+    def timed(self, step):
+        observe(self, step if step.verify_seconds is None else replace(step, verify_seconds=seconds(step.query_tokens)))
+
+    monkeypatch.setattr(SpeculationPolicy, "observe", timed)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"do_sample": True, "sampler": "coupled", "seed": 3}],
+                         ids=["greedy", "coupled"])
+def test_a_too_steep_cached_curve_is_corrected_though_it_verifies_no_draft(monkeypatch, sampling):
+    """The cached curve says a 2-token verify costs two decode steps; here it costs 1.02. No draft seemed to pay, so
+    every step was plain, plain steps measured only c(1), and the run (and every later one: the curve is cached)
+    decoded plainly while the first node of every other draft would have paid. A tree cut to nothing now keeps its
+    best node now and then, paid from the probe budget, until the run has timed enough 2-token verifies."""
+    cache_on_a_machine(monkeypatch, STEEP_CACHE, nearly_flat)
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4]
+    plain = generate(model, [prompt], max_new_tokens=320, **sampling)[0]
+    out = generate(model, [prompt], max_new_tokens=300, drafter=HalfRight(plain, 32), return_dict=True, **sampling)
+    assert out.sequences[0] == plain[: len(prompt) + 300]
+    nodes = list(out.stats[0].step_nodes)
+    assert sum(n > 0 for n in nodes[-100:]) >= 30, nodes
+
+
+def test_measuring_a_curve_that_is_right_to_be_steep_stays_within_the_probe_budget(monkeypatch):
+    """Where 2 tokens do cost two decode steps, a measuring verify costs a whole step: at 1% of a step banked per
+    step, about one in a hundred steps measures."""
+    cache_on_a_machine(monkeypatch, STEEP_CACHE, lambda n: 0.010 * n)
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4]
+    plain = generate(model, [prompt], max_new_tokens=320)[0]
+    out = generate(model, [prompt], max_new_tokens=300, drafter=HalfRight(plain, 32), return_dict=True)
+    assert out.sequences[0] == plain[: len(prompt) + 300]
+    measured = [i for i, n in enumerate(out.stats[0].step_nodes) if n > 0]
+    assert 1 <= len(measured) <= 3 and all(b - a >= 90 for a, b in zip(measured, measured[1:])), measured
+
+
+class Wrong(HalfRight):
+    """A 4-token chain that is never right."""
+
+    name = "wrong"
+
+    def propose(self, seqs):
+        return [DraftTree.chain([(t + 1) % self.vocab for t in self.plain[len(s.token_ids): len(s.token_ids) + 4]])
+                for s in seqs]
+
+
+def test_a_curve_found_right_is_measured_no_further():
+    """Where this run times 2 tokens as the curve prices them, three measured verifies are enough: a drafter that
+    never pays, on a cheap 2-token verify, is not measured every few steps until a window is full."""
+    right = CostModel({}, {1: {1: 0.010, 65: 0.010 * (1 + 0.03 * 64)}})
+    with pytest.MonkeyPatch.context() as mp:
+        cache_on_a_machine(mp, right, lambda n: 0.010 * (1 + 0.03 * (n - 1)))
+        model = build_tiny_model(vocab_size=32, seed=2)
+        prompt = [1, 2, 3, 4]
+        plain = generate(model, [prompt], max_new_tokens=110)[0]
+        out = generate(model, [prompt], max_new_tokens=100, drafter=Wrong(plain, 32), return_dict=True)
+    assert out.sequences[0] == plain[: len(prompt) + 100]
+    nodes = list(out.stats[0].step_nodes)
+    # its first steps draft on the prior's bet and are measured until 3 plain and 3 two-token times are in (steps
+    # 0-10 here); measured until the window filled, a step in three was, up to step 76 of 100
+    assert 0 < max(n for n in nodes[:20]) and max(nodes[20:]) == 0, nodes
+
+
 def test_a_value_remembered_while_another_call_saves_is_saved_next_time(tmp_path, monkeypatch):
     """Concurrent generate() calls share the guard's store: save() cleared the whole unsaved set after writing,
     dropping a value another thread's call had remembered meanwhile (so the next process never read it)."""
