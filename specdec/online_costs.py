@@ -28,12 +28,16 @@ times of each size, enough to correct its first steps, few enough that a load ch
 """
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
 from specdec.cost_model import CostModel
 from specdec.tree import MAX_TREE_NODES
+
+logger = logging.getLogger(__name__)
+_TOO_STEEP_WARNED: set[str] = set()  # cost cache files already said to be too steep (once per process)
 
 
 @dataclass
@@ -142,9 +146,23 @@ class OnlineCosts:
         if not base or not own or min(len(base), len(own)) < self.min_samples:
             return None
         observed = self.medians[(bucket, n)] / self.medians[(bucket, 1)]
-        raw = observed / self._calibrated(bucket, n)[n]
+        calibrated = self._calibrated(bucket, n)[n]
+        raw = observed / calibrated
+        if raw < 0.5 and min(len(base), len(own)) >= self.window // 2:
+            self._too_steep(n, calibrated, observed)
         weight = min(len(base), len(own)) / (min(len(base), len(own)) + self.prior)
         return min(max(1.0 + weight * (raw - 1.0), 0.5), 2.0)
+
+    def _too_steep(self, n: int, calibrated: float, observed: float) -> None:
+        """Say once per process that the cached curve is more than the correction's 2x too steep (it is corrected by
+        2x at most, so drafts that would pay are still cut): where the file is, and that deleting it re-measures."""
+        where = self.costs.file
+        if where is None or str(where) in _TOO_STEEP_WARNED:
+            return
+        _TOO_STEEP_WARNED.add(str(where))
+        logger.warning("the cached verify costs in %s price %d query tokens at %.2f decode steps, where this run "
+                       "measures %.2f (a calibration taken while the machine was busy?): speculation='auto' drafts "
+                       "less than it should; delete the file to measure them again", where, n, calibrated, observed)
 
     def _calibrated(self, bucket: int, top: int) -> list[float]:
         """The cost model's relative(n) at ``bucket``, n = 0..top at least (fixed once the bucket's curve exists)."""

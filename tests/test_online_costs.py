@@ -306,6 +306,36 @@ def test_a_curve_found_right_is_measured_no_further():
     assert 0 < max(n for n in nodes[:20]) and max(nodes[20:]) == 0, nodes
 
 
+def test_a_cached_curve_beyond_what_the_correction_can_mend_is_named_once(tmp_path, caplog):
+    """Three times too steep, the correction (clipped at 0.5) still cuts drafts that would pay: the log says which
+    file to delete, once half a window of times stands behind it, and once per process."""
+    file = tmp_path / "verify-steep.json"
+    steeper = CostModel({}, {1: {1: 0.010, 65: 0.010 * (1 + 2 * 64)}}, file=file)  # c(2) = 3 c(1)
+    online = OnlineCosts(steeper)
+    with caplog.at_level("WARNING", logger="specdec.online_costs"):
+        for _ in range(15):
+            online.record(nearly_flat(1), 1, 1)
+            online.record(nearly_flat(2), 2, 1)
+        assert not caplog.records  # 15 times of each: not yet
+        for _ in range(20):
+            online.record(nearly_flat(1), 1, 1)
+            online.record(nearly_flat(2), 2, 1)
+        again = OnlineCosts(steeper)  # a later call of this process
+        again.restore([[1, 1, [nearly_flat(1)] * 16], [1, 2, [nearly_flat(2)] * 16]], [])
+        assert again.relative(2) < 3.0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the cached verify costs in {file} price 2 query tokens at 3.00 decode steps, where this run measures 1.02 "
+        "(a calibration taken while the machine was busy?): speculation='auto' drafts less than it should; delete "
+        "the file to measure them again"]
+    caplog.clear()
+    online = OnlineCosts(replace(STEEP_CACHE, file=tmp_path / "verify-2x.json"))  # twice too steep: mended
+    with caplog.at_level("WARNING", logger="specdec.online_costs"):
+        for _ in range(32):
+            online.record(nearly_flat(1), 1, 1)
+            online.record(nearly_flat(2), 2, 1)
+    assert not caplog.records
+
+
 def test_a_value_remembered_while_another_call_saves_is_saved_next_time(tmp_path, monkeypatch):
     """Concurrent generate() calls share the guard's store: save() cleared the whole unsaved set after writing,
     dropping a value another thread's call had remembered meanwhile (so the next process never read it)."""
