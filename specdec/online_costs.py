@@ -5,9 +5,8 @@
     costs.relative(n, batch)                        # c(n) / c(1): calibrated, times what this run observed
     costs.plain_step_due(batch)                     # before a step: decode it plainly, to measure c(1)
 
-The calibration (:mod:`specdec.cost_model`) times bare chain drafts on a synthetic prompt, perhaps while the machine
-was quieter or busier than now; a real step does more for some drafters (hidden states for EAGLE and Medusa, a
-tree's ancestor mask), so sizing on the calibrated curve alone keeps trees that do not pay.
+The calibration (:mod:`specdec.cost_model`) times bare chains on a synthetic prompt, perhaps while the machine was
+quieter or busier than now; a real step does more for some drafters (EAGLE's hidden states, a tree's mask).
 
 **Correction.** For each (batch bucket, n) the last ``window`` verify times are kept; the correction of n is
 ``(median at n / median at 1) / calibrated relative(n)``, shrunk toward 1 by the evidence, ``w = k / (k + prior)``
@@ -20,11 +19,14 @@ verified is not believed next to them.
 **Plain steps.** The correction divides by 1-token (plain) steps' times. A bucket whose steps all draft (the guard
 believes drafting pays, perhaps on a curve too flat) has none: :meth:`plain_step_due` asks for one after
 ``plain_every[0]`` steps of more tokens while the bucket has fewer than ``min_samples``, after ``plain_every[1]``
-(~3% of steps) once it has them, never in a run that decodes plainly that often anyway. The other way round, a curve
-too steep verifies no draft: the sizer then times 2-token verifies now and then (:meth:`drafted_evidence`).
+(~3% of steps) once it has them, never in a run that decodes plainly that often anyway.
 
-**Across calls** (:meth:`kept`, :meth:`restore`, in the guard's memory): a call starts from the last ``min_samples``
-times of each size, enough to correct its first steps, few enough that a load changed since is soon outvoted.
+**Measured verifies.** A curve too steep verifies no draft, so no size above 1 is timed. :meth:`measure_due` lets the
+sizer keep a node of a tree it cut to nothing while the bucket has under ``window`` drafted times and 2 tokens are
+priced above their median by more than the margin (or timed < ``min_samples`` times): ``measure_budget`` per step.
+
+**Across calls** (:meth:`kept`, :meth:`restore`, in the guard's memory): a call starts from the bank and the last
+``min_samples`` times of each size, enough to correct its first steps, few enough that a new load soon outvotes them.
 """
 from __future__ import annotations
 
@@ -49,10 +51,13 @@ class OnlineCosts:
     # steps of more than 1 token after which a 1-token step is due: while the bucket has fewer than min_samples of
     # them, and after (module doc, Plain steps)
     plain_every: tuple[int, int] = (8, 32)
+    # decode steps banked per step (at most one banked) for measured verifies (module doc, Measured verifies)
+    measure_budget: float = 0.01
     samples: dict[tuple[int, int], deque] = field(default_factory=dict)  # (batch bucket, n) -> recent seconds
     medians: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # ... and their median
     factors: dict[tuple[int, int], float] = field(default_factory=dict)  # (batch bucket, n) -> measured correction
     drafted: dict[int, int] = field(default_factory=dict)  # batch bucket -> steps of n > 1 since its last n = 1
+    credit: dict[int, float] = field(default_factory=dict)  # batch bucket -> decode steps banked for measuring
     # batch bucket -> (sizes, corrections) of the measured corrections, (1, 1.0) first: what relative() interpolates
     anchors: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict, repr=False)
     # batch bucket -> relative(n) at index n, up to the largest n asked: sizing asks for every prefix of every tree,
@@ -63,16 +68,17 @@ class OnlineCosts:
 
     def __post_init__(self) -> None:
         if (self.window < 1 or self.prior <= 0 or not 1 <= self.min_samples <= self.window
-                or not 1 <= self.plain_every[0] <= self.plain_every[1]):
-            raise ValueError(f"OnlineCosts needs window >= 1, prior > 0, 1 <= min_samples <= window and 1 <= "
-                             f"plain_every[0] <= plain_every[1], got {self.window}, {self.prior}, {self.min_samples}, "
-                             f"{self.plain_every}")
+                or not 1 <= self.plain_every[0] <= self.plain_every[1] or not 0 < self.measure_budget <= 1):
+            raise ValueError(f"OnlineCosts needs window >= 1, prior > 0, 1 <= min_samples <= window, 1 <= "
+                             f"plain_every[0] <= plain_every[1] and 0 < measure_budget <= 1, got {self.window}, "
+                             f"{self.prior}, {self.min_samples}, {self.plain_every}, {self.measure_budget}")
 
     def record(self, verify_seconds: float, n: int, batch: int) -> None:
         """One step's verify wall time, ``n`` query tokens for its largest sequence."""
         bucket = self.costs.batch_bucket(batch)
         self._add(bucket, n, [verify_seconds])
         self.drafted[bucket] = 0 if n == 1 else self.drafted.get(bucket, 0) + 1
+        self.credit[bucket] = min(self.credit.get(bucket, 0.0) + self.measure_budget, 1.0)
         # a plain step moves every size's correction (and a bucket's first record corrects restored samples)
         self._correct(bucket, None if n == 1 or bucket not in self.anchors else n)
 
@@ -83,17 +89,21 @@ class OnlineCosts:
         thin = len(self.samples.get((bucket, 1), ())) < self.min_samples
         return self.drafted.get(bucket, 0) >= self.plain_every[0 if thin else 1]
 
-    def drafted_evidence(self, batch: int) -> int:
-        """Verify times of drafted steps (n > 1) the bucket holds: what the correction of n > 1 can stand on."""
+    def measure_due(self, batch: int, margin: float) -> bool:
+        """Whether this step should time a 2-token verify although sizing kept no draft (module doc, Measured
+        verifies); if so, its expected cost is taken from the bucket's bank."""
         bucket = self.costs.batch_bucket(batch)
-        return sum(len(s) for (b, n), s in self.samples.items() if b == bucket and n > 1)
-
-    def observed(self, n: int, batch: int = 1, at_least: int = 1) -> float | None:
-        """c(n) / c(1) as this run's medians have it, unshrunk (None: fewer than ``at_least`` times of n or of 1)."""
-        bucket = self.costs.batch_bucket(batch)
-        if min(len(self.samples.get((bucket, n), ())), len(self.samples.get((bucket, 1), ()))) < max(at_least, 1):
-            return None
-        return self.medians[(bucket, n)] / self.medians[(bucket, 1)]
+        if sum(len(s) for (b, n), s in self.samples.items() if b == bucket and n > 1) >= self.window:
+            return False  # a window of drafted times: the correction stands on them
+        times = [len(self.samples.get((bucket, n), ())) for n in (1, 2)]
+        observed = self.medians[(bucket, 2)] / self.medians[(bucket, 1)] if min(times) else None
+        if min(times) >= self.min_samples and observed >= self.relative(2, batch) * (1.0 - margin):
+            return False  # the corrected curve prices 2 tokens as this run times them
+        charge = max(min((self.relative(2, batch) if observed is None else observed) - 1.0, 1.0), 0.0)
+        if self.credit.get(bucket, 0.0) < charge:
+            return False
+        self.credit[bucket] -= charge
+        return True
 
     def relative(self, n: int, batch: int = 1) -> float:
         """c(n) / c(1) in plain decode steps (>= 1), with this run's correction where it has one."""
@@ -111,14 +121,16 @@ class OnlineCosts:
         enough to correct its first steps and few enough that its own times soon outvote them (a machine's load
         changes between calls and processes), and the steps drafted since each bucket's last plain one."""
         return {"verify_times": [[b, n, list(s)[-self.min_samples:]] for (b, n), s in self.samples.items()],
-                "since_plain": [[b, d] for b, d in self.drafted.items()]}
+                "since_plain": [[b, d] for b, d in self.drafted.items()],
+                "measure_credit": [[b, c] for b, c in self.credit.items()]}
 
-    def restore(self, verify_times: list, since_plain: list) -> None:
+    def restore(self, verify_times: list, since_plain: list, measure_credit: list = ()) -> None:
         """Start from an earlier call's evidence (:meth:`kept`). A bucket is corrected when first used, so no batch
         size is calibrated here."""
         for bucket, n, seconds in verify_times:
             self._add(int(bucket), int(n), [float(x) for x in seconds])
         self.drafted.update((int(b), int(d)) for b, d in since_plain)
+        self.credit.update((int(b), min(float(c), 1.0)) for b, c in measure_credit)
 
     def _add(self, bucket: int, n: int, seconds: list[float]) -> None:
         own = self.samples.setdefault((bucket, n), deque(maxlen=self.window))

@@ -14,8 +14,8 @@ by ``margin``. The guard keeps running averages per sequence and skips the draft
 they do not pay, probing again when the sequence has banked the probe's price (``probe_budget`` of a decode step
 per step: probes, catch-ups included, cost about that share of a run of calls); ``never_pays`` drafters are never
 asked. **Measured verifies**: while the run has timed few drafted verifies and the curve may be too steep, a tree cut
-to nothing keeps its best node now and then, paid from the same budget at what it costs beyond a plain step (a curve
-calibrated too steep verifies no draft, and plain steps alone correct nothing in it).
+to nothing keeps its best node now and then, from a budget of its own (:mod:`specdec.online_costs`): a curve
+calibrated too steep verifies no draft, and plain steps alone correct nothing in it.
 ``memory`` carries backoff, probe price, banked budget, acceptance evidence and the verify times that correct the
 cost curve across calls, and processes (:mod:`specdec.remembered`, in the cost cache): a run of short calls is guarded
 as one long call would be.
@@ -63,6 +63,7 @@ class _Kept:
     # the verify-cost correction's last evidence (OnlineCosts.kept): a run of short calls corrects the curve too
     verify_times: list = field(default_factory=list)
     since_plain: list = field(default_factory=list)
+    measure_credit: list = field(default_factory=list)
 
     @classmethod
     def recalled(cls, key: tuple | None) -> "_Kept | None":
@@ -201,7 +202,7 @@ class TreeSizer:
             self.unscored = {(d, r): [a, t] for d, r, a, t in kept.unscored}
             self.last_shape = None if kept.last_shape is None else list(kept.last_shape)
             try:
-                self.online.restore(kept.verify_times, kept.since_plain)
+                self.online.restore(kept.verify_times, kept.since_plain, kept.measure_credit)
             except (TypeError, ValueError):  # a damaged file: the calibrated curve
                 self.online = OnlineCosts(self.costs)
         self.guards: dict[int, _Guard] = {}
@@ -378,7 +379,7 @@ class TreeSizer:
     def size_call(self, seq_ids: list[int], trees: list[DraftTree], batch: int, draft_seconds: float,
                   catch_up: bool = False, verified: bool = False) -> list[DraftTree]:
         """Size every tree of one propose call (:meth:`size`; one node of a tree cut to nothing where a measured verify
-        is due: :meth:`_measurement_due`) and record the call's draft time.
+        is due: :meth:`OnlineCosts.measure_due`) and record the call's draft time.
 
         A call of deterministic trees is priced by its own time (the first probe already knows what drafting
         costs). With a sampled tree the time is recorded after sizing: a drafter whose run time depended on what
@@ -393,7 +394,8 @@ class TreeSizer:
         costs = self._relative_costs(batch, max((t.num_nodes for t in trees), default=0))
         out = [self.size(seq_id, tree, batch, costs) for seq_id, tree in zip(seq_ids, trees)]
         for i, (seq_id, tree) in enumerate(zip(seq_ids, trees)):
-            if out[i].num_nodes == 0 < tree.num_nodes and not verified and self._measurement_due(seq_id, batch, costs):
+            if out[i].num_nodes == 0 < tree.num_nodes and not verified and self.online.measure_due(
+                    batch, self.config.margin):
                 pending = self.pending[seq_id]  # judged as the empty tree it was: a measurement, not a bet
                 pending.kept = [pending.best]
                 out[i] = tree.subtree(pending.kept)
@@ -433,26 +435,6 @@ class TreeSizer:
         self.pending[seq_id] = _Pending(tree, accept, kept, d + costs[tree.num_nodes], order[0])
         self._judge(seq_id, kept_tokens, costs[best_k] if best_k else 1.0, batch)
         return tree if best_k == tree.num_nodes else tree.subtree(kept)
-
-    def _measurement_due(self, seq_id: int, batch: int, costs: list[float]) -> bool:
-        """Whether a tree cut to nothing keeps its best node anyway, so that the step times a 2-token verify (module
-        doc, Measured verifies): while the batch bucket holds fewer than a window of drafted verify times and the
-        curve may be too steep (this run has not timed 2 tokens ``min_samples`` times, or they cost less than the
-        curve says, by more than the margin), paid from the sequence's probe budget at what such a verify costs
-        beyond a plain step, as this run measured it (else as the curve has it, at most a step)."""
-        online = self.online
-        if online.drafted_evidence(batch) >= online.window:
-            return False
-        settled = online.observed(2, batch, at_least=online.min_samples)
-        if settled is not None and settled >= costs[1] * (1.0 - self.config.margin):
-            return False
-        observed = online.observed(2, batch)
-        charge = max(min((costs[1] if observed is None else observed) - 1.0, 1.0), 0.0)
-        guard = self._guard(seq_id)
-        if guard.credit < charge:
-            return False
-        guard.credit -= charge
-        return True
 
     def _best_prefix(self, gains: list[float], draft: float, costs: list[float]) -> int:
         """k maximising ``(1 + sum(gains[:k])) / (draft + c(1 + k))`` (``costs[k]``: c(1 + k) / c(1)), 0 unless it

@@ -236,11 +236,12 @@ def nearly_flat(n: int) -> float:
     return 0.010 * (1 + 0.02 * (n - 1))
 
 
-def cache_on_a_machine(monkeypatch, cache: CostModel, seconds) -> None:
-    """The cached curve is ``cache``, every verify of n tokens takes ``seconds(n)``, drafting is free."""
+def cache_on_a_machine(monkeypatch, cache: CostModel, seconds, draft: float = 0.0) -> None:
+    """The cached curve is ``cache``, every verify of n tokens takes ``seconds(n)``, a draft costs ``draft`` decode
+    steps."""
     monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: cache)
-    monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: 0.0)
-    monkeypatch.setattr(TreeSizer, "probe_cost", lambda self, batch: 0.0)
+    monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: draft)
+    monkeypatch.setattr(TreeSizer, "probe_cost", lambda self, batch: draft)
     observe = SpeculationPolicy.observe
 
     def timed(self, step):
@@ -255,15 +256,17 @@ def test_a_too_steep_cached_curve_is_corrected_though_it_verifies_no_draft(monke
     """The cached curve says a 2-token verify costs two decode steps; here it costs 1.02. No draft seemed to pay, so
     every step was plain, plain steps measured only c(1), and the run (and every later one: the curve is cached)
     decoded plainly while the first node of every other draft would have paid. A tree cut to nothing now keeps its
-    best node now and then, paid from the probe budget, until the run has timed enough 2-token verifies."""
-    cache_on_a_machine(monkeypatch, STEEP_CACHE, nearly_flat)
+    best node now and then, from a budget of its own (a probe's price, 2% of a step here as for n-gram on the
+    embedded model, would leave a probe budget of 1% a step nothing for it), until the run has timed enough 2-token
+    verifies."""
+    cache_on_a_machine(monkeypatch, STEEP_CACHE, nearly_flat, draft=0.02)
     model = build_tiny_model(vocab_size=32, seed=2)
     prompt = [1, 2, 3, 4]
     plain = generate(model, [prompt], max_new_tokens=320, **sampling)[0]
     out = generate(model, [prompt], max_new_tokens=300, drafter=HalfRight(plain, 32), return_dict=True, **sampling)
     assert out.sequences[0] == plain[: len(prompt) + 300]
     nodes = list(out.stats[0].step_nodes)
-    assert sum(n > 0 for n in nodes[-100:]) >= 30, nodes
+    assert sum(n > 0 for n in nodes[-50:]) >= 15, nodes
 
 
 def test_measuring_a_curve_that_is_right_to_be_steep_stays_within_the_probe_budget(monkeypatch):
@@ -277,6 +280,20 @@ def test_measuring_a_curve_that_is_right_to_be_steep_stays_within_the_probe_budg
     assert out.sequences[0] == plain[: len(prompt) + 300]
     measured = [i for i, n in enumerate(out.stats[0].step_nodes) if n > 0]
     assert 1 <= len(measured) <= 3 and all(b - a >= 90 for a, b in zip(measured, measured[1:])), measured
+
+
+def test_the_measuring_bank_fills_across_short_calls():
+    """A hundredth of a step per step, kept with the guard's memory: calls of 60 and 40 steps afford the first
+    measured verify where the curve prices it at a whole step, as one call of 100 steps would."""
+    online = OnlineCosts(STEEP_CACHE)
+    for _ in range(60):
+        online.record(nearly_flat(1), 1, 1)
+    assert not online.measure_due(1, 0.05)
+    later = OnlineCosts(STEEP_CACHE)
+    later.restore(**json.loads(json.dumps(online.kept())))
+    for _ in range(40):
+        later.record(nearly_flat(1), 1, 1)
+    assert later.measure_due(1, 0.05) and not later.measure_due(1, 0.05)  # the bank paid for one
 
 
 class Wrong(HalfRight):
