@@ -60,7 +60,7 @@ def cpu_model(text: str | None = None) -> str:
     names = sorted(set(cpuinfo_values("model name", text)))
     if names:
         return " + ".join(names)
-    parts = sorted(set(zip(cpuinfo_values("CPU implementer", text), cpuinfo_values("CPU part", text))))
+    parts = sorted(set(zip(cpuinfo_values("CPU implementer", text), cpuinfo_values("CPU part", text), strict=True)))
     if parts:
         return "Arm " + " + ".join(f"implementer {i} part {p}" for i, p in parts)
     return _os_cpu_name()
