@@ -85,11 +85,11 @@ def main(argv=None) -> int:
     results = {}
     for name, graphs in (("eager", False), ("graphs", True)):
         seconds, out = timed(loaded, prompts, args, graphs)
-        tokens = sum(len(s) - len(p) for s, p in zip(out, prompts))
-        new[name] = [s[len(p):] for s, p in zip(out, prompts)]
+        tokens = sum(len(s) - len(p) for s, p in zip(out, prompts, strict=True))
+        new[name] = [s[len(p):] for s, p in zip(out, prompts, strict=True)]
         results[name] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
         print(f"{name:7s} {seconds:7.2f} s  {tokens:7d} tokens  {tokens / seconds:9.0f} tok/s", flush=True)
-    same = sum(a == b for a, b in zip(new["eager"], new["graphs"]))
+    same = sum(a == b for a, b in zip(new["eager"], new["graphs"], strict=True))
     ratio = results["graphs"]["tokens_per_s"] / results["eager"]["tokens_per_s"]
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.model}, bf16, {args.prompts} prompts "
           f"x {args.max_new_tokens} tokens, batch {args.batch_size}: graphs / eager = {ratio:.2f}x; "

@@ -71,7 +71,7 @@ def classify(model, prompt: list[int], want: list[int], got: list[int]) -> dict 
     """First divergence of got from want, with transformers' logit gap there (None if identical)."""
     if got == want:
         return None
-    d = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    d = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
     if d >= len(got) or d >= len(want):  # one stopped (EOS) where the other went on: a divergence all the same
         return dict(position=d, want=want[d] if d < len(want) else None, got=got[d] if d < len(got) else None,
                     gap=float("inf"), kind="bug")

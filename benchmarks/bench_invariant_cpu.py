@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
     result["speed_seconds"] = {k: {"default": v[False], "invariant": v[True]} for k, v in speed.items()}
     result["speed_ratio_invariant_over_default"] = {k: v[True] / v[False] for k, v in speed.items() if v[False]}
-    result["plain_identical_across_modes"] = sum(a == b for a, b in zip(plain[False], plain[True]))
+    result["plain_identical_across_modes"] = sum(a == b for a, b in zip(plain[False], plain[True], strict=True))
     save()
 
     def label(name):  # "medusa" -> "medusa (trained)"

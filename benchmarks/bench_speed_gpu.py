@@ -325,7 +325,7 @@ class ModelRun:
         # warm-up, the same call: compiles the kernels and captures every bucket the timed call meets
         run_generate(self.loaded, prompts, self.args.new_tokens)
         row = run_generate(self.loaded, prompts, self.args.new_tokens)
-        self.references[b] = {tuple(p): out for p, out in zip(prompts, row.pop("outputs"))}
+        self.references[b] = {tuple(p): out for p, out in zip(prompts, row.pop("outputs"), strict=True)}
         step_floor = self.result["floor_step_ms"]
         row.update(floor_tokens_per_s=b * 1e3 / step_floor, step_over_floor=row["step_ms"] / step_floor)
         if b == self.args.batches[0]:
@@ -388,7 +388,7 @@ class ModelRun:
         row["calibrations_timed"] = CALIBRATIONS["verify"] - calibrations  # 0, or the row timed a calibration too
         outputs = row.pop("outputs")
         plain = self.result["plain"][str(b)]
-        same = sum(out == self.references[b][tuple(p)] for p, out in zip(prompts, outputs))
+        same = sum(out == self.references[b][tuple(p)] for p, out in zip(prompts, outputs, strict=True))
         if eagle and b == 1 and self.draft_seconds_per_step is None:
             self.draft_seconds_per_step = row["draft_seconds"] / row["steps"]
         row.update(shape=shape, depth=depth, batch=b, eagle=eagle, speculation=speculation, tau_target=tau,

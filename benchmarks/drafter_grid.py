@@ -95,7 +95,7 @@ def grid_table(cells: list[dict], length: int, drafters: list[str], columns: lis
     head = ["drafter", "new"] + [SHORT.get(c, c) for c in columns]
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     lines = ["", f"{length} new tokens: paired ratio to plain (tau) [90% interval]"]
-    lines += ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in [head] + rows]
+    lines += ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip() for r in [head] + rows]
     return "\n".join(lines)
 
 

@@ -301,7 +301,7 @@ def goals_result(run: Run) -> dict | None:
     if len({len(rows) for rows in tables.values()}) > 1:
         raise RunError(f"{run.folder}: the reports' goals tables differ in length ({', '.join(tables)})")
     rows = []
-    for each in zip(*tables.values()):  # gpu_goals.goals lists every goal in one order
+    for each in zip(*tables.values(), strict=True):  # gpu_goals.goals lists every goal in one order
         rows.append(next((r for r in each if r[3] != "not measured"), each[0]))
     met = sum(r[3] == "met" for r in rows)
     commands = [c for c in (run.speed_command, run.check_command) if c]

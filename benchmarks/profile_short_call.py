@@ -284,7 +284,7 @@ def write_result(path: Path, args, timers: Timers, counts, loaded, command: str)
         if data.get("benchmark") != "short-call-profile" or [r[0] for r in data["rows"]] != [r[0] for r in rows]:
             raise ValueError(f"{path}: not a short-call profile with these rows; --append adds to one")
         data["columns"].append(label)
-        data["rows"] = [old + new[1:] for old, new in zip(data["rows"], rows)]
+        data["rows"] = [old + new[1:] for old, new in zip(data["rows"], rows, strict=True)]
         data["command"] = [data["command"]] if isinstance(data["command"], str) else data["command"]
         data["command"].append(command)
         data["notes"].append(note)

@@ -104,7 +104,7 @@ def ngram_e2e(r: dict) -> str:
     if not (plain and ngram):
         return NONE
     cats = r["columns"][1:-1]
-    pairs = {c: (_num(p), _num(n)) for c, p, n in zip(cats, plain[1:-1], ngram[1:-1])}
+    pairs = {c: (_num(p), _num(n)) for c, p, n in zip(cats, plain[1:-1], ngram[1:-1], strict=True)}
     ratios = [n / p for p, n in pairs.values() if p and n]
     left = [c for c, (p, n) in pairs.items() if not (p and n)]
     return (f"{_range(ratios)} plain by category" if ratios else NONE) + (

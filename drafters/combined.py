@@ -264,7 +264,7 @@ class CombinedDrafter(Drafter):
         the gate leaves it out by its measured time elsewhere; decided from shapes, so a seed still gives one text."""
         why = [child.never_pays_by_shape() for child in self.children]
         if all(w is not None for w in why):
-            return "; ".join(f"{child.name}: {w}" for child, w in zip(self.children, why))
+            return "; ".join(f"{child.name}: {w}" for child, w in zip(self.children, why, strict=True))
         if not self.gate.active:
             self.left_out = frozenset(k for k, w in enumerate(why) if w is not None)
             for k in sorted(self.left_out):

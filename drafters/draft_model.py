@@ -152,7 +152,7 @@ class DraftModelDrafter(ModelDrafter):
         if draft.hf_model is target.hf_model:
             return "its model is the target itself"
         mine, theirs = forward_work(draft), forward_work(target)
-        if any(a < b for a, b in zip(mine, theirs)):
+        if any(a < b for a, b in zip(mine, theirs, strict=True)):
             return None
         return (f"its model does at least the target's work per token ({mine[0] / 1e6:.1f}M weights, the "
                 f"target {theirs[0] / 1e6:.1f}M) on the same device and dtype")

@@ -203,11 +203,11 @@ class EagleDrafter(Drafter):
         trees = [DraftTree.empty() for _ in call.seqs]
         level_seconds = [0.0] * call.depth  # level 1 includes the catch-up
         if pools is not None:
-            for i, tree in zip(call.live, self._trees(pools)):
+            for i, tree in zip(call.live, self._trees(pools), strict=True):
                 trees[i] = tree
             level_seconds = call.levels(call.clock.split())
         call.seconds = sum(level_seconds)
-        for view, tree in zip(call.seqs, trees):
+        for view, tree in zip(call.seqs, trees, strict=True):
             self._last[view.seq_id] = _top_chain(tree)
         self.chooser.record_seconds(level_seconds, call.catch_up)
         return trees
@@ -284,7 +284,7 @@ class EagleDrafter(Drafter):
         counts = [v.new_hidden.shape[0] for v in views]
         L = max(counts)
         tokens, positions = [], []  # [B][L] each: t_{j+1} and j + 1 for the positions j < root, right-padded with 0
-        for v, k in zip(views, counts):
+        for v, k in zip(views, counts, strict=True):
             root = len(v.token_ids) - 1
             tokens.append(list(v.token_ids[root - k + 1 : root + 1]) + [0] * (L - k))
             positions.append(list(range(root - k + 1, root + 1)) + [0] * (L - k))
@@ -312,7 +312,7 @@ class EagleDrafter(Drafter):
             tokens = self.draft_ids[tokens]
         # the draft probability under the parent (0 where NaN)
         scores = pools[:, 3].float().exp().nan_to_num(0.0).clamp(0.0, 1.0)
-        return [DraftTree(*row, scores=s) for *row, s in zip(tokens, _parents(pools), scores)]
+        return [DraftTree(*row, scores=s) for *row, s in zip(tokens, _parents(pools), scores, strict=True)]
 
 
 def _parents(pools: torch.Tensor) -> torch.Tensor:

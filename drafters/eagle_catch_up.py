@@ -30,7 +30,8 @@ class CatchUpRows:
         """[B][2 width + 1] per sequence: its tokens and positions right-padded with 0 to ``width``, and its count
         (the layout of :meth:`CatchUpInputs.upload` and of a graph bucket's inputs)."""
         pad = width - len(self.tokens[0])
-        return [[*t, *[0] * pad, *p, *[0] * pad, c] for t, p, c in zip(self.tokens, self.positions, self.counts)]
+        return [[*t, *[0] * pad, *p, *[0] * pad, c]
+                for t, p, c in zip(self.tokens, self.positions, self.counts, strict=True)]
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ class DepthChooser(CallMemory):
         """r_j for j = 1..max_depth (module doc)."""
         out, prior = [], 0.5
         w = self.config.prior_weight
-        for tried, matched in zip(self.tried, self.matched):
+        for tried, matched in zip(self.tried, self.matched, strict=True):
             prior = (matched + w * prior) / (tried + w)
             out.append(prior)
         return out

@@ -178,11 +178,11 @@ class EagleGraphs:
         x.past_k[:B, :, :P].copy_(past.k)  # columns past a sequence's keys (stale, finite) are masked
         x.past_v[:B, :, :P].copy_(past.v)
         batch, width = bucket.meta.shape
-        fields = zip(past.counts, past.root_positions, past.noise_keys)
+        fields = zip(past.counts, past.root_positions, past.noise_keys, strict=True)
         if rows is None:
             meta = [list(f) for f in fields]
         else:
-            meta = [[*f, *r] for f, r in zip(fields, rows.packed(bucket.catch.tokens.shape[1]))]
+            meta = [[*f, *r] for f, r in zip(fields, rows.packed(bucket.catch.tokens.shape[1]), strict=True)]
         meta += [[0] * width] * (batch - B)  # padded sequences: no keys or rows, position 0
         bucket.meta.copy_(to_device(meta, torch.long, bucket.meta.device))  # a device-to-device copy: no sync
 

@@ -93,7 +93,7 @@ class TreeGrower:
             c = model.config
             groups = c.num_heads // c.num_kv_heads
             keys = [t.new_empty(B, c.num_heads, P + (depth - 1) * K, c.head_dim) for t in (x.past_k, x.past_v)]
-            for buf, cached in zip(keys, (x.past_k, x.past_v)):
+            for buf, cached in zip(keys, (x.past_k, x.past_v), strict=True):
                 buf[:, :, :P].unflatten(1, (c.num_kv_heads, groups)).copy_(cached[:, :, None].expand(
                     B, c.num_kv_heads, groups, P, c.head_dim))
         on_level(1)

@@ -48,14 +48,14 @@ class EagleKV:
                 if not self.free:
                     self._grow(rows=2 * self.k.shape[0])
                 self.row[seq_id], self.length[seq_id] = self.free.pop(), 0
-        needed = max(self.length[i] + n for i, n in zip(seq_ids, counts))
+        needed = max(self.length[i] + n for i, n in zip(seq_ids, counts, strict=True))
         if needed > self.k.shape[2]:
             capacity = self.k.shape[2]
             while capacity < needed:
                 capacity *= 2
             self._grow(capacity=capacity)
         index: list[list[int]] = [[], [], [], []]  # slab row, slab column, source row, source column
-        for b, (seq_id, n) in enumerate(zip(seq_ids, counts)):
+        for b, (seq_id, n) in enumerate(zip(seq_ids, counts, strict=True)):
             start = self.length[seq_id]
             index[0] += [self.row[seq_id]] * n
             index[1] += range(start, start + n)

@@ -18,6 +18,7 @@ time after the last mark counts to the last part.
 from __future__ import annotations
 
 import time
+from itertools import pairwise
 
 import torch
 
@@ -55,11 +56,11 @@ class LevelClock:
         if len(marks) < 2:
             return []
         if self.cuda:
-            parts = [max(a.elapsed_time(b), 0.0) for a, b in zip(marks, marks[1:])]  # device milliseconds
+            parts = [max(a.elapsed_time(b), 0.0) for a, b in pairwise(marks)]  # device milliseconds
             if self.stopped is not None:
                 return [p / 1000.0 for p in parts]
         else:
-            parts = [b - a for a, b in zip(marks, marks[1:])]
+            parts = [b - a for a, b in pairwise(marks)]
             parts[-1] += total - sum(parts)  # the host's time after the last mark
             return parts
         device = sum(parts)

@@ -216,7 +216,7 @@ class ModelDrafter(Drafter):
                 grown = self._static_trees(tokens.tolist(), parents, probs)  # the one read of the device
             else:
                 grown = self._grow(live, root_logits)
-            for v, tree in zip(live, grown):
+            for v, tree in zip(live, grown, strict=True):
                 trees[v.seq_id] = tree
         return [trees[v.seq_id] for v in seqs]
 
@@ -459,8 +459,8 @@ class ModelDrafter(Drafter):
             probs = self._ranking(torch.stack([logits for _, logits, _ in frontier]), noise)  # [frontier, n]
             values, columns = (t.tolist() for t in top_k(probs, min(k, probs.shape[-1])))  # one read per depth
             cands = [(score * p, parent, t if ids is None else ids[t])
-                     for (parent, _, score), row_p, row_t in zip(frontier, values, columns)
-                     for p, t in zip(row_p, row_t)]
+                     for (parent, _, score), row_p, row_t in zip(frontier, values, columns, strict=True)
+                     for p, t in zip(row_p, row_t, strict=True)]
             if cfg.tree == "dynamic":
                 cands = sorted(cands, key=lambda c: -c[0])[: min(cfg.beam, budget - len(nodes))]
             for score, parent, token in cands:
@@ -472,7 +472,7 @@ class ModelDrafter(Drafter):
             # the logits processors left a node's prefix no token (a draft path plain decoding may never take): no
             # child. A NaN row is no such node: its draws stay, and the draft_probs checks refuse the tree
             picks = picks.masked_fill_((rows == float("-inf")).all(-1, keepdim=True), -1).tolist()
-            for (parent, _, score), probs, row in zip(frontier, draft_probs, picks):
+            for (parent, _, score), probs, row in zip(frontier, draft_probs, picks, strict=True):
                 nodes.extend(_Node(parent, t, score, probs) for t in row if t >= 0)
         return list(range(start, len(nodes)))
 

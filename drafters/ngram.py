@@ -138,7 +138,7 @@ class NGramDrafter(Drafter):
         tokens, parents, keys = pending
         ok = [False] * len(tokens)
         depth = [0] * len(tokens)
-        for i, (t, p) in enumerate(zip(tokens, parents)):
+        for i, (t, p) in enumerate(zip(tokens, parents, strict=True)):
             depth[i] = 1 if p < 0 else depth[p] + 1
             if (p < 0 or ok[p]) and depth[i] <= len(committed):
                 ok[i] = int(committed[depth[i] - 1]) == t
@@ -232,7 +232,7 @@ class NGramDrafter(Drafter):
         depths: list[int] = []
         for p in node_parents:
             depths.append(1 if p < 0 else depths[p] + 1)
-        keys = [self._key(n, d) for n, d in zip(node_match, depths)]
+        keys = [self._key(n, d) for n, d in zip(node_match, depths, strict=True)]
         self._pending[seq.seq_id] = (node_tokens, node_parents, keys)
         rates = {key: self._rate(key) for key in set(keys)}  # nodes share a few (match, depth) keys
         scores = torch.tensor([rates[key] for key in keys], dtype=torch.float32)

@@ -140,11 +140,11 @@ def bitwise_identity(loaded: Any, prompts: list[list[int]], drafter: Any, option
     kw = dict(max_new_tokens=max_new_tokens, drafter=drafter, drafter_options=options or None,
               speculation="always", invariant=invariant, **(sampling or {}))
     outs = [_generate(loaded, prompts, **kw)] if batched else [_generate(loaded, [p], **kw) for p in prompts]
-    spec = [(t, lp) for o in outs for t, lp in zip(o.new_tokens, o.logprobs)]
+    spec = [(t, lp) for o in outs for t, lp in zip(o.new_tokens, o.logprobs, strict=True)]
     steps = sum(s.steps for o in outs for s in o.stats)
     tau = sum(o.total_new_tokens for o in outs) / max(1, steps)
     model = getattr(loaded, "model", None) if diagnose_gaps and not sampling else None
-    divergences = [d for i, (p, a, b) in enumerate(zip(prompts, plain, spec))
+    divergences = [d for i, (p, a, b) in enumerate(zip(prompts, plain, spec, strict=True))
                    if (d := first_divergence(i, p, a, b, model)) is not None]
     return BitwiseResult(len(prompts), sum(len(a[0]) for a in plain), tuple(divergences), tau)
 
@@ -160,8 +160,8 @@ def row_checks(loaded: Any, seed: int, prompts: list[list[int]]) -> list[Check]:
                ("row_dependent_kernel", row_dependent(loaded.runner))]
     for control, runner in runners:
         batched, alone = invariance_check.alone_logits(runner, prompts, trees)
-        bad = sum(int((b != a).any(-1).sum()) for b, a in zip(batched, alone))
-        worst = max(float((b - a).abs().max()) for b, a in zip(batched, alone))
+        bad = sum(int((b != a).any(-1).sum()) for b, a in zip(batched, alone, strict=True))
+        worst = max(float((b - a).abs().max()) for b, a in zip(batched, alone, strict=True))
         detail = f"{bad} of {rows} rows differ (trees of 15 and 6 nodes, 2 prompts together)"
         if control == "default_path" and bad == 0:
             detail = f"{EXACT_DEFAULT}; {detail}"

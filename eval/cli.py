@@ -280,7 +280,7 @@ def run_lossless(args) -> int:
                            progress=lambda msg: print(f"  ... {msg}", file=sys.stderr), seed=args.seed)
     out.mkdir(parents=True, exist_ok=True)
     for name, text in zip(CERTIFICATE_FILES, (json.dumps(cert.to_json(), indent=2, default=str),
-                                              cert.to_markdown())):
+                                              cert.to_markdown()), strict=True):
         with replaced_atomically(out / name) as tmp:
             tmp.write_text(text)
     for w in cert.warnings:

@@ -60,7 +60,7 @@ def law_checks(sampling: SamplingConfig, sizes: CertificateSizes, seed: int) -> 
                             samples=n, power=fit.power, detects_tv=fit.detects_tv,
                             detail=f"{len(law)} of {LAW_VOCAB} tokens in the support{run_as}"))
     rejected = holm(pvalues, sizes.alpha)  # names whose null is rejected, family-wise at alpha
-    for c, (name, *_rest) in zip(checks, cases):
+    for c, (name, *_rest) in zip(checks, cases, strict=True):
         c.passed = name not in rejected
     name, logits, law, noise = cases[0]
     reused = coupled_tokens(logits.expand(n, -1), sampling, noise[:1].expand(n, -1)).tolist()
@@ -102,7 +102,7 @@ def identity_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampling
     row = COUPLING_FAULTS["noise_keyed_to_batch_row"]
     batched = generate_with_control(loaded, prompts, fault=row, max_new_tokens=tokens, **kw)
     single = [generate_with_control(loaded, [p], fault=row, max_new_tokens=tokens, **kw)[0] for p in prompts]
-    same = sum(a == b for a, b in zip(batched, single))
+    same = sum(a == b for a, b in zip(batched, single, strict=True))
     checks.append(Check("plain coupled batched == single", LEVEL, same == len(prompts), row.name,
                         samples=len(prompts), detail=f"{same}/{len(prompts)} prompts identical"))
     return checks, warnings

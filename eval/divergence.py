@@ -119,10 +119,10 @@ def greedy_identity(loaded: Any, prompts: list[list[int]], drafter: Any, drafter
         tau = sum(o.total_new_tokens for o in outs) / max(1, sum(s.steps for o in outs for s in o.stats))
     divergences = []
     compared = 0
-    for i, (p, a, b) in enumerate(zip(prompts, plain, spec)):
+    for i, (p, a, b) in enumerate(zip(prompts, plain, spec, strict=True)):
         new_a, new_b = a[len(p):], b[len(p):]
         compared += len(new_a)
-        for j, (x, y) in enumerate(zip(new_a + [None], new_b + [None])):
+        for j, (x, y) in enumerate(zip(new_a + [None], new_b + [None], strict=False)):
             if x != y:
                 if x is None or y is None:  # one stopped earlier (EOS) while the other went on
                     divergences.append(Divergence(i, j, x if x is not None else -1, y if y is not None else -1,

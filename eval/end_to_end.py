@@ -92,7 +92,7 @@ def sequence_logprobs(model: Any, prompt: list[int], continuations: list[tuple[i
                 batch = prefixes[i : i + chunk]
                 ids = torch.tensor([prompt + list(p) for p in batch], device=model.device)
                 logp = model(ids).logits[:, -1].float().log_softmax(-1).cpu()
-                step_logp.update(zip(batch, logp))
+                step_logp.update(zip(batch, logp, strict=True))
     return {c: float(sum(step_logp[c[:d]][c[d]] for d in range(len(c)))) for c in distinct}
 
 

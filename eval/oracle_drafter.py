@@ -90,7 +90,7 @@ def reference_continuations(loaded, prompts: Sequence[Sequence[int]], max_new_to
 
     out = generate(loaded, [list(p) for p in prompts], max_new_tokens=max_new_tokens, return_dict=True,
                    **generate_kwargs)
-    return {tuple(p): list(new) for p, new in zip(prompts, out.new_tokens)}
+    return {tuple(p): list(new) for p, new in zip(prompts, out.new_tokens, strict=True)}
 
 
 class OracleDrafter(Drafter):

@@ -164,7 +164,7 @@ def tempered_probs(ids: list[int], logprobs: list[float], temperature: float) ->
     powered = [x ** inv for x in p]
     tail_t = tail * (min(p) ** (inv - 1.0)) if tail and min(p) > 0 else 0.0
     z = sum(powered) + tail_t
-    return {i: x / z for i, x in zip(ids, powered)}
+    return {i: x / z for i, x in zip(ids, powered, strict=True)}
 
 
 def _accepted_distribution(tree: DraftTree, seq: dict, j: int, temperature: float) -> list[float]:

@@ -137,10 +137,12 @@ def record_run(loaded: Any, prompts: Sequence[Sequence[int]], config: RecordConf
     if not prompts:
         raise InputError("record_run needs at least one prompt")
     categories = list(categories) if categories is not None else ["custom"] * len(prompts)
+    if len(categories) != len(prompts):
+        raise InputError(f"record_run: {len(prompts)} prompts but {len(categories)} categories (one per prompt)")
     sampling = dict(do_sample=config.temperature > 0, temperature=config.temperature or 1.0, seed=config.seed)
     generate(loaded, [list(prompts[0])], max_new_tokens=2, **sampling)  # warm-up: first-call costs out
     sequences, steps, decode_seconds = [], 0, 0.0
-    for category, prompt in zip(categories, prompts):
+    for category, prompt in zip(categories, prompts, strict=True):
         t0 = time.perf_counter()
         out = generate(loaded, [list(prompt)], max_new_tokens=config.max_new_tokens, return_dict=True, **sampling)
         seconds = time.perf_counter() - t0

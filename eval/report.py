@@ -106,7 +106,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     paths = []
 
     fig, axes = plt.subplots(1, len(categories), figsize=(3.2 * len(categories), 3), squeeze=False, sharey=True)
-    for ax, cat in zip(axes[0], categories):
+    for ax, cat in zip(axes[0], categories, strict=True):
         for d in drafters:
             acc = by[(d, cat)]["acceptance_per_depth"]
             if acc:
@@ -128,13 +128,14 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         xs = [j + i * width for j in range(len(categories))]
         axes[0].bar(xs, [by[(d, c)]["tau"] for c in categories], width, label=d)
         axes[1].bar(xs, [by[(d, c)]["speedup_vs_plain"] or 0 for c in categories], width, label=d)
-        predicted = [(x, by[(d, c)].get("predicted_speedup")) for x, c in zip(xs, categories)]
+        predicted = [(x, by[(d, c)].get("predicted_speedup")) for x, c in zip(xs, categories, strict=True)]
         predicted = [(x, p) for x, p in predicted if p is not None]
         if predicted:
-            axes[1].scatter(*zip(*predicted), marker="_", s=200, color="black", zorder=3,
+            axes[1].scatter(*zip(*predicted, strict=True), marker="_", s=200, color="black", zorder=3,
                             label=None if labelled else "predicted")
             labelled = True
-    for ax, title in zip(axes, ("tau (tokens per target forward)", "speedup vs specdec plain (bars: measured)")):
+    titles = ("tau (tokens per target forward)", "speedup vs specdec plain (bars: measured)")
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories, fontsize=8,
                       rotation=20 if len(categories) <= 8 else 45, ha="center" if len(categories) <= 8 else "right")
         ax.set_title(title)

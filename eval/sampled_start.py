@@ -69,7 +69,7 @@ def greedy_token_probs(model: Any, prompts: list[list[int]], plain: list[list[in
     given the ones before (teacher forced with the transformers model, as the check's log-probabilities are)."""
     probs = []
     with eval_mode(model):
-        for prompt, out in zip(prompts, plain):
+        for prompt, out in zip(prompts, plain, strict=True):
             end = min(len(out), len(prompt) + tokens)
             ids = torch.tensor([out[:end]], device=model.device)
             logits = model(ids).logits[0, len(prompt) - 1 : end - 1].float()
@@ -85,7 +85,7 @@ def candidate_starts(answer_lengths: list[int], flags: list[list[bool]], probs: 
     the earliest of ties; the answer's middle (``last``) where that sum is 0 everywhere. The ``count`` best prompts,
     in order (ties: the earlier prompt)."""
     best = []
-    for prompt, (length, drafted, q) in enumerate(zip(answer_lengths, flags, probs)):
+    for prompt, (length, drafted, q) in enumerate(zip(answer_lengths, flags, probs, strict=True)):
         positions = range(min(last, length - 1) + 1)
         if not positions:
             continue
@@ -117,7 +117,7 @@ def choose_start(loaded: Any, prompts: list[list[int]], plain: list[list[int]], 
     speculative run's (:class:`specdec.eval.divergence.IdentityResult`)."""
     k, last = sizes.sample_tokens, sizes.identity_tokens // 2
     probs = greedy_token_probs(loaded.model, prompts, plain, sampling, last + k)
-    candidates = candidate_starts([len(out) - len(p) for p, out in zip(prompts, plain)],
+    candidates = candidate_starts([len(out) - len(p) for p, out in zip(prompts, plain, strict=True)],
                                   [drafted_flags(lengths) for lengths in step_lengths], probs, k, last,
                                   sizes.start_candidates)
     ids = [plain[c.prompt][: len(prompts[c.prompt]) + c.position] for c in candidates]

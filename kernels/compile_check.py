@@ -113,7 +113,7 @@ def _specialise(kernel, args, kwargs) -> tuple[dict, dict, dict, dict]:
     bound = inspect.signature(kernel.fn).bind(*args, **{k: v for k, v in kwargs.items() if k in params})
     bound.apply_defaults()
     signature, constexprs, attrs = {}, {}, {}
-    for i, (param, value) in enumerate(zip(kernel.params, bound.arguments.values())):
+    for i, (param, value) in enumerate(zip(kernel.params, bound.arguments.values(), strict=True)):
         if param.is_constexpr:
             signature[param.name], constexprs[(i,)] = "constexpr", value
             continue
@@ -394,7 +394,7 @@ def _check_all(todo: list[Launch], args):
         yield from (check(*w) for w in work)
         return
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
-        yield from pool.map(check, *zip(*work), chunksize=4)
+        yield from pool.map(check, *zip(*work, strict=True), chunksize=4)
 
 
 def _cpus() -> int:

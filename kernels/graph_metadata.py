@@ -124,7 +124,7 @@ class StaticInputs:
         new_slots: list[int] = []
         new_bits: list[int] = []
         fields: list[tuple[int, ...]] = []
-        for b, (s, seq_id) in enumerate(zip(seqs, batch.seq_ids)):
+        for b, (s, seq_id) in enumerate(zip(seqs, batch.seq_ids, strict=True)):
             keys = s.key_slots.numel()
             if s.num_new > bucket.tokens_per_seq or keys > self.max_keys:
                 raise ValueError(f"sequence {b}: {s.num_new} new tokens / {keys} keys exceed the bucket "

@@ -105,12 +105,12 @@ def random_case(
     gen = torch.Generator().manual_seed(seed)
     masks = [n if isinstance(n, int) else random_tree_mask(n[1], gen) for n in new]
     sizes = [m if isinstance(m, int) else m.shape[0] for m in masks]
-    need = [blocks_for(c + n, page_size) for c, n in zip(cache_lens, sizes)]
+    need = [blocks_for(c + n, page_size) for c, n in zip(cache_lens, sizes, strict=True)]
     num_blocks = sum(need) + spare_blocks
     # ids.pop() hands out blocks: unshuffled, each sequence gets consecutive blocks in ascending order
     ids = torch.randperm(num_blocks, generator=gen).tolist() if shuffle else list(range(num_blocks - 1, -1, -1))
     tables, seqs, start = [], [], 0
-    for c, n, m, nb in zip(cache_lens, sizes, masks, need):
+    for c, n, m, nb in zip(cache_lens, sizes, masks, need, strict=True):
         table = [ids.pop() for _ in range(nb)]
         tables.append(table)
         pos = torch.arange(c + n)

@@ -274,7 +274,7 @@ class TreeAttentionMetadata:
             raise ValueError("block_tables, cache_lens and new_masks need one entry per sequence")
         ctx, nm, qs, ql, tree, bits = [], [], [], [], [], []
         start = 0
-        for b, (table, c, m) in enumerate(zip(block_tables, cache_lens, new_masks)):
+        for b, (table, c, m) in enumerate(zip(block_tables, cache_lens, new_masks, strict=True)):
             n = m if isinstance(m, int) else int(m.shape[0])
             if n < 1:
                 raise ValueError(f"sequence {b} has no new tokens")

@@ -60,7 +60,8 @@ def cpu_model(text: str | None = None) -> str:
     names = sorted(set(cpuinfo_values("model name", text)))
     if names:
         return " + ".join(names)
-    parts = sorted(set(zip(cpuinfo_values("CPU implementer", text), cpuinfo_values("CPU part", text))))
+    # paired per core by the kernel; a malformed file pairs what it can (a label must never raise)
+    parts = sorted(set(zip(cpuinfo_values("CPU implementer", text), cpuinfo_values("CPU part", text), strict=False)))
     if parts:
         return "Arm " + " + ".join(f"implementer {i} part {p}" for i, p in parts)
     return _os_cpu_name()

@@ -137,7 +137,7 @@ class PendingStep:
 
     def num_nodes(self, live: list[SequenceState]) -> list[int]:
         """Per live sequence: its pending tree's nodes, 0 where it was not asked."""
-        by_id = {s.seq_id: n for s, n in zip(self.asked, self.trees.num_nodes)}
+        by_id = {s.seq_id: n for s, n in zip(self.asked, self.trees.num_nodes, strict=True)}
         return [by_id.get(s.seq_id, 0) for s in live]
 
 
@@ -205,7 +205,7 @@ class Engine:
     def add(self, prompts: Sequence[Sequence[int]]) -> list[SequenceState]:
         keys = sequence_keys(prompts)  # coupled sampling: the same prompt has the same noise alone or in a batch
         new = [SequenceState(len(self.seqs) + i, list(p), len(p), noise_key=key)
-               for i, (p, key) in enumerate(zip(prompts, keys))]
+               for i, (p, key) in enumerate(zip(prompts, keys, strict=True))]
         for s in new:
             self.cache.add(s.seq_id)
         self.seqs.extend(new)
@@ -223,7 +223,7 @@ class Engine:
                                       rows if self.keep_hidden else None, with_logits=False,
                                       feature_layers=self.feature_layers)
             if self.keep_hidden:
-                for s, seq_rows in zip(todo, batch.rows):
+                for s, seq_rows in zip(todo, batch.rows, strict=True):
                     s.hidden_chunks = [self.drafter_rows(out)[list(seq_rows)]]
             self.cache.commit({s.seq_id: range(len(s.token_ids) - 1) for s in todo})
         return new
@@ -248,7 +248,7 @@ class Engine:
         emitted = self.commit(live, acceptances)
         if self.output_logprobs:
             self.record_logprobs(live, acceptances, target_logits, emitted)
-        for s, tree in zip(live, trees):
+        for s, tree in zip(live, trees, strict=True):
             s.step_nodes.append(tree.num_nodes)
         t2 = time.perf_counter()
         drafting = self.drafting_after(t1, t2, drafts) + audited  # pending trees' drafting and audit inside t1..t2
@@ -323,7 +323,7 @@ class Engine:
         """The asked sequences' trees in the batch, the empty tree for the others."""
         if len(asked) == len(live):
             return trees
-        by_id = {s.seq_id: t for s, t in zip(asked, trees)}
+        by_id = {s.seq_id: t for s, t in zip(asked, trees, strict=True)}
         return [by_id.get(s.seq_id, DraftTree.empty()) for s in live]
 
     def _views(self, asked: list[SequenceState]) -> list[SequenceView]:
@@ -340,11 +340,11 @@ class Engine:
         take (:meth:`_kv_rooms`: the nodes before the first it has no room for), then to what is expected to pay
         (pruning is exact). ``verified``: pending trees already verified whole, sized to learn from.
         ``draft_seconds``: the drafter's, its trees' audit included (:meth:`_audited`)."""
-        out = [self._fit_budget(s, tree) for s, tree in zip(asked, trees)]
+        out = [self._fit_budget(s, tree) for s, tree in zip(asked, trees, strict=True)]
         rooms = None if verified else self._kv_rooms(asked)  # verified trees fitted the blocks (_verifiable)
         if rooms is not None:
             out = [tree.subtree(list(range(room))) if tree.num_nodes > room else tree
-                   for tree, room in zip(out, rooms)]
+                   for tree, room in zip(out, rooms, strict=True)]
         return self.policy.size(ProposeCall([s.seq_id for s in asked], out, len(self.live), draft_seconds, catch_up,
                                             verified))
 
@@ -381,7 +381,7 @@ class Engine:
         longest = 1 + max(step.trees.num_nodes)
         rooms = self._kv_rooms(step.asked)
         return (all(self._depth_budget(s) >= step.trees.max_depth for s in step.asked)
-                and (rooms is None or all(n <= room for n, room in zip(step.trees.num_nodes, rooms)))
+                and (rooms is None or all(n <= room for n, room in zip(step.trees.num_nodes, rooms, strict=True)))
                 and self.graphed.fits(len(live), longest, max(len(s.token_ids) for s in live) + longest - 1))
 
     def _kv_rooms(self, asked: list[SequenceState]) -> list[int] | None:
@@ -445,13 +445,13 @@ class Engine:
         placeholders here, and their values on the device (``VerifyBatch.nodes``)."""
         pending = drafts.trees if isinstance(drafts, PendingStep) else None
         sizes = drafts.num_nodes(live) if pending is not None else [t.num_nodes for t in drafts]
-        self.cache.reserve_many({s.seq_id: 1 + n for s, n in zip(live, sizes)})
+        self.cache.reserve_many({s.seq_id: 1 + n for s, n in zip(live, sizes, strict=True)})
         builder = BatchBuilder(self.cache, self.runner.device)
         # every tree's [1 + num_nodes] ancestor bits (the root's row sees no node) from one host tensor
         flat = ([0] * sum(1 + n for n in sizes if n) if pending is not None else
                 [b for t in drafts if t.num_nodes for b in (0, *t.ancestor_bit_list)])
         bits = iter(torch.tensor(flat, dtype=torch.long).split_with_sizes([1 + n for n in sizes if n]) if flat else ())
-        for b, (s, n) in enumerate(zip(live, sizes)):
+        for b, (s, n) in enumerate(zip(live, sizes, strict=True)):
             cached, root_position = self.cache.committed_length(s.seq_id), len(s.token_ids) - 1
             if cached != root_position:  # the invariant between steps (module docstring)
                 raise RuntimeError(f"sequence {s.seq_id}: the KV cache holds {cached} committed positions, "
@@ -473,7 +473,7 @@ class Engine:
                    ) -> NodeRows:
         """Where the pending trees' nodes sit in the verify (after each root's row), and their values on the device."""
         index, roots = [], []
-        for s, n, r in zip(live, sizes, rows):
+        for s, n, r in zip(live, sizes, rows, strict=True):
             index += range(r.start + 1, r.start + 1 + n)
             roots += [len(s.token_ids) - 1] * n
         device = self.runner.device
@@ -511,7 +511,7 @@ class Engine:
                         emitted: dict[int, list[int]]) -> None:
         """Append to each sequence the log-probabilities of the tokens it committed this step (specdec.logprobs)."""
         b_idx, rows, tokens = [], [], []
-        for b, (s, acc) in enumerate(zip(live, acceptances)):
+        for b, (s, acc) in enumerate(zip(live, acceptances, strict=True)):
             toks = emitted[s.seq_id]
             b_idx += [b] * len(toks)
             rows += committed_rows(acc, len(toks))
@@ -571,7 +571,7 @@ class Engine:
             index += [b * W] + [b * W + 1 + i for i in acc.accepted_nodes]
             counts.append(1 + len(acc.accepted_nodes))
         kept = hidden.reshape(B * W, -1)[to_device(index, torch.long, hidden.device)].split(counts)
-        for s, new in zip(live, kept):
+        for s, new in zip(live, kept, strict=True):
             if s.hidden_seen:
                 s.hidden_chunks, s.hidden_seen = [new], False
             else:  # the guard skipped the drafter: it gets them all when next asked (joined then, not every step)
@@ -581,7 +581,7 @@ class Engine:
         """Emit accepted + next tokens (up to a stop), keep the accepted path's K/V, free the rest."""
         keep: dict[int, list[int]] = {}
         emitted: dict[int, list[int]] = {}
-        for s, acc in zip(live, acceptances):
+        for s, acc in zip(live, acceptances, strict=True):
             committed = [*acc.accepted_tokens, acc.next_token]
             count, reason = self.stop.scan(s.token_ids, committed, start=s.num_prompt_tokens)
             emitted[s.seq_id] = committed[:count]

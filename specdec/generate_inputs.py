@@ -241,7 +241,7 @@ def parse_input_ids(input_ids: Any, attention_mask: Any = None) -> Inputs:
             if any(v not in (0, 1) for v in m):
                 raise InputError(f"attention_mask must hold only 0 and 1 (or bools), row {i} has "
                                  f"{sorted({v for v in m if v not in (0, 1)})[:5]}")
-        prompts = [[t for t, keep in zip(p, m) if keep] for p, m in zip(prompts, masks)]
+        prompts = [[t for t, keep in zip(p, m, strict=True) if keep] for p, m in zip(prompts, masks, strict=True)]
     for i, p in enumerate(prompts):
         if not p:
             why = " (its attention_mask row has no 1)" if attention_mask is not None else ""

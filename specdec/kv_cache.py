@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -167,7 +168,7 @@ class PagedKVCache:
             slots = to_device([b * size + o for blocks in grown.values() for b in blocks for o in range(size)],
                               torch.long, self.kv.device).split_with_sizes([len(b) * size for b in grown.values()])
             del self._free[len(self._free) - total:]  # only now: an interrupted copy loses no block
-            for (s, blocks), new in zip(grown.items(), slots):
+            for (s, blocks), new in zip(grown.items(), slots, strict=True):
                 self.block_tables[s].extend(blocks)
                 row = self._slot_rows[s]
                 self._slot_rows[s] = torch.cat([row, new]) if row.numel() else new
@@ -272,7 +273,7 @@ class PagedKVCache:
         checked: list[tuple[int, list[int]]] = []
         for seq_id, offsets in keep.items():
             offsets = [int(o) for o in offsets]
-            if any(b <= a for a, b in zip(offsets, offsets[1:])) or (offsets and offsets[0] < 0):
+            if any(b <= a for a, b in pairwise(offsets)) or (offsets and offsets[0] < 0):
                 raise ValueError(f"keep offsets must be increasing and >= 0, got {offsets}")
             if seq_id not in self.lengths:
                 raise KeyError(f"sequence {seq_id} is not in the cache")

@@ -79,7 +79,7 @@ def node_suffixes(tree: DraftTree) -> list[list[int]]:
     root to node (the root's row: none; node i: its ancestors' tokens, then its own)."""
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     rows: list[list[int]] = [[]]
-    for tok, parent in zip(tokens, parents):
+    for tok, parent in zip(tokens, parents, strict=True):
         rows.append(rows[parent + 1] + [tok])
     return rows
 
@@ -183,7 +183,7 @@ class LogitsProcessing:
             _forget_other_vocabulary(c, vocab_size, device)
         # transformers 5's _merge_criteria_processor_list: a custom processor of a default's class takes its place
         kinds = [p.kind if isinstance(p, PerPrompt) else type(p) for p in defaults]
-        merged = [next((c for c in custom if type(c) is kind), p) for kind, p in zip(kinds, defaults)]
+        merged = [next((c for c in custom if type(c) is kind), p) for kind, p in zip(kinds, defaults, strict=True)]
         merged += [c for c in custom if not any(c is m for m in merged)]
         return cls(tuple(merged), new_max) if merged else None
 

@@ -192,7 +192,7 @@ class OnlineCosts:
         calibrated = self._calibrated(bucket, top)
         out = [1.0, 1.0]
         ends = sizes[1:] + [max(top, sizes[-1]) + 1]  # past the largest: its correction (slope 0)
-        for lo, hi, low, high in zip(sizes, ends, factors, factors[1:] + factors[-1:]):
+        for lo, hi, low, high in zip(sizes, ends, factors, factors[1:] + factors[-1:], strict=True):
             slope = (high - low) / (hi - lo)
             out += [max(c * (low + slope * (n - lo)), 1.0)
                     for n, c in enumerate(calibrated[lo + 1:min(hi, top) + 1], lo + 1)]

@@ -26,7 +26,7 @@ def acceptance_rates(accepted: Sequence[int], tried: Sequence[int]) -> tuple[flo
     where the one above it accepted, so the tried depths are a prefix; the depths after it (a deep tree verified
     once, its parents never accepted) have no rate, rather than a 0 that reads as "tried and always rejected"."""
     n = next((d for d, t in enumerate(tried) if not t), len(tried))
-    return tuple(a / t for a, t in zip(accepted[:n], tried[:n]))
+    return tuple(a / t for a, t in zip(accepted[:n], tried[:n], strict=True))
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,7 @@ def follow_choices(trees: Sequence[DraftTree], choices: list[list[int]]) -> list
     none does, the choice is the recovered token, at a leaf the bonus token. Greedy decoding (choice =
     argmax) and coupled sampling (:mod:`specdec.coupling`, choice = Gumbel-max) both end here."""
     out = []
-    for tree, best in zip(trees, choices):
+    for tree, best in zip(trees, choices, strict=True):
         tokens, path, node = tree.tokens.tolist(), [], -1
         while True:
             kids, want = tree.children[node + 1], best[node + 1]
@@ -222,7 +222,7 @@ def _walk(trees: Sequence[DraftTree], target_logits: torch.Tensor, sampling: Sam
     # one copy to the host for the whole batch
     out = torch.cat([path, torch.stack([path_len, next_token, is_bonus.long(), tried_depths], 1)], 1).tolist()
     return [_finish(t, row[: row[depth + 1]], row[depth + 2], bool(row[depth + 3]), row[depth + 4])
-            for t, row in zip(trees, out)]
+            for t, row in zip(trees, out, strict=True)]
 
 
 def _target_probs(target_logits: torch.Tensor, node: torch.Tensor, only: torch.Tensor | None,

@@ -122,7 +122,7 @@ class SpeculationPolicy:
             return call.trees
         sized = self.sizer.size_call(call.seq_ids, call.trees, call.batch, call.draft_seconds, call.catch_up,
                                      call.verified)
-        self.cut_last = any(a.num_nodes < b.num_nodes for a, b in zip(sized, call.trees))
+        self.cut_last = any(a.num_nodes < b.num_nodes for a, b in zip(sized, call.trees, strict=True))
         return call.trees if call.verified else sized
 
     def observe(self, step: StepRecord) -> None:
@@ -131,7 +131,7 @@ class SpeculationPolicy:
             return
         if step.verify_seconds is not None:  # first: a finished sequence's release keeps it for the next call
             self.sizer.record_step(step.verify_seconds, step.query_tokens, len(step.live))
-        for s, acc in zip(step.live, step.acceptances):
+        for s, acc in zip(step.live, step.acceptances, strict=True):
             self.sizer.observe(s.seq_id, step.emitted[s.seq_id], list(acc.accepted_nodes))
             if s.finished:
                 self.sizer.release(s.seq_id)

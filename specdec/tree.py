@@ -18,6 +18,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import pairwise
 
 import torch
 
@@ -228,7 +229,7 @@ class DraftTree:
     def subtree(self, nodes: list[int]) -> "DraftTree":
         """Sub-tree of ``nodes``: ascending node indices, ancestor-closed (what tree sizing keeps, per sequence and
         step: one gather per tensor)."""
-        if any(a >= b for a, b in zip(nodes, nodes[1:])) or (nodes and not 0 <= nodes[0] <= nodes[-1] < self.num_nodes):
+        if any(a >= b for a, b in pairwise(nodes)) or (nodes and not 0 <= nodes[0] <= nodes[-1] < self.num_nodes):
             raise ValueError(f"subtree: node indices must be ascending within [0, {self.num_nodes}), got {nodes}")
         old_parents = self.parents.tolist()
         new_index = {-1: -1}  # old index -> new index, of the nodes kept so far
@@ -289,7 +290,7 @@ class DraftTree:
             raise DraftError(f"{drafter}: draft token ids outside the vocabulary [0, {vocab_size}): {where}")
         if self.mode is DraftMode.WITHOUT_REPLACEMENT:  # siblings (same parent) have distinct tokens
             first: dict[tuple[int, int], int] = {}
-            for i, key in enumerate(zip(self.parents.tolist(), tokens)):
+            for i, key in enumerate(zip(self.parents.tolist(), tokens, strict=True)):
                 j = first.setdefault(key, i)
                 if j != i:
                     raise DraftError(f"{drafter}: nodes {j} and {i} are siblings with the same token {key[1]}, "
@@ -348,7 +349,7 @@ def validate_trees(trees: Sequence[DraftTree], vocab_size: int, drafter: str = "
     if not checks:
         return
     failed = torch.stack([flags for _, flags, _ in checks]).tolist()  # the one read
-    for (tree, _, sums), row in zip(checks, failed):
+    for (tree, _, sums), row in zip(checks, failed, strict=True):
         if any(row):
             tree._raise_probs_error(row, sums, drafter)
         # invariant from here on: every row sums to 1 up to its dtype's rounding
@@ -362,7 +363,7 @@ def matched_levels(tokens: Sequence[int], parents: Sequence[int], committed: Seq
     one of them is the committed token. Under greedy decoding the successes are the levels the whole tree would
     have had accepted, whatever the engine pruned (the committed tokens are the target's own)."""
     kids: dict[int, dict[int, int]] = {}
-    for i, (tok, p) in enumerate(zip(tokens, parents)):
+    for i, (tok, p) in enumerate(zip(tokens, parents, strict=True)):
         kids.setdefault(p, {}).setdefault(tok, i)
     trials = successes = 0
     node = -1

@@ -66,10 +66,10 @@ def merge_trees(trees: Sequence[DraftTree], default_scores: Sequence[float] | fl
     tokens: list[int] = []
     parents: list[int] = []
     scores: list[float] = []
-    for tree, default in zip(trees, defaults):
+    for tree, default in zip(trees, defaults, strict=True):
         own = node_scores(tree, default)
         to_merged: list[int] = []  # this tree's node -> merged node; parents come first (parents[i] < i)
-        for i, (tok, p) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
+        for i, (tok, p) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist(), strict=True)):
             key = (-1 if p < 0 else to_merged[p], int(tok))
             j = index.get(key)
             if j is None:

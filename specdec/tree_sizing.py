@@ -83,7 +83,7 @@ class _Kept:
 def _path_probs(accept: list[float], parents: list[int]) -> list[float]:
     """P_i: the product of the acceptance estimates along node i's path."""
     path: list[float] = []
-    for a, p in zip(accept, parents):
+    for a, p in zip(accept, parents, strict=True):
         path.append(a * (path[p] if p >= 0 else 1.0))
     return path
 
@@ -392,8 +392,8 @@ class TreeSizer:
         if not sampled:
             self.record_draft(draft_seconds, catch_up)
         costs = self._relative_costs(batch, max((t.num_nodes for t in trees), default=0))
-        out = [self.size(seq_id, tree, batch, costs) for seq_id, tree in zip(seq_ids, trees)]
-        for i, (seq_id, tree) in enumerate(zip(seq_ids, trees)):
+        out = [self.size(seq_id, tree, batch, costs) for seq_id, tree in zip(seq_ids, trees, strict=True)]
+        for i, (seq_id, tree) in enumerate(zip(seq_ids, trees, strict=True)):
             if out[i].num_nodes == 0 < tree.num_nodes and not verified and self.online.measure_due(
                     batch, self.config.margin):
                 pending = self.pending[seq_id]  # judged as the empty tree it was: a measurement, not a bet

@@ -98,7 +98,7 @@ def test_transform_on_the_trees_device_matches_a_float64_reference(device, mode)
                      probs.to(device), mode)
     lo, width = DraftAudit().intervals(tree)
     assert lo.device.type == "cpu" and lo.dtype == torch.float64
-    for i, (x, parent) in enumerate(zip(tokens, parents)):
+    for i, (x, parent) in enumerate(zip(tokens, parents, strict=True)):
         q = probs[i].double()
         if mode is DraftMode.WITHOUT_REPLACEMENT:  # earlier siblings removed
             q[[tokens[j] for j in range(i) if parents[j] == parent]] = 0

@@ -128,7 +128,7 @@ def test_second_turns_are_built_from_the_models_own_first_answer(loaded, finishe
     assert set(cells) == {(label, name) for label in ("plain", "ngram") for name in names}
     codec = chat_codec(loaded)
     shown = json.loads((out / "conversations.json").read_text())["conversations"]
-    for conv, record in zip(CONVS[:2], shown[:2]):
+    for conv, record in zip(CONVS[:2], shown[:2], strict=True):
         first = codec.encode([{"role": "user", "content": conv.turns[0]}])
         answer = generate(loaded, [first], max_new_tokens=8, return_dict=True).new_tokens[0]  # plain greedy
         assert record["turns"][0]["prompt_ids"] == first

@@ -35,7 +35,7 @@ def _case(seed: int, prompt_lens, tree_sizes):
 
 def _mismatched_rows(runner, prompts, trees) -> int:
     batched, alone = ic.alone_logits(runner, prompts, trees)
-    return sum(int((b != a).any(-1).sum()) for b, a in zip(batched, alone))
+    return sum(int((b != a).any(-1).sum()) for b, a in zip(batched, alone, strict=True))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -187,7 +187,7 @@ def test_generate_leaves_out_a_slow_child_that_adds_nothing_and_stays_greedy_exa
     model = build_tiny_model().to(device)
     prompts = [[5, 9, 11, 2, 5, 9, 11], [7, 3]]
     plain = generate(model, prompts, max_new_tokens=160)
-    refs = {tuple(p): seq[len(p):] for p, seq in zip(prompts, plain)}
+    refs = {tuple(p): seq[len(p):] for p, seq in zip(prompts, plain, strict=True)}
     assert all(95 not in ref for ref in refs.values())
 
     class Oracle(Drafter):  # the next greedy token, then a wrong one

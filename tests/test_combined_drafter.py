@@ -178,7 +178,7 @@ def test_greedy_output_identical_to_plain_with_ngram_and_an_oracle(mode, device)
     model = build_tiny_model().to(device)
     prompts = [[5, 9, 11, 2, 5, 9, 11], [7]]
     plain = generate(model, prompts, max_new_tokens=24)
-    refs = {tuple(p): seq[len(p):] for p, seq in zip(prompts, plain)}
+    refs = {tuple(p): seq[len(p):] for p, seq in zip(prompts, plain, strict=True)}
 
     class Oracle(Drafter):
         name = "oracle"

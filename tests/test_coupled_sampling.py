@@ -215,7 +215,7 @@ def test_medusa_ranks_by_the_noise_of_each_heads_position(model):
     logits = drafter._head_logits(view.last_hidden[None].to(model.dtype), 3)[:, 0]  # [3, vocab]
     noise = Coupling(SAMPLE["seed"]).draft_noise(view.noise_key, range(root + 1, root + 4), 96, "cpu")
     firsts = perturbed_logits(logits, sampling, noise).argmax(-1).tolist()
-    depth1 = [int(t) for t, d in zip(tree.tokens, tree.depths) if d == 1]
+    depth1 = [int(t) for t, d in zip(tree.tokens, tree.depths, strict=True) if d == 1]
     assert firsts[0] in depth1
 
 

@@ -140,7 +140,8 @@ def test_draft_model_forwards_run_through_buckets_of_its_own(loaded):
             return dataclasses.replace(pending, read=lambda: self.record(seqs, pending.read()))
 
         def record(self, seqs, trees):
-            self.seen.update((tuple(v.token_ids), (t.tokens.tolist(), t.parents.tolist())) for v, t in zip(seqs, trees))
+            self.seen.update((tuple(v.token_ids), (t.tokens.tolist(), t.parents.tolist()))
+                             for v, t in zip(seqs, trees, strict=True))
             return trees
 
     reference = on_reference(loaded)
@@ -459,7 +460,7 @@ def test_self_distillation_through_buckets_equals_eager_and_keeps_its_own_cache(
     with caplog.at_level(logging.INFO, logger="specdec.train.distill"):
         eager = self_distill(loaded, prompts, cuda_graphs=False, **kwargs)
         graphed = self_distill(loaded, prompts, cuda_graphs=True, **kwargs)
-    assert graphed == eager and all(len(s) == len(p) + 6 for s, p in zip(eager, prompts))
+    assert graphed == eager and all(len(s) == len(p) + 6 for s, p in zip(eager, prompts, strict=True))
     # the log says how the data was made and how fast: the GPU recipe's main cost
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("self-distilled")]
     assert len(said) == 2 and all("6 sequences (36 new tokens)" in m for m in said), said
@@ -627,14 +628,15 @@ def test_pending_eagle_trees_are_verified_before_the_host_reads_them(loaded, mon
     monkeypatch.setattr(Engine, "propose", lambda self, live: events.append("propose") or propose(self, live))
     monkeypatch.setattr(Engine, "verify", verified)
     monkeypatch.setattr(Engine, "_read", checked)
-    seqs = engine.add([[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]])
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
+    seqs = engine.add(prompts)
     while engine.live:
         engine.step()
     assert events.count("pending read after its verify") >= 2 and events.count("pending read first") >= 1, events
     assert found and all(p.qkv is not None and p.gate_up is not None for p in found)
     assert all(len(s.new_tokens) == 9 for s in seqs)
     assert [s.new_tokens for s in seqs] == [t[len(p):] for p, t in zip(
-        ([1, 2, 3, 4, 5, 6, 7], [9, 8, 7]), generate(loaded, [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]], max_new_tokens=9))]
+        prompts, generate(loaded, prompts, max_new_tokens=9), strict=True)]
 
 
 def test_pending_trees_the_free_blocks_cannot_hold_are_read_first(loaded):
@@ -699,7 +701,8 @@ def test_the_drafting_a_gpu_runs_inside_the_verify_is_priced_as_drafting(loaded,
     timed = [r.verify_seconds for r in records if r.verify_seconds is not None]
     assert timed and engine.seconds["verify"] >= sum(timed) - 1e-9
     assert CAPTURE or engine.seconds["verify"] == pytest.approx(sum(timed))
-    assert all(r.verify_seconds == pytest.approx(3 * m) for r, m in zip(records, moved) if m and r.verify_seconds)
+    assert all(r.verify_seconds == pytest.approx(3 * m)
+               for r, m in zip(records, moved, strict=True) if m and r.verify_seconds)
     assert engine.seconds["draft"] >= sum(moved)
 
 
@@ -773,8 +776,8 @@ def test_pending_trees_under_tree_sizing(loaded, cuts, monkeypatch):
         assert max(n for s in seqs for n in s.step_nodes[1:]) <= 3  # top_k root children
     else:
         assert set(calls) == {"propose_pending"} and max(seqs[0].step_nodes) == 8
-    assert [s.new_tokens for s in seqs] == [t[len(p):] for p, t in zip(prompts, generate(loaded, prompts,
-                                                                                          max_new_tokens=8))]
+    assert [s.new_tokens for s in seqs] == [t[len(p):] for p, t in zip(
+        prompts, generate(loaded, prompts, max_new_tokens=8), strict=True)]
 
 
 def test_eagle3_feature_layers_come_back_from_buckets_of_their_own(loaded):

@@ -43,7 +43,7 @@ def common_ids(model, n=40):
 class Spy(MedusaDrafter):
     def propose(self, seqs):
         trees = super().propose(seqs)
-        self.seen = getattr(self, "seen", []) + [(v.last_hidden, t) for v, t in zip(seqs, trees)]
+        self.seen = getattr(self, "seen", []) + [(v.last_hidden, t) for v, t in zip(seqs, trees, strict=True)]
         return trees
 
 
@@ -130,7 +130,7 @@ def test_medusa_greedy_identity_with_a_reduced_vocabulary(options):
                            drafter=MedusaDrafter(heads=reduced_heads(model, ids), **options))
     assert out.sequences == plain
     assert out.tau > 1.2  # drafts are accepted: the accepted path is exercised
-    for p, ref in zip(PROMPTS[:2], plain[:2]):
+    for p, ref in zip(PROMPTS[:2], plain[:2], strict=True):
         got = specdec.generate(model, [p], max_new_tokens=128, speculation="always",
                                drafter=MedusaDrafter(heads=reduced_heads(model, ids), **options))
         assert got[0] == ref
@@ -165,7 +165,7 @@ def test_self_draft_greedy_identity_with_a_reduced_vocabulary(options):
     assert out.sequences == plain
     assert sum(sum(s.depth_accepted) for s in out.stats) > 0
     assert all(set(t.tokens.tolist()) <= set(ids) for t in seen) and sum(t.num_nodes for t in seen) > 50
-    for p, ref in zip(PROMPTS[:2], plain[:2]):
+    for p, ref in zip(PROMPTS[:2], plain[:2], strict=True):
         assert specdec.generate(target, [p], max_new_tokens=128, drafter="self-draft",
                                 drafter_options=dict(draft_vocab=ids, **options))[0] == ref
 

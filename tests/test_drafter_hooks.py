@@ -39,7 +39,7 @@ def test_drafter_is_attached_once_and_sees_the_hidden_state_of_the_token_before_
     model = build_tiny_model("llama-gqa-tied")
     prompts = [[5, 9, 11, 2], [7]]
     plain = generate(model, prompts, max_new_tokens=30)
-    drafter = HiddenRecorder({tuple(p): seq[len(p):] for p, seq in zip(prompts, plain)})
+    drafter = HiddenRecorder({tuple(p): seq[len(p):] for p, seq in zip(prompts, plain, strict=True)})
     # every chain verified whole: sized by the policy, the chains were cut where the guard priced a slow propose
     # call on a loaded machine, and tau fell below what the test asks
     out = generate(model, prompts, drafter=drafter, max_new_tokens=24, return_dict=True, speculation="always")

@@ -64,7 +64,7 @@ class ByPrefix(EagleDrafter):
 
     def propose(self, seqs):
         trees = super().propose(seqs)
-        self.seen.update((tuple(v.token_ids), t) for v, t in zip(seqs, trees))
+        self.seen.update((tuple(v.token_ids), t) for v, t in zip(seqs, trees, strict=True))
         return trees
 
 
@@ -259,7 +259,7 @@ def test_a_bfloat16_head_rotates_by_the_float32_frequencies():
     positions = torch.arange(0, 2048, 37)
     wanted = eagle.rope(positions, torch.float32)
     got = eagle.to(torch.bfloat16).rope(positions, torch.float32)
-    assert all(torch.equal(a, b) for a, b in zip(got, wanted))
+    assert all(torch.equal(a, b) for a, b in zip(got, wanted, strict=True))
 
 
 def test_stats_record_the_nodes_each_step_verified():
@@ -269,7 +269,8 @@ def test_stats_record_the_nodes_each_step_verified():
                    speculation="always")
     nodes, proposed = out.stats[0].step_nodes, [t.num_nodes for t in drafter.trees]
     assert len(nodes) == out.stats[0].steps == len(proposed)
-    assert all(n <= p for n, p in zip(nodes, proposed)) and nodes[:-3] == tuple(proposed[:-3])  # cut near the end
+    assert all(n <= p for n, p in zip(nodes, proposed, strict=True))
+    assert nodes[:-3] == tuple(proposed[:-3])  # cut near the end
     assert max(nodes) == 5
 
 
@@ -313,8 +314,10 @@ def test_checkpoint_round_trip_and_published_layout(tmp_path):
     assert all(k.startswith(("fc.", "layers.0.", "lm_head.", "d2t", "norm.")) for k in keys)
     loaded = load_eagle(tmp_path, model.config)
     assert loaded.config.draft_vocab == tuple(ids) and loaded.config.max_nodes == 5
-    for (k, a), (_, b) in zip(sorted(eagle.state_dict().items()), sorted(loaded.state_dict().items())):
-        assert torch.equal(a, b), k
+    want, got = eagle.state_dict(), loaded.state_dict()
+    assert sorted(got) == sorted(want)  # the same tensors by name, none missing or extra
+    for k, a in want.items():
+        assert torch.equal(a, got[k]), k
     prompts = ragged_prompts(2, seed=5)
     a = generate(model, prompts, max_new_tokens=10, drafter="eagle", drafter_options={"path": str(tmp_path)})
     assert a == generate(model, prompts, max_new_tokens=10)
@@ -489,7 +492,7 @@ def test_the_kv_slab_holds_each_sequences_keys_through_growth_and_reused_rows():
         counts = [int(torch.randint(1, 6, (1,), generator=gen)) for _ in live]
         new_k = torch.randn(len(live), 2, max(counts), 3, generator=gen)
         kv.append(live, new_k, -new_k, counts)
-        for b, (i, n) in enumerate(zip(live, counts)):
+        for b, (i, n) in enumerate(zip(live, counts, strict=True)):
             want[i] = torch.cat([want.get(i, torch.zeros(2, 0, 3)), new_k[b, :, :n]], dim=1)
         for ids in (live, live[-1:]):
             k, v = kv.gather(ids)

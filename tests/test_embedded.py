@@ -63,7 +63,7 @@ def hf_reference(loaded, prompts):
     out = loaded.model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
                                 pad_token_id=pad)
     eos, refs = _eos_ids(loaded), []
-    for p, row in zip(prompts, out[:, width:].tolist()):
+    for p, row in zip(prompts, out[:, width:].tolist(), strict=True):
         end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
         refs.append(p + row[:end])
     return refs
@@ -79,7 +79,7 @@ def assert_same_or_tie(loaded, ours: list[int], ref: list[int]) -> bool:
     stopped = ref[-1] in _eos_ids(loaded)
     if (ours == ref) if stopped else (ours[: len(ref)] == ref):
         return True
-    d = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    d = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), min(len(ours), len(ref)))
     assert d < min(len(ours), len(ref)), f"one stops where the other goes on, at position {d}"
     logits = loaded.model(torch.tensor([ref[:d]])).logits[0, -1]
     gap = float((logits[ref[d]] - logits[ours[d]]).abs())
@@ -122,7 +122,7 @@ def test_greedy_single_matches_transformers(loaded, prompts, hf_reference):
     """5 of the 20 prompts one at a time (all 20 run batched against transformers below; each one alone costs
     ~10 s of CI's 25 minutes)."""
     ties = [not assert_same_or_tie(loaded, specdec.generate(loaded, [p], max_new_tokens=NEW_TOKENS)[0], ref)
-            for p, ref in zip(prompts[:5], hf_reference[:5])]
+            for p, ref in zip(prompts[:5], hf_reference[:5], strict=True)]
     assert sum(ties) <= 1, f"{sum(ties)} of 5 prompts part from transformers at a float32 tie: too many for chance"
 
 
@@ -147,7 +147,7 @@ def plain_128(loaded, prompts, shared_result):
 def test_greedy_batched_matches_transformers(loaded, plain_256, hf_reference):
     """Plain batched greedy (256 tokens) starts with transformers' 128 tokens, or equals them
     where transformers stopped at EOS first."""
-    ties = [i for i, (ours, ref) in enumerate(zip(plain_256, hf_reference))
+    ties = [i for i, (ours, ref) in enumerate(zip(plain_256, hf_reference, strict=True))
             if not assert_same_or_tie(loaded, ours, ref)]
     assert len(ties) <= 2, f"prompts {ties} part from transformers at a float32 tie: too many for chance"
 
@@ -160,11 +160,11 @@ def test_ngram_greedy_identity_batched_and_single(loaded, prompts, plain_256, mo
     c(n) = n decode steps nothing was verified: tau 1.0)."""
     fix_costs(monkeypatch, {1: 1.0, 2: 1.25, 65: 17.0})
     out = specdec.generate(loaded, prompts, max_new_tokens=SPEC_TOKENS, drafter="ngram", return_dict=True)
-    mismatched = [i for i, (o, r) in enumerate(zip(out.sequences, plain_256)) if o != r]
+    mismatched = [i for i, (o, r) in enumerate(zip(out.sequences, plain_256, strict=True)) if o != r]
     assert not mismatched, f"ngram batched differs on prompts {mismatched}"
     assert out.tau > 1.1
     # alone: 1 of the 20 (every prompt runs batched above; each one alone costs ~20 s of CI's 25 minutes)
-    for i, (p, ref) in enumerate(zip(prompts[:1], plain_256[:1])):
+    for i, (p, ref) in enumerate(zip(prompts[:1], plain_256[:1], strict=True)):
         assert specdec.generate(loaded, [p], max_new_tokens=SPEC_TOKENS, drafter="ngram")[0] == ref, f"prompt {i}"
 
 
@@ -174,7 +174,7 @@ def test_random_tree_greedy_identity(loaded, prompts, plain_256):
 
     drafter = RandomTreeDrafter(loaded.runner.shape.vocab_size, max_nodes=4, max_depth=3, seed=0)
     out = specdec.generate(loaded, prompts[:DRAFTER_PROMPTS], max_new_tokens=SPEC_TOKENS, drafter=drafter)
-    mismatched = [i for i, (o, r) in enumerate(zip(out, plain_256)) if o != r]
+    mismatched = [i for i, (o, r) in enumerate(zip(out, plain_256[:DRAFTER_PROMPTS], strict=True)) if o != r]
     assert not mismatched, f"random-tree drafter differs on prompts {mismatched}"
 
 
@@ -221,11 +221,11 @@ def test_model_based_drafters_greedy_identity(loaded, prompts, plain_128, name):
     # about the drafting path's exactness
     out = specdec.generate(loaded, prompts, max_new_tokens=NEW_TOKENS, drafter=drafter, drafter_options=options,
                            return_dict=True, speculation="always")
-    mismatched = [i for i, (o, r) in enumerate(zip(out.sequences, reference)) if o != r]
+    mismatched = [i for i, (o, r) in enumerate(zip(out.sequences, reference, strict=True)) if o != r]
     assert not mismatched, f"{name} batched differs on prompts {mismatched}"
     if name == "draft-model":
         assert out.tau > 3.5  # the model drafting for itself: the accepted path is exercised
-    for i, (p, ref) in enumerate(zip(prompts[:1], reference[:1])):
+    for i, (p, ref) in enumerate(zip(prompts[:1], reference[:1], strict=True)):
         drafter, options = make()
         got = specdec.generate(loaded, [p], max_new_tokens=NEW_TOKENS, drafter=drafter, drafter_options=options,
                                speculation="always")

@@ -22,7 +22,7 @@ def test_packed_model_decodes_the_unfused_tokens_with_one_product_per_block(vari
     assert pack_projections(packed) == 2 * len(packed.model.layers)
     assert pack_projections(packed) == 0  # already side by side
     assert [id(p) for p in packed.parameters()] == [id(p) for p in params]
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), packed.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), packed.parameters(), strict=True))
     runner = LlamaRunner(packed)
     fused = runner._fused_projections()
     assert fused and all(p.qkv is not None and p.gate_up is not None for p in fused)

@@ -31,7 +31,7 @@ def test_greedy_matches_transformers_single_and_batched(variant, device):
     refs = [hf_greedy(model, p, 40) for p in PROMPTS]
     batched = specdec.generate(model, PROMPTS, max_new_tokens=40)
     assert batched == refs
-    for p, ref in zip(PROMPTS, refs):
+    for p, ref in zip(PROMPTS, refs, strict=True):
         assert specdec.generate(model, [p], max_new_tokens=40, block_size=3)[0] == ref
 
 
@@ -44,7 +44,7 @@ def same_greedy_or_tie(model, got: list[int], ref: list[int]) -> bool:
     if got == ref:
         return True
     assert len(got) == len(ref)
-    d = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
+    d = next(i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b)
     with torch.no_grad():
         logits = model(torch.tensor([ref[:d]])).logits[0, -1]
     gap = float((logits[ref[d]] - logits[got[d]]).abs())
@@ -60,7 +60,7 @@ def test_greedy_matches_transformers_24_prompts_x_128_tokens(variant):
     refs = [hf_greedy(model, p, 128) for p in prompts]
     batched = specdec.generate(model, prompts, max_new_tokens=128)
     single = [specdec.generate(model, [p], max_new_tokens=128, block_size=5)[0] for p in prompts]
-    ties = [not same_greedy_or_tie(model, got, ref) for got, ref in zip(batched + single, refs + refs)]
+    ties = [not same_greedy_or_tie(model, got, ref) for got, ref in zip(batched + single, refs + refs, strict=True)]
     assert sum(ties) <= 2, f"{sum(ties)} of {len(ties)} sequences part at a float32 tie: too many to be chance"
 
 
@@ -71,7 +71,7 @@ def test_batch_of_8_ragged_prompts_equals_one_by_one(device):
     singles = [specdec.generate(model, [p], max_new_tokens=48)[0] for p in prompts]
     assert specdec.generate(model, prompts, max_new_tokens=48, block_size=5) == singles
     # and when the sequences finish at different steps: an EOS id that only some of them emit
-    news = [s[len(p):] for s, p in zip(singles, prompts)]
+    news = [s[len(p):] for s, p in zip(singles, prompts, strict=True)]
     eos = next(t for t in range(model.config.vocab_size) if 2 <= sum(t in n[:40] for n in news) <= 6)
     singles = [specdec.generate(model, [p], max_new_tokens=48, eos_token_id=eos)[0] for p in prompts]
     out = specdec.generate(model, prompts, max_new_tokens=48, eos_token_id=eos, block_size=5, return_dict=True)

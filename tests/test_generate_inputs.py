@@ -416,9 +416,9 @@ def test_any_generate_arguments_work_or_raise_a_one_line_specdec_error(**kwargs)
 def test_padded_tensor_with_mask_equals_ragged_lists(prompts, left):
     width = max(len(p) for p in prompts)
     pad = [[7] * (width - len(p)) for p in prompts]
-    ids = torch.tensor([q + p if left else p + q for p, q in zip(prompts, pad)])
+    ids = torch.tensor([q + p if left else p + q for p, q in zip(prompts, pad, strict=True)])
     mask = torch.tensor([[0] * len(q) + [1] * len(p) if left else [1] * len(p) + [0] * len(q)
-                         for p, q in zip(prompts, pad)])
+                         for p, q in zip(prompts, pad, strict=True)])
     want = _gen(prompts, return_dict=True).new_tokens
     assert _gen(ids, attention_mask=mask, return_dict=True).new_tokens == want
 

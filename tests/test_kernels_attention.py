@@ -380,7 +380,7 @@ def test_draft_model_tree_logits_match_the_reference_backend(monkeypatch):
                  speculation="always")
         logits[backend] = spy.logits
     assert len(logits["triton"]) == len(logits["reference"]) == 3  # catch-up, depth 1, depth 2 (hidden uncles)
-    for depth, (a, b) in enumerate(zip(logits["triton"], logits["reference"])):
+    for depth, (a, b) in enumerate(zip(logits["triton"], logits["reference"], strict=True)):
         assert a.shape == b.shape
         err = (a - b).abs().max().item()
         assert err <= 1e-4, f"draft forward {depth}: triton vs reference logits differ by {err:.3g}"

@@ -211,13 +211,13 @@ def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields,
         with Launches() as launches:
             got = model(*args, fused, model.rope(positions, torch.float32))
             got = (*got, model.logits(got[0], head, fused))
-    for name, a, b in zip(("features", "keys", "values", "logits"), got, want):
+    for name, a, b in zip(("features", "keys", "values", "logits"), got, want, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (name, (a - b).abs().max().item())
-    assert all(torch.equal(a, b) for a, b in zip(args, inputs))  # nothing written into the caller's tensors
+    assert all(torch.equal(a, b) for a, b in zip(args, inputs, strict=True))  # nothing written into caller's tensors
     expanded = (embeds, features[:, :1].expand(B, L, -1), *args[2:])
     with torch.inference_mode():
         want_expanded, got_expanded = model(*expanded), model(*expanded, fused)
-    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got_expanded, want_expanded))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got_expanded, want_expanded, strict=True))
     assert torch.equal(features, inputs[1])
     # no PyTorch norm, rotation, SiLU or residual add left; with packed weights, one product for q, k and v, one for
     # gate and up, and one RoPE launch
@@ -229,22 +229,22 @@ def test_an_eagle_layer_on_the_fused_ops_gives_the_pytorch_forward(arch, fields,
     # into= (the growth's buffer of keys / values): the same results, this call's keys and values written after the
     # past, the columns after them neither written nor read (NaN there would reach the features)
     bufs = [torch.full((B, c.num_kv_heads, P + L + 2, c.head_dim), float("nan"), device=DEVICE) for _ in range(2)]
-    for buf, past in zip(bufs, (past_k, past_v)):
+    for buf, past in zip(bufs, (past_k, past_v), strict=True):
         buf[:, :, :P] = past
     with torch.inference_mode():
         into = model(*args[:4], fused=fused, rope=model.rope(positions, torch.float32), into=(*bufs, P))
-    assert all(torch.equal(a, b) for a, b in zip(into, got[:3]))
+    assert all(torch.equal(a, b) for a, b in zip(into, got[:3], strict=True))
     assert torch.equal(bufs[0][:, :, P : P + L], got[1]) and torch.equal(bufs[1][:, :, P : P + L], got[2])
     assert bufs[0][:, :, P + L :].isnan().all() and bufs[1][:, :, P + L :].isnan().all()
     # buffers of query heads (as the growth keeps them): each key written once per head of its group
     groups = c.num_heads // c.num_kv_heads
     bufs = [torch.full((B, c.num_heads, P + L + 2, c.head_dim), float("nan"), device=DEVICE) for _ in range(2)]
-    for buf, past in zip(bufs, (past_k, past_v)):
+    for buf, past in zip(bufs, (past_k, past_v), strict=True):
         buf[:, :, :P] = past.repeat_interleave(groups, dim=1)
     with torch.inference_mode():
         into = model(*args[:4], fused=fused, rope=model.rope(positions, torch.float32), into=(*bufs, P))
-    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(into, got[:3]))
-    for buf, new in zip(bufs, into[1:]):
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(into, got[:3], strict=True))
+    for buf, new in zip(bufs, into[1:], strict=True):
         assert torch.equal(buf[:, :, P : P + L], new.repeat_interleave(groups, dim=1))
         assert buf[:, :, P + L :].isnan().all()
     with pytest.raises(InputError, match="no gradients"):  # the kernels have no backward: never in training

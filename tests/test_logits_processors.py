@@ -334,7 +334,7 @@ def test_every_row_gets_its_own_prefix_in_equal_length_calls():
     logits = torch.randn(3, 6, 11)
     out = processing.apply(seqs, trees, logits)
     expected = {}
-    for b, ((ids, _), tree) in enumerate(zip(seqs, trees)):
+    for b, ((ids, _), tree) in enumerate(zip(seqs, trees, strict=True)):
         for row, suffix in enumerate(node_suffixes(tree)):
             expected[(b, row)] = ids + suffix
     assert node_suffixes(trees[0]) == [[], [5], [6], [5, 7], [5, 7, 8], [6, 9]]  # ancestors, then the node
@@ -429,7 +429,7 @@ def test_coupled_sampling_with_processors_is_the_same_text_with_any_drafter(mode
         assert out.sequences == plain, name
         # the draft model ranks its candidates by the same noise over its own processed logits: all accepted
         assert out.tau > 4.0 or name != "target-as-draft", out.tau
-    for p, ref in zip(PROMPTS, plain):
+    for p, ref in zip(PROMPTS, plain, strict=True):
         assert specdec.generate(model, [p], max_new_tokens=NEW, drafter="ngram", **COUPLED) == [ref]
 
 
@@ -528,18 +528,18 @@ def test_greedy_logprobs_equal_transformers_processed_scores_with_and_without_dr
     kwargs = dict(repetition_penalty=1.3, no_repeat_ngram_size=3)
     plain = specdec.generate(model, PROMPTS, max_new_tokens=NEW, output_logprobs=True, return_dict=True, **kwargs)
     assert [len(lp) for lp in plain.logprobs] == [len(t) for t in plain.new_tokens]
-    for p, new, lp in zip(PROMPTS, plain.new_tokens, plain.logprobs):
+    for p, new, lp in zip(PROMPTS, plain.new_tokens, plain.logprobs, strict=True):
         ids = torch.tensor([p])
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
                              output_scores=True, return_dict_in_generate=True, **kwargs)
         assert ref.sequences[0, len(p):].tolist() == new
-        want = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(ref.scores, new)]
+        want = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(ref.scores, new, strict=True)]
         assert torch.allclose(torch.tensor(lp), torch.tensor(want), atol=1e-5)
     for name, drafter, options in drafters(model):
         out = specdec.generate(model, PROMPTS, max_new_tokens=NEW, drafter=drafter, drafter_options=options,
                                speculation="always", output_logprobs=True, return_dict=True, **kwargs)
         assert out.new_tokens == plain.new_tokens and out.tau > 1.0, name
-        for a, b in zip(out.logprobs, plain.logprobs):
+        for a, b in zip(out.logprobs, plain.logprobs, strict=True):
             assert torch.allclose(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64),
                                   atol=1e-5), name
     # an EOS inside an accepted run cuts the run: only the committed tokens have log-probabilities
@@ -567,7 +567,7 @@ def test_sampled_logprobs_are_after_the_processors_and_the_sampling_transform(mo
     assert spec.new_tokens == plain.new_tokens
     processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3), NoRepeatNGramLogitsProcessor(3),
                                       TemperatureLogitsWarper(0.7), TopKLogitsWarper(20)])
-    for p, new, lp, lp_spec in zip(PROMPTS, plain.new_tokens, plain.logprobs, spec.logprobs):
+    for p, new, lp, lp_spec in zip(PROMPTS, plain.new_tokens, plain.logprobs, spec.logprobs, strict=True):
         seq = torch.tensor([p + new])
         with torch.no_grad():
             logits = model(seq).logits[0].float()

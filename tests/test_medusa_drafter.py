@@ -67,7 +67,7 @@ def token_paths(tree):
 class Recorder(MedusaDrafter):
     def propose(self, seqs):
         trees = super().propose(seqs)
-        self.seen = getattr(self, "seen", []) + [(v.last_hidden, t) for v, t in zip(seqs, trees)]
+        self.seen = getattr(self, "seen", []) + [(v.last_hidden, t) for v, t in zip(seqs, trees, strict=True)]
         return trees
 
 
@@ -155,7 +155,7 @@ def test_greedy_identity_with_random_and_lm_head_initialised_heads(variant, opti
                                return_dict=True, speculation="always")
         assert out.sequences == plain
     assert out.tau > 1.2  # the LM-head-initialised heads get drafts accepted: the accepted path is exercised
-    for p, ref in zip(PROMPTS[:3], plain[:3]):  # one at a time, including the one-token prompt
+    for p, ref in zip(PROMPTS[:3], plain[:3], strict=True):  # one at a time, including the one-token prompt
         got = specdec.generate(model, [p], max_new_tokens=256, drafter=MedusaDrafter(heads=lm_head_heads(model),
                                                                                      **options), speculation="always")
         assert got[0] == ref

@@ -43,7 +43,7 @@ def test_greedy_identity_batched_and_single(variant, config, device):
     assert out.sequences == plain
     if config.startswith("target"):
         assert out.tau > 5.5  # the accepted path and its K/V really were kept
-    for p, ref in zip(PROMPTS[:2], plain[:2]):
+    for p, ref in zip(PROMPTS[:2], plain[:2], strict=True):
         assert specdec.generate(target, [p], max_new_tokens=256, drafter=name, drafter_options=options)[0] == ref
 
 
@@ -356,7 +356,7 @@ def test_static_trees_grown_on_the_device_are_the_host_grown_trees(name, options
             trees = super().propose(seqs)
             self.seen.update((tuple(v.token_ids), (t.tokens.tolist(), t.parents.tolist(), t.mode,
                                                    None if t.draft_probs is None else t.draft_probs.tolist()))
-                             for v, t in zip(seqs, trees))
+                             for v, t in zip(seqs, trees, strict=True))
             return trees
 
     extra = {"model": build_tiny_model(seed=7)} if name == "draft-model" else {}

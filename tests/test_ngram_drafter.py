@@ -182,7 +182,7 @@ def test_batched_sequences_are_independent():
         rng.shuffle(order)
         trees = batched.propose([view(seqs[sid], sid) for sid in order])
         assert len(trees) == len(order)
-        for sid, tree in zip(order, trees):
+        for sid, tree in zip(order, trees, strict=True):
             alone = propose1(singles[sid], seqs[sid], sid)
             assert tree.tokens.tolist() == alone.tokens.tolist()
             assert tree.parents.tolist() == alone.parents.tolist()
@@ -298,7 +298,7 @@ def test_greedy_end_to_end_matches_plain_and_offline_simulation(tiny_model):
     assert spec.sequences == plain
     # greedy acceptance is deterministic, so the engine must take exactly the steps an
     # offline replay of the drafter over the plain output predicts
-    expected = [simulated_greedy_steps(out, len(p), NGramDrafter()) for p, out in zip(prompts, plain)]
+    expected = [simulated_greedy_steps(out, len(p), NGramDrafter()) for p, out in zip(prompts, plain, strict=True)]
     assert [s.steps for s in spec.stats] == expected
     assert min(expected) < 40  # the drafts were accepted at least once (the check has teeth)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 import torch
@@ -64,7 +65,7 @@ def test_a_run_whose_steps_all_draft_measures_a_plain_step_now_and_then():
         due.append(online.plain_step_due(1))
         online.record(steep(1) if due[-1] else steep(17), 1 if due[-1] else 17, 1)
     at = [i for i, d in enumerate(due) if d]
-    assert at[:4] == [8, 17, 26, 59] and [b - a for a, b in zip(at[3:], at[4:])] == [33] * (len(at) - 4)
+    assert at[:4] == [8, 17, 26, 59] and [b - a for a, b in pairwise(at[3:])] == [33] * (len(at) - 4)
     assert online.relative(17) > 1.2 and not online.plain_step_due(2)  # another batch bucket drafted nothing yet
     plainly = OnlineCosts(FLAT_CACHE)
     for i in range(200):
@@ -279,7 +280,7 @@ def test_measuring_a_curve_that_is_right_to_be_steep_stays_within_the_probe_budg
     out = generate(model, [prompt], max_new_tokens=300, drafter=HalfRight(plain, 32), return_dict=True)
     assert out.sequences[0] == plain[: len(prompt) + 300]
     measured = [i for i, n in enumerate(out.stats[0].step_nodes) if n > 0]
-    assert 1 <= len(measured) <= 3 and all(b - a >= 90 for a, b in zip(measured, measured[1:])), measured
+    assert 1 <= len(measured) <= 3 and all(b - a >= 90 for a, b in pairwise(measured)), measured
 
 
 def test_the_measuring_bank_fills_across_short_calls():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -197,7 +198,7 @@ def check_valid_tree(tree: DraftTree, tokens_in, parents_in) -> None:
         assert {k for k in range(n) if all_bits[i] >> k & 1} == anc
     paths = tree.paths()
     assert {i for path in paths for i in path} == set(range(n))  # every node lies on a root-to-leaf path
-    assert all(parents[path[0]] == -1 and all(parents[b] == a for a, b in zip(path, path[1:])) for path in paths)
+    assert all(parents[path[0]] == -1 and all(parents[b] == a for a, b in pairwise(path)) for path in paths)
     if tree.mode is DraftMode.DETERMINISTIC:
         assert tree.draft_probs is None
     else:
@@ -207,7 +208,7 @@ def check_valid_tree(tree: DraftTree, tokens_in, parents_in) -> None:
         assert torch.allclose(probs.double().sum(-1), torch.ones(n, dtype=torch.float64), atol=1e-6)
         assert bool((probs.gather(1, tree.tokens[:, None]) > 0).all())
     if tree.mode is DraftMode.WITHOUT_REPLACEMENT:
-        pairs = list(zip(parents, tree.tokens.tolist()))
+        pairs = list(zip(parents, tree.tokens.tolist(), strict=True))
         assert len(pairs) == len(set(pairs))
 
 

@@ -119,10 +119,10 @@ def test_ragged_batch_and_empty_trees():
     logits = torch.randn(3, 4, 8)
     out = rejection_sample(trees, logits, SamplingConfig(do_sample=True), torch.Generator().manual_seed(0))
     assert len(out) == 3 and out[0].is_bonus and len(out[0].accepted_nodes) == 0
-    for tree, acc in zip(trees, out):
+    for tree, acc in zip(trees, out, strict=True):
         assert len(acc.depth_tried) == tree.max_depth
         path = list(acc.accepted_nodes)
-        assert all(int(tree.parents[b]) == a for a, b in zip([-1] + path, path))  # a root-to-node path
+        assert all(int(tree.parents[b]) == a for a, b in itertools.pairwise([-1, *path]))  # a root-to-node path
 
 
 def test_deterministic_candidate_with_target_mass_one_is_always_accepted():

@@ -32,6 +32,15 @@ def recorded(eval_tiny_model):
     return prompts, record
 
 
+def test_record_run_refuses_categories_that_do_not_pair_with_the_prompts(eval_tiny_model):
+    """One category per prompt: a shorter list dropped the prompts past it from the record, a longer one its tail,
+    both silently; now refused before any prompt is run."""
+    prompts = _prompts(16, lengths=(3, 4))
+    for categories in (["chat"], ["chat", "code", "math"]):
+        with pytest.raises(InputError, match=f"2 prompts but {len(categories)} categories"):
+            record_run(eval_tiny_model, prompts, RecordConfig(max_new_tokens=2), categories, with_costs=False)
+
+
 def test_greedy_replay_reproduces_the_real_ngram_run(eval_tiny_model, recorded):
     """speculation="always" (guard off): a deterministic drafter's real steps, one generate() per prompt."""
     prompts, record = recorded

@@ -80,7 +80,7 @@ def check_greedy_identity(model, prompts, max_new_tokens):
         assert accepted_nodes(got) > 0 and got.tau > 1.0, (mode, got.tau)
     # one at a time: n-gram for every prompt, random trees with the modes taking turns over the prompts
     single_accepted = dict.fromkeys(MODES, 0)
-    for i, (p, ref) in enumerate(zip(prompts, plain)):
+    for i, (p, ref) in enumerate(zip(prompts, plain, strict=True)):
         assert specdec.generate(model, [p], max_new_tokens=max_new_tokens, drafter="ngram")[0] == ref, i
         mode = MODES[i % len(MODES)]
         got = specdec.generate(model, [p], max_new_tokens=max_new_tokens,

@@ -27,7 +27,7 @@ def test_tiny_build_is_deterministic_and_matches_the_shape():
     a = synthetic.build("qwen3-1.7b@tiny", device="cpu", seed=3)
     b = synthetic.build("qwen3-1.7b@tiny", device="cpu", seed=3)
     c = synthetic.build("qwen3-1.7b@tiny", device="cpu", seed=4)
-    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
     assert sum(p.numel() for p in a.parameters()) == synthetic.parse("qwen3-1.7b@tiny").num_params
     assert hasattr(a.model.layers[0].self_attn, "q_norm") and a.lm_head.weight is a.model.embed_tokens.weight

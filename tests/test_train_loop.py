@@ -133,7 +133,7 @@ def test_cached_and_uncached_training_follow_the_same_curve(tiny, tmp_path):
 
     cached, direct = run("cached", True), run("direct", False)
     assert [h["step"] for h in cached] == [h["step"] for h in direct] == list(range(1, 7))  # max_steps=6
-    for a, b in zip(cached, direct):
+    for a, b in zip(cached, direct, strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-4, (a, b)
 
 
@@ -265,7 +265,7 @@ def test_gradient_accumulation_and_processes_equal_one_larger_batch(tiny, tmp_pa
     assert len(two) == 2  # each rank stepped
     for grads in (acc, *two):
         assert len(grads) == len(big)
-        for a, b in zip(grads, big):
+        for a, b in zip(grads, big, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert acc_loss == pytest.approx(big_loss, rel=1e-6) and two_loss == pytest.approx(big_loss, rel=1e-6)
 
@@ -295,7 +295,8 @@ def test_run_writes_loadable_layout_and_report(tiny, tmp_path):
     heads = load_medusa(out, hidden_size=64, vocab_size=96)
     assert heads.config.num_heads == 2 and 1 <= len(heads.config.medusa_choices) <= 5
     report = json.loads((out / "report.json").read_text())
-    assert len(report["top1"]) == 2 and all(0 <= a <= b <= 1 for a, b in zip(report["top1"], report["top5"]))
+    assert len(report["top1"]) == 2
+    assert all(0 <= a <= b <= 1 for a, b in zip(report["top1"], report["top5"], strict=True))
     assert report["tau"]["tau"] >= 1.0 and report["steps"] == 4
     assert (out / "report.md").is_file() and "step 4/4" in (out / "train.log").read_text()
     # a second run into the same dir is refused; the CLI says how to proceed
@@ -338,7 +339,7 @@ def test_two_processes_follow_the_single_process_curve(tiny, tmp_path):
                 for n in ("one", "two"))
     assert json.loads((tmp_path / "two" / "report.json").read_text())["processes"] == 2
     assert [h["step"] for h in one] == [h["step"] for h in two] == list(range(1, 7))
-    for a, b in zip(one, two):
+    for a, b in zip(one, two, strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-5 and a["top1"] == pytest.approx(b["top1"], abs=1e-6), (a, b)
     assert one[-1]["loss"] < one[0]["loss"]
 
@@ -1091,7 +1092,8 @@ def test_a_crash_during_a_checkpoint_save_leaves_the_previous_one_usable(tmp_pat
     ckpt_io.check_readable(ckpt)
     fresh = _tiny_training_state()
     assert ckpt_io.load_checkpoint(ckpt, *fresh) == 4
-    assert all(torch.equal(a, b) for a, b in zip(fresh[0].state_dict().values(), heads.state_dict().values()))
+    got, want = fresh[0].state_dict(), heads.state_dict()
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
     if crash == "between the renames":  # the resumed run's next save dies before its new one is in place: the
         # only complete checkpoint (checkpoint.old) used to be deleted first, leaving nothing to resume from
         def dying(src, dst):

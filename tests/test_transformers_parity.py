@@ -128,14 +128,14 @@ def test_lists_with_masks_keep_each_row_and_add_transformers_new_tokens():
             if out is None:
                 continue
             assert isinstance(out, list)
-            assert out == [row + new for row, new in zip(lists["input_ids"], want_new)]
+            assert out == [row + new for row, new in zip(lists["input_ids"], want_new, strict=True)]
     # a ragged list: each row's own padding
     ragged = [[0, 0] + [8, 5, 12], [1, 2, 3, 0]]
     mask = [[0, 0, 1, 1, 1], [1, 1, 1, 0]]
     new = [hf(model, torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=4,
               do_sample=False)[0, len(p):].tolist() for p in ([8, 5, 12], [1, 2, 3])]
     assert specdec.generate(model, ragged, attention_mask=mask, max_new_tokens=4) == [
-        r + n for r, n in zip(ragged, new)]
+        r + n for r, n in zip(ragged, new, strict=True)]
 
 
 @pytest.mark.parametrize("form", ["batch_encoding", "dict", "kwargs", "chat_template"])
@@ -624,7 +624,7 @@ def test_num_return_sequences_repeats_each_prompt_consecutively_as_transformers(
     again = specdec.generate(model, **enc, max_new_tokens=8, do_sample=True, num_return_sequences=4, seed=0)
     assert torch.equal(sampled, again)
     lists = specdec.generate(model, [[1, 2], [3]], max_new_tokens=2, do_sample=True, num_return_sequences=2)
-    assert [r[: len(p)] for r, p in zip(lists, [[1, 2], [1, 2], [3], [3]])] == [[1, 2], [1, 2], [3], [3]]
+    assert [r[: len(p)] for r, p in zip(lists, [[1, 2], [1, 2], [3], [3]], strict=True)] == [[1, 2], [1, 2], [3], [3]]
 
 
 def test_num_return_sequences_with_greedy_is_refused_as_in_transformers():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from itertools import pairwise
 
 import pytest
 import torch
@@ -355,7 +356,7 @@ def test_short_calls_probe_a_drafter_remembered_not_to_pay_as_one_long_call_woul
         assert generate(model, [prompt], max_new_tokens=20, drafter=drafter)[0] == plain
         probes += [20 * call + step for step in drafter.asked_at]
     assert probes[:2] == [0, 3] and len(probes) >= 6, probes
-    gaps = [b - a for a, b in zip(probes[2:], probes[3:])]
+    gaps = [b - a for a, b in pairwise(probes[2:])]
     assert all(BANKED_HALF_STEP - 1 <= gap <= BANKED_HALF_STEP + 3 for gap in gaps), probes
 
 

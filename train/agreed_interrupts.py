@@ -114,7 +114,7 @@ class InterruptsHeld:
         the processes); KeyboardInterrupt where every handler ignores them (the peers stop all the same). What it
         raises is marked ``processes_stopped_together``."""
         previous = self._restore()
-        peers = [s for s, n in reversed(list(zip(SIGNALS, seen.tolist()))) if n > 0]  # SIGTERM first
+        peers = [s for s, n in reversed(list(zip(SIGNALS, seen.tolist(), strict=True))) if n > 0]  # SIGTERM first
         try:
             for s in dict.fromkeys(self.caught + peers):
                 handle_as_before(s, previous.get(s, signal.getsignal(s)))

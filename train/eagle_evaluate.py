@@ -71,8 +71,8 @@ def eagle_accuracies(model, eagle, seqs: list[list[int]], steps: int, batch_size
             hits1[d] += correct[d]
             hits5[d] += top5[d]
             counts[d] += count[d]
-    return {"top1": [h / max(1, n) for h, n in zip(hits1, counts)],
-            "top5": [h / max(1, n) for h, n in zip(hits5, counts)], "positions": counts}
+    return {"top1": [h / max(1, n) for h, n in zip(hits1, counts, strict=True)],
+            "top5": [h / max(1, n) for h, n in zip(hits5, counts, strict=True)], "positions": counts}
 
 
 def _run(loaded, ids, max_new_tokens: int, drafter=None, **config) -> tuple[float, float]:
@@ -118,7 +118,7 @@ def choose_tree_by_speed(loaded, eagle, prompts: list[list[int]], max_new_tokens
                              **{**config, "speculation": "always"}))
             if bar is not None:
                 bar.update(1)
-        speedup = math.exp(sum(math.log(r[0] / b) for r, b in zip(runs, plain)) / len(runs))
+        speedup = math.exp(sum(math.log(r[0] / b) for r, b in zip(runs, plain, strict=True)) / len(runs))
         best_so_far = max((r["speedup_vs_plain"] for r in table), default=0.0)
         table.append({"depth": depth, "top_k": top_k, "max_nodes": nodes,
                       "tau": sum(r[1] for r in runs) / len(runs), "tokens_per_s": sum(r[0] for r in runs) / len(runs),

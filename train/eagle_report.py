@@ -86,7 +86,7 @@ def render_markdown(r: dict) -> str:
              "| draft depth | top-1 | top-5 | top-1, responses only | top-5, responses only |", "|---|---|---|---|---|"]
     resp1 = r.get("response_top1") or [None] * len(r["top1"])
     resp5 = r.get("response_top5") or [None] * len(r["top1"])
-    for d, (a1, a5, b1, b5) in enumerate(zip(r["top1"], r["top5"], resp1, resp5)):
+    for d, (a1, a5, b1, b5) in enumerate(zip(r["top1"], r["top5"], resp1, resp5, strict=True)):
         extra = f"{b1:.3f} | {b5:.3f}" if b1 is not None else "- | -"
         lines.append(f"| {d + 1} | {a1:.3f} | {a5:.3f} | {extra} |")
     lines += ["", "All positions include each sequence's prompt (the chat template repeats in every sequence and is "

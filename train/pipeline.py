@@ -88,7 +88,7 @@ def _sequences(cfg: TrainConfig, loaded, inputs: list,
 
     lengths = [len(encode_prompt(loaded.tokenizer, p)) for p in prompts]
     seqs = [s[: cfg.seq_len] for s in seqs]
-    return seqs, {tuple(s): n for s, n in zip(seqs, lengths)}
+    return seqs, {tuple(s): n for s, n in zip(seqs, lengths, strict=True)}
 
 
 def choose_draft_vocab(cfg: TrainConfig, train_seqs: list[list[int]], model) -> tuple[tuple[int, ...], dict]:
@@ -292,7 +292,7 @@ def render_markdown(r: dict) -> str:
              f"Accuracies on {r['held_out_sequences']} held-out sequences:" if r["held_out_sequences"]
              else "Accuracies on the TRAINING data (--held-out-fraction 0): optimistic.", "",
              "| head | predicts | top-1 | top-5 |", "|---|---|---|---|"]
-    for i, (a1, a5) in enumerate(zip(r["top1"], r["top5"])):
+    for i, (a1, a5) in enumerate(zip(r["top1"], r["top5"], strict=True)):
         lines.append(f"| {i} | t+{i + 2} | {a1:.3f} | {a5:.3f} |")
     lines += ["", f"Tree: {len(r['medusa_choices'])} nodes, estimated tau {r['estimated_tau']:.3f}"]
     if r["tau"]:

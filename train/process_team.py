@@ -3,14 +3,15 @@
     team = Team.alone()                                  # one process: exchange(x) == [x], nothing waits
     for mine, pieces in team.rounds(batches):            # this process's piece of the round (None: it has none)
         made = work(mine) if mine is not None else None
-        for piece, theirs in zip(pieces, team.exchange(made)):   # every process's, in process order
+        for piece, theirs in zip(pieces, team.exchange(made), strict=False):  # every process's, in process order
             ...
 
-Every process goes through the same rounds, so their exchanges pair up, and a round waits only for the slowest
-piece of that round, never for another process's whole share (a collective times out: after 10 minutes on NCCL by
-default). Several processes get their team from the pipeline (train/pipeline.py), where ``meet`` and ``exchange``
-are the meetings that carry Ctrl-C and SIGTERM (train/agreed_interrupts.py): a process a signal stopped makes the
-others' next meeting with it, and all stop there.
+A last round may have fewer pieces than processes: the exchange still returns one entry per process (None from
+those without a piece), hence ``strict=False``. Every process goes through the same rounds, so their exchanges pair
+up, and a round waits only for the slowest piece of that round, never for another process's whole share (a
+collective times out: after 10 minutes on NCCL by default). Several processes get their team from the pipeline
+(train/pipeline.py), where ``meet`` and ``exchange`` are the meetings that carry Ctrl-C and SIGTERM
+(train/agreed_interrupts.py): a process a signal stopped makes the others' next meeting with it, and all stop there.
 """
 from __future__ import annotations
 

@@ -123,7 +123,8 @@ def self_written_prompts(loaded, n: int, *, seed: int = 0, batch_size: int = 64,
                            temperature=TEMPERATURE, top_p=TOP_P, seed=seed * 1_000_003 + mine, return_dict=True,
                            cuda_graphs=graphed)
             made = [list(new) for new in res.new_tokens]
-        for first, batch in zip(firsts, team.exchange(made)):  # in the order one process draws them
+        # in the order one process draws them; a last round of fewer pieces than processes pairs the pieces only
+        for first, batch in zip(firsts, team.exchange(made), strict=False):
             if len(prompts) >= n:
                 break
             drawn = first + batch_size

@@ -48,7 +48,7 @@ def batched_tree_logits(runner, prompts: Sequence[Sequence[int]], trees: Sequenc
                         ) -> list[torch.Tensor]:
     """Per sequence [1 + num_nodes, vocab] float32 logits of its root and tree nodes, all sequences prefilled in
     one forward and verified in one forward."""
-    cache = _cache(runner, [len(p) + t.num_nodes for p, t in zip(prompts, trees)])
+    cache = _cache(runner, [len(p) + t.num_nodes for p, t in zip(prompts, trees, strict=True)])
     return _verify(runner, cache, prompts, trees)
 
 
@@ -57,7 +57,7 @@ def _verify(runner, cache: PagedKVCache, prompts: Sequence[Sequence[int]], trees
     _prefill(runner, cache, prompts)
     cache.reserve_many({i: 1 + t.num_nodes for i, t in enumerate(trees)})
     builder = BatchBuilder(cache, runner.device)
-    for i, (p, tree) in enumerate(zip(prompts, trees)):
+    for i, (p, tree) in enumerate(zip(prompts, trees, strict=True)):
         root, cached = len(p) - 1, len(p) - 1
         tokens = [p[-1]] + tree.tokens.tolist()
         positions = [root] + [root + d for d in tree.depth_list]
@@ -77,11 +77,11 @@ def alone_logits(runner, prompts: Sequence[Sequence[int]], trees: Sequence[Draft
     """(batched, alone): :func:`batched_tree_logits`, and each of those rows recomputed by a one-row forward over
     the same cache at the same position, seeing the same keys (nodes last to first, so that a row's rewrite of
     its own K/V reaches no row still to be computed)."""
-    cache = _cache(runner, [len(p) + t.num_nodes for p, t in zip(prompts, trees)])
+    cache = _cache(runner, [len(p) + t.num_nodes for p, t in zip(prompts, trees, strict=True)])
     batched = _verify(runner, cache, prompts, trees)
     one = torch.zeros(1, dtype=torch.long, device=runner.device)
     alone = []
-    for i, (p, tree) in enumerate(zip(prompts, trees)):
+    for i, (p, tree) in enumerate(zip(prompts, trees, strict=True)):
         cached, tokens, bits = len(p) - 1, tree.tokens.tolist(), tree.ancestor_bit_list
         rows = [None] * (1 + tree.num_nodes)
         for r in range(tree.num_nodes - 1, -2, -1):
@@ -129,7 +129,7 @@ def row_mismatches(runner, prompts: Sequence[Sequence[int]], trees: Sequence[Dra
     their one-row decode logits."""
     batched = batched_tree_logits(runner, prompts, trees)
     bad = 0
-    for p, tree, got in zip(prompts, trees, batched):
+    for p, tree, got in zip(prompts, trees, batched, strict=True):
         want = decoded_logits(runner, p, tree)
         bad += int((got != want).any(-1).sum())
     return bad

@@ -98,7 +98,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pla
         return backend.invariant.attention(q, k_cache, v_cache, slots, lens, scale)
     out = torch.empty_like(q)
     for keys, rows in plan.invariant_row_keys:  # per row: its key slots, in position order
-        for row, row_slots in zip(rows, keys):
+        for row, row_slots in zip(rows, keys, strict=True):
             ks = k_cache.index_select(0, row_slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, keys, dim]
             vs = v_cache.index_select(0, row_slots).transpose(0, 1).unsqueeze(0)
             out[row] = _row_attention(q[row], ks, vs, scale)

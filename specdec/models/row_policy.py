@@ -135,7 +135,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def _weighted_pass(products, scales: Sequence[float]) -> float:
     """Seconds of one pass over every product, each product's time multiplied by its scale."""
     total = 0.0
-    for run, scale in zip(products, scales):
+    for run, scale in zip(products, scales, strict=True):
         t0 = time.perf_counter()
         run()
         total += scale * (time.perf_counter() - t0)
@@ -166,10 +166,11 @@ def measure_row_policy(weights: Sequence[torch.Tensor], max_rows: int = SMALL_M_
     packed: dict[int, float] = {}
     for m in range(1, max_rows + 1):
         xs = [torch.randn(m, w.shape[1], generator=gen).to(w.dtype) for w in weights]
-        passes = [[lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, weights)],
-                  [lambda x=x, w=w, m=m: transposed_linear(x, w, m) for x, w in zip(xs, weights)]]
+        passes = [[lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, weights, strict=True)],
+                  [lambda x=x, w=w, m=m: transposed_linear(x, w, m) for x, w in zip(xs, weights, strict=True)]]
         if packs is not None:
-            passes.append([lambda x=x, w=w, p=p: packed_linear(x, w, packed=p) for x, w, p in zip(xs, weights, packs)])
+            passes.append([lambda x=x, w=w, p=p: packed_linear(x, w, packed=p)
+                           for x, w, p in zip(xs, weights, packs, strict=True)])
         if m == 1:  # one warm-up pass of each (first-call allocations); streamed weights need no more
             for products in passes:
                 _weighted_pass(products, scales)
