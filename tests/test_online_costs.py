@@ -164,18 +164,24 @@ class HalfRight:
         return out
 
 
+def cache_on_a_machine(monkeypatch, cache: CostModel, seconds, draft: float = 0.0) -> None:
+    """The cached curve is ``cache``, every verify of n tokens takes ``seconds(n)``, a draft costs ``draft`` decode
+    steps."""
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: cache)
+    monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: draft)
+    monkeypatch.setattr(TreeSizer, "probe_cost", lambda self, batch: draft)
+    observe = SpeculationPolicy.observe
+
+    def timed(self, step):
+        observe(self, step if step.verify_seconds is None else replace(step, verify_seconds=seconds(step.query_tokens)))
+
+    monkeypatch.setattr(SpeculationPolicy, "observe", timed)
+
+
 @pytest.fixture
 def flat_cache_on_a_steep_machine(monkeypatch):
     """The cached curve is flat (FLAT_CACHE) and every verify takes steep(n) seconds; drafting is free."""
-    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: FLAT_CACHE)
-    monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: 0.0)
-    monkeypatch.setattr(TreeSizer, "probe_cost", lambda self, batch: 0.0)
-    observe = SpeculationPolicy.observe
-
-    def timed_as_steep(self, step):
-        observe(self, step if step.verify_seconds is None else replace(step, verify_seconds=steep(step.query_tokens)))
-
-    monkeypatch.setattr(SpeculationPolicy, "observe", timed_as_steep)
+    cache_on_a_machine(monkeypatch, FLAT_CACHE, steep)
 
 
 @pytest.mark.parametrize("sampling", [{}, {"do_sample": True, "sampler": "coupled", "seed": 3}],
@@ -235,20 +241,6 @@ STEEP_CACHE = CostModel({}, {1: {1: 0.010, 65: 0.650}})  # a cached curve too st
 def nearly_flat(n: int) -> float:
     """What a verify of n tokens really costs on this (pretend) machine: c(17) = 1.32 c(1)."""
     return 0.010 * (1 + 0.02 * (n - 1))
-
-
-def cache_on_a_machine(monkeypatch, cache: CostModel, seconds, draft: float = 0.0) -> None:
-    """The cached curve is ``cache``, every verify of n tokens takes ``seconds(n)``, a draft costs ``draft`` decode
-    steps."""
-    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: cache)
-    monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: draft)
-    monkeypatch.setattr(TreeSizer, "probe_cost", lambda self, batch: draft)
-    observe = SpeculationPolicy.observe
-
-    def timed(self, step):
-        observe(self, step if step.verify_seconds is None else replace(step, verify_seconds=seconds(step.query_tokens)))
-
-    monkeypatch.setattr(SpeculationPolicy, "observe", timed)
 
 
 @pytest.mark.parametrize("sampling", [{}, {"do_sample": True, "sampler": "coupled", "seed": 3}],
