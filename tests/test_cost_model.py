@@ -109,6 +109,28 @@ def test_an_engine_prices_verify_steps_as_it_runs_them(fresh, monkeypatch):
     assert [c.graphs for c in configs] == [False]
 
 
+def test_a_curve_timed_while_the_machine_was_busy_is_measured_again(fresh, monkeypatch, caplog):
+    """A 2-token verify timed at 3x a 1-token step (a cached curve found on a 2-core CPU: c(2..32) = 3.02 c(1)) is
+    more than decoding the 2 tokens one by one: no machine's curve. It kept speculation="auto" from drafting what
+    paid; it is now measured again once, and kept (with a warning) only if the second timing says the same."""
+    from specdec import verify_cost
+
+    busy, quiet = {1: 0.38, 2: 1.15, 4: 1.15}, {1: 0.04, 2: 0.04, 4: 0.041}
+    timings = [busy, quiet]
+    monkeypatch.setattr(verify_cost, "measure_verify_costs", lambda *args, **kw: timings.pop(0))
+    runner = LlamaRunner(build_tiny_model(seed=0))
+    with caplog.at_level("WARNING", logger="specdec.cost_model"):
+        costs = load_cost_model(runner, SMALL, cache_dir=fresh)
+    assert costs.curve(1) == quiet and not timings
+    assert "a verify step of 2 tokens was timed at 3.0x a step of 1 token" in caplog.text
+    assert "measuring again" in caplog.text
+    timings[:] = [busy, busy]  # another model (a key of its own): busy twice
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="specdec.cost_model"):
+        costs = load_cost_model(LlamaRunner(build_tiny_model(seed=0, num_hidden_layers=3)), SMALL, cache_dir=fresh)
+    assert costs.curve(1) == busy and not timings and "kept, and corrected" in caplog.text
+
+
 def test_weights_updated_between_calls_keep_their_costs_and_the_memo_bounded(monkeypatch, tmp_path):
     """A training loop's rollouts update the weights in place between generate() calls: every version was a new
     cost-cache key (a checksum of some weights), so each call measured the verify costs again (~20 s on the embedded
