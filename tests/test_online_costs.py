@@ -178,6 +178,17 @@ def cache_on_a_machine(monkeypatch, cache: CostModel, seconds, draft: float = 0.
     monkeypatch.setattr(SpeculationPolicy, "observe", timed)
 
 
+def nodes_verified(drafter, new: int, **sampling) -> list[int]:
+    """Draft nodes verified per step over ``new`` tokens of the tiny model, drafted by ``drafter(plain, vocab)``;
+    the text is checked to be plain decoding's."""
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4]
+    plain = generate(model, [prompt], max_new_tokens=new + 20, **sampling)[0]
+    out = generate(model, [prompt], max_new_tokens=new, drafter=drafter(plain, 32), return_dict=True, **sampling)
+    assert out.sequences[0] == plain[: len(prompt) + new]
+    return list(out.stats[0].step_nodes)
+
+
 @pytest.fixture
 def flat_cache_on_a_steep_machine(monkeypatch):
     """The cached curve is flat (FLAT_CACHE) and every verify takes steep(n) seconds; drafting is free."""
@@ -192,12 +203,7 @@ def test_a_too_flat_cached_curve_is_corrected_in_a_run_where_every_step_drafts(f
     drafting paid, so no step was plain, nothing was corrected, and every step verified all 16 nodes (1.3-1.4x plain
     decoding's time in a real run). Plain steps now and then measure c(1): within ~30 steps the trees are cut to
     what pays, the first node; the text is plain decoding's (a plain step commits the target's own token)."""
-    model = build_tiny_model(vocab_size=32, seed=2)
-    prompt = [1, 2, 3, 4]
-    plain = generate(model, [prompt], max_new_tokens=120, **sampling)[0]
-    out = generate(model, [prompt], max_new_tokens=100, drafter=HalfRight(plain, 32), return_dict=True, **sampling)
-    assert out.sequences[0] == plain[: len(prompt) + 100]
-    nodes = list(out.stats[0].step_nodes)
+    nodes = nodes_verified(HalfRight, 100, **sampling)
     assert 0 in nodes[:30] and max(nodes[30:]) <= 2, nodes
 
 
@@ -253,12 +259,7 @@ def test_a_too_steep_cached_curve_is_corrected_though_it_verifies_no_draft(monke
     embedded model, would leave a probe budget of 1% a step nothing for it), until the run has timed enough 2-token
     verifies."""
     cache_on_a_machine(monkeypatch, STEEP_CACHE, nearly_flat, draft=0.02)
-    model = build_tiny_model(vocab_size=32, seed=2)
-    prompt = [1, 2, 3, 4]
-    plain = generate(model, [prompt], max_new_tokens=320, **sampling)[0]
-    out = generate(model, [prompt], max_new_tokens=300, drafter=HalfRight(plain, 32), return_dict=True, **sampling)
-    assert out.sequences[0] == plain[: len(prompt) + 300]
-    nodes = list(out.stats[0].step_nodes)
+    nodes = nodes_verified(HalfRight, 300, **sampling)
     assert sum(n > 0 for n in nodes[-50:]) >= 15, nodes
 
 
@@ -266,12 +267,7 @@ def test_measuring_a_curve_that_is_right_to_be_steep_stays_within_the_probe_budg
     """Where 2 tokens do cost two decode steps, a measuring verify costs a whole step: at 1% of a step banked per
     step, about one in a hundred steps measures."""
     cache_on_a_machine(monkeypatch, STEEP_CACHE, lambda n: 0.010 * n)
-    model = build_tiny_model(vocab_size=32, seed=2)
-    prompt = [1, 2, 3, 4]
-    plain = generate(model, [prompt], max_new_tokens=320)[0]
-    out = generate(model, [prompt], max_new_tokens=300, drafter=HalfRight(plain, 32), return_dict=True)
-    assert out.sequences[0] == plain[: len(prompt) + 300]
-    measured = [i for i, n in enumerate(out.stats[0].step_nodes) if n > 0]
+    measured = [i for i, n in enumerate(nodes_verified(HalfRight, 300)) if n > 0]
     assert 1 <= len(measured) <= 3 and all(b - a >= 90 for a, b in pairwise(measured)), measured
 
 
@@ -299,18 +295,12 @@ class Wrong(HalfRight):
                 for s in seqs]
 
 
-def test_a_curve_found_right_is_measured_no_further():
+def test_a_curve_found_right_is_measured_no_further(monkeypatch):
     """Where this run times 2 tokens as the curve prices them, three measured verifies are enough: a drafter that
     never pays, on a cheap 2-token verify, is not measured every few steps until a window is full."""
     right = CostModel({}, {1: {1: 0.010, 65: 0.010 * (1 + 0.03 * 64)}})
-    with pytest.MonkeyPatch.context() as mp:
-        cache_on_a_machine(mp, right, lambda n: 0.010 * (1 + 0.03 * (n - 1)))
-        model = build_tiny_model(vocab_size=32, seed=2)
-        prompt = [1, 2, 3, 4]
-        plain = generate(model, [prompt], max_new_tokens=110)[0]
-        out = generate(model, [prompt], max_new_tokens=100, drafter=Wrong(plain, 32), return_dict=True)
-    assert out.sequences[0] == plain[: len(prompt) + 100]
-    nodes = list(out.stats[0].step_nodes)
+    cache_on_a_machine(monkeypatch, right, lambda n: 0.010 * (1 + 0.03 * (n - 1)))
+    nodes = nodes_verified(Wrong, 100)
     # its first steps draft on the prior's bet and are measured until 3 plain and 3 two-token times are in (steps
     # 0-10 here); measured until the window filled, a step in three was, up to step 76 of 100
     assert 0 < max(n for n in nodes[:20]) and max(nodes[20:]) == 0, nodes
