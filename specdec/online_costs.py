@@ -95,11 +95,11 @@ class OnlineCosts:
         bucket = self.costs.batch_bucket(batch)
         if sum(len(s) for (b, n), s in self.samples.items() if b == bucket and n > 1) >= self.window:
             return False  # a window of drafted times: the correction stands on them
-        times = [len(self.samples.get((bucket, n), ())) for n in (1, 2)]
-        observed = self.medians[(bucket, 2)] / self.medians[(bucket, 1)] if min(times) else None
-        if min(times) >= self.min_samples and observed >= self.relative(2, batch) * (1.0 - margin):
+        times = min(len(self.samples.get((bucket, n), ())) for n in (1, 2))
+        observed, priced = self._observed(bucket, 2) if times else None, self.relative(2, batch)
+        if times >= self.min_samples and observed >= priced * (1.0 - margin):
             return False  # the corrected curve prices 2 tokens as this run times them
-        charge = max(min((self.relative(2, batch) if observed is None else observed) - 1.0, 1.0), 0.0)
+        charge = max(min((priced if observed is None else observed) - 1.0, 1.0), 0.0)
         if self.credit.get(bucket, 0.0) < charge:
             return False
         self.credit[bucket] -= charge
@@ -157,13 +157,17 @@ class OnlineCosts:
         base, own = self.samples.get((bucket, 1)), self.samples.get((bucket, n))
         if not base or not own or min(len(base), len(own)) < self.min_samples:
             return None
-        observed = self.medians[(bucket, n)] / self.medians[(bucket, 1)]
+        observed = self._observed(bucket, n)
         calibrated = self._calibrated(bucket, n)[n]
         raw = observed / calibrated
         if raw < 0.5 and min(len(base), len(own)) >= self.window // 2:
             self._too_steep(n, calibrated, observed)
         weight = min(len(base), len(own)) / (min(len(base), len(own)) + self.prior)
         return min(max(1.0 + weight * (raw - 1.0), 0.5), 2.0)
+
+    def _observed(self, bucket: int, n: int) -> float:
+        """c(n) / c(1) as this run's medians have it, unshrunk (both sizes timed)."""
+        return self.medians[(bucket, n)] / self.medians[(bucket, 1)]
 
     def _too_steep(self, n: int, calibrated: float, observed: float) -> None:
         """Say once per process that the cached curve is more than the correction's 2x too steep (it is corrected by
