@@ -20,7 +20,7 @@ family and ISA flags), torch thread count, torch version, the CPU row policy (wh
 :func:`ensure_row_policy`) and the calibration's workload.
 A different key re-measures. ``CALIBRATIONS`` counts the measurements this process ran (tests). A curve in which n
 tokens cost more than n one-token steps is no machine's (decoding them one by one would be cheaper): it was timed
-while something else ran, and is measured once more.
+while something else ran, and is measured once more; one cached before this check is measured again.
 """
 from __future__ import annotations
 
@@ -287,10 +287,14 @@ class CostModel:
                 b = min(self.curves, key=lambda x: abs(x - b))
             else:
                 self.curves[b] = calibrate(self.runner, b, self.config, None if self.file is None else self.file.parent)
-                if self.file is not None:
-                    write_cache(self.file, {"key": self.key, "curves": {str(k): {str(n): s for n, s in v.items()}
-                                                                     for k, v in self.curves.items()}})
+                self.save()
         return self.curves[b]
+
+    def save(self) -> None:
+        """Write the curves to the cache file (if any), marked as checked by :func:`calibrate`."""
+        if self.file is not None:
+            curves = {str(k): {str(n): s for n, s in v.items()} for k, v in self.curves.items()}
+            write_cache(self.file, {"key": self.key, "checked": True, "curves": curves})
 
     def seconds(self, n: int, batch: int = 1) -> float:
         """Seconds of a verify step with ``n`` query tokens per sequence (linear between and past grid points)."""
@@ -373,6 +377,20 @@ def calibrate(runner, batch: int, config: CalibrationConfig, where: Path | None 
     return dict(sorted(curve.items()))
 
 
+def _impossible(curves: dict[int, dict[int, float]], file: Path) -> dict[int, dict[int, float]]:
+    """The batch curves of a file cached before :func:`calibrate` checked its timings in which n tokens cost more
+    than n one-token steps (module doc), each named in a warning."""
+    found = {}
+    for batch, curve in sorted(curves.items()):
+        dearer = [n for n in sorted(curve) if curve[n] > n * curve[min(curve)]]
+        if dearer:
+            found[batch] = curve
+            logger.warning("cost model: %s prices a verify step of %d tokens at batch %d at %.1fx a step of 1 token, "
+                           "more than decoding them one by one (cached while the machine was busy?): measuring it "
+                           "again", file, dearer[0], batch, curve[dearer[0]] / curve[min(curve)])
+    return found
+
+
 def load_cost_model(runner, config: CalibrationConfig | None = None, cache_dir: str | Path | None = None,
                     install_rows: bool = True) -> CostModel:
     """The cost model of ``runner`` on this machine: from this process's memo, the disk cache, or measured
@@ -391,14 +409,18 @@ def load_cost_model(runner, config: CalibrationConfig | None = None, cache_dir: 
         key["batch_grid"] = "whole"
     key = json.loads(json.dumps(key))  # as it reads back from JSON (tuples -> lists, int keys -> str)
     file = _cache_dir(cache_dir) / f"verify-{_digest(key)}.json"
-    curves = _MEMO.get(str(file))
+    curves, unchecked = _MEMO.get(str(file)), {}
     if curves is None:
         data = read_cache(file)
         curves = {}
         if data is not None and data.get("key") == key:
             curves = {int(b): {int(n): float(s) for n, s in c.items()} for b, c in data["curves"].items()}
+        unchecked = {} if data is None or data.get("checked") else _impossible(curves, file)
+        curves = {b: c for b, c in curves.items() if b not in unchecked}
     # shared: a batch size measured later is seen by every engine of this key (and written to disk)
     _memo_put(_MEMO, str(file), curves)
     model = CostModel(key, curves, runner, config, file)
+    if unchecked:
+        model.save()  # without them: each is measured again when first needed
     model.curve(1)  # measured now if not cached
     return model

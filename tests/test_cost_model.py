@@ -131,6 +131,43 @@ def test_a_curve_timed_while_the_machine_was_busy_is_measured_again(fresh, monke
     assert costs.curve(1) == busy and not timings and "kept, and corrected" in caplog.text
 
 
+def test_an_impossible_curve_cached_before_the_check_is_measured_again(fresh, monkeypatch, caplog):
+    """A curve cached before calibrations were checked, in which 2 tokens cost 6x one (this machine's cache held one
+    for the embedded model), was used as it was by every later process. Such a batch's curve is now dropped with a
+    warning naming its file and measured again when first needed; the file keeps the rest, and a checked file (even
+    one whose dear curve two calibrations agreed on) is trusted."""
+    import json
+
+    from specdec import verify_cost
+
+    quiet = {1: 0.04, 2: 0.04, 4: 0.041}
+    timings = [quiet]
+    monkeypatch.setattr(verify_cost, "measure_verify_costs", lambda *args, **kw: timings.pop(0))
+    runner = LlamaRunner(build_tiny_model(seed=0))
+    file = load_cost_model(runner, SMALL, cache_dir=fresh).file
+    data = json.loads(file.read_text())
+    assert data.pop("checked") is True and not timings
+    busy = {"1": 0.5, "2": 3.0, "4": 3.1}
+    data["curves"] = {"1": busy, "2": {"1": 0.05, "2": 0.06, "4": 0.08}, "4": busy}
+    file.write_text(json.dumps(data))  # as an older specdec wrote it
+    monkeypatch.setattr(cost_model, "_MEMO", {})
+    timings[:] = [quiet]
+    with caplog.at_level("WARNING", logger="specdec.cost_model"):
+        costs = load_cost_model(runner, SMALL, cache_dir=fresh)
+    assert costs.curve(1) == quiet and not timings and sorted(costs.curves) == [1, 2]
+    said = [r.getMessage() for r in caplog.records if str(file) in r.getMessage()]
+    assert len(said) == 2 and "verify step of 2 tokens at batch 1 at 6.0x" in said[0] and "batch 4" in said[1]
+    saved = json.loads(file.read_text())
+    assert saved["checked"] is True and sorted(saved["curves"]) == ["1", "2"]
+    saved["curves"]["1"] = busy  # kept by calibrate after two busy timings, then checked: trusted as it is
+    file.write_text(json.dumps(saved))
+    monkeypatch.setattr(cost_model, "_MEMO", {})
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="specdec.cost_model"):
+        assert load_cost_model(runner, SMALL, cache_dir=fresh).curve(1) == {1: 0.5, 2: 3.0, 4: 3.1}
+    assert not caplog.records
+
+
 def test_weights_updated_between_calls_keep_their_costs_and_the_memo_bounded(monkeypatch, tmp_path):
     """A training loop's rollouts update the weights in place between generate() calls: every version was a new
     cost-cache key (a checksum of some weights), so each call measured the verify costs again (~20 s on the embedded
@@ -309,6 +346,11 @@ def test_a_measurement_the_user_waits_for_says_so_once_and_shows_its_progress(fr
             yield lambda: (step(), bars[-1].__setitem__(1, bars[-1][1] + 1))
 
     monkeypatch.setattr(cost_model, "_one_off", watched)
+    from specdec import verify_cost
+
+    real_measure = verify_cost.measure_verify_costs  # timed for real (the bar steps), its values replaced: a busy
+    monkeypatch.setattr(verify_cost, "measure_verify_costs",  # machine's tiny-model timing is measured again (2 bars)
+                        lambda *args, **kw: {n: 1e-3 * n ** 0.5 for n in real_measure(*args, **kw)})
     runner = LlamaRunner(build_tiny_model(seed=0))
     row_policy.uninstall()
     with caplog.at_level("WARNING", logger="specdec.cost_model"):
