@@ -59,6 +59,9 @@ class SelfDraftDrafter(ModelDrafter):
 
     def make_runner(self, target: TargetView) -> LlamaRunner:
         total = target.runner.shape.num_layers
+        if total < 2:  # no N below it: "from 1 to 0" named no option
+            raise InputError(f"self-draft: the target has {total} layer; self-draft drafts with its first num_layers "
+                             "layers, so it needs a target of 2 or more (choose another drafter)")
         if self.num_layers >= total:
             raise InputError(f"self-draft: num_layers={self.num_layers} must be below the target's {total} layers; "
                              f"give a num_layers option from 1 to {total - 1}")

@@ -228,6 +228,16 @@ def test_bad_scalar_argument_is_a_one_line_error(kwargs, error, match):
     _one_line_error(error, match, **kwargs)
 
 
+def test_self_draft_on_a_one_layer_target_says_it_needs_two_layers():
+    """It said "num_layers=1 must be below the target's 1 layers; give a num_layers option from 1 to 0": a range with
+    no option in it (found by a fuzz sweep)."""
+    one_layer = build_tiny_model(num_hidden_layers=1)
+    with pytest.raises(InputError, match=r"^self-draft: the target has 1 layer; .* needs a target of 2") as info:
+        specdec.generate(one_layer, [[1, 2, 3]], max_new_tokens=2, drafter="self-draft",
+                         drafter_options={"num_layers": 1})
+    assert "\n" not in str(info.value)
+
+
 def test_numpy_integers_are_ints_for_the_scalar_arguments():
     assert _gen(max_new_tokens=np.int64(3), block_size=np.int32(4), seed=np.int64(1)) == _gen(block_size=4)
     eos = _gen()[0][3]
