@@ -123,7 +123,8 @@ class EagleDrafter(Drafter):
             self.model.pack_on_cuda()
         c, o = self.model.config, self.options
         self.kv = EagleKV(c.num_kv_heads, c.head_dim, runner.dtype, runner.device)
-        self.top_k = o.top_k or c.top_k
+        vocab = len(c.draft_vocab) or c.vocab_size
+        self.top_k = o.top_k or min(c.top_k, vocab)  # a given top_k must fit the draft vocabulary; the default is cut
         self.max_nodes = min(o.max_nodes or c.max_nodes, MAX_TREE_NODES)
         # levels grown: a tree of max_nodes nodes is never deeper, so levels past it would be grown and dropped
         self.depth = min(o.depth or c.depth, self.max_nodes)
@@ -131,7 +132,6 @@ class EagleDrafter(Drafter):
         # tree: no copy from the device)
         self.device_draft_ids = self.model.draft_ids
         self.draft_ids = None if self.device_draft_ids is None else self.device_draft_ids.cpu()
-        vocab = len(c.draft_vocab) or c.vocab_size
         if self.top_k > vocab:
             raise InputError(f"{self.name}: top_k={self.top_k} exceeds the draft vocabulary of {vocab} tokens")
         self.grower = TreeGrower(self.model, runner.embed, runner.lm_head, target.sampling, target.coupling,

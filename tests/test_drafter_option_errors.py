@@ -77,6 +77,21 @@ def test_medusa_top_k_beyond_the_draft_vocabulary_is_refused_as_eagle_does():
     assert drafter.k_per_head == 3
 
 
+def test_eagle_default_top_k_is_cut_to_a_smaller_draft_vocabulary_as_medusa_does():
+    """An EAGLE head of a 3-token draft vocabulary was refused ("top_k=8 exceeds the draft vocabulary of 3 tokens")
+    though the caller gave no top_k: the checkpoint's default is now cut to fit; a given top_k still must fit."""
+    from specdec.drafters.eagle import EagleDrafter
+    from specdec.drafters.eagle_model import EagleConfig, EagleModel
+
+    model = build_tiny_model()
+    head = EagleModel(EagleConfig.for_target(model.config, draft_vocab=[1, 2, 3]))
+    drafter = EagleDrafter(model=head)
+    specdec.generate(model, [[1, 2, 3]], max_new_tokens=2, drafter=drafter)
+    assert drafter.top_k == 3
+    with pytest.raises(InputError, match="eagle: top_k=4 exceeds the draft vocabulary of 3 tokens"):
+        specdec.generate(model, [[1, 2, 3]], max_new_tokens=2, drafter=EagleDrafter(model=head, top_k=4))
+
+
 def test_medusa_heads_config_mistakes_are_specdec_errors():
     with pytest.raises(InputError, match="MedusaConfig.num_heads must be a positive integer, got 0"):
         MedusaConfig(0, 1, 64, 96)
