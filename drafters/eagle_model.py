@@ -124,6 +124,9 @@ class EagleConfig:
             max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", None) or UNRECORDED_CONTEXT))
         fields.update(overrides)
         if fields.get("arch") == "eagle3" and not fields.get("feature_layers"):
+            if hf_config.num_hidden_layers < 2:
+                raise InputError("EAGLE-3 fuses three of the target's residual streams, and a 1-layer target has "
+                                 "two: give feature_layers=(0, 1)")
             fields["feature_layers"] = default_feature_layers(hf_config.num_hidden_layers)
         return cls(**fields)
 

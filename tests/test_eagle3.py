@@ -36,6 +36,10 @@ def test_default_feature_layers_are_the_published_low_middle_high():
         EagleConfig.for_target(build_tiny_model().config, arch="eagle3", feature_layers=(1, 1, 2))
     with pytest.raises(InputError, match="EAGLE-3 options"):
         EagleConfig.for_target(build_tiny_model().config, feature_layers=(0, 1, 2))
+    one_layer = build_tiny_model(num_hidden_layers=1).config  # its defaults (0, 0, 1) were refused as not distinct
+    with pytest.raises(InputError, match=r"a 1-layer target has two: give feature_layers=\(0, 1\)"):
+        EagleConfig.for_target(one_layer, arch="eagle3")
+    assert EagleConfig.for_target(one_layer, arch="eagle3", feature_layers=(0, 1)).num_features == 2
 
 
 def engine_features(model, ids: list[int], layers: tuple[int, ...]):
