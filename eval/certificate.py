@@ -120,9 +120,14 @@ class Certificate:
     seconds: float = 0.0
 
     @property
+    def uncaught(self) -> list[Check]:
+        """The checks a negative control passed: each should have caught it."""
+        return [c for c in self.checks if c.control is not None and c.passed]
+
+    @property
     def void(self) -> bool:
         """A negative control passed a check that should have caught it."""
-        return any(c.control is not None and c.passed for c in self.checks)
+        return bool(self.uncaught)
 
     @property
     def passed(self) -> bool:
@@ -136,7 +141,8 @@ class Certificate:
     @property
     def verdict(self) -> str:
         if self.void:
-            return "VOID (a negative control was not caught)"
+            missed = dict.fromkeys(f"{c.control} by {c.level} {c.name}" for c in self.uncaught)
+            return f"VOID (a negative control was not caught: {'; '.join(missed)})"
         if not self.passed:
             return "FAILED"
         return "PASSED, underpowered (see the warnings)" if self.underpowered else "PASSED"

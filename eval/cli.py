@@ -285,8 +285,31 @@ def run_lossless(args) -> int:
             tmp.write_text(text)
     for w in cert.warnings:
         print(f"warning: {w}", file=sys.stderr)
+    if cert.void:
+        print(f"note: {void_advice(cert)}", file=sys.stderr)
     print(f"certificate {cert.verdict} in {cert.seconds:.0f} s: {out / 'certificate.md'}")
     return 0 if cert.passed else 1
+
+
+def _size_flags(check) -> str | None:
+    """The options that size the check a negative control passed (None: the exact law, which no size changes)."""
+    if check.level == "exact-law":
+        return None
+    if check.level == "sampler-statistics" or "target law" in check.name:
+        return "--stat-samples"
+    if check.level == "end-to-end" and check.name.startswith("sampled"):
+        return "--sample-sequences"
+    return "--identity-prompts / --identity-tokens"
+
+
+def void_advice(cert) -> str:
+    """What to do about a VOID certificate: a check too small to catch a broken rule certifies nothing."""
+    flags = list(dict.fromkeys(f for f in map(_size_flags, cert.uncaught) if f is not None))
+    if len(flags) < len({_size_flags(c) for c in cert.uncaught}):  # an exact-law check missed a broken rule
+        return ("the exact law let a broken rule through, which no sample size changes: report it with "
+                "certificate.json")
+    return (f"a check let a deliberately broken rule through, so its pass says nothing: it was too small to catch it "
+            f"(or the drafter's drafts were barely accepted); rerun with more {', '.join(flags)} than this run's")
 
 
 def run_acceptance(args) -> int:

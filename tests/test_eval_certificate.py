@@ -159,6 +159,29 @@ def test_engine_fault_that_is_never_exercised_voids_the_certificate():
     assert any("no draft was accepted" in w for w in cert.warnings)
 
 
+@pytest.mark.parametrize("level, name, flags", [
+    ("end-to-end", "greedy identity vs plain decoding (batched)", "--identity-prompts / --identity-tokens"),
+    ("sampler-statistics", "chi-square vs exact law (Holm)", "--stat-samples"),
+    ("end-to-end", "sampled 2 tokens (of 3) in a greedy answer vs plain sampling", "--sample-sequences"),
+    ("coupled", "plain coupled sampling == target law (first token)", "--stat-samples"),
+    ("bitwise", "ngram text and log-probabilities == plain, bit for bit (batched + single)",
+     "--identity-prompts / --identity-tokens"),
+])
+def test_a_void_certificate_names_the_uncaught_control_and_what_to_raise(level, name, flags):
+    """It said only 'VOID (a negative control was not caught)': not which control, nor that a larger run fixes it."""
+    from specdec.eval.certificate import Certificate, Check
+    from specdec.eval.cli import void_advice
+
+    cert = Certificate({}, [Check(name, level, True), Check(name, level, False, "always_accept"),
+                            Check(name, level, True, "wrong_compaction_slot")])
+    missed = f"wrong_compaction_slot by {level} {name}"
+    assert cert.void and cert.verdict == f"VOID (a negative control was not caught: {missed})"
+    assert cert.verdict in cert.to_markdown()
+    assert void_advice(cert).endswith(f"rerun with more {flags} than this run's")
+    exact = Certificate({}, [Check("emitted law == target law", "exact-law", True, "always_accept")])
+    assert "no sample size changes" in void_advice(exact)
+
+
 def test_a_pass_with_too_little_power_says_so_in_its_verdict():
     loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
     few = CertificateSizes(stat_samples=300, identity_prompts=1, identity_tokens=4, sample_sequences=20)
