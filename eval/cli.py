@@ -19,6 +19,7 @@ from specdec.eval.prompts import CATEGORIES as DEFAULT_CATEGORIES
 
 from specdec.atomic_write import replaced_atomically
 from specdec.models.embedded import DEFAULT_ALIAS
+from specdec.output_dirs import check_creatable, make_dir
 
 DEFAULT_PROMPTS = 20
 CERTIFICATE_FILES = ("certificate.json", "certificate.md")
@@ -215,14 +216,12 @@ def check_out_dir(out: Path) -> None:
                          f"own, e.g. --out runs/acceptance")
     if where.exists() and not where.is_dir():
         raise ValueError(f"--out {out}: exists and is not a directory")
+    check_creatable(out, "--out")  # a folder that cannot be made fails before the model loads
 
 
 def make_out_dir(out: Path) -> None:
     """Create --out before any work: a directory that cannot be made fails now, not after the run."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"--out {out}: cannot create it ({err.strerror})") from err
+    make_dir(out, "--out")
 
 
 def check_earlier_run(out: Path, names: tuple[str, ...], overwrite: bool, resumable: bool = False) -> list[Path]:
