@@ -486,3 +486,31 @@ def test_eval_lossless_takes_the_warper_flags(tmp_path, monkeypatch, capsys):
     code = main(["eval", "lossless", "--model", "nowhere", "--min-p", "2", "--out", str(tmp_path / "c2")])
     err = capsys.readouterr().err
     assert code == 2 and "min_p must lie in [0, 1]" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_certificates_own_controls_log_no_warning_while_a_broken_rule_elsewhere_does(caplog):
+    """`specdec eval lossless` printed six 'WARNING ... the output is NOT the target's distribution' lines for the
+    controls it runs on purpose (and reports in its table); a broken rule built into generate() otherwise still
+    warns."""
+    import functools
+    import logging
+
+    from specdec.eval.negative_controls import BROKEN_RULES, generate_with_control
+
+    from specdec.engine_setup import build_engine
+    from specdec.generate import generate_with
+
+    loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
+    rule, fault = BROKEN_RULES["always_accept"], ENGINE_FAULTS["wrong_compaction_slot"]
+    kw = dict(drafter="ngram", max_new_tokens=3)
+
+    def said(run):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="specdec.engine_setup"):
+            run()
+        return sorted(r.levelname for r in caplog.records if "NOT the target" in r.message or "injected" in r.message)
+
+    assert said(lambda: generate_with_control(loaded, [[1, 2, 3, 1, 2]], rule=rule, fault=fault, **kw)) == \
+        ["INFO", "INFO"]
+    assert said(lambda: generate_with(functools.partial(build_engine, rule=rule, fault=fault), loaded,
+                                      [[1, 2, 3, 1, 2]], **kw)) == ["WARNING", "WARNING"]
