@@ -43,7 +43,8 @@ def _add_lossless(ev_sub) -> None:
     p = ev_sub.add_parser("lossless", help="losslessness certificate (JSON + Markdown)",
                           description="Exact law, sampler statistics and end-to-end checks, each with negative "
                                       "controls that must fail. Exit code 0 = passed, 1 = failed or void.")
-    _common(p)
+    _common(p, "seed of the run's random draws; another seed repeats a certificate's statistics and end-to-end "
+               "sampling independently (default: 0)")
     p.add_argument("--drafter", default="ngram", help="drafter name (default: ngram)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     p.add_argument("--top-k", type=int, default=0, help="keep the TOP_K most likely tokens; default: 0 (off)")
@@ -77,7 +78,8 @@ def _add_acceptance(ev_sub) -> None:
     a = ev_sub.add_parser("acceptance", help="tau, acceptance per depth and speed per drafter x category",
                           description="Runs drafters over prompt categories against plain decoding and "
                                       "transformers' generate(), same run; writes JSON, Markdown and PNG plots.")
-    _common(a)
+    _common(a, "seed of the sampling with --temperature > 0: every generate() call of the run is seeded with it, "
+               "so a rerun samples the same texts (default: 0)")
     a.add_argument("--drafters", default="ngram",
                    help="comma list of drafter names (default: ngram); LABEL=NAME names a row, to run one drafter "
                         "twice with other options: eagle1=eagle,eagle3=eagle --drafter-option eagle3.path=DIR")
@@ -103,7 +105,8 @@ def _add_acceptance(ev_sub) -> None:
     a.add_argument("--calibration-repeats", type=int, default=5,
                    help="timed verify steps per query size for the predicted speedup (default 5; 0 = no prediction)")
     a.add_argument("--no-hf-baseline", action="store_true", help="skip transformers' generate() baseline")
-    a.add_argument("--no-plots", action="store_true")
+    a.add_argument("--no-plots", action="store_true",
+                   help="write no PNG plots (report.json and report.md are written all the same)")
     a.add_argument("--resume", action="store_true",
                    help="keep finished cells found in --out; each is checked first (schema, checksum, settings), "
                         "and one that is damaged, edited or measured with other settings or on another device, "
@@ -123,7 +126,7 @@ def _inference(command):
     return run
 
 
-def _common(p) -> None:
+def _common(p, seed_help: str) -> None:
     p.add_argument("--model", default=DEFAULT_ALIAS, help=f"model (default: {DEFAULT_ALIAS})")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="drafter option, repeatable; VALUE parsed as JSON when possible; with several "
@@ -131,9 +134,7 @@ def _common(p) -> None:
     p.add_argument("--out", default=None, help="output directory (default: runs/eval-<command>)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run found in --out (without it such a directory is refused)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the run's random draws; another seed repeats a certificate's statistics and "
-                        "end-to-end sampling independently (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help=seed_help)
 
 
 def _add_dtype(p, text: str = "weights / activations dtype (default: float32; on CUDA the half dtype a checkpoint "
