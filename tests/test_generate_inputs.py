@@ -74,6 +74,9 @@ def test_every_integer_form_of_input_ids_gives_the_same_tokens(form):
     (np.ones((1, 1, 2), dtype=np.int64), InputTypeError, r"input_ids .*3-D numpy"),
     (np.array([[1, "a"]], dtype=object), InputTypeError, r"input_ids .*object"),
     ("hello", InputTypeError, r"input_ids .*str 'hello'"),
+    # text where token ids belong (a pipeline's habit): the error says to tokenize it, and how
+    ("hello", InputTypeError, r"got text str 'hello': tokenize it first, .*loaded.tokenizer\(texts, return_tensors"),
+    (["a", "b"], InputTypeError, r"got text list .*: tokenize it first"),
     (b"hi", InputTypeError, r"input_ids .*bytes"),
     (None, InputTypeError, r"input_ids .*NoneType"),
     (3, InputTypeError, r"input_ids .*int 3"),
