@@ -514,3 +514,19 @@ def test_the_certificates_own_controls_log_no_warning_while_a_broken_rule_elsewh
         ["INFO", "INFO"]
     assert said(lambda: generate_with(functools.partial(build_engine, rule=rule, fault=fault), loaded,
                                       [[1, 2, 3, 1, 2]], **kw)) == ["WARNING", "WARNING"]
+
+
+def test_the_end_to_end_level_says_each_check_as_it_starts():
+    """`specdec eval lossless` said '... end to end' and then nothing for the minutes its checks take on a CPU."""
+    loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
+    sizes = CertificateSizes(identity_prompts=2, identity_tokens=8, sample_sequences=20, sample_tokens=1,
+                             start_candidates=1, pilot_sequences=4)
+    said = []
+    run_certificate(loaded, "ngram", {}, SamplingConfig(True), sizes, _prompts, levels=("e2e",), progress=said.append)
+    assert said == ["end to end", "end to end: plain greedy decoding of 2 prompts x 8 tokens",
+                    "end to end: greedy identity, the exact engine", "end to end: greedy identity, always_accept",
+                    *[f"end to end: greedy identity, {name}" for name in ENGINE_FAULTS],
+                    "end to end: greedy identity, the default speculation policy",
+                    "end to end: choosing where sampling starts (a pilot of 4 sequences at 1 starts)",
+                    "end to end: 20 sampled sequences per side, the exact rule",
+                    "end to end: 20 sampled sequences per side, always_accept"]
