@@ -93,7 +93,11 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
                 f"{path}: only {pickled[0]} (a pickle) is there, and pickles are never loaded (they can run code); "
                 f"convert it once in a trusted environment: python -c \"import torch; from safetensors.torch import "
                 f"save_file; save_file(torch.load('{pickled[0]}', weights_only=True), '{WEIGHTS_FILE}')\"")
-        raise EagleCheckpointError(f"{path}: {WEIGHTS_FILE} is missing")
+        from specdec.drafters.medusa_heads import WEIGHTS_FILE as MEDUSA_WEIGHTS
+
+        medusa = (f" ({path} holds Medusa heads: --drafter medusa --drafter-option path={path})"
+                  if (path / MEDUSA_WEIGHTS).is_file() else "")
+        raise EagleCheckpointError(f"{path}: {WEIGHTS_FILE} is missing{medusa}")
     try:
         # owned copies, not views of the file's memory map: a checkpoint overwritten in place (or truncated) while a
         # drafter holds it must not change its weights, or crash the process (the model takes these tensors as

@@ -32,6 +32,7 @@ from specdec.drafters.eagle_model import EagleModel
 from specdec.atomic_write import leftover_of, replaced_atomically, write_json
 from specdec.errors import InputError
 from specdec.help_format import DefaultsHelpFormatter
+from specdec.output_dirs import check_creatable
 
 FORMATS = ("speculators", "sglang", "vllm")
 
@@ -73,6 +74,7 @@ def _check_output_dir(out: Path, overwrite: bool) -> None:
     with ``overwrite`` only an earlier export is (its config and weights, and leftovers of their atomic writes)."""
     if out.exists() and not out.is_dir():
         raise InputError(f"export-head: --output-dir {out} exists and is not a directory")
+    check_creatable(out, "export-head: --output-dir")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if held and not overwrite:
         raise InputError(f"export-head: --output-dir {out} is not empty ({', '.join(held[:5])}); pass --overwrite to "

@@ -234,6 +234,17 @@ def read_medusa_config(directory: str | os.PathLike, hidden_size: int | None = N
         raise MedusaCheckpointError(f"{cfg_file}: {err}") from err
 
 
+def _is_eagle_head(path: Path) -> bool:
+    """Whether ``path`` holds an EAGLE head (specdec's, or an EAGLE / speculators layout): its config says so."""
+    try:
+        raw = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    names = raw.get("architectures") if isinstance(raw, dict) else None
+    return isinstance(raw, dict) and ("specdec_eagle" in raw or "speculators_config" in raw or any(
+        "eagle" in str(n).lower() for n in (names if isinstance(names, list) else [])))
+
+
 def load_medusa(directory: str | os.PathLike, hidden_size: int | None = None, vocab_size: int | None = None,
                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> MedusaHeads:
     """Load a checkpoint; ``hidden_size`` / ``vocab_size`` of the target are checked against it."""
@@ -252,6 +263,8 @@ def load_medusa(directory: str | os.PathLike, hidden_size: int | None = None, vo
             found = None
         if (path / "medusa_lm_head.pt").exists():
             hint = f" (found medusa_lm_head.pt: pickles are not loaded here; {convert})"
+        elif _is_eagle_head(path):
+            hint = f" ({path} holds an EAGLE head: --drafter eagle --drafter-option path={path})"
         elif found is not None and found[0] == "model":
             hint = f" (the heads may be inside the model's weights, as Medusa-2 / axolotl save them: {convert})"
         else:

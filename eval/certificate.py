@@ -120,9 +120,14 @@ class Certificate:
     seconds: float = 0.0
 
     @property
+    def uncaught(self) -> list[Check]:
+        """The checks a negative control passed: each should have caught it."""
+        return [c for c in self.checks if c.control is not None and c.passed]
+
+    @property
     def void(self) -> bool:
         """A negative control passed a check that should have caught it."""
-        return any(c.control is not None and c.passed for c in self.checks)
+        return bool(self.uncaught)
 
     @property
     def passed(self) -> bool:
@@ -136,7 +141,8 @@ class Certificate:
     @property
     def verdict(self) -> str:
         if self.void:
-            return "VOID (a negative control was not caught)"
+            missed = dict.fromkeys(f"{c.control} by {c.level} {c.name}" for c in self.uncaught)
+            return f"VOID (a negative control was not caught: {'; '.join(missed)})"
         if not self.passed:
             return "FAILED"
         return "PASSED, underpowered (see the warnings)" if self.underpowered else "PASSED"
@@ -365,7 +371,8 @@ def acceptance_cases(modes: list[DraftMode], sampling: SamplingConfig
 # ---- level 3 --------------------------------------------------------------------------------
 def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: SamplingConfig,
                       sizes: CertificateSizes, make_prompts: Callable[[int], list[list[int]]],
-                      seed: int = 0) -> tuple[list, list]:
+                      seed: int = 0, progress: Callable[[str], None] = lambda msg: None) -> tuple[list, list]:
+    """The end-to-end level; ``progress`` is told each of its checks as it starts (minutes in all on a CPU)."""
     from specdec.eval.divergence import greedy_identity
     from specdec.eval.end_to_end import check_seeds, sampled_two_sample
     from specdec.eval.sampled_start import choose_start
@@ -374,11 +381,13 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
     from specdec.generate import generate
 
     prompts = make_prompts(sizes.identity_prompts)
+    progress(f"end to end: plain greedy decoding of {len(prompts)} prompts x {sizes.identity_tokens} tokens")
     plain = generate(loaded, prompts, max_new_tokens=sizes.identity_tokens)
     # (control name or None, acceptance rule, engine fault): the exact engine, a broken rule, broken engines
     runs = [(None, EXACT, None), ("always_accept", BROKEN_RULES["always_accept"], None)]
     runs += [(name, EXACT, fault) for name, fault in ENGINE_FAULTS.items()]
     for control, rule, fault in runs:
+        progress(f"end to end: greedy identity, {control or 'the exact engine'}")
         results = [greedy_identity(loaded, prompts, drafter, options, sizes.identity_tokens, True, rule, plain=plain,
                                    fault=fault)]
         # the unbatched path is checked for the exact engine and the broken rule; an engine fault
@@ -407,15 +416,20 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
         if control is None and tau <= 1.0:
             warnings.append("greedy identity: no draft was accepted, so the accepted-draft path (tree-node logits, "
                             "KV compaction) was never tested and the engine-fault controls can hardly be caught")
+    progress("end to end: greedy identity, the default speculation policy")
     checks.append(default_policy_identity(loaded, prompts, drafter, options, sizes, plain))
     e2e_sampling = sampling if sampling.do_sample else SamplingConfig(True)
     # the start: a greedy-answer prefix where a pilot, on seeds the check never uses, saw drafts both accepted and
     # rejected (where all are rejected the accepted-draft path goes untested; where all are accepted the target is
     # near-certain and a rule that accepts everything passes); the pilot's draws are independent of the check's, so
     # the choice keeps its p-values exact (specdec.eval.sampled_start)
+    progress(f"end to end: choosing where sampling starts (a pilot of {sizes.pilot_sequences} sequences at "
+             f"{sizes.start_candidates} starts)")
     choice = choose_start(loaded, prompts, plain, greedy_steps, drafter, options, e2e_sampling, sizes, seed)
     for rule_name, rule in (("exact", EXACT), ("always_accept", BROKEN_RULES["always_accept"])):
         control = None if rule is EXACT else rule_name
+        progress(f"end to end: {sizes.sample_sequences} sampled sequences per side, "
+                 f"{control or 'the exact rule'}")
         res = sampled_two_sample(loaded, choice.ids, drafter, options, e2e_sampling, sizes, rule,
                                  seeds=check_seeds(seed))
         # two tests of one hypothesis: Holm keeps the family-wise false-failure rate at alpha
@@ -500,7 +514,7 @@ def run_certificate(loaded: Any, drafter: Any, options: dict, sampling: Sampling
         cert.warnings += warnings
     if "e2e" in levels:
         progress("end to end")
-        checks, warnings = end_to_end_checks(loaded, drafter, options, sampling, sizes, make_prompts, seed)
+        checks, warnings = end_to_end_checks(loaded, drafter, options, sampling, sizes, make_prompts, seed, progress)
         cert.checks += checks
         cert.warnings += warnings
     if "coupled" in levels:

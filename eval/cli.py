@@ -19,6 +19,7 @@ from specdec.eval.prompts import CATEGORIES as DEFAULT_CATEGORIES
 
 from specdec.atomic_write import replaced_atomically
 from specdec.models.embedded import DEFAULT_ALIAS
+from specdec.output_dirs import check_creatable, make_dir
 
 DEFAULT_PROMPTS = 20
 CERTIFICATE_FILES = ("certificate.json", "certificate.md")
@@ -42,7 +43,8 @@ def _add_lossless(ev_sub) -> None:
     p = ev_sub.add_parser("lossless", help="losslessness certificate (JSON + Markdown)",
                           description="Exact law, sampler statistics and end-to-end checks, each with negative "
                                       "controls that must fail. Exit code 0 = passed, 1 = failed or void.")
-    _common(p)
+    _common(p, "seed of the run's random draws; another seed repeats a certificate's statistics and end-to-end "
+               "sampling independently (default: 0)")
     p.add_argument("--drafter", default="ngram", help="drafter name (default: ngram)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     p.add_argument("--top-k", type=int, default=0, help="keep the TOP_K most likely tokens; default: 0 (off)")
@@ -76,7 +78,8 @@ def _add_acceptance(ev_sub) -> None:
     a = ev_sub.add_parser("acceptance", help="tau, acceptance per depth and speed per drafter x category",
                           description="Runs drafters over prompt categories against plain decoding and "
                                       "transformers' generate(), same run; writes JSON, Markdown and PNG plots.")
-    _common(a)
+    _common(a, "seed of the sampling with --temperature > 0: every generate() call of the run is seeded with it, "
+               "so a rerun samples the same texts (default: 0)")
     a.add_argument("--drafters", default="ngram",
                    help="comma list of drafter names (default: ngram); LABEL=NAME names a row, to run one drafter "
                         "twice with other options: eagle1=eagle,eagle3=eagle --drafter-option eagle3.path=DIR")
@@ -102,7 +105,8 @@ def _add_acceptance(ev_sub) -> None:
     a.add_argument("--calibration-repeats", type=int, default=5,
                    help="timed verify steps per query size for the predicted speedup (default 5; 0 = no prediction)")
     a.add_argument("--no-hf-baseline", action="store_true", help="skip transformers' generate() baseline")
-    a.add_argument("--no-plots", action="store_true")
+    a.add_argument("--no-plots", action="store_true",
+                   help="write no PNG plots (report.json and report.md are written all the same)")
     a.add_argument("--resume", action="store_true",
                    help="keep finished cells found in --out; each is checked first (schema, checksum, settings), "
                         "and one that is damaged, edited or measured with other settings or on another device, "
@@ -122,7 +126,7 @@ def _inference(command):
     return run
 
 
-def _common(p) -> None:
+def _common(p, seed_help: str) -> None:
     p.add_argument("--model", default=DEFAULT_ALIAS, help=f"model (default: {DEFAULT_ALIAS})")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="drafter option, repeatable; VALUE parsed as JSON when possible; with several "
@@ -130,9 +134,7 @@ def _common(p) -> None:
     p.add_argument("--out", default=None, help="output directory (default: runs/eval-<command>)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run found in --out (without it such a directory is refused)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the run's random draws; another seed repeats a certificate's statistics and "
-                        "end-to-end sampling independently (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help=seed_help)
 
 
 def _add_dtype(p, text: str = "weights / activations dtype (default: float32; on CUDA the half dtype a checkpoint "
@@ -215,14 +217,12 @@ def check_out_dir(out: Path) -> None:
                          f"own, e.g. --out runs/acceptance")
     if where.exists() and not where.is_dir():
         raise ValueError(f"--out {out}: exists and is not a directory")
+    check_creatable(out, "--out")  # a folder that cannot be made fails before the model loads
 
 
 def make_out_dir(out: Path) -> None:
     """Create --out before any work: a directory that cannot be made fails now, not after the run."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"--out {out}: cannot create it ({err.strerror})") from err
+    make_dir(out, "--out")
 
 
 def check_earlier_run(out: Path, names: tuple[str, ...], overwrite: bool, resumable: bool = False) -> list[Path]:
@@ -285,8 +285,31 @@ def run_lossless(args) -> int:
             tmp.write_text(text)
     for w in cert.warnings:
         print(f"warning: {w}", file=sys.stderr)
+    if cert.void:
+        print(f"note: {void_advice(cert)}", file=sys.stderr)
     print(f"certificate {cert.verdict} in {cert.seconds:.0f} s: {out / 'certificate.md'}")
     return 0 if cert.passed else 1
+
+
+def _size_flags(check) -> str | None:
+    """The options that size the check a negative control passed (None: the exact law, which no size changes)."""
+    if check.level == "exact-law":
+        return None
+    if check.level == "sampler-statistics" or "target law" in check.name:
+        return "--stat-samples"
+    if check.level == "end-to-end" and check.name.startswith("sampled"):
+        return "--sample-sequences"
+    return "--identity-prompts / --identity-tokens"
+
+
+def void_advice(cert) -> str:
+    """What to do about a VOID certificate: a check too small to catch a broken rule certifies nothing."""
+    flags = list(dict.fromkeys(f for f in map(_size_flags, cert.uncaught) if f is not None))
+    if len(flags) < len({_size_flags(c) for c in cert.uncaught}):  # an exact-law check missed a broken rule
+        return ("the exact law let a broken rule through, which no sample size changes: report it with "
+                "certificate.json")
+    return (f"a check let a deliberately broken rule through, so its pass says nothing: it was too small to catch it "
+            f"(or the drafter's drafts were barely accepted); rerun with more {', '.join(flags)} than this run's")
 
 
 def run_acceptance(args) -> int:

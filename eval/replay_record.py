@@ -36,6 +36,7 @@ from specdec.eval.resume import model_identity
 
 from specdec.atomic_write import write_json
 from specdec.errors import InputError
+from specdec.output_dirs import why_uncreatable
 from specdec.tree import MAX_TREE_NODES
 
 logger = logging.getLogger(__name__)
@@ -180,7 +181,8 @@ def check_record_path(path: str | Path, overwrite: bool, inputs: Sequence[str | 
     try:  # a folder the record cannot go into fails now, not after the recording
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise InputError(f"--out {path}: cannot create its folder {path.parent} ({err.strerror})") from err
+        why = why_uncreatable(path.parent) or err.strerror
+        raise InputError(f"--out {path}: cannot create its folder {path.parent} ({why})") from err
 
 
 def save_record(record: dict, path: str | Path) -> Path:

@@ -63,18 +63,20 @@ class EngineFault:
     cache_cls: type[PagedKVCache] = PagedKVCache
 
 
-def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault: EngineFault | None = None
-                 ) -> Engine:
-    """The engine for ``request``: the real one unless a negative control passes ``rule`` / ``fault``."""
+def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault: EngineFault | None = None,
+                 warn: bool = True) -> Engine:
+    """The engine for ``request``: the real one unless a negative control passes ``rule`` / ``fault``, which is
+    logged at warning level (at info with ``warn=False``: a control its caller runs on purpose)."""
     if not isinstance(rule, AcceptanceRule):
         raise InputTypeError(f"rule must be an AcceptanceRule, got {describe(rule)}")
     if fault is not None and not isinstance(fault, EngineFault):
         raise InputTypeError(f"fault must be an EngineFault or None, got {describe(fault)}")
+    level = logging.WARNING if warn else logging.INFO
     if rule is not EXACT:
-        logger.warning("acceptance rule %r is not the exact one: the output is NOT the target's distribution",
-                       rule.name)
+        logger.log(level, "acceptance rule %r is not the exact one: the output is NOT the target's distribution",
+                   rule.name)
     if fault is not None:
-        logger.warning("engine fault %r injected: the output is deliberately WRONG (negative control)", fault.name)
+        logger.log(level, "engine fault %r injected: the output is deliberately WRONG (negative control)", fault.name)
     config = request.config
     if config.invariant and request.cuda_graphs and request.cuda_graphs != AUTO:
         raise InputError("invariant=True does not run through CUDA graphs: pass cuda_graphs=False (or 'auto')")

@@ -224,6 +224,11 @@ def parse_input_ids(input_ids: Any, attention_mask: Any = None) -> Inputs:
     :func:`unpack_encoding` first."""
     if isinstance(input_ids, Mapping):
         raise InputTypeError("input_ids must be token ids, got a mapping: unpack_encoding() takes it apart")
+    if isinstance(input_ids, str) or (isinstance(input_ids, (list, tuple)) and input_ids
+                                      and all(isinstance(t, str) for t in input_ids)):
+        raise InputTypeError(f"input_ids must be {_IDS}, got text {describe(input_ids)}: tokenize it first, as for "
+                             "transformers' generate(), e.g. loaded = specdec.load_model(model); "
+                             "specdec.generate(loaded, loaded.tokenizer(texts, return_tensors='pt', padding=True))")
     prompts, shape = _rows("input_ids", input_ids, is_int, _int_array_dtype, _IDS, "an int token id")
     prompts = [[int(t) for t in p] for p in prompts]  # 0-D tensors / numpy ints -> int
     if not prompts:

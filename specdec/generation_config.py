@@ -29,11 +29,22 @@ from specdec.sampling import SamplingConfig
 SPECULATION_MODES = ("auto", "always")
 
 
+# arguments of from_pretrained / load_model, not of generation: generate() takes a model loaded with them
+LOAD_ARGUMENTS = {"dtype": "dtype", "torch_dtype": "dtype", "device": "device", "device_map": "device",
+                  "trust_remote_code": "trust_remote_code"}
+
+
 def unknown_arguments(unknown: list[str], known: set[str]) -> str:
-    """The one-line error for misspelt generation arguments: the likely meant ones first, then every name."""
+    """The one-line error for misspelt generation arguments: the likely meant ones first (or, for a loading
+    argument such as ``dtype=``, where it goes), then every name."""
     plural = "s" if len(unknown) > 1 else ""
-    meant = [m for name in unknown for m in difflib.get_close_matches(name, known, n=1)]
+    load = [name for name in unknown if name in LOAD_ARGUMENTS]
+    meant = [m for name in unknown if name not in LOAD_ARGUMENTS for m in difflib.get_close_matches(name, known, n=1)]
     hint = f" (did you mean {', '.join(meant)}?)" if meant else ""
+    if load:
+        given = ", ".join(f"{arg}=..." for arg in dict.fromkeys(LOAD_ARGUMENTS[name] for name in load))
+        hint += (f" ({', '.join(load)}: an argument of loading, not of generation; load the model once with "
+                 f"specdec.load_model(model, {given}) and pass what it returns to generate())")
     return f"unknown generation argument{plural} {', '.join(unknown)}{hint}; known: {', '.join(sorted(known))}"
 
 

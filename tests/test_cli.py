@@ -255,6 +255,17 @@ def test_every_option_with_a_default_says_it_in_help():
     assert silent == [], f"--help does not say these defaults: {silent}"
 
 
+def test_every_option_has_a_help_text():
+    """`specdec eval acceptance --help` listed --no-plots bare, saying nothing of what it does."""
+    import argparse
+
+    from specdec.cli import _parser
+
+    bare = [f"{command} {'/'.join(a.option_strings) or a.dest}" for command, parser in _commands(_parser())
+            for a in parser._actions if not isinstance(a, argparse._SubParsersAction) and not a.help]
+    assert bare == [], f"options without a help text: {bare}"
+
+
 def test_verbose_shows_the_traceback_instead():
     with pytest.raises(FileNotFoundError, match="unknown model"):
         main(["-v", "generate", "hi", "--model", "/no/such/model"])

@@ -385,3 +385,38 @@ def test_a_kv_cache_full_mid_generation_speaks_of_the_cli_options(ckpt, capsys):
     assert rc == 2 and out.strip() and out.endswith("\n"), (out, err)
     assert line.startswith("specdec generate: error: the KV cache ran out of blocks after ") and "kept above" in line
     assert "--num-blocks 14 is too few" in line and "new_tokens" not in line and "num_blocks" not in line, line
+
+
+@pytest.mark.parametrize("command, option", [
+    (["train-medusa", "--num-prompts", "2"], "--output-dir"),
+    (["train-eagle", "--num-prompts", "2"], "--output-dir"),
+    (["export-head", "HEAD", "--format", "vllm"], "--output-dir"),
+    (["eval", "lossless", "--levels", "exact"], "--out"),
+    (["eval", "acceptance", "--prompts", "1"], "--out"),
+])
+def test_an_output_folder_behind_a_file_is_one_line_before_any_work(command, option, capsys, monkeypatch, tmp_path):
+    """`--output-dir results/heads` where `results` is a file: train-* and export-head said only
+    "[Errno 20] Not a directory: 'results/heads'" (train-* after loading the model), naming no option."""
+    import specdec.models.loader as loader
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output folder was checked")
+
+    monkeypatch.setattr(loader, "load_model", no_load)
+    (tmp_path / "HEAD").mkdir()
+    (tmp_path / "results").write_text("a file")
+    monkeypatch.chdir(tmp_path)
+    assert main([*command, option, "results/heads"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and line.endswith(
+        f": error: {option} results/heads: cannot create it (results is a file, not a folder)"), line
+
+
+def test_a_record_folder_behind_a_file_is_named_as_such(capsys, monkeypatch, tmp_path):
+    """It said "cannot create its folder results (File exists)", as if the folder existed."""
+    (tmp_path / "results").write_text("a file")
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "replay", "record", "--out", "results/run.json"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.endswith("--out results/run.json: cannot create its folder results (results is a file, not a "
+                         "folder)"), line

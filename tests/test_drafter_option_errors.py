@@ -248,3 +248,27 @@ def test_a_combined_child_given_in_python_is_refused_naming_its_place():
     with pytest.raises(InputTypeError, match=r"^combined drafter's drafters\[1\]: a child must be an instance, got the "
                                              r"class CombinedDrafter: pass CombinedDrafter\(...\)"):
         get_drafter("combined", drafters=["ngram", CombinedDrafter])
+
+
+def test_a_head_given_to_the_other_drafter_names_the_drafter_it_is_for(tmp_path):
+    """`--drafter eagle --drafter-option path=HEADS` (Medusa heads) said only 'model.safetensors is missing', and
+    `--drafter medusa` on an EAGLE head suggested convert-medusa, which then refused it: each names the other
+    drafter."""
+    from specdec.drafters.eagle_checkpoint import EagleCheckpointError, load_eagle
+    from specdec.drafters.medusa_heads import MedusaCheckpointError, load_medusa
+    from transformers import LlamaConfig
+
+    eagle, medusa = tmp_path / "eagle-head", tmp_path / "medusa-heads"
+    eagle.mkdir(), medusa.mkdir()
+    (eagle / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 64}))
+    (eagle / "model.safetensors").write_bytes(b"")
+    (medusa / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1}))
+    (medusa / "medusa_lm_head.safetensors").write_bytes(b"")
+    with pytest.raises(MedusaCheckpointError, match=re.escape(
+            f"{eagle}: medusa_lm_head.safetensors is missing ({eagle} holds an EAGLE head: --drafter eagle "
+            f"--drafter-option path={eagle})")):
+        load_medusa(eagle)
+    with pytest.raises(EagleCheckpointError, match=re.escape(
+            f"{medusa}: model.safetensors is missing ({medusa} holds Medusa heads: --drafter medusa "
+            f"--drafter-option path={medusa})")):
+        load_eagle(medusa, LlamaConfig(hidden_size=64))

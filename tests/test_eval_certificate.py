@@ -159,6 +159,29 @@ def test_engine_fault_that_is_never_exercised_voids_the_certificate():
     assert any("no draft was accepted" in w for w in cert.warnings)
 
 
+@pytest.mark.parametrize("level, name, flags", [
+    ("end-to-end", "greedy identity vs plain decoding (batched)", "--identity-prompts / --identity-tokens"),
+    ("sampler-statistics", "chi-square vs exact law (Holm)", "--stat-samples"),
+    ("end-to-end", "sampled 2 tokens (of 3) in a greedy answer vs plain sampling", "--sample-sequences"),
+    ("coupled", "plain coupled sampling == target law (first token)", "--stat-samples"),
+    ("bitwise", "ngram text and log-probabilities == plain, bit for bit (batched + single)",
+     "--identity-prompts / --identity-tokens"),
+])
+def test_a_void_certificate_names_the_uncaught_control_and_what_to_raise(level, name, flags):
+    """It said only 'VOID (a negative control was not caught)': not which control, nor that a larger run fixes it."""
+    from specdec.eval.certificate import Certificate, Check
+    from specdec.eval.cli import void_advice
+
+    cert = Certificate({}, [Check(name, level, True), Check(name, level, False, "always_accept"),
+                            Check(name, level, True, "wrong_compaction_slot")])
+    missed = f"wrong_compaction_slot by {level} {name}"
+    assert cert.void and cert.verdict == f"VOID (a negative control was not caught: {missed})"
+    assert cert.verdict in cert.to_markdown()
+    assert void_advice(cert).endswith(f"rerun with more {flags} than this run's")
+    exact = Certificate({}, [Check("emitted law == target law", "exact-law", True, "always_accept")])
+    assert "no sample size changes" in void_advice(exact)
+
+
 def test_a_pass_with_too_little_power_says_so_in_its_verdict():
     loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
     few = CertificateSizes(stat_samples=300, identity_prompts=1, identity_tokens=4, sample_sequences=20)
@@ -463,3 +486,47 @@ def test_eval_lossless_takes_the_warper_flags(tmp_path, monkeypatch, capsys):
     code = main(["eval", "lossless", "--model", "nowhere", "--min-p", "2", "--out", str(tmp_path / "c2")])
     err = capsys.readouterr().err
     assert code == 2 and "min_p must lie in [0, 1]" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_certificates_own_controls_log_no_warning_while_a_broken_rule_elsewhere_does(caplog):
+    """`specdec eval lossless` printed six 'WARNING ... the output is NOT the target's distribution' lines for the
+    controls it runs on purpose (and reports in its table); a broken rule built into generate() otherwise still
+    warns."""
+    import functools
+    import logging
+
+    from specdec.eval.negative_controls import BROKEN_RULES, generate_with_control
+
+    from specdec.engine_setup import build_engine
+    from specdec.generate import generate_with
+
+    loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
+    rule, fault = BROKEN_RULES["always_accept"], ENGINE_FAULTS["wrong_compaction_slot"]
+    kw = dict(drafter="ngram", max_new_tokens=3)
+
+    def said(run):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="specdec.engine_setup"):
+            run()
+        return sorted(r.levelname for r in caplog.records if "NOT the target" in r.message or "injected" in r.message)
+
+    assert said(lambda: generate_with_control(loaded, [[1, 2, 3, 1, 2]], rule=rule, fault=fault, **kw)) == \
+        ["INFO", "INFO"]
+    assert said(lambda: generate_with(functools.partial(build_engine, rule=rule, fault=fault), loaded,
+                                      [[1, 2, 3, 1, 2]], **kw)) == ["WARNING", "WARNING"]
+
+
+def test_the_end_to_end_level_says_each_check_as_it_starts():
+    """`specdec eval lossless` said '... end to end' and then nothing for the minutes its checks take on a CPU."""
+    loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
+    sizes = CertificateSizes(identity_prompts=2, identity_tokens=8, sample_sequences=20, sample_tokens=1,
+                             start_candidates=1, pilot_sequences=4)
+    said = []
+    run_certificate(loaded, "ngram", {}, SamplingConfig(True), sizes, _prompts, levels=("e2e",), progress=said.append)
+    assert said == ["end to end", "end to end: plain greedy decoding of 2 prompts x 8 tokens",
+                    "end to end: greedy identity, the exact engine", "end to end: greedy identity, always_accept",
+                    *[f"end to end: greedy identity, {name}" for name in ENGINE_FAULTS],
+                    "end to end: greedy identity, the default speculation policy",
+                    "end to end: choosing where sampling starts (a pilot of 4 sequences at 1 starts)",
+                    "end to end: 20 sampled sequences per side, the exact rule",
+                    "end to end: 20 sampled sequences per side, always_accept"]

@@ -74,6 +74,9 @@ def test_every_integer_form_of_input_ids_gives_the_same_tokens(form):
     (np.ones((1, 1, 2), dtype=np.int64), InputTypeError, r"input_ids .*3-D numpy"),
     (np.array([[1, "a"]], dtype=object), InputTypeError, r"input_ids .*object"),
     ("hello", InputTypeError, r"input_ids .*str 'hello'"),
+    # text where token ids belong (a pipeline's habit): the error says to tokenize it, and how
+    ("hello", InputTypeError, r"got text str 'hello': tokenize it first, .*loaded.tokenizer\(texts, return_tensors"),
+    (["a", "b"], InputTypeError, r"got text list .*: tokenize it first"),
     (b"hi", InputTypeError, r"input_ids .*bytes"),
     (None, InputTypeError, r"input_ids .*NoneType"),
     (3, InputTypeError, r"input_ids .*int 3"),
@@ -194,6 +197,11 @@ def test_a_numpy_array_is_read_as_lists_are():
     (dict(engine_fault="wrong_slot"), InputTypeError, r"unknown generation argument engine_fault"),
     (dict(max_new_token=3), InputTypeError,
      r"unknown generation argument max_new_token \(did you mean max_new_tokens\?\); known: .*max_new_tokens"),
+    # from_pretrained's arguments, passed to generate() as to a loader: the error says where they go
+    (dict(dtype=torch.bfloat16), InputTypeError, r"unknown generation argument dtype \(dtype: an argument of loading, "
+     r"not of generation; load the model once with specdec.load_model\(model, dtype=...\) and pass what it returns"),
+    (dict(torch_dtype=torch.float16, device="cpu"), InputTypeError,
+     r"arguments device, torch_dtype \(device, torch_dtype: .*specdec.load_model\(model, device=..., dtype=...\)"),
     (dict(generation_config={"max_new_tokens": 3}), InputTypeError,
      r"generation_config must be a specdec or transformers GenerationConfig"),
     (dict(drafter="no-such-drafter"), InputError, r"unknown drafter 'no-such-drafter'; available: .*ngram"),

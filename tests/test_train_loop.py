@@ -283,7 +283,7 @@ def _accelerator():
     return Accelerator(cpu=True)
 
 
-def test_run_writes_loadable_layout_and_report(tiny, tmp_path):
+def test_run_writes_loadable_layout_and_report(tiny, tmp_path, capsys):
     from specdec.cli import main
 
     out = tmp_path / "run"
@@ -292,6 +292,12 @@ def test_run_writes_loadable_layout_and_report(tiny, tmp_path):
                "--max-steps", "4", "--eval-prompts", "2", "--eval-max-new-tokens", "8", "--tree-budget", "5",
                "--no-progress"])
     assert rc == 0
+    # stdout is the report's JSON alone; stderr ends saying where the heads are and how to draft with them
+    captured = capsys.readouterr()
+    assert set(json.loads(captured.out)) == {"top1", "top5", "estimated_tau", "tau", "seconds"}
+    assert captured.err.splitlines()[-1] == (
+        f"wrote Medusa heads to {out} (report: {out / 'report.md'}); draft with them: specdec generate --model "
+        f"{tiny / 'model'} --drafter medusa --drafter-option path={out} PROMPT")
     heads = load_medusa(out, hidden_size=64, vocab_size=96)
     assert heads.config.num_heads == 2 and 1 <= len(heads.config.medusa_choices) <= 5
     report = json.loads((out / "report.json").read_text())

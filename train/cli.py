@@ -290,4 +290,16 @@ def run(args) -> int:
         keys = ("top1", "top5", "tree", "seconds") if args.drafter == "eagle" else \
             ("top1", "top5", "estimated_tau", "tau", "seconds")
         print(json.dumps({k: report[k] for k in keys}, indent=2))
+        _say(_where_it_went(args))
     return 0
+
+
+def _where_it_went(args) -> str:
+    """The closing line: where the head is, and the command that drafts with it (as convert-medusa ends)."""
+    import shlex
+
+    out = args.output_dir
+    model = "" if args.model == DEFAULT_ALIAS else f" --model {shlex.quote(str(args.model))}"
+    what, it = ("Medusa heads", "them") if args.drafter == "medusa" else ("an EAGLE layer", "it")
+    return (f"wrote {what} to {out} (report: {Path(out) / 'report.md'}); draft with {it}: specdec generate{model} "
+            f"--drafter {args.drafter} --drafter-option path={shlex.quote(str(out))} PROMPT")

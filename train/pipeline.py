@@ -30,6 +30,7 @@ from specdec.train.process_failures import FailureNotes
 from specdec.train.process_team import Team
 
 from specdec.models.fingerprint import model_fingerprint
+from specdec.output_dirs import check_creatable, make_dir
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +165,7 @@ def check_inputs(cfg: TrainConfig) -> None:
         raise TrainDataError(f"training data not found: {cfg.data}")
     if cfg.data is None and cfg.prompts_file and not Path(cfg.prompts_file).is_file():
         raise TrainDataError(f"prompts file not found: {cfg.prompts_file}")
+    check_creatable(cfg.output_dir, "--output-dir")
 
 
 def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None]) -> tuple:
@@ -258,8 +260,7 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
     with contextlib.ExitStack() as log:  # train.log, from when the output directory is ready to the report
         with _processes_together(accelerator) as team:
             loaded, inputs, resume_from = _load_and_prepare(cfg, accelerator, team.meet)
-            out = Path(cfg.output_dir)
-            out.mkdir(parents=True, exist_ok=True)
+            out = make_dir(cfg.output_dir, "--output-dir")
             if accelerator.is_main_process:
                 log.enter_context(_logged_to_file(out))
             model = loaded.model.to(accelerator.device)
