@@ -178,7 +178,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--stop", action="append", default=None,
                    help="stop string, repeatable; kept in the output, as in transformers")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
-    p.add_argument("--system", default=None, help="system message for the chat template")
+    p.add_argument("--system", default=None,
+                   help="system message for the chat template (default: none given, so the template's own, if it "
+                        "has one: SmolLM2's adds a default system message)")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV cache size in blocks (default: enough for the prompt, max-new-tokens and the drafts)")

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,6 +81,10 @@ def test_json_summary(ckpt, capsys):
     assert summary["drafter"] == "none" and summary["finish"] == "length"
     assert summary["tokens_per_s"] > 0 and summary["seconds"] > 0
     assert not SUMMARY.match(err)  # --json replaces the plain line
+    page = (Path(__file__).parents[1] / "docs" / "getting-started.md").read_text()
+    table = page[page.index("| `--json` field |"):].split("\n\n")[0].splitlines()[2:]
+    documented = {f for row in table for f in re.findall(r"`(\w+)`", row.split(" | ")[0])}
+    assert documented == set(summary), "getting-started's table of --json fields lists every field, and no other"
 
 
 def test_sampling_warper_flags_reach_generate(ckpt, capsys):
