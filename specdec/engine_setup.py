@@ -38,7 +38,7 @@ from specdec.drafters.base import _ObjectDrafter
 from specdec.engine import Engine
 from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import check_cache_fits, describe
-from specdec.kv_cache import PagedKVCache, blocks_needed, plain_blocks_needed
+from specdec.kv_cache import CacheFullError, PagedKVCache, blocks_for, blocks_needed, plain_blocks_needed
 from specdec.logits_processing import LogitsProcessing
 from specdec.rejection import EXACT, AcceptanceRule
 from specdec.speculation_policy import SpeculationPolicy
@@ -168,10 +168,17 @@ def _worst_case_blocks(request: "GenerateRequest", tree_budget: int) -> int:
 def _pool_may_run_short(request: "GenerateRequest", needed: int) -> bool:
     """Whether an explicit num_blocks is below ``needed``, the request's worst case with the drafter's trees: the
     engine then cuts each tree to the blocks free for it (exact). Below what plain decoding can hold, a warning: the
-    call may raise CacheFullError (at or above it, it never does: the trees are cut)."""
+    call may raise CacheFullError (at or above it, it never does: the trees are cut); below what the prompts'
+    prefill holds, that CacheFullError now."""
     num_blocks = request.config.num_blocks
     if num_blocks is None:
         return False
+    block_size = request.config.block_size
+    prefill = sum(blocks_for(len(p) - 1, block_size) for p in request.prompts)  # Engine.add: all but the last token
+    if num_blocks < prefill:  # refused before any work, not warned about and then raised at the prefill
+        raise CacheFullError(f"KV cache too small for the prompts: their prefill needs {prefill} blocks of "
+                             f"{block_size} tokens, num_blocks={num_blocks}. Pass a larger num_blocks, or fewer / "
+                             "shorter prompts.")
     plain = plain_blocks_needed(map(len, request.prompts), request.config.max_new_tokens, request.config.block_size)
     if num_blocks < plain:
         logger.warning("num_blocks=%d is below the %d blocks of %d tokens that the prompts and max_new_tokens=%d "

@@ -65,6 +65,23 @@ def test_a_pool_below_plain_decoding_warns_and_the_error_keeps_the_tokens(caplog
     assert not [r for r in caplog.records if "num_blocks" in r.getMessage()]
 
 
+def test_a_pool_too_small_for_the_prompts_is_refused_before_any_work(caplog, monkeypatch):
+    """num_blocks=1 cannot hold a 32-token prompt's prefill: the call warned that it "may raise CacheFullError", then
+    measured the machine's verify costs for the drafter (minutes on a large model), then raised it at the prefill.
+    It is now the CacheFullError alone (no tokens: new_tokens None), before the cost model or the drafter run."""
+    from specdec import engine_setup
+
+    model = build_tiny_model()
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda *a, **k: pytest.fail("costs measured first"))
+    with caplog.at_level(logging.WARNING, logger="specdec"):
+        with pytest.raises(CacheFullError, match="prefill needs 2 blocks of 16 tokens, num_blocks=1") as err:
+            specdec.generate(model, [PROMPT], max_new_tokens=8, num_blocks=1, drafter="ngram")
+    assert err.value.new_tokens is None and not caplog.records
+    monkeypatch.undo()
+    out = specdec.generate(model, [PROMPT], max_new_tokens=1, num_blocks=2, drafter="ngram")  # the prefill's 2: runs
+    assert len(out[0]) == len(PROMPT) + 1
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 def test_a_drafter_writing_into_the_targets_cache_never_fails_a_call_plain_decoding_finishes(sampled):
     """Self-draft reserves its draft nodes' K/V in the target's own cache while it drafts: in a pool that holds plain
