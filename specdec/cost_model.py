@@ -290,6 +290,11 @@ class CostModel:
                 self.save()
         return self.curves[b]
 
+    def measured_id(self) -> str:
+        """A digest of the batch-1 curve: what is learned on this curve (the guard's memory) is kept under it, so a
+        curve measured again (a deleted cache file, an impossible one dropped) starts that learning afresh."""
+        return _digest({str(n): s for n, s in sorted(self.curve(1).items())})[:12]
+
     def save(self) -> None:
         """Write the curves to the cache file (if any), marked as checked by :func:`calibrate`."""
         if self.file is not None:

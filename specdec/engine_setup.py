@@ -130,9 +130,10 @@ def _policy(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault
                     "on this machine's measured costs; sampler='coupled' keeps one text per seed and sizes trees")
         return SpeculationPolicy(auto=True)
     costs = load_cost_model(runner, CalibrationConfig(graphs=graphs))
-    # the guard remembers across calls per target cost curve and drafter (specdec.remembered); cost_key() names a
-    # drafter's checkpoint too, so two EAGLE or Medusa checkpoints keep apart backoffs
-    return SpeculationPolicy(TreeSizer(costs, memory=(str(costs.file), drafter.cost_key())))
+    # the guard remembers across calls per target cost curve, as measured, and drafter (specdec.remembered); what it
+    # learned on a curve since measured again is not carried over. cost_key() names a drafter's checkpoint too, so
+    # two EAGLE or Medusa checkpoints keep apart backoffs
+    return SpeculationPolicy(TreeSizer(costs, memory=(str(costs.file), costs.measured_id(), drafter.cost_key())))
 
 
 def _processing(request: "GenerateRequest") -> LogitsProcessing | None:

@@ -168,6 +168,30 @@ def test_an_impossible_curve_cached_before_the_check_is_measured_again(fresh, mo
     assert not caplog.records
 
 
+def test_what_the_guard_learned_on_a_curve_is_not_kept_for_the_curve_measured_again(fresh, monkeypatch):
+    """The guard's memory across calls was keyed by the cost file's name alone: after its curve was measured again
+    (the file deleted, as the too-steep warning advises, or an impossible one dropped), the backoffs learned on the
+    old prices carried on. It is kept per measured curve now; calls on one curve still share it."""
+    from specdec import engine_setup, verify_cost
+    from specdec.generate import generate
+
+    timings = [{1: 0.04, 2: 0.07, 4: 0.1}, {1: 0.04, 2: 0.045, 4: 0.05}]
+    monkeypatch.setattr(verify_cost, "measure_verify_costs", lambda *args, **kw: timings.pop(0))
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda r, c=None: load_cost_model(r, SMALL, cache_dir=fresh))
+    keys, real = [], engine_setup.TreeSizer
+    monkeypatch.setattr(engine_setup, "TreeSizer",
+                        lambda costs, memory: keys.append(memory) or real(costs, memory=memory))
+    model = build_tiny_model(seed=0)
+    for _ in range(2):
+        generate(model, [[1, 2, 3, 1, 2, 3]], max_new_tokens=4, drafter="ngram")
+    for file in fresh.glob("verify-*.json"):
+        file.unlink()
+    monkeypatch.setattr(cost_model, "_MEMO", {})
+    generate(model, [[1, 2, 3, 1, 2, 3]], max_new_tokens=4, drafter="ngram")
+    assert not timings and len(keys) == 3
+    assert keys[0] == keys[1] and keys[2] != keys[0] and keys[2][0] == keys[0][0]  # same file, another curve
+
+
 def test_weights_updated_between_calls_keep_their_costs_and_the_memo_bounded(monkeypatch, tmp_path):
     """A training loop's rollouts update the weights in place between generate() calls: every version was a new
     cost-cache key (a checksum of some weights), so each call measured the verify costs again (~20 s on the embedded
