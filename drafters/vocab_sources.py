@@ -5,9 +5,10 @@ self-distilled sequences, stored in the checkpoint). A drafter attached to a bar
 such data, so ``draft_vocab`` may be:
 
 * a list of token ids: used as given;
-* a path: a checkpoint directory whose ``config.json`` holds ``draft_vocab`` (a Medusa or EAGLE
-  checkpoint trained on this target: the best choice, its ids came from the target's own text),
-  or a JSON file holding a list of ids (or an object with a ``draft_vocab`` list);
+* a path: a checkpoint directory whose ``config.json`` holds ``draft_vocab`` (a Medusa checkpoint trained
+  on this target: the best choice, its ids came from the target's own text), or whose weights hold an EAGLE
+  head's ``d2t`` map (id = index + d2t[index]), or a JSON file holding a list of ids (or an object with a
+  ``draft_vocab`` list);
 * an integer N: the N most frequent tokens of specdec's built-in training prompts
   (``specdec.train.prompts``) as the target's tokenizer splits them, plus the end-of-sequence
   ids; if the prompts hold fewer than N distinct tokens, the smallest remaining ids fill up
@@ -63,9 +64,29 @@ def read_ids(path: str | os.PathLike) -> list[int]:
     except json.JSONDecodeError as err:
         raise InputError(f"draft_vocab: {file} is not valid JSON: {err}") from err
     ids = raw.get("draft_vocab") if isinstance(raw, dict) else raw
+    if ids is None and path.is_dir():
+        ids = _d2t_ids(path)
     if not isinstance(ids, list) or not ids or any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
         raise InputError(f"draft_vocab: {file} holds no draft_vocab list of token ids (a full-vocabulary checkpoint?)")
     return ids
+
+
+def _d2t_ids(directory: Path) -> list[int] | None:
+    """An EAGLE head's reduced vocabulary, which its weights keep as the ``d2t`` map (speculators' layout); None:
+    there is none. Only that tensor is read."""
+    from safetensors import SafetensorError, safe_open
+
+    from specdec.drafters.eagle_checkpoint import WEIGHTS_FILE
+
+    file = directory / WEIGHTS_FILE
+    try:
+        with safe_open(str(file), "pt") as weights:
+            if "d2t" not in weights.keys():
+                return None
+            d2t = weights.get_tensor("d2t").long()
+    except (SafetensorError, OSError):
+        return None
+    return [int(i) + int(t) for i, t in enumerate(d2t.tolist())]
 
 
 def builtin_prompt_tokens(tokenizer, n: int) -> list[int]:

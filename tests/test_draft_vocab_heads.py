@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 from specdec.drafters.draft_vocab import frequent_tokens
+from specdec.drafters.eagle_checkpoint import save_eagle
+from specdec.drafters.eagle_model import EagleConfig, EagleModel
 from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.medusa_heads import MedusaCheckpointError, MedusaConfig, MedusaHeads, load_medusa, save_medusa
 from specdec.drafters.self_draft import SelfDraftDrafter
@@ -233,7 +235,10 @@ def test_self_draft_reads_a_checkpoint_list(tmp_path):
     target = build_tiny_model(num_hidden_layers=3)
     save_medusa(reduced_heads(target, [4, 8, 15, 16, 23, 42]), tmp_path / "h")
     (tmp_path / "ids.json").write_text("[4, 8, 15]")
-    for path, n in ((tmp_path / "h", 6), (tmp_path / "ids.json", 3)):
+    # an EAGLE head keeps its reduced vocabulary as the d2t map in its weights: it was refused as holding no list
+    eagle = EagleModel(EagleConfig.for_target(target.config, arch="eagle3", draft_vocab=[4, 8, 15, 16, 23]))
+    save_eagle(eagle, tmp_path / "e")
+    for path, n in ((tmp_path / "h", 6), (tmp_path / "ids.json", 3), (tmp_path / "e", 5)):
         d = SelfDraftDrafter(num_layers=1, draft_vocab=str(path))
         specdec.generate(target, PROMPTS[:2], max_new_tokens=4, drafter=d)
         assert d.draft_vocab.ids.tolist() == [4, 8, 15, 16, 23, 42][:n]
