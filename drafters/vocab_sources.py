@@ -75,7 +75,6 @@ def _d2t_ids(directory: Path) -> list[int] | None:
     """An EAGLE head's reduced vocabulary, which its weights keep as the ``d2t`` map (speculators' layout); None:
     there is none. Only that tensor is read."""
     from safetensors import SafetensorError, safe_open
-
     from specdec.drafters.eagle_checkpoint import WEIGHTS_FILE
 
     file = directory / WEIGHTS_FILE
