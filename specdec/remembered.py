@@ -5,8 +5,9 @@
     save()                                          # a run ended: persisted values written, once each
 
 Keys name what the learning depends on: the break-even guard and tree sizing (``"guard"``: the cost model's cache
-file and measured curve, and the drafter's cost key, :mod:`specdec.tree_sizing`), the combined drafter's child gate (``"child gate"``)
-and EAGLE's depth chooser (``"depth"``), both keyed by :func:`specdec.drafters.call_memory.memory_key`. Values
+file and measured curve, and the drafter's cost key, :mod:`specdec.tree_sizing`), the combined drafter's child
+gate (``"child gate"``) and EAGLE's depth chooser (``"depth"``), both keyed by
+:func:`specdec.drafters.call_memory.memory_key`. Values
 are copies: a later call starts from what was kept and never changes it in place.
 
 ``persist=True`` (the guard, whose key is the cost model's): also kept across processes, as JSON in the cost cache
