@@ -20,14 +20,17 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
-from specdec.drafters.base import TargetView
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, read_json_object
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 
 from specdec.errors import InputError
+
+if TYPE_CHECKING:
+    from specdec.models.llama import LlamaRunner
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +109,10 @@ class MtpDrafter(EagleDrafter):
     def cost_key(self) -> str:  # the checkpoint (None: the target's own) and the layer; the target is keyed apart
         return f"{type(self).__qualname__}|{self.name}|{self.source!r}|{self.layer}|{self.options!r}"
 
-    def attach(self, target: TargetView) -> None:
+    def load(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
+        """The MTP layer read from the checkpoint (once: kept for later calls) and checked against the target."""
         if self.model is None:
-            hf = target.runner.hf_model
+            hf = runner.hf_model
             source = self.source or getattr(hf.config, "_name_or_path", "") or ""
             if not self.source and not (source and Path(source).is_dir()):
                 raise InputError("mtp: the target was not loaded from a directory, so its MTP layers cannot be read "
@@ -124,4 +128,4 @@ class MtpDrafter(EagleDrafter):
                 raise EagleCheckpointError(f"mtp: the {layout}-style MTP layer in {source} does not fit the target "
                                            f"({str(err).splitlines()[0]})") from err
             logger.info("mtp: the %s-style MTP layer %d of %s", layout, self.layer, source)
-        super().attach(target)
+        super().load(runner, tokenizer, name)
