@@ -65,8 +65,10 @@ def check_same_target(directory: Path, target_config) -> None:
                                        f"{name}={theirs}: it was made for another target")
 
 
-def read_mtp_layer(directory: str | Path, num_layers: int, index: int = 0) -> tuple[dict[str, torch.Tensor], str]:
-    """The MTP layer ``index`` of a target checkpoint as EagleModel tensors (arch "mtp"), and its layout's name."""
+def read_mtp_layer(directory: str | Path, num_layers: int, index: int = 0, target: str | None = None
+                   ) -> tuple[dict[str, torch.Tensor], str]:
+    """The MTP layer ``index`` of a target checkpoint as EagleModel tensors (arch "mtp"), and its layout's name.
+    ``target``: the directory is that target model's own checkpoint (named so in the refusal of one without)."""
     from safetensors import safe_open
 
     path = Path(directory)
@@ -90,8 +92,16 @@ def read_mtp_layer(directory: str | Path, num_layers: int, index: int = 0) -> tu
                         state["layers.0." + rest] = f.get_tensor(key).clone()
         if "fc.weight" in state:
             return state, layout
-    raise EagleCheckpointError(f"mtp: {path} has no MTP layer {index} (no model.mtp_layers.{index}.input_proj or "
-                               f"model.layers.{num_layers + index}.eh_proj weights)")
+    weights = (f"model.mtp_layers.{index}.input_proj (MiMo-style) or model.layers.{num_layers + index}.eh_proj "
+               "(DeepSeek-style) weights")
+    if target is None:
+        raise EagleCheckpointError(f"mtp: {path} has no MTP layer {index} (no {weights})")
+    raise EagleCheckpointError(
+        f"mtp: the target model {target} has no MTP layer {index} (its checkpoint, {path}, holds no {weights}): the "
+        "mtp drafter needs a model trained with multi-token-prediction layers that ships them in its safetensors "
+        "(MiMo's or DeepSeek's layout, beside a Llama-type decoder). For this model choose another drafter (ngram, "
+        "self-draft, or medusa / eagle heads trained for it), or give path= to the directory that holds its MTP "
+        "layers")
 
 
 class MtpDrafter(EagleDrafter):
@@ -119,7 +129,8 @@ class MtpDrafter(EagleDrafter):
                                  "from its checkpoint: give path= (the directory whose safetensors hold them)")
             if self.source and Path(source).is_dir():
                 check_same_target(Path(source), hf.config)
-            state, layout = read_mtp_layer(source, hf.config.num_hidden_layers, self.layer)
+            own = None if self.source else repr(name) if name else str(source)  # the target's own checkpoint
+            state, layout = read_mtp_layer(source, hf.config.num_hidden_layers, self.layer, own)
             config = EagleConfig.for_target(hf.config, arch="mtp", depth=3, top_k=4, max_nodes=8,
                                             base_model_name_or_path=str(source))
             try:
