@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from scipy import stats
 from specdec.eval.negative_controls import generate_with_control
+from specdec.eval.token_progress import TokenProgress
 from specdec.eval.two_sample import two_sample_chi2
 
 from specdec.generate import generate
@@ -107,10 +108,14 @@ def drafted_in_window(step_lengths: tuple[int, ...], k: int) -> int:
 
 
 def sampled_two_sample(loaded: Any, prompt: list[int], drafter: Any, options: dict, sampling: SamplingConfig,
-                       sizes: Any, rule: AcceptanceRule = EXACT, seeds: tuple[int, int] = (1, 2)) -> dict:
+                       sizes: Any, rule: AcceptanceRule = EXACT, seeds: tuple[int, int] = (1, 2),
+                       progress: Callable[[str], None] | None = None, what: str = "sampling") -> dict:
+    """The check (module doc); ``progress`` (optional) is told how far both sides' sampling has come, in lines that
+    start with ``what`` (:class:`~specdec.eval.token_progress.TokenProgress`: minutes on a CPU at default sizes)."""
     n, k = sizes.sample_sequences, sizes.sample_tokens
     # the law of the first k tokens of k + lookahead: a marginal of the law compared, so exactness still requires it
     common = sampling_kwargs(sampling, sizes)
+    common["streamer"] = None if progress is None else TokenProgress(progress, what, 2 * n * common["max_new_tokens"])
     plain = sample_in_chunks(lambda chunk, chunk_seed: generate(loaded, chunk, seed=chunk_seed, **common),
                              [prompt] * n, seeds[0])
     # speculation="always": every proposal verified whole, as under the negative controls' broken rules (seeded
