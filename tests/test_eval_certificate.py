@@ -532,14 +532,22 @@ def test_the_end_to_end_level_says_each_check_as_it_starts_and_how_far_sampling_
     lines = []
     run_certificate(loaded, "ngram", {}, SamplingConfig(True), sizes, _prompts, levels=("e2e",),
                     progress=lines.append)
-    said = [line for line in lines if "% of the sampled tokens" not in line]
-    total = 2 * 20 * (1 + sizes.sample_lookahead)  # both sides, every sequence's tokens (no eos)
+    inner = ("end to end: the exact rule: ", "end to end: always_accept: ")  # lines inside a sampled check
+    said = [line for line in lines if not line.startswith(inner)]
+    tokens = 1 + sizes.sample_lookahead
+    total = 2 * 20 * tokens  # both sides, every sequence's tokens (no eos)
     for rule in ("the exact rule", "always_accept"):
         start = lines.index(f"end to end: 20 sampled sequences per side, {rule}")
-        told = [line for line in lines[start + 1:start + 12] if line.startswith(f"end to end: {rule}: ")]
-        assert told and told[-1] == f"end to end: {rule}: 100% of the sampled tokens ({total:,} of {total:,})"
-        percents = [int(line.split(": ")[2].split("%")[0]) for line in told]
-        assert percents == sorted(set(percents)) and len(told) == lines.index(told[-1]) - start
+        told = lines[start + 1:start + 1 + next(i for i, line in enumerate(lines[start + 1:] + [""])
+                                                 if not line.startswith(f"end to end: {rule}: "))]
+        sides = [line for line in told if "sampling, " in line]
+        assert [line.split(" sampling, ")[0] for line in sides] == [f"end to end: {rule}: plain",
+                                                                      f"end to end: {rule}: speculative"]
+        assert told[0] == sides[0] and all(line.endswith(f" + {tokens} tokens") for line in sides)
+        shares = [line for line in told if "% of the sampled tokens" in line]
+        assert shares[-1] == f"end to end: {rule}: 100% of the sampled tokens ({total:,} of {total:,})" == told[-1]
+        percents = [int(line.split(": ")[2].split("%")[0]) for line in shares]
+        assert percents == sorted(set(percents)) and len(shares) == len(told) - 2
     assert said == ["end to end", "end to end: plain greedy decoding of 2 prompts x 8 tokens",
                     "end to end: greedy identity, the exact engine", "end to end: greedy identity, always_accept",
                     *[f"end to end: greedy identity, {name}" for name in ENGINE_FAULTS],
