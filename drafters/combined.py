@@ -214,10 +214,10 @@ class CombinedDrafter(Drafter):
         self._sampled_shape: list[list[int] | None] = [None] * len(self.children)
 
     # ---- lifecycle: every call to every child ------------------------------------------------
-    def load(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
-        """Every child's checkpoint read and checked for the target (Drafter.load)."""
+    def load_for_target(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
+        """Every child's checkpoint read and checked for the target (Drafter.load_for_target)."""
         for child in self.children:
-            child.load(runner, tokenizer, name)
+            child.load_for_target(runner, tokenizer, name)
 
     def attach(self, target: TargetView) -> None:
         """A new run: the children's rates start from the prior again (as in a fresh instance)."""

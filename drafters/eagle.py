@@ -111,7 +111,7 @@ class EagleDrafter(Drafter):
         # seq_id -> the most probable chain of its last proposal (tokens, parents), for the depth chooser
         self._last: dict[int, tuple[list[int], list[int]]] = {}
 
-    def load(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
+    def load_for_target(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
         """The layer of ``path=`` read for this target (once per process: drafters/loaded_once.py), or the given
         one checked against the target's config."""
         if self.path is not None and not self.layer_from_target:  # the layer loaded for this target and dtype,
@@ -126,7 +126,7 @@ class EagleDrafter(Drafter):
     def attach(self, target: TargetView) -> None:
         self.target = target
         runner = target.runner
-        self.load(runner, target.tokenizer)  # after build_engine's: the layer it loaded (a cache hit)
+        self.load_for_target(runner, target.tokenizer)  # after build_engine's: the layer it loaded (a cache hit)
         self.model.to(device=runner.device, dtype=runner.dtype).eval()
         if self.packs:
             self.model.pack_on_cuda()

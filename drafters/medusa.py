@@ -123,7 +123,7 @@ class MedusaDrafter(Drafter):
     def cost_key(self) -> str:  # the checkpoint's path, else the given heads' shape
         return super().cost_key() + ("" if self.path is not None else "|" + repr(self.heads.config))
 
-    def load(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
+    def load_for_target(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
         """The heads of ``path=`` read for this target (once per process: drafters/loaded_once.py), and the heads'
         hidden and vocabulary sizes checked against the target's."""
         shape = runner.shape
@@ -142,7 +142,7 @@ class MedusaDrafter(Drafter):
     def attach(self, target: TargetView) -> None:
         self.target = target
         runner = target.runner
-        self.load(runner, target.tokenizer)  # after build_engine's: the heads it loaded (a cache hit)
+        self.load_for_target(runner, target.tokenizer)  # after build_engine's: the heads it loaded (a cache hit)
         cfg = self.heads.config
         weight = next(self.heads.parameters(), None)
         if weight is not None and (weight.dtype != runner.dtype or weight.device != runner.device):

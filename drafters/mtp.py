@@ -119,7 +119,7 @@ class MtpDrafter(EagleDrafter):
     def cost_key(self) -> str:  # the checkpoint (None: the target's own) and the layer; the target is keyed apart
         return f"{type(self).__qualname__}|{self.name}|{self.source!r}|{self.layer}|{self.options!r}"
 
-    def load(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
+    def load_for_target(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
         """The MTP layer read from the checkpoint (once: kept for later calls) and checked against the target."""
         if self.model is None:
             hf = runner.hf_model
@@ -139,4 +139,4 @@ class MtpDrafter(EagleDrafter):
                 raise EagleCheckpointError(f"mtp: the {layout}-style MTP layer in {source} does not fit the target "
                                            f"({str(err).splitlines()[0]})") from err
             logger.info("mtp: the %s-style MTP layer %d of %s", layout, self.layer, source)
-        super().load(runner, tokenizer, name)
+        super().load_for_target(runner, tokenizer, name)
