@@ -1,6 +1,6 @@
 """The drafter contract: what the engine asks of anything that proposes tokens.
 
-Lifecycle, driven by the engine:
+Lifecycle, driven by the engine (first ``load_for_target(runner, ...)``: its checkpoint read and checked):
 
 1. ``attach(target)`` once per generate() call: what the drafter may read of the target (runner, KV cache,
    sampling config, generate()'s ``seed`` for drafters that sample, and the speculation policy's ``costs``).
@@ -146,6 +146,14 @@ class Drafter(ABC):
     def check_nested_options(cls, options: Mapping[str, Any], *, command_line: bool = False) -> None:
         """Refuse, before anything is built, options of the drafters nested in ``options`` (a combined drafter's
         children) that they do not take: drafters.registry.check_options calls it after the drafter's own."""
+
+    def load_for_target(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
+        """Read and check what this drafter loads for the target ``runner`` (its checkpoint, its draft model) and
+        refuse one made for another model (``name``: the target as its caller named it, for messages; None if
+        unknown). build_engine calls it before anything is measured for the call (the row policy, the verify-cost
+        calibration: minutes on a big model), so such a refusal comes at once. Idempotent per target: ``attach``
+        calls it too (a drafter attached by hand) and then finds it done, never loading twice. The default loads
+        nothing."""
 
     def attach(self, target: TargetView) -> None:
         """Called once by the engine before any sequence is added."""

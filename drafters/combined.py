@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView, as_drafter
@@ -49,6 +49,9 @@ from specdec.cuda_graphs import captures
 from specdec.errors import InputError, InputTypeError
 from specdec.tree import MAX_TREE_NODES, DraftError, DraftMode, DraftTree, matched_levels
 from specdec.tree_merge import expected_committed_tokens, merge_trees
+
+if TYPE_CHECKING:
+    from specdec.models.llama import LlamaRunner
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +214,11 @@ class CombinedDrafter(Drafter):
         self._sampled_shape: list[list[int] | None] = [None] * len(self.children)
 
     # ---- lifecycle: every call to every child ------------------------------------------------
+    def load_for_target(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
+        """Every child's checkpoint read and checked for the target (Drafter.load_for_target)."""
+        for child in self.children:
+            child.load_for_target(runner, tokenizer, name)
+
     def attach(self, target: TargetView) -> None:
         """A new run: the children's rates start from the prior again (as in a fresh instance)."""
         self.target = target

@@ -15,7 +15,7 @@ import os
 import weakref
 from typing import Any
 
-from specdec.drafters.base import TargetView, refusals_named
+from specdec.drafters.base import refusals_named
 from specdec.drafters.model_drafter import DraftConfig, ModelDrafter
 
 from specdec.errors import InputError, InputTypeError, SpecdecError
@@ -157,19 +157,18 @@ class DraftModelDrafter(ModelDrafter):
         return (f"its model does at least the target's work per token ({mine[0] / 1e6:.1f}M weights, the "
                 f"target {theirs[0] / 1e6:.1f}M) on the same device and dtype")
 
-    def make_runner(self, target: TargetView) -> LlamaRunner:
+    def make_runner(self, target: LlamaRunner, tokenizer: Any) -> LlamaRunner:
         # one named by a path loads in the target's dtype; a loaded model keeps its own (load_model refuses a dtype
         # asked of a loaded model)
-        dtype = target.runner.dtype if isinstance(self.model_spec, (str, os.PathLike)) else None
-        loaded = load_model(self.model_spec, tokenizer=_tokenizer(self.tokenizer), dtype=dtype,
-                            device=target.runner.device)
+        dtype = target.dtype if isinstance(self.model_spec, (str, os.PathLike)) else None
+        loaded = load_model(self.model_spec, tokenizer=_tokenizer(self.tokenizer), dtype=dtype, device=target.device)
         runner = loaded.runner
-        check_vocabularies(runner, loaded.tokenizer, target.runner, target.tokenizer)
-        if runner.dtype != target.runner.dtype:
-            logger.info("draft-model: draft model runs in %s, target in %s", runner.dtype, target.runner.dtype)
-        draft_params, target_params = num_params(runner.hf_model), num_params(target.runner.hf_model)
+        check_vocabularies(runner, loaded.tokenizer, target, tokenizer)
+        if runner.dtype != target.dtype:
+            logger.info("draft-model: draft model runs in %s, target in %s", runner.dtype, target.dtype)
+        draft_params, target_params = num_params(runner.hf_model), num_params(target.hf_model)
         if draft_params > target_params:
-            _warn_once(runner, target.runner, "draft-model: the draft model (%.1fM parameters) is bigger than the "
+            _warn_once(runner, target, "draft-model: the draft model (%.1fM parameters) is bigger than the "
                        "target (%.1fM); drafting will likely cost more than it saves", draft_params / 1e6,
                        target_params / 1e6)
         return runner

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView, check_path_option, refusals_named
@@ -52,6 +53,9 @@ from specdec.errors import InputError
 from specdec.host_copy import to_device, to_host_later
 from specdec.pending_trees import PendingTrees, tree_fields
 from specdec.tree import MAX_TREE_NODES, DraftTree, matched_levels
+
+if TYPE_CHECKING:
+    from specdec.models.llama import LlamaRunner
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +111,9 @@ class EagleDrafter(Drafter):
         # seq_id -> the most probable chain of its last proposal (tokens, parents), for the depth chooser
         self._last: dict[int, tuple[list[int], list[int]]] = {}
 
-    def attach(self, target: TargetView) -> None:
-        self.target = target
-        runner = target.runner
+    def load_for_target(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
+        """The layer of ``path=`` read for this target (once per process: drafters/loaded_once.py), or the given
+        one checked against the target's config."""
         if self.path is not None and not self.layer_from_target:  # the layer loaded for this target and dtype,
             # shared by the drafters of its checkpoint (drafters/loaded_once.py): taken anew per call, never moved
             target_config = runner.hf_model.config
@@ -118,6 +122,11 @@ class EagleDrafter(Drafter):
                                    lambda: load_eagle(self.path, target_config, runner.dtype, runner.device))
         else:
             check_fits_target(self.model.config, runner.hf_model.config, "the given EagleModel")
+
+    def attach(self, target: TargetView) -> None:
+        self.target = target
+        runner = target.runner
+        self.load_for_target(runner, target.tokenizer)  # after build_engine's: the layer it loaded (a cache hit)
         self.model.to(device=runner.device, dtype=runner.dtype).eval()
         if self.packs:
             self.model.pack_on_cuda()

@@ -34,6 +34,7 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView, check_path_option
@@ -46,6 +47,9 @@ from specdec.coupling import perturbed_logits
 from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import check_int
 from specdec.tree import MAX_TREE_NODES, DraftTree
+
+if TYPE_CHECKING:
+    from specdec.models.llama import LlamaRunner
 
 logger = logging.getLogger(__name__)
 
@@ -119,9 +123,9 @@ class MedusaDrafter(Drafter):
     def cost_key(self) -> str:  # the checkpoint's path, else the given heads' shape
         return super().cost_key() + ("" if self.path is not None else "|" + repr(self.heads.config))
 
-    def attach(self, target: TargetView) -> None:
-        self.target = target
-        runner = target.runner
+    def load_for_target(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
+        """The heads of ``path=`` read for this target (once per process: drafters/loaded_once.py), and the heads'
+        hidden and vocabulary sizes checked against the target's."""
         shape = runner.shape
         if self.path is not None:  # the heads loaded for this target's shape, dtype and device (shared, never moved)
             self.heads = load_once("medusa", self.path, (shape.hidden_size, shape.vocab_size, str(runner.dtype),
@@ -134,6 +138,12 @@ class MedusaDrafter(Drafter):
                 raise MedusaCheckpointError(
                     f"medusa: the heads have {name}={getattr(cfg, name)} but the target model has {name}={want}"
                 )
+
+    def attach(self, target: TargetView) -> None:
+        self.target = target
+        runner = target.runner
+        self.load_for_target(runner, target.tokenizer)  # after build_engine's: the heads it loaded (a cache hit)
+        cfg = self.heads.config
         weight = next(self.heads.parameters(), None)
         if weight is not None and (weight.dtype != runner.dtype or weight.device != runner.device):
             logger.info("medusa: moving the heads to the target's %s / %s", runner.device, runner.dtype)

@@ -33,6 +33,7 @@ import hashlib
 import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView
@@ -137,17 +138,28 @@ class ModelDrafter(Drafter):
         self.graphed: GraphedForward | None = None  # the draft model's graph buckets, with its cache (_own_cache)
         self.use_graphs = False  # decided at attach (DraftConfig.cuda_graphs)
         self._draft_ids: list[int] | None = None  # draft_vocab.ids as a list: logit column -> token id
+        self._loaded: tuple[LlamaRunner, LlamaRunner] | None = None  # (target, draft runner) made by load_for_target()
         # pending static trees of a batch size: (depths, ancestor bits) of every node on the device, and the depth
         self._pending_fields: dict[tuple[tuple[int, ...], int], tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     # ---- lifecycle --------------------------------------------------------------------
-    def make_runner(self, target: TargetView) -> LlamaRunner:
+    def make_runner(self, runner: LlamaRunner, tokenizer: Any) -> LlamaRunner:
+        """The drafter's runner for the target ``runner`` (whose tokenizer is ``tokenizer``, None if unknown);
+        it may set ``self.draft_vocab``."""
         raise NotImplementedError
+
+    def load_for_target(self, runner: LlamaRunner, tokenizer: Any = None, name: str | None = None) -> None:
+        """The draft runner made (and checked: a draft model's vocabulary) for the target ``runner``, handed to the
+        next ``attach`` with that target; once per target until then."""
+        if self._loaded is None or self._loaded[0] is not runner:
+            self.draft_vocab = None
+            self._loaded = (runner, self.make_runner(runner, tokenizer))
 
     def attach(self, target: TargetView) -> None:
         self.target = target
-        self.draft_vocab = None
-        self.runner = self.make_runner(target)
+        self.load_for_target(target.runner, target.tokenizer)  # after build_engine's: the runner it made
+        self.runner = self._loaded[1]
+        self._loaded = None  # the next call makes its own
         self._draft_ids = self.draft_vocab.ids.tolist() if self.draft_vocab is not None else None
         # an own cache is made at the first propose (_own_cache): a drafter the engine never asks (its forward costs
         # a decode step: the break-even guard's never_pays) holds no second KV pool as large as the target's

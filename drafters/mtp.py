@@ -20,14 +20,17 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
-from specdec.drafters.base import TargetView
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, read_json_object
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 
 from specdec.errors import InputError
+
+if TYPE_CHECKING:
+    from specdec.models.llama import LlamaRunner
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +65,10 @@ def check_same_target(directory: Path, target_config) -> None:
                                        f"{name}={theirs}: it was made for another target")
 
 
-def read_mtp_layer(directory: str | Path, num_layers: int, index: int = 0) -> tuple[dict[str, torch.Tensor], str]:
-    """The MTP layer ``index`` of a target checkpoint as EagleModel tensors (arch "mtp"), and its layout's name."""
+def read_mtp_layer(directory: str | Path, num_layers: int, index: int = 0, target: str | None = None
+                   ) -> tuple[dict[str, torch.Tensor], str]:
+    """The MTP layer ``index`` of a target checkpoint as EagleModel tensors (arch "mtp"), and its layout's name.
+    ``target``: the directory is that target model's own checkpoint (named so in the refusal of one without)."""
     from safetensors import safe_open
 
     path = Path(directory)
@@ -87,8 +92,16 @@ def read_mtp_layer(directory: str | Path, num_layers: int, index: int = 0) -> tu
                         state["layers.0." + rest] = f.get_tensor(key).clone()
         if "fc.weight" in state:
             return state, layout
-    raise EagleCheckpointError(f"mtp: {path} has no MTP layer {index} (no model.mtp_layers.{index}.input_proj or "
-                               f"model.layers.{num_layers + index}.eh_proj weights)")
+    weights = (f"model.mtp_layers.{index}.input_proj (MiMo-style) or model.layers.{num_layers + index}.eh_proj "
+               "(DeepSeek-style) weights")
+    if target is None:
+        raise EagleCheckpointError(f"mtp: {path} has no MTP layer {index} (no {weights})")
+    raise EagleCheckpointError(
+        f"mtp: the target model {target} has no MTP layer {index} (its checkpoint, {path}, holds no {weights}): the "
+        "mtp drafter needs a model trained with multi-token-prediction layers that ships them in its safetensors "
+        "(MiMo's or DeepSeek's layout, beside a Llama-type decoder). For this model choose another drafter (ngram, "
+        "self-draft, or medusa / eagle heads trained for it), or give path= to the directory that holds its MTP "
+        "layers")
 
 
 class MtpDrafter(EagleDrafter):
@@ -106,16 +119,18 @@ class MtpDrafter(EagleDrafter):
     def cost_key(self) -> str:  # the checkpoint (None: the target's own) and the layer; the target is keyed apart
         return f"{type(self).__qualname__}|{self.name}|{self.source!r}|{self.layer}|{self.options!r}"
 
-    def attach(self, target: TargetView) -> None:
+    def load_for_target(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
+        """The MTP layer read from the checkpoint (once: kept for later calls) and checked against the target."""
         if self.model is None:
-            hf = target.runner.hf_model
+            hf = runner.hf_model
             source = self.source or getattr(hf.config, "_name_or_path", "") or ""
             if not self.source and not (source and Path(source).is_dir()):
                 raise InputError("mtp: the target was not loaded from a directory, so its MTP layers cannot be read "
                                  "from its checkpoint: give path= (the directory whose safetensors hold them)")
             if self.source and Path(source).is_dir():
                 check_same_target(Path(source), hf.config)
-            state, layout = read_mtp_layer(source, hf.config.num_hidden_layers, self.layer)
+            own = None if self.source else repr(name) if name else str(source)  # the target's own checkpoint
+            state, layout = read_mtp_layer(source, hf.config.num_hidden_layers, self.layer, own)
             config = EagleConfig.for_target(hf.config, arch="mtp", depth=3, top_k=4, max_nodes=8,
                                             base_model_name_or_path=str(source))
             try:
@@ -124,4 +139,4 @@ class MtpDrafter(EagleDrafter):
                 raise EagleCheckpointError(f"mtp: the {layout}-style MTP layer in {source} does not fit the target "
                                            f"({str(err).splitlines()[0]})") from err
             logger.info("mtp: the %s-style MTP layer %d of %s", layout, self.layer, source)
-        super().attach(target)
+        super().load_for_target(runner, tokenizer, name)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdec.drafters.base import TargetView, refusals_named
+from specdec.drafters.base import refusals_named
 from specdec.drafters.draft_vocab import DraftVocab
 from specdec.drafters.model_drafter import DraftConfig, ModelDrafter
 from specdec.drafters.vocab_sources import check_spec, resolve_draft_vocab
@@ -57,18 +57,18 @@ class SelfDraftDrafter(ModelDrafter):
         vocab = vocab if vocab is None or isinstance(vocab, (int, str)) else len(vocab)  # a list: its size
         return f"{super().cost_key()}|layers={self.num_layers}|vocab={vocab}"
 
-    def make_runner(self, target: TargetView) -> LlamaRunner:
-        total = target.runner.shape.num_layers
+    def make_runner(self, target: LlamaRunner, tokenizer: Any) -> LlamaRunner:
+        total = target.shape.num_layers
         if total < 2:  # no N below it: "from 1 to 0" named no option
             raise InputError(f"self-draft: the target has {total} layer; self-draft drafts with its first num_layers "
                              "layers, so it needs a target of 2 or more (choose another drafter)")
         if self.num_layers >= total:
             raise InputError(f"self-draft: num_layers={self.num_layers} must be below the target's {total} layers; "
                              f"give a num_layers option from 1 to {total - 1}")
-        runner = target.runner.truncated(self.num_layers)
+        runner = target.truncated(self.num_layers)
         if self.draft_vocab_spec is not None:
-            vocab_size = target.runner.shape.vocab_size
-            ids = resolve_draft_vocab(self.draft_vocab_spec, target.tokenizer, vocab_size, self.name)
+            vocab_size = target.shape.vocab_size
+            ids = resolve_draft_vocab(self.draft_vocab_spec, tokenizer, vocab_size, self.name)
             self.draft_vocab = DraftVocab(ids, vocab_size).to(runner.device)
             runner.lm_head = runner.lm_head[self.draft_vocab.ids]  # [N, hidden]: this runner's logits cover N tokens
         return runner

@@ -431,7 +431,8 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
         progress(f"end to end: {sizes.sample_sequences} sampled sequences per side, "
                  f"{control or 'the exact rule'}")
         res = sampled_two_sample(loaded, choice.ids, drafter, options, e2e_sampling, sizes, rule,
-                                 seeds=check_seeds(seed))
+                                 seeds=check_seeds(seed), progress=progress,
+                                 what=f"end to end: {control or 'the exact rule'}")
         # two tests of one hypothesis: Holm keeps the family-wise false-failure rate at alpha
         ok = not holm({"chi2": res["chi2_p"], "ks": res["ks_p"]}, sizes.alpha)
         name = (f"sampled {sizes.sample_tokens} tokens (of {sizes.sample_tokens + sizes.sample_lookahead}) in a "

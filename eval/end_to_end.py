@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from scipy import stats
 from specdec.eval.negative_controls import generate_with_control
+from specdec.eval.token_progress import TokenProgress
 from specdec.eval.two_sample import two_sample_chi2
 
 from specdec.generate import generate
@@ -107,14 +108,24 @@ def drafted_in_window(step_lengths: tuple[int, ...], k: int) -> int:
 
 
 def sampled_two_sample(loaded: Any, prompt: list[int], drafter: Any, options: dict, sampling: SamplingConfig,
-                       sizes: Any, rule: AcceptanceRule = EXACT, seeds: tuple[int, int] = (1, 2)) -> dict:
+                       sizes: Any, rule: AcceptanceRule = EXACT, seeds: tuple[int, int] = (1, 2),
+                       progress: Callable[[str], None] | None = None, what: str = "sampling") -> dict:
+    """The check (module doc); ``progress`` (optional) is told, in lines that start with ``what``, when each side
+    starts and how far their sampling has come (:class:`~specdec.eval.token_progress.TokenProgress`): minutes on a
+    CPU at default sizes, most of them each side's prefill of its ``n`` copies of the prompt."""
     n, k = sizes.sample_sequences, sizes.sample_tokens
     # the law of the first k tokens of k + lookahead: a marginal of the law compared, so exactness still requires it
     common = sampling_kwargs(sampling, sizes)
+    common["streamer"] = None if progress is None else TokenProgress(progress, what, 2 * n * common["max_new_tokens"])
+    # each side starts with one prefill of its n copies of the prompt: most of the check's time on a CPU
+    side = f"{n} sequences of {len(prompt)} + {common['max_new_tokens']} tokens"
+    say = progress or (lambda msg: None)
+    say(f"{what}: plain sampling, {side}")
     plain = sample_in_chunks(lambda chunk, chunk_seed: generate(loaded, chunk, seed=chunk_seed, **common),
                              [prompt] * n, seeds[0])
     # speculation="always": every proposal verified whole, as under the negative controls' broken rules (seeded
     # sampling would otherwise size the trees, and a guard that stops drafting would make this plain vs plain)
+    say(f"{what}: speculative sampling, {side}")
     spec = sample_in_chunks(lambda chunk, chunk_seed: generate_with_control(
         loaded, chunk, rule, seed=chunk_seed, drafter=drafter, drafter_options=options, speculation="always",
         **common), [prompt] * n, seeds[1])

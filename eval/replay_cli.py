@@ -20,6 +20,11 @@ from pathlib import Path
 from specdec.models.embedded import DEFAULT_ALIAS
 
 
+def _counted(n: int, noun: str) -> str:
+    """``1 prompt``, ``2 prompts``: the CLI's counts in words."""
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
 def add_parser(ev_sub, inference) -> None:
     r = ev_sub.add_parser("replay", help="record a run, then predict any drafter's tau and speed offline",
                           description="Record a plain run (committed tokens, the target's top-k probabilities, "
@@ -85,19 +90,21 @@ def run_record(args) -> int:
     conversations = select_conversations(category, prompts, args.prompts_file, args.prompt_column)
     later = sum(len(c.turns) > 1 for c in conversations)
     if later:
-        print(f"note: {later} conversations have later turns; a replay record keeps each one's first turn "
-              f"(`specdec eval acceptance` measures every turn)", file=sys.stderr)
+        print(f"note: {_counted(later, 'conversation')} {'has' if later == 1 else 'have'} later turns; a replay "
+              "record keeps each one's first turn (`specdec eval acceptance` measures every turn)", file=sys.stderr)
     texts = [(c.category, c.turns[0]) for c in conversations]
     loaded = load_model(args.model)
     encode = _encoder(loaded)
-    print(f"[specdec eval replay record] {loaded.name}: {len(texts)} prompts x {args.max_new_tokens} tokens",
+    print(f"[specdec eval replay record] {loaded.name}: {_counted(len(texts), 'prompt')} x "
+          f"{_counted(args.max_new_tokens, 'token')}",
           file=sys.stderr)
     record = record_run(loaded, [encode(t) for _, t in texts], config, [c for c, _ in texts])
     check_record_path(args.out, args.overwrite, inputs)  # again: the file may have appeared meanwhile
     path = save_record(record, args.out)
     tokens = sum(len(s["new_tokens"]) for s in record["sequences"])
     c1 = record["costs"]["verify_seconds"].get(1)
-    print(f"recorded {tokens} tokens of {len(texts)} prompts, c_verify(1) = {c1 * 1e3:.2f} ms: {path}")
+    print(f"recorded {_counted(tokens, 'token')} of {_counted(len(texts), 'prompt')}, c_verify(1) = {c1 * 1e3:.2f} ms: "
+          f"{path}")
     return 0
 
 
@@ -127,7 +134,8 @@ def run_replay(args) -> int:
         return 0
     tokens = sum(len(s["new_tokens"]) for s in record["sequences"])
     c1 = verify_cost_at(record["costs"]["verify_seconds"], 1)
-    print(f"{record['model']}, {len(record['sequences'])} prompts, {tokens} tokens; c_verify(1) = {c1 * 1e3:.2f} ms "
+    print(f"{record['model']}, {_counted(len(record['sequences']), 'prompt')}, {_counted(tokens, 'token')}; "
+          f"c_verify(1) = {c1 * 1e3:.2f} ms "
           f"({record.get('device', '?')}, {record.get('threads', '?')} threads)")
     print(f"{'drafter':>12} {'max_nodes':>9} {'guard':>5} {'T':>4} {'tau':>6} {'nodes':>6} {'draft ms':>8} "
           f"{'speedup':>8} {'overall':>8}")
@@ -156,7 +164,8 @@ def run_bound(args) -> int:
         print(json.dumps({"record": str(Path(args.record)), "model": record["model"], **out}, indent=1))
         return 0
     share = "not in this record" if out["prefill_share"] is None else f"{out['prefill_share']:.1%} of plain's time"
-    print(f"{record['model']}, {out['sequences']} prompts, {out['new_tokens']} tokens ({record.get('device', '?')}, "
+    print(f"{record['model']}, {_counted(out['sequences'], 'prompt')}, {_counted(out['new_tokens'], 'token')} "
+          f"({record.get('device', '?')}, "
           f"{record.get('threads', '?')} threads); prefill {share}")
     print(f"{'':>34} {'tau':>6} {'decode':>7} {'overall':>7}")
     rows = (("copy bound (any lookup drafter)", out["copy"]), (f"oracle over {out['drafter']}'s trees", out["oracle"]),

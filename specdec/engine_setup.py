@@ -4,15 +4,16 @@
     engine = build_engine(request)                                             # here
     out = run(engine, request)                                                 # specdec.generate
 
-What is decided here: the CPU row policy of ``linear()``; with a drafter and ``speculation="auto"``, the speculation
-policy and its measured cost model (:mod:`specdec.cost_model`, cached; the first use on a machine calibrates for up to
-~20 s; none for seeded standard sampling); the KV cache's size (the request's worst case, checked against the device's
-memory before anything is allocated) or a reused CUDA-graph cache; the drafter's seed, the sampling generator, the
-draft audit (one per drafter object, kept across the calls whose draws are fresh), the logits processors
-(:mod:`specdec.logits_processing`; None when the config asks for none) and whether log-probabilities are kept. The
-certificate's negative controls (:mod:`specdec.eval.negative_controls`) enter here too, and only here: a broken
-acceptance rule (``rule=``) or a broken engine / cache (``fault=``), so that real callers of ``generate()`` cannot
-switch them on by accident.
+First the drafter's checkpoint is read and checked for the target (``Drafter.load_for_target``): one made for another
+model is refused before anything below is measured. What is decided here: the CPU row policy of ``linear()``; with a
+drafter and ``speculation="auto"``, the speculation policy and its measured cost model (:mod:`specdec.cost_model`,
+cached; the first use on a machine calibrates for up to ~20 s; none for seeded standard sampling); the KV cache's size
+(the request's worst case, checked against the device's memory before anything is allocated) or a reused CUDA-graph
+cache; the drafter's seed, the sampling generator, the draft audit (one per drafter object, kept across the calls whose
+draws are fresh), the logits processors (:mod:`specdec.logits_processing`; None when the config asks for none) and
+whether log-probabilities are kept. The certificate's negative controls (:mod:`specdec.eval.negative_controls`) enter
+here too, and only here: a broken acceptance rule (``rule=``) or a broken engine / cache (``fault=``), so that real
+callers of ``generate()`` cannot switch them on by accident.
 """
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
         raise InputError("invariant=True does not run through CUDA graphs: pass cuda_graphs=False (or 'auto')")
     runner = request.loaded.runner.invariant_mode(config.invariant)  # the bit-exact mode shares every weight
     processing, output_logprobs = _processing(request), _wants_logprobs(request)  # refusals before allocating
+    if request.drafter is not None:  # its checkpoint read and checked before anything is measured (attach reuses it)
+        request.drafter.load_for_target(runner, request.stop.tokenizer, request.loaded.name)
     # the request's worst case: no sequence can run out with a pool this large, its drafter's trees included
     needed = _worst_case_blocks(request, MAX_TREE_NODES if request.drafter is not None else 0)
     cache, graphed = _kv_cache(request, needed, fault)  # a shared graph cache: held until the call ends

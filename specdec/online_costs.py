@@ -102,7 +102,7 @@ class OnlineCosts:
         charge = max(min((priced if observed is None else observed) - 1.0, 1.0), 0.0)
         if self.credit.get(bucket, 0.0) < charge:
             return False
-        self.credit[bucket] -= charge
+        self.credit[bucket] = self.credit.get(bucket, 0.0) - charge  # a free measurement (charge 0): none banked yet
         return True
 
     def relative(self, n: int, batch: int = 1) -> float:

@@ -3,6 +3,8 @@ control fails (broken acceptance rules and broken engines: an off-by-one tree ma
 KV compaction slot), and too-small sample sizes void it instead of passing it."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from specdec.eval.certificate import CertificateSizes, run_certificate
@@ -516,13 +518,36 @@ def test_the_certificates_own_controls_log_no_warning_while_a_broken_rule_elsewh
                                       [[1, 2, 3, 1, 2]], **kw)) == ["WARNING", "WARNING"]
 
 
-def test_the_end_to_end_level_says_each_check_as_it_starts():
-    """`specdec eval lossless` said '... end to end' and then nothing for the minutes its checks take on a CPU."""
+def test_the_end_to_end_level_says_each_check_as_it_starts_and_how_far_sampling_has_come(monkeypatch):
+    """`specdec eval lossless` said '... end to end' and then nothing for the minutes its checks take on a CPU; then
+    one line for the ~7 minutes of each 600-sequence sampled check: it now says how far both sides have sampled."""
+    from specdec.eval import end_to_end
+    from specdec.eval.token_progress import TokenProgress
+
+    # every tenth said at once (a real run waits 10 s between lines: a quick check says nothing more)
+    monkeypatch.setattr(end_to_end, "TokenProgress", functools.partial(TokenProgress, quiet_seconds=0))
     loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
     sizes = CertificateSizes(identity_prompts=2, identity_tokens=8, sample_sequences=20, sample_tokens=1,
                              start_candidates=1, pilot_sequences=4)
-    said = []
-    run_certificate(loaded, "ngram", {}, SamplingConfig(True), sizes, _prompts, levels=("e2e",), progress=said.append)
+    lines = []
+    run_certificate(loaded, "ngram", {}, SamplingConfig(True), sizes, _prompts, levels=("e2e",),
+                    progress=lines.append)
+    inner = ("end to end: the exact rule: ", "end to end: always_accept: ")  # lines inside a sampled check
+    said = [line for line in lines if not line.startswith(inner)]
+    tokens = 1 + sizes.sample_lookahead
+    total = 2 * 20 * tokens  # both sides, every sequence's tokens (no eos)
+    for rule in ("the exact rule", "always_accept"):
+        start = lines.index(f"end to end: 20 sampled sequences per side, {rule}")
+        told = lines[start + 1:start + 1 + next(i for i, line in enumerate(lines[start + 1:] + [""])
+                                                 if not line.startswith(f"end to end: {rule}: "))]
+        sides = [line for line in told if "sampling, " in line]
+        assert [line.split(" sampling, ")[0] for line in sides] == [f"end to end: {rule}: plain",
+                                                                      f"end to end: {rule}: speculative"]
+        assert told[0] == sides[0] and all(line.endswith(f" + {tokens} tokens") for line in sides)
+        shares = [line for line in told if "% of the sampled tokens" in line]
+        assert shares[-1] == f"end to end: {rule}: 100% of the sampled tokens ({total:,} of {total:,})" == told[-1]
+        percents = [int(line.split(": ")[2].split("%")[0]) for line in shares]
+        assert percents == sorted(set(percents)) and len(shares) == len(told) - 2
     assert said == ["end to end", "end to end: plain greedy decoding of 2 prompts x 8 tokens",
                     "end to end: greedy identity, the exact engine", "end to end: greedy identity, always_accept",
                     *[f"end to end: greedy identity, {name}" for name in ENGINE_FAULTS],

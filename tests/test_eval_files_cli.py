@@ -96,7 +96,8 @@ def test_replay_record_never_replaces_a_file_unasked(models, tmp_path, capsys):
     existing.write_text("someone's results")
     code, captured = _main([*record, "--out", str(existing)], capsys)
     assert code == 2 and "--overwrite" in captured.err and existing.read_text() == "someone's results"
-    assert _main([*record, "--out", str(existing), "--overwrite"], capsys)[0] == 0
+    code, captured = _main([*record, "--out", str(existing), "--overwrite"], capsys)
+    assert code == 0 and " 1 prompt x 2 tokens" in captured.err and " of 1 prompt, " in captured.out  # not "1 prompts"
     first = json.loads(existing.read_text())
     assert first["model_source"] and first["model_fingerprint"]
     other = tmp_path / "other.json"

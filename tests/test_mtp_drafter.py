@@ -143,10 +143,19 @@ def test_the_draft_graphs_log_under_the_mtp_name(tmp_path, caplog):
         "mtp: CUDA-graph capture failed (RuntimeError: no capture here); drafting eagerly"]
 
 
-def test_a_target_without_mtp_layers_is_refused_in_one_line(tmp_path):
-    build_tiny_model().save_pretrained(tmp_path)
-    with pytest.raises(EagleCheckpointError, match="has no MTP layer 0"):
-        generate(load_model(str(tmp_path)), [[1, 2, 3]], max_new_tokens=2, drafter=MtpDrafter())
+def test_a_target_without_mtp_layers_is_refused_naming_the_model_and_what_it_needs(tmp_path):
+    """It named the folder it read (for the embedded model, a converted cache path the user never typed) and not
+    what kind of model the drafter needs."""
+    build_tiny_model().save_pretrained(tmp_path / "plain-llama")
+    with pytest.raises(EagleCheckpointError, match=r"^mtp: the target model 'plain-llama' has no MTP layer 0 .*"
+                       r"needs a model trained with multi-token-prediction layers .*choose another drafter") as err:
+        generate(load_model(str(tmp_path / "plain-llama")), [[1, 2, 3]], max_new_tokens=2, drafter=MtpDrafter())
+    assert "\n" not in str(err.value)
+    other = tmp_path / "other"  # a path= checkpoint without them: named by the path given, as before
+    build_tiny_model().save_pretrained(other)
+    with pytest.raises(EagleCheckpointError, match=f"^mtp: {other} has no MTP layer 0 "):
+        generate(load_model(str(tmp_path / "plain-llama")), [[1, 2, 3]], max_new_tokens=2,
+                 drafter=MtpDrafter(path=str(other)))
 
 
 @pytest.mark.parametrize("options, match", [

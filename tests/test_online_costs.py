@@ -285,6 +285,13 @@ def test_the_measuring_bank_fills_across_short_calls():
     assert later.measure_due(1, 0.05) and not later.measure_due(1, 0.05)  # the bank paid for one
 
 
+def test_a_measured_verify_priced_at_no_extra_cost_needs_no_bank():
+    """On a curve where 2 tokens cost what 1 does, measure_due charged 0 from a bucket with nothing banked yet and
+    raised KeyError out of generate() (seen with MtpDrafter on a tiny model whose measured curve was that flat)."""
+    online = OnlineCosts(FLAT_CACHE)
+    assert online.measure_due(1, 0.05) and online.credit == {1: 0.0}
+
+
 class Wrong(HalfRight):
     """A 4-token chain that is never right."""
 

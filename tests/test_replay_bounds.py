@@ -117,6 +117,17 @@ def test_cli_prints_the_three_rows_and_json(tiny_record, tmp_path, capsys):
         assert "--max-nodes takes an integer" in capsys.readouterr().err
 
 
+def test_counts_of_one_are_said_in_the_singular(tiny_record, tmp_path, capsys):
+    """`specdec eval replay run` said "1 prompts"."""
+    path = save_record({**tiny_record, "sequences": tiny_record["sequences"][:1]}, tmp_path / "one.json")
+    for command in ("run", "bound"):
+        assert main(["eval", "replay", command, "--record", str(path)]) == 0
+        first = capsys.readouterr().out.splitlines()[0]
+        assert ", 1 prompt, " in first and "prompts" not in first, first
+    assert main(["eval", "replay", "run", "--record", str(save_record(tiny_record, tmp_path / "two.json"))]) == 0
+    assert ", 2 prompts, " in capsys.readouterr().out
+
+
 def test_overall_speedups_rescale_the_curve_to_the_recorded_decode_step():
     """The record measured 2 s per plain decode step where its curve says c(1) = 1 s: verify seconds count double
     next to the prefill. replay() reports the same overall figure for its own predicted run."""

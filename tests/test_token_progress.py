@@ -1,0 +1,31 @@
+"""TokenProgress: a long sampling step says how far it has come at each tenth, but only after a quiet period, so a
+quick one says nothing more."""
+from __future__ import annotations
+
+from specdec.eval.token_progress import TokenProgress
+
+
+def test_a_line_at_each_tenth_once_the_quiet_period_has_passed():
+    now = [0.0]
+    said = []
+    counter = TokenProgress(said.append, "end to end: the exact rule", total=100, clock=lambda: now[0])
+    counter(0, [1] * 5)  # half a tenth
+    now[0] = 11.0
+    counter(1, [1] * 6)  # 11 tokens: the first tenth, 11 s in
+    now[0] = 12.0
+    counter(0, [1] * 20)  # 31 tokens: the third tenth, 1 s after the last line: quiet
+    now[0] = 30.0
+    counter(1, [1] * 9)  # 40 tokens
+    counter(1, [1] * 60)  # all of them at once, 0 s after the last line
+    now[0] = 45.0
+    counter(0, [1])  # past the total (never above 100%)
+    assert said == ["end to end: the exact rule: 10% of the sampled tokens (11 of 100)",
+                    "end to end: the exact rule: 40% of the sampled tokens (40 of 100)"]
+
+
+def test_a_quick_step_says_nothing():
+    said = []
+    counter = TokenProgress(said.append, "x", total=50)
+    for _ in range(50):
+        counter(0, [7])
+    assert said == []
