@@ -365,7 +365,7 @@ def calibrate(runner, batch: int, config: CalibrationConfig, where: Path | None 
                       (repeats + 1) * len(sizes), "step", where) as step:
             times = measure_verify_costs(runner, prompts, sizes, SamplingConfig(), repeats=repeats,
                                          graphs=config.graphs, progress=step)
-        dearer = [n for n in sizes if times[n] > n * times[1]]
+        dearer = _dearer(times)
         if not dearer:
             break
         logger.warning("a verify step of %d tokens was timed at %.1fx a step of 1 token, more than decoding them one "
@@ -382,17 +382,22 @@ def calibrate(runner, batch: int, config: CalibrationConfig, where: Path | None 
     return dict(sorted(curve.items()))
 
 
+def _dearer(curve: dict[int, float]) -> list[int]:
+    """The sizes n at which ``curve`` prices n tokens above n one-token steps: no machine's curve (module doc)."""
+    return [n for n in sorted(curve) if curve[n] > n * curve[1]]
+
+
 def _impossible(curves: dict[int, dict[int, float]], file: Path) -> dict[int, dict[int, float]]:
-    """The batch curves of a file cached before :func:`calibrate` checked its timings in which n tokens cost more
-    than n one-token steps (module doc), each named in a warning."""
+    """The batch curves of a file cached before :func:`calibrate` checked its timings that have :func:`_dearer`
+    sizes, each named in a warning."""
     found = {}
     for batch, curve in sorted(curves.items()):
-        dearer = [n for n in sorted(curve) if curve[n] > n * curve[min(curve)]]
+        dearer = _dearer(curve)
         if dearer:
             found[batch] = curve
             logger.warning("cost model: %s prices a verify step of %d tokens at batch %d at %.1fx a step of 1 token, "
                            "more than decoding them one by one (cached while the machine was busy?): measuring it "
-                           "again", file, dearer[0], batch, curve[dearer[0]] / curve[min(curve)])
+                           "again", file, dearer[0], batch, curve[dearer[0]] / curve[1])
     return found
 
 
