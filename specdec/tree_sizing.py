@@ -37,6 +37,7 @@ from specdec.remembered import recall, remember
 from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree
 
 _BINS = 10  # score bins of the online correction
+_CATCH_UPS = 8  # catch-up calls whose costs set what an outlier's is charged (_charge_catch_up)
 # what the guard keeps across calls, in this meaning (_Kept); a memory of another format is a fresh start. Bump it
 # when the guard's decisions change what a kept value means: a backoff and price from an older guard (priced while
 # the combined drafter still ran its costly child) kept a cheap drafter unasked in every later short call
@@ -64,6 +65,7 @@ class _Kept:
     verify_times: list = field(default_factory=list)
     since_plain: list = field(default_factory=list)
     measure_credit: list = field(default_factory=list)
+    catch_ups: list = field(default_factory=list)  # the last catch-up calls' costs in decode steps (_charge_catch_up)
 
     @classmethod
     def recalled(cls, key: tuple | None) -> "_Kept | None":
@@ -76,7 +78,9 @@ class _Kept:
             return None
         if kept.format != MEMORY_FORMAT:
             return None
-        counts = (kept.backoff, kept.skip, kept.credit)  # a damaged file's nulls would fail the guard's arithmetic
+        # a damaged file's nulls would fail the guard's arithmetic
+        catch_ups = kept.catch_ups if isinstance(kept.catch_ups, list) else [None]
+        counts = (kept.backoff, kept.skip, kept.credit, *catch_ups)
         return kept if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in counts) else None
 
 
@@ -115,10 +119,13 @@ class SizingConfig:
     margin: float = 0.05
     # weight of the newest drafted step in a sequence's running expected tokens and cost (module doc, Guard)
     judge_ema: float = 0.25
+    # a catch-up is charged at most this many times what the drafter's recent catch-ups cost (_charge_catch_up)
+    catch_up_cap: float = 3.0
 
     def __post_init__(self) -> None:
         if not (0 <= self.prior <= 1 and self.prior_weight > 0 and 0 < self.ema <= 1 and self.probe_budget > 0
-                and self.max_backoff >= 0 and 0 <= self.margin < 1 and 0 < self.judge_ema <= 1):
+                and self.max_backoff >= 0 and 0 <= self.margin < 1 and 0 < self.judge_ema <= 1
+                and self.catch_up_cap >= 1):
             raise ValueError(f"invalid SizingConfig {self}")
 
 
@@ -197,6 +204,7 @@ class TreeSizer:
         self.last_shape: list[int] | None = None
         self.online = OnlineCosts(self.costs)  # the calibrated curve, corrected by this run's verify times
         kept = _Kept.recalled(self.memory)
+        self.catch_ups: list[float] = [] if kept is None else list(kept.catch_ups[-_CATCH_UPS:])
         if kept is not None and len(kept.score_bins) == _BINS:  # what earlier calls learned (module doc, Memory)
             self.score_bins = [list(b) for b in kept.score_bins]
             self.unscored = {(d, r): [a, t] for d, r, a, t in kept.unscored}
@@ -309,12 +317,22 @@ class TreeSizer:
         """A probe whose call was a catch-up (the drafter caught up on a prompt, or on the steps the guard decoded
         plainly) is charged all it cost, not its price: the bank may go below zero and is paid back before the next
         probe. In a run of short calls nearly every probe is a sequence's first ask of its call; charged its price
-        only, EAGLE's or a draft model's catch-ups cost 5-9% of such a run where the budget is 1%."""
+        only, EAGLE's or a draft model's catch-ups cost 5-9% of such a run where the budget is 1%.
+
+        An outlier (a GC pause, a descheduled process, a CUDA-graph capture) is charged at most ``catch_up_cap``
+        times what the drafter's catch-ups cost: the second largest of its last ``_CATCH_UPS`` (kept across calls;
+        none yet: in full), so one outlier among them raises no cap, and two catch-ups of longer prompts do. A
+        probe's debt is then at most that charge, and the drafter is probed again within charge / probe_budget steps
+        (or its backoff): charged in full, one 50 ms pause on 2 ms steps kept a drafter unprobed for ~2,500 steps,
+        across the calls that remembered the debt, however the text changed."""
         cost = draft_seconds / self.step_seconds(batch)
+        recent = sorted(self.catch_ups)
+        charge = min(cost, self.config.catch_up_cap * recent[-min(2, len(recent))]) if recent else cost
+        self.catch_ups = [*self.catch_ups, cost][-_CATCH_UPS:]
         for seq_id in seq_ids:
             guard = self.guards.get(seq_id)
             if guard is not None and guard.charged is not None:
-                guard.credit -= max(cost - guard.charged, 0.0)
+                guard.credit -= max(charge - guard.charged, 0.0)
 
     def _judge(self, seq_id: int, tokens: float, verify: float, batch: int) -> None:
         """A drafted step's expected committed tokens and cost (the draft, plus ``verify``: c(1 + kept nodes) in
@@ -528,6 +546,7 @@ class TreeSizer:
             kept = _Kept(guard.backoff, [list(b) for b in self.score_bins],
                          [[d, r, a, t] for (d, r), (a, t) in self.unscored.items()], guard.tokens, guard.cost,
                          None if self.last_shape is None else list(self.last_shape), self._kept_price(guard),
-                         guard.skip, guard.credit, MEMORY_FORMAT, **self.online.kept())
+                         guard.skip, guard.credit, MEMORY_FORMAT, **self.online.kept(),
+                         catch_ups=list(self.catch_ups))
             remember("guard", self.memory, dict(vars(kept)), persist=True)  # its lists are fresh copies already
 

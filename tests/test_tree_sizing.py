@@ -383,6 +383,70 @@ def test_a_run_of_short_calls_pays_for_its_probes_catch_ups():
     assert drafted / steps < 0.025, (drafted, steps)
 
 
+def _short_calls(catch_ups: list[float], calls: int) -> tuple[list[tuple[int, float]], list[tuple[float, float]]]:
+    """A run of 16-step calls of a drafter that never pays (FLAT: a decode step is 1 s; a step's draft 0.5 s): each
+    call's first ask is a catch-up, the run's i-th costing ``catch_ups[i]`` (the last one from then on). Returns the
+    probes (step, counted over the run; draft seconds) and per priced catch-up its cost and all it took from the
+    bank."""
+    probes, charges = [], []
+    for call in range(calls):
+        sizer = TreeSizer(FLAT, memory=("short calls",))
+        asked_before = False
+        for step in range(16):
+            if not sizer.wants_draft(0):
+                continue
+            guard = sizer.guards[0]
+            credit, price = guard.credit, guard.charged  # the price is taken already
+            seconds = 0.5 if asked_before else catch_ups[min(sum(s != 0.5 for _, s in probes), len(catch_ups) - 1)]
+            sizer.size_call([0], [DraftTree.chain([5, 6])], 1, seconds, catch_up=not asked_before)
+            if not asked_before and price is not None:
+                charges.append((seconds, credit + price - guard.credit))
+            sizer.observe(0, [1])  # never the drafted token
+            probes.append((16 * call + step, seconds))
+            asked_before = True
+        sizer.release(0)
+    return probes, charges
+
+
+def test_one_outlier_catch_up_keeps_a_drafter_unprobed_for_at_most_three_typical_ones():
+    """A catch-up is charged at most 3x what the drafter's recent ones cost (the second largest of its last eight),
+    so after any one catch-up the drafter is probed again within 3 x 2 / 0.01 = 600 steps here. Charged in full, one
+    25x outlier (a GC pause, a descheduled process: 50 steps) kept it unprobed for ~5,000 steps, carried from call to
+    call in the guard's memory, however the text changed meanwhile."""
+    typical, outlier = 2.0, 50.0
+    probes, charges = _short_calls([typical] * 5 + [outlier, typical], calls=120)
+    assert [cost for cost, _ in charges[:5]] == [typical] * 4 + [outlier]  # the first catch-up was priced nothing
+    assert charges[4][1] == pytest.approx(3 * typical)
+    at = next(step for step, seconds in probes if seconds == outlier)
+    assert any(at < step <= at + 3 * typical / 0.01 + 1 for step, _ in probes), (at, probes)
+
+
+def test_catch_ups_of_usual_sizes_are_charged_in_full():
+    """Catch-ups that vary as prompts do (here 1-2.5 steps) are each charged all they cost: the cap is for outliers.
+    Prompts that turn several times longer are charged in full from the third such catch-up within eight."""
+    usual = [2.0, 1.0, 2.5, 1.5] * 3
+    _, charges = _short_calls([*usual, 8.0], calls=300)
+    first = len(usual) - 1  # the run's first catch-up was priced nothing
+    assert [cost for cost, _ in charges] == usual[1:] + [8.0] * (len(charges) - first) and len(charges) > first + 3
+    assert all(taken == pytest.approx(cost) for cost, taken in charges[:first])
+    # longer prompts: charged 3 x 2.5 until two of the last eight are long
+    assert [taken for _, taken in charges[first:]] == pytest.approx([7.5, 7.5] + [8.0] * (len(charges) - first - 2))
+
+
+def test_a_guard_memory_without_catch_up_costs_is_read_and_a_damaged_one_is_not():
+    """A memory of this format written before catch-up costs were kept is read (the next catch-up is charged in full);
+    one whose catch-up costs are no numbers is a fresh start, never an error."""
+    from specdec.remembered import remember
+
+    older = {"backoff": 8, "skip": 3, "credit": -1.5, "format": MEMORY_FORMAT}
+    remember("guard", ("older",), older)
+    sizer = TreeSizer(FLAT, memory=("older",))
+    assert sizer.catch_ups == [] and sizer.wants_draft(0) is False and sizer.guards[0].credit == pytest.approx(-1.49)
+    remember("guard", ("damaged",), older | {"catch_ups": [2.0, None]})
+    sizer = TreeSizer(FLAT, memory=("damaged",))
+    assert sizer.catch_ups == [] and sizer.wants_draft(0) is True
+
+
 class ScriptedCheckpoint(Drafter):
     """Scripted under one name for every checkpoint ``path``, as two EAGLE or Medusa checkpoints share theirs."""
 
