@@ -314,8 +314,8 @@ class TreeSizer:
         return True
 
     def _charge_catch_up(self, seq_ids: list[int], draft_seconds: float, batch: int) -> None:
-        """A probe whose call was a catch-up (the drafter caught up on a prompt, or on the steps the guard decoded
-        plainly) is charged all it cost, not its price: the bank may go below zero and is paid back before the next
+        """A probe whose call was a catch-up (a sequence's first: the drafter caught up on its prompt; or a CUDA-graph
+        capture) is charged all it cost, not its price: the bank may go below zero and is paid back before the next
         probe. In a run of short calls nearly every probe is a sequence's first ask of its call; charged its price
         only, EAGLE's or a draft model's catch-ups cost 5-9% of such a run where the budget is 1%.
 
