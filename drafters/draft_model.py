@@ -13,14 +13,17 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
-from specdec.drafters.base import refusals_named
+from specdec.drafters.base import SequenceView, TargetView, refusals_named
 from specdec.drafters.model_drafter import DraftConfig, ModelDrafter
 
 from specdec.errors import InputError, InputTypeError, SpecdecError
 from specdec.models.llama import LlamaRunner
 from specdec.models.loader import load_model
+from specdec.pending_trees import PendingTrees
+from specdec.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +100,12 @@ def num_params(module: Any) -> int:
     return _PARAMS[module]
 
 
+def _bigger(draft: LlamaRunner, target: LlamaRunner) -> tuple[float, float] | None:
+    """(draft, target) parameters in millions when the draft model has more, else None."""
+    mine, theirs = num_params(draft.hf_model), num_params(target.hf_model)
+    return (mine / 1e6, theirs / 1e6) if mine > theirs else None
+
+
 def forward_work(runner: LlamaRunner) -> tuple[int, int, int]:
     """What one token's forward through ``runner`` multiplies and reads, as sizes its cost grows with: the weights
     of its layers and LM head (the embedding is a lookup), and the widths of the keys it reads and of the queries
@@ -131,6 +140,7 @@ class DraftModelDrafter(ModelDrafter):
         with refusals_named(self.name):
             super().__init__(DraftConfig(**options))
         self.model_spec, self.tokenizer = model, tokenizer
+        self._size_unsaid = False  # attach: a bigger draft model's warning is still to give (_warn_if_bigger)
 
     def cost_key(self) -> str:  # the draft model: its path, else its class and size
         spec = self.model_spec
@@ -154,6 +164,9 @@ class DraftModelDrafter(ModelDrafter):
         mine, theirs = forward_work(draft), forward_work(target)
         if any(a < b for a, b in zip(mine, theirs, strict=True)):
             return None
+        if (sizes := _bigger(draft, target)) is not None:  # said in the policy's warning (never asked: no own one)
+            return (f"the draft model ({sizes[0]:.1f}M parameters) is bigger than the target ({sizes[1]:.1f}M): it "
+                    "does at least the target's work per token on the same device and dtype")
         return (f"its model does at least the target's work per token ({mine[0] / 1e6:.1f}M weights, the "
                 f"target {theirs[0] / 1e6:.1f}M) on the same device and dtype")
 
@@ -166,9 +179,27 @@ class DraftModelDrafter(ModelDrafter):
         check_vocabularies(runner, loaded.tokenizer, target, tokenizer)
         if runner.dtype != target.dtype:
             logger.info("draft-model: draft model runs in %s, target in %s", runner.dtype, target.dtype)
-        draft_params, target_params = num_params(runner.hf_model), num_params(target.hf_model)
-        if draft_params > target_params:
-            _warn_once(runner, target, "draft-model: the draft model (%.1fM parameters) is bigger than the "
-                       "target (%.1fM); drafting will likely cost more than it saves", draft_params / 1e6,
-                       target_params / 1e6)
         return runner
+
+    def attach(self, target: TargetView) -> None:
+        super().attach(target)
+        self._size_unsaid = True
+
+    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
+        self._warn_if_bigger()
+        return super().propose(seqs)
+
+    def propose_pending(self, seqs: Sequence[SequenceView]) -> PendingTrees:
+        self._warn_if_bigger()
+        return super().propose_pending(seqs)
+
+    def _warn_if_bigger(self) -> None:
+        """A draft model bigger than the target is warned about when it drafts (once per pair of models), not when
+        it loads: one the policy never asks (never_pays_by_shape) is in the policy's one warning instead."""
+        if not self._size_unsaid:
+            return
+        self._size_unsaid = False
+        if (sizes := _bigger(self.runner, self.target.runner)) is not None:
+            _warn_once(self.runner, self.target.runner, "draft-model: the draft model (%.1fM parameters) is bigger "
+                       "than the target (%.1fM); drafting will likely cost more than it saves (use a smaller draft "
+                       "model)", *sizes)

@@ -91,8 +91,9 @@ class SpeculationPolicy:
         if why is not None:
             log = logger.warning if drafter.name not in _NEVER_PAYS_WARNED else logger.debug
             _NEVER_PAYS_WARNED.add(drafter.name)
-            log("%s: %s, so no draft can pay; decoding plainly (speculation='always' verifies its drafts anyway)",
-                drafter.name, why)
+            # the one warning for it: a draft model's own size warning is given only when it drafts
+            log("%s: %s, so no draft can pay; decoding plainly. Use a smaller draft model (speculation='always' "
+                "verifies its drafts anyway)", drafter.name, why)
             self.plain = True
             if self.sizer is not None:
                 self.sizer.switch_off()

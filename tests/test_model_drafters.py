@@ -13,6 +13,7 @@ from specdec.eval.negative_controls import generate_with_control
 from specdec.eval.two_sample import two_sample_chi2
 
 import specdec
+from specdec import speculation_policy
 from specdec.models.loader import load_model
 from specdec.rejection import EXACT
 from specdec.sampling import SamplingConfig
@@ -98,16 +99,29 @@ def test_draft_model_tokenizer_option_is_a_tokenizer_or_its_directory(tmp_path):
                             drafter_options={"model": ckpt, "tokenizer": str(ckpt)}) == plain
 
 
-def test_bigger_draft_model_warns(caplog):
+def test_a_bigger_draft_model_is_one_warning(caplog, monkeypatch):
+    """A draft model bigger than the target: with speculation="auto" its shapes say it can never pay, and ONE warning
+    says both facts and what to do (there were two: the load's size warning, then the policy's). Where it drafts
+    (speculation="always"), its own size warning, once per pair of models, not at every call."""
+    monkeypatch.setattr(speculation_policy, "_NEVER_PAYS_WARNED", set())  # warned once per process
     target = build_tiny_model()
     big = build_tiny_model(hidden_size=128, intermediate_size=256, num_attention_heads=4)
+    with caplog.at_level(logging.WARNING):
+        specdec.generate(target, [[1, 2]], max_new_tokens=4, drafter=DraftModelDrafter(big))
+    said = [r.getMessage() for r in caplog.records  # (not a first cost calibration's notice)
+            if r.name in ("specdec.drafters.draft_model", "specdec.speculation_policy")
+            and "a tokenizer is missing" not in r.getMessage()]
+    assert len(said) == 1, said
+    assert all(fact in said[0] for fact in ("is bigger than the target", "decoding plainly", "smaller draft model"))
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="specdec.drafters.draft_model"):
         for _ in range(3):  # once per pair of models, not at every call (a server's log filled with it)
-            specdec.generate(target, [[1, 2]], max_new_tokens=4, drafter=DraftModelDrafter(big))
-        specdec.generate(build_tiny_model(), [[1, 2]], max_new_tokens=4, drafter=DraftModelDrafter(big))
+            specdec.generate(target, [[1, 2]], max_new_tokens=4, drafter=DraftModelDrafter(big), speculation="always")
+        specdec.generate(build_tiny_model(), [[1, 2]], max_new_tokens=4, drafter=DraftModelDrafter(big),
+                         speculation="always")
     said = [r.getMessage() for r in caplog.records]
     assert sum("bigger than the target" in m for m in said) == 2, said  # the first target, then the second
-    assert sum("a tokenizer is missing" in m for m in said) == 2, said
+    assert sum("a tokenizer is missing" in m for m in said) == 1, said  # the second target (the first: above)
 
 
 def test_a_draft_model_never_pays_by_its_shapes_only_when_it_does_the_targets_work_as_the_target_runs():
