@@ -155,6 +155,11 @@ class Drafter(ABC):
         calls it too (a drafter attached by hand) and then finds it done, never loading twice. The default loads
         nothing."""
 
+    def unload_for_target(self) -> None:
+        """Drop what ``load_for_target`` made and no ``attach`` took: build_engine calls it when the call fails in
+        between, so a drafter reused across calls holds no draft model for a call that never ran. The default
+        holds nothing."""
+
     def attach(self, target: TargetView) -> None:
         """Called once by the engine before any sequence is added."""
         self.target = target

@@ -219,6 +219,10 @@ class CombinedDrafter(Drafter):
         for child in self.children:
             child.load_for_target(runner, tokenizer, name)
 
+    def unload_for_target(self) -> None:
+        for child in self.children:
+            child.unload_for_target()
+
     def attach(self, target: TargetView) -> None:
         """A new run: the children's rates start from the prior again (as in a fresh instance)."""
         self.target = target

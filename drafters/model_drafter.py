@@ -138,7 +138,8 @@ class ModelDrafter(Drafter):
         self.graphed: GraphedForward | None = None  # the draft model's graph buckets, with its cache (_own_cache)
         self.use_graphs = False  # decided at attach (DraftConfig.cuda_graphs)
         self._draft_ids: list[int] | None = None  # draft_vocab.ids as a list: logit column -> token id
-        self._loaded: tuple[LlamaRunner, LlamaRunner] | None = None  # (target, draft runner) made by load_for_target()
+        # (target, draft runner, its draft vocabulary) made by load_for_target(), until attach takes it
+        self._loaded: tuple[LlamaRunner, LlamaRunner, DraftVocab | None] | None = None
         # pending static trees of a batch size: (depths, ancestor bits) of every node on the device, and the depth
         self._pending_fields: dict[tuple[tuple[int, ...], int], tuple[torch.Tensor, torch.Tensor, int]] = {}
 
@@ -150,15 +151,23 @@ class ModelDrafter(Drafter):
 
     def load_for_target(self, runner: LlamaRunner, tokenizer: Any = None, name: str | None = None) -> None:
         """The draft runner made (and checked: a draft model's vocabulary) for the target ``runner``, handed to the
-        next ``attach`` with that target; once per target until then."""
+        next ``attach`` with that target; once per target until then. Kept aside until attach takes it: the
+        drafter's ``runner`` and ``draft_vocab`` are as they were until then (``unload_for_target`` drops it)."""
         if self._loaded is None or self._loaded[0] is not runner:
-            self.draft_vocab = None
-            self._loaded = (runner, self.make_runner(runner, tokenizer))
+            self._loaded = None
+            kept, self.draft_vocab = self.draft_vocab, None  # make_runner sets the new runner's, if any
+            try:
+                self._loaded = (runner, self.make_runner(runner, tokenizer), self.draft_vocab)
+            finally:
+                self.draft_vocab = kept
+
+    def unload_for_target(self) -> None:
+        self._loaded = None
 
     def attach(self, target: TargetView) -> None:
         self.target = target
         self.load_for_target(target.runner, target.tokenizer)  # after build_engine's: the runner it made
-        self.runner = self._loaded[1]
+        _, self.runner, self.draft_vocab = self._loaded
         self._loaded = None  # the next call makes its own
         self._draft_ids = self.draft_vocab.ids.tolist() if self.draft_vocab is not None else None
         # an own cache is made at the first propose (_own_cache): a drafter the engine never asks (its forward costs

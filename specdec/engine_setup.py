@@ -5,15 +5,18 @@
     out = run(engine, request)                                                 # specdec.generate
 
 First the drafter's checkpoint is read and checked for the target (``Drafter.load_for_target``): one made for another
-model is refused before anything below is measured. What is decided here: the CPU row policy of ``linear()``; with a
-drafter and ``speculation="auto"``, the speculation policy and its measured cost model (:mod:`specdec.cost_model`,
-cached; the first use on a machine calibrates for up to ~20 s; none for seeded standard sampling); the KV cache's size
-(the request's worst case, checked against the device's memory before anything is allocated) or a reused CUDA-graph
-cache; the drafter's seed, the sampling generator, the draft audit (one per drafter object, kept across the calls whose
-draws are fresh), the logits processors (:mod:`specdec.logits_processing`; None when the config asks for none) and
-whether log-probabilities are kept. The certificate's negative controls (:mod:`specdec.eval.negative_controls`) enter
-here too, and only here: a broken acceptance rule (``rule=``) or a broken engine / cache (``fault=``), so that real
-callers of ``generate()`` cannot switch them on by accident.
+model is refused before anything below is measured, and what it loaded is dropped again if the build then fails
+(``Drafter.unload_for_target``: a reused drafter holds no draft model for a call that never ran).
+
+What is decided here: the CPU row policy of ``linear()``; with a drafter and ``speculation="auto"``, the speculation
+policy and its measured cost model (:mod:`specdec.cost_model`, cached; the first use on a machine calibrates for up to
+~20 s; none for seeded standard sampling); the KV cache's size (the request's worst case, checked against the device's
+memory before anything is allocated) or a reused CUDA-graph cache; the drafter's seed, the sampling generator, the draft
+audit (one per drafter object, kept across the calls whose draws are fresh), the logits processors
+(:mod:`specdec.logits_processing`; None when the config asks for none) and whether log-probabilities are kept. The
+certificate's negative controls (:mod:`specdec.eval.negative_controls`) enter here too, and only here: a broken
+acceptance rule (``rule=``) or a broken engine / cache (``fault=``), so that real callers of ``generate()`` cannot
+switch them on by accident.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ from specdec.tree_sizing import TreeSizer
 
 if TYPE_CHECKING:
     from specdec.generate import GenerateRequest
+    from specdec.models.llama import LlamaRunner
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +87,20 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
         raise InputError("invariant=True does not run through CUDA graphs: pass cuda_graphs=False (or 'auto')")
     runner = request.loaded.runner.invariant_mode(config.invariant)  # the bit-exact mode shares every weight
     processing, output_logprobs = _processing(request), _wants_logprobs(request)  # refusals before allocating
-    if request.drafter is not None:  # its checkpoint read and checked before anything is measured (attach reuses it)
+    if request.drafter is None:
+        return _build(request, runner, rule, fault, processing, output_logprobs)
+    try:  # its checkpoint read and checked before anything is measured (attach reuses it)
         request.drafter.load_for_target(runner, request.stop.tokenizer, request.loaded.name)
+        return _build(request, runner, rule, fault, processing, output_logprobs)
+    except BaseException:  # a reused drafter keeps no draft model for a call that never ran
+        request.drafter.unload_for_target()
+        raise
+
+
+def _build(request: "GenerateRequest", runner: "LlamaRunner", rule: AcceptanceRule, fault: EngineFault | None,
+           processing: LogitsProcessing | None, output_logprobs: bool) -> Engine:
+    """build_engine's engine, once the drafter (if any) is loaded for ``runner``."""
+    config = request.config
     # the request's worst case: no sequence can run out with a pool this large, its drafter's trees included
     needed = _worst_case_blocks(request, MAX_TREE_NODES if request.drafter is not None else 0)
     cache, graphed = _kv_cache(request, needed, fault)  # a shared graph cache: held until the call ends

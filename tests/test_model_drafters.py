@@ -6,6 +6,7 @@ import logging
 import pytest
 import torch
 from specdec.drafters.base import TargetView
+from specdec.drafters.combined import CombinedDrafter
 from specdec.drafters.draft_model import DraftModelDrafter, VocabularyMismatchError
 from specdec.drafters.model_drafter import DraftConfig
 from specdec.drafters.self_draft import SelfDraftDrafter
@@ -14,6 +15,7 @@ from specdec.eval.two_sample import two_sample_chi2
 
 import specdec
 from specdec import speculation_policy
+from specdec.kv_cache import CacheFullError
 from specdec.models.loader import load_model
 from specdec.rejection import EXACT
 from specdec.sampling import SamplingConfig
@@ -122,6 +124,24 @@ def test_a_bigger_draft_model_is_one_warning(caplog, monkeypatch):
     said = [r.getMessage() for r in caplog.records]
     assert sum("bigger than the target" in m for m in said) == 2, said  # the first target, then the second
     assert sum("a tokenizer is missing" in m for m in said) == 1, said  # the second target (the first: above)
+
+
+def test_a_failed_build_leaves_the_drafter_holding_no_draft_model():
+    """build_engine loads the draft model (load_for_target) before its later refusals; a call refused after it (here
+    num_blocks too small for the prompt's prefill) drops it again, so a drafter reused across calls holds no whole
+    draft model for a call that never ran (alone, or as a combined drafter's child). The next call drafts as usual."""
+    target, prompt = build_tiny_model(), list(range(1, 40))
+    drafter = DraftModelDrafter(build_tiny_model(seed=7, num_hidden_layers=1))
+    combined = CombinedDrafter(["ngram", DraftModelDrafter(build_tiny_model(seed=7, num_hidden_layers=1))])
+    for used in (drafter, combined):
+        with pytest.raises(CacheFullError):
+            specdec.generate(target, [prompt], max_new_tokens=4, drafter=used, num_blocks=1)
+    for model_drafter in (drafter, combined.children[1]):
+        assert model_drafter._loaded is None and model_drafter.runner is None, model_drafter._loaded
+    plain = specdec.generate(target, [prompt], max_new_tokens=6)
+    out = specdec.generate(target, [prompt], max_new_tokens=6, drafter=drafter, speculation="always",
+                           return_dict=True)
+    assert out.sequences == plain and drafter.runner is not None and out.tau > 1
 
 
 def test_a_draft_model_never_pays_by_its_shapes_only_when_it_does_the_targets_work_as_the_target_runs():
