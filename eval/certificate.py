@@ -425,7 +425,7 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
     # the choice keeps its p-values exact (specdec.eval.sampled_start)
     progress(f"end to end: choosing where sampling starts (a pilot of {sizes.pilot_sequences} sequences at "
              f"{sizes.start_candidates} starts)")
-    choice = choose_start(loaded, prompts, plain, greedy_steps, drafter, options, e2e_sampling, sizes, seed)
+    choice = choose_start(loaded, prompts, plain, greedy_steps, drafter, options, e2e_sampling, sizes, seed, progress)
     for rule_name, rule in (("exact", EXACT), ("always_accept", BROKEN_RULES["always_accept"])):
         control = None if rule is EXACT else rule_name
         progress(f"end to end: {sizes.sample_sequences} sampled sequences per side, "

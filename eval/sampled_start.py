@@ -11,8 +11,9 @@ identity prompt, the position in the first half of its greedy answer (a longer p
 sequence's prefill dearer) whose next ``sample_tokens`` tokens, where the greedy speculative run accepted them as
 drafts, have the most uncertain acceptance, ``q (1 - q)`` with ``q`` the sampling law's probability of the greedy
 token (teacher forced); the earliest of ties, the middle where none was drafted; the ``start_candidates`` best
-prompts. A pilot samples ``pilot_sequences`` speculative continuations at each, as the check does, and the check
-and its negative control run at the one with the most of both per compared token: accepted share x rejected share.
+prompts. A pilot samples ``pilot_sequences`` speculative continuations at each, as the check does (and says how far
+it has come as the check does), and the check and its negative control run at the one with the most of both per
+compared token: accepted share x rejected share.
 
 Why the check stays exact: the pilot draws from its own seed (:func:`specdec.eval.end_to_end.pilot_seed`), none of
 the check's, so the start is a function of the greedy runs and of draws independent of the check's. Given the
@@ -23,15 +24,19 @@ its compared samples looked is a start where they looked that way.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from specdec.eval.end_to_end import drafted_share, pilot_seed, rejected_share, sample_in_chunks, sampling_kwargs
 from specdec.eval.negative_controls import generate_with_control
+from specdec.eval.token_progress import TokenProgress
 
 from specdec.models.loader import eval_mode
 from specdec.sampling import SamplingConfig, logits_to_probs
+
+PILOT = "end to end: the start's pilot"  # what its progress lines start with
 
 
 @dataclass(frozen=True)
@@ -98,10 +103,13 @@ def candidate_starts(answer_lengths: list[int], flags: list[list[bool]], probs: 
 
 
 def pilot_shares(loaded: Any, starts: list[list[int]], drafter: Any, options: dict, sampling: SamplingConfig,
-                 sizes: Any, seed: int) -> list[tuple[float, float]]:
+                 sizes: Any, seed: int, progress: Callable[[str], None] | None = None) -> list[tuple[float, float]]:
     """Per start, (accepted, rejected) drafts per compared token over ``sizes.pilot_sequences`` speculative
-    continuations sampled as the check samples them (exact rule), drawn from :func:`pilot_seed` of ``seed``."""
+    continuations sampled as the check samples them (exact rule), drawn from :func:`pilot_seed` of ``seed``.
+    ``progress`` (optional) is told how far their sampling has come, as the check's (:class:`TokenProgress`)."""
     n, k, common = sizes.pilot_sequences, sizes.sample_tokens, sampling_kwargs(sampling, sizes)
+    if progress is not None:  # a minute on a CPU with the embedded model, most of it each start's prefill
+        common["streamer"] = TokenProgress(progress, PILOT, len(starts) * n * common["max_new_tokens"])
     outputs = sample_in_chunks(lambda chunk, chunk_seed: generate_with_control(
         loaded, chunk, seed=chunk_seed, drafter=drafter, drafter_options=options, speculation="always", **common),
         [s for s in starts for _ in range(n)], pilot_seed(seed))
@@ -112,16 +120,17 @@ def pilot_shares(loaded: Any, starts: list[list[int]], drafter: Any, options: di
 
 
 def choose_start(loaded: Any, prompts: list[list[int]], plain: list[list[int]], step_lengths: list[tuple[int, ...]],
-                 drafter: Any, options: dict, sampling: SamplingConfig, sizes: Any, seed: int = 0) -> StartChoice:
+                 drafter: Any, options: dict, sampling: SamplingConfig, sizes: Any, seed: int = 0,
+                 progress: Callable[[str], None] | None = None) -> StartChoice:
     """``plain``: the plain greedy outputs of ``prompts`` (prompt + answer); ``step_lengths``: per prompt, the greedy
-    speculative run's (:class:`specdec.eval.divergence.IdentityResult`)."""
+    speculative run's (:class:`specdec.eval.divergence.IdentityResult`); ``progress``: see :func:`pilot_shares`."""
     k, last = sizes.sample_tokens, sizes.identity_tokens // 2
     probs = greedy_token_probs(loaded.model, prompts, plain, sampling, last + k)
     candidates = candidate_starts([len(out) - len(p) for p, out in zip(prompts, plain, strict=True)],
                                   [drafted_flags(lengths) for lengths in step_lengths], probs, k, last,
                                   sizes.start_candidates)
     ids = [plain[c.prompt][: len(prompts[c.prompt]) + c.position] for c in candidates]
-    shares = pilot_shares(loaded, ids, drafter, options, sampling, sizes, seed)
+    shares = pilot_shares(loaded, ids, drafter, options, sampling, sizes, seed, progress)
     best = best_candidate(shares)
     return StartChoice(candidates[best], ids[best], tuple(candidates), tuple(shares), sizes.pilot_sequences)
 

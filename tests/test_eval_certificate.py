@@ -520,12 +520,14 @@ def test_the_certificates_own_controls_log_no_warning_while_a_broken_rule_elsewh
 
 def test_the_end_to_end_level_says_each_check_as_it_starts_and_how_far_sampling_has_come(monkeypatch):
     """`specdec eval lossless` said '... end to end' and then nothing for the minutes its checks take on a CPU; then
-    one line for the ~7 minutes of each 600-sequence sampled check: it now says how far both sides have sampled."""
-    from specdec.eval import end_to_end
+    one line for the ~7 minutes of each 600-sequence sampled check: it now says how far both sides have sampled, and
+    how far the pilot choosing where sampling starts has (a minute with the embedded model, silent before)."""
+    from specdec.eval import end_to_end, sampled_start
     from specdec.eval.token_progress import TokenProgress
 
     # every tenth said at once (a real run waits 10 s between lines: a quick check says nothing more)
     monkeypatch.setattr(end_to_end, "TokenProgress", functools.partial(TokenProgress, quiet_seconds=0))
+    monkeypatch.setattr(sampled_start, "TokenProgress", functools.partial(TokenProgress, quiet_seconds=0))
     loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
     sizes = CertificateSizes(identity_prompts=2, identity_tokens=8, sample_sequences=20, sample_tokens=1,
                              start_candidates=1, pilot_sequences=4)
@@ -533,8 +535,14 @@ def test_the_end_to_end_level_says_each_check_as_it_starts_and_how_far_sampling_
     run_certificate(loaded, "ngram", {}, SamplingConfig(True), sizes, _prompts, levels=("e2e",),
                     progress=lines.append)
     inner = ("end to end: the exact rule: ", "end to end: always_accept: ")  # lines inside a sampled check
-    said = [line for line in lines if not line.startswith(inner)]
+    said = [line for line in lines if not line.startswith((*inner, sampled_start.PILOT))]
     tokens = 1 + sizes.sample_lookahead
+    # the pilot choosing the start (a minute with the embedded model) said nothing while it sampled
+    pilot = [line for line in lines if line.startswith(sampled_start.PILOT)]
+    piloted = 1 * 4 * tokens  # start_candidates x pilot_sequences x tokens (no eos)
+    assert pilot and pilot[-1] == f"{sampled_start.PILOT}: 100% of the sampled tokens ({piloted} of {piloted})", pilot
+    at = lines.index("end to end: choosing where sampling starts (a pilot of 4 sequences at 1 starts)")
+    assert lines[at + 1:at + 1 + len(pilot)] == pilot  # said while it runs, before the check's first line
     total = 2 * 20 * tokens  # both sides, every sequence's tokens (no eos)
     for rule in ("the exact rule", "always_accept"):
         start = lines.index(f"end to end: 20 sampled sequences per side, {rule}")
