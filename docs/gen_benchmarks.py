@@ -20,6 +20,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from types import ModuleType
 
 DOCS = Path(__file__).resolve().parent
 RESULTS = DOCS / "results"
@@ -33,15 +34,16 @@ MACHINE_CLASSES = {
 }
 
 
-def _sibling(name: str):
-    """docs/NAME.py, this file's sibling (docs/ is no package; mkdocs loads this file as a hook)."""
+def sibling(name: str) -> ModuleType:
+    """docs/NAME.py as a module: the docs generators' one loader of their siblings (docs/ is no package; mkdocs loads
+    the generators as hooks, tests by path). docs/gen_result_tables.py takes its siblings through it too."""
     spec = importlib.util.spec_from_file_location(name, DOCS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-_COMMANDS = _sibling("doc_commands")
+_COMMANDS = sibling("doc_commands")
 REQUIRED = ("date", "machine_class", "machine", "benchmark", "title", "command")
 
 HEADER = """# Benchmarks

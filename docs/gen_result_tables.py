@@ -29,16 +29,12 @@ REGION = re.compile(r"<!-- generated: results/(?P<file>[\w.*-]+\.json) (?P<part>
 START, END = "<!-- generated:", "<!-- end generated -->"
 
 
-def _sibling(name: str):
-    """docs/NAME.py, this file's sibling (docs/ is no package)."""
-    spec = importlib.util.spec_from_file_location(name, DOCS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_GEN = _sibling("gen_benchmarks")
-_LATEST = _sibling("gpu_latest")
+# docs/gen_benchmarks.py, the benchmarks page's generator: its results, table rendering and sibling loader (docs/ is
+# no package, so this one file is loaded by its path; everything else through its loader)
+_spec = importlib.util.spec_from_file_location("gen_benchmarks", DOCS / "gen_benchmarks.py")
+_GEN = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_GEN)
+_LATEST = _GEN.sibling("gpu_latest")
 PARTS = ("table", "latest_per_gpu")
 
 
