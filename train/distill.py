@@ -161,7 +161,7 @@ def _what_is_left(held: dict[int, list[int]], found: list[set[int]], n: int, bat
                 if any(s not in f for f in found) and next(p for p, f in enumerate(found) if s in f) == team.index}
         for theirs in team.exchange(mine):
             for s, seqs in theirs.items():
-                held.update(zip(range(s, s + len(seqs)), seqs, strict=True))
+                held.update(enumerate(seqs, s))
     if done:
         logger.info("self-distillation continues an interrupted run: %d of %d prompts were done (%s)",
                     sum(min(batch_size, n - s) for s in done), n, cache)
@@ -188,10 +188,10 @@ def _in_rounds(answers, todo: list[int], batch_size: int, ids: list[list[int]], 
                 f.write(json.dumps({"start": start, "sequences": made[start]}) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-            held.update(zip(range(start, start + len(made[start])), made[start], strict=True))
+            held.update(enumerate(made[start], start))
         for theirs in team.exchange(made):  # every process's batch of this round
             for s, seqs in theirs.items():
-                held.update(zip(range(s, s + len(seqs)), seqs, strict=True))
+                held.update(enumerate(seqs, s))
                 new_tokens += sum(len(x) - len(ids[s + i]) for i, x in enumerate(seqs))
                 if bar is not None:
                     bar.update(len(seqs))
@@ -249,7 +249,7 @@ def _kept_answers(cache: Path, key: str, ids: list[list[int]], index: int) -> di
             if not isinstance(start, int) or start < 0 or not seqs or start + len(seqs) > len(ids) or any(
                     s[: len(ids[start + i])] != list(ids[start + i]) for i, s in enumerate(seqs)):
                 break
-            held.update(zip(range(start, start + len(seqs)), seqs, strict=True))
+            held.update(enumerate(seqs, start))
             kept.append(line + "\n")
         if partial == own:
             with replaced_atomically(partial) as tmp:
