@@ -17,7 +17,7 @@ Each step, for all sequences together (drafters/eagle_model.py has the layer):
 3. **rerank** (on the device, drafters/eagle_rerank.py): the ``max_nodes`` candidates with the highest cumulative
    log-probability form the tree (ancestor-closed: a child never scores above its parent); the host reads them.
 On CUDA (``cuda_graphs="auto"``) steps 1-3 are replayed as one CUDA graph of fixed shapes (drafters/eagle_graphs.py;
-a prompt's catch-up runs eagerly, and the rest is replayed).
+a prompt's catch-up, or one of more rows than every bucket's, runs eagerly, and the rest is replayed).
 
 ``depth`` is an upper bound: with ``adapt_depth`` (the default) each call drafts the depth whose expected
 committed tokens best cover its draft time and verify cost on the machine at hand, learned from the run

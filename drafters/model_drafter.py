@@ -20,10 +20,10 @@ Children (``DraftConfig.mode``): ``deterministic``: the top-``w`` tokens per nod
 draft_probs; ``independent`` / ``without_replacement``: ``w`` children *sampled* from the draft distribution
 after the target's sampling transform, sent along as draft_probs (static trees only: keeping the most probable
 of sampled nodes would change their law); ``auto`` (default): deterministic when greedy or dynamic, else
-independent.
+independent. Under coupled sampling the children are always deterministic, ranked by the shared noise.
 
 Sampled drafts draw from the drafter's own generator, seeded from ``DraftConfig.seed``, else from
-``generate(seed=...)`` (``TargetView.seed``), re-seeded at every ``attach``.
+``generate(seed=...)`` or a draw from its ``generator=`` (``TargetView.seed``), re-seeded at every ``attach``.
 With a reduced draft vocabulary (``self.draft_vocab``) children are chosen among those N tokens and sampled
 draft_probs are zero elsewhere; output stays exact.
 """

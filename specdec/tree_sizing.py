@@ -1,9 +1,9 @@
 """Tree size per step and the break-even guard: keep the part of a proposal that pays, or none of it.
 
     sizer = TreeSizer(cost_model)                      # one per engine (speculation="auto")
-    ask = [s for s in live if sizer.wants_draft(s)]    # the guard: who drafts this step
+    ask = [s for s in live if sizer.wants_draft(s.seq_id)]  # the guard: who drafts this step
     trees = sizer.size_call(ids, trees, batch, draft_s)  # after propose: size every tree, record the draft time
-    sizer.observe(seq_id, committed)                   # after the commit: acceptance, learned online
+    sizer.observe(seq_id, committed, accepted)         # after the commit: acceptance, learned online
     sizer.record_step(verify_s, n, batch)              # after the verify: how long a decode step is
 
 Each node gets an acceptance estimate (the drafter's ``scores`` corrected online per score bin, or the rate
