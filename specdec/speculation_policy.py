@@ -34,7 +34,9 @@ if TYPE_CHECKING:
     from specdec.rejection import Acceptance
 
 logger = logging.getLogger(__name__)
-_NEVER_PAYS_WARNED: set[str] = set()  # drafter names already warned about (once per process, then debug)
+# (drafter name, cost key, reason) already warned about: once per process for each drafter and cause (then debug),
+# so a second draft model that can never pay is still told, and a server's repeated calls are not
+_NEVER_PAYS_WARNED: set[tuple[str, str, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,9 @@ class SpeculationPolicy:
                 drafter.forward_seconds()):
             why = "one forward of its model costs a decode step of the target or more"
         if why is not None:
-            log = logger.warning if drafter.name not in _NEVER_PAYS_WARNED else logger.debug
-            _NEVER_PAYS_WARNED.add(drafter.name)
+            said = (drafter.name, drafter.cost_key(), why)
+            log = logger.warning if said not in _NEVER_PAYS_WARNED else logger.debug
+            _NEVER_PAYS_WARNED.add(said)
             # the one warning for it: a draft model's own size warning is given only when it drafts
             log("%s: %s, so no draft can pay; decoding plainly. Use a smaller draft model (speculation='always' "
                 "verifies its drafts anyway)", drafter.name, why)

@@ -419,3 +419,17 @@ def test_a_draft_model_gone_nan_stops_sampling_with_the_drafters_error(shape, pe
         specdec.generate(build_tiny_model(), [[1, 2, 3, 4]], max_new_tokens=4, do_sample=True, seed=0,
                          drafter=DraftModelDrafter(model=draft, **shape), speculation="always",
                          **({} if penalty is None else dict(repetition_penalty=penalty)))
+
+
+def test_a_second_draft_model_that_can_never_pay_is_warned_about_too(caplog, monkeypatch):
+    """The never-pays warning comes once per process for each draft model and cause, not once per drafter name: a
+    notebook that tries a second too-big draft model after a first was told nothing about the second."""
+    monkeypatch.setattr(speculation_policy, "_NEVER_PAYS_WARNED", set())
+    target = build_tiny_model()
+    bigs = [build_tiny_model(hidden_size=128, intermediate_size=256, num_attention_heads=4),
+            build_tiny_model(hidden_size=256, intermediate_size=512, num_attention_heads=4)]
+    with caplog.at_level(logging.WARNING, logger="specdec.speculation_policy"):
+        for big in (*bigs, bigs[0]):  # the first again: already told
+            specdec.generate(target, [[1, 2]], max_new_tokens=4, drafter=DraftModelDrafter(big))
+    said = [r.getMessage() for r in caplog.records if "no draft can pay" in r.getMessage()]
+    assert len(said) == 2 and said[0] != said[1], said
