@@ -144,8 +144,8 @@ def _check_sequence_bias(value: Any) -> tuple[tuple[TokenIds, float], ...] | Non
         if not _is_list(ids) or not ids or not all(is_int(t) and int(t) >= 0 for t in ids):
             raise InputTypeError(f"sequence_bias keys must be non-empty lists of token ids >= 0, got {describe(ids)}")
         if isinstance(bias, bool) or not isinstance(bias, numbers.Real) or math.isnan(bias) or bias == math.inf:
-            raise InputTypeError(f"sequence_bias values must be numbers (-inf bans), got {describe(bias)} for "
-                                 f"{list(ids)}")
+            raise InputTypeError(f"sequence_bias values must be finite numbers or -inf (which bans), got "
+                                 f"{describe(bias)} for {list(ids)}")
         out[tuple(int(t) for t in ids)] = float(bias)
     return tuple(out.items()) or None
 
