@@ -111,13 +111,13 @@ def sampled_two_sample(loaded: Any, prompt: list[int], drafter: Any, options: di
                        sizes: Any, rule: AcceptanceRule = EXACT, seeds: tuple[int, int] = (1, 2),
                        progress: Callable[[str], None] | None = None, what: str = "sampling") -> dict:
     """The check (module doc); ``progress`` (optional) is told, in lines that start with ``what``, when each side
-    starts and how far their sampling has come (:class:`~specdec.eval.token_progress.TokenProgress`): minutes on a
-    CPU at default sizes, most of them each side's prefill of its ``n`` copies of the prompt."""
+    starts and how far their sampling has come (:class:`~specdec.eval.token_progress.TokenProgress`): about a minute
+    on a CPU with the embedded model at default sizes (each side prefills the prompt once, not its ``n`` copies)."""
     n, k = sizes.sample_sequences, sizes.sample_tokens
     # the law of the first k tokens of k + lookahead: a marginal of the law compared, so exactness still requires it
     common = sampling_kwargs(sampling, sizes)
     common["streamer"] = None if progress is None else TokenProgress(progress, what, 2 * n * common["max_new_tokens"])
-    # each side starts with one prefill of its n copies of the prompt: most of the check's time on a CPU
+    # each side starts with one prefill of the prompt, whose K/V its n copies get (Engine.add)
     side = f"{n} sequences of {len(prompt)} + {common['max_new_tokens']} tokens"
     say = progress or (lambda msg: None)
     say(f"{what}: plain sampling, {side}")

@@ -7,13 +7,13 @@ The check compares plain and speculative sampling of a few tokens from one prefi
 drafts are both accepted (the accepted-draft path) and rejected (else a rule that accepts every draft is right):
 at the middle of the first answer the n-gram drafter's were almost never accepted, and where a greedy answer
 repeats itself they are always accepted (a near-certain target, which always-accept cannot fail). Candidates: per
-identity prompt, the position in the first half of its greedy answer (a longer prefix makes every sampled
-sequence's prefill dearer) whose next ``sample_tokens`` tokens, where the greedy speculative run accepted them as
-drafts, have the most uncertain acceptance, ``q (1 - q)`` with ``q`` the sampling law's probability of the greedy
-token (teacher forced); the earliest of ties, the middle where none was drafted; the ``start_candidates`` best
-prompts. A pilot samples ``pilot_sequences`` speculative continuations at each, as the check does (and says how far
-it has come as the check does), and the check and its negative control run at the one with the most of both per
-compared token: accepted share x rejected share.
+identity prompt, the position in the first half of its greedy answer (a longer prefix makes the sampling dearer:
+its prefill and every step's attention) whose next ``sample_tokens`` tokens, where the greedy speculative run
+accepted them as drafts, have the most uncertain acceptance, ``q (1 - q)`` with ``q`` the sampling law's probability
+of the greedy token (teacher forced); the earliest of ties, the middle where none was drafted; the
+``start_candidates`` best prompts. A pilot samples ``pilot_sequences`` speculative continuations at each, as the
+check does (and says how far it has come as the check does), and the check and its negative control run at the one
+with the most of both per compared token: accepted share x rejected share.
 
 Why the check stays exact: the pilot draws from its own seed (:func:`specdec.eval.end_to_end.pilot_seed`), none of
 the check's, so the start is a function of the greedy runs and of draws independent of the check's. Given the
@@ -108,7 +108,7 @@ def pilot_shares(loaded: Any, starts: list[list[int]], drafter: Any, options: di
     continuations sampled as the check samples them (exact rule), drawn from :func:`pilot_seed` of ``seed``.
     ``progress`` (optional) is told how far their sampling has come, as the check's (:class:`TokenProgress`)."""
     n, k, common = sizes.pilot_sequences, sizes.sample_tokens, sampling_kwargs(sampling, sizes)
-    if progress is not None:  # a minute on a CPU with the embedded model, most of it each start's prefill
+    if progress is not None:  # a while on a CPU with the embedded model (each start is prefilled once: Engine.add)
         common["streamer"] = TokenProgress(progress, PILOT, len(starts) * n * common["max_new_tokens"])
     outputs = sample_in_chunks(lambda chunk, chunk_seed: generate_with_control(
         loaded, chunk, seed=chunk_seed, drafter=drafter, drafter_options=options, speculation="always", **common),

@@ -1,7 +1,7 @@
 """Engine: one speculative step for a batch of sequences over the paged KV cache.
 
     engine = Engine(runner, cache, sampling=sampling, stop=stop, drafter=drafter, policy=policy)
-    engine.add(prompts)            # prefill: K/V of prompt[:-1]; prompt[-1] is the first root
+    engine.add(prompts)            # prefill: K/V of prompt[:-1] (run once for equal ones); prompt[-1] is the first root
     while engine.live: engine.step()   # propose -> verify -> accept -> commit
 
 Invariant between steps: for a live sequence, ``token_ids[-1]`` is the *root* (committed but
@@ -99,6 +99,16 @@ class SequenceState:
     def tau(self) -> float:
         """Committed tokens per target forward (mean accepted length + 1)."""
         return self.num_new_tokens / self.steps if self.steps else 0.0
+
+
+def prefill_groups(seqs: Sequence[SequenceState]) -> list[list[SequenceState]]:
+    """``seqs`` grouped by the tokens their prefill runs (the prompt but its last token), in order of first
+    occurrence, each group in batch order: the prefill runs the first of each group and copies its K/V and hidden
+    rows into the others (PagedKVCache.copy_prefix), which then hold bit for bit what it holds."""
+    groups: dict[tuple[int, ...], list[SequenceState]] = {}
+    for s in seqs:
+        groups.setdefault(tuple(s.token_ids[:-1]), []).append(s)
+    return list(groups.values())
 
 
 @dataclass(frozen=True)
@@ -212,8 +222,10 @@ class Engine:
         todo = [s for s in new if len(s.token_ids) > 1]
         self.cache.reserve_many({s.seq_id: len(s.token_ids) - 1 for s in todo})
         if todo:
+            # identical prompts run once, in their first copy; the others get its K/V and hidden rows (copied)
+            groups = prefill_groups(todo)
             builder = BatchBuilder(self.cache, self.runner.device)
-            for s in todo:  # a causal run over the whole prompt but its last token: no n x n mask is built
+            for s, *_ in groups:  # a causal run over the whole prompt but its last token: no n x n mask is built
                 n = len(s.token_ids) - 1
                 builder.add(s.seq_id, s.token_ids[:-1], range(n), num_keys=n, num_visible=0)
             batch = builder.build()
@@ -222,9 +234,11 @@ class Engine:
             out = self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache,
                                       rows if self.keep_hidden else None, with_logits=False,
                                       feature_layers=self.feature_layers)
-            if self.keep_hidden:
-                for s, seq_rows in zip(todo, batch.rows, strict=True):
-                    s.hidden_chunks = [self.drafter_rows(out)[list(seq_rows)]]
+            for (first, *copies), seq_rows in zip(groups, batch.rows, strict=True):
+                self.cache.copy_prefix(first.seq_id, [s.seq_id for s in copies], len(seq_rows))
+                if self.keep_hidden:
+                    for s in (first, *copies):
+                        s.hidden_chunks = [self.drafter_rows(out)[list(seq_rows)]]
             self.cache.commit({s.seq_id: range(len(s.token_ids) - 1) for s in todo})
         return new
 

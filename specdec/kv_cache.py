@@ -263,6 +263,20 @@ class PagedKVCache:
             raise ValueError("write_rotated needs the Triton backend; the reference runs RoPE, then write()")
         self.backend.fused.rope_write_(qk, v, cos, sin, self.kv, layer, slots, num_q_heads, norms)
 
+    def copy_prefix(self, src: int, dsts: Sequence[int], n: int) -> None:
+        """Copy the K/V of positions ``[0, n)`` of ``src`` into the same positions of every sequence of ``dsts``, all
+        layers: one gather of src's rows, one scatter into each copy's own blocks (Engine.add prefills identical
+        prompts once). Afterwards every copy holds bit for bit what ``src`` holds there. No block is shared: each
+        sequence still writes, commits and frees only its own. ``[0, n)`` must be written in ``src`` and reserved in
+        every copy (IndexError otherwise, nothing copied); it stays uncommitted, as the writes of a forward would."""
+        if src in dsts or len(set(dsts)) != len(dsts):
+            raise ValueError(f"copy_prefix: the copies {list(dsts)} must be distinct and differ from {src}")
+        if not dsts or n <= 0:
+            return
+        from_slots = self.slots(src, 0, n)
+        to_slots = torch.stack([self.slots(d, 0, n) for d in dsts])  # [copies, n]
+        self.kv[:, :, to_slots] = self.kv[:, :, from_slots].unsqueeze(2)  # broadcast: src's rows are read once
+
     def commit(self, keep: Mapping[int, Sequence[int]]) -> None:
         """Per sequence, keep the K/V written at offsets ``keep`` (relative to its length,
         strictly increasing) as its next positions; release every block past the new end but one (the spare).

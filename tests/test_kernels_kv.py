@@ -172,13 +172,14 @@ def test_engine_forward_through_dispatch_matches_reference(backend_env, tiny_mod
         op = getattr(fused_ops, name)
         monkeypatch.setattr(fused_ops, name, lambda *a, _op=op, _name=name, **k: fused.append(_name) or _op(*a, **k))
     model = tiny_model("llama-gqa-tied", vocab_size=64)
-    prompt = [[3, 5, 7, 3, 5, 7, 3, 5], [9, 9, 2]]
+    prompt = [[3, 5, 7, 3, 5, 7, 3, 5], [9, 9, 2], [3, 5, 7, 3, 5, 7, 3, 5]]  # the copy: prefilled once, K/V copied
     outs = {}
     for name in ("reference", "triton"):
         backend_env(name)  # read when load_model builds the runner
         outs[name] = generate(load_model(model, device=DEVICE), prompt, max_new_tokens=6, drafter="ngram",
                               return_dict=True, speculation=SPECULATION)
     assert outs["reference"].new_tokens == outs["triton"].new_tokens
+    assert outs["triton"].new_tokens[2] == outs["triton"].new_tokens[0]
     assert calls, "SPECDEC_ATTENTION=triton did not reach the kernel"
     assert {"add_rms_norm", "rope_", "silu_mul"} <= set(fused), "the fused element-wise kernels were not used"
     assert any(max(lens) > 1 and len(lens) > 1 for lens in calls[1:]), "no batched verify forward went through it"

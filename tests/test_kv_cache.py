@@ -243,3 +243,31 @@ def test_room_shares_the_free_blocks_and_spares_and_one_reservation_takes_it_all
                 copy.deepcopy(cache).reserve_many({**room, more: room[more] + 1})
         cache.reserve_many(room)
         assert cache.num_free_blocks == 0 or not sharing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_copy_prefix_gives_each_copy_the_sources_kv_in_its_own_blocks(dtype):
+    """Engine.add prefills identical prompts once and copies the K/V (Engine.add): every layer's K and V of the
+    source's positions land, bit for bit, in each copy's own blocks; nothing else is written, no block is shared."""
+    cache = PagedKVCache(3, 2, 4, num_blocks=16, block_size=4, dtype=dtype)
+    cache._free = torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist()  # shuffled block tables
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(1)))
+    for s in range(4):
+        cache.add(s)
+    cache.reserve_many({0: 10, 1: 10, 2: 10, 3: 7})
+    before = cache.kv.clone()
+    cache.copy_prefix(0, [2, 1], 10)
+    source = cache.kv[:, :, cache.slots(0, 0, 10)]
+    for s in (1, 2):
+        assert torch.equal(cache.kv[:, :, cache.slots(s, 0, 10)], source)
+    owned = [b for t in cache.block_tables.values() for b in t]
+    assert len(owned) == len(set(owned)), "a block is owned twice"
+    untouched = torch.ones(cache.kv.shape[2], dtype=torch.bool)
+    untouched[torch.cat([cache.slots(1, 0, 10), cache.slots(2, 0, 10)])] = False
+    assert torch.equal(cache.kv[:, :, untouched], before[:, :, untouched])
+    cache.commit({s: range(10) for s in (0, 1, 2)})
+    assert all(cache.committed_length(s) == 10 for s in (0, 1, 2))
+    with pytest.raises(IndexError, match="not reserved"):  # sequence 3 holds 7 positions: nothing copied
+        cache.copy_prefix(0, [3], 10)
+    with pytest.raises(ValueError, match="distinct"):
+        cache.copy_prefix(0, [1, 1], 4)
