@@ -13,17 +13,15 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
-from specdec.drafters.base import SequenceView, TargetView, refusals_named
+from specdec.drafters.base import refusals_named
 from specdec.drafters.model_drafter import DraftConfig, ModelDrafter
 
 from specdec.errors import InputError, InputTypeError, SpecdecError
+from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaRunner
 from specdec.models.loader import load_model
-from specdec.pending_trees import PendingTrees
-from specdec.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +138,6 @@ class DraftModelDrafter(ModelDrafter):
         with refusals_named(self.name):
             super().__init__(DraftConfig(**options))
         self.model_spec, self.tokenizer = model, tokenizer
-        self._size_unsaid = False  # attach: a bigger draft model's warning is still to give (_warn_if_bigger)
 
     def cost_key(self) -> str:  # the draft model: its path, else its class and size
         spec = self.model_spec
@@ -181,25 +178,12 @@ class DraftModelDrafter(ModelDrafter):
             logger.info("draft-model: draft model runs in %s, target in %s", runner.dtype, target.dtype)
         return runner
 
-    def attach(self, target: TargetView) -> None:
-        super().attach(target)
-        self._size_unsaid = True
-
-    def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
-        self._warn_if_bigger()
-        return super().propose(seqs)
-
-    def propose_pending(self, seqs: Sequence[SequenceView]) -> PendingTrees:
-        self._warn_if_bigger()
-        return super().propose_pending(seqs)
-
-    def _warn_if_bigger(self) -> None:
-        """A draft model bigger than the target is warned about when it drafts (once per pair of models), not when
-        it loads: one the policy never asks (never_pays_by_shape) is in the policy's one warning instead."""
-        if not self._size_unsaid:
-            return
-        self._size_unsaid = False
+    def _own_cache(self) -> PagedKVCache:
+        """At the call's first draft (ModelDrafter makes its cache then): a draft model bigger than the target is
+        warned about when it drafts (once per pair of models), not when it loads: one the policy never asks
+        (never_pays_by_shape) never gets here, and is in the policy's one warning instead."""
         if (sizes := _bigger(self.runner, self.target.runner)) is not None:
             _warn_once(self.runner, self.target.runner, "draft-model: the draft model (%.1fM parameters) is bigger "
                        "than the target (%.1fM); drafting will likely cost more than it saves (use a smaller draft "
                        "model)", *sizes)
+        return super()._own_cache()
