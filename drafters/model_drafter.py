@@ -3,7 +3,8 @@
 A :class:`ModelDrafter` owns a LlamaRunner (a small model, or the target's first layers) and a paged KV cache
 of the sequence's *committed* tokens:
 
-1. catch up: one batched forward over the tokens committed since the last step; they are committed;
+1. catch up: one batched forward over the tokens committed since the last step; they are committed (copies of a
+   prompt run it once: drafters/prompt_copies.py);
 2. grow: one batched forward per depth over the new frontier nodes of every sequence, their K/V at scratch
    slots past the root (each node sees the committed prefix, the root and its ancestors); a static tree keeps its
    children, chosen or sampled, on the device and is read once (``_grow_static``), others once per depth; a static
