@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +47,7 @@ from specdec.drafters.eagle_kv import EagleKV
 from specdec.drafters.eagle_model import EagleModel
 from specdec.drafters.level_clock import LevelClock
 from specdec.drafters.loaded_once import load_once
+from specdec.drafters.prompt_copies import leaders, prompt_copies
 
 from specdec.cuda_graphs import captures
 from specdec.errors import InputError
@@ -246,10 +247,9 @@ class EagleDrafter(Drafter):
             return call
         views = [seqs[i] for i in live]
         ids = [v.seq_id for v in views]
-        rows = self._catch_up_rows(views)
-        past = self._cached(views)
         if self.graphs is not None and all(i in self.kv for i in ids):
-            out = self.graphs.caught_up_pool(past, rows, depth)
+            rows = self._catch_up_rows(views)
+            out = self.graphs.caught_up_pool(self._cached(views), rows, depth)
             if out is not None:
                 call.pool, new_k, new_v = out
                 self.kv.append(ids, new_k, new_v, rows.counts)
@@ -257,10 +257,7 @@ class EagleDrafter(Drafter):
                 call.levels = lambda p: [2 * p[0] / (depth + 1)] + [p[0] / (depth + 1)] * (depth - 1)
                 return call
         dev = self.target.runner.device
-        x = CatchUpInputs.upload(rows)
-        h_root, new_k, new_v = catch_up(self.model, self.target.runner.embed, x, past.k, past.v, past.real,
-                                        self.grower.fused)
-        self.kv.append(ids, new_k, new_v, rows.counts)
+        h_root = self._catch_up(views)
         clock.mark()
         past = self._cached(views)  # the roots' catch-up: a key each at least
         call.pool = None if self.graphs is None else self.graphs.pool(past, h_root, depth)
@@ -274,6 +271,44 @@ class EagleDrafter(Drafter):
             call.pool = self.grower.tree_rows(inputs, depth, lambda d: clock.mark())
             call.levels = lambda p: [p[0] + p[1]] + p[2:]
         return call
+
+    def _catch_up(self, views: Sequence[SequenceView]) -> torch.Tensor:
+        """The roots' predicted features [B, H], every view's new rows caught up eagerly and their keys / values
+        appended. Copies of a prompt at their first catch-up (drafters/prompt_copies.py) run none of the prompt's
+        rows (a feature at j and the token at j + 1 < prompt: the same inputs as their first's, whose hidden rows the
+        engine's prefill copied): their first's keys / values of those rows are copied into their own slab rows
+        (EagleKV.copy_prefix) and its predicted feature is theirs; the rows a copy has after its prompt (plain steps
+        before its first draft) are caught up after the copy, over the copied keys."""
+        copies = prompt_copies(views, lambda v: v.seq_id not in self.kv and v.num_prompt_tokens > 1
+                               and v.new_hidden.shape[0] == len(v.token_ids) - 1)  # rows from position 0
+        run = [b for b in range(len(views)) if b not in copies]
+        h_root = self._run_catch_up([views[b] for b in run])
+        index = {b: j for j, b in enumerate(run)}  # view -> its row of h_root
+        tails = []  # copies with rows after their prompt: (index in views, the shared rows)
+        for first, group in leaders(copies).items():
+            shared = views[first].num_prompt_tokens - 1
+            self.kv.copy_prefix(views[first].seq_id, [views[b].seq_id for b in group], shared)
+            for b in group:
+                if views[b].new_hidden.shape[0] == shared:
+                    index[b] = index[first]
+                else:
+                    tails.append((b, shared))
+        if tails:
+            tail = [replace(views[b], new_hidden=views[b].new_hidden[n:]) for b, n in tails]
+            index.update({b: len(run) + j for j, (b, _) in enumerate(tails)})
+            h_root = torch.cat([h_root, self._run_catch_up(tail)])
+        if not copies:
+            return h_root
+        return h_root[to_device([index[b] for b in range(len(views))], torch.long, h_root.device)]
+
+    def _run_catch_up(self, views: Sequence[SequenceView]) -> torch.Tensor:
+        """One catch-up over every view's ``new_hidden`` rows, their keys / values appended: the roots' predicted
+        features [B, H]."""
+        rows, past = self._catch_up_rows(views), self._cached(views)
+        h_root, new_k, new_v = catch_up(self.model, self.target.runner.embed, CatchUpInputs.upload(rows), past.k,
+                                        past.v, past.real, self.grower.fused)
+        self.kv.append([v.seq_id for v in views], new_k, new_v, rows.counts)
+        return h_root
 
     def _cached(self, views: Sequence[SequenceView]) -> CachedKeys:
         """The sequences' cached keys / values in the slab, right-padded (None when none has a key yet)."""

@@ -2,6 +2,7 @@
 
     kv = EagleKV(kv_heads, head_dim, dtype, device)
     kv.append(seq_ids, new_k, new_v, counts)  # [B, kv_heads, L, head_dim]: sequence b's first counts[b] columns
+    kv.copy_prefix(src, dsts, n)              # new sequences start with src's first n columns (copies of a prompt)
     k, v = kv.gather(seq_ids)                 # [B, kv_heads, P, head_dim] right-padded; None, None when no
                                               # sequence has a key
     kv.release(seq_id)
@@ -45,9 +46,7 @@ class EagleKV:
         head_dim]; a sequence seen for the first time gets a row."""
         for seq_id in seq_ids:
             if seq_id not in self.row:
-                if not self.free:
-                    self._grow(rows=2 * self.k.shape[0])
-                self.row[seq_id], self.length[seq_id] = self.free.pop(), 0
+                self._take_row(seq_id)
         needed = max(self.length[i] + n for i, n in zip(seq_ids, counts, strict=True))
         if needed > self.k.shape[2]:
             capacity = self.k.shape[2]
@@ -67,6 +66,28 @@ class EagleKV:
         row, col, src_b, src_j = to_device(index, torch.long, self.device)
         self.k[row, :, col] = new_k[src_b, :, src_j]
         self.v[row, :, col] = new_v[src_b, :, src_j]
+
+    def copy_prefix(self, src: int, dsts, n: int) -> None:
+        """Each sequence of ``dsts`` (none holds keys yet) gets a row of its own holding ``src``'s first ``n`` keys /
+        values, bit for bit: one indexed store per tensor (copies of a prompt at their first catch-up,
+        drafters/prompt_copies.py). ``src`` must hold at least ``n``."""
+        if self.length.get(src, 0) < n or any(d in self.row or d == src for d in dsts) or len(set(dsts)) != len(dsts):
+            raise ValueError(f"copy_prefix: {n} keys of sequence {src} into {list(dsts)}: the copies must be new and "
+                             f"distinct, and {src} must hold them")
+        for d in dsts:
+            self._take_row(d)
+            self.length[d] = n
+        if not dsts or n <= 0:
+            return
+        rows, src_row = to_device([self.row[d] for d in dsts], torch.long, self.device), self.row[src]
+        self.k[rows, :, :n] = self.k[src_row, :, :n]  # broadcast: src's columns are read once
+        self.v[rows, :, :n] = self.v[src_row, :, :n]
+
+    def _take_row(self, seq_id: int) -> None:
+        """A free row for a sequence seen for the first time, holding no key (the slab grows when none is free)."""
+        if not self.free:
+            self._grow(rows=2 * self.k.shape[0])
+        self.row[seq_id], self.length[seq_id] = self.free.pop(), 0
 
     def gather(self, seq_ids) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The sequences' keys / values right-padded to the longest ([B, kv_heads, P, head_dim] each; None when P

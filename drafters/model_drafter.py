@@ -3,7 +3,8 @@
 A :class:`ModelDrafter` owns a LlamaRunner (a small model, or the target's first layers) and a paged KV cache
 of the sequence's *committed* tokens:
 
-1. catch up: one batched forward over the tokens committed since the last step; they are committed;
+1. catch up: one batched forward over the tokens committed since the last step; they are committed (copies of a
+   prompt run it once: drafters/prompt_copies.py);
 2. grow: one batched forward per depth over the new frontier nodes of every sequence, their K/V at scratch
    slots past the root (each node sees the committed prefix, the root and its ancestors); a static tree keeps its
    children, chosen or sampled, on the device and is read once (``_grow_static``), others once per depth; a static
@@ -39,6 +40,7 @@ import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView
 from specdec.drafters.draft_vocab import DraftVocab
 from specdec.drafters.level_clock import LevelClock
+from specdec.drafters.prompt_copies import leaders, prompt_copies
 from specdec.drafters.top_k import top_k
 
 from specdec.attention import BatchBuilder
@@ -327,6 +329,10 @@ class ModelDrafter(Drafter):
         return self.runner.forward(tokens, batch.positions, batch.plan, self.cache, rows).logits
 
     def _catch_up(self, live: list[SequenceView]) -> torch.Tensor:  # [B, vocab] logits at each root
+        """A causal run over the tokens the draft model has not seen yet, committed. Copies of a prompt at their first
+        catch-up (drafters/prompt_copies.py) run none of it: their first's K/V of the prompt are copied into their
+        own blocks (PagedKVCache.copy_prefix) and its logits at the prompt's end are theirs; the tokens a copy has
+        after its prompt (plain steps before its first draft) run in a second forward, over the copied keys."""
         cache = self.cache
         for v in live:
             if v.seq_id not in cache.lengths:
@@ -335,14 +341,34 @@ class ModelDrafter(Drafter):
                 cache.free(v.seq_id)
                 cache.add(v.seq_id)
         cache.reserve_many({v.seq_id: len(v.token_ids) - cache.lengths[v.seq_id] for v in live})
+        copies = prompt_copies(live, lambda v: cache.lengths[v.seq_id] == 0)
         builder = BatchBuilder(cache, self.runner.device)
-        last_rows = []
-        for v in live:  # a causal run over the tokens the draft model has not seen yet
-            cached = cache.lengths[v.seq_id]
-            rows = builder.add(v.seq_id, v.token_ids[cached:], range(cached, len(v.token_ids)),
-                               num_keys=len(v.token_ids), num_visible=cached)
-            last_rows.append(rows[-1])
+        runs: dict[int, range] = {}  # index in live -> its rows in the first forward
+        for b, v in enumerate(live):
+            if b not in copies:
+                cached = cache.lengths[v.seq_id]
+                runs[b] = builder.add(v.seq_id, v.token_ids[cached:], range(cached, len(v.token_ids)),
+                                      num_keys=len(v.token_ids), num_visible=cached)
         logits = self._forward(builder)
+        last_rows = {b: r[-1] for b, r in runs.items()}  # index in live -> its root's row of the logits
+        tails = []  # copies with tokens after their prompt: (index in live, the prompt's length)
+        for first, group in leaders(copies).items():
+            prompt = live[first].num_prompt_tokens
+            cache.copy_prefix(live[first].seq_id, [live[b].seq_id for b in group], prompt)
+            for b in group:
+                if len(live[b].token_ids) == prompt:  # the first's logits at the prompt's last token
+                    last_rows[b] = runs[first][prompt - 1]
+                else:
+                    tails.append((b, prompt))
+        if tails:  # over the copied keys
+            builder = BatchBuilder(cache, self.runner.device)
+            for b, prompt in tails:
+                v = live[b]
+                last_rows[b] = logits.shape[0] + builder.add(
+                    v.seq_id, v.token_ids[prompt:], range(prompt, len(v.token_ids)), num_keys=len(v.token_ids),
+                    num_visible=prompt)[-1]
+            logits = torch.cat([logits, self._forward(builder)])
+        last_rows = [last_rows[b] for b in range(len(live))]
         cache.commit({v.seq_id: range(len(v.token_ids) - cache.lengths[v.seq_id]) for v in live})
         return logits[to_device(last_rows, torch.long, logits.device)]
 
