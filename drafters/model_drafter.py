@@ -315,18 +315,20 @@ class ModelDrafter(Drafter):
         return PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, tc.num_blocks, tc.block_size,
                             self.runner.dtype, self.runner.device, self.runner.backend)
 
-    def _forward(self, builder: BatchBuilder, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """[rows, vocab] logits of every new token; ``token_ids`` [rows] on the device stand for the builder's
-        (placeholder) tokens."""
+    def _forward(self, builder: BatchBuilder, token_ids: torch.Tensor | None = None,
+                 rows: list[int] | None = None) -> torch.Tensor:
+        """[rows, vocab] logits of every new token, or of the builder's rows ``rows`` only (the LM head runs on no
+        other); ``token_ids`` [rows] on the device stand for the builder's (placeholder) tokens."""
         self.draft_forwards += 1
         batch = builder.build()
         if self.graphed is not None:
             out = self.graphed(batch, token_ids)
             if out is not None:  # else a prefill, or no bucket fits: eager
-                return out.logits
+                return out.logits if rows is None else out.logits[to_device(rows, torch.long, out.logits.device)]
         tokens = batch.token_ids if token_ids is None else token_ids
-        rows = torch.arange(tokens.numel(), device=tokens.device)
-        return self.runner.forward(tokens, batch.positions, batch.plan, self.cache, rows).logits
+        wanted = (torch.arange(tokens.numel(), device=tokens.device) if rows is None
+                  else to_device(rows, torch.long, tokens.device))
+        return self.runner.forward(tokens, batch.positions, batch.plan, self.cache, wanted).logits
 
     def _catch_up(self, live: list[SequenceView]) -> torch.Tensor:  # [B, vocab] logits at each root
         """A causal run over the tokens the draft model has not seen yet, committed. Copies of a prompt at their first
@@ -349,25 +351,27 @@ class ModelDrafter(Drafter):
                 cached = cache.lengths[v.seq_id]
                 runs[b] = builder.add(v.seq_id, v.token_ids[cached:], range(cached, len(v.token_ids)),
                                       num_keys=len(v.token_ids), num_visible=cached)
-        logits = self._forward(builder)
-        last_rows = {b: r[-1] for b, r in runs.items()}  # index in live -> its root's row of the logits
+        # the LM head runs on each run's last row only: a root's logits are all that is read
+        logits = self._forward(builder, rows=[r[-1] for r in runs.values()])
+        last_rows = {b: j for j, b in enumerate(runs)}  # index in live -> its root's row of the logits
         tails = []  # copies with tokens after their prompt: (index in live, the prompt's length)
         for first, group in leaders(copies).items():
             prompt = live[first].num_prompt_tokens
             cache.copy_prefix(live[first].seq_id, [live[b].seq_id for b in group], prompt)
             for b in group:
-                if len(live[b].token_ids) == prompt:  # the first's logits at the prompt's last token
-                    last_rows[b] = runs[first][prompt - 1]
+                if len(live[b].token_ids) == prompt:  # the first's logits at the prompt's last token, its last row
+                    last_rows[b] = last_rows[first]
                 else:
                     tails.append((b, prompt))
         if tails:  # over the copied keys
             builder = BatchBuilder(cache, self.runner.device)
-            for b, prompt in tails:
+            ends = []
+            for j, (b, prompt) in enumerate(tails):
                 v = live[b]
-                last_rows[b] = logits.shape[0] + builder.add(
-                    v.seq_id, v.token_ids[prompt:], range(prompt, len(v.token_ids)), num_keys=len(v.token_ids),
-                    num_visible=prompt)[-1]
-            logits = torch.cat([logits, self._forward(builder)])
+                last_rows[b] = logits.shape[0] + j
+                ends.append(builder.add(v.seq_id, v.token_ids[prompt:], range(prompt, len(v.token_ids)),
+                                        num_keys=len(v.token_ids), num_visible=prompt)[-1])
+            logits = torch.cat([logits, self._forward(builder, rows=ends)])
         last_rows = [last_rows[b] for b in range(len(live))]
         cache.commit({v.seq_id: range(len(v.token_ids) - cache.lengths[v.seq_id]) for v in live})
         return logits[to_device(last_rows, torch.long, logits.device)]

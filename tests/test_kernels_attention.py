@@ -356,8 +356,8 @@ def test_draft_model_tree_logits_match_the_reference_backend(monkeypatch):
     draft = build_tiny_model("llama-gqa-tied", 64, seed=7)
 
     class Spy(DraftModelDrafter):
-        def _forward(self, *args):
-            logits = super()._forward(*args)
+        def _forward(self, *args, **kwargs):
+            logits = super()._forward(*args, **kwargs)
             if self.record:
                 self.logits.append(logits.float().cpu())
             return logits
