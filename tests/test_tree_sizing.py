@@ -131,6 +131,38 @@ def test_guard_turns_speculation_off_for_a_drafter_that_never_matches_and_back_o
     assert len([a for a in drafter.asked_at if a < 40]) == 40  # one token per step until the switch
 
 
+def test_a_drafter_held_off_costs_its_probes_only_its_other_steps_launch_what_plain_steps_do(fixed_costs,
+                                                                                                monkeypatch):
+    """The steps the guard decodes plainly, before and after a probe, run plain decoding's ops at that position (no
+    block, attention path or tree left over from a probe), counted: per step the ops that launch work."""
+    from specdec.engine import Engine
+    from specdec.launches import Launches
+
+    steps = []  # (root position, probed, ops launched)
+    step = Engine.step
+
+    def counted(engine):
+        s = engine.live[0]
+        position, asked = len(s.token_ids), s.proposals
+        with Launches() as launched:
+            out = step(engine)
+        steps.append((position, s.proposals > asked, launched.ops))
+        return out
+
+    monkeypatch.setattr(Engine, "step", counted)
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompt = [1, 2, 3, 4]
+    plain = generate(model, [prompt], max_new_tokens=140)[0]
+    plain_ops = {position: ops for position, _, ops in steps}
+    steps.clear()
+    assert generate(model, [prompt], max_new_tokens=140, drafter=Scripted(plain, 4, 32, switch=10**9))[0] == plain
+    probes = [i for i, (_, probed, _) in enumerate(steps) if probed]
+    assert len(probes) >= 3 and probes[-1] < len(steps) - 10, probes  # unprobed steps after several probes
+    differ = [(i, dict(ops - plain_ops[p]), dict(plain_ops[p] - ops)) for i, (p, probed, ops) in enumerate(steps)
+              if not probed and ops != plain_ops[p]]
+    assert not differ, (probes, differ[:3])
+
+
 class LuckyOnce(Scripted):
     """Wrong, except on its ``lucky``-th propose call (0-based)."""
 
