@@ -17,6 +17,8 @@ with ``speculation="always"`` the whole tree is verified.
 Each sequence keeps an incremental index (n-gram -> end positions) that is extended only
 by the tokens appended since the previous call, so a step costs
 O(max_ngram * new tokens + occurrences scanned + tree size), independent of history length.
+Copies of a prompt (:mod:`specdec.drafters.prompt_copies`) index it once: each copy starts from a copy of its
+first's index over the prompt (same keys, same positions) and indexes only its own tokens after it.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from dataclasses import dataclass, fields
 
 import torch
 from specdec.drafters.base import Drafter, SequenceView
+from specdec.drafters.prompt_copies import leaders, prompt_copies
 
 from specdec.errors import InputError, InputTypeError
 from specdec.tree import MAX_TREE_NODES, DraftTree
@@ -81,6 +84,13 @@ class _SeqIndex:
             n: {} for n in range(min_ngram, max_ngram + 1)
         }
 
+    def copy(self) -> _SeqIndex:
+        """An index of its own with the same content (no list shared: each sequence appends to its own)."""
+        twin = _SeqIndex.__new__(_SeqIndex)
+        twin.length, twin.tail = self.length, list(self.tail)
+        twin.tables = {n: {key: list(ends) for key, ends in table.items()} for n, table in self.tables.items()}
+        return twin
+
 
 class NGramDrafter(Drafter):
     options_config = NGramConfig  # what **options configure (drafters.registry.option_names)
@@ -123,6 +133,7 @@ class NGramDrafter(Drafter):
         self.acceptance.clear()
 
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
+        self._index_prompt_copies(seqs)
         return [self._propose_one(s) for s in seqs]
 
     def release(self, seq_id: int) -> None:
@@ -161,6 +172,16 @@ class NGramDrafter(Drafter):
         return (match, min(depth, 8))
 
     # ---- internals --------------------------------------------------------------------------
+    def _index_prompt_copies(self, seqs: Sequence[SequenceView]) -> None:
+        """Copies of a prompt never indexed before: the first indexes the prompt, the others copy its index (module
+        doc); each then indexes its own tokens after the prompt in :meth:`_sync`."""
+        copies = prompt_copies(seqs, lambda v: v.seq_id not in self._index)
+        for first, group in leaders(copies).items():
+            seq = seqs[first]
+            prompt = self._sync(seq.seq_id, seq.token_ids[: seq.num_prompt_tokens])
+            for i in group:
+                self._index[seqs[i].seq_id] = prompt.copy()
+
     def _sync(self, seq_id: int, tokens: Sequence[int]) -> _SeqIndex:
         """Bring the index of `seq_id` up to date with `tokens`, touching only new tokens."""
         cfg = self.config

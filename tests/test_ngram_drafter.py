@@ -208,6 +208,35 @@ def test_release_frees_state():
     assert propose1(d, [9, 8, 9], seq_id=7).tokens.tolist()[:1] == [8]
 
 
+def test_copies_of_a_prompt_index_it_once():
+    """Copies of one prompt (num_return_sequences) index the prompt once and their own tokens after it each; every
+    copy proposes and holds what it would alone, in lists of its own."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(30) for _ in range(60)]
+    tails = [[5, 6, 7, 5, 6], [8, 9, 8, 9, 1], [2, 2, 3, 2, 2]]  # each copy's own plain steps after the prompt
+    seqs = [SequenceView(i, prompt + tail, len(prompt)) for i, tail in enumerate(tails)]
+    seqs.append(SequenceView(9, prompt[:30] + tails[0], 30))  # another prompt: indexed on its own
+    d = NGramDrafter()
+    trees = d.propose(seqs)
+
+    def updates(tokens) -> int:
+        alone = NGramDrafter()
+        alone._sync(0, tokens)
+        return alone.index_updates
+
+    own = [updates(s.token_ids) - updates(prompt) for s in seqs[:3]]
+    assert d.index_updates == updates(prompt) + sum(own) + updates(seqs[3].token_ids)
+    def content(tree: DraftTree) -> tuple[list, list, list]:
+        return tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
+
+    for s, tree in zip(seqs, trees, strict=True):
+        alone = NGramDrafter()
+        assert content(tree) == content(propose1(alone, s.token_ids))
+        assert d._index[s.seq_id].tables == alone._index[0].tables
+    first, copy = d._index[0].tables[1], d._index[1].tables[1]
+    assert all(first[key] is not copy[key] for key in first)  # appending to one never changes the other
+
+
 def test_per_step_work_is_independent_of_history_length():
     rng = random.Random(0)
     cfg = NGramConfig()
