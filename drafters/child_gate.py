@@ -8,7 +8,9 @@ left out, and asked again from time to time.
     gate.observe(successes, nodes)                   # a sequence's step where every child ran
 
 **The choice.** Every step where all children ran leaves a record: per child, how many levels of its own
-proposal matched the committed tokens (``successes``) and how many nodes it proposed. The merge is a trie union,
+proposal matched the committed tokens (``successes``) and how many of its nodes the engine's sizing would verify
+(the best-paying prefix by its calibrated path scores: a generous child, n-gram, proposes ~20 nodes where one or two
+pay, and priced at all of them it looked dearer than a costly one-node child adding nothing). The merge is a trie union,
 so a subset S commits ``1 + max_{k in S} successes_k`` tokens on a record. The gate runs the subset with the most
 expected committed tokens per unit of cost over the last ``window`` records, in plain decode steps::
 

@@ -169,6 +169,42 @@ def test_a_left_out_child_gets_the_hidden_rows_of_the_calls_it_missed(monkeypatc
     assert child.calls == 3 and child.rows[0] == len(tokens) - 2 - 1
 
 
+class Generous(Drafter):
+    """The right next token (score 0.9) and 40 wrong siblings (score 0.05): n-gram's generous trees, of which the
+    engine's sizing verifies the one node that pays."""
+
+    name = "generous"
+
+    def propose(self, seqs):
+        tokens = [7] + list(range(10, 50))
+        return [DraftTree(tokens, [-1] * len(tokens), scores=torch.tensor([0.9] + [0.05] * 40)) for _ in seqs]
+
+
+class Counted(Drafter):
+    """One wrong node per call (score 0.5), counting its calls."""
+
+    name, calls = "counted", 0
+
+    def propose(self, seqs):
+        self.calls += 1
+        return [DraftTree.chain([3], scores=torch.tensor([0.5])) for _ in seqs]
+
+
+def test_the_gate_prices_a_childs_tree_by_the_nodes_sizing_would_verify(monkeypatch):
+    """A child proposing 41 nodes of which one pays is priced at the one node: a costlier child that adds nothing
+    is left out. Priced at all 41 nodes (c = 3.05 decode steps), the generous child looked worse than the costly one
+    alone, which then ran at every call (ngram+eagle on translation: EAGLE ran at every call, adding nothing)."""
+    costly = Counted()
+    combined = CombinedDrafter([Generous(), costly])
+    combined.attach(type("Target", (), {"runner": None, "costs": CostView(tree_cost, lambda b: 0.1)})())
+    record = combined.gate.record_seconds  # child 1's calls take 10 ms longer: 0.1 decode steps
+    monkeypatch.setattr(combined.gate, "record_seconds", lambda k, s, catch_up: record(k, 0.01 * k, catch_up))
+    for _ in range(100):
+        combined.propose([SequenceView(0, [1, 2, 3], 3)])
+        combined.on_accept(0, [7, 8])
+    assert costly.calls <= 100 // 5 + 3  # the warm-up, then a probe every ceil(0.1 / 0.02) = 5 calls
+
+
 def gated(children: list, decode_seconds, monkeypatch) -> CombinedDrafter:
     """A combined drafter whose gate sees a fixed decode time (None: none offered) and times child k's calls 50 ms
     longer than they took: the decisions do not depend on the machine's load. The runs use speculation="always",
