@@ -8,11 +8,10 @@ left out, and asked again from time to time.
     gate.observe(successes, nodes)                   # a sequence's step where every child ran
 
 **The choice.** Every step where all children ran leaves a record: per child, how many levels of its own
-proposal matched the committed tokens (``successes``) and how many of its nodes the engine's sizing would verify
-(the best-paying prefix by its calibrated path scores: a generous child, n-gram, proposes ~20 nodes where one or two
-pay, and priced at all of them it looked dearer than a costly one-node child adding nothing). The merge is a trie union,
-so a subset S commits ``1 + max_{k in S} successes_k`` tokens on a record. The gate runs the subset with the most
-expected committed tokens per unit of cost over the last ``window`` records, in plain decode steps::
+proposal matched the committed tokens (``successes``) and how many of its nodes sizing would verify (the best-paying
+prefix by calibrated path scores: priced at all ~20 it proposes, n-gram looked dearer than EAGLE's one node). As the
+merge is a trie union, a subset S commits ``1 + max_{k in S} successes_k`` tokens on a record. The gate runs the
+subset with the most expected committed tokens per unit of cost over the last ``window`` records, in decode steps::
 
     (1 + mean max_{k in S} successes_k) / (sum_{k in S} d_k + c(1 + min(sum_{k in S} nodes_k, nodes_cap)))
 

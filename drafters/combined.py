@@ -12,9 +12,8 @@ Modes (``CombinedConfig.mode``): ``"merge"`` (default), the trie union of the ch
 merged exactly, so then each probabilistic tree competes whole, as in ``"best"``: the child tree with the most
 expected committed tokens (1 + sum of node path acceptance estimates) per unit of estimated cost.
 
-Estimates: a child tree's ``scores`` where it has them, calibrated per child (:mod:`specdec.score_bins`: the sizing's
-own bins cannot tell children apart, and EAGLE's rejected guesses at 0.9 cut n-gram's chains at 0.9), else the
-child's acceptance per level from ``on_accept`` (a Beta prior of ``prior_weight`` pseudo-trials at ``prior_score``).
+Estimates: a child tree's ``scores``, calibrated per child (:mod:`specdec.score_bins`: in one set of bins EAGLE's
+rejected guesses cut n-gram's chains), else its acceptance per level (Beta prior: ``prior_weight`` x ``prior_score``).
 Verify cost of n nodes, in decode steps: ``verify_cost(n)`` if given; else the engine's sizing curve
 (``TargetView.costs``) under ``speculation="auto"``; else, with ``cost_model=True``, the calibrated curve; else
 ``1 + alpha * n``. The engine's sizing may prune the offered tree further (pruning is exact).
