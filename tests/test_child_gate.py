@@ -103,6 +103,25 @@ def test_a_child_timed_only_by_its_catch_up_is_not_left_out_by_that_time():
     assert all(run[1] for run in runs)
 
 
+def test_a_calls_own_records_replace_an_earlier_calls_once_it_has_a_few():
+    """What an earlier call's text taught the gate decides only until the call has ``warmup`` records of its own: a
+    costly child that added two levels on the earlier text and adds nothing on this one is left out from the 4th
+    call (weighed with the 32 recalled records, it ran for ~30 calls: ngram+eagle after a chat, on rag)."""
+    key = ("test", "own records replace recalled ones")
+    first = gate_with([0.001, 0.01])  # draft costs 0.01 and 0.1 decode steps
+    first.start(CostView(tree_cost, lambda batch: 0.1), key)
+    for k, s in enumerate([0.001, 0.01]):
+        first.record_seconds(k, s, catch_up=False)
+    drive(first, 60, lambda call: ((0, 2), (2, 1)))
+    first.finish()
+    gate = ChildGate(2, GateConfig())
+    gate.start(CostView(tree_cost, lambda batch: 0.1), key)
+    assert len(gate.records) == 32
+    runs = drive(gate, 40, lambda call: ((1, 0), (2, 1)))
+    assert all(run[1] for run in runs[:3])  # the earlier text decides the first calls
+    assert sum(run[1] for run in runs[3:]) <= 37 // 5 + 1  # then probes only, every ceil(0.1 / 0.02) = 5 calls
+
+
 def test_the_gate_is_off_without_the_policys_costs():
     gate = ChildGate(2)
     gate.start(None)
