@@ -8,9 +8,10 @@ left out, and asked again from time to time.
     gate.observe(successes, nodes)                   # a sequence's step where every child ran
 
 **The choice.** Every step where all children ran leaves a record: per child, how many levels of its own
-proposal matched the committed tokens (``successes``) and how many nodes it proposed. The merge is a trie union,
-so a subset S commits ``1 + max_{k in S} successes_k`` tokens on a record. The gate runs the subset with the most
-expected committed tokens per unit of cost over the last ``window`` records, in plain decode steps::
+proposal matched the committed tokens (``successes``) and how many of its nodes sizing would verify (the best-paying
+prefix by calibrated path scores: priced at all ~20 it proposes, n-gram looked dearer than EAGLE's one node). As the
+merge is a trie union, a subset S commits ``1 + max_{k in S} successes_k`` tokens on a record. The gate runs the
+subset with the most expected committed tokens per unit of cost over the last ``window`` records, in decode steps::
 
     (1 + mean max_{k in S} successes_k) / (sum_{k in S} d_k + c(1 + min(sum_{k in S} nodes_k, nodes_cap)))
 
@@ -23,9 +24,9 @@ per decode step and ``c`` the verify-cost curve the combined drafter ranks trees
 (timed by a step, not by a first call's catch-up): a costly child run on every call of the warm-up made the whole
 drafter look too dear to the break-even guard, which held it back, its cheap children with it, for dozens of steps.
 
-**Memory**: records and timings are kept across calls per ``memory_key`` (:mod:`specdec.drafters.call_memory`).
-**Off** without the policy's costs (``speculation="always"``, seeded standard sampling): every child runs at every
-call. Why the gate exists: docs/speculation-policy.md.
+**Memory**: kept across calls per ``memory_key`` (:mod:`specdec.drafters.call_memory`); a call with ``warmup`` records
+of its own weighs only those (an earlier text's records kept EAGLE running on rag). **Off** without the policy's
+costs (``speculation="always"``, seeded standard sampling): every child runs. Why: docs/speculation-policy.md.
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ class ChildGate(CallMemory):
         self.since_full = 0  # calls since every child last ran
         self.best: tuple[int, ...] | None = None  # the subset run outside probes (the warm-up's cheap children)
         self.probe_next = False  # the last probe showed the left-out children adding tokens
+        self.own = 0  # records observed in this call (the others were recalled from an earlier call's text)
 
     @property
     def runs(self) -> list[int]:
@@ -79,6 +81,7 @@ class ChildGate(CallMemory):
     def observe(self, successes: tuple[int, ...], nodes: tuple[int, ...]) -> None:
         """A sequence's step where every child ran: levels of each child's proposal that matched, its nodes."""
         self.records.append((successes, nodes))
+        self.own += 1
         if self.best is not None and self._left_out_add(successes, self.best):
             self.probe_next = True
 
@@ -94,11 +97,18 @@ class ChildGate(CallMemory):
     def value(self, subset: tuple[int, ...], batch: int, tree_cost: Callable[[int, int], float],
               nodes_cap: int) -> float:
         """Expected committed tokens per decode step of cost when the children in ``subset`` run (module doc)."""
-        count = len(self.records)
-        tokens = 1.0 + sum(max(succ[k] for k in subset) for succ, _ in self.records) / count
-        nodes = min(sum(sum(n[k] for _, n in self.records) for k in subset) / count, nodes_cap)
+        records = self.weighed()
+        count = len(records)
+        tokens = 1.0 + sum(max(succ[k] for k in subset) for succ, _ in records) / count
+        nodes = min(sum(sum(n[k] for _, n in records) for k in subset) / count, nodes_cap)
         cost = sum(self.draft_cost(k, batch) for k in subset) + tree_cost(math.ceil(nodes), batch)
         return tokens / max(cost, 1e-9)
+
+    def weighed(self) -> list:
+        """The records a decision weighs: this call's once it has ``warmup`` of them, else every one kept (module
+        doc, Memory)."""
+        own = min(self.own, len(self.records))
+        return list(self.records)[-own:] if own >= self.config.warmup else list(self.records)
 
     def choose(self, batch: int, tree_cost: Callable[[int, int], float], nodes_cap: int) -> tuple[bool, ...]:
         """Which children propose this call; ``tree_cost(nodes, batch)``: verify cost of a tree of that many nodes

@@ -12,11 +12,11 @@ Modes (``CombinedConfig.mode``): ``"merge"`` (default), the trie union of the ch
 merged exactly, so then each probabilistic tree competes whole, as in ``"best"``: the child tree with the most
 expected committed tokens (1 + sum of node path acceptance estimates) per unit of estimated cost.
 
-Estimates: a child tree's ``scores`` where it has them, else the child's acceptance per level observed from
-``on_accept`` (a Beta prior of ``prior_weight`` pseudo-trials at ``prior_score``). Verify cost of n nodes, in
-decode steps: ``verify_cost(n)`` if given; else the engine's sizing curve (``TargetView.costs``) under
-``speculation="auto"``; else, with ``cost_model=True``, the calibrated curve; else ``1 + alpha * n``. The
-engine's sizing may prune the offered tree further (pruning is exact).
+Estimates: a child tree's ``scores``, calibrated per child (:mod:`specdec.score_bins`: in one set of bins EAGLE's
+rejected guesses cut n-gram's chains), else its acceptance per level (Beta prior: ``prior_weight`` x ``prior_score``).
+Verify cost of n nodes, in decode steps: ``verify_cost(n)`` if given; else the engine's sizing curve
+(``TargetView.costs``) under ``speculation="auto"``; else, with ``cost_model=True``, the calibrated curve; else
+``1 + alpha * n``. The engine's sizing may prune the offered tree further (pruning is exact).
 
 Sampled children: whether a sampled tree is verified may depend only on what was fixed before its tokens were
 drawn, so it is valued by the child's rate on the shape of its previous sampled tree, never by the tree at hand
@@ -47,8 +47,10 @@ from specdec.drafters.registry import check_options, drafter_class
 
 from specdec.cuda_graphs import captures
 from specdec.errors import InputError, InputTypeError
+from specdec.score_bins import corrected, learn, new_bins, tried_nodes
 from specdec.tree import MAX_TREE_NODES, DraftError, DraftMode, DraftTree, matched_levels
-from specdec.tree_merge import expected_committed_tokens, merge_trees
+from specdec.tree_merge import expected_committed_tokens, merge_trees, path_scores
+from specdec.tree_sizing import SizingConfig, best_prefix
 
 if TYPE_CHECKING:
     from specdec.models.llama import LlamaRunner
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MODES = ("merge", "best")
+_CALIBRATION = SizingConfig()  # the tree sizer's decay, prior weight and margin: children's calibration, gate nodes
 
 
 @dataclass(frozen=True)
@@ -203,8 +206,10 @@ class CombinedDrafter(Drafter):
         self.needs_hidden_states = any(c.needs_hidden_states for c in self.children)
         self.catches_up = any(c.catches_up for c in self.children)
         self.rates = [_Rate() for _ in self.children]
-        # seq_id -> (whether every child ran, per child (tokens, parents) of its last proposal): online rates, gate
-        self._last: dict[int, tuple[bool, list[tuple[list[int], list[int]]]]] = {}
+        # seq_id -> (whether every child ran, per child (tokens, parents, scores or None, nodes sizing would keep) of
+        # its last proposal): online rates, score calibration, gate
+        self._last: dict[int, tuple[bool, list[tuple[list[int], list[int], list[float] | None, int]]]] = {}
+        self.score_bins = [new_bins() for _ in self.children]  # per child: its scores' calibration (Estimates)
         self.gate = ChildGate(len(self.children))
         self.left_out: frozenset[int] = frozenset()  # children that never pay, out of this run (never_pays_by_shape)
         self._held: dict[tuple[int, int], torch.Tensor] = {}  # (child, seq_id) -> hidden rows it has not seen yet
@@ -227,6 +232,7 @@ class CombinedDrafter(Drafter):
         """A new run: the children's rates start from the prior again (as in a fresh instance)."""
         self.target = target
         self.rates = [_Rate() for _ in self.children]
+        self.score_bins = [new_bins() for _ in self.children]
         self._sampled_shape = [None] * len(self.children)
         self.left_out = frozenset()
         self._last.clear()
@@ -251,13 +257,16 @@ class CombinedDrafter(Drafter):
     def on_accept(self, seq_id: int, committed: Sequence[int]) -> None:
         full, trees = self._last.pop(seq_id, (False, []))
         matched = []
-        for k, tree in enumerate(trees):
-            trials, successes = matched_levels(*tree, committed)
+        for k, (tokens, parents, scores, _) in enumerate(trees):
+            trials, successes = matched_levels(tokens, parents, committed)
             self.rates[k].trials += trials
             self.rates[k].successes += successes
             matched.append(successes)
+            if scores is not None:
+                for i, accepted in tried_nodes(tokens, parents, committed):
+                    learn(self.score_bins[k], scores[i], accepted, _CALIBRATION.decay)
         if full and trees:
-            self.gate.observe(tuple(matched), tuple(len(tokens) for tokens, _ in trees))
+            self.gate.observe(tuple(matched), tuple(kept for *_, kept in trees))
         for child in self.children:
             child.on_accept(seq_id, committed)
 
@@ -305,22 +314,27 @@ class CombinedDrafter(Drafter):
             if not run[k]:
                 self._hold_hidden(k, seqs)
                 per_child.append([DraftTree.empty() for _ in seqs])
-                lists.append([([], [])] * len(seqs))
+                lists.append([([], [], None)] * len(seqs))
                 continue
             catch_up = child.catches_up and any((k, v.seq_id) not in self._seen for v in seqs)
             captured, t0 = captures(), time.perf_counter()
             trees = child.propose(self._views_for(k, seqs))
             if len(trees) != len(seqs):
                 raise DraftError(f"{child.name}: returned {len(trees)} trees for {len(seqs)} sequences")
-            lists.append([(t.tokens.tolist(), t.parents.tolist()) for t in trees])  # syncs: timed with the drafts
+            # syncs: timed with the drafts; the scores of a deterministic tree calibrate the child's (Estimates)
+            lists.append([(t.tokens.tolist(), t.parents.tolist(), t.scores.tolist()
+                           if t.scores is not None and t.mode is DraftMode.DETERMINISTIC else None) for t in trees])
             # a call that captured a CUDA graph is a one-off too (DraftTime)
             self.gate.record_seconds(k, time.perf_counter() - t0, catch_up or captures() > captured)
             self._seen.update((k, v.seq_id) for v in seqs)
             per_child.append(trees)
         out = []
         for s, view in enumerate(seqs):
-            self._last[view.seq_id] = (all(run), [lists[k][s] for k in range(len(self.children))])
-            out.append(self._combine([per_child[k][s] for k in range(len(self.children))]))
+            scored = [self._with_scores(k, per_child[k][s]) for k in range(len(self.children))]
+            # the gate prices each child's tree by the nodes sizing would verify of it, not by all it proposed
+            kept = [self._paying_nodes(t) if self.gate.active else t.num_nodes for t in scored]
+            self._last[view.seq_id] = (all(run), [(*lists[k][s], kept[k]) for k in range(len(self.children))])
+            out.append(self._choose(scored))
         for k, trees in enumerate(per_child):  # after every choice of this call: they value the next call's trees
             last = next((t for t in reversed(trees) if t.num_nodes and t.mode is not DraftMode.DETERMINISTIC), None)
             if last is not None:
@@ -351,7 +365,12 @@ class CombinedDrafter(Drafter):
         return out
 
     def _combine(self, trees: list[DraftTree]) -> DraftTree:
-        scored = [(k, self._with_scores(k, t)) for k, t in enumerate(trees) if t.num_nodes]
+        """The tree offered for the children's ``trees`` (one per child, empty where it did not run)."""
+        return self._choose([self._with_scores(k, t) for k, t in enumerate(trees)])
+
+    def _choose(self, trees: list[DraftTree]) -> DraftTree:
+        """:meth:`_combine` of trees already scored (:meth:`_with_scores`)."""
+        scored = [(k, t) for k, t in enumerate(trees) if t.num_nodes]
         if not scored:
             return trees[0]
         if len(scored) == 1:
@@ -381,15 +400,29 @@ class CombinedDrafter(Drafter):
         return self.value(self._with_scores(k, shape))
 
     def _with_scores(self, k: int, tree: DraftTree) -> DraftTree:
-        """``tree`` with scores: its own, else child k's level rate shared equally among siblings."""
-        if tree.scores is not None or not tree.num_nodes:
+        """``tree`` with scores: its own (a deterministic tree's corrected by child k's calibration), else child k's
+        level rate shared equally among siblings."""
+        if not tree.num_nodes or tree.scores is not None and tree.mode is not DraftMode.DETERMINISTIC:
             return tree
+        if tree.scores is not None:
+            scores = corrected(tree.scores.tolist(), self.score_bins[k], _CALIBRATION.prior_weight)
+            return dataclasses.replace(tree, scores=torch.tensor(scores, dtype=torch.float32,
+                                                                 device=tree.scores.device))
         rate = self.child_rate(k)
         siblings = [len(group) for group in tree.children]  # index 0: root's children
         parents = tree.parents.tolist()
         scores = torch.tensor([rate / siblings[p + 1] for p in parents], dtype=torch.float32,
                               device=tree.tokens.device)
         return DraftTree(tree.tokens, tree.parents, tree.draft_probs, tree.mode, scores)
+
+    def _paying_nodes(self, tree: DraftTree) -> int:
+        """Nodes of a scored tree that the engine's sizing would verify were it offered alone: the best-paying prefix
+        of its nodes by path score, draft time aside (a sampled tree: all of them, it is cut by shape only)."""
+        if tree.mode is not DraftMode.DETERMINISTIC or not tree.num_nodes:
+            return tree.num_nodes
+        gains = sorted(path_scores(tree), reverse=True)
+        costs = [self.tree_cost(n, self._batch) for n in range(len(gains) + 1)]
+        return best_prefix(gains, 0.0, costs, _CALIBRATION.margin)
 
     def tree_cost(self, n: int, batch: int) -> float:
         """Estimated verify cost of an n-node tree (+ the root) in plain decode steps (module doc, Estimates)."""

@@ -34,7 +34,7 @@ from specdec.generate import generate_with
 from specdec.kv_cache import PagedKVCache
 from specdec.rejection import EXACT, AcceptanceRule
 from specdec.tree import DraftTree
-from specdec.tree_sizing import TreeSizer, _path_probs, _unscored_keys
+from specdec.tree_sizing import TreeSizer, _path_probs, _unscored_keys, best_prefix
 
 
 class AlwaysAccept(AcceptanceRule):
@@ -184,7 +184,8 @@ class ShapeAwareSizer(TreeSizer):
 
     def _sampled_prefix(self, seq_id: int, tree: DraftTree, draft: float, batch: int, costs: list[float]) -> int:
         parents = tree.parents.tolist()  # costs cover the tree at hand (TreeSizer.size)
-        return self._best_prefix(_path_probs(self._rates(_unscored_keys(tuple(parents))), parents), draft, costs)
+        path = _path_probs(self._rates(_unscored_keys(tuple(parents))), parents)
+        return best_prefix(path, draft, costs, self.config.margin)
 
 
 class ScoreChoosingCombined(CombinedDrafter):

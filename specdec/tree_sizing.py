@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from specdec.cost_model import CostModel
 from specdec.online_costs import OnlineCosts
 from specdec.remembered import recall, remember
+from specdec.score_bins import BINS, corrected, learn, new_bins
 from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree
 
-_BINS = 10  # score bins of the online correction
 _CATCH_UPS = 8  # catch-up calls whose costs set what an outlier's is charged (_charge_catch_up)
 # what the guard keeps across calls, in this meaning (_Kept); a memory of another format is a fresh start. Bump it
 # when the guard's decisions change what a kept value means: a backoff and price from an older guard (priced while
@@ -90,6 +90,18 @@ def _path_probs(accept: list[float], parents: list[int]) -> list[float]:
     for a, p in zip(accept, parents, strict=True):
         path.append(a * (path[p] if p >= 0 else 1.0))
     return path
+
+
+def best_prefix(gains: list[float], draft: float, costs: list[float], margin: float) -> int:
+    """k maximising ``(1 + sum(gains[:k])) / (draft + c(1 + k))`` (``costs[k]``: c(1 + k) / c(1)), 0 unless it
+    beats the empty tree by ``margin``: how many nodes, taken in the order of ``gains``, a tree keeps."""
+    best_k, best, expected = 0, (1.0 + margin) / (draft + 1.0), 1.0
+    for k, gain in enumerate(gains, start=1):
+        expected += gain
+        ratio = expected / (draft + costs[k])
+        if ratio > best:
+            best_k, best = k, ratio
+    return best_k
 
 
 @functools.lru_cache(maxsize=1024)  # a drafter proposes few shapes (EAGLE's, a static tree's): each worked out once
@@ -197,7 +209,7 @@ class TreeSizer:
             self.memory = None
         self.unscored: dict[tuple[int, int], list[float]] = {}  # (depth, rank) -> [accepted, tried]
         self.rates_of: dict[tuple, list[float]] = {}  # _rates per node-key tuple, until unscored learns again
-        self.score_bins = [[0.0, 0.0] for _ in range(_BINS)]  # [accepted, predicted] of tried scored nodes
+        self.score_bins = new_bins()  # [accepted, predicted] of tried scored nodes (specdec.score_bins)
         # sampled trees are cut by the shape of an earlier one (_sampled_prefix): per sequence, and the last one
         # of any sequence whose step has finished
         self.shapes: dict[int, list[int]] = {}
@@ -205,7 +217,7 @@ class TreeSizer:
         self.online = OnlineCosts(self.costs)  # the calibrated curve, corrected by this run's verify times
         kept = _Kept.recalled(self.memory)
         self.catch_ups: list[float] = [] if kept is None else list(kept.catch_ups[-_CATCH_UPS:])
-        if kept is not None and len(kept.score_bins) == _BINS:  # what earlier calls learned (module doc, Memory)
+        if kept is not None and len(kept.score_bins) == BINS:  # what earlier calls learned (module doc, Memory)
             self.score_bins = [list(b) for b in kept.score_bins]
             self.unscored = {(d, r): [a, t] for d, r, a, t in kept.unscored}
             self.last_shape = None if kept.last_shape is None else list(kept.last_shape)
@@ -368,14 +380,9 @@ class TreeSizer:
         """a_i = estimated P(node i accepted | parent accepted), per node."""
         cfg = self.config
         if tree.scores is not None and use_scores:
-            # each bin's correction shrinks toward the pooled one (all bins together), not toward 1: a short answer
-            # gives each bin a few observations, and a drafter over-confident by 2x everywhere (EAGLE at T=0.8)
-            # was read as over-confident by ~1.2x, so its trees were kept where they did not pay
-            pooled = ((sum(a for a, _ in self.score_bins) + cfg.prior_weight)
-                      / (sum(p for _, p in self.score_bins) + cfg.prior_weight))
-            factor = [(acc + cfg.prior_weight * pooled) / (pred + cfg.prior_weight) for acc, pred in self.score_bins]
-            factor.append(factor[-1])  # a score of 1.0 is in the last bin
-            return [min(1.0, s * factor[int(s * _BINS)]) for s in tree.scores.tolist()]
+            # each bin's correction shrinks toward the pooled one, not toward 1 (specdec.score_bins): a drafter
+            # over-confident by 2x everywhere was read as over-confident by ~1.2x, its trees kept where they did not pay
+            return corrected(tree.scores.tolist(), self.score_bins, cfg.prior_weight)
         return self._rates(_unscored_keys(tuple(tree.parents.tolist())))
 
     def _rates(self, keys: tuple[tuple[int, int], ...]) -> list[float]:
@@ -441,7 +448,7 @@ class TreeSizer:
             accept = self.acceptance(tree)
             path = _path_probs(accept, parents)
             order = sorted(range(len(path)), key=path.__getitem__, reverse=True)  # stable: ties in node order
-            best_k = self._best_prefix([path[i] for i in order], d, costs)
+            best_k = best_prefix([path[i] for i in order], d, costs, self.config.margin)
         else:  # a prefix of the drafter's order, its length fixed before this tree was drawn (module doc)
             accept = self.acceptance(tree, use_scores=False)
             path = _path_probs(accept, parents)
@@ -454,17 +461,6 @@ class TreeSizer:
         self._judge(seq_id, kept_tokens, costs[best_k] if best_k else 1.0, batch)
         return tree if best_k == tree.num_nodes else tree.subtree(kept)
 
-    def _best_prefix(self, gains: list[float], draft: float, costs: list[float]) -> int:
-        """k maximising ``(1 + sum(gains[:k])) / (draft + c(1 + k))`` (``costs[k]``: c(1 + k) / c(1)), 0 unless it
-        beats the empty tree by the margin."""
-        best_k, best, expected = 0, (1.0 + self.config.margin) / (draft + 1.0), 1.0
-        for k, gain in enumerate(gains, start=1):
-            expected += gain
-            ratio = expected / (draft + costs[k])
-            if ratio > best:
-                best_k, best = k, ratio
-        return best_k
-
     def _sampled_prefix(self, seq_id: int, tree: DraftTree, draft: float, batch: int, costs: list[float]) -> int:
         """How many leading nodes of a sampled tree to verify, decided on the shape of the last sampled tree
         this sequence (else any sequence of this sizer, in a finished step) proposed: nothing of the tree at
@@ -475,7 +471,7 @@ class TreeSizer:
         if len(costs) <= len(reference):
             costs = self._relative_costs(batch, len(reference))
         path = _path_probs(self._rates(_unscored_keys(tuple(reference))), reference)
-        return min(self._best_prefix(path, draft, costs), tree.num_nodes)
+        return min(best_prefix(path, draft, costs, self.config.margin), tree.num_nodes)
 
     # ---- learning ---------------------------------------------------------------------------
     def observe(self, seq_id: int, committed: list[int], accepted_nodes: list[int] | None = None) -> None:
@@ -523,9 +519,7 @@ class TreeSizer:
         if tree.scores is not None and not sampled:
             scores = tree.scores.tolist()
             for i in tried:
-                b = self.score_bins[min(int(scores[i] * _BINS), _BINS - 1)]
-                b[0] = b[0] * self.config.decay + float(i in on_path)
-                b[1] = b[1] * self.config.decay + scores[i]
+                learn(self.score_bins, scores[i], i in on_path, self.config.decay)
         else:
             keys = _unscored_keys(parents)
             for i in tried:

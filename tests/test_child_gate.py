@@ -103,6 +103,25 @@ def test_a_child_timed_only_by_its_catch_up_is_not_left_out_by_that_time():
     assert all(run[1] for run in runs)
 
 
+def test_a_calls_own_records_replace_an_earlier_calls_once_it_has_a_few():
+    """What an earlier call's text taught the gate decides only until the call has ``warmup`` records of its own: a
+    costly child that added two levels on the earlier text and adds nothing on this one is left out from the 4th
+    call (weighed with the 32 recalled records, it ran for ~30 calls: ngram+eagle after a chat, on rag)."""
+    key = ("test", "own records replace recalled ones")
+    first = gate_with([0.001, 0.01])  # draft costs 0.01 and 0.1 decode steps
+    first.start(CostView(tree_cost, lambda batch: 0.1), key)
+    for k, s in enumerate([0.001, 0.01]):
+        first.record_seconds(k, s, catch_up=False)
+    drive(first, 60, lambda call: ((0, 2), (2, 1)))
+    first.finish()
+    gate = ChildGate(2, GateConfig())
+    gate.start(CostView(tree_cost, lambda batch: 0.1), key)
+    assert len(gate.records) == 32
+    runs = drive(gate, 40, lambda call: ((1, 0), (2, 1)))
+    assert all(run[1] for run in runs[:3])  # the earlier text decides the first calls
+    assert sum(run[1] for run in runs[3:]) <= 37 // 5 + 1  # then probes only, every ceil(0.1 / 0.02) = 5 calls
+
+
 def test_the_gate_is_off_without_the_policys_costs():
     gate = ChildGate(2)
     gate.start(None)
@@ -167,6 +186,42 @@ def test_a_left_out_child_gets_the_hidden_rows_of_the_calls_it_missed(monkeypatc
         combined.on_accept(0, [5, 6])
         hidden = torch.zeros(2, 8)
     assert child.calls == 3 and child.rows[0] == len(tokens) - 2 - 1
+
+
+class Generous(Drafter):
+    """The right next token (score 0.9) and 40 wrong siblings (score 0.05): n-gram's generous trees, of which the
+    engine's sizing verifies the one node that pays."""
+
+    name = "generous"
+
+    def propose(self, seqs):
+        tokens = [7] + list(range(10, 50))
+        return [DraftTree(tokens, [-1] * len(tokens), scores=torch.tensor([0.9] + [0.05] * 40)) for _ in seqs]
+
+
+class Counted(Drafter):
+    """One wrong node per call (score 0.5), counting its calls."""
+
+    name, calls = "counted", 0
+
+    def propose(self, seqs):
+        self.calls += 1
+        return [DraftTree.chain([3], scores=torch.tensor([0.5])) for _ in seqs]
+
+
+def test_the_gate_prices_a_childs_tree_by_the_nodes_sizing_would_verify(monkeypatch):
+    """A child proposing 41 nodes of which one pays is priced at the one node: a costlier child that adds nothing
+    is left out. Priced at all 41 nodes (c = 3.05 decode steps), the generous child looked worse than the costly one
+    alone, which then ran at every call (ngram+eagle on translation: EAGLE ran at every call, adding nothing)."""
+    costly = Counted()
+    combined = CombinedDrafter([Generous(), costly])
+    combined.attach(type("Target", (), {"runner": None, "costs": CostView(tree_cost, lambda b: 0.1)})())
+    record = combined.gate.record_seconds  # child 1's calls take 10 ms longer: 0.1 decode steps
+    monkeypatch.setattr(combined.gate, "record_seconds", lambda k, s, catch_up: record(k, 0.01 * k, catch_up))
+    for _ in range(100):
+        combined.propose([SequenceView(0, [1, 2, 3], 3)])
+        combined.on_accept(0, [7, 8])
+    assert costly.calls <= 100 // 5 + 3  # the warm-up, then a probe every ceil(0.1 / 0.02) = 5 calls
 
 
 def gated(children: list, decode_seconds, monkeypatch) -> CombinedDrafter:

@@ -17,6 +17,7 @@ from specdec.generate import generate
 from specdec.testing import build_tiny_model
 from specdec.tree import MAX_TREE_NODES, DraftError, DraftMode, DraftTree
 from specdec.tree_merge import merge_trees, path_scores
+from tests.fixed_costs import fix_costs
 
 
 def token_paths(tree: DraftTree) -> set[tuple[int, ...]]:
@@ -201,6 +202,54 @@ def test_greedy_output_identical_to_plain_with_ngram_and_an_oracle(mode, device)
     assert all(s.tau > 2.0 for s in out.stats)
     # the oracle's levels are accepted 2 of 3 times: its online rate rose above the prior
     assert combined.child_rate(1) > 0.55
+
+
+class NextTokens(Drafter):
+    """The next ``depth`` greedy tokens of each prompt (``refs``) as a chain, every node scored 0.9."""
+
+    name = "next-tokens"
+
+    def __init__(self, refs: dict, depth: int = 6) -> None:
+        self.refs, self.depth = refs, depth
+
+    def propose(self, seqs):
+        out = []
+        for v in seqs:
+            ref = self.refs[tuple(v.token_ids[: v.num_prompt_tokens])]
+            chain = ref[len(v.token_ids) - v.num_prompt_tokens:][: self.depth]
+            out.append(DraftTree.chain(chain, scores=torch.full((len(chain),), 0.9)))
+        return out
+
+
+class Confident(Drafter):
+    """Eight tokens the target never picks, as siblings, every one scored 0.9 (an over-confident layer's guesses)."""
+
+    name = "confident"
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def propose(self, seqs):
+        return [DraftTree(self.tokens, [-1] * len(self.tokens), scores=torch.full((len(self.tokens),), 0.9))
+                for _ in seqs]
+
+
+def test_an_over_confident_child_does_not_cut_the_chains_of_a_child_that_is_right(monkeypatch):
+    """The engine's sizing corrects scores per score bin; the combined drafter calibrates each child's scores on its
+    own first. Before, one child's rejected nodes at score 0.9 taught the sizer that 0.9 means ~0.2, and a child that
+    is always right at 0.9 had its chains cut to a node or two (tau 2.1 against 6.9 alone)."""
+    fix_costs(monkeypatch, {1: 1.0, 2: 1.1, 65: 7.4})  # c(n) = 1 + 0.1 (n - 1): deep chains pay if believed
+    model = build_tiny_model()
+    prompts = [[5, 9, 11, 2, 5, 9, 11]]
+    plain = generate(model, prompts, max_new_tokens=96)
+    refs = {tuple(prompts[0]): plain[0][len(prompts[0]):]}
+    never = [t for t in range(96) if t not in plain[0]][:8]
+    alone = generate(model, prompts, drafter=NextTokens(refs), max_new_tokens=96, return_dict=True)
+    both = generate(model, prompts, drafter=CombinedDrafter([NextTokens(refs), Confident(never)]),
+                    max_new_tokens=96, return_dict=True)
+    assert both.sequences == plain == alone.sequences
+    assert alone.stats[0].tau > 5.0
+    assert both.stats[0].tau > 0.9 * alone.stats[0].tau
 
 
 def test_online_rate_and_best_mode_pick_the_child_that_is_accepted():
