@@ -47,8 +47,8 @@ from specdec.drafters.registry import check_options, drafter_class
 
 from specdec.cuda_graphs import captures
 from specdec.errors import InputError, InputTypeError
-from specdec.score_bins import corrected, learn, new_bins, tried_nodes
-from specdec.tree import MAX_TREE_NODES, DraftError, DraftMode, DraftTree, matched_levels
+from specdec.score_bins import corrected, learn, new_bins
+from specdec.tree import MAX_TREE_NODES, DraftError, DraftMode, DraftTree, matched_levels, tried_nodes
 from specdec.tree_merge import expected_committed_tokens, merge_trees, path_scores
 from specdec.tree_sizing import SizingConfig, best_prefix
 

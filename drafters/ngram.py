@@ -31,7 +31,7 @@ from specdec.drafters.base import Drafter, SequenceView
 from specdec.drafters.prompt_copies import leaders, prompt_copies
 
 from specdec.errors import InputError, InputTypeError
-from specdec.tree import MAX_TREE_NODES, DraftTree
+from specdec.tree import MAX_TREE_NODES, DraftTree, tried_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -147,15 +147,10 @@ class NGramDrafter(Drafter):
         if pending is None:
             return
         tokens, parents, keys = pending
-        ok = [False] * len(tokens)
-        depth = [0] * len(tokens)
-        for i, (t, p) in enumerate(zip(tokens, parents, strict=True)):
-            depth[i] = 1 if p < 0 else depth[p] + 1
-            if (p < 0 or ok[p]) and depth[i] <= len(committed):
-                ok[i] = int(committed[depth[i] - 1]) == t
-                entry = self.acceptance.setdefault(keys[i], [0.0, 0.0])
-                entry[0] += ok[i]
-                entry[1] += 1.0
+        for i, accepted in tried_nodes(tokens, parents, committed):
+            entry = self.acceptance.setdefault(keys[i], [0.0, 0.0])
+            entry[0] += accepted
+            entry[1] += 1.0
 
     def score(self, match: int, depth: int) -> float:
         """Estimated P(accepted | parent accepted) of a node at ``depth`` drafted from a ``match``-token match:

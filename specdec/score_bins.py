@@ -8,9 +8,8 @@ Each bin's factor (accepted / predicted) shrinks toward the pooled one (all bins
 pseudo-observations, not toward 1: a short answer gives each bin a few observations, and a drafter over-confident
 by 2x everywhere (EAGLE at T=0.8) was read as over-confident by ~1.2x. The tree sizer keeps one set of bins for the
 scores it is offered; the combined drafter keeps one per child, since children's scores mean different things (a
-draft probability, an observed rate) and one child's over-confidence must not cut another's nodes.
-:func:`tried_nodes` says which nodes of a deterministic tree a commit tested: those whose parent is the root or on
-the committed path, down to the committed length.
+draft probability, an observed rate) and one child's over-confidence must not cut another's nodes. Which nodes a
+commit tested: :func:`specdec.tree.tried_nodes`.
 """
 from __future__ import annotations
 
@@ -38,19 +37,3 @@ def corrected(scores: Sequence[float], bins: list[list[float]], prior_weight: fl
     factor.append(factor[-1])  # a score of 1.0 is in the last bin
     return [min(1.0, s * factor[int(s * BINS)]) for s in scores]
 
-
-def tried_nodes(tokens: Sequence[int], parents: Sequence[int], committed: Sequence[int]) -> list[tuple[int, bool]]:
-    """(node, accepted) of every node a commit tested, in node order: its parent is the root or accepted, and its
-    depth is at most len(committed); accepted when its token is the committed one at its depth (greedy: exactly
-    what a verify of the whole tree would have accepted, whatever was pruned)."""
-    out: list[tuple[int, bool]] = []
-    depth: list[int] = []
-    ok: list[bool] = []
-    for i, (tok, p) in enumerate(zip(tokens, parents, strict=True)):
-        depth.append(1 if p < 0 else depth[p] + 1)
-        hit = False
-        if (p < 0 or ok[p]) and depth[i] <= len(committed):
-            hit = int(committed[depth[i] - 1]) == int(tok)
-            out.append((i, hit))
-        ok.append(hit)
-    return out

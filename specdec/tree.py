@@ -377,3 +377,20 @@ def matched_levels(tokens: Sequence[int], parents: Sequence[int], committed: Seq
             break
         successes += 1
     return trials, successes
+
+
+def tried_nodes(tokens: Sequence[int], parents: Sequence[int], committed: Sequence[int]) -> list[tuple[int, bool]]:
+    """(node, accepted) of every node a commit tested, in node order: its parent is the root or accepted, and its
+    depth is at most len(committed); accepted when its token is the committed one at its depth (greedy: exactly
+    what a verify of the whole tree would have accepted, whatever was pruned)."""
+    out: list[tuple[int, bool]] = []
+    depth: list[int] = []
+    ok: list[bool] = []
+    for i, (tok, p) in enumerate(zip(tokens, parents, strict=True)):
+        depth.append(1 if p < 0 else depth[p] + 1)
+        hit = False
+        if (p < 0 or ok[p]) and depth[i] <= len(committed):
+            hit = int(committed[depth[i] - 1]) == int(tok)
+            out.append((i, hit))
+        ok.append(hit)
+    return out
