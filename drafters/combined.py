@@ -329,10 +329,12 @@ class CombinedDrafter(Drafter):
             self._seen.update((k, v.seq_id) for v in seqs)
             per_child.append(trees)
         out = []
+        # the gate prices each child's tree by the nodes sizing would verify of it, not by all it proposed
+        largest = max((t.num_nodes for trees in per_child for t in trees), default=0)
+        costs = [self.tree_cost(n, self._batch) for n in range(largest + 1)] if self.gate.active else None
         for s, view in enumerate(seqs):
-            scored = [self._with_scores(k, per_child[k][s]) for k in range(len(self.children))]
-            # the gate prices each child's tree by the nodes sizing would verify of it, not by all it proposed
-            kept = [self._paying_nodes(t) if self.gate.active else t.num_nodes for t in scored]
+            scored = [self._with_scores(k, per_child[k][s], lists[k][s][2]) for k in range(len(self.children))]
+            kept = [t.num_nodes if costs is None else self._paying_nodes(t, costs) for t in scored]
             self._last[view.seq_id] = (all(run), [(*lists[k][s], kept[k]) for k in range(len(self.children))])
             out.append(self._choose(scored))
         for k, trees in enumerate(per_child):  # after every choice of this call: they value the next call's trees
@@ -399,13 +401,14 @@ class CombinedDrafter(Drafter):
         shape = DraftTree(torch.zeros(len(parents or [0]), dtype=torch.long), parents or [-1])
         return self.value(self._with_scores(k, shape))
 
-    def _with_scores(self, k: int, tree: DraftTree) -> DraftTree:
-        """``tree`` with scores: its own (a deterministic tree's corrected by child k's calibration), else child k's
-        level rate shared equally among siblings."""
+    def _with_scores(self, k: int, tree: DraftTree, own: list[float] | None = None) -> DraftTree:
+        """``tree`` with scores: its own (a deterministic tree's corrected by child k's calibration; ``own``: them
+        already read to the host), else child k's level rate shared equally among siblings."""
         if not tree.num_nodes or tree.scores is not None and tree.mode is not DraftMode.DETERMINISTIC:
             return tree
         if tree.scores is not None:
-            scores = corrected(tree.scores.tolist(), self.score_bins[k], _CALIBRATION.prior_weight)
+            own = tree.scores.tolist() if own is None else own
+            scores = corrected(own, self.score_bins[k], _CALIBRATION.prior_weight)
             return dataclasses.replace(tree, scores=torch.tensor(scores, dtype=torch.float32,
                                                                  device=tree.scores.device))
         rate = self.child_rate(k)
@@ -415,14 +418,13 @@ class CombinedDrafter(Drafter):
                               device=tree.tokens.device)
         return DraftTree(tree.tokens, tree.parents, tree.draft_probs, tree.mode, scores)
 
-    def _paying_nodes(self, tree: DraftTree) -> int:
+    def _paying_nodes(self, tree: DraftTree, costs: list[float]) -> int:
         """Nodes of a scored tree that the engine's sizing would verify were it offered alone: the best-paying prefix
-        of its nodes by path score, draft time aside (a sampled tree: all of them, it is cut by shape only)."""
+        of its nodes by path score, draft time aside (a sampled tree: all of them, it is cut by shape only);
+        ``costs[n]``: :meth:`tree_cost` of n nodes."""
         if tree.mode is not DraftMode.DETERMINISTIC or not tree.num_nodes:
             return tree.num_nodes
-        gains = sorted(path_scores(tree), reverse=True)
-        costs = [self.tree_cost(n, self._batch) for n in range(len(gains) + 1)]
-        return best_prefix(gains, 0.0, costs, _CALIBRATION.margin)
+        return best_prefix(sorted(path_scores(tree), reverse=True), 0.0, costs, _CALIBRATION.margin)
 
     def tree_cost(self, n: int, batch: int) -> float:
         """Estimated verify cost of an n-node tree (+ the root) in plain decode steps (module doc, Estimates)."""
