@@ -138,6 +138,9 @@ class Drafter(ABC):
     catches_up: bool = True
     # propose_pending is offered: the step's trees may stay on the device until the verify is launched
     pending_trees: bool = False
+    # its deterministic trees' scores are already calibrated online on the committed tokens (the combined drafter's,
+    # per child): the tree sizer takes them as they are, as a second correction over the first one cut right chains
+    calibrated_scores: bool = False
     # constructor options only Python can give (a config object, a module, a callable): the command line's
     # --drafter-option lists leave them out (drafters.registry.check_options)
     python_only_options: frozenset[str] = frozenset()

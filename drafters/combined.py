@@ -172,6 +172,7 @@ class CombinedDrafter(Drafter):
 
     options_config = CombinedConfig  # what **options configure (drafters.registry.option_names)
     python_only_options = frozenset({"config", "verify_cost"})  # not --drafter-option keys (drafters.registry)
+    calibrated_scores = True  # each child's on its own tried nodes (Estimates): the tree sizer corrects them no more
 
     @classmethod
     def check_nested_options(cls, options: Mapping[str, Any], *, command_line: bool = False) -> None:

@@ -113,7 +113,8 @@ class _Step:
             from specdec.tree_sizing import TreeSizer
 
             curve = {n: verify_cost_at(costs, n) for n in range(1, MAX_TREE_NODES + 2)}
-            self.sizer = TreeSizer(CostModel({"record": True}, {1: curve}))
+            self.sizer = TreeSizer(CostModel({"record": True}, {1: curve}),
+                                   calibrated_scores=getattr(drafter.drafter, "calibrated_scores", False))
         self.draft_call: float | None = None
         self.proposed: set[int] = set()  # sequences proposed for once (their first call is a catch-up)
 

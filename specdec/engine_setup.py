@@ -152,7 +152,8 @@ def _policy(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault
     # the guard remembers across calls per target cost curve, as measured, and drafter (specdec.remembered); what it
     # learned on a curve since measured again is not carried over. cost_key() names a drafter's checkpoint too, so
     # two EAGLE or Medusa checkpoints keep apart backoffs
-    return SpeculationPolicy(TreeSizer(costs, memory=(str(costs.file), costs.measured_id(), drafter.cost_key())))
+    return SpeculationPolicy(TreeSizer(costs, memory=(str(costs.file), costs.measured_id(), drafter.cost_key()),
+                                       calibrated_scores=drafter.calibrated_scores))
 
 
 def _processing(request: "GenerateRequest") -> LogitsProcessing | None:

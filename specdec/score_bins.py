@@ -8,7 +8,8 @@ Each bin's factor (accepted / predicted) shrinks toward the pooled one (all bins
 pseudo-observations, not toward 1: a short answer gives each bin a few observations, and a drafter over-confident
 by 2x everywhere (EAGLE at T=0.8) was read as over-confident by ~1.2x. The tree sizer keeps one set of bins for the
 scores it is offered; the combined drafter keeps one per child, since children's scores mean different things (a
-draft probability, an observed rate) and one child's over-confidence must not cut another's nodes. Which nodes a
+draft probability, an observed rate) and one child's over-confidence must not cut another's nodes, and the sizer
+takes its scores as they are (``Drafter.calibrated_scores``). Which nodes a
 commit tested: :func:`specdec.tree.tried_nodes`.
 """
 from __future__ import annotations

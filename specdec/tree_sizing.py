@@ -203,6 +203,8 @@ class TreeSizer:
     costs: CostModel
     config: SizingConfig = field(default_factory=SizingConfig)
     memory: tuple | None = None  # key of the guard's memory across calls (module doc); None: start fresh
+    # the drafter calibrates its deterministic trees' scores itself (Drafter.calibrated_scores): taken as they are
+    calibrated_scores: bool = False
 
     def __post_init__(self) -> None:
         if not self.costs.measured:  # nothing learned on unmeasured costs is kept, nor read
@@ -380,6 +382,8 @@ class TreeSizer:
         """a_i = estimated P(node i accepted | parent accepted), per node."""
         cfg = self.config
         if tree.scores is not None and use_scores:
+            if self.calibrated_scores and tree.mode is DraftMode.DETERMINISTIC:
+                return tree.scores.tolist()
             # each bin's correction shrinks toward the pooled one, not toward 1 (specdec.score_bins): a drafter
             # over-confident by 2x everywhere was read as over-confident by ~1.2x, its trees kept where they did not pay
             return corrected(tree.scores.tolist(), self.score_bins, cfg.prior_weight)
@@ -517,9 +521,10 @@ class TreeSizer:
             level = below
         tried.sort()  # learned in node order, as the decaying sums' rounding expects
         if tree.scores is not None and not sampled:
-            scores = tree.scores.tolist()
-            for i in tried:
-                learn(self.score_bins, scores[i], i in on_path, self.config.decay)
+            if not self.calibrated_scores:  # else the drafter learns them itself
+                scores = tree.scores.tolist()
+                for i in tried:
+                    learn(self.score_bins, scores[i], i in on_path, self.config.decay)
         else:
             keys = _unscored_keys(parents)
             for i in tried:

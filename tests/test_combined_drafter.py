@@ -235,9 +235,10 @@ class Confident(Drafter):
 
 
 def test_an_over_confident_child_does_not_cut_the_chains_of_a_child_that_is_right(monkeypatch):
-    """The engine's sizing corrects scores per score bin; the combined drafter calibrates each child's scores on its
-    own first. Before, one child's rejected nodes at score 0.9 taught the sizer that 0.9 means ~0.2, and a child that
-    is always right at 0.9 had its chains cut to a node or two (tau 2.1 against 6.9 alone)."""
+    """The combined drafter calibrates each child's scores on its own tried nodes, and the engine's sizing takes them
+    as they are (Drafter.calibrated_scores). In one set of bins, one child's rejected nodes at score 0.9 taught the
+    sizer that 0.9 means ~0.2, and a child always right at 0.9 had its chains cut to a node or two (tau 2.1 against
+    6.9 alone); corrected a second time, over the per-child calibration, they were still cut now and then (6.4)."""
     fix_costs(monkeypatch, {1: 1.0, 2: 1.1, 65: 7.4})  # c(n) = 1 + 0.1 (n - 1): deep chains pay if believed
     model = build_tiny_model()
     prompts = [[5, 9, 11, 2, 5, 9, 11]]
@@ -249,7 +250,7 @@ def test_an_over_confident_child_does_not_cut_the_chains_of_a_child_that_is_righ
                     max_new_tokens=96, return_dict=True)
     assert both.sequences == plain == alone.sequences
     assert alone.stats[0].tau > 5.0
-    assert both.stats[0].tau > 0.9 * alone.stats[0].tau
+    assert both.stats[0].tau >= 0.97 * alone.stats[0].tau
 
 
 def test_online_rate_and_best_mode_pick_the_child_that_is_accepted():

@@ -45,6 +45,21 @@ def test_observed_acceptance_corrects_overconfident_scores():
     assert sizer.acceptance(tree)[0] < first / 3
 
 
+def test_a_drafter_that_calibrates_its_scores_has_them_taken_as_they_are():
+    """The combined drafter calibrates each child's deterministic scores itself (Drafter.calibrated_scores): the
+    sizer neither corrects them again nor learns from them; a sampled tree's scores it still corrects."""
+    sizer = TreeSizer(FLAT, calibrated_scores=True)
+    tree = DraftTree.chain([5, 6], scores=torch.tensor([0.95, 0.6]))
+    for _ in range(10):
+        sizer.size(0, tree, batch=1)
+        sizer.observe(0, [7])  # the target never takes token 5
+    assert sizer.acceptance(tree) == pytest.approx([0.95, 0.6])
+    sampled = DraftTree.chain([5, 6], draft_probs=torch.full((2, 8), 0.125), mode=DraftMode.INDEPENDENT,
+                              scores=torch.tensor([0.95, 0.95]))
+    sizer.score_bins[9] = [1.0, 9.5]  # evidence that 0.95 means ~0.1, as a sizer of another drafter learned
+    assert sizer.acceptance(sampled)[0] < 0.5
+
+
 def test_overconfidence_seen_in_one_score_bin_discounts_the_others_too():
     """Each bin's correction shrinks toward the pooled one: a drafter found over-confident at high scores is
     trusted less at scores the run has not seen yet (a bin without observations once kept its raw score)."""
