@@ -154,6 +154,26 @@ def test_the_readme_drafter_table_takes_each_drafters_newest_result_per_machine_
                                                                    rows=[["mtp", "1.1", "1.2", "1.3"]])})
 
 
+def test_the_readme_is_regenerated_when_a_newer_drafters_result_is_committed(tmp_path, monkeypatch):
+    """README.md is one of the generated pages, its links start at docs/; --check fails once a newer result lands."""
+    gen = load_file(DOCS / "gen_result_tables.py")
+    assert REPO / "README.md" in gen.pages()
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text(f"# x\n\n{DRAFTERS_REGION}\n")
+    results = {"2026-01-01-cpu-avx512-drafters.json": _drafters(
+        "2026-01-01-cpu-avx512-drafters.json", "2026-01-01", rows=[["ngram", "1.10", "1.20", "2.00"]])}
+    monkeypatch.setattr(gen, "DOCS", tmp_path / "docs")
+    monkeypatch.setattr(gen, "_by_file", lambda: results)
+    assert gen.pages() == [tmp_path / "README.md"]
+    assert gen.main(["--check"]) == 1 and gen.main([]) == 0 and gen.main(["--check"]) == 0
+    assert "1.10-1.20x (2.00x) [1]" in (tmp_path / "README.md").read_text()
+    assert "(docs/results/2026-01-01-cpu-avx512-drafters.json)" in (tmp_path / "README.md").read_text()
+    results["2026-02-01-cpu-avx512-drafters.json"] = _drafters(
+        "2026-02-01-cpu-avx512-drafters.json", "2026-02-01", rows=[["ngram", "1.30", "1.40", "2.20"]])
+    assert gen.main(["--check"]) == 1 and gen.main([]) == 0
+    assert "1.30-1.40x (2.20x) [1]" in (tmp_path / "README.md").read_text()
+
+
 def _gpu_table(*results: dict) -> dict[str, list[str]]:
     """The GPU page's table from ``results`` (file names given), as label -> cells."""
     gen = load_file(DOCS / "gen_result_tables.py")
@@ -292,9 +312,10 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_readme_is_short_and_undated():
+    """Undated as written: the dates of a generated region (its notes name the result files) move with the results."""
     readme = (REPO / "README.md").read_text()
     assert len(readme.splitlines()) <= 250
-    assert readme.count("2026-") <= 2
+    assert re.sub(r"<!-- generated:.*?<!-- end generated -->", "", readme, flags=re.S).count("2026-") <= 2
     issue = re.compile(r"issue ?[0-9]+", re.I)
     offenders = [str(p.relative_to(REPO)) for p in [REPO / "README.md", *DOCS.rglob("*.md")]
                  if issue.search(p.read_text())]
@@ -370,8 +391,9 @@ def _hand_tables(text: str) -> list[str]:
 
 
 def test_measured_numbers_in_docs_tables_come_from_results():
-    """A table of measurements is a generated region (docs/gen_result_tables.py), not a hand copy. Run reports
-    (docs/gpu/RUN/, docs/eval/) and the benchmarks page are written by their scripts."""
+    """A table of measurements is a generated region (docs/gen_result_tables.py), not a hand copy, in the docs and
+    the README. Run reports (docs/gpu/RUN/, docs/eval/) and the benchmarks page are written by their scripts."""
+    assert _hand_tables((REPO / "README.md").read_text()) == [], "README.md: a hand-copied table of measurements"
     pages = [p for p in sorted(DOCS.rglob("*.md")) if p.relative_to(DOCS).parts[0] not in ("eval", "results")
              and not (p.relative_to(DOCS).parts[0] == "gpu" and len(p.relative_to(DOCS).parts) > 2)
              and p.name != "benchmarks.md"]
