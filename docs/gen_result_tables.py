@@ -9,7 +9,9 @@ A page marks a copy of one result file's table as a generated region::
 A result's further tables (its ``tables``, each with a ``name``) are marked ``table NAME``, e.g.
 ``<!-- generated: results/FILE.json table mt_bench_ngram -->``. A name with ``*`` takes the newest result that
 matches it (``results/*-gpu-h200-goals.json table``), so committing a newer result updates the page.
-``results/*-gpu-*.json latest_per_gpu`` is the GPU page's table of each GPU's latest results (docs/gpu_latest.py).
+``results/*-gpu-*.json latest_per_gpu`` is the GPU page's table of each GPU's latest results (docs/gpu_latest.py),
+``results/*-drafters*.json drafters_per_machine`` the README's table of each drafter's newest speedups per machine
+class (docs/drafters_latest.py). Besides the docs pages, README.md is filled too (its links start at docs/).
 
 Run by hand after changing a result (``python docs/gen_result_tables.py``); ``--check`` exits 1 when a page's
 region differs from what its result gives (tests/test_docs.py runs it). mkdocs also loads this file as a hook and
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.util
+import os
+import posixpath
 import re
 import sys
 from pathlib import Path
@@ -35,14 +39,20 @@ _spec = importlib.util.spec_from_file_location("gen_benchmarks", DOCS / "gen_ben
 _GEN = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_GEN)
 _LATEST = _GEN.sibling("gpu_latest")
-PARTS = ("table", "latest_per_gpu")
+_DRAFTERS = _GEN.sibling("drafters_latest")
+PARTS = ("table", "latest_per_gpu", "drafters_per_machine")
 
 
-def render_part(result: dict | list[dict], part: str, name: str | None = None) -> str:
+def render_part(result: dict | list[dict], part: str, name: str | None = None, link: str = "results") -> str:
     """What a region holds: ``table``, the result's columns and rows, or ``table NAME``, its further table NAME;
-    ``latest_per_gpu``, the GPU page's table from a list of results."""
+    ``latest_per_gpu``, the GPU page's table from a list of results; ``drafters_per_machine``, the README's drafter
+    table and its notes, which link the result files in the folder ``link`` (as the page sees docs/results)."""
     if part not in PARTS:
         raise ValueError(f"unknown part {part!r} (known: {', '.join(PARTS)})")
+    if part == "drafters_per_machine":
+        columns, rows, notes = _DRAFTERS.table(result if isinstance(result, list) else [result],
+                                               _GEN.MACHINE_CLASSES, _GEN._order, link)
+        return "\n" + "\n".join([*_GEN._table(columns, rows), "", *notes]) + "\n\n"
     if part == "latest_per_gpu":
         columns, rows = _LATEST.table(result if isinstance(result, list) else [result], _GEN.MACHINE_CLASSES,
                                      _GEN._order)
@@ -59,8 +69,9 @@ def render_part(result: dict | list[dict], part: str, name: str | None = None) -
     return "\n" + "\n".join(_GEN._table(result["columns"], result["rows"])) + "\n\n"
 
 
-def fill(text: str, results: dict[str, dict], where: str = "page") -> str:
-    """``text`` with every region rewritten from ``results`` (file name -> result)."""
+def fill(text: str, results: dict[str, dict], where: str = "page", link: str = "results") -> str:
+    """``text`` with every region rewritten from ``results`` (file name -> result); ``link``: docs/results as the
+    page links to it."""
     if text.count(START) != text.count(END) or text.count(START) != len(REGION.findall(text)):
         raise ValueError(f"{where}: a generated region is malformed or has no end marker ({END})")
 
@@ -71,7 +82,7 @@ def fill(text: str, results: dict[str, dict], where: str = "page") -> str:
         if not found:
             raise ValueError(f"{where}: no result file docs/results/{name}")
         try:
-            body = render_part(found if "*" in name else found[0], match["part"], match["name"])
+            body = render_part(found if "*" in name else found[0], match["part"], match["name"], link)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
         marker = " ".join(filter(None, [f"results/{name}", match["part"], match["name"]]))
@@ -81,7 +92,9 @@ def fill(text: str, results: dict[str, dict], where: str = "page") -> str:
 
 
 def pages() -> list[Path]:
-    return [p for p in sorted(DOCS.rglob("*.md")) if START in p.read_text()]
+    """The pages with a generated region: docs/**/*.md and README.md."""
+    found = [DOCS.parent / "README.md", *sorted(DOCS.rglob("*.md"))]
+    return [p for p in found if p.exists() and START in p.read_text()]
 
 
 def _by_file() -> dict[str, dict]:
@@ -90,14 +103,16 @@ def _by_file() -> dict[str, dict]:
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     """mkdocs hook: a page's generated regions are always filled from the results."""
-    return fill(markdown, _by_file(), page.file.src_uri) if START in markdown else markdown
+    link = posixpath.relpath("results", posixpath.dirname(page.file.src_uri) or ".")
+    return fill(markdown, _by_file(), page.file.src_uri, link) if START in markdown else markdown
 
 
 def main(argv: list[str]) -> int:
     results, stale = _by_file(), []
     for page in pages():
         text = page.read_text()
-        new = fill(text, results, str(page.relative_to(DOCS.parent)))
+        link = os.path.relpath(DOCS / "results", page.parent).replace(os.sep, "/")
+        new = fill(text, results, str(page.relative_to(DOCS.parent)), link)
         if new != text:
             stale.append(str(page.relative_to(DOCS.parent)))
             if "--check" not in argv:
