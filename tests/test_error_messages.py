@@ -1,0 +1,39 @@
+"""The first errors a user meets are specdec's one-line errors: a misspelt GenerationConfig field, a model that is
+not there (in Python and on the command line), an object that cannot draft; and the error classes a caller
+catches are importable from ``specdec`` itself, without importing torch."""
+from __future__ import annotations
+
+import pytest
+
+import specdec
+from specdec.cli import main
+from specdec.errors import ModelNotFoundError, SpecdecError
+from specdec.models.loader import load_model
+
+
+@pytest.mark.parametrize("spec, looked_for", [
+    ("no-such-model", "no checkpoint directory or file at {cwd}/no-such-model and no alias of that name"),
+    ("weights/missing.gguf", "GGUF file not found: 'weights/missing.gguf' \\(looked for the file "
+                             "{cwd}/weights/missing.gguf\\)"),
+    ("empty", "empty is not a transformers checkpoint directory \\(looked for {cwd}/empty/config.json\\)"),
+])
+def test_a_missing_model_is_a_model_not_found_error_saying_where_it_was_looked_for(tmp_path, monkeypatch, spec,
+                                                                                     looked_for):
+    """A relative name is resolved against the working directory: the message names the absolute path looked at.
+    It was a builtin FileNotFoundError (outside SpecdecError) that did not say where it looked."""
+    (tmp_path / "empty").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError, match=looked_for.format(cwd=tmp_path)) as err:
+        load_model(spec)
+    assert isinstance(err.value, SpecdecError) and isinstance(err.value, FileNotFoundError)
+    with pytest.raises(ModelNotFoundError, match="no-such-model"):  # generate() resolves the model the same way
+        specdec.generate("no-such-model", [[1, 2, 3]], max_new_tokens=2)
+
+
+def test_the_command_line_says_a_missing_model_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "hi", "--model", "my-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"specdec generate: error: unknown model 'my-model': no checkpoint directory or file at "
+                          f"{tmp_path}/my-model")
