@@ -114,8 +114,20 @@ class GenerationConfig:
     def __new__(cls, *args: Any, **kwargs: Any) -> "GenerationConfig":
         # record which fields the caller gave (positionally or by name) before the dataclass __init__ fills in
         # the defaults: they are the ones that override the model's generation_config (see fields_set)
+        # a misspelt name or a surplus argument is the caller's one-line InputTypeError here, not the
+        # dataclass __init__'s TypeError
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise InputTypeError(f"GenerationConfig: {unknown_arguments(unknown, set(names))}")
+        if len(args) > len(names):
+            raise InputTypeError(f"GenerationConfig takes at most {len(names)} positional arguments, got "
+                                 f"{len(args)}; pass the fields by name")
+        twice = [name for name in names[: len(args)] if name in kwargs]
+        if twice:
+            raise InputTypeError(f"GenerationConfig got {', '.join(twice)} both by position and by name")
         self = super().__new__(cls)
-        given = [f.name for f in fields(cls)][: len(args)] + list(kwargs)
+        given = names[: len(args)] + list(kwargs)
         object.__setattr__(self, "_fields_set", frozenset(given))
         return self
 

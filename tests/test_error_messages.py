@@ -7,8 +7,29 @@ import pytest
 
 import specdec
 from specdec.cli import main
-from specdec.errors import ModelNotFoundError, SpecdecError
+from specdec.errors import InputTypeError, ModelNotFoundError, SpecdecError
+from specdec.generation_config import GenerationConfig
 from specdec.models.loader import load_model
+from specdec.testing import build_tiny_model
+
+
+def test_a_misspelt_generation_config_field_names_the_field_and_the_one_meant():
+    """GenerationConfig(max_new_token=5) was the dataclass's bare TypeError, saying nothing of max_new_tokens."""
+    with pytest.raises(InputTypeError, match=r"^GenerationConfig: unknown generation argument max_new_token "
+                                             r"\(did you mean max_new_tokens\?\); known: ") as err:
+        GenerationConfig(max_new_token=5)
+    assert "\n" not in str(err.value)
+    with pytest.raises(InputTypeError, match=r"temprature \(did you mean temperature\?\)"):
+        GenerationConfig(do_sample=True, temprature=0.7)
+    with pytest.raises(InputTypeError, match=r"argument max_new_token \(did you mean max_new_tokens"):
+        specdec.generate(build_tiny_model(), [[1, 2, 3]], max_new_token=5)
+    count = len(GenerationConfig.__dataclass_fields__)
+    with pytest.raises(InputTypeError, match=f"takes at most {count} positional arguments, got {count + 1}"):
+        GenerationConfig(*[None] * (count + 1))
+    with pytest.raises(InputTypeError, match="max_new_tokens both by position and by name"):
+        GenerationConfig(5, max_new_tokens=6)
+    config = GenerationConfig(8, top_p=0.5)  # what was given still counts as set
+    assert config.max_new_tokens == 8 and config.fields_set == {"max_new_tokens", "top_p"}
 
 
 @pytest.mark.parametrize("spec, looked_for", [
