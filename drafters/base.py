@@ -243,11 +243,13 @@ class _ObjectDrafter(Drafter):
 
 
 def as_drafter(obj: Any) -> Drafter | None:
-    """``obj`` itself if it is a Drafter (or None), else a Drafter view of an object with ``propose``."""
+    """``obj`` itself if it is a Drafter (or None), else a Drafter view of an object with ``propose``; anything else
+    is a one-line InputTypeError saying what is accepted."""
     if obj is None or isinstance(obj, Drafter):
         return obj
     if not callable(getattr(obj, "propose", None)):
-        raise TypeError(f"a drafter needs a propose(sequences) method; {type(obj).__name__} has none")
+        raise InputTypeError(f"drafter must be None, a Drafter or an object with a propose(sequences) method; "
+                             f"{type(obj).__name__} has no propose()")
     return _ObjectDrafter(obj)
 
 

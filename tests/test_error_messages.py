@@ -4,6 +4,7 @@ catches are importable from ``specdec`` itself, without importing torch."""
 from __future__ import annotations
 
 import pytest
+from specdec.drafters.base import as_drafter
 
 import specdec
 from specdec.cli import main
@@ -58,3 +59,9 @@ def test_the_command_line_says_a_missing_model_in_one_line(tmp_path, monkeypatch
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith(f"specdec generate: error: unknown model 'my-model': no checkpoint directory or file at "
                           f"{tmp_path}/my-model")
+
+
+def test_an_object_that_cannot_draft_is_an_input_type_error_saying_what_is_accepted():
+    with pytest.raises(InputTypeError, match=r"^drafter must be None, a Drafter or an object with a "
+                                             r"propose\(sequences\) method; object has no propose\(\)$"):
+        as_drafter(object())
