@@ -3,6 +3,9 @@ not there (in Python and on the command line), an object that cannot draft; and 
 catches are importable from ``specdec`` itself, without importing torch."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from specdec.drafters.base import as_drafter
 
@@ -65,3 +68,23 @@ def test_an_object_that_cannot_draft_is_an_input_type_error_saying_what_is_accep
     with pytest.raises(InputTypeError, match=r"^drafter must be None, a Drafter or an object with a "
                                              r"propose\(sequences\) method; object has no propose\(\)$"):
         as_drafter(object())
+
+
+ERRORS = ["SpecdecError", "InputError", "InputTypeError", "ModelNotFoundError", "CacheFullError",
+          "InvalidLogitsError", "UnsupportedModelError", "DraftError"]
+
+
+def test_every_error_class_is_exported_by_specdec_without_importing_torch():
+    from specdec.kv_cache import CacheFullError
+    from specdec.models.llama import UnsupportedModelError
+    from specdec.sampling import InvalidLogitsError
+
+    assert specdec.CacheFullError is CacheFullError and specdec.InvalidLogitsError is InvalidLogitsError
+    assert specdec.UnsupportedModelError is UnsupportedModelError and specdec.ModelNotFoundError is ModelNotFoundError
+    for name in ERRORS:
+        assert name in specdec.__all__ and issubclass(getattr(specdec, name), SpecdecError), name
+    code = ("import sys, specdec; from specdec import SpecdecError, ModelNotFoundError, InputError; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            f"names = {ERRORS!r}; assert all(n in dir(specdec) for n in names); "
+            "assert issubclass(specdec.CacheFullError, SpecdecError)")
+    subprocess.run([sys.executable, "-c", code], check=True)
