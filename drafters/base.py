@@ -110,6 +110,11 @@ class TokenView(Sequence[int]):
 
 @dataclass(frozen=True)
 class SequenceView:
+    """What a drafter sees of one sequence at ``propose``: its committed tokens, read-only. ``seq_id`` is stable for
+    the sequence's life (``on_accept`` and ``release`` name it); ``token_ids[-1]`` is the root of the tree to
+    propose; ``token_ids[:num_prompt_tokens]`` is the prompt. Views are built anew at each ``propose``
+    (``new_hidden`` is that step's): key what a drafter keeps by ``seq_id``."""
+
     seq_id: int
     # prompt + every committed token (read-only); the last one is the root of the next draft tree
     token_ids: Sequence[int]
