@@ -110,6 +110,11 @@ class TokenView(Sequence[int]):
 
 @dataclass(frozen=True)
 class SequenceView:
+    """What a drafter sees of one sequence at ``propose``: its committed tokens, read-only. ``seq_id`` is stable for
+    the sequence's life (``on_accept`` and ``release`` name it); ``token_ids[-1]`` is the root of the tree to
+    propose; ``token_ids[:num_prompt_tokens]`` is the prompt. Views are built anew at each ``propose``
+    (``new_hidden`` is that step's): key what a drafter keeps by ``seq_id``."""
+
     seq_id: int
     # prompt + every committed token (read-only); the last one is the root of the next draft tree
     token_ids: Sequence[int]
@@ -243,11 +248,13 @@ class _ObjectDrafter(Drafter):
 
 
 def as_drafter(obj: Any) -> Drafter | None:
-    """``obj`` itself if it is a Drafter (or None), else a Drafter view of an object with ``propose``."""
+    """``obj`` itself if it is a Drafter (or None), else a Drafter view of an object with ``propose``; anything else
+    is a one-line InputTypeError saying what is accepted."""
     if obj is None or isinstance(obj, Drafter):
         return obj
     if not callable(getattr(obj, "propose", None)):
-        raise TypeError(f"a drafter needs a propose(sequences) method; {type(obj).__name__} has none")
+        raise InputTypeError(f"drafter must be None, a Drafter or an object with a propose(sequences) method; "
+                             f"{type(obj).__name__} has no propose()")
     return _ObjectDrafter(obj)
 
 

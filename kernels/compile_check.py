@@ -43,7 +43,8 @@ class Model:
     head_dim: int
     hidden: int
     intermediate: int
-    qk_norm: bool = False  # Qwen3: q and k normed per head (new contiguous tensors), RoPE and KV write apart
+    # Qwen3: q and k normed per head, inside rope_write_ with a fused QKV product, else by PyTorch (new tensors)
+    qk_norm: bool = False
 
 
 MODELS = {

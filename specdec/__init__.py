@@ -13,25 +13,29 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from specdec.errors import InputError, InputTypeError, SpecdecError
+from specdec.errors import InputError, InputTypeError, ModelNotFoundError, SpecdecError
 
 if TYPE_CHECKING:
     from specdec.generate import GenerateOutput, SequenceStats, generate
     from specdec.generation_config import GenerationConfig
+    from specdec.kv_cache import CacheFullError
+    from specdec.models.llama import UnsupportedModelError
     from specdec.models.loader import load_model
-    from specdec.sampling import SamplingConfig
+    from specdec.sampling import InvalidLogitsError, SamplingConfig
     from specdec.tree import DraftError, DraftMode, DraftTree
 
 __version__ = "0.1.0"
 __all__ = [
     "generate", "GenerationConfig", "GenerateOutput", "SequenceStats", "load_model", "SamplingConfig",
-    "DraftTree", "DraftMode", "DraftError", "SpecdecError", "InputError", "InputTypeError",
+    "DraftTree", "DraftMode", "DraftError", "SpecdecError", "InputError", "InputTypeError", "ModelNotFoundError",
+    "CacheFullError", "InvalidLogitsError", "UnsupportedModelError",
 ]
 _HOME = {  # public name -> the module that defines it
     "generate": "specdec.generate", "GenerateOutput": "specdec.generate", "SequenceStats": "specdec.generate",
     "GenerationConfig": "specdec.generation_config", "load_model": "specdec.models.loader",
     "SamplingConfig": "specdec.sampling", "DraftTree": "specdec.tree", "DraftMode": "specdec.tree",
-    "DraftError": "specdec.tree",
+    "DraftError": "specdec.tree", "CacheFullError": "specdec.kv_cache", "InvalidLogitsError": "specdec.sampling",
+    "UnsupportedModelError": "specdec.models.llama",
 }
 
 

@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from specdec.errors import InputError
+from specdec.errors import InputError, InputTypeError
+from specdec.generate_inputs import check_bool, check_int, describe, is_int
 from specdec.kv_cache import CacheFullError, PagedKVCache, blocks_needed
 from specdec.models.llama import ForwardOutput, LlamaRunner
 from specdec.tree import MAX_TREE_NODES
@@ -77,12 +78,22 @@ class GraphConfig:
     capture: bool = True  # False: run the padded static forward eagerly (CPU, interpreter tests)
 
     def __post_init__(self) -> None:
+        """Each field checked: a one-line InputTypeError / InputError naming it; the sizes kept as tuples of ints."""
         for name in ("batch_sizes", "tokens_per_seq"):
             sizes = getattr(self, name)
-            if not sizes or any(not isinstance(x, int) or x < 1 for x in sizes) or list(sizes) != sorted(set(sizes)):
-                raise ValueError(f"{name} must be strictly increasing positive ints, got {sizes!r}")
+            if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not all(map(is_int, sizes)):
+                raise InputTypeError(f"GraphConfig: {name} must be a tuple of ints, got {describe(sizes)}")
+            sizes = tuple(int(x) for x in sizes)
+            if not sizes or sizes[0] < 1 or list(sizes) != sorted(set(sizes)):
+                raise InputError(f"GraphConfig: {name} must be strictly increasing positive ints, got {sizes!r}")
+            object.__setattr__(self, name, sizes)
         if self.tokens_per_seq[-1] > MAX_TOKENS_PER_SEQ:
-            raise ValueError(f"tokens_per_seq may not exceed {MAX_TOKENS_PER_SEQ}, got {self.tokens_per_seq[-1]}")
+            raise InputError(f"GraphConfig: tokens_per_seq may not exceed {MAX_TOKENS_PER_SEQ} (the root and a tree "
+                             f"of {MAX_TREE_NODES} nodes), got {self.tokens_per_seq[-1]}")
+        check_bool("GraphConfig: capture", self.capture)
+
+
+_GRAPH_CONFIG = GraphConfig  # the class, for GraphedForward's check (the module name may be rebound to a factory)
 
 
 @dataclass(frozen=True)
@@ -113,12 +124,19 @@ class GraphedForward:
     """The engine's verify forward through fixed-shape buckets (see the module docstring)."""
 
     def __init__(self, runner: LlamaRunner, cache: PagedKVCache, config: GraphConfig = GraphConfig()) -> None:
+        _check_runner(runner, "GraphedForward")
+        if not isinstance(cache, PagedKVCache):
+            raise InputTypeError(f"GraphedForward: cache must be a specdec.kv_cache.PagedKVCache, got "
+                                 f"{type(cache).__name__} (GraphedForward.with_cache builds one)")
+        if not isinstance(config, _GRAPH_CONFIG):
+            raise InputTypeError(f"GraphedForward: config must be a GraphConfig, got {describe(config)}")
         if not cache.backend.triton:
-            raise ValueError("CUDA graphs need the Triton attention backend: a CUDA device (SPECDEC_ATTENTION auto "
+            raise InputError("CUDA graphs need the Triton attention backend: a CUDA device (SPECDEC_ATTENTION auto "
                              "or triton), or SPECDEC_ATTENTION=triton with TRITON_INTERPRET=1 on CPU, when the "
                              f"runner and cache are built; this cache's backend is {cache.backend.name}")
         if config.capture and not cache.kv.is_cuda:
-            raise ValueError(f"capture=True needs a CUDA device, the cache is on {cache.kv.device}")
+            raise InputError(f"capture=True needs a CUDA device, the cache is on {cache.kv.device}: pass "
+                             "GraphConfig(capture=False) to run the buckets eagerly")
         from specdec.kernels.graph_metadata import StaticInputs
 
         self.runner, self.cache, self.config = runner, cache, config
@@ -154,8 +172,9 @@ class GraphedForward:
                    config: GraphConfig = GraphConfig()) -> "GraphedForward":
         """Over a KV cache of its own (``max_tokens`` tokens plus the scratch block), for
         ``generate(..., cuda_graphs=graphed)`` call after call: each bucket is captured once."""
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        _check_runner(runner, "GraphedForward.with_cache")
+        max_tokens = check_int("GraphedForward.with_cache: max_tokens", max_tokens, minimum=1)
+        block_size = check_int("GraphedForward.with_cache: block_size", block_size, minimum=1)
         s = runner.shape
         blocks = -(-max_tokens // block_size) + 1
         cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, blocks, block_size, runner.dtype,
@@ -279,7 +298,7 @@ class GraphedForward:
         self._check_live()
         top = self.bucket_for(num_seqs, 1)
         if top is None:
-            raise ValueError(f"no bucket holds {num_seqs} sequences (at most {self.config.batch_sizes[-1]})")
+            raise InputError(f"no bucket holds {num_seqs} sequences (at most {self.config.batch_sizes[-1]})")
         new = 0
         for key in [_bucket_key(b, t, feature_layers) for b in self.config.batch_sizes if b <= top[0]
                     for t in self.config.tokens_per_seq]:
@@ -339,6 +358,14 @@ class GraphedForward:
         streams = f", with the input streams of layers {list(bucket.feature_layers)}" if bucket.feature_layers else ""
         logger.info("captured a CUDA graph for %d sequences x %d tokens%s", bucket.batch, bucket.tokens_per_seq,
                     streams)
+
+
+def _check_runner(runner: Any, where: str) -> None:
+    """A one-line InputTypeError where ``runner`` is not a LlamaRunner (a LoadedModel or a transformers model passed
+    in its place names where the runner is)."""
+    if not isinstance(runner, LlamaRunner):
+        raise InputTypeError(f"{where}: runner must be a LlamaRunner (a loaded model's .runner: "
+                             f"specdec.load_model(...).runner), got {type(runner).__name__}")
 
 
 def _bucket_key(batch: int, tokens_per_seq: int, feature_layers: tuple[int, ...] = ()) -> tuple:
@@ -421,7 +448,7 @@ def warm_up_model_graphs(runner: LlamaRunner, batches: Iterable[Sequence[int]], 
         return None
     batches = [list(lengths) for lengths in batches]
     if not batches or not all(batches):
-        raise ValueError("warm_up_model_graphs needs at least one batch of at least one prompt")
+        raise InputError("warm_up_model_graphs needs at least one batch of at least one prompt")
     from specdec.generate_inputs import check_cache_fits
 
     needed = max(blocks_needed(lengths, max_new_tokens, block_size, MAX_TREE_NODES) for lengths in batches)

@@ -2,7 +2,7 @@
 
 A caller (or the CLI) catches ``SpecdecError`` to tell "your input / drafter / checkpoint is
 wrong" (one line, no traceback) apart from a bug. Each subclass also derives from the builtin
-that matches its meaning (``ValueError``, ``TypeError``, ``RuntimeError``), so code written
+that matches its meaning (``ValueError``, ``TypeError``, ``RuntimeError``, ``FileNotFoundError``), so code written
 against the builtins keeps working. Errors that belong to one module (``DraftError`` in
 ``tree.py``, ``CacheFullError`` in ``kv_cache.py``, ...) are defined there on this base.
 
@@ -21,3 +21,8 @@ class InputError(SpecdecError, ValueError):
 
 class InputTypeError(SpecdecError, TypeError):
     """An argument has a type specdec does not accept (a float token id, ``stop=5``)."""
+
+
+class ModelNotFoundError(SpecdecError, FileNotFoundError):
+    """The model named is not there: no checkpoint directory, ``.gguf`` file or alias by that name (the message says
+    what was looked for and where; specdec never downloads)."""

@@ -119,7 +119,17 @@ def generate(
     cuda_graphs: bool | str | GraphedForward = AUTO,
     **config_fields: Any,
 ):
-    """``cuda_graphs="auto"`` (the default) runs verify steps through fixed-shape buckets replayed as CUDA
+    """Generate up to ``max_new_tokens`` new tokens for each row of ``input_ids`` with ``model``, speculatively when a
+    ``drafter`` is given, losslessly: whatever the drafter proposes, greedy output is plain greedy decoding's tokens
+    and sampled output has plain sampling's distribution, up to the last bits of the target's logits (a near-tie may
+    part in bf16; ``invariant=True`` makes them bitwise plain decoding's, docs/bit-exact.md).
+    Returns each input row as given followed by its new tokens (a tensor for a tensor, lists for lists), or with
+    ``return_dict=True`` a :class:`~specdec.output.GenerateOutput` with per-sequence stats. Settings: keyword
+    arguments > ``generation_config=`` > the model's generation_config > :class:`GenerationConfig`'s defaults. A
+    wrong argument is a one-line :class:`~specdec.errors.InputError` / ``InputTypeError``; a model that is not there
+    a :class:`~specdec.errors.ModelNotFoundError`.
+
+    ``cuda_graphs="auto"`` (the default) runs verify steps through fixed-shape buckets replayed as CUDA
     graphs on a CUDA device with the Triton backend, through one graph cache per loaded model that later calls
     reuse (:func:`specdec.cuda_graphs.model_graphs`), and eagerly elsewhere; ``True`` captures them anew in this
     call (also in the Triton interpreter on CPU, uncaptured), ``False`` never; pass a :class:`GraphedForward`

@@ -50,6 +50,12 @@ def unknown_arguments(unknown: list[str], known: set[str]) -> str:
 
 @dataclass(frozen=True)
 class GenerationConfig:
+    """What to generate, in transformers' field names: length, sampling, stopping, logits processors, the KV cache
+    and how speculation runs. Frozen; every field is checked when it is built (a one-line InputError /
+    InputTypeError naming it, a misspelt name too). Only the fields given (``fields_set``) override the model's
+    own generation_config in generate(); ``update()`` gives a changed copy. Field by field: the comments in
+    ``specdec/generation_config.py`` and docs/getting-started.md."""
+
     max_new_tokens: int = 128  # the default only when neither max_new_tokens nor max_length is set anywhere
     # prompt + new tokens, as transformers counts it (the prompt is input_ids.shape[-1], padding included; the
     # longest row for lists); max_new_tokens wins where both are set. generate() turns it into max_new_tokens
@@ -114,8 +120,20 @@ class GenerationConfig:
     def __new__(cls, *args: Any, **kwargs: Any) -> "GenerationConfig":
         # record which fields the caller gave (positionally or by name) before the dataclass __init__ fills in
         # the defaults: they are the ones that override the model's generation_config (see fields_set)
+        # a misspelt name or a surplus argument is the caller's one-line InputTypeError here, not the
+        # dataclass __init__'s TypeError
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise InputTypeError(f"GenerationConfig: {unknown_arguments(unknown, set(names))}")
+        if len(args) > len(names):
+            raise InputTypeError(f"GenerationConfig takes at most {len(names)} positional arguments, got "
+                                 f"{len(args)}; pass the fields by name")
+        twice = [name for name in names[: len(args)] if name in kwargs]
+        if twice:
+            raise InputTypeError(f"GenerationConfig got {', '.join(twice)} both by position and by name")
         self = super().__new__(cls)
-        given = [f.name for f in fields(cls)][: len(args)] + list(kwargs)
+        given = names[: len(args)] + list(kwargs)
         object.__setattr__(self, "_fields_set", frozenset(given))
         return self
 

@@ -85,6 +85,15 @@ def _first_bad_parent(parents: torch.Tensor) -> int | None:
 
 @dataclass(frozen=True, eq=False)
 class DraftTree:
+    """A drafter's proposal for one sequence in one step: node ``i`` proposes ``tokens[i]`` after ``parents[i]``
+    (-1: the root, the sequence's last committed token). The empty tree is plain decoding.
+
+    Checked when built (a one-line DraftError): ``tokens`` and ``parents`` are 1-D integer ids of one length, at
+    most ``MAX_TREE_NODES``; ``-1 <= parents[i] < i``; a DETERMINISTIC tree has no ``draft_probs``, a sampled one
+    ``[num_nodes, vocab]`` floats (row ``i``: the distribution node ``i`` was drawn from); ``scores`` in [0, 1].
+    :meth:`validate` adds what needs the vocabulary (ids inside it, rows summing to 1, distinct siblings drawn
+    without replacement). Frozen; the engine may verify an ancestor-closed part of it (:meth:`subtree`)."""
+
     tokens: torch.Tensor  # [num_nodes] int64 token ids
     parents: torch.Tensor  # [num_nodes] int64, -1 = root, else parents[i] < i
     # [num_nodes, vocab] float: row i is the distribution node i's token was drawn from

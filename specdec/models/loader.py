@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from specdec.errors import InputError, InputTypeError
+from specdec.errors import InputError, InputTypeError, ModelNotFoundError
 from specdec.models import checkpoint_files, embedded, runnable, synthetic
 from specdec.models.fused_projections import pack_projections
 from specdec.models.llama import LlamaRunner
@@ -191,7 +191,7 @@ def _load_path(spec: str, dtype: torch.dtype | None, device: str | torch.device 
         p = Path(spec).expanduser()
         if p.suffix == ".gguf":
             if not p.is_file():
-                raise FileNotFoundError(f"GGUF file not found: {p}")
+                raise ModelNotFoundError(f"GGUF file not found: {spec!r} (looked for the file {p.resolve()})")
             path = embedded.convert_gguf(p, embedded.converted_dir(p))
         elif p.is_dir():
             path = p
@@ -202,9 +202,10 @@ def _load_path(spec: str, dtype: torch.dtype | None, device: str | torch.device 
             hub = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))  # "org/name": a hub id?
             hint = (f"; specdec never downloads: fetch it first (hf download {spec} --local-dir DIR) and pass DIR"
                     if hub else " (nothing is downloaded)")
-            raise FileNotFoundError(
-                f"unknown model {spec!r}: pass a checkpoint directory, a .gguf file, a loaded transformers "
-                f"model, or one of the aliases {', '.join(embedded.ALIASES)}{hint}"
+            raise ModelNotFoundError(
+                f"unknown model {spec!r}: no checkpoint directory or file at {p.resolve()} and no alias of that "
+                f"name; pass a checkpoint directory, a .gguf file, a loaded transformers model, or one of the "
+                f"aliases {', '.join(embedded.ALIASES)}{hint}"
             )
         name = p.name
     model, tokenizer = _from_dir(path, dtype, trust_remote_code)
