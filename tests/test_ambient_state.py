@@ -72,6 +72,30 @@ def test_grad_mode_train_mode_and_default_dtype_change_nothing_and_build_no_grap
     assert model.training  # left in the mode it was passed in
 
 
+def test_one_token_biases_and_bad_words_under_a_float64_default_dtype():
+    """transformers' sequence-bias processors make their one-token biases in the default dtype at their first call:
+    a float64 default met their float32 table (and failed), for the call's own and a caller's processor alike."""
+    from transformers import SequenceBiasLogitsProcessor
+
+    model = build_tiny_model()
+    plain = specdec.generate(model, PROMPTS, max_new_tokens=12)
+    banned = plain[0][len(PROMPTS[0])]  # the first token generated: banned and biased, the text changes
+    settings = [dict(bad_words_ids=[[banned], [3, 4]]), dict(sequence_bias={(banned,): -50.0, (3, 4): 2.0}),
+                dict(logits_processor=[SequenceBiasLogitsProcessor([[[banned], -50.0]])],
+                     logits_processor_prefix_only=True)]
+    clean = [_outputs(model, **kw) for kw in settings]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        settings[2]["logits_processor"] = [SequenceBiasLogitsProcessor([[[banned], -50.0]])]  # a fresh, unprepared one
+        under = [_outputs(model, **kw) for kw in settings]
+    finally:
+        torch.set_default_dtype(previous)
+    assert under == clean
+    for outs in clean:
+        assert all(out == outs[0] for out in outs) and outs[0] != plain and banned not in outs[0][0][len(PROMPTS[0]):]
+
+
 def test_the_norms_epsilon_is_the_modules_not_an_edited_configs():
     """transformers' RMSNorm keeps the epsilon it was built with; an edit of config.rms_norm_eps changes nothing
     in its forward, so nothing in specdec's."""
