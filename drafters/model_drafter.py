@@ -23,8 +23,8 @@ after the target's sampling transform, sent along as draft_probs (static trees o
 of sampled nodes would change their law); ``auto`` (default): deterministic when greedy or dynamic, else
 independent. Under coupled sampling the children are always deterministic, ranked by the shared noise.
 
-Sampled drafts draw from the drafter's own generator, seeded from ``DraftConfig.seed``, else from
-``generate(seed=...)`` or a draw from its ``generator=`` (``TargetView.seed``), re-seeded at every ``attach``.
+Sampled drafts draw from the drafter's own generator, seeded from ``DraftConfig.seed``, ``generate(seed=...)``, a
+draw from its ``generator=`` (``TargetView.seed``) or, greedy, a fixed seed; re-seeded at every ``attach``.
 With a reduced draft vocabulary (``self.draft_vocab``) children are chosen among those N tokens and sampled
 draft_probs are zero elsewhere; output stays exact.
 """
@@ -190,6 +190,8 @@ class ModelDrafter(Drafter):
         self.static_on_device = (self.config.tree == "static" and fixed_shape
                                  and (target.processing is None or self.draft_vocab is not None))
         seed = self.config.seed if self.config.seed is not None else target.seed
+        if seed is None and target.sampling.greedy and self.mode is not DraftMode.DETERMINISTIC:
+            seed = 0  # a greedy call's sampled drafts: any stream of its own, never the caller's global one
         self.generator = None
         if seed is not None:  # never generate()'s own stream: shared uniforms would couple drafts and acceptance
             digest = hashlib.blake2b(f"specdec.drafter:{seed}".encode(), digest_size=8).digest()

@@ -12,9 +12,10 @@ Callers generate from their own programs: inside a training loop, under ``torch.
 
 Everything else is read as it is or cannot matter: grad mode (every forward runs under ``torch.inference_mode``, so
 no autograd graph is built, also for weights that require grad), the default dtype (every tensor specdec computes
-with has an explicit dtype), the thread count (the CPU row policy is kept per thread count), deterministic
-algorithms, matmul precision and ``torch.backends`` flags (the model's own forward runs under them too). Nothing
-here costs anything when neither setting is on. docs/getting-started.md lists every state checked.
+with has an explicit dtype; transformers' sequence-bias processors, which make theirs in it, are prepared from
+float32 values: specdec/logits_processing.py), the thread count (the CPU row policy is kept per thread count),
+deterministic algorithms, matmul precision and ``torch.backends`` flags (the model's own forward runs under them
+too). Nothing here costs anything when neither setting is on. docs/getting-started.md lists every state checked.
 """
 from __future__ import annotations
 

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from specdec.errors import InputError, InputTypeError
@@ -72,6 +73,24 @@ def _forget_other_vocabulary(processor: Any, vocab_size: int, device: torch.devi
     if not isinstance(bias, torch.Tensor) or bias.shape[-1] != vocab_size or (
             device is not None and bias.device != torch.device(device)):
         processor.prepared_bias_variables = False
+
+
+def _prepare_biases_in_float32(processor: Any, vocab_size: int, device: torch.device) -> None:
+    """A transformers ``SequenceBiasLogitsProcessor`` (``NoBadWordsLogitsProcessor`` is one) makes its one-token
+    biases at its first use with ``torch.tensor(biases)`` from Python floats: in torch's default dtype, which a
+    caller's ``torch.set_default_dtype(torch.float64)`` makes float64, and its float32 bias table then refuses them.
+    They are prepared here from float32 values, the ones a float32 default gives (torch's default dtype is one for
+    the whole process, so it is not set aside for the call as autocast is: another thread may be reading it)."""
+    from transformers import SequenceBiasLogitsProcessor
+
+    if not isinstance(processor, SequenceBiasLogitsProcessor) or getattr(processor, "prepared_bias_variables", True):
+        return
+    biases = processor.sequence_bias
+    processor.sequence_bias = {ids: np.float32(bias) for ids, bias in biases.items()}
+    try:
+        processor._prepare_bias_variables(torch.empty(0, vocab_size, dtype=torch.float32, device=device))
+    finally:
+        processor.sequence_bias = biases
 
 
 def node_suffixes(tree: DraftTree) -> list[list[int]]:
@@ -185,6 +204,9 @@ class LogitsProcessing:
         kinds = [p.kind if isinstance(p, PerPrompt) else type(p) for p in defaults]
         merged = [next((c for c in custom if type(c) is kind), p) for kind, p in zip(kinds, defaults, strict=True)]
         merged += [c for c in custom if not any(c is m for m in merged)]
+        if device is not None and torch.get_default_dtype() != torch.float32:  # a float32 default needs nothing
+            for p in merged:
+                _prepare_biases_in_float32(p, vocab_size, device)
         return cls(tuple(merged), new_max) if merged else None
 
     def process_rows(self, input_ids: torch.Tensor, scores: torch.Tensor, prompt_length: int) -> torch.Tensor:

@@ -72,6 +72,70 @@ def test_grad_mode_train_mode_and_default_dtype_change_nothing_and_build_no_grap
     assert model.training  # left in the mode it was passed in
 
 
+def test_one_token_biases_and_bad_words_under_a_float64_default_dtype():
+    """transformers' sequence-bias processors make their one-token biases in the default dtype at their first call:
+    a float64 default met their float32 table (and failed), for the call's own and a caller's processor alike."""
+    from transformers import SequenceBiasLogitsProcessor
+
+    model = build_tiny_model()
+    plain = specdec.generate(model, PROMPTS, max_new_tokens=12)
+    banned = plain[0][len(PROMPTS[0])]  # the first token generated: banned and biased, the text changes
+    settings = [dict(bad_words_ids=[[banned], [3, 4]]), dict(sequence_bias={(banned,): -50.0, (3, 4): 2.0}),
+                dict(logits_processor=[SequenceBiasLogitsProcessor([[[banned], -50.0]])],
+                     logits_processor_prefix_only=True)]
+    clean = [_outputs(model, **kw) for kw in settings]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        settings[2]["logits_processor"] = [SequenceBiasLogitsProcessor([[[banned], -50.0]])]  # a fresh, unprepared one
+        under = [_outputs(model, **kw) for kw in settings]
+    finally:
+        torch.set_default_dtype(previous)
+    assert under == clean
+    for outs in clean:
+        assert all(out == outs[0] for out in outs) and outs[0] != plain and banned not in outs[0][0][len(PROMPTS[0]):]
+
+
+def _drafter(name):
+    """A drafter by case name, over the 4-layer tiny model: every built-in, and the model drafters in every mode."""
+    if name == "eagle":
+        from specdec.drafters.eagle import EagleDrafter
+        from specdec.drafters.eagle_model import EagleConfig, EagleModel
+
+        eagle = EagleModel(EagleConfig.for_target(build_tiny_model(num_hidden_layers=4).config))
+        return EagleDrafter(model=eagle), None
+    if name == "medusa":
+        from specdec.drafters.medusa import MedusaDrafter
+        from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
+
+        return MedusaDrafter(heads=MedusaHeads(MedusaConfig(3, 1, 64, 96))), None
+    if name in ("ngram", "random-tree"):
+        return (name if name == "ngram" else RandomTreeDrafter(96)), None
+    kind, mode = name.split(":")
+    options = dict(mode=mode, widths=(2,), num_draft_tokens=3)
+    options.update(model=build_tiny_model(seed=7)) if kind == "draft-model" else options.update(num_layers=2)
+    if kind == "combined":
+        return "combined", dict(drafters=["ngram", {"name": "self-draft", **options}])
+    return kind, options
+
+
+@pytest.mark.parametrize("name", ["ngram", "random-tree", "eagle", "medusa", "combined:independent"] + [
+    f"{kind}:{mode}" for kind in ("draft-model", "self-draft")
+    for mode in ("auto", "deterministic", "independent", "without_replacement")])
+@pytest.mark.parametrize("sampling", [dict(), dict(do_sample=True, seed=5)], ids=["greedy", "seeded"])
+def test_greedy_and_seeded_calls_leave_the_global_generator_as_they_found_it(name, sampling):
+    """A greedy call drafting with sampled children (mode independent or without_replacement) drew them from torch's
+    global generator: a caller's torch.manual_seed(0); generate(...); torch.rand(1) changed with the call."""
+    model = build_tiny_model(num_hidden_layers=4)
+    drafter, options = _drafter(name)
+    expected = torch.rand(8, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    out = specdec.generate(model, PROMPTS, max_new_tokens=12, drafter=drafter, drafter_options=options,
+                           speculation="always", return_dict=True, **sampling)
+    assert torch.equal(torch.rand(8), expected)
+    assert any(n > 0 for stats in out.stats for n in stats.step_nodes)  # it drafted
+
+
 def test_the_norms_epsilon_is_the_modules_not_an_edited_configs():
     """transformers' RMSNorm keeps the epsilon it was built with; an edit of config.rms_norm_eps changes nothing
     in its forward, so nothing in specdec's."""
