@@ -180,7 +180,7 @@ def test_what_the_guard_learned_on_a_curve_is_not_kept_for_the_curve_measured_ag
     monkeypatch.setattr(engine_setup, "load_cost_model", lambda r, c=None: load_cost_model(r, SMALL, cache_dir=fresh))
     keys, real = [], engine_setup.TreeSizer
     monkeypatch.setattr(engine_setup, "TreeSizer",
-                        lambda costs, memory: keys.append(memory) or real(costs, memory=memory))
+                        lambda costs, memory, **kw: keys.append(memory) or real(costs, memory=memory, **kw))
     model = build_tiny_model(seed=0)
     for _ in range(2):
         generate(model, [[1, 2, 3, 1, 2, 3]], max_new_tokens=4, drafter="ngram")
