@@ -21,6 +21,29 @@ REPO = Path(__file__).resolve().parents[1]
 # eval/ would shadow top-level packages of those names (transformers probes `kernels`).
 # specdec is installed, so the repo root is never needed on the path.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO]
+
+
+def foreign_packages(repo: Path, names=("specdec", "specdec.drafters", "specdec.kernels", "specdec.train",
+                                        "specdec.eval")) -> list[str]:
+    """The packages of ``names`` imported from outside ``repo``: run from a second checkout (a git worktree), an
+    editable install made in the first still maps the subpackages there, and the tests would run that checkout's
+    code, passing or failing for it."""
+    import importlib
+
+    found = []
+    for name in names:
+        where = Path(importlib.import_module(name).__file__).resolve()
+        if not where.is_relative_to(repo):
+            found.append(f"{name} from {where.parent}")
+    return found
+
+
+def pytest_configure(config):
+    foreign = [] if os.environ.get("SPECDEC_TEST_INSTALLED") == "1" else foreign_packages(REPO)
+    if foreign:
+        raise pytest.UsageError(f"the tests in {REPO} would run code from elsewhere ({'; '.join(foreign)}): run "
+                                "`pip install -e .` in this checkout, or set SPECDEC_TEST_INSTALLED=1 to test the "
+                                "installed copy")
 # OMP_NUM_THREADS if set, else the cores divided among the pytest-xdist workers (2 workers on
 # CI's 2 cores: 1 thread each), at most 2: more threads than free cores made tiny-model tests
 # 10x slower on a shared machine

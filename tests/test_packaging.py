@@ -495,3 +495,14 @@ def test_eval_acceptance_runs_with_the_eval_extra_alone(tiny_checkpoint, tmp_pat
     proc = _run_under_extra("eval", [argv], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "acc" / "report.json").is_file()
+
+
+def test_the_suite_refuses_to_run_another_checkouts_code(tmp_path, request):
+    """Run from a second checkout (a git worktree), an editable install made in the first maps specdec's subpackages
+    there: the tests ran the other checkout's drafters, kernels, training and eval. conftest refuses such a run."""
+    conftest = next(p for p in request.config.pluginmanager.get_plugins() if hasattr(p, "foreign_packages"))
+    REPO, foreign_packages = conftest.REPO, conftest.foreign_packages
+    assert foreign_packages(REPO) == []
+    elsewhere = foreign_packages(tmp_path, names=("specdec", "specdec.drafters"))
+    assert [line.split(" from ")[0] for line in elsewhere] == ["specdec", "specdec.drafters"]
+    assert str(REPO) in elsewhere[1]
