@@ -114,7 +114,7 @@ class _Step:
 
             curve = {n: verify_cost_at(costs, n) for n in range(1, MAX_TREE_NODES + 2)}
             self.sizer = TreeSizer(CostModel({"record": True}, {1: curve}),
-                                   calibrated_scores=getattr(drafter.drafter, "calibrated_scores", False))
+                                   calibrated_scores=drafter.drafter.calibrated_scores)
         self.draft_call: float | None = None
         self.proposed: set[int] = set()  # sequences proposed for once (their first call is a catch-up)
 
