@@ -12,7 +12,8 @@ Counts for the model with separate and with fused (packed) projections, and for 
   LM head, the greedy choice, ...);
 * **per EAGLE drafting call** (``--eagle DEPTH,TOP_K``, a random layer of the model's shape, float32, its
   projections packed as on CUDA): on the reference and the Triton backend, per call (catch-up, growth and rerank)
-  and that over the depth.
+  and that over the depth; and per pending proposal of the graphed engine (``cuda_graphs=True``, uncaptured here),
+  the launches inside the drafting's replayed graph and those the host issues one by one around it.
 
 The CPU's row policy for small products (``specdec.models.row_policy``) is left off, as a GPU runs without it.
 
@@ -26,6 +27,7 @@ import collections
 import copy
 import dataclasses
 import os
+import warnings
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
@@ -123,6 +125,59 @@ def eagle_launches(loaded, depth: int, width: int, backend: str, calls: int = 8)
     return counter, min(seen[0] - 1, calls)
 
 
+def pending_launches(loaded, depth: int, width: int, calls: int = 8) -> tuple[Launches, int]:
+    """As :func:`eagle_launches` on the Triton backend, with the target's CUDA graphs on (uncaptured), so the engine
+    takes the pending proposals a GPU takes (``propose_pending``): over ``calls`` calls after the first, the launches
+    inside the drafting's graph (``EagleGraphs._run``, what a replay runs) and outside it, and the calls."""
+    from specdec.drafters.eagle import EagleDrafter
+    from specdec.drafters.eagle_graphs import EagleGraphs
+
+    from specdec.generate import generate
+    from specdec.models import synthetic
+    from specdec.models.fused_projections import pack_layers
+
+    target = dataclasses.replace(loaded, runner=LlamaRunner(loaded.model, backend="triton"))
+    eagle = synthetic.eagle_head(loaded.model.config, device="cpu", dtype=torch.float32)
+    pack_layers(eagle.layers)
+    drafter = EagleDrafter(model=eagle, depth=depth, top_k=width, max_nodes=depth * width, adapt_depth=False,
+                           cuda_graphs=True)
+    counter, seen, live = Launches(), [0], [None]
+    propose, real_run = drafter.propose_pending, EagleGraphs._run
+
+    def counted(seqs):
+        seen[0] += 1
+        if seen[0] == 1 or seen[0] > calls + 1:  # the first call catches up on the whole prompt
+            return propose(seqs)
+        live[0] = counter
+        try:
+            with counter:
+                return propose(seqs)
+        finally:
+            live[0] = None
+
+    def run(self, *args):
+        if live[0] is None:
+            return real_run(self, *args)
+        live[0].inside += 1
+        try:
+            return real_run(self, *args)
+        finally:
+            live[0].inside -= 1
+
+    drafter.propose_pending = counted
+    EagleGraphs._run = run
+    # the verify bucket's padded rows skip the attention (their output is whatever the memory held), so the
+    # interpreter's numpy may overflow squaring them in the norm: rows no real token reads
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "overflow encountered", RuntimeWarning)
+            generate(target, [[(7 * i + 3) % 50 + 1 for i in range(40)]], max_new_tokens=4 * calls,
+                     drafter=drafter, speculation="always", cuda_graphs=True)
+    finally:
+        EagleGraphs._run = real_run
+    return counter, min(seen[0] - 1, calls)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="synthetic:smollm2-135m@tiny")
@@ -171,6 +226,11 @@ def main(argv=None) -> int:
             top = dict(sorted(((k, round(v / calls, 1)) for k, v in ops.most_common(12))))
             print(f"EAGLE drafting, depth {depth}, top-k {width}, {backend} backend: {total:.1f} launches per call "
                   f"({total / depth:.1f} per level of depth) over {calls} calls; the most: {top}")
+        counter, calls = pending_launches(graphed, depth, width)
+        for where, ops in (("inside the replayed drafting", counter.inside_ops), ("outside it", counter.ops)):
+            print(f"EAGLE pending proposal, graphed, depth {depth}, top-k {width}, {where}: "
+                  f"{sum(ops.values()) / calls:.1f} launches per call over {calls} calls "
+                  f"{dict(sorted((k, round(v / calls, 1)) for k, v in ops.items()))}")
     return 0
 
 

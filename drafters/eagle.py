@@ -45,6 +45,7 @@ from specdec.drafters.eagle_graphs import CachedKeys, EagleGraphs, eagle_graphs
 from specdec.drafters.eagle_grow import GrowInputs, TreeGrower
 from specdec.drafters.eagle_kv import EagleKV
 from specdec.drafters.eagle_model import EagleModel
+from specdec.drafters.eagle_rerank import DeviceFields, device_fields, parents
 from specdec.drafters.level_clock import LevelClock
 from specdec.drafters.loaded_once import load_once
 from specdec.drafters.prompt_copies import leaders, prompt_copies
@@ -52,7 +53,7 @@ from specdec.drafters.prompt_copies import leaders, prompt_copies
 from specdec.cuda_graphs import captures
 from specdec.errors import InputError
 from specdec.host_copy import to_device, to_host_later
-from specdec.pending_trees import PendingTrees, tree_fields
+from specdec.pending_trees import PendingTrees
 from specdec.tree import MAX_TREE_NODES, DraftTree, matched_levels
 
 if TYPE_CHECKING:
@@ -184,28 +185,27 @@ class EagleDrafter(Drafter):
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
-        call = self._draft(seqs)
+        call = self._draft(seqs, pending=False)
         return self._finish(call, None if call.pool is None else call.pool.cpu())  # the one read of the device
 
     @torch.inference_mode()
     def propose_pending(self, seqs: Sequence[SequenceView]) -> PendingTrees:
         """The call's trees left on the device (specdec/pending_trees.py): the host copy of the candidates starts
         now and is read when the engine has launched the verify."""
-        call = self._draft(seqs)
+        call = self._draft(seqs, pending=True)
         call.clock.stop()  # the drafting's own seconds, not the host's work until the read
         if call.pool is None:
             return PendingTrees.none(len(seqs), self.target.runner.device, lambda: self._finish(call, None))
         sizes = [0] * len(seqs)
         pool = call.pool  # [L, 4, M] on the device
-        tokens = pool[:, 0].long()
-        if self.device_draft_ids is not None:
-            tokens = self.device_draft_ids[tokens]
-        depths, bits = tree_fields(_parents(pool), call.depth)
+        # the trees' fields: a replay computed them in its graph; an eager call computes them now
+        fields = call.fields if call.fields is not None else device_fields(pool, call.depth, self.device_draft_ids)
         for i in call.live:
             sizes[i] = pool.shape[2]
         host = to_host_later(pool)  # waited for once the verify is launched: the device is verifying by then
-        return PendingTrees(tuple(sizes), tokens.flatten(), depths.flatten(), bits.flatten(), call.depth,
-                            lambda: self._finish(call, host()), lambda: call.seconds, call.clock.start)
+        return PendingTrees(tuple(sizes), fields.tokens.flatten(), fields.depths.flatten(),
+                            fields.ancestor_bits.flatten(), call.depth, lambda: self._finish(call, host()),
+                            lambda: call.seconds, call.clock.start)
 
     def _finish(self, call: "_Call", pools: torch.Tensor | None) -> list[DraftTree]:
         """The call's trees from its candidates read by the host ([L, 4, M]; None: no sequence drafted), and what
@@ -222,20 +222,20 @@ class EagleDrafter(Drafter):
         self.chooser.record_seconds(level_seconds, call.catch_up)
         return trees
 
-    def _draft(self, seqs: Sequence[SequenceView]) -> "_Call":
+    def _draft(self, seqs: Sequence[SequenceView], pending: bool) -> "_Call":
         """:meth:`_launch`; a call during which a CUDA graph was captured is a one-off, as a sequence's first is:
         its time is the capture's, and prices no level (the depth chooser's, the engine's draft time)."""
         before = captures()
-        call = self._launch(seqs)
+        call = self._launch(seqs, pending)
         call.catch_up = call.catch_up or captures() > before
         return call
 
-    def _launch(self, seqs: Sequence[SequenceView]) -> "_Call":
+    def _launch(self, seqs: Sequence[SequenceView], pending: bool) -> "_Call":
         """Draft for the sequences with a feature (a one-token prompt's first step has none): their reranked
         candidate pools on the device ([L, 4, M], drafters/eagle_rerank.py), not read: the catch-up
         (drafters/eagle_catch_up.py), its keys / values joining each sequence's cache, the growth
         (drafters/eagle_grow.py) and the rerank. With ``self.graphs`` the whole call is one replay when a bucket
-        holds it, else all but the catch-up is.
+        holds it, else all but the catch-up is; for a ``pending`` proposal the replay also computes the trees' fields.
         The call's clock marks its parts (drafters/level_clock.py: no wait for the device between levels); the
         call's ``levels`` turns their seconds into each level's, level 1 with the catch-up (a replay's time is
         shared evenly among its levels, the catch-up counting as one)."""
@@ -249,10 +249,10 @@ class EagleDrafter(Drafter):
         ids = [v.seq_id for v in views]
         if self.graphs is not None and all(i in self.kv for i in ids):
             rows = self._catch_up_rows(views)
-            out = self.graphs.caught_up_pool(self._cached(views), rows, depth)
+            out = self.graphs.caught_up_pool(self._cached(views), rows, depth, fields=pending)
             if out is not None:
-                call.pool, new_k, new_v = out
-                self.kv.append(ids, new_k, new_v, rows.counts)
+                call.pool, call.fields = out.rows, out.fields
+                self.kv.append(ids, out.new_k, out.new_v, rows.counts)
                 clock.mark()
                 call.levels = lambda p: [2 * p[0] / (depth + 1)] + [p[0] / (depth + 1)] * (depth - 1)
                 return call
@@ -260,8 +260,9 @@ class EagleDrafter(Drafter):
         h_root = self._catch_up(views)
         clock.mark()
         past = self._cached(views)  # the roots' catch-up: a key each at least
-        call.pool = None if self.graphs is None else self.graphs.pool(past, h_root, depth)
-        if call.pool is not None:
+        out = None if self.graphs is None else self.graphs.pool(past, h_root, depth, fields=pending)
+        if out is not None:
+            call.pool, call.fields = out.rows, out.fields
             clock.mark()
             call.levels = lambda p: [p[0] + p[1] / depth] + [p[1] / depth] * (depth - 1)
         else:  # eager (no bucket fits, or a capture failed)
@@ -356,14 +357,7 @@ class EagleDrafter(Drafter):
             tokens = self.draft_ids[tokens]
         # the draft probability under the parent (0 where NaN)
         scores = pools[:, 3].float().exp().nan_to_num(0.0).clamp(0.0, 1.0)
-        return [DraftTree(*row, scores=s) for *row, s in zip(tokens, _parents(pools), scores, strict=True)]
-
-
-def _parents(pools: torch.Tensor) -> torch.Tensor:
-    """[B, M] parents of the reranked candidates: -1 (the root) or among the kept. A candidate whose parent was left
-    out of the rerank (-2: only with NaN scores) becomes a root child, on the host as on the device (PendingTrees):
-    verified like any node, so still exact."""
-    return pools[:, 1].long().clamp(min=-1)
+        return [DraftTree(*row, scores=s) for *row, s in zip(tokens, parents(pools), scores, strict=True)]
 
 
 def _top_chain(tree: DraftTree) -> tuple[list[int], list[int]]:
@@ -392,6 +386,7 @@ class _Call:
     catch_up: bool  # a one-off: a sequence's first call (its prompt's catch-up), or one that captured a CUDA graph
     clock: LevelClock
     pool: torch.Tensor | None = None  # [len(live), 4, M] reranked candidates on the device
+    fields: DeviceFields | None = None  # their trees' device fields, when a CUDA-graph replay computed them
     levels: Callable[[list[float]], list[float]] = list  # the clock's parts -> seconds per level
     seconds: float = 0.0  # the drafting's, once the pool is read
 

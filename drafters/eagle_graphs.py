@@ -5,12 +5,13 @@ few dozen small kernels, which on a GPU cost more host time than device time. :c
 a *bucket*: its sequences to a batch size of ``batch_sizes``, their cached keys to a power of two (at least
 ``min_keys``) and their catch-up rows to one of ``catch_up_rows``. Per bucket it keeps static inputs (cached keys /
 values; per sequence its key count, root position and noise key; the catch-up's target rows, tokens, positions and
-row count, or the roots' features when the catch-up ran eagerly); per bucket and depth a graph of the whole call
-and its static outputs. A call copies its inputs in, replays, and the host reads the reranked candidates once
-(drafters/eagle_rerank.py). In the graph the catch-up's keys join the cached ones after each sequence's last (the
-columns the eager slab gives them). Padded sequences see no cached key and padded key columns and rows are masked,
-so each real sequence's pool is the eager call's up to the rounding of differently shaped products (which can only
-change the tree, never the output: the verifier decides).
+row count, or the roots' features when the catch-up ran eagerly); per bucket, depth and form a graph of the whole
+call and its static outputs: the reranked candidates (drafters/eagle_rerank.py), and for a pending proposal
+(``fields=True``) also the trees' fields the verify takes, computed in the graph. A call copies its inputs in,
+replays, and the host reads the candidates once. In the graph the catch-up's keys join the cached ones after each
+sequence's last (the columns the eager slab gives them). Padded sequences see no cached key and padded key columns
+and rows are masked, so each real sequence's pool is the eager call's up to the rounding of differently shaped
+products (which can only change the tree, never the output: the verifier decides).
 
 Without a GPU, ``capture=False`` runs the same padded static call eagerly (the tests). The graphs bake in the
 tree size, the sampling settings and the coupling seed: :func:`eagle_graphs` keeps one EagleGraphs per EAGLE model
@@ -18,8 +19,8 @@ and such settings, reused by later generate() calls, one call at a time (a concu
 that fits no bucket, or a capture that fails (logged once), runs eagerly.
 
     graphs = eagle_graphs(grower, capture=True)  # None while another generate() call holds them
-    pool = graphs.pool(past, h_root, depth)         # growth and rerank: [B, 4, M] or None
-    out = graphs.caught_up_pool(past, rows, depth)  # catch-up, growth and rerank: (pool, new_k, new_v) or None
+    out = graphs.pool(past, h_root, depth, fields)          # growth and rerank: a Drafted or None
+    out = graphs.caught_up_pool(past, rows, depth, fields)  # catch-up too: a Drafted with new_k, new_v, or None
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from functools import cached_property
 import torch
 from specdec.drafters.eagle_catch_up import CatchUpInputs, CatchUpRows, catch_up
 from specdec.drafters.eagle_grow import GrowInputs, TreeGrower
+from specdec.drafters.eagle_rerank import DeviceFields, device_fields
 
 from specdec.call_claims import CLAIMS, held_for_call
 from specdec.cuda_graphs import note_capture
@@ -82,6 +84,24 @@ class CachedKeys:
                                                                         self.device)[:, None]
 
 
+@dataclass(frozen=True)
+class Drafted:
+    """A call's static outputs (views valid until the next call), the first ``B`` sequences' via :meth:`first`."""
+
+    rows: torch.Tensor  # [B, 4, M] reranked candidates (drafters/eagle_rerank.py)
+    fields: DeviceFields | None  # their trees' tokens, depths and ancestor bits ([B, M] each), when asked
+    # with a catch-up of R rows: its keys / values [B, kv_heads, R, head_dim], sequence b's first counts[b] columns
+    # its own; None when the call only grew
+    new_k: torch.Tensor | None = None
+    new_v: torch.Tensor | None = None
+
+    def first(self, B: int) -> "Drafted":
+        f = self.fields
+        return Drafted(self.rows[:B], None if f is None else DeviceFields(f.tokens[:B], f.depths[:B],
+                                                                          f.ancestor_bits[:B]),
+                       None if self.new_k is None else self.new_k[:B], None if self.new_v is None else self.new_v[:B])
+
+
 @dataclass
 class _Bucket:
     inputs: GrowInputs  # static; ``real`` and (with a catch-up) ``h_root`` are computed in the call
@@ -89,10 +109,8 @@ class _Bucket:
     # key, then the catch-up's tokens, positions and row count
     meta: torch.Tensor
     catch: CatchUpInputs | None  # static (views of ``meta`` and a hidden buffer); None: the bucket only grows
-    # depth -> static outputs: reranked pool [batch, 4, M], and with a catch-up its keys / values
-    # [batch, kv_heads, R, head_dim]
-    outputs: dict[int, tuple] = field(default_factory=dict)
-    graphs: dict[int, object] = field(default_factory=dict)  # depth -> torch.cuda.CUDAGraph
+    outputs: dict[tuple[int, bool], Drafted] = field(default_factory=dict)  # (depth, fields) -> static outputs
+    graphs: dict[tuple[int, bool], object] = field(default_factory=dict)  # (depth, fields) -> torch.cuda.CUDAGraph
 
 
 class EagleGraphs:
@@ -122,10 +140,10 @@ class EagleGraphs:
             return None
         return self.config.batch_sizes[b], keys, rows
 
-    def pool(self, past: CachedKeys, h_root: torch.Tensor, depth: int) -> torch.Tensor | None:
-        """The sequences' reranked pools ([B, 4, M], a view of a static output valid until the next call) grown from
-        their root features ``h_root`` [B, H]; None when the call fits no bucket or capture failed (the caller grows
-        eagerly)."""
+    def pool(self, past: CachedKeys, h_root: torch.Tensor, depth: int, fields: bool = False) -> Drafted | None:
+        """The sequences' reranked pools, with ``fields`` their trees' fields too (views of static outputs valid until
+        the next call), grown from their root features ``h_root`` [B, H]; None when the call fits no bucket or
+        capture failed (the caller grows eagerly)."""
         key = None if self.failed else self.bucket_for(len(past.counts), past.k.shape[2])
         if key is None:
             return None
@@ -134,15 +152,15 @@ class EagleGraphs:
         B = h_root.shape[0]
         bucket.inputs.h_root[:B].copy_(h_root)
         bucket.inputs.h_root[B:].zero_()
-        out = self._call(bucket, depth)
-        return None if out is None else out[0][:B]
+        out = self._call(bucket, (depth, fields))
+        return None if out is None else out.first(B)
 
-    def caught_up_pool(self, past: CachedKeys, rows: CatchUpRows, depth: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The catch-up, the growth and the rerank in one call: (pools [B, 4, M], the catch-up's keys and values
-        [B, kv_heads, R, head_dim], sequence b's first ``rows.counts[b]`` columns its own), views of static outputs
-        valid until the next call, which the caller adds to its cache; None when the call fits no bucket or capture
-        failed (the caller catches up and grows eagerly)."""
+    def caught_up_pool(self, past: CachedKeys, rows: CatchUpRows, depth: int, fields: bool = False
+                       ) -> Drafted | None:
+        """The catch-up, the growth and the rerank in one call: the pools (with ``fields`` their trees' fields) and
+        the catch-up's keys and values (sequence b's first ``rows.counts[b]`` columns its own, which the caller adds
+        to its cache), views of static outputs valid until the next call; None when the call fits no bucket or
+        capture failed (the caller catches up and grows eagerly)."""
         B, L = len(past.counts), rows.hidden.shape[1]
         key = None if self.failed else self.bucket_for(B, past.k.shape[2], L)
         if key is None:
@@ -151,8 +169,8 @@ class EagleGraphs:
                                                            rows.hidden)
         self._load(bucket, past, rows)
         bucket.catch.hidden[:B, :L].copy_(rows.hidden)  # rows past a sequence's own are masked (module doc)
-        out = self._call(bucket, depth)
-        return None if out is None else tuple(t[:B] for t in out)
+        out = self._call(bucket, (depth, fields))
+        return None if out is None else out.first(B)
 
     # ---- internals ----------------------------------------------------------------------
     def _new_bucket(self, key: tuple[int, int, int], like_k: torch.Tensor, hidden_size: int,
@@ -186,14 +204,15 @@ class EagleGraphs:
         meta += [[0] * width] * (batch - B)  # padded sequences: no keys or rows, position 0
         bucket.meta.copy_(to_device(meta, torch.long, bucket.meta.device))  # a device-to-device copy: no sync
 
-    def _run(self, bucket: _Bucket, depth: int) -> tuple:
-        """The padded call on the bucket's static tensors: what is captured, and run eagerly without capture."""
+    def _run(self, bucket: _Bucket, form: tuple[int, bool]) -> Drafted:
+        """The padded call of ``form`` (depth, fields) on the bucket's static tensors: what is captured, and run
+        eagerly without capture."""
         x, meta, c = bucket.inputs, bucket.meta, bucket.catch
         batch, keys = x.real.shape
         columns = torch.arange(keys, device=x.real.device)
         torch.lt(columns[None], meta[:, :1], out=x.real)  # the cached key columns, on the device
         if c is None:
-            return self.grower.tree_rows(x, depth), None, None
+            return self._drafted(x, *form)
         h_root, new_k, new_v = catch_up(self.grower.model, self.grower.embed, c, x.past_k, x.past_v, x.real,
                                         self.grower.fused)
         x.h_root.copy_(h_root)
@@ -204,27 +223,32 @@ class EagleGraphs:
         x.past_k[seqs, :, cols] = new_k.transpose(1, 2)
         x.past_v[seqs, :, cols] = new_v.transpose(1, 2)
         torch.lt(columns[None], (meta[:, 0] + c.counts)[:, None], out=x.real)
-        return self.grower.tree_rows(x, depth), new_k, new_v
+        return self._drafted(x, *form, new_k, new_v)
 
-    def _call(self, bucket: _Bucket, depth: int) -> tuple | None:
-        """Run the loaded bucket at ``depth`` (capturing its graph the first time) -> its static outputs, or None
-        when a capture failed."""
+    def _drafted(self, x: GrowInputs, depth: int, fields: bool, new_k: torch.Tensor | None = None,
+                 new_v: torch.Tensor | None = None) -> Drafted:
+        rows = self.grower.tree_rows(x, depth)
+        return Drafted(rows, device_fields(rows, depth, self.grower.draft_ids) if fields else None, new_k, new_v)
+
+    def _call(self, bucket: _Bucket, form: tuple[int, bool]) -> Drafted | None:
+        """Run the loaded bucket in ``form`` (depth, fields), capturing its graph the first time -> its static
+        outputs, or None when a capture failed."""
         if not self.config.capture:
-            bucket.outputs[depth] = self._run(bucket, depth)
-        elif depth not in bucket.graphs:
+            bucket.outputs[form] = self._run(bucket, form)
+        elif form not in bucket.graphs:
             try:
-                self._capture(bucket, depth)
+                self._capture(bucket, form)
             except Exception as error:  # noqa: BLE001 - any capture failure: draft eagerly, say so once
                 self.failed = True
                 logger.warning("%s: CUDA-graph capture failed (%s: %s); drafting eagerly", self.name,
                                type(error).__name__, error)
                 return None
         else:
-            bucket.graphs[depth].replay()
+            bucket.graphs[form].replay()
         self.replays += 1
-        return bucket.outputs[depth]
+        return bucket.outputs[form]
 
-    def _capture(self, bucket: _Bucket, depth: int) -> None:
+    def _capture(self, bucket: _Bucket, form: tuple[int, bool]) -> None:
         note_capture()
         # warm-up on a side stream, as torch.cuda.graph asks: it runs the loaded call for real, but the capture's
         # first replay runs it again from the inputs (the warm-up's catch-up keys land in masked columns) and
@@ -232,17 +256,18 @@ class EagleGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._run(bucket, depth)
+            self._run(bucket, form)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            bucket.outputs[depth] = self._run(bucket, depth)
+            bucket.outputs[form] = self._run(bucket, form)
         graph.replay()
-        bucket.graphs[depth] = graph
+        bucket.graphs[form] = graph
         batch, keys, rows = bucket.meta.shape[0], bucket.inputs.past_k.shape[2], 0 if bucket.catch is None else (
             bucket.catch.tokens.shape[1])
-        logger.info("%s: captured a CUDA graph for %d sequences x %d cached keys, %s, depth %d", self.name, batch, keys,
-                    f"{rows} catch-up rows" if rows else "no catch-up", depth)
+        logger.info("%s: captured a CUDA graph for %d sequences x %d cached keys, %s, depth %d%s", self.name, batch,
+                    keys, f"{rows} catch-up rows" if rows else "no catch-up", form[0],
+                    ", the trees' fields" if form[1] else "")
 
 
 def eagle_graphs(grower: TreeGrower, capture: bool, name: str = "eagle") -> EagleGraphs | None:

@@ -10,10 +10,18 @@ scores) gets the parent -2; the drafter makes it a root child.
 
     rows = rerank(pool, max_nodes)  # [B, 4, M]: reduced token index, parent among the kept (-1: the root),
                                     # cumulative and conditional log-probability; M = min(max_nodes, S)
+    fields = device_fields(rows, depth, draft_ids)  # what a pending proposal hands the verify (below)
+
+:func:`device_fields` turns the kept candidates into the fields a pending proposal gives the engine
+(specdec/pending_trees.py), on the device as well: inside the CUDA graph they cost no launch of their own.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from specdec.pending_trees import tree_fields
 
 
 def rerank(pool: torch.Tensor, max_nodes: int) -> torch.Tensor:
@@ -32,3 +40,28 @@ def rerank(pool: torch.Tensor, max_nodes: int) -> torch.Tensor:
     parents = parent.gather(1, kept).long()
     parents = place.gather(1, torch.where(parents < 0, S, parents))
     return torch.stack([tok.gather(1, kept), parents, cum.gather(1, kept), cond.gather(1, kept)], dim=1)
+
+
+def parents(rows: torch.Tensor) -> torch.Tensor:
+    """[B, M] parents of the kept candidates ``rows`` [B, 4, M]: -1 (the root) or among the kept. A candidate whose
+    parent was left out (-2: only with NaN scores) becomes a root child, on the host as on the device: verified like
+    any node, so still exact."""
+    return rows[:, 1].long().clamp(min=-1)
+
+
+@dataclass(frozen=True)
+class DeviceFields:
+    """The trees of kept candidates as a pending proposal hands them to the verify, on the rows' device."""
+
+    tokens: torch.Tensor  # [B, M] int64 target token ids
+    depths: torch.Tensor  # [B, M] int64 depth of each node (a root child: 1)
+    ancestor_bits: torch.Tensor  # [B, M] int64, bit j: node j is the node itself or an ancestor
+
+
+def device_fields(rows: torch.Tensor, max_depth: int, draft_ids: torch.Tensor | None) -> DeviceFields:
+    """Kept candidates [B, 4, M] of trees at most ``max_depth`` deep -> their DeviceFields; ``draft_ids`` [N] maps
+    a reduced token index to its target id (None: the full vocabulary)."""
+    tokens = rows[:, 0].long()
+    if draft_ids is not None:
+        tokens = draft_ids[tokens]
+    return DeviceFields(tokens, *tree_fields(parents(rows), max_depth))

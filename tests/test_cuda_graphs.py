@@ -723,6 +723,33 @@ def test_the_drafting_a_gpu_runs_inside_the_verify_is_priced_as_drafting(loaded,
     assert engine.seconds["draft"] >= sum(moved)
 
 
+def test_eagle_pending_fields_from_its_graph_describe_the_trees_it_reads(loaded, monkeypatch):
+    """The tokens, depths and ancestor bits a graphed EAGLE call hands the verify (computed in its replay, over a
+    reduced vocabulary and reranked trees) are those of the trees the host reads, node for node."""
+    from specdec.drafters.eagle import EagleDrafter
+
+    drafter = EagleDrafter(model=_eagle_head(loaded, draft_vocab=range(1, VOCAB, 2)), adapt_depth=False,
+                           cuda_graphs=True)
+    seen = []
+    real = EagleDrafter.propose_pending
+
+    def recorded(self, seqs):
+        pending = real(self, seqs)
+        fields = [t.tolist() for t in (pending.tokens, pending.depths, pending.ancestor_bits)]  # before a next call
+        return dataclasses.replace(pending, read=lambda: seen.append((fields, pending.read())) or seen[-1][1])
+
+    monkeypatch.setattr(EagleDrafter, "propose_pending", recorded)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    out = generate(loaded, prompts, max_new_tokens=8, drafter=drafter, cuda_graphs=True, speculation="always")
+    assert out == generate(loaded, prompts, max_new_tokens=8)
+    assert drafter.graphs.replays > 0 and any(max(t.num_nodes for t in trees) > 1 for _, trees in seen)
+    for (tokens, depths, bits), trees in seen:
+        assert tokens == [x for t in trees for x in t.tokens.tolist()]
+        assert depths == [x for t in trees for x in t.depth_list]
+        assert bits == [x for t in trees for x in t.ancestor_bit_list]
+    assert all(x % 2 == 1 for (tokens, _, _), _ in seen for x in tokens)  # target ids of the reduced vocabulary
+
+
 @pytest.mark.parametrize("drafter,sampled", [("eagle", "greedy"), ("eagle", "rejection"), ("eagle", "coupled"),
                                              ("draft-model", "rejection")])
 def test_pending_trees_give_the_text_of_trees_read_first(loaded, drafter, sampled, monkeypatch):

@@ -1,5 +1,5 @@
 """What the GPU path launches, held to its budget: a decode layer's kernels, a graphed plain step's outside its replay,
-a commit's, and an EAGLE growth level's.
+a commit's, an EAGLE growth level's, and a graphed EAGLE proposal's outside its replay.
 
 On a GPU each launch costs a kernel's start, inside a CUDA graph too, so at batch 1 the counts below are a large
 part of a step's time (docs/gpu-speed.md). They are counted on the CPU through the Triton interpreter by
@@ -105,6 +105,20 @@ def test_an_eagle_growth_level_stays_within_twenty_launches(counting):
     assert ops3["triton:_add_rms_norm_kernel"] and not {"rsqrt", "silu"} & set(ops3), dict(ops3)  # the fused path
     # a chain's one candidate per level is one max reduction: CUDA's topk is a radix select of ~8 device operations
     assert "topk" not in ops3 and ops3["max"] >= 3, dict(ops3)
+
+
+def test_a_graphed_eagle_proposal_launches_its_trees_fields_inside_the_replay(counting):
+    """A pending proposal's tokens, depths and ancestor bits come out of the drafting's graph: around the replay the
+    host issues only the K/V bookkeeping (the slab's append and the bucket's load) and the candidates' host copy."""
+    count, loaded = counting
+    counter, calls = count.pending_launches(loaded, 3, 1, calls=2)
+    outside = collections.Counter({k: v for k, v in counter.ops.items() if not k.startswith(("zeros", "new_zeros"))})
+    assert calls == 2 and counter.inside_ops["linear"] >= 3 * calls, (calls, dict(counter.inside_ops))
+    # per call: the catch-up's keys and values into the slab (an index and an indexed store each), the slab into the
+    # bucket (two copies), the catch-up's hidden rows into it and its metadata (a copy each), the host copy (a clone
+    # on the CPU); the fields' pointer doubling (gather, or, add) and the token mapping run in the replay
+    assert outside == {"index": 2 * calls, "index_put_": 2 * calls, "copy_": 4 * calls, "clone": calls}, dict(outside)
+    assert counter.inside_ops["gather"] and counter.inside_ops["__or__"], dict(counter.inside_ops)
 
 
 def test_top_k_is_topk_and_a_single_candidate_the_first_maximum():
