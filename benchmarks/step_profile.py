@@ -12,12 +12,17 @@ their time by kind (products, attention, norms, other: where a 65-token verify's
 CUDA-graph launches and launches from the host (and the ops issuing them: of an eager call, each op's kernels), the
 host's waits on the device (synchronisations and their seconds), and the host time of each engine phase (propose,
 verify_batch, verify, read, accept, commit, ...).
+Each kernel and copy is also put under the engine phase that launched it, CUDA-graph replays included: the device
+event's ``linked_correlation_id`` is the ``id`` of the innermost op around its launch; a replay's kernels, launched
+under no op, share their runtime call's (``cudaGraphLaunch``) correlation ``id``; either host event's ``cpu_parent``
+chain leads to the ``engine.<phase>`` range. What leads to none counts under "(unattributed)".
 On the CPU (the rehearsal) there are no device events: it counts the aten ops the steps run instead.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from collections import Counter, defaultdict
 
 import torch
@@ -30,6 +35,9 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cu
 GRAPH_CALLS = ("cudaGraphLaunch", "cuGraphLaunch")
 TOP_KERNELS = 24  # the report names 8; the JSON keeps these
 TOP_OPS = 16  # ops kept by the launches they issue from the host
+TOP_PHASE_KERNELS = 12  # kept per engine phase in the JSON; the report names 3
+UNATTRIBUTED = "(unattributed)"  # device events whose launch leads to no engine phase
+RUNTIME_CALL = re.compile(r"cu(da)?[A-Z]")  # a CUDA runtime or driver call (cudaLaunchKernel, cuGraphLaunch, ...)
 # kernel kinds by name (lower case), first match wins: the tree attention and its split-KV merge
 # (kernels/tree_attention.py), invariant attention, SDPA / flash / CUTLASS fmha; cuBLAS / cuBLASLt / CUTLASS products,
 # Triton matmuls and specdec's invariant linear; norms. The rest is "other"; KINDS is the order they are reported in
@@ -117,6 +125,70 @@ def _launching_op(launch) -> str:
     return aten or other or "(none)"
 
 
+def _phase(event) -> str | None:
+    """The innermost engine phase around a host event (itself included), without "engine.", or None."""
+    while event is not None:
+        if event.name.startswith("engine."):
+            return event.name[len("engine."):]
+        event = event.cpu_parent
+    return None
+
+
+def _phase_finders(events):
+    """Two functions: the engine phase of a host event, and that of a device event's launch. A device event's launch
+    is the host op linked to it (``linked_correlation_id`` is the innermost op's ``id``), else the runtime call with
+    its correlation ``id`` (a CUDA-graph replay's kernels: ``cudaGraphLaunch`` runs under no op), else there is none
+    (UNATTRIBUTED). A host event whose ``cpu_parent`` chain holds no phase (a runtime call linked to no op is put on
+    the thread reading the trace) takes the innermost phase range around its start."""
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    calls = {e.id: e for e in host if RUNTIME_CALL.match(e.name)}  # CUPTI's ids: a call shares its kernels'
+    ops = {e.id: e for e in host if not RUNTIME_CALL.match(e.name) and not e.linked_correlation_id}  # the profiler's
+    ranges = [e for e in host if e.name.startswith("engine.")]
+    seen: dict[int, str] = {}  # by id(): a graph replay's kernels share one launch
+
+    def around(t: float) -> str | None:
+        inside = [r for r in ranges if r.time_range.start <= t <= r.time_range.end]
+        return _phase(min(inside, key=lambda r: r.time_range.end - r.time_range.start)) if inside else None
+
+    def of_host(event) -> str:
+        if id(event) not in seen:
+            seen[id(event)] = _phase(event) or around(event.time_range.start) or UNATTRIBUTED
+        return seen[id(event)]
+
+    def of_device(event) -> str:
+        launch = ops.get(event.linked_correlation_id) if event.linked_correlation_id else None
+        launch = launch or calls.get(event.id)
+        return UNATTRIBUTED if launch is None else of_host(launch)
+    return of_host, of_device
+
+
+def _by_phase(events, device, host, n: int) -> dict:
+    """Per engine phase, per step: its kernels and their time, its copies, its CUDA-graph replays, its top kernels
+    (with their count); the phases by kernel time, largest first."""
+    of_host, of_device = _phase_finders(events)
+    per: dict[str, dict] = defaultdict(lambda: dict(kernels=defaultdict(list), copies=[], replays=0))
+    for e in device:
+        entry = per[of_device(e)]
+        if e.name.startswith(("Memcpy", "Memset")):
+            entry["copies"].append(e.time_range.end - e.time_range.start)
+        else:
+            entry["kernels"][e.name].append(e.time_range.end - e.time_range.start)
+    for e in host:
+        if e.name in GRAPH_CALLS:
+            per[of_host(e)]["replays"] += 1
+    out = {}
+    for name, entry in per.items():
+        kernels = entry["kernels"]
+        top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:TOP_PHASE_KERNELS]
+        out[name] = dict(
+            kernels=sum(len(d) for d in kernels.values()) / n,
+            kernel_ms=sum(sum(d) for d in kernels.values()) / n / 1e3,
+            copies=len(entry["copies"]) / n, copy_ms=sum(entry["copies"]) / n / 1e3,
+            graph_replays=entry["replays"] / n,
+            top_kernels=[dict(name=k[:80], per_step=len(d) / n, us_per_step=sum(d) / n) for k, d in top])
+    return dict(sorted(out.items(), key=lambda kv: (-kv[1]["kernel_ms"], -kv[1]["kernels"], kv[0])))
+
+
 def kernel_kind(name: str) -> str:
     """products, attention, norms or other: what a kernel of that name computes (KERNEL_KINDS)."""
     low = name.lower()
@@ -179,7 +251,14 @@ def summarize(events) -> dict:
         aten_ops_by_name={k: v / n for k, v in top_aten.most_common(TOP_OPS)},  # outermost ones
         top_kernels=[dict(name=name[:80], per_step=len(d) / n, us_per_step=sum(d) / n,
                           share=sum(d) / kernel_us if kernel_us else None) for name, d in top],
+        # the kernels, copies and graph replays by the engine phase launching them (empty on the CPU)
+        kernels_by_phase=_by_phase(events, device, host, n) if device else {},
     )
+
+
+def _few(x: float) -> str:
+    """A count or time per step, short: whole from 10 up, two digits below (0.5, 1.5, 3)."""
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
 
 
 def markdown_rows(model: dict) -> list[str]:
@@ -211,6 +290,14 @@ def markdown_rows(model: dict) -> list[str]:
             lines += ["", f"{r['call']}, kernels by GPU time: " + "; ".join(
                 f"`{k['name'][:48]}` {k['per_step']:.0f}/step {k['us_per_step']:.0f} us ({100 * k['share']:.0f}%)"
                 for k in r["summary"]["top_kernels"][:8])]
+        phases = r["summary"].get("kernels_by_phase")  # older reports have none; the CPU's is empty
+        if phases:
+            lines += ["", f"{r['call']}, kernels by the engine phase launching them, per step: " + "; ".join(
+                f"**{p}** {_few(v['kernels'])} ({v['kernel_ms']:.3f} ms"
+                + (f", graph replays {_few(v['graph_replays'])}" if v["graph_replays"] else "") + ")"
+                + "".join(f", `{k['name'][:48]}` {_few(k['per_step'])}x {_few(k['us_per_step'])} us"
+                          for k in v["top_kernels"][:3])
+                for p, v in phases.items())]
         s = r["summary"]  # reports before 2026-11-30 have neither count by op
         what, ops = (("host launches", s["host_launches_by_op"]) if s.get("host_launches_by_op") else
                      ("aten ops", s.get("aten_ops_by_name")))  # the CPU's: no launches

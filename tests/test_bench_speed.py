@@ -1,6 +1,7 @@
 """The GPU speed command's CPU rehearsal: every row of the report is measured and written, tiny shape, few tokens."""
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -102,9 +103,11 @@ def test_profile_summary_counts_a_steps_device_time_launches_and_waits():
     from step_profile import summarize
     from torch.autograd import DeviceType
 
+    ids = itertools.count(1)
+
     def ev(name, start, end, device=DeviceType.CPU, parent=None, annotation=False):
         return E(name=name, time_range=E(start=start, end=end), device_type=device, cpu_parent=parent,
-                 is_user_annotation=annotation)
+                 is_user_annotation=annotation, id=next(ids), linked_correlation_id=0)
 
     step1, step2 = ev("engine.step", 0, 100), ev("engine.step", 100, 200)
     gpu = DeviceType.CUDA
@@ -147,9 +150,11 @@ def test_profile_summary_splits_kernel_time_by_kind():
     from step_profile import markdown_rows, summarize
     from torch.autograd import DeviceType
 
+    ids = itertools.count(1)
+
     def ev(name, start, end, device=DeviceType.CUDA):
         return E(name=name, time_range=E(start=start, end=end), device_type=device, cpu_parent=None,
-                 is_user_annotation=False)
+                 is_user_annotation=False, id=next(ids), linked_correlation_id=0)
 
     events = [ev("engine.step", 0, 100, DeviceType.CPU), ev("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_splitK_TNT", 0, 30),
               ev("ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_tn", 30, 35), ev("matmul_kernel", 35, 36),
@@ -163,3 +168,74 @@ def test_profile_summary_splits_kernel_time_by_kind():
     text = "\n".join(markdown_rows(dict(profile=[dict(call="oracle tree tau 3.0 b1", summary=s)])))
     assert ("oracle tree tau 3.0 b1, kernel time by kind, ms/step: products 0.038, attention 0.015, norms 0.004, "
             "other 0.003 (all 0.060; GPU busy 0.061 of 0.100 wall)") in text
+
+
+def _phase_trace():
+    """Fake trace of two steps (microseconds) as torch.profiler links it: an eager kernel's ``linked_correlation_id``
+    is the ``id`` of the innermost op around its launch; a CUDA-graph replay's kernels link to no op and share the
+    correlation ``id`` of their ``cudaGraphLaunch`` (an id the profiler's own op ids may repeat), which may sit
+    under no host event."""
+    import sys
+    from types import SimpleNamespace as E
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from torch.autograd import DeviceType
+
+    def ev(name, start, end, parent=None, device=DeviceType.CPU, id=0, linked=0):
+        return E(name=name, time_range=E(start=start, end=end), device_type=device, cpu_parent=parent,
+                 is_user_annotation=False, id=id, linked_correlation_id=linked)
+
+    def kernel(name, start, end, id, linked=0):
+        return ev(name, start, end, device=DeviceType.CUDA, id=id, linked=linked)
+
+    events = []
+    for s, t in enumerate((0, 100)):  # each step: a graph replay in propose, then an eager forward in verify
+        step = ev("engine.step", t, t + 100, id=10 * s + 1)
+        propose = ev("engine.propose", t + 5, t + 40, step, id=10 * s + 2)
+        verify = ev("engine.verify", t + 40, t + 90, step, id=10 * s + 3)
+        mm = ev("aten::mm", t + 41, t + 45, ev("aten::linear", t + 41, t + 46, verify, id=10 * s + 4), id=10 * s + 5)
+        graph = 500 + s  # CUPTI's correlation id of the replay: also one of the profiler's op ids, in verify
+        events += [step, propose, verify, mm, ev("aten::copy_", t + 47, t + 48, verify, id=graph),
+                   ev("cudaGraphLaunch", t + 10, t + 12, propose if s == 0 else None, id=graph),  # else: on
+                   # another thread (the profiler puts a call linked to no op on the one reading the trace)
+                   ev("cudaLaunchKernel", t + 42, t + 43, mm, id=600 + s, linked=mm.id),
+                   kernel("eagle_fused_layer_kernel", t + 12, t + 20, graph),
+                   kernel("eagle_fused_layer_kernel", t + 20, t + 28, graph),
+                   kernel("topk_kernel", t + 28, t + 30, graph),
+                   ev("Memcpy DtoD (Device -> Device)", t + 30, t + 31, device=DeviceType.CUDA, id=graph),
+                   kernel("nvjet_gemm_kernel", t + 50, t + 80, 600 + s, linked=mm.id)]
+    events.append(kernel("orphan_kernel", 95, 97, 999))  # linked to nothing: no op, no runtime call of its id
+    return events
+
+
+def test_profile_summary_puts_each_kernel_under_the_engine_phase_that_launched_it():
+    """An eager kernel under the aten op inside engine.verify, a graph replay's kernels (and copy) under
+    engine.propose though no op is above them, an op of verify repeats their id and the second step's replay has
+    no parent event (it falls in propose's range), an unlinked one apart."""
+    from step_profile import summarize
+
+    s = summarize(_phase_trace())
+    assert s["steps"] == 2 and s["kernels_per_step"] == 4.5
+    phases = s["kernels_by_phase"]
+    assert list(phases) == ["verify", "propose", "(unattributed)"]  # by kernel time
+    assert phases["propose"] == dict(kernels=3.0, kernel_ms=0.018, copies=1.0, copy_ms=0.001, graph_replays=1.0,
+                                     top_kernels=[dict(name="eagle_fused_layer_kernel", per_step=2.0,
+                                                       us_per_step=16.0),
+                                                  dict(name="topk_kernel", per_step=1.0, us_per_step=2.0)])
+    assert phases["verify"] == dict(kernels=1.0, kernel_ms=0.03, copies=0.0, copy_ms=0.0, graph_replays=0.0,
+                                    top_kernels=[dict(name="nvjet_gemm_kernel", per_step=1.0, us_per_step=30.0)])
+    assert phases["(unattributed)"]["kernels"] == 0.5 and phases["(unattributed)"]["graph_replays"] == 0.0
+    assert sum(p["kernels"] for p in phases.values()) == s["kernels_per_step"]  # every kernel counted once
+
+
+def test_profile_report_names_each_phases_kernels():
+    from step_profile import markdown_rows, summarize
+
+    s = summarize(_phase_trace())
+    text = "\n".join(markdown_rows(dict(profile=[dict(call="oracle chain tau 3.0 +eagle b1", summary=s)])))
+    assert ("oracle chain tau 3.0 +eagle b1, kernels by the engine phase launching them, per step: **verify** 1 "
+            "(0.030 ms), `nvjet_gemm_kernel` 1x 30 us; **propose** 3 (0.018 ms, graph replays 1), "
+            "`eagle_fused_layer_kernel` 2x 16 us, `topk_kernel` 1x 2 us; **(unattributed)** 0.5 (0.001 ms), "
+            "`orphan_kernel` 0.5x 1 us") in text
+    del s["kernels_by_phase"]  # a report from before: no such line
+    assert "engine phase" not in "\n".join(markdown_rows(dict(profile=[dict(call="plain b1", summary=s)])))
