@@ -178,12 +178,17 @@ class Recorder:
 
 
 # ---- driving the wrappers at real shapes ---------------------------------------------------------------------------
-def _q(rows: int, m: Model, dtype) -> torch.Tensor:
-    """q as the runner passes it: a row-strided view of a fused QKV product, or a contiguous normed tensor (Qwen3)."""
-    if m.qk_norm:
+def _q(rows: int, m: Model, dtype, fused: bool = True) -> torch.Tensor:
+    """q as the runner passes it to attention. ``fused``: a view of one QKV product [rows, (q + k + v heads) *
+    head_dim], whose row stride is that whole width (RoPE, and Qwen3's norm, applied in place in it); else separate
+    products (a model not packed), a contiguous tensor."""
+    if not fused:
         return torch.empty(rows, m.heads, m.head_dim, dtype=dtype)
     out = torch.empty(rows, (m.heads + 2 * m.kv_heads) * m.head_dim, dtype=dtype)
     return out[:, : (m.heads + m.kv_heads) * m.head_dim].view(rows, m.heads + m.kv_heads, m.head_dim)[:, : m.heads]
+
+
+_LAYOUT = {True: "", False: " separate q"}  # a launch's label: q of a fused QKV product, or of its own product
 
 
 def _kv(m: Model, dtype, slots: int = 4096, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,8 +234,9 @@ def _eager_attention(rec: Recorder, name: str, m: Model, dtype, steps, huge: boo
 
     k, v = _kv(m, dtype, 2**31 // (m.kv_heads * m.head_dim) + 1, "meta") if huge else _kv(m, dtype)
     for batch, new, ctx in steps:
-        rec.label = f"{name} eager B={batch} n={new} ctx={ctx}" + (" huge cache" if huge else "")
-        ta.tree_attention(_q(batch * new, m, dtype), k, v, _eager_meta(batch, new, ctx), m.head_dim**-0.5)
+        for fused in (True, False):
+            rec.label = f"{name} eager B={batch} n={new} ctx={ctx}" + (" huge cache" if huge else "") + _LAYOUT[fused]
+            ta.tree_attention(_q(batch * new, m, dtype, fused), k, v, _eager_meta(batch, new, ctx), m.head_dim**-0.5)
 
 
 def _graph_attention(rec: Recorder, name: str, m: Model, dtype) -> None:
@@ -238,8 +244,9 @@ def _graph_attention(rec: Recorder, name: str, m: Model, dtype) -> None:
 
     k, v = _kv(m, dtype)
     for bucket, label in _graph_buckets():
-        rec.label = f"{name} {label}"
-        ta.tree_attention(_q(bucket.rows, m, dtype), k, v, bucket.metadata, m.head_dim**-0.5)
+        for fused in (True, False):
+            rec.label = f"{name} {label}{_LAYOUT[fused]}"
+            ta.tree_attention(_q(bucket.rows, m, dtype, fused), k, v, bucket.metadata, m.head_dim**-0.5)
 
 
 def _layer_ops(rec: Recorder, name: str, m: Model, dtype, slots: torch.Tensor, label: str) -> None:

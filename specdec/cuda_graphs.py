@@ -93,9 +93,6 @@ class GraphConfig:
         check_bool("GraphConfig: capture", self.capture)
 
 
-_GRAPH_CONFIG = GraphConfig  # the class, for GraphedForward's check (the module name may be rebound to a factory)
-
-
 @dataclass(frozen=True)
 class StaticPlan:
     """What the model forward reads from a plan on the Triton path, in buffers that never move."""
@@ -128,7 +125,7 @@ class GraphedForward:
         if not isinstance(cache, PagedKVCache):
             raise InputTypeError(f"GraphedForward: cache must be a specdec.kv_cache.PagedKVCache, got "
                                  f"{type(cache).__name__} (GraphedForward.with_cache builds one)")
-        if not isinstance(config, _GRAPH_CONFIG):
+        if not isinstance(config, GraphConfig):
             raise InputTypeError(f"GraphedForward: config must be a GraphConfig, got {describe(config)}")
         if not cache.backend.triton:
             raise InputError("CUDA graphs need the Triton attention backend: a CUDA device (SPECDEC_ATTENTION auto "

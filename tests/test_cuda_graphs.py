@@ -12,6 +12,7 @@ DEVICE = kernel_device()  # sets TRITON_INTERPRET=1 without a GPU: must run befo
 pytest.importorskip("triton")
 
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import logging  # noqa: E402
 import weakref  # noqa: E402
 
@@ -38,6 +39,12 @@ pytestmark = [pytest.mark.filterwarnings(w) for w in PADDED_ROWS_WARNINGS]  # pa
 def loaded():
     """The tiny model on the Triton backend (interpreter on CPU): runner and, through it, every cache."""
     return triton_tiny_model(VOCAB, DEVICE)
+
+
+def small_model_graphs(monkeypatch, where, **buckets):
+    """The model's own graph cache (``model_graphs``, as ``cuda_graphs="auto"`` builds it) gets only these buckets:
+    ``where`` is the name its caller looks ``model_graphs`` up by."""
+    monkeypatch.setattr(where, functools.partial(model_graphs, config=GraphConfig(capture=CAPTURE, **buckets)))
 
 
 def on_reference(loaded):
@@ -253,8 +260,7 @@ def test_warm_up_model_graphs_sizes_the_models_cache_once(loaded, monkeypatch):
     assert cuda_graphs.warm_up_model_graphs(on_reference(loaded).runner, [[5]], 8) is None  # "auto" is eager there
     release_model_graphs(loaded)
     monkeypatch.setattr(cuda_graphs, "auto_uses_graphs", lambda runner: True)  # as on CUDA
-    monkeypatch.setattr(cuda_graphs, "GraphConfig", lambda **kw: GraphConfig(batch_sizes=(1, 2, 4),
-                                                                             tokens_per_seq=(1, 8), capture=CAPTURE))
+    small_model_graphs(monkeypatch, "specdec.cuda_graphs.model_graphs", batch_sizes=(1, 2, 4), tokens_per_seq=(1, 8))
     graphed = cuda_graphs.warm_up_model_graphs(loaded.runner, [[30], [3, 100]], 20)
     assert graphed is loaded.model.__dict__["_specdec_graphed_forward"]
     assert graphed.cache.num_blocks - 1 == 6 + 12  # the largest call's blocks (a whole tree on top), and the scratch
@@ -898,8 +904,7 @@ def test_a_call_made_while_another_runs_keeps_out_of_its_graph_cache(loaded, mon
     plain = generate(on_reference(loaded), prompts, max_new_tokens=4)
     inner_plain = generate(on_reference(loaded), inner_prompt, max_new_tokens=2)
     monkeypatch.setattr("specdec.engine_setup.auto_uses_graphs", lambda runner: True)  # as on CUDA
-    monkeypatch.setattr(cuda_graphs, "GraphConfig", lambda **kw: GraphConfig(batch_sizes=(1,), tokens_per_seq=(1,),
-                                                                             capture=CAPTURE))
+    small_model_graphs(monkeypatch, "specdec.engine_setup.model_graphs", batch_sizes=(1,), tokens_per_seq=(1,))
     inner = []
 
     def streamer(seq, tokens):
@@ -922,12 +927,11 @@ def test_a_call_made_while_another_runs_keeps_out_of_its_graph_cache(loaded, mon
 def test_a_call_failing_after_it_took_the_models_graph_cache_gives_it_back(loaded, monkeypatch):
     """The model's graph cache is held from the engine's build to the call's end, whatever ends the call: a build
     that fails after taking it, or a step that raises, leaves it free for the next call."""
-    from specdec import cuda_graphs, engine_setup
+    from specdec import engine_setup
 
     release_model_graphs(loaded)
     monkeypatch.setattr("specdec.engine_setup.auto_uses_graphs", lambda runner: True)  # as on CUDA
-    monkeypatch.setattr(cuda_graphs, "GraphConfig", lambda **kw: GraphConfig(batch_sizes=(1,), tokens_per_seq=(1,),
-                                                                             capture=CAPTURE))
+    small_model_graphs(monkeypatch, "specdec.engine_setup.model_graphs", batch_sizes=(1,), tokens_per_seq=(1,))
     real = engine_setup.ensure_row_policy
 
     def failing(runner):  # after _kv_cache took the graphs
@@ -961,8 +965,7 @@ def test_two_threads_never_take_the_models_graph_cache_both(loaded, monkeypatch)
     first, second = [[1, 2, 3, 4]], [[7, 8, 9]]
     plain = [generate(on_reference(loaded), p, max_new_tokens=4) for p in (first, second)]
     monkeypatch.setattr("specdec.engine_setup.auto_uses_graphs", lambda runner: True)  # as on CUDA
-    monkeypatch.setattr(cuda_graphs, "GraphConfig", lambda **kw: GraphConfig(batch_sizes=(1,), tokens_per_seq=(1,),
-                                                                             capture=CAPTURE))
+    small_model_graphs(monkeypatch, "specdec.engine_setup.model_graphs", batch_sizes=(1,), tokens_per_seq=(1,))
     built, go, out = threading.Event(), threading.Event(), {}
     real = engine_setup.ensure_row_policy
 

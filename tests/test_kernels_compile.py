@@ -1,7 +1,8 @@
 """The kernels compile for sm_90 (H100) with Triton's bundled ptxas -- no GPU needed.
 
 The interpreter tests check semantics; this catches what only the GPU compiler rejects. Runs
-`python -m specdec.kernels.compile_check` in a subprocess with TRITON_INTERPRET unset.
+`python -m specdec.kernels.compile_check` in a subprocess with TRITON_INTERPRET unset; the q it builds is
+compared with the q a tiny model's forward passes to attention (in this process, the interpreter on CPU).
 """
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import subprocess
 import sys
 
 import pytest
+from specdec.kernels.testing import kernel_device
+
+DEVICE = kernel_device()  # for the in-process runner test: sets TRITON_INTERPRET=1 without a GPU (the check's
+# own subprocesses run with it unset)
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or importlib.util.find_spec("triton.backends.nvidia") is None,
@@ -66,6 +71,49 @@ def test_the_check_covers_what_the_engine_launches():
     assert found("merge bf16 smollm2", "BLOCK_S=128")
     assert found("rope+kv write bf16 qwen3-1.7b", "HAS_NORM=True")  # Qwen3's q / k norms in the same launch
     assert found("rope+kv write bf16 llama8b", "HAS_NORM=False")
+
+
+@pytest.mark.parametrize("variant", ["qwen3-qknorm", "llama-gqa-tied"])
+def test_the_checked_q_is_laid_out_as_the_runner_passes_it(variant, monkeypatch):
+    """Triton specialises a kernel on its strides (equal to 1, divisible by 16), so the check builds q as the
+    runner's forward passes it to attention: with a fused QKV product a view of that product, whose row stride is
+    its whole (q + k + v heads) width, Qwen3's q too (normed in place by the RoPE launch); with separate products a
+    contiguous tensor. The check built Qwen3's q contiguous, another variant than its fused path runs."""
+    import copy
+    import dataclasses
+
+    from specdec.kernels import compile_check
+
+    from specdec.generate import generate
+    from specdec.models import llama
+    from specdec.models.fused_projections import pack_projections
+    from specdec.models.loader import load_model
+    from specdec.testing import build_tiny_model
+
+    model = build_tiny_model(variant, vocab_size=64)
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    shape = compile_check.Model(c.num_attention_heads, c.num_key_value_heads, head_dim, c.hidden_size,
+                                c.intermediate_size, qk_norm=variant.startswith("qwen3"))
+    seen = []
+    real = llama.paged_attention
+    monkeypatch.setattr(llama, "paged_attention", lambda q, *args: seen.append(q) or real(q, *args))
+    for fused in (True, False):
+        own = copy.deepcopy(model)
+        if fused:
+            pack_projections(own)
+        loaded = load_model(own, device=DEVICE)
+        runner = llama.LlamaRunner(loaded.model, backend="triton")
+        assert (runner._fused_projections() is not None) == fused
+        seen.clear()
+        generate(dataclasses.replace(loaded, runner=runner), [[1, 2, 3]], max_new_tokens=2)
+        rows = {q.shape[0] for q in seen}
+        assert min(rows) == 1 < max(rows), rows  # a prefill's rows and a decode's
+        for q in seen:
+            checked = compile_check._q(q.shape[0], shape, q.dtype, fused)
+            assert (checked.shape, checked.stride()) == (q.shape, q.stride()), (fused, q.shape)
+            if fused and q.shape[0] > 1:  # a view of the packed product: rows as wide as the q, k and v heads
+                assert q.stride(0) == (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim
 
 
 @pytest.mark.slow
