@@ -37,7 +37,7 @@ from specdec.drafters.eagle_rerank import DeviceFields, device_fields
 
 from specdec.call_claims import CLAIMS, held_for_call
 from specdec.cuda_graphs import note_capture
-from specdec.host_copy import to_device
+from specdec.host_copy import copy_to, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class EagleGraphs:
         else:
             meta = [[*f, *r] for f, r in zip(fields, rows.packed(bucket.catch.tokens.shape[1]), strict=True)]
         meta += [[0] * width] * (batch - B)  # padded sequences: no keys or rows, position 0
-        bucket.meta.copy_(to_device(meta, torch.long, bucket.meta.device))  # a device-to-device copy: no sync
+        copy_to(bucket.meta, meta)
 
     def _run(self, bucket: _Bucket, form: tuple[int, bool]) -> Drafted:
         """The padded call of ``form`` (depth, fields) on the bucket's static tensors: what is captured, and run

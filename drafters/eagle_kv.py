@@ -53,6 +53,13 @@ class EagleKV:
             while capacity < needed:
                 capacity *= 2
             self._grow(capacity=capacity)
+        if len(seq_ids) == 1:  # one sequence (batch 1): a slice copy each, no index to build and upload
+            (seq_id,), (n,) = seq_ids, counts
+            row, start = self.row[seq_id], self.length[seq_id]
+            self.k[row, :, start : start + n] = new_k[0, :, :n]
+            self.v[row, :, start : start + n] = new_v[0, :, :n]
+            self.length[seq_id] = start + n
+            return
         index: list[list[int]] = [[], [], [], []]  # slab row, slab column, source row, source column
         for b, (seq_id, n) in enumerate(zip(seq_ids, counts, strict=True)):
             start = self.length[seq_id]

@@ -6,6 +6,7 @@ ids, positions, verify rows, ancestor masks, slot rows, the attention kernel's m
 synchronisation. :func:`to_device` stages them in pinned memory and copies asynchronously (PyTorch keeps the
 pinned block until the copy has run); a copy from pageable memory may still synchronise, a pinned one does not.
 On other devices it is the plain copy. The step's one synchronisation is then the read of the target's choices.
+:func:`copy_to` writes a list into an existing device tensor (a CUDA graph's static input) the same way.
 :func:`to_host_later` goes the other way for what the host reads later in the step (pending draft trees): the copy
 starts now, and waiting for it waits for nothing queued after it.
 """
@@ -26,6 +27,13 @@ def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.T
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def copy_to(dst: torch.Tensor, values) -> torch.Tensor:
+    """``values`` (a list) written into the tensor ``dst`` of its shape, in place, with no stream sync: on CUDA one
+    copy from pinned memory (``to_device`` and a copy would be two)."""
+    host = torch.tensor(values, dtype=dst.dtype, pin_memory=dst.is_cuda)
+    return dst.copy_(host, non_blocking=dst.is_cuda)
 
 
 def to_host_later(values: torch.Tensor) -> Callable[[], torch.Tensor]:

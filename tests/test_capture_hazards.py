@@ -114,7 +114,7 @@ class CaptureHazards(TorchDispatchMode):
         for n in self.HOST_READS:
             self._saved[torch.Tensor, n] = getattr(torch.Tensor, n)
             setattr(torch.Tensor, n, noted(getattr(torch.Tensor, n), f"Tensor.{n}"))
-        copies = (host_copy.to_device, host_copy.to_host_later)
+        copies = (host_copy.to_device, host_copy.copy_to, host_copy.to_host_later)
         for module in [m for m in list(sys.modules.values()) if m is not None]:  # wherever specdec imported them
             for name, value in list(vars(module).items()):
                 if any(value is f for f in copies):
