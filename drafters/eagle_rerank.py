@@ -13,7 +13,7 @@ scores) gets the parent -2; the drafter makes it a root child.
     fields = device_fields(rows, depth, draft_ids)  # what a pending proposal hands the verify (below)
 
 :func:`device_fields` turns the kept candidates into the fields a pending proposal gives the engine
-(specdec/pending_trees.py), on the device as well: inside the CUDA graph they cost no launch of their own.
+(specdec/pending_trees.py), on the device as well: inside the drafting's CUDA graph the host launches nothing for them.
 """
 from __future__ import annotations
 
