@@ -15,9 +15,9 @@ Per model (docs/gpu-speed.md explains every column):
   budget;
 * a profile of batch-1 plain decoding, of the oracle chain at the first tau with EAGLE's drafting, replayed
   and eager, and of the oracle's 64-node tree (each step a 65-token verify) (benchmarks/step_profile.py): GPU busy
-  and idle time per step, kernel time by kind (products, attention, norms), graph and host launches and the ops
-  issuing them (eager: each op's kernels), host waits on the device and the engine's phases on the host, so that a
-  number that misses its goal says why.
+  and idle time per step, kernel time by kind (products, attention, norms), the kernels of each engine phase (graph
+  replays included), graph and host launches and the ops issuing them (eager: each op's kernels), host waits on the
+  device and the engine's phases on the host, so that a number that misses its goal says why.
 
 Models run in order of importance, each within its share of ``--budget`` seconds; whatever does not fit is marked
 skipped in the report instead of overrunning, so the run ends in time; ``item_seconds`` says what each took.
