@@ -92,21 +92,30 @@ def step_launches(loaded, batch: int, steps: int = 12) -> tuple[Launches, int]:
     return counter, count[0]
 
 
-def eagle_launches(loaded, depth: int, width: int, backend: str, calls: int = 8) -> tuple[collections.Counter, int]:
-    """A random EAGLE layer for the model (specdec.models.synthetic.eagle_head) drafting a fixed tree of ``depth``
-    levels and top-k ``width`` through its padded growth (as its CUDA graphs replay it), on ``backend``: launches
-    over ``calls`` drafting calls after a sequence's first (its catch-up over the prompt), and the calls."""
+EAGLE_PROMPT = [(7 * i + 3) % 50 + 1 for i in range(40)]  # the one sequence the EAGLE counts draft for
+
+
+def _eagle_drafter(loaded, depth: int, width: int, backend: str):
+    """(the model on ``backend``, a random EAGLE layer for it (specdec.models.synthetic.eagle_head) drafting a fixed
+    tree of ``depth`` levels and top-k ``width`` through its padded growth, as its CUDA graphs replay it)."""
     from specdec.drafters.eagle import EagleDrafter
 
-    from specdec.generate import generate
     from specdec.models import synthetic
     from specdec.models.fused_projections import pack_layers
 
     target = dataclasses.replace(loaded, runner=LlamaRunner(loaded.model, backend=backend))
     eagle = synthetic.eagle_head(loaded.model.config, device="cpu", dtype=torch.float32)
     pack_layers(eagle.layers)  # as eagle_head lays it out on CUDA: one QKV and one gate/up product
-    drafter = EagleDrafter(model=eagle, depth=depth, top_k=width, max_nodes=depth * width, adapt_depth=False,
-                           cuda_graphs=True)
+    return target, EagleDrafter(model=eagle, depth=depth, top_k=width, max_nodes=depth * width, adapt_depth=False,
+                                cuda_graphs=True)
+
+
+def eagle_launches(loaded, depth: int, width: int, backend: str, calls: int = 8) -> tuple[collections.Counter, int]:
+    """A random EAGLE layer (:func:`_eagle_drafter`) on ``backend``: launches over ``calls`` drafting calls after a
+    sequence's first (its catch-up over the prompt), and the calls."""
+    from specdec.generate import generate
+
+    target, drafter = _eagle_drafter(loaded, depth, width, backend)
     counter, seen = collections.Counter(), [0]
     propose = drafter.propose
 
@@ -120,8 +129,7 @@ def eagle_launches(loaded, depth: int, width: int, backend: str, calls: int = 8)
         return out
 
     drafter.propose = counted
-    generate(target, [[(7 * i + 3) % 50 + 1 for i in range(40)]], max_new_tokens=4 * calls, drafter=drafter,
-             speculation="always")
+    generate(target, [EAGLE_PROMPT], max_new_tokens=4 * calls, drafter=drafter, speculation="always")
     return counter, min(seen[0] - 1, calls)
 
 
@@ -129,18 +137,11 @@ def pending_launches(loaded, depth: int, width: int, calls: int = 8) -> tuple[La
     """As :func:`eagle_launches` on the Triton backend, with the target's CUDA graphs on (uncaptured), so the engine
     takes the pending proposals a GPU takes (``propose_pending``): over ``calls`` calls after the first, the launches
     inside the drafting's graph (``EagleGraphs._run``, what a replay runs) and outside it, and the calls."""
-    from specdec.drafters.eagle import EagleDrafter
     from specdec.drafters.eagle_graphs import EagleGraphs
 
     from specdec.generate import generate
-    from specdec.models import synthetic
-    from specdec.models.fused_projections import pack_layers
 
-    target = dataclasses.replace(loaded, runner=LlamaRunner(loaded.model, backend="triton"))
-    eagle = synthetic.eagle_head(loaded.model.config, device="cpu", dtype=torch.float32)
-    pack_layers(eagle.layers)
-    drafter = EagleDrafter(model=eagle, depth=depth, top_k=width, max_nodes=depth * width, adapt_depth=False,
-                           cuda_graphs=True)
+    target, drafter = _eagle_drafter(loaded, depth, width, "triton")
     counter, seen, live = Launches(), [0], [None]
     propose, real_run = drafter.propose_pending, EagleGraphs._run
 
@@ -171,8 +172,8 @@ def pending_launches(loaded, depth: int, width: int, calls: int = 8) -> tuple[La
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "overflow encountered", RuntimeWarning)
-            generate(target, [[(7 * i + 3) % 50 + 1 for i in range(40)]], max_new_tokens=4 * calls,
-                     drafter=drafter, speculation="always", cuda_graphs=True)
+            generate(target, [EAGLE_PROMPT], max_new_tokens=4 * calls, drafter=drafter, speculation="always",
+                     cuda_graphs=True)
     finally:
         EagleGraphs._run = real_run
     return counter, min(seen[0] - 1, calls)
