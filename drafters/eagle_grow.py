@@ -24,6 +24,8 @@ from torch.nn import functional as F
 from specdec.coupling import Coupling, perturbed_logits
 from specdec.sampling import SamplingConfig
 
+BIAS_ALIGN = 8  # columns: a multiple of which lets CUDA's memory-efficient attention take a bias unpadded
+
 
 @dataclass(frozen=True)
 class GrowInputs:
@@ -51,20 +53,38 @@ class TreeGrower:
                    ) -> torch.Tensor:
         """[B, R, H] predicted features of nodes whose children sit at depth ``depth`` below roots at ``root_pos``
         [B] -> [B, R, N] draft log-probabilities (module doc)."""
-        logits = self.model.logits(features, self.lm_head, self.fused).float()
+        logits = self.model.logits(features, self.lm_head, self.fused)
         s, coupling = self.sampling, self.coupling
         if coupling is not None:  # [B, 1, N] the children's position's noise
             noise = coupling.draft_noise_batch(noise_keys, (root_pos + depth)[:, None], self.vocab_size,
                                                logits.device, self.draft_ids)
-            return perturbed_logits(logits, s, noise).log_softmax(-1)
+            return perturbed_logits(logits.float(), s, noise).log_softmax(-1)
         if s.do_sample and s.temperature != 1.0:
-            logits = logits / s.temperature
-        return F.log_softmax(logits, dim=-1)
+            logits = logits.float() / s.temperature
+        return F.log_softmax(logits, dim=-1, dtype=torch.float32)  # in float32 from the layer's dtype: one launch
 
     def tree_rows(self, x: GrowInputs, depth: int, on_level: Callable[[int], None] = lambda depth: None
                   ) -> torch.Tensor:
         """The pools of ``depth`` levels reranked on the device -> [B, 4, M] (drafters/eagle_rerank.py)."""
         return rerank(self.pool(x, depth, on_level), self.max_nodes)
+
+    def _attention_bias(self, real: torch.Tensor, K: int, width: int, dtype: torch.dtype
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The growth's attention mask as an additive bias in the layer's dtype, made once per call: [B, K, W] (W:
+        ``width`` rounded up to BIAS_ALIGN columns), 0 on each sequence's cached keys ``real`` [B, P] and -inf on
+        its padding; on the tree's columns 0 for a chain (every earlier level is its one query's ancestor), else
+        -inf until a level opens them; and the [K, K] block that opens a level's own columns (0 on the diagonal;
+        None for a chain). Levels read its first columns, a view whose row stride stays aligned, so CUDA's
+        attention takes it as it is: a boolean mask of a new width each level was converted and padded there, a
+        few kernels a level."""
+        B, P = real.shape
+        neg = float("-inf")
+        bias = torch.full((B, K, -(-width // BIAS_ALIGN) * BIAS_ALIGN), neg, dtype=dtype, device=real.device)
+        bias[:, :, :P].masked_fill_(real[:, None], 0.0)
+        if self.chain:
+            bias[:, :, P:] = 0.0
+        itself = None if self.chain else torch.full((K, K), neg, dtype=dtype, device=real.device).fill_diagonal_(0.0)
+        return bias, itself
 
     def pool(self, x: GrowInputs, depth: int, on_level: Callable[[int], None] = lambda depth: None) -> torch.Tensor:
         """The candidate pools of ``depth`` levels -> [B, 4, S] float64 (module doc; S = K + (depth - 1) K^2).
@@ -82,10 +102,8 @@ class TreeGrower:
             frontier = torch.arange(K, device=dev).expand(B, K)  # pool indices expanded next
         front_tok, front_cum = indices, values  # [B, K] their tokens, cumulative log-probabilities
         feats = h_root[:, None].expand(B, K, h_root.shape[-1])  # [B, K, H] the feature each query reads: its parent's
-        ancestors = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)  # [B, K, E] among the tree key rows
-        itself = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
-        past = x.real[:, None].expand(B, K, P)
         if depth > 1:
+            bias, itself = self._attention_bias(x.real, K, P + (depth - 1) * K, dtype)
             # every level's RoPE tables at once: level d's queries sit at root_pos + d - 1
             cos, sin = model.rope(x.root_pos[:, None] + torch.arange(1, depth, device=dev), dtype)
             # the call's keys / values: the cached ones, then each level's K as it is expanded (columns never read
@@ -100,15 +118,17 @@ class TreeGrower:
         for d in range(2, depth + 1):
             embeds = F.embedding(front_tok if self.draft_ids is None else self.draft_ids[front_tok], self.embed)
             rope = (cos[:, d - 2, None].expand(B, K, -1), sin[:, d - 2, None].expand(B, K, -1))  # [B, K, head_dim]
-            mask = torch.cat([past, ancestors, itself], dim=2)  # [B, K, P + E + K]: cached keys, ancestors, itself
-            out, _, _ = model(embeds, feats.to(dtype), None, mask, fused=self.fused, rope=rope,
+            width = P + (d - 1) * K  # the cached keys, then levels 2..d's
+            if not chain:  # the level's queries see themselves: the last K columns' diagonal
+                bias[:, :, width - K : width] = itself
+            out, _, _ = model(embeds, feats.to(dtype), None, bias[:, :, :width], fused=self.fused, rope=rope,
                               into=(*keys, P + (d - 2) * K))
             child_lp, child_tok = top_k(self.token_logp(out, x.root_pos, d, x.noise_keys), K)  # [B, K rows, K]
             child_cum = (front_cum[..., None] + child_lp).flatten(1)  # float32 sums, as the tree's scores
             child_tok, child_lp = child_tok.flatten(1), child_lp.flatten(1)  # [B, K * K]
             tok.append(child_tok), cum.append(child_cum), cond.append(child_lp)
-            if chain:  # the one child is the next frontier, as it is
-                front_tok, front_cum, feats, ancestors = child_tok, child_cum, out, mask[:, :, P:]
+            if chain:  # the one child is the next frontier, as it is (its row of the bias already fits)
+                front_tok, front_cum, feats = child_tok, child_cum, out
             else:
                 parent.append(frontier.repeat_interleave(K, dim=1))  # child j of row j // K
                 # the K best children by cumulative log-probability (ties: the first, a stable sort), in pool order
@@ -117,7 +137,9 @@ class TreeGrower:
                 frontier, size = size + order, size + K * K
                 front_tok, front_cum = child_tok.gather(1, order), child_cum.gather(1, order)
                 feats = out.gather(1, rows[..., None].expand(B, K, out.shape[-1]))
-                ancestors = mask[:, :, P:].gather(1, rows[..., None].expand(B, K, mask.shape[-1] - P))
+                # a child sees what its parent saw, and its parent: the parent's row (the columns past this level's
+                # are still masked)
+                bias = bias.gather(1, rows[..., None].expand(B, K, bias.shape[-1]))
             on_level(d)
         # a chain's parents: the root, then each level's one node
         parents = torch.arange(-1, depth - 1, device=dev).expand(B, depth) if chain else torch.cat(parent, dim=1)

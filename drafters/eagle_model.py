@@ -360,7 +360,9 @@ class EagleModel(nn.Module):
         embeds: torch.Tensor,  # [B, L, H] target embeddings of the tokens t_{j+1}
         features: torch.Tensor,  # [B, L, H] target (or predicted) features f_j
         positions: torch.Tensor | None,  # [B, L] or [L] position ids (of t_{j+1}); None when ``rope`` is given
-        mask: torch.Tensor,  # [B or 1, L, P + L] bool, True = may attend (P = past keys)
+        # [B or 1, L, P + L] bool, True = may attend (P = past keys); or an additive bias in the layer's dtype
+        # (0: may attend, -inf: may not), which CUDA's attention takes without converting it
+        mask: torch.Tensor,
         past_k: torch.Tensor | None = None,  # [B, kv_heads, P, head_dim]
         past_v: torch.Tensor | None = None,
         # kernels.fused_ops (inference, Triton): each norm with its residual add, RoPE and SiLU-mul one launch, and the
