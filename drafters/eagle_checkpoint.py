@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from specdec.drafters.eagle_model import UNRECORDED_CONTEXT, EagleConfig, EagleModel
+from specdec.drafters.eagle_rope import config_entries, read_params
 
 from specdec.atomic_write import replaced_atomically, write_json
 from specdec.errors import SpecdecError
@@ -54,7 +55,7 @@ def save_eagle(model: EagleModel, directory: str | os.PathLike, extra: dict | No
         "num_hidden_layers": 1,
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
-        "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+        "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps, **config_entries(c),
         "max_position_embeddings": c.max_position_embeddings, "draft_vocab_size": len(c.draft_vocab) or c.vocab_size,
         "specdec_eagle": {"num_features": c.num_features, "depth": c.depth, "top_k": c.top_k,
                           "max_nodes": c.max_nodes, "base_model_name_or_path": c.base_model_name_or_path,
@@ -126,6 +127,7 @@ def config_from_checkpoint(raw: dict, state: dict[str, torch.Tensor], where: str
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         extra = raw.get("specdec_eagle") or {}
+        rope = read_params(raw, where)
         ids: tuple[int, ...] = ()
         if "d2t" in state:
             d2t = state["d2t"].long()
@@ -134,7 +136,8 @@ def config_from_checkpoint(raw: dict, state: dict[str, torch.Tensor], where: str
             hidden_size=hidden, intermediate_size=int(raw["intermediate_size"]), num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads), vocab_size=int(raw["vocab_size"]),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))), rope_scaling=rope,
             num_features=_num_features(raw, state, hidden), draft_vocab=ids, norms="norm.weight" in state,
             base_model_name_or_path=str(extra.get("base_model_name_or_path", "")),
             max_position_embeddings=int(raw.get("max_position_embeddings") or UNRECORDED_CONTEXT),

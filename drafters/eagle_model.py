@@ -30,8 +30,10 @@ target's LM head over ``norm(h)``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
+from specdec.drafters.eagle_rope import frequencies, rope_params
 from torch import nn
 from torch.nn import functional as F
 
@@ -75,6 +77,8 @@ class EagleConfig:
     own_lm_head: bool = False  # eagle3 over the full vocabulary: its own [V, H] head instead of the target's
     # the target's context, written into exported configs (serving engines size the draft's positions by it)
     max_position_embeddings: int = UNRECORDED_CONTEXT
+    # RoPE scaling beyond rope_theta, as sorted (name, value) pairs with its rope_type; () = plain (eagle_rope.py)
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -100,6 +104,7 @@ class EagleConfig:
         if self.num_heads % self.num_kv_heads:
             raise InputError(f"EagleConfig: num_heads {self.num_heads} is not a multiple of num_kv_heads "
                              f"{self.num_kv_heads}")
+        object.__setattr__(self, "rope_scaling", rope_params(self.rope_scaling))
         if self.draft_vocab is None:  # the full vocabulary, as the drafters' draft_vocab=None means
             object.__setattr__(self, "draft_vocab", ())
         if isinstance(self.draft_vocab, (str, bytes)) or not hasattr(self.draft_vocab, "__iter__"):
@@ -113,7 +118,7 @@ class EagleConfig:
     def for_target(cls, hf_config, **overrides) -> "EagleConfig":
         """The draft layer shaped like one layer of ``hf_config`` (a transformers Llama-family config)."""
         heads = hf_config.num_attention_heads
-        params = getattr(hf_config, "rope_parameters", None) or {}
+        params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
         theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         fields = dict(
             hidden_size=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size, num_heads=heads,
@@ -121,7 +126,8 @@ class EagleConfig:
             head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
             vocab_size=hf_config.vocab_size, rms_norm_eps=float(hf_config.rms_norm_eps), rope_theta=float(theta),
             base_model_name_or_path=str(getattr(hf_config, "_name_or_path", "") or ""),
-            max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", None) or UNRECORDED_CONTEXT))
+            max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", None) or UNRECORDED_CONTEXT),
+            rope_scaling=params)  # the target's own scaling: the layer's positions are the target's
         fields.update(overrides)
         if fields.get("arch") == "eagle3" and not fields.get("feature_layers"):
             if hf_config.num_hidden_layers < 2:
@@ -134,6 +140,7 @@ class EagleConfig:
         d = asdict(self)
         d["draft_vocab"] = list(self.draft_vocab)
         d["feature_layers"] = list(self.feature_layers)
+        d["rope_scaling"] = dict(self.rope_scaling)
         return d
 
 
@@ -228,6 +235,7 @@ class EagleModel(nn.Module):
         else:
             self.lm_head = None  # the target's own LM head
         self._inv_freqs: dict[torch.device, torch.Tensor] = {}  # RoPE frequencies per device (_inv_freq)
+        self._rope_factor = 1.0  # cos / sin scale of the config's RoPE type (yarn's attention factor; else 1)
 
     @classmethod
     def from_state(cls, config: EagleConfig, state: dict[str, torch.Tensor]) -> "EagleModel":
@@ -320,9 +328,8 @@ class EagleModel(nn.Module):
         rounded them (by up to 0.4%: about a radian of angle 256 positions apart) away from the float32 rotation the
         layer was trained with. Computed on the CPU, as they always were, once per device."""
         if device not in self._inv_freqs:
-            c = self.config
-            steps = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device="cpu")
-            self._inv_freqs[device] = (1.0 / (c.rope_theta ** (steps / c.head_dim))).to(device)
+            inv_freq, self._rope_factor = frequencies(self.config)
+            self._inv_freqs[device] = inv_freq.to(device)
         return self._inv_freqs[device]
 
     def pack_on_cuda(self) -> "EagleModel":
@@ -353,7 +360,10 @@ class EagleModel(nn.Module):
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self._inv_freq(positions.device)  # [..., L, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)  # [..., L, head_dim] each
+        cos, sin = emb.cos(), emb.sin()
+        if self._rope_factor != 1.0:
+            cos, sin = cos * self._rope_factor, sin * self._rope_factor
+        return cos.to(dtype), sin.to(dtype)  # [..., L, head_dim] each
 
     def forward(
         self,

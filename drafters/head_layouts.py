@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from specdec.drafters.eagle_checkpoint import CONFIG_FILE, WEIGHTS_FILE, EagleCheckpointError
 from specdec.drafters.eagle_model import UNRECORDED_CONTEXT, EagleConfig, EagleModel, default_feature_layers
+from specdec.drafters.eagle_rope import config_entries, read_params
 
 from specdec.atomic_write import replaced_atomically, write_json
 
@@ -99,13 +100,10 @@ def read_eagle3(raw: dict, state: dict[str, torch.Tensor], where: str, target_co
     tensors = _native_keys(state)
     try:
         hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
-        rope = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
+        rope = read_params(layer, where)
         vocab = int(state["t2d"].numel()) if "t2d" in state else int(layer.get("vocab_size") or raw["vocab_size"])
     except KeyError as err:
         raise EagleCheckpointError(f"{where}: config.json lacks {err.args[0]!r}") from None
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        logger.warning("%s: the head's RoPE scaling (%s) is not applied by specdec's draft layer, which rotates with "
-                       "rope_theta alone: drafts stay exact, acceptance may be lower", where, rope.get("rope_type"))
     ids: tuple[int, ...] = ()
     own_head = False
     if "d2t" in tensors:
@@ -128,7 +126,7 @@ def read_eagle3(raw: dict, state: dict[str, torch.Tensor], where: str, target_co
             num_kv_heads=int(layer.get("num_key_value_heads") or heads),
             head_dim=int(layer.get("head_dim") or hidden // heads), vocab_size=vocab,
             rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(layer.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_theta=float(layer.get("rope_theta", rope.get("rope_theta", 10000.0))), rope_scaling=rope,
             arch="eagle3", feature_layers=_feature_layers(raw, target_config, where),
             norm_before_residual=bool(raw.get("norm_before_residual", layer.get("norm_before_residual", False))),
             draft_vocab=ids, own_lm_head=own_head, base_model_name_or_path=_verifier(raw),
@@ -167,8 +165,8 @@ def _llama_layer(c: EagleConfig) -> dict:
     return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": c.vocab_size,
             "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": 1,
             "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
-            "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+            "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}, **config_entries(c),
             "max_position_embeddings": c.max_position_embeddings, "attention_bias": False, "mlp_bias": False,
             "tie_word_embeddings": False}
 

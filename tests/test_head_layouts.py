@@ -26,8 +26,9 @@ from specdec.testing import build_tiny_model
 H, HEADS, KV, INTER, V, N = 64, 4, 2, 128, 96, 40
 
 
-def write_sglang_checkpoint(path, seed=0, norm_before_residual=False, layers=(0, 1, 2)):
-    """EAGLE / SGLang key layout, written from random tensors without specdec."""
+def write_sglang_checkpoint(path, seed=0, norm_before_residual=False, layers=(0, 1, 2), rope=None):
+    """EAGLE / SGLang key layout, written from random tensors without specdec (``rope``: its config's
+    ``rope_scaling``, as SpecForge writes the target's)."""
     g = torch.Generator().manual_seed(seed)
     hd = H // HEADS
     r = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731
@@ -49,13 +50,17 @@ def write_sglang_checkpoint(path, seed=0, norm_before_residual=False, layers=(0,
               "rope_theta": 10000.0, "hidden_act": "silu", "norm_before_residual": norm_before_residual,
               "max_position_embeddings": 32768,
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [f - 1 for f in layers]}}  # SGLang: outputs
+    if rope is not None:
+        config["rope_scaling"] = rope
     (path / "config.json").write_text(json.dumps(config))
     return sd
 
 
-def reference_logits(sd, prefix, embeds, aux, positions, norm_before_residual=False, eps=1e-6, theta=10000.0):
+def reference_logits(sd, prefix, embeds, aux, positions, norm_before_residual=False, eps=1e-6, theta=10000.0,
+                     rope=None):
     """One teacher-forced EAGLE-3 step over a causal block: [L, H] embeddings, [L, 3H] target features -> [L, N]
-    draft logits and the [L, H] pre-norm outputs."""
+    draft logits and the [L, H] pre-norm outputs (``rope``: a scaled RoPE's parameters, rotated as transformers'
+    Llama rotary embedding does for a config of 32768 positions)."""
     w = lambda name: sd[prefix + name]  # noqa: E731
     rms = lambda x, g: g * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))  # noqa: E731
     hd = H // HEADS
@@ -70,6 +75,13 @@ def reference_logits(sd, prefix, embeds, aux, positions, norm_before_residual=Fa
     inv = 1.0 / theta ** (torch.arange(0, hd, 2).float() / hd)
     ang = positions.float()[:, None] * inv
     cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    if rope is not None:
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=H, num_attention_heads=HEADS, rope_theta=theta,
+                                                  max_position_embeddings=32768, rope_scaling=dict(rope)))
+        cos, sin = (t[0] for t in rotary(embeds[None], positions[None]))
     rot = lambda t: t * cos + torch.cat([-t[..., hd // 2:], t[..., : hd // 2]], -1) * sin  # noqa: E731
     q, k = rot(q), rot(k)
     k, v = k.repeat_interleave(HEADS // KV, 0), v.repeat_interleave(HEADS // KV, 0)
@@ -143,6 +155,51 @@ def test_export_then_import_is_the_identity_and_configs_name_the_target(tmp_path
             assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 0, 1]
         assert set(written) >= {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
         assert written["t2d"].sum() == N and torch.equal(written["d2t"], sd["d2t"])
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
+def test_a_head_with_scaled_rope_rotates_as_its_config_says_through_export_and_import(tmp_path, target, caplog):
+    """A published EAGLE-3 head of a Llama 3.x target carries the target's llama3 RoPE scaling (SpecForge's configs
+    do), and serving engines rotate its layer by it. specdec rotated by rope_theta alone (a warning): other angles
+    for most frequency pairs. It now loads with the reference's logits under the scaled rotation, and both export
+    layouts write the scaling where transformers' config (4 or 5) reads it, so a reload rotates the same."""
+    sd = write_sglang_checkpoint(tmp_path / "src", rope=LLAMA3_ROPE)
+    embeds, aux, pos = _inputs(seed=5, L=9)
+    pos = pos * 37  # positions far enough apart that the scaled frequencies turn other angles
+    want, _ = reference_logits(sd, "midlayer.", embeds, aux, pos, rope=LLAMA3_ROPE)
+    plain, _ = reference_logits(sd, "midlayer.", embeds, aux, pos)
+    assert not torch.allclose(want, plain, rtol=1e-3, atol=1e-3)  # the scaling matters at these positions
+    with caplog.at_level("WARNING"):
+        model = load_eagle(tmp_path / "src", target.config)
+    assert not [r for r in caplog.records if "RoPE" in r.getMessage()]
+    assert dict(model.config.rope_scaling) == LLAMA3_ROPE
+    torch.testing.assert_close(specdec_logits(model, embeds, aux, pos)[0], want, rtol=1e-5, atol=1e-5)
+    from transformers import LlamaConfig
+
+    for fmt in ("speculators", "sglang"):
+        out, _ = export_head(tmp_path / "src", fmt, tmp_path / fmt, target="org/tiny-target")
+        raw = json.loads((out / "config.json").read_text())
+        layer = raw.get("transformer_layer_config", raw)
+        assert layer["rope_scaling"] == LLAMA3_ROPE, fmt  # transformers 4's key
+        assert LlamaConfig(**layer).rope_parameters == {**LLAMA3_ROPE, "rope_theta": 10000.0}, fmt
+        again = load_eagle(out, target.config)
+        torch.testing.assert_close(specdec_logits(again, embeds, aux, pos)[0], want, rtol=1e-5, atol=1e-5)
+    save_eagle(model, tmp_path / "specdec")
+    assert load_eagle(tmp_path / "specdec", target.config).config.rope_scaling == model.config.rope_scaling
+
+
+def test_a_head_whose_rope_changes_with_length_loads_plain_with_a_warning(tmp_path, target, caplog):
+    sd = write_sglang_checkpoint(tmp_path / "h", rope={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 500.0})
+    with caplog.at_level("WARNING"):
+        model = load_eagle(tmp_path / "h", target.config)
+    assert any("'dynamic' changes with sequence length" in r.getMessage() for r in caplog.records)
+    assert model.config.rope_scaling == () and model.config.rope_theta == 10000.0  # the config's own rope_theta
+    embeds, aux, pos = _inputs(seed=6)
+    torch.testing.assert_close(specdec_logits(model, embeds, aux, pos)[0],
+                               reference_logits(sd, "midlayer.", embeds, aux, pos)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_a_head_made_for_a_target_exports_the_targets_context(tmp_path):
