@@ -45,7 +45,7 @@ from specdec.drafters.eagle_graphs import CachedKeys, EagleGraphs, eagle_graphs
 from specdec.drafters.eagle_grow import GrowInputs, TreeGrower
 from specdec.drafters.eagle_kv import EagleKV
 from specdec.drafters.eagle_model import EagleModel
-from specdec.drafters.eagle_rerank import DeviceFields, device_fields, parents
+from specdec.drafters.eagle_rerank import DeviceFields, chain_kept_whole, device_fields, parents
 from specdec.drafters.level_clock import LevelClock
 from specdec.drafters.loaded_once import load_once
 from specdec.drafters.prompt_copies import leaders, prompt_copies
@@ -53,7 +53,7 @@ from specdec.drafters.prompt_copies import leaders, prompt_copies
 from specdec.cuda_graphs import captures
 from specdec.errors import InputError
 from specdec.host_copy import to_device, to_host_later
-from specdec.pending_trees import PendingTrees
+from specdec.pending_trees import PendingTrees, chain_fields
 from specdec.tree import MAX_TREE_NODES, DraftTree, matched_levels
 
 if TYPE_CHECKING:
@@ -198,8 +198,13 @@ class EagleDrafter(Drafter):
             return PendingTrees.none(len(seqs), self.target.runner.device, lambda: self._finish(call, None))
         sizes = [0] * len(seqs)
         pool = call.pool  # [L, 4, M] on the device
-        # the trees' fields: a replay computed them in its graph; an eager call computes them now
-        fields = call.fields if call.fields is not None else device_fields(pool, call.depth, self.device_draft_ids)
+        # the trees' fields: a replay computed them in its graph; an eager call computes them now (a chain's depths
+        # and ancestor bits in one upload)
+        fields = call.fields
+        if fields is None:
+            chain = chain_kept_whole(self.grower.chain, call.depth, self.grower.max_nodes)
+            fields = device_fields(pool, call.depth, self.device_draft_ids,
+                                   chain_fields(pool.shape[0], pool.shape[2], pool.device) if chain else None)
         for i in call.live:
             sizes[i] = pool.shape[2]
         host = to_host_later(pool)  # waited for once the verify is launched: the device is verifying by then

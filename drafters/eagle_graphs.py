@@ -7,11 +7,12 @@ a *bucket*: its sequences to a batch size of ``batch_sizes``, their cached keys 
 values; per sequence its key count, root position and noise key; the catch-up's target rows, tokens, positions and
 row count, or the roots' features when the catch-up ran eagerly); per bucket, depth and form a graph of the whole
 call and its static outputs: the reranked candidates (drafters/eagle_rerank.py), and for a pending proposal
-(``fields=True``) also the trees' fields the verify takes, computed in the graph. A call copies its inputs in,
-replays, and the host reads the candidates once. In the graph the catch-up's keys join the cached ones after each
-sequence's last (the columns the eager slab gives them). Padded sequences see no cached key and padded key columns
-and rows are masked, so each real sequence's pool is the eager call's up to the rounding of differently shaped
-products (which can only change the tree, never the output: the verifier decides).
+(``fields=True``) also the trees' fields the verify takes, computed in the graph (a chain's depths and ancestor bits
+are constants the bucket keeps, made before its first capture: the graph maps only its tokens). A call copies its
+inputs in, replays, and the host reads the candidates once. In the graph the catch-up's keys join the cached ones
+after each sequence's last (the columns the eager slab gives them). Padded sequences see no cached key and padded key
+columns and rows are masked, so each real sequence's pool is the eager call's up to the rounding of differently
+shaped products (which can only change the tree, never the output: the verifier decides).
 
 Without a GPU, ``capture=False`` runs the same padded static call eagerly (the tests). The graphs bake in the
 tree size, the sampling settings and the coupling seed: :func:`eagle_graphs` keeps one EagleGraphs per EAGLE model
@@ -33,11 +34,12 @@ from functools import cached_property
 import torch
 from specdec.drafters.eagle_catch_up import CatchUpInputs, CatchUpRows, catch_up
 from specdec.drafters.eagle_grow import GrowInputs, TreeGrower
-from specdec.drafters.eagle_rerank import DeviceFields, device_fields
+from specdec.drafters.eagle_rerank import DeviceFields, chain_kept_whole, device_fields
 
 from specdec.call_claims import CLAIMS, held_for_call
 from specdec.cuda_graphs import note_capture
 from specdec.host_copy import copy_to, to_device
+from specdec.pending_trees import chain_fields
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +113,9 @@ class _Bucket:
     catch: CatchUpInputs | None  # static (views of ``meta`` and a hidden buffer); None: the bucket only grows
     outputs: dict[tuple[int, bool], Drafted] = field(default_factory=dict)  # (depth, fields) -> static outputs
     graphs: dict[tuple[int, bool], object] = field(default_factory=dict)  # (depth, fields) -> torch.cuda.CUDAGraph
+    # depth -> a chain's constant depths and ancestor bits ([batch, depth] each, specdec.pending_trees.chain_fields):
+    # made before the first capture that reads them and kept, unchanged, as long as its graphs
+    chain_fields: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 class EagleGraphs:
@@ -212,7 +217,7 @@ class EagleGraphs:
         columns = torch.arange(keys, device=x.real.device)
         torch.lt(columns[None], meta[:, :1], out=x.real)  # the cached key columns, on the device
         if c is None:
-            return self._drafted(x, *form)
+            return self._drafted(bucket, *form)
         h_root, new_k, new_v = catch_up(self.grower.model, self.grower.embed, c, x.past_k, x.past_v, x.real,
                                         self.grower.fused)
         x.h_root.copy_(h_root)
@@ -223,16 +228,23 @@ class EagleGraphs:
         x.past_k[seqs, :, cols] = new_k.transpose(1, 2)
         x.past_v[seqs, :, cols] = new_v.transpose(1, 2)
         torch.lt(columns[None], (meta[:, 0] + c.counts)[:, None], out=x.real)
-        return self._drafted(x, *form, new_k, new_v)
+        return self._drafted(bucket, *form, new_k, new_v)
 
-    def _drafted(self, x: GrowInputs, depth: int, fields: bool, new_k: torch.Tensor | None = None,
+    def _drafted(self, bucket: _Bucket, depth: int, fields: bool, new_k: torch.Tensor | None = None,
                  new_v: torch.Tensor | None = None) -> Drafted:
-        rows = self.grower.tree_rows(x, depth)
-        return Drafted(rows, device_fields(rows, depth, self.grower.draft_ids) if fields else None, new_k, new_v)
+        rows = self.grower.tree_rows(bucket.inputs, depth)
+        if not fields:
+            return Drafted(rows, None, new_k, new_v)
+        return Drafted(rows, device_fields(rows, depth, self.grower.draft_ids, bucket.chain_fields.get(depth)),
+                       new_k, new_v)
 
     def _call(self, bucket: _Bucket, form: tuple[int, bool]) -> Drafted | None:
         """Run the loaded bucket in ``form`` (depth, fields), capturing its graph the first time -> its static
         outputs, or None when a capture failed."""
+        depth, fields = form
+        g = self.grower
+        if fields and chain_kept_whole(g.chain, depth, g.max_nodes) and depth not in bucket.chain_fields:
+            bucket.chain_fields[depth] = chain_fields(bucket.meta.shape[0], depth, bucket.meta.device)  # not captured
         if not self.config.capture:
             bucket.outputs[form] = self._run(bucket, form)
         elif form not in bucket.graphs:

@@ -14,6 +14,8 @@ scores) gets the parent -2; the drafter makes it a root child.
 
 :func:`device_fields` turns the kept candidates into the fields a pending proposal gives the engine
 (specdec/pending_trees.py), on the device as well: inside the drafting's CUDA graph the host launches nothing for them.
+A chain kept whole (:func:`chain_kept_whole`) has the same depths and ancestor bits whatever its scores: the caller
+passes them as constants made once (specdec.pending_trees.chain_fields) and only the token mapping runs.
 """
 from __future__ import annotations
 
@@ -58,10 +60,24 @@ class DeviceFields:
     ancestor_bits: torch.Tensor  # [B, M] int64, bit j: node j is the node itself or an ancestor
 
 
-def device_fields(rows: torch.Tensor, max_depth: int, draft_ids: torch.Tensor | None) -> DeviceFields:
+def chain_kept_whole(chain: bool, depth: int, max_nodes: int) -> bool:
+    """Whether a pool of ``depth`` levels is a chain (one candidate a level, each the previous one's child) that
+    :func:`rerank` keeps whole (M == S): its node j is then the child of node j - 1 whatever the scores (NaN too),
+    so its depths and ancestor bits are constants (specdec.pending_trees.chain_fields of [B, depth])."""
+    return chain and depth <= max_nodes
+
+
+def device_fields(rows: torch.Tensor, max_depth: int, draft_ids: torch.Tensor | None,
+                  chain: tuple[torch.Tensor, torch.Tensor] | None = None) -> DeviceFields:
     """Kept candidates [B, 4, M] of trees at most ``max_depth`` deep -> their DeviceFields; ``draft_ids`` [N] maps
-    a reduced token index to its target id (None: the full vocabulary)."""
+    a reduced token index to its target id (None: the full vocabulary). ``chain``: for a chain kept whole
+    (:func:`chain_kept_whole`), its constant depths and ancestor bits ([B, M] each), taken as they are instead of
+    computed from the parents."""
     tokens = rows[:, 0].long()
     if draft_ids is not None:
         tokens = draft_ids[tokens]
-    return DeviceFields(tokens, *tree_fields(parents(rows), max_depth))
+    if chain is None:
+        return DeviceFields(tokens, *tree_fields(parents(rows), max_depth))
+    if any(tuple(t.shape) != tuple(tokens.shape) for t in chain):
+        raise ValueError(f"a chain's fields must be {list(tokens.shape)}, got {[list(t.shape) for t in chain]}")
+    return DeviceFields(tokens, *chain)

@@ -4,9 +4,10 @@ A drafter whose candidates come out of the device (EAGLE's reranked pool) would 
 drafting before the verify could be built: on a GPU the device then idles while the host turns the candidates into
 trees and the verify's inputs. A pending proposal hands the engine what the verify needs without that read: each
 sequence's node count (known on the host without a read) and, on the device, the nodes' target token ids, depths
-and ancestor bits (:func:`tree_fields`). The engine builds the verify around them (CUDA-graph inputs written on the
-device, ``specdec.cuda_graphs``), launches it, and only then calls :meth:`PendingTrees.read`: the host copy of the
-candidates, started right after drafting, is ready by then, and the device goes on verifying meanwhile.
+and ancestor bits (:func:`tree_fields`; a chain's are constants, :func:`chain_fields`). The engine builds the
+verify around them (CUDA-graph inputs written on the device, ``specdec.cuda_graphs``), launches it, and only then
+calls :meth:`PendingTrees.read`: the host copy of the candidates, started right after drafting, is ready by then,
+and the device goes on verifying meanwhile.
 
 Invariant: ``read()`` returns exactly the trees the device fields describe (node for node, in the same order), so
 the rows the target verified are the trees the acceptance walks.
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.host_copy import to_device
 from specdec.tree import DraftTree
 
 
@@ -68,6 +70,18 @@ def tree_fields(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, to
         depths = depths + depths.gather(1, up)
         up = up.gather(1, up)
     return depths[:, :M], bits[:, :M]
+
+
+def chain_fields(batch: int, length: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tree_fields` of ``batch`` chains of ``length`` nodes (parents j - 1), without a kernel: node j has
+    depth j + 1 and the ancestor bits (1 << (j + 1)) - 1 (int64; bit 63 is the sign). Made on the host and copied to
+    ``device`` in one upload, each [batch, length] and contiguous (kept unchanged, a CUDA graph may read them)."""
+    if not 0 <= length <= 64:
+        raise ValueError(f"a chain's ancestor bits cover at most 64 nodes, got {length}")
+    depths = list(range(1, length + 1))
+    bits = [(1 << d) - 1 - (1 << 64 if d == 64 else 0) for d in depths]  # 64 bits set: -1 as int64
+    fields = to_device([[depths] * batch, [bits] * batch], torch.long, device).view(2, batch, length)
+    return fields[0], fields[1]
 
 
 @dataclass(frozen=True)

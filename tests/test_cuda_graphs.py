@@ -729,13 +729,16 @@ def test_the_drafting_a_gpu_runs_inside_the_verify_is_priced_as_drafting(loaded,
     assert engine.seconds["draft"] >= sum(moved)
 
 
-def test_eagle_pending_fields_from_its_graph_describe_the_trees_it_reads(loaded, monkeypatch):
+@pytest.mark.parametrize("shape", ["tree", "chain", "eager chain"])
+def test_eagle_pending_fields_from_its_graph_describe_the_trees_it_reads(loaded, monkeypatch, shape):
     """The tokens, depths and ancestor bits a graphed EAGLE call hands the verify (computed in its replay, over a
-    reduced vocabulary and reranked trees) are those of the trees the host reads, node for node."""
+    reduced vocabulary and reranked trees; a chain's depths and bits the bucket's constants, its 3 sequences padded
+    to a bucket of 4; or a chain drafted eagerly) are those of the trees the host reads, node for node."""
     from specdec.drafters.eagle import EagleDrafter
 
+    graphed = shape != "eager chain"
     drafter = EagleDrafter(model=_eagle_head(loaded, draft_vocab=range(1, VOCAB, 2)), adapt_depth=False,
-                           cuda_graphs=True)
+                           cuda_graphs=graphed, **({} if shape == "tree" else dict(top_k=1, depth=5)))
     seen = []
     real = EagleDrafter.propose_pending
 
@@ -745,10 +748,16 @@ def test_eagle_pending_fields_from_its_graph_describe_the_trees_it_reads(loaded,
         return dataclasses.replace(pending, read=lambda: seen.append((fields, pending.read())) or seen[-1][1])
 
     monkeypatch.setattr(EagleDrafter, "propose_pending", recorded)
-    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]] + ([] if shape == "tree" else [[9, 10, 11, 12]])
     out = generate(loaded, prompts, max_new_tokens=8, drafter=drafter, cuda_graphs=True, speculation="always")
     assert out == generate(loaded, prompts, max_new_tokens=8)
-    assert drafter.graphs.replays > 0 and any(max(t.num_nodes for t in trees) > 1 for _, trees in seen)
+    assert drafter.graphs.replays > 0 if graphed else drafter.graphs is None
+    assert any(max(t.num_nodes for t in trees) > 1 for _, trees in seen)
+    if shape != "tree":
+        assert all(t.parents.tolist() == list(range(-1, t.num_nodes - 1)) for _, trees in seen for t in trees)
+        if graphed:
+            buckets = drafter.graphs.buckets
+            assert 4 in {batch for batch, _, _ in buckets} and all(set(b.chain_fields) == {5} for b in buckets.values())
     for (tokens, depths, bits), trees in seen:
         assert tokens == [x for t in trees for x in t.tokens.tolist()]
         assert depths == [x for t in trees for x in t.depth_list]

@@ -592,6 +592,46 @@ def test_a_chain_grows_the_pool_the_ranking_path_grows(coupled):
     assert fast[:, 1].tolist() == [[-1, 0, 1, 2, 3]] * B
 
 
+def test_a_chains_graph_bucket_hands_out_constant_fields_equal_to_its_trees():
+    """A chain kept whole (top_k 1, depth <= max_nodes): its padded static call (what a CUDA graph replays) hands the
+    verify the bucket's constant depths and ancestor bits (specdec.pending_trees.chain_fields, made once per bucket
+    and depth before the call, not by it), which equal tree_fields of the parents it drafted: 3 sequences padded to
+    a bucket of 4, depths 1 to 64, one sequence's scores NaN. Its tokens are the drafts' target ids."""
+    from specdec.drafters.eagle_graphs import CachedKeys, EagleGraphConfig, EagleGraphs
+    from specdec.drafters.eagle_grow import TreeGrower
+    from specdec.drafters.eagle_rerank import parents
+
+    from specdec.pending_trees import tree_fields
+
+    model = build_tiny_model()
+    eagle = _eagle(model, vocab=range(0, 96, 3), depth=64, top_k=1, max_nodes=64).eval()
+    c, gen = eagle.config, torch.Generator().manual_seed(3)
+    grower = TreeGrower(eagle, model.get_input_embeddings().weight.detach(),
+                        model.get_output_embeddings().weight.detach(), SamplingConfig(), None, 1,
+                        model.config.vocab_size, 64)
+    graphs = EagleGraphs(grower, EagleGraphConfig(capture=False))
+    B, P = 3, 9
+    k, v = (torch.randn(B, c.num_kv_heads, P, c.head_dim, generator=gen) for _ in range(2))
+    past = CachedKeys(k, v, [9, 4, 1], [20, 8, 3], [5, 6, 7], torch.device("cpu"))
+    h_root = torch.randn(B, c.hidden_size, generator=gen)
+    h_root[1] = float("nan")
+    made = {}
+    with torch.inference_mode():
+        for depth in (1, 2, 6, 7, 64, 6):
+            out = graphs.pool(past, h_root, depth, fields=True)
+            bucket = graphs.buckets[(4, 64, 0)]
+            depths, bits = made.setdefault(depth, bucket.chain_fields[depth])  # made once, then kept
+            assert bucket.chain_fields[depth] == (depths, bits) and depths.shape == bits.shape == (4, depth)
+            f = out.fields
+            assert f.depths.data_ptr() == depths.data_ptr() and f.ancestor_bits.data_ptr() == bits.data_ptr()
+            assert out.rows.shape == (B, 4, depth) and f.depths.shape == (B, depth)
+            assert [t.tolist() for t in (f.depths, f.ancestor_bits)] == [
+                t.tolist() for t in tree_fields(parents(out.rows), depth)], depth
+            assert f.tokens.tolist() == grower.draft_ids[out.rows[:, 0].long()].tolist()
+            assert out.rows[1, 2].isnan().all() and not out.rows[0, 2].isnan().any()
+    assert set(bucket.chain_fields) == {1, 2, 6, 7, 64}
+
+
 def test_a_path_drafter_reused_with_a_target_of_another_dtype_leaves_the_shared_layer_as_loaded(tmp_path):
     """A layer loaded from a path is shared per (target, dtype, device) by every drafter of that checkpoint
     (drafters/loaded_once.py): a drafter object reused with a bfloat16 target moved the float32 target's shared
