@@ -185,8 +185,37 @@ def _by_phase(events, device, host, n: int) -> dict:
             kernel_ms=sum(sum(d) for d in kernels.values()) / n / 1e3,
             copies=len(entry["copies"]) / n, copy_ms=sum(entry["copies"]) / n / 1e3,
             graph_replays=entry["replays"] / n,
-            top_kernels=[dict(name=k[:80], per_step=len(d) / n, us_per_step=sum(d) / n) for k, d in top])
+            top_kernels=[dict(name=kernel_label(k), per_step=len(d) / n, us_per_step=sum(d) / n) for k, d in top])
     return dict(sorted(out.items(), key=lambda kv: (-kv[1]["kernel_ms"], -kv[1]["kernels"], kv[0])))
+
+
+# identifiers in a PyTorch kernel's template arguments that name its machinery, not the op it computes
+_GENERIC = {"gpu_kernel_impl", "gpu_kernel_impl_nocast", "BinaryFunctor", "AUnaryFunctor", "BUnaryFunctor",
+            "elementwise_kernel", "unrolled_elementwise_kernel", "vectorized_elementwise_kernel", "ReduceOp",
+            "func_wrapper_t", "OffsetCalculator", "TrivialOffsetCalculator", "LoadWithCast", "StoreWithCast",
+            "LoadWithoutCast", "StoreWithoutCast", "TensorIteratorBase", "operator", "lambda"}
+_OP_WORD = re.compile(r"[A-Za-z_]\w*(?:Functor\w*|Ops|Epilogue|_kernel\w*|_impl\w*)")
+_DTYPE_WORD = re.compile(r"\b(c10::BFloat16|c10::Half|float|double|long|int|bool|unsigned char|signed char)\b")
+
+
+def kernel_label(name: str, width: int = 100) -> str:
+    """A kernel's name, short enough for a report line and still telling kernels apart: a C++ template kernel
+    (PyTorch's elementwise, reduce and index kernels: ``void at::native::elementwise_kernel<128, 4,
+    at::native::gpu_kernel_impl_nocast<...MulFunctor<float>...>>(...)``) as its function and the ops and first
+    dtype its template names (``elementwise_kernel[MulFunctor; c10::BFloat16]``), where truncation left only the
+    shared prefix; other names (Triton's, cuBLAS's) as they are, cut at ``width``."""
+    if not name.startswith("void ") or "<" not in name:
+        return name[:width]
+    head, _, rest = name[len("void "):].replace("(anonymous namespace)::", "").partition("<")
+    base = head.split("(")[0].removeprefix("at::native::")
+    ops = []
+    for word in _OP_WORD.findall(rest):
+        short = word.split("::")[-1]
+        if short not in _GENERIC and short != base.split("::")[-1] and short not in ops:
+            ops.append(short)
+    dtype = _DTYPE_WORD.search(rest)
+    detail = ", ".join(ops[:2]) + (f"; {dtype.group(1)}" if dtype else "")
+    return (f"{base}[{detail}]" if detail else base)[:width]
 
 
 def kernel_kind(name: str) -> str:
@@ -249,7 +278,7 @@ def summarize(events) -> dict:
         # eager call launch many kernels each on the device (its CPU count is the op's; a GPU's, its kernels')
         host_launches_by_op={k: v / n for k, v in by_op.most_common(TOP_OPS)},
         aten_ops_by_name={k: v / n for k, v in top_aten.most_common(TOP_OPS)},  # outermost ones
-        top_kernels=[dict(name=name[:80], per_step=len(d) / n, us_per_step=sum(d) / n,
+        top_kernels=[dict(name=kernel_label(name), per_step=len(d) / n, us_per_step=sum(d) / n,
                           share=sum(d) / kernel_us if kernel_us else None) for name, d in top],
         # the kernels, copies and graph replays by the engine phase launching them (empty on the CPU)
         kernels_by_phase=_by_phase(events, device, host, n) if device else {},

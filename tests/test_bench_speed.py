@@ -239,3 +239,32 @@ def test_profile_report_names_each_phases_kernels():
             "`orphan_kernel` 0.5x 1 us") in text
     del s["kernels_by_phase"]  # a report from before: no such line
     assert "engine phase" not in "\n".join(markdown_rows(dict(profile=[dict(call="plain b1", summary=s)])))
+
+
+def test_profile_rows_name_pytorch_kernels_by_the_op_their_template_computes():
+    """PyTorch's elementwise and reduce kernels share a long prefix (``void at::native::elementwise_kernel<128, 4,
+    at::native::gpu_kernel_impl_nocast<a``, where the H200 report cut them at 80 characters), so two of a Qwen3
+    step's extra kernels looked alike: their labels name the op and dtype from the template; other names stay."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from step_profile import kernel_label
+
+    mul = ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<"
+           "c10::BFloat16, c10::BFloat16, c10::BFloat16, at::native::binary_internal::MulFunctor<float> > >(at::Tens"
+           "orIteratorBase&, at::native::BinaryFunctor<c10::BFloat16, c10::BFloat16, c10::BFloat16, at::native::bina"
+           "ry_internal::MulFunctor<float> > const&)::{lambda(int)#1}>(int, ...)")
+    copy = ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&"
+            ")::{lambda()#3}::operator()() const::{lambda()#12}::operator()() const::{lambda(c10::BFloat16)#1}, std::"
+            "array<char*, 2ul>, 4, TrivialOffsetCalculator<1, unsigned int>, at::native::memory::LoadWithCast<1> >()")
+    softmax = ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, c10::BFloat16, float, float, at::native"
+               "::(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, c10::BFloat16 const*, int)")
+    reduce = ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MaxOps<float>, unsigned "
+              "int, float, 4, 4> >(at::native::ReduceOp<float, at::native::MaxOps<float>, unsigned int, float, 4, 4>)")
+    assert kernel_label(mul) == "elementwise_kernel[MulFunctor; c10::BFloat16]"
+    assert kernel_label(copy) == "unrolled_elementwise_kernel[direct_copy_kernel_cuda; c10::BFloat16]"
+    assert kernel_label(softmax) == "cunn_SoftMaxForward[LogSoftMaxForwardEpilogue; c10::BFloat16]"
+    assert kernel_label(reduce) == "reduce_kernel[MaxOps; float]"
+    for plain in ("_tree_attn_kernel", "nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", "Memcpy DtoH (Device -> Pinned)"):
+        assert kernel_label(plain) == plain
+    assert len(kernel_label("x" * 300)) == 100
