@@ -71,9 +71,16 @@ def frequencies(config) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = dict(c.rope_scaling)
+    # with a factor given, the context length changes no frequency, and transformers warns where it is not the
+    # original one times the factor, as published heads' configs often have it (SpecForge's Llama 3.1 heads: 2048
+    # against 8192 x 8): the frequencies are computed for that length
+    positions = c.max_position_embeddings
+    factor, original = params.get("factor"), params.get("original_max_position_embeddings")
+    if factor and original and float(factor) > 1:
+        positions = round(float(original) * float(factor))
     llama = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-                        head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings,
-                        rope_theta=c.rope_theta, rope_scaling=params)
+                        head_dim=c.head_dim, max_position_embeddings=positions, rope_theta=c.rope_theta,
+                        rope_scaling=params)
     inv_freq, factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](llama, "cpu")
     return inv_freq.float(), float(factor)
 

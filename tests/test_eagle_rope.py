@@ -6,6 +6,7 @@ import pytest
 import torch
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.utils import logging as transformers_logging
 
 from specdec.errors import InputError
 from specdec.testing import build_tiny_model
@@ -40,3 +41,29 @@ def test_rope_parameters_are_normalised_and_lengthwise_types_refused():
     for kind in ("dynamic", "longrope"):
         with pytest.raises(InputError, match=f"{kind!r} changes with sequence length"):
             EagleConfig(**base, rope_scaling={"rope_type": kind, "factor": 2.0})
+
+
+@pytest.mark.parametrize("kind", ["llama3", "yarn"])
+def test_a_head_config_shorter_than_its_original_context_rotates_right_without_transformers_warning(kind, caplog):
+    """Published heads' configs often give a context below the scaling's original one (SpecForge's Llama 3.1 heads:
+    2048 against 8192), which transformers warns about, once per frequency computation, though with a factor given
+    it changes no frequency: the layer's frequencies are transformers' own for that config, and no warning."""
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": kind, "factor": 8.0, "original_max_position_embeddings": 8192}
+    if kind == "llama3":
+        rope.update(low_freq_factor=1.0, high_freq_factor=4.0)
+    config = EagleConfig(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
+                         vocab_size=96, rope_theta=500000.0, max_position_embeddings=2048, rope_scaling=rope)
+    positions = torch.arange(0, 3000, 7)[None]
+    transformers_logging.enable_propagation()  # transformers' records reach pytest's handler
+    try:
+        with caplog.at_level("WARNING"):
+            cos, sin = EagleModel(config).rope(positions, torch.float32)
+    finally:
+        transformers_logging.disable_propagation()
+    assert not [r for r in caplog.records if "original_max_position_embeddings" in r.getMessage()]
+    theirs = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, rope_theta=500000.0,
+                                              max_position_embeddings=2048, rope_scaling=dict(rope)))
+    want_cos, want_sin = theirs(torch.zeros(1, 1, 16), positions)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
