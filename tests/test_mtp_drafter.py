@@ -136,9 +136,9 @@ def test_the_draft_graphs_log_under_the_mtp_name(tmp_path, caplog):
     generate(load_model(str(tmp_path)), [[1, 2, 3]], max_new_tokens=3, drafter=drafter, speculation="always")
     graphs = drafter.graphs
     graphs.config = EagleGraphConfig(capture=True)
-    graphs._capture = lambda bucket, depth: (_ for _ in ()).throw(RuntimeError("no capture here"))
+    graphs._capture = lambda bucket, form: (_ for _ in ()).throw(RuntimeError("no capture here"))
     with caplog.at_level(logging.WARNING, logger="specdec.drafters.eagle_graphs"):
-        assert graphs._call(SimpleNamespace(graphs={}, outputs={}), 2) is None
+        assert graphs._call(SimpleNamespace(graphs={}, outputs={}), (2, False)) is None  # (depth, fields)
     assert [r.getMessage() for r in caplog.records if r.name == "specdec.drafters.eagle_graphs"] == [
         "mtp: CUDA-graph capture failed (RuntimeError: no capture here); drafting eagerly"]
 
