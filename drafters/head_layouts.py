@@ -17,7 +17,6 @@ vocabulary in ascending target id, every config naming the target model it was m
 """
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -29,7 +28,6 @@ from specdec.drafters.eagle_rope import config_entries, read_params
 from specdec.atomic_write import replaced_atomically, write_json
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
-logger = logging.getLogger(__name__)
 UNSUPPORTED_SPECULATORS_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 FORMATS = ("speculators", "sglang")
 
