@@ -660,6 +660,7 @@ armed[0] = False
 codes.append(main(args + ["--output-dir", out + "/part", "--resume"]))
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump([codes, len(ended)], f)
+torch.distributed.barrier()  # both leave the group together (see OUTSIDE_THE_LOOP_DRIVER)
 torch.distributed.destroy_process_group()
 """
 
@@ -750,6 +751,10 @@ for name, phase, extra in (("full", None, []), ("part", "distill", []), ("part",
                 for p in (out / "cache-part").rglob("*.partial*.jsonl")}
 with open(out / f"rank{rank}.json", "w") as f:
     json.dump([codes, kept, generated], f)
+# both leave the group together, as the pipeline's end_training does after its last meeting: the main process
+# evaluates alone after the last run, and a process tearing gloo down while its peer still ran once aborted
+# ("terminate called without an active exception", exit -6)
+torch.distributed.barrier()
 torch.distributed.destroy_process_group()
 """
 
