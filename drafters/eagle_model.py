@@ -39,7 +39,7 @@ from torch.nn import functional as F
 
 from specdec.errors import InputError, InputTypeError
 from specdec.models.fused_projections import LayerProjections, pack_layers
-from specdec.models.llama import Linear, linear
+from specdec.models.llama import Linear, linear, rope_parameters
 
 INIT_OUTPUT_SCALE = 0.1  # init_from_target: attention / MLP outputs start small next to the passed-through feature
 ARCHS = ("eagle1", "eagle3", "mtp")
@@ -118,7 +118,7 @@ class EagleConfig:
     def for_target(cls, hf_config, **overrides) -> "EagleConfig":
         """The draft layer shaped like one layer of ``hf_config`` (a transformers Llama-family config)."""
         heads = hf_config.num_attention_heads
-        params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+        params = rope_parameters(hf_config)
         theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         fields = dict(
             hidden_size=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size, num_heads=heads,

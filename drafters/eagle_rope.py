@@ -19,17 +19,9 @@ from typing import Any
 import torch
 
 from specdec.errors import InputError
+from specdec.models.llama import STATIC_ROPE_TYPES, rope_type
 
 logger = logging.getLogger(__name__)
-
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # as specdec.models.llama runs a target with
-
-
-def rope_type(params: Mapping | None) -> str:
-    """The RoPE type a config's ``rope_parameters`` / ``rope_scaling`` names ("default" for none)."""
-    params = params or {}
-    return str(params.get("rope_type", params.get("type", "default")))
-
 
 def rope_params(params: Mapping | tuple | None) -> tuple[tuple[str, Any], ...]:
     """A config's RoPE parameters as sorted (name, value) pairs without ``rope_theta`` (its own field), () for plain

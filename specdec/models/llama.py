@@ -33,7 +33,7 @@ from specdec.models import invariant_ops, row_policy
 from specdec.models.fused_projections import LayerProjections
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # RoPE whose angles do not change with length
 
 
 class UnsupportedModelError(SpecdecError, ValueError):
@@ -79,9 +79,15 @@ class ForwardOutput:
     features: torch.Tensor | None = None
 
 
-def _rope_type(config) -> str:
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    return params.get("rope_type", params.get("type", "default"))
+def rope_parameters(config) -> dict:
+    """A transformers config's RoPE parameters: ``rope_parameters`` (transformers 5), else ``rope_scaling``."""
+    return dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+
+
+def rope_type(params) -> str:
+    """The RoPE type RoPE parameters name (``rope_type``, or transformers 4's ``type``; "default" for none)."""
+    params = params or {}
+    return str(params.get("rope_type", params.get("type", "default")))
 
 
 def sliding_window(config) -> int | None:
@@ -115,10 +121,10 @@ def check_supported(hf_model) -> None:
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"only SwiGLU MLPs (hidden_act='silu') are supported, got {act!r}")
-    rope = _rope_type(config)
-    if rope not in _STATIC_ROPE_TYPES:
+    rope = rope_type(rope_parameters(config))
+    if rope not in STATIC_ROPE_TYPES:
         raise UnsupportedModelError(
-            f"RoPE type {rope!r} changes with sequence length; supported: {', '.join(_STATIC_ROPE_TYPES)}"
+            f"RoPE type {rope!r} changes with sequence length; supported: {', '.join(STATIC_ROPE_TYPES)}"
         )
 
 
