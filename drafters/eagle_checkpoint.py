@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from specdec.drafters.eagle_model import UNRECORDED_CONTEXT, EagleConfig, EagleModel
-from specdec.drafters.eagle_rope import config_entries, read_params
+from specdec.drafters.eagle_rope import config_entries, read_rope
 
 from specdec.atomic_write import replaced_atomically, write_json
 from specdec.errors import SpecdecError
@@ -127,7 +127,7 @@ def config_from_checkpoint(raw: dict, state: dict[str, torch.Tensor], where: str
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         extra = raw.get("specdec_eagle") or {}
-        rope = read_params(raw, where)
+        theta, rope = read_rope(raw, where)
         ids: tuple[int, ...] = ()
         if "d2t" in state:
             d2t = state["d2t"].long()
@@ -137,7 +137,7 @@ def config_from_checkpoint(raw: dict, state: dict[str, torch.Tensor], where: str
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads), vocab_size=int(raw["vocab_size"]),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))), rope_scaling=rope,
+            rope_theta=theta, rope_scaling=rope,
             num_features=_num_features(raw, state, hidden), draft_vocab=ids, norms="norm.weight" in state,
             base_model_name_or_path=str(extra.get("base_model_name_or_path", "")),
             max_position_embeddings=int(raw.get("max_position_embeddings") or UNRECORDED_CONTEXT),

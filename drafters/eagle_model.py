@@ -30,6 +30,7 @@ target's LM head over ``norm(h)``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -235,7 +236,6 @@ class EagleModel(nn.Module):
         else:
             self.lm_head = None  # the target's own LM head
         self._inv_freqs: dict[torch.device, torch.Tensor] = {}  # RoPE frequencies per device (_inv_freq)
-        self._rope_factor = 1.0  # cos / sin scale of the config's RoPE type (yarn's attention factor; else 1)
 
     @classmethod
     def from_state(cls, config: EagleConfig, state: dict[str, torch.Tensor]) -> "EagleModel":
@@ -328,9 +328,13 @@ class EagleModel(nn.Module):
         rounded them (by up to 0.4%: about a radian of angle 256 positions apart) away from the float32 rotation the
         layer was trained with. Computed on the CPU, as they always were, once per device."""
         if device not in self._inv_freqs:
-            inv_freq, self._rope_factor = frequencies(self.config)
-            self._inv_freqs[device] = inv_freq.to(device)
+            self._inv_freqs[device] = self._frequencies[0].to(device)
         return self._inv_freqs[device]
+
+    @cached_property
+    def _frequencies(self) -> tuple[torch.Tensor, float]:
+        """The config's RoPE frequencies on the CPU and its cos / sin scale (yarn's attention factor; else 1)."""
+        return frequencies(self.config)
 
     def pack_on_cuda(self) -> "EagleModel":
         """On CUDA, its q/k/v and gate/up weights re-laid side by side (specdec.models.fused_projections), as specdec
@@ -361,8 +365,9 @@ class EagleModel(nn.Module):
         freqs = positions.float()[..., None] * self._inv_freq(positions.device)  # [..., L, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        if self._rope_factor != 1.0:
-            cos, sin = cos * self._rope_factor, sin * self._rope_factor
+        scale = self._frequencies[1]
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
         return cos.to(dtype), sin.to(dtype)  # [..., L, head_dim] each
 
     def forward(

@@ -39,17 +39,19 @@ def rope_params(params: Mapping | tuple | None) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted((str(k), tuple(v) if isinstance(v, list) else v) for k, v in items.items()))
 
 
-def read_params(raw: Mapping, where: str) -> dict:
-    """The RoPE parameters of a head's config.json (``rope_parameters``, else ``rope_scaling``). A type whose angles
-    change with the sequence's length is left out (its ``rope_theta`` kept) with a warning: the layer then rotates
-    by ``rope_theta`` alone (drafts stay exact, acceptance may be lower), as heads loaded before scaling was read."""
+def read_rope(raw: Mapping, where: str) -> tuple[float, dict]:
+    """(rope_theta, RoPE parameters) of a head's config.json: ``rope_theta`` at the top, else inside the parameters
+    (``rope_parameters``, else ``rope_scaling``), else 10000. A type whose angles change with the sequence's length
+    is left out with a warning: the layer then rotates by ``rope_theta`` alone (drafts stay exact, acceptance may be
+    lower), as heads loaded before scaling was read."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(raw.get("rope_theta", params.get("rope_theta", 10000.0)))
     if rope_type(params) not in STATIC_ROPE_TYPES:
         logger.warning("%s: the head's RoPE type %r changes with sequence length, which specdec's draft layer does "
                        "not: it rotates with rope_theta alone (drafts stay exact, acceptance may be lower)", where,
                        rope_type(params))
-        return {k: v for k, v in params.items() if k == "rope_theta"}
-    return params
+        return theta, {}
+    return theta, params
 
 
 def frequencies(config) -> tuple[torch.Tensor, float]:

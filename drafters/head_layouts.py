@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from specdec.drafters.eagle_checkpoint import CONFIG_FILE, WEIGHTS_FILE, EagleCheckpointError
 from specdec.drafters.eagle_model import UNRECORDED_CONTEXT, EagleConfig, EagleModel, default_feature_layers
-from specdec.drafters.eagle_rope import config_entries, read_params
+from specdec.drafters.eagle_rope import config_entries, read_rope
 
 from specdec.atomic_write import replaced_atomically, write_json
 
@@ -98,7 +98,7 @@ def read_eagle3(raw: dict, state: dict[str, torch.Tensor], where: str, target_co
     tensors = _native_keys(state)
     try:
         hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
-        rope = read_params(layer, where)
+        theta, rope = read_rope(layer, where)
         vocab = int(state["t2d"].numel()) if "t2d" in state else int(layer.get("vocab_size") or raw["vocab_size"])
     except KeyError as err:
         raise EagleCheckpointError(f"{where}: config.json lacks {err.args[0]!r}") from None
@@ -124,7 +124,7 @@ def read_eagle3(raw: dict, state: dict[str, torch.Tensor], where: str, target_co
             num_kv_heads=int(layer.get("num_key_value_heads") or heads),
             head_dim=int(layer.get("head_dim") or hidden // heads), vocab_size=vocab,
             rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(layer.get("rope_theta", rope.get("rope_theta", 10000.0))), rope_scaling=rope,
+            rope_theta=theta, rope_scaling=rope,
             arch="eagle3", feature_layers=_feature_layers(raw, target_config, where),
             norm_before_residual=bool(raw.get("norm_before_residual", layer.get("norm_before_residual", False))),
             draft_vocab=ids, own_lm_head=own_head, base_model_name_or_path=_verifier(raw),
