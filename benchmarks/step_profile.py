@@ -38,10 +38,10 @@ TOP_OPS = 16  # ops kept by the launches they issue from the host
 TOP_PHASE_KERNELS = 12  # kept per engine phase in the JSON; the report names 3
 UNATTRIBUTED = "(unattributed)"  # device events whose launch leads to no engine phase
 RUNTIME_CALL = re.compile(r"cu(da)?[A-Z]")  # a CUDA runtime or driver call (cudaLaunchKernel, cuGraphLaunch, ...)
-# kernel kinds by name (lower case), first match wins: the tree attention and its split-KV merge
-# (kernels/tree_attention.py), invariant attention, SDPA / flash / CUTLASS fmha; cuBLAS / cuBLASLt / CUTLASS products,
+# kernel kinds by name (lower case), first match wins: the tree attention (kernels/tree_attention.py), invariant
+# attention, SDPA / flash / CUTLASS fmha; cuBLAS / cuBLASLt / CUTLASS products,
 # Triton matmuls and specdec's invariant linear; norms. The rest is "other"; KINDS is the order they are reported in
-KERNEL_KINDS = (("attention", ("attn", "attention", "flash", "fmha", "_merge_kernel", "sdpa")),
+KERNEL_KINDS = (("attention", ("attn", "attention", "flash", "fmha", "sdpa")),
                 ("products", ("gemm", "gemv", "matmul", "nvjet", "cutlass", "xmma", "splitkreduce", "_linear_kernel")),
                 ("norms", ("norm",)))
 KINDS = ("products", "attention", "norms", "other")

@@ -145,7 +145,8 @@ def test_profile_summary_counts_a_steps_device_time_launches_and_waits():
 
 def test_profile_summary_splits_kernel_time_by_kind():
     """A 65-token verify's extra time against a decode's, by kind: cuBLAS's and specdec's products, the tree attention
-    and its split-KV merge, the norms, the rest (names as an H200 trace gives them; one step, microseconds)."""
+    and SDPA's (flash's split-KV combine too), the norms, the rest (names as an H200 trace gives them; one step,
+    microseconds)."""
     import sys
     from types import SimpleNamespace as E
 
@@ -163,7 +164,8 @@ def test_profile_summary_splits_kernel_time_by_kind():
               ev("ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_tn", 30, 35), ev("matmul_kernel", 35, 36),
               ev("_linear_kernel", 36, 38),
               ev("_tree_attn_kernel", 40, 48), ev("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", 48, 50),
-              ev("_merge_kernel", 50, 55), ev("_add_rms_norm_kernel", 55, 59), ev("_rope_write_kernel", 60, 63),
+              ev("flash_fwd_splitkv_combine_kernel", 50, 55), ev("_add_rms_norm_kernel", 55, 59),
+              ev("_rope_write_kernel", 60, 63),
               ev("Memcpy HtoD (Pinned -> Device)", 63, 64)]
     s = summarize(events)
     assert s["kernel_ms_by_kind"] == pytest.approx(dict(products=0.038, attention=0.015, norms=0.004, other=0.003))

@@ -77,16 +77,59 @@ def test_split_kv_more_splits_than_keys():
     check(case, num_splits=6)
 
 
-def test_split_merge_over_more_sequences_than_it_reads_at_once():
-    """The merge finds a row's sequence reading the batch MERGE_SEQS sequences at a time (one kernel for every batch
-    size): a batch of more, decode rows and trees, every row merged from its parts, by the plan and by the builder."""
-    from specdec.kernels.tree_attention import MERGE_SEQS
+def _poisoned_empty(monkeypatch):
+    """torch.empty's memory is whatever was there: here NaN, so output the kernel does not write shows."""
+    real_empty = torch.empty
 
-    n = MERGE_SEQS + 3
+    def poisoned(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def test_split_parts_are_merged_by_their_last_program_launch_after_launch(monkeypatch):
+    """No merge launch: the last of each (tile, KV head)'s programs merges the parts and sets its count back to 0,
+    so the next launch through the same metadata (the next layer, a CUDA graph's replay) merges again. A batch of
+    decode rows and trees, by the plan and by the builder, two launches each."""
+    n = 7
     case = random_case([5 + 3 * b for b in range(n)], [(TREE, 3) if b % 4 == 0 else 1 for b in range(n)],
-                       num_kv_heads=1, group=2, head_dim=16, page_size=4, seed=13, device=DEVICE)
-    check(case, num_splits=2)
-    check(case, num_splits=3, via_plan=True)
+                       num_kv_heads=2, group=2, head_dim=16, page_size=4, seed=13, device=DEVICE)
+    ref = reference_attention(case)
+    merges = []
+    real_merge = ta._merge_parts
+    monkeypatch.setattr(ta, "_merge_parts", lambda *a, **k: merges.append(1) or real_merge(*a, **k))  # interpreted
+    _poisoned_empty(monkeypatch)
+    for meta, splits in ((case.metadata(), 2), (case.plan.kernel_metadata, 3)):
+        for launch in range(2):
+            merges.clear()
+            out = tree_attention(case.q, case.k_cache, case.v_cache, meta, case.scale, num_splits=splits)
+            err = (out - ref).abs().max().item()
+            assert err <= FP32_ATOL, f"{splits} splits, launch {launch}: max abs error {err:.3g}"
+            (counts,) = meta._arrivals.values()
+            pairs = meta.tiles(4)[0].numel() * 2  # (tile, KV head) pairs: BLOCK_Q 4 for GROUP 2, head_dim 16
+            assert counts.numel() == pairs and not counts.any().item(), counts
+            assert len(merges) == pairs, f"{len(merges)} merges for {pairs} tiles x KV heads: one program each"
+    assert not hasattr(ta, "_merge_kernel")
+
+
+def test_split_merge_reads_this_launchs_parts_launch_after_launch():
+    """The last program of a tile reads parts the other programs of its launch wrote just before (their stores
+    released, its reads acquired, past L1). On a GPU a read that came too early would find the workspace as the
+    previous launch left it: the launches here alternate between two queries, so such a read shows as the other
+    query's answer. Each output is compared bitwise with the first launch of its query (the merge reads the parts
+    in one order, whichever program is last). Few launches in the interpreter, which runs programs in turn."""
+    gpu = DEVICE != "cpu"
+    launches = 200 if gpu else 2
+    case = random_case([300, 77, 1000, 5, 640] * (2 if gpu else 1), [1, (TREE, 9), 1, 3, 1] * (2 if gpu else 1),
+                       num_kv_heads=2, group=4, head_dim=64 if gpu else 16, page_size=16, seed=21, device=DEVICE)
+    queries = (case.q, torch.flip(case.q, dims=(0,)).contiguous())
+    meta = case.plan.kernel_metadata
+    first = [tree_attention(q, case.k_cache, case.v_cache, meta, case.scale, num_splits=8) for q in queries]
+    assert (first[0] - reference_attention(case)).abs().max().item() <= FP32_ATOL
+    for launch in range(launches):
+        out = tree_attention(queries[launch % 2], case.k_cache, case.v_cache, meta, case.scale, num_splits=8)
+        assert torch.equal(out, first[launch % 2]), f"launch {launch} differs from the first of its query"
 
 
 def test_contiguous_block_table_and_head_dim_not_power_of_two():
@@ -246,19 +289,13 @@ def test_static_bucket_inputs_match_reference_across_steps():
         inputs.bucket(batch=8, tokens_per_seq=8)
 
 
-def test_split_launch_gives_padded_rows_zeros_whatever_the_memory_held(monkeypatch):
-    """A CUDA-graph bucket's padding rows are covered by no tile: the split merge must not read their unwritten
-    partial results (it knows them by the sequences' query rows; nothing fills them each layer). Uninitialised
-    buffers are poisoned with NaN here (torch.empty's memory is whatever was there: the interpreter warned of
-    overflows in 0 * garbage once in a suite run)."""
+def test_split_launch_of_a_padded_bucket_whatever_the_memory_held(monkeypatch):
+    """A CUDA-graph bucket's padding rows are covered by no tile: a split launch's real rows are merged from parts
+    its programs wrote, whatever the workspace held before (poisoned with NaN here), and nothing is filled per
+    layer to make it so. The padding rows are left as they were, as without splits (nothing reads them)."""
     from specdec.kernels.graph_metadata import StaticInputs
 
-    real_empty, real_full = torch.empty, torch.full
-
-    def poisoned(*args, **kwargs):
-        out = real_empty(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
+    real_full = torch.full
     inputs = StaticInputs(4, 8, max_keys=64, block_size=4, scratch_slot=0, device=DEVICE)
     bucket = inputs.bucket(batch=4, tokens_per_seq=8)
     meta = bucket.metadata
@@ -269,14 +306,13 @@ def test_split_launch_gives_padded_rows_zeros_whatever_the_memory_held(monkeypat
     q[:n] = case.q
     planned = case.plan.kernel_metadata  # unpadded: every part of every row is written
     fills = []
+    _poisoned_empty(monkeypatch)
     monkeypatch.setattr(torch, "full", lambda *a, **k: fills.append(a) or real_full(*a, **k))
-    monkeypatch.setattr(torch, "empty", poisoned)
     out = tree_attention(q, case.k_cache, case.v_cache, meta, case.scale, num_splits=2)
     out_planned = tree_attention(case.q, case.k_cache, case.v_cache, planned, case.scale, num_splits=2)
     monkeypatch.undo()
     ref = reference_attention(case)
     assert (out[:n] - ref).abs().max().item() <= FP32_ATOL
-    assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padded rows must get zeros, not merged garbage"
     assert (out_planned - ref).abs().max().item() <= FP32_ATOL
     assert not fills  # no launch per layer prepares the parts
 
