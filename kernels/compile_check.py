@@ -9,7 +9,7 @@ The interpreter checks semantics, not what the GPU compiler accepts (layouts, do
 Launches are recorded, not listed: the wrappers run on CPU tensors of real model shapes and dtypes (eager steps,
 every CUDA-graph bucket) with each kernel's ``run`` replaced by a recorder, tiles and split counts as on a GPU with
 ``SMS`` SMs. Each distinct (kernel, signature, constexprs, attrs, options) compiles once, specialised as a GPU
-launch of the same arguments is (alignment hints, integers equal to 1 made constants); an attention launch
+launch of the same arguments is (alignment hints, integers equal to 1 made constants); an attention or merge launch
 that spills more than ``--max-stack`` bytes of stack per thread fails. Run with TRITON_INTERPRET unset.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 
 SMS = 132  # H100 SXM / H200: split-KV counts as chosen there
 CUDA = torch.device("cuda")  # what the attention's split heuristic is told it runs on (no GPU is touched)
-DEFAULT_MAX_STACK = 8  # stack bytes per thread an attention launch may spill (16-bit tiles spill none)
+DEFAULT_MAX_STACK = 8  # stack bytes per thread an attention or merge launch may spill (16-bit tiles spill none)
 
 
 @dataclass(frozen=True)
@@ -67,13 +67,13 @@ GRAPH_PAGE = 16  # the KV cache's default block size: a bucket's block-table pag
 HUGE_CACHE_STEPS = ((1, 1, 8000), (4, 65, 100))  # eager steps over a K plane of >= 2**31 elements (OFF64)
 INVARIANT_ROWS = (1, 7, 32)  # a forward's rows in the bit-exact mode: M == 1, other, divisible by 16
 INVARIANT_KEYS = (1, 17, 2048)  # its slot table's width (the most keys of a row): == 1, other, divisible by 16
-KERNEL_NAMES = {"_tree_attn_kernel": "attn", "_write_kernel": "kv write",
+KERNEL_NAMES = {"_tree_attn_kernel": "attn", "_merge_kernel": "merge", "_write_kernel": "kv write",
                 "_compact_kernel": "compact", "_add_rms_norm_kernel": "add+rmsnorm", "_rope_kernel": "rope",
                 "_rope_write_kernel": "rope+kv write", "_silu_mul_kernel": "silu*mul",
                 "_linear_kernel": "invariant linear", "_attention_kernel": "invariant attn"}
-SHOWN = ("BLOCK_Q", "BLOCK_N", "PAGE_SIZE", "SPLIT", "OFF64", "HAS_DELTA", "BLOCK_H", "HAS_BIAS",
-         "HAS_NORM")
-STACK_CHECKED = ("_tree_attn_kernel",)
+SHOWN = ("BLOCK_Q", "BLOCK_N", "PAGE_SIZE", "SPLIT", "MERGE_IN_KERNEL", "OFF64", "BLOCK_S", "HAS_DELTA", "BLOCK_H",
+         "HAS_BIAS", "HAS_NORM")
+STACK_CHECKED = ("_tree_attn_kernel", "_merge_kernel")
 
 
 # ---- recording launches ------------------------------------------------------------------------------------------
@@ -134,7 +134,7 @@ def _kernels() -> list:
     from specdec.kernels import kv_write as kw
     from specdec.kernels import tree_attention as ta
 
-    return [ta._tree_attn_kernel, kw._write_kernel, kw._compact_kernel, fo._add_rms_norm_kernel,
+    return [ta._tree_attn_kernel, ta._merge_kernel, kw._write_kernel, kw._compact_kernel, fo._add_rms_norm_kernel,
             fo._rope_kernel, fo._rope_write_kernel, fo._silu_mul_kernel, io._linear_kernel, io._attention_kernel]
 
 
@@ -322,14 +322,14 @@ def _drive_all(rec: Recorder) -> None:
 
 
 def _drive_quick(rec: Recorder) -> None:
-    """The 8B shape: a split bf16 decode (merged by its last programs), bf16 and float32 65-token trees, KV store,
-    one norm; a bf16 65-token tree over head_dim 512."""
+    """The 8B shape: a split bf16 decode (merged by its own programs), bf16 65-token trees unsplit and split (and
+    its merge), a float32 one, KV store, one norm; a bf16 65-token tree over head_dim 512."""
     from specdec.kernels import fused_ops as fo
     from specdec.kernels import kv_write as kw
 
     m = MODELS["llama8b"]
     rec.dtype = "bf16"
-    _eager_attention(rec, "llama8b", m, torch.bfloat16, [(1, 1, 1000), (1, 65, 100)])
+    _eager_attention(rec, "llama8b", m, torch.bfloat16, [(1, 1, 1000), (1, 65, 100), (1, 65, 1000)])
     _eager_attention(rec, "head512", WIDE_HEADS, torch.bfloat16, [(1, 65, 100)])
     rec.dtype = "fp32"
     _eager_attention(rec, "llama8b", m, torch.float32, [(1, 65, 100)])
@@ -382,7 +382,7 @@ def _compile(launch: Launch, arch: int):
 
 
 def check(launch: Launch, arch: int, max_stack: int, show_resources: bool) -> tuple[bool, str]:
-    """(ok, the CLI's line) for one launch: compiled, and within ``max_stack`` if an attention kernel."""
+    """(ok, the CLI's line) for one launch: compiled, and within ``max_stack`` if an attention or merge kernel."""
     try:
         compiled = _compile(launch, arch)
     except Exception as e:  # report every failing launch, not only the first
@@ -414,11 +414,11 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100, 80 = A100)")
     ap.add_argument("--resources", action="store_true", help="print registers / stack (spills) per kernel")
     ap.add_argument("--quick", action="store_true",
-                    help="a handful: bf16 decode and tree and a float32 tree of the 8B shape, KV, norm, a "
+                    help="a handful: bf16 decode and tree and a float32 tree of the 8B shape, merge, KV, norm, a "
                          "bf16 tree over head_dim 512")
     ap.add_argument("--list", action="store_true", help="print what would be compiled, compile nothing")
     ap.add_argument("--max-stack", type=int, default=DEFAULT_MAX_STACK, metavar="BYTES",
-                    help=f"fail an attention launch that spills more than BYTES of stack per thread "
+                    help=f"fail an attention or merge launch that spills more than BYTES of stack per thread "
                          f"(default {DEFAULT_MAX_STACK})")
     ap.add_argument("--jobs", type=int, default=_cpus(), help="compiler processes (default: the CPUs usable)")
     args = ap.parse_args(argv)

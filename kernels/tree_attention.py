@@ -17,8 +17,9 @@ Grid ``(query tiles, kv heads, splits)``. A query tile is up to ``BLOCK_Q`` new 
 sequence times the ``GROUP`` query heads sharing a KV head, packed into the M rows of the
 tile, so each K/V tile is loaded once per group. With split-KV, programs ``0..S-1`` each take
 one chunk of the unmasked prefix and program ``S`` takes the masked keys; each writes a
-normalised partial output and its log-sum-exp, and the last of a (tile, KV head)'s programs to
-finish (an atomic count per pair, reset by it) merges them: no second launch.
+normalised partial output and its log-sum-exp. A small tile's parts (a decode's, a short chain's)
+are merged by the last of its programs to finish (an atomic count per tile and KV head, reset by
+it): no second launch; a large tile's by :func:`_merge_kernel`, over every row and head at once.
 """
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ from specdec.tree import MAX_TREE_NODES
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_CHUNK = 256  # keys per split program below which splitting does not pay
+MERGE_SEQS = 16  # sequences the merge reads at a time (finding a row's sequence; one kernel for every batch size)
+# a split launch whose tiles have at most this many elements (rows x BLOCK_D) merges its parts itself: one program
+# per tile reads them all, which pays against a second launch for a decode's or a short chain's tile (16 or 32 rows),
+# not for a 65-token tree's 128 rows over 33 parts (2 MB read by one program of each KV head)
+MERGE_IN_KERNEL_MAX = 32 * 128
 # largest head_dim the kernel takes: up to 512 its tiles compile for sm_90 without spilling registers
 # (python -m specdec.kernels.compile_check); at 1024 even the smallest float32 tile spills 1.6 KB per thread
 MAX_HEAD_DIM = 512
@@ -86,7 +92,7 @@ def _tree_attn_kernel(
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, num_splits, masked_split,
-    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, OFF64: tl.constexpr,
+    SPLIT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DOT_PREC: tl.constexpr, OFF64: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -158,51 +164,96 @@ def _tree_attn_kernel(
         tl.store(PartO + split * stride_ps + t_idx[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :],
                  out, mask=m2)
         tl.store(PartLse + split * stride_ls + t_idx * stride_lt + head, lse, mask=row_ok)
-        # the last of the tile's num_splits + 1 programs to arrive merges every part: each thread's stores are
-        # issued (barrier) before the count is raised, with release; the last one's acquire orders its reads after
-        # them, and those reads bypass L1 (.cg), where another launch's parts may still be cached
-        tl.debug_barrier()
-        arrivals = Arrivals + tile * tl.num_programs(1) + kvh
-        if tl.atomic_add(arrivals, 1, sem="acq_rel") == num_splits:
-            tl.store(arrivals, 0)  # zero again for the next launch (the next layer, a graph's replay)
-            _merge_parts(PartO, PartLse, Out, t_idx, head, row_ok, num_splits + 1, stride_ps, stride_pt, stride_ph,
-                         stride_ls, stride_lt, stride_ot, stride_oh, BLOCK_M, HEAD_DIM, BLOCK_D)
+        if MERGE_IN_KERNEL:
+            # the last of the tile's num_splits + 1 programs to arrive merges the parts: each thread's stores are
+            # issued (barrier) before the count is raised, with release; the last one's acquire orders its reads
+            # after them, and those reads bypass L1 (.cg), where another launch's parts may still be cached
+            tl.debug_barrier()
+            arrivals = Arrivals + tile * tl.num_programs(1) + kvh
+            if tl.atomic_add(arrivals, 1, sem="acq_rel") == num_splits:
+                tl.store(arrivals, 0)  # zero again for the next launch (the next layer, a graph's replay)
+                # only the prefix chunks that hold keys (a graph bucket splits for its capacity), then the masked part
+                with_keys = tl.where(chunk > 0, tl.cdiv(ctx_len, tl.maximum(chunk, 1)), 0)
+                _merge_parts(PartO, PartLse, Out, t_idx, head, row_ok, with_keys, num_splits, stride_ps, stride_pt,
+                             stride_ph, stride_ls, stride_lt, stride_ot, stride_oh, BLOCK_M, HEAD_DIM, BLOCK_D)
     else:
         tl.store(Out + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=m2)
 
 
 @triton.jit
-def _merge_parts(PartO, PartLse, Out, t_idx, head, row_ok, num_parts, stride_ps, stride_pt, stride_ph, stride_ls,
-                 stride_lt, stride_ot, stride_oh, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _merge_parts(PartO, PartLse, Out, t_idx, head, row_ok, with_keys, masked_part, stride_ps, stride_pt, stride_ph,
+                 stride_ls, stride_lt, stride_ot, stride_oh, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_D: tl.constexpr):
-    # every part weighs exp2(lse - the row's largest lse): an empty part (lse -inf) nothing, its output unread.
-    # Offsets within a part are int32 (a split step's T * H * D is far below 2**31: few tiles split), the part's own
-    # start a scalar, and wide heads are merged 128 columns at a time: [M, D] 64-bit pointers next to the
-    # accumulator, or a whole head_dim 512 row, spilled registers on sm_90
+    # parts 0 .. with_keys - 1 and masked_part, merged by an online softmax over them (every real row of every part
+    # was written: an empty one as 0 with lse -inf, weighing nothing). UNROLL parts are read at once, so a program
+    # waits for memory once per UNROLL parts, not per part; offsets within a part are int32 (a split step's T * H * D
+    # is far below 2**31: few tiles split), the part's own start a scalar, and wide heads are merged 128 columns at a
+    # time: [M, D] 64-bit pointers next to the accumulator, or a whole head_dim 512 row, spilled registers on sm_90
     MERGE_D: tl.constexpr = BLOCK_D if BLOCK_D < 128 else 128
+    UNROLL: tl.constexpr = 4 if BLOCK_M * MERGE_D <= 2048 else 2 if BLOCK_M * MERGE_D <= 4096 else 1
     lse_rows = (t_idx * stride_lt + head).to(tl.int32)  # [M]
-    lse_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for p in range(0, num_parts):
-        lse = tl.load(PartLse + p * stride_ls + lse_rows, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        lse_max = tl.maximum(lse_max, lse)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     o_rows = (t_idx * stride_pt + head * stride_ph).to(tl.int32)  # [M]
+    n = with_keys + 1
     for c0 in tl.static_range(0, BLOCK_D, MERGE_D):
         d = c0 + tl.arange(0, MERGE_D)
-        d_ok = d < HEAD_DIM
+        m2 = row_ok[:, None] & (d < HEAD_DIM)[None, :]
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         den = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, MERGE_D], tl.float32)
-        for p in range(0, num_parts):
-            lse = tl.load(PartLse + p * stride_ls + lse_rows, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-            w = tl.exp2(lse - lse_max)  # [M]
-            o = tl.load(PartO + p * stride_ps + o_rows[:, None] + d[None, :], mask=(w > 0.0)[:, None] & d_ok[None, :],
-                        other=0.0, cache_modifier=".cg")
-            acc += o * w[:, None]
-            den += w
+        for i0 in range(0, n, UNROLL):
+            for u in tl.static_range(UNROLL):
+                i = i0 + u
+                p = tl.where(i == with_keys, masked_part, i)
+                # [M]: a boolean scalar & the row mask came out int32 in the Triton interpreter
+                rows_ok = row_ok & (tl.zeros([BLOCK_M], tl.int32) + i < n)
+                lse = tl.load(PartLse + p * stride_ls + lse_rows, mask=rows_ok, other=float("-inf"),
+                              cache_modifier=".cg")
+                o = tl.load(PartO + p * stride_ps + o_rows[:, None] + d[None, :],
+                            mask=rows_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m_i, lse)
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_use)
+                w = tl.exp2(lse - m_use)
+                acc = acc * alpha[:, None] + o * w[:, None]
+                den = den * alpha + w
+                m_i = m_new
         out = acc / tl.where(den > 0.0, den, 1.0)[:, None]
         tl.store(Out + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+                 out.to(Out.dtype.element_ty), mask=m2)
+
+
+# the number of parts is a runtime value: an eager step's split count grows with its context (one more every
+# MIN_SPLIT_CHUNK keys), and as a constexpr each count compiled a kernel of its own; BLOCK_S (a power of two) only;
+# likewise the batch's sequences, read MERGE_SEQS at a time
+@triton.jit(do_not_specialize=["num_parts", "num_seqs"])
+def _merge_kernel(PartO, PartLse, Out, QStarts, QLens, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                  stride_ot, stride_oh, num_parts, num_seqs, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    # a padding row of a CUDA-graph bucket (in no sequence's q_starts .. + q_lens) has no part the attention kernel
+    # wrote: none is read, and it gets zeros (no fill of its parts per layer)
+    covered = 0  # 1 for a real row, else 0
+    for b0 in range(0, num_seqs, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        b_ok = b < num_seqs
+        q_start = tl.load(QStarts + b, mask=b_ok, other=0)
+        q_len = tl.load(QLens + b, mask=b_ok, other=0)
+        covered += tl.sum(((t >= q_start) & (t < q_start + q_len)).to(tl.int32), 0)
+    sidx = tl.arange(0, BLOCK_S)
+    s_ok = sidx < tl.where(covered > 0, num_parts, 0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    lse = tl.load(PartLse + sidx * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [S], 0 for empty parts
+    used = w > 0.0
+    o = tl.load(PartO + sidx[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
+                mask=(s_ok & used)[:, None] & d_ok[None, :], other=0.0)
+    den = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)
+    tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
 def _mask_bits(mask: torch.Tensor, seq: int, known_lead: int = 0) -> tuple[int, int, torch.Tensor]:
@@ -417,23 +468,24 @@ def tree_attention(
     num_warps = cfg.pop("num_warps")
     tile_seq, tile_q0 = meta.tiles(cfg["BLOCK_Q"])
     n_tiles = tile_seq.numel()
-    if num_splits is None:  # the merge's offsets within a part are int32 (never met: few tiles split)
-        num_splits = _default_splits(meta, n_tiles * KVH, q.device) if T * H * D < 2**31 else 1
+    if num_splits is None:
+        num_splits = _default_splits(meta, n_tiles * KVH, q.device)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if num_splits > 1 and T * H * D >= 2**31:
-        raise ValueError(f"split-KV takes fewer than 2**31 output elements, got {T} x {H} x {D}")
     split = num_splits > 1
     out = torch.empty_like(q)
     parts = num_splits + 1 if split else 1
-    if split:  # a real row's every part is written by the kernel, and its last program merges them into out
+    # a real row's every part is written by the kernel (a padding row's none: the merge kernel reads it so); the
+    # in-kernel merge's offsets within a part are int32
+    merge_in_kernel = (split and cfg["BLOCK_Q"] * cfg["GROUP_PAD"] * cfg["BLOCK_D"] <= MERGE_IN_KERNEL_MAX
+                       and T * H * D < 2**31)
+    if split:
         part_o = torch.empty(parts, T, H, D, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(parts, T, H, dtype=torch.float32, device=q.device)
-        arrivals = meta.arrivals(n_tiles * KVH)
     else:  # unused placeholders with valid strides
         part_o = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
-        arrivals = part_lse
+    arrivals = meta.arrivals(n_tiles * KVH) if merge_in_kernel else part_lse
     _tree_attn_kernel[(n_tiles, KVH, parts)](
         q, k_cache, v_cache, out, part_o, part_lse, arrivals,
         meta.block_tables, meta.ctx_lens, meta.num_masked, meta.q_starts, meta.q_lens, meta.tree_mode,
@@ -443,8 +495,17 @@ def tree_attention(
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         PAGE_SIZE=meta.page_size, num_splits=num_splits, masked_split=num_splits if split else 0, SPLIT=split,
-        OFF64=max(k_cache.numel(), v_cache.numel()) >= 2**31, num_warps=num_warps, **cfg,
+        MERGE_IN_KERNEL=merge_in_kernel, OFF64=max(k_cache.numel(), v_cache.numel()) >= 2**31, num_warps=num_warps,
+        **cfg,
     )
+    if split and not merge_in_kernel:
+        num_seqs = meta.q_lens.numel()
+        _merge_kernel[(T, H)](
+            part_o, part_lse, out, meta.q_starts, meta.q_lens, part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+            num_parts=parts, num_seqs=num_seqs, BLOCK_S=triton.next_power_of_2(parts), BLOCK_B=MERGE_SEQS,
+            HEAD_DIM=D, BLOCK_D=cfg["BLOCK_D"],
+        )
     return out
 
 

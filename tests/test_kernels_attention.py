@@ -88,10 +88,24 @@ def _poisoned_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", poisoned)
 
 
+def _merge_launches(monkeypatch) -> list:
+    """The grids of the launches of the merge kernel from now on (it still runs)."""
+    launched, real = [], ta._merge_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(ta, "_merge_kernel", Spy())
+    return launched
+
+
 def test_split_parts_are_merged_by_their_last_program_launch_after_launch(monkeypatch):
-    """No merge launch: the last of each (tile, KV head)'s programs merges the parts and sets its count back to 0,
-    so the next launch through the same metadata (the next layer, a CUDA graph's replay) merges again. A batch of
-    decode rows and trees, by the plan and by the builder, two launches each."""
+    """A small tile (here every one: head_dim 16) launches no merge: the last of each (tile, KV head)'s programs
+    merges the parts and sets its count back to 0, so the next launch through the same metadata (the next layer, a
+    CUDA graph's replay) merges again. A batch of decode rows and trees, by the plan and by the builder, two launches
+    each."""
     n = 7
     case = random_case([5 + 3 * b for b in range(n)], [(TREE, 3) if b % 4 == 0 else 1 for b in range(n)],
                        num_kv_heads=2, group=2, head_dim=16, page_size=4, seed=13, device=DEVICE)
@@ -100,6 +114,7 @@ def test_split_parts_are_merged_by_their_last_program_launch_after_launch(monkey
     real_merge = ta._merge_parts
     monkeypatch.setattr(ta, "_merge_parts", lambda *a, **k: merges.append(1) or real_merge(*a, **k))  # interpreted
     _poisoned_empty(monkeypatch)
+    merge_launches = _merge_launches(monkeypatch)
     for meta, splits in ((case.metadata(), 2), (case.plan.kernel_metadata, 3)):
         for launch in range(2):
             merges.clear()
@@ -110,7 +125,21 @@ def test_split_parts_are_merged_by_their_last_program_launch_after_launch(monkey
             pairs = meta.tiles(4)[0].numel() * 2  # (tile, KV head) pairs: BLOCK_Q 4 for GROUP 2, head_dim 16
             assert counts.numel() == pairs and not counts.any().item(), counts
             assert len(merges) == pairs, f"{len(merges)} merges for {pairs} tiles x KV heads: one program each"
-    assert not hasattr(ta, "_merge_kernel")
+    assert not merge_launches
+
+
+def test_split_merge_of_large_tiles_over_more_sequences_than_it_reads_at_once(monkeypatch):
+    """Tiles above MERGE_IN_KERNEL_MAX elements (a 65-token tree's) hand their parts to the merge kernel, which finds
+    a row's sequence reading the batch MERGE_SEQS sequences at a time (one kernel for every batch size): a batch of
+    more, decode rows and trees, every row merged from its parts, by the plan and by the builder."""
+    monkeypatch.setattr(ta, "MERGE_IN_KERNEL_MAX", 0)
+    merge_launches = _merge_launches(monkeypatch)
+    n = ta.MERGE_SEQS + 3
+    case = random_case([5 + 3 * b for b in range(n)], [(TREE, 3) if b % 4 == 0 else 1 for b in range(n)],
+                       num_kv_heads=1, group=2, head_dim=16, page_size=4, seed=13, device=DEVICE)
+    check(case, num_splits=2)
+    check(case, num_splits=3, via_plan=True)
+    assert len(merge_launches) == 2
 
 
 def test_split_merge_reads_this_launchs_parts_launch_after_launch():
@@ -289,13 +318,18 @@ def test_static_bucket_inputs_match_reference_across_steps():
         inputs.bucket(batch=8, tokens_per_seq=8)
 
 
-def test_split_launch_of_a_padded_bucket_whatever_the_memory_held(monkeypatch):
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_split_launch_of_a_padded_bucket_whatever_the_memory_held(monkeypatch, in_kernel):
     """A CUDA-graph bucket's padding rows are covered by no tile: a split launch's real rows are merged from parts
-    its programs wrote, whatever the workspace held before (poisoned with NaN here), and nothing is filled per
-    layer to make it so. The padding rows are left as they were, as without splits (nothing reads them)."""
+    its programs wrote, whatever the workspace held before (poisoned with NaN here), and nothing is filled per layer
+    to make it so. The merge kernel, which runs over every row, must not read a padding row's unwritten parts (it
+    knows them by the sequences' query rows) and gives it zeros; a tile that merges its own parts leaves them as
+    they were, as without splits (nothing reads them)."""
     from specdec.kernels.graph_metadata import StaticInputs
 
-    real_full = torch.full
+    if not in_kernel:
+        monkeypatch.setattr(ta, "MERGE_IN_KERNEL_MAX", 0)
+    real_full, real_empty_like = torch.full, torch.empty_like
     inputs = StaticInputs(4, 8, max_keys=64, block_size=4, scratch_slot=0, device=DEVICE)
     bucket = inputs.bucket(batch=4, tokens_per_seq=8)
     meta = bucket.metadata
@@ -307,12 +341,17 @@ def test_split_launch_of_a_padded_bucket_whatever_the_memory_held(monkeypatch):
     planned = case.plan.kernel_metadata  # unpadded: every part of every row is written
     fills = []
     _poisoned_empty(monkeypatch)
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: real_empty_like(*a, **k).fill_(float("nan")))
     monkeypatch.setattr(torch, "full", lambda *a, **k: fills.append(a) or real_full(*a, **k))
     out = tree_attention(q, case.k_cache, case.v_cache, meta, case.scale, num_splits=2)
     out_planned = tree_attention(case.q, case.k_cache, case.v_cache, planned, case.scale, num_splits=2)
     monkeypatch.undo()
     ref = reference_attention(case)
     assert (out[:n] - ref).abs().max().item() <= FP32_ATOL
+    if in_kernel:
+        assert out[n:].isnan().all(), "a padding row is in no tile: no program writes it"
+    else:
+        assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padded rows must get zeros, not merged garbage"
     assert (out_planned - ref).abs().max().item() <= FP32_ATOL
     assert not fills  # no launch per layer prepares the parts
 

@@ -36,17 +36,20 @@ def test_kernels_compile_for_h100_quick():
     local-memory round trip in every tile, and so did bf16 tiles of 64 rows over head_dim 512."""
     proc = run_check("--quick", "--resources")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "7/7 kernels compiled for sm_90" in proc.stdout, proc.stdout
-    for name in ("attn bf16 llama8b eager B=1 n=1 ctx=1000", "attn bf16 llama8b eager B=1 n=65",
+    assert "9/9 kernels compiled for sm_90" in proc.stdout, proc.stdout
+    for name in ("attn bf16 llama8b eager B=1 n=1 ctx=1000", "merge bf16", "attn bf16 llama8b eager B=1 n=65",
                  "attn bf16 head512 eager B=1 n=65", "attn fp32 llama8b eager B=1 n=65", "kv write bf16",
                  "compact bf16", "add+rmsnorm bf16"):
         assert f"ok   {name}" in proc.stdout, name
+    # a decode's small tile merges its own parts, a split 65-token tree's tile hands them to the merge kernel
+    assert "ctx=1000 BLOCK_Q=4 BLOCK_N=32 PAGE_SIZE=1 SPLIT=True MERGE_IN_KERNEL=True" in proc.stdout, proc.stdout
+    assert "n=65 ctx=1000 BLOCK_Q=32 BLOCK_N=32 PAGE_SIZE=1 SPLIT=True MERGE_IN_KERNEL=False" in proc.stdout
 
 
 def test_the_check_covers_what_the_engine_launches():
     """The full check's launches are recorded from the wrappers at real shapes (no compile here): every model shape
     and dtype, the CUDA-graph buckets' 8- and 16-token tiles, eager page-size-1 steps split and not, 64-bit offsets,
-    splits of up to 64 chunks, and the bit-exact mode's kernels."""
+    merges of up to 65 parts, and the bit-exact mode's kernels."""
     proc = run_check("--list")
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = proc.stdout.splitlines()
@@ -68,7 +71,12 @@ def test_the_check_covers_what_the_engine_launches():
         for model in ("llama8b", "smollm2"):  # launches of one key are named after the first shape met
             for kernel in ("attn", "kv write", "rope+kv write", "add+rmsnorm"):
                 assert found(f"{kernel} {dtype} {model}"), (kernel, dtype, model)
-    assert found("attn bf16 smollm2 graph", "SPLIT=True") and found("attn bf16 llama8b graph", "SPLIT=True")
+            # float32 tiles on a GPU are small enough to merge their own parts; 16-bit trees' are not
+            assert found(f"attn {dtype} {model}", "SPLIT=True", "MERGE_IN_KERNEL=True"), (dtype, model)
+            assert found(f"merge {dtype} {model}") == (dtype != "fp32"), (dtype, model)
+        for graph_split in ("MERGE_IN_KERNEL=True", "MERGE_IN_KERNEL=False")[: 1 if dtype == "fp32" else 2]:
+            assert found(f"attn {dtype} llama8b graph", "SPLIT=True", graph_split), (dtype, graph_split)
+    assert found("merge bf16 smollm2", "BLOCK_S=128")
     assert found("rope+kv write bf16 qwen3-1.7b", "HAS_NORM=True")  # Qwen3's q / k norms in the same launch
     assert found("rope+kv write bf16 llama8b", "HAS_NORM=False")
 
@@ -146,6 +154,7 @@ def recorder(kernel):
     kernel.run = run
 recorder(ta._tree_attn_kernel)
 recorder(kw._compact_kernel)
+recorder(ta._merge_kernel)  # after a split
 k = v = torch.zeros(4096, 3, 64, dtype=torch.bfloat16)
 i32 = lambda: torch.zeros(1, dtype=torch.int32)
 for n, ctx in ((40, 0), (128, 0), (144, 0), (1, 2000), (1, 2048)):  # prefills of 40, 128 and 144 keys, decodes
@@ -158,26 +167,30 @@ kv = torch.zeros(2, 2, 64, 3, 64, dtype=torch.bfloat16)
 for pairs in (1, 4, 16):
     kw.compact_kv(kv, torch.arange(pairs), torch.arange(pairs) + 32)
 # the most runtime specialisations of one tile shape, per kernel
-print({name: max(map(len, found.values())) for name, found in sorted(keys.items())})
+print({name: max(map(len, found.values())) for name, found in sorted(keys.items()) if name != "_merge_kernel"})
 keys.clear()
 meta = ta.TreeAttentionMetadata(torch.zeros(1, 16385, dtype=torch.int32), 1, i32(), i32(), i32(), i32(), i32(),
                                 torch.zeros(1, dtype=torch.long), (1,), 16384)
-for splits in range(2, 65):  # an eager decode's split count grows with its context
+tree = ta.TreeAttentionMetadata(torch.zeros(1, 16449, dtype=torch.int32), 1, i32(), i32(), i32(), i32(), i32(),
+                                torch.zeros(65, dtype=torch.long), (65,), 16384)
+for splits in range(2, 65):  # an eager step's split count grows with its context: a decode's and a tree's
     ta.tree_attention(torch.zeros(1, 9, 64, dtype=torch.bfloat16), k, v, meta, 0.125, num_splits=splits)
-print(sum(map(len, keys["_tree_attn_kernel"].values())))  # attention kernels compiled for 63 split counts
+    ta.tree_attention(torch.zeros(65, 9, 64, dtype=torch.bfloat16), k, v, tree, 0.125, num_splits=splits)
+print(sum(map(len, keys["_tree_attn_kernel"].values())), sum(map(len, keys["_merge_kernel"].values())))
 """
 
 
 def test_a_steps_key_count_or_splits_compile_no_new_kernel():
     """On a GPU Triton compiles a kernel again for each class of an integer argument (equal to 1, divisible by 16,
     other), and for each value of a constexpr: a prefill of 128 keys, a new split count or 16 compacted pairs met
-    first inside a timed run compiled there (~1 s), and the split-KV merge, a kernel of its own then, compiled once per
-    split count (a constexpr), so an eager generation compiled one more every 256 keys of context. Such arguments
-    are not specialised."""
+    first inside a timed run compiled there (~1 s), and the merge compiled once per split count (a constexpr), so an
+    eager generation compiled one more every 256 keys of context. Such arguments are not specialised."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-P", "-c", SPECIALISATIONS], capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[-3] == "{'_compact_kernel': 1, '_tree_attn_kernel': 1}", proc.stdout
-    # an eager step's split count, 2 to 64: one kernel (the split one) merges them all
-    assert int(proc.stdout.split("\n")[-2]) == 1, proc.stdout
+    # over 63 split counts: the decode's and the tree's attention (one merging its own parts, one not), and the tree's
+    # merge, one kernel per power of two of parts (BLOCK_S), not per split count
+    attention, merges = map(int, proc.stdout.split("\n")[-2].split())
+    assert attention == 2 and merges <= 7, proc.stdout
