@@ -194,6 +194,24 @@ def steps_read_first():
         Engine.__init__ = init
 
 
+def plain_merge_launched(loaded, prompts, new_tokens: int, max_tokens: int, capture: bool = True) -> dict:
+    """Plain decoding with every split attention's parts merged by the merge kernel, one more launch a layer
+    (``MERGE_IN_KERNEL_MAX`` 0), over a graph cache of its own (``max_tokens``: the model's, so the same splits): a
+    call that captures, then one timed call. The same-run baseline of merging a small tile's parts in the kernel."""
+    from specdec.kernels import tree_attention as ta
+
+    from specdec.cuda_graphs import GraphConfig, GraphedForward
+
+    keep, ta.MERGE_IN_KERNEL_MAX = ta.MERGE_IN_KERNEL_MAX, 0
+    graphed = GraphedForward.with_cache(loaded.runner, max_tokens, config=GraphConfig(capture=capture))
+    try:
+        run_generate(loaded, prompts, new_tokens, cuda_graphs=graphed)
+        return run_generate(loaded, prompts, new_tokens, cuda_graphs=graphed)
+    finally:
+        ta.MERGE_IN_KERNEL_MAX = keep
+        graphed.discard()
+
+
 def hf_static(model, prompt: list[int], new_tokens: int) -> dict:
     """transformers' greedy generate() with its static cache (eager), batch 1: a warm-up, then one timed call."""
     device = next(model.parameters()).device
@@ -279,6 +297,8 @@ class ModelRun:
 
         # the goals' rows first: plain, the curve, the EAGLE chains at tau 3, the default policy at the largest batch
         self.item(f"plain b{b0}", lambda: self.plain(pool[:b0]))
+        if self.graphs is not None:  # split attention merged by a second launch: what merging in the kernel saves
+            self.item(f"plain b{b0} merge launched", lambda: self.merge_launched(pool[:b0]))
         self.item("verify cost", lambda: self.curve(pool[0]))
         oracle(b0, first, "chain", True)
         oracle(b0, first, "chain", True, depth=SHORT_CHAIN_DEPTH)
@@ -334,6 +354,14 @@ class ModelRun:
             row.update(read_first_tokens_per_s=first["decode_tokens_per_s"],
                        read_first_same_text=first["outputs"] == [self.references[b][tuple(p)] for p in prompts])
         self.result["plain"][str(b)] = row
+
+    def merge_launched(self, prompts) -> None:
+        b = len(prompts)
+        row = plain_merge_launched(self.loaded, prompts, self.args.new_tokens,
+                                   self.graphs.max_keys - self.graphs.cache.block_size)
+        self.result["plain"][str(b)].update(
+            merge_launched_tokens_per_s=row["decode_tokens_per_s"],
+            merge_launched_same_text=row["outputs"] == [self.references[b][tuple(p)] for p in prompts])
 
     def curve(self, prompt) -> None:
         from specdec.cuda_graphs import auto_uses_graphs
@@ -498,13 +526,15 @@ def markdown(report: dict) -> str:
                          f"built in {m['build_seconds']} s; EAGLE draft vocabulary {m['eagle_draft_vocab'] or 'full'}; "
                          f"fused QKV / gate-up projections in {m.get('fused_layers', 0)} layers")
         if m["plain"]:
-            lines += ["", "| batch | decode tok/s | floor tok/s | step ms | step / floor | steps read first: tok/s |",
-                      "|---|---|---|---|---|---|"]
+            lines += ["", "| batch | decode tok/s | floor tok/s | step ms | step / floor | steps read first: tok/s | "
+                          "split parts merged by a second launch: tok/s |", "|---|---|---|---|---|---|---|"]
             for b, r in sorted(m["plain"].items(), key=lambda kv: int(kv[0])):
-                first = "" if "read_first_tokens_per_s" not in r else (
-                    f"{r['read_first_tokens_per_s']:.1f}" + ("" if r["read_first_same_text"] else " (other text!)"))
+                first, merged = (
+                    "" if f"{key}_tokens_per_s" not in r else
+                    f"{r[f'{key}_tokens_per_s']:.1f}" + ("" if r[f"{key}_same_text"] else " (other text!)")
+                    for key in ("read_first", "merge_launched"))
                 lines.append(f"| {b} | {r['decode_tokens_per_s']:.1f} | {r['floor_tokens_per_s']:.1f} | "
-                             f"{r['step_ms']:.3f} | {r['step_over_floor']:.2f} | {first} |")
+                             f"{r['step_ms']:.3f} | {r['step_over_floor']:.2f} | {first} | {merged} |")
         if m["hf_static"]:
             p1 = m["plain"].get("1")  # the same definition on both sides: new tokens / seconds, prefill included
             ratio = "" if not p1 else (f"; specdec plain, counted alike, is "

@@ -1041,3 +1041,30 @@ def test_two_threads_drafting_with_one_draft_model_never_share_its_graph_cache(l
     assert "drafts eagerly in a cache of its own" in caplog.text
     assert not graphed.serving  # given back: a later call takes it
     release_model_graphs(loaded)
+
+
+def test_the_speed_commands_merge_launched_baseline_merges_by_a_second_launch(loaded, monkeypatch):
+    """``bench_speed_gpu.py``'s same-run baseline of merging a small tile's split parts in the attention kernel:
+    plain decoding over graphs of its own with every split merged by the merge kernel, the same tokens, and the
+    in-kernel merge restored afterwards (here every forward splits in two, as a GPU's bucket splits for its
+    capacity)."""
+    from specdec.kernels import tree_attention as ta
+
+    from tests.script_loading import load_script
+
+    bench = load_script("bench_speed_gpu")
+    monkeypatch.setattr(ta, "_default_splits", lambda meta, programs, device: 2)
+    launched, real_merge = [], ta._merge_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real_merge[grid]
+
+    monkeypatch.setattr(ta, "_merge_kernel", Spy())
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    plain = generate(loaded, prompts, max_new_tokens=4, eos_token_id=[], return_dict=True).new_tokens
+    assert not launched  # a tiny model's decode tiles merge their own parts
+    keep = ta.MERGE_IN_KERNEL_MAX
+    row = bench.plain_merge_launched(loaded, prompts, 4, max_tokens=128, capture=CAPTURE)
+    assert row["outputs"] == plain and launched and ta.MERGE_IN_KERNEL_MAX == keep
