@@ -26,6 +26,18 @@ def kernel_device() -> str:
 PADDED_ROWS_WARNINGS = ("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
 
 
+class LaunchSpy:
+    """Records the grid of each launch of a Triton kernel, which still runs: put it where the kernel is looked up
+    (``monkeypatch.setattr(tree_attention, "_merge_kernel", LaunchSpy(tree_attention._merge_kernel))``); ``grids``."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
 def triton_tiny_model(vocab_size: int, device: str):
     """A tiny random model (``specdec.testing``) loaded on the Triton backend, the interpreter on CPU: its runner and,
     through it, every cache built for it."""

@@ -6,7 +6,7 @@ with a GPU the same tests capture and replay real CUDA graphs.
 from __future__ import annotations
 
 import pytest
-from specdec.kernels.testing import PADDED_ROWS_WARNINGS, kernel_device, triton_tiny_model
+from specdec.kernels.testing import PADDED_ROWS_WARNINGS, LaunchSpy, kernel_device, triton_tiny_model
 
 DEVICE = kernel_device()  # sets TRITON_INTERPRET=1 without a GPU: must run before triton is imported
 pytest.importorskip("triton")
@@ -1054,14 +1054,9 @@ def test_the_speed_commands_merge_launched_baseline_merges_by_a_second_launch(lo
 
     bench = load_script("bench_speed_gpu")
     monkeypatch.setattr(ta, "_default_splits", lambda meta, programs, device: 2)
-    launched, real_merge = [], ta._merge_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real_merge[grid]
-
-    monkeypatch.setattr(ta, "_merge_kernel", Spy())
+    spy = LaunchSpy(ta._merge_kernel)
+    monkeypatch.setattr(ta, "_merge_kernel", spy)
+    launched = spy.grids
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
     plain = generate(loaded, prompts, max_new_tokens=4, eos_token_id=[], return_dict=True).new_tokens
     assert not launched  # a tiny model's decode tiles merge their own parts

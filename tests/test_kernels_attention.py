@@ -7,7 +7,7 @@ shuffled block tables, split-KV and the plan path the engine uses.
 from __future__ import annotations
 
 import pytest
-from specdec.kernels.testing import kernel_device, random_case, reference_attention
+from specdec.kernels.testing import LaunchSpy, kernel_device, random_case, reference_attention
 
 DEVICE = kernel_device()  # sets TRITON_INTERPRET=1 without a GPU: must run before triton is imported
 pytest.importorskip("triton")
@@ -90,15 +90,9 @@ def _poisoned_empty(monkeypatch):
 
 def _merge_launches(monkeypatch) -> list:
     """The grids of the launches of the merge kernel from now on (it still runs)."""
-    launched, real = [], ta._merge_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(ta, "_merge_kernel", Spy())
-    return launched
+    spy = LaunchSpy(ta._merge_kernel)
+    monkeypatch.setattr(ta, "_merge_kernel", spy)
+    return spy.grids
 
 
 def test_split_parts_are_merged_by_their_last_program_launch_after_launch(monkeypatch):
