@@ -27,6 +27,17 @@ from specdec.sampling import SamplingConfig
 BIAS_ALIGN = 8  # columns: a multiple of which lets CUDA's memory-efficient attention take a bias unpadded
 
 
+def cached_keys_bias(real: torch.Tensor, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """An attention mask as an additive bias in the layer's dtype, which CUDA's attention takes as it is (a boolean
+    mask is converted there, and a row stride off BIAS_ALIGN padded, a few kernels): [B, rows, W] (W: ``width``
+    rounded up to BIAS_ALIGN columns), 0 on each sequence's cached keys ``real`` [B, P] and -inf on its padding and
+    on every later column, for the caller to open. Two launches."""
+    B, P = real.shape
+    bias = torch.full((B, rows, -(-width // BIAS_ALIGN) * BIAS_ALIGN), float("-inf"), dtype=dtype, device=real.device)
+    bias[:, :, :P].masked_fill_(real[:, None], 0.0)
+    return bias
+
+
 @dataclass(frozen=True)
 class GrowInputs:
     h_root: torch.Tensor  # [B, H] the roots' predicted features
@@ -77,13 +88,11 @@ class TreeGrower:
         None for a chain). Levels read its first columns, a view whose row stride stays aligned, so CUDA's
         attention takes it as it is: a boolean mask of a new width each level was converted and padded there, a
         few kernels a level."""
-        B, P = real.shape
-        neg = float("-inf")
-        bias = torch.full((B, K, -(-width // BIAS_ALIGN) * BIAS_ALIGN), neg, dtype=dtype, device=real.device)
-        bias[:, :, :P].masked_fill_(real[:, None], 0.0)
+        bias = cached_keys_bias(real, K, width, dtype)
         if self.chain:
-            bias[:, :, P:] = 0.0
-        itself = None if self.chain else torch.full((K, K), neg, dtype=dtype, device=real.device).fill_diagonal_(0.0)
+            bias[:, :, real.shape[1]:] = 0.0
+        itself = None if self.chain else torch.full((K, K), float("-inf"), dtype=dtype,
+                                                    device=real.device).fill_diagonal_(0.0)
         return bias, itself
 
     def pool(self, x: GrowInputs, depth: int, on_level: Callable[[int], None] = lambda depth: None) -> torch.Tensor:
