@@ -46,6 +46,9 @@ class GrowInputs:
     real: torch.Tensor  # [B, P] bool: the real (not padding) key columns
     root_pos: torch.Tensor  # [B] int64: each root's position
     noise_keys: torch.Tensor  # [B] int64: coupled sampling's sequence keys (read only under coupling)
+    # [2, N, head_dim] cos and sin of positions 0 .. N - 1 in the layer's dtype (EagleModel.rope_table), whose rows
+    # the levels gather; None: the call computes its positions' (the same values)
+    rope_table: torch.Tensor | None = None
 
 
 class TreeGrower:
@@ -114,7 +117,8 @@ class TreeGrower:
         if depth > 1:
             bias, itself = self._attention_bias(x.real, K, P + (depth - 1) * K, dtype)
             # every level's RoPE tables at once: level d's queries sit at root_pos + d - 1
-            cos, sin = model.rope(x.root_pos[:, None] + torch.arange(1, depth, device=dev), dtype)
+            positions = x.root_pos[:, None] + torch.arange(1, depth, device=dev)
+            cos, sin = model.rope(positions, dtype) if x.rope_table is None else x.rope_table[:, positions]
             # the call's keys / values: the cached ones, then each level's K as it is expanded (columns never read
             # before they are written), each repeated for its query heads once, not at every level
             c = model.config
