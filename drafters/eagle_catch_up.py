@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from specdec.drafters.eagle_grow import cached_keys_bias
 from torch.nn import functional as F
 
 from specdec.host_copy import to_device
@@ -40,6 +41,7 @@ class CatchUpInputs:
     tokens: torch.Tensor  # [B, L] int64: the token after each row's position, right-padded with 0
     positions: torch.Tensor  # [B, L] int64: those tokens' positions, right-padded with 0
     counts: torch.Tensor  # [B] int64: real rows per sequence (0: a padded sequence)
+    rope_table: torch.Tensor | None = None  # [2, N, head_dim] as GrowInputs.rope_table; None: computed per call
 
     @classmethod
     def upload(cls, rows: CatchUpRows) -> "CatchUpInputs":
@@ -56,9 +58,13 @@ def catch_up(model, embed: torch.Tensor, x: CatchUpInputs, past_k: torch.Tensor 
     ``past_k`` / ``past_v`` [B, kv_heads, P, head_dim] (None when P is 0) are the cached keys, ``real`` [B, P] which
     of their columns are a sequence's own; ``fused``: the layer's fused element-wise ops (TreeGrower.fused)."""
     B, L = x.tokens.shape
-    causal = torch.ones(L, L, dtype=torch.bool, device=x.tokens.device).tril().expand(B, L, L)
-    mask = torch.cat([real[:, None].expand(B, L, real.shape[1]), causal], dim=2)  # [B, L, P + L]
-    out, new_k, new_v = model(F.embedding(x.tokens, embed), model.fuse(x.hidden), x.positions, mask, past_k, past_v,
-                              fused)
+    P = real.shape[1]
+    # [B, L, P + L] of an aligned bias in the layer's dtype (eagle_grow.cached_keys_bias): row j opens columns
+    # P .. P + j, the rows' own keys up to its own (the columns past them, padding included, lie above that diagonal)
+    bias = cached_keys_bias(real, L, P + L, model.fc.weight.dtype)
+    bias[:, :, P:].triu_(1)
+    rope = None if x.rope_table is None else x.rope_table[:, x.positions].unbind(0)  # [B, L, head_dim] each
+    out, new_k, new_v = model(F.embedding(x.tokens, embed), model.fuse(x.hidden), x.positions, bias[:, :, : P + L],
+                              past_k, past_v, fused, rope=rope)
     last = (x.counts - 1).clamp(min=0)  # a padded sequence reads its row 0
     return out.gather(1, last[:, None, None].expand(B, 1, out.shape[-1]))[:, 0], new_k, new_v

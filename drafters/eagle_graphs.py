@@ -8,7 +8,9 @@ values; per sequence its key count, root position and noise key; the catch-up's 
 row count, or the roots' features when the catch-up ran eagerly); per bucket, depth and form a graph of the whole
 call and its static outputs: the reranked candidates (drafters/eagle_rerank.py), and for a pending proposal
 (``fields=True``) also the trees' fields the verify takes, computed in the graph (a chain's depths and ancestor bits
-are constants the bucket keeps, made before its first capture: the graph maps only its tokens). A call copies its
+are constants the bucket keeps, made before its first capture: the graph maps only its tokens), and the RoPE rows
+the catch-up and the levels gather, from a table of the layer's ``rope()`` below twice its keys (made once per key
+count; a call reaching past it runs eagerly). A call copies its
 inputs in, replays, and the host reads the candidates once. In the graph the catch-up's keys join the cached ones
 after each sequence's last (the columns the eager slab gives them). Padded sequences see no cached key and padded key
 columns and rows are masked, so each real sequence's pool is the eager call's up to the rounding of differently
@@ -125,6 +127,7 @@ class EagleGraphs:
         self.grower, self.config = grower, config
         self.name = name  # the drafter's, in its logs (mtp runs on EAGLE's machinery)
         self.buckets: dict[tuple[int, int, int], _Bucket] = {}
+        self.rope_tables: dict[int, torch.Tensor] = {}  # a bucket's keys -> the RoPE table its calls gather from
         self.graph_pool = torch.cuda.graph_pool_handle() if config.capture else None
         self.failed = False  # a capture failed: every later call runs eagerly
         self.serving = False  # a generate() call drafts in it (specdec.call_claims.held_for_call)
@@ -150,7 +153,7 @@ class EagleGraphs:
         the next call), grown from their root features ``h_root`` [B, H]; None when the call fits no bucket or
         capture failed (the caller grows eagerly)."""
         key = None if self.failed else self.bucket_for(len(past.counts), past.k.shape[2])
-        if key is None:
+        if key is None or not self._fits_rope(key, past, depth):
             return None
         bucket = self.buckets.get(key) or self._new_bucket(key, past.k, h_root.shape[-1], None)
         self._load(bucket, past)
@@ -168,7 +171,7 @@ class EagleGraphs:
         capture failed (the caller catches up and grows eagerly)."""
         B, L = len(past.counts), rows.hidden.shape[1]
         key = None if self.failed else self.bucket_for(B, past.k.shape[2], L)
-        if key is None:
+        if key is None or not self._fits_rope(key, past, depth):
             return None
         bucket = self.buckets.get(key) or self._new_bucket(key, past.k, self.grower.model.config.hidden_size,
                                                            rows.hidden)
@@ -178,6 +181,13 @@ class EagleGraphs:
         return None if out is None else out.first(B)
 
     # ---- internals ----------------------------------------------------------------------
+    @staticmethod
+    def _fits_rope(key: tuple[int, int, int], past: CachedKeys, depth: int) -> bool:
+        """Whether the RoPE table of the bucket ``key`` (positions below twice its keys) holds the call's positions:
+        the catch-up's rows up to each root, the levels' up to root + depth - 1. A sequence's root sits about its
+        cached keys and new rows from the start, so this fails only for a bucket-sized tree."""
+        return max(past.root_positions, default=0) + depth <= 2 * key[1]
+
     def _new_bucket(self, key: tuple[int, int, int], like_k: torch.Tensor, hidden_size: int,
                     like_rows: torch.Tensor | None) -> _Bucket:
         batch, keys, rows = key
@@ -185,14 +195,18 @@ class EagleGraphs:
         dev = like_k.device
         past_k = like_k.new_zeros(batch, kv_heads, keys, head_dim)
         meta = torch.zeros(batch, 3 + (2 * rows + 1 if rows else 0), dtype=torch.long, device=dev)
+        # made once, before any capture, by the layer's own rope(): a call gathers its positions' rows (_fits_rope)
+        if keys not in self.rope_tables:
+            self.rope_tables[keys] = self.grower.model.rope_table(2 * keys, like_k.dtype, dev)
+        table = self.rope_tables[keys]
         inputs = GrowInputs(h_root=like_k.new_zeros(batch, hidden_size), past_k=past_k,
                             past_v=torch.zeros_like(past_k), real=torch.zeros(batch, keys, dtype=torch.bool,
                                                                               device=dev),
-                            root_pos=meta[:, 1], noise_keys=meta[:, 2])
+                            root_pos=meta[:, 1], noise_keys=meta[:, 2], rope_table=table)
         catch = None
         if rows:
             catch = CatchUpInputs(like_rows.new_zeros(batch, rows, like_rows.shape[-1]), meta[:, 3 : 3 + rows],
-                                  meta[:, 3 + rows : 3 + 2 * rows], meta[:, 3 + 2 * rows])
+                                  meta[:, 3 + rows : 3 + 2 * rows], meta[:, 3 + 2 * rows], table)
         bucket = self.buckets[key] = _Bucket(inputs, meta, catch)
         return bucket
 

@@ -27,6 +27,17 @@ from specdec.sampling import SamplingConfig
 BIAS_ALIGN = 8  # columns: a multiple of which lets CUDA's memory-efficient attention take a bias unpadded
 
 
+def cached_keys_bias(real: torch.Tensor, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """An attention mask as an additive bias in the layer's dtype, which CUDA's attention takes as it is (a boolean
+    mask is converted there, and a row stride off BIAS_ALIGN padded, a few kernels): [B, rows, W] (W: ``width``
+    rounded up to BIAS_ALIGN columns), 0 on each sequence's cached keys ``real`` [B, P] and -inf on its padding and
+    on every later column, for the caller to open. Two launches."""
+    B, P = real.shape
+    bias = torch.full((B, rows, -(-width // BIAS_ALIGN) * BIAS_ALIGN), float("-inf"), dtype=dtype, device=real.device)
+    bias[:, :, :P].masked_fill_(real[:, None], 0.0)
+    return bias
+
+
 @dataclass(frozen=True)
 class GrowInputs:
     h_root: torch.Tensor  # [B, H] the roots' predicted features
@@ -35,6 +46,9 @@ class GrowInputs:
     real: torch.Tensor  # [B, P] bool: the real (not padding) key columns
     root_pos: torch.Tensor  # [B] int64: each root's position
     noise_keys: torch.Tensor  # [B] int64: coupled sampling's sequence keys (read only under coupling)
+    # [2, N, head_dim] cos and sin of positions 0 .. N - 1 in the layer's dtype (EagleModel.rope_table), whose rows
+    # the levels gather; None: the call computes its positions' (the same values)
+    rope_table: torch.Tensor | None = None
 
 
 class TreeGrower:
@@ -77,13 +91,11 @@ class TreeGrower:
         None for a chain). Levels read its first columns, a view whose row stride stays aligned, so CUDA's
         attention takes it as it is: a boolean mask of a new width each level was converted and padded there, a
         few kernels a level."""
-        B, P = real.shape
-        neg = float("-inf")
-        bias = torch.full((B, K, -(-width // BIAS_ALIGN) * BIAS_ALIGN), neg, dtype=dtype, device=real.device)
-        bias[:, :, :P].masked_fill_(real[:, None], 0.0)
+        bias = cached_keys_bias(real, K, width, dtype)
         if self.chain:
-            bias[:, :, P:] = 0.0
-        itself = None if self.chain else torch.full((K, K), neg, dtype=dtype, device=real.device).fill_diagonal_(0.0)
+            bias[:, :, real.shape[1]:] = 0.0
+        itself = None if self.chain else torch.full((K, K), float("-inf"), dtype=dtype,
+                                                    device=real.device).fill_diagonal_(0.0)
         return bias, itself
 
     def pool(self, x: GrowInputs, depth: int, on_level: Callable[[int], None] = lambda depth: None) -> torch.Tensor:
@@ -105,7 +117,8 @@ class TreeGrower:
         if depth > 1:
             bias, itself = self._attention_bias(x.real, K, P + (depth - 1) * K, dtype)
             # every level's RoPE tables at once: level d's queries sit at root_pos + d - 1
-            cos, sin = model.rope(x.root_pos[:, None] + torch.arange(1, depth, device=dev), dtype)
+            positions = x.root_pos[:, None] + torch.arange(1, depth, device=dev)
+            cos, sin = model.rope(positions, dtype) if x.rope_table is None else x.rope_table[:, positions]
             # the call's keys / values: the cached ones, then each level's K as it is expanded (columns never read
             # before they are written), each repeated for its query heads once, not at every level
             c = model.config

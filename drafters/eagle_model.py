@@ -370,6 +370,11 @@ class EagleModel(nn.Module):
             cos, sin = cos * scale, sin * scale
         return cos.to(dtype), sin.to(dtype)  # [..., L, head_dim] each
 
+    def rope_table(self, positions: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """[2, positions, head_dim]: :meth:`rope` of positions 0 .. ``positions`` - 1 (cos, then sin), whose rows are
+        the values :meth:`rope` gives those positions anywhere (it is element-wise): a CUDA graph gathers them."""
+        return torch.stack(self.rope(torch.arange(positions, device=device), dtype))
+
     def forward(
         self,
         embeds: torch.Tensor,  # [B, L, H] target embeddings of the tokens t_{j+1}

@@ -632,6 +632,36 @@ def test_a_chains_graph_bucket_hands_out_constant_fields_equal_to_its_trees():
     assert set(bucket.chain_fields) == {1, 2, 6, 7, 64}
 
 
+def test_a_graph_bucket_gathers_rope_from_its_table_and_leaves_a_call_beyond_it_to_the_eager_path():
+    """A bucket's calls gather their RoPE rows from a table of twice its keys' positions, made once per key count
+    before any capture; a call whose tree would reach past it fits no bucket (None: the caller drafts eagerly),
+    where gathering would read out of bounds. Both parts of the call (catch-up and growth) read the table."""
+    from specdec.drafters.eagle_catch_up import CatchUpRows
+    from specdec.drafters.eagle_graphs import CachedKeys, EagleGraphConfig, EagleGraphs
+    from specdec.drafters.eagle_grow import TreeGrower
+
+    model = build_tiny_model()
+    eagle = _eagle(model, depth=4, top_k=1, max_nodes=4).eval()
+    c, gen = eagle.config, torch.Generator().manual_seed(3)
+    grower = TreeGrower(eagle, model.get_input_embeddings().weight.detach(),
+                        model.get_output_embeddings().weight.detach(), SamplingConfig(), None, 1,
+                        model.config.vocab_size, 4)
+    graphs = EagleGraphs(grower, EagleGraphConfig(capture=False))
+    B, P = 2, 9
+    k, v = (torch.randn(B, c.num_kv_heads, P, c.head_dim, generator=gen) for _ in range(2))
+    rows = CatchUpRows(torch.randn(B, 2, c.hidden_size, generator=gen), [[3, 4], [5, 0]], [[123, 124], [3, 0]],
+                       [2, 1])
+    with torch.inference_mode():
+        for last_root, fits in ((124, True), (125, False)):  # positions up to root + depth - 1 < 2 x 64
+            past = CachedKeys(k, v, [9, 2], [last_root, 3], [5, 6], torch.device("cpu"))
+            assert (graphs.caught_up_pool(past, rows, 4) is not None) == fits
+            assert (graphs.pool(past, torch.randn(B, c.hidden_size, generator=gen), 4) is not None) == fits
+    table = graphs.rope_tables[64]
+    assert table.shape == (2, 128, c.head_dim) and set(graphs.rope_tables) == {64}
+    buckets = graphs.buckets
+    assert buckets[(2, 64, 8)].catch.rope_table is table and buckets[(2, 64, 0)].inputs.rope_table is table
+
+
 def test_a_path_drafter_reused_with_a_target_of_another_dtype_leaves_the_shared_layer_as_loaded(tmp_path):
     """A layer loaded from a path is shared per (target, dtype, device) by every drafter of that checkpoint
     (drafters/loaded_once.py): a drafter object reused with a bfloat16 target moved the float32 target's shared

@@ -101,8 +101,10 @@ def test_an_eagle_growth_level_stays_within_twenty_launches(counting):
     level = per_call[1] - per_call[0]
     assert 0 < level <= 20, (level, dict(ops3 - ops2))
     # the rest of a call (the catch-up over the accepted tokens, the first level, the reranked pool)
-    assert per_call[0] - 2 * level <= 62, (per_call, dict(ops2))
+    assert per_call[0] - 2 * level <= 54, (per_call, dict(ops2))
     assert ops3["triton:_add_rms_norm_kernel"] and not {"rsqrt", "silu"} & set(ops3), dict(ops3)  # the fused path
+    # the catch-up's and the levels' RoPE rows are gathered from the bucket's table, not computed per call
+    assert not {"cos", "sin"} & set(ops3), dict(ops3)
     # a chain's one candidate per level is one max reduction: CUDA's topk is a radix select of ~8 device operations
     assert "topk" not in ops3 and ops3["max"] >= 3, dict(ops3)
 
@@ -125,8 +127,9 @@ def test_a_graphed_eagle_proposal_launches_its_trees_fields_inside_the_replay(co
     assert outside == {"copy_": 6 * calls, "clone": calls}, dict(outside)
     if top_k > 1:  # the pointer doubling: gather, or, add
         assert inside["gather"] and inside["__or__"], dict(inside)
-    else:  # depth 3: 104 launches a call, 127 with the pointer doubling (23 ops)
-        assert sum(inside.values()) <= 108 * calls and not {"__or__", "__lshift__"} & set(inside), dict(inside)
+    else:  # depth 3: 96 launches a call, 119 with the pointer doubling (23 ops)
+        assert sum(inside.values()) <= 100 * calls and not {"__or__", "__lshift__"} & set(inside), dict(inside)
+    assert not {"cos", "sin"} & set(inside), dict(inside)  # RoPE rows gathered from the bucket's table
 
 
 def test_top_k_is_topk_and_a_single_candidate_the_first_maximum():

@@ -1,0 +1,93 @@
+"""EAGLE's catch-up (drafters/eagle_catch_up.py): the attention bias it passes the layer, and its outputs against the
+layer run under the boolean mask it stands for."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from specdec.drafters.eagle_catch_up import CatchUpInputs, catch_up
+from specdec.drafters.eagle_grow import BIAS_ALIGN
+from specdec.drafters.eagle_model import EagleConfig, EagleModel
+from torch.nn import functional as F
+
+from specdec.testing import build_tiny_model
+
+B, L = 3, 5
+COUNTS = [5, 2, 0]  # real rows per sequence: all, some (the rest padding), none (a padded sequence)
+
+
+@pytest.mark.parametrize("P", [0, 9], ids=["no-cached-keys", "cached-keys"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_the_catch_up_reads_an_additive_bias_the_gpu_attention_takes_as_it_is(monkeypatch, dtype, P):
+    """The catch-up passes the attention an additive bias in the queries' dtype whose strides are multiples of
+    BIAS_ALIGN (a boolean mask is converted, and a row stride off BIAS_ALIGN padded, by CUDA's memory-efficient
+    attention: a few kernels inside the drafting's graph). It opens what the boolean mask did: a sequence's own
+    cached keys and its rows up to each row's own; and the roots' features and new keys / values are bit for bit the
+    layer's under that boolean mask. Sequence 1 has padded rows, sequence 2 none of its own (a padded sequence)."""
+    model = build_tiny_model()
+    torch.manual_seed(0)
+    eagle = EagleModel(EagleConfig.for_target(model.config)).eval().to(dtype)
+    c, gen = eagle.config, torch.Generator().manual_seed(1)
+    counts = torch.tensor(COUNTS)
+    rows = torch.arange(L)[None] < counts[:, None]
+    x = CatchUpInputs(torch.randn(B, L, c.hidden_size, generator=gen).to(dtype),
+                      torch.randint(0, c.vocab_size, (B, L), generator=gen) * rows,
+                      (torch.arange(L)[None] + torch.tensor([[12], [3], [0]])) * rows, counts)
+    real = torch.arange(P)[None] < torch.tensor([[9], [4], [0]])
+    past_k, past_v = ((torch.randn(B, c.num_kv_heads, P, c.head_dim, generator=gen).to(dtype) for _ in range(2))
+                      if P else (None, None))
+    embed = model.get_input_embeddings().weight.detach().to(dtype)
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        seen.append((q.dtype, attn_mask))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    with torch.inference_mode():
+        h_root, new_k, new_v = catch_up(eagle, embed, x, past_k, past_v, real)
+        ((q_dtype, mask),) = seen
+        causal = torch.ones(L, L, dtype=torch.bool).tril().expand(B, L, L)
+        boolean = torch.cat([real[:, None].expand(B, L, P), causal], dim=2)  # [B, L, P + L]
+        out, k, v = eagle(F.embedding(x.tokens, embed), x.hidden, x.positions, boolean, past_k, past_v)
+    assert mask.dtype == q_dtype == dtype and mask.stride(-1) == 1
+    assert all(s % BIAS_ALIGN == 0 for s in mask.stride()[:-1]), mask.stride()
+    assert mask.shape == (B, 1, L, P + L)
+    assert torch.equal(mask[:, 0] == 0, boolean)
+    assert set(mask.unique().tolist()) <= {0.0, float("-inf")}
+    last = (counts - 1).clamp(min=0)
+    assert torch.equal(h_root, out[torch.arange(B), last]) and torch.equal(new_k, k) and torch.equal(new_v, v)
+
+
+@pytest.mark.parametrize("scaling", [None, "llama3", "yarn"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_rope_tables_rows_are_the_layers_rope_bit_for_bit(dtype, scaling):
+    """A CUDA-graph bucket's RoPE table (EagleModel.rope_table: rope() of positions 0 .. N - 1, made once) gives the
+    rows rope() computes for any positions, bit for bit, plain and scaled (yarn scales cos / sin): a catch-up
+    gathering its rows from it is the one computing them, features and keys / values."""
+    params = {"llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64},
+              "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}.get(scaling)
+    model = build_tiny_model()
+    torch.manual_seed(0)
+    eagle = EagleModel(EagleConfig.for_target(model.config, rope_scaling=params)).eval().to(dtype)
+    table = eagle.rope_table(300, dtype, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(2)
+    for shape in ((1, 1), (3, 5), (8, 7), (2, 33)):
+        positions = torch.randint(0, 300, shape, generator=gen)
+        for row, computed in zip(table[:, positions], eagle.rope(positions, dtype), strict=True):
+            assert torch.equal(row.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               computed.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    c, counts = eagle.config, torch.tensor(COUNTS)
+    rows = torch.arange(L)[None] < counts[:, None]
+    x = CatchUpInputs(torch.randn(B, L, c.hidden_size, generator=gen).to(dtype),
+                      torch.randint(0, c.vocab_size, (B, L), generator=gen) * rows,
+                      (torch.arange(L)[None] + torch.tensor([[250], [3], [0]])) * rows, counts)
+    real = torch.arange(4)[None] < torch.tensor([[4], [2], [0]])
+    past_k, past_v = (torch.randn(B, c.num_kv_heads, 4, c.head_dim, generator=gen).to(dtype) for _ in range(2))
+    embed = model.get_input_embeddings().weight.detach().to(dtype)
+    with torch.inference_mode():
+        computed = catch_up(eagle, embed, x, past_k, past_v, real)
+        gathered = catch_up(eagle, embed, dataclasses.replace(x, rope_table=table), past_k, past_v, real)
+    assert all(torch.equal(a, b) for a, b in zip(computed, gathered, strict=True))
