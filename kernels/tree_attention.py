@@ -39,8 +39,9 @@ LOG2E = 1.4426950408889634
 MIN_SPLIT_CHUNK = 256  # keys per split program below which splitting does not pay
 MERGE_SEQS = 16  # sequences the merge reads at a time (finding a row's sequence; one kernel for every batch size)
 # a split launch whose tiles have at most this many elements (rows x BLOCK_D) merges its parts itself: one program
-# per tile reads them all, which pays against a second launch for a decode's or a short chain's tile (16 or 32 rows),
-# not for a 65-token tree's 128 rows over 33 parts (2 MB read by one program of each KV head)
+# per tile reads them all, meant to cost less than a second launch for a decode's or a short chain's tile (16 or 32
+# rows; untimed: bench_speed_gpu.py times plain decoding both ways), not a 65-token tree's 128 rows over 33 parts
+# (2 MB read by one program of each KV head)
 MERGE_IN_KERNEL_MAX = 32 * 128
 # largest head_dim the kernel takes: up to 512 its tiles compile for sm_90 without spilling registers
 # (python -m specdec.kernels.compile_check); at 1024 even the smallest float32 tile spills 1.6 KB per thread
