@@ -114,6 +114,22 @@ def gpu_products(monkeypatch):
     monkeypatch.setattr(row_policy, "_ACTIVE", {})
 
 
+@pytest.fixture
+def sdpa_masks(monkeypatch) -> list:
+    """(query dtype, attn_mask) of every ``F.scaled_dot_product_attention`` call while the test runs (it still runs):
+    what a CUDA attention would be handed."""
+    from torch.nn import functional as F
+
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        seen.append((q.dtype, attn_mask))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return seen
+
+
 # CPU always, CUDA as well when a GPU is present: a test that takes `device` runs once per entry. On CUDA the
 # engine takes the Triton kernel path (SPECDEC_ATTENTION=auto), so these tests check the GPU path end to end.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

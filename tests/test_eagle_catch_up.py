@@ -19,7 +19,7 @@ COUNTS = [5, 2, 0]  # real rows per sequence: all, some (the rest padding), none
 
 @pytest.mark.parametrize("P", [0, 9], ids=["no-cached-keys", "cached-keys"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_the_catch_up_reads_an_additive_bias_the_gpu_attention_takes_as_it_is(monkeypatch, dtype, P):
+def test_the_catch_up_reads_an_additive_bias_the_gpu_attention_takes_as_it_is(sdpa_masks, dtype, P):
     """The catch-up passes the attention an additive bias in the queries' dtype whose strides are multiples of
     BIAS_ALIGN (a boolean mask is converted, and a row stride off BIAS_ALIGN padded, by CUDA's memory-efficient
     attention: a few kernels inside the drafting's graph). It opens what the boolean mask did: a sequence's own
@@ -38,13 +38,7 @@ def test_the_catch_up_reads_an_additive_bias_the_gpu_attention_takes_as_it_is(mo
     past_k, past_v = ((torch.randn(B, c.num_kv_heads, P, c.head_dim, generator=gen).to(dtype) for _ in range(2))
                       if P else (None, None))
     embed = model.get_input_embeddings().weight.detach().to(dtype)
-    seen, sdpa = [], F.scaled_dot_product_attention
-
-    def spy(q, k, v, attn_mask=None, **kw):
-        seen.append((q.dtype, attn_mask))
-        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    seen = sdpa_masks
     with torch.inference_mode():
         h_root, new_k, new_v = catch_up(eagle, embed, x, past_k, past_v, real)
         ((q_dtype, mask),) = seen

@@ -592,13 +592,23 @@ def test_a_chain_grows_the_pool_the_ranking_path_grows(coupled):
     assert fast[:, 1].tolist() == [[-1, 0, 1, 2, 3]] * B
 
 
+def _greedy_chain_graphs(model, eagle, max_nodes: int):
+    """A greedy chain grower (top-k 1) over ``model``'s embeddings and its uncaptured EagleGraphs."""
+    from specdec.drafters.eagle_graphs import EagleGraphConfig, EagleGraphs
+    from specdec.drafters.eagle_grow import TreeGrower
+
+    grower = TreeGrower(eagle, model.get_input_embeddings().weight.detach(),
+                        model.get_output_embeddings().weight.detach(), SamplingConfig(), None, 1,
+                        model.config.vocab_size, max_nodes)
+    return grower, EagleGraphs(grower, EagleGraphConfig(capture=False))
+
+
 def test_a_chains_graph_bucket_hands_out_constant_fields_equal_to_its_trees():
     """A chain kept whole (top_k 1, depth <= max_nodes): its padded static call (what a CUDA graph replays) hands the
     verify the bucket's constant depths and ancestor bits (specdec.pending_trees.chain_fields, made once per bucket
     and depth before the call, not by it), which equal tree_fields of the parents it drafted: 3 sequences padded to
     a bucket of 4, depths 1 to 64, one sequence's scores NaN. Its tokens are the drafts' target ids."""
-    from specdec.drafters.eagle_graphs import CachedKeys, EagleGraphConfig, EagleGraphs
-    from specdec.drafters.eagle_grow import TreeGrower
+    from specdec.drafters.eagle_graphs import CachedKeys
     from specdec.drafters.eagle_rerank import parents
 
     from specdec.pending_trees import tree_fields
@@ -606,10 +616,7 @@ def test_a_chains_graph_bucket_hands_out_constant_fields_equal_to_its_trees():
     model = build_tiny_model()
     eagle = _eagle(model, vocab=range(0, 96, 3), depth=64, top_k=1, max_nodes=64).eval()
     c, gen = eagle.config, torch.Generator().manual_seed(3)
-    grower = TreeGrower(eagle, model.get_input_embeddings().weight.detach(),
-                        model.get_output_embeddings().weight.detach(), SamplingConfig(), None, 1,
-                        model.config.vocab_size, 64)
-    graphs = EagleGraphs(grower, EagleGraphConfig(capture=False))
+    grower, graphs = _greedy_chain_graphs(model, eagle, 64)
     B, P = 3, 9
     k, v = (torch.randn(B, c.num_kv_heads, P, c.head_dim, generator=gen) for _ in range(2))
     past = CachedKeys(k, v, [9, 4, 1], [20, 8, 3], [5, 6, 7], torch.device("cpu"))
@@ -637,16 +644,12 @@ def test_a_graph_bucket_gathers_rope_from_its_table_and_leaves_a_call_beyond_it_
     before any capture; a call whose tree would reach past it fits no bucket (None: the caller drafts eagerly),
     where gathering would read out of bounds. Both parts of the call (catch-up and growth) read the table."""
     from specdec.drafters.eagle_catch_up import CatchUpRows
-    from specdec.drafters.eagle_graphs import CachedKeys, EagleGraphConfig, EagleGraphs
-    from specdec.drafters.eagle_grow import TreeGrower
+    from specdec.drafters.eagle_graphs import CachedKeys
 
     model = build_tiny_model()
     eagle = _eagle(model, depth=4, top_k=1, max_nodes=4).eval()
     c, gen = eagle.config, torch.Generator().manual_seed(3)
-    grower = TreeGrower(eagle, model.get_input_embeddings().weight.detach(),
-                        model.get_output_embeddings().weight.detach(), SamplingConfig(), None, 1,
-                        model.config.vocab_size, 4)
-    graphs = EagleGraphs(grower, EagleGraphConfig(capture=False))
+    grower, graphs = _greedy_chain_graphs(model, eagle, 4)
     B, P = 2, 9
     k, v = (torch.randn(B, c.num_kv_heads, P, c.head_dim, generator=gen) for _ in range(2))
     rows = CatchUpRows(torch.randn(B, 2, c.hidden_size, generator=gen), [[3, 4], [5, 0]], [[123, 124], [3, 0]],

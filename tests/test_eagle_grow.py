@@ -71,19 +71,13 @@ def test_every_node_is_scored_as_the_layer_run_along_its_path_scores_it(top_k):
 
 
 @pytest.mark.parametrize("top_k", [1, 3], ids=["chain", "tree"])
-def test_levels_read_an_additive_bias_the_gpu_attention_takes_as_it_is(monkeypatch, top_k):
+def test_levels_read_an_additive_bias_the_gpu_attention_takes_as_it_is(sdpa_masks, top_k):
     """Every level of the growth passes the attention an additive bias in the queries' dtype whose strides are
     multiples of BIAS_ALIGN (a boolean mask, or one of another width each level, is converted and padded by CUDA's
     memory-efficient attention: a few kernels per level inside the drafting's graph), and it masks what the
     boolean mask did."""
     grower, x = _grower(top_k)
-    seen, sdpa = [], F.scaled_dot_product_attention
-
-    def spy(q, k, v, attn_mask=None, **kw):
-        seen.append((q.dtype, attn_mask))
-        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    seen = sdpa_masks
     with torch.inference_mode():
         grower.pool(x, 4)
     assert len(seen) == 3  # levels 2..4
