@@ -23,6 +23,7 @@ from specdec.models.llama import STATIC_ROPE_TYPES, rope_type
 
 logger = logging.getLogger(__name__)
 
+
 def rope_params(params: Mapping | tuple | None) -> tuple[tuple[str, Any], ...]:
     """A config's RoPE parameters as sorted (name, value) pairs without ``rope_theta`` (its own field), () for plain
     RoPE; InputError for a type whose angles change with the sequence's length."""

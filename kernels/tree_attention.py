@@ -198,7 +198,7 @@ def _merge_parts(PartO, PartLse, Out, t_idx, head, row_ok, with_keys, masked_par
     n = with_keys + 1
     for c0 in tl.static_range(0, BLOCK_D, MERGE_D):
         d = c0 + tl.arange(0, MERGE_D)
-        m2 = row_ok[:, None] & (d < HEAD_DIM)[None, :]
+        d_ok = d < HEAD_DIM
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         den = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, MERGE_D], tl.float32)
@@ -211,7 +211,7 @@ def _merge_parts(PartO, PartLse, Out, t_idx, head, row_ok, with_keys, masked_par
                 lse = tl.load(PartLse + p * stride_ls + lse_rows, mask=rows_ok, other=float("-inf"),
                               cache_modifier=".cg")
                 o = tl.load(PartO + p * stride_ps + o_rows[:, None] + d[None, :],
-                            mask=rows_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0, cache_modifier=".cg")
+                            mask=rows_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
                 m_new = tl.maximum(m_i, lse)
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.exp2(m_i - m_use)
@@ -221,7 +221,7 @@ def _merge_parts(PartO, PartLse, Out, t_idx, head, row_ok, with_keys, masked_par
                 m_i = m_new
         out = acc / tl.where(den > 0.0, den, 1.0)[:, None]
         tl.store(Out + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(Out.dtype.element_ty), mask=m2)
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 # the number of parts is a runtime value: an eager step's split count grows with its context (one more every

@@ -78,14 +78,16 @@ def test_split_kv_more_splits_than_keys():
 
 
 def _poisoned_empty(monkeypatch):
-    """torch.empty's memory is whatever was there: here NaN, so output the kernel does not write shows."""
-    real_empty = torch.empty
+    """torch.empty's and torch.empty_like's memory is whatever was there: here NaN, so what the kernels do not write
+    shows (the partial results' workspace, the output)."""
+    for name in ("empty", "empty_like"):
+        real = getattr(torch, name)
 
-    def poisoned(*args, **kwargs):
-        out = real_empty(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
+        def poisoned(*args, real=real, **kwargs):
+            out = real(*args, **kwargs)
+            return out.fill_(float("nan")) if out.is_floating_point() else out
 
-    monkeypatch.setattr(torch, "empty", poisoned)
+        monkeypatch.setattr(torch, name, poisoned)
 
 
 def _merge_launches(monkeypatch) -> list:
@@ -323,7 +325,7 @@ def test_split_launch_of_a_padded_bucket_whatever_the_memory_held(monkeypatch, i
 
     if not in_kernel:
         monkeypatch.setattr(ta, "MERGE_IN_KERNEL_MAX", 0)
-    real_full, real_empty_like = torch.full, torch.empty_like
+    real_full = torch.full
     inputs = StaticInputs(4, 8, max_keys=64, block_size=4, scratch_slot=0, device=DEVICE)
     bucket = inputs.bucket(batch=4, tokens_per_seq=8)
     meta = bucket.metadata
@@ -335,7 +337,6 @@ def test_split_launch_of_a_padded_bucket_whatever_the_memory_held(monkeypatch, i
     planned = case.plan.kernel_metadata  # unpadded: every part of every row is written
     fills = []
     _poisoned_empty(monkeypatch)
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: real_empty_like(*a, **k).fill_(float("nan")))
     monkeypatch.setattr(torch, "full", lambda *a, **k: fills.append(a) or real_full(*a, **k))
     out = tree_attention(q, case.k_cache, case.v_cache, meta, case.scale, num_splits=2)
     out_planned = tree_attention(case.q, case.k_cache, case.v_cache, planned, case.scale, num_splits=2)
