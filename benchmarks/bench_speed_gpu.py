@@ -8,7 +8,9 @@ Per model (docs/gpu-speed.md explains every column):
 * plain decoding at batch 1, 8 and 32: decode tokens/s (prefill excluded) against the weight-read floor (weight
   bytes / the device-to-device copy bandwidth measured in the same run, one weight read per step); at batch 1 also
   with each step read before the next is launched, what queuing steps ahead saves (specdec/decode_ahead.py);
-* the verify-cost curve c(n) / c(1), n = 1..65 query tokens of one sequence, as the engine runs it (graphed);
+* the verify-cost curve c(n) / c(1), n = 1..65 query tokens of one sequence, as the engine runs it (graphed), and
+  beside it the products alone over n rows (benchmarks/products_curve.py; also past 65, what padding would cost; on
+  CUDA also under cuBLASLt): how much of c(n), and of the step's distance to the floor, the products make;
 * the oracle drafter (``specdec.eval.oracle_drafter``) at tau 2, 3 and 4, as a chain and as a tree, paying a
   random EAGLE layer's real drafting each step: speedup over specdec's plain decoding at the same batch;
 * transformers' ``generate()`` with its static cache (eager, batch 1) as the same-run baseline, where it fits the
@@ -40,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_overwrite, check_new_files  # noqa: E402
+from products_curve import blas_library, product_bytes, products_ms  # noqa: E402
 from step_profile import markdown_rows, profiled  # noqa: E402
 
 FULL_MODELS = ("synthetic:llama-3.1-8b", "default", "synthetic:qwen3-1.7b", "synthetic:llama-3.2-1b")
@@ -53,6 +56,9 @@ CHAIN_DEPTH = 6
 SHORT_CHAIN_DEPTH = 4  # the same tau from fewer, likelier levels: less drafting per step (EAGLE's depth is its own)
 PROFILE_TOKENS = 32  # new tokens per profiled call (the trace's size)
 TREE_DEPTH, TREE_WIDTH = 8, 8  # 64 nodes: the largest tree a step verifies
+# rows of the products-alone curve: the verify curve's reported sizes, and past 65 the row counts a 65-token verify
+# could be padded to
+PRODUCT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 65, 72, 80, 96, 128)
 
 
 def parse_args(argv=None):
@@ -235,8 +241,8 @@ class ModelRun:
     def __init__(self, spec: str, args, device: torch.device, dtype: torch.dtype, bandwidth: float, clock: Clock,
                  save) -> None:
         self.spec, self.args, self.device, self.dtype, self.clock, self.save = spec, args, device, dtype, clock, save
-        self.result: dict = dict(model=spec, plain={}, oracle=[], verify_cost=None, hf_static=None, profile=[],
-                                 skipped=[], errors=[], item_seconds={})
+        self.result: dict = dict(model=spec, plain={}, oracle=[], verify_cost=None, products=None, hf_static=None,
+                                 profile=[], skipped=[], errors=[], item_seconds={})
         self.bandwidth = bandwidth
 
     def item(self, name: str, fn, estimate: float | None = None) -> None:
@@ -300,6 +306,7 @@ class ModelRun:
         if self.graphs is not None:  # split attention merged by a second launch: what merging in the kernel saves
             self.item(f"plain b{b0} merge launched", lambda: self.merge_launched(pool[:b0]))
         self.item("verify cost", lambda: self.curve(pool[0]))
+        self.item("products", self.products)
         oracle(b0, first, "chain", True)
         oracle(b0, first, "chain", True, depth=SHORT_CHAIN_DEPTH)
         for b in reversed(rest):  # the largest batch first: the goals name batch 32
@@ -377,6 +384,22 @@ class ModelRun:
         base = costs.get(1) or min(costs.values())
         self.result["verify_cost"] = dict(ms={n: 1e3 * c for n, c in costs.items()},
                                           ratio={n: c / base for n, c in costs.items()})
+
+    def products(self) -> None:
+        """The products alone over PRODUCT_SIZES rows (benchmarks/products_curve.py), against their weight-read
+        floor; on CUDA once more with cuBLASLt as torch's cuBLAS backend (the kernels it picks for few rows differ)."""
+        runner = self.loaded.runner
+        sizes, repeats = list(PRODUCT_SIZES), 3 if self.args.rehearse else 10
+        wbytes = product_bytes(runner)
+        row = dict(ms=products_ms(runner, sizes, repeats), weight_bytes=wbytes, floor_ms=1e3 * wbytes / self.bandwidth,
+                   cublaslt_ms=None, cublaslt_error=None)
+        self.result["products"] = row
+        if self.device.type == "cuda":
+            try:
+                with blas_library("cublaslt"):
+                    row["cublaslt_ms"] = products_ms(runner, sizes, repeats)
+            except RuntimeError as err:
+                row["cublaslt_error"] = " ".join(str(err).split())[:200]
 
     def estimate(self, batch: int, tau: float) -> float | None:
         """Seconds of an EAGLE row at ``batch`` (warm-up + timed call), from the batch-1 row's drafting time. The
@@ -512,6 +535,30 @@ def _bound(row: dict) -> str:
     return f"{row['bound']:.2f}x" if row.get("bound") is not None else ""
 
 
+def _products_rows(m: dict) -> list[str]:
+    """The products-alone table beside c(n) (older reports have none)."""
+    row = m.get("products")
+    if not row:
+        return []
+    ms = {int(n): v for n, v in row["ms"].items()}  # int keys live, strings from JSON
+    sizes = sorted(ms)
+    curve = {int(n): v for n, v in ((m.get("verify_cost") or {}).get("ms") or {}).items()}
+    p1, floor = ms[sizes[0]], row["floor_ms"]
+    lines = ["", f"products alone (every layer's and the LM head; one CUDA graph per n on a GPU): p(1) = {p1:.3f} ms, "
+                 f"{p1 / floor:.2f}x their weight-read floor ({floor:.3f} ms, {row['weight_bytes'] / 1e9:.2f} GB); "
+                 "c(n) - p(n) is attention, norms and the rest", "",
+             "| n | " + " | ".join(str(n) for n in sizes) + " |", "|---" * (len(sizes) + 1) + "|",
+             "| c(n) ms | " + " | ".join(f"{curve[n]:.3f}" if n in curve else "" for n in sizes) + " |",
+             "| p(n) ms | " + " | ".join(f"{ms[n]:.3f}" for n in sizes) + " |",
+             "| p(n) / p(1) | " + " | ".join(f"{ms[n] / p1:.2f}" for n in sizes) + " |"]
+    if row.get("cublaslt_ms"):
+        lt = {int(n): v for n, v in row["cublaslt_ms"].items()}
+        lines.append("| p(n) ms, cuBLASLt | " + " | ".join(f"{lt[n]:.3f}" for n in sizes) + " |")
+    elif row.get("cublaslt_error"):
+        lines += ["", f"cuBLASLt: not measured ({row['cublaslt_error']})"]
+    return lines
+
+
 def markdown(report: dict) -> str:
     env = report["env"]
     lines = [f"# specdec speed, {report['date']}", "",
@@ -548,6 +595,7 @@ def markdown(report: dict) -> str:
             picks = [n for n in (1, 2, 4, 8, 16, 24, 32, 48, 64, 65) if n in ratio]
             lines += ["", "verify cost c(n) / c(1): " + ", ".join(f"{n}: {ratio[n]:.2f}" for n in picks)
                       + f" (c(1) = {ms[min(ratio)]:.3f} ms)"]
+        lines += _products_rows(m)
         if m["oracle"]:
             lines += ["", "| oracle | batch | nodes | drafting | speculation | tau target | tau | step ms | "
                           "draft ms/step | decode tok/s | speedup vs plain | weight-read bound | same text |",

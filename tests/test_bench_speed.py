@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.script_loading import load_script
 
@@ -37,6 +38,9 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     # batch 1 also with each step read first (the same-run baseline of steps queued ahead), with the same text
     assert model["plain"]["1"]["read_first_same_text"] and "read_first_tokens_per_s" not in model["plain"]["2"]
     assert sorted(model["verify_cost"]["ratio"], key=int) == ["1", "2", "65"]
+    products = model["products"]  # the products alone, at their own sizes, on the CPU without a cuBLAS A/B
+    assert [int(n) for n in products["ms"]] == list(bench.PRODUCT_SIZES) and min(products["ms"].values()) > 0
+    assert products["floor_ms"] > 0 and products["cublaslt_ms"] is None and products["cublaslt_error"] is None
     rows = {(r["shape"], r["nodes"], r["batch"], r["eagle"], r["speculation"]) for r in model["oracle"]}
     assert rows == {("chain", 6, 1, True, "always"), ("chain", 4, 1, True, "always"), ("tree", 64, 1, True, "always"),
                     ("chain", 6, 2, True, "always"), ("chain", 6, 2, False, "always"),
@@ -63,7 +67,7 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     assert all(r["seconds"] > 0 for r in model["profile"]) and tree["kernel_ms_by_kind"] == {}  # no kernels on a CPU
     text = (tmp_path / "speed.md").read_text()
     assert "## synthetic:qwen3-1.7b@tiny" in text and "speedup vs plain" in text and "REHEARSAL" in text
-    assert "| oracle chain tau 3.0 +eagle b1 |" in text
+    assert "| oracle chain tau 3.0 +eagle b1 |" in text and "| p(n) / p(1) | 1.00 |" in text
     assert "graph replays" not in text and "uncaptured static growths" in text  # nothing is captured on the CPU
 
 
@@ -85,6 +89,44 @@ def test_a_report_read_back_from_json_renders_its_verify_cost_curve(bench):
     want = "verify cost c(n) / c(1): 1: 1.00, 2: 1.10, 65: 1.50 (c(1) = 2.000 ms)"
     assert want in bench.markdown(report)
     assert want in bench.markdown(json.loads(json.dumps(report)))
+
+
+def test_a_report_read_back_from_json_renders_its_products_beside_the_curve(bench):
+    """The products-alone table: c(n) where the curve has n, p(n), its ratio to p(1), the cuBLASLt row."""
+    model = dict(model="synthetic:tiny", plain={}, hf_static=None, oracle=[], skipped=[], errors=[],
+                 verify_cost=dict(ms={1: 2.0, 65: 3.0}, ratio={1: 1.0, 65: 1.5}),
+                 products=dict(ms={1: 1.0, 65: 1.5, 72: 1.25}, weight_bytes=2e9, floor_ms=0.8,
+                               cublaslt_ms={1: 0.9, 65: 1.0, 72: 1.1}, cublaslt_error=None))
+    report = dict(date="today", rehearse=False, new_tokens=8, prompt_len=8, models=[model],
+                  env=dict(device_name="GPU", dtype="bfloat16", torch="2", copy_gb_per_s=1000.0))
+    for text in (bench.markdown(report), bench.markdown(json.loads(json.dumps(report)))):
+        assert "p(1) = 1.000 ms, 1.25x their weight-read floor (0.800 ms, 2.00 GB)" in text
+        assert "| n | 1 | 65 | 72 |" in text and "| c(n) ms | 2.000 | 3.000 |  |" in text
+        assert "| p(n) / p(1) | 1.00 | 1.50 | 1.25 |" in text
+        assert "| p(n) ms, cuBLASLt | 0.900 | 1.000 | 1.100 |" in text
+    model["products"].update(cublaslt_ms=None, cublaslt_error="this torch has no preferred_blas_library")
+    assert "cuBLASLt: not measured (this torch has no preferred_blas_library)" in bench.markdown(report)
+
+
+def test_products_are_every_weight_a_forward_multiplies_by(bench):
+    """The products-alone chain reads each layer's projections once, fused or not, and the LM head: every weight
+    a decode step reads but the norms'."""
+    import products_curve
+
+    from specdec.models.fused_projections import pack_projections
+    from specdec.models.loader import load_model
+
+    loaded = load_model("synthetic:llama-3.1-8b@tiny", device="cpu", dtype=torch.float32)
+    norms = sum(p.numel() * 4 for name, p in loaded.model.named_parameters() if "norm" in name)
+    layers = loaded.runner.shape.num_layers
+    for fused in (False, True):
+        if fused:
+            pack_projections(loaded.model)
+        chain = products_curve.products(loaded.runner)
+        assert len(chain) == layers * (4 if fused else 7) + 1 and chain[-1][1] is loaded.runner.lm_head
+        assert products_curve.product_bytes(loaded.runner) == bench.weight_bytes(loaded.model) - norms
+        ms = products_curve.products_ms(loaded.runner, [1, 3], repeats=1)
+        assert sorted(ms) == [1, 3] and min(ms.values()) > 0
 
 
 def test_weight_read_floor_counts_what_a_decode_step_reads(bench):

@@ -116,6 +116,7 @@ def test_goals_are_judged_from_the_reports_steps():
     judged = {g.what: g for g in goals(steps)}
     chained = next(g for g in judged.values() if "oracle chain" in g.what)
     assert chained.measured == "2.50x (tau 2.90, a chain of 4; weight reads allow 2.60x)"
+    assert next(g for g in judged.values() if "c(65)" in g.what).measured == "1.30"
     batch32 = next(g for g in judged.values() if g.what.startswith("8B shape, batch 32"))
     assert batch32.measured.startswith("0.96x lowest of 2")
     embedded = next(g for g in judged.values() if g.what.startswith("embedded model"))
@@ -126,6 +127,9 @@ def test_goals_are_judged_from_the_reports_steps():
                  acceptance=_acceptance(chat=1.0, summarisation=1.7, rag=1.8),
                  tests=dict(status="failed", device_cuda=dict(passed=57, failed=1)),
                  e2e=dict(status="passed", rc=0, divergence_bugs=0))
+    # beside c(65), where the report has them, the products alone at 65 rows over one
+    other["speed"]["report"]["models"][0]["products"] = dict(ms={"1": 4.0, "65": 5.0})
+    assert next(g for g in goals(other) if "c(65)" in g.what).measured == "1.20 (products alone 1.25)"
     assert [g.verdict for g in goals(other)] == ["missed", "missed", "met", "met", "missed", "met", "missed", "met",
                                                 "missed", "met"]
     assert {g.verdict for g in goals({})} == {"not measured"}  # nothing ran: nothing met
