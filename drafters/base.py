@@ -207,6 +207,13 @@ class Drafter(ABC):
         timing or a token), so that no draft can pay; None when it may pay. A seeded call acts on it too."""
         return None
 
+    def cheapest_call_seconds(self) -> float | None:
+        """After a propose call: wall seconds its next call takes at least, where the drafter knows it to be less than
+        the calls it made (the combined drafter, whose gate leaves a child timed as costly out of later calls), else
+        None. The break-even guard prices its probes by the lower of this and the calls it timed
+        (:meth:`specdec.tree_sizing.TreeSizer.probe_cost`); it asks only when a drafted step did not pay."""
+        return None
+
     def forward_seconds(self) -> float | None:
         """After ``attach``: seconds of one forward of the drafter's own model over one token, measured on this
         machine (cached), or None when it has no model of its own. Every depth of a tree costs at least one

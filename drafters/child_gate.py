@@ -110,21 +110,28 @@ class ChildGate(CallMemory):
         own = min(self.own, len(self.records))
         return list(self.records)[-own:] if own >= self.config.warmup else list(self.records)
 
+    def next_best(self, batch: int, tree_cost: Callable[[int, int], float], nodes_cap: int) -> tuple[int, ...] | None:
+        """The children a call runs outside probes, as :meth:`choose` picks them now; None while the gate is off or
+        a child was never timed (every child runs)."""
+        cfg = self.config
+        if not self.active or any(t.seconds is None for t in self.times):
+            return None
+        if len(self.records) < cfg.warmup:  # no decision yet: the cheap children, the others as probes (module doc)
+            costs = [self.draft_cost(k, batch) for k in range(self.parts)]
+            return tuple(k for k in range(self.parts)  # a first call's catch-up time says nothing of a step's
+                         if self.times[k].provisional or costs[k] <= max(cfg.probe_budget, min(costs)))
+        subsets = (s for r in range(1, self.parts + 1) for s in itertools.combinations(range(self.parts), r))
+        return max(subsets, key=lambda s: self.value(s, batch, tree_cost, nodes_cap))
+
     def choose(self, batch: int, tree_cost: Callable[[int, int], float], nodes_cap: int) -> tuple[bool, ...]:
         """Which children propose this call; ``tree_cost(nodes, batch)``: verify cost of a tree of that many nodes
         (and its root) in plain decode steps."""
         cfg = self.config
-        if not self.active or any(t.seconds is None for t in self.times):
+        best = self.next_best(batch, tree_cost, nodes_cap)
+        if best is None:
             return self._full()
-        if len(self.records) < cfg.warmup:  # no decision yet: the cheap children, the others as probes (module doc)
-            costs = [self.draft_cost(k, batch) for k in range(self.parts)]
-            best = tuple(k for k in range(self.parts)  # a first call's catch-up time says nothing of a step's
-                         if self.times[k].provisional or costs[k] <= max(cfg.probe_budget, min(costs)))
-            # the first record came before any choice (observe had no best to weigh it against)
+        if len(self.records) < cfg.warmup:  # the first record came before any choice (observe had no best then)
             self.probe_next |= bool(self.records) and self._left_out_add(self.records[-1][0], best)
-        else:
-            subsets = (s for r in range(1, self.parts + 1) for s in itertools.combinations(range(self.parts), r))
-            best = max(subsets, key=lambda s: self.value(s, batch, tree_cost, nodes_cap))
         self.best = best
         left_out = [k for k in range(self.parts) if k not in best]
         # a probe costs the left-out children's drafts once: at most probe_budget decode steps per call on average

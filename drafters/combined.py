@@ -50,7 +50,7 @@ from specdec.errors import InputError, InputTypeError
 from specdec.score_bins import corrected, learn, new_bins
 from specdec.tree import MAX_TREE_NODES, DraftError, DraftMode, DraftTree, matched_levels, tried_nodes
 from specdec.tree_merge import expected_committed_tokens, merge_trees, path_scores
-from specdec.tree_sizing import SizingConfig, best_prefix
+from specdec.tree_sizing import DraftTime, SizingConfig, best_prefix
 
 if TYPE_CHECKING:
     from specdec.models.llama import LlamaRunner
@@ -203,6 +203,8 @@ class CombinedDrafter(Drafter):
         # c(1 + n, batch) / c(1) in decode steps (at attach): the engine's TargetView.costs, else costs.relative
         self.curve: Callable[[int, int], float] | None = None
         self._batch = 1  # sequences of the current propose (the cost curve depends on the batch)
+        # seconds of a propose call outside its children's (scoring, merging): part of any call's cost
+        self._own_time = DraftTime(_CALIBRATION.ema)
         self.name = "combined(" + "+".join(c.name for c in self.children) + ")"
         self.needs_hidden_states = any(c.needs_hidden_states for c in self.children)
         self.catches_up = any(c.catches_up for c in self.children)
@@ -305,8 +307,20 @@ class CombinedDrafter(Drafter):
         """Child k's estimated acceptance rate per tree level (online, with the prior)."""
         return self.rates[k].value(self.config.prior_score, self.config.prior_weight)
 
+    def cheapest_call_seconds(self) -> float | None:
+        """A call outside the gate's probes: the children the gate runs now, each at its cheapest recent call, and
+        the drafter's own work around them. None while the gate is off, or a child it runs has no step call timed
+        (Drafter.cheapest_call_seconds). A costly child's first step call, timed with the cheap ones, priced the whole
+        drafter's probes for the guard, which then held it back, the cheap children with it, for hundreds of steps."""
+        best = self.gate.next_best(self._batch, self.tree_cost, self.config.max_nodes)
+        lows = [self.gate.times[k].low for k in best or ()]
+        if not lows or None in lows or self._own_time.low is None:
+            return None
+        return sum(lows) + self._own_time.low
+
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
         self._batch = max(len(seqs), 1)
+        call_start, children_seconds = time.perf_counter(), 0.0
         run = self.gate.choose(self._batch, self.tree_cost, self.config.max_nodes)
         if self.left_out:
             run = tuple(r and k not in self.left_out for k, r in enumerate(run))
@@ -326,7 +340,9 @@ class CombinedDrafter(Drafter):
             lists.append([(t.tokens.tolist(), t.parents.tolist(), t.scores.tolist()
                            if t.scores is not None and t.mode is DraftMode.DETERMINISTIC else None) for t in trees])
             # a call that captured a CUDA graph is a one-off too (DraftTime)
-            self.gate.record_seconds(k, time.perf_counter() - t0, catch_up or captures() > captured)
+            seconds = time.perf_counter() - t0
+            children_seconds += seconds
+            self.gate.record_seconds(k, seconds, catch_up or captures() > captured)
             self._seen.update((k, v.seq_id) for v in seqs)
             per_child.append(trees)
         out = []
@@ -342,6 +358,7 @@ class CombinedDrafter(Drafter):
             last = next((t for t in reversed(trees) if t.num_nodes and t.mode is not DraftMode.DETERMINISTIC), None)
             if last is not None:
                 self._sampled_shape[k] = last.parents.tolist()
+        self._own_time.record(time.perf_counter() - call_start - children_seconds)
         return out
 
     def _hold_hidden(self, k: int, seqs: Sequence[SequenceView]) -> None:

@@ -83,6 +83,8 @@ class SpeculationPolicy:
             self.sizer = self.costs = None
             return self
         drafter.attach(replace(target, costs=self.costs))
+        if self.sizer is not None:
+            self.sizer.cheapest_call = drafter.cheapest_call_seconds
         if not self.auto:
             return self
         why = drafter.never_pays_by_shape()

@@ -29,6 +29,7 @@ the constants: docs/speculation-policy.md.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec.cost_model import CostModel
@@ -205,6 +206,8 @@ class TreeSizer:
     memory: tuple | None = None  # key of the guard's memory across calls (module doc); None: start fresh
     # the drafter calibrates its deterministic trees' scores itself (Drafter.calibrated_scores): taken as they are
     calibrated_scores: bool = False
+    # the drafter's own account of its cheapest call (Drafter.cheapest_call_seconds), asked when a probe is priced
+    cheapest_call: Callable[[], float | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.costs.measured:  # nothing learned on unmeasured costs is kept, nor read
@@ -267,8 +270,13 @@ class TreeSizer:
         return self.decode_seconds or self.costs.decode_seconds(batch)
 
     def probe_cost(self, batch: int) -> float:
-        """What asking the drafter costs at least, in plain decode steps: its cheapest recent call (DraftTime.low)."""
-        return (self.draft_time.low or 0.0) / self.step_seconds(batch)
+        """What asking the drafter costs at least, in plain decode steps: its cheapest recent call (DraftTime.low), or
+        less where the drafter knows its next call to be cheaper than any it made (``cheapest_call``)."""
+        low = self.draft_time.low
+        told = self.cheapest_call() if self.cheapest_call is not None and low is not None else None
+        if told is not None:
+            low = min(low, told)
+        return (low or 0.0) / self.step_seconds(batch)
 
     def draft_cost(self, batch: int) -> float:
         """The drafter's cost per step in plain decode steps (0 before its first call)."""

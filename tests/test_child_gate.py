@@ -5,10 +5,11 @@ offers its decode time only where they may: test_combined_drafter.py)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
-from specdec.drafters.base import CostView, Drafter, SequenceView
+from specdec.drafters.base import CostView, Drafter, SequenceView, TargetView
 from specdec.drafters.child_gate import ChildGate, GateConfig
 from specdec.drafters.combined import CombinedDrafter
 
@@ -274,6 +275,63 @@ def test_generate_leaves_out_a_slow_child_that_adds_nothing_and_stays_greedy_exa
     assert generate(model, prompts, drafter=gated([Oracle(), slow], decode_seconds, monkeypatch),
                     max_new_tokens=160, speculation="always") == plain
     assert slow.calls == 1
+
+
+class SlowWrong(Drafter):
+    """Wrong one-token drafts after sleeping ``seconds`` a call (twice that at a sequence's first: a catch-up)."""
+
+    name = "slow-wrong"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.calls, self.seen = seconds, 0, set()
+
+    def propose(self, seqs):
+        first = any(v.seq_id not in self.seen for v in seqs)
+        self.seen.update(v.seq_id for v in seqs)
+        self.calls += 1
+        time.sleep(self.seconds * (2 if first else 1))
+        return [DraftTree.chain([95]) for _ in seqs]
+
+
+def test_the_guard_prices_a_probe_by_the_children_the_gate_will_run():
+    """speculation="auto", a cold start, n-gram beside a child that costs ~5 decode steps a call and never
+    matches: the gate leaves the slow child out after its first step call, and the guard, whose only step call
+    timed included it, prices its next probe by what the gate will run (Drafter.cheapest_call_seconds). Priced by
+    that call, it held n-gram back too: 296 of 300 steps plain on this prompt, where n-gram alone needs ~25."""
+    model = build_tiny_model(vocab_size=96, num_hidden_layers=2)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 4
+    plain = generate(model, [prompt], max_new_tokens=300, eos_token_id=[])
+    start = time.perf_counter()
+    generate(model, [prompt], max_new_tokens=20, eos_token_id=[])
+    step = (time.perf_counter() - start) / 20  # a plain step on this machine, now
+    slow = SlowWrong(5 * step)
+    combined = CombinedDrafter(drafters=["ngram", slow])
+    out = generate(model, [prompt], max_new_tokens=300, eos_token_id=[], drafter=combined, return_dict=True)
+    assert out.sequences == plain
+    assert out.forward_passes < 150 and slow.calls <= 4
+    assert combined.cheapest_call_seconds() < 2 * step  # n-gram's call and the merge, not the slow child's
+
+
+def test_the_combined_drafters_cheapest_call_is_the_children_its_gate_runs():
+    """None until every child the gate will run has a step call timed; then those children's cheapest calls and
+    the drafter's own work around them."""
+    combined = CombinedDrafter(drafters=["ngram", SlowWrong(0.0)])
+    combined.attach(TargetView(runner=None, cache=None, sampling=None, costs=CostView(tree_cost, lambda b: 1.0)))
+    assert combined.cheapest_call_seconds() is None  # nothing timed
+    combined._own_time.record(0.0002)
+    combined.gate.record_seconds(0, 0.0001, catch_up=True)  # first calls: catch-ups, no step's time
+    combined.gate.record_seconds(1, 0.2, catch_up=True)
+    assert combined.cheapest_call_seconds() is None
+    combined.gate.record_seconds(0, 0.0003, catch_up=False)
+    combined.gate.record_seconds(1, 0.1, catch_up=False)  # beyond the gate's budget: it will leave it out
+    assert combined.gate.next_best(1, tree_cost, 64) == (0,)
+    assert combined.cheapest_call_seconds() == pytest.approx(0.0003 + 0.0002)
+    for _ in range(40):  # made cheap: within the gate's budget, it runs too
+        combined.gate.record_seconds(1, 0.0003, catch_up=False)
+    assert combined.gate.next_best(1, tree_cost, 64) == (0, 1)
+    assert combined.cheapest_call_seconds() == pytest.approx(0.0003 + 0.0003 + 0.0002)
+    combined.attach(TargetView(runner=None, cache=None, sampling=None, costs=None))  # the gate off: every child runs
+    assert combined.cheapest_call_seconds() is None
 
 
 def test_gate_option_must_be_a_bool():

@@ -610,6 +610,24 @@ def test_a_drafter_that_made_itself_cheap_is_not_held_back_by_its_dearer_past():
     assert sizer.guards[0].price == pytest.approx(0.005)
 
 
+def test_a_probe_is_priced_by_the_cheaper_call_the_drafter_says_it_will_make():
+    """A drafter that knows its next call is cheaper than any it made (the combined drafter, once its gate has timed
+    a costly child and leaves it out) prices the probe: the guard had priced it by the one step call it saw, the
+    costly child's first, and held the cheap children back for hundreds of steps (n-gram + a child of ~10 decode
+    steps a call: tau 1.02 over a 300-token call where n-gram alone had 12.5). Dearer than the calls made, or
+    unknown, it changes nothing."""
+    told = [0.01]
+    sizer = TreeSizer(FLAT, cheapest_call=lambda: told[0])  # a decode step is 1 s
+    sizer.record_draft(10.0)  # the one step call timed: the costly child ran
+    sizer.size(0, DraftTree.empty(), batch=1)  # unpaid
+    assert sizer.guards[0].price == pytest.approx(0.01) and sizer.probe_cost(1) == pytest.approx(0.01)
+    asked = [sizer.wants_draft(0) for _ in range(40)]
+    assert asked.count(True) >= 1  # probed again within the backoff (2) and a hundredth of a step of budget
+    for value in (None, 20.0):
+        told[0] = value
+        assert sizer.probe_cost(1) == pytest.approx(10.0)
+
+
 def test_a_pending_tree_verified_whole_is_learned_node_for_node():
     """Pending trees (specdec.pending_trees) are verified whole and sized after: what is learned of a sampled tree
     indexes every verified node, not only the part sizing would have kept."""
