@@ -94,16 +94,6 @@ class ChildGate(CallMemory):
         """Child k's draft cost per call in plain decode steps (0 before it was timed)."""
         return self.part_cost(k, batch) or 0.0
 
-    def value(self, subset: tuple[int, ...], batch: int, tree_cost: Callable[[int, int], float],
-              nodes_cap: int) -> float:
-        """Expected committed tokens per decode step of cost when the children in ``subset`` run (module doc)."""
-        records = self.weighed()
-        count = len(records)
-        tokens = 1.0 + sum(max(succ[k] for k in subset) for succ, _ in records) / count
-        nodes = min(sum(sum(n[k] for _, n in records) for k in subset) / count, nodes_cap)
-        cost = sum(self.draft_cost(k, batch) for k in subset) + tree_cost(math.ceil(nodes), batch)
-        return tokens / max(cost, 1e-9)
-
     def weighed(self) -> list:
         """The records a decision weighs: this call's once it has ``warmup`` of them, else every one kept (module
         doc, Memory)."""
@@ -120,8 +110,20 @@ class ChildGate(CallMemory):
             costs = [self.draft_cost(k, batch) for k in range(self.parts)]
             return tuple(k for k in range(self.parts)  # a first call's catch-up time says nothing of a step's
                          if self.times[k].provisional or costs[k] <= max(cfg.probe_budget, min(costs)))
+        records = self.weighed()
+        count = len(records)
+        successes = list(zip(*(succ for succ, _ in records), strict=True))  # per child, record by record
+        nodes = [sum(col) for col in zip(*(n for _, n in records), strict=True)]  # per child, summed over records
+
+        def value(subset: tuple[int, ...]) -> float:  # expected committed tokens per decode step of cost (module doc)
+            best = successes[subset[0]] if len(subset) == 1 else map(max, *(successes[k] for k in subset))
+            tokens = 1.0 + sum(best) / count
+            kept = min(sum(nodes[k] for k in subset) / count, nodes_cap)
+            return tokens / max(sum(self.draft_cost(k, batch) for k in subset) + tree_cost(math.ceil(kept), batch),
+                                1e-9)
+
         subsets = (s for r in range(1, self.parts + 1) for s in itertools.combinations(range(self.parts), r))
-        return max(subsets, key=lambda s: self.value(s, batch, tree_cost, nodes_cap))
+        return max(subsets, key=value)
 
     def choose(self, batch: int, tree_cost: Callable[[int, int], float], nodes_cap: int) -> tuple[bool, ...]:
         """Which children propose this call; ``tree_cost(nodes, batch)``: verify cost of a tree of that many nodes
