@@ -7,6 +7,7 @@ tables, and as the engine's :class:`~specdec.attention.AttentionPlan` for the Py
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -24,6 +25,33 @@ def kernel_device() -> str:
 # a CUDA-graph bucket's padded rows carry uninitialised attention output through the layers (never read back): in the
 # interpreter numpy may warn that their garbage overflows, or multiplies into NaN (tests: pytest filterwarnings)
 PADDED_ROWS_WARNINGS = ("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
+
+
+@contextlib.contextmanager
+def interpreter_dot_by_rows():
+    """Inside, the Triton interpreter computes ``tl.dot`` one row of its first operand at a time, as a GPU's matrix
+    tile computes every row alike. The interpreter's dot is numpy's matmul, which on some CPUs (OpenBLAS's Haswell
+    kernels, an AMD EPYC without AVX-512) sums a tile's last rows in another order than its first: a row's bits
+    then depend on its place in the tile, which a test of row invariance would blame on the kernel."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    dot = builder.create_dot
+
+    def by_rows(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.ndim != 2 or a.data.shape[0] < 2:
+            return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        rows = [dot(self, interpreter.TensorHandle(a.data[i : i + 1], a.dtype), b,
+                    interpreter.TensorHandle(d.data[i : i + 1], d.dtype), input_precision, max_num_imprecise_acc)
+                for i in range(a.data.shape[0])]
+        return interpreter.TensorHandle(np.concatenate([r.data for r in rows]), rows[0].dtype)
+
+    builder.create_dot = by_rows
+    try:
+        yield
+    finally:
+        builder.create_dot = dot
 
 
 class LaunchSpy:
