@@ -26,13 +26,26 @@ def test_subpackage_installs_under_specdec(name):
 @pytest.mark.parametrize("name", SUBPACKAGES)
 def test_bare_import_never_resolves_into_repo(name):
     # run from the repo root, where '' (the cwd) is first on sys.path: the worst case
-    code = f"import {name}; print(getattr({name}, '__file__', None)); {name}.anything"
+    code = f"import {name}; f = getattr({name}, '__file__', None); print(f); f is None and {name}.anything"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     if proc.returncode == 0:  # something else named `name` may exist, but never our folder
         assert not Path(proc.stdout.strip()).resolve().is_relative_to(REPO), proc.stdout
     else:  # our folder answered with the inert stand-in: no file, every attribute names the real package
         assert proc.stdout.strip() == "None", proc.stdout
         assert f"import specdec.{name} instead" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("name", SUBPACKAGES)
+def test_a_bare_import_from_the_repo_root_finds_an_installed_package_of_that_name(name, tmp_path):
+    # transformers >= 5.25 requires the Hugging Face `kernels` package and imports from it at its own import
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "__init__.py").write_text("from .part import VALUE\n")
+    (tmp_path / name / "part.py").write_text("VALUE = 7\n")
+    code = f"import {name}; print({name}.__file__); print({name}.VALUE)"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # after the working directory (the repo root) on sys.path
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [str(tmp_path / name / "__init__.py"), "7"]
 
 
 def test_transformers_imports_from_the_repo_root():
