@@ -7,10 +7,11 @@
 
 The interpreter checks semantics, not what the GPU compiler accepts (layouts, dot shapes, register spills).
 Launches are recorded, not listed: the wrappers run on CPU tensors of real model shapes and dtypes (eager steps,
-every CUDA-graph bucket) with each kernel's ``run`` replaced by a recorder, tiles and split counts as on a GPU with
-``SMS`` SMs. Each distinct (kernel, signature, constexprs, attrs, options) compiles once, specialised as a GPU
-launch of the same arguments is (alignment hints, integers equal to 1 made constants); an attention or merge launch
-that spills more than ``--max-stack`` bytes of stack per thread fails. Run with TRITON_INTERPRET unset.
+every CUDA-graph bucket) with each kernel's ``run`` replaced by a recorder, tiles, split counts and rows per program
+as on a GPU with ``SMS`` SMs. Each distinct (kernel, signature, constexprs, attrs, options) compiles once,
+specialised as a GPU launch of the same arguments is (alignment hints, integers equal to 1 made constants); an
+attention or merge launch that spills more than ``--max-stack`` bytes of stack per thread fails. Run with
+TRITON_INTERPRET unset.
 """
 from __future__ import annotations
 
@@ -148,6 +149,7 @@ class Recorder:
 
     @contextlib.contextmanager
     def installed(self):
+        from specdec.kernels import launch_rows
         from specdec.kernels import tree_attention as ta
 
         config, splits = ta.launch_config, ta._default_splits
@@ -163,6 +165,7 @@ class Recorder:
             for kernel in _kernels():
                 stack.enter_context(mock.patch.object(kernel, "run", self._runner(kernel)))
             stack.enter_context(mock.patch.object(ta, "launch_config", gpu_tiles))
+            stack.enter_context(mock.patch.object(launch_rows, "rows_per_program", lambda device, rows: 1))
             stack.enter_context(mock.patch.object(ta, "_default_splits", gpu_splits))
             stack.enter_context(mock.patch.object(torch.cuda, "get_device_properties", lambda device: sms))
             yield self

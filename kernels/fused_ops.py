@@ -16,42 +16,45 @@ the norm's statistics in fp32), so in fp32 they agree with it to summation order
 bf16 / fp16 to about one unit in the last place. They launch with ``enable_fp_fusion=False``:
 on a GPU the compiler otherwise contracts a product and a sum into one FMA, skipping the
 product's rounding, and bf16 / fp16 results part from PyTorch's. Rows are token rows of contiguous
-``[num_tokens, ...]`` tensors.
+``[num_tokens, ...]`` tensors: one a program on a GPU, a block of them in the interpreter (:mod:`.launch_rows`).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from specdec.kernels import launch_rows
 
 
-@triton.jit
-def _add_rms_norm_kernel(H, Delta, W, Out, stride_h, stride_d, stride_o, N, eps, HAS_DELTA: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < N
-    h = tl.load(H + row * stride_h + cols, mask=ok, other=0.0)
+@triton.jit(do_not_specialize=["T"])
+def _add_rms_norm_kernel(H, Delta, W, Out, stride_h, stride_d, stride_o, T, N, eps, HAS_DELTA: tl.constexpr,
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]  # ROWS token rows (launch_rows)
+    cols = tl.arange(0, BLOCK)[None, :]
+    ok = (rows < T) & (cols < N)
+    h = tl.load(H + rows * stride_h + cols, mask=ok, other=0.0)
     if HAS_DELTA:
-        d = tl.load(Delta + row * stride_d + cols, mask=ok, other=0.0)
+        d = tl.load(Delta + rows * stride_d + cols, mask=ok, other=0.0)
         h = (h.to(tl.float32) + d.to(tl.float32)).to(H.dtype.element_ty)
-        tl.store(H + row * stride_h + cols, h, mask=ok)
+        tl.store(H + rows * stride_h + cols, h, mask=ok)
     x = h.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1)[:, None] / N + eps)
     normed = (x * inv).to(Out.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Out + row * stride_o + cols, (w * normed).to(Out.dtype.element_ty), mask=ok)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(Out + rows * stride_o + cols, (w * normed).to(Out.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _rope_row(X, Cos, Sin, t, stride_xt, stride_xh, stride_ct, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-              BLOCK_HALF: tl.constexpr, QW, KW, num_q_heads, q_eps, k_eps, HAS_NORM: tl.constexpr):
-    """Token row t of X: its heads rotated in place, each first RMS-normed over head_dim with QW (the first
-    num_q_heads heads) or KW (the others) when HAS_NORM. Returns (heads, cols, ok, a1, a2): the halves, stored."""
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
-    ok = (heads < num_heads) & (cols < HALF)
-    c_ok = cols < HALF
+def _rope_rows(X, Cos, Sin, t, T, stride_xt, stride_xh, stride_ct, num_heads, HALF: tl.constexpr,
+               BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, QW, KW, num_q_heads, q_eps, k_eps,
+               HAS_NORM: tl.constexpr):
+    """Token rows t [ROWS, 1, 1] (those < T) of X: their heads rotated in place, each first RMS-normed over head_dim
+    with QW (the first num_q_heads heads) or KW (the others) when HAS_NORM. Returns (heads, cols, ok, a1, a2): the
+    halves, stored; every block is [ROWS, BLOCK_H, BLOCK_HALF] or broadcasts to it."""
+    heads = tl.arange(0, BLOCK_H)[None, :, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, None, :]
+    c_ok = (t < T) & (cols < HALF)
+    ok = c_ok & (heads < num_heads)
     dt = X.dtype.element_ty
     c1 = tl.load(Cos + t * stride_ct + cols, mask=c_ok, other=0.0).to(tl.float32)
     c2 = tl.load(Cos + t * stride_ct + HALF + cols, mask=c_ok, other=0.0).to(tl.float32)
@@ -63,10 +66,12 @@ def _rope_row(X, Cos, Sin, t, stride_xt, stride_xh, stride_ct, num_heads, HALF: 
     if HAS_NORM:  # reference rms_norm: statistics in fp32, the normed row rounded, then the weight's product rounded
         is_q = heads < num_q_heads
         eps = tl.where(is_q, q_eps, k_eps)
-        inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1)[:, None] + tl.sum(x2 * x2, axis=1)[:, None]) / (2 * HALF) + eps)
-        w1 = tl.where(is_q, tl.load(QW + cols, mask=c_ok, other=0.0), tl.load(KW + cols, mask=c_ok, other=0.0))
-        w2 = tl.where(is_q, tl.load(QW + HALF + cols, mask=c_ok, other=0.0),
-                      tl.load(KW + HALF + cols, mask=c_ok, other=0.0))
+        inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=2)[:, :, None] + tl.sum(x2 * x2, axis=2)[:, :, None]) / (2 * HALF)
+                            + eps)
+        w_ok = cols < HALF
+        w1 = tl.where(is_q, tl.load(QW + cols, mask=w_ok, other=0.0), tl.load(KW + cols, mask=w_ok, other=0.0))
+        w2 = tl.where(is_q, tl.load(QW + HALF + cols, mask=w_ok, other=0.0),
+                      tl.load(KW + HALF + cols, mask=w_ok, other=0.0))
         x1 = (w1.to(tl.float32) * (x1 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         x2 = (w2.to(tl.float32) * (x2 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     # reference: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]; each product and the sum rounded
@@ -78,40 +83,49 @@ def _rope_row(X, Cos, Sin, t, stride_xt, stride_xh, stride_ct, num_heads, HALF: 
 
 
 @triton.jit
-def _rope_kernel(X, Cos, Sin, stride_xt, stride_xh, stride_ct, num_heads, HALF: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    _rope_row(X, Cos, Sin, tl.program_id(0).to(tl.int64), stride_xt, stride_xh, stride_ct, num_heads, HALF, BLOCK_H,
-              BLOCK_HALF, X, X, 0, 0.0, 0.0, False)
+def _token_rows(ROWS: tl.constexpr):
+    """This program's ROWS token rows (launch_rows), [ROWS] int64."""
+    return (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
+def _rope_kernel(X, Cos, Sin, stride_xt, stride_xh, stride_ct, T, num_heads, HALF: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    _rope_rows(X, Cos, Sin, _token_rows(ROWS)[:, None, None], T, stride_xt, stride_xh, stride_ct, num_heads, HALF,
+               BLOCK_H, BLOCK_HALF, X, X, 0, 0.0, 0.0, False)
+
+
+@triton.jit(do_not_specialize=["T"])
 def _rope_write_kernel(X, V, Cos, Sin, Dst, Slots, QW, KW, stride_xt, stride_xh, stride_vt, stride_ct, stride_plane,
-                       stride_slot, num_heads, num_q_heads, kv_width, q_eps, k_eps, HALF: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_V: tl.constexpr, HAS_NORM: tl.constexpr):
+                       stride_slot, T, num_heads, num_q_heads, kv_width, q_eps, k_eps, HALF: tl.constexpr,
+                       ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_V: tl.constexpr,
+                       HAS_NORM: tl.constexpr):
     # X: one token row holds num_q_heads q heads, then the k heads; Dst: the layer's K plane (V: stride_plane on)
-    t = tl.program_id(0).to(tl.int64)
-    heads, cols, ok, a1, a2 = _rope_row(X, Cos, Sin, t, stride_xt, stride_xh, stride_ct, num_heads, HALF, BLOCK_H,
-                                        BLOCK_HALF, QW, KW, num_q_heads, q_eps, k_eps, HAS_NORM)
-    slot = tl.load(Slots + t).to(tl.int64)
+    t = _token_rows(ROWS)
+    heads, cols, ok, a1, a2 = _rope_rows(X, Cos, Sin, t[:, None, None], T, stride_xt, stride_xh, stride_ct,
+                                         num_heads, HALF, BLOCK_H, BLOCK_HALF, QW, KW, num_q_heads, q_eps, k_eps,
+                                         HAS_NORM)
+    slot = tl.load(Slots + t, mask=t < T, other=0).to(tl.int64)
     is_k = ok & (heads >= num_q_heads)
-    k_dst = Dst + slot * stride_slot + (heads - num_q_heads) * (2 * HALF) + cols
+    k_dst = Dst + slot[:, None, None] * stride_slot + (heads - num_q_heads) * (2 * HALF) + cols
     tl.store(k_dst, a1.to(Dst.dtype.element_ty), mask=is_k)
     tl.store(k_dst + HALF, a2.to(Dst.dtype.element_ty), mask=is_k)
-    v_cols = tl.arange(0, BLOCK_V)
-    v_ok = v_cols < kv_width
+    t, slot = t[:, None], slot[:, None]  # [ROWS, 1]
+    v_cols = tl.arange(0, BLOCK_V)[None, :]
+    v_ok = (t < T) & (v_cols < kv_width)
     v = tl.load(V + t * stride_vt + v_cols, mask=v_ok)
     tl.store(Dst + stride_plane + slot * stride_slot + v_cols, v.to(Dst.dtype.element_ty), mask=v_ok)
 
 
-@triton.jit
-def _silu_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, N, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < N
-    g = tl.load(G + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(U + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
+@triton.jit(do_not_specialize=["T"])
+def _silu_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, T, N, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]  # ROWS token rows (launch_rows)
+    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    ok = (rows < T) & (cols < N)
+    g = tl.load(G + rows * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + rows * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)
-    tl.store(Out + row * stride_o + cols, (act * u).to(Out.dtype.element_ty), mask=ok)
+    tl.store(Out + rows * stride_o + cols, (act * u).to(Out.dtype.element_ty), mask=ok)
 
 
 def _check_rows(x: torch.Tensor, name: str, dim: int) -> None:
@@ -134,9 +148,11 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     out = torch.empty_like(h)
     if T:
         d = delta if delta is not None else h
-        _add_rms_norm_kernel[(T,)](h, d, weight.contiguous(), out, h.stride(0), d.stride(0), out.stride(0), N,
-                                   eps, HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(N),
-                                   enable_fp_fusion=False)
+        rows = launch_rows.rows_per_program(h.device, T)
+        _add_rms_norm_kernel[(triton.cdiv(T, rows),)](h, d, weight.contiguous(), out, h.stride(0), d.stride(0),
+                                                      out.stride(0), T, N, eps, HAS_DELTA=delta is not None,
+                                                      ROWS=rows, BLOCK=triton.next_power_of_2(N),
+                                                      enable_fp_fusion=False)
     return h, out
 
 
@@ -149,9 +165,10 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
                          f"got {tuple(cos.shape)} / {tuple(sin.shape)}")
     cos, sin = cos.contiguous(), sin.contiguous()
     if T:
-        _rope_kernel[(T,)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), heads, HALF=D // 2,
-                           BLOCK_H=triton.next_power_of_2(heads), BLOCK_HALF=triton.next_power_of_2(D // 2),
-                           enable_fp_fusion=False)
+        rows = launch_rows.rows_per_program(x.device, T)
+        _rope_kernel[(triton.cdiv(T, rows),)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), T, heads,
+                                              HALF=D // 2, ROWS=rows, BLOCK_H=triton.next_power_of_2(heads),
+                                              BLOCK_HALF=triton.next_power_of_2(D // 2), enable_fp_fusion=False)
     return x
 
 
@@ -181,12 +198,13 @@ def rope_write_(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch
     if norms is not None and (q_w.shape != (D,) or k_w.shape != (D,)):
         raise ValueError(f"norms: the q and k weights must be [{D}], got {tuple(q_w.shape)} / {tuple(k_w.shape)}")
     if T:
-        _rope_write_kernel[(T,)](qk, v, cos, sin, kv[layer, 0], slots, q_w.contiguous(), k_w.contiguous(),
-                                 qk.stride(0), qk.stride(1), v.stride(0), cos.stride(0), kv.stride(1), kv.stride(2),
-                                 heads, num_q_heads, kv_heads * D, float(q_eps), float(k_eps), HALF=D // 2,
-                                 BLOCK_H=triton.next_power_of_2(heads), BLOCK_HALF=triton.next_power_of_2(D // 2),
-                                 BLOCK_V=triton.next_power_of_2(kv_heads * D), HAS_NORM=norms is not None,
-                                 enable_fp_fusion=False)
+        rows = launch_rows.rows_per_program(qk.device, T)
+        _rope_write_kernel[(triton.cdiv(T, rows),)](
+            qk, v, cos, sin, kv[layer, 0], slots, q_w.contiguous(), k_w.contiguous(), qk.stride(0), qk.stride(1),
+            v.stride(0), cos.stride(0), kv.stride(1), kv.stride(2), T, heads, num_q_heads, kv_heads * D, float(q_eps),
+            float(k_eps), HALF=D // 2, ROWS=rows, BLOCK_H=triton.next_power_of_2(heads),
+            BLOCK_HALF=triton.next_power_of_2(D // 2), BLOCK_V=triton.next_power_of_2(kv_heads * D),
+            HAS_NORM=norms is not None, enable_fp_fusion=False)
     return qk
 
 
@@ -200,6 +218,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(gate)
     block = min(1024, triton.next_power_of_2(N))
     if T:
-        _silu_mul_kernel[(T, triton.cdiv(N, block))](gate, up, out, gate.stride(0), up.stride(0), out.stride(0), N,
-                                                     BLOCK=block, enable_fp_fusion=False)
+        rows = launch_rows.rows_per_program(gate.device, T)
+        _silu_mul_kernel[(triton.cdiv(T, rows), triton.cdiv(N, block))](
+            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), T, N, ROWS=rows, BLOCK=block,
+            enable_fp_fusion=False)
     return out

@@ -13,18 +13,19 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from specdec.kernels import launch_rows
 
 
-@triton.jit
-def _write_kernel(K, V, Dst, Slots, stride_k, stride_v, stride_plane, stride_slot, WIDTH: tl.constexpr,
-                  BLOCK_W: tl.constexpr):
-    # Dst: the layer's K plane; its V plane is stride_plane further
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    ok = cols < WIDTH
-    slot = tl.load(Slots + t).to(tl.int64)
-    k = tl.load(K + t.to(tl.int64) * stride_k + cols, mask=ok)
-    v = tl.load(V + t.to(tl.int64) * stride_v + cols, mask=ok)
+@triton.jit(do_not_specialize=["n"])
+def _write_kernel(K, V, Dst, Slots, stride_k, stride_v, stride_plane, stride_slot, n, WIDTH: tl.constexpr,
+                  ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
+    # Dst: the layer's K plane; its V plane is stride_plane further. ROWS token rows a program (launch_rows)
+    t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+    cols = (tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W))[None, :]
+    ok = (t < n) & (cols < WIDTH)
+    slot = tl.load(Slots + t, mask=t < n, other=0).to(tl.int64)
+    k = tl.load(K + t * stride_k + cols, mask=ok)
+    v = tl.load(V + t * stride_v + cols, mask=ok)
     tl.store(Dst + slot * stride_slot + cols, k.to(Dst.dtype.element_ty), mask=ok)
     tl.store(Dst + stride_plane + slot * stride_slot + cols, v.to(Dst.dtype.element_ty), mask=ok)
 
@@ -68,8 +69,10 @@ def write_kv(kv: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor,
     slots = slots.to(device=kv.device, dtype=torch.int32)
     bw = _block_w(width)
     k, v, dst = _rows(k, "k"), _rows(v, "v"), kv[layer, 0]
-    _write_kernel[(n, triton.cdiv(width, bw))](k, v, dst, slots, k.stride(0), v.stride(0), kv.stride(1), kv.stride(2),
-                                               WIDTH=width, BLOCK_W=bw)
+    rows = launch_rows.rows_per_program(kv.device, n)
+    _write_kernel[(triton.cdiv(n, rows), triton.cdiv(width, bw))](k, v, dst, slots, k.stride(0), v.stride(0),
+                                                                  kv.stride(1), kv.stride(2), n, WIDTH=width,
+                                                                  ROWS=rows, BLOCK_W=bw)
 
 
 def compact_kv(kv: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:

@@ -288,3 +288,45 @@ def test_bad_shapes_are_named():
                                                                                                      device=DEVICE))
     with pytest.raises(ValueError, match="differ"):
         silu_mul(x, torch.zeros(4, 7, device=DEVICE))
+
+
+def test_rows_per_program_is_one_on_a_gpu_and_a_block_in_the_interpreter():
+    from specdec.kernels.launch_rows import INTERPRETER_ROWS, rows_per_program
+
+    assert [rows_per_program(torch.device("cuda"), n) for n in (1, 7, 300)] == [1, 1, 1]
+    assert [rows_per_program(torch.device("cpu"), n) for n in (1, 2, 7, 64, 300)] == [1, 2, 8, 64, INTERPRETER_ROWS]
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="blocks of rows are the interpreter's; a GPU launches a row a program")
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_block_of_rows_gives_each_row_the_bits_of_its_own_program(rows, monkeypatch):
+    """Every row-wise kernel, 7 token rows: launched as the interpreter does (one program) and as a GPU does (a row
+    a program; ``rows=2``: a last block half past the end) store the same bits, in the cache's slots too."""
+    from specdec.kernels import launch_rows
+    from specdec.kernels.fused_ops import rope_write_
+    from specdec.kernels.kv_write import write_kv
+
+    gen = torch.Generator().manual_seed(rows)
+    T, q_heads, kv_heads, D, hidden = 7, 4, 2, 16, 100
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, HALF)
+
+    h, delta, weight, gate, up = randn(T, hidden), randn(T, hidden), randn(hidden), randn(T, 300), randn(T, 300)
+    qk, v, cos, sin = randn(T, q_heads + kv_heads, D), randn(T, kv_heads, D), randn(T, 1, D), randn(T, 1, D)
+    norms = (randn(D), randn(D), 1e-6, 1e-5)
+    slots = torch.randperm(32, generator=gen)[:T].to(DEVICE)
+
+    def run() -> list[torch.Tensor]:
+        kv = [torch.zeros(2, 2, 32, kv_heads, D, device=DEVICE, dtype=HALF) for _ in range(3)]
+        write_kv(kv[0], 1, slots, qk[:, :kv_heads], v)
+        return [*add_rms_norm(h.clone(), delta, weight, 1e-5), add_rms_norm(h.clone(), None, weight, 1e-5)[1],
+                rope_(qk.clone(), cos, sin), rope_write_(qk.clone(), v, cos, sin, kv[1], 1, slots, q_heads),
+                rope_write_(qk.clone(), v, cos, sin, kv[2], 1, slots, q_heads, norms), silu_mul(gate, up), *kv]
+
+    assert launch_rows.rows_per_program(qk.device, T) == 8  # the interpreter's block: the 7 rows in one program
+    block = run()
+    monkeypatch.setattr(launch_rows, "rows_per_program", lambda device, n: rows)
+    for i, (got, want) in enumerate(zip(run(), block, strict=True)):
+        assert torch.equal(got, want), f"output {i}: a block of rows gave other bits than {rows} row(s) a program"
+    assert all(t.abs().sum() > 0 for t in block[-3:])  # every kernel that writes the cache wrote it

@@ -1,0 +1,20 @@
+"""How many token rows one program of a row-wise kernel takes (the fused ops, the KV write).
+
+On a GPU: one, the launch these kernels were tuned and measured with. In the Triton interpreter (CPU tensors): a
+block of rows, as many as the launch has up to ``INTERPRETER_ROWS``: the interpreter runs a grid's programs one after
+another in Python, each op costing about the same for one row or a hundred (numpy under it), so one program per row
+made these kernels most of a CPU test's time. A row's values never depend on the others in its block (row-wise ops
+and reductions along the row only), so the result is the same either way.
+"""
+from __future__ import annotations
+
+import torch
+
+INTERPRETER_ROWS = 256  # rows per interpreted program at most (its temporaries: rows x the row's width)
+
+
+def rows_per_program(device: torch.device, rows: int) -> int:
+    """Rows per program of a launch over ``rows`` token rows of tensors on ``device`` (a power of two)."""
+    if device.type == "cuda":
+        return 1
+    return min(INTERPRETER_ROWS, 1 << max(rows - 1, 0).bit_length())
