@@ -101,60 +101,66 @@ class RandomTreeDrafter(Drafter):
     def __init__(self, vocab_size: int, max_nodes: int = 12, max_depth: int = 4, max_width: int = 3,
                  mode: str = "deterministic", seed: int = 0, temperature: float = 1.0,
                  history_bias: float = 0.0) -> None:
+        import random
+
         from specdec.tree import DraftMode
 
         self.vocab_size, self.max_nodes, self.max_depth, self.max_width = vocab_size, max_nodes, max_depth, max_width
         self.mode = DraftMode(mode)
-        self.gen = torch.Generator().manual_seed(seed)
+        self.gen = torch.Generator().manual_seed(seed)  # the sampled tokens' draws
+        self.rng = random.Random(seed)  # shapes, deterministic picks, history tokens: no tensor op per draw
         self.temperature = temperature
         if not 0.0 <= history_bias <= 1.0:
             raise ValueError(f"history_bias must lie in [0, 1], got {history_bias}")
         self.history_bias = history_bias
 
-    def _randint(self, hi: int) -> int:
-        return int(torch.randint(0, hi, (1,), generator=self.gen))
+    def _dists(self) -> torch.Tensor:
+        """A random distribution per expansion a tree can make (its root's and each node's): [max_nodes + 1, vocab],
+        drawn at once."""
+        noise = torch.randn(self.max_nodes + 1, self.vocab_size, generator=self.gen, dtype=torch.float32)
+        return torch.softmax(noise * 2 / self.temperature, -1)  # float32 whatever the default dtype
 
     def _propose_one(self, history):
         from specdec.tree import DraftMode, DraftTree
 
+        deterministic = self.mode is DraftMode.DETERMINISTIC
+        dists = None if deterministic else self._dists()
         tokens, parents, rows = [], [], []
         frontier = [-1]
-        depth = 0
+        depth = expansions = 0
         while frontier and len(tokens) < self.max_nodes and depth < self.max_depth:
             nxt = []
             for parent in frontier:
-                width = self._randint(self.max_width + 1) if parent >= 0 else 1 + self._randint(self.max_width)
-                noise = torch.randn(self.vocab_size, generator=self.gen, dtype=torch.float32)  # any default dtype
-                dist = torch.softmax(noise * 2 / self.temperature, -1)
-                if self.history_bias and history and self.mode is not DraftMode.DETERMINISTIC:
-                    cand = history[self._randint(len(history))]
-                    if cand < self.vocab_size:
-                        dist = dist * (1 - self.history_bias)
-                        dist[cand] += self.history_bias
-                if self.mode is DraftMode.DETERMINISTIC:
-                    picks = torch.randperm(self.vocab_size, generator=self.gen)[:width].tolist()
-                    if history and width and self._randint(2):
-                        cand = history[self._randint(len(history))]
+                # the root has at least one child
+                width = self.rng.randint(0 if parent >= 0 else 1, self.max_width)
+                if deterministic:
+                    picks = self.rng.sample(range(self.vocab_size), min(width, self.vocab_size))
+                    if history and width and self.rng.randrange(2):
+                        cand = self.rng.choice(history)
                         picks = [cand] + [t for t in picks if t != cand][: width - 1]
-                elif self.mode is DraftMode.INDEPENDENT:
-                    picks = (torch.multinomial(dist, width, replacement=True, generator=self.gen).tolist()
-                             if width else [])
                 else:
-                    picks = torch.multinomial(dist, min(width, self.vocab_size), replacement=False,
-                                              generator=self.gen).tolist() if width else []
+                    dist = dists[expansions]
+                    expansions += 1
+                    if self.history_bias and history:
+                        cand = self.rng.choice(history)
+                        if cand < self.vocab_size:
+                            dist = dist * (1 - self.history_bias)
+                            dist[cand] += self.history_bias
+                    replacement = self.mode is DraftMode.INDEPENDENT
+                    picks = torch.multinomial(dist, width if replacement else min(width, self.vocab_size),
+                                              replacement=replacement, generator=self.gen).tolist() if width else []
                 for t in picks:
                     if len(tokens) >= self.max_nodes:
                         break
                     nxt.append(len(tokens))
                     tokens.append(t)
                     parents.append(parent)
-                    rows.append(dist)
+                    rows.append(None if deterministic else dist)
             frontier = nxt
             depth += 1
-        probs = None if self.mode is DraftMode.DETERMINISTIC or not tokens else torch.stack(rows)
-        if self.mode is not DraftMode.DETERMINISTIC and not tokens:
-            return DraftTree.empty()
-        return DraftTree(tokens, parents, probs, self.mode)
+        if deterministic:
+            return DraftTree(tokens, parents, None, self.mode)
+        return DraftTree(tokens, parents, torch.stack(rows), self.mode) if tokens else DraftTree.empty()
 
     def propose(self, seqs):
         return [self._propose_one(list(s.token_ids)) for s in seqs]
