@@ -24,12 +24,13 @@ import torch
 import triton
 import triton.language as tl
 from specdec.kernels import launch_rows
+from specdec.kernels.launch_rows import token_rows
 
 
 @triton.jit(do_not_specialize=["T"])
 def _add_rms_norm_kernel(H, Delta, W, Out, stride_h, stride_d, stride_o, T, N, eps, HAS_DELTA: tl.constexpr,
                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]  # ROWS token rows (launch_rows)
+    rows = token_rows(ROWS)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     ok = (rows < T) & (cols < N)
     h = tl.load(H + rows * stride_h + cols, mask=ok, other=0.0)
@@ -82,16 +83,10 @@ def _rope_rows(X, Cos, Sin, t, T, stride_xt, stride_xh, stride_ct, num_heads, HA
     return heads, cols, ok, a1, a2
 
 
-@triton.jit
-def _token_rows(ROWS: tl.constexpr):
-    """This program's ROWS token rows (launch_rows), [ROWS] int64."""
-    return (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-
-
 @triton.jit(do_not_specialize=["T"])
 def _rope_kernel(X, Cos, Sin, stride_xt, stride_xh, stride_ct, T, num_heads, HALF: tl.constexpr,
                  ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    _rope_rows(X, Cos, Sin, _token_rows(ROWS)[:, None, None], T, stride_xt, stride_xh, stride_ct, num_heads, HALF,
+    _rope_rows(X, Cos, Sin, token_rows(ROWS)[:, None, None], T, stride_xt, stride_xh, stride_ct, num_heads, HALF,
                BLOCK_H, BLOCK_HALF, X, X, 0, 0.0, 0.0, False)
 
 
@@ -101,7 +96,7 @@ def _rope_write_kernel(X, V, Cos, Sin, Dst, Slots, QW, KW, stride_xt, stride_xh,
                        ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_V: tl.constexpr,
                        HAS_NORM: tl.constexpr):
     # X: one token row holds num_q_heads q heads, then the k heads; Dst: the layer's K plane (V: stride_plane on)
-    t = _token_rows(ROWS)
+    t = token_rows(ROWS)
     heads, cols, ok, a1, a2 = _rope_rows(X, Cos, Sin, t[:, None, None], T, stride_xt, stride_xh, stride_ct,
                                          num_heads, HALF, BLOCK_H, BLOCK_HALF, QW, KW, num_q_heads, q_eps, k_eps,
                                          HAS_NORM)
@@ -119,7 +114,7 @@ def _rope_write_kernel(X, V, Cos, Sin, Dst, Slots, QW, KW, stride_xt, stride_xh,
 
 @triton.jit(do_not_specialize=["T"])
 def _silu_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, T, N, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]  # ROWS token rows (launch_rows)
+    rows = token_rows(ROWS)[:, None]
     cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
     ok = (rows < T) & (cols < N)
     g = tl.load(G + rows * stride_g + cols, mask=ok, other=0.0).to(tl.float32)

@@ -14,13 +14,14 @@ import torch
 import triton
 import triton.language as tl
 from specdec.kernels import launch_rows
+from specdec.kernels.launch_rows import token_rows
 
 
 @triton.jit(do_not_specialize=["n"])
 def _write_kernel(K, V, Dst, Slots, stride_k, stride_v, stride_plane, stride_slot, n, WIDTH: tl.constexpr,
                   ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
     # Dst: the layer's K plane; its V plane is stride_plane further. ROWS token rows a program (launch_rows)
-    t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+    t = token_rows(ROWS)[:, None]
     cols = (tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W))[None, :]
     ok = (t < n) & (cols < WIDTH)
     slot = tl.load(Slots + t, mask=t < n, other=0).to(tl.int64)

@@ -181,7 +181,8 @@ def test_random_tree_greedy_identity(loaded, prompts, plain_256):
     out = specdec.generate(loaded, prompts[:DRAFTER_PROMPTS], max_new_tokens=new_tokens, drafter=drafter,
                            speculation="always", return_dict=True)
     # plain greedy's first 96 tokens (all of them where it stopped sooner)
-    reference = [ref[: len(p) + new_tokens] for p, ref in zip(prompts, plain_256[:DRAFTER_PROMPTS], strict=False)]
+    reference = [ref[: len(p) + new_tokens]
+                 for p, ref in zip(prompts[:DRAFTER_PROMPTS], plain_256[:DRAFTER_PROMPTS], strict=True)]
     mismatched = [i for i, (o, r) in enumerate(zip(out.sequences, reference, strict=True)) if o != r]
     assert not mismatched, f"random-tree drafter differs on prompts {mismatched}"
     assert out.tau > 1.0  # drafts were accepted: the accepted paths' compaction ran

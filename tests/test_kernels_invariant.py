@@ -20,6 +20,8 @@ from specdec.models.llama import LlamaRunner  # noqa: E402
 from specdec.testing import build_tiny_model  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+ROW_COUNTS = [2, 17, 40, 64]
 
 
 @pytest.fixture(autouse=True)
@@ -33,8 +35,6 @@ def _dot_by_rows():
 
     with interpreter_dot_by_rows():
         yield
-TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
-ROW_COUNTS = [2, 17, 40, 64]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
