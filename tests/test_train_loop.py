@@ -321,6 +321,16 @@ def _launch_two(*script: str) -> list[str]:
             *script]
 
 
+def _what_the_ranks_said(stderr: str, lines: int = 30) -> str:
+    """A failed two-process launch's output, for an assertion: each rank's last ``lines`` lines of its traceback (the
+    launcher prefixes them with ``[rankN]:``), its CLI lines, then the output's end. The end alone held the main
+    process's error at its last collective ("Connection closed by peer") and not the other's, which came first."""
+    out = stderr.splitlines()
+    parts = [f"--- rank {r}:\n" + "\n".join([x for x in out if x.startswith(f"[rank{r}]:")][-lines:]) for r in (0, 1)]
+    parts.append("--- CLI lines:\n" + "\n".join(x for x in out if x.startswith("specdec ")))
+    return "\n".join(parts) + "\n--- the end:\n" + stderr[-1500:]
+
+
 @pytest.mark.slow
 def test_two_processes_follow_the_single_process_curve(tiny, tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2` on a CPU-only machine: two real processes (gloo),
@@ -340,7 +350,7 @@ def test_two_processes_follow_the_single_process_curve(tiny, tmp_path):
     for name, cmd in (("one", [sys.executable, "-m", "specdec.cli"]), ("two", launch)):
         proc = subprocess.run(cmd + args + ["--output-dir", str(tmp_path / name)], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, _what_the_ranks_said(proc.stderr)
     one, two = ([json.loads(x) for x in (tmp_path / n / "history.jsonl").read_text().splitlines()]
                 for n in ("one", "two"))
     assert json.loads((tmp_path / "two" / "report.json").read_text())["processes"] == 2
@@ -684,7 +694,7 @@ def test_two_processes_interrupted_at_different_points_save_the_step_they_agree_
     launch = _launch_two(str(driver))
     proc = subprocess.run(launch + [json.dumps(args), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, _what_the_ranks_said(proc.stderr)
     # the interrupted run closes its process group as a finished one does (left to exit, a rank can abort)
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [[[0, 130, 0], 3],
                                                                                       [[0, 143, 0], 3]]
@@ -714,8 +724,10 @@ from specdec.train import evaluate, features
 
 generate = importlib.import_module("specdec.generate")  # the module (the package exports the function by its name)
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's process has it (a test worker may not)
-# the runs share one process group; where processes fall out of step, a collective fails in a minute, not thirty
+# the runs share one process group; where processes fall out of step inside a run, a collective fails in a minute,
+# not thirty. Between runs they wait longer (below): the main process evaluates alone after each run
 torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=60))
+between_runs = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=300))
 accelerate.Accelerator.end_training = lambda self: None
 rank, args, out = int(os.environ["RANK"]), json.loads(sys.argv[1]), Path(sys.argv[2])
 armed, batches = [None], []
@@ -745,15 +757,17 @@ for name, phase, extra in (("full", None, []), ("part", "distill", []), ("part",
     os.environ["SPECDEC_CACHE_DIR"] = str(out / ("cache-" + name))
     armed[0], batches[:] = phase, []
     codes.append(main(args + ["--output-dir", str(out / name)] + extra))
+    # as separate launches would: the next run starts when both are done with this one. Going on at once, the other
+    # process waits for the main one's evaluation in the next run's first collective, under the minute's timeout
+    torch.distributed.barrier(group=between_runs)
     generated.append(len(batches))
     if phase == "distill":
         kept = {p.name.split(".", 1)[1]: [json.loads(x)["start"] for x in p.read_text().splitlines()]
                 for p in (out / "cache-part").rglob("*.partial*.jsonl")}
 with open(out / f"rank{rank}.json", "w") as f:
     json.dump([codes, kept, generated], f)
-# both leave the group together, as the pipeline's end_training does after its last meeting: the main process
-# evaluates alone after the last run, and a process tearing gloo down while its peer still ran once aborted
-# ("terminate called without an active exception", exit -6)
+# both leave the group together (they met after the last run): a process tearing gloo down while its peer still
+# ran once aborted ("terminate called without an active exception", exit -6)
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
 """
@@ -784,8 +798,8 @@ def test_two_processes_interrupted_outside_the_training_loop_stop_together(tiny,
     assert main(args + ["--output-dir", str(tmp_path / "one")]) == 0
     proc = subprocess.run(_launch_two(str(driver)) + [json.dumps(args), str(tmp_path)], cwd=tmp_path,
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 0, _what_the_ranks_said(proc.stderr)
+    assert "Traceback" not in proc.stderr, _what_the_ranks_said(proc.stderr)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     kept = {"partial.jsonl": [0], "partial.1.jsonl": [2, 6]}  # the batch each was generating when they stopped: 6
     assert ranks == [[[0, 130, 143, 143, 0], kept, [2, 2, 1, 0, 0]], [[0, 130, 143, 0, 0], kept, [2, 2, 0, 0, 0]]]
