@@ -1,6 +1,7 @@
 """Compile every kernel launch the engine makes for a CUDA architecture WITHOUT a GPU (Triton's bundled ptxas).
 
     python -m specdec.kernels.compile_check              # sm_90 (H100 / H200): every recorded launch
+    python -m specdec.kernels.compile_check --cover      # a pairwise cover of them (the test suite's)
     python -m specdec.kernels.compile_check --quick      # a handful (8B decode and tree, head_dim 512 tree, ...)
     python -m specdec.kernels.compile_check --list       # what would be compiled, without compiling
     python -m specdec.kernels.compile_check --arch 80 --resources
@@ -10,8 +11,9 @@ Launches are recorded, not listed: the wrappers run on CPU tensors of real model
 every CUDA-graph bucket) with each kernel's ``run`` replaced by a recorder, tiles, split counts and rows per program
 as on a GPU with ``SMS`` SMs. Each distinct (kernel, signature, constexprs, attrs, options) compiles once,
 specialised as a GPU launch of the same arguments is (alignment hints, integers equal to 1 made constants); an
-attention or merge launch that spills more than ``--max-stack`` bytes of stack per thread fails. Run with
-TRITON_INTERPRET unset.
+attention or merge launch that spills more than ``--max-stack`` bytes of stack per thread fails. ``--cover``
+compiles fewer launches of each kernel, chosen so that each of its settings, and each pair of them, is still met.
+Run with TRITON_INTERPRET unset.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import argparse
 import contextlib
 import importlib
 import inspect
+import itertools
 import json
 import os
 import subprocess
@@ -104,6 +107,33 @@ class Launch:
 
     def kernel(self):
         return getattr(importlib.import_module(self.module), self.kernel_name)
+
+    @property
+    def settings(self) -> frozenset:
+        """What its compilation depends on, as (what, value) pairs: each constexpr, argument type, alignment hint
+        and option."""
+        names = list(self.signature)
+        return frozenset([*((f"{n}", repr(v)) for n, v in self.signature.items() if v != "constexpr"),
+                          *((names[i], repr(v)) for (i,), v in self.constexprs.items()),
+                          *((f"{names[i]} attrs", repr(v)) for (i,), v in self.attrs.items()),
+                          *((f"option {k}", repr(v)) for k, v in self.options.items())])
+
+
+def pairwise_cover(launches: list[Launch]) -> list[Launch]:
+    """Launches of ``launches`` (in their order) such that, for each kernel, every setting of its launches and every
+    pair of settings found together in one of them is found in one chosen: greedily, the launch meeting the most
+    pairs not met yet first. A fault of one setting, or of two together, still has a launch to show it."""
+    chosen = set()
+    for kernel in dict.fromkeys(la.kernel_name for la in launches):
+        mine = [i for i, la in enumerate(launches) if la.kernel_name == kernel]
+        pairs = {i: {frozenset(p) for p in itertools.combinations_with_replacement(launches[i].settings, 2)}
+                 for i in mine}
+        left = set().union(*pairs.values())
+        while left:
+            best = max(mine, key=lambda i: (len(pairs[i] & left), -i))
+            chosen.add(best)
+            left -= pairs[best]
+    return [la for i, la in enumerate(launches) if i in chosen]
 
 
 def _specialise(kernel, args, kwargs) -> tuple[dict, dict, dict, dict]:
@@ -419,6 +449,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="a handful: bf16 decode and tree and a float32 tree of the 8B shape, merge, KV, norm, a "
                          "bf16 tree over head_dim 512")
+    ap.add_argument("--cover", action="store_true",
+                    help="of each kernel, only launches that meet each of its settings and each pair of them (about "
+                         "a quarter of the launches)")
     ap.add_argument("--list", action="store_true", help="print what would be compiled, compile nothing")
     ap.add_argument("--max-stack", type=int, default=DEFAULT_MAX_STACK, metavar="BYTES",
                     help=f"fail an attention or merge launch that spills more than BYTES of stack per thread "
@@ -428,11 +461,16 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2
+    if args.quick and args.cover:
+        print("--quick and --cover: choose one", file=sys.stderr)
+        return 2
     try:
         todo = record(args.quick)
     except RuntimeError as e:
         print(f"FAIL driving the wrappers at {e}")
         return 1
+    if args.cover:
+        todo = pairwise_cover(todo)
     if args.list:
         print("\n".join(la.name for la in todo))
         print(f"{len(todo)} kernels to compile")

@@ -54,6 +54,10 @@ def test_the_check_covers_what_the_engine_launches():
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = proc.stdout.splitlines()
     assert names[-1].endswith(" kernels to compile") and int(names[-1].split()[0]) == len(names) - 1 > 100, names[-1]
+    cover = run_check("--list", "--cover").stdout.splitlines()  # the suite's compile: fewer, every kernel among them
+    assert set(cover[:-1]) < set(names[:-1]) and len(cover) < len(names) / 2
+    assert {n.split(" bf16")[0].split(" fp")[0] for n in cover[:-1]} == {
+        n.split(" bf16")[0].split(" fp")[0] for n in names[:-1]}
 
     def found(prefix: str, *parts: str) -> bool:
         return any(n.startswith(prefix) and all(p in n for p in parts) for n in names)
@@ -125,13 +129,45 @@ def test_the_checked_q_is_laid_out_as_the_runner_passes_it(variant, monkeypatch)
 
 
 @pytest.mark.slow
-def test_every_launch_config_compiles_for_h100():
-    proc = run_check()
+def test_a_pairwise_cover_of_the_launches_compiles_for_h100():
+    """Every kernel, each of its settings and each pair of them, compiled for sm_90. The full check (every launch)
+    took ~6 minutes of both CI cores with Triton's cache empty, as on a fresh clone; the cover about a fifth."""
+    proc = run_check("--cover")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "FAIL" not in proc.stdout
     lines = proc.stdout.splitlines()
     compiled = sum(line.startswith("ok   ") for line in lines)
     assert lines[-1] == f"{compiled}/{compiled} kernels compiled for sm_90", lines[-1]
+    assert compiled > 50, lines[-1]
+
+
+def _launch(kernel: str, **constexprs):
+    from specdec.kernels.compile_check import Launch
+
+    signature = {"x_ptr": "*bf16", **{name: "constexpr" for name in constexprs}}
+    return Launch("m", kernel, signature, {(i + 1,): v for i, v in enumerate(constexprs.values())}, {}, {}, "bf16",
+                  "")
+
+
+def test_the_cover_meets_every_pair_of_settings_of_each_kernel():
+    """Of four launches of one kernel over two settings of two values each, every one shows a pair no other does: all
+    four are compiled; a launch adding nothing is not; another kernel's launches are covered on their own."""
+    import itertools
+
+    from specdec.kernels.compile_check import pairwise_cover
+
+    grid = [_launch("a", BLOCK=b, SPLIT=s) for b in (16, 32) for s in (False, True)]
+    again = _launch("a", BLOCK=16, SPLIT=False)
+    again.options = {"num_warps": 4}  # a third setting: its pairs with the others must be met too
+    other = [_launch("b", BLOCK=16), _launch("b", BLOCK=16), _launch("b", BLOCK=64)]
+    launches = [*grid, again, *other]
+    chosen = pairwise_cover(launches)
+    assert [launches.index(la) for la in chosen] == [1, 2, 3, 4, 5, 7]  # `again` covers grid[0]'s pairs
+    for kernel in ("a", "b"):
+        met = {p for la in chosen if la.kernel_name == kernel
+               for p in itertools.combinations_with_replacement(sorted(la.settings), 2)}
+        assert all(p in met for la in launches if la.kernel_name == kernel
+                   for p in itertools.combinations_with_replacement(sorted(la.settings), 2))
 
 
 SPECIALISATIONS = """
