@@ -113,7 +113,7 @@ class Launch:
         """What its compilation depends on, as (what, value) pairs: each constexpr, argument type, alignment hint
         and option."""
         names = list(self.signature)
-        return frozenset([*((f"{n}", repr(v)) for n, v in self.signature.items() if v != "constexpr"),
+        return frozenset([*((n, repr(v)) for n, v in self.signature.items() if v != "constexpr"),
                           *((names[i], repr(v)) for (i,), v in self.constexprs.items()),
                           *((f"{names[i]} attrs", repr(v)) for (i,), v in self.attrs.items()),
                           *((f"option {k}", repr(v)) for k, v in self.options.items())])
@@ -446,12 +446,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100, 80 = A100)")
     ap.add_argument("--resources", action="store_true", help="print registers / stack (spills) per kernel")
-    ap.add_argument("--quick", action="store_true",
-                    help="a handful: bf16 decode and tree and a float32 tree of the 8B shape, merge, KV, norm, a "
-                         "bf16 tree over head_dim 512")
-    ap.add_argument("--cover", action="store_true",
-                    help="of each kernel, only launches that meet each of its settings and each pair of them (about "
-                         "a quarter of the launches)")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--quick", action="store_true",
+                       help="a handful: bf16 decode and tree and a float32 tree of the 8B shape, merge, KV, norm, a "
+                            "bf16 tree over head_dim 512")
+    which.add_argument("--cover", action="store_true",
+                       help="of each kernel, only launches that meet each of its settings and each pair of them "
+                            "(about a quarter of the launches)")
     ap.add_argument("--list", action="store_true", help="print what would be compiled, compile nothing")
     ap.add_argument("--max-stack", type=int, default=DEFAULT_MAX_STACK, metavar="BYTES",
                     help=f"fail an attention or merge launch that spills more than BYTES of stack per thread "
@@ -460,9 +461,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled", file=sys.stderr)
-        return 2
-    if args.quick and args.cover:
-        print("--quick and --cover: choose one", file=sys.stderr)
         return 2
     try:
         todo = record(args.quick)
