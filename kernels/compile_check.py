@@ -468,7 +468,9 @@ def main(argv=None) -> int:
         print(f"FAIL driving the wrappers at {e}")
         return 1
     if args.cover:
-        todo = pairwise_cover(todo)
+        cover = pairwise_cover(todo)
+        print(f"a pairwise cover: {len(cover)} of {len(todo)} launches")
+        todo = cover
     if args.list:
         print("\n".join(la.name for la in todo))
         print(f"{len(todo)} kernels to compile")
