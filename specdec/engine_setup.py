@@ -238,6 +238,10 @@ def _kv_cache(request: "GenerateRequest", needed: int, fault: EngineFault | None
                         "eagerly")
             graphs = False
     if graphs and not runner.backend.triton:  # CPU tests run uncaptured graphs on the Triton interpreter
+        if runner.device.type == "cuda":
+            raise InputError(f"cuda_graphs=True needs the Triton attention backend, and the model runs on the "
+                             f"{runner.backend.name} one: load it with backend='auto' (Triton on CUDA) or pass "
+                             "cuda_graphs=False")
         raise InputError(f"cuda_graphs=True needs a CUDA device, and the model runs on {runner.device}: pass "
                          "cuda_graphs='auto' (the default: graphs on CUDA, eager elsewhere) or False")
     blocks = needed if config.num_blocks is None else config.num_blocks
