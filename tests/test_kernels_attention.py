@@ -107,8 +107,9 @@ def test_split_parts_are_merged_by_their_last_program_launch_after_launch(monkey
                        num_kv_heads=2, group=2, head_dim=16, page_size=4, seed=13, device=DEVICE)
     ref = reference_attention(case)
     merges = []
-    real_merge = ta._merge_parts
-    monkeypatch.setattr(ta, "_merge_parts", lambda *a, **k: merges.append(1) or real_merge(*a, **k))  # interpreted
+    if DEVICE == "cpu":  # the interpreter calls the merge as Python; a GPU compiles it, and a patched one fails to
+        real_merge = ta._merge_parts
+        monkeypatch.setattr(ta, "_merge_parts", lambda *a, **k: merges.append(1) or real_merge(*a, **k))
     _poisoned_empty(monkeypatch)
     merge_launches = _merge_launches(monkeypatch)
     for meta, splits in ((case.metadata(), 2), (case.plan.kernel_metadata, 3)):
@@ -120,7 +121,8 @@ def test_split_parts_are_merged_by_their_last_program_launch_after_launch(monkey
             (counts,) = meta._arrivals.values()
             pairs = meta.tiles(4)[0].numel() * 2  # (tile, KV head) pairs: BLOCK_Q 4 for GROUP 2, head_dim 16
             assert counts.numel() == pairs and not counts.any().item(), counts
-            assert len(merges) == pairs, f"{len(merges)} merges for {pairs} tiles x KV heads: one program each"
+            if DEVICE == "cpu":
+                assert len(merges) == pairs, f"{len(merges)} merges for {pairs} tiles x KV heads: one program each"
     assert not merge_launches
 
 
@@ -256,6 +258,7 @@ def test_heads_wider_than_256_match_reference(head_dim):
     check(case, num_splits=2)
     assert ta.launch_config(4, head_dim, 65, torch.bfloat16)["BLOCK_Q"] * 4 == 32
     model = build_tiny_model(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=2 * head_dim)
+    model = model.to(DEVICE)  # on a GPU, a CPU model is refused the Triton backend before its head_dim is judged
     with pytest.raises(InputError, match=rf"^head_dim {2 * head_dim} exceeds the Triton tree-attention kernel's "
                                          rf"limit of 512; use the reference backend"):
         LlamaRunner(model, backend="triton")
