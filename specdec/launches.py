@@ -45,7 +45,7 @@ class Launches(TorchDispatchMode):
         self.ops: collections.Counter = collections.Counter()
         self.inside_ops: collections.Counter = collections.Counter()
         self.paused = self.inside = 0
-        self._run = None  # the Triton interpreter's launch, while it is wrapped
+        self._runs: list = []  # (class, its own launch) of the Triton launches wrapped while counting
 
     def count(self, name: str) -> None:
         if not self.paused:
@@ -61,25 +61,28 @@ class Launches(TorchDispatchMode):
     def __enter__(self):
         try:
             import triton.runtime.interpreter as interpreter
+            import triton.runtime.jit as jit
         except ImportError:  # no Triton: aten ops only
             return super().__enter__()
-        self._run = real = interpreter.InterpretedFunction.run
         counter = self
+        for cls in (interpreter.InterpretedFunction, jit.JITFunction):  # the interpreter's launches, a GPU's
+            real = cls.run
 
-        def run(fn, *args, **kwargs):  # a kernel launch: counted once, its inner tensor ops not at all
-            counter.count(f"triton:{fn.fn.__name__}")
-            counter.paused += 1
-            try:
-                return real(fn, *args, **kwargs)
-            finally:
-                counter.paused -= 1
+            def run(fn, *args, real=real, **kwargs):  # a kernel launch: counted once, its inner tensor ops not at all
+                if not kwargs.get("warmup"):  # a warm-up compiles only
+                    counter.count(f"triton:{fn.fn.__name__}")
+                counter.paused += 1
+                try:
+                    return real(fn, *args, **kwargs)
+                finally:
+                    counter.paused -= 1
 
-        interpreter.InterpretedFunction.run = run
+            cls.run = run
+            self._runs.append((cls, real))
         return super().__enter__()
 
     def __exit__(self, *exc):
-        if self._run is not None:
-            import triton.runtime.interpreter as interpreter
-
-            interpreter.InterpretedFunction.run, self._run = self._run, None
+        while self._runs:
+            cls, real = self._runs.pop()
+            cls.run = real
         return super().__exit__(*exc)

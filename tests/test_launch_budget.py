@@ -142,3 +142,34 @@ def test_top_k_is_topk_and_a_single_candidate_the_first_maximum():
     for k in (2, 5):
         assert [t.tolist() for t in top_k(scores, k)] == [t.tolist() for t in torch.topk(scores, k)]
 
+
+
+def test_a_gpu_s_triton_launches_are_counted_once_and_its_warm_ups_not(monkeypatch):
+    """On a GPU the kernels are JITFunctions, not the interpreter's: each launch counts once (they went uncounted,
+    and the fused-op layer test failed on an H200), a warm-up (compiling only) not at all, the launch's own tensor
+    work not either; leaving puts the launch back."""
+    import types
+
+    import torch
+    import triton.runtime.jit as jit
+
+    from specdec.launches import Launches
+
+    warmups = []
+
+    def launch(fn, *args, grid, warmup, **kwargs):
+        warmups.append(warmup)
+        torch.ones(2).add_(1)
+
+    def _rope_kernel():
+        pass
+
+    monkeypatch.setattr(jit.JITFunction, "run", launch)
+    kernel = types.SimpleNamespace(fn=_rope_kernel)
+    with Launches() as counter:
+        jit.JITFunction.run(kernel, 1, grid=(1,), warmup=False)
+        jit.JITFunction.run(kernel, 1, grid=(1,), warmup=True)
+        torch.zeros(2).add_(1)
+    assert warmups == [False, True]
+    assert dict(counter.ops) == {"triton:_rope_kernel": 1, "zeros": 1, "add_": 1}, dict(counter.ops)
+    assert jit.JITFunction.run is launch
