@@ -134,6 +134,12 @@ def _phase(event) -> str | None:
     return None
 
 
+def _linked(event) -> int:
+    """The id of the op around a device event's launch, 0 where none; torch 2.11's events have no such field (the
+    H200 image's): there each kernel is found by its runtime call's correlation id, as a graph replay's are."""
+    return getattr(event, "linked_correlation_id", 0)
+
+
 def _phase_finders(events):
     """Two functions: the engine phase of a host event, and that of a device event's launch. A device event's launch
     is the host op linked to it (``linked_correlation_id`` is the innermost op's ``id``), else the runtime call with
@@ -142,7 +148,7 @@ def _phase_finders(events):
     the thread reading the trace) takes the innermost phase range around its start."""
     host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     calls = {e.id: e for e in host if RUNTIME_CALL.match(e.name)}  # CUPTI's ids: a call shares its kernels'
-    ops = {e.id: e for e in host if not RUNTIME_CALL.match(e.name) and not e.linked_correlation_id}  # the profiler's
+    ops = {e.id: e for e in host if not RUNTIME_CALL.match(e.name) and not _linked(e)}  # the profiler's
     ranges = [e for e in host if e.name.startswith("engine.")]
     seen: dict[int, str] = {}  # by id(): a graph replay's kernels share one launch
 
@@ -156,7 +162,7 @@ def _phase_finders(events):
         return seen[id(event)]
 
     def of_device(event) -> str:
-        launch = ops.get(event.linked_correlation_id) if event.linked_correlation_id else None
+        launch = ops.get(_linked(event)) if _linked(event) else None
         launch = launch or calls.get(event.id)
         return UNATTRIBUTED if launch is None else of_host(launch)
     return of_host, of_device
