@@ -222,6 +222,20 @@ def test_carried_gguf_parts_join_to_the_file_and_the_calls_name_them(tmp_path, m
     (tmp_path / "joined" / "smol.gguf.part1").write_bytes(parts[0].read_bytes())  # what the first call kept
     subprocess.run(join, shell=True, check=True)
     assert (tmp_path / "joined" / "smol.gguf").read_bytes() == blob.read_bytes()
+    # a fresh machine for the second call (the first given back after ~30 s idle) installs again: whether specdec is
+    # installed is not asked in the repository's root, where its source folder imports without any install (the
+    # an H200 call skipped the install so, and every step failed); a Python without site-packages stands in
+    installed = second[:second.index(" && cp ")].replace(second[second.index("python3 -m pip"):
+                                                               second.index("; }; }")], "echo install")
+    bin_dir, repo = tmp_path / "bin", tmp_path / "repo"
+    (repo / "specdec").mkdir(parents=True)
+    (repo / "specdec" / "__init__.py").write_text("")
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    out = subprocess.run(["bash", "-c", installed], cwd=repo, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout == "install\n", (installed, out.stdout, out.stderr)
 
 
 def test_a_deadline_shrinks_each_steps_limit_and_the_speed_budget(tmp_path, monkeypatch):
