@@ -612,7 +612,7 @@ def markdown(report: dict) -> str:
         if m["skipped"]:
             lines += ["", "skipped (out of time): " + "; ".join(m["skipped"])]
         if m["errors"]:
-            lines += ["", "errors:"] + [f"- {e}" for e in m["errors"]]
+            lines += ["", "errors:", ""] + [f"- {e}" for e in m["errors"]]
         lines.append("")
     return "\n".join(lines)
 

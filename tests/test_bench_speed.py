@@ -69,6 +69,11 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     assert "## synthetic:qwen3-1.7b@tiny" in text and "speedup vs plain" in text and "REHEARSAL" in text
     assert "| oracle chain tau 3.0 +eagle b1 |" in text and "| p(n) / p(1) | 1.00 |" in text
     assert "graph replays" not in text and "uncaptured static growths" in text  # nothing is captured on the CPU
+    from tests.test_docs import list_pitfalls
+
+    report = json.loads((tmp_path / "speed.json").read_text())
+    report["models"][0]["errors"] = ["profile b1: AttributeError: no such field"]  # a list after its label renders
+    assert list_pitfalls(bench.markdown(report)) == []  # as one (the docs build refused an H200 run's report)
 
 
 def test_what_does_not_fit_the_budget_is_skipped_and_reported(bench, tmp_path):
