@@ -140,6 +140,26 @@ class MedusaHeads(nn.Module):
         self.register_buffer("draft_ids", torch.tensor(config.draft_vocab, dtype=torch.long, device="cpu"),
                              persistent=False)
 
+    @classmethod
+    def from_lm_head(cls, config: MedusaConfig, lm_head_weight: torch.Tensor,
+                     device: torch.device | str | None = None) -> MedusaHeads:
+        """Fresh heads as Medusa's recipe starts them, on ``device`` (default: the LM head's): every ResBlock zero and
+        every own LM head a copy of the base model's rows (:meth:`init_lm_heads_from`), so each head starts as the LM
+        head. Built without the random initialisation that copy overwrites: at an 8B target's vocabulary, four heads
+        are 2.1 B parameters, drawn on the CPU and then moved, by ``MedusaHeads(config).to(device)``."""
+        device = lm_head_weight.device if device is None else torch.device(device)
+        with torch.device("meta"):
+            heads = cls(config)
+        heads.to_empty(device=device)
+        heads.draft_ids = torch.tensor(config.draft_vocab, dtype=torch.long, device=device)  # to_empty left it unset
+        with torch.no_grad():
+            for block in heads.modules():
+                if isinstance(block, ResBlock):
+                    block.linear.weight.zero_()
+                    block.linear.bias.zero_()
+        heads.init_lm_heads_from(lm_head_weight)
+        return heads
+
     def vocab(self) -> DraftVocab | None:
         """The maps between logit columns and token ids, on the heads' device; None for full-vocabulary heads."""
         if not self.config.draft_vocab:

@@ -193,8 +193,8 @@ def _untrained_medusa(loaded):
     from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
 
     shape = loaded.runner.shape
-    heads = MedusaHeads(MedusaConfig(3, 1, shape.hidden_size, shape.vocab_size))
-    heads.init_lm_heads_from(loaded.runner.lm_head)  # untrained heads: drafts the model's own next-token guess
+    # untrained heads: drafts the model's own next-token guess
+    heads = MedusaHeads.from_lm_head(MedusaConfig(3, 1, shape.hidden_size, shape.vocab_size), loaded.runner.lm_head)
     # 4 nodes, not 8: the untrained heads' drafts are rejected either way (tau 1.07 vs 1.08, 20 prompts
     # x 64 tokens on one thread) and the batched run took 42 s instead of 64 s
     return lambda: MedusaDrafter(heads=heads, tree="dynamic", max_nodes=4)
@@ -219,11 +219,12 @@ def test_model_based_drafters_greedy_identity(loaded, prompts, plain_128, name):
     verify path runs 20 prompts x 256 tokens with the n-gram drafter above; what these add is each drafter's own
     state (hidden states handed over, draft caches, self-draft's writes into the target's cache), which 128 tokens
     exercise for over 100 steps per sequence."""
-    make = {
+    untrained = {"medusa": _untrained_medusa, "eagle": _untrained_eagle}.get(name, lambda loaded: None)(loaded)
+    make = {  # a new drafter for each run; the untrained heads and layer built once, for both
         "self-draft": lambda: ("self-draft", {}),
         "draft-model": lambda: ("draft-model", {"model": loaded, "num_draft_tokens": 3}),  # no smaller SmolLM2 offline
-        "medusa": lambda: (_untrained_medusa(loaded)(), None),
-        "eagle": lambda: (_untrained_eagle(loaded)(), None),
+        "medusa": lambda: (untrained(), None),
+        "eagle": lambda: (untrained(), None),
     }[name]
     prompts, reference = prompts[:DRAFTER_PROMPTS], plain_128
     drafter, options = make()

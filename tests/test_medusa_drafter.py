@@ -87,6 +87,28 @@ def random_heads(model, num_heads=3, seed=0):
     return heads
 
 
+@pytest.mark.parametrize("extra", [{}, dict(draft_vocab=(5, 1, 40, 7)), dict(shared_lm_head=True)],
+                         ids=["full", "draft-vocab", "shared"])
+def test_fresh_heads_from_the_lm_head_are_medusas_start_without_random_draws(extra):
+    """from_lm_head (what train-medusa starts from): the same weights and draft ids as building the heads and then
+    copying the LM head, on the LM head's device, in float32, with no random draw taken (the generator's state is
+    unchanged: nothing drawn only to be overwritten)."""
+    from specdec.testing import build_tiny_model
+
+    model = build_tiny_model()
+    lm_w = model.get_output_embeddings().weight.detach()
+    config = MedusaConfig(2, 2, model.config.hidden_size, model.config.vocab_size, **extra)
+    want = MedusaHeads(config)
+    want.init_lm_heads_from(lm_w)
+    state = torch.get_rng_state()
+    got = MedusaHeads.from_lm_head(config, lm_w)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert got.state_dict().keys() == want.state_dict().keys()
+    assert all(torch.equal(a, want.state_dict()[k]) for k, a in got.state_dict().items())
+    assert torch.equal(got.draft_ids, want.draft_ids) and got.draft_ids.device == lm_w.device
+    assert all(p.device == lm_w.device and p.dtype == torch.float32 for p in got.parameters())
+
+
 # ---- the published layout, drafted as computed independently ------------------------------------
 def test_independently_written_checkpoint_drafts_its_static_top_k(tmp_path):
     model = build_tiny_model()

@@ -24,11 +24,10 @@ class MedusaRecipe:
     def __init__(self, cfg: TrainConfig, model, device, model_name: str = "", draft_vocab: tuple[int, ...] = ()):
         shape_cfg = model.config
         extra = {"draft_vocab": tuple(draft_vocab)} if draft_vocab else {}
-        self.module = MedusaHeads(MedusaConfig(cfg.num_heads, cfg.num_layers, shape_cfg.hidden_size,
-                                               shape_cfg.vocab_size, cfg.shared_lm_head, model_name,
-                                               **extra)).to(device)
         self.lm_w = model.get_output_embeddings().weight.detach()
-        self.module.init_lm_heads_from(self.lm_w)
+        config = MedusaConfig(cfg.num_heads, cfg.num_layers, shape_cfg.hidden_size, shape_cfg.vocab_size,
+                              cfg.shared_lm_head, model_name, **extra)
+        self.module = MedusaHeads.from_lm_head(config, self.lm_w, device)  # built on the device, no random draws
         self.cfg, self.depths = cfg, cfg.num_heads
         self.weights = [cfg.head_decay**i for i in range(cfg.num_heads)]
 
