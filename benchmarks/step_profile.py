@@ -162,8 +162,8 @@ def _phase_finders(events):
         return seen[id(event)]
 
     def of_device(event) -> str:
-        launch = ops.get(_linked(event)) if _linked(event) else None
-        launch = launch or calls.get(event.id)
+        linked = _linked(event)
+        launch = (ops.get(linked) if linked else None) or calls.get(event.id)
         return UNATTRIBUTED if launch is None else of_host(launch)
     return of_host, of_device
 

@@ -115,6 +115,10 @@ class ResBlock(nn.Module):
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
         self.linear = Linear(hidden_size, hidden_size)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """W and b zero: the block passes its input through."""
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
 
@@ -152,11 +156,9 @@ class MedusaHeads(nn.Module):
             heads = cls(config)
         heads.to_empty(device=device)
         heads.draft_ids = torch.tensor(config.draft_vocab, dtype=torch.long, device=device)  # to_empty left it unset
-        with torch.no_grad():
-            for block in heads.modules():
-                if isinstance(block, ResBlock):
-                    block.linear.weight.zero_()
-                    block.linear.bias.zero_()
+        for block in heads.modules():
+            if isinstance(block, ResBlock):
+                block.reset_parameters()
         heads.init_lm_heads_from(lm_head_weight)
         return heads
 

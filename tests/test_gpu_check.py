@@ -223,8 +223,8 @@ def test_carried_gguf_parts_join_to_the_file_and_the_calls_name_them(tmp_path, m
     subprocess.run(join, shell=True, check=True)
     assert (tmp_path / "joined" / "smol.gguf").read_bytes() == blob.read_bytes()
     # a fresh machine for the second call (the first given back after ~30 s idle) installs again: whether specdec is
-    # installed is not asked in the repository's root, where its source folder imports without any install (the
-    # an H200 call skipped the install so, and every step failed); a Python without site-packages stands in
+    # installed is not asked in the repository's root, where its source folder imports without any install (an
+    # H200 call skipped the install so, and every step failed); a Python without site-packages stands in
     installed = second[:second.index(" && cp ")].replace(second[second.index("python3 -m pip"):
                                                                second.index("; }; }")], "echo install")
     bin_dir, repo = tmp_path / "bin", tmp_path / "repo"

@@ -143,7 +143,6 @@ def test_top_k_is_topk_and_a_single_candidate_the_first_maximum():
         assert [t.tolist() for t in top_k(scores, k)] == [t.tolist() for t in torch.topk(scores, k)]
 
 
-
 def test_a_gpu_s_triton_launches_are_counted_once_and_its_warm_ups_not(monkeypatch):
     """On a GPU the kernels are JITFunctions, not the interpreter's: each launch counts once (they went uncounted,
     and the fused-op layer test failed on an H200), a warm-up (compiling only) not at all, the launch's own tensor
