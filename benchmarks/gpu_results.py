@@ -10,7 +10,9 @@ note is computed from those files; the names come from them too: the GPU kind an
 (``NVIDIA H200`` on DATE gives ``DATE-gpu-h200-*``), the versions from a gpu_check report's
 environment line, the commit from the session report's "Code at <hash>", the device calls from its backticked
 ``gpu_check.py`` commands (the one with ``speed`` in its steps, the one with ``acceptance`` or ``e2e``). A flag
-replaces each. A result whose JSON the folder lacks is not written. Existing files are refused without
+replaces each. A day's second run has a letter after its folder's date (``h200-DATEb``): its files are ``DATEb-gpu-KIND-*``
+with ``"run": 2`` (c: 3...), which the docs order after the day's first. A result whose JSON the folder lacks is not
+written. Existing files are refused without
 ``--overwrite``. ``DATE-gpu-KIND-goals.json`` holds the goals as the calls' reports judged them, each goal from the
 call that measured it.
 """
@@ -87,6 +89,8 @@ class Run:
             raise RunError(f"{folder}: neither speed.json nor acceptance.json gives a date")
         self.date = min(dates)
         datetime.date.fromisoformat(self.date)
+        again = re.search(re.escape(self.date) + r"-?(?P<letter>[b-z])$", folder.name)
+        self.letter = again["letter"] if again else ""  # a day's second (third...) run: b (c...)
         session = texts.get("report.md", "")
         found = COMMIT.search(session)
         self.commit = commit or (found["commit"] if found else None)
@@ -118,6 +122,8 @@ class Run:
         """A result file's fields; ``row_keys``: one key per row, what the row measured as the run's JSON names it
         (``specdec_plain_graphs``, ``synthetic:llama-3.1-8b``), by which docs/gpu_latest.py finds it."""
         keyed = {} if row_keys is None else {"row_keys": row_keys}
+        if self.letter:  # docs/gen_benchmarks.py orders a day's results by it
+            keyed["run"] = ord(self.letter) - ord("a") + 1
         return {"date": self.date, "machine_class": self.kind, "machine": f"{self.machine}; {machine}",
                 "benchmark": benchmark, "title": title, "command": command, "commit": self.commit,
                 "conditions": conditions, "columns": columns, "rows": rows, **keyed, "notes": notes}
@@ -319,10 +325,11 @@ def results(run: Run) -> dict[str, dict]:
     """File name -> result, for each of the run's JSON files, and its goals where its reports judged them."""
     made = {"e2e": (run.e2e, e2e_result), "acceptance": (run.acceptance, acceptance_result),
             "speed": (run.speed, speed_result)}
-    out = {f"{run.date}-{run.kind}-{name}.json": make(run) for name, (data, make) in made.items() if data}
+    stem = f"{run.date}{run.letter}-{run.kind}"
+    out = {f"{stem}-{name}.json": make(run) for name, (data, make) in made.items() if data}
     goals = goals_result(run)
     if goals:
-        out[f"{run.date}-{run.kind}-goals.json"] = goals
+        out[f"{stem}-goals.json"] = goals
     return out
 
 

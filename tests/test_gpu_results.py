@@ -43,6 +43,22 @@ def test_a_run_without_its_commit_or_with_results_written_is_refused(script, tmp
     assert "exists; pass --overwrite" in capsys.readouterr().err
 
 
+def test_a_days_second_run_is_named_and_ordered_after_its_first(script, tmp_path):
+    run = tmp_path / "h200-2026-11-30b"
+    shutil.copytree(RUN, run)
+    assert script.main([str(run), "--out", str(tmp_path / "out")]) == 0
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == [f"2026-11-30b-gpu-h200-{n}.json" for n in ("acceptance", "e2e", "goals", "speed")]
+    again = json.loads((tmp_path / "out" / names[-1]).read_text())
+    first = json.loads((REPO / "docs" / "results" / "2026-11-30-gpu-h200-speed.json").read_text())
+    assert again["run"] == 2 and "run" not in first
+    gen = importlib.util.spec_from_file_location("gen_benchmarks_order", REPO / "docs" / "gen_benchmarks.py")
+    module = importlib.util.module_from_spec(gen)
+    gen.loader.exec_module(module)
+    first["file"], again["file"] = "2026-11-30-gpu-h200-speed.json", names[-1]
+    assert sorted([again, first], key=module._order) == [first, again]
+
+
 def test_what_a_later_run_records_is_said(script, tmp_path):
     """The e2e step's speculation record gives n-gram's tau with graphs; a run of other rows skipped names them;
     a JSON the folder lacks gives no result; a call quoted as gpu_carry.py prints it is found; goals no call
