@@ -113,7 +113,8 @@ def _build(request: "GenerateRequest", runner: "LlamaRunner", rule: AcceptanceRu
                          "tree by the target's own Gumbel-max tokens and has no acceptance rule")
     # the guard and tree sizing price verify steps as this engine runs them: replayed graphs on a GPU
     graphs = graphed is not None and graphed.config.capture
-    policy = _policy(request, rule, fault, coupling, generator, graphs)
+    # a bucket pads every sequence to the step's largest tree: the policy caps the trees together
+    policy = _policy(request, rule, fault, coupling, generator, graphs, padded=graphed is not None)
     drafter_seed = config.seed  # what sampled drafts are seeded from (TargetView.seed)
     if drafter is not None and generator is not None and config.do_sample:
         drafter_seed = int(torch.randint(2**62, (), generator=generator, device=generator.device))
@@ -132,7 +133,7 @@ def _build(request: "GenerateRequest", runner: "LlamaRunner", rule: AcceptanceRu
 
 
 def _policy(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault | None, coupling: Coupling | None,
-            generator: torch.Generator | None, graphs: bool = False) -> SpeculationPolicy:
+            generator: torch.Generator | None, graphs: bool = False, padded: bool = False) -> SpeculationPolicy:
     """The speculation policy: tree sizing and the break-even guard (speculation="auto"), or none: verify every
     proposal whole.
 
@@ -153,7 +154,7 @@ def _policy(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault
     # learned on a curve since measured again is not carried over. cost_key() names a drafter's checkpoint too, so
     # two EAGLE or Medusa checkpoints keep apart backoffs
     return SpeculationPolicy(TreeSizer(costs, memory=(str(costs.file), costs.measured_id(), drafter.cost_key()),
-                                       calibrated_scores=drafter.calibrated_scores))
+                                       calibrated_scores=drafter.calibrated_scores, padded=padded))
 
 
 def _processing(request: "GenerateRequest") -> LogitsProcessing | None:

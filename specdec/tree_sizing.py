@@ -197,6 +197,9 @@ class _Pending:  # what was proposed for a sequence this step, to learn from the
     kept: list[int]  # indices (into tree) of the nodes verified, ascending: the pruned tree's node order
     cost: float  # of the whole tree, in decode steps: draft + c(1 + num_nodes)
     best: int  # the first node of the sizing order: what a measured verify keeps of a tree cut to nothing
+    # deterministic trees: the nodes in sizing order and their P_i, which a padded batch's cap cuts (_cap_padded)
+    order: list[int] = field(default_factory=list)
+    gains: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -208,6 +211,8 @@ class TreeSizer:
     calibrated_scores: bool = False
     # the drafter's own account of its cheapest call (Drafter.cheapest_call_seconds), asked when a probe is priced
     cheapest_call: Callable[[], float | None] | None = None
+    # the verify pads every sequence to the batch's largest tree (CUDA-graph buckets): trees are capped together
+    padded: bool = False
 
     def __post_init__(self) -> None:
         if not self.costs.measured:  # nothing learned on unmeasured costs is kept, nor read
@@ -415,8 +420,9 @@ class TreeSizer:
     # ---- sizing -----------------------------------------------------------------------------
     def size_call(self, seq_ids: list[int], trees: list[DraftTree], batch: int, draft_seconds: float,
                   catch_up: bool = False, verified: bool = False) -> list[DraftTree]:
-        """Size every tree of one propose call (:meth:`size`; one node of a tree cut to nothing where a measured verify
-        is due: :meth:`OnlineCosts.measure_due`) and record the call's draft time.
+        """Size every tree of one propose call (:meth:`size`; capped together where the verify is ``padded``:
+        :meth:`_cap_padded`; one node of a tree cut to nothing where a measured verify is due:
+        :meth:`OnlineCosts.measure_due`) and record the call's draft time.
 
         A call of deterministic trees is priced by its own time (the first probe already knows what drafting
         costs). With a sampled tree the time is recorded after sizing: a drafter whose run time depended on what
@@ -430,6 +436,8 @@ class TreeSizer:
             self.record_draft(draft_seconds, catch_up)
         costs = self._relative_costs(batch, max((t.num_nodes for t in trees), default=0))
         out = [self.size(seq_id, tree, batch, costs) for seq_id, tree in zip(seq_ids, trees, strict=True)]
+        if self.padded and not sampled and len(trees) > 1:
+            out = self._cap_padded(seq_ids, trees, out, costs, batch)
         for i, (seq_id, tree) in enumerate(zip(seq_ids, trees, strict=True)):
             if out[i].num_nodes == 0 < tree.num_nodes and not verified and self.online.measure_due(
                     batch, self.config.margin):
@@ -469,9 +477,38 @@ class TreeSizer:
             self.shapes[seq_id] = parents
         kept_tokens = 1.0 + sum(path[i] for i in order[:best_k])
         kept = sorted(order[:best_k])
-        self.pending[seq_id] = _Pending(tree, accept, kept, d + costs[tree.num_nodes], order[0])
+        self.pending[seq_id] = _Pending(tree, accept, kept, d + costs[tree.num_nodes], order[0], order,
+                                        [path[i] for i in order])
         self._judge(seq_id, kept_tokens, costs[best_k] if best_k else 1.0, batch)
         return tree if best_k == tree.num_nodes else tree.subtree(kept)
+
+    def _cap_padded(self, seq_ids: list[int], trees: list[DraftTree], sized: list[DraftTree], costs: list[float],
+                    batch: int) -> list[DraftTree]:
+        """``sized`` cut to at most K nodes each, K chosen for the whole call: a padded verify costs every sequence
+        c(1 + the largest kept tree), so one sequence's long tree prices the batch's step. K maximises the call's
+        expected tokens over that cost; 0 (no tree) unless it beats plain steps by the margin, as :func:`best_prefix`
+        judges one tree. Each tree keeps a prefix of its own sizing order, ancestor-closed as before."""
+        kept = {seq_id: len(self.pending[seq_id].kept) for seq_id in seq_ids if seq_id in self.pending}
+        if len(set(kept.values())) < 2:  # every tree kept the same size: the batch already pays for it
+            return sized
+        d = self.draft_cost(batch)
+        best_k, best = 0, len(seq_ids) * (1.0 + self.config.margin) / (d + 1.0)
+        gain_at = [0.0] * max(kept.values())  # what every tree's k-th kept node adds
+        for i, n in kept.items():
+            for k, gain in enumerate(self.pending[i].gains[:n]):
+                gain_at[k] += gain
+        expected = float(len(seq_ids))  # one token each, and the gains of every tree's first k nodes it kept
+        for k, gain in enumerate(gain_at, start=1):
+            expected += gain
+            if expected / (d + costs[k]) > best:
+                best_k, best = k, expected / (d + costs[k])
+        out = list(sized)
+        for j, seq_id in enumerate(seq_ids):
+            pending = self.pending.get(seq_id)
+            if pending is not None and len(pending.kept) > best_k:
+                pending.kept = sorted(pending.order[:best_k])
+                out[j] = trees[j].subtree(pending.kept)
+        return out
 
     def _sampled_prefix(self, seq_id: int, tree: DraftTree, draft: float, batch: int, costs: list[float]) -> int:
         """How many leading nodes of a sampled tree to verify, decided on the shape of the last sampled tree

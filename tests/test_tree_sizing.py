@@ -652,3 +652,56 @@ def test_the_policy_host_benchmark_runs_and_keeps_trees_under_flat_costs(tmp_pat
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert [(r["batch"], r["nodes"], r["scored"]) for r in rows] == [(b, d * w, s) for b, d, w, s in bench.GRID]
     assert all(r["size_ms"] > 0 and r["observe_ms"] > 0 and r["kept_nodes"] > 1 for r in rows)
+
+
+def _padded_ratio(sizer: TreeSizer, sizes: dict[int, int], costs: CostModel) -> float:
+    """Expected tokens of a call over the cost of its padded verify: every sequence pays c(1 + the largest tree)."""
+    tokens = sum(1.0 + sum(sizer.pending[i].gains[:k]) for i, k in sizes.items())
+    return tokens / costs.relative(1 + max(sizes.values()), 1)
+
+
+def test_a_padded_batch_caps_its_trees_together_where_one_long_tree_would_price_every_sequence():
+    costs = CostModel({}, {1: {1: 1.0, 2: 1.05, 9: 1.8, 65: 20.0}})  # each token past the second: a tenth of a step
+    confident = DraftTree.chain(list(range(10, 18)), scores=torch.full((8,), 0.95))
+    weak = DraftTree.chain(list(range(20, 28)), scores=torch.full((8,), 0.3))
+    trees = [confident] + [weak] * 7
+    sized = {}
+    for padded in (False, True):
+        sizer = TreeSizer(costs, padded=padded)
+        out = sizer.size_call(list(range(8)), trees, batch=8, draft_seconds=0.0)
+        sized[padded] = (sizer, {i: t.num_nodes for i, t in enumerate(out)})
+        for t in out:  # a prefix of each chain: ancestor-closed
+            assert t.parents.tolist() == list(range(-1, t.num_nodes - 1))
+    alone_sizer, alone = sized[False]
+    capped_sizer, capped = sized[True]
+    assert alone[0] > max(alone[i] for i in range(1, 8))  # sized alone, the confident tree is the longest
+    assert max(capped.values()) < alone[0]  # together, it is cut
+    best = _padded_ratio(capped_sizer, capped, costs)
+    assert best > _padded_ratio(alone_sizer, alone, costs)
+    for k in range(1, 9):  # no common cap does better by the sizer's own estimates
+        assert best >= _padded_ratio(capped_sizer, {i: min(k, alone[i]) for i in alone}, costs) - 1e-12
+
+
+def test_capped_trees_keep_greedy_the_targets_in_a_batch(monkeypatch):
+    """A batch sized by the padded cap (as under CUDA-graph buckets: engine_setup passes ``padded`` when the verify
+    runs through them) commits plain greedy's tokens; the cap cut some step's trees below what each kept alone."""
+    from specdec.testing import ragged_prompts
+
+    steep = CostModel({}, {1: {1: 1.0, 2: 1.02, 65: 8.0}})  # each token past the second: about a ninth of a step
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: steep)
+    policy = engine_setup._policy
+    monkeypatch.setattr(engine_setup, "_policy", lambda *args, **kwargs: policy(*args, **{**kwargs, "padded": True}))
+    cut = []
+    cap = TreeSizer._cap_padded
+
+    def spied(self, seq_ids, trees, sized, costs, batch):
+        out = cap(self, seq_ids, trees, sized, costs, batch)
+        cut.append(sum(a.num_nodes for a in out) < sum(b.num_nodes for b in sized))
+        return out
+
+    monkeypatch.setattr(TreeSizer, "_cap_padded", spied)
+    model = build_tiny_model(vocab_size=32, seed=2)
+    prompts = ragged_prompts(4, 32, seed=3, max_len=24)
+    plain = generate(model, prompts, max_new_tokens=40)
+    assert generate(model, prompts, max_new_tokens=40, drafter="ngram", speculation="auto") == plain
+    assert any(cut), cut
