@@ -10,9 +10,9 @@ note is computed from those files; the names come from them too: the GPU kind an
 (``NVIDIA H200`` on DATE gives ``DATE-gpu-h200-*``), the versions from a gpu_check report's
 environment line, the commit from the session report's "Code at <hash>", the device calls from its backticked
 ``gpu_check.py`` commands (the one with ``speed`` in its steps, the one with ``acceptance`` or ``e2e``). A flag
-replaces each. A day's second run has a letter after its folder's date (``h200-DATEb``): its files are ``DATEb-gpu-KIND-*``
-with ``"run": 2`` (c: 3...), which the docs order after the day's first. A result whose JSON the folder lacks is not
-written. Existing files are refused without
+replaces each. A day's second run has a letter after its folder's date
+(``h200-DATEb``): its files are ``DATEb-gpu-KIND-*`` with ``"run": 2`` (c: 3...), which the docs order after the
+day's first. A result whose JSON the folder lacks is not written. Existing files are refused without
 ``--overwrite``. ``DATE-gpu-KIND-goals.json`` holds the goals as the calls' reports judged them, each goal from the
 call that measured it.
 """
