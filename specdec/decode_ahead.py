@@ -19,10 +19,14 @@ Invariants:
 
 The :class:`~specdec.engine.Engine` decides once, when it is built, whether its steps run here: plain decoding,
 greedy or standard sampling (no drafter or one the policy never asks; no coupled sampling, logits processor or
-log-probabilities), through a GraphedForward.
+log-probabilities), through a GraphedForward. With a drafter that reads no hidden rows, under the break-even guard
+(``guarded``), the steps where the guard holds off every sequence run here too: a step is queued only where
+:meth:`~specdec.speculation_policy.SpeculationPolicy.asks_nobody_next` foresees that no sequence drafts in it,
+and the guard is asked in each step as in a drafting one (its counts move alike).
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +44,8 @@ from specdec.speculation_policy import StepRecord
 if TYPE_CHECKING:
     from specdec.engine import Engine, SequenceState
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class QueuedStep:
@@ -54,9 +60,15 @@ class QueuedStep:
 class DecodeAhead:
     """The engine's steps for plain decoding, one step queued ahead (module doc)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, guarded: bool = False) -> None:
         self.engine = engine
+        self.guarded = guarded  # a drafter's engine: the steps its guard holds every sequence off (module doc)
         self.queued: QueuedStep | None = None  # the step the device runs ahead of the host, if any
+
+    def runs(self, live: list[SequenceState]) -> bool:
+        """Whether the engine's next step is one of these: every step of plain decoding; with ``guarded``, a queued
+        step, or one whose guard asks nobody."""
+        return not self.guarded or self.queued is not None or self.engine.policy.asks_nobody_next(live)
 
     def step(self) -> dict[int, list[int]]:
         """Read and commit one step, with the next one queued first. Returns the tokens emitted per seq_id."""
@@ -65,7 +77,14 @@ class DecodeAhead:
         step = self.queued or self.launch(e.live, None)
         rows = [b for b, s in enumerate(step.seqs) if not s.finished]  # stopped in the step before it: thrown away
         live = [step.seqs[b] for b in rows]
+        if self.guarded:  # the guard's step, asked before what it foresees for the next one
+            self._held_off(live)
         self.queued = self.launch(live, step, rows) if self._may_queue(live) else None
+        if self.queued is None and live:
+            # a queued step's position lost its reservation to the commit before it (which sets each back to the
+            # committed length) and was reserved again by the launch queued after it; none was: it is reserved here
+            # (in the spare block that commit kept, where its K/V is: no block is taken)
+            e.cache.reserve_many({s.seq_id: 1 for s in live})
         choices = step.read().tolist()
         acceptances = plain_acceptances([choices[b] for b in rows])
         e.check_chosen(live, acceptances, step.vocab)
@@ -78,9 +97,19 @@ class DecodeAhead:
         e.policy.observe(StepRecord(live, acceptances, emitted, seconds if captures() == captured else None, 1))
         return emitted
 
+    def _held_off(self, live: list[SequenceState]) -> None:
+        """This step's guard call, which :meth:`runs` foresaw asking nobody (the step decodes plainly either way)."""
+        asked = self.engine.policy.who_drafts(live)
+        if asked:  # not foreseen: the tokens are plain decoding's still, the guard charged a probe not run
+            logger.debug("a queued plain step's guard asked %d sequences to draft", len(asked))
+        for s in live:
+            s.plain_by_guard += 1
+
     def _may_queue(self, live: list[SequenceState]) -> bool:
-        """Whether every sequence may take a token after the unread step (its root is ``token_ids[-1]``)."""
-        return bool(live) and all(self.engine._depth_budget(s) >= 1 for s in live)
+        """Whether every sequence may take a token after the unread step (its root is ``token_ids[-1]``), and, with
+        ``guarded``, the guard is sure to hold them all off in it."""
+        return (bool(live) and all(self.engine._depth_budget(s) >= 1 for s in live)
+                and (not self.guarded or self.engine.policy.asks_nobody_next(live)))
 
     def launch(self, seqs: list[SequenceState], after: QueuedStep | None, rows: list[int] | None = None
                ) -> QueuedStep | None:

@@ -14,7 +14,8 @@ cost model); the acceptor (rejection or coupled sampling) is chosen once, when t
 
 On a GPU a drafter's trees may stay on the device until the verify is launched (:mod:`specdec.pending_trees`): the
 step reads them after :meth:`Engine.verify`, where the policy expects to verify them whole. Plain decoding through
-CUDA-graph buckets queues each step before reading the one before it (:mod:`specdec.decode_ahead`).
+CUDA-graph buckets queues each step before reading the one before it (:mod:`specdec.decode_ahead`), as do the
+steps where the guard holds every sequence off, for a drafter that reads no hidden rows.
 
 Logits processors (repetition penalty, min_new_tokens, ...: :mod:`specdec.logits_processing`) are applied to the
 target's logits of every verify row with that row's own prefix before the walk (:meth:`Engine.process`); with
@@ -204,8 +205,12 @@ class Engine:
         # buckets, where the host need not see a step's logits: each step is queued before the host reads the one
         # before it (specdec.decode_ahead)
         plain = (self.drafter is None or self.policy.plain) and self.coupling is None and rule is EXACT
-        ahead = queue_ahead and plain and graphed is not None and processing is None and not output_logprobs
-        self.ahead = DecodeAhead(self) if ahead else None
+        # ... and, with a drafter the break-even guard may hold off, the steps where it holds off every sequence,
+        # where the drafter reads no hidden rows (a queued step keeps none)
+        guarded = (not plain and self.policy.sizer is not None and not self.keep_hidden and self.coupling is None
+                   and rule is EXACT)
+        queues = queue_ahead and graphed is not None and processing is None and not output_logprobs
+        self.ahead = DecodeAhead(self, guarded) if queues and (plain or guarded) else None
 
     @property
     def live(self) -> list[SequenceState]:
@@ -245,7 +250,7 @@ class Engine:
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> dict[int, list[int]]:
         """Draft, verify, sample, commit. Returns the tokens emitted per seq_id this step."""
-        if self.ahead is not None:  # plain decoding: the next step is queued before this one is read
+        if self.ahead is not None and self.ahead.runs(self.live):  # a plain step, the next queued before it is read
             return self.ahead.step()
         t0 = time.perf_counter()
         live = self.live

@@ -2,7 +2,7 @@
 the run taught. The engine calls it at four points::
 
     policy.start(drafter, target)        # Engine(): attach the drafter, handing it the policy's costs
-    asked = policy.who_drafts(live)      # before propose: the break-even guard
+    asked = policy.who_drafts(live)      # before propose: the break-even guard (asks_nobody_next: foreseen)
     trees = policy.size(call)            # after propose: the part of each tree expected to pay (exact pruning)
     policy.observe(step)                 # after the commit: the step's time, what was committed, who finished
                                          # (the run's last step saves what the guard learned: specdec.remembered)
@@ -121,6 +121,14 @@ class SpeculationPolicy:
         if self.sizer.plain_step_due(len(live)):  # the cost correction measures a plain step: nobody drafts
             return []
         return [s for s in live if self.sizer.wants_draft(s.seq_id)]
+
+    def asks_nobody_next(self, live: list["SequenceState"]) -> bool:
+        """Whether the next :meth:`who_drafts` of ``live`` is sure to ask nobody (the guard holds every sequence
+        off), known without changing what the guard counts: such a step may be queued before the host reads the
+        one before it (specdec.decode_ahead). False without a sizer, whose every call asks every sequence."""
+        if self.plain:
+            return True
+        return self.sizer is not None and self.sizer.skips_next([s.seq_id for s in live])
 
     def size(self, call: ProposeCall) -> list[DraftTree]:
         """The part of each proposed tree to verify, and the call's draft time recorded."""

@@ -340,6 +340,20 @@ class TreeSizer:
         guard.charged = guard.price
         return True
 
+    def skips_next(self, seq_ids: list[int]) -> bool:
+        """Whether the next :meth:`wants_draft` of every one of ``seq_ids`` is sure to say no, read without changing
+        what the guard counts (a sequence not seen yet: not sure)."""
+        if self.off:
+            return True
+        for seq_id in seq_ids:
+            guard = self.guards.get(seq_id)
+            if guard is None:
+                return False
+            credit = min(guard.credit + self.config.probe_budget, max(1.0, guard.price or 0.0))
+            if not (guard.skip > 0 or (guard.price is not None and credit < guard.price)):
+                return False
+        return True
+
     def _charge_catch_up(self, seq_ids: list[int], draft_seconds: float, batch: int) -> None:
         """A probe whose call was a catch-up (a sequence's first: the drafter caught up on its prompt; or a CUDA-graph
         capture) is charged all it cost, not its price: the bank may go below zero and is paid back before the next

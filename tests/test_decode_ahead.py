@@ -231,3 +231,48 @@ def _capturing(init):
         init(self, runner, cache, dataclasses.replace(config, capture=False))
         self.config = dataclasses.replace(config, capture=True)
     return wrapped
+
+
+def test_steps_the_guard_holds_off_are_queued_and_it_asks_at_the_same_steps(loaded, monkeypatch):
+    """Under the break-even guard, the steps where it holds every sequence off are queued as plain decoding's are
+    (a drafter that reads no hidden rows), and the guard asks the drafter at the same steps as with every step read
+    first: same tokens, same probes."""
+    from specdec.cost_model import CostModel
+    from specdec.speculation_policy import SpeculationPolicy
+    from specdec.testing import RandomTreeDrafter
+    from specdec.tree_sizing import TreeSizer
+    from tests.fixed_costs import fix_costs
+
+    curve = {1: 1.0, 2: 1.25, 65: 17.0}
+    fix_costs(monkeypatch, curve)  # no wall time read: the guard decides alike in both runs
+    # a probe costs a twentieth of a step: held off a few steps at a time (a free drafter is asked every step)
+    monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: 0.05)
+    monkeypatch.setattr(TreeSizer, "probe_cost", lambda self, batch: 0.05)
+    asked = []
+    propose = RandomTreeDrafter.propose
+
+    def spy(self, seqs):
+        asked.append([(s.seq_id, len(s.token_ids)) for s in seqs])
+        return propose(self, seqs)
+
+    monkeypatch.setattr(RandomTreeDrafter, "propose", spy)
+    runner, prompts, stop = loaded.runner, ragged_prompts(2, VOCAB, seed=11, max_len=10), StopCriteria(20)
+    queued = count_queued(monkeypatch)
+    runs = {}
+    for ahead in (False, True):
+        asked.clear()
+        s = runner.shape
+        cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, 48, 4, runner.dtype, runner.device,
+                             runner.backend)
+        config = dataclasses.replace(CONFIG, tokens_per_seq=(1, 2, 4))
+        engine = Engine(runner, cache, sampling=GREEDY, stop=stop, graphed=GraphedForward(runner, cache, config),
+                        drafter=RandomTreeDrafter(VOCAB, max_nodes=3, max_depth=2, seed=5),
+                        policy=SpeculationPolicy(TreeSizer(CostModel({}, {1: curve}))), queue_ahead=ahead)
+        seqs = engine.add(prompts)
+        while engine.live:
+            engine.step()
+        runs[ahead] = ([q.new_tokens for q in seqs], list(asked), engine)
+    assert runs[False][0] == runs[True][0]  # (the engine reading each step first gives plain greedy's: elsewhere)
+    assert runs[False][1] == runs[True][1] and len(runs[True][1]) >= 3  # the guard's probes, at the same steps
+    assert runs[False][2].ahead is None and runs[True][2].ahead.guarded
+    assert len(queued) >= 3, queued  # the held-off stretches, after their first step
