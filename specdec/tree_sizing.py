@@ -197,9 +197,9 @@ class _Pending:  # what was proposed for a sequence this step, to learn from the
     kept: list[int]  # indices (into tree) of the nodes verified, ascending: the pruned tree's node order
     cost: float  # of the whole tree, in decode steps: draft + c(1 + num_nodes)
     best: int  # the first node of the sizing order: what a measured verify keeps of a tree cut to nothing
-    # deterministic trees: the nodes in sizing order and their P_i, which a padded batch's cap cuts (_cap_padded)
+    # the nodes in sizing order and each node's P_i, by which a padded batch's cap cuts (_cap_padded)
     order: list[int] = field(default_factory=list)
-    gains: list[float] = field(default_factory=list)
+    path: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -491,8 +491,7 @@ class TreeSizer:
             self.shapes[seq_id] = parents
         kept_tokens = 1.0 + sum(path[i] for i in order[:best_k])
         kept = sorted(order[:best_k])
-        self.pending[seq_id] = _Pending(tree, accept, kept, d + costs[tree.num_nodes], order[0], order,
-                                        [path[i] for i in order])
+        self.pending[seq_id] = _Pending(tree, accept, kept, d + costs[tree.num_nodes], order[0], order, path)
         self._judge(seq_id, kept_tokens, costs[best_k] if best_k else 1.0, batch)
         return tree if best_k == tree.num_nodes else tree.subtree(kept)
 
@@ -509,8 +508,9 @@ class TreeSizer:
         best_k, best = 0, len(seq_ids) * (1.0 + self.config.margin) / (d + 1.0)
         gain_at = [0.0] * max(kept.values())  # what every tree's k-th kept node adds
         for i, n in kept.items():
-            for k, gain in enumerate(self.pending[i].gains[:n]):
-                gain_at[k] += gain
+            pending = self.pending[i]
+            for k, node in enumerate(pending.order[:n]):
+                gain_at[k] += pending.path[node]
         expected = float(len(seq_ids))  # one token each, and the gains of every tree's first k nodes it kept
         for k, gain in enumerate(gain_at, start=1):
             expected += gain

@@ -656,7 +656,7 @@ def test_the_policy_host_benchmark_runs_and_keeps_trees_under_flat_costs(tmp_pat
 
 def _padded_ratio(sizer: TreeSizer, sizes: dict[int, int], costs: CostModel) -> float:
     """Expected tokens of a call over the cost of its padded verify: every sequence pays c(1 + the largest tree)."""
-    tokens = sum(1.0 + sum(sizer.pending[i].gains[:k]) for i, k in sizes.items())
+    tokens = sum(1.0 + sum(sizer.pending[i].path[j] for j in sizer.pending[i].order[:k]) for i, k in sizes.items())
     return tokens / costs.relative(1 + max(sizes.values()), 1)
 
 
