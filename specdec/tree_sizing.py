@@ -502,16 +502,16 @@ class TreeSizer:
         expected tokens over that cost; 0 (no tree) unless it beats plain steps by the margin, as :func:`best_prefix`
         judges one tree. Each tree keeps a prefix of its own sizing order, ancestor-closed as before."""
         kept = {seq_id: len(self.pending[seq_id].kept) for seq_id in seq_ids if seq_id in self.pending}
-        if len(set(kept.values())) < 2:  # every tree kept the same size: the batch already pays for it
+        if not any(kept.values()):
             return sized
         d = self.draft_cost(batch)
-        best_k, best = 0, len(seq_ids) * (1.0 + self.config.margin) / (d + 1.0)
+        best_k, best = 0, batch * (1.0 + self.config.margin) / (d + 1.0)  # the step's every sequence, asked or not
         gain_at = [0.0] * max(kept.values())  # what every tree's k-th kept node adds
         for i, n in kept.items():
             pending = self.pending[i]
             for k, node in enumerate(pending.order[:n]):
                 gain_at[k] += pending.path[node]
-        expected = float(len(seq_ids))  # one token each, and the gains of every tree's first k nodes it kept
+        expected = float(batch)  # one token each, and the gains of every tree's first k nodes it kept
         for k, gain in enumerate(gain_at, start=1):
             expected += gain
             if expected / (d + costs[k]) > best:
