@@ -170,7 +170,8 @@ def run_generate(loaded, prompts, new_tokens: int, **kwargs) -> dict:
     from specdec.generate import generate
 
     sync(loaded.runner.device)
-    out = generate(loaded, prompts, max_new_tokens=new_tokens, return_dict=True, eos_token_id=[], **kwargs)
+    with queued_launches() as queued:
+        out = generate(loaded, prompts, max_new_tokens=new_tokens, return_dict=True, eos_token_id=[], **kwargs)
     new = sum(len(t) for t in out.new_tokens)
     decode = out.seconds - out.prefill_seconds
     steps = max(out.forward_passes, 1)
@@ -179,7 +180,27 @@ def run_generate(loaded, prompts, new_tokens: int, **kwargs) -> dict:
                 decode_tokens_per_s=new / decode if decode > 0 else None, steps=steps,
                 step_ms=1e3 * decode / steps, tau=statistics.mean(s.tau for s in out.stats),
                 draft_seconds=out.draft_seconds, verified_nodes=statistics.mean(nodes) if nodes else 0.0,
-                drafted_share=sum(n > 0 for n in nodes) / len(nodes) if nodes else 0.0, outputs=out.new_tokens)
+                drafted_share=sum(n > 0 for n in nodes) / len(nodes) if nodes else 0.0, queued_share=queued[0] / steps,
+                outputs=out.new_tokens)
+
+
+@contextlib.contextmanager
+def queued_launches():
+    """[steps launched before the step before them was read] (specdec.decode_ahead), counted while inside."""
+    from specdec.decode_ahead import DecodeAhead
+
+    launch, count = DecodeAhead.launch, [0]
+
+    def counted(self, seqs, after, rows=None):
+        step = launch(self, seqs, after, rows)
+        count[0] += after is not None and step is not None
+        return step
+
+    DecodeAhead.launch = counted
+    try:
+        yield count
+    finally:
+        DecodeAhead.launch = launch
 
 
 @contextlib.contextmanager
@@ -517,6 +538,12 @@ class ModelRun:
         self.result["hf_static"] = hf_static(self.loaded.model, prompt, self.args.new_tokens)
 
 
+def _queued(r: dict) -> str:
+    """", N% queued": the steps launched before the one before them was read (a held-off stretch's; absent from a
+    report written before they were counted)."""
+    return f", {100 * r['queued_share']:.0f}% queued" if "queued_share" in r else ""
+
+
 def _drafting(row: dict) -> str:
     """The oracle row's drafting: none, or EAGLE's, eager, replayed as CUDA graphs (how many growths were) or, on
     the CPU, the padded static growth uncaptured."""
@@ -602,7 +629,8 @@ def markdown(report: dict) -> str:
                       "|---" * 13 + "|"]
             for r in m["oracle"]:
                 kept = "" if r.get("speculation", "always") == "always" else (
-                    f" ({r['verified_nodes']:.1f} verified, {100 * r['drafted_share']:.0f}% of steps drafted)")
+                    f" ({r['verified_nodes']:.1f} verified, {100 * r['drafted_share']:.0f}% of steps drafted"
+                    f"{_queued(r)})")
                 lines.append(f"| {r['shape']} | {r['batch']} | {r['nodes']}{kept} | {_drafting(r)} | "
                              f"{r.get('speculation', 'always')} | "
                              f"{r['tau_target']:.1f} | {r['tau']:.2f} | {r['step_ms']:.3f} | "

@@ -53,6 +53,7 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     assert chains[0]["bound"] / chains[0]["tau"] > chains[1]["bound"] / chains[1]["tau"]  # fewer reads of the layer
     auto = [r for r in model["oracle"] if r["speculation"] == "auto"]
     assert all(0 <= r["verified_nodes"] <= r["nodes"] and 0 <= r["drafted_share"] <= 1 for r in auto)
+    assert all(r["queued_share"] == 0 for r in auto)  # no graph buckets on the CPU: no step queued
     assert all(r["calibrations_timed"] == 0 for r in model["oracle"])  # the policy's rows calibrated before timing
     assert all(r["identical_to_plain"] == f"{r['batch']}/{r['batch']}" for r in model["oracle"])  # greedy exactness
     assert model["hf_static"]["new_tokens"] == 6
@@ -69,6 +70,7 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     assert "## synthetic:qwen3-1.7b@tiny" in text and "speedup vs plain" in text and "REHEARSAL" in text
     assert "| oracle chain tau 3.0 +eagle b1 |" in text and "| p(n) / p(1) | 1.00 |" in text
     assert "graph replays" not in text and "uncaptured static growths" in text  # nothing is captured on the CPU
+    assert "% of steps drafted, 0% queued)" in text
     from tests.test_docs import list_pitfalls
 
     report = json.loads((tmp_path / "speed.json").read_text())
@@ -331,3 +333,4 @@ def test_profile_rows_name_pytorch_kernels_by_the_op_their_template_computes():
     for plain in ("_tree_attn_kernel", "nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", "Memcpy DtoH (Device -> Pinned)"):
         assert kernel_label(plain) == plain
     assert len(kernel_label("x" * 300)) == 100
+

@@ -276,3 +276,16 @@ def test_steps_the_guard_holds_off_are_queued_and_it_asks_at_the_same_steps(load
     assert runs[False][1] == runs[True][1] and len(runs[True][1]) >= 3  # the guard's probes, at the same steps
     assert runs[False][2].ahead is None and runs[True][2].ahead.guarded
     assert len(queued) >= 3, queued  # the held-off stretches, after their first step
+
+
+def test_the_speed_commands_rows_count_the_steps_queued(loaded):
+    """benchmarks/bench_speed_gpu.py's share of a run's steps launched before the step before them was read: all but
+    the first of plain decoding through buckets, none of eager decoding; the count stops with the run."""
+    from tests.script_loading import load_script
+
+    bench = load_script("bench_speed_gpu")
+    graphed = GraphedForward.with_cache(loaded.runner, 64, 16, dataclasses.replace(CONFIG, batch_sizes=(1,)))
+    row = bench.run_generate(loaded, [[1, 2, 3]], 5, cuda_graphs=graphed)
+    assert row["steps"] == 5 and row["queued_share"] == pytest.approx(4 / 5)
+    assert bench.run_generate(loaded, [[1, 2, 3]], 3, cuda_graphs=False)["queued_share"] == 0
+    assert DecodeAhead.launch.__name__ == "launch"  # unpatched after each run
