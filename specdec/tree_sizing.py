@@ -449,15 +449,16 @@ class TreeSizer:
         if not sampled:
             self.record_draft(draft_seconds, catch_up)
         costs = self._relative_costs(batch, max((t.num_nodes for t in trees), default=0))
-        out = [self.size(seq_id, tree, batch, costs) for seq_id, tree in zip(seq_ids, trees, strict=True)]
+        for seq_id, tree in zip(seq_ids, trees, strict=True):
+            self._size(seq_id, tree, batch, costs)
         if self.padded and not sampled and len(trees) > 1:
-            out = self._cap_padded(seq_ids, trees, out, costs, batch)
-        for i, (seq_id, tree) in enumerate(zip(seq_ids, trees, strict=True)):
-            if out[i].num_nodes == 0 < tree.num_nodes and not verified and self.online.measure_due(
+            self._cap_padded(seq_ids, costs, batch)
+        for seq_id in seq_ids:
+            pending = self.pending.get(seq_id)
+            if pending is not None and not pending.kept and not verified and self.online.measure_due(
                     batch, self.config.margin):
-                pending = self.pending[seq_id]  # judged as the empty tree it was: a measurement, not a bet
-                pending.kept = [pending.best]
-                out[i] = tree.subtree(pending.kept)
+                pending.kept = [pending.best]  # judged as the empty tree it was: a measurement, not a bet
+        out = [self._kept_tree(seq_id, tree) for seq_id, tree in zip(seq_ids, trees, strict=True)]
         if sampled:
             self.record_draft(draft_seconds, catch_up)
         if verified:
@@ -470,10 +471,22 @@ class TreeSizer:
     def size(self, seq_id: int, tree: DraftTree, batch: int, costs: list[float] | None = None) -> DraftTree:
         """The best-paying ancestor-closed part of ``tree`` (possibly empty); judges the guard. ``costs``: this
         call's :meth:`_relative_costs` (looked up here if not given)."""
+        self._size(seq_id, tree, batch, costs)
+        return self._kept_tree(seq_id, tree)
+
+    def _kept_tree(self, seq_id: int, tree: DraftTree) -> DraftTree:
+        """What :meth:`_size` (and a padded call's cap) kept of ``tree``: one gather per tree and call."""
+        pending = self.pending.get(seq_id)
+        if pending is None or len(pending.kept) == tree.num_nodes:
+            return tree
+        return tree.subtree(pending.kept)
+
+    def _size(self, seq_id: int, tree: DraftTree, batch: int, costs: list[float] | None) -> None:
+        """:meth:`size`'s choice, kept as the sequence's pending record (its ``kept`` nodes); the guard judged."""
         if tree.num_nodes == 0:
             self.pending.pop(seq_id, None)
             self._judge(seq_id, 1.0, 1.0, batch)
-            return tree
+            return
         if costs is None or len(costs) <= tree.num_nodes:
             costs = self._relative_costs(batch, tree.num_nodes)
         d = self.draft_cost(batch)
@@ -493,17 +506,15 @@ class TreeSizer:
         kept = sorted(order[:best_k])
         self.pending[seq_id] = _Pending(tree, accept, kept, d + costs[tree.num_nodes], order[0], order, path)
         self._judge(seq_id, kept_tokens, costs[best_k] if best_k else 1.0, batch)
-        return tree if best_k == tree.num_nodes else tree.subtree(kept)
 
-    def _cap_padded(self, seq_ids: list[int], trees: list[DraftTree], sized: list[DraftTree], costs: list[float],
-                    batch: int) -> list[DraftTree]:
-        """``sized`` cut to at most K nodes each, K chosen for the whole call: a padded verify costs every sequence
+    def _cap_padded(self, seq_ids: list[int], costs: list[float], batch: int) -> None:
+        """The kept trees cut to at most K nodes each, K chosen for the whole call: a padded verify costs every sequence
         c(1 + the largest kept tree), so one sequence's long tree prices the batch's step. K maximises the call's
         expected tokens over that cost; 0 (no tree) unless it beats plain steps by the margin, as :func:`best_prefix`
         judges one tree. Each tree keeps a prefix of its own sizing order, ancestor-closed as before."""
         kept = {seq_id: len(self.pending[seq_id].kept) for seq_id in seq_ids if seq_id in self.pending}
         if not any(kept.values()):
-            return sized
+            return
         d = self.draft_cost(batch)
         best_k, best = 0, batch * (1.0 + self.config.margin) / (d + 1.0)  # the step's every sequence, asked or not
         gain_at = [0.0] * max(kept.values())  # what every tree's k-th kept node adds
@@ -516,13 +527,10 @@ class TreeSizer:
             expected += gain
             if expected / (d + costs[k]) > best:
                 best_k, best = k, expected / (d + costs[k])
-        out = list(sized)
-        for j, seq_id in enumerate(seq_ids):
-            pending = self.pending.get(seq_id)
-            if pending is not None and len(pending.kept) > best_k:
+        for seq_id, n in kept.items():
+            if n > best_k:
+                pending = self.pending[seq_id]
                 pending.kept = sorted(pending.order[:best_k])
-                out[j] = trees[j].subtree(pending.kept)
-        return out
 
     def _sampled_prefix(self, seq_id: int, tree: DraftTree, draft: float, batch: int, costs: list[float]) -> int:
         """How many leading nodes of a sampled tree to verify, decided on the shape of the last sampled tree

@@ -809,13 +809,13 @@ def test_pending_trees_under_tree_sizing(loaded, cuts, monkeypatch):
     from specdec.speculation_policy import SpeculationPolicy
     from specdec.tree_sizing import TreeSizer
 
-    size = TreeSizer.size
+    kept_tree = TreeSizer._kept_tree
 
-    def sizing(self, seq_id, tree, batch, costs=None):  # the sizer's own call (its learning, the guard), then a
-        size(self, seq_id, tree, batch, costs)            # fixed answer
+    def sizing(self, seq_id, tree):  # the sizer's own choice (its learning, the guard), then a fixed answer
+        kept_tree(self, seq_id, tree)
         return tree.prune(tree.depths <= 1) if cuts and tree.num_nodes else tree
 
-    monkeypatch.setattr(TreeSizer, "size", sizing)
+    monkeypatch.setattr(TreeSizer, "_kept_tree", sizing)
     monkeypatch.setattr(TreeSizer, "wants_draft", lambda self, seq_id: True)
     calls = []
     for name in ("propose", "propose_pending"):

@@ -694,10 +694,10 @@ def test_capped_trees_keep_greedy_the_targets_in_a_batch(monkeypatch):
     cut = []
     cap = TreeSizer._cap_padded
 
-    def spied(self, seq_ids, trees, sized, costs, batch):
-        out = cap(self, seq_ids, trees, sized, costs, batch)
-        cut.append(sum(a.num_nodes for a in out) < sum(b.num_nodes for b in sized))
-        return out
+    def spied(self, seq_ids, costs, batch):
+        before = [len(self.pending[i].kept) for i in seq_ids if i in self.pending]
+        cap(self, seq_ids, costs, batch)
+        cut.append(sum(len(self.pending[i].kept) for i in seq_ids if i in self.pending) < sum(before))
 
     monkeypatch.setattr(TreeSizer, "_cap_padded", spied)
     model = build_tiny_model(vocab_size=32, seed=2)
