@@ -74,6 +74,7 @@ class DecodeAhead:
         """Read and commit one step, with the next one queued first. Returns the tokens emitted per seq_id."""
         e = self.engine
         t0, captured = time.perf_counter(), captures()
+        queued = self.queued is not None  # launched behind the step before it: timed as a queued step
         step = self.queued or self.launch(e.live, None)
         rows = [b for b, s in enumerate(step.seqs) if not s.finished]  # stopped in the step before it: thrown away
         live = [step.seqs[b] for b in rows]
@@ -94,7 +95,8 @@ class DecodeAhead:
         seconds = time.perf_counter() - t0
         e.seconds["verify"] += seconds
         # a step that captured a CUDA graph paid a one-off: its time prices nothing
-        e.policy.observe(StepRecord(live, acceptances, emitted, seconds if captures() == captured else None, 1))
+        e.policy.observe(StepRecord(live, acceptances, emitted, seconds if captures() == captured else None, 1,
+                                    queued))
         return emitted
 
     def _held_off(self, live: list[SequenceState]) -> None:

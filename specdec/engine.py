@@ -211,6 +211,8 @@ class Engine:
                    and rule is EXACT)
         queues = queue_ahead and graphed is not None and processing is None and not output_logprobs
         self.ahead = DecodeAhead(self, guarded) if queues and (plain or guarded) else None
+        if self.ahead is not None and guarded:  # the guard prices drafts against a queued step (plain_price)
+            self.policy.sizer.queues_held_off = True
 
     @property
     def live(self) -> list[SequenceState]:

@@ -62,6 +62,7 @@ class StepRecord:
     # capture), and its time prices nothing
     verify_seconds: float | None
     query_tokens: int  # 1 + the largest verified tree's nodes
+    queued: bool = False  # a plain step launched before the one before it was read (specdec.decode_ahead)
 
 
 class SpeculationPolicy:
@@ -144,7 +145,7 @@ class SpeculationPolicy:
         if self.sizer is None or self.sizer.off:  # off: the drafter is never asked, so nothing learned is used
             return
         if step.verify_seconds is not None:  # first: a finished sequence's release keeps it for the next call
-            self.sizer.record_step(step.verify_seconds, step.query_tokens, len(step.live))
+            self.sizer.record_step(step.verify_seconds, step.query_tokens, len(step.live), step.queued)
         for s, acc in zip(step.live, step.acceptances, strict=True):
             self.sizer.observe(s.seq_id, step.emitted[s.seq_id], list(acc.accepted_nodes))
             if s.finished:

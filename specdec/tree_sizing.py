@@ -67,6 +67,7 @@ class _Kept:
     since_plain: list = field(default_factory=list)
     measure_credit: list = field(default_factory=list)
     catch_ups: list = field(default_factory=list)  # the last catch-up calls' costs in decode steps (_charge_catch_up)
+    queued: float | None = None  # a queued plain step's seconds (TreeSizer.plain_price): the next call prices by it
 
     @classmethod
     def recalled(cls, key: tuple | None) -> "_Kept | None":
@@ -239,6 +240,11 @@ class TreeSizer:
         self.pending: dict[int, _Pending] = {}
         self.draft_time = DraftTime(self.config.ema)  # seconds per propose call
         self.decode_seconds: float | None = None  # EMA of a plain decode step, from verify times
+        # EMA of a plain step queued behind an unread one (specdec.decode_ahead): what a held-off step costs where
+        # the engine queues them (plain_price); None: none timed
+        queued = None if kept is None else kept.queued  # what an earlier call timed (a damaged value: nothing)
+        self.queued_seconds = queued if isinstance(queued, float) and queued > 0 else None
+        self.queues_held_off = False  # the engine queues the steps the guard holds all off (set when it is built)
         self.paid = 0  # proposals that were expected to pay (stats, tests)
         self.unpaid = 0
         # no sequence drafts: never_pays held (switch_off), or the costs are unmeasured (a context too short to time,
@@ -258,8 +264,13 @@ class TreeSizer:
         judgement only when nothing else is known (:class:`DraftTime`)."""
         self.draft_time.record(draft_seconds, catch_up)
 
-    def record_step(self, verify_seconds: float, query_tokens: int, batch: int) -> None:
-        """Wall time of one step's verify with ``query_tokens`` tokens for its largest sequence."""
+    def record_step(self, verify_seconds: float, query_tokens: int, batch: int, queued: bool = False) -> None:
+        """Wall time of one step's verify with ``query_tokens`` tokens for its largest sequence. ``queued``: a plain
+        step launched before the one before it was read, kept apart (:meth:`plain_price`): the curve's c(1) stays a
+        step read back, as every drafted step is."""
+        if queued:
+            self.queued_seconds = self._ema(self.queued_seconds, verify_seconds)
+            return
         self.online.record(verify_seconds, query_tokens, batch)
         relative = self.online.relative(query_tokens, batch)
         self.decode_seconds = self._ema(self.decode_seconds, verify_seconds / relative)
@@ -273,6 +284,14 @@ class TreeSizer:
     def step_seconds(self, batch: int) -> float:
         """Wall seconds of one plain decode step: this run's, else the cost model's at ``batch``."""
         return self.decode_seconds or self.costs.decode_seconds(batch)
+
+    def plain_price(self, batch: int) -> float:
+        """What a held-off step costs in decode steps read back: a queued step's time (the engine queues them where
+        the guard holds every sequence off: specdec.decode_ahead) over :meth:`step_seconds`, at most 1; 1 until one
+        is timed. Drafting pays where it beats that, and a probe costs the queued step it replaces too."""
+        if not self.queues_held_off or self.queued_seconds is None:
+            return 1.0
+        return min(self.queued_seconds / self.step_seconds(batch), 1.0)
 
     def probe_cost(self, batch: int) -> float:
         """What asking the drafter costs at least, in plain decode steps: its cheapest recent call (DraftTime.low), or
@@ -297,8 +316,9 @@ class TreeSizer:
                                          price=kept.price, credit=kept.credit)
         return self.guards[seq_id]
 
-    def _pays(self, tokens: float, cost: float) -> bool:
-        return tokens > cost * (1.0 + self.config.margin)
+    def _pays(self, tokens: float, cost: float, batch: int = 1) -> bool:
+        """Whether a drafted step's ``tokens`` for its ``cost`` beat the run's plain steps by the margin."""
+        return tokens * self.plain_price(batch) > cost * (1.0 + self.config.margin)
 
     def _kept_price(self, guard: _Guard) -> float | None:
         """The probe price a finished sequence leaves to the next call: by its running averages, not its last step
@@ -383,7 +403,7 @@ class TreeSizer:
         guard = self._guard(seq_id)
         guard.tokens = self._ema(guard.tokens, tokens, self.config.judge_ema)
         guard.cost = self._ema(guard.cost, cost, self.config.judge_ema)
-        if self._pays(guard.tokens, guard.cost):
+        if self._pays(guard.tokens, guard.cost, batch):
             # undo one growth step: a lucky probe of a drafter that rarely pays does not restart its ramp
             self.paid += 1
             guard.backoff //= 4
@@ -394,7 +414,9 @@ class TreeSizer:
         # decode step per step on average. The draft is priced as a probe is, by its cheapest recent call: the
         # average lags a drafter that has made itself cheaper (the combined drafter, its costly child gated out,
         # was held back for dozens of steps by the calls before its gate had decided)
-        excess = verify - 1.0 + (draft if self.draft_time.low is None else self.probe_cost(batch))
+        # (and, where held-off steps are queued, the queued step it replaces: plain_price)
+        plain = self.plain_price(batch)
+        excess = verify - plain + (draft if self.draft_time.low is None else self.probe_cost(batch))
         cap = min(self.config.max_backoff, int(max(excess, 0.0) / self.config.probe_budget))
         guard.backoff = min(max(4 * guard.backoff, 2), cap)
         guard.skip = guard.backoff
@@ -402,7 +424,7 @@ class TreeSizer:
         # sizer's bet, placed only where the tree is expected to pay; a costly part of the drafter, the combined
         # drafter's child gate budgets); a catch-up call's time is no step's (DraftTime)
         if self.draft_time.low is not None:
-            guard.price = self.probe_cost(batch)
+            guard.price = self.probe_cost(batch) + 1.0 - plain
 
     # ---- acceptance estimates ---------------------------------------------------------------
     def acceptance(self, tree: DraftTree, use_scores: bool = True) -> list[float]:
@@ -600,7 +622,7 @@ class TreeSizer:
                 entry[1] = entry[1] * self.config.decay + 1.0
             self.rates_of.clear()
         # the drafts paid (by the margin): probe next step, one growth step of the backoff undone
-        if 1 + longest > pending.cost * (1.0 + self.config.margin):
+        if self._pays(1 + longest, pending.cost):
             guard = self._guard(seq_id)
             guard.backoff, guard.skip, guard.price = guard.backoff // 4, 0, None
 
@@ -613,6 +635,6 @@ class TreeSizer:
                          [[d, r, a, t] for (d, r), (a, t) in self.unscored.items()], guard.tokens, guard.cost,
                          None if self.last_shape is None else list(self.last_shape), self._kept_price(guard),
                          guard.skip, guard.credit, MEMORY_FORMAT, **self.online.kept(),
-                         catch_ups=list(self.catch_ups))
+                         catch_ups=list(self.catch_ups), queued=self.queued_seconds)
             remember("guard", self.memory, dict(vars(kept)), persist=True)  # its lists are fresh copies already
 

@@ -248,6 +248,12 @@ def test_steps_the_guard_holds_off_are_queued_and_it_asks_at_the_same_steps(load
     # a probe costs a twentieth of a step: held off a few steps at a time (a free drafter is asked every step)
     monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: 0.05)
     monkeypatch.setattr(TreeSizer, "probe_cost", lambda self, batch: 0.05)
+    # ... at read-back prices in both runs (timed queued steps would price drafts against themselves: elsewhere)
+    monkeypatch.setattr(TreeSizer, "plain_price", lambda self, batch: 1.0)
+    timed = []  # per recorded step: queued?
+    record_step = TreeSizer.record_step
+    monkeypatch.setattr(TreeSizer, "record_step", lambda self, seconds, n, batch, queued=False: timed.append(queued)
+                        or record_step(self, seconds, n, batch, queued))
     asked = []
     propose = RandomTreeDrafter.propose
 
@@ -261,6 +267,7 @@ def test_steps_the_guard_holds_off_are_queued_and_it_asks_at_the_same_steps(load
     runs = {}
     for ahead in (False, True):
         asked.clear()
+        timed.clear()
         s = runner.shape
         cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, 48, 4, runner.dtype, runner.device,
                              runner.backend)
@@ -275,7 +282,9 @@ def test_steps_the_guard_holds_off_are_queued_and_it_asks_at_the_same_steps(load
     assert runs[False][0] == runs[True][0]  # (the engine reading each step first gives plain greedy's: elsewhere)
     assert runs[False][1] == runs[True][1] and len(runs[True][1]) >= 3  # the guard's probes, at the same steps
     assert runs[False][2].ahead is None and runs[True][2].ahead.guarded
+    assert not runs[False][2].policy.sizer.queues_held_off and runs[True][2].policy.sizer.queues_held_off
     assert len(queued) >= 3, queued  # the held-off stretches, after their first step
+    assert sum(timed) == len(queued)  # each queued step timed as one, for the guard's plain price
 
 
 def test_the_speed_commands_rows_count_the_steps_queued(loaded):

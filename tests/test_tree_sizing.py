@@ -705,3 +705,40 @@ def test_capped_trees_keep_greedy_the_targets_in_a_batch(monkeypatch):
     plain = generate(model, prompts, max_new_tokens=40)
     assert generate(model, prompts, max_new_tokens=40, drafter="ngram", speculation="auto") == plain
     assert any(cut), cut
+
+
+def test_where_held_off_steps_are_queued_drafts_must_beat_a_queued_step():
+    """Once a queued plain step is timed (half a step read back here), a drafter whose steps commit 1.5 tokens for
+    one step read back no longer pays (0.75 step's worth at queued prices), is held off, and its probe is priced at
+    the queued step it replaces too; a queued step's time corrects no verify cost."""
+    tree = DraftTree.chain([5, 6], scores=torch.tensor([0.5, 0.01]))  # ~1.5 tokens expected, verifying free
+    judged = {}
+    for queued in (False, True):
+        sizer = TreeSizer(FLAT, calibrated_scores=True)
+        sizer.queues_held_off = True  # as the engine sets it where it queues held-off steps
+        sizer.record_step(0.01, 1, 1)  # a plain step read back: 10 ms
+        if queued:
+            sizer.record_step(0.005, 1, 1, queued=True)
+            assert sizer.plain_price(1) == pytest.approx(0.5) and sizer.step_seconds(1) == pytest.approx(0.01)
+            sizer.queues_held_off = False  # an engine that reads every step back: no queued step to compare with
+            assert sizer.plain_price(1) == 1.0
+            sizer.queues_held_off = True
+        sizer.record_draft(0.0001)  # a cheap drafter: a hundredth of a step
+        sizer.size_call([0], [tree], 1, 0.0001)
+        judged[queued] = (sizer.paid, sizer.unpaid, sizer.guards[0].price, sizer.wants_draft(0))
+    assert judged[False] == (1, 0, None, True)
+    paid, unpaid, price, asked = judged[True]
+    assert (paid, unpaid, asked) == (0, 1, False) and price == pytest.approx(0.51)
+
+
+def test_a_timed_queued_step_is_remembered_by_the_next_call_and_a_damaged_one_is_not():
+    sizer = TreeSizer(FLAT, memory=("queued-step",))
+    sizer.record_step(0.005, 1, 1, queued=True)
+    sizer.size_call([0], [DraftTree.chain([5], scores=torch.tensor([0.5]))], 1, 0.0001)
+    sizer.release(0)
+    assert TreeSizer(FLAT, memory=("queued-step",)).queued_seconds == pytest.approx(0.005)
+    from specdec.remembered import recall, remember
+
+    kept = recall("guard", ("queued-step",), persist=True)
+    remember("guard", ("queued-step",), {**kept, "queued": "fast"}, persist=True)
+    assert TreeSizer(FLAT, memory=("queued-step",)).queued_seconds is None
