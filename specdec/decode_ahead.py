@@ -81,7 +81,7 @@ class DecodeAhead:
         if self.guarded:  # the guard's step, asked before what it foresees for the next one
             self._held_off(live)
         self.queued = self.launch(live, step, rows) if self._may_queue(live) else None
-        if self.queued is None and live:
+        if queued and self.queued is None and live:
             # a queued step's position lost its reservation to the commit before it (which sets each back to the
             # committed length) and was reserved again by the launch queued after it; none was: it is reserved here
             # (in the spare block that commit kept, where its K/V is: no block is taken)

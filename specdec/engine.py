@@ -252,10 +252,10 @@ class Engine:
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> dict[int, list[int]]:
         """Draft, verify, sample, commit. Returns the tokens emitted per seq_id this step."""
-        if self.ahead is not None and self.ahead.runs(self.live):  # a plain step, the next queued before it is read
+        live = self.live
+        if self.ahead is not None and self.ahead.runs(live):  # a plain step, the next queued before it is read
             return self.ahead.step()
         t0 = time.perf_counter()
-        live = self.live
         drafts = self.propose(live)  # DraftTrees, or a PendingStep: trees left on the device
         t1 = time.perf_counter()
         captured = captures()

@@ -346,12 +346,8 @@ class TreeSizer:
         if self.off:
             guard.skipped_steps += 1
             return False
-        # the probe budget: probe_budget of a decode step per step, at most one step's worth (or one probe's)
-        # banked; a drafter that does not pay probes only on what has been banked, in this call and the calls it
-        # remembers, so a call too short to afford a probe decodes plainly and leaves its savings to the next
-        # (module doc, Guard)
-        guard.credit = min(guard.credit + self.config.probe_budget, max(1.0, guard.price or 0.0))
-        if guard.skip > 0 or (guard.price is not None and guard.credit < guard.price):
+        guard.credit = self._banked(guard)
+        if self._holds_off(guard, guard.credit):
             guard.skip = max(guard.skip - 1, 0)
             guard.skipped_steps += 1
             return False
@@ -367,12 +363,22 @@ class TreeSizer:
             return True
         for seq_id in seq_ids:
             guard = self.guards.get(seq_id)
-            if guard is None:
-                return False
-            credit = min(guard.credit + self.config.probe_budget, max(1.0, guard.price or 0.0))
-            if not (guard.skip > 0 or (guard.price is not None and credit < guard.price)):
+            if guard is None or not self._holds_off(guard, self._banked(guard)):
                 return False
         return True
+
+    def _banked(self, guard: _Guard) -> float:
+        """The probe budget ``guard`` holds at its next step: probe_budget of a decode step per step, at most one
+        step's worth (or one probe's) banked; a drafter that does not pay probes only on what has been banked, in
+        this call and the calls it remembers, so a call too short to afford a probe decodes plainly and leaves its
+        savings to the next (module doc, Guard)."""
+        return min(guard.credit + self.config.probe_budget, max(1.0, guard.price or 0.0))
+
+    @staticmethod
+    def _holds_off(guard: _Guard, credit: float) -> bool:
+        """Whether ``guard``, holding ``credit`` at this step, skips the drafter: inside its backoff, or short of its
+        probe's price (:meth:`wants_draft` decides by it, :meth:`skips_next` foresees by it)."""
+        return guard.skip > 0 or (guard.price is not None and credit < guard.price)
 
     def _charge_catch_up(self, seq_ids: list[int], draft_seconds: float, batch: int) -> None:
         """A probe whose call was a catch-up (a sequence's first: the drafter caught up on its prompt; or a CUDA-graph
