@@ -7,7 +7,10 @@ not it. So speedup at any tau can be measured end to end on any target, random w
 
 Invariants: proposals are deterministic candidates (``draft_probs`` None), so greedy output is the target's whatever
 the oracle proposes; its own draws come from its own seeded generator (never the target's randomness); the tree's
-shape is fixed before its tokens are drawn. ``inner=`` runs a real drafter's ``propose`` each step and discards its
+shape is fixed before its tokens are drawn. Hits are stratified per sequence and depth (a credit that grows by the
+rate on each try and pays one hit per whole unit, from a seeded start), so a sequence's hits at a depth are its
+tries times the rate to within one: a single short sequence reaches the profile's tau, where independent draws
+missed it by a few tenths at batch 1. ``inner=`` runs a real drafter's ``propose`` each step and discards its
 tokens, so a step also pays that drafter's true cost (an EAGLE head's forward, a draft model's). Where the inner
 drafter offers pending trees (EAGLE's), so does the oracle: its own trees' fields go to the device, and the inner's
 candidates are read when the engine reads the step's trees, after the verify's launch, as EAGLE's own would be.
@@ -103,6 +106,7 @@ class OracleDrafter(Drafter):
         self.feature_layers = () if inner is None else inner.feature_layers  # an EAGLE-3 head's true cost too
         self.proposed_hits = [0] * len(profile.rates)  # per depth: steps whose tree held the reference token
         self.proposed_tries = [0] * len(profile.rates)  # per depth: steps whose parent on the path held it
+        self._credit: dict[int, list[float]] = {}  # seq_id -> per depth, the stratified draws' credit in [0, 1)
         self.pending_trees = bool(inner is not None and inner.pending_trees)  # as the inner drafter (module doc)
         # every tree's shape: at each depth ``width`` children of the previous depth's first child (one tensor, shared)
         self.parents = torch.tensor([-1 if d == 0 else (d - 1) * profile.width
@@ -118,6 +122,7 @@ class OracleDrafter(Drafter):
         self.target = target
         self.vocab = target.runner.shape.vocab_size
         self.generator = torch.Generator().manual_seed(self.seed)
+        self._credit.clear()
         if self.inner is not None:
             self.inner.attach(target)
 
@@ -126,6 +131,7 @@ class OracleDrafter(Drafter):
             self.inner.on_accept(seq_id, committed)
 
     def release(self, seq_id: int) -> None:
+        self._credit.pop(seq_id, None)
         if self.inner is not None:
             self.inner.release(seq_id)
 
@@ -155,12 +161,17 @@ class OracleDrafter(Drafter):
         rates, width = self.profile.rates, self.profile.width
         reference = self.continuations.get(tuple(view.token_ids[: view.num_prompt_tokens]), [])
         done = len(view.token_ids) - view.num_prompt_tokens  # new tokens committed; the root is the last of them
-        draws = torch.rand(len(rates), generator=self.generator).tolist()  # fixed count: one draw per depth
+        credit = self._credit.get(view.seq_id)
+        if credit is None:  # a sequence's first tree: each depth's credit starts at a draw of the oracle's generator
+            credit = self._credit[view.seq_id] = torch.rand(len(rates), generator=self.generator).tolist()
         tokens, on_path = [], True
         for d, rate in enumerate(rates):
             want = reference[done + d] if done + d < len(reference) else None
-            hit = on_path and want is not None and draws[d] < rate
-            if on_path and want is not None:
+            hit = False
+            if on_path and want is not None:  # a try: the credit grows by the rate and pays a hit per whole unit
+                credit[d] += rate
+                hit = credit[d] >= 1.0
+                credit[d] -= hit
                 self.proposed_tries[d] += 1
                 self.proposed_hits[d] += hit
             wrong = want if want is not None else view.token_ids[-1]

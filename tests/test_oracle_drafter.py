@@ -85,6 +85,20 @@ def test_acceptance_per_depth_and_tau_follow_the_profile(target, rates, width):
     assert abs(mean - profile.expected_tau) < 4 * sd / math.sqrt(len(lengths))
 
 
+def test_each_sequence_meets_the_profile_to_within_a_hit_per_depth(target):
+    """Stratified draws: one short sequence reaches the profile (independent draws miss it by several hits)."""
+    loaded, reference = target
+    profile = AcceptanceProfile.for_tau(3.0, 6)
+    for seed in (1, 2, 3):
+        out = _run(loaded, OracleDrafter(reference, profile, seed=seed))
+        for s in out.stats:
+            for d, rate in enumerate(profile.rates):
+                # the last step's tree may be cut by max_new_tokens after its hits were drawn: one more
+                assert abs(s.depth_accepted[d] - rate * s.depth_tried[d]) <= 2.0, (seed, d, s.depth_tried[d])
+            full = s.step_lengths[:-1]
+            assert sum(full) / len(full) == pytest.approx(profile.expected_tau, abs=0.15)
+
+
 def test_inner_drafter_runs_and_changes_nothing_but_the_cost(target):
     loaded, reference = target
     calls = []
