@@ -22,15 +22,19 @@ from specdec.tree import DraftTree
 
 
 class _ChainDrafter(Drafter):
-    """Calibration drafter: a chain of ``nodes`` copies of the root token per sequence."""
+    """Calibration drafter: a chain of ``nodes`` nodes per sequence, each the id after the root's (modulo the
+    vocabulary): a token the target is not expected to choose there, so the chain is rejected at its first node and
+    each step commits one token, as a plain step does. Copies of the root were accepted whole by random-weight
+    targets (which repeat their last token): c(n) then priced the commit of n tokens and a context grown by n."""
 
     name = "calibration-chain"
 
-    def __init__(self) -> None:
-        self.nodes = 0
+    def __init__(self, vocab_size: int) -> None:
+        self.nodes, self.vocab_size = 0, vocab_size
 
     def propose(self, seqs):
-        return [DraftTree([s.token_ids[-1]] * self.nodes, list(range(-1, self.nodes - 1))) for s in seqs]
+        return [DraftTree([(s.token_ids[-1] + 1) % self.vocab_size] * self.nodes, list(range(-1, self.nodes - 1)))
+                for s in seqs]
 
 
 def measure_verify_costs(runner: LlamaRunner, prompts: Sequence[Sequence[int]], query_tokens: Sequence[int],
@@ -42,8 +46,9 @@ def measure_verify_costs(runner: LlamaRunner, prompts: Sequence[Sequence[int]], 
     One batch of ``len(prompts)`` sequences, each extended by ``extra_context`` tokens (its
     own tokens repeated), is prefilled; then ``repeats + 1`` rounds each run one step per n
     (interleaved, so drift of a shared machine hits every n alike) with a chain draft of
-    n - 1 nodes. The first round is a warm-up. The time is the engine's own verify timer:
-    target forward + rejection sampling + KV commit. ``graphs``: through fixed-shape buckets replayed as CUDA
+    n - 1 nodes, rejected at its first node (:class:`_ChainDrafter`: each step commits one token). The first
+    round is a warm-up. The time is the engine's own verify timer: target forward + rejection sampling + KV
+    commit. ``graphs``: through fixed-shape buckets replayed as CUDA
     graphs (:mod:`specdec.cuda_graphs`; CUDA with the Triton backend), as ``generate()`` runs on a GPU.
     ``progress``: called after each step (``(repeats + 1) * len(query_tokens)`` calls).
     """
@@ -66,7 +71,7 @@ def measure_verify_costs(runner: LlamaRunner, prompts: Sequence[Sequence[int]], 
     blocks = sum(blocks_for(len(c) + growth + 2, block) for c in contexts) + int(graphs)  # + the graphs' scratch
     cache = PagedKVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, blocks, block, runner.dtype,
                          runner.device, runner.backend)
-    drafter = _ChainDrafter()
+    drafter = _ChainDrafter(shape.vocab_size)
     generator = torch.Generator(device=runner.device).manual_seed(seed)  # sampling runs on the model's device
     graphed = GraphedForward(runner, cache, GraphConfig(capture=cache.kv.is_cuda)) if graphs else None
     engine = Engine(runner, cache, sampling=sampling, stop=StopCriteria(10**9), drafter=drafter, generator=generator,

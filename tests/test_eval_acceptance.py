@@ -163,6 +163,24 @@ def test_verify_costs_are_measured_per_query_size(loaded):
         measure_verify_costs(loaded.runner, PROMPTS["rep"], (1,), SamplingConfig(), repeats=0)
 
 
+def test_verify_cost_steps_commit_one_token_each(monkeypatch):
+    """c(n) prices the verify of n tokens: a random-weight target, which repeats its last token, accepted a chain of
+    root copies whole, so each calibration step committed n tokens; the chain is now rejected at its first node."""
+    from specdec import engine as engine_module
+    from specdec.models.loader import load_model
+
+    loaded = load_model("synthetic:llama-3.2-1b@tiny", device="cpu")
+    committed, commit = [], engine_module.Engine.commit
+
+    def spy(self, live, acceptances):
+        committed.extend(len(a.accepted_tokens) for a in acceptances)
+        return commit(self, live, acceptances)
+
+    monkeypatch.setattr(engine_module.Engine, "commit", spy)
+    measure_verify_costs(loaded.runner, [[3, 14, 15, 92, 65, 35]], (1, 9, 33), SamplingConfig(), repeats=1)
+    assert len(committed) == 6 and committed == [0] * 6
+
+
 def test_old_cell_files_stay_readable(tmp_path):
     """Cells of an earlier run hold a `histogram` of committed tokens per step and no calibration."""
     old = {"drafter": "ngram", "category": "chat", "prompts": 1, "new_tokens": 10, "steps": 4, "seconds": 1.0,
