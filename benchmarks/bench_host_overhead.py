@@ -2,6 +2,7 @@
 
     python benchmarks/bench_host_overhead.py [--sequences 3000] [--tokens 3] [--repeats 3] [--prompt-tokens 8]
     python benchmarks/bench_host_overhead.py --batch1 [--tokens 400] [--repeats 3]
+    python benchmarks/bench_host_overhead.py --batch1 --batch 32 [--tokens 64]   # the same rows, 32 sequences a step
 
 A tiny model (vocabulary 4, two layers, one thread) whose forward is almost free, a batch of many short
 sampled sequences (the shape of the sampling-law tests), and each step split into the engine's phases:
@@ -19,7 +20,10 @@ buckets, uncaptured, the Triton backend in its interpreter: plain steps queued a
 The forward is a near-free stand-in (its time and launches left out, as are Triton kernels the interpreter runs
 outside it): the next token a fixed function of the token and its position, a repetitive text the n-gram drafter
 predicts in part. On the GPU's path EAGLE's drafting call, one graph replay there, is left out the same way: each
-bucket's call runs once and later calls reuse its outputs (the same trees).
+bucket's call runs once and later calls reuse its outputs (the same trees). ``--batch N`` runs those rows with N
+sequences a step (distinct prompts), where a GPU's speculative step waits for the host's per-sequence work; each
+row whose steps run :meth:`Engine.step` (every eager row, the graphed drafters': not the queued plain steps) is then
+also split by the engine's phases (the median host us of each, in a step's order).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import statistics
 import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # --batch1's graphed path, before triton is imported
@@ -57,8 +62,33 @@ def timed_engine(seconds: dict[str, float]) -> None:
         setattr(Engine, name, wrapper)
 
 
-def batch1(tokens: int, repeats: int) -> None:
-    """The ``--batch1`` rows (module doc)."""
+STEP_PHASES = ("propose", "verify_batch", "verify", "read", "accept", "keep_new_hidden", "commit")
+
+
+def phase_clock(excluded_seconds) -> dict[str, list[float]]:
+    """Wrap the engine's step phases so that each call appends its host thread time, less what
+    ``excluded_seconds()`` counted inside it (the stand-in forward, interpreted kernels), to the returned lists."""
+    import inspect
+
+    spent: dict[str, list[float]] = {name: [] for name in STEP_PHASES}
+    for name in STEP_PHASES:
+        static = isinstance(inspect.getattr_static(Engine, name), staticmethod)
+        method = getattr(Engine, name)
+
+        @functools.wraps(method)
+        def wrapper(*args, _method=method, _name=name, **kwargs):
+            x0, t0 = excluded_seconds(), time.thread_time()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                spent[_name].append(time.thread_time() - t0 - (excluded_seconds() - x0))
+
+        setattr(Engine, name, staticmethod(wrapper) if static else wrapper)
+    return spent
+
+
+def batch1(tokens: int, repeats: int, batch: int = 1) -> None:
+    """The ``--batch1`` rows (module doc), ``batch`` sequences a step."""
     from specdec import cost_model, engine_setup
     from specdec.generate import generate
     from specdec.launches import Launches
@@ -136,10 +166,12 @@ def batch1(tokens: int, repeats: int) -> None:
             "eagle": dict(drafter=lambda path: EagleDrafter(model=eagle, depth=6, top_k=1, max_nodes=6,
                                                             adapt_depth=False, cuda_graphs=path == "graphed"),
                           speculation="always")}
-    prompt = [[5, 6, 7, 8, 9, 10, 11, 12] * 2]
-    print(f"batch 1, {tokens} new tokens after a {len(prompt[0])}-token prompt, tiny model, stand-in forward, "
+    prompt = [[5 + b % 7, 6, 7, 8, 9, 10 + b // 7 % 5, 11, 12] * 2 for b in range(batch)]  # distinct from 2 on
+    print(f"batch {batch}, {tokens} new tokens after a {len(prompt[0])}-token prompt, tiny model, stand-in forward, "
           f"1 thread, best of {repeats}")
     print(f"{'path':<9}{'decoding':<10}{'steps':>6}{'host us/step':>14}{'ops/step':>10}   ops outside the forward")
+    phases = phase_clock(lambda: clock[1]) if batch > 1 else None
+    split = []  # (path, decoding, median us per phase) of the speculative rows
     for path, runner in paths.items():
         loaded = dataclasses.replace(model, runner=runner)
         for name, kwargs in rows.items():
@@ -150,16 +182,25 @@ def batch1(tokens: int, repeats: int) -> None:
                                      **kwargs)
             call()  # warm-up: the policy's costs, Triton's compiles
             best = None
+            for each in (phases or {}).values():
+                each.clear()
             for _ in range(repeats):
                 clock[:] = [0.0, 0.0, 0]
                 call()
                 per = (clock[0] - clock[1]) / clock[2] * 1e6
                 best = per if best is None else min(best, per)
+            if phases and phases["propose"]:
+                split.append((path, name, {k: 1e6 * statistics.median(v) for k, v in phases.items() if v}))
             spent[0], clock[2] = Launches(), 0
             call()
             ops, steps, spent[0] = spent[0].ops, clock[2], None
             print(f"{path:<9}{name:<10}{steps:6d}{best:14.1f}{sum(ops.values()) / steps:10.2f}   "
                   + ", ".join(f"{k} {v / steps:.2f}" for k, v in sorted(ops.items())))
+    if split:
+        print(f"\nEngine.step by phase (queued plain steps have none), median host us per step ({repeats} runs)")
+        print(f"{'path':<9}{'decoding':<10}" + "".join(f"{p:>16}" for p in STEP_PHASES))
+        for path, name, row in split:
+            print(f"{path:<9}{name:<10}" + "".join(f"{row.get(p, 0.0):16.1f}" for p in STEP_PHASES))
 
 
 def main() -> None:
@@ -171,10 +212,13 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=8,
                     help="prompt length: per-step work that grows with the context shows at a few hundred")
     ap.add_argument("--batch1", action="store_true", help="one sequence: host us per step outside the forward")
+    ap.add_argument("--batch", type=int, default=1, help="with --batch1: sequences per step (module doc)")
     args = ap.parse_args()
+    if args.batch < 1 or (args.batch > 1 and not args.batch1):
+        ap.error(f"--batch must be >= 1 and goes with --batch1, got {args.batch}")
     torch.set_num_threads(1)
     if args.batch1:
-        return batch1(args.tokens or 400, args.repeats)
+        return batch1(args.tokens or (400 if args.batch == 1 else 64), args.repeats, args.batch)
     args.tokens = args.tokens or 3
     seconds = dict.fromkeys(PHASES, 0.0)
     timed_engine(seconds)
