@@ -19,7 +19,8 @@ Per model (docs/gpu-speed.md explains every column):
   and eager, and of the oracle's 64-node tree (each step a 65-token verify) (benchmarks/step_profile.py): GPU busy
   and idle time per step, kernel time by kind (products, attention, norms), the kernels of each engine phase (graph
   replays included), graph and host launches and the ops issuing them (eager: each op's kernels), host waits on the
-  device and the engine's phases on the host, so that a number that misses its goal says why.
+  device and the engine's phases on the host, so that a number that misses its goal says why; last, the same for
+  plain decoding and the oracle chain under ``speculation="auto"`` at the largest batch (the batch goal's row).
 
 Models run in order of importance, each within its share of ``--budget`` seconds; whatever does not fit is marked
 skipped in the report instead of overrunning, so the run ends in time; ``item_seconds`` says what each took.
@@ -338,6 +339,8 @@ class ModelRun:
         self.item(f"profile b{b0}", lambda: self.profile(pool[:b0], first))
         for b in reversed(rest):
             oracle(b, first, "chain", False)
+        if rest:  # where a batch's drafted step spends its time: the batch goal's row, profiled
+            self.item(f"profile b{rest[-1]}", lambda: self.profile(pool[:rest[-1]], first, batch_rows=True))
         for tau in others:
             for shape in ("chain", "tree"):
                 oracle(b0, tau, shape, True)
@@ -503,11 +506,12 @@ class ModelRun:
         return EagleDrafter(model=self.eagle, depth=depth, top_k=width, max_nodes=depth * width, adapt_depth=False,
                             cuda_graphs=graphs)
 
-    def profile(self, prompts, tau: float) -> None:
+    def profile(self, prompts, tau: float, batch_rows: bool = False) -> None:
         """Plain decoding, the oracle chain at ``tau`` with EAGLE's drafting (replayed, then eager: the kernels each
         op of a level launches) and the oracle's 64-node tree (each step a 65-token verify: c(65)), each one call
         under the profiler (benchmarks/step_profile.py), after the timed rows warmed them up (kernels compiled,
-        graphs captured)."""
+        graphs captured). ``batch_rows``: plain decoding and the oracle chain under ``speculation="auto"`` alone
+        (a batch's rows: the policy's host work beside the device's)."""
         from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter
 
         b = len(prompts)
@@ -526,6 +530,9 @@ class ModelRun:
                        speculation="always")),
                  (f"oracle tree tau {tau} b{b}",
                   dict(drafter=OracleDrafter(self.references[b], tree, seed=1), speculation="always"))]
+        if batch_rows:
+            calls = [calls[0], (f"oracle chain tau {tau} auto b{b}",
+                                dict(drafter=OracleDrafter(self.references[b], chain, seed=1), speculation="auto"))]
         for name, kwargs in calls:
             t0 = time.perf_counter()
             with profiled(self.device) as trace:

@@ -58,13 +58,15 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     assert all(r["identical_to_plain"] == f"{r['batch']}/{r['batch']}" for r in model["oracle"])  # greedy exactness
     assert model["hf_static"]["new_tokens"] == 6
     assert [r["call"] for r in model["profile"]] == ["plain b1", "oracle chain tau 3.0 +eagle b1",
-                                                      "oracle chain tau 3.0 +eagle eager b1", "oracle tree tau 3.0 b1"]
-    plain, oracle, eager, tree = (r["summary"] for r in model["profile"])
+                                                      "oracle chain tau 3.0 +eagle eager b1", "oracle tree tau 3.0 b1",
+                                                      "plain b2", "oracle chain tau 3.0 auto b2"]
+    plain, oracle, eager, tree, plain2, auto2 = (r["summary"] for r in model["profile"])
+    assert plain2["steps"] == 6 and auto2["steps"] > 0 and "propose" in auto2["phases_ms_per_step"]  # the batch's
     assert eager["steps"] == oracle["steps"] and eager["aten_ops_per_step"] > oracle["aten_ops_per_step"] * 0.5
     assert plain["steps"] == 6 and plain["aten_ops_per_step"] > 0 and "verify" in plain["phases_ms_per_step"]
     assert oracle["steps"] < plain["steps"] and oracle["phases_ms_per_step"]["propose"] > 0  # EAGLE drafted
     assert tree["steps"] < plain["steps"]  # the 64-node trees' 65-token verifies, accepted as the profile says
-    assert {"plain b1", "verify cost", "profile b1"} <= set(model["item_seconds"])  # what each row cost
+    assert {"plain b1", "verify cost", "profile b1", "profile b2"} <= set(model["item_seconds"])  # each row's cost
     assert all(r["seconds"] > 0 for r in model["profile"]) and tree["kernel_ms_by_kind"] == {}  # no kernels on a CPU
     text = (tmp_path / "speed.md").read_text()
     assert "## synthetic:qwen3-1.7b@tiny" in text and "speedup vs plain" in text and "REHEARSAL" in text
