@@ -240,6 +240,13 @@ class DraftTree:
         step: one gather per tensor)."""
         if any(a >= b for a, b in pairwise(nodes)) or (nodes and not 0 <= nodes[0] <= nodes[-1] < self.num_nodes):
             raise ValueError(f"subtree: node indices must be ascending within [0, {self.num_nodes}), got {nodes}")
+        k = len(nodes)
+        if not nodes or nodes[-1] == k - 1:  # the first k nodes (a chain's cut, a depth cut of a tree in level order):
+            # their parents are among them and keep their indices, so each tensor's first k rows are the subtree
+            # (views: a tree's tensors are never written in place)
+            return self._trusted(self.tokens[:k], self.parents[:k],
+                                 None if self.draft_probs is None else self.draft_probs[:k],
+                                 None if self.scores is None else self.scores[:k])
         old_parents = self.parents.tolist()
         new_index = {-1: -1}  # old index -> new index, of the nodes kept so far
         parents: list[int] = []

@@ -87,6 +87,23 @@ def test_subtree_keeps_the_nodes_given_with_their_probs_and_scores(seed):
         t.subtree([0, t.num_nodes])
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_subtree_of_the_first_nodes_is_their_rows(seed):
+    """The first k nodes (a chain's cut, a level-order tree's depth cut) are taken as rows, no gather: the same
+    tree as the gather gives, every field, for every k."""
+    rng = random.Random(seed)
+    t = random_tree(rng, 20)
+    probs = torch.rand(t.num_nodes, 5, generator=torch.Generator().manual_seed(seed))
+    t = DraftTree(t.tokens, t.parents, probs / probs.sum(1, keepdim=True), DraftMode.INDEPENDENT,
+                  torch.rand(t.num_nodes, generator=torch.Generator().manual_seed(seed)))
+    for k in range(t.num_nodes + 1):
+        sub = t.subtree(list(range(k)))
+        assert sub.num_nodes == k and sub.mode is t.mode
+        assert sub.tokens.tolist() == t.tokens.tolist()[:k] and sub.parents.tolist() == t.parents.tolist()[:k]
+        assert torch.equal(sub.draft_probs, t.draft_probs[:k]) and torch.equal(sub.scores, t.scores[:k])
+        assert sub.children == [[j for j in range(k) if t.parents[j] == i] for i in range(-1, k)]
+
+
 def _ancestors_and_self(parents, i):
     while i >= 0:
         yield i
