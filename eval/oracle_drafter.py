@@ -9,11 +9,11 @@ Invariants: proposals are deterministic candidates (``draft_probs`` None), so gr
 the oracle proposes; its own draws come from its own seeded generator (never the target's randomness); the tree's
 shape is fixed before its tokens are drawn. Hits are stratified per sequence and depth (a credit that grows by the
 rate on each try and pays one hit per whole unit, from a seeded start), so a sequence's hits at a depth are its
-tries times the rate to within one: a single short sequence reaches the profile's tau, where independent draws
-missed it by a few tenths at batch 1. ``inner=`` runs a real drafter's ``propose`` each step and discards its
-tokens, so a step also pays that drafter's true cost (an EAGLE head's forward, a draft model's). Where the inner
-drafter offers pending trees (EAGLE's), so does the oracle: its own trees' fields go to the device, and the inner's
-candidates are read when the engine reads the step's trees, after the verify's launch, as EAGLE's own would be.
+tries times the rate to within one: a single short sequence reaches the profile's tau. ``inner=`` runs a real
+drafter's ``propose`` each step and discards its tokens, so a step also pays that drafter's true cost (an EAGLE
+head's forward, a draft model's). Where the inner drafter offers pending trees (EAGLE's), so does the oracle: its
+own trees' fields go to the device, and the inner's candidates are read when the engine reads the step's trees,
+after the verify's launch, as EAGLE's own would be.
 Measure with ``speculation="always"``: the guard and tree sizing would otherwise cut the trees the profile
 describes. Where the target's output leaves the reference (bf16 near-ties), the oracle stops knowing the answer; the
 measured tau says so.

@@ -414,7 +414,8 @@ def load_cost_model(runner, config: CalibrationConfig | None = None, cache_dir: 
                     "plainly", runner.shape.max_positions)
         return CostModel({"unmeasured": True}, {1: {1: 1.0, 2: 2.0}}, None, config, measured=False)
     key = machine_key(runner) | {"model": model_structure(runner), "rows": row_policy.active_cols(runner.dtype),
-                                 "workload": asdict(config), "chain": "rejected"}  # curves of accepted chains: again
+                                 # curves timed with accepted chains (specdec.verify_cost) are measured again
+                                 "workload": asdict(config), "chain": "rejected"}
     if times_whole_grid(runner):  # older curves of this device, whose batches stopped short, are measured again
         key["batch_grid"] = "whole"
     key = json.loads(json.dumps(key))  # as it reads back from JSON (tuples -> lists, int keys -> str)

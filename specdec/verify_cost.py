@@ -24,8 +24,8 @@ from specdec.tree import DraftTree
 class _ChainDrafter(Drafter):
     """Calibration drafter: a chain of ``nodes`` nodes per sequence, each the id after the root's (modulo the
     vocabulary): a token the target is not expected to choose there, so the chain is rejected at its first node and
-    each step commits one token, as a plain step does. Copies of the root were accepted whole by random-weight
-    targets (which repeat their last token): c(n) then priced the commit of n tokens and a context grown by n."""
+    each step commits one token, as a plain step does (copies of the root, which a random-weight target repeats,
+    would be accepted whole: c(n) would price committing n tokens)."""
 
     name = "calibration-chain"
 
