@@ -122,6 +122,21 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def launch_times(replay, wait, repeats: int = 20) -> dict:
+    """Median ms of ``replay()`` returning to the host (the launch) and of it with ``wait()`` after it (the replay),
+    each call after a ``wait()``: an idle device, as a drafted step's verify finds it."""
+    launch, whole = [], []
+    for _ in range(repeats):
+        wait()
+        t0 = time.perf_counter()
+        replay()
+        t1 = time.perf_counter()
+        wait()
+        launch.append(t1 - t0)
+        whole.append(time.perf_counter() - t0)
+    return dict(launch_ms=1e3 * statistics.median(launch), replay_ms=1e3 * statistics.median(whole))
+
+
 def copy_bandwidth(device: torch.device, rehearse: bool) -> float:
     """Bytes/s a device-to-device copy moves (read + write), median of 10: a bound on reading weights."""
     n = (64 if rehearse else 1024) * 2**20
@@ -263,8 +278,8 @@ class ModelRun:
     def __init__(self, spec: str, args, device: torch.device, dtype: torch.dtype, bandwidth: float, clock: Clock,
                  save) -> None:
         self.spec, self.args, self.device, self.dtype, self.clock, self.save = spec, args, device, dtype, clock, save
-        self.result: dict = dict(model=spec, plain={}, oracle=[], verify_cost=None, products=None, hf_static=None,
-                                 profile=[], skipped=[], errors=[], item_seconds={})
+        self.result: dict = dict(model=spec, plain={}, oracle=[], verify_cost=None, replay_launch=None, products=None,
+                                 hf_static=None, profile=[], skipped=[], errors=[], item_seconds={})
         self.bandwidth = bandwidth
 
     def item(self, name: str, fn, estimate: float | None = None) -> None:
@@ -328,6 +343,7 @@ class ModelRun:
         if self.graphs is not None:  # split attention merged by a second launch: what merging in the kernel saves
             self.item(f"plain b{b0} merge launched", lambda: self.merge_launched(pool[:b0]))
         self.item("verify cost", lambda: self.curve(pool[0]))
+        self.item("replay launch", self.replay_launch)
         self.item("products", self.products)
         oracle(b0, first, "chain", True)
         oracle(b0, first, "chain", True, depth=SHORT_CHAIN_DEPTH)
@@ -408,6 +424,21 @@ class ModelRun:
         base = costs.get(1) or min(costs.values())
         self.result["verify_cost"] = dict(ms={n: 1e3 * c for n, c in costs.items()},
                                           ratio={n: c / base for n, c in costs.items()})
+
+    def replay_launch(self) -> None:
+        """Per captured batch-1 verify graph of 1 and of the most tokens (the curve captured them), the host's launch
+        and the replay with its wait (:func:`launch_times`): a drafted step is read back, so the device idles while
+        the host launches its verify. The bucket's inputs are padding for these replays (every row writes the
+        scratch slot: no sequence's K/V). None without captured graphs (a CPU)."""
+        g, rows = self.graphs, {}
+        if g is not None and g.config.capture:
+            most = g.config.tokens_per_seq[-1]
+            for bucket in list(g.buckets.values()):
+                if bucket.batch == 1 and bucket.graph is not None and bucket.tokens_per_seq in (1, most) \
+                        and not bucket.feature_layers:
+                    g.inputs.pad_(bucket.inputs)
+                    rows[bucket.tokens_per_seq] = launch_times(bucket.graph.replay, lambda: sync(self.device))
+        self.result["replay_launch"] = rows or None
 
     def products(self) -> None:
         """The products alone over PRODUCT_SIZES rows (benchmarks/products_curve.py), against their weight-read
@@ -629,6 +660,10 @@ def markdown(report: dict) -> str:
             picks = [n for n in (1, 2, 4, 8, 16, 24, 32, 48, 64, 65) if n in ratio]
             lines += ["", "verify cost c(n) / c(1): " + ", ".join(f"{n}: {ratio[n]:.2f}" for n in picks)
                       + f" (c(1) = {ms[min(ratio)]:.3f} ms)"]
+        if m.get("replay_launch"):  # absent from reports written before it was measured
+            lines += ["", "a batch-1 verify graph on an idle device, host launch / replay waited for: " + ", ".join(
+                f"{n} tokens {r['launch_ms']:.3f} / {r['replay_ms']:.3f} ms"
+                for n, r in sorted(m["replay_launch"].items(), key=lambda kv: int(kv[0])))]
         lines += _products_rows(m)
         if m["oracle"]:
             lines += ["", "| oracle | batch | nodes | drafting | speculation | tau target | tau | step ms | "

@@ -67,6 +67,7 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     assert oracle["steps"] < plain["steps"] and oracle["phases_ms_per_step"]["propose"] > 0  # EAGLE drafted
     assert tree["steps"] < plain["steps"]  # the 64-node trees' 65-token verifies, accepted as the profile says
     assert {"plain b1", "verify cost", "profile b1", "profile b2"} <= set(model["item_seconds"])  # each row's cost
+    assert "replay launch" in model["item_seconds"] and model["replay_launch"] is None  # nothing captured on a CPU
     assert all(r["seconds"] > 0 for r in model["profile"]) and tree["kernel_ms_by_kind"] == {}  # no kernels on a CPU
     text = (tmp_path / "speed.md").read_text()
     assert "## synthetic:qwen3-1.7b@tiny" in text and "speedup vs plain" in text and "REHEARSAL" in text
@@ -98,6 +99,28 @@ def test_a_report_read_back_from_json_renders_its_verify_cost_curve(bench):
     want = "verify cost c(n) / c(1): 1: 1.00, 2: 1.10, 65: 1.50 (c(1) = 2.000 ms)"
     assert want in bench.markdown(report)
     assert want in bench.markdown(json.loads(json.dumps(report)))
+    assert "host launch" not in bench.markdown(report)  # a report written before the launch was measured
+    model["replay_launch"] = {65: dict(launch_ms=0.9, replay_ms=5.2), 1: dict(launch_ms=0.4, replay_ms=4.1)}
+    want = ("a batch-1 verify graph on an idle device, host launch / replay waited for: 1 tokens 0.400 / 4.100 ms, "
+            "65 tokens 0.900 / 5.200 ms")
+    assert want in bench.markdown(report) and want in bench.markdown(json.loads(json.dumps(report)))
+
+
+def test_launch_times_split_the_hosts_launch_from_the_replay_waited_for(bench):
+    """A launch that returns after 2 ms and a device that finishes 3 ms later: 2 ms and 5 ms, medians."""
+    import time as clock
+
+    done = [0.0]
+
+    def replay():
+        clock.sleep(0.002)
+        done[0] = clock.perf_counter() + 0.003
+
+    def wait():
+        clock.sleep(max(done[0] - clock.perf_counter(), 0.0))
+
+    row = bench.launch_times(replay, wait, repeats=5)
+    assert 2.0 <= row["launch_ms"] < 20.0 and row["replay_ms"] >= row["launch_ms"] + 2.5  # the wait's 3 ms after
 
 
 def test_a_report_read_back_from_json_renders_its_products_beside_the_curve(bench):
