@@ -426,12 +426,14 @@ class ModelRun:
                                           ratio={n: c / base for n, c in costs.items()})
 
     def replay_launch(self) -> None:
-        """Per captured batch-1 verify graph of 1 and of the most tokens (the curve captured them), the host's launch
-        and the replay with its wait (:func:`launch_times`): a drafted step is read back, so the device idles while
-        the host launches its verify. The bucket's inputs are padding for these replays (every row writes the
-        scratch slot: no sequence's K/V). None without captured graphs (a CPU)."""
+        """Per batch-1 verify graph of the model's cache (generate()'s), of 1 and of the most tokens, the host's
+        launch and the replay with its wait (:func:`launch_times`): a drafted step is read back, so the device idles
+        while the host launches its verify. Batch-1 buckets not captured yet are captured first (as the rows after
+        would); the bucket's inputs are padding for these replays (every row writes the scratch slot: no sequence's
+        K/V). None without captured graphs (a CPU)."""
         g, rows = self.graphs, {}
         if g is not None and g.config.capture:
+            g.warm_up(1)
             most = g.config.tokens_per_seq[-1]
             for bucket in list(g.buckets.values()):
                 if bucket.batch == 1 and bucket.graph is not None and bucket.tokens_per_seq in (1, most) \
