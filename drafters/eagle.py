@@ -360,9 +360,10 @@ class EagleDrafter(Drafter):
         tokens = pools[:, 0].long()
         if self.draft_ids is not None:
             tokens = self.draft_ids[tokens]
-        # the draft probability under the parent (0 where NaN)
+        # the draft probability under the parent (0 where NaN): in [0, 1] by construction, int64 rows of one length,
+        # so the trees skip the construction checks (the engine validates each proposal's structure all the same)
         scores = pools[:, 3].float().exp().nan_to_num(0.0).clamp(0.0, 1.0)
-        return [DraftTree(*row, scores=s) for *row, s in zip(tokens, parents(pools), scores, strict=True)]
+        return [DraftTree.unchecked(t, p, scores=s) for t, p, s in zip(tokens, parents(pools), scores, strict=True)]
 
 
 def _top_chain(tree: DraftTree) -> tuple[list[int], list[int]]:
@@ -372,13 +373,15 @@ def _top_chain(tree: DraftTree) -> tuple[list[int], list[int]]:
     if tree.num_nodes == 0:
         return [], []
     tokens, parents, scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
+    best: dict[int, int] = {}  # node (-1: the root) -> its child of the highest score, the first on ties
+    for i, p in enumerate(parents):
+        if p not in best or scores[i] > scores[best[p]]:
+            best[p] = i
     chain, node = [], -1
-    while True:
-        kids = [i for i, p in enumerate(parents) if p == node]
-        if not kids:
-            return chain, list(range(-1, len(chain) - 1))
-        node = max(kids, key=lambda i: (scores[i], -i))
+    while node in best:
+        node = best[node]
         chain.append(tokens[node])
+    return chain, list(range(-1, len(chain) - 1))
 
 
 @dataclass

@@ -273,9 +273,18 @@ class DraftTree:
         """A tree of this one's mode built from parts of it (a sub-tree): the construction checks hold for it
         as they held for this tree (and a sub-tree of a validated tree is validated), so none is run again (the
         engine prunes per sequence per step)."""
-        tree = object.__new__(type(self))
+        return type(self).unchecked(tokens, parents, draft_probs, self.mode, scores)
+
+    @classmethod
+    def unchecked(cls, tokens: torch.Tensor, parents: torch.Tensor, draft_probs: torch.Tensor | None = None,
+                  mode: DraftMode = DraftMode.DETERMINISTIC, scores: torch.Tensor | None = None) -> "DraftTree":
+        """A tree built without the construction checks, for parts that meet them where they are made (1-D int64
+        ``tokens`` and ``parents`` of one length, ``scores`` clamped to [0, 1], a ``mode`` that matches
+        ``draft_probs``): a drafter building a batch of trees per step from tensors of its own (EAGLE's). The engine
+        still validates every proposal (:func:`validate_trees`: parents, token range, sibling rules)."""
+        tree = object.__new__(cls)
         for name, value in (("tokens", tokens), ("parents", parents), ("draft_probs", draft_probs),
-                            ("mode", self.mode), ("scores", scores)):
+                            ("mode", mode), ("scores", scores)):
             object.__setattr__(tree, name, value)
         return tree
 

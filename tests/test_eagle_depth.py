@@ -146,3 +146,33 @@ def test_each_call_times_every_level_it_drafted_within_its_own_wall_time(graphs,
     assert len(calls) > 3 and (drafter.graphs is not None) == graphs
     for seconds, wall in calls:
         assert len(seconds) == 3 and min(seconds) > 0 and sum(seconds) <= wall, (seconds, wall)
+
+
+def test_the_chain_the_chooser_learns_from_is_each_levels_best_child():
+    """The most probable chain of a proposal (the child of the highest score at each level, the first on ties),
+    taken in one pass over the tree, against a walk that looks for each level's children anew; and the trees EAGLE
+    builds without the construction checks are the checked constructor's."""
+    import random
+
+    from specdec.drafters.eagle import _top_chain
+
+    from specdec.tree import DraftTree
+
+    def walk(tree):
+        tokens, parents, scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
+        chain, node = [], -1
+        while kids := [i for i, p in enumerate(parents) if p == node]:
+            node = max(kids, key=lambda i: (scores[i], -i))
+            chain.append(tokens[node])
+        return chain, list(range(-1, len(chain) - 1))
+
+    rng = random.Random(0)
+    for n in (0, 1, 5, 24, 64):
+        parents = [rng.randrange(-1, i) for i in range(n)]
+        scores = torch.tensor([rng.choice((0.25, 0.5, 0.75)) for _ in range(n)])  # ties on purpose
+        tokens = torch.tensor([rng.randrange(100) for _ in range(n)], dtype=torch.long)
+        checked = DraftTree(tokens, parents, scores=scores)
+        unchecked = DraftTree.unchecked(tokens, torch.tensor(parents, dtype=torch.long), scores=scores)
+        assert _top_chain(unchecked) == walk(checked)
+        assert all(torch.equal(getattr(checked, f), getattr(unchecked, f)) for f in ("tokens", "parents", "scores"))
+        assert unchecked.mode is checked.mode and unchecked.draft_probs is None
