@@ -102,9 +102,12 @@ def plain_acceptances(tokens: Sequence[int]) -> list[Acceptance]:
     return [Acceptance((), (), token, True, (), ()) for token in tokens]
 
 
-def _finish(tree: DraftTree, path: list[int], next_token: int, is_bonus: bool, tried_depths: int) -> Acceptance:
+def _finish(tree: DraftTree, path: list[int], next_token: int, is_bonus: bool, tried_depths: int,
+            tokens: list[int] | None = None) -> Acceptance:
+    """``tokens``: the tree's tokens as a list, where the caller has read them already."""
     depth, tried = tree.max_depth, min(tried_depths, tree.max_depth)
-    tokens = tree.tokens.tolist() if path else []
+    if tokens is None:
+        tokens = tree.tokens.tolist() if path else []
     return Acceptance(tuple(path), tuple(tokens[i] for i in path), next_token, is_bonus,
                       (1,) * tried + (0,) * (depth - tried), (1,) * len(path) + (0,) * (depth - len(path)))
 
@@ -116,12 +119,18 @@ def follow_choices(trees: Sequence[DraftTree], choices: list[list[int]]) -> list
     argmax) and coupled sampling (:mod:`specdec.coupling`, choice = Gumbel-max) both end here."""
     out = []
     for tree, best in zip(trees, choices, strict=True):
-        tokens, path, node = tree.tokens.tolist(), [], -1
+        # the tokens are read once, and only where the root has children (an empty tree is a plain step's)
+        children, tokens, path, node = tree.children, None, [], -1
         while True:
-            kids, want = tree.children[node + 1], best[node + 1]
-            match = next((c for c in kids if tokens[c] == want), None)
+            kids, want, match = children[node + 1], best[node + 1], None
+            if kids:
+                tokens = tree.tokens.tolist() if tokens is None else tokens
+                for c in kids:
+                    if tokens[c] == want:
+                        match = c
+                        break
             if match is None:
-                out.append(_finish(tree, path, want, not kids, len(path) + bool(kids)))
+                out.append(_finish(tree, path, want, not kids, len(path) + bool(kids), tokens))
                 break
             path.append(match)
             node = match

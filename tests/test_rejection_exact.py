@@ -105,6 +105,35 @@ def test_greedy_walks_the_matching_branch():
     assert acc.depth_tried == (1, 1) and acc.depth_accepted == (1, 1)
 
 
+def test_greedy_walk_on_random_trees_with_repeated_siblings():
+    """The greedy walk (follow_choices) against a plain reading of its rule, on random trees whose siblings may
+    repeat a token (the first matching child is taken) and choices that often match: path, tokens, next token,
+    bonus and the per-depth counts."""
+    import random
+
+    from specdec.rejection import follow_choices
+
+    def reference(tree, best):
+        tokens, parents, path, node = tree.tokens.tolist(), tree.parents.tolist(), [], -1
+        while True:
+            kids = [i for i, p in enumerate(parents) if p == node]
+            match = next((c for c in kids if tokens[c] == best[node + 1]), None)
+            if match is None:
+                depth, tried = tree.max_depth, min(len(path) + bool(kids), tree.max_depth)
+                return (tuple(path), tuple(tokens[i] for i in path), best[node + 1], not kids,
+                        (1,) * tried + (0,) * (depth - tried), (1,) * len(path) + (0,) * (depth - len(path)))
+            path.append(match)
+            node = match
+
+    rng = random.Random(3)
+    trees = [DraftTree([rng.randrange(3) for _ in range(n)], [rng.randrange(-1, i) for i in range(n)])
+             for n in [0, 1, 2, 5, 9, 17, 40] * 4]
+    choices = [[rng.randrange(3) for _ in range(t.num_nodes + 1)] for t in trees]
+    for tree, best, acc in zip(trees, choices, follow_choices(trees, choices), strict=True):
+        assert (acc.accepted_nodes, acc.accepted_tokens, acc.next_token, acc.is_bonus, acc.depth_tried,
+                acc.depth_accepted) == reference(tree, best)
+
+
 def test_greedy_rejection_gives_recovered_argmax():
     tree = DraftTree.chain([4, 4])
     logits = torch.zeros(1, 3, 6)
