@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import inspect
 import os
 import statistics
 import time
@@ -46,44 +47,37 @@ from specdec.testing import RandomTreeDrafter, build_tiny_model  # noqa: E402
 PHASES = ("add", "propose", "verify_batch", "verify", "accept", "commit")
 
 
-def timed_engine(seconds: dict[str, float]) -> None:
-    """Wrap the engine's phases so that each call adds its wall time to ``seconds`` (this process only)."""
-    for name in PHASES:
+def wrap_phases(names: tuple[str, ...], clock, record) -> None:
+    """Wrap the engine's methods ``names`` so that each call passes its name and the ``clock()`` seconds it took to
+    ``record`` (this process only; a static method stays static)."""
+    for name in names:
+        static = isinstance(inspect.getattr_static(Engine, name), staticmethod)
         method = getattr(Engine, name)
 
         @functools.wraps(method)
         def wrapper(*args, _method=method, _name=name, **kwargs):
-            t0 = time.perf_counter()
+            t0 = clock()
             try:
                 return _method(*args, **kwargs)
             finally:
-                seconds[_name] += time.perf_counter() - t0
+                record(_name, clock() - t0)
 
-        setattr(Engine, name, wrapper)
+        setattr(Engine, name, staticmethod(wrapper) if static else wrapper)
+
+
+def timed_engine(seconds: dict[str, float]) -> None:
+    """Each call of an engine phase (PHASES) adds its wall time to ``seconds``."""
+    wrap_phases(PHASES, time.perf_counter, lambda name, s: seconds.__setitem__(name, seconds[name] + s))
 
 
 STEP_PHASES = ("propose", "verify_batch", "verify", "read", "accept", "keep_new_hidden", "commit")
 
 
 def phase_clock(excluded_seconds) -> dict[str, list[float]]:
-    """Wrap the engine's step phases so that each call appends its host thread time, less what
-    ``excluded_seconds()`` counted inside it (the stand-in forward, interpreted kernels), to the returned lists."""
-    import inspect
-
+    """Each call of a step phase (STEP_PHASES) appends its host thread time, less what ``excluded_seconds()``
+    counted inside it (the stand-in forward, interpreted kernels), to the returned lists."""
     spent: dict[str, list[float]] = {name: [] for name in STEP_PHASES}
-    for name in STEP_PHASES:
-        static = isinstance(inspect.getattr_static(Engine, name), staticmethod)
-        method = getattr(Engine, name)
-
-        @functools.wraps(method)
-        def wrapper(*args, _method=method, _name=name, **kwargs):
-            x0, t0 = excluded_seconds(), time.thread_time()
-            try:
-                return _method(*args, **kwargs)
-            finally:
-                spent[_name].append(time.thread_time() - t0 - (excluded_seconds() - x0))
-
-        setattr(Engine, name, staticmethod(wrapper) if static else wrapper)
+    wrap_phases(STEP_PHASES, lambda: time.thread_time() - excluded_seconds(), lambda name, s: spent[name].append(s))
     return spent
 
 
