@@ -553,19 +553,20 @@ class ModelRun:
         tokens = min(self.args.new_tokens, PROFILE_TOKENS)
         chain = AcceptanceProfile.for_tau(tau, CHAIN_DEPTH, 1)
         tree = AcceptanceProfile.for_tau(tau, TREE_DEPTH, TREE_WIDTH)
-        calls = [(f"plain b{b}", {}),
-                 (f"oracle chain tau {tau} +eagle b{b}",
-                  dict(drafter=OracleDrafter(self.references[b], chain, inner=self.eagle_drafter(CHAIN_DEPTH, 1),
-                                             seed=1), speculation="always")),
-                 (f"oracle chain tau {tau} +eagle eager b{b}",
-                  dict(drafter=OracleDrafter(self.references[b], chain,
-                                             inner=self.eagle_drafter(CHAIN_DEPTH, 1, graphs=False), seed=1),
-                       speculation="always")),
-                 (f"oracle tree tau {tau} b{b}",
-                  dict(drafter=OracleDrafter(self.references[b], tree, seed=1), speculation="always"))]
+        calls = [(f"plain b{b}", {})]
         if batch_rows:
-            calls = [calls[0], (f"oracle chain tau {tau} auto b{b}",
-                                dict(drafter=OracleDrafter(self.references[b], chain, seed=1), speculation="auto"))]
+            calls.append((f"oracle chain tau {tau} auto b{b}",
+                          dict(drafter=OracleDrafter(self.references[b], chain, seed=1), speculation="auto")))
+        else:
+            calls += [(f"oracle chain tau {tau} +eagle b{b}",
+                       dict(drafter=OracleDrafter(self.references[b], chain, inner=self.eagle_drafter(CHAIN_DEPTH, 1),
+                                                  seed=1), speculation="always")),
+                      (f"oracle chain tau {tau} +eagle eager b{b}",
+                       dict(drafter=OracleDrafter(self.references[b], chain,
+                                                  inner=self.eagle_drafter(CHAIN_DEPTH, 1, graphs=False), seed=1),
+                            speculation="always")),
+                      (f"oracle tree tau {tau} b{b}",
+                       dict(drafter=OracleDrafter(self.references[b], tree, seed=1), speculation="always"))]
         for name, kwargs in calls:
             t0 = time.perf_counter()
             with profiled(self.device) as trace:
