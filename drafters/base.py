@@ -143,6 +143,10 @@ class Drafter(ABC):
     catches_up: bool = True
     # propose_pending is offered: the step's trees may stay on the device until the verify is launched
     pending_trees: bool = False
+    # propose reads a sequence's tokens alone and costs host time only (no model, no device work): while the guard
+    # holds a sequence off and the engine queues its plain steps, it may be asked in hindsight, its deterministic
+    # trees judged by the text that follows and never verified (specdec.tree_sizing, Looks)
+    looks_back: bool = False
     # its deterministic trees' scores are already calibrated online on the committed tokens (the combined drafter's,
     # per child): the tree sizer takes them as they are, as a second correction over the first one cut right chains
     calibrated_scores: bool = False

@@ -95,6 +95,7 @@ class _SeqIndex:
 class NGramDrafter(Drafter):
     options_config = NGramConfig  # what **options configure (drafters.registry.option_names)
     name = "ngram"
+    looks_back = True  # its proposals are host-side lookups: a held-off sequence is asked in hindsight
     python_only_options = frozenset({"config"})  # not --drafter-option keys (drafters.registry)
 
     def __init__(self, config: NGramConfig | None = None, **options: int) -> None:

@@ -22,7 +22,9 @@ greedy or standard sampling (no drafter or one the policy never asks; no coupled
 log-probabilities), through a GraphedForward. With a drafter that reads no hidden rows, under the break-even guard
 (``guarded``), the steps where the guard holds off every sequence run here too: a step is queued only where
 :meth:`~specdec.speculation_policy.SpeculationPolicy.asks_nobody_next` foresees that no sequence drafts in it,
-and the guard is asked in each step as in a drafting one (its counts move alike).
+and the guard is asked in each step as in a drafting one (its counts move alike). While the device runs a queued
+step, a drafter that looks back (``Drafter.looks_back``: n-gram) is asked for the held-off sequences in hindsight:
+its trees are never verified, only judged by the text that follows, so the guard sees the text turn.
 """
 from __future__ import annotations
 
@@ -97,6 +99,8 @@ class DecodeAhead:
         # a step that captured a CUDA graph paid a one-off: its time prices nothing
         e.policy.observe(StepRecord(live, acceptances, emitted, seconds if captures() == captured else None, 1,
                                     queued))
+        if self.guarded and self.queued is not None:  # the device runs the next step: the host looks back meanwhile
+            e.look_back([s for s in live if not s.finished])
         return emitted
 
     def _held_off(self, live: list[SequenceState]) -> None:

@@ -355,6 +355,20 @@ class Engine:
         return [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, s.new_hidden, s.noise_key)
                 for s in asked]
 
+    def look_back(self, live: list[SequenceState]) -> None:
+        """Ask the drafter in hindsight for the held-off sequences the policy names (a queued step's, while the device
+        runs the next one; specdec.decode_ahead): their trees are never verified, only judged by the text that
+        follows, so that the guard sees the text turn (specdec.tree_sizing, Looks)."""
+        seqs = self.policy.who_looks_back(live)
+        if not seqs:
+            return
+        views = [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, None, s.noise_key) for s in seqs]
+        t0 = time.perf_counter()
+        trees = self._checked(seqs, lambda: self.drafter.propose(views))
+        seconds = time.perf_counter() - t0
+        self.seconds["draft"] += seconds
+        self.policy.looked_back(seqs, trees, seconds, len(live))
+
     def _sized(self, asked: list[SequenceState], trees: list[DraftTree], draft_seconds: float, catch_up: bool,
                verified: bool = False) -> list[DraftTree]:
         """The part of each proposed tree to verify: cut to the sequence's token budget and to the KV blocks it may

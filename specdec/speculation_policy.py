@@ -6,6 +6,7 @@ the run taught. The engine calls it at four points::
     trees = policy.size(call)            # after propose: the part of each tree expected to pay (exact pruning)
     policy.observe(step)                 # after the commit: the step's time, what was committed, who finished
                                          # (the run's last step saves what the guard learned: specdec.remembered)
+    policy.who_looks_back(live)          # after a queued step's commit: held-off drafts asked in hindsight
 
 Behind it (``speculation="auto"``): the measured cost model (:mod:`specdec.cost_model`) corrected by the run's step
 times (:mod:`specdec.online_costs`), the guard and tree sizing (:mod:`specdec.tree_sizing`), and the never-pays
@@ -75,6 +76,7 @@ class SpeculationPolicy:
         self.costs = None if sizer is None else CostView(sizer.online.relative, sizer.step_seconds)
         self.cut_last = False  # the last size() cut a tree
         self.plain = False  # the drafter can never pay: it is never asked
+        self.looks_back = False  # a held-off drafter is asked in hindsight (Drafter.looks_back, under a sizer)
 
     def start(self, drafter: Drafter | None, target: TargetView) -> "SpeculationPolicy":
         """Attach ``drafter`` to ``target`` with the policy's costs; returns the policy. With ``auto``, a drafter
@@ -86,6 +88,7 @@ class SpeculationPolicy:
         drafter.attach(replace(target, costs=self.costs))
         if self.sizer is not None:
             self.sizer.cheapest_call = drafter.cheapest_call_seconds
+            self.looks_back = drafter.looks_back
         if not self.auto:
             return self
         why = drafter.never_pays_by_shape()
@@ -130,6 +133,18 @@ class SpeculationPolicy:
         if self.plain:
             return True
         return self.sizer is not None and self.sizer.skips_next([s.seq_id for s in live])
+
+    def who_looks_back(self, live: list["SequenceState"]) -> list["SequenceState"]:
+        """Of a queued step's sequences (every one held off), those whose drafter to ask in hindsight now
+        (:meth:`TreeSizer.who_looks_back`): none unless the drafter looks back, under a sizer."""
+        if not self.looks_back or self.plain:
+            return []
+        ids = set(self.sizer.who_looks_back([s.seq_id for s in live], len(live)))
+        return [s for s in live if s.seq_id in ids]
+
+    def looked_back(self, seqs: list["SequenceState"], trees: list[DraftTree], seconds: float, batch: int) -> None:
+        """The trees of a call :meth:`who_looks_back` asked for, never verified: judged by the text that follows."""
+        self.sizer.looked_back([s.seq_id for s in seqs], trees, seconds, batch)
 
     def size(self, call: ProposeCall) -> list[DraftTree]:
         """The part of each proposed tree to verify, and the call's draft time recorded."""

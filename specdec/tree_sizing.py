@@ -15,7 +15,9 @@ they do not pay, probing again when the sequence has banked the probe's price (`
 per step: probes, catch-ups included, cost about that share of a run of calls); ``never_pays`` drafters are never
 asked. **Measured verifies**: while the run has timed few drafted verifies and the curve may be too steep, a tree cut
 to nothing keeps its best node now and then, from a budget of its own (:mod:`specdec.online_costs`): a curve
-calibrated too steep verifies no draft, and plain steps alone correct nothing in it.
+calibrated too steep verifies no draft, and plain steps alone correct nothing in it. **Looks**: where held-off steps
+are queued, a drafter that looks back is asked in hindsight while the device runs (``look_budget`` of a step per
+step); its tree, never verified, is judged by the text that follows, and one that would have paid asks it again.
 ``memory`` carries backoff, probe price, banked budget, acceptance evidence and the verify times that correct the
 cost curve across calls, and processes (:mod:`specdec.remembered`, in the cost cache): a run of short calls is guarded
 as one long call would be.
@@ -120,6 +122,40 @@ def _unscored_keys(parents: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     return tuple(keys)
 
 
+def _walk(tree: DraftTree, committed: list[int], verified: set[int] | None = None, accepted: set[int] | None = None
+          ) -> tuple[list[int], set[int], int, bool]:
+    """The nodes of ``tree`` tried by a step that committed ``committed`` (in node order), those accepted, the
+    accepted path's depth, and whether the tokens ran out on an accepted path with nodes below (undecided).
+
+    A node is tried when its parent is the root or accepted; the nodes below a rejected one are never looked at.
+    Deterministic trees: accepted when its token is the committed one at its depth. Sampled trees (``verified``
+    given): tried when verified, accepted when in ``accepted``."""
+    children = tree.children  # index 0: the root's, i + 1: node i's
+    tokens = tree.tokens.tolist()
+    tried, on_path, level, longest = [], set(), children[0], 0
+    for depth in range(1, len(tokens) + 1):
+        if verified is None and depth > len(committed):
+            return sorted(tried), on_path, longest, bool(level)
+        below = []
+        for i in level:
+            if verified is not None:
+                if i in verified:
+                    tried.append(i)
+                ok = i in accepted
+            else:
+                tried.append(i)
+                ok = committed[depth - 1] == tokens[i]
+            if ok:
+                on_path.add(i)
+                longest = depth
+                below += children[i + 1]
+        if not below:
+            break
+        level = below
+    # learned in node order, as the decaying sums' rounding expects
+    return sorted(tried), on_path, longest, False
+
+
 @dataclass(frozen=True)
 class SizingConfig:
     prior: float = 0.3  # acceptance assumed for unscored nodes before any observation
@@ -135,11 +171,13 @@ class SizingConfig:
     judge_ema: float = 0.25
     # a catch-up is charged at most this many times what the drafter's recent catch-ups cost (_charge_catch_up)
     catch_up_cap: float = 3.0
+    # at most this fraction of a decode step per step spent asking a held-off drafter in hindsight (module doc, Looks)
+    look_budget: float = 0.02
 
     def __post_init__(self) -> None:
         if not (0 <= self.prior <= 1 and self.prior_weight > 0 and 0 < self.ema <= 1 and self.probe_budget > 0
                 and self.max_backoff >= 0 and 0 <= self.margin < 1 and 0 < self.judge_ema <= 1
-                and self.catch_up_cap >= 1):
+                and self.catch_up_cap >= 1 and self.look_budget >= 0):
             raise ValueError(f"invalid SizingConfig {self}")
 
 
@@ -204,6 +242,14 @@ class _Pending:  # what was proposed for a sequence this step, to learn from the
 
 
 @dataclass
+class _Look:  # a held-off sequence's draft, asked in hindsight (TreeSizer.looked_back): judged by the text that comes
+    tree: DraftTree  # deterministic
+    cost: float  # of the whole tree, in decode steps, as a drafted step's (_Pending.cost)
+    batch: int  # live sequences when it was asked
+    committed: list[int] = field(default_factory=list)  # the tokens committed since
+
+
+@dataclass
 class TreeSizer:
     costs: CostModel
     config: SizingConfig = field(default_factory=SizingConfig)
@@ -238,6 +284,8 @@ class TreeSizer:
                 self.online = OnlineCosts(self.costs)
         self.guards: dict[int, _Guard] = {}
         self.pending: dict[int, _Pending] = {}
+        self.looks: dict[int, _Look] = {}  # held-off sequences' drafts in hindsight, until the text judges them
+        self.look_credit = 0.0  # look_budget banked per queued step, spent by looks (who_looks_back)
         self.draft_time = DraftTime(self.config.ema)  # seconds per propose call
         self.decode_seconds: float | None = None  # EMA of a plain decode step, from verify times
         # EMA of a plain step queued behind an unread one (specdec.decode_ahead): what a held-off step costs where
@@ -574,66 +622,90 @@ class TreeSizer:
 
     # ---- learning ---------------------------------------------------------------------------
     def observe(self, seq_id: int, committed: list[int], accepted_nodes: list[int] | None = None) -> None:
-        """After the commit: learn acceptance from the tree proposed for ``seq_id`` (pruned nodes included).
+        """After the commit: learn acceptance from the tree proposed for ``seq_id`` (pruned nodes included), and from
+        its draft in hindsight (:meth:`looked_back`) once the text has judged it.
 
         Deterministic trees: a node was tried when its parent's path equals the committed tokens, and would
         have been accepted when its own token is the next committed one (exact for greedy; for sampling the
         chance that the target's token equals the candidate is its acceptance probability). Sampled trees:
         only verified nodes count, by ``accepted_nodes`` (indices into the verified, pruned tree)."""
+        if seq_id in self.looks:
+            self._look_judged(seq_id, committed)
         pending = self.pending.pop(seq_id, None)
         if pending is None:
             return
         tree = pending.tree
-        parents = tuple(tree.parents.tolist())
-        tokens = tree.tokens.tolist()
-        sampled = tree.mode is not DraftMode.DETERMINISTIC
-        if sampled:
-            accepted = {pending.kept[j] for j in accepted_nodes or []}
-            verified = set(pending.kept)
-            self.last_shape = list(parents)
-        # walk down the accepted path: a node is tried when its parent is the root or accepted (the nodes below a
-        # rejected one are never looked at)
-        children = tree.children  # index 0: the root's, i + 1: node i's
-        tried, on_path, level, longest = [], set(), children[0], 0
-        for depth in range(1, len(tokens) + 1):
-            below = []
-            for i in level:
-                if sampled:
-                    if i in verified:
-                        tried.append(i)
-                    ok = i in accepted
-                else:
-                    if depth > len(committed):
-                        continue
-                    tried.append(i)
-                    ok = committed[depth - 1] == tokens[i]
-                if ok:
-                    on_path.add(i)
-                    longest = depth
-                    below += children[i + 1]
-            if not below:
-                break
-            level = below
-        tried.sort()  # learned in node order, as the decaying sums' rounding expects
-        if tree.scores is not None and not sampled:
-            if not self.calibrated_scores:  # else the drafter learns them itself
-                scores = tree.scores.tolist()
-                for i in tried:
-                    learn(self.score_bins, scores[i], i in on_path, self.config.decay)
+        if tree.mode is DraftMode.DETERMINISTIC:
+            tried, on_path, longest, _ = _walk(tree, committed)
         else:
-            keys = _unscored_keys(parents)
-            for i in tried:
-                entry = self.unscored.setdefault(keys[i], [0.0, 0.0])
-                entry[0] = entry[0] * self.config.decay + float(i in on_path)
-                entry[1] = entry[1] * self.config.decay + 1.0
-            self.rates_of.clear()
+            accepted = {pending.kept[j] for j in accepted_nodes or []}
+            tried, on_path, longest, _ = _walk(tree, committed, set(pending.kept), accepted)
+            self.last_shape = tree.parents.tolist()
+        self._learn(tree, tried, on_path)
         # the drafts paid (by the margin): probe next step, one growth step of the backoff undone
         if self._pays(1 + longest, pending.cost):
             guard = self._guard(seq_id)
             guard.backoff, guard.skip, guard.price = guard.backoff // 4, 0, None
 
+    def _learn(self, tree: DraftTree, tried: list[int], on_path: set[int]) -> None:
+        """The acceptance evidence of one judged tree: its ``tried`` nodes, accepted where ``on_path``."""
+        if tree.scores is not None and tree.mode is DraftMode.DETERMINISTIC:
+            if not self.calibrated_scores:  # else the drafter learns them itself
+                scores = tree.scores.tolist()
+                for i in tried:
+                    learn(self.score_bins, scores[i], i in on_path, self.config.decay)
+        else:
+            keys = _unscored_keys(tuple(tree.parents.tolist()))
+            for i in tried:
+                entry = self.unscored.setdefault(keys[i], [0.0, 0.0])
+                entry[0] = entry[0] * self.config.decay + float(i in on_path)
+                entry[1] = entry[1] * self.config.decay + 1.0
+            self.rates_of.clear()
+
+    # ---- looks: a held-off drafter asked in hindsight -----------------------------------------
+    def who_looks_back(self, seq_ids: list[int], batch: int) -> list[int]:
+        """Of ``seq_ids`` (a queued step's, every one held off), those whose drafter to ask in hindsight now: held off
+        at their next step too, with no look still open, while the looks' bank (``look_budget`` of a decode step per
+        queued step) is above zero. Called once per queued step (module doc, Looks)."""
+        if self.off or not self.queues_held_off:
+            return []
+        self.look_credit = min(self.look_credit + self.config.look_budget, 1.0)
+        if self.look_credit <= 0:
+            return []
+        return [i for i in seq_ids if i not in self.looks and i in self.guards
+                and self._holds_off(self.guards[i], self._banked(self.guards[i]))]
+
+    def looked_back(self, seq_ids: list[int], trees: list[DraftTree], seconds: float, batch: int) -> None:
+        """The drafter's trees for the sequences :meth:`who_looks_back` named, proposed in ``seconds`` (charged to the
+        looks' bank) and never verified: each deterministic tree is judged by the tokens committed after it
+        (:meth:`observe`)."""
+        self.look_credit -= seconds / self.step_seconds(batch)
+        costs = self._relative_costs(batch, max((t.num_nodes for t in trees), default=0))
+        draft = self.draft_cost(batch)
+        for seq_id, tree in zip(seq_ids, trees, strict=True):
+            if tree.num_nodes and tree.mode is DraftMode.DETERMINISTIC:
+                self.looks[seq_id] = _Look(tree, draft + costs[tree.num_nodes], batch)
+
+    def _look_judged(self, seq_id: int, committed: list[int]) -> None:
+        """A look's tree against the tokens committed since it was asked: once they decide it (a node rejected on
+        every path, or a leaf reached), its nodes are learned as a drafted tree's, its tokens and cost join the
+        sequence's running averages, and if it would have paid, the drafter is asked at the next step."""
+        look = self.looks[seq_id]
+        look.committed += committed
+        tried, on_path, longest, undecided = _walk(look.tree, look.committed)
+        if undecided:
+            return
+        del self.looks[seq_id]
+        self._learn(look.tree, tried, on_path)
+        guard = self._guard(seq_id)
+        guard.tokens = self._ema(guard.tokens, 1.0 + longest, self.config.judge_ema)
+        guard.cost = self._ema(guard.cost, look.cost, self.config.judge_ema)
+        if self._pays(1.0 + longest, look.cost, look.batch):
+            guard.backoff, guard.skip, guard.price = guard.backoff // 4, 0, None
+
     def release(self, seq_id: int) -> None:
         self.pending.pop(seq_id, None)
+        self.looks.pop(seq_id, None)
         self.shapes.pop(seq_id, None)
         guard = self.guards.pop(seq_id, None)
         if guard is not None and not self.off:

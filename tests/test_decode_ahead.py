@@ -287,6 +287,47 @@ def test_steps_the_guard_holds_off_are_queued_and_it_asks_at_the_same_steps(load
     assert sum(timed) == len(queued)  # each queued step timed as one, for the guard's plain price
 
 
+def test_a_held_off_drafter_that_looks_back_drafts_again_once_the_text_turns(loaded, monkeypatch):
+    """Where held-off steps are queued, a drafter that looks back (host-side proposals, as n-gram's) is asked for a
+    held-off sequence while the device runs the next step; its trees are judged by the text that follows, never
+    verified. Held off by a probe priced at breaking the queue (~45 steps of probe budget), a drafter that foresees
+    the text drafts again within a few steps, and the tokens are plain decoding's."""
+    from specdec.drafters.base import Drafter
+
+    from specdec.cost_model import CostModel
+    from specdec.speculation_policy import SpeculationPolicy
+    from specdec.tree import DraftTree
+    from specdec.tree_sizing import TreeSizer, _Guard
+    from tests.fixed_costs import fix_costs
+
+    curve = {1: 1.0, 2: 1.02, 65: 1.6}  # a GPU's flat verify
+    fix_costs(monkeypatch, curve)
+    monkeypatch.setattr(TreeSizer, "plain_price", lambda self, batch: 0.6)  # a queued step: 0.6 of one read back
+    runner, prompt, stop = loaded.runner, [[3, 9, 4, 1, 7]], StopCriteria(24)
+    plain, _, _ = run(runner, prompt, stop, queue_ahead=True)
+
+    class Foresees(Drafter):  # proposes the next three tokens of plain decoding's text
+        name, looks_back = "foresees", True
+
+        def propose(self, seqs):
+            ahead = [plain[0][len(s.token_ids) - len(prompt[0]):][:3] for s in seqs]
+            return [DraftTree.chain(t, scores=torch.full((len(t),), 0.9)) for t in ahead]
+
+    s = runner.shape
+    cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, 48, 4, runner.dtype, runner.device, runner.backend)
+    graphed = GraphedForward(runner, cache, dataclasses.replace(CONFIG, tokens_per_seq=(1, 2, 4)))
+    engine = Engine(runner, cache, sampling=GREEDY, stop=stop, graphed=graphed, drafter=Foresees(),
+                    policy=SpeculationPolicy(TreeSizer(CostModel({}, {1: curve}))))
+    seq, = engine.add(prompt)
+    engine.policy.sizer.guards[seq.seq_id] = _Guard(backoff=8, price=0.45)  # held off until 0.45 of a step banked
+    while engine.live:
+        engine.step()
+    assert seq.new_tokens == plain[0]
+    drafted = [i for i, n in enumerate(seq.step_nodes) if n]
+    assert drafted and drafted[0] <= 6, seq.step_nodes  # the look asked at the first queued step, decided 3 later
+    assert engine.policy.sizer.paid >= 1
+
+
 def test_the_speed_commands_rows_count_the_steps_queued(loaded):
     """benchmarks/bench_speed_gpu.py's share of a run's steps launched before the step before them was read: all but
     the first of plain decoding through buckets, none of eager decoding; the count stops with the run."""

@@ -731,6 +731,54 @@ def test_where_held_off_steps_are_queued_drafts_must_beat_a_queued_step():
     assert (paid, unpaid, asked) == (0, 1, False) and price == pytest.approx(0.51)
 
 
+def _held_off_sizer() -> TreeSizer:
+    """A sizer whose guard holds sequence 0 off where held-off steps are queued at half a step read back: its drafter
+    (a hundredth of a step) did not pay, so a probe waits for 0.51 of a step banked, ~50 steps at 1% a step."""
+    sizer = TreeSizer(CostModel({}, {1: {1: 1.0, 65: 1.6}}), calibrated_scores=True)
+    sizer.queues_held_off = True
+    sizer.record_step(0.01, 1, 1)
+    sizer.record_step(0.005, 1, 1, queued=True)
+    sizer.record_draft(0.0001)
+    sizer.size_call([0], [DraftTree.chain([5, 6], scores=torch.tensor([0.5, 0.01]))], 1, 0.0001)
+    sizer.observe(0, [9])
+    assert not sizer.wants_draft(0) and sizer.guards[0].price == pytest.approx(0.51)
+    return sizer
+
+
+def test_a_held_off_drafter_asked_in_hindsight_is_asked_again_once_its_draft_would_have_paid():
+    """Where held-off steps are queued, the guard asks a held-off drafter in hindsight: its tree is judged by the
+    tokens committed after it (never verified), once they decide it; a tree the text followed to its leaf would have
+    paid, so the drafter is asked at the next step, not ~50 steps later; one the text left at its first node moves no
+    backoff and asks nothing."""
+    chain = DraftTree.chain([5, 6, 7, 8], scores=torch.tensor([0.9, 0.9, 0.9, 0.9]))
+    for text, pays in (([5, 6, 7, 8], True), ([5, 4, 3, 2], False)):
+        sizer = _held_off_sizer()
+        backoff = sizer.guards[0].backoff
+        assert sizer.who_looks_back([0], 1) == [0]
+        sizer.looked_back([0], [chain], 0.00001, 1)
+        assert sizer.who_looks_back([0], 1) == []  # one look open per sequence
+        sizer.observe(0, [text[0]])
+        assert 0 in sizer.looks  # undecided: the first node accepted, the next not yet committed
+        sizer.observe(0, [text[1]])
+        if pays:
+            assert 0 in sizer.looks
+            sizer.observe(0, text[2:])
+        assert 0 not in sizer.looks
+        assert sizer.wants_draft(0) is pays
+        assert sizer.guards[0].backoff == (backoff // 4 if pays else backoff)
+    # what a look costs is paid from its own bank: one of half a step waits ~25 steps at 2% a step
+    sizer = _held_off_sizer()
+    assert sizer.who_looks_back([0], 1) == [0]
+    sizer.looked_back([0], [DraftTree.empty()], 0.005, 1)  # an empty tree: nothing to judge
+    waited = 0
+    while not sizer.who_looks_back([0], 1):
+        waited += 1
+    assert 20 <= waited <= 26
+    engine_reads_back = _held_off_sizer()
+    engine_reads_back.queues_held_off = False  # no queued step whose device time hides a look
+    assert engine_reads_back.who_looks_back([0], 1) == []
+
+
 def test_a_timed_queued_step_is_remembered_by_the_next_call_and_a_damaged_one_is_not():
     sizer = TreeSizer(FLAT, memory=("queued-step",))
     sizer.record_step(0.005, 1, 1, queued=True)
