@@ -688,8 +688,9 @@ class TreeSizer:
 
     def _look_judged(self, seq_id: int, committed: list[int]) -> None:
         """A look's tree against the tokens committed since it was asked: once they decide it (a node rejected on
-        every path, or a leaf reached), its nodes are learned as a drafted tree's, its tokens and cost join the
-        sequence's running averages, and if it would have paid, the drafter is asked at the next step."""
+        every path, or a leaf reached), its nodes are learned as a drafted tree's, and if it would have paid, with the
+        queue of held-off steps that asking breaks counted, the drafter is asked at the next step (one look decides:
+        docs/speculation-policy.md)."""
         look = self.looks[seq_id]
         look.committed += committed
         tried, on_path, longest, undecided = _walk(look.tree, look.committed)
@@ -698,9 +699,8 @@ class TreeSizer:
         del self.looks[seq_id]
         self._learn(look.tree, tried, on_path)
         guard = self._guard(seq_id)
-        guard.tokens = self._ema(guard.tokens, 1.0 + longest, self.config.judge_ema)
-        guard.cost = self._ema(guard.cost, look.cost, self.config.judge_ema)
-        if self._pays(1.0 + longest, look.cost, look.batch):
+        # asking the drafter breaks the queue of held-off steps (1 - plain_price), as a probe's price counts
+        if self._pays(1.0 + longest, look.cost + 1.0 - self.plain_price(look.batch), look.batch):
             guard.backoff, guard.skip, guard.price = guard.backoff // 4, 0, None
 
     def release(self, seq_id: int) -> None:

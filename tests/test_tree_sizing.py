@@ -751,18 +751,17 @@ def test_a_held_off_drafter_asked_in_hindsight_is_asked_again_once_its_draft_wou
     paid, so the drafter is asked at the next step, not ~50 steps later; one the text left at its first node moves no
     backoff and asks nothing."""
     chain = DraftTree.chain([5, 6, 7, 8], scores=torch.tensor([0.9, 0.9, 0.9, 0.9]))
-    for text, pays in (([5, 6, 7, 8], True), ([5, 4, 3, 2], False)):
+    # 3 tokens for ~1.05 steps read back pay at queued prices (1.5 of 0.5-step steps), not with the queue that
+    # asking breaks (half a step) counted
+    for text, decided, pays in (([5, 6, 7, 8], 4, True), ([5, 4, 3, 2], 2, False), ([5, 6, 9, 2], 3, False)):
         sizer = _held_off_sizer()
         backoff = sizer.guards[0].backoff
         assert sizer.who_looks_back([0], 1) == [0]
         sizer.looked_back([0], [chain], 0.00001, 1)
         assert sizer.who_looks_back([0], 1) == []  # one look open per sequence
-        sizer.observe(0, [text[0]])
-        assert 0 in sizer.looks  # undecided: the first node accepted, the next not yet committed
-        sizer.observe(0, [text[1]])
-        if pays:
-            assert 0 in sizer.looks
-            sizer.observe(0, text[2:])
+        for k, token in enumerate(text[:decided]):
+            assert 0 in sizer.looks, (text, k)  # undecided: an accepted path with nodes below, not yet committed
+            sizer.observe(0, [token])
         assert 0 not in sizer.looks
         assert sizer.wants_draft(0) is pays
         assert sizer.guards[0].backoff == (backoff // 4 if pays else backoff)
