@@ -94,6 +94,9 @@ class SuiteConfig:
     sampler: str = "standard"  # sampling only: "standard" rejection sampling or "coupled" (specdec.coupling)
     # rows whose label is not the drafter's registry name, (label, name): two checkpoints of one drafter side by side
     renamed: tuple[tuple[str, str], ...] = ()
+    # "always": every proposal verified whole, so a cell's acceptance depends on no wall time; "auto": the default
+    # policy (tree sizing and the break-even guard, timed on this machine): what users get, but a rerun may differ
+    speculation: str = "always"
 
     def __post_init__(self) -> None:
         if self.prompts_per_category < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
@@ -104,6 +107,8 @@ class SuiteConfig:
             raise ValueError("give at least one drafter and one category")
         if self.sampler not in ("standard", "coupled"):
             raise ValueError(f"sampler must be 'standard' or 'coupled', got {self.sampler!r}")
+        if self.speculation not in ("always", "auto"):
+            raise ValueError(f"speculation must be 'always' or 'auto', got {self.speculation!r}")
         if self.calibration_repeats < 0:
             raise ValueError(f"calibration_repeats must be >= 0, got {self.calibration_repeats}")
         clash = [name for name, _ in self.drafters if name in BASELINES]
@@ -388,7 +393,7 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
                 hf_greedy_batch(loaded.model, warm, 4)
         elif warm:
             drafter = None if label == "plain" else get_drafter(config.drafter_name(label), **options[label])
-            generate(loaded, warm, max_new_tokens=4, drafter=drafter, speculation="always",
+            generate(loaded, warm, max_new_tokens=4, drafter=drafter, speculation=config.speculation,
                      **sampling)  # as the cells: their trees' first verify happens here
             layers = getattr(drafter, "feature_layers", ())  # an EAGLE-3 head's, known once attached
             if graphs is not None and layers:  # its verify buckets return those layers' streams: captured too
@@ -410,10 +415,10 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
                     drafter = None if label == "plain" else _CountingDrafter(
                         get_drafter(config.drafter_name(label), **options[label]))
                     t0 = time.perf_counter()
-                    # whole trees (no timed sizing / guard): a cell's acceptance must not depend on wall times,
-                    # or a rerun, a resume or a second process would count other steps
+                    # whole trees by default (no timed sizing / guard): a cell's acceptance must not depend on
+                    # wall times, or a rerun, a resume or a second process would count other steps
                     res = generate(loaded, batch, max_new_tokens=config.max_new_tokens, drafter=drafter,
-                                   return_dict=True, speculation="always", **sampling)
+                                   return_dict=True, speculation=config.speculation, **sampling)
                     seconds = time.perf_counter() - t0
                     counts = (drafter.trees, drafter.nodes, drafter.sizes) if drafter is not None else (0, 0, [])
                     cell.add(res, seconds, *counts)

@@ -105,6 +105,9 @@ def _add_acceptance(ev_sub) -> None:
     a.add_argument("--calibration-repeats", type=int, default=5,
                    help="timed verify steps per query size for the predicted speedup (default 5; 0 = no prediction)")
     a.add_argument("--no-hf-baseline", action="store_true", help="skip transformers' generate() baseline")
+    a.add_argument("--speculation", choices=("always", "auto"), default="always",
+                   help="always (default): every draft verified whole, so acceptance depends on no timing; auto: "
+                        "generate()'s default policy, sized and guarded by this machine's costs (a rerun may differ)")
     a.add_argument("--no-plots", action="store_true",
                    help="write no PNG plots (report.json and report.md are written all the same)")
     a.add_argument("--resume", action="store_true",
@@ -367,7 +370,8 @@ def _suite_config(args, names: list[str], renamed: tuple[tuple[str, str], ...], 
     categories = list(dict.fromkeys(c.category for c in conversations))
     return SuiteConfig(tuple((d, per_drafter[d]) for d in names), tuple(categories),
                        args.prompts or DEFAULT_PROMPTS, args.max_new_tokens, args.temperature, args.batch_size,
-                       not args.no_hf_baseline, args.seed, args.calibration_repeats, args.sampler, renamed)
+                       not args.no_hf_baseline, args.seed, args.calibration_repeats, args.sampler, renamed,
+                       args.speculation)
 
 
 def _options_per_row(pairs: list[str], names: list[str]) -> dict[str, dict]:
@@ -446,7 +450,7 @@ def _report_meta(args, loaded, conversations: list, config, processes: int, t0: 
                                      else config.prompts_per_category),
             "conversations": len(conversations), "turns": sum(len(c.turns) for c in conversations),
             "batch_size": args.batch_size, "calibration_repeats": args.calibration_repeats,
-            "processes": processes,
+            "speculation": args.speculation, "processes": processes,
             "device": str(loaded.runner.device), "seconds": round(time.perf_counter() - t0, 1),
             "date": time.strftime("%Y-%m-%d")}
 

@@ -93,6 +93,8 @@ def run_settings(model: dict, prompts: Any, config: "SuiteConfig", num_processes
                 "machine": machine}
     if not settings["renamed"]:  # runs without renamed rows keep the digest they had before rows could be renamed
         del settings["renamed"]
+    if settings["speculation"] == "always":  # ... and runs verifying whole trees, the one policy there was
+        del settings["speculation"]
     # objects among drafter options (a draft model) are named by their name or type
     return json.loads(json.dumps(settings, default=lambda obj: getattr(obj, "name", None) or type(obj).__name__))
 

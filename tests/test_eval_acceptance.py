@@ -214,6 +214,27 @@ def test_suite_config_rejects_bad_values():
         SuiteConfig((("ngram", {}),), ("chat",), calibration_repeats=-1)
     with pytest.raises(ValueError, match="temperature"):
         SuiteConfig((("ngram", {}),), ("chat",), temperature=-0.5)
+    with pytest.raises(ValueError, match="speculation"):
+        SuiteConfig((("ngram", {}),), ("chat",), speculation="sometimes")
+
+
+def test_the_suite_runs_the_default_policy_when_asked_and_records_it(tmp_path, loaded, monkeypatch):
+    """``speculation="auto"``: every call of a drafter's cells (its warm-up too) runs generate()'s default policy, and
+    the run's settings say so (a resume under the other policy is refused); "always" (the default) keeps the digest
+    of runs from before the choice existed."""
+    import specdec.eval.acceptance as suite
+    from specdec.eval.resume import run_settings
+
+    seen = []
+    generate = suite.generate
+    monkeypatch.setattr(suite, "generate", lambda *a, **kw: seen.append(kw["speculation"]) or generate(*a, **kw))
+    base = dict(prompts_per_category=1, max_new_tokens=6, hf_baseline=False, calibration_repeats=0)
+    auto = SuiteConfig((("ngram", {}),), ("rep",), speculation="auto", **base)
+    run_suite(loaded, {"rep": PROMPTS["rep"][:1]}, auto, tmp_path / "auto")
+    assert seen and set(seen) == {"auto"}
+    always = SuiteConfig((("ngram", {}),), ("rep",), **base)
+    settings = {k: run_settings({}, [], c, 1, {}) for k, c in (("auto", auto), ("always", always))}
+    assert settings["auto"]["speculation"] == "auto" and "speculation" not in settings["always"]
 
 
 def test_one_drafter_twice_under_two_row_labels(tmp_path, loaded):
