@@ -12,7 +12,8 @@ the calls are planned inside it, measurements first:
    the embedded model's shape stands in for it (plain speed depends on shapes, not weights);
 2. made at once (an idle machine is given back after ~30 s), joins the GGUF, checks its MD5 and runs what needs its
    weights and tokenizer, the greedy device tests (float32 identity of every drafter), bf16 end to end, and the
-   CUDA-graph tests in what is left (``--steps acceptance,identity,e2e,graphs``): the goals' steps first. It
+   CUDA-graph tests in what is left, then n-gram under the default policy where ~90 s remain (``--steps
+   acceptance,identity,e2e,graphs,policy``): the goals' steps first. It
    installs again on a fresh machine, where the GGUF cannot be joined and the acceptance and e2e steps fail.
 
 Each runs gpu_check with ``--deadline-s``, so its steps end and its report is written inside the call's device
@@ -102,7 +103,7 @@ def calls(parts: list[Path], wheels: list[Path], budget_s: float = DEVICE_BUDGET
     second = (f"{{ (cd /tmp && python3 -c 'import specdec') 2>/dev/null || {{ {install}; }}; }} && "
               f"cp .gl/{NAME}.md5 /tmp/ && "
               f"{{ cat /tmp/{parts[0].name} {rel(parts[1])} > /tmp/{NAME} && md5sum -c /tmp/{NAME}.md5 && "
-              f"M=/tmp/{NAME} || M=default; }}; {check} --deadline-s {second} --steps acceptance,identity,e2e,graphs "
+              f"M=/tmp/{NAME} || M=default; }}; {check} --deadline-s {second} --steps acceptance,identity,e2e,graphs,policy "
               "--prompts 1 --quick-e2e --model $M --out $OUT/check")
     carried = [f".gl/{NAME}.md5", rel(WHEELS)]
     return [(first, [rel(parts[0]), *carried]), (second, [rel(parts[1]), *carried])]

@@ -29,6 +29,8 @@ is reported and the others still run:
 * ``acceptance`` (not in the default set): ``specdec eval acceptance`` with the n-gram drafter on the embedded model
   (``--model``), every prompt category, 128 new tokens, ``--acceptance-prompts`` prompts each: n-gram over plain
   decoding per category, the goals' n-gram rows. Its model needs a tokenizer: the embedded GGUF, not its shape.
+* ``policy`` (not in the default set): the same suite under generate()'s default policy (``--speculation auto``),
+  whose rows the report gives beside the goals' n-gram rows.
 * ``speed`` (not in the default set; ``--steps env,speed``): ``bench_speed_gpu.py``, plain decoding against the
   weight-read floor, the verify-cost curve and the oracle drafter's speedup at tau 2-4 for synthetic targets of
   published shapes (Llama-3.1-8B, Qwen3-1.7B, Llama-3.2-1B) and the embedded model, batch 1 / 8 / 32, with
@@ -60,11 +62,12 @@ import gpu_goals  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
-STEPS = ("env", "tests", "graphs", "identity", "kernels", "e2e", "acceptance", "speed")
-REHEARSED = ("acceptance", "speed")  # the steps --rehearse runs on the CPU
+STEPS = ("env", "tests", "graphs", "identity", "kernels", "e2e", "acceptance", "policy", "speed")
+REHEARSED = ("acceptance", "policy", "speed")  # the steps --rehearse runs on the CPU
 DEFAULT_STEPS = ("env", "tests", "kernels", "e2e")
 SPEED_BUDGET_S, SPEED_TIMEOUT_S = 360, 440  # the speed step: measuring, and its process with loading and imports
-ACCEPTANCE_TIMEOUT_S = 240  # about 40 s on an H200: 7 categories x 4 prompts x (plain, n-gram) of ~0.3 s each
+POLICY_MIN_S = 90  # the policy step runs only with this much of --deadline-s left: its rows judge no goal
+ACCEPTANCE_TIMEOUT_S = 240  # about 50 s on an H200: 7 categories x 4 prompts x (plain, n-gram) of ~0.3 s each
 # (tests/test_kernels_compile.py is left out: it compiles for sm_90 without a GPU; here every kernel compiles
 # and runs natively)
 KERNEL_FILES = ["tests/test_kernels_attention.py", "tests/test_kernels_kv.py", "tests/test_kernels_fused_ops.py",
@@ -235,30 +238,45 @@ def step_e2e(out: Path, model: str, prompts: int, quick: bool = False) -> dict:
                 divergence_bugs=bugs, table=tail(out / "e2e.log", 30), **data)
 
 
-def step_acceptance(out: Path, rehearse: bool, model: str, prompts: int) -> dict:
-    from specdec.eval.prompts import CATEGORIES
-
-    # the suite's own folder (4 files and its cells) outside out: a device call brings back 8 files at most, and
-    # its report comes back as acceptance.json
+def _acceptance_run(out: Path, rehearse: bool, model: str, prompts: int, speculation: str
+                    ) -> tuple[int | None, float, dict, str]:
+    """One ``specdec eval acceptance`` of n-gram under ``speculation``: (exit status, seconds, its report.json, its
+    log's tail). "always" keeps its log as ``acceptance.log`` and its report.json as ``acceptance.json``; the default
+    policy's run keeps neither (a device call brings back 8 files at most): its rows go into report.json."""
+    # the suite's own folder (4 files and its cells) outside out
     with tempfile.TemporaryDirectory(prefix="gpu_check-acceptance-") as tmp:
         folder = Path(tmp)
         cmd = [sys.executable, "-P", "-m", "specdec.cli", "eval", "acceptance", "--model", model, "--drafters",
                "ngram", "--prompts", str(1 if rehearse else prompts), "--max-new-tokens", str(8 if rehearse else 128),
-               "--no-hf-baseline", "--no-plots", "--calibration-repeats", "0", "--out", str(folder)]
+               "--no-hf-baseline", "--no-plots", "--calibration-repeats", "0", "--speculation", speculation,
+               "--out", str(folder / "suite")]
         # on the GPU, as the goals mean (without --device the suite would load the model on the machine's CPU)
         cmd += ["--device", "cpu"] if rehearse else ["--device", "cuda", "--dtype", "bfloat16"]
-        rc, seconds = run(cmd, out / "acceptance.log", timeout=ACCEPTANCE_TIMEOUT_S)
-        js = folder / "report.json"
+        first = speculation == "always"
+        log = out / "acceptance.log" if first else folder / "log"
+        rc, seconds = run(cmd, log, timeout=ACCEPTANCE_TIMEOUT_S)
+        js = folder / "suite" / "report.json"
         data = json.loads(js.read_text()) if rc == 0 and js.is_file() else {}
-        if data:
+        if data and first:
             shutil.copyfile(js, out / "acceptance.json")
+        return rc, seconds, data, tail(log) if log.is_file() else ""
+
+
+def step_acceptance(out: Path, rehearse: bool, model: str, prompts: int, speculation: str = "always") -> dict:
+    """n-gram over plain in every category: every draft verified whole (``acceptance``, the goals' rows), or under
+    the default policy (``policy``: what generate() gives by default, ``speculation="auto"``)."""
+    from specdec.eval.prompts import CATEGORIES
+
+    if speculation != "always" and time_left() < POLICY_MIN_S:  # informational rows: what the goals' steps left
+        return dict(status="skipped", seconds=0.0, rows=[], why=f"{max(time_left(), 0):.0f} s left (--deadline-s)")
+    rc, seconds, data, log_tail = _acceptance_run(out, rehearse, model, prompts, speculation)
     keep = ("category", "tau", "speedup_vs_plain", "decode_speedup_vs_plain", "tokens_per_s", "identical_to_plain")
     rows = [{k: r[k] for k in keep} for r in data.get("rows", [])
             if r["drafter"] == "ngram" and r["category"] in CATEGORIES]
     device = (data.get("meta") or {}).get("device", "")
     ok = rc == 0 and len(rows) == len(CATEGORIES) and (rehearse or device.startswith("cuda"))  # every category
     return dict(status="passed" if ok else "failed", rc=rc, seconds=round(seconds, 1), meta=data.get("meta"),
-                rows=rows, log_tail=None if ok else tail(out / "acceptance.log"))
+                rows=rows, log_tail=None if ok else log_tail)
 
 
 def step_speed(out: Path, rehearse: bool, model: str) -> dict:
@@ -294,7 +312,7 @@ def markdown(report: dict) -> str:
     for name, step in report["steps"].items():
         lines.append(f"| {name} | **{step['status']}** | {step.get('seconds', '')} |")
     lines += [""] + gpu_goals.markdown(gpu_goals.goals(report["steps"]), report.get("rehearse", False))
-    failures = [(name, step) for name, step in report["steps"].items() if step["status"] != "passed"]
+    failures = [(name, step) for name, step in report["steps"].items() if step["status"] not in ("passed", "skipped")]
     if failures:
         lines += ["", "## What failed", ""]
         for name, step in failures:
@@ -332,12 +350,17 @@ def markdown(report: dict) -> str:
                              f"({d['got']} vs {d['want']}), transformers' logit gap {d['gap']:.4f}: {d['kind']}")
     acceptance = report["steps"].get("acceptance")
     if acceptance and acceptance.get("rows"):
+        auto = {r["category"]: r for r in (report["steps"].get("policy") or {}).get("rows") or []}
         lines += ["", "## n-gram by category (specdec eval acceptance)", "",
-                  "| category | tau | over plain | decode over plain | same text as plain |", "|---|---|---|---|---|"]
+                  "Every draft verified whole (`--speculation always`, the goals' rows), and under the default "
+                  "policy (`--speculation auto`, the `policy` step) where it ran.", "",
+                  "| category | tau | over plain | decode over plain | same text as plain | default policy: tau | "
+                  "over plain |", "|---|---|---|---|---|---|---|"]
         for r in acceptance["rows"]:
-            decode = r["decode_speedup_vs_plain"]
+            decode, a = r["decode_speedup_vs_plain"], auto.get(r["category"])
+            policy = "| | |" if a is None else f"| {a['tau']:.2f} | {a['speedup_vs_plain']:.2f}x |"
             lines.append(f"| {r['category']} | {r['tau']:.2f} | {r['speedup_vs_plain']:.2f}x | "
-                         f"{'' if decode is None else f'{decode:.2f}x'} | {r['identical_to_plain']} |")
+                         f"{'' if decode is None else f'{decode:.2f}x'} | {r['identical_to_plain']} {policy}")
     speed = report["steps"].get("speed")
     if speed and speed.get("table"):
         lines += ["", "## Speed", ""] + ["#" + line if line.startswith("#") else line  # its headings one level down
@@ -357,6 +380,7 @@ def main(argv=None) -> int:
     report = dict(date=str(datetime.datetime.now().replace(microsecond=0)), rehearse=args.rehearse, steps={})
     steps = {"env": lambda: step_env(out), "speed": lambda: step_speed(out, args.rehearse, args.model),
              "acceptance": lambda: step_acceptance(out, args.rehearse, args.model, args.acceptance_prompts),
+             "policy": lambda: step_acceptance(out, args.rehearse, args.model, args.acceptance_prompts, "auto"),
              "tests": lambda: step_tests(out, args.workers, args.slow),
              "graphs": lambda: step_tests(out, args.workers, args.slow, part="graphs"),
              "identity": lambda: step_tests(out, args.workers, args.slow, part="identity"),
@@ -379,7 +403,7 @@ def main(argv=None) -> int:
         (out / "report.json").write_text(json.dumps(report, indent=1))  # after every step: a kill keeps the rest
         (out / "report.md").write_text(markdown(report))
     print(markdown(report))
-    return 0 if all(s["status"] == "passed" for s in report["steps"].values()) else 1
+    return 0 if all(s["status"] in ("passed", "skipped") for s in report["steps"].values()) else 1
 
 
 if __name__ == "__main__":

@@ -151,12 +151,15 @@ def test_the_report_starts_with_the_goals_and_lists_the_acceptance_rows(tmp_path
                   steps=dict(speed=_speed_report(), acceptance=_acceptance(chat=1.1, rag=2.0)))
     text = check.markdown(report)
     assert text.index("## Goals") < text.index("## n-gram by category")
-    assert "| rag | 1.50 | 2.00x | 2.00x | True |" in text and "REHEARSAL" not in text
+    assert "| rag | 1.50 | 2.00x | 2.00x | True | | |" in text and "REHEARSAL" not in text
+    report["steps"]["policy"] = _acceptance(rag=1.3)  # the default policy's rows, beside them
+    assert "| rag | 1.50 | 2.00x | 2.00x | True | 1.50 | 1.30x |" in check.markdown(report)
 
-    ran_on, folders = ["cuda:0"], []
+    ran_on, folders, policies = ["cuda:0"], [], []
 
     def fake_run(cmd, log, timeout, env=None):  # the CLI's report, as specdec eval acceptance writes it
         assert cmd[cmd.index("--device") + 1] == "cuda" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
+        policies.append(cmd[cmd.index("--speculation") + 1])
         out = Path(cmd[cmd.index("--out") + 1])
         folders.append(out)
         out.mkdir(parents=True, exist_ok=True)
@@ -164,7 +167,7 @@ def test_the_report_starts_with_the_goals_and_lists_the_acceptance_rows(tmp_path
                      tokens_per_s=9.0, identical_to_plain=True, level="category")
                 for d in ("plain", "ngram") for c in CATEGORIES + ("overall",)]
         (out / "report.json").write_text(json.dumps(dict(meta=dict(device=ran_on[0]), rows=rows)))
-        log.write_text("")
+        log.write_text("the suite's log")
         return 0, 1.0
 
     from specdec.eval.prompts import CATEGORIES
@@ -172,12 +175,23 @@ def test_the_report_starts_with_the_goals_and_lists_the_acceptance_rows(tmp_path
     monkeypatch.setattr(check, "run", fake_run)
     step = check.step_acceptance(tmp_path, rehearse=False, model="/tmp/smol.gguf", prompts=4)
     assert step["status"] == "passed" and [r["category"] for r in step["rows"]] == list(CATEGORIES)
+    assert policies == ["always"]
+    policy = check.step_acceptance(tmp_path, rehearse=False, model="/tmp/smol.gguf", prompts=4, speculation="auto")
+    assert policy["status"] == "passed" and policies == ["always", "auto"]
+    # only the goals' run's report and log come back as files: a device call brings back 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["acceptance.json", "acceptance.log"]
     assert step["meta"] == dict(device="cuda:0")
     # the suite's folder stays outside the report's (a device call brings back 8 files): its report alone comes in
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["acceptance.json", "acceptance.log"]
     assert not folders[-1].exists()  # and is removed
     ran_on[0] = "cpu"  # the suite ran on the CPU of the GPU machine: its speeds are no GPU's
     assert check.step_acceptance(tmp_path, rehearse=False, model="/tmp/smol.gguf", prompts=4)["status"] == "failed"
+    failed = check.step_acceptance(tmp_path, rehearse=False, model="/tmp/smol.gguf", prompts=4, speculation="auto")
+    assert failed["status"] == "failed" and failed["log_tail"] == "the suite's log"  # its log, though not kept
+    monkeypatch.setattr(check, "time_left", lambda: 30.0)  # what the goals' steps left: too little for its rows
+    skipped = check.step_acceptance(tmp_path, rehearse=False, model="/tmp/smol.gguf", prompts=4, speculation="auto")
+    assert skipped["status"] == "skipped" and policies.count("auto") == 2
+    report = dict(date="today", rehearse=False, steps=dict(acceptance=step, policy=skipped))
+    assert "## What failed" not in check.markdown(report)
 
 
 def test_carried_gguf_parts_join_to_the_file_and_the_calls_name_them(tmp_path, monkeypatch):
