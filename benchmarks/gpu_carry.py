@@ -103,8 +103,8 @@ def calls(parts: list[Path], wheels: list[Path], budget_s: float = DEVICE_BUDGET
     second = (f"{{ (cd /tmp && python3 -c 'import specdec') 2>/dev/null || {{ {install}; }}; }} && "
               f"cp .gl/{NAME}.md5 /tmp/ && "
               f"{{ cat /tmp/{parts[0].name} {rel(parts[1])} > /tmp/{NAME} && md5sum -c /tmp/{NAME}.md5 && "
-              f"M=/tmp/{NAME} || M=default; }}; {check} --deadline-s {second} --steps acceptance,identity,e2e,graphs,policy "
-              "--prompts 1 --quick-e2e --model $M --out $OUT/check")
+              f"M=/tmp/{NAME} || M=default; }}; {check} --deadline-s {second} "
+              "--steps acceptance,identity,e2e,graphs,policy --prompts 1 --quick-e2e --model $M --out $OUT/check")
     carried = [f".gl/{NAME}.md5", rel(WHEELS)]
     return [(first, [rel(parts[0]), *carried]), (second, [rel(parts[1]), *carried])]
 
