@@ -22,8 +22,12 @@ the replay with the record's verify-cost curve and the draft times measured here
 
 Costs: each step is priced ``c_draft + c_verify(1 + nodes)``; the predicted speedup over plain decoding is
 ``(tokens / total cost) / (1 / c_verify(1))``, and ``predicted_speedup_overall`` counts the prefill too
-(:func:`overall_speedup`). Drafters that read the target's hidden states, model or cache cannot be replayed from
-tokens: they are refused with a one-line InputError.
+(:func:`overall_speedup`). ``queued_step`` (greedy, with the guard): the steps the guard holds off are queued as a
+GPU engine queues them through CUDA graphs (:mod:`specdec.decode_ahead`), each after the first of a stretch priced
+``queued_step`` seconds, drafts priced against it and a drafter that looks back asked in hindsight; plain decoding,
+every step queued, is then the baseline. ``verify_seconds`` replaces the record's curve (another machine's).
+Drafters that read the target's hidden states, model or cache cannot be replayed from tokens: they are refused
+with a one-line InputError.
 """
 from __future__ import annotations
 
@@ -53,8 +57,23 @@ class ReplayConfig:
     max_nodes: int | None = None  # cut every tree to its first max_nodes nodes (None: as proposed)
     temperature: float = 0.0  # 0 = greedy
     guard: bool = True  # the engine's tree sizing and break-even guard (speculation="auto"); False: "always"
+    # seconds of a plain step queued behind an unread one (a GPU through CUDA graphs); None: every step read back
+    queued_step: float | None = None
+    verify_seconds: dict[int, float] | None = None  # c(n) in seconds replacing the record's (None: the record's)
+    look_budget: float | None = None  # the guard's SizingConfig.look_budget (None: its default; 0: no looks)
 
     def __post_init__(self) -> None:
+        if self.queued_step is not None:
+            if not (math.isfinite(self.queued_step) and self.queued_step > 0):
+                raise InputError(f"queued_step must be a positive number of seconds, got {self.queued_step}")
+            if not self.guard or self.temperature != 0:
+                raise InputError("queued steps are replayed greedily with the guard on: the steps it holds off are "
+                                 "the ones queued")
+        if self.look_budget is not None and not (math.isfinite(self.look_budget) and self.look_budget >= 0):
+            raise InputError(f"look_budget must be a number >= 0, got {self.look_budget}")
+        if self.verify_seconds is not None and (1 not in self.verify_seconds or any(
+                not (math.isfinite(c) and c > 0) for c in self.verify_seconds.values())):
+            raise InputError("verify_seconds needs c(1) and positive, finite seconds for every n it gives")
         if self.max_nodes is not None and not 0 <= self.max_nodes <= MAX_TREE_NODES:
             raise InputError(f"max_nodes must be in 0..{MAX_TREE_NODES}, got {self.max_nodes}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -110,18 +129,29 @@ class _Step:
         self.sizer = None
         if config.guard:
             from specdec.cost_model import CostModel
-            from specdec.tree_sizing import TreeSizer
+            from specdec.tree_sizing import SizingConfig, TreeSizer
 
             curve = {n: verify_cost_at(costs, n) for n in range(1, MAX_TREE_NODES + 2)}
-            self.sizer = TreeSizer(CostModel({"record": True}, {1: curve}),
+            sizing = SizingConfig() if config.look_budget is None else SizingConfig(look_budget=config.look_budget)
+            self.sizer = TreeSizer(CostModel({"record": True}, {1: curve}), sizing,
                                    calibrated_scores=drafter.drafter.calibrated_scores)
+            if config.queued_step is not None:  # as an engine that queues held-off steps, one already timed
+                self.sizer.queues_held_off, self.sizer.queued_seconds = True, config.queued_step
         self.draft_call: float | None = None
         self.proposed: set[int] = set()  # sequences proposed for once (their first call is a catch-up)
+        self.queued = False  # this step is queued behind the last (held off, as the one before it)
+        self.queue_next = False  # the next step is queued: the guard foresaw holding it off
+        self.looks = 0  # propose calls in hindsight (queued steps: the host's time, overlapped with the device's)
 
     def tree(self, seq_id: int, tokens: list[int], num_prompt_tokens: int, max_depth: int) -> DraftTree:
         self.draft_call = None
-        if self.sizer is not None and not self.sizer.wants_draft(seq_id):
+        self.queued = self.queue_next
+        asked = self.sizer is None or self.sizer.wants_draft(seq_id)
+        if self.queued or not asked:  # a queued step decodes plainly, whatever the guard said in it
+            # the next one queued where the guard foresees holding it off (specdec.decode_ahead)
+            self.queue_next = self.config.queued_step is not None and self.sizer.skips_next([seq_id])
             return DraftTree.empty()
+        self.queue_next = False
         tree, self.draft_call = self.drafter.propose(seq_id, tokens, num_prompt_tokens)
         if self.sizer is not None:  # as the engine: a sequence's first call is a catch-up, not a step's cost
             self.sizer.record_draft(self.draft_call, catch_up=seq_id not in self.proposed)
@@ -129,10 +159,23 @@ class _Step:
         tree = _cut(tree, max_depth, self.config.max_nodes)
         return tree if self.sizer is None else self.sizer.size(seq_id, tree, 1)
 
-    def after(self, seq_id: int, committed: list[int], nodes: int) -> None:
-        if self.sizer is not None:
-            self.sizer.observe(seq_id, committed, [])
-            self.sizer.record_step(verify_cost_at(self.costs, 1 + nodes), 1 + nodes, 1)
+    def seconds(self, nodes: int) -> float:
+        """What this step costs on the curve: a queued plain step, or a verify of ``1 + nodes`` tokens read back."""
+        return self.config.queued_step if self.queued else verify_cost_at(self.costs, 1 + nodes)
+
+    def after(self, seq_id: int, committed: list[int], nodes: int, tokens: list[int] | None = None,
+              num_prompt_tokens: int = 0, max_depth: int = 0) -> None:
+        """The step's commit, learned; where the next step is queued, the drafter asked in hindsight for the text
+        so far (``tokens``, with the budget's ``max_depth``) if the guard looks back."""
+        if self.sizer is None:
+            return
+        self.sizer.observe(seq_id, committed, [])
+        self.sizer.record_step(self.seconds(nodes), 1 + nodes, 1, queued=self.queued)
+        if self.queue_next and tokens is not None and self.drafter.drafter.looks_back and max_depth > 0 \
+                and self.sizer.who_looks_back([seq_id], 1):
+            tree, seconds = self.drafter.propose(seq_id, tokens, num_prompt_tokens)
+            self.sizer.looked_back([seq_id], [_cut(tree, max_depth, self.config.max_nodes)], seconds, 1)
+            self.looks += 1
 
 
 def _cut(tree: DraftTree, max_depth: int, max_nodes: int | None) -> DraftTree:
@@ -211,17 +254,19 @@ def replay_sequence(drafter: ReplayDrafter, seq_id: int, seq: dict, record: dict
             tree = step.tree(seq_id, prompt + new[:j], len(prompt), budget - j - 1)
             accepted = _greedy_accepted(tree, new[j:])
             count = min(accepted + 1, m - j)
-            step.after(seq_id, new[j : j + count], tree.num_nodes)
+            step.after(seq_id, new[j : j + count], tree.num_nodes, prompt + new[: j + count], len(prompt),
+                       budget - j - count - 1)
             histogram += [0] * (accepted + 1 - len(histogram))
             histogram[accepted] += 1
             priced = count - 1 if oracle else tree.num_nodes  # the oracle's last token comes as the bonus
-            steps, nodes, verify = steps + 1, nodes + tree.num_nodes, verify + verify_cost_at(costs, 1 + priced)
+            seconds = verify_cost_at(costs, 1 + priced) if oracle else step.seconds(tree.num_nodes)
+            steps, nodes, verify = steps + 1, nodes + tree.num_nodes, verify + seconds
             j += count
             if j < m:
                 drafter.drafter.on_accept(seq_id, new[j - count : j])
         drafter.drafter.release(seq_id)
-        return {"new_tokens": m, "steps": steps, "verify_seconds": verify, "draft_calls": drafter.calls - calls,
-                "nodes": nodes,
+        return {"new_tokens": m, "steps": steps, "verify_seconds": verify,
+                "draft_calls": drafter.calls - calls - step.looks, "looks": step.looks, "nodes": nodes,
                 "accepted_histogram": histogram}
     # sampled: expected steps and verify cost to finish from every position, back to front
     trees, dists, asked = [], [], []
@@ -274,12 +319,13 @@ def replay(record: dict, config: ReplayConfig) -> dict:
     if config.temperature == 0 and record.get("temperature", 0) != 0:
         raise InputError(f"replay at temperature 0 needs a greedy record; this one was sampled at "
                          f"{record['temperature']} (replay it with --temperature > 0)")
-    costs = record["costs"]["verify_seconds"]
+    costs = config.verify_seconds or record["costs"]["verify_seconds"]
     drafter = ReplayDrafter(config, record)
     per_sequence = [replay_sequence(drafter, i, s, record, config, costs) for i, s in enumerate(record["sequences"])]
     tokens = sum(r["new_tokens"] for r in per_sequence)
     steps = sum(r["steps"] for r in per_sequence)
-    c_plain = verify_cost_at(costs, 1)
+    # plain decoding's step: every one queued where the engine queues them (the first of each call's read first)
+    c_plain = verify_cost_at(costs, 1) if config.queued_step is None else config.queued_step
     c_draft = drafter.seconds / drafter.calls if drafter.calls else 0.0  # per propose call
     calls = sum(r["draft_calls"] for r in per_sequence)  # greedy: calls made; sampled: expected share of steps
     seconds = sum(r["verify_seconds"] for r in per_sequence) + c_draft * calls
@@ -288,19 +334,26 @@ def replay(record: dict, config: ReplayConfig) -> dict:
         for a, x in enumerate(r["accepted_histogram"] or []):
             histogram += [0] * (a + 1 - len(histogram))
             histogram[a] += x
+    looks = sum(r.get("looks", 0) for r in per_sequence)
     notes = [] if config.temperature == 0 else [
         "expected values along the recorded text: acceptances off it count their depth and stop",
         "tokens outside the recorded top-k have target probability 0",
         "tempered tail mass approximated from the k-th probability (exact at temperature 1)"] + (
         ["guard and tree sizing run once per recorded position, learning from the recorded text"]
         if config.guard else [])
+    if config.queued_step is not None:
+        notes.append(f"held-off steps queued at {config.queued_step * 1e3:.3f} ms; {looks} proposals in hindsight, "
+                     "their host time not counted (it overlaps the device's queued step)")
     return {"drafter": drafter.name, "drafter_options": dict(config.drafter_options), "max_nodes": config.max_nodes,
             "temperature": config.temperature, "guard": config.guard, "draft_calls": calls,
+            "queued_step_s": config.queued_step, "looks": looks,
             "sequences": len(per_sequence), "new_tokens": tokens,
             "steps": steps, "tau": tokens / steps if steps else 0.0,
             "mean_tree_nodes": sum(r["nodes"] for r in per_sequence) / steps if steps else 0.0,
             "cost_plain_s": c_plain, "cost_draft_s": c_draft, "seconds": seconds,
             "predicted_speedup": (tokens / seconds) * c_plain if seconds else None,
-            "predicted_speedup_overall": overall_speedup(record, tokens, seconds),
+            # the record's prefill is its own machine's: none beside another machine's costs
+            "predicted_speedup_overall": (overall_speedup(record, tokens, seconds) if config.verify_seconds is None
+                                          and config.queued_step is None else None),
             "accepted_histogram": histogram or None, "notes": notes,
             "per_sequence_tau": [r["new_tokens"] / r["steps"] if r["steps"] else 0.0 for r in per_sequence]}

@@ -63,6 +63,15 @@ def add_parser(ev_sub, inference) -> None:
     run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; needs a greedy record)")
     run.add_argument("--guard", choices=("on", "off"), default="on",
                      help="the engine's tree sizing and break-even guard (on = speculation auto, the default)")
+    run.add_argument("--verify-costs", metavar="FILE",
+                     help="price verifies by another machine's c(n): a JSON object of query tokens -> milliseconds, "
+                          "or one holding it under \"ms\" (the GPU speed report's verify_cost of a model)")
+    run.add_argument("--queued-step", type=float, metavar="MS",
+                     help="replay as a GPU engine queues the steps the guard holds off: each costs MS milliseconds "
+                          "(the speed report's plain step), drafts are priced against it, n-gram looks back")
+    run.add_argument("--look-budget", type=float, default=None,
+                     help="with --queued-step: share of a step per queued step spent asking the drafter in "
+                          "hindsight (default: the engine's; 0: none)")
     run.add_argument("--json", action="store_true", help="print the results as one JSON document")
     run.set_defaults(func=run_replay)
 
@@ -127,16 +136,21 @@ def run_replay(args) -> int:
 
     options = _options(args.drafter_option, args.drafter)
     record = load_record(args.record)
-    results = [replay(record, ReplayConfig(args.drafter, options, n, args.temperature, args.guard == "on"))
+    curve = None if args.verify_costs is None else _verify_costs(args.verify_costs)
+    queued = None if args.queued_step is None else args.queued_step / 1e3
+    results = [replay(record, ReplayConfig(args.drafter, options, n, args.temperature, args.guard == "on", queued,
+                                           curve, args.look_budget))
                for n in _budgets(args.max_nodes)]
     if args.json:
         print(json.dumps({"record": str(Path(args.record)), "model": record["model"], "results": results}, indent=1))
         return 0
     tokens = sum(len(s["new_tokens"]) for s in record["sequences"])
-    c1 = verify_cost_at(record["costs"]["verify_seconds"], 1)
+    c1 = verify_cost_at(curve or record["costs"]["verify_seconds"], 1)
+    where = (f"from {args.verify_costs}" if curve else
+             f"{record.get('device', '?')}, {record.get('threads', '?')} threads")
+    queued = "" if args.queued_step is None else f", held-off steps queued at {args.queued_step:.3f} ms"
     print(f"{record['model']}, {_counted(len(record['sequences']), 'prompt')}, {_counted(tokens, 'token')}; "
-          f"c_verify(1) = {c1 * 1e3:.2f} ms "
-          f"({record.get('device', '?')}, {record.get('threads', '?')} threads)")
+          f"c_verify(1) = {c1 * 1e3:.2f} ms ({where}){queued}")
     print(f"{'drafter':>12} {'max_nodes':>9} {'guard':>5} {'T':>4} {'tau':>6} {'nodes':>6} {'draft ms':>8} "
           f"{'speedup':>8} {'overall':>8}")
     for r in results:
@@ -150,6 +164,22 @@ def run_replay(args) -> int:
     for note in results[0]["notes"]:
         print(f"note: {note}")
     return 0
+
+
+def _verify_costs(path: str) -> dict[int, float]:
+    """``--verify-costs``: c(n) in seconds from a JSON object of n -> milliseconds (or one holding it under "ms")."""
+    from specdec.errors import InputError
+
+    try:
+        data = json.loads(Path(path).read_text())
+        data = data.get("ms", data)
+        curve = {int(n): float(ms) / 1e3 for n, ms in data.items()}
+    except (OSError, ValueError, TypeError, AttributeError) as err:
+        raise InputError(f"--verify-costs {path}: not a JSON object of query tokens -> milliseconds "
+                         f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+    if 1 not in curve:
+        raise InputError(f"--verify-costs {path}: it needs c(1), the verify of one token")
+    return curve
 
 
 def run_bound(args) -> int:

@@ -232,3 +232,30 @@ def test_suite_cells_record_step_sizes(eval_tiny_model, tmp_path):
                                                                     enumerate(cell.step_nodes_histogram) if c}
     row = next(r for r in summarise(cells) if r["drafter"] == "ngram")
     assert row["priced_per_step"] and row["predicted_speedup"] > 0
+
+
+def test_queued_replay_prices_held_off_steps_as_queued_and_looks_back():
+    """``queued_step``: the steps the guard holds off cost a queued step (plain decoding, all queued, is the
+    baseline), and n-gram held off through text it cannot copy is asked in hindsight: once the text copies its
+    prompt, it drafts again within a few steps, where probes priced at breaking the queue come ~40 steps apart."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randperm(1000, generator=g)[:60].tolist()
+    fresh = (torch.randperm(1000, generator=g)[:80] + 1000).tolist()  # no token of the prompt, none repeated
+    seq = {"category": "custom", "prompt_ids": prompt, "new_tokens": fresh + prompt, "finish_reason": "length"}
+    record = {"schema": "specdec.replay-record", "version": 1, "model": "synthetic", "vocab_size": 2000,
+              "max_new_tokens": 140, "temperature": 0.0, "costs": {"verify_seconds": {1: 9.0}},
+              "sequences": [seq], "device": "cpu", "threads": 1}
+    curve = {1: 1.0, 65: 1.3}  # a GPU's flat verify, in seconds: a propose call's time is nothing beside it
+    out = {lb: replay(record, ReplayConfig("ngram", queued_step=0.6, verify_seconds=curve, look_budget=lb))
+           for lb in (0.0, None)}
+    assert out[0.0]["looks"] == 0 and out[None]["looks"] > 0
+    assert out[None]["steps"] < out[0.0]["steps"] - 15  # the copy drafted from early on
+    assert out[None]["predicted_speedup"] > out[0.0]["predicted_speedup"] * 1.1
+    assert out[None]["predicted_speedup_overall"] is None  # the record's prefill is another machine's
+    plain = replay(record, ReplayConfig("ngram", queued_step=0.6, verify_seconds={1: 1.0, 65: 99.0}))
+    # nothing pays: every step plain, each stretch's first and the probes read back, the rest queued
+    assert plain["tau"] == 1.0 and 0.85 < plain["predicted_speedup"] < 1.0
+    with pytest.raises(InputError, match="greedily with the guard"):
+        ReplayConfig("ngram", queued_step=0.6, guard=False)
+    with pytest.raises(InputError, match="c\\(1\\)"):
+        ReplayConfig("ngram", verify_seconds={2: 1.0})
