@@ -22,10 +22,9 @@ the replay with the record's verify-cost curve and the draft times measured here
 
 Costs: each step is priced ``c_draft + c_verify(1 + nodes)``; the predicted speedup over plain decoding is
 ``(tokens / total cost) / (1 / c_verify(1))``, and ``predicted_speedup_overall`` counts the prefill too
-(:func:`overall_speedup`). ``queued_step`` (greedy, with the guard): the steps the guard holds off are queued as a
-GPU engine queues them through CUDA graphs (:mod:`specdec.decode_ahead`), each after the first of a stretch priced
-``queued_step`` seconds, drafts priced against it and a drafter that looks back asked in hindsight; plain decoding,
-every step queued, is then the baseline. ``verify_seconds`` replaces the record's curve (another machine's).
+(:func:`overall_speedup`). ``queued_step`` (greedy, guard on): held-off steps queued as a GPU engine queues them
+(:mod:`specdec.decode_ahead`; each after a stretch's first costs ``queued_step``, the baseline's every step),
+drafts priced against it, a drafter that looks back asked in hindsight. ``verify_seconds``: another machine's c(n).
 Drafters that read the target's hidden states, model or cache cannot be replayed from tokens: they are refused
 with a one-line InputError.
 """
@@ -171,8 +170,8 @@ class _Step:
             return
         self.sizer.observe(seq_id, committed, [])
         self.sizer.record_step(self.seconds(nodes), 1 + nodes, 1, queued=self.queued)
-        if self.queue_next and tokens is not None and self.drafter.drafter.looks_back and max_depth > 0 \
-                and self.sizer.who_looks_back([seq_id], 1):
+        looks = self.queue_next and tokens is not None and self.drafter.drafter.looks_back and max_depth > 0
+        if looks and self.sizer.who_looks_back([seq_id]):
             tree, seconds = self.drafter.propose(seq_id, tokens, num_prompt_tokens)
             self.sizer.looked_back([seq_id], [_cut(tree, max_depth, self.config.max_nodes)], seconds, 1)
             self.looks += 1

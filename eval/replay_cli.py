@@ -63,9 +63,9 @@ def add_parser(ev_sub, inference) -> None:
     run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; needs a greedy record)")
     run.add_argument("--guard", choices=("on", "off"), default="on",
                      help="the engine's tree sizing and break-even guard (on = speculation auto, the default)")
-    run.add_argument("--verify-costs", metavar="FILE",
+    run.add_argument("--verify-costs", metavar="FILE[:MODEL]",
                      help="price verifies by another machine's c(n): a JSON object of query tokens -> milliseconds, "
-                          "or one holding it under \"ms\" (the GPU speed report's verify_cost of a model)")
+                          "or a GPU speed report (speed.json) and the model whose curve to take")
     run.add_argument("--queued-step", type=float, metavar="MS",
                      help="replay as a GPU engine queues the steps the guard holds off: each costs MS milliseconds "
                           "(the speed report's plain step), drafts are priced against it, n-gram looks back")
@@ -166,19 +166,31 @@ def run_replay(args) -> int:
     return 0
 
 
-def _verify_costs(path: str) -> dict[int, float]:
-    """``--verify-costs``: c(n) in seconds from a JSON object of n -> milliseconds (or one holding it under "ms")."""
+def _verify_costs(spec: str) -> dict[int, float]:
+    """``--verify-costs``: c(n) in seconds from a JSON object of n -> milliseconds (or one holding it under "ms"), or
+    ``FILE:MODEL``, a GPU speed report (``speed.json``) and the model whose ``verify_cost`` to take."""
     from specdec.errors import InputError
 
+    path, model = spec, None
+    if not Path(spec).is_file() and ":" in spec:
+        path, _, model = spec.rpartition(":")
     try:
         data = json.loads(Path(path).read_text())
-        data = data.get("ms", data)
-        curve = {int(n): float(ms) / 1e3 for n, ms in data.items()}
+        models = {str(m.get("model")): m for m in data.get("models", [])} if model is not None else {}
+        if model is not None and model not in models:
+            found = None
+        else:
+            data = (models[model].get("verify_cost") or {}) if model is not None else data
+            data = data.get("ms", data)
+            found = {int(n): float(ms) / 1e3 for n, ms in data.items()}
     except (OSError, ValueError, TypeError, AttributeError) as err:
-        raise InputError(f"--verify-costs {path}: not a JSON object of query tokens -> milliseconds "
+        raise InputError(f"--verify-costs {spec}: not a JSON object of query tokens -> milliseconds "
                          f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+    if found is None:
+        raise InputError(f"--verify-costs {spec}: no model {model!r} in {path} (it has: {', '.join(models) or 'none'})")
+    curve = found
     if 1 not in curve:
-        raise InputError(f"--verify-costs {path}: it needs c(1), the verify of one token")
+        raise InputError(f"--verify-costs {spec}: it needs c(1), the verify of one token")
     return curve
 
 

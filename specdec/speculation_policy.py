@@ -139,7 +139,7 @@ class SpeculationPolicy:
         (:meth:`TreeSizer.who_looks_back`): none unless the drafter looks back, under a sizer."""
         if not self.looks_back or self.plain:
             return []
-        ids = set(self.sizer.who_looks_back([s.seq_id for s in live], len(live)))
+        ids = set(self.sizer.who_looks_back([s.seq_id for s in live]))
         return [s for s in live if s.seq_id in ids]
 
     def looked_back(self, seqs: list["SequenceState"], trees: list[DraftTree], seconds: float, batch: int) -> None:

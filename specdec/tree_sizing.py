@@ -663,7 +663,7 @@ class TreeSizer:
             self.rates_of.clear()
 
     # ---- looks: a held-off drafter asked in hindsight -----------------------------------------
-    def who_looks_back(self, seq_ids: list[int], batch: int) -> list[int]:
+    def who_looks_back(self, seq_ids: list[int]) -> list[int]:
         """Of ``seq_ids`` (a queued step's, every one held off), those whose drafter to ask in hindsight now: held off
         at their next step too, with no look still open, while the looks' bank (``look_budget`` of a decode step per
         queued step) is above zero. Called once per queued step (module doc, Looks)."""

@@ -259,3 +259,24 @@ def test_queued_replay_prices_held_off_steps_as_queued_and_looks_back():
         ReplayConfig("ngram", queued_step=0.6, guard=False)
     with pytest.raises(InputError, match="c\\(1\\)"):
         ReplayConfig("ngram", verify_seconds={2: 1.0})
+
+
+def test_verify_costs_come_from_a_curve_file_or_a_gpu_speed_reports_model(tmp_path):
+    """``--verify-costs``: n -> milliseconds, as given, under "ms", or a speed report's model (``FILE:MODEL``); one
+    line naming the models a report has, or what a file lacks."""
+    from specdec.eval.replay_cli import _verify_costs
+
+    curve = {"1": 2.0, "65": 3.0}
+    (tmp_path / "flat.json").write_text(json.dumps(curve))
+    (tmp_path / "ms.json").write_text(json.dumps({"ms": curve}))
+    report = {"models": [{"model": "other", "verify_cost": None}, {"model": "default", "verify_cost": {"ms": curve}}]}
+    (tmp_path / "speed.json").write_text(json.dumps(report))
+    want = {1: 0.002, 65: 0.003}
+    for spec in ("flat.json", "ms.json", "speed.json:default"):
+        assert _verify_costs(str(tmp_path / spec)) == pytest.approx(want)
+    with pytest.raises(InputError, match=r"no model .nope. .*\(it has: other, default\)"):
+        _verify_costs(str(tmp_path / "speed.json:nope"))
+    with pytest.raises(InputError, match="needs c\\(1\\)"):
+        _verify_costs(str(tmp_path / "speed.json:other"))
+    with pytest.raises(InputError, match="not a JSON object"):
+        _verify_costs(str(tmp_path / "missing.json"))

@@ -756,9 +756,9 @@ def test_a_held_off_drafter_asked_in_hindsight_is_asked_again_once_its_draft_wou
     for text, decided, pays in (([5, 6, 7, 8], 4, True), ([5, 4, 3, 2], 2, False), ([5, 6, 9, 2], 3, False)):
         sizer = _held_off_sizer()
         backoff = sizer.guards[0].backoff
-        assert sizer.who_looks_back([0], 1) == [0]
+        assert sizer.who_looks_back([0]) == [0]
         sizer.looked_back([0], [chain], 0.00001, 1)
-        assert sizer.who_looks_back([0], 1) == []  # one look open per sequence
+        assert sizer.who_looks_back([0]) == []  # one look open per sequence
         for k, token in enumerate(text[:decided]):
             assert 0 in sizer.looks, (text, k)  # undecided: an accepted path with nodes below, not yet committed
             sizer.observe(0, [token])
@@ -767,15 +767,15 @@ def test_a_held_off_drafter_asked_in_hindsight_is_asked_again_once_its_draft_wou
         assert sizer.guards[0].backoff == (backoff // 4 if pays else backoff)
     # what a look costs is paid from its own bank: one of half a step waits ~25 steps at 2% a step
     sizer = _held_off_sizer()
-    assert sizer.who_looks_back([0], 1) == [0]
+    assert sizer.who_looks_back([0]) == [0]
     sizer.looked_back([0], [DraftTree.empty()], 0.005, 1)  # an empty tree: nothing to judge
     waited = 0
-    while not sizer.who_looks_back([0], 1):
+    while not sizer.who_looks_back([0]):
         waited += 1
     assert 20 <= waited <= 26
     engine_reads_back = _held_off_sizer()
     engine_reads_back.queues_held_off = False  # no queued step whose device time hides a look
-    assert engine_reads_back.who_looks_back([0], 1) == []
+    assert engine_reads_back.who_looks_back([0]) == []
 
 
 def test_a_timed_queued_step_is_remembered_by_the_next_call_and_a_damaged_one_is_not():
