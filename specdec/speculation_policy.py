@@ -129,10 +129,16 @@ class SpeculationPolicy:
     def asks_nobody_next(self, live: list["SequenceState"]) -> bool:
         """Whether the next :meth:`who_drafts` of ``live`` is sure to ask nobody (the guard holds every sequence
         off), known without changing what the guard counts: such a step may be queued before the host reads the
-        one before it (specdec.decode_ahead). False without a sizer, whose every call asks every sequence."""
+        one before it (specdec.decode_ahead). False without a sizer, whose every call asks every sequence. Also
+        true, once, behind a plain step due while no queued step has been timed: that next step is queued, plain,
+        whoever its guard would have asked."""
         if self.plain:
             return True
-        return self.sizer is not None and self.sizer.skips_next([s.seq_id for s in live])
+        if self.sizer is None:
+            return False
+        # a plain step due for the cost correction, while no queued step has been timed: the next one is queued
+        # behind it, once, so that drafts are priced against a queued step (TreeSizer.queue_due)
+        return self.sizer.queue_due(len(live)) or self.sizer.skips_next([s.seq_id for s in live])
 
     def who_looks_back(self, live: list["SequenceState"]) -> list["SequenceState"]:
         """Of a queued step's sequences (every one held off), those whose drafter to ask in hindsight now

@@ -404,6 +404,14 @@ class TreeSizer:
         guard.charged = guard.price
         return True
 
+    def queue_due(self, batch: int) -> bool:
+        """Whether the plain step the verify-cost correction asks for now should have the next step queued behind it:
+        where held-off steps are queued (the engine sets ``queues_held_off``) and none has been timed, a guard that
+        never holds a step off would price every draft against a step read back (:meth:`plain_price`), dearer than a
+        queued one. Once a queued step is timed (or remembered), never again."""
+        return (not self.off and self.queues_held_off and self.queued_seconds is None
+                and self.online.plain_step_due(batch))
+
     def skips_next(self, seq_ids: list[int]) -> bool:
         """Whether the next :meth:`wants_draft` of every one of ``seq_ids`` is sure to say no, read without changing
         what the guard counts (a sequence not seen yet: not sure)."""

@@ -328,6 +328,48 @@ def test_a_held_off_drafter_that_looks_back_drafts_again_once_the_text_turns(loa
     assert engine.policy.sizer.paid >= 1
 
 
+def test_a_guard_that_never_holds_off_times_one_queued_step_to_price_drafts_by(loaded, monkeypatch):
+    """Where held-off steps are queued, a guard that never holds a step off never met a queued step, and priced every
+    draft against a step read back (plain_price 1). The first plain step the cost correction asks for has the next
+    step queued behind it, once: the guard then prices drafts by a queued step's time. Same tokens."""
+    from specdec.cost_model import CostModel
+    from specdec.online_costs import OnlineCosts
+    from specdec.speculation_policy import SpeculationPolicy
+    from specdec.testing import RandomTreeDrafter
+    from specdec.tree_sizing import TreeSizer
+    from tests.fixed_costs import fix_costs
+
+    curve = {1: 1.0, 2: 1.01, 65: 1.3}  # verifying is nearly free: the guard never holds a sequence off
+    fix_costs(monkeypatch, curve)
+    due = []
+    # a plain step due for the correction at the fifth step (fix_costs records no step's time to make it so)
+    monkeypatch.setattr(OnlineCosts, "plain_step_due", lambda self, batch: len(due) == 5)
+    step, launch = Engine.step, DecodeAhead.launch
+    monkeypatch.setattr(Engine, "step", lambda self: due.append(1) or step(self))
+    queued = []  # the engine step (1-based) whose call launched a step queued behind an unread one
+    monkeypatch.setattr(DecodeAhead, "launch", lambda self, seqs, after, rows=None: (
+        after is not None and queued.append(len(due))) or launch(self, seqs, after, rows))
+    runner, prompts, stop = loaded.runner, ragged_prompts(2, VOCAB, seed=11, max_len=10), StopCriteria(16)
+    plain, _, _ = run(runner, prompts, stop, queue_ahead=True)
+    s = runner.shape
+    cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, 48, 4, runner.dtype, runner.device, runner.backend)
+    graphed = GraphedForward(runner, cache, dataclasses.replace(CONFIG, tokens_per_seq=(1, 2, 4)))
+    queued.clear()
+    due.clear()
+    engine = Engine(runner, cache, sampling=GREEDY, stop=stop, graphed=graphed,
+                    drafter=RandomTreeDrafter(VOCAB, max_nodes=3, max_depth=2, seed=5),
+                    policy=SpeculationPolicy(TreeSizer(CostModel({}, {1: curve}))))
+    sizer = engine.policy.sizer
+    assert sizer.queues_held_off and sizer.queued_seconds is None and sizer.plain_price(2) == 1.0
+    seqs = engine.add(prompts)
+    while engine.live:
+        engine.step()
+    assert [q.new_tokens for q in seqs] == plain
+    # the plain step due (the fifth) queued the sixth: the first step queued, the guard held nobody off before
+    assert queued and queued[0] == 5, queued
+    assert sizer.queued_seconds is not None  # drafts priced by it from then on (plain_price: elsewhere)
+
+
 def test_the_speed_commands_rows_count_the_steps_queued(loaded):
     """benchmarks/bench_speed_gpu.py's share of a run's steps launched before the step before them was read: all but
     the first of plain decoding through buckets, none of eager decoding; the count stops with the run."""
