@@ -135,7 +135,8 @@ class _Step:
             self.sizer = TreeSizer(CostModel({"record": True}, {1: curve}), sizing,
                                    calibrated_scores=drafter.drafter.calibrated_scores)
             if config.queued_step is not None:  # as an engine that queues held-off steps, one already timed
-                self.sizer.queues_held_off, self.sizer.queued_seconds = True, config.queued_step
+                self.sizer.queues_held_off = True
+                self.sizer.record_step(config.queued_step, 1, 1, queued=True)
         self.draft_call: float | None = None
         self.proposed: set[int] = set()  # sequences proposed for once (their first call is a catch-up)
         self.queued = False  # this step is queued behind the last (held off, as the one before it)

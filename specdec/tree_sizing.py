@@ -69,7 +69,9 @@ class _Kept:
     since_plain: list = field(default_factory=list)
     measure_credit: list = field(default_factory=list)
     catch_ups: list = field(default_factory=list)  # the last catch-up calls' costs in decode steps (_charge_catch_up)
-    queued: float | None = None  # a queued plain step's seconds (TreeSizer.plain_price): the next call prices by it
+    # a queued plain step's seconds per batch bucket, [[bucket, seconds], ...] (TreeSizer.plain_price): the next call
+    # prices by it (a float, from before it was kept per bucket: nothing)
+    queued: list | None = None
 
     @classmethod
     def recalled(cls, key: tuple | None) -> "_Kept | None":
@@ -86,6 +88,17 @@ class _Kept:
         catch_ups = kept.catch_ups if isinstance(kept.catch_ups, list) else [None]
         counts = (kept.backoff, kept.skip, kept.credit, *catch_ups)
         return kept if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in counts) else None
+
+
+def _queued_kept(kept: object) -> dict[int, float]:
+    """The queued steps' seconds per bucket an earlier call kept (_Kept.queued); anything else (an older call's
+    float, a damaged value): none."""
+    if not isinstance(kept, list):
+        return {}
+    try:
+        return {int(b): float(t) for b, t in kept if int(b) >= 1 and float(t) > 0}
+    except (TypeError, ValueError):
+        return {}
 
 
 def _path_probs(accept: list[float], parents: list[int]) -> list[float]:
@@ -288,10 +301,9 @@ class TreeSizer:
         self.look_credit = 0.0  # look_budget banked per queued step, spent by looks (who_looks_back)
         self.draft_time = DraftTime(self.config.ema)  # seconds per propose call
         self.decode_seconds: float | None = None  # EMA of a plain decode step, from verify times
-        # EMA of a plain step queued behind an unread one (specdec.decode_ahead): what a held-off step costs where
-        # the engine queues them (plain_price); None: none timed
-        queued = None if kept is None else kept.queued  # what an earlier call timed (a damaged value: nothing)
-        self.queued_seconds = queued if isinstance(queued, float) and queued > 0 else None
+        # per batch bucket, EMA of a plain step queued behind an unread one (specdec.decode_ahead): what a held-off
+        # step costs where the engine queues them (plain_price); a bucket absent: none timed
+        self.queued_seconds: dict[int, float] = _queued_kept(None if kept is None else kept.queued)
         self.queues_held_off = False  # the engine queues the steps the guard holds all off (set when it is built)
         self.paid = 0  # proposals that were expected to pay (stats, tests)
         self.unpaid = 0
@@ -317,7 +329,8 @@ class TreeSizer:
         step launched before the one before it was read, kept apart (:meth:`plain_price`): the curve's c(1) stays a
         step read back, as every drafted step is."""
         if queued:
-            self.queued_seconds = self._ema(self.queued_seconds, verify_seconds)
+            bucket = self.costs.batch_bucket(batch)
+            self.queued_seconds[bucket] = self._ema(self.queued_seconds.get(bucket), verify_seconds)
             return
         self.online.record(verify_seconds, query_tokens, batch)
         relative = self.online.relative(query_tokens, batch)
@@ -336,10 +349,12 @@ class TreeSizer:
     def plain_price(self, batch: int) -> float:
         """What a held-off step costs in decode steps read back: a queued step's time (the engine queues them where
         the guard holds every sequence off: specdec.decode_ahead) over :meth:`step_seconds`, at most 1; 1 until one
-        is timed. Drafting pays where it beats that, and a probe costs the queued step it replaces too."""
-        if not self.queues_held_off or self.queued_seconds is None:
+        is timed at the batch's bucket (a batch of 1's queued step prices no batch of 32). Drafting pays where it
+        beats that, and a probe costs the queued step it replaces too."""
+        queued = self.queued_seconds.get(self.costs.batch_bucket(batch))
+        if not self.queues_held_off or queued is None:
             return 1.0
-        return min(self.queued_seconds / self.step_seconds(batch), 1.0)
+        return min(queued / self.step_seconds(batch), 1.0)
 
     def probe_cost(self, batch: int) -> float:
         """What asking the drafter costs at least, in plain decode steps: its cheapest recent call (DraftTime.low), or
@@ -406,10 +421,10 @@ class TreeSizer:
 
     def queue_due(self, batch: int) -> bool:
         """Whether the plain step the verify-cost correction asks for now should have the next step queued behind it:
-        where held-off steps are queued (the engine sets ``queues_held_off``) and none has been timed, a guard that
-        never holds a step off would price every draft against a step read back (:meth:`plain_price`), dearer than a
-        queued one. Once a queued step is timed (or remembered), never again."""
-        return (not self.off and self.queues_held_off and self.queued_seconds is None
+        where held-off steps are queued (the engine sets ``queues_held_off``) and none has been timed at this batch's
+        bucket, a guard that never holds a step off would price every draft against a step read back
+        (:meth:`plain_price`), dearer than a queued one. Once one is timed (or remembered) there, never again."""
+        return (not self.off and self.queues_held_off and self.costs.batch_bucket(batch) not in self.queued_seconds
                 and self.online.plain_step_due(batch))
 
     def skips_next(self, seq_ids: list[int]) -> bool:
@@ -721,6 +736,6 @@ class TreeSizer:
                          [[d, r, a, t] for (d, r), (a, t) in self.unscored.items()], guard.tokens, guard.cost,
                          None if self.last_shape is None else list(self.last_shape), self._kept_price(guard),
                          guard.skip, guard.credit, MEMORY_FORMAT, **self.online.kept(),
-                         catch_ups=list(self.catch_ups), queued=self.queued_seconds)
+                         catch_ups=list(self.catch_ups), queued=[[b, t] for b, t in self.queued_seconds.items()])
             remember("guard", self.memory, dict(vars(kept)), persist=True)  # its lists are fresh copies already
 

@@ -360,14 +360,14 @@ def test_a_guard_that_never_holds_off_times_one_queued_step_to_price_drafts_by(l
                     drafter=RandomTreeDrafter(VOCAB, max_nodes=3, max_depth=2, seed=5),
                     policy=SpeculationPolicy(TreeSizer(CostModel({}, {1: curve}))))
     sizer = engine.policy.sizer
-    assert sizer.queues_held_off and sizer.queued_seconds is None and sizer.plain_price(2) == 1.0
+    assert sizer.queues_held_off and sizer.queued_seconds == {} and sizer.plain_price(2) == 1.0
     seqs = engine.add(prompts)
     while engine.live:
         engine.step()
     assert [q.new_tokens for q in seqs] == plain
     # the plain step due (the fifth) queued the sixth: the first step queued, the guard held nobody off before
     assert queued and queued[0] == 5, queued
-    assert sizer.queued_seconds is not None  # drafts priced by it from then on (plain_price: elsewhere)
+    assert list(sizer.queued_seconds) == [2]  # drafts priced by it from then on (plain_price: elsewhere)
 
 
 def test_the_speed_commands_rows_count_the_steps_queued(loaded):

@@ -779,13 +779,21 @@ def test_a_held_off_drafter_asked_in_hindsight_is_asked_again_once_its_draft_wou
 
 
 def test_a_timed_queued_step_is_remembered_by_the_next_call_and_a_damaged_one_is_not():
+    """A queued step's time is kept per batch bucket: one timed at batch 1 prices no batch of 32 (a small model's
+    queued step at 32 costs nearly twice its step at 1), whose first plain step due times its own."""
     sizer = TreeSizer(FLAT, memory=("queued-step",))
+    sizer.queues_held_off = True
+    sizer.record_step(0.01, 1, 1)
     sizer.record_step(0.005, 1, 1, queued=True)
+    assert sizer.plain_price(1) == pytest.approx(0.5) and sizer.plain_price(32) == 1.0
+    sizer.online.drafted[sizer.costs.batch_bucket(32)] = 99  # a plain step due at 32 (OnlineCosts.plain_step_due)
+    assert sizer.queue_due(32) and not sizer.queue_due(1)
     sizer.size_call([0], [DraftTree.chain([5], scores=torch.tensor([0.5]))], 1, 0.0001)
     sizer.release(0)
-    assert TreeSizer(FLAT, memory=("queued-step",)).queued_seconds == pytest.approx(0.005)
+    assert TreeSizer(FLAT, memory=("queued-step",)).queued_seconds == {1: pytest.approx(0.005)}
     from specdec.remembered import recall, remember
 
     kept = recall("guard", ("queued-step",), persist=True)
-    remember("guard", ("queued-step",), {**kept, "queued": "fast"}, persist=True)
-    assert TreeSizer(FLAT, memory=("queued-step",)).queued_seconds is None
+    for damaged in ("fast", 0.005, [[1, "x"]], [[0, 0.005]]):  # (a float: an older call's, of no known batch)
+        remember("guard", ("queued-step",), {**kept, "queued": damaged}, persist=True)
+        assert TreeSizer(FLAT, memory=("queued-step",)).queued_seconds == {}
