@@ -174,21 +174,26 @@ def _verify_costs(spec: str) -> dict[int, float]:
     path, model = spec, None
     if not Path(spec).is_file() and ":" in spec:
         path, _, model = spec.rpartition(":")
+
+    def unreadable(err: Exception) -> InputError:
+        return InputError(f"--verify-costs {spec}: not a JSON object of query tokens -> milliseconds "
+                          f"({str(err).splitlines()[0] if str(err) else type(err).__name__})")
+
     try:
         data = json.loads(Path(path).read_text())
         models = {str(m.get("model")): m for m in data.get("models", [])} if model is not None else {}
-        if model is not None and model not in models:
-            found = None
-        else:
-            data = (models[model].get("verify_cost") or {}) if model is not None else data
-            data = data.get("ms", data)
-            found = {int(n): float(ms) / 1e3 for n, ms in data.items()}
     except (OSError, ValueError, TypeError, AttributeError) as err:
-        raise InputError(f"--verify-costs {spec}: not a JSON object of query tokens -> milliseconds "
-                         f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
-    if found is None:
-        raise InputError(f"--verify-costs {spec}: no model {model!r} in {path} (it has: {', '.join(models) or 'none'})")
-    curve = found
+        raise unreadable(err) from None
+    if model is not None:
+        if model not in models:
+            raise InputError(f"--verify-costs {spec}: no model {model!r} in {path} (it has: "
+                             f"{', '.join(models) or 'none'})")
+        data = models[model].get("verify_cost") or {}
+    try:
+        data = data.get("ms", data)
+        curve = {int(n): float(ms) / 1e3 for n, ms in data.items()}
+    except (ValueError, TypeError, AttributeError) as err:
+        raise unreadable(err) from None
     if 1 not in curve:
         raise InputError(f"--verify-costs {spec}: it needs c(1), the verify of one token")
     return curve
