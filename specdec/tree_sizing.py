@@ -665,10 +665,14 @@ class TreeSizer:
             tried, on_path, longest, _ = _walk(tree, committed, set(pending.kept), accepted)
             self.last_shape = tree.parents.tolist()
         self._learn(tree, tried, on_path)
-        # the drafts paid (by the margin): probe next step, one growth step of the backoff undone
-        if self._pays(1 + longest, pending.cost):
-            guard = self._guard(seq_id)
-            guard.backoff, guard.skip, guard.price = guard.backoff // 4, 0, None
+        if self._pays(1 + longest, pending.cost):  # the drafts paid (by the margin)
+            self._ask_next(seq_id)
+
+    def _ask_next(self, seq_id: int) -> None:
+        """The drafter is asked for ``seq_id`` at its next step, one growth step of the backoff undone: its last
+        tree, or a look, would have paid."""
+        guard = self._guard(seq_id)
+        guard.backoff, guard.skip, guard.price = guard.backoff // 4, 0, None
 
     def _learn(self, tree: DraftTree, tried: list[int], on_path: set[int]) -> None:
         """The acceptance evidence of one judged tree: its ``tried`` nodes, accepted where ``on_path``."""
@@ -721,10 +725,9 @@ class TreeSizer:
             return
         del self.looks[seq_id]
         self._learn(look.tree, tried, on_path)
-        guard = self._guard(seq_id)
         # asking the drafter breaks the queue of held-off steps (1 - plain_price), as a probe's price counts
         if self._pays(1.0 + longest, look.cost + 1.0 - self.plain_price(look.batch), look.batch):
-            guard.backoff, guard.skip, guard.price = guard.backoff // 4, 0, None
+            self._ask_next(seq_id)
 
     def release(self, seq_id: int) -> None:
         self.pending.pop(seq_id, None)
