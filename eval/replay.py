@@ -171,8 +171,8 @@ class _Step:
             return
         self.sizer.observe(seq_id, committed, [])
         self.sizer.record_step(self.seconds(nodes), 1 + nodes, 1, queued=self.queued)
-        looks = self.queue_next and tokens is not None and self.drafter.drafter.looks_back and max_depth > 0
-        if looks and self.sizer.who_looks_back([seq_id]):
+        may_look = self.queue_next and tokens is not None and self.drafter.drafter.looks_back and max_depth > 0
+        if may_look and self.sizer.who_looks_back([seq_id]):
             tree, seconds = self.drafter.propose(seq_id, tokens, num_prompt_tokens)
             self.sizer.looked_back([seq_id], [_cut(tree, max_depth, self.config.max_nodes)], seconds, 1)
             self.looks += 1
