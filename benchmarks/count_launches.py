@@ -37,8 +37,9 @@ from specdec.launches import Launches  # noqa: E402
 from specdec.models.llama import LlamaRunner  # noqa: E402
 
 
-def forward_launches(runner) -> collections.Counter:
-    """One decode forward (batch 1, after an 8-token prefill) of ``runner`` (on the Triton backend)."""
+def forward_launches(runner, new_tokens: int = 1) -> collections.Counter:
+    """One decode forward (batch 1, after an 8-token prefill) of ``runner`` (on the Triton backend): of one token,
+    or with ``new_tokens`` > 1 a chain's verify (each token sees those before it)."""
     from specdec.attention import BatchBuilder
     from specdec.kv_cache import PagedKVCache
 
@@ -51,11 +52,11 @@ def forward_launches(runner) -> collections.Counter:
     batch = builder.build()
     runner.forward(batch.token_ids, batch.positions, batch.plan, cache, None)
     cache.commit({0: range(8)})
-    cache.reserve(0, 1)
+    cache.reserve(0, new_tokens)
     builder = BatchBuilder(cache, runner.device)
-    builder.add(0, [5], [8], 9, 8)
+    builder.add(0, list(range(5, 5 + new_tokens)), list(range(8, 8 + new_tokens)), 8 + new_tokens, 8)
     batch = builder.build()
-    token_ids, positions, rows = batch.token_ids, batch.positions, torch.arange(1)  # uploaded before counting
+    token_ids, positions, rows = batch.token_ids, batch.positions, torch.arange(new_tokens)  # uploaded first
     with Launches() as counter:
         runner.forward(token_ids, positions, batch.plan, cache, rows, with_logits=False)
     return counter.ops

@@ -189,13 +189,18 @@ def rope_write_(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch
         v = v.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     slots = slots.to(device=kv.device, dtype=torch.int32)
-    q_w, k_w, q_eps, k_eps = norms if norms is not None else (qk, qk, 0.0, 0.0)
-    if norms is not None and (q_w.shape != (D,) or k_w.shape != (D,)):
-        raise ValueError(f"norms: the q and k weights must be [{D}], got {tuple(q_w.shape)} / {tuple(k_w.shape)}")
+    if norms is not None:
+        q_w, k_w, q_eps, k_eps = norms
+        if q_w.shape != (D,) or k_w.shape != (D,):
+            raise ValueError(f"norms: the q and k weights must be [{D}], got {tuple(q_w.shape)} / "
+                             f"{tuple(k_w.shape)}")
+        q_w, k_w = q_w.contiguous(), k_w.contiguous()
+    else:  # placeholders the kernel never reads: qk itself, never a copy of it (a strided qk's copy is a launch)
+        q_w, k_w, q_eps, k_eps = qk, qk, 0.0, 0.0
     if T:
         rows = launch_rows.rows_per_program(qk.device, T)
         _rope_write_kernel[(triton.cdiv(T, rows),)](
-            qk, v, cos, sin, kv[layer, 0], slots, q_w.contiguous(), k_w.contiguous(), qk.stride(0), qk.stride(1),
+            qk, v, cos, sin, kv[layer, 0], slots, q_w, k_w, qk.stride(0), qk.stride(1),
             v.stride(0), cos.stride(0), kv.stride(1), kv.stride(2), T, heads, num_q_heads, kv_heads * D, float(q_eps),
             float(k_eps), HALF=D // 2, ROWS=rows, BLOCK_H=triton.next_power_of_2(heads),
             BLOCK_HALF=triton.next_power_of_2(D // 2), BLOCK_V=triton.next_power_of_2(kv_heads * D),

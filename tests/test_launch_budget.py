@@ -41,7 +41,8 @@ def counting(monkeypatch, gpu_products):
     return _count_launches(), load_model(MODEL, device="cpu")
 
 
-def test_a_packed_decode_layer_launches_nine_kernels_with_split_attention(counting, monkeypatch):
+@pytest.mark.parametrize("new_tokens", [1, 5])  # a decode step, a chain's verify (a strided q / k: no copy of it)
+def test_a_packed_decode_layer_launches_nine_kernels_with_split_attention(counting, monkeypatch, new_tokens):
     count, loaded = counting
     from specdec.kernels import tree_attention as ta
 
@@ -54,7 +55,7 @@ def test_a_packed_decode_layer_launches_nine_kernels_with_split_attention(counti
     model = copy.deepcopy(loaded.model)
     pack_projections(model)
     runner = LlamaRunner(model, backend="triton")
-    full, one = count.forward_launches(runner), count.forward_launches(runner.truncated(1))
+    full, one = count.forward_launches(runner, new_tokens), count.forward_launches(runner.truncated(1), new_tokens)
     per_layer = collections.Counter({k: full[k] - one[k] for k in full if full[k] != one[k]})
     assert per_layer == {
         "linear": 4,  # QKV, o, gate/up, down
