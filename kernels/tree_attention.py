@@ -94,6 +94,7 @@ def _tree_attn_kernel(
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, num_splits, masked_split,
     SPLIT: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, DOT_PREC: tl.constexpr, OFF64: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -127,7 +128,8 @@ def _tree_attn_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # ---- unmasked prefix: this split's chunk of [0, ctx_len) ------------------------------------
-    chunk = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
+    # at least MIN_CHUNK keys a chunk: a short context over a bucket's many splits fills a few, the rest write nothing
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
     lo = split * chunk  # the masked program (split == num_splits) gets lo >= ctx_len: no prefix
     hi = tl.minimum(lo + chunk, ctx_len)
     for start in range(lo, hi, BLOCK_N):
@@ -162,8 +164,10 @@ def _tree_attn_kernel(
     m2 = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # log2 units
+        # a chunk without keys stores its lse (-inf) only: no merge reads its output (weight 0, or past with_keys)
+        keyed = ((hi > lo) | (split == masked_split)).to(tl.int32)  # a scalar (bool & mask: int32 when interpreted)
         tl.store(PartO + split * stride_ps + t_idx[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :],
-                 out, mask=m2)
+                 out, mask=m2 & (tl.zeros([BLOCK_M, BLOCK_D], tl.int32) + keyed != 0))
         tl.store(PartLse + split * stride_ls + t_idx * stride_lt + head, lse, mask=row_ok)
         if MERGE_IN_KERNEL:
             # the last of the tile's num_splits + 1 programs to arrive merges the parts: each thread's stores are
@@ -403,6 +407,14 @@ def _default_splits(meta: TreeAttentionMetadata, programs: int, device: torch.de
     return max(1, min(want, meta.max_ctx_len // MIN_SPLIT_CHUNK, 64))
 
 
+def min_split_chunk(block_m: int, element_size: int) -> int:
+    """Fewest keys a split program takes: each writes a float32 partial of its tile (``block_m`` rows x head_dim)
+    that the merge reads back, so its chunk reads at least as many bytes of K and V (2 x keys x head_dim elements).
+    A decode's or a chain's tile (16-32 rows) splits as finely as before; a large tree's 128-row tiles over a short
+    context fill a few parts, not every one of a CUDA-graph bucket's splits (sized for its key capacity)."""
+    return triton.cdiv(block_m * 4, 2 * element_size)
+
+
 def launch_config(group: int, head_dim: int, max_new: int, dtype: torch.dtype, gpu: bool = True) -> dict:
     """Tile shape of the attention kernel (constexprs + num_warps). BLOCK_M = BLOCK_Q * GROUP_PAD rows in
     [16, 128], covering the largest per-sequence token count when it can; BLOCK_N 32 for head_dim 128
@@ -439,6 +451,12 @@ def _interpreted() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(_tree_attn_kernel, InterpretedFunction)
+
+
+def _partials(parts: int, T: int, H: int, D: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised split partials: outputs [parts, T, H, D] and log-sum-exps [parts, T, H], float32."""
+    return (torch.empty(parts, T, H, D, dtype=torch.float32, device=device),
+            torch.empty(parts, T, H, dtype=torch.float32, device=device))
 
 
 def tree_attention(
@@ -480,12 +498,8 @@ def tree_attention(
     # in-kernel merge's offsets within a part are int32
     merge_in_kernel = (split and cfg["BLOCK_Q"] * cfg["GROUP_PAD"] * cfg["BLOCK_D"] <= MERGE_IN_KERNEL_MAX
                        and T * H * D < 2**31)
-    if split:
-        part_o = torch.empty(parts, T, H, D, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(parts, T, H, dtype=torch.float32, device=q.device)
-    else:  # unused placeholders with valid strides
-        part_o = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
+    # unused placeholders with valid strides when not split
+    part_o, part_lse = _partials(parts, T, H, D, q.device) if split else _partials(1, 1, 1, 1, q.device)
     arrivals = meta.arrivals(n_tiles * KVH) if merge_in_kernel else part_lse
     _tree_attn_kernel[(n_tiles, KVH, parts)](
         q, k_cache, v_cache, out, part_o, part_lse, arrivals,
@@ -497,7 +511,7 @@ def tree_attention(
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         PAGE_SIZE=meta.page_size, num_splits=num_splits, masked_split=num_splits if split else 0, SPLIT=split,
         MERGE_IN_KERNEL=merge_in_kernel, OFF64=max(k_cache.numel(), v_cache.numel()) >= 2**31, num_warps=num_warps,
-        **cfg,
+        MIN_CHUNK=min_split_chunk(cfg["BLOCK_Q"] * cfg["GROUP_PAD"], q.element_size()), **cfg,
     )
     if split and not merge_in_kernel:
         num_seqs = meta.q_lens.numel()

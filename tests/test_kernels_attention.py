@@ -97,6 +97,28 @@ def _merge_launches(monkeypatch) -> list:
     return spy.grids
 
 
+def test_a_large_trees_short_context_fills_few_splits_and_the_empty_ones_write_nothing(monkeypatch):
+    """A 65-token tree's 128-row tiles in half precision take chunks of at least 128 keys (``min_split_chunk``): over
+    a context of ~300 keys, 3 of a CUDA-graph bucket's 8 splits hold keys. The others store no partial output (it
+    stays as torch.empty left it, here NaN) and the merge reads none of it: the result is the reference's."""
+    monkeypatch.setattr(ta, "MERGE_IN_KERNEL_MAX", 0)  # the merge kernel, as a 65-token tree's tiles on a GPU
+    case = random_case([300], [(TREE, 64)], num_kv_heads=1, group=4, head_dim=16, page_size=16, seed=4,
+                       device=DEVICE, dtype=torch.float16)
+    _poisoned_empty(monkeypatch)
+    parts, real = [], ta._partials
+    monkeypatch.setattr(ta, "_partials", lambda *a, **k: parts.append(real(*a, **k)) or parts[-1])
+    meta = case.plan.kernel_metadata
+    out = tree_attention(case.q, case.k_cache, case.v_cache, meta, case.scale, num_splits=8)
+    err = (out.float() - reference_attention(case).float()).abs().max().item()
+    assert err <= 2e-2, f"max abs error {err:.3g}"
+    assert ta.min_split_chunk(128, 2) == 128
+    keyed = -(-int(meta.ctx_lens[0]) // 128)
+    part_o = parts[0][0]  # [9, T, H, D]: 8 splits and the masked keys' part
+    assert keyed == 3 and part_o.shape[0] == 9
+    assert torch.isfinite(part_o[:keyed]).all() and torch.isfinite(part_o[8]).all()
+    assert torch.isnan(part_o[keyed:8]).all(), "a split without keys wrote its partial output"
+
+
 def test_split_parts_are_merged_by_their_last_program_launch_after_launch(monkeypatch):
     """A small tile (here every one: head_dim 16) launches no merge: the last of each (tile, KV head)'s programs
     merges the parts and sets its count back to 0, so the next launch through the same metadata (the next layer, a
