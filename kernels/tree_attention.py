@@ -165,9 +165,9 @@ def _tree_attn_kernel(
     if SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # log2 units
         # a chunk without keys stores its lse (-inf) only: no merge reads its output (weight 0, or past with_keys)
-        keyed = ((hi > lo) | (split == masked_split)).to(tl.int32)  # a scalar (bool & mask: int32 when interpreted)
-        tl.store(PartO + split * stride_ps + t_idx[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :],
-                 out, mask=m2 & (tl.zeros([BLOCK_M, BLOCK_D], tl.int32) + keyed != 0))
+        if (hi > lo) | (split == masked_split):
+            tl.store(PartO + split * stride_ps + t_idx[:, None] * stride_pt + head[:, None] * stride_ph
+                     + d[None, :], out, mask=m2)
         tl.store(PartLse + split * stride_ls + t_idx * stride_lt + head, lse, mask=row_ok)
         if MERGE_IN_KERNEL:
             # the last of the tile's num_splits + 1 programs to arrive merges the parts: each thread's stores are
