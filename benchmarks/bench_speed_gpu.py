@@ -19,8 +19,10 @@ Per model (docs/gpu-speed.md explains every column):
   and eager, and of the oracle's 64-node tree (each step a 65-token verify) (benchmarks/step_profile.py): GPU busy
   and idle time per step, kernel time by kind (products, attention, norms), the kernels of each engine phase (graph
   replays included), graph and host launches and the ops issuing them (eager: each op's kernels), host waits on the
-  device and the engine's phases on the host, so that a number that misses its goal says why; last, the same for
-  plain decoding and the oracle chain under ``speculation="auto"`` at the largest batch (the batch goal's row).
+  device and the engine's phases on the host, so that a number that misses its goal says why; then that chain
+  with replayed drafting once more under ``cProfile`` (the host's Python functions by their time per step); last,
+  the profile of plain decoding and the oracle chain under ``speculation="auto"`` at the largest batch (the batch
+  goal's row).
 
 Models run in order of importance, each within its share of ``--budget`` seconds; whatever does not fit is marked
 skipped in the report instead of overrunning, so the run ends in time; ``item_seconds`` says what each took.
@@ -44,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_overwrite, check_new_files  # noqa: E402
 from products_curve import blas_library, product_bytes, products_ms  # noqa: E402
-from step_profile import markdown_rows, profiled  # noqa: E402
+from step_profile import host_python, host_python_lines, markdown_rows, profiled  # noqa: E402
 
 FULL_MODELS = ("synthetic:llama-3.1-8b", "default", "synthetic:qwen3-1.7b", "synthetic:llama-3.2-1b")
 EMBEDDED_SHAPE = "synthetic:smollm2-135m"  # the embedded model's shape: its speed where its GGUF is not at hand
@@ -279,7 +281,8 @@ class ModelRun:
                  save) -> None:
         self.spec, self.args, self.device, self.dtype, self.clock, self.save = spec, args, device, dtype, clock, save
         self.result: dict = dict(model=spec, plain={}, oracle=[], verify_cost=None, replay_launch=None, products=None,
-                                 hf_static=None, profile=[], skipped=[], errors=[], item_seconds={})
+                                 hf_static=None, profile=[], host_python=None, skipped=[], errors=[],
+                                 item_seconds={})
         self.bandwidth = bandwidth
 
     def item(self, name: str, fn, estimate: float | None = None) -> None:
@@ -574,6 +577,14 @@ class ModelRun:
             summary = trace.summary()
             self.result["profile"].append(dict(call=name, new_tokens=tokens, tau=row["tau"], summary=summary,
                                                seconds=round(time.perf_counter() - t0, 2)))  # the trace's reading too
+        if not batch_rows:  # the chain with EAGLE's replayed drafting once more, its host's Python under cProfile
+            name = f"oracle chain tau {tau} +eagle b{b}"
+            drafter = OracleDrafter(self.references[b], chain, inner=self.eagle_drafter(CHAIN_DEPTH, 1), seed=1)
+            t0 = time.perf_counter()
+            host = host_python(lambda: run_generate(self.loaded, prompts, tokens, drafter=drafter,
+                                                    speculation="always"), lambda row: row["steps"])
+            self.result["host_python"] = dict(call=name, new_tokens=tokens, **host,
+                                              seconds=round(time.perf_counter() - t0, 2))
 
     def hf(self, prompt) -> None:
         self.result["hf_static"] = hf_static(self.loaded.model, prompt, self.args.new_tokens)
@@ -681,7 +692,7 @@ def markdown(report: dict) -> str:
                              f"{r['tau_target']:.1f} | {r['tau']:.2f} | {r['step_ms']:.3f} | "
                              f"{1e3 * r['draft_seconds'] / r['steps']:.3f} | {r['decode_tokens_per_s']:.1f} | "
                              f"**{r['speedup']:.2f}x** | {_bound(r)} | {r['identical_to_plain']} |")
-        lines += markdown_rows(m)
+        lines += markdown_rows(m) + host_python_lines(m.get("host_python"))  # older reports have none
         if m["skipped"]:
             lines += ["", "skipped (out of time): " + "; ".join(m["skipped"])]
         if m["errors"]:

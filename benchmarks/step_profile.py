@@ -17,12 +17,20 @@ event's ``linked_correlation_id`` is the ``id`` of the innermost op around its l
 under no op, share their runtime call's (``cudaGraphLaunch``) correlation ``id``; either host event's ``cpu_parent``
 chain leads to the ``engine.<phase>`` range. What leads to none counts under "(unattributed)".
 On the CPU (the rehearsal) there are no device events: it counts the aten ops the steps run instead.
+
+:func:`host_python` is the host's other view: one call under ``cProfile``, the Python functions that take the host's
+time per step (their own time, and with what they call), so that a step whose device idles for the host names the
+code to cut. ``cProfile`` slows Python about twofold: read shares, not speeds. A function's own time includes the
+device waits of a blocking read it makes (``tolist``, ``synchronize``), which the profile rows count as syncs.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
+import sys
+import time
 from collections import Counter, defaultdict
 
 import torch
@@ -36,6 +44,7 @@ GRAPH_CALLS = ("cudaGraphLaunch", "cuGraphLaunch")
 TOP_KERNELS = 24  # the report names 8; the JSON keeps these
 TOP_OPS = 16  # ops kept by the launches they issue from the host
 TOP_PHASE_KERNELS = 12  # kept per engine phase in the JSON; the report names 3
+TOP_PYTHON = 24  # host_python: functions kept by own time in the JSON; the report names 12
 UNATTRIBUTED = "(unattributed)"  # device events whose launch leads to no engine phase
 RUNTIME_CALL = re.compile(r"cu(da)?[A-Z]")  # a CUDA runtime or driver call (cudaLaunchKernel, cuGraphLaunch, ...)
 # kernel kinds by name (lower case), first match wins: the tree attention (kernels/tree_attention.py), invariant
@@ -70,6 +79,72 @@ def _annotated_engine():
     finally:
         for name, attr in saved.items():
             setattr(Engine, name, attr)
+
+
+def host_python(run, steps_of, top: int = TOP_PYTHON) -> dict:
+    """``run()`` under ``cProfile``: its steps (``steps_of(run())``), wall ms per step under the profiler, and by own
+    time the ``top`` functions of specdec's packages (``functions``) and the ``top // 3`` others (``others``: torch's
+    ops, built-ins; on a GPU launches and blocking reads), each with its calls, own and cumulative microseconds per
+    step (module doc). A function is named ``dir/file.py:line(name)``, a built-in by its repr."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    try:
+        out = run()
+    finally:
+        prof.disable()
+    wall = time.perf_counter() - t0
+    steps = max(int(steps_of(out)), 1)
+    ours = _package_dirs()
+    rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: kv[1][2], reverse=True)  # by own seconds
+
+    def listed(keep, n):
+        return [dict(name=_function_name(key, ours), calls_per_step=calls / steps, own_us_per_step=1e6 * own / steps,
+                     cum_us_per_step=1e6 * cum / steps)
+                for key, (_, calls, own, cum, _) in [r for r in rows if keep(r[0][0].startswith(ours))][:n]]
+
+    return dict(steps=steps, wall_ms_per_step=1e3 * wall / steps, functions=listed(bool, top),
+                others=listed(lambda mine: not mine, top // 3))
+
+
+def _package_dirs() -> tuple[str, ...]:
+    """The directories of specdec's packages (its subpackages may live apart from it: an editable install)."""
+    import specdec.drafters
+    import specdec.eval
+    import specdec.kernels
+
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in (sys.modules["specdec"], specdec.drafters,
+                                                                 specdec.eval, specdec.kernels))
+
+
+def _function_name(key: tuple[str, int, str], ours: tuple[str, ...] = ()) -> str:
+    """A pstats key as ``path:line(name)``: in one of the package directories ``ours`` the path from that package
+    on (``specdec/models/llama.py``, ``drafters/eagle.py``), elsewhere the file's last two path parts; a built-in
+    by its name (without the address a function's repr carries)."""
+    file, line, name = key
+    if file == "~" or not file:
+        return re.sub(r" at 0x[0-9a-f]+", "", name)
+    home = next((d for d in ours if file.startswith(d)), None)
+    path = (os.path.basename(home.rstrip(os.sep)) + "/" + file[len(home):] if home else
+            "/".join(file.split(os.sep)[-2:]))
+    return f"{path.replace(os.sep, '/')}:{line}({name})"
+
+
+def host_python_lines(host: dict | None) -> list[str]:
+    """The report's lines for one model's :func:`host_python` row (bench_speed_gpu.markdown)."""
+    if not host:
+        return []
+
+    def named(rows):
+        return "; ".join(f"`{f['name']}` {f['own_us_per_step']:.0f} ({f['cum_us_per_step']:.0f}), "
+                         f"{f['calls_per_step']:.1f} calls" for f in rows)
+
+    return ["", f"{host['call']}, host Python under cProfile ({host['steps']} steps, {host['wall_ms_per_step']:.3f} "
+                f"ms/step wall under it), by own time, us/step (cumulative): specdec's functions "
+                f"{named(host['functions'][:12])}; others {named(host['others'][:6])}"]
 
 
 class Trace:

@@ -69,9 +69,19 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     assert {"plain b1", "verify cost", "profile b1", "profile b2"} <= set(model["item_seconds"])  # each row's cost
     assert "replay launch" in model["item_seconds"] and model["replay_launch"] is None  # nothing captured on a CPU
     assert all(r["seconds"] > 0 for r in model["profile"]) and tree["kernel_ms_by_kind"] == {}  # no kernels on a CPU
+    host = model["host_python"]  # the chain's replayed drafting once more, under cProfile: the host's Python
+    assert host["call"] == "oracle chain tau 3.0 +eagle b1" and host["steps"] == oracle["steps"]
+    names = [f["name"] for f in host["functions"]]  # specdec's own functions (the CPU's products are "others")
+    assert len(names) == 24 and all(n.split("/")[0] in ("specdec", "drafters", "eval", "kernels") for n in names)
+    assert any(n.startswith("specdec/engine.py:") for n in names) and len(host["others"]) == 8
+    assert any("torch" in f["name"] for f in host["others"]) and " at 0x" not in str(host["others"])
+    for rows in (host["functions"], host["others"]):
+        own = [f["own_us_per_step"] for f in rows]
+        assert own == sorted(own, reverse=True) and all(f["cum_us_per_step"] >= f["own_us_per_step"] for f in rows)
     text = (tmp_path / "speed.md").read_text()
     assert "## synthetic:qwen3-1.7b@tiny" in text and "speedup vs plain" in text and "REHEARSAL" in text
     assert "| oracle chain tau 3.0 +eagle b1 |" in text and "| p(n) / p(1) | 1.00 |" in text
+    assert "oracle chain tau 3.0 +eagle b1, host Python under cProfile (" in text
     assert "graph replays" not in text and "uncaptured static growths" in text  # nothing is captured on the CPU
     assert "% of steps drafted, 0% queued)" in text
     from tests.test_docs import list_pitfalls
