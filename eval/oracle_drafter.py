@@ -34,7 +34,7 @@ from specdec.drafters.base import Drafter, SequenceView, TargetView
 from specdec.errors import InputError
 from specdec.host_copy import to_device
 from specdec.pending_trees import PendingTrees
-from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree
+from specdec.tree import MAX_TREE_NODES, DraftTree
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,7 @@ class OracleDrafter(Drafter):
         self.proposed_hits = [0] * len(profile.rates)  # per depth: steps whose tree held the reference token
         self.proposed_tries = [0] * len(profile.rates)  # per depth: steps whose parent on the path held it
         self._credit: dict[int, list[float]] = {}  # seq_id -> per depth, the stratified draws' credit in [0, 1)
+        self._reference: dict[int, list[int]] = {}  # seq_id -> its prompt's continuation, found at its first tree
         self.pending_trees = bool(inner is not None and inner.pending_trees)  # as the inner drafter (module doc)
         # every tree's shape: at each depth ``width`` children of the previous depth's first child (one tensor, shared)
         self.parents = torch.tensor([-1 if d == 0 else (d - 1) * profile.width
@@ -123,6 +124,7 @@ class OracleDrafter(Drafter):
         self.vocab = target.runner.shape.vocab_size
         self.generator = torch.Generator().manual_seed(self.seed)
         self._credit.clear()
+        self._reference.clear()
         if self.inner is not None:
             self.inner.attach(target)
 
@@ -132,6 +134,7 @@ class OracleDrafter(Drafter):
 
     def release(self, seq_id: int) -> None:
         self._credit.pop(seq_id, None)
+        self._reference.pop(seq_id, None)
         if self.inner is not None:
             self.inner.release(seq_id)
 
@@ -159,7 +162,10 @@ class OracleDrafter(Drafter):
 
     def _tree(self, view: SequenceView) -> DraftTree:
         rates, width = self.profile.rates, self.profile.width
-        reference = self.continuations.get(tuple(view.token_ids[: view.num_prompt_tokens]), [])
+        reference = self._reference.get(view.seq_id)
+        if reference is None:  # looked up by the prompt once per sequence, not every step (a prompt-long key)
+            prompt = tuple(view.token_ids[: view.num_prompt_tokens])
+            reference = self._reference[view.seq_id] = self.continuations.get(prompt, [])
         done = len(view.token_ids) - view.num_prompt_tokens  # new tokens committed; the root is the last of them
         credit = self._credit.get(view.seq_id)
         if credit is None:  # a sequence's first tree: each depth's credit starts at a draw of the oracle's generator
@@ -177,5 +183,7 @@ class OracleDrafter(Drafter):
             wrong = want if want is not None else view.token_ids[-1]
             tokens += [want if (hit and j == 0) else (wrong + 1 + j) % self.vocab for j in range(width)]
             on_path = hit  # the next depth hangs under this depth's first child (self.parents)
-        # built from tensors: the instrument's own host time per step stays small next to a real drafter's
-        return DraftTree(torch.tensor(tokens), self.parents, None, DraftMode.DETERMINISTIC)
+        # the instrument's own host time per step stays small next to a real drafter's: its trees are well formed
+        # by construction (the one shape checked in __init__, int64 tokens), so built unchecked (the engine
+        # validates every proposal all the same)
+        return DraftTree.unchecked(torch.tensor(tokens), self.parents)

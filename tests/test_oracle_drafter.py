@@ -112,3 +112,23 @@ def test_inner_drafter_runs_and_changes_nothing_but_the_cost(target):
     out = _run(loaded, OracleDrafter(reference, AcceptanceProfile.constant(1.0, 3), inner=inner), PROMPTS[:1])
     assert out.new_tokens == [reference[tuple(PROMPTS[0])]]
     assert len(calls) == out.forward_passes and out.stats[0].tau > 3.5  # the inner tokens were not verified
+
+
+def test_a_sequences_prompt_is_looked_up_once_not_every_step(target):
+    """The instrument's own host time per step stays small: the continuation of a sequence's prompt is found once,
+    by the prompt (a key as long as it), and kept by sequence until released; a second call finds it anew."""
+    loaded, reference = target
+
+    class Counted(dict):
+        lookups = 0
+
+        def get(self, key, default=None):
+            Counted.lookups += 1
+            return super().get(key, default)
+
+    oracle = OracleDrafter(Counted(reference), AcceptanceProfile.constant(0.8, 4), seed=1)
+    for call in (1, 2):
+        out = _run(loaded, oracle, PROMPTS[:2])
+        assert out.new_tokens == [reference[tuple(p)] for p in PROMPTS[:2]]
+        assert out.forward_passes > 10  # many steps, each drafted
+        assert Counted.lookups == 2 * call  # one per sequence per call, whatever its steps
