@@ -5,7 +5,7 @@ import dataclasses
 import random
 
 import pytest
-from specdec.drafters.base import SequenceView
+from specdec.drafters.base import SequenceView, TokenView
 from specdec.drafters.ngram import NGramConfig, NGramDrafter
 from specdec.drafters.registry import get_drafter
 
@@ -341,3 +341,25 @@ def test_long_matches_get_deeper_chains():
     d2 = NGramDrafter(min_ngram=1, max_ngram=3, num_draft_tokens=2, long_match_ngram=3, long_draft_tokens=5,
                       max_nodes=5, max_branches=1)
     assert propose1(d2, weak).tokens.tolist() == [20, 4]
+
+
+@pytest.mark.parametrize("min_ngram,max_ngram", [(1, 6), (2, 4), (3, 3)])
+@pytest.mark.parametrize("prompt", [2, 50])
+def test_the_index_grown_in_steps_is_the_index_built_at_once(min_ngram, max_ngram, prompt):
+    """The invariant of _SeqIndex, against a brute-force index after every step: a prompt shorter than the longest
+    key or one indexed in bulk (ngram.BULK_INDEX), then growth by 1 to 7 tokens a step, and now and then by more
+    than BULK_INDEX (each key's end positions, in order; none for the current tail)."""
+    from specdec.drafters import ngram
+
+    assert 2 < ngram.BULK_INDEX < 50
+    rng = random.Random(min_ngram * 10 + max_ngram + prompt)
+    d = NGramDrafter(min_ngram=min_ngram, max_ngram=max_ngram)
+    tokens = [rng.randrange(6) for _ in range(prompt)]
+    for step in range(40):
+        idx = d._sync(0, TokenView(tokens))
+        want = {n: {} for n in range(min_ngram, max_ngram + 1)}
+        for n, table in want.items():
+            for e in range(n - 1, len(tokens) - 1):
+                table.setdefault(tuple(tokens[e - n + 1 : e + 1]), []).append(e)
+        assert idx.tables == want and idx.length == len(tokens)
+        tokens += [rng.randrange(6) for _ in range(rng.randint(1, 7) if step % 9 else 45)]
