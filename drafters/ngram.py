@@ -276,7 +276,10 @@ class NGramDrafter(Drafter):
         self._pending[seq.seq_id] = (node_tokens, node_parents, keys)
         rates = {key: self._rate(key) for key in set(keys)}  # nodes share a few (match, depth) keys
         scores = torch.tensor([rates[key] for key in keys], dtype=torch.float32)
-        return DraftTree(node_tokens, node_parents, scores=scores)
+        # well formed where it is made (a trie of ints, parents first, at most max_nodes, rates in [0, 1]): built
+        # without the construction checks, which cost more than the drafting (the engine validates every proposal)
+        return DraftTree.unchecked(torch.tensor(node_tokens, dtype=torch.long),
+                                   torch.tensor(node_parents, dtype=torch.long), scores=scores)
 
     def _insert(self, tokens, length, start, depth, node_tokens, node_parents, children) -> int:
         """Walk/extend the trie with the continuation starting at `start`; return nodes added.
