@@ -106,8 +106,8 @@ class OracleDrafter(Drafter):
         self.feature_layers = () if inner is None else inner.feature_layers  # an EAGLE-3 head's true cost too
         self.proposed_hits = [0] * len(profile.rates)  # per depth: steps whose tree held the reference token
         self.proposed_tries = [0] * len(profile.rates)  # per depth: steps whose parent on the path held it
-        self._credit: dict[int, list[float]] = {}  # seq_id -> per depth, the stratified draws' credit in [0, 1)
-        self._reference: dict[int, list[int]] = {}  # seq_id -> its prompt's continuation, found at its first tree
+        # seq_id -> (its prompt's continuation, per depth the stratified draws' credit in [0, 1)), from its first tree
+        self._seqs: dict[int, tuple[list[int], list[float]]] = {}
         self.pending_trees = bool(inner is not None and inner.pending_trees)  # as the inner drafter (module doc)
         # every tree's shape: at each depth ``width`` children of the previous depth's first child (one tensor, shared)
         self.parents = torch.tensor([-1 if d == 0 else (d - 1) * profile.width
@@ -123,8 +123,7 @@ class OracleDrafter(Drafter):
         self.target = target
         self.vocab = target.runner.shape.vocab_size
         self.generator = torch.Generator().manual_seed(self.seed)
-        self._credit.clear()
-        self._reference.clear()
+        self._seqs.clear()
         if self.inner is not None:
             self.inner.attach(target)
 
@@ -133,8 +132,7 @@ class OracleDrafter(Drafter):
             self.inner.on_accept(seq_id, committed)
 
     def release(self, seq_id: int) -> None:
-        self._credit.pop(seq_id, None)
-        self._reference.pop(seq_id, None)
+        self._seqs.pop(seq_id, None)
         if self.inner is not None:
             self.inner.release(seq_id)
 
@@ -162,14 +160,14 @@ class OracleDrafter(Drafter):
 
     def _tree(self, view: SequenceView) -> DraftTree:
         rates, width = self.profile.rates, self.profile.width
-        reference = self._reference.get(view.seq_id)
-        if reference is None:  # looked up by the prompt once per sequence, not every step (a prompt-long key)
+        state = self._seqs.get(view.seq_id)
+        if state is None:  # a sequence's first tree: its continuation found by the prompt (a prompt-long key: once,
+            # not every step), each depth's credit started at a draw of the oracle's generator
             prompt = tuple(view.token_ids[: view.num_prompt_tokens])
-            reference = self._reference[view.seq_id] = self.continuations.get(prompt, [])
+            credit = torch.rand(len(rates), generator=self.generator).tolist()
+            state = self._seqs[view.seq_id] = (self.continuations.get(prompt, []), credit)
+        reference, credit = state
         done = len(view.token_ids) - view.num_prompt_tokens  # new tokens committed; the root is the last of them
-        credit = self._credit.get(view.seq_id)
-        if credit is None:  # a sequence's first tree: each depth's credit starts at a draw of the oracle's generator
-            credit = self._credit[view.seq_id] = torch.rand(len(rates), generator=self.generator).tolist()
         tokens, on_path = [], True
         for d, rate in enumerate(rates):
             want = reference[done + d] if done + d < len(reference) else None
