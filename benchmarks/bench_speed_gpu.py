@@ -557,13 +557,17 @@ class ModelRun:
         chain = AcceptanceProfile.for_tau(tau, CHAIN_DEPTH, 1)
         tree = AcceptanceProfile.for_tau(tau, TREE_DEPTH, TREE_WIDTH)
         calls = [(f"plain b{b}", {})]
+        replayed = f"oracle chain tau {tau} +eagle b{b}"  # profiled, then once more under cProfile
+
+        def replayed_chain() -> dict:
+            return dict(drafter=OracleDrafter(self.references[b], chain, inner=self.eagle_drafter(CHAIN_DEPTH, 1),
+                                              seed=1), speculation="always")
+
         if batch_rows:
             calls.append((f"oracle chain tau {tau} auto b{b}",
                           dict(drafter=OracleDrafter(self.references[b], chain, seed=1), speculation="auto")))
         else:
-            calls += [(f"oracle chain tau {tau} +eagle b{b}",
-                       dict(drafter=OracleDrafter(self.references[b], chain, inner=self.eagle_drafter(CHAIN_DEPTH, 1),
-                                                  seed=1), speculation="always")),
+            calls += [(replayed, replayed_chain()),
                       (f"oracle chain tau {tau} +eagle eager b{b}",
                        dict(drafter=OracleDrafter(self.references[b], chain,
                                                   inner=self.eagle_drafter(CHAIN_DEPTH, 1, graphs=False), seed=1),
@@ -578,12 +582,10 @@ class ModelRun:
             self.result["profile"].append(dict(call=name, new_tokens=tokens, tau=row["tau"], summary=summary,
                                                seconds=round(time.perf_counter() - t0, 2)))  # the trace's reading too
         if not batch_rows:  # the chain with EAGLE's replayed drafting once more, its host's Python under cProfile
-            name = f"oracle chain tau {tau} +eagle b{b}"
-            drafter = OracleDrafter(self.references[b], chain, inner=self.eagle_drafter(CHAIN_DEPTH, 1), seed=1)
             t0 = time.perf_counter()
-            host = host_python(lambda: run_generate(self.loaded, prompts, tokens, drafter=drafter,
-                                                    speculation="always"), lambda row: row["steps"])
-            self.result["host_python"] = dict(call=name, new_tokens=tokens, **host,
+            kwargs = replayed_chain()
+            host = host_python(lambda: run_generate(self.loaded, prompts, tokens, **kwargs), lambda row: row["steps"])
+            self.result["host_python"] = dict(call=replayed, new_tokens=tokens, **host,
                                               seconds=round(time.perf_counter() - t0, 2))
 
     def hf(self, prompt) -> None:
