@@ -281,8 +281,8 @@ class ModelRun:
                  save) -> None:
         self.spec, self.args, self.device, self.dtype, self.clock, self.save = spec, args, device, dtype, clock, save
         self.result: dict = dict(model=spec, plain={}, oracle=[], verify_cost=None, replay_launch=None, products=None,
-                                 hf_static=None, profile=[], host_python=None, skipped=[], errors=[],
-                                 item_seconds={})
+                                 hf_static=None, profile=[], host_python=None, prefill_host_python=None, skipped=[],
+                                 errors=[], item_seconds={})
         self.bandwidth = bandwidth
 
     def item(self, name: str, fn, estimate: float | None = None) -> None:
@@ -356,6 +356,7 @@ class ModelRun:
                 oracle(b, first, shape, False, "auto")
         oracle(b0, first, "tree", True)
         self.item(f"profile b{b0}", lambda: self.profile(pool[:b0], first))
+        self.item(f"profile prefill b{b0}", lambda: self.profile_prefill(pool[:b0]))
         for b in reversed(rest):
             oracle(b, first, "chain", False)
         if rest:  # where a batch's drafted step spends its time: the batch goal's row, profiled
@@ -581,12 +582,29 @@ class ModelRun:
             summary = trace.summary()
             self.result["profile"].append(dict(call=name, new_tokens=tokens, tau=row["tau"], summary=summary,
                                                seconds=round(time.perf_counter() - t0, 2)))  # the trace's reading too
-        if not batch_rows:  # the chain with EAGLE's replayed drafting once more, its host's Python under cProfile
-            t0 = time.perf_counter()
-            kwargs = replayed_chain()
-            host = host_python(lambda: run_generate(self.loaded, prompts, tokens, **kwargs), lambda row: row["steps"])
-            self.result["host_python"] = dict(call=replayed, new_tokens=tokens, **host,
-                                              seconds=round(time.perf_counter() - t0, 2))
+        if batch_rows:
+            return
+        # the chain with EAGLE's replayed drafting once more, its host's Python under cProfile
+        t0 = time.perf_counter()
+        kwargs = replayed_chain()
+        host = host_python(lambda: run_generate(self.loaded, prompts, tokens, **kwargs), lambda row: row["steps"])
+        self.result["host_python"] = dict(call=replayed, new_tokens=tokens, **host,
+                                          seconds=round(time.perf_counter() - t0, 2))
+
+    def profile_prefill(self, prompts) -> None:
+        """A one-token call's prefill (the prompt but its last token: one eager forward, each call's first work)
+        under the profiler, then the whole call (set-up, prefill, its step) under cProfile: what a call costs
+        before its steps, which a short answer pays in full."""
+        b = len(prompts)
+        t0 = time.perf_counter()
+        with profiled(self.device) as trace:
+            run_generate(self.loaded, prompts, 1)
+        self.result["profile"].append(dict(call=f"prefill b{b}", new_tokens=1, tau=1.0, summary=trace.summary("add"),
+                                           seconds=round(time.perf_counter() - t0, 2)))
+        t0 = time.perf_counter()
+        host = host_python(lambda: run_generate(self.loaded, prompts, 1), lambda row: 1)
+        self.result["prefill_host_python"] = dict(call=f"a one-token call b{b} (set-up, prefill, its step)",
+                                                  new_tokens=1, **host, seconds=round(time.perf_counter() - t0, 2))
 
     def hf(self, prompt) -> None:
         self.result["hf_static"] = hf_static(self.loaded.model, prompt, self.args.new_tokens)
@@ -695,6 +713,7 @@ def markdown(report: dict) -> str:
                              f"{1e3 * r['draft_seconds'] / r['steps']:.3f} | {r['decode_tokens_per_s']:.1f} | "
                              f"**{r['speedup']:.2f}x** | {_bound(r)} | {r['identical_to_plain']} |")
         lines += markdown_rows(m) + host_python_lines(m.get("host_python"))  # older reports have none
+        lines += host_python_lines(m.get("prefill_host_python"))
         if m["skipped"]:
             lines += ["", "skipped (out of time): " + "; ".join(m["skipped"])]
         if m["errors"]:

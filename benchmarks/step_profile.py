@@ -3,10 +3,12 @@
     with profiled(device) as trace:
         generate(...)
     summary = trace.summary()          # per step: wall, GPU busy, launches, host waits, engine phases, top kernels
+    prefill = trace.summary("add")     # the same of the prefill (Engine.add), each call's one
 
 Only the engine's steps count (from the first ``Engine.step`` to the end of the last; prefill and set-up are left
-out). Per step it gives the wall time under the profiler (which adds some per launch: the timed rows give the speed,
-this gives the shares), the GPU's busy time (the union of its kernel and copy intervals, not the engine's
+out), or, with ``unit="add"``, its prefills (the prompt but its last token, one eager forward). Per step it gives
+the wall time under the profiler (which adds some per launch: the timed rows give the speed, this gives the
+shares), the GPU's busy time (the union of its kernel and copy intervals, not the engine's
 ``record_function`` ranges the profiler also puts on the device's timeline) and what is left idle, kernels run and
 their time by kind (products, attention, norms, other: where a 65-token verify's extra time goes against a decode's),
 CUDA-graph launches and launches from the host (and the ops issuing them: of an eager call, each op's kernels), the
@@ -35,7 +37,7 @@ from collections import Counter, defaultdict
 
 import torch
 
-PHASES = ("step", "propose", "verify_batch", "verify", "read", "process", "accept", "keep_new_hidden", "commit")
+PHASES = ("add", "step", "propose", "verify_batch", "verify", "read", "process", "accept", "keep_new_hidden", "commit")
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
               "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
@@ -151,8 +153,8 @@ class Trace:
     def __init__(self) -> None:
         self.events = None
 
-    def summary(self) -> dict:
-        return summarize(self.events)
+    def summary(self, unit: str = "step") -> dict:
+        return summarize(self.events, unit)
 
 
 @contextlib.contextmanager
@@ -305,11 +307,12 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, marks in KERNEL_KINDS if any(m in low for m in marks)), "other")
 
 
-def summarize(events) -> dict:
-    """The per-step figures of the module doc, from a profiler's events (``prof.events()``)."""
-    steps = [e for e in events if e.name == "engine.step" and e.device_type == torch.autograd.DeviceType.CPU]
+def summarize(events, unit: str = "step") -> dict:
+    """The per-step figures of the module doc, from a profiler's events (``prof.events()``); ``unit="add"``: per
+    prefill (the figures' "step" is then an ``Engine.add``)."""
+    steps = [e for e in events if e.name == f"engine.{unit}" and e.device_type == torch.autograd.DeviceType.CPU]
     if not steps:
-        raise ValueError("the profiled block ran no engine step")
+        raise ValueError(f"the profiled block ran no engine {unit}")
     start, end = min(e.time_range.start for e in steps), max(e.time_range.end for e in steps)
     n = len(steps)
 
@@ -326,7 +329,7 @@ def summarize(events) -> dict:
     syncs = [e for e in host if e.name in SYNC_CALLS]
     phases: dict[str, float] = defaultdict(float)
     for e in host:
-        if e.name.startswith("engine.") and e.name != "engine.step":
+        if e.name.startswith("engine.") and e.name != f"engine.{unit}":
             phases[e.name[len("engine."):]] += e.time_range.end - e.time_range.start
     per_kernel: dict[str, list[float]] = defaultdict(list)
     for e in kernels:
@@ -376,7 +379,8 @@ def markdown_rows(model: dict) -> list[str]:
     rows = model.get("profile") or []
     if not rows:
         return []
-    lines = ["", "Profile (torch.profiler, which adds time per launch: shares, not speeds):", "",
+    lines = ["", "Profile (torch.profiler, which adds time per launch: shares, not speeds; a prefill row's step is one "
+                 "prefill, the prompt but its last token):", "",
              "| call | steps | wall ms/step | GPU busy ms/step | GPU idle | kernels/step | graph launches/step | "
              "host launches/step | syncs/step (wait ms) | host phases, ms/step |", "|---" * 10 + "|"]
     for r in rows:

@@ -59,14 +59,22 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     assert model["hf_static"]["new_tokens"] == 6
     assert [r["call"] for r in model["profile"]] == ["plain b1", "oracle chain tau 3.0 +eagle b1",
                                                       "oracle chain tau 3.0 +eagle eager b1", "oracle tree tau 3.0 b1",
-                                                      "plain b2", "oracle chain tau 3.0 auto b2"]
-    plain, oracle, eager, tree, plain2, auto2 = (r["summary"] for r in model["profile"])
+                                                      "prefill b1", "plain b2", "oracle chain tau 3.0 auto b2"]
+    plain, oracle, eager, tree, prefill, plain2, auto2 = (r["summary"] for r in model["profile"])
+    # one prefill of the 5-token prompt, its eager forward's ops (per layer: norms, products, attention); no step
+    assert prefill["steps"] == 1 and prefill["phases_ms_per_step"] == {}
+    assert "aten::linear" in prefill["aten_ops_by_name"] and prefill["aten_ops_per_step"] > 0.5 * plain[
+        "aten_ops_per_step"]
+    call = model["prefill_host_python"]  # the whole one-token call under cProfile: set-up, prefill, its step
+    assert call["steps"] == 1 and any(f["name"].startswith("specdec/engine.py:") for f in call["functions"])
+    assert any("(add)" in f["name"] for f in call["functions"] + call["others"]) or any(
+        "forward" in f["name"] for f in call["functions"])
     assert plain2["steps"] == 6 and auto2["steps"] > 0 and "propose" in auto2["phases_ms_per_step"]  # the batch's
     assert eager["steps"] == oracle["steps"] and eager["aten_ops_per_step"] > oracle["aten_ops_per_step"] * 0.5
     assert plain["steps"] == 6 and plain["aten_ops_per_step"] > 0 and "verify" in plain["phases_ms_per_step"]
     assert oracle["steps"] < plain["steps"] and oracle["phases_ms_per_step"]["propose"] > 0  # EAGLE drafted
     assert tree["steps"] < plain["steps"]  # the 64-node trees' 65-token verifies, accepted as the profile says
-    assert {"plain b1", "verify cost", "profile b1", "profile b2"} <= set(model["item_seconds"])  # each row's cost
+    assert {"plain b1", "verify cost", "profile b1", "profile prefill b1", "profile b2"} <= set(model["item_seconds"])
     assert "replay launch" in model["item_seconds"] and model["replay_launch"] is None  # nothing captured on a CPU
     assert all(r["seconds"] > 0 for r in model["profile"]) and tree["kernel_ms_by_kind"] == {}  # no kernels on a CPU
     host = model["host_python"]  # the chain's replayed drafting once more, under cProfile: the host's Python
@@ -81,7 +89,8 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     text = (tmp_path / "speed.md").read_text()
     assert "## synthetic:qwen3-1.7b@tiny" in text and "speedup vs plain" in text and "REHEARSAL" in text
     assert "| oracle chain tau 3.0 +eagle b1 |" in text and "| p(n) / p(1) | 1.00 |" in text
-    assert "oracle chain tau 3.0 +eagle b1, host Python under cProfile (" in text
+    assert "oracle chain tau 3.0 +eagle b1, host Python under cProfile (" in text and "| prefill b1 | 1 |" in text
+    assert "a one-token call b1 (set-up, prefill, its step), host Python under cProfile (1 steps" in text
     assert "graph replays" not in text and "uncaptured static growths" in text  # nothing is captured on the CPU
     assert "% of steps drafted, 0% queued)" in text
     from tests.test_docs import list_pitfalls
