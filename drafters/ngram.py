@@ -14,9 +14,12 @@ its depth drafted from a match of its length (a longer match is more reliable), 
 sizing (:mod:`specdec.tree_sizing`) keeps what is expected to pay. The drafter proposes generously;
 with ``speculation="always"`` the whole tree is verified.
 
-Each sequence keeps an incremental index (n-gram -> end positions) that is extended only
-by the tokens appended since the previous call, so a step costs
-O(max_ngram * new tokens + occurrences scanned + tree size), independent of history length.
+Each sequence keeps an incremental index (n-gram -> end positions) that is extended only by the tokens appended
+since the previous call. Keys of up to three tokens are stored: a longer key's occurrences are those of its last
+three tokens that match further back, found at each lookup (a triple recurs far less than a single token or a
+pair), so a prompt is indexed in about half the time that storing every key length took. A step costs
+O(new tokens + the last triple's occurrences + occurrences scanned + tree size); a run of one repeated token is
+not read whole (:meth:`NGramDrafter._longer_matches`).
 Copies of a prompt (:mod:`specdec.drafters.prompt_copies`) index it once: each copy starts from a copy of its
 first's index over the prompt (same keys, same positions) and indexes only its own tokens after it.
 """
@@ -35,6 +38,7 @@ from specdec.tree import MAX_TREE_NODES, DraftTree, tried_nodes
 
 logger = logging.getLogger(__name__)
 BULK_INDEX = 32  # new end positions from which _sync indexes by columns (a prompt), not position by position
+STORED_KEY = 3  # the longest key the index stores (module doc); from min_ngram up, or min_ngram alone if longer
 
 
 @dataclass(frozen=True)
@@ -71,24 +75,23 @@ class NGramConfig:
 
 
 class _SeqIndex:
-    """Index of one sequence. Invariant: for every n and every end position e with
-    n - 1 <= e <= length - 2, ``tables[n][tuple(tokens[e-n+1:e+1])]`` contains e, and the
-    lists are increasing (so the most recent occurrence is last). Only occurrences followed by
-    at least one token are indexed, so the current key never matches itself."""
+    """Index of one sequence: its tokens, and for each stored key length n (``min_ngram`` up to ``STORED_KEY``, or
+    ``min_ngram`` alone if longer) and every end position e with n - 1 <= e <= length - 2,
+    ``tables[n][tuple(tokens[e-n+1:e+1])]`` contains e, the lists increasing (so the most recent occurrence is
+    last). Only occurrences followed by at least one token are indexed, so the current key never matches itself.
+    Longer keys are matched at each lookup (:meth:`NGramDrafter._longer_matches`)."""
 
-    __slots__ = ("length", "tail", "tables")
+    __slots__ = ("length", "tokens", "tables")
 
-    def __init__(self, min_ngram: int, max_ngram: int) -> None:
+    def __init__(self, stored: range) -> None:
         self.length = 0  # number of tokens of the sequence seen (indexed up to end length-2)
-        self.tail: list[int] = []  # last <= max_ngram+1 tokens seen: detects edited histories
-        self.tables: dict[int, dict[tuple[int, ...], list[int]]] = {
-            n: {} for n in range(min_ngram, max_ngram + 1)
-        }
+        self.tokens: list[int] = []  # the sequence's tokens seen, as ints
+        self.tables: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in stored}
 
     def copy(self) -> _SeqIndex:
         """An index of its own with the same content (no list shared: each sequence appends to its own)."""
         twin = _SeqIndex.__new__(_SeqIndex)
-        twin.length, twin.tail = self.length, list(self.tail)
+        twin.length, twin.tokens = self.length, list(self.tokens)
         twin.tables = {n: {key: list(ends) for key, ends in table.items()} for n, table in self.tables.items()}
         return twin
 
@@ -117,6 +120,8 @@ class NGramDrafter(Drafter):
                 raise InputError(f"ngram drafter: long_match_ngram={long} exceeds max_ngram={most}, so long chains "
                                  "could never start; raise max_ngram, or pass long_draft_tokens=0 to turn them off")
         self.config = config
+        # the key lengths the index stores (module doc); longer keys are matched from the longest stored one
+        self._stored = range(config.min_ngram, min(config.max_ngram, max(config.min_ngram, STORED_KEY)) + 1)
         self._index: dict[int, _SeqIndex] = {}
         # instrumentation (tests, profiling): n-gram insertions and occurrences scanned, ever
         self.index_updates = 0
@@ -185,43 +190,41 @@ class NGramDrafter(Drafter):
         idx = self._index.get(seq_id)
         length = len(tokens)
         if idx is not None:
-            start = idx.length - len(idx.tail)
+            start = max(idx.length - cfg.max_ngram - 1, 0)
             # O(max_ngram) check: a shorter history or a changed tail means a different sequence
-            if length < idx.length or [int(t) for t in tokens[start : idx.length]] != idx.tail:
+            if length < idx.length or [int(t) for t in tokens[start : idx.length]] != idx.tokens[start:]:
                 logger.debug("ngram: history of seq %d changed; rebuilding its index", seq_id)
                 idx = None
         if idx is None:
-            idx = self._index[seq_id] = _SeqIndex(cfg.min_ngram, cfg.max_ngram)
+            idx = self._index[seq_id] = _SeqIndex(self._stored)
         if length == idx.length:
             return idx
         # new end positions e in [old_length - 1, length - 2]; each needs tokens e-n+1..e
         first_e = max(idx.length - 1, cfg.min_ngram - 1)
-        lo = max(first_e - cfg.max_ngram + 1, 0)
-        window = [int(t) for t in tokens[lo:length]]
+        idx.tokens += [int(t) for t in tokens[idx.length : length]]
         if length - 1 - first_e >= BULK_INDEX:  # a prompt (the first step): each n's keys at once
-            self._index_bulk(idx, window, lo, first_e, length)
+            self._index_bulk(idx, first_e, length)
         else:  # a step's few tokens: a plain loop costs less than building columns
+            toks = idx.tokens
             for e in range(first_e, length - 1):
                 for n, table in idx.tables.items():
                     if e - n + 1 < 0:
                         continue
-                    key = tuple(window[e - n + 1 - lo : e + 1 - lo])
-                    table.setdefault(key, []).append(e)
+                    table.setdefault(tuple(toks[e - n + 1 : e + 1]), []).append(e)
                     self.index_updates += 1
         idx.length = length
-        idx.tail = window[-(cfg.max_ngram + 1) :]
         return idx
 
-    def _index_bulk(self, idx: _SeqIndex, window: list[int], lo: int, first_e: int, length: int) -> None:
-        """:meth:`_sync`'s indexing of end positions first_e .. length - 2 (``window`` = tokens[lo:length]) for many
-        of them: per n, every key tokens[e-n+1 .. e] from n shifted columns zipped (loops in C), about half the
-        time of the per-position loop over a long prompt, which is indexed in the first step, on the host's
-        critical path."""
+    def _index_bulk(self, idx: _SeqIndex, first_e: int, length: int) -> None:
+        """:meth:`_sync`'s indexing of end positions first_e .. length - 2 for many of them: per n, every key
+        tokens[e-n+1 .. e] from n shifted columns zipped (loops in C), about half the time of the per-position loop
+        over a long prompt, which is indexed in the first step, on the host's critical path."""
+        toks = idx.tokens
         for n, table in idx.tables.items():
             start = max(first_e, n - 1)  # this n's new end positions: start .. length - 2
             if start >= length - 1:
                 continue
-            columns = [window[start - n + 1 + i - lo : length - n + i - lo] for i in range(n)]
+            columns = [toks[start - n + 1 + i : length - n + i] for i in range(n)]
             get = table.get
             for e, key in zip(range(start, length - 1), zip(*columns, strict=True), strict=True):
                 found = get(key)
@@ -231,12 +234,34 @@ class NGramDrafter(Drafter):
                     found.append(e)
             self.index_updates += length - 1 - start
 
+    def _longer_matches(self, idx: _SeqIndex, length: int, longest: int) -> list[tuple[int, int]]:
+        """(e, m), most recent first, for occurrences e of the sequence's last ``base`` tokens (the longest stored
+        key) that match further back: m (> base, <= ``longest``) of its last tokens end at e, so a key of n > base
+        tokens occurs at e where m >= n, as a stored table of n would have it. The scan stops once
+        ``max_occurrences`` ends match ``longest`` tokens: every n's most recent ``max_occurrences`` are then
+        among those seen (a run of one repeated token is not read whole at every step)."""
+        base, most = self._stored[-1], self.config.max_occurrences
+        toks = idx.tokens
+        out, whole = [], 0
+        for e in reversed(idx.tables[base].get(tuple(toks[length - base :]), ())):
+            m = base
+            while m < longest and e - m >= 0 and toks[e - m] == toks[length - 1 - m]:
+                m += 1
+            if m > base:
+                out.append((e, m))
+                whole += m == longest
+                if whole == most:
+                    break
+        return out
+
     def _propose_one(self, seq: SequenceView) -> DraftTree:
         cfg = self.config
         tokens = seq.token_ids
         idx = self._sync(seq.seq_id, tokens)
         length = len(tokens)
-        tail = idx.tail
+        toks, base = idx.tokens, self._stored[-1]
+        longest = min(cfg.max_ngram, length - 1)
+        longer = self._longer_matches(idx, length, longest) if longest > base else []
         # the trie: node i has token node_tokens[i], parent node_parents[i]; children[p+1]
         # maps token -> child node of p (p = -1 is the root), so siblings are distinct
         node_tokens: list[int] = []
@@ -247,11 +272,12 @@ class NGramDrafter(Drafter):
         # an end position met again under a shorter key: its continuation is in the trie already, as deep (a
         # shorter match never drafts deeper), and would add no node
         inserted: set[int] = set()
-        for n in range(min(cfg.max_ngram, length - 1), cfg.min_ngram - 1, -1):
-            occurrences = idx.tables[n].get(tuple(tail[len(tail) - n :]))
-            if not occurrences:
-                continue
-            for e in reversed(occurrences[-cfg.max_occurrences :]):  # most recent first
+        for n in range(longest, cfg.min_ngram - 1, -1):
+            if n > base:  # the most recent max_occurrences ends first
+                recent = [e for e, m in longer if m >= n][: cfg.max_occurrences]
+            else:
+                recent = reversed(idx.tables[n].get(tuple(toks[length - n :]), [])[-cfg.max_occurrences :])
+            for e in recent:
                 if e in inserted:
                     continue
                 inserted.add(e)
@@ -259,7 +285,7 @@ class NGramDrafter(Drafter):
                 depth = cfg.num_draft_tokens
                 if cfg.long_draft_tokens and n >= cfg.long_match_ngram:
                     depth = max(depth, cfg.long_draft_tokens)
-                added = self._insert(tokens, length, e + 1, depth, node_tokens, node_parents, children)
+                added = self._insert(toks, length, e + 1, depth, node_tokens, node_parents, children)
                 node_match += [n] * added
                 branches += added > 0  # a duplicate (or prefix) of an earlier branch is free
                 if branches >= cfg.max_branches or len(node_tokens) >= cfg.max_nodes:
@@ -288,7 +314,7 @@ class NGramDrafter(Drafter):
         length - start (the text "abcab" continues "cabca..."), so a match near the end still
         yields a full-depth branch."""
         cfg = self.config
-        drafted = [int(t) for t in tokens[start : min(start + depth, length)]]  # one slice of the history
+        drafted = tokens[start : min(start + depth, length)]  # one slice of the history (ints: the index's copy)
         period = length - start
         parent, added = -1, 0
         for k in range(depth):

@@ -237,7 +237,7 @@ def test_copies_of_a_prompt_index_it_once():
     assert all(first[key] is not copy[key] for key in first)  # appending to one never changes the other
 
 
-def test_per_step_work_is_independent_of_history_length():
+def test_a_step_indexes_only_its_new_tokens_under_keys_of_up_to_three():
     rng = random.Random(0)
     cfg = NGramConfig()
     num_n = cfg.max_ngram - cfg.min_ngram + 1
@@ -245,15 +245,33 @@ def test_per_step_work_is_independent_of_history_length():
     tokens = [rng.randrange(20) for _ in range(100_000)]
     d = NGramDrafter(cfg)
     propose1(d, tokens)
-    assert d.index_updates == sum(len(tokens) - n for n in range(cfg.min_ngram, cfg.max_ngram + 1))
+    assert sorted(d._index[0].tables) == [1, 2, 3]  # longer keys are matched from the triples' occurrences
+    assert d.index_updates == sum(len(tokens) - n for n in (1, 2, 3))
     for _ in range(100):
         updates, scanned = d.index_updates, d.occurrences_scanned
         new = rng.randint(1, 5)
         tokens.extend(rng.randrange(20) for _ in range(new))
         tree = propose1(d, tokens)
-        assert d.index_updates - updates == new * num_n  # only the appended tokens are indexed
+        assert d.index_updates - updates == new * 3  # only the appended tokens are indexed
         assert d.occurrences_scanned - scanned <= num_n * cfg.max_occurrences
+        assert (tree.tokens.tolist(), tree.parents.tolist()) == reference(tokens, cfg)
         assert 0 < tree.num_nodes <= cfg.max_nodes
+
+
+def test_a_run_of_one_token_is_not_read_whole_at_every_step():
+    """Every occurrence of the last triple in a run of one token matches the longest key: the scan for longer keys
+    stops at the most recent max_occurrences of them (each key length's most recent are among them), and the tree
+    is the reference's."""
+    cfg = NGramConfig()
+    tokens = [3, 1, 2] + [7] * 5000
+    d = NGramDrafter(cfg)
+    tree = propose1(d, tokens)
+    matches = d._longer_matches(d._index[0], len(tokens), cfg.max_ngram)
+    assert matches == [(len(tokens) - 2 - i, cfg.max_ngram) for i in range(cfg.max_occurrences)]  # of ~5000
+    assert (tree.tokens.tolist(), tree.parents.tolist()) == reference(tokens, cfg)
+    tokens[:3] = [7] * 3  # the run now reaches the start (the index is rebuilt): still the reference's tree
+    tree = propose1(d, tokens)
+    assert (tree.tokens.tolist(), tree.parents.tolist()) == reference(tokens, cfg)
 
 
 def test_an_end_met_again_under_a_shorter_key_is_walked_once():
@@ -343,7 +361,7 @@ def test_long_matches_get_deeper_chains():
     assert propose1(d2, weak).tokens.tolist() == [20, 4]
 
 
-@pytest.mark.parametrize("min_ngram,max_ngram", [(1, 6), (2, 4), (3, 3)])
+@pytest.mark.parametrize("min_ngram,max_ngram", [(1, 6), (2, 4), (3, 3), (4, 6)])
 @pytest.mark.parametrize("prompt", [2, 50])
 def test_the_index_grown_in_steps_is_the_index_built_at_once(min_ngram, max_ngram, prompt):
     """The invariant of _SeqIndex, against a brute-force index after every step: a prompt shorter than the longest
@@ -357,9 +375,9 @@ def test_the_index_grown_in_steps_is_the_index_built_at_once(min_ngram, max_ngra
     tokens = [rng.randrange(6) for _ in range(prompt)]
     for step in range(40):
         idx = d._sync(0, TokenView(tokens))
-        want = {n: {} for n in range(min_ngram, max_ngram + 1)}
+        want = {n: {} for n in range(min_ngram, min(max_ngram, max(min_ngram, 3)) + 1)}  # keys of up to three
         for n, table in want.items():
             for e in range(n - 1, len(tokens) - 1):
                 table.setdefault(tuple(tokens[e - n + 1 : e + 1]), []).append(e)
-        assert idx.tables == want and idx.length == len(tokens)
+        assert idx.tables == want and idx.length == len(tokens) and idx.tokens == tokens
         tokens += [rng.randrange(6) for _ in range(rng.randint(1, 7) if step % 9 else 45)]
