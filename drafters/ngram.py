@@ -17,9 +17,10 @@ with ``speculation="always"`` the whole tree is verified.
 Each sequence keeps an incremental index (n-gram -> end positions) that is extended only by the tokens appended
 since the previous call. Keys of up to three tokens are stored: a longer key's occurrences are those of its last
 three tokens that match further back, found at each lookup (a triple recurs far less than a single token or a
-pair), so a prompt is indexed in about half the time that storing every key length took. A step costs
-O(new tokens + the last triple's occurrences + occurrences scanned + tree size); a run of one repeated token is
-not read whole (:meth:`NGramDrafter._longer_matches`).
+pair), so a prompt is indexed in about half the time that storing every key length took. A triple met
+``SPLIT_FROM`` times or more (code's indentation) has its occurrences grouped by the token before each, kept
+up to date, so only those after the same token are scanned. A step costs O(new tokens + occurrences scanned +
+tree size); a run of one repeated token is not read whole (:meth:`NGramDrafter._longer_matches`).
 Copies of a prompt (:mod:`specdec.drafters.prompt_copies`) index it once: each copy starts from a copy of its
 first's index over the prompt (same keys, same positions) and indexes only its own tokens after it.
 """
@@ -39,6 +40,7 @@ from specdec.tree import MAX_TREE_NODES, DraftTree, tried_nodes
 logger = logging.getLogger(__name__)
 BULK_INDEX = 32  # new end positions from which _sync indexes by columns (a prompt), not position by position
 STORED_KEY = 3  # the longest key the index stores (module doc); from min_ngram up, or min_ngram alone if longer
+SPLIT_FROM = 16  # occurrences of the longest stored key from which they are split by the token before each
 
 
 @dataclass(frozen=True)
@@ -79,19 +81,23 @@ class _SeqIndex:
     ``min_ngram`` alone if longer) and every end position e with n - 1 <= e <= length - 2,
     ``tables[n][tuple(tokens[e-n+1:e+1])]`` contains e, the lists increasing (so the most recent occurrence is
     last). Only occurrences followed by at least one token are indexed, so the current key never matches itself.
-    Longer keys are matched at each lookup (:meth:`NGramDrafter._longer_matches`)."""
+    Longer keys are matched at each lookup (:meth:`NGramDrafter._longer_matches`); ``before[key]``, for a longest
+    stored key met with ``SPLIT_FROM`` occurrences or more, holds those with a token before them, by that token (in
+    increasing order too), so that a frequent key's longer matches are not looked for among all of them."""
 
-    __slots__ = ("length", "tokens", "tables")
+    __slots__ = ("length", "tokens", "tables", "before")
 
     def __init__(self, stored: range) -> None:
         self.length = 0  # number of tokens of the sequence seen (indexed up to end length-2)
         self.tokens: list[int] = []  # the sequence's tokens seen, as ints
         self.tables: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in stored}
+        self.before: dict[tuple[int, ...], dict[int, list[int]]] = {}  # made when first needed
 
     def copy(self) -> _SeqIndex:
-        """An index of its own with the same content (no list shared: each sequence appends to its own)."""
+        """An index of its own with the same content (no list shared: each sequence appends to its own); its
+        ``before`` is made again where needed."""
         twin = _SeqIndex.__new__(_SeqIndex)
-        twin.length, twin.tokens = self.length, list(self.tokens)
+        twin.length, twin.tokens, twin.before = self.length, list(self.tokens), {}
         twin.tables = {n: {key: list(ends) for key, ends in table.items()} for n, table in self.tables.items()}
         return twin
 
@@ -204,14 +210,18 @@ class NGramDrafter(Drafter):
         idx.tokens += [int(t) for t in tokens[idx.length : length]]
         if length - 1 - first_e >= BULK_INDEX:  # a prompt (the first step): each n's keys at once
             self._index_bulk(idx, first_e, length)
+            idx.before.clear()  # made again where needed, with these ends
         else:  # a step's few tokens: a plain loop costs less than building columns
-            toks = idx.tokens
+            toks, base = idx.tokens, self._stored[-1]
             for e in range(first_e, length - 1):
                 for n, table in idx.tables.items():
                     if e - n + 1 < 0:
                         continue
-                    table.setdefault(tuple(toks[e - n + 1 : e + 1]), []).append(e)
+                    key = tuple(toks[e - n + 1 : e + 1])
+                    table.setdefault(key, []).append(e)
                     self.index_updates += 1
+                    if n == base and e >= base and key in idx.before:
+                        idx.before[key].setdefault(toks[e - base], []).append(e)
         idx.length = length
         return idx
 
@@ -242,8 +252,18 @@ class NGramDrafter(Drafter):
         among those seen (a run of one repeated token is not read whole at every step)."""
         base, most = self._stored[-1], self.config.max_occurrences
         toks = idx.tokens
+        key = tuple(toks[length - base :])
+        ends = idx.tables[base].get(key, ())
+        if len(ends) >= SPLIT_FROM:  # a frequent key: only its ends after the same token can match further back
+            split = idx.before.get(key)
+            if split is None:
+                split = idx.before[key] = {}
+                for e in ends:
+                    if e >= base:
+                        split.setdefault(toks[e - base], []).append(e)
+            ends = split.get(toks[length - 1 - base], ())
         out, whole = [], 0
-        for e in reversed(idx.tables[base].get(tuple(toks[length - base :]), ())):
+        for e in reversed(ends):
             m = base
             while m < longest and e - m >= 0 and toks[e - m] == toks[length - 1 - m]:
                 m += 1

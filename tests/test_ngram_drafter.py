@@ -361,6 +361,30 @@ def test_long_matches_get_deeper_chains():
     assert propose1(d2, weak).tokens.tolist() == [20, 4]
 
 
+def test_a_frequent_triple_is_split_by_the_token_before_it_and_kept_split():
+    """A longest stored key met with SPLIT_FROM occurrences or more: its longer matches are looked for among its ends
+    after the same token, grouped when first needed and grown with each step (as brute force groups them), and
+    the trees stay the reference's; a prompt indexed again (a bulk step) groups them anew."""
+    from specdec.drafters import ngram
+
+    rng = random.Random(5)
+    cfg = NGramConfig()
+    tokens = [v for _ in range(2 * ngram.SPLIT_FROM) for v in (rng.randrange(4), 7, 8, 9)]
+    d = NGramDrafter(cfg)
+    for step in range(80):
+        tree = propose1(d, tokens)
+        assert (tree.tokens.tolist(), tree.parents.tolist()) == reference(tokens, cfg), f"step {step}"
+        idx = d._index[0]
+        for key, split in idx.before.items():
+            want: dict[int, list[int]] = {}
+            for e in idx.tables[3][key]:
+                if e >= 3:
+                    want.setdefault(tokens[e - 3], []).append(e)
+            assert split == want, f"step {step}"
+        tokens += [rng.randrange(4), 7, 8, 9] if step % 20 else [rng.randrange(4) for _ in range(ngram.BULK_INDEX)]
+    assert (7, 8, 9) in d._index[0].before  # the split was made and kept
+
+
 @pytest.mark.parametrize("min_ngram,max_ngram", [(1, 6), (2, 4), (3, 3), (4, 6)])
 @pytest.mark.parametrize("prompt", [2, 50])
 def test_the_index_grown_in_steps_is_the_index_built_at_once(min_ngram, max_ngram, prompt):
