@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from specdec.kernels import launch_rows
+from specdec.kernels.host_ints import cdiv, next_power_of_2
 from specdec.kernels.launch_rows import token_rows
 
 
@@ -144,10 +145,9 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     if T:
         d = delta if delta is not None else h
         rows = launch_rows.rows_per_program(h.device, T)
-        _add_rms_norm_kernel[(triton.cdiv(T, rows),)](h, d, weight.contiguous(), out, h.stride(0), d.stride(0),
-                                                      out.stride(0), T, N, eps, HAS_DELTA=delta is not None,
-                                                      ROWS=rows, BLOCK=triton.next_power_of_2(N),
-                                                      enable_fp_fusion=False)
+        _add_rms_norm_kernel[(cdiv(T, rows),)](h, d, weight.contiguous(), out, h.stride(0), d.stride(0),
+                                               out.stride(0), T, N, eps, HAS_DELTA=delta is not None,
+                                               ROWS=rows, BLOCK=next_power_of_2(N), enable_fp_fusion=False)
     return h, out
 
 
@@ -161,9 +161,9 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     cos, sin = cos.contiguous(), sin.contiguous()
     if T:
         rows = launch_rows.rows_per_program(x.device, T)
-        _rope_kernel[(triton.cdiv(T, rows),)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), T, heads,
-                                              HALF=D // 2, ROWS=rows, BLOCK_H=triton.next_power_of_2(heads),
-                                              BLOCK_HALF=triton.next_power_of_2(D // 2), enable_fp_fusion=False)
+        _rope_kernel[(cdiv(T, rows),)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), T, heads,
+                                       HALF=D // 2, ROWS=rows, BLOCK_H=next_power_of_2(heads),
+                                       BLOCK_HALF=next_power_of_2(D // 2), enable_fp_fusion=False)
     return x
 
 
@@ -199,11 +199,11 @@ def rope_write_(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch
         q_w, k_w, q_eps, k_eps = qk, qk, 0.0, 0.0
     if T:
         rows = launch_rows.rows_per_program(qk.device, T)
-        _rope_write_kernel[(triton.cdiv(T, rows),)](
+        _rope_write_kernel[(cdiv(T, rows),)](
             qk, v, cos, sin, kv[layer, 0], slots, q_w, k_w, qk.stride(0), qk.stride(1),
             v.stride(0), cos.stride(0), kv.stride(1), kv.stride(2), T, heads, num_q_heads, kv_heads * D, float(q_eps),
-            float(k_eps), HALF=D // 2, ROWS=rows, BLOCK_H=triton.next_power_of_2(heads),
-            BLOCK_HALF=triton.next_power_of_2(D // 2), BLOCK_V=triton.next_power_of_2(kv_heads * D),
+            float(k_eps), HALF=D // 2, ROWS=rows, BLOCK_H=next_power_of_2(heads),
+            BLOCK_HALF=next_power_of_2(D // 2), BLOCK_V=next_power_of_2(kv_heads * D),
             HAS_NORM=norms is not None, enable_fp_fusion=False)
     return qk
 
@@ -216,10 +216,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     T, N = gate.shape
     out = torch.empty_like(gate)
-    block = min(1024, triton.next_power_of_2(N))
+    block = min(1024, next_power_of_2(N))
     if T:
         rows = launch_rows.rows_per_program(gate.device, T)
-        _silu_mul_kernel[(triton.cdiv(T, rows), triton.cdiv(N, block))](
+        _silu_mul_kernel[(cdiv(T, rows), cdiv(N, block))](
             gate, up, out, gate.stride(0), up.stride(0), out.stride(0), T, N, ROWS=rows, BLOCK=block,
             enable_fp_fusion=False)
     return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from specdec.kernels.host_ints import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
@@ -88,7 +89,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     N = weight.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
-        _linear_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))](
+        _linear_kernel[(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))](
             x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0), weight.stride(0),
             out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
             DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", enable_fp_fusion=False,
@@ -113,6 +114,6 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
         _attention_kernel[(T, H)](
             q, k_cache, v_cache, out, slots, lens, scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0),
             k_cache.stride(1), out.stride(0), out.stride(1), slots.stride(0), GROUP=H // KVH, HEAD_DIM=D,
-            BLOCK_N=ATTN_BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)), enable_fp_fusion=False,
+            BLOCK_N=ATTN_BLOCK_N, BLOCK_D=max(16, next_power_of_2(D)), enable_fp_fusion=False,
         )
     return out

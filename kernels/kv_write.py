@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 from specdec.kernels import launch_rows
+from specdec.kernels.host_ints import cdiv, next_power_of_2
 from specdec.kernels.launch_rows import token_rows
 
 
@@ -46,8 +47,8 @@ def _compact_kernel(KV, Src, Dst, num_pairs, stride_plane, stride_slot, WIDTH: t
         tl.store(plane + dst * stride_slot + cols, row, mask=ok)
 
 
-def _block_w(width: int) -> int:  # triton.next_power_of_2 (a constexpr function, slower to call from the host)
-    return min(1024, 1 << (width - 1).bit_length())
+def _block_w(width: int) -> int:
+    return min(1024, next_power_of_2(width))
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:  # [n, kv_heads, head_dim] -> contiguous rows
@@ -71,9 +72,8 @@ def write_kv(kv: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor,
     bw = _block_w(width)
     k, v, dst = _rows(k, "k"), _rows(v, "v"), kv[layer, 0]
     rows = launch_rows.rows_per_program(kv.device, n)
-    _write_kernel[(triton.cdiv(n, rows), triton.cdiv(width, bw))](k, v, dst, slots, k.stride(0), v.stride(0),
-                                                                  kv.stride(1), kv.stride(2), n, WIDTH=width,
-                                                                  ROWS=rows, BLOCK_W=bw)
+    _write_kernel[(cdiv(n, rows), cdiv(width, bw))](k, v, dst, slots, k.stride(0), v.stride(0), kv.stride(1),
+                                                    kv.stride(2), n, WIDTH=width, ROWS=rows, BLOCK_W=bw)
 
 
 def compact_kv(kv: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
@@ -91,5 +91,5 @@ def compact_kv(kv: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tenso
     bw = _block_w(width)
     src = src_slots.to(device=kv.device, dtype=torch.int32)
     dst = dst_slots.to(device=kv.device, dtype=torch.int32)
-    _compact_kernel[(kv.shape[0] * 2, triton.cdiv(width, bw))](kv, src, dst, n, kv.stride(1), kv.stride(2),
-                                                                WIDTH=width, BLOCK_W=bw)
+    _compact_kernel[(kv.shape[0] * 2, cdiv(width, bw))](kv, src, dst, n, kv.stride(1), kv.stride(2),
+                                                        WIDTH=width, BLOCK_W=bw)

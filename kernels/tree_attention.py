@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from specdec.kernels.dispatch import BackendError
+from specdec.kernels.host_ints import cdiv, next_power_of_2
 
 from specdec.errors import InputError
 from specdec.host_copy import to_device
@@ -403,7 +404,7 @@ def _default_splits(meta: TreeAttentionMetadata, programs: int, device: torch.de
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(2 * sms, max(programs, 1))
+    want = cdiv(2 * sms, max(programs, 1))
     return max(1, min(want, meta.max_ctx_len // MIN_SPLIT_CHUNK, 64))
 
 
@@ -412,7 +413,7 @@ def min_split_chunk(block_m: int, element_size: int) -> int:
     that the merge reads back, so its chunk reads at least as many bytes of K and V (2 x keys x head_dim elements).
     A decode's or a chain's tile (16-32 rows) splits as finely as before; a large tree's 128-row tiles over a short
     context fill a few parts, not every one of a CUDA-graph bucket's splits (sized for its key capacity)."""
-    return triton.cdiv(block_m * 4, 2 * element_size)
+    return cdiv(block_m * 4, 2 * element_size)
 
 
 def launch_config(group: int, head_dim: int, max_new: int, dtype: torch.dtype, gpu: bool = True) -> dict:
@@ -422,12 +423,12 @@ def launch_config(group: int, head_dim: int, max_new: int, dtype: torch.dtype, g
     float32 on a GPU (``gpu``) takes tiles of at most 32 x 16, 32-row ones on 8 warps: 64-row tiles spilled
     registers on sm_90 at every published shape (up to 9 KB of stack per thread); the Triton interpreter keeps the
     larger tiles, which it runs faster."""
-    group_pad = triton.next_power_of_2(group)
+    group_pad = next_power_of_2(group)
     fp32_gpu = dtype == torch.float32 and gpu
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     # 16-bit tiles of 64 rows over head_dim 512 spilled up to 1.7 KB of registers per thread on sm_90
     max_m = 32 if fp32_gpu or block_d > 256 else 64 if dtype == torch.float32 else 128
-    block_q = max(max(1, 16 // group_pad), min(triton.next_power_of_2(max_new), max(1, max_m // group_pad)))
+    block_q = max(max(1, 16 // group_pad), min(next_power_of_2(max_new), max(1, max_m // group_pad)))
     block_m = block_q * group_pad
     if fp32_gpu:
         block_n, num_warps = 16, 8 if block_m >= 32 else 4
@@ -518,7 +519,7 @@ def tree_attention(
         _merge_kernel[(T, H)](
             part_o, part_lse, out, meta.q_starts, meta.q_lens, part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-            num_parts=parts, num_seqs=num_seqs, BLOCK_S=triton.next_power_of_2(parts), BLOCK_B=MERGE_SEQS,
+            num_parts=parts, num_seqs=num_seqs, BLOCK_S=next_power_of_2(parts), BLOCK_B=MERGE_SEQS,
             HEAD_DIM=D, BLOCK_D=cfg["BLOCK_D"],
         )
     return out

@@ -173,3 +173,36 @@ def test_a_gpu_s_triton_launches_are_counted_once_and_its_warm_ups_not(monkeypat
     assert warmups == [False, True]
     assert dict(counter.ops) == {"triton:_rope_kernel": 1, "zeros": 1, "add_": 1}, dict(counter.ops)
     assert jit.JITFunction.run is launch
+
+
+def test_an_eager_forward_computes_its_grids_without_tritons_constexpr_helpers(counting, monkeypatch):
+    """A prefill or an uncaptured step runs its launches from the host, each with its grid and block widths: Triton's
+    ``cdiv`` / ``next_power_of_2`` are constexpr functions whose host calls unwrap every argument (hundreds of calls
+    an eager forward), so the kernels' host code takes plain ints from :mod:`specdec.kernels.host_ints`."""
+    import sys
+
+    import triton
+
+    count, loaded = counting
+    from specdec.kernels import host_ints
+
+    from specdec.models.llama import LlamaRunner
+
+    ours = []
+    for name in ("cdiv", "next_power_of_2"):
+        theirs = getattr(triton, name)
+
+        def counted(*args, _theirs=theirs, _name=name):
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("specdec."):
+                ours.append(_name)
+            return _theirs(*args)
+
+        monkeypatch.setattr(triton, name, counted)
+    for tokens in (1, 5):
+        count.forward_launches(LlamaRunner(loaded.model, backend="triton"), tokens)
+    assert ours == []
+    # the same values as Triton's, where its are defined (n >= 1)
+    for n in range(1, 2050):
+        assert host_ints.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 128):
+            assert host_ints.cdiv(n, d) == triton.cdiv(n, d), (n, d)
