@@ -310,6 +310,7 @@ class TreeAttentionMetadata:
     max_ctx_len: int  # upper bound, host side (split heuristic)
     _tiles: dict = field(default_factory=dict, compare=False, repr=False)
     _arrivals: dict = field(default_factory=dict, compare=False, repr=False)
+    _launches: dict = field(default_factory=dict, compare=False, repr=False)  # _LaunchPlan per layer shape
 
     @property
     def num_tokens(self) -> int:
@@ -460,6 +461,49 @@ def _partials(parts: int, T: int, H: int, D: int, device: torch.device) -> tuple
             torch.empty(parts, T, H, dtype=torch.float32, device=device))
 
 
+@dataclass(frozen=True)
+class _LaunchPlan:
+    """What a tree-attention launch takes beyond its tensors, the same for every layer of a forward (one metadata,
+    one layer shape): worked out at the first layer's call and kept on the metadata."""
+
+    cfg: dict  # launch_config's constexprs (num_warps apart)
+    num_warps: int
+    tile_seq: torch.Tensor  # [tiles] int32
+    tile_q0: torch.Tensor  # [tiles] int32
+    num_splits: int
+    split: bool
+    parts: int  # partial results per row: num_splits + 1 when split (the masked keys' own), else 1
+    merge_in_kernel: bool
+    min_chunk: int
+    placeholders: tuple[torch.Tensor, torch.Tensor] | None  # an unsplit launch's unused partials (valid strides)
+
+
+def _launch_plan(meta: TreeAttentionMetadata, H: int, KVH: int, D: int, q: torch.Tensor, num_splits: int | None,
+                 block_n: int | None) -> _LaunchPlan:
+    check_head_dim(D)
+    if q.dtype == torch.bfloat16 and not q.is_cuda and _interpreted():
+        raise BackendError("bfloat16 attention cannot run in the Triton interpreter (its bf16 dot products come out "
+                           "wrong): use float32 or float16 there, or the reference backend")
+    cfg = launch_config(H // KVH, D, max(meta.host_q_lens), q.dtype, q.is_cuda)
+    if block_n is not None:
+        cfg["BLOCK_N"] = block_n
+    num_warps = cfg.pop("num_warps")
+    tile_seq, tile_q0 = meta.tiles(cfg["BLOCK_Q"])
+    if num_splits is None:
+        num_splits = _default_splits(meta, tile_seq.numel() * KVH, q.device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    split = num_splits > 1
+    T = meta.num_tokens
+    # a real row's every part is written by the kernel (a padding row's none: the merge kernel reads it so); the
+    # in-kernel merge's offsets within a part are int32
+    merge_in_kernel = (split and cfg["BLOCK_Q"] * cfg["GROUP_PAD"] * cfg["BLOCK_D"] <= MERGE_IN_KERNEL_MAX
+                       and T * H * D < 2**31)
+    return _LaunchPlan(cfg, num_warps, tile_seq, tile_q0, num_splits, split, num_splits + 1 if split else 1,
+                       merge_in_kernel, min_split_chunk(cfg["BLOCK_Q"] * cfg["GROUP_PAD"], q.element_size()),
+                       None if split else _partials(1, 1, 1, 1, q.device))
+
+
 def tree_attention(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [num_slots, KVH, D]
@@ -478,43 +522,28 @@ def tree_attention(
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("q, k_cache and v_cache need a contiguous last (head_dim) dimension, and k_cache and "
                          "v_cache the same strides")
-    check_head_dim(D)
-    if q.dtype == torch.bfloat16 and not q.is_cuda and _interpreted():
-        raise BackendError("bfloat16 attention cannot run in the Triton interpreter (its bf16 dot products come out "
-                           "wrong): use float32 or float16 there, or the reference backend")
-    cfg = launch_config(H // KVH, D, max(meta.host_q_lens), q.dtype, q.is_cuda)
-    if block_n is not None:
-        cfg["BLOCK_N"] = block_n
-    num_warps = cfg.pop("num_warps")
-    tile_seq, tile_q0 = meta.tiles(cfg["BLOCK_Q"])
-    n_tiles = tile_seq.numel()
-    if num_splits is None:
-        num_splits = _default_splits(meta, n_tiles * KVH, q.device)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    split = num_splits > 1
+    key = (H, KVH, D, q.dtype, q.device, num_splits, block_n)
+    launch = meta._launches.get(key)
+    if launch is None:  # the forward's first layer: every other layer launches alike
+        launch = meta._launches[key] = _launch_plan(meta, H, KVH, D, q, num_splits, block_n)
+    cfg, split, parts, n_tiles = launch.cfg, launch.split, launch.parts, launch.tile_seq.numel()
     out = torch.empty_like(q)
-    parts = num_splits + 1 if split else 1
-    # a real row's every part is written by the kernel (a padding row's none: the merge kernel reads it so); the
-    # in-kernel merge's offsets within a part are int32
-    merge_in_kernel = (split and cfg["BLOCK_Q"] * cfg["GROUP_PAD"] * cfg["BLOCK_D"] <= MERGE_IN_KERNEL_MAX
-                       and T * H * D < 2**31)
     # unused placeholders with valid strides when not split
-    part_o, part_lse = _partials(parts, T, H, D, q.device) if split else _partials(1, 1, 1, 1, q.device)
-    arrivals = meta.arrivals(n_tiles * KVH) if merge_in_kernel else part_lse
+    part_o, part_lse = _partials(parts, T, H, D, q.device) if split else launch.placeholders
+    arrivals = meta.arrivals(n_tiles * KVH) if launch.merge_in_kernel else part_lse
     _tree_attn_kernel[(n_tiles, KVH, parts)](
         q, k_cache, v_cache, out, part_o, part_lse, arrivals,
         meta.block_tables, meta.ctx_lens, meta.num_masked, meta.q_starts, meta.q_lens, meta.tree_mode,
-        meta.q_bits, tile_seq, tile_q0,
+        meta.q_bits, launch.tile_seq, launch.tile_q0,
         scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        PAGE_SIZE=meta.page_size, num_splits=num_splits, masked_split=num_splits if split else 0, SPLIT=split,
-        MERGE_IN_KERNEL=merge_in_kernel, OFF64=max(k_cache.numel(), v_cache.numel()) >= 2**31, num_warps=num_warps,
-        MIN_CHUNK=min_split_chunk(cfg["BLOCK_Q"] * cfg["GROUP_PAD"], q.element_size()), **cfg,
+        PAGE_SIZE=meta.page_size, num_splits=launch.num_splits, masked_split=launch.num_splits if split else 0,
+        SPLIT=split, MERGE_IN_KERNEL=launch.merge_in_kernel, OFF64=max(k_cache.numel(), v_cache.numel()) >= 2**31,
+        num_warps=launch.num_warps, MIN_CHUNK=launch.min_chunk, **cfg,
     )
-    if split and not merge_in_kernel:
+    if split and not launch.merge_in_kernel:
         num_seqs = meta.q_lens.numel()
         _merge_kernel[(T, H)](
             part_o, part_lse, out, meta.q_starts, meta.q_lens, part_o.stride(0), part_o.stride(1), part_o.stride(2),

@@ -119,6 +119,26 @@ def test_a_large_trees_short_context_fills_few_splits_and_the_empty_ones_write_n
     assert torch.isnan(part_o[keyed:8]).all(), "a split without keys wrote its partial output"
 
 
+def test_a_forwards_layers_share_one_launch_plan_per_shape(monkeypatch):
+    """Every layer of a forward launches through the same metadata alike: its tile shape, tiles and split count are
+    worked out at the first layer's call, not at each (host time of every eager forward, a prefill's). Another
+    layer shape (split count, heads) gets a plan of its own, and every launch matches the reference."""
+    case = random_case([9, 4], [(TREE, 5), 1], num_kv_heads=2, group=2, head_dim=16, page_size=4, seed=3,
+                       device=DEVICE)
+    planned = []
+    real = ta.launch_config
+    monkeypatch.setattr(ta, "launch_config", lambda *a, **k: planned.append(a) or real(*a, **k))
+    meta = case.plan.kernel_metadata
+    ref = reference_attention(case)
+    for splits in (1, 1, 1, 2, 2):
+        out = tree_attention(case.q, case.k_cache, case.v_cache, meta, case.scale, num_splits=splits)
+        assert (out - ref).abs().max().item() <= FP32_ATOL
+    assert len(planned) == 2, planned  # one per split count
+    q = case.q[:, :2]  # half the heads: a group of one over the same keys
+    tree_attention(q, case.k_cache, case.v_cache, meta, case.scale, num_splits=1)
+    assert len(planned) == 3 and planned[-1][0] == 1
+
+
 def test_split_parts_are_merged_by_their_last_program_launch_after_launch(monkeypatch):
     """A small tile (here every one: head_dim 16) launches no merge: the last of each (tile, KV head)'s programs
     merges the parts and sets its count back to 0, so the next launch through the same metadata (the next layer, a
