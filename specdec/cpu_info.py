@@ -31,9 +31,15 @@ def cpuinfo_text() -> str:
 
 def cpuinfo_values(name: str, text: str | None = None) -> list[str]:
     """The value of every ``name : value`` line of ``text`` (default :func:`cpuinfo_text`), one per logical CPU."""
-    text = cpuinfo_text() if text is None else text
-    return [line.split(":", 1)[1].strip() for line in text.splitlines()
-            if ":" in line and line.split(":", 1)[0].strip() == name]
+    return list(_values(name, cpuinfo_text() if text is None else text))
+
+
+@functools.lru_cache(maxsize=64)
+def _values(name: str, text: str) -> tuple[str, ...]:
+    """:func:`cpuinfo_values`, read once per name and text: a cost model's key reads five names at every engine
+    built, and a server's ``/proc/cpuinfo`` has some thirty lines per logical CPU."""
+    return tuple(line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if ":" in line and line.split(":", 1)[0].strip() == name)
 
 
 def cpu_flags(text: str | None = None) -> frozenset[str]:

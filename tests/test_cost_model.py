@@ -292,6 +292,29 @@ def test_cpu_info_reads_model_names_arm_parts_and_isa_flags():
     assert cpu_info.cpu_model("") == cpu_info._os_cpu_name() != ""
 
 
+def test_cpu_info_splits_a_text_into_lines_once(monkeypatch):
+    """A cost model's key (model name, signature, flags: five names) is read at every engine built; /proc/cpuinfo
+    has some thirty lines per logical CPU, so each text is split once, and another text is read anew."""
+    from specdec import cpu_info
+
+    splits = []
+
+    class Counted(str):
+        def splitlines(self, *args):
+            splits.append(1)
+            return super().splitlines(*args)
+
+    text = Counted(_cpuinfo("AMD EPYC 9454 48-Core Processor", "fpu avx2 fma avx512f"))
+    monkeypatch.setattr(cpu_info, "cpuinfo_text", lambda: text)
+    for _ in range(3):
+        key = (cpu_info.cpu_model(), cpu_info.cpu_signature(), cpu_info.isa())
+        assert key == ("AMD EPYC 9454 48-Core Processor", "AuthenticAMD family 25 model 17", "avx2 avx512f fma")
+    assert len(splits) <= 6  # once per name (model name, vendor_id, cpu family, model, flags), at most
+    other = _cpuinfo("Intel(R) Xeon(R) Platinum 8488C")
+    monkeypatch.setattr(cpu_info, "cpuinfo_text", lambda: other)
+    assert cpu_info.cpu_model() == "Intel(R) Xeon(R) Platinum 8488C"
+
+
 def test_row_policy_measured_once_per_key_and_installed(fresh):
     runner = LlamaRunner(build_tiny_model(seed=0))
     before = cost_model.CALIBRATIONS["rows"]
