@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from specdec.kernels.host_ints import next_power_of_2
 
 INTERPRETER_ROWS = 256  # rows per interpreted program at most (its temporaries: rows x the row's width)
 
@@ -20,7 +21,7 @@ def rows_per_program(device: torch.device, rows: int) -> int:
     """Rows per program of a launch over ``rows`` token rows of tensors on ``device`` (a power of two)."""
     if device.type == "cuda":
         return 1
-    return min(INTERPRETER_ROWS, 1 << max(rows - 1, 0).bit_length())
+    return min(INTERPRETER_ROWS, next_power_of_2(rows))
 
 
 @triton.jit
