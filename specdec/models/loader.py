@@ -1,7 +1,7 @@
 """Resolve what the user calls a model into a transformers model + tokenizer + runner.
 
 Accepted: a loaded transformers ``PreTrainedModel``; a local checkpoint directory; a
-``.gguf`` file (dequantized through transformers, converted copy cached); the embedded
+``.gguf`` file (dequantized once, converted copy cached: :mod:`specdec.models.embedded`); the embedded
 default's alias (``"smollm2-135m-instruct"``, also ``"default"``); a synthetic target of a published shape with
 random weights (``"synthetic:llama-3.1-8b"``, ``"synthetic:qwen3-1.7b@tiny"``: :mod:`specdec.models.synthetic`,
 built on ``device``, default CUDA when present, in ``dtype``, default bf16 there). Never downloads,

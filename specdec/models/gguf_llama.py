@@ -1,0 +1,141 @@
+"""A llama-architecture GGUF file read directly: its transformers config and float32 weights, one pass over the file.
+
+transformers' GGUF loader builds gguf's reader three times (config, tokenizer, weights), each walking the
+vocabulary arrays element by element, and maps the tensor names once per module: ~20 s of the embedded model's
+first load, against ~2 s here. The header is read by the walker that checks every GGUF (``embedded._walk_gguf``),
+each tensor is dequantized by gguf's own numpy dequantizers, and the result is what transformers makes of the same
+file: its config fields, its parameter names, llama.cpp's interleaved q / k rows put back in Hugging Face's order
+(the tests compare the two on a small file). Only what transformers' llama loading keeps is handled; anything else
+(another architecture, a bias, an extra or missing tensor, a quantization gguf cannot dequantize) gives None, and
+the conversion goes through transformers as before.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+# GGUF metadata key -> transformers LlamaConfig field (the GGUF spec's llama keys, as transformers maps them)
+_CONFIG = {"llama.context_length": "max_position_embeddings", "llama.block_count": "num_hidden_layers",
+           "llama.feed_forward_length": "intermediate_size", "llama.embedding_length": "hidden_size",
+           "llama.rope.dimension_count": "head_dim", "llama.rope.freq_base": "rope_theta",
+           "llama.attention.head_count": "num_attention_heads",
+           "llama.attention.head_count_kv": "num_key_value_heads",
+           "llama.attention.layer_norm_rms_epsilon": "rms_norm_eps", "llama.vocab_size": "vocab_size",
+           "general.name": "_model_name_or_path", "tokenizer.ggml.bos_token_id": "bos_token_id",
+           "tokenizer.ggml.eos_token_id": "eos_token_id", "tokenizer.ggml.unknown_token_id": "unk_token_id",
+           "tokenizer.ggml.padding_token_id": "pad_token_id"}
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+          "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def read_llama(path: Path):
+    """``(config, state)``: the transformers ``LlamaConfig`` and float32 state dict (no ``lm_head.weight`` when
+    the embeddings are tied) that transformers' own GGUF loading gives for ``path``; None when the file is not one
+    this reader handles exactly (module doc). ``path`` has passed ``embedded.check_gguf``."""
+    try:
+        import gguf  # noqa: F401  (the dequantizers, in the ``gguf`` extra)
+    except ImportError:
+        return None
+    from specdec.models.embedded import _Unknown, _walk_gguf
+
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+        version, tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
+        if version not in (2, 3):
+            return None
+        try:
+            tensors, data_start, meta = _walk_gguf(blob, tensor_count, kv_count, values=True)
+        except (_Unknown, UnicodeDecodeError):
+            return None
+        config = _config(meta, {name for name, *_ in tensors})
+        names = _parameter_names(config, [name for name, *_ in tensors]) if config is not None else None
+        if names is None:
+            return None
+        state = {}
+        for name, ggml_type, dims, offset in tensors:
+            weights = _dequantized(blob, data_start + offset, ggml_type, dims)
+            if weights is None:
+                return None
+            if name.endswith(".attn_q.weight"):
+                weights = _unpermute(weights, config.num_attention_heads)
+            elif name.endswith(".attn_k.weight"):
+                weights = _unpermute(weights, config.num_key_value_heads)
+            state[names[name]] = weights
+    return config, state
+
+
+def _dequantized(blob, start: int, ggml_type: int, dims: tuple[int, ...]) -> torch.Tensor | None:
+    """The float32 tensor [dims reversed] whose data starts at byte ``start`` of ``blob`` (a copy: no view of the
+    file outlives this call); None for a type gguf cannot dequantize."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    try:
+        qtype = GGMLQuantizationType(ggml_type)
+        block, type_bytes = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        return None
+    if dims[0] % block:
+        return None
+    rows, row_bytes = math.prod(dims[1:]), dims[0] // block * type_bytes
+    raw = np.frombuffer(blob, dtype=np.uint8, count=rows * row_bytes, offset=start).reshape(rows, row_bytes)
+    try:
+        values = dequantize(raw, qtype)
+    except NotImplementedError:
+        return None
+    return torch.tensor(values.reshape(tuple(reversed(dims))), dtype=torch.float32)
+
+
+def _config(meta: dict, tensor_names: set[str]):
+    """The LlamaConfig transformers builds from the metadata, or None for a file it would read otherwise."""
+    from transformers import LlamaConfig
+
+    name = meta.get("general.name")
+    if meta.get("general.architecture") != "llama" or (isinstance(name, str) and "mistral" in name):
+        return None  # transformers reads a "mistral"-named llama file as Mistral
+    fields = {"model_type": "llama", "tie_word_embeddings": "output.weight" not in tensor_names}
+    for key, field in _CONFIG.items():
+        if key in meta:
+            value = meta[key]
+            fields[field] = value[0] if isinstance(value, list) and len(value) == 1 else value
+    if "vocab_size" not in fields:
+        if "tokenizer.ggml.tokens" not in meta:
+            return None
+        fields["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
+    if any(isinstance(fields.get(k), list) for k in ("num_attention_heads", "num_key_value_heads")):
+        return None  # per-layer head counts: not a plain llama
+    return LlamaConfig.from_dict(fields)
+
+
+def _parameter_names(config, tensor_names: list[str]) -> dict[str, str] | None:
+    """GGUF tensor name -> transformers parameter name, when the file holds exactly a llama's parameters."""
+    expected = {"token_embd.weight", "output_norm.weight"} | ({"output.weight"} if not config.tie_word_embeddings
+                                                                else set())
+    expected |= {f"blk.{i}.{part}.weight" for i in range(config.num_hidden_layers) for part in _LAYER}
+    if set(tensor_names) != expected or len(tensor_names) != len(expected):
+        return None
+    names = {}
+    for name in tensor_names:
+        if name in _GLOBAL:
+            names[name] = _GLOBAL[name]
+        else:
+            _, layer, part, _ = name.split(".")
+            names[name] = f"model.layers.{layer}.{_LAYER[part]}.weight"
+    return names
+
+
+def _unpermute(weights: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp stores each q / k head's rows with the two rotary halves interleaved; Hugging Face's order is
+    the halves one after the other (what transformers' llama GGUF loading undoes the same way)."""
+    rows = weights.shape[0]
+    return weights.reshape(heads, rows // heads // 2, 2, *weights.shape[1:]).transpose(1, 2).reshape(weights.shape)
