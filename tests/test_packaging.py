@@ -329,8 +329,10 @@ def _third_party_imports(roots: list[str], module_level_only: bool) -> dict[str,
 
 # Imported only when installed: specdec.kernels.dispatch picks the Triton backend only when
 # importlib.util.find_spec("triton") finds it (the kernels extra), a run-time guard the static walk cannot see;
-# the dynamic tests below run every command with triton unimportable.
-OPTIONAL_WHEN_INSTALLED = {"triton"}
+# the dynamic tests below run every command with triton unimportable. gguf (the gguf extra) is imported only to
+# convert a .gguf model, whose tokenizer transformers' own GGUF loading (which needs gguf) reads first; without it
+# specdec.models.gguf_llama gives None.
+OPTIONAL_WHEN_INSTALLED = {"triton", "gguf"}
 
 
 def _outside(third_party: dict[str, str], allowed: set[str]) -> dict[str, str]:
@@ -340,6 +342,13 @@ def _outside(third_party: dict[str, str], allowed: set[str]) -> dict[str, str]:
 def test_triton_is_only_imported_when_installed():
     source = (REPO / "kernels" / "dispatch.py").read_text()
     assert 'find_spec("triton")' in source and "triton_available()" in source
+
+
+def test_gguf_is_only_imported_when_installed(monkeypatch, tmp_path):
+    from specdec.models import gguf_llama
+
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError
+    assert gguf_llama.read_llama(tmp_path / "model.gguf") is None
 
 
 def test_readme_names_an_extra_for_every_command():
