@@ -3,6 +3,7 @@ the output dir and configuration guards refuse, and the tree chooser keeps its i
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -328,6 +329,9 @@ def _what_the_ranks_said(stderr: str, lines: int = 30) -> str:
     out = stderr.splitlines()
     parts = [f"--- rank {r}:\n" + "\n".join([x for x in out if x.startswith(f"[rank{r}]:")][-lines:]) for r in (0, 1)]
     parts.append("--- CLI lines:\n" + "\n".join(x for x in out if x.startswith("specdec ")))
+    # a rank killed by a signal (SIGABRT: a C++ exception, gloo's checks) says why in lines of no rank prefix
+    native = [x for x in out if not x.startswith("[rank") and re.search(r"terminate|what\(\)|abort|gloo", x, re.I)]
+    parts.append("--- native lines:\n" + "\n".join(native[-lines:]))
     return "\n".join(parts) + "\n--- the end:\n" + stderr[-1500:]
 
 
