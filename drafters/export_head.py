@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import torch
+from specdec.drafters.cli import EXPORT_FORMATS as FORMATS
 from specdec.drafters.eagle_checkpoint import (
     CONFIG_FILE,
     PICKLES,
@@ -31,10 +32,7 @@ from specdec.drafters.eagle_model import EagleModel
 
 from specdec.atomic_write import leftover_of, replaced_atomically, write_json
 from specdec.errors import InputError
-from specdec.help_format import DefaultsHelpFormatter
 from specdec.output_dirs import check_creatable
-
-FORMATS = ("speculators", "sglang", "vllm")
 
 
 def export_head(source: str | Path, fmt: str, output_dir: str | Path, target: str | None = None,
@@ -155,29 +153,3 @@ def _export_medusa(src: Path, fmt: str, out: Path, target: str | None) -> Path:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     write_json(out / CONFIG_FILE, config, indent=2)
     return out
-
-
-# ---- the command ------------------------------------------------------------------------------------------------
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "export-head", help="write an EAGLE-3 or Medusa head in the layout vLLM / SGLang serve",
-        description="Write a head trained or loaded by specdec in the speculators layout (vllm serve reads it; "
-                    "--format vllm is the same for EAGLE-3), EAGLE / SGLang's layout, or vLLM's Medusa layout.",
-        formatter_class=DefaultsHelpFormatter)
-    p.add_argument("source", help="the head's directory (specdec's own or any layout the eagle drafter loads)")
-    p.add_argument("--format", required=True, choices=FORMATS, help="the layout to write")
-    p.add_argument("--output-dir", required=True, help="where to write it")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier export in --output-dir (a directory holding anything else is refused)")
-    p.add_argument("--target", default=None,
-                   help="the target model (hub id or path) to name in the config; default: the one the head records")
-    p.set_defaults(func=_run)
-
-
-def _run(args) -> int:
-    out, what = export_head(args.source, args.format, args.output_dir, args.target, args.overwrite)
-    target = json.loads((out / CONFIG_FILE).read_text())
-    named = ((target.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") \
-        or target.get("target_model") or target.get("base_model_name_or_path")
-    print(f"wrote {what} to {out} ({args.format} layout, target {named})")
-    return 0

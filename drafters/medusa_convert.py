@@ -27,7 +27,6 @@ fewer heads than config.json promises, and shared-LM-head heads whose vocabulary
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -46,7 +45,6 @@ from specdec.drafters.medusa_heads import (
 )
 
 from specdec.atomic_write import leftover_of
-from specdec.help_format import DefaultsHelpFormatter
 
 logger = logging.getLogger(__name__)
 
@@ -378,43 +376,3 @@ def _check_previous_conversion(out: Path) -> None:
     if not isinstance(config, dict) or (config and "medusa_num_heads" not in config):
         raise MedusaCheckpointError(f"--overwrite will not replace {out / CONFIG_FILE}: it is not a Medusa heads "
                                     "config (a model's?); choose another --output-dir")
-
-
-# ---- the command ------------------------------------------------------------------------------------------------
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "convert-medusa", help="convert published Medusa heads into specdec's Medusa checkpoint",
-        description="Read Medusa heads as FasterDecoding/Medusa publishes them (config.json + medusa_lm_head.pt "
-                    "read with torch.load(weights_only=True), or medusa_lm_head.safetensors) or a Medusa-2 / axolotl "
-                    "model whose weights hold medusa_head.* tensors, and write config.json + "
-                    "medusa_lm_head.safetensors for --drafter medusa --drafter-option path=DIR. Local files only.",
-        formatter_class=DefaultsHelpFormatter)
-    p.add_argument("source", help="the published checkpoint: a directory or its medusa_lm_head.pt / .safetensors")
-    p.add_argument("--output-dir", required=True, help="where to write the converted heads")
-    p.add_argument("--base-model", default=None,
-                   help="the model the heads go with (hub id or path; a path is recorded absolute); default: the "
-                        "source's base_model_name_or_path, or the source itself for a Medusa-2 model")
-    p.add_argument("--medusa-choices", default=None, type=_choices,
-                   help="a static tree to store with the heads, as a JSON list of top-k paths, e.g. "
-                        "'[[0],[1],[0,0]]' (default: none; the drafter then uses its default tree)")
-    p.add_argument("--overwrite", action="store_true", help="replace heads already in --output-dir")
-    p.set_defaults(func=_run)
-
-
-def _choices(text: str):
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not a JSON list of paths: {text!r}") from err
-    if not isinstance(value, list) or not all(isinstance(p, list) for p in value):
-        raise argparse.ArgumentTypeError(f"not a JSON list of paths (lists of ranks): {text!r}")
-    return value
-
-
-def _run(args) -> int:
-    out = convert_published(args.source, args.output_dir, args.base_model, args.medusa_choices, args.overwrite)
-    cfg = json.loads((out / CONFIG_FILE).read_text())
-    heads, blocks = cfg["medusa_num_heads"], cfg["medusa_num_layers"]
-    print(f"wrote {out}: {heads} head{'s' * (heads != 1)}, {blocks} residual block{'s' * (blocks != 1)} each, "
-          f"base model {cfg['base_model_name_or_path']}; use it with --drafter medusa --drafter-option path={out}")
-    return 0

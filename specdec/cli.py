@@ -30,8 +30,7 @@ import time
 from specdec.errors import SpecdecError
 from specdec.models.embedded import DEFAULT_ALIAS
 
-SUBCOMMAND_MODULES = ("specdec.train.cli", "specdec.eval.cli", "specdec.drafters.medusa_convert",
-                      "specdec.drafters.export_head")
+SUBCOMMAND_MODULES = ("specdec.train.cli", "specdec.eval.cli", "specdec.drafters.cli")
 
 
 class CLIError(SpecdecError):

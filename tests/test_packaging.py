@@ -391,15 +391,15 @@ def test_the_static_check_catches_a_missing_package():
     assert "accelerate" in outside, outside
 
 
-def test_every_command_module_imports_with_the_core_dependencies_alone():
-    """`specdec` imports every subcommand's module at start-up: their import-time imports must be core."""
-    import tomllib
-
+def test_every_command_module_imports_no_third_party_package_at_load():
+    """`specdec` imports every subcommand's module at start-up, for every call (--help and argument mistakes too):
+    at import time they import the standard library and specdec alone (torch took ~2 s of each call); each command
+    imports its work when it runs."""
     from specdec import cli
 
-    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "torch" in _third_party_imports(["specdec.drafters.export_head"], True)  # the walk sees module imports
     found = _third_party_imports(["specdec.cli", *cli.SUBCOMMAND_MODULES], True)
-    assert found and not _outside(found, _allowed(_requirements(pyproject, "core"))), found
+    assert not found, found
 
 
 # Run in a fresh interpreter: every import system finder is wrapped so that a module whose distributions are not

@@ -95,6 +95,26 @@ def test_ctrl_c_while_importing_exits_130(capsys, monkeypatch):
     assert rc == 130 and line == "specdec: interrupted"
 
 
+def test_help_and_argument_mistakes_do_not_import_torch():
+    """Every ``specdec`` call builds every command's parser (-v is added to each): ``specdec --help`` or a mistyped
+    option took ~2 s importing torch for the drafters' commands. Each command's work imports it when it runs."""
+    code = """if True:
+        import contextlib, io, sys
+        from specdec.cli import main
+        for argv, rc in ((["--help"], 0), (["export-head", "--help"], 0), (["convert-medusa", "x"], 2),
+                         (["export-head", "h", "--format", "bad", "--output-dir", "o"], 2),
+                         (["train-eagle", "--epochs", "many"], 2), (["eval", "--nope"], 2)):
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                try:
+                    main(argv)
+                except SystemExit as exit:
+                    assert exit.code == rc, (argv, exit.code)
+                else:
+                    raise AssertionError(f"{argv} ran")
+        assert not {'torch', 'transformers'} & set(sys.modules), 'torch or transformers imported'"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 class GradDrafter(Drafter):
     """Honest, but its draft_probs come from a softmax that still tracks gradients."""
 
