@@ -1,6 +1,6 @@
 """Cost model: what a verify step of n query tokens costs on this machine, measured and cached.
 
-    costs = load_cost_model(runner)            # cached, or a short calibration (<~20 s, embedded model, 2 cores)
+    costs = load_cost_model(runner)            # cached, or a short calibration (<~15 s, embedded model, 2 cores)
     costs.relative(n, batch=1)                 # c(n) / c(1): a verify step of n tokens per sequence in decode steps
     costs.decode_seconds(batch=1)              # c(1) in seconds (at the calibration's context)
 

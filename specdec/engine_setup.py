@@ -10,7 +10,7 @@ model is refused before anything below is measured, and what it loaded is droppe
 
 What is decided here: the CPU row policy of ``linear()``; with a drafter and ``speculation="auto"``, the speculation
 policy and its measured cost model (:mod:`specdec.cost_model`, cached; the first use on a machine calibrates for up to
-~20 s; none for seeded standard sampling); the KV cache's size (the request's worst case, checked against the device's
+~15 s; none for seeded standard sampling); the KV cache's size (the request's worst case, checked against the device's
 memory before anything is allocated) or a reused CUDA-graph cache; the drafter's seed, the sampling generator, the draft
 audit (one per drafter object, kept across the calls whose draws are fresh), the logits processors
 (:mod:`specdec.logits_processing`; None when the config asks for none) and whether log-probabilities are kept. The

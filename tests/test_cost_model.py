@@ -2,6 +2,7 @@
 interpolation of c(n); the CPU row policy of linear() measured, installed and exact."""
 from __future__ import annotations
 
+import collections
 import contextlib
 from types import SimpleNamespace
 
@@ -580,6 +581,33 @@ def test_row_policy_weighs_each_matrix_by_its_scale(monkeypatch):
                                          allow_packed=True) == {1: row_policy.PACKED}  # 6.5 ms vs 21 and 14
     with pytest.raises(ValueError, match="scale"):
         row_policy.measure_row_policy([big, small], scales=[1.0])
+
+
+def test_a_layout_far_behind_in_its_first_pass_is_timed_once(monkeypatch):
+    """Every row count times each layout ``repeats`` times, interleaved, but one that took over 1.5x the fastest's
+    time in the row count's first pass is timed once there: F.linear, twice as slow at most row counts, took about
+    40% of a first run's measuring. Scripted clock: F.linear 3 ms, transposed 1 ms, packed 1.4 ms (kept)."""
+    w = torch.zeros(4, 4)
+    seconds = {"linear": 0.003, "transposed": 0.001, "packed": 0.0014}
+    now, calls = [0.0], collections.Counter()
+
+    def spend(kind):
+        now[0] += seconds[kind]
+        calls[kind] += 1
+
+    monkeypatch.setattr(row_policy, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(row_policy, "F", SimpleNamespace(linear=lambda x, w, b=None: spend("linear")))
+    monkeypatch.setattr(row_policy, "transposed_linear", lambda x, w, cols: spend("transposed"))
+    monkeypatch.setattr(row_policy, "_packs", lambda weights: list(weights))
+    monkeypatch.setattr(row_policy, "packed_linear", lambda x, w, b=None, packed=None: spend("packed"))
+    assert row_policy.measure_row_policy([w], max_rows=2, repeats=3, allow_packed=True) == {1: 1, 2: 2}
+    # a warm-up pass of each, then per row count F.linear once and the other two three times
+    assert calls == {"linear": 1 + 2, "transposed": 1 + 2 * 3, "packed": 1 + 2 * 3}
+    seconds["packed"] = 0.0009  # now the fastest, F.linear 3.3x and the transposed product 1.1x it
+    calls.clear()
+    assert row_policy.measure_row_policy([w], max_rows=2, repeats=3, allow_packed=True) == {
+        1: row_policy.PACKED, 2: row_policy.PACKED}
+    assert calls == {"linear": 1 + 2, "transposed": 1 + 2 * 3, "packed": 1 + 2 * 3}
 
 
 def test_row_policy_is_timed_over_more_weights_than_a_cache_holds():

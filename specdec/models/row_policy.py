@@ -46,6 +46,7 @@ SMALL_M_MAX = 32
 PACKED = 0  # a policy's value for "the product over oneDNN-packed weights" (packed_linear)
 PACK_ROWS = 8  # the row count oneDNN is told to lay packed weights out for; 8 and 16 timed the same for 1-16 rows
 _MIN_GAIN = 0.05  # a layout other than F.linear (or padding) must win by 5%: no chasing of timing noise
+_DROP = 1.5  # a layout this much slower than the fastest in a row count's first round is timed once there
 
 # (torch thread count, weight dtype) -> {rows: columns of the transposed product, or PACKED}: a policy measured for
 # one dtype never reaches another's weights (oneDNN packs bf16 weights on CPUs where it cannot pack fp16 ones)
@@ -148,7 +149,8 @@ def measure_row_policy(weights: Sequence[torch.Tensor], max_rows: int = SMALL_M_
                        progress: Callable[[], object] | None = None) -> dict[int, int]:
     """Time ``F.linear``, the transposed product and (``allow_packed`` and oneDNN present) the packed product
     for 1..max_rows rows over ``weights``, and return the fastest way to compute each row count, padding allowed
-    for the transposed product (m rows computed as c >= m when c is faster).
+    for the transposed product (m rows computed as c >= m when c is faster). Each layout's time is the median of
+    ``repeats`` passes, except a layout far behind the fastest in its row count's first pass, timed only once.
 
     ``weights`` should be what a forward streams (more bytes than the last-level cache holds: see the module
     doc); ``scales[i]`` weighs matrix i's time (a sample of every k-th layer stands for k layers), default 1.
@@ -174,12 +176,19 @@ def measure_row_policy(weights: Sequence[torch.Tensor], max_rows: int = SMALL_M_
         if m == 1:  # one warm-up pass of each (first-call allocations); streamed weights need no more
             for products in passes:
                 _weighted_pass(products, scales)
-        # interleaved: a slow moment costs every layout
-        times = [[_weighted_pass(products, scales) for products in passes] for _ in range(repeats)]
-        plain[m] = statistics.median(t[0] for t in times)
-        transposed[m] = statistics.median(t[1] for t in times)
+        # interleaved: a slow moment costs every layout. A layout that took over _DROP x the fastest's time in the
+        # first round is not timed again at this row count (its one time stands: F.linear at most row counts here,
+        # ~40% of a first run's measuring): noise would have had to add a third of its time for it to win
+        times = [[_weighted_pass(products, scales)] for products in passes]
+        fastest = min(t[0] for t in times)
+        kept = [(products, t) for products, t in zip(passes, times, strict=True) if t[0] <= _DROP * fastest]
+        for _ in range(repeats - 1):
+            for products, t in kept:
+                t.append(_weighted_pass(products, scales))
+        plain[m] = statistics.median(times[0])
+        transposed[m] = statistics.median(times[1])
         if packs is not None:
-            packed[m] = statistics.median(t[2] for t in times)
+            packed[m] = statistics.median(times[2])
         if progress is not None:
             progress()
     cols: dict[int, int] = {}
