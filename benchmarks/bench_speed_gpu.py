@@ -257,6 +257,32 @@ def plain_merge_launched(loaded, prompts, new_tokens: int, max_tokens: int, capt
         graphed.discard()
 
 
+def prefill_eager_and_chunked(loaded, prompts, max_tokens: int, capture: bool = True, repeats: int = 3) -> dict:
+    """A one-token call's prefill (the prompts but their last tokens) in chunks through the buckets
+    (GraphedForward.prefill_chunk; a first call captures them) and as one eager forward, the best prefill seconds of
+    ``repeats`` calls each, over a graph cache of its own: the same-run baseline of the chunks."""
+    from specdec.cuda_graphs import GraphConfig, GraphedForward
+
+    graphed = GraphedForward.with_cache(loaded.runner, max_tokens, config=GraphConfig(capture=capture))
+    chunk_of = GraphedForward.prefill_chunk
+    try:
+        run_generate(loaded, prompts, 1, cuda_graphs=graphed)  # its prefill captures the buckets it takes
+        chunk, before = graphed.prefill_chunk([len(p) - 1 for p in prompts]), graphed.prefill_replays
+        calls = [run_generate(loaded, prompts, 1, cuda_graphs=graphed) for _ in range(repeats)]
+        replays = graphed.prefill_replays - before
+        GraphedForward.prefill_chunk = lambda self, rows: None
+        eager = [run_generate(loaded, prompts, 1, cuda_graphs=graphed) for _ in range(repeats)]
+        eager_replays = graphed.prefill_replays - before - replays
+    finally:
+        GraphedForward.prefill_chunk = chunk_of
+        graphed.discard()
+    return dict(batch=len(prompts), prompt_tokens=max(map(len, prompts)), chunk=chunk, replays=replays / repeats,
+                eager_replays=eager_replays,
+                chunked_ms=1e3 * min(c["prefill_seconds"] for c in calls),
+                eager_ms=1e3 * min(c["prefill_seconds"] for c in eager),
+                same_tokens=calls[0]["outputs"] == eager[0]["outputs"])
+
+
 def hf_static(model, prompt: list[int], new_tokens: int) -> dict:
     """transformers' greedy generate() with its static cache (eager), batch 1: a warm-up, then one timed call."""
     device = next(model.parameters()).device
@@ -281,8 +307,8 @@ class ModelRun:
                  save) -> None:
         self.spec, self.args, self.device, self.dtype, self.clock, self.save = spec, args, device, dtype, clock, save
         self.result: dict = dict(model=spec, plain={}, oracle=[], verify_cost=None, replay_launch=None, products=None,
-                                 hf_static=None, profile=[], host_python=None, prefill_host_python=None, skipped=[],
-                                 errors=[], item_seconds={})
+                                 hf_static=None, profile=[], host_python=None, prefill_host_python=None,
+                                 prefill_chunks=None, skipped=[], errors=[], item_seconds={})
         self.bandwidth = bandwidth
 
     def item(self, name: str, fn, estimate: float | None = None) -> None:
@@ -357,6 +383,8 @@ class ModelRun:
         oracle(b0, first, "tree", True)
         self.item(f"profile b{b0}", lambda: self.profile(pool[:b0], first))
         self.item(f"profile prefill b{b0}", lambda: self.profile_prefill(pool[:b0]))
+        if self.graphs is not None:  # what a prefill in chunks through the buckets saves against one eager forward
+            self.item(f"prefill b{b0} in chunks", lambda: self.prefill_chunks(pool[:b0]))
         for b in reversed(rest):
             oracle(b, first, "chain", False)
         if rest:  # where a batch's drafted step spends its time: the batch goal's row, profiled
@@ -606,6 +634,10 @@ class ModelRun:
         self.result["prefill_host_python"] = dict(call=f"a one-token call b{b} (set-up, prefill, its step)",
                                                   new_tokens=1, **host, seconds=round(time.perf_counter() - t0, 2))
 
+    def prefill_chunks(self, prompts) -> None:
+        self.result["prefill_chunks"] = prefill_eager_and_chunked(
+            self.loaded, prompts, self.graphs.max_keys - self.graphs.cache.block_size)
+
     def hf(self, prompt) -> None:
         self.result["hf_static"] = hf_static(self.loaded.model, prompt, self.args.new_tokens)
 
@@ -632,6 +664,18 @@ def _drafting(row: dict) -> str:
 def _bound(row: dict) -> str:
     """The row's weight-read bound (reports before 2026-11-29 have none)."""
     return f"{row['bound']:.2f}x" if row.get("bound") is not None else ""
+
+
+def _prefill_line(row: dict | None) -> list[str]:
+    """The prefill in chunks through the buckets against one eager forward (older reports have none)."""
+    if not row:
+        return []
+    how = (f"{row['replays']:.0f} replays of up to {row['chunk']} tokens" if row["chunk"] else
+           "no chunking: eager both times")
+    other = "" if row["same_tokens"] else " (other first tokens!)"
+    return ["", f"prefill of {row['prompt_tokens'] - 1} tokens, batch {row['batch']} (a one-token call's, best of 3): "
+                f"eager {row['eager_ms']:.2f} ms, in chunks through the buckets {row['chunked_ms']:.2f} ms ({how})"
+                f"{other}"]
 
 
 def _products_rows(m: dict) -> list[str]:
@@ -698,7 +742,7 @@ def markdown(report: dict) -> str:
             lines += ["", "a batch-1 verify graph on an idle device, host launch / replay waited for: " + ", ".join(
                 f"{n} tokens {r['launch_ms']:.3f} / {r['replay_ms']:.3f} ms"
                 for n, r in sorted(m["replay_launch"].items(), key=lambda kv: int(kv[0])))]
-        lines += _products_rows(m)
+        lines += _products_rows(m) + _prefill_line(m.get("prefill_chunks"))  # older reports have none
         if m["oracle"]:
             lines += ["", "| oracle | batch | nodes | drafting | speculation | tau target | tau | step ms | "
                           "draft ms/step | decode tok/s | speedup vs plain | weight-read bound | same text |",

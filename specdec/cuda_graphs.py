@@ -21,6 +21,7 @@ The returned hidden states are views of the bucket's static output, valid until 
     out = graphed(builder.build())  # None when no bucket fits (builder: a BatchBuilder over graphed.cache)
 
 A step that fits no bucket runs the eager forward; so does every step after a capture that failed (logged once).
+A call's prefill of short prompts runs through the buckets too, in chunks (:meth:`GraphedForward.prefill_chunk`).
 
 ``generate(cuda_graphs="auto")`` (the default) uses graphs on CUDA with the Triton backend, through one
 GraphedForward per loaded model (:func:`model_graphs`, kept on the model object and freed with it, or by
@@ -47,6 +48,11 @@ from specdec.tree import MAX_TREE_NODES
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
+# a prefill runs through the buckets in at most PREFILL_REPLAYS replays of PREFILL_CHUNK tokens per sequence
+# (GraphedForward.prefill_chunk): on a GPU an eager forward of a short prompt waits for its host's launches, while a
+# replay of a 64-token bucket costs about a verify step of 64 tokens (docs/gpu-speed.md)
+PREFILL_CHUNK = 64
+PREFILL_REPLAYS = 4
 # where a loaded model keeps its GraphedForward (model_graphs): as the target, and as a draft model (which may be the
 # target itself, drafting in a cache of its own)
 _MODEL_ATTRS = {"target": "_specdec_graphed_forward", "draft": "_specdec_graphed_forward_draft"}
@@ -162,7 +168,8 @@ class GraphedForward:
         # a generate() call runs in it (the target's or a draft model's): held until that call ends
         # (specdec.call_claims.held_for_call)
         self.serving = False
-        self.replays = 0
+        self.replays = 0  # verify steps through a bucket
+        self.prefill_replays = 0  # prefill chunks through a bucket (Engine.add)
 
     @classmethod
     def with_cache(cls, runner: LlamaRunner, max_tokens: int, block_size: int = 16,
@@ -232,8 +239,21 @@ class GraphedForward:
         runs through a bucket (no prefill among them)."""
         return not self.failed and max_keys <= self.max_keys and self.bucket_for(num_seqs, max_new) is not None
 
+    def prefill_chunk(self, rows: Sequence[int]) -> int | None:
+        """The prompt rows per replay for a prefill of sequences of ``rows`` rows each through the buckets
+        (Engine.add: each chunk a causal run after the ones before it), or None where it runs the eager forward: the
+        largest bucket of at most PREFILL_CHUNK tokens per sequence, where every prompt takes at most
+        PREFILL_REPLAYS replays. Decided by the sizes alone, never by what earlier calls captured (a chunk captures
+        its bucket as a verify step does): a call's text does not depend on the calls before it."""
+        sizes = [t for t in self.config.tokens_per_seq if t <= PREFILL_CHUNK]
+        longest = max(rows, default=0)
+        if self.failed or not sizes or not 1 <= longest <= self.max_keys or self.bucket_for(len(rows), 1) is None:
+            return None
+        return sizes[-1] if -(-longest // sizes[-1]) <= PREFILL_REPLAYS else None
+
     def __call__(self, batch, token_ids: torch.Tensor | None = None, nodes=None,
-                 feature_layers: tuple[int, ...] = ()) -> ForwardOutput | None:
+                 feature_layers: tuple[int, ...] = (), with_logits: bool = True,
+                 prefill: bool = False) -> ForwardOutput | None:
         """Logits and hidden states of the real rows of a verify step (``batch``: a ForwardBatch built over this
         object's cache; [num_tokens, ...]), or None when the step fits no bucket (the caller then runs the eager
         forward). ``token_ids`` [num_tokens] on the device stand for the batch's tokens (a drafter's choices that
@@ -241,15 +261,21 @@ class GraphedForward:
         (specdec.pending_trees.NodeRows) for some rows' tokens, positions and ancestor bits (trees the host has not
         read): such a step, checked by :meth:`fits`, always runs here.
         ``feature_layers``: those layers' input streams come back too (``ForwardOutput.features``, an EAGLE-3
-        head's), from buckets of their own."""
+        head's), from buckets of their own. ``with_logits=False``: no LM head (``logits`` None). ``prefill``: a
+        chunk of a prefill sized by :meth:`prefill_chunk` (a prompt's first chunk runs here only then)."""
         self._check_live()
         if batch.cache is not self.cache:
             raise ValueError("this step was built over another KV cache than the CUDA graphs' own")
         seqs = batch.plan.seqs
-        max_new = max(s.num_new for s in seqs)
-        if any(s.prefill for s in seqs) or not self.fits(len(seqs), max_new, max(s.key_slots.numel() for s in seqs)):
-            if nodes is not None:
-                raise ValueError("a step with pending trees must fit a CUDA-graph bucket (GraphedForward.fits)")
+        max_new, max_keys = max(s.num_new for s in seqs), max(s.key_slots.numel() for s in seqs)
+        if prefill:  # sized by prefill_chunk; after a failed capture the bucket's static forward runs it uncaptured
+            fits = max_keys <= self.max_keys and self.bucket_for(len(seqs), max_new) is not None
+        else:
+            fits = not any(s.prefill for s in seqs) and self.fits(len(seqs), max_new, max_keys)
+        if not fits:
+            if nodes is not None or prefill:
+                raise ValueError("a step with pending trees or a prefill chunk must fit a CUDA-graph bucket "
+                                 "(GraphedForward.fits, prefill_chunk)")
             self._note_eager(seqs, max_new)
             return None
         key = _bucket_key(*self.bucket_for(len(seqs), max_new), feature_layers)
@@ -262,18 +288,22 @@ class GraphedForward:
             bucket.inputs.token_ids.index_copy_(0, nodes.rows, nodes.tokens)
             bucket.inputs.positions.index_copy_(0, nodes.rows, nodes.positions)
             bucket.inputs.metadata.q_bits.index_copy_(0, nodes.rows, nodes.ancestor_bits)
-        if self.config.capture and bucket.graph is None:
+        if self.config.capture and bucket.graph is None and not self.failed:
             captured = self._captured(bucket)
-            if not captured and nodes is None:
+            if not captured and nodes is None and not prefill:
                 return None  # the warm-up may have written this step's K/V: the eager forward rewrites the same values
-        if bucket.graph is None:  # uncaptured, or pending trees' inputs after a failed capture (they live only here)
+        # uncaptured, or after a failed capture pending trees' inputs (they live only here) or a prefill's chunk
+        if bucket.graph is None:
             bucket.output = self._run(bucket)
         else:
             bucket.graph.replay()
-        self.replays += 1
+        if prefill:
+            self.prefill_replays += 1
+        else:
+            self.replays += 1
         hidden = bucket.output.hidden[:n]
         features = None if bucket.output.features is None else bucket.output.features[:n]
-        return ForwardOutput(self.runner.logits(hidden), hidden, features)
+        return ForwardOutput(self.runner.logits(hidden) if with_logits else None, hidden, features)
 
     def _note_eager(self, seqs, max_new: int) -> None:
         """Say that a decode step runs the eager forward: once at info level (on a GPU it is several times slower,

@@ -17,6 +17,7 @@ import logging  # noqa: E402
 import weakref  # noqa: E402
 
 import torch  # noqa: E402
+from specdec.drafters.base import Drafter  # noqa: E402
 
 from specdec.cuda_graphs import GraphConfig, GraphedForward, auto_uses_graphs, model_graphs, release_model_graphs  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
@@ -29,6 +30,7 @@ from specdec.rejection import rejection_sample  # noqa: E402
 from specdec.sampling import SamplingConfig  # noqa: E402
 from specdec.stopping import StopCriteria  # noqa: E402
 from specdec.testing import RandomTreeDrafter, build_tiny_model, ragged_prompts  # noqa: E402
+from specdec.tree import DraftTree  # noqa: E402
 
 VOCAB = 64
 CAPTURE = DEVICE == "cuda"
@@ -121,6 +123,7 @@ def test_engine_with_buckets_is_greedy_identical(loaded):
         outs[backend] = [s.new_tokens for s in seqs]
         if graphed is not None:
             assert graphed.replays == engine.forward_passes > 0
+            assert graphed.prefill_replays == 1  # the prompts' prefill: one chunk (GraphedForward.prefill_chunk)
     assert outs["triton"] == outs["reference"]
     # in the interpreter, speculation="auto" first calibrates the cost model: ~65 verify sizes, 80 of this test's
     # 112 s on CPU; on a GPU the default runs, calibration and tree sizing included
@@ -589,10 +592,11 @@ def test_verify_costs_measured_through_the_buckets(loaded, monkeypatch):
 
     calls = []
     replay = GraphedForward.__call__
-    monkeypatch.setattr(GraphedForward, "__call__", lambda self, *a, **kw: calls.append(1) or replay(self, *a, **kw))
+    monkeypatch.setattr(GraphedForward, "__call__",
+                        lambda self, *a, **kw: calls.append(kw.get("prefill", False)) or replay(self, *a, **kw))
     costs = measure_verify_costs(loaded.runner, [[1, 2, 3, 4]], [1, 3], SamplingConfig(), repeats=1, graphs=True)
     assert sorted(costs) == [1, 3] and all(c > 0 for c in costs.values())
-    assert len(calls) == 4  # 2 rounds x 2 sizes, every verify through the buckets
+    assert calls.count(False) == 4  # 2 rounds x 2 sizes, every verify through the buckets
 
 
 def _eagle_head(loaded, draft_vocab=(), packed=False):
@@ -1065,3 +1069,108 @@ def test_the_speed_commands_merge_launched_baseline_merges_by_a_second_launch(lo
     keep = ta.MERGE_IN_KERNEL_MAX
     row = bench.plain_merge_launched(loaded, prompts, 4, max_tokens=128, capture=CAPTURE)
     assert row["outputs"] == plain and launched and ta.MERGE_IN_KERNEL_MAX == keep
+
+
+class _HiddenReader(Drafter):
+    """Proposes nothing; keeps the target's hidden rows (or those layers' input streams) of every prompt row."""
+
+    name = "hidden-reader"
+    needs_hidden_states = True
+
+    def __init__(self, feature_layers: tuple[int, ...] = ()) -> None:
+        self.feature_layers = feature_layers
+
+    def propose(self, seqs):
+        return [DraftTree.empty() for _ in seqs]
+
+
+def _prefilled(loaded, prompts, graphs: GraphedForward | None, feature_layers: tuple[int, ...] = ()):
+    """The sequences engine.add made of ``prompts`` (through ``graphs``' buckets, or eagerly) and their cache."""
+    cache = graphs.cache if graphs is not None else make_cache(loaded.runner, blocks=96, seed=1)
+    engine = Engine(loaded.runner, cache, sampling=SamplingConfig(), stop=StopCriteria(4),
+                    drafter=_HiddenReader(feature_layers), graphed=graphs)
+    return engine.add(prompts), cache
+
+
+def _same_prefill(loaded, prompts, eager, chunked) -> None:
+    """Every prompt position's K/V and the drafter's rows of the prompt agree (float rounding apart)."""
+    (eager, eager_cache), (chunked, chunked_cache) = eager, chunked
+    for a, b, prompt in zip(eager, chunked, prompts, strict=True):
+        assert a.new_hidden.shape == b.new_hidden.shape == (len(prompt) - 1, a.new_hidden.shape[1])
+        assert (a.new_hidden - b.new_hidden).abs().max().item() <= 1e-4
+        slots = [eager_cache.slots(a.seq_id, 0, len(prompt) - 1), chunked_cache.slots(b.seq_id, 0, len(prompt) - 1)]
+        for layer in range(loaded.runner.shape.num_layers):
+            for kv in (0, 1):
+                x, y = eager_cache.kv[layer, kv][slots[0]], chunked_cache.kv[layer, kv][slots[1]]
+                assert (x - y).abs().max().item() <= 1e-4, (layer, kv)
+
+
+PREFILL_PROMPTS = [torch.randint(VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+                   for n in (2, 70, 140)]
+
+
+@pytest.mark.parametrize("feature_layers", [(), (1,)])
+def test_a_prefill_runs_through_the_buckets_in_chunks(loaded, feature_layers):
+    """Prompts of up to 4 x 64 rows are prefilled a chunk of 64 per replay through the buckets (on a GPU an eager
+    prefill waits for its host's launches: 10-35 ms against ~1-5 ms a replay): every prompt position's K/V and the
+    drafter's rows of the prompt are the eager prefill's, across chunks where the sequences drop out one by one (2, 70
+    and 140 tokens: 3 chunks of 3, 2 and 1 sequences)."""
+    graphs = GraphedForward(loaded.runner, make_cache(loaded.runner, blocks=96, seed=1), GraphConfig(capture=CAPTURE))
+    chunked = _prefilled(loaded, PREFILL_PROMPTS, graphs, feature_layers)
+    assert graphs.prefill_replays == 3 and graphs.replays == 0
+    _same_prefill(loaded, PREFILL_PROMPTS, _prefilled(loaded, PREFILL_PROMPTS, None, feature_layers), chunked)
+
+
+def test_a_capture_failing_in_a_prefill_costs_the_graphs_not_the_prefill(loaded, monkeypatch, caplog):
+    """A chunk whose bucket's capture raises runs the bucket's static forward uncaptured, as do the chunks after it:
+    the prefill is the eager one's; later prefills are eager (a GPU's capture, raised here on purpose)."""
+    graphs = GraphedForward(loaded.runner, make_cache(loaded.runner, blocks=96, seed=1), GraphConfig(capture=False))
+    graphs.config = GraphConfig(capture=True)  # as on a GPU, where the capture fails
+
+    def fails(bucket):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_capture", fails)
+    with caplog.at_level(logging.WARNING, logger="specdec.cuda_graphs"):
+        chunked = _prefilled(loaded, PREFILL_PROMPTS, graphs)
+    assert graphs.failed and graphs.prefill_replays == 3 and caplog.text.count("CUDA-graph capture failed") == 1
+    _same_prefill(loaded, PREFILL_PROMPTS, _prefilled(loaded, PREFILL_PROMPTS, None), chunked)
+    assert graphs.prefill_chunk([10]) is None
+
+
+def test_a_prefill_is_chunked_by_its_sizes_alone(loaded):
+    """GraphedForward.prefill_chunk: the largest bucket of at most 64 tokens per sequence, where every prompt takes
+    at most PREFILL_REPLAYS replays (past that, and beyond the buckets' batch or keys, the eager forward). Never by
+    what earlier calls captured, so that a call's text (in bf16, at a near-tie) does not depend on them."""
+    from specdec.cuda_graphs import PREFILL_CHUNK, PREFILL_REPLAYS
+
+    def graphs(**config):
+        return GraphedForward(loaded.runner, make_cache(loaded.runner, blocks=96), GraphConfig(capture=False, **config))
+
+    g = graphs()
+    assert PREFILL_CHUNK == 64 and g.prefill_chunk([3, 20]) == 64 == g.prefill_chunk([PREFILL_REPLAYS * 64])
+    assert g.prefill_chunk([PREFILL_REPLAYS * 64 + 1]) is None and g.prefill_chunk([]) is None
+    assert g.prefill_chunk([g.max_keys + 1]) is None and g.prefill_chunk([5] * 33) is None  # 32 sequences at most
+    g.buckets[(1, 64)] = "captured"  # a bucket an earlier call captured changes nothing
+    assert g.prefill_chunk([3, 20]) == 64
+    small = graphs(tokens_per_seq=(1, 2, 4))
+    assert small.prefill_chunk([4 * PREFILL_REPLAYS]) == 4 and small.prefill_chunk([4 * PREFILL_REPLAYS + 1]) is None
+    g.failed = True
+    assert g.prefill_chunk([3, 20]) is None
+
+
+def test_the_speed_command_times_a_prefill_in_chunks_and_eagerly(loaded):
+    """``bench_speed_gpu.py``'s same-run baseline of the prefill in chunks: one eager forward (prefill_chunk None)
+    and 2 chunks of up to 64 tokens through a graph cache of its own (a 100-token prompt), the same first tokens, and
+    prefill_chunk restored afterwards; the report's line says both."""
+    from tests.script_loading import load_script
+
+    bench = load_script("bench_speed_gpu")
+    prompts = [torch.randint(VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (100, 30)]
+    chunk_of = GraphedForward.prefill_chunk
+    row = bench.prefill_eager_and_chunked(loaded, prompts, max_tokens=256, capture=CAPTURE, repeats=1)
+    assert GraphedForward.prefill_chunk is chunk_of
+    assert row["chunk"] == 64 and row["replays"] == 2 and row["eager_replays"] == 0 and row["same_tokens"]
+    assert row["eager_ms"] > 0 and row["chunked_ms"] > 0 and (row["batch"], row["prompt_tokens"]) == (2, 100)
+    line = bench._prefill_line(row)[-1]
+    assert "prefill of 99 tokens, batch 2" in line and "2 replays of up to 64 tokens" in line
