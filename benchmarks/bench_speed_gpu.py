@@ -620,9 +620,9 @@ class ModelRun:
                                           seconds=round(time.perf_counter() - t0, 2))
 
     def profile_prefill(self, prompts) -> None:
-        """A one-token call's prefill (the prompt but its last token: one eager forward, each call's first work)
-        under the profiler, then the whole call (set-up, prefill, its step) under cProfile: what a call costs
-        before its steps, which a short answer pays in full."""
+        """A one-token call's prefill (the prompt but its last token, each call's first work, in chunks where
+        GraphedForward.prefill_chunk gives some) under the profiler, then the whole call (set-up, prefill, its step)
+        under cProfile: what a call costs before its steps, which a short answer pays in full."""
         b = len(prompts)
         t0 = time.perf_counter()
         with profiled(self.device) as trace:
