@@ -21,7 +21,6 @@ The returned hidden states are views of the bucket's static output, valid until 
     out = graphed(builder.build())  # None when no bucket fits (builder: a BatchBuilder over graphed.cache)
 
 A step that fits no bucket runs the eager forward; so does every step after a capture that failed (logged once).
-A call's prefill of short prompts runs through the buckets too, in chunks (:meth:`GraphedForward.prefill_chunk`).
 
 ``generate(cuda_graphs="auto")`` (the default) uses graphs on CUDA with the Triton backend, through one
 GraphedForward per loaded model (:func:`model_graphs`, kept on the model object and freed with it, or by

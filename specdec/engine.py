@@ -236,9 +236,10 @@ class Engine:
             hidden = self._prefill(firsts) if chunk is None else self._prefill_in_chunks(firsts, chunk)
             for (first, *copies), rows in zip(groups, hidden, strict=True):
                 self.cache.copy_prefix(first.seq_id, [s.seq_id for s in copies], len(first.token_ids) - 1)
-                if self.keep_hidden:
-                    for s in (first, *copies):
-                        s.hidden_chunks = list(rows)
+                if self.keep_hidden:  # each sequence owns its rows
+                    first.hidden_chunks = rows
+                    for s in copies:
+                        s.hidden_chunks = [r.clone() for r in rows]
             self.cache.commit({s.seq_id: range(len(s.token_ids) - 1) for s in todo})
         return new
 
