@@ -243,7 +243,7 @@ class GraphedForward:
         (Engine.add: each chunk a causal run after the ones before it), or None where it runs the eager forward: the
         largest bucket of at most PREFILL_CHUNK tokens per sequence, where every prompt takes at most
         PREFILL_REPLAYS replays. Decided by the sizes alone, never by what earlier calls captured (a chunk captures
-        its bucket as a verify step does): a call's text does not depend on the calls before it."""
+        its bucket as a verify step does): a prompt's K/V do not depend on the calls before its own."""
         sizes = [t for t in self.config.tokens_per_seq if t <= PREFILL_CHUNK]
         longest = max(rows, default=0)
         if self.failed or not sizes or not 1 <= longest <= self.max_keys or self.bucket_for(len(rows), 1) is None:
