@@ -1141,7 +1141,7 @@ def test_a_capture_failing_in_a_prefill_costs_the_graphs_not_the_prefill(loaded,
 def test_a_prefill_is_chunked_by_its_sizes_alone(loaded):
     """GraphedForward.prefill_chunk: the largest bucket of at most 64 tokens per sequence, where every prompt takes
     at most PREFILL_REPLAYS replays (past that, and beyond the buckets' batch or keys, the eager forward). Never by
-    what earlier calls captured, so that a call's text (in bf16, at a near-tie) does not depend on them."""
+    what earlier calls captured, so that a prompt's K/V (in bf16, its text at a near-tie) do not depend on them."""
     from specdec.cuda_graphs import PREFILL_CHUNK, PREFILL_REPLAYS
 
     def graphs(**config):
