@@ -716,15 +716,16 @@ def markdown(report: dict) -> str:
                          f"built in {m['build_seconds']} s; EAGLE draft vocabulary {m['eagle_draft_vocab'] or 'full'}; "
                          f"fused QKV / gate-up projections in {m.get('fused_layers', 0)} layers")
         if m["plain"]:
-            lines += ["", "| batch | decode tok/s | floor tok/s | step ms | step / floor | steps read first: tok/s | "
-                          "split parts merged by a second launch: tok/s |", "|---|---|---|---|---|---|---|"]
+            lines += ["", "| batch | decode tok/s | floor tok/s | step ms | step / floor | prefill ms | steps read "
+                          "first: tok/s | split parts merged by a second launch: tok/s |", "|---" * 8 + "|"]
             for b, r in sorted(m["plain"].items(), key=lambda kv: int(kv[0])):
                 first, merged = (
                     "" if f"{key}_tokens_per_s" not in r else
                     f"{r[f'{key}_tokens_per_s']:.1f}" + ("" if r[f"{key}_same_text"] else " (other text!)")
                     for key in ("read_first", "merge_launched"))
                 lines.append(f"| {b} | {r['decode_tokens_per_s']:.1f} | {r['floor_tokens_per_s']:.1f} | "
-                             f"{r['step_ms']:.3f} | {r['step_over_floor']:.2f} | {first} | {merged} |")
+                             f"{r['step_ms']:.3f} | {r['step_over_floor']:.2f} | {1e3 * r['prefill_seconds']:.1f} | "
+                             f"{first} | {merged} |")
         if m["hf_static"]:
             p1 = m["plain"].get("1")  # the same definition on both sides: new tokens / seconds, prefill included
             ratio = "" if not p1 else (f"; specdec plain, counted alike, is "

@@ -92,6 +92,9 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     assert "oracle chain tau 3.0 +eagle b1, host Python under cProfile (" in text and "| prefill b1 | 1 |" in text
     assert "a one-token call b1 (set-up, prefill, its step), host Python under cProfile (1 steps" in text
     assert "graph replays" not in text and "uncaptured static growths" in text  # nothing is captured on the CPU
+    p1 = model["plain"]["1"]  # the plain row's prefill, beside its decode speed
+    assert "| step / floor | prefill ms |" in text and f"| {p1['step_over_floor']:.2f} | " \
+        f"{1e3 * p1['prefill_seconds']:.1f} |" in text and p1["prefill_seconds"] > 0
     assert "% of steps drafted, 0% queued)" in text
     from tests.test_docs import list_pitfalls
 
