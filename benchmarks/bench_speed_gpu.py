@@ -264,17 +264,15 @@ def prefill_eager_and_chunked(loaded, prompts, max_tokens: int, capture: bool = 
     from specdec.cuda_graphs import GraphConfig, GraphedForward
 
     graphed = GraphedForward.with_cache(loaded.runner, max_tokens, config=GraphConfig(capture=capture))
-    chunk_of = GraphedForward.prefill_chunk
     try:
         run_generate(loaded, prompts, 1, cuda_graphs=graphed)  # its prefill captures the buckets it takes
         chunk, before = graphed.prefill_chunk([len(p) - 1 for p in prompts]), graphed.prefill_replays
         calls = [run_generate(loaded, prompts, 1, cuda_graphs=graphed) for _ in range(repeats)]
         replays = graphed.prefill_replays - before
-        GraphedForward.prefill_chunk = lambda self, rows: None
+        graphed.prefill_chunk = lambda rows: None  # this graph cache's prefills: one eager forward
         eager = [run_generate(loaded, prompts, 1, cuda_graphs=graphed) for _ in range(repeats)]
         eager_replays = graphed.prefill_replays - before - replays
     finally:
-        GraphedForward.prefill_chunk = chunk_of
         graphed.discard()
     return dict(batch=len(prompts), prompt_tokens=max(map(len, prompts)), chunk=chunk, replays=replays / repeats,
                 eager_replays=eager_replays,

@@ -236,7 +236,11 @@ class GraphedForward:
     def fits(self, num_seqs: int, max_new: int, max_keys: int) -> bool:
         """Whether a step of ``num_seqs`` sequences, at most ``max_new`` new tokens and ``max_keys`` keys each,
         runs through a bucket (no prefill among them)."""
-        return not self.failed and max_keys <= self.max_keys and self.bucket_for(num_seqs, max_new) is not None
+        return not self.failed and self._holds(num_seqs, max_new, max_keys)
+
+    def _holds(self, num_seqs: int, max_new: int, max_keys: int) -> bool:
+        """Whether some bucket holds the step, its graph captured or not."""
+        return max_keys <= self.max_keys and self.bucket_for(num_seqs, max_new) is not None
 
     def prefill_chunk(self, rows: Sequence[int]) -> int | None:
         """The prompt rows per replay for a prefill of sequences of ``rows`` rows each through the buckets
@@ -268,7 +272,7 @@ class GraphedForward:
         seqs = batch.plan.seqs
         max_new, max_keys = max(s.num_new for s in seqs), max(s.key_slots.numel() for s in seqs)
         if prefill:  # sized by prefill_chunk; after a failed capture the bucket's static forward runs it uncaptured
-            fits = max_keys <= self.max_keys and self.bucket_for(len(seqs), max_new) is not None
+            fits = self._holds(len(seqs), max_new, max_keys)
         else:
             fits = not any(s.prefill for s in seqs) and self.fits(len(seqs), max_new, max_keys)
         if not fits:

@@ -233,7 +233,7 @@ class Engine:
             groups = prefill_groups(todo)
             firsts = [first for first, *_ in groups]
             chunk = None if self.graphed is None else self.graphed.prefill_chunk([len(s.token_ids) - 1 for s in firsts])
-            hidden = self._prefill(firsts) if chunk is None else self._prefill_in_chunks(firsts, chunk)
+            hidden = self._prefill(firsts, chunk)
             for (first, *copies), rows in zip(groups, hidden, strict=True):
                 self.cache.copy_prefix(first.seq_id, [s.seq_id for s in copies], len(first.token_ids) - 1)
                 if self.keep_hidden:  # each sequence owns its rows
@@ -243,37 +243,32 @@ class Engine:
             self.cache.commit({s.seq_id: range(len(s.token_ids) - 1) for s in todo})
         return new
 
-    def _prefill(self, firsts: list[SequenceState]) -> list[list[torch.Tensor]]:
-        """Every prompt but its last token in one eager forward, a causal run each (no n x n mask is built); per
-        sequence the drafter's rows of it (hidden states of every prompt row but the root: Medusa starts from the
-        last, EAGLE reads them all), [] unless it keeps them."""
-        builder = BatchBuilder(self.cache, self.runner.device)
-        for s in firsts:
-            n = len(s.token_ids) - 1
-            builder.add(s.seq_id, s.token_ids[:-1], range(n), num_keys=n, num_visible=0)
-        batch = builder.build()
-        rows = torch.arange(batch.token_ids.numel(), device=batch.token_ids.device)
-        out = self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache,
-                                  rows if self.keep_hidden else None, with_logits=False,
-                                  feature_layers=self.feature_layers)
-        return [[self.drafter_rows(out)[list(r)]] if self.keep_hidden else [] for r in batch.rows]
-
-    def _prefill_in_chunks(self, firsts: list[SequenceState], chunk: int) -> list[list[torch.Tensor]]:
-        """:meth:`_prefill` through the CUDA-graph buckets (GraphedForward.prefill_chunk): a replay per ``chunk``
-        prompt rows of every sequence, each chunk a causal run after the chunks before it (its keys written by
-        them), the LM head left out. Per sequence the drafter's rows of each chunk."""
+    def _prefill(self, firsts: list[SequenceState], chunk: int | None) -> list[list[torch.Tensor]]:
+        """Every prompt but its last token, a causal run each (no n x n mask is built): one eager forward, or with
+        ``chunk`` (GraphedForward.prefill_chunk) a replay per ``chunk`` rows of every sequence through the CUDA-graph
+        buckets, each chunk after the ones before it (its keys written by them), the LM head left out. Per sequence
+        the drafter's rows of each forward (hidden states of every prompt row but the root: Medusa starts from the
+        last, EAGLE reads them all), none unless it keeps them."""
+        lengths = [len(s.token_ids) - 1 for s in firsts]
+        size = chunk or max(lengths)
         parts: list[list[torch.Tensor]] = [[] for _ in firsts]
-        for start in range(0, max(len(s.token_ids) - 1 for s in firsts), chunk):
+        for start in range(0, max(lengths), size):
             builder = BatchBuilder(self.cache, self.runner.device)
-            chunked = [i for i, s in enumerate(firsts) if len(s.token_ids) - 1 > start]
-            for i in chunked:
-                s = firsts[i]
-                end = min(start + chunk, len(s.token_ids) - 1)
-                builder.add(s.seq_id, s.token_ids[start:end], range(start, end), num_keys=end, num_visible=start)
+            running = [i for i, n in enumerate(lengths) if n > start]
+            for i in running:
+                end = min(start + size, lengths[i])
+                builder.add(firsts[i].seq_id, firsts[i].token_ids[start:end], range(start, end), num_keys=end,
+                            num_visible=start)
             batch = builder.build()
-            out = self.graphed(batch, feature_layers=self.feature_layers, with_logits=False, prefill=True)
-            if self.keep_hidden:  # copies: the bucket's output is overwritten by its next replay
-                for i, r in zip(chunked, batch.rows, strict=True):
+            if chunk is None:
+                rows = torch.arange(batch.token_ids.numel(), device=batch.token_ids.device)
+                out = self.runner.forward(batch.token_ids, batch.positions, batch.plan, self.cache,
+                                          rows if self.keep_hidden else None, with_logits=False,
+                                          feature_layers=self.feature_layers)
+            else:
+                out = self.graphed(batch, feature_layers=self.feature_layers, with_logits=False, prefill=True)
+            if self.keep_hidden:  # copies: a bucket's output is overwritten by its next replay
+                for i, r in zip(running, batch.rows, strict=True):
                     parts[i].append(self.drafter_rows(out)[list(r)])
         return parts
 
