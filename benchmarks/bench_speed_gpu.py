@@ -330,12 +330,8 @@ class ModelRun:
         t0 = time.perf_counter()
         self.loaded, note = load(self.spec, args.embedded, self.device, self.dtype)
         self.result["note"] = note
-        model = self.loaded.model
-        if args.rehearse:  # the layout the loader gives models on CUDA (fused QKV / gate-up), rehearsed here
-            from specdec.models.fused_projections import pack_projections
-
-            pack_projections(model)
-        fused = self.loaded.runner._fused_projections() or []
+        model = self.loaded.model  # laid out fused (QKV / gate-up) by the loader, on every device
+        fused = self.loaded.runner.fused_projections() or []
         self.result["fused_layers"] = sum(p.qkv is not None and p.gate_up is not None for p in fused)
         self.eagle = synthetic.eagle_head(model.config, device=self.device, dtype=self.dtype)
         if args.rehearse:  # its projections too, as eagle_head lays them out on CUDA

@@ -23,7 +23,7 @@ import torch
 def products(runner) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
     """(input, weight, bias) of every product of one forward, in order; input: "hidden" (the hidden size),
     "heads" (the attention output's width) or "inner" (the MLP's inner width)."""
-    fused = runner._fused_projections()
+    fused = runner.fused_projections()
     out = []
     for i, layer in enumerate(runner.layers):
         attn, mlp = layer.self_attn, layer.mlp

@@ -99,10 +99,12 @@ def _device(device: torch.device) -> dict:
 
 def machine_key(runner) -> dict:
     """What every measurement on ``runner`` depends on besides the weights' values: the model's shape, dtype,
-    device, the processor (:func:`_device`), torch's thread count and version, and the attention backend."""
+    device, the processor (:func:`_device`), torch's thread count and version, the attention backend, and whether
+    its forward multiplies fused QKV / gate-up blocks (specdec.models.fused_projections: other products)."""
     return {"shape": asdict(runner.shape), "dtype": str(runner.dtype), "device": str(runner.device),
             **_device(runner.device), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "backend": str(getattr(runner.backend, "name", runner.backend))}
+            "torch": torch.__version__, "backend": str(getattr(runner.backend, "name", runner.backend)),
+            "fused": runner.fused_projections() is not None}
 
 
 def _memo_put(memo: dict, key, value) -> None:
@@ -167,8 +169,9 @@ def write_cache(file: Path, data: dict) -> None:
 
 
 def _layer_weights(runner) -> list[list[torch.Tensor]]:
-    """Per layer, the projection matrices a forward multiplies (q, k, v, o, gate, up, down)."""
-    return [[p for name, p in layer.named_parameters() if p.dim() == 2 and "proj" in name] for layer in runner.layers]
+    """Per layer, the projection matrices a forward multiplies (q, k, v, o, gate, up, down; q / k / v and gate / up
+    one block each where the runner fuses them)."""
+    return runner.layer_weights()
 
 
 def streamed_weights(runner, budget_bytes: int = STREAM_BYTES) -> tuple[list[torch.Tensor], list[float]]:

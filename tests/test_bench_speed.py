@@ -167,19 +167,20 @@ def test_products_are_every_weight_a_forward_multiplies_by(bench):
     a decode step reads but the norms'."""
     import products_curve
 
-    from specdec.models.fused_projections import pack_projections
+    from specdec.models import synthetic
+    from specdec.models.llama import LlamaRunner
     from specdec.models.loader import load_model
 
-    loaded = load_model("synthetic:llama-3.1-8b@tiny", device="cpu", dtype=torch.float32)
+    loaded = load_model("synthetic:llama-3.1-8b@tiny", device="cpu", dtype=torch.float32)  # laid out fused
+    unfused = synthetic.build("llama-3.1-8b@tiny", device="cpu", dtype=torch.float32)  # as built
     norms = sum(p.numel() * 4 for name, p in loaded.model.named_parameters() if "norm" in name)
     layers = loaded.runner.shape.num_layers
-    for fused in (False, True):
-        if fused:
-            pack_projections(loaded.model)
-        chain = products_curve.products(loaded.runner)
-        assert len(chain) == layers * (4 if fused else 7) + 1 and chain[-1][1] is loaded.runner.lm_head
-        assert products_curve.product_bytes(loaded.runner) == bench.weight_bytes(loaded.model) - norms
-        ms = products_curve.products_ms(loaded.runner, [1, 3], repeats=1)
+    for runner, model, fused in ((LlamaRunner(unfused), unfused, False), (loaded.runner, loaded.model, True)):
+        assert (runner.fused_projections() is not None) == fused
+        chain = products_curve.products(runner)
+        assert len(chain) == layers * (4 if fused else 7) + 1 and chain[-1][1] is runner.lm_head
+        assert products_curve.product_bytes(runner) == bench.weight_bytes(model) - norms
+        ms = products_curve.products_ms(runner, [1, 3], repeats=1)
         assert sorted(ms) == [1, 3] and min(ms.values()) > 0
 
 

@@ -223,7 +223,7 @@ def test_fused_projections_on_the_triton_path(loaded):
     packed = copy.deepcopy(loaded.model)
     pack_projections(packed)
     fused = dataclasses.replace(loaded, model=packed, runner=LlamaRunner(packed, backend="triton"))
-    assert fused.runner._fused_projections()
+    assert fused.runner.fused_projections()
     prompts = ragged_prompts(2, VOCAB, seed=4, max_len=12)
     plain = generate(on_reference(loaded), prompts, max_new_tokens=6)
     assert generate(fused, prompts, max_new_tokens=6, cuda_graphs=True) == plain

@@ -24,11 +24,11 @@ def test_packed_model_decodes_the_unfused_tokens_with_one_product_per_block(vari
     assert [id(p) for p in packed.parameters()] == [id(p) for p in params]
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), packed.parameters(), strict=True))
     runner = LlamaRunner(packed)
-    fused = runner._fused_projections()
+    fused = runner.fused_projections()
     assert fused and all(p.qkv is not None and p.gate_up is not None for p in fused)
     assert (fused[0].qkv.bias is not None) == (variant == "llama-mqa-bias")
-    assert LlamaRunner(model)._fused_projections() is None  # as built: separate tensors
-    assert runner.invariant_mode()._fused_projections() is None  # the bit-exact mode multiplies each weight alone
+    assert LlamaRunner(model).fused_projections() is None  # as built: separate tensors
+    assert runner.invariant_mode().fused_projections() is None  # the bit-exact mode multiplies each weight alone
 
     products = set()  # (weight address, output width) of every product in the packed model's forward
     real_linear = llama.linear
@@ -61,7 +61,55 @@ def test_only_consecutive_rows_of_one_storage_fuse_and_moved_weights_are_found_a
     model = build_tiny_model()
     pack_projections(model)
     runner = LlamaRunner(model)
-    assert runner._fused_projections() is not None
+    assert runner.fused_projections() is not None
     model.double()  # every parameter gets storage of its own
-    assert runner._fused_projections() is None
+    assert runner.fused_projections() is None
     assert LayerProjections.of(model.model.layers[0]).qkv is None
+
+
+def test_a_checkpoint_loaded_on_the_cpu_multiplies_fused_blocks_and_its_row_policy_times_them(tmp_path):
+    """specdec lays out the targets it loads on every device: on a CPU a fused block over oneDNN-packed weights
+    streams faster than its parts (the models it loaded there used to stay as built). The row policy times what the
+    forward multiplies, and measurements keyed to the unfused layout are not reused for the fused one."""
+    from specdec import cost_model
+    from specdec.models.loader import load_model
+    from specdec.testing import save_tiny_checkpoint
+
+    loaded = load_model(save_tiny_checkpoint(tmp_path / "tiny", "llama-mqa-bias"))
+    assert loaded.runner.device.type == "cpu"
+    fused = loaded.runner.fused_projections()
+    assert fused and all(p.qkv is not None and p.gate_up is not None for p in fused)
+    c = loaded.model.config
+    layers = cost_model._layer_weights(loaded.runner)
+    head_dim = c.hidden_size // c.num_attention_heads
+    assert [w.shape[0] for w in layers[0]] == [(c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim,
+                                               c.hidden_size, 2 * c.intermediate_size, c.hidden_size]
+    assert layers[0][0] is fused[0].qkv.weight  # the block itself: its packed copy is the one the forward uses
+    unfused = LlamaRunner(build_tiny_model("llama-mqa-bias", vocab_size=c.vocab_size))
+    assert len(cost_model._layer_weights(unfused)[0]) == 7
+    assert cost_model.machine_key(loaded.runner) != cost_model.machine_key(unfused)
+
+
+def test_runners_over_one_layer_share_its_blocks_and_their_packed_copy(monkeypatch):
+    """A second runner over the same layers (another LoadedModel of one model, self-draft's truncated runner) gets
+    the same block views, so the CPU's packed copy of each block (row_policy, keyed by the weight) is made once,
+    not once per runner (a moved layer's new blocks: the test above)."""
+    from specdec.models import row_policy
+
+    model = build_tiny_model()
+    pack_projections(model)
+    first = LlamaRunner(model)
+    blocks = first.fused_projections()
+    assert LlamaRunner(model).fused_projections()[0] is blocks[0]
+    assert first.truncated(1).fused_projections() == blocks[:1] and first.truncated(1).fused_projections()[0] \
+        is blocks[0]
+    if not row_policy.packing_available():
+        pytest.skip("this PyTorch has no oneDNN packed linear")
+    packs = []
+    real_pack = row_policy.pack_weight
+    monkeypatch.setattr(row_policy, "pack_weight", lambda w: packs.append(w.shape) or real_pack(w))
+    x = torch.randn(1, model.config.hidden_size)
+    for runner in (first, LlamaRunner(model), first.truncated(1)):
+        weight = runner.fused_projections()[0].qkv.weight
+        assert torch.allclose(row_policy.packed_linear(x, weight), x @ weight.T, atol=1e-5)
+    assert len(packs) == 1

@@ -112,7 +112,7 @@ def test_the_checked_q_is_laid_out_as_the_runner_passes_it(variant, monkeypatch)
             pack_projections(own)
         loaded = load_model(own, device=DEVICE)
         runner = llama.LlamaRunner(loaded.model, backend="triton")
-        assert (runner._fused_projections() is not None) == fused
+        assert (runner.fused_projections() is not None) == fused
         seen.clear()
         generate(dataclasses.replace(loaded, runner=runner), [[1, 2, 3]], max_new_tokens=2)
         rows = {q.shape[0] for q in seen}

@@ -7,9 +7,10 @@ the runner multiplies once and splits the output into views, no copy.
 
 :func:`pack_projections` lays a model out so: each layer's blocks become one tensor whose row slices the
 parameters then are (same parameter objects, same values; the peak is one layer's block more). specdec packs the
-models it builds itself on CUDA (synthetic targets, checkpoints and GGUF files it loads, and the EAGLE layers it
-loads or builds, whose fused-op forward then multiplies once per block); a model passed in as an object is never
-re-laid, and its products stay separate, as do all products of the bit-exact mode. A parameter given new storage
+targets it builds itself on every device (synthetic targets, checkpoints and GGUF files it loads: on a GPU fewer
+launches, on a CPU wider products over oneDNN-packed weights) and the EAGLE layers it loads or builds on CUDA
+(whose fused-op forward then multiplies once per block); a model passed in as an object is never re-laid, and its
+products stay separate, as do all products of the bit-exact mode. A parameter given new storage
 later (``param.data = ...``) ends the fusion of its layer: a LoadedModel's runner compares every part's address
 once per generate() call and is built again (``LlamaRunner.stale``); replacing weights in place (``copy_``,
 ``load_state_dict``) keeps the fusion.
@@ -19,6 +20,7 @@ products, so exactness is unaffected.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -64,11 +66,24 @@ class LayerProjections:
 
     @classmethod
     def of(cls, layer) -> "LayerProjections":
+        """The layer's blocks; the same object for every caller while one holds it and the parts stay where they
+        are: the runners over one layer (a second LoadedModel of a model, self-draft's truncated runner, an EAGLE
+        layer's) multiply the same views, so the CPU keeps one packed copy of each block (row_policy)."""
         attn, mlp = layer.self_attn, layer.mlp
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
         gate_up = [mlp.gate_proj, mlp.up_proj]
-        return cls(fuse([m.weight for m in qkv], [m.bias for m in qkv]),
-                   fuse([m.weight for m in gate_up], [m.bias for m in gate_up]))
+        key = (id(layer), tuple((id(t), t.data_ptr()) for m in (*qkv, *gate_up) for t in (m.weight, m.bias)
+                                if t is not None))
+        found = _SHARED.get(key)
+        if found is None:
+            found = _SHARED[key] = cls(fuse([m.weight for m in qkv], [m.bias for m in qkv]),
+                                       fuse([m.weight for m in gate_up], [m.bias for m in gate_up]))
+        return found
+
+
+# (layer, its parts' identities and addresses) -> the LayerProjections someone holds; gone with its last holder,
+# so no view here keeps a weight's old memory alive
+_SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def pack_projections(hf_model) -> int:

@@ -331,7 +331,7 @@ class LlamaRunner:
             return invariant_ops.linear(x, weight, bias, self.backend)
         return linear(x, weight, bias)
 
-    def _fused_projections(self) -> list[LayerProjections] | None:
+    def fused_projections(self) -> list[LayerProjections] | None:
         """Each layer's fused QKV / gate-up products where its weights lie side by side (module
         specdec.models.fused_projections), None when no layer's do or in the bit-exact mode. Found again when the
         weights move (a model.to() gives every parameter new storage)."""
@@ -346,6 +346,20 @@ class LlamaRunner:
             # with the address of every part, which the views keep alive: stale() compares them once per call
             self._projections = key, found if fused else None, _projection_parts(self.layers) if fused else ()
         return self._projections[1]
+
+    def layer_weights(self) -> list[list[torch.Tensor]]:
+        """Per layer, the weight matrices a forward multiplies, in its order: q / k / v (one block where fused), o,
+        gate / up (likewise), down. What the CPU's row policy times (specdec.cost_model)."""
+        fused = self.fused_projections()
+        out = []
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, gate_up = (fused[i].qkv, fused[i].gate_up) if fused else (None, None)
+            out.append([*([qkv.weight] if qkv else [m.weight for m in (attn.q_proj, attn.k_proj, attn.v_proj)]),
+                        attn.o_proj.weight,
+                        *([gate_up.weight] if gate_up else [mlp.gate_proj.weight, mlp.up_proj.weight]),
+                        mlp.down_proj.weight])
+        return out
 
     def _attention(self, q, k_cache, v_cache, plan: AttentionPlan, backend: Backend) -> torch.Tensor:
         if self.invariant:
@@ -406,7 +420,7 @@ class LlamaRunner:
         h = F.embedding(token_ids, self.embed)
         delta = None  # the last block's output, added to the residual stream h by the next norm
         streams: dict[int, torch.Tensor] = {}  # layer id -> [R, hidden_size] (feature_layers)
-        fused = self._fused_projections()
+        fused = self.fused_projections()
         write_slots = plan.write_slots
         if cache.backend.triton:  # the KV-write kernel's index type, converted once per forward, not per layer
             write_slots = write_slots.to(device=cache.kv.device, dtype=torch.int32)
