@@ -168,17 +168,11 @@ def write_cache(file: Path, data: dict) -> None:
         logger.warning("cost model: cannot write %s (%s); the measurement is not cached", file, err)
 
 
-def _layer_weights(runner) -> list[list[torch.Tensor]]:
-    """Per layer, the projection matrices a forward multiplies (q, k, v, o, gate, up, down; q / k / v and gate / up
-    one block each where the runner fuses them)."""
-    return runner.layer_weights()
-
-
 def streamed_weights(runner, budget_bytes: int = STREAM_BYTES) -> tuple[list[torch.Tensor], list[float]]:
     """The matrices a forward multiplies, as the row policy should time them: evenly spaced layers holding at
     least ``budget_bytes`` (all layers when the model is smaller), each scaled to stand for its share of the
     layers, plus the LM head once. Returns (weights, scales)."""
-    per_layer = _layer_weights(runner)
+    per_layer = runner.layer_weights()  # q / k / v and gate / up one block each where fused
     layer_bytes = max(1, sum(p.numel() * p.element_size() for p in per_layer[0]))
     count = min(len(per_layer), max(1, -(-budget_bytes // layer_bytes)))
     chosen = sorted({round(i * (len(per_layer) - 1) / max(1, count - 1)) for i in range(count)})
@@ -193,7 +187,7 @@ def packed_weights_allowed(runner) -> bool:
     and the memory available now holds those bytes twice over (room left for the KV cache and drafters)."""
     if os.environ.get("SPECDEC_PACKED_WEIGHTS", "1").strip() == "0" or not row_policy.packing_available():
         return False
-    weights = [p for layer in _layer_weights(runner) for p in layer] + [runner.lm_head]
+    weights = [p for layer in runner.layer_weights() for p in layer] + [runner.lm_head]
     needed = 2 * sum(w.numel() * w.element_size() for w in weights)
     available = available_memory_bytes(runner.device)
     return available is not None and available >= needed

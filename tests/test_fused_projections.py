@@ -80,13 +80,14 @@ def test_a_checkpoint_loaded_on_the_cpu_multiplies_fused_blocks_and_its_row_poli
     fused = loaded.runner.fused_projections()
     assert fused and all(p.qkv is not None and p.gate_up is not None for p in fused)
     c = loaded.model.config
-    layers = cost_model._layer_weights(loaded.runner)
+    timed, _ = cost_model.streamed_weights(loaded.runner)  # what the row policy times: every layer here, LM head
     head_dim = c.hidden_size // c.num_attention_heads
-    assert [w.shape[0] for w in layers[0]] == [(c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim,
-                                               c.hidden_size, 2 * c.intermediate_size, c.hidden_size]
-    assert layers[0][0] is fused[0].qkv.weight  # the block itself: its packed copy is the one the forward uses
+    per_layer = [(c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim, c.hidden_size,
+                 2 * c.intermediate_size, c.hidden_size]
+    assert [w.shape[0] for w in timed] == per_layer * c.num_hidden_layers + [c.vocab_size]
+    assert timed[0].data_ptr() == fused[0].qkv.weight.data_ptr()  # the block itself
     unfused = LlamaRunner(build_tiny_model("llama-mqa-bias", vocab_size=c.vocab_size))
-    assert len(cost_model._layer_weights(unfused)[0]) == 7
+    assert len(cost_model.streamed_weights(unfused)[0]) == 7 * c.num_hidden_layers + 1
     assert cost_model.machine_key(loaded.runner) != cost_model.machine_key(unfused)
 
 

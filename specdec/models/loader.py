@@ -220,7 +220,7 @@ def _load_path(spec: str, dtype: torch.dtype | None, device: str | torch.device 
 def _pack(model) -> None:
     """A model specdec built itself: each layer's QKV and gate/up weights side by side, so the runner multiplies
     once per block (specdec.models.fused_projections): on a GPU fewer launches, on a CPU wider products over
-    packed oneDNN weights, which stream faster than three narrow ones."""
+    packed oneDNN weights, which stream faster than their narrow parts."""
     blocks = pack_projections(model)
     logger.debug("fused %d QKV / gate-up projection blocks", blocks)
 
