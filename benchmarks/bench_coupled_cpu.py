@@ -69,7 +69,7 @@ def identity_part(loaded, args, out: dict) -> None:
     per_cat = -(-args.identity_prompts // len(CATEGORIES))
     prompts = [chat_ids(loaded.tokenizer, t) for c in CATEGORIES for t in load_prompts(c, per_cat)]
     prompts = prompts[: args.identity_prompts]
-    kw = dict(do_sample=True, temperature=args.identity_temperature, seed=args.seed, sampler="coupled")
+    kw = dict(do_sample=True, temperature=args.identity_temperature, top_k=0, seed=args.seed, sampler="coupled")
     t0 = time.perf_counter()
     plain = generate(loaded, prompts, max_new_tokens=args.identity_tokens, **kw)
     print(f"plain coupled: {len(prompts)} prompts x {args.identity_tokens} tokens in "
@@ -105,7 +105,7 @@ def tau_part(loaded, args, out: dict) -> None:
                     for ids in prompts[cat]:
                         drafter, options = make()
                         res = generate(loaded, [ids], max_new_tokens=args.max_new_tokens, drafter=drafter,
-                                       drafter_options=options, do_sample=True, temperature=temperature,
+                                       drafter_options=options, do_sample=True, temperature=temperature, top_k=0,
                                        seed=args.seed, sampler=sampler, speculation="always", return_dict=True)
                         new += res.total_new_tokens
                         steps += sum(s.steps for s in res.stats)

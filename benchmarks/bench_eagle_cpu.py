@@ -71,7 +71,8 @@ def main() -> None:
     for spec in args.medusa_path:
         name, _, path = spec.partition("=")
         table[f"medusa {name}"] = ("medusa", {"path": path, "tree": "dynamic"})
-    sampling = {"do_sample": True, "temperature": args.temperature, "seed": 0} if args.temperature > 0 else {}
+    sampling = ({"do_sample": True, "temperature": args.temperature, "top_k": 0, "seed": 0}
+                if args.temperature > 0 else {})
     if sampling and args.unseeded:
         del sampling["seed"]
     if args.always:

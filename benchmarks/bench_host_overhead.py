@@ -155,7 +155,7 @@ def batch1(tokens: int, repeats: int, batch: int = 1) -> None:
     paths = {path: LlamaRunner(model.model, backend=backend) for path, backend in (("eager", "reference"),
                                                                                   ("graphed", "triton"))}
     eagle = synthetic.eagle_head(model.model.config, device="cpu", dtype=torch.float32)
-    rows = {"plain": {}, "sampled": dict(do_sample=True, seed=1, temperature=0.9),
+    rows = {"plain": {}, "sampled": dict(do_sample=True, seed=1, temperature=0.9, top_k=0),
             "ngram": dict(drafter="ngram", speculation="always"),
             "eagle": dict(drafter=lambda path: EagleDrafter(model=eagle, depth=6, top_k=1, max_nodes=6,
                                                             adapt_depth=False, cuda_graphs=path == "graphed"),

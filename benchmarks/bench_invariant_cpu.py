@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = load_model(DEFAULT_ALIAS, dtype=getattr(torch, args.dtype))
     prompts = [chat_ids(loaded.tokenizer, t) for t in load_prompts("chat", args.prompts)]
-    sampling = dict(do_sample=True, temperature=0.8, seed=0, sampler="coupled") if args.setting == "coupled" else {}
+    coupled = args.setting == "coupled"
+    sampling = dict(do_sample=True, temperature=0.8, top_k=0, seed=0, sampler="coupled") if coupled else {}
     table = drafters(loaded, args.medusa_path, args.eagle_path)
     result = {"model": loaded.name, "dtype": args.dtype, "setting": args.setting, "prompts": len(prompts),
               "tokens": args.tokens, "batch": args.batch, "threads": args.threads,

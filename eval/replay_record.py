@@ -140,7 +140,8 @@ def record_run(loaded: Any, prompts: Sequence[Sequence[int]], config: RecordConf
     categories = list(categories) if categories is not None else ["custom"] * len(prompts)
     if len(categories) != len(prompts):
         raise InputError(f"record_run: {len(prompts)} prompts but {len(categories)} categories (one per prompt)")
-    sampling = dict(do_sample=config.temperature > 0, temperature=config.temperature or 1.0, seed=config.seed)
+    sampling = dict(do_sample=config.temperature > 0, temperature=config.temperature or 1.0, top_k=0,
+                    seed=config.seed)  # the full distribution at that temperature: no warper
     generate(loaded, [list(prompts[0])], max_new_tokens=2, **sampling)  # warm-up: first-call costs out
     sequences, steps, decode_seconds = [], 0, 0.0
     for category, prompt in zip(categories, prompts, strict=True):

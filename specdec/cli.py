@@ -169,7 +169,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
                    help="sample instead of greedy decoding (default: the model's generation_config, else greedy)")
     p.add_argument("--temperature", type=float, default=None, help="default: the model's generation_config, else 1")
-    p.add_argument("--top-k", type=int, default=None, help="default: the model's generation_config, else 0 (off)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="default: the model's generation_config, else transformers' 50; 0: off")
     p.add_argument("--top-p", type=float, default=None, help="default: the model's generation_config, else 1 (off)")
     add_warper_flags(p, "the model's generation_config, else ")
     p.add_argument("--seed", type=int, default=None,

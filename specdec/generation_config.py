@@ -63,7 +63,7 @@ class GenerationConfig:
     num_return_sequences: int = 1  # copies of each prompt, consecutive in the output; needs do_sample=True
     do_sample: bool = False  # False: greedy decoding (the target's own argmax tokens)
     temperature: float = 1.0
-    top_k: int = 0  # 0 = disabled
+    top_k: int = 0  # 0 = disabled; generate() samples with transformers' 50 when no layer sets it
     top_p: float = 1.0  # 1.0 = disabled
     seed: int | None = None  # seeds sampling and sampled drafts; None = torch's global RNG
     eos_token_id: Any = None  # int, list of ints, 0-D / 1-D integer tensor; None = the model's own

@@ -20,8 +20,7 @@ in transformers 5 (:data:`NONE_KWARG`): ``eos_token_id=None`` is no EOS, ``stop_
   one-line InputError naming the field and its source. A field this file does not know is refused the same way;
   custom keys of a generation_config.json are logged and ignored; an unknown keyword: InputTypeError.
 
-Sampling defaults: when a transformers config (passed or the model's) sets ``do_sample=True`` and no layer sets
-``top_k``, top-k is transformers' 50; sampling asked for only by keyword or a specdec config keeps ``top_k=0``.
+Sampling: where no layer sets ``top_k``, top-k is transformers' 50, as transformers' generate() fills it in.
 
 Lengths: ``max_length`` (and ``min_length``) count the prompt as ``input_ids.shape[-1]`` (the longest row of a list
 input); ``max_new_tokens`` (``min_new_tokens``) wins where both are set, whatever layer each comes from; neither
@@ -46,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 KWARGS = "keyword argument"  # the source named in messages about generate()'s keyword arguments
 MODEL_SOURCE = "the model's generation_config"
-TRANSFORMERS_TOP_K = 50  # transformers' top_k when sampling and no config sets it
+TRANSFORMERS_TOP_K = 50  # transformers' top_k when sampling and no layer sets it
 
 ALIASES = {"stop_strings": "stop"}  # transformers' name -> specdec's GenerationConfig field
 RETURN_DICT = "return_dict_in_generate"  # -> generate()'s return_dict
@@ -105,7 +104,6 @@ class ConfigLayer:
     source: str  # "keyword argument", "generation_config=", "the model's generation_config"
     values: Mapping[str, Any] = field(default_factory=dict)  # specdec GenerationConfig field -> value, set only
     refused: Mapping[str, Any] = field(default_factory=dict)  # REFUSED (or unknown transformers) field -> value
-    transformers: bool = False  # a transformers GenerationConfig: its do_sample brings transformers' top_k
     return_dict: bool | None = None  # return_dict_in_generate, if it set it
 
 
@@ -146,7 +144,7 @@ def _is_neutral(name: str, value: Any) -> bool:
         not isinstance(v, bool) and value == v for v in neutral)
 
 
-def _read(source: str, items: Mapping[str, Any], transformers: bool, kwargs: bool = False) -> ConfigLayer:
+def _read(source: str, items: Mapping[str, Any], kwargs: bool = False) -> ConfigLayer:
     """``items`` (name -> value; None = unset) as a layer; names nobody knows (custom entries of a
     transformers config) are logged and ignored, as transformers ignores them. ``kwargs`` (keyword
     arguments): None is kept, so that it overrides a lower layer's value (:data:`NONE_KWARG`), or so that
@@ -176,7 +174,7 @@ def _read(source: str, items: Mapping[str, Any], transformers: bool, kwargs: boo
         else:
             logger.info("%s: %s=%r is no transformers generation field: ignored, as transformers ignores it",
                         source, name, value)
-    return ConfigLayer(source, values, refused, transformers, return_dict)
+    return ConfigLayer(source, values, refused, return_dict)
 
 
 def _short(value: Any) -> str:
@@ -189,7 +187,7 @@ def kwargs_layer(kwargs: Mapping[str, Any]) -> ConfigLayer:
     unknown = sorted(set(kwargs) - _known_names())
     if unknown:
         raise InputTypeError(unknown_arguments(unknown, _known_names()))
-    return _read(KWARGS, kwargs, transformers=False, kwargs=True)
+    return _read(KWARGS, kwargs, kwargs=True)
 
 
 def config_layer(config: Any, source: str = "generation_config=") -> ConfigLayer:
@@ -201,7 +199,7 @@ def config_layer(config: Any, source: str = "generation_config=") -> ConfigLayer
                                     if getattr(config, n) is not None})
     if _is_transformers_config(config):
         items = {k: v for k, v in config.to_dict().items() if not k.startswith("_")}
-        return _read(source, items, transformers=True)
+        return _read(source, items)
     raise InputTypeError(f"generation_config must be a specdec or transformers GenerationConfig, got "
                          f"{describe(config)}")
 
@@ -250,8 +248,7 @@ def resolve(layers: Sequence[ConfigLayer], prompt_length: int | None = None,
                 merged[name] = NONE_KWARG[name]
     if merged.get("min_new_tokens") is not None:  # transformers: min_length = min_new_tokens + the prompt's length
         merged.pop("min_length", None)
-    asks_transformers_sampling = any(layer.transformers and layer.values.get("do_sample") is True for layer in layers)
-    if merged.get("do_sample") is True and "top_k" not in merged and asks_transformers_sampling:
+    if merged.get("do_sample") is True and "top_k" not in merged:
         merged["top_k"] = TRANSFORMERS_TOP_K
     length_from = None
     if prompt_length is not None and "max_length" in merged:

@@ -263,20 +263,41 @@ def test_do_sample_from_the_model_config_samples_with_transformers_top_k():
     model = _model(do_sample=True, top_k=1)  # top-k 1: sampling that is deterministic, so comparable
     assert torch.equal(specdec.generate(model, **enc, max_new_tokens=6), hf(model, **enc, max_new_tokens=6))
     assert torch.equal(specdec.generate(model, **enc, max_new_tokens=6), greedy)
-    # top_k unset: transformers' 50 when do_sample comes from a transformers config; specdec's 0 from kwargs
     sampling = _model(do_sample=True, temperature=0.7)
     assert prepare(sampling, [[1, 2]]).config.sampling == specdec.SamplingConfig(True, 0.7, 50, 1.0)
-    assert prepare(_shared_model(), [[1, 2]], generation_config=transformers.GenerationConfig(
-        do_sample=True)).config.top_k == 50
-    assert prepare(_shared_model(), [[1, 2]], do_sample=True).config.top_k == 0
-    assert prepare(sampling, [[1, 2]], do_sample=True).config.top_k == 50  # do_sample still the model's: set too
     assert prepare(sampling, [[1, 2]], top_k=7).config.sampling == specdec.SamplingConfig(True, 0.7, 7, 1.0)
+    # a specdec GenerationConfig that samples without a top_k: transformers' 50 too (top_k=0: the full law)
+    for config, top_k in ((specdec.GenerationConfig(do_sample=True), 50),
+                          (specdec.GenerationConfig(do_sample=True, top_k=0), 0)):
+        assert prepare(_shared_model(), [[1, 2]], generation_config=config).config.top_k == top_k
     # kwargs beat the model's sampling; an explicit specdec GenerationConfig(do_sample=False) beats it too
     assert not prepare(sampling, [[1, 2]], do_sample=False).config.do_sample
     assert not prepare(sampling, [[1, 2]],
                        generation_config=specdec.GenerationConfig(do_sample=False)).config.do_sample
     outs = {tuple(specdec.generate(sampling, [[5, 6, 7]], max_new_tokens=8, seed=s)[0]) for s in range(4)}
     assert len(outs) > 1  # it really samples
+
+
+@pytest.mark.parametrize("model_sampling", [False, True], ids=["greedy-model", "sampling-model"])
+@pytest.mark.parametrize("call", [
+    dict(do_sample=True), dict(do_sample=True, top_k=0), dict(do_sample=True, top_k=None),
+    dict(do_sample=True, top_k=3),
+    dict(generation_config=dict(do_sample=True)), dict(generation_config=dict(do_sample=True, top_k=5)),
+    dict(generation_config=dict(do_sample=True), top_k=None), dict(), dict(temperature=0.5),
+], ids=str)
+def test_top_k_is_the_one_transformers_generate_samples_with(call, model_sampling):
+    """However sampling is asked for (a keyword, generation_config=, the model's own config), the top-k specdec
+    samples with is the one transformers' generate() resolves for the same call: its 50 where nothing sets one."""
+    model = _model(do_sample=True, temperature=0.7) if model_sampling else _shared_model()
+    call = dict(call)
+    if "generation_config" in call:
+        call["generation_config"] = transformers.GenerationConfig(**call["generation_config"])
+    theirs, _ = model._prepare_generation_config(call.get("generation_config"),
+                                                 **{k: v for k, v in call.items() if k != "generation_config"})
+    ours = prepare(model, [[1, 2]], **call).config
+    assert ours.do_sample == theirs.do_sample
+    if theirs.do_sample:
+        assert ours.top_k == (theirs.top_k or 0), (ours.top_k, theirs.top_k)
 
 
 def test_unsupported_fields_are_refused_from_every_layer():

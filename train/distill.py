@@ -132,7 +132,7 @@ def self_distill(loaded, prompts: list[str] | list[list[int]], *, max_new_tokens
         def answers(start: int) -> list[list[int]]:
             chunk = ids[start : start + batch_size]
             res = generate(loaded, chunk, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-                           seed=seed + start if do_sample else None, return_dict=True, cuda_graphs=graphed)
+                           top_k=0, seed=seed + start if do_sample else None, return_dict=True, cuda_graphs=graphed)
             return [list(p) + list(n) for p, n in zip(chunk, res.new_tokens, strict=True)]
 
         t0 = time.perf_counter()  # graph capture counted: it is part of what the recipe pays

@@ -120,8 +120,8 @@ def self_written_prompts(loaded, n: int, *, seed: int = 0, batch_size: int = 64,
         made = None
         if mine is not None:
             res = generate(loaded, [prefix] * batch_size, max_new_tokens=MAX_TOKENS, do_sample=True,
-                           temperature=TEMPERATURE, top_p=TOP_P, seed=seed * 1_000_003 + mine, return_dict=True,
-                           cuda_graphs=graphed)
+                           temperature=TEMPERATURE, top_k=0, top_p=TOP_P, seed=seed * 1_000_003 + mine,
+                           return_dict=True, cuda_graphs=graphed)
             made = [list(new) for new in res.new_tokens]
         # in the order one process draws them; a last round of fewer pieces than processes pairs the pieces only
         for first, batch in zip(firsts, team.exchange(made), strict=False):
