@@ -270,8 +270,10 @@ def read_published(source: str | os.PathLike, base_model: str | None = None,
     if kind == "heads" and raw.get("draft_vocab"):
         raise MedusaCheckpointError(f"{src} is already specdec's Medusa layout (with a draft_vocab): load it "
                                     "directly with --drafter medusa --drafter-option path=...")
+    choices_from = "the medusa_choices given"
     if medusa_choices is None and kind == "heads":
         medusa_choices = raw.get("medusa_choices")  # specdec's own layout keeps its tree
+        choices_from = f"{directory / 'config.json'}"
     if kind == "model" and not files:
         raise MedusaCheckpointError(f"{src}: the model's weights index lists no {MODEL_PREFIX}* tensors: "
                                     "this is not a Medusa-2 checkpoint")
@@ -321,7 +323,7 @@ def read_published(source: str | os.PathLike, base_model: str | None = None,
                               shared_lm_head=shared, base_model_name_or_path=base_ref,
                               medusa_choices=tuple(tuple(p) for p in medusa_choices or ()))
     except (ValueError, TypeError) as err:
-        raise MedusaCheckpointError(f"medusa_choices: {err}") from err
+        raise MedusaCheckpointError(f"{choices_from}: {err}") from err
     return config, state
 
 
@@ -331,6 +333,8 @@ def convert_published(source: str | os.PathLike, output_dir: str | os.PathLike, 
     medusa_lm_head.safetensors) to ``output_dir``; load it with ``drafter="medusa"``, option ``path``."""
     out = Path(output_dir).expanduser()
     src = Path(source).expanduser()
+    if not src.exists():  # the first problem to name: a missing source, not the output directory's contents
+        read_published(src)
     src_dir = src if src.is_dir() else src.parent
     if out.exists() and src_dir.exists() and out.resolve() == src_dir.resolve():
         raise MedusaCheckpointError(f"--output-dir {out} is the source's own directory: its config.json would be "

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 from specdec.drafters.draft_vocab import DraftVocab
+from specdec.drafters.medusa_tree import check_paths
 from torch import nn
 
 from specdec.atomic_write import replaced_atomically, write_json
@@ -69,10 +70,12 @@ class MedusaConfig:
         for name in ("num_heads", "num_layers", "hidden_size", "vocab_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < (0 if name == "num_layers" else 1):
                 raise InputError(f"MedusaConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.medusa_choices:  # the drafter's checks (ranks, prefixes, size), so that no saved tree is refused later
+            check_paths(self.medusa_choices, allow_repeats=True)
         choices = tuple(tuple(int(k) for k in path) for path in self.medusa_choices)
         object.__setattr__(self, "medusa_choices", choices)
         for path in choices:
-            if not path or len(path) > self.num_heads or min(path) < 0:
+            if len(path) > self.num_heads:
                 raise InputError(
                     f"medusa_choices path {list(path)} must be a non-empty list of top-k ranks, "
                     f"at most num_heads={self.num_heads} long"
@@ -90,6 +93,10 @@ class MedusaConfig:
                 twice = next(t for t in ids if ids.count(t) > 1)
                 raise InputError(f"draft_vocab lists token id {twice} more than once ({len(ids)} ids, "
                                  f"{len(set(ids))} distinct)")
+        worst = max((max(path) for path in choices), default=-1)
+        if worst >= self.draft_size:
+            what = "draft vocabulary" if ids else "vocabulary"
+            raise InputError(f"medusa_choices use rank {worst}, but the {what} has {self.draft_size} tokens")
 
     @property
     def draft_size(self) -> int:

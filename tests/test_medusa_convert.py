@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -302,6 +303,23 @@ def test_cli_converts_and_refuses_to_overwrite(tmp_path, capsys):
     assert main(["convert-medusa", str(src), "--output-dir", str(out), "--overwrite"]) == 0
     assert main(["convert-medusa", str(src), "--output-dir", str(src)]) == 2  # would replace the source's config
     assert "source's own directory" in capsys.readouterr().err
+    assert main(["convert-medusa", str(tmp_path / "nope"), "--output-dir", str(out)]) == 2  # the missing source first
+    assert "nope does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("choices, match", [
+    ("[[5,0]]", r"the medusa_choices given: medusa_choices path \[5, 0\] lacks its prefix \[5\]"),
+    (json.dumps([[i] for i in range(3)] + [[i, j] for i in range(3) for j in range(30)]), "93 paths; .* at most 64"),
+    ("[[0],[96]]", "rank 96, but the vocabulary has 96 tokens"),
+], ids=["prefix", "size", "rank"])
+def test_cli_refuses_a_tree_the_drafter_would_refuse(tmp_path, capsys, choices, match):
+    """A tree the Medusa drafter refuses on attach is refused when converting, before anything is written."""
+    from specdec.cli import main
+
+    src = write_medusa1(tmp_path / "src", medusa_module(2, 1), 1)
+    assert main(["convert-medusa", str(src), "--output-dir", str(tmp_path / "out"), "--medusa-choices", choices]) == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
 
 
 # ---- base_model_name_or_path: something other tools resolve -----------------------------------------------------

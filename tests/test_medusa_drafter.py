@@ -368,7 +368,7 @@ def test_loaded_heads_are_owned_not_views_of_the_file(tmp_path):
     ({"medusa_num_heads": "two"}, r"config.json: medusa_num_heads must be an integer, got 'two'"),
     ({"medusa_num_layers": 1.5}, r"config.json: medusa_num_layers must be an integer, got 1.5"),
     ({"hidden_size": [64]}, r"config.json: hidden_size must be an integer, got \[64\]"),
-    ({"medusa_choices": [["a"]]}, r"config.json: invalid literal"),
+    ({"medusa_choices": [["a"]]}, r"config.json: medusa_choices must be a list of lists of integer ranks"),
     ({"medusa_choices": [1, 2]}, r"config.json: .*not iterable"),
 ])
 def test_non_integer_config_fields_name_the_file(extra, match, tmp_path):
