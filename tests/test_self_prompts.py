@@ -100,5 +100,7 @@ def test_self_written_prompts_exclude_the_other_prompt_sources():
         TrainConfig(model="m", output_dir="o", prompt_source="self", prompts_file="p.txt")
     with pytest.raises(ValueError, match="prompt_source must be one of"):
         TrainConfig(model="m", output_dir="o", prompt_source="web")
+    with pytest.raises(ValueError, match="data and prompts_file are two sources"):  # --prompts-file was ignored
+        TrainConfig(model="m", output_dir="o", data="d.jsonl", prompts_file="p.txt")
     assert TrainConfig(model="m", output_dir="o").fingerprint() == TrainConfig(
         model="m", output_dir="o", prompt_source="builtin").fingerprint()

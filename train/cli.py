@@ -130,7 +130,9 @@ def _common_args(p, name: str) -> None:
     g.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (atomic)")
     g.add_argument("--log-every", type=int, default=10, help="log a line to train.log every N steps")
     g.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its checkpoint")
-    g.add_argument("--overwrite", action="store_true", help="delete whatever --output-dir holds and start afresh")
+    g.add_argument("--overwrite", action="store_true",
+                   help="delete a previous training run in --output-dir and start afresh (a directory holding "
+                   "anything a run does not write is refused, not deleted)")
     g.add_argument("--eval-prompts", type=int, default=24, help="held-out chat prompts for the tau measurement")
     g.add_argument("--eval-max-new-tokens", type=int, default=128, help="tokens per prompt for tau")
     if name == "train-medusa":

@@ -122,6 +122,9 @@ class TrainConfig:
             raise ValueError(f"distill_cuda_graphs must be 'auto', 'on' or 'off', got {self.distill_cuda_graphs!r}")
         if self.prompt_source not in PROMPT_SOURCES:
             raise ValueError(f"prompt_source must be one of {PROMPT_SOURCES}, got {self.prompt_source!r}")
+        if self.data is not None and self.prompts_file:
+            raise ValueError("data and prompts_file are two sources of training text (data: the sequences to train "
+                             "on; prompts_file: prompts the target answers); pass one")
         if self.prompt_source == "self" and (self.data is not None or self.prompts_file):
             raise ValueError("prompt_source='self' has the target write the prompts; it cannot be combined with "
                              "data or prompts_file")
