@@ -197,7 +197,7 @@ def _load_path(spec: str, dtype: torch.dtype | None, device: str | torch.device 
             path = p
         elif p.is_file():
             raise InputError(f"model {spec!r} is a file, not a checkpoint directory: pass the directory that holds "
-                             f"config.json and the weights ({p.parent}?), or a .gguf file")
+                             f"config.json and the weights ({p.resolve().parent}?), or a .gguf file")
         else:
             hub = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))  # "org/name": a hub id?
             hint = (f"; specdec never downloads: fetch it first (hf download {spec} --local-dir DIR) and pass DIR"
