@@ -11,11 +11,17 @@
 * EAGLE-1 heads: no serving engine loads specdec's layer (its input / output norms and reduced head), so the
   command refuses in one line. A directory holding no draft head (a model, say) is refused naming what was expected.
 
-Every config names the target model: ``--target``, else the base model the head recorded when it was trained.
+Every config names the target model: ``--target`` (a local directory as an absolute path), else the base model the
+head recorded when it was trained. Where that target's config.json is on this machine, a head made for another target
+is refused, naming both sides; an EAGLE-3 head reading the target's last residual stream (layer L, which specdec's
+heads of targets of 2, 4, 5 or 6 layers read) exports with a warning: vLLM and SGLang capture only the streams
+entering layers 0 to L - 1.
 """
 from __future__ import annotations
 
 import json
+import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,12 +33,16 @@ from specdec.drafters.eagle_checkpoint import (
     EagleCheckpointError,
     _read_config,
     _read_weights,
+    check_fits_target,
+    read_json_object,
 )
 from specdec.drafters.eagle_model import EagleModel
 
 from specdec.atomic_write import leftover_of, replaced_atomically, write_json
-from specdec.errors import InputError
+from specdec.errors import InputError, SpecdecError
 from specdec.output_dirs import check_creatable
+
+logger = logging.getLogger(__name__)
 
 
 def export_head(source: str | Path, fmt: str, output_dir: str | Path, target: str | None = None,
@@ -83,11 +93,51 @@ def _check_output_dir(out: Path, overwrite: bool) -> None:
                          f"({', '.join(others[:5])}); name another directory")
 
 
-def _target(recorded: str, given: str | None, src: Path) -> str:
-    name = given or recorded
-    if not name:
+def _target(recorded: str, given: str | None, src: Path) -> tuple[str, str]:
+    """The target the export names (``--target`` as other tools resolve it: a local path made absolute), and how to
+    name it in an error."""
+    from specdec.models.loader import model_reference
+
+    if given:
+        return model_reference(given), f"--target {given}"
+    if not recorded:
         raise InputError(f"export-head: {src} records no target model; name it with --target (hub id or path)")
-    return name
+    return recorded, f"its recorded target {recorded}"
+
+
+def _target_config(name: str):
+    """The transformers config of the target ``name`` where its config.json is on this machine (a local checkpoint,
+    or the embedded default's converted copy for its hub id); None for a hub id (specdec downloads nothing)."""
+    from specdec.models import embedded
+    from specdec.models.loader import EMBEDDED_HUB_ID, _config_dir
+
+    where = Path(name).expanduser()
+    if name == EMBEDDED_HUB_ID and not where.exists():
+        try:
+            where = _config_dir(embedded.DEFAULT_ALIAS)
+        except (SpecdecError, OSError):  # the wheel is not installed
+            return None
+    if not (where / CONFIG_FILE).is_file():
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(where)).get_text_config()
+    except (OSError, ValueError):  # a config transformers cannot read: left to the serving engine
+        return None
+
+
+@contextmanager
+def _writing(out: Path):
+    """A write into ``out`` that fails (no permission, a full disk) as one line naming it: safetensors raises its
+    own SafetensorError, not an OSError."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, OSError) as err:
+        why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise InputError(f"export-head: cannot write into --output-dir {out}: {why}") from err
 
 
 def _export_eagle(src: Path, fmt: str, out: Path, target: str | None) -> Path:
@@ -106,8 +156,18 @@ def _export_eagle(src: Path, fmt: str, out: Path, target: str | None) -> Path:
     except RuntimeError as err:
         raise EagleCheckpointError(f"{src}: the weights do not match config.json "
                                    f"({str(err).splitlines()[0]})") from err
-    name = _target(config.base_model_name_or_path, target, src)
-    return write_eagle3(model, out, "sglang" if fmt == "sglang" else "speculators", name, _architectures(name))
+    name, named = _target(config.base_model_name_or_path, target, src)
+    target_config = _target_config(name)
+    if target_config is not None:
+        check_fits_target(config, target_config, f"export-head: {src} does not fit {named}")
+        depth = int(target_config.num_hidden_layers)
+        if max(config.feature_layers) >= depth:
+            logger.warning("%s reads the target's residual stream after its last layer (feature layers %s, the "
+                           "target has %d layers): vLLM and SGLang capture only the streams entering layers 0 to %d, "
+                           "so they cannot serve this export (specdec's eagle drafter can)", src,
+                           list(config.feature_layers), depth, depth - 1)
+    with _writing(out):
+        return write_eagle3(model, out, "sglang" if fmt == "sglang" else "speculators", name, _architectures(name))
 
 
 def _architectures(target: str) -> list[str]:
@@ -127,7 +187,11 @@ def _export_medusa(src: Path, fmt: str, out: Path, target: str | None) -> Path:
 
     if fmt != "vllm":
         raise InputError(f"export-head: Medusa heads are written in vLLM's layout (--format vllm), not {fmt!r}")
-    heads = load_medusa(src)
+    raw = read_json_object(src / CONFIG_FILE, f"{src} holds Medusa heads without their {CONFIG_FILE}")
+    name, _ = _target(str(raw.get("base_model_name_or_path") or ""), target, src)
+    target_config = _target_config(name)
+    sizes = (target_config.hidden_size, target_config.vocab_size) if target_config is not None else ()
+    heads = load_medusa(src, *sizes)
     c = heads.config
     if c.shared_lm_head:
         raise InputError("export-head: vLLM's Medusa layout needs each head's own LM head; these heads share the "
@@ -147,9 +211,10 @@ def _export_medusa(src: Path, fmt: str, out: Path, target: str | None) -> Path:
               "num_heads": c.num_heads,
               "num_hidden_layers": c.num_layers, "original_lm_head": False,
               "medusa_fc_bias": any(k.endswith(".bias") for k in tensors),
-              "base_model_name_or_path": _target(c.base_model_name_or_path, target, src)}
-    out.mkdir(parents=True, exist_ok=True)
-    with replaced_atomically(out / "model.safetensors") as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-    write_json(out / CONFIG_FILE, config, indent=2)
+              "base_model_name_or_path": name}
+    with _writing(out):
+        out.mkdir(parents=True, exist_ok=True)
+        with replaced_atomically(out / "model.safetensors") as tmp:
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+        write_json(out / CONFIG_FILE, config, indent=2)
     return out

@@ -1,0 +1,132 @@
+"""export-head and the target it names: a head made for another target is refused where the target is on this machine,
+a local target is recorded as an absolute path, a write the output folder refuses is one line, and a feature layer
+vLLM / SGLang never capture (the last residual stream of a shallow target) is exported with a warning."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from specdec.drafters.export_head import export_head
+from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads, save_medusa
+
+from specdec.cli import main
+from specdec.testing import build_tiny_model
+from tests.test_head_layouts import H, V, write_sglang_checkpoint
+
+
+def _target_dir(path, **overrides):
+    """A local target's checkpoint directory (its config.json is what export-head reads)."""
+    config = build_tiny_model(**overrides).config
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(path)
+    return path
+
+
+def _medusa(path, base="org/tiny-target"):
+    torch.manual_seed(0)
+    path.mkdir()
+    save_medusa(MedusaHeads(MedusaConfig(2, 1, H, V, base_model_name_or_path=base)), path)
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "sglang"])
+@pytest.mark.parametrize("overrides, field, mine, theirs", [
+    ({"hidden_size": 32, "intermediate_size": 64}, "hidden_size", H, 32),
+    ({"vocab_size": 80}, "vocab_size", V, 80),
+])
+def test_an_eagle3_head_for_another_target_is_refused_naming_both_sides(tmp_path, capsys, fmt, overrides, field,
+                                                                        mine, theirs):
+    """export-head --target wrote a head of hidden size 64 for a target of 32 (exit 0); speculators and vLLM then
+    failed to load it (size mismatch)."""
+    write_sglang_checkpoint(tmp_path / "src")
+    other = _target_dir(tmp_path / "other", **overrides)
+    out = tmp_path / "out"
+    argv = ["export-head", str(tmp_path / "src"), "--format", fmt, "--output-dir", str(out)]
+    assert main([*argv, "--target", str(other)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and f"does not fit --target {other}" in err[0], err
+    assert f"{field}={mine} but the target model has {field}={theirs}" in err[0]
+    assert not out.exists()
+    assert main([*argv, "--target", str(_target_dir(tmp_path / "same"))]) == 0  # the head's own shape: written
+
+
+def test_a_head_whose_recorded_target_does_not_fit_is_refused(tmp_path, capsys):
+    other = _target_dir(tmp_path / "other", hidden_size=32, intermediate_size=64)
+    write_sglang_checkpoint(tmp_path / "src")
+    raw = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**raw, "target_model": str(other)}))
+    assert main(["export-head", str(tmp_path / "src"), "--format", "speculators", "--output-dir",
+                 str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"does not fit its recorded target {other}" in err and "hidden_size=64" in err and err.count("\n") == 1
+
+
+def test_medusa_heads_for_another_target_are_refused(tmp_path, capsys):
+    other = _target_dir(tmp_path / "other", hidden_size=32, intermediate_size=64)
+    argv = ["export-head", str(_medusa(tmp_path / "m")), "--format", "vllm", "--output-dir", str(tmp_path / "v")]
+    assert main([*argv, "--target", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "Medusa heads have hidden_size=64 but the target model has 32" in err and err.count("\n") == 1
+    assert not (tmp_path / "v").exists()
+
+
+def test_a_relative_local_target_is_recorded_as_an_absolute_path(tmp_path, monkeypatch):
+    """--target tiny was written as "tiny": the export then loaded only from that working directory (speculators
+    took it for a hub id). A hub id stays as given."""
+    monkeypatch.chdir(tmp_path)
+    tiny = str(_target_dir(tmp_path / "tiny").resolve())
+    write_sglang_checkpoint(tmp_path / "src")
+    export_head("src", "speculators", "spec", target="tiny")
+    raw = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert raw["speculators_config"]["verifier"] == {"name_or_path": tiny, "architectures": ["LlamaForCausalLM"]}
+    export_head("src", "sglang", "sgl", target="./tiny")
+    assert json.loads((tmp_path / "sgl" / "config.json").read_text())["target_model"] == tiny
+    export_head(_medusa(tmp_path / "m"), "vllm", "v", target="tiny")
+    assert json.loads((tmp_path / "v" / "config.json").read_text())["base_model_name_or_path"] == tiny
+    export_head("src", "speculators", "hub", target="org/tiny")
+    assert json.loads((tmp_path / "hub" / "config.json").read_text())[
+        "speculators_config"]["verifier"]["name_or_path"] == "org/tiny"
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "sglang", "vllm"])
+def test_a_write_the_output_folder_refuses_is_one_line(tmp_path, capsys, monkeypatch, fmt):
+    """An --output-dir that refuses writes (EPERM: chattr +i) gave safetensors' SafetensorError as a traceback,
+    exit 1."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def refuse(tensors, filename, metadata=None):
+        raise SafetensorError(f"Error while serializing: I/O error: Operation not permitted (os error 1) at path "
+                              f"\"{filename}\"")
+
+    src = _medusa(tmp_path / "m") if fmt == "vllm" else tmp_path / "src"
+    if fmt != "vllm":
+        write_sglang_checkpoint(src)
+    monkeypatch.setattr(safetensors.torch, "save_file", refuse)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["export-head", str(src), "--format", fmt, "--output-dir", str(out), "--target", "t"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and f"cannot write into --output-dir {out}: " in err[0], err
+    assert "Operation not permitted" in err[0] and list(out.iterdir()) == []
+
+
+def test_a_feature_layer_past_the_targets_last_is_exported_with_a_warning(tmp_path, caplog):
+    """A head of a target too shallow for three distinct published ids (2, 4, 5 or 6 layers) reads feature layers
+    (0, L // 2, L): vLLM and SGLang capture the streams entering layers 0 to L - 1 only, so neither can serve layer
+    L; the export said nothing."""
+    write_sglang_checkpoint(tmp_path / "src")  # feature layers (0, 1, 2)
+    with caplog.at_level(logging.WARNING, logger="specdec.drafters.export_head"):
+        export_head(tmp_path / "src", "speculators", tmp_path / "two", target=str(_target_dir(tmp_path / "t2")))
+    warned = [r.getMessage() for r in caplog.records if r.name == "specdec.drafters.export_head"]
+    assert len(warned) == 1 and "feature layers [0, 1, 2], the target has 2 layers" in warned[0]
+    assert "capture only the streams entering layers 0 to 1, so they cannot serve this export" in warned[0]
+    assert json.loads((tmp_path / "two" / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specdec.drafters.export_head"):
+        export_head(tmp_path / "src", "sglang", tmp_path / "three",
+                    target=str(_target_dir(tmp_path / "t3", num_hidden_layers=3)))
+        export_head(tmp_path / "src", "speculators", tmp_path / "hub", target="org/tiny-target")  # depth unknown
+    assert not [r for r in caplog.records if r.name == "specdec.drafters.export_head"]
