@@ -149,7 +149,7 @@ def drafters(args, loaded) -> dict[str, tuple]:
     if args.eagle_path:
         out |= eagle_rows(args.eagle_path)
     if args.medusa_path:
-        out["medusa (static 16)"] = ("medusa", {"path": args.medusa_path})  # saved choices, first 16 nodes
+        out["medusa (saved tree)"] = ("medusa", {"path": args.medusa_path})  # the saved medusa_choices, whole
         out["medusa (dynamic 16)"] = ("medusa", {"path": args.medusa_path, "tree": "dynamic"})
     return out
 
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
 
 # --grid's drafters: short name -> row of drafters() (medusa and eagle only with their paths)
 GRID_ROWS = {"ngram": "ngram", "draft-model": "draft-model (itself)", "self-draft": "self-draft",
-             "medusa-untrained": "medusa (untrained)", "medusa": "medusa (static 16)", "eagle": "eagle",
+             "medusa-untrained": "medusa (untrained)", "medusa": "medusa (saved tree)", "eagle": "eagle",
              "combined": "combined (ngram+self-draft)", "ngram+eagle": "ngram+eagle"}
 
 
