@@ -179,11 +179,16 @@ def check_record_path(path: str | Path, overwrite: bool, inputs: Sequence[str | 
         raise InputError(f"--out {path} is a directory; name the record file to write")
     if path.exists() and not overwrite:
         raise InputError(f"--out {path} exists; pass --overwrite to replace it, or name another file")
-    try:  # a folder the record cannot go into fails now, not after the recording
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        why = why_uncreatable(path.parent) or err.strerror
-        raise InputError(f"--out {path}: cannot create its folder {path.parent} ({why})") from err
+    # a folder the record cannot go into (or be written into) fails now, not after the recording
+    why = why_uncreatable(path.parent)
+    if why is None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            why = why_uncreatable(path.parent) or err.strerror or str(err)
+    if why is not None:
+        what = "write into" if path.parent.is_dir() else "create"
+        raise InputError(f"--out {path}: cannot {what} its folder {path.parent} ({why})")
 
 
 def save_record(record: dict, path: str | Path) -> Path:

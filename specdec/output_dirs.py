@@ -1,39 +1,62 @@
 """The folders a command writes into: one-line errors, naming the option, for one that cannot be made.
 
-    check_creatable(out, "--output-dir")      # before any work: nothing is created
+    check_creatable(out, "--output-dir")      # before any work: nothing is left behind
     make_dir(out, "--output-dir")             # when the command writes
 
 A folder cannot be made where a file of that name (or of one of its parents' names) is in the way, or where the
-nearest existing parent is not writable; both are said as such, not as the bare ``[Errno 20] Not a directory``.
+nearest existing parent is not writable; both are said as such, not as the bare ``[Errno 20] Not a directory``. An
+existing folder that cannot be written into (read-only, a read-only file system) is refused before any work too.
 Errors are :class:`~specdec.errors.InputError` (a ``ValueError``): the CLIs print them in one line, exit code 2.
 """
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from specdec.errors import InputError
 
 
 def why_uncreatable(path: str | os.PathLike) -> str | None:
-    """Why ``path`` cannot be a folder (a file in the way, a read-only parent), or None where nothing stands in the
-    way that can be seen without creating it."""
+    """Why ``path`` cannot be a folder to write into (a file in the way, it or its nearest existing parent not
+    writable), or None where nothing stands in the way that can be seen without creating it."""
     path = Path(path)
     for p in (path, *path.parents):
         if p.exists():
             if not p.is_dir():
                 return f"{p} is a file, not a folder"
-            if p != path and not os.access(p, os.W_OK | os.X_OK):
-                return f"{p} is not writable"
-            return None
+            return _unwritable(p)
     return None
 
 
+def _unwritable(folder: Path) -> str | None:
+    """Why nothing can be written into the existing ``folder``, or None. Root passes every permission bit, so
+    besides ``os.access`` (which sees a read-only file system and an immutable folder, for root too) a nameless
+    file is made and closed there (``O_TMPFILE`` where the file system has it): nothing is left behind."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{folder} is on a read-only file system" if _read_only(folder) else f"{folder} is not writable"
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        return f"{folder} is not writable: {err.strerror or err}"
+    return None
+
+
+def _read_only(folder: Path) -> bool:
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # no statvfs (Windows)
+        return False
+
+
 def check_creatable(path: str | os.PathLike, option: str) -> None:
-    """Refuse, creating nothing, a ``path`` that cannot be made into a folder for ``option``."""
+    """Refuse, creating nothing, a ``path`` that cannot be made into a folder for ``option``, or an existing folder
+    nothing can be written into."""
     why = why_uncreatable(path)
     if why is not None:
-        raise InputError(f"{option} {path}: cannot create it ({why})")
+        what = "cannot write into it" if Path(path).is_dir() else "cannot create it"
+        raise InputError(f"{option} {path}: {what} ({why})")
 
 
 def make_dir(path: str | os.PathLike, option: str) -> Path:

@@ -1,0 +1,57 @@
+"""specdec.output_dirs: an existing folder nothing can be written into is refused like one that cannot be made, also
+for root (whom permission bits do not stop: a read-only file system does), and checking leaves nothing behind."""
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+
+import pytest
+
+from specdec.errors import InputError
+from specdec.output_dirs import check_creatable, why_uncreatable
+
+
+def test_a_writable_folder_passes_and_the_check_leaves_nothing(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    assert why_uncreatable(out) is None and why_uncreatable(out / "new" / "deeper") is None
+    check_creatable(out, "--out")
+    assert list(tmp_path.iterdir()) == [out] and list(out.iterdir()) == []
+
+
+def test_an_existing_folder_that_os_access_calls_unwritable_is_refused(tmp_path, monkeypatch):
+    """The existing folder itself was never checked, only the parents of one still to be made."""
+    out = tmp_path / "out"
+    out.mkdir()
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if os.fspath(p) == os.fspath(out) and
+                        mode & os.W_OK else access(p, mode, **kw))
+    assert why_uncreatable(out) == f"{out} is not writable"
+    assert why_uncreatable(out / "run") == f"{out} is not writable"  # its subfolder cannot be made either
+    with pytest.raises(InputError, match=rf"^--out {out}: cannot write into it \({out} is not writable\)$"):
+        check_creatable(out, "--out")
+
+
+def test_a_folder_where_no_file_can_be_made_is_refused_for_root_too(tmp_path, monkeypatch):
+    """Root passes os.access where the file system still refuses (a read-only mount, a squashed network share): a
+    nameless file made and closed there tells."""
+    out = tmp_path / "out"
+    out.mkdir()
+    temporary = tempfile.TemporaryFile
+
+    def refusing(*args, dir=None, **kwargs):
+        if dir is not None and os.fspath(dir) == os.fspath(out):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return temporary(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refusing)
+    assert why_uncreatable(out) == f"{out} is not writable: {os.strerror(errno.EROFS)}"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self") or os.name != "posix", reason="needs Linux /proc")
+def test_a_real_folder_that_takes_no_files_is_refused():
+    """/proc takes no new files, whoever asks (root included)."""
+    assert why_uncreatable("/proc") is not None
+    with pytest.raises(InputError, match="^--out /proc: cannot write into it"):
+        check_creatable("/proc", "--out")
