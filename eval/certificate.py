@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -175,6 +175,20 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+def _largest(tvs: Iterable[float | None]) -> float | None:
+    """The TV a group of tests detects, each: None (nothing) where one of them detects none."""
+    tvs = list(tvs)
+    return None if None in tvs else max(tvs)
+
+
+def _detects(tv: float | None, stated: float) -> str:
+    """What a check's samples detect instead of the ``stated`` TV, in a warning: a TV, or none where their outcomes
+    all fell in one bin."""
+    if tv is None:
+        return f"detect no TV at all, not {stated} (their outcomes fell in one bin: nothing to test)"
+    return f"detect TV {tv:.3g}, not {stated}"
+
+
 def drafter_modes(drafter: Any, options: dict, sampling: SamplingConfig) -> list[DraftMode]:
     """The draft modes a drafter can propose in this configuration (all three if unknown)."""
     if drafter in ("ngram", "medusa", "eagle", "mtp"):
@@ -309,13 +323,13 @@ def sampler_checks(modes: list[DraftMode], sampling: SamplingConfig, sizes: Cert
             bounds[name] = total_variation_bound(samples, laws[name])
         rejected = holm({k: f.p_value for k, f in fits.items()}, sizes.alpha)
         control = None if rule is EXACT else rule_name
-        power, detects = min(f.power for f in fits.values()), max(f.detects_tv for f in fits.values())
+        power, detects = min(f.power for f in fits.values()), _largest(f.detects_tv for f in fits.values())
         checks.append(Check("chi-square vs exact law (Holm)", "sampler-statistics", not rejected, control,
                             p_value=min(f.p_value for f in fits.values()), bound=max(bounds.values()), samples=n,
                             power=power, detects_tv=detects,
                             detail=", ".join(f"{k}: p={f.p_value:.3g}" for k, f in fits.items())))
         if control is None and power < 0.9:
-            warnings.append(f"sampler statistics: {n} draws per case detect TV {detects:.3g}, not {sizes.stat_tv} "
+            warnings.append(f"sampler statistics: {n} draws per case {_detects(detects, sizes.stat_tv)} "
                             f"(power {power:.2f} < 0.9 there); raise --stat-samples")
     acceptance = acceptance_cases(modes, stat_sampling)
     for kind, (single, chain, formula) in acceptance.items():
@@ -451,8 +465,8 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
                             f"{len(choice.candidates)} starts a pilot tried, so this check mostly exercises the "
                             "rejection path; the sampler statistics cover acceptance")
         if control is None and res["power"] < 0.9:
-            warnings.append(f"end-to-end sampling: {sizes.sample_sequences} sequences per side detect TV "
-                            f"{res['detects_tv']:.3g}, not {sizes.e2e_tv} (power {res['power']:.2f} < 0.9 there); "
+            warnings.append(f"end-to-end sampling: {sizes.sample_sequences} sequences per side "
+                            f"{_detects(res['detects_tv'], sizes.e2e_tv)} (power {res['power']:.2f} < 0.9 there); "
                             "raise --sample-sequences (or use --full)")
     return checks, warnings
 

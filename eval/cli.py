@@ -244,7 +244,7 @@ def run_lossless(args) -> int:
     from dataclasses import replace
 
     import torch
-    from specdec.drafters.registry import available
+    from specdec.drafters.registry import available, get_drafter
     from specdec.eval.certificate import CertificateSizes, run_certificate, where_it_ran
     from specdec.eval.prompts import load_prompts
 
@@ -258,9 +258,7 @@ def run_lossless(args) -> int:
     if bad or not levels:
         raise ValueError(f"--levels takes exact, stats, e2e, coupled, bitwise; got {args.levels!r}")
     sizes = CertificateSizes.full() if args.full else CertificateSizes()
-    overrides = {k: getattr(args, k) for k in ("stat_samples", "identity_prompts", "identity_tokens",
-                                               "sample_sequences") if getattr(args, k) is not None}
-    sizes = replace(sizes, **overrides)
+    sizes = replace(sizes, **_size_overrides(args))
     from specdec.cli import WARPER_FLAGS
 
     sampling = SamplingConfig(args.temperature > 0, args.temperature or 1.0, args.top_k, args.top_p,
@@ -268,6 +266,7 @@ def run_lossless(args) -> int:
     device = _suite_device(args.device)
     out = Path(args.out or "runs/eval-lossless")
     options = _options(args.drafter_option, args.drafter)
+    get_drafter(args.drafter, **options)  # a missing path= and the like, before any work (it loads nothing yet)
     check_earlier_run(out, CERTIFICATE_FILES, args.overwrite)  # before minutes of work, not after
     make_out_dir(out)
     torch.manual_seed(args.seed)
@@ -276,14 +275,15 @@ def run_lossless(args) -> int:
     loaded = load_model(args.model, dtype=getattr(torch, args.dtype or "float32"), device=device)
     encode = _encoder(loaded)
     make_prompts = lambda n: [encode(t) for t in load_prompts("chat", n)]  # noqa: E731
+    if {"e2e", "coupled", "bitwise"} & set(levels):  # every prompt with its new tokens fits, before any work
+        _check_identity_fits(loaded, make_prompts(sizes.identity_prompts), sizes.identity_tokens)
     ran = where_it_ran(loaded)
     print(f"[specdec eval lossless] {loaded.name} + {args.drafter}, levels {','.join(levels)}, on {ran['device']} "
           f"({ran['dtype']})", file=sys.stderr)
     cert = run_certificate(loaded, args.drafter, options, sampling, sizes, make_prompts, levels,
                            progress=lambda msg: print(f"  ... {msg}", file=sys.stderr), seed=args.seed)
     out.mkdir(parents=True, exist_ok=True)
-    for name, text in zip(CERTIFICATE_FILES, (json.dumps(cert.to_json(), indent=2, default=str),
-                                              cert.to_markdown()), strict=True):
+    for name, text in zip(CERTIFICATE_FILES, (certificate_json(cert), cert.to_markdown()), strict=True):
         with replaced_atomically(out / name) as tmp:
             tmp.write_text(text)
     for w in cert.warnings:
@@ -292,6 +292,42 @@ def run_lossless(args) -> int:
         print(f"note: {void_advice(cert)}", file=sys.stderr)
     print(f"certificate {cert.verdict} in {cert.seconds:.0f} s: {out / 'certificate.md'}")
     return 0 if cert.passed else 1
+
+
+def certificate_json(cert) -> str:
+    """certificate.json's text: strict JSON, which has no Infinity or NaN (JSON.parse and other strict readers refuse
+    them); a number that is not finite is a bug, said as such rather than written."""
+    try:
+        return json.dumps(cert.to_json(), indent=2, default=str, allow_nan=False)
+    except ValueError as err:
+        raise RuntimeError(f"certificate.json would hold a number that is not finite ({err}); please report this "
+                           f"bug") from err
+
+
+def _size_overrides(args) -> dict:
+    """The sample sizes given on the command line, each refused by its flag's name where it cannot be run."""
+    from specdec.eval.prompts import CHAT
+
+    sizes = {k: getattr(args, k) for k in ("stat_samples", "identity_prompts", "identity_tokens", "sample_sequences")
+             if getattr(args, k) is not None}
+    for key, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
+    if sizes.get("identity_prompts", 0) > len(CHAT):
+        raise ValueError(f"--identity-prompts {sizes['identity_prompts']}: there are {len(CHAT)} built-in chat "
+                         f"prompts; give at most {len(CHAT)}")
+    return sizes
+
+
+def _check_identity_fits(loaded, prompts: list[list[int]], tokens: int) -> None:
+    """Refuse, naming --identity-tokens, a size whose greedy answers would run past the model's context."""
+    limit = loaded.runner.shape.max_positions  # the context, or the sliding window where smaller
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    n = len(prompts[longest])
+    if n + tokens > limit:
+        room = f"lower it to {limit - n} or less" if limit > n else "the prompt alone fills the context"
+        raise ValueError(f"--identity-tokens {tokens}: identity prompt {longest + 1} ({n} tokens) + {tokens} new "
+                         f"tokens exceeds the model's context of {limit} tokens; {room}")
 
 
 def _size_flags(check) -> str | None:
@@ -329,12 +365,20 @@ def run_acceptance(args) -> int:
     config = _suite_config(args, names, renamed, conversations)
     loaded = load_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None,
                         device=_suite_device(args.device))
+    from specdec.eval.conversations import chat_codec, check_first_turns_fit
+
+    check_first_turns_fit(loaded, conversations, chat_codec(loaded), config.max_new_tokens)  # not in mid-run
     # --overwrite clears the earlier run only now that this one's prompts, options and model are known to be good
     # (a resume checks the earlier run's settings and cells itself)
     _clear_earlier_run(earlier)
     make_out_dir(out)
     t0 = time.perf_counter()
-    cells = _run_cells(loaded, conversations, config, out, args.resume)
+    try:
+        cells = _run_cells(loaded, conversations, config, out, args.resume)
+    except KeyboardInterrupt:  # Ctrl-C: the finished cells are kept, and a resume measures only the rest
+        if os.environ.get("RANK", "0") == "0":  # once, under accelerate launch too
+            print(f"specdec eval acceptance: interrupted; {_what_is_left(out)}", file=sys.stderr)
+        return 130  # 128 + SIGINT
     from accelerate import PartialState
 
     state = PartialState()
@@ -342,6 +386,13 @@ def run_acceptance(args) -> int:
         return 0
     _report(args, loaded, conversations, config, cells, out, state.num_processes, t0)
     return 0
+
+
+def _what_is_left(out: Path) -> str:
+    """After Ctrl-C: the finished cells in ``out`` and that --resume continues from them."""
+    done = len(list((out / "cells").glob("*__*.json")))
+    kept = f"{done} finished cell(s) kept in {out / 'cells'}" if done else "no cell was finished yet"
+    return f"{kept} (continue with --resume)"
 
 
 def _drafter_rows(drafters: str) -> tuple[list[str], tuple[tuple[str, str], ...]]:
@@ -360,13 +411,14 @@ def _drafter_rows(drafters: str) -> tuple[list[str], tuple[tuple[str, str], ...]
 
 def _suite_config(args, names: list[str], renamed: tuple[tuple[str, str], ...], conversations: list):
     """The suite's SuiteConfig, each row with its own --drafter-option values (checked before the model loads)."""
-    from specdec.drafters.registry import check_options
+    from specdec.drafters.registry import check_options, get_drafter
     from specdec.eval.acceptance import SuiteConfig
 
     per_drafter = _options_per_row(args.drafter_option, names)
     kinds = dict(renamed)
     for d in names:  # options a drafter does not take, as the command line spells them, before the model loads
         check_options(kinds.get(d, d), per_drafter[d], command_line=True)
+        get_drafter(kinds.get(d, d), **per_drafter[d])  # and those it cannot run without (medusa's path=)
     categories = list(dict.fromkeys(c.category for c in conversations))
     return SuiteConfig(tuple((d, per_drafter[d]) for d in names), tuple(categories),
                        args.prompts or DEFAULT_PROMPTS, args.max_new_tokens, args.temperature, args.batch_size,
@@ -420,10 +472,11 @@ def _run_cells(loaded, conversations: list, config, out: Path, resume: bool) -> 
     def answering(turn, count):
         bar.set_postfix_str(f"the model answers turn {turn} of {count} conversations (plain) for the next turn")
 
-    cells = run_conversations(loaded, conversations, chat_codec(loaded), config, out, resume=resume,
-                              on_progress=progress, on_turn=answering)
-    bar.close()
-    return cells
+    try:
+        return run_conversations(loaded, conversations, chat_codec(loaded), config, out, resume=resume,
+                                 on_progress=progress, on_turn=answering)
+    finally:  # an interrupt's line goes below the bar, not onto it
+        bar.close()
 
 
 def _report(args, loaded, conversations: list, config, cells: dict, out: Path, processes: int, t0: float) -> None:

@@ -26,6 +26,7 @@ from specdec.eval.acceptance import Cell, SuiteConfig, run_suite
 from specdec.eval.prompt_files import Conversation
 
 from specdec.atomic_write import write_json
+from specdec.errors import InputError
 from specdec.generate import generate
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,45 @@ def cell_turns(conversations: list[Conversation]) -> dict[str, tuple[str, int]]:
     return names
 
 
+def _built_in_index(conversations: list[Conversation], i: int) -> int | None:
+    """Conversation ``i``'s place (1-based) among the built-in prompts of its category; None for a file's."""
+    c = conversations[i]
+    return sum(d.category == c.category for d in conversations[:i]) + 1 if c.where.startswith("built-in") else None
+
+
+def prompt_name(conversations: list[Conversation], i: int, turn: int = 1) -> str:
+    """Conversation ``i`` as a message names it: its file and line, or its place among the built-in prompts of its
+    category; ``turn`` (1-based) where it has several."""
+    c, k = conversations[i], _built_in_index(conversations, i)
+    name = (c.where or f"conversation {i + 1}") + ("" if k is None else f" prompt {k}")
+    return name + (f" turn {turn}" if len(c.turns) > 1 else "")
+
+
+def check_prompts_fit(loaded: Any, conversations: list[Conversation], ids: dict[int, list[int]], turn: int,
+                      max_new_tokens: int) -> None:
+    """Refuse, naming it, a prompt (``ids``: conversation index -> turn ``turn``'s prompt ids) whose answer of
+    ``max_new_tokens`` would run past the model's context: before its cells are measured, not inside one."""
+    limit = loaded.runner.shape.max_positions  # the context, or the sliding window where smaller
+    for i, prompt in ids.items():
+        if len(prompt) + max_new_tokens <= limit:
+            continue
+        k = _built_in_index(conversations, i)
+        leave = ("leave it out of the file" if k is None else f"--prompts {k - 1} leaves it out" if k > 1 else
+                 f"leave {conversations[i].category} out of --categories")
+        lower = f"lower --max-new-tokens to {limit - len(prompt)} or less, or " if len(prompt) < limit else ""
+        raise InputError(f"{prompt_name(conversations, i, turn)}: its {len(prompt)} tokens + --max-new-tokens "
+                         f"{max_new_tokens} exceed the model's context of {limit} tokens; {lower}{leave}")
+
+
+def check_first_turns_fit(loaded: Any, conversations: list[Conversation], codec: ChatCodec,
+                          max_new_tokens: int) -> None:
+    """:func:`check_prompts_fit` over every conversation's first turn, before the run measures anything (a later
+    turn's prompt holds the model's answers, so it is checked when its turn comes)."""
+    ids = {i: codec.encode([*({"role": "system", "content": s} for s in c.system),
+                            {"role": "user", "content": c.turns[0]}]) for i, c in enumerate(conversations)}
+    check_prompts_fit(loaded, conversations, ids, 1, max_new_tokens)
+
+
 def run_conversations(loaded: Any, conversations: list[Conversation], codec: ChatCodec, config: SuiteConfig,
                       out: Path, resume: bool = False, on_progress: Callable[[str, Cell], None] | None = None,
                       on_turn: Callable[[int, int], None] | None = None) -> dict[tuple[str, str], Cell]:
@@ -95,6 +135,7 @@ def run_conversations(loaded: Any, conversations: list[Conversation], codec: Cha
             ids[i] = codec.encode(history[i])
             prompts.setdefault(turn_cell(conversations[i].category, t + 1, conversations[i].category in multi),
                                []).append(ids[i])
+        check_prompts_fit(loaded, conversations, ids, t + 1, config.max_new_tokens)  # before the turn's cells
         if identity is None:
             identity = {"conversations": [[c.category, list(c.system), list(c.turns)] for c in conversations],
                         "first_turns": prompts}

@@ -21,11 +21,11 @@ File formats (canonical JSON = ``json.dumps(obj, sort_keys=True, separators=(","
 On resume a finished cell is reused only if its file is valid JSON of this schema, with exactly these keys, its
 checksum matches (not edited by hand), it was measured under this run's settings digest and it holds the cell its
 file name says. Any other cell is an ERROR, not re-measured: ``ResumeError`` (a ``SpecdecError``, one line, the CLI
-exits 2) names every such file and why, and the user deletes them (they are then measured again) or runs without
-resume. An unsound ``settings.json`` is refused the same way; deleting it is safe, as each cell is checked against
-its own settings digest. Cells and ``settings.json`` written before checksums existed are refused too (their settings
-cannot be verified); :func:`specdec.eval.acceptance.read_cell` still reads such a cell outside a resume, for old
-reports.
+exits 2) names every such file and why, and the user deletes them (they are then measured again) or measures every
+cell anew (``--overwrite`` instead of ``--resume``). An unsound ``settings.json`` is refused the same way; deleting it
+is safe, as each cell is checked against its own settings digest. Cells and ``settings.json`` written before
+checksums existed are refused too (their settings cannot be verified); :func:`specdec.eval.acceptance.read_cell`
+still reads such a cell outside a resume, for old reports.
 """
 from __future__ import annotations
 
@@ -52,7 +52,6 @@ CALIBRATION_KEYS = frozenset({"query_tokens", "plain_seconds", "verify_seconds",
                               "repeats"})
 _CELL_KEYS = {"schema", "settings_sha256", "rank", "cell", "sha256"}
 _SETTINGS_KEYS = {"schema", "settings", "sha256"}
-_AGAIN = "run without --resume to measure every cell anew"
 _ANEW = "measure every cell anew (--overwrite instead of --resume)"
 
 
@@ -172,7 +171,7 @@ def check_resumable(out: Path, settings: dict, resume: bool) -> None:
                               f"the device, threads and torch its speeds were measured under; {_ANEW}") from err
         # safe to drop: every cell is checked against its own settings digest
         raise ResumeError(f"cannot resume {out}: {err}; delete it to resume anyway (each cell records the settings "
-                          f"it was measured under), or {_AGAIN}") from err
+                          f"it was measured under), or {_ANEW}") from err
     changed = sorted(k for k in set(settings) | set(before) if k != "machine" and settings.get(k) != before.get(k))
     moved = _differences(before.get("machine"), settings.get("machine"))
     if moved:
@@ -181,7 +180,7 @@ def check_resumable(out: Path, settings: dict, resume: bool) -> None:
                           f"({'; '.join(moved)}{also}); resume under the conditions {path} records, or {_ANEW}")
     if changed:
         raise ResumeError(f"cannot resume {out}: its cells were measured with other settings ({', '.join(changed)} "
-                          f"differ, {path}); use another output directory, or {_AGAIN}")
+                          f"differ, {path}); use another output directory, or {_ANEW}")
 
 
 def _schema(path: Path) -> Any:
@@ -272,4 +271,4 @@ def check_cells(out: Path, found: list[tuple[Path, tuple[str, str, int | None]]]
     if problems:
         them = "it" if len(problems) == 1 else "them"
         raise ResumeError(f"cannot resume {out}: {len(problems)} finished cell file(s) cannot be reused: "
-                          f"{'; '.join(problems)}; delete {them} to measure {them} again, or {_AGAIN}")
+                          f"{'; '.join(problems)}; delete {them} to measure {them} again, or {_ANEW}")

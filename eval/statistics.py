@@ -36,11 +36,11 @@ def run_sampler(case: SyntheticCase, rule: AcceptanceRule = EXACT, n: int = 30_0
 @dataclass(frozen=True)
 class ChiSquare:
     """A chi-square test's result. It unpacks as ``p, power = ...``; ``detects_tv`` is the smallest TV from the
-    tested law it catches with probability 0.9 at its level (inf: one bin, nothing to test)."""
+    tested law it catches with probability 0.9 at its level (None: one bin, nothing to test, so it catches none)."""
 
     p_value: float
     power: float  # at the TV asked for, against the hardest alternative (chi2_power)
-    detects_tv: float
+    detects_tv: float | None
 
     def __iter__(self):
         return iter((self.p_value, self.power))
@@ -50,7 +50,7 @@ class ChiSquare:
         """The result of a test of size ``n`` (a two-sample test's n_a n_b / (n_a + n_b)) with ``df`` degrees of
         freedom; none (one bin) has no power."""
         if df < 1:
-            return cls(p_value, 0.0, math.inf)
+            return cls(p_value, 0.0, None)
         return cls(p_value, chi2_power(n, tv, alpha, df), detectable_tv(n, alpha, df))
 
 

@@ -144,7 +144,7 @@ def test_a_damaged_cell_is_refused_naming_its_file(loaded, config, run, damage):
         replaced = change(data)  # "json": changes data in place; "replace": returns what the file holds instead
         path.write_text(json.dumps(replaced if how == "replace" else data))
     message = _refused(loaded, config, run, "cells/ngram__rep.json", match=match)
-    assert "cannot resume" in message and "delete it" in message and "without --resume" in message
+    assert "cannot resume" in message and "delete it" in message and "--overwrite instead of --resume" in message
 
 
 def test_a_cell_copied_over_another_is_refused(loaded, config, run):
@@ -195,7 +195,7 @@ def test_a_damaged_settings_json_is_refused_naming_it(loaded, config, run, damag
     path.write_text(change(text))
     assert path.read_text() != text
     message = _refused(loaded, config, run, "settings.json", match=match)
-    assert "without --resume" in message and "delete it to resume anyway" in message
+    assert "--overwrite instead of --resume" in message and "delete it to resume anyway" in message
     cells = _snapshot(run / "cells")
     path.unlink()  # as the message says: safe, every cell is checked against its own settings digest
     run_suite(loaded, PROMPTS, config, run, resume=True)

@@ -1,0 +1,235 @@
+"""`specdec eval` refuses before its work what it used to find after it, and says what to do in words that work:
+an --out nothing can be written into, a prompt longer than the model's context, a drafter missing its path=, a
+sample size (named by its flag); its certificate.json is strict JSON; the resume advice and the line after Ctrl-C
+lead to a run that works."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.testing import save_tiny_checkpoint
+
+RUN = ["--drafters", "ngram", "--max-new-tokens", "2", "--calibration-repeats", "0", "--no-hf-baseline",
+       "--no-plots"]
+SMALL = ["--levels", "e2e", "--identity-prompts", "1", "--identity-tokens", "4", "--sample-sequences", "20"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def _main(argv, capsys):
+    from specdec.cli import main
+
+    capsys.readouterr()
+    code = main(argv)
+    return code, capsys.readouterr()
+
+
+def _one_line(captured) -> str:
+    err = captured.err.strip()
+    assert "\n" not in err, err
+    return err
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """The model must not load: what is refused is refused before."""
+    import specdec.drafters.draft_model  # noqa: F401 (these bind load_model when first imported: not to the fake)
+
+    import specdec.generate  # noqa: F401
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr("specdec.models.loader.load_model", load_model)
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """``read_only(folder)``: the folder refuses writes as a read-only file system does (for root too), as
+    ``os.access`` and creating a file there see it."""
+    import os
+    import tempfile
+
+    folders = set()
+    access, temporary = os.access, tempfile.TemporaryFile
+
+    def fake_access(path, mode, *args, **kwargs):
+        if mode & os.W_OK and os.path.realpath(path) in folders:
+            return False
+        return access(path, mode, *args, **kwargs)
+
+    def fake_temporary(*args, dir=None, **kwargs):
+        if dir is not None and os.path.realpath(dir) in folders:
+            raise OSError(30, "Read-only file system")
+        return temporary(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(os, "access", fake_access)
+    monkeypatch.setattr(tempfile, "TemporaryFile", fake_temporary)
+
+    def make(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        folders.add(os.path.realpath(folder))
+        return folder
+
+    return make
+
+
+def test_an_out_that_cannot_be_written_into_is_refused_before_any_work(ckpt, tmp_path, capsys, no_load, read_only):
+    """An existing --out that cannot be written was found only when the results were written: eval lossless after
+    its whole certificate, eval replay record after the recording."""
+    out = read_only(tmp_path / "ro")
+    for argv in (["eval", "lossless", *SMALL, "--out", str(out)],
+                 ["eval", "acceptance", "--categories", "chat", "--prompts", "1", *RUN, "--out", str(out)]):
+        code, captured = _main([*argv, "--model", ckpt], capsys)
+        assert code == 2 and f"--out {out}: cannot write into it ({out} is not writable)" in _one_line(captured)
+    code, captured = _main(["eval", "replay", "record", "--model", ckpt, "--out", str(out / "rec.json")], capsys)
+    assert code == 2 and f"cannot write into its folder {out} ({out} is not writable)" in _one_line(captured)
+    assert list(out.iterdir()) == []
+
+
+def test_a_certificate_whose_samples_fall_in_one_bin_is_strict_json(ckpt, tmp_path, capsys):
+    """Nearly greedy sampling draws one outcome: its chi-square has one bin and detects no TV, which
+    certificate.json wrote as `Infinity` (no JSON parser but Python's reads it) and the warning as "TV inf"."""
+    out = tmp_path / "cert"
+    code, captured = _main(["eval", "lossless", "--model", ckpt, *SMALL, "--temperature", "0.01", "--out", str(out)],
+                           capsys)
+    assert code in (0, 1), captured.err
+
+    def refuse(constant):
+        raise AssertionError(f"certificate.json holds {constant}")
+
+    cert = json.loads((out / "certificate.json").read_text(), parse_constant=refuse)
+    sampled = [c for c in cert["checks"] if c["name"].startswith("sampled") and c["control"] is None]
+    assert sampled and sampled[0]["detects_tv"] is None
+    assert "detect no TV at all, not 0.2 (their outcomes fell in one bin" in captured.err
+    assert " inf" not in captured.err and " inf" not in (out / "certificate.md").read_text()
+
+
+def test_a_number_that_is_not_finite_is_never_written_into_certificate_json(ckpt, tmp_path, capsys, monkeypatch):
+    from specdec.eval.certificate import Certificate, Check
+
+    def run_certificate(*args, **kwargs):
+        return Certificate({}, [Check("a check", "end-to-end", True, p_value=float("nan"))])
+
+    monkeypatch.setattr("specdec.eval.certificate.run_certificate", run_certificate)
+    with pytest.raises(RuntimeError, match="not finite"):
+        _main(["eval", "lossless", "--model", ckpt, *SMALL, "--out", str(tmp_path / "c")], capsys)
+    assert not (tmp_path / "c" / "certificate.json").exists()
+
+
+def test_a_chi_square_of_one_bin_detects_no_tv():
+    from specdec.eval.statistics import goodness_of_fit
+    from specdec.eval.two_sample import two_sample_chi2
+
+    assert goodness_of_fit(["a"] * 50, {"a": 1.0}, 0.02, 0.01).detects_tv is None
+    assert two_sample_chi2(["a"] * 50, ["a"] * 50).detects_tv is None
+    assert goodness_of_fit(["a", "b"] * 50, {"a": 0.5, "b": 0.5}, 0.02, 0.01).detects_tv > 0
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--identity-prompts", "0"], "--identity-prompts must be >= 1, got 0"),
+    (["--sample-sequences", "-1"], "--sample-sequences must be >= 1, got -1"),
+    (["--stat-samples", "0"], "--stat-samples must be >= 1, got 0"),
+    (["--identity-tokens", "0"], "--identity-tokens must be >= 1, got 0"),
+    (["--identity-prompts", "99"], "--identity-prompts 99: there are 24 built-in chat prompts"),
+    (["--drafter", "medusa"], "medusa: give exactly one of path="),
+], ids=["identity-prompts", "sample-sequences", "stat-samples", "identity-tokens", "too-many-prompts", "medusa"])
+def test_eval_lossless_refuses_before_loading_the_model(flags, says, tmp_path, capsys, no_load):
+    """The sizes said "certificate sample sizes must be >= 1", naming no flag; medusa without path= was refused
+    only after plain decoding had run."""
+    code, captured = _main(["eval", "lossless", "--levels", "e2e", *flags, "--out", str(tmp_path / "c")], capsys)
+    assert code == 2 and says in _one_line(captured)
+    assert not (tmp_path / "c").exists()
+
+
+def test_identity_tokens_past_the_context_are_refused_before_any_check_runs(ckpt, tmp_path, capsys, monkeypatch):
+    def run_certificate(*args, **kwargs):
+        raise AssertionError("the certificate ran")
+
+    monkeypatch.setattr("specdec.eval.certificate.run_certificate", run_certificate)
+    code, captured = _main(["eval", "lossless", "--model", ckpt, "--levels", "e2e", "--identity-prompts", "1",
+                            "--identity-tokens", "1000", "--out", str(tmp_path / "c")], capsys)
+    line = _one_line(captured)
+    assert code == 2 and "--identity-tokens 1000: identity prompt 1 (" in line
+    assert "exceeds the model's context of 512 tokens; lower it to" in line
+
+
+def test_eval_acceptance_refuses_a_drafter_missing_its_path_before_loading(tmp_path, capsys, no_load):
+    code, captured = _main(["eval", "acceptance", "--drafters", "ngram,medusa", "--categories", "chat",
+                            "--prompts", "1", "--out", str(tmp_path / "a")], capsys)
+    assert code == 2 and "medusa: give exactly one of path=" in _one_line(captured)
+
+
+def test_a_prompt_past_the_context_is_refused_before_any_cell_naming_it(ckpt, tmp_path, capsys, monkeypatch):
+    """It failed when its cell ran, after the earlier cells were measured, naming no prompt; a resume stopped at
+    the same place."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a short one"}) + "\n" + json.dumps({"prompt": "word " * 600}) + "\n")
+    out = tmp_path / "run"
+    argv = ["eval", "acceptance", "--model", ckpt, "--prompts-file", str(prompts), *RUN, "--out", str(out)]
+
+    def run_suite(*args, **kwargs):
+        raise AssertionError("a cell was measured")
+
+    monkeypatch.setattr("specdec.eval.conversations.run_suite", run_suite)
+    for extra in ([], ["--resume"]):
+        code, captured = _main([*argv, *extra], capsys)
+        line = _one_line(captured)
+        assert code == 2 and f"{prompts}:2: its " in line, line
+        assert "tokens + --max-new-tokens 2 exceed the model's context of 512 tokens" in line
+    assert not (out / "cells").exists()
+
+
+def test_a_built_in_prompt_past_the_context_says_how_to_leave_it_out(ckpt):
+    from specdec.eval.conversations import check_prompts_fit
+    from specdec.eval.prompt_files import Conversation
+
+    from specdec.errors import InputError
+    from specdec.models.loader import load_model
+
+    loaded = load_model(ckpt)
+    conversations = [Conversation("code", (t,), where="built-in code") for t in ("a", "b", "c")]
+    with pytest.raises(InputError, match=r"^built-in code prompt 3: its 510 tokens \+ --max-new-tokens 8 exceed the "
+                                         r"model's context of 512 tokens; lower --max-new-tokens to 2 or less, or "
+                                         r"--prompts 2 leaves it out$"):
+        check_prompts_fit(loaded, conversations, {0: [1] * 10, 2: [1] * 510}, 1, 8)
+    with pytest.raises(InputError, match=r"^built-in code prompt 1: its 600 tokens .* tokens; leave code out of "
+                                         r"--categories$"):
+        check_prompts_fit(loaded, conversations, {0: [1] * 600}, 1, 8)
+
+
+def test_the_resume_advice_for_other_settings_works_as_said(ckpt, tmp_path, capsys):
+    """It said "run without --resume to measure every cell anew", which is refused: the run holds an earlier one."""
+    argv = ["eval", "acceptance", "--model", ckpt, "--categories", "chat", "--prompts", "1", *RUN,
+            "--out", str(tmp_path / "run")]
+    assert _main(argv, capsys)[0] == 0
+    code, captured = _main([*argv, "--max-new-tokens", "3", "--resume"], capsys)
+    line = _one_line(captured)
+    assert code == 2 and line.endswith("or measure every cell anew (--overwrite instead of --resume)"), line
+    assert _main([*argv, "--max-new-tokens", "3", "--overwrite"], capsys)[0] == 0
+
+
+def test_an_interrupted_run_says_that_resume_continues_it(ckpt, tmp_path, capsys, monkeypatch):
+    """Ctrl-C said only "interrupted"; train-medusa / train-eagle say what --resume continues from."""
+    import specdec.eval.acceptance as acceptance
+
+    write = acceptance._write_cell
+
+    def write_then_interrupt(*args, **kwargs):
+        write(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(acceptance, "_write_cell", write_then_interrupt)
+    out = tmp_path / "run"
+    argv = ["eval", "acceptance", "--model", ckpt, "--categories", "chat", "--prompts", "1", *RUN, "--out", str(out)]
+    code, captured = _main(argv, capsys)
+    line = captured.err.strip().splitlines()[-1]
+    assert code == 130 and line == (f"specdec eval acceptance: interrupted; 1 finished cell(s) kept in {out / 'cells'} "
+                                    "(continue with --resume)"), captured.err
+    monkeypatch.setattr(acceptance, "_write_cell", write)
+    assert _main([*argv, "--resume"], capsys)[0] == 0
+    assert (out / "report.json").exists()
