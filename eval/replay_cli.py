@@ -32,7 +32,8 @@ def add_parser(ev_sub, inference) -> None:
     r_sub = r.add_subparsers(dest="replay_command", required=True)
     rec = r_sub.add_parser("record", help="run plain decoding and write a replay record")
     rec.add_argument("--out", required=True, help="record file to write (JSON); an existing file needs --overwrite")
-    rec.add_argument("--overwrite", action="store_true", help="replace an existing --out file (never an input)")
+    rec.add_argument("--overwrite", action="store_true",
+                     help="replace an earlier record at --out (never an input or a file that is no record)")
     rec.add_argument("--model", default=DEFAULT_ALIAS, help=f"model (default: {DEFAULT_ALIAS})")
     rec.add_argument("--category", default=None,
                      help="comma list of built-in prompt categories (default: chat; none with --prompts-file "

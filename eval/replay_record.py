@@ -169,8 +169,8 @@ def record_run(loaded: Any, prompts: Sequence[Sequence[int]], config: RecordConf
 
 
 def check_record_path(path: str | Path, overwrite: bool, inputs: Sequence[str | Path] = ()) -> None:
-    """Refuse to write a record over one of the run's ``inputs`` (ever) or over an existing file (unless
-    ``overwrite``); a one-line InputError naming the file."""
+    """Refuse to write a record over one of the run's ``inputs`` (ever), over a file that is no record (ever) or over
+    an earlier record (unless ``overwrite``); a one-line InputError naming the file."""
     path = Path(path)
     for source in inputs:
         if path.exists() and Path(source).exists() and path.samefile(source):
@@ -179,6 +179,9 @@ def check_record_path(path: str | Path, overwrite: bool, inputs: Sequence[str | 
         raise InputError(f"--out {path} is a directory; name the record file to write")
     if path.exists() and not overwrite:
         raise InputError(f"--out {path} exists; pass --overwrite to replace it, or name another file")
+    if path.is_file() and not _is_a_record(path):  # --overwrite replaces an earlier record, never other data
+        raise InputError(f"--out {path} exists and is not a replay record; --overwrite replaces only a record: "
+                         "name another file")
     # a folder the record cannot go into (or be written into) fails now, not after the recording
     why = why_uncreatable(path.parent)
     if why is None:
@@ -189,6 +192,15 @@ def check_record_path(path: str | Path, overwrite: bool, inputs: Sequence[str | 
     if why is not None:
         what = "write into" if path.parent.is_dir() else "create"
         raise InputError(f"--out {path}: cannot {what} its folder {path.parent} ({why})")
+
+
+def _is_a_record(path: Path) -> bool:
+    """Whether ``path`` holds a replay record (of any version): JSON whose schema says so."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("schema") == SCHEMA
 
 
 def save_record(record: dict, path: str | Path) -> Path:

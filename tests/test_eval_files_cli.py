@@ -96,7 +96,11 @@ def test_replay_record_never_replaces_a_file_unasked(models, tmp_path, capsys):
     existing.write_text("someone's results")
     code, captured = _main([*record, "--out", str(existing)], capsys)
     assert code == 2 and "--overwrite" in captured.err and existing.read_text() == "someone's results"
-    code, captured = _main([*record, "--out", str(existing), "--overwrite"], capsys)
+    code, captured = _main([*record, "--out", str(existing), "--overwrite"], capsys)  # no record: --overwrite or not
+    assert code == 2 and "is not a replay record" in captured.err and existing.read_text() == "someone's results"
+    existing = tmp_path / "run2.json"
+    assert _main([*record, "--out", str(existing)], capsys)[0] == 0
+    code, captured = _main([*record, "--out", str(existing), "--overwrite"], capsys)  # an earlier record: replaced
     assert code == 0 and " 1 prompt x 2 tokens" in captured.err and " of 1 prompt, " in captured.out  # not "1 prompts"
     first = json.loads(existing.read_text())
     assert first["model_source"] and first["model_fingerprint"]
