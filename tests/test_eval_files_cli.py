@@ -8,6 +8,7 @@ import json
 import pytest
 
 from specdec.testing import save_tiny_checkpoint
+from tests.cli_runs import run_main as _main
 
 RUN = ["--drafters", "ngram", "--max-new-tokens", "2", "--calibration-repeats", "0", "--no-hf-baseline",
        "--no-plots"]
@@ -18,14 +19,6 @@ def models(tmp_path_factory):
     """Two different tiny models in folders of the same name."""
     root = tmp_path_factory.mktemp("models")
     return save_tiny_checkpoint(root / "a" / "tiny", seed=0), save_tiny_checkpoint(root / "b" / "tiny", seed=1)
-
-
-def _main(argv, capsys):
-    from specdec.cli import main
-
-    capsys.readouterr()
-    code = main(argv)
-    return code, capsys.readouterr()
 
 
 def _prompts(path, n=3):

@@ -8,22 +8,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from specdec.testing import save_tiny_checkpoint
+from tests.cli_runs import run_main as _main
 
 SMALL = ["--levels", "e2e", "--identity-prompts", "1", "--identity-tokens", "4", "--sample-sequences", "20"]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-
-
-def _main(argv, capsys):
-    from specdec.cli import main
-
-    capsys.readouterr()
-    code = main(argv)
-    return code, capsys.readouterr()
 
 
 def test_the_certificate_records_the_device_and_dtype_it_ran_on(ckpt, tmp_path, capsys):

@@ -8,24 +8,11 @@ import json
 
 import pytest
 
-from specdec.testing import save_tiny_checkpoint
+from tests.cli_runs import run_main as _main
 
 RUN = ["--drafters", "ngram", "--max-new-tokens", "2", "--calibration-repeats", "0", "--no-hf-baseline",
        "--no-plots"]
 SMALL = ["--levels", "e2e", "--identity-prompts", "1", "--identity-tokens", "4", "--sample-sequences", "20"]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-
-
-def _main(argv, capsys):
-    from specdec.cli import main
-
-    capsys.readouterr()
-    code = main(argv)
-    return code, capsys.readouterr()
 
 
 def _one_line(captured) -> str:
