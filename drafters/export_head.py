@@ -109,12 +109,12 @@ def _target_config(name: str):
     """The transformers config of the target ``name`` where its config.json is on this machine (a local checkpoint,
     or the embedded default's converted copy for its hub id); None for a hub id (specdec downloads nothing)."""
     from specdec.models import embedded
-    from specdec.models.loader import EMBEDDED_HUB_ID, _config_dir
+    from specdec.models.loader import EMBEDDED_HUB_ID, config_dir
 
     where = Path(name).expanduser()
     if name == EMBEDDED_HUB_ID and not where.exists():
         try:
-            where = _config_dir(embedded.DEFAULT_ALIAS)
+            where = config_dir(embedded.DEFAULT_ALIAS)
         except (SpecdecError, OSError):  # the wheel is not installed
             return None
     if not (where / CONFIG_FILE).is_file():

@@ -142,7 +142,7 @@ def eval_mode(model) -> Iterator[Any]:
 _REBUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _config_dir(spec: str) -> Path:
+def config_dir(spec: str) -> Path:
     """Where the config.json of a checkpoint spec is (or will be, once a GGUF is converted): nothing is read."""
     if spec in embedded.ALIASES:
         return embedded.converted_dir(embedded.embedded_gguf_path())
@@ -160,7 +160,7 @@ def _model_key(spec: str, dtype: torch.dtype | None, device: str | torch.device 
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     if dtype is None:
-        dtype = synthetic.default_dtype(device) if synthetic_spec else checkpoint_dtype(_config_dir(spec), device)
+        dtype = synthetic.default_dtype(device) if synthetic_spec else checkpoint_dtype(config_dir(spec), device)
     return spec, dtype, str(device), trust_remote_code
 
 
