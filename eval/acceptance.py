@@ -379,8 +379,8 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
     digest = settings_digest(settings)
     if resume:
         check_finished_cells(out, config.labels, list(prompts), [rank], settings)
-    sampling = dict(do_sample=config.sampling.do_sample, temperature=config.sampling.temperature, seed=config.seed,
-                    sampler=config.sampler)
+    # the suite's law: its temperature over the full distribution (top_k=0, not generate()'s transformers default)
+    sampling = dict(config.sampling.generate_kwargs(), seed=config.seed, sampler=config.sampler)
     options = dict(config.drafters)
     warm = next((ps[:1] for ps in prompts.values() if ps), [])
     calls = [[len(p) for p in ps[i : i + config.batch_size]] for ps in prompts.values()

@@ -291,7 +291,7 @@ def test_coupled_sampler_reaches_every_cell(tmp_path, loaded, monkeypatch):
     real = acceptance.generate
 
     def spy(*args, **kwargs):
-        seen.append((kwargs.get("sampler"), kwargs.get("do_sample")))
+        seen.append((kwargs.get("sampler"), kwargs.get("do_sample"), kwargs.get("top_k")))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(acceptance, "generate", spy)
@@ -299,7 +299,7 @@ def test_coupled_sampler_reaches_every_cell(tmp_path, loaded, monkeypatch):
                       calibration_repeats=0, sampler="coupled")
     cells = run_suite(loaded, {"rep": PROMPTS["rep"][:1]}, cfg, tmp_path)
     assert set(cells) == {("plain", "rep"), ("ngram", "rep")} and seen
-    assert set(seen) == {("coupled", True)}
+    assert set(seen) == {("coupled", True, 0)}  # the full distribution at 0.8, not generate()'s default top-k 50
     with pytest.raises(ValueError, match="sampler"):
         dataclasses.replace(cfg, sampler="gumbel")
 
