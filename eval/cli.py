@@ -94,7 +94,8 @@ def _add_acceptance(ev_sub) -> None:
     a.add_argument("--prompt-column", default=None,
                    help="the field or column holding the prompt (default: the first of turns, prompt, text, messages)")
     a.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
-    a.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    a.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); above 0, sampling at it over the full distribution (no top-k)")
     a.add_argument("--sampler", choices=("standard", "coupled"), default="standard",
                    help="when sampling: standard rejection sampling (default) or coupled (specdec.coupling)")
     a.add_argument("--batch-size", type=int, default=1, help="prompts per generate() call (default 1)")
