@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MistralConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 import specdec
 from specdec.errors import InputError
@@ -81,6 +81,31 @@ def test_the_message_names_the_window(mistral):
     (Qwen2Config(sliding_window=WINDOW), None),  # use_sliding_window defaults to False
     (Qwen2Config(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=1, num_hidden_layers=2), WINDOW),
     (Qwen2Config(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=2, num_hidden_layers=2), None),
+    # transformers' Mistral windows every layer whatever layer_types / use_sliding_window say; a Llama config's
+    # stray key is a window too (transformers' cache keeps only the window while decoding, not in the prefill)
+    (MistralConfig(sliding_window=WINDOW, layer_types=["full_attention"] * 2, num_hidden_layers=2), WINDOW),
+    (MistralConfig(sliding_window=WINDOW, use_sliding_window=False), WINDOW),
+    (LlamaConfig(sliding_window=WINDOW), WINDOW),
 ])
 def test_which_configs_have_a_window(config, window):
     assert sliding_window(config) == window
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("mistral", {"layer_types": ["full_attention"] * 2}), ("mistral", {"use_sliding_window": False}),
+], ids=["mistral-layer-types", "mistral-no-flag"])
+def test_past_the_window_it_is_refused_or_transformers_tokens(model_type, extra):
+    """Past the window specdec either refuses or gives transformers' greedy tokens: a Mistral config that also
+    carried layer_types or use_sliding_window=False ran full attention there (other tokens than transformers', which
+    windows every Mistral layer)."""
+    model = build_tiny_model(model_type, vocab_size=64, sliding_window=WINDOW, **extra)
+    prompt = [(7 * i) % 60 + 1 for i in range(WINDOW + 5)]
+    ids = torch.tensor([prompt])
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    try:
+        got = specdec.generate(model, [prompt], max_new_tokens=8)[0][len(prompt):]
+    except InputError as err:
+        assert model_type == "mistral" and "sliding window" in str(err)
+    else:
+        assert got == want

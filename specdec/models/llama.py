@@ -96,11 +96,15 @@ def sliding_window(config) -> int | None:
     The engine runs full attention over the whole sequence. A query at position i of a windowed layer sees
     positions (i - window, i] (transformers' sliding-window mask), the same keys as full attention while
     i < window: so the runner's ``shape.max_positions`` stops at the window and generation is exact inside it.
-    ``layer_types`` (transformers 5: Qwen2 / Qwen3 with ``use_sliding_window``, per layer) decides where
-    present; otherwise ``sliding_window`` counts unless ``use_sliding_window`` is False (Mistral has no flag)."""
+    Mistral windows every layer whenever ``sliding_window`` is set (transformers' Mistral reads neither
+    ``layer_types`` nor ``use_sliding_window``); elsewhere ``layer_types`` (transformers 5: Qwen2 / Qwen3, per
+    layer) decides where present, else ``sliding_window`` counts unless ``use_sliding_window`` is False (a Llama
+    config's stray key too: transformers' cache then keeps only the window while decoding)."""
     window = getattr(config, "sliding_window", None)
     if not window:
         return None
+    if getattr(config, "model_type", None) == "mistral":
+        return int(window)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return int(window) if "sliding_attention" in layer_types else None
