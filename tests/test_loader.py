@@ -177,6 +177,22 @@ def test_a_checkpoint_without_a_dtype_loads_in_half_precision_on_cuda_only(tmp_p
     assert checkpoint_dtype(tmp_path, to) == expected
 
 
+def test_a_checkpoint_written_again_while_held_is_read_again(tmp_path):
+    """A folder saved into again (a training run, another save_pretrained) while an earlier load of it was held gave
+    the earlier weights back, silently: the shared-model key knew the path, not the files."""
+    from specdec.testing import build_tiny_model
+
+    path = str(tmp_path / "tiny")
+    build_tiny_model(vocab_size=32, seed=0).save_pretrained(path)
+    first = load_model(path)
+    assert load_model(path).model is first.model  # unchanged: shared
+    build_tiny_model(vocab_size=32, seed=1).save_pretrained(path)
+    again = load_model(path)
+    assert again.model is not first.model
+    want = build_tiny_model(vocab_size=32, seed=1).get_input_embeddings().weight
+    assert torch.equal(again.model.get_input_embeddings().weight, want)
+
+
 def test_the_shared_model_key_is_the_dtype_and_device_a_load_ends_in(tmp_path, monkeypatch):
     """On CUDA, a checkpoint loaded with no dtype and again with the half dtype it declares, or on "cuda" and
     "cuda:0", was two copies (an 8B model twice) while both were held: the key held the dtype and device as asked."""

@@ -118,7 +118,8 @@ def _from_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[
 
 # Models loaded from a path, shared while someone still holds them (a second load_model of the same
 # checkpoint, dtype and device costs nothing then; weights changed in place are shared too) and freed with their
-# last user: nothing is kept alive here. One moved to another dtype or device since is not given out (_lies_as).
+# last user: nothing is kept alive here. One moved to another dtype or device since is not given out (_lies_as), nor
+# one whose folder was written again since (_files_stamp is part of the key).
 _MODELS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # _model_key(...) -> model
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (tokenizer, name, source)
 
@@ -161,7 +162,22 @@ def _model_key(spec: str, dtype: torch.dtype | None, device: str | torch.device 
         device = torch.device("cuda", torch.cuda.current_device())
     if dtype is None:
         dtype = synthetic.default_dtype(device) if synthetic_spec else checkpoint_dtype(config_dir(spec), device)
-    return spec, dtype, str(device), trust_remote_code
+    return spec, dtype, str(device), trust_remote_code, _files_stamp(spec)
+
+
+def _files_stamp(spec: str) -> tuple:
+    """A checkpoint directory's files by name, size and modification time: a folder written again since a model was
+    loaded from it (a training run saving into it) is another key, so its new weights are read, not the old ones
+    shared. () for anything else (the embedded model and a GGUF convert into a folder keyed by the file's content;
+    a synthetic shape has no files)."""
+    folder = Path(spec).expanduser()
+    if spec in embedded.ALIASES or folder.suffix == ".gguf" or synthetic.is_synthetic(spec):
+        return ()
+    try:
+        files = [f for f in folder.iterdir() if f.suffix in (".json", ".safetensors", ".model", ".txt")]
+        return tuple(sorted((f.name, st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()]))
+    except OSError:
+        return ()
 
 
 def _lies_as(model, key: tuple) -> bool:
