@@ -258,6 +258,21 @@ def test_unknown_model_and_architecture():
         specdec.generate(gpt2, [[1]])
 
 
+def test_activation_and_rope_names_as_transformers_reads_them():
+    """hidden_act 'swish' is transformers' other name of SiLU (it was refused); a RoPE type specdec does not run is
+    refused by name, said to change with the length only where it does."""
+    model = build_tiny_model(hidden_act="swish")
+    ids = torch.tensor([PROMPTS[0]])
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                          pad_token_id=0)[0].tolist()
+    assert specdec.generate(model, [PROMPTS[0]], max_new_tokens=6)[0] == want
+    for kind, why in (("dynamic", "changes with the sequence length"), ("proportional", "not supported; supported")):
+        model.config.rope_parameters = {"rope_type": kind, "factor": 2.0, "rope_theta": 10000.0}
+        with pytest.raises(UnsupportedModelError, match=f"RoPE type {kind!r} is not supported.*") as err:
+            specdec.generate(model, [PROMPTS[0]], max_new_tokens=2)
+        assert why in str(err.value) and (kind == "dynamic") == ("sequence length" in str(err.value))
+
+
 def test_cache_out_of_blocks_is_clear():
     model = build_tiny_model()
     with pytest.raises(CacheFullError, match="num_blocks"):

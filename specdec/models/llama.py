@@ -123,13 +123,13 @@ def check_supported(hf_model) -> None:
             f"expected a *ForCausalLM model with .model.layers and .lm_head, got {type(hf_model).__name__}"
         )
     act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers' two names of one function
         raise UnsupportedModelError(f"only SwiGLU MLPs (hidden_act='silu') are supported, got {act!r}")
     rope = rope_type(rope_parameters(config))
     if rope not in STATIC_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"RoPE type {rope!r} changes with sequence length; supported: {', '.join(STATIC_ROPE_TYPES)}"
-        )
+        why = " (it changes with the sequence length)" if rope in ("dynamic", "longrope") else ""
+        raise UnsupportedModelError(f"RoPE type {rope!r} is not supported{why}; supported: "
+                                    f"{', '.join(STATIC_ROPE_TYPES)}")
 
 
 def check_shape(hf_model, shape: ModelShape) -> None:
