@@ -44,6 +44,7 @@ from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import check_cache_fits, describe
 from specdec.kv_cache import CacheFullError, PagedKVCache, blocks_for, blocks_needed, plain_blocks_needed
 from specdec.logits_processing import LogitsProcessing
+from specdec.models import row_policy
 from specdec.rejection import EXACT, AcceptanceRule
 from specdec.speculation_policy import SpeculationPolicy
 from specdec.tree import MAX_TREE_NODES
@@ -125,6 +126,7 @@ def _build(request: "GenerateRequest", runner: "LlamaRunner", rule: AcceptanceRu
         audit = call_audit(drafter.obj if isinstance(drafter, _ObjectDrafter) else drafter,
                            drafter.draw_source(drafter_seed))
     ensure_row_policy(runner)  # linear()'s CPU row policy, measured on this machine (cached)
+    row_policy.forget_edited()  # packed weight copies an edit autograd does not count left stale are packed anew
     engine_cls = Engine if fault is None else fault.engine_cls
     return engine_cls(runner, cache, sampling=config.sampling, stop=request.stop, drafter=drafter, policy=policy,
                       generator=generator, draft_seed=drafter_seed, audit=audit, rule=rule, graphed=graphed,

@@ -509,6 +509,50 @@ def test_packed_copy_follows_new_storage_of_its_parameter():
     torch.testing.assert_close(row_policy.packed_linear(x, layer.weight), x @ layer.weight.T, rtol=1e-5, atol=1e-5)
 
 
+@needs_packing
+def test_an_edit_autograd_does_not_count_is_packed_again_at_the_next_call(monkeypatch):
+    """A write through ``.data`` (a LoRA merge, a weight swap) or into an inference tensor moves neither the version
+    nor the address: generate() multiplied the old packed copy, silently other tokens. forget_edited() (each call)
+    sees it from a probe of the values; weights that did not change keep their copies."""
+    from specdec.testing import build_tiny_model
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 40, generator=gen)
+    layer = torch.nn.Linear(40, 48, bias=False)
+    with torch.inference_mode():
+        frozen = torch.randn(48, 40, generator=gen)
+    kept = torch.randn(48, 40, generator=gen)
+    first = {id(w): row_policy.packed_weight(w) for w in (layer.weight, frozen, kept)}
+    layer.weight.data.add_(torch.randn(48, 40, generator=gen))  # every element
+    with torch.inference_mode():
+        frozen[7, 0] += 1.0  # one element, a probed one: row-major index 280, a multiple of the probe's step 7
+    row_policy.forget_edited()
+    for w in (layer.weight, frozen, kept):
+        torch.testing.assert_close(row_policy.packed_linear(x, w), x @ w.detach().T, rtol=1e-5, atol=1e-5)
+    assert row_policy.packed_weight(kept) is first[id(kept)]
+    # end to end: a model whose products run packed (this policy, not a measured one), edited through .data between
+    # two calls
+    import specdec.engine_setup
+
+    monkeypatch.setattr(specdec.engine_setup, "ensure_row_policy", lambda runner: None)
+    model = build_tiny_model()
+    before, saved = torch.get_num_threads(), dict(row_policy._ACTIVE)
+    try:
+        row_policy.install(torch.get_num_threads(), {m: row_policy.PACKED for m in range(1, 33)})
+        specdec.generate(model, [[1, 2, 3]], max_new_tokens=4)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data.mul_(1.5)
+        ids = torch.tensor([[1, 2, 3]])
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                              pad_token_id=0)[0].tolist()
+        assert specdec.generate(model, [[1, 2, 3]], max_new_tokens=8)[0] == want
+    finally:
+        torch.set_num_threads(before)
+        row_policy._ACTIVE.clear()
+        row_policy._ACTIVE.update(saved)
+
+
 def test_packing_is_refused_where_unavailable(monkeypatch):
     monkeypatch.setattr(row_policy, "packing_available", lambda: False)
     with pytest.raises(ValueError, match="oneDNN"):

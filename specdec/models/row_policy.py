@@ -16,7 +16,9 @@ library sums in its own order, as F.linear itself does for different row counts)
 
 Packed weights are copies (the model's weight bytes once more, made on a weight's first packed product and
 dropped with the weight; a weight changed in place, or given other memory, ``param.data = ...`` as ``.to()`` and
-``.half()`` do, is packed again), so ``measure_row_policy`` offers them only
+``.half()`` do, is packed again; an edit autograd does not count, through ``.data`` or of an inference tensor, is
+seen by :func:`forget_edited` at the next call from a probe of the weight's values), so ``measure_row_policy``
+offers them only
 when asked to (``allow_packed``: the caller checks that the memory is there) and where oneDNN is available.
 
 The products must be timed the way a forward runs them: every weight read once per forward, streamed from
@@ -31,6 +33,7 @@ once per machine / weight shapes / dtype / thread count and caches the result on
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 import weakref
@@ -52,10 +55,14 @@ _DROP = 1.5  # a layout this much slower than the fastest in a row count's first
 # one dtype never reaches another's weights (oneDNN packs bf16 weights on CPUs where it cannot pack fp16 ones)
 _ACTIVE: dict[tuple[int, torch.dtype], dict[int, int]] = {}
 # id(weight) -> (weak reference to it, its version counter, data address and weak reference to its storage when
-# packed, the packed copy); an entry leaves with its weight (weakref.finalize). A version that moved (an optimizer
-# step, a load) packs the weight again, and so does new storage (``param.data = ...``, which keeps the version): the
-# storage packed from must still live at the same address, since a freed one's address is soon another tensor's
-_PACKED: dict[int, tuple[weakref.ref, int | None, int, StorageWeakRef, torch.Tensor]] = {}
+# packed, the packed copy, its probe); an entry leaves with its weight (weakref.finalize). A version that moved (an
+# optimizer step, a load) packs the weight again, and so does new storage (``param.data = ...``, which keeps the
+# version): the storage packed from must still live at the same address, since a freed one's address is soon
+# another tensor's. The probe (PROBE values spread over rows and columns, and where they were read) catches what
+# neither shows: a write through ``.data`` or into an inference tensor (forget_edited, at each call)
+_PACKED: dict[int, tuple[weakref.ref, int | None, int, StorageWeakRef, torch.Tensor, tuple]] = {}
+PROBE = 256
+_EDITED = object()  # an entry's version once forget_edited saw its weight changed: no version equals it
 
 
 def install(threads: int, cols: dict[int, int], dtype: torch.dtype = torch.float32) -> None:
@@ -121,8 +128,33 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     if entry is None or entry[0]() is not weight:
         weakref.finalize(weight, _PACKED.pop, key, None)
     packed = pack_weight(weight)
-    _PACKED[key] = (weakref.ref(weight), version, weight.data_ptr(), StorageWeakRef(weight.untyped_storage()), packed)
+    _PACKED[key] = (weakref.ref(weight), version, weight.data_ptr(), StorageWeakRef(weight.untyped_storage()), packed,
+                    _probe(weight))
     return packed
+
+
+def _probe(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row-major indices, values) of PROBE elements of ``weight`` [out, in], every step-th with a step prime to
+    ``in`` (so that they fall in many columns as well as rows)."""
+    out, cols = weight.shape
+    step = max(1, out * cols // PROBE)
+    while math.gcd(step, cols) != 1:
+        step += 1
+    flat = torch.arange(0, out * cols, step, device=weight.device)[:PROBE]
+    with torch.no_grad():
+        return flat, torch.take(weight, flat)
+
+
+def forget_edited() -> None:
+    """Forget the packed copies of weights whose probed values changed since they were packed: a write autograd does
+    not count (``weight.data.copy_(...)``, a LoRA merge through ``.data``, an inference tensor edited in inference
+    mode) moves neither version nor address. Called once per generate() call (two small ops a weight); an edit of a few
+    elements that misses every probed one goes unseen: edit weights under ``torch.no_grad()`` instead."""
+    with torch.no_grad():
+        for key, entry in list(_PACKED.items()):
+            weight = entry[0]()
+            if weight is not None and not torch.equal(torch.take(weight, entry[5][0]), entry[5][1]):
+                _PACKED[key] = (entry[0], _EDITED, *entry[2:])  # packed again at its next product
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
