@@ -148,6 +148,21 @@ def test_the_norms_epsilon_is_the_modules_not_an_edited_configs():
     assert own == before
 
 
+def test_the_attention_scale_is_the_modules_also_when_edited_between_calls():
+    """transformers' attention multiplies the scores by each layer's ``self_attn.scaling``; specdec took
+    head_dim ** -0.5 whatever it was (other tokens, silently). Layers edited to disagree are refused."""
+    model = build_tiny_model()
+    specdec.generate(model, PROMPTS, max_new_tokens=2)  # a runner built before the edit
+    for layer in model.model.layers:
+        layer.self_attn.scaling = 0.6
+    with torch.no_grad():
+        own = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0].tolist() for p in PROMPTS]
+    assert specdec.generate(model, PROMPTS, max_new_tokens=12) == own
+    model.model.layers[0].self_attn.scaling = 0.3
+    with pytest.raises(UnsupportedModelError, match="scale their scores differently"):
+        specdec.generate(model, PROMPTS, max_new_tokens=2)
+
+
 @pytest.mark.parametrize("field, value, named", [("num_hidden_layers", 1, "model.model.layers[:n]"),
                                                   ("head_dim", 8, "num_attention_heads x head_dim gives 32"),
                                                   ("vocab_size", 50, "vocab_size gives 50, the model has 96")])

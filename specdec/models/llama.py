@@ -132,6 +132,16 @@ def check_supported(hf_model) -> None:
                                     f"{', '.join(STATIC_ROPE_TYPES)}")
 
 
+def _attention_scale(layers, head_dim: int) -> float:
+    """The scale of the attention scores, as transformers' forward reads it: each layer's ``self_attn.scaling``
+    (head_dim ** -0.5 as built; an edit since is read); layers that disagree are refused."""
+    scales = {float(getattr(layer.self_attn, "scaling", head_dim**-0.5)) for layer in layers} or {head_dim**-0.5}
+    if len(scales) > 1:
+        raise UnsupportedModelError(f"the attention layers scale their scores differently ({sorted(scales)}: "
+                                    "self_attn.scaling); specdec runs one scale for every layer")
+    return scales.pop()
+
+
 def check_shape(hf_model, shape: ModelShape) -> None:
     """An UnsupportedModelError where the config gives another shape than the modules have (a config edited after
     the model was built): the runner sizes its cache and views by the config, transformers' forward computes with
@@ -269,8 +279,8 @@ class LlamaRunner:
         self.shape = _shape(cfg)
         check_shape(hf_model, self.shape)
         head_dim = self.shape.head_dim
-        self.scale = head_dim**-0.5
         self.layers = base.layers
+        self.scale = _attention_scale(self.layers, head_dim)
         self.embed = base.embed_tokens.weight
         self.final_norm = base.norm.weight
         self.lm_head = hf_model.lm_head.weight  # same tensor as embed when tied
@@ -308,6 +318,8 @@ class LlamaRunner:
                 return f"its {name} was replaced"
         if self.shape != _shape(self.hf_model.config):
             return "its config gives another shape"
+        if any(getattr(layer.self_attn, "scaling", self.scale) != self.scale for layer in self.layers):
+            return "an attention layer's scaling was changed"
         if self.embed.device.type != self._built_on:
             return f"it moved from {self._built_on} to {self.embed.device.type}"
         _, found, parts = self._projections
