@@ -526,7 +526,7 @@ def test_an_edit_autograd_does_not_count_is_packed_again_at_the_next_call(monkey
     layer.weight.data.add_(torch.randn(48, 40, generator=gen))  # every element
     with torch.inference_mode():
         frozen[7, 0] += 1.0  # one element, a probed one: row-major index 280, a multiple of the probe's step 7
-    row_policy.forget_edited()
+    row_policy.forget_edited([layer.weight, frozen, kept])
     for w in (layer.weight, frozen, kept):
         torch.testing.assert_close(row_policy.packed_linear(x, w), x @ w.detach().T, rtol=1e-5, atol=1e-5)
     assert row_policy.packed_weight(kept) is first[id(kept)]

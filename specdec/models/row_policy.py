@@ -15,11 +15,9 @@ library sums in its own order, as F.linear itself does for different row counts)
     install(torch.get_num_threads(), policy, dtype)  # linear() reads it from now on
 
 Packed weights are copies (the model's weight bytes once more, made on a weight's first packed product and
-dropped with the weight; a weight changed in place, or given other memory, ``param.data = ...`` as ``.to()`` and
-``.half()`` do, is packed again; an edit autograd does not count, through ``.data`` or of an inference tensor, is
-seen by :func:`forget_edited` at the next call from a probe of the weight's values), so ``measure_row_policy``
-offers them only
-when asked to (``allow_packed``: the caller checks that the memory is there) and where oneDNN is available.
+dropped with the weight; a weight changed in place or given other memory is packed again, one written through
+``.data`` at the next call: :func:`forget_edited`), so ``measure_row_policy`` offers them only when asked to
+(``allow_packed``: the caller checks that the memory is there) and where oneDNN is available.
 
 The products must be timed the way a forward runs them: every weight read once per forward, streamed from
 memory. Timed over one layer's matrices, which fit in the last-level cache, single-threaded GEMV looked as fast
@@ -37,7 +35,7 @@ import math
 import statistics
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -145,16 +143,17 @@ def _probe(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return flat, torch.take(weight, flat)
 
 
-def forget_edited() -> None:
-    """Forget the packed copies of weights whose probed values changed since they were packed: a write autograd does
-    not count (``weight.data.copy_(...)``, a LoRA merge through ``.data``, an inference tensor edited in inference
-    mode) moves neither version nor address. Called once per generate() call (two small ops a weight); an edit of a few
-    elements that misses every probed one goes unseen: edit weights under ``torch.no_grad()`` instead."""
+def forget_edited(weights: Iterable[torch.Tensor]) -> None:
+    """Forget the packed copies of those ``weights`` whose probed values changed since they were packed: a write
+    autograd does not count (``weight.data.copy_(...)``, a LoRA merge through ``.data``, an inference tensor edited in
+    inference mode) moves neither version nor address. Called once per generate() call over the target's weights (two
+    small ops a weight); an edit of a few elements that misses every probed one goes unseen."""
     with torch.no_grad():
-        for key, entry in list(_PACKED.items()):
-            weight = entry[0]()
-            if weight is not None and not torch.equal(torch.take(weight, entry[5][0]), entry[5][1]):
-                _PACKED[key] = (entry[0], _EDITED, *entry[2:])  # packed again at its next product
+        for weight in weights:
+            entry = _PACKED.get(id(weight))
+            if (entry is not None and entry[0]() is weight
+                    and not torch.equal(torch.take(weight, entry[5][0]), entry[5][1])):
+                _PACKED[id(weight)] = (entry[0], _EDITED, *entry[2:])  # packed again at its next product
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
