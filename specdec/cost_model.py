@@ -187,8 +187,7 @@ def packed_weights_allowed(runner) -> bool:
     and the memory available now holds those bytes twice over (room left for the KV cache and drafters)."""
     if os.environ.get("SPECDEC_PACKED_WEIGHTS", "1").strip() == "0" or not row_policy.packing_available():
         return False
-    weights = [p for layer in runner.layer_weights() for p in layer] + [runner.lm_head]
-    needed = 2 * sum(w.numel() * w.element_size() for w in weights)
+    needed = 2 * sum(w.numel() * w.element_size() for w in runner.multiplied_weights())
     available = available_memory_bytes(runner.device)
     return available is not None and available >= needed
 

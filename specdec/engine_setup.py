@@ -126,8 +126,8 @@ def _build(request: "GenerateRequest", runner: "LlamaRunner", rule: AcceptanceRu
         audit = call_audit(drafter.obj if isinstance(drafter, _ObjectDrafter) else drafter,
                            drafter.draw_source(drafter_seed))
     ensure_row_policy(runner)  # linear()'s CPU row policy, measured on this machine (cached)
-    # the target's packed weight copies that a write autograd does not count left stale are packed anew
-    row_policy.forget_edited([w for layer in runner.layer_weights() for w in layer] + [runner.lm_head])
+    if runner.device.type == "cpu":  # packed weight copies (CPU only) a write autograd does not count left stale
+        row_policy.forget_edited(runner.multiplied_weights())
     engine_cls = Engine if fault is None else fault.engine_cls
     return engine_cls(runner, cache, sampling=config.sampling, stop=request.stop, drafter=drafter, policy=policy,
                       generator=generator, draft_seed=drafter_seed, audit=audit, rule=rule, graphed=graphed,

@@ -377,6 +377,10 @@ class LlamaRunner:
                         mlp.down_proj.weight])
         return out
 
+    def multiplied_weights(self) -> list[torch.Tensor]:
+        """Every weight matrix a forward multiplies: :meth:`layer_weights`, layer after layer, then the LM head."""
+        return [w for layer in self.layer_weights() for w in layer] + [self.lm_head]
+
     def _attention(self, q, k_cache, v_cache, plan: AttentionPlan, backend: Backend) -> torch.Tensor:
         if self.invariant:
             return invariant_ops.attention(q, k_cache, v_cache, plan, self.scale, backend)
