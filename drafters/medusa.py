@@ -40,7 +40,14 @@ import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView, check_path_option
 from specdec.drafters.loaded_once import load_once
 from specdec.drafters.medusa_heads import MedusaCheckpointError, MedusaHeads, load_medusa
-from specdec.drafters.medusa_tree import check_paths, default_choices, dynamic_tree, static_tree, validate_choices
+from specdec.drafters.medusa_tree import (
+    check_paths,
+    check_ranks,
+    default_choices,
+    dynamic_tree,
+    static_tree,
+    validate_choices,
+)
 from specdec.drafters.top_k import top_k
 
 from specdec.coupling import perturbed_logits
@@ -167,10 +174,10 @@ class MedusaDrafter(Drafter):
                 self.paths = validate_choices(choices, cfg.num_heads)
             except InputError as err:
                 raise InputError(f"medusa: {source} medusa_choices: {err}") from err
-            worst = max(max(p) for p in self.paths)
-            if worst >= cfg.draft_size:
-                what = "draft vocabulary" if cfg.draft_vocab else "vocabulary"
-                raise InputError(f"medusa: medusa_choices use rank {worst}, but the {what} has {cfg.draft_size}")
+            try:
+                check_ranks(self.paths, cfg.draft_size, bool(cfg.draft_vocab))
+            except InputError as err:
+                raise InputError(f"medusa: {err}") from err
             logger.info("medusa: static tree of %d nodes, depth %d (%s choices)", len(self.paths),
                         len(self.paths[-1]), source)
 

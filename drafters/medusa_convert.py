@@ -249,16 +249,22 @@ def _map_heads(state: dict[str, torch.Tensor], num_layers: int | None, where: st
     return out, num_heads, num_layers, shared
 
 
-def read_published(source: str | os.PathLike, base_model: str | None = None,
-                   medusa_choices=None, vocab_size: int | None = None) -> tuple[MedusaConfig, dict]:
-    """Read published Medusa heads (see the module docstring for the layouts) into ``(MedusaConfig, state)``,
-    ``state`` keyed as ``MedusaHeads.heads``. ``base_model`` overrides the base model recorded;
-    ``vocab_size`` is used for heads that share the base model's LM head when no config gives it."""
+def _existing(source: str | os.PathLike) -> Path:
+    """``source`` as a path, refused where nothing is there: convert-medusa downloads nothing."""
     src = Path(source).expanduser()
     if not src.exists():
         raise MedusaCheckpointError(
             f"{src} does not exist; convert-medusa reads local files only (download the repository first, e.g. "
             "huggingface-cli download FasterDecoding/medusa-vicuna-7b-v1.3 --local-dir DIR)")
+    return src
+
+
+def read_published(source: str | os.PathLike, base_model: str | None = None,
+                   medusa_choices=None, vocab_size: int | None = None) -> tuple[MedusaConfig, dict]:
+    """Read published Medusa heads (see the module docstring for the layouts) into ``(MedusaConfig, state)``,
+    ``state`` keyed as ``MedusaHeads.heads``. ``base_model`` overrides the base model recorded;
+    ``vocab_size`` is used for heads that share the base model's LM head when no config gives it."""
+    src = _existing(source)
     found = find_published(src)
     if found is None:
         raise MedusaCheckpointError(
@@ -273,7 +279,7 @@ def read_published(source: str | os.PathLike, base_model: str | None = None,
     choices_from = "the medusa_choices given"
     if medusa_choices is None and kind == "heads":
         medusa_choices = raw.get("medusa_choices")  # specdec's own layout keeps its tree
-        choices_from = f"{directory / 'config.json'}"
+        choices_from = str(directory / CONFIG_FILE)
     if kind == "model" and not files:
         raise MedusaCheckpointError(f"{src}: the model's weights index lists no {MODEL_PREFIX}* tensors: "
                                     "this is not a Medusa-2 checkpoint")
@@ -332,9 +338,7 @@ def convert_published(source: str | os.PathLike, output_dir: str | os.PathLike, 
     """Read published heads (:func:`read_published`) and write specdec's layout (config.json +
     medusa_lm_head.safetensors) to ``output_dir``; load it with ``drafter="medusa"``, option ``path``."""
     out = Path(output_dir).expanduser()
-    src = Path(source).expanduser()
-    if not src.exists():  # the first problem to name: a missing source, not the output directory's contents
-        read_published(src)
+    src = _existing(source)  # the first problem to name: a missing source, not the output directory's contents
     src_dir = src if src.is_dir() else src.parent
     if out.exists() and src_dir.exists() and out.resolve() == src_dir.resolve():
         raise MedusaCheckpointError(f"--output-dir {out} is the source's own directory: its config.json would be "

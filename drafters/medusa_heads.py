@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 from specdec.drafters.draft_vocab import DraftVocab
-from specdec.drafters.medusa_tree import check_paths
+from specdec.drafters.medusa_tree import check_paths, check_ranks
 from torch import nn
 
 from specdec.atomic_write import replaced_atomically, write_json
@@ -93,10 +93,7 @@ class MedusaConfig:
                 twice = next(t for t in ids if ids.count(t) > 1)
                 raise InputError(f"draft_vocab lists token id {twice} more than once ({len(ids)} ids, "
                                  f"{len(set(ids))} distinct)")
-        worst = max((max(path) for path in choices), default=-1)
-        if worst >= self.draft_size:
-            what = "draft vocabulary" if ids else "vocabulary"
-            raise InputError(f"medusa_choices use rank {worst}, but the {what} has {self.draft_size} tokens")
+        check_ranks(choices, self.draft_size, bool(ids))
 
     @property
     def draft_size(self) -> int:

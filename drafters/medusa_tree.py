@@ -53,6 +53,14 @@ def check_paths(choices, allow_repeats: bool = False) -> tuple[tuple[int, ...], 
     return tuple(paths)
 
 
+def check_ranks(paths: Sequence[Sequence[int]], draft_size: int, reduced: bool) -> None:
+    """Refuse a rank the heads cannot score: ``draft_size`` tokens per head (``reduced``: a draft vocabulary)."""
+    worst = max((max(p) for p in paths if p), default=-1)
+    if worst >= draft_size:
+        what = "draft vocabulary" if reduced else "vocabulary"
+        raise InputError(f"medusa_choices use rank {worst}, but the {what} has {draft_size} tokens")
+
+
 def _rank(k) -> int:  # an int, not a bool, float (0.5 was taken as rank 0) or text ("1" was taken as rank 1)
     if isinstance(k, bool):
         raise TypeError("a bool")
