@@ -131,6 +131,12 @@ class SuiteConfig:
         return SamplingConfig(self.temperature > 0, self.temperature or 1.0)
 
     @property
+    def generate_kwargs(self) -> dict:
+        """generate()'s sampling arguments for every call of the suite: its temperature over the full distribution
+        (top_k=0, not generate()'s transformers default), its seed and sampler."""
+        return dict(self.sampling.generate_kwargs(), seed=self.seed, sampler=self.sampler)
+
+    @property
     def labels(self) -> list[str]:
         """Row labels in report order: plain, the drafters, then hf-greedy when it runs."""
         hf = ["hf-greedy"] if self.hf_baseline and self.temperature == 0 else []
@@ -379,8 +385,7 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
     digest = settings_digest(settings)
     if resume:
         check_finished_cells(out, config.labels, list(prompts), [rank], settings)
-    # the suite's law: its temperature over the full distribution (top_k=0, not generate()'s transformers default)
-    sampling = dict(config.sampling.generate_kwargs(), seed=config.seed, sampler=config.sampler)
+    sampling = config.generate_kwargs
     options = dict(config.drafters)
     warm = next((ps[:1] for ps in prompts.values() if ps), [])
     calls = [[len(p) for p in ps[i : i + config.batch_size]] for ps in prompts.values()

@@ -121,8 +121,7 @@ def run_conversations(loaded: Any, conversations: list[Conversation], codec: Cha
         raise ValueError("run_conversations needs at least one conversation")
     multi = {c.category for c in conversations if len(c.turns) > 1}
     history: list[Messages] = [[{"role": "system", "content": s} for s in c.system] for c in conversations]
-    # the suite's law: its temperature over the full distribution (top_k=0, not generate()'s transformers default)
-    sampling = dict(config.sampling.generate_kwargs(), seed=config.seed, sampler=config.sampler)
+    sampling = config.generate_kwargs
     identity = None
     cells: dict[tuple[str, str], Cell] = {}
     shown: list[dict] = [{"category": c.category, "where": c.where, "turns": []} for c in conversations]
