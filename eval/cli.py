@@ -20,6 +20,7 @@ from specdec.eval.prompts import CATEGORIES as DEFAULT_CATEGORIES
 from specdec.atomic_write import replaced_atomically
 from specdec.models.embedded import DEFAULT_ALIAS
 from specdec.output_dirs import check_creatable, make_dir
+from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
 
 DEFAULT_PROMPTS = 20
 CERTIFICATE_FILES = ("certificate.json", "certificate.md")
@@ -375,11 +376,12 @@ def run_acceptance(args) -> int:
     make_out_dir(out)
     t0 = time.perf_counter()
     try:
-        cells = _run_cells(loaded, conversations, config, out, args.resume)
-    except KeyboardInterrupt:  # Ctrl-C: the finished cells are kept, and a resume measures only the rest
+        with sigterm_as_interrupt():
+            cells = _run_cells(loaded, conversations, config, out, args.resume)
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the finished cells are kept, a resume measures the rest
         if os.environ.get("RANK", "0") == "0":  # once, under accelerate launch too
-            print(f"specdec eval acceptance: interrupted; {_what_is_left(out)}", file=sys.stderr)
-        return 130  # 128 + SIGINT
+            print(f"specdec eval acceptance: {how_stopped(err)}; {_what_is_left(out)}", file=sys.stderr)
+        return exit_code(err)
     from accelerate import PartialState
 
     state = PartialState()
@@ -390,7 +392,7 @@ def run_acceptance(args) -> int:
 
 
 def _what_is_left(out: Path) -> str:
-    """After Ctrl-C: the finished cells in ``out`` and that --resume continues from them."""
+    """After Ctrl-C or SIGTERM: the finished cells in ``out`` and that --resume continues from them."""
     done = len(list((out / "cells").glob("*__*.json")))
     kept = f"{done} finished cell(s) kept in {out / 'cells'}" if done else "no cell was finished yet"
     return f"{kept} (continue with --resume)"

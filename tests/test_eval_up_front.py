@@ -220,3 +220,38 @@ def test_an_interrupted_run_says_that_resume_continues_it(ckpt, tmp_path, capsys
     monkeypatch.setattr(acceptance, "_write_cell", write)
     assert _main([*argv, "--resume"], capsys)[0] == 0
     assert (out / "report.json").exists()
+
+
+def test_a_terminated_run_says_so_and_that_resume_continues_it(ckpt, tmp_path, capsys, monkeypatch):
+    """SIGTERM (a scheduler's, ``timeout``'s) ended the run unannounced, the finished cells unnamed; train-* say what
+    --resume continues from after either signal. The handler before the run is back after it."""
+    import os
+    import signal
+
+    import specdec.eval.acceptance as acceptance
+
+    class Unhandled(Exception):
+        pass
+
+    def before(signum, frame):
+        raise Unhandled("SIGTERM reached the handler installed before the run")
+
+    write = acceptance._write_cell
+
+    def write_then_terminate(*args, **kwargs):
+        write(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(acceptance, "_write_cell", write_then_terminate)
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        out = tmp_path / "run"
+        argv = ["eval", "acceptance", "--model", ckpt, "--categories", "chat", "--prompts", "1", *RUN,
+                "--out", str(out)]
+        code, captured = _main(argv, capsys)
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    line = captured.err.strip().splitlines()[-1]
+    assert code == 143 and line == (f"specdec eval acceptance: terminated (SIGTERM); 1 finished cell(s) kept in "
+                                    f"{out / 'cells'} (continue with --resume)"), captured.err

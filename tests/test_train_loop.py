@@ -468,7 +468,9 @@ def test_a_sigterm_inside_an_optimizer_step_saves_that_step_whole(tiny, uninterr
     import os
     import signal
 
-    from specdec.train.cli import Terminated, _what_is_left, sigterm_as_interrupt
+    from specdec.train.cli import _what_is_left
+
+    from specdec.sigterm import Terminated, sigterm_as_interrupt
 
     real_step, calls = torch.optim.AdamW.step, []
 
@@ -513,7 +515,8 @@ def test_held_interrupts_stop_as_their_own_signal_else_as_the_peers():
     import signal
 
     from specdec.train.agreed_interrupts import InterruptsHeld
-    from specdec.train.cli import Terminated, sigterm_as_interrupt
+
+    from specdec.sigterm import Terminated, sigterm_as_interrupt
 
     # Python's own SIGINT handler, as in a training process (an xdist worker may run with SIGINT ignored, and an
     # ignored signal of its own rightly stops a process as its peers' instead)
@@ -544,7 +547,8 @@ def test_outside_the_loop_a_signal_acts_at_once_and_the_meetings_carry_it():
     from types import SimpleNamespace
 
     from specdec.train.agreed_interrupts import InterruptsHeld
-    from specdec.train.cli import Terminated, sigterm_as_interrupt
+
+    from specdec.sigterm import Terminated, sigterm_as_interrupt
 
     def meeting(peers, during=None, fails=False):
         def reduce(flags, reduction):
@@ -947,7 +951,9 @@ def test_the_line_of_an_interrupt_or_error_is_one_write(tmp_path, monkeypatch):
     args = SimpleNamespace(drafter="medusa", output_dir=str(tmp_path), verbose=False)
     from specdec.train.process_failures import PeerFailed
 
-    for stop, code in ((KeyboardInterrupt(), 130), (cli.Terminated(), 143), (TrainDataError("no data"), 2),
+    from specdec.sigterm import Terminated
+
+    for stop, code in ((KeyboardInterrupt(), 130), (Terminated(), 143), (TrainDataError("no data"), 2),
                        (PeerFailed(1), 1)):
         def run_training(cfg, stop=stop):
             raise stop

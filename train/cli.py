@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from specdec.train.config import EVAL_TREES, LOSSES, PRECISIONS, PROMPT_SOURCES,
 
 from specdec.help_format import DefaultsHelpFormatter
 from specdec.models.embedded import DEFAULT_ALIAS
+from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
 
 
 def add_parser(subparsers) -> None:
@@ -211,29 +211,6 @@ def _what_is_left(out: Path, interrupt: KeyboardInterrupt | None = None) -> str:
     return f"the checkpoint of step {step} is intact (continue with --resume){lost}"
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (what schedulers, ``timeout`` and ``kill`` send), raised where it arrives: it takes Ctrl-C's path."""
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """While training runs, SIGTERM raises :class:`Terminated` instead of ending the process unannounced; the
-    previous handler is restored after."""
-    def handler(signum, frame):
-        raise Terminated
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: only the main thread may handle signals
-        yield
-        return
-    try:
-        yield
-    finally:
-        if signal.getsignal(signal.SIGTERM) is handler:  # else a run stopping on an error ignores it now: left so
-            signal.signal(signal.SIGTERM, previous)
-
-
 @contextlib.contextmanager
 def console_at_cli_level(verbose: bool):
     """The console as for every other command: INFO lines and datasets' progress bars with -v only. train.log
@@ -285,9 +262,8 @@ def run(args) -> int:
         _say(f"specdec train-{args.drafter}: stopped: {err}")
         return 1
     except KeyboardInterrupt as err:
-        how = "terminated (SIGTERM)" if isinstance(err, Terminated) else "interrupted"
-        _say(f"specdec train-{args.drafter}: {how}; {_what_is_left(Path(args.output_dir), err)}")
-        return 128 + (signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT)
+        _say(f"specdec train-{args.drafter}: {how_stopped(err)}; {_what_is_left(Path(args.output_dir), err)}")
+        return exit_code(err)
     if report:
         keys = ("top1", "top5", "tree", "seconds") if args.drafter == "eagle" else \
             ("top1", "top5", "estimated_tau", "tau", "seconds")

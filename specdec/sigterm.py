@@ -1,0 +1,44 @@
+"""SIGTERM taken as Ctrl-C by the long-running commands (training, ``eval acceptance``).
+
+Schedulers, ``timeout`` and ``kill`` send SIGTERM, which by default ends the process unannounced. Inside
+:func:`sigterm_as_interrupt` it raises :class:`Terminated`, a ``KeyboardInterrupt``, so the command's Ctrl-C path
+runs: what was finished is kept and the command says how to continue. Outside the block, and off the main thread,
+SIGTERM is handled as before.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what schedulers, ``timeout`` and ``kill`` send), raised where it arrives: it takes Ctrl-C's path."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """While the block runs, SIGTERM raises :class:`Terminated` instead of ending the process unannounced; the
+    previous handler is restored after."""
+    def handler(signum, frame):
+        raise Terminated
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: only the main thread may handle signals
+        yield
+        return
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is handler:  # else a run stopping on an error ignores it now: left so
+            signal.signal(signal.SIGTERM, previous)
+
+
+def exit_code(interrupt: KeyboardInterrupt) -> int:
+    """The shell's status for a process ended by this signal: 143 for SIGTERM, 130 for Ctrl-C."""
+    return 128 + (signal.SIGTERM if isinstance(interrupt, Terminated) else signal.SIGINT)
+
+
+def how_stopped(interrupt: KeyboardInterrupt) -> str:
+    """"terminated (SIGTERM)" or "interrupted", for the command's last line."""
+    return "terminated (SIGTERM)" if isinstance(interrupt, Terminated) else "interrupted"
