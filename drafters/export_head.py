@@ -107,7 +107,10 @@ def _target(recorded: str, given: str | None, src: Path) -> tuple[str, str]:
 
 def _target_config(name: str):
     """The transformers config of the target ``name`` where its config.json is on this machine (a local checkpoint,
-    or the embedded default's converted copy for its hub id); None for a hub id (specdec downloads nothing)."""
+    the embedded default's converted copy for its hub id, or a hub id's copy in the Hugging Face cache); else None,
+    with a warning that the export is not checked (specdec downloads nothing)."""
+    from transformers import AutoConfig
+
     from specdec.models import embedded
     from specdec.models.loader import EMBEDDED_HUB_ID, config_dir
 
@@ -115,16 +118,18 @@ def _target_config(name: str):
     if name == EMBEDDED_HUB_ID and not where.exists():
         try:
             where = config_dir(embedded.DEFAULT_ALIAS)
-        except (SpecdecError, OSError):  # the wheel is not installed
-            return None
-    if not (where / CONFIG_FILE).is_file():
-        return None
-    from transformers import AutoConfig
-
+        except (SpecdecError, OSError):  # the wheel is not installed: the cache may hold it
+            pass
     try:
-        return AutoConfig.from_pretrained(str(where)).get_text_config()
-    except (OSError, ValueError):  # a config transformers cannot read: left to the serving engine
-        return None
+        if (where / CONFIG_FILE).is_file():
+            return AutoConfig.from_pretrained(str(where)).get_text_config()
+        if not where.exists():  # a hub id: its copy in the cache, never a download
+            return AutoConfig.from_pretrained(name, local_files_only=True).get_text_config()
+    except (OSError, ValueError):  # not in the cache, or a config transformers cannot read
+        pass
+    logger.warning("the export is not checked against its target %s: no config.json of it on this machine "
+                   "(specdec downloads nothing)", name)
+    return None
 
 
 @contextmanager

@@ -129,4 +129,30 @@ def test_a_feature_layer_past_the_targets_last_is_exported_with_a_warning(tmp_pa
         export_head(tmp_path / "src", "sglang", tmp_path / "three",
                     target=str(_target_dir(tmp_path / "t3", num_hidden_layers=3)))
         export_head(tmp_path / "src", "speculators", tmp_path / "hub", target="org/tiny-target")  # depth unknown
-    assert not [r for r in caplog.records if r.name == "specdec.drafters.export_head"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "specdec.drafters.export_head"]
+    assert len(warned) == 1 and "not checked against its target org/tiny-target" in warned[0], warned
+
+
+def test_a_hub_target_is_checked_against_its_cached_config_else_exported_with_a_warning(tmp_path, capsys,
+                                                                                          monkeypatch, caplog):
+    """A hub id was never checked, even with its config in the Hugging Face cache, and said nothing: a head for
+    another target was written with exit 0. The cache is read without a download; a target found nowhere is
+    named in a warning."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--org--small" / "snapshots" / "0123abcd"
+    _target_dir(snapshot, hidden_size=32, intermediate_size=64)
+    (cache / "models--org--small" / "refs").mkdir()
+    (cache / "models--org--small" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # were the cache missed, no download is tried either
+    write_sglang_checkpoint(tmp_path / "src")
+    argv = ["export-head", str(tmp_path / "src"), "--format", "speculators"]
+    assert main([*argv, "--output-dir", str(tmp_path / "a"), "--target", "org/small"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit --target org/small" in err and "hidden_size=64" in err and err.count("\n") == 1
+    with caplog.at_level(logging.WARNING, logger="specdec"):
+        assert main([*argv, "--output-dir", str(tmp_path / "b"), "--target", "org/elsewhere"]) == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("not checked against its target org/elsewhere" in w for w in warned), warned
