@@ -165,14 +165,24 @@ def _export_eagle(src: Path, fmt: str, out: Path, target: str | None) -> Path:
     target_config = _target_config(name)
     if target_config is not None:
         check_fits_target(config, target_config, f"export-head: {src} does not fit {named}")
-        depth = int(target_config.num_hidden_layers)
-        if max(config.feature_layers) >= depth:
-            logger.warning("%s reads the target's residual stream after its last layer (feature layers %s, the "
-                           "target has %d layers): vLLM and SGLang capture only the streams entering layers 0 to %d, "
-                           "so they cannot serve this export (specdec's eagle drafter can)", src,
-                           list(config.feature_layers), depth, depth - 1)
+        _warn_unservable(src, config.feature_layers, int(target_config.num_hidden_layers))
     with _writing(out):
         return write_eagle3(model, out, "sglang" if fmt == "sglang" else "speculators", name, _architectures(name))
+
+
+def _warn_unservable(src: Path, feature_layers: tuple[int, ...], depth: int) -> None:
+    """vLLM's and SGLang's Llama capture a feature as the residual stream entering a layer (its input plus the
+    residual carried beside it), for layers 0 to depth - 1 only, and at layer 0 there is no residual yet to add
+    (their forward fails on it): a head reading the stream after the last layer, or the embeddings, runs in specdec
+    only. Only targets too shallow for EAGLE-3's published ids (2, 4, 5 or 6 layers) get such defaults."""
+    why = []
+    if max(feature_layers) >= depth:
+        why.append(f"they capture only the streams entering layers 0 to {depth - 1} of the target's {depth}")
+    if 0 in feature_layers:
+        why.append("their Llama adds a residual stream that does not exist before layer 0")
+    if why:
+        logger.warning("%s reads feature layers %s, which vLLM and SGLang cannot serve (%s); specdec's eagle drafter "
+                       "can", src, list(feature_layers), "; ".join(why))
 
 
 def _architectures(target: str) -> list[str]:

@@ -116,21 +116,23 @@ def test_a_write_the_output_folder_refuses_is_one_line(tmp_path, capsys, monkeyp
 def test_a_feature_layer_past_the_targets_last_is_exported_with_a_warning(tmp_path, caplog):
     """A head of a target too shallow for three distinct published ids (2, 4, 5 or 6 layers) reads feature layers
     (0, L // 2, L): vLLM and SGLang capture the streams entering layers 0 to L - 1 only, so neither can serve layer
-    L; the export said nothing."""
+    L, and their Llama add a residual stream that is None before layer 0 (TypeError); the export said nothing."""
     write_sglang_checkpoint(tmp_path / "src")  # feature layers (0, 1, 2)
     with caplog.at_level(logging.WARNING, logger="specdec.drafters.export_head"):
         export_head(tmp_path / "src", "speculators", tmp_path / "two", target=str(_target_dir(tmp_path / "t2")))
     warned = [r.getMessage() for r in caplog.records if r.name == "specdec.drafters.export_head"]
-    assert len(warned) == 1 and "feature layers [0, 1, 2], the target has 2 layers" in warned[0]
-    assert "capture only the streams entering layers 0 to 1, so they cannot serve this export" in warned[0]
+    assert len(warned) == 1 and "reads feature layers [0, 1, 2], which vLLM and SGLang cannot serve" in warned[0]
+    assert "capture only the streams entering layers 0 to 1 of the target's 2" in warned[0]
+    assert "residual stream that does not exist before layer 0" in warned[0]
     assert json.loads((tmp_path / "two" / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="specdec.drafters.export_head"):
         export_head(tmp_path / "src", "sglang", tmp_path / "three",
-                    target=str(_target_dir(tmp_path / "t3", num_hidden_layers=3)))
+                    target=str(_target_dir(tmp_path / "t3", num_hidden_layers=3)))  # layer 2 is captured there
         export_head(tmp_path / "src", "speculators", tmp_path / "hub", target="org/tiny-target")  # depth unknown
     warned = [r.getMessage() for r in caplog.records if r.name == "specdec.drafters.export_head"]
-    assert len(warned) == 1 and "not checked against its target org/tiny-target" in warned[0], warned
+    assert len(warned) == 2 and "does not exist before layer 0" in warned[0] and "capture only" not in warned[0]
+    assert "not checked against its target org/tiny-target" in warned[1], warned
 
 
 def test_a_hub_target_is_checked_against_its_cached_config_else_exported_with_a_warning(tmp_path, capsys,
