@@ -323,13 +323,14 @@ def _size_overrides(args) -> dict:
 
 def _check_identity_fits(loaded, prompts: list[list[int]], tokens: int) -> None:
     """Refuse, naming --identity-tokens, a size whose greedy answers would run past the model's context."""
-    limit = loaded.runner.shape.max_positions  # the context, or the sliding window where smaller
+    shape = loaded.runner.shape
+    limit = shape.max_positions  # the context, or the sliding window where smaller
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
     n = len(prompts[longest])
     if n + tokens > limit:
-        room = f"lower it to {limit - n} or less" if limit > n else "the prompt alone fills the context"
+        room = f"lower it to {limit - n} or less" if limit > n else f"the prompt alone fills the {shape.limit_words}"
         raise ValueError(f"--identity-tokens {tokens}: identity prompt {longest + 1} ({n} tokens) + {tokens} new "
-                         f"tokens exceeds the model's context of {limit} tokens; {room}")
+                         f"tokens exceeds the model's {shape.limit_words}; {room}")
 
 
 def _size_flags(check) -> str | None:

@@ -91,7 +91,8 @@ def check_prompts_fit(loaded: Any, conversations: list[Conversation], ids: dict[
                       max_new_tokens: int) -> None:
     """Refuse, naming it, a prompt (``ids``: conversation index -> turn ``turn``'s prompt ids) whose answer of
     ``max_new_tokens`` would run past the model's context: before its cells are measured, not inside one."""
-    limit = loaded.runner.shape.max_positions  # the context, or the sliding window where smaller
+    shape = loaded.runner.shape
+    limit = shape.max_positions  # the context, or the sliding window where smaller
     for i, prompt in ids.items():
         if len(prompt) + max_new_tokens <= limit:
             continue
@@ -100,7 +101,7 @@ def check_prompts_fit(loaded: Any, conversations: list[Conversation], ids: dict[
                  f"leave {conversations[i].category} out of --categories")
         lower = f"lower --max-new-tokens to {limit - len(prompt)} or less, or " if len(prompt) < limit else ""
         raise InputError(f"{prompt_name(conversations, i, turn)}: its {len(prompt)} tokens + --max-new-tokens "
-                         f"{max_new_tokens} exceed the model's context of {limit} tokens; {lower}{leave}")
+                         f"{max_new_tokens} exceed the model's {shape.limit_words}; {lower}{leave}")
 
 
 def check_first_turns_fit(loaded: Any, conversations: list[Conversation], codec: ChatCodec,

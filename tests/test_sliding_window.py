@@ -109,3 +109,21 @@ def test_past_the_window_it_is_refused_or_transformers_tokens(model_type, extra)
         assert model_type == "mistral" and "sliding window" in str(err)
     else:
         assert got == want
+
+
+def test_the_eval_commands_name_the_window_too(mistral):
+    """eval acceptance's prompt check and eval lossless's --identity-tokens check said "context" for a window."""
+    from types import SimpleNamespace
+
+    from specdec.eval.cli import _check_identity_fits
+    from specdec.eval.conversations import check_prompts_fit
+    from specdec.eval.prompt_files import Conversation
+
+    loaded = SimpleNamespace(runner=LlamaRunner(mistral))
+    chat = [Conversation("chat", ("hi",), where="p.jsonl:1")]
+    with pytest.raises(InputError, match=rf"exceed the model's sliding window of {WINDOW} tokens; lower"):
+        check_prompts_fit(loaded, chat, {0: [5] * 10}, 1, 7)
+    with pytest.raises(ValueError, match=rf"exceeds the model's sliding window of {WINDOW} tokens; lower it to 6"):
+        _check_identity_fits(loaded, [[5] * 10], 7)
+    with pytest.raises(ValueError, match=rf"the prompt alone fills the sliding window of {WINDOW} tokens"):
+        _check_identity_fits(loaded, [[5] * WINDOW], 1)

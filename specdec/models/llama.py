@@ -52,6 +52,13 @@ class ModelShape:
     max_positions: int  # positions specdec runs exactly: the context, or the sliding window when smaller
     sliding_window: int | None = None  # the window of a sliding-window model (Mistral, Qwen2/3 with one)
 
+    @property
+    def limit_words(self) -> str:
+        """``max_positions`` as messages name it: the sliding window where it is the bound, else the context."""
+        if self.sliding_window is not None and self.sliding_window == self.max_positions:
+            return f"sliding window of {self.max_positions} tokens"
+        return f"context of {self.max_positions} tokens"
+
     def check_fits(self, prompt_tokens: int, max_new_tokens: int, note: str = "") -> None:
         """An InputError unless a prompt of ``prompt_tokens`` + ``max_new_tokens`` new tokens fits; for a
         sliding-window model the message names the window (full attention equals windowed attention only while
@@ -62,12 +69,11 @@ class ModelShape:
         asked = f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}{note})"
         if self.sliding_window is not None and self.sliding_window == self.max_positions:
             raise InputError(
-                f"{asked} exceeds the model's sliding window of {self.sliding_window} tokens (config.sliding_window)"
-                f": specdec computes full attention, which equals the model's windowed attention only while the "
-                f"whole sequence fits in the window; shorten the prompt or lower max_new_tokens"
+                f"{asked} exceeds the model's {self.limit_words} (config.sliding_window): specdec computes full "
+                f"attention, which equals the model's windowed attention only while the whole sequence fits in the "
+                f"window; shorten the prompt or lower max_new_tokens"
             )
-        raise InputError(f"{asked} exceeds the model's context of {self.max_positions} tokens; shorten the prompt "
-                         "or lower max_new_tokens")
+        raise InputError(f"{asked} exceeds the model's {self.limit_words}; shorten the prompt or lower max_new_tokens")
 
 
 @dataclass(frozen=True)
