@@ -80,6 +80,144 @@ def test_a_model_whose_output_specdec_would_not_reproduce_is_refused(change):
         specdec.generate(loaded, PROMPTS, max_new_tokens=2)
 
 
+def _lm_head_bias(model, monkeypatch):
+    model.lm_head.bias = torch.nn.Parameter(torch.randn(model.config.vocab_size))  # a logit bias
+    return "lm_head is not a Linear without bias"
+
+
+def _activation_identity(model, monkeypatch):
+    model.model.layers[1].mlp.act_fn = torch.nn.Identity()  # a plain module, allowed elsewhere
+    return r"model.layers.1.mlp.act_fn is not a SiLU \(found Identity\)"
+
+
+def _norm_identity(model, monkeypatch):
+    model.model.layers[0].input_layernorm = torch.nn.Identity()  # was an AttributeError traceback
+    return "model.layers.0.input_layernorm is not the family's RMSNorm"
+
+
+def _not_causal(model, monkeypatch):
+    for layer in model.model.layers:
+        layer.self_attn.is_causal = False
+    return r"model.layers.0.self_attn is not causal .*is_causal=False"
+
+
+def _embedding_max_norm(model, monkeypatch):
+    model.model.embed_tokens.max_norm = 0.2  # transformers' lookup renormalises the rows it reads
+    return "model.embed_tokens is not an nn.Embedding without max_norm"
+
+
+def _dynamic_rotary_module(model, monkeypatch):
+    """A rotary module of another RoPE built in, the config left as it was."""
+    import copy
+
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = copy.deepcopy(model.config)
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model.model.rotary_emb = LlamaRotaryEmbedding(config=config)
+    return "RoPE type 'dynamic' is not supported"
+
+
+def _global_hook(model, monkeypatch):
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: out)
+    _UNDO.append(handle.remove)
+    return "a global forward hook is registered"
+
+
+def _attention_function(model, monkeypatch):
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def scaled(module, query, key, value, attention_mask, **kwargs):  # a user's attention: another softmax scale
+        return sdpa_attention_forward(module, query * 4, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("scaled_for_test", scaled)
+    _UNDO.append(lambda: AttentionInterface._global_mapping.pop("scaled_for_test", None))
+    model.set_attn_implementation("scaled_for_test")
+    return "attention implementation 'scaled_for_test' is not one of transformers' own"
+
+
+def _patched_class(model, monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: x)
+    return r"modeling_llama.LlamaMLP.forward was replaced \(by tests.test_runnable"
+
+
+def _patched_helper(model, monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", lambda q, k, cos, sin, **kw: (q, k))  # NoPE
+    return "modeling_llama.apply_rotary_pos_emb was replaced"
+
+
+_UNDO: list = []
+
+
+@pytest.mark.parametrize("change", [_lm_head_bias, _activation_identity, _norm_identity, _not_causal,
+                                    _embedding_max_norm, _dynamic_rotary_module, _global_hook, _attention_function,
+                                    _patched_class, _patched_helper], ids=lambda f: f.__name__.strip("_"))
+def test_what_the_runner_takes_as_given_is_checked(change, monkeypatch):
+    """Each ran without a refusal (most with other tokens than transformers' from the first one): a plain module
+    in a role of another kind, an LM head bias, a global hook, a user's attention function, transformers' family
+    code patched, a rotary module of a RoPE that changes with the length."""
+    model = build_tiny_model()
+    loaded = specdec.load_model(model)
+    try:
+        match = change(model, monkeypatch)
+        with pytest.raises(UnsupportedModelError, match=match) as err:
+            specdec.generate(model, PROMPTS, max_new_tokens=2)
+        assert "\n" not in str(err.value)
+        with pytest.raises(UnsupportedModelError, match=match):
+            specdec.generate(loaded, PROMPTS, max_new_tokens=2)
+    finally:
+        while _UNDO:
+            _UNDO.pop()()
+
+
+def test_a_q_norm_llama_never_calls_is_not_applied():
+    """The runner applied any attention's ``q_norm`` / ``k_norm`` it found; transformers' Llama never calls them."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    model = build_tiny_model()
+    expected = transformers_greedy(model)
+    for layer in model.model.layers:
+        layer.self_attn.q_norm = LlamaRMSNorm(model.config.head_dim)
+        layer.self_attn.k_norm = LlamaRMSNorm(model.config.head_dim)
+        torch.nn.init.normal_(layer.self_attn.q_norm.weight)
+    assert transformers_greedy(model) == expected
+    assert specdec_greedy(model) == expected
+
+
+def test_a_loaded_model_reads_norm_epsilon_and_rope_scaling_edited_since():
+    """A LoadedModel's runner kept the final norm's epsilon and the rotary attention_scaling it was built with."""
+    model = build_tiny_model()
+    loaded = specdec.load_model(model)
+    specdec.generate(loaded, PROMPTS, max_new_tokens=2)
+    model.model.rotary_emb.attention_scaling = 3.0
+    expected = transformers_greedy(model)
+    assert [list(s) for s in specdec.generate(loaded, PROMPTS, max_new_tokens=8, eos_token_id=None)] == expected
+    model.model.norm.variance_epsilon = 10.0  # greedy tokens may stay, their probabilities do not
+    out = specdec.generate(loaded, [PROMPTS[0]], max_new_tokens=3, eos_token_id=None, return_dict=True,
+                           output_logprobs=True)
+    seq, n = torch.tensor([list(out.sequences[0])]), len(PROMPTS[0])
+    with torch.no_grad():
+        want = torch.log_softmax(model(seq[:, :-1]).logits[0, n - 1:].float(), -1).gather(1, seq[0, n:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(out.logprobs[0]), want, rtol=1e-4, atol=1e-4)
+
+
+def test_weights_in_two_dtypes_or_dynamically_quantized_are_one_line():
+    """A float32 model with a bfloat16 embedding (transformers runs it) failed in index_copy_; torch's dynamic
+    quantization failed in the runner ("'function' object has no attribute 'shape'") before the module check."""
+    model = build_tiny_model()
+    model.model.embed_tokens.to(torch.bfloat16)
+    with pytest.raises(UnsupportedModelError, match=r"weights are in 2 dtypes \(bfloat16, float32\)"):
+        specdec.generate(model, PROMPTS, max_new_tokens=2)
+    quantized = torch.ao.quantization.quantize_dynamic(build_tiny_model(), {torch.nn.Linear})
+    with pytest.raises(UnsupportedModelError, match=r"is a torch\.ao\.nn\.quantized\.dynamic"):
+        specdec.generate(quantized, PROMPTS, max_new_tokens=2)
+
+
 def test_weights_not_there_are_one_line_not_a_tensor_error():
     """A model built on the meta device, or with layers offloaded by accelerate (their weights on meta, moved in
     by hooks at forward time), failed deep in the forward: "Tensor.item() cannot be called on meta tensors"."""

@@ -132,6 +132,8 @@ def check_supported(hf_model) -> None:
     if act not in ("silu", "swish"):  # transformers' two names of one function
         raise UnsupportedModelError(f"only SwiGLU MLPs (hidden_act='silu') are supported, got {act!r}")
     rope = rope_type(rope_parameters(config))
+    if rope in STATIC_ROPE_TYPES:  # and the rotary module's own (one built from another config), which runs
+        rope = getattr(getattr(hf_model.model, "rotary_emb", None), "rope_type", rope)
     if rope not in STATIC_ROPE_TYPES:
         why = " (it changes with the sequence length)" if rope in ("dynamic", "longrope") else ""
         raise UnsupportedModelError(f"RoPE type {rope!r} is not supported{why}; supported: "
@@ -282,6 +284,7 @@ class LlamaRunner:
         # the norms' own epsilon, as transformers' forward reads it (config.rms_norm_eps only built them: an edit of
         # it since changes nothing there); each layer's norms are read in the forward
         self.eps = base.norm.variance_epsilon
+        self.qk_norms = getattr(cfg, "model_type", None) == "qwen3"  # transformers calls no other family's q_norm
         self.shape = _shape(cfg)
         check_shape(hf_model, self.shape)
         head_dim = self.shape.head_dim
@@ -326,6 +329,10 @@ class LlamaRunner:
             return "its config gives another shape"
         if any(getattr(layer.self_attn, "scaling", self.scale) != self.scale for layer in self.layers):
             return "an attention layer's scaling was changed"
+        if base.norm.variance_epsilon != self.eps:
+            return "the final norm's epsilon was changed"
+        if float(getattr(self.rotary, "attention_scaling", 1.0)) != self.attention_scaling:
+            return "the rotary embedding's attention_scaling was changed"
         if self.embed.device.type != self._built_on:
             return f"it moved from {self._built_on} to {self.embed.device.type}"
         _, found, parts = self._projections
@@ -466,7 +473,7 @@ class LlamaRunner:
                 v = self._linear(x, attn.v_proj.weight, attn.v_proj.bias)
             q = q.view(n, s.num_heads, s.head_dim)
             k, v = k.view(n, s.num_kv_heads, s.head_dim), v.view(n, s.num_kv_heads, s.head_dim)
-            q_norm = hasattr(attn, "q_norm")  # Qwen3: RMSNorm over head_dim before RoPE
+            q_norm = self.qk_norms  # Qwen3: RMSNorm over head_dim before RoPE
             width = s.num_heads + s.num_kv_heads  # a fused product's rows: q and k side by side, then v
             if qkv is not None and cache.backend.triton and self.backend.triton:
                 # the norm (Qwen3), RoPE and the KV store in one launch

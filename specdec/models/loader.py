@@ -38,7 +38,7 @@ import torch
 from specdec.errors import InputError, InputTypeError, ModelNotFoundError
 from specdec.models import checkpoint_files, embedded, runnable, synthetic
 from specdec.models.fused_projections import pack_projections
-from specdec.models.llama import LlamaRunner
+from specdec.models.llama import LlamaRunner, check_supported
 
 logger = logging.getLogger(__name__)
 
@@ -322,6 +322,7 @@ def load_model(
                 if hasattr(spec, "get_base_model") else "")
         raise InputTypeError(f"model must be a transformers model, a path or an alias, got {type(spec).__name__}"
                              f"{hint}")
-    runner = LlamaRunner(model)  # the family, its activation and RoPE (check_supported)
-    runnable.check_modules(model)  # nothing the runner's own forward would leave out
+    check_supported(model)  # the family, its activation and RoPE, before its modules are read
+    runnable.check_modules(model)  # nothing the runner's own forward would leave out, before it is built on them
+    runner = LlamaRunner(model)
     return LoadedModel(model, tokenizer, runner, name, source)

@@ -11,7 +11,10 @@ calls a module's ``forward``. So whatever changes a module's output besides its 
 * a ``forward`` replaced on the instance, unless by accelerate's device hook or by ``torch.compile`` of the
   module's own forward;
 * quantized layers (``config.quantization_config``): the runner would multiply by the packed weights. A ``.gguf``
-  file transformers dequantized at load (``gguf_file=``) holds plain layers and runs.
+  file transformers dequantized at load (``gguf_file=``) holds plain layers and runs;
+* what the runner's forward takes as given: each module of a role of the kind it computes (RMSNorms, a SiLU, causal
+  attention, a plain embedding, an LM head without bias), transformers' own attention functions, no global hook,
+  and the family's code as transformers wrote it (no ``forward`` or helper patched over on the class or module).
 
 :func:`check_modules` refuses these when a model is loaded; :func:`check_weights_present` refuses weights that are
 not there to read (the meta device, layers offloaded by accelerate's ``device_map`` / ``cpu_offload``) or that lie
@@ -89,9 +92,147 @@ def check_modules(hf_model) -> None:
     # GGUF blocks by modules of transformers' GGUF integration, which the walk below refuses
     if (quantization is not None or quantizer is not None) and method != "gguf":
         raise quantized_refusal(method, "config.quantization_config")
+    _check_global_hooks()
+    _check_attention_function(hf_model.config)
+    types = set()
     for module, state in _walk(hf_model):
+        types.add(type(module))
         if type(module) not in _KNOWN or state["_forward_hooks"] or state["_forward_pre_hooks"] or "forward" in state:
             _check_module(hf_model, module)
+    _check_family_code(types)
+    _check_roles(hf_model)
+
+
+def _check_global_hooks() -> None:
+    """torch's global forward hooks run in every module's forward, transformers' included, never in the runner's."""
+    from torch.nn.modules import module as torch_module
+
+    hooks = [*torch_module._global_forward_hooks.values(), *torch_module._global_forward_pre_hooks.values()]
+    if hooks:
+        raise UnsupportedModelError("a global forward hook is registered (torch.nn.modules.module.register_module_"
+                                    "forward_hook / _pre_hook): it changes what every module computes in "
+                                    "transformers' forward, and specdec runs its own; remove it (handle.remove()) "
+                                    "first")
+
+
+def _check_attention_function(config) -> None:
+    """``config._attn_implementation``: eager, or a function transformers registered (SDPA, flash, flex, paged; a
+    hub kernel goes through transformers' own flash wrapper). A function registered by the user
+    (``AttentionInterface.register``) may compute anything."""
+    impl = getattr(config, "_attn_implementation", None)
+    if impl in (None, "eager"):
+        return
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    try:
+        fn = ALL_ATTENTION_FUNCTIONS[impl]
+    except (KeyError, ValueError):
+        fn = None
+    fn = getattr(fn, "func", fn)  # a functools.partial (hub kernels in transformers' wrapper)
+    if not str(getattr(fn, "__module__", "")).startswith("transformers."):
+        raise UnsupportedModelError(f"the model's attention implementation {impl!r} is not one of transformers' own "
+                                    "(config._attn_implementation): specdec computes standard causal attention, "
+                                    "which it may not be; set the model's back, e.g. "
+                                    "model.set_attn_implementation('sdpa')")
+
+
+_HELPERS = ("apply_rotary_pos_emb", "rotate_half", "repeat_kv", "eager_attention_forward")  # what the forwards call
+
+
+def _check_family_code(types: set[type]) -> None:
+    """The family modules' ``forward`` methods and helpers are transformers' own: a patch over them (``LlamaMLP.forward
+    = ...``, ``modeling_llama.apply_rotary_pos_emb = ...``) changes what transformers computes, not the runner."""
+    import sys
+
+    family = {cls for cls in types if cls.__module__ in _FAMILY_MODULES}
+    for cls in family:
+        forward = vars(cls).get("forward")
+        if forward is not None and getattr(forward, "__module__", cls.__module__) != cls.__module__:
+            raise UnsupportedModelError(f"{cls.__module__}.{cls.__qualname__}.forward was replaced (by "
+                                        f"{getattr(forward, '__module__', '?')}.{getattr(forward, '__qualname__', '?')}"
+                                        "): specdec runs its own forward on the weights and would leave out what the "
+                                        "patch changes; run without it")
+    for name in {cls.__module__ for cls in family}:
+        code = sys.modules[name]
+        for helper in _HELPERS:
+            fn = getattr(code, helper, None)
+            if fn is not None and getattr(fn, "__module__", name) != name:
+                raise UnsupportedModelError(f"{name}.{helper} was replaced (by {getattr(fn, '__module__', '?')}."
+                                            f"{getattr(fn, '__qualname__', '?')}): specdec runs its own forward on "
+                                            "the weights and would leave out what the patch changes; run without it")
+
+
+_RMS_NORMS: set[type] = set()  # classes _is_rms_norm / _is_silu accepted
+_SILUS: set[type] = set()
+
+
+def _is_rms_norm(module: Any) -> bool:
+    cls = type(module)
+    if cls not in _RMS_NORMS and any(c.__module__ in _FAMILY_MODULES and c.__name__.endswith("RMSNorm")
+                                     for c in cls.__mro__):
+        _RMS_NORMS.add(cls)
+    return cls in _RMS_NORMS
+
+
+def _is_silu(module: Any) -> bool:
+    cls = type(module)
+    if cls not in _SILUS and any(c is nn.SiLU or (c.__module__ == "transformers.activations" and "SiLU" in c.__name__)
+                                 for c in cls.__mro__):
+        _SILUS.add(cls)
+    return cls in _SILUS
+
+
+def _layer_fits(layer: nn.Module, qk_norms: bool) -> bool:
+    """:func:`_roles` of one decoder layer, all fitting (the per-call path: a few set lookups)."""
+    modules = layer._modules
+    attn = modules["self_attn"]
+    return (type(modules.get("input_layernorm")) in _RMS_NORMS and type(modules.get("post_attention_layernorm"))
+            in _RMS_NORMS and type(modules["mlp"]._modules.get("act_fn")) in _SILUS
+            and getattr(attn, "is_causal", True) is True
+            and (not qk_norms or (type(attn._modules.get("q_norm")) in _RMS_NORMS
+                                  and type(attn._modules.get("k_norm")) in _RMS_NORMS)))
+
+
+def _check_roles(hf_model) -> None:
+    """Each module the runner reads by its role is of the kind the runner computes: a plain module allowed in one
+    role (nn.Identity, nn.Dropout, nn.Linear) put in another would be computed as that role's kind."""
+    base = hf_model.model
+    qk_norms = getattr(hf_model.config, "model_type", None) == "qwen3"  # the runner applies them for Qwen3 only
+    embed = base.embed_tokens
+    if (type(embed) is nn.Embedding and embed.max_norm is None and _is_rms_norm(base.norm)
+            and getattr(hf_model.lm_head, "bias", None) is None
+            and all(_layer_fits(layer, qk_norms) for layer in base.layers)):
+        return
+    for where, kind, fits, found in _roles(hf_model, base, qk_norms):
+        if not fits:
+            raise UnsupportedModelError(f"{where} is not {kind} (found {found}): specdec's forward computes that "
+                                        "role so, and transformers' forward would compute something else")
+
+
+def _roles(hf_model, base, qk_norms: bool) -> Iterator[tuple[str, str, bool, str]]:
+    """(where, the kind the runner computes there, whether the model's fits, what the model has), lazily."""
+    def name(module):
+        return type(module).__qualname__
+
+    embed = base.embed_tokens
+    yield ("model.embed_tokens", "an nn.Embedding without max_norm",
+           isinstance(embed, nn.Embedding) and embed.max_norm is None,
+           f"max_norm={embed.max_norm}" if isinstance(embed, nn.Embedding) else name(embed))
+    yield "model.norm", "the family's RMSNorm", _is_rms_norm(base.norm), name(base.norm)
+    bias = getattr(hf_model.lm_head, "bias", None)
+    yield "lm_head", "a Linear without bias", bias is None, "a bias"
+    for i, layer in enumerate(base.layers):
+        for role in ("input_layernorm", "post_attention_layernorm"):
+            module = getattr(layer, role, None)
+            yield f"model.layers.{i}.{role}", "the family's RMSNorm", _is_rms_norm(module), name(module)
+        act = getattr(layer.mlp, "act_fn", None)
+        yield f"model.layers.{i}.mlp.act_fn", "a SiLU", _is_silu(act), name(act)
+        causal = getattr(layer.self_attn, "is_causal", True)
+        yield f"model.layers.{i}.self_attn", "causal (is_causal=True)", causal is True, f"is_causal={causal!r}"
+        if qk_norms:
+            for role in ("q_norm", "k_norm"):
+                module = getattr(layer.self_attn, role, None)
+                yield f"model.layers.{i}.self_attn.{role}", "the family's RMSNorm", _is_rms_norm(module), name(module)
 
 
 def _walk(hf_model) -> Iterator[tuple[nn.Module, dict]]:
@@ -149,13 +290,15 @@ def _is_device_hook(module: nn.Module) -> bool:
 
 
 def check_weights_present(hf_model) -> None:
-    """An UnsupportedModelError unless every parameter holds real data on one device. Once per generate() call, over
-    :func:`_walk` (named_parameters() cost 0.6 ms for 32 layers)."""
+    """An UnsupportedModelError unless every parameter holds real data, in one dtype, on one device. Once per
+    generate() call, over :func:`_walk` (named_parameters() cost 0.6 ms for 32 layers)."""
     devices: set[torch.device] = set()
+    dtypes: set[torch.dtype] = set()
     for _, state in _walk(hf_model):
         for param in state["_parameters"].values():
             if param is None:
                 continue
+            dtypes.add(param.dtype)
             if param.is_meta:
                 name = next(n for n, p in hf_model.named_parameters() if p is param)
                 raise UnsupportedModelError(
@@ -163,6 +306,10 @@ def check_weights_present(hf_model) -> None:
                     "by accelerate's device_map / cpu_offload); load it with every weight on one device (no "
                     "offloading)")
             devices.add(param.device)
+    if len(dtypes) > 1:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        raise UnsupportedModelError(f"the model's weights are in {len(dtypes)} dtypes ({names}): specdec runs a model "
+                                    "in one dtype; convert it first, e.g. model.to(torch.bfloat16)")
     if len(devices) > 1:
         raise UnsupportedModelError(f"the model's weights lie on {len(devices)} devices "
                                     f"({', '.join(sorted(map(str, devices)))}): specdec runs a model on one device; "
