@@ -144,6 +144,7 @@ class ModelDrafter(Drafter):
         self._loaded: tuple[LlamaRunner, LlamaRunner, DraftVocab | None] | None = None
         # pending static trees of a batch size: (depths, ancestor bits) of every node on the device, and the depth
         self._pending_fields: dict[tuple[tuple[int, ...], int], tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._outgrown = False  # a sequence outgrew the draft model's context (_live): said once a call
 
     # ---- lifecycle --------------------------------------------------------------------
     def make_runner(self, runner: LlamaRunner, tokenizer: Any) -> LlamaRunner:
@@ -177,6 +178,7 @@ class ModelDrafter(Drafter):
         self.cache = target.cache if self.shares_target_cache else None
         self.graphed, self.use_graphs = None, self._uses_graphs()
         self._pending_fields = {}
+        self._outgrown = False  # a sequence outgrew the draft model's context (_live): said once a call
         mode = self.config.mode
         if target.coupling is not None:  # candidates by the shared noise; the engine's coupled walk verifies
             mode = "deterministic"
@@ -291,7 +293,14 @@ class ModelDrafter(Drafter):
         if self.runner is None:
             raise RuntimeError(f"{self.name}: attach(target) must be called before propose()")
         max_pos = self.runner.shape.max_positions
-        return [v for v in seqs if len(v.token_ids) + 1 < max_pos]
+        live = [v for v in seqs if len(v.token_ids) + 1 < max_pos]
+        if len(live) < len(seqs) and not self._outgrown and max_pos < self.target.runner.shape.max_positions:
+            self._outgrown = True  # once a call: the target goes on past the draft model's context, undrafted
+            longest = max(len(v.token_ids) for v in seqs)
+            logger.warning("%s: a sequence of %d tokens fills the draft model's context of %d positions: it is "
+                           "decoded without drafts from here (a draft model with a longer context drafts on)",
+                           self.name, longest, max_pos)
+        return live
 
     def _root_logits(self, live: list[SequenceView]) -> torch.Tensor:  # [B, vocab] logits at each root
         if self.cache is None:

@@ -433,3 +433,23 @@ def test_a_second_draft_model_that_can_never_pay_is_warned_about_too(caplog, mon
             specdec.generate(target, [[1, 2]], max_new_tokens=4, drafter=DraftModelDrafter(big))
     said = [r.getMessage() for r in caplog.records if "no draft can pay" in r.getMessage()]
     assert len(said) == 2 and said[0] != said[1], said
+
+
+def test_a_draft_model_with_a_shorter_context_says_once_where_it_stops_drafting(caplog):
+    """A draft model whose context is shorter than the sequence drafted nothing from there on, silently (tau 1.00);
+    the output stays the target's. A draft model of the target's context says nothing at the target's end."""
+    target = build_tiny_model(max_position_embeddings=64, vocab_size=32)
+    short = build_tiny_model(max_position_embeddings=16, vocab_size=32, num_hidden_layers=1)
+    prompts = [[(7 * i) % 31 + 1 for i in range(12)], [(5 * i) % 31 + 1 for i in range(30)]]
+    plain = specdec.generate(target, prompts, max_new_tokens=12)
+    with caplog.at_level(logging.WARNING, logger="specdec.drafters.model_drafter"):
+        out = specdec.generate(target, prompts, max_new_tokens=12, drafter=DraftModelDrafter(short),
+                               speculation="always")
+    said = [r.getMessage() for r in caplog.records if r.name == "specdec.drafters.model_drafter"]
+    assert out == plain
+    assert len(said) == 1 and "a sequence of 30 tokens fills the draft model's context of 16 positions" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specdec.drafters.model_drafter"):
+        specdec.generate(target, [prompts[1]], max_new_tokens=34, drafter="self-draft",
+                         drafter_options={"num_layers": 1}, speculation="always")
+    assert not [r for r in caplog.records if r.name == "specdec.drafters.model_drafter"]
