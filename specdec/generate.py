@@ -177,8 +177,8 @@ def _ended_if_refused(streamer: Any) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        if is_put_end_streamer(streamer):
-            streamer.end()
+        if callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None)):  # not re-checked:
+            streamer.end()  # a streamer of no known kind is the error being raised, in one line
         raise
 
 
@@ -308,9 +308,9 @@ def _pad_token_id(pad_token_id: int | None, from_caller: bool, vocab_size: int) 
 
 def _check_streamer_batch(put_end: bool, sequences: int) -> None:
     if put_end and sequences > 1:
-        raise InputError(f"a streamer with put() / end() (transformers' protocol) streams one sequence, as in "
-                         f"transformers, but this call generates {sequences} (batch x num_return_sequences); pass "
-                         "a callable streamer(batch_index, tokens) instead")
+        raise InputError(f"a streamer with put() / end() (transformers' protocol) streams one sequence in specdec "
+                         f"(transformers' TextStreamer takes one too), but this call generates {sequences} (batch x "
+                         "num_return_sequences); pass a callable streamer(batch_index, tokens) instead")
 
 
 def run(engine: Engine, request: GenerateRequest) -> Any:

@@ -6,7 +6,9 @@ transformers).
 
 Stop strings are matched on a decoded *window* at the end of the text, grown by characters
 (not by a fixed number of tokens): a character may take several tokens (byte fallback,
-byte-level BPE), and a token many characters.
+byte-level BPE), and a token many characters. A window that holds the whole generated text is
+decoded after the prompt's last token, whose text is then cut off: a SentencePiece decoder strips
+the leading space of a text's first token, which the first generated token keeps after a prompt.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ class StopCriteria:
         max_chars = max((len(s) for s in self.stop_strings), default=0)
         keep = generated if max_chars else min(generated, max(max_seq - 1, 0))
         history = list(tokens[len(tokens) - keep :]) if keep else []
+        anchor = list(tokens[start - 1 : start]) if max_chars and start > 0 else []  # the prompt's last token
         # tokens decoded per stop-string check: enough at >= 1 character per token, else it grows
         window = max_chars + WINDOW_SLACK_CHARS + 2
         for i, tok in enumerate(committed):
@@ -62,21 +65,27 @@ class StopCriteria:
             if max_seq and any(tuple(history[-len(s) :]) == s for s in self.stop_sequences):
                 return i + 1, "stop"
             if max_chars:
-                tail, window = self._tail(history, window, max_chars)
+                tail, window = self._tail(history, window, max_chars, anchor)
                 if any(s in tail for s in self.stop_strings):
                     return i + 1, "stop"
             if generated + i + 1 >= self.max_new_tokens:
                 return i + 1, "length"
         return len(committed), None
 
-    def _tail(self, history: list[int], window: int, max_chars: int) -> tuple[str, int]:
+    def _tail(self, history: list[int], window: int, max_chars: int, anchor: list[int]) -> tuple[str, int]:
         """(text, window): the end of the decoded text holding every stop-string match that the
-        last token completed, and the token window used (doubled until it covers the match)."""
+        last token completed, and the token window used (doubled until it covers the match).
+        ``anchor``: the prompt's last token, decoded before a whole text and cut off (module doc)."""
         decode = self.tokenizer.decode
         while True:
             start = max(0, len(history) - window)
             text = decode(history[start:], skip_special_tokens=False)
-            if start == 0:  # the whole text: nothing to trim
+            if start == 0:  # the whole text: nothing to trim but the anchor's text
+                if anchor:
+                    anchored, before = (decode(anchor + history, skip_special_tokens=False),
+                                        decode(anchor, skip_special_tokens=False))
+                    if anchored.startswith(before):  # else the two merged into one character: as decoded alone
+                        return anchored[len(before):], window
                 return text, window
             # a match the last token completed ends past the prefix shared with the text without
             # that token, so it starts past prefix - max_chars >= the slack: it lies in text[slack:]

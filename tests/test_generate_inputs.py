@@ -45,6 +45,8 @@ def _one_line_error(error: type[Exception], match: str, **kwargs) -> str:
         _gen(**kwargs)
     message = str(info.value)
     assert isinstance(info.value, SpecdecError) and "\n" not in message, repr(message)
+    # not raised while another error was handled: Python would print both ("During handling of the above ...")
+    assert info.value.__context__ is None or info.value.__suppress_context__, repr(info.value.__context__)
     return message
 
 

@@ -52,6 +52,29 @@ def test_stop_string_across_token_boundaries():
     assert stop.scan([0, 2], [3, 4, 5]) == (2, "stop")  # "a c | d e f": stops at "e"
 
 
+class SentencePieceLike:
+    """Tokens of words with their leading space (SentencePiece's "▁"); a decoded text loses its first space, as
+    transformers' LlamaTokenizer decoder (``Strip(left=1)``) does."""
+
+    words = ["<s>", " a", " b", ":", " User"]
+
+    def decode(self, ids, skip_special_tokens=False):
+        text = "".join(self.words[i] for i in ids)
+        return text[1:] if text.startswith(" ") else text
+
+
+def test_a_stop_string_with_a_leading_space_at_the_first_new_token():
+    """" User:" completed by the first two new tokens was missed (the generated text, decoded alone, starts "User:"),
+    and generation ran on; transformers stops there. The prompt's own text still counts for no match."""
+    stop = StopCriteria(100, stop_strings=(" User:",), tokenizer=SentencePieceLike())
+    prompt = [0, 1, 2]
+    assert stop.scan(prompt, [4, 3, 1], start=len(prompt)) == (2, "stop")
+    assert stop.scan(prompt + [4], [3, 1], start=len(prompt)) == (1, "stop")
+    assert stop.scan(prompt + [1], [4, 3], start=len(prompt)) == (2, "stop")
+    assert StopCriteria(100, stop_strings=("b:",), tokenizer=SentencePieceLike()).scan(
+        prompt, [3, 1], start=len(prompt)) == (2, None)  # " b" is the prompt's
+
+
 def test_invalid_criteria():
     with pytest.raises(ValueError):
         StopCriteria(0)
