@@ -93,6 +93,12 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "assistant_model": ((), "transformers' assisted generation (use drafter=)"),
     **dict.fromkeys(("negative_prompt_ids", "negative_prompt_attention_mask"), ((), "classifier-free guidance")),
     "custom_generate": ((), "a custom decoding loop"),
+    # model inputs transformers' generate() passes to the model's forward: None is what it does without them
+    "past_key_values": ((), "a transformers cache to continue from (specdec prefills the prompt into its own "
+                            "paged KV cache)"),
+    "inputs_embeds": ((), "prompt embeddings in place of token ids"),
+    **dict.fromkeys(("position_ids", "cache_position"), ((), "positions of the caller's (specdec numbers them from "
+                                                             "the attention mask, as transformers does without)")),
 }
 BEAM_ONLY = frozenset({"length_penalty", "early_stopping"})  # change nothing where num_beams is 1
 

@@ -238,6 +238,16 @@ def test_bad_scalar_argument_is_a_one_line_error(kwargs, error, match):
     _one_line_error(error, match, **kwargs)
 
 
+def test_model_inputs_transformers_passes_on_are_taken_as_none_and_refused_set():
+    """past_key_values=None (generic code passing what it has) was an unknown argument, with "did you mean
+    eos_token_id?"; transformers takes None as absent. Set, each is refused by name: specdec would not use it."""
+    none = dict(past_key_values=None, inputs_embeds=None, position_ids=None, cache_position=None)
+    assert _gen(**none) == _gen()
+    for name in none:
+        message = _one_line_error(InputError, rf"keyword argument sets {name}=", **{name: torch.zeros(1, 3)})
+        assert "did you mean" not in message and "refuses it rather than ignore it" in message
+
+
 def test_self_draft_on_a_one_layer_target_says_it_needs_two_layers():
     """It said "num_layers=1 must be below the target's 1 layers; give a num_layers option from 1 to 0": a range with
     no option in it (found by a fuzz sweep)."""
