@@ -613,8 +613,9 @@ def test_a_streamer_is_ended_when_the_call_fails_before_it_streams():
     assert recorder.calls == [("end",)]
 
 
-def test_put_end_streamer_takes_one_sequence_as_in_transformers():
-    with pytest.raises(InputError, match=r"one sequence, as in transformers, but this call generates 3") as info:
+def test_put_end_streamer_takes_one_sequence_as_transformers_text_streamer():
+    with pytest.raises(InputError, match=r"one sequence in specdec \(transformers' TextStreamer takes one too\), "
+                                         r"but this call generates 3") as info:
         specdec.generate("no/such/model", **_enc("left"), streamer=Recorder())
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="batch size 1"):  # transformers' own TextStreamer refuses a batch
