@@ -52,7 +52,8 @@ def add_parser(subparsers) -> None:
     g.add_argument("--train-depth", type=int, default=3, dest="eagle_steps",
                    help="draft steps the layer is trained through on its own predicted features")
     g.add_argument("--reg-weight", type=float, default=1.0,
-                   help="weight of the feature regression (smooth L1) next to the token cross-entropy (EAGLE-1)")
+                   help="weight of the feature regression (smooth L1) next to the token cross-entropy (EAGLE-1 "
+                        "only: refused with --arch eagle3, which has no regression)")
     g.add_argument("--arch", choices=("eagle1", "eagle3"), default="eagle1", dest="eagle_arch",
                    help="eagle3: fc over three target layers' features (low / middle / high), token loss only, "
                         "its own norm and LM head (exportable with specdec export-head)")
@@ -94,7 +95,9 @@ def _common_args(p, name: str) -> None:
                    help="self-distillation prompts without --data / --prompts-file: the built-in set, or 'self': "
                         f"user turns the target writes itself (--num-prompts of them, default {SELF_PROMPTS}; "
                         "needs a chat template)")
-    g.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts (default: all)")
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help="use only the first N self-distillation prompts (default: all; refused with --data, whose "
+                        "records are all used)")
     g.add_argument("--distill-max-new-tokens", type=int, default=128, help="response length when self-distilling")
     g.add_argument("--distill-batch-size", type=int, default=128,
                    help="prompts per batched generate() call (larger = more tokens/s, more KV memory)")
@@ -119,7 +122,9 @@ def _common_args(p, name: str) -> None:
     g.add_argument("--loss", choices=LOSSES, default="ce",
                    help="ce: cross-entropy vs the target's argmax; kl: KL divergence from the target's whole "
                         "next-token distribution (teaches the lower ranks a tree uses; about 50%% more time per step "
-                        "on a CPU)")
+                        "on a CPU)" if name == "train-medusa" else
+                        "ce: cross-entropy vs the target's own tokens, the only loss of an EAGLE layer (kl is "
+                        "train-medusa's and refused here)")
     g.add_argument("--precision", choices=PRECISIONS, default="no", help="mixed precision for the heads")
     g.add_argument("--no-feature-cache", action="store_true",
                    help="recompute the target's hidden states every batch instead of once per sequence "

@@ -156,8 +156,22 @@ class TrainConfig:
             raise ValueError(f"eagle_steps must be >= 1, got {self.eagle_steps}")
         if self.reg_weight < 0:
             raise ValueError(f"reg_weight must be >= 0, got {self.reg_weight}")
+        self._refuse_ignored()
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other")
+
+    def _refuse_ignored(self) -> None:
+        """Settings this run would accept and do nothing with: refused in one line."""
+        if self.drafter == "eagle" and self.loss != "ce":
+            raise ValueError(f"loss {self.loss!r} (--loss) is train-medusa's: an EAGLE layer is trained with "
+                             "cross-entropy against the target's own tokens; leave it at 'ce'")
+        if self.reg_weight != 1.0 and (self.drafter, self.eagle_arch) != ("eagle", "eagle1"):
+            which = "--arch eagle3 has none (token loss only)" if self.drafter == "eagle" else "Medusa heads have none"
+            raise ValueError(f"reg_weight (--reg-weight) weighs EAGLE-1's feature regression and {which}; leave it "
+                             "at 1.0")
+        if self.data is not None and self.num_prompts is not None:
+            raise ValueError("num_prompts (--num-prompts) limits the self-distillation prompts; with data (--data) "
+                             "every record is used: leave it out")
 
     def to_json(self) -> dict:
         return asdict(self)

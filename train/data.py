@@ -3,9 +3,10 @@
     texts = load_texts("data.jsonl", field="text")          # list[str]; chat messages are rendered
     seqs = tokenize_texts(tokenizer, texts, seq_len=512)     # list[list[int]], each 2..seq_len tokens
 
-A record holds either a text field (``--text-field``, default ``text``) or chat messages
+Each record holds either a text field (``--text-field``, default ``text``) or chat messages
 (``--messages-field``, default ``messages``: a list of ``{"role", "content"}``), which are rendered
-with the tokenizer's chat template. Anything else is a :class:`TrainDataError` naming the problem.
+with the tokenizer's chat template; one file may mix the two. Anything else is a :class:`TrainDataError`
+naming the record.
 """
 from __future__ import annotations
 
@@ -63,17 +64,32 @@ def _datasets_errors_unlogged():
         logger.setLevel(level)
 
 
+class _DuplicateKey(ValueError):
+    """A JSON object that holds one key twice (Python keeps the last value; datasets refuses the file)."""
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen.add(key)
+    return dict(pairs)
+
+
 def _what_is_wrong(path: Path, err: Exception) -> str:
-    """What makes ``path`` unreadable: for a JSON Lines file its first line that is not JSON, else the innermost
-    cause datasets wraps (its own DatasetGenerationError says only that generating failed)."""
+    """What makes ``path`` unreadable: for a JSON Lines file its first line that is not JSON or holds a key twice,
+    else the innermost cause datasets wraps (its own DatasetGenerationError says only that generating failed)."""
     if path.suffix.lower() == ".jsonl":
         try:
             with open(path, encoding="utf-8") as f:
                 for number, line in enumerate(f, 1):
                     try:
-                        json.loads(line) if line.strip() else None
+                        json.loads(line, object_pairs_hook=_unique_keys) if line.strip() else None
                     except json.JSONDecodeError as bad:
                         return f"line {number} is not JSON ({bad.msg}, column {bad.colno})"
+                    except _DuplicateKey as twice:
+                        return f"line {number} holds the key {twice.args[0]!r} twice in one object"
         except (UnicodeDecodeError, OSError):
             pass  # said below, from datasets' error
     while err.__cause__ is not None or err.__context__ is not None:
@@ -83,6 +99,9 @@ def _what_is_wrong(path: Path, err: Exception) -> str:
 
 
 def load_texts(data: str, text_field: str = "text", messages_field: str = "messages", tokenizer=None) -> list[str]:
+    """The texts of ``data``, record by record: a string in ``text_field`` (empty ones skipped), else chat messages
+    in ``messages_field`` rendered with ``tokenizer``'s chat template; any other record is a TrainDataError naming
+    it (0-based, in file order)."""
     path = Path(data).expanduser()
     if not path.exists():
         raise TrainDataError(f"training data not found: {path}")
@@ -90,28 +109,40 @@ def load_texts(data: str, text_field: str = "text", messages_field: str = "messa
     if len(ds) == 0:
         raise TrainDataError(f"training data {path} is empty")
     columns = set(ds.column_names)
-    if text_field in columns:
-        try:  # datasets decodes a JSON file's text lazily
-            texts = [t for t in ds[text_field] if isinstance(t, str) and t.strip()]
-        except UnicodeDecodeError as err:
-            raise TrainDataError(f"training data {path} is not UTF-8 text (byte {err.start}: {err.reason})") from err
-    elif messages_field in columns:
-        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-            raise TrainDataError(f"{path} holds chat messages but the model's tokenizer has no chat template")
-        texts = []
-        for i, msgs in enumerate(ds[messages_field]):
-            if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                     for m in msgs):
-                raise TrainDataError(f"{path} record {i}: {messages_field!r} must be a list of {{role, content}}")
-            texts.append(tokenizer.apply_chat_template(msgs, tokenize=False))
-    else:
+    if text_field not in columns and messages_field not in columns:
         raise TrainDataError(
             f"{path} has neither a {text_field!r} nor a {messages_field!r} field (columns: {sorted(columns)}); "
             "pass --text-field or --messages-field"
         )
+    try:  # datasets decodes a JSON file's text lazily
+        text_column = ds[text_field] if text_field in columns else [None] * len(ds)
+        messages_column = ds[messages_field] if messages_field in columns else [None] * len(ds)
+        texts = []
+        for i, (text, messages) in enumerate(zip(text_column, messages_column, strict=True)):
+            text = _record_text(path, i, text, messages, text_field, messages_field, tokenizer)
+            if text.strip():
+                texts.append(text)
+    except UnicodeDecodeError as err:
+        raise TrainDataError(f"training data {path} is not UTF-8 text (byte {err.start}: {err.reason})") from err
     if not texts:
         raise TrainDataError(f"training data {path} holds no non-empty texts")
     return texts
+
+
+def _record_text(path: Path, i: int, text, messages, text_field: str, messages_field: str, tokenizer) -> str:
+    """Record ``i``'s text: its ``text_field`` string, else its chat messages rendered."""
+    if isinstance(text, str):
+        return text
+    if text is not None:
+        raise TrainDataError(f"{path} record {i}: {text_field!r} must be a string, got {type(text).__name__}")
+    if messages is None:
+        raise TrainDataError(f"{path} record {i} has neither a {text_field!r} string nor {messages_field!r}")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                 for m in messages):
+        raise TrainDataError(f"{path} record {i}: {messages_field!r} must be a list of {{role, content}}")
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        raise TrainDataError(f"{path} holds chat messages but the model's tokenizer has no chat template")
+    return tokenizer.apply_chat_template(messages, tokenize=False)
 
 
 def tokenize_texts(tokenizer, texts: list[str], seq_len: int) -> list[list[int]]:

@@ -8,6 +8,7 @@ Writes ``config.json`` + ``model.safetensors`` (drafters/eagle_checkpoint.py) wi
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import time
@@ -22,6 +23,7 @@ from specdec.train.eagle_evaluate import (
     tree_from_accuracies,
     tree_pays,
 )
+from specdec.train.pipeline import measured, number
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +33,13 @@ def finish_eagle(cfg, loaded, eagle, history, held_out, train_seqs, vocab_info: 
     out = Path(cfg.output_dir)
     data = held_out or train_seqs
     acc = eagle_accuracies(loaded.model, eagle, data, cfg.eagle_steps, device=accelerator.device)
+    acc = {**acc, "top1": measured(acc["top1"], acc["positions"]), "top5": measured(acc["top5"], acc["positions"])}
     if prompt_lengths:  # self-distilled: the responses alone (a chat template is easy to predict and inflates acc)
         starts = [prompt_lengths.get(tuple(s), 0) for s in data]
         acc_r = eagle_accuracies(loaded.model, eagle, data, cfg.eagle_steps, device=accelerator.device,
                                  starts=starts)
-        acc = {**acc, "response_top1": acc_r["top1"], "response_top5": acc_r["top5"]}
+        acc = {**acc, "response_top1": measured(acc_r["top1"], acc_r["positions"]),
+               "response_top5": measured(acc_r["top5"], acc_r["positions"])}
     tree_table: list[dict] = []
     if cfg.eval_tau:
         from specdec.eval.prompts import load_prompts
@@ -47,8 +51,10 @@ def finish_eagle(cfg, loaded, eagle, history, held_out, train_seqs, vocab_info: 
                                                                  progress=cfg.progress)
         choice = {"by": "speed", "pays": any(tree_pays(m) for m in tree_table)}
     else:  # nothing timed: the depth the accuracies support, at most the trained one
-        which = "response_top1" if acc.get("response_top1") else "top1"
-        (depth, top_k, nodes), chain = tree_from_accuracies(acc[which], cfg.eagle_steps)
+        which = "response_top1" if (acc.get("response_top1") or [None])[0] is not None else "top1"
+        # the depths measured: a depth no position reached supports no deeper tree
+        rates = list(itertools.takewhile(lambda a: a is not None, acc[which]))
+        (depth, top_k, nodes), chain = tree_from_accuracies(rates, cfg.eagle_steps)
         choice = {"by": "accuracies", "accuracies": which, "chain_acceptance": chain,
                   "min_chain_acceptance": MIN_CHAIN_ACCEPTANCE}
         logger.info("eagle tree from the %s accuracies, not timed (eval_tau off): depth %d top-k %d nodes %d "
@@ -70,7 +76,8 @@ def finish_eagle(cfg, loaded, eagle, history, held_out, train_seqs, vocab_info: 
     }
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(render_markdown(report))
-    logger.info("done: top-1 per depth %s, tree %s", [round(a, 3) for a in acc["top1"]], report["tree"])
+    logger.info("done: top-1 per depth %s, tree %s", [a if a is None else round(a, 3) for a in acc["top1"]],
+                report["tree"])
     return report
 
 
@@ -80,15 +87,17 @@ def render_markdown(r: dict) -> str:
         f"a reduced vocabulary of {v['size']} tokens ({100 * v['coverage']:.1f}% of the training tokens)"
     lines = [f"# EAGLE training report: {r['model']}", "",
              f"One draft layer over {vocab}, trained {c['eagle_steps']} draft steps deep; {r['steps']} steps on "
-             f"{r['train_sequences']} sequences ({r['processes']} process(es)); final loss {r['final_loss']:.4f}", "",
+             f"{r['train_sequences']} sequences ({r['processes']} process(es)); final loss "
+             f"{number(r['final_loss'], 4)}", "",
              f"Accuracies on {r['held_out_sequences']} held-out sequences:" if r["held_out_sequences"]
              else "Accuracies on the TRAINING data (--held-out-fraction 0): optimistic.", "",
              "| draft depth | top-1 | top-5 | top-1, responses only | top-5, responses only |", "|---|---|---|---|---|"]
+    responses = r.get("response_top1") is not None  # self-distilled; n/a: a depth no response position reached
     resp1 = r.get("response_top1") or [None] * len(r["top1"])
     resp5 = r.get("response_top5") or [None] * len(r["top1"])
     for d, (a1, a5, b1, b5) in enumerate(zip(r["top1"], r["top5"], resp1, resp5, strict=True)):
-        extra = f"{b1:.3f} | {b5:.3f}" if b1 is not None else "- | -"
-        lines.append(f"| {d + 1} | {a1:.3f} | {a5:.3f} | {extra} |")
+        extra = f"{number(b1)} | {number(b5)}" if responses else "- | -"
+        lines.append(f"| {d + 1} | {number(a1)} | {number(a5)} | {extra} |")
     lines += ["", "All positions include each sequence's prompt (the chat template repeats in every sequence and is "
               "easy to predict); the responses-only columns are what drafting a reply meets."]
     if r["tree_measurements"]:

@@ -83,11 +83,19 @@ def _sequences(cfg: TrainConfig, loaded, inputs: list,
         prompts = self_written_prompts(loaded, cfg.num_prompts or SELF_PROMPTS, seed=cfg.seed,
                                        batch_size=cfg.distill_batch_size, progress=cfg.progress, cuda_graphs=graphs,
                                        team=team)
-    seqs = self_distill(loaded, prompts, max_new_tokens=cfg.distill_max_new_tokens, batch_size=cfg.distill_batch_size,
-                        progress=cfg.progress, cuda_graphs=graphs, team=team)
     from specdec.train.distill import encode_prompt
 
     lengths = [len(encode_prompt(loaded.tokenizer, p)) for p in prompts]
+    if lengths and min(lengths) >= cfg.seq_len:  # refused before the target answers
+        raise TrainDataError(f"--seq-len {cfg.seq_len} is too short for the prompts: sequences are cut from their "
+                             f"start, so no answer token would be kept (the longest prompt has {max(lengths)} tokens)")
+    seqs = self_distill(loaded, prompts, max_new_tokens=cfg.distill_max_new_tokens, batch_size=cfg.distill_batch_size,
+                        progress=cfg.progress, cuda_graphs=graphs, team=team)
+    cut = sum(len(s) > n >= cfg.seq_len for s, n in zip(seqs, lengths, strict=True))
+    if cut:
+        logger.warning("%d of %d self-distilled sequences keep no answer token: their prompts are at least --seq-len "
+                       "(%d) tokens long (the longest has %d) and sequences are cut from their start", cut, len(seqs),
+                       cfg.seq_len, max(lengths))
     seqs = [s[: cfg.seq_len] for s in seqs]
     return seqs, {tuple(s): n for s, n in zip(seqs, lengths, strict=True)}
 
@@ -235,7 +243,9 @@ def _finish_medusa(cfg: TrainConfig, loaded, model, heads, history: list[dict], 
         "held_out_sequences": len(held_out), "accuracy_data": "held-out" if held_out else "training",
         "steps": history[-1]["step"] if history else 0,
         "final_loss": history[-1]["loss"] if history else None,
-        "top1": acc["top1"], "top5": acc["top5"], "rank_acc": acc["rank_acc"],
+        # a head no held-out position reaches has no accuracy (rank_acc keeps 0.0: the tree leaves it out)
+        "top1": measured(acc["top1"], acc["positions"]), "top5": measured(acc["top5"], acc["positions"]),
+        "rank_acc": acc["rank_acc"],
         "medusa_choices": [list(c) for c in choices], "estimated_tau": est_tau, "tau": tau,
         "seconds": {"data": t_data - t0, "train": t_train - t_data, "eval": t_end - t_train,
                     "total": t_end - t0},
@@ -285,16 +295,27 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
         return _finish_medusa(cfg, loaded, model, heads, history, held_out, train_seqs, accelerator, times)
 
 
+def measured(rates: list[float], positions: list[float]) -> list[float | None]:
+    """``rates`` with None where they were measured over no position (a 0.0 there would read as a measurement)."""
+    return [rate if n else None for rate, n in zip(rates, positions, strict=True)]
+
+
+def number(value: float | None, digits: int = 3) -> str:
+    """``value`` for a report.md table or line: "n/a" where nothing was measured."""
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
 def render_markdown(r: dict) -> str:
     lines = [f"# Medusa training report: {r['model']}", "",
              f"{r['config']['num_heads']} heads x {r['config']['num_layers']} layers, "
              f"{'shared' if r['config']['shared_lm_head'] else 'own'} LM head; {r['steps']} steps on "
-             f"{r['train_sequences']} sequences ({r['processes']} process(es)); final loss {r['final_loss']:.4f}", "",
+             f"{r['train_sequences']} sequences ({r['processes']} process(es)); final loss "
+             f"{number(r['final_loss'], 4)}", "",
              f"Accuracies on {r['held_out_sequences']} held-out sequences:" if r["held_out_sequences"]
              else "Accuracies on the TRAINING data (--held-out-fraction 0): optimistic.", "",
              "| head | predicts | top-1 | top-5 |", "|---|---|---|---|"]
     for i, (a1, a5) in enumerate(zip(r["top1"], r["top5"], strict=True)):
-        lines.append(f"| {i} | t+{i + 2} | {a1:.3f} | {a5:.3f} |")
+        lines.append(f"| {i} | t+{i + 2} | {number(a1)} | {number(a5)} |")
     lines += ["", f"Tree: {len(r['medusa_choices'])} nodes, estimated tau {r['estimated_tau']:.3f}"]
     if r["tau"]:
         t = r["tau"]

@@ -1,0 +1,188 @@
+"""Training inputs that were dropped, ignored or cut without a word: mixed and malformed records, a key twice on a
+JSON Lines line, options a run does nothing with, prompts --seq-len cuts the answers off, and reports of rates
+measured over no position or of a run whose history is gone."""
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+pytest.importorskip("datasets")
+
+from specdec.train.config import TrainConfig  # noqa: E402
+from specdec.train.data import TrainDataError, load_texts  # noqa: E402
+from specdec.train.pipeline import run_training  # noqa: E402
+
+TEXTS = [f"the {w} number {i} likes {w[::-1]} and sings, {i * 7}" for i, w in
+         enumerate(["cat", "dog", "bird", "fish", "frog", "bee", "owl", "fox", "cow", "yak", "eel", "ant"] * 2)]
+CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+
+
+class ChatTok:
+    chat_template = "x"
+
+    def apply_chat_template(self, msgs, tokenize=False):
+        return "".join(f"<{m['role']}>{m['content']}" for m in msgs)
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from specdec.testing import save_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny_checks")
+    save_tiny_checkpoint(root / "model")
+    (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    return root
+
+
+def test_a_file_may_mix_texts_and_chat_messages(tmp_path):
+    """The text column was taken for every record as soon as one record had it: records holding messages were
+    dropped without a word. Each record is now read as what it holds, in file order."""
+    f = _jsonl(tmp_path / "d.jsonl", [{"text": "plain one"}, {"messages": CHAT}, {"text": "  "}, {"text": "two"}])
+    assert load_texts(f, tokenizer=ChatTok()) == ["plain one", "<user>hi<assistant>yo", "two"]
+    with pytest.raises(TrainDataError, match="holds chat messages but the model's tokenizer has no chat template"):
+        load_texts(f)
+
+
+@pytest.mark.parametrize("rows,match", [
+    ([{"text": "fine"}, {"text": 1000}], "record 1: 'text' must be a string, got int"),
+    ([{"text": "fine"}, {"text": None}], "record 1 has neither a 'text' string nor 'messages'"),
+    ([{"text": "fine"}, {"other": "typo"}], "record 1 has neither a 'text' string nor 'messages'"),
+    ([{"text": "fine"}, {"messages": "hi"}], "record 1: 'messages' must be a list of {role, content}"),
+])
+def test_a_record_that_is_neither_a_text_nor_messages_is_named(tmp_path, rows, match):
+    """A record whose text was a number or null, or that held neither field, was dropped (rc 0); now it is one
+    line naming the file and the record."""
+    f = _jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(TrainDataError) as err:
+        load_texts(f, tokenizer=ChatTok())
+    assert str(err.value) == f"{f} {match}"
+
+
+def test_a_key_twice_on_a_jsonl_line_names_the_line_and_the_key(tmp_path):
+    """datasets refuses a record holding a key twice with "Trailing data at position 47", naming neither."""
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": "other"}\n{"text": "first value", "text": "second value"}\n')
+    with pytest.raises(TrainDataError) as err:
+        load_texts(str(f))
+    assert str(err.value) == f"cannot read training data {f}: line 2 holds the key 'text' twice in one object"
+
+
+@pytest.mark.parametrize("argv,settings,match", [
+    (["--loss", "kl"], dict(loss="kl"), r"loss 'kl' \(--loss\) is train-medusa's"),
+    (["--arch", "eagle3", "--reg-weight", "5"], dict(eagle_arch="eagle3", reg_weight=5.0),
+     r"reg_weight \(--reg-weight\) weighs EAGLE-1's feature regression and --arch eagle3 has none"),
+    (["--num-prompts", "3"], dict(num_prompts=3), r"num_prompts \(--num-prompts\) limits the self-distillation"),
+])
+def test_options_a_run_ignores_are_refused(tiny, tmp_path, capsys, argv, settings, match):
+    """train-eagle --loss kl trained the same weights as --loss ce, --reg-weight did nothing under --arch eagle3,
+    and --num-prompts did nothing with --data; each is refused in one line (exit 2), by the CLI and the config."""
+    from specdec.cli import main
+
+    rc = main(["train-eagle", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"), "--output-dir",
+               str(tmp_path / "run"), "--seq-len", "16", "--max-steps", "1", "--no-eval-tau", "--no-progress", *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("specdec train-eagle: error: ")
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(model="m", output_dir=str(tmp_path), drafter="eagle", data="d.jsonl", **settings)
+    assert not (tmp_path / "run").exists()
+
+
+def test_options_that_act_are_still_accepted(tmp_path):
+    TrainConfig(model="m", output_dir=str(tmp_path), loss="kl")  # Medusa
+    TrainConfig(model="m", output_dir=str(tmp_path), drafter="eagle", reg_weight=5.0)  # EAGLE-1
+    TrainConfig(model="m", output_dir=str(tmp_path), prompts_file="p.txt", num_prompts=3)
+    TrainConfig(model="m", output_dir=str(tmp_path), num_prompts=3)  # the built-in prompts
+
+
+def _distil_cfg(tiny, tmp_path, prompts: list[str], **kw) -> TrainConfig:
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    base = dict(model=str(tiny / "model"), output_dir=str(tmp_path / "run"), prompts_file=str(tmp_path / "prompts.txt"),
+                drafter="eagle", draft_vocab=None, eagle_steps=2, seq_len=12, batch_size=4, max_steps=1,
+                distill_max_new_tokens=4, distill_batch_size=8, eval_tau=False, progress=False, held_out_fraction=0.0)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_prompts_as_long_as_seq_len_are_refused_before_distilling(tiny, tmp_path, monkeypatch):
+    """Sequences are cut from their start: with every prompt at least --seq-len tokens long no answer token was
+    kept, and the report gave a response top-1 of 0.0 over no position. Refused before the target answers."""
+    from specdec.train import distill
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(distill, "self_distill", lambda *a, **k: pytest.fail("distilled"))
+    with pytest.raises(TrainDataError) as err:
+        run_training(_distil_cfg(tiny, tmp_path, ["a" * 12, "b" * 20]))  # one token per character
+    assert str(err.value) == ("--seq-len 12 is too short for the prompts: sequences are cut from their start, so no "
+                              "answer token would be kept (the longest prompt has 20 tokens)")
+
+
+def test_prompts_that_lose_their_answers_are_counted_in_a_warning(tiny, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger="specdec.train.pipeline"):
+        run_training(_distil_cfg(tiny, tmp_path, ["abc", "defg", "h" * 12, "i" * 15]))
+    assert ("2 of 4 self-distilled sequences keep no answer token: their prompts are at least --seq-len (12) tokens "
+            "long (the longest has 15)") in caplog.text
+
+
+def test_a_rate_over_no_position_is_none_and_the_tree_comes_from_what_was_measured(tmp_path):
+    """Held-out sequences that are all prompt (the answers cut off) gave response top-1 0.0 per depth, and the tree
+    without timing came from those zeros. Now those rates are None ("n/a" in report.md) and the tree comes from the
+    all-position top-1."""
+    from specdec.drafters.eagle_model import EagleConfig, EagleModel
+    from specdec.train.eagle_evaluate import tree_from_accuracies
+    from specdec.train.eagle_report import finish_eagle
+
+    from specdec.testing import build_tiny_model
+
+    torch.manual_seed(0)
+    model = build_tiny_model()
+    eagle = EagleModel(EagleConfig.for_target(model.config))
+    seqs = [[(i * 5 + j) % 90 + 1 for j in range(10)] for i in range(3)]
+    cfg = TrainConfig(model="m", output_dir=str(tmp_path), drafter="eagle", eagle_steps=2, eval_tau=False)
+    loaded = SimpleNamespace(model=model, tokenizer=None, name="tiny")
+    times = {"start": 0, "data": 0, "train": 0}
+    all_prompt = {tuple(s): len(s) + 5 for s in seqs}  # prompts longer than the (cut) sequences
+    report = finish_eagle(cfg, loaded, eagle, [{"step": 1, "loss": 2.5}], seqs, seqs, {"size": None}, times,
+                          SimpleNamespace(device="cpu", num_processes=1), all_prompt)
+    assert report["response_top1"] == [None, None] and report["response_top5"] == [None, None]
+    assert None not in report["top1"] and report["tree_choice"]["accuracies"] == "top1"
+    tree = tree_from_accuracies(report["top1"], 2)[0]
+    assert (report["tree"]["depth"], report["tree"]["top_k"], report["tree"]["max_nodes"]) == tree
+    md = (tmp_path / "report.md").read_text()
+    assert "final loss 2.5000" in md and "| n/a | n/a |" in md
+    assert json.loads((tmp_path / "report.json").read_text())["response_top1"] == [None, None]
+
+
+def test_resuming_a_finished_run_whose_history_is_gone_writes_its_report(tiny, tmp_path):
+    """render_markdown formatted the final loss of a resumed run without history.jsonl (None) as a float: a
+    TypeError after report.json, and no report.md. A Medusa head no held-out position reaches (sequences of 3
+    tokens, head 2 predicts the 4th) has no accuracy either: None, not 0.0."""
+    cfg = dict(model=str(tiny / "model"), output_dir=str(tmp_path / "run"), data=str(tiny / "data.jsonl"),
+               num_heads=3, seq_len=3, batch_size=4, max_steps=2, save_every=2, eval_tau=False, progress=False,
+               held_out_fraction=0.2)
+    run_training(TrainConfig(**cfg))
+    (tmp_path / "run" / "history.jsonl").unlink()
+    (tmp_path / "run" / "report.md").unlink()
+    report = run_training(TrainConfig(**cfg, resume=True))
+    assert report["final_loss"] is None and report["top1"][2] is None and report["top1"][0] is not None
+    md = (tmp_path / "run" / "report.md").read_text()
+    assert "final loss n/a" in md and "| 2 | t+4 | n/a | n/a |" in md
+
+
+def test_an_eagle_report_without_a_final_loss_renders():
+    from specdec.train.eagle_report import render_markdown
+
+    report = {"config": {"eagle_steps": 1}, "draft_vocab": {}, "model": "m", "steps": 3, "train_sequences": 1,
+              "processes": 1, "final_loss": None, "held_out_sequences": 1, "top1": [0.5], "top5": [0.7],
+              "tree_measurements": [], "tree": {"depth": 1, "top_k": 1, "max_nodes": 1},
+              "seconds": {"data": 1, "train": 1, "eval": 1, "total": 3}}
+    assert "3 steps on 1 sequences (1 process(es)); final loss n/a" in render_markdown(report)
