@@ -389,3 +389,9 @@ def test_a_peft_style_wrapper_is_told_to_merge():
 
     with pytest.raises(TypeError, match="got PeftLike.*merge_and_unload"):
         specdec.generate(PeftLike(build_tiny_model()), PROMPTS, max_new_tokens=2)
+    # prompt tuning (peft's is_prompt_learning configs): no merge removes virtual tokens, which that advice missed
+    prompt_tuned = PeftLike(build_tiny_model())
+    prompt_tuned.active_peft_config = type("PromptTuningConfig", (), {"is_prompt_learning": True})()
+    with pytest.raises(TypeError, match="prompt-learning model: its virtual tokens .* pass the base model") as info:
+        specdec.generate(prompt_tuned, PROMPTS, max_new_tokens=2)
+    assert "merge_and_unload" not in str(info.value)

@@ -320,6 +320,10 @@ def load_model(
     else:
         hint = (" (a PEFT model: merge its adapter into the weights, model.merge_and_unload(), and pass the result)"
                 if hasattr(spec, "get_base_model") else "")
+        if getattr(spec, "active_peft_config", None) is not None and \
+                getattr(spec.active_peft_config, "is_prompt_learning", False):  # nothing to merge: virtual tokens
+            hint = (" (a PEFT prompt-learning model: its virtual tokens are inputs specdec does not run, and no "
+                    "merge removes them; pass the base model to decode without them)")
         raise InputTypeError(f"model must be a transformers model, a path or an alias, got {type(spec).__name__}"
                              f"{hint}")
     check_supported(model)  # the family, its activation and RoPE, before its modules are read
