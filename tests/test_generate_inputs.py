@@ -480,3 +480,13 @@ def test_negative_controls_enter_only_where_the_engine_is_built():
         generate_with_control(_model(), [[1, 2]], EXACT, "wrong_slot", max_new_tokens=2)
     assert generate_with_control(_model(), [[1, 2, 3]], EXACT, max_new_tokens=3) == _gen(max_new_tokens=3)
     assert "always_accept" in BROKEN_RULES
+
+
+def test_the_default_length_is_named_as_the_default_when_it_does_not_fit():
+    """"lower max_new_tokens (128)" read as if the caller had passed 128: no length was set anywhere."""
+    model = build_tiny_model(max_position_embeddings=64)
+    model.generation_config.max_length = None
+    with pytest.raises(InputError, match=r"max_new_tokens \(128, specdec's default: none was set\) exceeds"):
+        specdec.generate(model, [[1, 2, 3]])
+    with pytest.raises(InputError, match=r"max_new_tokens \(100\) exceeds"):
+        specdec.generate(model, [[1, 2, 3]], max_new_tokens=100)
