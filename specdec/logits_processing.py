@@ -209,6 +209,7 @@ class LogitsProcessing:
                 _prepare_biases_in_float32(p, vocab_size, device)
         return cls(tuple(merged), new_max) if merged else None
 
+    @torch.no_grad()  # as transformers' generate() runs them: a processor holding parameters builds no graph
     def process_rows(self, input_ids: torch.Tensor, scores: torch.Tensor, prompt_length: int) -> torch.Tensor:
         """input_ids [rows, L] (every row a prefix of L tokens whose prompt is ``prompt_length`` long), scores
         [rows, V] -> the processed scores [rows, V]: each processor in turn, as transformers' generate() calls it."""

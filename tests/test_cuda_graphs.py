@@ -476,6 +476,25 @@ def test_a_graphed_forward_of_a_model_changed_since_is_refused(loaded):
         loaded.model.lm_head = head  # the module's model, as the other tests use it
 
 
+def test_a_graphed_forward_after_an_edit_of_the_rope_frequencies_is_refused(loaded):
+    """Its RoPE table is computed once from the model's inv_freq: after an in-place edit of the frequencies (a RoPE
+    scaling tried in a notebook) it decoded the text of the frequencies before, where transformers and the eager
+    path read the new ones. The model's own graph cache (cuda_graphs="auto") is built again for the same reason."""
+    graphed = GraphedForward.with_cache(loaded.runner, max_tokens=64, config=GraphConfig(capture=CAPTURE))
+    generate(loaded, [[4, 5, 6]], max_new_tokens=2, cuda_graphs=graphed)
+    inv_freq = loaded.model.model.rotary_emb.inv_freq
+    before = inv_freq.clone()
+    inv_freq.mul_(0.5)
+    try:
+        assert loaded.runner.stale() == "the rotary embedding's inv_freq was changed"
+        with pytest.raises(ValueError, match=r"changed since it was built \(the rotary embedding's inv_freq was "
+                                             r"changed\): build a new GraphedForward$"):
+            generate(loaded, [[4, 5, 6]], max_new_tokens=2, cuda_graphs=graphed)
+    finally:
+        inv_freq.copy_(before)
+    assert loaded.runner.stale() is None
+
+
 def test_self_distillation_through_buckets_equals_eager_and_keeps_its_own_cache(loaded, tmp_path, caplog):
     """train-medusa / train-eagle's self-distillation decodes chunk after chunk through one GraphedForward (buckets
     1, 2, 4 and 5 for batches of 5, the last chunk smaller): the eager tokens, cached under a key of their own."""

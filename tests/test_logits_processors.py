@@ -650,3 +650,21 @@ def test_a_callers_sequence_bias_processor_reused_with_another_vocabulary(make):
         outs = [specdec.generate(model, PROMPTS[:2], max_new_tokens=6, logits_processor=[processor],
                                  logits_processor_prefix_only=True) for processor in (reused, make())]
         assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+def test_processors_run_without_gradients_as_in_transformers(drafter):
+    """transformers' generate() calls its processors under no_grad; specdec called them in the caller's grad mode
+    (on, in a plain script), so a processor holding a parameter built an autograd graph at every call."""
+    from specdec.testing import build_tiny_model
+
+    seen = []
+
+    def processor(input_ids, scores):
+        seen.append(torch.is_grad_enabled())
+        return scores
+
+    assert torch.is_grad_enabled()
+    specdec.generate(build_tiny_model(), [[1, 2, 3, 1, 2, 3]], max_new_tokens=6, drafter=drafter,
+                     logits_processor=[processor], logits_processor_prefix_only=True)
+    assert seen and not any(seen)

@@ -297,6 +297,9 @@ class LlamaRunner:
         # keep their identity), so a copy taken here would stay behind and cost a host-to-device copy per forward
         self.rotary = base.rotary_emb
         self.attention_scaling = float(getattr(self.rotary, "attention_scaling", 1.0))
+        # the frequencies as built: the eager forward reads them live, but the bit-exact mode's RoPE table and a
+        # CUDA-graph cache's are computed once from them, so an edit since (a RoPE scaling tried in place) is stale()
+        self._inv_freq = self.rotary.inv_freq.detach().clone()
         self._backend_choice = backend  # what was asked for, resolved again by rebuilt()
         self._built_on = self.embed.device.type  # the device type the backend was chosen for (stale())
         self.backend = resolve_backend(self.embed.device, backend)  # fused element-wise ops; the cache's its own
@@ -314,8 +317,10 @@ class LlamaRunner:
         """What of its model changed since this runner was built such that its forward would no longer be the model's
         (None: nothing): a module it reads replaced (``resize_token_embeddings`` to fewer tokens, a new ``lm_head``),
         the shape the config gives, the device type its backend was chosen for, a fused projection's weight given
-        other memory (``param.data = ...``). A runner holds its model's modules, so identity is a sound test. Weights
-        changed in place, a dtype, a device of the same type need nothing: the forward reads them live.
+        other memory (``param.data = ...``), the final norm's epsilon, the attention or RoPE scaling, the RoPE
+        frequencies (which tables are computed from). A runner holds its model's modules, so identity is a sound
+        test. Weights changed in place, a dtype, a device of the same type need nothing: the forward reads them
+        live.
         Once per generate() call (:func:`specdec.models.loader.load_model`), never per step."""
         base = self.hf_model.model
         for name, mine, now in (("decoder layer list", self.layers, base.layers),
@@ -338,6 +343,9 @@ class LlamaRunner:
         _, found, parts = self._projections
         if found is not None and parts != _projection_parts(self.layers):
             return "a fused projection's weight was given other memory"
+        inv_freq = self.rotary.inv_freq
+        if inv_freq.dtype != self._inv_freq.dtype or not torch.equal(inv_freq, self._inv_freq.to(inv_freq.device)):
+            return "the rotary embedding's inv_freq was changed"
         return None
 
     def rebuilt(self) -> "LlamaRunner":
