@@ -213,6 +213,8 @@ class GraphedForward:
         if self.runner.hf_model is not runner.hf_model:
             raise InputError("cuda_graphs: this GraphedForward was built for another model")
         stale = self.runner.stale()  # its forward is its own runner's, which the call's check did not rebuild
+        if stale is None and self.weights != weights_key(self.runner):  # captured graphs read the old memory
+            stale = "a weight was given other memory (param.data = ..., a move)"
         if stale is not None:
             raise InputError(f"cuda_graphs: this GraphedForward's model was changed since it was built ({stale}): "
                              "build a new GraphedForward")

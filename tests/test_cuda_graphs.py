@@ -495,6 +495,19 @@ def test_a_graphed_forward_after_an_edit_of_the_rope_frequencies_is_refused(load
     assert loaded.runner.stale() is None
 
 
+def test_a_graphed_forward_after_a_weight_was_given_other_memory_is_refused():
+    """Its captured graphs read each weight at the address it had then; a model passed as an object has no fused
+    projections, whose addresses stale() compares, so ``param.data = ...`` went unseen (on a GPU the graphs would
+    read the freed memory)."""
+    own = triton_tiny_model(VOCAB, DEVICE)  # not the module's: its weights move
+    graphed = GraphedForward.with_cache(own.runner, max_tokens=64, config=GraphConfig(capture=CAPTURE))
+    generate(own, [[4, 5, 6]], max_new_tokens=2, cuda_graphs=graphed)
+    up = own.model.model.layers[0].mlp.up_proj.weight
+    up.data = up.data.clone()
+    with pytest.raises(ValueError, match=r"changed since it was built \(a weight was given other memory"):
+        generate(own, [[4, 5, 6]], max_new_tokens=2, cuda_graphs=graphed)
+
+
 def test_self_distillation_through_buckets_equals_eager_and_keeps_its_own_cache(loaded, tmp_path, caplog):
     """train-medusa / train-eagle's self-distillation decodes chunk after chunk through one GraphedForward (buckets
     1, 2, 4 and 5 for batches of 5, the last chunk smaller): the eager tokens, cached under a key of their own."""
