@@ -17,21 +17,9 @@ from specdec.train.config import TrainConfig  # noqa: E402
 from specdec.train.data import TrainDataError, load_texts  # noqa: E402
 from specdec.train.pipeline import run_training  # noqa: E402
 
-TEXTS = [f"the {w} number {i} likes {w[::-1]} and sings, {i * 7}" for i, w in
-         enumerate(["cat", "dog", "bird", "fish", "frog", "bee", "owl", "fox", "cow", "yak", "eel", "ant"] * 2)]
+from tests.test_train_data import TEXTS, ChatTok, _jsonl  # noqa: E402
+
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-
-
-class ChatTok:
-    chat_template = "x"
-
-    def apply_chat_template(self, msgs, tokenize=False):
-        return "".join(f"<{m['role']}>{m['content']}" for m in msgs)
-
-
-def _jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
