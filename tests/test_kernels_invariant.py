@@ -97,3 +97,22 @@ def test_a_tiny_model_on_the_triton_backend_is_row_invariant(dtype):
     for b, r in zip(batched, reference, strict=True):
         assert (b - r).abs().max() <= 0.05 * r.abs().max()
 
+
+
+def test_the_mode_on_the_interpreter_says_its_rows_rest_on_numpy(monkeypatch, caplog):
+    """invariant=True on the interpreted kernels was accepted without a word, though numpy's matmul (the
+    interpreter's tl.dot) may sum a tile's rows in different orders on this CPU; once a process, and never on a
+    GPU or on the reference backend."""
+    import logging
+
+    from specdec.models import llama
+
+    monkeypatch.setattr(llama, "_INTERPRETED_INVARIANCE_WARNED", False)
+    model = build_tiny_model(vocab_size=32, num_hidden_layers=1).to(DEVICE)
+    with caplog.at_level(logging.WARNING, logger="specdec.models.llama"):
+        LlamaRunner(model, backend="reference").invariant_mode(True)
+        LlamaRunner(model, backend="triton").invariant_mode(True)
+        LlamaRunner(model, backend="triton", invariant=True)
+    said = [r.getMessage() for r in caplog.records if r.name == "specdec.models.llama"]
+    assert len(said) == (0 if DEVICE == "cuda" else 1), said
+    assert DEVICE == "cuda" or "invariant=True on the Triton interpreter" in said[0]

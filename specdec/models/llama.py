@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,8 @@ from specdec.models.fused_projections import LayerProjections
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # RoPE whose angles do not change with length
+
+logger = logging.getLogger(__name__)
 
 
 class UnsupportedModelError(SpecdecError, ValueError):
@@ -267,6 +270,20 @@ def _projection_parts(layers) -> tuple:
     return tuple(out)
 
 
+_INTERPRETED_INVARIANCE_WARNED = False
+
+
+def _warn_interpreted_invariance(runner) -> None:
+    """Once a process: the bit-exact mode on the Triton interpreter rests on numpy's matmul, whose row order of
+    summation within a tile varies on some CPUs (docs/bit-exact.md)."""
+    global _INTERPRETED_INVARIANCE_WARNED
+    if runner.backend.triton and runner.device.type != "cuda" and not _INTERPRETED_INVARIANCE_WARNED:
+        _INTERPRETED_INVARIANCE_WARNED = True
+        logger.warning("invariant=True on the Triton interpreter (TRITON_INTERPRET=1): its tl.dot is numpy's "
+                       "matmul, which on some CPUs sums a tile's rows in different orders, so rows may differ in "
+                       "their last bits; the reference backend (SPECDEC_ATTENTION=reference) is bit-exact on a CPU")
+
+
 class LlamaRunner:
     invariant: bool = False  # the bit-exact mode: see invariant_mode()
     _rope_table: invariant_ops.RopeTable | None = None
@@ -312,6 +329,7 @@ class LlamaRunner:
                                    "float16 there, or the reference backend")
         if invariant:
             self.invariant = True
+            _warn_interpreted_invariance(self)
 
     def stale(self) -> str | None:
         """What of its model changed since this runner was built such that its forward would no longer be the model's
@@ -361,6 +379,8 @@ class LlamaRunner:
         runner = copy.copy(self)
         runner.invariant = bool(on)
         runner._rope_table = None
+        if runner.invariant:
+            _warn_interpreted_invariance(runner)
         return runner
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
