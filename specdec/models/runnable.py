@@ -115,10 +115,16 @@ def _check_global_hooks() -> None:
                                     "first")
 
 
+# transformers' exact attention functions (a hub flash kernel runs inside its flash wrapper); not its block-sparse
+# msa_attention, which computes another attention
+_EXACT_ATTENTION = tuple(f"transformers.integrations.{m}" for m in (
+    "sdpa_attention", "flash_attention", "flex_attention", "npu_flash_attention", "eager_paged", "sdpa_paged",
+    "flash_paged"))
+
+
 def _check_attention_function(config) -> None:
-    """``config._attn_implementation``: eager, or a function transformers registered (SDPA, flash, flex, paged; a
-    hub kernel goes through transformers' own flash wrapper). A function registered by the user
-    (``AttentionInterface.register``) may compute anything."""
+    """``config._attn_implementation``: eager, or one of transformers' exact attention functions (SDPA, flash,
+    flex, paged). A function registered by the user (``AttentionInterface.register``) may compute anything."""
     impl = getattr(config, "_attn_implementation", None)
     if impl in (None, "eager"):
         return
@@ -129,7 +135,7 @@ def _check_attention_function(config) -> None:
     except (KeyError, ValueError):
         fn = None
     fn = getattr(fn, "func", fn)  # a functools.partial (hub kernels in transformers' wrapper)
-    if not str(getattr(fn, "__module__", "")).startswith("transformers."):
+    if getattr(fn, "__module__", None) not in _EXACT_ATTENTION:
         raise UnsupportedModelError(f"the model's attention implementation {impl!r} is not one of transformers' own "
                                     "(config._attn_implementation): specdec computes standard causal attention, "
                                     "which it may not be; set the model's back, e.g. "
