@@ -799,7 +799,8 @@ def test_two_processes_interrupted_outside_the_training_loop_stop_together(tiny,
 
     driver = tmp_path / "driver.py"
     driver.write_text(OUTSIDE_THE_LOOP_DRIVER)
-    args = ["train-medusa", "--model", str(tiny / "model"), "--num-heads", "2", "--seq-len", "32", "--batch-size",
+    # --seq-len 96: the built-in prompts (up to 66 tokens) keep their answers
+    args = ["train-medusa", "--model", str(tiny / "model"), "--num-heads", "2", "--seq-len", "96", "--batch-size",
             "4", "--max-steps", "4", "--num-prompts", "8", "--distill-max-new-tokens", "8", "--distill-batch-size",
             "2", "--no-eval-tau", "--no-progress", "--held-out-fraction", "0.25"]
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache-one"))  # first: it measures the CPU for both runs
@@ -1020,7 +1021,7 @@ def test_an_interrupt_during_self_distillation_names_the_answers_kept(tiny, tmp_
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(generate_module, "generate", interrupted_at_the_third_batch)
     args = ["train-medusa", "--model", str(tiny / "model"), "--output-dir", str(tmp_path / "run"), "--num-heads",
-            "2", "--seq-len", "32", "--batch-size", "4", "--max-steps", "2", "--num-prompts", "8",
+            "2", "--seq-len", "96", "--batch-size", "4", "--max-steps", "2", "--num-prompts", "8",
             "--distill-max-new-tokens", "4", "--distill-batch-size", "2", "--no-eval-tau", "--no-progress"]
     assert main(args) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
