@@ -188,57 +188,51 @@ def _is_silu(module: Any) -> bool:
     return cls in _SILUS
 
 
-def _layer_fits(layer: nn.Module, qk_norms: bool) -> bool:
-    """:func:`_roles` of one decoder layer, all fitting (the per-call path: a few set lookups)."""
-    modules = layer._modules
-    attn = modules["self_attn"]
-    return (type(modules.get("input_layernorm")) in _RMS_NORMS and type(modules.get("post_attention_layernorm"))
-            in _RMS_NORMS and type(modules["mlp"]._modules.get("act_fn")) in _SILUS
-            and getattr(attn, "is_causal", True) is True
-            and (not qk_norms or (type(attn._modules.get("q_norm")) in _RMS_NORMS
-                                  and type(attn._modules.get("k_norm")) in _RMS_NORMS)))
-
-
 def _check_roles(hf_model) -> None:
     """Each module the runner reads by its role is of the kind the runner computes: a plain module allowed in one
     role (nn.Identity, nn.Dropout, nn.Linear) put in another would be computed as that role's kind."""
-    base = hf_model.model
-    qk_norms = getattr(hf_model.config, "model_type", None) == "qwen3"  # the runner applies them for Qwen3 only
-    embed = base.embed_tokens
-    if (type(embed) is nn.Embedding and embed.max_norm is None and _is_rms_norm(base.norm)
-            and getattr(hf_model.lm_head, "bias", None) is None
-            and all(_layer_fits(layer, qk_norms) for layer in base.layers)):
-        return
-    for where, kind, fits, found in _roles(hf_model, base, qk_norms):
-        if not fits:
-            raise UnsupportedModelError(f"{where} is not {kind} (found {found}): specdec's forward computes that "
-                                        "role so, and transformers' forward would compute something else")
+    wrong = _wrong_role(hf_model)
+    if wrong is not None:
+        where, kind, found = wrong
+        raise UnsupportedModelError(f"{where} is not {kind} (found {found}): specdec's forward computes that role so, "
+                                    "and transformers' forward would compute something else")
 
 
-def _roles(hf_model, base, qk_norms: bool) -> Iterator[tuple[str, str, bool, str]]:
-    """(where, the kind the runner computes there, whether the model's fits, what the model has), lazily."""
-    def name(module):
+_RMS_NORM = "the family's RMSNorm"
+
+
+def _wrong_role(hf_model) -> tuple[str, str, str] | None:
+    """The first module of a role whose kind the runner does not compute: (where, the kind it computes, what the
+    model has there); None when every one fits. Once per call: a few cached type lookups a layer."""
+    def name(module: Any) -> str:
         return type(module).__qualname__
 
+    base = hf_model.model
     embed = base.embed_tokens
-    yield ("model.embed_tokens", "an nn.Embedding without max_norm",
-           isinstance(embed, nn.Embedding) and embed.max_norm is None,
-           f"max_norm={embed.max_norm}" if isinstance(embed, nn.Embedding) else name(embed))
-    yield "model.norm", "the family's RMSNorm", _is_rms_norm(base.norm), name(base.norm)
-    bias = getattr(hf_model.lm_head, "bias", None)
-    yield "lm_head", "a Linear without bias", bias is None, "a bias"
+    if not isinstance(embed, nn.Embedding) or embed.max_norm is not None:
+        found = f"max_norm={embed.max_norm}" if isinstance(embed, nn.Embedding) else name(embed)
+        return "model.embed_tokens", "an nn.Embedding without max_norm", found
+    if not _is_rms_norm(base.norm):
+        return "model.norm", _RMS_NORM, name(base.norm)
+    if getattr(hf_model.lm_head, "bias", None) is not None:
+        return "lm_head", "a Linear without bias", "a bias"
+    qk_norms = getattr(hf_model.config, "model_type", None) == "qwen3"  # the runner applies them for Qwen3 only
     for i, layer in enumerate(base.layers):
+        modules = layer._modules
+        attn = modules["self_attn"]
         for role in ("input_layernorm", "post_attention_layernorm"):
-            module = getattr(layer, role, None)
-            yield f"model.layers.{i}.{role}", "the family's RMSNorm", _is_rms_norm(module), name(module)
-        act = getattr(layer.mlp, "act_fn", None)
-        yield f"model.layers.{i}.mlp.act_fn", "a SiLU", _is_silu(act), name(act)
-        causal = getattr(layer.self_attn, "is_causal", True)
-        yield f"model.layers.{i}.self_attn", "causal (is_causal=True)", causal is True, f"is_causal={causal!r}"
-        if qk_norms:
-            for role in ("q_norm", "k_norm"):
-                module = getattr(layer.self_attn, role, None)
-                yield f"model.layers.{i}.self_attn.{role}", "the family's RMSNorm", _is_rms_norm(module), name(module)
+            if not _is_rms_norm(modules.get(role)):
+                return f"model.layers.{i}.{role}", _RMS_NORM, name(modules.get(role))
+        act = modules["mlp"]._modules.get("act_fn")
+        if not _is_silu(act):
+            return f"model.layers.{i}.mlp.act_fn", "a SiLU", name(act)
+        causal = getattr(attn, "is_causal", True)
+        if causal is not True:
+            return f"model.layers.{i}.self_attn", "causal (is_causal=True)", f"is_causal={causal!r}"
+        for role in ("q_norm", "k_norm") if qk_norms else ():
+            if not _is_rms_norm(attn._modules.get(role)):
+                return f"model.layers.{i}.self_attn.{role}", _RMS_NORM, name(attn._modules.get(role))
+    return None
 
 
 def _walk(hf_model) -> Iterator[tuple[nn.Module, dict]]:
