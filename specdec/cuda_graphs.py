@@ -212,9 +212,7 @@ class GraphedForward:
                              "GraphedForward)")
         if self.runner.hf_model is not runner.hf_model:
             raise InputError("cuda_graphs: this GraphedForward was built for another model")
-        stale = self.runner.stale()  # its forward is its own runner's, which the call's check did not rebuild
-        if stale is None and self.weights != weights_key(self.runner):  # captured graphs read the old memory
-            stale = "a weight was given other memory (param.data = ..., a move)"
+        stale = self.changed()
         if stale is not None:
             raise InputError(f"cuda_graphs: this GraphedForward's model was changed since it was built ({stale}): "
                              "build a new GraphedForward")
@@ -226,6 +224,15 @@ class GraphedForward:
                              f"GraphedForward's cache has {self.cache.num_free_blocks}: build it with a larger "
                              "max_tokens")
         return self.cache
+
+    def changed(self) -> str | None:
+        """What of its model changed since it was built, None if nothing: its runner's :meth:`LlamaRunner.stale`
+        (its forward is its own runner's, which a call's check does not rebuild), or a weight given other memory,
+        which captured graphs would read where it was."""
+        stale = self.runner.stale()
+        if stale is None and self.weights != weights_key(self.runner):
+            stale = "a weight was given other memory (param.data = ..., a move)"
+        return stale
 
     def bucket_for(self, num_seqs: int, max_new: int) -> tuple[int, int] | None:
         """The smallest (batch, tokens_per_seq) bucket holding the step, None if none does."""
@@ -422,7 +429,7 @@ def _serves(graphed: GraphedForward, runner: LlamaRunner, block_size: int, block
     dtype keeps its Parameter objects and swaps their storage, which its graphs would read freed: the addresses are
     compared, not the tensors."""
     old = graphed.runner
-    same = (old.hf_model is runner.hf_model and graphed.weights == weights_key(runner) and old.stale() is None
+    same = (old.hf_model is runner.hf_model and graphed.changed() is None
             and old.backend.name == runner.backend.name and graphed.cache.block_size == block_size)
     return same and graphed.cache.num_blocks - 1 >= blocks_needed  # one block is the scratch slot's
 

@@ -233,10 +233,11 @@ def _kv_cache(request: "GenerateRequest", needed: int, fault: EngineFault | None
             with CLAIMS:  # checked and taken at once: two threads' calls must never both take it
                 held = current_model_graphs(runner)
                 if held is None or not held.serving:
+                    # its cache emptied, of this block size and enough blocks, its model unchanged (or it is new):
+                    # model_graphs checked what cache_for checks of a GraphedForward passed in
                     graphed = model_graphs(runner, block_size, needed, check_fits)
-                    cache = graphed.cache_for(runner, block_size, needed)
                     held_for_call(graphed)  # free: checked before model_graphs freed its sequences
-                    return cache, graphed
+                    return graphed.cache, graphed
             # a call from inside another's (a streamer's), or beside it (another thread's)
             logger.info("cuda_graphs=auto: the model's graph cache serves another generate() call; this one runs "
                         "eagerly")
