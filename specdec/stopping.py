@@ -55,7 +55,9 @@ class StopCriteria:
         max_chars = max((len(s) for s in self.stop_strings), default=0)
         keep = generated if max_chars else min(generated, max(max_seq - 1, 0))
         history = list(tokens[len(tokens) - keep :]) if keep else []
-        anchor = list(tokens[start - 1 : start]) if max_chars and start > 0 else []  # the prompt's last token
+        # the prompt's last token and its text, decoded before a whole generated text (module doc)
+        anchor = list(tokens[start - 1 : start]) if max_chars and start > 0 else []
+        anchor_text = self.tokenizer.decode(anchor, skip_special_tokens=False) if anchor else ""
         # tokens decoded per stop-string check: enough at >= 1 character per token, else it grows
         window = max_chars + WINDOW_SLACK_CHARS + 2
         for i, tok in enumerate(committed):
@@ -65,28 +67,28 @@ class StopCriteria:
             if max_seq and any(tuple(history[-len(s) :]) == s for s in self.stop_sequences):
                 return i + 1, "stop"
             if max_chars:
-                tail, window = self._tail(history, window, max_chars, anchor)
+                tail, window = self._tail(history, window, max_chars, anchor, anchor_text)
                 if any(s in tail for s in self.stop_strings):
                     return i + 1, "stop"
             if generated + i + 1 >= self.max_new_tokens:
                 return i + 1, "length"
         return len(committed), None
 
-    def _tail(self, history: list[int], window: int, max_chars: int, anchor: list[int]) -> tuple[str, int]:
+    def _tail(self, history: list[int], window: int, max_chars: int, anchor: list[int],
+              anchor_text: str) -> tuple[str, int]:
         """(text, window): the end of the decoded text holding every stop-string match that the
         last token completed, and the token window used (doubled until it covers the match).
-        ``anchor``: the prompt's last token, decoded before a whole text and cut off (module doc)."""
+        ``anchor``: the prompt's last token, decoded before a whole text and cut off (``anchor_text``, module doc)."""
         decode = self.tokenizer.decode
         while True:
             start = max(0, len(history) - window)
-            text = decode(history[start:], skip_special_tokens=False)
             if start == 0:  # the whole text: nothing to trim but the anchor's text
                 if anchor:
-                    anchored, before = (decode(anchor + history, skip_special_tokens=False),
-                                        decode(anchor, skip_special_tokens=False))
-                    if anchored.startswith(before):  # else the two merged into one character: as decoded alone
-                        return anchored[len(before):], window
-                return text, window
+                    anchored = decode(anchor + history, skip_special_tokens=False)
+                    if anchored.startswith(anchor_text):  # else the two merged into one character: decoded alone
+                        return anchored[len(anchor_text):], window
+                return decode(history, skip_special_tokens=False), window
+            text = decode(history[start:], skip_special_tokens=False)
             # a match the last token completed ends past the prefix shared with the text without
             # that token, so it starts past prefix - max_chars >= the slack: it lies in text[slack:]
             before = decode(history[start:-1], skip_special_tokens=False)
