@@ -160,25 +160,26 @@ def generate_with(build: Callable[[GenerateRequest], Engine], model: Any, input_
     (:func:`on_device`), the drafter held by this call alone (:mod:`specdec.call_claims`); a put() / end() streamer
     is ended also when the call is refused before it streams."""
     streamer = arguments.get("streamer")
+    put_end = is_put_end_streamer(streamer)  # a streamer of no known kind: its one-line error, before anything
     with neutral_torch_state():
-        with _ended_if_refused(streamer):
+        with _ended_if_refused(streamer, put_end):
             request = prepare(model, input_ids, **arguments)
         with on_device(request.loaded.runner.device), contextlib.ExitStack() as held:
-            with _ended_if_refused(streamer):
+            with _ended_if_refused(streamer, put_end):
                 held.enter_context(drafter_claimed(request.drafter))  # one call at a time per drafter object
                 engine = build(request)
             return run(engine, request)  # which ends the streamer itself, also on failure
 
 
 @contextlib.contextmanager
-def _ended_if_refused(streamer: Any) -> Iterator[None]:
-    """A call refused before it streamed still ends a put() / end() streamer: a thread iterating a
+def _ended_if_refused(streamer: Any, put_end: bool) -> Iterator[None]:
+    """A call refused before it streamed still ends a put() / end() streamer (``put_end``): a thread iterating a
     TextIteratorStreamer would wait for ever."""
     try:
         yield
     except BaseException:
-        if callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None)):  # not re-checked:
-            streamer.end()  # a streamer of no known kind is the error being raised, in one line
+        if put_end:
+            streamer.end()
         raise
 
 
