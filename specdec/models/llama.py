@@ -56,11 +56,14 @@ class ModelShape:
     sliding_window: int | None = None  # the window of a sliding-window model (Mistral, Qwen2/3 with one)
 
     @property
+    def window_bound(self) -> bool:
+        """Whether ``max_positions`` is the sliding window (smaller than or equal to the context)."""
+        return self.sliding_window is not None and self.sliding_window == self.max_positions
+
+    @property
     def limit_words(self) -> str:
         """``max_positions`` as messages name it: the sliding window where it is the bound, else the context."""
-        if self.sliding_window is not None and self.sliding_window == self.max_positions:
-            return f"sliding window of {self.max_positions} tokens"
-        return f"context of {self.max_positions} tokens"
+        return f"{'sliding window' if self.window_bound else 'context'} of {self.max_positions} tokens"
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int, note: str = "") -> None:
         """An InputError unless a prompt of ``prompt_tokens`` + ``max_new_tokens`` new tokens fits; for a
@@ -70,7 +73,7 @@ class ModelShape:
         if prompt_tokens + max_new_tokens <= self.max_positions:
             return
         asked = f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}{note})"
-        if self.sliding_window is not None and self.sliding_window == self.max_positions:
+        if self.window_bound:
             raise InputError(
                 f"{asked} exceeds the model's {self.limit_words} (config.sliding_window): specdec computes full "
                 f"attention, which equals the model's windowed attention only while the whole sequence fits in the "
