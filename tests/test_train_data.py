@@ -37,6 +37,16 @@ def _jsonl(path, rows):
     return str(path)
 
 
+def training_dir(root):
+    """``root`` with a tiny checkpoint (``model/``) and TEXTS as JSON Lines (``data.jsonl``): what the training
+    tests train on."""
+    from specdec.testing import save_tiny_checkpoint
+
+    save_tiny_checkpoint(root / "model")
+    _jsonl(root / "data.jsonl", [{"text": t} for t in TEXTS])
+    return root
+
+
 def test_jsonl_text(tmp_path):
     f = _jsonl(tmp_path / "d.jsonl", [{"text": "hello there"}, {"text": "general kenobi"}, {"text": ""}])
     assert load_texts(f) == ["hello there", "general kenobi"]

@@ -17,19 +17,14 @@ from specdec.train.config import TrainConfig  # noqa: E402
 from specdec.train.data import TrainDataError, load_texts  # noqa: E402
 from specdec.train.pipeline import run_training  # noqa: E402
 
-from tests.test_train_data import TEXTS, ChatTok, _jsonl  # noqa: E402
+from tests.test_train_data import ChatTok, _jsonl, training_dir  # noqa: E402
 
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from specdec.testing import save_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("tiny_checks")
-    save_tiny_checkpoint(root / "model")
-    (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    return root
+    return training_dir(tmp_path_factory.mktemp("tiny_checks"))
 
 
 def test_a_file_may_mix_texts_and_chat_messages(tmp_path):

@@ -17,18 +17,12 @@ from specdec.train.config import TrainConfig  # noqa: E402
 from specdec.train.output_dir import OutputDirError  # noqa: E402
 from specdec.train.pipeline import run_training  # noqa: E402
 
-TEXTS = [f"the {w} number {i} likes {w[::-1]} and sings, {i * 7}" for i, w in
-         enumerate(["cat", "dog", "bird", "fish", "frog", "bee", "owl", "fox", "cow", "yak", "eel", "ant"] * 2)]
+from tests.test_train_data import training_dir  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from specdec.testing import save_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("tiny_eagle")
-    save_tiny_checkpoint(root / "model")
-    (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    return root
+    return training_dir(tmp_path_factory.mktemp("tiny_eagle"))
 
 
 def _cfg(tiny, out, **kw):
