@@ -88,12 +88,14 @@ class AcceptanceProfile:
 
 def reference_continuations(loaded, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                             **generate_kwargs) -> dict[tuple[int, ...], list[int]]:
-    """The target's greedy continuation of each prompt, from a plain run of specdec on it."""
+    """The target's greedy continuation of each prompt, from a plain run of specdec on it, keyed by the prompt's
+    token ids as ints (``prompts`` may be lists or a ``[B, L]`` tensor, whose 0-d elements would hash by identity)."""
     from specdec.generate import generate
 
-    out = generate(loaded, [list(p) for p in prompts], max_new_tokens=max_new_tokens, return_dict=True,
+    rows = [tuple(int(t) for t in p) for p in prompts]
+    out = generate(loaded, [list(p) for p in rows], max_new_tokens=max_new_tokens, return_dict=True,
                    **generate_kwargs)
-    return {tuple(p): list(new) for p, new in zip(prompts, out.new_tokens, strict=True)}
+    return {p: list(new) for p, new in zip(rows, out.new_tokens, strict=True)}
 
 
 class OracleDrafter(Drafter):
@@ -165,7 +167,12 @@ class OracleDrafter(Drafter):
             # not every step), each depth's credit started at a draw of the oracle's generator
             prompt = tuple(view.token_ids[: view.num_prompt_tokens])
             credit = torch.rand(len(rates), generator=self.generator).tolist()
-            state = self._seqs[view.seq_id] = (self.continuations.get(prompt, []), credit)
+            reference = self.continuations.get(prompt)
+            if reference is None:  # every proposal would miss: a measurement of tau 1, unannounced
+                raise InputError(f"the oracle has no reference continuation for a prompt of {len(prompt)} tokens "
+                                 f"(starting {list(prompt[:8])}): build it with reference_continuations() on the "
+                                 "same prompts")
+            state = self._seqs[view.seq_id] = (reference, credit)
         reference, credit = state
         done = len(view.token_ids) - view.num_prompt_tokens  # new tokens committed; the root is the last of them
         tokens, on_path = [], True

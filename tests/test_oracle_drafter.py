@@ -132,3 +132,17 @@ def test_a_sequences_prompt_is_looked_up_once_not_every_step(target):
         assert out.new_tokens == [reference[tuple(p)] for p in PROMPTS[:2]]
         assert out.forward_passes > 10  # many steps, each drafted
         assert Counted.lookups == 2 * call  # one per sequence per call, whatever its steps
+
+
+def test_references_of_a_tensor_batch_are_keyed_by_ints_and_an_unknown_prompt_is_refused(target):
+    """A [B, L] tensor's rows key the same continuations as lists (0-d tensors would hash by identity, and every
+    proposal would then miss: tau 1, unannounced); a prompt the oracle has no reference for is an InputError."""
+    import torch
+
+    loaded, reference = target
+    same_length = [p for p in PROMPTS if len(p) == 5][:1] + [[9, 8, 7, 6, 5]]
+    keyed = reference_continuations(loaded, torch.tensor(same_length), 8)
+    assert list(keyed) == [tuple(p) for p in same_length]
+    assert keyed[tuple(same_length[0])] == reference[tuple(same_length[0])][:8]
+    with pytest.raises(InputError, match="no reference continuation for a prompt of 4 tokens"):
+        _run(loaded, OracleDrafter(keyed, AcceptanceProfile.constant(0.5, 2)), prompts=[[1, 2, 3, 4]])
