@@ -20,6 +20,7 @@ switch them on by accident.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -161,9 +162,20 @@ def _policy(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault
 
 
 def _processing(request: "GenerateRequest") -> LogitsProcessing | None:
+    if request.config.logits_processor and len({len(p) for p in request.prompts}) > 1:
+        _warn_unpadded_rows()
     return LogitsProcessing.from_config(request.config, sorted(request.stop.eos_token_ids),
                                         request.loaded.runner.shape.vocab_size, request.prompt_width,
                                         request.loaded.runner.device)
+
+
+@functools.cache  # once a process: the rule holds for every call
+def _warn_unpadded_rows() -> None:
+    logger.warning("your logits processors see each row of a batch without its left padding, as if decoded alone "
+                   "(transformers gives them the padded rows): one that counts from the padded batch's "
+                   "input_ids.shape[-1], as RepetitionPenaltyLogitsProcessor(prompt_ignore_length=...) or "
+                   "MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=...) built for the batch do, acts "
+                   "later on its shorter rows: give prompts of other lengths separate calls")
 
 
 def _wants_logprobs(request: "GenerateRequest") -> bool:

@@ -44,6 +44,10 @@ from specdec.processor_fields import check_vocabulary_ids
 from specdec.tree import DraftTree
 
 
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [""])[0]
+
+
 @dataclass(frozen=True)
 class PerPrompt:
     """A transformers processor whose arguments count from the prompt's length: ``build(prompt_length, device)``
@@ -218,7 +222,14 @@ class LogitsProcessing:
                 if not p.acts(input_ids.shape[-1] - prompt_length):
                     continue  # outside its range the processor would change nothing
                 p = p.build(prompt_length, scores.device)
-            out = p(input_ids, scores)
+            try:
+                out = p(input_ids, scores)
+            except Exception as err:  # a caller's processor meets rows grouped as plain decoding never groups them
+                raise InputError(
+                    f"logits processor {i} ({type(p).__name__}) failed on {input_ids.shape[0]} rows of "
+                    f"{input_ids.shape[-1]} token ids: {type(err).__name__}: {_first_line(err)} (speculative decoding "
+                    "calls it on groups of rows of any size, each row a prompt without its padding and then its "
+                    "tokens: a processor holding per-batch-row state is not prefix-only)") from err
             if not isinstance(out, torch.Tensor) or out.shape != scores.shape:
                 raise InputTypeError(f"logits processor {i} ({type(p).__name__}) returned {describe(out)}, expected "
                                      f"scores of shape {tuple(scores.shape)}")

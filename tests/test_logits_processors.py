@@ -668,3 +668,39 @@ def test_processors_run_without_gradients_as_in_transformers(drafter):
     specdec.generate(build_tiny_model(), [[1, 2, 3, 1, 2, 3]], max_new_tokens=6, drafter=drafter,
                      logits_processor=[processor], logits_processor_prefix_only=True)
     assert seen and not any(seen)
+
+
+def test_a_processor_failing_on_grouped_rows_is_one_line_naming_it(model):
+    """A caller's processor holding per-batch-row state (a tensor of one value per row, as transformers builds
+    internally) fails on the verify's groups of other sizes: an InputError naming the processor and why, its own
+    error chained, not the processor's bare ValueError."""
+
+    class PerBatchRow:
+        def __init__(self, rows: int) -> None:
+            self.rows = rows
+
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[0] != self.rows:
+                raise ValueError("Incompatible batch size\nsecond line")
+            return scores
+
+    with pytest.raises(InputError, match=r"logits processor 0 \(PerBatchRow\) failed on 1 rows of 11 token ids: "
+                       r"ValueError: Incompatible batch size \(.*not prefix-only\)$") as err:
+        specdec.generate(model, [PROMPTS[0]], max_new_tokens=4, logits_processor=[PerBatchRow(2)],
+                         logits_processor_prefix_only=True)
+    assert isinstance(err.value.__cause__, ValueError)
+
+
+def test_a_callers_processor_on_prompts_of_other_lengths_is_warned_once(model, caplog):
+    """transformers gives a caller's processors the padded rows, specdec each row as if decoded alone: a processor
+    counting from the padded width acts later on shorter rows, which is said once a process."""
+    from specdec.engine_setup import _warn_unpadded_rows
+
+    _warn_unpadded_rows.cache_clear()
+    kwargs = dict(max_new_tokens=2, logits_processor=[PenaliseLastToken()], logits_processor_prefix_only=True)
+    with caplog.at_level("WARNING", logger="specdec.engine_setup"):
+        specdec.generate(model, [PROMPTS[1], [9, 9]], **kwargs)  # equal lengths: nothing to say
+        assert "without its left padding" not in caplog.text
+        for _ in range(2):
+            specdec.generate(model, PROMPTS[:2], **kwargs)
+    assert caplog.text.count("without its left padding") == 1
