@@ -49,7 +49,7 @@ from specdec.rejection import EXACT, Acceptance, AcceptanceRule, rejection_sampl
 from specdec.sampling import SamplingConfig, check_chosen
 from specdec.speculation_policy import ProposeCall, SpeculationPolicy, StepRecord
 from specdec.stopping import StopCriteria
-from specdec.tree import DraftError, DraftTree, validate_trees
+from specdec.tree import DraftError, DraftTree, proposed_trees, validate_trees
 
 logger = logging.getLogger(__name__)
 
@@ -418,20 +418,8 @@ class Engine:
     def _checked(self, asked: list[SequenceState], propose) -> list[DraftTree]:
         """``propose()``'s trees, one valid DraftTree per sequence, or a DraftError that names the drafter."""
         name = self.drafter.name
-        try:
-            trees = propose()
-        except DraftError as err:  # e.g. a malformed DraftTree built inside the drafter: say whose it is
-            if str(err).startswith(f"{name}:"):
-                raise
-            raise DraftError(f"{name}: {err}") from err
-        if not isinstance(trees, (list, tuple)) or len(trees) != len(asked):
-            got = f"{len(trees)} trees" if isinstance(trees, (list, tuple)) else type(trees).__name__
-            raise DraftError(f"{name}: propose() must return one DraftTree per sequence ({len(asked)}), got {got}")
-        for tree in trees:
-            if not isinstance(tree, DraftTree):
-                raise DraftError(f"{name}: propose() returned {type(tree).__name__}, expected DraftTree")
-        validate_trees(trees, self.runner.shape.vocab_size, drafter=name)  # one read of the device for all
-        return trees
+        trees = proposed_trees(name, len(asked), propose)
+        return validate_trees(trees, self.runner.shape.vocab_size, drafter=name)  # one read of the device for all
 
     def _verifiable(self, live: list[SequenceState], step: PendingStep) -> bool:
         """Whether pending trees can be verified before they are read: whole (every sequence has the tokens left
@@ -656,7 +644,8 @@ class Engine:
             # root (offset 0) and the accepted nodes (offset 1 + node) become positions length..
             keep[s.seq_id] = [0] + [1 + i for i in acc.accepted_nodes]
             if self.drafter is not None:
-                self.drafter.on_accept(s.seq_id, emitted[s.seq_id])
+                # a tuple: the list is the engine's (streamed, priced, logged); a drafter may keep what it is given
+                self.drafter.on_accept(s.seq_id, tuple(emitted[s.seq_id]))
         self.cache.commit(keep)
         return emitted
 

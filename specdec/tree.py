@@ -15,7 +15,7 @@ Usage::
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import pairwise
@@ -299,7 +299,8 @@ class DraftTree:
         at least): the exact rule sees the distributions that were sampled from, summing to 1 up to
         that dtype's rounding (float32: ~1e-7, the precision torch.multinomial draws float32 rows with).
         """
-        validate_trees([self], vocab_size, drafter, atol)
+        checked = validate_trees([self], vocab_size, drafter, atol)[0]
+        object.__setattr__(self, "draft_probs", checked.draft_probs)
 
     def _check_structure(self, vocab_size: int, drafter: str) -> None:
         """The host-side checks of :meth:`validate`: parents, token range, distinct siblings, draft_probs' shape."""
@@ -361,18 +362,41 @@ class DraftTree:
                          "so they cannot have been sampled from draft_probs")
 
 
-def validate_trees(trees: Sequence[DraftTree], vocab_size: int, drafter: str = "drafter", atol: float = 1e-4
-                   ) -> None:
-    """:meth:`DraftTree.validate` of every tree, the draft_probs of all of them checked with one read of the device
-    (a read per check and tree made the host wait for the GPU four times per sampled tree): every tree's host-side
-    checks first, then the draft_probs checks; a failing tree raises its own message."""
-    checks = []
+def proposed_trees(drafter: str, count: int, propose: Callable[[], object]) -> Sequence[DraftTree]:
+    """What ``propose()`` returned when it is one DraftTree per sequence (``count``), else a one-line DraftError
+    naming ``drafter`` (a DraftError raised inside it, e.g. by a malformed DraftTree it built, gets the name too).
+    The trees' contents are :func:`validate_trees`' to check."""
+    try:
+        trees = propose()
+    except DraftError as err:
+        if str(err).startswith(f"{drafter}:"):
+            raise
+        raise DraftError(f"{drafter}: {err}") from err
+    if not isinstance(trees, (list, tuple)) or len(trees) != count:
+        got = f"{len(trees)} trees" if isinstance(trees, (list, tuple)) else type(trees).__name__
+        raise DraftError(f"{drafter}: propose() must return one DraftTree per sequence ({count}), got {got}")
     for tree in trees:
+        if not isinstance(tree, DraftTree):
+            raise DraftError(f"{drafter}: propose() returned {type(tree).__name__}, expected DraftTree")
+    return trees
+
+
+def validate_trees(trees: Sequence[DraftTree], vocab_size: int, drafter: str = "drafter", atol: float = 1e-4
+                   ) -> list[DraftTree]:
+    """The trees to verify: :meth:`DraftTree.validate`'s checks of every tree, the draft_probs of all of them with
+    one read of the device (a read per check and tree made the host wait for the GPU four times per sampled tree),
+    every tree's host-side checks first; a failing tree raises its own message. Each returned tree is the engine's
+    own over the proposal's tensors: its structure derived afresh and its draft_probs normalised into a tensor of
+    its own, so a drafter that refills one tree's tensors in place each step is read anew, and its object is never
+    written (a normalised copy left on it would be verified again against the next step's tokens)."""
+    owned = [t if t.tokens.numel() == 0 else t._trusted(t.tokens, t.parents, t.draft_probs, t.scores) for t in trees]
+    checks = []
+    for tree in owned:
         tree._check_structure(vocab_size, drafter)
         if tree.draft_probs is not None:
             checks.append((tree, *tree._probs_checks(vocab_size, atol)))
     if not checks:
-        return
+        return owned
     failed = torch.stack([flags for _, flags, _ in checks]).tolist()  # the one read
     for (tree, _, sums), row in zip(checks, failed, strict=True):
         if any(row):
@@ -380,6 +404,7 @@ def validate_trees(trees: Sequence[DraftTree], vocab_size: int, drafter: str = "
         # invariant from here on: every row sums to 1 up to its dtype's rounding
         dtype = torch.promote_types(tree.draft_probs.dtype, torch.float32)
         object.__setattr__(tree, "draft_probs", (tree.draft_probs.double() / sums[:, None]).to(dtype))
+    return owned
 
 
 def matched_levels(tokens: Sequence[int], parents: Sequence[int], committed: Sequence[int]) -> tuple[int, int]:

@@ -189,3 +189,76 @@ def test_a_call_that_raises_releases_its_sequences_and_frees_its_cache():
     out = generate(model, [[5, 9, 11, 2]], drafter=drafter, max_new_tokens=8)
     assert out == generate(model, [[5, 9, 11, 2]], max_new_tokens=8) and drafter.history == {}
     assert drafter.target.cache.kv.numel() == 0  # freed after a call that ended normally too
+
+
+class Refill(Drafter):
+    """Builds one sampled DraftTree per sequence once and refills its tensors in place each step: the first step's
+    draft is uniform, every later one all mass on token ``A`` (drawn honestly from what it writes)."""
+
+    name = "refill"
+    A = 50
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab, self.trees, self.steps = vocab, {}, 0
+
+    def propose(self, seqs):
+        self.steps += 1
+        out = []
+        for s in seqs:
+            if s.seq_id not in self.trees:  # the tree and its own buffers
+                tokens, probs = torch.zeros(1, dtype=torch.long), torch.full((1, self.vocab), 1.0 / self.vocab)
+                self.trees[s.seq_id] = DraftTree(tokens, torch.tensor([-1]), probs, "independent"), tokens, probs
+            tree, tokens, probs = self.trees[s.seq_id]
+            if self.steps > 1:
+                probs.zero_()[0, self.A] = 1.0
+                tokens[0] = self.A
+            out.append(tree)
+        return out
+
+
+def test_a_tree_refilled_in_place_is_verified_with_its_new_draft_probs():
+    """The engine never writes a drafter's tree: had it left its normalised copy of the first step's draft_probs
+    there, later steps would verify the point-mass drafts of A against a uniform draft (acceptance ~min(1, V p(A))
+    instead of p(A)): A would be a large share of the text, where the target gives it ~1%."""
+    model = build_tiny_model(vocab_size=96, seed=0)
+    drafter = Refill(96)
+    out = generate(model, [[1, 5, 9, 11, 3]] * 48, max_new_tokens=6, drafter=drafter, do_sample=True, seed=5,
+                   audit_drafts=False, speculation="always")
+    new = [t for row in out for t in row[5:]]
+    share = new.count(Refill.A) / len(new)
+    assert drafter.steps > 2 and share < 0.1, share
+    tree, _, probs = next(iter(drafter.trees.values()))
+    assert tree.draft_probs is probs  # its object never written
+
+
+class Keeper(Drafter):
+    """Proposes a repeat of the root and tries to extend the tokens it is told were committed."""
+
+    name = "keeper"
+
+    def __init__(self) -> None:
+        self.refused = 0
+
+    def propose(self, seqs):
+        return [DraftTree.chain([s.token_ids[-1]]) for s in seqs]
+
+    def on_accept(self, seq_id, committed):
+        try:
+            committed.append(77)
+        except AttributeError:
+            self.refused += 1
+
+
+def test_what_on_accept_is_given_is_not_the_engines_own_list():
+    """The committed tokens a drafter is handed are not the list the engine streams, prices and logs: extending it
+    streamed tokens that were never generated (and broke output_logprobs)."""
+    model = build_tiny_model()
+    prompts = [[1, 5, 9, 11, 3], [2, 7, 7, 4]]
+    streamed = {}
+    for drafter in (None, Keeper()):
+        rows: list[list[int]] = [[], []]
+        out = generate(model, prompts, max_new_tokens=12, drafter=drafter, speculation="always",
+                       streamer=lambda b, tokens, rows=rows: rows[b].extend(tokens))
+        streamed[drafter is None] = rows
+        assert [r[len(p):] for r, p in zip(out, prompts, strict=True)] == rows
+    assert streamed[True] == streamed[False] and drafter.refused > 0
