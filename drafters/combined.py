@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,7 +49,7 @@ from specdec.drafters.registry import check_options, drafter_class
 from specdec.cuda_graphs import captures
 from specdec.errors import InputError, InputTypeError
 from specdec.score_bins import corrected, learn, new_bins
-from specdec.tree import MAX_TREE_NODES, DraftError, DraftMode, DraftTree, matched_levels, tried_nodes
+from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree, matched_levels, proposed_trees, tried_nodes
 from specdec.tree_merge import expected_committed_tokens, merge_trees, path_scores
 from specdec.tree_sizing import DraftTime, SizingConfig, best_prefix
 
@@ -101,7 +102,7 @@ def build_child(spec: Any, index: int = 0) -> Drafter:
         if isinstance(spec, (str, Mapping)):
             name, options = _child_options(spec)
             check_options(name, options, nested=True)  # get_drafter's check
-            return drafter_class(name)(**options)
+            return as_drafter(drafter_class(name)(**options))  # a registered class need not subclass Drafter
         _check_instance(spec)
         return as_drafter(spec)
 
@@ -333,9 +334,7 @@ class CombinedDrafter(Drafter):
                 continue
             catch_up = child.catches_up and any((k, v.seq_id) not in self._seen for v in seqs)
             captured, t0 = captures(), time.perf_counter()
-            trees = child.propose(self._views_for(k, seqs))
-            if len(trees) != len(seqs):
-                raise DraftError(f"{child.name}: returned {len(trees)} trees for {len(seqs)} sequences")
+            trees = proposed_trees(child.name, len(seqs), partial(child.propose, self._views_for(k, seqs)))
             # syncs: timed with the drafts; the scores of a deterministic tree calibrate the child's (Estimates)
             lists.append([(t.tokens.tolist(), t.parents.tolist(), t.scores.tolist()
                            if t.scores is not None and t.mode is DraftMode.DETERMINISTIC else None) for t in trees])

@@ -39,7 +39,8 @@ def available() -> list[str]:
 
 def get_drafter(spec: Any, **options: Any) -> Drafter | None:
     """``None`` -> None (plain decoding); a Drafter -> itself; another object with ``propose`` -> a Drafter
-    view of it (:func:`~specdec.drafters.base.as_drafter`); a name -> a new drafter."""
+    view of it (:func:`~specdec.drafters.base.as_drafter`); a name -> a new drafter (a registered class that is no
+    Drafter subclass, seen through that view too)."""
     if isinstance(spec, type):  # its propose() would be called unbound, once the model has loaded
         raise InputTypeError(f"drafter must be an instance, got the class {spec.__name__}: pass {spec.__name__}(...)")
     if spec is None or isinstance(spec, Drafter) or callable(getattr(spec, "propose", None)):
@@ -50,7 +51,7 @@ def get_drafter(spec: Any, **options: Any) -> Drafter | None:
     if not isinstance(spec, str):
         raise InputTypeError(f"drafter must be None, a name or a Drafter instance, got {type(spec).__name__}")
     check_options(spec, options)
-    return drafter_class(spec)(**options)
+    return as_drafter(drafter_class(spec)(**options))
 
 
 def drafter_class(spec: str) -> type:

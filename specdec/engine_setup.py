@@ -6,7 +6,9 @@
 
 First the drafter's checkpoint is read and checked for the target (``Drafter.load_for_target``): one made for another
 model is refused before anything below is measured, and what it loaded is dropped again if the build then fails
-(``Drafter.unload_for_target``: a reused drafter holds no draft model for a call that never ran).
+(``Drafter.unload_for_target``: a reused drafter holds no draft model for a call that never ran; a failure of its own
+is logged, never raised over the build's error). The drafter's ``feature_layers`` are checked against the target's
+layers then too, before the prefill forward reads them.
 
 What is decided here: the CPU row policy of ``linear()``; with a drafter and ``speculation="auto"``, the speculation
 policy and its measured cost model (:mod:`specdec.cost_model`, cached; the first use on a machine calibrates for up to
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,7 +42,7 @@ from specdec.cuda_graphs import (
     current_model_graphs,
     model_graphs,
 )
-from specdec.drafters.base import _ObjectDrafter
+from specdec.drafters.base import Drafter, _ObjectDrafter
 from specdec.engine import Engine
 from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import check_cache_fits, describe
@@ -93,10 +96,37 @@ def build_engine(request: "GenerateRequest", rule: AcceptanceRule = EXACT, fault
         return _build(request, runner, rule, fault, processing, output_logprobs)
     try:  # its checkpoint read and checked before anything is measured (attach reuses it)
         request.drafter.load_for_target(runner, request.stop.tokenizer, request.loaded.name)
+        _check_feature_layers(request.drafter, runner.shape.num_layers)  # known once loaded (an EAGLE-3 head's)
         return _build(request, runner, rule, fault, processing, output_logprobs)
     except BaseException:  # a reused drafter keeps no draft model for a call that never ran
-        request.drafter.unload_for_target()
+        _unload(request.drafter)
         raise
+
+
+def _unload(drafter: Drafter) -> None:
+    """``drafter.unload_for_target()`` after a failed build, where its own failure is logged, never raised: it would
+    hide the error that failed the build."""
+    try:
+        drafter.unload_for_target()
+    except Exception:
+        logger.warning("%s: unload_for_target() failed after the call's build failed", getattr(drafter, "name", "?"),
+                       exc_info=True)
+
+
+def _check_feature_layers(drafter: Drafter, num_layers: int) -> None:
+    """Refuse a drafter whose ``feature_layers`` are not layer ids of the target: ints in [0, num_layers], the id
+    num_layers being the last layer's output (before the final norm); a bad one failed in the prefill forward."""
+    value = drafter.feature_layers
+    try:
+        layers = tuple(value)
+    except TypeError:
+        raise InputTypeError(f"drafter {drafter.name!r}: feature_layers must be a tuple of target layer ids, got "
+                             f"{describe(value)}") from None
+    bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i <= num_layers]
+    if bad:
+        raise InputError(f"drafter {drafter.name!r}: feature_layers {list(layers)} holds {bad[0]!r}, no layer id of "
+                         f"the target: it has {num_layers} layers, ids 0 to {num_layers} ({num_layers}: the last "
+                         "layer's output)")
 
 
 def _build(request: "GenerateRequest", runner: "LlamaRunner", rule: AcceptanceRule, fault: EngineFault | None,
