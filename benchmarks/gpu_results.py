@@ -231,8 +231,26 @@ def _skipped(model: dict) -> str:
     return count(len(model["skipped"]), "row") + f" ({'; '.join(model['skipped'])})"
 
 
+# bench_speed_gpu.py's items this result shows (a row, a cell, an oracle note), as its ``errors`` name them
+SHOWN_ITEMS = re.compile(r"(load|plain b\d+|verify cost|transformers static cache b\d+|oracle [^:]+): ")
+
+
+def _failed(model: dict) -> str | None:
+    """A note on what failed for ``model`` (bench_speed_gpu.py's ``errors``), where this result shows it: a model
+    that did not load has no row, a failed item leaves its cells empty as a skip for time does. Items this result
+    shows nothing of (profiles, products) are left to the run's report."""
+    name = _label(model).split(" (")[0]
+    errors = [e for e in model.get("errors") or [] if SHOWN_ITEMS.match(e)]
+    if "weight_bytes" not in model:
+        why = "; ".join(e.removeprefix("load: ") for e in errors) or "no error recorded"
+        return f"{name} did not load ({why}), so it has no row."
+    if not errors:
+        return None
+    return f"{name}: {count(len(errors), 'measurement')} failed, not left out for time: {'; '.join(errors)}."
+
+
 def _plain(rows: dict, batch: str, key: str, fmt: str) -> str:
-    """A plain row's cell, empty where the batch was not measured (skipped for time)."""
+    """A plain row's cell, empty where the batch was not measured (skipped for time, or failed)."""
     return format(rows[batch][key], fmt) if batch in rows else ""
 
 
@@ -269,6 +287,7 @@ def speed_result(run: Run) -> dict:
                         for m, r in parted) + ".")
     skipped = [f"{_label(m).split(' (')[0]}: {_skipped(m)} left out for time." for m in spd["models"] if m["skipped"]]
     notes.append(" ".join([last] + skipped))
+    notes += [note for note in map(_failed, spd["models"]) if note]
     embedded = next((m for m in spd["models"] if m["model"] == "default" and m.get("note")), None)
     stood_in = ""
     if embedded:  # its note: "'default' did not load (why): synthetic:NAME"

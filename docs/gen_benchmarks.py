@@ -11,10 +11,12 @@ block, any other as a "How it was measured:" line of text, as no reader could co
 row, what it measured: docs/gpu_latest.py finds rows by it), ``tables`` (further tables of the same run, each a
 ``name``, ``columns`` and ``rows``), ``notes`` and ``kind`` (``history``: shown in the history only). The page shows
 the latest result per machine class and benchmark, then every result by date; two results that tie for latest (same
-class, benchmark, date and run) are refused, as one would hide the other.
+class, benchmark, date and run) are refused, as one would hide the other, as is a malformed file (not JSON, a date
+not YYYY-MM-DD, a run not an integer, a table without rows or a row not as long as its columns).
 """
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import json
 import re
@@ -73,15 +75,49 @@ Other pages quote a result's table only in a region marked `generated: results/F
 """
 
 
+def _malformed(data) -> str | None:
+    """What makes a result file's fields unusable (module doc), or None: the page orders results by their ISO dates
+    as strings and runs as numbers, and renders each row as a line of its table."""
+    if not isinstance(data, dict):
+        return f"not a JSON object but a {type(data).__name__}"
+    missing = [k for k in REQUIRED if k not in data]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    if data["machine_class"] not in MACHINE_CLASSES:
+        return f"unknown machine_class {data['machine_class']!r}"
+    date = data["date"]
+    if not (isinstance(date, str) and re.fullmatch(r"\d{4}-\d{2}-\d{2}", date)):
+        return f"date {date!r} is not an ISO date (YYYY-MM-DD)"
+    try:
+        datetime.date.fromisoformat(date)
+    except ValueError:
+        return f"date {date!r} is no day of the calendar"
+    if "run" in data and (isinstance(data["run"], bool) or not isinstance(data["run"], int)):
+        return f"run {data['run']!r} is not an integer"
+    tables = ([("", data)] if "columns" in data or "rows" in data else []) + [
+        (f"tables[{i}] ", t) for i, t in enumerate(data.get("tables") or [])]
+    for where, table in tables:
+        if not isinstance(table, dict) or not isinstance(table.get("columns"), list) or not isinstance(
+                table.get("rows"), list):
+            return f"{where}needs both columns and rows, each a list"
+        for i, row in enumerate(table["rows"]):
+            if not isinstance(row, list) or len(row) != len(table["columns"]):
+                return (f"{where}row {i} has {len(row) if isinstance(row, list) else 'no list of'} cells for "
+                        f"{len(table['columns'])} columns")
+    return None
+
+
 def load_results(folder: Path = RESULTS) -> list[dict]:
+    """Every result file in ``folder``; a malformed one is a one-line ValueError naming it."""
     results = []
     for path in sorted(folder.glob("*.json")):
-        data = json.loads(path.read_text())
-        missing = [k for k in REQUIRED if k not in data]
-        if missing:
-            raise ValueError(f"{path.name}: missing {', '.join(missing)}")
-        if data["machine_class"] not in MACHINE_CLASSES:
-            raise ValueError(f"{path.name}: unknown machine_class {data['machine_class']!r}")
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path.name}: not valid JSON ({err})") from None
+        problem = _malformed(data)
+        if problem:
+            raise ValueError(f"{path.name}: {problem}")
         data["file"] = path.name
         results.append(data)
     return results

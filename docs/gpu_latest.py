@@ -1,6 +1,7 @@
 """The GPU page's table of latest results per GPU, built from docs/results (docs/gen_result_tables.py's
 ``latest_per_gpu`` part): one column per GPU kind, newest run first, each cell from that GPU's newest result of one
-benchmark (``e2e``, ``acceptance``, ``speed``, ``goals``, ``kernels``), dated where it predates the GPU's latest run.
+benchmark (``e2e``, ``acceptance``, ``speed``, ``goals``, ``kernels``), dated where it predates the GPU's latest run
+(by date and run: an earlier run of the same day by its letter, "DATEb").
 
 Its links are relative to docs/gpu/, the page that shows it. A cell with no result says "not measured".
 
@@ -69,6 +70,20 @@ def _column(result: dict, name: str) -> int:
 
 def _range(values: list[float]) -> str:
     return f"{min(values):.2f}-{max(values):.2f}x" if len(values) > 1 else f"{values[0]:.2f}x"
+
+
+def _run(result: dict) -> tuple[str, int]:
+    """When a result was measured: its date, and its run of that day (docs/gen_benchmarks.py orders them so)."""
+    return result["date"], result.get("run", 0)
+
+
+def _stamp(result: dict, latest: dict | None) -> str:
+    """Its date, with the day's run as benchmarks/gpu_results.py names the run's files (b for the second, c...);
+    the first is said where the latest run is of the same day."""
+    date, run = _run(result)
+    if run >= 2:
+        return date + (chr(ord("a") + run - 1) if run <= 26 else f", run {run}")
+    return date + (", the day's first run" if latest and latest["date"] == date else "")
 
 
 def _goal(result: dict, words: str) -> str:
@@ -157,8 +172,9 @@ def table(results: list[dict], labels: dict[str, str], order) -> tuple[list[str]
     for g in gpus:
         runs = [r for r in by_gpu[g] if RUN_FOLDER.search(r.get("conditions", ""))]
         run = _newest(runs) if runs else None
-        latest[g] = run and (run["date"], RUN_FOLDER.search(run["conditions"])[1])
-    rows = [["latest run"] + [f"[{latest[g][0]}]({latest[g][1]}/report.md)" if latest[g] else NONE for g in gpus]]
+        latest[g] = run and (run, RUN_FOLDER.search(run["conditions"])[1])
+    rows = [["latest run"] + [f"[{latest[g][0]['date']}]({latest[g][1]}/report.md)" if latest[g] else NONE
+                              for g in gpus]]
     for label, benchmark, cell in ROWS:
         row = [label]
         for g in gpus:
@@ -168,7 +184,7 @@ def table(results: list[dict], labels: dict[str, str], order) -> tuple[list[str]
                 continue
             r = _newest(mine)
             text = cell(r).rstrip(".")
-            dated = latest[g] is None or r["date"] != latest[g][0]
-            row.append(text + (f" ({r['date']})" if dated and text != NONE else ""))
+            dated = latest[g] is None or _run(r) != _run(latest[g][0])
+            row.append(text + (f" ({_stamp(r, latest[g] and latest[g][0])})" if dated and text != NONE else ""))
         rows.append(row)
     return [""] + [labels[g].removeprefix("GPU, ") for g in gpus], rows

@@ -206,6 +206,22 @@ def test_the_gpu_table_finds_rows_by_the_key_the_writer_gave_them_not_by_their_l
     assert _gpu_table(_gpu_e2e(rows=[["x", "1.0", "1.0"]], row_keys=["specdec_plain"]))[PLAIN] == ["not measured"]
 
 
+def test_a_cell_from_an_earlier_run_of_the_latest_runs_day_is_dated_with_its_run():
+    """Only dates were compared: a cell from the day's second run showed undated beside the day's third."""
+    goals = dict(file="2026-02-01c-gpu-h200-goals.json", date="2026-02-01", run=3, machine_class="gpu-h200",
+                 benchmark="goals", title="goals", conditions="Report: docs/gpu/h200-2026-02-01c/report.md.",
+                 columns=["goal", "target", "measured", "verdict"], notes=["0 of the 2 goals met."],
+                 rows=[["oracle chain", "t", "", "not measured"], ["greedy identity", "t", "", "not measured"]])
+    e2e = _gpu_e2e(file="2026-02-01b-gpu-h200-e2e.json", run=2, rows=[["p", "500.0", "510.0"]],
+                   row_keys=["specdec_plain_graphs"], conditions="Report: docs/gpu/h200-2026-02-01b/.")
+    rows = _gpu_table(goals, e2e)
+    assert rows["latest run"] == ["[2026-02-01](h200-2026-02-01c/report.md)"]
+    assert rows[PLAIN] == ["510.0 tok/s (2026-02-01b)"]
+    first = {k: v for k, v in e2e.items() if k != "run"} | {"file": "2026-02-01-gpu-h200-e2e.json"}
+    assert _gpu_table(goals, first)[PLAIN] == ["510.0 tok/s (2026-02-01, the day's first run)"]
+    assert _gpu_table(dict(goals, run=2), e2e)[PLAIN] == ["510.0 tok/s"]  # the latest run's own: undated
+
+
 @pytest.mark.parametrize("result, refusal", [
     # written without row_keys (the committed files before them): a row not labelled as those files labelled it
     (_gpu_e2e(rows=[["specdec plain (CUDA graphs)", "500.0", "510.0"]]),
@@ -249,6 +265,32 @@ def test_two_results_that_tie_for_latest_are_refused(tmp_path):
     (tmp_path / "b.json").write_text((tmp_path / "b.json").read_text().replace('"drafters"', '"drafters", "run": 2'))
     latest = gen.render(gen.load_results(tmp_path)).split("## History")[0]
     assert "#### b" in latest and "#### a" not in latest  # a run orders them
+
+
+_RESULT = ('"machine_class": "cpu-avx512", "title": "T", "machine": "m", "benchmark": "drafters", '
+           '"command": "python x.py"')
+
+
+@pytest.mark.parametrize("fields, refusal", [
+    # the latest result is the greatest date as a string: an unpadded older date sorted after the newest
+    ('"date": "2026-12-4"', "date '2026-12-4' is not an ISO date"),
+    ('"date": 20261204', "date 20261204 is not an ISO date"),
+    ('"date": "2026-02-30"', "no day of the calendar"),
+    ('"date": "2026-12-04", "run": "b"', "run 'b' is not an integer"),
+    ('"date": "2026-12-04", "columns": ["a", "b", "c"], "rows": [["1"]]', "row 0 has 1 cells for 3 columns"),
+    ('"date": "2026-12-04", "columns": ["a", "b"]', "needs both columns and rows"),
+    ('"date": "2026-12-04", "tables": [{"name": "t", "columns": ["a"], "rows": [["1", "2"]]}]',
+     r"tables\[0\] row 0 has 2 cells for 1 columns"),
+    ('"date": "2026-12-04", "notes": ["a",],', "not valid JSON"),
+])
+def test_a_malformed_result_file_is_refused_in_one_line_naming_it(tmp_path, fields, refusal):
+    """A malformed file rendered as it was (a short row, a table without rows), crashed with a traceback that named
+    no file, or was ordered wrongly (an unpadded date became a class's latest result)."""
+    gen = _gen_benchmarks()
+    (tmp_path / "2026-12-04-zz.json").write_text(f"{{{_RESULT}, {fields}}}")
+    with pytest.raises(ValueError, match=refusal) as refused:
+        gen.load_results(tmp_path)
+    assert str(refused.value).startswith("2026-12-04-zz.json: ") and "\n" not in str(refused.value)
 
 
 def test_a_results_note_renders_whole_given_as_one_string_or_a_list():

@@ -90,7 +90,8 @@ def _speed_report(floor=1.1, chain=2.5, batch32=(1.0, 0.96), c65=1.3, small=1200
                           dict(oracle("chain", 1, True, chain - 0.3), depth=6, bound=2.3),  # the best chain counts
                           dict(oracle("chain", 1, True, chain), depth=4, bound=2.6),
                           oracle("tree", 32, False, 0.5),  # "always": not judged
-                          *(oracle("chain", 32, False, s, speculation="auto") for s in batch32)],
+                          *(oracle(shape, 32, False, s, speculation="auto")
+                            for shape, s in zip(("chain", "tree"), batch32, strict=False))],
                   verify_cost=dict(ratio={"1": 1.0, "64": 1.0, "65": c65}))
     embedded = dict(model="default", note="'default' did not load (OSError: no file): synthetic:smollm2-135m",
                     plain={"1": dict(decode_tokens_per_s=small)}, oracle=[], verify_cost=None)
@@ -98,8 +99,11 @@ def _speed_report(floor=1.1, chain=2.5, batch32=(1.0, 0.96), c65=1.3, small=1200
 
 
 def _acceptance(**speedups):
+    """Every category's row: 1.5x plain where ``speedups`` gives none."""
+    from specdec.eval.prompts import CATEGORIES
+
     rows = [dict(category=c, tau=1.5, speedup_vs_plain=v, decode_speedup_vs_plain=v, tokens_per_s=100.0,
-                 identical_to_plain=True) for c, v in speedups.items()]
+                 identical_to_plain=True) for c, v in ({c: 1.5 for c in CATEGORIES} | speedups).items()]
     return dict(status="passed", rows=rows)
 
 
@@ -122,8 +126,8 @@ def test_goals_are_judged_from_the_reports_steps():
     embedded = next(g for g in judged.values() if g.what.startswith("embedded model"))
     assert "synthetic:smollm2-135m stood in" in embedded.what  # the embedded model's shape, said so
     assert judged["n-gram on the embedded model over plain, every category of specdec eval acceptance"].measured \
-        == "0.99x (chat) lowest of 3"
-    other = dict(speed=_speed_report(floor=1.2, chain=2.3, batch32=(0.98,), c65=1.2, small=900.0),
+        == "0.99x (chat) lowest of 7"
+    other = dict(speed=_speed_report(floor=1.2, chain=2.3, batch32=(0.98, 1.1), c65=1.2, small=900.0),
                  acceptance=_acceptance(chat=1.0, summarisation=1.7, rag=1.8),
                  tests=dict(status="failed", device_cuda=dict(passed=57, failed=1)),
                  e2e=dict(status="passed", rc=0, divergence_bugs=0))
@@ -143,6 +147,65 @@ def test_goals_are_judged_from_the_reports_steps():
     batch1 = _speed_report()
     batch1["report"]["models"][0]["oracle"] = batch1["report"]["models"][0]["oracle"][:5]  # no batch-32 auto row
     assert goals(dict(speed=batch1))[3].verdict == "not measured"
+
+
+def _judged(steps: dict) -> dict[str, tuple[str, str]]:
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_goals import goals
+
+    return {g.what.split(":")[0]: (g.verdict, g.measured) for g in goals(steps)}
+
+
+BATCH32 = "8B shape, batch 32, default policy (speculation=\"auto\")"
+EVERY_CATEGORY = "n-gram on the embedded model over plain, every category of specdec eval acceptance"
+
+
+def test_a_goal_with_a_row_skipped_or_a_category_missing_is_not_measured():
+    """The lowest of the rows left was judged: a batch-32 tree row skipped for time, or five categories of seven
+    missing, gave "met" from what the run had time for."""
+    speed = _speed_report(batch32=(1.0, 1.2))
+    target = speed["report"]["models"][0]
+    assert _judged(dict(speed=speed))[BATCH32] == ("met", "1.00x lowest of 2 rows")
+    target["oracle"].pop()  # the tree row, skipped for time
+    target["skipped"] = ["oracle tree tau 3.0 b32 auto (~5 s)"]
+    assert _judged(dict(speed=speed))[BATCH32] == ("not measured",
+                                                   "oracle tree tau 3.0 b32 auto skipped (the rest: 1.00x)")
+    target["skipped"] = []
+    target["errors"] = ["oracle tree tau 3.0 b32 auto: RuntimeError: CUDA out of memory"]
+    assert _judged(dict(speed=speed))[BATCH32][0] == "not measured"
+    target["errors"] = []  # absent without a word: its row is still expected
+    assert _judged(dict(speed=speed))[BATCH32] == ("not measured", "no tree row (the rest: 1.00x)")
+    acceptance = _acceptance()
+    acceptance["rows"] = [r for r in acceptance["rows"] if r["category"] in ("summarisation", "rag")]
+    judged = _judged(dict(acceptance=dict(acceptance, status="failed")))
+    assert judged[EVERY_CATEGORY] == ("not measured", "no chat, code, qa, math, translation (2 of the 7 categories)")
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_nan_or_none_is_not_measured_wherever_it_stands(where):
+    """min() and max() over a list holding NaN answer by its position; None crashed the comparison."""
+    for bad in (float("nan"), None):
+        batch32 = (bad, 1.2) if where == "first" else (1.2, bad)
+        judged = _judged(dict(speed=_speed_report(batch32=batch32)))
+        assert judged[BATCH32][0] == "not measured", (bad, judged[BATCH32])
+        speed = _speed_report()
+        chains = [r for r in speed["report"]["models"][0]["oracle"] if r["eagle"] and r["tau_target"] == 3.0]
+        chains[0 if where == "first" else -1]["speedup"] = bad
+        assert _judged(dict(speed=speed))["8B shape, batch 1, oracle chain at tau 3 with EAGLE's drafting"][0] \
+            == "not measured"
+        speeds = dict(chat=1.2, code=bad) if where == "first" else dict(chat=bad, code=1.2)
+        judged = _judged(dict(acceptance=_acceptance(**speeds)))
+        assert judged[EVERY_CATEGORY][0] == "not measured", (bad, judged[EVERY_CATEGORY])
+        judged = _judged(dict(acceptance=_acceptance(summarisation=bad),
+                              speed=_speed_report(floor=bad, c65=bad, small=bad)))
+        assert judged["n-gram on the embedded model over plain, summarisation"][0] == "not measured"
+        assert {judged[k][0] for k in judged if k.startswith(("8B shape, batch 1, plain", "8B shape", "embedded"))
+                and "oracle" not in k and "batch 32" not in k} == {"not measured"}
+    speed = _speed_report()
+    del speed["report"]["models"][0]["plain"]["1"]["step_over_floor"]  # a plain row without it: no KeyError
+    assert _judged(dict(speed=speed))["8B shape, batch 1, plain decoding"][0] == "not measured"
 
 
 def test_the_report_starts_with_the_goals_and_lists_the_acceptance_rows(tmp_path, monkeypatch):

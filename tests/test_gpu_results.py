@@ -116,3 +116,28 @@ def test_the_gpu_table_reads_a_run_whatever_labels_this_script_gives_its_rows(sc
     (run / "e2e.json").write_text(json.dumps(dict(e2e, divergences={k: [] for k in e2e["divergences"]})))
     clean = _gpu_table(script.results(script.Run(run)))["bf16 greedy identity vs transformers"]
     assert clean[0].startswith("No output diverged from transformers' greedy tokens"), clean  # dated: not in docs/
+
+
+def test_a_failed_measurement_and_a_model_that_did_not_load_are_said(script, tmp_path):
+    """A model that failed to load was dropped from the table without a word, and a failed item left its cells
+    empty as a skip for time does: each model's errors are a note. Items the result shows nothing of (a profile)
+    stay in the run's report."""
+    run = tmp_path / "h200-2026-11-30"
+    shutil.copytree(RUN, run)
+    speed = json.loads((run / "speed.json").read_text())
+    by = {m["model"]: m for m in speed["models"]}
+    del by["synthetic:llama-3.2-1b"]["plain"]["8"]
+    by["synthetic:llama-3.2-1b"]["errors"] += ["plain b8: RuntimeError: CUDA out of memory",
+                                               "profile b1: AttributeError: no attribute"]
+    by["synthetic:qwen3-1.7b"]["errors"] += ["verify cost: RuntimeError: boom"]
+    speed["models"].append(dict(model="synthetic:qwen3-0.6b", plain={}, oracle=[], verify_cost=None, hf_static=None,
+                                skipped=[], errors=["load: RuntimeError: CUDA out of memory"]))
+    (run / "speed.json").write_text(json.dumps(speed))
+    made = script.results(script.Run(run))["2026-11-30-gpu-h200-speed.json"]
+    committed = json.loads((REPO / "docs" / "results" / "2026-11-30-gpu-h200-speed.json").read_text())
+    assert made["notes"][:-3] == committed["notes"]
+    assert made["notes"][-3:] == [
+        "Qwen3-1.7B: one measurement failed, not left out for time: verify cost: RuntimeError: boom.",
+        "Llama-3.2-1B: one measurement failed, not left out for time: plain b8: RuntimeError: CUDA out of memory.",
+        "Qwen3-0.6B did not load (RuntimeError: CUDA out of memory), so it has no row."]
+    assert "synthetic:qwen3-0.6b" not in made["row_keys"]
