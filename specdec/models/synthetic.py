@@ -79,7 +79,8 @@ class SyntheticShape:
         return self.num_layers * per_layer + embeddings + self.hidden_size
 
     def weight_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes one decode step reads: every parameter once (a tied embedding once, as the LM head)."""
+        """Bytes of the weights in memory (a tied embedding once): what must fit the device. Not what a decode step
+        reads, which leaves out all but one row of an untied input embedding (the speed command's floor)."""
         return self.num_params * torch.finfo(dtype).bits // 8
 
     def hf_config(self):
