@@ -510,7 +510,7 @@ def run_certificate(loaded: Any, drafter: Any, options: dict, sampling: Sampling
     modes = drafter_modes(drafter, options, sampling)
     cert = Certificate({"model": getattr(loaded, "name", str(loaded)), **where_it_ran(loaded), "drafter": str(drafter),
                         "options": options, "sampling": asdict(sampling), "modes": [m.value for m in modes],
-                        "sizes": asdict(sizes)})
+                        "sizes": asdict(sizes), "seed": seed})  # the seed moves every draw: a repeat needs it
     if cert.config.get("dtype", "float32") != "float32" and {"e2e", "coupled"} & set(levels):
         cert.warnings.append(f"the model runs in {cert.config['dtype']}: the identity checks' near-tie margins are "
                              "float32's, so a divergence at half-precision rounding counts as a real mismatch (run "

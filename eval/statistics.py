@@ -60,7 +60,9 @@ def goodness_of_fit(samples: list, law: Law, tv: float, alpha: float) -> ChiSqua
     n = len(samples)
     counts = Counter(samples)
     forbidden = any(law.get(k, 0.0) == 0.0 for k in counts)  # an outcome the exact law forbids: p = 0
-    keys = sorted(law, key=law.get, reverse=True)
+    # outcomes of probability 0 (a candidate the warpers removed) are the forbidden test's: pooled, an empty bin
+    # expected to hold 0 gave 0 / 0, a NaN p-value
+    keys = sorted((k for k in law if law[k] > 0.0), key=law.get, reverse=True)
     big = [k for k in keys if law[k] * n >= 5]
     small = [k for k in keys if law[k] * n < 5]
     obs = [counts.get(k, 0) for k in big]
@@ -105,10 +107,12 @@ def total_variation_bound(samples: list, law: Law, confidence: float = 0.99) -> 
 
 
 def holm(pvalues: dict[str, float], alpha: float) -> list[str]:
-    """Names whose hypothesis Holm's step-down procedure rejects at family-wise level ``alpha``."""
+    """Names whose hypothesis Holm's step-down procedure rejects at family-wise level ``alpha``. A p-value that is
+    not a number (a broken test) is rejected first, never sorted among the others (where it stopped the procedure
+    early, leaving every hypothesis after it untested)."""
     rejected = []
-    for i, (name, p) in enumerate(sorted(pvalues.items(), key=lambda kv: kv[1])):
-        if p > alpha / (len(pvalues) - i):
+    for i, (name, p) in enumerate(sorted(pvalues.items(), key=lambda kv: -1.0 if math.isnan(kv[1]) else kv[1])):
+        if not math.isnan(p) and p > alpha / (len(pvalues) - i):
             break
         rejected.append(name)
     return rejected

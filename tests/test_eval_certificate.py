@@ -563,3 +563,30 @@ def test_the_end_to_end_level_says_each_check_as_it_starts_and_how_far_sampling_
                     "end to end: choosing where sampling starts (a pilot of 4 sequences at 1 starts)",
                     "end to end: 20 sampled sequences per side, the exact rule",
                     "end to end: 20 sampled sequences per side, always_accept"]
+
+
+def test_an_outcome_of_probability_zero_leaves_the_fit_a_number_and_holm_tests_every_case():
+    """The exact law holds outcomes of probability 0 (a candidate the warpers removed): pooled with the rare bins they
+    made an empty bin expected to hold 0, a NaN p-value, which failed a one-case certificate with a correct sampler
+    (and lost its run writing certificate.json) and, sorted among others, stopped Holm early: the cases after it
+    went untested, and a lossy sampler passed."""
+    import math
+
+    from specdec.eval import certificate
+    from specdec.eval.exact_law import step_law
+    from specdec.eval.statistics import goodness_of_fit, holm
+
+    from specdec.tree import DraftMode
+
+    case = certificate.sampler_cases([DraftMode.INDEPENDENT], SamplingConfig(True, 0.8, top_k=50))
+    law = dict(step_law(case["independent-(2, 1)"], EXACT)(case["independent-(2, 1)"].prefix))
+    assert any(v == 0.0 for v in law.values())  # such laws are the certificate's own
+    fit = goodness_of_fit([(0,)] * 480 + [(1,)] * 520, {(0,): 0.5, (1,): 0.5, (2,): 0.0}, 0.02, 0.01)
+    assert math.isfinite(fit.p_value) and fit.p_value > 0.1
+    assert holm({"fine": 0.5, "broken": math.nan, "lossy": 1e-9}, 0.01) == ["broken", "lossy"]
+
+
+def test_the_certificate_records_its_seed():
+    cert = run_certificate(build_tiny_model(), "ngram", {}, SamplingConfig(True, 0.8), CertificateSizes(),
+                           lambda n: [[1, 2, 3]] * n, levels=("exact",), seed=5)
+    assert cert.config["seed"] == 5 and "- seed: `5`" in cert.to_markdown()
