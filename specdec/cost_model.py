@@ -18,7 +18,10 @@ The result is cached as JSON under ``cache_root()/costs`` keyed by everything it
 shapes, not its weights' values: :func:`model_structure`), dtype, device and its name (a GPU's; a CPU's model name,
 family and ISA flags), torch thread count, torch version, the CPU row policy (which is itself measured first:
 :func:`ensure_row_policy`) and the calibration's workload.
-A different key re-measures. ``CALIBRATIONS`` counts the measurements this process ran (tests). A curve in which n
+A different key re-measures, and so does a file that is unreadable or holds what no calibration writes (a warning
+names it). Processes sharing the cache (a server's workers) each add their batch sizes to one file. Where no cache
+folder is known (no home directory and neither variable set) or it is read-only, a warning says so and each process
+measures for itself. ``CALIBRATIONS`` counts the measurements this process ran (tests). A curve in which n
 tokens cost more than n one-token steps is no machine's (decoding them one by one would be cheaper): it was timed
 while something else ran, and is measured once more; one cached before this check is measured again.
 """
@@ -51,6 +54,7 @@ MEMO_LIMIT = 16
 _MEMO: dict[str, dict[int, dict[int, float]]] = {}  # cache file -> curves: the disk read once per key (MEMO_LIMIT)
 _ROWS_DONE: dict[str, dict[int, int]] = {}  # row-policy cache file -> its policy, read or measured in this process
 _PACKING: dict[str, bool] = {}  # row-policy key (without "packed") -> packed weights allowed, decided once per process
+_WARNED: set[str] = set()  # what a warning said once per process: a damaged file's path, or that no folder is known
 BATCH_QUERY_TOKENS = 128  # a CPU's calibration grid of a batch: sizes n with batch * n above this are extrapolated
 BATCH_CONTEXT_TOKENS = 1024  # and at most this many context tokens are prefilled over the whole batch
 STREAM_BYTES = 128 * 2**20  # the row policy times at least this many bytes of weights: beyond a CPU's last-level cache
@@ -129,38 +133,111 @@ def _digest(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def _cache_dir(cache_dir: str | Path | None) -> Path:
+def _warn_once(what: str, message: str, *args) -> None:
+    if what not in _WARNED:
+        _WARNED.add(what)
+        logger.warning(message, *args)
+
+
+def _cache_dir(cache_dir: str | Path | None) -> Path | None:
     """``cache_dir``, else ``$SPECDEC_COST_DIR`` (the test suite points it at a temporary directory, so that
-    calibrations taken on a machine busy with tests never reach real runs), else ``<cache root>/costs``."""
+    calibrations taken on a machine busy with tests never reach real runs), else ``<cache root>/costs``; None (said
+    once) where no cache root is known: measured, never cached, as in a read-only folder."""
     if cache_dir is not None:
         return Path(cache_dir)
     if os.environ.get("SPECDEC_COST_DIR"):
         return Path(os.environ["SPECDEC_COST_DIR"])
+    from specdec.errors import SpecdecError
     from specdec.models.embedded import cache_root
 
-    return cache_root() / "costs"
+    try:
+        return cache_root() / "costs"
+    except SpecdecError as err:
+        _warn_once("no cache folder", "cost model: %s (or SPECDEC_COST_DIR); measured costs are not cached", err)
+        return None
 
 
-def cache_dir() -> Path:
-    """The folder of this machine's measurement caches (``$SPECDEC_COST_DIR``, else ``<cache root>/costs``)."""
+def cache_dir() -> Path | None:
+    """The folder of this machine's measurement caches (``$SPECDEC_COST_DIR``, else ``<cache root>/costs``; None
+    where no cache root is known)."""
     return _cache_dir(None)
 
 
-def read_cache(file: Path) -> dict | None:
-    """A measurement cache file's JSON object, or None when it is missing, unreadable or not an object (then
-    measured again)."""
+def _cache_file(cache_dir: str | Path | None, name: str) -> tuple[str, Path | None]:
+    """The cache file ``name`` in :func:`_cache_dir` (None: no folder) and what this process memoizes it under: its
+    path, else its name."""
+    folder = _cache_dir(cache_dir)
+    return (name, None) if folder is None else (str(folder / name), folder / name)
+
+
+def read_cache(file: Path | None) -> dict | None:
+    """A measurement cache file's JSON object, or None when it is missing (or ``file`` is None), unreadable or not
+    an object (then measured again)."""
     try:
-        data = json.loads(file.read_text()) if file.is_file() else None
+        data = json.loads(file.read_text()) if file is not None and file.is_file() else None
         if data is None or isinstance(data, dict):
             return data
     except (OSError, ValueError):
         pass
-    logger.warning("cost model: unreadable cache file %s; measuring again", file)
+    _warn_once(str(file), "cost model: unreadable cache file %s; measuring again", file)
     return None
 
 
-def write_cache(file: Path, data: dict) -> None:
-    """Write a measurement cache file atomically; a failure only costs a re-measurement next time."""
+def _count(text) -> int | None:
+    """A JSON object's key that counts something ("4": 4, at least 1), else None."""
+    return int(text) if isinstance(text, str) and text.isdecimal() and int(text) >= 1 else None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _curve(raw) -> dict[int, float] | None:
+    """A batch's curve as :meth:`CostModel.save` writes it, {"n": seconds > 0} from n = 1 with at least two sizes,
+    read back; None for anything else."""
+    if not isinstance(raw, dict):
+        return None
+    curve = {_count(n): s for n, s in raw.items()}
+    if None in curve or 1 not in curve or len(curve) < 2 or not all(
+            isinstance(s, (int, float)) and not isinstance(s, bool) and 0 < s < math.inf for s in curve.values()):
+        return None
+    return {n: float(s) for n, s in curve.items()}
+
+
+def _cached_curves(data: dict | None, key: dict, file: Path | None) -> dict[int, dict[int, float]]:
+    """The batch curves of a verify cache file's ``data`` written under ``key`` ({}: none, or another key's); a file
+    holding anything but such curves (:func:`_curve`) is damaged: {} (a warning names it), measured again."""
+    if data is None or data.get("key") != key:
+        return {}
+    raw = data.get("curves")
+    curves = {_count(b): _curve(c) for b, c in raw.items()} if isinstance(raw, dict) else {None: None}
+    if None not in curves and None not in curves.values():
+        return curves
+    _warn_once(str(file), "cost model: damaged cache file %s (its curves); measuring again", file)
+    return {}
+
+
+def _cached_cols(data: dict | None, key: dict, file: Path | None) -> dict[int, int] | None:
+    """The row policy in a row-policy cache file's ``data`` written under ``key`` (None: none, or another key's). A
+    file holding anything but a policy :func:`row_policy.install` takes for ``key`` is damaged: None (a warning
+    names it), measured again."""
+    if data is None or data.get("key") != key:
+        return None
+    raw = data.get("cols")
+    cols = {_count(m): c for m, c in raw.items()} if isinstance(raw, dict) else {None: None}
+    top = row_policy.SMALL_M_MAX
+    if all(m is not None and m <= top and _is_int(c) and (m <= c <= top or (c == row_policy.PACKED and key["packed"]))
+           for m, c in cols.items()):
+        return cols
+    _warn_once(str(file), "cost model: damaged cache file %s (its row policy); measuring again", file)
+    return None
+
+
+def write_cache(file: Path | None, data: dict) -> None:
+    """Write a measurement cache file atomically (None: no cache folder, nothing); a failure only costs a
+    re-measurement next time."""
+    if file is None:
+        return
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         write_json(file, data)
@@ -206,10 +283,10 @@ def row_policy_decision(runner, config: CalibrationConfig | None = None,
     (:func:`adopt_row_policy`)."""
     if runner.device.type != "cpu" or not len(runner.layers):
         return None
-    key, file = _rows_file(runner, cache_dir)
-    cols = _ROWS_DONE.get(str(file))
+    key, memo, file = _rows_file(runner, cache_dir)
+    cols = _ROWS_DONE.get(memo)
     if cols is None:
-        cols = _ROWS_DONE[str(file)] = _read_or_measure_rows(runner, config, key, file, key["packed"])
+        cols = _ROWS_DONE[memo] = _read_or_measure_rows(runner, config, key, file, key["packed"])
     # installed at every engine build: another model's policy (another dtype or shape) may be the active one
     row_policy.install(torch.get_num_threads(), cols, runner.dtype)
     return {"packed": key["packed"], "cols": dict(cols)}
@@ -222,13 +299,14 @@ def adopt_row_policy(runner, decision: dict | None, cache_dir: str | Path | None
     another policy rounds another way: their greedy texts could part at near-ties."""
     if decision is None or runner.device.type != "cpu" or not len(runner.layers):
         return
-    _, file = _rows_file(runner, cache_dir, packed=bool(decision["packed"]))
-    cols = _ROWS_DONE[str(file)] = {int(m): int(c) for m, c in decision["cols"].items()}
+    _, memo, _ = _rows_file(runner, cache_dir, packed=bool(decision["packed"]))
+    cols = _ROWS_DONE[memo] = {int(m): int(c) for m, c in decision["cols"].items()}
     row_policy.install(torch.get_num_threads(), cols, runner.dtype)
 
 
-def _rows_file(runner, cache_dir: str | Path | None, packed: bool | None = None) -> tuple[dict, Path]:
-    """The row policy's cache key and file for ``runner``; ``packed``: the decision to take (else this process's)."""
+def _rows_file(runner, cache_dir: str | Path | None, packed: bool | None = None) -> tuple[dict, str, Path | None]:
+    """The row policy's cache key, memo name and file (:func:`_cache_file`) for ``runner``; ``packed``: the decision
+    to take (else this process's)."""
     # "timing": how the policy was measured; a policy timed another way (over one cache-resident layer, as older
     # versions did) is measured again; "packed": whether packed weights were a candidate (older caches lack it), decided
     # once per process and key: the packed copies a policy makes use up the memory that decision measured, and must
@@ -240,25 +318,26 @@ def _rows_file(runner, cache_dir: str | Path | None, packed: bool | None = None)
     elif base not in _PACKING:
         _PACKING[base] = packed_weights_allowed(runner)
     key |= {"packed": _PACKING[base]}
-    return key, _cache_dir(cache_dir) / f"rows-{_digest(key)}.json"
+    return key, *_cache_file(cache_dir, f"rows-{_digest(key)}.json")
 
 
-def _read_or_measure_rows(runner, config: CalibrationConfig | None, key: dict, file: Path, packed: bool) -> dict:
-    """The row policy cached in ``file`` under ``key``, else measured now and cached there."""
+def _read_or_measure_rows(runner, config: CalibrationConfig | None, key: dict, file: Path | None,
+                          packed: bool) -> dict:
+    """The row policy cached in ``file`` under ``key``, else measured now and cached there (None: not cached)."""
     threads = torch.get_num_threads()
-    data = read_cache(file)
-    if data is None or data.get("key") != key:
+    cols = _cached_cols(read_cache(file), key, file)
+    if cols is None:
         weights, scales = streamed_weights(runner)
         CALIBRATIONS["rows"] += 1
         t0 = time.perf_counter()
         with _one_off(f"this CPU's matrix products of 1-{row_policy.SMALL_M_MAX} rows on {threads} threads",
-                      row_policy.SMALL_M_MAX, "rows", file.parent) as step:
+                      row_policy.SMALL_M_MAX, "rows", None if file is None else file.parent) as step:
             cols = row_policy.measure_row_policy(weights, repeats=(config or CalibrationConfig()).row_repeats,
                                                  scales=scales, allow_packed=packed, progress=step)
-        data = {"key": key, "cols": {str(m): c for m, c in cols.items()}}
-        write_cache(file, data)
+        cols = {int(m): int(c) for m, c in cols.items()}
+        write_cache(file, {"key": key, "cols": {str(m): c for m, c in cols.items()}})
         logger.info("row policy measured for %d threads in %.1f s: %s", threads, time.perf_counter() - t0, cols)
-    return {int(m): int(c) for m, c in data["cols"].items()}
+    return cols
 
 
 @dataclass
@@ -292,9 +371,13 @@ class CostModel:
         return _digest({str(n): s for n, s in sorted(self.curve(1).items())})[:12]
 
     def save(self) -> None:
-        """Write the curves to the cache file (if any), marked as checked by :func:`calibrate`."""
+        """Write the curves to the cache file (if any), marked as checked by :func:`calibrate`, with the batch sizes
+        another process sharing it (a server's other worker) has saved there since: this process's curves win."""
         if self.file is not None:
-            curves = {str(k): {str(n): s for n, s in v.items()} for k, v in self.curves.items()}
+            data = read_cache(self.file)
+            theirs = _cached_curves(data, self.key, self.file) if data is not None and data.get("checked") else {}
+            merged = sorted((theirs | self.curves).items())
+            curves = {str(k): {str(n): s for n, s in v.items()} for k, v in merged}
             write_cache(self.file, {"key": self.key, "checked": True, "curves": curves})
 
     def seconds(self, n: int, batch: int = 1) -> float:
@@ -415,17 +498,15 @@ def load_cost_model(runner, config: CalibrationConfig | None = None, cache_dir: 
     if times_whole_grid(runner):  # older curves of this device, whose batches stopped short, are measured again
         key["batch_grid"] = "whole"
     key = json.loads(json.dumps(key))  # as it reads back from JSON (tuples -> lists, int keys -> str)
-    file = _cache_dir(cache_dir) / f"verify-{_digest(key)}.json"
-    curves, unchecked = _MEMO.get(str(file)), {}
+    memo, file = _cache_file(cache_dir, f"verify-{_digest(key)}.json")
+    curves, unchecked = _MEMO.get(memo), {}
     if curves is None:
         data = read_cache(file)
-        curves = {}
-        if data is not None and data.get("key") == key:
-            curves = {int(b): {int(n): float(s) for n, s in c.items()} for b, c in data["curves"].items()}
+        curves = _cached_curves(data, key, file)
         unchecked = {} if data is None or data.get("checked") else _impossible(curves, file)
         curves = {b: c for b, c in curves.items() if b not in unchecked}
     # shared: a batch size measured later is seen by every engine of this key (and written to disk)
-    _memo_put(_MEMO, str(file), curves)
+    _memo_put(_MEMO, memo, curves)
     model = CostModel(key, curves, runner, config, file)
     if unchecked:
         model.save()  # without them: each is measured again when first needed

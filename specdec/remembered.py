@@ -12,8 +12,11 @@ are copies: a later call starts from what was kept and never changes it in place
 
 ``persist=True`` (the guard, whose key is the cost model's): also kept across processes, as JSON in the cost cache
 (``<cost dir>/remembered/``), read once per process and key and written by :func:`save` (the speculation policy
-calls it when a run's last sequence finishes, not at every finished sequence); the value must be JSON-able. Tests
-give each test its own folder with :func:`use_folder` and clear the process's store with :func:`forget_all`.
+calls it when a run's last sequence finishes, not at every finished sequence); the value must be JSON-able. Where
+the cost cache has no folder (no home directory), values are kept in this process only. A decider that passes
+``damaged`` to :func:`recall` has a value it cannot use (a damaged file's) named in a warning, once, and starts
+fresh. Tests give each test its own folder with :func:`use_folder` and clear the process's store with
+:func:`forget_all`.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import hashlib
 import json
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +44,17 @@ def use_folder(folder: str | Path | None) -> None:
     _FOLDER = None if folder is None else Path(folder)
 
 
-def _file(decider: str, key: tuple) -> Path:
+def _file(decider: str, key: tuple) -> Path | None:
+    """Where ``decider``'s value under ``key`` is persisted (None: the cost cache has no folder)."""
     if _FOLDER is not None:
         folder = _FOLDER
     else:
         from specdec.cost_model import cache_dir
 
-        folder = cache_dir() / "remembered"
+        costs = cache_dir()
+        if costs is None:
+            return None
+        folder = costs / "remembered"
     digest = hashlib.sha256(json.dumps([decider, key], default=str).encode()).hexdigest()[:20]
     return folder / f"{decider.replace(' ', '-')}-{digest}.json"
 
@@ -54,7 +62,7 @@ def _file(decider: str, key: tuple) -> Path:
 def _read(decider: str, key: tuple) -> Any:
     file = _file(decider, key)
     try:
-        data = json.loads(file.read_text()) if file.is_file() else None
+        data = json.loads(file.read_text()) if file is not None and file.is_file() else None
     except (OSError, ValueError):
         logger.warning("remembered: unreadable %s; starting fresh", file)
         return _MISSING
@@ -63,13 +71,21 @@ def _read(decider: str, key: tuple) -> Any:
     return data.get("value", _MISSING)
 
 
-def recall(decider: str, key: tuple | None, persist: bool = False) -> Any:
-    """What ``decider`` kept under ``key`` (None when nothing is kept, or ``key`` is None: start fresh)."""
+def recall(decider: str, key: tuple | None, persist: bool = False,
+           damaged: Callable[[Any], str | None] | None = None) -> Any:
+    """What ``decider`` kept under ``key`` (None when nothing is kept, or ``key`` is None: start fresh).
+    ``damaged(value)``: what makes a value unusable (None: nothing); such a value is named in a warning, with its
+    file, and forgotten: None, now and at the next recalls."""
     if key is None:
         return None
     if persist and (decider, key) not in _STORE:  # read the disk once per process and key
         _STORE[(decider, key)] = _read(decider, key)
     value = _STORE.get((decider, key), _MISSING)
+    why = None if value is _MISSING or damaged is None else damaged(value)
+    if why is not None:
+        where = _file(decider, key) if persist else None
+        logger.warning("remembered: damaged %s value in %s (%s); starting fresh", decider, where or "this process", why)
+        _STORE[(decider, key)] = value = _MISSING
     return None if value is _MISSING else value
 
 
@@ -92,6 +108,8 @@ def save() -> None:
         _UNSAVED.clear()
     for decider, key in batch:
         file = _file(decider, key)
+        if file is None:  # no cache folder (the cost model said so): this process still remembers
+            continue
         try:
             write_json(file, {"key": [decider, key], "value": _STORE[(decider, key)]})
         except OSError as err:  # a read-only cache: this process still remembers

@@ -31,8 +31,9 @@ the constants: docs/speculation-policy.md.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from specdec.cost_model import CostModel
 from specdec.online_costs import OnlineCosts
@@ -75,19 +76,72 @@ class _Kept:
 
     @classmethod
     def recalled(cls, key: tuple | None) -> "_Kept | None":
-        data = recall("guard", key, persist=True)
-        if data is None:
+        """What is kept under ``key``; None: nothing, another version's memory, or a damaged one (:func:`_damaged`,
+        named in a warning)."""
+        data = recall("guard", key, persist=True, damaged=_damaged)
+        if not _this_format(data):
             return None
-        try:
-            kept = cls(**data)
-        except TypeError:  # written by another version: start fresh
-            return None
-        if kept.format != MEMORY_FORMAT:
-            return None
-        # a damaged file's nulls would fail the guard's arithmetic
-        catch_ups = kept.catch_ups if isinstance(kept.catch_ups, list) else [None]
-        counts = (kept.backoff, kept.skip, kept.credit, *catch_ups)
-        return kept if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in counts) else None
+        return cls(**data)
+
+
+def _this_format(data: object) -> bool:
+    """Whether ``data`` is a guard memory as this version writes it (fields of _Kept, MEMORY_FORMAT); a memory older
+    than a field leaves it at its default."""
+    return isinstance(data, dict) and data.get("format") == MEMORY_FORMAT and data.keys() <= _KEPT_FIELDS
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _bucket(x: object) -> bool:
+    return _count(x) and x >= 1
+
+
+def _seconds(x: object) -> bool:
+    return _number(x) and x > 0
+
+
+def _rows(*checks: Callable[[object], bool]) -> Callable[[object], bool]:
+    """A check of a list of rows of len(checks) values, each passing its check."""
+    return lambda v: isinstance(v, list) and all(
+        isinstance(row, list) and len(row) == len(checks) and all(c(x) for c, x in zip(checks, row, strict=True))
+        for row in v)
+
+
+def _optional(check: Callable[[object], bool]) -> Callable[[object], bool]:
+    return lambda v: v is None or check(v)
+
+
+# what TreeSizer.release writes into each field of a guard memory (a queued float: an older call's, ignored)
+_KEPT_CHECKS: dict[str, Callable[[object], bool]] = {
+    "backoff": _count, "skip": _count, "credit": _number, "format": _count,
+    "tokens": _optional(_number), "cost": _optional(_number), "price": _optional(_number),
+    "score_bins": _rows(_number, _number), "unscored": _rows(_count, _count, _number, _number),
+    "last_shape": _optional(lambda v: isinstance(v, list) and all(
+        isinstance(p, int) and not isinstance(p, bool) and -1 <= p < i for i, p in enumerate(v))),
+    "verify_times": _rows(_bucket, _bucket, lambda v: isinstance(v, list) and bool(v) and all(map(_seconds, v))),
+    "since_plain": _rows(_bucket, _count), "measure_credit": _rows(_bucket, _number),
+    "catch_ups": lambda v: isinstance(v, list) and all(map(_number, v)),
+    "queued": lambda v: v is None or _number(v) or _rows(_bucket, _seconds)(v),
+}
+_KEPT_FIELDS = frozenset(f.name for f in fields(_Kept))
+
+
+def _damaged(data: object) -> str | None:
+    """What makes a recalled guard memory unusable (None: nothing): not an object, or one of this format holding a
+    value TreeSizer.release never writes (a damaged file's). Another version's memory is no damage: recalled
+    starts fresh without a word."""
+    if not isinstance(data, dict):
+        return "not an object"
+    if not _this_format(data):
+        return None
+    wrong = [name for name, value in data.items() if not _KEPT_CHECKS[name](value)]
+    return f"its {', '.join(wrong)}" if wrong else None
 
 
 def _queued_kept(kept: object) -> dict[int, float]:
@@ -291,10 +345,7 @@ class TreeSizer:
             self.score_bins = [list(b) for b in kept.score_bins]
             self.unscored = {(d, r): [a, t] for d, r, a, t in kept.unscored}
             self.last_shape = None if kept.last_shape is None else list(kept.last_shape)
-            try:
-                self.online.restore(kept.verify_times, kept.since_plain, kept.measure_credit)
-            except (TypeError, ValueError):  # a damaged file: the calibrated curve
-                self.online = OnlineCosts(self.costs)
+            self.online.restore(kept.verify_times, kept.since_plain, kept.measure_credit)
         self.guards: dict[int, _Guard] = {}
         self.pending: dict[int, _Pending] = {}
         self.looks: dict[int, _Look] = {}  # held-off sequences' drafts in hindsight, until the text judges them

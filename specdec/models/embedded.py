@@ -160,7 +160,17 @@ def _walk_gguf(blob, tensor_count: int, kv_count: int, values: bool = False
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec")
+    """``$SPECDEC_CACHE_DIR``, else ``~/.cache/specdec``. Raises a one-line :class:`SpecdecError` naming
+    ``SPECDEC_CACHE_DIR`` where neither is known: HOME unset and no passwd entry for the uid (a container run under an
+    arbitrary uid)."""
+    if os.environ.get("SPECDEC_CACHE_DIR"):
+        return Path(os.environ["SPECDEC_CACHE_DIR"])
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError):  # Path.home(): RuntimeError, or pwd's KeyError on older Pythons
+        raise SpecdecError("specdec has no cache directory: HOME is not set and this user has no home directory; "
+                           "set SPECDEC_CACHE_DIR") from None
+    return home / ".cache" / "specdec"
 
 
 def embedded_gguf_path() -> Path:
