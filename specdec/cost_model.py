@@ -497,6 +497,8 @@ def load_cost_model(runner, config: CalibrationConfig | None = None, cache_dir: 
                                  "workload": asdict(config), "chain": "rejected"}
     if times_whole_grid(runner):  # older curves of this device, whose batches stopped short, are measured again
         key["batch_grid"] = "whole"
+    if getattr(runner, "invariant", False):  # the bit-exact mode's products of row blocks: its own curve
+        key["invariant"] = True
     key = json.loads(json.dumps(key))  # as it reads back from JSON (tuples -> lists, int keys -> str)
     memo, file = _cache_file(cache_dir, f"verify-{_digest(key)}.json")
     curves, unchecked = _MEMO.get(memo), {}

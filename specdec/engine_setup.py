@@ -146,7 +146,7 @@ def _build(request: "GenerateRequest", runner: "LlamaRunner", rule: AcceptanceRu
     # the guard and tree sizing price verify steps as this engine runs them: replayed graphs on a GPU
     graphs = graphed is not None and graphed.config.capture
     # a bucket pads every sequence to the step's largest tree: the policy caps the trees together
-    policy = _policy(request, rule, fault, coupling, generator, graphs, padded=graphed is not None)
+    policy = _policy(request, runner, rule, fault, coupling, generator, graphs, padded=graphed is not None)
     drafter_seed = config.seed  # what sampled drafts are seeded from (TargetView.seed)
     if drafter is not None and generator is not None and config.do_sample:
         drafter_seed = int(torch.randint(2**62, (), generator=generator, device=generator.device))
@@ -166,8 +166,9 @@ def _build(request: "GenerateRequest", runner: "LlamaRunner", rule: AcceptanceRu
                       fit_free_blocks=fit_free_blocks)
 
 
-def _policy(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault | None, coupling: Coupling | None,
-            generator: torch.Generator | None, graphs: bool = False, padded: bool = False) -> SpeculationPolicy:
+def _policy(request: "GenerateRequest", runner: "LlamaRunner", rule: AcceptanceRule, fault: EngineFault | None,
+            coupling: Coupling | None, generator: torch.Generator | None, graphs: bool = False,
+            padded: bool = False) -> SpeculationPolicy:
     """The speculation policy: tree sizing and the break-even guard (speculation="auto"), or none: verify every
     proposal whole.
 
@@ -175,8 +176,9 @@ def _policy(request: "GenerateRequest", rule: AcceptanceRule, fault: EngineFault
     sampling keeps only what reads no measurement: there a tree of another shape draws other random numbers, so a
     seed gives one text only if no decision reads this machine's measurements (which a deleted cache or a
     recalibration changes); its trees are verified whole, and a drafter that can never pay by its shapes alone is
-    never asked. Coupled sampling needs no such care: its text does not depend on the trees at all."""
-    config, drafter, runner = request.config, request.drafter, request.loaded.runner
+    never asked. Coupled sampling needs no such care: its text does not depend on the trees at all. ``runner``: the
+    call's (the bit-exact mode's prices its own steps, under a key of its own)."""
+    config, drafter = request.config, request.drafter
     if drafter is None or config.speculation != "auto" or rule is not EXACT or fault is not None:
         return SpeculationPolicy()
     if config.do_sample and (config.seed is not None or generator is not None) and coupling is None:

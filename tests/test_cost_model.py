@@ -110,6 +110,34 @@ def test_an_engine_prices_verify_steps_as_it_runs_them(fresh, monkeypatch):
     assert [c.graphs for c in configs] == [False]
 
 
+def test_the_bit_exact_mode_prices_its_own_steps_under_its_own_key(fresh, monkeypatch):
+    """invariant=True verifies in blocks of rows, whose costs are not the default path's: its calls calibrate the
+    mode's runner, into a file of its own (they priced trees with the default path's curve, shared under one key)."""
+    from specdec import engine_setup, verify_cost
+    from specdec.generate import generate
+
+    timed = []
+
+    def fake(runner, prompts, sizes, sampling, **kw):
+        timed.append(runner.invariant)
+        return {n: 1e-3 * (1 + (0.5 if runner.invariant else 0.1) * n) for n in sizes}
+
+    monkeypatch.setattr(verify_cost, "measure_verify_costs", fake)
+    files = []
+    real = engine_setup.load_cost_model
+
+    def load(runner, config=None):
+        costs = real(runner, SMALL, cache_dir=fresh)
+        files.append(costs.file)
+        return costs
+
+    monkeypatch.setattr(engine_setup, "load_cost_model", load)
+    model = build_tiny_model(seed=0)
+    for invariant in (True, False, True):
+        generate(model, [[1, 2, 3, 1, 2, 3]], max_new_tokens=4, drafter="ngram", invariant=invariant)
+    assert timed == [True, False] and files[0] == files[2] != files[1]
+
+
 def test_a_curve_timed_while_the_machine_was_busy_is_measured_again(fresh, monkeypatch, caplog):
     """A 2-token verify timed at 3x a 1-token step (a cached curve found on a 2-core CPU: c(2..32) = 3.02 c(1)) is
     more than decoding the 2 tokens one by one: no machine's curve. It kept speculation="auto" from drafting what
