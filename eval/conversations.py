@@ -104,12 +104,21 @@ def check_prompts_fit(loaded: Any, conversations: list[Conversation], ids: dict[
                          f"{max_new_tokens} exceed the model's {shape.limit_words}; {lower}{leave}")
 
 
+def system_messages(c: Conversation) -> Messages:
+    """The messages a conversation opens with, before its first turn: its system messages, in file order."""
+    return [{"role": "system", "content": s} for s in c.system]
+
+
+def first_turn_ids(codec: ChatCodec, c: Conversation) -> list[int]:
+    """The token ids of a conversation's first prompt: its system messages, then its first user turn."""
+    return codec.encode([*system_messages(c), {"role": "user", "content": c.turns[0]}])
+
+
 def check_first_turns_fit(loaded: Any, conversations: list[Conversation], codec: ChatCodec,
                           max_new_tokens: int) -> None:
     """:func:`check_prompts_fit` over every conversation's first turn, before the run measures anything (a later
     turn's prompt holds the model's answers, so it is checked when its turn comes)."""
-    ids = {i: codec.encode([*({"role": "system", "content": s} for s in c.system),
-                            {"role": "user", "content": c.turns[0]}]) for i, c in enumerate(conversations)}
+    ids = {i: first_turn_ids(codec, c) for i, c in enumerate(conversations)}
     check_prompts_fit(loaded, conversations, ids, 1, max_new_tokens)
 
 
@@ -121,7 +130,7 @@ def run_conversations(loaded: Any, conversations: list[Conversation], codec: Cha
     if not conversations:
         raise ValueError("run_conversations needs at least one conversation")
     multi = {c.category for c in conversations if len(c.turns) > 1}
-    history: list[Messages] = [[{"role": "system", "content": s} for s in c.system] for c in conversations]
+    history: list[Messages] = [system_messages(c) for c in conversations]
     sampling = config.generate_kwargs
     identity = None
     cells: dict[tuple[str, str], Cell] = {}

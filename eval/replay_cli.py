@@ -41,7 +41,8 @@ def add_parser(ev_sub, inference) -> None:
     rec.add_argument("--prompts", type=int, default=None,
                      help="prompts per category (default 5; a --prompts-file runs whole unless given)")
     rec.add_argument("--prompts-file", help="your own prompts, each record in its own category (formats: "
-                                            "docs/benchmark-files.md); a conversation's first turn is recorded")
+                                            "docs/benchmark-files.md); a conversation's first turn is recorded, after "
+                                            "its system messages")
     rec.add_argument("--prompt-column", default=None, help="the field or column holding the prompt")
     rec.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     rec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -86,7 +87,8 @@ def add_parser(ev_sub, inference) -> None:
 
 
 def run_record(args) -> int:
-    from specdec.eval.cli import _encoder, select_conversations
+    from specdec.eval.cli import select_conversations
+    from specdec.eval.conversations import chat_codec, first_turn_ids
     from specdec.eval.replay_record import RecordConfig, check_record_path, record_run, save_record
 
     from specdec.models.loader import load_model
@@ -102,19 +104,19 @@ def run_record(args) -> int:
     if later:
         print(f"note: {_counted(later, 'conversation')} {'has' if later == 1 else 'have'} later turns; a replay "
               "record keeps each one's first turn (`specdec eval acceptance` measures every turn)", file=sys.stderr)
-    texts = [(c.category, c.turns[0]) for c in conversations]
     loaded = load_model(args.model)
-    encode = _encoder(loaded)
-    print(f"[specdec eval replay record] {loaded.name}: {_counted(len(texts), 'prompt')} x "
+    codec = chat_codec(loaded)  # as eval acceptance encodes a first turn: the system messages, then the user's
+    prompt_ids = [first_turn_ids(codec, c) for c in conversations]
+    print(f"[specdec eval replay record] {loaded.name}: {_counted(len(conversations), 'prompt')} x "
           f"{_counted(args.max_new_tokens, 'token')}",
           file=sys.stderr)
-    record = record_run(loaded, [encode(t) for _, t in texts], config, [c for c, _ in texts])
+    record = record_run(loaded, prompt_ids, config, [c.category for c in conversations])
     check_record_path(args.out, args.overwrite, inputs)  # again: the file may have appeared meanwhile
     path = save_record(record, args.out)
     tokens = sum(len(s["new_tokens"]) for s in record["sequences"])
     c1 = record["costs"]["verify_seconds"].get(1)
-    print(f"recorded {_counted(tokens, 'token')} of {_counted(len(texts), 'prompt')}, c_verify(1) = {c1 * 1e3:.2f} ms: "
-          f"{path}")
+    print(f"recorded {_counted(tokens, 'token')} of {_counted(len(conversations), 'prompt')}, "
+          f"c_verify(1) = {c1 * 1e3:.2f} ms: {path}")
     return 0
 
 

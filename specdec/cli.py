@@ -14,7 +14,9 @@ Errors meant for the user (bad options, unknown model or drafter, a prompt that 
 text, a truncated .gguf, a drafter's malformed proposal, KV cache out of blocks...) print one line
 ``specdec <command>: error: ...``, naming the full command (``specdec eval replay run: error: ...``),
 and exit with code 2; Ctrl-C keeps the text streamed so far, prints ``specdec <command>: interrupted``
-and exits with code 130. ``-v`` shows the traceback instead.
+and exits with code 130. With ``--json``, a generation that the KV cache or Ctrl-C cuts short still writes its
+document, of the text generated so far, with ``finish`` ``cache_full`` or ``interrupted``. ``-v`` shows the
+traceback instead.
 """
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices, torch attribute 
 class _TextStream:
     """Decodes a growing token list and prints only the new, complete characters."""
 
+    kept = "kept above"  # where the tokens of a run cut short are
+
     def __init__(self, tokenizer, out=None) -> None:
         self.tokenizer, self.out = tokenizer, out if out is not None else sys.stdout
         self.tokens: list[int] = []
@@ -69,9 +73,24 @@ class _TextStream:
         self.printed = len(text)
 
 
+class _Collected:
+    """A streamer that keeps the tokens without printing them (--json), for a run cut short."""
+
+    kept = "in the JSON document"
+
+    def __init__(self, tokenizer) -> None:
+        self.tokens: list[int] = []
+
+    def __call__(self, seq_index: int, new_tokens: list[int]) -> None:
+        self.tokens.extend(new_tokens)
+
+    def finish(self) -> None:
+        pass
+
+
 def _decode(data: bytes, source: str, hint: str = "convert it first, e.g. with iconv -t UTF-8") -> str:
-    """`data` as UTF-8 text with universal newlines (as a text-mode read gives it), or a CLIError naming `source`
-    and the first offending byte."""
+    """`data` as UTF-8 text with universal newlines (as a text-mode read gives it) and without a leading byte-order
+    mark (as the eval prompt files are read), or a CLIError naming `source` and the first offending byte."""
     if b"\x00" in data:
         raise CLIError(f"{source} looks binary (it contains NUL bytes); the prompt must be UTF-8 text")
     try:
@@ -79,7 +98,7 @@ def _decode(data: bytes, source: str, hint: str = "convert it first, e.g. with i
     except UnicodeDecodeError as err:
         raise CLIError(f"{source} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); {hint}") \
             from None
-    return text.replace("\r\n", "\n").replace("\r", "\n")
+    return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _check_argument(value: str, source: str) -> str:
@@ -123,7 +142,7 @@ def _read_prompt_text(args) -> tuple[str, str]:
     if args.prompt is None and stdin.isatty():
         raise CLIError("give a prompt as an argument, with --prompt-file, or on stdin")
     buffer = getattr(stdin, "buffer", None)  # absent on a StringIO standing in for stdin
-    return (_decode(buffer.read(), "stdin") if buffer is not None else stdin.read()), "stdin"
+    return (_decode(buffer.read(), "stdin") if buffer is not None else stdin.read().removeprefix("\ufeff")), "stdin"
 
 
 def _check_device(spec: str):
@@ -179,8 +198,8 @@ def _add_generate(sub) -> None:
                    help="stop string, repeatable; kept in the output, as in transformers")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--system", default=None,
-                   help="system message for the chat template (default: none given, so the template's own, if it "
-                        "has one: SmolLM2's adds a default system message)")
+                   help="system message for the chat template; \"\" gives an empty one (default: none given, so "
+                        "the template's own, if it has one: SmolLM2's adds a default system message)")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV cache size in blocks (default: enough for the prompt, max-new-tokens and the drafts)")
@@ -248,16 +267,21 @@ def _run_generate(args) -> int:
         return 0
     # stdout carries the one JSON document and nothing else: anything else printed meanwhile goes to stderr
     stdout = sys.stdout
+
+    def write(text: str, summary: dict) -> None:
+        stdout.write(json.dumps({"text": text, **summary}) + "\n")
+        stdout.flush()
+
     with contextlib.redirect_stdout(sys.stderr):
-        text, summary = _generate(args, None)
-    stdout.write(json.dumps({"text": text, **summary}) + "\n")
-    stdout.flush()
+        text, summary = _generate(args, _Collected, cut_short=write)
+    write(text, summary)
     return 0
 
 
-def _generate(args, stream_class) -> tuple[str, dict]:
+def _generate(args, stream_class, cut_short=None) -> tuple[str, dict]:
     """Check the arguments, load the model, generate; `(text, summary)`. `stream_class`: streams the text to
-    stdout as it is generated (None: do not stream)."""
+    stdout as it is generated. `cut_short(text, summary)`: called, before the error goes on, when a KV cache out
+    of blocks or Ctrl-C stops the run after it generated tokens."""
     import torch
 
     from specdec.models.loader import load_model
@@ -278,10 +302,30 @@ def _generate(args, stream_class) -> tuple[str, dict]:
     if ids and max(ids) >= vocab:  # the tokenizer is not the model's: say so, not "input_ids outside the vocabulary"
         raise CLIError(f"the tokenizer of model {args.model!r} gave the prompt token id {max(ids)}, outside the "
                        f"model's vocabulary of {vocab} (config.vocab_size): the tokenizer and the model do not match")
-    stream = stream_class(tok) if stream_class is not None else None
-    out = _generate_streamed(loaded, ids, drafter, settings, stop, args, stream)
+    stream = stream_class(tok)
+    t0 = time.perf_counter()
+    try:
+        out = _generate_streamed(loaded, ids, drafter, settings, stop, args, stream)
+    except BaseException as err:
+        ending = _ending(err)
+        if cut_short is not None and ending is not None and stream.tokens:
+            cut_short(tok.decode(stream.tokens, skip_special_tokens=True),
+                      _cut_summary(loaded, args, len(ids), len(stream.tokens), time.perf_counter() - t0, ending,
+                                   load_seconds))
+        raise
     summary = _summary(loaded, args, out, load_seconds)
     return tok.decode(out.new_tokens[0], skip_special_tokens=True), summary
+
+
+def _ending(err: BaseException) -> str | None:
+    """The `finish` of a run that `err` cut short: "cache_full", "interrupted" (None: an error of another kind)."""
+    from specdec.kv_cache import CacheFullError
+
+    if isinstance(err, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(err, CacheFullError) or isinstance(err.__cause__, CacheFullError):
+        return "cache_full"
+    return None
 
 
 def _checked_texts(args) -> tuple[str, str | None, list[str] | None]:
@@ -335,15 +379,24 @@ def _prompt_ids(tok, args, text: str, system: str | None) -> list[int]:
         raise CLIError(f"--system goes into the chat template, and the tokenizer of model {args.model!r} has none; "
                        "drop --system (or put the system text at the start of the prompt)")
     if not args.no_chat_template and getattr(tok, "chat_template", None):
-        messages = ([{"role": "system", "content": system}] if system else [])
+        messages = [{"role": "system", "content": system}] if system is not None else []  # "": an empty one
         messages.append({"role": "user", "content": text})
-        return tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        try:
+            return tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        except Exception as err:  # jinja2's TemplateError: the template refuses these messages (raise_exception)
+            if not type(err).__module__.startswith("jinja2"):
+                raise
+            advice = "drop --system, or pass --no-chat-template instead" if system is not None else \
+                "pass --no-chat-template"
+            raise CLIError(f"the chat template of model {args.model!r} refuses the messages: {err}; {advice} to feed "
+                           "the prompt as raw text") from err
     return tok(text)["input_ids"]
 
 
 def _generate_streamed(loaded, ids: list[int], drafter, settings: dict, stop: list[str] | None, args, stream):
-    """generate() with the CLI's options, streaming into `stream` (None: not streamed). On an error or Ctrl-C the
-    text streamed so far, if any, is ended with a newline; a full KV cache under --num-blocks names the option."""
+    """generate() with the CLI's options, streaming into `stream`. On an error or Ctrl-C the text streamed so far, if
+    any, is ended with a newline; a full KV cache under --num-blocks names the option, and where the tokens
+    generated until then are (`stream.kept`)."""
     import torch
 
     from specdec.generate import generate
@@ -360,28 +413,43 @@ def _generate_streamed(loaded, ids: list[int], drafter, settings: dict, stop: li
                 invariant=args.invariant,
             )
     except BaseException as err:  # Ctrl-C, or an error mid-generation (the KV cache full, ...)
-        if stream is not None and stream.tokens:  # keep what was generated: the rest of the text and its newline,
-            # then main's line (nothing streamed: nothing to end, stdout stays empty)
+        if stream.tokens:  # keep what was generated: the rest of the text and its newline, then main's line
+            # (nothing streamed: nothing to end, stdout stays empty)
             with contextlib.suppress(OSError, ValueError):  # stdout gone (a closed pipe, a full disk): nothing to end
                 stream.finish()
         if isinstance(err, CacheFullError) and args.num_blocks is not None:  # its advice names generate()'s argument
+            kept = f" ({stream.kept})" if stream.tokens else ""
             when = ("the KV cache cannot hold the prompt" if err.new_tokens is None else
-                    f"the KV cache ran out of blocks after {sum(map(len, err.new_tokens))} new tokens (kept above)")
+                    f"the KV cache ran out of blocks after {sum(map(len, err.new_tokens))} new tokens{kept}")
             raise CLIError(f"{when}: --num-blocks {args.num_blocks} is too few for this prompt and --max-new-tokens; "
                            "pass a larger --num-blocks, or leave it out to size the cache to fit") from err
         raise
-    if stream is not None:
-        stream.finish()
+    stream.finish()
     return out
+
+
+def _cut_summary(loaded, args, prompt_tokens: int, new_tokens: int, seconds: float, ending: str,
+                 load_seconds: float) -> dict:
+    """The summary of a run cut short (`ending`: its `finish`): the fields of :func:`_summary`, those only the
+    finished run's statistics hold (tau, steps, acceptance_per_depth) null."""
+    return {
+        **_what_ran(loaded, args), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+        "seconds": round(seconds, 3), "tokens_per_s": round(new_tokens / max(seconds, 1e-9), 2), "tau": None,
+        "steps": None, "finish": ending, "load_seconds": round(load_seconds, 2), "acceptance_per_depth": None,
+    }
+
+
+def _what_ran(loaded, args) -> dict:
+    return {"model": loaded.name, "dtype": str(loaded.runner.dtype).removeprefix("torch."),
+            "device": str(loaded.runner.device), "drafter": args.drafter or "none"}
 
 
 def _summary(loaded, args, out, load_seconds: float) -> dict:
     """What the summary line (or --json) reports of the run."""
     s = out.stats[0]
     return {
-        "model": loaded.name, "dtype": str(loaded.runner.dtype).removeprefix("torch."),
-        "device": str(loaded.runner.device), "drafter": args.drafter or "none", "prompt_tokens": s.prompt_tokens,
-        "new_tokens": s.new_tokens, "seconds": round(out.seconds, 3), "tokens_per_s": round(s.tokens_per_second, 2),
+        **_what_ran(loaded, args), "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens,
+        "seconds": round(out.seconds, 3), "tokens_per_s": round(s.tokens_per_second, 2),
         "tau": round(s.tau, 3), "steps": s.steps, "finish": s.finish_reason, "load_seconds": round(load_seconds, 2),
         "acceptance_per_depth": [round(a, 3) for a in s.acceptance_per_depth],
     }

@@ -141,6 +141,13 @@ def test_chat_template_is_applied_unless_disabled(chat_ckpt, capsys):
     assert prompt_tokens("--system", "be brief") == len("system: be brief. user: hello. assistant: ")
 
 
+def test_an_empty_system_message_is_an_empty_system_turn(chat_ckpt, capsys):
+    """--system "" is a system message with no text, as transformers renders it, not the template's default one."""
+    rc, out, err = run(capsys, "hello", "--model", chat_ckpt, "--max-new-tokens", "4", "--json", "--system", "")
+    assert rc == 0, err
+    assert json.loads(out)["prompt_tokens"] == len("system: . user: hello. assistant: ")
+
+
 @pytest.fixture(scope="module")
 def no_tokenizer_ckpt(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-notok"), tokenizer=False)

@@ -125,6 +125,42 @@ def test_prompt_file_keeps_reading_as_text_mode_did(ckpt, capsys, tmp_path):
     assert json.loads(outputs[0])["text"] == json.loads(outputs[1])["text"]
 
 
+def test_a_byte_order_mark_is_not_part_of_the_prompt(ckpt, capsys, monkeypatch, tmp_path):
+    """A UTF-8 byte-order mark (Notepad's) before the prompt of a file or of stdin is skipped, as the eval prompt files
+    skip it: the prompt is the same as without it, not one token longer."""
+    argv = ["--model", ckpt, "--max-new-tokens", "4", "--json"]
+    plain = json.loads(run(capsys, PROMPT, *argv)[1])
+    path = tmp_path / "bom.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + PROMPT.encode() + b"\n")
+    from_file = json.loads(run(capsys, "--prompt-file", str(path), *argv)[1])
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(path.read_bytes()), encoding="utf-8"))
+    from_stdin = json.loads(run(capsys, *argv)[1])
+    for doc in (from_file, from_stdin):
+        assert (doc["prompt_tokens"], doc["text"]) == (plain["prompt_tokens"], plain["text"])
+    assert plain["prompt_tokens"] == len(PROMPT)  # character tokenizer, no chat template
+
+
+REFUSING_TEMPLATE = ("{% for m in messages %}{% if m['role'] != 'user' %}{{ raise_exception('Only user and assistant "
+                     "roles are supported!') }}{% endif %}{{ m['content'] }} {% endfor %}")
+
+
+def test_a_chat_template_that_refuses_the_messages_is_one_line(capsys, tmp_path):
+    """Mistral-7B-Instruct v0.1's template raises on a system message (jinja2's TemplateError): one line quoting it
+    and naming --system, exit code 2, no traceback."""
+    from specdec.testing import build_tiny_tokenizer
+
+    path = save_tiny_checkpoint(tmp_path / "refusing", tokenizer=False)
+    tok = build_tiny_tokenizer()
+    tok.chat_template = REFUSING_TEMPLATE
+    tok.save_pretrained(path)
+    rc, out, err = run(capsys, PROMPT, "--model", path, "--max-new-tokens", "2", "--system", "be brief")
+    line = error_line(err)
+    assert (rc, out) == (2, "") and "Only user and assistant roles are supported!" in line, line
+    assert "drop --system" in line and "--no-chat-template" in line, line
+    rc, out, _ = run(capsys, PROMPT, "--model", path, "--max-new-tokens", "2")  # the messages it takes: runs
+    assert rc == 0 and out
+
+
 # --- devices and model files ------------------------------------------------------------------------------------
 
 
@@ -314,6 +350,42 @@ def test_real_sigint_exits_130_with_one_line(ckpt):
     assert proc.returncode == 130, proc.stderr
     assert proc.stdout == greedy_text(ckpt, 3) + "\n"
     assert "Traceback" not in proc.stderr and proc.stderr.splitlines()[-1] == "specdec generate: interrupted"
+
+
+def test_json_cut_short_by_a_full_kv_cache_keeps_the_tokens(ckpt, capsys):
+    """Under --json the tokens generated before the KV cache ran out are the document's (they were not printed
+    "above"), with finish "cache_full"; the error line and exit code 2 follow as without --json."""
+    rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", "40", "--block-size", "4",
+                       "--num-blocks", "14", "--json")
+    line = error_line(err)
+    assert rc == 2 and out.count("\n") == 1, (out, err)
+    doc = json.loads(out)
+    assert doc["finish"] == "cache_full" and 0 < doc["new_tokens"] < 40
+    assert doc["text"] == greedy_text(ckpt, doc["new_tokens"])
+    assert doc["tau"] is doc["steps"] is doc["acceptance_per_depth"] is None
+    full = json.loads(run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", "2", "--json")[1])
+    assert list(doc) == list(full)  # the same fields, in the same order
+    assert f"after {doc['new_tokens']} new tokens (in the JSON document)" in line and "kept above" not in line, line
+
+
+def test_ctrl_c_with_json_writes_the_tokens_generated_so_far(ckpt, capsys, monkeypatch):
+    from specdec.engine import Engine
+
+    expected = greedy_text(ckpt, 3)
+    step = Engine.step
+    calls = []
+
+    def interrupted_after_three_steps(self):
+        calls.append(1)
+        if len(calls) > 3:  # plain greedy decoding: one token a step
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", interrupted_after_three_steps)
+    rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", "50", "--json")
+    assert rc == 130 and err.splitlines()[-1] == "specdec generate: interrupted", err
+    doc = json.loads(out)
+    assert (doc["finish"], doc["new_tokens"], doc["text"]) == ("interrupted", 3, expected)
 
 
 # --- stdout -------------------------------------------------------------------------------------------------------

@@ -137,3 +137,19 @@ def test_an_earlier_run_in_out_is_replaced_only_with_overwrite(models, tmp_path,
     code, captured = _main(["eval", "lossless", "--model", models[0], "--out", str(tmp_path / "file" / "cert")],
                            capsys)
     assert code == 2 and "--out" in captured.err and "cannot create it" in captured.err
+
+
+def test_replay_record_keeps_a_conversations_system_messages(chat_ckpt, tmp_path, capsys):
+    """A recorded prompt is the conversation's first turn as eval acceptance measures it: system messages first."""
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "be a pirate"}, {"role": "user", "content": "say hi"}]
+    prompts = tmp_path / "sys.jsonl"
+    prompts.write_text(json.dumps({"messages": messages}) + "\n")
+    out = tmp_path / "run.json"
+    code, captured = _main(["eval", "replay", "record", "--model", chat_ckpt, "--max-new-tokens", "2",
+                            "--prompts-file", str(prompts), "--out", str(out)], capsys)
+    assert code == 0, captured.err
+    tok = AutoTokenizer.from_pretrained(chat_ckpt)
+    expected = list(tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+    assert json.loads(out.read_text())["sequences"][0]["prompt_ids"] == expected
