@@ -118,6 +118,12 @@ class SuiteConfig:
         twice = sorted({name for name in labels if labels.count(name) > 1})
         if twice:
             raise ValueError(f"row label(s) {', '.join(twice)} given twice; name each row: LABEL=DRAFTER")
+        stems: dict[str, str] = {}
+        for label in self.labels:  # "a/b" and "a_b" would write one cell file
+            other = stems.setdefault(cell_stem(label), label)
+            if other != label:
+                raise ValueError(f"row labels {other!r} and {label!r} would write the same cell files "
+                                 f"({cell_stem(label)}__<category>.json); rename one")
         stray = [label for label, _ in self.renamed if label not in labels]
         if stray:
             raise ValueError(f"renamed row(s) {', '.join(stray)} are not among the drafters")
@@ -194,7 +200,14 @@ class Cell:
         for n in sizes:
             _add_into(self.step_nodes_histogram, [0] * n + [1])
 
+    @property
+    def outputs_unknown(self) -> bool:
+        """Whether the cell ran prompts without a record of their tokens (transformers' baseline, older cells)."""
+        return self.prompts > 0 and self.output_sha256 == NO_OUTPUTS
+
     def merge(self, other: "Cell") -> None:
+        """Add ``other``'s counts; the outputs' digest covers both in order, and stays unknown where a part's is."""
+        unknown = self.outputs_unknown or other.outputs_unknown
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if f.name in ("drafter", "category"):
@@ -202,7 +215,7 @@ class Cell:
             if f.name in ("calibration", "size_calibration"):
                 mine.extend(theirs)
             elif f.name == "output_sha256":
-                self.output_sha256 = hashlib.sha256(f"{mine}{theirs}".encode()).hexdigest()
+                self.output_sha256 = NO_OUTPUTS if unknown else hashlib.sha256(f"{mine}{theirs}".encode()).hexdigest()
             elif isinstance(mine, list):
                 _add_into(mine, theirs)
             else:
@@ -244,9 +257,13 @@ def _add_into(acc: list[int], new) -> None:
         acc[i] += int(x)
 
 
+def cell_stem(label: str) -> str:
+    """A row label as cell file names spell it (two labels spelled alike are refused by :class:`SuiteConfig`)."""
+    return label.replace("/", "_").replace(" ", "_")
+
+
 def cell_path(out: Path, drafter: str, category: str, rank: int | None = None) -> Path:
-    safe = drafter.replace("/", "_").replace(" ", "_")
-    return out / "cells" / f"{safe}__{category}{'' if rank is None else f'.rank{rank}'}.json"
+    return out / "cells" / f"{cell_stem(drafter)}__{category}{'' if rank is None else f'.rank{rank}'}.json"
 
 
 def _write_cell(path: Path, cell: Cell, settings_sha256: str, rank: int | None) -> None:
@@ -434,22 +451,36 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
             _write_cell(path, cell, digest, rank)
 
 
+def _process_state() -> Any:
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())  # CPU-only: processes talk over gloo
+
+
+def check_resume(loaded: Any, config: SuiteConfig, out: Path, categories: list[str], prompts_identity: Any) -> dict:
+    """What a resume checks before it measures anything: ``settings.json`` and every finished cell of ``categories``
+    (of every process's rank) must be of this run's settings (``ResumeError`` naming each file that is not); returns
+    the settings. Every process checks every rank's cells, so all of them stop together on a bad one."""
+    state = _process_state()
+    settings = run_settings(model_identity(loaded), prompts_identity, config, state.num_processes,
+                            speed_conditions(loaded))
+    check_resumable(out, settings, True)
+    ranks = [None] if state.num_processes == 1 else list(range(state.num_processes))
+    check_finished_cells(out, config.labels, categories, ranks, settings)
+    return settings
+
+
 def run_suite(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteConfig, out: Path, resume: bool = False,
               on_progress: Callable[[str, Cell], None] | None = None, prompts_identity: Any = None
               ) -> dict[tuple[str, str], Cell]:
     """Run (or resume) every cell, sharded over the ``accelerate`` processes; returns merged cells keyed by
     (drafter, category). ``prompts_identity``: what the settings record as the prompts (default: ``prompts``; a
     multi-turn run gives its conversations, the same for every turn's call)."""
-    from accelerate import PartialState
-
-    state = PartialState(cpu=not torch.cuda.is_available())  # CPU-only: processes talk over gloo
+    state = _process_state()
     rank = state.process_index if state.num_processes > 1 else None
-    settings = run_settings(model_identity(loaded), prompts if prompts_identity is None else prompts_identity, config,
-                            state.num_processes, speed_conditions(loaded))
-    check_resumable(out, settings, resume)
-    if resume:  # every process checks every rank's cells, so all of them stop together on a bad one
-        ranks = [None] if rank is None else list(range(state.num_processes))
-        check_finished_cells(out, config.labels, list(prompts), ranks, settings)
+    identity = prompts if prompts_identity is None else prompts_identity
+    settings = check_resume(loaded, config, out, list(prompts), identity) if resume else run_settings(
+        model_identity(loaded), identity, config, state.num_processes, speed_conditions(loaded))
     state.wait_for_everyone()  # every process has read the old settings before the main one replaces them
     if state.is_main_process:
         write_json(out / "settings.json", settings_record(settings), indent=1)
@@ -489,8 +520,7 @@ def merge_cells(out: Path, labels: list[str], categories: list[str], num_process
 def identical_outputs(cell: Cell, plain: Cell) -> bool | None:
     """Whether ``cell`` committed the same tokens as plain decoding for every prompt; None when a side has no record
     of its tokens (transformers' baseline, cells of older runs)."""
-    unknown = lambda c: c.prompts > 0 and c.output_sha256 == NO_OUTPUTS  # noqa: E731
-    return None if unknown(cell) or unknown(plain) else cell.output_sha256 == plain.output_sha256
+    return None if cell.outputs_unknown or plain.outputs_unknown else cell.output_sha256 == plain.output_sha256
 
 
 def summarise(cells: dict[tuple[str, str], Cell]) -> list[dict]:
@@ -504,7 +534,8 @@ def summarise(cells: dict[tuple[str, str], Cell]) -> list[dict]:
         if cell.prefill_seconds and plain.prefill_seconds and cell.decode_tokens_per_second:
             decode = cell.decode_tokens_per_second / plain.decode_tokens_per_second
         row = {"drafter": label, "category": category, "prompts": cell.prompts, "new_tokens": cell.new_tokens,
-               "steps": cell.steps, "tau": cell.tau, "tokens_per_s": cell.tokens_per_second,
+               "steps": cell.steps, "tau": None if label == "hf-greedy" else cell.tau,  # its steps are not recorded
+               "tokens_per_s": cell.tokens_per_second,
                "speedup_vs_plain": measured,
                "speedup_vs_hf": cell.tokens_per_second / hf.tokens_per_second if hf and hf.tokens_per_second else None,
                "decode_speedup_vs_plain": decode,

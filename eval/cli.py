@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from specdec.eval.prompts import CATEGORIES as DEFAULT_CATEGORIES
+from specdec.eval.report import PLOT_FILES
 
 from specdec.atomic_write import replaced_atomically
 from specdec.models.embedded import DEFAULT_ALIAS
@@ -24,7 +25,8 @@ from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
 
 DEFAULT_PROMPTS = 20
 CERTIFICATE_FILES = ("certificate.json", "certificate.md")
-ACCEPTANCE_FILES = ("report.json", "report.md", "settings.json", "cells")  # what a run writes into --out
+# what a run writes into --out
+ACCEPTANCE_FILES = ("report.json", "report.md", *PLOT_FILES, "settings.json", "cells")
 
 
 def add_parser(sub) -> None:
@@ -111,7 +113,8 @@ def _add_acceptance(ev_sub) -> None:
                    help="always (default): every draft verified whole, so acceptance depends on no timing; auto: "
                         "generate()'s default policy, sized and guarded by this machine's costs (a rerun may differ)")
     a.add_argument("--no-plots", action="store_true",
-                   help="write no PNG plots (report.json and report.md are written all the same)")
+                   help="write no PNG plots (report.json and report.md are written all the same); an earlier run's "
+                        "plots in --out are removed")
     a.add_argument("--resume", action="store_true",
                    help="keep finished cells found in --out; each is checked first (schema, checksum, settings), "
                         "and one that is damaged, edited or measured with other settings or on another device, "
@@ -388,6 +391,9 @@ def run_acceptance(args) -> int:
     state = PartialState()
     if not state.is_main_process:
         return 0
+    if args.no_plots:  # plots not drawn again are an earlier run's (a resume's too: its report may show more)
+        for name in PLOT_FILES:
+            (out / name).unlink(missing_ok=True)
     _report(args, loaded, conversations, config, cells, out, state.num_processes, t0)
     return 0
 

@@ -11,7 +11,8 @@ size 1, so every drafter is measured on the same history, greedy or seeded. The 
 run, a resume included (nothing read back is trusted); ``<out>/conversations.json`` shows them.
 
 A run's settings record the conversations (texts and categories) and the first turns' prompt ids (which fix the
-tokenizer and chat template), the same for every turn, so a resume checks every turn's cells against them.
+tokenizer and chat template), the same for every turn, so a resume checks every turn's cells against them, all of them
+before the first turn is measured.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdec.eval.acceptance import Cell, SuiteConfig, run_suite
-from specdec.eval.prompt_files import Conversation
+from specdec.eval.acceptance import Cell, SuiteConfig, check_resume, run_suite
+from specdec.eval.prompt_files import Conversation, cell_turns, turn_cell
 
 from specdec.atomic_write import write_json
 from specdec.errors import InputError
@@ -55,22 +56,6 @@ def chat_codec(loaded: Any) -> ChatCodec:
         return ChatCodec(lambda messages: list(tok.apply_chat_template(messages, add_generation_prompt=True,
                                                                        return_dict=False)), decode)
     return ChatCodec(lambda messages: list(tok("\n\n".join(m["content"] for m in messages))["input_ids"]), decode)
-
-
-def turn_cell(category: str, turn: int, multi_turn: bool) -> str:
-    """The cell (category) name of turn ``turn`` (1-based) of a conversation in ``category``."""
-    return f"{category}.turn{turn}" if multi_turn else category
-
-
-def cell_turns(conversations: list[Conversation]) -> dict[str, tuple[str, int]]:
-    """Every cell name of a run -> (category, turn), in the order the cells are reported."""
-    multi = {c.category for c in conversations if len(c.turns) > 1}
-    names: dict[str, tuple[str, int]] = {}
-    for category in dict.fromkeys(c.category for c in conversations):
-        turns = max(len(c.turns) for c in conversations if c.category == category)
-        for t in range(1, turns + 1):
-            names[turn_cell(category, t, category in multi)] = (category, t)
-    return names
 
 
 def _built_in_index(conversations: list[Conversation], i: int) -> int | None:
@@ -129,10 +114,17 @@ def run_conversations(loaded: Any, conversations: list[Conversation], codec: Cha
     ``on_turn(k, answers)``: called before the model answers turn ``k`` of ``answers`` conversations."""
     if not conversations:
         raise ValueError("run_conversations needs at least one conversation")
+    names = cell_turns(conversations)  # two categories writing one cell are refused
     multi = {c.category for c in conversations if len(c.turns) > 1}
+    first: dict[str, list[list[int]]] = {}
+    for c in conversations:
+        first.setdefault(turn_cell(c.category, 1, c.category in multi), []).append(first_turn_ids(codec, c))
+    identity = {"conversations": [[c.category, list(c.system), list(c.turns)] for c in conversations],
+                "first_turns": first}
+    if resume:  # every turn's finished cells, before the first turn is measured again
+        check_resume(loaded, config, out, list(names), identity)
     history: list[Messages] = [system_messages(c) for c in conversations]
     sampling = config.generate_kwargs
-    identity = None
     cells: dict[tuple[str, str], Cell] = {}
     shown: list[dict] = [{"category": c.category, "where": c.where, "turns": []} for c in conversations]
     for t in range(max(len(c.turns) for c in conversations)):
@@ -145,9 +137,6 @@ def run_conversations(loaded: Any, conversations: list[Conversation], codec: Cha
             prompts.setdefault(turn_cell(conversations[i].category, t + 1, conversations[i].category in multi),
                                []).append(ids[i])
         check_prompts_fit(loaded, conversations, ids, t + 1, config.max_new_tokens)  # before the turn's cells
-        if identity is None:
-            identity = {"conversations": [[c.category, list(c.system), list(c.turns)] for c in conversations],
-                        "first_turns": prompts}
         cells.update(run_suite(loaded, prompts, config, out, resume, on_progress, prompts_identity=identity))
         answering = [i for i in active if t + 1 < len(conversations[i].turns)]
         if answering and on_turn:

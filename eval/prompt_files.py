@@ -14,12 +14,14 @@ Formats, recognised without conversion (one record per JSONL line or table row):
   first of ``turns``, ``prompt``, ``text``, ``messages``): a string, a list of turns or a list of messages.
 
 A record's ``category`` field (default ``custom``) is kept, reduced to letters, digits, ``.``, ``_`` and ``-`` (it
-names files). A UTF-8 byte-order mark is skipped. Anything malformed is a one-line :class:`InputError` naming the
-file, the line (or row) and the field.
+names files: a category named like another's turn cell, ``writing.turn2`` beside a two-turn ``writing``, is refused,
+:func:`cell_turns`). A UTF-8 byte-order mark is skipped. Anything malformed is a one-line :class:`InputError` naming
+the file, the line (or row) and the field.
 """
 from __future__ import annotations
 
 import csv
+import io
 import json
 import re
 from collections.abc import Iterator
@@ -55,6 +57,35 @@ def category_name(value: Any, where: str) -> str:
     if not name:
         raise InputError(f"{where}: field 'category' {json.dumps(value)[:40]} has no letter or digit")
     return name
+
+
+def turn_cell(category: str, turn: int, multi_turn: bool) -> str:
+    """The cell (category) name of turn ``turn`` (1-based) of a conversation in ``category``."""
+    return f"{category}.turn{turn}" if multi_turn else category
+
+
+def cell_turns(conversations: list[Conversation]) -> dict[str, tuple[str, int]]:
+    """Every cell name of a run -> (category, turn), in the order the cells are reported. Two categories that would
+    write one cell (``writing.turn2`` beside a two-turn ``writing``) are an :class:`InputError` naming both."""
+    multi = {c.category for c in conversations if len(c.turns) > 1}
+    names: dict[str, tuple[str, int]] = {}
+    for category in dict.fromkeys(c.category for c in conversations):
+        turns = max(len(c.turns) for c in conversations if c.category == category)
+        for t in range(1, turns + 1):
+            name = turn_cell(category, t, category in multi)
+            if name in names:
+                first, then = (_cell_owner(conversations, *names[name], multi),
+                               _cell_owner(conversations, category, t, multi))
+                raise InputError(f"{first} and {then} would write the same cells ({name}); rename a category")
+            names[name] = (category, t)
+    return names
+
+
+def _cell_owner(conversations: list[Conversation], category: str, turn: int, multi: set[str]) -> str:
+    """Who writes a cell, for a message: the category (and turn) and where its first such conversation is."""
+    where = next((c.where for c in conversations if c.category == category and len(c.turns) >= turn), "")
+    what = f"turn {turn} of category {category!r}" if category in multi else f"category {category!r}"
+    return what + (f" ({where})" if where else "")
 
 
 def _text(value: Any, where: str, field: str) -> str:
@@ -129,7 +160,7 @@ def _jsonl(path: Path, column: str | None) -> Iterator[Conversation]:
 
 
 def _csv(path: Path, column: str | None) -> Iterator[Conversation]:
-    rows = csv.DictReader(_read_text(path).splitlines())
+    rows = csv.DictReader(io.StringIO(_read_text(path), newline=""))  # a quoted field keeps its line breaks
     for row in rows:
         yield _from_record(row, f"{path}:{rows.line_num}", column)
 
@@ -179,6 +210,7 @@ def read_prompt_file(path: str | Path, column: str | None = None) -> list[Conver
     conversations = list(reader(path, column))
     if not conversations:
         raise InputError(f"prompt file {path} holds no prompts")
+    cell_turns(conversations)  # two categories writing one cell are refused now, not found overwritten after the run
     return conversations
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+PLOT_FILES = ("acceptance_per_depth.png", "tau_speedup.png")  # what plots() writes, in order
+
 DEFINITIONS = """\
 - **accepted length** of a step: draft tokens accepted in it (0 = nothing accepted, also when there was no
   draft). Every step commits accepted + 1 tokens (the recovered or bonus token), cut at a stop.
@@ -57,10 +59,13 @@ def summary_tables(rows: list[dict]) -> list[str]:
     named = {r["category"]: r.get("level") for r in rows}
     if not any(named.values()):
         return []
-    top = [n for n, lv in named.items() if lv in ("group", "overall") or (lv == "category" and n not in MT_BENCH)]
+    # MT-bench's categories merged into the mt_bench group get a table of their own; any other category (a built-in
+    # "math" too) is a column here
+    members = next((r.get("categories", []) for r in rows
+                    if r["category"] == MT_BENCH_GROUP and r.get("level") == "group"), [])
+    top = [n for n, lv in named.items() if lv in ("group", "overall") or (lv == "category" and n not in members)]
     top.sort(key=lambda n: (named[n] == "overall", n != MT_BENCH_GROUP))  # mt_bench first, overall last
     lines = _table(rows, top, "Summary (Spec-Bench's categories)")
-    members = next((r.get("categories", []) for r in rows if r["category"] == MT_BENCH_GROUP), [])
     mt = [n for n in MT_BENCH if n in members and named.get(n) == "category"]
     if mt:
         lines += _table(rows, mt, "MT-bench by category")
@@ -81,8 +86,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         for r in (r for r in rows if r["category"] == category):
             acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_depth"]) or "-"
             hist = " ".join(f"{k}:{h}" for k, h in enumerate(r["accepted_histogram"]) if h) or "-"
-            tau = "-" if r["drafter"] == "hf-greedy" else f"{r['tau']:.2f}"
-            lines.append(f"| {r['drafter']} | {tau} | {r['tokens_per_s']:.1f} | "
+            lines.append(f"| {r['drafter']} | {_fmt(r['tau'])} | {r['tokens_per_s']:.1f} | "
                          f"{_fmt(r['speedup_vs_plain'], unit='x')} | {_same(r.get('identical_to_plain'))} | "
                          f"{_fmt(r['speedup_vs_hf'], unit='x')} | "
                          f"{_fmt(r.get('predicted_speedup'), unit='x')} | {_fmt(r.get('predicted_over_measured'))} | "
@@ -117,7 +121,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     axes[0][0].set_ylabel("P(accept | parent accepted)")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
-    paths.append(out / "acceptance_per_depth.png")
+    paths.append(out / PLOT_FILES[0])
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
@@ -142,7 +146,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     axes[1].axhline(1.0, color="grey", lw=0.8)
     axes[1].legend(fontsize=7)
     fig.tight_layout()
-    paths.append(out / "tau_speedup.png")
+    paths.append(out / PLOT_FILES[1])
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     return paths

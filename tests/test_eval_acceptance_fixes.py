@@ -1,0 +1,129 @@
+"""`specdec eval acceptance` edge cases: a category named like another's turn cell and two row labels spelled alike in
+cell file names are refused up front; merged rows of transformers' baseline say "unknown", not "differs"; a quoted
+CSV field keeps its line breaks; a built-in `math` keeps its summary column; an earlier run's plots do not survive
+beside a report they do not show; a resume checks every turn's cells before it measures anything."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from specdec.eval.acceptance import NO_OUTPUTS, Cell, SuiteConfig, cell_path, chain_outputs
+from specdec.eval.conversations import chat_codec, run_conversations
+from specdec.eval.prompt_files import Conversation, cell_turns, read_prompt_file
+from specdec.eval.report import PLOT_FILES, markdown
+from specdec.eval.spec_bench import report_rows
+
+from specdec.errors import InputError, SpecdecError
+from specdec.testing import save_tiny_checkpoint
+from tests.cli_runs import run_main
+
+RUN = ["--drafters", "ngram", "--max-new-tokens", "2", "--calibration-repeats", "0", "--no-hf-baseline"]
+
+
+def _jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def test_a_category_named_like_another_ones_turn_cell_is_refused_when_read(tmp_path):
+    """`writing.turn2` beside a two-turn `writing`: both wrote cells/<row>__writing.turn2.json, one over the other."""
+    records = [{"category": "writing", "turns": ["a poem", "now rhyme"]}, {"category": "writing.turn2", "turns": ["x"]}]
+    for order in (records, records[::-1]):
+        path = _jsonl(tmp_path / "clash.jsonl", order)
+        with pytest.raises(InputError) as err:
+            read_prompt_file(path)
+        text = str(err.value)
+        assert "\n" not in text and "turn 2 of category 'writing'" in text and "category 'writing.turn2'" in text
+        assert f"{path}:1" in text and f"{path}:2" in text
+    with pytest.raises(InputError, match="writing.turn2"):  # conversations made in code too
+        cell_turns([Conversation("writing", ("a", "b")), Conversation("writing.turn2", ("c",))])
+    fine = _jsonl(tmp_path / "fine.jsonl", [records[0], {"category": "writing.turn3", "turns": ["x"]}])
+    assert list(cell_turns(read_prompt_file(fine))) == ["writing.turn1", "writing.turn2", "writing.turn3"]
+
+
+def _cell(label, category, tokens, known=True, steps=4):
+    cell = Cell(label, category, prompts=1, new_tokens=8, steps=steps, seconds=1.0, prefill_seconds=0.1)
+    if known:
+        cell.output_sha256 = chain_outputs(NO_OUTPUTS, [tokens])
+    return cell
+
+
+def test_merged_rows_of_the_hf_baseline_are_unknown_not_different():
+    """Merging two unknown digests made a known one: the overall row of hf-greedy said NO where its categories
+    said "-"; its tau was 0.0 in report.json where report.md showed "-"."""
+    cells = {}
+    for category, tokens in (("qa", [1, 2]), ("chat", [3, 4])):
+        cells["plain", category] = _cell("plain", category, tokens, steps=8)
+        cells["ngram", category] = _cell("ngram", category, tokens)
+        cells["hf-greedy", category] = _cell("hf-greedy", category, tokens, known=False, steps=0)
+    turns = {"qa": ("qa", 1), "chat": ("chat", 1)}
+    rows = {(r["drafter"], r["category"]): r for r in report_rows(cells, turns, mt_bench=())}
+    for category in ("qa", "chat", "overall"):
+        assert rows["hf-greedy", category]["identical_to_plain"] is None
+        assert rows["hf-greedy", category]["tau"] is None
+        assert rows["ngram", category]["identical_to_plain"] is True and rows["ngram", category]["tau"] == 2.0
+    cells["ngram", "chat"] = _cell("ngram", "chat", [3, 5])  # a differing category still shows in the merge
+    rows = {(r["drafter"], r["category"]): r for r in report_rows(cells, turns, mt_bench=())}
+    assert rows["ngram", "overall"]["identical_to_plain"] is False
+    assert "| hf-greedy | - |" in markdown(list(rows.values()), {})
+
+
+def test_a_quoted_csv_field_keeps_its_line_breaks(tmp_path):
+    path = tmp_path / "p.csv"
+    path.write_text('prompt,category\n"first line\nsecond line",qa\n"one, line",qa\n', encoding="utf-8")
+    convs = read_prompt_file(path)
+    assert [c.turns for c in convs] == [("first line\nsecond line",), ("one, line",)]
+    assert convs[1].where == f"{path}:4"
+
+
+def test_row_labels_with_one_cell_file_name_are_refused_before_anything_loads(tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"'a/b' and 'a_b' would write the same cell files"):
+        SuiteConfig((("a/b", {}), ("a_b", {})), ("qa",))
+    code, captured = run_main(["eval", "acceptance", "--model", str(tmp_path / "no-model"), "--drafters",
+                               "a/b=ngram,a_b=ngram", "--categories", "qa", "--prompts", "1",
+                               "--out", str(tmp_path / "run")], capsys)
+    err = captured.err.strip()
+    assert code == 2 and "\n" not in err and "'a/b' and 'a_b'" in err  # not the missing model: nothing loaded
+
+
+def test_a_built_in_math_category_has_its_summary_column():
+    """Every MT-bench name was left out of the summary at category level, the built-in `math` too."""
+    cells = {(label, c): _cell(label, c, [1]) for label in ("plain", "ngram") for c in ("qa", "math")}
+    rows = report_rows(cells, {"qa": ("qa", 1), "math": ("math", 1)}, mt_bench=())  # built-ins: no mt_bench group
+    assert "| drafter | qa | math | overall |" in markdown(rows, {})
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+
+
+def test_an_earlier_runs_plots_do_not_survive_beside_a_report_they_do_not_show(model, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["eval", "acceptance", "--model", model, "--categories", "qa", "--prompts", "1", *RUN, "--out", str(out)]
+    assert run_main(argv, capsys)[0] == 0
+    assert all((out / name).exists() for name in PLOT_FILES)
+    code, captured = run_main([*argv[:5], "chat", *argv[6:]], capsys)  # another run: the plots count as one's
+    assert code == 2 and PLOT_FILES[0] in captured.err
+    cell_path(out, "ngram", "qa").unlink()
+    assert run_main([*argv, "--resume", "--no-plots"], capsys)[0] == 0  # a cell measured again: stale plots
+    assert not any((out / name).exists() for name in PLOT_FILES)
+    assert run_main(argv[:-2] + ["--out", str(out), "--overwrite"], capsys)[0] == 0
+    assert run_main([*argv[:5], "chat", *argv[6:], "--overwrite", "--no-plots"], capsys)[0] == 0
+    assert not any((out / name).exists() for name in PLOT_FILES)
+    assert "## chat" in (out / "report.md").read_text()
+
+
+def test_a_resume_checks_every_turns_cells_before_it_measures(eval_tiny_model, tmp_path):
+    """A damaged turn-3 cell was refused only after the turn-1 cells were measured again."""
+    convs = [Conversation("writing", ("Write a poem.", "Shorter.", "Shorter still."))]
+    config = SuiteConfig((("ngram", {}),), ("writing",), max_new_tokens=4, hf_baseline=False, calibration_repeats=0)
+    out = tmp_path / "run"
+    codec = chat_codec(eval_tiny_model)
+    run_conversations(eval_tiny_model, convs, codec, config, out)
+    for label in ("plain", "ngram"):
+        cell_path(out, label, "writing.turn1").unlink()
+    cell_path(out, "ngram", "writing.turn3").write_text("{")
+    with pytest.raises(SpecdecError, match=r"ngram__writing\.turn3\.json"):
+        run_conversations(eval_tiny_model, convs, codec, config, out, resume=True)
+    assert not cell_path(out, "plain", "writing.turn1").exists()  # nothing measured before the refusal
