@@ -9,8 +9,9 @@ the plots show categories, groups and overall, not single turns.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from specdec.atomic_write import replaced_atomically, write_json
 
 PLOT_FILES = ("acceptance_per_depth.png", "tau_speedup.png")  # what plots() writes, in order
 
@@ -154,8 +155,11 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
 
 def write_reports(rows: list[dict], out: Path, meta: dict, with_plots: bool = True) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    (out / "report.md").write_text(markdown(rows, meta))
+    # atomic: a run stopped while writing (SIGTERM) leaves the earlier report or the new one, never half of one
+    write_json(out / "report.json", {"meta": meta, "rows": rows}, indent=2)
+    text = markdown(rows, meta)
+    with replaced_atomically(out / "report.md") as tmp:
+        tmp.write_text(text)
     written = [out / "report.json", out / "report.md"]
     if with_plots:
         written += plots(rows, out)

@@ -5,6 +5,7 @@ beside a report they do not show; a resume checks every turn's cells before it m
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from specdec.eval.acceptance import NO_OUTPUTS, Cell, SuiteConfig, cell_path, chain_outputs
@@ -127,3 +128,23 @@ def test_a_resume_checks_every_turns_cells_before_it_measures(eval_tiny_model, t
     with pytest.raises(SpecdecError, match=r"ngram__writing\.turn3\.json"):
         run_conversations(eval_tiny_model, convs, codec, config, out, resume=True)
     assert not cell_path(out, "plain", "writing.turn1").exists()  # nothing measured before the refusal
+
+
+def test_a_report_write_stopped_halfway_leaves_the_earlier_report(tmp_path, monkeypatch):
+    """report.json and report.md are swapped in whole: a run stopped while writing them (SIGTERM) left half a file."""
+    from specdec.eval.report import write_reports
+
+    write_reports([], tmp_path, {"run": "earlier"}, with_plots=False)
+    before = {name: (tmp_path / name).read_text() for name in ("report.json", "report.md")}
+
+    def halfway(self, text, *args, **kwargs):
+        with open(self, "w") as f:
+            f.write(text[: len(text) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", halfway)
+    with pytest.raises(KeyboardInterrupt):
+        write_reports([], tmp_path, {"run": "later"}, with_plots=False)
+    monkeypatch.undo()
+    assert {name: (tmp_path / name).read_text() for name in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "report.md"]
