@@ -283,9 +283,9 @@ class DraftTree:
         ``draft_probs``): a drafter building a batch of trees per step from tensors of its own (EAGLE's). The engine
         still validates every proposal (:func:`validate_trees`: parents, token range, sibling rules)."""
         tree = object.__new__(cls)
-        for name, value in (("tokens", tokens), ("parents", parents), ("draft_probs", draft_probs),
-                            ("mode", mode), ("scores", scores)):
-            object.__setattr__(tree, name, value)
+        # the fields set as frozen dataclasses set them in __init__, in one update (the engine copies every
+        # proposal per step: validate_trees)
+        tree.__dict__.update(tokens=tokens, parents=parents, draft_probs=draft_probs, mode=mode, scores=scores)
         return tree
 
     # ---- checks the engine runs on every proposal ---------------------------------------
