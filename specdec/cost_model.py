@@ -360,10 +360,17 @@ class CostModel:
         if b not in self.curves:
             if self.runner is None:  # nearest measured batch size
                 b = min(self.curves, key=lambda x: abs(x - b))
+            elif b in (saved := self._saved()):  # measured meanwhile by another process sharing the cache
+                self.curves[b] = saved[b]
             else:
                 self.curves[b] = calibrate(self.runner, b, self.config, None if self.file is None else self.file.parent)
                 self.save()
         return self.curves[b]
+
+    def _saved(self) -> dict[int, dict[int, float]]:
+        """The checked curves of this key in the cache file now ({}: none, no file, or another key's)."""
+        data = read_cache(self.file)
+        return _cached_curves(data, self.key, self.file) if data is not None and data.get("checked") else {}
 
     def measured_id(self) -> str:
         """A digest of the batch-1 curve: what is learned on this curve (the guard's memory) is kept under it, so a
@@ -374,9 +381,7 @@ class CostModel:
         """Write the curves to the cache file (if any), marked as checked by :func:`calibrate`, with the batch sizes
         another process sharing it (a server's other worker) has saved there since: this process's curves win."""
         if self.file is not None:
-            data = read_cache(self.file)
-            theirs = _cached_curves(data, self.key, self.file) if data is not None and data.get("checked") else {}
-            merged = sorted((theirs | self.curves).items())
+            merged = sorted((self._saved() | self.curves).items())
             curves = {str(k): {str(n): s for n, s in v.items()} for k, v in merged}
             write_cache(self.file, {"key": self.key, "checked": True, "curves": curves})
 
