@@ -28,17 +28,19 @@ class Goal:
     verdict: str  # "met", "missed" or "not measured"
 
 
-def _value(x) -> float | None:
-    """A measured number: None where it is absent, not a number, or NaN / infinite (a failed measurement)."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+def _value(x, count: bool = False) -> float | None:
+    """A measured number: None where it is absent, not a number, NaN / infinite, or (unless a ``count``, of which 0
+    is one) not positive: every other judged quantity is a ratio or a rate of something measured."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or (x <= 0 and not count):
         return None
     return float(x)
 
 
-def _judge(what: str, goal: str, value, ok, shown, missing: str = "") -> Goal:
+def _judge(what: str, goal: str, value, ok, shown, missing: str = "", count: bool = False) -> Goal:
     """``shown``: the measured text, or a function of the value that gives it; ``missing``: what was not measured
-    (skipped, failed, absent), which makes the goal "not measured" whatever the rest gave."""
-    value = _value(value)
+    (skipped, failed, absent), which makes the goal "not measured" whatever the rest gave; ``count``: the value
+    counts something (0 is a measurement)."""
+    value = _value(value, count)
     if value is None or missing:
         return Goal(what, goal, missing, "not measured")
     return Goal(what, goal, shown(value) if callable(shown) else shown, "met" if ok(value) else "missed")
@@ -143,7 +145,7 @@ def _exactness_goals(steps: dict) -> list[Goal]:
     e2e = steps.get("e2e") or {}
     bugs = e2e.get("divergence_bugs") if e2e.get("rc") == 0 else None
     classified = _judge("bf16 greedy divergences from transformers, each classified at its first token",
-                        "none a bug", bugs, lambda v: v == 0, bugs is not None and f"{bugs} bugs")
+                        "none a bug", bugs, lambda v: v == 0, bugs is not None and f"{bugs} bugs", count=True)
     return [found, classified]
 
 

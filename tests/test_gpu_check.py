@@ -186,7 +186,7 @@ def test_a_goal_with_a_row_skipped_or_a_category_missing_is_not_measured():
 @pytest.mark.parametrize("where", ["first", "last"])
 def test_a_nan_or_none_is_not_measured_wherever_it_stands(where):
     """min() and max() over a list holding NaN answer by its position; None crashed the comparison."""
-    for bad in (float("nan"), None):
+    for bad in (float("nan"), None, 0.0):  # 0: a step over floor or c(65) of 0 was "met"
         batch32 = (bad, 1.2) if where == "first" else (1.2, bad)
         judged = _judged(dict(speed=_speed_report(batch32=batch32)))
         assert judged[BATCH32][0] == "not measured", (bad, judged[BATCH32])
