@@ -41,6 +41,7 @@ import torch
 
 from specdec import cpu_info
 from specdec.atomic_write import write_json
+from specdec.generate_inputs import is_finite_number, is_int
 from specdec.kv_cache import available_memory_bytes
 from specdec.models import row_policy
 from specdec.sampling import SamplingConfig
@@ -188,10 +189,6 @@ def _count(text) -> int | None:
     return int(text) if isinstance(text, str) and text.isdecimal() and int(text) >= 1 else None
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _curve(raw) -> dict[int, float] | None:
     """A batch's curve as :meth:`CostModel.save` writes it, {"n": seconds > 0} from n = 1 with at least two sizes,
     read back; None for anything else."""
@@ -199,7 +196,7 @@ def _curve(raw) -> dict[int, float] | None:
         return None
     curve = {_count(n): s for n, s in raw.items()}
     if None in curve or 1 not in curve or len(curve) < 2 or not all(
-            isinstance(s, (int, float)) and not isinstance(s, bool) and 0 < s < math.inf for s in curve.values()):
+            is_finite_number(s) and s > 0 for s in curve.values()):
         return None
     return {n: float(s) for n, s in curve.items()}
 
@@ -226,7 +223,7 @@ def _cached_cols(data: dict | None, key: dict, file: Path | None) -> dict[int, i
     raw = data.get("cols")
     cols = {_count(m): c for m, c in raw.items()} if isinstance(raw, dict) else {None: None}
     top = row_policy.SMALL_M_MAX
-    if all(m is not None and m <= top and _is_int(c) and (m <= c <= top or (c == row_policy.PACKED and key["packed"]))
+    if all(m is not None and m <= top and is_int(c) and (m <= c <= top or (c == row_policy.PACKED and key["packed"]))
            for m, c in cols.items()):
         return cols
     _warn_once(str(file), "cost model: damaged cache file %s (its row policy); measuring again", file)

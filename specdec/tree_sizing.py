@@ -31,11 +31,11 @@ the constants: docs/speculation-policy.md.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from specdec.cost_model import CostModel
+from specdec.generate_inputs import is_finite_number, is_int
 from specdec.online_costs import OnlineCosts
 from specdec.remembered import recall, remember
 from specdec.score_bins import BINS, corrected, learn, new_bins
@@ -90,12 +90,11 @@ def _this_format(data: object) -> bool:
     return isinstance(data, dict) and data.get("format") == MEMORY_FORMAT and data.keys() <= _KEPT_FIELDS
 
 
-def _number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+_number = is_finite_number
 
 
 def _count(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    return is_int(x) and x >= 0
 
 
 def _bucket(x: object) -> bool:
@@ -123,7 +122,7 @@ _KEPT_CHECKS: dict[str, Callable[[object], bool]] = {
     "tokens": _optional(_number), "cost": _optional(_number), "price": _optional(_number),
     "score_bins": _rows(_number, _number), "unscored": _rows(_count, _count, _number, _number),
     "last_shape": _optional(lambda v: isinstance(v, list) and all(
-        isinstance(p, int) and not isinstance(p, bool) and -1 <= p < i for i, p in enumerate(v))),
+        is_int(p) and -1 <= p < i for i, p in enumerate(v))),
     "verify_times": _rows(_bucket, _bucket, lambda v: isinstance(v, list) and bool(v) and all(map(_seconds, v))),
     "since_plain": _rows(_bucket, _count), "measure_credit": _rows(_bucket, _number),
     "catch_ups": lambda v: isinstance(v, list) and all(map(_number, v)),
