@@ -26,3 +26,8 @@ class InputTypeError(SpecdecError, TypeError):
 class ModelNotFoundError(SpecdecError, FileNotFoundError):
     """The model named is not there: no checkpoint directory, ``.gguf`` file or alias by that name (the message says
     what was looked for and where; specdec never downloads)."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message ("" for none): what a one-line error quotes of another error."""
+    return (str(err).strip().splitlines() or [""])[0]

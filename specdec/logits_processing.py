@@ -37,15 +37,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from specdec.errors import InputError, InputTypeError
+from specdec.errors import InputError, InputTypeError, first_line
 from specdec.generate_inputs import describe
 from specdec.host_copy import to_device
 from specdec.processor_fields import check_vocabulary_ids
 from specdec.tree import DraftTree
-
-
-def _first_line(err: Exception) -> str:
-    return (str(err).strip().splitlines() or [""])[0]
 
 
 @dataclass(frozen=True)
@@ -227,7 +223,7 @@ class LogitsProcessing:
             except Exception as err:  # a caller's processor meets rows grouped as plain decoding never groups them
                 raise InputError(
                     f"logits processor {i} ({type(p).__name__}) failed on {input_ids.shape[0]} rows of "
-                    f"{input_ids.shape[-1]} token ids: {type(err).__name__}: {_first_line(err)} (speculative decoding "
+                    f"{input_ids.shape[-1]} token ids: {type(err).__name__}: {first_line(err)} (speculative decoding "
                     "calls it on groups of rows of any size, each row a prompt without its padding and then its "
                     "tokens: a processor holding per-batch-row state is not prefix-only)") from err
             if not isinstance(out, torch.Tensor) or out.shape != scores.shape:

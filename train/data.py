@@ -16,7 +16,7 @@ import logging
 from contextlib import contextmanager
 from pathlib import Path
 
-from specdec.errors import SpecdecError
+from specdec.errors import SpecdecError, first_line
 
 
 class TrainDataError(SpecdecError, ValueError):
@@ -94,8 +94,7 @@ def _what_is_wrong(path: Path, err: Exception) -> str:
             pass  # said below, from datasets' error
     while err.__cause__ is not None or err.__context__ is not None:
         err = err.__cause__ or err.__context__
-    first = (str(err).strip().splitlines() or [""])[0]
-    return f"{type(err).__name__}: {first}"
+    return f"{type(err).__name__}: {first_line(err)}"
 
 
 def load_texts(data: str, text_field: str = "text", messages_field: str = "messages", tokenizer=None) -> list[str]:
