@@ -1,7 +1,8 @@
 """`specdec eval acceptance` edge cases: a category named like another's turn cell and two row labels spelled alike in
 cell file names are refused up front; merged rows of transformers' baseline say "unknown", not "differs"; a quoted
 CSV field keeps its line breaks; a built-in `math` keeps its summary column; an earlier run's plots do not survive
-beside a report they do not show; a resume checks every turn's cells before it measures anything."""
+beside a report they do not show; a resume checks every turn's cells before it measures anything; the report files
+are swapped in whole."""
 from __future__ import annotations
 
 import json
