@@ -118,6 +118,10 @@ class SuiteConfig:
         twice = sorted({name for name in labels if labels.count(name) > 1})
         if twice:
             raise ValueError(f"row label(s) {', '.join(twice)} given twice; name each row: LABEL=DRAFTER")
+        joined = [label for label in labels if "__" in cell_stem(label)]
+        if joined:  # "x" + category "y__z" and "x__y" + "z" would write one cell file
+            raise ValueError(f"row label(s) {', '.join(map(repr, joined))} hold '__', which cell file names put "
+                             "between a row label and its category; rename them")
         stems: dict[str, str] = {}
         for label in self.labels:  # "a/b" and "a_b" would write one cell file
             other = stems.setdefault(cell_stem(label), label)

@@ -88,6 +88,13 @@ def test_row_labels_with_one_cell_file_name_are_refused_before_anything_loads(tm
     assert code == 2 and "\n" not in err and "'a/b' and 'a_b'" in err  # not the missing model: nothing loaded
 
 
+def test_a_row_label_holding_the_cell_separator_is_refused():
+    """Label `x` with category `y__z` and label `x__y` with category `z` both wrote cells/x__y__z.json."""
+    with pytest.raises(ValueError, match=r"'x__y' hold '__'"):
+        SuiteConfig((("x__y", {}),), ("qa",))
+    SuiteConfig((("x_y", {}),), ("qa",))  # one underscore is a label like any other
+
+
 def test_a_built_in_math_category_has_its_summary_column():
     """Every MT-bench name was left out of the summary at category level, the built-in `math` too."""
     cells = {(label, c): _cell(label, c, [1]) for label in ("plain", "ngram") for c in ("qa", "math")}
