@@ -26,7 +26,7 @@ from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
 DEFAULT_PROMPTS = 20
 CERTIFICATE_FILES = ("certificate.json", "certificate.md")
 # what a run writes into --out
-ACCEPTANCE_FILES = ("report.json", "report.md", *PLOT_FILES, "settings.json", "cells")
+ACCEPTANCE_FILES = ("report.json", "report.md", *PLOT_FILES, "settings.json", "conversations.json", "cells")
 
 
 def add_parser(sub) -> None:

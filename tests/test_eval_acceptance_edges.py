@@ -123,6 +123,16 @@ def test_an_earlier_runs_plots_do_not_survive_beside_a_report_they_do_not_show(m
     assert "## chat" in (out / "report.md").read_text()
 
 
+def test_an_earlier_runs_conversations_count_as_its_files(tmp_path):
+    """--overwrite left an earlier run's conversations.json beside the new run until its last turn rewrote it."""
+    from specdec.eval.cli import ACCEPTANCE_FILES, check_earlier_run
+
+    (tmp_path / "conversations.json").write_text("{}")
+    with pytest.raises(ValueError, match="holds an earlier run \\(conversations.json\\)"):
+        check_earlier_run(tmp_path, ACCEPTANCE_FILES, overwrite=False)
+    assert check_earlier_run(tmp_path, ACCEPTANCE_FILES, overwrite=True) == [tmp_path / "conversations.json"]
+
+
 def test_a_resume_checks_every_turns_cells_before_it_measures(eval_tiny_model, tmp_path):
     """A damaged turn-3 cell was refused only after the turn-1 cells were measured again."""
     convs = [Conversation("writing", ("Write a poem.", "Shorter.", "Shorter still."))]
