@@ -289,3 +289,14 @@ def check_path_option(drafter: str, path: Any) -> str | None:
     if isinstance(path, str) and not path:
         raise InputError(f"{drafter}: path= is the empty string; give a checkpoint directory")
     return None if path is None else os.path.expanduser(path)
+
+
+def check_given_dtype(drafter: str, option: str, module: Any, dtype: Any) -> None:
+    """A module the caller gave (``model=``, ``heads=``) runs in its own dtype, the target's: converting it would
+    change the caller's weights for good (a float32 head rounded to bfloat16), so another dtype is refused in one
+    line, as a target passed loaded is (specdec.models.loader). Moving it to the target's device is left to the
+    caller's ``.to()`` convention: in place."""
+    weight = next(module.parameters(), None)
+    if weight is not None and weight.dtype != dtype:
+        raise InputError(f"{drafter}: the {option} given is in {weight.dtype} but the target runs in {dtype}: convert "
+                         f"it first ({option.rstrip('=')}.to({dtype}))")

@@ -36,7 +36,14 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
-from specdec.drafters.base import Drafter, SequenceView, TargetView, check_path_option, refusals_named
+from specdec.drafters.base import (
+    Drafter,
+    SequenceView,
+    TargetView,
+    check_given_dtype,
+    check_path_option,
+    refusals_named,
+)
 from specdec.drafters.call_memory import memory_key
 from specdec.drafters.eagle_catch_up import CatchUpInputs, CatchUpRows, catch_up
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, check_fits_target, load_eagle
@@ -124,6 +131,7 @@ class EagleDrafter(Drafter):
                                    lambda: load_eagle(self.path, target_config, runner.dtype, runner.device))
         else:
             check_fits_target(self.model.config, runner.hf_model.config, "the given EagleModel")
+            check_given_dtype(self.name, "model=", self.model, runner.dtype)
 
     def attach(self, target: TargetView) -> None:
         self.target = target

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from specdec.drafters.base import Drafter, SequenceView, TargetView, check_path_option
+from specdec.drafters.base import Drafter, SequenceView, TargetView, check_given_dtype, check_path_option
 from specdec.drafters.loaded_once import load_once
 from specdec.drafters.medusa_heads import MedusaCheckpointError, MedusaHeads, load_medusa
 from specdec.drafters.medusa_tree import (
@@ -139,6 +139,8 @@ class MedusaDrafter(Drafter):
                                                          str(runner.device)),
                                    lambda: load_medusa(self.path, shape.hidden_size, shape.vocab_size,
                                                        dtype=runner.dtype, device=runner.device))
+        else:
+            check_given_dtype("medusa", "heads=", self.heads, runner.dtype)
         cfg = self.heads.config
         for name, want in (("hidden_size", shape.hidden_size), ("vocab_size", shape.vocab_size)):
             if getattr(cfg, name) != want:
@@ -152,9 +154,9 @@ class MedusaDrafter(Drafter):
         self.load_for_target(runner, target.tokenizer)  # after build_engine's: the heads it loaded (a cache hit)
         cfg = self.heads.config
         weight = next(self.heads.parameters(), None)
-        if weight is not None and (weight.dtype != runner.dtype or weight.device != runner.device):
-            logger.info("medusa: moving the heads to the target's %s / %s", runner.device, runner.dtype)
-            self.heads.to(device=runner.device, dtype=runner.dtype)
+        if weight is not None and weight.device != runner.device:  # given heads (load_for_target checked the dtype)
+            logger.info("medusa: moving the heads to the target's %s", runner.device)
+            self.heads.to(device=runner.device)
         # [draft_size, hidden]: the target's LM-head rows the heads score (a copy of N rows when reduced)
         self.lm_head = self.heads.lm_rows(runner.lm_head) if cfg.shared_lm_head else None
         self.vocab = self.heads.vocab()  # None: full vocabulary; else maps logit columns -> token ids

@@ -15,6 +15,7 @@ from specdec.drafters.eagle_model import EagleConfig, EagleModel
 from specdec.eval.certificate import CertificateSizes, run_certificate
 from specdec.train.eagle_loss import eagle_loss, unrolled_mask
 
+from specdec.errors import InputError
 from specdec.generate import generate
 from specdec.models.loader import load_model
 from specdec.sampling import SamplingConfig
@@ -679,3 +680,19 @@ def test_a_path_drafter_reused_with_a_target_of_another_dtype_leaves_the_shared_
     generate(build_tiny_model().to(torch.bfloat16), prompts, drafter=drafter, **kw)
     assert drafter.model is not shared and next(shared.parameters()).dtype == torch.float32
     assert generate(model, prompts, drafter=EagleDrafter(path=str(tmp_path)), **kw) == plain
+
+
+def test_a_given_layer_of_another_dtype_is_refused_not_converted_for_good():
+    """model= was converted to the target's dtype in place: a float32 head used once with a bfloat16 target came
+    back bfloat16, and back in float32 it kept the bfloat16 rounding."""
+    model = build_tiny_model()
+    eagle = _eagle(model, depth=2, top_k=2, max_nodes=3)
+    before = {k: v.clone() for k, v in eagle.state_dict().items()}
+    with pytest.raises(InputError, match=r"^eagle: the model= given is in torch.float32 but the target runs in "
+                                         r"torch.bfloat16: convert it first \(model.to\(torch.bfloat16\)\)$"):
+        generate(build_tiny_model().to(torch.bfloat16), [[1, 2, 3]], max_new_tokens=4,
+                 drafter=EagleDrafter(model=eagle))
+    assert all(torch.equal(v, before[k]) for k, v in eagle.state_dict().items())
+    prompts = ragged_prompts(2, seed=0, max_len=12)
+    assert generate(model, prompts, max_new_tokens=6, drafter=EagleDrafter(model=eagle),
+                    speculation="always") == generate(model, prompts, max_new_tokens=6)

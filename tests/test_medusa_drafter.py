@@ -393,3 +393,14 @@ def test_a_path_drafter_reused_with_a_target_of_another_dtype_leaves_the_shared_
     specdec.generate(half, PROMPTS, max_new_tokens=8, drafter=drafter)
     assert drafter.heads is not shared and next(shared.parameters()).dtype == torch.float32
     assert specdec.generate(model, PROMPTS, max_new_tokens=8, drafter=MedusaDrafter(path=str(tmp_path / "h"))) == plain
+
+
+def test_given_heads_of_another_dtype_are_refused_not_converted_for_good():
+    """heads= were converted to the target's dtype in place: float32 heads used once with a bfloat16 target came
+    back bfloat16 (logged at info level only)."""
+    model = build_tiny_model("llama-mha-untied", vocab_size=96)
+    heads = MedusaHeads(MedusaConfig(2, 1, 64, 96))
+    with pytest.raises(specdec.InputError, match=r"^medusa: the heads= given is in torch.float32 but the target "
+                                                 r"runs in torch.bfloat16: convert it first"):
+        specdec.generate(model.to(torch.bfloat16), PROMPTS, max_new_tokens=4, drafter=MedusaDrafter(heads=heads))
+    assert all(p.dtype == torch.float32 for p in heads.parameters())
