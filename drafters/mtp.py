@@ -26,6 +26,7 @@ import torch
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, read_json_object
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
+from specdec.drafters.loaded_once import load_once
 
 from specdec.errors import InputError
 
@@ -120,23 +121,30 @@ class MtpDrafter(EagleDrafter):
         return f"{type(self).__qualname__}|{self.name}|{self.source!r}|{self.layer}|{self.options!r}"
 
     def load_for_target(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
-        """The MTP layer read from the checkpoint (once: kept for later calls) and checked against the target."""
-        if self.model is None:
-            hf = runner.hf_model
-            source = self.source or getattr(hf.config, "_name_or_path", "") or ""
-            if not self.source and not (source and Path(source).is_dir()):
-                raise InputError("mtp: the target was not loaded from a directory, so its MTP layers cannot be read "
-                                 "from its checkpoint: give path= (the directory whose safetensors hold them)")
-            if self.source and Path(source).is_dir():
-                check_same_target(Path(source), hf.config)
-            own = None if self.source else repr(name) if name else str(source)  # the target's own checkpoint
-            state, layout = read_mtp_layer(source, hf.config.num_hidden_layers, self.layer, own)
-            config = EagleConfig.for_target(hf.config, arch="mtp", depth=3, top_k=4, max_nodes=8,
-                                            base_model_name_or_path=str(source))
-            try:
-                self.model = EagleModel.from_state(config, state)
-            except RuntimeError as err:
-                raise EagleCheckpointError(f"mtp: the {layout}-style MTP layer in {source} does not fit the target "
-                                           f"({str(err).splitlines()[0]})") from err
-            logger.info("mtp: the %s-style MTP layer %d of %s", layout, self.layer, source)
-        super().load_for_target(runner, tokenizer, name)
+        """The MTP layer read for this target from its checkpoint (or path=), once per process while the files stay
+        as they are (drafters/loaded_once.py): a drafter reused on another target reads that one's layer. A layer
+        given as model= is checked against the target."""
+        if not self.packs:  # model= given
+            return super().load_for_target(runner, tokenizer, name)
+        hf = runner.hf_model
+        source = self.source or getattr(hf.config, "_name_or_path", "") or ""
+        if not self.source and not (source and Path(source).is_dir()):
+            raise InputError("mtp: the target was not loaded from a directory, so its MTP layers cannot be read "
+                             "from its checkpoint: give path= (the directory whose safetensors hold them)")
+        if self.source and Path(source).is_dir():
+            check_same_target(Path(source), hf.config)
+        own = None if self.source else repr(name) if name else str(source)  # the target's own checkpoint
+        request = (hf.config.to_json_string(), self.layer, str(runner.dtype), str(runner.device))
+        self.model = load_once("mtp", source, request, lambda: self._read(source, hf.config, own, runner))
+
+    def _read(self, source: str, target_config: Any, own: str | None, runner: "LlamaRunner") -> EagleModel:
+        state, layout = read_mtp_layer(source, target_config.num_hidden_layers, self.layer, own)
+        config = EagleConfig.for_target(target_config, arch="mtp", depth=3, top_k=4, max_nodes=8,
+                                        base_model_name_or_path=str(source))
+        try:
+            model = EagleModel.from_state(config, state)
+        except RuntimeError as err:
+            raise EagleCheckpointError(f"mtp: the {layout}-style MTP layer in {source} does not fit the target "
+                                       f"({str(err).splitlines()[0]})") from err
+        logger.info("mtp: the %s-style MTP layer %d of %s", layout, self.layer, source)
+        return model.to(device=runner.device, dtype=runner.dtype)

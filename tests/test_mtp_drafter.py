@@ -158,6 +158,20 @@ def test_a_target_without_mtp_layers_is_refused_naming_the_model_and_what_it_nee
                  drafter=MtpDrafter(path=str(other)))
 
 
+def test_a_drafter_reused_on_another_target_reads_that_targets_layer(tmp_path):
+    """The layer read for the first target was kept on the drafter and drafted for the next one, even one without
+    an MTP layer (which a fresh drafter refuses)."""
+    write_target_with_mtp(tmp_path / "with-mtp", "mimo")
+    build_tiny_model(seed=5).save_pretrained(tmp_path / "plain-llama")
+    drafter = MtpDrafter(depth=2)
+    generate(load_model(str(tmp_path / "with-mtp")), [[1, 2, 3]], max_new_tokens=4, drafter=drafter)
+    first = drafter.model
+    generate(load_model(str(tmp_path / "with-mtp")), [[1, 2, 3]], max_new_tokens=4, drafter=drafter)
+    assert drafter.model is first  # the same target: read once
+    with pytest.raises(EagleCheckpointError, match="^mtp: the target model 'plain-llama' has no MTP layer 0 "):
+        generate(load_model(str(tmp_path / "plain-llama")), [[1, 2, 3]], max_new_tokens=4, drafter=drafter)
+
+
 @pytest.mark.parametrize("options, match", [
     ({"top_k": 0}, "mtp: top_k must be a positive integer, got 0"),
     ({"max_nodes": 65}, "mtp: max_nodes must be <= 64, got 65"),
