@@ -184,8 +184,10 @@ def _read(source: str, items: Mapping[str, Any], kwargs: bool = False) -> Config
 
 
 def _short(value: Any) -> str:
+    """A value for a one-line message: its repr's first line (a module's repr spans many), at most 60 characters."""
     text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    first = text.splitlines()[0] if text else text
+    return first if len(first) <= 60 and first == text else first[:57].rstrip("( ") + "..."
 
 
 def kwargs_layer(kwargs: Mapping[str, Any]) -> ConfigLayer:

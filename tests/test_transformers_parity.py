@@ -520,7 +520,8 @@ def test_transformers_generate_arguments_are_refused_by_name_or_read():
     assert torch.equal(specdec.generate(_shared_model(), **enc, max_new_tokens=3,
                                         stopping_criteria=transformers.StoppingCriteriaList()), plain)
     for name, value, hint in (("stopping_criteria", [transformers.MaxLengthCriteria(5)], "stop="),
-                              ("prefix_allowed_tokens_fn", lambda batch, ids: [1], "logits_processor=")):
+                              ("prefix_allowed_tokens_fn", lambda batch, ids: [1], "logits_processor="),
+                              ("assistant_model", _shared_model(), "drafter=")):  # a model's repr spans many lines
         with pytest.raises(InputError, match=rf"keyword argument sets {name}=.*{hint}") as info:
             specdec.generate("no/such/model", **enc, **{name: value})
         assert len(str(info.value)) < 250 and "\n" not in str(info.value)
