@@ -47,7 +47,7 @@ from specdec.drafters.child_gate import ChildGate
 from specdec.drafters.registry import check_options, drafter_class
 
 from specdec.cuda_graphs import captures
-from specdec.errors import InputError, InputTypeError
+from specdec.errors import InputError, InputTypeError, SpecdecError
 from specdec.score_bins import corrected, learn, new_bins
 from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree, matched_levels, proposed_trees, tried_nodes
 from specdec.tree_merge import expected_committed_tokens, merge_trees, path_scores
@@ -143,16 +143,16 @@ def _where(index: int) -> str:
 
 @contextmanager
 def _refusals_name_child(index: int) -> Iterator[None]:
-    """An InputError / InputTypeError raised inside, re-raised (same builtin base) naming the child by its place:
-    ``combined drafter's drafters[1]: <refusal>``; one from a nested combined drafter's child names the whole path,
-    ``combined drafter's drafters[0].drafters[1]: <refusal>``."""
+    """A SpecdecError raised inside (a refusal of options, or of a checkpoint read for the target), re-raised as its
+    own type naming the child by its place: ``combined drafter's drafters[1]: <refusal>``; one from a nested combined
+    drafter's child names the whole path, ``combined drafter's drafters[0].drafters[1]: <refusal>``."""
     try:
         yield
-    except (InputError, InputTypeError) as err:
+    except SpecdecError as err:
         message = str(err)
         nested = message.startswith(_WHERE + "drafters[")
         named = f"{_where(index)}.{message[len(_WHERE):]}" if nested else f"{_where(index)}: {message}"
-        raise (InputTypeError if isinstance(err, TypeError) else InputError)(named) from err
+        raise type(err)(named) from err
 
 
 class _Rate:
@@ -225,8 +225,9 @@ class CombinedDrafter(Drafter):
     # ---- lifecycle: every call to every child ------------------------------------------------
     def load_for_target(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
         """Every child's checkpoint read and checked for the target (Drafter.load_for_target)."""
-        for child in self.children:
-            child.load_for_target(runner, tokenizer, name)
+        for k, child in enumerate(self.children):
+            with _refusals_name_child(k):  # two draft-model children: which one's vocabulary does not fit
+                child.load_for_target(runner, tokenizer, name)
 
     def unload_for_target(self) -> None:
         for child in self.children:

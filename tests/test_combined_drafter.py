@@ -418,3 +418,18 @@ def test_a_child_that_can_never_pay_is_left_out_of_a_seeded_call():
     assert calls == [] and with_it == generate(target, prompts, drafter=CombinedDrafter(["ngram"]), **kw)
     generate(target, prompts, drafter=CombinedDrafter(["ngram", Counted(target)]), speculation="always", **kw)
     assert calls
+
+
+def test_a_child_refused_when_it_loads_for_the_target_is_named_by_its_place():
+    """Refusals found only when a child loads for the target (a draft model's vocabulary, self-draft's layers) did
+    not say which of two children of one kind was wrong."""
+    from specdec.drafters.draft_model import VocabularyMismatchError
+
+    target = build_tiny_model("llama-gqa-tied", num_hidden_layers=4)
+    children = [{"name": "draft-model", "model": build_tiny_model(seed=7)},
+                {"name": "draft-model", "model": build_tiny_model(vocab_size=64, seed=8)}]
+    with pytest.raises(VocabularyMismatchError, match=r"^combined drafter's drafters\[1\]: draft-model: the draft"):
+        generate(target, [[1, 2, 3]], max_new_tokens=4, drafter="combined", drafter_options={"drafters": children})
+    children = [{"name": "self-draft", "num_layers": 2}, {"name": "self-draft", "num_layers": 9}]
+    with pytest.raises(InputError, match=r"^combined drafter's drafters\[1\]: self-draft: num_layers=9 must be"):
+        generate(target, [[1, 2, 3]], max_new_tokens=4, drafter="combined", drafter_options={"drafters": children})
