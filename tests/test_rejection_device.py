@@ -200,3 +200,18 @@ def test_the_sampled_walk_reads_the_device_once_and_stopping_early_changes_no_to
     with DeviceReads() as mode:  # the count can fail
         bool(torch.ones(2).any())
     assert mode.reads == ["_local_scalar_dense"]
+
+
+def test_a_sampled_tree_beside_an_empty_one_keeps_its_own_acceptance_rule():
+    """A batch mixing plain steps (empty trees, deterministic by mode) with a sampled tree must take the sampled
+    walk: the deterministic one ignores draft_probs, which is still lossless but accepts a draft drawn from the
+    target's own law at rate p(x) instead of 1."""
+    vocab = 6
+    logits = torch.randn(2, 2, vocab, generator=torch.Generator().manual_seed(0))
+    sampling = SamplingConfig(True)
+    q = torch.softmax(logits[1, 0].double(), -1).float()[None]  # the draft law is the target's
+    for seed in range(40):
+        gen = torch.Generator().manual_seed(seed)
+        x = int(torch.multinomial(q[0], 1, generator=gen))
+        batch = [DraftTree.empty(), DraftTree.chain([x], q, DraftMode.INDEPENDENT)]
+        assert rejection_sample(batch, logits, sampling, gen)[1].accepted_tokens == (x,), seed

@@ -395,6 +395,7 @@ WARPER_SETTINGS = {
     "min_p": dict(temperature=0.7, min_p=0.05), "min_p-1": dict(min_p=1.0), "typical": dict(typical_p=0.7),
     "typical-sharp": dict(temperature=2.0, typical_p=0.2), "epsilon": dict(temperature=1.3, epsilon_cutoff=3e-3),
     "eta": dict(eta_cutoff=2e-3), "top_h": dict(top_h=0.5), "top_h-1": dict(top_h=1.0),
+    "top_k-vocab-1": dict(top_k=299),  # the rows below have 300 tokens: top-k still cuts one
     "all": dict(temperature=0.9, top_k=40, top_p=0.9, min_p=0.1, typical_p=0.8, epsilon_cutoff=1e-3,
                 eta_cutoff=1e-3, top_h=0.7),
 }
