@@ -70,6 +70,8 @@ class ReplayConfig:
                                  "the ones queued")
         if self.look_budget is not None and not (math.isfinite(self.look_budget) and self.look_budget >= 0):
             raise InputError(f"look_budget must be a number >= 0, got {self.look_budget}")
+        if self.look_budget is not None and self.queued_step is None:
+            raise InputError("look_budget is spent on queued steps only: give it with queued_step (greedy, guard on)")
         if self.verify_seconds is not None and (1 not in self.verify_seconds or any(
                 not (math.isfinite(c) and c > 0) for c in self.verify_seconds.values())):
             raise InputError("verify_seconds needs c(1) and positive, finite seconds for every n it gives")
@@ -314,13 +316,15 @@ def overall_speedup(record: dict, tokens: int, seconds: float) -> float | None:
     return (prefill + tokens * step) / (prefill + seconds * scale)
 
 
-def replay(record: dict, config: ReplayConfig) -> dict:
-    """Predicted tau and speed of ``config``'s drafter over ``record`` (module docstring); a JSON-able dict."""
+def replay(record: dict, config: ReplayConfig, drafter: ReplayDrafter | None = None) -> dict:
+    """Predicted tau and speed of ``config``'s drafter over ``record`` (module docstring); a JSON-able dict.
+    ``drafter``: one that has proposed elsewhere already (the oracle's walk, :mod:`specdec.eval.replay_bounds`): a
+    draft is then priced at the mean of all its calls, those included."""
     if config.temperature == 0 and record.get("temperature", 0) != 0:
         raise InputError(f"replay at temperature 0 needs a greedy record; this one was sampled at "
                          f"{record['temperature']} (replay it with --temperature > 0)")
     costs = config.verify_seconds or record["costs"]["verify_seconds"]
-    drafter = ReplayDrafter(config, record)
+    drafter = drafter or ReplayDrafter(config, record)
     per_sequence = [replay_sequence(drafter, i, s, record, config, costs) for i, s in enumerate(record["sequences"])]
     tokens = sum(r["new_tokens"] for r in per_sequence)
     steps = sum(r["steps"] for r in per_sequence)

@@ -13,9 +13,11 @@ bound walks the recorded text and, every step, verifies only the path that will 
   copies itself, as ``ngram`` drafts it), and the steps are chosen to spend the least verify time over the whole
   text. Every path of a prompt-lookup drafter (``ngram``: the tokens that followed an earlier occurrence of the last
   n >= 1 tokens) is such a continuation, so no lookup drafter, with any options, tree sizing or guard, spends less
-  time verifying this text.
+  time verifying this text (a step is priced at the cheapest verify of its accepted path or of any larger tree: a
+  curve measured cheaper at a larger size gives no drafter a way under the bound).
 - ``oracle``: the drafter's own proposals, whole (the budget cut only, no guard), with its draft time: what a
-  perfect tree sizer could make of them. Only drafters that ``specdec.eval.replay`` can replay (token-only).
+  perfect tree sizer could make of them. It and ``replay`` price a draft alike, at the mean of the drafter's calls
+  in both walks. Only drafters that ``specdec.eval.replay`` can replay (token-only).
 - ``replay``: the drafter as the engine runs it (``specdec.eval.replay`` with the guard), for comparison.
 
 ``decode_speedup`` is over plain decoding priced on the same curve. ``overall_speedup`` adds each prompt's prefill
@@ -65,7 +67,10 @@ def copy_accepted(context: list[int], upcoming: list[int], starts: dict[int, lis
 def _copy_walk(prompt: list[int], new: list[int], budget: int, costs: dict[int, float]) -> tuple[int, float]:
     """(steps, verify seconds) of the copy bound over one sequence: the cheapest way through the text when a step
     at position j may accept any k <= reach[j] tokens (a lookup drafter can only accept a copy, and the longest copy
-    at j is reach[j]; the text before j is the same whatever the steps were), by dynamic programming from the end."""
+    at j is reach[j]; the text before j is the same whatever the steps were), by dynamic programming from the end.
+    A step accepting k is priced at the lowest cost of any verify of ``1 + k`` tokens or more (the curve's monotone
+    envelope): on a measured curve that is cheaper at 4 tokens than at 3, a drafter's step verifying 3 nodes to
+    accept 2 costs c(4), below c(3)."""
     m = len(new)
     context = list(prompt)
     starts: dict[int, list[int]] = defaultdict(list)
@@ -77,9 +82,13 @@ def _copy_walk(prompt: list[int], new: list[int], budget: int, costs: dict[int, 
         reach.append(copy_accepted(context, new[j:], starts, cap))
         starts[context[-1]].append(len(context))  # the committed token joins the context and the index
         context.append(new[j])
+    curve = [verify_cost_at(costs, n) for n in range(1, MAX_TREE_NODES + 2)]  # curve[k]: c(1 + k)
+    # price[k]: the cheapest verify of 1 + k tokens or more, up to the largest measured size (past it the curve is
+    # extrapolated, and a falling last slope would price ever larger trees ever lower)
+    price = [min(curve[k : max(k + 1, max(costs))]) for k in range(len(curve))]
     seconds, steps = [0.0] * (m + 1), [0] * (m + 1)  # from position j to the end
     for j in range(m - 1, -1, -1):
-        seconds[j], steps[j] = min((verify_cost_at(costs, 1 + k) + seconds[j + k + 1], 1 + steps[j + k + 1])
+        seconds[j], steps[j] = min((price[k] + seconds[j + k + 1], 1 + steps[j + k + 1])
                                    for k in range(reach[j] + 1))
     return steps[0], seconds[0]
 
@@ -113,9 +122,10 @@ def replay_bounds(record: dict, config: ReplayConfig) -> dict:
     for i, s in enumerate(sequences):
         walk = replay_sequence(drafter, i, s, record, whole_trees, costs, oracle=True)
         oracle_steps, oracle_seconds = oracle_steps + walk["steps"], oracle_seconds + walk["verify_seconds"]
-    c_draft = drafter.seconds / drafter.calls if drafter.calls else 0.0
-    oracle_seconds += c_draft * drafter.calls
-    guarded = replay(record, config)
+    oracle_calls = drafter.calls
+    guarded = replay(record, config, drafter)  # one drafter: a stall in either walk prices both rows' drafts alike
+    c_draft = guarded["cost_draft_s"]  # the mean of its calls in both walks
+    oracle_seconds += c_draft * oracle_calls
     prefill = recorded_prefill(record)
     share = None if prefill is None else prefill / (prefill + tokens * plain_step_seconds(record))
     return {"drafter": drafter.name, "drafter_options": dict(config.drafter_options), "sequences": len(sequences),

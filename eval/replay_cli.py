@@ -20,7 +20,7 @@ from pathlib import Path
 from specdec.models.embedded import DEFAULT_ALIAS
 
 
-def _counted(n: int, noun: str) -> str:
+def counted(n: int, noun: str) -> str:
     """``1 prompt``, ``2 prompts``: the CLI's counts in words."""
     return f"{n} {noun}{'s' * (n != 1)}"
 
@@ -88,7 +88,7 @@ def add_parser(ev_sub, inference) -> None:
 
 def run_record(args) -> int:
     from specdec.eval.cli import select_conversations
-    from specdec.eval.conversations import chat_codec, first_turn_ids
+    from specdec.eval.conversations import chat_codec, check_prompts_fit, first_turn_ids
     from specdec.eval.replay_record import RecordConfig, check_record_path, record_run, save_record
 
     from specdec.models.loader import load_model
@@ -102,20 +102,21 @@ def run_record(args) -> int:
     conversations = select_conversations(category, prompts, args.prompts_file, args.prompt_column)
     later = sum(len(c.turns) > 1 for c in conversations)
     if later:
-        print(f"note: {_counted(later, 'conversation')} {'has' if later == 1 else 'have'} later turns; a replay "
+        print(f"note: {counted(later, 'conversation')} {'has' if later == 1 else 'have'} later turns; a replay "
               "record keeps each one's first turn (`specdec eval acceptance` measures every turn)", file=sys.stderr)
     loaded = load_model(args.model)
     codec = chat_codec(loaded)  # as eval acceptance encodes a first turn: the system messages, then the user's
     prompt_ids = [first_turn_ids(codec, c) for c in conversations]
-    print(f"[specdec eval replay record] {loaded.name}: {_counted(len(conversations), 'prompt')} x "
-          f"{_counted(args.max_new_tokens, 'token')}",
+    check_prompts_fit(loaded, conversations, dict(enumerate(prompt_ids)), 1, args.max_new_tokens)  # not in mid-run
+    print(f"[specdec eval replay record] {loaded.name}: {counted(len(conversations), 'prompt')} x "
+          f"{counted(args.max_new_tokens, 'token')}",
           file=sys.stderr)
     record = record_run(loaded, prompt_ids, config, [c.category for c in conversations])
     check_record_path(args.out, args.overwrite, inputs)  # again: the file may have appeared meanwhile
     path = save_record(record, args.out)
     tokens = sum(len(s["new_tokens"]) for s in record["sequences"])
     c1 = record["costs"]["verify_seconds"].get(1)
-    print(f"recorded {_counted(tokens, 'token')} of {_counted(len(conversations), 'prompt')}, "
+    print(f"recorded {counted(tokens, 'token')} of {counted(len(conversations), 'prompt')}, "
           f"c_verify(1) = {c1 * 1e3:.2f} ms: {path}")
     return 0
 
@@ -152,7 +153,7 @@ def run_replay(args) -> int:
     where = (f"from {args.verify_costs}" if curve else
              f"{record.get('device', '?')}, {record.get('threads', '?')} threads")
     queued = "" if args.queued_step is None else f", held-off steps queued at {args.queued_step:.3f} ms"
-    print(f"{record['model']}, {_counted(len(record['sequences']), 'prompt')}, {_counted(tokens, 'token')}; "
+    print(f"{record['model']}, {counted(len(record['sequences']), 'prompt')}, {counted(tokens, 'token')}; "
           f"c_verify(1) = {c1 * 1e3:.2f} ms ({where}){queued}")
     print(f"{'drafter':>12} {'max_nodes':>9} {'guard':>5} {'T':>4} {'tau':>6} {'nodes':>6} {'draft ms':>8} "
           f"{'speedup':>8} {'overall':>8}")
@@ -214,7 +215,7 @@ def run_bound(args) -> int:
         print(json.dumps({"record": str(Path(args.record)), "model": record["model"], **out}, indent=1))
         return 0
     share = "not in this record" if out["prefill_share"] is None else f"{out['prefill_share']:.1%} of plain's time"
-    print(f"{record['model']}, {_counted(out['sequences'], 'prompt')}, {_counted(out['new_tokens'], 'token')} "
+    print(f"{record['model']}, {counted(out['sequences'], 'prompt')}, {counted(out['new_tokens'], 'token')} "
           f"({record.get('device', '?')}, "
           f"{record.get('threads', '?')} threads); prefill {share}")
     print(f"{'':>34} {'tau':>6} {'decode':>7} {'overall':>7}")

@@ -230,24 +230,44 @@ def load_record(path: str | Path) -> dict:
         if costs and 1 not in costs:
             raise ValueError("no verify cost of size 1 (a decode step), which every speedup is over")
         data["costs"]["verify_seconds"] = costs
-        int(data["vocab_size"]), str(data["model"])  # noqa: B018 (present, of their type)
+        str(data["model"])  # noqa: B018 (present, of its type)
+        vocab = int(data["vocab_size"])
         if int(data["max_new_tokens"]) < 1:
             raise ValueError("max_new_tokens below 1")
         if not isinstance(data["sequences"], list) or not data["sequences"]:
             raise ValueError("no sequences")
-        for s in data["sequences"]:
-            [int(t) for t in s["prompt_ids"]], [int(t) for t in s["new_tokens"]]  # noqa: B018 (ids are ints)
-            prefill = s.get("prefill_seconds")
-            if prefill is not None and not (isinstance(prefill, (int, float)) and math.isfinite(prefill)
-                                            and prefill >= 0):
-                raise ValueError(f"prefill_seconds {prefill!r} is not a number of seconds")
-            if len(s["topk_ids"]) != len(s["new_tokens"]) or len(s["topk_logprobs"]) != len(s["new_tokens"]):
-                raise ValueError("top-k rows and new tokens differ in number")
+        for i, s in enumerate(data["sequences"]):
+            _check_sequence(s, vocab, f"sequences[{i}]")
     except KeyError as err:
         raise InputError(f"replay record {path}: malformed (no {err.args[0]!r})") from None
     except (TypeError, ValueError, AttributeError) as err:
         raise InputError(f"replay record {path}: malformed ({err})") from None
     return data
+
+
+def _check_sequence(s: dict, vocab: int, where: str) -> None:
+    """A recorded sequence's ids in the vocabulary, one top-k row of ids and log-probabilities (<= 0) per new token;
+    a ValueError naming the position (``where``: the sequence) otherwise."""
+    prefill = s.get("prefill_seconds")
+    if prefill is not None and not (isinstance(prefill, (int, float)) and math.isfinite(prefill) and prefill >= 0):
+        raise ValueError(f"{where}: prefill_seconds {prefill!r} is not a number of seconds")
+    if len(s["topk_ids"]) != len(s["new_tokens"]) or len(s["topk_logprobs"]) != len(s["new_tokens"]):
+        raise ValueError(f"{where}: top-k rows and new tokens differ in number")
+    for field in ("prompt_ids", "new_tokens"):
+        for j, t in enumerate(s[field]):
+            if not 0 <= int(t) < vocab:
+                raise ValueError(f"{where}.{field}[{j}]: token {t} is outside the vocabulary of {vocab}")
+    for j, (ids, logprobs) in enumerate(zip(s["topk_ids"], s["topk_logprobs"], strict=True)):
+        if not ids:
+            raise ValueError(f"{where}.topk_ids[{j}] is empty")
+        if len(ids) != len(logprobs):
+            raise ValueError(f"{where}.topk_ids[{j}] holds {len(ids)} tokens, topk_logprobs[{j}] {len(logprobs)}")
+        bad = next((t for t in ids if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{where}.topk_ids[{j}]: token {bad} is outside the vocabulary of {vocab}")
+        bad = next((x for x in logprobs if not float(x) <= 0), None)  # NaN too
+        if bad is not None:
+            raise ValueError(f"{where}.topk_logprobs[{j}]: {bad} is not a log-probability (<= 0)")
 
 
 def verify_cost_at(costs: dict[int, float], n: int) -> float:

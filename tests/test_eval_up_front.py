@@ -4,6 +4,7 @@ sample size (named by its flag); its certificate.json is strict JSON; the resume
 lead to a run that works."""
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -169,6 +170,25 @@ def test_a_prompt_past_the_context_is_refused_before_any_cell_naming_it(ckpt, tm
         assert code == 2 and f"{prompts}:2: its " in line, line
         assert "tokens + --max-new-tokens 2 exceed the model's context of 512 tokens" in line
     assert not (out / "cells").exists()
+
+
+def test_replay_record_refuses_a_prompt_past_the_context_before_recording_naming_it(ckpt, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """It was refused only when its turn came, after every earlier prompt was decoded, naming no prompt."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a short one"}) + "\n" + json.dumps({"prompt": "word " * 600}) + "\n")
+    out = tmp_path / "run.json"
+
+    def generate(*args, **kwargs):
+        raise AssertionError("a prompt was decoded")
+
+    module = importlib.import_module("specdec.generate")  # the module: the package binds the function to its name
+    monkeypatch.setattr(module, "generate", generate)
+    code, captured = _main(["eval", "replay", "record", "--model", ckpt, "--prompts-file", str(prompts),
+                            "--max-new-tokens", "2", "--out", str(out)], capsys)
+    line = _one_line(captured)
+    assert code == 2 and f"{prompts}:2: its " in line and "exceed the model's context of 512 tokens" in line, line
+    assert not out.exists()
 
 
 def test_a_built_in_prompt_past_the_context_says_how_to_leave_it_out(ckpt):

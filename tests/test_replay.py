@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from specdec.eval.acceptance import Cell
 from specdec.eval.pricing import calibration_sizes, predicted_speedup, size_chunks
 from specdec.eval.replay import ReplayConfig, replay, tempered_probs
 from specdec.eval.replay_record import RecordConfig, load_record, record_run, save_record
+from specdec.eval.report import DEFINITIONS
 
 from specdec.errors import InputError
 from specdec.generate import generate
@@ -101,6 +103,40 @@ def test_record_round_trip_and_refusals(tmp_path, recorded):
         (tmp_path / "damaged.json").write_text(json.dumps(data))
         with pytest.raises(InputError, match=says):
             load_record(tmp_path / "damaged.json")
+
+
+def test_a_record_with_damaged_rows_is_refused_naming_the_position(tmp_path, recorded):
+    """Top-k rows cut short or empty, ids outside the vocabulary and log-probabilities above 0 got through: a
+    traceback or a wrong prediction later, naming neither the record nor the position."""
+    path = save_record(recorded[1], tmp_path / "run.json")
+
+    def cut(s):
+        s["topk_logprobs"][3] = s["topk_logprobs"][3][:1]
+
+    def empty(s):
+        s["topk_ids"][1], s["topk_logprobs"][1] = [], []
+
+    def unknown(s):
+        s["new_tokens"][2] = 500
+
+    def negative(s):
+        s["topk_ids"][2][0] = -1
+
+    def positive(s):
+        s["topk_logprobs"][0][0] = 0.5
+
+    breaks = {r"sequences\[1\].topk_ids\[3\] holds \d+ tokens, topk_logprobs\[3\] 1\)": cut,
+              r"sequences\[1\].topk_ids\[1\] is empty": empty,
+              r"sequences\[1\].new_tokens\[2\]: token 500 is outside the vocabulary of 16": unknown,
+              r"sequences\[1\].topk_ids\[2\]: token -1 is outside": negative,
+              r"sequences\[1\].topk_logprobs\[0\]: 0.5 is not a log-probability": positive}
+    for says, damage in breaks.items():
+        data = json.loads(path.read_text())
+        damage(data["sequences"][1])
+        damaged = tmp_path / "damaged.json"
+        damaged.write_text(json.dumps(data))
+        with pytest.raises(InputError, match=f"^replay record {re.escape(str(damaged))}: malformed \\({says}"):
+            load_record(damaged)
 
 
 class _HiddenDrafter(Drafter):
@@ -212,6 +248,10 @@ def test_each_step_is_priced_by_its_own_tree():
     # a cell calibrated without per-step sizes keeps the mean-size price
     cell.size_calibration = []
     assert predicted_speedup(cell)["predicted_speedup"] == pytest.approx(2.0 / 1.2)
+    # the report's definition of its "predicted" column says so; it described the mean-size price
+    definition = DEFINITIONS.split("- **predicted**: ")[1].split("\n- ")[0]
+    assert "mean over the cell's steps of c_verify(1 + the step's tree nodes)" in definition
+    assert "`predicted_speedup_mean_size` prices every step at 1 + the mean tree size" in definition
 
 
 def test_calibration_sizes_and_chunks():
@@ -259,6 +299,14 @@ def test_queued_replay_prices_held_off_steps_as_queued_and_looks_back():
         ReplayConfig("ngram", queued_step=0.6, guard=False)
     with pytest.raises(InputError, match="c\\(1\\)"):
         ReplayConfig("ngram", verify_seconds={2: 1.0})
+
+
+def test_a_look_budget_without_queued_steps_is_refused():
+    """It was accepted and did nothing: looks are taken on queued steps only (and with the guard on)."""
+    for guard in (True, False):
+        with pytest.raises(InputError, match="^look_budget is spent on queued steps only: give it with queued_step"):
+            ReplayConfig("ngram", guard=guard, look_budget=0.5)
+    assert ReplayConfig("ngram", queued_step=0.6, look_budget=0.5).look_budget == 0.5
 
 
 def test_verify_costs_come_from_a_curve_file_or_a_gpu_speed_reports_model(tmp_path):

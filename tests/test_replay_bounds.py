@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
+from specdec.drafters.ngram import NGramDrafter
 from specdec.eval.replay import ReplayConfig, ReplayDrafter, replay, replay_sequence
 from specdec.eval.replay_bounds import replay_bounds
 from specdec.eval.replay_record import RecordConfig, record_run, save_record
@@ -57,6 +59,17 @@ def test_copy_bound_respects_the_token_budget():
     assert copy["steps"] == 1 and copy["seconds"] == pytest.approx(1.25)
 
 
+def test_copy_bound_holds_on_a_curve_that_is_cheaper_at_a_larger_size():
+    """Measured curves are not monotone: with c(3) > c(4), n-gram's step verifying "2 3 4" (3 nodes, "2 3" accepted)
+    cost c(4), below the c(3) the bound priced its best step at: the drafter beat its own bound."""
+    record = _record([7, 1, 2, 3, 4, 9, 1], [2, 3, 5], budget=4)
+    record["costs"]["verify_seconds"] = {1: 1.0, 2: 1.05, 3: 1.10, 4: 1.08, 5: 1.12, 65: 5.0}
+    copy = replay_bounds(record, ReplayConfig("ngram"))["copy"]
+    ngram = replay(record, ReplayConfig("ngram", guard=False))
+    assert ngram["seconds"] - ngram["cost_draft_s"] * ngram["draft_calls"] == pytest.approx(1.08)
+    assert copy["steps"] == 1 and copy["seconds"] == pytest.approx(1.08)
+
+
 def test_oracle_prices_each_step_by_its_accepted_path_only():
     """Same text as above: n-gram drafts nothing after 9, then a tree holding both continuations of 1 ("2 9", "2 3 4
     7 1 ..."), of which "2 3 4" is accepted: the oracle pays c(1) + c(1 + 3), verifying whole trees pays more."""
@@ -97,6 +110,29 @@ def test_the_bounds_order_on_a_real_record(tiny_record):
     for name in ("copy", "oracle", "replay"):
         r = out[name]
         assert 1.0 <= r["overall_speedup"] < r["decode_speedup"]  # prefill dilutes every speedup > 1
+
+
+class _StallingNGram(NGramDrafter):
+    """n-gram whose one propose call stalls, as on a loaded machine."""
+
+    def __init__(self, stall_at: int) -> None:
+        super().__init__()
+        self.calls, self.stall_at = 0, stall_at
+
+    def propose(self, seqs):
+        self.calls += 1
+        if self.calls == self.stall_at:
+            time.sleep(0.02)
+        return super().propose(seqs)
+
+
+def test_the_oracle_and_the_replay_price_a_draft_alike(tiny_record):
+    """Each row priced the draft at the mean of its own ~9 calls: a stall among the oracle's put the bound below the
+    run it bounds, one among the replay's put the run further below it."""
+    record = {**tiny_record, "costs": {"verify_seconds": {1: 1e-3, 2: 1.05e-3, 4: 1.2e-3, 8: 1.6e-3, 65: 9e-3}}}
+    for stall_at in (2, 15):  # in the oracle's walk, in the replay's
+        out = replay_bounds(record, ReplayConfig(_StallingNGram(stall_at)))
+        assert out["oracle"]["cost_draft_s"] == out["replay"]["cost_draft_s"] > 0.02 / 40
 
 
 def test_bounds_refuse_sampled_records(tiny_record):
