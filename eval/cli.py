@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from specdec.eval.prompts import CATEGORIES as DEFAULT_CATEGORIES
@@ -213,7 +214,22 @@ def select_conversations(categories: str | None, prompts: int | None, prompts_fi
     if clash:
         raise ValueError(f"{prompts_file} has categories {', '.join(clash)}, also asked for as built-in ones: "
                          f"leave them out of --categories")
+    if os.environ.get("RANK", "0") == "0":  # once, under accelerate launch too
+        from specdec.eval.replay_cli import counted
+
+        for category, (n, asked) in short_categories(built_in + from_file, prompts).items():
+            print(f"note: {category} has {counted(n, 'prompt')}, fewer than the {asked} per category asked for; "
+                  "all of them run", file=sys.stderr)
     return built_in + from_file
+
+
+def short_categories(conversations: list, prompts: int | None) -> dict[str, tuple[int, int]]:
+    """The categories holding fewer prompts than asked for (``prompts``, a built-in one's default without it), each
+    with (prompts it runs, prompts asked for)."""
+    counts = Counter(c.category for c in conversations)
+    asked = {c.category: (prompts or DEFAULT_PROMPTS) if c.where.startswith("built-in") else prompts
+             for c in conversations}
+    return {c: (counts[c], n) for c, n in asked.items() if n is not None and counts[c] < n}
 
 
 def check_out_dir(out: Path) -> None:
@@ -505,12 +521,14 @@ def _report(args, loaded, conversations: list, config, cells: dict, out: Path, p
 
 def _report_meta(args, loaded, conversations: list, config, processes: int, t0: float) -> dict:
     renamed = config.renamed
+    short = short_categories(conversations, args.prompts)  # categories that ran fewer prompts than asked for
     return {"model": loaded.name, "drafters": [d for d, _ in config.drafters],
             **({"renamed": dict(renamed)} if renamed else {}),
             "temperature": args.temperature, "sampler": args.sampler, "max_new_tokens": args.max_new_tokens,
             "prompts_file": args.prompts_file,
             "prompts_per_category": ("all" if args.prompts is None and args.prompts_file
                                      else config.prompts_per_category),
+            **({"categories_with_fewer_prompts": {c: n for c, (n, _) in short.items()}} if short else {}),
             "conversations": len(conversations), "turns": sum(len(c.turns) for c in conversations),
             "batch_size": args.batch_size, "calibration_repeats": args.calibration_repeats,
             "speculation": args.speculation, "processes": processes,

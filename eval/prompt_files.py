@@ -15,8 +15,9 @@ Formats, recognised without conversion (one record per JSONL line or table row):
 
 A record's ``category`` field (default ``custom``) is kept, reduced to letters, digits, ``.``, ``_`` and ``-`` (it
 names files: a category named like another's turn cell, ``writing.turn2`` beside a two-turn ``writing``, is refused,
-:func:`cell_turns`). A UTF-8 byte-order mark is skipped. Anything malformed is a one-line :class:`InputError` naming
-the file, the line (or row) and the field.
+:func:`cell_turns`, as are ``mt_bench`` and ``overall``, the names of the report's merged rows). A UTF-8 byte-order
+mark is skipped. Anything malformed is a one-line :class:`InputError` naming the file, the line (or row) and the
+field.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ from typing import Any
 from specdec.errors import InputError
 
 DEFAULT_CATEGORY = "custom"
+# the report's rows merged over several categories (specdec.eval.spec_bench): no category may take their names
+MT_BENCH_GROUP, OVERALL = "mt_bench", "overall"
 PROMPT_COLUMNS = ("turns", "prompt", "text", "messages")
 _ROLES = ("system", "user", "assistant")
 
@@ -56,6 +59,9 @@ def category_name(value: Any, where: str) -> str:
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(value)).strip("_.")
     if not name:
         raise InputError(f"{where}: field 'category' {json.dumps(value)[:40]} has no letter or digit")
+    if name in (MT_BENCH_GROUP, OVERALL):
+        raise InputError(f"{where}: category {name!r} is the name of the report's row merged over categories; "
+                         "rename it")
     return name
 
 

@@ -25,13 +25,16 @@ DEFINITIONS = """\
 - **speedup vs plain / vs HF**: tokens/s (prefill included) over specdec plain decoding / transformers' greedy
   `generate()`, measured in the same run on the same prompts in the same batches (transformers' left-padded, with
   an attention mask).
-- **predicted**: tau x c_plain / (c_draft + c_verify(n)), from costs measured apart from the run it predicts.
-  c_verify(n) = seconds of one verify step (one target forward over n query tokens per sequence = root + tree
-  nodes, then rejection sampling and KV commit), timed by a short calibration after each cell: median of
-  repeated steps at n = 1 and n = 1 + the drafter's mean tree size, interleaved, on a batch of the cell's
-  prompts extended to the mean decoding context. c_plain = c_verify(1). c_draft = the drafter's draft time per
-  step in the cell. It models decoding only: **pred/meas** is predicted over the measured speedup (prefill
-  included); the JSON also has the decode-only measured speedup and the three costs.
+- **predicted**: tau x c_plain / (c_draft + mean over the cell's steps of c_verify(1 + the step's tree nodes)),
+  from costs measured apart from the run it predicts. c_verify(n) = seconds of one verify step (one target forward
+  over n query tokens per sequence = root + tree nodes, then rejection sampling and KV commit), timed by a short
+  calibration after each cell: median of repeated steps at n = 1 and at every tree size the cell's steps verified
+  (at most 16 sizes, the most frequent; others interpolated), on a batch of the cell's prompts extended to the
+  mean decoding context. c_plain = c_verify(1). c_draft = the drafter's draft time per step in the cell. The JSON's
+  `predicted_speedup_mean_size` prices every step at 1 + the mean tree size instead, as this column does for cells
+  calibrated before per-step sizes were kept (`priced_per_step` false). It models decoding only: **pred/meas** is
+  predicted over the measured speedup (prefill included); the JSON also has the decode-only measured speedup and
+  the costs.
 """
 
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from specdec.eval.acceptance import Cell, summarise
+from specdec.eval.prompt_files import MT_BENCH_GROUP, OVERALL  # names no prompt file's category takes
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
-MT_BENCH_GROUP = "mt_bench"
-OVERALL = "overall"
 
 
 def _merged(cells: dict[tuple[str, str], Cell], label: str, name: str, parts: list[str]) -> Cell:

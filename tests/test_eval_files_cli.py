@@ -41,6 +41,42 @@ def test_a_prompts_file_runs_whole_and_alone_unless_asked(models, tmp_path, caps
     assert {(r["category"], r["prompts"]) for r in rows if r["level"] != "overall"} == {("qa", 1), ("custom", 1)}
 
 
+def test_a_category_with_fewer_prompts_than_asked_says_so_and_the_report_records_what_ran(models, tmp_path, capsys):
+    """--prompts above a category's size ran fewer, silently, and the report's header said every category ran N."""
+    from specdec.eval.cli import select_conversations
+    from specdec.eval.prompts import load_prompts
+
+    qa = len(load_prompts("qa", 1000))
+    select_conversations("qa", qa + 1, None, None)
+    assert capsys.readouterr().err == (f"note: qa has {qa} prompts, fewer than the {qa + 1} per category asked for; "
+                                       "all of them run\n")
+    out = tmp_path / "run"
+    argv = ["eval", "acceptance", "--model", models[0], "--prompts-file", str(_prompts(tmp_path / "p.jsonl", 2)),
+            "--prompts", "5", *RUN, "--out", str(out)]
+    for extra in ([], ["--resume"]):  # the settings a resume checks are unchanged
+        code, captured = _main([*argv, *extra], capsys)
+        assert code == 0 and "note: custom has 2 prompts, fewer than the 5 per category asked for" in captured.err
+    meta = json.loads((out / "report.json").read_text())["meta"]
+    assert meta["prompts_per_category"] == 5 and meta["categories_with_fewer_prompts"] == {"custom": 2}
+    assert "- categories_with_fewer_prompts: {'custom': 2}" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("name", ["overall", "mt_bench"])
+def test_a_category_named_like_a_merged_row_is_refused_when_read(models, tmp_path, capsys, name):
+    """A category named `overall` replaced the report's overall row over every category (`mt_bench` the group of
+    MT-bench's categories), silently."""
+    file = tmp_path / "p.jsonl"
+    file.write_text(json.dumps({"category": "chat", "prompt": "a"}) + "\n" + json.dumps({"category": name,
+                                                                                         "prompt": "b"}) + "\n")
+    for command in (["acceptance", *RUN], ["replay", "record", "--max-new-tokens", "2"]):
+        out = tmp_path / "out"
+        code, captured = _main(["eval", *command, "--model", models[0], "--prompts-file", str(file), "--out",
+                                str(out)], capsys)
+        assert code == 2 and not out.exists()
+        assert captured.err.strip().endswith(f"error: {file}:2: category '{name}' is the name of the report's row "
+                                             "merged over categories; rename it"), captured.err
+
+
 def test_resume_refuses_cells_of_another_model_with_the_same_name(models, tmp_path, capsys):
     argv = ["eval", "acceptance", "--categories", "chat", "--prompts", "1", *RUN, "--out", str(tmp_path / "run")]
     assert _main([*argv, "--model", models[0]], capsys)[0] == 0
@@ -114,7 +150,7 @@ def test_an_earlier_run_in_out_is_replaced_only_with_overwrite(models, tmp_path,
     code, captured = _main([*argv[:-2], "--categories", "qa", "--out", str(out)], capsys)
     err = captured.err.strip()
     assert code == 2 and "\n" not in err
-    assert "holds an earlier run (report.json, report.md, settings.json, cells)" in err
+    assert "holds an earlier run (report.json, report.md, settings.json, conversations.json, cells)" in err
     assert "--resume" in err and "--overwrite" in err and (out / "report.json").read_bytes() == report
     assert _main([*argv, "--resume", "--overwrite"], capsys)[0] == 2
     # --overwrite with a model or a prompts file that fails replaces nothing: the earlier run stays whole
