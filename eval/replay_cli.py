@@ -35,7 +35,7 @@ def add_parser(ev_sub, inference) -> None:
     rec.add_argument("--overwrite", action="store_true",
                      help="replace an earlier record at --out (never an input or a file that is no record)")
     rec.add_argument("--model", default=DEFAULT_ALIAS, help=f"model (default: {DEFAULT_ALIAS})")
-    rec.add_argument("--category", default=None,
+    rec.add_argument("--categories", "--category", dest="category", default=None,  # eval acceptance's spelling
                      help="comma list of built-in prompt categories (default: chat; none with --prompts-file "
                           "unless given)")
     rec.add_argument("--prompts", type=int, default=None,

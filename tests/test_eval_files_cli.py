@@ -189,3 +189,11 @@ def test_replay_record_keeps_a_conversations_system_messages(chat_ckpt, tmp_path
     tok = AutoTokenizer.from_pretrained(chat_ckpt)
     expected = list(tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
     assert json.loads(out.read_text())["sequences"][0]["prompt_ids"] == expected
+
+
+def test_replay_record_takes_eval_acceptances_spelling_of_categories(models, tmp_path, capsys):
+    """Its flag was --category only, while its messages (and eval acceptance) say --categories."""
+    for flag in ("--categories", "--category"):
+        code, captured = _main(["eval", "replay", "record", "--model", models[0], flag, "nosuch", "--out",
+                                str(tmp_path / "run.json")], capsys)
+        assert code == 2 and "unknown categories nosuch" in captured.err, captured.err
