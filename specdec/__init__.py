@@ -16,9 +16,14 @@ from typing import TYPE_CHECKING, Any
 from specdec.errors import InputError, InputTypeError, ModelNotFoundError, SpecdecError
 
 if TYPE_CHECKING:
+    from specdec.drafters.draft_model import VocabularyMismatchError
+    from specdec.drafters.eagle_checkpoint import EagleCheckpointError
+    from specdec.drafters.medusa_heads import MedusaCheckpointError
     from specdec.generate import GenerateOutput, SequenceStats, generate
     from specdec.generation_config import GenerationConfig
+    from specdec.kernels.dispatch import BackendError
     from specdec.kv_cache import CacheFullError
+    from specdec.models.embedded import GGUFError
     from specdec.models.llama import UnsupportedModelError
     from specdec.models.loader import load_model
     from specdec.sampling import InvalidLogitsError, SamplingConfig
@@ -28,14 +33,18 @@ __version__ = "0.1.0"
 __all__ = [
     "generate", "GenerationConfig", "GenerateOutput", "SequenceStats", "load_model", "SamplingConfig",
     "DraftTree", "DraftMode", "DraftError", "SpecdecError", "InputError", "InputTypeError", "ModelNotFoundError",
-    "CacheFullError", "InvalidLogitsError", "UnsupportedModelError",
+    "CacheFullError", "InvalidLogitsError", "UnsupportedModelError", "GGUFError", "BackendError",
+    "VocabularyMismatchError", "EagleCheckpointError", "MedusaCheckpointError",
 ]
 _HOME = {  # public name -> the module that defines it
     "generate": "specdec.generate", "GenerateOutput": "specdec.generate", "SequenceStats": "specdec.generate",
     "GenerationConfig": "specdec.generation_config", "load_model": "specdec.models.loader",
     "SamplingConfig": "specdec.sampling", "DraftTree": "specdec.tree", "DraftMode": "specdec.tree",
     "DraftError": "specdec.tree", "CacheFullError": "specdec.kv_cache", "InvalidLogitsError": "specdec.sampling",
-    "UnsupportedModelError": "specdec.models.llama",
+    "UnsupportedModelError": "specdec.models.llama", "GGUFError": "specdec.models.embedded",
+    "BackendError": "specdec.kernels.dispatch", "VocabularyMismatchError": "specdec.drafters.draft_model",
+    "EagleCheckpointError": "specdec.drafters.eagle_checkpoint",
+    "MedusaCheckpointError": "specdec.drafters.medusa_heads",
 }
 
 

@@ -71,7 +71,8 @@ def test_an_object_that_cannot_draft_is_an_input_type_error_saying_what_is_accep
 
 
 ERRORS = ["SpecdecError", "InputError", "InputTypeError", "ModelNotFoundError", "CacheFullError",
-          "InvalidLogitsError", "UnsupportedModelError", "DraftError"]
+          "InvalidLogitsError", "UnsupportedModelError", "DraftError", "GGUFError", "BackendError",
+          "VocabularyMismatchError", "EagleCheckpointError", "MedusaCheckpointError"]  # what generate() can raise
 
 
 def test_every_error_class_is_exported_by_specdec_without_importing_torch():
