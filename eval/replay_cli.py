@@ -14,6 +14,7 @@ own trees, and its guarded replay, each as tau, decode speedup and speedup with 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -66,8 +67,9 @@ def add_parser(ev_sub, inference) -> None:
     run.add_argument("--guard", choices=("on", "off"), default="on",
                      help="the engine's tree sizing and break-even guard (on = speculation auto, the default)")
     run.add_argument("--verify-costs", metavar="FILE[:MODEL]",
-                     help="price verifies by another machine's c(n): a JSON object of query tokens -> milliseconds, "
-                          "or a GPU speed report (speed.json) and the model whose curve to take")
+                     help="price verifies by another machine's c(n): a JSON file (or an inline JSON object) of "
+                          "query tokens -> milliseconds, or a GPU speed report (speed.json) and the model whose "
+                          "curve to take")
     run.add_argument("--queued-step", type=float, metavar="MS",
                      help="replay as a GPU engine queues the steps the guard holds off: each costs MS milliseconds "
                           "(the speed report's plain step), drafts are priced against it, n-gram looks back")
@@ -140,6 +142,10 @@ def run_replay(args) -> int:
 
     options = _options(args.drafter_option, args.drafter)
     record = load_record(args.record)
+    if args.queued_step is not None and not (math.isfinite(args.queued_step) and args.queued_step > 0):
+        raise ValueError(f"--queued-step takes the plain step's milliseconds (> 0), got {args.queued_step}")
+    if args.look_budget is not None and args.queued_step is None:
+        raise ValueError("--look-budget is spent on queued steps only: give it with --queued-step")
     curve = None if args.verify_costs is None else _verify_costs(args.verify_costs)
     queued = None if args.queued_step is None else args.queued_step / 1e3
     results = [replay(record, ReplayConfig(args.drafter, options, n, args.temperature, args.guard == "on", queued,
@@ -171,12 +177,14 @@ def run_replay(args) -> int:
 
 
 def _verify_costs(spec: str) -> dict[int, float]:
-    """``--verify-costs``: c(n) in seconds from a JSON object of n -> milliseconds (or one holding it under "ms"), or
-    ``FILE:MODEL``, a GPU speed report (``speed.json``) and the model whose ``verify_cost`` to take."""
+    """``--verify-costs``: c(n) in seconds from a JSON object of n -> milliseconds (or one holding it under "ms"),
+    in a file or given inline, or ``FILE:MODEL``, a GPU speed report (``speed.json``) and the model whose
+    ``verify_cost`` to take."""
     from specdec.errors import InputError
 
     path, model = spec, None
-    if not Path(spec).is_file() and ":" in spec:
+    inline = spec.lstrip().startswith("{")
+    if not inline and not Path(spec).is_file() and ":" in spec:
         path, _, model = spec.rpartition(":")
 
     def unreadable(err: Exception) -> InputError:
@@ -184,7 +192,7 @@ def _verify_costs(spec: str) -> dict[int, float]:
                           f"({str(err).splitlines()[0] if str(err) else type(err).__name__})")
 
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(spec if inline else Path(path).read_text())
         models = {str(m.get("model")): m for m in data.get("models", [])} if model is not None else {}
     except (OSError, ValueError, TypeError, AttributeError) as err:
         raise unreadable(err) from None

@@ -328,3 +328,19 @@ def test_verify_costs_come_from_a_curve_file_or_a_gpu_speed_reports_model(tmp_pa
         _verify_costs(str(tmp_path / "speed.json:other"))
     with pytest.raises(InputError, match="not a JSON object"):
         _verify_costs(str(tmp_path / "missing.json"))
+    # the docs' "a JSON object" given on the command line: it was split at its last ':' as FILE:MODEL
+    assert _verify_costs(' {"1": 2.0, "65": 3.0}') == pytest.approx(want)
+    assert _verify_costs(json.dumps({"ms": curve})) == pytest.approx(want)
+
+
+def test_replay_run_names_its_flags_and_their_units_in_refusals(tmp_path, recorded, capsys):
+    """--queued-step -1 was refused as "queued_step must be a positive number of seconds, got -0.001", and
+    --look-budget alone named the Python field queued_step."""
+    from specdec.cli import main
+
+    path = save_record(recorded[1], tmp_path / "run.json")
+    for extra, says in ((["--queued-step", "-1"], "--queued-step takes the plain step's milliseconds (> 0), got -1.0"),
+                        (["--look-budget", "0.5"], "--look-budget is spent on queued steps only: give it with "
+                                                   "--queued-step")):
+        assert main(["eval", "replay", "run", "--record", str(path), *extra]) == 2
+        assert capsys.readouterr().err.strip().endswith(says)
