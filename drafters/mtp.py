@@ -28,7 +28,7 @@ from specdec.drafters.eagle_checkpoint import EagleCheckpointError, read_json_ob
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 from specdec.drafters.loaded_once import load_once
 
-from specdec.errors import InputError
+from specdec.errors import InputError, InputTypeError
 
 if TYPE_CHECKING:
     from specdec.models.llama import LlamaRunner
@@ -108,12 +108,16 @@ def read_mtp_layer(directory: str | Path, num_layers: int, index: int = 0, targe
 class MtpDrafter(EagleDrafter):
     name = "mtp"
     layer_from_target = True
+    python_only_options = frozenset()  # no model=: a layer given as an EagleModel is EagleDrafter(model=...)'s
 
     def __init__(self, path: str | None = None, layer: int = 0, **options) -> None:
         """``path``: the checkpoint directory holding the MTP weights (default: the target's own); ``layer``: which
         MTP layer; ``options``: the tree (EagleDraftConfig; default depth 3, top-k 4, 8 nodes)."""
         if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
             raise InputError(f"mtp: layer must be an integer >= 0, got {layer!r}")
+        if "model" in options:
+            raise InputTypeError("mtp: it reads its layer from a checkpoint (path=, default the target's) and takes "
+                                 "no model=; a layer built as an EagleModel drafts as EagleDrafter(model=...)")
         super().__init__(path=path, **options)
         self.layer, self.source = layer, self.path  # path= with ~ expanded (check_path_option)
 
@@ -122,10 +126,7 @@ class MtpDrafter(EagleDrafter):
 
     def load_for_target(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
         """The MTP layer read for this target from its checkpoint (or path=), once per process while the files stay
-        as they are (drafters/loaded_once.py): a drafter reused on another target reads that one's layer. A layer
-        given as model= is checked against the target."""
-        if not self.packs:  # model= given
-            return super().load_for_target(runner, tokenizer, name)
+        as they are (drafters/loaded_once.py): a drafter reused on another target reads that one's layer."""
         hf = runner.hf_model
         source = self.source or getattr(hf.config, "_name_or_path", "") or ""
         if not self.source and not (source and Path(source).is_dir()):

@@ -212,3 +212,15 @@ def test_a_path_to_another_models_checkpoint_is_refused_naming_both_sides(tmp_pa
     out = generate(load_model(str(tmp_path / "target")), [[1, 2, 3]], max_new_tokens=2,  # its own copy is fine
                    drafter=MtpDrafter(path=str(tmp_path / "target")))
     assert len(out[0]) == 5
+
+
+def test_model_is_no_option_of_the_mtp_drafter_in_python_or_on_the_command_line():
+    """The command line called model= a Python-only option of mtp, and Python refused it through the registry, yet
+    MtpDrafter(model=...) ran as an unnamed eagle drafter."""
+    from specdec.drafters.registry import check_options
+    from specdec.errors import InputTypeError
+
+    with pytest.raises(InputTypeError, match="^mtp: it reads its layer from a checkpoint .* takes no model="):
+        MtpDrafter(model=object())
+    with pytest.raises(InputTypeError, match="has no --drafter-option 'model';"):  # not "(Python only)"
+        check_options("mtp", {"model": "x"}, command_line=True)
