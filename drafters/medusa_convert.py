@@ -21,8 +21,10 @@ refused, never unpickled.
 
 The mapping is exact: the same ResBlock (``x + SiLU(W x + b)``), bias-free LM heads, the same keys, dtypes kept.
 A head's blocks are one block repeated (``[ResBlock(h)] * num_layers``), so a file storing only some copies gets
-the stored one repeated. Refused by name rather than converted approximately: an LM head with a bias, a block
-missing its weight or bias, differing copies of one repeated block, another key layout, inconsistent shapes,
+the stored one repeated. specdec's own layout (config.json with ``medusa_shared_lm_head``, as train-medusa writes it:
+read to re-record ``--base-model`` or ``--medusa-choices``) keeps its distinct blocks as stored. Refused by name
+rather than converted approximately: an LM head with a bias, a block missing its weight or bias, differing copies
+of one repeated block (another source's), a missing block (specdec's), another key layout, inconsistent shapes,
 fewer heads than config.json promises, and shared-LM-head heads whose vocabulary size cannot be read.
 """
 from __future__ import annotations
@@ -43,8 +45,10 @@ from specdec.drafters.medusa_heads import (
     MedusaHeads,
     save_medusa,
 )
+from specdec.drafters.medusa_tree import check_paths
 
 from specdec.atomic_write import leftover_of
+from specdec.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +82,29 @@ def find_published(path: str | os.PathLike) -> tuple[str, list[Path]] | None:
             return "model", [path / s for s in shards]
         return "model", [file]
     return None
+
+
+_VLLM_KEY = re.compile(r"^(blocks\.\d+\.layers\.\d+|lm_heads\.\d+)\.")  # vLLM's MedusaModel (export-head --format vllm)
+
+
+def model_weights_hold(files: list[Path]) -> str | None:
+    """What a model's weights (:func:`find_published`'s ``"model"`` files) hold, from their safetensors headers:
+    ``"medusa-2"`` (``medusa_head.*`` tensors), ``"vllm"`` (vLLM's Medusa layout) or ``"none"``; None where only
+    unpickling would tell (``pytorch_model.bin``) or a file is unreadable."""
+    from safetensors import SafetensorError, safe_open
+
+    names: list[str] = []
+    for file in files:  # none: an index listing no medusa_head.* tensors
+        if file.suffix != ".safetensors":
+            return None
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                names += f.keys()
+        except (SafetensorError, OSError):
+            return None
+    if any(n.startswith(MODEL_PREFIX) for n in names):
+        return "medusa-2"
+    return "vllm" if any(_VLLM_KEY.match(n) for n in names) else "none"
 
 
 # how torch.save's legacy (pre-zip) format begins: its magic number, pickled with protocol 2
@@ -180,9 +207,10 @@ def _config_vocab(raw: dict, base_ref: str) -> int | None:
     return None
 
 
-def _map_heads(state: dict[str, torch.Tensor], num_layers: int | None, where: str) \
+def _map_heads(state: dict[str, torch.Tensor], num_layers: int | None, where: str, independent: bool = False) \
         -> tuple[dict[str, torch.Tensor], int, int, bool]:
-    """Medusa keys -> specdec's (the same names, every block present): ``(state, num_heads, num_layers, shared)``."""
+    """Medusa keys -> specdec's (the same names, every block present): ``(state, num_heads, num_layers, shared)``.
+    ``independent``: specdec's own layout, whose blocks are distinct and all stored (not one block repeated)."""
     entries: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
     bad = [k for k in state if not _KEY.match(k)]
     if bad:
@@ -230,9 +258,10 @@ def _map_heads(state: dict[str, torch.Tensor], num_layers: int | None, where: st
                 raise MedusaCheckpointError(f"{where}: block {head}.{layer} has a linear.{have} but no linear.{lack}")
             if w is not None:
                 stored.append((layer, w, b))
-        if not stored and num_layers:
-            raise MedusaCheckpointError(f"{where}: head {head} stores none of its {num_layers} residual blocks")
-        if len(stored) < num_layers or len(stored) > 1:
+        if (not stored and num_layers) or (independent and len(stored) < num_layers):
+            raise MedusaCheckpointError(f"{where}: head {head} stores {len(stored) or 'none'} of its {num_layers} "
+                                        "residual blocks")
+        if not independent and len(stored) > 1:
             _, w0, b0 = stored[0]
             for layer, w, b in stored[1:]:
                 if not (torch.equal(w, w0) and torch.equal(b, b0)):
@@ -277,7 +306,13 @@ def read_published(source: str | os.PathLike, base_model: str | None = None,
         raise MedusaCheckpointError(f"{src} is already specdec's Medusa layout (with a draft_vocab): load it "
                                     "directly with --drafter medusa --drafter-option path=...")
     choices_from = "the medusa_choices given"
-    if medusa_choices is None and kind == "heads":
+    ours = kind == "heads" and "medusa_shared_lm_head" in raw  # config.json as specdec writes it (MedusaConfig)
+    if medusa_choices is not None:  # refused as the drafter's option refuses it (a repeat, an empty list)
+        try:
+            check_paths(medusa_choices)
+        except InputError as err:
+            raise MedusaCheckpointError(f"{choices_from}: {err}") from err
+    elif kind == "heads":
         medusa_choices = raw.get("medusa_choices")  # specdec's own layout keeps its tree
         choices_from = str(directory / CONFIG_FILE)
     if kind == "model" and not files:
@@ -292,7 +327,7 @@ def read_published(source: str | os.PathLike, base_model: str | None = None,
     if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool) or layers < 0):
         raise MedusaCheckpointError(f"{directory / CONFIG_FILE}: medusa_num_layers must be an integer >= 0, "
                                     f"got {layers!r}")
-    state, num_heads, num_layers, shared = _map_heads(state, layers, where)
+    state, num_heads, num_layers, shared = _map_heads(state, layers, where, independent=ours)
     promised = raw.get("medusa_num_heads")
     if isinstance(promised, int) and promised > num_heads:
         raise MedusaCheckpointError(f"{directory / CONFIG_FILE} promises medusa_num_heads={promised} but {where} "

@@ -12,7 +12,8 @@ Checkpoint layout (as published by FasterDecoding/Medusa), a directory holding
   ``medusa_shared_lm_head``, ``medusa_choices``, ``draft_vocab``);
 * ``medusa_lm_head.safetensors``: keys ``{head}.{layer}.linear.weight`` / ``.bias`` for the
   residual blocks and ``{head}.{num_layers}.weight`` for each head's LM head (absent when
-  the LM head is shared with the base model).
+  the LM head is shared with the base model). With more than one block per head specdec's blocks are distinct,
+  which FasterDecoding's MedusaModel (one block repeated) cannot load.
 
 Reduced draft vocabulary: ``draft_vocab`` in config.json lists the N token ids the heads score;
 each own LM head then has N rows (row j scores token ``draft_vocab[j]``) and shared-LM-head heads
@@ -238,6 +239,10 @@ def read_medusa_config(directory: str | os.PathLike, hidden_size: int | None = N
     if missing:
         raise MedusaCheckpointError(f"{cfg_file} lacks {', '.join(missing)}")
     draft_vocab = raw.get("draft_vocab") or []
+    choices = raw.get("medusa_choices") or []
+    if not isinstance(choices, list) or any(not isinstance(p, list) for p in choices):
+        raise MedusaCheckpointError(f"{cfg_file}: medusa_choices must be a list of top-k paths (lists of ranks) "
+                                    f"such as [[0], [1], [0, 0]], got {choices!r:.80}")
     if not isinstance(draft_vocab, list) or any(not isinstance(t, int) or isinstance(t, bool) for t in draft_vocab):
         raise MedusaCheckpointError(f"{cfg_file}: draft_vocab must be a list of integer token ids")
     for key in ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size"):
@@ -253,7 +258,7 @@ def read_medusa_config(directory: str | os.PathLike, hidden_size: int | None = N
             vocab_size=raw.get("vocab_size") or fallback_vocab or 0,
             shared_lm_head=bool(raw.get("medusa_shared_lm_head", has_lm_heads is False)),
             base_model_name_or_path=str(raw.get("base_model_name_or_path") or ""),
-            medusa_choices=tuple(tuple(p) for p in raw.get("medusa_choices") or ()),
+            medusa_choices=tuple(tuple(p) for p in choices),
             draft_vocab=tuple(draft_vocab),
         )
     except (InputError, ValueError, TypeError) as err:  # a value of the right type that does not fit
@@ -279,18 +284,29 @@ def load_medusa(directory: str | os.PathLike, hidden_size: int | None = None, vo
 
     path = Path(directory)
     weights = path / WEIGHTS_FILE
+    convert = f"convert it once with `specdec convert-medusa {path} --output-dir DIR`"
+    if not path.exists():
+        raise MedusaCheckpointError(f"{path}: the directory does not exist (expected Medusa heads: {CONFIG_FILE} + "
+                                    f"{WEIGHTS_FILE})")
     if not weights.is_file():
-        from specdec.drafters.medusa_convert import find_published
+        from specdec.drafters.medusa_convert import find_published, model_weights_hold
 
-        convert = f"convert it once with `specdec convert-medusa {path} --output-dir DIR`"
         try:
             found = find_published(path)
         except MedusaCheckpointError:
             found = None
+        holds = model_weights_hold(found[1]) if found is not None and found[0] == "model" else None
+        ours = f"{CONFIG_FILE} + {WEIGHTS_FILE}, as train-medusa and convert-medusa write it"
         if (path / "medusa_lm_head.pt").exists():
             hint = f" (found medusa_lm_head.pt: pickles are not loaded here; {convert})"
         elif _is_eagle_head(path):
             hint = f" ({path} holds an EAGLE head: --drafter eagle --drafter-option path={path})"
+        elif holds == "vllm":
+            hint = (f" ({path} holds vLLM's Medusa serving layout (blocks.*, lm_heads.*, as `specdec export-head "
+                    f"--format vllm` writes it), which specdec does not read back: pass the directory it was exported "
+                    f"from, specdec's own checkpoint ({ours}))")
+        elif holds == "none":
+            hint = f" ({path} holds a model's weights but no Medusa heads: pass the heads' directory ({ours}))"
         elif found is not None and found[0] == "model":
             hint = f" (the heads may be inside the model's weights, as Medusa-2 / axolotl save them: {convert})"
         else:
@@ -302,9 +318,9 @@ def load_medusa(directory: str | os.PathLike, hidden_size: int | None = None, vo
         state = {name: tensor.clone() for name, tensor in load_file(str(weights)).items()}
     except (SafetensorError, OSError, ValueError) as err:
         raise MedusaCheckpointError(f"{weights} is not a readable safetensors file: {err}") from err
-    first = state.get("0.0.linear.weight")
-    inferred_hidden = int(first.shape[1]) if first is not None else None
     lm = [v for k, v in state.items() if k.endswith(".weight") and not k.endswith("linear.weight")]
+    first = state.get("0.0.linear.weight", lm[0] if lm else None)  # no residual blocks: the LM heads' columns
+    inferred_hidden = int(first.shape[1]) if first is not None else None
     inferred_vocab = int(lm[0].shape[0]) if lm else None
     config = read_medusa_config(path, inferred_hidden or hidden_size, vocab_size, lm_rows=inferred_vocab,
                                 has_lm_heads=bool(lm))
@@ -320,9 +336,14 @@ def load_medusa(directory: str | os.PathLike, hidden_size: int | None = None, vo
         )
     with torch.device("meta"):  # no random initialisation only to be overwritten (three 49k-row heads: ~0.3 s)
         heads = MedusaHeads(config)
+    missing = sorted(set(heads.heads.state_dict()) - set(state))
+    if missing and all(".linear." in k for k in missing):  # FasterDecoding repeats one block; a saver may keep one copy
+        raise MedusaCheckpointError(f"{weights} stores fewer residual blocks than {CONFIG_FILE}'s medusa_num_layers="
+                                    f"{config.num_layers} (no {missing[0]}); published Medusa heads repeat one block "
+                                    f"and may store one copy of it: {convert}")
     try:
         heads.heads.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as err:
-        raise MedusaCheckpointError(f"{weights} does not match its config.json: {err}") from err
+        raise MedusaCheckpointError(f"{weights} does not match its config.json: {' '.join(str(err).split())}") from err
     logger.info("loaded %d Medusa heads (%d layers) from %s", config.num_heads, config.num_layers, path)
     return heads.to(device=device, dtype=dtype).eval()

@@ -284,9 +284,34 @@ def test_blocks_stored_once_are_repeated_as_medusa_runs_them(tmp_path):
     save_file(state, str(src / "medusa_lm_head.safetensors"))
     (src / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 3,
                                                  "base_model_name_or_path": "a/b"}))
+    with pytest.raises(MedusaCheckpointError, match=r"fewer residual blocks than config\.json's medusa_num_layers=3 "
+                       r"\(no 0\.1\.linear\.bias\).*`specdec convert-medusa .*src --output-dir DIR`$"):
+        load_medusa(src)  # a one-line pointer to the conversion, not torch's "Missing key(s)" dump
     heads = load_medusa(convert_published(src, tmp_path / "out"), HIDDEN, VOCAB)
     hidden = torch.randn(3, HIDDEN)
     torch.testing.assert_close(heads(hidden), reference_logits(module, hidden), rtol=1e-5, atol=1e-5)
+
+
+def test_specdecs_own_layout_keeps_its_distinct_blocks(tmp_path):
+    """train-medusa --num-layers 2 trains each block on its own; convert-medusa refused its output as "ambiguous"
+    (copies of FasterDecoding's one repeated block that differ). Read as specdec's, the blocks are kept as stored."""
+    from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads, save_medusa
+
+    heads = MedusaHeads(MedusaConfig(2, 2, HIDDEN, VOCAB, medusa_choices=((0,), (1,))))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.3)
+    save_medusa(heads, tmp_path / "src")
+    out = convert_published(tmp_path / "src", tmp_path / "out", base_model="a/b", medusa_choices=[[0], [0, 0]])
+    hidden = torch.randn(3, HIDDEN)
+    torch.testing.assert_close(load_medusa(out)(hidden), heads(hidden), rtol=0, atol=0)
+    assert json.loads((out / "config.json").read_text())["medusa_choices"] == [[0], [0, 0]]
+    state = load_file(str(tmp_path / "src" / "medusa_lm_head.safetensors"))
+    del state["1.1.linear.weight"], state["1.1.linear.bias"]  # distinct blocks: a missing one cannot be repeated
+    save_file(state, str(tmp_path / "src" / "medusa_lm_head.safetensors"))
+    with pytest.raises(MedusaCheckpointError, match="head 1 stores 1 of its 2 residual blocks"):
+        read_published(tmp_path / "src")
 
 
 def test_cli_converts_and_refuses_to_overwrite(tmp_path, capsys):
@@ -311,7 +336,9 @@ def test_cli_converts_and_refuses_to_overwrite(tmp_path, capsys):
     ("[[5,0]]", r"the medusa_choices given: medusa_choices path \[5, 0\] lacks its prefix \[5\]"),
     (json.dumps([[i] for i in range(3)] + [[i, j] for i in range(3) for j in range(30)]), "93 paths; .* at most 64"),
     ("[[0],[96]]", "rank 96, but the vocabulary has 96 tokens"),
-], ids=["prefix", "size", "rank"])
+    ("[[0],[0],[0,0]]", r"the medusa_choices given: medusa_choices lists path \[0\] more than once"),
+    ("[]", "the medusa_choices given: medusa_choices is empty"),
+], ids=["prefix", "size", "rank", "repeat", "empty"])
 def test_cli_refuses_a_tree_the_drafter_would_refuse(tmp_path, capsys, choices, match):
     """A tree the Medusa drafter refuses on attach is refused when converting, before anything is written."""
     from specdec.cli import main

@@ -264,11 +264,16 @@ def test_sampling_law_test_catches_a_broken_rule_with_medusa():
     ("no-weights", "is missing"), ("pickle", "pickles are not loaded"), ("corrupt", "not a readable safetensors"),
     ("truncated", "not a readable safetensors"), ("wrong-keys", "does not match"), ("bad-json", "not valid JSON"),
     ("no-num-heads", "lacks medusa_num_heads"),
+    # no residual block: the hidden size is the LM heads' (was torch's state-dict dump, blaming config.json)
+    ("hidden-no-blocks", r"h: Medusa heads have hidden_size=32 but the target model has 64$"),
+    ("no-dir", r"gone: the directory does not exist"),  # was "medusa_lm_head.safetensors is missing"
 ])
 def test_bad_checkpoints_are_refused_clearly(problem, match, tmp_path):
     path = tmp_path / "h"
-    hidden, vocab = (32 if problem == "hidden" else 64), (50 if problem == "vocab" else 96)
-    write_published_checkpoint(path, 2, 1, hidden, vocab)
+    hidden, vocab = (32 if problem.startswith("hidden") else 64), (50 if problem == "vocab" else 96)
+    write_published_checkpoint(path, 2, 0 if problem == "hidden-no-blocks" else 1, hidden, vocab)
+    if problem == "no-dir":
+        path = tmp_path / "gone"
     weights, config = path / "medusa_lm_head.safetensors", path / "config.json"
     if problem == "no-config":
         config.unlink()
@@ -369,13 +374,34 @@ def test_loaded_heads_are_owned_not_views_of_the_file(tmp_path):
     ({"medusa_num_layers": 1.5}, r"config.json: medusa_num_layers must be an integer, got 1.5"),
     ({"hidden_size": [64]}, r"config.json: hidden_size must be an integer, got \[64\]"),
     ({"medusa_choices": [["a"]]}, r"config.json: medusa_choices must be a list of lists of integer ranks"),
-    ({"medusa_choices": [1, 2]}, r"config.json: .*not iterable"),
+    ({"medusa_choices": [1, 2]}, r"config.json: medusa_choices must be a list of top-k paths .*, got \[1, 2\]$"),
+    # a string was split into characters, an int gave "config.json: 'int' object is not iterable"
+    ({"medusa_choices": "[[0],[1]]"}, r"config.json: medusa_choices must be a list of top-k paths .*, got '\[\[0\],"),
+    ({"medusa_choices": 5}, r"config.json: medusa_choices must be a list of top-k paths .*, got 5$"),
 ])
 def test_non_integer_config_fields_name_the_file(extra, match, tmp_path):
     """A bare ValueError without the file's name (or, for 1.5, a silently truncated count) before."""
     write_published_checkpoint(tmp_path / "h", 2, 1, 64, 96, config_extra=extra)
     with pytest.raises(MedusaCheckpointError, match=match):
         load_medusa(tmp_path / "h", 64, 96)
+
+
+@pytest.mark.parametrize("holds", ["vllm", "model"])
+def test_a_directory_of_vllm_heads_or_a_model_is_named_for_what_it_holds(holds, tmp_path):
+    """Both were told to run convert-medusa ("the heads may be inside the model's weights"), which refuses them."""
+    from specdec.drafters.export_head import export_head
+    from specdec.drafters.medusa_heads import save_medusa
+
+    if holds == "vllm":  # specdec's own export for vLLM
+        save_medusa(MedusaHeads(MedusaConfig(2, 2, 64, 96)), tmp_path / "heads")
+        export_head(tmp_path / "heads", "vllm", tmp_path / "out", target="a/b")
+        match = r"out holds vLLM's Medusa serving layout .* specdec does not read back: pass the directory it was"
+    else:
+        build_tiny_model().save_pretrained(tmp_path / "out")
+        match = r"out holds a model's weights but no Medusa heads: pass the heads' directory"
+    with pytest.raises(MedusaCheckpointError, match=match) as err:
+        load_medusa(tmp_path / "out")
+    assert "`specdec convert-medusa" not in str(err.value)
 
 
 def test_a_path_drafter_reused_with_a_target_of_another_dtype_leaves_the_shared_heads_as_loaded(tmp_path):

@@ -284,6 +284,22 @@ def _accelerator():
     return Accelerator(cpu=True)
 
 
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_more_than_one_block_per_head_warns_that_fasterdecoding_cannot_load_them(num_layers, monkeypatch, caplog):
+    """FasterDecoding's MedusaModel repeats one block, so it would load such heads with every block the last one."""
+    from types import SimpleNamespace
+
+    from specdec.testing import build_tiny_model
+
+    monkeypatch.setattr(medusa_recipe, "train_drafter", lambda *args: [])  # the recipe only: no training
+    cfg = TrainConfig(model="m", output_dir="out", num_heads=2, num_layers=num_layers)
+    with caplog.at_level("WARNING", logger="specdec.train.medusa_recipe"):
+        medusa_recipe.train_heads(cfg, build_tiny_model(), [], SimpleNamespace(device="cpu", is_main_process=True),
+                                  None)
+    warned = [r.getMessage() for r in caplog.records if "FasterDecoding" in r.getMessage()]
+    assert len(warned) == (num_layers > 1) and all("--num-layers 2" in w and "export-head" in w for w in warned)
+
+
 def test_run_writes_loadable_layout_and_report(tiny, tmp_path, capsys):
     from specdec.cli import main
 

@@ -26,8 +26,9 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "train-medusa", help="train Medusa heads for a target model",
         description="Train Medusa heads on a frozen target model (self-distillation from prompts by default), "
-                    "evaluate them, choose a medusa_choices tree and write the published Medusa checkpoint layout "
-                    "plus report.json / report.md. Multi-process: accelerate launch ... -m specdec.cli train-medusa.",
+                    "evaluate them, choose a medusa_choices tree and write the heads in Medusa's file layout "
+                    "(FasterDecoding's with one residual block per head) plus report.json / report.md. "
+                    "Multi-process: accelerate launch ... -m specdec.cli train-medusa.",
         formatter_class=DefaultsHelpFormatter)
     g = p.add_argument_group("model and heads")
     g.add_argument("--model", default=DEFAULT_ALIAS, help="target model: alias, HF checkpoint dir or .gguf file")

@@ -7,6 +7,7 @@ learns the target's own token ``i + 1`` ahead (train/medusa_loss.py), its loss w
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -14,6 +15,8 @@ from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
 from specdec.train.config import TrainConfig
 from specdec.train.loop import train_drafter
 from specdec.train.medusa_loss import head_loss, head_loss_count
+
+logger = logging.getLogger(__name__)
 
 
 class MedusaRecipe:
@@ -52,5 +55,10 @@ def train_heads(cfg: TrainConfig, model, train_seqs: list[list[int]], accelerato
                 model_name: str = "", draft_vocab: tuple[int, ...] = ()) -> tuple[MedusaHeads, list[dict]]:
     """Train Medusa heads; returns (heads, history)."""
     torch.manual_seed(cfg.seed)
+    if cfg.num_layers > 1 and accelerator.is_main_process:
+        logger.warning("--num-layers %d: the heads' residual blocks are trained independently; FasterDecoding's Medusa "
+                       "cannot load them (it repeats one block, so every block would get the head's last one); "
+                       "specdec reads them, and `specdec export-head --format vllm` keeps them for vLLM",
+                       cfg.num_layers)
     recipe = MedusaRecipe(cfg, model, accelerator.device, model_name, draft_vocab)
     return recipe.module, train_drafter(cfg, recipe, model, train_seqs, accelerator, resume_from)

@@ -3,9 +3,9 @@
     report = run_training(TrainConfig(model="default", output_dir="heads/", max_steps=100))
     report = run_training(TrainConfig(model="default", output_dir="eagle/", drafter="eagle", draft_vocab="auto"))
 
-Writes into the output dir: ``config.json`` + ``medusa_lm_head.safetensors`` (published Medusa layout,
-with the chosen ``medusa_choices``), ``report.json``, ``report.md``, ``train.log``, ``history.jsonl``,
-``run.json`` and the resumable ``checkpoint/``.
+Writes into the output dir: ``config.json`` + ``medusa_lm_head.safetensors`` (Medusa's file layout,
+FasterDecoding's with one block per head, with the chosen ``medusa_choices``), ``report.json``, ``report.md``,
+``train.log``, ``history.jsonl``, ``run.json`` and the resumable ``checkpoint/``.
 """
 from __future__ import annotations
 
