@@ -8,12 +8,12 @@ at a time, whole trees (``speculation="always"``); every divergence from plain c
 by the perturbed-logit gap at that position (recomputed with transformers' model): a gap below 1e-5 is a
 numerical near-tie, anything else a real mismatch. ``tau``: committed tokens per target forward of every
 drafter per category under standard rejection sampling and under coupled sampling, same prompts, same seed.
-tau does not depend on wall time, so this part may run on a busy machine.
+tau does not depend on wall time, so this part may run on a busy machine. The JSON is rewritten after every row, so
+an interrupted run keeps what it measured.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,12 +25,17 @@ import specdec.drafters.draft_model  # noqa: E402,F401 -- imported up front: the
 import specdec.drafters.medusa  # noqa: E402,F401
 import specdec.drafters.ngram  # noqa: E402,F401
 import specdec.drafters.self_draft  # noqa: E402,F401
-from common import add_overwrite, chat_ids, check_new_files  # noqa: E402
+from common import add_overwrite, chat_ids, check_categories, check_new_files, check_positive  # noqa: E402
 from specdec.eval.divergence import greedy_identity  # noqa: E402
 from specdec.eval.prompts import CATEGORIES, load_prompts  # noqa: E402
 
+from specdec.atomic_write import write_json  # noqa: E402
+from specdec.errors import SpecdecError, first_line  # noqa: E402
 from specdec.generate import generate  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
+
+DRAFTERS = ("ngram", "self-draft", "draft-model (itself)", "medusa (untrained)", "eagle (untrained)",
+            "combined (ngram+self-draft)")
 
 
 def drafters(loaded) -> dict:
@@ -46,26 +51,31 @@ def drafters(loaded) -> dict:
     torch.manual_seed(0)
     eagle = EagleModel(EagleConfig.for_target(loaded.model.config)).to(loaded.runner.dtype)
     eagle.init_from_target(loaded.model)  # untrained: identity only, its tau is a floor
-    return {
-        "ngram": lambda: ("ngram", None),
-        "self-draft": lambda: ("self-draft", None),
-        "draft-model (itself)": lambda: ("draft-model", {"model": loaded, "num_draft_tokens": 3}),
-        "medusa (untrained)": lambda: (MedusaDrafter(heads=heads, tree="dynamic", max_nodes=8), None),
-        "eagle (untrained)": lambda: (EagleDrafter(model=eagle, max_nodes=8), None),
-        "combined (ngram+self-draft)": lambda: ("combined", {"drafters": ["ngram", "self-draft"]}),
-    }
+    return dict(zip(DRAFTERS, (
+        lambda: ("ngram", None),
+        lambda: ("self-draft", None),
+        lambda: ("draft-model", {"model": loaded, "num_draft_tokens": 3}),
+        lambda: (MedusaDrafter(heads=heads, tree="dynamic", max_nodes=8), None),
+        lambda: (EagleDrafter(model=eagle, max_nodes=8), None),
+        lambda: ("combined", {"drafters": ["ngram", "self-draft"]}),
+    ), strict=True))
+
+
+def chosen_names(ap, args) -> list[str]:
+    """--drafters' names (default: every one of DRAFTERS); unknown ones are a one-line ``ap.error``."""
+    names = [n.strip() for n in args.drafters.split(",") if n.strip()] if args.drafters else list(DRAFTERS)
+    unknown = [n for n in names if n not in DRAFTERS]
+    if unknown:
+        ap.error(f"--drafters: unknown {', '.join(map(repr, unknown))}; known: {', '.join(map(repr, DRAFTERS))}")
+    return names
 
 
 def chosen(loaded, args) -> dict:
     every = drafters(loaded)
-    names = [n.strip() for n in args.drafters.split(",") if n.strip()] if args.drafters else list(every)
-    unknown = [n for n in names if n not in every]
-    if unknown:
-        raise SystemExit(f"unknown drafters {unknown}; known: {list(every)}")
-    return {n: every[n] for n in names}
+    return {n: every[n] for n in args.drafters}
 
 
-def identity_part(loaded, args, out: dict) -> None:
+def identity_part(loaded, args, out: dict, save) -> None:
     per_cat = -(-args.identity_prompts // len(CATEGORIES))
     prompts = [chat_ids(loaded.tokenizer, t) for c in CATEGORIES for t in load_prompts(c, per_cat)]
     prompts = prompts[: args.identity_prompts]
@@ -75,6 +85,7 @@ def identity_part(loaded, args, out: dict) -> None:
     print(f"plain coupled: {len(prompts)} prompts x {args.identity_tokens} tokens in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     rows = []
+    out["identity"] = {"prompts": len(prompts), "tokens": args.identity_tokens, "sampling": kw, "rows": rows}
     for name, make in chosen(loaded, args).items():
         for batched in (True, False):
             drafter, options = make()
@@ -85,17 +96,18 @@ def identity_part(loaded, args, out: dict) -> None:
                    "identical": res.identical, "real_mismatches": res.real_mismatches,
                    "divergences": res.to_json()["divergences"], "seconds": time.perf_counter() - t0}
             rows.append(row)
+            save()
             gaps = ", ".join(f"{d['gap']:.1e}" for d in row["divergences"]) or "-"
             print(f"{name:<22} {'batched' if batched else 'single ':<8} tau {res.tau:5.2f}  "
                   f"{'IDENTICAL' if res.identical else 'DIFFERS'}  real mismatches {res.real_mismatches}  "
                   f"divergence gaps {gaps}  ({row['seconds']:.0f} s)", flush=True)
-    out["identity"] = {"prompts": len(prompts), "tokens": args.identity_tokens, "sampling": kw, "rows": rows}
 
 
-def tau_part(loaded, args, out: dict) -> None:
-    cats = [c for c in args.categories.split(",") if c]
+def tau_part(loaded, args, out: dict, save) -> None:
+    cats = args.categories
     prompts = {c: [chat_ids(loaded.tokenizer, t) for t in load_prompts(c, args.prompts)] for c in cats}
     rows = []
+    out["tau"] = {"prompts_per_category": args.prompts, "max_new_tokens": args.max_new_tokens, "rows": rows}
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         for name, make in chosen(loaded, args).items():
             for cat in cats:
@@ -111,9 +123,9 @@ def tau_part(loaded, args, out: dict) -> None:
                         steps += sum(s.steps for s in res.stats)
                     taus[sampler] = new / max(steps, 1)
                 rows.append({"temperature": temperature, "drafter": name, "category": cat, **taus})
+                save()
                 print(f"T={temperature} {name:<22} {cat:<14} tau standard {taus['standard']:5.2f}  "
                       f"coupled {taus['coupled']:5.2f}", flush=True)
-    out["tau"] = {"prompts_per_category": args.prompts, "max_new_tokens": args.max_new_tokens, "rows": rows}
 
 
 def main() -> None:
@@ -133,16 +145,25 @@ def main() -> None:
     ap.add_argument("--out", default="runs/coupled")
     add_overwrite(ap)
     args = ap.parse_args()
+    check_positive(ap, args, "identity_prompts", "identity_tokens", "prompts", "max_new_tokens")
+    args.categories = check_categories(ap, args.categories)
+    args.drafters = chosen_names(ap, args)
     file = Path(args.out) / f"coupled-{args.part}{args.tag}.json"
     check_new_files(ap, args.overwrite, file)
-    loaded = load_model(args.model)
-    out: dict = {"model": loaded.name, "seed": args.seed}
-    if args.part in ("identity", "both"):
-        identity_part(loaded, args, out)
-    if args.part in ("tau", "both"):
-        tau_part(loaded, args, out)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    file.write_text(json.dumps(out, indent=2))
+    try:
+        loaded = load_model(args.model)
+        out: dict = {"model": loaded.name, "seed": args.seed}
+
+        def save():  # after every row, atomically: a run stopped part way keeps the rows it finished
+            write_json(file, out, indent=2)
+
+        if args.part in ("identity", "both"):
+            identity_part(loaded, args, out, save)
+        if args.part in ("tau", "both"):
+            tau_part(loaded, args, out, save)
+        save()
+    except SpecdecError as err:  # a model or checkpoint that is not there: one line
+        ap.error(first_line(err))
     print(f"wrote {file}")
 
 

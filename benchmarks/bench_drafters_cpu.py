@@ -38,7 +38,6 @@ columns), each cell measured as above (paired ratio to plain, same blocks), and 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -55,6 +54,7 @@ from common import (  # noqa: E402
     add_overwrite,
     chat_ids,
     check_new_files,
+    check_positive,
     eagle_rows,
     forget_guard,
     guard_memory,
@@ -62,7 +62,9 @@ from common import (  # noqa: E402
     time_specdec,
 )
 
+from specdec.atomic_write import write_json  # noqa: E402
 from specdec.cost_model import load_cost_model  # noqa: E402
+from specdec.errors import SpecdecError, first_line  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
 
 
@@ -246,8 +248,7 @@ def category_mode(args, loaded, table: dict, run) -> None:
         inputs = [chat_ids(loaded.tokenizer, text) for text in drafter_grid.category_prompts(cat, args.prompts)]
         report[cat] = category_report(cat, measure(table, run, inputs, args.repeats, args.max_new_tokens, costs))
     if args.json:
-        Path(args.json).write_text(json.dumps({"guard_memory": guard_memory(args)} | report, indent=2))
-
+        write_json(args.json, {"guard_memory": guard_memory(args)} | report, indent=2)
 
 
 def grid_mode(args, loaded, table: dict, run, every_drafter: list[str]) -> list[dict]:
@@ -281,7 +282,7 @@ def parse_args(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default", help="the target model (a path or an alias)")
     ap.add_argument("--prompts", type=int, default=3, help="prompts per category (in --grid: batches in batch8)")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--max-new-tokens", type=int, help="new tokens per prompt (default 96; --grid: --lengths)")
     ap.add_argument("--categories", help="comma-separated, or all (the seven of the acceptance suite); default "
                     "summarisation,code,chat; in --grid all,held-out,batch8")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each prompt per drafter, order rotated")
@@ -293,8 +294,8 @@ def parse_args(argv: list[str] | None = None):
                     help="auto: tree sizing + break-even guard (default); always: verify every tree whole")
     ap.add_argument("--json", help="also write the numbers to this JSON file")
     ap.add_argument("--grid", action="store_true", help="every drafter x --lengths x --categories (see above)")
-    ap.add_argument("--lengths", default=",".join(map(str, drafter_grid.LENGTHS)),
-                    help="--grid: comma-separated new-token counts")
+    ap.add_argument("--lengths", help="--grid: comma-separated new-token counts (default "
+                    f"{','.join(map(str, drafter_grid.LENGTHS))})")
     ap.add_argument("--out", help="--grid: write the grid to this JSON file, in the docs/results/ schema")
     add_guard_memory(ap)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -305,12 +306,26 @@ def parse_args(argv: list[str] | None = None):
     args = ap.parse_args(argv)
     if args.grid and args.sweep_self_draft:
         ap.error("--grid and --sweep-self-draft are separate runs")
+    pairs = (("--out", "--json", args.out, args.json), ("--lengths", "--max-new-tokens", args.lengths,
+                                                          args.max_new_tokens))
+    for grid, other, grid_value, other_value in pairs:  # an option of the other mode would be ignored
+        if args.grid and other_value is not None:
+            ap.error(f"{other} goes without --grid; with --grid use {grid}")
+        if not args.grid and grid_value is not None:
+            ap.error(f"{grid} goes with --grid; without it use {other}")
+    lengths = ",".join(map(str, drafter_grid.LENGTHS)) if args.lengths is None else args.lengths
     try:
-        args.lengths = [int(n) for n in args.lengths.split(",")]
+        args.lengths = [int(n) for n in lengths.split(",")]
     except ValueError:
-        ap.error(f"--lengths: comma-separated integers, got {args.lengths!r}")
-    if min(args.lengths) < 1 or args.prompts < 1 or args.repeats < 1:
-        ap.error("--lengths, --prompts and --repeats must be positive")
+        ap.error(f"--lengths: comma-separated integers, got {lengths!r}")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 96
+    if min(args.lengths) < 1:
+        ap.error("--lengths must be positive")
+    check_positive(ap, args, "prompts", "repeats", "max_new_tokens")
+    if args.out and drafter_grid.machine_class() is None:  # the file's machine_class: docs/gen_benchmarks.py's
+        ap.error("--out: this CPU has no machine class of docs/gen_benchmarks.py (benchmarks/common.py's "
+                 "machine_class), so its grid cannot be a docs/results file; the tables print without --out")
     args.categories = drafter_grid.expand_categories(
         args.categories or ("all,held-out,batch8" if args.grid else "summarisation,code,chat"), ap.error)
     check_new_files(ap, args.overwrite, args.out if args.grid else args.json)  # what this run would write
@@ -357,6 +372,8 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
         if args.grid:
             return grid_mode(args, loaded, table, run, every_drafter)
         category_mode(args, loaded, table, run)
+    except SpecdecError as err:  # a model or checkpoint that is not there: one line
+        ap.error(first_line(err))
     finally:
         torch.set_grad_enabled(True)
     return None

@@ -19,16 +19,24 @@ whatever it costs on this machine.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_overwrite, chat_ids, check_new_files, eagle_rows, time_specdec  # noqa: E402
+from common import (  # noqa: E402
+    add_overwrite,
+    chat_ids,
+    check_categories,
+    check_new_files,
+    check_positive,
+    eagle_rows,
+    time_specdec,
+)
 from specdec.eval.prompts import CATEGORIES, load_prompts  # noqa: E402
 
+from specdec.atomic_write import write_json  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
 from specdec.output import acceptance_rates  # noqa: E402
 
@@ -60,6 +68,8 @@ def main() -> None:
     ap.add_argument("--json", help="also write the numbers to this JSON file")
     add_overwrite(ap)
     args = ap.parse_args()
+    check_positive(ap, args, "prompts", "max_new_tokens", "repeats")
+    categories = check_categories(ap, args.categories)
     check_new_files(ap, args.overwrite, args.json)
     torch.set_grad_enabled(False)
     loaded = load_model("default")
@@ -91,7 +101,7 @@ def main() -> None:
     mode = f"temperature {args.temperature}" if args.temperature > 0 else "greedy"
     print(f"{mode}, {args.max_new_tokens} new tokens, {args.prompts} prompt(s) per category x {args.repeats} "
           "run(s), batch 1")
-    for cat in args.categories.split(","):
+    for cat in categories:
         totals = {k: {"tokens": 0, "seconds": 0.0, "steps": 0, "differ": set(), "tried": [], "accepted": []}
                   for k in table}
         keys = list(table)
@@ -127,7 +137,7 @@ def main() -> None:
             print(f"{'':<6} {key:<18} {tps:8.2f} {tps / base:8.2f}x {t['tokens'] / max(1, t['steps']):6.2f}   "
                   f"{depth}" + (f"  ({len(t['differ'])} prompts differ from plain!)" if t["differ"] else ""))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report, indent=2)
 
 
 if __name__ == "__main__":

@@ -33,11 +33,16 @@ import functools
 import inspect
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # --batch1's graphed path, before triton is imported
 
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import check_positive  # noqa: E402
 from specdec.eval.negative_controls import generate_with_control  # noqa: E402
 
 from specdec.engine import Engine  # noqa: E402
@@ -210,10 +215,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.batch < 1 or (args.batch > 1 and not args.batch1):
         ap.error(f"--batch must be >= 1 and goes with --batch1, got {args.batch}")
+    check_positive(ap, args, "sequences", "tokens", "repeats", "prompt_tokens")
     torch.set_num_threads(1)
     if args.batch1:
-        return batch1(args.tokens or (400 if args.batch == 1 else 64), args.repeats, args.batch)
-    args.tokens = args.tokens or 3
+        default = 400 if args.batch == 1 else 64
+        return batch1(default if args.tokens is None else args.tokens, args.repeats, args.batch)
+    if args.tokens is None:
+        args.tokens = 3
     seconds = dict.fromkeys(PHASES, 0.0)
     timed_engine(seconds)
     model = build_tiny_model(vocab_size=4, seed=3)

@@ -26,7 +26,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import add_overwrite, chat_ids, check_new_files, cpu_features, cpu_name  # noqa: E402
+from common import add_overwrite, chat_ids, check_new_files, check_positive, cpu_features, cpu_name  # noqa: E402
+
+from specdec.atomic_write import replaced_atomically  # noqa: E402
+
+DRAFTERS = ("ngram", "self-draft", "draft-model", "medusa", "eagle")  # drafters()' labels' first words
 
 
 def drafters(loaded, medusa_path=None, eagle_path=None):
@@ -81,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     add_overwrite(ap)
     args = ap.parse_args(argv)
+    check_positive(ap, args, "prompts", "tokens", "batch", "alone", "threads")
+    for option, names in (("--drafters", args.drafters), ("--default-drafters", args.default_drafters)):
+        unknown = [n.strip() for n in names.split(",") if n.strip() and n.split()[0] not in DRAFTERS]
+        if unknown:
+            ap.error(f"{option}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(DRAFTERS)}")
     check_new_files(ap, args.overwrite, args.out)
     machine = args.machine or f"{cpu_name()} ({cpu_features()}), {args.threads} torch thread(s)"
     torch.set_num_threads(args.threads)
@@ -102,10 +111,10 @@ def main(argv: list[str] | None = None) -> int:
               "machine": machine, "medusa_path": args.medusa_path, "eagle_path": args.eagle_path, "cells": []}
     out = Path(args.out) if args.out else None
 
-    def save():
+    def save():  # atomically: a run stopped while it writes keeps the file of the cell before
         if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result, indent=1, default=str))
+            with replaced_atomically(out) as tmp:
+                tmp.write_text(json.dumps(result, indent=1, default=str))
 
     # plain decoding, each prompt alone: the reference of each mode, and the speed of plain / n-gram
     plain = {False: [], True: []}
@@ -134,11 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     result["plain_identical_across_modes"] = sum(a == b for a, b in zip(plain[False], plain[True], strict=True))
     save()
 
-    def label(name):  # "medusa" -> "medusa (trained)"
-        matches = [k for k in table if k.split()[0] == name.split()[0]]
-        if not matches:
-            raise SystemExit(f"unknown drafter {name!r}: choose from {', '.join(table)}")
-        return matches[0]
+    def label(name):  # "medusa" -> "medusa (trained)" (names checked against DRAFTERS above)
+        return next(k for k in table if k.split()[0] == name.split()[0])
 
     names = [label(n.strip()) for n in args.drafters.split(",") if n.strip()]
     default_names = {label(n.strip()) for n in args.default_drafters.split(",") if n.strip()}

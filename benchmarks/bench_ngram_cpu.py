@@ -24,9 +24,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_overwrite, chat_ids, check_new_files, time_hf_generate, time_specdec  # noqa: E402
+from common import (  # noqa: E402
+    add_overwrite,
+    chat_ids,
+    check_categories,
+    check_new_files,
+    check_positive,
+    time_hf_generate,
+    time_specdec,
+)
 from specdec.eval.prompts import load_prompts  # noqa: E402
 
+from specdec.atomic_write import write_json  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
 
 
@@ -40,6 +49,8 @@ def main() -> None:
     ap.add_argument("--json", help="also write the numbers to this JSON file")
     add_overwrite(ap)
     args = ap.parse_args()
+    check_positive(ap, args, "prompts", "max_new_tokens")
+    categories = check_categories(ap, args.categories)
     check_new_files(ap, args.overwrite, args.json)
     torch.set_grad_enabled(False)
     options = json.loads(args.drafter_options)
@@ -52,7 +63,7 @@ def main() -> None:
     report = {}
     print(f"{'category':<14} {'hf greedy':>10} {'hf lookup':>10} {'specdec':>10} {'lookup/hf':>10} {'specdec/hf':>11} "
           f"{'specdec/lookup':>15} {'tau':>6}  (tok/s)")
-    for cat in args.categories.split(","):
+    for cat in categories:
         tot = {"hf": [0, 0.0], "lookup": [0, 0.0], "specdec": [0, 0.0]}
         decode = {"hf": [0, 0.0], "specdec": [0, 0.0]}  # tokens after the first, seconds after prefill
         steps = 0
@@ -89,7 +100,7 @@ def main() -> None:
         d = r["decode_tokens_per_s"]
         print(f"{'':38}{cat:<14} {d['hf']:10.2f} {d['specdec']:10.2f} {r['decode_specdec_over_hf']:6.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        write_json(args.json, report, indent=2)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import chat_ids, ratio_line, time_hf_generate, time_specdec  # noqa: E402
+from common import chat_ids, check_categories, check_positive, ratio_line, time_hf_generate, time_specdec  # noqa: E402
 from specdec.eval.prompts import load_prompts  # noqa: E402
 
 from specdec.models.loader import load_model  # noqa: E402
@@ -27,6 +27,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--categories", default="chat,code,summarisation")
     args = ap.parse_args()
+    check_positive(ap, args, "prompts", "max_new_tokens")
+    categories = check_categories(ap, args.categories)
     torch.set_grad_enabled(False)
     loaded = load_model("default")
     tok = loaded.tokenizer
@@ -34,7 +36,7 @@ def main() -> None:
     time_hf_generate(loaded.model, warm, 8)
     time_specdec(loaded, warm, 8)
     total = {"hf": [0, 0.0], "specdec": [0, 0.0]}
-    for cat in args.categories.split(","):
+    for cat in categories:
         cat_tot = {"hf": [0, 0.0], "specdec": [0, 0.0]}
         for text in load_prompts(cat, args.prompts):
             ids = chat_ids(tok, text)

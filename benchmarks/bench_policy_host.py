@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_overwrite, check_new_files  # noqa: E402
 
+from specdec.atomic_write import write_json
 from specdec.cost_model import CostModel
 from specdec.tree import DraftMode, DraftTree
 from specdec.tree_sizing import TreeSizer
@@ -113,8 +113,7 @@ def main(argv=None) -> int:
               f"{r['observe_ms']:11.3f} {r['release_ms']:11.3f} {r['kept_nodes']:11.1f}"
               + (f" {r['padded_ms']:31.3f} {r['kept_padded']:11.1f}" if PADDED else ""))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows, indent=1)
     return 0
 
 

@@ -92,10 +92,36 @@ def ratio_line(name: str, base_tokens: int, base_s: float, tokens: int, seconds:
 
 
 def check_new_files(ap, overwrite: bool, *paths) -> None:
-    """A one-line ``ap.error`` when a result file would replace one that exists, unless ``overwrite``."""
+    """A one-line ``ap.error`` when a result file would replace one that exists, unless ``overwrite``, or when its
+    folder cannot be made (the writers create it: specdec.atomic_write)."""
+    from specdec.output_dirs import why_uncreatable
+
     for path in paths:
         if path is not None and not overwrite and Path(path).exists():
             ap.error(f"{path} exists; pass --overwrite to replace it")
+        why = None if path is None else why_uncreatable(Path(path).parent)
+        if why:
+            ap.error(f"{path}: cannot create its folder ({why})")
+
+
+def check_positive(ap, args, *names: str) -> None:
+    """A one-line ``ap.error`` naming the options (``args``' attribute ``names``) given a value below 1."""
+    bad = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in names
+           if getattr(args, n) is not None and getattr(args, n) < 1]
+    if bad:
+        ap.error(f"must be >= 1: {', '.join(bad)}")
+
+
+def check_categories(ap, text: str) -> list[str]:
+    """``--categories``' comma-separated names, each one of specdec eval acceptance's; else a one-line ``ap.error``."""
+    from specdec.eval.prompts import CATEGORIES
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CATEGORIES]
+    if unknown or not names:
+        what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "none given"
+        ap.error(f"--categories: {what}; known: {', '.join(CATEGORIES)}")
+    return names
 
 
 def add_overwrite(ap) -> None:

@@ -65,6 +65,8 @@ def test_an_existing_result_file_is_refused_before_anything_is_measured(name, ar
         monkeypatch.setattr(first, _measured)
     else:
         monkeypatch.setattr(module, first, _measured)
+    if "drafter_grid" in sys.modules:  # --grid --out needs a machine class (on an unnamed CPU: refused)
+        monkeypatch.setattr(sys.modules["drafter_grid"], "machine_class", lambda: "cpu-avx512")
     for existing in ("x.json", "speed.json", "coupled-tau.json"):
         (tmp_path / existing).write_text("{}")
     args = [a.format(out=tmp_path / "x.json", dir=tmp_path) for a in argv]
@@ -80,15 +82,109 @@ def test_an_existing_result_file_is_refused_before_anything_is_measured(name, ar
 @pytest.mark.parametrize("name,argv", [
     ("bench_verify_cost", ["--sizes", "0,2"]), ("bench_verify_cost", ["--sizes", "a"]),
     ("bench_policy_host", ["--rounds", "0"]), ("bench_medusa_vocab_cpu", ["--speculation", "bogus"]),
+    # each refused before a model loads (they used to run into a traceback after some measuring)
+    ("bench_eagle_cpu", ["--eagle-path", "e", "--repeats", "0"]),
+    ("bench_eagle_cpu", ["--eagle-path", "e", "--repeats", "-2"]),
+    ("bench_eagle_cpu", ["--eagle-path", "e", "--prompts", "0"]),
+    ("bench_eagle_cpu", ["--eagle-path", "e", "--categories", "chat,bogus"]),
+    ("bench_plain_cpu", ["--categories", "chat,bogus"]), ("bench_ngram_cpu", ["--categories", "bogus"]),
+    ("bench_invariant_cpu", ["--drafters", "ngram,bogus"]), ("bench_invariant_cpu", ["--default-drafters", "bogus"]),
+    ("bench_invariant_cpu", ["--alone", "0"]), ("bench_invariant_cpu", ["--batch", "0"]),
+    ("bench_invariant_cpu", ["--threads", "0"]), ("bench_invariant_cpu", ["--prompts", "0"]),
+    ("bench_coupled_cpu", ["--drafters", "bogus"]), ("bench_coupled_cpu", ["--prompts", "0"]),
+    ("bench_coupled_cpu", ["--identity-prompts", "0"]), ("bench_coupled_cpu", ["--categories", "bogus"]),
+    ("bench_host_overhead", ["--repeats", "0"]), ("bench_host_overhead", ["--batch1", "--repeats", "0"]),
+    ("bench_host_overhead", ["--tokens", "0"]), ("bench_host_overhead", ["--batch1", "--tokens", "0"]),
+    ("bench_drafters_cpu", ["--max-new-tokens", "0"]),
+    # an option of the other mode, which it would ignore
+    ("bench_drafters_cpu", ["--out", "x.json"]), ("bench_drafters_cpu", ["--lengths", "16"]),
+    ("bench_drafters_cpu", ["--grid", "--json", "x.json"]), ("bench_drafters_cpu", ["--grid", "--max-new-tokens", "8"]),
 ])
 def test_bad_arguments_are_one_line_errors(name, argv, monkeypatch, capsys):
     module = _script(name)
-    for first in ("load_model", "measure"):
+    for first in ("load_model", "measure", "generate_with_control", "batch1"):
         if hasattr(module, first):
             monkeypatch.setattr(module, first, _measured)
+    monkeypatch.setattr("specdec.models.loader.load_model", _measured)  # the one bench_invariant_cpu imports
     with pytest.raises(SystemExit) as exit_:
         _run(module, argv, monkeypatch)
-    assert exit_.value.code == 2 and "error: " in capsys.readouterr().err
+    assert exit_.value.code == 2 and "error: " in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_drafters_options_of_each_mode_default_alike_and_grid_out_needs_a_machine_class(tmp_path, capsys):
+    """The defaults trip no refusal; --grid --out on a CPU docs/gen_benchmarks.py names no class for is refused (its
+    file would say machine_class null, which the benchmarks page refuses)."""
+    bench = _script("bench_drafters_cpu")
+    args = bench.parse_args([])[1]
+    assert (args.max_new_tokens, args.out, args.json) == (96, None, None)
+    assert bench.parse_args(["--grid"])[1].lengths == [16, 32, 64, 128]
+    sys.modules["drafter_grid"].machine_class = lambda: None  # as on an Intel CPU without AVX-512
+    bench.parse_args(["--grid"])  # the tables alone: fine
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args(["--grid", "--out", str(tmp_path / "grid.json")])
+    assert exit_.value.code == 2 and "machine class" in capsys.readouterr().err
+    assert not (tmp_path / "grid.json").exists()
+
+
+@pytest.mark.parametrize("name,argv", [
+    ("bench_drafters_cpu", ["--categories", "chat", "--machine-memory"]),
+    ("bench_coupled_cpu", ["--part", "tau", "--out", "{dir}"]),
+])
+def test_a_model_that_is_not_there_is_a_one_line_error(name, argv, tmp_path, monkeypatch, capsys):
+    module = _script(name)
+    argv = [a.format(dir=tmp_path) for a in argv] + ["--model", str(tmp_path / "no-model")]
+    with pytest.raises(SystemExit) as exit_:
+        _run(module, argv, monkeypatch)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and "unknown model" in err[-1] and "Traceback" not in "".join(err)
+
+
+def _fake_specdec(loaded, ids, max_new_tokens, drafter=None, **kw):
+    stats = SimpleNamespace(steps=2, depth_tried=[1], depth_accepted=[1], step_nodes=[1, 1])
+    return 1.0, SimpleNamespace(stats=[stats], new_tokens=[[1, 2, 3]], prefill_seconds=0.1, seconds=1.0,
+                                draft_seconds=0.1, verify_seconds=0.5)
+
+
+POLICY_ROW = dict(batch=1, nodes=8, scored=False, size_ms=0.1, observe_ms=0.1, release_ms=0.1, kept_nodes=8.0,
+                  padded_ms=0.1, kept_padded=8.0)
+# script, its arguments (a small run), its measuring functions faked
+JSON_WRITERS = [
+    ("bench_eagle_cpu", ["--eagle-path", "e", "--categories", "chat", "--prompts", "1"],
+     dict(time_specdec=_fake_specdec)),
+    ("bench_ngram_cpu", ["--categories", "chat", "--prompts", "1"],
+     dict(time_specdec=_fake_specdec, time_hf_generate=lambda m, ids, n, **kw: (1.0 if n > 1 else 0.1, [1, 2, 3]))),
+    ("bench_drafters_cpu", ["--categories", "chat", "--prompts", "1", "--drafters", "ngram", "--machine-memory"],
+     dict(time_specdec=_fake_specdec, load_cost_model=lambda runner: None)),
+    ("bench_policy_host", ["--rounds", "1"], dict(measure=lambda *args: POLICY_ROW)),
+]
+
+
+@pytest.mark.parametrize("name,argv,fakes", JSON_WRITERS, ids=[w[0] for w in JSON_WRITERS])
+def test_a_json_file_in_a_folder_not_there_yet_is_written(name, argv, fakes, tmp_path, monkeypatch):
+    """The folder is made (it used to be a FileNotFoundError after every measurement, nothing written)."""
+    module = _script(name)
+    monkeypatch.setattr(module, "load_model", lambda *a, **kw: SimpleNamespace(**vars(_fake_loaded()), runner=None),
+                        raising=False)
+    for attr, fake in fakes.items():
+        monkeypatch.setattr(module, attr, fake)
+    out = tmp_path / "new" / "x.json"
+    _run(module, argv + ["--json", str(out)], monkeypatch)
+    assert json.loads(out.read_text())
+    assert sorted(p.name for p in out.parent.iterdir()) == ["x.json"]  # no temporary file left
+
+
+def _writes_cut_short_from(call: int, monkeypatch) -> None:
+    """From the ``call``-th Path.write_text on, each writes half its text and fails, as on a full disk."""
+    calls, write = [0], Path.write_text
+
+    def cut(self, text, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] < call:
+            return write(self, text, *args, **kwargs)
+        write(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", cut)
 
 
 def _fake_loaded():
@@ -116,21 +212,11 @@ def test_eagle_rows_are_checked_against_plain_decoding_and_counted_per_prompt(tm
         "plain": 0, "plain (again)": 0, "ngram": 3, "eagle": 0, "ngram+eagle": 0}
 
 
-def test_invariant_benchmark_warms_each_mode_up_untimed_and_names_this_machine(tmp_path, monkeypatch):
-    """A mode's first call pays one-time setup: the warm-up's, not a timed prompt's. The calls run on a scripted
-    clock, which only the setup moves (slept, and the rest timed on the wall, a loaded worker's stall failed it)."""
+def _fake_invariant(monkeypatch, setup=lambda key: None) -> None:
+    """bench_invariant_cpu's model and measuring faked; ``setup(key)``: each call's, key (drafter, invariant)."""
     import specdec.eval.bitwise_level as bitwise_level
 
     import specdec.models.loader
-
-    bench = _script("bench_invariant_cpu")
-    first, now = set(), [0.0]
-    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: now[0]))
-
-    def setup(key):
-        if key not in first:
-            first.add(key)
-            now[0] += 0.3
 
     def plain_outputs(loaded, prompts, tokens, invariant, sampling):
         setup(("plain", invariant))
@@ -145,6 +231,21 @@ def test_invariant_benchmark_warms_each_mode_up_untimed_and_names_this_machine(t
     monkeypatch.setattr(bitwise_level, "bitwise_identity", lambda *a, **kw: identity)
     monkeypatch.setattr(importlib.import_module("specdec.generate"), "generate", generate)  # the module, not
     # specdec.generate, the function specdec exports
+
+
+def test_invariant_benchmark_warms_each_mode_up_untimed_and_names_this_machine(tmp_path, monkeypatch):
+    """A mode's first call pays one-time setup: the warm-up's, not a timed prompt's. The calls run on a scripted
+    clock, which only the setup moves (slept, and the rest timed on the wall, a loaded worker's stall failed it)."""
+    bench = _script("bench_invariant_cpu")
+    first, now = set(), [0.0]
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def setup(key):
+        if key not in first:
+            first.add(key)
+            now[0] += 0.3
+
+    _fake_invariant(monkeypatch, setup)
     out = tmp_path / "inv.json"
     assert _run(bench, ["--prompts", "2", "--tokens", "3", "--drafters", "ngram", "--default-drafters", "ngram",
                         "--alone", "1", "--out", str(out)], monkeypatch) == 0
@@ -192,3 +293,48 @@ def test_each_drafter_grid_setting_is_its_own_benchmark():
     committed = {json.loads(p.read_text())["benchmark"] for p in RESULTS.glob("*-drafter-grid-*.json")
                  if json.loads(p.read_text()).get("kind") != "history"}
     assert committed == {"drafter-grid-16-32", "drafter-grid-64-128", "drafter-grid-medusa"}
+
+
+def test_invariant_and_coupled_files_keep_what_was_measured_when_a_write_or_a_row_fails(tmp_path, monkeypatch):
+    """bench_invariant_cpu rewrites its file after every cell: a write cut short keeps the file before it (it used
+    to be left half written). bench_coupled_cpu writes after every row: a later drafter's error keeps the rows
+    before it (it used to write only at the end)."""
+    bench = _script("bench_invariant_cpu")
+    _fake_invariant(monkeypatch)
+    out = tmp_path / "inv.json"
+    _writes_cut_short_from(2, monkeypatch)  # the plain phase's file written, the first cell's cut short
+    with pytest.raises(OSError):
+        _run(bench, ["--prompts", "2", "--tokens", "3", "--drafters", "ngram", "--alone", "1", "--out", str(out)],
+             monkeypatch)
+    assert json.loads(out.read_text())["cells"] == [] and [p.name for p in tmp_path.iterdir()] == ["inv.json"]
+    monkeypatch.undo()
+
+    coupled = _script("bench_coupled_cpu")
+    monkeypatch.setattr(coupled, "load_model", lambda name: _fake_loaded())
+    monkeypatch.setattr(coupled, "drafters", lambda loaded: {n: lambda n=n: (n, None) for n in ("ngram", "self-draft")})
+    monkeypatch.setattr(coupled, "chat_ids", lambda tokenizer, text: [1, 2])
+
+    def generate(loaded, prompts, max_new_tokens, drafter=None, **kw):
+        if drafter == "self-draft":
+            raise RuntimeError("a later drafter failed")
+        return SimpleNamespace(total_new_tokens=3, stats=[SimpleNamespace(steps=2)])
+
+    monkeypatch.setattr(coupled, "generate", generate)
+    with pytest.raises(RuntimeError, match="later drafter"):
+        _run(coupled, ["--part", "tau", "--drafters", "ngram,self-draft", "--categories", "chat", "--prompts", "1",
+                       "--temperatures", "0.8", "--out", str(tmp_path / "c")], monkeypatch)
+    rows = json.loads((tmp_path / "c" / "coupled-tau.json").read_text())["tau"]["rows"]
+    assert [(r["drafter"], r["standard"]) for r in rows] == [("ngram", 1.5)]
+
+
+def test_gpu_check_report_is_replaced_whole_after_every_step(tmp_path, monkeypatch):
+    """A write of report.json cut short (a kill, a full disk) leaves the report of the steps before, not half a
+    file (--rehearse: no GPU needed)."""
+    check = load_script("gpu_check")
+    for step in ("step_acceptance", "step_speed"):
+        monkeypatch.setattr(check, step, lambda *args, **kw: dict(status="passed", seconds=1.0))
+    _writes_cut_short_from(3, monkeypatch)  # the first step's report.json and report.md written, then cut short
+    with pytest.raises(OSError):
+        check.main(["--steps", "acceptance,speed", "--rehearse", "--out", str(tmp_path)])
+    assert list(json.loads((tmp_path / "report.json").read_text())["steps"]) == ["acceptance"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "report.md"]

@@ -218,6 +218,7 @@ def test_model_is_no_option_of_the_mtp_drafter_in_python_or_on_the_command_line(
     """The command line called model= a Python-only option of mtp, and Python refused it through the registry, yet
     MtpDrafter(model=...) ran as an unnamed eagle drafter."""
     from specdec.drafters.registry import check_options
+
     from specdec.errors import InputTypeError
 
     with pytest.raises(InputTypeError, match="^mtp: it reads its layer from a checkpoint .* takes no model="):
