@@ -141,8 +141,11 @@ def perturbed_logits(logits: torch.Tensor, sampling: SamplingConfig, gumbel: tor
 
 
 def coupled_tokens(target_logits: torch.Tensor, sampling: SamplingConfig, gumbel: torch.Tensor) -> torch.Tensor:
-    """target_logits [..., V], gumbel [..., V] -> [...] int64: the target's coupled token at each row."""
-    return choose_max(perturbed_logits(target_logits, sampling, gumbel))
+    """target_logits [..., V], gumbel [..., V] -> [...] int64: the target's coupled token at each row; a row with no
+    law gets the id V, as standard sampling gives it (:mod:`specdec.sampling`): a +inf logit too, whose argmax would
+    be the first +inf id whatever the noise."""
+    perturbed = perturbed_logits(target_logits, sampling, gumbel)
+    return choose_max(perturbed).masked_fill_(perturbed.isposinf().any(-1), perturbed.shape[-1])
 
 
 def coupled_sample(

@@ -40,6 +40,17 @@ def test_spoiled_logits_name_step_and_sequence(device, mode, value):
                          logits_processor_prefix_only=True, **MODES[mode])
 
 
+@pytest.mark.parametrize("mode", ["sampling", "coupled", "ngram-coupled"])
+def test_a_plus_inf_logit_leaves_a_sampled_row_without_a_law(device, mode):
+    """Coupled sampling emitted the first +inf id, whatever the seed, where standard sampling (and transformers)
+    stop: the noise added to +inf leaves +inf. Greedy takes it as the argmax."""
+    model = build_tiny_model().to(device)
+    modes = {**MODES, "ngram-coupled": dict(MODES["coupled"], drafter="ngram", speculation="always")}
+    with pytest.raises(InvalidLogitsError, match=r"sequence 1, step \d, new token 3: the target's logits leave no"):
+        specdec.generate(model, [[1, 2, 3], [7, 8, 9]], max_new_tokens=6, logits_processor=[SpoilRow(float("inf"))],
+                         logits_processor_prefix_only=True, **modes[mode])
+
+
 @pytest.mark.parametrize("mode", ["sampling", "greedy"])
 def test_a_model_that_computes_nan_is_an_error(device, mode):
     """A damaged checkpoint: one NaN weight in the last layer turns every logit into NaN."""
