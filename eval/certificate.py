@@ -13,14 +13,16 @@ broken engines there (an off-by-one tree mask, a wrong KV compaction slot):
    closed forms for the drafter's draft kinds (:func:`acceptance_cases`).
 3. ``end-to-end`` on the model: greedy token identity vs plain decoding (with divergence diagnostics), also under
    the default speculation policy, and sampled output vs plain sampling from a greedy-answer prefix where a pilot
-   saw drafts accepted (:mod:`specdec.eval.sampled_start`; two-sample chi-square, power at alpha / 2, and KS on
-   log-probabilities under the target; Holm over the two).
+   saw drafts accepted (:mod:`specdec.eval.sampled_start`; two-sample chi-square on the first tokens, power at
+   alpha / 2, and KS on the log-probability of a longer window under the target; Holm over the two).
 4. ``coupled`` (:mod:`specdec.eval.coupled_level`, only when asked): coupled sampling's law, and
    speculative coupled output == plain coupled output token for token, batched and single, with
    broken couplings (noise keyed to the step, to the batch row) as its controls.
 5. ``bitwise`` (:mod:`specdec.eval.bitwise_level`, only when asked): in the bit-exact mode, row logits of a
    batched tree forward == one-row forwards, and speculative text and log-probabilities == plain decoding's bit
    for bit; controls: the default path, and a product that depends on the row count.
+
+A DraftError (the draft audit convicting the drafter) fails the check it stops, and the run goes on.
 
     cert = run_certificate(loaded, "ngram", {}, SamplingConfig(True, 0.8), CertificateSizes())
     cert.passed, cert.to_json(), cert.to_markdown()
@@ -49,9 +51,10 @@ from specdec.eval.statistics import (
 )
 from specdec.eval.synthetic_sampling import biting, for_vocab, idle_everywhere, idle_transforms
 
+from specdec.errors import first_line
 from specdec.rejection import EXACT
 from specdec.sampling import SamplingConfig
-from specdec.tree import DraftMode, DraftTree
+from specdec.tree import DraftError, DraftMode, DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +69,14 @@ class CertificateSizes:
     stat_tv: float = 0.02
     identity_prompts: int = 8
     identity_tokens: int = 64
-    # per side, end-to-end sampling: on a 2-core CPU the reference attention makes a batch of
-    # 600 sequences cost ~1 min per side, enough power for TV 0.2 (0.025 needs --full, a GPU)
+    # per side, end-to-end sampling: on a 2-core CPU a batch of 600 sequences of 9 tokens (the embedded model,
+    # n-gram) costs 0.5-2 min per side, enough power for TV 0.2 (0.025 needs --full, a GPU)
     sample_sequences: int = 600
     sample_tokens: int = 2
-    # tokens sampled past the compared window: 1 lets its last token's step verify a draft for it (end_to_end.py)
+    # tokens past the chi-square's whose log-probability the KS test reads too (the window): its reach over a
+    # sequence, for drafters wrong only after a few tokens or after a rejection (end_to_end.py)
+    sample_later: int = 6
+    # tokens sampled past the window: 1 lets its last token's step verify a draft for it (end_to_end.py)
     sample_lookahead: int = 1
     e2e_tv: float = 0.2
     alpha: float = 0.01
@@ -80,9 +86,10 @@ class CertificateSizes:
     pilot_sequences: int = 32
 
     def __post_init__(self) -> None:
-        if min(self.stat_samples, self.identity_prompts, self.identity_tokens, self.sample_sequences,
-               self.sample_tokens, self.start_candidates, self.pilot_sequences) < 1 or self.sample_lookahead < 0:
-            raise ValueError("certificate sample sizes must be >= 1 (the lookahead >= 0)")
+        counts = (self.stat_samples, self.identity_prompts, self.identity_tokens, self.sample_sequences,
+                  self.sample_tokens, self.start_candidates, self.pilot_sequences)
+        if min(counts) < 1 or min(self.sample_later, self.sample_lookahead) < 0:
+            raise ValueError("certificate sample sizes must be >= 1 (sample_later and the lookahead >= 0)")
         if not 0 < self.alpha < 1 or not 0 < self.stat_tv < 1 or not 0 < self.e2e_tv < 1:
             raise ValueError("alpha and the TV targets must lie in (0, 1)")
 
@@ -91,7 +98,8 @@ class CertificateSizes:
         """Sized to detect TV 0.01 in the sampler statistics and 0.025 end to end (hours on a CPU; meant for a
         GPU)."""
         return cls(stat_samples=250_000, stat_tv=0.01, identity_prompts=20, identity_tokens=256,
-                   sample_sequences=40_000, sample_tokens=2, e2e_tv=0.025, start_candidates=20, pilot_sequences=200)
+                   sample_sequences=40_000, sample_tokens=2, sample_later=6, e2e_tv=0.025, start_candidates=20,
+                   pilot_sequences=200)
 
 
 @dataclass
@@ -383,12 +391,23 @@ def acceptance_cases(modes: list[DraftMode], sampling: SamplingConfig
 
 
 # ---- level 3 --------------------------------------------------------------------------------
+def drafter_stopped(name: str, level: str, control: str | None, err: DraftError, where: str = "") -> Check:
+    """The row of a check that a DraftError stopped (the draft audit convicted the drafter, or it proposed a tree
+    that cannot be verified): FAILED, with the error's first line as its detail, and the certificate goes on with
+    its other checks. Under a negative control too, as a row of the configuration (``control`` only named in the
+    detail): the drafter is at fault there, not the broken rule, so it fails the certificate instead of counting
+    as a control caught."""
+    context = ", ".join(x for x in (where, f"under the {control} control" if control else "") if x)
+    return Check(name, level, False, detail=f"{context}: {first_line(err)}" if context else first_line(err))
+
+
 def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: SamplingConfig,
                       sizes: CertificateSizes, make_prompts: Callable[[int], list[list[int]]],
                       seed: int = 0, progress: Callable[[str], None] = lambda msg: None) -> tuple[list, list]:
-    """The end-to-end level; ``progress`` is told each of its checks as it starts (minutes in all on a CPU)."""
+    """The end-to-end level; ``progress`` is told each of its checks as it starts (minutes in all on a CPU). A check
+    that a DraftError stops is a failed row (:func:`drafter_stopped`)."""
     from specdec.eval.divergence import greedy_identity
-    from specdec.eval.end_to_end import check_seeds, sampled_two_sample
+    from specdec.eval.end_to_end import check_seeds, sampled_two_sample, window
     from specdec.eval.sampled_start import choose_start
 
     checks, warnings = [], []
@@ -400,17 +419,23 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
     # (control name or None, acceptance rule, engine fault): the exact engine, a broken rule, broken engines
     runs = [(None, EXACT, None), ("always_accept", BROKEN_RULES["always_accept"], None)]
     runs += [(name, EXACT, fault) for name, fault in ENGINE_FAULTS.items()]
+    greedy_steps = [()] * len(prompts)  # where the exact engine's greedy drafts were accepted: none unless it ran
     for control, rule, fault in runs:
         progress(f"end to end: greedy identity, {control or 'the exact engine'}")
-        results = [greedy_identity(loaded, prompts, drafter, options, sizes.identity_tokens, True, rule, plain=plain,
-                                   fault=fault)]
-        # the unbatched path is checked for the exact engine and the broken rule; an engine fault
-        # only has to be caught once, so it runs batched (it costs a full greedy decode each)
-        if fault is None:
-            results.append(greedy_identity(loaded, prompts[:2], drafter, options, sizes.identity_tokens, False, rule,
-                                           plain=plain[:2]))
+        name = "greedy identity vs plain decoding (" + ("batched + single)" if fault is None else "batched)")
+        try:
+            results = [greedy_identity(loaded, prompts, drafter, options, sizes.identity_tokens, True, rule,
+                                       plain=plain, fault=fault)]
+            # the unbatched path is checked for the exact engine and the broken rule; an engine fault
+            # only has to be caught once, so it runs batched (it costs a full greedy decode each)
+            if fault is None:
+                results.append(greedy_identity(loaded, prompts[:2], drafter, options, sizes.identity_tokens, False,
+                                               rule, plain=plain[:2]))
+        except DraftError as err:
+            checks.append(drafter_stopped(name, "end-to-end", control, err))
+            continue
         if control is None:
-            greedy_steps = results[0].step_lengths  # where the exact engine's greedy drafts were accepted
+            greedy_steps = results[0].step_lengths
         divergences = [d for r in results for d in r.divergences]
         real = sum(r.real_mismatches for r in results)
         ties = len(divergences) - real
@@ -421,7 +446,6 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
             detail += f"; first: prompt {d.prompt} pos {d.position} gap {d.gap:.2e} ({d.kind})"
         if fault is not None and real == 0 and tau <= 1.0:
             detail += "; no draft was accepted, so the engine fault was barely exercised, if at all"
-        name = "greedy identity vs plain decoding (" + ("batched + single)" if fault is None else "batched)")
         checks.append(Check(name, "end-to-end", real == 0, control, samples=sum(r.tokens_compared for r in results),
                             detail=detail))
         if control is None and ties:
@@ -433,35 +457,45 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
     progress("end to end: greedy identity, the default speculation policy")
     checks.append(default_policy_identity(loaded, prompts, drafter, options, sizes, plain))
     e2e_sampling = sampling if sampling.do_sample else SamplingConfig(True)
+    k, w = sizes.sample_tokens, window(sizes)
+    name = (f"sampled {w} tokens (of {w + sizes.sample_lookahead}) in a greedy answer vs plain sampling (chi-square "
+            f"on the first {k}, log-probability KS on all {w})")
     # the start: a greedy-answer prefix where a pilot, on seeds the check never uses, saw drafts both accepted and
     # rejected (where all are rejected the accepted-draft path goes untested; where all are accepted the target is
     # near-certain and a rule that accepts everything passes); the pilot's draws are independent of the check's, so
     # the choice keeps its p-values exact (specdec.eval.sampled_start)
     progress(f"end to end: choosing where sampling starts (a pilot of {sizes.pilot_sequences} sequences at "
              f"{sizes.start_candidates} starts)")
-    choice = choose_start(loaded, prompts, plain, greedy_steps, drafter, options, e2e_sampling, sizes, seed, progress)
+    try:
+        choice = choose_start(loaded, prompts, plain, greedy_steps, drafter, options, e2e_sampling, sizes, seed,
+                              progress)
+    except DraftError as err:  # the pilot samples as the check does: the check cannot run either
+        checks.append(drafter_stopped(name, "end-to-end", None, err, "in the pilot choosing its start"))
+        return checks, warnings
     for rule_name, rule in (("exact", EXACT), ("always_accept", BROKEN_RULES["always_accept"])):
         control = None if rule is EXACT else rule_name
         progress(f"end to end: {sizes.sample_sequences} sampled sequences per side, "
                  f"{control or 'the exact rule'}")
-        res = sampled_two_sample(loaded, choice.ids, drafter, options, e2e_sampling, sizes, rule,
-                                 seeds=check_seeds(seed), progress=progress,
-                                 what=f"end to end: {control or 'the exact rule'}")
+        try:
+            res = sampled_two_sample(loaded, choice.ids, drafter, options, e2e_sampling, sizes, rule,
+                                     seeds=check_seeds(seed), progress=progress,
+                                     what=f"end to end: {control or 'the exact rule'}")
+        except DraftError as err:
+            checks.append(drafter_stopped(name, "end-to-end", control, err))
+            continue
         # two tests of one hypothesis: Holm keeps the family-wise false-failure rate at alpha
         ok = not holm({"chi2": res["chi2_p"], "ks": res["ks_p"]}, sizes.alpha)
-        name = (f"sampled {sizes.sample_tokens} tokens (of {sizes.sample_tokens + sizes.sample_lookahead}) in a "
-                "greedy answer vs plain sampling")
         checks.append(Check(name, "end-to-end", ok,
                             control, p_value=min(res["chi2_p"], res["ks_p"]), samples=sizes.sample_sequences,
                             power=res["power"], detects_tv=res["detects_tv"],
                             detail=f"chi-square p={res['chi2_p']:.3g}, log-prob KS p={res['ks_p']:.3g}, "
-                                   f"tau {res['tau']:.3f}, {res['drafted']:.1%} of compared tokens accepted drafts, "
-                                   f"{res['rejected']:.1%} rejected drafts per compared token, "
-                                   f"{res['distinct_outcomes']} distinct outcomes; {choice.detail}"))
-        # what matters is whether accepted drafts fed the compared tokens, not the lookahead past them
+                                   f"tau {res['tau']:.3f}, {res['drafted']:.1%} of the window's tokens accepted "
+                                   f"drafts, {res['rejected']:.1%} rejected drafts per window token, "
+                                   f"{res['distinct_outcomes']} distinct outcomes of the first {k}; {choice.detail}"))
+        # what matters is whether accepted drafts fed the window's tokens, not the lookahead past them
         if control is None and res["drafted"] < 0.02:
             warnings.append(f"end-to-end sampling: drafts were almost never accepted ({res['drafted']:.1%} of the "
-                            f"compared tokens; tau {res['tau']:.3f} over the whole generation) at the best of "
+                            f"window's {w} tokens; tau {res['tau']:.3f} over the whole generation) at the best of "
                             f"{len(choice.candidates)} starts a pilot tried, so this check mostly exercises the "
                             "rejection path; the sampler statistics cover acceptance")
         if control is None and res["power"] < 0.9:
@@ -483,15 +517,18 @@ def default_policy_identity(loaded: Any, prompts: list[list[int]], drafter: Any,
     from specdec.generation_config import GenerationConfig
 
     policy = GenerationConfig().speculation
-    res = greedy_identity(loaded, prompts, drafter, options, sizes.identity_tokens, True, plain=plain,
-                          speculation=policy)
+    name = f"greedy identity vs plain decoding, default speculation={policy!r} (batched)"
+    try:
+        res = greedy_identity(loaded, prompts, drafter, options, sizes.identity_tokens, True, plain=plain,
+                              speculation=policy)
+    except DraftError as err:
+        return drafter_stopped(name, "end-to-end", None, err)
     real = res.real_mismatches
     detail = (f"speculation={policy!r}; tau {res.tau:.2f}; {real} real mismatches, "
               f"{len(res.divergences) - real} numerical near-ties")
     if res.tau <= 1.0:
         detail += "; the policy drafted nothing that was accepted (plain steps only, or every draft rejected)"
-    return Check(f"greedy identity vs plain decoding, default speculation={policy!r} (batched)", "end-to-end",
-                 real == 0, samples=res.tokens_compared, detail=detail)
+    return Check(name, "end-to-end", real == 0, samples=res.tokens_compared, detail=detail)
 
 
 def where_it_ran(loaded: Any) -> dict:
@@ -501,6 +538,16 @@ def where_it_ran(loaded: Any) -> dict:
     if runner is None:
         return {}
     return {"device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch.")}
+
+
+def level_or_stopped(run: Callable[[], tuple[list[Check], list[str]]], level: str, name: str
+                     ) -> tuple[list[Check], list[str]]:
+    """``run()``, a level's (checks, warnings); where a DraftError stops it, one failed row ``name`` instead
+    (:func:`drafter_stopped`), and the certificate goes on with its other levels."""
+    try:
+        return run()
+    except DraftError as err:
+        return [drafter_stopped(name, level, None, err)], []
 
 
 def run_certificate(loaded: Any, drafter: Any, options: dict, sampling: SamplingConfig, sizes: CertificateSizes,
@@ -536,14 +583,18 @@ def run_certificate(loaded: Any, drafter: Any, options: dict, sampling: Sampling
         from specdec.eval.coupled_level import coupled_checks
 
         progress("coupled sampling")
-        checks, warnings = coupled_checks(loaded, drafter, options, sampling, sizes, make_prompts, seed)
+        checks, warnings = level_or_stopped(lambda: coupled_checks(loaded, drafter, options, sampling, sizes,
+                                                                   make_prompts, seed),
+                                            "coupled", "speculative coupled == plain coupled")
         cert.checks += checks
         cert.warnings += warnings
     if "bitwise" in levels:
         from specdec.eval.bitwise_level import bitwise_checks
 
         progress("bit-exact mode")
-        checks, warnings = bitwise_checks(loaded, drafter, options, sampling, sizes, make_prompts, seed)
+        checks, warnings = level_or_stopped(lambda: bitwise_checks(loaded, drafter, options, sampling, sizes,
+                                                                   make_prompts, seed),
+                                            "bitwise", "text and log-probabilities == plain, bit for bit")
         cert.checks += checks
         cert.warnings += warnings
     # a control that is identical to the exact rule in this mode cannot be caught: it is neither pass nor void

@@ -3,17 +3,18 @@
     choice = choose_start(loaded, prompts, plain, step_lengths, "ngram", {}, sampling, sizes, seed=0)
     choice.ids, choice.detail
 
-The check compares plain and speculative sampling of a few tokens from one prefix. It tests acceptance only where
-drafts are both accepted (the accepted-draft path) and rejected (else a rule that accepts every draft is right):
-at the middle of the first answer the n-gram drafter's were almost never accepted, and where a greedy answer
-repeats itself they are always accepted (a near-certain target, which always-accept cannot fail). Candidates: per
-identity prompt, the position in the first half of its greedy answer (a longer prefix makes the sampling dearer:
-its prefill and every step's attention) whose next ``sample_tokens`` tokens, where the greedy speculative run
-accepted them as drafts, have the most uncertain acceptance, ``q (1 - q)`` with ``q`` the sampling law's probability
-of the greedy token (teacher forced); the earliest of ties, the middle where none was drafted; the
-``start_candidates`` best prompts. A pilot samples ``pilot_sequences`` speculative continuations at each, as the
-check does (and says how far it has come as the check does), and the check and its negative control run at the one
-with the most of both per compared token: accepted share x rejected share.
+The check compares plain and speculative sampling of a few tokens from one prefix (its window:
+:func:`specdec.eval.end_to_end.window`). It tests acceptance only where drafts are both accepted (the accepted-draft
+path) and rejected (else a rule that accepts every draft is right): at the middle of the first answer the n-gram
+drafter's were almost never accepted, and where a greedy answer repeats itself they are always accepted (a
+near-certain target, which always-accept cannot fail). Candidates: per identity prompt, the position in the first
+half of its greedy answer (a longer prefix makes the sampling dearer: its prefill and every step's attention) whose
+next window of tokens, where the greedy speculative run accepted them as drafts, have the most uncertain acceptance,
+``q (1 - q)`` with ``q`` the sampling law's probability of the greedy token (teacher forced); the earliest of ties,
+the middle where none was drafted; the ``start_candidates`` best prompts. A pilot samples ``pilot_sequences``
+speculative continuations at each, as the check does (and says how far it has come as the check does), and the
+check and its negative control run at the one with the most of both per window token: accepted share x rejected
+share.
 
 Why the check stays exact: the pilot draws from its own seed (:func:`specdec.eval.end_to_end.pilot_seed`), none of
 the check's, so the start is a function of the greedy runs and of draws independent of the check's. Given the
@@ -29,7 +30,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from specdec.eval.end_to_end import drafted_share, pilot_seed, rejected_share, sample_in_chunks, sampling_kwargs
+from specdec.eval.end_to_end import (
+    drafted_share,
+    pilot_seed,
+    rejected_share,
+    sample_in_chunks,
+    sampling_kwargs,
+    window,
+)
 from specdec.eval.negative_controls import generate_with_control
 from specdec.eval.token_progress import TokenProgress
 
@@ -51,7 +59,7 @@ class StartChoice:
     start: Start
     ids: list[int]  # prompt + the first ``position`` tokens of its greedy answer
     candidates: tuple[Start, ...]
-    pilot: tuple[tuple[float, float], ...]  # per candidate: (accepted, rejected) drafts per compared token
+    pilot: tuple[tuple[float, float], ...]  # per candidate: (accepted, rejected) drafts per window token
     pilot_sequences: int
 
     @property
@@ -59,7 +67,7 @@ class StartChoice:
         accepted, rejected = self.pilot[self.candidates.index(self.start)]
         return (f"start: prompt {self.start.prompt}, answer token {self.start.position}, chosen by a pilot of "
                 f"{self.pilot_sequences} sequences at each of {len(self.candidates)} starts (own seed): "
-                f"{accepted:.0%} accepted, {rejected:.0%} rejected drafts per compared token there")
+                f"{accepted:.0%} accepted, {rejected:.0%} rejected drafts per window token there")
 
 
 def drafted_flags(step_lengths: tuple[int, ...]) -> list[bool]:
@@ -104,10 +112,10 @@ def candidate_starts(answer_lengths: list[int], flags: list[list[bool]], probs: 
 
 def pilot_shares(loaded: Any, starts: list[list[int]], drafter: Any, options: dict, sampling: SamplingConfig,
                  sizes: Any, seed: int, progress: Callable[[str], None] | None = None) -> list[tuple[float, float]]:
-    """Per start, (accepted, rejected) drafts per compared token over ``sizes.pilot_sequences`` speculative
+    """Per start, (accepted, rejected) drafts per window token over ``sizes.pilot_sequences`` speculative
     continuations sampled as the check samples them (exact rule), drawn from :func:`pilot_seed` of ``seed``.
     ``progress`` (optional) is told how far their sampling has come, as the check's (:class:`TokenProgress`)."""
-    n, k, common = sizes.pilot_sequences, sizes.sample_tokens, sampling_kwargs(sampling, sizes)
+    n, k, common = sizes.pilot_sequences, window(sizes), sampling_kwargs(sampling, sizes)
     if progress is not None:  # a while on a CPU with the embedded model (each start is prefilled once: Engine.add)
         common["streamer"] = TokenProgress(progress, PILOT, len(starts) * n * common["max_new_tokens"])
     outputs = sample_in_chunks(lambda chunk, chunk_seed: generate_with_control(
@@ -124,7 +132,7 @@ def choose_start(loaded: Any, prompts: list[list[int]], plain: list[list[int]], 
                  progress: Callable[[str], None] | None = None) -> StartChoice:
     """``plain``: the plain greedy outputs of ``prompts`` (prompt + answer); ``step_lengths``: per prompt, the greedy
     speculative run's (:class:`specdec.eval.divergence.IdentityResult`); ``progress``: see :func:`pilot_shares`."""
-    k, last = sizes.sample_tokens, sizes.identity_tokens // 2
+    k, last = window(sizes), sizes.identity_tokens // 2
     probs = greedy_token_probs(loaded.model, prompts, plain, sampling, last + k)
     candidates = candidate_starts([len(out) - len(p) for p, out in zip(prompts, plain, strict=True)],
                                   [drafted_flags(lengths) for lengths in step_lengths], probs, k, last,

@@ -18,9 +18,10 @@ from specdec.sampling import SamplingConfig
 from specdec.testing import RandomTreeDrafter, build_tiny_model
 
 # 7 greedy-identity prompts: this tiny model's answers fall into cycles that few faults disturb, and
-# the engine-fault controls must be caught on at least one answer
+# the engine-fault controls must be caught on at least one answer; a window of 4 sampled tokens, not the default
+# 8, for time (tests/test_certificate_reach.py runs the default one)
 SMALL = CertificateSizes(stat_samples=6000, identity_prompts=7, identity_tokens=24, sample_sequences=800,
-                         sample_tokens=2, e2e_tv=0.1)
+                         sample_tokens=2, sample_later=2, e2e_tv=0.1)
 
 
 def _prompts(n):
@@ -164,7 +165,8 @@ def test_engine_fault_that_is_never_exercised_voids_the_certificate():
 @pytest.mark.parametrize("level, name, flags", [
     ("end-to-end", "greedy identity vs plain decoding (batched)", "--identity-prompts / --identity-tokens"),
     ("sampler-statistics", "chi-square vs exact law (Holm)", "--stat-samples"),
-    ("end-to-end", "sampled 2 tokens (of 3) in a greedy answer vs plain sampling", "--sample-sequences"),
+    ("end-to-end", "sampled 8 tokens (of 9) in a greedy answer vs plain sampling (chi-square on the first 2, "
+                   "log-probability KS on all 8)", "--sample-sequences"),
     ("coupled", "plain coupled sampling == target law (first token)", "--stat-samples"),
     ("bitwise", "ngram text and log-probabilities == plain, bit for bit (batched + single)",
      "--identity-prompts / --identity-tokens"),
@@ -450,7 +452,7 @@ def test_sampled_end_to_end_check_verifies_drafts_for_the_compared_tokens():
 
     loaded, prompts = _fault_setup()
     reference = reference_continuations(loaded, prompts[:1], 8)
-    sizes = CertificateSizes(sample_sequences=20, sample_tokens=2)
+    sizes = CertificateSizes(sample_sequences=20, sample_tokens=2, sample_later=0)  # the window: 2 tokens
     greedy_like = SamplingConfig(True, 1.0, 1)  # top-k 1: the oracle's greedy tokens are always accepted
     res = end_to_end.sampled_two_sample(loaded, prompts[0], LateOracle(reference, AcceptanceProfile.constant(1.0, 4)),
                                         {}, greedy_like, sizes)
@@ -536,7 +538,7 @@ def test_the_end_to_end_level_says_each_check_as_it_starts_and_how_far_sampling_
                     progress=lines.append)
     inner = ("end to end: the exact rule: ", "end to end: always_accept: ")  # lines inside a sampled check
     said = [line for line in lines if not line.startswith((*inner, sampled_start.PILOT))]
-    tokens = 1 + sizes.sample_lookahead
+    tokens = 1 + sizes.sample_later + sizes.sample_lookahead
     # the pilot choosing the start (a minute with the embedded model) said nothing while it sampled
     pilot = [line for line in lines if line.startswith(sampled_start.PILOT)]
     piloted = 1 * 4 * tokens  # start_candidates x pilot_sequences x tokens (no eos)
