@@ -102,7 +102,7 @@ class EagleDrafter(Drafter):
     python_only_options = frozenset({"model"})  # not --drafter-option keys (drafters.registry)
     needs_hidden_states = True
     pending_trees = True  # propose_pending: the engine may verify the trees before the host reads them
-    layer_from_target = False  # True (mtp): with neither path= nor model=, the layer is read from the target's files
+    layer_from_target = False  # True (mtp): neither path= nor model= is needed, the layer is read from the target's
 
     def __init__(self, path: str | None = None, model: EagleModel | None = None, **options) -> None:
         """``path`` (a checkpoint directory) or ``model`` (an EagleModel); ``options``: EagleDraftConfig."""
@@ -123,7 +123,7 @@ class EagleDrafter(Drafter):
     def load_for_target(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
         """The layer of ``path=`` read for this target (once per process: drafters/loaded_once.py), or the given
         one checked against the target's config."""
-        if self.path is not None and not self.layer_from_target:  # the layer loaded for this target and dtype,
+        if self.path is not None:  # the layer loaded for this target and dtype,
             # shared by the drafters of its checkpoint (drafters/loaded_once.py): taken anew per call, never moved
             target_config = runner.hf_model.config
             self.model = load_once("eagle", self.path, (target_config.to_json_string(), str(runner.dtype),

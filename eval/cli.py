@@ -215,12 +215,15 @@ def select_conversations(categories: str | None, prompts: int | None, prompts_fi
         raise ValueError(f"{prompts_file} has categories {', '.join(clash)}, also asked for as built-in ones: "
                          f"leave them out of --categories")
     if os.environ.get("RANK", "0") == "0":  # once, under accelerate launch too
-        from specdec.eval.replay_cli import counted
-
         for category, (n, asked) in short_categories(built_in + from_file, prompts).items():
             print(f"note: {category} has {counted(n, 'prompt')}, fewer than the {asked} per category asked for; "
                   "all of them run", file=sys.stderr)
     return built_in + from_file
+
+
+def counted(n: int, noun: str) -> str:
+    """``1 prompt``, ``2 prompts``: the CLI's counts in words."""
+    return f"{n} {noun}{'s' * (n != 1)}"
 
 
 def short_categories(conversations: list, prompts: int | None) -> dict[str, tuple[int, int]]:

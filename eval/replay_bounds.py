@@ -85,7 +85,8 @@ def _copy_walk(prompt: list[int], new: list[int], budget: int, costs: dict[int, 
     curve = [verify_cost_at(costs, n) for n in range(1, MAX_TREE_NODES + 2)]  # curve[k]: c(1 + k)
     # price[k]: the cheapest verify of 1 + k tokens or more, up to the largest measured size (past it the curve is
     # extrapolated, and a falling last slope would price ever larger trees ever lower)
-    price = [min(curve[k : max(k + 1, max(costs))]) for k in range(len(curve))]
+    largest = max(costs)
+    price = [min(curve[k : max(k + 1, largest)]) for k in range(len(curve))]
     seconds, steps = [0.0] * (m + 1), [0] * (m + 1)  # from position j to the end
     for j in range(m - 1, -1, -1):
         seconds[j], steps[j] = min((price[k] + seconds[j + k + 1], 1 + steps[j + k + 1])

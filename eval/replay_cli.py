@@ -18,12 +18,9 @@ import math
 import sys
 from pathlib import Path
 
+from specdec.eval.cli import counted
+
 from specdec.models.embedded import DEFAULT_ALIAS
-
-
-def counted(n: int, noun: str) -> str:
-    """``1 prompt``, ``2 prompts``: the CLI's counts in words."""
-    return f"{n} {noun}{'s' * (n != 1)}"
 
 
 def add_parser(ev_sub, inference) -> None:
@@ -140,12 +137,12 @@ def run_replay(args) -> int:
     from specdec.eval.replay import ReplayConfig, replay
     from specdec.eval.replay_record import load_record, verify_cost_at
 
-    options = _options(args.drafter_option, args.drafter)
-    record = load_record(args.record)
     if args.queued_step is not None and not (math.isfinite(args.queued_step) and args.queued_step > 0):
         raise ValueError(f"--queued-step takes the plain step's milliseconds (> 0), got {args.queued_step}")
     if args.look_budget is not None and args.queued_step is None:
         raise ValueError("--look-budget is spent on queued steps only: give it with --queued-step")
+    options = _options(args.drafter_option, args.drafter)
+    record = load_record(args.record)
     curve = None if args.verify_costs is None else _verify_costs(args.verify_costs)
     queued = None if args.queued_step is None else args.queued_step / 1e3
     results = [replay(record, ReplayConfig(args.drafter, options, n, args.temperature, args.guard == "on", queued,
