@@ -108,7 +108,7 @@ def tau_part(loaded, args, out: dict, save) -> None:
     prompts = {c: [chat_ids(loaded.tokenizer, t) for t in load_prompts(c, args.prompts)] for c in cats}
     rows = []
     out["tau"] = {"prompts_per_category": args.prompts, "max_new_tokens": args.max_new_tokens, "rows": rows}
-    for temperature in [float(t) for t in args.temperatures.split(",")]:
+    for temperature in args.temperatures:
         for name, make in chosen(loaded, args).items():
             for cat in cats:
                 taus = {}
@@ -126,6 +126,17 @@ def tau_part(loaded, args, out: dict, save) -> None:
                 save()
                 print(f"T={temperature} {name:<22} {cat:<14} tau standard {taus['standard']:5.2f}  "
                       f"coupled {taus['coupled']:5.2f}", flush=True)
+
+
+def temperatures(ap, text: str) -> list[float]:
+    """--temperatures as floats, each positive (the tau part samples), checked before any model loads."""
+    try:
+        values = [float(t) for t in text.split(",")]
+    except ValueError:
+        ap.error(f"--temperatures: comma-separated numbers, got {text!r}")
+    if not all(v > 0 for v in values):  # also refuses nan
+        ap.error(f"--temperatures: each must be positive (sampling), got {text!r}")
+    return values
 
 
 def main() -> None:
@@ -147,6 +158,7 @@ def main() -> None:
     args = ap.parse_args()
     check_positive(ap, args, "identity_prompts", "identity_tokens", "prompts", "max_new_tokens")
     args.categories = check_categories(ap, args.categories)
+    args.temperatures = temperatures(ap, args.temperatures)
     args.drafters = chosen_names(ap, args)
     file = Path(args.out) / f"coupled-{args.part}{args.tag}.json"
     check_new_files(ap, args.overwrite, file)

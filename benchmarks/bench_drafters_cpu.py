@@ -53,6 +53,7 @@ from common import (  # noqa: E402
     add_guard_memory,
     add_overwrite,
     chat_ids,
+    check_machine_class,
     check_new_files,
     check_positive,
     eagle_rows,
@@ -323,9 +324,8 @@ def parse_args(argv: list[str] | None = None):
     if min(args.lengths) < 1:
         ap.error("--lengths must be positive")
     check_positive(ap, args, "prompts", "repeats", "max_new_tokens")
-    if args.out and drafter_grid.machine_class() is None:  # the file's machine_class: docs/gen_benchmarks.py's
-        ap.error("--out: this CPU has no machine class of docs/gen_benchmarks.py (benchmarks/common.py's "
-                 "machine_class), so its grid cannot be a docs/results file; the tables print without --out")
+    if args.out:
+        check_machine_class(ap, "--out")
     args.categories = drafter_grid.expand_categories(
         args.categories or ("all,held-out,batch8" if args.grid else "summarisation,code,chat"), ap.error)
     check_new_files(ap, args.overwrite, args.out if args.grid else args.json)  # what this run would write

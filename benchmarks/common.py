@@ -139,6 +139,13 @@ def machine_class() -> str | None:
     return None
 
 
+def check_machine_class(ap, flag: str) -> None:
+    """Refuse ``flag`` up front where this CPU has no machine class: its docs/results file would break the docs."""
+    if machine_class() is None:
+        ap.error(f"{flag}: this CPU has no machine class of docs/gen_benchmarks.py (benchmarks/common.py's "
+                 "machine_class), so the run cannot be a docs/results file; run it without " + flag)
+
+
 def cpu_name() -> str:
     """This CPU's model name (as the cost cache keys it: :func:`specdec.cpu_info.cpu_model`) and its logical CPUs."""
     count = len(cpu_info.cpuinfo_values("model name")) or os.cpu_count()

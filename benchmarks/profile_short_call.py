@@ -36,6 +36,7 @@ from common import (  # noqa: E402
     add_guard_memory,
     add_overwrite,
     chat_ids,
+    check_machine_class,
     check_new_files,
     cpu_name,
     forget_guard,
@@ -163,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--append needs --out naming a file this script wrote")
     if not args.append:
         check_new_files(ap, args.overwrite, args.out)
+        if args.out:
+            check_machine_class(ap, "--out")
     if args.threads:
         torch.set_num_threads(args.threads)
     start_guard_memory(args)

@@ -65,8 +65,8 @@ def test_an_existing_result_file_is_refused_before_anything_is_measured(name, ar
         monkeypatch.setattr(first, _measured)
     else:
         monkeypatch.setattr(module, first, _measured)
-    if "drafter_grid" in sys.modules:  # --grid --out needs a machine class (on an unnamed CPU: refused)
-        monkeypatch.setattr(sys.modules["drafter_grid"], "machine_class", lambda: "cpu-avx512")
+    if "common" in sys.modules:  # --out needs a machine class (on an unnamed CPU: refused)
+        monkeypatch.setattr(sys.modules["common"], "machine_class", lambda: "cpu-avx512")
     for existing in ("x.json", "speed.json", "coupled-tau.json"):
         (tmp_path / existing).write_text("{}")
     args = [a.format(out=tmp_path / "x.json", dir=tmp_path) for a in argv]
@@ -93,6 +93,7 @@ def test_an_existing_result_file_is_refused_before_anything_is_measured(name, ar
     ("bench_invariant_cpu", ["--threads", "0"]), ("bench_invariant_cpu", ["--prompts", "0"]),
     ("bench_coupled_cpu", ["--drafters", "bogus"]), ("bench_coupled_cpu", ["--prompts", "0"]),
     ("bench_coupled_cpu", ["--identity-prompts", "0"]), ("bench_coupled_cpu", ["--categories", "bogus"]),
+    ("bench_coupled_cpu", ["--temperatures", "0.8,x"]), ("bench_coupled_cpu", ["--temperatures", "0"]),
     ("bench_host_overhead", ["--repeats", "0"]), ("bench_host_overhead", ["--batch1", "--repeats", "0"]),
     ("bench_host_overhead", ["--tokens", "0"]), ("bench_host_overhead", ["--batch1", "--tokens", "0"]),
     ("bench_drafters_cpu", ["--max-new-tokens", "0"]),
@@ -111,19 +112,31 @@ def test_bad_arguments_are_one_line_errors(name, argv, monkeypatch, capsys):
     assert exit_.value.code == 2 and "error: " in capsys.readouterr().err.strip().splitlines()[-1]
 
 
-def test_drafters_options_of_each_mode_default_alike_and_grid_out_needs_a_machine_class(tmp_path, capsys):
+def test_drafters_options_of_each_mode_default_alike_and_grid_out_needs_a_machine_class(tmp_path, capsys,
+                                                                                          monkeypatch):
     """The defaults trip no refusal; --grid --out on a CPU docs/gen_benchmarks.py names no class for is refused (its
     file would say machine_class null, which the benchmarks page refuses)."""
     bench = _script("bench_drafters_cpu")
     args = bench.parse_args([])[1]
     assert (args.max_new_tokens, args.out, args.json) == (96, None, None)
     assert bench.parse_args(["--grid"])[1].lengths == [16, 32, 64, 128]
-    sys.modules["drafter_grid"].machine_class = lambda: None  # as on an Intel CPU without AVX-512
+    monkeypatch.setattr(sys.modules["common"], "machine_class", lambda: None)  # as on an Intel CPU without AVX-512
     bench.parse_args(["--grid"])  # the tables alone: fine
     with pytest.raises(SystemExit) as exit_:
         bench.parse_args(["--grid", "--out", str(tmp_path / "grid.json")])
     assert exit_.value.code == 2 and "machine class" in capsys.readouterr().err
     assert not (tmp_path / "grid.json").exists()
+
+
+def test_a_short_call_profile_out_needs_a_machine_class(tmp_path, capsys, monkeypatch):
+    """profile_short_call.py --out on an unnamed CPU is refused before a model loads (it wrote machine_class null)."""
+    profiler = _script("profile_short_call")
+    monkeypatch.setattr(sys.modules["common"], "machine_class", lambda: None)
+    monkeypatch.setattr(profiler, "load_model", _measured)
+    with pytest.raises(SystemExit) as exit_:
+        profiler.main(["--out", str(tmp_path / "prof.json")])
+    assert exit_.value.code == 2 and "machine class" in capsys.readouterr().err
+    assert not (tmp_path / "prof.json").exists()
 
 
 @pytest.mark.parametrize("name,argv", [

@@ -37,6 +37,8 @@ def _no_calibration(monkeypatch):
     monkeypatch.setattr("specdec.cost_model.ensure_row_policy", lambda runner, config, cache_dir: None)
     monkeypatch.setattr("specdec.verify_cost.measure_verify_costs",
                         lambda runner, prompts, sizes, sampling, **kw: {n: 1e-3 * (1 + 0.01 * (n - 1)) for n in sizes})
+    if "common" in sys.modules:  # --out needs a machine class; on an unnamed CPU (Intel without AVX-512) it has none
+        monkeypatch.setattr(sys.modules["common"], "machine_class", lambda: "cpu-avx512")
 
 
 def test_grid_measures_every_cell_and_checks_outputs(bench, chat_ckpt, tmp_path):
