@@ -66,8 +66,8 @@ class DraftConfig:
     num_draft_tokens: int = 4  # tree depth
     tree: str = "static"  # "static": widths per depth | "dynamic": EAGLE-2 style (deterministic candidates)
     widths: tuple[int, ...] = ()  # children per node at depth 1, 2, ...; () = a chain
-    max_nodes: int = 16  # node budget of a dynamic tree
-    beam: int = 4  # dynamic tree: nodes kept per depth (and children considered per node)
+    max_nodes: int | None = None  # node budget of a dynamic tree (16 by default); refused with a static one
+    beam: int | None = None  # dynamic tree: nodes kept per depth and children per node (4 by default); likewise
     mode: str = "auto"
     seed: int | None = None  # for sampled drafts; None: generate()'s seed (see the module doc)
     # draft-model forwards through CUDA-graph buckets (specdec.cuda_graphs) over a cache kept with the draft model:
@@ -82,8 +82,10 @@ class DraftConfig:
         widths = tuple(check_int(f"widths[{i}]", w, minimum=1) for i, w in enumerate(self.widths))
         object.__setattr__(self, "widths", widths)
         check_int("num_draft_tokens", self.num_draft_tokens, minimum=1)
-        check_int("max_nodes", self.max_nodes, minimum=1, maximum=MAX_TREE_NODES)
-        check_int("beam", self.beam, minimum=1)
+        if self.max_nodes is not None:  # None: the dynamic tree's default
+            check_int("max_nodes", self.max_nodes, minimum=1, maximum=MAX_TREE_NODES)
+        if self.beam is not None:
+            check_int("beam", self.beam, minimum=1)
         check_int("seed", self.seed, optional=True)
         if self.tree not in ("static", "dynamic"):
             raise InputError(f"tree must be 'static' or 'dynamic', got {self.tree!r}")
@@ -97,6 +99,14 @@ class DraftConfig:
         if self.tree == "dynamic" and self.widths:  # () is the default: these were given, and would do nothing
             raise InputError(f"widths {list(self.widths)} shape a static tree; a dynamic tree is shaped by max_nodes "
                              "and beam (drop widths, or use tree='static')")
+        given = [f"{k}={getattr(self, k)}" for k in ("max_nodes", "beam") if getattr(self, k) is not None]
+        if self.tree == "static" and given:  # they would do nothing
+            raise InputError(f"{', '.join(given)} shape{'s' * (len(given) == 1)} a dynamic tree; a static tree is "
+                             f"shaped by widths and num_draft_tokens (drop {'them' if len(given) > 1 else 'it'}, or use "
+                             "tree='dynamic')")
+        if self.tree == "dynamic":
+            object.__setattr__(self, "max_nodes", 16 if self.max_nodes is None else self.max_nodes)
+            object.__setattr__(self, "beam", 4 if self.beam is None else self.beam)
         if self.tree == "dynamic" and self.mode in ("independent", "without_replacement"):
             raise InputError("a dynamic tree picks candidates deterministically; use mode='deterministic' or 'auto'")
         if self.tree == "static" and self.static_nodes() > MAX_TREE_NODES:

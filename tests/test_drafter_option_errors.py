@@ -28,6 +28,8 @@ BAD = [
     ("self-draft", dict(widths=[40]), r"widths \[40\] with num_draft_tokens=2 give 80 nodes \(depths past the widths "
                                       r"continue as chains\); at most 64"),
     ("self-draft", dict(tree="dynamic", widths=[2, 2]), r"widths \[2, 2\] shape a static tree"),
+    ("self-draft", dict(max_nodes=8), "max_nodes=8 shapes a dynamic tree"),  # a static tree ignored them
+    ("draft-model", dict(model="x", beam=2, max_nodes=8), r"max_nodes=8, beam=2 shape a dynamic tree.*drop them"),
     ("self-draft", dict(num_layers=0), "num_layers must be >= 1"),
     ("self-draft", dict(num_layers=True), "num_layers must be an int, got bool True"),
     ("self-draft", dict(draft_vocab=""), "draft_vocab .* got the empty string"),
