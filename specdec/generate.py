@@ -353,9 +353,11 @@ def run(engine: Engine, request: GenerateRequest) -> Any:
         raise CacheFullError(f"{err} The {sum(map(len, new_tokens))} tokens generated so far are in this error's "
                              "new_tokens.", new_tokens) from err
     finally:
-        engine.close()
-        if put_end:
-            streamer.end()
+        try:
+            engine.close()
+        finally:  # a reader iterating the streamer waits for end() whatever close() met
+            if put_end:
+                streamer.end()
     return pack_output(engine, seqs, request.layout, request.return_dict, start, prefill_seconds)
 
 

@@ -191,6 +191,41 @@ def test_a_call_that_raises_releases_its_sequences_and_frees_its_cache():
     assert drafter.target.cache.kv.numel() == 0  # freed after a call that ended normally too
 
 
+class FailingTwice(Remembering):
+    """Its third propose raises, and so does its release: a drafter broken in its clean-up too."""
+
+    name = "failing-twice"
+
+    def propose(self, seqs):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 3:
+            raise RuntimeError("the drafter's own error")
+        return super().propose(seqs)
+
+    def release(self, seq_id: int) -> None:
+        raise RuntimeError("release failed too")
+
+
+def test_a_drafter_whose_release_raises_leaves_the_calls_error_and_the_streamer_ended(caplog):
+    """The end of a failed call released sequences unguarded: a release() that raised skipped the streamer's end()
+    (a reader iterating it waited for ever), the other sequences and the cache, and its error replaced the call's."""
+    import pytest
+
+    class Streamer:
+        ended = False
+
+        def put(self, value):
+            pass
+
+        def end(self):
+            self.ended = True
+
+    model, streamer = build_tiny_model("llama-gqa-tied"), Streamer()
+    with pytest.raises(RuntimeError, match="the drafter's own error"):
+        generate(model, [[5, 9, 11, 2]], drafter=FailingTwice(), max_new_tokens=8, streamer=streamer)
+    assert streamer.ended and "release(0) raised" in caplog.text
+
+
 class Refill(Drafter):
     """Builds one sampled DraftTree per sequence once and refills its tensors in place each step: the first step's
     draft is uniform, every later one all mass on token ``A`` (drawn honestly from what it writes)."""
