@@ -48,10 +48,10 @@ UNRECORDED_CONTEXT = 4096  # max_position_embeddings of a head whose target's co
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's published low / middle / high layer ids (2, L // 2, L - 3); a target too shallow for distinct ids
+    """EAGLE-3's published low / middle / high layer ids (2, L // 2, L - 3); a target too shallow for rising ids
     takes (0, L // 2, L) (id L: the last residual stream, before the final norm)."""
     ids = (2, num_layers // 2, num_layers - 3)
-    return ids if len(set(ids)) == 3 and min(ids) >= 0 else (0, num_layers // 2, num_layers)
+    return ids if ids[0] < ids[1] < ids[2] else (0, num_layers // 2, num_layers)
 
 
 @dataclass(frozen=True)

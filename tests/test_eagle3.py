@@ -32,6 +32,8 @@ def test_default_feature_layers_are_the_published_low_middle_high():
     assert default_feature_layers(32) == (2, 16, 29)
     assert default_feature_layers(30) == (2, 15, 27)
     assert default_feature_layers(2) == (0, 1, 2)  # too shallow for distinct published ids
+    assert default_feature_layers(3) == (0, 1, 3)  # (2, 1, 0) is distinct but high / middle / low
+    assert all(a < b < c for a, b, c in map(default_feature_layers, range(2, 80)))
     with pytest.raises(InputError, match="distinct"):
         EagleConfig.for_target(build_tiny_model().config, arch="eagle3", feature_layers=(1, 1, 2))
     with pytest.raises(InputError, match="EAGLE-3 options"):
