@@ -31,6 +31,10 @@ def acceptance_rates(accepted: Sequence[int], tried: Sequence[int]) -> tuple[flo
 
 @dataclass(frozen=True)
 class SequenceStats:
+    """One sequence's record of a call (``GenerateOutput.stats``): its lengths, steps, tau (new tokens per target
+    forward), time, why it stopped (``finish_reason``: ``"eos"``, ``"stop"`` or ``"length"``) and, per draft depth,
+    how often a node there was accepted once its parent was; each field's comment in specdec/output.py says more."""
+
     prompt_tokens: int
     new_tokens: int
     steps: int  # target forward passes after prefill
@@ -67,6 +71,11 @@ _TRANSFORMERS_ONLY = {
 
 @dataclass(frozen=True)
 class GenerateOutput:
+    """What ``generate(..., return_dict=True)`` returns: ``sequences`` (each row as given, then its new tokens, as
+    transformers returns them), ``new_tokens`` per row, a :class:`SequenceStats` per row, the call's timings and
+    forward passes, and with ``output_logprobs=True`` the target's log-probability of each new token. Fields read
+    as attributes or by name (``out["sequences"]``); transformers' fields specdec does not return are named so."""
+
     sequences: Any  # like transformers: each input row as given + its new tokens (tensor or lists)
     new_tokens: list[list[int]]
     stats: list[SequenceStats]

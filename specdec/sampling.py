@@ -38,6 +38,10 @@ WARPERS: dict[str, Any] = {"top_h": None, "top_k": 0, "top_p": 1.0, "min_p": 0.0
 
 @dataclass(frozen=True)
 class SamplingConfig:
+    """A call's sampling transform, as ``generate()`` resolved it from its arguments and the GenerationConfig:
+    greedy, or temperature then transformers' warpers in transformers' order (each field's comment says when it is
+    off). Drafters read it as ``TargetView.sampling`` to draft from the law the target samples."""
+
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0  # 0 = disabled

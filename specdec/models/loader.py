@@ -294,6 +294,18 @@ def load_model(
     device: str | torch.device | None = None,
     trust_remote_code: bool = False,
 ) -> LoadedModel:
+    """Load ``spec`` as a ``LoadedModel`` (its transformers model, tokenizer and specdec's runner of it).
+
+    Args:
+        spec: a loaded transformers model (or ``LoadedModel``), a local checkpoint directory, a ``.gguf`` file, the
+            embedded default's alias (``"default"``) or a synthetic target (``"synthetic:llama-3.1-8b"``).
+        tokenizer: the tokenizer to use instead of the one found with the model.
+        dtype: the dtype a checkpoint loads in (default: float32 on the CPU, the config's half dtype on CUDA); a
+            model passed loaded in another dtype is refused, never converted.
+        device: where the model runs (default: where a passed model is; a checkpoint: the CPU, a synthetic
+            target: CUDA when present); a passed model moves there in place.
+        trust_remote_code: allow a checkpoint's own code, as transformers' flag does; nothing is downloaded.
+    """
     dtype = check_dtype(dtype)
     device = check_device(device) if device is not None else None
     if isinstance(spec, LoadedModel):  # a tokenizer passed with it serves this use (generate(tokenizer=...))
