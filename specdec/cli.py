@@ -26,6 +26,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import sys
 import time
 
@@ -195,7 +196,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the sampling: one text per seed (default: none, torch's global generator)")
     p.add_argument("--stop", action="append", default=None,
-                   help="stop string, repeatable; kept in the output, as in transformers")
+                   help="stop string, repeatable; kept in the output, as in transformers; \\n, \\t, \\r and \\\\ "
+                        "in it are a newline, tab, carriage return and backslash")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--system", default=None,
                    help="system message for the chat template; \"\" gives an empty one (default: none given, so "
@@ -337,8 +339,16 @@ def _checked_texts(args) -> tuple[str, str | None, list[str] | None]:
     if system is not None and args.no_chat_template:
         raise CLIError("--system goes into the chat template, which --no-chat-template turns off; drop one of them "
                        "(or put the system text at the start of the prompt)")
-    stop = [_check_argument(s, "--stop") for s in args.stop] if args.stop else args.stop
+    stop = [_unescaped(_check_argument(s, "--stop")) for s in args.stop] if args.stop else args.stop
     return text, system, stop
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def _unescaped(stop: str) -> str:
+    """``--stop '\\n'`` as the newline it means (a shell passes the two characters); any other backslash is kept."""
+    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], stop)
 
 
 def _generation_settings(args) -> dict:

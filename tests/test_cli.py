@@ -297,3 +297,12 @@ def test_acceptance_per_depth_lists_only_the_depths_tried():
 
     assert acceptance_rates((28, 14, 0, 0), (100, 28, 5, 0)) == (0.28, 0.5, 0.0)
     assert acceptance_rates((0, 0), (0, 0)) == ()
+
+
+def test_stop_reads_backslash_escapes_as_the_characters_they_name():
+    """--stop '\\n' reached generate() as a backslash and an n, a stop no text holds: a shell passes the two
+    characters, so a newline stop needed bash's $'\\n'."""
+    from specdec.cli import _checked_texts, _parser
+
+    args = _parser().parse_args(["generate", "hi", "--stop", "\\n", "--stop", "a\\tb\\\\n\\q"])
+    assert _checked_texts(args)[2] == ["\n", "a\tb\\n\\q"]
