@@ -169,3 +169,88 @@ def test_an_eagle_report_without_a_final_loss_renders():
               "tree_measurements": [], "tree": {"depth": 1, "top_k": 1, "max_nodes": 1},
               "seconds": {"data": 1, "train": 1, "eval": 1, "total": 3}}
     assert "3 steps on 1 sequences (1 process(es)); final loss n/a" in render_markdown(report)
+
+
+def test_content_given_as_text_parts_is_trained_on_as_its_text(tmp_path):
+    """Content as a list of parts (OpenAI's and transformers' ``[{"type": "text", "text": ...}]``) reached the chat
+    template as a list, which rendered its Python repr, trained on without a word. The text parts are joined now;
+    a part that is not text, or content of another type, is one line naming the record."""
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": " there"}]
+    f = _jsonl(tmp_path / "d.jsonl", [{"messages": CHAT}, {"messages": [{"role": "user", "content": parts}, CHAT[1]]}])
+    assert load_texts(f, tokenizer=ChatTok()) == ["<user>hi<assistant>yo", "<user>hi there<assistant>yo"]
+    for content, match in (
+            ([parts[0], {"type": "image_url", "image_url": {"url": "x.png"}}],
+             "record 1: message 0's content part 1 is of type 'image_url': only text parts"),
+            ([{"type": "text", "text": 5}], "record 1: message 0's content part 0 has no 'text' string"),
+            ({"text": "hi"}, "record 1: message 0's content must be a string, null or a list of text parts")):
+        f = _jsonl(tmp_path / "d.jsonl", [{"messages": CHAT}, {"messages": [{"role": "user", "content": content}]}])
+        with pytest.raises(TrainDataError, match=match):
+            load_texts(f, tokenizer=ChatTok())
+
+
+ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+               "{% endif %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}")
+
+
+@pytest.mark.parametrize("messages,cause", [
+    ([{"role": "system", "content": "be brief"}, *CHAT],
+     "TemplateError: Conversation roles must alternate user/assistant/user/assistant/..."),
+    ([], "ValueError: Cannot apply chat template to an empty conversation"),
+])
+def test_a_record_the_chat_template_cannot_render_is_named(tmp_path, messages, cause):
+    """A record the model's chat template refuses (roles that do not alternate, no message) gave jinja2's traceback
+    or transformers' message naming no record; now one line naming the file, the record and the template's error."""
+    from tests.test_train_data import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.chat_template = ALTERNATING
+    f = _jsonl(tmp_path / "d.jsonl", [{"messages": CHAT}, {"messages": messages}])
+    with pytest.raises(TrainDataError) as err:
+        load_texts(f, tokenizer=tok)
+    assert str(err.value).startswith(f"{f} record 1: the tokenizer's chat template cannot render its 'messages' "
+                                     f"({cause}") and len(str(err.value).splitlines()) == 1
+
+
+def test_chat_records_after_the_first_ten_megabytes_of_texts_load(tmp_path):
+    """datasets' JSON reader fixes the columns from the file's first 10 MB: a file mixing texts and chat messages
+    (documented as legal) failed with "CastError: Couldn't cast" once a chat record, or a message with a key more,
+    came after that. JSON Lines files are read record by record now; a .json file says what to do."""
+    filler = "lorem ipsum dolor sit amet " * 16
+    rows = [{"text": f"record {i} {filler}"} for i in range(24_000)]  # about 11 MB
+    rows += [{"messages": CHAT}, {"messages": [{"role": "user", "content": "late", "name": "bob"}]}]
+    f = _jsonl(tmp_path / "d.jsonl", rows)
+    texts = load_texts(f, tokenizer=ChatTok())
+    assert len(texts) == len(rows) and texts[-2:] == ["<user>hi<assistant>yo", "<user>late"]
+    (tmp_path / "d.json").write_text((tmp_path / "d.jsonl").read_text())
+    with pytest.raises(TrainDataError, match=r"CastError: .* name the file \.jsonl, which is read record by record"):
+        load_texts(str(tmp_path / "d.json"), tokenizer=ChatTok())
+
+
+@pytest.mark.parametrize("rows,match", [
+    ([{"body": "x"}, {"other": 1}], r"has neither a 'text' nor a 'messages' field \(columns: \['body', 'other'\]\)"),
+    ([{"body": "x"}, {"text": "fine"}], "record 0 has neither a 'text' string nor 'messages'"),
+    ([{"text": "fine"}, ["not", "an", "object"]], "line 2 is a JSON list, not an object"),
+])
+def test_jsonl_records_without_the_fields_are_named_as_before(tmp_path, rows, match):
+    f = _jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(TrainDataError, match=match):
+        load_texts(f, tokenizer=ChatTok())
+
+
+def test_more_prompts_asked_for_than_there_are_are_said(tmp_path, caplog):
+    """--num-prompts beyond a --prompts-file's lines, and --eval-prompts beyond the held-out chat prompts, ran on
+    fewer with no word (report.json's config records the number asked for, its counts the number used)."""
+    from specdec.eval.prompts import CHAT
+    from specdec.train.config import TrainConfig
+    from specdec.train.evaluate import eval_prompts
+    from specdec.train.pipeline import read_inputs
+
+    (tmp_path / "prompts.txt").write_text("one\n\ntwo\nthree\n")
+    cfg = TrainConfig(model="m", output_dir=str(tmp_path / "run"), prompts_file=str(tmp_path / "prompts.txt"),
+                      num_prompts=10)
+    with caplog.at_level(logging.WARNING):
+        assert read_inputs(cfg, None) == ["one", "two", "three"]
+        assert eval_prompts(1000) == list(CHAT)
+    assert f"--num-prompts 10: prompts file {tmp_path / 'prompts.txt'} holds 3 prompts; using all 3" in caplog.text
+    assert f"--eval-prompts 1000: there are {len(CHAT)} held-out chat prompts; using all {len(CHAT)}" in caplog.text

@@ -4,9 +4,11 @@
     seqs = tokenize_texts(tokenizer, texts, seq_len=512)     # list[list[int]], each 2..seq_len tokens
 
 Each record holds either a text field (``--text-field``, default ``text``) or chat messages
-(``--messages-field``, default ``messages``: a list of ``{"role", "content"}``), which are rendered
-with the tokenizer's chat template; one file may mix the two. Anything else is a :class:`TrainDataError`
-naming the record.
+(``--messages-field``, default ``messages``: a list of ``{"role", "content"}``, content a string, null or a list of
+text parts ``{"type": "text", "text": ...}``, which are joined), rendered with the tokenizer's chat template; one
+file may mix the two. JSON Lines files are read record by record with the json module (records may differ in
+shape anywhere in the file); other formats through ``datasets``. Anything else, and a record the chat template
+cannot render, is a :class:`TrainDataError` naming the file and the record.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def _load_dataset(path: Path):
                 ds = ds[split]
             return ds
         suffix = path.suffix.lower()
-        if suffix in (".jsonl", ".json", ".parquet"):
+        if suffix in (".json", ".parquet"):  # .jsonl: _jsonl_records
             if path.stat().st_size == 0:
                 raise TrainDataError(f"training data {path} is empty")
             with _datasets_errors_unlogged():
@@ -47,7 +49,7 @@ def _load_dataset(path: Path):
     except TrainDataError:
         raise
     except Exception as err:  # datasets raises many types for bad files
-        raise TrainDataError(f"cannot read training data {path}: {_what_is_wrong(path, err)}") from err
+        raise TrainDataError(f"cannot read training data {path}: {_what_is_wrong(err)}") from err
     raise TrainDataError(f"unknown data format {path.name!r}: use .jsonl/.json, .parquet or a saved datasets dir")
 
 
@@ -77,24 +79,75 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
     return dict(pairs)
 
 
-def _what_is_wrong(path: Path, err: Exception) -> str:
-    """What makes ``path`` unreadable: for a JSON Lines file its first line that is not JSON or holds a key twice,
-    else the innermost cause datasets wraps (its own DatasetGenerationError says only that generating failed)."""
-    if path.suffix.lower() == ".jsonl":
-        try:
-            with open(path, encoding="utf-8") as f:
-                for number, line in enumerate(f, 1):
-                    try:
-                        json.loads(line, object_pairs_hook=_unique_keys) if line.strip() else None
-                    except json.JSONDecodeError as bad:
-                        return f"line {number} is not JSON ({bad.msg}, column {bad.colno})"
-                    except _DuplicateKey as twice:
-                        return f"line {number} holds the key {twice.args[0]!r} twice in one object"
-        except (UnicodeDecodeError, OSError):
-            pass  # said below, from datasets' error
+def _what_is_wrong(err: Exception) -> str:
+    """The innermost cause datasets wraps (its own DatasetGenerationError says only that generating failed); for its
+    CastError (a record of other fields or types than those of the file's first chunk), what to do."""
     while err.__cause__ is not None or err.__context__ is not None:
         err = err.__cause__ or err.__context__
-    return f"{type(err).__name__}: {first_line(err)}"
+    cause = f"{type(err).__name__}: {first_line(err)}"
+    if type(err).__name__ == "CastError":
+        return (f"{cause} (records differ in their fields or types: name the file .jsonl, which is read record by "
+                "record)")
+    return cause
+
+
+def _jsonl_records(path: Path, text_field: str, messages_field: str):
+    """Each record's (text, messages) of a JSON Lines file, in file order (None where a field is absent), read line
+    by line: datasets' reader fixes the columns and their types from its first chunk of the file and refuses a
+    later record of another shape (a chat record after many texts) with a bare "Couldn't cast"."""
+    if path.stat().st_size == 0:
+        raise TrainDataError(f"training data {path} is empty")
+    fieldless, keys, has_field = 0, set(), False  # records before the first that holds either field
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise TrainDataError(f"training data {path} is not UTF-8 text (line {number}, byte {err.start}: "
+                                     f"{err.reason})") from err
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line, object_pairs_hook=_unique_keys)
+            except json.JSONDecodeError as bad:
+                raise TrainDataError(f"cannot read training data {path}: line {number} is not JSON ({bad.msg}, "
+                                     f"column {bad.colno})") from None
+            except _DuplicateKey as twice:
+                raise TrainDataError(f"cannot read training data {path}: line {number} holds the key "
+                                     f"{twice.args[0]!r} twice in one object") from None
+            if not isinstance(record, dict):
+                raise TrainDataError(f"cannot read training data {path}: line {number} is a JSON "
+                                     f"{type(record).__name__}, not an object (one record per line)")
+            if not has_field:  # as datasets' columns: the file lacks both fields only if every record does
+                if text_field not in record and messages_field not in record:
+                    fieldless += 1
+                    keys.update(record)
+                    continue
+                has_field = True
+                yield from [(None, None)] * fieldless  # named by _record_text, in file order
+            yield record.get(text_field), record.get(messages_field)
+    if not has_field:
+        if not fieldless:
+            raise TrainDataError(f"training data {path} is empty")
+        raise _no_field(path, keys, text_field, messages_field)
+
+
+def _no_field(path: Path, columns, text_field: str, messages_field: str) -> TrainDataError:
+    return TrainDataError(f"{path} has neither a {text_field!r} nor a {messages_field!r} field (columns: "
+                          f"{sorted(columns)}); pass --text-field or --messages-field")
+
+
+def _dataset_records(path: Path, text_field: str, messages_field: str):
+    """Each record's (text, messages) of a Parquet / JSON file or a saved dataset, read through datasets."""
+    ds = _load_dataset(path)
+    if len(ds) == 0:
+        raise TrainDataError(f"training data {path} is empty")
+    columns = set(ds.column_names)
+    if text_field not in columns and messages_field not in columns:
+        raise _no_field(path, columns, text_field, messages_field)
+    text_column = ds[text_field] if text_field in columns else [None] * len(ds)
+    messages_column = ds[messages_field] if messages_field in columns else [None] * len(ds)
+    return zip(text_column, messages_column, strict=True)
 
 
 def load_texts(data: str, text_field: str = "text", messages_field: str = "messages", tokenizer=None) -> list[str]:
@@ -104,20 +157,13 @@ def load_texts(data: str, text_field: str = "text", messages_field: str = "messa
     path = Path(data).expanduser()
     if not path.exists():
         raise TrainDataError(f"training data not found: {path}")
-    ds = _load_dataset(path)
-    if len(ds) == 0:
-        raise TrainDataError(f"training data {path} is empty")
-    columns = set(ds.column_names)
-    if text_field not in columns and messages_field not in columns:
-        raise TrainDataError(
-            f"{path} has neither a {text_field!r} nor a {messages_field!r} field (columns: {sorted(columns)}); "
-            "pass --text-field or --messages-field"
-        )
+    if path.is_file() and path.suffix.lower() == ".jsonl":
+        records = _jsonl_records(path, text_field, messages_field)
+    else:
+        records = _dataset_records(path, text_field, messages_field)
     try:  # datasets decodes a JSON file's text lazily
-        text_column = ds[text_field] if text_field in columns else [None] * len(ds)
-        messages_column = ds[messages_field] if messages_field in columns else [None] * len(ds)
         texts = []
-        for i, (text, messages) in enumerate(zip(text_column, messages_column, strict=True)):
+        for i, (text, messages) in enumerate(records):
             text = _record_text(path, i, text, messages, text_field, messages_field, tokenizer)
             if text.strip():
                 texts.append(text)
@@ -139,9 +185,36 @@ def _record_text(path: Path, i: int, text, messages, text_field: str, messages_f
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                  for m in messages):
         raise TrainDataError(f"{path} record {i}: {messages_field!r} must be a list of {{role, content}}")
+    messages = [_with_text_content(f"{path} record {i}", j, m) for j, m in enumerate(messages)]
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise TrainDataError(f"{path} holds chat messages but the model's tokenizer has no chat template")
-    return tokenizer.apply_chat_template(messages, tokenize=False)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception as err:  # jinja2's TemplateError (raise_exception), TypeError, transformers' ValueError, ...
+        raise TrainDataError(f"{path} record {i}: the tokenizer's chat template cannot render its {messages_field!r} "
+                             f"({type(err).__name__}: {first_line(err)})") from err
+
+
+def _with_text_content(where: str, j: int, message: dict) -> dict:
+    """``message`` with its content a string or None: a list of text parts (OpenAI's and transformers' form) is
+    joined with nothing between the parts, as the chat templates that take parts render them; a template given the
+    list itself renders its Python repr. A part that is not text (an image, audio) cannot be trained on."""
+    content = message["content"]
+    if content is None or isinstance(content, str):
+        return message
+    if not isinstance(content, list):
+        raise TrainDataError(f"{where}: message {j}'s content must be a string, null or a list of text parts "
+                             f"({{\"type\": \"text\", \"text\": ...}}), got {type(content).__name__}")
+    texts = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text":
+            raise TrainDataError(f"{where}: message {j}'s content part {k} is of type {kind!r}: only text parts "
+                                 "({\"type\": \"text\", \"text\": ...}) can be trained on")
+        if not isinstance(part.get("text"), str):
+            raise TrainDataError(f"{where}: message {j}'s content part {k} has no 'text' string")
+        texts.append(part["text"])
+    return {**message, "content": "".join(texts)}
 
 
 def tokenize_texts(tokenizer, texts: list[str], seq_len: int) -> list[list[int]]:

@@ -42,10 +42,10 @@ def finish_eagle(cfg, loaded, eagle, history, held_out, train_seqs, vocab_info: 
                "response_top5": measured(acc_r["top5"], acc_r["positions"])}
     tree_table: list[dict] = []
     if cfg.eval_tau:
-        from specdec.eval.prompts import load_prompts
         from specdec.train.distill import encode_prompt
+        from specdec.train.evaluate import eval_prompts
 
-        prompts = [encode_prompt(loaded.tokenizer, p) for p in load_prompts("chat", cfg.eval_prompts)]
+        prompts = [encode_prompt(loaded.tokenizer, p) for p in eval_prompts(cfg.eval_prompts)]
         save_eagle(eagle, out)  # the measurement below loads nothing, but a kill here keeps the weights
         (depth, top_k, nodes), tree_table = choose_tree_by_speed(loaded, eagle, prompts, cfg.eval_max_new_tokens,
                                                                  progress=cfg.progress)

@@ -11,6 +11,15 @@ import torch
 from specdec.train.features import collate, target_features
 
 logger = logging.getLogger(__name__)
+
+
+def eval_prompts(n: int) -> list[str]:
+    """The first ``n`` held-out chat prompts of the acceptance suite (--eval-prompts); more than there are is said."""
+    from specdec.eval.prompts import CHAT, load_prompts
+
+    if n > len(CHAT):
+        logger.warning("--eval-prompts %d: there are %d held-out chat prompts; using all %d", n, len(CHAT), len(CHAT))
+    return load_prompts("chat", n)
 MAX_RANK = 10
 
 

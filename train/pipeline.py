@@ -60,7 +60,14 @@ def read_inputs(cfg: TrainConfig, loaded) -> list:
     prompts = [x.strip() for x in text.splitlines() if x.strip()]
     if not prompts:
         raise TrainDataError(f"prompts file {path} is empty")
+    _few_prompts(cfg.num_prompts, len(prompts), f"prompts file {path}")
     return prompts[: cfg.num_prompts]
+
+
+def _few_prompts(asked: int | None, available: int, where: str) -> None:
+    """Say so when --num-prompts asks for more prompts than ``where`` holds (the run uses them all)."""
+    if asked is not None and asked > available:
+        logger.warning("--num-prompts %d: %s holds %d prompts; using all %d", asked, where, available, available)
 
 
 def _sequences(cfg: TrainConfig, loaded, inputs: list,
@@ -78,6 +85,7 @@ def _sequences(cfg: TrainConfig, loaded, inputs: list,
     prompts = inputs
     if not cfg.prompts_file and cfg.prompt_source == "builtin":
         prompts = builtin_prompts(cfg.num_prompts, seed=cfg.seed)
+        _few_prompts(cfg.num_prompts, len(prompts), "the built-in set")
     graphs = distill_graphs(cfg, loaded)
     if cfg.prompt_source == "self":
         prompts = self_written_prompts(loaded, cfg.num_prompts or SELF_PROMPTS, seed=cfg.seed,
@@ -223,7 +231,7 @@ def _finish_medusa(cfg: TrainConfig, loaded, model, heads, history: list[dict], 
     """The main process, after training Medusa heads: their accuracies, the tree they choose, saved with it, tau
     measured (--eval-tau); writes and returns the report. ``times``: perf_counter at start, data and train."""
     from specdec.train.choices import choose_tree
-    from specdec.train.evaluate import head_accuracies, measure_tau
+    from specdec.train.evaluate import eval_prompts, head_accuracies, measure_tau
 
     out = Path(cfg.output_dir)
     # --held-out-fraction 0: accuracies on training data, and the report says so
@@ -233,9 +241,7 @@ def _finish_medusa(cfg: TrainConfig, loaded, model, heads, history: list[dict], 
     save_medusa(heads, out)
     tau = None
     if cfg.eval_tau:
-        from specdec.eval.prompts import load_prompts
-
-        tau = measure_tau(loaded, heads, choices, load_prompts("chat", cfg.eval_prompts),
+        tau = measure_tau(loaded, heads, choices, eval_prompts(cfg.eval_prompts),
                           cfg.eval_max_new_tokens, progress=cfg.progress, tree=cfg.eval_tree)
     t0, t_data, t_train, t_end = times["start"], times["data"], times["train"], time.perf_counter()
     report = {
