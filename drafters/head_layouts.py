@@ -13,7 +13,9 @@ Read (detected from config.json and the tensor names, :func:`read_eagle3`):
 ``d2t`` holds offsets: target id = draft id + d2t[draft id]; ``t2d`` marks the target ids in the draft
 vocabulary and must agree with it. Absent layer ids mean the published default (2, L // 2, L - 3) of the
 target. Written (:func:`write_eagle3`): the speculators layout and the EAGLE / SGLang layout, draft
-vocabulary in ascending target id, every config naming the target model it was made for.
+vocabulary in ascending target id, every config naming the target model it was made for and carrying the head's
+draft tree (depth, top_k, max_nodes) in a ``specdec_eagle`` block that other readers pass over (speculators 0.9's
+config loads with it), so that export then re-import keeps the tree.
 """
 from __future__ import annotations
 
@@ -179,6 +181,7 @@ def write_eagle3(model: EagleModel, directory: str | os.PathLike, fmt: str, targ
         raise EagleCheckpointError(f"EAGLE-3 heads are written as {' or '.join(FORMATS)}, not {fmt!r}")
     c = model.config
     tensors, draft_vocab = _sorted_tensors(model)
+    tree = {"specdec_eagle": {"depth": c.depth, "top_k": c.top_k, "max_nodes": c.max_nodes}}  # read back by read_eagle3
     if fmt == "speculators":
         config = {
             "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
@@ -190,6 +193,7 @@ def write_eagle3(model: EagleModel, directory: str | os.PathLike, fmt: str, targ
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.depth,
                                       "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                 "verifier": {"name_or_path": target, "architectures": target_architectures or []}},
+            **tree,
         }
     else:
         tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
@@ -197,7 +201,7 @@ def write_eagle3(model: EagleModel, directory: str | os.PathLike, fmt: str, targ
         config = {**_llama_layer(c), "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab,
                   "norm_before_residual": c.norm_before_residual, "target_model": target,
                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": [f - 1 for f in c.feature_layers],  # outputs
-                                   "use_aux_hidden_state": True}}
+                                   "use_aux_hidden_state": True}, **tree}
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     with replaced_atomically(path / WEIGHTS_FILE) as tmp:

@@ -239,6 +239,26 @@ def test_a_specdec_head_with_an_unsorted_vocabulary_exports_sorted_and_drafts_th
     assert run(again) == run(head) == generate(target, prompts, max_new_tokens=10)
 
 
+def test_export_then_import_keeps_the_draft_tree_training_chose(tmp_path, target):
+    """train-eagle saves its chosen tree (depth, top_k, max_nodes) in config.json; the exported configs carried only
+    speculators' speculative_tokens (sglang: nothing), so an exported head loaded back with the defaults (5 / 8 /
+    16). Both layouts now carry the tree, through export after export."""
+    torch.manual_seed(0)
+    head = EagleModel(EagleConfig.for_target(target.config, arch="eagle3", draft_vocab=(3, 9, 40, 41), depth=1,
+                                             top_k=2, max_nodes=2))
+    head.init_from_target(target)
+    save_eagle(head, tmp_path / "native")
+    source = tmp_path / "native"
+    for step, fmt in enumerate(("speculators", "sglang", "speculators")):  # a re-export reads the one before
+        out, _ = export_head(source, fmt, tmp_path / f"{step}-{fmt}", target="org/tiny-target")
+        c = load_eagle(out, target.config).config
+        assert (c.depth, c.top_k, c.max_nodes) == (1, 2, 2), fmt
+        raw = json.loads((out / "config.json").read_text())
+        if fmt == "speculators":  # what speculators' own readers take as the number of drafted tokens
+            assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 1
+        source = out
+
+
 def test_heads_for_another_target_and_inconsistent_maps_are_refused(tmp_path, target):
     write_sglang_checkpoint(tmp_path / "h", layers=(0, 1, 5))
     with pytest.raises(EagleCheckpointError, match=r"reads target layers \[0, 1, 5\] but the target model has 2"):
