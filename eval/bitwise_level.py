@@ -3,8 +3,9 @@
 In the bit-exact mode (``invariant=True``) speculative decoding must be plain decoding bit for bit, in the
 model's own dtype. Checked on the model with the drafter:
 
-1. **rows**: a batched verify forward (two prompts prefilled together, a random tree each) gives every row the
-   logits a one-row forward at the same position gives it (:mod:`specdec.models.invariance_check`).
+1. **rows**: a batched verify forward (two prompts prefilled together, a random tree each; a single prompt runs
+   as two copies) gives every row the logits a one-row forward at the same position gives it
+   (:mod:`specdec.models.invariance_check`).
 2. **text**: speculative output (batched, and one prompt at a time) has the same tokens and bitwise the same
    log-probabilities as plain decoding of each prompt alone, greedy; and under coupled sampling when the
    certificate samples.
@@ -153,7 +154,9 @@ def row_checks(loaded: Any, seed: int, prompts: list[list[int]]) -> list[Check]:
     gen = torch.Generator().manual_seed(seed)
     vocab = loaded.runner.shape.vocab_size
     trees = [invariance_check.random_tree(n, vocab, gen) for n in (15, 6)]
-    prompts = [p[:48] for p in prompts[:2]]
+    # two sequences in one forward, one tree each: with a single prompt (--identity-prompts 1), that prompt twice
+    together = "2 prompts" if len(prompts) > 1 else "the one prompt twice"
+    prompts = [p[:48] for p in (prompts * 2)[:2]]
     rows = sum(1 + t.num_nodes for t in trees)
     checks = []
     runners = [(None, loaded.runner.invariant_mode(True)), ("default_path", loaded.runner.invariant_mode(False)),
@@ -162,7 +165,7 @@ def row_checks(loaded: Any, seed: int, prompts: list[list[int]]) -> list[Check]:
         batched, alone = invariance_check.alone_logits(runner, prompts, trees)
         bad = sum(int((b != a).any(-1).sum()) for b, a in zip(batched, alone, strict=True))
         worst = max(float((b - a).abs().max()) for b, a in zip(batched, alone, strict=True))
-        detail = f"{bad} of {rows} rows differ (trees of 15 and 6 nodes, 2 prompts together)"
+        detail = f"{bad} of {rows} rows differ (trees of 15 and 6 nodes, {together} together)"
         if control == "default_path" and bad == 0:
             detail = f"{EXACT_DEFAULT}; {detail}"
         checks.append(Check("row logits in a batched tree forward == one-row forward", LEVEL, bad == 0, control,

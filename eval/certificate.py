@@ -15,7 +15,8 @@ broken engines there (an off-by-one tree mask, a wrong KV compaction slot):
    the default speculation policy, and sampled output vs plain sampling from a greedy-answer prefix where a pilot
    saw drafts accepted (:mod:`specdec.eval.sampled_start`; two-sample chi-square on the first tokens, power at
    alpha / 2, and KS on the log-probability of a longer window under the target; Holm over the two).
-4. ``coupled`` (:mod:`specdec.eval.coupled_level`, only when asked): coupled sampling's law, and
+4. ``coupled`` (:mod:`specdec.eval.coupled_level`, only when asked): coupled sampling's law (on synthetic logits,
+   and through the engine's plain generate() against the model's exact first-token law), and
    speculative coupled output == plain coupled output token for token, batched and single, with
    broken couplings (noise keyed to the step, to the batch row) as its controls.
 5. ``bitwise`` (:mod:`specdec.eval.bitwise_level`, only when asked): in the bit-exact mode, row logits of a
@@ -29,8 +30,10 @@ A DraftError (the draft audit convicting the drafter) fails the check it stops, 
 """
 from __future__ import annotations
 
+import decimal
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -162,7 +165,9 @@ class Certificate:
 
     def to_markdown(self) -> str:
         verdict = self.verdict
-        lines = [f"# Losslessness certificate: {verdict}", ""]
+        levels = self.config.get("levels")  # what ran: the sizes listed below include those of levels that did not
+        ran = f" (levels {', '.join(levels)})" if levels else ""
+        lines = [f"# Losslessness certificate{ran}: {verdict}", ""]
         lines += [f"- {k}: `{v}`" for k, v in self.config.items()]
         lines += [f"- wall time: {self.seconds:.1f} s", ""]
         for w in self.warnings:
@@ -174,13 +179,29 @@ class Certificate:
             if "not applicable" in c.detail:
                 result = "n/a"
             lines.append(f"| {c.level} | {c.name} | {c.control or '-'} | {result} | {_fmt(c.p_value)} | "
-                         f"{_fmt(c.bound)} | {c.samples or '-'} | {_fmt(c.power)} | {_fmt(c.detects_tv)} | "
+                         f"{_fmt(c.bound)} | {c.samples or '-'} | {power_text(c.power)} | {tv_text(c.detects_tv)} | "
                          f"{c.detail} |")
         return "\n".join(lines) + "\n"
 
 
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3g}"
+def _fmt(x: float | None, rounding: str = decimal.ROUND_HALF_EVEN) -> str:
+    """``x`` to 3 significant digits (``-`` for None), rounded as ``rounding`` says (a decimal rounding mode)."""
+    if x is None:
+        return "-"
+    if not math.isfinite(x) or x == 0:
+        return f"{x:.3g}"
+    return f"{float(decimal.Context(prec=3, rounding=rounding).create_decimal(repr(x))):.3g}"
+
+
+def power_text(power: float | None) -> str:
+    """A power to 3 significant digits, rounded DOWN: one below a threshold never reads as the threshold (0.8997
+    is 0.899, not 0.9)."""
+    return _fmt(power, decimal.ROUND_FLOOR)
+
+
+def tv_text(tv: float | None) -> str:
+    """The TV a test detects, to 3 significant digits, rounded UP: it never reads as a smaller TV than it is."""
+    return _fmt(tv, decimal.ROUND_CEILING)
 
 
 def _largest(tvs: Iterable[float | None]) -> float | None:
@@ -194,7 +215,14 @@ def _detects(tv: float | None, stated: float) -> str:
     all fell in one bin."""
     if tv is None:
         return f"detect no TV at all, not {stated} (their outcomes fell in one bin: nothing to test)"
-    return f"detect TV {tv:.3g}, not {stated}"
+    return f"detect TV {tv_text(tv)}, not {stated}"
+
+
+def low_power_warning(what: str, power: float, detects: float | None, stated: float, advice: str) -> str:
+    """The warning of a check of the configuration whose power at the ``stated`` TV is below 0.9: ``what`` (its
+    samples, e.g. "sampler statistics: 300 draws per case") detect ``detects`` instead; ``advice`` says what to
+    raise."""
+    return f"{what} {_detects(detects, stated)} (power {power_text(power)} < 0.9 there); {advice}"
 
 
 def drafter_modes(drafter: Any, options: dict, sampling: SamplingConfig) -> list[DraftMode]:
@@ -337,8 +365,8 @@ def sampler_checks(modes: list[DraftMode], sampling: SamplingConfig, sizes: Cert
                             power=power, detects_tv=detects,
                             detail=", ".join(f"{k}: p={f.p_value:.3g}" for k, f in fits.items())))
         if control is None and power < 0.9:
-            warnings.append(f"sampler statistics: {n} draws per case {_detects(detects, sizes.stat_tv)} "
-                            f"(power {power:.2f} < 0.9 there); raise --stat-samples")
+            warnings.append(low_power_warning(f"sampler statistics: {n} draws per case", power, detects,
+                                              sizes.stat_tv, "raise --stat-samples"))
     acceptance = acceptance_cases(modes, stat_sampling)
     for kind, (single, chain, formula) in acceptance.items():
         for rule_name, rule in [("exact", EXACT), ("always_accept", BROKEN_RULES["always_accept"])]:
@@ -499,9 +527,9 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
                             f"{len(choice.candidates)} starts a pilot tried, so this check mostly exercises the "
                             "rejection path; the sampler statistics cover acceptance")
         if control is None and res["power"] < 0.9:
-            warnings.append(f"end-to-end sampling: {sizes.sample_sequences} sequences per side "
-                            f"{_detects(res['detects_tv'], sizes.e2e_tv)} (power {res['power']:.2f} < 0.9 there); "
-                            "raise --sample-sequences (or use --full)")
+            warnings.append(low_power_warning(f"end-to-end sampling: {sizes.sample_sequences} sequences per side",
+                                              res["power"], res["detects_tv"], sizes.e2e_tv,
+                                              "raise --sample-sequences (or use --full)"))
     return checks, warnings
 
 
@@ -557,7 +585,8 @@ def run_certificate(loaded: Any, drafter: Any, options: dict, sampling: Sampling
     modes = drafter_modes(drafter, options, sampling)
     cert = Certificate({"model": getattr(loaded, "name", str(loaded)), **where_it_ran(loaded), "drafter": str(drafter),
                         "options": options, "sampling": asdict(sampling), "modes": [m.value for m in modes],
-                        "sizes": asdict(sizes), "seed": seed})  # the seed moves every draw: a repeat needs it
+                        "levels": list(levels), "sizes": asdict(sizes),
+                        "seed": seed})  # the seed moves every draw: a repeat needs it
     if cert.config.get("dtype", "float32") != "float32" and {"e2e", "coupled"} & set(levels):
         cert.warnings.append(f"the model runs in {cert.config['dtype']}: the identity checks' near-tie margins are "
                              "float32's, so a divergence at half-precision rounding counts as a real mismatch (run "

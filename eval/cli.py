@@ -291,7 +291,7 @@ def run_lossless(args) -> int:
     out = Path(args.out or "runs/eval-lossless")
     options = _options(args.drafter_option, args.drafter)
     get_drafter(args.drafter, **options)  # a missing path= and the like, before any work (it loads nothing yet)
-    check_earlier_run(out, CERTIFICATE_FILES, args.overwrite)  # before minutes of work, not after
+    earlier = check_earlier_run(out, CERTIFICATE_FILES, args.overwrite)  # before minutes of work, not after
     make_out_dir(out)
     torch.manual_seed(args.seed)
     # float32 on a GPU too (not the half dtype eval acceptance takes there): greedy identity is defined in float32,
@@ -301,6 +301,9 @@ def run_lossless(args) -> int:
     make_prompts = lambda n: [encode(t) for t in load_prompts("chat", n)]  # noqa: E731
     if {"e2e", "coupled", "bitwise"} & set(levels):  # every prompt with its new tokens fits, before any work
         _check_identity_fits(loaded, make_prompts(sizes.identity_prompts), sizes.identity_tokens)
+    # --overwrite clears the earlier certificate only now that this run's options, model and sizes are known to be
+    # good, and before the long work: a run stopped in mid-way leaves no earlier verdict that reads as this one's
+    _clear_earlier_run(earlier)
     ran = where_it_ran(loaded)
     print(f"[specdec eval lossless] {loaded.name} + {args.drafter}, levels {','.join(levels)}, on {ran['device']} "
           f"({ran['dtype']})", file=sys.stderr)
@@ -357,8 +360,12 @@ def _check_identity_fits(loaded, prompts: list[list[int]], tokens: int) -> None:
 
 def _size_flags(check) -> str | None:
     """The options that size the check a negative control passed (None: the exact law, which no size changes)."""
+    from specdec.eval.coupled_level import ENGINE_LAW_CHECK
+
     if check.level == "exact-law":
         return None
+    if check.name == ENGINE_LAW_CHECK:  # sequences sampled through the engine, as end to end
+        return "--sample-sequences"
     if check.level == "sampler-statistics" or "target law" in check.name:
         return "--stat-samples"
     if check.level == "end-to-end" and check.name.startswith("sampled"):

@@ -260,3 +260,20 @@ def test_a_default_path_that_is_exact_on_the_device_makes_its_control_not_applic
     assert cert.passed and not cert.void, cert.to_markdown()
     assert any("default path was row-invariant on this device" in w for w in cert.warnings), cert.warnings
     assert "| n/a |" in cert.to_markdown()
+
+
+def test_the_bitwise_level_runs_with_a_single_identity_prompt(bf16_model):
+    """--identity-prompts 1 crashed the row check ("zip() argument 2 is longer than argument 1": two trees, one
+    prompt) after the model had loaded; the prompt now runs twice, and every control is still caught."""
+    from specdec.eval.certificate import CertificateSizes, run_certificate
+
+    from specdec.models.loader import load_model
+    from specdec.sampling import SamplingConfig
+
+    sizes = CertificateSizes(identity_prompts=1, identity_tokens=8)
+    cert = run_certificate(load_model(bf16_model), "ngram", {}, SamplingConfig(False), sizes,
+                           lambda n: [list(p) for p in PROMPTS[:n]], levels=("bitwise",))
+    rows = [c for c in cert.checks if c.name.startswith("row logits")]
+    assert len(rows) == 3 and all("the one prompt twice together" in c.detail for c in rows), cert.to_markdown()
+    assert [c.passed for c in rows if c.control == "row_dependent_kernel"] == [False], cert.to_markdown()
+    assert cert.passed and not cert.void, cert.to_markdown()

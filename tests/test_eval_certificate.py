@@ -168,6 +168,8 @@ def test_engine_fault_that_is_never_exercised_voids_the_certificate():
     ("end-to-end", "sampled 8 tokens (of 9) in a greedy answer vs plain sampling (chi-square on the first 2, "
                    "log-probability KS on all 8)", "--sample-sequences"),
     ("coupled", "plain coupled sampling == target law (first token)", "--stat-samples"),
+    ("coupled", "plain coupled generate() on the model == the target's first-token distribution",
+     "--sample-sequences"),
     ("bitwise", "ngram text and log-probabilities == plain, bit for bit (batched + single)",
      "--identity-prompts / --identity-tokens"),
 ])
@@ -592,3 +594,102 @@ def test_the_certificate_records_its_seed():
     cert = run_certificate(build_tiny_model(), "ngram", {}, SamplingConfig(True, 0.8), CertificateSizes(),
                            lambda n: [[1, 2, 3]] * n, levels=("exact",), seed=5)
     assert cert.config["seed"] == 5 and "- seed: `5`" in cert.to_markdown()
+
+
+def test_the_certificate_records_the_levels_it_ran_and_names_them_in_its_header():
+    """A `--levels exact` certificate was headed 'Losslessness certificate: PASSED' over the sizes of levels that
+    never ran, and its config did not say which levels had run."""
+    cert = run_certificate(None, "ngram", {}, SamplingConfig(False), CertificateSizes(), _prompts,
+                           levels=("exact",))
+    assert cert.config["levels"] == ["exact"] and cert.to_json()["config"]["levels"] == ["exact"]
+    assert cert.to_markdown().startswith("# Losslessness certificate (levels exact): PASSED\n")
+
+
+def test_a_power_below_0_9_never_prints_as_0_9():
+    """A power of 0.8997 printed as 0.9 in the table ('power 0.90 < 0.9' in the warning); a TV a check detects
+    is rounded up, never down to the TV it falls short of."""
+    from specdec.eval.certificate import Certificate, Check, low_power_warning
+
+    cert = Certificate({}, [Check("chi-square vs exact law (Holm)", "sampler-statistics", True, power=0.8997,
+                                  detects_tv=0.020004)])
+    assert "| 0.899 | 0.0201 |" in cert.to_markdown(), cert.to_markdown()
+    warning = low_power_warning("sampler statistics: 300 draws per case", 0.8997, 0.020004, 0.02, "raise it")
+    assert "detect TV 0.0201, not 0.02 (power 0.899 < 0.9 there)" in warning, warning
+
+
+COUPLED_SMALL = CertificateSizes(stat_samples=4000, stat_tv=0.1, identity_prompts=2, identity_tokens=8,
+                                 sample_sequences=400)
+
+
+def test_the_coupled_level_warns_where_its_law_rows_are_underpowered(monkeypatch):
+    """It said 'PASSED, underpowered (see the warnings)' with no warning at all (its model rows left out here)."""
+    import specdec.eval.coupled_level as coupled_level
+    from specdec.eval.certificate import Certificate
+
+    monkeypatch.setattr(coupled_level, "engine_law_checks", lambda *args: ([], []))
+    monkeypatch.setattr(coupled_level, "identity_checks", lambda *args: ([], []))
+    few = CertificateSizes(stat_samples=200)
+    checks, warnings = coupled_level.coupled_checks(None, "ngram", {}, SamplingConfig(True, 0.9), few, _prompts)
+    cert = Certificate({}, checks, warnings)
+    assert cert.underpowered and cert.verdict.startswith("PASSED, underpowered"), cert.to_markdown()
+    assert len(warnings) == 1 and warnings[0].startswith("coupled law: 200 draws per case detect TV"), warnings
+    assert warnings[0].endswith("< 0.9 there); raise --stat-samples"), warnings
+
+
+def _coupled_walk_without_top_k(self, live, trees, target_logits):
+    """Engine.coupled_walk that drops top-k, in plain and speculative decoding alike (a deliberately wrong engine)."""
+    import dataclasses
+
+    from specdec.coupling import coupled_sample
+
+    keys = torch.tensor(self.noise_keys(live), dtype=torch.long)
+    wrong = dataclasses.replace(self.sampling, top_k=0)
+    return coupled_sample(trees, target_logits, wrong, self.coupling, keys, self.root_positions(live))
+
+
+def test_the_coupled_level_fails_an_engine_whose_coupled_sampling_ignores_the_warpers(monkeypatch):
+    """The law rows tested coupled_tokens() on made-up logits and the identity rows compared the engine with itself,
+    so an engine that ignored top-k in every coupled step passed. The first tokens of plain coupled generate() are
+    now tested against the target's exact law; its noise_reused control is caught, and the exact engine passes."""
+    from specdec.eval.coupled_level import ENGINE_LAW_CHECK
+
+    from specdec.engine import Engine
+
+    loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
+    top3 = SamplingConfig(True, 1.0, 3)
+    cert = run_certificate(loaded, "ngram", {}, top3, COUPLED_SMALL, _prompts, levels=("coupled",), seed=1)
+    rows = {c.control: c for c in cert.checks if c.name == ENGINE_LAW_CHECK}
+    assert set(rows) == {None, "noise_reused"} and rows[None].passed and not rows["noise_reused"].passed
+    assert cert.passed and not cert.void, cert.to_markdown()
+    monkeypatch.setattr(Engine, "coupled_walk", _coupled_walk_without_top_k)
+    broken = run_certificate(loaded, "ngram", {}, top3, COUPLED_SMALL, _prompts, levels=("coupled",), seed=1)
+    failed = [c.name for c in broken.checks if c.control is None and not c.passed]
+    # (its identity controls may go uncaught too, where the broken engine's drafts are never accepted: VOID)
+    assert failed == [ENGINE_LAW_CHECK] and not broken.passed, broken.to_markdown()
+    assert " outside the support" in broken.checks[[c.name for c in broken.checks].index(ENGINE_LAW_CHECK)].detail
+
+
+def test_an_interrupted_overwrite_leaves_no_earlier_certificate(ckpt, tmp_path, monkeypatch, capsys):
+    """--overwrite kept the earlier run's PASSED certificate until the new one was written: a run stopped in
+    mid-way left it in --out as if it were this run's. It is removed once this run's inputs are known to be
+    good (a run refused before then keeps it)."""
+    import specdec.eval.certificate as certificate
+
+    from tests.cli_runs import run_main
+
+    out = tmp_path / "cert"
+    out.mkdir()
+    for name in ("certificate.json", "certificate.md"):
+        (out / name).write_text("an earlier run's\n")
+    base = ["eval", "lossless", "--model", ckpt, "--levels", "e2e", "--out", str(out), "--overwrite"]
+    code, captured = run_main([*base, "--identity-tokens", "100000"], capsys)  # refused after the model loads
+    assert code == 2 and "--identity-tokens" in captured.err, captured.err
+    assert (out / "certificate.json").read_text() == "an earlier run's\n"
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(certificate, "run_certificate", stopped)
+    code, captured = run_main(base, capsys)
+    assert code != 0
+    assert not (out / "certificate.json").exists() and not (out / "certificate.md").exists()
