@@ -3,9 +3,8 @@
 Lifecycle, driven by the engine (first ``load_for_target(runner, ...)``: its checkpoint read and checked):
 
 1. ``attach(target)`` once per generate() call: what the drafter may read of the target (runner, KV cache,
-   sampling config, generate()'s ``seed`` for drafters that sample, and the speculation policy's ``costs``).
-   Drafters that sample apply ``target.sampling`` to their own logits. A drafter that learns from the text forgets
-   it here, so a reused instance drafts as a fresh one (a seeded call's text does not depend on earlier calls).
+   sampling config, ``seed``, the policy's ``costs``); drafters that sample apply ``target.sampling`` to their own
+   logits. A reused instance drafts as a fresh one: what it learned from text is forgotten here.
 2. ``propose(views)`` at most once per step: one :class:`~specdec.tree.DraftTree` per view (the empty tree is
    allowed). The engine validates every tree before the target verifies it and may verify only an ancestor-closed part
    of it (exact). Whatever chooses or prunes a sampled tree (sizing, a combined drafter) uses only what was fixed
@@ -17,6 +16,8 @@ Lifecycle, driven by the engine (first ``load_for_target(runner, ...)``: its che
    ``propose_pending``: the same trees left on the device (specdec/pending_trees.py), read after the verify's launch.
 3. ``on_accept(seq_id, committed)`` after EVERY commit, proposed for or not.
 4. ``release(seq_id)`` when a sequence finishes, or its call ends early (an exception).
+5. ``detach()`` once at the end of the call, however it ended (after the releases): the drafter drops what belongs
+   to the call (the target's view, a KV cache of its own), so a reused instance keeps no dropped target alive.
 
 The speculation policy asks ``cost_key()`` (what the drafter's cost depends on: what is learned is kept per key),
 ``never_pays_by_shape()`` / ``forward_seconds()`` (one forward of its own model costs a target decode step, by its
@@ -24,9 +25,8 @@ shapes / as measured: it is never asked) and ``catches_up`` (a sequence's first 
 draft audit asks ``draw_source(seed)`` (what a call's random draws come from).
 A drafter that sets ``needs_hidden_states = True`` finds in ``SequenceView.new_hidden`` the target's final-norm
 hidden states of the positions committed since its previous ``propose``, ending at the token *before* the root
-(``feature_layers``: those layers' input streams instead).
-
-The engine talks to every drafter through this class (any object with ``propose`` is wrapped by :func:`as_drafter`).
+(``feature_layers``: those layers' input streams instead). The engine talks to every drafter through this class
+(any object with ``propose`` is wrapped by :func:`as_drafter`).
 """
 from __future__ import annotations
 
@@ -191,6 +191,13 @@ class Drafter(ABC):
     def release(self, seq_id: int) -> None:
         """Forget everything about a finished sequence."""
 
+    def detach(self) -> None:
+        """The end of the generate() call (every sequence released): drop what belongs to the call, above all the
+        ``TargetView`` and anything made from the target (its tensors, a KV cache of the call's size), so that an
+        instance kept across calls holds no target the caller dropped. Caches documented as kept across calls with
+        the drafter's own model may stay. Nothing is asked of the drafter after it until the next ``attach``. The
+        default does nothing."""
+
     def cost_key(self) -> str:
         """What this drafter's cost per propose call depends on besides the machine and the target (its type, name
         and settings): what the guard remembers across calls is kept per key. Drafters whose cost depends on a
@@ -228,7 +235,7 @@ class Drafter(ABC):
 
 class _ObjectDrafter(Drafter):
     """A plain object with ``propose`` (and optionally ``name``, ``needs_hidden_states``, ``feature_layers``,
-    ``catches_up``, ``attach``, ``on_accept``, ``release``) seen through the Drafter contract."""
+    ``catches_up``, ``attach``, ``on_accept``, ``release``, ``detach``) seen through the Drafter contract."""
 
     def __init__(self, obj: Any) -> None:
         self.obj = obj
@@ -256,6 +263,10 @@ class _ObjectDrafter(Drafter):
 
     def release(self, seq_id: int) -> None:
         self._call("release", seq_id)
+
+    def detach(self) -> None:
+        self.target = None
+        self._call("detach")
 
 
 def as_drafter(obj: Any) -> Drafter | None:

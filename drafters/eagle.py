@@ -48,7 +48,7 @@ from specdec.drafters.call_memory import memory_key
 from specdec.drafters.eagle_catch_up import CatchUpInputs, CatchUpRows, catch_up
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, check_fits_target, load_eagle
 from specdec.drafters.eagle_depth import DepthChooser
-from specdec.drafters.eagle_graphs import CachedKeys, EagleGraphs, eagle_graphs
+from specdec.drafters.eagle_graphs import CachedKeys, EagleGraphs, eagle_graphs, release
 from specdec.drafters.eagle_grow import GrowInputs, TreeGrower
 from specdec.drafters.eagle_kv import EagleKV
 from specdec.drafters.eagle_model import EagleModel
@@ -158,7 +158,8 @@ class EagleDrafter(Drafter):
                                  runner.backend.fused if runner.backend.triton else None)
         graphs = o.cuda_graphs if o.cuda_graphs != "auto" else runner.device.type == "cuda"
         capture = runner.device.type == "cuda"
-        self.graphs: EagleGraphs | None = eagle_graphs(self.grower, capture, self.name) if graphs else None
+        self.graphs: EagleGraphs | None = (eagle_graphs(self.grower, runner.hf_model, capture, self.name) if graphs
+                                           else None)
         if graphs and self.graphs is None:  # held by another call: its static buffers are that call's
             logger.info("%s: the EAGLE model's CUDA graphs for these settings serve another generate() call; this "
                         "one drafts eagerly", self.name)
@@ -186,6 +187,18 @@ class EagleDrafter(Drafter):
         self._last.pop(seq_id, None)
         self.chooser.finish()
 
+    def detach(self) -> None:
+        """The call's end: its target view, the grower's hold on the target's embeddings and LM head and the layer's
+        keys / values are dropped (the kept graphs let go of the grower too), so an object reused across calls keeps
+        no dropped target alive. The layer, the depth chooser, the grower's settings and ``graphs`` (its buffers,
+        kept with the EAGLE model for later calls over this target) stay."""
+        grower = getattr(self, "grower", None)
+        if grower is not None:
+            if self.graphs is not None:
+                release(self.graphs, grower)
+            grower.embed = grower.lm_head = None  # the target's; the next attach makes a grower of its own
+        self.target = self.kv = None
+        self._last.clear()
 
     def cost_key(self) -> str:  # the checkpoint's path, else the given model's shape and tree settings
         return super().cost_key() + ("" if self.path is not None else "|" + repr(self.model.config))

@@ -17,11 +17,13 @@ columns and rows are masked, so each real sequence's pool is the eager call's up
 shaped products (which can only change the tree, never the output: the verifier decides).
 
 Without a GPU, ``capture=False`` runs the same padded static call eagerly (the tests). The graphs bake in the
-tree size, the sampling settings and the coupling seed: :func:`eagle_graphs` keeps one EagleGraphs per EAGLE model
-and such settings, reused by later generate() calls, one call at a time (a concurrent one drafts eagerly). A call
-that fits no bucket, or a capture that fails (logged once), runs eagerly.
+tree size, the sampling settings and the coupling seed: :func:`eagle_graphs` keeps one EagleGraphs per EAGLE model,
+target and such settings, reused by later generate() calls, one call at a time (a concurrent one drafts eagerly).
+Invariant: a kept EagleGraphs never keeps its target alive: it leaves the EAGLE model's store when the target model
+is collected, and holds the target's embeddings and LM head (its ``grower``) only during a call. A call that fits no
+bucket, or a capture that fails (logged once), runs eagerly.
 
-    graphs = eagle_graphs(grower, capture=True)  # None while another generate() call holds them
+    graphs = eagle_graphs(grower, target_model, capture=True)  # None while another generate() call holds them
     out = graphs.pool(past, h_root, depth, fields)          # growth and rerank: a Drafted or None
     out = graphs.caught_up_pool(past, rows, depth, fields)  # catch-up too: a Drafted with new_k, new_v, or None
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -124,7 +127,10 @@ class EagleGraphs:
     """One grower's buckets and graphs (module doc)."""
 
     def __init__(self, grower: TreeGrower, config: EagleGraphConfig = EagleGraphConfig(), name: str = "eagle") -> None:
-        self.grower, self.config = grower, config
+        # the grower of the call drafting in it (the target's embeddings and LM head); None between calls (release)
+        self.grower: TreeGrower | None = grower
+        self.config = config
+        self.gone_with_target: weakref.finalize | None = None  # drops it from its store (eagle_graphs)
         self.name = name  # the drafter's, in its logs (mtp runs on EAGLE's machinery)
         self.buckets: dict[tuple[int, int, int], _Bucket] = {}
         self.rope_tables: dict[int, torch.Tensor] = {}  # a bucket's keys -> the RoPE table its calls gather from
@@ -296,12 +302,15 @@ class EagleGraphs:
                     ", the trees' fields" if form[1] else "")
 
 
-def eagle_graphs(grower: TreeGrower, capture: bool, name: str = "eagle") -> EagleGraphs | None:
-    """The EagleGraphs of ``grower``'s model under its settings, kept on the model (at most MAX_KEPT, the oldest
-    dropped first) and reused by later calls: the graphs read the model's weights and the target's embeddings and
-    LM head in their memory, and bake in the tree size, the sampling settings and the coupling seed. ``name``: the
-    drafter's, for the logs. Held for the generate() call running on this thread (specdec.call_claims); None when
-    another call holds it (its static buffers are that call's): the caller drafts eagerly."""
+def eagle_graphs(grower: TreeGrower, target: object, capture: bool, name: str = "eagle") -> EagleGraphs | None:
+    """The EagleGraphs of ``grower``'s model over the target model ``target`` (whose embeddings and LM head the
+    grower reads) under its settings, kept on the EAGLE model (at most MAX_KEPT, the oldest dropped first) and reused
+    by later calls: the graphs read the model's weights and the target's embeddings and LM head in their memory, and
+    bake in the tree size, the sampling settings and the coupling seed. An entry leaves when ``target`` is collected,
+    so a dropped target is freed (the module doc's invariant; the drafter hands the grower back with :func:`release`
+    at the call's end). ``name``: the drafter's, for the logs. Held for the generate() call running on this thread
+    (specdec.call_claims); None when another call holds it (its static buffers are that call's): the caller drafts
+    eagerly."""
     model = grower.model
     ids = [] if grower.draft_ids is None else [grower.draft_ids]  # the reduced vocabulary's, read by address too
     reads = [grower.embed, grower.lm_head, *model.parameters(), *ids]
@@ -312,9 +321,30 @@ def eagle_graphs(grower: TreeGrower, capture: bool, name: str = "eagle") -> Eagl
         graphs = kept.get(key)
         if graphs is None:
             while len(kept) >= MAX_KEPT:  # a call still drafting in the one dropped keeps it to its end
-                kept.pop(next(iter(kept)))
+                dropped = kept.pop(next(iter(kept)), None)  # None: its target went meanwhile (_forget)
+                if dropped is not None:
+                    dropped.gone_with_target.detach()
             graphs = kept[key] = EagleGraphs(grower, EagleGraphConfig(capture=capture), name)
+            # the entry holds the target's tensors (and its graphs read them): it goes when the target does. The
+            # callback holds neither the EAGLE model nor the entry (a weak reference and the key)
+            graphs.gone_with_target = weakref.finalize(target, _forget, weakref.ref(model), key)
         if not held_for_call(graphs):
             return None
         graphs.grower, graphs.name = grower, name  # same tensors and settings; the newest drafter's view of them
         return graphs
+
+
+def release(graphs: EagleGraphs, grower: TreeGrower) -> None:
+    """The end of the call that drafted in ``graphs`` with ``grower``: the graphs let go of the grower (the target's
+    embeddings and LM head, kept by the next call's), so a drafter object reused across calls that keeps its graphs
+    keeps no dropped target's tensors."""
+    if graphs.grower is grower:
+        graphs.grower = None
+
+
+def _forget(model_ref: weakref.ref, key: tuple) -> None:
+    """The target of the EagleGraphs ``key`` was collected: the EAGLE model (if alive) drops it. An atomic pop, no
+    lock: this runs inside the collector, possibly on a thread that holds CLAIMS."""
+    model = model_ref()
+    if model is not None:
+        model.__dict__.get(_MODEL_ATTR, {}).pop(key, None)

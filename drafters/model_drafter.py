@@ -102,8 +102,8 @@ class DraftConfig:
         given = [f"{k}={getattr(self, k)}" for k in ("max_nodes", "beam") if getattr(self, k) is not None]
         if self.tree == "static" and given:  # they would do nothing
             raise InputError(f"{', '.join(given)} shape{'s' * (len(given) == 1)} a dynamic tree; a static tree is "
-                             f"shaped by widths and num_draft_tokens (drop {'them' if len(given) > 1 else 'it'}, or use "
-                             "tree='dynamic')")
+                             f"shaped by widths and num_draft_tokens (drop {'them' if len(given) > 1 else 'it'}, or "
+                             "use tree='dynamic')")
         if self.tree == "dynamic":
             object.__setattr__(self, "max_nodes", 16 if self.max_nodes is None else self.max_nodes)
             object.__setattr__(self, "beam", 4 if self.beam is None else self.beam)
@@ -240,6 +240,18 @@ class ModelDrafter(Drafter):
     def release(self, seq_id: int) -> None:
         if self.cache is not None and not self.shares_target_cache and seq_id in self.cache.lengths:
             self.cache.free(seq_id)
+
+    def detach(self) -> None:
+        """The call's end: a KV cache of its own made for this call is freed (the draft model's graph cache is
+        kept with that model for later calls), and the target's view is dropped unless the drafter's runner runs
+        the target's own model (self-draft, which holds it through its layers anyway). The runner stays."""
+        if self.cache is not None and not self.shares_target_cache and self.graphed is None:
+            self.cache.discard()  # now, though the caller may hold it
+            self.cache = None
+        target = getattr(self, "target", None)
+        if target is not None and (self.runner is None or self.runner.hf_model is not target.runner.hf_model):
+            self.target = None
+        self._pending_fields = {}
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()

@@ -312,8 +312,9 @@ class Engine:
         """The end of a call however it ended (run()'s ``finally``): sequences a raised call left live are freed and
         released from the drafter (which would meet their ids again in the next call); a KV cache of this call alone
         frees its storage now (a drafter reused across calls holds this call's view of it); a shared graph cache
-        is left to the next call. A drafter whose ``release`` raises here is logged, never raised over the call's
-        own error: every sequence is still freed and the streamer still ended."""
+        is left to the next call; the drafter then drops what it keeps of the call (``Drafter.detach``). A drafter
+        whose ``release`` or ``detach`` raises here is logged, never raised over the call's own error: every
+        sequence is still freed and the streamer still ended."""
         for s in self.live:
             if s.seq_id in self.cache.block_tables:
                 self.cache.free(s.seq_id)
@@ -324,6 +325,11 @@ class Engine:
                     logger.warning("the drafter's release(%d) raised while the call ended", s.seq_id, exc_info=True)
         if self.graphed is None or not self.graphed.shared:
             self.cache.discard()
+        if self.drafter is not None:
+            try:
+                self.drafter.detach()
+            except Exception:  # noqa: BLE001 - as release's: the call's own outcome stands
+                logger.warning("the drafter's detach() raised while the call ended", exc_info=True)
 
     def propose(self, live: list[SequenceState]) -> list[DraftTree] | PendingStep:
         if self.drafter is None:

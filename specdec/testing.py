@@ -93,7 +93,8 @@ class RandomTreeDrafter(Drafter):
     ``vocab_size`` limits drawn tokens. So that some drafts are accepted, deterministic picks
     put a token of the sequence first half the time, and ``history_bias=b`` (stochastic modes)
     moves mass ``b`` of each node's distribution onto a random token of the sequence (the tokens
-    are still really drawn from the ``draft_probs`` reported).
+    are still really drawn from the ``draft_probs`` reported). Its draws restart from ``seed`` at every ``attach``:
+    a reused instance drafts as a fresh one (drafters/base.py).
     """
 
     name = "random-tree"
@@ -107,12 +108,21 @@ class RandomTreeDrafter(Drafter):
 
         self.vocab_size, self.max_nodes, self.max_depth, self.max_width = vocab_size, max_nodes, max_depth, max_width
         self.mode = DraftMode(mode)
+        self.seed = seed
         self.gen = torch.Generator().manual_seed(seed)  # the sampled tokens' draws
         self.rng = random.Random(seed)  # shapes, deterministic picks, history tokens: no tensor op per draw
         self.temperature = temperature
         if not 0.0 <= history_bias <= 1.0:
             raise ValueError(f"history_bias must lie in [0, 1], got {history_bias}")
         self.history_bias = history_bias
+
+    def attach(self, target) -> None:
+        super().attach(target)
+        self.gen.manual_seed(self.seed)
+        self.rng.seed(self.seed)
+
+    def draw_source(self, seed):  # the seed of its own it restarts from at each attach (Drafter.draw_source)
+        return self.seed
 
     def _dists(self) -> torch.Tensor:
         """A random distribution per expansion a tree can make (its root's and each node's): [max_nodes + 1, vocab],

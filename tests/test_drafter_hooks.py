@@ -191,6 +191,59 @@ def test_a_call_that_raises_releases_its_sequences_and_frees_its_cache():
     assert drafter.target.cache.kv.numel() == 0  # freed after a call that ended normally too
 
 
+class Detaching(Remembering):
+    """Logs its releases and its detach, where it drops its target view (the contract's end of a call)."""
+
+    name = "detaching"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+
+    def release(self, seq_id: int) -> None:  # the guard may have left a sequence undrafted: no history then
+        self.history.pop(seq_id, None)
+        self.log.append("release")
+
+    def detach(self) -> None:
+        self.log.append("detach")
+        self.target = None
+
+
+def test_detach_ends_every_call_after_its_releases(caplog):
+    """Drafter.detach: a reused drafter kept the last call's TargetView (and with it the target model) until its
+    next call. The engine now calls detach() once at the end of every call, after its releases, a raising call too;
+    a plain object's detach() through its wrapper; one that raises is logged, never raised over the call."""
+    import pytest
+
+    model, prompts = build_tiny_model("llama-gqa-tied"), [[5, 9, 11, 2], [7, 3]]
+    drafter = Detaching()
+    generate(model, prompts, drafter=drafter, max_new_tokens=8)
+    assert drafter.log == ["release", "release", "detach"] and drafter.target is None and drafter.history == {}
+
+    def streamer(seq, tokens):
+        raise RuntimeError("the client went away")
+
+    drafter.log.clear()
+    with pytest.raises(RuntimeError, match="the client went away"):
+        generate(model, prompts, drafter=drafter, max_new_tokens=8, streamer=streamer)
+    assert drafter.log == ["release", "release", "detach"] and drafter.target is None
+
+    class Plain:
+        detached = 0
+
+        def propose(self, seqs):
+            return [DraftTree.chain([1]) for _ in seqs]
+
+        def detach(self):
+            self.detached += 1
+            if self.detached == 2:
+                raise RuntimeError("detach failed")
+
+    plain, expected = Plain(), generate(model, prompts, max_new_tokens=8)
+    assert [generate(model, prompts, drafter=plain, max_new_tokens=8) for _ in range(2)] == [expected] * 2
+    assert plain.detached == 2 and "detach() raised" in caplog.text
+
+
 class FailingTwice(Remembering):
     """Its third propose raises, and so does its release: a drafter broken in its clean-up too."""
 
