@@ -127,12 +127,19 @@ def test_the_conversion_writes_a_checkpoint_transformers_loads_alike(tmp_path, m
     embedded._convert_into(path, out)
     assert not called  # not through transformers' GGUF loading
     monkeypatch.undo()
+    _same_logits_as_transformers(out, path)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def _same_logits_as_transformers(out, path) -> None:
+    """The conversion at ``out`` computes what transformers' own GGUF loading of ``path`` computes."""
+    from transformers import AutoModelForCausalLM
+
     ids = torch.tensor([[1, 5, 9, 30, 2]])
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
         ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()(ids).logits
     assert torch.equal(got, ref)
-    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
 
 
 class _NoTokenizer:
@@ -257,7 +264,6 @@ def test_a_conversion_that_fills_or_drops_a_tensor_is_refused(tmp_path, monkeypa
 def test_a_complete_file_still_converts_through_transformers(tmp_path, monkeypatch, case):
     """The tensor checks refuse nothing that transformers maps whole: every file tensor used, every parameter
     filled, the result transformers' own."""
-    from transformers import AutoModelForCausalLM
 
     if case == "qwen2 with biases":
         head_dim = HIDDEN // HEADS
@@ -270,11 +276,7 @@ def test_a_complete_file_still_converts_through_transformers(tmp_path, monkeypat
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: _NoTokenizer())
     out = _convert(tmp_path, path)
     monkeypatch.undo()
-    ids = torch.tensor([[1, 5, 9, 30, 2]])
-    with torch.no_grad():
-        got = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
-        ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()(ids).logits
-    assert torch.equal(got, ref)
+    _same_logits_as_transformers(out, path)
 
 
 def test_a_file_transformers_cannot_convert_is_one_line(tmp_path, monkeypatch):

@@ -164,6 +164,18 @@ def _walk_gguf(blob, tensor_count: int, kv_count: int, values: bool = False
     return tensors, -(-pos // max(alignment, 1)) * max(alignment, 1), metadata if values else {}
 
 
+def read_header(blob) -> tuple[list, int, dict] | None:
+    """``(tensors, data start, metadata)`` of the GGUF file mapped as ``blob`` (which has passed :func:`check_gguf`),
+    metadata values read; None for a version, a value type or a string this walker does not read."""
+    version, tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
+    if version not in (2, 3):
+        return None
+    try:
+        return _walk_gguf(blob, tensor_count, kv_count, values=True)
+    except (_Unknown, UnicodeDecodeError):
+        return None
+
+
 # tensors in which llama.cpp keeps per-frequency RoPE factors, and the scaling each one stands for
 _ROPE_TENSORS = {"rope_freqs.weight": "Llama-3.x's llama3 RoPE", "rope_factors_long.weight": "LongRoPE",
                  "rope_factors_short.weight": "LongRoPE"}
@@ -181,13 +193,10 @@ def check_convertible(path: Path) -> tuple[list[str], dict] | None:
     from specdec.models.llama import SUPPORTED_MODEL_TYPES, UnsupportedModelError
 
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
-        version, tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
-        if version not in (2, 3):
-            return None
-        try:
-            tensors, _, meta = _walk_gguf(blob, tensor_count, kv_count, values=True)
-        except _Unknown:
-            return None
+        header = read_header(blob)
+    if header is None:
+        return None
+    tensors, _, meta = header
     names = [name for name, *_ in tensors]
     architecture = meta.get("general.architecture")
     if not isinstance(architecture, str):

@@ -2,7 +2,7 @@
 
 transformers' GGUF loader builds gguf's reader three times (config, tokenizer, weights), each walking the
 vocabulary arrays element by element, and maps the tensor names once per module: ~20 s of the embedded model's
-first load, against ~2 s here. The header is read by the walker that checks every GGUF (``embedded._walk_gguf``),
+first load, against ~2 s here. The header is read by the walker that checks every GGUF (``embedded.read_header``),
 each tensor is dequantized by gguf's own numpy dequantizers, and the result is what transformers makes of the same
 file: its config fields, its parameter names, llama.cpp's interleaved q / k rows put back in Hugging Face's order
 (the tests compare the two on a small file). One exception: without ``llama.attention.head_count_kv`` (llama.cpp's
@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -51,16 +50,13 @@ def read_llama(path: Path):
         import gguf  # noqa: F401  (the dequantizers, in the ``gguf`` extra)
     except ImportError:
         return None
-    from specdec.models.embedded import _Unknown, _walk_gguf
+    from specdec.models.embedded import read_header
 
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
-        version, tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
-        if version not in (2, 3):
+        header = read_header(blob)
+        if header is None:
             return None
-        try:
-            tensors, data_start, meta = _walk_gguf(blob, tensor_count, kv_count, values=True)
-        except (_Unknown, UnicodeDecodeError):
-            return None
+        tensors, data_start, meta = header
         config = _config(meta, {name for name, *_ in tensors})
         names = _parameter_names(config, [name for name, *_ in tensors]) if config is not None else None
         if names is None:
