@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -66,7 +67,10 @@ def test_rehearsal_measures_and_reports_every_row(bench, tmp_path):
     assert "aten::linear" in prefill["aten_ops_by_name"] and prefill["aten_ops_per_step"] > 0.5 * plain[
         "aten_ops_per_step"]
     call = model["prefill_host_python"]  # the whole one-token call under cProfile: set-up, prefill, its step
-    assert call["steps"] == 1 and any(f["name"].startswith("specdec/engine.py:") for f in call["functions"])
+    # specdec's functions, named dir/file.py:line(name) (which ones rank by own time depends on the machine's load)
+    assert call["steps"] == 1 and call["functions"]
+    assert all(re.fullmatch(r"(specdec|drafters|kernels|eval|train)/[\w/]+\.py:\d+\(.+\)", f["name"])
+               for f in call["functions"]), [f["name"] for f in call["functions"]]
     assert any("(add)" in f["name"] for f in call["functions"] + call["others"]) or any(
         "forward" in f["name"] for f in call["functions"])
     assert plain2["steps"] == 6 and auto2["steps"] > 0 and "propose" in auto2["phases_ms_per_step"]  # the batch's

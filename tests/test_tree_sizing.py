@@ -335,7 +335,7 @@ def test_the_target_drafting_for_itself_is_never_asked_under_the_guard():
     forced = DraftModelDrafter(model=model, num_draft_tokens=3)
     out = generate(model, [prompt], max_new_tokens=24, drafter=forced, return_dict=True, speculation="always")
     assert out.sequences[0] == plain and forced.draft_forwards > 0 and out.stats[0].steps < 12
-    assert forced.cache is not None  # its own pool, made at its first propose
+    assert forced.cache is None  # its own pool, made at its first propose, freed when the call ended (detach)
 
 
 def test_guard_remembers_across_calls_where_a_drafter_stopped_paying(fixed_costs):
