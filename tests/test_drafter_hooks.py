@@ -275,7 +275,8 @@ def test_a_drafter_whose_release_raises_leaves_the_calls_error_and_the_streamer_
 
     model, streamer = build_tiny_model("llama-gqa-tied"), Streamer()
     with pytest.raises(RuntimeError, match="the drafter's own error"):
-        generate(model, [[5, 9, 11, 2]], drafter=FailingTwice(), max_new_tokens=8, streamer=streamer)
+        generate(model, [[5, 9, 11, 2]], drafter=FailingTwice(), max_new_tokens=8, streamer=streamer,
+                 speculation="always")  # the guard may skip the drafter on a fast CPU: its 3rd propose must come
     assert streamer.ended and "release(0) raised" in caplog.text
 
 

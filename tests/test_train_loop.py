@@ -748,9 +748,10 @@ from specdec.train import evaluate, features
 
 generate = importlib.import_module("specdec.generate")  # the module (the package exports the function by its name)
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's process has it (a test worker may not)
-# the runs share one process group; where processes fall out of step inside a run, a collective fails in a minute,
-# not thirty. Between runs they wait longer (below): the main process evaluates alone after each run
-torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=60))
+# the runs share one process group; where processes fall out of step inside a run, a collective fails in four
+# minutes, not thirty (one minute was too short on a loaded 2-core CI machine: a process reached its run's first
+# meeting more than a minute after its peer). Between runs they wait longer (below): the main process evaluates alone
+torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=240))
 between_runs = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=300))
 accelerate.Accelerator.end_training = lambda self: None
 rank, args, out = int(os.environ["RANK"]), json.loads(sys.argv[1]), Path(sys.argv[2])
