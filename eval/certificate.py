@@ -12,9 +12,9 @@ broken engines there (an off-by-one tree mask, a wrong KV compaction slot):
    over cases, power at the requested TV reported), a TV upper bound, acceptance rate and chain tau vs their
    closed forms for the drafter's draft kinds (:func:`acceptance_cases`).
 3. ``end-to-end`` on the model: greedy token identity vs plain decoding (with divergence diagnostics), also under
-   the default speculation policy, and sampled output vs plain sampling from a greedy-answer prefix where a pilot
-   saw drafts accepted (:mod:`specdec.eval.sampled_start`; two-sample chi-square on the first tokens, power at
-   alpha / 2, and KS on the log-probability of a longer window under the target; Holm over the two).
+   the default speculation policy; plain sampling's first tokens vs the model's exact law (``engine_law``); and
+   sampled output vs plain sampling from a greedy-answer prefix where a pilot saw drafts accepted (``end_to_end``,
+   ``sampled_start``: two-sample chi-square on the first tokens, KS on a longer window's log-probability).
 4. ``coupled`` (:mod:`specdec.eval.coupled_level`, only when asked): coupled sampling's law (on synthetic logits,
    and through the engine's plain generate() against the model's exact first-token law), and
    speculative coupled output == plain coupled output token for token, batched and single, with
@@ -436,6 +436,7 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
     that a DraftError stops is a failed row (:func:`drafter_stopped`)."""
     from specdec.eval.divergence import greedy_identity
     from specdec.eval.end_to_end import check_seeds, sampled_two_sample, window
+    from specdec.eval.engine_law import engine_law_checks
     from specdec.eval.sampled_start import choose_start
 
     checks, warnings = [], []
@@ -485,6 +486,13 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
     progress("end to end: greedy identity, the default speculation policy")
     checks.append(default_policy_identity(loaded, prompts, drafter, options, sizes, plain))
     e2e_sampling = sampling if sampling.do_sample else SamplingConfig(True)
+    # the rows below compare speculative with plain sampling of this engine: this one tests plain sampling itself
+    progress(f"end to end: the first tokens of {sizes.sample_sequences} plain sampled sequences against the "
+             "target's exact law")
+    law_checks, law_warnings = engine_law_checks(loaded, e2e_sampling, sizes, prompts, seed, "standard",
+                                                 "end-to-end")
+    checks += law_checks
+    warnings += law_warnings
     k, w = sizes.sample_tokens, window(sizes)
     name = (f"sampled {w} tokens (of {w + sizes.sample_lookahead}) in a greedy answer vs plain sampling (chi-square "
             f"on the first {k}, log-probability KS on all {w})")

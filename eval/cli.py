@@ -360,11 +360,11 @@ def _check_identity_fits(loaded, prompts: list[list[int]], tokens: int) -> None:
 
 def _size_flags(check) -> str | None:
     """The options that size the check a negative control passed (None: the exact law, which no size changes)."""
-    from specdec.eval.coupled_level import ENGINE_LAW_CHECK
+    from specdec.eval.engine_law import ENGINE_LAW_CHECKS
 
     if check.level == "exact-law":
         return None
-    if check.name == ENGINE_LAW_CHECK:  # sequences sampled through the engine, as end to end
+    if check.name in ENGINE_LAW_CHECKS.values():  # sequences sampled through the engine, as end to end
         return "--sample-sequences"
     if check.level == "sampler-statistics" or "target law" in check.name:
         return "--stat-samples"

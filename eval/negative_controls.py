@@ -10,7 +10,8 @@ controls and must fail. Two kinds:
   ``ENGINE_FAULTS["off_by_one_tree_mask"]``; pass as ``fault=`` to :func:`generate_with_control`.
   Only the end-to-end level can see these, and only on steps that accept a draft.
   ``COUPLING_FAULTS`` break coupled sampling's noise (keyed to the step, or to the batch row); only the
-  coupled level's identity checks can see them.
+  coupled level's identity checks can see them. ``LAW_FAULTS`` give every sequence of a step one draw or one
+  noise key: the engine-law rows (:mod:`specdec.eval.engine_law`) must see them.
 - broken SELECTIONS of sampled trees: :class:`ShapeAwareSizer` (cuts a tree by its own token-dependent shape) and
   :class:`ScoreChoosingCombined` (picks a sampled child by its drawn token's score); the exact-law level sees
   them (:mod:`specdec.eval.selection_law`).
@@ -32,7 +33,7 @@ from specdec.engine import Engine, SequenceState, VerifyBatch
 from specdec.engine_setup import EngineFault, build_engine
 from specdec.generate import generate_with
 from specdec.kv_cache import PagedKVCache
-from specdec.rejection import EXACT, AcceptanceRule
+from specdec.rejection import EXACT, Acceptance, AcceptanceRule
 from specdec.tree import DraftTree
 from specdec.tree_sizing import TreeSizer, _path_probs, _unscored_keys, best_prefix
 
@@ -175,6 +176,36 @@ COUPLING_FAULTS: dict[str, EngineFault] = {
     f.name: f
     for f in (EngineFault("noise_keyed_to_step", engine_cls=StepKeyedNoiseEngine),
               EngineFault("noise_keyed_to_batch_row", engine_cls=RowKeyedNoiseEngine))
+}
+
+
+class ReusedNoiseEngine(Engine):
+    """Coupled sampling with one noise key for every sequence: copies of a prompt all draw the same text, so the first
+    tokens of many sequences no longer follow the target's law."""
+
+    @staticmethod
+    def noise_keys(live: list[SequenceState]) -> list[int]:
+        return [0] * len(live)
+
+
+class ReusedDrawEngine(Engine):
+    """Standard sampling where every sequence of a step takes the first one's draw (its steps always through
+    rejection_walk: no plain step queued ahead): copies of a prompt all draw the same text."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.ahead = None
+
+    def rejection_walk(self, live: list[SequenceState], trees: list[DraftTree], target_logits: torch.Tensor
+                       ) -> list[Acceptance]:
+        return super().rejection_walk(live[:1], trees[:1], target_logits[:1]) * len(live)
+
+
+# the engine's own sampling against the target's exact law (specdec.eval.engine_law), one control per sampler
+LAW_FAULTS: dict[str, EngineFault] = {
+    f.name: f
+    for f in (EngineFault("draw_reused", engine_cls=ReusedDrawEngine),
+              EngineFault("noise_reused", engine_cls=ReusedNoiseEngine))
 }
 
 

@@ -116,7 +116,8 @@ def test_a_draft_error_fails_its_check_and_the_certificate_goes_on():
     or end to end: the run was lost. It is now a failed row with the error's first line, and every other check
     still runs."""
     loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
-    sizes = CertificateSizes(identity_prompts=7, identity_tokens=24, sample_sequences=20, stat_samples=2000,
+    # 300 sequences: enough that the engine-law row's draw_reused control is caught (20 left it passing: VOID)
+    sizes = CertificateSizes(identity_prompts=7, identity_tokens=24, sample_sequences=300, stat_samples=2000,
                              start_candidates=1, pilot_sequences=4)
     prompts = lambda n: [*_prompts(3), [3, 3, 3], [8, 2, 8, 2, 10, 11, 8, 2], [4, 11, 0, 4, 11],  # noqa: E731
                          [7, 3, 10, 6, 7, 3]][:n]

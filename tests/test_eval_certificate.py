@@ -41,7 +41,7 @@ def test_certificate_passes_and_every_control_is_caught(drafter, options):
     failed = [(c.level, c.name, c.control, c.detail) for c in cert.checks if not c.as_expected]
     assert cert.passed and not cert.void, failed
     controls = {c.control for c in cert.checks if c.control}
-    assert "always_accept" in controls and set(ENGINE_FAULTS) <= controls
+    assert "always_accept" in controls and set(ENGINE_FAULTS) | {"draw_reused"} <= controls
     assert all(not c.passed for c in cert.checks if c.control)
     md = cert.to_markdown()
     assert "PASSED" in md and "always_accept" in md
@@ -564,6 +564,7 @@ def test_the_end_to_end_level_says_each_check_as_it_starts_and_how_far_sampling_
                     "end to end: greedy identity, the exact engine", "end to end: greedy identity, always_accept",
                     *[f"end to end: greedy identity, {name}" for name in ENGINE_FAULTS],
                     "end to end: greedy identity, the default speculation policy",
+                    "end to end: the first tokens of 20 plain sampled sequences against the target's exact law",
                     "end to end: choosing where sampling starts (a pilot of 4 sequences at 1 starts)",
                     "end to end: 20 sampled sequences per side, the exact rule",
                     "end to end: 20 sampled sequences per side, always_accept"]
@@ -651,9 +652,11 @@ def test_the_coupled_level_fails_an_engine_whose_coupled_sampling_ignores_the_wa
     """The law rows tested coupled_tokens() on made-up logits and the identity rows compared the engine with itself,
     so an engine that ignored top-k in every coupled step passed. The first tokens of plain coupled generate() are
     now tested against the target's exact law; its noise_reused control is caught, and the exact engine passes."""
-    from specdec.eval.coupled_level import ENGINE_LAW_CHECK
+    from specdec.eval.engine_law import ENGINE_LAW_CHECKS
 
     from specdec.engine import Engine
+
+    ENGINE_LAW_CHECK = ENGINE_LAW_CHECKS["coupled"]
 
     loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
     top3 = SamplingConfig(True, 1.0, 3)
@@ -667,6 +670,37 @@ def test_the_coupled_level_fails_an_engine_whose_coupled_sampling_ignores_the_wa
     # (its identity controls may go uncaught too, where the broken engine's drafts are never accepted: VOID)
     assert failed == [ENGINE_LAW_CHECK] and not broken.passed, broken.to_markdown()
     assert " outside the support" in broken.checks[[c.name for c in broken.checks].index(ENGINE_LAW_CHECK)].detail
+
+
+def _rejection_walk_without_top_k(self, live, trees, target_logits):
+    """Engine.rejection_walk that drops top-k, in plain and speculative decoding alike (a deliberately wrong
+    engine)."""
+    import dataclasses
+
+    from specdec.rejection import rejection_sample
+
+    wrong = dataclasses.replace(self.sampling, top_k=0)
+    return rejection_sample(trees, target_logits, wrong, self.generator, self.rule)
+
+
+def test_the_end_to_end_level_fails_an_engine_whose_plain_sampling_ignores_the_warpers(monkeypatch):
+    """The default levels compared speculative sampling with the same engine's plain sampling and tested the
+    acceptance rule on made-up logits, so an engine that ignored top-k in every step passed all of them. The first
+    tokens of plain generate() are now tested against the target's exact law (a row of the end-to-end level:
+    test_certificate_passes_and_every_control_is_caught); its draw_reused control is caught, and the exact engine
+    passes."""
+    from specdec.eval.engine_law import ENGINE_LAW_CHECKS, engine_law_checks
+
+    from specdec.engine import Engine
+
+    loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
+    top3, prompts = SamplingConfig(True, 1.0, 3), _prompts(COUPLED_SMALL.identity_prompts)
+    checks, _ = engine_law_checks(loaded, top3, COUPLED_SMALL, prompts, 1, "standard", "end-to-end")
+    assert [(c.name, c.control, c.passed) for c in checks] == [(ENGINE_LAW_CHECKS["standard"], None, True),
+                                                               (ENGINE_LAW_CHECKS["standard"], "draw_reused", False)]
+    monkeypatch.setattr(Engine, "rejection_walk", _rejection_walk_without_top_k)
+    broken, _ = engine_law_checks(loaded, top3, COUPLED_SMALL, prompts, 1, "standard", "end-to-end")
+    assert not broken[0].passed and " 0 outside the support" not in broken[0].detail, broken[0].detail
 
 
 def test_an_interrupted_overwrite_leaves_no_earlier_certificate(ckpt, tmp_path, monkeypatch, capsys):
