@@ -114,6 +114,23 @@ def test_tokenize_and_split():
         tokenize_texts(tiny_tokenizer(), ["a"], seq_len=20)
 
 
+def test_training_texts_start_as_prompts_do_with_one_bos():
+    """Plain --data texts were tokenized without special tokens: for a tokenizer that adds a BOS (Llama's), heads
+    trained on sequences without the BOS that every prompt they draft for starts with (self-distilled prompts had
+    it). A chat template's rendering writes the BOS itself: it keeps one, not two."""
+    from tokenizers import processors
+
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"bos_token": "[BOS]"})
+    bos = tok.bos_token_id
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="[BOS] $A", special_tokens=[
+        ("[BOS]", bos)])
+    plain, rendered = tokenize_texts(tok, ["the cat sings", "[BOS]the cat sings"], seq_len=8)
+    assert plain == rendered == [bos] + tok("the cat", add_special_tokens=False)["input_ids"], (plain, rendered)
+    assert tokenize_texts(tiny_tokenizer(), ["the cat"], seq_len=20) == [tok("the cat", add_special_tokens=False)[
+        "input_ids"]]  # a tokenizer without a BOS: the text's tokens alone
+
+
 def test_held_out_split_never_leaks_into_training():
     seqs = [[i, i + 1, i + 2] for i in range(0, 30, 3)]
     for fraction in (1e-9, 0.1, 0.5):  # 1e-9: no hash falls under it, one sequence is moved out

@@ -218,10 +218,16 @@ def _with_text_content(where: str, j: int, message: dict) -> dict:
 
 
 def tokenize_texts(tokenizer, texts: list[str], seq_len: int) -> list[list[int]]:
-    """Tokenize and cut to ``seq_len``; sequences shorter than 3 tokens are dropped (nothing to learn)."""
+    """Tokenize with the tokenizer's special tokens (a BOS, as every prompt the heads will draft for has it) and cut
+    to ``seq_len``; a text that already starts with the BOS (a chat template writes it) keeps one. Sequences shorter
+    than 3 tokens are dropped (nothing to learn)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
     seqs = []
     for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:seq_len]
+        ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        if bos is not None and ids[:2] == [bos, bos]:
+            ids = ids[1:]
+        ids = ids[:seq_len]
         if len(ids) >= 3:
             seqs.append(list(ids))
     if not seqs:
