@@ -31,6 +31,7 @@ with a one-line InputError.
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ from specdec.eval.replay_record import verify_cost_at
 from specdec.errors import InputError
 from specdec.sampling import SamplingConfig
 from specdec.tree import MAX_TREE_NODES, DraftTree
+
+logger = logging.getLogger(__name__)
 
 TOKEN_ONLY_HINT = "replay supports drafters whose propose reads only token ids (e.g. ngram)"
 
@@ -104,9 +107,10 @@ class ReplayDrafter:
     def _guard(self, fn):
         try:
             return fn()
-        except (AttributeError, TypeError) as err:
-            raise InputError(f"replay: drafter {self.name!r} reads the target's model or cache ({err}); "
-                             f"{TOKEN_ONLY_HINT}") from None
+        except (AttributeError, TypeError) as err:  # what it read is the stand-in's: not the user's to decode
+            logger.debug("replay: drafter %r failed on the target stand-in: %s", self.name, err)
+            raise InputError(f"replay: drafter {self.name!r} reads the target's model or cache (its dtype, "
+                             f"weights or K/V), which a replay does not load; {TOKEN_ONLY_HINT}") from None
 
     def propose(self, seq_id: int, tokens: list[int], num_prompt_tokens: int) -> tuple[DraftTree, float]:
         """The drafter's tree for this prefix and the seconds its propose took."""
