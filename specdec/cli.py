@@ -14,9 +14,9 @@ Errors meant for the user (bad options, unknown model or drafter, a prompt that 
 text, a truncated .gguf, a drafter's malformed proposal, KV cache out of blocks...) print one line
 ``specdec <command>: error: ...``, naming the full command (``specdec eval replay run: error: ...``),
 and exit with code 2; Ctrl-C keeps the text streamed so far, prints ``specdec <command>: interrupted``
-and exits with code 130. With ``--json``, a generation that the KV cache or Ctrl-C cuts short still writes its
-document, of the text generated so far, with ``finish`` ``cache_full`` or ``interrupted``. ``-v`` shows the
-traceback instead.
+and exits with code 130 (``generate`` takes SIGTERM, from ``timeout`` or a scheduler, alike: ``terminated (SIGTERM)``,
+code 143). With ``--json``, a generation that the KV cache, Ctrl-C or SIGTERM cuts short still writes its document,
+of the text generated so far, with ``finish`` ``cache_full`` or ``interrupted``. ``-v`` shows the traceback instead.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ import time
 
 from specdec.errors import SpecdecError
 from specdec.models.embedded import DEFAULT_ALIAS
+from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
 
 SUBCOMMAND_MODULES = ("specdec.train.cli", "specdec.eval.cli", "specdec.drafters.cli")
 
@@ -263,6 +264,11 @@ def _path_text(value: str) -> str:
 
 
 def _run_generate(args) -> int:
+    with sigterm_as_interrupt():  # `timeout`, a scheduler, `kill`: SIGTERM takes Ctrl-C's path (the text is kept)
+        return _generate_to_stdout(args)
+
+
+def _generate_to_stdout(args) -> int:
     if not args.json:
         _, summary = _generate(args, _TextStream)
         _print_summary(summary)
@@ -580,12 +586,12 @@ def _run_command(args, name: str) -> int:
         if args.verbose or not err.name or err.name.split(".")[0] in ("specdec",):
             raise
         return _missing_package(err, name, args.command)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM inside sigterm_as_interrupt()
         if args.verbose:
             raise
         _flush_stdout()
-        print(f"{name}: interrupted", file=sys.stderr)
-        return 130  # 128 + SIGINT
+        print(f"{name}: {how_stopped(err)}", file=sys.stderr)
+        return exit_code(err)  # 130, or 143 for SIGTERM
 
 
 def _user_error(err: Exception, name: str, command: str) -> int:

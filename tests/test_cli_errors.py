@@ -352,6 +352,33 @@ def test_real_sigint_exits_130_with_one_line(ckpt):
     assert "Traceback" not in proc.stderr and proc.stderr.splitlines()[-1] == "specdec generate: interrupted"
 
 
+SIGTERM_AFTER_THREE_STEPS = """
+import os, signal, sys
+import specdec.cli as cli
+from specdec.engine import Engine
+step, calls = Engine.step, []
+def terminated_after_three_steps(self):
+    calls.append(1)
+    if len(calls) > 3:  # plain greedy decoding: one token a step
+        os.kill(os.getpid(), signal.SIGTERM)
+    return step(self)
+Engine.step = terminated_after_three_steps
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_with_json_writes_the_tokens_generated_so_far(ckpt):
+    """`timeout`, a scheduler or `kill` send SIGTERM, which ended `specdec generate --json` with an empty stdout and
+    no line: the tokens generated were lost. It takes Ctrl-C's path now (exit 143, as the shell reports SIGTERM)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGTERM_AFTER_THREE_STEPS, "generate", PROMPT, "--model", ckpt, "--max-new-tokens",
+         "50", "--json"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 143, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert (doc["finish"], doc["new_tokens"], doc["text"]) == ("interrupted", 3, greedy_text(ckpt, 3))
+    assert "Traceback" not in proc.stderr and proc.stderr.splitlines()[-1] == "specdec generate: terminated (SIGTERM)"
+
+
 def test_json_cut_short_by_a_full_kv_cache_keeps_the_tokens(ckpt, capsys):
     """Under --json the tokens generated before the KV cache ran out are the document's (they were not printed
     "above"), with finish "cache_full"; the error line and exit code 2 follow as without --json."""
