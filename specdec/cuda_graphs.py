@@ -13,9 +13,10 @@ A CUDA graph replays a forward's many small kernel launches from one launch, on 
   their own, the input streams of an EAGLE-3 head's ``feature_layers``). The LM head runs after the replay on the
   step's real rows only, so padding costs no ``rows x vocab`` logits.
 
-Rows meet only in attention, so the real rows get the eager forward's values (padded rows are never read).
-The returned hidden states are views of the bucket's static output, valid until the next call. Without a GPU,
-``capture=False`` runs the same padded static forward eagerly (the tests, in the Triton interpreter).
+Rows meet only in attention: the real rows get the eager forward's values (to the rounding of a product over
+another row count; padded rows are never read). The returned hidden states are views of the bucket's static
+output, valid until the next call. Without a GPU, ``capture=False`` runs the same padded static forward eagerly
+(the tests, in the Triton interpreter).
 
     graphed = GraphedForward(runner, cache, GraphConfig())
     out = graphed(builder.build())  # None when no bucket fits (builder: a BatchBuilder over graphed.cache)
@@ -23,11 +24,10 @@ The returned hidden states are views of the bucket's static output, valid until 
 A step that fits no bucket runs the eager forward; so does every step after a capture that failed (logged once).
 
 ``generate(cuda_graphs="auto")`` (the default) uses graphs on CUDA with the Triton backend, through one
-GraphedForward per loaded model (:func:`model_graphs`, kept on the model object and freed with it, or by
-:func:`release_model_graphs`): its buckets are captured once and replayed by every later call. It serves one
-generate() at a time; elsewhere (CPU) "auto" is eager, as before. A draft-model drafter keeps buckets of its
-own on its model (``model_graphs(..., role="draft")``, apart from the target's even when the models are one), also
-one call at a time (specdec.call_claims: a drafter that finds them serving drafts eagerly)."""
+GraphedForward per loaded model (:func:`model_graphs`, freed with the model or by :func:`release_model_graphs`),
+captured once, serving one generate() at a time; elsewhere (CPU) "auto" is eager. A draft-model drafter keeps
+buckets of its own on its model (``model_graphs(..., role="draft")``, apart from the target's even when the models
+are one), also one call at a time (specdec.call_claims: a drafter that finds them serving drafts eagerly)."""
 from __future__ import annotations
 
 import bisect

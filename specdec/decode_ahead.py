@@ -10,7 +10,9 @@ the larger of the host's and the device's work, not their sum.
 Invariants:
 
 * the tokens are plain decoding's: the same forward over the same inputs, the same choices (the argmax, or draws
-  from the run's generator in the same order), learned by the host a step later;
+  from the run's generator in the same order), learned by the host a step later; but where a sequence of a batch
+  stops in the unread step, the queued step drew for it too, so under standard sampling the others' later draws
+  shift: the same law, not the same text as steps read first (coupled sampling keys its noise, unaffected);
 * a step is queued only where every sequence of the unread step may still take a token after it (max_new_tokens,
   the context) and the KV pool holds one more position for each; a sequence that stops on an EOS or a stop string
   in the unread step has one step of work thrown away (its K/V went to positions of its own, freed with it);
