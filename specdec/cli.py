@@ -390,6 +390,9 @@ def _cli_drafter(args):
 def _prompt_ids(tok, args, text: str, system: str | None) -> list[int]:
     """The prompt's token ids, through the tokenizer's chat template unless --no-chat-template (or it has none)."""
     if tok is None:
+        if str(args.model).lower().endswith(".gguf"):  # nothing to save next to a file
+            raise CLIError(f"model {args.model!r} holds no vocabulary (tokenizer.ggml.tokens), and the CLI needs a "
+                           "tokenizer: use a GGUF file with its vocabulary, or pass token ids to specdec.generate()")
         raise CLIError(f"model {args.model!r} has no tokenizer; the CLI needs one (save it next to the checkpoint)")
     if system is not None and not getattr(tok, "chat_template", None):
         raise CLIError(f"--system goes into the chat template, and the tokenizer of model {args.model!r} has none; "

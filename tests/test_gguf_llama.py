@@ -300,6 +300,18 @@ def test_a_file_without_a_vocabulary_converts_for_token_ids(tmp_path, caplog):
     assert not list(out.glob("tokenizer*"))
 
 
+def test_the_cli_says_a_file_without_a_vocabulary_needs_one(tmp_path, monkeypatch, capsys):
+    """`specdec generate` on such a file said "save it next to the checkpoint", which a GGUF file has no place for."""
+    from specdec.cli import main
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_llama_gguf(tmp_path / "m.gguf", tokens=False)
+    assert main(["generate", "--model", str(path), "hello"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.endswith("holds no vocabulary (tokenizer.ggml.tokens), and the CLI needs a tokenizer: use a GGUF "
+                         "file with its vocabulary, or pass token ids to specdec.generate()"), line
+
+
 def test_a_file_without_a_kv_head_count_reads_as_one_with_it(tmp_path):
     """llama.cpp's default KV head count is the query head count, and its q / k rows are interleaved either way:
     read without the key, the weights are those of the same file with it (transformers' reading of which is
