@@ -20,13 +20,13 @@ It models decoding only; the JSON also gives the decode-only measured speedup (p
 
 Each finished cell is written at once to ``<out>/cells/<drafter>__<category>[.rank<r>].json`` with its schema, the
 digest of its settings and a SHA-256 of its content, so a crashed run resumes where it stopped (``resume=True``).
-``settings.json`` records the model by its content (config and sampled weights) and the speed conditions (device,
-threads, torch). Before measuring, a resume refuses (``ResumeError`` naming each file) any finished cell that is
-unreadable, of another schema, edited, measured under other settings or conditions, or without a checksum
-(``specdec.eval.resume``). Under ``accelerate launch`` every process takes its
-share of the prompts and the main process merges the rank files. Multi-turn records (``specdec.eval.conversations``)
-give one cell row per turn. Cells of older runs are still read by :func:`read_cell` for their reports, never reused by
-a resume.
+``settings.json`` records the model and the drafters' checkpoints by their content and the speed conditions (device,
+threads, torch); it is written once every row's checkpoint has loaded for the target (:func:`load_drafters`). Before
+measuring, a resume refuses (``ResumeError`` naming each file) any finished cell that is unreadable, of another
+schema, edited, measured under other settings or conditions, or without a checksum (``specdec.eval.resume``). Under
+``accelerate launch`` every process takes its share of the prompts and the main process merges the rank files.
+Multi-turn records (``specdec.eval.conversations``) give one cell row per turn. Cells of older runs are still read by
+:func:`read_cell` for their reports, never reused by a resume.
 """
 from __future__ import annotations
 
@@ -35,12 +35,13 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
-from specdec.drafters.base import Drafter
+from specdec.drafters.base import Drafter, refusals_named
 from specdec.drafters.registry import get_drafter
 from specdec.eval.pricing import calibration_sizes, predicted_speedup, size_chunks
 from specdec.eval.resume import (
@@ -165,7 +166,7 @@ class Cell:
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
-    drafts: int = 0  # draft trees proposed (one per sequence step)
+    drafts: int = 0  # draft trees proposed (one per sequence step asked; under auto, hindsight looks too)
     draft_nodes: int = 0  # nodes in those trees (before the engine trims them to the token budget)
     depth_tried: list[int] = field(default_factory=list)
     depth_accepted: list[int] = field(default_factory=list)
@@ -297,38 +298,43 @@ def read_cell(path: Path, settings_sha256: str | None = None, expect: tuple[str,
 
 
 class _CountingDrafter(Drafter):
-    """Delegates to a drafter and counts the draft trees and nodes it proposes (composition only)."""
+    """A drafter seen whole, counting the trees and nodes it proposes: the engine gets every attribute and hook of
+    the wrapped drafter (those of the Drafter contract, a later one too, and its own: a combined drafter's
+    ``children``), so a cell runs the drafter as generate() would; only ``propose`` and ``propose_pending`` are the
+    wrapper's, and they count what the drafter's own give. Under ``speculation="auto"`` the counts include the trees
+    asked in hindsight of a drafter that looks back (never verified)."""
+
+    _OWN = frozenset({"inner", "trees", "nodes", "sizes", "propose", "propose_pending", "_count"})
 
     def __init__(self, inner: Drafter) -> None:
         self.inner, self.trees, self.nodes = inner, 0, 0
         self.sizes: list[int] = []  # nodes of every tree proposed, in order
-        self.name, self.needs_hidden_states = inner.name, inner.needs_hidden_states
 
-    @property
-    def feature_layers(self) -> tuple[int, ...]:  # an EAGLE-3 head's: the engine reads them off this wrapper
-        return self.inner.feature_layers
+    def __getattribute__(self, name: str) -> Any:
+        if name in _CountingDrafter._OWN or (name.startswith("__") and name.endswith("__")):
+            return object.__getattribute__(self, name)
+        return getattr(object.__getattribute__(self, "inner"), name)
 
-    def attach(self, target) -> None:
-        self.inner.attach(target)
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _CountingDrafter._OWN:
+            object.__setattr__(self, name, value)
+        else:  # what the engine sets on its drafter is the wrapped one's
+            setattr(self.inner, name, value)
 
-    def cost_key(self) -> str:
-        return self.inner.cost_key()
-
-    def forward_seconds(self) -> float | None:
-        return self.inner.forward_seconds()
+    def _count(self, sizes: list[int]) -> None:
+        self.trees += len(sizes)
+        self.sizes += sizes
+        self.nodes += sum(sizes)
 
     def propose(self, seqs):
         trees = self.inner.propose(seqs)
-        self.trees += len(trees)
-        self.sizes += [int(getattr(t, "num_nodes", 0)) for t in trees]
-        self.nodes += sum(self.sizes[len(self.sizes) - len(trees):])
+        self._count([int(getattr(t, "num_nodes", 0)) for t in trees])
         return trees
 
-    def on_accept(self, seq_id: int, committed) -> None:
-        self.inner.on_accept(seq_id, committed)
-
-    def release(self, seq_id: int) -> None:
-        self.inner.release(seq_id)
+    def propose_pending(self, seqs):
+        pending = self.inner.propose_pending(seqs)
+        self._count([int(n) for n in pending.num_nodes])  # known on the host: nothing read from the device
+        return pending
 
 
 def hf_greedy_batch(model: Any, batch: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -383,6 +389,21 @@ def _calibrate(loaded: Any, cell: Cell, batch: list[list[int]], config: SuiteCon
               "repeats": config.calibration_repeats}
     cell.calibration.append({"query_tokens": n, "verify_seconds": costs[n], **common})
     cell.size_calibration += [{"query_tokens": k, "verify_seconds": v, **common} for k, v in sorted(costs.items())]
+
+
+def load_drafters(loaded: Any, config: SuiteConfig) -> list[Drafter]:
+    """Every row's drafter built and its checkpoint read and checked for the target (``Drafter.load_for_target``, as
+    generate() does first): a mistyped ``path=`` or a head made for another model is refused in one line before a run
+    writes or deletes anything. Held through the run, what they loaded is what the cells' drafters take (the
+    process-wide caches of drafters/loaded_once.py and of the model loader), not read again."""
+    drafters = []
+    for label, options in config.drafters:
+        name = config.drafter_name(label)
+        drafter = get_drafter(name, **options)
+        with refusals_named(label) if label != name else nullcontext():  # which of two rows of one drafter
+            drafter.load_for_target(loaded.runner, getattr(loaded, "tokenizer", None), getattr(loaded, "name", None))
+        drafters.append(drafter)
+    return drafters
 
 
 def check_finished_cells(out: Path, labels: list[str], categories: list[str], ranks: list[int | None],
@@ -485,14 +506,24 @@ def run_suite(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
     identity = prompts if prompts_identity is None else prompts_identity
     settings = check_resume(loaded, config, out, list(prompts), identity) if resume else run_settings(
         model_identity(loaded), identity, config, state.num_processes, speed_conditions(loaded))
+    held = load_drafters(loaded, config)  # a bad head refused before settings.json is written
     state.wait_for_everyone()  # every process has read the old settings before the main one replaces them
+    written = state.is_main_process and not (out / "settings.json").exists()
     if state.is_main_process:
         write_json(out / "settings.json", settings_record(settings), indent=1)
     shard = {}
     for category, cat_prompts in prompts.items():
         with state.split_between_processes(cat_prompts) as mine:
             shard[category] = list(mine)
-    run_cells(loaded, shard, config, out, rank, resume, on_progress, settings)
+    try:
+        run_cells(loaded, shard, config, out, rank, resume, on_progress, settings)
+    except BaseException:
+        # a run that failed before its first cell leaves no settings.json of its own: alone, it would make the
+        # corrected rerun's --out look like an earlier run's
+        if written and not any((out / "cells").glob("*__*.json")):
+            (out / "settings.json").unlink(missing_ok=True)
+        raise
+    del held
     state.wait_for_everyone()
     return merge_cells(out, config.labels, list(prompts), state.num_processes, settings)
 

@@ -397,17 +397,22 @@ def run_acceptance(args) -> int:
     config = _suite_config(args, names, renamed, conversations)
     loaded = load_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None,
                         device=_suite_device(args.device))
+    from specdec.eval.acceptance import load_drafters
     from specdec.eval.conversations import chat_codec, check_first_turns_fit
 
     check_first_turns_fit(loaded, conversations, chat_codec(loaded), config.max_new_tokens)  # not in mid-run
-    # --overwrite clears the earlier run only now that this one's prompts, options and model are known to be good
-    # (a resume checks the earlier run's settings and cells itself)
+    # every row's checkpoint read and checked for this target (a mistyped path=, a head of another vocabulary);
+    # held through the run, so the cells take what was loaded here
+    held = load_drafters(loaded, config)
+    # --overwrite clears the earlier run only now that this one's prompts, options, model and drafters are known to
+    # be good (a resume checks the earlier run's settings and cells itself)
     _clear_earlier_run(earlier)
     make_out_dir(out)
     t0 = time.perf_counter()
     try:
         with sigterm_as_interrupt():
             cells = _run_cells(loaded, conversations, config, out, args.resume)
+        del held
     except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the finished cells are kept, a resume measures the rest
         if os.environ.get("RANK", "0") == "0":  # once, under accelerate launch too
             print(f"specdec eval acceptance: {how_stopped(err)}; {_what_is_left(out)}", file=sys.stderr)

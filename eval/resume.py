@@ -10,8 +10,8 @@ File formats (canonical JSON = ``json.dumps(obj, sort_keys=True, separators=(","
 
 * ``settings.json``: ``{"schema": SETTINGS_SCHEMA, "settings": {...}, "sha256": <SHA-256 of the canonical
   settings>}``; that digest is the run's *settings digest*.
-* ``settings.json`` names the model by its content (:func:`model_identity`): a model of the same name with other
-  weights is other settings.
+* ``settings.json`` names the model and the drafters' checkpoints by their content (:func:`model_identity`,
+  :func:`checkpoint_fingerprint`): a model or head of the same name or path with other weights is other settings.
 * its ``machine`` entry (:func:`speed_conditions`: device, processor, torch's threads and version, attention backend)
   is part of the settings: a cell's tokens/s only compare with the same run's plain cell measured under the same
   conditions, so a resume under other ones is refused naming each difference.
@@ -32,8 +32,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,8 @@ CALIBRATION_KEYS = frozenset({"query_tokens", "plain_seconds", "verify_seconds",
 _CELL_KEYS = {"schema", "settings_sha256", "rank", "cell", "sha256"}
 _SETTINGS_KEYS = {"schema", "settings", "sha256"}
 _ANEW = "measure every cell anew (--overwrite instead of --resume)"
+WHOLE_FILE_BYTES = 64 << 20  # checkpoint files up to this size are fingerprinted byte for byte
+SAMPLED_BLOCKS, _BLOCK_BYTES = 64, 1 << 16  # of a bigger one: blocks read, evenly spaced
 
 
 class ResumeError(SpecdecError, ValueError):
@@ -83,13 +86,66 @@ def speed_conditions(loaded: Any) -> dict:
             "attention": str(getattr(backend, "name", backend))}
 
 
+def checkpoint_fingerprint(path: Path) -> str | None:
+    """SHA-256 (16 hex digits) of a checkpoint by content: a folder's files (not its subfolders) or one file, each by
+    name, size and bytes: every byte of a file up to :data:`WHOLE_FILE_BYTES`, of a bigger one (a draft model's
+    weights) :data:`SAMPLED_BLOCKS` evenly spaced blocks and its modification time, so a checkpoint saved over the old
+    one is told apart without reading gigabytes. None where it cannot be read (the drafter's load says why)."""
+    h = hashlib.sha256()
+    try:
+        files = sorted(f for f in path.iterdir() if f.is_file()) if path.is_dir() else [path]
+        for f in files:
+            size = f.stat().st_size
+            h.update(f"{f.name}\0{size}\0".encode())
+            with open(f, "rb") as fh:
+                if size <= WHOLE_FILE_BYTES:
+                    for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                        h.update(chunk)
+                    continue
+                h.update(str(f.stat().st_mtime_ns).encode())
+                for i in range(SAMPLED_BLOCKS):
+                    fh.seek(max(0, size - _BLOCK_BYTES) * i // (SAMPLED_BLOCKS - 1))
+                    h.update(fh.read(_BLOCK_BYTES))
+    except OSError:
+        return None
+    return h.hexdigest()[:16]
+
+
+def _by_content(value: Any) -> Any:
+    """Drafter options with what names a checkpoint replaced by its content: a string or path naming an existing file
+    or folder by ``{"checkpoint": <absolute path>, "fingerprint": checkpoint_fingerprint}`` (the same head spelled
+    relative or absolute is one), a model object (a module, or a loaded model's) by its :func:`model_fingerprint`."""
+    import torch
+
+    if isinstance(value, dict):
+        return {k: _by_content(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_by_content(v) for v in value]
+    if isinstance(value, (str, os.PathLike)):
+        path = Path(value).expanduser()
+        try:
+            found = str(value) != "" and path.exists()
+        except (OSError, ValueError):  # not a path this system can name
+            found = False
+        if not found:  # a hub id, a name, or a path the drafter's load refuses
+            return os.fspath(value)
+        return {"checkpoint": str(path.resolve()), "fingerprint": checkpoint_fingerprint(path)}
+    module = value if isinstance(value, torch.nn.Module) else getattr(value, "model", None)
+    if isinstance(module, torch.nn.Module):
+        return {"object": getattr(value, "name", None) or type(value).__name__,
+                "fingerprint": model_fingerprint(module)}
+    return value
+
+
 def run_settings(model: dict, prompts: Any, config: "SuiteConfig", num_processes: int, machine: dict) -> dict:
     """What a cell's numbers depend on, as stored in ``<out>/settings.json`` (JSON types only); ``model``:
     :func:`model_identity`, ``prompts``: anything JSON that fixes the prompts (their ids, or the conversations),
-    ``machine``: :func:`speed_conditions`."""
+    ``machine``: :func:`speed_conditions`. Drafter options naming a checkpoint (``path=``, a draft ``model=``) are
+    recorded by its content (:func:`_by_content`)."""
     digest = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]
-    settings = {**model, "prompts_sha256": digest, "num_processes": num_processes, **asdict(config),
-                "machine": machine}
+    suite = {f.name: getattr(config, f.name) for f in fields(config)}  # not asdict: it would copy a given model
+    suite["drafters"] = [[label, _by_content(options)] for label, options in config.drafters]
+    settings = {**model, "prompts_sha256": digest, "num_processes": num_processes, **suite, "machine": machine}
     if not settings["renamed"]:  # runs without renamed rows keep the digest they had before rows could be renamed
         del settings["renamed"]
     if settings["speculation"] == "always":  # ... and runs verifying whole trees, the one policy there was
@@ -178,9 +234,57 @@ def check_resumable(out: Path, settings: dict, resume: bool) -> None:
         also = f"; other settings too: {', '.join(changed)}" if changed else ""
         raise ResumeError(f"cannot resume {out}: its cells were measured under other speed conditions "
                           f"({'; '.join(moved)}{also}); resume under the conditions {path} records, or {_ANEW}")
+    drafters = _drafter_changes(before.get("drafters"), settings.get("drafters")) if "drafters" in changed else []
+    if drafters:
+        also = [k for k in changed if k != "drafters"]
+        also_text = f"; other settings too: {', '.join(also)}" if also else ""
+        raise ResumeError(f"cannot resume {out}: its cells were measured with other drafters than this run's "
+                          f"({path}): {'; '.join(drafters)}{also_text}; use another output directory, or {_ANEW}")
     if changed:
         raise ResumeError(f"cannot resume {out}: its cells were measured with other settings ({', '.join(changed)} "
                           f"differ, {path}); use another output directory, or {_ANEW}")
+
+
+def _shown(value: Any) -> str:
+    """A recorded drafter option as a message names it: a checkpoint by its path and content."""
+    if isinstance(value, dict) and "checkpoint" in value:
+        return f"{value['checkpoint']} (content {value.get('fingerprint')})"
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _option_changes(where: str, before: Any, now: Any) -> list[str]:
+    """What differs between two recorded values of the drafter option ``where`` (``eagle.path``), nested options
+    walked (``combined.drafters[1].path``)."""
+    if before == now:
+        return []
+    checkpoints = [isinstance(v, dict) and "checkpoint" in v for v in (before, now)]
+    if all(checkpoints) and before["checkpoint"] == now["checkpoint"]:
+        return [f"{where}: {now['checkpoint']} was written again since (content {before.get('fingerprint')} then, "
+                f"{now.get('fingerprint')} now)"]
+    if isinstance(before, dict) and isinstance(now, dict) and not any(checkpoints):
+        return [c for k in sorted(set(before) | set(now), key=str)
+                for c in _option_changes(f"{where}.{k}", before.get(k), now.get(k))]
+    if isinstance(before, list) and isinstance(now, list) and len(before) == len(now):
+        return [c for i, (b, n) in enumerate(zip(before, now, strict=True))
+                for c in _option_changes(f"{where}[{i}]", b, n)]
+    return [f"{where}: {_shown(before)} in settings.json, {_shown(now)} now"]
+
+
+def _drafter_changes(before: Any, now: Any) -> list[str]:
+    """Each drafter row whose recorded options differ, and how (``eagle.path= /abs/head was written again since
+    ...``); [] where the records cannot be read as rows."""
+    rows = [{r[0]: r[1] for r in x if isinstance(r, list) and len(r) == 2} if isinstance(x, list) else None
+            for x in (before, now)]
+    if rows[0] is None or rows[1] is None:
+        return []
+    changes = []
+    for label in dict.fromkeys([*rows[0], *rows[1]]):
+        if label not in rows[0] or label not in rows[1]:
+            changes.append(f"row {label} only {'in this run' if label in rows[1] else 'in settings.json'}")
+            continue
+        changes += _option_changes(str(label), rows[0][label], rows[1][label])
+    return changes
 
 
 def _schema(path: Path) -> Any:
