@@ -287,6 +287,13 @@ def run_lossless(args) -> int:
 
     sampling = SamplingConfig(args.temperature > 0, args.temperature or 1.0, args.top_k, args.top_p,
                               **{name: getattr(args, name) for name in WARPER_FLAGS})
+    unused = [f"--{k.replace('_', '-')} {v}" for k, v in (("top_k", args.top_k), ("top_p", args.top_p),
+                                                          *((n, getattr(args, n)) for n in WARPER_FLAGS))
+              if v != {"top_k": 0, "top_p": 1.0, **WARPER_FLAGS}[k]]
+    if not sampling.do_sample and unused:  # greedy takes the argmax: the certificate records what ran
+        print(f"[specdec eval lossless] note: {', '.join(unused)} left out: at --temperature 0 (greedy) the warpers "
+              "change nothing, and the certificate checks and records greedy decoding", file=sys.stderr)
+        sampling = SamplingConfig(False)
     device = _suite_device(args.device)
     out = Path(args.out or "runs/eval-lossless")
     options = _options(args.drafter_option, args.drafter)

@@ -492,6 +492,11 @@ def test_eval_lossless_takes_the_warper_flags(tmp_path, monkeypatch, capsys):
     code = main(["eval", "lossless", "--model", "nowhere", "--min-p", "2", "--out", str(tmp_path / "c2")])
     err = capsys.readouterr().err
     assert code == 2 and "min_p must lie in [0, 1]" in err and len(err.strip().splitlines()) == 1, err
+    # greedy: the warpers change nothing, and a certificate that recorded them said it checked what it never ran
+    main(["eval", "lossless", "--model", ckpt, "--temperature", "0", "--top-k", "5", "--min-p", "0.05", "--out",
+          str(tmp_path / "c3")])
+    assert seen[-1] == SamplingConfig(False)
+    assert "note: --top-k 5, --min-p 0.05 left out: at --temperature 0 (greedy)" in capsys.readouterr().err
 
 
 def test_the_certificates_own_controls_log_no_warning_while_a_broken_rule_elsewhere_does(caplog):
