@@ -273,6 +273,28 @@ def test_activation_and_rope_names_as_transformers_reads_them():
         assert why in str(err.value) and (kind == "dynamic") == ("sequence length" in str(err.value))
 
 
+def test_a_rope_type_transformers_cannot_build_and_partial_rotary_are_one_line(tmp_path):
+    """A checkpoint naming a RoPE type transformers does not know ('su', an old name; a typo) failed in transformers'
+    rotary init with a bare KeyError; one rotating part of each head (partial_rotary_factor with linear RoPE)
+    loaded, then crashed in the first forward with a shape error. Both are refused in one line at load."""
+    import json
+
+    model = build_tiny_model()
+    model.save_pretrained(tmp_path / "su")
+    config = json.loads((tmp_path / "su" / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "su", "rope_theta": 10000.0}
+    (tmp_path / "su" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=r"^RoPE type 'su' \(config.json rope_parameters\) is not "
+                                                    "supported; supported: default, linear, llama3, yarn$"):
+        specdec.generate(str(tmp_path / "su"), [PROMPTS[0]], max_new_tokens=2)
+    partial = build_tiny_model(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
+                                                "partial_rotary_factor": 0.5})
+    head_dim = partial.config.hidden_size // partial.config.num_attention_heads
+    with pytest.raises(UnsupportedModelError, match=rf"^partial rotary embeddings \(RoPE on {head_dim // 2} of the "
+                                                    rf"{head_dim} dimensions of each head"):
+        specdec.generate(partial, [PROMPTS[0]], max_new_tokens=2)
+
+
 def test_cache_out_of_blocks_is_clear():
     model = build_tiny_model()
     with pytest.raises(CacheFullError, match="num_blocks"):

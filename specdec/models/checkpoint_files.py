@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.errors import InputError, ModelNotFoundError
-from specdec.models.llama import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+from specdec.models.llama import SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_rope_type, rope_type
 from specdec.models.runnable import quant_method, quantized_refusal
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,11 @@ def check_before_load(path: Path) -> dict[str, Any]:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(f"model type {model_type!r} is not supported; specdec runs the Llama family: "
                                     f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    for key in ("rope_parameters", "rope_scaling"):  # transformers' rotary init fails on others with a bare KeyError
+        params = config.get(key)
+        if isinstance(params, dict) and ("rope_type" in params or "type" in params):
+            check_rope_type(rope_type(params), f" ({file.name} {key})")
+            break
     quantization = config.get("quantization_config")
     if quantization is not None:
         raise quantized_refusal(quant_method(quantization), f"{file} quantization_config")

@@ -138,11 +138,23 @@ def check_supported(hf_model) -> None:
     if act not in ("silu", "swish"):  # transformers' two names of one function
         raise UnsupportedModelError(f"only SwiGLU MLPs (hidden_act='silu') are supported, got {act!r}")
     rope = rope_type(rope_parameters(config))
+    rotary = getattr(getattr(hf_model, "model", None), "rotary_emb", None)
     if rope in STATIC_ROPE_TYPES:  # and the rotary module's own (one built from another config), which runs
-        rope = getattr(getattr(hf_model.model, "rotary_emb", None), "rope_type", rope)
+        rope = getattr(rotary, "rope_type", rope)
+    check_rope_type(rope)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if isinstance(inv_freq, torch.Tensor) and 2 * inv_freq.numel() != head_dim:  # the runner rotates whole heads
+        raise UnsupportedModelError(f"partial rotary embeddings (RoPE on {2 * inv_freq.numel()} of the {head_dim} "
+                                    "dimensions of each head: partial_rotary_factor) are not supported")
+
+
+def check_rope_type(rope: str, where: str = "") -> None:
+    """An UnsupportedModelError for a RoPE type the runner does not compute (``where``: the config key, for the
+    message)."""
     if rope not in STATIC_ROPE_TYPES:
         why = " (it changes with the sequence length)" if rope in ("dynamic", "longrope") else ""
-        raise UnsupportedModelError(f"RoPE type {rope!r} is not supported{why}; supported: "
+        raise UnsupportedModelError(f"RoPE type {rope!r}{where} is not supported{why}; supported: "
                                     f"{', '.join(STATIC_ROPE_TYPES)}")
 
 
