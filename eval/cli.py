@@ -20,6 +20,7 @@ from specdec.eval.prompts import CATEGORIES as DEFAULT_CATEGORIES
 from specdec.eval.report import PLOT_FILES
 
 from specdec.atomic_write import replaced_atomically
+from specdec.errors import require_package
 from specdec.models.embedded import DEFAULT_ALIAS
 from specdec.output_dirs import check_creatable, make_dir
 from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
@@ -399,6 +400,8 @@ def run_acceptance(args) -> int:
     out = Path(args.out or "runs/eval-acceptance")
     if args.resume and args.overwrite:
         raise ValueError("--resume keeps an earlier run's cells and --overwrite replaces them: pass one")
+    if not args.no_plots:  # the plots come after every cell: without matplotlib, say so before the run, not after
+        require_package("matplotlib")
     earlier = [] if args.resume else check_earlier_run(out, ACCEPTANCE_FILES, args.overwrite, resumable=True)
     conversations = select_conversations(args.categories, args.prompts, args.prompts_file, args.prompt_column)
     config = _suite_config(args, names, renamed, conversations)

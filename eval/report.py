@@ -105,8 +105,8 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise ImportError("plots need matplotlib: pip install 'specdec[eval]'") from err
+    except ImportError as err:  # ModuleNotFoundError names the package: the CLI says which extra installs it
+        raise ModuleNotFoundError("plots need matplotlib: pip install 'specdec[eval]'", name="matplotlib") from err
     rows = [r for r in rows if r.get("level") != "turn"]  # one turn of a conversation is in the Markdown only
     drafters = [d for d in dict.fromkeys(r["drafter"] for r in rows) if d not in ("plain", "hf-greedy")]
     categories = list(dict.fromkeys(r["category"] for r in rows))

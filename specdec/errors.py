@@ -31,3 +31,12 @@ class ModelNotFoundError(SpecdecError, FileNotFoundError):
 def first_line(err: BaseException) -> str:
     """The first line of ``err``'s message ("" for none): what a one-line error quotes of another error."""
     return (str(err).strip().splitlines() or [""])[0]
+
+
+def require_package(name: str) -> None:
+    """A ModuleNotFoundError naming ``name`` where it is not installed, before work that would need it later or fail
+    inside a library without naming it; the CLI turns it into the extra that installs it."""
+    import importlib.util
+
+    if importlib.util.find_spec(name) is None:
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)

@@ -152,6 +152,18 @@ def test_eval_acceptance_refuses_a_drafter_missing_its_path_before_loading(tmp_p
     assert code == 2 and "medusa: give exactly one of path=" in _one_line(captured)
 
 
+def test_eval_acceptance_without_matplotlib_says_so_before_the_run(tmp_path, capsys, no_load, monkeypatch):
+    """Its plots come after every cell: without matplotlib the whole suite ran, then ended in a traceback."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
+    code, captured = _main(["eval", "acceptance", "--drafters", "ngram", "--categories", "chat", "--prompts", "1",
+                            "--out", str(tmp_path / "a")], capsys)
+    assert code == 2 and _one_line(captured).endswith(
+        "the Python package 'matplotlib' is missing; install it with pip install 'specdec[eval]'"), captured
+    assert not (tmp_path / "a").exists()
+
+
 def test_a_prompt_past_the_context_is_refused_before_any_cell_naming_it(ckpt, tmp_path, capsys, monkeypatch):
     """It failed when its cell ran, after the earlier cells were measured, naming no prompt; a resume stopped at
     the same place."""

@@ -312,6 +312,23 @@ def test_the_cli_says_a_file_without_a_vocabulary_needs_one(tmp_path, monkeypatc
                          "file with its vocabulary, or pass token ids to specdec.generate()"), line
 
 
+def test_the_cli_names_the_extra_a_gguf_conversion_needs(tmp_path, monkeypatch, capsys):
+    """Without the gguf package, transformers' tokenizer conversion raised a bare ImportError: a 44-line traceback
+    where the README promises one line naming the extra (the embedded model is a GGUF)."""
+    import sys
+
+    from specdec.cli import main
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_llama_gguf(tmp_path / "m.gguf")
+    monkeypatch.setitem(sys.modules, "gguf", None)  # not installed
+    assert main(["generate", "--model", str(path), "hello"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("specdec generate: error: the Python package 'gguf' is missing; install it with pip install "
+                       "'specdec[gguf]'"), err
+    assert "Traceback" not in "\n".join(err) and not any((tmp_path / "cache").rglob("*.safetensors"))
+
+
 def test_a_file_without_a_kv_head_count_reads_as_one_with_it(tmp_path):
     """llama.cpp's default KV head count is the query head count, and its q / k rows are interleaved either way:
     read without the key, the weights are those of the same file with it (transformers' reading of which is

@@ -34,7 +34,7 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
-from specdec.errors import ModelNotFoundError, SpecdecError
+from specdec.errors import ModelNotFoundError, SpecdecError, require_package
 
 logger = logging.getLogger(__name__)
 
@@ -343,6 +343,7 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
 
     check_gguf(gguf_path)
     header = check_convertible(gguf_path)
+    require_package("gguf")  # transformers' tokenizer conversion raised a bare ImportError without it
     logger.warning("converting %s (one-time dequantization, ~10 s) into %s", gguf_path.name, out.parent)
 
     if header is not None and "tokenizer.ggml.tokens" not in header[1]:
