@@ -138,15 +138,9 @@ def check_supported(hf_model) -> None:
     if act not in ("silu", "swish"):  # transformers' two names of one function
         raise UnsupportedModelError(f"only SwiGLU MLPs (hidden_act='silu') are supported, got {act!r}")
     rope = rope_type(rope_parameters(config))
-    rotary = getattr(getattr(hf_model, "model", None), "rotary_emb", None)
     if rope in STATIC_ROPE_TYPES:  # and the rotary module's own (one built from another config), which runs
-        rope = getattr(rotary, "rope_type", rope)
+        rope = getattr(getattr(hf_model.model, "rotary_emb", None), "rope_type", rope)
     check_rope_type(rope)
-    inv_freq = getattr(rotary, "inv_freq", None)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if isinstance(inv_freq, torch.Tensor) and 2 * inv_freq.numel() != head_dim:  # the runner rotates whole heads
-        raise UnsupportedModelError(f"partial rotary embeddings (RoPE on {2 * inv_freq.numel()} of the {head_dim} "
-                                    "dimensions of each head: partial_rotary_factor) are not supported")
 
 
 def check_rope_type(rope: str, where: str = "") -> None:
@@ -187,6 +181,11 @@ def check_shape(hf_model, shape: ModelShape) -> None:
         raise UnsupportedModelError(f"the model's config does not describe its modules ({'; '.join(wrong)}): was "
                                     f"the config edited after the model was built? Set it back, or change the "
                                     f"modules{hint}")
+    inv_freq = getattr(getattr(hf_model.model, "rotary_emb", None), "inv_freq", None)
+    if isinstance(inv_freq, torch.Tensor) and 2 * inv_freq.numel() != shape.head_dim:  # the runner rotates whole heads
+        raise UnsupportedModelError(f"partial rotary embeddings (RoPE on {2 * inv_freq.numel()} of the "
+                                    f"{shape.head_dim} dimensions of each head: partial_rotary_factor) are not "
+                                    "supported")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
