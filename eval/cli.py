@@ -288,9 +288,8 @@ def run_lossless(args) -> int:
 
     sampling = SamplingConfig(args.temperature > 0, args.temperature or 1.0, args.top_k, args.top_p,
                               **{name: getattr(args, name) for name in WARPER_FLAGS})
-    unused = [f"--{k.replace('_', '-')} {v}" for k, v in (("top_k", args.top_k), ("top_p", args.top_p),
-                                                          *((n, getattr(args, n)) for n in WARPER_FLAGS))
-              if v != {"top_k": 0, "top_p": 1.0, **WARPER_FLAGS}[k]]
+    off = {"top_k": 0, "top_p": 1.0, **WARPER_FLAGS}  # each warper flag's value that changes nothing
+    unused = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k, v in off.items() if getattr(args, k) != v]
     if not sampling.do_sample and unused:  # greedy takes the argmax: the certificate records what ran
         print(f"[specdec eval lossless] note: {', '.join(unused)} left out: at --temperature 0 (greedy) the warpers "
               "change nothing, and the certificate checks and records greedy decoding", file=sys.stderr)
