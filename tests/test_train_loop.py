@@ -3,7 +3,9 @@ the output dir and configuration guards refuse, and the tree chooser keeps its i
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 
 import pytest
 import torch
@@ -380,6 +382,38 @@ def test_two_processes_follow_the_single_process_curve(tiny, tmp_path):
     assert one[-1]["loss"] < one[0]["loss"]
 
 
+GROUP_OUTLIVES_DESTROY = """
+import os, sys, torch, torch.distributed as dist
+from specdec.train.pipeline import import_before_the_process_group
+if sys.argv[1] == "fixed":
+    import_before_the_process_group()
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+from specdec.testing import build_tiny_model
+build_tiny_model("llama-mha-untied", vocab_size=96)  # transformers imports torch.distributed.checkpoint here
+dist.all_reduce(torch.ones(2))
+dist.destroy_process_group()
+print(sum(open(f"/proc/self/task/{t}/comm").read().startswith("pt_gloo") for t in os.listdir("/proc/self/task")))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts the process's threads in /proc")
+def test_the_process_group_ends_with_destroy_process_group(tmp_path):
+    """A training run's process group is gone (its gloo threads joined) once it is destroyed, even after
+    transformers built a model: imported after the group started, torch.distributed.nn held it in default
+    arguments, and its threads then let go of the last collective during interpreter shutdown, which aborted a
+    process of a two-process run now and then after it had succeeded. The control shows the test sees that."""
+    import subprocess
+
+    def gloo_threads(how: str) -> int:
+        proc = subprocess.run([sys.executable, "-c", GROUP_OUTLIVES_DESTROY, how, str(tmp_path / how)],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return int(proc.stdout.split()[-1])
+
+    assert gloo_threads("fixed") == 0
+    assert gloo_threads("control") > 0, "torch no longer keeps the group: import_before_the_process_group can go"
+
+
 def test_kl_run_measures_tau_with_a_dynamic_tree(tiny, tmp_path):
     report = run_training(_cfg(tiny, tmp_path / "kl", loss="kl", eval_tree="dynamic", max_steps=2, tree_budget=4))
     tau = report["tau"]
@@ -745,12 +779,14 @@ from pathlib import Path
 import torch, accelerate
 from specdec.cli import main
 from specdec.train import evaluate, features
+from specdec.train.pipeline import import_before_the_process_group
 
 generate = importlib.import_module("specdec.generate")  # the module (the package exports the function by its name)
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's process has it (a test worker may not)
 # the runs share one process group; where processes fall out of step inside a run, a collective fails in four
 # minutes, not thirty (one minute was too short on a loaded 2-core CI machine: a process reached its run's first
 # meeting more than a minute after its peer). Between runs they wait longer (below): the main process evaluates alone
+import_before_the_process_group()  # as run_training does before its group: else the group outlives its destroy
 torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=240))
 between_runs = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=300))
 accelerate.Accelerator.end_training = lambda self: None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import json
 import logging
 import os
@@ -263,10 +264,21 @@ def _finish_medusa(cfg: TrainConfig, loaded, model, heads, history: list[dict], 
     return report
 
 
+def import_before_the_process_group() -> None:
+    """Imports ``torch.distributed.nn`` before a process group starts. Its functions take the default group as a
+    default argument, evaluated at import: imported later (transformers does, building a model, through
+    ``torch.distributed.checkpoint``), they keep the group alive past ``destroy_process_group``, and its gloo
+    threads let go of the last collective during interpreter shutdown, which aborts the process now and then
+    ("terminate called without an active exception") after a run that succeeded."""
+    if torch.distributed.is_available():
+        importlib.import_module("torch.distributed.nn")
+
+
 def run_training(cfg: TrainConfig, accelerator=None) -> dict:
     from accelerate import Accelerator
 
     if accelerator is None:  # cpu=True on a CPU-only box: a multi-process launch then uses gloo (MULTI_CPU)
+        import_before_the_process_group()
         accelerator = Accelerator(mixed_precision=cfg.precision, cpu=not torch.cuda.is_available())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != accelerator.num_processes:
