@@ -287,6 +287,12 @@ def test_a_rope_type_transformers_cannot_build_and_partial_rotary_are_one_line(t
     with pytest.raises(UnsupportedModelError, match=r"^RoPE type 'su' \(config.json rope_parameters\) is not "
                                                     "supported; supported: default, linear, llama3, yarn$"):
         specdec.generate(str(tmp_path / "su"), [PROMPTS[0]], max_new_tokens=2)
+    # beside a typed rope_parameters, a rope_scaling is what transformers builds (it replaces rope_parameters)
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    config["rope_scaling"] = {"rope_type": "su", "factor": 2.0}
+    (tmp_path / "su" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=r"^RoPE type 'su' \(config.json rope_scaling\) is not supported"):
+        specdec.generate(str(tmp_path / "su"), [PROMPTS[0]], max_new_tokens=2)
     partial = build_tiny_model(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
                                                 "partial_rotary_factor": 0.5})
     head_dim = partial.config.hidden_size // partial.config.num_attention_heads

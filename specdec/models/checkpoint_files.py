@@ -53,11 +53,11 @@ def check_before_load(path: Path) -> dict[str, Any]:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(f"model type {model_type!r} is not supported; specdec runs the Llama family: "
                                     f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    for key in ("rope_parameters", "rope_scaling"):  # transformers' rotary init fails on others with a bare KeyError
-        params = config.get(key)
-        if isinstance(params, dict) and ("rope_type" in params or "type" in params):
-            check_rope_type(rope_type(params), f" ({file.name} {key})")
-            break
+    # the RoPE transformers builds: a non-empty rope_scaling replaces rope_parameters whole (an untyped one is the
+    # default RoPE); its rotary init fails on a type it does not know with a bare KeyError
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    if isinstance(config.get(key), dict):
+        check_rope_type(rope_type(config[key]), f" ({file.name} {key})")
     quantization = config.get("quantization_config")
     if quantization is not None:
         raise quantized_refusal(quant_method(quantization), f"{file} quantization_config")
