@@ -534,10 +534,25 @@ def _main(argv: list[str]) -> int:
         print(f"{name}: error: stdout is closed, so the output would be lost; redirect it to a "
               "file or to /dev/null instead", file=sys.stderr)
         return 2
+    _escape_what_stdout_cannot_encode()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     with _transformers_bars(shown=args.verbose):
         return _run_command(args, name)
+
+
+def _escape_what_stdout_cannot_encode() -> None:
+    """On a stdout whose encoding cannot write every character (``PYTHONIOENCODING=ascii``, a Windows code page),
+    the text of a character it cannot write is its escape (``\\xe9``), as on stderr: the first such character of
+    a generated text stopped the command there with a UnicodeEncodeError, and the rest of the output was lost."""
+    import codecs
+
+    encoding = getattr(sys.stdout, "encoding", None)
+    with contextlib.suppress(LookupError, TypeError):
+        if codecs.lookup(encoding).name == "utf-8":
+            return
+    with contextlib.suppress(AttributeError, ValueError):  # not a text stream Python made (a caller's own object)
+        sys.stdout.reconfigure(errors="backslashreplace")
 
 
 def _parser() -> argparse.ArgumentParser:

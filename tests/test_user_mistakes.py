@@ -1,12 +1,13 @@
 """User mistakes end in one line, never a traceback or a silently ignored option: --system where no chat template
-applies, a path option that looks like a number, a drafter class instead of an instance, a closed stdout,
-Ctrl-C while the command line is still importing torch, draft_probs that track gradients, a pad id outside the
-vocabulary, max_new_tokens=None, sampling options given with greedy decoding, and a minimum length beyond
-the maximum."""
+applies, a path option that looks like a number, a drafter class instead of an instance, a closed stdout or one
+that cannot encode the text, Ctrl-C while the command line is still importing torch, draft_probs that track
+gradients, a pad id outside the vocabulary, max_new_tokens=None, sampling options given with greedy decoding, and
+a minimum length beyond the maximum."""
 from __future__ import annotations
 
 import importlib
 import logging
+import re
 import subprocess
 import sys
 
@@ -79,6 +80,30 @@ def test_closed_stdout_is_one_line(capsys, monkeypatch):
     rc, line = run(capsys, "generate", "hi", "--max-new-tokens", "2")
     assert rc == 2 and line == ("specdec generate: error: stdout is closed, so the output would be lost; redirect "
                                 "it to a file or to /dev/null instead")
+
+
+def test_a_stdout_that_cannot_encode_the_text_gets_escapes(tmp_path, monkeypatch, capsys):
+    """On an ASCII stdout (PYTHONIOENCODING=ascii, a Windows code page) the first character it cannot write
+    stopped `specdec generate` with a UnicodeEncodeError and the rest of the text was lost: such characters are
+    written as escapes, as on stderr."""
+    import io
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = "éüñ→ßø"  # every token but [UNK] is outside ASCII
+    tok = Tokenizer(models.BPE(vocab={"[UNK]": 0, **{c: i + 1 for i, c in enumerate(chars)}}, merges=[],
+                               unk_token="[UNK]"))
+    tok.decoder = decoders.Fuse()
+    build_tiny_model(vocab_size=len(chars) + 1).save_pretrained(tmp_path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[UNK]").save_pretrained(tmp_path)
+    ascii_out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", ascii_out)
+    rc = main(["generate", "éü", "--model", str(tmp_path), "--max-new-tokens", "8"])
+    ascii_out.flush()
+    out = ascii_out.buffer.getvalue().decode("ascii")
+    assert rc == 0, capsys.readouterr().err
+    assert len(re.findall(r"\\x[0-9a-f]{2}|\\u[0-9a-f]{4}", out)) >= 4, out
 
 
 def test_ctrl_c_while_importing_exits_130(capsys, monkeypatch):
