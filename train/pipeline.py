@@ -128,17 +128,61 @@ def choose_draft_vocab(cfg: TrainConfig, train_seqs: list[list[int]], model) -> 
     return ids, info
 
 
+class _AsBefore(logging.Handler):
+    """Passes on a specdec record as logging passed it before :func:`_logged_to_file` took the specdec logger's
+    handlers aside: at ``level`` (the logger's level then) and above, to those handlers and, where it propagated, up
+    its ancestors' (Python's last-resort handler where none had one)."""
+
+    def __init__(self, logger: logging.Logger, level: int):
+        super().__init__(level)
+        self.handlers, self.propagate, self.parent = list(logger.handlers), logger.propagate, logger.parent
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        if record.levelno < self.level:
+            return False
+        found, handlers, parent = 0, self.handlers, self.parent if self.propagate else None
+        while True:  # as Logger.callHandlers walks
+            for handler in handlers:
+                found += 1
+                if record.levelno >= handler.level:
+                    handler.handle(record)
+            if parent is None:
+                break
+            handlers, parent = parent.handlers, parent.parent if parent.propagate else None
+        if not found and logging.lastResort is not None and record.levelno >= logging.lastResort.level:
+            logging.lastResort.handle(record)
+        return True
+
+
 @contextlib.contextmanager
 def _logged_to_file(out: Path) -> Iterator[None]:
+    """train.log gets the specdec loggers' INFO records and up. Where the caller's logging lets fewer through (the
+    usual WARNING), the specdec logger's level is lowered to INFO while the block runs, and its records reach the
+    caller's handlers as before (:class:`_AsBefore`): none of the extra INFO lines. All is restored at the end."""
+    specdec = logging.getLogger("specdec")
     handler = logging.FileHandler(out / "train.log")
+    handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("specdec").addHandler(handler)
-    logging.getLogger("specdec").setLevel(logging.INFO)
+    level, propagate, before = specdec.level, specdec.propagate, specdec.getEffectiveLevel()
+    aside = _AsBefore(specdec, before) if before > logging.INFO else None
+    if aside is not None:
+        for other in aside.handlers:
+            specdec.removeHandler(other)
+        specdec.addHandler(aside)
+        specdec.propagate = False
+        specdec.setLevel(logging.INFO)
+    specdec.addHandler(handler)
     try:
         yield
     finally:
-        logging.getLogger("specdec").removeHandler(handler)
+        specdec.removeHandler(handler)
         handler.close()
+        if aside is not None:
+            specdec.removeHandler(aside)
+            for other in aside.handlers:
+                specdec.addHandler(other)
+            specdec.propagate = propagate
+            specdec.setLevel(level)
 
 
 @contextlib.contextmanager
@@ -285,7 +329,9 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
         raise RuntimeError(f"launched as {world} processes but accelerate set up {accelerator.num_processes}: on a "
                            "CPU-only machine use `accelerate launch --multi_gpu --num_processes N` or torchrun")
     t0 = time.perf_counter()
-    with contextlib.ExitStack() as log:  # train.log, from when the output directory is ready to the report
+    # the run seeds torch's global RNG (cfg.seed) and --resume restores a checkpoint's: the caller's comes back after
+    cuda = [accelerator.device] if accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda), contextlib.ExitStack() as log:  # log: train.log, to the report
         with _processes_together(accelerator) as team:
             loaded, inputs, resume_from = _load_and_prepare(cfg, accelerator, team.meet)
             out = make_dir(cfg.output_dir, "--output-dir")

@@ -46,6 +46,7 @@ MANIFEST = "manifest.json"  # {file name: {size, mtime_ns, sha256}} of a convers
 _HASH_ALWAYS_BELOW = 64 << 20  # files smaller than this are re-hashed on every load
 _KEY_HEX = 16  # hex digits of a conversion's key, the SHA-256 of the GGUF (older releases: 12, of its name and stat)
 _DIGESTS: dict[tuple, str] = {}  # (path, dev, inode, size, mtime_ns, ctime_ns) -> SHA-256, hashed once a process
+_TEMPORARY: dict[Path, Path] = {}  # cache dir that could not be written -> this process's conversion, made once
 
 # GGUF layout (versions 2 and 3, little-endian): b"GGUF", u32 version, u64 tensor count, u64 metadata count;
 # metadata entries (string key, u32 type, value); tensor infos (string name, u32 n_dims, u64 dims[n_dims],
@@ -384,9 +385,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
     A cached conversion is reused only while its manifest vouches for it (:func:`is_intact`); a truncated or
     damaged one (or one from before manifests) is converted again, with a warning. When the cache directory
-    cannot be written, the conversion goes to a temporary directory for this process, with a warning."""
+    cannot be written, the conversion goes to a temporary directory for this process, with a warning, and later
+    calls reuse it while it is intact."""
     if is_intact(out_dir):
         return out_dir
+    earlier = _TEMPORARY.get(out_dir)
+    if earlier is not None and is_intact(earlier):
+        return earlier
     if out_dir.exists():
         logger.warning("the cached conversion %s is incomplete, damaged or unverified: converting again", out_dir)
     try:
@@ -397,7 +402,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # for this run only: a full model copy per process
         logger.warning("cannot write the model cache %s (%s): converting into %s for this run only; point "
                        "SPECDEC_CACHE_DIR at a writable directory to convert once", out_dir.parent, err, tmp)
-        out_dir = None
+        wanted, out_dir = out_dir, None
     try:
         try:
             _convert_into(gguf_path, tmp)
@@ -410,6 +415,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
             raise GGUFError(f"cannot convert {gguf_path}: {message}") from err
         _write_manifest(tmp)
         if out_dir is None:
+            _TEMPORARY[wanted] = tmp
             return tmp
         if is_intact(out_dir):  # a concurrent conversion won the race
             shutil.rmtree(tmp)

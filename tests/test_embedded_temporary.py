@@ -1,0 +1,36 @@
+"""An unwritable model cache: the GGUF is converted once per process into a temporary directory, which later loads
+reuse while it is intact (each conversion of the embedded model is ~6 s and a 517 MiB copy). The conversion itself is
+replaced by one that writes small files."""
+from __future__ import annotations
+
+import tempfile
+
+from specdec.models import embedded
+
+
+def test_an_unwritable_cache_converts_once_per_process(tmp_path, monkeypatch, caplog):
+    calls = []
+
+    def convert_into(gguf_path, out):
+        calls.append(out)
+        (out / "model.safetensors").write_bytes(b"weights" * 1000)
+        (out / "config.json").write_text('{"model_type": "llama"}')
+
+    monkeypatch.setattr(embedded, "_convert_into", convert_into)
+    monkeypatch.setattr(embedded, "_TEMPORARY", {})
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(blocker))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"gguf")
+    with caplog.at_level("WARNING", logger="specdec.models.embedded"):
+        got = [embedded.convert_gguf(gguf, embedded.converted_dir(gguf)) for _ in range(3)]
+    assert got == [calls[0]] * 3 and len(calls) == 1 and embedded.is_intact(got[0])
+    assert caplog.text.count("for this run only") == 1
+    assert [p.name for p in (tmp_path / "tmp").iterdir()] == [got[0].name]
+    (got[0] / "model.safetensors").write_bytes(b"weights")  # damaged: converted again, into another directory
+    again = embedded.convert_gguf(gguf, embedded.converted_dir(gguf))
+    assert len(calls) == 2 and again == calls[1] != got[0] and embedded.is_intact(again)
+    assert embedded.convert_gguf(gguf, embedded.converted_dir(gguf)) == again and len(calls) == 2
