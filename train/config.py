@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -15,11 +16,26 @@ PROMPT_SOURCES = ("builtin", "self")  # self-distillation prompts: the built-in 
 SELF_PROMPTS = 1000  # prompt_source="self" without num_prompts
 LOSSES = ("ce", "kl")  # against the target's argmax / its whole distribution
 PRECISIONS = ("no", "bf16")  # fp16 would need a grad scaler; bf16 does not
+SEED_LIMIT = 2**42  # seed * 1_000_003 plus a batch's number stays a 64-bit torch seed (train/loop.py, self_prompts.py)
 # fields that may differ between a run and its resumption (they do not change the trained heads)
 RESUMABLE_FIELDS = frozenset({"output_dir", "save_every", "log_every", "eval_prompts", "eval_max_new_tokens",
                               "tree_budget", "resume", "overwrite", "progress", "eval_tau",
                               "eval_tree"})
-
+# the integer settings: (least, greatest or None); an optional one may be None
+INT_RANGES = {"num_heads": (1, None), "num_layers": (0, None), "eagle_steps": (1, None), "num_prompts": (1, None),
+              "distill_max_new_tokens": (1, None), "distill_batch_size": (1, None), "seq_len": (1, None),
+              "batch_size": (1, None), "grad_accum": (1, None), "warmup_steps": (0, None), "epochs": (1, None),
+              "max_steps": (1, None), "seed": (-SEED_LIMIT, SEED_LIMIT), "save_every": (1, None),
+              "log_every": (1, None), "tree_budget": (1, 64), "eval_prompts": (1, None),
+              "eval_max_new_tokens": (1, None)}
+OPTIONAL_INTS = frozenset({"num_prompts", "max_steps"})
+INT_LIMITS = {"seed": " (it is scaled into torch's 64-bit seeds)", "tree_budget": " (the largest draft tree)"}
+# the real settings: (the test a finite value passes, the range in words)
+REAL_RANGES = {"lr": (lambda v: v > 0, "> 0"), "weight_decay": (lambda v: v >= 0, ">= 0"),
+               "max_grad_norm": (lambda v: v >= 0, ">= 0 (0: no clipping)"),
+               "reg_weight": (lambda v: v >= 0, ">= 0"), "head_decay": (lambda v: 0 < v <= 1, "in (0, 1]"),
+               "held_out_fraction": (lambda v: 0 <= v < 1, "in [0, 1)"),
+               "draft_vocab_coverage": (lambda v: 0 < v <= 1, "in (0, 1]")}
 
 DRAFTERS = ("medusa", "eagle")
 # fields naming a local file or directory (the model may also be an alias or hub id): a resume compares them resolved
@@ -100,22 +116,7 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        positive = ("num_heads", "seq_len", "batch_size", "grad_accum", "epochs", "save_every", "log_every",
-                    "tree_budget", "distill_max_new_tokens", "distill_batch_size", "eval_prompts",
-                    "eval_max_new_tokens")
-        for name in positive:
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_layers < 0:
-            raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
-        if self.num_prompts is not None and self.num_prompts < 1:
-            raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
-        if not self.max_grad_norm >= 0:
-            raise ValueError(f"max_grad_norm must be >= 0 (0: no clipping), got {self.max_grad_norm}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        self._check_numbers()
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.distill_cuda_graphs not in ("auto", "on", "off"):
@@ -137,28 +138,38 @@ class TrainConfig:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if not 0 < self.head_decay <= 1:
-            raise ValueError(f"head_decay must be in (0, 1], got {self.head_decay}")
-        if not 0 <= self.held_out_fraction < 1:
-            raise ValueError(f"held_out_fraction must be in [0, 1), got {self.held_out_fraction}")
-        if self.tree_budget > 64:
-            raise ValueError(f"tree_budget must be <= 64 (the largest draft tree), got {self.tree_budget}")
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
         if self.draft_vocab is not None and self.draft_vocab != "auto" and (
                 not isinstance(self.draft_vocab, int) or isinstance(self.draft_vocab, bool) or self.draft_vocab < 1):
             raise ValueError(f"draft_vocab must be a positive integer, 'auto' or None, got {self.draft_vocab!r}")
-        if not 0 < self.draft_vocab_coverage <= 1:
-            raise ValueError(f"draft_vocab_coverage must be in (0, 1], got {self.draft_vocab_coverage}")
         if self.eagle_arch not in ("eagle1", "eagle3"):
             raise ValueError(f"eagle_arch must be 'eagle1' or 'eagle3', got {self.eagle_arch!r}")
-        if int(self.eagle_steps) < 1:
-            raise ValueError(f"eagle_steps must be >= 1, got {self.eagle_steps}")
-        if self.reg_weight < 0:
-            raise ValueError(f"reg_weight must be >= 0, got {self.reg_weight}")
         self._refuse_ignored()
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other")
+
+    def _check_numbers(self) -> None:
+        """Every numeric setting an integer (not a bool) or a finite number, in its range: refused in one line here,
+        not after the model loads (a float count) or in a run that diverges (an infinite lr)."""
+        for name, (lo, hi) in INT_RANGES.items():
+            value = getattr(self, name)
+            if value is None and name in OPTIONAL_INTS:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer{' or None' if name in OPTIONAL_INTS else ''}, "
+                                 f"got {value!r}")
+            if value < lo:
+                raise ValueError(f"{name} must be >= {lo}{INT_LIMITS.get(name, '')}, got {value}")
+            if hi is not None and value > hi:
+                raise ValueError(f"{name} must be <= {hi}{INT_LIMITS.get(name, '')}, got {value}")
+        for name, (within, where) in REAL_RANGES.items():
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number {where}, got {value!r}")
+            if not math.isfinite(value) or not within(value):
+                raise ValueError(f"{name} must be {'' if math.isfinite(value) else 'finite and '}{where}, "
+                                 f"got {value}")
 
     def _refuse_ignored(self) -> None:
         """Settings this run would accept and do nothing with: refused in one line."""

@@ -14,6 +14,8 @@ every loss position of its ``grad_accum`` micro-batches on all processes: the re
 (``loss_counts``) before any backward, the counts are summed across processes, each micro-batch's
 summed loss is divided by them, and the gradients are summed across processes by hand (no DDP).
 So ``grad_accum`` N equals one batch N times larger and N processes equal one, whatever the lengths.
+A step whose summed loss, or the weights its update leaves, is not finite stops every process there with
+:class:`TrainingDiverged`, before anything saves those weights (earlier checkpoints stay).
 """
 from __future__ import annotations
 
@@ -35,9 +37,15 @@ from specdec.train.interrupt_saves import record_interrupt, stop_together
 from specdec.train.output_dir import read_history
 
 from specdec.atomic_write import replaced_atomically
+from specdec.errors import SpecdecError
 from specdec.models.fingerprint import model_fingerprint
 
 logger = logging.getLogger(__name__)
+
+
+class TrainingDiverged(SpecdecError, ValueError):
+    """A step's loss, or the weights its update left, is not finite: the run stops at that step, on every process,
+    with nothing of it saved (a diverged run wrote broken heads and exited 0)."""
 
 
 def batch_rows(num_train: int, micro: int, batch_size: int, seed: int) -> list[int]:
@@ -86,7 +94,10 @@ class Run:
     bar: Any  # the main process's progress bar (--progress), else None
 
     def save(self, at: Position) -> None:
-        """The checkpoint of the last completed step."""
+        """The checkpoint of the last completed step; refused where its weights are not finite (the steps check
+        them; an interrupt inside the step that broke them still comes here)."""
+        if not _finite(self.params):
+            raise _diverged(self, at, "its update left weights that are not finite")
         ckpt_io.save_checkpoint(Path(self.cfg.output_dir), self.recipe.module, self.optimizer, self.scheduler,
                                 at.step, self.saved_config, self.fingerprint, rng_state=at.rng)
 
@@ -100,6 +111,7 @@ class Position:
     rng: torch.Tensor  # the RNG state a checkpoint of `step` holds
     history: list[dict]  # the logged records (the main process's; empty on the others)
     agreed: int | None = None  # several processes: the step all of them stopped after on an interrupt
+    start: int = 0  # the step this run started from (a resumed one: its checkpoint's)
 
 
 def _start(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], accelerator,
@@ -141,7 +153,7 @@ def _start(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], acceler
     heads.train()
     run = Run(cfg, recipe, model, train_seqs, accelerator, features, params, optimizer, scheduler, total,
               saved_config, fingerprint, hist_file, bar)
-    return run, Position(step=step, saved=step, rng=torch.get_rng_state(), history=history)
+    return run, Position(step=step, saved=step, rng=torch.get_rng_state(), history=history, start=step)
 
 
 def _micro_batches(run: Run, step: int) -> list[tuple]:
@@ -192,6 +204,37 @@ def _summed_over_processes(run: Run, stats: torch.Tensor, held) -> tuple[torch.T
     return stats[:-2], stats[-2:]
 
 
+def _finite(params: list[torch.nn.Parameter]) -> bool:
+    return not params or bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+
+
+def _diverged(run: Run, at: Position, what: str) -> TrainingDiverged:
+    """The one-line error of the step after ``at.step``, whose ``what`` (its loss, the weights it left) is not
+    finite; it names what to change (AdamW's steps scale with lr whatever the gradient's norm: clipping it would
+    not help) and what was kept."""
+    cfg = run.cfg
+    change = f"lower lr (--lr, now {cfg.lr:g})"
+    if cfg.weight_decay:
+        change += f" or weight_decay (--weight-decay, now {cfg.weight_decay:g})"
+    return TrainingDiverged(f"training diverged at step {at.step + 1}: {what}; {change}; {_kept(at)}")
+
+
+def _kept(at: Position) -> str:
+    return "no head was written" + (f", the checkpoint of step {at.saved} is kept" if at.saved else "")
+
+
+def _check_loss(run: Run, at: Position, stats: torch.Tensor) -> None:
+    """The step's loss, summed over the processes (the same on each: all of them stop at the same step), is finite;
+    else :class:`TrainingDiverged` before its update."""
+    loss = float(stats[0])
+    if math.isfinite(loss):
+        return
+    if at.step == at.start:  # no update of this run made these weights: not the learning rate's doing
+        raise TrainingDiverged(f"the loss of step {at.step + 1}, the first of this run, is {loss} before any update: "
+                               f"the target's hidden states or the starting weights are not finite; {_kept(at)}")
+    raise _diverged(run, at, f"its loss is {loss}")
+
+
 def _apply_step(run: Run, at: Position, stats: torch.Tensor) -> dict:
     """Clip the step's gradient, apply it and advance ``at``; returns the step's record (appended to the history
     on the main process)."""
@@ -203,6 +246,9 @@ def _apply_step(run: Run, at: Position, stats: torch.Tensor) -> dict:
     rec = {"step": at.step + 1, "loss": float(stats[0]), "top1": top1, "lr": lr}
     with interrupts_deferred():  # an interrupt lands before the step or after it, never inside
         run.optimizer.step()
+        # every process applied the same summed gradient to the same weights: all of them stop here, or none
+        if not _finite(run.params):
+            raise _diverged(run, at, "its update left weights that are not finite")
         scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
         # `at` advances inside the block: an interrupt handled at its end finds the step counted, and keeps it
@@ -248,6 +294,7 @@ def train_drafter(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], 
             while at.step < run.total:
                 stats = _local_gradient(run, at.step)  # this process's share of the step: its backward is done
                 stats, seen = _summed_over_processes(run, stats, held)
+                _check_loss(run, at, stats)
                 rec = _apply_step(run, at, stats)
                 _log_and_save(run, at, rec)
                 if seen is not None and bool(seen.any()):  # every process finished this step: it is the one to keep

@@ -1,0 +1,198 @@
+"""Training settings a run cannot use are refused in one line before the model loads, and a run whose loss or
+weights stop being finite stops at that step (every process at the same one) before anything saves them."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+pytest.importorskip("datasets")
+
+from specdec.train import checkpoint as ckpt_io  # noqa: E402
+from specdec.train import loop, medusa_recipe  # noqa: E402
+from specdec.train.config import TrainConfig  # noqa: E402
+from specdec.train.pipeline import run_training  # noqa: E402
+
+CHARS = list("abcdefghijklmnopqrstuvwxyz .,?!'0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+TEXTS = [f"the {w} number {i} likes {w[::-1]} and sings, {i * 7}" for i, w in
+         enumerate(["cat", "dog", "bird", "fish", "frog", "bee", "owl", "fox", "cow", "yak", "eel", "ant"] * 2)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from specdec.testing import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    build_tiny_model("llama-mha-untied", vocab_size=96).save_pretrained(root / "model")
+    vocab = {"[UNK]": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]")),
+                                  unk_token="[UNK]", pad_token="[UNK]")
+    tok.save_pretrained(root / "model")
+    (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    return root
+
+
+def _cfg(tiny, out, **kw):
+    base = dict(model=str(tiny / "model"), output_dir=str(out), data=str(tiny / "data.jsonl"), num_heads=2,
+                seq_len=32, batch_size=4, max_steps=6, save_every=1, lr=3e-3, eval_prompts=2,
+                eval_max_new_tokens=8, progress=False, held_out_fraction=0.2, eval_tau=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(lr=float("inf")), "lr must be finite and > 0, got inf"),
+    (dict(lr=float("nan")), "lr must be finite and > 0, got nan"),
+    (dict(lr=0.0), "lr must be > 0, got 0.0"),
+    (dict(weight_decay=-1.0), "weight_decay must be >= 0, got -1.0"),
+    (dict(weight_decay=float("nan")), "weight_decay must be finite and >= 0, got nan"),
+    (dict(warmup_steps=-5), "warmup_steps must be >= 0, got -5"),
+    (dict(drafter="eagle", reg_weight=float("nan")), "reg_weight must be finite and >= 0, got nan"),
+    (dict(drafter="eagle", reg_weight=float("inf")), "reg_weight must be finite and >= 0, got inf"),
+    (dict(max_grad_norm=float("inf")), "max_grad_norm must be finite and >= 0 (0: no clipping), got inf"),
+    (dict(num_heads=2.5), "num_heads must be an integer, got 2.5"),
+    (dict(num_heads=True), "num_heads must be an integer, got True"),
+    (dict(drafter="eagle", eagle_steps=2.7), "eagle_steps must be an integer, got 2.7"),
+    (dict(max_steps=2.0), "max_steps must be an integer or None, got 2.0"),
+    (dict(num_prompts=True), "num_prompts must be an integer or None, got True"),
+    (dict(batch_size="8"), "batch_size must be an integer, got '8'"),
+    (dict(draft_vocab_coverage=True), "draft_vocab_coverage must be a number in (0, 1], got True"),
+    (dict(head_decay=float("nan")), "head_decay must be finite and in (0, 1], got nan"),
+    (dict(seed=2**60), "seed must be <= 4398046511104 (it is scaled into torch's 64-bit seeds)"),
+    (dict(tree_budget=65), "tree_budget must be <= 64 (the largest draft tree), got 65"),
+])
+def test_numeric_settings_a_run_cannot_use_are_refused_in_one_line(settings, message):
+    """lr inf trained all-NaN heads and exited 0, --weight-decay -1 failed after the model load in torch's words,
+    --warmup-steps -5 started the schedule part-way, num_heads 2.5 failed after the model load: each is refused
+    here (no model named "m" exists, so nothing was loaded), naming the setting and its range."""
+    with pytest.raises(ValueError) as err:
+        TrainConfig(model="m", output_dir="o", **settings)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_the_defaults_and_the_edges_of_every_range_stay_valid():
+    import argparse
+
+    from specdec.train import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    for command in ("train-medusa", "train-eagle"):  # every CLI default
+        cli.config_from_args(parser.parse_args([command, "--output-dir", "o"]))
+    TrainConfig(model="m", output_dir="o", num_layers=0, warmup_steps=0, weight_decay=0, max_grad_norm=0, lr=1,
+                head_decay=1, held_out_fraction=0, draft_vocab_coverage=1, seed=-1, tree_budget=64, max_steps=None)
+    TrainConfig(model="m", output_dir="o", drafter="eagle", reg_weight=0, eagle_steps=1, seed=2**42)
+
+
+@pytest.mark.parametrize("option", [["--lr", "inf"], ["--weight-decay", "-1"], ["--warmup-steps", "-5"]])
+def test_the_cli_refuses_them_before_the_model_loads(tmp_path, capsys, option):
+    from specdec.cli import main
+
+    out = tmp_path / "run"
+    rc = main(["train-medusa", "--model", str(tmp_path / "no-such-model"), "--output-dir", str(out), *option])
+    err = capsys.readouterr().err.strip()
+    name = option[0][2:].replace("-", "_")
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"specdec train-medusa: error: {name} must be "), err
+    assert not out.exists()
+
+
+def test_a_diverging_run_stops_at_the_step_whose_loss_is_nan_keeping_the_good_checkpoints(tiny, tmp_path, capsys):
+    """lr 1e30 is finite (accepted) and blows the heads up after one step: step 2's loss is nan. The run stopped
+    there with one line and exit 2, kept step 1's checkpoint and wrote no head (it ran on and exited 0)."""
+    from specdec.cli import main
+
+    out = tmp_path / "run"
+    rc = main(["train-medusa", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"),
+               "--output-dir", str(out), "--num-heads", "2", "--seq-len", "32", "--batch-size", "4",
+               "--max-steps", "6", "--save-every", "1", "--lr", "1e30", "--no-eval-tau", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert err == ("specdec train-medusa: error: training diverged at step 2: its loss is nan; lower lr (--lr, now "
+                   "1e+30); no head was written, the checkpoint of step 1 is kept")
+    assert ckpt_io.read_state(ckpt_io.find_checkpoint(out))["step"] == 1
+    assert not (out / "medusa_lm_head.safetensors").exists()
+    assert [json.loads(line)["step"] for line in (out / "history.jsonl").read_text().splitlines()] == [1]
+
+
+def test_an_update_that_leaves_non_finite_weights_stops_the_run_before_they_are_saved(tiny, tmp_path):
+    """lr * weight_decay overflows float32: step 1's update leaves infinite weights although its loss was finite.
+    It stops at step 1, before the checkpoint due there is written."""
+    out = tmp_path / "run"
+    with pytest.raises(loop.TrainingDiverged, match=re.escape(
+            "training diverged at step 1: its update left weights that are not finite; lower lr (--lr, now 1e+30) or "
+            "weight_decay (--weight-decay, now 1e+10); no head was written")):
+        run_training(_cfg(tiny, out, lr=1e30, weight_decay=1e10))
+    assert ckpt_io.find_checkpoint(out) is None and not (out / "medusa_lm_head.safetensors").exists()
+
+
+class _Threads:
+    """``n`` training processes as threads of this one: ``reduce`` adds the ranks' tensors (in rank order, the same
+    sum on every rank) through shared slots."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.barrier, self.slots = n, threading.Barrier(n, timeout=120), [None] * n
+
+    def rank(self, r: int):
+        import contextlib
+        from types import SimpleNamespace
+
+        def reduce(tensor, reduction="sum"):
+            self.slots[r] = tensor.clone()
+            self.barrier.wait()
+            total = torch.stack(self.slots).sum(0)
+            self.barrier.wait()
+            return total / self.n if reduction == "mean" else total
+
+        return SimpleNamespace(num_processes=self.n, process_index=r, is_main_process=r == 0,
+                               device=torch.device("cpu"), autocast=contextlib.nullcontext, reduce=reduce,
+                               wait_for_everyone=self.barrier.wait)
+
+
+def test_every_process_stops_at_the_step_whose_summed_loss_is_nan(tiny, tmp_path):
+    """Only process 1's share of step 3's loss is nan: the summed loss every process holds is, so both stop at step
+    3 with the same error (a check of the local loss would have stopped one and left the other waiting)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = _cfg(tiny, out, save_every=50)
+    model = AutoModelForCausalLM.from_pretrained(tiny / "model")
+    seqs = [[(i * 7 + j * 3) % 90 + 1 for j in range(10 + i % 7)] for i in range(16)]
+    recipes = []
+    for _ in range(2):
+        torch.manual_seed(cfg.seed)
+        recipes.append(medusa_recipe.MedusaRecipe(cfg, model, "cpu"))
+    real, calls = recipes[1].accumulate, []
+
+    def poisoned(*args, **kwargs):
+        loss, correct, count = real(*args, **kwargs)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 3 else loss), correct, count
+
+    recipes[1].accumulate = poisoned
+    group, errors = _Threads(2), [None, None]
+
+    def run(r):
+        try:
+            loop.train_drafter(cfg, recipes[r], model, seqs, group.rank(r), None)
+        except BaseException as err:  # noqa: BLE001 - asserted below, in the test's thread
+            errors[r] = err
+            if not isinstance(err, loop.TrainingDiverged):  # the other rank may wait for this one: free it
+                group.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(isinstance(e, loop.TrainingDiverged) for e in errors), errors
+    assert str(errors[0]) == str(errors[1])
+    assert str(errors[0]).startswith("training diverged at step 3: its loss is nan;"), errors
