@@ -13,10 +13,10 @@ A one-token prompt has no hidden state before its root: it gets the empty tree t
 
 Trees (see drafters/medusa_tree.py):
 
-* ``static`` (default): ``medusa_choices``, a list of top-k paths: ``(2, 0)`` is the best
-  token of head 1 under the third-best token of head 0. Every prefix of a path must be
-  listed. Default choices: the checkpoint's saved ones, else the ``max_nodes`` best paths
-  under a fixed prior of head accuracies (``default_choices``).
+* ``static`` (default): ``medusa_choices``, a list of top-k paths: ``(2, 0)`` is the best token of head 1 under
+  the third-best token of head 0. Every prefix of a path must be listed. Default choices: the checkpoint's saved
+  ones, else the ``max_nodes`` best paths under a fixed prior of head accuracies (``default_choices``). Given or
+  saved choices are the tree: a ``max_nodes`` or ``top_k`` given with them is refused.
 * ``dynamic``: per sequence and step, the ``max_nodes`` paths with the highest product of
   head probabilities (top ``top_k`` tokens per head), grown best-first.
 
@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["MedusaDrafter", "validate_choices"]
 
 DEFAULT_TOP_K = 8
+DEFAULT_MAX_NODES = 16
 
 
 @dataclass(frozen=True)
@@ -71,15 +72,17 @@ class MedusaDraftConfig:
     a path deeper than they are or a rank beyond their vocabulary, is checked on attach).
 
     ``max_nodes`` bounds the dynamic tree and the default static tree (explicit choices: <= 64 paths);
-    the default of 16 nodes is sized for CPUs, where verifying many nodes costs more than a decode step."""
+    the default of 16 nodes is sized for CPUs, where verifying many nodes costs more than a decode step.
+    ``max_nodes`` and ``top_k`` shape no tree of given or saved ``medusa_choices``: given there, they are refused
+    (given choices here, saved ones when the heads are loaded for the target)."""
 
     tree: str = "static"  # "static" (medusa_choices) | "dynamic" (best-first per step)
     medusa_choices: tuple[tuple[int, ...], ...] | None = None  # static tree paths; None = saved / default
-    max_nodes: int = 16
+    max_nodes: int | None = None  # nodes of a dynamic or default static tree; None: 16
     top_k: int | None = None  # tokens per head a dynamic tree considers; None: 8, at most the draft vocabulary
 
     def __post_init__(self) -> None:
-        check_int("medusa: max_nodes", self.max_nodes, minimum=1, maximum=MAX_TREE_NODES)
+        check_int("medusa: max_nodes", self.max_nodes, minimum=1, maximum=MAX_TREE_NODES, optional=True)
         check_int("medusa: top_k", self.top_k, minimum=1, optional=True)
         if self.tree not in ("static", "dynamic"):
             raise InputError(f"medusa: tree must be 'static' or 'dynamic', got {self.tree!r}")
@@ -98,6 +101,20 @@ class MedusaDraftConfig:
             except InputError as err:
                 raise InputError(f"medusa: {err}") from err
             object.__setattr__(self, "medusa_choices", tuple(tuple(int(k) for k in path) for path in choices))
+            given = self.tree_options()
+            if given:  # they would do nothing: the given paths are the tree
+                raise InputError(f"medusa: {given} shape{'s' * (',' not in given)} a dynamic tree or the default "
+                                 f"static tree, not the given medusa_choices ({len(self.medusa_choices)} paths): drop "
+                                 f"{'them' if ',' in given else 'it'}, or drop medusa_choices")
+
+    @property
+    def nodes(self) -> int:
+        """The node budget of a dynamic or default static tree: ``max_nodes``, else 16."""
+        return DEFAULT_MAX_NODES if self.max_nodes is None else self.max_nodes
+
+    def tree_options(self) -> str:
+        """The given ``max_nodes`` / ``top_k`` as ``max_nodes=8, top_k=2`` ("" when neither was given)."""
+        return ", ".join(f"{k}={getattr(self, k)}" for k in ("max_nodes", "top_k") if getattr(self, k) is not None)
 
     def tokens_per_head(self, draft_size: int) -> int:
         """``top_k`` over heads of ``draft_size`` tokens: a given one must fit, the default is cut to fit."""
@@ -132,7 +149,7 @@ class MedusaDrafter(Drafter):
 
     def load_for_target(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
         """The heads of ``path=`` read for this target (once per process: drafters/loaded_once.py), and the heads'
-        hidden and vocabulary sizes checked against the target's."""
+        hidden and vocabulary sizes checked against the target's; a max_nodes / top_k beside saved choices refused."""
         shape = runner.shape
         if self.path is not None:  # the heads loaded for this target's shape, dtype and device (shared, never moved)
             self.heads = load_once("medusa", self.path, (shape.hidden_size, shape.vocab_size, str(runner.dtype),
@@ -147,6 +164,12 @@ class MedusaDrafter(Drafter):
                 raise MedusaCheckpointError(
                     f"medusa: the heads have {name}={getattr(cfg, name)} but the target model has {name}={want}"
                 )
+        given = self.config.tree_options()
+        if self.config.tree == "static" and self.config.medusa_choices is None and cfg.medusa_choices and given:
+            many = "," in given  # they would do nothing: the saved paths are the tree
+            raise InputError(f"medusa: {given} shape{'s' * (not many)} a dynamic tree or the default static tree, not "
+                             f"the static tree of {len(cfg.medusa_choices)} nodes saved in the heads' checkpoint "
+                             f"(medusa_choices), which is used: use tree='dynamic', or drop {'them' if many else 'it'}")
 
     def attach(self, target: TargetView) -> None:
         self.target = target
@@ -171,7 +194,7 @@ class MedusaDrafter(Drafter):
                 source, choices = "saved in the checkpoint", cfg.medusa_choices
             else:
                 source = "default"
-                choices = default_choices(cfg.num_heads, self.config.max_nodes, self.k_per_head)
+                choices = default_choices(cfg.num_heads, self.config.nodes, self.k_per_head)
             try:
                 self.paths = validate_choices(choices, cfg.num_heads)
             except InputError as err:
@@ -205,7 +228,7 @@ class MedusaDrafter(Drafter):
         else:
             top_logp = values.transpose(0, 1).tolist()
             for b, i in enumerate(ready):
-                trees[i] = dynamic_tree(top_tokens[b], top_logp[b], self.config.max_nodes)
+                trees[i] = dynamic_tree(top_tokens[b], top_logp[b], self.config.nodes)
         return trees
 
     def _scores(self, logits: torch.Tensor, views: list[SequenceView]) -> torch.Tensor:

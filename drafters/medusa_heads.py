@@ -318,6 +318,12 @@ def load_medusa(directory: str | os.PathLike, hidden_size: int | None = None, vo
         state = {name: tensor.clone() for name, tensor in load_file(str(weights)).items()}
     except (SafetensorError, OSError, ValueError) as err:
         raise MedusaCheckpointError(f"{weights} is not a readable safetensors file: {err}") from err
+    # damaged or diverged heads: every draft would be rejected (NaN logits) without a word, so say so at load
+    broken = [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if broken:
+        raise MedusaCheckpointError(f"{weights}: weights hold NaN or infinite values "
+                                    f"({', '.join(sorted(broken)[:5])}); the checkpoint is damaged or its training "
+                                    "diverged")
     lm = [v for k, v in state.items() if k.endswith(".weight") and not k.endswith("linear.weight")]
     first = state.get("0.0.linear.weight", lm[0] if lm else None)  # no residual blocks: the LM heads' columns
     inferred_hidden = int(first.shape[1]) if first is not None else None

@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -102,8 +103,8 @@ class SuiteConfig:
     def __post_init__(self) -> None:
         if self.prompts_per_category < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
             raise ValueError("prompts per category, max_new_tokens and batch_size must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:  # nan is not < 0
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not self.drafters or not self.categories:
             raise ValueError("give at least one drafter and one category")
         if self.sampler not in ("standard", "coupled"):

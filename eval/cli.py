@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -396,6 +397,8 @@ def run_acceptance(args) -> int:
     from specdec.models.loader import load_model
 
     names, renamed = _drafter_rows(args.drafters)
+    if not math.isfinite(args.temperature) or args.temperature < 0:  # before the model loads
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     out = Path(args.out or "runs/eval-acceptance")
     if args.resume and args.overwrite:
         raise ValueError("--resume keeps an earlier run's cells and --overwrite replaces them: pass one")
@@ -478,18 +481,30 @@ def _suite_config(args, names: list[str], renamed: tuple[tuple[str, str], ...], 
 
 def _options_per_row(pairs: list[str], names: list[str]) -> dict[str, dict]:
     """``--drafter-option`` pairs -> each row's options: ``LABEL.KEY=VALUE`` goes to that row, a bare ``KEY=VALUE``
-    to the only row (with several rows it is refused)."""
+    to the only row (with several rows it is refused). One option of a row given twice (a key repeated, or the only
+    row's ``ngram.max_nodes`` and a bare ``max_nodes``) is refused: the last value would win without a word."""
     per_drafter: dict[str, dict] = {d: {} for d in names}
+    texts: dict[tuple[str, str], str] = {}  # (row, option) -> the value as given
     by_key = {d.replace("-", "_"): d for d in names}  # option keys arrive with - turned into _
-    for key, value in _options(pairs).items():
+    _options(pairs)  # malformed pairs and keys repeated as such, refused first
+    for pair in pairs:
+        typed, _, text = pair.partition("=")
+        [(key, value)] = _options([pair]).items()
         target, dot, name = key.partition(".")
         if dot and target in by_key:  # medusa.path=DIR -> option "path" of medusa
-            per_drafter[by_key[target]][name] = value
+            row = by_key[target]
         elif len(names) == 1:
-            per_drafter[names[0]][key] = value
+            row, name = names[0], key
+        elif dot:  # a prefix, but no row's label (as typed: the key's - are _ by now)
+            raise ValueError(f"--drafter-option {typed}: {typed.partition('.')[0]!r} is not one of the drafters "
+                             f"({', '.join(names)})")
         else:
-            raise ValueError(f"--drafter-option {key}: with several drafters, prefix the drafter name "
-                             f"(e.g. {names[0]}.{key}=...)")
+            raise ValueError(f"--drafter-option {typed}: with several drafters, prefix the drafter name "
+                             f"(e.g. {names[0]}.{typed}=...)")
+        if name in per_drafter[row]:
+            raise ValueError(f"--drafter-option {typed}: option {name} of {row} given twice ({texts[row, name]} and "
+                             f"{text}); give it once")
+        per_drafter[row][name], texts[row, name] = value, text
     return per_drafter
 
 

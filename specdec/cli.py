@@ -237,13 +237,17 @@ PYTHON_LITERALS = {"True": True, "False": False, "None": None}  # as a Python us
 def _parse_options(pairs: list[str]) -> dict:
     """``KEY=VALUE`` pairs -> drafter options: VALUE parsed as JSON (or True / False / None) when possible, except
     for paths (a directory named 2024 stays "2024"; ``path="DIR"``, the JSON string, is DIR), also after a
-    drafter's prefix (``medusa.path=DIR``)."""
-    options = {}
+    drafter's prefix (``medusa.path=DIR``). A key given twice (``max-nodes`` and ``max_nodes`` are one key) is
+    refused: the last value would win without a word."""
+    options, texts = {}, {}
     for pair in pairs:
-        key, sep, value = pair.partition("=")
+        typed, sep, value = pair.partition("=")
         if not sep:
             raise CLIError(f"--drafter-option needs KEY=VALUE, got {pair!r}")
-        key = key.replace("-", "_")
+        key = typed.replace("-", "_")
+        if key in options:
+            raise CLIError(f"--drafter-option {typed} given twice ({texts[key]} and {value}); give it once")
+        texts[key] = value
         options[key] = _path_text(value) if key.rpartition(".")[2] in PATH_OPTIONS else _json_or_text(value)
     return options
 
