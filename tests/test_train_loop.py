@@ -48,6 +48,8 @@ def _cfg(tiny, out, **kw):
                 seq_len=32, batch_size=4, max_steps=6, save_every=2, lr=3e-3, eval_prompts=2,
                 eval_max_new_tokens=8, progress=False, held_out_fraction=0.2)
     base.update(kw)
+    if base.get("drafter") == "eagle":  # heads are Medusa's
+        base.pop("num_heads")
     return TrainConfig(**base)
 
 
@@ -220,7 +222,7 @@ def _first_step_gradient(tiny, out, drafter, seqs, monkeypatch, processes=1, **k
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
     out.mkdir()
-    cfg = _cfg(tiny, out, max_steps=1, drafter=drafter, eagle_steps=2, **kw)
+    cfg = _cfg(tiny, out, max_steps=1, drafter=drafter, **({"eagle_steps": 2} if drafter == "eagle" else {}), **kw)
     model = _model_and_seqs(tiny)[0]
     vocab = tuple(range(1, 40))  # a reduced draft vocabulary: the other tokens' positions carry no token loss
     recipes = []

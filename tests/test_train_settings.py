@@ -44,6 +44,8 @@ def _cfg(tiny, out, **kw):
                 seq_len=32, batch_size=4, max_steps=6, save_every=1, lr=3e-3, eval_prompts=2,
                 eval_max_new_tokens=8, progress=False, held_out_fraction=0.2, eval_tau=False)
     base.update(kw)
+    if base.get("drafter") == "eagle":  # heads are Medusa's
+        base.pop("num_heads")
     return TrainConfig(**base)
 
 
@@ -87,8 +89,27 @@ def test_the_defaults_and_the_edges_of_every_range_stay_valid():
     for command in ("train-medusa", "train-eagle"):  # every CLI default
         cli.config_from_args(parser.parse_args([command, "--output-dir", "o"]))
     TrainConfig(model="m", output_dir="o", num_layers=0, warmup_steps=0, weight_decay=0, max_grad_norm=0, lr=1,
-                head_decay=1, held_out_fraction=0, draft_vocab_coverage=1, seed=-1, tree_budget=64, max_steps=None)
+                head_decay=1, held_out_fraction=0, draft_vocab="auto", draft_vocab_coverage=1, seed=-1, tree_budget=64,
+                max_steps=None)
     TrainConfig(model="m", output_dir="o", drafter="eagle", reg_weight=0, eagle_steps=1, seed=2**42)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(draft_vocab_coverage=0.9), "draft_vocab_coverage (--draft-vocab-coverage) sizes --draft-vocab auto; with "
+                                     "draft_vocab full it is unused"),
+    (dict(draft_vocab=4096, draft_vocab_coverage=0.9), "draft_vocab_coverage (--draft-vocab-coverage) sizes "
+                                                       "--draft-vocab auto; with draft_vocab 4096 it is unused"),
+    (dict(drafter="eagle", num_heads=4), "num_heads is medusa's: training eagle does nothing with it"),
+    (dict(drafter="eagle", shared_lm_head=True), "shared_lm_head is medusa's"),
+    (dict(eagle_steps=2), "eagle_steps is eagle's: training medusa does nothing with it"),
+    (dict(eagle_arch="eagle3"), "eagle_arch is eagle's"),
+])
+def test_settings_the_run_would_not_use_are_refused(settings, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        TrainConfig(model="m", output_dir="o", **settings)
+    TrainConfig(model="m", output_dir="o", draft_vocab="auto", draft_vocab_coverage=0.9)  # where each is used
+    TrainConfig(model="m", output_dir="o", drafter="eagle", eagle_steps=2, eagle_arch="eagle3")
+    TrainConfig(model="m", output_dir="o", num_heads=4, shared_lm_head=True)
 
 
 @pytest.mark.parametrize("option", [["--lr", "inf"], ["--weight-decay", "-1"], ["--warmup-steps", "-5"]])

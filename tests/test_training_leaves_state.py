@@ -33,6 +33,8 @@ def _cfg(tiny, out, **kw):
                 seq_len=32, batch_size=4, max_steps=2, save_every=1, lr=3e-3, eval_prompts=2, eval_max_new_tokens=8,
                 progress=False, held_out_fraction=0.2, eval_tau=False, seed=0)
     base.update(kw)
+    if base.get("drafter") == "eagle":  # heads are Medusa's
+        base.pop("num_heads")
     return TrainConfig(**base)
 
 
