@@ -217,3 +217,20 @@ def test_every_process_stops_at_the_step_whose_summed_loss_is_nan(tiny, tmp_path
     assert all(isinstance(e, loop.TrainingDiverged) for e in errors), errors
     assert str(errors[0]) == str(errors[1])
     assert str(errors[0]).startswith("training diverged at step 3: its loss is nan;"), errors
+
+
+def test_a_run_saved_with_a_setting_it_did_not_use_still_resumes():
+    """A run from before such settings were refused saved them in its checkpoint's config: a resume compares
+    only what shaped the heads, so it does not refuse a value the run never used (nor can the value be given
+    again: it is refused now)."""
+    from dataclasses import asdict
+
+    now = TrainConfig(model="m", output_dir="o")
+    assert now.differences({**asdict(now), "draft_vocab_coverage": 0.9}) == []
+    eagle = TrainConfig(model="m", output_dir="o", drafter="eagle")
+    assert eagle.differences({**asdict(eagle), "num_heads": 5, "shared_lm_head": True}) == []
+    assert now.differences({**asdict(now), "eagle_steps": 2}) == []
+    used = TrainConfig(model="m", output_dir="o", draft_vocab="auto")
+    assert used.differences({**asdict(used), "draft_vocab_coverage": 0.9}) == [
+        "draft_vocab_coverage: checkpoint 0.9 vs now 0.97"]
+    assert now.differences({**asdict(now), "num_heads": 5}) == ["num_heads: checkpoint 5 vs now 3"]

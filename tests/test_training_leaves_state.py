@@ -110,3 +110,33 @@ def test_the_callers_logging_gets_only_what_it_got_before(tiny, tmp_path, kw):
     if not kw:  # a warning still reaches the caller's handler, once, and train.log
         assert seen.count("WARNING specdec.train.medusa_recipe: --num-layers 2") == 1
         assert "--num-layers 2" in log
+
+
+def test_the_train_log_redirection_keeps_a_child_loggers_own_level_and_handlers(tmp_path, capsys):
+    """While train.log takes the specdec loggers' INFO lines, a child logger the caller opened to INFO still
+    reaches the caller's handler (they were cut at the specdec logger's level), and a warning a handler on a
+    child logger took is not written again by Python's last-resort handler."""
+    from specdec.train.pipeline import _logged_to_file
+
+    root, loop, train = logging.getLogger(), logging.getLogger("specdec.train.loop"), logging.getLogger("specdec.train")
+    mine, child = logging.StreamHandler(io.StringIO()), logging.StreamHandler(io.StringIO())
+    saved = root.level, loop.level, list(root.handlers)
+    root.setLevel(logging.WARNING)
+    root.handlers[:] = [mine]
+    loop.setLevel(logging.INFO)
+    try:
+        with _logged_to_file(tmp_path):
+            loop.info("a step line the caller asked for")
+        root.handlers[:] = []
+        train.addHandler(child)
+        with _logged_to_file(tmp_path):
+            loop.warning("a warning for the child's handler")
+    finally:
+        train.removeHandler(child)
+        root.setLevel(saved[0])
+        loop.setLevel(saved[1])
+        root.handlers[:] = saved[2]
+    assert mine.stream.getvalue() == "a step line the caller asked for\n"
+    assert child.stream.getvalue() == "a warning for the child's handler\n"
+    assert "a warning" not in capsys.readouterr().err
+    assert "a step line" in (tmp_path / "train.log").read_text()

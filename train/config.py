@@ -234,6 +234,10 @@ class TrainConfig:
         ignored = set(PATH_FIELDS)
         if mine["max_steps"] is not None and other.get("max_steps") == mine["max_steps"]:
             ignored.add("epochs")
+        # settings the saved run did nothing with (a run from before they were refused may hold any value)
+        if other.get("draft_vocab") != "auto":
+            ignored.add("draft_vocab_coverage")
+        ignored |= set(OTHER_DRAFTERS_FIELDS["medusa" if other.get("drafter") == "eagle" else "eagle"])
         saved = {**{k: resolved_path(other.get(k)) for k in PATH_FIELDS}, **(other.get("resolved") or {})}
         now = self.resolved_paths()
         return sorted([f"{k}: checkpoint {other.get(k)!r} vs now {mine[k]!r}" for k in mine

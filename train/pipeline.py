@@ -130,17 +130,33 @@ def choose_draft_vocab(cfg: TrainConfig, train_seqs: list[list[int]], model) -> 
 
 class _AsBefore(logging.Handler):
     """Passes on a specdec record as logging passed it before :func:`_logged_to_file` took the specdec logger's
-    handlers aside: at ``level`` (the logger's level then) and above, to those handlers and, where it propagated, up
-    its ancestors' (Python's last-resort handler where none had one)."""
+    handlers aside: where its own logger's level then (``level``: the specdec logger's, unless a logger between
+    them set one) lets it through, to those handlers and, where it propagated, up its ancestors' (Python's
+    last-resort handler where no logger on its way had one)."""
 
     def __init__(self, logger: logging.Logger, level: int):
-        super().__init__(level)
+        super().__init__()  # every record reaches handle(), which applies the levels of before
+        self.before = level
         self.handlers, self.propagate, self.parent = list(logger.handlers), logger.propagate, logger.parent
+        self.levels = {name: child.level for name, child in logging.Logger.manager.loggerDict.items()
+                       if name.startswith("specdec.") and isinstance(child, logging.Logger)}
+
+    def _below(self, record: logging.LogRecord) -> tuple[int, int]:
+        """(the level of ``record``'s logger before the block, the handlers of the loggers below specdec that
+        Python's walk passed it to already)."""
+        level, passed, name = 0, 0, record.name
+        while name.startswith("specdec."):
+            child = logging.Logger.manager.loggerDict.get(name)
+            passed += len(child.handlers) if isinstance(child, logging.Logger) else 0
+            level = level or self.levels.get(name, 0)
+            name = name.rpartition(".")[0]
+        return level or self.before, passed
 
     def handle(self, record: logging.LogRecord) -> bool:
-        if record.levelno < self.level:
+        level, found = self._below(record)
+        if record.levelno < level:
             return False
-        found, handlers, parent = 0, self.handlers, self.parent if self.propagate else None
+        handlers, parent = self.handlers, self.parent if self.propagate else None
         while True:  # as Logger.callHandlers walks
             for handler in handlers:
                 found += 1
@@ -158,7 +174,8 @@ class _AsBefore(logging.Handler):
 def _logged_to_file(out: Path) -> Iterator[None]:
     """train.log gets the specdec loggers' INFO records and up. Where the caller's logging lets fewer through (the
     usual WARNING), the specdec logger's level is lowered to INFO while the block runs, and its records reach the
-    caller's handlers as before (:class:`_AsBefore`): none of the extra INFO lines. All is restored at the end."""
+    caller's handlers as before (:class:`_AsBefore`): none of the extra INFO lines, except on a handler the caller
+    put on a logger below specdec's (``specdec.train``), which sees them first. All is restored at the end."""
     specdec = logging.getLogger("specdec")
     handler = logging.FileHandler(out / "train.log")
     handler.setLevel(logging.INFO)
