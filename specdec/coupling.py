@@ -109,7 +109,8 @@ class Coupling:
         per_position = mix64(keys[:, None] + self._seed_word + mix64(positions * _GOLDEN + _POSITION_STREAM))
         tokens = torch.arange(1, vocab + 1, dtype=torch.long, device=keys.device) * _GOLDEN  # [vocab]
         bits = mix64(per_position[..., None] + tokens)  # [B, P, vocab]
-        return _shr(bits, 11).to(torch.float64).add_(0.5).mul_(2.0**-53)
+        # 53 bits + 0.5 need 54: the largest word rounds up to 1.0 (Gumbel noise +inf), kept below 1 as documented
+        return _shr(bits, 11).to(torch.float64).add_(0.5).mul_(2.0**-53).clamp_(max=1.0 - 2.0**-53)
 
     def gumbel(self, keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
         """keys [B], positions [B, P] -> [B, P, vocab] float64 standard Gumbel noise."""

@@ -283,3 +283,31 @@ def test_certificate_coupled_law_rows_run_top_k_where_it_removes_tokens():
         kept = min(top_k, LAW_VOCAB - 2)
         assert rows and all(c.detail.startswith(f"{kept} of {LAW_VOCAB} tokens") for c in rows), rows[0].detail
         assert all(("run as" in c.detail) == (top_k >= LAW_VOCAB - 1) for c in rows)
+
+
+def test_the_largest_noise_word_is_a_uniform_below_one():
+    """(k + 0.5) * 2**-53 rounds to 1.0 for the largest 53-bit k: its Gumbel noise was +inf, and on finite logits
+    the step emitted "no law" (the engine then blamed the logits). The key below (seed 0, position 5) gives token
+    0 that word; it was found by inverting splitmix64."""
+    keys, positions = torch.tensor([-1644136720217836805]), torch.tensor([[5]])
+    coupling = Coupling(seed=0)
+    u = coupling.uniforms(keys, positions, 8)[0, 0]
+    assert float(u[0]) == 1.0 - 2.0**-53 and bool(((u > 0) & (u < 1)).all())
+    noise = coupling.gumbel(keys, positions, 8)[0, 0]
+    assert bool(torch.isfinite(noise).all())
+    logits = torch.tensor([[-30.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]], dtype=torch.float64)
+    for sampling in (SamplingConfig(True, 1.0), SamplingConfig(True, 1.0, top_k=3)):
+        assert 0 <= int(coupled_tokens(logits, sampling, noise[None])[0]) < 8
+
+
+def test_certificate_coupled_law_rows_keep_two_tokens_under_top_p():
+    """At temperature 0.8 and top-p 0.9 the sharpest law case kept one token: its two rows drew that token every
+    time and passed with power 0, and the warning advised more draws, which cannot add a token. Its logits are
+    now flattened until the warpers leave two tokens or more."""
+    from specdec.eval.certificate import CertificateSizes
+    from specdec.eval.coupled_level import law_checks
+
+    sizes = CertificateSizes(stat_samples=2000, stat_tv=0.2)
+    rows = [c for c in law_checks(SamplingConfig(True, 0.8, top_p=0.9), sizes, seed=0) if c.control is None]
+    assert len(rows) == 6 and all(int(c.detail.split()[0]) >= 2 and c.power > 0.5 for c in rows), rows
+    assert any("halved" in c.detail for c in rows) and all(c.passed for c in rows)
