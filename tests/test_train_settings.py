@@ -17,36 +17,18 @@ from specdec.train import loop, medusa_recipe  # noqa: E402
 from specdec.train.config import TrainConfig  # noqa: E402
 from specdec.train.pipeline import run_training  # noqa: E402
 
-CHARS = list("abcdefghijklmnopqrstuvwxyz .,?!'0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ")
-TEXTS = [f"the {w} number {i} likes {w[::-1]} and sings, {i * 7}" for i, w in
-         enumerate(["cat", "dog", "bird", "fish", "frog", "bee", "owl", "fox", "cow", "yak", "eel", "ant"] * 2)]
+from tests.test_train_data import training_dir  # noqa: E402
+from tests.test_train_loop import _cfg as _loop_cfg  # noqa: E402
+from tests.test_train_loop import _Threads  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    from specdec.testing import build_tiny_model
-
-    root = tmp_path_factory.mktemp("tiny")
-    build_tiny_model("llama-mha-untied", vocab_size=96).save_pretrained(root / "model")
-    vocab = {"[UNK]": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]")),
-                                  unk_token="[UNK]", pad_token="[UNK]")
-    tok.save_pretrained(root / "model")
-    (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    return root
+    return training_dir(tmp_path_factory.mktemp("tiny_settings"))
 
 
 def _cfg(tiny, out, **kw):
-    base = dict(model=str(tiny / "model"), output_dir=str(out), data=str(tiny / "data.jsonl"), num_heads=2,
-                seq_len=32, batch_size=4, max_steps=6, save_every=1, lr=3e-3, eval_prompts=2,
-                eval_max_new_tokens=8, progress=False, held_out_fraction=0.2, eval_tau=False)
-    base.update(kw)
-    if base.get("drafter") == "eagle":  # heads are Medusa's
-        base.pop("num_heads")
-    return TrainConfig(**base)
+    return _loop_cfg(tiny, out, **{"save_every": 1, "eval_tau": False, **kw})
 
 
 @pytest.mark.parametrize("settings,message", [
@@ -154,29 +136,6 @@ def test_an_update_that_leaves_non_finite_weights_stops_the_run_before_they_are_
     assert ckpt_io.find_checkpoint(out) is None and not (out / "medusa_lm_head.safetensors").exists()
 
 
-class _Threads:
-    """``n`` training processes as threads of this one: ``reduce`` adds the ranks' tensors (in rank order, the same
-    sum on every rank) through shared slots."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.barrier, self.slots = n, threading.Barrier(n, timeout=120), [None] * n
-
-    def rank(self, r: int):
-        import contextlib
-        from types import SimpleNamespace
-
-        def reduce(tensor, reduction="sum"):
-            self.slots[r] = tensor.clone()
-            self.barrier.wait()
-            total = torch.stack(self.slots).sum(0)
-            self.barrier.wait()
-            return total / self.n if reduction == "mean" else total
-
-        return SimpleNamespace(num_processes=self.n, process_index=r, is_main_process=r == 0,
-                               device=torch.device("cpu"), autocast=contextlib.nullcontext, reduce=reduce,
-                               wait_for_everyone=self.barrier.wait)
-
-
 def test_every_process_stops_at_the_step_whose_summed_loss_is_nan(tiny, tmp_path):
     """Only process 1's share of step 3's loss is nan: the summed loss every process holds is, so both stop at step
     3 with the same error (a check of the local loss would have stopped one and left the other waiting)."""
@@ -186,7 +145,7 @@ def test_every_process_stops_at_the_step_whose_summed_loss_is_nan(tiny, tmp_path
     out.mkdir()
     cfg = _cfg(tiny, out, save_every=50)
     model = AutoModelForCausalLM.from_pretrained(tiny / "model")
-    seqs = [[(i * 7 + j * 3) % 90 + 1 for j in range(10 + i % 7)] for i in range(16)]
+    seqs = [[(i * 7 + j * 3) % 60 + 1 for j in range(10 + i % 7)] for i in range(16)]  # the tiny vocabulary
     recipes = []
     for _ in range(2):
         torch.manual_seed(cfg.seed)
