@@ -101,20 +101,22 @@ class MedusaDraftConfig:
             except InputError as err:
                 raise InputError(f"medusa: {err}") from err
             object.__setattr__(self, "medusa_choices", tuple(tuple(int(k) for k in path) for path in choices))
-            given = self.tree_options()
-            if given:  # they would do nothing: the given paths are the tree
-                raise InputError(f"medusa: {given} shape{'s' * (',' not in given)} a dynamic tree or the default "
-                                 f"static tree, not the given medusa_choices ({len(self.medusa_choices)} paths): drop "
-                                 f"{'them' if ',' in given else 'it'}, or drop medusa_choices")
+            self.refuse_tree_options(f"the given medusa_choices ({len(self.medusa_choices)} paths)",
+                                     "drop {it}, or drop medusa_choices")
 
     @property
     def nodes(self) -> int:
         """The node budget of a dynamic or default static tree: ``max_nodes``, else 16."""
         return DEFAULT_MAX_NODES if self.max_nodes is None else self.max_nodes
 
-    def tree_options(self) -> str:
-        """The given ``max_nodes`` / ``top_k`` as ``max_nodes=8, top_k=2`` ("" when neither was given)."""
-        return ", ".join(f"{k}={getattr(self, k)}" for k in ("max_nodes", "top_k") if getattr(self, k) is not None)
+    def refuse_tree_options(self, tree: str, instead: str) -> None:
+        """A given ``max_nodes`` / ``top_k`` beside ``tree`` (a static tree of given or saved choices, which they do
+        not shape) is refused in one line saying what to do ``instead`` (its ``{it}``: "it" or "them")."""
+        given = [f"{k}={getattr(self, k)}" for k in ("max_nodes", "top_k") if getattr(self, k) is not None]
+        if given:
+            one = len(given) == 1
+            raise InputError(f"medusa: {', '.join(given)} shape{'s' * one} a dynamic tree or the default static tree, "
+                             f"not {tree}: {instead.format(it='it' if one else 'them')}")
 
     def tokens_per_head(self, draft_size: int) -> int:
         """``top_k`` over heads of ``draft_size`` tokens: a given one must fit, the default is cut to fit."""
@@ -164,12 +166,10 @@ class MedusaDrafter(Drafter):
                 raise MedusaCheckpointError(
                     f"medusa: the heads have {name}={getattr(cfg, name)} but the target model has {name}={want}"
                 )
-        given = self.config.tree_options()
-        if self.config.tree == "static" and self.config.medusa_choices is None and cfg.medusa_choices and given:
-            many = "," in given  # they would do nothing: the saved paths are the tree
-            raise InputError(f"medusa: {given} shape{'s' * (not many)} a dynamic tree or the default static tree, not "
-                             f"the static tree of {len(cfg.medusa_choices)} nodes saved in the heads' checkpoint "
-                             f"(medusa_choices), which is used: use tree='dynamic', or drop {'them' if many else 'it'}")
+        if self.config.tree == "static" and self.config.medusa_choices is None and cfg.medusa_choices:
+            nodes = len(cfg.medusa_choices)
+            self.config.refuse_tree_options(f"the static tree of {nodes} nodes saved in the heads' checkpoint "
+                                            "(medusa_choices), which is used", "use tree='dynamic', or drop {it}")
 
     def attach(self, target: TargetView) -> None:
         self.target = target

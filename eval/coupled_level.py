@@ -49,7 +49,7 @@ def law_checks(sampling: SamplingConfig, sizes: CertificateSizes, seed: int) -> 
     n, cases = sizes.stat_samples, []
     for case in range(LAW_CASES):
         logits = torch.randn(LAW_VOCAB, generator=gen, dtype=torch.float64) * (1.0 + case)
-        law, flattened = {}, 0
+        flattened = 0
         while True:  # a warper that leaves one token (top-p 0.9 on the sharpest case) leaves nothing to test
             law = {i: float(p) for i, p in enumerate(logits_to_probs(logits, sampling)) if p > 0}
             if len(law) > 1 or flattened == LAW_FLATTENINGS:

@@ -15,10 +15,10 @@ pytest.importorskip("datasets")
 
 from specdec.train import checkpoint as ckpt_io  # noqa: E402
 from specdec.train import medusa_recipe  # noqa: E402
-from specdec.train.config import TrainConfig  # noqa: E402
 from specdec.train.pipeline import run_training  # noqa: E402
 
 from tests.test_train_data import training_dir  # noqa: E402
+from tests.test_train_loop import _cfg as _loop_cfg  # noqa: E402
 
 EAGLE = dict(drafter="eagle", draft_vocab=24, eagle_steps=2)
 
@@ -29,13 +29,7 @@ def tiny(tmp_path_factory):
 
 
 def _cfg(tiny, out, **kw):
-    base = dict(model=str(tiny / "model"), output_dir=str(out), data=str(tiny / "data.jsonl"), num_heads=2,
-                seq_len=32, batch_size=4, max_steps=2, save_every=1, lr=3e-3, eval_prompts=2, eval_max_new_tokens=8,
-                progress=False, held_out_fraction=0.2, eval_tau=False, seed=0)
-    base.update(kw)
-    if base.get("drafter") == "eagle":  # heads are Medusa's
-        base.pop("num_heads")
-    return TrainConfig(**base)
+    return _loop_cfg(tiny, out, **{"max_steps": 2, "save_every": 1, "eval_tau": False, **kw})
 
 
 def _heads(out) -> dict:

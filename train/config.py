@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -38,9 +38,10 @@ REAL_RANGES = {"lr": (lambda v: v > 0, "> 0"), "weight_decay": (lambda v: v >= 0
                "draft_vocab_coverage": (lambda v: 0 < v <= 1, "in (0, 1]")}
 
 DRAFTERS = ("medusa", "eagle")
-# each drafter's own fields and their defaults: given to the other (the Python API; each CLI has only its own)
-OTHER_DRAFTERS_FIELDS = {"medusa": {"num_heads": 3, "num_layers": 1, "shared_lm_head": False},
-                         "eagle": {"eagle_steps": 3, "eagle_arch": "eagle1"}}
+# each drafter's own fields: refused away from their defaults when training the other (the Python API; each CLI
+# has only its own)
+OTHER_DRAFTERS_FIELDS = {"medusa": ("num_heads", "num_layers", "shared_lm_head"),
+                         "eagle": ("eagle_steps", "eagle_arch")}
 # fields naming a local file or directory (the model may also be an alias or hub id): a resume compares them resolved
 PATH_FIELDS = ("model", "data", "prompts_file")
 
@@ -183,15 +184,16 @@ class TrainConfig:
             which = "--arch eagle3 has none (token loss only)" if self.drafter == "eagle" else "Medusa heads have none"
             raise ValueError(f"reg_weight (--reg-weight) weighs EAGLE-1's feature regression and {which}; leave it "
                              "at 1.0")
-        if self.draft_vocab_coverage != 0.97 and self.draft_vocab != "auto":
+        default = {f.name: f.default for f in fields(self)}
+        if self.draft_vocab_coverage != default["draft_vocab_coverage"] and self.draft_vocab != "auto":
             raise ValueError(f"draft_vocab_coverage (--draft-vocab-coverage) sizes --draft-vocab auto; with "
-                             f"draft_vocab {self.draft_vocab or 'full'} it is unused: leave it at 0.97, or use "
-                             "--draft-vocab auto")
+                             f"draft_vocab {self.draft_vocab or 'full'} it is unused: leave it at "
+                             f"{default['draft_vocab_coverage']}, or use --draft-vocab auto")
         other = "medusa" if self.drafter == "eagle" else "eagle"
-        for name, default in OTHER_DRAFTERS_FIELDS[other].items():
-            if getattr(self, name) != default:
+        for name in OTHER_DRAFTERS_FIELDS[other]:
+            if getattr(self, name) != default[name]:
                 raise ValueError(f"{name} is {other}'s: training {self.drafter} does nothing with it; leave it at "
-                                 f"{default!r}")
+                                 f"{default[name]!r}")
         if self.data is not None and self.num_prompts is not None:
             raise ValueError("num_prompts (--num-prompts) limits the self-distillation prompts; with data (--data) "
                              "every record is used: leave it out")

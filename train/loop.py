@@ -96,8 +96,7 @@ class Run:
     def save(self, at: Position) -> None:
         """The checkpoint of the last completed step; refused where its weights are not finite (the steps check
         them; an interrupt inside the step that broke them still comes here)."""
-        if not _finite(self.params):
-            raise _diverged(self, at, "its update left weights that are not finite")
+        _check_weights(self, at)
         ckpt_io.save_checkpoint(Path(self.cfg.output_dir), self.recipe.module, self.optimizer, self.scheduler,
                                 at.step, self.saved_config, self.fingerprint, rng_state=at.rng)
 
@@ -204,8 +203,10 @@ def _summed_over_processes(run: Run, stats: torch.Tensor, held) -> tuple[torch.T
     return stats[:-2], stats[-2:]
 
 
-def _finite(params: list[torch.nn.Parameter]) -> bool:
-    return not params or bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+def _check_weights(run: Run, at: Position) -> None:
+    """The weights the step after ``at.step`` left are finite; else :class:`TrainingDiverged`."""
+    if run.params and not bool(torch.stack([torch.isfinite(p).all() for p in run.params]).all()):
+        raise _diverged(run, at, "its update left weights that are not finite")
 
 
 def _diverged(run: Run, at: Position, what: str) -> TrainingDiverged:
@@ -247,8 +248,7 @@ def _apply_step(run: Run, at: Position, stats: torch.Tensor) -> dict:
     with interrupts_deferred():  # an interrupt lands before the step or after it, never inside
         run.optimizer.step()
         # every process applied the same summed gradient to the same weights: all of them stop here, or none
-        if not _finite(run.params):
-            raise _diverged(run, at, "its update left weights that are not finite")
+        _check_weights(run, at)
         scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
         # `at` advances inside the block: an interrupt handled at its end finds the step counted, and keeps it
