@@ -53,21 +53,23 @@ def check_spec(spec) -> None:
     raise InputError(f"draft_vocab must be a size, a non-empty list of integer token ids or a path, got {spec!r}")
 
 
-def read_ids(path: str | os.PathLike) -> list[int]:
-    """The ``draft_vocab`` list of a checkpoint directory's config.json, or of a JSON file."""
+def read_ids(path: str | os.PathLike, name: str = "draft") -> list[int]:
+    """The ``draft_vocab`` list of a checkpoint directory's config.json, or of a JSON file (refusals name ``name``)."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        raise InputError(f"draft_vocab: {file} does not exist (give a checkpoint directory or a JSON list of ids)")
+        raise InputError(f"{name}: draft_vocab: {file} does not exist (give a checkpoint directory or a JSON list of "
+                         "ids)")
     try:
         raw = json.loads(file.read_text())
     except json.JSONDecodeError as err:
-        raise InputError(f"draft_vocab: {file} is not valid JSON: {err}") from err
+        raise InputError(f"{name}: draft_vocab: {file} is not valid JSON: {err}") from err
     ids = raw.get("draft_vocab") if isinstance(raw, dict) else raw
     if ids is None and path.is_dir():
         ids = _d2t_ids(path)
     if not isinstance(ids, list) or not ids or any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
-        raise InputError(f"draft_vocab: {file} holds no draft_vocab list of token ids (a full-vocabulary checkpoint?)")
+        raise InputError(f"{name}: draft_vocab: {file} holds no draft_vocab list of token ids (a full-vocabulary "
+                         "checkpoint?)")
     return ids
 
 
@@ -122,7 +124,7 @@ def resolve_draft_vocab(spec, tokenizer, vocab_size: int, name: str = "draft") -
             raise InputError(f"{name}: the tokenizer has {len(tokenizer)} tokens but the model {vocab_size}")
         ids = builtin_prompt_tokens(tokenizer, spec)
     elif isinstance(spec, (str, os.PathLike)):
-        ids = read_ids(spec)
+        ids = read_ids(spec, name)
     else:
         ids = [int(t) for t in spec]
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)

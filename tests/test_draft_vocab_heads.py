@@ -244,6 +244,16 @@ def test_self_draft_reads_a_checkpoint_list(tmp_path):
         assert d.draft_vocab.ids.tolist() == [4, 8, 15, 16, 23, 42][:n]
 
 
+def test_a_draft_vocab_path_refusal_names_the_drafter(tmp_path):
+    """The path's own refusals (missing, not JSON) began "draft_vocab:", unlike every other self-draft refusal."""
+    target = build_tiny_model(num_hidden_layers=3)
+    (tmp_path / "bad.json").write_text("{")
+    for path, why in ((tmp_path / "missing", "does not exist"), (tmp_path / "bad.json", "is not valid JSON")):
+        with pytest.raises(InputError, match=rf"^self-draft: draft_vocab: .* {why}"):
+            drafter = SelfDraftDrafter(num_layers=1, draft_vocab=str(path))
+            specdec.generate(target, PROMPTS[:1], max_new_tokens=2, drafter=drafter)
+
+
 def test_builtin_prompt_vocabulary_takes_the_most_frequent_tokens_and_eos():
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
