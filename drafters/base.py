@@ -82,6 +82,9 @@ class TargetView:
     # the speculation policy's costs (None: it does not size trees: speculation="always", seeded standard sampling)
     costs: CostView | None = None
     seed: int | None = None  # generate()'s seed for drafters that sample (None: unseeded)
+    # seeded standard sampling: a tree of another shape draws other numbers, so no choice of what to draft may read
+    # this machine's measured costs or times (one seed, one text: GenerationConfig.speculation)
+    seeded_sampling: bool = False
     graphs: bool = False  # the engine replays its verify steps as captured CUDA graphs (price verifies so)
 
 

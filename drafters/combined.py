@@ -15,8 +15,8 @@ expected committed tokens (1 + sum of node path acceptance estimates) per unit o
 Estimates: a child tree's ``scores``, calibrated per child (:mod:`specdec.score_bins`: in one set of bins EAGLE's
 rejected guesses cut n-gram's chains), else its acceptance per level (Beta prior: ``prior_weight`` x ``prior_score``).
 Verify cost of n nodes, in decode steps: ``verify_cost(n)`` if given; else the engine's sizing curve
-(``TargetView.costs``) under ``speculation="auto"``; else, with ``cost_model=True``, the calibrated curve; else
-``1 + alpha * n``. The engine's sizing may prune the offered tree further (pruning is exact).
+(``TargetView.costs``) under ``speculation="auto"``; else, with ``cost_model=True`` (not for seeded standard
+sampling: no measurement may pick its trees), the calibrated curve; else ``1 + alpha * n``. Sizing may prune more.
 
 Sampled children: whether a sampled tree is verified may depend only on what was fixed before its tokens were
 drawn, so it is valued by the child's rate on the shape of its previous sampled tree, never by the tree at hand
@@ -65,7 +65,7 @@ _CALIBRATION = SizingConfig()  # the tree sizer's decay, prior weight and margin
 @dataclass(frozen=True)
 class CombinedConfig:
     mode: str = "merge"  # "merge": trie union of the children's trees; "best": the most valuable child tree
-    max_nodes: int = MAX_TREE_NODES  # cap on the merged tree (highest path scores kept)
+    max_nodes: int = MAX_TREE_NODES  # cap on the merged tree (highest path scores kept); mode 'best' merges none
     # verify cost of an n-node tree in decode steps when no verify_cost is given: 1 + alpha * n. 0.05 is the
     # order of a 2-core CPU for a handful of nodes (2-4 tokens ~1.05x a decode step); on a GPU it is ~0.
     alpha: float = 0.05
@@ -73,7 +73,7 @@ class CombinedConfig:
     prior_weight: float = 4.0  # pseudo-trials of that prior (how fast the online estimate takes over)
     # without the engine's curve (speculation="always"), rank by the calibrated verify-cost curve
     # (specdec.cost_model) instead of 1 + alpha * n; off by default: the first use on a machine calibrates (seconds)
-    cost_model: bool = False
+    cost_model: bool = False  # (not for seeded standard sampling, whose text may not depend on a measurement)
     # leave out, per call, children whose extra tokens do not cover their draft time (module doc, child_gate)
     gate: bool = True
 
@@ -84,6 +84,9 @@ class CombinedConfig:
                 or not 1 <= self.max_nodes <= MAX_TREE_NODES:
             raise InputError(f"combined drafter: max_nodes must be an int in [1, {MAX_TREE_NODES}], "
                              f"got {self.max_nodes!r}")
+        if self.mode == "best" and self.max_nodes != MAX_TREE_NODES:
+            raise InputError(f"combined drafter: max_nodes={self.max_nodes} caps a merged tree, but mode='best' "
+                             "offers one child's tree as it drew it: give that child its own max_nodes")
         for name, lo, hi in (("alpha", 0.0, None), ("prior_score", 0.0, 1.0), ("prior_weight", 0.0, None)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= lo \
@@ -246,7 +249,12 @@ class CombinedDrafter(Drafter):
         costs = getattr(target, "costs", None)
         self.gate.start(costs if self.config.gate else None, memory_key(self, getattr(target, "runner", None)))
         self.curve = costs.verify_cost if costs is not None else None
-        if self.config.cost_model and self.verify_cost is None and self.curve is None:
+        self.costs = None
+        measured = self.config.cost_model and self.verify_cost is None and self.curve is None
+        if measured and getattr(target, "seeded_sampling", False):
+            logger.info("%s: seeded standard sampling ranks the children by 1 + alpha * n verify steps, not by this "
+                        "machine's measured costs, so that a seed gives one text", self.name)
+        elif measured:
             from specdec.cost_model import CalibrationConfig, load_cost_model
 
             # verify steps priced as the engine runs them: replayed CUDA graphs, or eager

@@ -190,8 +190,9 @@ class Engine:
         self.seconds = {"draft": 0.0, "verify": 0.0}  # wall time of the two halves of step(), summed
         self.keep_hidden = self.drafter is not None and self.drafter.needs_hidden_states
         # who drafts and how much is verified (None: every proposal whole); it attaches the drafter
+        seeded_sampling = not sampling.greedy and self.coupling is None and generator is not None
         target = TargetView(runner, cache, sampling, stop.tokenizer, self.coupling, processing, seed=draft_seed,
-                            graphs=graphed is not None and graphed.config.capture)
+                            seeded_sampling=seeded_sampling, graphs=graphed is not None and graphed.config.capture)
         self.policy = (policy or SpeculationPolicy()).start(self.drafter, target)
         # EAGLE-3: the drafter's rows are these layers' streams
         self.feature_layers: tuple[int, ...] = () if self.drafter is None else tuple(self.drafter.feature_layers)

@@ -349,6 +349,22 @@ def test_engine_offers_its_sizing_curve_and_wall_times_only_where_they_may_decid
     assert costs.decode_seconds(1) > 0
 
 
+@pytest.mark.parametrize("seeded", [True, False])
+def test_cost_model_chooses_no_tree_of_a_seeded_sampled_call(monkeypatch, seeded):
+    """cost_model=True under seeded standard sampling: the measured curve, which a recalibration or a deleted cache
+    changes, chose which child's tree was verified, so one seed gave two texts. Such a call now ranks by
+    1 + alpha * n; an unseeded one still loads the curve."""
+    import specdec.cost_model as cost_model
+
+    loads = []
+    monkeypatch.setattr(cost_model, "load_cost_model",
+                        lambda runner, config: loads.append(config) or SimpleNamespace(relative=lambda n, b=1: 1.0))
+    drafter = CombinedDrafter(["ngram", {"name": "ngram", "max_ngram": 2}], mode="best", cost_model=True)
+    generate(build_tiny_model(), [[1, 2, 3, 1, 2, 3]], max_new_tokens=3, drafter=drafter, do_sample=True,
+             temperature=0.8, speculation="always", **({"seed": 3} if seeded else {}))
+    assert len(loads) == (0 if seeded else 1)
+
+
 def test_merge_mode_with_a_sampling_child_offers_one_tree_not_a_merge():
     sampled = Scripted([[1, 2]], "sampled", mode=DraftMode.INDEPENDENT)
     combined = CombinedDrafter([Scripted([[1, 3]], "a"), Scripted([[4]], "b"), sampled])
@@ -391,6 +407,8 @@ def test_bad_options_are_one_line_input_errors():
         CombinedDrafter([])
     with pytest.raises(InputError, match="max_nodes"):
         CombinedDrafter(["ngram"], max_nodes=65)
+    with pytest.raises(InputError, match="max_nodes=8 caps a merged tree, but mode='best'"):  # it capped nothing
+        CombinedDrafter(["ngram"], mode="best", max_nodes=8)
     with pytest.raises(TypeError, match="'name'"):
         CombinedDrafter([{"max_nodes": 3}])
     model = build_tiny_model()
