@@ -199,7 +199,8 @@ class Drafter(ABC):
         ``TargetView`` and anything made from the target (its tensors, a KV cache of the call's size), so that an
         instance kept across calls holds no target the caller dropped. Caches documented as kept across calls with
         the drafter's own model may stay. Nothing is asked of the drafter after it until the next ``attach``. The
-        default does nothing."""
+        default drops ``self.target``; a drafter that keeps more of the call overrides it."""
+        self.target = None
 
     def cost_key(self) -> str:
         """What this drafter's cost per propose call depends on besides the machine and the target (its type, name

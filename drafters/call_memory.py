@@ -89,6 +89,11 @@ class CallMemory:
         seconds = self.times[part].seconds
         return None if seconds is None else seconds / max(self.costs.decode_seconds(batch), 1e-9)
 
+    def end_call(self) -> None:
+        """The call's end: the policy's costs (which hold the target's cost model and runner) are let go; what was
+        learned stays remembered under its key, and the next ``start`` brings the next call's costs."""
+        self.costs = None
+
     def finish(self) -> None:
         """A sequence finished: what was learned is kept for the next call with the same key."""
         if self.active:

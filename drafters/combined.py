@@ -267,6 +267,22 @@ class CombinedDrafter(Drafter):
                                  f"{list(child.feature_layers)}, but the combined drafter is passed final hidden "
                                  "states (an EAGLE-3 head cannot run inside the combined drafter)")
 
+    def detach(self) -> None:
+        """The call's end: its view, the measured curve and the gate's costs (both hold the target's runner) and the
+        held hidden rows are dropped, and every child is detached (one that raises after the others have been)."""
+        super().detach()
+        self.costs = self.curve = None
+        self.gate.end_call()
+        self._held.clear()
+        errors = []
+        for child in self.children:
+            try:
+                child.detach()
+            except Exception as err:  # noqa: BLE001 - the other children still let go of the call
+                errors.append(err)
+        if errors:
+            raise errors[0]
+
     def on_accept(self, seq_id: int, committed: Sequence[int]) -> None:
         full, trees = self._last.pop(seq_id, (False, []))
         matched = []

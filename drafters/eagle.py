@@ -188,16 +188,17 @@ class EagleDrafter(Drafter):
         self.chooser.finish()
 
     def detach(self) -> None:
-        """The call's end: its target view, the grower's hold on the target's embeddings and LM head and the layer's
-        keys / values are dropped (the kept graphs let go of the grower too), so an object reused across calls keeps
-        no dropped target alive. The layer, the depth chooser, the grower's settings and ``graphs`` (its buffers,
-        kept with the EAGLE model for later calls over this target) stay."""
+        """The call's end: its target view, the grower's hold on the target's embeddings and LM head, the layer's
+        keys / values and the depth chooser's costs are dropped (the kept graphs let go of the grower too), so an
+        object reused across calls keeps no dropped target alive. The layer, the chooser's records, the grower's
+        settings and ``graphs`` (its buffers, kept with the EAGLE model for later calls over this target) stay."""
         grower = getattr(self, "grower", None)
         if grower is not None:
             if self.graphs is not None:
                 release(self.graphs, grower)
             grower.embed = grower.lm_head = None  # the target's; the next attach makes a grower of its own
         self.target = self.kv = None
+        self.chooser.end_call()  # its costs hold the target's runner
         self._last.clear()
 
     def cost_key(self) -> str:  # the checkpoint's path, else the given model's shape and tree settings

@@ -207,6 +207,11 @@ class MedusaDrafter(Drafter):
                         len(self.paths[-1]), source)
 
     @torch.inference_mode()
+    def detach(self) -> None:
+        """The call's end: its view and the target's LM-head rows (the target's own tensor with a full vocabulary)
+        are dropped, so heads kept across calls keep no dropped target alive; the next attach takes them again."""
+        self.target = self.lm_head = None
+
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
         ready = [i for i, v in enumerate(seqs) if v.last_hidden is not None]
         trees = [DraftTree.empty() for _ in seqs]

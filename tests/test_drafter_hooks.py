@@ -159,7 +159,7 @@ class Remembering(Drafter):
         self.target = None
 
     def attach(self, target: TargetView) -> None:
-        self.target = target
+        self.target = self.attached = target  # the default detach drops target; attached: the test's own hold
 
     def propose(self, seqs):
         for v in seqs:
@@ -185,10 +185,10 @@ def test_a_call_that_raises_releases_its_sequences_and_frees_its_cache():
     with pytest.raises(RuntimeError, match="the client went away"):
         generate(model, [[5, 9, 11, 2], [7, 3]], drafter=drafter, max_new_tokens=8, streamer=streamer)
     assert drafter.history == {}  # both sequences released
-    assert drafter.target.cache.num_blocks == 0 and drafter.target.cache.kv.numel() == 0
+    assert drafter.attached.cache.num_blocks == 0 and drafter.attached.cache.kv.numel() == 0
     out = generate(model, [[5, 9, 11, 2]], drafter=drafter, max_new_tokens=8)
     assert out == generate(model, [[5, 9, 11, 2]], max_new_tokens=8) and drafter.history == {}
-    assert drafter.target.cache.kv.numel() == 0  # freed after a call that ended normally too
+    assert drafter.attached.cache.kv.numel() == 0  # freed after a call that ended normally too
 
 
 class Detaching(Remembering):

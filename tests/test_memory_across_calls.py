@@ -83,6 +83,39 @@ def test_a_reused_drafter_object_keeps_no_target_and_no_cache_of_the_call():
     assert draft_model.cache is None and draft_model.runner is not None
 
 
+def _reused_drafters() -> dict:
+    from specdec.drafters.combined import CombinedDrafter
+    from specdec.drafters.medusa import MedusaDrafter
+    from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
+    from specdec.drafters.ngram import NGramDrafter
+
+    config = build_tiny_model().config
+    small = dict(seed=5, num_hidden_layers=1)
+    return {
+        "ngram": NGramDrafter(),
+        "medusa (the target's LM head)": MedusaDrafter(heads=MedusaHeads(MedusaConfig(
+            2, 1, config.hidden_size, config.vocab_size, shared_lm_head=True)), tree="dynamic"),
+        "eagle, its depth chosen by the policy's costs": EagleDrafter(model=_head(build_tiny_model())),
+        "combined, a draft-model child and a measured curve": CombinedDrafter(
+            [DraftModelDrafter(build_tiny_model(**small), num_draft_tokens=3), "ngram"], cost_model=True),
+    }
+
+
+def test_no_reused_drafter_keeps_a_dropped_target():
+    """The default detach kept the TargetView (n-gram, Medusa, any drafter that does not override it); Medusa kept
+    the target's LM head; EAGLE's depth chooser and the combined drafter's gate kept the policy's costs, which hold
+    the target's runner; the combined drafter detached none of its children (a draft-model child kept its KV pool)."""
+    for name, drafter in _reused_drafters().items():
+        target = build_tiny_model(seed=1)
+        generate(target, PROMPTS, max_new_tokens=8, drafter=drafter)  # speculation="auto": the policy's costs
+        refs = _refs(target)
+        del target
+        gc.collect()
+        assert [r() is not None for r in refs] == [False] * 3, name
+        children = getattr(drafter, "children", [])
+        assert all(getattr(child, "cache", None) is None for child in children), name
+
+
 def test_a_draft_model_drafters_own_cache_is_freed_when_its_call_ends():
     """Freed at once (the caller may still hold the object): its storage, not only the drafter's reference."""
     small = build_tiny_model(seed=5, num_hidden_layers=1)
