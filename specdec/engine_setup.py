@@ -238,14 +238,15 @@ def _pool_may_run_short(request: "GenerateRequest", needed: int) -> bool:
     """Whether an explicit num_blocks is below ``needed``, the request's worst case with the drafter's trees: the
     engine then cuts each tree to the blocks free for it (exact). Below what plain decoding can hold, a warning: the
     call may raise CacheFullError (at or above it, it never does: the trees are cut); below what the prompts'
-    prefill holds, that CacheFullError now."""
+    prefill and first step hold (no token could come), that CacheFullError now."""
     num_blocks = request.config.num_blocks
     if num_blocks is None:
         return False
     block_size = request.config.block_size
-    prefill = sum(blocks_for(len(p) - 1, block_size) for p in request.prompts)  # Engine.add: all but the last token
-    if num_blocks < prefill:  # refused before any work, not warned about and then raised at the prefill
-        raise CacheFullError(f"KV cache too small for the prompts: their prefill needs {prefill} blocks of "
+    # Engine.add prefills all but the last token, which the first step writes (every sequence is live then)
+    first = sum(blocks_for(len(p), block_size) for p in request.prompts)
+    if num_blocks < first:  # refused before any work, not warned about and then raised at the prefill or first step
+        raise CacheFullError(f"KV cache too small for the prompts: their prefill and first step need {first} blocks of "
                              f"{block_size} tokens, num_blocks={num_blocks}. Pass a larger num_blocks, or fewer / "
                              "shorter prompts.")
     plain = plain_blocks_needed(map(len, request.prompts), request.config.max_new_tokens, request.config.block_size)

@@ -74,12 +74,26 @@ def test_a_pool_too_small_for_the_prompts_is_refused_before_any_work(caplog, mon
     model = build_tiny_model()
     monkeypatch.setattr(engine_setup, "load_cost_model", lambda *a, **k: pytest.fail("costs measured first"))
     with caplog.at_level(logging.WARNING, logger="specdec"):
-        with pytest.raises(CacheFullError, match="prefill needs 2 blocks of 16 tokens, num_blocks=1") as err:
+        with pytest.raises(CacheFullError, match="prefill and first step need 2 blocks of 16 tokens, num_blocks=1") \
+                as err:
             specdec.generate(model, [PROMPT], max_new_tokens=8, num_blocks=1, drafter="ngram")
     assert err.value.new_tokens is None and not caplog.records
     monkeypatch.undo()
     out = specdec.generate(model, [PROMPT], max_new_tokens=1, num_blocks=2, drafter="ngram")  # the prefill's 2: runs
     assert len(out[0]) == len(PROMPT) + 1
+
+
+def test_a_pool_that_holds_the_prefill_but_not_the_first_step_is_refused_before_any_work():
+    """The check counted the prefill's positions (all but each prompt's last token), but the first step writes that
+    last token for every sequence at once: a 17-token prompt in blocks of 4 ran its prefill in 4 blocks, then raised
+    CacheFullError with no token. Refused before any forward now; 5 blocks give the token."""
+    model = build_tiny_model()
+    prompt = PROMPT[:17]
+    with pytest.raises(CacheFullError, match="prefill and first step need 5 blocks of 4 tokens, num_blocks=4") as err:
+        specdec.generate(model, [prompt], max_new_tokens=1, block_size=4, num_blocks=4)
+    assert err.value.new_tokens is None
+    out = specdec.generate(model, [prompt], max_new_tokens=1, block_size=4, num_blocks=5)
+    assert out == specdec.generate(model, [prompt], max_new_tokens=1)
 
 
 @pytest.mark.parametrize("sampled", [False, True])
