@@ -16,7 +16,8 @@ the norm's statistics in fp32), so in fp32 they agree with it to summation order
 bf16 / fp16 to about one unit in the last place. They launch with ``enable_fp_fusion=False``:
 on a GPU the compiler otherwise contracts a product and a sum into one FMA, skipping the
 product's rounding, and bf16 / fp16 results part from PyTorch's. Rows are token rows of contiguous
-``[num_tokens, ...]`` tensors: one a program on a GPU, a block of them in the interpreter (:mod:`.launch_rows`).
+``[num_tokens, ...]`` tensors: one a program on a GPU, a block of them in the interpreter, fewer the wider the row
+(:func:`.launch_rows.block_rows`).
 """
 from __future__ import annotations
 
@@ -144,10 +145,11 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     out = torch.empty_like(h)
     if T:
         d = delta if delta is not None else h
-        rows = launch_rows.rows_per_program(h.device, T)
+        block = next_power_of_2(N)
+        rows = launch_rows.block_rows(h.device, T, block)
         _add_rms_norm_kernel[(cdiv(T, rows),)](h, d, weight.contiguous(), out, h.stride(0), d.stride(0),
                                                out.stride(0), T, N, eps, HAS_DELTA=delta is not None,
-                                               ROWS=rows, BLOCK=next_power_of_2(N), enable_fp_fusion=False)
+                                               ROWS=rows, BLOCK=block, enable_fp_fusion=False)
     return h, out
 
 
@@ -160,10 +162,11 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
                          f"got {tuple(cos.shape)} / {tuple(sin.shape)}")
     cos, sin = cos.contiguous(), sin.contiguous()
     if T:
-        rows = launch_rows.rows_per_program(x.device, T)
+        block_h, block_half = next_power_of_2(heads), next_power_of_2(D // 2)
+        rows = launch_rows.block_rows(x.device, T, block_h * block_half)
         _rope_kernel[(cdiv(T, rows),)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), T, heads,
-                                       HALF=D // 2, ROWS=rows, BLOCK_H=next_power_of_2(heads),
-                                       BLOCK_HALF=next_power_of_2(D // 2), enable_fp_fusion=False)
+                                       HALF=D // 2, ROWS=rows, BLOCK_H=block_h, BLOCK_HALF=block_half,
+                                       enable_fp_fusion=False)
     return x
 
 
@@ -198,12 +201,12 @@ def rope_write_(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch
     else:  # placeholders the kernel never reads: qk itself, never a copy of it (a strided qk's copy is a launch)
         q_w, k_w, q_eps, k_eps = qk, qk, 0.0, 0.0
     if T:
-        rows = launch_rows.rows_per_program(qk.device, T)
+        block_h, block_half, block_v = next_power_of_2(heads), next_power_of_2(D // 2), next_power_of_2(kv_heads * D)
+        rows = launch_rows.block_rows(qk.device, T, max(block_h * block_half, block_v))
         _rope_write_kernel[(cdiv(T, rows),)](
             qk, v, cos, sin, kv[layer, 0], slots, q_w, k_w, qk.stride(0), qk.stride(1),
             v.stride(0), cos.stride(0), kv.stride(1), kv.stride(2), T, heads, num_q_heads, kv_heads * D, float(q_eps),
-            float(k_eps), HALF=D // 2, ROWS=rows, BLOCK_H=next_power_of_2(heads),
-            BLOCK_HALF=next_power_of_2(D // 2), BLOCK_V=next_power_of_2(kv_heads * D),
+            float(k_eps), HALF=D // 2, ROWS=rows, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_V=block_v,
             HAS_NORM=norms is not None, enable_fp_fusion=False)
     return qk
 
@@ -218,7 +221,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(gate)
     block = min(1024, next_power_of_2(N))
     if T:
-        rows = launch_rows.rows_per_program(gate.device, T)
+        rows = launch_rows.block_rows(gate.device, T, block)
         _silu_mul_kernel[(cdiv(T, rows), cdiv(N, block))](
             gate, up, out, gate.stride(0), up.stride(0), out.stride(0), T, N, ROWS=rows, BLOCK=block,
             enable_fp_fusion=False)

@@ -291,10 +291,46 @@ def test_bad_shapes_are_named():
 
 
 def test_rows_per_program_is_one_on_a_gpu_and_a_block_in_the_interpreter():
-    from specdec.kernels.launch_rows import INTERPRETER_ROWS, rows_per_program
+    from specdec.kernels.launch_rows import INTERPRETER_ROWS, MAX_BLOCK_NUMEL, block_rows, rows_per_program
 
     assert [rows_per_program(torch.device("cuda"), n) for n in (1, 7, 300)] == [1, 1, 1]
     assert [rows_per_program(torch.device("cpu"), n) for n in (1, 2, 7, 64, 300)] == [1, 2, 8, 64, INTERPRETER_ROWS]
+    # wide rows: fewer rows a block, ROWS x the row's elements within Triton's largest tensor; one row at least
+    cpu = torch.device("cpu")
+    assert [block_rows(cpu, 300, n) for n in (1024, 4096, 8192, MAX_BLOCK_NUMEL, 2 * MAX_BLOCK_NUMEL)] == [
+        INTERPRETER_ROWS, INTERPRETER_ROWS, MAX_BLOCK_NUMEL // 8192, 1, 1]
+    assert block_rows(cpu, 7, 8192) == 8 and block_rows(torch.device("cuda"), 300, 8192) == 1
+
+
+def test_wide_rows_past_a_block_of_rows_match_the_reference():
+    """129 token rows (a prefill) of rows too wide for a full interpreter block: a hidden size of 5120 for the norm,
+    64 q + 8 kv heads of 128 for RoPE (with the KV store, and alone); each as the PyTorch reference (float32)."""
+    from specdec.kernels.fused_ops import rope_write_
+
+    gen = torch.Generator().manual_seed(5)
+    T, hidden, q_heads, kv_heads, D = 129, 5120, 64, 8, 128
+    h = torch.randn(T, hidden, generator=gen).to(DEVICE)
+    delta = torch.randn(T, hidden, generator=gen).to(DEVICE)
+    weight = (1 + torch.randn(hidden, generator=gen) / 4).to(DEVICE)
+    want_h, want = llama.add_rms_norm(h, delta, weight, 1e-5, REFERENCE)
+    got_h, got = add_rms_norm(h.clone(), delta, weight, 1e-5)
+    close(got_h, want_h, torch.float32)
+    close(got, want, torch.float32)
+
+    qk = torch.randn(T, q_heads + kv_heads, D, generator=gen).to(DEVICE)
+    v = torch.randn(T, kv_heads, D, generator=gen).to(DEVICE)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    emb = torch.cat([torch.arange(T).float()[:, None] * inv_freq[None]] * 2, dim=-1)
+    cos, sin = emb.cos().to(DEVICE)[:, None, :], emb.sin().to(DEVICE)[:, None, :]
+    slots = torch.randperm(T + 3, generator=gen)[:T].to(DEVICE)
+    kv = torch.zeros(1, 2, T + 3, kv_heads, D, device=DEVICE)
+    want_qk = llama.apply_rope(qk, cos, sin, REFERENCE)
+    want_kv = kv.clone()
+    want_kv[0, 0, slots], want_kv[0, 1, slots] = want_qk[:, q_heads:], v
+    got_qk = rope_write_(qk.clone(), v, cos, sin, kv, 0, slots, q_heads)
+    close(got_qk, want_qk, torch.float32)
+    close(kv, want_kv, torch.float32)
+    close(rope_(qk.clone(), cos, sin), want_qk, torch.float32)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="blocks of rows are the interpreter's; a GPU launches a row a program")

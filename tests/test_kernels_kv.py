@@ -31,8 +31,9 @@ def backend_env(monkeypatch):
     return set_backend
 
 
-def make_cache(seed: int, layers=3, kv_heads=2, head_dim=8, blocks=24, block_size=4) -> PagedKVCache:
-    cache = PagedKVCache(layers, kv_heads, head_dim, blocks, block_size, device=DEVICE)
+def make_cache(seed: int, layers=3, kv_heads=2, head_dim=8, blocks=24, block_size=4,
+               backend: str | None = None) -> PagedKVCache:
+    cache = PagedKVCache(layers, kv_heads, head_dim, blocks, block_size, device=DEVICE, backend=backend)
     gen = torch.Generator().manual_seed(seed)
     cache.kv.copy_(torch.randn(cache.kv.shape, generator=gen))
     cache._free = torch.randperm(blocks, generator=gen).tolist()  # shuffled block tables
@@ -65,15 +66,19 @@ def test_write_non_contiguous_source():
     assert torch.equal(cache.kv, ref)
 
 
-def _run_step(cache: PagedKVCache, backend_env, name: str, keeps: dict[int, list[int]]) -> None:
-    backend_env(name)
-    cache.commit(keeps)
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_commit_compaction_matches_reference(backend_env, seed):
+def test_commit_compaction_matches_reference(seed, monkeypatch):
+    """Commits that compact accepted tree tokens: a cache built on the Triton backend (its compaction kernel, seen
+    launched) ends with the block tables, lengths and every slot's values of one built on the reference."""
+    from specdec.kernels import kv_write
+
+    kernel_calls = []
+    real = kv_write.compact_kv
+    monkeypatch.setattr(kv_write, "compact_kv", lambda *a: kernel_calls.append(1) or real(*a))
     gen = torch.Generator().manual_seed(100 + seed)
-    caches = {name: make_cache(seed) for name in ("reference", "triton")}
+    caches = {name: make_cache(seed, backend=name) for name in ("reference", "triton")}  # each with its backend
+    assert caches["triton"].backend.triton and not caches["reference"].backend.triton
+    launches = dict.fromkeys(caches, 0)  # compaction kernel launches by each cache's commits
     lens = [0, 5, 9, 2]
     for cache in caches.values():
         for sid, n in enumerate(lens):
@@ -89,7 +94,10 @@ def test_commit_compaction_matches_reference(backend_env, seed):
             keeps[sid] = [0] + [1 + i for i in picked]
         for name, cache in caches.items():
             cache.reserve_many({sid: 1 + n for sid, n in enumerate(tree_sizes)})
-            _run_step(cache, backend_env, name, keeps)
+            before = len(kernel_calls)
+            cache.commit(keeps)
+            launches[name] += len(kernel_calls) - before
+    assert launches["reference"] == 0 and launches["triton"] > 0, launches  # the kernel ran, on the Triton side only
     ref, tri = caches["reference"], caches["triton"]
     assert ref.block_tables == tri.block_tables and ref.lengths == tri.lengths
     for sid in ref.lengths:
