@@ -73,7 +73,7 @@ class EagleConfig:
     top_k: int = 8
     max_nodes: int = 16
     arch: str = "eagle1"  # "eagle3": fused features, 2H attention input, own norm and LM head (module doc)
-    feature_layers: tuple[int, ...] = ()  # eagle3: target layer ids whose input residual streams are fused
+    feature_layers: tuple[int, ...] = ()  # eagle3: target layer ids whose input residual streams are fused, ascending
     norm_before_residual: bool = False  # eagle3: the residual around attention is hidden_norm(hidden)
     own_lm_head: bool = False  # eagle3 over the full vocabulary: its own [V, H] head instead of the target's
     # the target's context, written into exported configs (serving engines size the draft's positions by it)
@@ -87,9 +87,11 @@ class EagleConfig:
         layers = tuple(int(i) for i in self.feature_layers)
         object.__setattr__(self, "feature_layers", layers)
         if self.arch == "eagle3":
-            if not layers or min(layers) < 0 or len(set(layers)) != len(layers):
-                raise InputError(f"EagleConfig.feature_layers must hold distinct layer ids >= 0 for EAGLE-3, "
-                                 f"got {list(layers)}")
+            # ascending: vLLM and SGLang capture and concatenate the streams in layer order, whatever a list says
+            if not layers or min(layers) < 0 or list(layers) != sorted(set(layers)):
+                raise InputError(f"EagleConfig.feature_layers must hold distinct layer ids >= 0 in ascending order "
+                                 f"for EAGLE-3 (vLLM and SGLang concatenate the streams in layer order), got "
+                                 f"{list(layers)}")
             object.__setattr__(self, "num_features", len(layers))
             object.__setattr__(self, "norms", True)
         elif self.arch == "mtp":

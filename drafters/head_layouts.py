@@ -12,13 +12,18 @@ Read (detected from config.json and the tensor names, :func:`read_eagle3`):
 
 ``d2t`` holds offsets: target id = draft id + d2t[draft id]; ``t2d`` marks the target ids in the draft
 vocabulary and must agree with it. Absent layer ids mean the published default (2, L // 2, L - 3) of the
-target. Written (:func:`write_eagle3`): the speculators layout and the EAGLE / SGLang layout, draft
-vocabulary in ascending target id, every config naming the target model it was made for and carrying the head's
-draft tree (depth, top_k, max_nodes) in a ``specdec_eagle`` block that other readers pass over (speculators 0.9's
-config loads with it), so that export then re-import keeps the tree.
+target. vLLM and SGLang capture and concatenate the streams in ascending layer order whatever the list's order, so
+a published list out of order is read sorted (a warning); specdec's own heads list them ascending.
+Written (:func:`write_eagle3`): the speculators layout and the EAGLE / SGLang layout (its ids in both counts:
+``eagle_config``'s for SGLang, top-level ones for vLLM, which reads those first), draft vocabulary in ascending
+target id, a head using the target's LM head without ``lm_head`` (the engines then take the target's), every
+config naming the target model it was made for and carrying the head's draft tree (depth, top_k, max_nodes) in a
+``specdec_eagle`` block that other readers pass over (speculators 0.9's config loads with it), so that export then
+re-import keeps the tree.
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -32,6 +37,8 @@ from specdec.atomic_write import replaced_atomically, write_json
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
 UNSUPPORTED_SPECULATORS_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 FORMATS = ("speculators", "sglang")
+
+logger = logging.getLogger(__name__)
 
 
 def is_eagle3(raw: dict, state: dict[str, torch.Tensor]) -> bool:
@@ -63,17 +70,51 @@ def _verifier(raw: dict) -> str:
                or raw.get("base_model_name_or_path") or "")
 
 
-def _feature_layers(raw: dict, target_config, where: str) -> tuple[int, ...]:
-    ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("specdec_eagle") or {}).get("feature_layers")
+def _listed_feature_layers(raw: dict, target_config, where: str) -> tuple[tuple[int, ...], bool]:
+    """The head's feature layers (the streams entering them) in the order its config lists them, and whether the
+    list is specdec's own (its ``specdec_eagle`` block, which only specdec reads) rather than one an engine reads."""
+    ids = raw.get("eagle_aux_hidden_state_layer_ids")
     if ids:  # speculators' and vLLM's ids, as specdec's: the streams entering those layers
-        return tuple(int(i) for i in ids)
+        return tuple(int(i) for i in ids), False
+    ids = (raw.get("specdec_eagle") or {}).get("feature_layers")
+    if ids:
+        return tuple(int(i) for i in ids), True
     outputs = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if outputs:  # EAGLE / SGLang's: layer outputs (SGLang captures the stream entering layer id + 1)
-        return tuple(int(i) + 1 for i in outputs)
+        return tuple(int(i) + 1 for i in outputs), False
     if target_config is None:
         raise EagleCheckpointError(f"{where}: the head does not name the target layers it reads, and no target "
                                    "model was given to take the published default from")
-    return default_feature_layers(int(target_config.num_hidden_layers))
+    return default_feature_layers(int(target_config.num_hidden_layers)), False
+
+
+def _feature_layers(raw: dict, tensors: dict[str, torch.Tensor], target_config, where: str) -> tuple[int, ...]:
+    """The feature layers in ascending order, as vLLM and SGLang capture and concatenate them (their Llama appends
+    a layer's input stream as its forward reaches that layer, whatever the list's order). A published list out of
+    order is read so, with a warning: the engines feed the head's ``fc`` that order. A specdec head saved with its
+    layers out of order fed ``fc`` the listed order: its ``fc`` column blocks are put in layer order with them, so
+    it drafts as before. A layer named twice is refused (the engines capture it once: fewer streams than ``fc``
+    takes)."""
+    listed, own = _listed_feature_layers(raw, target_config, where)
+    layers = tuple(sorted(listed))
+    if len(set(listed)) != len(listed):
+        twice = next(i for i in listed if listed.count(i) > 1)
+        raise EagleCheckpointError(f"{where}: the head names target layer {twice} twice in its feature layers "
+                                   f"{list(listed)}; vLLM and SGLang capture each layer once, so its fc would get "
+                                   f"{len(set(listed))} streams, not {len(listed)}")
+    if listed == layers:
+        return layers
+    fc = tensors.get("fc.weight")
+    if own and fc is not None:  # its fc columns were written for the listed order: reorder them with the layers
+        width = fc.shape[1] // len(listed)
+        blocks = fc.split(width, dim=1)
+        tensors["fc.weight"] = torch.cat([blocks[listed.index(i)] for i in layers], dim=1).contiguous()
+        logger.info("%s: feature layers %s put in ascending order %s, fc's columns with them (the head drafts as "
+                    "before)", where, list(listed), list(layers))
+    else:
+        logger.warning("%s: the head lists its feature layers as %s; vLLM and SGLang capture and concatenate them "
+                       "in ascending order, %s, and so does specdec", where, list(listed), list(layers))
+    return layers
 
 
 def _native_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -120,20 +161,30 @@ def read_eagle3(raw: dict, state: dict[str, torch.Tensor], where: str, target_co
     elif "lm_head.weight" in tensors:
         own_head = True
     extra = raw.get("specdec_eagle") or {}
+    # specdec's own checkpoints keep the flag in their specdec_eagle block (eagle_checkpoint.save_eagle)
+    before = raw.get("norm_before_residual", layer.get("norm_before_residual", extra.get("norm_before_residual")))
     try:
+        wide = raw.get("target_hidden_size", layer.get("target_hidden_size"))
+        if wide is not None and int(wide) != hidden:  # vLLM's and SGLang's fc read target_hidden_size-wide streams
+            raise EagleCheckpointError(f"{where}: the head's draft layer is {hidden} wide over target features of "
+                                       f"target_hidden_size={int(wide)}; specdec runs only EAGLE-3 heads as wide as "
+                                       "their target's features (target_hidden_size absent or equal to hidden_size)")
+        layers = _feature_layers(raw, tensors, target_config, where)
         config = EagleConfig(
             hidden_size=hidden, intermediate_size=int(layer["intermediate_size"]), num_heads=heads,
             num_kv_heads=int(layer.get("num_key_value_heads") or heads),
             head_dim=int(layer.get("head_dim") or hidden // heads), vocab_size=vocab,
             rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
             rope_theta=theta, rope_scaling=rope,
-            arch="eagle3", feature_layers=_feature_layers(raw, target_config, where),
-            norm_before_residual=bool(raw.get("norm_before_residual", layer.get("norm_before_residual", False))),
+            arch="eagle3", feature_layers=layers,
+            norm_before_residual=bool(before),
             draft_vocab=ids, own_lm_head=own_head, base_model_name_or_path=_verifier(raw),
             max_position_embeddings=int(layer.get("max_position_embeddings") or UNRECORDED_CONTEXT),
             **{k: int(extra[k]) for k in ("depth", "top_k", "max_nodes") if k in extra})
     except KeyError as err:
         raise EagleCheckpointError(f"{where}: config.json lacks {err.args[0]!r}") from None
+    except EagleCheckpointError:
+        raise
     except (TypeError, ValueError) as err:
         raise EagleCheckpointError(f"{where}: {err}") from None
     return config, tensors
@@ -142,11 +193,10 @@ def read_eagle3(raw: dict, state: dict[str, torch.Tensor], where: str, target_co
 # ---- writing ----------------------------------------------------------------------------------------------------
 def _sorted_tensors(model: EagleModel) -> tuple[dict[str, torch.Tensor], int]:
     """The head's tensors with its draft vocabulary in ascending target id (lm_head rows permuted alike), plus
-    d2t / t2d; and the draft vocabulary's size."""
+    d2t / t2d; and the draft vocabulary's size. A head using the target's LM head has no lm_head tensor: vLLM
+    shares the target's with a draft that has none, as speculators loads its verifier's, and SGLang with a draft
+    whose draft_vocab_size is null (write_eagle3)."""
     c = model.config
-    if model.lm_head is None:
-        raise EagleCheckpointError("this EAGLE-3 head uses the target's LM head, which serving engines do not "
-                                   "share with an EAGLE-3 head: train or build it with its own (own_lm_head)")
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items() if k != "d2t"}
     if model.draft_ids is None:
         return tensors, c.vocab_size
@@ -180,9 +230,14 @@ def write_eagle3(model: EagleModel, directory: str | os.PathLike, fmt: str, targ
     if fmt not in FORMATS:
         raise EagleCheckpointError(f"EAGLE-3 heads are written as {' or '.join(FORMATS)}, not {fmt!r}")
     c = model.config
+    if fmt == "sglang" and c.norm_before_residual:  # SGLang's llama_eagle3.py: residual = hidden_states, always
+        raise EagleCheckpointError("this EAGLE-3 head sets norm_before_residual, which SGLang's EAGLE-3 layer does "
+                                   "not read (it would draft with another residual): export it with --format "
+                                   "speculators, whose readers (vLLM, speculators) apply it")
     tensors, draft_vocab = _sorted_tensors(model)
+    shared = model.lm_head is None  # the target's LM head: no lm_head tensor, the full vocabulary
     tree = {"specdec_eagle": {"depth": c.depth, "top_k": c.top_k, "max_nodes": c.max_nodes}}  # read back by read_eagle3
-    if fmt == "speculators":
+    if fmt == "speculators":  # a shared LM head: draft_vocab_size = vocab_size, which speculators' config needs
         config = {
             "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
             "transformer_layer_config": _llama_layer(c), "draft_vocab_size": draft_vocab,
@@ -198,8 +253,12 @@ def write_eagle3(model: EagleModel, directory: str | os.PathLike, fmt: str, targ
     else:
         tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
                    for k, v in tensors.items()}
-        config = {**_llama_layer(c), "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab,
+        # SGLang reads only eagle_config's ids, as layer outputs (it captures the stream entering id + 1); vLLM reads
+        # a top-level list first, as the streams entering those layers (gpu_model_runner.py), as specdec does
+        config = {**_llama_layer(c), "architectures": ["LlamaForCausalLMEagle3"],
+                  "draft_vocab_size": None if shared else draft_vocab,  # null: SGLang loads the target's LM head
                   "norm_before_residual": c.norm_before_residual, "target_model": target,
+                  "eagle_aux_hidden_state_layer_ids": list(c.feature_layers),
                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": [f - 1 for f in c.feature_layers],  # outputs
                                    "use_aux_hidden_state": True}, **tree}
     path = Path(directory)
