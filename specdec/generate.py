@@ -275,15 +275,16 @@ def _warn_unused_sampling(config: GenerationConfig, given: GenerationConfig) -> 
 
 def _warn_unreachable_minimum(config: GenerationConfig, prompt_width: int) -> None:
     """Warn, as transformers does, when min_new_tokens / min_length ask for more tokens than max_new_tokens allows:
-    EOS stays masked to the end, so every sequence runs to max_new_tokens."""
+    EOS stays masked to the end, so every sequence runs to max_new_tokens (or to a stop string or sequence)."""
     if config.min_new_tokens > config.max_new_tokens:
         asked = f"min_new_tokens={config.min_new_tokens}"
     elif config.min_length > prompt_width + config.max_new_tokens:
         asked = f"min_length={config.min_length} (the prompt's {prompt_width} tokens included)"
     else:
         return
+    stops = " unless a stop string or stop sequence ends it" if config.stop_strings or config.stop_sequences else ""
     logger.warning("%s is more than max_new_tokens=%d allows, so EOS is never allowed: every sequence runs to "
-                   "max_new_tokens", asked, config.max_new_tokens)
+                   "max_new_tokens%s", asked, config.max_new_tokens, stops)
 
 
 def _input_ids(input_ids: Any, inputs: Any) -> Any:

@@ -23,6 +23,9 @@ from specdec.errors import InputError
 # (a UTF-8 sequence cut in two decodes to U+FFFD, a SentencePiece leading space is stripped):
 # those characters are never matched. 8 > the 3 continuation bytes of a cut UTF-8 character.
 WINDOW_SLACK_CHARS = 8
+# A character whose last bytes are still to come decodes to U+FFFD at the text's end: not matched there (a stop
+# string holding U+FFFD stopped on every half-generated emoji); a real U+FFFD there is matched one token later.
+CUT = "\ufffd"
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class StopCriteria:
                 return i + 1, "stop"
             if max_chars:
                 tail, window = self._tail(history, window, max_chars, anchor, anchor_text)
-                if any(s in tail for s in self.stop_strings):
+                if any(s in tail.rstrip(CUT) for s in self.stop_strings):
                     return i + 1, "stop"
             if generated + i + 1 >= self.max_new_tokens:
                 return i + 1, "length"

@@ -75,6 +75,29 @@ def test_a_stop_string_with_a_leading_space_at_the_first_new_token():
         prompt, [3, 1], start=len(prompt)) == (2, None)  # " b" is the prompt's
 
 
+class ByteTokenizer:
+    """Token i is the byte i (byte-level BPE at its simplest): a character cut after some of its bytes decodes to
+    U+FFFD, as transformers' byte-level decoders give it."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_a_stop_string_holding_u_fffd_waits_for_a_character_to_end():
+    """A stop string holding U+FFFD matched the placeholder of a character half generated: an emoji's first two
+    bytes ended the text in a broken character, where transformers never stops. A real U+FFFD is matched when the
+    token after it has come."""
+    stop = StopCriteria(100, stop_strings=("\ufffd",), tokenizer=ByteTokenizer())
+    emoji = list("🌍".encode())
+    assert stop.scan(list(b"ok "), emoji + list(b"!")) == (5, None)
+    assert stop.scan(list(b"ok "), emoji[:2]) == (2, None)
+    real = list("\ufffd".encode())  # the character itself, bytes EF BF BD
+    assert stop.scan([], real + list(b"a")) == (4, "stop")
+    assert stop.scan([], [0xFF, 0x61]) == (2, "stop")  # an invalid byte: U+FFFD once the next one came
+    assert StopCriteria(100, stop_strings=("o",), tokenizer=ByteTokenizer()).scan([], list(b"no") + emoji) \
+        == (2, "stop")
+
+
 def test_invalid_criteria():
     with pytest.raises(ValueError):
         StopCriteria(0)
@@ -130,3 +153,18 @@ def test_stop_string_inside_a_long_token_right_after_history():
     stop = StopCriteria(100, stop_strings=("Xab",), tokenizer=WordTokenizer())
     assert stop.scan([2, 2, 0], [1, 2]) == (1, "stop")
     assert stop.scan([2] * 30 + [0], [1]) == (1, "stop")
+
+
+def test_the_unreachable_minimum_warning_says_a_stop_still_ends_a_sequence(caplog):
+    """min_new_tokens above max_new_tokens: the warning said every sequence runs to max_new_tokens, but a stop
+    string or sequence still ends one there (as in transformers)."""
+    import specdec
+    from specdec.testing import build_tiny_model
+
+    model = build_tiny_model()
+    for stop, said in ((None, False), ([[5]], True)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="specdec"):
+            specdec.generate(model, [[1, 2, 3]], max_new_tokens=3, min_new_tokens=9, stop=stop)
+        assert "EOS is never allowed" in caplog.text
+        assert ("unless a stop string or stop sequence ends it" in caplog.text) is said, stop
