@@ -22,6 +22,7 @@ from specdec.eval.report import PLOT_FILES
 
 from specdec.atomic_write import replaced_atomically
 from specdec.errors import require_package
+from specdec.folder_lock import only_writer
 from specdec.models.embedded import DEFAULT_ALIAS
 from specdec.output_dirs import check_creatable, make_dir
 from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
@@ -269,12 +270,9 @@ def check_earlier_run(out: Path, names: tuple[str, ...], overwrite: bool, resuma
 def run_lossless(args) -> int:
     from dataclasses import replace
 
-    import torch
     from specdec.drafters.registry import available, get_drafter
-    from specdec.eval.certificate import CertificateSizes, run_certificate, where_it_ran
-    from specdec.eval.prompts import load_prompts
+    from specdec.eval.certificate import CertificateSizes
 
-    from specdec.models.loader import load_model
     from specdec.sampling import SamplingConfig
 
     if args.drafter not in available():
@@ -299,8 +297,21 @@ def run_lossless(args) -> int:
     out = Path(args.out or "runs/eval-lossless")
     options = _options(args.drafter_option, args.drafter)
     get_drafter(args.drafter, **options)  # a missing path= and the like, before any work (it loads nothing yet)
-    earlier = check_earlier_run(out, CERTIFICATE_FILES, args.overwrite)  # before minutes of work, not after
+    check_earlier_run(out, CERTIFICATE_FILES, args.overwrite)  # before minutes of work, not after
     make_out_dir(out)
+    with only_writer(out, "--out"):  # to the certificate's writing: another run's verdict never lands under this one
+        return _lossless_held(args, out, levels, sizes, sampling, device, options)
+
+
+def _lossless_held(args, out: Path, levels: tuple[str, ...], sizes, sampling, device, options: dict) -> int:
+    """run_lossless once it holds --out: the certificate, written there."""
+    import torch
+    from specdec.eval.certificate import run_certificate, where_it_ran
+    from specdec.eval.prompts import load_prompts
+
+    from specdec.models.loader import load_model
+
+    earlier = check_earlier_run(out, CERTIFICATE_FILES, args.overwrite)  # again, now held: one may have come since
     torch.manual_seed(args.seed)
     # float32 on a GPU too (not the half dtype eval acceptance takes there): greedy identity is defined in float32,
     # and its near-tie margin (specdec.eval.divergence.NEAR_TIE) is too narrow for half-precision rounding
@@ -420,11 +431,21 @@ def run_acceptance(args) -> int:
     # be good (a resume checks the earlier run's settings and cells itself)
     _clear_earlier_run(earlier)
     make_out_dir(out)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # processes of one launch share --out (and cannot share a hold)
+        return _acceptance_held(args, loaded, conversations, config, held, out)
+    with only_writer(out, "--out"):  # another run's cells never land under this one's report
+        if not args.resume:  # checked again, now held: another run may have written here since the first check
+            check_earlier_run(out, ACCEPTANCE_FILES, args.overwrite, resumable=True)
+        return _acceptance_held(args, loaded, conversations, config, held, out)
+
+
+def _acceptance_held(args, loaded, conversations: list, config, held: list, out: Path) -> int:
+    """run_acceptance once --out is its own: the cells, then the report."""
     t0 = time.perf_counter()
     try:
         with sigterm_as_interrupt():
             cells = _run_cells(loaded, conversations, config, out, args.resume)
-        del held
+        held.clear()  # the drafters' checkpoints: let go before the report
     except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the finished cells are kept, a resume measures the rest
         if os.environ.get("RANK", "0") == "0":  # once, under accelerate launch too
             print(f"specdec eval acceptance: {how_stopped(err)}; {_what_is_left(out)}", file=sys.stderr)

@@ -1253,7 +1253,7 @@ def test_overwrite_refuses_user_files_at_any_depth(tmp_path, mine):
     for eagle in (False, True):  # what a Medusa or an EAGLE run writes is deleted
         run = _fake_run(tmp_path / f"clean-{eagle}", eagle)
         assert output_dir.prepare_output_dir(SimpleNamespace(output_dir=str(run), resume=False, overwrite=True)) is None
-        assert not run.exists()
+        assert list(run.iterdir()) == []  # emptied (the run holds its lock on the folder itself)
 
 
 def test_measured_tau_verifies_every_tree_whole(monkeypatch):
@@ -1289,8 +1289,7 @@ def test_a_run_that_ended_before_its_first_checkpoint_does_not_block_its_rerun(t
     (out / "run.json").write_text("{}")
     (out / "train.log").write_text("ERROR the data had no text field")
     assert "saved no checkpoint yet" in _what_is_left(out)
-    assert output_dir.prepare_output_dir(_cfg(tiny, out)) is None and not out.exists()
-    out.mkdir()
+    assert output_dir.prepare_output_dir(_cfg(tiny, out)) is None and list(out.iterdir()) == []  # emptied
     (out / "run.json").write_text("{}")
     heads, optimizer, scheduler = _tiny_training_state()
     ckpt_io.save_checkpoint(out, heads, optimizer, scheduler, 4, {}, "fp")
@@ -1301,6 +1300,24 @@ def test_a_run_that_ended_before_its_first_checkpoint_does_not_block_its_rerun(t
     (out / ckpt_io.CKPT).rename(tmp_path / "elsewhere")
     with pytest.raises(OutputDirError, match="is not empty"):  # a file the run did not write: never replaced unasked
         output_dir.prepare_output_dir(_cfg(tiny, out))
+
+
+def test_a_run_still_going_is_never_taken_for_one_that_ended(tiny, tmp_path):
+    """A second run given the folder of a run still before its first checkpoint took it for one that had ended and
+    deleted it under the running one (both then wrote there, and both exited 0). The running one holds the folder:
+    the second is refused in one line, and the first one's files stay."""
+    from specdec.folder_lock import FolderInUse, only_writer
+    from specdec.train.pipeline import run_training
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text('{"the running one": 1}')
+    with only_writer(out, "--output-dir"):  # the running one's hold
+        with pytest.raises(FolderInUse, match=f"--output-dir {out}: another run is writing there now"):
+            run_training(_cfg(tiny, out))
+    assert [p.name for p in out.iterdir()] == ["run.json"] and "running one" in (out / "run.json").read_text()
+    with only_writer(out, "--output-dir"):  # the refused run holds nothing after it
+        pass
 
 
 def test_a_resume_names_input_files_that_changed_since_the_checkpoint(tiny, tmp_path, caplog):

@@ -4,9 +4,10 @@
     history = read_history(out / "history.jsonl")
 
 A fresh run needs an empty directory, or one holding only a run that stopped before its first checkpoint (then
-replaced). ``--overwrite`` deletes a directory only where everything in it, at any depth, is a name a run writes
-(``RUN_NAMES``; a checkpoint's files in the checkpoint directories), and never the working directory, one of its
-parents or the home directory. ``--resume`` needs a readable checkpoint of the same configuration and target model;
+replaced; a run still going holds the folder, :mod:`specdec.folder_lock`, and is never taken for one).
+``--overwrite`` empties a directory only where everything in it, at any depth, is a name a run writes (``RUN_NAMES``;
+a checkpoint's files in the checkpoint directories), and never the working directory, one of its parents or the
+home directory. ``--resume`` needs a readable checkpoint of the same configuration and target model;
 an input file changed since that checkpoint is named in a warning. Every refusal is an ``OutputDirError``.
 """
 from __future__ import annotations
@@ -109,14 +110,23 @@ def prepare_output_dir(cfg: TrainConfig, target: str | None = None) -> Path | No
             _check_deletable(out)
             logger.warning("%s holds a run that ended before its first checkpoint (%s): replacing it", out,
                            ", ".join(left))
-            shutil.rmtree(out)
+            _empty(out)
             return None
         if not cfg.overwrite:
             raise OutputDirError(f"{out} is not empty (it holds another run?): pass --resume to continue it or "
                                  "--overwrite to replace it")
         _check_deletable(out)
-        shutil.rmtree(out)
+        _empty(out)
     return None
+
+
+def _empty(out: Path) -> None:
+    """Delete what ``out`` holds, not ``out`` itself: the run holds its lock on the folder (specdec.folder_lock)."""
+    for p in out.iterdir():
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 def read_history(path: Path) -> list[dict]:

@@ -30,6 +30,7 @@ from specdec.train.output_dir import RUN_FILE, prepare_output_dir
 from specdec.train.process_failures import FailureNotes
 from specdec.train.process_team import Team
 
+from specdec.folder_lock import only_writer
 from specdec.models.fingerprint import model_fingerprint
 from specdec.output_dirs import check_creatable, make_dir
 
@@ -246,11 +247,11 @@ def check_inputs(cfg: TrainConfig) -> None:
     check_creatable(cfg.output_dir, "--output-dir")
 
 
-def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None]) -> tuple:
+def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None], hold: contextlib.ExitStack) -> tuple:
     """What can fail without training, failed before the output directory is touched (--overwrite deletes it):
-    the inputs, the model and its context; then the output directory's rules (the main process; the others
-    ``meet`` it after). Returns (the loaded model, what :func:`read_inputs` read, the checkpoint to resume from or
-    None)."""
+    the inputs, the model and its context; then the output directory's rules (the main process, which ``hold``s the
+    folder until the run ends: another run writing there is refused; the others ``meet`` it after). Returns (the
+    loaded model, what :func:`read_inputs` read, the checkpoint to resume from or None)."""
     from specdec.models.loader import load_model
 
     check_inputs(cfg)
@@ -263,6 +264,11 @@ def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None]) -
     inputs = read_inputs(cfg, loaded)
     resume_from = None
     if accelerator.is_main_process:
+        out = Path(cfg.output_dir)
+        if not cfg.resume:  # a resume needs the folder with its checkpoint: none there is refused, nothing made
+            make_dir(out, "--output-dir")
+        if out.is_dir():
+            hold.enter_context(only_writer(out, "--output-dir"))
         resume_from = prepare_output_dir(cfg, model_fingerprint(loaded.model))
     meet()
     if not accelerator.is_main_process and cfg.resume:
@@ -348,9 +354,10 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
     t0 = time.perf_counter()
     # the run seeds torch's global RNG (cfg.seed) and --resume restores a checkpoint's: the caller's comes back after
     cuda = [accelerator.device] if accelerator.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda), contextlib.ExitStack() as log:  # log: train.log, to the report
+    # log: train.log, to the report, and the output folder held until the run ends
+    with torch.random.fork_rng(devices=cuda), contextlib.ExitStack() as log:
         with _processes_together(accelerator) as team:
-            loaded, inputs, resume_from = _load_and_prepare(cfg, accelerator, team.meet)
+            loaded, inputs, resume_from = _load_and_prepare(cfg, accelerator, team.meet, log)
             out = make_dir(cfg.output_dir, "--output-dir")
             if accelerator.is_main_process:
                 log.enter_context(_logged_to_file(out))

@@ -1,0 +1,47 @@
+"""One run at a time writes an output folder: an exclusive lock on the folder while a command writes there.
+
+    with only_writer(out, "--output-dir"):   # the folder exists; another run holding it: InputError now
+        ...                                  # train, measure, write
+
+Two runs given one folder wrote into it together: a training run that had not saved its first checkpoint yet was
+taken for a dead one and deleted, and two evaluations left one's files under the other's report. The lock is
+``flock`` on the folder's own descriptor: the system drops it when the process ends, however it ends (a killed run
+leaves no lock to clear), and nothing is written into the folder for it. A second hold of a folder is refused in
+the same process too (each hold opens the folder anew). Where the system has no ``flock`` (Windows) nothing is held.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from specdec.errors import InputError
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
+
+class FolderInUse(InputError):
+    """Another run is writing into the folder now."""
+
+
+@contextmanager
+def only_writer(folder: str | os.PathLike, option: str) -> Iterator[None]:
+    """Hold ``folder`` (which exists) for the body; refused in one line, naming ``option``, where another run
+    holds it."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(Path(folder), os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FolderInUse(f"{option} {folder}: another run is writing there now; wait for it to end, or choose "
+                              "another folder") from None
+        yield
+    finally:
+        os.close(fd)  # the lock goes with the descriptor

@@ -1,0 +1,76 @@
+"""One run at a time writes an output folder (specdec.folder_lock): a second run given it while the first writes
+is refused in one line before it writes anything, and a killed run leaves no lock behind."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+from specdec.eval.acceptance import cell_path
+
+from specdec.folder_lock import FolderInUse, only_writer
+from specdec.testing import save_tiny_checkpoint
+from tests.cli_runs import run_main
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="no flock: nothing is held")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+
+
+def test_a_folder_is_held_once_and_let_go(tmp_path):
+    with only_writer(tmp_path, "--out"):
+        with pytest.raises(FolderInUse, match=f"^--out {tmp_path}: another run is writing there now"):
+            with only_writer(tmp_path, "--out"):
+                pass
+    with only_writer(tmp_path, "--out"):  # after the body: free again
+        pass
+
+
+def test_a_killed_holder_leaves_no_lock(tmp_path):
+    code = (f"import sys, time; from specdec.folder_lock import only_writer\n"
+            f"with only_writer({str(tmp_path)!r}, '--out'):\n    print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(FolderInUse):
+            with only_writer(tmp_path, "--out"):
+                pass
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with only_writer(tmp_path, "--out"):
+        pass
+
+
+def test_a_certificate_run_is_refused_while_another_writes_its_out(model, tmp_path, capsys, monkeypatch):
+    """A second `eval lossless` given the --out of one still running replaced its verdict minutes later (a FAILED
+    certificate covered by another drafter's PASSED, both runs exiting as if alone)."""
+    import specdec.eval.certificate as certificate
+
+    monkeypatch.setattr(certificate, "run_certificate", lambda *a, **k: pytest.fail("the refused run ran"))
+    out = tmp_path / "cert"
+    out.mkdir()
+    with only_writer(out, "--out"):  # the running one's hold
+        code, captured = run_main(["eval", "lossless", "--model", model, "--levels", "exact", "--out", str(out)],
+                                  capsys)
+    assert code == 2 and "another run is writing there now" in captured.err
+    assert list(out.iterdir()) == []
+
+
+def test_an_acceptance_run_is_refused_while_another_writes_its_out(model, tmp_path, capsys):
+    """Two `eval acceptance` runs started together into one --out both passed the first check and wrote their
+    cells and settings into one folder: the report showed one run, the other's results were lost."""
+    out = tmp_path / "run"
+    argv = ["eval", "acceptance", "--model", model, "--categories", "qa", "--prompts", "1", "--drafters", "ngram",
+            "--max-new-tokens", "2", "--calibration-repeats", "0", "--no-hf-baseline", "--no-plots", "--out",
+            str(out)]
+    out.mkdir()
+    with only_writer(out, "--out"):
+        code, captured = run_main(argv, capsys)
+    assert code == 2 and "another run is writing there now" in captured.err
+    assert not (out / "settings.json").exists() and not cell_path(out, "ngram", "qa").exists()
+    assert run_main(argv, capsys)[0] == 0 and cell_path(out, "ngram", "qa").exists()  # once the other has ended
