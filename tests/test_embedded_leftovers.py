@@ -1,0 +1,36 @@
+"""The folder a process killed while converting a GGUF left in the model cache (half a model, ~0.5 GB for the
+embedded one) stayed there for good; the next conversion removes it, never a folder whose conversion still runs.
+The conversion itself is replaced by one that writes small files."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from specdec.folder_lock import only_writer
+from specdec.models import embedded
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock: a running conversion cannot be told from a dead one")
+def test_a_conversion_removes_what_killed_ones_left_and_nothing_else(tmp_path, monkeypatch, caplog):
+    def convert_into(gguf_path, out):
+        (out / "model.safetensors").write_bytes(b"weights" * 1000)
+        (out / "config.json").write_text('{"model_type": "llama"}')
+
+    monkeypatch.setattr(embedded, "_convert_into", convert_into)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"gguf")
+    out = embedded.converted_dir(gguf)
+    out.parent.mkdir(parents=True)
+    folders = {name: out.parent / name for name in (".tmp-killed", ".stale-killed", ".tmp-running", ".tmp-young")}
+    for name, folder in folders.items():
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half" * 100)
+        if name != ".tmp-young":
+            os.utime(folder, (1e9, 1e9))  # made long ago
+    with only_writer(folders[".tmp-running"], "a conversion"), caplog.at_level("WARNING", logger="specdec"):
+        assert embedded.convert_gguf(gguf, out) == out and embedded.is_intact(out)
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted([out.name, ".tmp-running", ".tmp-young"])
+    assert sum("left by a conversion that was stopped" in r.getMessage() for r in caplog.records) == 2
