@@ -256,6 +256,8 @@ def test_a_kv_cache_flag_below_one_is_refused_by_its_name_before_the_model_loads
     (dict(device="tpu"), "device 'tpu' is not a device torch knows"),
     (dict(dtype="fp8"), "dtype must be a floating torch.dtype or one of float32, bfloat16, float16, got 'fp8'"),
     (dict(dtype=torch.int8), "dtype must be a floating torch.dtype"),
+    (dict(dtype=torch.float8_e4m3fn), "dtype must be a floating torch.dtype or one of float32, bfloat16, float16, "
+                                      "got torch.float8_e4m3fn (a model does not run in it"),  # a bare TypeError
 ])
 def test_load_model_refuses_a_bad_device_or_dtype_in_one_line(kwargs, said):
     """load_model(device="tpu") raised torch's RuntimeError listing twenty backends, dtype="fp8" an AttributeError."""
