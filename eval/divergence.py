@@ -73,14 +73,28 @@ def diagnose(model: Any, prefix: list[int], prompt: int, position: int, plain: i
              near_tie: float = NEAR_TIE, coupled: tuple[Coupling, SamplingConfig, int] | None = None) -> Divergence:
     """``coupled`` = (coupling, sampling, sequence key): rank by the perturbed logits of the token at len(prefix)."""
     logits = model(torch.tensor([prefix], device=model.device)).logits[0, -1].float()
+    cut_gap = None
     if coupled is not None:
         coupling, sampling, key = coupled
         noise = coupling.draft_noise(key, [len(prefix)], logits.shape[-1], logits.device)[0]
+        scaled = logits.double() / sampling.temperature
         logits = perturbed_logits(logits, sampling, noise)
+        cut_gap = _cut_off_gap(scaled, torch.isfinite(logits), (plain, spec))
     top = torch.topk(logits, 2).values.tolist()
-    gap = top[0] - min(float(logits[plain]), float(logits[spec]))
+    gap = top[0] - min(float(logits[plain]), float(logits[spec])) if cut_gap is None else cut_gap
     kind = "numerical near-tie" if gap < near_tie else "real mismatch"
     return Divergence(prompt, position, plain, spec, top[0], top[1], gap, kind)
+
+
+def _cut_off_gap(scaled: torch.Tensor, kept: torch.Tensor, tokens: tuple[int, int]) -> float | None:
+    """Where a warper cut one of the two tokens here (its perturbed logit -inf, a gap of inf whatever the margin):
+    how far below the kept tokens' lowest temperature-scaled logit it lies, the most any of them does. A cut-off
+    that rounding moved past it (the other side kept it) is within that of it; None where neither was cut."""
+    cut = [t for t in tokens if not kept[t]]
+    if not cut or not kept.any():
+        return None
+    floor = float(scaled[kept].min())
+    return max(floor - float(scaled[t]) for t in cut)
 
 
 def greedy_identity(loaded: Any, prompts: list[list[int]], drafter: Any, drafter_options: dict | None = None,

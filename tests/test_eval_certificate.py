@@ -108,6 +108,27 @@ def test_divergence_is_diagnosed_as_real_or_near_tie():
     assert d.kind == "real mismatch" and d.gap == 5.0
 
 
+def test_a_coupled_divergence_at_a_warpers_cut_off_is_measured_from_the_cut_off():
+    """Under coupled sampling a token the warper cuts has a perturbed logit of -inf: a divergence where rounding
+    moved the cut-off past one token (kept on one side, cut on the other) got a gap of inf, a real mismatch under
+    any margin. Its gap is now how far below the lowest kept logit the cut token lies."""
+    from specdec.coupling import Coupling
+
+    class Cut(torch.nn.Module):  # top-k 2 keeps tokens 1 and 2 (logits 5, 4); token 3 (3.999) is cut
+        device = torch.device("cpu")
+
+        def forward(self, ids):
+            logits = torch.zeros(ids.shape[0], ids.shape[1], 6)
+            logits[..., 1], logits[..., 2], logits[..., 3], logits[..., 5] = 5.0, 4.0, 3.999, 1.0
+            return type("Out", (), {"logits": logits})()
+
+    how = (Coupling(0), SamplingConfig(True, temperature=1.0, top_k=2), 7)
+    near = diagnose(Cut(), [1, 2], prompt=0, position=0, plain=2, spec=3, near_tie=0.01, coupled=how)
+    assert near.kind == "numerical near-tie" and near.gap == pytest.approx(0.001, abs=1e-5)
+    far = diagnose(Cut(), [1, 2], prompt=0, position=0, plain=2, spec=5, near_tie=0.01, coupled=how)
+    assert far.kind == "real mismatch" and far.gap == pytest.approx(3.0)
+
+
 def _fault_setup():
     """A tiny model and 8 random prompts (3-9 tokens) on which the tiny model's greedy answers
     soon repeat, so n-gram and random-tree drafts get accepted and the tree mask and the
