@@ -350,7 +350,9 @@ class DraftTree:
         if flags[0]:
             kind = "NaN" if bool(torch.isnan(probs).any()) else "inf"
             rows = (~torch.isfinite(probs)).any(-1).nonzero().flatten().tolist()
-            raise DraftError(f"{drafter}: draft_probs contains {kind} (rows of nodes {rows[:5]})")
+            raise DraftError(f"{drafter}: draft_probs contains {kind} (rows of nodes {rows[:5]}); a drafting model's "
+                             "logits that are not finite give it: a float16 overflow (of the target's own layers, "
+                             "for self-draft) or NaN weights")
         if flags[1]:
             rows = (probs < 0).any(-1).nonzero().flatten().tolist()
             raise DraftError(f"{drafter}: draft_probs has negative entries (rows of nodes {rows[:5]})")

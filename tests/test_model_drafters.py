@@ -415,7 +415,8 @@ def test_a_draft_model_gone_nan_stops_sampling_with_the_drafters_error(shape, pe
     draft = build_tiny_model(seed=7)
     with torch.no_grad():
         draft.model.norm.weight.fill_(float("nan"))
-    with pytest.raises(DraftError, match=r"^draft-model: draft_probs contains NaN"):
+    # the cause is named: with self-draft the target's own float16 overflow read as the drafter's fault
+    with pytest.raises(DraftError, match=r"^draft-model: draft_probs contains NaN .*a float16 overflow"):
         specdec.generate(build_tiny_model(), [[1, 2, 3, 4]], max_new_tokens=4, do_sample=True, seed=0,
                          drafter=DraftModelDrafter(model=draft, **shape), speculation="always",
                          **({} if penalty is None else dict(repetition_penalty=penalty)))
