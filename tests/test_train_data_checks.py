@@ -159,6 +159,7 @@ def test_resuming_a_finished_run_whose_history_is_gone_writes_its_report(tiny, t
     assert report["final_loss"] is None and report["top1"][2] is None and report["top1"][0] is not None
     md = (tmp_path / "run" / "report.md").read_text()
     assert "final loss n/a" in md and "| 2 | t+4 | n/a | n/a |" in md
+    assert report["steps"] == 2 and "2 steps on" in md  # the checkpoint's: "0 steps" for heads trained 2
 
 
 def test_an_eagle_report_without_a_final_loss_renders():

@@ -85,6 +85,9 @@ def test_the_defaults_and_the_edges_of_every_range_stay_valid():
     (dict(drafter="eagle", shared_lm_head=True), "shared_lm_head is medusa's"),
     (dict(eagle_steps=2), "eagle_steps is eagle's: training medusa does nothing with it"),
     (dict(eagle_arch="eagle3"), "eagle_arch is eagle's"),
+    (dict(data="d.jsonl", distill_max_new_tokens=7, distill_cuda_graphs="on"),
+     "distill_max_new_tokens (--distill-max-new-tokens), distill_cuda_graphs (--distill-cuda-graphs) shape "
+     "self-distillation, which a run on data (--data) does not do"),
 ])
 def test_settings_the_run_would_not_use_are_refused(settings, message):
     with pytest.raises(ValueError, match="^" + re.escape(message)):
@@ -92,6 +95,7 @@ def test_settings_the_run_would_not_use_are_refused(settings, message):
     TrainConfig(model="m", output_dir="o", draft_vocab="auto", draft_vocab_coverage=0.9)  # where each is used
     TrainConfig(model="m", output_dir="o", drafter="eagle", eagle_steps=2, eagle_arch="eagle3")
     TrainConfig(model="m", output_dir="o", num_heads=4, shared_lm_head=True)
+    TrainConfig(model="m", output_dir="o", distill_max_new_tokens=7, distill_cuda_graphs="on")
 
 
 @pytest.mark.parametrize("option", [["--lr", "inf"], ["--weight-decay", "-1"], ["--warmup-steps", "-5"]])
@@ -193,3 +197,12 @@ def test_a_run_saved_with_a_setting_it_did_not_use_still_resumes():
     assert used.differences({**asdict(used), "draft_vocab_coverage": 0.9}) == [
         "draft_vocab_coverage: checkpoint 0.9 vs now 0.97"]
     assert now.differences({**asdict(now), "num_heads": 5}) == ["num_heads: checkpoint 5 vs now 3"]
+    # a run on --data saved self-distillation settings it never used; they blocked its resume at the defaults
+    on_data = TrainConfig(model="m", output_dir="o", data="d.jsonl")
+    assert on_data.differences({**asdict(on_data), "distill_batch_size": 3, "distill_cuda_graphs": "on"}) == []
+    assert now.differences({**asdict(now), "distill_batch_size": 3}) == ["distill_batch_size: checkpoint 3 vs now 128"]
+    # a refused resume names the flag of a field named otherwise (--train-depth 2 read "eagle_steps: ...")
+    eagle = TrainConfig(model="m", output_dir="o", drafter="eagle", eagle_steps=2, cache_features=False)
+    assert eagle.differences({**asdict(eagle), "eagle_steps": 3, "cache_features": True}) == [
+        "cache_features (False: --no-feature-cache): checkpoint True vs now False",
+        "eagle_steps (--train-depth): checkpoint 3 vs now 2"]

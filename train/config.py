@@ -17,6 +17,11 @@ SELF_PROMPTS = 1000  # prompt_source="self" without num_prompts
 LOSSES = ("ce", "kl")  # against the target's argmax / its whole distribution
 PRECISIONS = ("no", "bf16")  # fp16 would need a grad scaler; bf16 does not
 SEED_LIMIT = 2**42  # seed * 1_000_003 plus a batch's number stays a 64-bit torch seed (train/loop.py, self_prompts.py)
+# the self-distillation's settings: unused by a run on --data (refused there)
+DISTILL_FIELDS = ("distill_max_new_tokens", "distill_batch_size", "distill_cuda_graphs")
+# fields whose command-line flag is not their name (a resume's refusal names the flag too)
+OTHER_FLAG_NAMES = {"eagle_steps": " (--train-depth)", "eagle_arch": " (--arch)",
+                    "cache_features": " (False: --no-feature-cache)"}
 # fields that may differ between a run and its resumption (they do not change the trained heads)
 RESUMABLE_FIELDS = frozenset({"output_dir", "save_every", "log_every", "eval_prompts", "eval_max_new_tokens",
                               "tree_budget", "resume", "overwrite", "progress", "eval_tau",
@@ -197,6 +202,11 @@ class TrainConfig:
         if self.data is not None and self.num_prompts is not None:
             raise ValueError("num_prompts (--num-prompts) limits the self-distillation prompts; with data (--data) "
                              "every record is used: leave it out")
+        changed = [name for name in DISTILL_FIELDS if getattr(self, name) != default[name]]
+        if self.data is not None and changed:
+            flags = ", ".join(f"{name} (--{name.replace('_', '-')})" for name in changed)
+            raise ValueError(f"{flags} shape{'s' if len(changed) == 1 else ''} self-distillation, which a run on data "
+                             f"(--data) does not do: leave {'it' if len(changed) == 1 else 'them'} out")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -240,8 +250,10 @@ class TrainConfig:
         if other.get("draft_vocab") != "auto":
             ignored.add("draft_vocab_coverage")
         ignored |= set(OTHER_DRAFTERS_FIELDS["medusa" if other.get("drafter") == "eagle" else "eagle"])
+        if other.get("data") is not None and mine["data"] is not None:  # neither self-distils
+            ignored |= set(DISTILL_FIELDS)
         saved = {**{k: resolved_path(other.get(k)) for k in PATH_FIELDS}, **(other.get("resolved") or {})}
         now = self.resolved_paths()
-        return sorted([f"{k}: checkpoint {other.get(k)!r} vs now {mine[k]!r}" for k in mine
+        return sorted([f"{k}{OTHER_FLAG_NAMES.get(k, '')}: checkpoint {other.get(k)!r} vs now {mine[k]!r}" for k in mine
                        if k not in RESUMABLE_FIELDS | ignored and other.get(k) != mine[k]]
                       + [f"{k}: checkpoint {saved[k]!r} vs now {now[k]!r}" for k in PATH_FIELDS if saved[k] != now[k]])

@@ -23,7 +23,7 @@ from specdec.train.eagle_evaluate import (
     tree_from_accuracies,
     tree_pays,
 )
-from specdec.train.pipeline import measured, number
+from specdec.train.pipeline import measured, number, trained_steps
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def finish_eagle(cfg, loaded, eagle, history, held_out, train_seqs, vocab_info: 
     report = {
         "config": cfg.to_json(), "model": loaded.name, "drafter": "eagle", "train_sequences": len(train_seqs),
         "held_out_sequences": len(held_out), "accuracy_data": "held-out" if held_out else "training",
-        "steps": history[-1]["step"] if history else 0, "final_loss": history[-1]["loss"] if history else None,
+        "steps": trained_steps(out, history), "final_loss": history[-1]["loss"] if history else None,
         "top1": acc["top1"], "top5": acc["top5"], "positions": acc["positions"], "draft_vocab": vocab_info,
         "response_top1": acc.get("response_top1"), "response_top5": acc.get("response_top5"),
         "tree": {"depth": eagle.config.depth, "top_k": eagle.config.top_k, "max_nodes": eagle.config.max_nodes},

@@ -315,7 +315,7 @@ def _finish_medusa(cfg: TrainConfig, loaded, model, heads, history: list[dict], 
     report = {
         "config": cfg.to_json(), "model": loaded.name, "train_sequences": len(train_seqs),
         "held_out_sequences": len(held_out), "accuracy_data": "held-out" if held_out else "training",
-        "steps": history[-1]["step"] if history else 0,
+        "steps": trained_steps(out, history),
         "final_loss": history[-1]["loss"] if history else None,
         # a head no held-out position reaches has no accuracy (rank_acc keeps 0.0: the tree leaves it out)
         "top1": measured(acc["top1"], acc["positions"]), "top5": measured(acc["top5"], acc["positions"]),
@@ -381,6 +381,17 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
             return finish_eagle(cfg, loaded, heads, history, held_out, train_seqs, vocab_info, times, accelerator,
                                 prompt_lengths)
         return _finish_medusa(cfg, loaded, model, heads, history, held_out, train_seqs, accelerator, times)
+
+
+def trained_steps(out: Path, history: list[dict]) -> int:
+    """The steps the drafter was trained for: the history's last record, else (a resumed run whose history.jsonl
+    was gone, and which had no step left) the step of the checkpoint the run's last step saved."""
+    if history:
+        return history[-1]["step"]
+    from specdec.train.checkpoint import find_checkpoint, read_state
+
+    ckpt = find_checkpoint(out)
+    return int(read_state(ckpt)["step"]) if ckpt is not None else 0
 
 
 def measured(rates: list[float], positions: list[float]) -> list[float | None]:
