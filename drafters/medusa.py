@@ -206,12 +206,12 @@ class MedusaDrafter(Drafter):
             logger.info("medusa: static tree of %d nodes, depth %d (%s choices)", len(self.paths),
                         len(self.paths[-1]), source)
 
-    @torch.inference_mode()
     def detach(self) -> None:
         """The call's end: its view and the target's LM-head rows (the target's own tensor with a full vocabulary)
         are dropped, so heads kept across calls keep no dropped target alive; the next attach takes them again."""
         self.target = self.lm_head = None
 
+    @torch.inference_mode()
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
         ready = [i for i, v in enumerate(seqs) if v.last_hidden is not None]
         trees = [DraftTree.empty() for _ in seqs]

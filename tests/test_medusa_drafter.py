@@ -430,3 +430,15 @@ def test_given_heads_of_another_dtype_are_refused_not_converted_for_good():
                                                  r"runs in torch.bfloat16: convert it first"):
         specdec.generate(model.to(torch.bfloat16), PROMPTS, max_new_tokens=4, drafter=MedusaDrafter(heads=heads))
     assert all(p.dtype == torch.float32 for p in heads.parameters())
+
+
+def test_the_heads_draft_without_an_autograd_graph():
+    """Medusa's propose() lost its torch.inference_mode() to a method inserted under the decorator: every draft step
+    recorded an autograd graph through heads whose weights require grad."""
+    model = build_tiny_model()
+    heads = MedusaHeads(MedusaConfig(2, 1, model.config.hidden_size, model.config.vocab_size))
+    seen = []
+    heads.heads[0].register_forward_hook(lambda module, args, out: seen.append(torch.is_inference_mode_enabled()))
+    specdec.generate(model, [[1, 2, 3, 4]], max_new_tokens=4, drafter=MedusaDrafter(heads=heads, tree="dynamic"),
+                     speculation="always")
+    assert seen and all(seen)
