@@ -428,14 +428,16 @@ def run_acceptance(args) -> int:
     # held through the run, so the cells take what was loaded here
     held = load_drafters(loaded, config)
     # --overwrite clears the earlier run only now that this one's prompts, options, model and drafters are known to
-    # be good (a resume checks the earlier run's settings and cells itself)
-    _clear_earlier_run(earlier)
+    # be good (a resume checks the earlier run's settings and cells itself), and once --out is held: never the files
+    # of a run still writing there
     make_out_dir(out)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # processes of one launch share --out (and cannot share a hold)
+        _clear_earlier_run(earlier)
         return _acceptance_held(args, loaded, conversations, config, held, out)
     with only_writer(out, "--out"):  # another run's cells never land under this one's report
         if not args.resume:  # checked again, now held: another run may have written here since the first check
-            check_earlier_run(out, ACCEPTANCE_FILES, args.overwrite, resumable=True)
+            earlier = check_earlier_run(out, ACCEPTANCE_FILES, args.overwrite, resumable=True)
+        _clear_earlier_run(earlier)
         return _acceptance_held(args, loaded, conversations, config, held, out)
 
 

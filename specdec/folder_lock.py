@@ -7,10 +7,12 @@ Two runs given one folder wrote into it together: a training run that had not sa
 taken for a dead one and deleted, and two evaluations left one's files under the other's report. The lock is
 ``flock`` on the folder's own descriptor: the system drops it when the process ends, however it ends (a killed run
 leaves no lock to clear), and nothing is written into the folder for it. A second hold of a folder is refused in
-the same process too (each hold opens the folder anew). Where the system has no ``flock`` (Windows) nothing is held.
+the same process too (each hold opens the folder anew). Where the system or the file system has no ``flock``
+(Windows; some network mounts) nothing is held.
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,16 +26,19 @@ except ImportError:  # Windows
     fcntl = None
 
 
+logger = logging.getLogger(__name__)
+
+
 class FolderInUse(InputError):
     """Another run is writing into the folder now."""
 
 
 @contextmanager
-def only_writer(folder: str | os.PathLike, option: str) -> Iterator[None]:
+def only_writer(folder: str | os.PathLike, option: str) -> Iterator[bool]:
     """Hold ``folder`` (which exists) for the body; refused in one line, naming ``option``, where another run
-    holds it."""
+    holds it. Yields whether it holds it (False: the system or the folder's file system has no ``flock``)."""
     if fcntl is None:
-        yield
+        yield False
         return
     fd = os.open(Path(folder), os.O_RDONLY)
     try:
@@ -42,6 +47,11 @@ def only_writer(folder: str | os.PathLike, option: str) -> Iterator[None]:
         except BlockingIOError:
             raise FolderInUse(f"{option} {folder}: another run is writing there now; wait for it to end, or choose "
                               "another folder") from None
-        yield
+        except OSError as err:  # a file system without flock (Lustre without -o flock, some network mounts)
+            logger.debug("%s %s: not held (%s)", option, folder, err.strerror or err)
+            yield False
+        else:
+            yield True
     finally:
         os.close(fd)  # the lock goes with the descriptor
+

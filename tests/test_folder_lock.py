@@ -74,3 +74,24 @@ def test_an_acceptance_run_is_refused_while_another_writes_its_out(model, tmp_pa
     assert code == 2 and "another run is writing there now" in captured.err
     assert not (out / "settings.json").exists() and not cell_path(out, "ngram", "qa").exists()
     assert run_main(argv, capsys)[0] == 0 and cell_path(out, "ngram", "qa").exists()  # once the other has ended
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    with only_writer(out, "--out"):  # --overwrite deleted the running one's files, then was refused
+        code, captured = run_main([*argv, "--overwrite"], capsys)
+    assert code == 2 and "another run is writing there now" in captured.err
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
+def test_a_file_system_without_flock_holds_nothing_and_refuses_nothing(tmp_path, monkeypatch, caplog):
+    """flock failing with ENOSYS (Lustre mounted without flock, some network mounts) refused every run with a bare
+    "[Errno 38] Function not implemented"; there the folder is simply not held."""
+    import errno
+
+    from specdec import folder_lock
+
+    def no_flock(fd, how):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(folder_lock.fcntl, "flock", no_flock)
+    with caplog.at_level("DEBUG", logger="specdec.folder_lock"), only_writer(tmp_path, "--out") as held:
+        assert held is False
+    assert "not held (Function not implemented)" in caplog.text

@@ -299,14 +299,17 @@ _LEFTOVER_AGE_S = 60.0  # younger: a conversion may have made its folder and not
 def _remove_leftovers(cache: Path) -> None:
     """Remove the conversion folders that processes killed while converting (or while removing a damaged copy)
     left in ``cache``: half a model each (about 0.5 GB for the embedded one), never reused. A folder whose
-    conversion still runs is held by it (specdec.folder_lock) and stays, as does one made in the last minute."""
+    conversion still runs is held by it (specdec.folder_lock) and stays, as does one made in the last minute; where
+    no folder can be held (no flock: Windows, some network mounts) none is removed."""
     for entry in sorted(cache.glob(".*-*")):
         if not entry.name.startswith((_TMP, _STALE)) or not entry.is_dir() or entry.is_symlink():
             continue
         try:
             if time.time() - entry.stat().st_mtime < _LEFTOVER_AGE_S:
                 continue
-            with only_writer(entry, "the model cache's conversion folder"):
+            with only_writer(entry, "the model cache's conversion folder") as held:
+                if not held:  # no flock here: a running conversion cannot be told from a dead one
+                    continue
                 size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
                 shutil.rmtree(entry)
         except (FolderInUse, OSError):  # converting now, or gone meanwhile
