@@ -30,6 +30,7 @@ import re
 import sys
 import time
 
+from specdec import __version__
 from specdec.errors import SpecdecError
 from specdec.models.embedded import DEFAULT_ALIAS
 from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
@@ -564,7 +565,8 @@ def _parser() -> argparse.ArgumentParser:
     -v on each."""
     parser = _Parser(prog="specdec", description="Lossless speculative decoding.")
     parser.add_argument("-v", "--verbose", action="store_true",
-                        help="log progress (model conversion etc.); on errors show the traceback")
+                        help="log progress (model conversion etc.); on errors show the traceback (same exit code)")
+    parser.add_argument("--version", action="version", version=f"specdec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     for name in SUBCOMMAND_MODULES:
@@ -597,23 +599,32 @@ def _transformers_bars(shown: bool):
 
 def _run_command(args, name: str) -> int:
     """Run the command `name`; the errors meant for the user, a missing extra and Ctrl-C become one line and an exit
-    code (with -v they are raised instead)."""
+    code (with -v the traceback comes first: the exit code stays, so that a script tells a mistake, 2, from a failed
+    certificate, 1)."""
     try:
         return args.func(args)
     except USER_ERRORS as err:
-        if args.verbose:
-            raise
+        _traceback_if(args.verbose)
         return _user_error(err, name, args.command)
     except ModuleNotFoundError as err:  # an extra was not installed (README: "What each command needs")
-        if args.verbose or not err.name or err.name.split(".")[0] in ("specdec",):
+        if not err.name or err.name.split(".")[0] in ("specdec",):
             raise
+        _traceback_if(args.verbose)
         return _missing_package(err, name, args.command)
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM inside sigterm_as_interrupt()
-        if args.verbose:
-            raise
+        _traceback_if(args.verbose)
         _flush_stdout()
         print(f"{name}: {how_stopped(err)}", file=sys.stderr)
         return exit_code(err)  # 130, or 143 for SIGTERM
+
+
+def _traceback_if(verbose: bool) -> None:
+    """-v: the traceback of the exception being handled, on stderr, before its one line."""
+    if verbose:
+        import traceback
+
+        _flush_stdout()
+        traceback.print_exc()
 
 
 def _user_error(err: Exception, name: str, command: str) -> int:

@@ -278,9 +278,13 @@ def test_every_option_has_a_help_text():
     assert bare == [], f"options without a help text: {bare}"
 
 
-def test_verbose_shows_the_traceback_instead():
-    with pytest.raises(FileNotFoundError, match="unknown model"):
-        main(["-v", "generate", "hi", "--model", "/no/such/model"])
+def test_verbose_shows_the_traceback_and_keeps_the_exit_code(capsys):
+    """-v raised the error, so its exit code was 1, a failed certificate's: a script could not tell them apart."""
+    capsys.readouterr()
+    assert main(["-v", "generate", "hi", "--model", "/no/such/model"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "ModelNotFoundError" in err and "unknown model" in err
+    assert err.rstrip().splitlines()[-1].startswith("specdec generate: error: ")
 
 
 def test_real_process_exit_code_and_no_traceback(tmp_path):
@@ -306,3 +310,12 @@ def test_stop_reads_backslash_escapes_as_the_characters_they_name():
 
     args = _parser().parse_args(["generate", "hi", "--stop", "\\n", "--stop", "a\\tb\\\\n\\q"])
     assert _checked_texts(args)[2] == ["\n", "a\tb\\n\\q"]
+
+
+def test_version(capsys):
+    """`specdec --version` was "the following arguments are required: command"."""
+    import specdec
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"specdec {specdec.__version__}"
