@@ -1120,6 +1120,19 @@ def test_training_logs_info_to_the_console_with_v_only(tiny, tmp_path, verbose):
     assert "step 2/2" in (tmp_path / "run" / "train.log").read_text()
 
 
+def test_no_progress_bar_is_drawn_off_a_terminal(tiny, tmp_path, capsys):
+    """Into a pipe or a log file (nohup, a scheduler) the training bars wrote their carriage-return redraws and
+    cursor moves; only --no-progress stopped them. Off a terminal they are off, as the other commands' are."""
+    from specdec.cli import main
+
+    capsys.readouterr()
+    assert main(["train-medusa", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"), "--output-dir",
+                 str(tmp_path / "run"), "--num-heads", "2", "--seq-len", "32", "--batch-size", "4", "--max-steps",
+                 "3", "--no-eval-tau"]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b[" not in err, err
+
+
 def test_checkpoint_swap_survives_a_kill_between_renames(tmp_path):
     (tmp_path / "checkpoint.tmp").mkdir()  # half-written: ignored
     assert ckpt_io.find_checkpoint(tmp_path) is None

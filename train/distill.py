@@ -178,7 +178,7 @@ def _in_rounds(answers, todo: list[int], batch_size: int, ids: list[list[int]], 
         from tqdm.auto import tqdm
 
         left = sum(len(ids[s : s + batch_size]) for s in todo)
-        bar = tqdm(total=len(ids), initial=len(ids) - left, unit="prompt", desc="self-distill")
+        bar = tqdm(total=len(ids), initial=len(ids) - left, unit="prompt", desc="self-distill", disable=None)
     new_tokens, t0 = 0, time.perf_counter()
     for start, _ in team.rounds(todo):
         made = {}

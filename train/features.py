@@ -71,7 +71,7 @@ class FeatureCache:
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(seqs), desc="target features", unit="seq")
+            bar = tqdm(total=len(seqs), desc="target features", unit="seq", disable=None)
         for rows in chunks:
             ids, mask = collate([seqs[r] for r in rows], device)
             h, y = target_features(model, ids, mask, feature_layers)

@@ -143,7 +143,7 @@ def _start(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], acceler
     if cfg.progress and accelerator.is_main_process:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=total, initial=step, desc=recipe.name, unit="step")
+        bar = tqdm(total=total, initial=step, desc=recipe.name, unit="step", disable=None)
     features = None
     if cfg.cache_features:
         features = FeatureCache.build(model, train_seqs, accelerator.device, cfg.batch_size,

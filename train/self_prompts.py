@@ -115,7 +115,7 @@ def self_written_prompts(loaded, n: int, *, seed: int = 0, batch_size: int = 64,
     if progress and team.index == 0:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=n, unit="prompt", desc="prompts by the target")
+        bar = tqdm(total=n, unit="prompt", desc="prompts by the target", disable=None)
     for mine, firsts in team.rounds(range(0, 4 * n, batch_size)):  # the first draw of each batch, 4 n draws at most
         made = None
         if mine is not None:
