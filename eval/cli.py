@@ -410,6 +410,10 @@ def run_acceptance(args) -> int:
     names, renamed = _drafter_rows(args.drafters)
     if not math.isfinite(args.temperature) or args.temperature < 0:  # before the model loads
         raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if args.temperature == 0 and args.sampler != "standard":  # greedy: no sampler; the report says what ran
+        print(f"note: --sampler {args.sampler} left out: at --temperature 0 (greedy) no token is sampled",
+              file=sys.stderr)
+        args.sampler = "standard"
     out = Path(args.out or "runs/eval-acceptance")
     if args.resume and args.overwrite:
         raise ValueError("--resume keeps an earlier run's cells and --overwrite replaces them: pass one")
@@ -478,6 +482,12 @@ def _drafter_rows(drafters: str) -> tuple[list[str], tuple[tuple[str, str], ...]
     rows = [d.strip() for d in drafters.split(",") if d.strip()]
     renamed = tuple((label.strip(), name.strip()) for label, eq, name in (r.partition("=") for r in rows) if eq)
     names = [r.partition("=")[0].strip() for r in rows]  # row labels
+    spelled = {}
+    for label in names:  # --drafter-option keys arrive with - turned into _: LABEL.KEY would reach either row
+        other = spelled.setdefault(label.replace("-", "_"), label)
+        if other != label:
+            raise ValueError(f"--drafters: the row labels {other!r} and {label!r} differ only in - and _, which "
+                             "--drafter-option does not tell apart; rename one")
     kinds = dict(renamed)
     unknown = [kinds.get(d, d) for d in names if kinds.get(d, d) not in available()]
     if unknown:

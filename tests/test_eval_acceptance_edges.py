@@ -88,6 +88,26 @@ def test_row_labels_with_one_cell_file_name_are_refused_before_anything_loads(tm
     assert code == 2 and "\n" not in err and "'a/b' and 'a_b'" in err  # not the missing model: nothing loaded
 
 
+def test_row_labels_that_differ_only_in_dash_and_underscore_are_refused(tmp_path, capsys):
+    """--drafter-option keys arrive with - turned into _: `a-b.max_nodes=1` went to row a_b, without a word."""
+    code, captured = run_main(["eval", "acceptance", "--model", str(tmp_path / "no-model"), "--drafters",
+                               "a-b=ngram,a_b=ngram", "--drafter-option", "a-b.max_nodes=1", "--categories", "qa",
+                               "--out", str(tmp_path / "run")], capsys)
+    err = captured.err.strip()
+    assert code == 2 and "\n" not in err and "'a-b' and 'a_b' differ only in - and _" in err, err
+
+
+def test_a_coupled_sampler_at_temperature_0_is_left_out_and_the_report_says_so(model, tmp_path, capsys):
+    """At the default --temperature 0 (greedy) --sampler coupled did nothing: generate() warned on every call to pass
+    a --do-sample this command has not, and the report recorded a coupled run."""
+    out = tmp_path / "run"
+    code, captured = run_main(["eval", "acceptance", "--model", model, "--categories", "qa", "--prompts", "1", *RUN,
+                               "--sampler", "coupled", "--no-plots", "--out", str(out)], capsys)
+    assert code == 0 and captured.err.count("--sampler coupled left out: at --temperature 0") == 1
+    assert "do_sample" not in captured.err
+    assert json.loads((out / "report.json").read_text())["meta"]["sampler"] == "standard"
+
+
 def test_a_row_label_holding_the_cell_separator_is_refused():
     """Label `x` with category `y__z` and label `x__y` with category `z` both wrote cells/x__y__z.json."""
     with pytest.raises(ValueError, match=r"'x__y' hold '__'"):
