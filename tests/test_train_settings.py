@@ -43,7 +43,7 @@ def _cfg(tiny, out, **kw):
     (dict(max_grad_norm=float("inf")), "max_grad_norm must be finite and >= 0 (0: no clipping), got inf"),
     (dict(num_heads=2.5), "num_heads must be an integer, got 2.5"),
     (dict(num_heads=True), "num_heads must be an integer, got True"),
-    (dict(drafter="eagle", eagle_steps=2.7), "eagle_steps must be an integer, got 2.7"),
+    (dict(drafter="eagle", eagle_steps=2.7), "eagle_steps (--train-depth) must be an integer, got 2.7"),
     (dict(max_steps=2.0), "max_steps must be an integer or None, got 2.0"),
     (dict(num_prompts=True), "num_prompts must be an integer or None, got True"),
     (dict(batch_size="8"), "batch_size must be an integer, got '8'"),

@@ -162,16 +162,16 @@ class TrainConfig:
         """Every numeric setting an integer (not a bool) or a finite number, in its range: refused in one line here,
         not after the model loads (a float count) or in a run that diverges (an infinite lr)."""
         for name, (lo, hi) in INT_RANGES.items():
-            value = getattr(self, name)
+            value, label = getattr(self, name), name + OTHER_FLAG_NAMES.get(name, "")
             if value is None and name in OPTIONAL_INTS:
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"{name} must be an integer{' or None' if name in OPTIONAL_INTS else ''}, "
+                raise ValueError(f"{label} must be an integer{' or None' if name in OPTIONAL_INTS else ''}, "
                                  f"got {value!r}")
             if value < lo:
-                raise ValueError(f"{name} must be >= {lo}{INT_LIMITS.get(name, '')}, got {value}")
+                raise ValueError(f"{label} must be >= {lo}{INT_LIMITS.get(name, '')}, got {value}")
             if hi is not None and value > hi:
-                raise ValueError(f"{name} must be <= {hi}{INT_LIMITS.get(name, '')}, got {value}")
+                raise ValueError(f"{label} must be <= {hi}{INT_LIMITS.get(name, '')}, got {value}")
         for name, (within, where) in REAL_RANGES.items():
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
