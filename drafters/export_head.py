@@ -14,7 +14,7 @@
 Every config names the target model: ``--target`` (a local directory as an absolute path), else the base model the
 head recorded when it was trained. Where that target's config.json is on this machine, a head made for another target
 is refused, naming both sides; an EAGLE-3 head reading the target's last residual stream (layer L, which specdec's
-heads of targets of 2, 4, 5 or 6 layers read) exports with a warning: vLLM and SGLang capture only the streams
+heads of targets of 2 to 6 layers read) exports with a warning: vLLM and SGLang capture only the streams
 entering layers 0 to L - 1.
 """
 from __future__ import annotations
@@ -174,7 +174,7 @@ def _warn_unservable(src: Path, feature_layers: tuple[int, ...], depth: int) -> 
     """vLLM's and SGLang's Llama capture a feature as the residual stream entering a layer (its input plus the
     residual carried beside it), for layers 0 to depth - 1 only, and at layer 0 there is no residual yet to add
     (their forward fails on it): a head reading the stream after the last layer, or the embeddings, runs in specdec
-    only. Only targets too shallow for EAGLE-3's published ids (2, 4, 5 or 6 layers) get such defaults."""
+    only. Only targets too shallow for EAGLE-3's published ids (2 to 6 layers: the ids must rise) get such defaults."""
     why = []
     if max(feature_layers) >= depth:
         why.append(f"they capture only the streams entering layers 0 to {depth - 1} of the target's {depth}")

@@ -36,7 +36,7 @@ LOAD_ARGUMENTS = {"dtype": "dtype", "torch_dtype": "dtype", "device": "device", 
 
 def unknown_arguments(unknown: list[str], known: set[str]) -> str:
     """The one-line error for misspelt generation arguments: the likely meant ones first (or, for a loading
-    argument such as ``dtype=``, where it goes), then every name."""
+    argument such as ``dtype=``, where it goes), then every name (not after loading arguments alone)."""
     plural = "s" if len(unknown) > 1 else ""
     load = [name for name in unknown if name in LOAD_ARGUMENTS]
     meant = [m for name in unknown if name not in LOAD_ARGUMENTS for m in difflib.get_close_matches(name, known, n=1)]
@@ -45,6 +45,8 @@ def unknown_arguments(unknown: list[str], known: set[str]) -> str:
         given = ", ".join(f"{arg}=..." for arg in dict.fromkeys(LOAD_ARGUMENTS[name] for name in load))
         hint += (f" ({', '.join(load)}: an argument of loading, not of generation; load the model once with "
                  f"specdec.load_model(model, {given}) and pass what it returns to generate())")
+    if len(load) == len(unknown):  # each one's place is said: the list of generation arguments would bury it
+        return f"unknown generation argument{plural} {', '.join(unknown)}{hint}"
     return f"unknown generation argument{plural} {', '.join(unknown)}{hint}; known: {', '.join(sorted(known))}"
 
 

@@ -201,7 +201,8 @@ def test_a_numpy_array_is_read_as_lists_are():
      r"unknown generation argument max_new_token \(did you mean max_new_tokens\?\); known: .*max_new_tokens"),
     # from_pretrained's arguments, passed to generate() as to a loader: the error says where they go
     (dict(dtype=torch.bfloat16), InputTypeError, r"unknown generation argument dtype \(dtype: an argument of loading, "
-     r"not of generation; load the model once with specdec.load_model\(model, dtype=...\) and pass what it returns"),
+     r"not of generation; load the model once with specdec.load_model\(model, dtype=...\) and pass what it returns "
+     r"to generate\(\)\)$"),  # not followed by the ~95 generation arguments' names (1,800 characters)
     (dict(torch_dtype=torch.float16, device="cpu"), InputTypeError,
      r"arguments device, torch_dtype \(device, torch_dtype: .*specdec.load_model\(model, device=..., dtype=...\)"),
     (dict(generation_config={"max_new_tokens": 3}), InputTypeError,
