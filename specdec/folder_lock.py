@@ -42,6 +42,7 @@ def only_writer(folder: str | os.PathLike, option: str) -> Iterator[bool]:
         return
     fd = os.open(Path(folder), os.O_RDONLY)
     try:
+        held = True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -49,9 +50,8 @@ def only_writer(folder: str | os.PathLike, option: str) -> Iterator[bool]:
                               "another folder") from None
         except OSError as err:  # a file system without flock (Lustre without -o flock, some network mounts)
             logger.debug("%s %s: not held (%s)", option, folder, err.strerror or err)
-            yield False
-        else:
-            yield True
+            held = False
+        yield held  # outside the handlers: an error of the body is not chained to the flock's
     finally:
         os.close(fd)  # the lock goes with the descriptor
 
