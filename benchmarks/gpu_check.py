@@ -67,6 +67,10 @@ REHEARSED = ("acceptance", "policy", "speed")  # the steps --rehearse runs on th
 DEFAULT_STEPS = ("env", "tests", "kernels", "e2e")
 SPEED_BUDGET_S, SPEED_TIMEOUT_S = 360, 440  # the speed step: measuring, and its process with loading and imports
 POLICY_MIN_S = 90  # the policy step runs only with this much of --deadline-s left: its rows judge no goal
+# the least of --deadline-s each step starts with, else it is skipped: under its shortest committed run (docs/gpu/:
+# graphs 38-52 s, identity 52-66 s, acceptance 45-65 s, quick e2e 100-122 s on an H200; tests 238 s, kernels 115 s on
+# an H100). The speed step sizes its own budget to what is left
+STEP_MIN_S = dict(tests=180, graphs=35, identity=45, kernels=90, e2e=90, acceptance=40, policy=POLICY_MIN_S)
 ACCEPTANCE_TIMEOUT_S = 240  # about 50 s on an H200: 7 categories x 4 prompts x (plain, n-gram) of ~0.3 s each
 # (tests/test_kernels_compile.py is left out: it compiles for sm_90 without a GPU; here every kernel compiles
 # and runs natively)
@@ -141,6 +145,14 @@ def run(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> t
     return rc, time.perf_counter() - t0
 
 
+def starved(name: str) -> dict | None:
+    """The skipped step's result where --deadline-s leaves ``name`` less than its STEP_MIN_S, else None."""
+    if name not in STEP_MIN_S or time_left() >= STEP_MIN_S[name]:  # env; speed sizes its own budget
+        return None
+    return dict(status="skipped", seconds=0.0, why=f"{max(time_left(), 0):.0f} s left (--deadline-s), "
+                                                   f"{STEP_MIN_S[name]} s needed")
+
+
 def tail(path: Path, lines: int = 25) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
@@ -195,12 +207,14 @@ def step_tests(out: Path, workers: int, slow: bool, part: str = "all") -> dict:
         runs["greedy_cuda"] = (DEVICE_FILES + ["-k", "cuda and greedy", "-m", "not slow"], 180)
     result, failed = {}, False
     for name, (files, limit) in runs.items():
-        xml = out / f"tests_{name}.xml"
-        # --maxprocesses too: pyproject's addopts cap xdist at 4 workers, which a 16-core GPU machine need not keep
-        cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
-               "--maxprocesses", str(workers), f"--junitxml={xml}", *files]
-        rc, seconds = run(cmd, out / f"tests_{name}.log", timeout=limit)
-        summary = junit_summary(xml)
+        # the junit file outside out (a device call brings back 8 files at most): its counts go into report.json
+        with tempfile.TemporaryDirectory(prefix="gpu_check-junit-") as tmp:
+            xml = Path(tmp) / f"tests_{name}.xml"
+            # --maxprocesses too: pyproject's addopts cap xdist at 4 workers, which a 16-core GPU machine need not keep
+            cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
+                   "--maxprocesses", str(workers), f"--junitxml={xml}", *files]
+            rc, seconds = run(cmd, out / f"tests_{name}.log", timeout=limit)
+            summary = junit_summary(xml)
         # pytest exits 5 when -k selects nothing: a CPU-only file set is not a failure of the GPU path
         ok = rc in (0, 5) and summary["failed"] == 0
         failed |= not ok
@@ -267,8 +281,9 @@ def step_acceptance(out: Path, rehearse: bool, model: str, prompts: int, specula
     the default policy (``policy``: what generate() gives by default, ``speculation="auto"``)."""
     from specdec.eval.prompts import CATEGORIES
 
-    if speculation != "always" and time_left() < POLICY_MIN_S:  # informational rows: what the goals' steps left
-        return dict(status="skipped", seconds=0.0, rows=[], why=f"{max(time_left(), 0):.0f} s left (--deadline-s)")
+    skipped = starved("acceptance" if speculation == "always" else "policy")  # policy: what the goals' steps left
+    if skipped:
+        return dict(skipped, rows=[])
     rc, seconds, data, log_tail = _acceptance_run(out, rehearse, model, prompts, speculation)
     keep = ("category", "tau", "speedup_vs_plain", "decode_speedup_vs_plain", "tokens_per_s", "identical_to_plain")
     rows = [{k: r[k] for k in keep} for r in data.get("rows", [])
@@ -325,7 +340,7 @@ def markdown(report: dict) -> str:
             if step.get("error"):
                 lines += _fenced(step["error"])
             lines += [f"- {e}" for e in step.get("errors", []) if isinstance(e, str)]
-            if step.get("log_tail") and name in ("speed", "acceptance"):
+            if step.get("log_tail") and name in ("speed", "acceptance", "policy"):
                 lines += _fenced(step["log_tail"])
             if step.get("table") and name == "e2e":
                 lines += _fenced(step["table"])
@@ -394,7 +409,7 @@ def main(argv=None) -> int:
         print(f"[gpu_check] {name} ...", flush=True)
         t0 = time.perf_counter()
         try:
-            result = steps[name]()
+            result = starved(name) or steps[name]()
         except Exception as err:  # the report must still be written: say what broke
             result = dict(status="failed", error=f"{type(err).__name__}: {err}")
         result.setdefault("seconds", round(time.perf_counter() - t0, 1))

@@ -32,6 +32,7 @@ from common import add_overwrite, check_new_files  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 ENV_LINE = re.compile(r"^(?P<gpu>[^\n(]+?) \([^\n)]*\), torch (?P<torch>\S+) \(CUDA [^\n)]*\), triton (?P<triton>\S+), "
                       r"transformers (?P<transformers>\S+)$", re.M)
+GPU_MODEL = re.compile(r"\b[A-Z]{1,2}\d{2,4}[A-Z]?\b")  # H100, H200, A100, L40S: not 80GB or HBM3
 COMMIT = re.compile(r"Code at `?(?P<commit>[0-9a-f]{7,40})\b")
 COMMAND = re.compile(r"`[^`]*?(python3? benchmarks/gpu_check\.py [^`]+)`")  # past an install or PYTHONUNBUFFERED=1
 E2E_METHODS = (("hf_dynamic", "transformers, dynamic cache"), ("hf_static", "transformers, static cache"),
@@ -80,9 +81,7 @@ class Run:
                            "transformers ...')")
         gpu = gpu or env["gpu"]
         self.machine = f"{gpu}, torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}"
-        self.kind = "gpu-" + gpu.split()[-1].lower()  # NVIDIA H200 -> gpu-h200, a docs/gen_benchmarks machine class
-        if self.kind not in machine_classes():
-            raise RunError(f"{gpu}: no machine class {self.kind} in docs/gen_benchmarks.py's MACHINE_CLASSES: add it")
+        self.kind = gpu_class(gpu)
         dates = [d[:10] for d in ((self.speed or {}).get("date"), (self.acceptance or {}).get("meta", {}).get("date"))
                  if d]
         if not dates:
@@ -127,6 +126,18 @@ class Run:
         return {"date": self.date, "machine_class": self.kind, "machine": f"{self.machine}; {machine}",
                 "benchmark": benchmark, "title": title, "command": command, "commit": self.commit,
                 "conditions": conditions, "columns": columns, "rows": rows, **keyed, "notes": notes}
+
+
+def gpu_class(gpu: str) -> str:
+    """The docs/gen_benchmarks machine class of a device name, from its model token: ``NVIDIA H200`` -> gpu-h200,
+    ``NVIDIA H100 80GB HBM3`` -> gpu-h100."""
+    model = GPU_MODEL.search(gpu)
+    if model is None:
+        raise RunError(f"{gpu}: no GPU model (such as H100) in the device name")
+    kind = "gpu-" + model[0].lower()
+    if kind not in machine_classes():
+        raise RunError(f"{gpu}: no machine class {kind} in docs/gen_benchmarks.py's MACHINE_CLASSES: add it")
+    return kind
 
 
 def machine_classes() -> dict[str, str]:

@@ -44,12 +44,14 @@ from common import (  # noqa: E402
     machine_class,
     start_guard_memory,
 )
-from drafter_grid import category_prompts  # noqa: E402
+from drafter_grid import HELD_OUT, category_prompts  # noqa: E402
 from specdec.drafters import base as drafter_base  # noqa: E402
+from specdec.eval.prompts import CATEGORIES  # noqa: E402
 
 from specdec import engine as engine_mod  # noqa: E402
 from specdec import engine_setup, speculation_policy, tree_sizing  # noqa: E402
 from specdec.atomic_write import write_json  # noqa: E402
+from specdec.errors import InputError  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
 
 generate = importlib.import_module("specdec.generate")  # the module (specdec.generate is also the function)
@@ -160,6 +162,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--append", action="store_true", help="--out: add this run's column to the file written before")
     add_overwrite(ap)
     args = ap.parse_args(argv)
+    for flag, n in (("--prompts", args.prompts), ("--max-new-tokens", args.max_new_tokens)):
+        if n < 1:
+            ap.error(f"{flag} must be at least 1, got {n}")
+    if args.category not in (*CATEGORIES, HELD_OUT):
+        ap.error(f"--category: unknown {args.category!r}; choose from {', '.join((*CATEGORIES, HELD_OUT))}")
+    try:
+        drafter_cls = drafter_class(args.drafter)  # before the model loads: an unknown drafter is one line
+    except InputError as err:
+        ap.error(f"--drafter: {err}")
     if args.append and not (args.out and args.out.is_file()):
         ap.error("--append needs --out naming a file this script wrote")
     if not args.append:
@@ -171,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     start_guard_memory(args)
     loaded = load_model(args.model)
     timers = Timers()
-    undo = timers.install(drafter_class(args.drafter))
+    undo = timers.install(drafter_cls)
     torch.set_grad_enabled(False)
     try:
         counts = run_calls(args, loaded, timers)

@@ -19,6 +19,7 @@ fills the regions at build time. The table is rendered as docs/gen_benchmarks.py
 """
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import importlib.util
 import os
@@ -107,7 +108,10 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     return fill(markdown, _by_file(), page.file.src_uri, link) if START in markdown else markdown
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="exit 1 when a page's region is out of date (writes nothing)")
+    check = ap.parse_args(argv).check
     results, stale = _by_file(), []
     for page in pages():
         text = page.read_text()
@@ -115,9 +119,9 @@ def main(argv: list[str]) -> int:
         new = fill(text, results, str(page.relative_to(DOCS.parent)), link)
         if new != text:
             stale.append(str(page.relative_to(DOCS.parent)))
-            if "--check" not in argv:
+            if not check:
                 page.write_text(new)
-    if stale and "--check" in argv:
+    if stale and check:
         print(f"out of date: {', '.join(stale)}: run python docs/gen_result_tables.py", file=sys.stderr)
         return 1
     return 0

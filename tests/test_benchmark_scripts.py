@@ -139,6 +139,21 @@ def test_a_short_call_profile_out_needs_a_machine_class(tmp_path, capsys, monkey
     assert not (tmp_path / "prof.json").exists()
 
 
+@pytest.mark.parametrize("argv,said", [
+    (["--drafter", "bogus"], "--drafter: unknown drafter 'bogus'"),
+    (["--category", "bogus"], "--category: unknown 'bogus'"),
+    (["--prompts", "0"], "--prompts must be at least 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+])
+def test_a_short_call_profile_refuses_what_it_cannot_run_before_a_model_loads(argv, said, capsys, monkeypatch):
+    profiler = _script("profile_short_call")
+    monkeypatch.setattr(profiler, "load_model", _measured)
+    with pytest.raises(SystemExit) as exit_:
+        profiler.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and said in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("name,argv", [
     ("bench_drafters_cpu", ["--categories", "chat", "--machine-memory"]),
     ("bench_coupled_cpu", ["--part", "tau", "--out", "{dir}"]),
