@@ -50,15 +50,17 @@ def test_a_deadline_that_is_no_time_is_refused(deadline, capsys):
     assert "--deadline-s must be positive" in capsys.readouterr().err
 
 
-def test_carry_checks_the_budget_before_splitting_or_downloading(monkeypatch, capsys):
-    """A budget too small for the second call: one line, and nothing split, deleted or downloaded."""
+def test_carry_checks_the_budget_and_the_gguf_before_splitting_or_downloading(monkeypatch, capsys):
+    """A budget too small for the second call, or a --gguf that is not there (a traceback): one line, and nothing
+    split, deleted or downloaded. The module's own example budgets are accepted (700 was refused)."""
+    import re
     import sys
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     import gpu_carry
 
     def touched(*args, **kwargs):
-        raise AssertionError("prepared before the budget was checked")
+        raise AssertionError("prepared before the budget and the GGUF were checked")
 
     for name in ("embedded_gguf", "split"):
         monkeypatch.setattr(gpu_carry, name, touched)
@@ -67,6 +69,11 @@ def test_carry_checks_the_budget_before_splitting_or_downloading(monkeypatch, ca
     with pytest.raises(SystemExit) as exit_:
         gpu_carry.main(["--budget-s", "500", "--gguf", "x.gguf"])
     assert exit_.value.code == 2 and "the first alone needs" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        gpu_carry.main(["--gguf", "/nonexistent.gguf"])
+    assert exit_.value.code == 2 and "--gguf /nonexistent.gguf: no such file" in capsys.readouterr().err
+    for budget in re.findall(r"--budget-s (\d+)", gpu_carry.__doc__):
+        gpu_carry.check_budget(float(budget))  # raises where the example would be refused
 
 
 def test_speed_and_acceptance_steps_are_opt_in_and_rehearse_alone():

@@ -7,7 +7,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -119,20 +118,3 @@ def test_the_docs_generators_refuse_an_unknown_argument(name, page, tmp_path, mo
         gen.main(["--help"])
     assert exit_.value.code == 0 and "--check" in capsys.readouterr().out
     assert not (tmp_path / "page.md").exists()
-
-
-def test_carry_refuses_a_missing_gguf_in_one_line_and_its_example_budget_is_accepted(monkeypatch, capsys):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import gpu_carry
-
-    def touched(*args, **kwargs):
-        raise AssertionError("prepared for a GGUF that is not there")
-
-    for attr in ("embedded_gguf", "split"):
-        monkeypatch.setattr(gpu_carry, attr, touched)
-    monkeypatch.setattr(gpu_carry.subprocess, "run", touched)
-    with pytest.raises(SystemExit) as exit_:
-        gpu_carry.main(["--gguf", "/nonexistent.gguf"])
-    assert exit_.value.code == 2 and "--gguf /nonexistent.gguf: no such file" in capsys.readouterr().err
-    for budget in re.findall(r"--budget-s (\d+)", gpu_carry.__doc__):
-        gpu_carry.check_budget(float(budget))  # raises where the example would be refused
