@@ -581,6 +581,43 @@ def test_an_edit_autograd_does_not_count_is_packed_again_at_the_next_call(monkey
         row_policy._ACTIVE.update(saved)
 
 
+@needs_packing
+def test_a_fused_blocks_packed_copy_follows_an_edit_of_any_of_its_parts(monkeypatch, tmp_path):
+    """A checkpoint specdec lays out itself multiplies q/k/v (and gate/up) as one block, a view sharing q's version
+    counter only: a k, v or up projection edited in place under no_grad moved neither the block's version nor its
+    address, so packed products (verify steps, prefill) multiplied the old weights while one-row decode steps read
+    the new: greedy speculative output left plain decoding's."""
+    import specdec.engine_setup
+    from specdec.models.fused_projections import LayerProjections
+    from specdec.models.loader import load_model
+    from specdec.testing import save_tiny_checkpoint
+
+    loaded = load_model(save_tiny_checkpoint(tmp_path / "tiny", variant="llama-mha-untied"))
+    layer = loaded.model.model.layers[1]
+    block = LayerProjections.of(layer).qkv.weight
+    first = row_policy.packed_weight(block)
+    with torch.no_grad():
+        layer.self_attn.v_proj.weight[0, 0] = 300.0
+    assert row_policy.packed_weight(block) is not first  # packed again: its part changed
+    monkeypatch.setattr(specdec.engine_setup, "ensure_row_policy", lambda runner: None)
+    before, saved = torch.get_num_threads(), dict(row_policy._ACTIVE)
+    try:
+        row_policy.install(torch.get_num_threads(), {m: row_policy.PACKED for m in range(1, 33)})
+        prompt = [5, 7, 9, 11, 3, 20, 21]
+        specdec.generate(loaded, [prompt], max_new_tokens=4)  # every block packed
+        with torch.no_grad():
+            layer.mlp.up_proj.weight[0, 0] = 300.0
+        ids = torch.tensor([prompt])
+        want = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
+                                     pad_token_id=0)[0].tolist()
+        assert specdec.generate(loaded, [prompt], max_new_tokens=16)[0] == want
+        assert specdec.generate(loaded, [prompt], max_new_tokens=16, drafter="ngram")[0] == want
+    finally:
+        torch.set_num_threads(before)
+        row_policy._ACTIVE.clear()
+        row_policy._ACTIVE.update(saved)
+
+
 def test_packing_is_refused_where_unavailable(monkeypatch):
     monkeypatch.setattr(row_policy, "packing_available", lambda: False)
     with pytest.raises(ValueError, match="oneDNN"):

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.models import row_policy
+
 
 @dataclass(frozen=True)
 class Fused:
@@ -56,7 +58,9 @@ def _block(parts: list[torch.Tensor]) -> torch.Tensor | None:
             return None
         offset += p.numel()
     rows = sum(p.shape[0] for p in parts)
-    return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+    block = first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+    row_policy.reads_parts(block, parts)  # the block shares first's version counter only
+    return block
 
 
 @dataclass(frozen=True)

@@ -58,9 +58,10 @@ _ACTIVE: dict[tuple[int, torch.dtype], dict[int, int]] = {}
 # version): the storage packed from must still live at the same address, since a freed one's address is soon
 # another tensor's. The probe (PROBE values spread over rows and columns, and where they were read) catches what
 # neither shows: a write through ``.data`` or into an inference tensor (forget_edited, at each call)
-_PACKED: dict[int, tuple[weakref.ref, int | None, int, StorageWeakRef, torch.Tensor, tuple]] = {}
+_PACKED: dict[int, tuple[weakref.ref, tuple | object, int, StorageWeakRef, torch.Tensor, tuple]] = {}
 PROBE = 256
 _EDITED = object()  # an entry's version once forget_edited saw its weight changed: no version equals it
+_PARTS: dict[int, tuple[weakref.ref, ...]] = {}  # id(a view over several parameters) -> those parameters
 
 
 def install(threads: int, cols: dict[int, int], dtype: torch.dtype = torch.float32) -> None:
@@ -108,11 +109,26 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
 
 
-def _version(weight: torch.Tensor) -> int | None:
+def _version(weight: torch.Tensor) -> tuple[int | None, ...]:
+    """The version counters a packed copy of ``weight`` is valid under: its own and, for a view over several
+    parameters (:func:`reads_parts`: a fused q/k/v block shares only q's counter), each part's."""
+    parts = _PARTS.get(id(weight), ())
+    return tuple(_counter(t) for t in (weight, *(ref() for ref in parts)) if t is not None)
+
+
+def _counter(tensor: torch.Tensor) -> int | None:
     try:
-        return weight._version
+        return tensor._version
     except RuntimeError:  # an inference tensor has no version counter (and cannot change outside inference mode)
         return None
+
+
+def reads_parts(view: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+    """Record that ``view`` reads the memory of ``parts`` (other tensors, each with its own version counter): an
+    in-place edit of any part makes the packed copy of ``view`` stale. A k or v projection edited under no_grad
+    moved neither the fused block's version nor its address, so verify steps multiplied the old weights."""
+    _PARTS[id(view)] = tuple(weakref.ref(p) for p in parts)
+    weakref.finalize(view, _PARTS.pop, id(view), None)
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
