@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import json
 import logging
@@ -50,30 +51,41 @@ DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices, torch attribute 
 
 
 class _TextStream:
-    """Decodes a growing token list and prints only the new, complete characters."""
+    """Decodes a growing token list and prints only the new, complete characters.
+
+    Each call decodes a window, the tokens since the last print but one: the text of the tokens before the last
+    print anchors it (a leading space, a character cut in two), and what follows the anchor is new. Decoding the
+    whole list at every call cost time in proportion to the text so far (quadratic in an 8k-token answer); where a
+    window's text does not begin with its anchor, the whole list is decoded once."""
 
     kept = "kept above"  # where the tokens of a run cut short are
 
     def __init__(self, tokenizer, out=None) -> None:
         self.tokenizer, self.out = tokenizer, out if out is not None else sys.stdout
         self.tokens: list[int] = []
-        self.printed = 0
+        self.printed = 0  # characters printed
+        self.start = self.read = 0  # the window's first token; the tokens before read are printed
 
     def __call__(self, seq_index: int, new_tokens: list[int]) -> None:
         self.tokens.extend(new_tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            return
-        self.out.write(text[self.printed :])
-        self.out.flush()
-        self.printed = len(text)
+        self._print(final=False)
 
     def finish(self) -> None:
         """Print what is left (an incomplete UTF-8 sequence at the very end included) and a newline."""
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        self.out.write(text[self.printed :] + "\n")
+        self._print(final=True)
+        self.out.write("\n")
         self.out.flush()
-        self.printed = len(text)
+
+    def _print(self, final: bool) -> None:
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        anchor, window = decode(self.tokens[self.start:self.read]), decode(self.tokens[self.start:])
+        new = window[len(anchor):] if window.startswith(anchor) else decode(self.tokens)[self.printed:]
+        if new.endswith("\ufffd") and not final:  # an incomplete UTF-8 sequence: wait for the next token
+            return
+        self.out.write(new)
+        self.out.flush()
+        self.printed += len(new)
+        self.start, self.read = self.read, len(self.tokens)
 
 
 class _Collected:

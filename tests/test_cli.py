@@ -319,3 +319,30 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"specdec {specdec.__version__}"
+
+
+def test_the_text_stream_decodes_a_window_not_the_whole_answer():
+    """Each streamed step decoded every token so far: quadratic host time over a long answer (an 8k-token answer
+    spent milliseconds per token re-decoding printed text). The printed pieces still join to the whole text,
+    a character cut across steps (byte-level tokens) and a leading space a window alone would lose included."""
+    import io
+
+    from specdec.cli import _TextStream
+
+    class Bytes:  # token i is byte i; a first token's leading space is dropped, as a SentencePiece decoder does
+        def __init__(self):
+            self.longest = 0
+
+        def decode(self, ids, skip_special_tokens=False):
+            self.longest = max(self.longest, len(ids))
+            return bytes(ids).decode("utf-8", errors="replace").removeprefix(" ")
+
+    text = " Hello 🌍 café, 你好! " * 40
+    ids = list(text.encode())
+    tok, out = Bytes(), io.StringIO()
+    stream = _TextStream(tok, out)
+    for i in range(0, len(ids), 3):
+        stream(0, ids[i : i + 3])
+    stream.finish()
+    assert out.getvalue() == text.removeprefix(" ") + "\n"
+    assert tok.longest <= 12, tok.longest  # a few steps' tokens, not the whole answer's
