@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -435,11 +436,9 @@ def run_acceptance(args) -> int:
     # be good (a resume checks the earlier run's settings and cells itself), and once --out is held: never the files
     # of a run still writing there
     make_out_dir(out)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # processes of one launch share --out (and cannot share a hold)
-        _clear_earlier_run(earlier)
-        return _acceptance_held(args, loaded, conversations, config, held, out)
-    with only_writer(out, "--out"):  # another run's cells never land under this one's report
-        if not args.resume:  # checked again, now held: another run may have written here since the first check
+    alone = int(os.environ.get("WORLD_SIZE", "1")) == 1  # the processes of one launch share --out and no hold
+    with only_writer(out, "--out") if alone else contextlib.nullcontext():  # no other run's cells under this report
+        if alone and not args.resume:  # checked again, now held: another run may have written here since
             earlier = check_earlier_run(out, ACCEPTANCE_FILES, args.overwrite, resumable=True)
         _clear_earlier_run(earlier)
         return _acceptance_held(args, loaded, conversations, config, held, out)
