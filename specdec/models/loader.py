@@ -242,17 +242,15 @@ def _pack(model) -> None:
 
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
-
 RUN_DTYPES = (*DTYPE_NAMES, "float64")  # what a model runs in (float64: the reference path only, for checks)
 
 
 def check_dtype(dtype: Any) -> torch.dtype | None:
     """``dtype`` as a torch.dtype a model runs in (RUN_DTYPES, given as a torch.dtype or its name), or a one-line
     InputError (a float8 dtype failed deep in transformers with a bare TypeError)."""
-    name = str(dtype).removeprefix("torch.") if isinstance(dtype, (str, torch.dtype)) else None
     if dtype is None:
         return None
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, (str, torch.dtype)) else None
     if name in RUN_DTYPES:
         return getattr(torch, name)
     raise InputError(f"dtype must be a floating torch.dtype or one of {', '.join(DTYPE_NAMES)}, got {dtype!r}"
