@@ -209,7 +209,8 @@ class MedusaDrafter(Drafter):
     def detach(self) -> None:
         """The call's end: its view and the target's LM-head rows (the target's own tensor with a full vocabulary)
         are dropped, so heads kept across calls keep no dropped target alive; the next attach takes them again."""
-        self.target = self.lm_head = None
+        super().detach()
+        self.lm_head = None
 
     @torch.inference_mode()
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
