@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specdec.errors import InputError, InputTypeError, first_line
+from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import describe
 from specdec.host_copy import to_device
 from specdec.processor_fields import check_vocabulary_ids
@@ -220,12 +220,13 @@ class LogitsProcessing:
                 p = p.build(prompt_length, scores.device)
             try:
                 out = p(input_ids, scores)
-            except Exception as err:  # a caller's processor meets rows grouped as plain decoding never groups them
-                raise InputError(
-                    f"logits processor {i} ({type(p).__name__}) failed on {input_ids.shape[0]} rows of "
-                    f"{input_ids.shape[-1]} token ids: {type(err).__name__}: {first_line(err)} (speculative decoding "
-                    "calls it on groups of rows of any size, each row a prompt without its padding and then its "
-                    "tokens: a processor holding per-batch-row state is not prefix-only)") from err
+            except Exception as err:  # the caller's own exception, as transformers' generate() lets it through
+                if hasattr(err, "add_note"):  # Python 3.11+: where and why, beside the processor's own message
+                    err.add_note(f"specdec: logits processor {i} ({type(p).__name__}) failed on {input_ids.shape[0]} "
+                                 f"rows of {input_ids.shape[-1]} token ids; speculative decoding calls it on groups "
+                                 "of rows of any size, each row a prompt without its padding and then its tokens: a "
+                                 "processor holding per-batch-row state is not prefix-only")
+                raise
             if not isinstance(out, torch.Tensor) or out.shape != scores.shape:
                 raise InputTypeError(f"logits processor {i} ({type(p).__name__}) returned {describe(out)}, expected "
                                      f"scores of shape {tuple(scores.shape)}")

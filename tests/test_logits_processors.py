@@ -11,6 +11,8 @@ variant processing every node with the root's prefix fails); each node's rows ge
 log-probabilities equal transformers' processed scores and do not depend on the drafter."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import transformers
@@ -670,10 +672,11 @@ def test_processors_run_without_gradients_as_in_transformers(drafter):
     assert seen and not any(seen)
 
 
-def test_a_processor_failing_on_grouped_rows_is_one_line_naming_it(model):
+def test_a_processor_failing_reaches_the_caller_as_itself(model):
     """A caller's processor holding per-batch-row state (a tensor of one value per row, as transformers builds
-    internally) fails on the verify's groups of other sizes: an InputError naming the processor and why, its own
-    error chained, not the processor's bare ValueError."""
+    internally) fails on the verify's groups of other sizes; a processor may also raise on purpose (a budget) or
+    run out of memory. The caller gets the processor's own exception, as from transformers' generate(), with a note
+    (Python 3.11+) naming the processor, the rows and why grouped rows break per-batch-row state."""
 
     class PerBatchRow:
         def __init__(self, rows: int) -> None:
@@ -684,11 +687,27 @@ def test_a_processor_failing_on_grouped_rows_is_one_line_naming_it(model):
                 raise ValueError("Incompatible batch size\nsecond line")
             return scores
 
-    with pytest.raises(InputError, match=r"logits processor 0 \(PerBatchRow\) failed on 1 rows of 11 token ids: "
-                       r"ValueError: Incompatible batch size \(.*not prefix-only\)$") as err:
+    with pytest.raises(ValueError, match="Incompatible batch size\nsecond line") as err:
         specdec.generate(model, [PROMPTS[0]], max_new_tokens=4, logits_processor=[PerBatchRow(2)],
                          logits_processor_prefix_only=True)
-    assert isinstance(err.value.__cause__, ValueError)
+    assert not isinstance(err.value, InputError)
+    if sys.version_info >= (3, 11):
+        (note,) = err.value.__notes__
+        assert note.startswith("specdec: logits processor 0 (PerBatchRow) failed on 1 rows of 11 token ids")
+        assert note.endswith("not prefix-only")
+
+    class BudgetExceeded(Exception):
+        pass
+
+    def budget(input_ids, scores):
+        if input_ids.shape[-1] >= len(PROMPTS[0]) + 2:
+            raise BudgetExceeded("token budget used up")
+        return scores
+
+    for drafter in (None, "ngram"):
+        with pytest.raises(BudgetExceeded, match="^token budget used up$"):
+            specdec.generate(model, [PROMPTS[0]], max_new_tokens=6, drafter=drafter, logits_processor=[budget],
+                             logits_processor_prefix_only=True)
 
 
 def test_a_callers_processor_on_prompts_of_other_lengths_is_warned_once(model, caplog):
