@@ -90,13 +90,15 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "stopping_criteria": ((), "custom stopping criteria (use stop= or eos_token_id=)"),
     "prefix_allowed_tokens_fn": ((), "a constraint on the next token (use bad_words_ids= or a prefix-only "
                                      "logits_processor=)"),
-    "assistant_model": ((), "transformers' assisted generation (use drafter=)"),
+    **dict.fromkeys(("assistant_model", "assistant_tokenizer"), ((), "transformers' assisted generation (use "
+                                                                     "drafter=)")),
     **dict.fromkeys(("negative_prompt_ids", "negative_prompt_attention_mask"), ((), "classifier-free guidance")),
     "custom_generate": ((), "a custom decoding loop"),
     # model inputs transformers' generate() passes to the model's forward: None is what it does without them
     "past_key_values": ((), "a transformers cache to continue from (specdec prefills the prompt into its own "
                             "paged KV cache)"),
     "inputs_embeds": ((), "prompt embeddings in place of token ids"),
+    "decoder_input_ids": ((), "encoder-decoder models only"),
     **dict.fromkeys(("position_ids", "cache_position"), ((), "positions of the caller's (specdec numbers them from "
                                                              "the attention mask, as transformers does without)")),
 }

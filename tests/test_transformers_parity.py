@@ -522,7 +522,9 @@ def test_transformers_generate_arguments_are_refused_by_name_or_read():
                                         stopping_criteria=transformers.StoppingCriteriaList()), plain)
     for name, value, hint in (("stopping_criteria", [transformers.MaxLengthCriteria(5)], "stop="),
                               ("prefix_allowed_tokens_fn", lambda batch, ids: [1], "logits_processor="),
-                              ("assistant_model", _shared_model(), "drafter=")):  # a model's repr spans many lines
+                              ("assistant_model", _shared_model(), "drafter="),  # a model's repr spans many lines
+                              ("assistant_tokenizer", _tok(), "drafter="),
+                              ("decoder_input_ids", torch.tensor([[0]]), "encoder-decoder models only")):
         with pytest.raises(InputError, match=rf"keyword argument sets {name}=.*{hint}") as info:
             specdec.generate("no/such/model", **enc, **{name: value})
         assert len(str(info.value)) < 250 and "\n" not in str(info.value)
