@@ -92,6 +92,22 @@ def test_a_batch_too_short_for_a_head_trains_the_others():
     assert all(p.grad is not None and not p.grad.any() for p in heads.heads[2].parameters())
 
 
+def test_history_has_no_top1_for_a_head_no_position_reaches(tiny, tmp_path, caplog):
+    """Texts of 3-5 tokens and 5 heads: heads 3-5 meet no position in any step. history.jsonl and the log say so
+    (null / n/a), as report.json does, where a 0.0 would read as a measured miss."""
+    data = tmp_path / "short.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("abc", "xyz", "hello", "abd", "cat")))
+    out = tmp_path / "run"
+    with caplog.at_level("INFO", logger="specdec.train"):
+        run_training(_cfg(tiny, out, data=str(data), num_heads=5, seq_len=16, batch_size=2, max_steps=2,
+                          eval_tau=False, held_out_fraction=0.0))
+    history = [json.loads(x) for x in (out / "history.jsonl").read_text().splitlines()]
+    assert len(history) == 2
+    for rec in history:
+        assert rec["top1"][0] is not None and rec["top1"][2:] == [None, None, None]
+    assert "n/a n/a n/a lr" in caplog.text
+
+
 def test_kl_loss_is_zero_only_for_the_target_distribution():
     """KL vs the target's distribution at t+1+i: 0 when the head reproduces it, > 0 otherwise."""
     from specdec.testing import build_tiny_model

@@ -243,7 +243,8 @@ def _apply_step(run: Run, at: Position, stats: torch.Tensor) -> dict:
     if cfg.max_grad_norm > 0:  # after the summing: every process clips the same gradient
         torch.nn.utils.clip_grad_norm_(run.params, cfg.max_grad_norm)
     lr = scheduler.get_last_lr()[0]  # the rate this step uses (scheduler.step() below moves to the next)
-    top1 = [float(stats[1 + i] / max(1.0, float(stats[1 + depths + i]))) for i in range(depths)]
+    # a head (depth) no position of the step reaches has no top-1: None, as the reports write it, not a 0.0
+    top1 = [float(stats[1 + i] / n) if (n := float(stats[1 + depths + i])) else None for i in range(depths)]
     rec = {"step": at.step + 1, "loss": float(stats[0]), "top1": top1, "lr": lr}
     with interrupts_deferred():  # an interrupt lands before the step or after it, never inside
         run.optimizer.step()
@@ -260,6 +261,10 @@ def _apply_step(run: Run, at: Position, stats: torch.Tensor) -> dict:
     return rec
 
 
+def _rate(value: float | None, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
 def _log_and_save(run: Run, at: Position, rec: dict) -> None:
     """After step ``at.step`` (``rec``): the progress bar, the log line, and the checkpoint when due (main process)."""
     cfg, total = run.cfg, run.total
@@ -267,10 +272,10 @@ def _log_and_save(run: Run, at: Position, rec: dict) -> None:
     if run.accelerator.is_main_process:
         if run.bar is not None:
             run.bar.update(1)
-            run.bar.set_postfix(loss=f"{rec['loss']:.3f}", top1="/".join(f"{t:.2f}" for t in rec["top1"]))
+            run.bar.set_postfix(loss=f"{rec['loss']:.3f}", top1="/".join(_rate(t, 2) for t in rec["top1"]))
         if at.step % cfg.log_every == 0 or at.step == total:
             logger.info("step %d/%d loss %.4f top1 %s lr %.2e", at.step, total, rec["loss"],
-                        " ".join(f"{t:.3f}" for t in rec["top1"]), rec["lr"])
+                        " ".join(_rate(t, 3) for t in rec["top1"]), rec["lr"])
         if due:
             run.save(at)
     if due:  # saved (by the main process)
