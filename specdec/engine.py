@@ -309,12 +309,13 @@ class Engine:
         if self.audit is not None:
             self.audit.settle()
 
-    def close(self) -> None:
-        """The end of a call however it ended (run()'s ``finally``): sequences a raised call left live are freed and
-        released from the drafter (which would meet their ids again in the next call); a KV cache of this call alone
-        frees its storage now (a drafter reused across calls holds this call's view of it); a shared graph cache
-        is left to the next call; the drafter then drops what it keeps of the call (``Drafter.detach``). A drafter
-        whose ``release`` or ``detach`` raises here is logged, never raised over the call's own error: every
+    def close(self, failed: bool = True) -> None:
+        """The end of a call however it ended (run()'s ``finally``; ``failed``: by an exception): sequences a raised
+        call left live are freed and released from the drafter (which would meet their ids again in the next call);
+        a KV cache of this call alone frees its storage now (a drafter reused across calls holds this call's view of
+        it); a shared graph cache is left to the next call; the drafter then drops what it keeps of the call
+        (``Drafter.detach``). A drafter whose ``release`` or ``detach`` raises after a failed call is logged, never
+        raised over the call's own error; a ``detach`` raising after a call that succeeded is raised. Every
         sequence is still freed and the streamer still ended."""
         for s in self.live:
             if s.seq_id in self.cache.block_tables:
@@ -329,7 +330,9 @@ class Engine:
         if self.drafter is not None:
             try:
                 self.drafter.detach()
-            except Exception:  # noqa: BLE001 - as release's: the call's own outcome stands
+            except Exception:  # noqa: BLE001 - as release's: a failed call's own error stands
+                if not failed:
+                    raise
                 logger.warning("the drafter's detach() raised while the call ended", exc_info=True)
 
     def propose(self, live: list[SequenceState]) -> list[DraftTree] | PendingStep:

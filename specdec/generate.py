@@ -322,7 +322,7 @@ def run(engine: Engine, request: GenerateRequest) -> Any:
     start = time.perf_counter()
     streamer = request.streamer
     put_end = is_put_end_streamer(streamer)
-    seqs = []
+    seqs, ended = [], False
     try:
         if put_end:  # the prompt first, as transformers does (TextStreamer(skip_prompt=True) drops it)
             streamer.put(torch.tensor([request.layout.rows[0]], dtype=torch.long))
@@ -347,6 +347,7 @@ def run(engine: Engine, request: GenerateRequest) -> Any:
                     bar.update(done - bar.n)
                     bar.set_postfix(tau=f"{done / max(sum(s.steps for s in seqs), 1):.2f}")
         engine.finish()
+        ended = True
     except CacheFullError as err:
         if not seqs:  # the prefill's: nothing was generated
             raise
@@ -355,7 +356,7 @@ def run(engine: Engine, request: GenerateRequest) -> Any:
                              "new_tokens.", new_tokens) from err
     finally:
         try:
-            engine.close()
+            engine.close(failed=not ended)
         finally:  # a reader iterating the streamer waits for end() whatever close() met
             if put_end:
                 streamer.end()
