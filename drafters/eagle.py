@@ -137,7 +137,7 @@ class EagleDrafter(Drafter):
         self.target = target
         runner = target.runner
         self.load_for_target(runner, target.tokenizer)  # after build_engine's: the layer it loaded (a cache hit)
-        self.model.to(device=runner.device, dtype=runner.dtype).eval()
+        self.model.to(device=runner.device, dtype=runner.dtype)  # its mode as given: the layer has no dropout
         if self.packs:
             self.model.pack_on_cuda()
         c, o = self.model.config, self.options

@@ -285,6 +285,17 @@ def test_one_token_prompt_and_stop_tokens():
     assert spec == plain
 
 
+def test_a_given_eagle_model_is_left_in_its_mode():
+    """A layer the caller is training (train mode) drafts as in eval mode (no dropout) and stays in train mode, as
+    the target and Medusa heads do: attach switched it to eval mode for good."""
+    model = build_tiny_model()
+    eagle = _eagle(model, depth=2, top_k=2, max_nodes=4).train()
+    prompts = [[5, 6, 7]]
+    plain = generate(model, prompts, max_new_tokens=6)
+    assert generate(model, prompts, max_new_tokens=6, drafter="eagle", drafter_options={"model": eagle}) == plain
+    assert all(m.training for m in eagle.modules())
+
+
 def test_sampled_law_certificate_passes_and_controls_fail():
     loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
     eagle = _eagle(loaded.model, depth=2, top_k=2, max_nodes=3)
