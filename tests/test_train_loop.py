@@ -1369,6 +1369,9 @@ def test_a_resume_names_input_files_that_changed_since_the_checkpoint(tiny, tmp_
     with caplog.at_level("WARNING", logger="specdec.train.output_dir"):
         assert output_dir.prepare_output_dir(cfg) is not None  # resumed, with a warning naming the file
     assert f"--resume: {data} changed since the checkpoint was saved" in caplog.text
+    # the resumed run's train.log holds it too (it was logged before the log file was opened: stderr only)
+    run_training(cfg)
+    assert (out / "train.log").read_text().count(f"WARNING specdec.train.output_dir: --resume: {data} changed") == 1
 
 
 def test_a_history_line_cut_short_by_a_kill_does_not_block_resume(tmp_path):

@@ -171,16 +171,42 @@ class _AsBefore(logging.Handler):
         return True
 
 
+class _Kept(logging.Handler):
+    """Keeps the records it is given (:func:`_warnings_kept`)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 @contextlib.contextmanager
-def _logged_to_file(out: Path) -> Iterator[None]:
-    """train.log gets the specdec loggers' INFO records and up. Where the caller's logging lets fewer through (the
-    usual WARNING), the specdec logger's level is lowered to INFO while the block runs, and its records reach the
-    caller's handlers as before (:class:`_AsBefore`): none of the extra INFO lines, except on a handler the caller
-    put on a logger below specdec's (``specdec.train``), which sees them first. All is restored at the end."""
+def _warnings_kept() -> Iterator[list[logging.LogRecord]]:
+    """The specdec loggers' warnings of the block (the run's start, before train.log can be opened: --overwrite
+    empties its folder), for :func:`_logged_to_file` to write first. They reach the caller's handlers as usual."""
+    specdec, kept = logging.getLogger("specdec"), _Kept()
+    specdec.addHandler(kept)
+    try:
+        yield kept.records
+    finally:
+        specdec.removeHandler(kept)
+
+
+@contextlib.contextmanager
+def _logged_to_file(out: Path, earlier: list[logging.LogRecord] = ()) -> Iterator[None]:
+    """train.log gets ``earlier`` (the warnings of the run's start) and the specdec loggers' INFO records and up.
+    Where the caller's logging lets fewer through (the usual WARNING), the specdec logger's level is lowered to INFO
+    while the block runs, and its records reach the caller's handlers as before (:class:`_AsBefore`): none of the
+    extra INFO lines, except on a handler the caller put on a logger below specdec's (``specdec.train``), which
+    sees them first. All is restored at the end."""
     specdec = logging.getLogger("specdec")
     handler = logging.FileHandler(out / "train.log")
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for record in earlier:
+        handler.handle(record)
     level, propagate, before = specdec.level, specdec.propagate, specdec.getEffectiveLevel()
     aside = _AsBefore(specdec, before) if before > logging.INFO else None
     if aside is not None:
@@ -357,10 +383,11 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
     # log: train.log, to the report, and the output folder held until the run ends
     with torch.random.fork_rng(devices=cuda), contextlib.ExitStack() as log:
         with _processes_together(accelerator) as team:
-            loaded, inputs, resume_from = _load_and_prepare(cfg, accelerator, team.meet, log)
-            out = make_dir(cfg.output_dir, "--output-dir")
+            with _warnings_kept() as early:  # before train.log: an unread prompt, a resume's changed input, ...
+                loaded, inputs, resume_from = _load_and_prepare(cfg, accelerator, team.meet, log)
+                out = make_dir(cfg.output_dir, "--output-dir")
             if accelerator.is_main_process:
-                log.enter_context(_logged_to_file(out))
+                log.enter_context(_logged_to_file(out, early))
             model = loaded.model.to(accelerator.device)
             model.requires_grad_(False)
             if accelerator.is_main_process:
