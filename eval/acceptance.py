@@ -338,6 +338,12 @@ class _CountingDrafter(Drafter):
         return pending
 
 
+def _speculation(config: SuiteConfig, drafter: Drafter | None) -> str:
+    """The suite's speculation setting for a drafter's cells; plain cells ask nothing of it (generate() warns about
+    a speculation setting without a drafter)."""
+    return config.speculation if drafter is not None else "auto"
+
+
 def hf_greedy_batch(model: Any, batch: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy ``generate()`` on ``batch`` in one call, as specdec's cell runs it: left-padded, with an
     attention mask; each prompt's new tokens up to and including its first end-of-sequence token."""
@@ -441,7 +447,7 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
                 hf_greedy_batch(loaded.model, warm, 4)
         elif warm:
             drafter = None if label == "plain" else get_drafter(config.drafter_name(label), **options[label])
-            generate(loaded, warm, max_new_tokens=4, drafter=drafter, speculation=config.speculation,
+            generate(loaded, warm, max_new_tokens=4, drafter=drafter, speculation=_speculation(config, drafter),
                      **sampling)  # as the cells: their trees' first verify happens here
             layers = getattr(drafter, "feature_layers", ())  # an EAGLE-3 head's, known once attached
             if graphs is not None and layers:  # its verify buckets return those layers' streams: captured too
@@ -466,7 +472,7 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
                     # whole trees by default (no timed sizing / guard): a cell's acceptance must not depend on
                     # wall times, or a rerun, a resume or a second process would count other steps
                     res = generate(loaded, batch, max_new_tokens=config.max_new_tokens, drafter=drafter,
-                                   return_dict=True, speculation=config.speculation, **sampling)
+                                   return_dict=True, speculation=_speculation(config, drafter), **sampling)
                     seconds = time.perf_counter() - t0
                     counts = (drafter.trees, drafter.nodes, drafter.sizes) if drafter is not None else (0, 0, [])
                     cell.add(res, seconds, *counts)

@@ -225,6 +225,7 @@ def prepare(model: Any, input_ids: Any = None, *, drafter: Any = None, drafter_o
     resolved = resolve([model_layer(loaded.model), *layers], prompt_length=inputs.length, return_dict=return_dict)
     config = resolved.config
     _warn_unused_sampling(config, early)
+    _warn_unused_speculation(drafter_obj, early)
     _warn_unreachable_minimum(config, inputs.length)
     if config.num_return_sequences > 1 and not config.do_sample:
         raise InputError(f"num_return_sequences={config.num_return_sequences} needs do_sample=True: greedy decoding "
@@ -271,6 +272,19 @@ def _warn_unused_sampling(config: GenerationConfig, given: GenerationConfig) -> 
     if unused:
         logger.warning("do_sample is False (greedy decoding), so these sampling options are ignored: %s; pass "
                        "do_sample=True (the CLI's --do-sample) to sample", ", ".join(unused))
+
+
+# speculation options and their neutral values: given without a drafter they change nothing
+_SPECULATION_ONLY = {"speculation": "auto", "audit_drafts": True}
+
+
+def _warn_unused_speculation(drafter: Drafter | None, given: GenerationConfig) -> None:
+    """Warn when the caller set speculation options and no drafter (drafter_options without one are refused)."""
+    unused = [f"{name}={getattr(given, name)!r}" for name, neutral in _SPECULATION_ONLY.items()
+              if name in given.fields_set and getattr(given, name) != neutral]
+    if drafter is None and unused:
+        logger.warning("no drafter, so these speculation options are ignored: %s; pass drafter=... (the CLI's "
+                       "--drafter) to speculate", ", ".join(unused))
 
 
 def _warn_unreachable_minimum(config: GenerationConfig, prompt_width: int) -> None:

@@ -129,7 +129,7 @@ def test_sampling_and_batches_through_run_suite(tmp_path, loaded, monkeypatch):
     calls, generate = [], suite.generate
 
     def recorded(*args, **kwargs):
-        calls.append((kwargs["max_new_tokens"], kwargs.get("speculation")))
+        calls.append((kwargs["max_new_tokens"], kwargs.get("speculation"), kwargs.get("drafter") is None))
         return generate(*args, **kwargs)
 
     monkeypatch.setattr(suite, "generate", recorded)
@@ -141,8 +141,10 @@ def test_sampling_and_batches_through_run_suite(tmp_path, loaded, monkeypatch):
     cells = run_suite(loaded, prompts, cfg, tmp_path)
     assert warmed == [([[8, 5], [6]], 16)]
     assert graphed and set(graphed) == {"as auto decides"}
-    # the warm-up runs as the cells do (whole trees): a guarded warm-up left the first cell its first tree verify
-    assert [c for c in calls if c[0] == 4] == [(4, "always")] * 3 and {c[1] for c in calls} == {"always"}
+    # the warm-up runs as the cells do (whole trees): a guarded warm-up left the first cell its first tree verify;
+    # plain cells set no speculation (generate() would warn that it is ignored without a drafter)
+    assert [c for c in calls if c[0] == 4] == [(4, "auto", True)] + [(4, "always", False)] * 2
+    assert {c[1:] for c in calls} == {("auto", True), ("always", False)}
     assert set(cells) == {("plain", "rep"), ("draft-model", "rep"), ("ngram", "rep")}  # no HF baseline when sampling
     plain, oracle = cells[("plain", "rep")], cells[("draft-model", "rep")]
     assert plain.new_tokens == oracle.new_tokens == cells[("ngram", "rep")].new_tokens == 48

@@ -190,6 +190,20 @@ def test_sampling_options_with_greedy_decoding_warn(caplog):
     assert "ignored" not in caplog.text
 
 
+def test_speculation_options_without_a_drafter_warn(caplog):
+    """speculation= and audit_drafts= without a drafter change nothing: said, as drafter_options are refused."""
+    model = build_tiny_model()
+    with caplog.at_level(logging.WARNING, logger="specdec.generate"):
+        plain = specdec.generate(model, [[1, 2]], max_new_tokens=3, speculation="always", audit_drafts=False)
+    assert "no drafter, so these speculation options are ignored: speculation='always', audit_drafts=False" \
+        in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specdec.generate"):
+        assert specdec.generate(model, [[1, 2]], max_new_tokens=3, speculation="auto") == plain  # neutral
+        specdec.generate(model, [[1, 2]], max_new_tokens=3, drafter="ngram", speculation="always")
+    assert "ignored" not in caplog.text
+
+
 def test_a_minimum_length_beyond_max_new_tokens_warns(caplog):
     """min_new_tokens / min_length above what max_new_tokens allows keep EOS masked to the end: transformers warns,
     and so does specdec now (it said nothing); exactly max_new_tokens (a way to ask for that many) says nothing."""
