@@ -23,7 +23,8 @@ def two_sample_chi2(a: Sequence[Hashable], b: Sequence[Hashable], tv: float = 0.
     """A two-sample chi-square test: p-value, power to detect TV ``tv`` at level ``alpha``, and the TV it detects
     (:class:`specdec.eval.statistics.ChiSquare`, which unpacks as ``p, power``).
 
-    Bins whose expected count is below 5 are pooled into one. The power is against the hardest
+    Bins whose expected count is below 5 are pooled into one, with the least likely others until it expects 5
+    too. The power is against the hardest
     alternative at that TV over the bins (:func:`specdec.eval.statistics.chi2_power`, with the
     effective size ``n_a n_b / (n_a + n_b)``).
     """
@@ -35,6 +36,9 @@ def two_sample_chi2(a: Sequence[Hashable], b: Sequence[Hashable], tv: float = 0.
     cb = np.array([count_b[k] for k in keys], float)
     expected_min = (ca + cb) * min(len(a), len(b)) / (len(a) + len(b))
     rare = expected_min < 5
+    while rare.any() and not rare.all() and expected_min[rare].sum() < 5:  # the pooled bin too expects 5
+        common = np.flatnonzero(~rare)
+        rare[common[np.argmin(expected_min[common])]] = True
     if rare.any():
         ca = np.append(ca[~rare], ca[rare].sum())
         cb = np.append(cb[~rare], cb[rare].sum())

@@ -246,6 +246,32 @@ def test_reported_power_is_the_power_against_the_hardest_alternative():
     assert abs(two_sample_chi2(a, b, tv, alpha).power - caught) < 0.05  # effective size 2n * 2n / 4n = n
 
 
+def test_the_pooled_bin_of_rare_outcomes_expects_five_draws():
+    """Rare outcomes are pooled into one bin, which then expected as little as 0.3 draws: two legitimate rare draws
+    read as a deviation (a correct sampler failed 1.7% of tests at level 1%). The least likely common outcomes now
+    join the pool until it expects 5: here the third outcome, its 199.9 draws expected and drawn as expected."""
+    from scipy import stats as sps
+    from specdec.eval.statistics import goodness_of_fit
+
+    rare = {("r", i): 1e-5 for i in range(10)}  # 0.1 draws expected in all, in 1,000
+    law = {"a": 0.5, "b": 0.3, "c": 0.2 - 1e-4, **rare}
+    samples = ["a"] * 500 + ["b"] * 300 + ["c"] * 198 + [("r", 0), ("r", 1)]
+    fit = goodness_of_fit(samples, law, 0.02, 0.01)
+    expected = [500, 300, (0.2 - 1e-4 + 1e-4) * 1000]
+    assert fit.p_value == pytest.approx(sps.chisquare([500, 300, 200], expected).pvalue) and fit.p_value > 0.9
+    # a pool that expects 5 on its own is left alone; one that takes every outcome leaves a single bin: no test
+    alone = goodness_of_fit(samples, {"a": 0.5, "b": 0.3, "c": 0.19, **dict.fromkeys(rare, 1e-3)}, 0.02, 0.01)
+    assert alone.p_value == pytest.approx(sps.chisquare([500, 300, 198, 2], [500, 300, 190, 10]).pvalue)
+    single = goodness_of_fit(["x", "y"], {"x": 0.5, "y": 0.5}, 0.02, 0.01)
+    assert (single.p_value, single.detects_tv) == (1.0, None)
+    # the two-sample test pools alike: "r" (1 draw a side expected) joins "c", the least likely common outcome
+    from specdec.eval.two_sample import two_sample_chi2
+
+    a, b = ["a"] * 500 + ["b"] * 300 + ["c"] * 198 + ["r"] * 2, ["a"] * 500 + ["b"] * 300 + ["c"] * 200
+    table = [[500, 300, 200], [500, 300, 200]]
+    assert two_sample_chi2(a, b, 0.02, 0.01).p_value == pytest.approx(sps.chi2_contingency(table)[1])
+
+
 def test_detectable_tv_is_where_the_power_reaches_0_9():
     from specdec.eval.statistics import chi2_power, detectable_tv
 
