@@ -50,7 +50,7 @@ from specdec.cuda_graphs import GraphedForward, auto_uses_graphs, current_model_
 from specdec.errors import InputError, InputTypeError
 from specdec.generate_inputs import check_int, describe
 from specdec.host_copy import to_device, to_host_later
-from specdec.kv_cache import PagedKVCache
+from specdec.kv_cache import CacheFullError, PagedKVCache
 from specdec.models.llama import LlamaRunner
 from specdec.pending_trees import PendingTrees
 from specdec.sampling import logits_to_probs, sample_each
@@ -330,7 +330,8 @@ class ModelDrafter(Drafter):
         return self._root_forward(live) if self.shares_target_cache else self._catch_up(live)
 
     def _own_cache(self) -> PagedKVCache:
-        """As many slots as the target's pool: committed tokens + at most MAX_TREE_NODES scratch; with graphs, the
+        """As many slots as the target's pool: committed tokens + scratch (at most MAX_TREE_NODES in the default pool;
+        in a smaller explicit one a level without room ends the tree: ``_forward_nodes``); with graphs, the
         cache of the draft model's graph buckets (kept with the model and reused by later calls), held for this
         generate() call. Another drafter drafting in it meanwhile (another thread's call, a streamer's, another
         child of this call's combined drafter) would free or grow it under that one: this one then drafts eagerly."""
@@ -433,6 +434,8 @@ class ModelDrafter(Drafter):
             if depth == cfg.num_draft_tokens or not any(new_per_seq):
                 break
             logits = self._forward_nodes(live, nodes, new_per_seq, depth)
+            if logits is None:  # no room for this level's scratch: the tree grown so far
+                break
             row = 0
             for b, new in enumerate(new_per_seq):
                 frontier[b] = [(i, logits[row + j], nodes[b][i].score) for j, i in enumerate(new)]
@@ -476,6 +479,8 @@ class ModelDrafter(Drafter):
                 break
             nodes = [[_Node(p, 0, 1.0, None) for p in parents] for _ in live]  # tokens: the device's
             logits = self._forward_nodes(live, nodes, [new] * B, depth, tokens.reshape(-1))
+            if logits is None:  # no room for this level's scratch: the levels chosen so far
+                break
         if not self.shares_target_cache:  # drop the scratch K/V of the draft nodes
             self.cache.commit({v.seq_id: [] for v in live})
         return torch.cat(chosen, dim=1), parents, torch.cat(drawn_from, dim=1) if drawn_from else None
@@ -590,11 +595,20 @@ class ModelDrafter(Drafter):
         return logits.float().softmax(-1) if sampling.greedy else logits_to_probs(logits.float(), sampling)
 
     def _forward_nodes(self, live, nodes, new_per_seq, depth, token_ids: torch.Tensor | None = None
-                       ) -> torch.Tensor:  # [sum(new), vocab]; token_ids [sum(new)] stand for the nodes' tokens
+                       ) -> torch.Tensor | None:  # [sum(new), vocab]; token_ids [sum(new)] stand for the nodes'
+        """The logits of a level's new nodes; None where the cache (an explicit num_blocks) has no room for their
+        scratch K/V: the drafter then proposes the levels chosen so far (their children need no forward), where the
+        CacheFullError made the engine's step plain for every sequence. A decision from block counts, never from a
+        token drawn."""
         cache = self.cache
         # node i lives at position len(tokens) + i: right after the root (committed, or scratch when shared)
-        cache.reserve_scratch({v.seq_id: len(v.token_ids) + len(nodes[b]) - cache.committed_length(v.seq_id)
-                               for b, v in enumerate(live) if new_per_seq[b]})
+        try:
+            cache.reserve_scratch({v.seq_id: len(v.token_ids) + len(nodes[b]) - cache.committed_length(v.seq_id)
+                                   for b, v in enumerate(live) if new_per_seq[b]})
+        except CacheFullError:  # all-or-nothing: nothing of this level was reserved
+            logger.debug("%s: no KV blocks free for draft level %d: the tree ends at depth %d", self.name, depth + 1,
+                         depth)
+            return None
         builder = BatchBuilder(cache, self.runner.device)
         for b, v in enumerate(live):
             new = new_per_seq[b]

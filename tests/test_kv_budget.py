@@ -112,6 +112,22 @@ def test_a_drafter_writing_into_the_targets_cache_never_fails_a_call_plain_decod
     assert out.sequences == plain and max(out.stats[0].step_nodes) > 0
 
 
+def test_a_draft_model_short_of_blocks_for_a_level_proposes_the_levels_it_grew():
+    """A draft model drafts in a cache of its own with the target's num_blocks: at plain decoding's pool a level of
+    draft nodes found no block free near the end, the CacheFullError made every row's step plain for the rest of
+    the call (9 forward passes where the default pool takes 4). The tree now ends at the levels grown."""
+    model = build_tiny_model()
+    prompts = [[3, 9, 27, 81], [5, 10, 15, 20, 25, 30, 35], [2] * 13, [7], [4, 5, 6, 4, 5, 6, 4, 5, 6]]
+    kw = dict(max_new_tokens=30, block_size=4, speculation="always", return_dict=True,
+              drafter="draft-model", drafter_options={"model": build_tiny_model(), "num_draft_tokens": 7})
+    plain = specdec.generate(model, prompts, max_new_tokens=30)
+    tight = specdec.generate(model, prompts, num_blocks=plain_blocks_needed(map(len, prompts), 30, 4), **kw)
+    roomy = specdec.generate(model, prompts, **kw)
+    assert tight.sequences == roomy.sequences == plain
+    assert all(min(s.step_nodes) > 0 for s in tight.stats)  # every step verified a draft
+    assert tight.forward_passes == roomy.forward_passes
+
+
 def test_drafting_in_the_targets_cache_leaves_the_next_position_of_a_sequence_not_asked(monkeypatch):
     """Two sequences in a pool of exactly plain decoding's size, the guard asking only the second: self-draft's
     scratch reservation for it must not take the block the first one's plain step needs next (it once did, and the
