@@ -62,7 +62,7 @@ from specdec.kv_cache import CacheFullError
 from specdec.models.loader import LoadedModel, load_model
 from specdec.models.runnable import check_weights_present
 from specdec.output import GenerateOutput, OutputLayout, SequenceStats, pack_output
-from specdec.sampling import WARPERS
+from specdec.sampling import WARPERS, InvalidLogitsError
 from specdec.stopping import StopCriteria
 from specdec.transformers_config import config_layer, kwargs_layer, model_layer, resolve
 
@@ -362,12 +362,12 @@ def run(engine: Engine, request: GenerateRequest) -> Any:
                     bar.set_postfix(tau=f"{done / max(sum(s.steps for s in seqs), 1):.2f}")
         engine.finish()
         ended = True
-    except CacheFullError as err:
+    except (CacheFullError, InvalidLogitsError) as err:  # the other rows' work is kept
         if not seqs:  # the prefill's: nothing was generated
             raise
         new_tokens = [s.new_tokens for s in seqs]
-        raise CacheFullError(f"{err} The {sum(map(len, new_tokens))} tokens generated so far are in this error's "
-                             "new_tokens.", new_tokens) from err
+        raise type(err)(f"{err} The {sum(map(len, new_tokens))} tokens generated so far are in this error's "
+                        "new_tokens.", new_tokens) from err
     finally:
         try:
             engine.close(failed=not ended)

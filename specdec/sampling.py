@@ -28,7 +28,13 @@ from specdec.generate_inputs import describe
 
 class InvalidLogitsError(SpecdecError, RuntimeError):
     """The target's logits at a step leave no token to choose: NaN or infinite values (a float16 overflow, a
-    damaged checkpoint) or every token removed (a logits processor, a sampling warper over -inf logits)."""
+    damaged checkpoint) or every token removed (a logits processor, a sampling warper over -inf logits). Raised by
+    generate() after its prefill, ``new_tokens`` holds each sequence's tokens generated until then (in the output's
+    order; else None), as :class:`~specdec.kv_cache.CacheFullError`'s."""
+
+    def __init__(self, message: str, new_tokens: list[list[int]] | None = None) -> None:
+        super().__init__(message)
+        self.new_tokens = new_tokens
 
 
 # transformers' sampling warpers after temperature, in the order it applies them, with the value that turns each off

@@ -35,9 +35,16 @@ MODES = {
 def test_spoiled_logits_name_step_and_sequence(device, mode, value):
     model = build_tiny_model().to(device)
     prompts = [[1, 2, 3], [7, 8, 9]]  # sequence 1 goes bad at its third new token (5 tokens = 3 prompt + 2 new)
-    with pytest.raises(InvalidLogitsError, match=r"sequence 1, step \d, new token 3: the target's logits leave no"):
+    with pytest.raises(InvalidLogitsError, match=r"sequence 1, step \d, new token 3: the target's logits leave no"
+                       r".* The \d+ tokens generated so far are in this error's new_tokens\.$") as err:
         specdec.generate(model, prompts, max_new_tokens=6, logits_processor=[SpoilRow(value)],
                          logits_processor_prefix_only=True, **MODES[mode])
+    # the work done is kept, as a CacheFullError keeps it: both rows' tokens committed before the failing step
+    # (a drafted step that failed at new token 3 commits none of its tokens)
+    first, second = err.value.new_tokens
+    assert 1 <= len(second) <= 2 and 1 <= len(first) <= 6
+    if "greedy" in mode:
+        assert first == specdec.generate(model, [[1, 2, 3]], max_new_tokens=6)[0][3:][:len(first)]
 
 
 @pytest.mark.parametrize("mode", ["sampling", "coupled", "ngram-coupled"])
@@ -57,8 +64,9 @@ def test_a_model_that_computes_nan_is_an_error(device, mode):
     model = build_tiny_model().to(device)
     with torch.no_grad():
         model.model.layers[-1].mlp.down_proj.weight[0, 0] = float("nan")
-    with pytest.raises(InvalidLogitsError, match="sequence 0, step 1, new token 1:"):
+    with pytest.raises(InvalidLogitsError, match="sequence 0, step 1, new token 1:") as err:
         specdec.generate(model, [[1, 2, 3]], max_new_tokens=1, **MODES[mode])
+    assert err.value.new_tokens == [[]]  # the first step's: nothing was generated
 
 
 def test_sample_and_choose_max_mark_rows_without_a_law(device):
