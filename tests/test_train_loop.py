@@ -1374,6 +1374,29 @@ def test_a_resume_names_input_files_that_changed_since_the_checkpoint(tiny, tmp_
     assert (out / "train.log").read_text().count(f"WARNING specdec.train.output_dir: --resume: {data} changed") == 1
 
 
+def test_the_warnings_kept_for_train_log_still_reach_stderr_without_handlers(monkeypatch):
+    """Without logging configured, a warning reaches stderr through Python's last resort; the handler that keeps the
+    run's first warnings for train.log must not take that away (any handler found stops the last resort)."""
+    import io
+    import logging
+
+    from specdec.train.pipeline import _warnings_kept
+
+    stream = io.StringIO()
+    monkeypatch.setattr(logging, "lastResort", logging.StreamHandler(stream))
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    with _warnings_kept() as kept:
+        logging.getLogger("specdec.train.output_dir").warning("an input changed")
+        logging.getLogger("specdec.train.output_dir").info("not kept")
+    assert [r.getMessage() for r in kept] == ["an input changed"] and stream.getvalue() == "an input changed\n"
+    handler = logging.StreamHandler(io.StringIO())
+    root.addHandler(handler)  # a caller's handler: it takes the record, the last resort does not
+    with _warnings_kept():
+        logging.getLogger("specdec.train.output_dir").warning("once more")
+    assert stream.getvalue() == "an input changed\n" and handler.stream.getvalue() == "once more\n"
+
+
 def test_a_history_line_cut_short_by_a_kill_does_not_block_resume(tmp_path):
     """A kill mid-append left a torn last line in history.jsonl, and every --resume then failed on it (the
     checkpoint was whole); it is dropped now. A bad line elsewhere is an error naming the file and the line."""

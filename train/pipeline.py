@@ -172,7 +172,8 @@ class _AsBefore(logging.Handler):
 
 
 class _Kept(logging.Handler):
-    """Keeps the records it is given (:func:`_warnings_kept`)."""
+    """Keeps the records it is given (:func:`_warnings_kept`). Where no other handler takes a record, Python's last
+    resort (stderr) still does, as it would without this one."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -180,6 +181,13 @@ class _Kept(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        while logger is not None:  # as Logger.callHandlers walks
+            if any(h is not self for h in logger.handlers):
+                return
+            logger = logger.parent if logger.propagate else None
+        if logging.lastResort is not None and record.levelno >= logging.lastResort.level:
+            logging.lastResort.handle(record)
 
 
 @contextlib.contextmanager
