@@ -10,8 +10,8 @@ expected committed tokens exceed that cost in units of a plain decode step (:mod
 measure_verify_costs`: a real engine step, target forward + rejection sampling + KV commit) on a grid of
 n (1 to the tree-node limit + 1, interpolated linearly between grid points; on a CPU a batch's grid stops at
 ``BATCH_QUERY_TOKENS`` query tokens per step and is extrapolated past it), one batch size at a time:
-batch 1 when first needed, any other batch size (rounded up to a power of two) lazily, the first time a
-step runs with that many sequences. Draft costs are not measured here: they depend on the drafter and the
+batch 1 when first needed, and when a call of B sequences builds its engine, every power of two up to B rounded
+up (the sizes its batch meets as rows finish: a measurement in the middle of the call stalled it for seconds). Draft costs are not measured here: they depend on the drafter and the
 text, so the engine measures them online (:class:`specdec.tree_sizing.TreeSizer`).
 
 The result is cached as JSON under ``cache_root()/costs`` keyed by everything it depends on: the model (its
@@ -483,10 +483,11 @@ def _impossible(curves: dict[int, dict[int, float]], file: Path) -> dict[int, di
 
 
 def load_cost_model(runner, config: CalibrationConfig | None = None, cache_dir: str | Path | None = None,
-                    install_rows: bool = True) -> CostModel:
+                    install_rows: bool = True, batch: int = 1) -> CostModel:
     """The cost model of ``runner`` on this machine: from this process's memo, the disk cache, or measured
-    (batch 1 now; other batch sizes when first asked for). Installs the CPU row policy first, unless
-    ``install_rows=False`` (a draft model: it runs under the target's policy, which is process-wide)."""
+    (now: every batch size a call of ``batch`` sequences meets as its rows finish, 1, 2, 4, ... up to its own;
+    others when first asked for). Installs the CPU row policy first, unless ``install_rows=False`` (a draft model:
+    it runs under the target's policy, which is process-wide)."""
     config = config or CalibrationConfig()
     if install_rows:
         ensure_row_policy(runner, config, cache_dir)
@@ -514,5 +515,10 @@ def load_cost_model(runner, config: CalibrationConfig | None = None, cache_dir: 
     model = CostModel(key, curves, runner, config, file)
     if unchecked:
         model.save()  # without them: each is measured again when first needed
-    model.curve(1)  # measured now if not cached
+    # measured now if not cached: not in the middle of the call, as its batch shrinks (a stall of seconds, which the
+    # step's timing counted as drafting)
+    bucket = 1
+    while bucket <= CostModel.batch_bucket(batch):
+        model.curve(bucket)
+        bucket *= 2
     return model

@@ -185,7 +185,7 @@ def _policy(request: "GenerateRequest", runner: "LlamaRunner", rule: AcceptanceR
         logger.info("seeded standard sampling verifies every draft tree whole, so the seed's text does not depend "
                     "on this machine's measured costs; sampler='coupled' keeps one text per seed and sizes trees")
         return SpeculationPolicy(auto=True)
-    costs = load_cost_model(runner, CalibrationConfig(graphs=graphs))
+    costs = load_cost_model(runner, CalibrationConfig(graphs=graphs), batch=len(request.prompts))
     # the guard remembers across calls per target cost curve, as measured, and drafter (specdec.remembered); what it
     # learned on a curve since measured again is not carried over. cost_key() names a drafter's checkpoint too, so
     # two EAGLE or Medusa checkpoints keep apart backoffs

@@ -18,7 +18,7 @@ def fix_costs(monkeypatch, curve: dict[int, float]) -> CostModel:
     same at every batch size), never corrected by a verify's wall time; every propose call took no time, so drafting
     is free and a probe's price and a catch-up's charge are nothing. Returns the cost model."""
     costs = CostModel({}, {1: curve})
-    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: costs)
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None, **kw: costs)
     monkeypatch.setattr(OnlineCosts, "record", lambda self, *args: None)
     size_call = TreeSizer.size_call
     monkeypatch.setattr(TreeSizer, "size_call", lambda self, ids, trees, batch, draft_seconds, *args, **kw:

@@ -75,6 +75,42 @@ def test_calibration_runs_once_per_key_and_is_reused(fresh, monkeypatch):
     assert calls == [1, 1, 1, 1, 4]
 
 
+def test_a_call_measures_the_batch_sizes_it_meets_before_its_first_step(fresh, monkeypatch):
+    """A ragged batch shrinks as rows finish: the curve of each smaller batch size was measured when the batch first
+    reached it, a stall of seconds in the middle of the call (which the step's timing counted as drafting). A call
+    of 4 sequences now measures 1, 2 and 4 when its engine is built, and none during its steps."""
+    from specdec import engine_setup
+    from specdec.engine import Engine
+    from specdec.generate import generate
+
+    calls, stepping, measuring = [], [], []
+    real_calibrate, real_step = cost_model.calibrate, Engine.step
+
+    def calibrate(runner, batch, config, where=None):
+        calls.append(batch)
+        measuring.append(True)  # the calibration's own engine steps are not the call's
+        try:
+            return real_calibrate(runner, batch, config, where)
+        finally:
+            measuring.pop()
+
+    def step(self):
+        if not measuring:
+            stepping.append(len(calls))
+        return real_step(self)
+
+    monkeypatch.setattr(cost_model, "calibrate", calibrate)
+    monkeypatch.setattr(Engine, "step", step)
+    real = engine_setup.load_cost_model
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda r, c=None, **kw: real(r, SMALL, cache_dir=fresh, **kw))
+    prompts = [[1, 2, 3, 1, 2, 3], [5], [7, 8, 7, 8], [9, 9, 9]]
+    generate(build_tiny_model(seed=0), prompts, max_new_tokens=6, drafter="ngram", eos_token_id=[])
+    assert calls == [1, 2, 4] and set(stepping) == {3}
+    # a second call of 3 sequences finds them measured
+    generate(build_tiny_model(seed=0), prompts[:3], max_new_tokens=3, drafter="ngram")
+    assert calls == [1, 2, 4]
+
+
 def test_calibration_runs_on_the_models_device(fresh, device):
     """The calibration engine samples on the model's device (a CPU generator met CUDA logits there: every
     generate() on a GPU failed before its first token)."""
@@ -105,7 +141,7 @@ def test_an_engine_prices_verify_steps_as_it_runs_them(fresh, monkeypatch):
     assert graphs == [False, True] and eager.file != graphed.file
     configs = []
     real = engine_setup.load_cost_model
-    monkeypatch.setattr(engine_setup, "load_cost_model", lambda r, c=None: configs.append(c) or real(r, SMALL))
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda r, c=None, **kw: configs.append(c) or real(r, SMALL))
     generate(build_tiny_model(seed=0), [[1, 2, 3, 1, 2, 3]], max_new_tokens=4, drafter="ngram")
     assert [c.graphs for c in configs] == [False]
 
@@ -126,7 +162,7 @@ def test_the_bit_exact_mode_prices_its_own_steps_under_its_own_key(fresh, monkey
     files = []
     real = engine_setup.load_cost_model
 
-    def load(runner, config=None):
+    def load(runner, config=None, **kw):
         costs = real(runner, SMALL, cache_dir=fresh)
         files.append(costs.file)
         return costs
@@ -206,7 +242,8 @@ def test_what_the_guard_learned_on_a_curve_is_not_kept_for_the_curve_measured_ag
 
     timings = [{1: 0.04, 2: 0.07, 4: 0.1}, {1: 0.04, 2: 0.045, 4: 0.05}]
     monkeypatch.setattr(verify_cost, "measure_verify_costs", lambda *args, **kw: timings.pop(0))
-    monkeypatch.setattr(engine_setup, "load_cost_model", lambda r, c=None: load_cost_model(r, SMALL, cache_dir=fresh))
+    monkeypatch.setattr(engine_setup, "load_cost_model",
+                        lambda r, c=None, **kw: load_cost_model(r, SMALL, cache_dir=fresh))
     keys, real = [], engine_setup.TreeSizer
     monkeypatch.setattr(engine_setup, "TreeSizer",
                         lambda costs, memory, **kw: keys.append(memory) or real(costs, memory=memory, **kw))

@@ -167,7 +167,7 @@ class HalfRight:
 def cache_on_a_machine(monkeypatch, cache: CostModel, seconds, draft: float = 0.0) -> None:
     """The cached curve is ``cache``, every verify of n tokens takes ``seconds(n)``, a draft costs ``draft`` decode
     steps."""
-    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: cache)
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None, **kw: cache)
     monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: draft)
     monkeypatch.setattr(TreeSizer, "probe_cost", lambda self, batch: draft)
     observe = SpeculationPolicy.observe

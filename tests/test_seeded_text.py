@@ -45,7 +45,7 @@ def with_fresh_cache(tmp_path, monkeypatch, curve: str):
     monkeypatch.setenv("SPECDEC_COST_DIR", str(folder))
     costs = CostModel({"curve": curve}, {1: {n: 0.01 * c for n, c in CURVES[curve].items()}},
                       file=folder / f"verify-{curve}.json")
-    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: costs)
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None, **kw: costs)
 
 
 @pytest.mark.parametrize("name", ["ngram", "draft-model", "eagle"])

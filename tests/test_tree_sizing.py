@@ -113,7 +113,7 @@ class Scripted:
 
 @pytest.fixture
 def fixed_costs(monkeypatch):
-    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: FLAT)
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None, **kw: FLAT)
     monkeypatch.setattr(TreeSizer, "draft_cost", lambda self, batch: 0.5)  # half a decode step per propose
     monkeypatch.setattr(TreeSizer, "probe_cost", lambda self, batch: 0.5)  # ... on every path
     monkeypatch.setattr(OnlineCosts, "record", lambda self, *args: None)  # no wall time corrects the flat curve
@@ -273,7 +273,7 @@ def test_a_call_that_captured_a_cuda_graph_prices_nothing(monkeypatch):
             note_capture()
         return verify(self, batch)
 
-    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: FLAT)  # no calibration steps
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None, **kw: FLAT)  # no calibration steps
     monkeypatch.setattr(TreeSizer, "record_draft", lambda self, s, catch_up=False: flags.append(catch_up)
                         or draft(self, s, catch_up))
     monkeypatch.setattr(TreeSizer, "record_step", lambda self, *a: timed.append(a) or step(self, *a))
@@ -688,7 +688,7 @@ def test_capped_trees_keep_greedy_the_targets_in_a_batch(monkeypatch):
     from specdec.testing import ragged_prompts
 
     steep = CostModel({}, {1: {1: 1.0, 2: 1.02, 65: 8.0}})  # each token past the second: about a ninth of a step
-    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None: steep)
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda runner, config=None, **kw: steep)
     policy = engine_setup._policy
     monkeypatch.setattr(engine_setup, "_policy", lambda *args, **kwargs: policy(*args, **{**kwargs, "padded": True}))
     cut = []
