@@ -182,8 +182,7 @@ def _policy(request: "GenerateRequest", runner: "LlamaRunner", rule: AcceptanceR
     if drafter is None or config.speculation != "auto" or rule is not EXACT or fault is not None:
         return SpeculationPolicy()
     if config.do_sample and (config.seed is not None or generator is not None) and coupling is None:
-        logger.info("seeded standard sampling verifies every draft tree whole, so the seed's text does not depend "
-                    "on this machine's measured costs; sampler='coupled' keeps one text per seed and sizes trees")
+        _warn_seeded_standard_sampling()
         return SpeculationPolicy(auto=True)
     costs = load_cost_model(runner, CalibrationConfig(graphs=graphs), batch=len(request.prompts))
     # the guard remembers across calls per target cost curve, as measured, and drafter (specdec.remembered); what it
@@ -191,6 +190,13 @@ def _policy(request: "GenerateRequest", runner: "LlamaRunner", rule: AcceptanceR
     # two EAGLE or Medusa checkpoints keep apart backoffs
     return SpeculationPolicy(TreeSizer(costs, memory=(str(costs.file), costs.measured_id(), drafter.cost_key()),
                                        calibrated_scores=drafter.calibrated_scores, padded=padded))
+
+
+@functools.cache  # once a process: the rule holds for every call
+def _warn_seeded_standard_sampling() -> None:
+    logger.warning("seeded standard sampling verifies every draft tree whole, so the seed's text does not depend on "
+                   "this machine's measured costs: a drafter that does not pay here is not held off and can decode "
+                   "slower than no drafter; sampler='coupled' keeps one text per seed and sizes trees")
 
 
 def _processing(request: "GenerateRequest") -> LogitsProcessing | None:
