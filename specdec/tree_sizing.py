@@ -31,6 +31,7 @@ the constants: docs/speculation-policy.md.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
@@ -40,6 +41,8 @@ from specdec.online_costs import OnlineCosts
 from specdec.remembered import recall, remember
 from specdec.score_bins import BINS, corrected, learn, new_bins
 from specdec.tree import MAX_TREE_NODES, DraftMode, DraftTree
+
+logger = logging.getLogger(__name__)
 
 _CATCH_UPS = 8  # catch-up calls whose costs set what an outlier's is charged (_charge_catch_up)
 # what the guard keeps across calls, in this meaning (_Kept); a memory of another format is a fresh start. Bump it
@@ -535,6 +538,8 @@ class TreeSizer:
             self.paid += 1
             guard.backoff //= 4
             guard.price = None
+            logger.debug("sequence %d: drafting pays (%.2f tokens a step for %.2f decode steps, batch %d)", seq_id,
+                         guard.tokens, guard.cost, batch)
             return
         self.unpaid += 1
         # a probe costs its draft and the verify of its kept tree beyond a plain step: at most probe_budget of a
@@ -547,6 +552,8 @@ class TreeSizer:
         cap = min(self.config.max_backoff, int(max(excess, 0.0) / self.config.probe_budget))
         guard.backoff = min(max(4 * guard.backoff, 2), cap)
         guard.skip = guard.backoff
+        logger.debug("sequence %d: drafting does not pay (%.2f tokens a step for %.2f decode steps, batch %d): the "
+                     "next %d steps decode plainly", seq_id, guard.tokens, guard.cost, batch, guard.skip)
         # the price: what asking the drafter costs for sure, its cheapest draft (the verify of a kept tree is the
         # sizer's bet, placed only where the tree is expected to pay; a costly part of the drafter, the combined
         # drafter's child gate budgets); a catch-up call's time is no step's (DraftTime)

@@ -124,12 +124,15 @@ def fixed_costs(monkeypatch):
                         size_call(self, ids, trees, batch, 0.5 * self.step_seconds(batch), *args))
 
 
-def test_guard_turns_speculation_off_for_a_drafter_that_never_matches_and_back_on(fixed_costs):
+def test_guard_turns_speculation_off_for_a_drafter_that_never_matches_and_back_on(fixed_costs, caplog):
     model = build_tiny_model(vocab_size=32, seed=2)
     prompt = [1, 2, 3, 4]
     plain = generate(model, [prompt], max_new_tokens=140)[0]
     drafter = Scripted(plain, len(prompt), 32, switch=40)
-    out = generate(model, [prompt], max_new_tokens=140, drafter=drafter, return_dict=True)
+    with caplog.at_level("DEBUG", logger="specdec.tree_sizing"):
+        out = generate(model, [prompt], max_new_tokens=140, drafter=drafter, return_dict=True)
+    # its decisions, at DEBUG for a user asking why a drafter was held off
+    assert "sequence 0: drafting does not pay (" in caplog.text and "sequence 0: drafting pays (" in caplog.text
     assert out.sequences[0] == plain
     before = [a for a in drafter.asked_at if a < 40]
     after = [a for a in drafter.asked_at if a >= 40]
