@@ -11,8 +11,9 @@ measure_verify_costs`: a real engine step, target forward + rejection sampling +
 n (1 to the tree-node limit + 1, interpolated linearly between grid points; on a CPU a batch's grid stops at
 ``BATCH_QUERY_TOKENS`` query tokens per step and is extrapolated past it), one batch size at a time:
 batch 1 when first needed, and when a call of B sequences builds its engine, every power of two up to B rounded
-up (the sizes its batch meets as rows finish: a measurement in the middle of the call stalled it for seconds). Draft costs are not measured here: they depend on the drafter and the
-text, so the engine measures them online (:class:`specdec.tree_sizing.TreeSizer`).
+up (the sizes its batch meets as rows finish: a measurement in the middle of the call stalled it for seconds).
+Draft costs are not measured here: they depend on the drafter and the text, so the engine measures them online
+(:class:`specdec.tree_sizing.TreeSizer`).
 
 The result is cached as JSON under ``cache_root()/costs`` keyed by everything it depends on: the model (its
 shapes, not its weights' values: :func:`model_structure`), dtype, device and its name (a GPU's; a CPU's model name,
