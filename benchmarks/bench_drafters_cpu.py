@@ -365,8 +365,8 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
         for spec in table.values():
             run(spec, warm, min(args.lengths) if args.grid else args.max_new_tokens)
             if args.grid and drafter_grid.BATCH in args.categories:
-                # each batch size (a power of two) has its verify cost calibrated when a step first runs with it,
-                # inside that call; a ragged batch shrinks through them as its sequences finish
+                # each batch size (a power of two) has its verify cost calibrated by the first call of that many
+                # sequences (and the smaller ones it shrinks through), inside that call: warmed here, untimed
                 for size in drafter_grid.batch_sizes():
                     run(spec, [warm] * size, min(args.lengths))
         if args.grid:

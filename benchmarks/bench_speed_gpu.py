@@ -535,19 +535,15 @@ class ModelRun:
         """Before a default-policy row: the policy sizes trees by measured times, so its timed call may meet tree
         sizes and batch sizes its warm-up did not. Every graph bucket of up to ``batch`` sequences is captured now,
         and the cost model's curve of every batch size the call passes through as its sequences finish (1, 2, 4, ...,
-        ``batch`` rounded up) is calibrated now: the policy calibrates a batch size the first time a step runs with it,
-        and a calibration inside the timed call (a cache, its own graphs, ~40 steps) would be timed with it."""
-        from specdec.cost_model import CalibrationConfig, CostModel, load_cost_model
+        ``batch`` rounded up) is calibrated now: a call calibrates those it lacks when its engine is built, and a
+        calibration inside the timed call (a cache, its own graphs, ~40 steps) would be timed with it."""
+        from specdec.cost_model import CalibrationConfig, load_cost_model
 
         runner = self.loaded.runner
         if self.graphs is not None:
             self.graphs.warm_up(batch)
         graphs = self.graphs is not None and self.graphs.config.capture  # as generate() prices its verify steps
-        costs = load_cost_model(runner, CalibrationConfig(graphs=graphs))
-        size = 1
-        while size <= CostModel.batch_bucket(batch):
-            costs.curve(size)
-            size *= 2
+        load_cost_model(runner, CalibrationConfig(graphs=graphs), batch=batch)
 
     def bound(self, tau: float, eagle_levels: int) -> float:
         """The speedup weight reads allow: tau (the row's measured) tokens per step, a step reading the target's
