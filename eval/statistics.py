@@ -66,8 +66,9 @@ def goodness_of_fit(samples: list, law: Law, tv: float, alpha: float) -> ChiSqua
     big = [k for k in keys if law[k] * n >= 5]
     small = [k for k in keys if law[k] * n < 5]
     # the pooled bin too must expect 5 draws: one expecting 0.3 took a legitimate rare draw or two for a deviation
-    # (a correct sampler failed 1.7% of tests at level 1%); the least likely big outcomes join it until it does
-    while small and big and sum(law[k] for k in small) * n < 5:
+    # (a correct sampler failed 1.7% of tests at level 1%); the least likely big outcomes join it until it does,
+    # while two bins remain (one bin tests nothing: a sampler drawing only rare outcomes would pass)
+    while small and len(big) > 1 and sum(law[k] for k in small) * n < 5:
         small.insert(0, big.pop())
     obs = [counts.get(k, 0) for k in big]
     exp = [law[k] * n for k in big]

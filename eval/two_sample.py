@@ -24,7 +24,7 @@ def two_sample_chi2(a: Sequence[Hashable], b: Sequence[Hashable], tv: float = 0.
     (:class:`specdec.eval.statistics.ChiSquare`, which unpacks as ``p, power``).
 
     Bins whose expected count is below 5 are pooled into one, with the least likely others until it expects 5
-    too. The power is against the hardest
+    too while two bins remain. The power is against the hardest
     alternative at that TV over the bins (:func:`specdec.eval.statistics.chi2_power`, with the
     effective size ``n_a n_b / (n_a + n_b)``).
     """
@@ -36,7 +36,8 @@ def two_sample_chi2(a: Sequence[Hashable], b: Sequence[Hashable], tv: float = 0.
     cb = np.array([count_b[k] for k in keys], float)
     expected_min = (ca + cb) * min(len(a), len(b)) / (len(a) + len(b))
     rare = expected_min < 5
-    while rare.any() and not rare.all() and expected_min[rare].sum() < 5:  # the pooled bin too expects 5
+    # the pooled bin too expects 5, while two bins remain (one bin tests nothing)
+    while rare.any() and (~rare).sum() > 1 and expected_min[rare].sum() < 5:
         common = np.flatnonzero(~rare)
         rare[common[np.argmin(expected_min[common])]] = True
     if rare.any():

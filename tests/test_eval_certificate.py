@@ -270,6 +270,10 @@ def test_the_pooled_bin_of_rare_outcomes_expects_five_draws():
     a, b = ["a"] * 500 + ["b"] * 300 + ["c"] * 198 + ["r"] * 2, ["a"] * 500 + ["b"] * 300 + ["c"] * 200
     table = [[500, 300, 200], [500, 300, 200]]
     assert two_sample_chi2(a, b, 0.02, 0.01).p_value == pytest.approx(sps.chi2_contingency(table)[1])
+    # two bins are kept: a sampler drawing only the rare outcome of a law with one common one is still caught
+    assert goodness_of_fit([1] * 100, {0: 0.97, 1: 0.03}, 0.02, 0.01).p_value < 1e-6
+    assert goodness_of_fit([2] * 100, {0: 0.96, 1: 0.02, 2: 0.02}, 0.02, 0.01).p_value < 1e-6
+    assert two_sample_chi2(["x"] * 10_000, ["y"] * 100, 0.02, 0.01).p_value < 1e-6
 
 
 def test_detectable_tv_is_where_the_power_reaches_0_9():
