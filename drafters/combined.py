@@ -346,6 +346,8 @@ class CombinedDrafter(Drafter):
 
     def propose(self, seqs: Sequence[SequenceView]) -> list[DraftTree]:
         self._batch = max(len(seqs), 1)
+        if self.costs is not None:  # cost_model=True: this call's batch sizes measured at its first step, untimed
+            self.costs.measure_up_to(self._batch)
         call_start, children_seconds = time.perf_counter(), 0.0
         run = self.gate.choose(self._batch, self.tree_cost, self.config.max_nodes)
         if self.left_out:

@@ -365,6 +365,14 @@ class CostModel:
                 self.save()
         return self.curves[b]
 
+    def measure_up_to(self, batch: int) -> None:
+        """Every batch size a call of ``batch`` sequences meets as its rows finish (1, 2, 4, ... up to ``batch``
+        rounded up), measured now where missing: not in the middle of the call (a stall of seconds)."""
+        bucket = 1
+        while bucket <= self.batch_bucket(batch):
+            self.curve(bucket)
+            bucket *= 2
+
     def _saved(self) -> dict[int, dict[int, float]]:
         """The checked curves of this key in the cache file now ({}: none, no file, or another key's)."""
         data = read_cache(self.file)
@@ -516,10 +524,5 @@ def load_cost_model(runner, config: CalibrationConfig | None = None, cache_dir: 
     model = CostModel(key, curves, runner, config, file)
     if unchecked:
         model.save()  # without them: each is measured again when first needed
-    # measured now if not cached: not in the middle of the call, as its batch shrinks (a stall of seconds, which the
-    # step's timing counted as drafting)
-    bucket = 1
-    while bucket <= CostModel.batch_bucket(batch):
-        model.curve(bucket)
-        bucket *= 2
+    model.measure_up_to(batch)  # not in the middle of a call, as its batch shrinks (the step's timing counted it)
     return model

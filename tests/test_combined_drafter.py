@@ -280,11 +280,15 @@ def test_cost_model_option_ranks_by_the_measured_curve(monkeypatch):
 
     class Costs:  # a measured curve where anything past 2 query tokens (root + 1 node) is expensive
         def __init__(self):
-            self.asked = []
+            self.asked, self.measured = [], []
 
         def relative(self, n, batch=1):
             self.asked.append((n, batch))
             return 1.0 if n <= 2 else 10.0
+
+        def measure_up_to(self, batch):  # before the step is timed: no calibration in the middle of a call
+            assert not self.asked
+            self.measured.append(batch)
 
     costs, configs = Costs(), []
     monkeypatch.setattr(cost_model, "load_cost_model", lambda runner, config: configs.append(config) or costs)
@@ -294,6 +298,7 @@ def test_cost_model_option_ranks_by_the_measured_curve(monkeypatch):
     assert combined.costs is costs and configs[0].graphs  # priced as the engine's replayed CUDA graphs run
     assert combined.propose([view([0]), view([1], 1)])[0].tokens.tolist() == [9]
     assert (9, 2) in costs.asked and (2, 2) in costs.asked  # root + nodes, at the batch size of the step
+    assert costs.measured == [2]  # the batch sizes of a call of two, measured at its first step, before pricing
     # without it, free nodes (alpha 0) favour the long chain (2.0 vs 1.5 expected tokens at the 0.5 prior)
     plain = CombinedDrafter([Scripted([[1, 2, 3, 4, 5, 6, 7, 8]], "long"), Scripted([[9]], "short")], mode="best",
                             alpha=0.0)
@@ -358,7 +363,8 @@ def test_cost_model_chooses_no_tree_of_a_seeded_sampled_call(monkeypatch, seeded
 
     loads = []
     monkeypatch.setattr(cost_model, "load_cost_model",
-                        lambda runner, config: loads.append(config) or SimpleNamespace(relative=lambda n, b=1: 1.0))
+                        lambda runner, config: loads.append(config) or SimpleNamespace(relative=lambda n, b=1: 1.0,
+                                                                                       measure_up_to=lambda b: None))
     drafter = CombinedDrafter(["ngram", {"name": "ngram", "max_ngram": 2}], mode="best", cost_model=True)
     generate(build_tiny_model(), [[1, 2, 3, 1, 2, 3]], max_new_tokens=3, drafter=drafter, do_sample=True,
              temperature=0.8, speculation="always", **({"seed": 3} if seeded else {}))
