@@ -23,7 +23,8 @@ from specdec.train.eagle_evaluate import (
     tree_from_accuracies,
     tree_pays,
 )
-from specdec.train.pipeline import measured, number, trained_steps
+from specdec.train.loop import number
+from specdec.train.pipeline import measured, trained_steps
 
 logger = logging.getLogger(__name__)
 

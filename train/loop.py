@@ -261,7 +261,8 @@ def _apply_step(run: Run, at: Position, stats: torch.Tensor) -> dict:
     return rec
 
 
-def _rate(value: float | None, digits: int) -> str:
+def number(value: float | None, digits: int = 3) -> str:
+    """``value`` for a log line or a report.md table or line: "n/a" where nothing was measured."""
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
@@ -272,10 +273,10 @@ def _log_and_save(run: Run, at: Position, rec: dict) -> None:
     if run.accelerator.is_main_process:
         if run.bar is not None:
             run.bar.update(1)
-            run.bar.set_postfix(loss=f"{rec['loss']:.3f}", top1="/".join(_rate(t, 2) for t in rec["top1"]))
+            run.bar.set_postfix(loss=f"{rec['loss']:.3f}", top1="/".join(number(t, 2) for t in rec["top1"]))
         if at.step % cfg.log_every == 0 or at.step == total:
             logger.info("step %d/%d loss %.4f top1 %s lr %.2e", at.step, total, rec["loss"],
-                        " ".join(_rate(t, 3) for t in rec["top1"]), rec["lr"])
+                        " ".join(number(t) for t in rec["top1"]), rec["lr"])
         if due:
             run.save(at)
     if due:  # saved (by the main process)

@@ -25,6 +25,7 @@ from specdec.drafters.medusa_heads import save_medusa
 from specdec.train.agreed_interrupts import InterruptsHeld
 from specdec.train.config import SELF_PROMPTS, TrainConfig
 from specdec.train.data import TrainDataError, load_texts, split_held_out, tokenize_texts
+from specdec.train.loop import number
 from specdec.train.medusa_recipe import train_heads
 from specdec.train.output_dir import RUN_FILE, prepare_output_dir
 from specdec.train.process_failures import FailureNotes
@@ -432,11 +433,6 @@ def trained_steps(out: Path, history: list[dict]) -> int:
 def measured(rates: list[float], positions: list[float]) -> list[float | None]:
     """``rates`` with None where they were measured over no position (a 0.0 there would read as a measurement)."""
     return [rate if n else None for rate, n in zip(rates, positions, strict=True)]
-
-
-def number(value: float | None, digits: int = 3) -> str:
-    """``value`` for a report.md table or line: "n/a" where nothing was measured."""
-    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def render_markdown(r: dict) -> str:
