@@ -267,8 +267,7 @@ def _warn_unused_sampling(config: GenerationConfig, given: GenerationConfig) -> 
     ignores; the model's own generation_config is not the caller's doing."""
     if config.do_sample:
         return
-    unused = [f"{name}={getattr(given, name)!r}" for name, neutral in _SAMPLING_ONLY.items()
-              if name in given.fields_set and getattr(given, name) != neutral]
+    unused = _set_off_neutral(given, _SAMPLING_ONLY)
     if unused:
         logger.warning("do_sample is False (greedy decoding), so these sampling options are ignored: %s; pass "
                        "do_sample=True (the CLI's --do-sample) to sample", ", ".join(unused))
@@ -280,11 +279,16 @@ _SPECULATION_ONLY = {"speculation": "auto", "audit_drafts": True}
 
 def _warn_unused_speculation(drafter: Drafter | None, given: GenerationConfig) -> None:
     """Warn when the caller set speculation options and no drafter (drafter_options without one are refused)."""
-    unused = [f"{name}={getattr(given, name)!r}" for name, neutral in _SPECULATION_ONLY.items()
-              if name in given.fields_set and getattr(given, name) != neutral]
+    unused = _set_off_neutral(given, _SPECULATION_ONLY)
     if drafter is None and unused:
         logger.warning("no drafter, so these speculation options are ignored: %s; pass drafter=... (the CLI's "
                        "--drafter) to speculate", ", ".join(unused))
+
+
+def _set_off_neutral(given: GenerationConfig, neutrals: dict[str, Any]) -> list[str]:
+    """``name=value`` of each field of ``neutrals`` the caller set to a value other than its neutral one."""
+    return [f"{name}={getattr(given, name)!r}" for name, neutral in neutrals.items()
+            if name in given.fields_set and getattr(given, name) != neutral]
 
 
 def _warn_unreachable_minimum(config: GenerationConfig, prompt_width: int) -> None:
