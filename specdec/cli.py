@@ -616,21 +616,21 @@ def _run_command(args, name: str) -> int:
     try:
         return args.func(args)
     except USER_ERRORS as err:
-        _traceback_if(args.verbose)
+        traceback_if(args.verbose)
         return _user_error(err, name, args.command)
     except ModuleNotFoundError as err:  # an extra was not installed (README: "What each command needs")
         if not err.name or err.name.split(".")[0] in ("specdec",):
             raise
-        _traceback_if(args.verbose)
+        traceback_if(args.verbose)
         return _missing_package(err, name, args.command)
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM inside sigterm_as_interrupt()
-        _traceback_if(args.verbose)
+        traceback_if(args.verbose)
         _flush_stdout()
         print(f"{name}: {how_stopped(err)}", file=sys.stderr)
         return exit_code(err)  # 130, or 143 for SIGTERM
 
 
-def _traceback_if(verbose: bool) -> None:
+def traceback_if(verbose: bool) -> None:
     """-v: the traceback of the exception being handled, on stderr, before its one line."""
     if verbose:
         import traceback

@@ -256,14 +256,13 @@ def run(args) -> int:
     from specdec.train.pipeline import run_training
     from specdec.train.process_failures import PeerFailed
 
+    from specdec.cli import traceback_if
+
     try:
         with sigterm_as_interrupt(), console_at_cli_level(getattr(args, "verbose", False)):
             report = run_training(config_from_args(args))
     except (TrainDataError, OutputDirError, ValueError, FileNotFoundError) as err:
-        if getattr(args, "verbose", False):  # -v: the traceback first, as for every other command; the code stays
-            import traceback
-
-            traceback.print_exc()
+        traceback_if(getattr(args, "verbose", False))  # -v: the traceback first, as for every other command
         _say(f"specdec train-{args.drafter}: error: {err}")
         return 2
     except PeerFailed as err:  # another process's error stopped this one (its own line says why)
