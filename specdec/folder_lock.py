@@ -54,4 +54,3 @@ def only_writer(folder: str | os.PathLike, option: str) -> Iterator[bool]:
         yield held  # outside the handlers: an error of the body is not chained to the flock's
     finally:
         os.close(fd)  # the lock goes with the descriptor
-
