@@ -200,8 +200,9 @@ def power_text(power: float | None) -> str:
 
 
 def tv_text(tv: float | None) -> str:
-    """The TV a test detects, to 3 significant digits, rounded UP: it never reads as a smaller TV than it is."""
-    return _fmt(tv, decimal.ROUND_CEILING)
+    """The TV a test detects, to 3 significant digits, rounded UP: it never reads as a smaller TV than it is. Above 1
+    (no two laws are that far apart: too few samples to be sure of catching any) it reads "none (> 1)"."""
+    return "none (> 1)" if tv is not None and tv > 1 else _fmt(tv, decimal.ROUND_CEILING)
 
 
 def _largest(tvs: Iterable[float | None]) -> float | None:
@@ -215,6 +216,8 @@ def _detects(tv: float | None, stated: float) -> str:
     all fell in one bin."""
     if tv is None:
         return f"detect no TV at all, not {stated} (their outcomes fell in one bin: nothing to test)"
+    if tv > 1:  # no two laws are further apart than TV 1
+        return f"detect no TV at all, not {stated} (too few samples: even TV 1 is caught with power < 0.9)"
     return f"detect TV {tv_text(tv)}, not {stated}"
 
 

@@ -674,6 +674,21 @@ def test_a_power_below_0_9_never_prints_as_0_9():
     assert "detect TV 0.0201, not 0.02 (power 0.899 < 0.9 there)" in warning, warning
 
 
+def test_a_test_too_small_to_catch_any_tv_says_so():
+    """detectable_tv exceeds 1 for a handful of draws (about 10 a side): the table and the warning printed a TV no
+    two laws can be apart by."""
+    from specdec.eval.certificate import Certificate, Check, low_power_warning
+    from specdec.eval.statistics import detectable_tv
+
+    tv = detectable_tv(5, 0.001, 3)
+    assert tv > 1
+    cert = Certificate({}, [Check("chi-square vs exact law (Holm)", "sampler-statistics", True, power=0.01,
+                                  detects_tv=tv)])
+    assert "| none (> 1) |" in cert.to_markdown(), cert.to_markdown()
+    warning = low_power_warning("end to end: 5 sequences", 0.01, tv, 0.1, "raise it")
+    assert "detect no TV at all, not 0.1 (too few samples" in warning, warning
+
+
 COUPLED_SMALL = CertificateSizes(stat_samples=4000, stat_tv=0.1, identity_prompts=2, identity_tokens=8,
                                  sample_sequences=400)
 
