@@ -255,3 +255,35 @@ def test_more_prompts_asked_for_than_there_are_are_said(tmp_path, caplog):
         assert eval_prompts(1000) == list(CHAT)
     assert f"--num-prompts 10: prompts file {tmp_path / 'prompts.txt'} holds 3 prompts; using all 3" in caplog.text
     assert f"--eval-prompts 1000: there are {len(CHAT)} held-out chat prompts; using all {len(CHAT)}" in caplog.text
+
+
+def test_medusa_scores_responses_alone_and_chooses_its_tree_from_them(tmp_path):
+    """Self-distilled Medusa heads were scored, and their saved tree chosen, over every position: the chat template,
+    which repeats in every sequence and is easy to predict, promised more than drafting a reply gets (EAGLE's
+    report already kept the responses apart)."""
+    from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
+    from specdec.testing import build_tiny_model
+    from specdec.train.choices import choose_tree
+    from specdec.train.evaluate import head_accuracies
+    from specdec.train.pipeline import _finish_medusa
+
+    torch.manual_seed(0)
+    model = build_tiny_model()
+    heads = MedusaHeads(MedusaConfig(2, 1, model.config.hidden_size, model.config.vocab_size))
+    seqs = [[(i * 5 + j) % 90 + 1 for j in range(12)] for i in range(3)]
+    whole = head_accuracies(model, heads, seqs)
+    assert head_accuracies(model, heads, seqs, starts=[0, 0, 0]) == whole
+    part = head_accuracies(model, heads, seqs, starts=[6, 6, 6])
+    # head 0 scores the target's tokens at 2..12 of each sequence (12: the one after it); from the response on, 6..12
+    assert (whole["positions"], part["positions"]) == ([33.0, 30.0], [21.0, 21.0])
+    assert part["rank_acc"] != whole["rank_acc"]
+    cfg = TrainConfig(model="m", output_dir=str(tmp_path), tree_budget=6, eval_tau=False)
+    loaded = SimpleNamespace(model=model, tokenizer=None, name="tiny")
+    report = _finish_medusa(cfg, loaded, model, heads, [{"step": 1, "loss": 2.5}], seqs, seqs,
+                            SimpleNamespace(device="cpu", num_processes=1), {"start": 0, "data": 0, "train": 0},
+                            {tuple(s): 6 for s in seqs})
+    assert report["tree_accuracies"] == "responses" and report["rank_acc"] == part["rank_acc"]
+    assert report["medusa_choices"] == [list(c) for c in choose_tree(part["rank_acc"], 6)[0]]
+    assert report["response_top1"] == pytest.approx(part["top1"]) and report["top1"] == pytest.approx(whole["top1"])
+    md = (tmp_path / "report.md").read_text()
+    assert "| top-1, responses only |" in md and "from the responses accuracies" in md

@@ -24,11 +24,13 @@ MAX_RANK = 10
 
 
 @torch.no_grad()
-def head_accuracies(model, heads, seqs: list[list[int]], batch_size: int = 4, device="cpu") -> dict:
+def head_accuracies(model, heads, seqs: list[list[int]], batch_size: int = 4, device="cpu",
+                    starts: list[int] | None = None) -> dict:
     """rank_acc[i][k] = P(the target's token is head i's rank-k guess); top1/top5 are its prefix sums.
 
     Heads over a reduced draft vocabulary rank only its N tokens (ranks mapped back to token ids); a
-    target token outside it is a miss at every rank, so the accuracies are those the drafter gets."""
+    target token outside it is a miss at every rank, so the accuracies are those the drafter gets. With
+    ``starts`` (per sequence, the first position to score, e.g. its response's), tokens before it are not counted."""
     n = heads.config.num_heads
     hits = torch.zeros(n, MAX_RANK, dtype=torch.float64)
     counts = torch.zeros(n, dtype=torch.float64)
@@ -39,6 +41,9 @@ def head_accuracies(model, heads, seqs: list[list[int]], batch_size: int = 4, de
     for start in range(0, len(seqs), batch_size):
         ids, mask = collate(seqs[start : start + batch_size], device)
         hidden, labels = target_features(model, ids, mask)
+        if starts is not None:  # labels[m] is the token at m + 1, scored through mask[m]
+            for b, first in enumerate(starts[start : start + batch_size]):
+                mask[b, : max(0, first - 1)] = 0
         for i in range(n):
             shift = 1 + i
             if hidden.shape[1] <= shift:

@@ -330,16 +330,25 @@ def _train(cfg: TrainConfig, loaded, model, train_seqs: list[list[int]], acceler
 
 
 def _finish_medusa(cfg: TrainConfig, loaded, model, heads, history: list[dict], held_out: list, train_seqs: list,
-                   accelerator, times: dict) -> dict:
+                   accelerator, times: dict, prompt_lengths: dict | None = None) -> dict:
     """The main process, after training Medusa heads: their accuracies, the tree they choose, saved with it, tau
-    measured (--eval-tau); writes and returns the report. ``times``: perf_counter at start, data and train."""
+    measured (--eval-tau); writes and returns the report. ``times``: perf_counter at start, data and train.
+    Self-distilled (``prompt_lengths``), the tree is chosen from the accuracies on the responses: the chat template
+    repeats in every sequence and is easy to predict, so all positions promised more than drafting a reply gets."""
     from specdec.train.choices import choose_tree
     from specdec.train.evaluate import eval_prompts, head_accuracies, measure_tau
 
     out = Path(cfg.output_dir)
     # --held-out-fraction 0: accuracies on training data, and the report says so
-    acc = head_accuracies(model, heads, held_out or train_seqs, device=accelerator.device)
-    choices, est_tau = choose_tree(acc["rank_acc"], cfg.tree_budget)
+    data = held_out or train_seqs
+    acc = head_accuracies(model, heads, data, device=accelerator.device)
+    responses = None
+    if prompt_lengths:
+        responses = head_accuracies(model, heads, data, device=accelerator.device,
+                                    starts=[prompt_lengths.get(tuple(s), 0) for s in data])
+        if not responses["positions"][0]:  # no response position reached (refused or warned about earlier)
+            responses = None
+    choices, est_tau = choose_tree((responses or acc)["rank_acc"], cfg.tree_budget)
     heads.config = dataclasses.replace(heads.config, medusa_choices=tuple(choices))
     save_medusa(heads, out)
     tau = None
@@ -354,7 +363,9 @@ def _finish_medusa(cfg: TrainConfig, loaded, model, heads, history: list[dict], 
         "final_loss": history[-1]["loss"] if history else None,
         # a head no held-out position reaches has no accuracy (rank_acc keeps 0.0: the tree leaves it out)
         "top1": measured(acc["top1"], acc["positions"]), "top5": measured(acc["top5"], acc["positions"]),
-        "rank_acc": acc["rank_acc"],
+        "response_top1": responses and measured(responses["top1"], responses["positions"]),
+        "response_top5": responses and measured(responses["top5"], responses["positions"]),
+        "rank_acc": (responses or acc)["rank_acc"], "tree_accuracies": "responses" if responses else "all positions",
         "medusa_choices": [list(c) for c in choices], "estimated_tau": est_tau, "tau": tau,
         "seconds": {"data": t_data - t0, "train": t_train - t_data, "eval": t_end - t_train,
                     "total": t_end - t0},
@@ -416,7 +427,8 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
 
             return finish_eagle(cfg, loaded, heads, history, held_out, train_seqs, vocab_info, times, accelerator,
                                 prompt_lengths)
-        return _finish_medusa(cfg, loaded, model, heads, history, held_out, train_seqs, accelerator, times)
+        return _finish_medusa(cfg, loaded, model, heads, history, held_out, train_seqs, accelerator, times,
+                              prompt_lengths)
 
 
 def trained_steps(out: Path, history: list[dict]) -> int:
@@ -443,10 +455,18 @@ def render_markdown(r: dict) -> str:
              f"{number(r['final_loss'], 4)}", "",
              f"Accuracies on {r['held_out_sequences']} held-out sequences:" if r["held_out_sequences"]
              else "Accuracies on the TRAINING data (--held-out-fraction 0): optimistic.", "",
-             "| head | predicts | top-1 | top-5 |", "|---|---|---|---|"]
-    for i, (a1, a5) in enumerate(zip(r["top1"], r["top5"], strict=True)):
-        lines.append(f"| {i} | t+{i + 2} | {number(a1)} | {number(a5)} |")
-    lines += ["", f"Tree: {len(r['medusa_choices'])} nodes, estimated tau {r['estimated_tau']:.3f}"]
+             "| head | predicts | top-1 | top-5 | top-1, responses only | top-5, responses only |",
+             "|---|---|---|---|---|---|"]
+    responses = r.get("response_top1") is not None  # self-distilled
+    resp1 = r.get("response_top1") or [None] * len(r["top1"])
+    resp5 = r.get("response_top5") or [None] * len(r["top1"])
+    for i, (a1, a5, b1, b5) in enumerate(zip(r["top1"], r["top5"], resp1, resp5, strict=True)):
+        extra = f"{number(b1)} | {number(b5)}" if responses else "- | -"
+        lines.append(f"| {i} | t+{i + 2} | {number(a1)} | {number(a5)} | {extra} |")
+    lines += ["", "All positions include each sequence's prompt (the chat template repeats in every sequence and is "
+              "easy to predict); the responses-only columns are what drafting a reply meets.", "",
+              f"Tree: {len(r['medusa_choices'])} nodes, from the {r.get('tree_accuracies', 'all positions')} "
+              f"accuracies; estimated tau {r['estimated_tau']:.3f}"]
     if r["tau"]:
         t = r["tau"]
         lines.append(f"Measured tau (greedy, {t['prompts']} held-out chat prompts, {t['max_new_tokens']} new tokens, "
