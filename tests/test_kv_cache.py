@@ -271,3 +271,18 @@ def test_copy_prefix_gives_each_copy_the_sources_kv_in_its_own_blocks(dtype):
         cache.copy_prefix(0, [3], 10)
     with pytest.raises(ValueError, match="distinct"):
         cache.copy_prefix(0, [1, 1], 4)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2])
+def test_copy_prefix_of_the_shortest_prompts(n):
+    """A 2-token prompt's copies get one position (every other test copies more), a 1-token prompt's none."""
+    cache = PagedKVCache(2, 1, 4, num_blocks=8, block_size=4)
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(1)))
+    for s in range(3):
+        cache.add(s)
+    cache.reserve_many({0: 3, 1: 3, 2: 3})
+    before = cache.kv.clone()
+    cache.copy_prefix(0, [1, 2], n)
+    for s in (1, 2):
+        assert torch.equal(cache.kv[:, :, cache.slots(s, 0, n)], before[:, :, cache.slots(0, 0, n)])
+        assert torch.equal(cache.kv[:, :, cache.slots(s, n, 3)], before[:, :, cache.slots(s, n, 3)])
