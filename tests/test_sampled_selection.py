@@ -4,7 +4,8 @@ Two reproductions, each exact (float64 enumeration of the first token's law with
 statistical (generate() on a tiny model, 4,000 copies of one prompt, chi-square on the first new token), and each
 with its negative control, which must fail both: a combined drafter ranking a sampled child by its drawn
 token's score, and a sizer cutting a sampled tree by its own token-dependent shape. Plus the model drafters
-without replacement under top-k and top-p, whose child count depends on the drawn tokens.
+without replacement under top-k and top-p, whose child count depends on the drawn tokens. Then each rule alone on
+the case that breaks it (a draft time, an order, a child's shape, the certificate's earlier shape).
 """
 from __future__ import annotations
 
@@ -163,3 +164,101 @@ def test_model_drafters_without_replacement_keep_the_law_when_sized(monkeypatch,
     assert max(s.step_nodes[0] for s in out.stats) == 2  # ... but cut to the two that pay (the sizer ran)
     p, power = goodness_of_fit([tuple(s[len(PROMPT):]) for s in out.sequences], law, tv=0.07, alpha=1e-3)
     assert power >= 0.9 and p > 1e-3, (p, power)
+
+
+# ---- the rules one at a time, each on the case that breaks it (float64 laws) -----------------------------------
+
+
+def _max_error(verified) -> float:
+    from specdec.eval.selection_law import first_token_law
+
+    return float((first_token_law(TARGET, DRAFT, verified) - TARGET).abs().max())
+
+
+def test_a_sampled_calls_own_draft_time_never_moves_its_cut():
+    """A sampled call's draft time is recorded after its trees are sized: a drafter that is fast exactly when it
+    drew token 0 moved the cut of the tree it drew (a one-node tree whose node pays only behind a slow draft),
+    and the first token's law by TV 0.07."""
+    from specdec.cost_model import CostModel
+
+    costs = CostModel({}, {1: {1: 1.0, 2: 2.0, 8: 1.2, 65: 60.0}})
+
+    def verified(x: int) -> DraftTree:
+        sizer = TreeSizer(costs)
+        sizer.last_shape = [-1]  # an earlier sampled tree of one node
+        seconds = 0.0 if x == 0 else 50 * costs.decode_seconds(1)
+        return sizer.size_call([0], [token_shaped_tree(x)], batch=1, draft_seconds=seconds)[0]
+
+    assert _max_error(verified) < 1e-12
+
+
+def _independent_roots_law(tree: DraftTree) -> torch.Tensor:
+    """The first token's law given a tree of independently drawn root children, tried in node order."""
+    residual, out, weight = TARGET.clone(), torch.zeros_like(TARGET), 1.0
+    for i in range(tree.num_nodes):
+        x, q = int(tree.tokens[i]), tree.draft_probs[i].to(torch.float64)
+        r = residual / residual.sum()
+        a = min(1.0, float(r[x] / q[x]))
+        out[x] += weight * a
+        weight *= 1 - a
+        residual = (r - q).clamp(min=0.0)
+    return out + weight * residual / residual.sum()
+
+
+def test_a_sampled_tree_is_cut_to_a_prefix_of_its_node_order():
+    """Not to its best-rated nodes: here root children r0, r1 are drawn, and two more when r0 drew token 0, whose
+    sibling ranks the sizer has seen accepted most. Verifying r2, r3 instead of r0, r1 exactly when r0 = 0 moved
+    the first token's law by TV 0.07."""
+    import itertools
+
+    from specdec.cost_model import CostModel
+
+    costs = CostModel({}, {1: {1: 1.0, 65: 1.01}})  # verifying is nearly free: the earlier shape pays whole
+    law = torch.zeros_like(TARGET)
+    for r in itertools.product(range(4), repeat=4):
+        n = 4 if r[0] == 0 else 2
+        sizer = TreeSizer(costs)
+        sizer.unscored = {(1, k): [a, 100.0] for k, a in enumerate([30.0, 10.0, 60.0, 60.0])}
+        sizer.last_shape = [-1, -1]
+        tree = sizer.size(0, DraftTree(list(r[:n]), [-1] * n, DRAFT.expand(n, -1), DraftMode.INDEPENDENT), batch=1)
+        assert tree.tokens.tolist() == list(r[:2])
+        law += torch.prod(DRAFT[list(r)]) * _independent_roots_law(tree)
+    assert float((law - TARGET).abs().max()) < 1e-12
+
+
+class _FixedChild:
+    name = "fixed"
+
+    def __init__(self, tree: DraftTree) -> None:
+        self.tree = tree
+
+    def propose(self, seqs):
+        return [self.tree for _ in seqs]
+
+
+def test_the_combined_drafter_values_a_sampled_child_by_its_previous_shape_not_the_drawn_one():
+    """A sampled child whose tree grows when it drew token 0, against a deterministic chain: valued by the tree it
+    drew, it was chosen exactly when it drew token 0 (TV 0.07)."""
+    def verified(x: int) -> DraftTree:
+        sampled, greedy = token_shaped_tree(x), DraftTree([0], [-1], scores=torch.tensor([0.5]))
+        combined = CombinedDrafter([_FixedChild(sampled), _FixedChild(greedy)], mode="best", gate=False)
+        return combined._combine([sampled, greedy])
+
+    assert _max_error(verified) < 1e-12
+
+
+class _OwnShapeOnceKnown(TreeSizer):
+    """Broken: once it has seen any earlier sampled shape, it cuts a sampled tree by its own."""
+
+    def _sampled_prefix(self, seq_id, tree, draft, batch, costs):
+        if self.shapes.get(seq_id, self.last_shape) is None:
+            return tree.num_nodes
+        return ShapeAwareSizer._sampled_prefix(self, seq_id, tree, draft, batch, costs)
+
+
+def test_the_certificates_sizer_case_has_seen_an_earlier_shape():
+    """Its sizer must know an earlier sampled shape, the only state in which a cut is possible: without one, a
+    sizer that cuts by the tree's own shape once it knows any passed the certificate."""
+    from specdec.eval.selection_law import sizer_case
+
+    assert sizer_case(_OwnShapeOnceKnown).max_error() > 0.05
