@@ -81,6 +81,15 @@ def test_merged_tree_never_exceeds_64_nodes_and_keeps_the_best_paths():
         assert kept == pytest.approx(all_paths[:MAX_TREE_NODES], rel=1e-6)
 
 
+def test_merge_mode_caps_its_merged_tree_at_max_nodes():
+    """The only other test of the cap used 64, the default: a merge ignoring max_nodes passed it."""
+    a = DraftTree([1, 2, 3], [-1, 0, 1], scores=torch.tensor([0.9, 0.8, 0.7]))
+    b = DraftTree([4, 5, 6], [-1, 0, 1], scores=torch.tensor([0.6, 0.5, 0.4]))
+    merged = CombinedDrafter([Scripted([[1]]), Scripted([[4]])], mode="merge", max_nodes=3, gate=False)._combine([a, b])
+    # the three best path scores of the union: [1] 0.9, [1, 2] 0.72, [4] 0.6 (not [1, 2, 3]: 0.504)
+    assert merged.tokens.tolist() == [1, 2, 4] and merged.parents.tolist() == [-1, 0, -1]
+
+
 def _union_path_scores(trees: list[DraftTree]) -> dict[tuple[int, ...], float]:
     """Path -> path score of the uncapped union (max node score per shared node), computed independently."""
     node_best: dict[tuple[int, ...], float] = {}
