@@ -172,3 +172,17 @@ def test_impossible_draft_is_never_accepted_and_never_recovered():
     for _ in range(100):
         acc = rejection_sample([tree], logits, SamplingConfig(do_sample=True), g)[0]
         assert len(acc.accepted_nodes) == 0 and acc.next_token in (0, 2)
+
+
+def test_a_sampled_walk_that_accepts_a_leaf_tries_no_deeper_level():
+    """Root children: a leaf (token 1) and a branch 2 -> 3; the target puts all its mass on token 1. Accepting the
+    leaf ends the walk, so level 2 was not tried, sampled as greedy (counting the leaf's row as trying its
+    children made the sampled acceptance per depth, eval's and the stats', disagree with greedy's)."""
+    tree = DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, -1, 1]))
+    logits = torch.full((1, 4, 5), -30.0)
+    logits[0, :, 1] = 30.0
+    sampled = rejection_sample([tree], logits, SamplingConfig(do_sample=True), torch.Generator().manual_seed(0))[0]
+    greedy = rejection_sample([tree], logits, SamplingConfig(), None)[0]
+    assert sampled.accepted_nodes == greedy.accepted_nodes == (0,)
+    assert sampled.depth_tried == greedy.depth_tried == (1, 0)
+    assert sampled.depth_accepted == greedy.depth_accepted == (1, 0)

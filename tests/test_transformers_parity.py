@@ -449,6 +449,27 @@ def test_top_p_cuts_where_transformers_cuts_also_for_float64_logits():
     assert torch.equal(kept, want > float("-inf"))
 
 
+def test_the_float64_paths_cut_is_transformers_float32_division_by_the_temperature():
+    """Float64 logits are cut where transformers cuts their float32 values, divided by the temperature in float32:
+    divided in float64 and then rounded, 3 of these 80 rows at min-p's boundary (ulps apart) kept another set."""
+    import math
+
+    from specdec.sampling import sampling_logits
+
+    x = torch.tensor(-0.7 * math.log(2), dtype=torch.float32)
+    for _ in range(40):
+        x = torch.nextafter(x, torch.tensor(-1.0))
+    sampling = specdec.SamplingConfig(True, 0.7, min_p=0.5)
+    warpers = [transformers.TemperatureLogitsWarper(0.7), transformers.MinPLogitsWarper(0.5)]
+    for _ in range(80):
+        row = torch.tensor([[1.0, 1.0 + x.item(), -5.0]], dtype=torch.float32)
+        want = row.clone()
+        for w in warpers:
+            want = w(None, want)
+        assert torch.equal(sampling_logits(row.double(), sampling) > float("-inf"), want > float("-inf")), row
+        x = torch.nextafter(x, torch.tensor(1.0))
+
+
 @pytest.mark.parametrize("kw", [dict(min_p=1.0), dict(temperature=0.6, top_h=1e-6), dict(typical_p=1e-6),
                                 dict(temperature=1.5, epsilon_cutoff=0.999)], ids=str)
 @pytest.mark.parametrize("drafter", [None, "ngram"])
