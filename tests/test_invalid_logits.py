@@ -92,3 +92,29 @@ def test_no_warper_setting_removes_a_nan_score(kw):
     for dtype in (torch.float32, torch.float64):
         warped = sampling_logits(logits.to(dtype), SamplingConfig(True, 0.9, **kw))
         assert torch.equal(warped.isnan(), nan_at)
+
+
+def test_a_drafted_eos_before_a_row_without_a_law_ends_the_sequence_as_plain_decoding_does():
+    """After an accepted EOS plain decoding never asks for another token; a prefix-only processor that leaves no
+    token after EOS gives the row behind a drafted EOS no law. That row must not be an error (commit drops its
+    token): checking it raised InvalidLogitsError where plain decoding finished."""
+    from specdec.tree import DraftTree
+
+    model = build_tiny_model()
+    prompt = [3, 1, 4, 1, 5]
+    plain = specdec.generate(model, [prompt], max_new_tokens=6)[0][len(prompt):]
+    eos = plain[0]
+
+    class NothingAfterEos:
+        def __call__(self, input_ids, scores):
+            return scores.masked_fill(input_ids[:, -1:] == eos, float("-inf"))
+
+    class Oracle:  # plain greedy's next three tokens: the first is the EOS
+        def propose(self, seqs):
+            return [DraftTree.chain(plain[len(s.token_ids) - len(prompt):][:3]) for s in seqs]
+
+    kw = dict(max_new_tokens=6, eos_token_id=eos, logits_processor=[NothingAfterEos()],
+              logits_processor_prefix_only=True, return_dict=True)
+    drafted = specdec.generate(model, [prompt], drafter=Oracle(), speculation="always", **kw)
+    assert drafted.sequences == specdec.generate(model, [prompt], **kw).sequences
+    assert drafted.new_tokens == [[eos]] and drafted.stats[0].finish_reason == "eos"

@@ -11,6 +11,7 @@ variant processing every node with the root's prefix fails); each node's rows ge
 log-probabilities equal transformers' processed scores and do not depend on the drafter."""
 from __future__ import annotations
 
+import logging
 import sys
 
 import pytest
@@ -262,11 +263,13 @@ def test_forced_bos_token_id_acts_where_the_input_is_one_token_wide_as_transform
     """transformers forces it where input_ids.shape[-1] is 1 (an encoder-decoder's decoder start): on a batch of
     one-token prompts, the first new token, and begin_suppress_tokens then acts on the second; never in a wider
     batch, not even on its one-token rows."""
-    first, _ = _first_and_last(model)
     ones = [[7], [5]]
-    kwargs = dict(forced_bos_token_id=9, begin_suppress_tokens=first)
+    forced = hf_batch(model, ones, forced_bos_token_id=9)
+    # suppressing what each row gives after the forced BOS: acting on the first new token instead changed nothing
+    second = sorted(set(forced[:, 2].tolist()))
+    kwargs = dict(forced_bos_token_id=9, begin_suppress_tokens=second)
     ref = hf_batch(model, ones, **kwargs)
-    assert ref[:, 1].tolist() == [9, 9]
+    assert ref[:, 1].tolist() == [9, 9] and not set(ref[:, 2].tolist()) & set(second)
     ids, mask = left_padded(ones)
     for drafter, options in ((None, None), ("draft-model", {"model": model, "num_draft_tokens": 4})):
         assert _equal(specdec.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, drafter=drafter,
@@ -560,6 +563,18 @@ def test_greedy_logprobs_equal_transformers_processed_scores_with_and_without_dr
                               **kwargs)
     assert mapped.logprobs == plain.logprobs
     assert specdec.generate(model, PROMPTS, max_new_tokens=4, return_dict=True).logprobs is None
+
+
+def test_greedy_logprobs_ignore_the_sampling_options_greedy_decoding_ignores(model, caplog):
+    """A greedy call that carries temperature / top-k (many hub models' generation configs do) is told they are
+    ignored; its log-probabilities must ignore them too, as transformers' scores do."""
+    with caplog.at_level(logging.WARNING, logger="specdec.generate"):
+        out = specdec.generate(model, PROMPTS[:1], max_new_tokens=NEW, do_sample=False, temperature=0.5, top_k=3,
+                               output_logprobs=True, return_dict=True)
+    assert "these sampling options are ignored" in caplog.text
+    plain = specdec.generate(model, PROMPTS[:1], max_new_tokens=NEW, output_logprobs=True, return_dict=True)
+    assert out.new_tokens == plain.new_tokens
+    assert torch.allclose(torch.tensor(out.logprobs[0]), torch.tensor(plain.logprobs[0]), atol=1e-6)
 
 
 def test_sampled_logprobs_are_after_the_processors_and_the_sampling_transform(model):
