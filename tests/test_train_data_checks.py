@@ -262,10 +262,11 @@ def test_medusa_scores_responses_alone_and_chooses_its_tree_from_them(tmp_path):
     which repeats in every sequence and is easy to predict, promised more than drafting a reply gets (EAGLE's
     report already kept the responses apart)."""
     from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
-    from specdec.testing import build_tiny_model
     from specdec.train.choices import choose_tree
     from specdec.train.evaluate import head_accuracies
     from specdec.train.pipeline import _finish_medusa
+
+    from specdec.testing import build_tiny_model
 
     torch.manual_seed(0)
     model = build_tiny_model()
