@@ -88,6 +88,20 @@ def test_queued_steps_give_plain_decodings_tokens(loaded, monkeypatch):
     assert ahead.cache.num_free_blocks == ahead.cache.num_blocks - 1  # only the scratch slot's block is held
 
 
+def test_queued_steps_after_the_first_sequence_stops(loaded):
+    """The first sequence of the batch stops while the later ones go on: the rows still running are then not a
+    prefix of the batch (in the test above the last stops first, and they always were), and a queued step that
+    took the batch's first rows' tokens gave the others another text."""
+    runner = loaded.runner
+    prompts = ragged_prompts(3, VOCAB, seed=4, max_len=12)
+    free, _, _ = run(runner, prompts, StopCriteria(10), queue_ahead=False)
+    eos = next(t for t in free[0][1:4] if t not in free[1] + free[2])  # stops sequence 0 alone, early
+    stop = StopCriteria(10, eos_token_ids={eos})
+    want, reasons, _ = run(runner, prompts, stop, queue_ahead=False)
+    assert reasons[0] == "eos" and reasons[1:] == ["length", "length"]
+    assert run(runner, prompts, stop, queue_ahead=True)[:2] == (want, reasons)
+
+
 def test_sampled_steps_draw_what_plain_sampling_draws(loaded, monkeypatch):
     """Standard sampling from a seeded generator: a batch stopping by length, and one sequence stopping on an EOS
     (the thrown-away step draws after the last token), give the text of steps read first."""

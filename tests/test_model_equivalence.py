@@ -28,9 +28,19 @@ def new_cache(runner, num_blocks=64, block_size=4):
     return PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, num_blocks, block_size, runner.dtype)
 
 
+def _random_norms(model, seed: int = 2) -> None:
+    """Every norm weight away from 1 (a tiny model's are all ones, where a forward that ignores them passes)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+
+
 @pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
 def test_logits_match_transformers(variant):
     model = build_tiny_model(variant)
+    _random_norms(model)
     runner = LlamaRunner(model)
     ids = torch.randint(0, model.config.vocab_size, (1, 37), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -47,6 +57,46 @@ def test_logits_match_transformers(variant):
     err = (got - ref).abs().max().item()
     print(f"{variant}: max abs logit diff vs transformers = {err:.3e}")  # shown with pytest -s
     assert err < 1e-4, f"{variant}: max abs logit diff {err}"
+
+
+def test_logits_match_transformers_past_position_256_and_with_a_bfloat16_models_float32_rope_table():
+    """Positions past 256 (where bfloat16 positions would round), and bfloat16 weights beside the float32 inv_freq
+    that from_pretrained(dtype=torch.bfloat16) leaves: the engine's RoPE is transformers' (rounded to the weights'
+    dtype, inv_freq moved logits by ~0.02)."""
+    model = build_tiny_model("llama-gqa-tied")
+    ids = torch.randint(0, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(1))
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-3)):
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+        assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+        runner = LlamaRunner(model)
+        with torch.no_grad():
+            ref = model(ids).logits[0].float()
+        cache = new_cache(runner, num_blocks=128)
+        cache.add(0)
+        err = (run_engine_forward(runner, cache, 0, ids[0].tolist()).float() - ref).abs().amax(-1)
+        assert err[256:].max() < tol and err.max() < tol, (dtype, err[:256].max(), err[256:].max())
+
+
+def test_a_feature_layer_past_the_last_is_the_residual_stream_before_the_final_norm():
+    """Feature id num_layers (EAGLE-3's default for a target of six layers or fewer) is the stream entering the
+    final norm, not the normed hidden state."""
+    model = build_tiny_model("llama-gqa-tied")
+    _random_norms(model)
+    runner = LlamaRunner(model)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    cache = new_cache(runner)
+    cache.add(0)
+    cache.reserve(0, 9)
+    plan = AttentionPlan((seq_attention_from_mask(0, cache.slots(0, 0, 9), 0, None),))
+    got = runner.forward(ids[0], torch.arange(9), plan, cache, torch.arange(9), feature_layers=(layers,))
+    stream = out.hidden_states[layers][0]  # transformers' last hidden state is the normed one
+    assert not torch.allclose(stream, model.model.norm(stream))
+    torch.testing.assert_close(model.model.norm(got.features), out.hidden_states[-1][0], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got.features, out.hidden_states[-1][0], atol=1e-3)
 
 
 def test_tree_nodes_see_only_their_ancestors():
@@ -105,6 +155,9 @@ def test_unsupported_architecture_is_named():
     cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)
     with pytest.raises(UnsupportedModelError, match="llama"):
         LlamaRunner(transformers.GPT2LMHeadModel(cfg))
+    # a Llama whose MLP activation is not SiLU: computed as SiLU, its logits moved by ~0.15
+    with pytest.raises(UnsupportedModelError, match="gelu"):
+        LlamaRunner(build_tiny_model(hidden_act="gelu"))
 
 
 def test_runner_shares_weights():
