@@ -266,6 +266,18 @@ def test_builtin_prompt_vocabulary_takes_the_most_frequent_tokens_and_eos():
     assert builtin_prompt_tokens(tok, 100) == list(range(len(vocab)))  # more than the prompts hold: filled up
 
 
+def test_the_draft_vocabulary_helpers_at_their_edges():
+    """Ties go to the smaller id; the size chosen is the smallest that covers the share asked for; an id past the
+    vocabulary is refused in one line (no test called choose_size, and a bare IndexError stood in for the refusal)."""
+    from specdec.drafters.draft_vocab import DraftVocab, choose_size
+
+    assert frequent_tokens([[5, 3, 9]], 2) == [3, 5]
+    assert choose_size([[7, 8]], 0.5, sizes=(1, 2)) == (1, {1: 0.5})
+    assert choose_size([[7, 8]], 0.9, sizes=(1, 2)) == (2, {1: 0.5, 2: 1.0})
+    with pytest.raises(InputError, match=r"must lie in \[0, 8\)"):
+        DraftVocab([0, 1, 8], vocab_size=8)
+
+
 # ---- training ------------------------------------------------------------------------------------
 def _batch(model):
     ids, mask = features.collate([[1, 5, 9, 2, 7, 3, 3, 8, 4, 4], [4, 4, 6, 1, 2, 9]], "cpu")
