@@ -464,6 +464,7 @@ def test_independent_children_are_drawn_independently():
 
     from specdec.drafters.model_drafter import ModelDrafter
     from specdec.eval.statistics import goodness_of_fit
+
     from specdec.tree import DraftMode
 
     q = torch.tensor([0.4, 0.3, 0.2, 0.1])
