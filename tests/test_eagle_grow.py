@@ -1,5 +1,5 @@
-"""EAGLE's tree growth (drafters/eagle_grow.py) against the layer run along each node's path, and the layout of the
-attention bias its levels read."""
+"""EAGLE's tree growth (drafters/eagle_grow.py) against the layer run along each node's path, the layout of the
+attention bias its levels read, which nodes a level expands, and the scores its trees carry."""
 from __future__ import annotations
 
 import pytest
@@ -88,3 +88,48 @@ def test_levels_read_an_additive_bias_the_gpu_attention_takes_as_it_is(sdpa_mask
         own = mask[:, 0, :, :P] == 0  # [B, K, P]: each query sees its sequence's own cached keys, no padding
         assert torch.equal(own, x.real[:, None].expand_as(own))
         assert set(mask.unique().tolist()) <= {0.0, float("-inf")}
+
+
+def test_each_level_expands_its_best_nodes_by_cumulative_probability():
+    """The nodes a level expands are its top_k by cumulative log-probability (the pool's scoring test passed with
+    the worst ones expanded: the tree then never got past depth 2)."""
+    grower, x = _grower(3)
+    with torch.inference_mode():
+        pool = grower.pool(x, 4)
+    for b in range(B):
+        tokens, parents, cum = pool[b, 0].tolist(), [int(p) for p in pool[b, 1].tolist()], pool[b, 2].tolist()
+        depth = []
+        for p in parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        for d in range(1, max(depth)):
+            level = [j for j in range(len(tokens)) if depth[j] == d]
+            expanded = {p for j, p in enumerate(parents) if depth[j] == d + 1}
+            best = sorted(level, key=lambda j: -cum[j])[: grower.top_k]
+            assert expanded == set(best), (b, d, expanded, best)
+
+
+def test_sampled_draft_logprobs_are_at_the_targets_temperature():
+    """Standard sampling at temperature 0.5: the layer's log-probabilities (which rank the tree and become its
+    scores) are log_softmax(logits / 0.5); the coupled tests take another branch."""
+    grower, _ = _grower(3)
+    grower.sampling = SamplingConfig(True, 0.5)
+    features = torch.randn(1, 2, grower.model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        got = grower.token_logp(features, torch.tensor([5]), 1, torch.tensor([0]))
+        want = F.log_softmax(grower.model.logits(features, grower.lm_head, None).float() / 0.5, dim=-1)
+    torch.testing.assert_close(got, want)
+
+
+def test_an_eagle_trees_scores_are_each_nodes_probability_under_its_parent():
+    """Not the path's cumulative probability: the sizer multiplies scores along a path."""
+    import math
+    from types import SimpleNamespace
+
+    from specdec.drafters.eagle import EagleDrafter
+
+    cond = [0.5, 0.4, 0.3]
+    pools = torch.tensor([[[3.0, 4.0, 5.0], [-1.0, 0.0, 0.0], [math.log(0.5), math.log(0.2), math.log(0.15)],
+                           [math.log(c) for c in cond]]])
+    tree = EagleDrafter._trees(SimpleNamespace(draft_ids=None), pools)[0]
+    assert tree.tokens.tolist() == [3, 4, 5] and tree.parents.tolist() == [-1, 0, 0]
+    torch.testing.assert_close(tree.scores, torch.tensor(cond))
