@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from specdec.drafters.eagle_checkpoint import save_eagle
+from specdec.train.accuracy_table import ALL_POSITIONS_NOTE, accuracy_cells
 from specdec.train.eagle_evaluate import (
     MIN_CHAIN_ACCEPTANCE,
     PAYS_MARGIN,
@@ -93,14 +94,8 @@ def render_markdown(r: dict) -> str:
              f"Accuracies on {r['held_out_sequences']} held-out sequences:" if r["held_out_sequences"]
              else "Accuracies on the TRAINING data (--held-out-fraction 0): optimistic.", "",
              "| draft depth | top-1 | top-5 | top-1, responses only | top-5, responses only |", "|---|---|---|---|---|"]
-    responses = r.get("response_top1") is not None  # self-distilled; n/a: a depth no response position reached
-    resp1 = r.get("response_top1") or [None] * len(r["top1"])
-    resp5 = r.get("response_top5") or [None] * len(r["top1"])
-    for d, (a1, a5, b1, b5) in enumerate(zip(r["top1"], r["top5"], resp1, resp5, strict=True)):
-        extra = f"{number(b1)} | {number(b5)}" if responses else "- | -"
-        lines.append(f"| {d + 1} | {number(a1)} | {number(a5)} | {extra} |")
-    lines += ["", "All positions include each sequence's prompt (the chat template repeats in every sequence and is "
-              "easy to predict); the responses-only columns are what drafting a reply meets."]
+    lines += [f"| {d + 1} | {cells} |" for d, cells in enumerate(accuracy_cells(r))]
+    lines += ["", ALL_POSITIONS_NOTE]
     if r["tree_measurements"]:
         lines += ["", "Tree chosen by speed (greedy, batch 1, held-out chat prompts; plain decoding timed right before "
                   "each candidate on each prompt, speedup = geometric mean of the per-prompt ratios):", "",

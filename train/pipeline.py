@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from specdec.drafters.medusa_heads import save_medusa
+from specdec.train.accuracy_table import ALL_POSITIONS_NOTE, accuracy_cells
 from specdec.train.agreed_interrupts import InterruptsHeld
 from specdec.train.config import SELF_PROMPTS, TrainConfig
 from specdec.train.data import TrainDataError, load_texts, split_held_out, tokenize_texts
@@ -457,14 +458,8 @@ def render_markdown(r: dict) -> str:
              else "Accuracies on the TRAINING data (--held-out-fraction 0): optimistic.", "",
              "| head | predicts | top-1 | top-5 | top-1, responses only | top-5, responses only |",
              "|---|---|---|---|---|---|"]
-    responses = r.get("response_top1") is not None  # self-distilled
-    resp1 = r.get("response_top1") or [None] * len(r["top1"])
-    resp5 = r.get("response_top5") or [None] * len(r["top1"])
-    for i, (a1, a5, b1, b5) in enumerate(zip(r["top1"], r["top5"], resp1, resp5, strict=True)):
-        extra = f"{number(b1)} | {number(b5)}" if responses else "- | -"
-        lines.append(f"| {i} | t+{i + 2} | {number(a1)} | {number(a5)} | {extra} |")
-    lines += ["", "All positions include each sequence's prompt (the chat template repeats in every sequence and is "
-              "easy to predict); the responses-only columns are what drafting a reply meets.", "",
+    lines += [f"| {i} | t+{i + 2} | {cells} |" for i, cells in enumerate(accuracy_cells(r))]
+    lines += ["", ALL_POSITIONS_NOTE, "",
               f"Tree: {len(r['medusa_choices'])} nodes, from the {r.get('tree_accuracies', 'all positions')} "
               f"accuracies; estimated tau {r['estimated_tau']:.3f}"]
     if r["tau"]:
