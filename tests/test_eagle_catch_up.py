@@ -85,3 +85,26 @@ def test_a_rope_tables_rows_are_the_layers_rope_bit_for_bit(dtype, scaling):
         computed = catch_up(eagle, embed, x, past_k, past_v, real)
         gathered = catch_up(eagle, embed, dataclasses.replace(x, rope_table=table), past_k, past_v, real)
     assert all(torch.equal(a, b) for a, b in zip(computed, gathered, strict=True))
+
+
+def test_the_drafters_catch_up_rows_pair_features_as_training_does():
+    """Training pairs the feature at position j with the token at j + 1, read at position j + 1 (query j of
+    train/eagle_loss.py), and the tree's root is the last committed token: rows shifted by one token or position,
+    or a root one position on, passed every test and only lowered the acceptance of a trained layer."""
+    from types import SimpleNamespace
+
+    from specdec.drafters.eagle import EagleDrafter
+
+    hidden = 8
+    ids = [[5, 9, 2, 7, 1, 3], [4, 4, 8, 6]]
+    counts = [5, 2]  # a first call (every row before the root), and a later one (the last two committed)
+    views = [SimpleNamespace(seq_id=b, token_ids=t, noise_key=b, new_hidden=torch.randn(k, hidden))
+             for b, (t, k) in enumerate(zip(ids, counts, strict=True))]
+    drafter = SimpleNamespace(model=SimpleNamespace(eagle3=False), _padded_hidden=EagleDrafter._padded_hidden,
+                              target=SimpleNamespace(runner=SimpleNamespace(dtype=torch.float32, device="cpu")),
+                              kv=SimpleNamespace(gather=lambda ids: (None, None), lengths=lambda ids: [0] * len(ids)))
+    rows = EagleDrafter._catch_up_rows(drafter, views)
+    assert rows.tokens == [[9, 2, 7, 1, 3], [8, 6, 0, 0, 0]]
+    assert rows.positions == [[1, 2, 3, 4, 5], [2, 3, 0, 0, 0]]
+    assert rows.counts == counts and torch.equal(rows.hidden[1, :2], views[1].new_hidden)
+    assert list(EagleDrafter._cached(drafter, views).root_positions) == [5, 3]
