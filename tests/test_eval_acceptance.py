@@ -325,3 +325,29 @@ def test_hf_baseline_runs_the_cells_batches_and_gives_their_tokens(tmp_path, loa
     run_cells(loaded, {"rep": prompts}, cfg, tmp_path)
     assert shapes == [(1, 8), (2, 8), (1, 4)]  # a warm-up call, then the cells' batches
     assert read_cell(cell_path(tmp_path, "hf-greedy", "rep")).new_tokens == sum(map(len, alone))
+
+
+def test_every_summary_field_from_hand_built_cells():
+    """Each derived number of a row, on cells whose prefill, draft and verify times differ (inverted ratios, a
+    prefill left in the decode time, a share or a mean over the wrong count passed every test); identical_to_plain
+    is None when plain's tokens were not recorded, and the report prints NO for a row that differs."""
+    from specdec.eval.acceptance import Cell, summarise
+    from specdec.eval.report import markdown
+
+    plain = Cell("plain", "c", prompts=2, new_tokens=100, steps=100, forward_passes=100, seconds=10.0,
+                 prefill_seconds=2.0, output_sha256="aa")
+    hf = Cell("hf-greedy", "c", prompts=2, new_tokens=100, seconds=4.0)
+    ngram = Cell("ngram", "c", prompts=2, new_tokens=100, steps=50, forward_passes=50, seconds=5.0,
+                 prefill_seconds=3.0, draft_seconds=1.0, verify_seconds=3.0, drafts=40, draft_nodes=200,
+                 output_sha256="bb")
+    row = {r["drafter"]: r for r in summarise({("plain", "c"): plain, ("ngram", "c"): ngram,
+                                               ("hf-greedy", "c"): hf})}["ngram"]
+    assert row["speedup_vs_plain"] == pytest.approx(2.0) and row["speedup_vs_hf"] == pytest.approx(0.8)
+    assert row["decode_speedup_vs_plain"] == pytest.approx(4.0)  # (100 / 2 s) / (100 / 8 s)
+    assert row["draft_share"] == pytest.approx(0.25) and row["mean_tree_nodes"] == pytest.approx(5.0)
+    assert row["identical_to_plain"] is False
+    line = next(x for x in markdown([row], {}).splitlines() if x.startswith("| ngram"))
+    assert "| NO |" in line, line
+    unknown = Cell("plain", "c", prompts=2, new_tokens=100, steps=100, seconds=10.0)  # tokens not recorded
+    same = dataclasses.replace(ngram, output_sha256="aa")
+    assert summarise({("plain", "c"): unknown, ("ngram", "c"): same})[-1]["identical_to_plain"] is None

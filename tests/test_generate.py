@@ -330,3 +330,21 @@ def test_a_model_on_another_gpu_generates_with_that_gpu_current(monkeypatch):
     on_cuda = gen.on_device(torch.device("cuda", 1))  # built without touching CUDA
     assert isinstance(on_cuda, torch.cuda.device) and on_cuda.idx == 1
     assert isinstance(gen.on_device(torch.device("cpu")), contextlib.nullcontext)
+
+
+def test_a_ragged_calls_stats_add_up():
+    """tau of a call is its tokens over its steps (not a mean of per-row tau), each row's tokens per second are its
+    tokens over its own seconds, and a row that stopped on an EOS reports its own time, not the call's."""
+    model = build_tiny_model(vocab_size=32)
+    rep, other = [1, 2, 3, 4] * 6, [5, 9, 7]
+    out = specdec.generate(model, [rep, other], drafter="ngram", speculation="always", max_new_tokens=24,
+                           return_dict=True)
+    assert len({round(s.tau, 6) for s in out.stats}) == 2  # ragged: a mean of per-row tau differs
+    assert out.tau == pytest.approx(sum(s.new_tokens for s in out.stats) / sum(s.steps for s in out.stats))
+    for s in out.stats:
+        assert s.tokens_per_second == pytest.approx(s.new_tokens / s.seconds)
+    eos = specdec.generate(model, [other], max_new_tokens=20)[0][len(other) + 2]
+    out = specdec.generate(model, [other, rep], max_new_tokens=20, eos_token_id=eos, return_dict=True)
+    early, full = out.stats
+    assert early.finish_reason == "eos" and full.finish_reason == "length"
+    assert early.seconds < 0.5 * full.seconds  # one token of twenty (the call's time was ~7x it)
