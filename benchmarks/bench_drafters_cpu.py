@@ -353,8 +353,6 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
             options = dict(options)
             speculation = options.pop("speculation", args.speculation)
             drafter = name() if callable(name) else name
-            if drafter is None:  # plain rows: generate() would warn that a speculation setting is ignored
-                speculation = "auto"
             if args.cold:
                 forget_guard()
             cpu = time.process_time()

@@ -90,8 +90,8 @@ def main() -> None:
 
     def run(spec, ids):
         name, options = spec
-        kw = sampling if name is not None else {k: v for k, v in sampling.items() if k != "speculation"}  # plain
-        return time_specdec(loaded, ids, args.max_new_tokens, drafter=name, drafter_options=options or None, **kw)
+        return time_specdec(loaded, ids, args.max_new_tokens, drafter=name, drafter_options=options or None,
+                            **sampling)
 
     warm = chat_ids(loaded.tokenizer, "Hello!")
     for spec in table.values():
