@@ -14,7 +14,7 @@ import torch
 from specdec.drafters.base import SequenceView, TokenView
 from specdec.drafters.combined import CombinedDrafter
 from specdec.eval.negative_controls import ScoreChoosingCombined, ShapeAwareSizer
-from specdec.eval.selection_law import DRAFT, TARGET, selection_cases, token_shaped_tree
+from specdec.eval.selection_law import DRAFT, TARGET, SelectionCase, selection_cases, token_shaped_tree
 from specdec.eval.statistics import goodness_of_fit
 
 from specdec.generate import generate
@@ -169,12 +169,6 @@ def test_model_drafters_without_replacement_keep_the_law_when_sized(monkeypatch,
 # ---- the rules one at a time, each on the case that breaks it (float64 laws) -----------------------------------
 
 
-def _max_error(verified) -> float:
-    from specdec.eval.selection_law import first_token_law
-
-    return float((first_token_law(TARGET, DRAFT, verified) - TARGET).abs().max())
-
-
 def test_a_sampled_calls_own_draft_time_never_moves_its_cut():
     """A sampled call's draft time is recorded after its trees are sized: a drafter that is fast exactly when it
     drew token 0 moved the cut of the tree it drew (a one-node tree whose node pays only behind a slow draft),
@@ -189,7 +183,7 @@ def test_a_sampled_calls_own_draft_time_never_moves_its_cut():
         seconds = 0.0 if x == 0 else 50 * costs.decode_seconds(1)
         return sizer.size_call([0], [token_shaped_tree(x)], batch=1, draft_seconds=seconds)[0]
 
-    assert _max_error(verified) < 1e-12
+    assert SelectionCase("", TARGET, DRAFT, verified).max_error() < 1e-12
 
 
 def _independent_roots_law(tree: DraftTree) -> torch.Tensor:
@@ -244,7 +238,7 @@ def test_the_combined_drafter_values_a_sampled_child_by_its_previous_shape_not_t
         combined = CombinedDrafter([_FixedChild(sampled), _FixedChild(greedy)], mode="best", gate=False)
         return combined._combine([sampled, greedy])
 
-    assert _max_error(verified) < 1e-12
+    assert SelectionCase("", TARGET, DRAFT, verified).max_error() < 1e-12
 
 
 class _OwnShapeOnceKnown(TreeSizer):
