@@ -288,3 +288,42 @@ def test_medusa_scores_responses_alone_and_chooses_its_tree_from_them(tmp_path):
     assert report["response_top1"] == pytest.approx(part["top1"]) and report["top1"] == pytest.approx(whole["top1"])
     md = (tmp_path / "report.md").read_text()
     assert "| top-1, responses only |" in md and "from the responses accuracies" in md
+
+
+def test_reports_score_all_positions_and_the_responses_in_one_forward_of_the_target(tmp_path, monkeypatch):
+    """train-medusa and train-eagle scored the held-out data twice (all positions, then the responses alone), each
+    time running the target over all of it. One forward now gives both tallies, and each equals its own pass."""
+    from specdec.drafters.eagle_model import EagleConfig, EagleModel
+    from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
+    from specdec.train import eagle_evaluate, evaluate
+    from specdec.train.eagle_report import finish_eagle
+    from specdec.train.pipeline import _finish_medusa
+
+    from specdec.testing import build_tiny_model
+
+    torch.manual_seed(0)
+    model = build_tiny_model()
+    heads = MedusaHeads(MedusaConfig(2, 1, model.config.hidden_size, model.config.vocab_size))
+    eagle = EagleModel(EagleConfig.for_target(model.config))
+    seqs = [[(i * 5 + j) % 90 + 1 for j in range(12)] for i in range(3)]  # one batch of the default 4
+    starts = {tuple(s): 6 for s in seqs}
+    apart = (evaluate.head_accuracies(model, heads, seqs), evaluate.head_accuracies(model, heads, seqs, starts=[6] * 3),
+             eagle_evaluate.eagle_accuracies(model, eagle, seqs, 2),
+             eagle_evaluate.eagle_accuracies(model, eagle, seqs, 2, starts=[6] * 3))
+    forwards = []
+    for module in (evaluate, eagle_evaluate):
+        real = module.target_features
+        monkeypatch.setattr(module, "target_features", lambda *a, _real=real, **k: forwards.append(1) or _real(*a, **k))
+    loaded = SimpleNamespace(model=model, tokenizer=None, name="tiny")
+    accelerator, times = SimpleNamespace(device="cpu", num_processes=1), {"start": 0, "data": 0, "train": 0}
+    medusa = _finish_medusa(TrainConfig(model="m", output_dir=str(tmp_path / "m"), tree_budget=6, eval_tau=False),
+                            loaded, model, heads, [{"step": 1, "loss": 2.5}], seqs, seqs, accelerator, times, starts)
+    assert len(forwards) == 1
+    cfg = TrainConfig(model="m", output_dir=str(tmp_path / "e"), drafter="eagle", eagle_steps=2, eval_tau=False)
+    eagle_out = finish_eagle(cfg, loaded, eagle, [{"step": 1, "loss": 2.5}], seqs, seqs, {"size": None}, times,
+                             accelerator, starts)
+    assert len(forwards) == 2
+    got = (medusa["top1"], medusa["response_top1"], eagle_out["top1"], eagle_out["response_top1"])
+    assert list(got) == [r["top1"] for r in apart]
+    assert evaluate.scoped_head_accuracies(model, heads, seqs, [None, [6] * 3]) == list(apart[:2])
+    assert eagle_evaluate.scoped_eagle_accuracies(model, eagle, seqs, 2, [None, [6] * 3]) == list(apart[2:])

@@ -810,7 +810,8 @@ between_runs = torch.distributed.new_group(backend="gloo", timeout=timedelta(sec
 accelerate.Accelerator.end_training = lambda self: None
 rank, args, out = int(os.environ["RANK"]), json.loads(sys.argv[1]), Path(sys.argv[2])
 armed, batches = [None], []
-real_generate, real_build, real_accuracies = generate.generate, features.FeatureCache.build, evaluate.head_accuracies
+real_generate, real_build, real_accuracies = generate.generate, features.FeatureCache.build, \
+    evaluate.scoped_head_accuracies
 
 def distilling(*a, **k):
     batches.append(1)
@@ -828,7 +829,7 @@ def evaluating(*a, **k):
         os.kill(os.getpid(), signal.SIGTERM)
     return real_accuracies(*a, **k)
 
-generate.generate, evaluate.head_accuracies = distilling, evaluating
+generate.generate, evaluate.scoped_head_accuracies = distilling, evaluating
 features.FeatureCache.build = staticmethod(building)
 codes, kept, generated = [], None, []
 for name, phase, extra in (("full", None, []), ("part", "distill", []), ("part", "features", []),

@@ -49,30 +49,40 @@ def tree_from_accuracies(top1: list[float], train_depth: int, candidates=TREE_CA
     return max((c for c in candidates if c[0] <= depth), key=lambda c: (c[0], c[2])), chain
 
 
-@torch.no_grad()
 def eagle_accuracies(model, eagle, seqs: list[list[int]], steps: int, batch_size: int = 4, device="cpu",
                      starts: list[int] | None = None) -> dict:
     """Per-depth top-1 / top-5 against the target's own tokens; with ``starts`` (per sequence, the first position
     to score, e.g. its response's), tokens before it are not counted."""
-    hits1 = [0] * steps
-    hits5 = [0] * steps
-    counts = [0] * steps
+    return scoped_eagle_accuracies(model, eagle, seqs, steps, [starts], batch_size, device)[0]
+
+
+@torch.no_grad()
+def scoped_eagle_accuracies(model, eagle, seqs: list[list[int]], steps: int, scopes: list[list[int] | None],
+                            batch_size: int = 4, device="cpu") -> list[dict]:
+    """:func:`eagle_accuracies` for each scope (None: every position; else per sequence the first position scored),
+    from one forward of the target over ``seqs``: all positions and the responses alone cost one pass, not two."""
+    hits1 = [[0] * steps for _ in scopes]
+    hits5 = [[0] * steps for _ in scopes]
+    counts = [[0] * steps for _ in scopes]
     embed_w = model.get_input_embeddings().weight
     lm_w = model.get_output_embeddings().weight
     for start in range(0, len(seqs), batch_size):
         ids, mask = collate(seqs[start : start + batch_size], device)
         hidden, labels = target_features(model, ids, mask, eagle.config.feature_layers)
-        if starts is not None:  # query j scores position j + 2, read through mask[j + 1]
-            for b, first in enumerate(starts[start : start + batch_size]):
-                mask[b, : max(0, first - 1)] = 0
-        top5: list[int] = []
-        _, correct, count = eagle_loss(eagle, ids, hidden, labels, mask, embed_w, lm_w, steps=steps, top5=top5)
-        for d in range(steps):
-            hits1[d] += correct[d]
-            hits5[d] += top5[d]
-            counts[d] += count[d]
-    return {"top1": [h / max(1, n) for h, n in zip(hits1, counts, strict=True)],
-            "top5": [h / max(1, n) for h, n in zip(hits5, counts, strict=True)], "positions": counts}
+        for s, starts in enumerate(scopes):
+            scored = mask.clone()
+            if starts is not None:  # query j scores position j + 2, read through scored[j + 1]
+                for b, first in enumerate(starts[start : start + batch_size]):
+                    scored[b, : max(0, first - 1)] = 0
+            top5: list[int] = []
+            _, correct, count = eagle_loss(eagle, ids, hidden, labels, scored, embed_w, lm_w, steps=steps, top5=top5)
+            for d in range(steps):
+                hits1[s][d] += correct[d]
+                hits5[s][d] += top5[d]
+                counts[s][d] += count[d]
+    return [{"top1": [h / max(1, n) for h, n in zip(hits1[s], counts[s], strict=True)],
+             "top5": [h / max(1, n) for h, n in zip(hits5[s], counts[s], strict=True)], "positions": counts[s]}
+            for s in range(len(scopes))]
 
 
 def _run(loaded, ids, max_new_tokens: int, drafter=None, **config) -> tuple[float, float]:

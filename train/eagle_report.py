@@ -20,7 +20,7 @@ from specdec.train.eagle_evaluate import (
     MIN_CHAIN_ACCEPTANCE,
     PAYS_MARGIN,
     choose_tree_by_speed,
-    eagle_accuracies,
+    scoped_eagle_accuracies,
     tree_from_accuracies,
     tree_pays,
 )
@@ -34,12 +34,13 @@ def finish_eagle(cfg, loaded, eagle, history, held_out, train_seqs, vocab_info: 
                  accelerator, prompt_lengths: dict | None = None) -> dict:
     out = Path(cfg.output_dir)
     data = held_out or train_seqs
-    acc = eagle_accuracies(loaded.model, eagle, data, cfg.eagle_steps, device=accelerator.device)
+    # self-distilled: the responses alone too (a chat template is easy to predict and inflates acc)
+    scopes = [None] + ([[prompt_lengths.get(tuple(s), 0) for s in data]] if prompt_lengths else [])
+    acc, *responses = scoped_eagle_accuracies(loaded.model, eagle, data, cfg.eagle_steps, scopes,
+                                              device=accelerator.device)
     acc = {**acc, "top1": measured(acc["top1"], acc["positions"]), "top5": measured(acc["top5"], acc["positions"])}
-    if prompt_lengths:  # self-distilled: the responses alone (a chat template is easy to predict and inflates acc)
-        starts = [prompt_lengths.get(tuple(s), 0) for s in data]
-        acc_r = eagle_accuracies(loaded.model, eagle, data, cfg.eagle_steps, device=accelerator.device,
-                                 starts=starts)
+    if responses:
+        acc_r = responses[0]
         acc = {**acc, "response_top1": measured(acc_r["top1"], acc_r["positions"]),
                "response_top5": measured(acc_r["top5"], acc_r["positions"])}
     tree_table: list[dict] = []

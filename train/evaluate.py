@@ -23,7 +23,6 @@ def eval_prompts(n: int) -> list[str]:
 MAX_RANK = 10
 
 
-@torch.no_grad()
 def head_accuracies(model, heads, seqs: list[list[int]], batch_size: int = 4, device="cpu",
                     starts: list[int] | None = None) -> dict:
     """rank_acc[i][k] = P(the target's token is head i's rank-k guess); top1/top5 are its prefix sums.
@@ -31,9 +30,17 @@ def head_accuracies(model, heads, seqs: list[list[int]], batch_size: int = 4, de
     Heads over a reduced draft vocabulary rank only its N tokens (ranks mapped back to token ids); a
     target token outside it is a miss at every rank, so the accuracies are those the drafter gets. With
     ``starts`` (per sequence, the first position to score, e.g. its response's), tokens before it are not counted."""
+    return scoped_head_accuracies(model, heads, seqs, [starts], batch_size, device)[0]
+
+
+@torch.no_grad()
+def scoped_head_accuracies(model, heads, seqs: list[list[int]], scopes: list[list[int] | None], batch_size: int = 4,
+                           device="cpu") -> list[dict]:
+    """:func:`head_accuracies` for each scope (None: every position; else per sequence the first position scored),
+    from one forward of the target over ``seqs``: all positions and the responses alone cost one pass, not two."""
     n = heads.config.num_heads
-    hits = torch.zeros(n, MAX_RANK, dtype=torch.float64)
-    counts = torch.zeros(n, dtype=torch.float64)
+    hits = torch.zeros(len(scopes), n, MAX_RANK, dtype=torch.float64)
+    counts = torch.zeros(len(scopes), n, dtype=torch.float64)
     lm_w = model.get_output_embeddings().weight
     rows = heads.lm_rows(lm_w)  # [draft_size, hidden]
     vocab = heads.vocab()
@@ -41,29 +48,30 @@ def head_accuracies(model, heads, seqs: list[list[int]], batch_size: int = 4, de
     for start in range(0, len(seqs), batch_size):
         ids, mask = collate(seqs[start : start + batch_size], device)
         hidden, labels = target_features(model, ids, mask)
-        if starts is not None:  # labels[m] is the token at m + 1, scored through mask[m]
-            for b, first in enumerate(starts[start : start + batch_size]):
-                mask[b, : max(0, first - 1)] = 0
-        for i in range(n):
-            shift = 1 + i
-            if hidden.shape[1] <= shift:
-                continue
-            valid = mask[:, shift:].bool()
-            x = heads.heads[i](hidden[:, :-shift][valid])
-            logits = torch.nn.functional.linear(x, rows) if heads.config.shared_lm_head else x
-            ranks = logits.topk(k, dim=-1).indices  # [N, k] best first, columns of the heads' logits
-            if vocab is not None:
-                ranks = vocab.to_full(ranks)  # -> token ids
-            eq = ranks == labels[:, shift:][valid].unsqueeze(-1)
-            hits[i, :k] += eq.sum(0).double().cpu()
-            counts[i] += eq.shape[0]
-    rank_acc = (hits / counts.clamp(min=1).unsqueeze(-1)).tolist()
-    return {
-        "rank_acc": rank_acc,
-        "top1": [r[0] for r in rank_acc],
-        "top5": [sum(r[:5]) for r in rank_acc],
-        "positions": counts.tolist(),
-    }
+        for s, starts in enumerate(scopes):
+            scored = mask.clone()
+            if starts is not None:  # labels[m] is the token at m + 1, scored through scored[m]
+                for b, first in enumerate(starts[start : start + batch_size]):
+                    scored[b, : max(0, first - 1)] = 0
+            for i in range(n):
+                shift = 1 + i
+                if hidden.shape[1] <= shift:
+                    continue
+                valid = scored[:, shift:].bool()
+                x = heads.heads[i](hidden[:, :-shift][valid])
+                logits = torch.nn.functional.linear(x, rows) if heads.config.shared_lm_head else x
+                ranks = logits.topk(k, dim=-1).indices  # [N, k] best first, columns of the heads' logits
+                if vocab is not None:
+                    ranks = vocab.to_full(ranks)  # -> token ids
+                eq = ranks == labels[:, shift:][valid].unsqueeze(-1)
+                hits[s, i, :k] += eq.sum(0).double().cpu()
+                counts[s, i] += eq.shape[0]
+    out = []
+    for s in range(len(scopes)):
+        rank_acc = (hits[s] / counts[s].clamp(min=1).unsqueeze(-1)).tolist()
+        out.append({"rank_acc": rank_acc, "top1": [r[0] for r in rank_acc], "top5": [sum(r[:5]) for r in rank_acc],
+                    "positions": counts[s].tolist()})
+    return out
 
 
 DYNAMIC_TOP_K = 20  # candidates per head of the dynamic eval tree

@@ -337,18 +337,16 @@ def _finish_medusa(cfg: TrainConfig, loaded, model, heads, history: list[dict], 
     Self-distilled (``prompt_lengths``), the tree is chosen from the accuracies on the responses: the chat template
     repeats in every sequence and is easy to predict, so all positions promised more than drafting a reply gets."""
     from specdec.train.choices import choose_tree
-    from specdec.train.evaluate import eval_prompts, head_accuracies, measure_tau
+    from specdec.train.evaluate import eval_prompts, measure_tau, scoped_head_accuracies
 
     out = Path(cfg.output_dir)
     # --held-out-fraction 0: accuracies on training data, and the report says so
     data = held_out or train_seqs
-    acc = head_accuracies(model, heads, data, device=accelerator.device)
-    responses = None
-    if prompt_lengths:
-        responses = head_accuracies(model, heads, data, device=accelerator.device,
-                                    starts=[prompt_lengths.get(tuple(s), 0) for s in data])
-        if not responses["positions"][0]:  # no response position reached (refused or warned about earlier)
-            responses = None
+    scopes = [None] + ([[prompt_lengths.get(tuple(s), 0) for s in data]] if prompt_lengths else [])
+    acc, *responses_or_none = scoped_head_accuracies(model, heads, data, scopes, device=accelerator.device)
+    responses = responses_or_none[0] if responses_or_none else None
+    if responses is not None and not responses["positions"][0]:  # no response position reached (warned earlier)
+        responses = None
     choices, est_tau = choose_tree((responses or acc)["rank_acc"], cfg.tree_budget)
     heads.config = dataclasses.replace(heads.config, medusa_choices=tuple(choices))
     save_medusa(heads, out)
