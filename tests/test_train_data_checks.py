@@ -152,7 +152,9 @@ def test_resuming_a_finished_run_whose_history_is_gone_writes_its_report(tiny, t
     cfg = dict(model=str(tiny / "model"), output_dir=str(tmp_path / "run"), data=str(tiny / "data.jsonl"),
                num_heads=3, seq_len=3, batch_size=4, max_steps=2, save_every=2, eval_tau=False, progress=False,
                held_out_fraction=0.2)
-    run_training(TrainConfig(**cfg))
+    first = run_training(TrainConfig(**cfg))
+    assert first["seconds"]["resumed_from_step"] is None
+    assert "resumed" not in (tmp_path / "run" / "report.md").read_text()
     (tmp_path / "run" / "history.jsonl").unlink()
     (tmp_path / "run" / "report.md").unlink()
     report = run_training(TrainConfig(**cfg, resume=True))
@@ -160,6 +162,8 @@ def test_resuming_a_finished_run_whose_history_is_gone_writes_its_report(tiny, t
     md = (tmp_path / "run" / "report.md").read_text()
     assert "final loss n/a" in md and "| 2 | t+4 | n/a | n/a |" in md
     assert report["steps"] == 2 and "2 steps on" in md  # the checkpoint's: "0 steps" for heads trained 2
+    # its training seconds are this run's (none of the 2 steps), and the report says so rather than pass them for all
+    assert report["seconds"]["resumed_from_step"] == 2 and "training 0 s (this run's, resumed at step 2)" in md
 
 
 def test_an_eagle_report_without_a_final_loss_renders():

@@ -26,6 +26,7 @@ from specdec.train.eagle_evaluate import (
 )
 from specdec.train.loop import number
 from specdec.train.pipeline import measured, trained_steps
+from specdec.train.run_seconds import run_seconds, wall_time_line
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,7 @@ def finish_eagle(cfg, loaded, eagle, history, held_out, train_seqs, vocab_info: 
         "response_top1": acc.get("response_top1"), "response_top5": acc.get("response_top5"),
         "tree": {"depth": eagle.config.depth, "top_k": eagle.config.top_k, "max_nodes": eagle.config.max_nodes},
         "tree_choice": choice, "tree_measurements": tree_table,
-        "seconds": {"data": times["data"] - times["start"], "train": times["train"] - times["data"],
-                    "eval": t_end - times["train"], "total": t_end - times["start"]},
+        "seconds": run_seconds(times, t_end),
         "processes": accelerator.num_processes,
     }
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -127,7 +127,5 @@ def render_markdown(r: dict) -> str:
                   "pays on a machine was not measured."]
     else:
         lines += ["", saved + " (not measured)."]
-    s = r["seconds"]
-    lines += ["", f"Wall time: data {s['data']:.0f} s, training {s['train']:.0f} s, evaluation {s['eval']:.0f} s, "
-              f"total {s['total']:.0f} s", ""]
+    lines += ["", wall_time_line(r["seconds"]), ""]
     return "\n".join(lines)

@@ -31,6 +31,7 @@ from specdec.train.medusa_recipe import train_heads
 from specdec.train.output_dir import RUN_FILE, prepare_output_dir
 from specdec.train.process_failures import FailureNotes
 from specdec.train.process_team import Team
+from specdec.train.run_seconds import run_seconds, wall_time_line
 
 from specdec.folder_lock import only_writer
 from specdec.models.fingerprint import model_fingerprint
@@ -354,7 +355,6 @@ def _finish_medusa(cfg: TrainConfig, loaded, model, heads, history: list[dict], 
     if cfg.eval_tau:
         tau = measure_tau(loaded, heads, choices, eval_prompts(cfg.eval_prompts),
                           cfg.eval_max_new_tokens, progress=cfg.progress, tree=cfg.eval_tree)
-    t0, t_data, t_train, t_end = times["start"], times["data"], times["train"], time.perf_counter()
     report = {
         "config": cfg.to_json(), "model": loaded.name, "train_sequences": len(train_seqs),
         "held_out_sequences": len(held_out), "accuracy_data": "held-out" if held_out else "training",
@@ -366,8 +366,7 @@ def _finish_medusa(cfg: TrainConfig, loaded, model, heads, history: list[dict], 
         "response_top5": responses and measured(responses["top5"], responses["positions"]),
         "rank_acc": (responses or acc)["rank_acc"], "tree_accuracies": "responses" if responses else "all positions",
         "medusa_choices": [list(c) for c in choices], "estimated_tau": est_tau, "tau": tau,
-        "seconds": {"data": t_data - t0, "train": t_train - t_data, "eval": t_end - t_train,
-                    "total": t_end - t0},
+        "seconds": run_seconds(times, time.perf_counter()),
         "processes": accelerator.num_processes,
     }
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -417,8 +416,9 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
             logger.info("%d training / %d held-out sequences (%d / %d tokens)", len(train_seqs), len(held_out),
                         sum(map(len, train_seqs)), sum(map(len, held_out)))
             t_data = time.perf_counter()
+            resumed_at = _step_of(resume_from)  # before training replaces that checkpoint
             heads, history, vocab_info = _train(cfg, loaded, model, train_seqs, accelerator, resume_from)
-        times = {"start": t0, "data": t_data, "train": time.perf_counter()}
+        times = {"start": t0, "data": t_data, "train": time.perf_counter(), "resumed_from_step": resumed_at}
         if not accelerator.is_main_process:
             return {}
         if cfg.drafter == "eagle":
@@ -428,6 +428,12 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
                                 prompt_lengths)
         return _finish_medusa(cfg, loaded, model, heads, history, held_out, train_seqs, accelerator, times,
                               prompt_lengths)
+
+
+def _step_of(checkpoint: Path | None) -> int | None:
+    from specdec.train.checkpoint import read_state
+
+    return None if checkpoint is None else int(read_state(checkpoint)["step"])
 
 
 def trained_steps(out: Path, history: list[dict]) -> int:
@@ -464,7 +470,5 @@ def render_markdown(r: dict) -> str:
         t = r["tau"]
         lines.append(f"Measured tau (greedy, {t['prompts']} held-out chat prompts, {t['max_new_tokens']} new tokens, "
                      f"{t['tree']} tree of {t['tree_nodes']} nodes): **{t['tau']:.3f}**")
-    s = r["seconds"]
-    lines += ["", f"Wall time: data {s['data']:.0f} s, training {s['train']:.0f} s, evaluation {s['eval']:.0f} s, "
-              f"total {s['total']:.0f} s", ""]
+    lines += ["", wall_time_line(r["seconds"]), ""]
     return "\n".join(lines)
