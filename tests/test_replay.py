@@ -11,7 +11,7 @@ import pytest
 import torch
 from specdec.drafters.base import Drafter
 from specdec.eval.acceptance import Cell
-from specdec.eval.pricing import calibration_sizes, predicted_speedup, size_chunks
+from specdec.eval.pricing import calibration_sizes, mean_step_verify_cost, predicted_speedup, size_chunks
 from specdec.eval.replay import ReplayConfig, replay, tempered_probs
 from specdec.eval.replay_record import RecordConfig, load_record, record_run, save_record
 from specdec.eval.report import DEFINITIONS
@@ -260,6 +260,47 @@ def test_calibration_sizes_and_chunks():
     many = calibration_sizes([1] * 40, 20.0)
     assert len(many) == 16 and 1 in many and 21 in many
     assert size_chunks([1, 2, 40, 41, 65]) == [[1, 2, 40], [41], [65]]
+
+
+def _batched_cell(draft_seconds: float, histogram: list[int], size_calibration: list[dict]) -> Cell:
+    """Two sequences a forward: 20 sequence steps in 10 forwards, 40 tokens (tau 2); c(1) = 1 s, c(2) = 1.5 s."""
+    cell = Cell("ngram", "summarisation", prompts=2, new_tokens=40, steps=20, forward_passes=10,
+                draft_seconds=draft_seconds, step_nodes_histogram=histogram)
+    cell.calibration = [{"query_tokens": 2, "plain_seconds": 1.0, "verify_seconds": 1.5}]
+    cell.size_calibration = size_calibration
+    return cell
+
+
+def test_draft_time_is_priced_per_forward_pass_not_per_sequence_step():
+    """5 s of drafting over 10 forwards: 0.5 s a forward (not 5 / 20 steps = 0.25); 2 x 1 / (0.5 + 1.5) = 1.0."""
+    out = predicted_speedup(_batched_cell(5.0, [0, 20], []))
+    assert out["cost_draft_s"] == pytest.approx(0.5)
+    assert out["predicted_speedup"] == pytest.approx(1.0)
+
+
+def test_a_size_timed_by_several_processes_costs_their_median():
+    """c(2) timed at 1, 2 and 9 s by three processes: 2 s (not the fastest, 1 s); 2 x 1 / (0 + 2) = 1.0."""
+    timed = [{"query_tokens": 2, "verify_seconds": s} for s in (1.0, 2.0, 9.0)]
+    out = predicted_speedup(_batched_cell(0.0, [0, 20], timed))
+    assert out["priced_per_step"] and out["cost_verify_s"] == pytest.approx(2.0)
+    assert out["predicted_speedup"] == pytest.approx(1.0)
+
+
+def test_a_step_size_not_timed_is_priced_between_its_timed_neighbours():
+    """3 nodes verify 4 tokens, timed at 3 (3 s) and 9 (6 s): 3 + (6 - 3) x (4 - 3) / (9 - 3) = 3.5 s."""
+    assert mean_step_verify_cost([0, 0, 0, 2], {1: 1.0, 3: 3.0, 9: 6.0}) == pytest.approx(3.5)
+
+
+def test_a_step_size_past_the_timed_ones_costs_the_nearest_timed_size():
+    """11 nodes verify 12 tokens, past the largest timed size 9: c(9) = 6 s; 0 nodes (1 token), below the smallest
+    timed size 3: c(3) = 3 s."""
+    assert mean_step_verify_cost([0] * 11 + [1], {1: 1.0, 3: 3.0, 9: 6.0}) == pytest.approx(6.0)
+    assert mean_step_verify_cost([1], {3: 3.0, 9: 6.0}) == pytest.approx(3.0)
+
+
+def test_a_calibration_run_may_sum_to_exactly_the_token_limit():
+    """40 + 40 = 80 query tokens is at most 80: one run; the 1 starts the next."""
+    assert size_chunks([40, 40, 1], max_tokens=80) == [[40, 40], [1]]
 
 
 def test_suite_cells_record_step_sizes(eval_tiny_model, tmp_path):
