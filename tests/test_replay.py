@@ -12,7 +12,7 @@ import torch
 from specdec.drafters.base import Drafter
 from specdec.eval.acceptance import Cell
 from specdec.eval.pricing import calibration_sizes, mean_step_verify_cost, predicted_speedup, size_chunks
-from specdec.eval.replay import ReplayConfig, replay, tempered_probs
+from specdec.eval.replay import ReplayConfig, ReplayDrafter, replay, tempered_probs
 from specdec.eval.replay_record import RecordConfig, load_record, record_run, save_record
 from specdec.eval.report import DEFINITIONS
 
@@ -196,6 +196,27 @@ def test_sampled_replay_takes_the_targets_probability_of_each_candidate(token, e
     assert out["tau"] == pytest.approx(expected, rel=2e-3)
 
 
+SURE = [1e-30, 1.0, 1e-30, 1e-30]  # the target's distribution: token 1, always
+
+
+def test_greedy_replay_reports_the_mean_tree_nodes_per_step():
+    """A one-node draft of 1, always right, over 40 tokens of 1: 20 steps of 2 tokens, 1 node each: 20 / 20 = 1.0
+    (not 20 nodes / 40 tokens)."""
+    record = {**_synthetic_record(40, SURE), "temperature": 0.0}
+    out = replay(record, ReplayConfig(_Constant(1), guard=False))
+    assert out["steps"] == 20 and out["mean_tree_nodes"] == pytest.approx(1.0)
+
+
+def test_sampled_replay_prices_each_step_at_its_tree_size():
+    """40 tokens of 1, a one-node draft of 1 always accepted: 20 steps, each verifying 1 + 1 tokens at c(2) = 2 s:
+    40 tokens in 40 s where plain takes c(1) = 1 s a token: 1.0x (pricing steps at c(1) said 2.0x)."""
+    record = _synthetic_record(40, SURE)
+    record["costs"]["verify_seconds"] = {1: 1.0, 2: 2.0}
+    out = replay(record, ReplayConfig(_Constant(1), temperature=1.0, guard=False))
+    assert out["steps"] == pytest.approx(20.0)
+    assert out["predicted_speedup"] == pytest.approx(1.0, rel=1e-3)  # the draft's microseconds beside 40 s
+
+
 def test_tempered_probs_of_a_full_vocabulary_are_the_softmax_at_that_temperature():
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0], dtype=torch.float64)
     logprobs = torch.log_softmax(logits, -1).tolist()
@@ -226,6 +247,18 @@ def test_the_guard_prunes_and_then_stops_asking_a_drafter_that_never_pays(record
     assert cheap["mean_tree_nodes"] < 0.5
     slow = replay(record, ReplayConfig(_Slow(wrong), guard=True))  # not worth asking: skipped
     assert slow["draft_calls"] < slow["steps"] / 2
+
+
+def test_sampled_replay_counts_only_the_draft_calls_the_guard_made():
+    """A slow drafter of 3, never the target's token: every step commits one token (300 steps), so the expected
+    draft calls are the positions it was asked at; the guard stops asking it, so they are fewer than the steps."""
+    record = _synthetic_record(300, SURE)
+    record["costs"]["verify_seconds"] = {1: 1e-3, 2: 1.1e-3, 65: 5e-3}
+    config = ReplayConfig(_Slow(3), temperature=1.0, guard=True)
+    drafter = ReplayDrafter(config, record)
+    out = replay(record, config, drafter)
+    assert out["steps"] == pytest.approx(300.0) and drafter.calls < 150
+    assert out["draft_calls"] == pytest.approx(drafter.calls)
 
 
 def _cell(histogram: list[int], curve: dict[int, float]) -> Cell:
