@@ -70,6 +70,15 @@ def test_copy_bound_holds_on_a_curve_that_is_cheaper_at_a_larger_size():
     assert copy["steps"] == 1 and copy["seconds"] == pytest.approx(1.08)
 
 
+def test_copy_bound_prices_a_step_at_a_cheaper_larger_size_up_to_the_largest_measured():
+    """Four sizes measured, the largest 8, and c(8) = 1.15 below c(3) = 1.2: the one step accepting "2 3" (bonus 5)
+    may verify up to 8 tokens, so it costs 1.15 (cut at the 4th size, it cost c(4) = 1.2 - 0.05 / 5 = 1.19)."""
+    record = _record([7, 1, 2, 3, 4, 9, 1], [2, 3, 5])
+    record["costs"]["verify_seconds"] = {1: 1.0, 2: 1.1, 3: 1.2, 8: 1.15}
+    copy = replay_bounds(record, ReplayConfig("ngram"))["copy"]
+    assert copy["steps"] == 1 and copy["seconds"] == pytest.approx(1.15)
+
+
 def test_oracle_prices_each_step_by_its_accepted_path_only():
     """Same text as above: n-gram drafts nothing after 9, then a tree holding both continuations of 1 ("2 9", "2 3 4
     7 1 ..."), of which "2 3 4" is accepted: the oracle pays c(1) + c(1 + 3), verifying whole trees pays more."""
@@ -79,6 +88,16 @@ def test_oracle_prices_each_step_by_its_accepted_path_only():
     assert oracle["seconds"] - 2 * oracle["cost_draft_s"] == pytest.approx(1.0 + 1.5)
     whole = replay(record, ReplayConfig("ngram", guard=False))
     assert whole["steps"] == 2 and whole["seconds"] - whole["cost_draft_s"] * whole["draft_calls"] > 2.5 + 1e-6
+
+
+def test_oracle_prices_a_step_that_ends_the_text_by_the_tokens_it_commits():
+    """The text ends (eos) after "2 3 4 5 9", all of which n-gram copies from the prompt in one step: 5 tokens
+    committed, the last as the bonus, so 1 + 4 verified: c(5) = 1.5 + 8.5 / 61 (not c(6) for a sixth token)."""
+    record = _record([1, 2, 3, 4, 5, 9, 1], [2, 3, 4, 5, 9])
+    record["sequences"][0]["finish_reason"] = "stop"
+    oracle = replay_bounds(record, ReplayConfig("ngram"))["oracle"]
+    assert oracle["steps"] == 1
+    assert oracle["seconds"] - oracle["cost_draft_s"] == pytest.approx(1.5 + 8.5 / 61)
 
 
 def test_oracle_walk_refuses_a_guarded_config():
