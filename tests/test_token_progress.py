@@ -29,3 +29,13 @@ def test_a_quick_step_says_nothing():
     for _ in range(50):
         counter(0, [7])
     assert said == []
+
+
+def test_a_count_that_jumps_past_the_total_is_said_as_100_percent():
+    """15 tokens of 10 in one call: 15 x 10 // 10 = 15 tenths, said as the whole (100%), not 150%."""
+    now = [0.0]
+    said = []
+    counter = TokenProgress(said.append, "x", total=10, clock=lambda: now[0])
+    now[0] = 11.0
+    counter(0, [1] * 15)
+    assert said == ["x: 100% of the sampled tokens (15 of 10)"]
