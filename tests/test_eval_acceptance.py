@@ -351,3 +351,69 @@ def test_every_summary_field_from_hand_built_cells():
     unknown = Cell("plain", "c", prompts=2, new_tokens=100, steps=100, seconds=10.0)  # tokens not recorded
     same = dataclasses.replace(ngram, output_sha256="aa")
     assert summarise({("plain", "c"): unknown, ("ngram", "c"): same})[-1]["identical_to_plain"] is None
+
+
+def test_predicted_over_measured_is_the_prediction_divided_by_the_measured_speedup():
+    """tau 2, c_plain 0.01 s, c_verify 0.02 s, c_draft 1 s / 50 forwards = 0.02 s: predicted 2 * 0.01 / 0.04 = 0.5;
+    measured (100 / 5 s) / (100 / 10 s) = 2.0; so pred/meas = 0.25 (inverted it printed 4.00)."""
+    plain = Cell("plain", "c", prompts=1, new_tokens=100, steps=100, forward_passes=100, seconds=10.0)
+    ngram = Cell("ngram", "c", prompts=1, new_tokens=100, steps=50, forward_passes=50, seconds=5.0, draft_seconds=1.0,
+                 drafts=50, draft_nodes=250,
+                 calibration=[{"query_tokens": 6, "plain_seconds": 0.01, "verify_seconds": 0.02}])
+    row = summarise({("plain", "c"): plain, ("ngram", "c"): ngram})[-1]
+    assert row["predicted_speedup"] == pytest.approx(0.5) and row["speedup_vs_plain"] == pytest.approx(2.0)
+    assert row["predicted_over_measured"] == pytest.approx(0.25)
+
+
+def _stats(steps: int, step_nodes: tuple[int, ...] = ()):
+    from specdec.output import SequenceStats
+
+    return SequenceStats(3, steps, steps, 1.0, 1.0, float(steps), "length", (), step_lengths=(1,) * steps,
+                         step_nodes=step_nodes)
+
+
+def _output(stats):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(stats=stats, prefill_seconds=0.0, draft_seconds=0.0, verify_seconds=0.0,
+                           forward_passes=sum(s.steps for s in stats), new_tokens=[[1] * s.new_tokens for s in stats])
+
+
+def test_steps_without_a_proposed_tree_count_as_plain_steps_in_the_size_histogram():
+    """6 sequence steps, 3 proposed trees of 3 nodes, no per-step sizes from the engine: 3 steps of 0 nodes and 3 of
+    3, so the histogram is [3, 0, 0, 3] (without the padding the plain steps went unpriced: [0, 0, 0, 3])."""
+    cell = Cell("ngram", "c")
+    cell.add(_output([_stats(6)]), 1.0, drafts=3, draft_nodes=9, step_nodes=[3, 3, 3])
+    assert cell.step_nodes_histogram == [3, 0, 0, 3]
+
+
+def test_the_engines_verified_step_sizes_win_over_the_proposed_tree_sizes():
+    """Trees of 5 nodes proposed, cut to 2 by the engine's budget: the 2 steps verified 2 nodes each, so the
+    histogram is [0, 0, 2], not [0, 0, 0, 0, 0, 2]."""
+    cell = Cell("ngram", "c")
+    cell.add(_output([_stats(2, step_nodes=(2, 2))]), 1.0, drafts=2, draft_nodes=10, step_nodes=[5, 5])
+    assert cell.step_nodes_histogram == [0, 0, 2]
+
+
+def test_the_calibration_batch_is_the_prompts_around_the_median_length():
+    """Lengths 2, 4, ..., 14 and batches of 3: the middle three are 6, 8 and 10 (start (7 - 3) // 2 = 2)."""
+    from specdec.eval.acceptance import _median_batch
+
+    prompts = [[1] * n for n in (14, 2, 10, 6, 12, 4, 8)]
+    assert [len(p) for p in _median_batch(prompts, 3)] == [6, 8, 10]
+
+
+def test_a_calibration_records_the_mean_decoding_context(monkeypatch):
+    """Prompts of 4 and 6 tokens and max_new_tokens 10: mean prompt 5 + half the answer 5 = 10 context tokens."""
+    from types import SimpleNamespace
+
+    import specdec.eval.acceptance as acceptance
+
+    monkeypatch.setattr(acceptance, "auto_uses_graphs", lambda runner: False)
+    monkeypatch.setattr(acceptance, "measure_verify_costs",
+                        lambda runner, batch, sizes, *args, **kwargs: {n: 0.01 * n for n in sizes})
+    cell = Cell("ngram", "c", drafts=1, draft_nodes=2, step_nodes_histogram=[0, 0, 1])
+    config = SuiteConfig((("ngram", {}),), ("c",), max_new_tokens=10)
+    acceptance._calibrate(SimpleNamespace(runner=None), cell, [[1] * 4, [1] * 6], config)
+    assert cell.calibration[0]["context_tokens"] == 10.0
+    assert {c["context_tokens"] for c in cell.size_calibration} == {10.0}
