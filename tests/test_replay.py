@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 import time
 
 import pytest
@@ -137,6 +138,73 @@ def test_a_record_with_damaged_rows_is_refused_naming_the_position(tmp_path, rec
         damaged.write_text(json.dumps(data))
         with pytest.raises(InputError, match=f"^replay record {re.escape(str(damaged))}: malformed \\({says}"):
             load_record(damaged)
+
+
+def test_a_verify_cost_of_zero_seconds_is_refused(tmp_path):
+    """Zero seconds for a verify step would price a free step (a division by it gives an infinite speedup)."""
+    record = _synthetic_record(2, [0.1, 0.4, 0.3, 0.2])
+    record["costs"]["verify_seconds"] = {1: 1.0, 2: 0.0}
+    path = save_record(record, tmp_path / "zero.json")
+    with pytest.raises(InputError, match="not a positive number of seconds"):
+        load_record(path)
+
+
+def test_a_cost_past_the_largest_size_extrapolates_the_last_slope():
+    """Sizes 1, 2, 4 at 1.0, 2.0, 3.0 s: the last slope is (3 - 2) / (4 - 2) = 0.5 s a token, so c(6) = 3 + 2 * 0.5
+    = 4.0 (the slope from the first size, 2/3, gave 4.33)."""
+    from specdec.eval.replay_record import verify_cost_at
+
+    assert verify_cost_at({1: 1.0, 2: 2.0, 4: 3.0}, 6) == pytest.approx(4.0)
+
+
+def test_a_record_times_its_decode_steps_without_the_prefill(monkeypatch):
+    """Two prompts, each call 2.5 s of which 0.5 s prefill and 4 steps: (2 x 2.0 s) / 8 steps = 0.5 s a step
+    (with the prefill left in, 0.625)."""
+    from types import SimpleNamespace
+
+    import specdec.eval.replay_record as replay_record
+
+    from specdec.output import SequenceStats
+
+    clock = [0.0]
+
+    def fake_generate(loaded, prompts, max_new_tokens, return_dict=False, **kwargs):
+        clock[0] += 2.5  # every call takes 2.5 s of the fake clock
+        stats = SequenceStats(len(prompts[0]), 4, 4, 1.0, 2.5, 1.6, "length", ())
+        return SimpleNamespace(stats=[stats], prefill_seconds=0.5, new_tokens=[[1, 2, 3, 4]])
+
+    monkeypatch.setattr(sys.modules["specdec.generate"], "generate", fake_generate)  # record_run imports it
+    monkeypatch.setattr(replay_record, "time", SimpleNamespace(perf_counter=lambda: clock[0], strftime=time.strftime))
+    monkeypatch.setattr(replay_record, "teacher_forced_topk", lambda *args: ([[1]] * 4, [[0.0]] * 4))
+    monkeypatch.setattr(replay_record, "model_identity",
+                        lambda loaded: {"model_source": "synthetic", "model_fingerprint": "f"})
+    runner = SimpleNamespace(dtype=torch.float32, device="cpu", shape=SimpleNamespace(vocab_size=16))
+    loaded = SimpleNamespace(runner=runner, name="synthetic")
+    record = record_run(loaded, [[5, 6], [7, 8, 9]], RecordConfig(max_new_tokens=4), with_costs=False)
+    assert record["costs"]["decode_step_seconds"] == pytest.approx(0.5)
+
+
+def test_measured_costs_are_timed_at_the_median_prompt_halfway_through_its_answer(monkeypatch):
+    """Prompts of 2, 9 and 5 tokens: the median is the 5-token one, and max_new_tokens 10 adds half, 5: a context of
+    10 tokens (the shortest prompt gave 7)."""
+    from types import SimpleNamespace
+
+    from specdec.eval.replay_record import measure_costs
+
+    import specdec.cuda_graphs
+    import specdec.verify_cost
+
+    timed = []
+
+    def fake_measure(runner, batch, sizes, *args, **kwargs):
+        timed.append(len(batch[0]))
+        return {n: 0.01 * n for n in sizes}
+
+    monkeypatch.setattr(specdec.verify_cost, "measure_verify_costs", fake_measure)
+    monkeypatch.setattr(specdec.cuda_graphs, "auto_uses_graphs", lambda runner: False)
+    loaded = SimpleNamespace(runner=SimpleNamespace(shape=SimpleNamespace(max_positions=4096)))
+    costs = measure_costs(loaded, [[1] * 2, [1] * 9, [1] * 5], RecordConfig(max_new_tokens=10, cost_source="measure"))
+    assert costs["context_tokens"] == 10 and set(timed) == {5}
 
 
 class _HiddenDrafter(Drafter):
