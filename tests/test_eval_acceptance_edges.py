@@ -122,6 +122,47 @@ def test_a_built_in_math_category_has_its_summary_column():
     assert "| drafter | qa | math | overall |" in markdown(rows, {})
 
 
+def test_a_summary_entry_is_the_speedup_then_tau():
+    """The table's legend says "speedup / tau": a row 2x faster than plain at tau 3 reads "2.00x / 3.00"."""
+    from specdec.eval.report import summary_tables
+
+    row = {"drafter": "ngram", "category": "qa", "level": "category", "speedup_vs_plain": 2.0, "tau": 3.0}
+    assert "| ngram | 2.00x / 3.00 |" in summary_tables([row])
+
+
+def _report_row(**values) -> dict:
+    row = {"drafter": "ngram", "category": "qa", "tau": 2.0, "tokens_per_s": 10.0, "speedup_vs_plain": 2.0,
+           "identical_to_plain": True, "speedup_vs_hf": None, "acceptance_per_depth": [0.9, 0.6, 0.3],
+           "accepted_histogram": [1, 1], "predicted_speedup": 1.5, "predicted_speedup_mean_size": 1.2,
+           "predicted_over_measured": 0.75}
+    return {**row, **values}
+
+
+def test_the_predicted_column_shows_the_per_step_price_not_the_mean_size_one():
+    """predicted_speedup 1.5 (each step at its own tree's cost), 1.2 at the mean size: the column shows 1.50x, the
+    number its pred/meas 0.75 = 1.5 / 2.0 is of."""
+    line = next(x for x in markdown([_report_row()], {}).splitlines() if x.startswith("| ngram"))
+    assert "| 1.50x | 0.75 |" in line, line
+
+
+def test_the_acceptance_plot_draws_every_depth_from_depth_1(tmp_path, monkeypatch):
+    """Acceptance 0.9, 0.6, 0.3 at depths 1, 2, 3 is plotted as those three points, the first depth included."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+    from specdec.eval.report import plots
+
+    drawn = []
+    real = Axes.plot
+
+    def spy(self, *args, **kwargs):
+        drawn.append((list(args[0]), list(args[1])))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", spy)
+    plots([_report_row()], tmp_path)
+    assert drawn == [([1, 2, 3], [0.9, 0.6, 0.3])]
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny", seed=0)
