@@ -293,6 +293,37 @@ def test_draft_share_is_of_wall_seconds_whatever_the_clock():
     assert totals.draft_share == pytest.approx(0.25)
 
 
+def test_a_ratio_line_gives_the_rows_tokens_per_second_over_the_baselines():
+    """100 tokens in 5 s against the baseline's 100 in 10 s: 20 over 10 tok/s, ratio 2.00x."""
+    common = _script("common")
+    assert common.ratio_line("ngram", 100, 10.0, 100, 5.0).endswith("ratio  2.00x")
+
+
+@pytest.mark.parametrize("cold, machine, said", [(True, False, "cold"), (False, True, "machine"),
+                                                 (False, False, "run")])
+def test_guard_memory_names_where_the_runs_memory_started(cold, machine, said):
+    common = _script("common")
+    assert common.guard_memory(SimpleNamespace(cold=cold, machine_memory=machine)) == said
+
+
+@pytest.mark.parametrize("machine, forgotten", [(False, 1), (True, 0)])
+def test_only_machine_memory_keeps_what_earlier_runs_taught_the_guard(machine, forgotten, monkeypatch):
+    """The run's own memory starts empty (forgotten once); --machine-memory starts from the disk's."""
+    common = _script("common")
+    calls = []
+    monkeypatch.setattr(common, "forget_guard", lambda: calls.append(1))
+    common.start_guard_memory(SimpleNamespace(cold=False, machine_memory=machine))
+    assert len(calls) == forgotten
+
+
+@pytest.mark.parametrize("flags, machine", [("sse avx2 avx512f", "cpu-avx512"), ("sse avx2", "cpu-no-avx512")])
+def test_an_amd_cpus_machine_class_says_whether_it_has_avx512(flags, machine, monkeypatch):
+    common = _script("common")
+    monkeypatch.setattr(common.cpu_info, "cpuinfo_values", lambda name: ["AuthenticAMD"] if name == "vendor_id" else [])
+    monkeypatch.setattr(common.cpu_info, "cpu_flags", lambda: frozenset(flags.split()))
+    assert common.machine_class() == machine
+
+
 def test_grid_result_counts_the_prompts_each_column_ran():
     """Columns run what their categories hold (held-out: 12 prompts), not always --prompts."""
     _script("bench_drafters_cpu")
