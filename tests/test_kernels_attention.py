@@ -215,6 +215,7 @@ def test_plan_path_with_65_token_tree_and_long_chunked_prefill():
     assert meta.tree_mode.tolist() == [1, 0]
     assert meta.ctx_lens.tolist() == [11, 3] and meta.num_masked.tolist() == [64, 70]
     check(case, num_splits=2, via_plan=True)
+    check(case, num_splits=2)  # the same tree through TreeAttentionMetadata.build (the kernel benchmark's path)
 
 
 @pytest.mark.parametrize("name", ["decode_ragged", "tree_ragged_mixed"])

@@ -141,6 +141,35 @@ def test_rope_write_norms_each_head_first_as_qwen3(dtype, q_heads, kv_heads, hea
                     (q_w[:-1], k_w, 1e-6, 1e-5))
 
 
+
+def test_rope_write_norms_k_heads_with_their_own_eps_and_stores_an_unpacked_v():
+    """Small activations, where the eps decides the norm: the k heads are normed with k's eps (1e-2), not q's
+    (1e-6); and a v whose heads are not packed (a [heads, tokens, dim] tensor seen as [tokens, heads, dim]) is
+    stored as its values, not read as if packed. Either mistake passed the tests above."""
+    from specdec.kernels.fused_ops import rope_write_
+    from specdec.kernels.kv_write import write_kv
+
+    gen = torch.Generator().manual_seed(5)
+    T, q_heads, kv_heads, head_dim = 3, 2, 2, 8
+    qk_rows = (torch.randn(T, q_heads + kv_heads, head_dim, generator=gen) * 1e-3).to(DEVICE)
+    v = torch.randn(kv_heads, T, head_dim, generator=gen).to(DEVICE).transpose(0, 1)  # head stride T * head_dim
+    ones = torch.ones(head_dim, device=DEVICE)
+    positions = torch.tensor([0, 1, 2]).float()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.cat([positions[:, None] * inv_freq[None]] * 2, dim=-1)
+    cos, sin = emb.cos().to(DEVICE)[:, None, :], emb.sin().to(DEVICE)[:, None, :]
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    q = llama.rms_norm(qk_rows[:, :q_heads], ones, 1e-6)
+    k = llama.rms_norm(qk_rows[:, q_heads:], ones, 1e-2)
+    q, k = llama.apply_rope(q, cos, sin, REFERENCE), llama.apply_rope(k, cos, sin, REFERENCE)
+    want_kv = torch.zeros(1, 2, 6, kv_heads, head_dim, device=DEVICE)
+    write_kv(want_kv, 0, slots, k, v.contiguous())
+    got_kv, qk = torch.zeros_like(want_kv), qk_rows.clone()
+    rope_write_(qk, v, cos, sin, got_kv, 0, slots, q_heads, (ones, ones, 1e-6, 1e-2))
+    close(qk, torch.cat([q, k], 1), torch.float32)
+    close(got_kv, want_kv, torch.float32)
+    assert torch.equal(got_kv[0, 1, slots], v)
+
 def test_a_qwen3_model_on_the_triton_backend_gives_the_reference_logprobs(monkeypatch):
     """A packed Qwen3 layer (q_norm / k_norm) norms, rotates and stores q / k in the one fused launch on the Triton
     backend: its decoding's log-probabilities are the reference backend's, in float32."""

@@ -64,6 +64,13 @@ def test_write_non_contiguous_source():
     ref[2, 0].index_copy_(0, slots, k)
     ref[2, 1].index_copy_(0, slots, v)
     assert torch.equal(cache.kv, ref)
+    # heads not packed: a [heads, tokens, dim] tensor seen as [tokens, heads, dim] (head stride 3 * 8, not 8); a
+    # kernel reading it as packed once wrote the next token's head 0 as head 1
+    k, v = (torch.randn(2, 3, 8, device=DEVICE).transpose(0, 1) for _ in range(2))
+    write_kv(cache.kv, 1, slots, k, v)
+    ref[1, 0].index_copy_(0, slots, k)
+    ref[1, 1].index_copy_(0, slots, v)
+    assert torch.equal(cache.kv, ref)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
