@@ -335,6 +335,39 @@ def test_checkpoint_round_trip_and_published_layout(tmp_path):
     assert a == generate(model, prompts, max_new_tokens=10)
 
 
+def test_a_published_eagle1_layer_without_norms_loads_and_drafts(tmp_path):
+    """The published EAGLE-1 layout has no norm tensors: such a checkpoint is read as one without norms, where
+    assuming norms refused it ("the weights do not match config.json"), and its drafts keep the target's tokens."""
+    from safetensors.torch import load_file
+
+    model = build_tiny_model()
+    torch.manual_seed(0)
+    eagle = EagleModel(EagleConfig.for_target(model.config, norms=False))
+    eagle.init_from_target(model)
+    save_eagle(eagle, tmp_path)
+    assert not any("norm" in k and "layernorm" not in k for k in load_file(str(tmp_path / "model.safetensors")))
+    assert load_eagle(tmp_path, model.config).config.norms is False
+    prompts = ragged_prompts(2, seed=3)
+    assert generate(model, prompts, max_new_tokens=8, drafter="eagle", drafter_options={"path": str(tmp_path)},
+                    speculation="always") == generate(model, prompts, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("layers, fits", [((0, 1, 2), True), ((0, 1, 3), False)])
+def test_an_eagle3_head_reading_a_layer_past_the_targets_is_refused(tmp_path, layers, fits):
+    """A 2-layer target has feature ids 0..2 (2: the last stream before the final norm); a head reading id 3 was made
+    for another target and is refused when it loads."""
+    model = build_tiny_model()
+    assert model.config.num_hidden_layers == 2
+    torch.manual_seed(0)
+    eagle = EagleModel(EagleConfig.for_target(model.config, arch="eagle3", feature_layers=layers))
+    save_eagle(eagle, tmp_path)
+    if fits:
+        assert load_eagle(tmp_path, model.config).config.feature_layers == layers
+    else:
+        with pytest.raises(EagleCheckpointError, match=r"reads target layers \[0, 1, 3\] but the target model has 2 "
+                                                       "layers: it was made for another target"):
+            load_eagle(tmp_path, model.config)
+
 def test_a_checkpoint_is_loaded_once_per_process_until_its_files_change(tmp_path, monkeypatch):
     """generate(drafter="eagle", path=...) once per answer read and checked the checkpoint in every call (0.14 s of
     a 16-token answer's ~1 s on a 2-core CPU); the layer is now taken from the last call while the files stay.
@@ -471,6 +504,45 @@ def test_one_optimizer_step_lowers_the_loss_and_oov_labels_are_misses():
     _, correct, _ = eagle_loss(eagle, ids, hidden, oov, mask, embed, lm, steps=2)
     assert correct == [0, 0]
 
+
+def test_the_loss_pairs_each_query_with_the_token_and_feature_after_its_input():
+    """Query j reads (f_j, t_{j+1}). Pass 1's loss is the cross-entropy against the target's token after t_{j+1}
+    (labels[j + 1]) over the queries whose targets are in the draft vocabulary, divided by their count, plus the
+    smooth-L1 regression onto f_{j+1} over every real query, divided by that count times H. Pass 2 reads pass 1's
+    prediction made at query j - 1 (zeros at query 0). Shifting the tokens or the features, dropping the
+    regression, dividing the cross-entropy by every position, or feeding pass 2 unshifted each trained a worse head
+    and passed the test above."""
+    import torch.nn.functional as F
+
+    model = build_tiny_model()
+    eagle = _eagle(model, vocab=tuple(range(48)))  # a draft token's index is its id; ids 48-95 are outside
+    ids = torch.randint(1, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0  # padding
+    embed, lm = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state
+        labels = model.lm_head(hidden).argmax(-1)
+        calls = []
+        real = eagle.forward
+        eagle.forward = lambda *a: (lambda out: calls.append((a[1], out[0])) or out)(real(*a))  # (f, out)
+        ce_alone = eagle_loss(eagle, ids, hidden, labels, mask, embed, lm, steps=1, reg_weight=0.0)[0]
+        with_reg = eagle_loss(eagle, ids, hidden, labels, mask, embed, lm, steps=1, reg_weight=1.0)[0]
+        calls.clear()
+        eagle_loss(eagle, ids, hidden, labels, mask, embed, lm, steps=2)
+    out = calls[0][1]  # pass 1's predictions: query j at out[:, j]
+    valid = mask[:, 1:].bool()  # query j predicts position j + 2, a real token where mask[j + 1] is
+    want_tokens = labels[:, 1:][valid]
+    in_vocab = want_tokens < 48
+    assert 0 < int(in_vocab.sum()) < len(want_tokens)  # both kinds, or the divisor goes untested
+    logits = eagle.logits(out[valid], lm).float()
+    ce = F.cross_entropy(logits[in_vocab], want_tokens[in_vocab], reduction="sum") / int(in_vocab.sum())
+    reg = F.smooth_l1_loss(out[valid], hidden[:, 1:][valid], reduction="sum") / (out.shape[-1] * int(valid.sum()))
+    assert ce_alone.item() == pytest.approx(ce.item(), rel=1e-5)
+    assert with_reg.item() == pytest.approx((ce + reg).item(), rel=1e-5)
+    (first_features, first_out), (second_features, _) = calls
+    assert torch.equal(second_features[:, 0], torch.zeros_like(first_out[:, 0]))
+    assert torch.equal(second_features[:, 1:], first_out[:, :-1])
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_weights_are_a_checkpoint_error(tmp_path, value):

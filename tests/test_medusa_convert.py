@@ -251,6 +251,7 @@ def _edit(state, problem):
     ("missing-head", r"heads \[1\] are missing"),
     ("shape", r"1\.1\.weight has shape \[97, 64\], expected \[96, 64\]"),
     ("fewer-than-promised", "promises medusa_num_heads=5 but .* stores 3 heads"),
+    ("one-fewer-than-promised", "promises medusa_num_heads=4 but .* stores 3 heads"),
     ("differing-copies", "stores blocks 0 and 1 with different weights"),
     ("no-base", "no base_model_name_or_path.*--base-model"),
     ("missing", "does not exist; convert-medusa reads local files only"),
@@ -264,7 +265,7 @@ def test_what_cannot_be_converted_exactly_is_refused_by_name(tmp_path, problem, 
         state["2.1.linear.bias"] += 1.0
     src.mkdir()
     torch.save(_edit(state, problem), src / "medusa_lm_head.pt")
-    config = {"medusa_num_heads": 5 if problem == "fewer-than-promised" else 3,
+    config = {"medusa_num_heads": {"fewer-than-promised": 5, "one-fewer-than-promised": 4}.get(problem, 3),
               "medusa_num_layers": 2 if problem == "differing-copies" else 1, "base_model_name_or_path": "a/b"}
     if problem == "no-base":
         del config["base_model_name_or_path"]

@@ -1175,6 +1175,12 @@ def test_choose_tree_budget_prefixes_and_order():
         choose_tree(rank_acc, budget=0)
 
 
+def test_choose_tree_leaves_out_a_rank_never_right_even_with_budget_to_spare():
+    """A rank whose accuracy is 0 adds nothing to tau but a verified node: with a budget of 4 and two paths worth
+    anything ((0,) .6 and (0, 0) .3), the tree is those two, not padded with (1,) or (0, 1) at 0."""
+    paths, est = choose_tree([[0.6, 0.0], [0.5, 0.0]], budget=4)
+    assert paths == [(0,), (0, 0)] and est == pytest.approx(1 + 0.6 + 0.3)
+
 def _tiny_training_state():
     heads = MedusaHeads(MedusaConfig(2, 1, 16, 32))
     optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-3)
