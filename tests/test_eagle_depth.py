@@ -80,6 +80,30 @@ def test_a_catch_up_call_does_not_move_level_one_for_good():
     assert chooser.times[0].seconds == 0.001
 
 
+def test_a_fresh_chooser_rates_every_level_at_the_prior_of_one_half():
+    # no steps: r_1 = (0 + 2 * 0.5) / (0 + 2) = 0.5, and each deeper level takes the level above's
+    assert started().rates() == [0.5] * 4
+
+
+def test_steps_that_leave_the_window_leave_its_counts():
+    chooser = DepthChooser(4, DepthConfig(window=4))
+    chooser.start(CostView(chain_cost, lambda batch: 0.05))
+    for _ in range(20):
+        chooser.observe(4, 4)
+    for _ in range(4):
+        chooser.observe(4, 0)  # the window now holds only these
+    assert chooser.tried == [4] * 4 and chooser.matched == [0] * 4
+    # r_1 = (0 + 2 * 0.5) / (4 + 2)
+    assert chooser.rates()[0] == pytest.approx(1 / 6)
+
+
+def test_a_level_never_timed_is_priced_as_the_deepest_timed_one():
+    chooser = started(decode=0.01)
+    chooser.record_seconds([0.005], catch_up=False)  # level 1 only: 0.005 s / 0.01 s = 0.5 decode steps
+    # levels 2-4 cost level 1's 0.5 each: 0.5, 1.0, 1.5, 2.0
+    assert [chooser.draft_cost(d, 1) for d in range(1, 5)] == pytest.approx([0.5, 1.0, 1.5, 2.0])
+
+
 def fixed_machine(drafter: EagleDrafter, monkeypatch, decode_seconds: float, verify_cost,
                   extra_level_seconds: float) -> None:
     """The engine's decode time and cost curve fixed, and each level timed 1 ms (past the first: plus
