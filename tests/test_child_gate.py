@@ -123,6 +123,21 @@ def test_a_calls_own_records_replace_an_earlier_calls_once_it_has_a_few():
     assert sum(run[1] for run in runs[3:]) <= 37 // 5 + 1  # then probes only, every ceil(0.1 / 0.02) = 5 calls
 
 
+def test_a_subsets_nodes_are_priced_at_most_at_the_nodes_cap():
+    """A child proposing 60 nodes of which the cap lets 8 be verified is priced at 8: it matches 6 levels against
+    the other child's 1, so it runs alone. Priced at 60 nodes, the child that matches 1 level looked better."""
+    gate = gate_with([0.001, 0.001], decode=0.01)  # each child 0.1 decode steps a call
+    for _ in range(5):
+        gate.observe((1, 6), (4, 60))
+
+    def cost(n, batch):
+        return 1.0 + n
+
+    # (0,): 2 tokens / (0.1 + c(4) = 5.1) = 0.39; (1,): 7 / (0.1 + c(8) = 9.1) = 0.77; (0, 1): 7 / (0.2 + 9) = 0.76
+    # uncapped, (1,) would be 7 / (0.1 + c(60)) = 0.11
+    assert gate.next_best(1, cost, 8) == (1,)
+
+
 def test_the_gate_is_off_without_the_policys_costs():
     gate = ChildGate(2)
     gate.start(None)
