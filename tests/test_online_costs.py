@@ -104,6 +104,28 @@ def test_one_or_two_slow_steps_of_a_rarely_seen_size_do_not_set_its_cost():
     assert online.relative(3) > 1.2
 
 
+def test_the_correction_is_clipped_at_twice_the_calibrated_cost():
+    online = OnlineCosts(CostModel({}, {1: {1: 1.0, 8: 1.0}}))  # calibrated flat: c(4) = c(1)
+    for _ in range(32):
+        online.record(1.0, 1, 1)
+        online.record(6.0, 4, 1)
+    # raw 6, shrunk 1 + 0.8 * 5 = 5, clipped to 2
+    assert online.relative(4) == pytest.approx(2.0)
+
+
+def test_a_later_call_is_handed_the_last_min_samples_times_of_each_size():
+    online = OnlineCosts(CALIBRATED)
+    for i in range(1, 11):
+        online.record(float(i), 1, 1)
+    assert online.kept()["verify_times"] == [[1, 1, [8.0, 9.0, 10.0]]]  # min_samples = 3
+
+
+def test_a_restored_measuring_bank_holds_one_step_at_most():
+    online = OnlineCosts(CALIBRATED)
+    online.restore([], [], [[1, 50.0]])  # a damaged or hand-edited memory
+    assert online.credit == {1: 1.0}
+
+
 def test_the_window_follows_a_change_of_cost():
     online = OnlineCosts(CALIBRATED, window=8, prior=1.0)
     for _ in range(8):
