@@ -332,6 +332,21 @@ def test_each_cpu_model_has_its_own_costs_and_row_policy(fresh, monkeypatch):
     assert calls == [1, 1, 1, 1] and cost_model.CALIBRATIONS["rows"] == rows + 4
 
 
+def test_each_row_policy_has_its_own_verify_costs(fresh, monkeypatch):
+    """A verify step runs its products under the installed row policy, so a curve timed under one is not another's:
+    a draft model loaded without installing rows (install_rows=False) under a second policy is measured again."""
+    from specdec import verify_cost
+
+    monkeypatch.setattr(verify_cost, "measure_verify_costs", lambda *args, **kw: {1: 0.04, 2: 0.04, 4: 0.041})
+    runner = LlamaRunner(build_tiny_model(seed=0))
+    before = cost_model.CALIBRATIONS["verify"]
+    files = []
+    for cols in ({1: 2}, {1: 4, 2: 4}):
+        row_policy.install(torch.get_num_threads(), cols, runner.dtype)
+        files.append(load_cost_model(runner, SMALL, cache_dir=fresh, install_rows=False).file)
+    assert files[0] != files[1] and cost_model.CALIBRATIONS["verify"] == before + 2
+
+
 def test_a_cost_file_of_another_key_or_format_is_measured_again(fresh, monkeypatch):
     """A cache written under the old key (the CPU named "x86_64") is never read, and a file that is not a JSON object
     is measured again rather than failing the call."""
@@ -356,6 +371,13 @@ def test_cpu_info_reads_model_names_arm_parts_and_isa_flags():
     assert cpu_info.cpu_model(arm) == "Arm implementer 0x41 part 0xd4f"
     assert cpu_info.isa(arm) == "asimd bf16 sve2" and cpu_info.cpu_signature(arm) == ""
     assert cpu_info.cpu_model("") == cpu_info._os_cpu_name() != ""
+
+
+def test_a_cpu_signature_missing_its_family_or_model_is_empty():
+    """A /proc/cpuinfo with a vendor but no family or model gives no signature, not "GenuineIntel family  model "."""
+    from specdec import cpu_info
+
+    assert cpu_info.cpu_signature("processor\t: 0\nvendor_id\t: GenuineIntel\n") == ""
 
 
 def test_cpu_info_splits_a_text_into_lines_once(monkeypatch):
@@ -478,6 +500,52 @@ def test_a_measurement_the_user_waits_for_says_so_once_and_shows_its_progress(fr
     with caplog.at_level("WARNING", logger="specdec.cost_model"):
         load_cost_model(runner, SMALL, cache_dir=fresh)  # a new process: both from the disk
     assert not caplog.records and len(bars) == 2
+
+
+@pytest.mark.measured_verify_costs  # --verify-curve would replace what it tests
+def test_the_calibrations_warm_up_round_is_not_timed(monkeypatch):
+    """An engine whose first round of steps takes 1 s each (a first call's one-offs) and later steps 1 ms per
+    query token: with repeats=1 the median is of the one timed round alone."""
+    from specdec import verify_cost
+    from specdec.sampling import SamplingConfig
+
+    class Timed:
+        def __init__(self, runner, cache, drafter, **kw):
+            self.drafter, self.steps, self.seconds = drafter, 0, {"verify": 0.0}
+
+        def add(self, contexts):
+            pass
+
+        def step(self):
+            self.seconds["verify"] += 1.0 if self.steps < 3 else 1e-3 * (self.drafter.nodes + 1)
+            self.steps += 1
+
+    monkeypatch.setattr(verify_cost, "Engine", Timed)
+    runner = LlamaRunner(build_tiny_model(seed=0))
+    times = verify_cost.measure_verify_costs(runner, [[5] * 16], [1, 2, 4], SamplingConfig(), repeats=1)
+    assert times == pytest.approx({1: 1e-3, 2: 2e-3, 4: 4e-3})
+
+
+@pytest.mark.measured_verify_costs  # --verify-curve would replace what it tests
+def test_every_calibration_step_commits_one_token(monkeypatch):
+    """The chain drafted for the calibration is rejected at its first node, so c(n) prices verifying n tokens,
+    not committing them (a chain of the root's copies, which a random-weight target repeats, was accepted)."""
+    from specdec import verify_cost
+    from specdec.sampling import SamplingConfig
+
+    made = []
+
+    class Kept(verify_cost.Engine):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(verify_cost, "Engine", Kept)
+    runner = LlamaRunner(build_tiny_model(seed=0))
+    verify_cost.measure_verify_costs(runner, [[5] * 16], [1, 2, 4], SamplingConfig(), repeats=2)
+    seq, = made[0].seqs
+    assert seq.step_nodes == [0, 1, 3] * 3  # (repeats + 1) rounds of n - 1 nodes
+    assert seq.step_lengths == [1] * 9
 
 
 def test_interpolation_and_relative_cost():
