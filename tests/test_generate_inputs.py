@@ -94,6 +94,7 @@ def test_every_integer_form_of_input_ids_gives_the_same_tokens(form):
     (torch.zeros(0, 3, dtype=torch.long), InputError, "no prompt"),
     ([[1, 2], []], InputError, "prompt 1 is empty"),
     ([[1, 2, 500]], InputError, r"input_ids.*outside the vocabulary \[0, 96\): \[500\]"),
+    ([[1, 2, 96]], InputError, r"input_ids.*outside the vocabulary \[0, 96\): \[96\]"),  # ids 0..95 exist
     (np.array([[1, -1]]), InputError, r"outside the vocabulary .*\[-1\]"),
 ])
 def test_bad_input_ids_is_a_one_line_error(bad, error, match):
@@ -283,6 +284,7 @@ def test_argument_errors_come_before_the_model_is_loaded():
     ([torch.tensor([], dtype=torch.long)], InputError, r"empty token sequence"),
     ([[1, 2.0]], InputTypeError, r"stop\[0\] must be a string or a sequence of int token ids"),
     ([[1, 500]], InputError, r"stop.*outside the vocabulary"),
+    ([[1, 96]], InputError, r"stop.*outside the vocabulary \[0, 96\): \[96\]"),  # the vocabulary's size
     (1.5, InputTypeError, r"stop must be"),
     ({"a": 1}, InputTypeError, r"stop must be"),
     (["ab"], InputError, r"stop strings need a tokenizer .*\['ab'\]"),

@@ -237,6 +237,16 @@ def test_more_processors_equal_transformers_in_a_left_padded_batch_plain_and_spe
         assert out.tau > 1.0, (name, out.tau)  # drafts were accepted, so node rows' processed logits chose tokens
 
 
+def test_a_repeated_sequence_bias_key_takes_its_later_bias_as_transformers(model):
+    """[[[t], 50.0], [[t], -inf]]: the later -inf wins, so t (the first greedy token) is banned, not forced."""
+    prompt = PROMPTS[1]
+    t = hf_greedy(model, prompt, max_new_tokens=1)[-1]
+    bias = [[[t], 50.0], [[t], float("-inf")]]
+    ref = hf_greedy(model, prompt, max_new_tokens=4, sequence_bias=bias)
+    assert t not in ref[len(prompt):]
+    assert specdec.generate(model, [prompt], max_new_tokens=4, sequence_bias=bias)[0] == ref
+
+
 def test_min_length_counts_the_padded_width_as_transformers_and_max_length_do(model):
     """Documented: min_length counts the prompt as input_ids.shape[-1], so in a left-padded batch the 2-token row
     must generate WIDTH + 3 - WIDTH = 3 new tokens, where alone it must generate WIDTH + 1: its text depends on the

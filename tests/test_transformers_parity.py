@@ -249,9 +249,10 @@ def test_eos_and_pad_from_each_layer_as_transformers():
     eos_b = next(t for t in range(3, len(_tok())) if t != eos_a)
     model = _model(eos_token_id=eos_a, pad_token_id=2)
     passed = transformers.GenerationConfig(eos_token_id=[eos_b, eos_a])  # pad from the model's config
-    # pad_token_id=None clears the model's 2: rows that stopped early are padded with the first EOS id
+    # pad_token_id=None clears the model's 2: rows that stopped early are padded with the first EOS id (eos_b
+    # where the passed config lists [eos_b, eos_a], though the rows stop on eos_a)
     for kwargs in (dict(), dict(generation_config=passed), dict(generation_config=passed, pad_token_id=4),
-                   dict(pad_token_id=None)):
+                   dict(pad_token_id=None), dict(generation_config=passed, pad_token_id=None)):
         want = hf(model, **enc, max_new_tokens=12, do_sample=False, **kwargs)
         assert torch.equal(specdec.generate(model, **enc, max_new_tokens=12, **kwargs), want), kwargs
     assert (hf(model, **enc, max_new_tokens=12, do_sample=False)[:, -1] == 2).any()  # padding really shows
@@ -361,6 +362,18 @@ def test_eos_comes_from_the_generation_config_only_as_transformers():
     assert prepare(model, [[1, 2]]).stop.eos_token_ids == frozenset({t})
 
 
+def test_a_keyword_eos_token_id_none_is_no_eos_where_the_model_has_no_generation_config():
+    """The model config's EOS (the first greedy token) is the fallback only while no keyword sets eos_token_id:
+    None means no EOS, so all 6 new tokens come."""
+    enc = _enc("left", texts=["hello world"])
+    t = _first_greedy_token(enc)
+    model = build_tiny_model(vocab_size=len(_tok()), seed=1, eos_token_id=t)
+    model.generation_config = None
+    assert prepare(model, [[1, 2]], eos_token_id=None).stop.eos_token_ids == frozenset()
+    out = specdec.generate(model, **enc, max_new_tokens=6, eos_token_id=None)
+    assert out.shape[1] == enc["input_ids"].shape[1] + 6 and out[0, -6] == t
+
+
 def test_none_for_a_sampling_field_is_off_as_transformers():
     enc = _enc("left")
     sampling = _model(do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
@@ -388,6 +401,18 @@ def test_top_p_zero_keeps_the_most_likely_token_as_transformers():
                                seed=1, sampler=sampler, drafter=drafter, drafter_options=options,
                                speculation="always")
         assert torch.equal(got, want), (sampler, drafter)
+
+
+def test_return_dict_in_generate_false_as_a_keyword_beats_true_in_each_config_layer():
+    """transformers: a keyword beats generation_config=, which beats the model's config; False wins: a tensor."""
+    enc = _enc("left")
+    model = _model(return_dict_in_generate=True)
+    assert not isinstance(specdec.generate(model, **enc, max_new_tokens=3), torch.Tensor)  # the model's True
+    passed = transformers.GenerationConfig(return_dict_in_generate=True)
+    for owner, kwargs in ((model, {}), (_shared_model(), dict(generation_config=passed))):
+        want = hf(owner, **enc, max_new_tokens=3, do_sample=False, return_dict_in_generate=False, **kwargs)
+        out = specdec.generate(owner, **enc, max_new_tokens=3, return_dict_in_generate=False, **kwargs)
+        assert isinstance(want, torch.Tensor) and torch.equal(out, want), kwargs
 
 
 # ---- sampling warpers -----------------------------------------------------------------------------
@@ -649,6 +674,14 @@ def test_put_end_streamer_takes_one_sequence_as_transformers_text_streamer():
         specdec.generate(_shared_model(), [[1, 2]], streamer=Recorder(), do_sample=True, num_return_sequences=2)
 
 
+def test_put_end_streamer_counts_num_return_sequences_from_the_model_config():
+    """One prompt, the model's config sampling 2 sequences: 1 x 2 = 2 sequences, refused in one line."""
+    model = _model(do_sample=True, num_return_sequences=2)
+    with pytest.raises(InputError, match="but this call generates 2") as info:
+        specdec.generate(model, [[1, 2]], max_new_tokens=3, streamer=Recorder(), seed=0)
+    assert "\n" not in str(info.value)
+
+
 def test_callable_streamer_stays():
     seen = {0: [], 1: []}
     out = specdec.generate(_shared_model(), [[1, 2, 3], [4, 5]], max_new_tokens=9, drafter="ngram",
@@ -708,6 +741,15 @@ def test_max_length_counts_the_padded_input_and_max_new_tokens_wins(caplog):
         hf(model, **enc, max_length=width)
     with pytest.raises(InputError, match=rf"max_length={width} \(from keyword argument\) leaves no room"):
         specdec.generate(model, **enc, max_length=width)
+
+
+def test_max_length_counts_the_padding_when_every_row_is_padded():
+    """The one row has 2 pad positions: max_length=6 over its width 4 leaves 2 new tokens, not 6 - 2 = 4."""
+    model = _shared_model()
+    ids, mask = torch.tensor([[0, 0, 3, 4]]), torch.tensor([[0, 0, 1, 1]])
+    out = specdec.generate(model, ids, attention_mask=mask, max_length=6)
+    assert out.shape == (1, 6)
+    assert torch.equal(out, hf(model, ids, attention_mask=mask, max_length=6, do_sample=False))
 
 
 def test_processors_that_leave_no_token_stop_with_an_error_where_transformers_greedy_emits_token_0():
