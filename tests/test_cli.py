@@ -2,6 +2,7 @@
 line, JSON, tau), and that errors meant for the user are one line with exit code 2, never a traceback."""
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import logging
@@ -71,6 +72,13 @@ def test_prompt_file_stdin_and_dash_give_the_same_output(ckpt, capsys, monkeypat
     assert out != reference
 
 
+def test_the_prompt_argument_keeps_its_trailing_newline(ckpt, capsys):
+    """Only a file's or stdin's last newline is dropped: "hello\\n" as the argument is 6 tokens, one a character."""
+    rc, out, err = run(capsys, "hello\n", "--model", ckpt, "--max-new-tokens", "2", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["prompt_tokens"] == len("hello\n")
+
+
 def test_json_summary(ckpt, capsys):
     rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(N), "--json")
     assert rc == 0
@@ -98,6 +106,22 @@ def test_sampling_warper_flags_reach_generate(ckpt, capsys):
     rc, out, err = run(capsys, *argv, *flags, "--drafter", "ngram")
     kw = dict(do_sample=True, seed=0, typical_p=0.9, epsilon_cutoff=0.001, eta_cutoff=0.002, top_h=0.9)
     assert rc == 0 and out == expected_text(ckpt, PROMPT, drafter="ngram", **kw) + "\n", err
+
+
+def test_sampler_speculation_and_invariant_flags_reach_generate(ckpt, capsys, monkeypatch):
+    """Each at its non-default value (defaults: standard, auto, off) is what generate() is called with."""
+    module = importlib.import_module("specdec.generate")
+    real, seen = module.generate, {}
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "generate", spy)
+    rc, _, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", "4", "--do-sample", "--seed", "1",
+                     "--drafter", "ngram", "--sampler", "coupled", "--speculation", "always", "--invariant")
+    assert rc == 0, err
+    assert (seen["sampler"], seen["speculation"], seen["invariant"]) == ("coupled", "always", True)
 
 
 def test_a_sampling_flag_without_do_sample_warns_in_the_clis_spelling(ckpt, capsys, caplog):
@@ -146,6 +170,18 @@ def test_an_empty_system_message_is_an_empty_system_turn(chat_ckpt, capsys):
     rc, out, err = run(capsys, "hello", "--model", chat_ckpt, "--max-new-tokens", "4", "--json", "--system", "")
     assert rc == 0, err
     assert json.loads(out)["prompt_tokens"] == len("system: . user: hello. assistant: ")
+
+
+def test_the_chat_template_is_asked_for_the_generation_prompt(capsys, tmp_path):
+    """A template that writes "assistant: " only under add_generation_prompt: the prompt ends with it."""
+    save_tiny_checkpoint(tmp_path, tokenizer=False)
+    tok = build_tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}. {% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    tok.save_pretrained(tmp_path)
+    rc, out, err = run(capsys, "hello", "--model", str(tmp_path), "--max-new-tokens", "2", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["prompt_tokens"] == len("user: hello. assistant: ")  # one token a character
 
 
 @pytest.fixture(scope="module")

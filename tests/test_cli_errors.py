@@ -191,6 +191,20 @@ def test_a_tokenizer_that_is_not_the_models_is_named(capsys, tmp_path):
     line = error_line(err)
     assert rc == 2 and "the tokenizer and the model do not match" in line and "vocabulary of 40" in line, line
 
+def test_a_prompt_token_id_equal_to_the_vocabulary_size_names_the_mismatch(capsys, tmp_path):
+    """The model's vocabulary is exactly the prompt's largest id: ids 0..v-1 exist, so id v is outside it."""
+    from specdec.testing import build_tiny_model, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    top = max(tok("hello world")["input_ids"])
+    build_tiny_model(vocab_size=top).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    rc, _, err = run(capsys, "hello world", "--model", str(tmp_path), "--no-chat-template", "--max-new-tokens", "2")
+    line = error_line(err)
+    assert rc == 2 and "the tokenizer and the model do not match" in line, line
+    assert f"prompt token id {top}, outside the model's vocabulary of {top}" in line, line
+
+
 def gguf_bytes() -> tuple[bytes, int]:
     """A small but complete GGUF v3 file (metadata incl. a string array, two tensors), and where its data starts."""
     def string(s: str) -> bytes:
