@@ -269,6 +269,22 @@ def test_cli_bad_input_exits_2_with_a_clear_message(tmp_path, capsys, argv, mess
     assert not any(tmp_path.iterdir())  # nothing was run or written
 
 
+@pytest.mark.parametrize("speculation", ["always", "auto"])
+def test_cli_speculation_reaches_the_suite_config(tmp_path, capsys, monkeypatch, speculation):
+    """The suite's config is built before the model loads (here none exists, so the run stops there)."""
+    import importlib
+
+    from specdec.cli import main
+
+    module = importlib.import_module("specdec.eval.cli")
+    real, seen = module._suite_config, []
+    monkeypatch.setattr(module, "_suite_config", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
+    main(["eval", "acceptance", "--model", str(tmp_path / "no-model"), "--drafters", "ngram", "--speculation",
+          speculation, "--no-plots", "--no-hf-baseline", "--out", str(tmp_path / "out")])
+    capsys.readouterr()
+    assert [c.speculation for c in seen] == [speculation]
+
+
 def test_every_category_ships_20_prompts():
     for category in CATEGORIES:
         prompts = load_prompts(category, 20)

@@ -550,6 +550,26 @@ def test_eval_lossless_takes_the_warper_flags(tmp_path, monkeypatch, capsys):
     assert "note: --top-k 5, --min-p 0.05 left out: at --temperature 0 (greedy)" in capsys.readouterr().err
 
 
+def test_eval_lossless_takes_top_k_and_top_p(tmp_path, monkeypatch):
+    """--top-k 7 --top-p 0.9 at --temperature 0.8 is the certificate's SamplingConfig(True, 0.8, 7, 0.9)."""
+    import specdec.eval.certificate as certificate
+
+    from specdec.cli import main
+    from specdec.testing import save_tiny_checkpoint
+
+    seen = []
+
+    def fake(loaded, drafter, options, sampling, *args, **kwargs):
+        seen.append(sampling)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(certificate, "run_certificate", fake)
+    ckpt = save_tiny_checkpoint(tmp_path / "tiny")
+    main(["eval", "lossless", "--model", ckpt, "--temperature", "0.8", "--top-k", "7", "--top-p", "0.9", "--out",
+          str(tmp_path / "cert")])
+    assert seen == [SamplingConfig(True, 0.8, 7, 0.9)]
+
+
 def test_the_certificates_own_controls_log_no_warning_while_a_broken_rule_elsewhere_does(caplog):
     """`specdec eval lossless` printed six 'WARNING ... the output is NOT the target's distribution' lines for the
     controls it runs on purpose (and reports in its table); a broken rule built into generate() otherwise still

@@ -76,6 +76,26 @@ def test_the_defaults_and_the_edges_of_every_range_stay_valid():
     TrainConfig(model="m", output_dir="o", drafter="eagle", reg_weight=0, eagle_steps=1, seed=2**42)
 
 
+def test_train_flags_at_non_default_values_reach_the_train_config():
+    """Each flag given away from its default is the TrainConfig field it names."""
+    import argparse
+
+    from specdec.train import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    medusa = cli.config_from_args(parser.parse_args([
+        "train-medusa", "--output-dir", "o", "--head-decay", "0.5", "--no-feature-cache", "--num-heads", "4",
+        "--num-layers", "2", "--shared-lm-head", "--lr", "0.01", "--seed", "7", "--max-steps", "9", "--no-eval-tau",
+        "--no-progress"]))
+    assert (medusa.head_decay, medusa.cache_features, medusa.num_heads, medusa.num_layers, medusa.shared_lm_head,
+            medusa.lr, medusa.seed, medusa.max_steps, medusa.eval_tau, medusa.progress) == \
+        (0.5, False, 4, 2, True, 0.01, 7, 9, False, False)
+    eagle = cli.config_from_args(parser.parse_args(["train-eagle", "--output-dir", "o", "--train-depth", "5",
+                                                    "--reg-weight", "0.5"]))
+    assert (eagle.drafter, eagle.eagle_steps, eagle.reg_weight) == ("eagle", 5, 0.5)
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(draft_vocab_coverage=0.9), "draft_vocab_coverage (--draft-vocab-coverage) sizes --draft-vocab auto; with "
                                      "draft_vocab full it is unused"),
