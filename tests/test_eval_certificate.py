@@ -519,8 +519,8 @@ def test_sampled_end_to_end_check_verifies_drafts_for_the_compared_tokens():
 
 
 def test_eval_lossless_takes_the_warper_flags(tmp_path, monkeypatch, capsys):
-    """--min-p, --typical-p, --epsilon-cutoff, --eta-cutoff and --top-h reach the certificate's sampling setting; a
-    value out of range is a one-line error before the model loads."""
+    """--top-k, --top-p, --min-p, --typical-p, --epsilon-cutoff, --eta-cutoff and --top-h reach the certificate's
+    sampling setting; a value out of range is a one-line error before the model loads."""
     import specdec.eval.certificate as certificate
 
     from specdec.cli import main
@@ -534,11 +534,11 @@ def test_eval_lossless_takes_the_warper_flags(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(certificate, "run_certificate", fake)
     ckpt = save_tiny_checkpoint(tmp_path / "tiny")
-    flags = ["--min-p", "0.05", "--typical-p", "0.9", "--epsilon-cutoff", "3e-4", "--eta-cutoff", "1e-3",
-             "--top-h", "0.8"]
+    flags = ["--top-k", "7", "--top-p", "0.9", "--min-p", "0.05", "--typical-p", "0.9", "--epsilon-cutoff", "3e-4",
+             "--eta-cutoff", "1e-3", "--top-h", "0.8"]
     main(["eval", "lossless", "--model", ckpt, "--temperature", "0.8", *flags, "--out", str(tmp_path / "cert")])
-    assert seen == [SamplingConfig(True, 0.8, min_p=0.05, typical_p=0.9, epsilon_cutoff=3e-4, eta_cutoff=1e-3,
-                                   top_h=0.8)]
+    assert seen == [SamplingConfig(True, 0.8, 7, 0.9, min_p=0.05, typical_p=0.9, epsilon_cutoff=3e-4,
+                                   eta_cutoff=1e-3, top_h=0.8)]
     capsys.readouterr()
     code = main(["eval", "lossless", "--model", "nowhere", "--min-p", "2", "--out", str(tmp_path / "c2")])
     err = capsys.readouterr().err
@@ -548,26 +548,6 @@ def test_eval_lossless_takes_the_warper_flags(tmp_path, monkeypatch, capsys):
           str(tmp_path / "c3")])
     assert seen[-1] == SamplingConfig(False)
     assert "note: --top-k 5, --min-p 0.05 left out: at --temperature 0 (greedy)" in capsys.readouterr().err
-
-
-def test_eval_lossless_takes_top_k_and_top_p(tmp_path, monkeypatch):
-    """--top-k 7 --top-p 0.9 at --temperature 0.8 is the certificate's SamplingConfig(True, 0.8, 7, 0.9)."""
-    import specdec.eval.certificate as certificate
-
-    from specdec.cli import main
-    from specdec.testing import save_tiny_checkpoint
-
-    seen = []
-
-    def fake(loaded, drafter, options, sampling, *args, **kwargs):
-        seen.append(sampling)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(certificate, "run_certificate", fake)
-    ckpt = save_tiny_checkpoint(tmp_path / "tiny")
-    main(["eval", "lossless", "--model", ckpt, "--temperature", "0.8", "--top-k", "7", "--top-p", "0.9", "--out",
-          str(tmp_path / "cert")])
-    assert seen == [SamplingConfig(True, 0.8, 7, 0.9)]
 
 
 def test_the_certificates_own_controls_log_no_warning_while_a_broken_rule_elsewhere_does(caplog):
