@@ -798,3 +798,103 @@ def test_an_interrupted_overwrite_leaves_no_earlier_certificate(ckpt, tmp_path, 
     code, captured = run_main(base, capsys)
     assert code != 0
     assert not (out / "certificate.json").exists() and not (out / "certificate.md").exists()
+
+
+def test_a_check_with_power_exactly_0_9_is_not_underpowered():
+    """The sizes promise power 0.9 at their TV: a check that reaches exactly 0.9 keeps the plain PASSED; only a power
+    below it reads 'underpowered'."""
+    from specdec.eval.certificate import Certificate, Check
+
+    at = Certificate({}, [Check("chi-square vs exact law (Holm)", "sampler-statistics", True, power=0.9)])
+    assert not at.underpowered and at.verdict == "PASSED"
+    below = Certificate({}, [Check("chi-square vs exact law (Holm)", "sampler-statistics", True, power=0.8999)])
+    assert below.underpowered and below.verdict.startswith("PASSED, underpowered")
+
+
+def test_a_detectable_tv_of_exactly_1_prints_as_a_number():
+    """TV 1 is the largest two laws can be apart by, and a test that catches it with power 0.9 does catch something:
+    its table cell reads 1, not 'none (> 1)'; only a TV above 1 does."""
+    from specdec.eval.certificate import tv_text
+
+    assert tv_text(1.0) == "1"
+    assert tv_text(1.0001) == "none (> 1)"
+
+
+def test_a_group_of_tests_detects_no_tv_where_one_of_them_detects_none():
+    """A group's detectable TV is its weakest member's: where one test's outcomes fell in one bin (None, it detects
+    nothing) the group detects nothing either, not the largest TV of the others."""
+    from specdec.eval.certificate import _largest
+
+    assert _largest([0.02, None, 0.03]) is None
+    assert _largest([0.02, 0.03]) == 0.03  # every test detects a TV: the largest, 0.03
+
+
+def test_the_sampler_statistics_report_power_at_the_level_holm_tests_each_case_at(monkeypatch):
+    """Holm over k cases rejects a case at alpha / k at worst, so the power and detectable TV a row reports are those
+    of a chi-square at that level: three draft modes, three cases, 0.01 / 3 each. At alpha itself they overstated
+    what the statistics detect."""
+    import specdec.eval.certificate as certificate
+
+    from specdec.tree import DraftMode
+
+    levels, real = [], certificate.goodness_of_fit
+
+    def fit(samples, law, tv, alpha):
+        levels.append(alpha)
+        return real(samples, law, tv, alpha)
+
+    monkeypatch.setattr(certificate, "goodness_of_fit", fit)
+    certificate.sampler_checks(list(DraftMode), SamplingConfig(True), CertificateSizes(stat_samples=200), set())
+    assert levels == [pytest.approx(0.01 / 3)] * 3
+
+
+@pytest.mark.parametrize("z, passed", [(3.9, True), (-3.9, True), (4.1, False), (-5.0, False)])
+def test_a_chain_tau_row_fails_at_four_standard_errors(monkeypatch, z, passed):
+    """The chain row passes while the measured tau lies within 4 standard errors of (1 - a^5) / (1 - a): z = 3.9
+    passes, z = 4.1 (either sign) fails it."""
+    import specdec.eval.certificate as certificate
+
+    from specdec.tree import DraftMode
+
+    monkeypatch.setattr(certificate, "acceptance_rate_test", lambda case, n, seed, rule: (0.5, 0.5, 0.5))
+    monkeypatch.setattr(certificate, "chain_tau_test", lambda chain, n, seed, rule: (2.0, 2.0, z, None))
+    checks, _ = certificate.sampler_checks([DraftMode.INDEPENDENT], SamplingConfig(True),
+                                           CertificateSizes(stat_samples=200), set())
+    chain_rows = [c for c in checks if c.name.startswith("chain tau")]
+    assert chain_rows and all(c.passed is passed for c in chain_rows)
+
+
+def test_an_underpowered_sampler_level_warns_once_however_many_controls_run():
+    """The low-power warning is about the configuration's own row: 200 draws per case fall short of TV 0.02 for it
+    and for each control alike (the same draws and law), and the warning came once more per control run."""
+    from specdec.eval.certificate import sampler_checks
+
+    from specdec.tree import DraftMode
+
+    _, warnings = sampler_checks([DraftMode.INDEPENDENT], SamplingConfig(True), CertificateSizes(stat_samples=200),
+                                 {"always_accept", "bonus_uniform"})
+    assert len([w for w in warnings if "raise --stat-samples" in w]) == 1, warnings
+
+
+@pytest.mark.parametrize("field", ["alpha", "stat_tv", "e2e_tv"])
+def test_certificate_sizes_refuse_a_level_or_tv_of_1(field):
+    """alpha 1 rejects every check of a correct engine, and TV 1 is the largest distance there is (nothing is left to
+    detect): each must lie strictly inside (0, 1)."""
+    with pytest.raises(ValueError, match="must lie in"):
+        CertificateSizes(**{field: 1.0})
+
+
+def test_full_sizes_state_the_tvs_the_docs_promise():
+    """``--full`` detects TV 0.01 in the sampler statistics and 0.025 end to end (docs/evaluation.md, the CLI help):
+    the TVs its power is reported and warned against."""
+    full = CertificateSizes.full()
+    assert (full.stat_tv, full.e2e_tv) == (0.01, 0.025)
+
+
+@pytest.mark.parametrize("field", ["stat_samples", "identity_prompts", "identity_tokens", "sample_sequences",
+                                   "sample_tokens", "start_candidates", "pilot_sequences"])
+def test_certificate_sizes_refuse_a_count_of_0(field):
+    """Every count is at least 1 (a level of 0 draws or prompts tests nothing and would read as passed)."""
+    with pytest.raises(ValueError, match="must be >= 1"):
+        CertificateSizes(**{field: 0})
+    assert getattr(CertificateSizes(**{field: 1}), field) == 1
