@@ -154,3 +154,36 @@ def test_one_seed_gives_one_text_in_another_process(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == here
+
+
+def test_a_generator_seeds_standard_sampling_as_seed_does_reading_no_measured_costs(monkeypatch):
+    """generator= fixes the text as seed= does, so seeded standard sampling with one reads no measurement either:
+    its trees are verified whole (no sizer), and the cost model is never loaded."""
+    from specdec.generate import prepare
+
+    monkeypatch.setattr(engine_setup, "load_cost_model", lambda *a, **k: pytest.fail("the cost model was read"))
+    request = prepare(build_tiny_model(), [PROMPT], drafter="ngram", max_new_tokens=4, do_sample=True,
+                      generator=torch.Generator().manual_seed(0))
+    engine = engine_setup.build_engine(request)
+    assert engine.policy.auto and engine.policy.sizer is None
+
+
+def test_seeded_coupled_sampling_sizes_its_trees_from_the_measured_costs(tmp_path, monkeypatch):
+    """Coupled sampling's text does not depend on the trees, so a seed leaves its speculation policy whole: the tree
+    sizer runs on the measured costs, unlike seeded standard sampling."""
+    from specdec.generate import prepare
+
+    with_fresh_cache(tmp_path, monkeypatch, "flat")
+    request = prepare(build_tiny_model(), [PROMPT], drafter="ngram", max_new_tokens=4, do_sample=True,
+                      sampler="coupled", seed=13)
+    assert engine_setup.build_engine(request).policy.sizer is not None
+
+
+def test_greedy_decoding_with_a_drafter_draws_nothing_from_the_generator():
+    """Greedy decoding draws no random number, with a drafter or without: the caller's generator comes back in the
+    state it went in, so a later sampled call on it gives the text it would have given."""
+    model = build_tiny_model()
+    generator = torch.Generator().manual_seed(5)
+    state = generator.get_state().clone()
+    generate(model, [PROMPT], drafter="ngram", max_new_tokens=6, speculation="always", generator=generator)
+    assert torch.equal(generator.get_state(), state)
