@@ -142,3 +142,16 @@ def test_drafting_in_the_targets_cache_leaves_the_next_position_of_a_sequence_no
     options = dict(num_layers=1, num_draft_tokens=4)
     out = specdec.generate(model, prompts, drafter="self-draft", drafter_options=options, speculation="always", **kw)
     assert out == plain
+
+
+def test_the_default_pool_holds_the_requests_worst_case_with_a_whole_tree():
+    """Without num_blocks the pool is the request's worst case: the 32-token prompt, 8 new tokens, the bonus token and,
+    with a drafter, a whole tree of MAX_TREE_NODES = 64 nodes on top. 32 + 8 + 1 = 41 positions: 3 blocks of 16;
+    41 + 64 = 105: 7 blocks."""
+    from specdec.engine_setup import build_engine
+    from specdec.generate import prepare
+
+    model = build_tiny_model()
+    assert build_engine(prepare(model, [PROMPT], max_new_tokens=8)).cache.num_blocks == 3
+    engine = build_engine(prepare(model, [PROMPT], drafter="ngram", max_new_tokens=8, speculation="always"))
+    assert engine.cache.num_blocks == 7 and not engine.fit_free_blocks
