@@ -500,6 +500,7 @@ def _same_run(full, part) -> None:
     ha = [json.loads(x) for x in (full / "history.jsonl").read_text().splitlines()]
     hb = [json.loads(x) for x in (part / "history.jsonl").read_text().splitlines()]
     assert [h["step"] for h in hb] == list(range(1, 7)) and [h["loss"] for h in ha] == [h["loss"] for h in hb]
+    assert [h["lr"] for h in ha] == [h["lr"] for h in hb]  # the schedule resumed where it was
 
 
 def test_resume_after_kill_matches_uninterrupted_run(tiny, uninterrupted, tmp_path, monkeypatch):
@@ -1455,3 +1456,47 @@ def test_resume_refuses_a_target_retrained_into_the_same_directory(tiny, tmp_pat
     with pytest.raises(OutputDirError, match=r"--resume: the target model model is not the one the checkpoint"):
         run_training(_cfg(tiny, tmp_path / "run", model="model", data="data.jsonl", eval_tau=False, max_steps=2,
                           save_every=2, resume=True))
+
+
+def test_accumulated_micro_batches_take_each_sequence_once_an_epoch_and_reshuffle_each_epoch():
+    """8 sequences, batch 2, --grad-accum 2: an epoch is 8 / 2 = 4 micro-batches = 2 optimizer steps. Steps 0-1 take
+    every sequence exactly once, steps 2-3 (the second epoch) take each once again, in another order."""
+    from types import SimpleNamespace
+
+    seqs = [[r + 1, 90, 91] for r in range(8)]  # a row's first token is its index + 1
+    run = SimpleNamespace(cfg=SimpleNamespace(grad_accum=2, batch_size=2, seed=0), train_seqs=seqs,
+                          accelerator=SimpleNamespace(num_processes=1, process_index=0, device=torch.device("cpu")),
+                          features=SimpleNamespace(batch=lambda rows: (None, None, None)))
+
+    def rows(step):
+        return [int(t) - 1 for ids, *_ in loop._micro_batches(run, step) for t in ids[:, 0]]
+
+    first, second = rows(0) + rows(1), rows(2) + rows(3)
+    assert sorted(first) == list(range(8)) and sorted(second) == list(range(8))
+    assert first != second
+
+
+def test_an_epoch_of_accumulated_steps_runs_its_steps_and_checkpoints_the_last(tiny, tmp_path):
+    """16 sequences, batch 4, --grad-accum 2, one epoch: 16 / 4 = 4 micro-batches = 2 optimizer steps; the last
+    step is checkpointed although --save-every 5 never falls due."""
+    cfg = _cfg(tiny, tmp_path, max_steps=None, epochs=1, grad_accum=2, save_every=5)
+    history = medusa_recipe.train_heads(cfg, *_model_and_seqs(tiny), _accelerator(), None)[1]
+    assert [h["step"] for h in history] == [1, 2]
+    assert ckpt_io.read_state(ckpt_io.find_checkpoint(tmp_path))["step"] == 2
+
+
+def test_a_kill_after_the_new_checkpoint_is_in_place_resumes_from_the_new_one(tmp_path):
+    """A kill between the second rename and the removal of checkpoint.old leaves both complete: the new one
+    (checkpoint, step 4) is the one to resume, not the one it replaced (step 2)."""
+    for name, step in ((ckpt_io.OLD, 2), (ckpt_io.CKPT, 4)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "state.json").write_text(json.dumps({"step": step}))
+    assert ckpt_io.find_checkpoint(tmp_path) == tmp_path / ckpt_io.CKPT
+    assert ckpt_io.read_state(ckpt_io.find_checkpoint(tmp_path))["step"] == 4
+
+
+@pytest.mark.parametrize("state", ['{"fingerprint": "fp", "config": {}}', '{"step": null}', '{"step": "four"}'])
+def test_a_state_file_without_a_step_is_a_checkpoint_error(tmp_path, state):
+    (tmp_path / "state.json").write_text(state)
+    with pytest.raises(ckpt_io.CheckpointError, match=r"state\.json"):
+        ckpt_io.read_state(tmp_path)
