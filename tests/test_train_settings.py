@@ -51,6 +51,8 @@ def _cfg(tiny, out, **kw):
     (dict(head_decay=float("nan")), "head_decay must be finite and in (0, 1], got nan"),
     (dict(seed=2**60), "seed must be <= 4398046511104 (it is scaled into torch's 64-bit seeds)"),
     (dict(tree_budget=65), "tree_budget must be <= 64 (the largest draft tree), got 65"),
+    (dict(grad_accum=0), "grad_accum must be >= 1, got 0"),
+    (dict(held_out_fraction=1.0), "held_out_fraction must be in [0, 1), got 1.0"),
 ])
 def test_numeric_settings_a_run_cannot_use_are_refused_in_one_line(settings, message):
     """lr inf trained all-NaN heads and exited 0, --weight-decay -1 failed after the model load in torch's words,
@@ -226,3 +228,40 @@ def test_a_run_saved_with_a_setting_it_did_not_use_still_resumes():
     assert eagle.differences({**asdict(eagle), "eagle_steps": 3, "cache_features": True}) == [
         "cache_features (False: --no-feature-cache): checkpoint True vs now False",
         "eagle_steps (--train-depth): checkpoint 3 vs now 2"]
+
+
+@pytest.mark.parametrize("step,saved,start,message", [
+    (0, 0, 0, "the loss of step 1, the first of this run, is nan before any update: the target's hidden states or "
+              "the starting weights are not finite; no head was written"),
+    (4, 4, 4, "the loss of step 5, the first of this run, is nan before any update: the target's hidden states or "
+              "the starting weights are not finite; no head was written, the checkpoint of step 4 is kept"),
+    (4, 2, 0, "training diverged at step 5: its loss is nan; lower lr (--lr, now 0.001); no head was written, the "
+              "checkpoint of step 2 is kept"),
+])
+def test_a_nan_loss_blames_the_lr_only_after_an_update_of_this_run(step, saved, start, message):
+    """The first step of a run (a resumed one's too: its weights are the checkpoint's) has had no update to blame;
+    a run that saved nothing names no checkpoint (not "step 0")."""
+    from types import SimpleNamespace
+
+    at = loop.Position(step=step, saved=saved, rng=torch.get_rng_state(), history=[], start=start)
+    run = SimpleNamespace(cfg=TrainConfig(model="m", output_dir="o", lr=1e-3))
+    with pytest.raises(loop.TrainingDiverged) as err:
+        loop._check_loss(run, at, torch.tensor([float("nan"), 0.0, 0.0]))
+    assert str(err.value) == message
+
+
+def test_a_resume_refuses_another_lr_and_names_epochs_where_the_checkpoint_had_no_max_steps():
+    """lr shapes the heads: another one is another run (its fingerprint too). epochs is ignored only where both
+    runs set the same max_steps; a checkpoint of an epoch-based run differs in both."""
+    from dataclasses import asdict
+
+    now = TrainConfig(model="m", output_dir="o", lr=1e-3, max_steps=10, epochs=2)
+    assert now.differences({**asdict(now), "lr": 3e-3}) == ["lr: checkpoint 0.003 vs now 0.001"]
+    assert now.fingerprint() != TrainConfig(model="m", output_dir="o", lr=3e-3, max_steps=10, epochs=2).fingerprint()
+    assert now.differences({**asdict(now), "max_steps": None, "epochs": 1}) == [
+        "epochs: checkpoint 1 vs now 2", "max_steps: checkpoint None vs now 10"]
+    # a checkpoint of a run on --data, resumed to self-distil: the distillation settings count again
+    on_data = TrainConfig(model="m", output_dir="o", data="d.jsonl")
+    assert now.differences({**asdict(now), "data": "d.jsonl", "distill_batch_size": 3}) == [
+        "data: checkpoint 'd.jsonl' vs now None", "distill_batch_size: checkpoint 3 vs now 128"]
+    assert on_data.differences({**asdict(on_data), "distill_batch_size": 3}) == []
