@@ -372,3 +372,87 @@ def test_a_retrained_middle_layer_is_not_served_from_the_distillation_cache(tmp_
         loaded.model.model.layers[0].mlp.down_proj.weight.mul_(-1.5)
     self_distill(loaded, [[5, 6, 7], [8, 9]], **kwargs)
     assert len(list(tmp_path.glob("*.json"))) == 2  # generated anew under a key of its own, not a cache hit
+
+
+def test_with_no_hash_under_the_fraction_the_smallest_hash_is_held_out():
+    """The fallback holds out the sequence a larger fraction would hold out first: the smallest content hash
+    (sha256 of the sequence's repr, first 8 hex digits over 0xFFFFFFFF), whatever the order."""
+    import hashlib
+
+    seqs = [[i, i + 1, i + 2] for i in range(0, 30, 3)]
+    smallest = min(seqs, key=lambda s: hashlib.sha256(str(s).encode()).hexdigest()[:8])
+    for order in (seqs, seqs[::-1]):
+        train, held = split_held_out(order, 1e-9)
+        assert held == [smallest] and smallest not in train and len(train) == len(seqs) - 1
+
+
+def test_sampled_self_distillation_is_cached_per_batch_size_and_seeds_each_batch_by_its_start(tmp_path, monkeypatch):
+    """Sampled, a batch's seed is seed + its first prompt's index (5 prompts, batch 2, seed 5: batches at 0, 2, 4
+    draw with seeds 5, 7, 9), so another batch size samples other answers: its own cache entry, not the first
+    one's. Greedy answers do not depend on the batch: one entry serves every size."""
+    import importlib
+    from types import SimpleNamespace
+
+    from specdec.train.distill import self_distill
+
+    from specdec.models.loader import load_model
+    from specdec.testing import build_tiny_model
+
+    generate_module = importlib.import_module("specdec.generate")
+    loaded = load_model(build_tiny_model(vocab_size=64))
+    prompts = [[2 + i, 3 + i, 4 + i] for i in range(5)]
+    seeds = []
+
+    def fake_generate(model, chunk, **kw):
+        seeds.append(kw["seed"])
+        return SimpleNamespace(new_tokens=[[1, 1]] * len(chunk))
+
+    monkeypatch.setattr(generate_module, "generate", fake_generate)
+    common = dict(max_new_tokens=2, progress=False, cache_dir=tmp_path)
+    self_distill(loaded, prompts, batch_size=2, do_sample=True, seed=5, **common)
+    assert seeds == [5, 7, 9]
+    self_distill(loaded, prompts, batch_size=3, do_sample=True, seed=5, **common)
+    assert seeds == [5, 7, 9, 5, 8]  # batches at 0 and 3
+    self_distill(loaded, prompts, batch_size=2, **common)
+    assert seeds[5:] == [None] * 3
+    self_distill(loaded, prompts, batch_size=3, **common)
+    assert len(seeds) == 8  # greedy, batch 3: the batch-2 entry's answers
+
+
+def test_a_kept_batch_whose_answers_do_not_continue_their_prompts_is_generated_again(tmp_path, monkeypatch):
+    """An interrupted run's partial file is trusted only where each sequence starts with its own prompt: a
+    record that does not (a damaged line that still parses) and everything after it is generated again."""
+    import importlib
+    from types import SimpleNamespace
+
+    from specdec.train.distill import self_distill
+
+    from specdec.models.loader import load_model
+    from specdec.testing import build_tiny_model
+
+    generate_module = importlib.import_module("specdec.generate")
+    loaded = load_model(build_tiny_model(vocab_size=64))
+    prompts = [[2 + i, 3 + i, 4 + i] for i in range(4)]
+    calls = []
+
+    def fake_generate(model, chunk, **kw):
+        calls.append(len(calls))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return SimpleNamespace(new_tokens=[[1, 1]] * len(chunk))
+
+    monkeypatch.setattr(generate_module, "generate", fake_generate)
+    common = dict(max_new_tokens=2, batch_size=2, progress=False, cache_dir=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        self_distill(loaded, prompts, **common)
+    (partial,) = tmp_path.glob("*.partial.jsonl")
+    partial.write_text(json.dumps({"start": 0, "sequences": [[9, 9, 9, 1, 1], [3, 4, 5, 1, 1]]}) + "\n")
+    calls.clear()
+
+    def answering(model, chunk, **kw):
+        calls.append(len(chunk))
+        return SimpleNamespace(new_tokens=[[1, 1]] * len(chunk))
+
+    monkeypatch.setattr(generate_module, "generate", answering)
+    assert self_distill(loaded, prompts, **common) == [p + [1, 1] for p in prompts]
+    assert calls == [2, 2]  # both batches generated again
