@@ -104,3 +104,31 @@ def test_self_written_prompts_exclude_the_other_prompt_sources():
         TrainConfig(model="m", output_dir="o", data="d.jsonl", prompts_file="p.txt")
     assert TrainConfig(model="m", output_dir="o").fingerprint() == TrainConfig(
         model="m", output_dir="o", prompt_source="builtin").fingerprint()
+
+
+def test_a_prompt_holding_exactly_the_share_of_a_held_out_prompts_words_is_too_close():
+    """share 0.6 of a 5-word held-out prompt is 3 words: 3 shared words are too close, 2 are not."""
+    held = [{"how", "do", "tides", "work", "today"}]
+    assert self_prompts.too_close("how do tides", held)
+    assert not self_prompts.too_close("how do birds", held)
+
+
+def test_a_turn_of_exactly_min_words_words_is_kept(tmp_path, monkeypatch):
+    """MIN_WORDS is 3: "plan a trip" (3 words) is a prompt, "hi there" (2) is not."""
+    loaded = _loaded()
+    tok, end = loaded.tokenizer, loaded.model.config.eos_token_id
+    turns = [tok(text, add_special_tokens=False)["input_ids"] + [end] for text in ("hi there", "plan a trip")]
+    monkeypatch.setattr(generate_module, "generate", lambda model, prompts, **kw: SimpleNamespace(new_tokens=turns))
+    assert self_prompts.MIN_WORDS == 3
+    assert self_prompts.self_written_prompts(loaded, 1, batch_size=2, cache_dir=tmp_path, progress=False) == [
+        "plan a trip"]
+
+
+def test_a_batch_with_more_usable_turns_than_asked_gives_the_first_n(tmp_path, monkeypatch):
+    loaded = _loaded()
+    tok, end = loaded.tokenizer, loaded.model.config.eos_token_id
+    turns = [tok(text, add_special_tokens=False)["input_ids"] + [end]
+             for text in ("plan a trip", "write a poem please", "name three rivers")]
+    monkeypatch.setattr(generate_module, "generate", lambda model, prompts, **kw: SimpleNamespace(new_tokens=turns))
+    assert self_prompts.self_written_prompts(loaded, 2, batch_size=3, cache_dir=tmp_path, progress=False) == [
+        "plan a trip", "write a poem please"]
