@@ -848,6 +848,26 @@ def test_the_sampler_statistics_report_power_at_the_level_holm_tests_each_case_a
     assert levels == [pytest.approx(0.01 / 3)] * 3
 
 
+@pytest.mark.parametrize("smallest_p, passed", [(0.003, False), (0.004, True)])
+def test_the_sampler_row_holds_holm_at_the_certificates_alpha_and_reports_its_weakest_case(monkeypatch, smallest_p,
+                                                                                          passed):
+    """Three cases at alpha 0.01: Holm rejects the smallest p-value below 0.01 / 3 = 0.00333, so 0.003 fails the
+    row and 0.004 passes it (the other two, 0.5, are never rejected). The row's power is its weakest case's, 0.5 of
+    (0.95, 0.5, 0.99): a certificate vouches for the case it detects least."""
+    from types import SimpleNamespace
+
+    import specdec.eval.certificate as certificate
+
+    from specdec.tree import DraftMode
+
+    fits = iter([SimpleNamespace(p_value=p, power=power, detects_tv=0.1)
+                 for p, power in ((smallest_p, 0.95), (0.5, 0.5), (0.5, 0.99))])
+    monkeypatch.setattr(certificate, "goodness_of_fit", lambda *a: next(fits))
+    checks, _ = certificate.sampler_checks(list(DraftMode), SamplingConfig(True), CertificateSizes(stat_samples=200),
+                                           set())
+    row = next(c for c in checks if c.name == "chi-square vs exact law (Holm)")
+    assert (row.passed, row.power) == (passed, 0.5)
+
 @pytest.mark.parametrize("z, passed", [(3.9, True), (-3.9, True), (4.1, False), (-5.0, False)])
 def test_a_chain_tau_row_fails_at_four_standard_errors(monkeypatch, z, passed):
     """The chain row passes while the measured tau lies within 4 standard errors of (1 - a^5) / (1 - a): z = 3.9
