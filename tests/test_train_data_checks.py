@@ -296,7 +296,8 @@ def test_medusa_scores_responses_alone_and_chooses_its_tree_from_them(tmp_path):
 
 def test_reports_score_all_positions_and_the_responses_in_one_forward_of_the_target(tmp_path, monkeypatch):
     """train-medusa and train-eagle scored the held-out data twice (all positions, then the responses alone), each
-    time running the target over all of it. One forward now gives both tallies, and each equals its own pass."""
+    time running the target (and Medusa's heads) over all of it. One forward now gives both tallies, and each equals
+    its own pass."""
     from specdec.drafters.eagle_model import EagleConfig, EagleModel
     from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
     from specdec.train import eagle_evaluate, evaluate
@@ -318,11 +319,14 @@ def test_reports_score_all_positions_and_the_responses_in_one_forward_of_the_tar
     for module in (evaluate, eagle_evaluate):
         real = module.target_features
         monkeypatch.setattr(module, "target_features", lambda *a, _real=real, **k: forwards.append(1) or _real(*a, **k))
+    head_calls = []  # head 0's forward: once a batch too, whatever the scopes
+    real_head = heads.heads[0].forward
+    monkeypatch.setattr(heads.heads[0], "forward", lambda x: head_calls.append(1) or real_head(x))
     loaded = SimpleNamespace(model=model, tokenizer=None, name="tiny")
     accelerator, times = SimpleNamespace(device="cpu", num_processes=1), {"start": 0, "data": 0, "train": 0}
     medusa = _finish_medusa(TrainConfig(model="m", output_dir=str(tmp_path / "m"), tree_budget=6, eval_tau=False),
                             loaded, model, heads, [{"step": 1, "loss": 2.5}], seqs, seqs, accelerator, times, starts)
-    assert len(forwards) == 1
+    assert len(forwards) == 1 and len(head_calls) == 1
     cfg = TrainConfig(model="m", output_dir=str(tmp_path / "e"), drafter="eagle", eagle_steps=2, eval_tau=False)
     eagle_out = finish_eagle(cfg, loaded, eagle, [{"step": 1, "loss": 2.5}], seqs, seqs, {"size": None}, times,
                              accelerator, starts)

@@ -37,7 +37,7 @@ def head_accuracies(model, heads, seqs: list[list[int]], batch_size: int = 4, de
 def scoped_head_accuracies(model, heads, seqs: list[list[int]], scopes: list[list[int] | None], batch_size: int = 4,
                            device="cpu") -> list[dict]:
     """:func:`head_accuracies` for each scope (None: every position; else per sequence the first position scored),
-    from one forward of the target over ``seqs``: all positions and the responses alone cost one pass, not two."""
+    from one forward of the target and the heads over ``seqs``: each scope counts a subset of the real positions."""
     n = heads.config.num_heads
     hits = torch.zeros(len(scopes), n, MAX_RANK, dtype=torch.float64)
     counts = torch.zeros(len(scopes), n, dtype=torch.float64)
@@ -48,24 +48,27 @@ def scoped_head_accuracies(model, heads, seqs: list[list[int]], scopes: list[lis
     for start in range(0, len(seqs), batch_size):
         ids, mask = collate(seqs[start : start + batch_size], device)
         hidden, labels = target_features(model, ids, mask)
-        for s, starts in enumerate(scopes):
-            scored = mask.clone()
+        scored = []  # per scope: [B, L] the positions it counts, a subset of mask's
+        for starts in scopes:
+            scored.append(mask.clone())
             if starts is not None:  # labels[m] is the token at m + 1, scored through scored[m]
                 for b, first in enumerate(starts[start : start + batch_size]):
-                    scored[b, : max(0, first - 1)] = 0
-            for i in range(n):
-                shift = 1 + i
-                if hidden.shape[1] <= shift:
-                    continue
-                valid = scored[:, shift:].bool()
-                x = heads.heads[i](hidden[:, :-shift][valid])
-                logits = torch.nn.functional.linear(x, rows) if heads.config.shared_lm_head else x
-                ranks = logits.topk(k, dim=-1).indices  # [N, k] best first, columns of the heads' logits
-                if vocab is not None:
-                    ranks = vocab.to_full(ranks)  # -> token ids
-                eq = ranks == labels[:, shift:][valid].unsqueeze(-1)
-                hits[s, i, :k] += eq.sum(0).double().cpu()
-                counts[s, i] += eq.shape[0]
+                    scored[-1][b, : max(0, first - 1)] = 0
+        for i in range(n):
+            shift = 1 + i
+            if hidden.shape[1] <= shift:
+                continue
+            valid = mask[:, shift:].bool()
+            x = heads.heads[i](hidden[:, :-shift][valid])
+            logits = torch.nn.functional.linear(x, rows) if heads.config.shared_lm_head else x
+            ranks = logits.topk(k, dim=-1).indices  # [N, k] best first, columns of the heads' logits
+            if vocab is not None:
+                ranks = vocab.to_full(ranks)  # -> token ids
+            eq = ranks == labels[:, shift:][valid].unsqueeze(-1)
+            for s, kept in enumerate(scored):
+                counted = kept[:, shift:][valid].bool()  # [N] the scope's rows among the real ones
+                hits[s, i, :k] += eq[counted].sum(0).double().cpu()
+                counts[s, i] += int(counted.sum())
     out = []
     for s in range(len(scopes)):
         rank_acc = (hits[s] / counts[s].clamp(min=1).unsqueeze(-1)).tolist()
