@@ -102,6 +102,11 @@ def read_state(ckpt: Path) -> dict:
     return _read(ckpt, "state.json")
 
 
+def checkpoint_step(ckpt: Path) -> int:
+    """The training step the checkpoint holds."""
+    return int(read_state(ckpt)["step"])
+
+
 def check_readable(ckpt: Path) -> None:
     """Open every file of the checkpoint, so a truncated one is named before training starts; the tensors
     are read once, by load_checkpoint (damage that still opens is a CheckpointError there)."""
@@ -114,4 +119,4 @@ def load_checkpoint(ckpt: Path, heads, optimizer, scheduler) -> int:
     optimizer.load_state_dict(_read(ckpt, "optimizer.pt"))
     scheduler.load_state_dict(_read(ckpt, "scheduler.pt"))
     torch.set_rng_state(_read(ckpt, "rng.pt")["torch"])
-    return int(read_state(ckpt)["step"])
+    return checkpoint_step(ckpt)

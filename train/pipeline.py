@@ -24,6 +24,7 @@ import torch
 from specdec.drafters.medusa_heads import save_medusa
 from specdec.train.accuracy_table import ALL_POSITIONS_NOTE, accuracy_cells
 from specdec.train.agreed_interrupts import InterruptsHeld
+from specdec.train.checkpoint import checkpoint_step, find_checkpoint
 from specdec.train.config import SELF_PROMPTS, TrainConfig
 from specdec.train.data import TrainDataError, load_texts, split_held_out, tokenize_texts
 from specdec.train.loop import number
@@ -309,8 +310,6 @@ def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None], h
         resume_from = prepare_output_dir(cfg, model_fingerprint(loaded.model))
     meet()
     if not accelerator.is_main_process and cfg.resume:
-        from specdec.train.checkpoint import find_checkpoint
-
         resume_from = find_checkpoint(Path(cfg.output_dir))
     return loaded, inputs, resume_from
 
@@ -416,7 +415,8 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
             logger.info("%d training / %d held-out sequences (%d / %d tokens)", len(train_seqs), len(held_out),
                         sum(map(len, train_seqs)), sum(map(len, held_out)))
             t_data = time.perf_counter()
-            resumed_at = _step_of(resume_from)  # before training replaces that checkpoint
+            # read before training replaces that checkpoint
+            resumed_at = None if resume_from is None else checkpoint_step(resume_from)
             heads, history, vocab_info = _train(cfg, loaded, model, train_seqs, accelerator, resume_from)
         times = {"start": t0, "data": t_data, "train": time.perf_counter(), "resumed_from_step": resumed_at}
         if not accelerator.is_main_process:
@@ -430,21 +430,13 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
                               prompt_lengths)
 
 
-def _step_of(checkpoint: Path | None) -> int | None:
-    from specdec.train.checkpoint import read_state
-
-    return None if checkpoint is None else int(read_state(checkpoint)["step"])
-
-
 def trained_steps(out: Path, history: list[dict]) -> int:
     """The steps the drafter was trained for: the history's last record, else (a resumed run whose history.jsonl
     was gone, and which had no step left) the step of the checkpoint the run's last step saved."""
     if history:
         return history[-1]["step"]
-    from specdec.train.checkpoint import find_checkpoint, read_state
-
     ckpt = find_checkpoint(out)
-    return int(read_state(ckpt)["step"]) if ckpt is not None else 0
+    return checkpoint_step(ckpt) if ckpt is not None else 0
 
 
 def measured(rates: list[float], positions: list[float]) -> list[float | None]:
