@@ -1,5 +1,6 @@
 """The accuracy rows of the training reports (Medusa's heads, EAGLE's draft depths): top-1 and top-5 over every
-position, and over the responses alone where the data was self-distilled (a rate no position reached reads n/a)."""
+position, and over the responses alone where the data was self-distilled (a rate no position reached reads n/a);
+and the scopes they are measured over."""
 from __future__ import annotations
 
 from specdec.train.loop import number
@@ -7,6 +8,12 @@ from specdec.train.loop import number
 # under every table: why the two column pairs differ
 ALL_POSITIONS_NOTE = ("All positions include each sequence's prompt (the chat template repeats in every sequence and "
                       "is easy to predict); the responses-only columns are what drafting a reply meets.")
+
+
+def accuracy_scopes(data: list[list[int]], prompt_lengths: dict | None) -> list[list[int] | None]:
+    """What the report scores (``scopes`` of the scoped accuracy functions): every position, then, self-distilled
+    (``prompt_lengths``: a sequence's prompt length by its tokens), each sequence's response alone."""
+    return [None] + ([[prompt_lengths.get(tuple(s), 0) for s in data]] if prompt_lengths else [])
 
 
 def accuracy_cells(report: dict) -> list[str]:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from specdec.drafters.eagle_checkpoint import save_eagle
-from specdec.train.accuracy_table import ALL_POSITIONS_NOTE, accuracy_cells
+from specdec.train.accuracy_table import ALL_POSITIONS_NOTE, accuracy_cells, accuracy_scopes
 from specdec.train.eagle_evaluate import (
     MIN_CHAIN_ACCEPTANCE,
     PAYS_MARGIN,
@@ -36,7 +36,7 @@ def finish_eagle(cfg, loaded, eagle, history, held_out, train_seqs, vocab_info: 
     out = Path(cfg.output_dir)
     data = held_out or train_seqs
     # self-distilled: the responses alone too (a chat template is easy to predict and inflates acc)
-    scopes = [None] + ([[prompt_lengths.get(tuple(s), 0) for s in data]] if prompt_lengths else [])
+    scopes = accuracy_scopes(data, prompt_lengths)
     acc, *responses = scoped_eagle_accuracies(loaded.model, eagle, data, cfg.eagle_steps, scopes,
                                               device=accelerator.device)
     acc = {**acc, "top1": measured(acc["top1"], acc["positions"]), "top5": measured(acc["top5"], acc["positions"])}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 from specdec.drafters.medusa_heads import save_medusa
-from specdec.train.accuracy_table import ALL_POSITIONS_NOTE, accuracy_cells
+from specdec.train.accuracy_table import ALL_POSITIONS_NOTE, accuracy_cells, accuracy_scopes
 from specdec.train.agreed_interrupts import InterruptsHeld
 from specdec.train.checkpoint import checkpoint_step, find_checkpoint
 from specdec.train.config import SELF_PROMPTS, TrainConfig
@@ -342,7 +342,7 @@ def _finish_medusa(cfg: TrainConfig, loaded, model, heads, history: list[dict], 
     out = Path(cfg.output_dir)
     # --held-out-fraction 0: accuracies on training data, and the report says so
     data = held_out or train_seqs
-    scopes = [None] + ([[prompt_lengths.get(tuple(s), 0) for s in data]] if prompt_lengths else [])
+    scopes = accuracy_scopes(data, prompt_lengths)
     acc, *responses_or_none = scoped_head_accuracies(model, heads, data, scopes, device=accelerator.device)
     responses = responses_or_none[0] if responses_or_none else None
     if responses is not None and not responses["positions"][0]:  # no response position reached (warned earlier)
