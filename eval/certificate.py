@@ -432,6 +432,35 @@ def drafter_stopped(name: str, level: str, control: str | None, err: DraftError,
     return Check(name, level, False, detail=f"{context}: {first_line(err)}" if context else first_line(err))
 
 
+def sampled_row(name: str, control: str | None, res: dict, sizes: CertificateSizes, choice: Any
+                ) -> tuple[Check, list[str]]:
+    """The end-to-end sampled row from :func:`specdec.eval.end_to_end.sampled_two_sample`'s result ``res``, and its
+    warnings (the exact rule's only): a chi-square on the first tokens and a log-probability KS on the window test
+    one hypothesis, so Holm keeps the row's family-wise false-failure rate at ``sizes.alpha``."""
+    from specdec.eval.end_to_end import window
+
+    k, w = sizes.sample_tokens, window(sizes)
+    ok = not holm({"chi2": res["chi2_p"], "ks": res["ks_p"]}, sizes.alpha)
+    check = Check(name, "end-to-end", ok, control, p_value=min(res["chi2_p"], res["ks_p"]),
+                  samples=sizes.sample_sequences, power=res["power"], detects_tv=res["detects_tv"],
+                  detail=f"chi-square p={res['chi2_p']:.3g}, log-prob KS p={res['ks_p']:.3g}, tau {res['tau']:.3f}, "
+                         f"{res['drafted']:.1%} of the window's tokens accepted drafts, {res['rejected']:.1%} rejected "
+                         f"drafts per window token, {res['distinct_outcomes']} distinct outcomes of the first {k}; "
+                         f"{choice.detail}")
+    warnings = []
+    # what matters is whether accepted drafts fed the window's tokens, not the lookahead past them
+    if control is None and res["drafted"] < 0.02:
+        warnings.append(f"end-to-end sampling: drafts were almost never accepted ({res['drafted']:.1%} of the "
+                        f"window's {w} tokens; tau {res['tau']:.3f} over the whole generation) at the best of "
+                        f"{len(choice.candidates)} starts a pilot tried, so this check mostly exercises the "
+                        "rejection path; the sampler statistics cover acceptance")
+    if control is None and res["power"] < 0.9:
+        warnings.append(low_power_warning(f"end-to-end sampling: {sizes.sample_sequences} sequences per side",
+                                          res["power"], res["detects_tv"], sizes.e2e_tv,
+                                          "raise --sample-sequences (or use --full)"))
+    return check, warnings
+
+
 def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: SamplingConfig,
                       sizes: CertificateSizes, make_prompts: Callable[[int], list[list[int]]],
                       seed: int = 0, progress: Callable[[str], None] = lambda msg: None) -> tuple[list, list]:
@@ -522,25 +551,9 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
         except DraftError as err:
             checks.append(drafter_stopped(name, "end-to-end", control, err))
             continue
-        # two tests of one hypothesis: Holm keeps the family-wise false-failure rate at alpha
-        ok = not holm({"chi2": res["chi2_p"], "ks": res["ks_p"]}, sizes.alpha)
-        checks.append(Check(name, "end-to-end", ok,
-                            control, p_value=min(res["chi2_p"], res["ks_p"]), samples=sizes.sample_sequences,
-                            power=res["power"], detects_tv=res["detects_tv"],
-                            detail=f"chi-square p={res['chi2_p']:.3g}, log-prob KS p={res['ks_p']:.3g}, "
-                                   f"tau {res['tau']:.3f}, {res['drafted']:.1%} of the window's tokens accepted "
-                                   f"drafts, {res['rejected']:.1%} rejected drafts per window token, "
-                                   f"{res['distinct_outcomes']} distinct outcomes of the first {k}; {choice.detail}"))
-        # what matters is whether accepted drafts fed the window's tokens, not the lookahead past them
-        if control is None and res["drafted"] < 0.02:
-            warnings.append(f"end-to-end sampling: drafts were almost never accepted ({res['drafted']:.1%} of the "
-                            f"window's {w} tokens; tau {res['tau']:.3f} over the whole generation) at the best of "
-                            f"{len(choice.candidates)} starts a pilot tried, so this check mostly exercises the "
-                            "rejection path; the sampler statistics cover acceptance")
-        if control is None and res["power"] < 0.9:
-            warnings.append(low_power_warning(f"end-to-end sampling: {sizes.sample_sequences} sequences per side",
-                                              res["power"], res["detects_tv"], sizes.e2e_tv,
-                                              "raise --sample-sequences (or use --full)"))
+        check, row_warnings = sampled_row(name, control, res, sizes, choice)
+        checks.append(check)
+        warnings += row_warnings
     return checks, warnings
 
 

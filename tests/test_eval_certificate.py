@@ -918,3 +918,45 @@ def test_certificate_sizes_refuse_a_count_of_0(field):
     with pytest.raises(ValueError, match="must be >= 1"):
         CertificateSizes(**{field: 0})
     assert getattr(CertificateSizes(**{field: 1}), field) == 1
+
+
+def _sampled_result(chi2_p: float = 0.5, ks_p: float = 0.5, drafted: float = 0.3, power: float = 0.95) -> dict:
+    return {"chi2_p": chi2_p, "ks_p": ks_p, "drafted": drafted, "power": power, "detects_tv": 0.2, "tau": 1.5,
+            "rejected": 0.1, "distinct_outcomes": 7}
+
+
+def test_the_sampled_row_fails_when_holm_over_its_two_tests_rejects_at_alpha():
+    """Holm over two p-values rejects when the smaller is <= alpha / 2. With alpha 0.01: a KS p of 0.004 (<= 0.005)
+    fails the row whatever the chi-square says, a chi-square p of 0.004 fails it whatever the KS says, and two p-values
+    of 0.006 (> 0.005; the larger is then not tested) pass it."""
+    from types import SimpleNamespace
+
+    from specdec.eval.certificate import sampled_row
+
+    sizes, choice = CertificateSizes(alpha=0.01), SimpleNamespace(detail="start", candidates=(0, 1))
+    verdicts = {ps: sampled_row("row", None, _sampled_result(*ps), sizes, choice)[0].passed
+                for ps in ((0.9, 0.004), (0.004, 0.9), (0.006, 0.006), (0.9, 0.9))}
+    assert verdicts == {(0.9, 0.004): False, (0.004, 0.9): False, (0.006, 0.006): True, (0.9, 0.9): True}
+    check = sampled_row("row", "always_accept", _sampled_result(0.9, 0.004), sizes, choice)[0]
+    assert (check.passed, check.control, check.p_value) == (False, "always_accept", 0.004)
+
+
+def test_the_sampled_row_warns_when_drafts_were_almost_never_accepted_or_power_is_low():
+    """The exact rule's row warns below 2% of the window's tokens from accepted drafts and below power 0.9; a
+    control's row never warns (its failing is the point)."""
+    from types import SimpleNamespace
+
+    from specdec.eval.certificate import sampled_row
+
+    sizes, choice = CertificateSizes(), SimpleNamespace(detail="start", candidates=(0, 1, 2))
+
+    def warned(control=None, **res):
+        return sampled_row("row", control, _sampled_result(**res), sizes, choice)[1]
+
+    assert warned(drafted=0.3) == []
+    rarely, = warned(drafted=0.01)
+    assert "almost never accepted (1.0% of the window's 8 tokens" in rarely and "best of 3 starts" in rarely
+    weak, = warned(power=0.5)
+    assert "power" in weak and "--sample-sequences" in weak
+    assert len(warned(drafted=0.01, power=0.5)) == 2
+    assert warned("always_accept", drafted=0.01, power=0.5) == []
