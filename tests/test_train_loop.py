@@ -530,6 +530,34 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny, uninterrupted, tmp_pa
     _same_run(uninterrupted, part)
 
 
+def test_a_resumed_run_whose_first_loss_is_nan_does_not_blame_the_lr(tiny, tmp_path, monkeypatch):
+    """A resumed run's first step starts from the checkpoint's weights, which no update of this run made: a NaN loss
+    there names the weights or the hidden states, not --lr (which the run's later steps would be blamed on)."""
+    real_accumulate, calls = medusa_recipe.MedusaRecipe.accumulate, []
+
+    def interrupted_in_step_3(self, *args):
+        out = real_accumulate(self, *args)
+        calls.append(1)
+        if len(calls) == 3:  # the first two steps are done and saved
+            raise KeyboardInterrupt
+        return out
+
+    part = tmp_path / "part"
+    monkeypatch.setattr(medusa_recipe.MedusaRecipe, "accumulate", interrupted_in_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(_cfg(tiny, part, eval_tau=False))
+    assert ckpt_io.read_state(ckpt_io.find_checkpoint(part))["step"] == 2
+
+    def nan_loss(self, *args):
+        loss, correct, count = real_accumulate(self, *args)
+        return loss * float("nan"), correct, count
+
+    monkeypatch.setattr(medusa_recipe.MedusaRecipe, "accumulate", nan_loss)
+    with pytest.raises(loop.TrainingDiverged, match=re.escape(
+            "the loss of step 3, the first of this run, is nan before any update")):
+        run_training(_cfg(tiny, part, eval_tau=False, resume=True))
+
+
 def test_a_sigterm_inside_an_optimizer_step_saves_that_step_whole(tiny, uninterrupted, tmp_path, monkeypatch):
     """SIGTERM between the optimizer's step and the scheduler's (a scheduler's time limit lands anywhere): it takes
     effect once step 5 is complete, which is saved and named, and --resume ends as the uninterrupted run. Saved where
