@@ -322,6 +322,9 @@ def test_reports_score_all_positions_and_the_responses_in_one_forward_of_the_tar
     head_calls = []  # head 0's forward: once a batch too, whatever the scopes
     real_head = heads.heads[0].forward
     monkeypatch.setattr(heads.heads[0], "forward", lambda x: head_calls.append(1) or real_head(x))
+    layer_calls = []  # the EAGLE layer's passes: once a batch and depth too
+    real_layer = eagle.forward
+    monkeypatch.setattr(eagle, "forward", lambda *a, **k: layer_calls.append(1) or real_layer(*a, **k))
     loaded = SimpleNamespace(model=model, tokenizer=None, name="tiny")
     accelerator, times = SimpleNamespace(device="cpu", num_processes=1), {"start": 0, "data": 0, "train": 0}
     medusa = _finish_medusa(TrainConfig(model="m", output_dir=str(tmp_path / "m"), tree_budget=6, eval_tau=False),
@@ -330,7 +333,7 @@ def test_reports_score_all_positions_and_the_responses_in_one_forward_of_the_tar
     cfg = TrainConfig(model="m", output_dir=str(tmp_path / "e"), drafter="eagle", eagle_steps=2, eval_tau=False)
     eagle_out = finish_eagle(cfg, loaded, eagle, [{"step": 1, "loss": 2.5}], seqs, seqs, {"size": None}, times,
                              accelerator, starts)
-    assert len(forwards) == 2
+    assert len(forwards) == 2 and len(layer_calls) == 2  # eagle_steps=2, one batch, two scopes
     got = (medusa["top1"], medusa["response_top1"], eagle_out["top1"], eagle_out["response_top1"])
     assert list(got) == [r["top1"] for r in apart]
     assert evaluate.scoped_head_accuracies(model, heads, seqs, [None, [6] * 3]) == list(apart[:2])

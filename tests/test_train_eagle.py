@@ -140,6 +140,37 @@ def test_response_only_accuracies_skip_the_prompt():
     assert part["positions"][0] == whole["positions"][0] - 3 * 4  # targets at positions 2..5 of each are skipped
 
 
+def test_held_out_accuracies_count_what_the_training_loss_counts_in_each_scope():
+    """The report's top-1 / top-5 per depth are the training loss's own tallies over the scope's positions (a target
+    token outside the draft vocabulary a miss): one pass of the layer serves every scope, each counting its subset."""
+    from specdec.drafters.eagle_model import EagleConfig, EagleModel
+    from specdec.train.eagle_evaluate import scoped_eagle_accuracies
+    from specdec.train.eagle_loss import eagle_loss
+    from specdec.train.features import collate, target_features
+
+    from specdec.testing import build_tiny_model
+
+    torch.manual_seed(0)
+    model = build_tiny_model()
+    eagle = EagleModel(EagleConfig.for_target(model.config, draft_vocab=tuple(range(1, 12))))
+    seqs = [[(i * 7 + j * 3) % 13 + 1 for j in range(9 + 3 * i)] for i in range(4)]  # one batch; tokens 12, 13 OOV
+    starts = [3, 6, 2, 8]
+    got = scoped_eagle_accuracies(model, eagle, seqs, 3, [None, starts])
+    ids, mask = collate(seqs, "cpu")
+    hidden, labels = target_features(model, ids, mask)
+    scoped = mask.clone()
+    for b, first in enumerate(starts):
+        scoped[b, : first - 1] = 0
+    for acc, scored in zip(got, (mask, scoped), strict=True):
+        top5: list[int] = []
+        _, correct, count = eagle_loss(eagle, ids, hidden, labels, scored, model.get_input_embeddings().weight,
+                                       model.get_output_embeddings().weight, steps=3, top5=top5)
+        assert acc["positions"] == count and min(count) > 0
+        assert acc["top1"] == [c / n for c, n in zip(correct, count, strict=True)]
+        assert acc["top5"] == [t / n for t, n in zip(top5, count, strict=True)]
+    assert got[0]["top5"] != got[1]["top5"] and sum(got[0]["top1"]) > 0  # the scopes differ; some hits to count
+
+
 def test_tree_choice_loads_the_cost_model_before_timing_anything(tmp_path, monkeypatch):
     """The first drafting call of a process loads the cost model (on a fresh machine: a calibration of ~10 s);
     inside the first candidate's timing it once made the best tree (depth 1, 1.17x of plain) measure 0.90x."""

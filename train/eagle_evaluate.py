@@ -15,7 +15,7 @@ import math
 import time
 
 import torch
-from specdec.train.eagle_loss import eagle_loss
+from specdec.train.eagle_loss import depth_rows, depth_targets, unrolled_passes
 from specdec.train.features import collate, target_features
 
 logger = logging.getLogger(__name__)
@@ -60,29 +60,37 @@ def eagle_accuracies(model, eagle, seqs: list[list[int]], steps: int, batch_size
 def scoped_eagle_accuracies(model, eagle, seqs: list[list[int]], steps: int, scopes: list[list[int] | None],
                             batch_size: int = 4, device="cpu") -> list[dict]:
     """:func:`eagle_accuracies` for each scope (None: every position; else per sequence the first position scored),
-    from one forward of the target over ``seqs``: all positions and the responses alone cost one pass, not two."""
-    hits1 = [[0] * steps for _ in scopes]
-    hits5 = [[0] * steps for _ in scopes]
-    counts = [[0] * steps for _ in scopes]
+    from one forward of the target and of the layer's passes over ``seqs``: each scope counts a subset of the
+    positions scored, as training counts them (a target token outside the draft vocabulary is a miss)."""
+    hits = torch.zeros(len(scopes), 2, steps, dtype=torch.long)  # [scope, top-1 / top-5, depth]
+    counts = torch.zeros(len(scopes), steps, dtype=torch.long)
     embed_w = model.get_input_embeddings().weight
     lm_w = model.get_output_embeddings().weight
     for start in range(0, len(seqs), batch_size):
         ids, mask = collate(seqs[start : start + batch_size], device)
+        if ids.shape[1] < 2:
+            continue
         hidden, labels = target_features(model, ids, mask, eagle.config.feature_layers)
-        for s, starts in enumerate(scopes):
-            scored = mask.clone()
+        scored = []  # per scope: [B, L] the positions it counts, a subset of mask's
+        for starts in scopes:
+            scored.append(mask.clone())
             if starts is not None:  # query j scores position j + 2, read through scored[j + 1]
                 for b, first in enumerate(starts[start : start + batch_size]):
-                    scored[b, : max(0, first - 1)] = 0
-            top5: list[int] = []
-            _, correct, count = eagle_loss(eagle, ids, hidden, labels, scored, embed_w, lm_w, steps=steps, top5=top5)
-            for d in range(steps):
-                hits1[s][d] += correct[d]
-                hits5[s][d] += top5[d]
-                counts[s][d] += count[d]
-    return [{"top1": [h / max(1, n) for h, n in zip(hits1[s], counts[s], strict=True)],
-             "top5": [h / max(1, n) for h, n in zip(hits5[s], counts[s], strict=True)], "positions": counts[s]}
-            for s in range(len(scopes))]
+                    scored[-1][b, : max(0, first - 1)] = 0
+        valid, want_index = depth_targets(eagle, labels, torch.stack(scored).amax(0), lm_w.shape[0])
+        for s, out in enumerate(unrolled_passes(eagle, ids, hidden, embed_w, steps), start=1):
+            rows = depth_rows(valid, s)  # [B, L-1] the union of the scopes' queries at depth s
+            logits = eagle.logits(out[rows], lm_w).float()  # [R, draft vocab]
+            target = want_index[rows]  # [R]
+            top = logits.topk(min(5, logits.shape[-1]), -1).indices  # [R, <=5] best first
+            hit = torch.stack([top[:, 0] == target, (top == target[:, None]).any(-1)])  # [2, R]
+            for i, kept in enumerate(scored):
+                counted = kept[:, 1:].bool()[rows]  # [R] the scope's rows among the union's
+                hits[i, :, s - 1] += hit[:, counted].sum(-1).cpu()
+                counts[i, s - 1] += int(counted.sum())
+    rates = hits.double() / counts.clamp(min=1).unsqueeze(1)  # [scope, top-1 / top-5, depth]
+    return [{"top1": rates[i, 0].tolist(), "top5": rates[i, 1].tolist(), "positions": counts[i].tolist()}
+            for i in range(len(scopes))]
 
 
 def _run(loaded, ids, max_new_tokens: int, drafter=None, **config) -> tuple[float, float]:

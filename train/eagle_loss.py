@@ -18,6 +18,8 @@ speculators' ``ttt_steps`` and SpecForge's ``ttt_length`` train it.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from specdec.drafters.draft_vocab import IGNORE, DraftVocab
 from specdec.drafters.eagle_model import EagleModel
@@ -32,7 +34,7 @@ def unrolled_mask(L: int, s: int, device) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
-def _depth_targets(model: EagleModel, labels, mask, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def depth_targets(model: EagleModel, labels, mask, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``valid`` [B, L-1] (the queries that predict a real token) and their targets [B, L-1] (the target's token,
     mapped into the draft vocabulary: -100 outside it)."""
     valid = mask[:, 1:].bool()
@@ -43,7 +45,8 @@ def _depth_targets(model: EagleModel, labels, mask, vocab_size: int) -> tuple[to
     return valid, DraftVocab(draft_ids.cpu(), vocab_size).to_reduced(want_token)
 
 
-def _depth_rows(valid: torch.Tensor, s: int) -> torch.Tensor:
+def depth_rows(valid: torch.Tensor, s: int) -> torch.Tensor:
+    """[B, L-1] the queries of ``valid`` that pass ``s`` scores."""
     rows = valid.clone()
     rows[:, : s - 1] = False  # the first s - 1 queries have no depth-s context
     return rows
@@ -52,13 +55,36 @@ def _depth_rows(valid: torch.Tensor, s: int) -> torch.Tensor:
 def eagle_loss_counts(model: EagleModel, labels, mask, vocab_size: int, steps: int) -> list[int]:
     """What each term of :func:`eagle_loss` averages over in this batch: per depth the positions with a target in
     the draft vocabulary (token loss), then per depth every position (feature regression; EAGLE-3 has none)."""
-    valid, want_index = _depth_targets(model, labels, mask, vocab_size)
+    valid, want_index = depth_targets(model, labels, mask, vocab_size)
     ce, reg = [], []
     for s in range(1, steps + 1):
-        rows = _depth_rows(valid, s)
+        rows = depth_rows(valid, s)
         ce.append(int((want_index[rows] != IGNORE).sum()))
         reg.append(0 if model.eagle3 else int(rows.sum()))
     return ce + reg
+
+
+def unrolled_passes(model: EagleModel, ids: torch.Tensor, hidden: torch.Tensor, embed_w: torch.Tensor,
+                    steps: int) -> Iterator[torch.Tensor]:
+    """The layer's outputs [B, L-1, H] of passes 1..``steps`` over every query (``ids`` [B, L] with L >= 2, ``hidden``
+    and ``embed_w`` as :func:`eagle_loss` takes them); which queries a depth scores is the caller's choice."""
+    L = ids.shape[1]
+    n = L - 1  # queries j = 0..L-2 read (f_j, t_{j+1}) and predict position j + 1
+    dev = hidden.device
+    embeds = F.embedding(ids[:, 1:], embed_w).to(hidden.dtype)  # [B, n, H] embeddings of t_{j+1}
+    positions = torch.arange(1, L, device=dev)
+    keys_k, keys_v = [], []
+    features = model.fuse(hidden[:, :-1])  # pass 1 reads the target's features (EAGLE-3: fused by fc)
+    out = features
+    for s in range(1, steps + 1):
+        if s > 1:  # depth s reads the previous pass's prediction of f_j, made at query j - 1
+            features = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
+        attn = unrolled_mask(n, s, dev)  # keys: pass 1, ..., pass s-1, this pass
+        past_k = torch.cat(keys_k, dim=2) if keys_k else None
+        past_v = torch.cat(keys_v, dim=2) if keys_v else None
+        out, k, v = model(embeds, features, positions, attn[None], past_k, past_v)
+        keys_k.append(k), keys_v.append(v)
+        yield out
 
 
 def eagle_loss(
@@ -85,25 +111,12 @@ def eagle_loss(
         return hidden.new_zeros(()), [0] * steps, [0] * steps
     if over is None:
         over = eagle_loss_counts(model, labels, mask, lm_w.shape[0], steps)
-    dev = hidden.device
-    embeds = F.embedding(ids[:, 1:], embed_w).to(hidden.dtype)  # [B, n, H] embeddings of t_{j+1}
+    valid, want_index = depth_targets(model, labels, mask, lm_w.shape[0])  # [B, n]
     want_feature = hidden[:, 1:]  # [B, n, H] f_{j+1}
-    valid, want_index = _depth_targets(model, labels, mask, lm_w.shape[0])  # [B, n]
-    positions = torch.arange(1, L, device=dev)
-    keys_k, keys_v = [], []
-    features = model.fuse(hidden[:, :-1])  # pass 1 reads the target's features (EAGLE-3: fused by fc)
-    out = features
     total = hidden.new_zeros(())
     correct, count = [], []
-    for s in range(1, steps + 1):
-        if s > 1:  # depth s reads the previous pass's prediction of f_j, made at query j - 1
-            features = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
-        attn = unrolled_mask(n, s, dev)  # keys: pass 1, ..., pass s-1, this pass
-        past_k = torch.cat(keys_k, dim=2) if keys_k else None
-        past_v = torch.cat(keys_v, dim=2) if keys_v else None
-        out, k, v = model(embeds, features, positions, attn[None], past_k, past_v)
-        keys_k.append(k), keys_v.append(v)
-        rows = _depth_rows(valid, s)
+    for s, out in enumerate(unrolled_passes(model, ids, hidden, embed_w, steps), start=1):
+        rows = depth_rows(valid, s)
         if not bool(rows.any()):
             correct.append(0), count.append(0)
             if top5 is not None:
