@@ -9,6 +9,7 @@ from specdec.drafters.base import Drafter
 
 import specdec
 from specdec.audit import VIEWS, DraftAudit, audit_of
+from specdec.errors import InputError
 from specdec.testing import build_tiny_model
 from specdec.tree import DraftError, DraftMode, DraftTree
 
@@ -362,3 +363,55 @@ def test_only_a_new_draw_source_joins_the_kept_evidence_and_a_conviction_stays()
         for _ in range(1000):
             kept.observe(drafter.propose([None])[0], "temperature-liar")
     assert kept.convicted and call_audit(drafter, 1) is kept  # convicted on fresh draws: every call raises again
+
+
+@pytest.mark.parametrize("kwargs", [{"alpha": 0.0}, {"alpha": 1.0}, {"resolutions": ()}, {"resolutions": (1,)},
+                                    {"resolutions": (4, 1)}])
+def test_an_audit_refuses_an_alpha_outside_0_1_or_fewer_than_2_bins(kwargs):
+    with pytest.raises(InputError, match="DraftAudit: alpha must be in"):
+        DraftAudit(**kwargs)
+
+
+def test_a_pit_of_exactly_1_counts_in_the_top_bin():
+    """u = 1 (the top of the PIT's closed range) falls in the top bin of each resolution, like u = 0.9999."""
+    top, near_top = DraftAudit(), DraftAudit()
+    top.update(torch.ones(2, len(VIEWS), dtype=torch.float64))
+    near_top.update(torch.full((2, len(VIEWS)), 0.9999, dtype=torch.float64))
+    # the first draw bets 1 everywhere; the second, in the first's bin: K * 1.5 / (1 + K / 2) = 3K / (K + 2) at each
+    # K in 2, 4, ..., 64 (the two views alike), and the e-value is their mean
+    want = sum(3 * k / (k + 2) for k in (2, 4, 8, 16, 32, 64)) / 6
+    assert top.e_value == pytest.approx(want, rel=1e-12) and near_top.e_value == pytest.approx(want, rel=1e-12)
+    assert torch.equal(top._counts, near_top._counts)
+
+
+def test_a_batch_that_crosses_the_threshold_stops_at_the_draw_that_crossed():
+    """Draws fed at once count up to the first one that reaches 1 / alpha, as when they are fed one by one (the
+    later draws of the batch, whose e-values also lie above it, are not counted)."""
+    u = torch.full((200, len(VIEWS)), 0.001, dtype=torch.float64)  # every draw in the bottom bin: a liar
+    at_once, one_by_one = DraftAudit(), DraftAudit()
+    with pytest.raises(DraftError) as err:
+        at_once.update(u, "d")
+    with pytest.raises(DraftError):
+        for row in u:
+            one_by_one.update(row[None], "d")
+    assert at_once.draws == one_by_one.draws == _draws_in(err) < 200
+    assert at_once.e_value == pytest.approx(one_by_one.e_value, rel=1e-12)
+
+
+def test_a_zero_draft_probs_row_is_named_by_its_tree_and_node():
+    """A sampled node whose row holds no mass, the first node of the step's second tree: named by that tree."""
+    honest = DraftTree([1, 2], [-1, -1], torch.full((2, VOCAB), 1.0 / VOCAB), DraftMode.INDEPENDENT)
+    empty = DraftTree([3], [-1], torch.zeros(1, VOCAB), DraftMode.INDEPENDENT)
+    with pytest.raises(DraftError, match=r"^d: node 0 of the step's tree 1 was drawn"):
+        DraftAudit().observe_many([honest, empty], "d")
+
+
+def test_draw_sources_beyond_the_remembered_number_are_audited_on_their_own(monkeypatch):
+    from specdec.audit import call_audit
+
+    monkeypatch.setattr("specdec.audit.MAX_SOURCES", 2)
+    drafter = TemperatureLiar()
+    kept = call_audit(drafter, "a")
+    assert call_audit(drafter, "b") is kept  # the second of 2 remembered sources
+    assert call_audit(drafter, "c") is not kept  # a third: not remembered, so audited alone
+    assert call_audit(drafter, "c") is not kept
