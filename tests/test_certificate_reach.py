@@ -2,9 +2,13 @@
 end-to-end check, and a drafter convicted by a DraftError fails the certificate instead of ending its run."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 from specdec.drafters.base import Drafter
 from specdec.drafters.ngram import NGramDrafter
+from specdec.eval import end_to_end
 from specdec.eval.certificate import Certificate, CertificateSizes, Check, drafter_stopped, run_certificate
 from specdec.eval.end_to_end import sequence_logprobs
 
@@ -144,3 +148,48 @@ def test_a_draft_error_under_a_negative_control_fails_the_certificate():
     assert row.control is None and not row.passed
     assert row.detail == f"under the always_accept control: {first_line(err)}"
     assert Certificate({}, [Check("sampled", "end-to-end", True), row]).verdict == "FAILED"
+
+
+def test_drafted_in_window_counts_the_accepted_drafts_among_the_first_k_tokens():
+    # steps of 3, 1, 2 tokens make tokens 0-5: 0, 1 accepted drafts (2 is the first step's own), 3 the second step's
+    # own, 4 a draft, 5 the third step's own
+    assert [end_to_end.drafted_in_window((3, 1, 2), k) for k in range(8)] == [0, 1, 2, 2, 2, 3, 3, 3]
+    assert end_to_end.drafted_in_window((), 4) == 0 and end_to_end.drafted_in_window((1, 1, 1), 3) == 0
+
+
+def test_drafted_and_rejected_shares_are_per_token_of_the_window():
+    first = SimpleNamespace(step_lengths=(3, 1, 2), depth_tried=(2, 1), depth_accepted=(2, 0))
+    second = SimpleNamespace(step_lengths=(1, 1), depth_tried=(1,), depth_accepted=(0,))
+    tokens = [[5] * 6, [5] * 2]
+    # a window of 4: 4 + 2 = 6 tokens, of which 2 drafts (the first sequence's tokens 0 and 1)
+    assert end_to_end.drafted_share(tokens, [first, second], 4) == pytest.approx(2 / 6)
+    # rejected over the whole generation: (2 + 1 - 2) + (1 - 0) = 2, per 6 window tokens
+    assert end_to_end.rejected_share(tokens, [first, second], 4) == pytest.approx(2 / 6)
+    assert end_to_end.drafted_share([], [], 4) == end_to_end.rejected_share([], [], 4) == 0.0
+
+
+def test_sampling_goes_in_chunks_each_seeded_a_stride_apart():
+    calls = []
+
+    def run(chunk, seed):
+        calls.append((len(chunk), seed))
+        return len(chunk)
+
+    out = end_to_end.sample_in_chunks(run, [[1]] * 2500, 5)
+    # 2,500 prompts: chunks of 1,000, 1,000 and 500, seeded 5, 5 + 2**32, 5 + 2 * 2**32
+    assert calls == [(1000, 5), (1000, 5 + 2**32), (500, 5 + 2**33)] and out == [1000, 1000, 500]
+
+
+def test_each_side_samples_the_window_and_the_lookahead():
+    sizes = CertificateSizes(sample_tokens=2, sample_later=3, sample_lookahead=1)
+    assert end_to_end.window(sizes) == 2 + 3
+    kwargs = end_to_end.sampling_kwargs(SamplingConfig(True, 0.8), sizes)
+    assert kwargs["max_new_tokens"] == 2 + 3 + 1 and kwargs["do_sample"] is True and kwargs["temperature"] == 0.8
+
+
+def test_the_checks_seeds_differ_between_certificate_seeds():
+    # plain side 1 + 2 seed, speculative side 2 + 2 seed: seed 0 -> (1, 2), seed 3 -> (7, 8); none shared
+    assert end_to_end.check_seeds(0) == (1, 2) and end_to_end.check_seeds(3) == (7, 8)
+    seeds = [s for seed in range(50) for s in end_to_end.check_seeds(seed)]
+    assert len(set(seeds)) == len(seeds)
+    assert end_to_end.pilot_seed(0) != end_to_end.pilot_seed(1)
