@@ -129,6 +129,103 @@ def test_a_coupled_divergence_at_a_warpers_cut_off_is_measured_from_the_cut_off(
     assert far.kind == "real mismatch" and far.gap == pytest.approx(3.0)
 
 
+def test_a_coupled_divergence_where_both_tokens_were_cut_takes_the_farther_cut_off():
+    """Both emitted tokens cut by the warper: the gap is how far below the lowest kept logit the farther one lies."""
+    from specdec.coupling import Coupling
+
+    class Cut(torch.nn.Module):  # top-k 2 keeps tokens 1 and 2 (logits 5, 4); tokens 3 (3.999) and 5 (1) are cut
+        device = torch.device("cpu")
+
+        def forward(self, ids):
+            logits = torch.zeros(ids.shape[0], ids.shape[1], 6)
+            logits[..., 1], logits[..., 2], logits[..., 3], logits[..., 5] = 5.0, 4.0, 3.999, 1.0
+            return type("Out", (), {"logits": logits})()
+
+    how = (Coupling(0), SamplingConfig(True, temperature=1.0, top_k=2), 7)
+    both = diagnose(Cut(), [1, 2], prompt=0, position=0, plain=3, spec=5, near_tie=0.01, coupled=how)
+    # floor 4.0; token 3 lies 0.001 below it, token 5 lies 4 - 1 = 3 below it: the larger, a real mismatch
+    assert both.kind == "real mismatch" and both.gap == pytest.approx(3.0)
+
+
+def test_identity_result_counts_near_ties_as_divergences_and_reports_every_field():
+    from specdec.eval.divergence import Divergence, IdentityResult
+
+    tie = Divergence(0, 3, 4, 7, 5.0, 5.0, 0.0, "numerical near-tie")
+    bug = Divergence(1, 0, 2, 9, 5.0, 4.0, 5.0, "real mismatch")
+    only_tie = IdentityResult(prompts=2, tokens_compared=48, divergences=(tie,), tau=1.5)
+    assert not only_tie.identical and only_tie.real_mismatches == 0  # a near-tie is a divergence, not a bug
+    assert IdentityResult(2, 48, (tie, bug, bug), 1.5).real_mismatches == 2
+    assert IdentityResult(2, 48, (), 1.5).identical
+    assert only_tie.to_json() == {
+        "prompts": 2, "tokens_compared": 48, "tau": 1.5,
+        "divergences": [{"prompt": 0, "position": 3, "plain_token": 4, "speculative_token": 7, "top1_logit": 5.0,
+                         "top2_logit": 5.0, "gap": 0.0, "kind": "numerical near-tie"}]}
+
+
+def test_a_side_that_stops_earlier_is_a_real_mismatch_at_its_first_missing_token():
+    """Plain output that ended (EOS) 5 tokens into prompt 0 while the speculative side went on: a real mismatch at
+    new token 5, the missing side's token -1; the tokens compared are the plain side's."""
+    from specdec.eval.divergence import Divergence
+
+    loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
+    prompts = _prompts(2)
+    full = generate(loaded, prompts, max_new_tokens=8)
+    plain = [full[0][: len(prompts[0]) + 5], full[1]]
+    res = greedy_identity(loaded, prompts, "ngram", {}, 8, plain=plain)
+    spec_token = full[0][len(prompts[0]) + 5]  # the speculative side equals plain greedy (EXACT rule)
+    assert res.divergences == (Divergence(0, 5, -1, spec_token, 0.0, 0.0, 0.0, "real mismatch"),)
+    assert res.tokens_compared == 5 + 8
+
+
+def test_a_divergence_is_diagnosed_on_the_logits_after_the_common_prefix():
+    """The logits diagnosed are the target's for the token at the divergence: after the prompt and the new tokens
+    both sides share, not one token more or less."""
+    loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
+    prompts = _prompts(1)
+    full = generate(loaded, prompts, max_new_tokens=8)
+    at = len(prompts[0]) + 3  # plain's new token 3 replaced: the sides share the prompt and new tokens 0-2
+    with torch.no_grad():
+        logits = loaded.model(torch.tensor([full[0][:at]])).logits[0, -1].float()
+    other = int(logits.argmin())
+    plain = [full[0][:at] + [other] + full[0][at + 1:]]
+    (d,) = greedy_identity(loaded, prompts, "ngram", {}, 8, plain=plain).divergences
+    assert (d.position, d.plain_token, d.speculative_token) == (3, other, full[0][at])
+    # the speculative token is the greedy top; the plain one the least likely: gap = top - lowest logit
+    assert d.top1_logit == pytest.approx(float(logits.max())) == pytest.approx(float(logits[full[0][at]]))
+    assert d.gap == pytest.approx(float(logits.max() - logits.min())) and d.kind == "real mismatch"
+
+
+def test_coupled_identity_defaults_to_the_coupled_near_tie_margin(monkeypatch):
+    """Under coupled sampling the default margin is COUPLED_NEAR_TIE (perturbed float64 logits), not NEAR_TIE."""
+    import specdec.eval.divergence as divergence
+
+    margins = []
+    real = divergence.diagnose
+
+    def recording(*args):
+        margins.append(args[6])
+        return real(*args)
+
+    monkeypatch.setattr(divergence, "diagnose", recording)
+    loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
+    prompts = _prompts(1)
+    kw = {"do_sample": True, "seed": 7, "sampler": "coupled"}
+    full = generate(loaded, prompts, max_new_tokens=4, **kw)
+    at = len(prompts[0]) + 1
+    plain = [full[0][:at] + [(full[0][at] + 1) % 12] + full[0][at + 1:]]  # a divergence at new token 1
+    greedy_identity(loaded, prompts, "ngram", {}, 4, plain=plain, sampling=kw)
+    greedy_identity(loaded, prompts, "ngram", {}, 4, plain=plain)
+    assert margins == [divergence.COUPLED_NEAR_TIE, divergence.NEAR_TIE] == [1e-5, 1e-3]
+
+
+def test_identity_under_sampling_refuses_a_run_it_cannot_compare():
+    loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
+    with pytest.raises(ValueError, match="sampler='coupled' and do_sample=True"):
+        greedy_identity(loaded, _prompts(1), "ngram", {}, 4, sampling={"do_sample": True, "seed": 7})
+    with pytest.raises(ValueError, match="needs a seed"):
+        greedy_identity(loaded, _prompts(1), "ngram", {}, 4, sampling={"do_sample": True, "sampler": "coupled"})
+
+
 def _fault_setup():
     """A tiny model and 8 random prompts (3-9 tokens) on which the tiny model's greedy answers
     soon repeat, so n-gram and random-tree drafts get accepted and the tree mask and the
@@ -516,6 +613,28 @@ def test_sampled_end_to_end_check_verifies_drafts_for_the_compared_tokens():
     broken = BROKEN_RULES["always_accept"]
     res = end_to_end.sampled_two_sample(loaded, prompts[0], wrong, {}, greedy_like, sizes, broken)
     assert res["chi2_p"] < 1e-4
+
+
+def test_the_drafted_share_is_over_the_whole_window():
+    """The "drafted" share counts the accepted drafts of the KS test's window (sample_tokens + sample_later), not the
+    chi-square's first tokens alone."""
+    import specdec.eval.end_to_end as end_to_end
+    from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter, reference_continuations
+
+    from specdec.tree import DraftTree
+
+    class LateOracle(OracleDrafter):
+        def _tree(self, view):
+            return DraftTree.empty() if len(view.token_ids) == view.num_prompt_tokens else super()._tree(view)
+
+    loaded, prompts = _fault_setup()
+    reference = reference_continuations(loaded, prompts[:1], 8)
+    sizes = CertificateSizes(sample_sequences=20, sample_tokens=2, sample_later=2)  # window 4, 5 tokens generated
+    res = end_to_end.sampled_two_sample(loaded, prompts[0], LateOracle(reference, AcceptanceProfile.constant(1.0, 4)),
+                                        {}, SamplingConfig(True, 1.0, 1), sizes)
+    # step 1 makes token 0 (no draft); step 2 verifies 3 drafts, all accepted, and adds its bonus: tokens 1-4.
+    # Drafts in the window of 4: tokens 1, 2, 3 -> 3 / 4 (of the first 2 alone: 1 / 2)
+    assert res["tau"] == pytest.approx(5 / 2) and res["drafted"] == pytest.approx(3 / 4)
 
 
 def test_eval_lossless_takes_the_warper_flags(tmp_path, monkeypatch, capsys):
