@@ -168,3 +168,32 @@ def test_the_unreachable_minimum_warning_says_a_stop_still_ends_a_sequence(caplo
             specdec.generate(model, [[1, 2, 3]], max_new_tokens=3, min_new_tokens=9, stop=stop)
         assert "EOS is never allowed" in caplog.text
         assert ("unless a stop string or stop sequence ends it" in caplog.text) is said, stop
+
+
+def test_an_eos_that_also_ends_a_stop_sequence_is_reported_as_eos():
+    """The token is the model's end of text: finish_reason says "eos", whatever else it completes."""
+    stop = StopCriteria(100, frozenset({5}), stop_sequences=((4, 5),))
+    assert stop.scan([4], [5, 6]) == (1, "eos")  # 4 then 5: both the stop sequence and an EOS at the first token
+
+
+def test_a_one_token_prompt_anchors_a_stop_string_with_a_leading_space():
+    """A prompt of one token (a lone BOS) is still decoded before the generated text, so " User:" at the first new
+    token keeps its space and matches: "<s>" + " User" + ":" cut after "<s>" is " User:", a stop at token 2."""
+    stop = StopCriteria(100, stop_strings=(" User:",), tokenizer=SentencePieceLike())
+    assert stop.scan([0], [4, 3, 1], start=1) == (2, "stop")
+
+
+def test_a_prompt_token_merged_with_the_first_new_token_leaves_the_generated_text_decoded_alone():
+    """The prompt ends with the first byte of "é" (C3) and the first new token is its second (A9): decoded together
+    they are one character, so the generated text is decoded alone, "\\ufffd!" (what decode(new_tokens) shows), and
+    a stop string "\\ufffd!" matches at the second new token; cutting one character off "é!" left "!" and missed it."""
+    stop = StopCriteria(100, stop_strings=("\ufffd!",), tokenizer=ByteTokenizer())
+    assert stop.scan([0x41, 0xC3], [0xA9, 0x21], start=2) == (2, "stop")
+
+
+def test_a_long_texts_window_that_starts_inside_a_character_matches_nothing_there():
+    """Past the first window the text is decoded from a token that may be a UTF-8 continuation byte, whose U+FFFD
+    is not in the text: "é" * 12 + "ab" holds no U+FFFD, so a stop string "\\ufffd" never stops it (2 tokens, no
+    reason: 26 of 100 tokens)."""
+    stop = StopCriteria(100, stop_strings=("\ufffd",), tokenizer=ByteTokenizer())
+    assert stop.scan(list("é".encode()) * 12, list(b"ab")) == (2, None)
