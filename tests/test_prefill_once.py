@@ -122,3 +122,12 @@ def test_coupled_copies_draw_their_own_noise(model):
     assert len({tuple(r) for r in plain}) == 4
     assert plain[0] == specdec.generate(model, [A], **kw)[0]
     assert specdec.generate(model, [A], num_return_sequences=4, drafter="ngram", speculation="always", **kw) == plain
+
+
+def test_prefill_groups_key_on_every_prompt_token_but_the_last():
+    """[1, 2, 3] and [1, 2, 4] run the same prefill ([1, 2]) and form one group; [1, 5, 3] differs before its last
+    token (its own prefill [1, 5]), a group alone; the groups come in order of first occurrence."""
+    from specdec.engine import SequenceState, prefill_groups
+
+    seqs = [SequenceState(i, p, len(p)) for i, p in enumerate([[1, 2, 3], [1, 5, 3], [1, 2, 4]])]
+    assert [[s.seq_id for s in g] for g in prefill_groups(seqs)] == [[0, 2], [1]]
