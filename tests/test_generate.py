@@ -348,3 +348,30 @@ def test_a_ragged_calls_stats_add_up():
     early, full = out.stats
     assert early.finish_reason == "eos" and full.finish_reason == "length"
     assert early.seconds < 0.5 * full.seconds  # one token of twenty (the call's time was ~7x it)
+
+
+def test_rows_that_stopped_early_are_padded_with_the_pad_token_id():
+    """Row 0 got one new token, row 1 two: row 0 is right-padded with pad_token_id (9), not 0."""
+    from specdec.output import OutputLayout
+
+    layout = OutputLayout(rows=((1, 2), (3, 4)), tensor=True, pad_token_id=9)
+    assert layout.pack([[5], [6, 7]]).tolist() == [[1, 2, 5, 9], [3, 4, 6, 7]]
+
+
+def test_a_returned_dict_carries_the_engines_timings_and_each_sequences_depth_counts():
+    """pack_output reads draft and verify seconds, forward passes and each sequence's depth counts into their own
+    fields: 4 new tokens in 2.0 s are 2.0 tokens per second; depths tried (4, 2), accepted (2, 1): rates 2/4, 1/2."""
+    from types import SimpleNamespace
+
+    from specdec.engine import SequenceState
+    from specdec.output import OutputLayout, pack_output
+
+    engine = SimpleNamespace(seconds={"draft": 1.0, "verify": 3.0}, forward_passes=5, output_logprobs=False)
+    s = SequenceState(0, [1, 2, 3, 4, 5, 6], 2, finish_reason="length", steps=2, depth_tried=[4, 2],
+                      depth_accepted=[2, 1], finished_at=12.0)
+    out = pack_output(engine, [s], OutputLayout(rows=((1, 2),), tensor=False), True, start=10.0, prefill_seconds=0.5)
+    assert (out.draft_seconds, out.verify_seconds, out.forward_passes, out.prefill_seconds) == (1.0, 3.0, 5, 0.5)
+    assert out.sequences == [[1, 2, 3, 4, 5, 6]] and out.new_tokens == [[3, 4, 5, 6]] and out.logprobs is None
+    st = out.stats[0]
+    assert (st.new_tokens, st.steps, st.tau, st.seconds, st.tokens_per_second) == (4, 2, 2.0, 2.0, 2.0)
+    assert (st.depth_tried, st.depth_accepted, st.acceptance_per_depth) == ((4, 2), (2, 1), (0.5, 0.5))
