@@ -358,3 +358,13 @@ def test_what_on_accept_is_given_is_not_the_engines_own_list():
         streamed[drafter is None] = rows
         assert [r[len(p):] for r, p in zip(out, prompts, strict=True)] == rows
     assert streamed[True] == streamed[False] and drafter.refused > 0
+
+
+def test_new_hidden_joins_every_chunk_the_drafter_has_not_seen():
+    """A prefill's 2 rows then two guard-held steps' 1 row each: the drafter gets all 2 + 1 + 1 = 4 rows, in order."""
+    from specdec.engine import SequenceState
+
+    chunks = [torch.tensor([[0.0], [1.0]]), torch.tensor([[2.0]]), torch.tensor([[3.0]])]
+    for n in (2, 3):
+        s = SequenceState(0, [1, 2, 3], 3, hidden_chunks=list(chunks[:n]))
+        assert s.new_hidden[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0][: n + 1]
