@@ -179,7 +179,8 @@ class DraftAudit:
                     where = f"node {node} of the step's tree {tree}"
                     break
                 node -= nodes
-            raise DraftError(f"{drafter}: {where} was drawn after its earlier siblings exhausted draft_probs")
+            raise DraftError(f"{drafter}: {where} was drawn where draft_probs left it no mass (its row is all zero, or "
+                             "its earlier siblings, drawn without replacement, took it all)")
         return torch.stack([below, higher], -1) / total[:, None], torch.stack([drawn, tied], -1) / total[:, None]
 
     def transform(self, tree: DraftTree, drafter: str = "drafter") -> torch.Tensor:
