@@ -114,6 +114,9 @@ def greedy_identity(loaded: Any, prompts: list[list[int]], drafter: Any, drafter
                          "sampling keeps the law, not the text)")
     if coupled and sampling.get("seed") is None:
         raise ValueError("identity under coupled sampling needs a seed, the same on both sides")
+    if coupled and not batched and len(set(map(tuple, prompts))) < len(prompts):
+        raise ValueError("identity of single runs under coupled sampling needs distinct prompts: a copy's noise is "
+                         "keyed by its place among the batch's equal prompts, which a run of its own does not have")
     spec_kw = dict(rule=rule, fault=fault, max_new_tokens=max_new_tokens, drafter=drafter,
                    drafter_options=drafter_options, return_dict=True, speculation=speculation, **sampling)
     if plain is None:

@@ -224,6 +224,11 @@ def test_identity_under_sampling_refuses_a_run_it_cannot_compare():
         greedy_identity(loaded, _prompts(1), "ngram", {}, 4, sampling={"do_sample": True, "seed": 7})
     with pytest.raises(ValueError, match="needs a seed"):
         greedy_identity(loaded, _prompts(1), "ngram", {}, 4, sampling={"do_sample": True, "sampler": "coupled"})
+    coupled = {"do_sample": True, "sampler": "coupled", "seed": 7}
+    twice = _prompts(1) * 2  # the batch's second copy draws other noise than a run of its own would
+    with pytest.raises(ValueError, match="needs distinct prompts"):
+        greedy_identity(loaded, twice, "ngram", {}, 4, batched=False, sampling=coupled)
+    assert greedy_identity(loaded, twice, "ngram", {}, 4, sampling=coupled).identical
 
 
 def _fault_setup():
