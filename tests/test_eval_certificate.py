@@ -241,6 +241,18 @@ def _fault_setup():
     return load_model(build_tiny_model("llama-mha-untied", vocab_size=32, seed=3)), prompts
 
 
+def test_single_runs_report_the_tau_of_all_their_tokens_over_all_their_steps():
+    """tau of the unbatched identity check is pooled (every new token over every step), as a batched call's is, not
+    a mean of each run's tau, which weighs a short run's steps as much as a long one's."""
+    loaded, prompts = _fault_setup()
+    two = prompts[:2]
+    runs = [generate(loaded, [p], max_new_tokens=16, drafter="ngram", speculation="always", return_dict=True).stats[0]
+            for p in two]
+    assert runs[0].tau != runs[1].tau  # else both rules agree
+    res = greedy_identity(loaded, two, "ngram", {}, 16, batched=False)
+    assert res.tau == pytest.approx(sum(r.new_tokens for r in runs) / sum(r.steps for r in runs))
+
+
 @pytest.mark.parametrize("fault", sorted(ENGINE_FAULTS))
 @pytest.mark.parametrize("drafter", ["ngram", "random-tree"])
 def test_engine_faults_break_greedy_identity(fault, drafter):
