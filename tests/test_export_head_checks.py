@@ -158,3 +158,40 @@ def test_a_hub_target_is_checked_against_its_cached_config_else_exported_with_a_
         assert main([*argv, "--output-dir", str(tmp_path / "b"), "--target", "org/elsewhere"]) == 0
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("not checked against its target org/elsewhere" in w for w in warned), warned
+
+
+def test_overwrite_replaces_an_earlier_export_left_half_written(tmp_path):
+    """An interrupted export leaves its atomic write's temporary file (NAME.PID.THREAD.tmp) beside it: that is still
+    an earlier export, which --overwrite replaces, not a user's file it must keep."""
+    write_sglang_checkpoint(tmp_path / "src")
+    out, _ = export_head(tmp_path / "src", "speculators", tmp_path / "out", target="org/tiny-target")
+    (out / "model.safetensors.4242.1.tmp").write_bytes(b"half a file")
+    export_head(tmp_path / "src", "sglang", out, target="org/tiny-target", overwrite=True)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+
+
+def test_the_source_directory_is_refused_as_the_output_even_with_overwrite(tmp_path):
+    """With --overwrite the source (config.json + model.safetensors, what an export holds) would pass as an earlier
+    export and be replaced by the export of itself."""
+    from specdec.errors import InputError
+
+    src = tmp_path / "src"
+    write_sglang_checkpoint(src)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    for out, overwrite in ((src, False), (tmp_path / "src" / ".." / "src", True)):  # the same folder, spelled apart
+        with pytest.raises(InputError, match=r"--output-dir .* is the source's own directory$"):
+            export_head(src, "speculators", out, target="org/tiny-target", overwrite=overwrite)
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
+def test_medusa_heads_over_the_targets_lm_head_are_refused_for_vllm(tmp_path):
+    """vLLM's Medusa layout has an lm_heads.{h} per head; heads sharing the target's LM head store none, so a
+    written export would hold blocks only (vLLM: missing weights)."""
+    from specdec.errors import InputError
+
+    src = tmp_path / "m"
+    src.mkdir()
+    save_medusa(MedusaHeads(MedusaConfig(2, 1, H, V, shared_lm_head=True, base_model_name_or_path="org/t")), src)
+    with pytest.raises(InputError, match="vLLM's Medusa layout needs each head's own LM head"):
+        export_head(src, "vllm", tmp_path / "v", target=str(_target_dir(tmp_path / "t")))
+    assert not (tmp_path / "v").exists()
