@@ -398,3 +398,31 @@ def test_export_replaces_nothing_unasked(tmp_path, capsys):
     assert "holds more than an earlier export (notes.txt)" in capsys.readouterr().err
     assert main(["export-head", str(tmp_path / "nowhere"), "--format", "sglang", "--output-dir", str(out)]) == 2
     assert "nowhere does not exist" in capsys.readouterr().err
+
+
+def test_a_head_known_only_by_its_hidden_norm_loads_as_eagle3(tmp_path, target):
+    """vLLM's checkpoints may name no EAGLE-3 architecture and keep the layer as model.layers.0.*: only EAGLE-3's
+    hidden_norm tells it from an EAGLE-1 head, and it loads with the reference's logits."""
+    sd = write_sglang_checkpoint(tmp_path / "h")
+    renamed = {("model.layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in sd.items()}
+    save_file(renamed, str(tmp_path / "h" / "model.safetensors"))
+    raw = json.loads((tmp_path / "h" / "config.json").read_text())
+    del raw["architectures"]
+    (tmp_path / "h" / "config.json").write_text(json.dumps(raw))
+    model = load_eagle(tmp_path / "h", target.config)
+    assert model.config.arch == "eagle3" and model.config.feature_layers == (0, 1, 2)
+    embeds, aux, pos = _inputs(seed=7)
+    torch.testing.assert_close(specdec_logits(model, embeds, aux, pos)[0],
+                               reference_logits(sd, "midlayer.", embeds, aux, pos)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_both_layouts_write_the_heads_own_rms_norm_eps(tmp_path):
+    """The engines build the layer's RMSNorms with the config's rms_norm_eps; a Llama 3 target's heads use 1e-5,
+    not the 1e-6 every other test here happens to use."""
+    target = build_tiny_model(rms_norm_eps=1e-5)
+    save_eagle(EagleModel(EagleConfig.for_target(target.config, arch="eagle3", own_lm_head=True)), tmp_path / "head")
+    for fmt in ("speculators", "sglang"):
+        out, _ = export_head(tmp_path / "head", fmt, tmp_path / fmt, target="org/tiny-target")
+        raw = json.loads((out / "config.json").read_text())
+        assert raw.get("transformer_layer_config", raw)["rms_norm_eps"] == 1e-5, fmt
+        assert load_eagle(out, target.config).config.rms_norm_eps == 1e-5, fmt
