@@ -241,6 +241,8 @@ def _edit(state, problem):
             del state[k]
     elif problem == "shape":
         state["1.1.weight"] = torch.zeros(VOCAB + 1, HIDDEN)
+    elif problem == "mixed-lm-heads":
+        del state["2.1.weight"]
     return state
 
 
@@ -250,6 +252,7 @@ def _edit(state, problem):
     ("other-layout", r"keys of another layout, e\.g\. 0\.0\.mlp\.weight"),
     ("missing-head", r"heads \[1\] are missing"),
     ("shape", r"1\.1\.weight has shape \[97, 64\], expected \[96, 64\]"),
+    ("mixed-lm-heads", r"some heads have their own LM head \(\{head\}\.1\.weight\) and some do not \(head 2\)"),
     ("fewer-than-promised", "promises medusa_num_heads=5 but .* stores 3 heads"),
     ("one-fewer-than-promised", "promises medusa_num_heads=4 but .* stores 3 heads"),
     ("differing-copies", "stores blocks 0 and 1 with different weights"),
@@ -407,3 +410,31 @@ def test_overwrite_replaces_only_a_previous_conversion(tmp_path, holds):
     convert_published(src, tmp_path / "fresh")  # a previous conversion is replaced
     out = tmp_path / "fresh"
     assert load_medusa(convert_published(src, out, overwrite=True), HIDDEN, VOCAB).config.num_heads == 2
+
+
+def test_a_bin_file_named_alone_converts(tmp_path):
+    """Medusa's heads saved as medusa_lm_head.bin, named as a file (no config.json): its layers are read from the LM
+    head's index."""
+    module = medusa_module(2, 1)
+    (tmp_path / "src").mkdir()
+    torch.save(module.state_dict(), tmp_path / "src" / "medusa_lm_head.bin")
+    config, state = read_published(tmp_path / "src" / "medusa_lm_head.bin", base_model="a/b")
+    assert (config.num_heads, config.num_layers, config.shared_lm_head) == (2, 1, False)
+    assert torch.equal(state["1.1.weight"], module[1][1].weight)
+
+
+def test_heads_without_config_or_lm_heads_count_their_stored_blocks(tmp_path):
+    """No config.json and no LM head index: blocks 0 and 1 stored are medusa_num_layers = 1 + 1 = 2."""
+    module = medusa_module(2, 2, own_lm_head=False)
+    file = tmp_path / "medusa_lm_head.safetensors"
+    save_file({k: v.clone().contiguous() for k, v in module.state_dict().items()}, str(file))
+    config, _ = read_published(file, base_model="a/b", vocab_size=VOCAB)
+    assert (config.num_heads, config.num_layers, config.shared_lm_head) == (2, 2, True)
+
+
+def test_a_block_at_the_lm_heads_index_is_refused_as_beyond_the_configs_layers(tmp_path):
+    """Heads sharing the base LM head store blocks 0 and 1 but config.json says medusa_num_layers=1: block 1 is
+    refused, not dropped (the heads ran both)."""
+    src = write_medusa1(tmp_path / "src", medusa_module(2, 2, own_lm_head=False), 1, "safetensors", base="a/b")
+    with pytest.raises(MedusaCheckpointError, match=r"0\.1\.linear\.(weight|bias) is a block beyond medusa_num_layers"):
+        read_published(src, vocab_size=VOCAB)
