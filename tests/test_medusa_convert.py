@@ -438,3 +438,15 @@ def test_a_block_at_the_lm_heads_index_is_refused_as_beyond_the_configs_layers(t
     src = write_medusa1(tmp_path / "src", medusa_module(2, 2, own_lm_head=False), 1, "safetensors", base="a/b")
     with pytest.raises(MedusaCheckpointError, match=r"0\.1\.linear\.(weight|bias) is a block beyond medusa_num_layers"):
         read_published(src, vocab_size=VOCAB)
+
+
+def test_a_medusa2_checkpoint_named_relatively_is_recorded_as_its_absolute_path(tmp_path, monkeypatch):
+    """The heads go with the fine-tuned checkpoint holding them: recorded as "m2", the converted heads named a base
+    model only their conversion's working directory could find."""
+    module = medusa_module(2, 1)
+    (tmp_path / "m2").mkdir()
+    save_file({f"medusa_head.{k}": v.clone() for k, v in module.state_dict().items()},
+              str(tmp_path / "m2" / "model.safetensors"))
+    monkeypatch.chdir(tmp_path)
+    config, _ = read_published("m2")
+    assert config.base_model_name_or_path == str((tmp_path / "m2").resolve())
