@@ -406,3 +406,74 @@ def test_the_index_grown_in_steps_is_the_index_built_at_once(min_ngram, max_ngra
                 table.setdefault(tuple(tokens[e - n + 1 : e + 1]), []).append(e)
         assert idx.tables == want and idx.length == len(tokens) and idx.tokens == tokens
         tokens += [rng.randrange(6) for _ in range(rng.randint(1, 7) if step % 9 else 45)]
+
+
+def test_a_longer_key_scans_only_its_most_recent_max_occurrences():
+    # key (9, 1, 2, 3, 4) occurs three times, each after a token other than the final 30 (so 5 tokens match, not 6):
+    # the oldest is followed by 7 7, the two most recent by 5 5. With max_occurrences=2, only the two most recent
+    # are scanned for every n, so the oldest's 7 7 is never proposed.
+    tokens = [20, 9, 1, 2, 3, 4, 7, 7, 21, 9, 1, 2, 3, 4, 5, 5, 22, 9, 1, 2, 3, 4, 5, 5, 30, 9, 1, 2, 3, 4]
+    d = NGramDrafter(max_ngram=6, max_occurrences=2, num_draft_tokens=2, long_draft_tokens=0)
+    assert path_tokens(propose1(d, tokens)) == [[5, 5]]
+    # with room for three occurrences the oldest continuation is a second branch
+    wider = NGramDrafter(max_ngram=6, max_occurrences=3, num_draft_tokens=2, long_draft_tokens=0)
+    assert path_tokens(propose1(wider, tokens)) == [[5, 5], [7, 7]]
+
+
+def test_scores_start_at_a_prior_that_grows_with_the_match_length():
+    d = NGramDrafter()
+    # prior = min(0.9, 0.2 + 0.1 * match), whatever the depth, before anything was accepted
+    assert d.score(1, 1) == pytest.approx(0.3) and d.score(1, 5) == pytest.approx(0.3)
+    assert d.score(3, 1) == pytest.approx(0.5) and d.score(3, 6) == pytest.approx(0.5)
+    assert d.score(9, 2) == pytest.approx(0.9)  # 0.2 + 0.9 capped at 0.9
+
+
+def chain_drafter() -> tuple[NGramDrafter, DraftTree]:
+    """A drafter that proposed the chain 2..11 (1-token match, depths 1..10) for the text 1..12, 1."""
+    d = NGramDrafter(min_ngram=1, max_ngram=1, num_draft_tokens=10, long_draft_tokens=0, max_branches=1)
+    tree = propose1(d, list(range(1, 13)) + [1])
+    assert tree.tokens.tolist() == list(range(2, 12))
+    return d, tree
+
+
+def test_acceptance_is_learned_per_match_and_depth_with_depths_past_eight_shared():
+    d, _ = chain_drafter()
+    d.on_accept(0, list(range(2, 13)))  # every node accepted, then the bonus token
+    # prior 0.3 (match 1) behind two pseudo-observations: depth 1 accepted once -> (1 + 0.6) / (1 + 2)
+    assert d.score(1, 1) == pytest.approx(1.6 / 3)
+    # depths 8, 9 and 10 share one key: 3 accepted of 3 -> (3 + 0.6) / (3 + 2), at depth 8 and beyond
+    assert d.score(1, 8) == pytest.approx(3.6 / 5) and d.score(1, 20) == pytest.approx(3.6 / 5)
+    assert d.score(2, 1) == pytest.approx(0.4)  # another match length learned nothing
+    # the next proposal carries the learned rates as its nodes' scores
+    tree = propose1(d, list(range(1, 13)) + [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1])
+    assert tree.scores.tolist()[0] == pytest.approx(1.6 / 3) and tree.scores.tolist()[9] == pytest.approx(3.6 / 5)
+
+
+def test_a_rejected_node_counts_as_tried_not_accepted_and_the_nodes_after_it_as_untried():
+    d, _ = chain_drafter()
+    d.on_accept(0, [2, 3, 99])  # depths 1 and 2 accepted, depth 3 (token 4) rejected, depth 4 never reached
+    assert d.score(1, 2) == pytest.approx(1.6 / 3)
+    assert d.score(1, 3) == pytest.approx(0.6 / 3)  # (0 + 2 * 0.3) / (1 + 2)
+    assert d.score(1, 4) == pytest.approx(0.3)
+
+
+def test_an_empty_proposal_leaves_nothing_for_the_next_commit_to_learn_from():
+    d, _ = chain_drafter()
+    assert propose1(d, [40, 41, 42]).num_nodes == 0  # no match: the chain proposed before is no longer pending
+    d.on_accept(0, [41])
+    assert d.acceptance == {} and d.score(1, 1) == pytest.approx(0.3)
+
+
+def test_a_released_sequence_leaves_nothing_for_a_later_commit_to_learn_from():
+    d, _ = chain_drafter()
+    d.release(0)
+    d.on_accept(0, list(range(2, 13)))
+    assert d.acceptance == {} and d.score(1, 1) == pytest.approx(0.3)
+
+
+def test_attach_forgets_the_acceptance_learned_in_an_earlier_run():
+    d, _ = chain_drafter()
+    d.on_accept(0, list(range(2, 13)))
+    assert d.score(1, 1) != pytest.approx(0.3)
+    d.attach(None)  # a new generate() call: it scores as a fresh drafter would
+    assert d.acceptance == {} and d.score(1, 1) == pytest.approx(0.3)
