@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from specdec.drafters import eagle as eagle_module
+from specdec.drafters.base import SequenceView
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 from specdec.drafters.model_drafter import ModelDrafter
+from specdec.drafters.prompt_copies import leaders, prompt_copies
 
 import specdec
 from specdec.engine import Engine
@@ -181,3 +183,20 @@ def test_a_draft_models_catch_up_runs_its_lm_head_on_each_root_only(model, draft
                            **ALWAYS)
     assert out.sequences == specdec.generate(model, [A, B, A], max_new_tokens=6)
     assert heads[0] == 2  # A (its copy shares it) and B; was len(A) + len(B) rows
+
+
+def test_a_copy_shares_its_firsts_prompt_and_number_of_tokens_and_is_fresh():
+    """Which sequences copy which: the same prompt (tokens and num_prompt_tokens) and the same number of tokens as an
+    earlier fresh sequence; the earliest of them is the first of its group."""
+    prompt = [7, 8, 9]
+    views = [
+        SequenceView(10, prompt + [1], 3),
+        SequenceView(11, prompt + [2], 3),  # a copy of 0: same prompt, same length, its own token after it
+        SequenceView(12, prompt + [1, 2], 3),  # one token longer: not a copy
+        SequenceView(13, prompt + [1], 4),  # the same tokens, but a 4-token prompt: not a copy
+        SequenceView(14, prompt + [3], 3),  # another copy of 0, but not fresh (indexed before): skipped
+        SequenceView(15, prompt + [5, 6], 3),  # a copy of 2
+    ]
+    copies = prompt_copies(views, lambda v: v.seq_id != 14)
+    assert copies == {1: 0, 5: 2}
+    assert leaders(copies) == {0: [1], 2: [5]}
