@@ -466,3 +466,16 @@ def test_a_child_refused_when_it_loads_for_the_target_is_named_by_its_place():
     children = [{"name": "self-draft", "num_layers": 2}, {"name": "self-draft", "num_layers": 9}]
     with pytest.raises(InputError, match=r"^combined drafter's drafters\[1\]: self-draft: num_layers=9 must be"):
         generate(target, [[1, 2, 3]], max_new_tokens=4, drafter="combined", drafter_options={"drafters": children})
+
+
+def test_a_scoreless_childs_tree_is_scored_by_its_level_rate_shared_among_siblings():
+    combined = CombinedDrafter([Scripted([[1, 2]], "a"), Scripted([[3]], "b")])
+    branched = DraftTree([5, 6, 7], [-1, -1, 0])  # two root children, one grandchild under 5
+    # before any step: the prior, 0.5; each root child gets 0.5 / 2, the only grandchild 0.5 / 1
+    assert combined.child_rate(0) == pytest.approx(0.5)
+    assert combined._combine([branched, DraftTree.empty()]).scores.tolist() == pytest.approx([0.25, 0.25, 0.5])
+    combined.propose([view([9])])
+    combined.on_accept(0, [1, 2, 8])  # child 0's chain matched 2 levels of 2 tried; child 1's 0 of 1
+    # (successes + prior * weight) / (trials + weight): (2 + 0.5 * 4) / (2 + 4) and (0 + 2) / (1 + 4)
+    assert combined.child_rate(0) == pytest.approx(4 / 6) and combined.child_rate(1) == pytest.approx(2 / 5)
+    assert combined._combine([branched, DraftTree.empty()]).scores.tolist() == pytest.approx([1 / 3, 1 / 3, 2 / 3])
