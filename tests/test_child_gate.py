@@ -204,6 +204,49 @@ def test_a_left_out_child_gets_the_hidden_rows_of_the_calls_it_missed(monkeypatc
     assert child.calls == 3 and child.rows[0] == len(tokens) - 2 - 1
 
 
+class RowValues(Drafter):
+    """Reads hidden states and keeps every row it is given, in the order given."""
+
+    name, needs_hidden_states = "rows", True
+
+    def __init__(self) -> None:
+        self.got: list[float] = []
+
+    def propose(self, seqs):
+        for v in seqs:
+            if v.new_hidden is not None:
+                self.got += v.new_hidden[:, 0].tolist()
+        return [DraftTree.chain([95]) for _ in seqs]
+
+
+def test_a_left_out_child_gets_the_missed_hidden_rows_in_the_order_of_their_positions(monkeypatch):
+    child = RowValues()
+    combined = CombinedDrafter([Fixed(), child])
+    combined.attach(type("Target", (), {"runner": None, "costs": CostView(tree_cost, lambda b: 0.1)})())
+    pattern = iter([(True, True), (True, False), (True, False), (True, True)])
+    monkeypatch.setattr(combined.gate, "choose", lambda *a: next(pattern))
+    tokens, position = [1, 2, 3, 4], 0
+    for rows in (3, 2, 2, 2):  # the prefill's rows, then two per step; row i holds the value i
+        hidden = torch.arange(position, position + rows, dtype=torch.float32)[:, None].expand(rows, 8)
+        position += rows
+        combined.propose([SequenceView(0, list(tokens), len(tokens), hidden)])
+        tokens += [5, 6]
+        combined.on_accept(0, [5, 6])
+    assert child.got == [float(i) for i in range(9)]  # rows 3..6 held over two calls, then 7, 8 of the third
+
+
+def test_the_gate_learns_only_from_steps_where_every_child_ran(monkeypatch):
+    combined = CombinedDrafter([Fixed(), Counted()])
+    combined.attach(type("Target", (), {"runner": None, "costs": CostView(tree_cost, lambda b: 0.1)})())
+    pattern = iter([(True, False), (True, True), (True, False)])
+    monkeypatch.setattr(combined.gate, "choose", lambda *a: next(pattern))
+    for _ in range(3):
+        combined.propose([SequenceView(0, [1, 2, 3], 3)])
+        combined.on_accept(0, [5, 6])  # Fixed's 5 matches a level, Counted's 3 none
+    # one record, of the step where both ran: a step without Counted would have recorded its 0 as a measurement
+    assert [successes for successes, _ in combined.gate.records] == [(1, 0)]
+
+
 class Generous(Drafter):
     """The right next token (score 0.9) and 40 wrong siblings (score 0.05): n-gram's generous trees, of which the
     engine's sizing verifies the one node that pays."""
@@ -373,3 +416,12 @@ def test_gate_and_depth_configs_refuse_settings_out_of_range(bad):
             DepthConfig(**bad)
     with pytest.raises(ValueError, match="invalid DepthConfig"):
         DepthConfig(prior_weight=0.0)
+
+
+def test_the_gate_runs_the_cheapest_child_when_no_child_adds_a_token():
+    gate = gate_with([0.05, 0.001])  # draft costs 0.5 and 0.01 decode steps
+    for _ in range(5):
+        gate.observe((0, 0), (1, 1))
+    # each subset commits 1 token per step (no level matched): (0,) 1 / (0.5 + c(1) = 1.55), (1,) 1 / (0.01 + 1.05),
+    # (0, 1) 1 / (0.51 + c(2) = 1.1): the cheap child alone is the best value
+    assert gate.next_best(1, tree_cost, 64) == (1,)
