@@ -84,6 +84,37 @@ def test_the_level_clock_gives_each_part_its_time_and_the_call_its_total():
     assert catch_up == pytest.approx(3 * growth) and 0.5 <= catch_up + growth <= time.perf_counter() - clock.start
 
 
+class StampedEvent:
+    """A CUDA event as the device stamped it, ``ms`` milliseconds after some origin."""
+
+    def __init__(self, ms):
+        self.ms = ms
+
+    def elapsed_time(self, other):
+        return other.ms - self.ms
+
+
+def test_a_stopped_clock_gives_each_part_its_own_time_not_the_wall_time_after_the_stop():
+    clock = LevelClock(torch.device("cpu"))
+    start = time.perf_counter() - 10.0  # the call began 10 s ago; its parts ended at +0.1 and +0.3 s, stopped at +0.4
+    clock.start, clock.marks, clock.stopped = start, [start, start + 0.1, start + 0.3], start + 0.4
+    assert clock.split() == pytest.approx([0.1, 0.3])  # the time from the last mark to the stop is the last part's
+    # on CUDA a stopped call's parts are the device's milliseconds between the marks, in seconds
+    clock.cuda, clock.marks = True, [StampedEvent(0.0), StampedEvent(3.0), StampedEvent(4.0)]
+    assert clock.split() == pytest.approx([0.003, 0.001])
+    clock.marks = [StampedEvent(0.0), StampedEvent(3.0), StampedEvent(2.0)]  # a part stamped before its start
+    assert clock.split() == pytest.approx([0.003, 0.0])  # counts no negative time
+
+
+def test_a_clock_whose_parts_took_no_device_time_shares_the_wall_time_equally():
+    clock = LevelClock(torch.device("cpu"))
+    assert clock.split() == []  # no part marked
+    clock.cuda, clock.marks = True, [StampedEvent(1.0)] * 3
+    clock.start = time.perf_counter() - 0.5
+    first, second = clock.split()
+    assert first == second and 0.5 <= first + second <= time.perf_counter() - clock.start
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA synchronisations")
 @pytest.mark.parametrize("drafter,sampled", [(None, ""), ("ngram", ""), ("eagle", ""), (None, "rejection"),
                                              ("ngram", "rejection"), ("eagle", "rejection"), ("ngram", "coupled"),
