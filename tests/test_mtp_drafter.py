@@ -103,6 +103,25 @@ def test_the_layer_read_from_the_target_checkpoint_gives_the_reference_logits(tm
     torch.testing.assert_close(got, reference_mtp_logits(mtp, target, ids, hidden, pos), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["mimo", "deepseek"])
+def test_layer_n_is_read_from_its_own_keys_not_from_the_first_layers(tmp_path, layout):
+    """Two MTP layers after a 2-layer decoder, told apart by their values: layer 1 is MiMo's model.mtp_layers.1.*,
+    DeepSeek's model.layers.{2 + 1}.* (after the decoder's 2 layers)."""
+    weights = {}
+    for index, value in ((0, 0.0), (1, 1.0)):
+        prefix = f"model.mtp_layers.{index}." if layout == "mimo" else f"model.layers.{2 + index}."
+        proj = "input_proj" if layout == "mimo" else "eh_proj"
+        weights[f"{prefix}{proj}.weight"] = torch.full((2, 4), value)
+        weights[f"{prefix}self_attn.q_proj.weight"] = torch.full((2, 2), value)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    for index, value in ((0, 0.0), (1, 1.0)):
+        state, _ = read_mtp_layer(tmp_path, 2, index)
+        assert sorted(state) == ["fc.weight", "layers.0.self_attn.q_proj.weight"]
+        assert state["fc.weight"].eq(value).all() and state["layers.0.self_attn.q_proj.weight"].eq(value).all()
+    with pytest.raises(EagleCheckpointError, match="has no MTP layer 2"):
+        read_mtp_layer(tmp_path, 2, 2)
+
+
 def test_greedy_output_is_the_targets_and_the_layer_drafts_usefully(tmp_path):
     write_target_with_mtp(tmp_path, "mimo")
     loaded = load_model(str(tmp_path))
