@@ -477,3 +477,9 @@ def test_attach_forgets_the_acceptance_learned_in_an_earlier_run():
     assert d.score(1, 1) != pytest.approx(0.3)
     d.attach(None)  # a new generate() call: it scores as a fresh drafter would
     assert d.acceptance == {} and d.score(1, 1) == pytest.approx(0.3)
+
+
+def test_a_long_match_drafts_at_least_num_draft_tokens_when_long_chains_are_shorter():
+    # (1, 2) matches 2 tokens >= long_match_ngram: depth max(num_draft_tokens 5, long_draft_tokens 2) = 5
+    d = NGramDrafter(max_ngram=3, num_draft_tokens=5, long_match_ngram=2, long_draft_tokens=2, max_branches=1)
+    assert propose1(d, [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]).tokens.tolist() == [3, 4, 5, 6, 7]
