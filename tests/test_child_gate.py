@@ -425,3 +425,16 @@ def test_the_gate_runs_the_cheapest_child_when_no_child_adds_a_token():
     # each subset commits 1 token per step (no level matched): (0,) 1 / (0.5 + c(1) = 1.55), (1,) 1 / (0.01 + 1.05),
     # (0, 1) 1 / (0.51 + c(2) = 1.1): the cheap child alone is the best value
     assert gate.next_best(1, tree_cost, 64) == (1,)
+
+
+def test_a_subset_is_priced_by_its_mean_nodes_per_record_not_their_sum():
+    gate = gate_with([0.001, 0.001])  # each child 0.01 decode steps a call
+    for _ in range(5):
+        gate.observe((3, 1), (3, 1))  # child 0 matches 3 levels with 3 nodes, child 1 one level with one node
+
+    def cost(n, batch):
+        return 1.0 + 0.5 * n
+
+    # (0,): 4 / (0.01 + c(3) = 2.5) = 1.59; (1,): 2 / (0.01 + c(1) = 1.5) = 1.32; (0, 1): 4 / (0.02 + c(4) = 3) = 1.32
+    # priced by nodes summed over the 5 records, (0,) looked worse: 4 / (0.01 + c(15)) = 0.47 < 2 / (0.01 + c(5))
+    assert gate.next_best(1, cost, 64) == (0,)
