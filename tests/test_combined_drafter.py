@@ -479,3 +479,13 @@ def test_a_scoreless_childs_tree_is_scored_by_its_level_rate_shared_among_siblin
     # (successes + prior * weight) / (trials + weight): (2 + 0.5 * 4) / (2 + 4) and (0 + 2) / (1 + 4)
     assert combined.child_rate(0) == pytest.approx(4 / 6) and combined.child_rate(1) == pytest.approx(2 / 5)
     assert combined._combine([branched, DraftTree.empty()]).scores.tolist() == pytest.approx([1 / 3, 1 / 3, 2 / 3])
+
+
+def test_a_sampled_child_is_valued_by_the_shape_of_its_previous_sampled_tree():
+    sampled = Scripted([[1, 2, 3, 4, 5, 6, 7]], "sampled", mode=DraftMode.INDEPENDENT)
+    combined = CombinedDrafter([sampled, Scripted([[1, 2]], "exact")], mode="best", verify_cost=lambda n: 1.0)
+    # every level at the prior rate 0.5, nodes free: the exact chain of 2 is worth 1 + 0.5 + 0.25 = 1.75. The sampled
+    # child's first tree is valued as one node, 1 + 0.5 = 1.5; its next as the 7-node chain it drew then,
+    # 1 + 0.5 + ... + 0.5 ** 7 = 1.99
+    assert combined.propose([view([9])])[0].tokens.tolist() == [1, 2]
+    assert combined.propose([view([9])])[0].tokens.tolist() == [1, 2, 3, 4, 5, 6, 7]
