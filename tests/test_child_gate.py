@@ -16,7 +16,7 @@ from specdec.drafters.combined import CombinedDrafter
 from specdec.errors import InputError
 from specdec.generate import generate
 from specdec.testing import build_tiny_model
-from specdec.tree import DraftTree
+from specdec.tree import DraftMode, DraftTree
 
 
 def tree_cost(nodes: int, batch: int) -> float:
@@ -438,3 +438,24 @@ def test_a_subset_is_priced_by_its_mean_nodes_per_record_not_their_sum():
     # (0,): 4 / (0.01 + c(3) = 2.5) = 1.59; (1,): 2 / (0.01 + c(1) = 1.5) = 1.32; (0, 1): 4 / (0.02 + c(4) = 3) = 1.32
     # priced by nodes summed over the 5 records, (0,) looked worse: 4 / (0.01 + c(15)) = 0.47 < 2 / (0.01 + c(5))
     assert gate.next_best(1, cost, 64) == (0,)
+
+
+class SampledChain(Drafter):
+    """A sampled chain of 8 nodes, without scores."""
+
+    name = "sampled"
+
+    def propose(self, seqs):
+        probs = torch.full((8, 16), 1 / 16)
+        return [DraftTree.chain(list(range(8)), probs, DraftMode.INDEPENDENT) for _ in seqs]
+
+
+def test_the_gate_prices_a_sampled_childs_tree_at_all_its_nodes(monkeypatch):
+    """A sampled tree is cut by its shape only, never by its drawn tokens' scores: the gate counts all 8 nodes, where
+    a best-paying prefix by level rates (0.5, 0.25, ...) would keep a few."""
+    combined = CombinedDrafter([SampledChain(), Fixed()])
+    combined.attach(type("Target", (), {"runner": None, "costs": CostView(tree_cost, lambda b: 0.1)})())
+    monkeypatch.setattr(combined.gate, "choose", lambda *a: (True, True))
+    combined.propose([SequenceView(0, [1, 2, 3], 3)])
+    combined.on_accept(0, [5, 6])
+    assert combined.gate.records[0][1][0] == 8
