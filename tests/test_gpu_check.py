@@ -215,6 +215,48 @@ def test_a_nan_or_none_is_not_measured_wherever_it_stands(where):
     assert _judged(dict(speed=speed))["8B shape, batch 1, plain decoding"][0] == "not measured"
 
 
+def test_a_goal_measured_exactly_at_its_target_is_met():
+    """Each goal is "<=" or ">=" its target (docs/gpu-speed.md): a number equal to it meets it."""
+    judged = _judged(dict(speed=_speed_report(floor=1.15, chain=2.4, batch32=(0.97, 1.0), c65=1.25, small=1000.0),
+                          acceptance=_acceptance(chat=1.0, summarisation=1.8, rag=1.8)))
+    assert {what: verdict for what, (verdict, _) in judged.items()} == {
+        "8B shape, batch 1, plain decoding": "met", "8B shape, batch 1, oracle chain at tau 3 with EAGLE's drafting":
+        "met", "8B shape": "met", BATCH32: "met", "embedded model, batch 1, default settings": "met",
+        EVERY_CATEGORY: "met", "n-gram on the embedded model over plain, summarisation": "met",
+        "n-gram on the embedded model over plain, rag": "met",
+        "greedy identity of every drafter on CUDA (the device test cases)": "not measured",
+        "bf16 greedy divergences from transformers, each classified at its first token": "not measured"}
+
+
+def test_only_the_goals_own_oracle_rows_are_judged():
+    """The batch-1 chain goal is EAGLE's chain under speculation "always" (an "auto" row at batch 1 is another
+    measurement), and the batch-32 goal is not made "not measured" by a row of another batch left out for time."""
+    speed = _speed_report(chain=2.5)
+    target = speed["report"]["models"][0]
+    target["oracle"].append(dict(shape="chain", batch=1, eagle=True, tau_target=3.0, speedup=3.5, tau=2.9, depth=2,
+                                 speculation="auto"))
+    target["skipped"] = ["oracle tree tau 3.0 b8 auto (~5 s)"]
+    judged = _judged(dict(speed=speed))
+    # the "always" chains: 2.0 (tau 2.0, not judged), 2.2 (depth 6), 2.5 (depth 4): the best, 2.5 >= 2.4
+    assert judged["8B shape, batch 1, oracle chain at tau 3 with EAGLE's drafting"] == (
+        "met", "2.50x (tau 2.90, a chain of 4; weight reads allow 2.60x)")
+    assert judged[BATCH32] == ("missed", "0.96x lowest of 2 rows")  # batch32=(1.0, 0.96): 0.96 < 0.97
+
+
+def test_the_device_cases_and_the_e2e_step_are_judged_only_from_a_run_that_ran():
+    """Cases that all failed are a missed goal, not an unmeasured one; an e2e step that failed (its rc not 0) counted
+    no divergences, so its 0 bugs meets nothing."""
+    judged = _judged(dict(tests=dict(status="failed", device_cuda=dict(passed=0, failed=3)),
+                          e2e=dict(status="failed", rc=1, divergence_bugs=0)))
+    assert judged["greedy identity of every drafter on CUDA (the device test cases)"] == (
+        "missed", "0 passed, 3 failed")
+    assert judged["bf16 greedy divergences from transformers, each classified at its first token"] == (
+        "not measured", "")
+    judged = _judged(dict(e2e=dict(status="passed", rc=0, divergence_bugs=2)))
+    assert judged["bf16 greedy divergences from transformers, each classified at its first token"] == (
+        "missed", "2 bugs")
+
+
 def test_the_report_starts_with_the_goals_and_lists_the_acceptance_rows(tmp_path, monkeypatch):
     check = _gpu_check()
     report = dict(date="today", rehearse=False,
@@ -277,7 +319,7 @@ def test_carried_gguf_parts_join_to_the_file_and_the_calls_name_them(tmp_path, m
     import gpu_carry
 
     blob = tmp_path / "model.gguf"
-    blob.write_bytes(bytes(range(256)) * 1001)  # an odd length: the parts differ by a byte
+    blob.write_bytes(bytes(range(256)) * 1001 + b"x")  # an odd length (256,257 bytes): the parts differ by a byte
     monkeypatch.setattr(gpu_carry, "REPO", tmp_path)
     monkeypatch.setattr(gpu_carry, "WHEELS", tmp_path / ".whl")
     parts = gpu_carry.split(blob, tmp_path / ".gl")
@@ -321,6 +363,21 @@ def test_carried_gguf_parts_join_to_the_file_and_the_calls_name_them(tmp_path, m
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
     out = subprocess.run(["bash", "-c", installed], cwd=repo, env=env, capture_output=True, text=True, check=True)
     assert out.stdout == "install\n", (installed, out.stdout, out.stderr)
+
+
+def test_the_second_calls_deadline_fits_one_call_and_the_least_budget_is_accepted():
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_carry
+
+    # a call runs at most 600 s, 45 of them outside gpu_check: 555 however much device time is left
+    assert gpu_carry.deadline_now(1000) == 555 and gpu_carry.second_deadline(3000) == 555
+    assert gpu_carry.deadline_now(300) == 300 - 45 - 30
+    # 770 s: 770 - 120 (start) - 410 (first) - 45 (its overhead) = 195 left, less 45 + 30 = 120, the least allowed
+    assert gpu_carry.check_budget(770) == 120 == gpu_carry.MIN_SECOND_S
+    with pytest.raises(ValueError, match="leave the second call 119 s"):
+        gpu_carry.check_budget(769)
 
 
 def test_a_deadline_shrinks_each_steps_limit_and_the_speed_budget(tmp_path, monkeypatch):
