@@ -141,3 +141,39 @@ def test_a_failed_measurement_and_a_model_that_did_not_load_are_said(script, tmp
         "Llama-3.2-1B: one measurement failed, not left out for time: plain b8: RuntimeError: CUDA out of memory.",
         "Qwen3-0.6B did not load (RuntimeError: CUDA out of memory), so it has no row."]
     assert "synthetic:qwen3-0.6b" not in made["row_keys"]
+
+
+def test_a_run_across_midnight_is_named_by_the_day_it_started(script, tmp_path):
+    """The speed call's JSON is dated before midnight, the check call's acceptance after: the run is the first day's."""
+    run = tmp_path / "run"
+    shutil.copytree(RUN, run)
+    speed = json.loads((run / "speed.json").read_text())
+    (run / "speed.json").write_text(json.dumps(dict(speed, date="2026-11-29 23:58:10")))  # acceptance: 2026-11-30
+    made = script.results(script.Run(run))
+    assert sorted(made) == [f"2026-11-29-gpu-h200-{n}.json" for n in ("acceptance", "e2e", "goals", "speed")]
+    assert {r["date"] for r in made.values()} == {"2026-11-29"}
+
+
+def test_a_divergence_that_is_no_near_tie_is_not_called_one(script, tmp_path):
+    """One divergence of three classified as other than a near-tie: the note counts it, never "every one"."""
+    run = tmp_path / "run"
+    shutil.copytree(RUN, run)
+    e2e = json.loads((run / "e2e.json").read_text())
+    e2e["divergences"] = {"specdec_plain": [dict(kind="near-tie", gap=0.125), dict(kind="near-tie", gap=0.0)],
+                          "specdec_ngram": [dict(kind="bug", gap=3.5)]}
+    (run / "e2e.json").write_text(json.dumps(e2e))
+    notes = script.e2e_result(script.Run(run))["notes"]
+    assert notes[-1] == ("2 of the 3 divergences from transformers' greedy tokens are near-ties, 1 not: see the "
+                         "run's report.")
+    assert not any("Every one" in n or "none a bug" in n for n in notes)
+
+
+def test_a_check_call_that_ran_e2e_without_acceptance_is_the_e2e_results_command(script, tmp_path):
+    """The check call is found by its steps: e2e alone (no acceptance step) is a check call too."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("speed_report.md", "e2e.json", "speed.json"):
+        shutil.copy(RUN / name, run / name)
+    call = "python3 benchmarks/gpu_check.py --deadline-s 300 --steps e2e,graphs --quick-e2e"
+    (run / "report.md").write_text(f"Code at d7ca25f.\n\n1. `{call}`\n")
+    assert script.e2e_result(script.Run(run))["command"] == call
