@@ -43,7 +43,8 @@ def test_a_stale_or_broken_result_region_is_caught(tmp_path, monkeypatch):
     assert gen.fill(filled, results) == filled
     for broken, why in [(page.replace("r.json", "s.json"), "no result file"),
                         (page.replace(" table -->", " notes -->"), "unknown part"),
-                        (page.replace("<!-- end generated -->", ""), "malformed")]:
+                        (page.replace("<!-- end generated -->", ""), "malformed"),
+                        (page + "\n<!-- end generated -->\n", "malformed")]:  # a stray end: one region, two ends
         with pytest.raises(ValueError, match=why):
             gen.fill(broken, results)
     (tmp_path / "docs").mkdir()
@@ -277,6 +278,7 @@ _RESULT = ('"machine_class": "cpu-avx512", "title": "T", "machine": "m", "benchm
     ('"date": 20261204', "date 20261204 is not an ISO date"),
     ('"date": "2026-02-30"', "no day of the calendar"),
     ('"date": "2026-12-04", "run": "b"', "run 'b' is not an integer"),
+    ('"date": "2026-12-04", "run": true', "run True is not an integer"),  # a bool is an int to Python
     ('"date": "2026-12-04", "columns": ["a", "b", "c"], "rows": [["1"]]', "row 0 has 1 cells for 3 columns"),
     ('"date": "2026-12-04", "columns": ["a", "b"]', "needs both columns and rows"),
     ('"date": "2026-12-04", "tables": [{"name": "t", "columns": ["a"], "rows": [["1", "2"]]}]',
@@ -291,6 +293,24 @@ def test_a_malformed_result_file_is_refused_in_one_line_naming_it(tmp_path, fiel
     with pytest.raises(ValueError, match=refusal) as refused:
         gen.load_results(tmp_path)
     assert str(refused.value).startswith("2026-12-04-zz.json: ") and "\n" not in str(refused.value)
+
+
+def test_the_benchmarks_check_fails_on_a_stale_page_and_writes_nothing(tmp_path, monkeypatch):
+    gen = _gen_benchmarks()
+    page = tmp_path / "benchmarks.md"
+    monkeypatch.setattr(gen, "PAGE", page)
+    fresh = gen.render(gen.load_results())
+    for stale in (fresh.replace("## History", "## Old history"), fresh + "\n"):
+        page.write_text(stale)
+        assert gen.main(["--check"]) == 1 and page.read_text() == stale
+    page.write_text(fresh)
+    assert gen.main(["--check"]) == 0
+
+
+def test_a_cell_holding_a_pipe_or_a_newline_stays_one_cell():
+    # "|" would split the cell in two and a newline would end the row: escaped, and a space
+    assert _gen_benchmarks()._table(["a", "b"], [["x|y", "one\ntwo"]]) == [
+        "| a | b |", "|---|---|", "| x\\|y | one two |"]
 
 
 def test_a_results_note_renders_whole_given_as_one_string_or_a_list():
