@@ -335,6 +335,41 @@ def test_grid_result_counts_the_prompts_each_column_ran():
         "3 prompts per column; batch8: 3 ragged batches of 8; 2 repeat(s): each interval rests on 6 blocks.")
 
 
+def _cell(mean, low, high, tau=1.0, runs=3, identical=True):
+    return dict(drafter="ngram", column="chat", new_tokens=16, paired_speedup=[mean, low, high], tau=tau, runs=runs,
+                identical_to_plain=identical, mismatching_runs=0 if identical else 1)
+
+
+def test_a_grid_cell_is_slower_only_where_its_whole_interval_lies_below_the_floor():
+    """FLOOR 0.97: an interval reaching it is not wholly below; one block has no interval; tau shows from 1.01."""
+    _script("bench_drafters_cpu")
+    grid = sys.modules["drafter_grid"]
+    assert grid.cell_text(_cell(0.90, 0.85, 0.96)) == "0.90 [0.85, 0.96] SLOWER"
+    assert grid.cell_text(_cell(0.92, 0.87, 0.97)) == "0.92 [0.87, 0.97]"  # high == FLOOR: straddles it
+    assert grid.cell_text(_cell(0.90, 0.85, 0.96, runs=1)) == "0.90 [0.85, 0.96]"
+    assert grid.cell_text(_cell(1.20, 1.10, 1.30, tau=1.0)) == "1.20 [1.10, 1.30]"  # tau 1.00: nothing drafted
+    assert grid.cell_text(_cell(1.20, 1.10, 1.30, tau=1.5)) == "1.20 (1.50) [1.10, 1.30]"
+    # mean 0.98 over the floor, interval [0.95, 1.00] across it: straddling, not slower
+    summary = grid.summary([_cell(0.98, 0.95, 1.00), dict(_cell(0.9, 0.8, 0.96), column="code")])
+    assert "Interval wholly below 0.97: ngram @16 code\nInterval straddling 0.97: ngram @16 chat\n" in summary
+
+
+def test_a_ragged_batch_starts_where_the_last_one_ended():
+    """Pool a0 b0 c0 d0 e0 (five prompts) in batches of 4: the second batch starts at the fifth, 4 % 5 = 4."""
+    _script("bench_drafters_cpu")
+    grid = sys.modules["drafter_grid"]
+    columns = {c: [[i]] for i, c in enumerate("abcde")}
+    assert grid.ragged_batches(columns, batches=2, size=4) == [[[0], [1], [2], [3]], [[4], [0], [1], [2]]]
+
+
+def test_held_out_prompts_refuse_none():
+    _script("bench_drafters_cpu")
+    held_out = sys.modules["held_out_prompts"]
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+        held_out.load_held_out(0)
+    assert held_out.load_held_out(2) == list(held_out.HELD_OUT[:2])
+
+
 def test_each_drafter_grid_setting_is_its_own_benchmark():
     """Grids of one day that differ in drafters, columns or lengths are different benchmarks (the benchmarks page
     refuses two results of one benchmark that tie for latest); the keys are those of the committed grids."""
