@@ -177,3 +177,17 @@ def test_a_check_call_that_ran_e2e_without_acceptance_is_the_e2e_results_command
     call = "python3 benchmarks/gpu_check.py --deadline-s 300 --steps e2e,graphs --quick-e2e"
     (run / "report.md").write_text(f"Code at d7ca25f.\n\n1. `{call}`\n")
     assert script.e2e_result(script.Run(run))["command"] == call
+
+
+def test_an_oracle_row_whose_text_parted_from_plain_is_named(script, tmp_path):
+    """identical_to_plain is "k/batch": "31/32" is a row where one sequence's text differed, never "the same"."""
+    run = tmp_path / "run"
+    shutil.copytree(RUN, run)
+    speed = json.loads((run / "speed.json").read_text())
+    row = speed["models"][0]["oracle"][2]
+    assert (speed["models"][0]["model"], row["shape"], row["batch"]) == ("synthetic:llama-3.1-8b", "chain", 32)
+    row["identical_to_plain"] = "31/32"
+    (run / "speed.json").write_text(json.dumps(speed))
+    notes = script.speed_result(script.Run(run))["notes"]
+    assert notes[-1] == ("one oracle row gave other text than the plain run's: Llama-3.1-8B chain batch 32 (31/32 the "
+                         "same). Qwen3-1.7B: five batch-8 oracle rows left out for time.")
