@@ -188,6 +188,21 @@ def test_products_are_every_weight_a_forward_multiplies_by(bench):
         assert sorted(ms) == [1, 3] and min(ms.values()) > 0
 
 
+def test_products_ms_times_each_size_on_its_own_rows(bench, monkeypatch):
+    """Every size is warmed up once and timed ``repeats`` times, each pass over the whole chain with n rows."""
+    import products_curve
+
+    from specdec.models.loader import load_model
+
+    runner = load_model("synthetic:llama-3.1-8b@tiny", device="cpu", dtype=torch.float32).runner
+    rows, linear = [], runner._linear
+    monkeypatch.setattr(runner, "_linear", lambda x, w, b: rows.append(x.shape[0]) or linear(x, w, b))
+    chain = len(products_curve.products(runner))
+    assert sorted(products_curve.products_ms(runner, [1, 3], repeats=2)) == [1, 3]
+    # 1 warm-up + 2 timed passes of the chain, per size
+    assert rows.count(1) == rows.count(3) == 3 * chain and len(rows) == 6 * chain
+
+
 def test_weight_read_floor_counts_what_a_decode_step_reads(bench):
     from specdec.models import synthetic
 
