@@ -336,6 +336,8 @@ def test_a_results_command_is_a_bash_block_only_where_a_reader_can_run_it():
                                               text, "", "```bash", "specdec eval replay bound --record run.json",
                                               "```", ""]
     lines = gen._result(dict(base, command="the cost model's calibration, context 128"), "####")
+    assert gen._commands(["python benchmarks/no_a.py && python benchmarks/no_b.py"])[0].endswith(
+        "(`benchmarks/no_a.py`, `benchmarks/no_b.py` are not in the repo)")
     assert "```bash" not in lines and "How it was measured: the cost model's calibration, context 128" in lines
 
 

@@ -191,3 +191,10 @@ def test_an_oracle_row_whose_text_parted_from_plain_is_named(script, tmp_path):
     notes = script.speed_result(script.Run(run))["notes"]
     assert notes[-1] == ("one oracle row gave other text than the plain run's: Llama-3.1-8B chain batch 32 (31/32 the "
                          "same). Qwen3-1.7B: five batch-8 oracle rows left out for time.")
+
+
+def test_skipped_oracle_rows_of_two_batches_are_named_not_counted_as_one_batchs(script):
+    one = ["oracle chain tau 2.0 b8", "oracle tree tau 2.0 b8"]
+    assert script._skipped(dict(skipped=one)) == "two batch-8 oracle rows"
+    two = ["oracle chain tau 2.0 b8", "oracle tree tau 2.0 b32"]
+    assert script._skipped(dict(skipped=two)) == "two rows (oracle chain tau 2.0 b8; oracle tree tau 2.0 b32)"
