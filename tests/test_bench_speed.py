@@ -188,6 +188,18 @@ def test_products_are_every_weight_a_forward_multiplies_by(bench):
         assert sorted(ms) == [1, 3] and min(ms.values()) > 0
 
 
+def test_product_bytes_count_the_biases_a_row_reads():
+    import products_curve
+
+    from specdec.models.llama import LlamaRunner
+    from specdec.testing import build_tiny_model
+
+    runner = LlamaRunner(build_tiny_model("llama-mqa-bias"))  # hidden 64, MLP 128, 4 heads of 16, 1 KV head
+    # per layer: q 64x64 + 64, k and v 16x64 + 16, o 64x64 + 64, gate and up 128x64 + 128, down 64x128 + 64:
+    # 34,816 weights + 480 biases; 2 layers + the tied head 96x64 = 76,736 float32 numbers
+    assert products_curve.product_bytes(runner) == 4 * (2 * (34816 + 480) + 96 * 64) == 306944
+
+
 def test_products_ms_times_each_size_on_its_own_rows(bench, monkeypatch):
     """Every size is warmed up once and timed ``repeats`` times, each pass over the whole chain with n rows."""
     import products_curve

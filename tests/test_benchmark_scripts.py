@@ -354,6 +354,21 @@ def test_a_grid_cell_is_slower_only_where_its_whole_interval_lies_below_the_floo
     assert "Interval wholly below 0.97: ngram @16 code\nInterval straddling 0.97: ngram @16 chat\n" in summary
 
 
+def test_the_grid_result_counts_every_cell_whose_output_differs(tmp_path, monkeypatch):
+    _script("bench_drafters_cpu")
+    grid = sys.modules["drafter_grid"]
+    monkeypatch.setattr(grid, "machine_class", lambda: "cpu-avx512")
+    plain = dict(_cell(1.0, 1.0, 1.0), drafter="plain", tokens_per_s=100.0)
+    cells = [plain, _cell(0.90, 0.85, 0.96), dict(_cell(1.2, 1.1, 1.3, identical=False), drafter="eagle")]
+    grid.write_result(str(tmp_path / "grid.json"), cells, ["plain", "ngram", "eagle"], ["chat"], [16],
+                      ["bench_drafters_cpu.py", "--grid"], "m", {"chat": 3}, 1, ["ngram", "eagle"])
+    result = json.loads((tmp_path / "grid.json").read_text())
+    # the n-gram cell lies below 0.97 (high 0.96, 3 runs); the EAGLE cell differs from plain
+    assert result["notes"] == ["1 cell(s) with the interval wholly below 0.97; 1 with an output other than plain's."]
+    assert result["rows"] == [["plain tok/s", "16", "100.0"], ["ngram", "16", "0.90 [0.85, 0.96] SLOWER"],
+                              ["eagle", "16", "1.20 [1.10, 1.30] DIFFERS x1"]]
+
+
 def test_a_ragged_batch_starts_where_the_last_one_ended():
     """Pool a0 b0 c0 d0 e0 (five prompts) in batches of 4: the second batch starts at the fifth, 4 % 5 = 4."""
     _script("bench_drafters_cpu")
