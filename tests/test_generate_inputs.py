@@ -467,6 +467,9 @@ def test_generation_config_is_the_default_and_keyword_arguments_win():
     # the fields given (not the defaults) are the ones that override a model's generation_config
     assert config.fields_set == {"max_new_tokens", "do_sample", "seed"}
     assert config.update(top_k=5).fields_set == {"max_new_tokens", "do_sample", "seed", "top_k"}
+    # a field the config already sets takes update()'s value (2 -> 4), the others stay
+    changed = config.update(max_new_tokens=4)
+    assert (changed.max_new_tokens, changed.do_sample, changed.seed) == (4, True, 3)
     assert GenerationConfig().fields_set == frozenset() and GenerationConfig(64).fields_set == {"max_new_tokens"}
     with pytest.raises(InputError, match="temperature must be > 0"):
         GenerationConfig(do_sample=True, temperature=0)
