@@ -748,3 +748,27 @@ def test_a_callers_processor_on_prompts_of_other_lengths_is_warned_once(model, c
         for _ in range(2):
             specdec.generate(model, PROMPTS[:2], **kwargs)
     assert caplog.text.count("without its left padding") == 1
+
+
+def test_a_bad_word_that_is_an_eos_id_is_not_banned_as_transformers(model):
+    """transformers' NoBadWordsLogitsProcessor drops a one-token bad word equal to an EOS id (the EOS stays
+    allowed): with the first greedy token t as both EOS and bad word, the call stops at t after one new token."""
+    t = hf_greedy(model, PROMPTS[0])[len(PROMPTS[0])]
+    want = hf_greedy(model, PROMPTS[0], max_new_tokens=6, eos_token_id=t, bad_words_ids=[[t]])
+    assert want == PROMPTS[0] + [t]  # t is the argmax, not banned, and ends the call at once
+    assert specdec.generate(model, [PROMPTS[0]], max_new_tokens=6, eos_token_id=t, bad_words_ids=[[t]]) == [want]
+
+
+def test_a_callers_subclass_of_a_builtin_processor_runs_beside_it_as_transformers():
+    """transformers replaces a built-in processor only by a caller's of exactly its class (``type(c) is``): a
+    subclass of RepetitionPenaltyLogitsProcessor runs after the built-in one and does not take its place."""
+
+    class NoPenalty(RepetitionPenaltyLogitsProcessor):
+        pass
+
+    config = GenerationConfig(repetition_penalty=1.5, logits_processor=[NoPenalty(1.0)],
+                              logits_processor_prefix_only=True)
+    processing = LogitsProcessing.from_config(config, eos_token_ids=[], vocab_size=4)
+    scores = processing.process_rows(torch.tensor([[2]]), torch.tensor([[0.0, 0.0, 3.0, 0.0]]), prompt_length=1)
+    # token 2 is in the prefix: the built-in penalty gives 3.0 / 1.5 = 2.0, then NoPenalty divides by 1.0
+    assert scores.tolist() == [[0.0, 0.0, 2.0, 0.0]]
