@@ -415,6 +415,40 @@ def test_return_dict_in_generate_false_as_a_keyword_beats_true_in_each_config_la
         assert isinstance(want, torch.Tensor) and torch.equal(out, want), kwargs
 
 
+def test_a_specdec_generation_configs_none_leaves_the_models_eos_as_a_transformers_configs_none():
+    """A config's None never overrides (only a keyword's does): GenerationConfig(eos_token_id=None) passed as
+    generation_config= keeps the model's EOS t, the first greedy token, so the call stops after that one token."""
+    enc = _enc("left", texts=["hello world"])
+    t = _first_greedy_token(enc)
+    model = _model(eos_token_id=t)
+    want = hf(model, **enc, max_new_tokens=6, do_sample=False,
+              generation_config=transformers.GenerationConfig(eos_token_id=None))
+    assert want.shape[1] == enc["input_ids"].shape[1] + 1  # prompt + t
+    passed = specdec.GenerationConfig(eos_token_id=None)
+    assert torch.equal(specdec.generate(model, **enc, max_new_tokens=6, generation_config=passed), want)
+
+
+def test_return_dict_in_generate_none_as_a_keyword_is_a_tensor_over_the_models_true():
+    """transformers 5: a keyword's None overrides the model's return_dict_in_generate=True and reads as off."""
+    enc = _enc("left")
+    model = _model(return_dict_in_generate=True)
+    want = hf(model, **enc, max_new_tokens=3, do_sample=False, return_dict_in_generate=None)
+    out = specdec.generate(model, **enc, max_new_tokens=3, return_dict_in_generate=None)
+    assert isinstance(want, torch.Tensor) and torch.equal(out, want)
+
+
+def test_a_transformers_field_specdec_does_not_list_is_refused_not_ignored(monkeypatch):
+    """A transformers generation field newer than specdec's lists (here penalty_alpha, taken off them) may change
+    the tokens: it is refused by name, not silently ignored as a custom entry is."""
+    from specdec import transformers_config
+
+    monkeypatch.delitem(transformers_config.REFUSED, "penalty_alpha")
+    layer = transformers_config.config_layer(transformers.GenerationConfig(penalty_alpha=0.6))
+    with pytest.raises(InputError, match=r"generation_config= sets penalty_alpha=0.6: a transformers setting specdec "
+                                         r"does not know"):
+        transformers_config.resolve([layer])
+
+
 # ---- sampling warpers -----------------------------------------------------------------------------
 WARPER_SETTINGS = {
     "min_p": dict(temperature=0.7, min_p=0.05), "min_p-1": dict(min_p=1.0), "typical": dict(typical_p=0.7),
