@@ -16,7 +16,7 @@ from specdec.errors import InputError
 from specdec.generate import generate
 from specdec.testing import build_tiny_model
 from specdec.tree import MAX_TREE_NODES, DraftError, DraftMode, DraftTree
-from specdec.tree_merge import merge_trees, path_scores
+from specdec.tree_merge import expected_committed_tokens, merge_trees, path_scores
 from tests.fixed_costs import fix_costs
 
 
@@ -88,6 +88,36 @@ def test_merge_mode_caps_its_merged_tree_at_max_nodes():
     merged = CombinedDrafter([Scripted([[1]]), Scripted([[4]])], mode="merge", max_nodes=3, gate=False)._combine([a, b])
     # the three best path scores of the union: [1] 0.9, [1, 2] 0.72, [4] 0.6 (not [1, 2, 3]: 0.504)
     assert merged.tokens.tolist() == [1, 2, 4] and merged.parents.tolist() == [-1, 0, -1]
+
+
+
+def test_tied_path_scores_keep_the_shallower_node_so_the_cap_is_filled():
+    """A chain of score 1.0 nodes: every path score is 1.0, so the tie goes to the shallower node. max_nodes=2 keeps
+    [1, 2]; ranking the deeper node first skipped it (its parent not yet kept) and left a 1-node tree."""
+    merged = merge_trees([DraftTree.chain([1, 2, 3])], default_scores=1.0, max_nodes=2)
+    assert merged.tokens.tolist() == [1, 2] and merged.parents.tolist() == [-1, 0]
+
+
+def test_expected_committed_tokens_counts_the_recovered_or_bonus_token():
+    """Scores 0.5 and 0.4 on a chain: path scores 0.5 and 0.5 * 0.4 = 0.2, plus the 1 token every step commits:
+    1 + 0.5 + 0.2 = 1.7 (an empty tree: 1)."""
+    chain = DraftTree.chain([1, 2], scores=torch.tensor([0.5, 0.4]))
+    assert expected_committed_tokens(chain) == pytest.approx(1.7)
+    assert expected_committed_tokens(DraftTree.empty()) == pytest.approx(1.0)
+
+
+def test_merge_refuses_a_cap_above_64_and_a_default_per_tree_that_does_not_match():
+    with pytest.raises(ValueError, match=r"max_nodes must be in \[0, 64\], got 65"):
+        merge_trees([DraftTree.chain([1])], max_nodes=MAX_TREE_NODES + 1)
+    with pytest.raises(ValueError, match="1 trees but 2 default scores"):
+        merge_trees([DraftTree.chain([1])], default_scores=[0.5, 0.5])
+
+
+def test_a_default_score_outside_0_1_is_clamped_in_the_merged_scores():
+    """Scores are acceptance estimates: a default of 1.5 is stored as 1.0 and -0.5 as 0.0 (unclamped, the merged
+    DraftTree refused its own scores)."""
+    merged = merge_trees([DraftTree.chain([1]), DraftTree.chain([2])], default_scores=[1.5, -0.5])
+    assert merged.scores.tolist() == [1.0, 0.0]
 
 
 def _union_path_scores(trees: list[DraftTree]) -> dict[tuple[int, ...], float]:
