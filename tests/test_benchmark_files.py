@@ -75,6 +75,10 @@ MALFORMED = {  # id: (line 2 of the file, what the error names)
     "bad-role": ('{"messages": [{"role": "bot", "content": "x"}]}', r"q.jsonl:2: field 'messages'\[0\]"),
     "no-user": ('{"messages": [{"role": "system", "content": "x"}]}', r"q.jsonl:2: field 'messages' holds no user"),
     "an-array": ('["a list"]', r"q.jsonl:2: expected a JSON object, got list"),
+    "system-after-user": ('{"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "y"}]}',
+                          r"q.jsonl:2: field 'messages'\[1\]: a system message after a user turn"),
+    "bool-category": ('{"category": true, "turns": ["x"]}', r"q.jsonl:2: field 'category' must be a string"),
+    "dots-category": ('{"category": "..", "turns": ["x"]}', r"q.jsonl:2: field 'category' \"..\" has no letter"),
 }
 
 
@@ -86,6 +90,24 @@ def test_a_malformed_line_is_refused_naming_file_line_and_field(tmp_path, case):
     with pytest.raises(InputError, match=match) as err:
         read_prompt_file(path)
     assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+
+def test_a_category_is_reduced_to_a_file_name_without_outer_dots_or_underscores():
+    """" .writing. ": the spaces become "_", giving "_.writing._", whose outer "_" and "." are stripped: "writing"."""
+    from specdec.eval.prompt_files import category_name
+
+    assert category_name(" .writing. ", "q.jsonl:1") == "writing"
+    assert category_name("a b/c", "q.jsonl:1") == "a_b_c" and category_name(7, "q.jsonl:1") == "7"
+
+
+def test_per_category_keeps_the_first_n_of_each_and_refuses_0():
+    """Categories a, b, a, a, b and n = 2: the first two a's and both b's, in file order (4 of 5)."""
+    convs = [Conversation(c, (f"{c}{i}",)) for i, c in enumerate("abaab")]
+    assert [c.turns[0] for c in per_category(convs, 2)] == ["a0", "b1", "a2", "b4"]
+    assert per_category(convs, None) == convs
+    with pytest.raises(InputError, match="prompts per category must be >= 1, got 0"):
+        per_category(convs, 0)
 
 
 def test_byte_order_mark_is_skipped_and_non_utf8_names_the_file(tmp_path):
@@ -163,6 +185,21 @@ def test_report_groups_mt_bench_and_lists_its_categories(finished):
     # categories that are not MT-bench's (a built-in "math", say) form no mt_bench group
     alone = report_rows(cells, cell_turns(CONVS), mt_bench=())
     assert "mt_bench" not in {r["category"] for r in alone} and "MT-bench by category" not in markdown(alone, {})
+
+
+
+def test_a_merged_row_lists_each_of_its_categories_once():
+    """Hand-built cells: writing's two turns (10 tokens / 5 steps, 6 / 3) and a one-turn roleplay (4 / 4). writing
+    merges to 16 / 8 = tau 2.0, mt_bench to 20 / 12; mt_bench and overall list writing once, not once per turn."""
+    from specdec.eval.acceptance import Cell
+
+    turns = {"writing.turn1": ("writing", 1), "writing.turn2": ("writing", 2), "roleplay": ("roleplay", 1)}
+    sizes = {"writing.turn1": (10, 5), "writing.turn2": (6, 3), "roleplay": (4, 4)}
+    cells = {("plain", n): Cell("plain", n, prompts=1, new_tokens=t, steps=s) for n, (t, s) in sizes.items()}
+    by = {r["category"]: r for r in report_rows(cells, turns)}
+    assert by["writing"]["tau"] == pytest.approx(2.0) and by["mt_bench"]["new_tokens"] == 20
+    assert by["mt_bench"]["tau"] == pytest.approx(20 / 12)
+    assert by["mt_bench"]["categories"] == by["overall"]["categories"] == ["writing", "roleplay"]
 
 
 def test_multi_turn_runs_resume_and_refuse_other_conversations(loaded, finished, tmp_path):

@@ -218,6 +218,9 @@ def test_suite_config_rejects_bad_values():
         SuiteConfig((("ngram", {}),), ("chat",), temperature=-0.5)
     with pytest.raises(ValueError, match="speculation"):
         SuiteConfig((("ngram", {}),), ("chat",), speculation="sometimes")
+    for bad in ("prompts_per_category", "max_new_tokens", "batch_size"):  # 0 of any: a run of nothing (or range step 0)
+        with pytest.raises(ValueError, match="batch_size must be >= 1"):
+            SuiteConfig((("ngram", {}),), ("chat",), **{bad: 0})
 
 
 def test_the_suite_runs_the_default_policy_when_asked_and_records_it(tmp_path, loaded, monkeypatch):
@@ -379,6 +382,27 @@ def test_predicted_over_measured_is_the_prediction_divided_by_the_measured_speed
     row = summarise({("plain", "c"): plain, ("ngram", "c"): ngram})[-1]
     assert row["predicted_speedup"] == pytest.approx(0.5) and row["speedup_vs_plain"] == pytest.approx(2.0)
     assert row["predicted_over_measured"] == pytest.approx(0.25)
+
+
+
+def test_merging_cells_sums_their_counts_and_keeps_the_row_and_category():
+    """Two rank files of one cell: 10 + 6 tokens over 5 + 3 steps (tau 16 / 8 = 2.0), depth counts added per depth;
+    the merged cell still names its drafter and category (not "cc" from adding the names)."""
+    merged = Cell("ngram", "c")
+    merged.merge(Cell("ngram", "c", new_tokens=10, steps=5, depth_tried=[4, 2], depth_accepted=[3, 1]))
+    merged.merge(Cell("ngram", "c", new_tokens=6, steps=3, depth_tried=[2], depth_accepted=[1]))
+    assert (merged.drafter, merged.category) == ("ngram", "c")
+    assert merged.tau == pytest.approx(2.0) and merged.depth_tried == [6, 2] and merged.depth_accepted == [4, 1]
+
+
+def test_the_hf_baseline_row_has_no_drafter_columns():
+    """transformers' baseline drafts nothing: its row has no draft share or tree size (it showed a 0% draft share)."""
+    plain = Cell("plain", "c", prompts=1, new_tokens=10, steps=10, seconds=2.0)
+    hf = Cell("hf-greedy", "c", prompts=1, new_tokens=10, seconds=1.0)
+    rows = {r["drafter"]: r for r in summarise({("plain", "c"): plain, ("hf-greedy", "c"): hf})}
+    assert rows["hf-greedy"]["speedup_vs_plain"] == pytest.approx(2.0)  # (10 / 1 s) / (10 / 2 s)
+    for label in ("plain", "hf-greedy"):
+        assert "draft_share" not in rows[label] and "mean_tree_nodes" not in rows[label]
 
 
 def _stats(steps: int, step_nodes: tuple[int, ...] = ()):
