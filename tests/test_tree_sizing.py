@@ -341,6 +341,89 @@ def test_the_target_drafting_for_itself_is_never_asked_under_the_guard():
     assert forced.cache is None  # its own pool, made at its first propose, freed when the call ended (detach)
 
 
+
+def test_a_draft_model_that_can_never_pay_is_not_asked_under_seeded_sampling():
+    """Seeded standard sampling runs speculation="auto" without a sizer: a draft model bigger than the target can
+    never pay by its shapes, so it is never asked (no draft forward) and each of the 6 steps commits one token."""
+    from specdec.drafters.draft_model import DraftModelDrafter
+
+    big = DraftModelDrafter(model=build_tiny_model(hidden_size=128, intermediate_size=256, num_attention_heads=4),
+                            num_draft_tokens=3)
+    out = generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=6, do_sample=True, seed=0, drafter=big,
+                   return_dict=True)
+    assert big.draft_forwards == 0 and out.stats[0].steps == 6
+
+
+
+def test_a_drafter_that_can_never_pay_makes_every_step_plain_and_queueable(monkeypatch):
+    """speculation="auto" without a sizer and a drafter whose shapes can never pay: nobody drafts, and the next step
+    is known to ask nobody (so it may be queued ahead, specdec.decode_ahead)."""
+    from types import SimpleNamespace
+
+    from specdec.drafters.base import TargetView
+
+    from specdec import speculation_policy
+
+    class NeverPays:
+        name = "too-big"
+
+        def attach(self, target):
+            pass
+
+        def never_pays_by_shape(self):
+            return "it is bigger than the target"
+
+        def cost_key(self):
+            return "too-big"
+
+    monkeypatch.setattr(speculation_policy, "_NEVER_PAYS_WARNED", set())
+    policy = speculation_policy.SpeculationPolicy(auto=True).start(NeverPays(), TargetView(None, None, None))
+    live = [SimpleNamespace(seq_id=0), SimpleNamespace(seq_id=1)]
+    assert policy.who_drafts(live) == [] and policy.asks_nobody_next(live)
+
+
+class _SizerCutting:
+    """A stand-in sizer whose every call keeps the first ``keep`` nodes of each tree."""
+
+    off = False
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+
+    def size_call(self, seq_ids, trees, batch, seconds, catch_up, verified):
+        return [t.subtree(list(range(min(self.keep, t.num_nodes)))) for t in trees]
+
+
+def _propose_call(trees, verified=False):
+    from specdec.speculation_policy import ProposeCall
+
+    return ProposeCall(list(range(len(trees))), trees, len(trees), 0.0, False, verified)
+
+
+def test_the_policy_verifies_the_sized_part_and_says_whether_it_cut():
+    """Trees of 3 and 1 nodes under a sizer keeping 2: [3 -> 2, 1 -> 1], a cut, so the next pending trees are read
+    before they are verified; keeping 3 cuts nothing, and the proposals are verified whole again."""
+    from specdec.speculation_policy import SpeculationPolicy
+
+    trees = [DraftTree.chain([1, 2, 3]), DraftTree.chain([4])]
+    policy = SpeculationPolicy()
+    policy.sizer = _SizerCutting(2)  # (a real TreeSizer reads costs; the policy only calls size_call)
+    assert [t.num_nodes for t in policy.size(_propose_call(trees))] == [2, 1] and not policy.verifies_whole
+    policy.sizer.keep = 3
+    assert [t.num_nodes for t in policy.size(_propose_call(trees))] == [3, 1] and policy.verifies_whole
+
+
+def test_pending_trees_already_verified_whole_are_not_cut_after():
+    """Pending trees were verified whole before sizing: the acceptance walks those whole trees (3 nodes), while the
+    sizing's cut (to 2) is only learned from, and said by verifies_whole for the next step."""
+    from specdec.speculation_policy import SpeculationPolicy
+
+    trees = [DraftTree.chain([1, 2, 3])]
+    policy = SpeculationPolicy()
+    policy.sizer = _SizerCutting(2)
+    assert policy.size(_propose_call(trees, verified=True)) == trees and not policy.verifies_whole
+
+
 def test_guard_remembers_across_calls_where_a_drafter_stopped_paying(fixed_costs):
     """generate() once per answer: the second call of a drafter that never matched starts priced (no probe until
     the calls have banked one), the same text; once a call finds it paying, the next call asks it from the first
