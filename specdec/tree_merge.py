@@ -58,6 +58,7 @@ def merge_trees(trees: Sequence[DraftTree], default_scores: Sequence[float] | fl
         else [float(d) for d in default_scores]
     if len(defaults) != len(trees):
         raise ValueError(f"merge_trees: {len(trees)} trees but {len(defaults)} default scores")
+    defaults = [min(max(d, 0.0), 1.0) for d in defaults]  # acceptance estimates; ranked paths must not grow deeper
     for k, tree in enumerate(trees):
         if tree.mode is not DraftMode.DETERMINISTIC or tree.draft_probs is not None:
             raise DraftError(f"tree {k} is {tree.mode.value} (it carries draft_probs): only deterministic trees "
@@ -85,7 +86,7 @@ def merge_trees(trees: Sequence[DraftTree], default_scores: Sequence[float] | fl
     return DraftTree(
         torch.tensor([tokens[i] for i in keep], dtype=torch.long),
         torch.tensor([-1 if parents[i] < 0 else new_index[parents[i]] for i in keep], dtype=torch.long),
-        scores=torch.tensor([min(max(scores[i], 0.0), 1.0) for i in keep], dtype=torch.float32),
+        scores=torch.tensor([scores[i] for i in keep], dtype=torch.float32),
     )
 
 

@@ -90,7 +90,6 @@ def test_merge_mode_caps_its_merged_tree_at_max_nodes():
     assert merged.tokens.tolist() == [1, 2, 4] and merged.parents.tolist() == [-1, 0, -1]
 
 
-
 def test_tied_path_scores_keep_the_shallower_node_so_the_cap_is_filled():
     """A chain of score 1.0 nodes: every path score is 1.0, so the tie goes to the shallower node. max_nodes=2 keeps
     [1, 2]; ranking the deeper node first skipped it (its parent not yet kept) and left a 1-node tree."""
@@ -118,6 +117,9 @@ def test_a_default_score_outside_0_1_is_clamped_in_the_merged_scores():
     DraftTree refused its own scores)."""
     merged = merge_trees([DraftTree.chain([1]), DraftTree.chain([2])], default_scores=[1.5, -0.5])
     assert merged.scores.tolist() == [1.0, 0.0]
+    # clamped before the paths are ranked: a default of 2.0 would rank a child (path 4.0) above its parent (2.0),
+    # which the ancestor-closed cut then skips, leaving 1 node of the 2 allowed
+    assert merge_trees([DraftTree.chain([1, 2, 3])], default_scores=2.0, max_nodes=2).tokens.tolist() == [1, 2]
 
 
 def _union_path_scores(trees: list[DraftTree]) -> dict[tuple[int, ...], float]:
