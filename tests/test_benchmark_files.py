@@ -92,7 +92,6 @@ def test_a_malformed_line_is_refused_naming_file_line_and_field(tmp_path, case):
     assert str(path) in str(err.value) and "\n" not in str(err.value)
 
 
-
 def test_a_category_is_reduced_to_a_file_name_without_outer_dots_or_underscores():
     """" .writing. ": the spaces become "_", giving "_.writing._", whose outer "_" and "." are stripped: "writing"."""
     from specdec.eval.prompt_files import category_name
@@ -185,7 +184,6 @@ def test_report_groups_mt_bench_and_lists_its_categories(finished):
     # categories that are not MT-bench's (a built-in "math", say) form no mt_bench group
     alone = report_rows(cells, cell_turns(CONVS), mt_bench=())
     assert "mt_bench" not in {r["category"] for r in alone} and "MT-bench by category" not in markdown(alone, {})
-
 
 
 def test_a_merged_row_lists_each_of_its_categories_once():

@@ -384,7 +384,6 @@ def test_predicted_over_measured_is_the_prediction_divided_by_the_measured_speed
     assert row["predicted_over_measured"] == pytest.approx(0.25)
 
 
-
 def test_merging_cells_sums_their_counts_and_keeps_the_row_and_category():
     """Two rank files of one cell: 10 + 6 tokens over 5 + 3 steps (tau 16 / 8 = 2.0), depth counts added per depth;
     the merged cell still names its drafter and category (not "cc" from adding the names)."""

@@ -341,7 +341,6 @@ def test_the_target_drafting_for_itself_is_never_asked_under_the_guard():
     assert forced.cache is None  # its own pool, made at its first propose, freed when the call ended (detach)
 
 
-
 def test_a_draft_model_that_can_never_pay_is_not_asked_under_seeded_sampling():
     """Seeded standard sampling runs speculation="auto" without a sizer: a draft model bigger than the target can
     never pay by its shapes, so it is never asked (no draft forward) and each of the 6 steps commits one token."""
@@ -352,7 +351,6 @@ def test_a_draft_model_that_can_never_pay_is_not_asked_under_seeded_sampling():
     out = generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=6, do_sample=True, seed=0, drafter=big,
                    return_dict=True)
     assert big.draft_forwards == 0 and out.stats[0].steps == 6
-
 
 
 def test_a_drafter_that_can_never_pay_makes_every_step_plain_and_queueable(monkeypatch):
