@@ -325,6 +325,29 @@ def test_reduced_head_loss_ignores_labels_outside_but_counts_them_as_misses():
     assert float(value.detach()) == 0.0 and correct == 0 and count == y.numel()
 
 
+def test_reduced_kl_averages_over_every_position_and_ce_over_in_vocabulary_labels_only():
+    """Draft vocabulary (0, 1) of 3 tokens, identity rows, identity heads at init: head logits are the hidden states.
+    3 tokens then padding; labels (0, 1, 2): head 0 meets labels 1 (inside) and 2 (outside), head 1 label 2."""
+    import math
+
+    heads = MedusaHeads(MedusaConfig(2, 1, 2, 3, shared_lm_head=True, draft_vocab=(0, 1)))
+    lm_w = torch.tensor([[1.0, 0.0], [0.0, 1.0], [5.0, 5.0]])
+    ln3 = math.log(3)
+    hidden = torch.tensor([[[0.0, 0.0], [ln3, 0.0], [0.0, ln3], [0.0, 0.0]]])
+    labels, mask = torch.tensor([[0, 1, 2, 0]]), torch.tensor([[1, 1, 1, 0]])
+    assert [medusa_loss.head_loss_count(heads, i, labels, mask, "kl") for i in range(2)] == [2, 1]
+    assert [medusa_loss.head_loss_count(heads, i, labels, mask, "ce") for i in range(2)] == [1, 0]
+    # head 0, t=0: head (1/2, 1/2) vs target (3/4, 1/4): 0.75 ln 1.5 - 0.25 ln 2 = 0.130812
+    #         t=1: head (3/4, 1/4) vs target (1/4, 3/4): 0.25 ln(1/3) + 0.75 ln 3 = 0.5 ln 3 = 0.549306
+    # the mean over both positions, the one whose label lies outside included: 0.340059
+    first = 0.75 * math.log(1.5) - 0.25 * math.log(2)
+    kl, _, count = medusa_loss.head_loss(heads, 0, hidden, labels, mask, lm_w, "kl")
+    assert kl.item() == pytest.approx((first + 0.5 * ln3) / 2, abs=1e-6) and count == 2
+    ce, correct, count = medusa_loss.head_loss(heads, 0, hidden, labels, mask, lm_w, "ce")
+    assert ce.item() == pytest.approx(math.log(2), abs=1e-6)  # only t=0 (label 1): -ln(1/2)
+    assert (correct, count) == (0, 2)  # argmax 0 at t=0 misses label 1; label 2 cannot be hit
+
+
 def test_reduced_head_accuracies_count_out_of_vocabulary_tokens_as_misses():
     model = build_tiny_model("llama-mha-untied", vocab_size=64)
     seqs = [[1, 5, 9, 2, 7, 3, 3, 8, 4, 4], [4, 4, 6, 1, 2, 9], [7, 7, 1, 30, 31]]

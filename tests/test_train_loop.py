@@ -128,6 +128,23 @@ def test_kl_loss_is_zero_only_for_the_target_distribution():
         TrainConfig(model="default", output_dir="unused", loss="mse")
 
 
+def test_kl_loss_is_kl_from_the_target_to_the_head_and_one_position_is_its_own_mean():
+    """2-token vocabulary, identity LM head, identity head at init: the logits are the hidden states. Head 0 at t=0
+    sees logits (0, 0), i.e. (1/2, 1/2); the target at t=1 has logits (ln 3, 0), i.e. (3/4, 1/4)."""
+    import math
+
+    heads = MedusaHeads(MedusaConfig(1, 1, 2, 2, shared_lm_head=True))
+    hidden = torch.tensor([[[0.0, 0.0], [math.log(3), 0.0]]])
+    labels, mask = torch.tensor([[0, 0]]), torch.ones(1, 2, dtype=torch.long)
+    kl, correct, count = medusa_loss.head_loss(heads, 0, hidden, labels, mask, torch.eye(2), "kl")
+    # KL(target || head) = 3/4 ln(3/4 / 1/2) + 1/4 ln(1/4 / 1/2) = 0.75 ln 1.5 - 0.25 ln 2 = 0.130812
+    # (the reverse, KL(head || target) = 0.5 ln(2/3) + 0.5 ln 2 = 0.143841); one position: divided by 1
+    assert kl.item() == pytest.approx(0.75 * math.log(1.5) - 0.25 * math.log(2), abs=1e-6)
+    assert (correct, count) == (1, 1)  # argmax of (0, 0) is 0, the label at t=1
+    ce, _, _ = medusa_loss.head_loss(heads, 0, hidden, labels, mask, torch.eye(2), "ce")
+    assert ce.item() == pytest.approx(math.log(2), abs=1e-6)  # -ln(1/2) at the one position
+
+
 def test_feature_cache_matches_per_batch_features():
     """Cached per-sequence features, re-padded for any batch, equal a direct forward of that batch."""
     from specdec.testing import build_tiny_model
