@@ -74,6 +74,22 @@ def test_parquet_and_saved_dataset(tmp_path):
     assert load_texts(str(tmp_path / "dd")) == ["one two", "three four"]
 
 
+def test_a_saved_dataset_dict_trains_on_its_train_split_whichever_split_comes_first(tmp_path):
+    import datasets
+
+    splits = {"test": datasets.Dataset.from_dict({"text": ["held back"]}),
+              "train": datasets.Dataset.from_dict({"text": ["one two", "three four"]})}
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "dd"))
+    assert load_texts(str(tmp_path / "dd")) == ["one two", "three four"]
+
+
+def test_a_jsonl_file_that_starts_with_a_byte_order_mark_is_read(tmp_path):
+    """Editors on Windows write UTF-8 with a BOM; it is not part of the first record's JSON."""
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n')
+    assert load_texts(str(f)) == ["first", "second"]
+
+
 @pytest.mark.parametrize("case,match", [
     ("missing", "not found"), ("unknown", "unknown data format"), ("empty", "d.jsonl is empty"),
     ("nofield", "neither"), ("corrupt", "cannot read"), ("plain_dir", "not a dataset"),
@@ -149,6 +165,12 @@ def test_builtin_prompts_disjoint_from_held_out_chat():
     assert len(prompts) >= 300 and len(set(prompts)) == len(prompts)
     assert not set(prompts) & set(CHAT)
     assert builtin_prompts(10, seed=1) == builtin_prompts(10, seed=1) != builtin_prompts(10, seed=2)
+
+
+def test_builtin_prompts_n_is_the_first_n_of_the_full_seeded_order():
+    everything = builtin_prompts(seed=3)
+    assert builtin_prompts(5, seed=3) == everything[:5]
+    assert builtin_prompts(1, seed=3) == everything[:1] and builtin_prompts(0, seed=3) == []
 
 
 def test_a_subject_of_a_held_out_chat_prompt_is_refused(monkeypatch):
