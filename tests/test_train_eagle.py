@@ -171,6 +171,22 @@ def test_held_out_accuracies_count_what_the_training_loss_counts_in_each_scope()
     assert got[0]["top5"] != got[1]["top5"] and sum(got[0]["top1"]) > 0  # the scopes differ; some hits to count
 
 
+def test_a_batch_of_one_token_sequences_scores_nothing_at_any_depth():
+    """One token predicts nothing: a zero loss, and zero counts (top-5's too) at each of the 3 depths."""
+    from specdec.drafters.eagle_model import EagleConfig, EagleModel
+    from specdec.train.eagle_loss import eagle_loss
+
+    from specdec.testing import build_tiny_model
+
+    model = build_tiny_model()
+    eagle = EagleModel(EagleConfig.for_target(model.config))
+    top5: list[int] = []
+    loss, correct, count = eagle_loss(eagle, torch.tensor([[3], [4]]), torch.zeros(2, 1, model.config.hidden_size),
+                                      torch.tensor([[1], [2]]), torch.ones(2, 1), model.get_input_embeddings().weight,
+                                      model.get_output_embeddings().weight, steps=3, top5=top5)
+    assert float(loss) == 0.0 and correct == count == top5 == [0, 0, 0]
+
+
 def test_tree_choice_loads_the_cost_model_before_timing_anything(tmp_path, monkeypatch):
     """The first drafting call of a process loads the cost model (on a fresh machine: a calibration of ~10 s);
     inside the first candidate's timing it once made the best tree (depth 1, 1.17x of plain) measure 0.90x."""

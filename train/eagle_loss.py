@@ -105,9 +105,9 @@ def eagle_loss(
     Each term is its sum over positions divided by its entry of ``over`` (laid out as :func:`eagle_loss_counts`;
     default: this batch's own counts, so a mean; the training loop passes the optimizer step's counts).
     ``top5``, if given, receives per depth the count of positions whose target token is in the draft's top 5."""
-    B, L = ids.shape
-    n = L - 1  # queries j = 0..L-2 read (f_j, t_{j+1}) and predict position j + 1
-    if n < 1:
+    if ids.shape[1] < 2:  # no query: the first token predicts nothing
+        if top5 is not None:
+            top5 += [0] * steps
         return hidden.new_zeros(()), [0] * steps, [0] * steps
     if over is None:
         over = eagle_loss_counts(model, labels, mask, lm_w.shape[0], steps)
