@@ -23,11 +23,12 @@ TYPES = {"token_embd": Q.Q4_1, "output": Q.Q8_0, "attn_q": Q.Q4_1, "attn_k": Q.Q
 def write_llama_gguf(path, tied: bool = False, name: str = "tiny llama", extra: str | None = None, seed: int = 0,
                      arch: str = "llama", meta: dict | None = None, skip: tuple[str, ...] = (),
                      extra_tensors: dict[str, tuple[int, ...]] | None = None, tokens: bool = True,
-                     kv_heads: int | None = KV_HEADS):
+                     kv_heads: int | list[int] | None = KV_HEADS):
     """A small llama-architecture GGUF of random weights, quantized as llama.cpp writes them (the rows of a
     [out, in] matrix, ``in`` the fastest); ``arch`` names its architecture, ``meta`` adds metadata, ``skip`` leaves
     tensors out, ``extra_tensors`` adds F32 ones, no ``tokens`` writes no vocabulary (``vocab_size`` instead), and
-    ``kv_heads`` None writes no KV head count (llama.cpp's default: as many as query heads)."""
+    ``kv_heads`` None writes no KV head count (llama.cpp's default: as many as query heads), a list writes an array
+    (the tensors shaped by its first count)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
@@ -64,6 +65,7 @@ def write_llama_gguf(path, tied: bool = False, name: str = "tiny llama", extra: 
             w.add_tensor(tensor_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
     head_dim = HIDDEN // HEADS
+    kv_heads = kv_heads[0] if isinstance(kv_heads, list) else kv_heads
     add("token_embd.weight", (VOCAB, HIDDEN), "token_embd")
     add("output_norm.weight", (HIDDEN,), None)
     if not tied:
@@ -338,3 +340,13 @@ def test_a_file_without_a_kv_head_count_reads_as_one_with_it(tmp_path):
     assert without[0].num_key_value_heads == HEADS
     assert with_key[1].keys() == without[1].keys()
     assert all(torch.equal(with_key[1][k], without[1][k]) for k in with_key[1])
+
+
+def test_a_kv_head_count_written_as_a_one_element_array_reads_as_that_count(tmp_path):
+    """A one-element array is the count itself (transformers unwraps it alike); an array of one count per layer is
+    not a plain llama: left to transformers."""
+    plain = gguf_llama.read_llama(write_llama_gguf(tmp_path / "a.gguf"))
+    array = gguf_llama.read_llama(write_llama_gguf(tmp_path / "b.gguf", kv_heads=[KV_HEADS]))
+    assert array[0].num_key_value_heads == KV_HEADS
+    assert array[1].keys() == plain[1].keys() and all(torch.equal(array[1][k], plain[1][k]) for k in plain[1])
+    assert gguf_llama.read_llama(write_llama_gguf(tmp_path / "c.gguf", kv_heads=[KV_HEADS] * LAYERS)) is None
