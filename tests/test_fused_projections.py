@@ -114,3 +114,16 @@ def test_runners_over_one_layer_share_its_blocks_and_their_packed_copy(monkeypat
         weight = runner.fused_projections()[0].qkv.weight
         assert torch.allclose(row_policy.packed_linear(x, weight), x @ weight.T, atol=1e-5)
     assert len(packs) == 1
+
+
+def test_packing_leaves_a_layer_whose_parts_differ_in_dtype_as_it_is():
+    """Packing keeps every parameter's dtype: a k_proj kept in float64 beside float32 q / v is not concatenated into
+    one float64 block (which would turn q and v into float64), and its layer's QKV stays unpacked."""
+    model = build_tiny_model()
+    attn = model.model.layers[0].self_attn
+    attn.k_proj.weight.data = attn.k_proj.weight.data.double()
+    q = attn.q_proj.weight.detach().clone()
+    assert pack_projections(model) == 2 * 2 - 1  # 2 layers x (QKV, gate/up), less layer 0's QKV
+    assert (attn.q_proj.weight.dtype, attn.k_proj.weight.dtype, attn.v_proj.weight.dtype) == \
+        (torch.float32, torch.float64, torch.float32)
+    assert torch.equal(attn.q_proj.weight, q)
