@@ -104,3 +104,35 @@ def test_matching_draft_model_and_eagle_head():
     assert head.config.hidden_size == 64 and head.lm_head is None  # tiny: the target's full LM head
     reduced = synthetic.eagle_head(target.config, device="cpu", draft_vocab=16)
     assert reduced.lm_head.weight.shape == (16, 64) and reduced.draft_ids.tolist() == list(range(16))
+
+
+_LLAMA3 = {"rope_type": "llama3", "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+           "original_max_position_embeddings": 8192}
+# Each model's published config.json on the Hugging Face hub (meta-llama/Llama-3.2-1B, meta-llama/Llama-3.1-8B,
+# Qwen/Qwen3-1.7B, Qwen/Qwen3-0.6B, HuggingFaceTB/SmolLM2-135M): hidden_size, num_hidden_layers, num_attention_heads,
+# num_key_value_heads, head_dim, intermediate_size, vocab_size, rms_norm_eps, tie_word_embeddings,
+# max_position_embeddings, then the RoPE parameters (rope_theta, rope_scaling)
+PUBLISHED = {
+    "llama-3.2-1b": ((2048, 16, 32, 8, 64, 8192, 128256, 1e-5, True, 131072),
+                     {"rope_theta": 500000.0, "factor": 32.0, **_LLAMA3}),
+    "llama-3.1-8b": ((4096, 32, 32, 8, 128, 14336, 128256, 1e-5, False, 131072),
+                     {"rope_theta": 500000.0, "factor": 8.0, **_LLAMA3}),
+    "qwen3-1.7b": ((2048, 28, 16, 8, 128, 6144, 151936, 1e-6, True, 40960),
+                   {"rope_theta": 1000000.0, "rope_type": "default"}),
+    "qwen3-0.6b": ((1024, 28, 16, 8, 128, 3072, 151936, 1e-6, True, 40960),
+                   {"rope_theta": 1000000.0, "rope_type": "default"}),
+    "smollm2-135m": ((576, 30, 9, 3, 64, 1536, 49152, 1e-5, True, 8192),
+                     {"rope_theta": 100000.0, "rope_type": "default"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_each_shape_has_its_models_published_config_values(name):
+    """The parameter count alone let a shape trade heads for head width, or carry another RoPE base, scaling,
+    norm epsilon or context length: another model's attention at the same size."""
+    c = synthetic.SHAPES[name].hf_config()
+    shape, rope = PUBLISHED[name]
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            c.intermediate_size, c.vocab_size, c.rms_norm_eps, c.tie_word_embeddings,
+            c.max_position_embeddings) == shape
+    assert c.rope_parameters == rope
