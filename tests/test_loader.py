@@ -165,6 +165,7 @@ def test_a_loaded_checkpoint_is_shared_while_held_and_freed_after(tmp_path):
 
 @pytest.mark.parametrize("declared, to, expected", [  # "to", not "device": no device fixture (gpu_check's scan)
     ({"dtype": "float16"}, "cuda", torch.float16), ({"torch_dtype": "bfloat16"}, "cuda:1", torch.bfloat16),
+    ({"torch_dtype": "float16"}, "cuda", torch.float16),  # the key before transformers 5, not the default's dtype
     ({"dtype": "float32"}, "cuda", torch.bfloat16), ({}, "cuda", torch.bfloat16),
     ({"dtype": "float16"}, "cpu", torch.float32), ({"dtype": "bfloat16"}, None, torch.float32),
 ])
@@ -429,6 +430,8 @@ def test_pickled_weights_are_never_loaded_and_the_refusal_says_how_to_convert(tm
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantized.*'gptq'"),
     ({"model_type": "mixtral"}, "model type 'mixtral' is not supported.*llama, mistral, qwen2, qwen3"),
     ({"model_type": "frobnicator"}, "model type 'frobnicator' is not supported"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},  # rope_scaling replaces rope_parameters whole
+     r"RoPE type 'dynamic' \(config.json rope_scaling\) is not supported"),
 ])
 def test_an_unsupported_config_is_refused_in_one_line_before_the_weights_load(tmp_path, monkeypatch, config, match):
     """A quantized config ended in transformers' ImportError (bitsandbytes / optimum missing: a traceback from the
@@ -471,3 +474,44 @@ def test_config_json_that_is_not_json_is_a_specdec_error(tmp_path):
     (path / "config.json").write_text("{not json")
     with pytest.raises(InputError, match="config.json is not valid JSON"):
         load_model(str(path))
+
+
+def test_a_weights_file_written_again_alone_is_read_again(tmp_path):
+    """A training loop that saves only model.safetensors (config.json untouched) into a folder a held load came
+    from: the next load reads the new weights, not the held model's."""
+    import shutil
+
+    from specdec.testing import build_tiny_model
+
+    path, other = tmp_path / "tiny", tmp_path / "other"
+    build_tiny_model(vocab_size=32, seed=0).save_pretrained(path)
+    build_tiny_model(vocab_size=32, seed=1).save_pretrained(other)
+    first = load_model(str(path))
+    shutil.copyfile(other / "model.safetensors", path / "model.safetensors")
+    again = load_model(str(path))
+    assert again.model is not first.model
+    assert torch.equal(again.model.get_input_embeddings().weight, build_tiny_model(vocab_size=32, seed=1)
+                       .get_input_embeddings().weight)
+
+
+def test_a_model_passed_without_a_name_records_no_source_rather_than_the_working_directory():
+    from specdec.models.loader import model_reference
+    from specdec.testing import build_tiny_model
+
+    assert model_reference("") == ""  # Path("") is the working directory, which exists
+    model = build_tiny_model()
+    model.config._name_or_path = ""
+    assert load_model(model).source == ""
+
+
+def test_transformers_load_report_of_conversion_errors_is_kept_and_others_dropped():
+    """transformers raises on a conversion error pointing at its LOAD REPORT: that report stays in the logs."""
+    from specdec.models.checkpoint_files import _LoadReportFilter
+
+    def record(message):
+        return logging.LogRecord("transformers.modeling_utils", logging.WARNING, __file__, 1, message, None, None)
+
+    keep = _LoadReportFilter().filter
+    assert keep(record("LOAD REPORT ... CONVERSION errors: model.layers.0.mlp.up_proj.weight"))
+    assert not keep(record("LOAD REPORT ... MISSING: lm_head.weight"))
+    assert keep(record("some other warning"))
