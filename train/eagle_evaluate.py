@@ -82,8 +82,9 @@ def scoped_eagle_accuracies(model, eagle, seqs: list[list[int]], steps: int, sco
             rows = depth_rows(valid, s)  # [B, L-1] the union of the scopes' queries at depth s
             logits = eagle.logits(out[rows], lm_w).float()  # [R, draft vocab]
             target = want_index[rows]  # [R]
-            top = logits.topk(min(5, logits.shape[-1]), -1).indices  # [R, <=5] best first
-            hit = torch.stack([top[:, 0] == target, (top == target[:, None]).any(-1)])  # [2, R]
+            top5 = logits.topk(min(5, logits.shape[-1]), -1).indices  # [R, <=5]
+            # top-1 by argmax, as eagle_loss counts it (topk may order tied logits otherwise)
+            hit = torch.stack([logits.argmax(-1) == target, (top5 == target[:, None]).any(-1)])  # [2, R]
             for i, kept in enumerate(scored):
                 counted = kept[:, 1:].bool()[rows]  # [R] the scope's rows among the union's
                 hits[i, :, s - 1] += hit[:, counted].sum(-1).cpu()
