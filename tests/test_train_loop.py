@@ -442,7 +442,9 @@ def test_the_process_group_ends_with_destroy_process_group(tmp_path):
     def gloo_threads(how: str) -> int:
         proc = subprocess.run([sys.executable, "-c", GROUP_OUTLIVES_DESTROY, how, str(tmp_path / how)],
                               capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stderr[-2000:]
+        # the control keeps the group, which may abort the process as it exits (the bug itself: "terminate called
+        # without an active exception"), after it printed its count; the fixed process must exit cleanly
+        assert proc.returncode == 0 or (how == "control" and proc.stdout.strip()), proc.stderr[-2000:]
         return int(proc.stdout.split()[-1])
 
     assert gloo_threads("fixed") == 0
