@@ -382,3 +382,53 @@ def test_the_text_stream_decodes_a_window_not_the_whole_answer():
     stream.finish()
     assert out.getvalue() == text.removeprefix(" ") + "\n"
     assert tok.longest <= 12, tok.longest  # a few steps' tokens, not the whole answer's
+
+
+def test_the_text_stream_prints_a_character_cut_at_the_end_when_it_finishes():
+    """A step ending inside a UTF-8 sequence waits for the next token; at the end there is none, and what is left
+    (its replacement character) must still be printed, not dropped with the rest of the step."""
+    import io
+
+    from specdec.cli import _TextStream
+
+    class Bytes:  # token i is byte i
+        def decode(self, ids, skip_special_tokens=False):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    out = io.StringIO()
+    stream = _TextStream(Bytes(), out)
+    stream(0, list(b"caf") + [0xC3])  # "café" without the last byte of its é (0xC3 0xA9)
+    assert out.getvalue() == ""  # held back: the é may yet be completed
+    stream.finish()
+    assert out.getvalue() == "caf\ufffd\n"  # b"caf\xc3" decodes to "caf" and one replacement character
+
+
+def _summary(**fields) -> dict:
+    return {"new_tokens": 24, "seconds": 2.0, "tokens_per_s": 12.0, "tau": 1.0, "steps": 24, "drafter": "none",
+            "acceptance_per_depth": [], "prompt_tokens": 10, "finish": "length", **fields}
+
+
+def test_the_summary_line_names_acceptance_per_depth_only_when_a_drafter_tried_some(capsys):
+    """Plain decoding tries no depth: its line has no empty "acceptance/depth" field."""
+    from specdec.cli import _print_summary
+
+    _print_summary(_summary())
+    out, err = capsys.readouterr()
+    assert out == ""  # the summary is stderr's; stdout holds the text only
+    assert err == ("[specdec] 24 tokens in 2.00s = 12.0 tok/s | tau 1.00 over 24 steps | drafter none"
+                   " | prompt 10 tok, finish=length\n")
+    _print_summary(_summary(drafter="ngram", tau=2.5, steps=10, acceptance_per_depth=[0.8, 0.25]))
+    assert " | drafter ngram | acceptance/depth 0.80 0.25 | prompt 10 tok" in capsys.readouterr().err
+
+
+def test_a_run_cut_short_reports_its_tokens_per_second():
+    """--json of a run stopped by Ctrl-C or a full KV cache: 6 tokens in 2 s are 3 tok/s; the statistics only a
+    finished run has are null."""
+    from types import SimpleNamespace
+
+    from specdec.cli import _cut_summary
+
+    loaded = SimpleNamespace(name="tiny", runner=SimpleNamespace(dtype=torch.float32, device=torch.device("cpu")))
+    got = _cut_summary(loaded, SimpleNamespace(drafter=None), 10, 6, 2.0, "interrupted", 0.5)
+    assert got["tokens_per_s"] == 3.0 and got["new_tokens"] == 6 and got["seconds"] == 2.0
+    assert (got["tau"], got["steps"], got["finish"], got["drafter"]) == (None, None, "interrupted", "none")
