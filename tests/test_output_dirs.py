@@ -9,7 +9,7 @@ import tempfile
 import pytest
 
 from specdec.errors import InputError
-from specdec.output_dirs import check_creatable, why_uncreatable
+from specdec.output_dirs import check_creatable, make_dir, why_uncreatable
 
 
 def test_a_writable_folder_passes_and_the_check_leaves_nothing(tmp_path):
@@ -55,3 +55,13 @@ def test_a_real_folder_that_takes_no_files_is_refused():
     assert why_uncreatable("/proc") is not None
     with pytest.raises(InputError, match="^--out /proc: cannot write into it"):
         check_creatable("/proc", "--out")
+
+
+def test_make_dir_names_the_file_in_the_way_not_the_bare_errno(tmp_path):
+    """A folder made after the up-front check (a file appeared meanwhile) is refused as check_creatable says it,
+    "<file> is a file, not a folder", not as mkdir's "Not a directory"."""
+    blocker = tmp_path / "runs"
+    blocker.write_text("not a folder")
+    out = blocker / "run1"
+    with pytest.raises(InputError, match=rf"^--out {out}: cannot create it \({blocker} is a file, not a folder\)$"):
+        make_dir(out, "--out")
