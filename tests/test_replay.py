@@ -474,6 +474,9 @@ def test_verify_costs_come_from_a_curve_file_or_a_gpu_speed_reports_model(tmp_pa
     # the docs' "a JSON object" given on the command line: it was split at its last ':' as FILE:MODEL
     assert _verify_costs(' {"1": 2.0, "65": 3.0}') == pytest.approx(want)
     assert _verify_costs(json.dumps({"ms": curve})) == pytest.approx(want)
+    # a curve file whose own name holds a ':' is that file, not FILE:MODEL split at the ':'
+    (tmp_path / "gpu:a100.json").write_text(json.dumps(curve))
+    assert _verify_costs(str(tmp_path / "gpu:a100.json")) == pytest.approx(want)
 
 
 def test_replay_run_names_its_flags_and_their_units_in_refusals(tmp_path, recorded, capsys):

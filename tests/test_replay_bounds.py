@@ -195,3 +195,30 @@ def test_overall_speedups_rescale_the_curve_to_the_recorded_decode_step():
     assert guarded["predicted_speedup_overall"] == pytest.approx((5.0 + 10.0) / (5.0 + 2.0 * guarded["seconds"]))
     del record["sequences"][0]["prefill_seconds"]
     assert replay(record, ReplayConfig("ngram", guard=False))["predicted_speedup_overall"] is None
+
+
+def test_cli_bound_prints_the_prefill_share_and_each_rows_decode_then_overall_speedup(tmp_path, capsys):
+    """The record of test_overall_speedups_rescale_the_curve_to_the_recorded_decode_step: the copy bound commits
+    5 tokens in 2 steps (tau 2.5) at 2.5 c(1) against plain's 5 c(1), decode x2.00; with the 5 s prefill and 2 s
+    per c(1), overall (5 + 10) / (5 + 5) = x1.50; the prefill is 5 / (5 + 10) = 33.3% of plain's time."""
+    record = _record([5, 1, 2, 3, 4, 7, 1, 2, 9], [1, 2, 3, 4, 8], prefill=5.0)
+    record["costs"]["decode_step_seconds"] = 2.0
+    record["threads"] = 4
+    path = save_record(record, tmp_path / "run.json")
+    assert main(["eval", "replay", "bound", "--record", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "synthetic, 1 prompt, 5 tokens (cpu, 4 threads); prefill 33.3% of plain's time"
+    assert lines[2].split() == ["copy", "bound", "(any", "lookup", "drafter)", "2.50", "x2.00", "x1.50"]
+
+
+def test_cli_run_prints_c_verify_1_in_milliseconds_and_the_curve_it_priced_by(tmp_path, capsys):
+    """The record's curve says c(1) = 1 s: 1000.00 ms, on the record's machine; --verify-costs gives
+    milliseconds, so {"1": 2.5} is 2.50 ms, and the line says where that curve came from."""
+    path = save_record({**_record([5, 1, 2, 3, 4, 7, 1, 2, 9], [1, 2, 3, 4, 8]), "threads": 4}, tmp_path / "run.json")
+    assert main(["eval", "replay", "run", "--record", str(path)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "synthetic, 1 prompt, 5 tokens; c_verify(1) = 1000.00 ms (cpu, 4 threads)"
+    curve = '{"1": 2.5, "4": 3.0}'
+    assert main(["eval", "replay", "run", "--record", str(path), "--verify-costs", curve]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == f"synthetic, 1 prompt, 5 tokens; c_verify(1) = 2.50 ms (from {curve})"
