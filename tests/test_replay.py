@@ -490,3 +490,19 @@ def test_replay_run_names_its_flags_and_their_units_in_refusals(tmp_path, record
                                                    "--queued-step")):
         assert main(["eval", "replay", "run", "--record", str(path), *extra]) == 2
         assert capsys.readouterr().err.strip().endswith(says)
+
+
+def test_an_earlier_record_is_replaced_only_with_overwrite_and_a_folder_never(tmp_path, recorded):
+    """--out naming an earlier record: refused without --overwrite (a record, not only other data, is kept unasked);
+    --out naming a folder: refused with --overwrite too, as a folder, before the recording."""
+    from specdec.eval.replay_record import check_record_path
+
+    path = save_record(recorded[1], tmp_path / "run.json")
+    with pytest.raises(InputError, match="exists; pass --overwrite to replace it"):
+        check_record_path(path, overwrite=False)
+    check_record_path(path, overwrite=True)  # an earlier record: --overwrite replaces it
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    for overwrite in (False, True):
+        with pytest.raises(InputError, match=f"^--out {folder} is a directory; name the record file to write$"):
+            check_record_path(folder, overwrite=overwrite)
