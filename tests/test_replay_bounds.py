@@ -222,3 +222,13 @@ def test_cli_run_prints_c_verify_1_in_milliseconds_and_the_curve_it_priced_by(tm
     assert main(["eval", "replay", "run", "--record", str(path), "--verify-costs", curve]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first == f"synthetic, 1 prompt, 5 tokens; c_verify(1) = 2.50 ms (from {curve})"
+    assert main(["eval", "replay", "run", "--record", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["record"], data["model"], len(data["results"])) == (str(path), "synthetic", 1)
+
+
+def test_max_nodes_skips_empty_items_of_its_comma_list():
+    """--max-nodes "4,,8," is the budgets 4 and 8 (a stray comma is no budget), not a refusal."""
+    from specdec.eval.replay_cli import _budgets
+
+    assert _budgets("4,,8,") == [4, 8] and _budgets(" 4, 8") == [4, 8] and _budgets(None) == [None]
