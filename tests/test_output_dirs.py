@@ -65,3 +65,15 @@ def test_make_dir_names_the_file_in_the_way_not_the_bare_errno(tmp_path):
     out = blocker / "run1"
     with pytest.raises(InputError, match=rf"^--out {out}: cannot create it \({blocker} is a file, not a folder\)$"):
         make_dir(out, "--out")
+
+
+def test_a_folder_on_a_read_only_file_system_is_said_as_such(tmp_path, monkeypatch):
+    """os.access refuses, and statvfs flags the file system read-only: the error says why, not only "not writable"."""
+    out = tmp_path / "out"
+    out.mkdir()
+    access, statvfs = os.access, os.statvfs
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if os.fspath(p) == os.fspath(out) else
+                        access(p, mode, **kw))
+    monkeypatch.setattr(os, "statvfs", lambda p: type("V", (), {"f_flag": os.ST_RDONLY})() if
+                        os.fspath(p) == os.fspath(out) else statvfs(p))
+    assert why_uncreatable(out) == f"{out} is on a read-only file system"
