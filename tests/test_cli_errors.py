@@ -533,3 +533,22 @@ def test_a_record_folder_behind_a_file_is_named_as_such(capsys, monkeypatch, tmp
     line = capsys.readouterr().err.strip()
     assert line.endswith("--out results/run.json: cannot create its folder results (results is a file, not a "
                          "folder)"), line
+
+
+def test_ctrl_c_before_a_command_runs_is_one_line_and_exit_130(capsys, monkeypatch):
+    """Ctrl-C during the seconds of imports, before any command's handler: 130 (128 + SIGINT), as within one."""
+    import specdec.cli as cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_main", interrupted)
+    assert main(["generate", "hello"]) == 130
+    assert capsys.readouterr().err == "specdec: interrupted\n"
+
+
+def test_a_closed_stdout_is_a_usage_error_with_exit_code_2(capsys, monkeypatch):
+    """`specdec generate ... >&-`: Python sets sys.stdout to None; the text would be lost, so refuse, exit code 2."""
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["generate", "hello"]) == 2
+    assert "stdout is closed" in capsys.readouterr().err
