@@ -23,6 +23,12 @@ from specdec.eval.cli import counted
 from specdec.models.embedded import DEFAULT_ALIAS
 
 
+def _threads(record: dict) -> str:
+    """The recording's CPU threads as a reader says them ("1 thread", "4 threads"; "? threads" where not kept)."""
+    threads = record.get("threads")
+    return counted(threads, "thread") if isinstance(threads, int) else "? threads"
+
+
 def add_parser(ev_sub, inference) -> None:
     r = ev_sub.add_parser("replay", help="record a run, then predict any drafter's tau and speed offline",
                           description="Record a plain run (committed tokens, the target's top-k probabilities, "
@@ -154,7 +160,7 @@ def run_replay(args) -> int:
     tokens = sum(len(s["new_tokens"]) for s in record["sequences"])
     c1 = verify_cost_at(curve or record["costs"]["verify_seconds"], 1)
     where = (f"from {args.verify_costs}" if curve else
-             f"{record.get('device', '?')}, {record.get('threads', '?')} threads")
+             f"{record.get('device', '?')}, {_threads(record)}")
     queued = "" if args.queued_step is None else f", held-off steps queued at {args.queued_step:.3f} ms"
     print(f"{record['model']}, {counted(len(record['sequences']), 'prompt')}, {counted(tokens, 'token')}; "
           f"c_verify(1) = {c1 * 1e3:.2f} ms ({where}){queued}")
@@ -222,7 +228,7 @@ def run_bound(args) -> int:
     share = "not in this record" if out["prefill_share"] is None else f"{out['prefill_share']:.1%} of plain's time"
     print(f"{record['model']}, {counted(out['sequences'], 'prompt')}, {counted(out['new_tokens'], 'token')} "
           f"({record.get('device', '?')}, "
-          f"{record.get('threads', '?')} threads); prefill {share}")
+          f"{_threads(record)}); prefill {share}")
     print(f"{'':>34} {'tau':>6} {'decode':>7} {'overall':>7}")
     rows = (("copy bound (any lookup drafter)", out["copy"]), (f"oracle over {out['drafter']}'s trees", out["oracle"]),
             (f"{out['drafter']} replayed, guard on", out["replay"]))

@@ -225,6 +225,12 @@ def test_cli_run_prints_c_verify_1_in_milliseconds_and_the_curve_it_priced_by(tm
     assert main(["eval", "replay", "run", "--record", str(path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert (data["record"], data["model"], len(data["results"])) == (str(path), "synthetic", 1)
+    # one recording thread is "1 thread"; a record that kept none says "?"
+    for threads, said in ((1, "1 thread"), (None, "? threads")):
+        path = save_record({**_record([5, 1, 2, 3, 4, 7, 1, 2, 9], [1, 2, 3, 4, 8]), "threads": threads},
+                           tmp_path / f"run-{threads}.json")
+        assert main(["eval", "replay", "run", "--record", str(path)]) == 0
+        assert capsys.readouterr().out.splitlines()[0].endswith(f"(cpu, {said})")
 
 
 def test_max_nodes_skips_empty_items_of_its_comma_list():
