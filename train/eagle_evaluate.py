@@ -16,7 +16,7 @@ import time
 
 import torch
 from specdec.train.eagle_loss import depth_rows, depth_targets, unrolled_passes
-from specdec.train.features import collate, target_features
+from specdec.train.features import collate, scope_masks, target_features
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +71,7 @@ def scoped_eagle_accuracies(model, eagle, seqs: list[list[int]], steps: int, sco
         if ids.shape[1] < 2:
             continue
         hidden, labels = target_features(model, ids, mask, eagle.config.feature_layers)
-        scored = []  # per scope: [B, L] the positions it counts, a subset of mask's
-        for starts in scopes:
-            scored.append(mask.clone())
-            if starts is not None:  # query j scores position j + 2, read through scored[j + 1]
-                for b, first in enumerate(starts[start : start + batch_size]):
-                    scored[-1][b, : max(0, first - 1)] = 0
+        scored = scope_masks(mask, scopes, start)  # per scope: [B, L] a subset of mask's positions
         valid, want_index = depth_targets(eagle, labels, torch.stack(scored).amax(0), lm_w.shape[0])
         for s, out in enumerate(unrolled_passes(eagle, ids, hidden, embed_w, steps), start=1):
             rows = depth_rows(valid, s)  # [B, L-1] the union of the scopes' queries at depth s

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from specdec.train.features import collate, target_features
+from specdec.train.features import collate, scope_masks, target_features
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +48,7 @@ def scoped_head_accuracies(model, heads, seqs: list[list[int]], scopes: list[lis
     for start in range(0, len(seqs), batch_size):
         ids, mask = collate(seqs[start : start + batch_size], device)
         hidden, labels = target_features(model, ids, mask)
-        scored = []  # per scope: [B, L] the positions it counts, a subset of mask's
-        for starts in scopes:
-            scored.append(mask.clone())
-            if starts is not None:  # labels[m] is the token at m + 1, scored through scored[m]
-                for b, first in enumerate(starts[start : start + batch_size]):
-                    scored[-1][b, : max(0, first - 1)] = 0
+        scored = scope_masks(mask, scopes, start)  # per scope: [B, L] a subset of mask's positions
         for i in range(n):
             shift = 1 + i
             if hidden.shape[1] <= shift:

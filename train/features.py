@@ -31,6 +31,19 @@ def collate(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(device), mask.to(device)
 
 
+def scope_masks(mask: torch.Tensor, scopes: list[list[int] | None], start: int) -> list[torch.Tensor]:
+    """Per scope, [B, L] the positions of ``mask`` (a batch of sequences from index ``start``) it scores: None all,
+    else each sequence's from its first scored position on (the token at position p is scored through mask[p - 1],
+    where the labels, the heads' and EAGLE's queries predicting it stand)."""
+    scored = []
+    for starts in scopes:
+        scored.append(mask.clone())
+        if starts is not None:
+            for b, first in enumerate(starts[start : start + mask.shape[0]]):
+                scored[-1][b, : max(0, first - 1)] = 0
+    return scored
+
+
 @torch.no_grad()
 def target_features(model, ids: torch.Tensor, mask: torch.Tensor, feature_layers: tuple[int, ...] = ()
                     ) -> tuple[torch.Tensor, torch.Tensor]:
