@@ -588,13 +588,10 @@ def test_end_to_end_power_is_reported_at_the_level_the_check_decides_at(monkeypa
     assert res["power"] < two_sample_chi2(a, b, tv, sizes.alpha).power
 
 
-def test_sampled_end_to_end_check_verifies_drafts_for_the_compared_tokens():
-    """With max_new_tokens = sample_tokens the step making the last compared token had no room for a draft, so a
-    drafter that first proposes at the second step (Medusa and EAGLE heads need the root's hidden state) was never
-    verified there: the check compared plain with plain, and a broken acceptance rule could not fail it."""
-    import specdec.eval.end_to_end as end_to_end
-    from specdec.eval.negative_controls import BROKEN_RULES
-    from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter, reference_continuations
+def _late_oracle(reference, profile):
+    """An oracle drafter that first proposes at the second step (as Medusa and EAGLE heads, which need the root's
+    hidden state)."""
+    from specdec.eval.oracle_drafter import OracleDrafter
 
     from specdec.tree import DraftTree
 
@@ -602,16 +599,27 @@ def test_sampled_end_to_end_check_verifies_drafts_for_the_compared_tokens():
         def _tree(self, view):
             return DraftTree.empty() if len(view.token_ids) == view.num_prompt_tokens else super()._tree(view)
 
+    return LateOracle(reference, profile)
+
+
+def test_sampled_end_to_end_check_verifies_drafts_for_the_compared_tokens():
+    """With max_new_tokens = sample_tokens the step making the last compared token had no room for a draft, so a
+    drafter that first proposes at the second step (Medusa and EAGLE heads need the root's hidden state) was never
+    verified there: the check compared plain with plain, and a broken acceptance rule could not fail it."""
+    import specdec.eval.end_to_end as end_to_end
+    from specdec.eval.negative_controls import BROKEN_RULES
+    from specdec.eval.oracle_drafter import AcceptanceProfile, reference_continuations
+
     loaded, prompts = _fault_setup()
     reference = reference_continuations(loaded, prompts[:1], 8)
     sizes = CertificateSizes(sample_sequences=20, sample_tokens=2, sample_later=0)  # the window: 2 tokens
     greedy_like = SamplingConfig(True, 1.0, 1)  # top-k 1: the oracle's greedy tokens are always accepted
-    res = end_to_end.sampled_two_sample(loaded, prompts[0], LateOracle(reference, AcceptanceProfile.constant(1.0, 4)),
+    res = end_to_end.sampled_two_sample(loaded, prompts[0], _late_oracle(reference, AcceptanceProfile.constant(1.0, 4)),
                                         {}, greedy_like, sizes)
     assert res["tau"] > 1.4 and res["drafted"] == pytest.approx(0.5)  # the 2nd compared token: an accepted draft
     assert res["chi2_p"] > 0.5
     # a drafter that is always wrong, accepted by a broken rule, now changes the compared tokens
-    wrong = LateOracle(reference, AcceptanceProfile.constant(0.0, 4))
+    wrong = _late_oracle(reference, AcceptanceProfile.constant(0.0, 4))
     broken = BROKEN_RULES["always_accept"]
     res = end_to_end.sampled_two_sample(loaded, prompts[0], wrong, {}, greedy_like, sizes, broken)
     assert res["chi2_p"] < 1e-4
@@ -621,18 +629,12 @@ def test_the_drafted_share_is_over_the_whole_window():
     """The "drafted" share counts the accepted drafts of the KS test's window (sample_tokens + sample_later), not the
     chi-square's first tokens alone."""
     import specdec.eval.end_to_end as end_to_end
-    from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter, reference_continuations
-
-    from specdec.tree import DraftTree
-
-    class LateOracle(OracleDrafter):
-        def _tree(self, view):
-            return DraftTree.empty() if len(view.token_ids) == view.num_prompt_tokens else super()._tree(view)
+    from specdec.eval.oracle_drafter import AcceptanceProfile, reference_continuations
 
     loaded, prompts = _fault_setup()
     reference = reference_continuations(loaded, prompts[:1], 8)
     sizes = CertificateSizes(sample_sequences=20, sample_tokens=2, sample_later=2)  # window 4, 5 tokens generated
-    res = end_to_end.sampled_two_sample(loaded, prompts[0], LateOracle(reference, AcceptanceProfile.constant(1.0, 4)),
+    res = end_to_end.sampled_two_sample(loaded, prompts[0], _late_oracle(reference, AcceptanceProfile.constant(1.0, 4)),
                                         {}, SamplingConfig(True, 1.0, 1), sizes)
     # step 1 makes token 0 (no draft); step 2 verifies 3 drafts, all accepted, and adds its bonus: tokens 1-4.
     # Drafts in the window of 4: tokens 1, 2, 3 -> 3 / 4 (of the first 2 alone: 1 / 2)
