@@ -286,3 +286,77 @@ def test_copy_prefix_of_the_shortest_prompts(n):
     for s in (1, 2):
         assert torch.equal(cache.kv[:, :, cache.slots(s, 0, n)], before[:, :, cache.slots(0, 0, n)])
         assert torch.equal(cache.kv[:, :, cache.slots(s, n, 3)], before[:, :, cache.slots(s, n, 3)])
+
+
+def test_keep_offsets_must_lie_in_the_reserved_positions():
+    """Positions 0..2 are reserved, in a block of 4: offset 3 lies in that block but was never reserved, and a
+    negative first offset would keep a position before the length. Both are refused and nothing changes."""
+    cache = PagedKVCache(1, 1, 1, num_blocks=2, block_size=4)
+    cache.add(0)
+    cache.reserve(0, 3)
+    with pytest.raises(IndexError, match="never reserved"):
+        cache.commit({0: [0, 3]})
+    with pytest.raises(ValueError, match=">= 0"):
+        cache.commit({0: [-1, 0]})
+    assert cache.lengths[0] == 0 and cache.reserved[0] == 3
+    cache.commit({0: [0, 2]})
+    assert cache.lengths[0] == 2
+
+
+def test_a_smaller_reservation_keeps_the_positions_reserved_before():
+    """reserve(0, 5) then reserve(0, 2): positions 0..4 stay writable (a verify after a larger scratch reservation)."""
+    cache = PagedKVCache(1, 1, 1, num_blocks=4, block_size=2)
+    cache.add(0)
+    cache.reserve(0, 5)
+    cache.reserve(0, 2)
+    assert cache.reserved[0] == 5
+    assert cache.slots(0, 0, 5).numel() == 5
+
+
+def test_adding_a_sequence_twice_is_refused_and_keeps_its_blocks():
+    cache = PagedKVCache(1, 1, 1, num_blocks=4, block_size=2)
+    cache.add(0)
+    cache.reserve(0, 3)  # 2 blocks of 2
+    with pytest.raises(ValueError, match="already in the cache"):
+        cache.add(0)
+    assert len(cache.block_tables[0]) == 2 and cache.num_free_blocks == 2 and cache.reserved[0] == 3
+
+
+def test_a_discarded_cache_holds_nothing_and_refuses_any_reservation():
+    cache = PagedKVCache(2, 1, 3, num_blocks=4, block_size=2)
+    cache.add(0)
+    cache.reserve(0, 3)
+    cache.discard()
+    assert cache.kv.shape == (2, 2, 0, 1, 3) and cache.num_free_blocks == 0 and cache.block_tables == {}
+    cache.add(1)
+    with pytest.raises(CacheFullError, match="0 of 0 are free"):
+        cache.reserve(1, 1)
+    assert cache.block_tables[1] == []
+
+
+def test_scratch_takes_only_the_blocks_left_once_every_sequence_holds_its_next_position():
+    """block_size 4, 4 blocks; sequences 0 and 1 hold 4 committed positions each (a block each), 2 blocks are free.
+    Each needs 2 blocks for its next position (5), so 2 + 2 - 4 = 0 blocks are left for scratch."""
+    cache = PagedKVCache(1, 1, 1, num_blocks=4, block_size=4)
+    for s in (0, 1):
+        cache.add(s)
+        cache.reserve(s, 4)
+        cache.commit({s: range(4)})
+    # sequence 1's 8 scratch positions reach position 11: blocks_for(12) = 3, one past the 2 it holds anyway;
+    # sequence 0 asking none gives back nothing of the block its next position needs
+    with pytest.raises(CacheFullError, match="for drafting"):
+        cache.reserve_scratch({0: 0, 1: 8})
+    assert [len(cache.block_tables[s]) for s in (0, 1)] == [1, 1] and cache.num_free_blocks == 2
+    cache.reserve_scratch({1: 4})  # positions 4..7: blocks_for(8) = 2, no block past the ones it needs: fits exactly
+    assert cache.slots(1, 4, 8).numel() == 4 and cache.num_free_blocks == 1
+    cache.reserve(0, 1)  # sequence 0's next position still has its block
+    assert cache.num_free_blocks == 0
+
+
+def test_copy_prefix_refuses_the_source_among_its_copies():
+    cache = PagedKVCache(1, 1, 1, num_blocks=4, block_size=2)
+    for s in (0, 1):
+        cache.add(s)
+    cache.reserve_many({0: 2, 1: 2})
+    with pytest.raises(ValueError, match="differ from 0"):
+        cache.copy_prefix(0, [1, 0], 2)
