@@ -155,3 +155,14 @@ def test_the_default_pool_holds_the_requests_worst_case_with_a_whole_tree():
     assert build_engine(prepare(model, [PROMPT], max_new_tokens=8)).cache.num_blocks == 3
     engine = build_engine(prepare(model, [PROMPT], drafter="ngram", max_new_tokens=8, speculation="always"))
     assert engine.cache.num_blocks == 7 and not engine.fit_free_blocks
+
+
+def test_the_worst_case_pool_counts_the_bonus_token_and_plain_decoding_does_not_count_the_last_token():
+    """8 new tokens, blocks of 4. Worst case of prompts of 8 and 3 tokens, no tree: 8 + 8 + 1 = 17 positions -> 5
+    blocks, 3 + 8 + 1 = 12 -> 3 blocks: 8; a tree of 4 nodes: 21 -> 6 and 16 -> 4 blocks: 10. Plain decoding never
+    runs the last new token; prompts of 9 and 3 tokens: 9 + 8 - 1 = 16 -> 4 blocks, 3 + 8 - 1 = 10 -> 3 blocks: 7."""
+    from specdec.kv_cache import blocks_needed
+
+    assert blocks_needed([8, 3], 8, 4, 0) == 8
+    assert blocks_needed([8, 3], 8, 4, 4) == 10
+    assert plain_blocks_needed([9, 3], 8, 4) == 7
