@@ -317,6 +317,14 @@ def test_available_memory_is_known_on_cpu():
     assert kv_cache.available_memory_bytes("meta") is None
 
 
+def test_available_memory_reads_meminfo_in_kib(monkeypatch, tmp_path):
+    """/proc/meminfo counts kB (KiB): MemAvailable 2048 kB is 2048 * 1024 = 2097152 bytes."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:        8192 kB\nMemFree:         1024 kB\nMemAvailable:    2048 kB\n")
+    monkeypatch.setattr(kv_cache, "open", lambda path, *a, **kw: open(meminfo, *a, **kw), raising=False)
+    assert kv_cache.available_memory_bytes("cpu") == 2097152
+
+
 def test_num_blocks_beyond_memory_is_refused_before_allocating(monkeypatch):
     def no_alloc(*args, **kwargs):
         raise AssertionError("the cache was allocated")
