@@ -251,6 +251,12 @@ def test_bad_inputs_are_named():
         tree_attention(case.q, case.k_cache, case.v_cache, meta, case.scale, num_splits=0)
 
 
+def test_a_block_table_filled_to_its_last_slot_is_taken():
+    """2 cached keys + 2 new tokens = 4 keys: exactly the one block of 4 (3 + 2 = 5 does not fit, see above)."""
+    meta = TreeAttentionMetadata.build([[0]], 4, [2], [2])
+    assert meta.ctx_lens.tolist() == [2] and meta.num_masked.tolist() == [2] and meta.q_lens.tolist() == [2]
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="half-precision kernels are checked natively on a GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_on_gpu(dtype):
