@@ -113,6 +113,14 @@ def test_commit_compaction_matches_reference(seed, monkeypatch):
     assert torch.equal(ref.kv, tri.kv)  # nothing else was touched either
 
 
+def test_compaction_refuses_unpaired_slots_and_moves_nothing():
+    kv = torch.arange(2 * 2 * 6 * 1 * 4, dtype=torch.float32, device=DEVICE).reshape(2, 2, 6, 1, 4)
+    before = kv.clone()
+    with pytest.raises(ValueError, match="equal length"):  # 3 sources, 2 destinations
+        compact_kv(kv, torch.tensor([3, 4, 5], device=DEVICE), torch.tensor([0, 1], device=DEVICE))
+    assert torch.equal(kv, before)
+
+
 def test_compaction_overlapping_pairs_in_order():
     # pair 0 reads slot 2 which pair 1 later overwrites: sequential order must read before writing
     kv = torch.arange(2 * 2 * 6 * 1 * 4, dtype=torch.float32, device=DEVICE).reshape(2, 2, 6, 1, 4)
