@@ -8,7 +8,7 @@ import logging
 import pytest
 
 import specdec
-from specdec.kv_cache import CacheFullError, plain_blocks_needed
+from specdec.kv_cache import CacheFullError, blocks_needed, plain_blocks_needed
 from specdec.testing import RandomTreeDrafter, build_tiny_model
 
 PROMPT = [5, 6, 7, 8] * 8  # 32 tokens: with 64 new ones, plain decoding holds 95 positions, 6 blocks of 16
@@ -161,8 +161,6 @@ def test_the_worst_case_pool_counts_the_bonus_token_and_plain_decoding_does_not_
     """8 new tokens, blocks of 4. Worst case of prompts of 8 and 3 tokens, no tree: 8 + 8 + 1 = 17 positions -> 5
     blocks, 3 + 8 + 1 = 12 -> 3 blocks: 8; a tree of 4 nodes: 21 -> 6 and 16 -> 4 blocks: 10. Plain decoding never
     runs the last new token; prompts of 9 and 3 tokens: 9 + 8 - 1 = 16 -> 4 blocks, 3 + 8 - 1 = 10 -> 3 blocks: 7."""
-    from specdec.kv_cache import blocks_needed
-
     assert blocks_needed([8, 3], 8, 4, 0) == 8
     assert blocks_needed([8, 3], 8, 4, 4) == 10
     assert plain_blocks_needed([9, 3], 8, 4) == 7

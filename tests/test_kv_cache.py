@@ -336,7 +336,7 @@ def test_a_discarded_cache_holds_nothing_and_refuses_any_reservation():
 
 def test_scratch_takes_only_the_blocks_left_once_every_sequence_holds_its_next_position():
     """block_size 4, 4 blocks; sequences 0 and 1 hold 4 committed positions each (a block each), 2 blocks are free.
-    Each needs 2 blocks for its next position (5), so 2 + 2 - 4 = 0 blocks are left for scratch."""
+    Each one's next position (its 5th) needs a second block, so both free blocks are spoken for: 0 left for scratch."""
     cache = PagedKVCache(1, 1, 1, num_blocks=4, block_size=4)
     for s in (0, 1):
         cache.add(s)
