@@ -478,3 +478,139 @@ def test_a_kept_batch_whose_answers_do_not_continue_their_prompts_is_generated_a
     monkeypatch.setattr(generate_module, "generate", answering)
     assert self_distill(loaded, prompts, **common) == [p + [1, 1] for p in prompts]
     assert calls == [2, 2]  # both batches generated again
+
+
+def _interrupted_before_any_batch(tmp_path, monkeypatch, prompts):
+    """A run (batch 2) stopped in its second batch: the cache key's partial file (its first batch's line, for the test
+    to overwrite), and a generate() that answers [1, 1] to every prompt from now on, recording each batch's size."""
+    import importlib
+    from types import SimpleNamespace
+
+    from specdec.train.distill import self_distill
+
+    from specdec.models.loader import load_model
+    from specdec.testing import build_tiny_model
+
+    generate_module = importlib.import_module("specdec.generate")
+    loaded = load_model(build_tiny_model(vocab_size=64))
+    common = dict(max_new_tokens=2, batch_size=2, progress=False, cache_dir=tmp_path)
+
+    def stopped(model, chunk, **kw):
+        if chunk[0] != prompts[0]:
+            raise KeyboardInterrupt
+        return SimpleNamespace(new_tokens=[[7, 7]] * len(chunk))
+
+    monkeypatch.setattr(generate_module, "generate", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        self_distill(loaded, prompts, **common)
+    (partial,) = tmp_path.glob("*.partial.jsonl")
+    calls = []
+    monkeypatch.setattr(generate_module, "generate", lambda model, chunk, **kw: calls.append(len(chunk))
+                        or SimpleNamespace(new_tokens=[[1, 1]] * len(chunk)))
+    return lambda: self_distill(loaded, prompts, **common), partial, calls, generate_module
+
+
+def test_a_kept_last_batch_that_ends_at_the_last_prompt_is_not_generated_again(tmp_path, monkeypatch):
+    """5 prompts, batch 2: batches at 0, 2 and 4 (one prompt, 4 + 1 = 5 = the prompt count). Kept batches 0 and 4
+    are used; only batch 2 is generated."""
+    prompts = [[2 + i, 3 + i, 4 + i] for i in range(5)]
+    run, partial, calls, _ = _interrupted_before_any_batch(tmp_path, monkeypatch, prompts)
+    partial.write_text("".join(json.dumps(dict(start=s, sequences=[p + [7, 7] for p in prompts[s : s + 2]])) + "\n"
+                               for s in (0, 4)))
+    assert run() == [p + [7, 7] for p in prompts[:2]] + [p + [1, 1] for p in prompts[2:4]] + [prompts[4] + [7, 7]]
+    assert calls == [2]
+
+
+@pytest.mark.parametrize("damaged", ["not json", json.dumps(dict(start=0, sequences=[[9, 9, 9, 1, 1]] * 2))])
+def test_every_kept_batch_after_a_damaged_line_is_generated_again(tmp_path, monkeypatch, damaged):
+    """A line that does not parse, or a record whose answers do not continue their prompts, is where the kept
+    answers end: the whole batch at 0 kept before it is used, the one at 2 after it generated again (4 prompts)."""
+    prompts = [[2 + i, 3 + i, 4 + i] for i in range(4)]
+    run, partial, calls, _ = _interrupted_before_any_batch(tmp_path, monkeypatch, prompts)
+    kept = [json.dumps(dict(start=s, sequences=[p + [7, 7] for p in prompts[s : s + 2]])) for s in (0, 2)]
+    partial.write_text("\n".join([kept[0], damaged, kept[1]]) + "\n")
+    assert run() == [p + [7, 7] for p in prompts[:2]] + [p + [1, 1] for p in prompts[2:]]
+    assert calls == [2]
+
+
+def test_batches_appended_after_a_line_cut_short_are_kept_for_the_next_run(tmp_path, monkeypatch):
+    """A kill cut the partial file's second line short; the next run rewrites the file to its whole lines before it
+    appends, so the batch it finishes before its own interrupt is a line a third run reads (6 prompts, batch 2)."""
+    prompts = [[2 + i, 3 + i, 4 + i] for i in range(6)]
+    run, partial, calls, generate_module = _interrupted_before_any_batch(tmp_path, monkeypatch, prompts)
+    partial.write_text(json.dumps(dict(start=0, sequences=[p + [7, 7] for p in prompts[:2]])) + '\n{"start": 2, "se')
+    answer = generate_module.generate
+
+    def stopped_at_the_second(model, chunk, **kw):
+        if calls:
+            raise KeyboardInterrupt
+        return answer(model, chunk, **kw)
+
+    monkeypatch.setattr(generate_module, "generate", stopped_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    assert [json.loads(line)["start"] for line in partial.read_text().splitlines()] == [0, 2]
+
+
+def test_a_process_with_a_cache_directory_of_its_own_leaves_no_partial_file_there(tmp_path, monkeypatch):
+    """Two processes, each its own cache directory (each node its own disk): each ends with the whole cache file
+    alone, process 1's partial file removed as process 0's is."""
+    import importlib
+    from types import SimpleNamespace
+
+    from specdec.train.distill import self_distill
+
+    from specdec.models.loader import load_model
+    from specdec.testing import build_tiny_model
+    from tests.thread_teams import run_as_team
+
+    monkeypatch.setattr(importlib.import_module("specdec.generate"), "generate",
+                        lambda model, chunk, **kw: SimpleNamespace(new_tokens=[[1, 1]] * len(chunk)))
+    loaded = load_model(build_tiny_model(vocab_size=64))
+    prompts = [[2 + i, 3 + i, 4 + i] for i in range(4)]
+    got = run_as_team(2, lambda team: self_distill(loaded, prompts, max_new_tokens=2, batch_size=2, progress=False,
+                                                   cache_dir=tmp_path / str(team.index), team=team))
+    assert got == [[p + [1, 1] for p in prompts]] * 2
+    files = [[p.name for p in (tmp_path / d).iterdir()] for d in ("0", "1")]
+    assert files[0] == files[1] and len(files[0]) == 1 and files[0][0].endswith(".json")
+
+
+def test_greedy_self_distillation_is_served_from_the_cache_whatever_the_temperature(tmp_path, monkeypatch):
+    """Greedy answers do not depend on the temperature: a rerun with another one is a cache hit, not generated."""
+    import importlib
+    from types import SimpleNamespace
+
+    from specdec.train.distill import self_distill
+
+    from specdec.models.loader import load_model
+    from specdec.testing import build_tiny_model
+
+    calls = []
+    monkeypatch.setattr(importlib.import_module("specdec.generate"), "generate", lambda model, chunk, **kw:
+                        calls.append(len(chunk)) or SimpleNamespace(new_tokens=[[1, 1]] * len(chunk)))
+    loaded = load_model(build_tiny_model(vocab_size=64))
+    common = dict(max_new_tokens=2, batch_size=2, progress=False, cache_dir=tmp_path)
+    first = self_distill(loaded, [[5, 6, 7], [8, 9]], temperature=1.0, **common)
+    assert self_distill(loaded, [[5, 6, 7], [8, 9]], temperature=0.5, **common) == first and calls == [2]
+
+
+def test_a_text_prompt_is_encoded_with_special_tokens_or_through_the_chat_template_with_the_reply_opened():
+    """Without a chat template: the tokenizer's ids with its special tokens (here a BOS, 1). With one: the template
+    applied to one user message with the generation prompt (here 9) that opens the assistant's reply."""
+    from specdec.train.distill import encode_prompt
+
+    class Plain:
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens):
+            return {"input_ids": [1] * add_special_tokens + [ord(c) for c in text]}
+
+    class Chat(Plain):
+        chat_template = "a template"
+
+        def apply_chat_template(self, messages, add_generation_prompt, return_dict):
+            assert messages == [{"role": "user", "content": "hi"}] and not return_dict
+            return [1] + [ord(c) for c in messages[0]["content"]] + [9] * add_generation_prompt
+
+    assert encode_prompt(Plain(), "hi") == [1, 104, 105]  # ord("h"), ord("i")
+    assert encode_prompt(Chat(), "hi") == [1, 104, 105, 9]
