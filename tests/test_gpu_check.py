@@ -429,3 +429,142 @@ def test_a_quick_e2e_step_leaves_out_the_static_cache(tmp_path, monkeypatch):
     assert bench_e2e_gpu.parse_args(["--skip-static"]).skip_static
     with pytest.raises(SystemExit):  # no transformers reference left
         bench_e2e_gpu.parse_args(["--skip-static", "--skip-dynamic"])
+
+
+def test_every_rehearsed_step_rehearses_alone_or_together():
+    """--rehearse takes any of acceptance, policy and speed: each alone, and all three in one call."""
+    check = _gpu_check()
+    for steps in ("policy", "acceptance,policy,speed"):
+        assert check.parse_args(["--steps", steps, "--rehearse"]).rehearse
+
+
+def test_a_step_starts_with_exactly_its_least_time_left_and_is_skipped_below(monkeypatch):
+    """STEP_MIN_S is the least a step starts with: graphs (35 s) runs with 35 s left, not with 20 s; env and speed
+    are never skipped by it (speed sizes its own budget)."""
+    check = _gpu_check()
+    monkeypatch.setattr(check, "time_left", lambda: 35.0)
+    assert check.starved("graphs") is None
+    monkeypatch.setattr(check, "time_left", lambda: 20.0)
+    assert check.starved("graphs") == dict(status="skipped", seconds=0.0,
+                                           why="20 s left (--deadline-s), 35 s needed")
+    assert check.starved("env") is None and check.starved("speed") is None
+    monkeypatch.setattr(check, "time_left", lambda: -7.0)  # past the deadline: no negative time in the report
+    assert check.starved("e2e")["why"] == "0 s left (--deadline-s), 90 s needed"
+
+
+def test_a_step_past_the_deadline_still_gets_a_second(tmp_path, monkeypatch):
+    """run()'s limit never falls under 1 s, however far past --deadline-s: a negative limit is no limit to run by."""
+    import time
+    from types import SimpleNamespace
+
+    check = _gpu_check()
+    limits = []
+    monkeypatch.setattr(check.subprocess, "run", lambda cmd, **kw: limits.append(kw["timeout"])
+                        or SimpleNamespace(returncode=0))
+    monkeypatch.setattr(check, "DEADLINE", [time.perf_counter() - 100])
+    assert check.run(["true"], tmp_path / "log", timeout=240)[0] == 0 and limits == [1.0]
+
+
+def test_junit_counts_an_error_as_failed_and_a_skip_as_skipped(tmp_path):
+    """A test erroring in setup is a failure of the GPU path, not a pass; its first message line is kept, cut at
+    300 characters."""
+    check = _gpu_check()
+    xml = tmp_path / "j.xml"
+    xml.write_text('<testsuites><testsuite>'
+                   '<testcase classname="t.a" name="ok"/>'
+                   '<testcase classname="t.a" name="bad"><failure message="assert 1 == 2&#10;more"/></testcase>'
+                   f'<testcase classname="t.b" name="setup"><error message="{"x" * 400}"/></testcase>'
+                   '<testcase classname="t.b" name="cpu"><skipped message="no cuda"/></testcase>'
+                   '</testsuite></testsuites>')
+    assert check.junit_summary(xml) == dict(passed=1, failed=2, skipped=1,
+                                            failures=["t.a::bad: assert 1 == 2", "t.b::setup: " + "x" * 300])
+    assert check.junit_summary(tmp_path / "none.xml") == dict(passed=0, failed=0, skipped=0, failures=[])
+
+
+def test_a_tests_step_fails_when_any_of_its_runs_fails_and_not_when_none_is_selected(tmp_path, monkeypatch):
+    """The tests step's two pytest runs: one failing fails the step, whichever ran last; pytest's exit 5 (-k
+    selected nothing) is no failure. The same for the kernels step's two sweeps."""
+    check = _gpu_check()
+    for codes, status in (((1, 0), "failed"), ((0, 1), "failed"), ((5, 0), "passed"), ((0, 0), "passed")):
+        left = list(codes)
+        monkeypatch.setattr(check, "run", lambda cmd, log, timeout, env=None, left=left: log.write_text("")
+                            or (left.pop(0), 1.0))
+        step = check.step_tests(tmp_path, workers=2, slow=False)
+        assert (list(step), step["status"]) == (["status", "kernels_and_graphs", "device_cuda"], status), codes
+
+    def sweep(cmd, log, timeout, env=None):
+        log.write_text("")
+        js = Path(cmd[cmd.index("--json") + 1])
+        if "--graph" in cmd:  # the graph sweep (the first) crashed, the eager one wrote its JSON
+            return 1, 1.0
+        js.write_text(json.dumps(dict(points=[])))
+        return 0, 1.0
+
+    monkeypatch.setattr(check, "run", sweep)
+    step = check.step_kernels(tmp_path)
+    assert step["status"] == "failed" and step["graph"]["points"] is None and step["eager"]["points"] == []
+
+
+def test_an_e2e_divergence_classified_a_bug_fails_the_step(tmp_path, monkeypatch):
+    """A near-tie is bf16 rounding; a bug is not: the e2e step fails on one even though its script exited 0."""
+    check = _gpu_check()
+    divergences = []
+
+    def fake_run(cmd, log, timeout, env=None):
+        log.write_text("")
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(dict(divergences={"specdec_plain": divergences})))
+        return 0, 1.0
+
+    monkeypatch.setattr(check, "run", fake_run)
+    divergences.append(dict(prompt=0, position=3, got=1, want=2, gap=0.001, kind="near-tie"))
+    assert check.step_e2e(tmp_path, "default", 1)["status"] == "passed"
+    divergences.append(dict(prompt=1, position=9, got=1, want=2, gap=3.5, kind="bug"))
+    step = check.step_e2e(tmp_path, "default", 1)
+    assert (step["status"], step["divergence_bugs"]) == ("failed", 1)
+
+
+def test_a_speed_run_whose_report_names_an_error_fails_the_step(tmp_path, monkeypatch):
+    """bench_speed_gpu.py exits 0 with a model that failed recorded in its JSON: the step fails and lists it."""
+    check = _gpu_check()
+
+    def fake_run(cmd, log, timeout, env=None):
+        log.write_text("")
+        models = [dict(model="synthetic:llama-3.1-8b", errors=["batch 32: out of memory"]), dict(model="default")]
+        (tmp_path / "speed.json").write_text(json.dumps(dict(models=models)))
+        return 0, 1.0
+
+    monkeypatch.setattr(check, "run", fake_run)
+    step = check.step_speed(tmp_path, rehearse=True, model="default")
+    assert (step["status"], step["errors"]) == ("failed", ["batch 32: out of memory"])
+
+
+def test_slow_tests_run_only_with_slow_and_each_run_has_its_own_limit(tmp_path, monkeypatch):
+    """--slow drops "-m not slow" from the device run and gives it 600 s instead of 240; the graphs step's kernel
+    run has 150 s (the rest of a 600 s call is the speed step's), the tests step's 240."""
+    check = _gpu_check()
+    seen = []
+    monkeypatch.setattr(check, "run", lambda cmd, log, timeout, env=None: seen.append((cmd, timeout)) or (0, 1.0))
+    check.step_tests(tmp_path, workers=2, slow=False)
+    check.step_tests(tmp_path, workers=2, slow=True)
+    check.step_tests(tmp_path, workers=2, slow=False, part="graphs")
+    limits = [timeout for _, timeout in seen]
+    assert limits == [240, 240, 240, 600, 150]
+    marks = [cmd[4:][cmd[4:].index("-m") + 1] if "-m" in cmd[4:] else None for cmd, _ in seen]  # after -m pytest
+    assert marks == [None, "not slow", None, None, None]
+
+
+def test_a_rehearsal_runs_small_on_the_cpu_whatever_the_deadline_leaves(tmp_path, monkeypatch):
+    """--rehearse: the acceptance suite with 1 prompt of 8 tokens on the CPU, and the speed step run with
+    --rehearse even where --deadline-s leaves under the 60 s a measured budget needs."""
+    import time
+
+    check = _gpu_check()
+    seen = []
+    monkeypatch.setattr(check, "run", lambda cmd, log, timeout, env=None: seen.append(cmd) or log.write_text("")
+                        or (1, 1.0))
+    check.step_acceptance(tmp_path, rehearse=True, model="default", prompts=4)
+    cmd = seen[-1]
+    assert [cmd[cmd.index(flag) + 1] for flag in ("--prompts", "--max-new-tokens", "--device")] == ["1", "8", "cpu"]
+    monkeypatch.setattr(check, "DEADLINE", [time.perf_counter() + 50])
+    check.step_speed(tmp_path, rehearse=True, model="default")
+    assert len(seen) == 2 and "--rehearse" in seen[-1] and "--budget" not in seen[-1]
