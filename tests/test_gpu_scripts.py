@@ -118,3 +118,22 @@ def test_the_docs_generators_refuse_an_unknown_argument(name, page, tmp_path, mo
         gen.main(["--help"])
     assert exit_.value.code == 0 and "--check" in capsys.readouterr().out
     assert not (tmp_path / "page.md").exists()
+
+
+def test_a_step_that_raises_is_reported_failed_and_the_steps_after_it_still_run(check, monkeypatch, tmp_path):
+    """A step's exception is its failure in the report, with what broke; the steps run in the order given, the
+    others still run, and the exit status says one failed."""
+    ran = _fake_commands(monkeypatch, check)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no GPU memory left")
+
+    monkeypatch.setattr(check, "step_e2e", broken)
+    out = tmp_path / "check"
+    assert check.main(["--steps", "graphs,e2e,env", "--out", str(out)]) == 1
+    report = json.loads((out / "report.json").read_text())
+    assert {name: s["status"] for name, s in report["steps"].items()} == dict(graphs="passed", e2e="failed",
+                                                                             env="passed")
+    assert list(report["steps"]) == ["graphs", "e2e", "env"] and len(ran) == 1
+    assert report["steps"]["e2e"]["error"] == "RuntimeError: no GPU memory left"
+    assert "RuntimeError: no GPU memory left" in (out / "report.md").read_text().split("### e2e")[1]
