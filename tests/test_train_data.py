@@ -1,11 +1,17 @@
 """Training data loading: JSONL text, chat messages, Parquet, saved datasets dirs, and clear errors."""
 from __future__ import annotations
 
+import importlib
 import json
+from types import SimpleNamespace
 
 import pytest
 from specdec.train.data import TrainDataError, load_texts, split_held_out, tokenize_texts
+from specdec.train.distill import self_distill
 from specdec.train.prompts import builtin_prompts
+
+from specdec.models.loader import load_model
+from specdec.testing import build_tiny_model
 
 pytest.importorskip("datasets")
 
@@ -197,13 +203,6 @@ def test_a_bad_jsonl_line_is_named_once(tmp_path, caplog):
 def test_an_interrupted_self_distillation_continues_from_its_finished_batches(tmp_path, monkeypatch):
     """Self-distillation kept nothing until its last batch, so a Ctrl-C or SIGTERM lost every generated answer;
     finished batches are kept now and a rerun generates only the rest: the same sequences as one whole run."""
-    import importlib
-
-    from specdec.train.distill import self_distill
-
-    from specdec.models.loader import load_model
-    from specdec.testing import build_tiny_model
-
     generate_module = importlib.import_module("specdec.generate")
     loaded = load_model(build_tiny_model(vocab_size=64))
     prompts = [[(7 * i + j) % 60 + 2 for j in range(3 + i % 4)] for i in range(7)]
@@ -231,11 +230,6 @@ def test_an_interrupted_self_distillation_continues_from_its_finished_batches(tm
 def _shared_distillation(cache_dir):
     """The shared self-distillation tests' data: a tiny model, 7 prompts (4 batches of 2), sampled with one seed,
     and one process's sequences for them (cached in ``cache_dir``)."""
-    from specdec.train.distill import self_distill
-
-    from specdec.models.loader import load_model
-    from specdec.testing import build_tiny_model
-
     loaded = load_model(build_tiny_model(vocab_size=64))
     prompts = [[(7 * i + j) % 60 + 2 for j in range(3 + i % 4)] for i in range(7)]
     kwargs = dict(max_new_tokens=4, batch_size=2, progress=False, do_sample=True, seed=5)
@@ -246,10 +240,7 @@ def test_processes_share_the_self_distillation_and_all_get_the_data_of_one(tmp_p
     """Several processes waited for the main one to self-distil alone, inside a collective that times out (10 min on
     NCCL). Each now generates every N-th batch, they exchange them round by round, and every process returns the
     sequences of one process: the same batches, a sampled one with the same seed, whoever generates it."""
-    import importlib
     import threading
-
-    from specdec.train.distill import self_distill
 
     from tests.thread_teams import run_as_team
 
@@ -277,10 +268,7 @@ def test_an_interrupted_shared_self_distillation_keeps_every_process_batches(tmp
     """An interrupt of a self-distillation several processes share keeps the batches each of them finished (each in
     its own partial file); a rerun with another number of processes generates only the rest, and processes whose
     caches are not one directory get the answers they lack from the others instead of generating them."""
-    import importlib
     import threading
-
-    from specdec.train.distill import self_distill
 
     from tests.thread_teams import run_as_team
 
@@ -319,15 +307,10 @@ def test_processes_that_distil_at_once_decode_with_the_main_ones_row_policy(tmp_
     and could choose another one (another rounding: greedy answers that part from one process's at near-ties). The
     first process now decides (measured here, or read from the cache) and the others take its policy. Threads stand
     in for processes, each with its own memory of policies, and a fake measurement differs by process."""
-    import importlib
     import threading
-
-    from specdec.train.distill import self_distill
 
     from specdec import cost_model
     from specdec.models import row_policy
-    from specdec.models.loader import load_model
-    from specdec.testing import build_tiny_model
     from tests.thread_teams import run_as_team
 
     class PerProcess:  # a module-level dict, one per thread: what each process holds on its own
@@ -382,10 +365,6 @@ def test_a_retrained_middle_layer_is_not_served_from_the_distillation_cache(tmp_
     """The self-distillation cache was keyed by sums of the first three and last two weights only: a target retrained
     in a middle layer got the old model's text back. Its key is now the model's content fingerprint."""
     import torch
-    from specdec.train.distill import self_distill
-
-    from specdec.models.loader import load_model
-    from specdec.testing import build_tiny_model
 
     loaded = load_model(build_tiny_model(vocab_size=64))
     kwargs = dict(max_new_tokens=3, batch_size=2, progress=False, cache_dir=tmp_path)
@@ -412,14 +391,6 @@ def test_sampled_self_distillation_is_cached_per_batch_size_and_seeds_each_batch
     """Sampled, a batch's seed is seed + its first prompt's index (5 prompts, batch 2, seed 5: batches at 0, 2, 4
     draw with seeds 5, 7, 9), so another batch size samples other answers: its own cache entry, not the first
     one's. Greedy answers do not depend on the batch: one entry serves every size."""
-    import importlib
-    from types import SimpleNamespace
-
-    from specdec.train.distill import self_distill
-
-    from specdec.models.loader import load_model
-    from specdec.testing import build_tiny_model
-
     generate_module = importlib.import_module("specdec.generate")
     loaded = load_model(build_tiny_model(vocab_size=64))
     prompts = [[2 + i, 3 + i, 4 + i] for i in range(5)]
@@ -444,14 +415,6 @@ def test_sampled_self_distillation_is_cached_per_batch_size_and_seeds_each_batch
 def test_a_kept_batch_whose_answers_do_not_continue_their_prompts_is_generated_again(tmp_path, monkeypatch):
     """An interrupted run's partial file is trusted only where each sequence starts with its own prompt: a
     record that does not (a damaged line that still parses) and everything after it is generated again."""
-    import importlib
-    from types import SimpleNamespace
-
-    from specdec.train.distill import self_distill
-
-    from specdec.models.loader import load_model
-    from specdec.testing import build_tiny_model
-
     generate_module = importlib.import_module("specdec.generate")
     loaded = load_model(build_tiny_model(vocab_size=64))
     prompts = [[2 + i, 3 + i, 4 + i] for i in range(4)]
@@ -480,17 +443,9 @@ def test_a_kept_batch_whose_answers_do_not_continue_their_prompts_is_generated_a
     assert calls == [2, 2]  # both batches generated again
 
 
-def _interrupted_before_any_batch(tmp_path, monkeypatch, prompts):
+def _interrupted_in_its_second_batch(tmp_path, monkeypatch, prompts):
     """A run (batch 2) stopped in its second batch: the cache key's partial file (its first batch's line, for the test
     to overwrite), and a generate() that answers [1, 1] to every prompt from now on, recording each batch's size."""
-    import importlib
-    from types import SimpleNamespace
-
-    from specdec.train.distill import self_distill
-
-    from specdec.models.loader import load_model
-    from specdec.testing import build_tiny_model
-
     generate_module = importlib.import_module("specdec.generate")
     loaded = load_model(build_tiny_model(vocab_size=64))
     common = dict(max_new_tokens=2, batch_size=2, progress=False, cache_dir=tmp_path)
@@ -514,7 +469,7 @@ def test_a_kept_last_batch_that_ends_at_the_last_prompt_is_not_generated_again(t
     """5 prompts, batch 2: batches at 0, 2 and 4 (one prompt, 4 + 1 = 5 = the prompt count). Kept batches 0 and 4
     are used; only batch 2 is generated."""
     prompts = [[2 + i, 3 + i, 4 + i] for i in range(5)]
-    run, partial, calls, _ = _interrupted_before_any_batch(tmp_path, monkeypatch, prompts)
+    run, partial, calls, _ = _interrupted_in_its_second_batch(tmp_path, monkeypatch, prompts)
     partial.write_text("".join(json.dumps(dict(start=s, sequences=[p + [7, 7] for p in prompts[s : s + 2]])) + "\n"
                                for s in (0, 4)))
     assert run() == [p + [7, 7] for p in prompts[:2]] + [p + [1, 1] for p in prompts[2:4]] + [prompts[4] + [7, 7]]
@@ -526,7 +481,7 @@ def test_every_kept_batch_after_a_damaged_line_is_generated_again(tmp_path, monk
     """A line that does not parse, or a record whose answers do not continue their prompts, is where the kept
     answers end: the whole batch at 0 kept before it is used, the one at 2 after it generated again (4 prompts)."""
     prompts = [[2 + i, 3 + i, 4 + i] for i in range(4)]
-    run, partial, calls, _ = _interrupted_before_any_batch(tmp_path, monkeypatch, prompts)
+    run, partial, calls, _ = _interrupted_in_its_second_batch(tmp_path, monkeypatch, prompts)
     kept = [json.dumps(dict(start=s, sequences=[p + [7, 7] for p in prompts[s : s + 2]])) for s in (0, 2)]
     partial.write_text("\n".join([kept[0], damaged, kept[1]]) + "\n")
     assert run() == [p + [7, 7] for p in prompts[:2]] + [p + [1, 1] for p in prompts[2:]]
@@ -537,7 +492,7 @@ def test_batches_appended_after_a_line_cut_short_are_kept_for_the_next_run(tmp_p
     """A kill cut the partial file's second line short; the next run rewrites the file to its whole lines before it
     appends, so the batch it finishes before its own interrupt is a line a third run reads (6 prompts, batch 2)."""
     prompts = [[2 + i, 3 + i, 4 + i] for i in range(6)]
-    run, partial, calls, generate_module = _interrupted_before_any_batch(tmp_path, monkeypatch, prompts)
+    run, partial, calls, generate_module = _interrupted_in_its_second_batch(tmp_path, monkeypatch, prompts)
     partial.write_text(json.dumps(dict(start=0, sequences=[p + [7, 7] for p in prompts[:2]])) + '\n{"start": 2, "se')
     answer = generate_module.generate
 
@@ -555,13 +510,6 @@ def test_batches_appended_after_a_line_cut_short_are_kept_for_the_next_run(tmp_p
 def test_a_process_with_a_cache_directory_of_its_own_leaves_no_partial_file_there(tmp_path, monkeypatch):
     """Two processes, each its own cache directory (each node its own disk): each ends with the whole cache file
     alone, process 1's partial file removed as process 0's is."""
-    import importlib
-    from types import SimpleNamespace
-
-    from specdec.train.distill import self_distill
-
-    from specdec.models.loader import load_model
-    from specdec.testing import build_tiny_model
     from tests.thread_teams import run_as_team
 
     monkeypatch.setattr(importlib.import_module("specdec.generate"), "generate",
@@ -577,14 +525,6 @@ def test_a_process_with_a_cache_directory_of_its_own_leaves_no_partial_file_ther
 
 def test_greedy_self_distillation_is_served_from_the_cache_whatever_the_temperature(tmp_path, monkeypatch):
     """Greedy answers do not depend on the temperature: a rerun with another one is a cache hit, not generated."""
-    import importlib
-    from types import SimpleNamespace
-
-    from specdec.train.distill import self_distill
-
-    from specdec.models.loader import load_model
-    from specdec.testing import build_tiny_model
-
     calls = []
     monkeypatch.setattr(importlib.import_module("specdec.generate"), "generate", lambda model, chunk, **kw:
                         calls.append(len(chunk)) or SimpleNamespace(new_tokens=[[1, 1]] * len(chunk)))
