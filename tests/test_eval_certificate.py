@@ -1083,3 +1083,37 @@ def test_the_sampled_row_warns_when_drafts_were_almost_never_accepted_or_power_i
     assert "power" in weak and "--sample-sequences" in weak
     assert len(warned(drafted=0.01, power=0.5)) == 2
     assert warned("always_accept", drafted=0.01, power=0.5) == []
+
+
+def test_two_sample_chi2_pools_a_rare_outcome_with_the_least_likely_common_one():
+    """200 draws against 20: an outcome's expected count in the smaller sample is its total x 20 / 220. w (12 + 0
+    draws) expects 1.09 there, so it pools with the least likely common outcome, x (103 x 20 / 220 = 9.36 against
+    y's 9.55): the table is y [95, 10] against x + w [105, 10], df 1, effective size 200 x 20 / 220 = 18.18."""
+    from scipy import stats
+    from specdec.eval.statistics import detectable_tv
+    from specdec.eval.two_sample import two_sample_chi2
+
+    a = ["x"] * 93 + ["y"] * 95 + ["w"] * 12
+    b = ["x"] * 10 + ["y"] * 10
+    test = two_sample_chi2(a, b, tv=0.1, alpha=0.05)
+    assert test.p_value == pytest.approx(stats.chi2_contingency([[95, 105], [10, 10]])[1])
+    assert test.detects_tv == pytest.approx(detectable_tv(200 * 20 / 220, 0.05, 1))
+
+
+def test_two_sample_chi2_never_pools_its_last_common_bin():
+    """x (200 draws) and w (4 draws, expecting 2 per sample): pooling x into the rare bin too would leave one bin
+    that tests nothing; kept apart, a side that never draws w is compared (df 1)."""
+    from specdec.eval.two_sample import two_sample_chi2
+
+    test = two_sample_chi2(["x"] * 100, ["x"] * 96 + ["w"] * 4, tv=0.1, alpha=0.05)
+    assert test.detects_tv is not None and test.p_value < 1.0
+
+
+def test_two_sample_chi2_keeps_bins_expecting_exactly_five_draws():
+    """50 draws a side, x 40 + 40, z 5 + 5, v 5 + 5: z and v each expect (5 + 5) x 50 / 100 = 5 per side, enough to
+    stay bins of their own: df 2 at the effective size 50 x 50 / 100 = 25."""
+    from specdec.eval.statistics import detectable_tv
+    from specdec.eval.two_sample import two_sample_chi2
+
+    a = ["x"] * 40 + ["z"] * 5 + ["v"] * 5
+    assert two_sample_chi2(a, list(a), tv=0.1, alpha=0.05).detects_tv == pytest.approx(detectable_tv(25, 0.05, 2))
