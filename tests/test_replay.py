@@ -506,3 +506,17 @@ def test_an_earlier_record_is_replaced_only_with_overwrite_and_a_folder_never(tm
     for overwrite in (False, True):
         with pytest.raises(InputError, match=f"^--out {folder} is a directory; name the record file to write$"):
             check_record_path(folder, overwrite=overwrite)
+
+
+def test_calibration_keeps_the_most_frequent_step_sizes():
+    """20 tree sizes, n nodes verified by n + 1 steps (n = 0..19): past the 16-size limit the 15 beside plain's 1
+    are the most frequent, 19 down to 5 nodes, query sizes 20 down to 6 (the mean, 0 nodes, is plain's 1)."""
+    assert calibration_sizes([n + 1 for n in range(20)], 0.0) == [1, *range(6, 21)]
+
+
+def test_a_cell_whose_steps_cost_nothing_has_no_prediction():
+    """No drafting and a verify timed at 0 s: the speedup's denominator, 0 + 0, prices nothing, so no prediction
+    (not a division by zero)."""
+    cell = _batched_cell(0.0, [0, 20], [])
+    cell.calibration = [{"query_tokens": 2, "plain_seconds": 1.0, "verify_seconds": 0.0}]
+    assert predicted_speedup(cell) is None
