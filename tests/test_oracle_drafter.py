@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
+from specdec.drafters.base import SequenceView
 from specdec.eval.oracle_drafter import AcceptanceProfile, OracleDrafter, reference_continuations
 
 from specdec.errors import InputError
@@ -150,8 +152,6 @@ def test_references_of_a_tensor_batch_are_keyed_by_ints_and_an_unknown_prompt_is
 
 def _attached(reference, profile, seed=0):
     """An oracle attached to a stand-in target of 50 tokens, knowing ``reference`` as the continuation of [1, 2]."""
-    from types import SimpleNamespace
-
     oracle = OracleDrafter({(1, 2): reference}, profile, seed=seed)
     oracle.attach(SimpleNamespace(runner=SimpleNamespace(shape=SimpleNamespace(vocab_size=50))))
     return oracle
@@ -161,8 +161,6 @@ def test_a_missed_depth_never_proposes_the_reference_token():
     """Rate 0, width 2, after root 10 of the reference 10, 11, 12, 13: depth 1 wants 11 and proposes 11 + 1 and
     11 + 2; depth 2 (under a wrong child) wants 12 and proposes 13 and 14. The root's successor (11) is the
     reference token here, so a wrong token counted from the root would be accepted."""
-    from specdec.drafters.base import SequenceView
-
     oracle = _attached([10, 11, 12, 13], AcceptanceProfile.constant(0.0, 2, width=2))
     tree = oracle.propose([SequenceView(0, [1, 2, 10], 2)])[0]
     assert tree.tokens.tolist() == [12, 13, 13, 14] and tree.parents.tolist() == [-1, -1, 0, 0]
@@ -172,8 +170,6 @@ def test_the_last_reference_tokens_are_proposed_and_none_past_them():
     """Rate 1, width 2, the reference 10, 11, 12, 13 with 10 and 11 committed: depth 1 proposes 12 (and 12 + 2),
     depth 2 the reference's last token 13 (and 13 + 2). With all four committed there is nothing to know: both depths
     propose the root 13 + 1, 13 + 2."""
-    from specdec.drafters.base import SequenceView
-
     oracle = _attached([10, 11, 12, 13], AcceptanceProfile.constant(1.0, 2, width=2))
     assert oracle.propose([SequenceView(0, [1, 2, 10, 11], 2)])[0].tokens.tolist() == [12, 14, 13, 15]
     assert oracle.propose([SequenceView(0, [1, 2, 10, 11, 12, 13], 2)])[0].tokens.tolist() == [14, 15, 14, 15]
@@ -182,8 +178,6 @@ def test_the_last_reference_tokens_are_proposed_and_none_past_them():
 def test_hits_are_stratified_per_depth_among_the_steps_that_reach_it():
     """Rates 0.5 and 0.5 over 100 steps at one position: depth 1 holds the reference in floor(u + 100 x 0.5) = 50
     trees exactly, and depth 2, tried only under those, in floor(u' + 50 x 0.5) = 25 of them (u, u' in [0, 1))."""
-    from specdec.drafters.base import SequenceView
-
     oracle = _attached(list(range(10, 20)), AcceptanceProfile.constant(0.5, 2), seed=3)
     trees = [oracle.propose([SequenceView(0, [1, 2, 10], 2)])[0].tokens.tolist() for _ in range(100)]
     first = [t for t in trees if t[0] == 11]

@@ -10,9 +10,17 @@ probability moved from one half of the law to the other) must be detected with p
 from __future__ import annotations
 
 import pytest
+from scipy import stats
 from specdec.eval.exact_law import SyntheticCase, step_law
 from specdec.eval.negative_controls import BROKEN_RULES
-from specdec.eval.statistics import acceptance_rate_test, chain_tau_test, goodness_of_fit, holm, run_sampler
+from specdec.eval.statistics import (
+    acceptance_rate_test,
+    chain_tau_test,
+    goodness_of_fit,
+    holm,
+    run_sampler,
+    total_variation_bound,
+)
 
 from specdec.rejection import EXACT
 from specdec.sampling import SamplingConfig
@@ -109,8 +117,6 @@ def test_the_tv_upper_bound_covers_the_true_tv():
     gave 0.155 and no test noticed."""
     import random
 
-    from specdec.eval.statistics import total_variation_bound
-
     law = {0: 0.5, 1: 0.5}
     rng = random.Random(0)
     for n in (500, 20_000):
@@ -123,8 +129,6 @@ def test_goodness_of_fit_reports_the_power_and_detectable_tv_of_its_degrees_of_f
     """Two equal bins of 50 draws: df 1, noncentrality 4 n tv^2 = 4 at tv 0.1, so at level 0.05 (critical |Z| 1.96)
     the power is P(|Z + 2| > 1.96) = Phi(0.04) + Phi(-3.96) = 0.5160; power 0.9 needs sqrt(lambda) = 1.96 + 1.2816,
     a TV of 3.2416 / (2 sqrt(100)) = 0.1621."""
-    from specdec.eval.statistics import goodness_of_fit
-
     fit = goodness_of_fit(["a", "b"] * 50, {"a": 0.5, "b": 0.5}, tv=0.1, alpha=0.05)
     assert fit.p_value == pytest.approx(1.0)
     assert fit.power == pytest.approx(0.5160, abs=1e-3)
@@ -135,9 +139,6 @@ def test_goodness_of_fit_reports_the_power_and_detectable_tv_of_its_degrees_of_f
 def test_goodness_of_fit_keeps_a_bin_expecting_exactly_five_draws():
     """Expected 50, 30, 15, 5 of 100 draws: every outcome is its own bin (5 is enough), df 3. Observed 50, 30, 10,
     10: chi2 = 25 / 15 + 25 / 5 = 6.667 on 3 df."""
-    from scipy import stats
-    from specdec.eval.statistics import goodness_of_fit
-
     samples = ["a"] * 50 + ["b"] * 30 + ["c"] * 10 + ["d"] * 10
     fit = goodness_of_fit(samples, {"a": 0.5, "b": 0.3, "c": 0.15, "d": 0.05}, tv=0.1, alpha=0.05)
     assert fit.p_value == pytest.approx(stats.chi2.sf(25 / 15 + 25 / 5, 3))
@@ -147,8 +148,6 @@ def test_goodness_of_fit_pools_a_rare_outcome_with_the_least_likely_common_one()
     """Expected 50, 49, 1 of 100: the rare bin expects under 5, so the least likely common outcome (b) joins it:
     bins a (50 expected) and b + c (50 expected). Observed 50 and 45 + 5 = 50 fit exactly (p 1), although c drew
     five times its expectation (unpooled, (5 - 1)^2 / 1 = 16 alone)."""
-    from specdec.eval.statistics import goodness_of_fit
-
     samples = ["a"] * 50 + ["b"] * 45 + ["c"] * 5
     assert goodness_of_fit(samples, {"a": 0.5, "b": 0.49, "c": 0.01}, 0.1, 0.05).p_value == pytest.approx(1.0)
 
@@ -156,8 +155,6 @@ def test_goodness_of_fit_pools_a_rare_outcome_with_the_least_likely_common_one()
 def test_goodness_of_fit_never_pools_its_last_common_bin():
     """Expected 76, 2.4, 1.6 of 80: the pooled rare bin expects 4, but pooling the one common outcome too would
     leave a single bin that tests nothing. A sampler drawing only the rare outcomes (0 against 76 expected) fails."""
-    from specdec.eval.statistics import goodness_of_fit
-
     fit = goodness_of_fit(["b"] * 80, {"a": 0.95, "b": 0.03, "c": 0.02}, 0.1, 0.05)
     assert fit.p_value < 1e-10 and fit.detects_tv is not None
 
@@ -172,6 +169,4 @@ def test_holm_steps_down_to_a_larger_level_after_each_rejection():
 def test_the_tv_bound_adds_the_bretagnolle_huber_carol_slack():
     """400 of 500 draws on one of two equally likely outcomes: empirical TV 0.3, slack at 99% over 2 outcomes
     sqrt((2 ln 2 + ln 100) / (2 * 500)) = sqrt(5.9915 / 1000) = 0.07740."""
-    from specdec.eval.statistics import total_variation_bound
-
     assert total_variation_bound([0] * 400 + [1] * 100, {0: 0.5, 1: 0.5}) == pytest.approx(0.3 + 0.07740, abs=1e-4)
