@@ -5,7 +5,7 @@
 
 At the first position where speculative and plain greedy output differ, the target's
 logits for the common prefix are recomputed with the transformers model (an implementation
-independent of specdec's runner): if both emitted tokens lie within ``near_tie`` of the top
+independent of specdec's runner): if both emitted tokens lie less than ``near_tie`` below the top
 logit there, the divergence is classified ``numerical near-tie`` (float rounding picked the
 other of two equal candidates); otherwise it is a ``real mismatch``, i.e. a bug (a token far
 below the top is one even where the top two are tied). Under coupled sampling

@@ -162,6 +162,22 @@ def test_a_side_that_stops_earlier_is_a_real_mismatch_at_its_first_missing_token
     assert res.tokens_compared == 5 + 8
 
 
+def test_a_gap_of_exactly_the_near_tie_margin_is_a_real_mismatch():
+    """Near-tie means strictly less than ``near_tie`` below the top logit. Logits 1.0, 0.75, 0.5, margin 0.5
+    (exact in binary): token 1 is 0.25 below the top (a near-tie), token 2 exactly 0.5 (a real mismatch)."""
+    from types import SimpleNamespace
+
+    class Fixed:
+        device = torch.device("cpu")
+
+        def __call__(self, ids):
+            return SimpleNamespace(logits=torch.tensor([[[1.0, 0.75, 0.5]]]))
+
+    assert diagnose(Fixed(), [0], 0, 0, 0, 1, near_tie=0.5).kind == "numerical near-tie"
+    last = diagnose(Fixed(), [0], 0, 0, 0, 2, near_tie=0.5)
+    assert (last.gap, last.kind) == (0.5, "real mismatch")
+
+
 def test_a_divergence_is_diagnosed_on_the_logits_after_the_common_prefix():
     """The logits diagnosed are the target's for the token at the divergence: after the prompt and the new tokens
     both sides share, not one token more or less."""
