@@ -257,6 +257,44 @@ def test_a_block_table_filled_to_its_last_slot_is_taken():
     assert meta.ctx_lens.tolist() == [2] and meta.num_masked.tolist() == [2] and meta.q_lens.tolist() == [2]
 
 
+def test_a_causal_mask_wider_than_64_tokens_stays_causal():
+    """A lower-triangular mask over more than 64 new tokens (a long prefill given as a mask) is the causal run it
+    describes: no ancestor bits, every new token masked after the cached keys. Read as a tree it would need 99 bits
+    after its first column (the only one every query sees) and be refused."""
+    mask = torch.ones(100, 100, dtype=torch.bool).tril()
+    meta = TreeAttentionMetadata.build([list(range(26))], 4, [3], [mask])  # 3 + 100 keys in 26 blocks of 4
+    assert meta.tree_mode.tolist() == [0] and meta.ctx_lens.tolist() == [3] and meta.num_masked.tolist() == [100]
+    assert not meta.q_bits.any()
+
+
+def test_launch_config_tiles_keep_16_to_128_rows_as_documented():
+    """BLOCK_M = BLOCK_Q * GROUP_PAD rows, at least 16 (the dots' smallest M), at most 128 in 16 bits up to head_dim
+    256 (only wider heads, over 256, take 32-row tiles); float32 on a GPU runs its 32-row tiles on 8 warps."""
+    def rows(group, head_dim, max_new, dtype, gpu=True):
+        cfg = ta.launch_config(group, head_dim, max_new, dtype, gpu)
+        return cfg["BLOCK_Q"] * cfg["GROUP_PAD"]
+
+    assert rows(1, 64, 1, torch.float16) == 16  # a decode's one token: BLOCK_Q = 16 // 1 = 16
+    assert ta.launch_config(4, 64, 1, torch.float16)["BLOCK_Q"] == 4  # 16 // GROUP_PAD 4 = 4 tokens, 16 rows
+    assert rows(1, 256, 65, torch.float16) == 128  # next_power_of_2(65) = 128 tokens, the 16-bit cap of 128
+    assert rows(1, 512, 65, torch.float16) == 32  # block_d 512 > 256: 32 rows
+    assert ta.launch_config(1, 128, 32, torch.float32, gpu=True)["num_warps"] == 8  # 32 rows: 8 warps
+    assert ta.launch_config(1, 128, 1, torch.float32, gpu=True)["num_warps"] == 4  # 16 rows: 4 warps
+
+
+def test_a_split_tile_of_exactly_the_in_kernel_limit_merges_in_the_kernel():
+    """MERGE_IN_KERNEL_MAX is the most elements (rows x BLOCK_D) a split tile may have and still merge its own
+    parts: a tile of exactly that many takes no second launch, one of twice as many does."""
+    # 32 causal tokens, group 1, head_dim 128, float32 off a GPU: BLOCK_Q = min(32, 64) = 32 rows, 32 x 128 = 4096
+    meta = TreeAttentionMetadata.build([list(range(16))], 4, [20], [32])
+    plan = ta._launch_plan(meta, 1, 1, 128, torch.zeros(32, 1, 128), 2, None)
+    assert plan.cfg["BLOCK_Q"] * plan.cfg["BLOCK_D"] == 4096 == ta.MERGE_IN_KERNEL_MAX
+    assert plan.split and plan.merge_in_kernel
+    # 33 tokens: next_power_of_2(33) = 64 rows x 128 = 8192 > 4096
+    meta = TreeAttentionMetadata.build([list(range(16))], 4, [20], [33])
+    assert not ta._launch_plan(meta, 1, 1, 128, torch.zeros(33, 1, 128), 2, None).merge_in_kernel
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="half-precision kernels are checked natively on a GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_on_gpu(dtype):
