@@ -19,7 +19,15 @@ import weakref  # noqa: E402
 import torch  # noqa: E402
 from specdec.drafters.base import Drafter  # noqa: E402
 
-from specdec.cuda_graphs import GraphConfig, GraphedForward, auto_uses_graphs, model_graphs, release_model_graphs  # noqa: E402
+from specdec.attention import BatchBuilder  # noqa: E402
+from specdec.cuda_graphs import (  # noqa: E402
+    GraphConfig,
+    GraphedForward,
+    auto_uses_graphs,
+    current_model_graphs,
+    model_graphs,
+    release_model_graphs,
+)
 from specdec.engine import Engine  # noqa: E402
 from specdec.errors import InputError, InputTypeError  # noqa: E402
 from specdec.generate import generate  # noqa: E402
@@ -317,6 +325,82 @@ def test_steps_outside_every_bucket_fall_back(loaded, caplog):
     said = [r for r in caplog.records if "fits no CUDA-graph bucket" in r.getMessage()]
     assert len(said) == 1 and "(at most 1 x 2" in said[0].getMessage()  # once, not at every such step
     assert cache.num_free_blocks < cache.num_blocks  # the scratch block stays reserved
+
+
+def _decode_step(cache, token: int):
+    """A one-token step of sequence 0 over 3 cached keys (random K/V: the cache's memory may hold NaN)."""
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(0)).to(cache.kv))
+    cache.add(0)
+    cache.reserve(0, 4)
+    builder = BatchBuilder(cache, cache.kv.device)
+    builder.add(0, [token], [3], num_keys=4, num_visible=3)
+    return builder.build()
+
+
+def test_a_step_of_exactly_the_buckets_keys_fits_and_one_more_does_not(loaded):
+    graphed = GraphedForward(loaded.runner, make_cache(loaded.runner), GraphConfig(capture=CAPTURE))
+    assert graphed.fits(1, 1, graphed.max_keys) and not graphed.fits(1, 1, graphed.max_keys + 1)
+
+
+def test_a_prompt_of_exactly_the_buckets_keys_is_prefilled_in_chunks(loaded):
+    # 32 blocks of 4: max_keys = 128 (the tiny model's positions reach further), 128 / 64 = 2 chunks
+    graphed = GraphedForward(loaded.runner, make_cache(loaded.runner, blocks=32), GraphConfig(capture=CAPTURE))
+    assert graphed.max_keys == 128
+    assert graphed.prefill_chunk([128]) == 64 and graphed.prefill_chunk([129]) is None
+
+
+def test_token_ids_past_the_vocabulary_run_as_the_last_id(loaded):
+    """A drafter's device token ids past the vocabulary (a row with no law) are clamped to the last id, VOCAB - 1:
+    the same logits as the step given that id, not an embedding read out of range."""
+    runner = loaded.runner
+    graphed = GraphedForward(runner, make_cache(runner), GraphConfig(batch_sizes=(1,), tokens_per_seq=(1,),
+                                                                     capture=CAPTURE))
+    batch = _decode_step(graphed.cache, VOCAB - 1)
+    want = graphed(batch).logits.clone()
+    assert want.isfinite().all()
+    for past in (VOCAB, VOCAB + 7):
+        got = graphed(batch, token_ids=torch.tensor([past], device=runner.device))
+        assert torch.equal(got.logits, want)
+
+
+def test_an_eager_step_after_a_failed_capture_is_not_reported_again(loaded, caplog):
+    """After a failed capture (warned then) every step runs eagerly: no info line that a step fits no bucket."""
+    graphed = GraphedForward(loaded.runner, make_cache(loaded.runner), GraphConfig(capture=CAPTURE))
+    graphed.failed = True
+    with caplog.at_level(logging.DEBUG, logger="specdec.cuda_graphs"):
+        assert graphed(_decode_step(graphed.cache, 5)) is None
+    assert not caplog.records
+
+
+def test_a_models_graph_cache_counts_the_scratch_block_against_what_fits(loaded):
+    """model_graphs asks check_fits for the request's blocks plus the scratch slot's: 5 blocks need 6."""
+    release_model_graphs(loaded)
+    asked = []
+
+    def check_fits(blocks):
+        asked.append(blocks)
+        if blocks > 5:
+            raise CacheFullError("too big")
+
+    with pytest.raises(CacheFullError):
+        model_graphs(loaded.runner, 16, 5, check_fits, config=GraphConfig(capture=CAPTURE))
+    assert asked == [6] and current_model_graphs(loaded.runner) is None
+
+
+def test_a_graphed_forwards_cache_serves_a_request_needing_exactly_its_free_blocks(loaded):
+    # max_tokens 64 in blocks of 16: 4 blocks + the scratch block, 4 free
+    graphed = GraphedForward.with_cache(loaded.runner, 64, 16, GraphConfig(capture=CAPTURE))
+    assert graphed.cache_for(loaded.runner, 16, 4) is graphed.cache
+    with pytest.raises(InputError, match="may need 5 KV blocks"):
+        graphed.cache_for(loaded.runner, 16, 5)
+
+
+def test_releasing_a_model_frees_its_draft_graph_cache_too(loaded):
+    release_model_graphs(loaded)
+    draft = model_graphs(loaded.runner, 16, 2, config=GraphConfig(capture=CAPTURE), role="draft")
+    assert current_model_graphs(loaded.runner) is None and current_model_graphs(loaded.runner, "draft") is draft
+    assert release_model_graphs(loaded)  # it had one: as a draft model
+    assert current_model_graphs(loaded.runner, "draft") is None and draft.discarded and draft.cache.kv.numel() == 0
 
 
 def test_a_failed_capture_falls_back_to_eager_forwards(loaded, monkeypatch, caplog):
