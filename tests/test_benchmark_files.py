@@ -8,7 +8,7 @@ import json
 import shutil
 
 import pytest
-from specdec.eval.acceptance import SuiteConfig, cell_path
+from specdec.eval.acceptance import Cell, SuiteConfig, cell_path
 from specdec.eval.conversations import cell_turns, chat_codec, run_conversations
 from specdec.eval.prompt_files import Conversation, per_category, read_prompt_file
 from specdec.eval.report import markdown
@@ -162,6 +162,8 @@ def test_second_turns_are_built_from_the_models_own_first_answer(loaded, finishe
     for name in names:  # greedy: every drafter's tokens are plain's, turn by turn
         assert cells["ngram", name].output_sha256 == cells["plain", name].output_sha256
         assert cells["plain", name].prompts == 1 and cells["plain", name].new_tokens == 8
+    # a conversation's last turn has no next turn to answer for: no answer is decoded for it
+    assert [[t["answer"] is None for t in r["turns"]] for r in shown] == [[False, True], [False, True], [True], [True]]
 
 
 def test_report_groups_mt_bench_and_lists_its_categories(finished):
@@ -189,8 +191,6 @@ def test_report_groups_mt_bench_and_lists_its_categories(finished):
 def test_a_merged_row_lists_each_of_its_categories_once():
     """Hand-built cells: writing's two turns (10 tokens / 5 steps, 6 / 3) and a one-turn roleplay (4 / 4). writing
     merges to 16 / 8 = tau 2.0, mt_bench to 20 / 12; mt_bench and overall list writing once, not once per turn."""
-    from specdec.eval.acceptance import Cell
-
     turns = {"writing.turn1": ("writing", 1), "writing.turn2": ("writing", 2), "roleplay": ("roleplay", 1)}
     sizes = {"writing.turn1": (10, 5), "writing.turn2": (6, 3), "roleplay": (4, 4)}
     cells = {("plain", n): Cell("plain", n, prompts=1, new_tokens=t, steps=s) for n, (t, s) in sizes.items()}
@@ -198,6 +198,16 @@ def test_a_merged_row_lists_each_of_its_categories_once():
     assert by["writing"]["tau"] == pytest.approx(2.0) and by["mt_bench"]["new_tokens"] == 20
     assert by["mt_bench"]["tau"] == pytest.approx(20 / 12)
     assert by["mt_bench"]["categories"] == by["overall"]["categories"] == ["writing", "roleplay"]
+
+
+def test_mt_bench_lists_its_categories_in_mt_benchs_order_not_the_files():
+    """A file with roleplay before writing: mt_bench's categories read writing, roleplay (MT-bench's order, that of
+    its table), overall's keep the file's."""
+    turns = {"roleplay": ("roleplay", 1), "writing": ("writing", 1)}
+    cells = {("plain", n): Cell("plain", n, prompts=1, new_tokens=4, steps=4) for n in turns}
+    by = {r["category"]: r for r in report_rows(cells, turns)}
+    assert by["mt_bench"]["categories"] == ["writing", "roleplay"]
+    assert by["overall"]["categories"] == ["roleplay", "writing"]
 
 
 def test_multi_turn_runs_resume_and_refuse_other_conversations(loaded, finished, tmp_path):

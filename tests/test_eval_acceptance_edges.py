@@ -12,7 +12,7 @@ import pytest
 from specdec.eval.acceptance import NO_OUTPUTS, Cell, SuiteConfig, cell_path, chain_outputs
 from specdec.eval.conversations import chat_codec, run_conversations
 from specdec.eval.prompt_files import Conversation, cell_turns, read_prompt_file
-from specdec.eval.report import PLOT_FILES, markdown
+from specdec.eval.report import PLOT_FILES, markdown, plots
 from specdec.eval.spec_bench import report_rows
 
 from specdec.errors import InputError, SpecdecError
@@ -149,7 +149,6 @@ def test_the_acceptance_plot_draws_every_depth_from_depth_1(tmp_path, monkeypatc
     """Acceptance 0.9, 0.6, 0.3 at depths 1, 2, 3 is plotted as those three points, the first depth included."""
     pytest.importorskip("matplotlib")
     from matplotlib.axes import Axes
-    from specdec.eval.report import plots
 
     drawn = []
     real = Axes.plot
@@ -227,3 +226,51 @@ def test_a_report_write_stopped_halfway_leaves_the_earlier_report(tmp_path, monk
     monkeypatch.undo()
     assert {name: (tmp_path / name).read_text() for name in before} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "report.md"]
+
+
+def test_a_run_of_one_category_has_no_overall_row():
+    """One category: its row is already every cell, so no "overall" row (or summary column) repeats it; two
+    categories get one, whose tokens are both categories' 8 + 8 = 16."""
+    one = {(label, "qa"): _cell(label, "qa", [1]) for label in ("plain", "ngram")}
+    rows = report_rows(one, {"qa": ("qa", 1)}, mt_bench=())
+    assert [(r["drafter"], r["category"]) for r in rows] == [("plain", "qa"), ("ngram", "qa")]
+    assert "| drafter | qa |" in markdown(rows, {})
+    two = {**one, **{(label, "chat"): _cell(label, "chat", [1]) for label in ("plain", "ngram")}}
+    overall = [r for r in report_rows(two, {"qa": ("qa", 1), "chat": ("chat", 1)}, mt_bench=())
+               if r["category"] == "overall"]
+    assert [r["new_tokens"] for r in overall] == [16, 16]
+
+
+def test_the_overall_and_group_sections_say_their_level_in_the_heading():
+    """A category's section is "## qa"; the merged ones say what they merge: "## mt_bench (group)", "## overall
+    (overall)"."""
+    cells = {(label, c): _cell(label, c, [1]) for label in ("plain", "ngram") for c in ("writing", "qa")}
+    headings = [x for x in markdown(report_rows(cells, {"writing": ("writing", 1), "qa": ("qa", 1)}), {}).splitlines()
+                if x.startswith("## ") and not x.startswith("## Summary") and not x.startswith("## MT-bench")]
+    assert headings == ["## writing", "## qa", "## mt_bench (group)", "## overall (overall)"]
+
+
+def test_the_plots_show_categories_groups_and_overall_not_single_turns(tmp_path, monkeypatch):
+    """writing's two turns are in the Markdown only: the acceptance plot has one panel each for writing, qa, mt_bench
+    and overall (four titles, not six)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    titles = []
+    real = Axes.set_title
+
+    def spy(self, label, *args, **kwargs):
+        titles.append(label)
+        return real(self, label, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "set_title", spy)
+    turns = {"writing.turn1": ("writing", 1), "writing.turn2": ("writing", 2), "qa": ("qa", 1)}
+    cells = {(label, n): _cell(label, n, [1]) for label in ("plain", "ngram") for n in turns}
+    plots(report_rows(cells, turns), tmp_path)
+    assert titles[:4] == ["writing", "qa", "mt_bench", "overall"] and titles[4].startswith("tau")
+
+
+def test_the_vs_hf_column_shows_the_speedup_over_transformers_not_over_plain():
+    """2x plain's tokens/s but 0.8x transformers' generate(): the row reads "| 2.00x | yes | 0.80x |"."""
+    line = next(x for x in markdown([_report_row(speedup_vs_hf=0.8)], {}).splitlines() if x.startswith("| ngram"))
+    assert [c.strip() for c in line.split("|")[4:7]] == ["2.00x", "yes", "0.80x"], line
