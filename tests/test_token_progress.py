@@ -39,3 +39,27 @@ def test_a_count_that_jumps_past_the_total_is_said_as_100_percent():
     now[0] = 11.0
     counter(0, [1] * 15)
     assert said == ["x: 100% of the sampled tokens (15 of 10)"]
+
+
+def test_a_line_is_said_once_exactly_the_quiet_period_has_passed():
+    """quiet_seconds=10 and the first tenth (10 of 100 tokens) reached exactly 10 s in: 10 s have passed, so it is
+    said."""
+    now = [0.0]
+    said = []
+    counter = TokenProgress(said.append, "x", total=100, quiet_seconds=10.0, clock=lambda: now[0])
+    now[0] = 10.0
+    counter(0, [1] * 10)
+    assert said == ["x: 10% of the sampled tokens (10 of 100)"]
+
+
+def test_a_step_of_no_tokens_counts_towards_a_total_of_1():
+    """total=0 (nothing to sample) is counted as 1: no division by zero; an empty call says nothing (0 of 1 is 0
+    tenths), one token is the whole (1 x 10 // 1 = 10 tenths: 100%)."""
+    now = [0.0]
+    said = []
+    counter = TokenProgress(said.append, "x", total=0, clock=lambda: now[0])
+    now[0] = 11.0
+    counter(0, [])
+    assert said == []
+    counter(0, [5])
+    assert said == ["x: 100% of the sampled tokens (1 of 1)"]
