@@ -186,3 +186,66 @@ def test_run_suite_refused_before_its_first_cell_leaves_no_settings(eval_tiny_mo
     with pytest.raises(RuntimeError, match="warm-up"):
         run_suite(eval_tiny_model, {"rep": PROMPTS["rep"][:1]}, ngram, out)
     assert list(out.iterdir()) == []
+
+
+def _refusal(tmp_path, before: dict, now: dict) -> str:
+    """check_resumable's message for a run whose settings.json records ``before`` resumed with ``now``."""
+    out = tmp_path / "run"
+    out.mkdir(parents=True)
+    write_json(out / "settings.json", settings_record(before))
+    with pytest.raises(ResumeError) as err:
+        check_resumable(out, now, True)
+    return str(err.value)
+
+
+def test_a_row_only_one_side_has_is_named_with_the_side_that_has_it(tmp_path):
+    """settings.json has ngram; this run has ngram and eagle: eagle is "only in this run", and the other way round
+    "only in settings.json"."""
+    ngram, both = {"drafters": [["ngram", {}]]}, {"drafters": [["ngram", {}], ["eagle", {}]]}
+    assert "row eagle only in this run" in _refusal(tmp_path / "a", ngram, both)
+    assert "row eagle only in settings.json" in _refusal(tmp_path / "b", both, ngram)
+
+
+def test_another_checkpoint_is_named_by_both_paths_not_as_one_written_again(tmp_path):
+    """A head at /heads/a then, /heads/b now: two paths, so not "written again since"; both shown with content."""
+    def head(path, fingerprint):
+        return {"drafters": [["eagle", {"path": {"checkpoint": path, "fingerprint": fingerprint}}]]}
+
+    text = _refusal(tmp_path, head("/heads/a", "11"), head("/heads/b", "22"))
+    assert "eagle.path: /heads/a (content 11) in settings.json, /heads/b (content 22) now" in text, text
+    assert "written again" not in text
+
+
+def test_an_option_of_60_characters_is_shown_whole_a_longer_one_cut_to_60(tmp_path):
+    """A 58-letter string is 60 characters as JSON (two quotes): shown whole. 59 letters (61 as JSON) are cut to 57
+    characters and "...", 60 in all."""
+    def option(value):
+        return {"drafters": [["ngram", {"x": value}]]}
+
+    text = _refusal(tmp_path / "a", option("a" * 58), option("b" * 58))
+    assert f'ngram.x: "{"a" * 58}" in settings.json, "{"b" * 58}" now' in text, text
+    text = _refusal(tmp_path / "b", option("a" * 59), option("b" * 59))
+    assert f'ngram.x: "{"a" * 56}... in settings.json, "{"b" * 56}... now' in text, text
+
+
+def test_settings_record_renamed_rows_only_where_a_row_was_renamed():
+    """A run without renamed rows records no "renamed" entry (its digest is the one runs had before rows could be
+    renamed); a row "fast" running ngram records [["fast", "ngram"]]."""
+    plain = _settings(SuiteConfig((("ngram", {}),), ("rep",)))
+    renamed = _settings(SuiteConfig((("fast", {}),), ("rep",), renamed=(("fast", "ngram"),)))
+    assert "renamed" not in plain and renamed["renamed"] == [["fast", "ngram"]]
+
+
+def test_an_empty_path_option_is_recorded_as_given_not_as_the_working_folder(tmp_path, monkeypatch):
+    """path="" names no checkpoint (Path("") is ".", which exists): recorded as "", not as the folder's content."""
+    monkeypatch.chdir(tmp_path)
+    recorded = _settings(SuiteConfig((("eagle", {"path": ""}),), ("rep",)))["drafters"]
+    assert recorded == [["eagle", {"path": ""}]]
+
+
+def test_a_run_that_is_not_resumed_is_not_checked_against_the_earlier_settings(tmp_path):
+    """Without --resume (--overwrite) the earlier run's settings.json is replaced, not compared: other drafters pass."""
+    out = tmp_path / "run"
+    out.mkdir()
+    write_json(out / "settings.json", settings_record({"drafters": [["ngram", {}]]}))
+    check_resumable(out, {"drafters": [["eagle", {}]]}, False)

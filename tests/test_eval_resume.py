@@ -119,6 +119,8 @@ CELL_DAMAGE = {  # id: (how the file ngram__rep.json is damaged, what the error 
     "int-as-string": ("json", _edit_cell("steps", "12"), "'steps' must be an integer"),
     "int-as-bool": ("json", _edit_cell("prompts", True), "'prompts' must be an integer"),
     "negative-seconds": ("json", _edit_cell("seconds", -1.0), "'seconds' must be a finite number"),
+    "infinite-seconds": ("json", _edit_cell("seconds", float("inf")), "'seconds' must be a finite number"),
+    "empty-output-digest": ("json", _edit_cell("output_sha256", ""), "'output_sha256' must be a non-empty string"),
     "histogram-of-floats": ("json", _edit_cell("accepted_histogram", [1.5]), "'accepted_histogram' must be a list"),
     "calibration-entry": ("json", _edit_cell("calibration", [{"query_tokens": 2}]), "'calibration' must be"),
     "missing-field": ("json", _edit_cell("seconds", _DELETE), r"missing cell field\(s\) seconds"),
