@@ -20,6 +20,7 @@ from specdec.eval.acceptance import (
     summarise,
 )
 from specdec.eval.prompt_files import read_prompt_file
+from specdec.eval.prompt_sets import retrieval_augmented
 from specdec.eval.prompts import CATEGORIES, load_prompts
 from specdec.eval.report import markdown, write_reports
 
@@ -292,6 +293,17 @@ def test_every_category_ships_20_prompts():
     for category in CATEGORIES:
         prompts = load_prompts(category, 20)
         assert len(prompts) == 20 and len(set(prompts)) == 20, category
+
+
+def test_a_retrieval_prompt_holds_a_document_of_at_most_3000_characters():
+    """pydoc's topics run to 50,000 characters ("compound"); the built-in retrieval prompts take those of 800 to 3000
+    only, so no document in them is longer than 3000 (nor, stripped, than the 1000 a narrower window allows)."""
+    def documents(prompts):
+        return [p.split("Document:\n", 1)[1].split("\n\nQuestion: ", 1)[0] for p in prompts]
+
+    assert all(len(d) <= 3000 for d in documents(retrieval_augmented(20)))
+    narrow = documents(retrieval_augmented(20, min_chars=800, max_chars=1000))
+    assert narrow and all(len(d) <= 1000 for d in narrow)
 
 
 def test_prompt_file_and_unknown_category(tmp_path):

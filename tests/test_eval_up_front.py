@@ -219,6 +219,11 @@ def test_a_built_in_prompt_past_the_context_says_how_to_leave_it_out(ckpt):
     with pytest.raises(InputError, match=r"^built-in code prompt 1: its 600 tokens .* tokens; leave code out of "
                                          r"--categories$"):
         check_prompts_fit(loaded, conversations, {0: [1] * 600}, 1, 8)
+    check_prompts_fit(loaded, conversations, {0: [1] * 504}, 1, 8)  # 504 + 8 = 512: fills the context exactly
+    with pytest.raises(InputError, match=r"its 505 tokens .* lower --max-new-tokens to 7 or less, or leave code"):
+        check_prompts_fit(loaded, conversations, {0: [1] * 505}, 1, 8)  # 512 - 505 = 7 new tokens still fit
+    with pytest.raises(InputError, match=r"its 512 tokens .* 512 tokens; leave code out"):  # no room to lower into
+        check_prompts_fit(loaded, conversations, {0: [1] * 512}, 1, 8)
 
 
 def test_the_resume_advice_for_other_settings_works_as_said(ckpt, tmp_path, capsys):
