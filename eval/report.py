@@ -123,7 +123,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         ax.set_xlabel("depth")
         ax.set_ylim(0, 1)
     axes[0][0].set_ylabel("P(accept | parent accepted)")
-    axes[0][-1].legend(fontsize=7)
+    _legend(axes[0][-1])
     fig.tight_layout()
     paths.append(out / PLOT_FILES[0])
     fig.savefig(paths[-1], dpi=110)
@@ -148,12 +148,19 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
                       rotation=20 if len(categories) <= 8 else 45, ha="center" if len(categories) <= 8 else "right")
         ax.set_title(title)
     axes[1].axhline(1.0, color="grey", lw=0.8)
-    axes[1].legend(fontsize=7)
+    _legend(axes[1])
     fig.tight_layout()
     paths.append(out / PLOT_FILES[1])
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     return paths
+
+
+def _legend(ax) -> None:
+    """A legend where the panel has labelled lines or bars; none where it has none (a run of plain decoding alone, or
+    drafters that never drafted), where matplotlib would warn on the user's console instead."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
 
 
 def write_reports(rows: list[dict], out: Path, meta: dict, with_plots: bool = True) -> list[Path]:

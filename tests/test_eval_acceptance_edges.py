@@ -162,6 +162,25 @@ def test_the_acceptance_plot_draws_every_depth_from_depth_1(tmp_path, monkeypatc
     assert drawn == [([1, 2, 3], [0.9, 0.6, 0.3])]
 
 
+def test_plots_without_a_drafted_token_have_no_legend_and_say_nothing(tmp_path):
+    """A drafter that never drafted has no acceptance line, and a run of plain alone no bar: no legend then, where
+    matplotlib warned "No artists with labels found" on the user's console; a drafted row keeps its legend."""
+    pytest.importorskip("matplotlib")
+    import warnings
+
+    from matplotlib.axes import Axes
+
+    made = []
+    real = Axes.legend
+    for rows in ([_report_row(acceptance_per_depth=[])], [_report_row(drafter="plain")], [_report_row()]):
+        made.append(0)
+        with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+            warnings.simplefilter("error")
+            patch.setattr(Axes, "legend", lambda self, *a, **kw: made.append(made.pop() + 1) or real(self, *a, **kw))
+            plots(rows, tmp_path)
+    assert made == [1, 0, 2]  # never drafted: the bars' legend only; plain alone: none; drafted: both panels'
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny", seed=0)
