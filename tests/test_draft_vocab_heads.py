@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from specdec.drafters.draft_vocab import frequent_tokens
+from specdec.drafters.draft_vocab import DraftVocab, choose_size, coverage, frequent_tokens
 from specdec.drafters.eagle_checkpoint import save_eagle
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 from specdec.drafters.medusa import MedusaDrafter
@@ -269,13 +269,24 @@ def test_builtin_prompt_vocabulary_takes_the_most_frequent_tokens_and_eos():
 def test_the_draft_vocabulary_helpers_at_their_edges():
     """Ties go to the smaller id; the size chosen is the smallest that covers the share asked for; an id past the
     vocabulary is refused in one line (no test called choose_size, and a bare IndexError stood in for the refusal)."""
-    from specdec.drafters.draft_vocab import DraftVocab, choose_size
-
     assert frequent_tokens([[5, 3, 9]], 2) == [3, 5]
     assert choose_size([[7, 8]], 0.5, sizes=(1, 2)) == (1, {1: 0.5})
     assert choose_size([[7, 8]], 0.9, sizes=(1, 2)) == (2, {1: 0.5, 2: 1.0})
     with pytest.raises(InputError, match=r"must lie in \[0, 8\)"):
         DraftVocab([0, 1, 8], vocab_size=8)
+
+
+def test_the_draft_vocabulary_refuses_a_size_below_one_and_repeated_ids():
+    with pytest.raises(InputError, match="positive integer, got 0"):
+        frequent_tokens([[1, 2]], 0)
+    with pytest.raises(InputError, match="must be distinct"):
+        DraftVocab([1, 3, 1], vocab_size=8)
+
+
+def test_an_empty_corpus_counts_as_covered_so_the_smallest_size_is_chosen():
+    # no tokens at all: nothing is left uncovered (share 1.0), so the first size already reaches any target
+    assert coverage([], [1, 2]) == 1.0
+    assert choose_size([[]], 0.9, sizes=(1, 2)) == (1, {1: 1.0})
 
 
 # ---- training ------------------------------------------------------------------------------------
