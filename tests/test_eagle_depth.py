@@ -200,3 +200,59 @@ def test_the_chain_the_chooser_learns_from_is_each_levels_best_child():
         assert _top_chain(unchecked) == walk(checked)
         assert all(torch.equal(getattr(checked, f), getattr(unchecked, f)) for f in ("tokens", "parents", "scores"))
         assert unchecked.mode is checked.mode and unchecked.draft_probs is None
+
+
+def test_levels_of_equal_value_choose_the_shallower_depth():
+    # rates 0.5 (no steps): tokens 1.5, 1.75, 1.875, 1.9375 at depths 1-4; levels cost nothing and the verify of
+    # 1 + d rows costs exactly those tokens, so every depth is worth 1.0 token per step: the shallowest wins
+    tokens = {2: 1.5, 3: 1.75, 4: 1.875, 5: 1.9375}
+    chooser = DepthChooser(4, DepthConfig())
+    chooser.start(CostView(lambda n, batch: tokens[n], lambda batch: 0.05))
+    chooser.record_seconds([0.0] * 4, catch_up=False)
+    assert chooser.values(1) == [1.0] * 4
+    assert chooser.choose(1) == 1
+
+
+def test_probes_come_every_interval_th_call():
+    # rates 0.5; depth 1 is best (1.5 / (0.04 + 1.0) against 1.75 / (0.14 + 1.3) ...); probing depth 2 costs
+    # 0.1 decode steps of drafting + 0.3 of verify = 0.4, so with probe_budget 0.15 the interval is ceil(2.67) = 3:
+    # calls 3 and 6 probe
+    chooser = DepthChooser(4, DepthConfig(probe_budget=0.15))
+    chooser.start(CostView(chain_cost, lambda batch: 0.05))
+    chooser.record_seconds([0.002, 0.005, 0.005, 0.005], catch_up=False)
+    assert [chooser.choose(1) for _ in range(6)] == [1, 1, 2, 1, 1, 2]
+
+
+def test_a_step_matched_deeper_than_chosen_probes_one_level_deeper_than_it_matched():
+    chooser = started()
+    chooser.record_seconds([0.002, 0.005, 0.005, 0.005], catch_up=False)
+    assert chooser.choose(1) == 1  # level 1 cheap, deeper ones dear (as above); the first probe is 20 calls away
+    chooser.observe(3, 2)  # two levels matched: one deeper than that is 3
+    # r = 2/3, 7/9, 14/27, 14/27: depth 1 still best (1.67 / 1.04 against 2.19 / 1.44 and 2.46 / 1.84)
+    assert chooser.choose(1) == 3
+
+
+def test_a_catch_up_call_times_its_deeper_levels_as_any_step():
+    # only level 1 of a catch-up call runs over the prompt: level 2's 0.004 s is a step's time, averaged with the
+    # next call's 0.002 s at ema 0.2: 0.004 + 0.2 * (0.002 - 0.004) = 0.0036
+    chooser = DepthChooser(2)
+    chooser.start(CostView(chain_cost, lambda batch: 0.05))
+    chooser.record_seconds([2.0, 0.004], catch_up=True)
+    chooser.record_seconds([0.001, 0.002], catch_up=False)
+    assert chooser.times[1].seconds == pytest.approx(0.0036)
+
+
+def test_a_probe_asked_for_by_a_deep_match_is_dropped_once_the_full_depth_is_chosen():
+    # decode 0.5 s: levels cost 0.004, then +0.01 decode steps each. A steep verify (+1 a row past 2) keeps depth 1;
+    # a step matching 2 levels asks for a probe at 3; then a flat verify (1.0) makes the full depth 4 the best
+    # (2.59 / 1.03 against 2.45 / 1.02 at 3), which spends that probe: back on the steep verify, depth 1, no probe
+    flat = [False]
+    chooser = DepthChooser(4, DepthConfig())
+    chooser.start(CostView(lambda n, batch: 1.0 if flat[0] else 1.0 + max(0, n - 2), lambda batch: 0.5))
+    chooser.record_seconds([0.002, 0.005, 0.005, 0.005], catch_up=False)
+    assert chooser.choose(1) == 1
+    chooser.observe(3, 2)
+    flat[0] = True
+    assert chooser.choose(1) == 4
+    flat[0] = False
+    assert chooser.choose(1) == 1
