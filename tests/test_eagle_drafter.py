@@ -11,6 +11,7 @@ import torch
 from specdec.drafters.draft_vocab import frequent_tokens
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, load_eagle, save_eagle
+from specdec.drafters.eagle_kv import EagleKV
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 from specdec.eval.certificate import CertificateSizes, run_certificate
 from specdec.train.eagle_loss import eagle_loss, unrolled_mask
@@ -559,8 +560,6 @@ def test_non_finite_weights_are_a_checkpoint_error(tmp_path, value):
 def test_the_kv_slab_holds_each_sequences_keys_through_growth_and_reused_rows():
     """drafters/eagle_kv.py against per-sequence concatenation: appends of 1-5 columns for sequences that come and
     go, with rows and capacity growing from 2 x 4; a gather is each sequence's keys, right-padded and masked."""
-    from specdec.drafters.eagle_kv import EagleKV
-
     gen = torch.Generator().manual_seed(0)
     kv = EagleKV(2, 3, torch.float32, torch.device("cpu"), rows=2, capacity=4)
     want: dict[int, torch.Tensor] = {}
@@ -588,6 +587,37 @@ def test_the_kv_slab_holds_each_sequences_keys_through_growth_and_reused_rows():
     assert kv.k.shape[0] >= 5 and kv.k.shape[2] > 4 and len(kv.row) == len(live)
     assert kv.gather([next_id])[0] is None  # a sequence never seen has no keys
 
+
+
+def test_the_kv_slab_copies_a_prefix_only_from_a_sequence_holding_it_into_new_ones():
+    kv = EagleKV(1, 2, torch.float32, torch.device("cpu"), rows=2, capacity=4)
+    keys = torch.arange(6.0).reshape(1, 1, 3, 2)  # sequence 0: three columns [0, 1], [2, 3], [4, 5]
+    kv.append([0], keys, -keys, [3])
+    with pytest.raises(ValueError, match="must hold them"):
+        kv.copy_prefix(0, [1], 4)  # sequence 0 holds 3 keys, not 4
+    with pytest.raises(ValueError, match="must be new and distinct"):
+        kv.copy_prefix(0, [0, 1], 2)  # a sequence cannot be its own copy
+    assert 1 not in kv
+    kv.copy_prefix(0, [1, 2], 2)  # the slab grows a row for the second copy
+    k, v = kv.gather([1, 2])
+    assert kv.lengths([1, 2]) == [2, 2] and k.tolist() == [[[[0.0, 1.0], [2.0, 3.0]]]] * 2
+    assert torch.equal(v, -k)
+    row = kv.row[1]
+    kv.release(1)
+    kv.append([3], keys, keys, [1])  # a released row is reused: no growth past the 4 rows of the copy above
+    assert kv.row[3] == row and kv.k.shape[0] == 4
+
+
+def test_a_graph_bucket_holds_exactly_its_keys_and_the_config_refuses_bad_sizes():
+    from specdec.drafters.eagle_graphs import EagleGraphConfig, EagleGraphs
+
+    graphs = EagleGraphs(None, EagleGraphConfig(capture=False))
+    assert graphs.bucket_for(1, 64) == (1, 64, 0)  # 64 keys fill the smallest bucket exactly
+    assert graphs.bucket_for(2, 56, 8) == (2, 64, 8)  # 56 cached + 8 catch-up rows = 64
+    assert graphs.bucket_for(1, 1 << 16) == (1, 1 << 16, 0)  # max_keys itself still fits
+    for bad in ({"batch_sizes": (0, 1)}, {"catch_up_rows": (8, 8)}, {"min_keys": 128, "max_keys": 64}):
+        with pytest.raises(ValueError):
+            EagleGraphConfig(**bad)
 
 def _pools(batch: int, top_k: int, depth: int, gen: torch.Generator) -> torch.Tensor:
     """Random candidate pools as the growth lays them out ([B, 4, S]): parents before children, cumulative
