@@ -11,6 +11,7 @@ import torch
 from specdec.drafters.draft_vocab import frequent_tokens
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, load_eagle, save_eagle
+from specdec.drafters.eagle_graphs import CachedKeys, EagleGraphConfig, EagleGraphs
 from specdec.drafters.eagle_kv import EagleKV
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 from specdec.eval.certificate import CertificateSizes, run_certificate
@@ -186,8 +187,6 @@ def test_two_threads_drafting_over_one_eagle_model_never_share_its_graphs(monkey
     is the one each call drafts alone; a later call takes the graphs again."""
     import threading
 
-    from specdec.drafters.eagle_graphs import EagleGraphs
-
     model = build_tiny_model()
     eagle = _eagle(model, depth=3, top_k=2, max_nodes=6)
     first, second = [[1, 2, 3, 4, 5, 6, 7]], [[9, 8, 7, 6]]  # one sequence each: the same buckets
@@ -232,7 +231,6 @@ def test_a_drafting_call_that_captured_a_graph_prices_no_level(monkeypatch):
     """EAGLE's depth chooser prices its levels by its calls' times: a call that captured a CUDA graph (~0.1-1 s on
     a GPU) is a one-off there, as a sequence's first call is, and its time prices no level."""
     from specdec.drafters.eagle_depth import DepthChooser
-    from specdec.drafters.eagle_graphs import EagleGraphs
 
     from specdec.cuda_graphs import note_capture
 
@@ -588,6 +586,16 @@ def test_the_kv_slab_holds_each_sequences_keys_through_growth_and_reused_rows():
     assert kv.gather([next_id])[0] is None  # a sequence never seen has no keys
 
 
+def test_a_full_kv_row_keeps_every_column_when_the_slab_grows():
+    """Capacity 4: sequence 0 fills its row (4 columns), then a fifth column doubles the capacity to 8; all five are
+    there after the copy into the larger slab, the last of the old four included."""
+    kv = EagleKV(1, 1, torch.float32, torch.device("cpu"), rows=1, capacity=4)
+    cols = torch.arange(5.0).reshape(1, 1, 5, 1)
+    kv.append([0], cols[:, :, :4], -cols[:, :, :4], [4])
+    kv.append([0], cols[:, :, 4:], -cols[:, :, 4:], [1])
+    k, v = kv.gather([0])
+    assert kv.k.shape[2] == 8 and k.flatten().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] and torch.equal(v, -k)
+
 
 def test_the_kv_slab_copies_a_prefix_only_from_a_sequence_holding_it_into_new_ones():
     kv = EagleKV(1, 2, torch.float32, torch.device("cpu"), rows=2, capacity=4)
@@ -609,8 +617,6 @@ def test_the_kv_slab_copies_a_prefix_only_from_a_sequence_holding_it_into_new_on
 
 
 def test_a_graph_bucket_holds_exactly_its_keys_and_the_config_refuses_bad_sizes():
-    from specdec.drafters.eagle_graphs import EagleGraphConfig, EagleGraphs
-
     graphs = EagleGraphs(None, EagleGraphConfig(capture=False))
     assert graphs.bucket_for(1, 64) == (1, 64, 0)  # 64 keys fill the smallest bucket exactly
     assert graphs.bucket_for(2, 56, 8) == (2, 64, 8)  # 56 cached + 8 catch-up rows = 64
@@ -618,6 +624,7 @@ def test_a_graph_bucket_holds_exactly_its_keys_and_the_config_refuses_bad_sizes(
     for bad in ({"batch_sizes": (0, 1)}, {"catch_up_rows": (8, 8)}, {"min_keys": 128, "max_keys": 64}):
         with pytest.raises(ValueError):
             EagleGraphConfig(**bad)
+
 
 def _pools(batch: int, top_k: int, depth: int, gen: torch.Generator) -> torch.Tensor:
     """Random candidate pools as the growth lays them out ([B, 4, S]): parents before children, cumulative
@@ -708,7 +715,6 @@ def test_a_chain_grows_the_pool_the_ranking_path_grows(coupled):
 
 def _greedy_chain_graphs(model, eagle, max_nodes: int):
     """A greedy chain grower (top-k 1) over ``model``'s embeddings and its uncaptured EagleGraphs."""
-    from specdec.drafters.eagle_graphs import EagleGraphConfig, EagleGraphs
     from specdec.drafters.eagle_grow import TreeGrower
 
     grower = TreeGrower(eagle, model.get_input_embeddings().weight.detach(),
@@ -722,7 +728,6 @@ def test_a_chains_graph_bucket_hands_out_constant_fields_equal_to_its_trees():
     verify the bucket's constant depths and ancestor bits (specdec.pending_trees.chain_fields, made once per bucket
     and depth before the call, not by it), which equal tree_fields of the parents it drafted: 3 sequences padded to
     a bucket of 4, depths 1 to 64, one sequence's scores NaN. Its tokens are the drafts' target ids."""
-    from specdec.drafters.eagle_graphs import CachedKeys
     from specdec.drafters.eagle_rerank import parents
 
     from specdec.pending_trees import tree_fields
@@ -758,7 +763,6 @@ def test_a_graph_bucket_gathers_rope_from_its_table_and_leaves_a_call_beyond_it_
     before any capture; a call whose tree would reach past it fits no bucket (None: the caller drafts eagerly),
     where gathering would read out of bounds. Both parts of the call (catch-up and growth) read the table."""
     from specdec.drafters.eagle_catch_up import CatchUpRows
-    from specdec.drafters.eagle_graphs import CachedKeys
 
     model = build_tiny_model()
     eagle = _eagle(model, depth=4, top_k=1, max_nodes=4).eval()
