@@ -11,7 +11,7 @@ import torch
 from specdec.drafters.draft_vocab import frequent_tokens
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, load_eagle, save_eagle
-from specdec.drafters.eagle_graphs import CachedKeys, EagleGraphConfig, EagleGraphs
+from specdec.drafters.eagle_graphs import CachedKeys, EagleGraphConfig, EagleGraphs, release
 from specdec.drafters.eagle_kv import EagleKV
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 from specdec.eval.certificate import CertificateSizes, run_certificate
@@ -624,6 +624,17 @@ def test_a_graph_bucket_holds_exactly_its_keys_and_the_config_refuses_bad_sizes(
     for bad in ({"batch_sizes": (0, 1)}, {"catch_up_rows": (8, 8)}, {"min_keys": 128, "max_keys": 64}):
         with pytest.raises(ValueError):
             EagleGraphConfig(**bad)
+
+
+def test_a_call_ending_lets_go_only_of_its_own_grower():
+    """release(graphs, grower) at the end of a call: a later call's grower, set on the graphs since, stays."""
+    graphs = EagleGraphs(None, EagleGraphConfig(capture=False))
+    first, later = object(), object()
+    graphs.grower = later
+    release(graphs, first)
+    assert graphs.grower is later
+    release(graphs, later)
+    assert graphs.grower is None
 
 
 def _pools(batch: int, top_k: int, depth: int, gen: torch.Generator) -> torch.Tensor:
