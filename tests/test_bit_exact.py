@@ -4,18 +4,24 @@ fp16; speculative text and log-probabilities equal plain decoding's bit for bit 
 coupled, batched and alone; a deliberately row-dependent product is caught."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
+from specdec.eval import bitwise_level
+from specdec.eval.certificate import CertificateSizes
 
 import specdec
 from specdec.errors import InputError, InputTypeError
 from specdec.models import invariance_check as ic
 from specdec.models import invariant_ops
 from specdec.models.llama import LlamaRunner
+from specdec.models.loader import load_model
+from specdec.sampling import SamplingConfig
 from specdec.testing import build_tiny_model
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -277,3 +283,35 @@ def test_the_bitwise_level_runs_with_a_single_identity_prompt(bf16_model):
     assert len(rows) == 3 and all("the one prompt twice together" in c.detail for c in rows), cert.to_markdown()
     assert [c.passed for c in rows if c.control == "row_dependent_kernel"] == [False], cert.to_markdown()
     assert cert.passed and not cert.void, cert.to_markdown()
+
+
+def test_bitwise_identity_counts_every_plain_token_as_compared(monkeypatch):
+    """The level's samples are the new tokens compared, not the number of prompts."""
+    plain = [([1, 2, 3], [-0.1, -0.2, -0.3]), ([4, 5], [-0.4, -0.5])]
+    out = SimpleNamespace(new_tokens=[t for t, _ in plain], logprobs=[lp for _, lp in plain],
+                          stats=[SimpleNamespace(steps=2), SimpleNamespace(steps=1)], total_new_tokens=5)
+    monkeypatch.setattr(bitwise_level, "_generate", lambda loaded, prompts, **kw: out)
+    got = bitwise_level.bitwise_identity(SimpleNamespace(), [[7], [8]], "ngram", {}, 3, True, True, plain)
+    # 3 + 2 new tokens compared; tau = 5 tokens / (2 + 1) steps
+    assert got.identical and got.tokens_compared == 5 and got.tau == pytest.approx(5 / 3)
+
+
+def test_the_bitwise_level_fails_an_engine_wrong_only_when_it_speculates_for_a_batch(bf16_model, monkeypatch):
+    """Speculating for two prompts in one batch must be compared with plain decoding too: an engine whose batched
+    speculation moves one log-probability (its one-prompt runs exact) fails the level's own greedy check."""
+    real = bitwise_level._generate
+
+    def wrong_when_batched(loaded, prompts, **kw):
+        out = real(loaded, prompts, **kw)
+        if kw.get("drafter") is not None and len(prompts) > 1:
+            out.logprobs[0][0] -= 1.0
+        return out
+
+    monkeypatch.setattr(bitwise_level, "_generate", wrong_when_batched)
+    sizes = CertificateSizes(identity_prompts=2, identity_tokens=8)
+    checks, _ = bitwise_level.bitwise_checks(load_model(bf16_model), "ngram", {}, SamplingConfig(False), sizes,
+                                             lambda n: [list(p) for p in PROMPTS[:n]])
+    own = [c for c in checks if c.control is None and c.name.startswith("greedy text")]
+    # prompt 0 of the batched run: same tokens, its first log-probability 1.0 lower
+    assert len(own) == 1 and not own[0].passed, own
+    assert "1 outputs differ (0 in text" in own[0].detail and "log-prob delta -1" in own[0].detail, own[0].detail
