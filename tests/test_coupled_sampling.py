@@ -4,12 +4,17 @@ power stated); speculative coupled output equals plain coupled output token for 
 tree mode, batched == single; broken couplings (noise keyed to the step, or to the batch row) fail."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
+from specdec.eval import coupled_level
+from specdec.eval.certificate import CertificateSizes
+from specdec.eval.divergence import Divergence, IdentityResult
 from specdec.eval.negative_controls import COUPLING_FAULTS, generate_with_control
 from specdec.eval.statistics import goodness_of_fit
 
@@ -311,3 +316,40 @@ def test_certificate_coupled_law_rows_keep_two_tokens_under_top_p():
     rows = [c for c in law_checks(SamplingConfig(True, 0.8, top_p=0.9), sizes, seed=0) if c.control is None]
     assert len(rows) == 6 and all(int(c.detail.split()[0]) >= 2 and c.power > 0.5 for c in rows), rows
     assert any("halved" in c.detail for c in rows) and all(c.passed for c in rows)
+
+
+def _identity_rows(monkeypatch, kind: str):
+    """The coupled identity rows where the batched speculative run parts from plain at one token of the given
+    ``kind`` (the engine and the controls faked: only the level's verdict on those results runs)."""
+    def identity(loaded, prompts, *args, fault=None, batched=True, **kw):
+        apart = (Divergence(0, 3, 5, 6, 1.0, 0.5, 0.5, kind),) if fault is None and args[-1] else ()
+        return IdentityResult(len(prompts), 8 * len(prompts), apart, 1.5)
+
+    monkeypatch.setattr(sys.modules["specdec.generate"], "generate", lambda loaded, prompts, **kw: prompts)
+    monkeypatch.setattr(coupled_level, "generate_with_control", lambda loaded, prompts, **kw: prompts)
+    monkeypatch.setattr(coupled_level, "greedy_identity", identity)
+    return coupled_level.identity_checks(None, "ngram", {}, SamplingConfig(True), CertificateSizes(identity_tokens=8),
+                                         [[1, 2], [3, 4]], seed=0)
+
+
+def test_certificate_coupled_identity_fails_on_one_real_mismatch_and_passes_a_near_tie(monkeypatch):
+    checks, warnings = _identity_rows(monkeypatch, "real mismatch")
+    own = next(c for c in checks if c.control is None)
+    assert not own.passed and "1 real mismatches, 0 near-ties" in own.detail, own.detail
+    checks, warnings = _identity_rows(monkeypatch, "numerical near-tie")
+    own = next(c for c in checks if c.control is None)
+    assert own.passed and "0 real mismatches, 1 near-ties" in own.detail, own.detail
+    assert any("1 divergences were numerical near-ties" in w for w in warnings), warnings
+
+
+def test_certificate_coupled_level_checks_a_greedy_setting_at_temperature_1(monkeypatch):
+    """Coupling only matters when sampling: a greedy setting is certified as sampling at temperature 1, no warper."""
+    seen = []
+    monkeypatch.setattr(coupled_level, "identity_checks", lambda *args: seen.append(args[3]) or ([], []))
+    monkeypatch.setattr(coupled_level, "engine_law_checks", lambda *args: seen.append(args[1]) or ([], []))
+    sizes = CertificateSizes(stat_samples=500, stat_tv=0.2)
+    checks, _ = coupled_level.coupled_checks(None, "ngram", {}, SamplingConfig(False), sizes, lambda n: [[1]] * n)
+    assert seen == [SamplingConfig(True), SamplingConfig(True)]
+    # softmax of finite logits at temperature 1 gives every one of the 16 tokens a positive probability
+    rows = [c for c in checks if c.control is None]
+    assert len(rows) == 6 and all(c.detail == "16 of 16 tokens in the support" for c in rows), rows
