@@ -14,7 +14,14 @@ import torch
 from specdec.drafters.base import SequenceView, TokenView
 from specdec.drafters.combined import CombinedDrafter
 from specdec.eval.negative_controls import ScoreChoosingCombined, ShapeAwareSizer
-from specdec.eval.selection_law import DRAFT, TARGET, SelectionCase, selection_cases, token_shaped_tree
+from specdec.eval.selection_law import (
+    DRAFT,
+    TARGET,
+    SelectionCase,
+    first_token_law,
+    selection_cases,
+    token_shaped_tree,
+)
 from specdec.eval.statistics import goodness_of_fit
 
 from specdec.generate import generate
@@ -256,3 +263,11 @@ def test_the_certificates_sizer_case_has_seen_an_earlier_shape():
     from specdec.eval.selection_law import sizer_case
 
     assert sizer_case(_OwnShapeOnceKnown).max_error() > 0.05
+
+
+def test_the_exact_law_of_deterministic_candidates_is_the_target():
+    """Deterministic root children are accepted in turn with their share of what the earlier ones left:
+    token 0 with 0.145; token 1 with 0.573 / (1 - 0.145) = 0.670, i.e. 0.855 * 0.670 = 0.573 in all; the rest,
+    0.282, sampled from the residual [0, 0, 0.121, 0.161] / 0.282: the target itself, whatever the draft law."""
+    law = first_token_law(TARGET, DRAFT, lambda x: DraftTree([0, 1], [-1, -1]))
+    assert torch.allclose(law, TARGET, atol=1e-12), law
