@@ -2,11 +2,14 @@
 continuations verify drafts, chosen by a pilot whose seeds the check never draws from."""
 from __future__ import annotations
 
+import math
+from types import SimpleNamespace
+
 import pytest
 import torch
 from specdec.eval.certificate import CertificateSizes, end_to_end_checks
 from specdec.eval.end_to_end import CHUNK_SEED_STRIDE, check_seeds, pilot_seed
-from specdec.eval.sampled_start import Start, best_candidate, candidate_starts, drafted_flags
+from specdec.eval.sampled_start import Start, best_candidate, candidate_starts, drafted_flags, greedy_token_probs
 
 from specdec.models.loader import load_model
 from specdec.sampling import SamplingConfig
@@ -110,3 +113,19 @@ def _old_start(loaded, prompts, sizes):
 
     plain = generate(loaded, prompts[:1], max_new_tokens=sizes.identity_tokens)
     return plain[0][: len(prompts[0]) + sizes.identity_tokens // 2]
+
+
+class _RepeatsItsInput(torch.nn.Module):
+    """A 3-token model whose logits at each position are log(3) at that position's own token, 0 elsewhere: the next
+    token repeats the current one with probability 3 / 5, each other token 1 / 5."""
+
+    device = torch.device("cpu")
+
+    def forward(self, ids):
+        return SimpleNamespace(logits=torch.nn.functional.one_hot(ids, 3).float() * math.log(3))
+
+
+def test_greedy_token_probs_score_each_answer_token_by_the_logits_before_it():
+    # prompt [0], answer [0, 1]: token 0 follows 0 (3 / 5), token 1 follows 0 (1 / 5); the window of 5 is cut to 2
+    got = greedy_token_probs(_RepeatsItsInput(), [[0]], [[0, 0, 1]], SamplingConfig(True), tokens=5)
+    assert got == [pytest.approx([0.6, 0.2])]
