@@ -4,9 +4,11 @@ KV compaction slot), and too-small sample sizes void it instead of passing it.""
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
+from specdec.eval import engine_law
 from specdec.eval.certificate import CertificateSizes, run_certificate
 from specdec.eval.divergence import diagnose, greedy_identity
 from specdec.eval.negative_controls import ENGINE_FAULTS
@@ -1133,3 +1135,27 @@ def test_two_sample_chi2_keeps_bins_expecting_exactly_five_draws():
 
     a = ["x"] * 40 + ["z"] * 5 + ["v"] * 5
     assert two_sample_chi2(a, list(a), tv=0.1, alpha=0.05).detects_tv == pytest.approx(detectable_tv(25, 0.05, 2))
+
+
+def _engine_law_on(monkeypatch, laws, supports):
+    """engine_law_checks with the exact laws and the runner's kept tokens given per prompt, and every draw token 0
+    (only the choice of the prompt and the warnings matter here)."""
+    prompts = [[i] for i in range(len(laws))]
+    monkeypatch.setattr(engine_law, "first_token_law", lambda loaded, prompt, sampling: laws[prompt[0]])
+    monkeypatch.setattr(engine_law, "runner_support", lambda loaded, prompt, sampling: supports[prompt[0]])
+    monkeypatch.setattr(engine_law, "sample_in_chunks",
+                        lambda run, prompts, seed: [SimpleNamespace(new_tokens=[[0]] * len(prompts))])
+    return engine_law.engine_law_checks(None, SamplingConfig(True), CertificateSizes(sample_sequences=100), prompts, 0,
+                                        "coupled", "coupled")
+
+
+def test_the_engine_law_row_samples_the_least_certain_prompt_where_both_implementations_keep_the_same_tokens(
+        monkeypatch):
+    # prompt 1 has the least certain first token (0.5) among those whose kept tokens agree; prompt 3 (0.4) does not
+    laws = [{0: 0.9, 1: 0.1}, {0: 0.5, 1: 0.5}, {0: 0.7, 1: 0.3}, {0: 0.4, 1: 0.3, 2: 0.3}]
+    checks, warnings = _engine_law_on(monkeypatch, laws, [{0, 1}] * 4)
+    assert [c.detail.startswith("identity prompt 2: 2 tokens in the support, the likeliest at 0.5") for c in checks] \
+        == [True, True], checks[0].detail
+    assert not any("keep different tokens" in w for w in warnings), warnings
+    _, warnings = _engine_law_on(monkeypatch, laws, [{0}] * 4)  # nowhere do they agree: said
+    assert any("keep different tokens" in w for w in warnings), warnings
