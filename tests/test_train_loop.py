@@ -1547,3 +1547,94 @@ def test_a_state_file_without_a_step_is_a_checkpoint_error(tmp_path, state):
     (tmp_path / "state.json").write_text(state)
     with pytest.raises(ckpt_io.CheckpointError, match=r"state\.json"):
         ckpt_io.read_state(tmp_path)
+
+
+def _hand_checkpoint(out, config: dict, step: int = 2):
+    """A complete checkpoint of a 2x2 linear layer (every file opens), recording ``config``."""
+    layer = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return ckpt_io.save_checkpoint(out, layer, opt, sched, step, config, "fp")
+
+
+def test_a_folder_holding_every_file_of_a_run_that_never_checkpointed_is_replaced(tmp_path):
+    """run.json, train.log and history.jsonl together are still a run stopped before its first checkpoint: nothing to
+    resume, nothing lost, so a fresh run empties the folder rather than asking for --overwrite."""
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("run.json", "train.log", "history.jsonl"):
+        (out / name).write_text("{}")
+    assert output_dir.prepare_output_dir(TrainConfig(model="m", output_dir=str(out))) is None
+    assert list(out.iterdir()) == []
+
+
+def test_overwrite_never_deletes_a_parent_of_the_working_directory(tmp_path, monkeypatch):
+    """A run folder whose (empty) checkpoint directory is the working directory: --overwrite would otherwise pass the
+    run-files check and delete the folder the user stands in."""
+    out = tmp_path / "run"
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "run.json").write_text("{}")
+    monkeypatch.chdir(out / "checkpoint")
+    with pytest.raises(OutputDirError, match="one of its parents"):
+        output_dir.prepare_output_dir(TrainConfig(model="m", output_dir=str(out), overwrite=True))
+    assert (out / "run.json").is_file() and (out / "checkpoint").is_dir()
+
+
+def test_a_resume_with_a_relative_data_path_left_unchanged_warns_nothing(tmp_path, monkeypatch, caplog):
+    """The checkpoint keys its input stamps by the path as given ("data.jsonl"); they are compared resolved, so an
+    unchanged file given by a relative path is not reported as changed."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.jsonl").write_text('{"text": "a"}\n')
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = TrainConfig(model="m", output_dir=str(out), data="data.jsonl", resume=True)
+    ckpt = _hand_checkpoint(out, {**cfg.to_json(), "inputs": cfg.input_stamps()})
+    with caplog.at_level("WARNING", logger="specdec.train.output_dir"):
+        assert output_dir.prepare_output_dir(cfg) == ckpt
+    assert "changed since the checkpoint" not in caplog.text
+
+
+def test_a_resume_accepts_a_checkpoint_that_recorded_no_target(tmp_path):
+    """A checkpoint saved before targets were recorded has nothing to compare: it resumes whatever the model's
+    fingerprint now; one that recorded another target is refused."""
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = TrainConfig(model="m", output_dir=str(out), resume=True)
+    ckpt = _hand_checkpoint(out, cfg.to_json())
+    assert output_dir.prepare_output_dir(cfg, "fingerprint-now") == ckpt
+    _hand_checkpoint(out, {**cfg.to_json(), "target": "fingerprint-then"})
+    with pytest.raises(OutputDirError, match="is not the one the checkpoint"):
+        output_dir.prepare_output_dir(cfg, "fingerprint-now")
+
+
+def test_a_save_replaces_a_checkpoint_left_beside_a_stale_old_one(tmp_path):
+    """A kill after the new checkpoint was renamed in but before checkpoint.old was deleted leaves both; the next
+    save must still swap (renaming onto a non-empty checkpoint.old fails) and leave only the new step."""
+    import shutil
+
+    _hand_checkpoint(tmp_path, {}, step=2)
+    shutil.copytree(tmp_path / ckpt_io.CKPT, tmp_path / ckpt_io.OLD)  # the stale one, not yet deleted
+    final = _hand_checkpoint(tmp_path, {}, step=6)
+    assert ckpt_io.checkpoint_step(final) == 6 and not (tmp_path / ckpt_io.OLD).exists()
+    assert ckpt_io.find_checkpoint(tmp_path) == tmp_path / ckpt_io.CKPT
+
+
+def test_medusa_head_i_loss_is_weighted_by_head_decay_to_the_power_i(tmp_path):
+    """--head-decay 0.5 over 3 heads: weights 0.5**0, 0.5**1, 0.5**2 = 1, 0.5, 0.25 (the first head at full weight)."""
+    from types import SimpleNamespace
+
+    lm = torch.nn.Linear(4, 8, bias=False)
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=4, vocab_size=8), get_output_embeddings=lambda: lm)
+    cfg = TrainConfig(model="m", output_dir=str(tmp_path), num_heads=3, head_decay=0.5)
+    assert medusa_recipe.MedusaRecipe(cfg, model, "cpu").weights == [1.0, 0.5, 0.25]
+
+
+def test_an_eagle3_layer_has_its_own_lm_head_only_over_the_full_vocabulary(tiny, tmp_path):
+    """EAGLE-3 over the full vocabulary keeps its own LM head (serving engines need one); over a reduced draft
+    vocabulary it does not."""
+    from specdec.train.eagle_recipe import EagleRecipe
+
+    model = _model_and_seqs(tiny)[0]
+    cfg = TrainConfig(model="m", output_dir=str(tmp_path), drafter="eagle", eagle_arch="eagle3")
+    assert EagleRecipe(cfg, model, "cpu").module.config.own_lm_head is True
+    assert EagleRecipe(cfg, model, "cpu", draft_vocab=tuple(range(1, 40))).module.config.own_lm_head is False
