@@ -2,7 +2,9 @@
 a kill is bit-exact, a checkpoint for another target is refused, and the draft vocabulary covers the data."""
 from __future__ import annotations
 
+import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,10 +14,12 @@ pytest.importorskip("datasets")
 
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, load_eagle  # noqa: E402
 from specdec.train import checkpoint as ckpt_io  # noqa: E402
-from specdec.train import loop  # noqa: E402
+from specdec.train import eagle_report, loop  # noqa: E402
+from specdec.train.accuracy_table import accuracy_cells  # noqa: E402
 from specdec.train.config import TrainConfig  # noqa: E402
 from specdec.train.output_dir import OutputDirError  # noqa: E402
 from specdec.train.pipeline import run_training  # noqa: E402
+from specdec.train.run_seconds import run_seconds  # noqa: E402
 
 from tests.test_train_data import training_dir  # noqa: E402
 
@@ -389,3 +393,51 @@ def test_train_eagle_arch_eagle3_lowers_the_loss_and_exports(tiny, tmp_path):
     raw = json.loads((tmp_path / "served" / "config.json").read_text())
     assert raw["speculators_config"]["verifier"]["name_or_path"] == str(tiny / "model")
     assert load_eagle(tmp_path / "served", target).config.draft_vocab == tuple(sorted(eagle.config.draft_vocab))
+
+
+@dataclasses.dataclass
+class _TreeConfig:
+    depth: int = 0
+    top_k: int = 0
+    max_nodes: int = 0
+
+
+def _finished(tmp_path, monkeypatch, held_out, history):
+    """finish_eagle over hand-made accuracies (depth 1: 0.9, depth 2: 0.8 top-1), nothing timed or saved."""
+    acc = {"top1": [0.9, 0.8], "top5": [0.95, 0.9], "positions": [10, 8]}
+    monkeypatch.setattr(eagle_report, "scoped_eagle_accuracies", lambda *a, **k: [acc])
+    monkeypatch.setattr(eagle_report, "save_eagle", lambda *a, **k: None)
+    cfg = TrainConfig(model="m", output_dir=str(tmp_path), drafter="eagle", eagle_steps=2, eval_tau=False)
+    times = {"start": 0.0, "data": 1.0, "train": 2.0}
+    return eagle_report.finish_eagle(cfg, SimpleNamespace(model=None, name="m"), SimpleNamespace(config=_TreeConfig()),
+                                     history, held_out, [[1, 2, 3]], {}, times, SimpleNamespace(device="cpu",
+                                                                                                 num_processes=1))
+
+
+def test_the_eagle_report_says_which_data_it_scored_and_the_last_loss(tmp_path, monkeypatch):
+    """Held-out sequences given: the accuracies are "held-out"; none: "training". The final loss is the last
+    record's (2.0 after 3.0), not the first's."""
+    history = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}]
+    report = _finished(tmp_path, monkeypatch, [[4, 5, 6]], history)
+    assert report["accuracy_data"] == "held-out" and report["final_loss"] == 2.0 and report["steps"] == 2
+    assert _finished(tmp_path, monkeypatch, [], history)["accuracy_data"] == "training"
+
+
+def test_an_untimed_tree_report_names_the_responses_only_accuracies_it_chose_from(tmp_path, monkeypatch):
+    report = _finished(tmp_path, monkeypatch, [[4, 5, 6]], [{"step": 1, "loss": 3.0}])
+    report["tree_choice"] = {**report["tree_choice"], "accuracies": "response_top1"}
+    assert "chosen from the responses-only top-1 accuracies above" in eagle_report.render_markdown(report)
+    report["tree_choice"]["accuracies"] = "top1"
+    assert "chosen from the top-1 accuracies above" in eagle_report.render_markdown(report)
+
+
+def test_accuracy_cells_read_top1_then_top5_for_all_positions_and_for_responses():
+    report = {"top1": [0.5, None], "top5": [0.75, 0.25], "response_top1": [0.125, None], "response_top5": [0.375, 0.0]}
+    assert accuracy_cells(report) == ["0.500 | 0.750 | 0.125 | 0.375", "n/a | 0.250 | n/a | 0.000"]
+    assert accuracy_cells({"top1": [0.5], "top5": [0.75]}) == ["0.500 | 0.750 | - | -"]
+
+
+def test_run_seconds_splits_the_clock_readings_into_data_training_and_evaluation():
+    # start 10, data read at 12, trained at 20, ended at 25: data 2, training 8, evaluation 5, total 15
+    assert run_seconds({"start": 10.0, "data": 12.0, "train": 20.0}, 25.0) == {
+        "data": 2.0, "train": 8.0, "eval": 5.0, "total": 15.0, "resumed_from_step": None}
