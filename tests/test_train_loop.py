@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from specdec.train import checkpoint as ckpt_io  # noqa: E402
 from specdec.train import features, interrupt_saves, loop, medusa_loss, medusa_recipe, output_dir  # noqa: E402
 from specdec.train.choices import choose_tree  # noqa: E402
 from specdec.train.config import TrainConfig  # noqa: E402
+from specdec.train.eagle_recipe import EagleRecipe  # noqa: E402
 from specdec.train.output_dir import OutputDirError  # noqa: E402
 from specdec.train.pipeline import run_training  # noqa: E402
 
@@ -219,7 +222,6 @@ def test_logged_lr_is_the_one_each_step_used(tiny, tmp_path, monkeypatch):
 class _Threads:
     """``n`` training processes as threads of this one, for what the loop asks of accelerate: ``reduce`` adds the
     ranks' tensors (in rank order, the same sum on every rank) through shared slots."""
-
     def __init__(self, n: int) -> None:
         import threading
 
@@ -244,8 +246,6 @@ class _Threads:
 def _first_step_gradient(tiny, out, drafter, seqs, monkeypatch, processes=1, **kw):
     """The gradient the first optimizer step uses (every rank's: they must agree) and its logged loss."""
     import threading
-
-    from specdec.train.eagle_recipe import EagleRecipe
 
     grads, real_step = [], torch.optim.AdamW.step
 
@@ -324,8 +324,6 @@ def _accelerator():
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_more_than_one_block_per_head_warns_that_fasterdecoding_cannot_load_them(num_layers, monkeypatch, caplog):
     """FasterDecoding's MedusaModel repeats one block, so it would load such heads with every block the last one."""
-    from types import SimpleNamespace
-
     from specdec.testing import build_tiny_model
 
     monkeypatch.setattr(medusa_recipe, "train_drafter", lambda *args: [])  # the recipe only: no training
@@ -660,7 +658,6 @@ def test_outside_the_loop_a_signal_acts_at_once_and_the_meetings_carry_it():
     import contextlib
     import os
     import signal
-    from types import SimpleNamespace
 
     from specdec.train.agreed_interrupts import InterruptsHeld
 
@@ -1051,7 +1048,6 @@ def test_the_line_of_an_interrupt_or_error_is_one_write(tmp_path, monkeypatch):
     its newline in two writes where Python runs unbuffered (PYTHONUNBUFFERED, as under pytest-xdist), and two
     processes' lines came out as one ("...starts againspecdec train-medusa: ..."). Each line is now one write."""
     import sys
-    from types import SimpleNamespace
 
     from specdec.train import cli, pipeline
     from specdec.train.data import TrainDataError
@@ -1325,8 +1321,6 @@ def _fake_run(path, eagle=False):
                                   "checkpoint.old/state.json/oops.txt"])
 def test_overwrite_refuses_user_files_at_any_depth(tmp_path, mine):
     """Only the top-level names were checked: a user's file inside <out>/checkpoint/ was deleted."""
-    from types import SimpleNamespace
-
     run = _fake_run(tmp_path / "run")
     (run / mine).parent.mkdir(parents=True, exist_ok=True)
     (run / mine).write_text("the user's")
@@ -1344,7 +1338,6 @@ def test_measured_tau_verifies_every_tree_whole(monkeypatch):
     """tau measures the heads: every proposal verified (speculation="always"). Under the default guard, on a CPU
     where the quick recipe's heads do not pay, the report's tau was the guard leaving them out (1.06, not ~1.6)."""
     import importlib
-    from types import SimpleNamespace
 
     from specdec.train import evaluate
 
@@ -1409,8 +1402,6 @@ def test_a_run_still_going_is_never_taken_for_one_that_ended(tiny, tmp_path):
 def test_a_resume_names_input_files_that_changed_since_the_checkpoint(tiny, tmp_path, caplog):
     """The same --data path with other contents resumed silently (the fingerprint holds the path only); each
     checkpoint records its inputs' sizes and times, and a resume names those that changed."""
-    import shutil
-
     data = tmp_path / "data.jsonl"
     shutil.copyfile(tiny / "data.jsonl", data)
     out = tmp_path / "run"
@@ -1466,8 +1457,6 @@ def test_a_history_line_cut_short_by_a_kill_does_not_block_resume(tmp_path):
 
 
 def _copied_run(tiny, tmp_path, monkeypatch):
-    import shutil
-
     shutil.copytree(tiny / "model", tmp_path / "model")
     shutil.copyfile(tiny / "data.jsonl", tmp_path / "data.jsonl")
     monkeypatch.chdir(tmp_path)
@@ -1508,8 +1497,6 @@ def test_resume_refuses_a_target_retrained_into_the_same_directory(tiny, tmp_pat
 def test_accumulated_micro_batches_take_each_sequence_once_an_epoch_and_reshuffle_each_epoch():
     """8 sequences, batch 2, --grad-accum 2: an epoch is 8 / 2 = 4 micro-batches = 2 optimizer steps. Steps 0-1 take
     every sequence exactly once, steps 2-3 (the second epoch) take each once again, in another order."""
-    from types import SimpleNamespace
-
     seqs = [[r + 1, 90, 91] for r in range(8)]  # a row's first token is its index + 1
     run = SimpleNamespace(cfg=SimpleNamespace(grad_accum=2, batch_size=2, seed=0), train_seqs=seqs,
                           accelerator=SimpleNamespace(num_processes=1, process_index=0, device=torch.device("cpu")),
@@ -1610,8 +1597,6 @@ def test_a_resume_accepts_a_checkpoint_that_recorded_no_target(tmp_path):
 def test_a_save_replaces_a_checkpoint_left_beside_a_stale_old_one(tmp_path):
     """A kill after the new checkpoint was renamed in but before checkpoint.old was deleted leaves both; the next
     save must still swap (renaming onto a non-empty checkpoint.old fails) and leave only the new step."""
-    import shutil
-
     _hand_checkpoint(tmp_path, {}, step=2)
     shutil.copytree(tmp_path / ckpt_io.CKPT, tmp_path / ckpt_io.OLD)  # the stale one, not yet deleted
     final = _hand_checkpoint(tmp_path, {}, step=6)
@@ -1621,8 +1606,6 @@ def test_a_save_replaces_a_checkpoint_left_beside_a_stale_old_one(tmp_path):
 
 def test_medusa_head_i_loss_is_weighted_by_head_decay_to_the_power_i(tmp_path):
     """--head-decay 0.5 over 3 heads: weights 0.5**0, 0.5**1, 0.5**2 = 1, 0.5, 0.25 (the first head at full weight)."""
-    from types import SimpleNamespace
-
     lm = torch.nn.Linear(4, 8, bias=False)
     model = SimpleNamespace(config=SimpleNamespace(hidden_size=4, vocab_size=8), get_output_embeddings=lambda: lm)
     cfg = TrainConfig(model="m", output_dir=str(tmp_path), num_heads=3, head_decay=0.5)
@@ -1630,10 +1613,8 @@ def test_medusa_head_i_loss_is_weighted_by_head_decay_to_the_power_i(tmp_path):
 
 
 def test_an_eagle3_layer_has_its_own_lm_head_only_over_the_full_vocabulary(tiny, tmp_path):
-    """EAGLE-3 over the full vocabulary keeps its own LM head (serving engines need one); over a reduced draft
-    vocabulary it does not."""
-    from specdec.train.eagle_recipe import EagleRecipe
-
+    """EAGLE-3 over the full vocabulary has its own [V, H] LM head instead of the target's; over a reduced draft
+    vocabulary its head is the draft vocabulary's, so no full-vocabulary one."""
     model = _model_and_seqs(tiny)[0]
     cfg = TrainConfig(model="m", output_dir=str(tmp_path), drafter="eagle", eagle_arch="eagle3")
     assert EagleRecipe(cfg, model, "cpu").module.config.own_lm_head is True
