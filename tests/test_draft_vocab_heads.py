@@ -145,6 +145,19 @@ def test_medusa_choices_deeper_than_the_draft_vocabulary_are_refused():
                          drafter=MedusaDrafter(heads=heads, medusa_choices=[[0], [3]]))
 
 
+def test_medusa_drafts_with_every_token_of_its_draft_vocabulary():
+    """Of a 3-token draft vocabulary, static choices may use ranks 0..2 and a dynamic tree may take top_k=3."""
+    model = build_tiny_model()
+    plain = specdec.generate(model, [[1, 2, 3]], max_new_tokens=4)
+    for options in (dict(medusa_choices=[[0], [1], [2]]), dict(tree="dynamic", top_k=3)):
+        spy = Spy(heads=reduced_heads(model, [1, 2, 3]), **options)
+        assert specdec.generate(model, [[1, 2, 3]], max_new_tokens=4, drafter=spy, speculation="always") == plain
+        trees = [t.tokens.tolist() for h, t in spy.seen if h is not None]
+        assert trees
+        if "medusa_choices" in options:  # ranks 0, 1, 2 of head 0: the three tokens, one each
+            assert all(sorted(t) == [1, 2, 3] for t in trees)
+
+
 # ---- self-draft ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("options", [dict(num_layers=2, num_draft_tokens=4),
                                      dict(num_layers=3, tree="dynamic", max_nodes=12, beam=3)],
