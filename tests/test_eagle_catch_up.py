@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from specdec.drafters.eagle_catch_up import CatchUpInputs, catch_up
+from specdec.drafters.eagle_catch_up import CatchUpInputs, CatchUpRows, catch_up
 from specdec.drafters.eagle_grow import BIAS_ALIGN
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
 from torch.nn import functional as F
@@ -108,3 +108,13 @@ def test_the_drafters_catch_up_rows_pair_features_as_training_does():
     assert rows.positions == [[1, 2, 3, 4, 5], [2, 3, 0, 0, 0]]
     assert rows.counts == counts and torch.equal(rows.hidden[1, :2], views[1].new_hidden)
     assert list(EagleDrafter._cached(drafter, views).root_positions) == [5, 3]
+
+
+def test_uploaded_catch_up_rows_keep_tokens_positions_and_counts_apart():
+    rows = CatchUpRows(torch.zeros(2, 3, 4), [[9, 2, 7], [8, 6, 0]], [[1, 2, 3], [4, 5, 0]], [3, 2])
+    # packed to width 4: tokens + 1 pad, positions + 1 pad, count
+    assert rows.packed(4) == [[9, 2, 7, 0, 1, 2, 3, 0, 3], [8, 6, 0, 0, 4, 5, 0, 0, 2]]
+    x = CatchUpInputs.upload(rows)
+    assert x.tokens.tolist() == [[9, 2, 7], [8, 6, 0]]
+    assert x.positions.tolist() == [[1, 2, 3], [4, 5, 0]]
+    assert x.counts.tolist() == [3, 2] and x.hidden is rows.hidden
