@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
+from specdec.drafters.eagle_rope import config_entries, read_rope
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.utils import logging as transformers_logging
 
@@ -67,3 +68,28 @@ def test_a_head_config_shorter_than_its_original_context_rotates_right_without_t
                                               max_position_embeddings=2048, rope_scaling=dict(rope)))
     want_cos, want_sin = theirs(torch.zeros(1, 1, 16), positions)
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+
+
+def test_a_head_configs_rope_theta_at_the_top_wins_over_the_one_in_its_parameters():
+    raw = {"rope_theta": 500000.0, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
+    assert read_rope(raw, "head")[0] == 500000.0
+    inside = {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 20000.0}}
+    assert read_rope(inside, "head")[0] == 20000.0  # no top-level one: the parameters' own
+    assert read_rope({}, "head") == (10000.0, {})
+
+
+def test_a_head_configs_lengthwise_rope_type_is_dropped_with_a_warning(caplog):
+    raw = {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    with caplog.at_level("WARNING"):
+        assert read_rope(raw, "head") == (500000.0, {})  # rotates by rope_theta alone
+    assert "'dynamic' changes with sequence length" in caplog.text
+
+
+def test_a_written_scaled_config_gives_rope_theta_inside_rope_parameters_too():
+    config = EagleConfig(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
+                         vocab_size=96, rope_theta=500000.0, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    entries = config_entries(config)
+    assert entries["rope_theta"] == 500000.0
+    assert entries["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    # transformers 5 reads rope_theta from rope_parameters
+    assert entries["rope_parameters"] == {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}
