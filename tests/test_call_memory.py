@@ -8,7 +8,7 @@ import pytest
 import torch
 from specdec.drafters.base import CostView
 from specdec.drafters.call_memory import memory_key
-from specdec.drafters.eagle_depth import DepthChooser
+from specdec.drafters.eagle_depth import DepthChooser, DepthConfig
 
 # c(n) = 1 decode step for any n; a decode step of b sequences takes 0.01 * b seconds
 COSTS = CostView(lambda n, batch: 1.0, lambda batch: 0.01 * batch)
@@ -53,3 +53,22 @@ def test_a_parts_cost_is_its_time_over_a_decode_step_at_the_calls_batch():
     # 0.04 s over a decode step of 8 sequences (0.08 s) = 0.5; at 1 sequence (0.01 s) = 4
     assert chooser.part_cost(0, 8) == pytest.approx(0.5)
     assert chooser.part_cost(0, 1) == pytest.approx(4.0)
+
+
+def test_a_call_that_never_finishes_leaves_the_remembered_times_as_they_were():
+    chooser = DepthChooser(4)
+    chooser.start(COSTS, ("times",))
+    chooser.record_seconds([0.04], catch_up=False)
+    chooser.finish()  # remembered: 0.04 s for part 0
+    chooser.start(COSTS, ("times",))
+    chooser.record_seconds([1.0], catch_up=False)  # this call records, and no sequence of it finishes
+    chooser.start(COSTS, ("times",))
+    # 0.04 s over a decode step of 1 sequence (0.01 s) = 4, as the finished call left it
+    assert chooser.part_cost(0, 1) == pytest.approx(4.0)
+
+
+def test_a_decider_weighs_the_newest_time_alone_at_ema_1_and_refuses_weights_outside_0_to_1():
+    assert DepthConfig(ema=1.0).ema == 1.0
+    for ema in (0.0, 1.5):
+        with pytest.raises(ValueError, match="invalid DepthConfig"):
+            DepthConfig(ema=ema)
