@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 from specdec.train.data import TrainDataError, load_texts, split_held_out, tokenize_texts
 from specdec.train.distill import self_distill
+from specdec.train.process_team import Team
 from specdec.train.prompts import builtin_prompts
 
 from specdec.models.loader import load_model
@@ -51,6 +52,15 @@ def training_dir(root):
     save_tiny_checkpoint(root / "model")
     _jsonl(root / "data.jsonl", [{"text": t} for t in TEXTS])
     return root
+
+
+def test_a_team_refuses_a_process_index_outside_its_size():
+    """Processes 0..size-1 make a team of ``size``: index 2 of 2 (or -1) is no member, and is refused at once rather
+    than taking no piece and waiting at exchanges that never pair up."""
+    for index in (2, -1):
+        with pytest.raises(ValueError, match=f"process index {index} is not one of 2 processes"):
+            Team(index, 2, lambda: None, lambda made: [made])
+    assert Team(1, 2, lambda: None, lambda made: [made]).index == 1
 
 
 def test_jsonl_text(tmp_path):
