@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 from types import SimpleNamespace
 
@@ -18,11 +19,16 @@ pytest.importorskip("datasets")
 from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads, load_medusa  # noqa: E402
 from specdec.train import checkpoint as ckpt_io  # noqa: E402
 from specdec.train import features, interrupt_saves, loop, medusa_loss, medusa_recipe, output_dir  # noqa: E402
+from specdec.train.agreed_interrupts import InterruptsHeld  # noqa: E402
 from specdec.train.choices import choose_tree  # noqa: E402
 from specdec.train.config import TrainConfig  # noqa: E402
+from specdec.train.deferred_interrupts import interrupts_deferred  # noqa: E402
 from specdec.train.eagle_recipe import EagleRecipe  # noqa: E402
 from specdec.train.output_dir import OutputDirError  # noqa: E402
 from specdec.train.pipeline import run_training  # noqa: E402
+from specdec.train.process_failures import FailureNotes, PeerFailed  # noqa: E402
+
+from specdec.sigterm import Terminated, sigterm_as_interrupt  # noqa: E402
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz .,?!'0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ")
 TEXTS = [f"the {w} number {i} likes {w[::-1]} and sings, {i * 7}" for i, w in
@@ -1619,3 +1625,143 @@ def test_an_eagle3_layer_has_its_own_lm_head_only_over_the_full_vocabulary(tiny,
     cfg = TrainConfig(model="m", output_dir=str(tmp_path), drafter="eagle", eagle_arch="eagle3")
     assert EagleRecipe(cfg, model, "cpu").module.config.own_lm_head is True
     assert EagleRecipe(cfg, model, "cpu", draft_vocab=tuple(range(1, 40))).module.config.own_lm_head is False
+
+
+class _Store(dict):
+    """A process group's key-value store: what FailureNotes reads and writes."""
+
+    def set(self, key, value):
+        self[key] = value
+
+    def check(self, keys):
+        return all(k in self for k in keys)
+
+
+def test_a_lost_connection_names_the_process_whose_note_comes_during_the_wait(monkeypatch):
+    """A peer's note can land after this process's collective failed: the bounded wait for it reads it, so the line
+    names process 1 rather than a process that stopped without a word."""
+    class LateStore(_Store):
+        def check(self, keys):
+            self.checks = getattr(self, "checks", 0) + 1
+            if self.checks == 3:  # the note arrives while this process waits for it
+                self["specdec/run7/failed/1"] = "ValueError: a bad batch"
+            return super().check(keys)
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr("specdec.train.process_failures.NOTE_WAIT_S", 5.0)
+    try:
+        with pytest.raises(PeerFailed, match=r"^process 1 failed") as stopped:
+            FailureNotes(LateStore(), 0, 2, 7).stop(RuntimeError("[pair.cc:553] Connection closed by peer"))
+        assert stopped.value.process == 1
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_process_never_blames_itself_or_notes_a_peers_failure_as_its_own():
+    """A process's own note is not another's failure (a Ctrl-C after it is a plain interrupt), and a PeerFailed it
+    stops with leaves no note: the others would name it as the process that failed."""
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        store = _Store()
+        zero = FailureNotes(store, 0, 2, 7)
+        zero.stop(PeerFailed(1))
+        assert store == {}
+        zero.stop(ValueError("a bad batch"))
+        assert list(store) == ["specdec/run7/failed/0"]
+        assert zero.failed() is None and zero.interrupted() is None
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_signal_after_a_peer_failed_ignores_the_launchers_sigterm_from_then_on():
+    """interrupted() with another process's note raises PeerFailed and ignores SIGTERM: the launcher's (sent when the
+    failed process exits) must not cut this process's line."""
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        store = _Store({"specdec/run7/failed/1": "ValueError: a bad batch"})
+        with pytest.raises(PeerFailed):
+            FailureNotes(store, 0, 2, 7).interrupted()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _meeting(recorded):
+    """The collective of a meeting: the others add nothing; what this process sent is appended to ``recorded``."""
+    def reduce(flags, reduction):
+        recorded.append(flags.tolist())
+        return flags
+
+    return SimpleNamespace(device=None, reduce=reduce)
+
+
+def test_a_signal_during_the_last_meeting_waits_for_the_end_of_the_block():
+    """After the ``last`` meeting signals are held: one during it is handled when the block ends, so what follows
+    the meeting inside the block still runs."""
+    sent, after = [], []
+
+    def reduce(flags, reduction):
+        sent.append(flags.tolist())
+        os.kill(os.getpid(), signal.SIGTERM)  # while the processes meet
+        return flags
+
+    with sigterm_as_interrupt(), pytest.raises(Terminated), InterruptsHeld(hold=False) as agreed:
+        agreed.meet(SimpleNamespace(device=None, reduce=reduce), last=True)
+        after.append("ran")
+    assert sent == [[0.0, 0.0]] and after == ["ran"]
+
+
+def test_meet_after_makes_no_meeting_for_an_interrupt_no_signal_caused_or_one_already_agreed():
+    """meet_after() meets the others only for a signal this block recorded, once: a KeyboardInterrupt raised by code
+    (the others' meeting could be another collective) or one already stopped together makes no collective."""
+    sent = []
+    with InterruptsHeld(hold=False) as agreed:
+        agreed.meet_after(_meeting(sent), KeyboardInterrupt())
+    assert sent == []
+    with sigterm_as_interrupt(), pytest.raises(Terminated) as stopped, InterruptsHeld(hold=False) as agreed:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        except KeyboardInterrupt as err:
+            agreed.meet_after(_meeting(sent), err)
+            agreed.meet_after(_meeting(sent), err)  # already agreed: no second meeting
+            raise
+    assert sent == [[0.0, 1.0]] and stopped.value.processes_stopped_together
+
+
+def test_signals_deferred_past_a_step_are_handled_in_the_order_they_came():
+    """SIGINT then SIGTERM inside a deferred step: the first that came (Ctrl-C) stops the run, as a KeyboardInterrupt,
+    not a Terminated."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with sigterm_as_interrupt(), pytest.raises(KeyboardInterrupt) as stopped:
+            with interrupts_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGTERM)
+        assert type(stopped.value) is KeyboardInterrupt
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_an_agreed_interrupt_records_the_steps_the_main_process_could_not_save():
+    """Processes that agreed on step 7 while the last checkpoint is step 4 (the main process could not save): 7 - 4 =
+    3 steps lost, and the interrupt is marked as stopped together (the group closes as at a run's end)."""
+    err = KeyboardInterrupt()
+    interrupt_saves.record_interrupt(err, SimpleNamespace(), SimpleNamespace(step=7, saved=4, agreed=7))
+    assert err.unsaved_steps == 3 and err.processes_stopped_together and not hasattr(err, "saved_step")
+    err = KeyboardInterrupt()
+    interrupt_saves.record_interrupt(err, SimpleNamespace(), SimpleNamespace(step=7, saved=7, agreed=7))
+    assert err.saved_step == 7 and err.processes_stopped_together
+
+
+def test_processes_that_agree_on_the_step_just_saved_do_not_save_it_again():
+    """An agreed interrupt right after a checkpoint (step 6, saved at 6) writes nothing more; after step 7 the main
+    process saves it once and every process stops."""
+    saves = []
+    run = SimpleNamespace(accelerator=SimpleNamespace(is_main_process=True, device=None,
+                                                      reduce=lambda flags, reduction: flags),
+                          save=lambda at: saves.append(at.step))
+    for step, want in ((6, []), (7, [7])):
+        at = SimpleNamespace(step=step, saved=6, agreed=None)
+        with pytest.raises(KeyboardInterrupt), InterruptsHeld() as held:
+            interrupt_saves.stop_together(run, at, torch.tensor([1.0, 0.0]), held)
+        assert saves == want and at.saved == at.agreed == step
