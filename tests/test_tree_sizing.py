@@ -16,6 +16,7 @@ from specdec.cost_model import CostModel
 from specdec.cuda_graphs import note_capture
 from specdec.generate import generate
 from specdec.online_costs import OnlineCosts
+from specdec.score_bins import corrected, learn, new_bins
 from specdec.testing import build_tiny_model
 from specdec.tree import DraftMode, DraftTree
 from specdec.tree_sizing import MEMORY_FORMAT, TreeSizer
@@ -43,6 +44,23 @@ def test_observed_acceptance_corrects_overconfident_scores():
         sizer.size(0, tree, batch=1)
         sizer.observe(0, [7])  # the target never takes token 5
     assert sizer.acceptance(tree)[0] < first / 3
+
+
+def test_score_bins_count_a_score_of_one_in_the_last_bin_and_sum_predicted_scores():
+    bins = new_bins()
+    learn(bins, 1.0, True, 0.5)  # 1.0 is in the last bin, [0.9, 1.0]
+    assert bins[9] == [1.0, 1.0]
+    learn(bins, 0.25, True, 0.5)  # bin 2: [0 * 0.5 + 1, 0 * 0.5 + 0.25]
+    learn(bins, 0.25, False, 0.5)  # [1 * 0.5 + 0, 0.25 * 0.5 + 0.25]
+    assert bins[2] == pytest.approx([0.5, 0.375])
+    assert sum(map(sum, bins)) == pytest.approx(2.0 + 0.875)  # nothing else counted
+
+
+def test_a_score_of_one_is_corrected_by_the_last_bins_factor():
+    bins = new_bins()
+    bins[9] = [1.0, 2.0]  # scores in [0.9, 1.0] accepted half as often as predicted
+    # pooled = (1 + 1) / (2 + 1) = 2/3; last bin's factor = (1 + 1 * 2/3) / (2 + 1) = 5/9
+    assert corrected([1.0, 0.9], bins, 1.0) == pytest.approx([5 / 9, 0.9 * 5 / 9])
 
 
 def test_a_drafter_that_calibrates_its_scores_has_them_taken_as_they_are():
