@@ -9,10 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specdec import cost_model
+from specdec import cost_model, verify_cost
 from specdec.cost_model import CalibrationConfig, CostModel, load_cost_model
 from specdec.models import row_policy
 from specdec.models.llama import LlamaRunner
+from specdec.sampling import SamplingConfig
 from specdec.testing import build_tiny_model
 
 SMALL = CalibrationConfig(sizes=(1, 2, 4), context=16, repeats=1, row_repeats=1)
@@ -178,8 +179,6 @@ def test_a_curve_timed_while_the_machine_was_busy_is_measured_again(fresh, monke
     """A 2-token verify timed at 3x a 1-token step (a cached curve found on a 2-core CPU: c(2..32) = 3.02 c(1)) is
     more than decoding the 2 tokens one by one: no machine's curve. It kept speculation="auto" from drafting what
     paid; it is now measured again once, and kept (with a warning) only if the second timing says the same."""
-    from specdec import verify_cost
-
     busy, quiet = {1: 0.38, 2: 1.15, 4: 1.15}, {1: 0.04, 2: 0.04, 4: 0.041}
     timings = [busy, quiet]
     monkeypatch.setattr(verify_cost, "measure_verify_costs", lambda *args, **kw: timings.pop(0))
@@ -202,8 +201,6 @@ def test_an_impossible_curve_cached_before_the_check_is_measured_again(fresh, mo
     warning naming its file and measured again when first needed; the file keeps the rest, and a checked file (even
     one whose dear curve two calibrations agreed on) is trusted."""
     import json
-
-    from specdec import verify_cost
 
     quiet = {1: 0.04, 2: 0.04, 4: 0.041}
     timings = [quiet]
@@ -263,8 +260,6 @@ def test_weights_updated_between_calls_keep_their_costs_and_the_memo_bounded(mon
     cost-cache key (a checksum of some weights), so each call measured the verify costs again (~20 s on the embedded
     model), added a memo entry and a guard memory file, without bound. The curves are keyed by the model's shapes now:
     measured once; models of other shapes each have their own, and the memo keeps the MEMO_LIMIT most recent."""
-    from specdec import verify_cost
-
     monkeypatch.setattr(verify_cost, "measure_verify_costs",
                         lambda runner, prompts, sizes, sampling, **kw: {n: 1e-3 * (1 + 0.1 * (n - 1)) for n in sizes})
     monkeypatch.setattr(cost_model, "_MEMO", {})
@@ -335,8 +330,6 @@ def test_each_cpu_model_has_its_own_costs_and_row_policy(fresh, monkeypatch):
 def test_each_row_policy_has_its_own_verify_costs(fresh, monkeypatch):
     """A verify step runs its products under the installed row policy, so a curve timed under one is not another's:
     a draft model loaded without installing rows (install_rows=False) under a second policy is measured again."""
-    from specdec import verify_cost
-
     monkeypatch.setattr(verify_cost, "measure_verify_costs", lambda *args, **kw: {1: 0.04, 2: 0.04, 4: 0.041})
     runner = LlamaRunner(build_tiny_model(seed=0))
     before = cost_model.CALIBRATIONS["verify"]
@@ -481,7 +474,6 @@ def test_a_measurement_the_user_waits_for_says_so_once_and_shows_its_progress(fr
             yield lambda: (step(), bars[-1].__setitem__(1, bars[-1][1] + 1))
 
     monkeypatch.setattr(cost_model, "_one_off", watched)
-    from specdec import verify_cost
 
     real_measure = verify_cost.measure_verify_costs  # timed for real (the bar steps), its values replaced: a busy
     monkeypatch.setattr(verify_cost, "measure_verify_costs",  # machine's tiny-model timing is measured again (2 bars)
@@ -506,9 +498,6 @@ def test_a_measurement_the_user_waits_for_says_so_once_and_shows_its_progress(fr
 def test_the_calibrations_warm_up_round_is_not_timed(monkeypatch):
     """An engine whose first round of steps takes 1 s each (a first call's one-offs) and later steps 1 ms per
     query token: with repeats=1 the median is of the one timed round alone."""
-    from specdec import verify_cost
-    from specdec.sampling import SamplingConfig
-
     class Timed:
         def __init__(self, runner, cache, drafter, **kw):
             self.drafter, self.steps, self.seconds = drafter, 0, {"verify": 0.0}
@@ -530,9 +519,6 @@ def test_the_calibrations_warm_up_round_is_not_timed(monkeypatch):
 def test_every_calibration_step_commits_one_token(monkeypatch):
     """The chain drafted for the calibration is rejected at its first node, so c(n) prices verifying n tokens,
     not committing them (a chain of the root's copies, which a random-weight target repeats, was accepted)."""
-    from specdec import verify_cost
-    from specdec.sampling import SamplingConfig
-
     made = []
 
     class Kept(verify_cost.Engine):
@@ -568,9 +554,6 @@ class _ScriptedEngine:
 @pytest.mark.measured_verify_costs  # --verify-curve would replace what it tests
 def test_calibration_takes_the_median_step_time_not_the_mean(monkeypatch):
     """One slow step among three timed ones (a busy machine) must not move c(n)."""
-    from specdec import verify_cost
-    from specdec.sampling import SamplingConfig
-
     # warm-up round, then 3 timed rounds of one n = 1 step each: 1, 1 and 10 ms -> median 1 ms (the mean is 4 ms)
     monkeypatch.setattr(_ScriptedEngine, "VERIFY", [5.0, 1e-3, 1e-3, 10e-3])
     monkeypatch.setattr(_ScriptedEngine, "made", [])
@@ -583,9 +566,6 @@ def test_calibration_takes_the_median_step_time_not_the_mean(monkeypatch):
 @pytest.mark.measured_verify_costs  # --verify-curve would replace what it tests
 def test_calibration_context_is_the_prompt_repeated_by_extra_context(monkeypatch):
     """extra_context times the steps at a longer context: each prompt is extended by its own tokens repeated."""
-    from specdec import verify_cost
-    from specdec.sampling import SamplingConfig
-
     monkeypatch.setattr(_ScriptedEngine, "VERIFY", [1e-3] * 2)
     monkeypatch.setattr(_ScriptedEngine, "made", [])
     monkeypatch.setattr(verify_cost, "Engine", _ScriptedEngine)
@@ -596,9 +576,6 @@ def test_calibration_context_is_the_prompt_repeated_by_extra_context(monkeypatch
 
 @pytest.mark.measured_verify_costs  # --verify-curve would replace what it tests
 def test_calibration_refuses_query_sizes_below_one_and_a_context_with_no_room(monkeypatch):
-    from specdec import verify_cost
-    from specdec.sampling import SamplingConfig
-
     monkeypatch.setattr(_ScriptedEngine, "VERIFY", [1e-3] * 100)
     monkeypatch.setattr(_ScriptedEngine, "made", [])
     monkeypatch.setattr(verify_cost, "Engine", _ScriptedEngine)
@@ -908,8 +885,6 @@ def test_row_policy_is_timed_over_more_weights_than_a_cache_holds():
 def test_a_large_batch_calibrates_a_short_grid_and_extrapolates(monkeypatch):
     """Batch B times only sizes n with B * n <= BATCH_QUERY_TOKENS (and n <= 2), over a context shrunk to
     BATCH_CONTEXT_TOKENS / B: the full grid took 131 s at batch 32 on one thread. Larger n extrapolate."""
-    from specdec import verify_cost
-
     timed = {}
     real = verify_cost.measure_verify_costs
 
@@ -930,7 +905,6 @@ def test_a_large_batch_calibrates_a_short_grid_and_extrapolates(monkeypatch):
 def test_a_gpu_times_the_whole_grid_at_every_batch_size(monkeypatch):
     """On a GPU the forward stays memory-bound far past BATCH_QUERY_TOKENS, where the CPU's grid stops and
     extrapolates: batch 32 times every size up to the root and a 64-node tree, and prices them as timed."""
-    from specdec import verify_cost
     from specdec.tree import MAX_TREE_NODES
 
     timed = {}

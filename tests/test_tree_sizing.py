@@ -268,7 +268,6 @@ def test_a_sequences_first_propose_call_is_not_a_steps_draft_cost(monkeypatch):
     assert sizer.draft_cost(1) == pytest.approx(0.1 + 0.2 * (0.2 - 0.1))
 
 
-
 class CapturesOnItsSecondCall(Scripted):  # as a drafter whose graphs are captured at their first replay
     def propose(self, seqs):
         if len(self.asked_at) == 1:
