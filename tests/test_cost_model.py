@@ -534,30 +534,31 @@ def test_every_calibration_step_commits_one_token(monkeypatch):
     assert seq.step_lengths == [1] * 9
 
 
-class _ScriptedEngine:
-    """Stands in for the calibration's engine: keeps the contexts it is given; each step's verify takes the next
-    of ``VERIFY`` seconds."""
-    VERIFY: list[float] = []
-    made: list = []
+def _scripted_engines(monkeypatch, seconds: list[float]) -> list:
+    """Stands the calibration's engine in by one whose steps' verifies take ``seconds`` in turn and which keeps the
+    contexts it is given; returns the engines made, in order."""
+    made, script = [], list(seconds)
 
-    def __init__(self, runner, cache, drafter, **kw):
-        self.drafter, self.seconds, self.contexts = drafter, {"verify": 0.0}, None
-        _ScriptedEngine.made.append(self)
+    class Scripted:
+        def __init__(self, runner, cache, drafter, **kw):
+            self.drafter, self.seconds, self.contexts = drafter, {"verify": 0.0}, None
+            made.append(self)
 
-    def add(self, contexts):
-        self.contexts = [list(c) for c in contexts]
+        def add(self, contexts):
+            self.contexts = [list(c) for c in contexts]
 
-    def step(self):
-        self.seconds["verify"] += _ScriptedEngine.VERIFY.pop(0)
+        def step(self):
+            self.seconds["verify"] += script.pop(0)
+
+    monkeypatch.setattr(verify_cost, "Engine", Scripted)
+    return made
 
 
 @pytest.mark.measured_verify_costs  # --verify-curve would replace what it tests
 def test_calibration_takes_the_median_step_time_not_the_mean(monkeypatch):
     """One slow step among three timed ones (a busy machine) must not move c(n)."""
     # warm-up round, then 3 timed rounds of one n = 1 step each: 1, 1 and 10 ms -> median 1 ms (the mean is 4 ms)
-    monkeypatch.setattr(_ScriptedEngine, "VERIFY", [5.0, 1e-3, 1e-3, 10e-3])
-    monkeypatch.setattr(_ScriptedEngine, "made", [])
-    monkeypatch.setattr(verify_cost, "Engine", _ScriptedEngine)
+    _scripted_engines(monkeypatch, [5.0, 1e-3, 1e-3, 10e-3])
     runner = LlamaRunner(build_tiny_model(seed=0))
     times = verify_cost.measure_verify_costs(runner, [[5] * 16], [1], SamplingConfig(), repeats=3)
     assert times == pytest.approx({1: 1e-3})
@@ -566,19 +567,15 @@ def test_calibration_takes_the_median_step_time_not_the_mean(monkeypatch):
 @pytest.mark.measured_verify_costs  # --verify-curve would replace what it tests
 def test_calibration_context_is_the_prompt_repeated_by_extra_context(monkeypatch):
     """extra_context times the steps at a longer context: each prompt is extended by its own tokens repeated."""
-    monkeypatch.setattr(_ScriptedEngine, "VERIFY", [1e-3] * 2)
-    monkeypatch.setattr(_ScriptedEngine, "made", [])
-    monkeypatch.setattr(verify_cost, "Engine", _ScriptedEngine)
+    made = _scripted_engines(monkeypatch, [1e-3] * 2)
     runner = LlamaRunner(build_tiny_model(seed=0))
     verify_cost.measure_verify_costs(runner, [[7, 8, 9]], [1], SamplingConfig(), extra_context=4, repeats=1)
-    assert _ScriptedEngine.made[0].contexts == [[7, 8, 9, 7, 8, 9, 7]]  # 3 prompt tokens + 4 more
+    assert made[0].contexts == [[7, 8, 9, 7, 8, 9, 7]]  # 3 prompt tokens + 4 more
 
 
 @pytest.mark.measured_verify_costs  # --verify-curve would replace what it tests
 def test_calibration_refuses_query_sizes_below_one_and_a_context_with_no_room(monkeypatch):
-    monkeypatch.setattr(_ScriptedEngine, "VERIFY", [1e-3] * 100)
-    monkeypatch.setattr(_ScriptedEngine, "made", [])
-    monkeypatch.setattr(verify_cost, "Engine", _ScriptedEngine)
+    _scripted_engines(monkeypatch, [1e-3] * 100)
     runner = LlamaRunner(build_tiny_model(seed=0))
     assert runner.shape.max_positions == 512
     with pytest.raises(ValueError, match="query sizes >= 1"):
