@@ -1004,27 +1004,27 @@ def test_an_error_on_one_process_stops_the_others_with_one_line(tiny, tmp_path):
     assert ckpt_io.read_state(ckpt_io.find_checkpoint(tmp_path / "run"))["step"] == 2
 
 
+class _Store(dict):
+    """A process group's key-value store: what FailureNotes reads and writes."""
+
+    def set(self, key, value):
+        self[key] = value
+
+    def check(self, keys):
+        return all(k in self for k in keys)
+
+
 def test_a_process_tells_its_own_error_from_another_ones(monkeypatch):
     """What each process makes of the error that stops it: its own leaves a note naming it; a collective that failed
     while another process's note is there, or on a lost connection (then after a bounded wait for a note), and a
     signal after another process failed (the launcher's SIGTERM), become PeerFailed naming that process. A stopping
     process ignores SIGTERM (the launcher's must not cut its line)."""
-    import signal
-
     from specdec.train import process_failures
-    from specdec.train.process_failures import FailureNotes, PeerFailed
-
-    class Store(dict):
-        def set(self, key, value):
-            self[key] = value
-
-        def check(self, keys):
-            return all(k in self for k in keys)
 
     before = signal.getsignal(signal.SIGTERM)
     monkeypatch.setattr(process_failures, "NOTE_WAIT_S", 0.05)
     try:
-        store = Store()
+        store = _Store()
         one, zero = FailureNotes(store, 1, 2, 7), FailureNotes(store, 0, 2, 7)
         assert zero.interrupted() is None  # no note: a signal is a signal
         zero.stop(RuntimeError("CUDA out of memory"))  # no note of another process's, no lost connection: its own
@@ -1625,16 +1625,6 @@ def test_an_eagle3_layer_has_its_own_lm_head_only_over_the_full_vocabulary(tiny,
     cfg = TrainConfig(model="m", output_dir=str(tmp_path), drafter="eagle", eagle_arch="eagle3")
     assert EagleRecipe(cfg, model, "cpu").module.config.own_lm_head is True
     assert EagleRecipe(cfg, model, "cpu", draft_vocab=tuple(range(1, 40))).module.config.own_lm_head is False
-
-
-class _Store(dict):
-    """A process group's key-value store: what FailureNotes reads and writes."""
-
-    def set(self, key, value):
-        self[key] = value
-
-    def check(self, keys):
-        return all(k in self for k in keys)
 
 
 def test_a_lost_connection_names_the_process_whose_note_comes_during_the_wait(monkeypatch):
