@@ -656,36 +656,33 @@ def test_held_interrupts_stop_as_their_own_signal_else_as_the_peers():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def _meeting(peers=(0, 0), during=None, fails=False):
+    """A meeting's collective as this process sees it: (an accelerator whose reduce adds the others' ``peers`` flags,
+    sends a signal ``during`` it or fails as a lost connection, the list of what this process sent)."""
+    def reduce(flags, reduction):
+        sent.append(flags.tolist())
+        if during is not None:
+            os.kill(os.getpid(), during)  # while the processes meet
+        if fails:
+            raise RuntimeError("Connection closed by peer")
+        return flags + torch.tensor(peers, dtype=torch.float)
+
+    sent = []
+    return SimpleNamespace(device=None, reduce=reduce), sent
+
+
 def test_outside_the_loop_a_signal_acts_at_once_and_the_meetings_carry_it():
     """Outside the training loop (``hold=False``) a signal acts where it lands, as in one process, and is recorded;
     the process that stopped makes the others' next meeting with it (they stop there as its signal: SIGTERM), and a
     signal that comes while the processes meet is held until the meeting is over. A sketch of the others' side: the
     collective gives what they add."""
     import contextlib
-    import os
-    import signal
-
-    from specdec.train.agreed_interrupts import InterruptsHeld
-
-    from specdec.sigterm import Terminated, sigterm_as_interrupt
-
-    def meeting(peers, during=None, fails=False):
-        def reduce(flags, reduction):
-            sent.append(flags.tolist())
-            if during is not None:
-                os.kill(os.getpid(), during)  # while the processes meet
-            if fails:
-                raise RuntimeError("Connection closed by peer")
-            return flags + torch.tensor(peers, dtype=torch.float)
-
-        sent = []
-        return SimpleNamespace(device=None, reduce=reduce), sent
 
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     with sigterm_as_interrupt(), contextlib.ExitStack() as undo:
         undo.callback(signal.signal, signal.SIGINT, before)
         # this process stops at once, then meets the others with its signal; they stop, so it marks the interrupt
-        accelerator, sent = meeting([0, 0])
+        accelerator, sent = _meeting([0, 0])
         with pytest.raises(Terminated) as stopped, InterruptsHeld(hold=False) as agreed:
             try:
                 os.kill(os.getpid(), signal.SIGTERM)
@@ -695,7 +692,7 @@ def test_outside_the_loop_a_signal_acts_at_once_and_the_meetings_carry_it():
                 raise
         assert sent == [[0, 1]] and stopped.value.processes_stopped_together
         # the others gone already: it stops all the same, unmarked
-        accelerator, sent = meeting([0, 0], fails=True)
+        accelerator, sent = _meeting([0, 0], fails=True)
         with pytest.raises(KeyboardInterrupt) as stopped, InterruptsHeld(hold=False) as agreed:
             try:
                 os.kill(os.getpid(), signal.SIGINT)
@@ -704,14 +701,14 @@ def test_outside_the_loop_a_signal_acts_at_once_and_the_meetings_carry_it():
                 raise
         assert sent == [[1, 0]] and not hasattr(stopped.value, "processes_stopped_together")
         # the others' side: a peer's signal at the meeting stops this process as that signal
-        accelerator, sent = meeting([0, 1])
+        accelerator, sent = _meeting([0, 1])
         with pytest.raises(Terminated) as stopped, InterruptsHeld(hold=False) as agreed:
             agreed.meet(accelerator)
         assert sent == [[0, 0]] and stopped.value.processes_stopped_together
         # a signal during a meeting is handled after it (the others learn it at the next), and during the last one
         # when the block ends
         for last in (False, True):
-            accelerator, sent = meeting([0, 0], during=signal.SIGINT)
+            accelerator, sent = _meeting([0, 0], during=signal.SIGINT)
             with pytest.raises(KeyboardInterrupt) as stopped, InterruptsHeld(hold=False) as agreed:
                 agreed.meet(accelerator, last=last)
                 assert last, "the signal during the meeting was not handled after it"
@@ -726,14 +723,14 @@ def test_outside_the_loop_a_signal_acts_at_once_and_the_meetings_carry_it():
             together.append(1)
             return "everyone's"
 
-        accelerator, sent = meeting([0, 0])
+        accelerator, sent = _meeting([0, 0])
         with InterruptsHeld(hold=False) as agreed:
             assert agreed.meet(accelerator, then=gather) == "everyone's" and together == [1]
-        accelerator, sent = meeting([0, 1])
+        accelerator, sent = _meeting([0, 1])
         with pytest.raises(Terminated), InterruptsHeld(hold=False) as agreed:
             agreed.meet(accelerator, then=gather)
         assert together == [1]
-        accelerator, sent = meeting([0, 0])
+        accelerator, sent = _meeting([0, 0])
         with pytest.raises(KeyboardInterrupt) as stopped, InterruptsHeld(hold=False) as agreed:
             agreed.meet(accelerator, then=lambda: gather(signal.SIGINT))
         assert together == [1, 1] and not hasattr(stopped.value, "processes_stopped_together")
@@ -1676,27 +1673,12 @@ def test_a_signal_after_a_peer_failed_ignores_the_launchers_sigterm_from_then_on
         signal.signal(signal.SIGTERM, before)
 
 
-def _meeting(recorded):
-    """The collective of a meeting: the others add nothing; what this process sent is appended to ``recorded``."""
-    def reduce(flags, reduction):
-        recorded.append(flags.tolist())
-        return flags
-
-    return SimpleNamespace(device=None, reduce=reduce)
-
-
 def test_a_signal_during_the_last_meeting_waits_for_the_end_of_the_block():
     """After the ``last`` meeting signals are held: one during it is handled when the block ends, so what follows
     the meeting inside the block still runs."""
-    sent, after = [], []
-
-    def reduce(flags, reduction):
-        sent.append(flags.tolist())
-        os.kill(os.getpid(), signal.SIGTERM)  # while the processes meet
-        return flags
-
+    (accelerator, sent), after = _meeting(during=signal.SIGTERM), []
     with sigterm_as_interrupt(), pytest.raises(Terminated), InterruptsHeld(hold=False) as agreed:
-        agreed.meet(SimpleNamespace(device=None, reduce=reduce), last=True)
+        agreed.meet(accelerator, last=True)
         after.append("ran")
     assert sent == [[0.0, 0.0]] and after == ["ran"]
 
@@ -1704,16 +1686,16 @@ def test_a_signal_during_the_last_meeting_waits_for_the_end_of_the_block():
 def test_meet_after_makes_no_meeting_for_an_interrupt_no_signal_caused_or_one_already_agreed():
     """meet_after() meets the others only for a signal this block recorded, once: a KeyboardInterrupt raised by code
     (the others' meeting could be another collective) or one already stopped together makes no collective."""
-    sent = []
+    accelerator, sent = _meeting()
     with InterruptsHeld(hold=False) as agreed:
-        agreed.meet_after(_meeting(sent), KeyboardInterrupt())
+        agreed.meet_after(accelerator, KeyboardInterrupt())
     assert sent == []
     with sigterm_as_interrupt(), pytest.raises(Terminated) as stopped, InterruptsHeld(hold=False) as agreed:
         try:
             os.kill(os.getpid(), signal.SIGTERM)
         except KeyboardInterrupt as err:
-            agreed.meet_after(_meeting(sent), err)
-            agreed.meet_after(_meeting(sent), err)  # already agreed: no second meeting
+            agreed.meet_after(accelerator, err)
+            agreed.meet_after(accelerator, err)  # already agreed: no second meeting
             raise
     assert sent == [[0.0, 1.0]] and stopped.value.processes_stopped_together
 
