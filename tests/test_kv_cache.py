@@ -199,7 +199,8 @@ def test_bad_commit_changes_nothing_for_any_sequence():
                       ({0: [0, 2], 7: [0]}, KeyError)):
         with pytest.raises(err):
             cache.commit(keep)
-        assert torch.equal(cache.kv, before[0])
+        # the pool's unwritten slots are uninitialised memory (NaN under torch's fill_uninitialized_memory)
+        torch.testing.assert_close(cache.kv, before[0], rtol=0, atol=0, equal_nan=True)
         assert (cache.block_tables, cache.lengths, cache.num_free_blocks) == before[1:]
     cache.commit({0: [0, 2], 1: [1]})
     assert cache.lengths == {0: 2, 1: 1} and cache.num_free_blocks == 0  # each keeps a spare block
