@@ -176,7 +176,6 @@ class RandomTreeDrafter(Drafter):
         return [self._propose_one(list(s.token_ids)) for s in seqs]
 
 
-
 def ragged_prompts(n: int, vocab_size: int = 96, seed: int = 0, max_len: int = 40) -> list[list[int]]:
     """`n` prompts of different lengths (1 to `max_len` tokens), every third one repetitive so that
     prompt-lookup drafters find matches; deterministic for a given seed."""

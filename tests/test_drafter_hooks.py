@@ -59,7 +59,6 @@ def test_drafter_is_attached_once_and_sees_the_hidden_state_of_the_token_before_
     assert checked >= 10
 
 
-
 class RowsRecorder(Drafter):
     """Records every hidden-state row it is given, per sequence; proposes nothing."""
 

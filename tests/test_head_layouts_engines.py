@@ -191,7 +191,6 @@ def test_a_head_narrower_than_its_target_is_refused_for_what_it_is(tmp_path):
     assert "another target" not in str(err.value) and "specdec runs only" in str(err.value)
 
 
-
 def test_speculators_reads_the_config_of_such_an_export(tmp_path):
     """speculators' Eagle3SpeculatorConfig takes draft_vocab_size as an int (null is refused), hence the vocabulary's
     size in the speculators layout; its model fills an lm_head the checkpoint lacks from the verifier's (a NaN

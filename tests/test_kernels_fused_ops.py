@@ -141,7 +141,6 @@ def test_rope_write_norms_each_head_first_as_qwen3(dtype, q_heads, kv_heads, hea
                     (q_w[:-1], k_w, 1e-6, 1e-5))
 
 
-
 def test_rope_write_norms_k_heads_with_their_own_eps_and_stores_an_unpacked_v():
     """Small activations, where the eps decides the norm: the k heads are normed with k's eps (1e-2), not q's
     (1e-6); and a v whose heads are not packed (a [heads, tokens, dim] tensor seen as [tokens, heads, dim]) is

@@ -54,7 +54,6 @@ def test_linear_rows_do_not_depend_on_the_row_count(dtype):
     assert ((alone.float() - want).abs() / want.abs().clamp_min(1)).max() <= TOL[dtype]
 
 
-
 # the interpreter's bfloat16 conversions do not round to nearest even as torch's do: bfloat16 on a GPU only
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []), ids=str)
 def test_linear_rounds_the_product_before_adding_the_bias(dtype):
@@ -110,7 +109,6 @@ def test_a_tiny_model_on_the_triton_backend_is_row_invariant(dtype):
     reference = ic.batched_tree_logits(runner.invariant_mode(False), prompts, trees)  # the default kernels
     for b, r in zip(batched, reference, strict=True):
         assert (b - r).abs().max() <= 0.05 * r.abs().max()
-
 
 
 def test_the_mode_on_the_interpreter_says_its_rows_rest_on_numpy(monkeypatch, caplog):
