@@ -49,6 +49,7 @@ from specdec.drafters.medusa_tree import check_paths
 
 from specdec.atomic_write import leftover_of
 from specdec.errors import InputError
+from specdec.output_dirs import check_creatable
 
 logger = logging.getLogger(__name__)
 
@@ -378,6 +379,7 @@ def convert_published(source: str | os.PathLike, output_dir: str | os.PathLike, 
     if out.exists() and src_dir.exists() and out.resolve() == src_dir.resolve():
         raise MedusaCheckpointError(f"--output-dir {out} is the source's own directory: its config.json would be "
                                     "replaced; choose another directory")
+    check_creatable(out, "--output-dir")  # a file in the way: named now, not as [Errno 17] after reading the heads
     existing = [n for n in (CONFIG_FILE, WEIGHTS_FILE) if (out / n).exists()]
     if existing and not overwrite:
         raise MedusaCheckpointError(f"{out} already holds {', '.join(existing)}: pass --overwrite to replace it, or "

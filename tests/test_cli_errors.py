@@ -504,6 +504,7 @@ def test_a_kv_cache_full_mid_generation_speaks_of_the_cli_options(ckpt, capsys):
     (["train-medusa", "--num-prompts", "2"], "--output-dir"),
     (["train-eagle", "--num-prompts", "2"], "--output-dir"),
     (["export-head", "HEAD", "--format", "vllm"], "--output-dir"),
+    (["convert-medusa", "HEAD"], "--output-dir"),
     (["eval", "lossless", "--levels", "exact"], "--out"),
     (["eval", "acceptance", "--prompts", "1"], "--out"),
 ])

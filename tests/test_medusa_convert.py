@@ -336,6 +336,19 @@ def test_cli_converts_and_refuses_to_overwrite(tmp_path, capsys):
     assert "nope does not exist" in capsys.readouterr().err
 
 
+def test_cli_names_an_output_dir_that_is_a_file(tmp_path, capsys):
+    """`--output-dir` naming a file said only "[Errno 17] File exists: 'FILE'", after reading the heads."""
+    from specdec.cli import main
+
+    src = write_medusa1(tmp_path / "src", medusa_module(2, 1), 1)
+    (tmp_path / "file").write_text("a file")
+    for out in ("file", "file/heads"):
+        assert main(["convert-medusa", str(src), "--output-dir", str(tmp_path / out)]) == 2
+        line = capsys.readouterr().err.strip()
+        assert line == (f"specdec convert-medusa: error: --output-dir {tmp_path / out}: cannot create it "
+                        f"({tmp_path / 'file'} is a file, not a folder)"), line
+
+
 @pytest.mark.parametrize("choices, match", [
     ("[[5,0]]", r"the medusa_choices given: medusa_choices path \[5, 0\] lacks its prefix \[5\]"),
     (json.dumps([[i] for i in range(3)] + [[i, j] for i in range(3) for j in range(30)]), "93 paths; .* at most 64"),
