@@ -465,6 +465,14 @@ def test_kl_run_measures_tau_with_a_dynamic_tree(tiny, tmp_path):
         _cfg(tiny, tmp_path / "bad", eval_tree="beam")
 
 
+def test_the_tau_measurement_draws_no_bar_off_a_terminal(tiny, tmp_path, capsys):
+    """With progress on (the CLI's default), a run into a pipe or a log file drew no bar but the tau measurement's:
+    generate()'s bar, shown whenever asked for, wrote its every redraw there."""
+    run_training(_cfg(tiny, tmp_path / "run", max_steps=1, save_every=1, progress=True))
+    err = capsys.readouterr().err
+    assert "generate:" not in err, err
+
+
 def test_output_dir_refusal_and_overwrite(tiny, tmp_path, monkeypatch):
     from specdec.train.data import TrainDataError
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 from specdec.train.features import collate, scope_masks, target_features
@@ -88,6 +89,8 @@ def measure_tau(loaded, heads, choices, prompts: list[str], max_new_tokens: int,
     from specdec.generate import generate
 
     ids = [encode_prompt(loaded.tokenizer, p) for p in prompts]
+    # generate() draws its bar wherever asked; off a terminal (a pipe, a log file) none, as the run's other bars
+    on_terminal = progress and sys.stderr is not None and sys.stderr.isatty()
     new = steps = 0
     for start in range(0, len(ids), batch_size):
         if tree == "static":
@@ -96,7 +99,7 @@ def measure_tau(loaded, heads, choices, prompts: list[str], max_new_tokens: int,
             drafter = MedusaDrafter(heads=heads, tree="dynamic", max_nodes=len(choices),
                                     top_k=min(DYNAMIC_TOP_K, heads.config.draft_size))  # a small draft vocabulary
         out = generate(loaded, ids[start : start + batch_size], drafter=drafter, max_new_tokens=max_new_tokens,
-                       return_dict=True, progress=progress, speculation="always")
+                       return_dict=True, progress=on_terminal, speculation="always")
         new += sum(s.new_tokens for s in out.stats)
         steps += sum(s.steps for s in out.stats)
     return {"tau": new / max(1, steps), "new_tokens": new, "target_forwards": steps, "prompts": len(prompts),
