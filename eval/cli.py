@@ -225,6 +225,14 @@ def select_conversations(categories: str | None, prompts: int | None, prompts_fi
     return built_in + from_file
 
 
+def check_at_least(*counts: tuple[str, int, int]) -> None:
+    """Refuse, by its flag's name, each ``(flag, value, least)`` whose value is below ``least``: before the model
+    loads, and not as the settings' fields spell them."""
+    for flag, value, least in counts:
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+
+
 def counted(n: int, noun: str) -> str:
     """``1 prompt``, ``2 prompts``: the CLI's counts in words."""
     return f"{n} {noun}{'s' * (n != 1)}"
@@ -415,6 +423,8 @@ def run_acceptance(args) -> int:
         print(f"note: --sampler {args.sampler} left out: at --temperature 0 (greedy) no token is sampled",
               file=sys.stderr)
         args.sampler = "standard"
+    check_at_least(("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", args.batch_size, 1),
+                   ("--calibration-repeats", args.calibration_repeats, 0))
     out = Path(args.out or "runs/eval-acceptance")
     if args.resume and args.overwrite:
         raise ValueError("--resume keeps an earlier run's cells and --overwrite replaces them: pass one")

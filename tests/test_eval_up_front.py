@@ -134,6 +134,23 @@ def test_eval_lossless_refuses_before_loading_the_model(flags, says, tmp_path, c
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.parametrize("command, flags, says", [
+    (["acceptance", *RUN], ["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["acceptance", *RUN], ["--batch-size", "-2"], "--batch-size must be >= 1, got -2"),
+    (["acceptance", *RUN], ["--calibration-repeats", "-1"], "--calibration-repeats must be >= 0, got -1"),
+    (["replay", "record"], ["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["replay", "record"], ["--top-k", "0"], "--top-k must be >= 1, got 0"),
+    (["replay", "record"], ["--cost-repeats", "0"], "--cost-repeats must be >= 1, got 0"),
+], ids=["max-new-tokens", "batch-size", "calibration-repeats", "record-max-new-tokens", "record-top-k",
+        "record-cost-repeats"])
+def test_eval_counts_are_refused_by_their_flags_name(command, flags, says, tmp_path, capsys, no_load):
+    """eval acceptance said "prompts per category, max_new_tokens and batch_size must be >= 1", naming neither the
+    flag nor its value; replay record named its settings as the API spells them (max_new_tokens, top_k)."""
+    code, captured = _main(["eval", *command, *flags, "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and _one_line(captured).endswith(f": error: {says}")
+    assert not (tmp_path / "o").exists()
+
+
 def test_identity_tokens_past_the_context_are_refused_before_any_check_runs(ckpt, tmp_path, capsys, monkeypatch):
     def run_certificate(*args, **kwargs):
         raise AssertionError("the certificate ran")
