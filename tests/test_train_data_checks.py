@@ -87,6 +87,19 @@ def test_options_that_act_are_still_accepted(tmp_path):
     TrainConfig(model="m", output_dir=str(tmp_path), num_prompts=3)  # the built-in prompts
 
 
+def test_a_prompts_file_that_is_a_directory_is_named_as_such(tiny, tmp_path, capsys):
+    """`--prompts-file DIR` said "prompts file not found: DIR" of a directory that is there."""
+    from specdec.cli import main
+
+    (tmp_path / "prompts").mkdir()
+    rc = main(["train-medusa", "--model", str(tiny / "model"), "--prompts-file", str(tmp_path / "prompts"),
+               "--output-dir", str(tmp_path / "run"), "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == (f"specdec train-medusa: error: prompts file {tmp_path / 'prompts'} is a directory; "
+                               "give the file that holds the prompts, one per line"), err
+    assert not (tmp_path / "run").exists()
+
+
 def _distil_cfg(tiny, tmp_path, prompts: list[str], **kw) -> TrainConfig:
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
     base = dict(model=str(tiny / "model"), output_dir=str(tmp_path / "run"), prompts_file=str(tmp_path / "prompts.txt"),

@@ -280,6 +280,9 @@ def check_inputs(cfg: TrainConfig) -> None:
     """The training inputs exist (cheap checks, before anything is deleted or computed)."""
     if cfg.data is not None and not Path(cfg.data).expanduser().exists():
         raise TrainDataError(f"training data not found: {cfg.data}")
+    if cfg.data is None and cfg.prompts_file and Path(cfg.prompts_file).is_dir():
+        raise TrainDataError(f"prompts file {cfg.prompts_file} is a directory; give the file that holds the prompts, "
+                             "one per line")
     if cfg.data is None and cfg.prompts_file and not Path(cfg.prompts_file).is_file():
         raise TrainDataError(f"prompts file not found: {cfg.prompts_file}")
     check_creatable(cfg.output_dir, "--output-dir")
