@@ -362,6 +362,8 @@ def _checked_texts(args) -> tuple[str, str | None, list[str] | None]:
     if system is not None and args.no_chat_template:
         raise CLIError("--system goes into the chat template, which --no-chat-template turns off; drop one of them "
                        "(or put the system text at the start of the prompt)")
+    if args.stop and "" in args.stop:  # (generate() names it stop[i], the API's spelling)
+        raise CLIError("--stop '' is empty: it would stop at once; give the text to stop at")
     stop = [_unescaped(_check_argument(s, "--stop")) for s in args.stop] if args.stop else args.stop
     return text, system, stop
 

@@ -225,6 +225,7 @@ def gpt2_ckpt(tmp_path_factory):
         (["hi", "--model", "{no_tokenizer_ckpt}"], "has no tokenizer"),
         (["hi", "--model", "{gpt2_ckpt}"], "supported"),  # UnsupportedModelError
         (["hi", "--model", "{ckpt}", "--cuda-graphs"], "needs --device cuda"),
+        (["hi", "--model", "{ckpt}", "--stop", "x", "--stop", ""], "error: --stop '' is empty: it would stop at once"),
         pytest.param(["hi", "--model", "{ckpt}", "--device", "cuda"], "no CUDA device is available",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")),
     ],
