@@ -201,8 +201,8 @@ def select_conversations(categories: str | None, prompts: int | None, prompts_fi
     from specdec.eval.prompt_files import Conversation, per_category, read_prompt_file
     from specdec.eval.prompts import CATEGORIES, load_prompts
 
-    if prompts is not None and prompts < 1:
-        raise ValueError(f"--prompts must be >= 1, got {prompts}")
+    if prompts is not None:
+        check_at_least(("--prompts", prompts, 1))
     names = [c.strip() for c in (categories or "").split(",") if c.strip()]
     if categories is None and not prompts_file:
         names = list(DEFAULT_CATEGORIES)
@@ -365,9 +365,7 @@ def _size_overrides(args) -> dict:
 
     sizes = {k: getattr(args, k) for k in ("stat_samples", "identity_prompts", "identity_tokens", "sample_sequences")
              if getattr(args, k) is not None}
-    for key, value in sizes.items():
-        if value < 1:
-            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
+    check_at_least(*((f"--{key.replace('_', '-')}", value, 1) for key, value in sizes.items()))
     if sizes.get("identity_prompts", 0) > len(CHAT):
         raise ValueError(f"--identity-prompts {sizes['identity_prompts']}: there are {len(CHAT)} built-in chat "
                          f"prompts; give at most {len(CHAT)}")
