@@ -456,6 +456,7 @@ def test_an_unsupported_config_is_refused_in_one_line_before_the_weights_load(tm
     ("ckpt/model.safetensors", "is a file, not a checkpoint directory"),
     ("data.jsonl", r"is a file, not a checkpoint directory: .*weights \(/.*\?\)"),  # its folder, not "."
     ("meta-llama/Llama-3.2-1B", "never downloads: fetch it first \\(hf download meta-llama/Llama-3.2-1B"),
+    ("", "the model is an empty string: pass a checkpoint directory"),  # was read as ".", the current folder
 ])
 def test_a_file_or_a_hub_id_says_what_to_pass_instead(tmp_path, monkeypatch, spec, match):
     """A file inside a checkpoint, or a hub id, was "unknown model"; the message now says what to pass."""

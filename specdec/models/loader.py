@@ -189,6 +189,9 @@ def _lies_as(model, key: tuple) -> bool:
 
 def _load_path(spec: str, dtype: torch.dtype | None, device: str | torch.device | None,
                trust_remote_code: bool) -> tuple[Any, Any, str, str]:
+    if not spec:  # else read as the current folder, and refused as "." is not a checkpoint
+        raise InputError(f"the model is an empty string: pass a checkpoint directory, a .gguf file, a loaded "
+                         f"transformers model, or one of the aliases {', '.join(embedded.ALIASES)}")
     key = _model_key(spec, dtype, device, trust_remote_code)
     dtype = key[1]
     model = _MODELS.get(key)
