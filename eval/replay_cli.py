@@ -96,12 +96,13 @@ def run_record(args) -> int:
     from specdec.eval.conversations import chat_codec, check_prompts_fit, first_turn_ids
     from specdec.eval.replay_record import RecordConfig, check_record_path, record_run, save_record
 
+    from specdec.cli import flagged_sampling
     from specdec.models.loader import load_model
 
     check_at_least(("--max-new-tokens", args.max_new_tokens, 1), ("--top-k", args.top_k, 1),
                    ("--cost-repeats", args.cost_repeats, 1))
-    config = RecordConfig(args.max_new_tokens, args.temperature, args.top_k, args.seed, args.cost_repeats,
-                          args.costs)
+    config = flagged_sampling(RecordConfig, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                              args.cost_repeats, args.costs)
     inputs = [x for x in (args.prompts_file, args.model) if x]  # the model too, when it names a file
     check_record_path(args.out, args.overwrite, inputs)
     category = args.category if args.category is not None or args.prompts_file else "chat"

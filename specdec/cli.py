@@ -243,6 +243,20 @@ def _add_generate(sub) -> None:
 
 # unset: the model's config
 GENERATION_FLAGS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", *WARPER_FLAGS)
+
+
+def flagged_sampling(make, *args, **kwargs):
+    """``make(*args, **kwargs)`` (a SamplingConfig, a replay's RecordConfig), a refusal of a generation flag said as
+    the command line spells it: such a message begins with the field's name (specdec.sampling)."""
+    try:
+        return make(*args, **kwargs)
+    except SpecdecError as err:
+        name, _, rest = str(err).partition(" ")
+        if name not in GENERATION_FLAGS:
+            raise
+        raise CLIError(f"--{name.replace('_', '-')} {rest.replace('use do_sample=False', 'drop --do-sample')}") from err
+
+
 PATH_OPTIONS = ("path", "model", "tokenizer")  # options naming a file, directory or alias: the text, never a number
 PYTHON_LITERALS = {"True": True, "False": False, "None": None}  # as a Python user types them (JSON: true, false, null)
 
@@ -381,7 +395,7 @@ def _generation_settings(args) -> dict:
     from specdec.sampling import SamplingConfig
 
     settings = {k: getattr(args, k) for k in GENERATION_FLAGS if getattr(args, k) is not None}
-    SamplingConfig.from_kwargs({**settings, "do_sample": bool(args.do_sample)})
+    flagged_sampling(SamplingConfig.from_kwargs, {**settings, "do_sample": bool(args.do_sample)})
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--block-size", args.block_size),
                         ("--num-blocks", args.num_blocks)):
         if value is not None and value < 1:  # refused before the model loads, by the flag's name

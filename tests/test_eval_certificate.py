@@ -683,7 +683,7 @@ def test_eval_lossless_takes_the_warper_flags(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     code = main(["eval", "lossless", "--model", "nowhere", "--min-p", "2", "--out", str(tmp_path / "c2")])
     err = capsys.readouterr().err
-    assert code == 2 and "min_p must lie in [0, 1]" in err and len(err.strip().splitlines()) == 1, err
+    assert code == 2 and "error: --min-p must lie in [0, 1]" in err and len(err.strip().splitlines()) == 1, err
     # greedy: the warpers change nothing, and a certificate that recorded them said it checked what it never ran
     main(["eval", "lossless", "--model", ckpt, "--temperature", "0", "--top-k", "5", "--min-p", "0.05", "--out",
           str(tmp_path / "c3")])

@@ -141,8 +141,9 @@ def test_eval_lossless_refuses_before_loading_the_model(flags, says, tmp_path, c
     (["replay", "record"], ["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
     (["replay", "record"], ["--top-k", "0"], "--top-k must be >= 1, got 0"),
     (["replay", "record"], ["--cost-repeats", "0"], "--cost-repeats must be >= 1, got 0"),
+    (["replay", "record"], ["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
 ], ids=["max-new-tokens", "batch-size", "calibration-repeats", "record-max-new-tokens", "record-top-k",
-        "record-cost-repeats"])
+        "record-cost-repeats", "record-temperature"])
 def test_eval_counts_are_refused_by_their_flags_name(command, flags, says, tmp_path, capsys, no_load):
     """eval acceptance said "prompts per category, max_new_tokens and batch_size must be >= 1", naming neither the
     flag nor its value; replay record named its settings as the API spells them (max_new_tokens, top_k)."""
