@@ -42,6 +42,15 @@ def _is_ndarray(value: Any) -> bool:
     return np is not None and isinstance(value, np.ndarray)
 
 
+def check_readable(name: str, value: Any) -> None:
+    """A tensor whose values ``tolist()`` cannot read (a meta tensor, made under ``torch.set_default_device("meta")``;
+    a sparse or nested one) as a one-line ``InputTypeError``, not torch's NotImplementedError / RuntimeError."""
+    if isinstance(value, torch.Tensor) and (value.is_meta or value.is_nested or value.layout != torch.strided):
+        kind = "meta" if value.is_meta else "nested" if value.is_nested else f"sparse ({value.layout})"
+        raise InputTypeError(f"{name} is a {kind} tensor, which holds no values to read: pass a dense tensor on a "
+                             f"real device, a numpy array or lists")
+
+
 def is_int(value: Any) -> bool:
     """A Python / numpy integer, or a 0-D integer tensor; never a bool."""
     if type(value) is int:  # the common case, per token: skips the ABC check below (bool is not int here)
@@ -127,6 +136,7 @@ def _rows(name: str, value: Any, element_ok: Callable[[Any], bool], array_ok: Ca
     kind letter), ``element_ok`` a list item, described as ``element`` in errors."""
     if isinstance(value, torch.Tensor) or _is_ndarray(value):
         is_tensor = isinstance(value, torch.Tensor)
+        check_readable(name, value)
         if not array_ok(value.dtype if is_tensor else value.dtype.kind) or value.ndim not in (1, 2):
             raise InputTypeError(f"{name} must be {expected}, got {describe(value)}")
         rows = value.tolist()
@@ -139,6 +149,7 @@ def _rows(name: str, value: Any, element_ok: Callable[[Any], bool], array_ok: Ca
             rows = []
             for i, row in enumerate(value):
                 if isinstance(row, torch.Tensor) or _is_ndarray(row):
+                    check_readable(f"{name}[{i}]", row)
                     if row.ndim != 1 or not array_ok(row.dtype if isinstance(row, torch.Tensor) else row.dtype.kind):
                         raise InputTypeError(f"{name}[{i}] must be a 1-D sequence of {element}s, got {describe(row)}")
                     rows.append(row.tolist())
@@ -284,6 +295,7 @@ def parse_eos_ids(eos_token_id: Any, vocab_size: int) -> tuple[int, ...]:
         items = [eos_token_id]
     elif isinstance(eos_token_id, torch.Tensor) or _is_ndarray(eos_token_id):
         is_tensor = isinstance(eos_token_id, torch.Tensor)
+        check_readable("eos_token_id", eos_token_id)
         if eos_token_id.ndim > 1 or not (_int_dtype(eos_token_id.dtype) if is_tensor
                                          else eos_token_id.dtype.kind in "iu"):
             raise InputTypeError(f"eos_token_id must be {_EOS}, got {describe(eos_token_id)}")

@@ -101,6 +101,21 @@ def test_bad_input_ids_is_a_one_line_error(bad, error, match):
     _one_line_error(error, match, input_ids=bad)
 
 
+@pytest.mark.parametrize("argument, value", [
+    ("input_ids", torch.tensor([[1, 2, 3]], device="meta")),
+    ("input_ids", torch.tensor([[1, 2, 3]]).to_sparse()),
+    ("input_ids", [torch.tensor([1, 2, 3], device="meta")]),
+    ("attention_mask", torch.ones(1, 3, dtype=torch.long, device="meta")),
+    ("attention_mask", torch.ones(1, 3, dtype=torch.long).to_sparse()),
+    ("eos_token_id", torch.tensor([3], device="meta")),
+], ids=["meta-ids", "sparse-ids", "meta-row", "meta-mask", "sparse-mask", "meta-eos"])
+def test_a_tensor_whose_values_cannot_be_read_is_a_one_line_error(argument, value):
+    """A meta tensor (made under torch.set_default_device("meta")) or a sparse one has no values to read: torch's
+    NotImplementedError / RuntimeError came out of generate()."""
+    arguments = {"input_ids": torch.tensor([[1, 2, 3]]), argument: value}
+    _one_line_error(InputTypeError, rf"^{argument}(\[0\])? is a (meta|sparse)", **arguments)
+
+
 # ---- attention_mask ----------------------------------------------------------------------------
 def test_attention_mask_of_another_shape_names_both_shapes():
     msg = _one_line_error(InputError, "shape of input_ids", input_ids=torch.tensor([[1, 2, 3]]),
