@@ -169,6 +169,17 @@ def check_fits_target(c: EagleConfig, target_config, where: str, model_type: str
                                        f"{name}={theirs}: it was made for another target")
 
 
+def _what_it_holds(path: Path, raw: dict, state: dict[str, torch.Tensor]) -> str:
+    """What a directory given as an EAGLE head holds instead of one, as far as its config and tensor names tell."""
+    from specdec.drafters.head_layouts import layer_model_type
+
+    if raw.get("model_type") == "medusa" or any(name.startswith(("blocks.", "lm_heads.")) for name in state):
+        return (f"{path} holds vLLM's Medusa serving layout (as `specdec export-head --format vllm` writes it), which "
+                "specdec does not read back: pass the directory it was exported from to --drafter medusa")
+    kind = layer_model_type(raw)
+    return f"it looks like a {kind} model's weights, not a draft head" if kind else "it is not a draft head"
+
+
 def load_eagle(directory: str | os.PathLike, target_config, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> EagleModel:
     """Load and check a checkpoint against ``target_config`` (the target's transformers config)."""
@@ -181,6 +192,9 @@ def load_eagle(directory: str | os.PathLike, target_config, dtype: torch.dtype =
     state = _read_weights(path)
     if is_eagle3(raw, state):
         config, state = read_eagle3(raw, state, str(path), target_config)
+    elif "fc.weight" not in state and "specdec_eagle" not in raw:  # as export-head refuses it
+        raise EagleCheckpointError(f"{path}: {WEIGHTS_FILE} holds no EAGLE draft layer (no fc.* tensors): "
+                                   f"{_what_it_holds(path, raw, state)}")
     else:
         config = config_from_checkpoint(raw, state, str(path))
         state = {k: v for k, v in state.items() if k != "embed_tokens.weight"}  # the target's embedding is used

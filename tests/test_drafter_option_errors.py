@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+import torch
 from specdec.drafters.combined import CombinedDrafter
 from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
@@ -274,3 +275,29 @@ def test_a_head_given_to_the_other_drafter_names_the_drafter_it_is_for(tmp_path)
             f"{medusa}: model.safetensors is missing ({medusa} holds Medusa heads: --drafter medusa "
             f"--drafter-option path={medusa})")):
         load_eagle(medusa, LlamaConfig(hidden_size=64))
+
+
+def test_an_eagle_path_holding_no_draft_layer_says_what_it_holds(tmp_path):
+    """`--drafter eagle` on a vLLM Medusa export said "config.json lacks 'num_attention_heads'" and on a model's own
+    directory "the weights do not match config.json (Error(s) in loading state_dict for EagleModel:)": neither named
+    the problem, which export-head names (no fc.* tensors, and what the directory holds instead)."""
+    from safetensors.torch import save_file
+    from specdec.drafters.eagle_checkpoint import EagleCheckpointError, load_eagle
+    from specdec.testing import save_tiny_checkpoint
+
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "config.json").write_text(json.dumps({"model_type": "medusa", "num_heads": 2, "hidden_size": 64}))
+    save_file({"blocks.0.layers.0.weight": torch.zeros(64, 64), "lm_heads.0.weight": torch.zeros(96, 64)},
+              str(served / "model.safetensors"))
+    model = save_tiny_checkpoint(tmp_path / "model", tokenizer=False)
+    target = build_tiny_model().config
+    with pytest.raises(EagleCheckpointError, match=re.escape(
+            f"{served}: model.safetensors holds no EAGLE draft layer (no fc.* tensors): {served} holds vLLM's Medusa "
+            "serving layout (as `specdec export-head --format vllm` writes it), which specdec does not read back: "
+            "pass the directory it was exported from to --drafter medusa")):
+        load_eagle(served, target)
+    with pytest.raises(EagleCheckpointError, match=re.escape(
+            f"{model}: model.safetensors holds no EAGLE draft layer (no fc.* tensors): it looks like a llama model's "
+            "weights, not a draft head")):
+        load_eagle(model, target)
