@@ -186,13 +186,13 @@ def load_eagle(directory: str | os.PathLike, target_config, dtype: torch.dtype =
     path = Path(directory)
     if not path.is_dir():
         raise EagleCheckpointError(f"EAGLE checkpoint directory not found: {path}")
-    from specdec.drafters.head_layouts import is_eagle3, layer_model_type, read_eagle3
+    from specdec.drafters.head_layouts import is_eagle3, is_eagle_layer, layer_model_type, read_eagle3
 
     raw = _read_config(path)
     state = _read_weights(path)
     if is_eagle3(raw, state):
         config, state = read_eagle3(raw, state, str(path), target_config)
-    elif "fc.weight" not in state and "specdec_eagle" not in raw:  # as export-head refuses it
+    elif not is_eagle_layer(raw, state):  # as export-head refuses it
         raise EagleCheckpointError(f"{path}: {WEIGHTS_FILE} holds no EAGLE draft layer (no fc.* tensors): "
                                    f"{_what_it_holds(path, raw, state)}")
     else:

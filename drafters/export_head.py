@@ -146,10 +146,10 @@ def _writing(out: Path):
 
 
 def _export_eagle(src: Path, fmt: str, out: Path, target: str | None) -> Path:
-    from specdec.drafters.head_layouts import is_eagle3, layer_model_type, read_eagle3, write_eagle3
+    from specdec.drafters.head_layouts import is_eagle3, is_eagle_layer, layer_model_type, read_eagle3, write_eagle3
 
     raw, state = _read_config(src), _read_weights(src)
-    if not is_eagle3(raw, state) and "fc.weight" not in state and "specdec_eagle" not in raw:
+    if not is_eagle_layer(raw, state):
         looks = f": it looks like a {layer_model_type(raw)} model" if layer_model_type(raw) else ""
         raise _no_head(src, f"{WEIGHTS_FILE} has no fc.* tensors{looks}")
     if not is_eagle3(raw, state):

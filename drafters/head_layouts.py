@@ -49,6 +49,12 @@ def is_eagle3(raw: dict, state: dict[str, torch.Tensor]) -> bool:
     return any(k.startswith(("midlayer.", "model.midlayer.")) or k.endswith("hidden_norm.weight") for k in state)
 
 
+def is_eagle_layer(raw: dict, state: dict[str, torch.Tensor]) -> bool:
+    """An EAGLE draft layer's checkpoint: EAGLE-3's (any layout read here), or specdec's EAGLE-1 (fc.* tensors, its
+    config's mark); a Medusa export or a model's weights are neither."""
+    return is_eagle3(raw, state) or "fc.weight" in state or "specdec_eagle" in raw
+
+
 def _layer_config(raw: dict) -> dict:
     if "transformer_layer_config" in raw:  # speculators
         for flag in UNSUPPORTED_SPECULATORS_FLAGS:
