@@ -532,8 +532,6 @@ def end_to_end_checks(loaded: Any, drafter: Any, options: dict, sampling: Sampli
     # rejected (where all are rejected the accepted-draft path goes untested; where all are accepted the target is
     # near-certain and a rule that accepts everything passes); the pilot's draws are independent of the check's, so
     # the choice keeps its p-values exact (specdec.eval.sampled_start)
-    progress(f"end to end: choosing where sampling starts (a pilot of {sizes.pilot_sequences} sequences at "
-             f"{sizes.start_candidates} starts)")
     try:
         choice = choose_start(loaded, prompts, plain, greedy_steps, drafter, options, e2e_sampling, sizes, seed,
                               progress)

@@ -138,6 +138,9 @@ def choose_start(loaded: Any, prompts: list[list[int]], plain: list[list[int]], 
                                   [drafted_flags(lengths) for lengths in step_lengths], probs, k, last,
                                   sizes.start_candidates)
     ids = [plain[c.prompt][: len(prompts[c.prompt]) + c.position] for c in candidates]
+    if progress is not None:  # the starts found, which may be fewer than asked for (one per prompt at most)
+        progress(f"end to end: choosing where sampling starts (a pilot of {sizes.pilot_sequences} sequences at "
+                 f"{len(candidates)} start{'s' * (len(candidates) != 1)})")
     shares = pilot_shares(loaded, ids, drafter, options, sampling, sizes, seed, progress)
     best = best_candidate(shares)
     return StartChoice(candidates[best], ids[best], tuple(candidates), tuple(shares), sizes.pilot_sequences)

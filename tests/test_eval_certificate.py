@@ -730,8 +730,9 @@ def test_the_end_to_end_level_says_each_check_as_it_starts_and_how_far_sampling_
     monkeypatch.setattr(end_to_end, "TokenProgress", functools.partial(TokenProgress, quiet_seconds=0))
     monkeypatch.setattr(sampled_start, "TokenProgress", functools.partial(TokenProgress, quiet_seconds=0))
     loaded = load_model(build_tiny_model(vocab_size=12, seed=3))
+    # 8 starts asked for: 2 found, one per prompt (the line said 8)
     sizes = CertificateSizes(identity_prompts=2, identity_tokens=8, sample_sequences=20, sample_tokens=1,
-                             start_candidates=1, pilot_sequences=4)
+                             start_candidates=8, pilot_sequences=4)
     lines = []
     run_certificate(loaded, "ngram", {}, SamplingConfig(True), sizes, _prompts, levels=("e2e",),
                     progress=lines.append)
@@ -740,9 +741,9 @@ def test_the_end_to_end_level_says_each_check_as_it_starts_and_how_far_sampling_
     tokens = 1 + sizes.sample_later + sizes.sample_lookahead
     # the pilot choosing the start (a minute with the embedded model) said nothing while it sampled
     pilot = [line for line in lines if line.startswith(sampled_start.PILOT)]
-    piloted = 1 * 4 * tokens  # start_candidates x pilot_sequences x tokens (no eos)
+    piloted = 2 * 4 * tokens  # starts x pilot_sequences x tokens (no eos)
     assert pilot and pilot[-1] == f"{sampled_start.PILOT}: 100% of the sampled tokens ({piloted} of {piloted})", pilot
-    at = lines.index("end to end: choosing where sampling starts (a pilot of 4 sequences at 1 starts)")
+    at = lines.index("end to end: choosing where sampling starts (a pilot of 4 sequences at 2 starts)")
     assert lines[at + 1:at + 1 + len(pilot)] == pilot  # said while it runs, before the check's first line
     total = 2 * 20 * tokens  # both sides, every sequence's tokens (no eos)
     for rule in ("the exact rule", "always_accept"):
@@ -762,7 +763,7 @@ def test_the_end_to_end_level_says_each_check_as_it_starts_and_how_far_sampling_
                     *[f"end to end: greedy identity, {name}" for name in ENGINE_FAULTS],
                     "end to end: greedy identity, the default speculation policy",
                     "end to end: the first tokens of 20 plain sampled sequences against the target's exact law",
-                    "end to end: choosing where sampling starts (a pilot of 4 sequences at 1 starts)",
+                    "end to end: choosing where sampling starts (a pilot of 4 sequences at 2 starts)",
                     "end to end: 20 sampled sequences per side, the exact rule",
                     "end to end: 20 sampled sequences per side, always_accept"]
 
