@@ -56,6 +56,8 @@ def test_a_category_with_fewer_prompts_than_asked_says_so_and_the_report_records
     for extra in ([], ["--resume"]):  # the settings a resume checks are unchanged
         code, captured = _main([*argv, *extra], capsys)
         assert code == 0 and "note: custom has 2 prompts, fewer than the 5 per category asked for" in captured.err
+        # a resumed run's seconds are its own, not the kept cells' (the report said nothing of the resume)
+        assert json.loads((out / "report.json").read_text())["meta"].get("resumed") is (True if extra else None)
     meta = json.loads((out / "report.json").read_text())["meta"]
     assert meta["prompts_per_category"] == 5 and meta["categories_with_fewer_prompts"] == {"custom": 2}
     assert "- categories_with_fewer_prompts: {'custom': 2}" in (out / "report.md").read_text()
