@@ -276,6 +276,21 @@ def check_earlier_run(out: Path, names: tuple[str, ...], overwrite: bool, resuma
     return found
 
 
+def check_own_report(out: Path) -> None:
+    """Refuse an --out whose report.json no acceptance run wrote (train-medusa / train-eagle write one beside their
+    heads): --overwrite would replace another command's report, and the refusal called it an earlier run."""
+    report = out / "report.json"
+    if not report.is_file():
+        return
+    try:
+        data = json.loads(report.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        data = None
+    if not (isinstance(data, dict) and {"meta", "rows"} <= data.keys()):
+        raise ValueError(f"--out {out} holds a report.json that no acceptance run wrote (train-medusa and train-eagle "
+                         "write one beside their heads); name another directory")
+
+
 def run_lossless(args) -> int:
     from dataclasses import replace
 
@@ -428,6 +443,7 @@ def run_acceptance(args) -> int:
         raise ValueError("--resume keeps an earlier run's cells and --overwrite replaces them: pass one")
     if not args.no_plots:  # the plots come after every cell: without matplotlib, say so before the run, not after
         require_package("matplotlib")
+    check_own_report(out)
     earlier = [] if args.resume else check_earlier_run(out, ACCEPTANCE_FILES, args.overwrite, resumable=True)
     conversations = select_conversations(args.categories, args.prompts, args.prompts_file, args.prompt_column)
     config = _suite_config(args, names, renamed, conversations)

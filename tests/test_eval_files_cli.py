@@ -177,6 +177,22 @@ def test_an_earlier_run_in_out_is_replaced_only_with_overwrite(models, tmp_path,
     assert code == 2 and "--out" in captured.err and "cannot create it" in captured.err
 
 
+def test_an_out_holding_another_commands_report_is_refused_even_with_overwrite(models, tmp_path, capsys):
+    """A training run's folder (heads, report.json, report.md) given as --out was said to hold "an earlier run", and
+    --overwrite replaced the training's report with the suite's."""
+    out = tmp_path / "heads"
+    out.mkdir()
+    (out / "report.json").write_text(json.dumps({"kind": "medusa", "eval": {"tau": 1.5}}))
+    argv = ["eval", "acceptance", "--model", models[0], "--categories", "chat", "--prompts", "1", *RUN, "--out",
+            str(out)]
+    for extra in ([], ["--overwrite"], ["--resume"]):
+        code, captured = _main([*argv, *extra], capsys)
+        assert code == 2 and captured.err.strip() == (
+            f"specdec eval acceptance: error: --out {out} holds a report.json that no acceptance run wrote "
+            "(train-medusa and train-eagle write one beside their heads); name another directory"), captured.err
+    assert json.loads((out / "report.json").read_text())["kind"] == "medusa"
+
+
 def test_replay_record_keeps_a_conversations_system_messages(chat_ckpt, tmp_path, capsys):
     """A recorded prompt is the conversation's first turn as eval acceptance measures it: system messages first."""
     from transformers import AutoTokenizer
