@@ -8,14 +8,16 @@ import re
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from specdec.drafters.combined import CombinedDrafter
+from specdec.drafters.eagle_checkpoint import EagleCheckpointError, load_eagle
 from specdec.drafters.medusa import MedusaDrafter
 from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
 from specdec.drafters.registry import check_options, get_drafter
 
 import specdec
 from specdec.errors import InputError, InputTypeError, SpecdecError
-from specdec.testing import build_tiny_model
+from specdec.testing import build_tiny_model, save_tiny_checkpoint
 
 BAD = [
     ("ngram", dict(max_nodes=0), "max_nodes must be >= 1"),
@@ -257,7 +259,6 @@ def test_a_head_given_to_the_other_drafter_names_the_drafter_it_is_for(tmp_path)
     """`--drafter eagle --drafter-option path=HEADS` (Medusa heads) said only 'model.safetensors is missing', and
     `--drafter medusa` on an EAGLE head suggested convert-medusa, which then refused it: each names the other
     drafter."""
-    from specdec.drafters.eagle_checkpoint import EagleCheckpointError, load_eagle
     from specdec.drafters.medusa_heads import MedusaCheckpointError, load_medusa
     from transformers import LlamaConfig
 
@@ -281,10 +282,6 @@ def test_an_eagle_path_holding_no_draft_layer_says_what_it_holds(tmp_path):
     """`--drafter eagle` on a vLLM Medusa export said "config.json lacks 'num_attention_heads'" and on a model's own
     directory "the weights do not match config.json (Error(s) in loading state_dict for EagleModel:)": neither named
     the problem, which export-head names (no fc.* tensors, and what the directory holds instead)."""
-    from safetensors.torch import save_file
-    from specdec.drafters.eagle_checkpoint import EagleCheckpointError, load_eagle
-    from specdec.testing import save_tiny_checkpoint
-
     served = tmp_path / "served"
     served.mkdir()
     (served / "config.json").write_text(json.dumps({"model_type": "medusa", "num_heads": 2, "hidden_size": 64}))
