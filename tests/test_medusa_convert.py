@@ -16,6 +16,7 @@ from specdec.drafters.medusa_heads import MedusaCheckpointError, load_medusa
 from torch import nn
 
 import specdec
+from specdec.cli import main
 from specdec.errors import InputError
 from specdec.models.loader import EMBEDDED_HUB_ID, load_model, model_reference
 from specdec.testing import build_tiny_model
@@ -211,8 +212,6 @@ def test_a_file_that_is_no_torch_checkpoint_is_one_line_naming_it(tmp_path, caps
     """A .pt of other bytes raised the weights-only unpickler's IndexError as a traceback; it is now one line naming
     the file and what was expected (read weights-only or not at all), as is a damaged archive, while the legacy
     (pre-zip) format still converts."""
-    from specdec.cli import main
-
     (tmp_path / "garbage.pt").write_bytes(b"this is not a torch file at all\n" * 10)
     assert main(["convert-medusa", str(tmp_path / "garbage.pt"), "--output-dir", str(tmp_path / "o"),
                  "--base-model", "a/b"]) == 2
@@ -319,7 +318,6 @@ def test_specdecs_own_layout_keeps_its_distinct_blocks(tmp_path):
 
 
 def test_cli_converts_and_refuses_to_overwrite(tmp_path, capsys):
-    from specdec.cli import main
 
     src = write_medusa1(tmp_path / "src", medusa_module(2, 1), 1)
     out = tmp_path / "out"
@@ -338,8 +336,6 @@ def test_cli_converts_and_refuses_to_overwrite(tmp_path, capsys):
 
 def test_cli_names_an_output_dir_that_is_a_file(tmp_path, capsys):
     """`--output-dir` naming a file said only "[Errno 17] File exists: 'FILE'", after reading the heads."""
-    from specdec.cli import main
-
     src = write_medusa1(tmp_path / "src", medusa_module(2, 1), 1)
     (tmp_path / "file").write_text("a file")
     for out in ("file", "file/heads"):
@@ -358,8 +354,6 @@ def test_cli_names_an_output_dir_that_is_a_file(tmp_path, capsys):
 ], ids=["prefix", "size", "rank", "repeat", "empty"])
 def test_cli_refuses_a_tree_the_drafter_would_refuse(tmp_path, capsys, choices, match):
     """A tree the Medusa drafter refuses on attach is refused when converting, before anything is written."""
-    from specdec.cli import main
-
     src = write_medusa1(tmp_path / "src", medusa_module(2, 1), 1)
     assert main(["convert-medusa", str(src), "--output-dir", str(tmp_path / "out"), "--medusa-choices", choices]) == 2
     assert re.search(match, capsys.readouterr().err)

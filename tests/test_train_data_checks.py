@@ -17,6 +17,7 @@ from specdec.train.config import TrainConfig  # noqa: E402
 from specdec.train.data import TrainDataError, load_texts  # noqa: E402
 from specdec.train.pipeline import run_training  # noqa: E402
 
+from specdec.cli import main  # noqa: E402
 from tests.test_train_data import ChatTok, _jsonl, training_dir  # noqa: E402
 
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
@@ -69,8 +70,6 @@ def test_a_key_twice_on_a_jsonl_line_names_the_line_and_the_key(tmp_path):
 def test_options_a_run_ignores_are_refused(tiny, tmp_path, capsys, argv, settings, match):
     """train-eagle --loss kl trained the same weights as --loss ce, --reg-weight did nothing under --arch eagle3,
     and --num-prompts did nothing with --data; each is refused in one line (exit 2), by the CLI and the config."""
-    from specdec.cli import main
-
     rc = main(["train-eagle", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"), "--output-dir",
                str(tmp_path / "run"), "--seq-len", "16", "--max-steps", "1", "--no-eval-tau", "--no-progress", *argv])
     err = capsys.readouterr().err.strip()
@@ -89,8 +88,6 @@ def test_options_that_act_are_still_accepted(tmp_path):
 
 def test_a_prompts_file_that_is_a_directory_is_named_as_such(tiny, tmp_path, capsys):
     """`--prompts-file DIR` said "prompts file not found: DIR" of a directory that is there."""
-    from specdec.cli import main
-
     (tmp_path / "prompts").mkdir()
     rc = main(["train-medusa", "--model", str(tiny / "model"), "--prompts-file", str(tmp_path / "prompts"),
                "--output-dir", str(tmp_path / "run"), "--no-progress"])
