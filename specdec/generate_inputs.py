@@ -34,7 +34,8 @@ def describe(value: Any) -> str:
     if _is_ndarray(value):
         return f"a {value.ndim}-D numpy {value.dtype} array of shape {tuple(value.shape)}"
     text = _repr.repr(value).replace("\n", " ")
-    return f"{type(value).__name__} {text}"
+    kind = type(value)  # numpy's scalars named as numpy's: "bool np.True_" read as if a bool were refused
+    return f"{'numpy.' if kind.__module__ == 'numpy' else ''}{kind.__name__} {text}"
 
 
 def _is_ndarray(value: Any) -> bool:

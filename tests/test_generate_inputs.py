@@ -187,6 +187,8 @@ def test_a_numpy_array_is_read_as_lists_are():
     (dict(num_blocks=0), InputError, r"num_blocks must be >= 1"),
     (dict(num_blocks=False), InputTypeError, r"num_blocks .*bool"),
     (dict(do_sample=1), InputTypeError, r"do_sample must be True or False, got int 1"),
+    # numpy's bool named as numpy's (it read "got bool np.True_", as if a bool were refused)
+    (dict(do_sample=np.True_), InputTypeError, r"do_sample must be True or False, got numpy\.bool np\.True_"),
     (dict(do_sample="yes"), InputTypeError, r"do_sample"),
     (dict(temperature="1"), InputTypeError, r"temperature must be a number, got str"),
     (dict(temperature=float("nan")), InputError, r"temperature"),
