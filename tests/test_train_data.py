@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -144,6 +145,15 @@ def test_tokenize_and_split():
     assert set(map(tuple, split_held_out(seqs[::-1], 0.25)[1])) == set(map(tuple, held))  # by content, not order
     with pytest.raises(TrainDataError):
         tokenize_texts(tiny_tokenizer(), ["a"], seq_len=20)
+
+
+def test_records_that_give_no_training_sequence_are_counted_in_a_warning(tmp_path, caplog):
+    """Empty texts and texts of fewer than 3 tokens were dropped without a word: a file of 5 records trained on 2."""
+    f = _jsonl(tmp_path / "d.jsonl", [{"text": t} for t in ["hello there", "", " \n ", "ab", "general kenobi"]])
+    with caplog.at_level(logging.WARNING, logger="specdec.train.data"):
+        assert len(tokenize_texts(tiny_tokenizer(), load_texts(f), seq_len=20)) == 2
+    assert f"2 of 5 records of {f} hold an empty text and are skipped" in caplog.text
+    assert "1 of 3 texts tokenize to fewer than 3 tokens and are not trained on" in caplog.text
 
 
 def test_training_texts_start_as_prompts_do_with_one_bos():

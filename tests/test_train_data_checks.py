@@ -15,7 +15,7 @@ pytest.importorskip("datasets")
 
 from specdec.train.config import TrainConfig  # noqa: E402
 from specdec.train.data import TrainDataError, load_texts  # noqa: E402
-from specdec.train.pipeline import run_training  # noqa: E402
+from specdec.train.pipeline import read_inputs, run_training  # noqa: E402
 
 from specdec.cli import main  # noqa: E402
 from tests.test_train_data import ChatTok, _jsonl, training_dir  # noqa: E402
@@ -269,6 +269,14 @@ def test_more_prompts_asked_for_than_there_are_are_said(tmp_path, caplog):
         assert eval_prompts(1000) == list(CHAT)
     assert f"--num-prompts 10: prompts file {tmp_path / 'prompts.txt'} holds 3 prompts; using all 3" in caplog.text
     assert f"--eval-prompts 1000: there are {len(CHAT)} held-out chat prompts; using all {len(CHAT)}" in caplog.text
+
+
+def test_a_prompts_file_that_starts_with_a_byte_order_mark_gives_its_first_prompt_without_it(tmp_path):
+    """Editors on Windows write UTF-8 with a BOM (--data reads past it): the first prompt reached the target with
+    U+FEFF in front of it, which str.strip() keeps."""
+    (tmp_path / "prompts.txt").write_bytes(b"\xef\xbb\xbfwrite a poem\r\n\r\nname a river\r\n")
+    cfg = TrainConfig(model="m", output_dir=str(tmp_path / "run"), prompts_file=str(tmp_path / "prompts.txt"))
+    assert read_inputs(cfg, None) == ["write a poem", "name a river"]
 
 
 def test_medusa_scores_responses_alone_and_chooses_its_tree_from_them(tmp_path):

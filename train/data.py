@@ -20,6 +20,8 @@ from pathlib import Path
 
 from specdec.errors import SpecdecError, first_line
 
+logger = logging.getLogger(__name__)
+
 
 class TrainDataError(SpecdecError, ValueError):
     """Training data is missing, unreadable, empty, or lacks the requested field."""
@@ -151,9 +153,9 @@ def _dataset_records(path: Path, text_field: str, messages_field: str):
 
 
 def load_texts(data: str, text_field: str = "text", messages_field: str = "messages", tokenizer=None) -> list[str]:
-    """The texts of ``data``, record by record: a string in ``text_field`` (empty ones skipped), else chat messages
-    in ``messages_field`` rendered with ``tokenizer``'s chat template; any other record is a TrainDataError naming
-    it (0-based, in file order)."""
+    """The texts of ``data``, record by record: a string in ``text_field`` (empty ones skipped, counted in a
+    warning), else chat messages in ``messages_field`` rendered with ``tokenizer``'s chat template; any other record
+    is a TrainDataError naming it (0-based, in file order)."""
     path = Path(data).expanduser()
     if not path.exists():
         raise TrainDataError(f"training data not found: {path}")
@@ -162,15 +164,17 @@ def load_texts(data: str, text_field: str = "text", messages_field: str = "messa
     else:
         records = _dataset_records(path, text_field, messages_field)
     try:  # datasets decodes a JSON file's text lazily
-        texts = []
-        for i, (text, messages) in enumerate(records):
-            text = _record_text(path, i, text, messages, text_field, messages_field, tokenizer)
+        texts, read = [], 0
+        for read, (text, messages) in enumerate(records, 1):
+            text = _record_text(path, read - 1, text, messages, text_field, messages_field, tokenizer)
             if text.strip():
                 texts.append(text)
     except UnicodeDecodeError as err:
         raise TrainDataError(f"training data {path} is not UTF-8 text (byte {err.start}: {err.reason})") from err
     if not texts:
         raise TrainDataError(f"training data {path} holds no non-empty texts")
+    if len(texts) < read:
+        logger.warning("%d of %d records of %s hold an empty text and are skipped", read - len(texts), read, path)
     return texts
 
 
@@ -220,7 +224,7 @@ def _with_text_content(where: str, j: int, message: dict) -> dict:
 def tokenize_texts(tokenizer, texts: list[str], seq_len: int) -> list[list[int]]:
     """Tokenize with the tokenizer's special tokens (a BOS, as every prompt the heads will draft for has it) and cut
     to ``seq_len``; a text that already starts with the BOS (a chat template writes it) keeps one. Sequences shorter
-    than 3 tokens are dropped (nothing to learn)."""
+    than 3 tokens are dropped (nothing to learn), with a warning that counts them."""
     bos = getattr(tokenizer, "bos_token_id", None)
     seqs = []
     for text in texts:
@@ -232,6 +236,9 @@ def tokenize_texts(tokenizer, texts: list[str], seq_len: int) -> list[list[int]]
             seqs.append(list(ids))
     if not seqs:
         raise TrainDataError("no training sequence has at least 3 tokens")
+    if len(seqs) < len(texts):
+        logger.warning("%d of %d texts tokenize to fewer than 3 tokens and are not trained on", len(texts) - len(seqs),
+                       len(texts))
     return seqs
 
 

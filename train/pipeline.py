@@ -60,7 +60,7 @@ def read_inputs(cfg: TrainConfig, loaded) -> list:
         return []
     path = Path(cfg.prompts_file)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a BOM (Windows editors write one) is no prompt's
     except UnicodeDecodeError as err:
         raise TrainDataError(f"prompts file {path} is not UTF-8 text (byte {err.start}: {err.reason})") from err
     prompts = [x.strip() for x in text.splitlines() if x.strip()]
