@@ -151,9 +151,12 @@ def test_records_that_give_no_training_sequence_are_counted_in_a_warning(tmp_pat
     """Empty texts and texts of fewer than 3 tokens were dropped without a word: a file of 5 records trained on 2."""
     f = _jsonl(tmp_path / "d.jsonl", [{"text": t} for t in ["hello there", "", " \n ", "ab", "general kenobi"]])
     with caplog.at_level(logging.WARNING, logger="specdec.train.data"):
-        assert len(tokenize_texts(tiny_tokenizer(), load_texts(f), seq_len=20)) == 2
+        assert len(tokenize_texts(tiny_tokenizer(), load_texts(f), seq_len=20, source=f"training data {f}")) == 2
     assert f"2 of 5 records of {f} hold an empty text and are skipped" in caplog.text
-    assert "1 of 3 texts tokenize to fewer than 3 tokens and are not trained on" in caplog.text
+    assert f"1 of 3 texts of training data {f} tokenize to fewer than 3 tokens and are not trained on" in caplog.text
+    # none left: the error names the file too (it said "no training sequence has at least 3 tokens")
+    with pytest.raises(TrainDataError, match=f"^no text of training data {f} has at least 3 tokens: there is nothing"):
+        tokenize_texts(tiny_tokenizer(), ["ab"], seq_len=20, source=f"training data {f}")
 
 
 def test_training_texts_start_as_prompts_do_with_one_bos():

@@ -221,10 +221,11 @@ def _with_text_content(where: str, j: int, message: dict) -> dict:
     return {**message, "content": "".join(texts)}
 
 
-def tokenize_texts(tokenizer, texts: list[str], seq_len: int) -> list[list[int]]:
+def tokenize_texts(tokenizer, texts: list[str], seq_len: int, source: str = "the training data") -> list[list[int]]:
     """Tokenize with the tokenizer's special tokens (a BOS, as every prompt the heads will draft for has it) and cut
     to ``seq_len``; a text that already starts with the BOS (a chat template writes it) keeps one. Sequences shorter
-    than 3 tokens are dropped (nothing to learn), with a warning that counts them."""
+    than 3 tokens are dropped (nothing to learn), with a warning that counts them; ``source`` names where the texts
+    come from in both."""
     bos = getattr(tokenizer, "bos_token_id", None)
     seqs = []
     for text in texts:
@@ -235,10 +236,10 @@ def tokenize_texts(tokenizer, texts: list[str], seq_len: int) -> list[list[int]]
         if len(ids) >= 3:
             seqs.append(list(ids))
     if not seqs:
-        raise TrainDataError("no training sequence has at least 3 tokens")
+        raise TrainDataError(f"no text of {source} has at least 3 tokens: there is nothing to train on")
     if len(seqs) < len(texts):
-        logger.warning("%d of %d texts tokenize to fewer than 3 tokens and are not trained on", len(texts) - len(seqs),
-                       len(texts))
+        logger.warning("%d of %d texts of %s tokenize to fewer than 3 tokens and are not trained on",
+                       len(texts) - len(seqs), len(texts), source)
     return seqs
 
 

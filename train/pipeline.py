@@ -55,7 +55,7 @@ def read_inputs(cfg: TrainConfig, loaded) -> list:
     prompts)."""
     if cfg.data is not None:
         texts = load_texts(cfg.data, cfg.text_field, cfg.messages_field, loaded.tokenizer)
-        return tokenize_texts(loaded.tokenizer, texts, cfg.seq_len)
+        return tokenize_texts(loaded.tokenizer, texts, cfg.seq_len, f"training data {cfg.data}")
     if not cfg.prompts_file:
         return []
     path = Path(cfg.prompts_file)
