@@ -477,6 +477,24 @@ def test_config_json_that_is_not_json_is_a_specdec_error(tmp_path):
         load_model(str(path))
 
 
+@pytest.mark.parametrize("config, match", [
+    ({"num_attention_heads": 3}, "hidden size \\(64\\) is not a multiple of the number of attention heads \\(3\\)"),
+    ({"num_hidden_layers": "2"}, "'num_hidden_layers' expected int, got str"),
+    ({"head_dim": 7}, "RoPE requires an even rotary dimension"),
+])
+def test_a_config_json_transformers_finds_invalid_is_a_one_line_error_naming_it(tmp_path, config, match):
+    """transformers validates config.json's values (huggingface_hub's strict dataclasses) and raised its own
+    two-line error type, which no caller catches: the CLI showed a traceback and exited 1."""
+    from specdec.errors import InputError
+
+    path = tmp_path / "ckpt"
+    _tiny_dir(path)
+    _edit_config(path, **config)
+    with pytest.raises(InputError, match=f"config.json is not a valid config.*{match}") as err:
+        load_model(str(path))
+    assert "\n" not in str(err.value)
+
+
 def test_a_weights_file_written_again_alone_is_read_again(tmp_path):
     """A training loop that saves only model.safetensors (config.json untouched) into a folder a held load came
     from: the next load reads the new weights, not the held model's."""
