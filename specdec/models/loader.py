@@ -92,11 +92,14 @@ def checkpoint_dtype(path: Path, device: str | torch.device | None) -> torch.dty
     return HALF_DTYPES.get(config.get("dtype") or config.get("torch_dtype"), default)
 
 
-try:  # what transformers raises for a config.json value it refuses (huggingface_hub's strict dataclasses)
-    from huggingface_hub.errors import StrictDataclassError
-    _CONFIG_INVALID: tuple[type[BaseException], ...] = (StrictDataclassError,)
-except ImportError:  # pragma: no cover - an older huggingface_hub, whose transformers raised ValueError
-    _CONFIG_INVALID = ()
+def _config_invalid() -> tuple[type[BaseException], ...]:
+    """What transformers raises for a config.json value it refuses: huggingface_hub's strict dataclasses' error (an
+    older huggingface_hub has none: its transformers raised ValueError)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # pragma: no cover
+        return ()
+    return (StrictDataclassError,)
 
 
 def _from_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[Any, Any]:
@@ -114,7 +117,7 @@ def _from_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[
     except SafetensorError as err:  # a truncated or half-downloaded weights file
         raise InputError(f"{path}: its safetensors weights cannot be read ({err}); copy or download them again") \
             from err
-    except _CONFIG_INVALID as err:  # a value transformers' config validation refuses, before any weight is read
+    except _config_invalid() as err:  # a value transformers' config validation refuses, before any weight is read
         raise InputError(f"{path / checkpoint_files.CONFIG} is not a valid config ({' '.join(str(err).split())})") \
             from err
     checkpoint_files.check_loaded(path, info)  # no tensor left to transformers' random initialisation
