@@ -467,6 +467,27 @@ def test_a_file_or_a_hub_id_says_what_to_pass_instead(tmp_path, monkeypatch, spe
         load_model(spec)
 
 
+@pytest.mark.parametrize("damage", ["no added_tokens", "unknown model type"])
+def test_a_tokenizer_json_the_tokenizers_library_cannot_parse_leaves_token_ids(tmp_path, caplog, damage):
+    """A tokenizer.json that is JSON but not a tokenizer's ended the load in tokenizers' bare Exception ("data did
+    not match any variant of untagged enum ModelUntagged") or a KeyError, a traceback, where one that is not JSON
+    leaves a warning and token ids."""
+    from specdec.testing import save_tiny_checkpoint
+
+    path = tmp_path / "ckpt"
+    save_tiny_checkpoint(path)
+    raw = json.loads((path / "tokenizer.json").read_text())
+    if damage == "no added_tokens":
+        del raw["added_tokens"]
+    else:
+        raw["model"]["type"] = "Nope"
+    (path / "tokenizer.json").write_text(json.dumps(raw))
+    with caplog.at_level(logging.WARNING, logger="specdec.models.loader"):
+        loaded = load_model(str(path))
+    assert loaded.tokenizer is None and f"no tokenizer loaded from {path}" in caplog.text, caplog.text
+    assert "token ids only" in caplog.text
+
+
 def test_config_json_that_is_not_json_is_a_specdec_error(tmp_path):
     from specdec.errors import InputError
 

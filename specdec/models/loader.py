@@ -123,8 +123,10 @@ def _from_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[
     checkpoint_files.check_loaded(path, info)  # no tensor left to transformers' random initialisation
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:  # one line, no traceback kept
-        logger.warning("no tokenizer loaded from %s (%s); token ids only", path, " ".join(str(err).split())[:300])
+    except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a tokenizer.json it cannot parse
+        # any failure leaves token ids, as a tokenizer that is missing or not JSON does: one line, no traceback kept
+        why = " ".join(str(err).split())[:300]
+        logger.warning("no tokenizer loaded from %s (%s: %s); token ids only", path, type(err).__name__, why)
         tokenizer = None
     return model, tokenizer
 
