@@ -488,6 +488,20 @@ def test_a_tokenizer_json_the_tokenizers_library_cannot_parse_leaves_token_ids(t
     assert "token ids only" in caplog.text
 
 
+def test_a_shard_index_that_is_not_json_is_named(tmp_path):
+    """A sharded checkpoint's model.safetensors.index.json that is not JSON was refused with json's message alone
+    ("Expecting property name enclosed in double quotes: line 1 column 2"), naming no file."""
+    from specdec.errors import InputError
+    from specdec.testing import build_tiny_model
+
+    path = tmp_path / "ckpt"
+    build_tiny_model().save_pretrained(path, max_shard_size="100KB")
+    assert not (path / "model.safetensors").exists()
+    (path / "model.safetensors.index.json").write_text("{bad")
+    with pytest.raises(InputError, match=f"^{path / 'model.safetensors.index.json'} is not valid JSON"):
+        load_model(str(path))
+
+
 def test_config_json_that_is_not_json_is_a_specdec_error(tmp_path):
     from specdec.errors import InputError
 

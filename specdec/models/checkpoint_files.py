@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 CONFIG = "config.json"
 HF_LOADING_LOGGER = "transformers.modeling_utils"  # where transformers logs its LOAD REPORT
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+SHARD_INDEX = "model.safetensors.index.json"
 
 
 def check_before_load(path: Path) -> dict[str, Any]:
@@ -70,6 +71,12 @@ def check_before_load(path: Path) -> dict[str, Any]:
                 "transformers import AutoModelForCausalLM as M; "
                 f"M.from_pretrained('{path}').save_pretrained('{path}')\"")
         raise InputError(f"{path} holds no weights (no *.safetensors file next to {CONFIG})")
+    index = path / SHARD_INDEX
+    if not (path / "model.safetensors").is_file() and index.is_file():  # what transformers reads the shards by
+        try:
+            json.loads(index.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as err:  # else json's message alone, naming no file
+            raise InputError(f"{index} is not valid JSON ({err})") from None
     return config
 
 
