@@ -488,6 +488,13 @@ def test_a_tokenizer_json_the_tokenizers_library_cannot_parse_leaves_token_ids(t
     assert "token ids only" in caplog.text
 
 
+def test_a_checkpoint_directory_named_like_a_gguf_file_loads_as_one(tmp_path):
+    """A folder named `m.gguf` was refused as "GGUF file not found", though it is there and holds a checkpoint."""
+    path = tmp_path / "m.gguf"
+    _tiny_dir(path)
+    assert load_model(str(path)).runner.shape.vocab_size == 32
+
+
 def test_a_shard_index_that_is_not_json_is_named(tmp_path):
     """A sharded checkpoint's model.safetensors.index.json that is not JSON was refused with json's message alone
     ("Expecting property name enclosed in double quotes: line 1 column 2"), naming no file."""

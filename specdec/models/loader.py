@@ -186,7 +186,7 @@ def _files_stamp(spec: str) -> tuple:
     shared. () for anything else (the embedded model and a GGUF convert into a folder keyed by the file's content;
     a synthetic shape has no files)."""
     folder = Path(spec).expanduser()
-    if spec in embedded.ALIASES or folder.suffix == ".gguf" or synthetic.is_synthetic(spec):
+    if spec in embedded.ALIASES or (folder.suffix == ".gguf" and not folder.is_dir()) or synthetic.is_synthetic(spec):
         return ()
     try:
         files = [f for f in folder.iterdir() if f.suffix in (".json", ".safetensors", ".model", ".txt")]
@@ -223,7 +223,7 @@ def _load_path(spec: str, dtype: torch.dtype | None, device: str | torch.device 
         name = embedded.DEFAULT_ALIAS
     else:
         p = Path(spec).expanduser()
-        if p.suffix == ".gguf":
+        if p.suffix == ".gguf" and not p.is_dir():  # a folder so named is a checkpoint directory
             if not p.is_file():
                 raise ModelNotFoundError(f"GGUF file not found: {spec!r} (looked for the file {p.resolve()})")
             path = embedded.convert_gguf(p, embedded.converted_dir(p))
