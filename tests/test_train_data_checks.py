@@ -97,6 +97,17 @@ def test_a_prompts_file_that_is_a_directory_is_named_as_such(tiny, tmp_path, cap
     assert not (tmp_path / "run").exists()
 
 
+def test_a_prompts_file_that_is_not_utf8_names_the_line(tiny, tmp_path, capsys):
+    """A --prompts-file byte that is no UTF-8 was said as an offset into the file ("byte 12"), with no line; --data
+    names the line and the byte in it."""
+    (tmp_path / "prompts.txt").write_bytes("write a poem\ncaf\xe9 time\n".encode("latin-1"))
+    rc = main(["train-medusa", "--model", str(tiny / "model"), "--prompts-file", str(tmp_path / "prompts.txt"),
+               "--output-dir", str(tmp_path / "run"), "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == (f"specdec train-medusa: error: prompts file {tmp_path / 'prompts.txt'} is not UTF-8 "
+                               "text (line 2, byte 3: invalid continuation byte)"), err
+
+
 def _distil_cfg(tiny, tmp_path, prompts: list[str], **kw) -> TrainConfig:
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
     base = dict(model=str(tiny / "model"), output_dir=str(tmp_path / "run"), prompts_file=str(tmp_path / "prompts.txt"),

@@ -59,10 +59,13 @@ def read_inputs(cfg: TrainConfig, loaded) -> list:
     if not cfg.prompts_file:
         return []
     path = Path(cfg.prompts_file)
+    data = path.read_bytes()
     try:
-        text = path.read_text(encoding="utf-8-sig")  # a BOM (Windows editors write one) is no prompt's
-    except UnicodeDecodeError as err:
-        raise TrainDataError(f"prompts file {path} is not UTF-8 text (byte {err.start}: {err.reason})") from err
+        text = data.decode("utf-8-sig")  # a BOM (Windows editors write one) is no prompt's
+    except UnicodeDecodeError as err:  # its line and the byte in it, as --data's refusal says them
+        line, start = data.count(b"\n", 0, err.start) + 1, data.rfind(b"\n", 0, err.start) + 1
+        raise TrainDataError(f"prompts file {path} is not UTF-8 text (line {line}, byte {err.start - start}: "
+                             f"{err.reason})") from err
     prompts = [x.strip() for x in text.splitlines() if x.strip()]
     if not prompts:
         raise TrainDataError(f"prompts file {path} is empty")
