@@ -180,13 +180,18 @@ def _model_key(spec: str, dtype: torch.dtype | None, device: str | torch.device 
     return spec, dtype, str(device), trust_remote_code, _files_stamp(spec)
 
 
+def _names_gguf(path: Path) -> bool:
+    """Whether a path spec names a GGUF file: a folder so named is a checkpoint directory."""
+    return path.suffix == ".gguf" and not path.is_dir()
+
+
 def _files_stamp(spec: str) -> tuple:
     """A checkpoint directory's files by name, size and modification time: a folder written again since a model was
     loaded from it (a training run saving into it) is another key, so its new weights are read, not the old ones
     shared. () for anything else (the embedded model and a GGUF convert into a folder keyed by the file's content;
     a synthetic shape has no files)."""
     folder = Path(spec).expanduser()
-    if spec in embedded.ALIASES or (folder.suffix == ".gguf" and not folder.is_dir()) or synthetic.is_synthetic(spec):
+    if spec in embedded.ALIASES or _names_gguf(folder) or synthetic.is_synthetic(spec):
         return ()
     try:
         files = [f for f in folder.iterdir() if f.suffix in (".json", ".safetensors", ".model", ".txt")]
@@ -223,7 +228,7 @@ def _load_path(spec: str, dtype: torch.dtype | None, device: str | torch.device 
         name = embedded.DEFAULT_ALIAS
     else:
         p = Path(spec).expanduser()
-        if p.suffix == ".gguf" and not p.is_dir():  # a folder so named is a checkpoint directory
+        if _names_gguf(p):
             if not p.is_file():
                 raise ModelNotFoundError(f"GGUF file not found: {spec!r} (looked for the file {p.resolve()})")
             path = embedded.convert_gguf(p, embedded.converted_dir(p))
