@@ -395,7 +395,7 @@ def _check_identity_fits(loaded, prompts: list[list[int]], tokens: int) -> None:
     n = len(prompts[longest])
     if n + tokens > limit:
         room = f"lower it to {limit - n} or less" if limit > n else f"the prompt alone fills the {shape.limit_words}"
-        raise ValueError(f"--identity-tokens {tokens}: identity prompt {longest + 1} ({n} tokens) + {tokens} new "
+        raise ValueError(f"--identity-tokens {tokens}: identity prompt {longest} ({n} tokens) + {tokens} new "
                          f"tokens exceeds the model's {shape.limit_words}; {room}")
 
 

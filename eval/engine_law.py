@@ -75,7 +75,7 @@ def engine_law_checks(loaded: Any, sampling: SamplingConfig, sizes: CertificateS
         outside = sum(t not in law for t in tokens)
         checks.append(Check(name, level, fit.p_value > sizes.alpha, fault and fault.name,
                             p_value=fit.p_value, samples=len(tokens), power=fit.power, detects_tv=fit.detects_tv,
-                            detail=f"identity prompt {best + 1}: {len(law)} tokens in the support, the likeliest "
+                            detail=f"identity prompt {best}: {len(law)} tokens in the support, the likeliest "
                                    f"at {max(law.values()):.3g}; {len(set(tokens))} distinct first tokens drawn, "
                                    f"{outside} outside the support"))
     if not agree[best]:

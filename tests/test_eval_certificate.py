@@ -1155,7 +1155,7 @@ def test_the_engine_law_row_samples_the_least_certain_prompt_where_both_implemen
     # prompt 1 has the least certain first token (0.5) among those whose kept tokens agree; prompt 3 (0.4) does not
     laws = [{0: 0.9, 1: 0.1}, {0: 0.5, 1: 0.5}, {0: 0.7, 1: 0.3}, {0: 0.4, 1: 0.3, 2: 0.3}]
     checks, warnings = _engine_law_on(monkeypatch, laws, [{0, 1}] * 4)
-    assert [c.detail.startswith("identity prompt 2: 2 tokens in the support, the likeliest at 0.5") for c in checks] \
+    assert [c.detail.startswith("identity prompt 1: 2 tokens in the support, the likeliest at 0.5") for c in checks] \
         == [True, True], checks[0].detail
     assert not any("keep different tokens" in w for w in warnings), warnings
     _, warnings = _engine_law_on(monkeypatch, laws, [{0}] * 4)  # nowhere do they agree: said
