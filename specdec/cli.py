@@ -257,6 +257,15 @@ def flagged_sampling(make, *args, **kwargs):
         raise CLIError(f"--{name.replace('_', '-')} {rest.replace('use do_sample=False', 'drop --do-sample')}") from err
 
 
+# generate()'s arguments that generate's flags of the same names set: a refusal naming one names the flag
+ARGUMENT_FLAGS = re.compile(r"(?<![\w/.-])(max_new_tokens|num_blocks|block_size)(?![\w/-])")
+
+
+def said_as_flags(message: str) -> str:
+    """``message`` with generate()'s argument names as the command line spells them (``--max-new-tokens``)."""
+    return ARGUMENT_FLAGS.sub(lambda m: "--" + m.group(1).replace("_", "-"), message)
+
+
 PATH_OPTIONS = ("path", "model", "tokenizer")  # options naming a file, directory or alias: the text, never a number
 PYTHON_LITERALS = {"True": True, "False": False, "None": None}  # as a Python user types them (JSON: true, false, null)
 
@@ -475,6 +484,8 @@ def _generate_streamed(loaded, ids: list[int], drafter, settings: dict, stop: li
                     f"the KV cache ran out of blocks after {sum(map(len, err.new_tokens))} new tokens{kept}")
             raise CLIError(f"{when}: --num-blocks {args.num_blocks} is too few for this prompt and --max-new-tokens; "
                            "pass a larger --num-blocks, or leave it out to size the cache to fit") from err
+        if isinstance(err, SpecdecError) and (said := said_as_flags(str(err))) != str(err):
+            raise CLIError(said) from err  # "lower max_new_tokens": the flag is --max-new-tokens
         raise
     stream.finish()
     return out
