@@ -15,7 +15,15 @@ import logging
 import sys
 from pathlib import Path
 
-from specdec.train.config import EVAL_TREES, LOSSES, PRECISIONS, PROMPT_SOURCES, SCHEDULES, SELF_PROMPTS
+from specdec.train.config import (
+    EVAL_TREES,
+    LOSSES,
+    OTHER_FLAG_NAMES,
+    PRECISIONS,
+    PROMPT_SOURCES,
+    SCHEDULES,
+    SELF_PROMPTS,
+)
 
 from specdec.help_format import DefaultsHelpFormatter
 from specdec.models.embedded import DEFAULT_ALIAS
@@ -162,6 +170,18 @@ class _MedusaOnly(argparse.Action):
 
 
 def config_from_args(args):
+    """The run's TrainConfig; a setting out of its range refused as the command line spells it (``--lr must be >
+    0``), where the config names its field (``lr must be > 0``)."""
+    try:
+        return _config(args)
+    except ValueError as err:
+        name, _, rest = str(err).partition(" ")
+        if name not in vars(args) or name in OTHER_FLAG_NAMES or not rest.startswith("must "):
+            raise
+        raise ValueError(f"--{name.replace('_', '-')} {rest}") from err
+
+
+def _config(args):
     from specdec.train.config import TrainConfig
 
     return TrainConfig(
