@@ -34,9 +34,10 @@ class FolderInUse(InputError):
 
 
 @contextmanager
-def only_writer(folder: str | os.PathLike, option: str) -> Iterator[bool]:
+def only_writer(folder: str | os.PathLike, option: str, wait: bool = False) -> Iterator[bool]:
     """Hold ``folder`` (which exists) for the body; refused in one line, naming ``option``, where another run
-    holds it. Yields whether it holds it (False: the system or the folder's file system has no ``flock``)."""
+    holds it (with ``wait``: held once that run lets go). Yields whether it holds it (False: the system or the
+    folder's file system has no ``flock``)."""
     if fcntl is None:
         yield False
         return
@@ -44,7 +45,7 @@ def only_writer(folder: str | os.PathLike, option: str) -> Iterator[bool]:
     try:
         held = True
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise FolderInUse(f"{option} {folder}: another run is writing there now; wait for it to end, or choose "
                               "another folder") from None

@@ -4,10 +4,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
 
 import pytest
 import torch
 
+from specdec.folder_lock import FolderInUse, only_writer
 from specdec.models import embedded
 from specdec.models.loader import load_model
 
@@ -61,6 +63,34 @@ def test_a_damaged_cached_conversion_is_converted_again(tmp_path, monkeypatch, c
         assert embedded.convert_gguf(tmp_path / "m.gguf", out) == out
     assert len(calls) == 2 and embedded.is_intact(out) and "converting again" in caplog.text
     assert sorted(p.name for p in out.parent.iterdir()) == ["m"]  # no temporary or stale copy left behind
+
+
+def test_a_conversion_another_process_installs_meanwhile_is_not_deleted(tmp_path, monkeypatch):
+    """Two processes that found a damaged cached copy both convert: the one that checked the copy (damaged) and then
+    saw the other's intact conversion take its place moved that aside and deleted it, under the process loading from
+    it. Installing is one process at a time: the other's install, tried while this one checks, waits its turn."""
+    calls = fake_conversion(monkeypatch)
+    out = tmp_path / "cache" / "models" / "m"
+    embedded.convert_gguf(tmp_path / "m.gguf", out)
+    (out / "config.json").write_text('{"model_type": "gpt2!"}')  # damaged: converted again
+    theirs = out.with_name("theirs")
+    shutil.copytree(out, theirs)
+    (theirs / "config.json").write_text('{"model_type": "llama"}')
+    (theirs / "loading-from-here").write_text("")  # not in the manifest: intact all the same
+    checked, installed = embedded.is_intact, []
+
+    def is_intact(directory):
+        verdict = checked(directory)
+        if directory == out and len(calls) == 2 and not installed:  # this process converted: the other installs now
+            with contextlib.suppress(FolderInUse), only_writer(out.parent, "the model cache"):
+                shutil.rmtree(out)
+                theirs.rename(out)
+                installed.append(out)
+        return verdict
+
+    monkeypatch.setattr(embedded, "is_intact", is_intact)
+    assert embedded.convert_gguf(tmp_path / "m.gguf", out) == out and len(calls) == 2 and checked(out)
+    assert not installed or (out / "loading-from-here").exists()
 
 
 def test_an_unwritable_cache_converts_into_a_temporary_directory(tmp_path, monkeypatch, caplog):

@@ -451,19 +451,22 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         if out_dir is None:
             _TEMPORARY[wanted] = tmp
             return tmp
-        if is_intact(out_dir):  # a concurrent conversion won the race
-            shutil.rmtree(tmp)
-            return out_dir
-        if out_dir.exists():  # the damaged copy: moved aside first, so a reader never sees half of each
-            stale = out_dir.with_name(f"{_STALE}{out_dir.name}-{os.getpid()}")
-            os.rename(out_dir, stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        try:
-            tmp.rename(out_dir)
-        except OSError as err:  # another process installed its conversion in between
-            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not is_intact(out_dir):
-                raise
-            shutil.rmtree(tmp)
+        stale = out_dir.with_name(f"{_STALE}{out_dir.name}-{os.getpid()}")
+        # one process at a time installs: one that found the damaged copy, then saw another's intact conversion take
+        # its place, moved that aside and deleted it under the process loading from it
+        with only_writer(out_dir.parent, "the model cache", wait=True):
+            if is_intact(out_dir):  # a concurrent conversion won the race
+                shutil.rmtree(tmp)
+                return out_dir
+            if out_dir.exists():  # the damaged copy: moved aside first, so a reader never sees half of each
+                os.rename(out_dir, stale)
+            try:
+                tmp.rename(out_dir)
+            except OSError as err:  # another process installed its conversion in between (no flock here)
+                if err.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not is_intact(out_dir):
+                    raise
+                shutil.rmtree(tmp)
+        shutil.rmtree(stale, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
