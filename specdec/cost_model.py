@@ -142,13 +142,13 @@ def _warn_once(what: str, message: str, *args) -> None:
 
 
 def _cache_dir(cache_dir: str | Path | None) -> Path | None:
-    """``cache_dir``, else ``$SPECDEC_COST_DIR`` (the test suite points it at a temporary directory, so that
-    calibrations taken on a machine busy with tests never reach real runs), else ``<cache root>/costs``; None (said
-    once) where no cache root is known: measured, never cached, as in a read-only folder."""
+    """``cache_dir``, else ``$SPECDEC_COST_DIR`` (``~`` expanded; the test suite points it at a temporary directory,
+    so that calibrations taken on a machine busy with tests never reach real runs), else ``<cache root>/costs``; None
+    (said once) where no cache root is known: measured, never cached, as in a read-only folder."""
     if cache_dir is not None:
         return Path(cache_dir)
     if os.environ.get("SPECDEC_COST_DIR"):
-        return Path(os.environ["SPECDEC_COST_DIR"])
+        return Path(os.environ["SPECDEC_COST_DIR"]).expanduser()
     from specdec.errors import SpecdecError
     from specdec.models.embedded import cache_root
 

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from specdec import cost_model
 from specdec.folder_lock import FolderInUse, only_writer
 from specdec.models import embedded
 from specdec.models.loader import load_model
@@ -112,6 +113,17 @@ def test_conversion_dir_depends_on_the_file(tmp_path, monkeypatch):
     b.write_bytes(b"22")
     assert embedded.converted_dir(a) != embedded.converted_dir(b)
     assert embedded.converted_dir(a).is_relative_to(tmp_path / "cache")
+
+
+def test_cache_variables_expand_the_home_directory(tmp_path, monkeypatch):
+    """SPECDEC_CACHE_DIR=~/cache (an env file, a quoted export: no shell expands it) converted into a folder named
+    "~" in the working directory, 0.5 GB in each folder a run started from; HF_HOME's ~ is expanded."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", "~/cache")
+    monkeypatch.setenv("SPECDEC_COST_DIR", "~/costs")
+    assert embedded.cache_root() == tmp_path / "home" / "cache"
+    assert cost_model.cache_dir() == tmp_path / "home" / "costs"
 
 
 def _gguf(path, content: bytes, mtime: int = 1_700_000_000):

@@ -249,11 +249,11 @@ def _check_filled(path: Path, model, info: dict, header: tuple[list[str], dict] 
 
 
 def cache_root() -> Path:
-    """``$SPECDEC_CACHE_DIR``, else ``~/.cache/specdec``. Raises a one-line :class:`SpecdecError` naming
-    ``SPECDEC_CACHE_DIR`` where neither is known: HOME unset and no passwd entry for the uid (a container run under an
-    arbitrary uid)."""
+    """``$SPECDEC_CACHE_DIR`` (``~`` expanded, as in ``HF_HOME``), else ``~/.cache/specdec``. Raises a one-line
+    :class:`SpecdecError` naming ``SPECDEC_CACHE_DIR`` where neither is known: HOME unset and no passwd entry for the
+    uid (a container run under an arbitrary uid)."""
     if os.environ.get("SPECDEC_CACHE_DIR"):
-        return Path(os.environ["SPECDEC_CACHE_DIR"])
+        return Path(os.environ["SPECDEC_CACHE_DIR"]).expanduser()
     try:
         home = Path.home()
     except (RuntimeError, KeyError):  # Path.home(): RuntimeError, or pwd's KeyError on older Pythons
