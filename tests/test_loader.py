@@ -44,7 +44,8 @@ def fake_conversion(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("damage", ["truncated weights", "edited config", "missing tokenizer", "no manifest"])
+@pytest.mark.parametrize("damage", ["truncated weights", "edited config", "missing tokenizer", "no manifest",
+                                    "a file not in the manifest"])
 def test_a_damaged_cached_conversion_is_converted_again(tmp_path, monkeypatch, caplog, damage):
     """(issue 24 #7) A truncated or damaged cached copy broke every later run with a traceback."""
     calls = fake_conversion(monkeypatch)
@@ -57,6 +58,8 @@ def test_a_damaged_cached_conversion_is_converted_again(tmp_path, monkeypatch, c
         (out / "config.json").write_text('{"model_type": "gpt2!"}')  # same size, other content
     elif damage == "missing tokenizer":
         (out / "tokenizer.json").unlink()
+    elif damage == "a file not in the manifest":  # transformers' tokenizer reads it: a token past the vocabulary
+        (out / "added_tokens.json").write_text('{"<|zzz|>": 49152}')
     else:
         (out / embedded.MANIFEST).unlink()
     assert not embedded.is_intact(out)
@@ -77,7 +80,7 @@ def test_a_conversion_another_process_installs_meanwhile_is_not_deleted(tmp_path
     theirs = out.with_name("theirs")
     shutil.copytree(out, theirs)
     (theirs / "config.json").write_text('{"model_type": "llama"}')
-    (theirs / "loading-from-here").write_text("")  # not in the manifest: intact all the same
+    loading = (theirs / "model.safetensors").stat().st_ino  # the file the other process is reading
     checked, installed = embedded.is_intact, []
 
     def is_intact(directory):
@@ -91,7 +94,7 @@ def test_a_conversion_another_process_installs_meanwhile_is_not_deleted(tmp_path
 
     monkeypatch.setattr(embedded, "is_intact", is_intact)
     assert embedded.convert_gguf(tmp_path / "m.gguf", out) == out and len(calls) == 2 and checked(out)
-    assert not installed or (out / "loading-from-here").exists()
+    assert not installed or (out / "model.safetensors").stat().st_ino == loading
 
 
 def test_an_unwritable_cache_converts_into_a_temporary_directory(tmp_path, monkeypatch, caplog):

@@ -346,9 +346,15 @@ def _write_manifest(directory: Path) -> None:
 
 def is_intact(directory: Path) -> bool:
     """True if the conversion's files are all there as recorded: sizes always; contents (SHA-256) of the small
-    files always and of a large one whenever its size or mtime moved (hashing 540 MB on every load costs ~1 s)."""
+    files always and of a large one whenever its size or mtime moved (hashing 540 MB on every load costs ~1 s). A
+    file the manifest does not list makes it not intact: transformers reads what the folder holds (an
+    ``added_tokens.json`` gives the tokenizer tokens the model has no embedding for); hidden files (``.DS_Store``)
+    are let be."""
     try:
         entries = json.loads((directory / MANIFEST).read_text())
+        if any(p.is_file() and not p.name.startswith(".") and p.name not in entries for p in directory.iterdir()
+               if p.name != MANIFEST):
+            return False
         for name, rec in entries.items():
             st = (directory / name).stat()
             if st.st_size != rec["size"]:
