@@ -223,6 +223,29 @@ def test_a_bad_jsonl_line_is_named_once(tmp_path, caplog):
     assert not [r for r in caplog.records if r.name.startswith("datasets") and r.levelname == "ERROR"]
 
 
+CUT_SHORT = '{"text": "fine"}\n{"text": "cut short"\n'  # the second line lacks its closing brace
+
+
+@pytest.mark.parametrize("name, content, said", [
+    ("d.jsonl", CUT_SHORT, ": line 2 is not JSON (Expecting ',' delimiter, column 21)"),
+    ("d.json", CUT_SHORT, ": line 2 is not JSON (Expecting ',' delimiter, column 21)"),
+    ("d.json", "\n  \n\n", " is empty"),
+    ("d.json", "[]\n", " holds no records (it is [])"),
+    ("d.json", '[\n {"text": "a"},\n {"text": "b"\n]\n', ": it is not JSON (Expecting ',' delimiter, line 4, "
+     "column 1)"),
+    ("d.json", '"one string"', ": it is a JSON str, not a list of records or one record per line"),
+])
+def test_a_bad_json_file_is_named_with_where_it_breaks(tmp_path, name, content, said):
+    """datasets refused a .json file of blank lines or [] with "Instruction "train" corresponds to no data!" and a
+    JSON Lines line that is not JSON with "Trailing data at position 17"; a line cut short was said to break at
+    column 1 (of the line after it)."""
+    f = tmp_path / name
+    f.write_text(content)
+    with pytest.raises(TrainDataError) as err:
+        load_texts(str(f))
+    assert str(err.value).endswith(f"{f}{said}")
+
+
 def test_an_interrupted_self_distillation_continues_from_its_finished_batches(tmp_path, monkeypatch):
     """Self-distillation kept nothing until its last batch, so a Ctrl-C or SIGTERM lost every generated answer;
     finished batches are kept now and a rerun generates only the rest: the same sequences as one whole run."""

@@ -7,8 +7,9 @@ Each record holds either a text field (``--text-field``, default ``text``) or ch
 (``--messages-field``, default ``messages``: a list of ``{"role", "content"}``, content a string, null or a list of
 text parts ``{"type": "text", "text": ...}``, which are joined), rendered with the tokenizer's chat template; one
 file may mix the two. JSON Lines files are read record by record with the json module (records may differ in
-shape anywhere in the file); other formats through ``datasets``. Anything else, and a record the chat template
-cannot render, is a :class:`TrainDataError` naming the file and the record.
+shape anywhere in the file); other formats through ``datasets`` (a .json file it cannot read is named with where
+it breaks). Anything else, and a record the chat template cannot render, is a :class:`TrainDataError` naming the
+file and the record.
 """
 from __future__ import annotations
 
@@ -45,9 +46,14 @@ def _load_dataset(path: Path):
         if suffix in (".json", ".parquet"):  # .jsonl: _jsonl_records
             if path.stat().st_size == 0:
                 raise TrainDataError(f"training data {path} is empty")
-            with _datasets_errors_unlogged():
-                return datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=str(path),
-                                             split="train")
+            try:
+                with _datasets_errors_unlogged():
+                    return datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=str(path),
+                                                 split="train")
+            except Exception:
+                if suffix == ".json":
+                    _refuse_json(path)
+                raise
     except TrainDataError:
         raise
     except Exception as err:  # datasets raises many types for bad files
@@ -93,13 +99,36 @@ def _what_is_wrong(err: Exception) -> str:
     return cause
 
 
-def _jsonl_records(path: Path, text_field: str, messages_field: str):
-    """Each record's (text, messages) of a JSON Lines file, in file order (None where a field is absent), read line
-    by line: datasets' reader fixes the columns and their types from its first chunk of the file and refuses a
-    later record of another shape (a chat record after many texts) with a bare "Couldn't cast"."""
-    if path.stat().st_size == 0:
+def _refuse_json(path: Path) -> None:
+    """Where datasets cannot read the .json file ``path``, raise a TrainDataError saying what is wrong in the file's
+    terms: datasets said "Instruction "train" corresponds to no data!" for a file of blank lines or ``[]``, and
+    "Trailing data at position 22" for a JSON Lines line that is not JSON. Returns where it cannot tell (datasets'
+    message stands)."""
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except (OSError, UnicodeDecodeError):
+        return
+    if not text.strip():
         raise TrainDataError(f"training data {path} is empty")
-    fieldless, keys, has_field = 0, set(), False  # records before the first that holds either field
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as bad:
+        if bad.msg != "Extra data":  # not JSON: where the file's JSON breaks
+            raise TrainDataError(f"cannot read training data {path}: it is not JSON ({bad.msg}, line {bad.lineno}, "
+                                 f"column {bad.colno})") from None
+        for _ in _jsonl_lines(path):  # more than one document: JSON Lines, each line one record
+            pass
+        return
+    if isinstance(document, (list, dict)) and not document:
+        raise TrainDataError(f"training data {path} holds no records (it is {text.strip()})")
+    if not isinstance(document, (list, dict)):
+        raise TrainDataError(f"cannot read training data {path}: it is a JSON {type(document).__name__}, not a list "
+                             "of records or one record per line")
+
+
+def _jsonl_lines(path: Path):
+    """``(line number, record)`` of each non-blank line of the JSON Lines file ``path``; a line that is not UTF-8 or
+    not a JSON object, or that holds a key twice, is a TrainDataError naming it."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             try:
@@ -109,8 +138,8 @@ def _jsonl_records(path: Path, text_field: str, messages_field: str):
                                      f"{err.reason})") from err
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line, object_pairs_hook=_unique_keys)
+            try:  # without the line break: an error at the line's end is at its last column, not the next line's first
+                record = json.loads(line.rstrip("\r\n"), object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as bad:
                 raise TrainDataError(f"cannot read training data {path}: line {number} is not JSON ({bad.msg}, "
                                      f"column {bad.colno})") from None
@@ -120,14 +149,25 @@ def _jsonl_records(path: Path, text_field: str, messages_field: str):
             if not isinstance(record, dict):
                 raise TrainDataError(f"cannot read training data {path}: line {number} is a JSON "
                                      f"{type(record).__name__}, not an object (one record per line)")
-            if not has_field:  # as datasets' columns: the file lacks both fields only if every record does
-                if text_field not in record and messages_field not in record:
-                    fieldless += 1
-                    keys.update(record)
-                    continue
-                has_field = True
-                yield from [(None, None)] * fieldless  # named by _record_text, in file order
-            yield record.get(text_field), record.get(messages_field)
+            yield number, record
+
+
+def _jsonl_records(path: Path, text_field: str, messages_field: str):
+    """Each record's (text, messages) of a JSON Lines file, in file order (None where a field is absent), read line
+    by line: datasets' reader fixes the columns and their types from its first chunk of the file and refuses a
+    later record of another shape (a chat record after many texts) with a bare "Couldn't cast"."""
+    if path.stat().st_size == 0:
+        raise TrainDataError(f"training data {path} is empty")
+    fieldless, keys, has_field = 0, set(), False  # records before the first that holds either field
+    for _, record in _jsonl_lines(path):
+        if not has_field:  # as datasets' columns: the file lacks both fields only if every record does
+            if text_field not in record and messages_field not in record:
+                fieldless += 1
+                keys.update(record)
+                continue
+            has_field = True
+            yield from [(None, None)] * fieldless  # named by _record_text, in file order
+        yield record.get(text_field), record.get(messages_field)
     if not has_field:
         if not fieldless:
             raise TrainDataError(f"training data {path} is empty")
