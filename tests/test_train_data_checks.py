@@ -42,10 +42,15 @@ def test_a_file_may_mix_texts_and_chat_messages(tmp_path):
     ([{"text": "fine"}, {"text": None}], "record 1 has neither a 'text' string nor 'messages'"),
     ([{"text": "fine"}, {"other": "typo"}], "record 1 has neither a 'text' string nor 'messages'"),
     ([{"text": "fine"}, {"messages": "hi"}], "record 1: 'messages' must be a list of {role, content}"),
+    ([{"text": "fine"}, {"messages": [{"role": None, "content": "hi"}]}], "record 1: message 0's role must be a "
+     "string, got NoneType"),
+    ([{"text": "fine"}, {"messages": [*CHAT, {"role": 3, "content": "hi"}]}], "record 1: message 2's role must be a "
+     "string, got int"),
 ])
 def test_a_record_that_is_neither_a_text_nor_messages_is_named(tmp_path, rows, match):
     """A record whose text was a number or null, or that held neither field, was dropped (rc 0); now it is one
-    line naming the file and the record."""
+    line naming the file and the record. A message whose role is not a string failed in the chat template
+    ("'dict object' has no attribute 'role'" for null), naming no message."""
     f = _jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(TrainDataError) as err:
         load_texts(f, tokenizer=ChatTok())

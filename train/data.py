@@ -242,7 +242,11 @@ def _record_text(path: Path, i: int, text, messages, text_field: str, messages_f
 def _with_text_content(where: str, j: int, message: dict) -> dict:
     """``message`` with its content a string or None: a list of text parts (OpenAI's and transformers' form) is
     joined with nothing between the parts, as the chat templates that take parts render them; a template given the
-    list itself renders its Python repr. A part that is not text (an image, audio) cannot be trained on."""
+    list itself renders its Python repr. A part that is not text (an image, audio) cannot be trained on. A role that
+    is not a string is refused here: templates failed on it with "can only concatenate str (not "int") to str", or,
+    for null, "'dict object' has no attribute 'role'"."""
+    if not isinstance(message["role"], str):
+        raise TrainDataError(f"{where}: message {j}'s role must be a string, got {type(message['role']).__name__}")
     content = message["content"]
     if content is None or isinstance(content, str):
         return message
