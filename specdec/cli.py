@@ -43,6 +43,10 @@ class CLIError(SpecdecError):
     """A problem with what the user asked for on the command line."""
 
 
+class StdoutError(SpecdecError, OSError):
+    """stdout cannot be written (``> /dev/full``, a full disk): the output printed there is lost."""
+
+
 # library errors that are the user's to fix: one line and exit code 2, no traceback. SpecdecError is every error
 # specdec raises on purpose (specdec.errors: CacheFullError, DraftError, GGUFError, ...); ValueError still covers
 # the builtin checks of bad input; OSError covers missing files and unknown model paths.
@@ -581,8 +585,45 @@ def _main(argv: list[str]) -> int:
     _escape_what_stdout_cannot_encode()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    with _transformers_bars(shown=args.verbose):
-        return _run_command(args, name)
+    stdout = sys.stdout
+    sys.stdout = _NamedStdout(stdout)
+    try:
+        with _transformers_bars(shown=args.verbose):
+            return _run_command(args, name)
+    finally:
+        if isinstance(sys.stdout, _NamedStdout):
+            sys.stdout = stdout
+
+
+class _NamedStdout:
+    """sys.stdout while a command runs: a write or flush that fails (``> /dev/full``, a full disk) raises a
+    StdoutError saying it was stdout, where the bare ``[Errno 28] No space left on device`` read as the failure of
+    the command's own files (an export or a report written whole). A closed pipe stays a BrokenPipeError."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        with self._named():
+            return self._stream.write(text)
+
+    def flush(self) -> None:
+        with self._named():
+            self._stream.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _named():
+        try:
+            yield
+        except BrokenPipeError:
+            raise
+        except OSError as err:
+            raise StdoutError(f"cannot write to stdout ({err.strerror or err}): the output printed there is lost") \
+                from err
 
 
 def _escape_what_stdout_cannot_encode() -> None:
@@ -641,7 +682,9 @@ def _run_command(args, name: str) -> int:
     code (with -v the traceback comes first: the exit code stays, so that a script tells a mistake, 2, from a failed
     certificate, 1)."""
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # the last output too: a failed write said here, not as "Exception ignored" at exit
+        return code
     except USER_ERRORS as err:
         traceback_if(args.verbose)
         return _user_error(err, name, args.command)
@@ -690,7 +733,7 @@ def _missing_package(err: ModuleNotFoundError, name: str, command: str) -> int:
 def _flush_stdout() -> None:
     try:
         sys.stdout.flush()
-    except (BrokenPipeError, ValueError):  # the reader is gone / stdout closed: the error line still goes out
+    except (OSError, ValueError):  # the reader is gone / stdout closed or full: the error line still goes out
         _silence_stdout()
 
 

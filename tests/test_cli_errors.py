@@ -4,6 +4,7 @@ JSON document on stdout. Covers closed / non-UTF-8 stdin, binary or non-UTF-8 pr
 given twice, unusable devices, truncated .gguf files, Ctrl-C (in-process and a real SIGINT) and a closed pipe."""
 from __future__ import annotations
 
+import errno
 import importlib
 import io
 import json
@@ -460,6 +461,48 @@ def test_closed_pipe_is_silent(ckpt):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 141, err
     assert "error" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+
+
+class _FullStdout(io.StringIO):
+    """stdout on a full disk (``> /dev/full``): `fails` ("write" or "flush") raises ENOSPC."""
+
+    def __init__(self, fails: str) -> None:
+        super().__init__()
+        self.fails = fails
+
+    def write(self, text: str) -> int:
+        return self._full() if self.fails == "write" else super().write(text)
+
+    def flush(self) -> None:
+        return self._full() if self.fails == "flush" else super().flush()
+
+    @staticmethod
+    def _full():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_stdout_is_one_line_naming_stdout(ckpt, capsys, monkeypatch):
+    """`specdec generate ... > /dev/full`: the line said only "[Errno 28] No space left on device", which reads as
+    the failure of the command's own files (export-head's export, eval's report, written whole); it names stdout."""
+    monkeypatch.setattr(sys, "stdout", _FullStdout("write"))
+    assert main(["generate", PROMPT, "--model", ckpt, "--max-new-tokens", "4"]) == 2
+    assert error_line(capsys.readouterr().err) == ("specdec generate: error: cannot write to stdout (No space left on "
+                                                   "device): the output printed there is lost")
+
+
+def test_output_still_buffered_when_the_command_ends_is_flushed_and_its_failure_said(capsys, monkeypatch):
+    """A command's last lines, printed but not yet flushed when it returned 0, failed on a full stdout only at exit,
+    as Python's "Exception ignored ... OSError" (exit code 120); the command flushes them and says so in one line."""
+    import specdec.cli as cli
+
+    def printed(args):
+        print("wrote the result")
+        return 0
+
+    monkeypatch.setattr(cli, "_run_generate", printed)
+    monkeypatch.setattr(sys, "stdout", _FullStdout("flush"))
+    assert main(["generate", "hello"]) == 2
+    assert "error: cannot write to stdout (No space left on device)" in error_line(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("command, extra", [(["eval", "acceptance"], "eval"), (["train-medusa"], "train")])
