@@ -22,13 +22,19 @@ from pathlib import Path
 @contextmanager
 def replaced_atomically(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path to write; on success it replaces ``path``, on error it is removed
-    and ``path`` keeps its old content. Creates the parent directory."""
+    and ``path`` keeps its old content (an OSError that names no file, as a full disk's, is raised naming
+    ``path``). Creates the parent directory."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         yield tmp
         os.replace(tmp, path)
+    except OSError as err:
+        if err.filename is not None or err.errno is None:
+            raise
+        # a write that fails (a full disk: ENOSPC) names no file; the user's error line names the one meant
+        raise OSError(err.errno, err.strerror, str(path)) from err
     finally:
         tmp.unlink(missing_ok=True)
 

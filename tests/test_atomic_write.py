@@ -1,7 +1,9 @@
 """replaced_atomically / write_json: the whole file or the old one, never a partial write or a stray temp file."""
 from __future__ import annotations
 
+import errno
 import json
+import os
 
 import pytest
 
@@ -44,6 +46,19 @@ def test_a_writer_that_fails_midway_leaves_the_old_file(tmp_path):
             raise RuntimeError("writer crashed")
     assert path.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["w.bin"]
+
+
+def test_a_full_disk_names_the_file_meant(tmp_path):
+    """A write that fails for want of space names no file ("[Errno 28] No space left on device"): `specdec eval`
+    said only that, not which of its outputs; the error names the file meant (not its temporary file) and keeps
+    its errno."""
+    path = tmp_path / "report.json"
+    with pytest.raises(OSError) as raised:
+        with replaced_atomically(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(path)
+    assert str(raised.value) == f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}: '{path}'"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_two_threads_writing_one_file_never_share_a_temporary_file(tmp_path):
