@@ -23,7 +23,7 @@ import torch
 from specdec.drafters.eagle_model import UNRECORDED_CONTEXT, EagleConfig, EagleModel
 from specdec.drafters.eagle_rope import config_entries, read_rope
 
-from specdec.atomic_write import replaced_atomically, write_json
+from specdec.atomic_write import save_tensors, write_json
 from specdec.errors import SpecdecError
 
 logger = logging.getLogger(__name__)
@@ -40,14 +40,11 @@ class EagleCheckpointError(SpecdecError, ValueError):
 
 def save_eagle(model: EagleModel, directory: str | os.PathLike, extra: dict | None = None) -> Path:
     """Write config.json + model.safetensors (atomically, file by file)."""
-    from safetensors.torch import save_file
-
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     c = model.config
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    with replaced_atomically(path / WEIGHTS_FILE) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    save_tensors(path / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
     eagle3 = {"arch": "eagle3", "feature_layers": list(c.feature_layers),
               "norm_before_residual": c.norm_before_residual} if c.arch == "eagle3" else {}
     config = {

@@ -38,7 +38,7 @@ from specdec.drafters.eagle_checkpoint import (
 )
 from specdec.drafters.eagle_model import EagleModel
 
-from specdec.atomic_write import leftover_of, replaced_atomically, write_json
+from specdec.atomic_write import leftover_of, save_tensors, write_json
 from specdec.errors import InputError, SpecdecError
 from specdec.output_dirs import check_creatable
 
@@ -134,14 +134,12 @@ def _target_config(name: str):
 
 @contextmanager
 def _writing(out: Path):
-    """A write into ``out`` that fails (no permission, a full disk) as one line naming it: safetensors raises its
-    own SafetensorError, not an OSError."""
-    from safetensors import SafetensorError
-
+    """A write into ``out`` that fails (no permission, a full disk) as one line naming it (save_tensors says
+    safetensors' refusals of the disk as OSErrors)."""
     try:
         yield
-    except (SafetensorError, OSError) as err:
-        why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+    except OSError as err:
+        why = err.strerror or str(err)
         raise InputError(f"export-head: cannot write into --output-dir {out}: {why}") from err
 
 
@@ -197,7 +195,6 @@ def _architectures(target: str) -> list[str]:
 
 
 def _export_medusa(src: Path, fmt: str, out: Path, target: str | None) -> Path:
-    from safetensors.torch import save_file
     from specdec.drafters.medusa_heads import load_medusa
 
     if fmt != "vllm":
@@ -229,7 +226,6 @@ def _export_medusa(src: Path, fmt: str, out: Path, target: str | None) -> Path:
               "base_model_name_or_path": name}
     with _writing(out):
         out.mkdir(parents=True, exist_ok=True)
-        with replaced_atomically(out / "model.safetensors") as tmp:
-            save_file(tensors, str(tmp), metadata={"format": "pt"})
+        save_tensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
         write_json(out / CONFIG_FILE, config, indent=2)
     return out

@@ -32,7 +32,7 @@ from specdec.drafters.eagle_checkpoint import CONFIG_FILE, WEIGHTS_FILE, EagleCh
 from specdec.drafters.eagle_model import UNRECORDED_CONTEXT, EagleConfig, EagleModel, default_feature_layers
 from specdec.drafters.eagle_rope import config_entries, read_rope
 
-from specdec.atomic_write import replaced_atomically, write_json
+from specdec.atomic_write import save_tensors, write_json
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
 UNSUPPORTED_SPECULATORS_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
@@ -231,8 +231,6 @@ def write_eagle3(model: EagleModel, directory: str | os.PathLike, fmt: str, targ
                  target_architectures: list[str] | None = None) -> Path:
     """Write ``model`` in ``fmt`` ("speculators" or "sglang") to ``directory``; ``target``: the hub id or path of
     the model it drafts for, recorded in the config."""
-    from safetensors.torch import save_file
-
     if fmt not in FORMATS:
         raise EagleCheckpointError(f"EAGLE-3 heads are written as {' or '.join(FORMATS)}, not {fmt!r}")
     c = model.config
@@ -269,7 +267,6 @@ def write_eagle3(model: EagleModel, directory: str | os.PathLike, fmt: str, targ
                                    "use_aux_hidden_state": True}, **tree}
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    with replaced_atomically(path / WEIGHTS_FILE) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    save_tensors(path / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
     write_json(path / CONFIG_FILE, config, indent=2)
     return path

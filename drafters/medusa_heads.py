@@ -40,7 +40,7 @@ from specdec.drafters.draft_vocab import DraftVocab
 from specdec.drafters.medusa_tree import check_paths, check_ranks
 from torch import nn
 
-from specdec.atomic_write import replaced_atomically, write_json
+from specdec.atomic_write import save_tensors, write_json
 from specdec.errors import InputError, SpecdecError
 from specdec.models.llama import Linear, linear
 
@@ -208,12 +208,9 @@ class MedusaHeads(nn.Module):
 
 def save_medusa(heads: MedusaHeads, directory: str | os.PathLike) -> Path:
     """Write config.json + medusa_lm_head.safetensors (atomically, file by file)."""
-    from safetensors.torch import save_file
-
     path = Path(directory)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in heads.heads.state_dict().items()}
-    with replaced_atomically(path / WEIGHTS_FILE) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    save_tensors(path / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
     write_json(path / CONFIG_FILE, heads.config.to_json(), indent=2)
     return path
 

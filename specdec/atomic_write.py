@@ -1,8 +1,9 @@
 """Atomic file writes: a reader (or a resumed run) sees the old file or the new one, never half.
 
     write_json(out / "settings.json", settings, indent=1)
-    with replaced_atomically(path / "weights.safetensors") as tmp:
-        save_file(tensors, str(tmp))
+    save_tensors(path / "weights.safetensors", tensors, metadata={"format": "pt"})
+    with replaced_atomically(path / "optimizer.pt") as tmp:
+        torch.save(optimizer.state_dict(), tmp)
 
 The data is written to a temporary file beside the target, ``NAME.PID.THREAD.tmp`` (one per process and thread:
 concurrent writers never share one), and renamed over it (``os.replace`` is atomic on POSIX and Windows within one
@@ -51,4 +52,22 @@ def write_json(path: str | os.PathLike, data, *, indent: int | None = None) -> P
     text = json.dumps(data, indent=indent) + "\n"
     with replaced_atomically(path) as tmp:
         tmp.write_text(text)
+    return Path(path)
+
+
+def save_tensors(path: str | os.PathLike, tensors: dict, *, metadata: dict | None = None) -> Path:
+    """safetensors' ``save_file``, atomically. A write the disk refuses (full, read-only) is an OSError naming
+    ``path``, as :func:`replaced_atomically` raises it: safetensors raises its own SafetensorError ("Error while
+    serializing: I/O error: No space left on device (os error 28)"), which no caller took for a disk's refusal."""
+    from safetensors import SafetensorError  # (safetensors.torch imports torch: not before a write needs it)
+    from safetensors.torch import save_file
+
+    with replaced_atomically(path) as tmp:
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+        except SafetensorError as err:
+            code = re.search(r"\(os error (\d+)\)", str(err))
+            if code is None:  # not the disk's refusal (tensors safetensors cannot write): as it was
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from err
     return Path(path)

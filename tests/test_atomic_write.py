@@ -6,8 +6,11 @@ import json
 import os
 
 import pytest
+import safetensors.torch
+import torch
+from safetensors import SafetensorError
 
-from specdec.atomic_write import leftover_of, replaced_atomically, write_json
+from specdec.atomic_write import leftover_of, replaced_atomically, save_tensors, write_json
 
 
 def test_writes_creates_parents_and_overwrites(tmp_path):
@@ -59,6 +62,23 @@ def test_a_full_disk_names_the_file_meant(tmp_path):
     assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(path)
     assert str(raised.value) == f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}: '{path}'"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_safetensors_refused_by_the_disk_is_an_oserror_naming_the_file(tmp_path, monkeypatch):
+    """safetensors says a full disk as its own SafetensorError ("... (os error 28)"), which no OSError handler took:
+    convert-medusa ended in a traceback, an interrupted training run's save was not said as "not saved"."""
+    def full(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    path = tmp_path / "heads.safetensors"
+    save_tensors(path, {"w": torch.ones(2)}, metadata={"format": "pt"})
+    assert safetensors.torch.load_file(path)["w"].tolist() == [1.0, 1.0]
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(OSError) as raised:
+        save_tensors(path, {"w": torch.zeros(2)})
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(path)
+    assert safetensors.torch.load_file(path)["w"].tolist() == [1.0, 1.0]  # the old file, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["heads.safetensors"]
 
 
 def test_two_threads_writing_one_file_never_share_a_temporary_file(tmp_path):

@@ -9,7 +9,9 @@ import os
 import re
 
 import pytest
+import safetensors.torch
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from specdec.drafters.medusa_convert import convert_published, read_published
 from specdec.drafters.medusa_heads import MedusaCheckpointError, load_medusa
@@ -343,6 +345,19 @@ def test_cli_names_an_output_dir_that_is_a_file(tmp_path, capsys):
         line = capsys.readouterr().err.strip()
         assert line == (f"specdec convert-medusa: error: --output-dir {tmp_path / out}: cannot create it "
                         f"({tmp_path / 'file'} is a file, not a folder)"), line
+
+
+def test_cli_names_a_full_disk_in_one_line(tmp_path, capsys, monkeypatch):
+    """A full disk under --output-dir ended in safetensors' SafetensorError traceback."""
+    def full(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    src = write_medusa1(tmp_path / "src", medusa_module(2, 1), 1)
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    assert main(["convert-medusa", str(src), "--output-dir", str(tmp_path / "out")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line == ("specdec convert-medusa: error: [Errno 28] No space left on device: "
+                    f"'{tmp_path / 'out' / 'medusa_lm_head.safetensors'}'"), line
 
 
 @pytest.mark.parametrize("choices, match", [

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.atomic_write import save_tensors
 from specdec.errors import SpecdecError
 
 CKPT, TMP, OLD = "checkpoint", "checkpoint.tmp", "checkpoint.old"
@@ -30,12 +31,11 @@ class CheckpointError(SpecdecError, ValueError):
 def save_checkpoint(output_dir: Path, heads, optimizer, scheduler, step: int, config: dict,
                     fingerprint: str, rng_state: torch.Tensor | None = None) -> Path:
     """``rng_state``: the RNG state to record (default: the current one)."""
-    from safetensors.torch import save_file
-
     tmp, final, old = output_dir / TMP, output_dir / CKPT, output_dir / OLD
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}, str(tmp / "heads.safetensors"))
+    # a full disk: an OSError, which an interrupt's save takes for "not saved" (safetensors raises its own error)
+    save_tensors(tmp / "heads.safetensors", {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()})
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save({"torch": torch.get_rng_state() if rng_state is None else rng_state}, tmp / "rng.pt")
