@@ -11,7 +11,9 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import safetensors.torch
 import torch
+from safetensors import SafetensorError
 
 pytest.importorskip("accelerate")
 pytest.importorskip("datasets")
@@ -632,6 +634,20 @@ def test_an_interrupt_several_processes_could_not_save_names_the_steps_lost(tmp_
     ckpt_io.save_checkpoint(tmp_path, heads, optimizer, scheduler, 4, {}, "fp")
     assert _what_is_left(tmp_path, err) == ("the checkpoint of step 4 is intact (continue with --resume); the 3 "
                                             "step(s) after it are lost (not saved on this interrupt)")
+
+
+def test_a_checkpoint_the_full_disk_refuses_is_not_saved_and_leaves_the_last_one(tmp_path, monkeypatch):
+    """A full disk refuses the heads' safetensors file, the first file of a checkpoint: safetensors said it as its
+    own SafetensorError, which the interrupt's save did not take for "not saved" (an OSError): it escaped instead."""
+    def full(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    heads, optimizer, scheduler = _tiny_training_state()
+    ckpt_io.save_checkpoint(tmp_path, heads, optimizer, scheduler, 4, {}, "fp")
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    save = lambda: ckpt_io.save_checkpoint(tmp_path, heads, optimizer, scheduler, 6, {}, "fp")  # noqa: E731
+    assert interrupt_saves._saved(save, 6) is False
+    assert ckpt_io.read_state(ckpt_io.find_checkpoint(tmp_path))["step"] == 4
 
 
 def test_held_interrupts_stop_as_their_own_signal_else_as_the_peers():
