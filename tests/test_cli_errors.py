@@ -17,6 +17,7 @@ import sys
 import pytest
 
 import specdec
+import specdec.cli
 from specdec.cli import main
 from specdec.models.embedded import GGUFError, check_gguf
 from specdec.testing import save_tiny_checkpoint
@@ -493,13 +494,11 @@ def test_a_full_stdout_is_one_line_naming_stdout(ckpt, capsys, monkeypatch):
 def test_output_still_buffered_when_the_command_ends_is_flushed_and_its_failure_said(capsys, monkeypatch):
     """A command's last lines, printed but not yet flushed when it returned 0, failed on a full stdout only at exit,
     as Python's "Exception ignored ... OSError" (exit code 120); the command flushes them and says so in one line."""
-    import specdec.cli as cli
-
     def printed(args):
         print("wrote the result")
         return 0
 
-    monkeypatch.setattr(cli, "_run_generate", printed)
+    monkeypatch.setattr(specdec.cli, "_run_generate", printed)
     monkeypatch.setattr(sys, "stdout", _FullStdout("flush"))
     assert main(["generate", "hello"]) == 2
     assert "error: cannot write to stdout (No space left on device)" in error_line(capsys.readouterr().err)
@@ -581,12 +580,10 @@ def test_a_record_folder_behind_a_file_is_named_as_such(capsys, monkeypatch, tmp
 
 def test_ctrl_c_before_a_command_runs_is_one_line_and_exit_130(capsys, monkeypatch):
     """Ctrl-C during the seconds of imports, before any command's handler: 130 (128 + SIGINT), as within one."""
-    import specdec.cli as cli
-
     def interrupted(argv):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_main", interrupted)
+    monkeypatch.setattr(specdec.cli, "_main", interrupted)
     assert main(["generate", "hello"]) == 130
     assert capsys.readouterr().err == "specdec: interrupted\n"
 
