@@ -200,6 +200,10 @@ class CombinedDrafter(Drafter):
             raise InputTypeError(f"combined drafter: config must be a CombinedConfig, got {type(config).__name__}")
         self.config = config or CombinedConfig(**options)
         self.children: list[Drafter] = [build_child(spec, k) for k, spec in enumerate(_children(drafters))]
+        if len(self.children) == 1 and self.config.max_nodes != MAX_TREE_NODES:  # a lone tree is never merged
+            raise InputError(f"combined drafter: max_nodes={self.config.max_nodes} caps a tree merged from two or "
+                             f"more children, but drafters holds one ({self.children[0].name}), whose tree is offered "
+                             "as it drew it: give that child its own max_nodes")
         if verify_cost is not None and not callable(verify_cost):
             raise InputTypeError("combined drafter: verify_cost must be a callable n -> cost in decode steps")
         self.verify_cost = verify_cost

@@ -463,6 +463,21 @@ def test_bad_options_are_one_line_input_errors():
         generate(model, [[1, 2]], drafter="combined", drafter_options={"drafters": ["nope"]}, max_new_tokens=2)
 
 
+@pytest.mark.parametrize("drafters", [["ngram"], [{"name": "combined", "drafters": ["ngram", "ngram"]}]])
+def test_max_nodes_with_a_single_child_is_refused_as_it_caps_nothing(drafters):
+    """A lone child's tree is offered as it drew it, never merged: ``--drafter combined --drafter-option
+    max_nodes=8`` (whose default children are one n-gram drafter) was accepted and its 32-node trees offered whole.
+    The default 64 and a cap over two children stay accepted."""
+    with pytest.raises(InputError, match=r"^combined drafter: max_nodes=8 caps a tree merged from two or more "
+                                         r"children, but drafters holds one \((ngram|combined\(ngram\+ngram\))\), "
+                                         "whose tree is offered as it drew it: give that child its own max_nodes$"):
+        get_drafter("combined", drafters=drafters, max_nodes=8)
+    with pytest.raises(InputError, match="max_nodes=8 caps a tree merged from two or more children"):
+        get_drafter("combined", max_nodes=8)  # drafters: ["ngram"] by default
+    assert get_drafter("combined", drafters=drafters).config.max_nodes == MAX_TREE_NODES
+    assert get_drafter("combined", drafters=["ngram", "ngram"], max_nodes=8).config.max_nodes == 8
+
+
 def test_a_child_that_can_never_pay_is_left_out_of_a_seeded_call():
     """Seeded standard sampling (no costs: the gate cannot price a child) with a draft model that is the target
     itself: it is never asked, and the seed gives the text of the combined drafter without it. Under "always"
