@@ -69,7 +69,7 @@ class DraftConfig:
     max_nodes: int | None = None  # node budget of a dynamic tree (16 by default); refused with a static one
     beam: int | None = None  # dynamic tree: nodes kept per depth and children per node (4 by default); likewise
     mode: str = "auto"
-    seed: int | None = None  # for sampled drafts; None: generate()'s seed (see the module doc)
+    seed: int | None = None  # for sampled drafts (refused where none are drawn); None: generate()'s seed (module doc)
     # draft-model forwards through CUDA-graph buckets (specdec.cuda_graphs) over a cache kept with the draft model:
     # "auto" where the target's verify would use them (CUDA, Triton); True also elsewhere (uncaptured, Triton
     # backend: the interpreter tests); False never. Self-draft drafts in the target's cache, always eagerly.
@@ -109,6 +109,10 @@ class DraftConfig:
             object.__setattr__(self, "beam", 4 if self.beam is None else self.beam)
         if self.tree == "dynamic" and self.mode in ("independent", "without_replacement"):
             raise InputError("a dynamic tree picks candidates deterministically; use mode='deterministic' or 'auto'")
+        if self.seed is not None and (self.mode == "deterministic" or self.tree == "dynamic"):  # it would do nothing
+            drawn = "mode='deterministic'" if self.mode == "deterministic" else "a dynamic tree"
+            raise InputError(f"seed={self.seed} seeds sampled drafts, but {drawn} draws none (its children are the "
+                             "top-ranked tokens): drop seed, or use mode='independent' or 'without_replacement'")
         if self.tree == "static" and self.static_nodes() > MAX_TREE_NODES:
             chains = len(self.widths) < self.num_draft_tokens  # the deeper levels: one child per node
             raise InputError(f"widths {list(self.widths)} with num_draft_tokens={self.num_draft_tokens} give "

@@ -34,6 +34,11 @@ BAD = [
     ("self-draft", dict(max_nodes=8), "max_nodes=8 shapes a dynamic tree"),  # a static tree ignored them
     ("draft-model", dict(model="x", beam=2, max_nodes=8), r"max_nodes=8, beam=2 shape a dynamic tree.*drop them"),
     ("self-draft", dict(num_layers=0), "num_layers must be >= 1"),
+    # seed only seeds sampled children: with none drawn it was accepted and did nothing
+    ("self-draft", dict(mode="deterministic", seed=5), r"^self-draft: seed=5 seeds sampled drafts, but "
+                                                       r"mode='deterministic' draws none"),
+    ("draft-model", dict(model="x", tree="dynamic", seed=0), r"^draft-model: seed=0 seeds sampled drafts, but a "
+                                                             r"dynamic tree draws none .*drop seed"),
     ("self-draft", dict(num_layers=True), "num_layers must be an int, got bool True"),
     ("self-draft", dict(draft_vocab=""), "draft_vocab .* got the empty string"),
     ("draft-model", dict(model=""), "model= is the empty string"),
