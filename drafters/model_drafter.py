@@ -145,6 +145,9 @@ class ModelDrafter(Drafter):
     shares_target_cache = False  # True: the runner's layers are the target's first layers (see module doc)
 
     def __init__(self, config: DraftConfig) -> None:
+        if config.cuda_graphs is True and self.shares_target_cache:  # refused before any model loads
+            raise InputError(f"cuda_graphs=True is for a draft model; {self.name} drafts in the target's cache, "
+                             "eagerly")
         self.config = config
         self.runner: LlamaRunner | None = None
         self.cache: PagedKVCache | None = None
@@ -221,9 +224,6 @@ class ModelDrafter(Drafter):
         wanted = self.config.cuda_graphs
         if wanted == "auto":
             return not self.shares_target_cache and auto_uses_graphs(self.runner)
-        if wanted and self.shares_target_cache:
-            raise InputError(f"{self.name}: cuda_graphs=True is for a draft model; {self.name} drafts in the "
-                             "target's cache, eagerly")
         if wanted and not self.runner.backend.triton:
             raise InputError(f"{self.name}: cuda_graphs=True needs the draft model on the Triton backend (a CUDA "
                              f"device), this one runs on {self.runner.backend.name}")

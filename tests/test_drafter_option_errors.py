@@ -34,6 +34,9 @@ BAD = [
     ("self-draft", dict(max_nodes=8), "max_nodes=8 shapes a dynamic tree"),  # a static tree ignored them
     ("draft-model", dict(model="x", beam=2, max_nodes=8), r"max_nodes=8, beam=2 shape a dynamic tree.*drop them"),
     ("self-draft", dict(num_layers=0), "num_layers must be >= 1"),
+    # refused when it was attached: after the target had loaded and its costs had been measured
+    ("self-draft", dict(cuda_graphs=True), r"^self-draft: cuda_graphs=True is for a draft model; self-draft drafts "
+                                           r"in the target's cache, eagerly$"),
     # seed only seeds sampled children: with none drawn it was accepted and did nothing
     ("self-draft", dict(mode="deterministic", seed=5), r"^self-draft: seed=5 seeds sampled drafts, but "
                                                        r"mode='deterministic' draws none"),
