@@ -37,7 +37,7 @@ _PROMPT_COUNTS: dict[tuple, Counter] = {}  # (tokenizer name, vocabulary size) -
 
 
 def check_spec(spec) -> None:
-    """Refuse an option value that is none of: a positive int, a non-empty list of ints, a path."""
+    """Refuse an option value that is none of: a positive int, a non-empty list of distinct ids >= 0, a path."""
     if isinstance(spec, bool):
         raise InputError(f"draft_vocab must be a size, a list of token ids or a path, got {spec!r}")
     if isinstance(spec, int):
@@ -49,6 +49,11 @@ def check_spec(spec) -> None:
             raise InputError("draft_vocab must be a size, a list of token ids or a path, got the empty string")
         return
     if isinstance(spec, (list, tuple)) and spec and all(isinstance(t, int) and not isinstance(t, bool) for t in spec):
+        if min(spec) < 0:  # refused here, before the target loads, as the ids past its vocabulary are once it has
+            raise InputError(f"draft_vocab holds token id {min(spec)}; token ids are >= 0")
+        if len(set(spec)) != len(spec):
+            raise InputError(f"draft_vocab lists a token id more than once ({len(spec)} ids, {len(set(spec))} "
+                             "distinct)")
         return
     raise InputError(f"draft_vocab must be a size, a non-empty list of integer token ids or a path, got {spec!r}")
 

@@ -44,6 +44,10 @@ BAD = [
                                                              r"dynamic tree draws none .*drop seed"),
     ("self-draft", dict(num_layers=True), "num_layers must be an int, got bool True"),
     ("self-draft", dict(draft_vocab=""), "draft_vocab .* got the empty string"),
+    # a list's repeats and negative ids: refused once the target had loaded
+    ("self-draft", dict(draft_vocab=[1, 1, 2]), r"^self-draft: draft_vocab lists a token id more than once \(3 ids, "
+                                                r"2 distinct\)$"),
+    ("self-draft", dict(draft_vocab=[3, -1]), r"^self-draft: draft_vocab holds token id -1; token ids are >= 0$"),
     ("draft-model", dict(model=""), "model= is the empty string"),
     ("draft-model", dict(model="x", tokenizer=""), "tokenizer= is the empty string"),
     ("draft-model", dict(model="x", widths=[20]), "num_draft_tokens=4 give 80 nodes"),
