@@ -106,6 +106,9 @@ class DraftConfig:
                              "use tree='dynamic')")
         if self.tree == "dynamic":
             object.__setattr__(self, "max_nodes", 16 if self.max_nodes is None else self.max_nodes)
+            if self.beam is not None and self.beam > self.max_nodes:  # a depth keeps at most max_nodes: as beam=max
+                raise InputError(f"beam={self.beam} exceeds max_nodes={self.max_nodes}, and no depth of a dynamic "
+                                 "tree keeps more than max_nodes nodes: lower beam, or raise max_nodes")
             object.__setattr__(self, "beam", 4 if self.beam is None else self.beam)
         if self.tree == "dynamic" and self.mode in ("independent", "without_replacement"):
             raise InputError("a dynamic tree picks candidates deterministically; use mode='deterministic' or 'auto'")

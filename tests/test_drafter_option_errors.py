@@ -32,6 +32,9 @@ BAD = [
                                       r"continue as chains\); at most 64"),
     ("self-draft", dict(tree="dynamic", widths=[2, 2]), r"widths \[2, 2\] shape a static tree"),
     ("self-draft", dict(max_nodes=8), "max_nodes=8 shapes a dynamic tree"),  # a static tree ignored them
+    # a depth keeps at most max_nodes nodes: a wider beam drafted as beam=max_nodes
+    ("self-draft", dict(tree="dynamic", beam=32), r"^self-draft: beam=32 exceeds max_nodes=16, and no depth"),
+    ("draft-model", dict(model="x", tree="dynamic", beam=5, max_nodes=4), r"beam=5 exceeds max_nodes=4.*lower beam"),
     ("draft-model", dict(model="x", beam=2, max_nodes=8), r"max_nodes=8, beam=2 shape a dynamic tree.*drop them"),
     ("self-draft", dict(num_layers=0), "num_layers must be >= 1"),
     # refused when it was attached: after the target had loaded and its costs had been measured
