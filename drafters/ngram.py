@@ -125,6 +125,14 @@ class NGramDrafter(Drafter):
             if "long_match_ngram" in options and config.long_draft_tokens and long > most:
                 raise InputError(f"ngram drafter: long_match_ngram={long} exceeds max_ngram={most}, so long chains "
                                  "could never start; raise max_ngram, or pass long_draft_tokens=0 to turn them off")
+            chain, depth = config.long_draft_tokens, config.num_draft_tokens
+            if "long_draft_tokens" in options and 0 < chain <= depth:  # a long match drafts max(chain, depth) deep
+                raise InputError(f"ngram drafter: long_draft_tokens={chain} is not above num_draft_tokens={depth}, so "
+                                 "a long match would draft no deeper than any match; raise it, or pass 0 to turn long "
+                                 "chains off")
+            if "long_match_ngram" in options and not chain:
+                raise InputError(f"ngram drafter: long_match_ngram={long} starts long chains, which "
+                                 "long_draft_tokens=0 turns off; drop one of them")
         self.config = config
         # the key lengths the index stores (module doc); longer keys are matched from the longest stored one
         self._stored = range(config.min_ngram, min(config.max_ngram, max(config.min_ngram, STORED_KEY)) + 1)

@@ -9,6 +9,7 @@ from specdec.drafters.base import SequenceView, TokenView
 from specdec.drafters.ngram import NGramConfig, NGramDrafter
 from specdec.drafters.registry import get_drafter
 
+from specdec.errors import InputError
 from specdec.tree import DraftMode, DraftTree
 
 
@@ -481,5 +482,21 @@ def test_attach_forgets_the_acceptance_learned_in_an_earlier_run():
 
 def test_a_long_match_drafts_at_least_num_draft_tokens_when_long_chains_are_shorter():
     # (1, 2) matches 2 tokens >= long_match_ngram: depth max(num_draft_tokens 5, long_draft_tokens 2) = 5
-    d = NGramDrafter(max_ngram=3, num_draft_tokens=5, long_match_ngram=2, long_draft_tokens=2, max_branches=1)
+    d = NGramDrafter(NGramConfig(max_ngram=3, num_draft_tokens=5, long_match_ngram=2, long_draft_tokens=2,
+                                 max_branches=1))
     assert propose1(d, [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]).tokens.tolist() == [3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("options, refusal", [
+    (dict(num_draft_tokens=5, long_draft_tokens=2), "long_draft_tokens=2 is not above num_draft_tokens=5"),
+    (dict(long_draft_tokens=6), "long_draft_tokens=6 is not above num_draft_tokens=6"),
+    (dict(long_match_ngram=3, long_draft_tokens=0), "long_match_ngram=3 starts long chains, which long_draft_tokens=0 "
+                                                    "turns off"),
+])
+def test_long_chain_options_given_where_they_would_do_nothing_are_refused(options, refusal):
+    """Given by name, a long_draft_tokens at or below num_draft_tokens (a long match drafted max of the two deep)
+    and a long_match_ngram with long chains off were accepted and did nothing; the defaults stay accepted."""
+    with pytest.raises(InputError, match="^ngram drafter: " + refusal):
+        NGramDrafter(**options)
+    assert NGramDrafter(num_draft_tokens=20).config.long_draft_tokens == 16  # the default: left as it is
+    assert NGramDrafter(long_draft_tokens=0).config.long_match_ngram == 4
