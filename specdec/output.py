@@ -12,7 +12,7 @@ a ``long`` tensor on its device; lists came in: lists (``out[i][len(input_ids[i]
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -74,7 +74,8 @@ class GenerateOutput:
     """What ``generate(..., return_dict=True)`` returns: ``sequences`` (each row as given, then its new tokens, as
     transformers returns them), ``new_tokens`` per row, a :class:`SequenceStats` per row, the call's timings and
     forward passes, and with ``output_logprobs=True`` the target's log-probability of each new token. Fields read
-    as attributes or by name (``out["sequences"]``); transformers' fields specdec does not return are named so."""
+    as attributes or by name (``out["sequences"]``, ``"sequences" in out``, ``out.keys()``); transformers' fields
+    specdec does not return are named so."""
 
     sequences: Any  # like transformers: each input row as given + its new tokens (tensor or lists)
     new_tokens: list[list[int]]
@@ -102,6 +103,18 @@ class GenerateOutput:
             hint = f"; {_TRANSFORMERS_ONLY[key]}" if key in _TRANSFORMERS_ONLY else ""
             raise KeyError(f"GenerateOutput has no field {key!r}; its fields: {', '.join(names)}{hint}")
         return getattr(self, key)
+
+    def keys(self) -> list[str]:
+        """The fields that hold something (``logprobs`` only when asked for), as a transformers generate output
+        lists its non-None fields: ``"scores" in out``, ``for name in out`` and ``dict(out)`` read these (without
+        them Python would index the output by 0, 1, ...)."""
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys()
 
     @property
     def total_new_tokens(self) -> int:

@@ -108,6 +108,9 @@ def test_eos_and_stop_sequences_end_generation():
     with pytest.raises(AttributeError, match="object has no attribute 'nope'"):
         _ = out.nope
     assert not hasattr(out, "__deepcopy__") and copy.deepcopy(out).new_tokens == out.new_tokens
+    # read as transformers' outputs are read by name: its fields that hold something, never an index
+    assert "sequences" in out and "scores" not in out and "logprobs" not in out and 0 not in out
+    assert list(out)[:2] == ["sequences", "new_tokens"] and dict(out)["stats"] is out.stats
     stop_seq = free[7:9]
     out = specdec.generate(model, [PROMPTS[0]], max_new_tokens=30, stop=[stop_seq], return_dict=True)
     end = next(i for i in range(1, 30) if free[i - 1 : i + 1] == stop_seq) + 1
