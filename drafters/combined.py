@@ -158,6 +158,15 @@ def _refusals_name_child(index: int) -> Iterator[None]:
         raise type(err)(named) from err
 
 
+def _refuse_feature_layers(child: Drafter) -> None:
+    """A child that reads target layers' residual streams (an EAGLE-3 head) is refused: the combined drafter passes
+    its children the final hidden states."""
+    if child.feature_layers:
+        raise InputError(f"{child.name} is an EAGLE-3 head reading target layers {list(child.feature_layers)}, but "
+                         "the combined drafter is passed final hidden states (an EAGLE-3 head cannot run inside the "
+                         "combined drafter)")
+
+
 class _Rate:
     """Online per-level acceptance rate of one child: successes / trials with a Beta prior."""
 
@@ -235,6 +244,7 @@ class CombinedDrafter(Drafter):
         for k, child in enumerate(self.children):
             with _refusals_name_child(k):  # two draft-model children: which one's vocabulary does not fit
                 child.load_for_target(runner, tokenizer, name)
+                _refuse_feature_layers(child)  # a head given by path is known now: before any cost measurement
 
     def unload_for_target(self) -> None:
         for child in self.children:
@@ -265,11 +275,9 @@ class CombinedDrafter(Drafter):
             self.costs = load_cost_model(target.runner, CalibrationConfig(graphs=getattr(target, "graphs", False)))
             self.curve = self.costs.relative
         for k, child in enumerate(self.children):
-            child.attach(target)
-            if child.feature_layers:  # known once attached (a head given by path loads here); before any forward
-                raise InputError(f"{_where(k)}: {child.name} is an EAGLE-3 head reading target layers "
-                                 f"{list(child.feature_layers)}, but the combined drafter is passed final hidden "
-                                 "states (an EAGLE-3 head cannot run inside the combined drafter)")
+            with _refusals_name_child(k):  # a refusal of the child's options against the target (top_k, choices)
+                child.attach(target)
+                _refuse_feature_layers(child)  # a drafter attached without load_for_target: before any forward
 
     def detach(self) -> None:
         """The call's end: its view, the measured curve and the gate's costs (both hold the target's runner) and the

@@ -9,6 +9,9 @@ import pytest
 import torch
 from specdec.drafters.base import CostView, Drafter, SequenceView
 from specdec.drafters.combined import CombinedDrafter
+from specdec.drafters.eagle_checkpoint import save_eagle
+from specdec.drafters.eagle_model import EagleConfig, EagleModel
+from specdec.drafters.medusa_heads import MedusaConfig, MedusaHeads
 from specdec.drafters.ngram import NGramDrafter
 from specdec.drafters.registry import get_drafter
 
@@ -514,6 +517,33 @@ def test_a_child_refused_when_it_loads_for_the_target_is_named_by_its_place():
     with pytest.raises(InputError, match=r"^combined drafter's drafters\[1\]: self-draft: num_layers=9 must be"):
         generate(target, [[1, 2, 3]], max_new_tokens=4, drafter="combined", drafter_options={"drafters": children})
 
+
+
+def test_a_child_refused_when_it_attaches_is_named_by_its_place():
+    """Refusals of a child's options that need the target (a Medusa top_k beyond the heads' vocabulary) did not say
+    which child was wrong."""
+    target = build_tiny_model()
+    heads = MedusaHeads(MedusaConfig(2, 1, target.config.hidden_size, target.config.vocab_size))
+    children = [{"name": "medusa", "heads": heads}, {"name": "medusa", "heads": heads, "top_k": 500}]
+    with pytest.raises(InputError, match=r"^combined drafter's drafters\[1\]: medusa: top_k=500 exceeds"):
+        generate(target, [[1, 2, 3]], max_new_tokens=4, drafter="combined", drafter_options={"drafters": children},
+                 speculation="always")
+
+
+def test_an_eagle3_child_given_by_path_is_refused_before_the_cost_measurement(tmp_path, monkeypatch):
+    """An EAGLE-3 head given by path was refused only when attached, after speculation="auto" had measured this
+    machine's verify costs (minutes on a large target): now when it loads for the target, before that."""
+    def no_measurement(*args, **kwargs):
+        raise AssertionError("the verify costs were measured before the head was refused")
+
+    monkeypatch.setattr("specdec.engine_setup.load_cost_model", no_measurement)
+    target = build_tiny_model()
+    head = EagleModel(EagleConfig.for_target(target.config, arch="eagle3", depth=2, top_k=2, max_nodes=3))
+    save_eagle(head, tmp_path / "eagle3")
+    children = ["ngram", {"name": "eagle", "path": str(tmp_path / "eagle3")}]
+    with pytest.raises(InputError, match=r"^combined drafter's drafters\[1\]: eagle is an EAGLE-3 head reading"):
+        generate(target, [[1, 2, 3]], max_new_tokens=4, drafter="combined", drafter_options={"drafters": children},
+                 speculation="auto")
 
 def test_a_scoreless_childs_tree_is_scored_by_its_level_rate_shared_among_siblings():
     combined = CombinedDrafter([Scripted([[1, 2]], "a"), Scripted([[3]], "b")])
