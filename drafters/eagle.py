@@ -132,6 +132,15 @@ class EagleDrafter(Drafter):
         else:
             check_fits_target(self.model.config, runner.hf_model.config, "the given EagleModel")
             check_given_dtype(self.name, "model=", self.model, runner.dtype)
+        self.check_top_k()
+
+    def check_top_k(self) -> None:
+        """A given ``top_k`` beyond the layer's (draft) vocabulary refused, once the layer is known for the target:
+        before any cost measurement."""
+        c = self.model.config
+        vocab = len(c.draft_vocab) or c.vocab_size
+        if self.options.top_k is not None and self.options.top_k > vocab:
+            raise InputError(f"{self.name}: top_k={self.options.top_k} exceeds the draft vocabulary of {vocab} tokens")
 
     def attach(self, target: TargetView) -> None:
         self.target = target
@@ -143,7 +152,7 @@ class EagleDrafter(Drafter):
         c, o = self.model.config, self.options
         self.kv = EagleKV(c.num_kv_heads, c.head_dim, runner.dtype, runner.device)
         vocab = len(c.draft_vocab) or c.vocab_size
-        self.top_k = o.top_k or min(c.top_k, vocab)  # a given top_k must fit the draft vocabulary; the default is cut
+        self.top_k = o.top_k or min(c.top_k, vocab)  # a given top_k fits the draft vocabulary (load_for_target)
         self.max_nodes = min(o.max_nodes or c.max_nodes, MAX_TREE_NODES)
         # levels grown: a tree of max_nodes nodes is never deeper, so levels past it would be grown and dropped
         self.depth = min(o.depth or c.depth, self.max_nodes)
@@ -151,8 +160,6 @@ class EagleDrafter(Drafter):
         # tree: no copy from the device)
         self.device_draft_ids = self.model.draft_ids
         self.draft_ids = None if self.device_draft_ids is None else self.device_draft_ids.cpu()
-        if self.top_k > vocab:
-            raise InputError(f"{self.name}: top_k={self.top_k} exceeds the draft vocabulary of {vocab} tokens")
         self.grower = TreeGrower(self.model, runner.embed, runner.lm_head, target.sampling, target.coupling,
                                  self.top_k, runner.shape.vocab_size, self.max_nodes,
                                  runner.backend.fused if runner.backend.triton else None)

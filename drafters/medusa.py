@@ -21,7 +21,7 @@ Trees (see drafters/medusa_tree.py):
   head probabilities (top ``top_k`` tokens per head), grown best-first.
 
 Heads whose checkpoint shares the base model's LM head (``medusa_shared_lm_head``) use the
-target's LM head weight. Hidden size and vocabulary are checked against the target on attach.
+target's LM head weight. Hidden size and vocabulary are checked against the target when the heads load for it.
 
 Heads over a reduced draft vocabulary (``draft_vocab`` in the checkpoint, N token ids) score
 only those N tokens: the top-k ranks are taken among them and mapped back to token ids, so
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from specdec.drafters.base import Drafter, SequenceView, TargetView, check_given_dtype, check_path_option
 from specdec.drafters.loaded_once import load_once
-from specdec.drafters.medusa_heads import MedusaCheckpointError, MedusaHeads, load_medusa
+from specdec.drafters.medusa_heads import MedusaCheckpointError, MedusaConfig, MedusaHeads, load_medusa
 from specdec.drafters.medusa_tree import (
     check_paths,
     check_ranks,
@@ -69,7 +69,7 @@ DEFAULT_MAX_NODES = 16
 @dataclass(frozen=True)
 class MedusaDraftConfig:
     """How the Medusa drafter shapes its tree (validated here, before any checkpoint is read; what needs the heads,
-    a path deeper than they are or a rank beyond their vocabulary, is checked on attach).
+    a path deeper than they are or a rank beyond their vocabulary, is checked when the heads load for the target).
 
     ``max_nodes`` bounds the dynamic tree and the default static tree (explicit choices: <= 64 paths);
     the default of 16 nodes is sized for CPUs, where verifying many nodes costs more than a decode step.
@@ -145,13 +145,15 @@ class MedusaDrafter(Drafter):
         self.config = MedusaDraftConfig(**options)
         self.path, self.heads = path, heads
         self.paths: tuple[tuple[int, ...], ...] = ()
+        self.paths_source = ""  # given, saved in the checkpoint, or default (set with paths, for the log)
 
     def cost_key(self) -> str:  # the checkpoint's path, else the given heads' shape
         return super().cost_key() + ("" if self.path is not None else "|" + repr(self.heads.config))
 
     def load_for_target(self, runner: "LlamaRunner", tokenizer: Any = None, name: str | None = None) -> None:
         """The heads of ``path=`` read for this target (once per process: drafters/loaded_once.py), and the heads'
-        hidden and vocabulary sizes checked against the target's; a max_nodes / top_k beside saved choices refused."""
+        hidden and vocabulary sizes checked against the target's; a max_nodes / top_k beside saved choices refused,
+        and the tree checked against the heads (top_k, a path's depth and ranks), before any cost measurement."""
         shape = runner.shape
         if self.path is not None:  # the heads loaded for this target's shape, dtype and device (shared, never moved)
             self.heads = load_once("medusa", self.path, (shape.hidden_size, shape.vocab_size, str(runner.dtype),
@@ -170,6 +172,29 @@ class MedusaDrafter(Drafter):
             nodes = len(cfg.medusa_choices)
             self.config.refuse_tree_options(f"the static tree of {nodes} nodes saved in the heads' checkpoint "
                                             "(medusa_choices), which is used", "use tree='dynamic', or drop {it}")
+        self.k_per_head = self.config.tokens_per_head(cfg.draft_size)
+        if self.config.tree == "static":
+            self.paths, self.paths_source = self._static_paths(cfg)
+
+    def _static_paths(self, cfg: MedusaConfig) -> tuple[tuple[tuple[int, ...], ...], str]:
+        """The static tree's paths (given, saved or default choices), checked against the heads' count and
+        vocabulary, and where they come from."""
+        if self.config.medusa_choices is not None:
+            source, choices = "given", self.config.medusa_choices
+        elif cfg.medusa_choices:
+            source, choices = "saved in the checkpoint", cfg.medusa_choices
+        else:
+            source = "default"
+            choices = default_choices(cfg.num_heads, self.config.nodes, self.k_per_head)
+        try:
+            paths = validate_choices(choices, cfg.num_heads)
+        except InputError as err:
+            raise InputError(f"medusa: {source} medusa_choices: {err}") from err
+        try:
+            check_ranks(paths, cfg.draft_size, bool(cfg.draft_vocab))
+        except InputError as err:
+            raise InputError(f"medusa: {err}") from err
+        return paths, source
 
     def attach(self, target: TargetView) -> None:
         self.target = target
@@ -186,25 +211,9 @@ class MedusaDrafter(Drafter):
         if self.vocab is not None:
             self.vocab.to(runner.device)
         self.draft_size = cfg.draft_size
-        self.k_per_head = self.config.tokens_per_head(cfg.draft_size)
         if self.config.tree == "static":
-            if self.config.medusa_choices is not None:
-                source, choices = "given", self.config.medusa_choices
-            elif cfg.medusa_choices:
-                source, choices = "saved in the checkpoint", cfg.medusa_choices
-            else:
-                source = "default"
-                choices = default_choices(cfg.num_heads, self.config.nodes, self.k_per_head)
-            try:
-                self.paths = validate_choices(choices, cfg.num_heads)
-            except InputError as err:
-                raise InputError(f"medusa: {source} medusa_choices: {err}") from err
-            try:
-                check_ranks(self.paths, cfg.draft_size, bool(cfg.draft_vocab))
-            except InputError as err:
-                raise InputError(f"medusa: {err}") from err
             logger.info("medusa: static tree of %d nodes, depth %d (%s choices)", len(self.paths),
-                        len(self.paths[-1]), source)
+                        len(self.paths[-1]), self.paths_source)
 
     def detach(self) -> None:
         """The call's end: its view and the target's LM-head rows (the target's own tensor with a full vocabulary)

@@ -137,6 +137,7 @@ class MtpDrafter(EagleDrafter):
         own = None if self.source else repr(name) if name else str(source)  # the target's own checkpoint
         request = (hf.config.to_json_string(), self.layer, str(runner.dtype), str(runner.device))
         self.model = load_once("mtp", source, request, lambda: self._read(source, hf.config, own, runner))
+        self.check_top_k()
 
     def _read(self, source: str, target_config: Any, own: str | None, runner: "LlamaRunner") -> EagleModel:
         state, layout = read_mtp_layer(source, target_config.num_hidden_layers, self.layer, own)

@@ -367,6 +367,23 @@ def test_an_eagle3_head_reading_a_layer_past_the_targets_is_refused(tmp_path, la
                                                        "layers: it was made for another target"):
             load_eagle(tmp_path, model.config)
 
+
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
+def test_top_k_beyond_the_draft_vocabulary_is_refused_before_the_cost_measurement(tmp_path, monkeypatch, arch):
+    """Refused when the layer loads for the target; it was refused at attach, after speculation="auto" had measured
+    the verify costs (minutes on a large target)."""
+    def no_measurement(*args, **kwargs):
+        raise AssertionError("the verify costs were measured before top_k was refused")
+
+    monkeypatch.setattr("specdec.engine_setup.load_cost_model", no_measurement)
+    model = build_tiny_model()
+    torch.manual_seed(0)
+    save_eagle(EagleModel(EagleConfig.for_target(model.config, arch=arch, draft_vocab=(1, 2, 3))), tmp_path)
+    with pytest.raises(InputError, match="^eagle: top_k=4 exceeds the draft vocabulary of 3 tokens"):
+        generate(model, [[1, 2, 3]], max_new_tokens=2, drafter="eagle",
+                 drafter_options={"path": str(tmp_path), "top_k": 4}, speculation="auto")
+
+
 def test_a_checkpoint_is_loaded_once_per_process_until_its_files_change(tmp_path, monkeypatch):
     """generate(drafter="eagle", path=...) once per answer read and checked the checkpoint in every call (0.14 s of
     a 16-token answer's ~1 s on a 2-core CPU); the layer is now taken from the last call while the files stay.

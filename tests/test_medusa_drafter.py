@@ -14,6 +14,7 @@ from specdec.drafters.medusa_tree import default_choices
 from specdec.eval.negative_controls import generate_with_control
 
 import specdec
+from specdec.errors import InputError
 from specdec.rejection import EXACT
 from specdec.testing import build_tiny_model
 
@@ -50,6 +51,10 @@ def reference_head_logp(state, hidden, num_heads, num_layers):
             x = x + torch.nn.functional.silu(x @ w[f"{h}.{layer}.linear.weight"].T + w[f"{h}.{layer}.linear.bias"])
         out.append(x @ w[f"{h}.{num_layers}.weight"].T)
     return torch.stack(out).log_softmax(-1)
+
+
+def no_cost_measurement(*args, **kwargs):
+    raise AssertionError("the verify costs were measured before the drafter was refused")
 
 
 def token_paths(tree):
@@ -312,11 +317,23 @@ def test_heads_object_that_does_not_fit_the_target_is_refused(size, match):
     ([[r] for r in range(65)], "at most 64"),
     ([[0], [200]], "rank 200, but the vocabulary has 96"),
 ])
-def test_bad_medusa_choices_are_refused_on_attach(choices, match):
+def test_bad_medusa_choices_are_refused_before_the_cost_measurement(choices, match, monkeypatch):
+    """Choices that do not fit the heads (too deep, a rank beyond their vocabulary) were refused only when the heads
+    were attached, after speculation="auto" had measured the verify costs (minutes on a large target)."""
+    monkeypatch.setattr("specdec.engine_setup.load_cost_model", no_cost_measurement)
     heads = MedusaHeads(MedusaConfig(2, 1, 64, 96))
     with pytest.raises(ValueError, match=match):
         specdec.generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=4,
-                         drafter=MedusaDrafter(heads=heads, medusa_choices=choices))
+                         drafter=MedusaDrafter(heads=heads, medusa_choices=choices), speculation="auto")
+
+
+def test_top_k_beyond_the_heads_vocabulary_is_refused_before_the_cost_measurement(tmp_path, monkeypatch):
+    monkeypatch.setattr("specdec.engine_setup.load_cost_model", no_cost_measurement)
+    write_published_checkpoint(tmp_path / "h", 2, 1, 64, 96)
+    with pytest.raises(InputError, match="^medusa: top_k=97 exceeds the draft vocabulary of 96 tokens"):
+        specdec.generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=4, drafter="medusa",
+                         drafter_options={"path": str(tmp_path / "h"), "tree": "dynamic", "top_k": 97},
+                         speculation="auto")
 
 
 def test_saved_choices_too_deep_for_the_heads_are_refused(tmp_path):

@@ -201,10 +201,17 @@ def test_option_mistakes_name_the_mtp_drafter(options, match):
         get_drafter("mtp", **options)
 
 
-def test_top_k_beyond_the_vocabulary_names_the_mtp_drafter(tmp_path):
+def test_top_k_beyond_the_vocabulary_names_the_mtp_drafter_before_the_cost_measurement(tmp_path, monkeypatch):
+    """Refused when the layer loads for the target; it was refused at attach, after speculation="auto" had measured
+    the verify costs."""
+    def no_measurement(*args, **kwargs):
+        raise AssertionError("the verify costs were measured before top_k was refused")
+
+    monkeypatch.setattr("specdec.engine_setup.load_cost_model", no_measurement)
     write_target_with_mtp(tmp_path, "mimo")
     with pytest.raises(InputError, match="^mtp: top_k=97 exceeds the draft vocabulary of 96 tokens"):
-        generate(load_model(str(tmp_path)), [[1, 2, 3]], max_new_tokens=2, drafter=MtpDrafter(top_k=97))
+        generate(load_model(str(tmp_path)), [[1, 2, 3]], max_new_tokens=2, drafter=MtpDrafter(top_k=97),
+                 speculation="auto")
 
 
 def test_a_target_not_loaded_from_a_directory_asks_for_path():
