@@ -549,11 +549,11 @@ def _options_per_row(pairs: list[str], names: list[str]) -> dict[str, dict]:
         target, dot, name = key.partition(".")
         if dot and target in by_key:  # medusa.path=DIR -> option "path" of medusa
             row = by_key[target]
-        elif len(names) == 1:
-            row, name = names[0], key
-        elif dot:  # a prefix, but no row's label (as typed: the key's - are _ by now)
+        elif dot:  # a prefix, but no row's label (as typed: the key's - are _ by now); no option's name has a dot
             raise ValueError(f"--drafter-option {typed}: {typed.partition('.')[0]!r} is not one of the drafters "
                              f"({', '.join(names)})")
+        elif len(names) == 1:
+            row, name = names[0], key
         else:
             raise ValueError(f"--drafter-option {typed}: with several drafters, prefix the drafter name "
                              f"(e.g. {names[0]}.{typed}=...)")

@@ -132,6 +132,8 @@ def _opts(*pairs: str) -> list[str]:
      "--drafter-option self-draft.num_layers given twice (1 and 2)"),
     ("ngram,self-draft", _opts("slf-draft.num_layers=1"),
      "--drafter-option slf-draft.num_layers: 'slf-draft' is not one of the drafters (ngram, self-draft)"),
+    ("ngram", _opts("eagle.depth=3"),  # it was passed to ngram as an option named "eagle.depth"
+     "--drafter-option eagle.depth: 'eagle' is not one of the drafters (ngram)"),
     ("ngram,self-draft", _opts("num_layers=1"),
      "--drafter-option num_layers: with several drafters, prefix the drafter name (e.g. ngram.num_layers=...)"),
     ("ngram", ["--temperature", "nan"], "--temperature must be a finite number >= 0 (0 = greedy), got nan"),
