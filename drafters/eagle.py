@@ -94,6 +94,18 @@ class EagleDraftConfig:
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
         if self.max_nodes is not None and self.max_nodes > MAX_TREE_NODES:
             raise InputError(f"max_nodes must be <= {MAX_TREE_NODES}, got {self.max_nodes}")
+        if self.top_k is not None and self.max_nodes is not None:
+            refuse_top_k_past(self.top_k, self.max_nodes, "max_nodes")
+
+
+def refuse_top_k_past(top_k: int, max_nodes: int, nodes: str) -> None:
+    """A given ``top_k`` above the tree's node budget (``nodes`` names it) is refused: no node of a tree of
+    ``max_nodes`` nodes keeps more children, nor a depth more nodes to expand, so it drafts the trees of
+    ``top_k=max_nodes``, more slowly."""
+    if top_k > max_nodes:
+        raise InputError(f"top_k={top_k} exceeds {nodes}={max_nodes}: a tree of {max_nodes} nodes keeps no more "
+                         f"children of a node, so it drafts as top_k={max_nodes}, more slowly (lower top_k, or raise "
+                         "max_nodes)")
 
 
 class EagleDrafter(Drafter):
@@ -135,12 +147,15 @@ class EagleDrafter(Drafter):
         self.check_top_k()
 
     def check_top_k(self) -> None:
-        """A given ``top_k`` beyond the layer's (draft) vocabulary refused, once the layer is known for the target:
-        before any cost measurement."""
-        c = self.model.config
+        """A given ``top_k`` beyond the layer's (draft) vocabulary or its default ``max_nodes`` refused, once the
+        layer is known for the target: before any cost measurement."""
+        c, o = self.model.config, self.options
         vocab = len(c.draft_vocab) or c.vocab_size
-        if self.options.top_k is not None and self.options.top_k > vocab:
-            raise InputError(f"{self.name}: top_k={self.options.top_k} exceeds the draft vocabulary of {vocab} tokens")
+        if o.top_k is not None and o.top_k > vocab:
+            raise InputError(f"{self.name}: top_k={o.top_k} exceeds the draft vocabulary of {vocab} tokens")
+        if o.top_k is not None and o.max_nodes is None:  # beside a given max_nodes: refused when the options were
+            with refusals_named(self.name):
+                refuse_top_k_past(o.top_k, min(c.max_nodes, MAX_TREE_NODES), "the layer's max_nodes")
 
     def attach(self, target: TargetView) -> None:
         self.target = target

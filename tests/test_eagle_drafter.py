@@ -384,6 +384,19 @@ def test_top_k_beyond_the_draft_vocabulary_is_refused_before_the_cost_measuremen
                  drafter_options={"path": str(tmp_path), "top_k": 4}, speculation="auto")
 
 
+def test_a_top_k_above_max_nodes_is_refused():
+    """A tree of max_nodes nodes keeps no more than max_nodes children of a node, nor expands more nodes a depth: a
+    larger top_k drafted the trees of top_k=max_nodes (the same trees, every one compared), more slowly, without a
+    word. Refused when both are given, and against the layer's max_nodes when only top_k is."""
+    with pytest.raises(InputError, match=r"^eagle: top_k=8 exceeds max_nodes=4: .* drafts as top_k=4"):
+        EagleDrafter(model=_eagle(build_tiny_model()), top_k=8, max_nodes=4)
+    model = build_tiny_model()
+    eagle = _eagle(model, depth=3, top_k=2, max_nodes=4)
+    with pytest.raises(InputError, match=r"^eagle: top_k=5 exceeds the layer's max_nodes=4: .*\(lower top_k"):
+        generate(model, [[1, 2, 3]], max_new_tokens=2, drafter=EagleDrafter(model=eagle, top_k=5))
+    assert generate(model, [[1, 2, 3]], max_new_tokens=2, drafter=EagleDrafter(model=eagle, top_k=4))  # its budget
+
+
 def test_a_checkpoint_is_loaded_once_per_process_until_its_files_change(tmp_path, monkeypatch):
     """generate(drafter="eagle", path=...) once per answer read and checked the checkpoint in every call (0.14 s of
     a 16-token answer's ~1 s on a 2-core CPU); the layer is now taken from the last call while the files stay.

@@ -195,6 +195,7 @@ def test_a_drafter_reused_on_another_target_reads_that_targets_layer(tmp_path):
     ({"top_k": 0}, "mtp: top_k must be a positive integer, got 0"),
     ({"max_nodes": 65}, "mtp: max_nodes must be <= 64, got 65"),
     ({"adapt_depth": "no"}, "mtp: adapt_depth must be True or False"),
+    ({"top_k": 8, "max_nodes": 4}, "mtp: top_k=8 exceeds max_nodes=4"),
 ])
 def test_option_mistakes_name_the_mtp_drafter(options, match):
     with pytest.raises(InputError, match=match):
