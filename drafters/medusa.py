@@ -103,6 +103,11 @@ class MedusaDraftConfig:
             object.__setattr__(self, "medusa_choices", tuple(tuple(int(k) for k in path) for path in choices))
             self.refuse_tree_options(f"the given medusa_choices ({len(self.medusa_choices)} paths)",
                                      "drop {it}, or drop medusa_choices")
+        if self.top_k is not None and self.top_k > self.nodes:
+            given = "" if self.max_nodes is not None else "the default "
+            raise InputError(f"medusa: top_k={self.top_k} exceeds {given}max_nodes={self.nodes}: a tree of "
+                             f"{self.nodes} nodes keeps no more tokens of a head under one node, so it drafts as "
+                             f"top_k={self.nodes} (lower top_k, or raise max_nodes)")
 
     @property
     def nodes(self) -> int:

@@ -519,13 +519,14 @@ def test_a_child_refused_when_it_loads_for_the_target_is_named_by_its_place():
 
 
 
-def test_a_child_refused_when_it_attaches_is_named_by_its_place():
-    """Refusals of a child's options that need the target (a Medusa top_k beyond the heads' vocabulary) did not say
-    which child was wrong."""
+def test_a_child_refused_against_its_heads_is_named_by_its_place():
+    """Refusals of a child's options that need its heads (Medusa choices deeper than the heads) did not say which
+    child was wrong."""
     target = build_tiny_model()
     heads = MedusaHeads(MedusaConfig(2, 1, target.config.hidden_size, target.config.vocab_size))
-    children = [{"name": "medusa", "heads": heads}, {"name": "medusa", "heads": heads, "top_k": 500}]
-    with pytest.raises(InputError, match=r"^combined drafter's drafters\[1\]: medusa: top_k=500 exceeds"):
+    children = [{"name": "medusa", "heads": heads},
+                {"name": "medusa", "heads": heads, "medusa_choices": [[0], [0, 0], [0, 0, 0]]}]
+    with pytest.raises(InputError, match=r"^combined drafter's drafters\[1\]: medusa: .* deeper than the 2"):
         generate(target, [[1, 2, 3]], max_new_tokens=4, drafter="combined", drafter_options={"drafters": children},
                  speculation="always")
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from specdec.drafters.medusa import MedusaDrafter, validate_choices
-from specdec.drafters.medusa_heads import MedusaCheckpointError, MedusaConfig, MedusaHeads, load_medusa
-from specdec.drafters.medusa_tree import default_choices
+from specdec.drafters.medusa_heads import MedusaCheckpointError, MedusaConfig, MedusaHeads, load_medusa, save_medusa
+from specdec.drafters.medusa_tree import default_choices, dynamic_tree
 from specdec.eval.negative_controls import generate_with_control
 
 import specdec
@@ -329,11 +329,28 @@ def test_bad_medusa_choices_are_refused_before_the_cost_measurement(choices, mat
 
 def test_top_k_beyond_the_heads_vocabulary_is_refused_before_the_cost_measurement(tmp_path, monkeypatch):
     monkeypatch.setattr("specdec.engine_setup.load_cost_model", no_cost_measurement)
-    write_published_checkpoint(tmp_path / "h", 2, 1, 64, 96)
-    with pytest.raises(InputError, match="^medusa: top_k=97 exceeds the draft vocabulary of 96 tokens"):
+    save_medusa(MedusaHeads(MedusaConfig(2, 1, 64, 96, draft_vocab=[1, 2, 3])), tmp_path / "h")
+    with pytest.raises(InputError, match="^medusa: top_k=4 exceeds the draft vocabulary of 3 tokens"):
         specdec.generate(build_tiny_model(), [[1, 2, 3]], max_new_tokens=4, drafter="medusa",
-                         drafter_options={"path": str(tmp_path / "h"), "tree": "dynamic", "top_k": 97},
+                         drafter_options={"path": str(tmp_path / "h"), "tree": "dynamic", "top_k": 4},
                          speculation="auto")
+
+
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_a_top_k_above_max_nodes_is_refused(tree):
+    """A tree of max_nodes nodes keeps no more than max_nodes tokens of a head under one node (the paths are ranked
+    by a product of probabilities, a child never above its parent): a larger top_k drafted the trees of
+    top_k=max_nodes without a word (a dynamic tree, and the default static one)."""
+    heads = MedusaHeads(MedusaConfig(3, 1, 64, 96))
+    with pytest.raises(InputError, match=r"^medusa: top_k=5 exceeds max_nodes=4: .* drafts as top_k=4"):
+        MedusaDrafter(heads=heads, tree=tree, top_k=5, max_nodes=4)
+    with pytest.raises(InputError, match=r"^medusa: top_k=17 exceeds the default max_nodes=16"):
+        MedusaDrafter(heads=heads, tree=tree, top_k=17)
+    assert default_choices(3, 4, 9) == default_choices(3, 4, 4)  # the default static tree: the same paths
+    logp = [[-(0.3 + 0.2 * d) * r - 0.1 * d for r in range(9)] for d in range(3)]  # head d, rank r: no ties
+    trees = [dynamic_tree([list(range(k))] * 3, [row[:k] for row in logp], 4) for k in (4, 9)]
+    assert [(t.tokens.tolist(), t.parents.tolist()) for t in trees[:1]] == [(t.tokens.tolist(), t.parents.tolist())
+                                                                           for t in trees[1:]]
 
 
 def test_saved_choices_too_deep_for_the_heads_are_refused(tmp_path):
