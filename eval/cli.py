@@ -294,7 +294,7 @@ def check_own_report(out: Path) -> None:
 def run_lossless(args) -> int:
     from dataclasses import replace
 
-    from specdec.drafters.registry import available, get_drafter
+    from specdec.drafters.registry import available, check_options, get_drafter
     from specdec.eval.certificate import CertificateSizes
 
     from specdec.sampling import SamplingConfig
@@ -319,7 +319,9 @@ def run_lossless(args) -> int:
         sampling = SamplingConfig(False)
     device = _suite_device(args.device)
     out = Path(args.out or "runs/eval-lossless")
-    options = _options(args.drafter_option, args.drafter)
+    # one row: medusa.path=DIR as the help says and eval acceptance takes it; another drafter's prefix refused
+    options = _options_per_row(args.drafter_option, [args.drafter])[args.drafter]
+    check_options(args.drafter, options, command_line=True)
     get_drafter(args.drafter, **options)  # a missing path= and the like, before any work (it loads nothing yet)
     check_earlier_run(out, CERTIFICATE_FILES, args.overwrite)  # before minutes of work, not after
     make_out_dir(out)

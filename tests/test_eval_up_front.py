@@ -125,10 +125,16 @@ def test_a_chi_square_of_one_bin_detects_no_tv():
     (["--identity-tokens", "0"], "--identity-tokens must be >= 1, got 0"),
     (["--identity-prompts", "99"], "--identity-prompts 99: there are 24 built-in chat prompts"),
     (["--drafter", "medusa"], "medusa: give exactly one of path="),
-], ids=["identity-prompts", "sample-sequences", "stat-samples", "identity-tokens", "too-many-prompts", "medusa"])
+    (["--drafter", "medusa", "--drafter-option", "medusa.path=x", "--drafter-option", "medusa.top_k=0"],
+     "medusa: top_k must be >= 1, got 0"),
+    (["--drafter", "ngram", "--drafter-option", "eagle.depth=3"],
+     "--drafter-option eagle.depth: 'eagle' is not one of the drafters (ngram)"),
+], ids=["identity-prompts", "sample-sequences", "stat-samples", "identity-tokens", "too-many-prompts", "medusa",
+        "prefixed-option", "another-drafters-option"])
 def test_eval_lossless_refuses_before_loading_the_model(flags, says, tmp_path, capsys, no_load):
     """The sizes said "certificate sample sizes must be >= 1", naming no flag; medusa without path= was refused
-    only after plain decoding had run."""
+    only after plain decoding had run. A prefixed option (medusa.top_k, as --help shows) was refused as medusa's
+    unknown option 'medusa.top_k', as was another drafter's."""
     code, captured = _main(["eval", "lossless", "--levels", "e2e", *flags, "--out", str(tmp_path / "c")], capsys)
     assert code == 2 and says in _one_line(captured)
     assert not (tmp_path / "c").exists()
