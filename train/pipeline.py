@@ -73,6 +73,22 @@ def read_inputs(cfg: TrainConfig, loaded) -> list:
     return prompts[: cfg.num_prompts]
 
 
+@contextlib.contextmanager
+def _said_by_the_main_process(main: bool) -> Iterator[None]:
+    """The specdec loggers' warnings of the block on the main process only: every process of a run reads the same
+    inputs, and each said the same lines (a launch of N processes printed each warning N times)."""
+    if main:
+        yield
+        return
+    specdec = logging.getLogger("specdec")
+    level = specdec.level
+    specdec.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        specdec.setLevel(level)
+
+
 def _few_prompts(asked: int | None, available: int, where: str) -> None:
     """Say so when --num-prompts asks for more prompts than ``where`` holds (the run uses them all)."""
     if asked is not None and asked > available:
@@ -94,7 +110,8 @@ def _sequences(cfg: TrainConfig, loaded, inputs: list,
     prompts = inputs
     if not cfg.prompts_file and cfg.prompt_source == "builtin":
         prompts = builtin_prompts(cfg.num_prompts, seed=cfg.seed)
-        _few_prompts(cfg.num_prompts, len(prompts), "the built-in set")
+        if team.index == 0:  # each process draws the same prompts: one says it
+            _few_prompts(cfg.num_prompts, len(prompts), "the built-in set")
     graphs = distill_graphs(cfg, loaded)
     if cfg.prompt_source == "self":
         prompts = self_written_prompts(loaded, cfg.num_prompts or SELF_PROMPTS, seed=cfg.seed,
@@ -109,7 +126,7 @@ def _sequences(cfg: TrainConfig, loaded, inputs: list,
     seqs = self_distill(loaded, prompts, max_new_tokens=cfg.distill_max_new_tokens, batch_size=cfg.distill_batch_size,
                         progress=cfg.progress, cuda_graphs=graphs, team=team)
     cut = sum(len(s) > n >= cfg.seq_len for s, n in zip(seqs, lengths, strict=True))
-    if cut:
+    if cut and team.index == 0:  # every process has every sequence: one says it
         logger.warning("%d of %d self-distilled sequences keep no answer token: their prompts are at least --seq-len "
                        "(%d) tokens long (the longest has %d) and sequences are cut from their start", cut, len(seqs),
                        cfg.seq_len, max(lengths))
@@ -305,7 +322,8 @@ def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None], h
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's context of {max_pos} tokens")
     if cfg.data is None:
         distill_graphs(cfg, loaded)
-    inputs = read_inputs(cfg, loaded)
+    with _said_by_the_main_process(accelerator.is_main_process):
+        inputs = read_inputs(cfg, loaded)
     resume_from = None
     if accelerator.is_main_process:
         out = Path(cfg.output_dir)
