@@ -8,6 +8,7 @@ import re
 import shutil
 import signal
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -368,6 +369,27 @@ def test_run_writes_loadable_layout_and_report(tiny, tmp_path, capsys):
     # a second run into the same dir is refused; the CLI says how to proceed
     assert main(["train-medusa", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"),
                  "--output-dir", str(out), "--no-progress"]) == 2
+
+
+def test_a_run_stopped_while_writing_its_report_leaves_the_earlier_one_whole(tiny, tmp_path, monkeypatch):
+    """A resume that evaluates a finished run again (another --tree-budget), stopped halfway through writing
+    report.json, leaves the earlier report as it was: not a file cut short, and no temporary file."""
+    out = tmp_path / "run"
+    run_training(_cfg(tiny, out, max_steps=2, eval_tau=False))
+    before = {name: (out / name).read_text() for name in ("report.json", "report.md")}
+    write_text = Path.write_text
+
+    def cut_short(self, data, *args, **kwargs):  # a kill halfway through the write
+        if self.name.startswith("report.json"):
+            write_text(self, data[: len(data) // 2])
+            raise KeyboardInterrupt
+        return write_text(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(_cfg(tiny, out, max_steps=2, eval_tau=False, resume=True, tree_budget=3))
+    assert {name: (out / name).read_text() for name in before} == before
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
 
 
 def _launch_two(*script: str) -> list[str]:

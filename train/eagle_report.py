@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from specdec.train.eagle_evaluate import (
     tree_pays,
 )
 from specdec.train.loop import number
-from specdec.train.pipeline import measured, trained_steps
+from specdec.train.pipeline import measured, trained_steps, write_report
 from specdec.train.run_seconds import run_seconds, wall_time_line
 
 logger = logging.getLogger(__name__)
@@ -77,8 +76,7 @@ def finish_eagle(cfg, loaded, eagle, history, held_out, train_seqs, vocab_info: 
         "seconds": run_seconds(times, t_end),
         "processes": accelerator.num_processes,
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "report.md").write_text(render_markdown(report))
+    write_report(out, report, render_markdown(report))
     logger.info("done: top-1 per depth %s, tree %s", [a if a is None else round(a, 3) for a in acc["top1"]],
                 report["tree"])
     return report

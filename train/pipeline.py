@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import functools
 import importlib
-import json
 import logging
 import os
 import time
@@ -34,6 +33,7 @@ from specdec.train.process_failures import FailureNotes
 from specdec.train.process_team import Team
 from specdec.train.run_seconds import run_seconds, wall_time_line
 
+from specdec.atomic_write import replaced_atomically, write_json
 from specdec.folder_lock import only_writer
 from specdec.models.fingerprint import model_fingerprint
 from specdec.output_dirs import check_creatable, make_dir
@@ -392,10 +392,18 @@ def _finish_medusa(cfg: TrainConfig, loaded, model, heads, history: list[dict], 
         "seconds": run_seconds(times, time.perf_counter()),
         "processes": accelerator.num_processes,
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "report.md").write_text(render_markdown(report))
+    write_report(out, report, render_markdown(report))
     logger.info("done: top1 %s, tau %s", acc["top1"], tau and round(tau["tau"], 3))
     return report
+
+
+def write_report(out: Path, report: dict, markdown: str) -> None:
+    """``report.json`` and ``report.md`` (``markdown``: rendered before either is written), each atomically: a run
+    stopped while writing them (Ctrl-C, a kill) leaves the earlier report whole, as a resume that evaluates again
+    replaces one, never a file cut short."""
+    write_json(out / "report.json", report, indent=2)
+    with replaced_atomically(out / "report.md") as tmp:
+        tmp.write_text(markdown)
 
 
 def import_before_the_process_group() -> None:
@@ -432,8 +440,7 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
             model = loaded.model.to(accelerator.device)
             model.requires_grad_(False)
             if accelerator.is_main_process:
-                (out / RUN_FILE).write_text(json.dumps({"config": cfg.to_json(), "fingerprint": cfg.fingerprint()},
-                                                       indent=2))
+                write_json(out / RUN_FILE, {"config": cfg.to_json(), "fingerprint": cfg.fingerprint()}, indent=2)
             seqs, prompt_lengths = _sequences(cfg, loaded, inputs, team)
             train_seqs, held_out = split_held_out(seqs, cfg.held_out_fraction)
             logger.info("%d training / %d held-out sequences (%d / %d tokens)", len(train_seqs), len(held_out),
