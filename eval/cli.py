@@ -471,25 +471,26 @@ def run_acceptance(args) -> int:
 
 
 def _acceptance_held(args, loaded, conversations: list, config, held: list, out: Path) -> int:
-    """run_acceptance once --out is its own: the cells, then the report."""
+    """run_acceptance once --out is its own: the cells, then the report. Ctrl-C or SIGTERM during either (the plots
+    take seconds) ends the run with one line naming the finished cells that --resume keeps."""
+    from accelerate import PartialState
+
     t0 = time.perf_counter()
     try:
         with sigterm_as_interrupt():
             cells = _run_cells(loaded, conversations, config, out, args.resume)
-        held.clear()  # the drafters' checkpoints: let go before the report
+            held.clear()  # the drafters' checkpoints: let go before the report
+            state = PartialState()
+            if not state.is_main_process:
+                return 0
+            if args.no_plots:  # plots not drawn again are an earlier run's (a resume's too: its report may show more)
+                for name in PLOT_FILES:
+                    (out / name).unlink(missing_ok=True)
+            _report(args, loaded, conversations, config, cells, out, state.num_processes, t0)
     except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the finished cells are kept, a resume measures the rest
         if os.environ.get("RANK", "0") == "0":  # once, under accelerate launch too
             print(f"specdec eval acceptance: {how_stopped(err)}; {_what_is_left(out)}", file=sys.stderr)
         return exit_code(err)
-    from accelerate import PartialState
-
-    state = PartialState()
-    if not state.is_main_process:
-        return 0
-    if args.no_plots:  # plots not drawn again are an earlier run's (a resume's too: its report may show more)
-        for name in PLOT_FILES:
-            (out / name).unlink(missing_ok=True)
-    _report(args, loaded, conversations, config, cells, out, state.num_processes, t0)
     return 0
 
 

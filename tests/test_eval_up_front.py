@@ -283,6 +283,42 @@ def test_an_interrupted_run_says_that_resume_continues_it(ckpt, tmp_path, capsys
     assert (out / "report.json").exists()
 
 
+def test_a_run_terminated_while_writing_its_report_says_so(ckpt, tmp_path, capsys, monkeypatch):
+    """SIGTERM after the last cell, while the report and its plots were written, ended the run with no line (the
+    signal's default: the process died), its cells unnamed; it says what --resume continues from, as during them."""
+    import os
+    import signal
+
+    import specdec.eval.report as report
+
+    class Unhandled(Exception):
+        pass
+
+    def before(signum, frame):
+        raise Unhandled("SIGTERM reached the handler installed before the run")
+
+    write = report.write_reports
+
+    def terminate_then_write(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(report, "write_reports", terminate_then_write)
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        out = tmp_path / "run"
+        argv = ["eval", "acceptance", "--model", ckpt, "--categories", "chat", "--prompts", "1", *RUN,
+                "--out", str(out)]
+        code, captured = _main(argv, capsys)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    line = captured.err.strip().splitlines()[-1]
+    assert code == 143 and line == (f"specdec eval acceptance: terminated (SIGTERM); 2 finished cell(s) kept in "
+                                    f"{out / 'cells'} (continue with --resume)"), captured.err
+    monkeypatch.setattr(report, "write_reports", write)
+    assert _main([*argv, "--resume"], capsys)[0] == 0 and (out / "report.json").exists()
+
+
 def test_a_terminated_run_says_so_and_that_resume_continues_it(ckpt, tmp_path, capsys, monkeypatch):
     """SIGTERM (a scheduler's, ``timeout``'s) ended the run unannounced, the finished cells unnamed; train-* say what
     --resume continues from after either signal. The handler before the run is back after it."""
