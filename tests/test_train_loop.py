@@ -1472,6 +1472,28 @@ def test_a_resume_names_input_files_that_changed_since_the_checkpoint(tiny, tmp_
     assert (out / "train.log").read_text().count(f"WARNING specdec.train.output_dir: --resume: {data} changed") == 1
 
 
+def test_a_resume_by_another_number_of_processes_says_it_is_not_bit_exact(tiny, tmp_path, caplog):
+    """A checkpoint of a two-process run resumed by one process was taken silently, though its sums are taken in
+    another order (the weights then differ from an uninterrupted run's in the last bits): each checkpoint records
+    its processes, and a resume by another number says so; the same number, or a checkpoint that recorded none,
+    says nothing."""
+    out = tmp_path / "run"
+    run_training(_cfg(tiny, out, eval_tau=False, max_steps=4, save_every=2))
+    state_file = out / ckpt_io.CKPT / "state.json"
+    state = json.loads(state_file.read_text())
+    assert state["config"]["processes"] == 1
+    cfg = _cfg(tiny, out, eval_tau=False, max_steps=4, save_every=2, resume=True)
+    for processes, warned in ((1, False), (None, False), (2, True)):
+        state["config"]["processes"] = processes
+        state_file.write_text(json.dumps(state))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="specdec.train.loop"):
+            run_training(cfg)
+        said = "was saved by a run of 2 process(es), this one has 1" in caplog.text
+        assert said == warned and ("not bit for bit" in caplog.text) == warned, (processes, caplog.text)
+        state = json.loads(state_file.read_text())
+
+
 def test_the_warnings_kept_for_train_log_still_reach_stderr_without_handlers(monkeypatch):
     """Without logging configured, a warning reaches stderr through Python's last resort; the handler that keeps the
     run's first warnings for train.log must not take that away (any handler found stops the last resort)."""

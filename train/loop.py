@@ -127,12 +127,14 @@ def _start(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], acceler
     total = cfg.max_steps or max(1, cfg.epochs * micro_per_epoch // cfg.grad_accum)
     scheduler = make_scheduler(optimizer, cfg, total)
     saved_config = {**cfg.to_json(), "inputs": cfg.input_stamps(), "resolved": cfg.resolved_paths(),
-                    "target": model_fingerprint(model)}
+                    "target": model_fingerprint(model), "processes": nproc}
     fingerprint = cfg.fingerprint()
     step = 0
     if resume_from is not None:
         step = ckpt_io.load_checkpoint(resume_from, heads, optimizer, scheduler)
         logger.info("resumed from %s at step %d of %d", resume_from, step, total)
+        if accelerator.is_main_process:
+            _other_processes(resume_from, nproc)
     history = []
     hist_file = out / "history.jsonl"
     if accelerator.is_main_process and resume_from is not None and hist_file.exists():
@@ -153,6 +155,18 @@ def _start(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], acceler
     run = Run(cfg, recipe, model, train_seqs, accelerator, features, params, optimizer, scheduler, total,
               saved_config, fingerprint, hist_file, bar)
     return run, Position(step=step, saved=step, rng=torch.get_rng_state(), history=history, start=step)
+
+
+def _other_processes(resume_from: Path, nproc: int) -> None:
+    """Warn where the checkpoint was saved by another number of processes than this run's ``nproc``: the steps are
+    the same (N processes equal one), but each step's sums are taken in another order, so the weights are an
+    uninterrupted run's up to floating-point rounding, not bit for bit."""
+    before = ckpt_io.read_state(resume_from)["config"].get("processes")  # None: saved before they were recorded
+    if before is not None and before != nproc:
+        logger.warning("--resume: the checkpoint in %s was saved by a run of %d process(es), this one has %d: it "
+                       "trains the same steps, but sums each step's gradients in another order, so the result equals "
+                       "an uninterrupted run's up to floating-point rounding, not bit for bit", resume_from.parent,
+                       before, nproc)
 
 
 def _micro_batches(run: Run, step: int) -> list[tuple]:
