@@ -241,8 +241,26 @@ def check_resumable(out: Path, settings: dict, resume: bool) -> None:
         raise ResumeError(f"cannot resume {out}: its cells were measured with other drafters than this run's "
                           f"({path}): {'; '.join(drafters)}{also_text}; use another output directory, or {_ANEW}")
     if changed:
-        raise ResumeError(f"cannot resume {out}: its cells were measured with other settings ({', '.join(changed)} "
-                          f"differ, {path}); use another output directory, or {_ANEW}")
+        raise ResumeError(f"cannot resume {out}: its cells were measured with other settings "
+                          f"({_setting_changes(before, settings, changed)}; recorded in {path}); resume with those, "
+                          f"use another output directory, or {_ANEW}")
+
+
+def _setting_changes(before: dict, now: dict, changed: list[str]) -> str:
+    """The settings ``changed`` between ``before`` (settings.json's) and ``now``, as a refused resume names them:
+    ``"num_processes: 2 in settings.json, 1 now"`` where both values are short (a number, a flag, a name), so the run
+    can be repeated under them, and the others (digests, lists) by name: ``"prompts_sha256, categories differ"``."""
+    shown, named = [], []
+    for k in changed:
+        values = before.get(k), now.get(k)
+        if k.endswith(("sha256", "fingerprint")) or not all(isinstance(v, (bool, int, float, str, type(None)))
+                                                             for v in values):
+            named.append(k)
+        else:
+            shown.append(f"{k}: {json.dumps(values[0])} in settings.json, {json.dumps(values[1])} now")
+    if named:
+        shown.append(f"{', '.join(named)} {'differs' if len(named) == 1 else 'differ'}")
+    return "; ".join(shown)
 
 
 def _shown(value: Any) -> str:

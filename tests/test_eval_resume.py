@@ -222,6 +222,16 @@ def test_a_resume_under_other_threads_is_refused_naming_them(loaded, config, run
         torch.set_num_threads(threads)
 
 
+def test_a_resume_under_other_settings_names_their_values(loaded, config, run):
+    """A resume under other settings named them only ("num_processes differ"), and offered another directory or
+    --overwrite: the values recorded say how to resume (a launch of as many processes, the same --seed), digests and
+    lists are named."""
+    other = dataclasses.replace(config, max_new_tokens=7, seed=3, categories=("rep",))
+    message = _refused(loaded, other, run, "settings.json", match="measured with other settings")
+    assert "max_new_tokens: 6 in settings.json, 7 now; seed: 0 in settings.json, 3 now; categories differs" in message
+    assert "resume with those" in message and "--overwrite instead of --resume" in message
+
+
 def test_a_run_of_a_specdec_that_did_not_record_the_machine_is_refused(loaded, config, run):
     path = run / "settings.json"
     data = json.loads(path.read_text())
