@@ -1629,6 +1629,20 @@ def test_a_folder_holding_every_file_of_a_run_that_never_checkpointed_is_replace
     assert list(out.iterdir()) == []
 
 
+def test_a_run_killed_while_writing_run_json_is_replaced_by_the_rerun(tmp_path):
+    """run.json is written atomically: a kill during its write leaves its temporary file and no run.json. The rerun
+    refused that folder ("is not empty"), and --overwrite too ("holds no run.json"): the user had to empty it by
+    hand. It is a run stopped before its first checkpoint, replaced as one; --overwrite takes it too."""
+    out = tmp_path / "run"
+    for overwrite in (False, True):
+        out.mkdir()
+        (out / "run.json.123.456.tmp").write_text('{"con')
+        (out / "train.log").write_text("")
+        assert output_dir.prepare_output_dir(TrainConfig(model="m", output_dir=str(out), overwrite=overwrite)) is None
+        assert list(out.iterdir()) == []
+        out.rmdir()
+
+
 def test_overwrite_never_deletes_a_parent_of_the_working_directory(tmp_path, monkeypatch):
     """A run folder whose (empty) checkpoint directory is the working directory: --overwrite would otherwise pass the
     run-files check and delete the folder the user stands in."""

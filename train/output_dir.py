@@ -65,8 +65,7 @@ def _check_deletable(out: Path) -> None:
     if target == here or target in here.parents or target == Path.home().resolve():
         raise OutputDirError(f"--overwrite will not delete {out}: it is the working directory, one of its parents "
                              "or the home directory; choose a dedicated --output-dir")
-    names = {p.name for p in out.iterdir()}
-    if RUN_FILE not in names:
+    if not any(_written_by_a_run(p.name, (RUN_FILE,)) for p in out.iterdir()):  # or a kill's leftover of it
         raise OutputDirError(f"--overwrite will not delete {out}: it holds no {RUN_FILE}, so it is not a specdec "
                              "training run; empty it yourself or choose another --output-dir")
     foreign = _foreign(out)
@@ -106,7 +105,8 @@ def prepare_output_dir(cfg: TrainConfig, target: str | None = None) -> Path | No
         return ckpt
     if out.exists() and any(out.iterdir()):
         left = sorted(p.name for p in out.iterdir())
-        if not cfg.overwrite and set(left) <= NO_CHECKPOINT_RUN:  # nothing to resume, nothing a rerun would lose
+        # nothing to resume, nothing a rerun would lose (a kill while run.json was written leaves its leftover)
+        if not cfg.overwrite and all(_written_by_a_run(name, NO_CHECKPOINT_RUN) for name in left):
             _check_deletable(out)
             logger.warning("%s holds a run that ended before its first checkpoint (%s): replacing it", out,
                            ", ".join(left))
