@@ -458,6 +458,11 @@ def run_acceptance(args) -> int:
     # every row's checkpoint read and checked for this target (a mistyped path=, a head of another vocabulary);
     # held through the run, so the cells take what was loaded here
     held = load_drafters(loaded, config)
+    # said once the run is known to go ahead (a refusal stays one line), once under accelerate launch too
+    nothing_to_resume = not (out / "settings.json").exists() and not any((out / "cells").glob("*__*.json"))
+    if args.resume and nothing_to_resume and os.environ.get("RANK", "0") == "0":
+        print(f"note: --resume: {out} holds no earlier run (no settings.json, no cells), so every cell is measured; "
+              "is it the --out of the run to continue?", file=sys.stderr)
     # --overwrite clears the earlier run only now that this one's prompts, options, model and drafters are known to
     # be good (a resume checks the earlier run's settings and cells itself), and once --out is held: never the files
     # of a run still writing there
@@ -495,8 +500,11 @@ def _acceptance_held(args, loaded, conversations: list, config, held: list, out:
 
 
 def _what_is_left(out: Path) -> str:
-    """After Ctrl-C or SIGTERM: the finished cells in ``out`` and that --resume continues from them."""
+    """After Ctrl-C or SIGTERM: the finished cells in ``out`` and that --resume continues from them; where the run
+    left nothing (it removes its settings.json when no cell was finished), that a rerun starts again."""
     done = len(list((out / "cells").glob("*__*.json")))
+    if not done and not (out / "settings.json").exists():
+        return "no cell was finished yet, so a rerun starts again"
     kept = f"{done} finished cell(s) kept in {out / 'cells'}" if done else "no cell was finished yet"
     return f"{kept} (continue with --resume)"
 

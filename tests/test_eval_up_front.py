@@ -319,6 +319,36 @@ def test_a_run_terminated_while_writing_its_report_says_so(ckpt, tmp_path, capsy
     assert _main([*argv, "--resume"], capsys)[0] == 0 and (out / "report.json").exists()
 
 
+def test_a_resume_that_finds_no_earlier_run_says_so(ckpt, tmp_path, capsys):
+    """--resume with an --out that holds no run (a mistyped path) measured every cell anew without a word, the run
+    meant to be continued left as it was; it says so. A resume that finds the run says nothing of the kind."""
+    argv = ["eval", "acceptance", "--model", ckpt, "--categories", "chat", "--prompts", "1", *RUN, "--resume"]
+    out = tmp_path / "typo"
+    code, captured = _main([*argv, "--out", str(out)], capsys)
+    assert code == 0 and (f"note: --resume: {out} holds no earlier run (no settings.json, no cells), so every cell "
+                          "is measured; is it the --out of the run to continue?") in captured.err.splitlines()
+    code, captured = _main([*argv, "--out", str(out)], capsys)
+    assert code == 0 and "holds no earlier run" not in captured.err
+
+
+def test_a_run_interrupted_before_its_first_cell_says_a_rerun_starts_again(ckpt, tmp_path, capsys, monkeypatch):
+    """It said "no cell was finished yet (continue with --resume)", though the run left nothing to continue, and the
+    resume then measured every cell as a new run."""
+    import specdec.eval.acceptance as acceptance
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(acceptance, "_write_cell", interrupt)
+    out = tmp_path / "run"
+    argv = ["eval", "acceptance", "--model", ckpt, "--categories", "chat", "--prompts", "1", *RUN, "--out", str(out)]
+    code, captured = _main(argv, capsys)
+    assert code == 130 and captured.err.strip().splitlines()[-1] == (
+        "specdec eval acceptance: interrupted; no cell was finished yet, so a rerun starts again"), captured.err
+    monkeypatch.undo()
+    assert _main(argv, capsys)[0] == 0  # the rerun, as said: nothing there refuses it
+
+
 def test_a_terminated_run_says_so_and_that_resume_continues_it(ckpt, tmp_path, capsys, monkeypatch):
     """SIGTERM (a scheduler's, ``timeout``'s) ended the run unannounced, the finished cells unnamed; train-* say what
     --resume continues from after either signal. The handler before the run is back after it."""
