@@ -1643,6 +1643,29 @@ def test_a_run_killed_while_writing_run_json_is_replaced_by_the_rerun(tmp_path):
         out.rmdir()
 
 
+def test_overwrite_stopped_while_emptying_the_folder_leaves_one_the_next_overwrite_takes(tmp_path, monkeypatch):
+    """Ctrl-C while --overwrite emptied a run's folder, just after run.json went, left the rest, which the next
+    --overwrite refused as "not a specdec training run" (no run.json): run.json is deleted last."""
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("config.json", "report.json", "run.json", "train.log"):
+        (out / name).write_text("{}")
+    _hand_checkpoint(out, {}, step=2)
+    unlink = Path.unlink
+
+    def interrupted_after_run_json(self, *args, **kwargs):
+        unlink(self, *args, **kwargs)
+        if self.name == "run.json":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "unlink", interrupted_after_run_json)
+    cfg = TrainConfig(model="m", output_dir=str(out), overwrite=True)
+    with pytest.raises(KeyboardInterrupt):
+        output_dir.prepare_output_dir(cfg)
+    monkeypatch.undo()
+    assert output_dir.prepare_output_dir(cfg) is None and list(out.iterdir()) == []
+
+
 def test_overwrite_never_deletes_a_parent_of_the_working_directory(tmp_path, monkeypatch):
     """A run folder whose (empty) checkpoint directory is the working directory: --overwrite would otherwise pass the
     run-files check and delete the folder the user stands in."""

@@ -121,8 +121,10 @@ def prepare_output_dir(cfg: TrainConfig, target: str | None = None) -> Path | No
 
 
 def _empty(out: Path) -> None:
-    """Delete what ``out`` holds, not ``out`` itself: the run holds its lock on the folder (specdec.folder_lock)."""
-    for p in out.iterdir():
+    """Delete what ``out`` holds, not ``out`` itself: the run holds its lock on the folder (specdec.folder_lock).
+    run.json goes last: it marks the folder as a run's, so one emptied in part (Ctrl-C, a kill) is still taken by
+    the next --overwrite."""
+    for p in sorted(out.iterdir(), key=lambda p: _written_by_a_run(p.name, (RUN_FILE,))):
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
         else:
