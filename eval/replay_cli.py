@@ -21,6 +21,7 @@ from pathlib import Path
 from specdec.eval.cli import counted
 
 from specdec.models.embedded import DEFAULT_ALIAS
+from specdec.sigterm import sigterm_as_interrupt
 
 
 def _threads(record: dict) -> str:
@@ -119,7 +120,8 @@ def run_record(args) -> int:
     print(f"[specdec eval replay record] {loaded.name}: {counted(len(conversations), 'prompt')} x "
           f"{counted(args.max_new_tokens, 'token')}",
           file=sys.stderr)
-    record = record_run(loaded, prompt_ids, config, [c.category for c in conversations])
+    with sigterm_as_interrupt():  # `timeout`, a scheduler: a line and 143, as Ctrl-C's (nothing is written)
+        record = record_run(loaded, prompt_ids, config, [c.category for c in conversations])
     check_record_path(args.out, args.overwrite, inputs)  # again: the file may have appeared meanwhile
     path = save_record(record, args.out)
     tokens = sum(len(s["new_tokens"]) for s in record["sequences"])

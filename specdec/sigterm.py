@@ -1,4 +1,4 @@
-"""SIGTERM taken as Ctrl-C by the long-running commands (training, ``eval acceptance``).
+"""SIGTERM taken as Ctrl-C by the long-running commands (training, ``eval acceptance``, ``eval replay record``).
 
 Schedulers, ``timeout`` and ``kill`` send SIGTERM, which by default ends the process unannounced. Inside
 :func:`sigterm_as_interrupt` it raises :class:`Terminated`, a ``KeyboardInterrupt``, so the command's Ctrl-C path

@@ -227,6 +227,38 @@ def test_replay_record_refuses_a_prompt_past_the_context_before_recording_naming
     assert not out.exists()
 
 
+def test_replay_record_terminated_says_so(ckpt, tmp_path, capsys, monkeypatch):
+    """SIGTERM (``timeout``, a scheduler) while the prompts were decoded ended the record unannounced, where Ctrl-C
+    said "interrupted"; it takes Ctrl-C's path: one line, exit 143, no record written."""
+    import os
+    import signal
+
+    module = importlib.import_module("specdec.generate")
+    generate = module.generate
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return generate(*args, **kwargs)
+
+    class Unhandled(Exception):
+        pass
+
+    def before(signum, frame):
+        raise Unhandled("SIGTERM reached the handler installed before the run")
+
+    monkeypatch.setattr(module, "generate", terminated)
+    out = tmp_path / "run.json"
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        code, captured = _main(["eval", "replay", "record", "--model", ckpt, "--max-new-tokens", "2", "--prompts",
+                                "1", "--out", str(out)], capsys)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 143 and captured.err.strip().splitlines()[-1] == (
+        "specdec eval replay record: terminated (SIGTERM)"), captured.err
+    assert not out.exists()
+
+
 def test_a_built_in_prompt_past_the_context_says_how_to_leave_it_out(ckpt):
     from specdec.eval.conversations import check_prompts_fit
     from specdec.eval.prompt_files import Conversation
