@@ -6,6 +6,7 @@ options (a combined drafter's children) are checked the same way; the nesting dr
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 from importlib.metadata import entry_points
 from typing import Any
@@ -60,8 +61,19 @@ def drafter_class(spec: str) -> type:
         return _load(BUILTIN[spec])
     eps = [ep for ep in entry_points(group="specdec.drafters") if ep.name == spec]
     if not eps:
-        raise InputError(f"unknown drafter {spec!r}; available: {', '.join(available())}")
+        raise InputError(f"unknown drafter {spec!r}{_meant(spec)}; available: {', '.join(available())}")
     return eps[0].load()
+
+
+def _meant(spec: str) -> str:
+    """The drafter name ``spec`` likely meant, as the unknown name's hint: names are lower case with hyphens
+    ("NGram", "draft_model", "eagle3" are misspellings of "ngram", "draft-model", "eagle"); "" for none."""
+    if spec.strip().lower() == "none":
+        return " (leave the drafter out, drafter=None, to decode plainly)"
+    names = available()
+    folded = spec.strip().lower().replace("_", "-").replace(" ", "-")
+    meant = [folded] if folded in names else difflib.get_close_matches(folded, names, n=1)
+    return f" (did you mean {meant[0]!r}?)" if meant else ""
 
 
 def check_options(spec: str, options: Any, *, command_line: bool = False, nested: bool = False) -> None:

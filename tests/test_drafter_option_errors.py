@@ -83,6 +83,16 @@ def test_bad_drafter_options_are_one_line_specdec_errors(name, options, match, t
     assert isinstance(err.value, (InputError, InputTypeError)) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("name, meant", [
+    ("NGram", "'ngram'"), ("n-gram", "'ngram'"), ("draft_model", "'draft-model'"), ("self_draft", "'self-draft'"),
+    ("eagle3", "'eagle'"), ("none", "leave the drafter out, drafter=None, to decode plainly"),
+])
+def test_a_misspelt_drafter_name_is_refused_with_the_name_meant(name, meant):
+    """Names are lower case with hyphens: "NGram", "draft_model" were refused with the list alone, no name meant."""
+    with pytest.raises(InputError, match=rf"^unknown drafter '{name}' \(.*{re.escape(meant)}.*\); available: "):
+        get_drafter(name)
+
+
 def test_medusa_top_k_beyond_the_draft_vocabulary_is_refused_as_eagle_does():
     """It was cut to the vocabulary without a word; the default top_k (8) is still cut to a smaller vocabulary."""
     model = build_tiny_model()
