@@ -29,6 +29,7 @@ Streamers: ``streamer=fn`` gets ``fn(batch_index, tokens)`` as tokens are commit
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -198,7 +199,7 @@ def prepare(model: Any, input_ids: Any = None, *, drafter: Any = None, drafter_o
     """generate()'s arguments, checked (what needs no model first), the model loaded, the drafter built."""
     config_fields = {k: v for k, v in config_fields.items() if k not in IGNORED_INPUT_KEYS}
     input_ids = _input_ids(input_ids, config_fields.pop("inputs", None))
-    layers = [config_layer(generation_config), kwargs_layer(config_fields)]  # lowest precedence first
+    layers = [config_layer(generation_config), kwargs_layer(config_fields, CALL_ARGUMENTS)]  # lowest first
     if return_dict is not None:
         check_bool("return_dict", return_dict)
     early = resolve(layers, return_dict=return_dict).config  # what was passed, checked before the model loads
@@ -258,6 +259,8 @@ def prepare(model: Any, input_ids: Any = None, *, drafter: Any = None, drafter_o
                            progress, resolved.return_dict, layout, inputs.length)
 
 
+# generate()'s own keyword arguments (drafter=, return_dict=, ...): a misspelt one is named among them too
+CALL_ARGUMENTS = tuple(p.name for p in inspect.signature(prepare).parameters.values() if p.kind is p.KEYWORD_ONLY)
 # sampling options and their neutral values: given with greedy decoding they change nothing (transformers warns too)
 _SAMPLING_ONLY = {"temperature": 1.0, **WARPERS, "sampler": "standard"}
 

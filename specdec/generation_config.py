@@ -17,6 +17,7 @@ fields a transformers ``GenerationConfig`` sets do; a field left at its default 
 from __future__ import annotations
 
 import difflib
+from collections.abc import Collection
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -34,12 +35,15 @@ LOAD_ARGUMENTS = {"dtype": "dtype", "torch_dtype": "dtype", "device": "device", 
                   "trust_remote_code": "trust_remote_code"}
 
 
-def unknown_arguments(unknown: list[str], known: set[str]) -> str:
-    """The one-line error for misspelt generation arguments: the likely meant ones first (or, for a loading
-    argument such as ``dtype=``, where it goes), then every name (not after loading arguments alone)."""
+def unknown_arguments(unknown: list[str], known: set[str], also: Collection[str] = ()) -> str:
+    """The one-line error for misspelt generation arguments: the likely meant ones first (among ``known`` and
+    ``also``, the call's other keyword arguments, such as generate()'s ``drafter_options``) or, for a loading
+    argument such as ``dtype=``, where it goes; then every known name (not after loading arguments alone)."""
     plural = "s" if len(unknown) > 1 else ""
     load = [name for name in unknown if name in LOAD_ARGUMENTS]
-    meant = [m for name in unknown if name not in LOAD_ARGUMENTS for m in difflib.get_close_matches(name, known, n=1)]
+    candidates = known | set(also)
+    meant = [m for name in unknown if name not in LOAD_ARGUMENTS
+             for m in difflib.get_close_matches(name, candidates, n=1)]
     hint = f" (did you mean {', '.join(meant)}?)" if meant else ""
     if load:
         given = ", ".join(f"{arg}=..." for arg in dict.fromkeys(LOAD_ARGUMENTS[name] for name in load))

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -192,11 +192,13 @@ def _short(value: Any) -> str:
     return first if len(first) <= 60 and first == text else first[:57].rstrip("( ") + "..."
 
 
-def kwargs_layer(kwargs: Mapping[str, Any]) -> ConfigLayer:
-    """generate()'s keyword arguments (the highest layer); an unknown name is an InputTypeError (a typo)."""
+def kwargs_layer(kwargs: Mapping[str, Any], also: Collection[str] = ()) -> ConfigLayer:
+    """generate()'s keyword arguments (the highest layer); an unknown name is an InputTypeError (a typo), which
+    names the argument likely meant, also among ``also`` (the call's own keyword arguments: ``drafter_option=``
+    meant ``drafter_options=``)."""
     unknown = sorted(set(kwargs) - _known_names())
     if unknown:
-        raise InputTypeError(unknown_arguments(unknown, _known_names()))
+        raise InputTypeError(unknown_arguments(unknown, _known_names(), also))
     return _read(KWARGS, kwargs, kwargs=True)
 
 

@@ -226,6 +226,12 @@ def test_a_numpy_array_is_read_as_lists_are():
     (dict(generation_config={"max_new_tokens": 3}), InputTypeError,
      r"generation_config must be a specdec or transformers GenerationConfig"),
     (dict(drafter="no-such-drafter"), InputError, r"unknown drafter 'no-such-drafter'; available: .*ngram"),
+    # generate()'s own keyword arguments misspelt: refused naming none meant, as they are no generation fields
+    (dict(drafter_option={"max_nodes": 3}), InputTypeError,
+     r"^unknown generation argument drafter_option \(did you mean drafter_options\?\); known: "),
+    (dict(draft="ngram"), InputTypeError, r"^unknown generation argument draft \(did you mean drafter\?\)"),
+    (dict(return_dicts=True), InputTypeError,
+     r"^unknown generation argument return_dicts \(did you mean return_dict\?\)"),
     (dict(drafter=5), InputTypeError, r"drafter must be None, a name or a Drafter"),
     (dict(drafter="ngram", drafter_options={"bogus": 1}), InputTypeError,
      r"drafter 'ngram' has no option 'bogus'; its options: .*max_ngram"),
