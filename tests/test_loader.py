@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specdec import cost_model
+from specdec.errors import InputError
 from specdec.folder_lock import FolderInUse, only_writer
 from specdec.models import embedded
 from specdec.models.loader import load_model
@@ -174,7 +175,6 @@ def test_directory_without_config(tmp_path):
 def test_a_truncated_weights_file_is_a_one_line_input_error(tmp_path):
     """A half-copied checkpoint: a specdec.InputError naming the folder (the CLI's one line), not safetensors' own
     error type, which no caller catches."""
-    from specdec.errors import InputError
     from specdec.testing import save_tiny_checkpoint
 
     path = save_tiny_checkpoint(tmp_path / "tiny")
@@ -261,6 +261,22 @@ def test_a_checkpoint_loads_in_float32_on_the_cpu_and_in_the_dtype_asked_for(tmp
     model.save_pretrained(tmp_path / "tiny")
     assert load_model(str(tmp_path / "tiny"), device="cpu").runner.dtype == torch.float32
     assert load_model(str(tmp_path / "tiny"), dtype=torch.float16).runner.dtype == torch.float16
+
+
+@pytest.mark.parametrize("dtype, said", [
+    ("bf16", "(did you mean bfloat16?)"), ("FP16", "(did you mean float16?)"), ("fp32", "(did you mean float32?)"),
+    ("auto", "(leave dtype out for the default: float32 on the CPU, the config's half dtype on CUDA)"),
+])
+def test_a_dtype_spelt_otherwise_is_refused_naming_the_one_meant(dtype, said):
+    """dtype="bf16" or "auto" was refused as a dtype "a model does not run in", which is said of float8 and int8."""
+    with pytest.raises(InputError) as err:
+        load_model("synthetic:qwen3-0.6b@tiny", dtype=dtype)
+    assert str(err.value).endswith(f"got {dtype!r} {said}"), str(err.value)
+
+
+def test_a_dtype_by_another_of_torchs_names_for_it_loads_in_it():
+    """dtype="half" (torch.half's name) was refused, as a dtype a model does not run in, where torch.half loaded."""
+    assert load_model("synthetic:qwen3-0.6b@tiny", dtype="half", device="cpu").runner.dtype == torch.float16
 
 
 def test_a_shared_checkpoint_moved_to_another_dtype_is_not_given_out_as_the_one_asked_for(tmp_path):

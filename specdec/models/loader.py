@@ -24,6 +24,7 @@ as the hub id of the model it quantizes (its GGUF is a Q4_1 copy of it), a loade
 """
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import weakref
@@ -266,18 +267,34 @@ def _pack(model) -> None:
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 RUN_DTYPES = (*DTYPE_NAMES, "float64")  # what a model runs in (float64: the reference path only, for checks)
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32", "f32": "float32"}
 
 
 def check_dtype(dtype: Any) -> torch.dtype | None:
-    """``dtype`` as a torch.dtype a model runs in (RUN_DTYPES, given as a torch.dtype or its name), or a one-line
-    InputError (a float8 dtype failed deep in transformers with a bare TypeError)."""
+    """``dtype`` as a torch.dtype a model runs in (RUN_DTYPES, given as a torch.dtype or one of torch's names of it:
+    ``"bfloat16"``, ``"half"``), or a one-line InputError naming the name likely meant (``"bf16"``) (a float8 dtype
+    failed deep in transformers with a bare TypeError)."""
     if dtype is None:
         return None
     name = str(dtype).removeprefix("torch.") if isinstance(dtype, (str, torch.dtype)) else None
-    if name in RUN_DTYPES:
-        return getattr(torch, name)
+    named = getattr(torch, name, None) if name else None
+    if isinstance(named, torch.dtype) and str(named).removeprefix("torch.") in RUN_DTYPES:
+        return named
     raise InputError(f"dtype must be a floating torch.dtype or one of {', '.join(DTYPE_NAMES)}, got {dtype!r}"
-                     + (" (a model does not run in it: load it in one of those)" if name else ""))
+                     + _dtype_hint(name, named))
+
+
+def _dtype_hint(name: str | None, named: Any) -> str:
+    """What the dtype name refused (``name``, ``named`` torch's object of that name) likely meant, as a hint."""
+    if isinstance(named, torch.dtype):
+        return " (a model does not run in it: load it in one of those)"
+    if name is None:
+        return ""
+    folded = name.strip().lower()
+    if folded == "auto":
+        return " (leave dtype out for the default: float32 on the CPU, the config's half dtype on CUDA)"
+    meant = DTYPE_ALIASES.get(folded) or next(iter(difflib.get_close_matches(folded, DTYPE_NAMES, n=1)), None)
+    return f" (did you mean {meant}?)" if meant else ""
 
 
 def check_device(spec: Any, label: str = "device") -> torch.device:
