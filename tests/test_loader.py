@@ -199,12 +199,12 @@ def test_a_loaded_checkpoint_is_shared_while_held_and_freed_after(tmp_path):
         # asked again, or with the dtype and device it got without asking: the same model, not a second copy
         shared = (load_model(str(tmp_path / "tiny")).model is first.model
                   and load_model(str(tmp_path / "tiny"), dtype=torch.float32, device="cpu").model is first.model)
-        other_device = load_model(str(tmp_path / "tiny"), device="meta").model is not first.model
-        return weakref.ref(first.model), shared, other_device
+        other_dtype = load_model(str(tmp_path / "tiny"), dtype=torch.bfloat16).model is not first.model
+        return weakref.ref(first.model), shared, other_dtype
 
-    ref, shared, other_device = load_twice()
+    ref, shared, other_dtype = load_twice()
     gc.collect()
-    assert shared and other_device
+    assert shared and other_dtype
     assert ref() is None
 
 
@@ -272,6 +272,25 @@ def test_a_dtype_spelt_otherwise_is_refused_naming_the_one_meant(dtype, said):
     with pytest.raises(InputError) as err:
         load_model("synthetic:qwen3-0.6b@tiny", dtype=dtype)
     assert str(err.value).endswith(f"got {dtype!r} {said}"), str(err.value)
+
+
+def test_the_meta_device_is_refused_as_holding_no_data_and_a_passed_model_keeps_its_weights():
+    """device="meta" loaded a checkpoint there (generate() then failed in aten::equal, a multi-line torch error), and
+    moved a model passed loaded there in place: the caller's weights were gone."""
+    from specdec.testing import build_tiny_model
+
+    model = build_tiny_model(vocab_size=32)
+    for spec in ("synthetic:qwen3-0.6b@tiny", model):
+        with pytest.raises(InputError, match=r"^device 'meta' holds no data, so a model cannot run there; use cpu"):
+            load_model(spec, device="meta")
+    assert not model.get_input_embeddings().weight.is_meta
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the accelerator's index needs a machine without one")
+def test_a_device_index_without_an_accelerator_says_no_cuda_device_is_there():
+    """device=0 (an accelerator's index, cuda:0) was "not a device torch knows"."""
+    with pytest.raises(InputError, match=r"^device 0: no CUDA device is available"):
+        load_model("synthetic:qwen3-0.6b@tiny", device=0)
 
 
 def test_a_dtype_by_another_of_torchs_names_for_it_loads_in_it():

@@ -376,6 +376,8 @@ class LlamaRunner:
         if found is not None and parts != _projection_parts(self.layers):
             return "a fused projection's weight was given other memory"
         inv_freq = self.rotary.inv_freq
+        if inv_freq.is_meta:  # nothing to compare: generate() refuses weights not loaded (check_weights_present)
+            return None
         if inv_freq.dtype != self._inv_freq.dtype or not torch.equal(inv_freq, self._inv_freq.to(inv_freq.device)):
             return "the rotary embedding's inv_freq was changed"
         return None

@@ -303,9 +303,13 @@ def check_device(spec: Any, label: str = "device") -> torch.device:
     try:
         device = torch.device(spec)
     except (RuntimeError, ValueError, TypeError):
+        if isinstance(spec, int) and not isinstance(spec, bool):  # an accelerator's index, with none present
+            raise InputError(f"{label} {spec!r}: no CUDA device is available (torch {torch.__version__})") from None
         raise InputError(f"{label} {spec!r} is not a device torch knows; use cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError(f"{label} {spec!r}: no CUDA device is available (torch {torch.__version__})")
+    if device.type == "meta":  # it allocates, but holds no data: a model moved there has lost its weights
+        raise InputError(f"{label} {spec!r} holds no data, so a model cannot run there; use cpu, cuda or cuda:N")
     try:
         torch.empty(1, device=device)
     except Exception as err:  # noqa: BLE001 - each backend fails its own way (Assertion-, NotImplemented-, ...)
