@@ -87,18 +87,25 @@ def check_options(spec: str, options: Any, *, command_line: bool = False, nested
     if known is not None and not command_line:
         unknown = sorted(set(options) - known)
         if unknown:
-            raise InputTypeError(f"{subject} has no option {', '.join(map(repr, unknown))}; its options: "
-                                 f"{', '.join(sorted(known))}")
+            named = ", ".join(map(repr, unknown)) + _meant_options(unknown, known)
+            raise InputTypeError(f"{subject} has no option {named}; its options: {', '.join(sorted(known))}")
     elif known is not None:
         python_only = set(getattr(cls, "python_only_options", ()))  # a class that is no Drafter may lack it
         unknown = sorted(set(options) - (known - python_only))
         if unknown:
             named = ", ".join(f"{k!r} (Python only)" if k in python_only else repr(k) for k in unknown)
+            named += _meant_options([k for k in unknown if k not in python_only], known - python_only)
             flag, keys = ("option", "its command-line keys") if nested else ("--drafter-option", "its KEY=VALUE keys")
             raise InputTypeError(f"{subject} has no {flag} {named}; {keys}: {', '.join(sorted(known - python_only))}")
     check_nested = getattr(cls, "check_nested_options", None)  # a class that is no Drafter may lack it
     if check_nested is not None:
         check_nested(options, command_line=command_line)
+
+
+def _meant_options(unknown: list[str], known: set[str]) -> str:
+    """The options the ``unknown`` ones likely meant (``max_node`` -> ``max_nodes``), as a hint; "" for none."""
+    meant = [m for name in unknown for m in difflib.get_close_matches(name, known, n=1)]
+    return f" (did you mean {', '.join(map(repr, meant))}?)" if meant else ""
 
 
 def option_names(cls: type) -> set[str] | None:

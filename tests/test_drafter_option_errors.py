@@ -93,6 +93,16 @@ def test_a_misspelt_drafter_name_is_refused_with_the_name_meant(name, meant):
         get_drafter(name)
 
 
+def test_a_misspelt_drafter_option_is_refused_with_the_option_meant():
+    """max_node= was refused with the list of options alone, in Python and on the command line."""
+    with pytest.raises(InputTypeError, match=r"^drafter 'ngram' has no option 'max_node' \(did you mean "
+                       r"'max_nodes'\?\); its options: "):
+        get_drafter("ngram", max_node=3)
+    with pytest.raises(InputTypeError, match=r"^drafter 'ngram' has no --drafter-option 'max_node' \(did you mean "
+                       r"'max_nodes'\?\); its KEY=VALUE keys: "):
+        check_options("ngram", {"max_node": "3"}, command_line=True)
+
+
 def test_medusa_top_k_beyond_the_draft_vocabulary_is_refused_as_eagle_does():
     """It was cut to the vocabulary without a word; the default top_k (8) is still cut to a smaller vocabulary."""
     model = build_tiny_model()

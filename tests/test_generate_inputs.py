@@ -236,7 +236,7 @@ def test_a_numpy_array_is_read_as_lists_are():
     (dict(drafter="ngram", drafter_options={"bogus": 1}), InputTypeError,
      r"drafter 'ngram' has no option 'bogus'; its options: .*max_ngram"),
     (dict(drafter="self-draft", drafter_options={"bogus": 1, "layers": 2}), InputTypeError,
-     r"drafter 'self-draft' has no option 'bogus', 'layers'; its options: .*num_layers"),  # not DraftConfig's name
+     r"drafter 'self-draft' has no option 'bogus', 'layers' \(did you mean 'num_layers'\?\); its options: "),
     (dict(drafter="mtp", drafter_options={"model": 1}), InputTypeError, r"drafter 'mtp' has no option 'model'"),
     (dict(eos_token_id=np.array([1.0])), InputTypeError, r"eos_token_id .*float64"),
     (dict(eos_token_id=np.array([[1]])), InputTypeError, r"eos_token_id"),
