@@ -4,13 +4,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import shutil
 
 import pytest
 import torch
 
 from specdec import cost_model
-from specdec.errors import InputError
+from specdec.errors import InputError, InputTypeError
 from specdec.folder_lock import FolderInUse, only_writer
 from specdec.models import embedded
 from specdec.models.loader import load_model
@@ -291,6 +292,17 @@ def test_a_device_index_without_an_accelerator_says_no_cuda_device_is_there():
     """device=0 (an accelerator's index, cuda:0) was "not a device torch knows"."""
     with pytest.raises(InputError, match=r"^device 0: no CUDA device is available"):
         load_model("synthetic:qwen3-0.6b@tiny", device=0)
+
+
+@pytest.mark.parametrize("kwargs, said", [
+    (dict(torch_dtype=torch.bfloat16), "torch_dtype (did you mean dtype=?)"),  # from_pretrained's names
+    (dict(device_map="cpu"), "device_map (did you mean device=?)"),
+    (dict(tokeniser=None), "tokeniser (did you mean tokenizer=?)"),
+])
+def test_an_argument_load_model_does_not_take_is_refused_naming_the_one_meant(kwargs, said):
+    """torch_dtype= or device_map=, as from_pretrained takes them, was Python's TypeError naming no argument meant."""
+    with pytest.raises(InputTypeError, match=rf"^load_model\(\) got unknown argument {re.escape(said)}; it takes "):
+        load_model("synthetic:qwen3-0.6b@tiny", **kwargs)
 
 
 def test_a_dtype_by_another_of_torchs_names_for_it_loads_in_it():

@@ -25,6 +25,7 @@ as the hub id of the model it quantizes (its GGUF is a Q4_1 copy of it), a loade
 from __future__ import annotations
 
 import difflib
+import inspect
 import json
 import logging
 import weakref
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 
 from specdec.errors import InputError, InputTypeError, ModelNotFoundError
+from specdec.generation_config import LOAD_ARGUMENTS
 from specdec.models import checkpoint_files, embedded, runnable, synthetic
 from specdec.models.fused_projections import pack_projections
 from specdec.models.llama import LlamaRunner, check_supported
@@ -334,6 +336,18 @@ def _place_passed_model(model, dtype: torch.dtype | None, device: torch.device |
         model.to(device)
 
 
+def _unknown_load_arguments(unknown: list[str]) -> str:
+    """The one-line error for keywords load_model does not take: each with the argument likely meant (for
+    from_pretrained's ``torch_dtype`` / ``device_map``, :data:`~specdec.generation_config.LOAD_ARGUMENTS`)."""
+    known = [name for name in inspect.signature(load_model).parameters if name not in ("spec", "unknown")]
+    named = []
+    for name in unknown:
+        meant = LOAD_ARGUMENTS.get(name) or next(iter(difflib.get_close_matches(name, known, n=1)), None)
+        named.append(f"{name} (did you mean {meant}=?)" if meant else name)
+    plural = "s" if len(unknown) > 1 else ""
+    return f"load_model() got unknown argument{plural} {', '.join(named)}; it takes {', '.join(known)}"
+
+
 def load_model(
     spec: Any,
     *,
@@ -341,6 +355,7 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
     trust_remote_code: bool = False,
+    **unknown: Any,
 ) -> LoadedModel:
     """Load ``spec`` as a ``LoadedModel`` (its transformers model, tokenizer and specdec's runner of it).
 
@@ -353,7 +368,11 @@ def load_model(
         device: where the model runs (default: where a passed model is; a checkpoint: the CPU, a synthetic
             target: CUDA when present); a passed model moves there in place.
         trust_remote_code: allow a checkpoint's own code, as transformers' flag does; nothing is downloaded.
+
+    Another keyword (``torch_dtype=``, ``device_map=``, a typo) is a one-line InputTypeError naming the one meant.
     """
+    if unknown:
+        raise InputTypeError(_unknown_load_arguments(sorted(unknown)))
     dtype = check_dtype(dtype)
     device = check_device(device) if device is not None else None
     if isinstance(spec, LoadedModel):  # a tokenizer passed with it serves this use (generate(tokenizer=...))
