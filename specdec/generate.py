@@ -227,6 +227,7 @@ def prepare(model: Any, input_ids: Any = None, *, drafter: Any = None, drafter_o
     config = resolved.config
     _warn_unused_sampling(config, early)
     _warn_unused_speculation(drafter_obj, early)
+    _warn_ignored_scores(early, resolved.return_dict)
     _warn_unreachable_minimum(config, inputs.length)
     if config.num_return_sequences > 1 and not config.do_sample:
         raise InputError(f"num_return_sequences={config.num_return_sequences} needs do_sample=True: greedy decoding "
@@ -286,6 +287,14 @@ def _warn_unused_speculation(drafter: Drafter | None, given: GenerationConfig) -
     if drafter is None and unused:
         logger.warning("no drafter, so these speculation options are ignored: %s; pass drafter=... (the CLI's "
                        "--drafter) to speculate", ", ".join(unused))
+
+
+def _warn_ignored_scores(given: GenerationConfig, return_dict: bool) -> None:
+    """Warn, as transformers does, when the caller set output_scores=True without return_dict: nothing comes back
+    for it (output_logprobs=True without return_dict is refused, :func:`specdec.engine_setup._wants_logprobs`)."""
+    if given.output_scores and not return_dict:
+        logger.warning("output_scores=True is ignored without return_dict=True (or return_dict_in_generate=True), "
+                       "as in transformers: the log-probabilities come back in GenerateOutput.logprobs")
 
 
 def _set_off_neutral(given: GenerationConfig, neutrals: dict[str, Any]) -> list[str]:

@@ -619,6 +619,17 @@ def test_nothing_is_processed_or_kept_when_not_asked(model):
     assert not engine.output_logprobs
 
 
+def test_output_scores_without_return_dict_warns_it_is_ignored(model, caplog):
+    """It returned the sequences alone without a word, where transformers warns that the scores are ignored."""
+    with caplog.at_level(logging.WARNING, logger="specdec"):
+        specdec.generate(model, PROMPTS, max_new_tokens=2, output_scores=True)
+    assert "output_scores=True is ignored without return_dict=True" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specdec"):
+        specdec.generate(model, PROMPTS, max_new_tokens=2, output_scores=True, return_dict_in_generate=True)
+    assert "output_scores" not in caplog.text
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(logits_processor=[PenaliseLastToken()]), InputError, "logits_processor_prefix_only=True"),
     (dict(logits_processor=[3], logits_processor_prefix_only=True), InputTypeError, r"logits_processor\[0\]"),
