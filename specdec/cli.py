@@ -168,10 +168,7 @@ def _check_device(spec: str):
     """`spec` as a torch.device this torch can allocate on, checked before the (slow) model load."""
     from specdec.models.loader import check_device
 
-    device = check_device(spec, "--device")
-    if device.type == "meta":
-        raise CLIError("--device meta holds no weights; use cpu, cuda or cuda:N")
-    return device
+    return check_device(spec, "--device")  # the meta device too is refused there, as load_model(device=) refuses it
 
 
 # transformers' sampling warpers other than top_k / top_p: flag -> off value, in the order they apply

@@ -282,7 +282,7 @@ def test_the_meta_device_is_refused_as_holding_no_data_and_a_passed_model_keeps_
 
     model = build_tiny_model(vocab_size=32)
     for spec in ("synthetic:qwen3-0.6b@tiny", model):
-        with pytest.raises(InputError, match=r"^device 'meta' holds no data, so a model cannot run there; use cpu"):
+        with pytest.raises(InputError, match=r"^device 'meta' holds no weights, so a model cannot run there; use cpu"):
             load_model(spec, device="meta")
     assert not model.get_input_embeddings().weight.is_meta
 

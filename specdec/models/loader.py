@@ -311,7 +311,7 @@ def check_device(spec: Any, label: str = "device") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError(f"{label} {spec!r}: no CUDA device is available (torch {torch.__version__})")
     if device.type == "meta":  # it allocates, but holds no data: a model moved there has lost its weights
-        raise InputError(f"{label} {spec!r} holds no data, so a model cannot run there; use cpu, cuda or cuda:N")
+        raise InputError(f"{label} {spec!r} holds no weights, so a model cannot run there; use cpu, cuda or cuda:N")
     try:
         torch.empty(1, device=device)
     except Exception as err:  # noqa: BLE001 - each backend fails its own way (Assertion-, NotImplemented-, ...)
