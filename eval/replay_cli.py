@@ -22,6 +22,7 @@ from specdec.eval.cli import counted
 
 from specdec.models.embedded import DEFAULT_ALIAS
 from specdec.sigterm import sigterm_as_interrupt
+from specdec.tree import MAX_TREE_NODES
 
 
 def _threads(record: dict) -> str:
@@ -140,7 +141,10 @@ def _budgets(spec: str | None) -> list[int | None]:
         budgets = []
     if not budgets:
         raise ValueError(f"--max-nodes takes an integer or a comma list of integers, got {spec!r}")
-    return budgets
+    bad = next((n for n in budgets if not 0 <= n <= MAX_TREE_NODES), None)
+    if bad is not None:
+        raise ValueError(f"--max-nodes {spec}: {bad} is not a tree size in 0..{MAX_TREE_NODES}")
+    return list(dict.fromkeys(budgets))  # a size given twice is one replay, not two rows that differ by timing noise
 
 
 def run_replay(args) -> int:
@@ -152,6 +156,11 @@ def run_replay(args) -> int:
         raise ValueError(f"--queued-step takes the plain step's milliseconds (> 0), got {args.queued_step}")
     if args.look_budget is not None and args.queued_step is None:
         raise ValueError("--look-budget is spent on queued steps only: give it with --queued-step")
+    if args.look_budget is not None and not (math.isfinite(args.look_budget) and args.look_budget >= 0):
+        raise ValueError(f"--look-budget takes a share of a step (>= 0; 0: no looks), got {args.look_budget}")
+    if args.queued_step is not None and (args.temperature != 0 or args.guard == "off"):
+        raise ValueError("--queued-step replays greedily with the guard on (the steps it holds off are the ones "
+                         "queued): drop --temperature or --guard off")
     options = _options(args.drafter_option, args.drafter)
     record = load_record(args.record)
     curve = None if args.verify_costs is None else _verify_costs(args.verify_costs)
@@ -216,6 +225,12 @@ def _verify_costs(spec: str) -> dict[int, float]:
         raise unreadable(err) from None
     if 1 not in curve:
         raise InputError(f"--verify-costs {spec}: it needs c(1), the verify of one token")
+    if min(curve) < 1:
+        raise InputError(f"--verify-costs {spec}: c({min(curve)}): a verify queries 1 token or more")
+    bad = next((n for n, s in curve.items() if not (math.isfinite(s) and s > 0)), None)
+    if bad is not None:
+        raise InputError(f"--verify-costs {spec}: c({bad}) = {curve[bad] * 1e3:g} ms is not a positive number of "
+                         "milliseconds")
     return curve
 
 

@@ -487,9 +487,28 @@ def test_replay_run_names_its_flags_and_their_units_in_refusals(tmp_path, record
     path = save_record(recorded[1], tmp_path / "run.json")
     for extra, says in ((["--queued-step", "-1"], "--queued-step takes the plain step's milliseconds (> 0), got -1.0"),
                         (["--look-budget", "0.5"], "--look-budget is spent on queued steps only: give it with "
-                                                   "--queued-step")):
+                                                   "--queued-step"),
+                        # these named the Python fields max_nodes, look_budget, verify_seconds and queued steps
+                        (["--max-nodes", "4,999"], "--max-nodes 4,999: 999 is not a tree size in 0..64"),
+                        (["--queued-step", "1", "--look-budget", "-1"],
+                         "--look-budget takes a share of a step (>= 0; 0: no looks), got -1.0"),
+                        (["--queued-step", "1", "--guard", "off"], "--queued-step replays greedily with the guard on "
+                         "(the steps it holds off are the ones queued): drop --temperature or --guard off"),
+                        (["--verify-costs", '{"1": 1, "4": -2}'],
+                         '--verify-costs {"1": 1, "4": -2}: c(4) = -2 ms is not a positive number of milliseconds'),
+                        (["--verify-costs", '{"0": 1, "1": 2}'],
+                         '--verify-costs {"0": 1, "1": 2}: c(0): a verify queries 1 token or more')):
         assert main(["eval", "replay", "run", "--record", str(path), *extra]) == 2
         assert capsys.readouterr().err.strip().endswith(says)
+
+
+def test_a_tree_size_given_twice_is_replayed_once(tmp_path, recorded, capsys):
+    """--max-nodes 4,4 printed two rows of one replay that differed only by the draft's timing noise."""
+    from specdec.cli import main
+
+    path = save_record(recorded[1], tmp_path / "run.json")
+    assert main(["eval", "replay", "run", "--record", str(path), "--max-nodes", "4,8,4", "--json"]) == 0
+    assert [r["max_nodes"] for r in json.loads(capsys.readouterr().out)["results"]] == [4, 8]
 
 
 def test_an_earlier_record_is_replaced_only_with_overwrite_and_a_folder_never(tmp_path, recorded):
