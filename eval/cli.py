@@ -301,7 +301,7 @@ def run_lossless(args) -> int:
 
     if args.drafter not in available():
         raise ValueError(f"unknown drafter {args.drafter!r}; available: {', '.join(available())}")
-    levels = tuple(x.strip() for x in args.levels.split(",") if x.strip())
+    levels = tuple(dict.fromkeys(x.strip() for x in args.levels.split(",") if x.strip()))  # a level runs once
     bad = [lv for lv in levels if lv not in ("exact", "stats", "e2e", "coupled", "bitwise")]
     if bad or not levels:
         raise ValueError(f"--levels takes exact, stats, e2e, coupled, bitwise; got {args.levels!r}")

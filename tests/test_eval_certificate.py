@@ -4,6 +4,7 @@ KV compaction slot), and too-small sample sizes void it instead of passing it.""
 from __future__ import annotations
 
 import functools
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +19,7 @@ from specdec.models.loader import load_model
 from specdec.rejection import EXACT
 from specdec.sampling import SamplingConfig
 from specdec.testing import RandomTreeDrafter, build_tiny_model
+from tests.cli_runs import run_main
 
 # 7 greedy-identity prompts: this tiny model's answers fall into cycles that few faults disturb, and
 # the engine-fault controls must be caught on at least one answer; a window of 4 sampled tokens, not the default
@@ -804,6 +806,18 @@ def test_the_certificate_records_the_levels_it_ran_and_names_them_in_its_header(
     assert cert.to_markdown().startswith("# Losslessness certificate (levels exact): PASSED\n")
 
 
+def test_a_level_given_twice_runs_and_is_recorded_once(ckpt, tmp_path, capsys):
+    """`--levels exact,exact` headed the certificate "(levels exact, exact)" and recorded the level twice in its config
+    and its first line, for checks that ran once."""
+    out = tmp_path / "cert"
+    code, captured = run_main(["eval", "lossless", "--model", ckpt, "--levels", "exact,exact", "--out", str(out)],
+                              capsys)
+    assert code == 0 and ", levels exact, on " in captured.err, captured.err
+    assert json.loads((out / "certificate.json").read_text())["config"]["levels"] == ["exact"]
+    assert (out / "certificate.md").read_text().startswith("# Losslessness certificate (levels exact): PASSED\n")
+    assert captured.out.startswith("certificate PASSED in ")
+
+
 def test_a_power_below_0_9_never_prints_as_0_9():
     """A power of 0.8997 printed as 0.9 in the table ('power 0.90 < 0.9' in the warning); a TV a check detects
     is rounded up, never down to the TV it falls short of."""
@@ -921,8 +935,6 @@ def test_an_interrupted_overwrite_leaves_no_earlier_certificate(ckpt, tmp_path, 
     mid-way left it in --out as if it were this run's. It is removed once this run's inputs are known to be
     good (a run refused before then keeps it)."""
     import specdec.eval.certificate as certificate
-
-    from tests.cli_runs import run_main
 
     out = tmp_path / "cert"
     out.mkdir()
