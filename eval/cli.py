@@ -383,6 +383,9 @@ def _size_overrides(args) -> dict:
     sizes = {k: getattr(args, k) for k in ("stat_samples", "identity_prompts", "identity_tokens", "sample_sequences")
              if getattr(args, k) is not None}
     check_at_least(*((f"--{key.replace('_', '-')}", value, 1) for key, value in sizes.items()))
+    for key, value in sizes.items():  # a count no list can hold ended the run in an OverflowError traceback
+        if value > sys.maxsize:
+            raise ValueError(f"--{key.replace('_', '-')} {value}: more than a run can count (at most {sys.maxsize})")
     if sizes.get("identity_prompts", 0) > len(CHAT):
         raise ValueError(f"--identity-prompts {sizes['identity_prompts']}: there are {len(CHAT)} built-in chat "
                          f"prompts; give at most {len(CHAT)}")

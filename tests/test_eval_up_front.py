@@ -124,13 +124,17 @@ def test_a_chi_square_of_one_bin_detects_no_tv():
     (["--stat-samples", "0"], "--stat-samples must be >= 1, got 0"),
     (["--identity-tokens", "0"], "--identity-tokens must be >= 1, got 0"),
     (["--identity-prompts", "99"], "--identity-prompts 99: there are 24 built-in chat prompts"),
+    # a count past any index ended the run in an OverflowError traceback after the model had loaded
+    (["--stat-samples", str(10 ** 20)], f"--stat-samples {10 ** 20}: more than a run can count"),
+    (["--sample-sequences", str(10 ** 20)], f"--sample-sequences {10 ** 20}: more than a run can count"),
     (["--drafter", "medusa"], "medusa: give exactly one of path="),
     (["--drafter", "medusa", "--drafter-option", "medusa.path=x", "--drafter-option", "medusa.top_k=0"],
      "medusa: top_k must be >= 1, got 0"),
     (["--drafter", "ngram", "--drafter-option", "eagle.depth=3"],
      "--drafter-option eagle.depth: 'eagle' is not one of the drafters (ngram)"),
-], ids=["identity-prompts", "sample-sequences", "stat-samples", "identity-tokens", "too-many-prompts", "medusa",
-        "prefixed-option", "another-drafters-option"])
+], ids=["identity-prompts", "sample-sequences", "stat-samples", "identity-tokens", "too-many-prompts",
+        "stat-samples-past-any-index", "sample-sequences-past-any-index", "medusa", "prefixed-option",
+        "another-drafters-option"])
 def test_eval_lossless_refuses_before_loading_the_model(flags, says, tmp_path, capsys, no_load):
     """The sizes said "certificate sample sizes must be >= 1", naming no flag; medusa without path= was refused
     only after plain decoding had run. A prefixed option (medusa.top_k, as --help shows) was refused as medusa's
