@@ -214,6 +214,9 @@ def _verify_costs(spec: str) -> dict[int, float]:
     except (OSError, ValueError, TypeError, AttributeError) as err:
         raise unreadable(err) from None
     if model is not None:
+        if "models" not in data:  # a curve or another JSON file, named with a model as if a speed report
+            raise InputError(f"--verify-costs {spec}: {path} is no GPU speed report (it has no \"models\"); give a "
+                             "curve file without :MODEL")
         if model not in models:
             raise InputError(f"--verify-costs {spec}: no model {model!r} in {path} (it has: "
                              f"{', '.join(models) or 'none'})")

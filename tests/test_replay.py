@@ -469,6 +469,10 @@ def test_verify_costs_come_from_a_curve_file_or_a_gpu_speed_reports_model(tmp_pa
         _verify_costs(str(tmp_path / "speed.json:nope"))
     with pytest.raises(InputError, match="needs c\\(1\\)"):
         _verify_costs(str(tmp_path / "speed.json:other"))
+    # a curve file named with a model was said to hold none ("no model 'default' in flat.json (it has: none)")
+    with pytest.raises(InputError, match=r"flat\.json is no GPU speed report \(it has no \"models\"\); give a curve "
+                                         r"file without :MODEL$"):
+        _verify_costs(str(tmp_path / "flat.json:default"))
     with pytest.raises(InputError, match="not a JSON object"):
         _verify_costs(str(tmp_path / "missing.json"))
     # the docs' "a JSON object" given on the command line: it was split at its last ':' as FILE:MODEL
