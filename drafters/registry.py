@@ -6,14 +6,13 @@ options (a combined drafter's children) are checked the same way; the nesting dr
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 from importlib.metadata import entry_points
 from typing import Any
 
 from specdec.drafters.base import Drafter, as_drafter
 
-from specdec.errors import InputError, InputTypeError
+from specdec.errors import InputError, InputTypeError, closest
 
 BUILTIN = {
     "ngram": "specdec.drafters.ngram:NGramDrafter",
@@ -72,8 +71,8 @@ def _meant(spec: str) -> str:
         return " (leave the drafter out, drafter=None, to decode plainly)"
     names = available()
     folded = spec.strip().lower().replace("_", "-").replace(" ", "-")
-    meant = [folded] if folded in names else difflib.get_close_matches(folded, names, n=1)
-    return f" (did you mean {meant[0]!r}?)" if meant else ""
+    meant = folded if folded in names else closest(folded, names)
+    return f" (did you mean {meant!r}?)" if meant else ""
 
 
 def check_options(spec: str, options: Any, *, command_line: bool = False, nested: bool = False) -> None:
@@ -104,7 +103,7 @@ def check_options(spec: str, options: Any, *, command_line: bool = False, nested
 
 def _meant_options(unknown: list[str], known: set[str]) -> str:
     """The options the ``unknown`` ones likely meant (``max_node`` -> ``max_nodes``), as a hint; "" for none."""
-    meant = [m for name in unknown for m in difflib.get_close_matches(name, known, n=1)]
+    meant = [m for name in unknown if (m := closest(name, known))]
     return f" (did you mean {', '.join(map(repr, meant))}?)" if meant else ""
 
 

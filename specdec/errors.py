@@ -10,6 +10,15 @@ The message is one line that names the argument or file and says what was expect
 """
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
+
+def closest(name: str, candidates: Iterable[str]) -> str | None:
+    """The candidate that ``name`` most likely misspells (difflib's closest match above its cutoff), or None: the
+    name a one-line refusal offers as the one meant."""
+    return next(iter(difflib.get_close_matches(name, list(candidates), n=1)), None)
+
 
 class SpecdecError(Exception):
     """Base of every error specdec raises on purpose."""

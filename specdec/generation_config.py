@@ -16,13 +16,12 @@ fields a transformers ``GenerationConfig`` sets do; a field left at its default 
 """
 from __future__ import annotations
 
-import difflib
 from collections.abc import Collection
 from dataclasses import dataclass, fields
 from typing import Any
 
 from specdec.coupling import SAMPLERS
-from specdec.errors import InputError, InputTypeError
+from specdec.errors import InputError, InputTypeError, closest
 from specdec.generate_inputs import check_bool, check_int, describe, parse_stop
 from specdec.processor_fields import PROCESSOR_FIELDS, check_processing_fields
 from specdec.sampling import SamplingConfig
@@ -42,8 +41,7 @@ def unknown_arguments(unknown: list[str], known: set[str], also: Collection[str]
     plural = "s" if len(unknown) > 1 else ""
     load = [name for name in unknown if name in LOAD_ARGUMENTS]
     candidates = known | set(also)
-    meant = [m for name in unknown if name not in LOAD_ARGUMENTS
-             for m in difflib.get_close_matches(name, candidates, n=1)]
+    meant = [m for name in unknown if name not in LOAD_ARGUMENTS if (m := closest(name, candidates))]
     hint = f" (did you mean {', '.join(meant)}?)" if meant else ""
     if load:
         given = ", ".join(f"{arg}=..." for arg in dict.fromkeys(LOAD_ARGUMENTS[name] for name in load))

@@ -24,7 +24,6 @@ as the hub id of the model it quantizes (its GGUF is a Q4_1 copy of it), a loade
 """
 from __future__ import annotations
 
-import difflib
 import inspect
 import json
 import logging
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 
-from specdec.errors import InputError, InputTypeError, ModelNotFoundError
+from specdec.errors import InputError, InputTypeError, ModelNotFoundError, closest
 from specdec.generation_config import LOAD_ARGUMENTS
 from specdec.models import checkpoint_files, embedded, runnable, synthetic
 from specdec.models.fused_projections import pack_projections
@@ -295,7 +294,7 @@ def _dtype_hint(name: str | None, named: Any) -> str:
     folded = name.strip().lower()
     if folded == "auto":
         return " (leave dtype out for the default: float32 on the CPU, the config's half dtype on CUDA)"
-    meant = DTYPE_ALIASES.get(folded) or next(iter(difflib.get_close_matches(folded, DTYPE_NAMES, n=1)), None)
+    meant = DTYPE_ALIASES.get(folded) or closest(folded, DTYPE_NAMES)
     return f" (did you mean {meant}?)" if meant else ""
 
 
@@ -342,7 +341,7 @@ def _unknown_load_arguments(unknown: list[str]) -> str:
     known = [name for name in inspect.signature(load_model).parameters if name not in ("spec", "unknown")]
     named = []
     for name in unknown:
-        meant = LOAD_ARGUMENTS.get(name) or next(iter(difflib.get_close_matches(name, known, n=1)), None)
+        meant = LOAD_ARGUMENTS.get(name) or closest(name, known)
         named.append(f"{name} (did you mean {meant}=?)" if meant else name)
     plural = "s" if len(unknown) > 1 else ""
     return f"load_model() got unknown argument{plural} {', '.join(named)}; it takes {', '.join(known)}"
