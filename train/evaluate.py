@@ -97,7 +97,8 @@ def measure_tau(loaded, heads, choices, prompts: list[str], max_new_tokens: int,
             drafter = MedusaDrafter(heads=heads, tree="static", medusa_choices=choices)
         else:
             drafter = MedusaDrafter(heads=heads, tree="dynamic", max_nodes=len(choices),
-                                    top_k=min(DYNAMIC_TOP_K, heads.config.draft_size))  # a small draft vocabulary
+                                    # a small draft vocabulary, or a tree of fewer nodes, holds fewer candidates
+                                    top_k=min(DYNAMIC_TOP_K, heads.config.draft_size, len(choices)))
         out = generate(loaded, ids[start : start + batch_size], drafter=drafter, max_new_tokens=max_new_tokens,
                        return_dict=True, progress=on_terminal, speculation="always")
         new += sum(s.new_tokens for s in out.stats)
