@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import add_overwrite, chat_ids, check_new_files, check_positive, cpu_features, cpu_name  # noqa: E402
 
-from specdec.atomic_write import replaced_atomically  # noqa: E402
+from specdec.atomic_write import write_text  # noqa: E402
 
 DRAFTERS = ("ngram", "self-draft", "draft-model", "medusa", "eagle")  # drafters()' labels' first words
 
@@ -113,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save():  # atomically: a run stopped while it writes keeps the file of the cell before
         if out is not None:
-            with replaced_atomically(out) as tmp:
-                tmp.write_text(json.dumps(result, indent=1, default=str))
+            write_text(out, json.dumps(result, indent=1, default=str))
 
     # plain decoding, each prompt alone: the reference of each mode, and the speed of plain / n-gram
     plain = {False: [], True: []}

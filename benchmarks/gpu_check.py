@@ -384,7 +384,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from specdec.atomic_write import replaced_atomically, write_json
+    from specdec.atomic_write import write_json, write_text
 
     if not torch.cuda.is_available() and not args.rehearse:
         print("gpu_check.py needs a CUDA GPU (none found); --steps speed --rehearse runs on the CPU", file=sys.stderr)
@@ -415,8 +415,7 @@ def main(argv=None) -> int:
         report["seconds"] = round(time.perf_counter() - t_all, 1)
         report["goals"] = gpu_goals.as_json(gpu_goals.goals(report["steps"]))
         write_json(out / "report.json", report, indent=1)  # after every step, atomically: a kill keeps the rest
-        with replaced_atomically(out / "report.md") as tmp:
-            tmp.write_text(markdown(report))
+        write_text(out / "report.md", markdown(report))
     print(markdown(report))
     return 0 if all(s["status"] in ("passed", "skipped") for s in report["steps"].values()) else 1
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from specdec.eval.prompts import CATEGORIES as DEFAULT_CATEGORIES
 from specdec.eval.report import PLOT_FILES
 
-from specdec.atomic_write import replaced_atomically
+from specdec.atomic_write import write_text
 from specdec.errors import require_package
 from specdec.folder_lock import only_writer
 from specdec.models.embedded import DEFAULT_ALIAS
@@ -356,8 +356,7 @@ def _lossless_held(args, out: Path, levels: tuple[str, ...], sizes, sampling, de
                            progress=lambda msg: print(f"  ... {msg}", file=sys.stderr), seed=args.seed)
     out.mkdir(parents=True, exist_ok=True)
     for name, text in zip(CERTIFICATE_FILES, (certificate_json(cert), cert.to_markdown()), strict=True):
-        with replaced_atomically(out / name) as tmp:
-            tmp.write_text(text)
+        write_text(out / name, text)
     for w in cert.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if cert.void:

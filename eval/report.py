@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.atomic_write import replaced_atomically, write_json
+from specdec.atomic_write import write_json, write_text
 
 PLOT_FILES = ("acceptance_per_depth.png", "tau_speedup.png")  # what plots() writes, in order
 
@@ -168,8 +168,7 @@ def write_reports(rows: list[dict], out: Path, meta: dict, with_plots: bool = Tr
     # atomic: a run stopped while writing (SIGTERM) leaves the earlier report or the new one, never half of one
     write_json(out / "report.json", {"meta": meta, "rows": rows}, indent=2)
     text = markdown(rows, meta)
-    with replaced_atomically(out / "report.md") as tmp:
-        tmp.write_text(text)
+    write_text(out / "report.md", text)
     written = [out / "report.json", out / "report.md"]
     if with_plots:
         written += plots(rows, out)

@@ -1,6 +1,7 @@
 """Atomic file writes: a reader (or a resumed run) sees the old file or the new one, never half.
 
     write_json(out / "settings.json", settings, indent=1)
+    write_text(out / "report.md", markdown)
     save_tensors(path / "weights.safetensors", tensors, metadata={"format": "pt"})
     with replaced_atomically(path / "optimizer.pt") as tmp:
         torch.save(optimizer.state_dict(), tmp)
@@ -49,9 +50,13 @@ def leftover_of(name: str) -> str | None:
 
 def write_json(path: str | os.PathLike, data, *, indent: int | None = None) -> Path:
     """Serialise ``data`` first (a TypeError leaves any existing file untouched), then swap it in."""
-    text = json.dumps(data, indent=indent) + "\n"
+    return write_text(path, json.dumps(data, indent=indent) + "\n")
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """``text``, as UTF-8, swapped in for ``path``'s content."""
     with replaced_atomically(path) as tmp:
-        tmp.write_text(text)
+        tmp.write_text(text, encoding="utf-8")
     return Path(path)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from specdec.train.process_team import Team
 
-from specdec.atomic_write import replaced_atomically, write_json
+from specdec.atomic_write import write_json, write_text
 from specdec.models.embedded import cache_root
 from specdec.models.fingerprint import model_fingerprint
 
@@ -252,8 +252,7 @@ def _kept_answers(cache: Path, key: str, ids: list[list[int]], index: int) -> di
             held.update(enumerate(seqs, start))
             kept.append(line + "\n")
         if partial == own:
-            with replaced_atomically(partial) as tmp:
-                tmp.write_text("".join(kept), encoding="utf-8")
+            write_text(partial, "".join(kept))
     return held
 
 

@@ -36,7 +36,7 @@ from specdec.train.features import FeatureCache, collate, target_features
 from specdec.train.interrupt_saves import record_interrupt, stop_together
 from specdec.train.output_dir import read_history
 
-from specdec.atomic_write import replaced_atomically
+from specdec.atomic_write import write_text
 from specdec.errors import SpecdecError
 from specdec.models.fingerprint import model_fingerprint
 
@@ -139,8 +139,7 @@ def _start(cfg: TrainConfig, recipe, model, train_seqs: list[list[int]], acceler
     hist_file = out / "history.jsonl"
     if accelerator.is_main_process and resume_from is not None and hist_file.exists():
         history = [h for h in read_history(hist_file) if h["step"] <= step]
-        with replaced_atomically(hist_file) as tmp:
-            tmp.write_text("".join(json.dumps(h) + "\n" for h in history))
+        write_text(hist_file, "".join(json.dumps(h) + "\n" for h in history))
     bar = None
     if cfg.progress and accelerator.is_main_process:
         from tqdm.auto import tqdm

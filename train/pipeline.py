@@ -33,7 +33,7 @@ from specdec.train.process_failures import FailureNotes
 from specdec.train.process_team import Team
 from specdec.train.run_seconds import run_seconds, wall_time_line
 
-from specdec.atomic_write import replaced_atomically, write_json
+from specdec.atomic_write import write_json, write_text
 from specdec.folder_lock import only_writer
 from specdec.models.fingerprint import model_fingerprint
 from specdec.output_dirs import check_creatable, make_dir
@@ -402,8 +402,7 @@ def write_report(out: Path, report: dict, markdown: str) -> None:
     stopped while writing them (Ctrl-C, a kill) leaves the earlier report whole, as a resume that evaluates again
     replaces one, never a file cut short."""
     write_json(out / "report.json", report, indent=2)
-    with replaced_atomically(out / "report.md") as tmp:
-        tmp.write_text(markdown)
+    write_text(out / "report.md", markdown)
 
 
 def import_before_the_process_group() -> None:
