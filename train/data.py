@@ -47,7 +47,9 @@ def _load_dataset(path: Path):
             if path.stat().st_size == 0:
                 raise TrainDataError(f"training data {path} is empty")
             try:
-                with _datasets_errors_unlogged():
+                # datasets logs a bad file's error (on its own handler and again through the root logger)
+                # before raising it: it reaches the user once, as a TrainDataError
+                with logger_at("datasets", logging.CRITICAL):
                     return datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=str(path),
                                                  split="train")
             except Exception:
@@ -62,16 +64,15 @@ def _load_dataset(path: Path):
 
 
 @contextmanager
-def _datasets_errors_unlogged():
-    """datasets logs a bad file's error (on its own handler and again through the root logger) before raising it;
-    the error reaches the user once, as a TrainDataError."""
-    logger = logging.getLogger("datasets")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+def logger_at(name: str, level: int):
+    """The logger ``name`` at ``level`` for the block, at its own level again after it."""
+    logger = logging.getLogger(name)
+    before = logger.level
+    logger.setLevel(level)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.setLevel(before)
 
 
 class _DuplicateKey(ValueError):

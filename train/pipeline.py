@@ -25,7 +25,7 @@ from specdec.train.accuracy_table import ALL_POSITIONS_NOTE, accuracy_cells, acc
 from specdec.train.agreed_interrupts import InterruptsHeld
 from specdec.train.checkpoint import checkpoint_step, find_checkpoint
 from specdec.train.config import SELF_PROMPTS, TrainConfig
-from specdec.train.data import TrainDataError, load_texts, split_held_out, tokenize_texts
+from specdec.train.data import TrainDataError, load_texts, logger_at, split_held_out, tokenize_texts
 from specdec.train.loop import number
 from specdec.train.medusa_recipe import train_heads
 from specdec.train.output_dir import RUN_FILE, prepare_output_dir
@@ -71,22 +71,6 @@ def read_inputs(cfg: TrainConfig, loaded) -> list:
         raise TrainDataError(f"prompts file {path} is empty")
     _few_prompts(cfg.num_prompts, len(prompts), f"prompts file {path}")
     return prompts[: cfg.num_prompts]
-
-
-@contextlib.contextmanager
-def _said_by_the_main_process(main: bool) -> Iterator[None]:
-    """The specdec loggers' warnings of the block on the main process only: every process of a run reads the same
-    inputs, and each said the same lines (a launch of N processes printed each warning N times)."""
-    if main:
-        yield
-        return
-    specdec = logging.getLogger("specdec")
-    level = specdec.level
-    specdec.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        specdec.setLevel(level)
 
 
 def _few_prompts(asked: int | None, available: int, where: str) -> None:
@@ -322,7 +306,8 @@ def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None], h
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's context of {max_pos} tokens")
     if cfg.data is None:
         distill_graphs(cfg, loaded)
-    with _said_by_the_main_process(accelerator.is_main_process):
+    # every process reads the same inputs: the main process alone says their warnings (not each of N processes)
+    with contextlib.nullcontext() if accelerator.is_main_process else logger_at("specdec", logging.ERROR):
         inputs = read_inputs(cfg, loaded)
     resume_from = None
     if accelerator.is_main_process:
