@@ -518,7 +518,6 @@ def test_a_child_refused_when_it_loads_for_the_target_is_named_by_its_place():
         generate(target, [[1, 2, 3]], max_new_tokens=4, drafter="combined", drafter_options={"drafters": children})
 
 
-
 def test_a_child_refused_against_its_heads_is_named_by_its_place():
     """Refusals of a child's options that need its heads (Medusa choices deeper than the heads) did not say which
     child was wrong."""
