@@ -199,7 +199,8 @@ def prepare(model: Any, input_ids: Any = None, *, drafter: Any = None, drafter_o
     """generate()'s arguments, checked (what needs no model first), the model loaded, the drafter built."""
     config_fields = {k: v for k, v in config_fields.items() if k not in IGNORED_INPUT_KEYS}
     input_ids = _input_ids(input_ids, config_fields.pop("inputs", None))
-    layers = [config_layer(generation_config), kwargs_layer(config_fields, CALL_ARGUMENTS)]  # lowest first
+    layers = [config_layer(generation_config, call_arguments=CALL_ARGUMENTS),  # lowest precedence first
+              kwargs_layer(config_fields, CALL_ARGUMENTS)]
     if return_dict is not None:
         check_bool("return_dict", return_dict)
     early = resolve(layers, return_dict=return_dict).config  # what was passed, checked before the model loads

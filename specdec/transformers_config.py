@@ -152,9 +152,11 @@ def _is_neutral(name: str, value: Any) -> bool:
         not isinstance(v, bool) and value == v for v in neutral)
 
 
-def _read(source: str, items: Mapping[str, Any], kwargs: bool = False) -> ConfigLayer:
+def _read(source: str, items: Mapping[str, Any], kwargs: bool = False, call_arguments: Collection[str] = ()) \
+        -> ConfigLayer:
     """``items`` (name -> value; None = unset) as a layer; names nobody knows (custom entries of a
-    transformers config) are logged and ignored, as transformers ignores them. ``kwargs`` (keyword
+    transformers config) are logged and ignored, as transformers ignores them, with a warning where the name is one
+    of ``call_arguments`` (generate()'s own, such as ``drafter``, which a config cannot set). ``kwargs`` (keyword
     arguments): None is kept, so that it overrides a lower layer's value (:data:`NONE_KWARG`), or so that
     GenerationConfig refuses it for a specdec field that cannot be None (``block_size=None``)."""
     known = _specdec_fields()
@@ -179,6 +181,9 @@ def _read(source: str, items: Mapping[str, Any], kwargs: bool = False) -> Config
             logger.debug("%s: %s=%r ignored: %s", source, name, value, IGNORED[name])
         elif name in REFUSED or name in _transformers_fields():
             refused[name] = value  # checked once the layers are merged: a higher layer may set it back
+        elif name in call_arguments:  # GenerationConfig(drafter="ngram"): it would decode plainly without a word
+            logger.warning("%s holds %s=%s, an argument of generate() itself, which a generation config does not "
+                           "set: ignored; pass generate(..., %s=...)", source, name, _short(value), name)
         else:
             logger.info("%s: %s=%r is no transformers generation field: ignored, as transformers ignores it",
                         source, name, value)
@@ -202,8 +207,8 @@ def kwargs_layer(kwargs: Mapping[str, Any], also: Collection[str] = ()) -> Confi
     return _read(KWARGS, kwargs, kwargs=True)
 
 
-def config_layer(config: Any, source: str = "generation_config=") -> ConfigLayer:
-    """A specdec or transformers GenerationConfig (None: an empty layer)."""
+def config_layer(config: Any, source: str = "generation_config=", call_arguments: Collection[str] = ()) -> ConfigLayer:
+    """A specdec or transformers GenerationConfig (None: an empty layer); ``call_arguments``: see :func:`_read`."""
     if config is None:
         return ConfigLayer(source)
     if isinstance(config, GenerationConfig):
@@ -211,7 +216,7 @@ def config_layer(config: Any, source: str = "generation_config=") -> ConfigLayer
                                     if getattr(config, n) is not None})
     if _is_transformers_config(config):
         items = {k: v for k, v in config.to_dict().items() if not k.startswith("_")}
-        return _read(source, items)
+        return _read(source, items, call_arguments=call_arguments)
     raise InputTypeError(f"generation_config must be a specdec or transformers GenerationConfig, got "
                          f"{describe(config)}")
 

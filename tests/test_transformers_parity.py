@@ -449,6 +449,21 @@ def test_a_transformers_field_specdec_does_not_list_is_refused_not_ignored(monke
         transformers_config.resolve([layer])
 
 
+
+def test_an_argument_of_generate_inside_a_generation_config_is_warned_about(caplog):
+    """GenerationConfig(drafter="ngram") (a custom entry to transformers) decoded plainly with no word at warning
+    level: the generate() argument it meant is named; a custom entry of another name stays an info line."""
+    enc = _enc("left")
+    model = _model()
+    config = transformers.GenerationConfig(drafter="ngram", my_note="x", max_new_tokens=3, do_sample=False)
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        out = specdec.generate(model, **enc, generation_config=config)
+    assert torch.equal(out, hf(model, **enc, max_new_tokens=3, do_sample=False))
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [w for w in warned if "drafter='ngram', an argument of generate() itself" in w
+            and "pass generate(..., drafter=...)" in w], warned
+    assert not [w for w in warned if "my_note" in w], warned
+
 # ---- sampling warpers -----------------------------------------------------------------------------
 WARPER_SETTINGS = {
     "min_p": dict(temperature=0.7, min_p=0.05), "min_p-1": dict(min_p=1.0), "typical": dict(typical_p=0.7),
