@@ -153,7 +153,8 @@ def _common_args(p, name: str) -> None:
         g.add_argument("--tree-budget", type=int, default=64, help="nodes of the chosen medusa_choices tree (<= 64)")
         g.add_argument("--eval-tree", choices=EVAL_TREES, default="static",
                        help="tree of the tau measurement: the chosen medusa_choices, or a per-step dynamic tree of "
-                            "--tree-budget nodes from the heads' top-20 (drafter options tree=dynamic top_k=20)")
+                            "--tree-budget nodes B from the heads' top-min(20, B) (drafter options tree=dynamic "
+                            "max_nodes=B top_k=min(20, B))")
     else:  # train-eagle times candidate trees (train/eagle_evaluate.py): Medusa's tree options would do nothing
         for option in ("--tree-budget", "--eval-tree"):
             g.add_argument(option, action=_MedusaOnly, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
