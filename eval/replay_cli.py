@@ -22,7 +22,6 @@ from specdec.eval.cli import counted
 
 from specdec.models.embedded import DEFAULT_ALIAS
 from specdec.sigterm import sigterm_as_interrupt
-from specdec.tree import MAX_TREE_NODES
 
 
 def _threads(record: dict) -> str:
@@ -133,6 +132,8 @@ def run_record(args) -> int:
 
 
 def _budgets(spec: str | None) -> list[int | None]:
+    from specdec.tree import MAX_TREE_NODES  # here: specdec.tree imports torch, which the command line does not load
+
     if spec is None:
         return [None]
     try:
