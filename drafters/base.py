@@ -294,6 +294,16 @@ def refusals_named(drafter: str) -> Iterator[None]:
         raise type(err)(f"{drafter}: {err}") from None
 
 
+def refuse_top_k_past(top_k: int, max_nodes: int, nodes: str) -> None:
+    """A given ``top_k`` above the tree's node budget (``nodes`` names it) is refused: no node of a tree of
+    ``max_nodes`` nodes keeps more children (EAGLE's, MTP's), nor more tokens of a head (Medusa's), so it drafts the
+    trees of ``top_k=max_nodes``, more slowly. Raised without the drafter's name: see :func:`refusals_named`."""
+    if top_k > max_nodes:
+        raise InputError(f"top_k={top_k} exceeds {nodes}={max_nodes}: a tree of {max_nodes} nodes keeps no more "
+                         f"children of a node, so it drafts as top_k={max_nodes}, more slowly (lower top_k, or raise "
+                         "max_nodes)")
+
+
 def check_path_option(drafter: str, path: Any) -> str | None:
     """A drafter's ``path=`` option is a checkpoint directory: a str or os.PathLike (None: not given), never the
     empty string (``Path("")`` is the current directory, which would be read instead). Returned with ``~`` expanded,

@@ -43,6 +43,7 @@ from specdec.drafters.base import (
     check_given_dtype,
     check_path_option,
     refusals_named,
+    refuse_top_k_past,
 )
 from specdec.drafters.call_memory import memory_key
 from specdec.drafters.eagle_catch_up import CatchUpInputs, CatchUpRows, catch_up
@@ -96,16 +97,6 @@ class EagleDraftConfig:
             raise InputError(f"max_nodes must be <= {MAX_TREE_NODES}, got {self.max_nodes}")
         if self.top_k is not None and self.max_nodes is not None:
             refuse_top_k_past(self.top_k, self.max_nodes, "max_nodes")
-
-
-def refuse_top_k_past(top_k: int, max_nodes: int, nodes: str) -> None:
-    """A given ``top_k`` above the tree's node budget (``nodes`` names it) is refused: no node of a tree of
-    ``max_nodes`` nodes keeps more children, nor a depth more nodes to expand, so it drafts the trees of
-    ``top_k=max_nodes``, more slowly."""
-    if top_k > max_nodes:
-        raise InputError(f"top_k={top_k} exceeds {nodes}={max_nodes}: a tree of {max_nodes} nodes keeps no more "
-                         f"children of a node, so it drafts as top_k={max_nodes}, more slowly (lower top_k, or raise "
-                         "max_nodes)")
 
 
 class EagleDrafter(Drafter):

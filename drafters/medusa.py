@@ -37,7 +37,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from specdec.drafters.base import Drafter, SequenceView, TargetView, check_given_dtype, check_path_option
+from specdec.drafters.base import (
+    Drafter,
+    SequenceView,
+    TargetView,
+    check_given_dtype,
+    check_path_option,
+    refusals_named,
+    refuse_top_k_past,
+)
 from specdec.drafters.loaded_once import load_once
 from specdec.drafters.medusa_heads import MedusaCheckpointError, MedusaConfig, MedusaHeads, load_medusa
 from specdec.drafters.medusa_tree import (
@@ -103,11 +111,10 @@ class MedusaDraftConfig:
             object.__setattr__(self, "medusa_choices", tuple(tuple(int(k) for k in path) for path in choices))
             self.refuse_tree_options(f"the given medusa_choices ({len(self.medusa_choices)} paths)",
                                      "drop {it}, or drop medusa_choices")
-        if self.top_k is not None and self.top_k > self.nodes:
-            given = "" if self.max_nodes is not None else "the default "
-            raise InputError(f"medusa: top_k={self.top_k} exceeds {given}max_nodes={self.nodes}: a tree of "
-                             f"{self.nodes} nodes keeps no more tokens of a head under one node, so it drafts as "
-                             f"top_k={self.nodes} (lower top_k, or raise max_nodes)")
+        if self.top_k is not None:
+            with refusals_named("medusa"):
+                refuse_top_k_past(self.top_k, self.nodes,
+                                  "max_nodes" if self.max_nodes is not None else "the default max_nodes")
 
     @property
     def nodes(self) -> int:
