@@ -272,6 +272,11 @@ def cell_path(out: Path, drafter: str, category: str, rank: int | None = None) -
     return out / "cells" / f"{cell_stem(drafter)}__{category}{'' if rank is None else f'.rank{rank}'}.json"
 
 
+def finished_cells(out: Path) -> list[Path]:
+    """The cells written in ``out`` so far (every row's and process's, as :func:`cell_path` names them)."""
+    return sorted((out / "cells").glob("*__*.json"))
+
+
 def _write_cell(path: Path, cell: Cell, settings_sha256: str, rank: int | None) -> None:
     write_json(path, seal_cell(asdict(cell), settings_sha256, rank), indent=1)
 
@@ -527,7 +532,7 @@ def run_suite(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
     except BaseException:
         # a run that failed before its first cell leaves no settings.json of its own: alone, it would make the
         # corrected rerun's --out look like an earlier run's
-        if written and not any((out / "cells").glob("*__*.json")):
+        if written and not finished_cells(out):
             (out / "settings.json").unlink(missing_ok=True)
         raise
     del held

@@ -453,7 +453,7 @@ def run_acceptance(args) -> int:
     config = _suite_config(args, names, renamed, conversations)
     loaded = load_model(args.model, dtype=getattr(torch, args.dtype) if args.dtype else None,
                         device=_suite_device(args.device))
-    from specdec.eval.acceptance import load_drafters
+    from specdec.eval.acceptance import finished_cells, load_drafters
     from specdec.eval.conversations import chat_codec, check_first_turns_fit
 
     check_first_turns_fit(loaded, conversations, chat_codec(loaded), config.max_new_tokens)  # not in mid-run
@@ -461,7 +461,7 @@ def run_acceptance(args) -> int:
     # held through the run, so the cells take what was loaded here
     held = load_drafters(loaded, config)
     # said once the run is known to go ahead (a refusal stays one line), once under accelerate launch too
-    nothing_to_resume = not (out / "settings.json").exists() and not any((out / "cells").glob("*__*.json"))
+    nothing_to_resume = not (out / "settings.json").exists() and not finished_cells(out)
     if args.resume and nothing_to_resume and os.environ.get("RANK", "0") == "0":
         print(f"note: --resume: {out} holds no earlier run (no settings.json, no cells), so every cell is measured; "
               "is it the --out of the run to continue?", file=sys.stderr)
@@ -504,7 +504,9 @@ def _acceptance_held(args, loaded, conversations: list, config, held: list, out:
 def _what_is_left(out: Path) -> str:
     """After Ctrl-C or SIGTERM: the finished cells in ``out`` and that --resume continues from them; where the run
     left nothing (it removes its settings.json when no cell was finished), that a rerun starts again."""
-    done = len(list((out / "cells").glob("*__*.json")))
+    from specdec.eval.acceptance import finished_cells  # loaded by the run this line reports on
+
+    done = len(finished_cells(out))
     if not done and not (out / "settings.json").exists():
         return "no cell was finished yet, so a rerun starts again"
     kept = f"{done} finished cell(s) kept in {out / 'cells'}" if done else "no cell was finished yet"
