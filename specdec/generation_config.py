@@ -34,13 +34,13 @@ LOAD_ARGUMENTS = {"dtype": "dtype", "torch_dtype": "dtype", "device": "device", 
                   "trust_remote_code": "trust_remote_code"}
 
 
-def unknown_arguments(unknown: list[str], known: set[str], also: Collection[str] = ()) -> str:
+def unknown_arguments(unknown: list[str], known: set[str], call_arguments: Collection[str] = ()) -> str:
     """The one-line error for misspelt generation arguments: the likely meant ones first (among ``known`` and
-    ``also``, the call's other keyword arguments, such as generate()'s ``drafter_options``) or, for a loading
+    ``call_arguments``, generate()'s own keyword arguments such as ``drafter_options``) or, for a loading
     argument such as ``dtype=``, where it goes; then every known name (not after loading arguments alone)."""
     plural = "s" if len(unknown) > 1 else ""
     load = [name for name in unknown if name in LOAD_ARGUMENTS]
-    candidates = known | set(also)
+    candidates = known | set(call_arguments)
     meant = [m for name in unknown if name not in LOAD_ARGUMENTS if (m := closest(name, candidates))]
     hint = f" (did you mean {', '.join(meant)}?)" if meant else ""
     if load:

@@ -197,13 +197,13 @@ def _short(value: Any) -> str:
     return first if len(first) <= 60 and first == text else first[:57].rstrip("( ") + "..."
 
 
-def kwargs_layer(kwargs: Mapping[str, Any], also: Collection[str] = ()) -> ConfigLayer:
+def kwargs_layer(kwargs: Mapping[str, Any], call_arguments: Collection[str] = ()) -> ConfigLayer:
     """generate()'s keyword arguments (the highest layer); an unknown name is an InputTypeError (a typo), which
-    names the argument likely meant, also among ``also`` (the call's own keyword arguments: ``drafter_option=``
-    meant ``drafter_options=``)."""
+    names the argument likely meant, also among ``call_arguments`` (generate()'s own: ``drafter_option=`` meant
+    ``drafter_options=``)."""
     unknown = sorted(set(kwargs) - _known_names())
     if unknown:
-        raise InputTypeError(unknown_arguments(unknown, _known_names(), also))
+        raise InputTypeError(unknown_arguments(unknown, _known_names(), call_arguments))
     return _read(KWARGS, kwargs, kwargs=True)
 
 
