@@ -551,6 +551,20 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
+    def _print_message(self, message: str, file=None) -> None:
+        """--help and --version: argparse drops a failed write, so ``specdec --help > /dev/full`` exited 0 having
+        written nothing; a failed stdout is said in one line, as a command's is. A reader that left (``| head``)
+        stays silent, as argparse has it."""
+        if file is not None and file is not sys.stdout:
+            return super()._print_message(message, file)
+        try:
+            _NamedStdout(sys.stdout).write(message)
+            _NamedStdout(sys.stdout).flush()
+        except BrokenPipeError:
+            _silence_stdout()
+        except StdoutError as err:
+            self.exit(2, f"{self.prog}: error: {err}\n")
+
 
 def _verbose_everywhere(parser: argparse.ArgumentParser) -> None:
     """-v after the command as before it (specdec generate -v ...): every subcommand's parser takes it too."""

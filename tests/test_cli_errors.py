@@ -491,6 +491,19 @@ def test_a_full_stdout_is_one_line_naming_stdout(ckpt, capsys, monkeypatch):
                                                    "device): the output printed there is lost")
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["eval", "replay", "--help"]])
+def test_help_and_version_on_a_full_stdout_say_so(argv, capsys, monkeypatch):
+    """argparse drops a failed write of --help / --version: ``specdec --help > /dev/full`` exited 0 having written
+    nothing; it is one line naming stdout, as a command's output is."""
+    monkeypatch.setattr(sys, "stdout", _FullStdout("write"))
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    name = " ".join(["specdec"] + argv[:-1])
+    assert capsys.readouterr().err == (f"{name}: error: cannot write to stdout (No space left on device): the output "
+                                       "printed there is lost\n")
+
+
 def test_output_still_buffered_when_the_command_ends_is_flushed_and_its_failure_said(capsys, monkeypatch):
     """A command's last lines, printed but not yet flushed when it returned 0, failed on a full stdout only at exit,
     as Python's "Exception ignored ... OSError" (exit code 120); the command flushes them and says so in one line."""
