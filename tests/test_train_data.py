@@ -79,6 +79,33 @@ def test_jsonl_custom_field_and_chat_messages(tmp_path):
         load_texts(f, tokenizer=None)
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_sharegpt_conversations_are_read_as_chat_messages(tmp_path, suffix, caplog):
+    """ShareGPT's form (the data Medusa and EAGLE train on: ``{"from": "human" | "gpt", "value": ...}``) was refused
+    as not {role, content}; it is read, its human / gpt as user / assistant, through datasets (.json) as by line."""
+    rows = [{"id": "a", "conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"},
+                                          {"from": "gpt", "value": "yo"}]}]
+    f = tmp_path / f"d{suffix}"
+    f.write_text(json.dumps(rows) if suffix == ".json" else json.dumps(rows[0]) + "\n")
+    with caplog.at_level(logging.WARNING, logger="specdec.train.data"):
+        texts = load_texts(str(f), messages_field="conversations", tokenizer=ChatTok())
+    assert texts == ["<system>be brief<user>hi<assistant>yo"]
+    assert "roles" not in caplog.text
+
+
+def test_roles_no_chat_template_knows_are_counted_in_a_warning(tmp_path, caplog):
+    """ShareGPT's human / gpt kept as {role, content} roles (a half-converted file) were rendered as written, a chat
+    format the model never answers in, without a word; a warning counts them and names the roles."""
+    rows = [{"messages": [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "yo"}]},
+            {"messages": [{"from": "bing", "value": "hi"}]}, {"messages": [{"role": "user", "content": "x"}]}]
+    f = _jsonl(tmp_path / "d.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="specdec.train.data"):
+        texts = load_texts(f, tokenizer=ChatTok())
+    assert texts == ["<human>hi<gpt>yo", "<bing>hi", "<user>x"]
+    assert (f"3 messages of {f} have roles chat templates do not know ('human', 'gpt', 'bing'; they know system, "
+            "developer, user, assistant, tool, ipython, function): the template renders them as written") in caplog.text
+
+
 def test_parquet_and_saved_dataset(tmp_path):
     import datasets
 

@@ -98,7 +98,8 @@ def _common_args(p, name: str) -> None:
                    help="training data: .jsonl/.json, .parquet or a datasets.save_to_disk dir; "
                         "omitted: self-distil prompts (built-in set or --prompts-file) with the target itself")
     g.add_argument("--text-field", default="text", help="record field holding plain text")
-    g.add_argument("--messages-field", default="messages", help="record field holding chat messages (role/content)")
+    g.add_argument("--messages-field", default="messages",
+                   help="record field holding chat messages (role/content; ShareGPT's from/value: conversations)")
     g.add_argument("--prompts-file", default=None, help="self-distillation prompts, one per line")
     g.add_argument("--prompt-source", choices=PROMPT_SOURCES, default="builtin",
                    help="self-distillation prompts without --data / --prompts-file: the built-in set, or 'self': "

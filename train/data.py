@@ -5,14 +5,16 @@
 
 Each record holds either a text field (``--text-field``, default ``text``) or chat messages
 (``--messages-field``, default ``messages``: a list of ``{"role", "content"}``, content a string, null or a list of
-text parts ``{"type": "text", "text": ...}``, which are joined), rendered with the tokenizer's chat template; one
-file may mix the two. JSON Lines files are read record by record with the json module (records may differ in
+text parts ``{"type": "text", "text": ...}``, which are joined; or ShareGPT's ``{"from", "value"}``, its
+``human`` / ``gpt`` read as ``user`` / ``assistant``), rendered with the tokenizer's chat template; one file may mix
+the two. JSON Lines files are read record by record with the json module (records may differ in
 shape anywhere in the file); other formats through ``datasets`` (a .json file it cannot read is named with where
 it breaks). Anything else, and a record the chat template cannot render, is a :class:`TrainDataError` naming the
 file and the record.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -26,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 class TrainDataError(SpecdecError, ValueError):
     """Training data is missing, unreadable, empty, or lacks the requested field."""
+
+
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}  # ShareGPT's "from" -> the chat role
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")  # what chat templates know
 
 
 def _load_dataset(path: Path):
@@ -205,9 +211,9 @@ def load_texts(data: str, text_field: str = "text", messages_field: str = "messa
     else:
         records = _dataset_records(path, text_field, messages_field)
     try:  # datasets decodes a JSON file's text lazily
-        texts, read = [], 0
+        texts, read, odd_roles = [], 0, collections.Counter()
         for read, (text, messages) in enumerate(records, 1):
-            text = _record_text(path, read - 1, text, messages, text_field, messages_field, tokenizer)
+            text = _record_text(path, read - 1, text, messages, text_field, messages_field, tokenizer, odd_roles)
             if text.strip():
                 texts.append(text)
     except UnicodeDecodeError as err:
@@ -216,21 +222,33 @@ def load_texts(data: str, text_field: str = "text", messages_field: str = "messa
         raise TrainDataError(f"training data {path} holds no non-empty texts")
     if len(texts) < read:
         logger.warning("%d of %d records of %s hold an empty text and are skipped", read - len(texts), read, path)
+    if odd_roles:  # "human" / "gpt" in {role, content} messages: the template renders them as written
+        logger.warning("%d messages of %s have roles chat templates do not know (%s; they know %s): the template "
+                       "renders them as written", sum(odd_roles.values()), path,
+                       ", ".join(repr(r) for r, _ in odd_roles.most_common(3)), ", ".join(CHAT_ROLES))
     return texts
 
 
-def _record_text(path: Path, i: int, text, messages, text_field: str, messages_field: str, tokenizer) -> str:
-    """Record ``i``'s text: its ``text_field`` string, else its chat messages rendered."""
+def _record_text(path: Path, i: int, text, messages, text_field: str, messages_field: str, tokenizer,
+                 odd_roles: collections.Counter) -> str:
+    """Record ``i``'s text: its ``text_field`` string, else its chat messages rendered; roles no chat template
+    knows are counted in ``odd_roles``."""
     if isinstance(text, str):
         return text
     if text is not None:
         raise TrainDataError(f"{path} record {i}: {text_field!r} must be a string, got {type(text).__name__}")
     if messages is None:
         raise TrainDataError(f"{path} record {i} has neither a {text_field!r} string nor {messages_field!r}")
+    if isinstance(messages, list) and messages and all(isinstance(m, dict) and m.keys() >= {"from", "value"}
+                                                       and "role" not in m for m in messages):
+        messages = [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]) if isinstance(m["from"], str) else m["from"],
+                     "content": m["value"]} for m in messages]
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                  for m in messages):
-        raise TrainDataError(f"{path} record {i}: {messages_field!r} must be a list of {{role, content}}")
+        raise TrainDataError(f"{path} record {i}: {messages_field!r} must be a list of {{role, content}} (or "
+                             "ShareGPT's {from, value})")
     messages = [_with_text_content(f"{path} record {i}", j, m) for j, m in enumerate(messages)]
+    odd_roles.update(m["role"] for m in messages if m["role"] not in CHAT_ROLES)
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise TrainDataError(f"{path} holds chat messages but the model's tokenizer has no chat template")
     try:
