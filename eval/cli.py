@@ -436,10 +436,12 @@ def run_acceptance(args) -> int:
     names, renamed = _drafter_rows(args.drafters)
     if not math.isfinite(args.temperature) or args.temperature < 0:  # before the model loads
         raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
-    if args.temperature == 0 and args.sampler != "standard":  # greedy: no sampler; the report says what ran
-        print(f"note: --sampler {args.sampler} left out: at --temperature 0 (greedy) no token is sampled",
-              file=sys.stderr)
-        args.sampler = "standard"
+    # greedy: no sampler, no seed; the report says what ran, and a resume with another --seed is the same run
+    for flag, default in (("sampler", "standard"), ("seed", 0)):
+        if args.temperature == 0 and getattr(args, flag) != default:
+            print(f"note: --{flag} {getattr(args, flag)} left out: at --temperature 0 (greedy) no token is sampled",
+                  file=sys.stderr)
+            setattr(args, flag, default)
     check_at_least(("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", args.batch_size, 1),
                    ("--calibration-repeats", args.calibration_repeats, 0))
     out = Path(args.out or "runs/eval-acceptance")

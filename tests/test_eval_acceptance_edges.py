@@ -97,6 +97,18 @@ def test_row_labels_that_differ_only_in_dash_and_underscore_are_refused(tmp_path
     assert code == 2 and "\n" not in err and "'a-b' and 'a_b' differ only in - and _" in err, err
 
 
+def test_a_seed_at_temperature_0_is_left_out_so_a_resume_with_another_seed_goes_on(model, tmp_path, capsys):
+    """At --temperature 0 the seed draws nothing, yet settings.json recorded it: `--resume` with another --seed
+    (or none) was refused as other settings, for the same greedy run. It is left out, with a note."""
+    out = tmp_path / "run"
+    args = ["eval", "acceptance", "--model", model, "--categories", "qa", "--prompts", "1", *RUN, "--no-plots",
+            "--out", str(out)]
+    code, captured = run_main(args + ["--seed", "5"], capsys)
+    assert code == 0 and captured.err.count("note: --seed 5 left out: at --temperature 0") == 1, captured.err
+    code, captured = run_main(args + ["--seed", "7", "--resume"], capsys)
+    assert code == 0, captured.err
+
+
 def test_a_coupled_sampler_at_temperature_0_is_left_out_and_the_report_says_so(model, tmp_path, capsys):
     """At the default --temperature 0 (greedy) --sampler coupled did nothing: generate() warned on every call to pass
     a --do-sample this command has not, and the report recorded a coupled run."""
