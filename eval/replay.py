@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from specdec.drafters.base import SequenceView, TargetView, TokenView
+from specdec.drafters.model_drafter import ModelDrafter
 from specdec.drafters.registry import BUILTIN, get_drafter
 from specdec.eval.replay_record import verify_cost_at
 
@@ -50,6 +51,8 @@ from specdec.tree import MAX_TREE_NODES, DraftTree
 logger = logging.getLogger(__name__)
 
 TOKEN_ONLY_HINT = "replay supports drafters whose propose reads only token ids (e.g. ngram)"
+READS_TARGET = ("reads the target's model or cache (its dtype, weights or K/V), which a replay does not load; "
+                f"{TOKEN_ONLY_HINT}")
 
 
 @dataclass(frozen=True)
@@ -90,9 +93,12 @@ class ReplayDrafter:
     def __init__(self, config: ReplayConfig, record: dict) -> None:
         if isinstance(config.drafter, str) and config.drafter in BUILTIN:  # refused before it loads anything
             module, _, attr = BUILTIN[config.drafter].partition(":")
-            if getattr(getattr(importlib.import_module(module), attr), "needs_hidden_states", False):
+            kind = getattr(importlib.import_module(module), attr)
+            if getattr(kind, "needs_hidden_states", False):
                 raise InputError(f"replay: drafter {config.drafter!r} reads the target's hidden states, which a "
                                  f"record does not hold; {TOKEN_ONLY_HINT}")
+            if issubclass(kind, ModelDrafter):  # draft-model asked for model= first, only to be refused after
+                raise InputError(f"replay: drafter {config.drafter!r} {READS_TARGET}")
         drafter = get_drafter(config.drafter, **config.drafter_options)
         self.name = getattr(drafter, "name", str(config.drafter))
         if drafter.needs_hidden_states:
@@ -109,8 +115,7 @@ class ReplayDrafter:
             return fn()
         except (AttributeError, TypeError) as err:  # what it read is the stand-in's: not the user's to decode
             logger.debug("replay: drafter %r failed on the target stand-in: %s", self.name, err)
-            raise InputError(f"replay: drafter {self.name!r} reads the target's model or cache (its dtype, "
-                             f"weights or K/V), which a replay does not load; {TOKEN_ONLY_HINT}") from None
+            raise InputError(f"replay: drafter {self.name!r} {READS_TARGET}") from None
 
     def propose(self, seq_id: int, tokens: list[int], num_prompt_tokens: int) -> tuple[DraftTree, float]:
         """The drafter's tree for this prefix and the seconds its propose took."""

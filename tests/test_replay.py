@@ -232,6 +232,14 @@ def test_drafters_that_need_the_target_are_refused_by_name(recorded, drafter):
     assert "SimpleNamespace" not in str(err.value)  # the stand-in's own error ('... has no attribute') was quoted
 
 
+@pytest.mark.parametrize("name", ["draft-model", "self-draft", "medusa", "eagle"])
+def test_builtin_drafters_that_need_the_target_are_refused_before_asking_for_options(recorded, name):
+    """`replay run --drafter draft-model` asked for model= (and self-draft built itself), only for the replay to
+    refuse the drafter once given: what a replay cannot run is said first, whatever the options."""
+    with pytest.raises(InputError, match=f"drafter '{name}' reads the target's .*only token ids"):
+        replay(recorded[1], ReplayConfig(name, guard=False))
+
+
 class _Constant(Drafter):
     """Always proposes one node: ``token``."""
 
