@@ -207,9 +207,12 @@ class MedusaHeads(nn.Module):
 
 
 def save_medusa(heads: MedusaHeads, directory: str | os.PathLike) -> Path:
-    """Write config.json + medusa_lm_head.safetensors (atomically, file by file)."""
+    """Write config.json + medusa_lm_head.safetensors (atomically, file by file). Replacing heads, the old config
+    goes first and the new one is written last: a stop between the files leaves weights without a config (refused
+    as no checkpoint), never new weights read by the old config."""
     path = Path(directory)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in heads.heads.state_dict().items()}
+    (path / CONFIG_FILE).unlink(missing_ok=True)
     save_tensors(path / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
     write_json(path / CONFIG_FILE, heads.config.to_json(), indent=2)
     return path

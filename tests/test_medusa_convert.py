@@ -18,6 +18,7 @@ from specdec.drafters.medusa_heads import MedusaCheckpointError, load_medusa
 from torch import nn
 
 import specdec
+import specdec.drafters.medusa_heads
 from specdec.cli import main
 from specdec.errors import InputError
 from specdec.models.loader import EMBEDDED_HUB_ID, load_model, model_reference
@@ -431,6 +432,25 @@ def test_overwrite_replaces_only_a_previous_conversion(tmp_path, holds):
         assert before == model_config
     convert_published(src, tmp_path / "fresh")  # a previous conversion is replaced
     out = tmp_path / "fresh"
+    assert load_medusa(convert_published(src, out, overwrite=True), HIDDEN, VOCAB).config.num_heads == 2
+
+
+def test_an_overwrite_stopped_between_its_two_files_leaves_no_old_config_beside_new_weights(tmp_path, monkeypatch):
+    """--overwrite wrote the new weights, then config.json: a stop in between left new weights read by the old
+    config (three heads' config over a two-head checkpoint's weights here, or a silent mix where shapes agree).
+    The folder is refused as no checkpoint instead, and the next --overwrite replaces it."""
+    out = convert_published(write_medusa1(tmp_path / "three", medusa_module(3, 1), 1), tmp_path / "out")
+    src = write_medusa1(tmp_path / "two", medusa_module(2, 1), 1)
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(specdec.drafters.medusa_heads, "write_json", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        convert_published(src, out, overwrite=True)
+    with pytest.raises(MedusaCheckpointError, match="config.json is missing"):
+        load_medusa(out, HIDDEN, VOCAB)
+    monkeypatch.undo()
     assert load_medusa(convert_published(src, out, overwrite=True), HIDDEN, VOCAB).config.num_heads == 2
 
 
