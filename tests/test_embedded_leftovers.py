@@ -47,3 +47,22 @@ def test_where_no_folder_can_be_held_no_leftover_is_removed(tmp_path, monkeypatc
     os.utime(running, (1e9, 1e9))
     embedded._remove_leftovers(tmp_path)
     assert running.exists()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX modes")
+def test_a_conversion_is_readable_as_the_umask_allows(tmp_path, monkeypatch):
+    """The conversion folder kept mkdtemp's mode 0700: in a cache shared between users (SPECDEC_CACHE_DIR), the
+    others could not read the model, nor replace it. It gets the mode a folder made under the umask gets."""
+    def convert_into(gguf_path, out):
+        (out / "config.json").write_text('{"model_type": "llama"}')
+
+    monkeypatch.setattr(embedded, "_convert_into", convert_into)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"gguf")
+    mask = os.umask(0o027)
+    try:
+        out = embedded.convert_gguf(gguf, embedded.converted_dir(gguf))
+    finally:
+        os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o750

@@ -413,6 +413,13 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
         tokenizer.save_pretrained(out)
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it, then set back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Dequantize `gguf_path` once into a transformers checkpoint at `out_dir` (atomic, verified); a file that
     is truncated, that no conversion runs as written (:func:`check_convertible`, :func:`_check_filled`) or that
@@ -434,6 +441,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(out_dir.parent)
         tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=_TMP))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 shut other users of a shared cache out of the conversion
     except OSError as err:
         tmp = Path(tempfile.mkdtemp(prefix="specdec-model-"))
         atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # for this run only: a full model copy per process
