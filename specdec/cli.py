@@ -268,13 +268,14 @@ def said_as_flags(message: str) -> str:
 
 
 PATH_OPTIONS = ("path", "model", "tokenizer")  # options naming a file, directory or alias: the text, never a number
-PYTHON_LITERALS = {"True": True, "False": False, "None": None}  # as a Python user types them (JSON: true, false, null)
+# as a Python user types them (JSON: true, false, null), in any case: top_k=none was the text 'none'
+LITERALS = {"true": True, "false": False, "none": None, "null": None}
 
 
 def _parse_options(pairs: list[str]) -> dict:
-    """``KEY=VALUE`` pairs -> drafter options: VALUE parsed as JSON (or True / False / None) when possible, except
-    for paths (a directory named 2024 stays "2024"; ``path="DIR"``, the JSON string, is DIR), also after a
-    drafter's prefix (``medusa.path=DIR``). A key given twice (``max-nodes`` and ``max_nodes`` are one key) is
+    """``KEY=VALUE`` pairs -> drafter options: VALUE parsed as JSON (or true / false / none in any case) when
+    possible, except for paths (a directory named 2024 stays "2024"; ``path="DIR"``, the JSON string, is DIR), also
+    after a drafter's prefix (``medusa.path=DIR``). A key given twice (``max-nodes`` and ``max_nodes`` are one key) is
     refused: the last value would win without a word."""
     options, texts = {}, {}
     for pair in pairs:
@@ -290,8 +291,8 @@ def _parse_options(pairs: list[str]) -> dict:
 
 
 def _json_or_text(value: str):
-    if value in PYTHON_LITERALS:
-        return PYTHON_LITERALS[value]
+    if value.lower() in LITERALS:
+        return LITERALS[value.lower()]
     try:
         return json.loads(value)
     except json.JSONDecodeError:

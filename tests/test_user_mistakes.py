@@ -54,6 +54,9 @@ def test_a_numeric_path_option_stays_a_path(capsys):
     # "must be True, False or 'auto', got 'True'"); a tokenizer directory stays a path
     assert _parse_options(["cuda_graphs=True", "adapt_depth=False", "seed=None", "tokenizer=1"]) == {
         "cuda_graphs": True, "adapt_depth": False, "seed": None, "tokenizer": "1"}
+    # and in any case: top_k=none was the text 'none' ("must be a positive integer, got 'none'")
+    assert _parse_options(["top_k=none", "cuda_graphs=TRUE", "adapt_depth=false", "seed=NULL", "path=none"]) == {
+        "top_k": None, "cuda_graphs": True, "adapt_depth": False, "seed": None, "path": "none"}
     rc, line = run(capsys, "generate", "hi", "--model", "nowhere", "--drafter", "medusa",
                    "--drafter-option", "path=2024", "--max-new-tokens", "2")
     assert rc == 2 and line.startswith("specdec generate: error: ")
