@@ -23,8 +23,8 @@ after the target's sampling transform, sent along as draft_probs (static trees o
 of sampled nodes would change their law); ``auto`` (default): deterministic when greedy or dynamic, else
 independent. Under coupled sampling the children are always deterministic, ranked by the shared noise.
 
-Sampled drafts draw from the drafter's own generator, seeded from ``DraftConfig.seed``, ``generate(seed=...)``, a
-draw from its ``generator=`` (``TargetView.seed``) or, greedy, a fixed seed; re-seeded at every ``attach``.
+Sampled drafts draw from a generator of their own, seeded at each ``attach`` by ``TargetView.seed`` (or a draw of
+torch's RNG; greedy: a fixed seed) salted by ``DraftConfig.seed``: a seed that fixed the drafts would bias the law.
 With a reduced draft vocabulary (``self.draft_vocab``) children are chosen among those N tokens and sampled
 draft_probs are zero elsewhere; output stays exact.
 """
@@ -211,17 +211,25 @@ class ModelDrafter(Drafter):
         fixed_shape = self.mode is not DraftMode.WITHOUT_REPLACEMENT or all(w == 1 for w in self.config.widths)
         self.static_on_device = (self.config.tree == "static" and fixed_shape
                                  and (target.processing is None or self.draft_vocab is not None))
-        seed = self.config.seed if self.config.seed is not None else target.seed
-        if seed is None and target.sampling.greedy and self.mode is not DraftMode.DETERMINISTIC:
+        own, seed = self.config.seed, target.seed
+        if own is not None and seed is None and not target.sampling.greedy:
+            # an unseeded call samples from torch's global RNG: its drafts must vary with it too, or every call
+            # would judge the same drafts, and a draft fixed before the target's draws is not one drawn from
+            # draft_probs (the output's law across calls would not be the target's)
+            seed = int(torch.randint(2**62, ()))
+        if seed is None and own is None and target.sampling.greedy and self.mode is not DraftMode.DETERMINISTIC:
             seed = 0  # a greedy call's sampled drafts: any stream of its own, never the caller's global one
         self.generator = None
-        if seed is not None:  # never generate()'s own stream: shared uniforms would couple drafts and acceptance
-            digest = hashlib.blake2b(f"specdec.drafter:{seed}".encode(), digest_size=8).digest()
+        if seed is not None or own is not None:  # never generate()'s own stream: shared uniforms would couple
+            key = seed if own is None else f"{own}:{seed}"  # drafts and acceptance; the own seed salts the call's
+            digest = hashlib.blake2b(f"specdec.drafter:{key}".encode(), digest_size=8).digest()
             self.generator = torch.Generator(device=self.runner.device)
             self.generator.manual_seed(int.from_bytes(digest, "little") >> 1)
 
-    def draw_source(self, seed: int | None) -> Hashable | None:  # the seed attach() seeds self.generator from
-        return self.config.seed if self.config.seed is not None else seed
+    def draw_source(self, seed: int | None) -> Hashable | None:  # what attach() seeds self.generator from
+        if self.config.seed is None:
+            return seed
+        return None if seed is None else (self.config.seed, seed)  # None: a draw of torch's global RNG
 
     def _uses_graphs(self) -> bool:
         wanted = self.config.cuda_graphs

@@ -327,6 +327,28 @@ def test_reused_drafter_instance_is_reseeded_by_each_generate_call():
     assert a == b
 
 
+@pytest.mark.parametrize("call_seeds", [(3, 4), (None, None)], ids=["seeded", "unseeded"])
+def test_a_drafters_own_seed_salts_the_calls_randomness_and_never_fixes_its_drafts(call_seeds):
+    """A draft model's own ``seed`` gave every call the same first draft whatever the call's seed (or torch's RNG
+    for an unseeded call): a draft fixed before the target's draws is not drawn from its draft_probs, so over such
+    calls the output's law was not the target's (a chi-square over 12,000 calls: p = 4e-7). The call's randomness
+    now moves the drafts; the same call seed still repeats them."""
+    target = build_tiny_model(vocab_size=16, num_hidden_layers=2)
+    spy_cls, trees = _spy_trees(DraftModelDrafter)
+    drafter = spy_cls(build_tiny_model(vocab_size=16, seed=7, num_hidden_layers=1), seed=5, mode="independent",
+                      widths=(4,), num_draft_tokens=2)
+    first = []
+    for call_seed in call_seeds * 4 if call_seeds[0] is None else (*call_seeds, call_seeds[0]):
+        trees.clear()
+        specdec.generate(target, [[1, 2, 3]], max_new_tokens=3, drafter=drafter, do_sample=True, temperature=2.0,
+                         top_k=0, seed=call_seed, speculation="always")
+        first.append(trees[0].tokens.tolist())
+    if call_seeds[0] is None:
+        assert len(set(map(tuple, first))) > 1  # torch's RNG moves them
+    else:
+        assert first[0] != first[1] and first[0] == first[2]
+
+
 # ---- tree="dynamic", mode="auto" under sampling: a dynamic tree of deterministic candidates --
 def _spy_trees(drafter_cls):
     trees = []
