@@ -6,6 +6,8 @@ shuffled block tables, split-KV and the plan path the engine uses.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from specdec.kernels.testing import LaunchSpy, kernel_device, random_case, reference_attention
 
@@ -402,6 +404,33 @@ def test_static_bucket_inputs_match_reference_across_steps():
         inputs.load_(bucket, too_long.forward_batch())
     with pytest.raises(ValueError, match="does not fit"):
         inputs.bucket(batch=8, tokens_per_seq=8)
+
+
+def test_a_buckets_padding_is_token_0_at_position_0_writing_the_scratch_slot_after_a_larger_step():
+    """What a bucket's graph reads past a step's real rows is the module's padding, not the last larger step's
+    values: token 0 at position 0 with no ancestor bits writing the scratch slot, and padded sequences all zero (no
+    query, no keys); pad_ (a warm-up's inputs) leaves that padding alone in every row."""
+    from specdec.kernels.graph_metadata import StaticInputs
+
+    inputs = StaticInputs(max_batch=4, max_tokens_per_seq=8, max_keys=64, block_size=4, scratch_slot=99,
+                          device=DEVICE)
+    bucket = inputs.bucket(batch=4, tokens_per_seq=8)
+    meta = bucket.metadata
+    fields = (meta.ctx_lens, meta.num_masked, meta.q_starts, meta.q_lens, meta.tree_mode)
+    for seed, (cache_lens, new) in enumerate([([9, 30, 3], [2, (TREE, 7), (TREE, 6)]), ([5], [(TREE, 3)])]):
+        case = random_case(cache_lens, new, num_kv_heads=2, group=3, page_size=4, seed=seed, device=DEVICE)
+        n = case.q.shape[0]
+        step = dataclasses.replace(case.forward_batch(), tokens=list(range(11, 11 + n)),
+                                   position_list=list(range(40, 40 + n)))
+        inputs.load_(bucket, step)
+        assert bucket.token_ids[:n].tolist() == step.tokens and bucket.positions[:n].tolist() == step.position_list
+        assert meta.q_bits[:n].ne(0).any() and all(f[len(cache_lens) - 1] > 0 for f in fields[:2] + fields[3:])
+    assert n == 4 and bucket.token_ids[n:].eq(0).all() and bucket.positions[n:].eq(0).all()
+    assert meta.q_bits[n:].eq(0).all() and bucket.write_slots[n:].eq(99).all()
+    assert all(f[1:].eq(0).all() for f in fields)
+    inputs.pad_(bucket)
+    assert bucket.write_slots.eq(99).all()
+    assert all(t.eq(0).all() for t in (bucket.token_ids, bucket.positions, meta.q_bits, *fields))
 
 
 @pytest.mark.parametrize("in_kernel", [True, False])
