@@ -149,7 +149,8 @@ def acceptance_rate_test(case: SyntheticCase, n: int, seed: int = 1, rule: Accep
 
 def chain_tau_test(case: SyntheticCase, n: int, seed: int = 2, rule: AcceptanceRule = EXACT):
     """Prefix-independent chain of k (a sampled or a deterministic draft): (mean committed, (1 - a^(k+1)) / (1 - a),
-    z, per-depth z), ``a`` the :func:`analytic_acceptance` of one node, the same at every depth."""
+    z, per-depth z), ``a`` the :func:`analytic_acceptance` of one node, the same at every depth. At a = 1 tau is
+    k + 1 and a z with no spread is 0 where the draws meet the formula exactly, else infinite."""
     if not case.prefix_independent or any(w != 1 for w in case.widths):
         raise ValueError("chain_tau_test takes a prefix-independent chain")
     k = len(case.widths)
@@ -161,5 +162,9 @@ def chain_tau_test(case: SyntheticCase, n: int, seed: int = 2, rule: AcceptanceR
     z = (committed.mean() - expected) / spread if spread > 0 else (0.0 if committed.mean() == expected else math.inf)
     accepted = torch.tensor([x.depth_accepted for x in accs], dtype=torch.float64).sum(0)
     tried = torch.tensor([x.depth_tried for x in accs], dtype=torch.float64).sum(0)
-    z_depth = ((accepted / tried - a) / torch.sqrt(a * (1 - a) / tried)).tolist()
+    rate = accepted / tried
+    if 0 < a < 1:
+        z_depth = ((rate - a) / torch.sqrt(a * (1 - a) / tried)).tolist()
+    else:  # every node is accepted (a = 1) or none (a = 0): no spread, as z above; a depth never tried says nothing
+        z_depth = torch.where((rate == a) | (tried == 0), 0.0, math.inf).tolist()
     return float(committed.mean()), expected, float(z), z_depth

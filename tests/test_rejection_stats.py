@@ -9,12 +9,16 @@ probability moved from one half of the law to the other) must be detected with p
 """
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 from scipy import stats
 from specdec.eval.exact_law import SyntheticCase, step_law
 from specdec.eval.negative_controls import BROKEN_RULES
 from specdec.eval.statistics import (
     acceptance_rate_test,
+    analytic_acceptance,
     chain_tau_test,
     goodness_of_fit,
     holm,
@@ -22,7 +26,7 @@ from specdec.eval.statistics import (
     total_variation_bound,
 )
 
-from specdec.rejection import EXACT
+from specdec.rejection import EXACT, AcceptanceRule
 from specdec.sampling import SamplingConfig
 from specdec.tree import DraftMode
 
@@ -91,6 +95,27 @@ def test_chain_mean_accepted_length_matches_closed_form():
     mean, expected, z, z_depth = chain_tau_test(case, n=20_000)
     assert abs(z) < 4, (mean, expected)
     assert all(abs(x) < 4 for x in z_depth), z_depth  # P(accept at d | parent accepted) = a at every depth
+
+
+class NeverAccept(AcceptanceRule):
+    name = "never_accept"
+    lossy = True
+
+    def accept_prob(self, residual, draft, token, deterministic):
+        return torch.zeros_like(token, dtype=residual.dtype)
+
+
+@pytest.mark.parametrize("mode", [DraftMode.INDEPENDENT, DraftMode.DETERMINISTIC])
+def test_a_chain_accepted_whole_has_tau_k_plus_1_and_every_z_0(mode):
+    """At a = 1 (top-k 1: target and draft put all their mass on one token, the same one at seed 2) the formula's
+    (1 - a^(k+1)) / (1 - a) is 0 / 0: tau is k + 1, every draw commits the whole chain, and z and the per-depth z,
+    which have no spread, are 0 (they were NaN per depth, failing |z| < 4 for an exact sampler); a sampler that
+    rejects once at a = 1 gets an infinite z."""
+    case = SyntheticCase(4, (1,) * 3, mode, SamplingConfig(True, top_k=1), seed=2, prefix_independent=True)
+    assert analytic_acceptance(case, ()) == 1.0
+    assert chain_tau_test(case, n=200) == (4.0, 4.0, 0.0, [0.0, 0.0, 0.0])
+    mean, expected, z, z_depth = chain_tau_test(case, n=200, rule=NeverAccept())
+    assert (mean, expected, z) == (1.0, 4.0, math.inf) and z_depth == [math.inf, 0.0, 0.0]
 
 
 def test_acceptance_checks_fail_for_a_broken_rule():
