@@ -395,6 +395,18 @@ def test_a_size_timed_by_several_processes_costs_their_median():
     assert out["predicted_speedup"] == pytest.approx(1.0)
 
 
+def test_the_mean_size_calibration_of_several_processes_is_their_median():
+    """Three processes calibrated the mean tree size at 2, 3 and 10 query tokens (each its own steps' mean), plain
+    steps of 1, 2 and 7 s, verifies of 1.5, 3 and 12 s: each figure is the processes' median (3 tokens, 2 s, 3 s),
+    not their mean or the slowest; tau 2 / (0 + 3) x 2 prices the mean size at 4 / 3."""
+    cell = _batched_cell(0.0, [0, 20], [])
+    cell.calibration = [{"query_tokens": q, "plain_seconds": p, "verify_seconds": v}
+                        for q, p, v in ((10, 7.0, 12.0), (2, 1.0, 1.5), (3, 2.0, 3.0))]
+    out = predicted_speedup(cell)
+    assert (out["verify_query_tokens"], out["cost_plain_s"], out["cost_verify_mean_size_s"]) == (3, 2.0, 3.0)
+    assert out["predicted_speedup_mean_size"] == pytest.approx(4 / 3) and not out["priced_per_step"]
+
+
 def test_a_step_size_not_timed_is_priced_between_its_timed_neighbours():
     """3 nodes verify 4 tokens, timed at 3 (3 s) and 9 (6 s): 3 + (6 - 3) x (4 - 3) / (9 - 3) = 3.5 s."""
     assert mean_step_verify_cost([0, 0, 0, 2], {1: 1.0, 3: 3.0, 9: 6.0}) == pytest.approx(3.5)
