@@ -575,7 +575,7 @@ def test_calibration_context_is_the_prompt_repeated_by_extra_context(monkeypatch
 
 @pytest.mark.measured_verify_costs  # --verify-curve would replace what it tests
 def test_calibration_refuses_query_sizes_below_one_and_a_context_with_no_room(monkeypatch):
-    _scripted_engines(monkeypatch, [1e-3] * 100)
+    made = _scripted_engines(monkeypatch, [1e-3] * 100)
     runner = LlamaRunner(build_tiny_model(seed=0))
     assert runner.shape.max_positions == 512
     with pytest.raises(ValueError, match="query sizes >= 1"):
@@ -585,6 +585,7 @@ def test_calibration_refuses_query_sizes_below_one_and_a_context_with_no_room(mo
         verify_cost.measure_verify_costs(runner, [[5] * 16], [1, 254], SamplingConfig(), repeats=1)
     # (1 + 253) * 2 = 508: room 2, so the prompt is cut to its last 2 tokens and calibrated
     assert set(verify_cost.measure_verify_costs(runner, [[5] * 16], [1, 253], SamplingConfig(), repeats=1)) == {1, 253}
+    assert made[-1].contexts == [[5, 5]]
 
 
 def test_interpolation_and_relative_cost():
