@@ -71,6 +71,33 @@ def test_write_non_contiguous_source():
     ref[1, 0].index_copy_(0, slots, k)
     ref[1, 1].index_copy_(0, slots, v)
     assert torch.equal(cache.kv, ref)
+    # a [dim, heads, tokens] tensor seen as [tokens, heads, dim]: the head stride is the head size (8 tokens of
+    # dim 8), but the values of a row are 16 apart, not packed
+    k, v = (torch.randn(8, 2, 8, device=DEVICE).permute(2, 1, 0) for _ in range(2))
+    assert k.stride(1) == k.shape[2] and k.stride(2) != 1
+    slots = torch.tensor([5, 6, 60, 7, 30, 31, 2, 90], device=DEVICE)
+    write_kv(cache.kv, 0, slots, k, v)
+    ref[0, 0].index_copy_(0, slots, k)
+    ref[0, 1].index_copy_(0, slots, v)
+    assert torch.equal(cache.kv, ref)
+
+
+def test_rows_wider_than_one_column_chunk_are_written_and_moved_whole():
+    """A slot's row of 3 heads x 384 = 1152 values spans two programs' column chunks (1024, then 128 masked): both
+    kernels launch a program per chunk, so the row's tail past the first chunk is written and moved too."""
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randn(2, 2, 6, 3, 384, generator=gen).to(DEVICE)
+    ref = kv.clone()
+    k, v = (torch.randn(2, 3, 384, generator=gen).to(DEVICE) for _ in range(2))
+    slots = torch.tensor([4, 1], device=DEVICE)
+    write_kv(kv, 1, slots, k, v)
+    ref[1, 0].index_copy_(0, slots, k)
+    ref[1, 1].index_copy_(0, slots, v)
+    assert torch.equal(kv, ref)
+    src, dst = torch.tensor([4, 5], device=DEVICE), torch.tensor([0, 3], device=DEVICE)
+    compact_kv(kv, src, dst)
+    ref[:, :, dst] = ref[:, :, src]
+    assert torch.equal(kv, ref)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
