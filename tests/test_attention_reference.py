@@ -9,7 +9,8 @@ import pytest
 import torch
 from specdec.kernels.testing import random_case
 
-from specdec.attention import AttentionPlan, SeqAttention, paged_attention
+from specdec.attention import AttentionPlan, BatchBuilder, SeqAttention, paged_attention
+from specdec.kv_cache import PagedKVCache
 
 
 def _dense_float64(case) -> torch.Tensor:
@@ -152,3 +153,24 @@ def test_a_sequence_description_that_does_not_add_up_is_refused():
         SeqAttention(0, 2, keys, 5, torch.ones(2, dtype=torch.long))
     with pytest.raises(ValueError, match=r"ancestor_bits must be \[3\]"):
         SeqAttention(0, 3, keys[:20], 15, torch.ones(2, dtype=torch.long))
+
+
+def test_the_builder_keeps_int64_bits_ids_and_positions_whatever_the_caller_built():
+    """BatchBuilder stores a tree's ancestor bits as the int64 SeqAttention documents whatever integer type the
+    caller built them in (a drafter reading plan.seqs meets one type), and moves token ids and positions as int64;
+    positions may be given as a tensor or a range."""
+    cache = PagedKVCache(1, 1, 4, 4, 4)
+    for seq_id, keys in ((0, 6), (1, 3)):
+        cache.add(seq_id)
+        cache.reserve(seq_id, keys)
+    builder = BatchBuilder(cache, torch.device("cpu"))
+    builder.add(0, [7, 8, 9], torch.tensor([2, 3, 3], dtype=torch.int32), 6, 3, torch.tensor([1, 3, 5],
+                                                                                               dtype=torch.int32))
+    builder.add(1, [4], range(2, 3), 3, 2)
+    batch = builder.build()
+    tree, decode = batch.plan.seqs
+    assert tree.ancestor_bits.dtype == torch.long and tree.ancestor_bits.tolist() == [1, 3, 5]
+    assert decode.ancestor_bits is None and batch.position_list == [2, 3, 3, 2]
+    assert all(type(p) is int for p in batch.position_list)  # host ints, not 0-d tensors
+    assert batch.token_ids.dtype == batch.positions.dtype == torch.long
+    assert batch.token_ids.tolist() == [7, 8, 9, 4] and batch.positions.tolist() == [2, 3, 3, 2]
