@@ -10,6 +10,7 @@ import re
 
 import pytest
 import safetensors.torch
+import specdec.drafters.medusa_heads
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -18,7 +19,6 @@ from specdec.drafters.medusa_heads import MedusaCheckpointError, load_medusa
 from torch import nn
 
 import specdec
-import specdec.drafters.medusa_heads
 from specdec.cli import main
 from specdec.errors import InputError
 from specdec.models.loader import EMBEDDED_HUB_ID, load_model, model_reference
