@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
+import signal
 from types import SimpleNamespace
 
 import pytest
@@ -298,6 +300,29 @@ def test_an_interrupted_self_distillation_continues_from_its_finished_batches(tm
     calls.clear()
     assert self_distill(loaded, prompts, cache_dir=tmp_path / "part", **kwargs) == whole
     assert calls == [1] and not partial.exists()  # only the last prompt was generated again
+
+
+def test_an_interrupt_while_a_batch_is_kept_counts_that_batch(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM while a finished batch was written to the partial file (here: as it reaches the disk) was
+    raised before the batch was counted, so the CLI's last line named one batch fewer than were kept (2 of 10
+    prompts, with 4 in the file). The interrupt now waits until the batch is written and counted."""
+    monkeypatch.setattr(importlib.import_module("specdec.generate"), "generate",
+                        lambda model, chunk, **kw: SimpleNamespace(new_tokens=[[1, 1]] * len(chunk)))
+    real_fsync, sent = os.fsync, []
+
+    def interrupted(fd):  # the signal arrives as the first batch's line is synced
+        if not sent:
+            sent.append(os.kill(os.getpid(), signal.SIGINT))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", interrupted)
+    loaded = load_model(build_tiny_model(vocab_size=64))
+    prompts = [[2 + i, 3 + i, 4 + i] for i in range(4)]
+    with pytest.raises(KeyboardInterrupt) as err:
+        self_distill(loaded, prompts, max_new_tokens=2, batch_size=2, progress=False, cache_dir=tmp_path)
+    assert err.value.distilled == (2, 4, 1)
+    (partial,) = tmp_path.glob("*.partial.jsonl")
+    assert [json.loads(line)["start"] for line in partial.read_text().splitlines()] == [0]
 
 
 def _shared_distillation(cache_dir):

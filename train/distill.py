@@ -21,6 +21,7 @@ import os
 import time
 from pathlib import Path
 
+from specdec.train.deferred_interrupts import interrupts_deferred
 from specdec.train.process_team import Team
 
 from specdec.atomic_write import write_json, write_text
@@ -184,11 +185,13 @@ def _in_rounds(answers, todo: list[int], batch_size: int, ids: list[list[int]], 
         made = {}
         if start is not None:
             made[start] = answers(start)
-            with open(own, "a", encoding="utf-8") as f:  # kept before the next batch starts
+            # kept before the next batch starts; an interrupt waits until the line is written and counted in held
+            # (the CLI's last line names that count): between the two, it named one batch fewer than were kept
+            with interrupts_deferred(), open(own, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"start": start, "sequences": made[start]}) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-            held.update(enumerate(made[start], start))
+                held.update(enumerate(made[start], start))
         for theirs in team.exchange(made):  # every process's batch of this round
             for s, seqs in theirs.items():
                 held.update(enumerate(seqs, s))
