@@ -56,6 +56,26 @@ def test_only_whole_unique_and_held_out_free_turns_are_kept_and_cached(tmp_path,
     assert more == got and len(calls) == 1 + 2  # 4 n draws at most: fewer prompts than asked, with a warning
 
 
+@pytest.mark.parametrize("damage", ["", '{"prompts": ["how do', '{"prompts": [1, 2]}'])
+def test_a_damaged_cache_file_of_prompts_is_made_again(tmp_path, monkeypatch, caplog, damage):
+    """A cache file left empty (a machine that went down just after the write), cut short or not of prompts stopped
+    the run with a JSON error naming no file (or handed numbers on as prompts); the prompts are written again now,
+    with a warning naming the file."""
+    loaded = _loaded()
+    turn = loaded.tokenizer("plan a trip to the sea", add_special_tokens=False)["input_ids"] + [
+        loaded.model.config.eos_token_id]
+    calls = []
+    monkeypatch.setattr(generate_module, "generate", lambda model, prompts, **kw: calls.append(1)
+                        or SimpleNamespace(new_tokens=[turn] * len(prompts)))
+    common = dict(batch_size=2, cache_dir=tmp_path, progress=False)
+    assert self_prompts.self_written_prompts(loaded, 1, **common) == ["plan a trip to the sea"]
+    (file,) = tmp_path.glob("*.json")
+    file.write_text(damage)
+    with caplog.at_level("WARNING"):
+        assert self_prompts.self_written_prompts(loaded, 1, **common) == ["plan a trip to the sea"]
+    assert len(calls) == 2 and f"the cache file {file} is damaged" in caplog.text
+
+
 def test_processes_write_the_prompts_together_and_all_get_those_of_one(tmp_path, monkeypatch):
     """Several processes: each draws every N-th batch, the batches are exchanged round by round and read in order,
     so every process gets what one process writes (the same seeds, duplicates dropped in the same order; a batch

@@ -325,6 +325,26 @@ def test_an_interrupt_while_a_batch_is_kept_counts_that_batch(tmp_path, monkeypa
     assert [json.loads(line)["start"] for line in partial.read_text().splitlines()] == [0]
 
 
+@pytest.mark.parametrize("damage", ["", '{"sequences": [[5, 6, 7, 1', "fewer", "other prompts"])
+def test_a_damaged_self_distillation_cache_file_is_made_again(tmp_path, monkeypatch, caplog, damage):
+    """A cache file left empty (a machine that went down just after the write), cut short or holding other answers
+    stopped the run with "Expecting value: line 1 column 1 (char 0)", naming no file, or "zip() argument 2 is longer
+    than argument 1". It is generated again now, with a warning naming it."""
+    calls = []
+    monkeypatch.setattr(importlib.import_module("specdec.generate"), "generate", lambda model, chunk, **kw:
+                        calls.append(len(chunk)) or SimpleNamespace(new_tokens=[[1, 1]] * len(chunk)))
+    loaded = load_model(build_tiny_model(vocab_size=64))
+    common = dict(max_new_tokens=2, batch_size=2, progress=False, cache_dir=tmp_path)
+    first = self_distill(loaded, [[5, 6, 7], [8, 9]], **common)
+    (file,) = tmp_path.glob("*.json")
+    file.write_text({"fewer": json.dumps({"sequences": first[:1]}),
+                     "other prompts": json.dumps({"sequences": [[9, 9, 9, 1, 1], [8, 9, 1, 1]]})}.get(damage, damage))
+    with caplog.at_level(logging.WARNING, logger="specdec.train.distill"):
+        assert self_distill(loaded, [[5, 6, 7], [8, 9]], **common) == first
+    assert calls == [2, 2] and json.loads(file.read_text())["sequences"] == first
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [f"the cache file {file} is damaged"]
+
+
 def _shared_distillation(cache_dir):
     """The shared self-distillation tests' data: a tiny model, 7 prompts (4 batches of 2), sampled with one seed,
     and one process's sequences for them (cached in ``cache_dir``)."""

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from specdec.train.deferred_interrupts import interrupts_deferred
@@ -115,7 +116,7 @@ def self_distill(loaded, prompts: list[str] | list[list[int]], *, max_new_tokens
     key = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     file = cache / f"{key}.json"
-    cached = json.loads(file.read_text())["sequences"] if file.is_file() else None
+    cached = read_cache_entry(file, "sequences", lambda seqs: len(seqs) == len(ids) and _continue(seqs, ids))
     held = dict(enumerate(cached)) if cached is not None else _kept_answers(cache, key, ids, team.index)
     starts = range(0, len(ids), batch_size)  # a batch is these prompts whoever generates it: a sampled one's seed too
     whole = [s for s in starts if all(i in held for i in range(s, min(s + batch_size, len(ids))))]
@@ -149,6 +150,29 @@ def self_distill(loaded, prompts: list[str] | list[list[int]], *, max_new_tokens
                 new_tokens, seconds, new_tokens / max(seconds, 1e-9), _how(graphed, batch_size),
                 f", {team.size} processes" if team.size > 1 else "", file)
     return out
+
+
+def read_cache_entry(file: Path, field: str, sound: Callable[[list], bool]) -> list | None:
+    """The list under ``field`` in the cache file ``file``, or None where there is none. A file that is not JSON, or
+    whose list ``sound`` refuses (a machine that went down just after the write can leave it empty, a copy cut
+    short), is made again, with a warning naming it: read as it was, it stopped the run with a JSON error naming no
+    file, or with another number of answers than prompts ("zip() argument 2 is longer than argument 1")."""
+    if not file.is_file():
+        return None
+    try:
+        entry = json.loads(file.read_text(encoding="utf-8"))[field]
+        why = "not what this run asked for"
+        if isinstance(entry, list) and sound(entry):
+            return entry
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        why = f"{type(err).__name__}: {err}"
+    logger.warning("the cache file %s is damaged (%s); it is made again", file, why)
+    return None
+
+
+def _continue(seqs: list, prompts: list[list[int]]) -> bool:
+    """Whether each of ``seqs`` is a list of tokens that starts with its prompt of ``prompts``."""
+    return all(isinstance(s, list) and s[: len(p)] == list(p) for s, p in zip(seqs, prompts, strict=True))
 
 
 def _what_is_left(held: dict[int, list[int]], found: list[set[int]], n: int, batch_size: int, team: Team,
@@ -249,8 +273,8 @@ def _kept_answers(cache: Path, key: str, ids: list[list[int]], index: int) -> di
             except (json.JSONDecodeError, KeyError, TypeError):
                 break
             # each sequence must continue its own prompt (the key already fixes the model, prompts and settings)
-            if not isinstance(start, int) or start < 0 or not seqs or start + len(seqs) > len(ids) or any(
-                    s[: len(ids[start + i])] != list(ids[start + i]) for i, s in enumerate(seqs)):
+            if not isinstance(start, int) or start < 0 or not seqs or start + len(seqs) > len(ids) or not _continue(
+                    seqs, ids[start : start + len(seqs)]):
                 break
             held.update(enumerate(seqs, start))
             kept.append(line + "\n")

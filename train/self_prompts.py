@@ -91,7 +91,7 @@ def self_written_prompts(loaded, n: int, *, seed: int = 0, batch_size: int = 64,
     the processes of a run writing them together (train/process_team.py), each every ``team.size``-th batch of
     draws, exchanged round by round; the batches are read in order, so every process returns the prompts of a run
     of one process (a batch's seed is its first draw's number, whoever draws it)."""
-    from specdec.train.distill import decoding_graphs, one_row_policy, use_graphs
+    from specdec.train.distill import decoding_graphs, one_row_policy, read_cache_entry, use_graphs
 
     from specdec.generate import generate
 
@@ -100,9 +100,10 @@ def self_written_prompts(loaded, n: int, *, seed: int = 0, batch_size: int = 64,
     team = team or Team.alone()
     graphs = use_graphs(loaded, cuda_graphs)
     file = _cache_file(loaded, n, seed, batch_size, cache_dir, graphs)
-    if all(team.exchange(file.is_file())):
+    cached = read_cache_entry(file, "prompts", lambda ps: 0 < len(ps) <= n and all(isinstance(p, str) for p in ps))
+    if all(team.exchange(cached is not None)):
         logger.info("self-written prompts: cache hit %s", file)
-        return json.loads(file.read_text())["prompts"]
+        return cached
     one_row_policy(loaded, team)
     tok = loaded.tokenizer
     prefix, held_out = user_turn_prefix(tok), held_out_words()
