@@ -39,14 +39,14 @@ def test_a_file_may_mix_texts_and_chat_messages(tmp_path):
 
 
 @pytest.mark.parametrize("rows,match", [
-    ([{"text": "fine"}, {"text": 1000}], "record 1: 'text' must be a string, got int"),
-    ([{"text": "fine"}, {"text": None}], "record 1 has neither a 'text' string nor 'messages'"),
-    ([{"text": "fine"}, {"other": "typo"}], "record 1 has neither a 'text' string nor 'messages'"),
-    ([{"text": "fine"}, {"messages": "hi"}], "record 1: 'messages' must be a list of {role, content} "
-     "(or ShareGPT's {from, value})"),
-    ([{"text": "fine"}, {"messages": [{"role": None, "content": "hi"}]}], "record 1: message 0's role must be a "
+    ([{"text": "fine"}, {"text": 1000}], "line 2: 'text' must be a string, got int"),
+    ([{"text": "fine"}, {"text": None}], "line 2 has neither a 'text' string nor 'messages'"),
+    ([{"text": "fine"}, {"other": "typo"}], "line 2 has neither a 'text' string nor 'messages'"),
+    ([{"text": "fine"}, {"messages": "hi"}], "line 2: 'messages' must be a list of {role, content} (or "
+     "ShareGPT's {from, value})"),
+    ([{"text": "fine"}, {"messages": [{"role": None, "content": "hi"}]}], "line 2: message 0's role must be a "
      "string, got NoneType"),
-    ([{"text": "fine"}, {"messages": [*CHAT, {"role": 3, "content": "hi"}]}], "record 1: message 2's role must be a "
+    ([{"text": "fine"}, {"messages": [*CHAT, {"role": 3, "content": "hi"}]}], "line 2: message 2's role must be a "
      "string, got int"),
 ])
 def test_a_record_that_is_neither_a_text_nor_messages_is_named(tmp_path, rows, match):
@@ -57,6 +57,22 @@ def test_a_record_that_is_neither_a_text_nor_messages_is_named(tmp_path, rows, m
     with pytest.raises(TrainDataError) as err:
         load_texts(f, tokenizer=ChatTok())
     assert str(err.value) == f"{f} {match}"
+
+
+def test_a_bad_jsonl_record_is_named_by_its_line_and_a_datasets_record_by_its_index(tmp_path):
+    """A .jsonl record was named by its index from 0 among the non-blank lines ("record 1" for the third line below)
+    while the same file's other errors name lines from 1 ("line 2 holds the key 'text' twice"): the user opened the
+    wrong line. A .jsonl record is named by its line now; a .json / .parquet record keeps datasets' index."""
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": "fine"}\n\n{"text": 5}\n')
+    with pytest.raises(TrainDataError) as err:
+        load_texts(str(f))
+    assert str(err.value) == f"{f} line 3: 'text' must be a string, got int"
+    g = tmp_path / "d.json"
+    g.write_text(json.dumps([{"text": "fine"}, {"text": None}]))
+    with pytest.raises(TrainDataError) as err:
+        load_texts(str(g))
+    assert str(err.value) == f"{g} record 1 has neither a 'text' string nor 'messages'"
 
 
 def test_a_key_twice_on_a_jsonl_line_names_the_line_and_the_key(tmp_path):
@@ -215,9 +231,9 @@ def test_content_given_as_text_parts_is_trained_on_as_its_text(tmp_path):
     assert load_texts(f, tokenizer=ChatTok()) == ["<user>hi<assistant>yo", "<user>hi there<assistant>yo"]
     for content, match in (
             ([parts[0], {"type": "image_url", "image_url": {"url": "x.png"}}],
-             "record 1: message 0's content part 1 is of type 'image_url': only text parts"),
-            ([{"type": "text", "text": 5}], "record 1: message 0's content part 0 has no 'text' string"),
-            ({"text": "hi"}, "record 1: message 0's content must be a string, null or a list of text parts")):
+             "line 2: message 0's content part 1 is of type 'image_url': only text parts"),
+            ([{"type": "text", "text": 5}], "line 2: message 0's content part 0 has no 'text' string"),
+            ({"text": "hi"}, "line 2: message 0's content must be a string, null or a list of text parts")):
         f = _jsonl(tmp_path / "d.jsonl", [{"messages": CHAT}, {"messages": [{"role": "user", "content": content}]}])
         with pytest.raises(TrainDataError, match=match):
             load_texts(f, tokenizer=ChatTok())
@@ -243,7 +259,7 @@ def test_a_record_the_chat_template_cannot_render_is_named(tmp_path, messages, c
     f = _jsonl(tmp_path / "d.jsonl", [{"messages": CHAT}, {"messages": messages}])
     with pytest.raises(TrainDataError) as err:
         load_texts(f, tokenizer=tok)
-    assert str(err.value).startswith(f"{f} record 1: the tokenizer's chat template cannot render its 'messages' "
+    assert str(err.value).startswith(f"{f} line 2: the tokenizer's chat template cannot render its 'messages' "
                                      f"({cause}") and len(str(err.value).splitlines()) == 1
 
 
@@ -264,7 +280,7 @@ def test_chat_records_after_the_first_ten_megabytes_of_texts_load(tmp_path):
 
 @pytest.mark.parametrize("rows,match", [
     ([{"body": "x"}, {"other": 1}], r"has neither a 'text' nor a 'messages' field \(columns: \['body', 'other'\]\)"),
-    ([{"body": "x"}, {"text": "fine"}], "record 0 has neither a 'text' string nor 'messages'"),
+    ([{"body": "x"}, {"text": "fine"}], "line 1 has neither a 'text' string nor 'messages'"),
     ([{"text": "fine"}, ["not", "an", "object"]], "line 2 is a JSON list, not an object"),
 ])
 def test_jsonl_records_without_the_fields_are_named_as_before(tmp_path, rows, match):

@@ -160,21 +160,22 @@ def _jsonl_lines(path: Path):
 
 
 def _jsonl_records(path: Path, text_field: str, messages_field: str):
-    """Each record's (text, messages) of a JSON Lines file, in file order (None where a field is absent), read line
-    by line: datasets' reader fixes the columns and their types from its first chunk of the file and refuses a
-    later record of another shape (a chat record after many texts) with a bare "Couldn't cast"."""
+    """Each record's (where, text, messages) of a JSON Lines file, in file order (None where a field is absent; where:
+    ``line N``, as the file's other errors name it), read line by line: datasets' reader fixes the columns and their
+    types from its first chunk of the file and refuses a later record of another shape (a chat record after many
+    texts) with a bare "Couldn't cast"."""
     if path.stat().st_size == 0:
         raise TrainDataError(f"training data {path} is empty")
-    fieldless, keys, has_field = 0, set(), False  # records before the first that holds either field
-    for _, record in _jsonl_lines(path):
+    fieldless, keys, has_field = [], set(), False  # lines of the records before the first that holds either field
+    for number, record in _jsonl_lines(path):
         if not has_field:  # as datasets' columns: the file lacks both fields only if every record does
             if text_field not in record and messages_field not in record:
-                fieldless += 1
+                fieldless.append(number)
                 keys.update(record)
                 continue
             has_field = True
-            yield from [(None, None)] * fieldless  # named by _record_text, in file order
-        yield record.get(text_field), record.get(messages_field)
+            yield from [(f"line {n}", None, None) for n in fieldless]  # named by _record_text, in file order
+        yield f"line {number}", record.get(text_field), record.get(messages_field)
     if not has_field:
         if not fieldless:
             raise TrainDataError(f"training data {path} is empty")
@@ -187,7 +188,8 @@ def _no_field(path: Path, columns, text_field: str, messages_field: str) -> Trai
 
 
 def _dataset_records(path: Path, text_field: str, messages_field: str):
-    """Each record's (text, messages) of a Parquet / JSON file or a saved dataset, read through datasets."""
+    """Each record's (where, text, messages) of a Parquet / JSON file or a saved dataset, read through datasets
+    (where: ``record i``, counted from 0 as datasets indexes them)."""
     ds = _load_dataset(path)
     if len(ds) == 0:
         raise TrainDataError(f"training data {path} is empty")
@@ -196,13 +198,14 @@ def _dataset_records(path: Path, text_field: str, messages_field: str):
         raise _no_field(path, columns, text_field, messages_field)
     text_column = ds[text_field] if text_field in columns else [None] * len(ds)
     messages_column = ds[messages_field] if messages_field in columns else [None] * len(ds)
-    return zip(text_column, messages_column, strict=True)
+    return ((f"record {i}", text, messages)
+            for i, (text, messages) in enumerate(zip(text_column, messages_column, strict=True)))
 
 
 def load_texts(data: str, text_field: str = "text", messages_field: str = "messages", tokenizer=None) -> list[str]:
     """The texts of ``data``, record by record: a string in ``text_field`` (empty ones skipped, counted in a
     warning), else chat messages in ``messages_field`` rendered with ``tokenizer``'s chat template; any other record
-    is a TrainDataError naming it (0-based, in file order)."""
+    is a TrainDataError naming it (a JSON Lines file's by its line, counted from 1; a dataset's by its index)."""
     path = Path(data).expanduser()
     if not path.exists():
         raise TrainDataError(f"training data not found: {path}")
@@ -212,8 +215,9 @@ def load_texts(data: str, text_field: str = "text", messages_field: str = "messa
         records = _dataset_records(path, text_field, messages_field)
     try:  # datasets decodes a JSON file's text lazily
         texts, read, odd_roles = [], 0, collections.Counter()
-        for read, (text, messages) in enumerate(records, 1):
-            text = _record_text(path, read - 1, text, messages, text_field, messages_field, tokenizer, odd_roles)
+        for where, text, messages in records:
+            read += 1
+            text = _record_text(path, where, text, messages, text_field, messages_field, tokenizer, odd_roles)
             if text.strip():
                 texts.append(text)
     except UnicodeDecodeError as err:
@@ -229,32 +233,32 @@ def load_texts(data: str, text_field: str = "text", messages_field: str = "messa
     return texts
 
 
-def _record_text(path: Path, i: int, text, messages, text_field: str, messages_field: str, tokenizer,
+def _record_text(path: Path, where: str, text, messages, text_field: str, messages_field: str, tokenizer,
                  odd_roles: collections.Counter) -> str:
-    """Record ``i``'s text: its ``text_field`` string, else its chat messages rendered; roles no chat template
-    knows are counted in ``odd_roles``."""
+    """The text of the record at ``where`` (``line N`` / ``record i``): its ``text_field`` string, else its chat
+    messages rendered; roles no chat template knows are counted in ``odd_roles``."""
     if isinstance(text, str):
         return text
     if text is not None:
-        raise TrainDataError(f"{path} record {i}: {text_field!r} must be a string, got {type(text).__name__}")
+        raise TrainDataError(f"{path} {where}: {text_field!r} must be a string, got {type(text).__name__}")
     if messages is None:
-        raise TrainDataError(f"{path} record {i} has neither a {text_field!r} string nor {messages_field!r}")
+        raise TrainDataError(f"{path} {where} has neither a {text_field!r} string nor {messages_field!r}")
     if isinstance(messages, list) and messages and all(isinstance(m, dict) and m.keys() >= {"from", "value"}
                                                        and "role" not in m for m in messages):
         messages = [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]) if isinstance(m["from"], str) else m["from"],
                      "content": m["value"]} for m in messages]
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                  for m in messages):
-        raise TrainDataError(f"{path} record {i}: {messages_field!r} must be a list of {{role, content}} (or "
+        raise TrainDataError(f"{path} {where}: {messages_field!r} must be a list of {{role, content}} (or "
                              "ShareGPT's {from, value})")
-    messages = [_with_text_content(f"{path} record {i}", j, m) for j, m in enumerate(messages)]
+    messages = [_with_text_content(f"{path} {where}", j, m) for j, m in enumerate(messages)]
     odd_roles.update(m["role"] for m in messages if m["role"] not in CHAT_ROLES)
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise TrainDataError(f"{path} holds chat messages but the model's tokenizer has no chat template")
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False)
     except Exception as err:  # jinja2's TemplateError (raise_exception), TypeError, transformers' ValueError, ...
-        raise TrainDataError(f"{path} record {i}: the tokenizer's chat template cannot render its {messages_field!r} "
+        raise TrainDataError(f"{path} {where}: the tokenizer's chat template cannot render its {messages_field!r} "
                              f"({type(err).__name__}: {first_line(err)})") from err
 
 
