@@ -23,12 +23,13 @@ TYPES = {"token_embd": Q.Q4_1, "output": Q.Q8_0, "attn_q": Q.Q4_1, "attn_k": Q.Q
 def write_llama_gguf(path, tied: bool = False, name: str = "tiny llama", extra: str | None = None, seed: int = 0,
                      arch: str = "llama", meta: dict | None = None, skip: tuple[str, ...] = (),
                      extra_tensors: dict[str, tuple[int, ...]] | None = None, tokens: bool = True,
-                     kv_heads: int | list[int] | None = KV_HEADS):
+                     kv_heads: int | list[int] | None = KV_HEADS, rope_dims: int = HIDDEN // HEADS):
     """A small llama-architecture GGUF of random weights, quantized as llama.cpp writes them (the rows of a
     [out, in] matrix, ``in`` the fastest); ``arch`` names its architecture, ``meta`` adds metadata, ``skip`` leaves
     tensors out, ``extra_tensors`` adds F32 ones, no ``tokens`` writes no vocabulary (``vocab_size`` instead), and
     ``kv_heads`` None writes no KV head count (llama.cpp's default: as many as query heads), a list writes an array
-    (the tensors shaped by its first count)."""
+    (the tensors shaped by its first count), ``rope_dims`` the rotary dimensions (llama.rope.dimension_count, which
+    transformers takes for the head size; the tensors are shaped by HIDDEN // HEADS)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
@@ -36,7 +37,7 @@ def write_llama_gguf(path, tied: bool = False, name: str = "tiny llama", extra: 
     w.add_embedding_length(HIDDEN)
     w.add_block_count(LAYERS)
     w.add_feed_forward_length(FFN)
-    w.add_rope_dimension_count(HIDDEN // HEADS)
+    w.add_rope_dimension_count(rope_dims)
     w.add_rope_freq_base(50000.0)
     w.add_head_count(HEADS)
     if kv_heads is not None:
@@ -240,15 +241,20 @@ def test_an_architecture_specdec_does_not_run_is_refused_before_any_conversion(t
     assert _nothing_cached(tmp_path)
 
 
-@pytest.mark.parametrize("case", ["missing tensor", "attention biases"])
+@pytest.mark.parametrize("case", ["missing tensor", "attention biases", "rope dimensions not the head size"])
 def test_a_conversion_that_fills_or_drops_a_tensor_is_refused(tmp_path, monkeypatch, case):
     """The file goes through transformers (the direct reader takes exact llamas only), which would fill a tensor
-    the file lacks with random values, or drop biases a llama config has no place for: refused, nothing cached."""
+    the file lacks or has in another shape (head_dim read from llama.rope.dimension_count) with random values, or
+    drop biases a llama config has no place for: refused naming the file, nothing cached."""
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: _NoTokenizer())
     if case == "missing tensor":
         path = write_llama_gguf(tmp_path / "m.gguf", skip=("blk.1.ffn_down.weight",))
         message = (rf"^{_at(path)}: 1 tensor\(s\) the model needs are missing from the file or of another shape there "
                    r"\(model.layers.1.mlp.down_proj.weight\); transformers would fill them with random values")
+    elif case == "rope dimensions not the head size":
+        path = write_llama_gguf(tmp_path / "m.gguf", rope_dims=HIDDEN // HEADS // 2)
+        message = (rf"^{_at(path)}: 8 tensor\(s\) the model needs are missing from the file or of another shape there "
+                   r"\(model.layers.0.self_attn.k_proj.weight, ")
     else:
         head_dim = HIDDEN // HEADS
         biases = {f"blk.{i}.attn_{p}.bias": ((HEADS if p == "q" else KV_HEADS) * head_dim,)

@@ -8,9 +8,10 @@ file: its config fields, its parameter names, llama.cpp's interleaved q / k rows
 (the tests compare the two on a small file). One exception: without ``llama.attention.head_count_kv`` (llama.cpp's
 default: as many KV heads as query heads) transformers leaves q / k interleaved, another model; here they are put
 back as in any other file. Only what transformers' llama loading keeps is handled; anything else (another
-architecture, a bias, an extra or missing tensor, a quantization gguf cannot dequantize) gives None, and the
-conversion goes through transformers, which ``embedded`` refuses unless it uses every tensor of the file and fills
-every parameter. Files with RoPE scaling never reach here (``embedded.check_convertible`` refuses them).
+architecture, a bias, an extra or missing tensor, one of another shape than the metadata gives, a quantization gguf
+cannot dequantize) gives None, and the conversion goes through transformers, which ``embedded`` refuses unless it
+uses every tensor of the file and fills every parameter. Files with RoPE scaling never reach here
+(``embedded.check_convertible`` refuses them).
 """
 from __future__ import annotations
 
@@ -61,6 +62,9 @@ def read_llama(path: Path):
         names = _parameter_names(config, [name for name, *_ in tensors]) if config is not None else None
         if names is None:
             return None
+        shapes = _shapes(config)
+        if any(tuple(reversed(dims)) != shapes[names[name]] for name, _, dims, _ in tensors):
+            return None  # not the model its metadata describes (e.g. llama.rope.dimension_count not the head size)
         state = {}
         for name, ggml_type, dims, offset in tensors:
             weights = _dequantized(blob, data_start + offset, ggml_type, dims)
@@ -132,6 +136,22 @@ def _parameter_names(config, tensor_names: list[str]) -> dict[str, str] | None:
             _, layer, part, _ = name.split(".")
             names[name] = f"model.layers.{layer}.{_LAYER[part]}.weight"
     return names
+
+
+def _shapes(config) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> the shape transformers' LlamaForCausalLM of ``config`` gives it (head_dim: the config's,
+    which transformers takes from ``llama.rope.dimension_count``)."""
+    hidden, ffn, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    layer = {"input_layernorm": (hidden,), "post_attention_layernorm": (hidden,), "self_attn.q_proj": (q, hidden),
+             "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, q),
+             "mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden), "mlp.down_proj": (hidden, ffn)}
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    shapes.update({f"model.layers.{i}.{part}.weight": shape for i in range(config.num_hidden_layers)
+                   for part, shape in layer.items()})
+    return shapes
 
 
 def _unpermute(weights: torch.Tensor, heads: int) -> torch.Tensor:
