@@ -139,19 +139,13 @@ def _parameter_names(config, tensor_names: list[str]) -> dict[str, str] | None:
 
 
 def _shapes(config) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> the shape transformers' LlamaForCausalLM of ``config`` gives it (head_dim: the config's,
-    which transformers takes from ``llama.rope.dimension_count``)."""
-    hidden, ffn, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    layer = {"input_layernorm": (hidden,), "post_attention_layernorm": (hidden,), "self_attn.q_proj": (q, hidden),
-             "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, q),
-             "mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden), "mlp.down_proj": (hidden, ffn)}
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
-              "lm_head.weight": (vocab, hidden)}
-    shapes.update({f"model.layers.{i}.{part}.weight": shape for i in range(config.num_hidden_layers)
-                   for part, shape in layer.items()})
-    return shapes
+    """Parameter name -> its shape in transformers' LlamaForCausalLM of ``config``, built on the meta device (no
+    memory): the shapes the metadata describes (head_dim from ``llama.rope.dimension_count``)."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
 def _unpermute(weights: torch.Tensor, heads: int) -> torch.Tensor:
