@@ -318,8 +318,12 @@ def test_an_interrupt_while_a_batch_is_kept_counts_that_batch(tmp_path, monkeypa
     monkeypatch.setattr(os, "fsync", interrupted)
     loaded = load_model(build_tiny_model(vocab_size=64))
     prompts = [[2 + i, 3 + i, 4 + i] for i in range(4)]
-    with pytest.raises(KeyboardInterrupt) as err:
-        self_distill(loaded, prompts, max_new_tokens=2, batch_size=2, progress=False, cache_dir=tmp_path)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's process has it (an xdist worker
+    try:                                                                # ignores SIGINT: nothing was raised there)
+        with pytest.raises(KeyboardInterrupt) as err:
+            self_distill(loaded, prompts, max_new_tokens=2, batch_size=2, progress=False, cache_dir=tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert err.value.distilled == (2, 4, 1)
     (partial,) = tmp_path.glob("*.partial.jsonl")
     assert [json.loads(line)["start"] for line in partial.read_text().splitlines()] == [0]
