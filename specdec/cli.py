@@ -558,9 +558,10 @@ class _Parser(argparse.ArgumentParser):
         stays silent, as argparse has it."""
         if file is not None and file is not sys.stdout:
             return super()._print_message(message, file)
+        stdout = _NamedStdout(sys.stdout)
         try:
-            _NamedStdout(sys.stdout).write(message)
-            _NamedStdout(sys.stdout).flush()
+            stdout.write(message)
+            stdout.flush()
         except BrokenPipeError:
             _silence_stdout()
         except StdoutError as err:
