@@ -243,10 +243,7 @@ def _record_text(path: Path, where: str, text, messages, text_field: str, messag
         raise TrainDataError(f"{path} {where}: {text_field!r} must be a string, got {type(text).__name__}")
     if messages is None:
         raise TrainDataError(f"{path} {where} has neither a {text_field!r} string nor {messages_field!r}")
-    if isinstance(messages, list) and messages and all(isinstance(m, dict) and m.keys() >= {"from", "value"}
-                                                       and "role" not in m for m in messages):
-        messages = [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]) if isinstance(m["from"], str) else m["from"],
-                     "content": m["value"]} for m in messages]
+    messages = _sharegpt_as_chat(messages)
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                  for m in messages):
         raise TrainDataError(f"{path} {where}: {messages_field!r} must be a list of {{role, content}} (or "
@@ -260,6 +257,16 @@ def _record_text(path: Path, where: str, text, messages, text_field: str, messag
     except Exception as err:  # jinja2's TemplateError (raise_exception), TypeError, transformers' ValueError, ...
         raise TrainDataError(f"{path} {where}: the tokenizer's chat template cannot render its {messages_field!r} "
                              f"({type(err).__name__}: {first_line(err)})") from err
+
+
+def _sharegpt_as_chat(messages):
+    """ShareGPT's messages (each ``{from, value}``, none with a role) as ``{role, content}``, its human / gpt / system
+    read as user / assistant / system (another sender, as written); any other messages as they are."""
+    if not (isinstance(messages, list) and messages
+            and all(isinstance(m, dict) and m.keys() >= {"from", "value"} and "role" not in m for m in messages)):
+        return messages
+    return [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]) if isinstance(m["from"], str) else m["from"],
+             "content": m["value"]} for m in messages]
 
 
 def _with_text_content(where: str, j: int, message: dict) -> dict:

@@ -161,9 +161,9 @@ def read_cache_entry(file: Path, field: str, sound: Callable[[list], bool]) -> l
         return None
     try:
         entry = json.loads(file.read_text(encoding="utf-8"))[field]
-        why = "not what this run asked for"
         if isinstance(entry, list) and sound(entry):
             return entry
+        why = "not what this run asked for"
     except (OSError, ValueError, KeyError, TypeError) as err:
         why = f"{type(err).__name__}: {err}"
     logger.warning("the cache file %s is damaged (%s); it is made again", file, why)
