@@ -15,6 +15,7 @@ from specdec.errors import InputError, InputTypeError
 from specdec.folder_lock import FolderInUse, only_writer
 from specdec.models import embedded
 from specdec.models.loader import load_model
+from specdec.testing import build_tiny_model
 
 
 def test_existing_conversion_is_reused_without_dequantizing(tmp_path, monkeypatch):
@@ -578,6 +579,18 @@ def test_a_tokenizer_json_the_tokenizers_library_cannot_parse_leaves_token_ids(t
         loaded = load_model(str(path))
     assert loaded.tokenizer is None and f"no tokenizer loaded from {path}" in caplog.text, caplog.text
     assert "token ids only" in caplog.text
+
+
+def test_a_model_saved_without_its_tokenizer_says_so_not_that_sentencepiece_is_missing(tmp_path, caplog):
+    """A folder holding a model saved alone (save_pretrained without the tokenizer) warned with transformers' reason
+    for a Llama model, "You need to have sentencepiece or tiktoken installed ...", cut at 300 characters mid-word."""
+    build_tiny_model().save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="specdec.models.loader"):
+        loaded = load_model(str(tmp_path))
+    assert loaded.tokenizer is None
+    assert [r.getMessage() for r in caplog.records if r.name == "specdec.models.loader"] == [
+        f"no tokenizer loaded from {tmp_path}: it holds no tokenizer files (tokenizer.json, tokenizer.model, "
+        "vocab.json, ...); token ids only"]
 
 
 def test_a_checkpoint_directory_named_like_a_gguf_file_loads_as_one(tmp_path):

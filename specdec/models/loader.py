@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import textwrap
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -105,7 +106,7 @@ def _config_invalid() -> tuple[type[BaseException], ...]:
 
 
 def _from_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     checkpoint_files.check_before_load(path)  # config.json, model type, no quantization, no pickles
     from safetensors import SafetensorError
@@ -123,14 +124,31 @@ def _from_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> tuple[
         raise InputError(f"{path / checkpoint_files.CONFIG} is not a valid config ({' '.join(str(err).split())})") \
             from err
     checkpoint_files.check_loaded(path, info)  # no tensor left to transformers' random initialisation
+    return model, _tokenizer(path, trust_remote_code)
+
+
+def _tokenizer(path: Path, trust_remote_code: bool) -> Any:
+    """The directory's tokenizer, or None (token ids only) with one warning line saying why: no tokenizer files
+    (a model saved alone, where transformers would blame a missing sentencepiece), or transformers' reason."""
+    from transformers import AutoTokenizer
+
+    if not any(_is_tokenizer_file(f.name) for f in path.iterdir()):
+        logger.warning("no tokenizer loaded from %s: it holds no tokenizer files (tokenizer.json, tokenizer.model, "
+                       "vocab.json, ...); token ids only", path)
+        return None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a tokenizer.json it cannot parse
-        # any failure leaves token ids, as a tokenizer that is missing or not JSON does: one line, no traceback kept
-        why = " ".join(str(err).split())[:300]
+        # any failure leaves token ids, as a tokenizer that is not JSON does: one line, no traceback kept
+        why = textwrap.shorten(str(err), 300, placeholder=" ...")
         logger.warning("no tokenizer loaded from %s (%s: %s); token ids only", path, type(err).__name__, why)
-        tokenizer = None
-    return model, tokenizer
+        return None
+
+
+def _is_tokenizer_file(name: str) -> bool:
+    """Whether transformers' tokenizers could read `name`: tokenizer.json / _config.json, sentencepiece models,
+    BPE / WordPiece vocabularies and merges, tiktoken files."""
+    return name.startswith(("tokenizer", "vocab", "merges")) or name.endswith((".model", ".tiktoken"))
 
 
 # Models loaded from a path, shared while someone still holds them (a second load_model of the same
