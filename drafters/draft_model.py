@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import textwrap
 import weakref
+from pathlib import Path
 from typing import Any
 
 from specdec.drafters.base import refusals_named
@@ -21,7 +23,7 @@ from specdec.drafters.model_drafter import DraftConfig, ModelDrafter
 from specdec.errors import InputError, InputTypeError, SpecdecError
 from specdec.kv_cache import PagedKVCache
 from specdec.models.llama import LlamaRunner
-from specdec.models.loader import load_model
+from specdec.models.loader import NO_TOKENIZER_FILES, holds_tokenizer_files, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +85,17 @@ def _tokenizer(spec: Any) -> Any:
         return spec
     from transformers import AutoTokenizer
 
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise InputError(f"draft-model: tokenizer={str(spec)!r} is not a directory (pass a tokenizer's directory or a "
+                         "transformers tokenizer)")
+    if not holds_tokenizer_files(path):
+        raise InputError(f"draft-model: tokenizer={str(spec)!r} {NO_TOKENIZER_FILES}")
     try:
-        return AutoTokenizer.from_pretrained(os.path.expanduser(spec), local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as err:
-        raise InputError(f"draft-model: tokenizer={str(spec)!r} holds no tokenizer ({' '.join(str(err).split())[:200]})"
-                         ) from err
+        raise InputError(f"draft-model: tokenizer={str(spec)!r} holds no tokenizer transformers can load "
+                         f"({textwrap.shorten(str(err), 200, placeholder=' ...')})") from err
 
 
 def num_params(module: Any) -> int:

@@ -45,6 +45,8 @@ from specdec.models.llama import LlamaRunner, check_supported
 
 logger = logging.getLogger(__name__)
 
+NO_TOKENIZER_FILES = "holds no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, ...)"
+
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the embedded GGUF (Q4_1) quantizes
 
 
@@ -132,9 +134,8 @@ def _tokenizer(path: Path, trust_remote_code: bool) -> Any:
     (a model saved alone, where transformers would blame a missing sentencepiece), or transformers' reason."""
     from transformers import AutoTokenizer
 
-    if not any(_is_tokenizer_file(f.name) for f in path.iterdir()):
-        logger.warning("no tokenizer loaded from %s: it holds no tokenizer files (tokenizer.json, tokenizer.model, "
-                       "vocab.json, ...); token ids only", path)
+    if not holds_tokenizer_files(path):
+        logger.warning("no tokenizer loaded from %s: it %s; token ids only", path, NO_TOKENIZER_FILES)
         return None
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
@@ -145,10 +146,12 @@ def _tokenizer(path: Path, trust_remote_code: bool) -> Any:
         return None
 
 
-def _is_tokenizer_file(name: str) -> bool:
-    """Whether transformers' tokenizers could read `name`: tokenizer.json / _config.json, sentencepiece models,
-    BPE / WordPiece vocabularies and merges, tiktoken files."""
-    return name.startswith(("tokenizer", "vocab", "merges")) or name.endswith((".model", ".tiktoken"))
+def holds_tokenizer_files(path: Path) -> bool:
+    """Whether the directory holds a file transformers' tokenizers read: tokenizer.json / _config.json, sentencepiece
+    models, BPE / WordPiece vocabularies and merges, tiktoken files (where it has none, transformers blames a missing
+    sentencepiece for a Llama model, which would not help)."""
+    return any(f.name.startswith(("tokenizer", "vocab", "merges")) or f.name.endswith((".model", ".tiktoken"))
+               for f in path.iterdir())
 
 
 # Models loaded from a path, shared while someone still holds them (a second load_model of the same
