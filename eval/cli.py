@@ -394,7 +394,7 @@ def _size_overrides(args) -> dict:
 def _check_identity_fits(loaded, prompts: list[list[int]], tokens: int) -> None:
     """Refuse, naming --identity-tokens, a size whose greedy answers would run past the model's context."""
     shape = loaded.runner.shape
-    limit = shape.max_positions  # the context, or the sliding window where smaller
+    limit = shape.max_positions  # the context, or the sliding window + 1 where smaller
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
     n = len(prompts[longest])
     if n + tokens > limit:

@@ -77,7 +77,7 @@ def check_prompts_fit(loaded: Any, conversations: list[Conversation], ids: dict[
     """Refuse, naming it, a prompt (``ids``: conversation index -> turn ``turn``'s prompt ids) whose answer of
     ``max_new_tokens`` would run past the model's context: before its cells are measured, not inside one."""
     shape = loaded.runner.shape
-    limit = shape.max_positions  # the context, or the sliding window where smaller
+    limit = shape.max_positions  # the context, or the sliding window + 1 where smaller
     for i, prompt in ids.items():
         if len(prompt) + max_new_tokens <= limit:
             continue

@@ -1,6 +1,7 @@
 """Sliding-window models (a tiny Mistral with a 16-token window): inside the window specdec's full attention is
-the model's windowed attention, so greedy output equals transformers' generate(); past it the two differ, so
-the request is refused with a message that names the window."""
+the model's windowed attention, so greedy output equals transformers' generate(), up to the window plus the last new
+token (which nothing attends from); past it the two differ, so the request is refused with a message that names the
+window."""
 from __future__ import annotations
 
 import pytest
@@ -22,7 +23,7 @@ def mistral():
 
 def test_the_window_is_the_runner_limit(mistral):
     shape = LlamaRunner(mistral).shape
-    assert shape.sliding_window == WINDOW and shape.max_positions == WINDOW
+    assert shape.sliding_window == WINDOW and shape.max_positions == WINDOW + 1
     plain = LlamaRunner(build_tiny_model("mistral", vocab_size=64)).shape  # sliding_window=None: the context
     assert plain.sliding_window is None and plain.max_positions == 512
 
@@ -38,11 +39,14 @@ def test_the_window_changes_the_model_past_it(mistral):
     assert (windowed_logits[WINDOW:] - full_logits[WINDOW:]).abs().amax() > 1e-2
 
 
+@pytest.mark.parametrize("total", [WINDOW - 1, WINDOW, WINDOW + 1])
 @pytest.mark.parametrize("drafter", [None, "ngram"])
-def test_greedy_equals_transformers_inside_the_window(drafter, device):
+def test_greedy_equals_transformers_inside_the_window(drafter, total, device):
+    """Up to the window plus one token: the last new token is attended from by nothing, so every query of a
+    sequence of WINDOW + 1 tokens still sees its whole prefix (it was refused, one token short of the limit)."""
     model = build_tiny_model("mistral", vocab_size=64, sliding_window=WINDOW).to(device)
     prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11]]
-    new = WINDOW - len(prompts[0])  # the longest prompt fills the window exactly
+    new = total - len(prompts[0])  # the longest prompt + its answer: `total` tokens
     options = dict(drafter=drafter, speculation="always") if drafter else {}
     out = specdec.generate(model, prompts, max_new_tokens=new, **options)
     for prompt, seq in zip(prompts, out, strict=True):
@@ -54,19 +58,20 @@ def test_greedy_equals_transformers_inside_the_window(drafter, device):
 def test_past_the_window_is_refused_before_generating(mistral):
     streamed = []
     with pytest.raises(InputError, match=f"sliding window of {WINDOW} tokens"):
-        specdec.generate(mistral, [[5, 6, 7, 8, 5, 6, 7]], max_new_tokens=WINDOW - 6,
+        specdec.generate(mistral, [[5, 6, 7, 8, 5, 6, 7]], max_new_tokens=WINDOW - 5,
                          streamer=lambda i, toks: streamed.append(toks))
     assert not streamed
 
 
 def test_the_message_names_the_window(mistral):
     shape = LlamaRunner(mistral).shape
-    shape.check_fits(7, WINDOW - 7)  # fits exactly
-    with pytest.raises(InputError, match=rf"prompt \(7 tokens\) \+ max_new_tokens \(10\) exceeds the model's "
-                                         rf"sliding window of {WINDOW} tokens \(config\.sliding_window\)"):
-        shape.check_fits(7, 10)
-    with pytest.raises(InputError, match=r"max_new_tokens \(10 \(max_length from kwargs\)\) exceeds .*sliding"):
-        shape.check_fits(7, 10, " (max_length from kwargs)")
+    shape.check_fits(7, WINDOW + 1 - 7)  # fits exactly
+    with pytest.raises(InputError, match=rf"prompt \(7 tokens\) \+ max_new_tokens \(11\) exceeds the model's "
+                                         rf"sliding window of {WINDOW} tokens plus the last new token "
+                                         rf"\({WINDOW + 1} in all\) \(config\.sliding_window\)"):
+        shape.check_fits(7, 11)
+    with pytest.raises(InputError, match=r"max_new_tokens \(11 \(max_length from kwargs\)\) exceeds .*sliding"):
+        shape.check_fits(7, 11, " (max_length from kwargs)")
     short = LlamaRunner(build_tiny_model("mistral", vocab_size=64, max_position_embeddings=12,
                                          sliding_window=WINDOW)).shape
     assert short.max_positions == 12  # a context shorter than the window is the limit, and named as such
@@ -121,9 +126,10 @@ def test_the_eval_commands_name_the_window_too(mistral):
 
     loaded = SimpleNamespace(runner=LlamaRunner(mistral))
     chat = [Conversation("chat", ("hi",), where="p.jsonl:1")]
-    with pytest.raises(InputError, match=rf"exceed the model's sliding window of {WINDOW} tokens; lower"):
-        check_prompts_fit(loaded, chat, {0: [5] * 10}, 1, 7)
-    with pytest.raises(ValueError, match=rf"exceeds the model's sliding window of {WINDOW} tokens; lower it to 6"):
-        _check_identity_fits(loaded, [[5] * 10], 7)
-    with pytest.raises(ValueError, match=rf"the prompt alone fills the sliding window of {WINDOW} tokens"):
-        _check_identity_fits(loaded, [[5] * WINDOW], 1)
+    window = rf"sliding window of {WINDOW} tokens plus the last new token \({WINDOW + 1} in all\)"
+    with pytest.raises(InputError, match=rf"exceed the model's {window}; lower --max-new-tokens to 7 or less"):
+        check_prompts_fit(loaded, chat, {0: [5] * 10}, 1, 8)
+    with pytest.raises(ValueError, match=rf"exceeds the model's {window}; lower it to 7"):
+        _check_identity_fits(loaded, [[5] * 10], 8)
+    with pytest.raises(ValueError, match=rf"the prompt alone fills the {window}"):
+        _check_identity_fits(loaded, [[5] * (WINDOW + 1)], 1)

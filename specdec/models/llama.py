@@ -7,8 +7,8 @@ references to the loaded transformers model's parameters: no weight is copied. T
 chosen when the runner is built (``specdec.kernels.dispatch``; Triton on CUDA by default): on the
 Triton backend each layer's element-wise steps run as fused Triton kernels, and attention follows
 the KV cache's backend; otherwise everything is PyTorch ops. Attention is full attention: a sliding-window
-model (Mistral, Qwen2/3 with ``use_sliding_window``) runs exactly up to its window, which becomes
-``shape.max_positions``; ``shape.check_fits`` refuses a longer request with a message naming the window.
+model (Mistral, Qwen2/3 with ``use_sliding_window``) runs exactly up to its window plus the last new token,
+which becomes ``shape.max_positions``; ``shape.check_fits`` refuses a longer request with a message naming the window.
 ``runner.invariant_mode(True)`` is the same runner in the bit-exact mode: every row's result independent of the
 other rows of the forward (:mod:`specdec.models.invariant_ops`).
 
@@ -52,18 +52,22 @@ class ModelShape:
     head_dim: int
     hidden_size: int
     vocab_size: int
-    max_positions: int  # positions specdec runs exactly: the context, or the sliding window when smaller
+    # tokens (prompt + new) specdec runs exactly: the context, or the sliding window + 1 when smaller (_shape)
+    max_positions: int
     sliding_window: int | None = None  # the window of a sliding-window model (Mistral, Qwen2/3 with one)
 
     @property
     def window_bound(self) -> bool:
-        """Whether ``max_positions`` is the sliding window (smaller than or equal to the context)."""
-        return self.sliding_window is not None and self.sliding_window == self.max_positions
+        """Whether ``max_positions`` is set by the sliding window (its window + 1, no more than the context)."""
+        return self.sliding_window is not None and self.sliding_window + 1 == self.max_positions
 
     @property
     def limit_words(self) -> str:
         """``max_positions`` as messages name it: the sliding window where it is the bound, else the context."""
-        return f"{'sliding window' if self.window_bound else 'context'} of {self.max_positions} tokens"
+        if self.window_bound:
+            return (f"sliding window of {self.sliding_window} tokens plus the last new token "
+                    f"({self.max_positions} in all)")
+        return f"context of {self.max_positions} tokens"
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int, note: str = "") -> None:
         """An InputError unless a prompt of ``prompt_tokens`` + ``max_new_tokens`` new tokens fits; for a
@@ -76,8 +80,8 @@ class ModelShape:
         if self.window_bound:
             raise InputError(
                 f"{asked} exceeds the model's {self.limit_words} (config.sliding_window): specdec computes full "
-                f"attention, which equals the model's windowed attention only while the whole sequence fits in the "
-                f"window; shorten the prompt or lower max_new_tokens"
+                f"attention, which equals the model's windowed attention only while every token it attends from "
+                f"(all but the last new one) sees the whole sequence; shorten the prompt or lower max_new_tokens"
             )
         raise InputError(f"{asked} exceeds the model's {self.limit_words}; shorten the prompt or lower max_new_tokens")
 
@@ -107,7 +111,8 @@ def sliding_window(config) -> int | None:
 
     The engine runs full attention over the whole sequence. A query at position i of a windowed layer sees
     positions (i - window, i] (transformers' sliding-window mask), the same keys as full attention while
-    i < window: so the runner's ``shape.max_positions`` stops at the window and generation is exact inside it.
+    i < window. The last new token is never a query (nothing is generated from it), so ``window + 1`` tokens in all
+    are exact: the runner's ``shape.max_positions`` stops there.
     Mistral windows every layer whenever ``sliding_window`` is set (transformers' Mistral reads neither
     ``layer_types`` nor ``use_sliding_window``); elsewhere ``layer_types`` (transformers 5: Qwen2 / Qwen3, per
     layer) decides where present, else ``sliding_window`` counts unless ``use_sliding_window`` is False (a Llama
@@ -262,7 +267,8 @@ def _shape(cfg) -> ModelShape:
     num_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
     window = sliding_window(cfg)
-    max_pos = cfg.max_position_embeddings if window is None else min(cfg.max_position_embeddings, window)
+    # the last new token is never attended from: every query stays inside a window up to window + 1 tokens
+    max_pos = cfg.max_position_embeddings if window is None else min(cfg.max_position_embeddings, window + 1)
     return ModelShape(cfg.num_hidden_layers, num_heads, cfg.num_key_value_heads, head_dim, cfg.hidden_size,
                       cfg.vocab_size, max_pos, window)
 
