@@ -9,6 +9,7 @@ import torch
 from scipy import stats
 
 import specdec
+from specdec.errors import InputError
 from specdec.kv_cache import CacheFullError
 from specdec.models.llama import UnsupportedModelError
 from specdec.testing import TINY_VARIANTS, build_tiny_model, build_tiny_tokenizer, ragged_prompts
@@ -269,11 +270,46 @@ def test_activation_and_rope_names_as_transformers_reads_them():
     want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
                           pad_token_id=0)[0].tolist()
     assert specdec.generate(model, [PROMPTS[0]], max_new_tokens=6)[0] == want
-    for kind, why in (("dynamic", "changes with the sequence length"), ("proportional", "not supported; supported")):
+    for kind, why in (("longrope", "changes with the sequence length"), ("su", "not supported; supported")):
         model.config.rope_parameters = {"rope_type": kind, "factor": 2.0, "rope_theta": 10000.0}
         with pytest.raises(UnsupportedModelError, match=f"RoPE type {kind!r} is not supported.*") as err:
             specdec.generate(model, [PROMPTS[0]], max_new_tokens=2)
-        assert why in str(err.value) and (kind == "dynamic") == ("sequence length" in str(err.value))
+        assert why in str(err.value) and (kind == "longrope") == ("sequence length" in str(err.value))
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa-tied", "qwen3-qknorm", "mistral"])
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "proportional", "factor": 2.0, "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    {"rope_type": "dynamic", "factor": 3.0, "rope_theta": 10000.0},
+], ids=["proportional", "dynamic"])
+def test_proportional_and_dynamic_rope_run_as_transformers(variant, rope):
+    """Proportional RoPE (rotating part of each head, the rest at frequency 0) has fixed frequencies, and dynamic NTK
+    RoPE keeps the ones it was built with until a sequence passes max_position_embeddings, which specdec never does:
+    both were refused. Greedy tokens up to the context equal transformers', plainly and speculating; a request past
+    the context is refused in one line naming max_new_tokens (and, for dynamic, why)."""
+    context = 40
+    model = build_tiny_model(variant, rope_parameters=rope, max_position_embeddings=context)
+    for prompt in PROMPTS[:2]:
+        want = hf_greedy(model, prompt, context - len(prompt))
+        assert specdec.generate(model, [prompt], max_new_tokens=context - len(prompt))[0] == want
+        assert specdec.generate(model, [prompt], max_new_tokens=context - len(prompt), drafter="ngram",
+                                speculation="always")[0] == want
+    dynamic = rope["rope_type"] == "dynamic"
+    with pytest.raises(InputError, match=rf"^prompt \(8 tokens\) \+ max_new_tokens \(33\) exceeds the model's "
+                                         rf"context of {context} tokens"
+                                         + (": past it transformers rescales the model's dynamic RoPE" if dynamic
+                                            else "; shorten")):
+        specdec.generate(model, [PROMPTS[0]], max_new_tokens=context - 7)
+    if dynamic:  # a forward past the context grew transformers' frequencies: refused until it restores them
+        with torch.no_grad():
+            model(torch.tensor([[1] * (context + 4)]))
+        with pytest.raises(UnsupportedModelError, match=rf"^the model's dynamic RoPE was rescaled by an earlier "
+                                                        rf"forward of {context + 4} tokens, past its context of "
+                                                        rf"{context}"):
+            specdec.generate(model, [PROMPTS[0]], max_new_tokens=2)
+        with torch.no_grad():
+            model(torch.tensor([[1] * 4]))
+        assert specdec.generate(model, [PROMPTS[0]], max_new_tokens=6)[0] == hf_greedy(model, PROMPTS[0], 6)
 
 
 def test_a_rope_type_transformers_cannot_build_and_partial_rotary_are_one_line(tmp_path):
@@ -288,7 +324,8 @@ def test_a_rope_type_transformers_cannot_build_and_partial_rotary_are_one_line(t
     config["rope_parameters"] = {"rope_type": "su", "rope_theta": 10000.0}
     (tmp_path / "su" / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match=r"^RoPE type 'su' \(config.json rope_parameters\) is not "
-                                                    "supported; supported: default, linear, llama3, yarn$"):
+                                                    "supported; supported: default, linear, llama3, yarn, "
+                                                    "proportional, and dynamic within the context$"):
         specdec.generate(str(tmp_path / "su"), [PROMPTS[0]], max_new_tokens=2)
     # beside a typed rope_parameters, a rope_scaling is what transformers builds (it replaces rope_parameters)
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}

@@ -523,8 +523,8 @@ def test_pickled_weights_are_never_loaded_and_the_refusal_says_how_to_convert(tm
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantized.*'gptq'"),
     ({"model_type": "mixtral"}, "model type 'mixtral' is not supported.*llama, mistral, qwen2, qwen3"),
     ({"model_type": "frobnicator"}, "model type 'frobnicator' is not supported"),
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},  # rope_scaling replaces rope_parameters whole
-     r"RoPE type 'dynamic' \(config.json rope_scaling\) is not supported"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}},  # rope_scaling replaces rope_parameters whole
+     r"RoPE type 'longrope' \(config.json rope_scaling\) is not supported"),
 ])
 def test_an_unsupported_config_is_refused_in_one_line_before_the_weights_load(tmp_path, monkeypatch, config, match):
     """A quantized config ended in transformers' ImportError (bitsandbytes / optimum missing: a traceback from the

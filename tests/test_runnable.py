@@ -106,16 +106,18 @@ def _embedding_max_norm(model, monkeypatch):
     return "model.embed_tokens is not an nn.Embedding without max_norm"
 
 
-def _dynamic_rotary_module(model, monkeypatch):
+def _longrope_rotary_module(model, monkeypatch):
     """A rotary module of another RoPE built in, the config left as it was."""
     import copy
 
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     config = copy.deepcopy(model.config)
-    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    half = config.hidden_size // config.num_attention_heads // 2
+    config.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half,
+                              "long_factor": [2.0] * half, "original_max_position_embeddings": 64}
     model.model.rotary_emb = LlamaRotaryEmbedding(config=config)
-    return "RoPE type 'dynamic' is not supported"
+    return "RoPE type 'longrope' is not supported"
 
 
 def _global_hook(model, monkeypatch):
@@ -155,7 +157,7 @@ _UNDO: list = []
 
 
 @pytest.mark.parametrize("change", [_lm_head_bias, _activation_identity, _norm_identity, _not_causal,
-                                    _embedding_max_norm, _dynamic_rotary_module, _global_hook, _attention_function,
+                                    _embedding_max_norm, _longrope_rotary_module, _global_hook, _attention_function,
                                     _patched_class, _patched_helper], ids=lambda f: f.__name__.strip("_"))
 def test_what_the_runner_takes_as_given_is_checked(change, monkeypatch):
     """Each ran without a refusal (most with other tokens than transformers' from the first one): a plain module

@@ -34,7 +34,11 @@ from specdec.models import invariant_ops, row_policy
 from specdec.models.fused_projections import LayerProjections
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # RoPE whose angles do not change with length
+# RoPE whose angles do not change with length (their frequencies: the rotary module's, as transformers built them)
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+# RoPE whose angles change only once a sequence passes the context (max_position_embeddings): transformers grows
+# dynamic NTK's base there, and below it keeps the frequencies it built, which specdec runs (it never passes it)
+CONTEXT_ROPE_TYPES = ("dynamic",)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ class ModelShape:
     # tokens (prompt + new) specdec runs exactly: the context, or the sliding window + 1 when smaller (_shape)
     max_positions: int
     sliding_window: int | None = None  # the window of a sliding-window model (Mistral, Qwen2/3 with one)
+    rope_grows: bool = False  # RoPE that transformers rescales past the context (CONTEXT_ROPE_TYPES)
 
     @property
     def window_bound(self) -> bool:
@@ -83,7 +88,10 @@ class ModelShape:
                 f"attention, which equals the model's windowed attention only while every token it attends from "
                 f"(all but the last new one) sees the whole sequence; shorten the prompt or lower max_new_tokens"
             )
-        raise InputError(f"{asked} exceeds the model's {self.limit_words}; shorten the prompt or lower max_new_tokens")
+        why = (": past it transformers rescales the model's dynamic RoPE, which specdec does not"
+               if self.rope_grows else "")
+        raise InputError(f"{asked} exceeds the model's {self.limit_words}{why}; shorten the prompt or lower "
+                         "max_new_tokens")
 
 
 @dataclass(frozen=True)
@@ -143,18 +151,26 @@ def check_supported(hf_model) -> None:
     if act not in ("silu", "swish"):  # transformers' two names of one function
         raise UnsupportedModelError(f"only SwiGLU MLPs (hidden_act='silu') are supported, got {act!r}")
     rope = rope_type(rope_parameters(config))
-    if rope in STATIC_ROPE_TYPES:  # and the rotary module's own (one built from another config), which runs
-        rope = getattr(getattr(hf_model.model, "rotary_emb", None), "rope_type", rope)
+    rotary = getattr(hf_model.model, "rotary_emb", None)
+    if rope in STATIC_ROPE_TYPES + CONTEXT_ROPE_TYPES:  # and the rotary module's own (one built from another
+        rope = getattr(rotary, "rope_type", rope)  # config), which runs
     check_rope_type(rope)
+    grown, context = getattr(rotary, "max_seq_len_cached", 0), getattr(rotary, "original_max_seq_len", 0)
+    if rope in CONTEXT_ROPE_TYPES and grown > context:
+        raise UnsupportedModelError(f"the model's dynamic RoPE was rescaled by an earlier forward of {grown} tokens, "
+                                    f"past its context of {context} (rotary_emb.max_seq_len_cached): specdec runs "
+                                    "the context's frequencies, which transformers restores only at its next "
+                                    "shorter forward; run the model once on a shorter input, or reload it")
 
 
 def check_rope_type(rope: str, where: str = "") -> None:
     """An UnsupportedModelError for a RoPE type the runner does not compute (``where``: the config key, for the
     message)."""
-    if rope not in STATIC_ROPE_TYPES:
-        why = " (it changes with the sequence length)" if rope in ("dynamic", "longrope") else ""
+    if rope not in STATIC_ROPE_TYPES + CONTEXT_ROPE_TYPES:
+        why = " (it changes with the sequence length)" if rope == "longrope" else ""
         raise UnsupportedModelError(f"RoPE type {rope!r}{where} is not supported{why}; supported: "
-                                    f"{', '.join(STATIC_ROPE_TYPES)}")
+                                    f"{', '.join(STATIC_ROPE_TYPES)}, and {', '.join(CONTEXT_ROPE_TYPES)} within "
+                                    "the context")
 
 
 def _attention_scale(layers, head_dim: int) -> float:
@@ -269,8 +285,9 @@ def _shape(cfg) -> ModelShape:
     window = sliding_window(cfg)
     # the last new token is never attended from: every query stays inside a window up to window + 1 tokens
     max_pos = cfg.max_position_embeddings if window is None else min(cfg.max_position_embeddings, window + 1)
+    grows = rope_type(rope_parameters(cfg)) in CONTEXT_ROPE_TYPES
     return ModelShape(cfg.num_hidden_layers, num_heads, cfg.num_key_value_heads, head_dim, cfg.hidden_size,
-                      cfg.vocab_size, max_pos, window)
+                      cfg.vocab_size, max_pos, window, grows)
 
 
 _PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
