@@ -23,10 +23,13 @@ TYPES = {"token_embd": Q.Q4_1, "output": Q.Q8_0, "attn_q": Q.Q4_1, "attn_k": Q.Q
 def write_llama_gguf(path, tied: bool = False, name: str = "tiny llama", extra: str | None = None, seed: int = 0,
                      arch: str = "llama", meta: dict | None = None, skip: tuple[str, ...] = (),
                      extra_tensors: dict[str, tuple[int, ...]] | None = None, tokens: bool = True,
-                     kv_heads: int | list[int] | None = KV_HEADS, rope_dims: int = HIDDEN // HEADS):
+                     kv_heads: int | list[int] | None = KV_HEADS, rope_dims: int = HIDDEN // HEADS,
+                     tokenizer: str | None = "gpt2", scores: bool = True):
     """A small llama-architecture GGUF of random weights, quantized as llama.cpp writes them (the rows of a
-    [out, in] matrix, ``in`` the fastest); ``arch`` names its architecture, ``meta`` adds metadata, ``skip`` leaves
-    tensors out, ``extra_tensors`` adds F32 ones, no ``tokens`` writes no vocabulary (``vocab_size`` instead), and
+    [out, in] matrix, ``in`` the fastest); ``arch`` names its architecture, ``meta`` adds metadata (a string, a
+    float, an int as uint32, a list as an array), ``skip`` leaves tensors out, ``extra_tensors`` adds F32 ones, no
+    ``tokens`` writes no vocabulary (``vocab_size`` instead), ``tokenizer`` is tokenizer.ggml.model (None: none), no
+    ``scores`` writes no token scores (from which transformers derives the merges the file lacks), and
     ``kv_heads`` None writes no KV head count (llama.cpp's default: as many as query heads), a list writes an array
     (the tensors shaped by its first count), ``rope_dims`` the rotary dimensions (llama.rope.dimension_count, which
     transformers takes for the head size; the tensors are shaped by HIDDEN // HEADS)."""
@@ -43,15 +46,19 @@ def write_llama_gguf(path, tied: bool = False, name: str = "tiny llama", extra: 
     if kv_heads is not None:
         w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
+    if tokenizer is not None:
+        w.add_tokenizer_model(tokenizer)
     if tokens:
         w.add_token_list([f"t{i}" for i in range(VOCAB)])
+        if scores:
+            w.add_token_scores([float(-i) for i in range(VOCAB)])
     else:
         w.add_vocab_size(VOCAB)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     for key, value in (meta or {}).items():
-        (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
+        adder = {str: w.add_string, int: w.add_uint32, list: w.add_array}.get(type(value), w.add_float32)
+        adder(key, value)
 
     def add(tensor_name: str, shape: tuple[int, ...], kind: str | None) -> None:
         data = rng.standard_normal(shape).astype(np.float32)
@@ -306,6 +313,52 @@ def test_a_file_without_a_vocabulary_converts_for_token_ids(tmp_path, caplog):
     assert "m.gguf holds no tokenizer (tokenizer.ggml.tokens): converted without one, for token ids only" in caplog.text
     assert json.loads((out / "config.json").read_text())["vocab_size"] == VOCAB
     assert not list(out.glob("tokenizer*"))
+
+
+TOKENIZER_FAULTS = {  # a file's tokenizer metadata -> (the message it is refused with, refused before any conversion)
+    "gpt2 without merges": (dict(scores=False), r": its 'gpt2' tokenizer \(tokenizer.ggml.model\) has no merges "
+                            r"\(tokenizer.ggml.merges\), so no tokenizer can be built from it$", True),
+    "llama without merges or scores": (dict(tokenizer="llama", scores=False),
+                                       r": its 'llama' tokenizer \(tokenizer.ggml.model\) has neither merges "
+                                       r"\(tokenizer.ggml.merges\) nor token scores \(tokenizer.ggml.scores\) to "
+                                       r"derive them from", True),
+    "no tokenizer type": (dict(tokenizer=None), r" holds a vocabulary \(tokenizer.ggml.tokens\) but no tokenizer "
+                                                r"type \(tokenizer.ggml.model\)", True),
+    "scores cut short": (dict(tokenizer="llama", scores=False, meta={"tokenizer.ggml.scores": [0.0, -1.0]}),
+                         rf": tokenizer.ggml.scores holds 2 values for {VOCAB} tokens \(tokenizer.ggml.tokens\)",
+                         True),
+    "token types cut short": (dict(meta={"tokenizer.ggml.token_type": [1, 3]}),
+                              rf": tokenizer.ggml.token_type holds 2 values for {VOCAB} tokens", True),
+    "pad id past the vocabulary": (dict(meta={"tokenizer.ggml.padding_token_id": 500}),
+                                   rf": tokenizer.ggml.padding_token_id is 500, not one of the file's {VOCAB} tokens",
+                                   True),
+    "merges of tokens not in the vocabulary": (dict(meta={"tokenizer.ggml.merges": ["t 1"]}),
+                                               r" from its tokenizer.ggml metadata: Error while initializing BPE: "
+                                               r"Token `t` out of vocabulary$", False),
+}
+
+
+@pytest.mark.parametrize("case", list(TOKENIZER_FAULTS))
+def test_tokenizer_metadata_no_tokenizer_is_built_from_is_one_line(tmp_path, monkeypatch, case):
+    """Tokenizer metadata transformers cannot build a tokenizer from failed as "cannot convert m.gguf: 'scores'" (no
+    merges), "list index out of range" (a special token id past the vocabulary) or a bare tokenizers Exception and
+    its traceback (merges of unknown tokens); per-token arrays cut short were read cut short. Each is one line naming
+    the key, before any conversion work where the metadata alone tells; nothing is cached."""
+    kwargs, message, early = TOKENIZER_FAULTS[case]
+    path = write_llama_gguf(tmp_path / "m.gguf", **kwargs)
+    if early:
+        _converting_fails(monkeypatch)
+    prefix = "" if early else r"cannot build the tokenizer of "
+    with pytest.raises(embedded.GGUFError, match=rf"^{prefix}{_at(path)}{message}") as err:
+        _convert(tmp_path, path)
+    assert "\n" not in str(err.value) and _nothing_cached(tmp_path)
+
+
+def test_a_sentencepiece_vocabulary_with_scores_still_converts(tmp_path):
+    """Scores alone are enough for transformers to derive a llama tokenizer's merges: not refused."""
+    path = write_llama_gguf(tmp_path / "m.gguf", tokenizer="llama")
+    out = _convert(tmp_path, path)
+    assert (out / "tokenizer.json").is_file()
 
 
 def test_the_cli_says_a_file_without_a_vocabulary_needs_one(tmp_path, monkeypatch, capsys):

@@ -13,8 +13,9 @@ needed).
 Any other ``.gguf`` file goes the same way; before converting one, :func:`check_gguf` walks
 its header and tensor table, so a truncated download fails at once with a :class:`GGUFError`
 naming the file, not with a parser's traceback halfway through the conversion, and
-:func:`check_convertible` reads its metadata, so an architecture specdec does not run or RoPE
-scaling no converter applies is refused before any conversion work. A conversion that leaves a
+:func:`check_convertible` reads its metadata, so an architecture specdec does not run, RoPE
+scaling no converter applies or tokenizer metadata no tokenizer is built from is refused before any conversion
+work. A conversion that leaves a
 model tensor unfilled (transformers' random init) or a file tensor unused is refused too: nothing
 is cached for a refused file.
 """
@@ -193,8 +194,8 @@ def _shown(names: list[str]) -> str:
 def check_convertible(path: Path) -> tuple[list[str], dict] | None:
     """``(tensor names, metadata)`` of the GGUF file ``path`` (which has passed :func:`check_gguf`), after refusing in
     one line, before any conversion work, a file that no conversion runs as written: an architecture specdec does not
-    run (:class:`UnsupportedModelError`), or RoPE scaling, which neither specdec's GGUF reader nor transformers'
-    applies (:class:`GGUFError`). None for a header this walker does not read (left to transformers)."""
+    run (:class:`UnsupportedModelError`), RoPE scaling, which neither specdec's GGUF reader nor transformers'
+    applies, or tokenizer metadata no tokenizer is built from (:class:`GGUFError`, :func:`_check_tokenizer`). None for a header this walker does not read (left to transformers)."""
     from specdec.models.llama import SUPPORTED_MODEL_TYPES, UnsupportedModelError
 
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
@@ -220,7 +221,40 @@ def check_convertible(path: Path) -> tuple[list[str], dict] | None:
     if scaling:
         raise GGUFError(f"{path} holds RoPE scaling ({'; '.join(scaling)}) that neither specdec's GGUF reader nor "
                         "transformers' applies; load the model's checkpoint directory instead")
+    _check_tokenizer(path, meta)
     return names, meta
+
+
+_SPECIAL_IDS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
+
+
+def _check_tokenizer(path: Path, meta: dict) -> None:
+    """Refuse in one line naming the key what transformers' GGUF tokenizer building fails on with a bare KeyError or
+    IndexError: no merges to build a BPE from (nor scores to derive them from), a special token id past the
+    vocabulary; and per-token arrays (scores, token types) of another length than the vocabulary, which it reads
+    cut short. A file without a vocabulary is converted without a tokenizer (:func:`_convert_into`)."""
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list):
+        return
+    kind = meta.get("tokenizer.ggml.model")
+    if kind is None:
+        raise GGUFError(f"{path} holds a vocabulary (tokenizer.ggml.tokens) but no tokenizer type "
+                        "(tokenizer.ggml.model), so no tokenizer can be built from it")
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        values = meta.get(key)
+        if isinstance(values, list) and len(values) != len(tokens):
+            raise GGUFError(f"{path}: {key} holds {len(values)} values for {len(tokens)} tokens "
+                            "(tokenizer.ggml.tokens): the file is damaged or was written wrong")
+    if kind in ("gpt2", "llama") and "tokenizer.ggml.merges" not in meta and "tokenizer.ggml.scores" not in meta:
+        missing = "no merges (tokenizer.ggml.merges)" if kind == "gpt2" else \
+            "neither merges (tokenizer.ggml.merges) nor token scores (tokenizer.ggml.scores) to derive them from"
+        raise GGUFError(f"{path}: its {kind!r} tokenizer (tokenizer.ggml.model) has {missing}, so no tokenizer can "
+                        "be built from it")
+    for name in _SPECIAL_IDS:
+        token = meta.get(f"tokenizer.ggml.{name}")
+        if token is not None and not (isinstance(token, int) and 0 <= token < len(tokens)):
+            raise GGUFError(f"{path}: tokenizer.ggml.{name} is {token!r}, not one of the file's {len(tokens)} tokens "
+                            "(tokenizer.ggml.tokens)")
 
 
 def _check_filled(path: Path, model, info: dict, header: tuple[list[str], dict] | None) -> None:
@@ -388,7 +422,14 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
                        gguf_path.name)
         tokenizer = None
     else:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        except (ImportError, OSError):  # a missing package or an unreadable file: said as such below
+            raise
+        except Exception as err:  # noqa: BLE001  (the tokenizers library raises a bare Exception on bad merges)
+            message = " ".join(str(err).split()) or type(err).__name__
+            raise GGUFError(f"cannot build the tokenizer of {gguf_path} from its tokenizer.ggml metadata: "
+                            f"{message}") from err
     read = gguf_llama.read_llama(gguf_path)  # a llama file, read directly; else None: through transformers
     if read is not None:
         config, state = read
