@@ -14,10 +14,9 @@ Any other ``.gguf`` file goes the same way; before converting one, :func:`check_
 its header and tensor table, so a truncated download fails at once with a :class:`GGUFError`
 naming the file, not with a parser's traceback halfway through the conversion, and
 :func:`check_convertible` reads its metadata, so an architecture specdec does not run, RoPE
-scaling no converter applies or tokenizer metadata no tokenizer is built from is refused before any conversion
-work. A conversion that leaves a
-model tensor unfilled (transformers' random init) or a file tensor unused is refused too: nothing
-is cached for a refused file.
+scaling no converter applies or tokenizer metadata no tokenizer is built from is refused before
+any conversion work. A conversion that leaves a model tensor unfilled (transformers' random init)
+or a file tensor unused is refused too: nothing is cached for a refused file.
 """
 from __future__ import annotations
 
@@ -195,7 +194,8 @@ def check_convertible(path: Path) -> tuple[list[str], dict] | None:
     """``(tensor names, metadata)`` of the GGUF file ``path`` (which has passed :func:`check_gguf`), after refusing in
     one line, before any conversion work, a file that no conversion runs as written: an architecture specdec does not
     run (:class:`UnsupportedModelError`), RoPE scaling, which neither specdec's GGUF reader nor transformers'
-    applies, or tokenizer metadata no tokenizer is built from (:class:`GGUFError`, :func:`_check_tokenizer`). None for a header this walker does not read (left to transformers)."""
+    applies, or tokenizer metadata no tokenizer is built from (:class:`GGUFError`, :func:`_check_tokenizer`). None
+    for a header this walker does not read (left to transformers)."""
     from specdec.models.llama import SUPPORTED_MODEL_TYPES, UnsupportedModelError
 
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
