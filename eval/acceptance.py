@@ -488,7 +488,8 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
             _write_cell(path, cell, digest, rank)
 
 
-def _process_state() -> Any:
+def process_state() -> Any:
+    """accelerate's state of this process (with several processes, their process group: gloo on the CPU)."""
     from accelerate import PartialState
 
     return PartialState(cpu=not torch.cuda.is_available())  # CPU-only: processes talk over gloo
@@ -498,7 +499,7 @@ def check_resume(loaded: Any, config: SuiteConfig, out: Path, categories: list[s
     """What a resume checks before it measures anything: ``settings.json`` and every finished cell of ``categories``
     (of every process's rank) must be of this run's settings (``ResumeError`` naming each file that is not); returns
     the settings. Every process checks every rank's cells, so all of them stop together on a bad one."""
-    state = _process_state()
+    state = process_state()
     settings = run_settings(model_identity(loaded), prompts_identity, config, state.num_processes,
                             speed_conditions(loaded))
     check_resumable(out, settings, True)
@@ -513,7 +514,7 @@ def run_suite(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
     """Run (or resume) every cell, sharded over the ``accelerate`` processes; returns merged cells keyed by
     (drafter, category). ``prompts_identity``: what the settings record as the prompts (default: ``prompts``; a
     multi-turn run gives its conversations, the same for every turn's call)."""
-    state = _process_state()
+    state = process_state()
     rank = state.process_index if state.num_processes > 1 else None
     identity = prompts if prompts_identity is None else prompts_identity
     settings = check_resume(loaded, config, out, list(prompts), identity) if resume else run_settings(

@@ -9,7 +9,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -23,7 +22,7 @@ from specdec.eval.report import PLOT_FILES
 
 from specdec.atomic_write import write_text
 from specdec.errors import require_package
-from specdec.folder_lock import only_writer
+from specdec.folder_lock import launch_writer, only_writer
 from specdec.models.embedded import DEFAULT_ALIAS
 from specdec.output_dirs import check_creatable, make_dir
 from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
@@ -471,12 +470,23 @@ def run_acceptance(args) -> int:
     # be good (a resume checks the earlier run's settings and cells itself), and once --out is held: never the files
     # of a run still writing there
     make_out_dir(out)
-    alone = int(os.environ.get("WORLD_SIZE", "1")) == 1  # the processes of one launch share --out and no hold
-    with only_writer(out, "--out") if alone else contextlib.nullcontext():  # no other run's cells under this report
-        if alone and not args.resume:  # checked again, now held: another run may have written here since
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1  # the processes of one launch share --out and one hold
+    # no other run's cells under this report
+    with launch_writer(out, "--out", os.environ.get("RANK", "0") == "0", _from_main if several else None):
+        if not args.resume:  # checked again, now held: another run may have written here since
             earlier = check_earlier_run(out, ACCEPTANCE_FILES, args.overwrite, resumable=True)
         _clear_earlier_run(earlier)
         return _acceptance_held(args, loaded, conversations, config, held, out)
+
+
+def _from_main(value):
+    """The main process's ``value`` on every process of the launch: a broadcast over accelerate's process group
+    (gloo on the CPU)."""
+    from accelerate.utils import broadcast_object_list
+    from specdec.eval.acceptance import process_state
+
+    process_state()  # the process group, made once
+    return broadcast_object_list([value])[0]
 
 
 def _acceptance_held(args, loaded, conversations: list, config, held: list, out: Path) -> int:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 from specdec.eval.acceptance import cell_path
 
-from specdec.folder_lock import FolderInUse, only_writer
+from specdec.folder_lock import FolderInUse, launch_writer, only_writer
 from specdec.testing import save_tiny_checkpoint
 from tests.cli_runs import run_main
 
@@ -79,6 +80,74 @@ def test_an_acceptance_run_is_refused_while_another_writes_its_out(model, tmp_pa
         code, captured = run_main([*argv, "--overwrite"], capsys)
     assert code == 2 and "another run is writing there now" in captured.err
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
+def _launch(folder, body) -> list:
+    """Two processes of one launch (threads here), each entering :func:`launch_writer` on ``folder`` and running
+    ``body(rank)`` inside it, with a broadcast from rank 0; returns each one's outcome: its body's, or its refusal."""
+    slot, meet = [], threading.Barrier(2, timeout=60)
+    outcomes: list = [None, None]
+
+    def broadcast(rank: int, value):
+        if rank == 0:
+            slot.append(value)
+        meet.wait()
+        return slot[0]
+
+    def process(rank: int) -> None:
+        try:
+            with launch_writer(folder, "--out", rank == 0, lambda value: broadcast(rank, value)):
+                outcomes[rank] = body(rank)
+        except FolderInUse as err:
+            outcomes[rank] = str(err)
+
+    processes = [threading.Thread(target=process, args=(rank,)) for rank in (0, 1)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join()
+    return outcomes
+
+
+def test_every_process_of_a_launch_stops_on_the_main_ones_refusal(tmp_path):
+    """Under `accelerate launch --num_processes 2` --out was not held at all (the main process alone could hold it,
+    and the others would not have seen its refusal): two launches into one --out measured cells together."""
+    with only_writer(tmp_path, "--out"):  # the other launch's hold
+        outcomes = _launch(tmp_path, lambda rank: "ran")
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0].startswith(f"--out {tmp_path}: another run is writing there now")
+
+    def held(rank: int) -> bool | None:  # while the main process runs, another run is refused
+        if rank == 1:
+            return None
+        try:
+            with only_writer(tmp_path, "--out"):
+                return False
+        except FolderInUse:
+            return True
+
+    assert _launch(tmp_path, held) == [True, None]
+
+
+def test_a_launch_of_several_processes_is_refused_while_another_writes_its_out(model, tmp_path, capsys,
+                                                                              monkeypatch):
+    """The main process of `accelerate launch --num_processes 2 ... eval acceptance` into an --out another run
+    writes: refused in one line (here one process stands for the launch, its broadcast handing back its own
+    outcome)."""
+    import specdec.eval.cli as eval_cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(eval_cli, "_from_main", lambda value: value, raising=False)
+    monkeypatch.setattr(eval_cli, "_acceptance_held", lambda *a, **k: pytest.fail("the refused run ran"))
+    out = tmp_path / "run"
+    out.mkdir()
+    with only_writer(out, "--out"):
+        code, captured = run_main(["eval", "acceptance", "--model", model, "--categories", "qa", "--prompts", "1",
+                                   "--drafters", "ngram", "--max-new-tokens", "2", "--no-hf-baseline", "--no-plots",
+                                   "--out", str(out)], capsys)
+    assert code == 2 and captured.err.count("\n") == 1 and "another run is writing there now" in captured.err
+    assert list(out.iterdir()) == []
 
 
 def test_a_file_system_without_flock_holds_nothing_and_refuses_nothing(tmp_path, monkeypatch, caplog):
