@@ -349,6 +349,26 @@ def test_a_damaged_self_distillation_cache_file_is_made_again(tmp_path, monkeypa
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [f"the cache file {file} is damaged"]
 
 
+def test_partial_files_left_beside_a_whole_self_distillation_cache_entry_are_removed(tmp_path, monkeypatch):
+    """A run killed after writing the whole cache entry, before removing its partial files, left them on disk for
+    good: the next run served the entry and never read them again. It removes them now, the entry kept."""
+    calls = []
+    monkeypatch.setattr(importlib.import_module("specdec.generate"), "generate", lambda model, chunk, **kw:
+                        calls.append(len(chunk)) or SimpleNamespace(new_tokens=[[1, 1]] * len(chunk)))
+    loaded = load_model(build_tiny_model(vocab_size=64))
+    common = dict(max_new_tokens=2, batch_size=2, progress=False, cache_dir=tmp_path)
+    first = self_distill(loaded, [[5, 6, 7], [8, 9]], **common)
+    (file,) = tmp_path.glob("*.json")
+    key = file.name.removesuffix(".json")
+    left = [tmp_path / f"{key}.partial.jsonl", tmp_path / f"{key}.partial.1.jsonl"]
+    for partial in left:
+        partial.write_text(json.dumps({"start": 0, "sequences": first}) + "\n")
+    other = tmp_path / "0123456789abcdef01234567.partial.jsonl"  # another entry's, which may be under way
+    other.write_text("")
+    assert self_distill(loaded, [[5, 6, 7], [8, 9]], **common) == first and calls == [2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([file.name, other.name])
+
+
 def _shared_distillation(cache_dir):
     """The shared self-distillation tests' data: a tiny model, 7 prompts (4 batches of 2), sampled with one seed,
     and one process's sequences for them (cached in ``cache_dir``)."""

@@ -124,6 +124,7 @@ def self_distill(loaded, prompts: list[str] | list[list[int]], *, max_new_tokens
         views = team.exchange((cached is not None, whole))  # what each process found: a cache, finished batches
         if all(found for found, _ in views):
             logger.info("self-distillation cache hit: %s", file)
+            _remove_partials(cache, key, team.index)  # a run killed after writing the entry, before removing them
             return cached
         todo = _what_is_left(held, [set(w) for _, w in views], len(ids), batch_size, team, cache)
         if todo:
@@ -142,7 +143,7 @@ def self_distill(loaded, prompts: list[str] | list[list[int]], *, max_new_tokens
                                 progress and team.index == 0)
         seconds = time.perf_counter() - t0
         out = [held[i] for i in range(len(ids))]
-        _cache_whole(file, out, _partial_files(cache, key), _partial_file(cache, key, team.index), team)
+        _cache_whole(file, out, cache, key, team)
     except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM through the CLI: it names what is kept (train/cli.py)
         err.distilled = (len(held), len(ids), team.size)  # several processes: those this one knows of
         raise
@@ -228,19 +229,25 @@ def _in_rounds(answers, todo: list[int], batch_size: int, ids: list[list[int]], 
     return new_tokens
 
 
-def _cache_whole(file: Path, out: list[list[int]], partials: list[Path], own: Path, team: Team) -> None:
+def _cache_whole(file: Path, out: list[list[int]], cache: Path, key: str, team: Team) -> None:
     """Write the whole distillation to ``file`` and remove the partial files: the first process, then every other
     whose cache directory is not the first one's (another node's disk) and so lacks ``file``, each its own partial
     file (one writer per directory: two with one process id, on two nodes, would share a temporary file)."""
     if team.index == 0:
         write_json(file, {"sequences": out})
-        for partial in partials:  # every process's: they have finished appending
-            partial.unlink(missing_ok=True)
+        _remove_partials(cache, key, 0)  # every process's: they have finished appending
     team.meet()
     if team.index > 0:
         if not file.is_file():
             write_json(file, {"sequences": out})
-        own.unlink(missing_ok=True)
+        _remove_partials(cache, key, team.index)
+
+
+def _remove_partials(cache: Path, key: str, index: int) -> None:
+    """Once the whole entry of ``key`` is written: the first process removes every process's partial file, any other
+    process its own (another node's disk holds no one else's)."""
+    for partial in _partial_files(cache, key) if index == 0 else [_partial_file(cache, key, index)]:
+        partial.unlink(missing_ok=True)
 
 
 def _partial_file(cache: Path, key: str, index: int) -> Path:
