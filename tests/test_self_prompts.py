@@ -4,10 +4,12 @@ template and a config that mixes sources are refused."""
 from __future__ import annotations
 
 import importlib
+import json
 from types import SimpleNamespace
 
 import pytest
 from specdec.train import self_prompts
+from specdec.train.cli import _what_is_left
 from specdec.train.config import TrainConfig
 from specdec.train.data import TrainDataError
 
@@ -102,6 +104,73 @@ def test_processes_write_the_prompts_together_and_all_get_those_of_one(tmp_path,
     two = run_as_team(2, lambda team: self_prompts.self_written_prompts(loaded, 5, batch_size=2, progress=False,
                                                                         cache_dir=tmp_path / "two", team=team))
     assert two == [one, one] and sorted(calls) == [0, 1, 2, 3]  # batch 3, of the second round, is not needed
+
+
+def _turns_by_batch(tok, end):
+    """A stand-in for the target's draws: batch k (its first draw's number in its seed) writes two user turns, the
+    first of them the same every other batch (a duplicate, dropped), so each batch gives one or two prompts."""
+    things = ["apples", "boats", "clouds", "drums", "eels", "flutes", "gulls", "harps"]
+
+    def fake_generate(model, prompts, *, seed, **kwargs):
+        k = seed % 1_000_003 // 2
+        turns = [f"talk to me about {things[k % 2]}", f"please describe the {things[k]}"]
+        return SimpleNamespace(new_tokens=[tok(t, add_special_tokens=False)["input_ids"] + [end] for t in turns])
+
+    return fake_generate
+
+
+def test_interrupted_self_written_prompts_continue_from_the_finished_batches(tmp_path, monkeypatch):
+    """`--prompt-source self` stopped part-way (Ctrl-C, SIGTERM, a kill) kept nothing: a rerun drew every prompt
+    again. Finished batches of draws are kept now, and a rerun draws only the rest: the prompts of one whole run."""
+    loaded = _loaded()
+    fake = _turns_by_batch(loaded.tokenizer, loaded.model.config.eos_token_id)
+    monkeypatch.setattr(generate_module, "generate", fake)
+    common = dict(seed=3, batch_size=2, progress=False)
+    whole = self_prompts.self_written_prompts(loaded, 6, cache_dir=tmp_path / "whole", **common)
+    calls = []
+
+    def interrupted_at_the_third_batch(model, prompts, *, seed, **kwargs):
+        calls.append(seed % 1_000_003)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return fake(model, prompts, seed=seed, **kwargs)
+
+    monkeypatch.setattr(generate_module, "generate", interrupted_at_the_third_batch)
+    with pytest.raises(KeyboardInterrupt) as err:
+        self_prompts.self_written_prompts(loaded, 6, cache_dir=tmp_path / "part", **common)
+    assert _what_is_left(tmp_path / "run", err.value) == (  # the CLI's last line said that a rerun starts again
+        "the target's own prompts: the batches it finished are kept (4 of 6 prompts found), so a rerun draws only "
+        "the rest")
+    (partial,) = (tmp_path / "part").glob("*.partial.jsonl")
+    with open(partial, "a") as f:
+        f.write('{"start": 4, "sequ')  # a line cut short by a kill mid-append: dropped
+    calls.clear()
+    assert self_prompts.self_written_prompts(loaded, 6, cache_dir=tmp_path / "part", **common) == whole
+    assert calls == [4, 6] and [p.suffix for p in (tmp_path / "part").iterdir()] == [".json"]
+
+
+def test_processes_continue_the_prompts_their_interrupted_runs_kept(tmp_path, monkeypatch):
+    """Two processes stopped after their first round leave a batch each in their partial files; a rerun with another
+    number of processes draws only the rest, and every process gets the prompts of one process's whole run."""
+    from tests.thread_teams import run_as_team
+
+    loaded = _loaded()
+    fake = _turns_by_batch(loaded.tokenizer, loaded.model.config.eos_token_id)
+    monkeypatch.setattr(generate_module, "generate", fake)
+    common = dict(seed=0, batch_size=2, progress=False)
+    whole = self_prompts.self_written_prompts(loaded, 6, cache_dir=tmp_path / "whole", **common)
+    key = self_prompts._cache_file(loaded, 6, 0, 2, tmp_path, False).stem
+    tmp_path.joinpath(f"{key}.partial.jsonl").write_text(
+        json.dumps({"start": 0, "sequences": fake(None, None, seed=0).new_tokens}) + "\n")
+    tmp_path.joinpath(f"{key}.partial.1.jsonl").write_text(
+        json.dumps({"start": 2, "sequences": fake(None, None, seed=2).new_tokens}) + "\n")
+    calls = []
+    monkeypatch.setattr(generate_module, "generate", lambda model, prompts, *, seed, **kw: calls.append(seed)
+                        or fake(model, prompts, seed=seed, **kw))
+    got = run_as_team(3, lambda team: self_prompts.self_written_prompts(loaded, 6, cache_dir=tmp_path, team=team,
+                                                                        **common))
+    assert got == [whole] * 3 and sorted(calls) == [4, 6, 8]  # the round of batches 4, 6 and 8; 8 not needed
+    assert [p.name for p in tmp_path.glob(f"{key}*")] == [f"{key}.json"]
 
 
 def test_a_model_that_never_ends_its_turn_or_has_no_chat_template_is_refused(tmp_path, monkeypatch):

@@ -211,7 +211,8 @@ def _config(args):
 def _what_is_left(out: Path, interrupt: KeyboardInterrupt | None = None) -> str:
     """After Ctrl-C: the checkpoint a --resume continues from (saved by the interrupt, or earlier), or that there is
     none; and the steps lost since, where the interrupt could not save them (train/interrupt_saves.py). Interrupted
-    while self-distilling: the answers it kept (train/distill.py)."""
+    while self-distilling: the answers it kept (train/distill.py); while the target wrote its prompts: those it
+    found (train/self_prompts.py)."""
     from specdec.train.checkpoint import find_checkpoint, read_state
 
     saved = getattr(interrupt, "saved_step", None)
@@ -229,6 +230,12 @@ def _what_is_left(out: Path, interrupt: KeyboardInterrupt | None = None) -> str:
             known = f" (at least {answers} of {prompts} prompts)" if answers else ""
             kept = f"self-distillation kept the answers its processes finished{known}"
         kept += ", so a rerun generates only the rest"
+        return kept if ckpt is None else f"{kept}; {_what_is_left(out)}"
+    prompted = getattr(interrupt, "self_prompted", None)
+    if prompted is not None:  # the target writing its prompts (train/self_prompts.py): its finished batches are kept
+        found, asked = prompted
+        kept = f"the target's own prompts: the batches it finished are kept ({found} of {asked} prompts found), so " \
+               "a rerun draws only the rest"
         return kept if ckpt is None else f"{kept}; {_what_is_left(out)}"
     if ckpt is None:
         return f"it saved no checkpoint yet (see --save-every), so a rerun starts again{lost}"

@@ -117,16 +117,16 @@ def self_distill(loaded, prompts: list[str] | list[list[int]], *, max_new_tokens
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     file = cache / f"{key}.json"
     cached = read_cache_entry(file, "sequences", lambda seqs: len(seqs) == len(ids) and _continue(seqs, ids))
-    held = dict(enumerate(cached)) if cached is not None else _kept_answers(cache, key, ids, team.index)
+    held = dict(enumerate(cached)) if cached is not None else kept_answers(cache, key, ids, team.index)
     starts = range(0, len(ids), batch_size)  # a batch is these prompts whoever generates it: a sampled one's seed too
     whole = [s for s in starts if all(i in held for i in range(s, min(s + batch_size, len(ids))))]
     try:
         views = team.exchange((cached is not None, whole))  # what each process found: a cache, finished batches
         if all(found for found, _ in views):
             logger.info("self-distillation cache hit: %s", file)
-            _remove_partials(cache, key, team.index)  # a run killed after writing the entry, before removing them
+            remove_partials(cache, key, team.index)  # a run killed after writing the entry, before removing them
             return cached
-        todo = _what_is_left(held, [set(w) for _, w in views], len(ids), batch_size, team, cache)
+        todo = what_is_left(held, [set(w) for _, w in views], len(ids), batch_size, team, cache)
         if todo:
             one_row_policy(loaded, team)
         graphed = (decoding_graphs(loaded, [len(p) for p in ids], max_new_tokens, batch_size)
@@ -139,11 +139,11 @@ def self_distill(loaded, prompts: list[str] | list[list[int]], *, max_new_tokens
             return [list(p) + list(n) for p, n in zip(chunk, res.new_tokens, strict=True)]
 
         t0 = time.perf_counter()  # graph capture counted: it is part of what the recipe pays
-        new_tokens = _in_rounds(answers, todo, batch_size, ids, held, team, _partial_file(cache, key, team.index),
+        new_tokens = _in_rounds(answers, todo, batch_size, ids, held, team, partial_file(cache, key, team.index),
                                 progress and team.index == 0)
         seconds = time.perf_counter() - t0
         out = [held[i] for i in range(len(ids))]
-        _cache_whole(file, out, cache, key, team)
+        cache_whole(file, {"sequences": out}, cache, key, team)
     except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM through the CLI: it names what is kept (train/cli.py)
         err.distilled = (len(held), len(ids), team.size)  # several processes: those this one knows of
         raise
@@ -176,11 +176,12 @@ def _continue(seqs: list, prompts: list[list[int]]) -> bool:
     return all(isinstance(s, list) and s[: len(p)] == list(p) for s, p in zip(seqs, prompts, strict=True))
 
 
-def _what_is_left(held: dict[int, list[int]], found: list[set[int]], n: int, batch_size: int, team: Team,
-                  cache: Path) -> list[int]:
+def what_is_left(held: dict[int, list[int]], found: list[set[int]], n: int, batch_size: int, team: Team,
+                 cache: Path, what: str = "self-distillation", unit: str = "prompts") -> list[int]:
     """The starts of the batches no process holds whole (``found``: the starts each process holds). Where the
     processes found different ones (caches that are not one directory: each node its own disk), the first process
-    holding a batch another lacks sends it (an exchange every process makes, or none does)."""
+    holding a batch another lacks sends it (an exchange every process makes, or none does). ``what`` and ``unit``:
+    the job and what its ``n`` counts, as the log line names them."""
     done = set().union(*found)
     if done != set.intersection(*found):
         mine = {s: [held[i] for i in range(s, min(s + batch_size, n))] for s in sorted(done)
@@ -189,8 +190,8 @@ def _what_is_left(held: dict[int, list[int]], found: list[set[int]], n: int, bat
             for s, seqs in theirs.items():
                 held.update(enumerate(seqs, s))
     if done:
-        logger.info("self-distillation continues an interrupted run: %d of %d prompts were done (%s)",
-                    sum(min(batch_size, n - s) for s in done), n, cache)
+        logger.info("%s continues an interrupted run: %d of %d %s were done (%s)", what,
+                    sum(min(batch_size, n - s) for s in done), n, unit, cache)
     return [s for s in range(0, n, batch_size) if s not in done]
 
 
@@ -210,13 +211,7 @@ def _in_rounds(answers, todo: list[int], batch_size: int, ids: list[list[int]], 
         made = {}
         if start is not None:
             made[start] = answers(start)
-            # kept before the next batch starts; an interrupt waits until the line is written and counted in held
-            # (the CLI's last line names that count): between the two, it named one batch fewer than were kept
-            with interrupts_deferred(), open(own, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"start": start, "sequences": made[start]}) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-                held.update(enumerate(made[start], start))
+            keep_batch(own, start, made[start], held)
         for theirs in team.exchange(made):  # every process's batch of this round
             for s, seqs in theirs.items():
                 held.update(enumerate(seqs, s))
@@ -229,28 +224,40 @@ def _in_rounds(answers, todo: list[int], batch_size: int, ids: list[list[int]], 
     return new_tokens
 
 
-def _cache_whole(file: Path, out: list[list[int]], cache: Path, key: str, team: Team) -> None:
-    """Write the whole distillation to ``file`` and remove the partial files: the first process, then every other
-    whose cache directory is not the first one's (another node's disk) and so lacks ``file``, each its own partial
-    file (one writer per directory: two with one process id, on two nodes, would share a temporary file)."""
+def keep_batch(own: Path, start: int, seqs: list[list[int]], held: dict[int, list[int]]) -> None:
+    """Append the finished batch ``seqs`` of the sequences from ``start`` on to the partial file ``own`` (on disk
+    before the next batch starts), and count it in ``held``: an interrupt waits until both are done (the CLI's last
+    line names that count; between the two, it named one batch fewer than were kept)."""
+    with interrupts_deferred(), open(own, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"start": start, "sequences": seqs}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+        held.update(enumerate(seqs, start))
+
+
+def cache_whole(file: Path, record: dict, cache: Path, key: str, team: Team) -> None:
+    """Write the whole ``record`` (the distillation's, the self-written prompts') to ``file`` and remove the partial
+    files: the first process, then every other whose cache directory is not the first one's (another node's disk)
+    and so lacks ``file``, each its own partial file (one writer per directory: two with one process id, on two
+    nodes, would share a temporary file)."""
     if team.index == 0:
-        write_json(file, {"sequences": out})
-        _remove_partials(cache, key, 0)  # every process's: they have finished appending
+        write_json(file, record)
+        remove_partials(cache, key, 0)  # every process's: they have finished appending
     team.meet()
     if team.index > 0:
         if not file.is_file():
-            write_json(file, {"sequences": out})
-        _remove_partials(cache, key, team.index)
+            write_json(file, record)
+        remove_partials(cache, key, team.index)
 
 
-def _remove_partials(cache: Path, key: str, index: int) -> None:
+def remove_partials(cache: Path, key: str, index: int) -> None:
     """Once the whole entry of ``key`` is written: the first process removes every process's partial file, any other
     process its own (another node's disk holds no one else's)."""
-    for partial in _partial_files(cache, key) if index == 0 else [_partial_file(cache, key, index)]:
+    for partial in _partial_files(cache, key) if index == 0 else [partial_file(cache, key, index)]:
         partial.unlink(missing_ok=True)
 
 
-def _partial_file(cache: Path, key: str, index: int) -> Path:
+def partial_file(cache: Path, key: str, index: int) -> Path:
     """Where process ``index`` appends its finished batches (each process its own file: no two append to one)."""
     return cache / (f"{key}.partial.jsonl" if index == 0 else f"{key}.partial.{index}.jsonl")
 
@@ -259,14 +266,14 @@ def _partial_files(cache: Path, key: str) -> list[Path]:
     return sorted(cache.glob(f"{key}.partial*.jsonl"))
 
 
-def _kept_answers(cache: Path, key: str, ids: list[list[int]], index: int) -> dict[int, list[int]]:
+def kept_answers(cache: Path, key: str, ids: list[list[int]], index: int) -> dict[int, list[int]]:
     """The answers (by prompt index) of the batches interrupted runs appended to the partial files, whichever process
     wrote them; process ``index``'s own file is rewritten to hold only those (a line cut short by a kill, and
     anything after it, is dropped), so its batches of this run append after whole lines. Creates the cache
     directory."""
     cache.mkdir(parents=True, exist_ok=True)
     held: dict[int, list[int]] = {}
-    own = _partial_file(cache, key, index)
+    own = partial_file(cache, key, index)
     for partial in _partial_files(cache, key):
         try:
             lines = partial.read_text(encoding="utf-8").splitlines()

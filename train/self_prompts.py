@@ -19,9 +19,20 @@ import re
 from pathlib import Path
 
 from specdec.train.data import TrainDataError
+from specdec.train.distill import (
+    cache_whole,
+    decoding_graphs,
+    keep_batch,
+    kept_answers,
+    one_row_policy,
+    partial_file,
+    read_cache_entry,
+    remove_partials,
+    use_graphs,
+    what_is_left,
+)
 from specdec.train.process_team import Team
 
-from specdec.atomic_write import write_json
 from specdec.models.embedded import cache_root
 
 logger = logging.getLogger(__name__)
@@ -90,62 +101,38 @@ def self_written_prompts(loaded, n: int, *, seed: int = 0, batch_size: int = 64,
     ``cuda_graphs``: as in :func:`specdec.train.distill.use_graphs` (None: where they are captured). ``team``:
     the processes of a run writing them together (train/process_team.py), each every ``team.size``-th batch of
     draws, exchanged round by round; the batches are read in order, so every process returns the prompts of a run
-    of one process (a batch's seed is its first draw's number, whoever draws it)."""
-    from specdec.train.distill import decoding_graphs, one_row_policy, read_cache_entry, use_graphs
-
-    from specdec.generate import generate
-
+    of one process (a batch's seed is its first draw's number, whoever draws it). Each finished batch of draws is
+    kept in the cache's partial files as self-distillation keeps its batches (train/distill.py), so a run
+    interrupted part-way draws only the batches still missing when run again with the same settings."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     team = team or Team.alone()
     graphs = use_graphs(loaded, cuda_graphs)
     file = _cache_file(loaded, n, seed, batch_size, cache_dir, graphs)
+    cache, key = file.parent, file.stem
     cached = read_cache_entry(file, "prompts", lambda ps: 0 < len(ps) <= n and all(isinstance(p, str) for p in ps))
     if all(team.exchange(cached is not None)):
         logger.info("self-written prompts: cache hit %s", file)
+        remove_partials(cache, key, team.index)  # a run killed after writing the entry, before removing them
         return cached
-    one_row_policy(loaded, team)
+    starts = range(0, 4 * n, batch_size)  # the first draw of each batch, 4 n draws at most
+    draws = len(starts) * batch_size
+    held = kept_answers(cache, key, [[]] * draws, team.index)  # each draw's new tokens, by its number
+    whole = [s for s in starts if all(i in held for i in range(s, s + batch_size))]
+    todo = what_is_left(held, [set(w) for w in team.exchange(whole)], draws, batch_size, team, cache,
+                        "writing prompts", "draws")
     tok = loaded.tokenizer
-    prefix, held_out = user_turn_prefix(tok), held_out_words()
-    graphed = decoding_graphs(loaded, [len(prefix)] * batch_size, MAX_TOKENS, batch_size) if graphs else False
-    end = _end_of_turn(loaded)
-    prompts: list[str] = []
-    seen: set[str] = set()
-    drawn = dropped_close = 0
-    bar = None
-    if progress and team.index == 0:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=n, unit="prompt", desc="prompts by the target", disable=None)
-    for mine, firsts in team.rounds(range(0, 4 * n, batch_size)):  # the first draw of each batch, 4 n draws at most
-        made = None
-        if mine is not None:
-            res = generate(loaded, [prefix] * batch_size, max_new_tokens=MAX_TOKENS, do_sample=True,
-                           temperature=TEMPERATURE, top_k=0, top_p=TOP_P, seed=seed * 1_000_003 + mine,
-                           return_dict=True, cuda_graphs=graphed)
-            made = [list(new) for new in res.new_tokens]
-        # in the order one process draws them; a last round of fewer pieces than processes pairs the pieces only
-        for first, batch in zip(firsts, team.exchange(made), strict=False):
-            if len(prompts) >= n:
-                break
-            drawn = first + batch_size
-            for new in batch:
-                if not new or new[-1] not in end:  # cut off at MAX_TOKENS: not a whole user turn
-                    continue
-                text = tok.decode(new[:-1], skip_special_tokens=True).strip()
-                if len(text.split()) < MIN_WORDS or text in seen:
-                    continue
-                if too_close(text, held_out):
-                    dropped_close += 1
-                    continue
-                seen.add(text)
-                prompts.append(text)
-                if bar is not None and len(prompts) <= n:
-                    bar.update(1)
-        if len(prompts) >= n:
-            break
-    if bar is not None:
-        bar.close()
+    prefix = user_turn_prefix(tok)
+    pick = _Pick(tok, n, _end_of_turn(loaded), progress and team.index == 0)
+    pick.read(held, batch_size)
+    try:
+        _draw(loaded, prefix, pick, todo, held, partial_file(cache, key, team.index), seed, batch_size, graphs, team)
+    except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM through the CLI: it names what is kept (train/cli.py)
+        err.self_prompted = (len(pick.prompts), n)  # several processes: those of the batches exchanged so far
+        raise
+    finally:
+        pick.close()
+    prompts, drawn = pick.prompts, pick.drawn
     if not prompts:
         raise TrainDataError(f"the target wrote no usable user prompt in {drawn} tries (none ended its turn "
                              f"within {MAX_TOKENS} tokens): pass --prompts-file or --data instead")
@@ -154,6 +141,80 @@ def self_written_prompts(loaded, n: int, *, seed: int = 0, batch_size: int = 64,
                        len(prompts), n, drawn)
     prompts = prompts[:n]
     logger.info("self-written prompts: %d kept of %d drawn (%d too close to held-out evaluation prompts)",
-                len(prompts), drawn, dropped_close)
-    write_json(file, {"prompts": prompts})
+                len(prompts), drawn, pick.dropped_close)
+    cache_whole(file, {"prompts": prompts}, cache, key, team)
     return prompts
+
+
+class _Pick:
+    """The prompts among the draws, read batch after batch in the order one process draws them: whole user turns
+    (ended by one of ``end``) of at least MIN_WORDS words, each once, none too close to a held-out evaluation
+    prompt; ``n`` of them, then done. ``drawn``: the draws read (the first draw of the next batch to read)."""
+
+    def __init__(self, tok, n: int, end: set[int], progress: bool) -> None:
+        self.tok, self.n, self.end, self.held_out = tok, n, end, held_out_words()
+        self.prompts: list[str] = []
+        self.seen: set[str] = set()
+        self.drawn = self.dropped_close = 0
+        self.bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=n, unit="prompt", desc="prompts by the target", disable=None)
+
+    @property
+    def done(self) -> bool:
+        return len(self.prompts) >= self.n
+
+    def read(self, held: dict[int, list[int]], batch_size: int) -> None:
+        """Read the batches of ``held`` (each draw's new tokens, by its number) from the next one on, while they are
+        whole and fewer than ``n`` prompts were found."""
+        while not self.done and all(i in held for i in range(self.drawn, self.drawn + batch_size)):
+            for new in (held[i] for i in range(self.drawn, self.drawn + batch_size)):
+                self._take(new)
+            self.drawn += batch_size
+
+    def _take(self, new: list[int]) -> None:
+        if self.done or not new or new[-1] not in self.end:  # cut off at MAX_TOKENS: not a whole user turn
+            return
+        text = self.tok.decode(new[:-1], skip_special_tokens=True).strip()
+        if len(text.split()) < MIN_WORDS or text in self.seen:
+            return
+        if too_close(text, self.held_out):
+            self.dropped_close += 1
+            return
+        self.seen.add(text)
+        self.prompts.append(text)
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _draw(loaded, prefix: list[int], pick: _Pick, todo: list[int], held: dict[int, list[int]], own: Path, seed: int,
+          batch_size: int, graphs: bool, team: Team) -> None:
+    """Draw the batches starting at ``todo`` (``prefix``, the chat template up to the user's message, sampled)
+    until ``pick`` is done: each process every ``team.size``-th, one per round, appended to its partial file
+    ``own`` as it is finished; then the round's batches are exchanged into ``held`` and read in order."""
+    from specdec.generate import generate
+
+    if pick.done:
+        return
+    one_row_policy(loaded, team)
+    graphed = decoding_graphs(loaded, [len(prefix)] * batch_size, MAX_TOKENS, batch_size) if graphs else False
+    for mine, _ in team.rounds(todo):
+        made = {}
+        if mine is not None:
+            res = generate(loaded, [prefix] * batch_size, max_new_tokens=MAX_TOKENS, do_sample=True,
+                           temperature=TEMPERATURE, top_k=0, top_p=TOP_P, seed=seed * 1_000_003 + mine,
+                           return_dict=True, cuda_graphs=graphed)
+            keep_batch(own, mine, [list(new) for new in res.new_tokens], held)
+            made[mine] = [held[i] for i in range(mine, mine + batch_size)]
+        for theirs in team.exchange(made):
+            for s, batch in theirs.items():
+                held.update(enumerate(batch, s))
+        pick.read(held, batch_size)  # in the order one process draws them, the draws of a later batch waiting
+        if pick.done:
+            return
