@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.atomic_write import write_json, write_text
+from specdec.atomic_write import replaced_atomically, write_json, write_text
 
 PLOT_FILES = ("acceptance_per_depth.png", "tau_speedup.png")  # what plots() writes, in order
 
@@ -126,7 +126,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     _legend(axes[0][-1])
     fig.tight_layout()
     paths.append(out / PLOT_FILES[0])
-    fig.savefig(paths[-1], dpi=110)
+    _save(fig, paths[-1])
     plt.close(fig)
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
@@ -151,9 +151,17 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     _legend(axes[1])
     fig.tight_layout()
     paths.append(out / PLOT_FILES[1])
-    fig.savefig(paths[-1], dpi=110)
+    _save(fig, paths[-1])
     plt.close(fig)
     return paths
+
+
+
+def _save(fig, path: Path) -> None:
+    """Write ``fig`` to ``path`` as a PNG, atomically: a run stopped while it writes keeps the earlier plot (or none),
+    never one cut short beside a finished report."""
+    with replaced_atomically(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
 
 
 def _legend(ax) -> None:

@@ -193,6 +193,25 @@ def test_plots_without_a_drafted_token_have_no_legend_and_say_nothing(tmp_path):
     assert made == [1, 0, 2]  # never drafted: the bars' legend only; plain alone: none; drafted: both panels'
 
 
+def test_a_plot_stopped_while_written_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
+    """savefig wrote straight to the plot's file: a Ctrl-C while it wrote left a PNG cut short beside the report."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    plots([_report_row()], tmp_path)
+    before = {name: (tmp_path / name).read_bytes() for name in PLOT_FILES}
+
+    def cut_short(self, fname, *args, **kwargs):  # the first bytes written, then Ctrl-C
+        Path(fname).write_bytes(b"\x89PNG cut")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Figure, "savefig", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        plots([_report_row(tau=3.0)], tmp_path)
+    assert {name: (tmp_path / name).read_bytes() for name in PLOT_FILES} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(PLOT_FILES)  # no temporary file left
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny", seed=0)
