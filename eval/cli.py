@@ -20,7 +20,7 @@ from pathlib import Path
 from specdec.eval.prompts import CATEGORIES as DEFAULT_CATEGORIES
 from specdec.eval.report import PLOT_FILES
 
-from specdec.atomic_write import write_text
+from specdec.atomic_write import leftover_of, remove_leftovers, write_text
 from specdec.errors import require_package
 from specdec.folder_lock import launch_writer, only_writer
 from specdec.models.embedded import DEFAULT_ALIAS
@@ -593,11 +593,13 @@ def _options_per_row(pairs: list[str], names: list[str]) -> dict[str, dict]:
 
 def _clear_earlier_run(earlier: list[Path]) -> None:
     """Delete what ``check_earlier_run`` found (--overwrite), with the cells of rows this run may not have, which it
-    would report."""
+    would report, and the temporary files a kill left of the earlier run's writes of them (specdec.atomic_write)."""
     if os.environ.get("RANK", "0") == "0":  # once, under accelerate launch too
         for found in earlier:
-            for path in sorted(found.glob("*__*.json")) if found.is_dir() else [found]:
+            cells = {leftover_of(p.name) or p.name for p in found.glob("*__*.json*")} if found.is_dir() else ()
+            for path in sorted(found / n for n in cells if n.endswith(".json")) if found.is_dir() else [found]:
                 path.unlink(missing_ok=True)
+                remove_leftovers(path)
 
 
 def _run_cells(loaded, conversations: list, config, out: Path, resume: bool) -> dict:

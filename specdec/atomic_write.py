@@ -9,10 +9,17 @@
 The data is written to a temporary file beside the target, ``NAME.PID.THREAD.tmp`` (one per process and thread:
 concurrent writers never share one), and renamed over it (``os.replace`` is atomic on POSIX and Windows within one
 filesystem). :func:`leftover_of` recognises the temporary file an interrupted write left.
+
+A writer holds its temporary file (``flock``) while it writes, and removes the ones earlier writers of the same
+name left that nobody holds: a process killed between its write and the rename (a distillation's cache entry of
+hundreds of MB, an evaluation's cell) leaves its temporary file until the next write of that name, not for good. A
+file another process (another node, on a shared disk) is writing now is held, and stays; where the system or the
+file system has no ``flock`` (Windows; some network mounts) none is removed.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import threading
@@ -20,16 +27,28 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
+
+logger = logging.getLogger(__name__)
+
 
 @contextmanager
 def replaced_atomically(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path to write; on success it replaces ``path``, on error it is removed
     and ``path`` keeps its old content (an OSError that names no file, as a full disk's, is raised naming
-    ``path``). Creates the parent directory."""
+    ``path``). Creates the parent directory; removes the temporary files killed writers of ``path`` left
+    (:func:`remove_leftovers`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    hold = None
     try:
+        hold = _hold(tmp)
+        remove_leftovers(path)
         yield tmp
         os.replace(tmp, path)
     except OSError as err:
@@ -39,6 +58,67 @@ def replaced_atomically(path: str | os.PathLike) -> Iterator[Path]:
         raise OSError(err.errno, err.strerror, str(path)) from err
     finally:
         tmp.unlink(missing_ok=True)
+        if hold is not None:
+            os.close(hold)  # the lock goes with the descriptor
+
+
+def _hold(tmp: Path) -> int | None:
+    """Create ``tmp`` and hold it (``flock``) for the write; the descriptor, or None where nothing can be held. A
+    file removed or replaced while the hold was taken (by :func:`remove_leftovers`, for a dead writer's of the same
+    name) is made anew, so the file the write goes into is the one held."""
+    if fcntl is None:
+        return None
+    while True:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.path.samestat(os.fstat(fd), os.stat(tmp)):
+                return fd
+        except FileNotFoundError:  # removed meanwhile: made anew
+            pass
+        except OSError as err:  # a file system without flock: written unheld, as before
+            logger.debug("%s: not held (%s)", tmp, err.strerror or err)
+            os.close(fd)
+            return None
+        os.close(fd)
+
+
+def remove_leftovers(path: str | os.PathLike) -> None:
+    """Remove the temporary files that interrupted writes of ``path`` left beside it (this module's, of any earlier
+    version), except those a writer holds now: the write of ``path`` calls it, and a command that holds its output
+    folder (specdec.folder_lock) may call it for the files it replaces."""
+    path = Path(path)
+    if fcntl is None:  # a live writer's file cannot be told from a dead one's
+        return
+    name = re.compile(re.escape(path.name) + r"\.\d+(?:\.\d+)?\.tmp")
+    try:
+        found = sorted(entry.name for entry in os.scandir(path.parent) if name.fullmatch(entry.name))
+    except OSError:  # no folder (yet), or not listable
+        return
+    for left in found:
+        size = _remove_unheld(path.parent / left)
+        if size is not None:
+            logger.warning("removed %s (%.1f MB), left by a write that was stopped before it ended",
+                           path.parent / left, size / 1e6)
+
+
+def _remove_unheld(left: Path) -> int | None:
+    """Remove ``left`` if no writer holds it; its size, or None where it stays (held, gone, or not lockable)."""
+    try:
+        fd = os.open(left, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held (BlockingIOError) or no flock here: it stays
+        st = os.fstat(fd)
+        if not os.path.samestat(st, os.stat(left)):  # replaced meanwhile: not the file found unheld
+            return None
+        os.unlink(left)
+        return st.st_size
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def leftover_of(name: str) -> str | None:

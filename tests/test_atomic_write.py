@@ -4,13 +4,23 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
+import sys
+import threading
 
 import pytest
 import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
-from specdec.atomic_write import leftover_of, replaced_atomically, save_tensors, write_json
+from specdec.atomic_write import leftover_of, remove_leftovers, replaced_atomically, save_tensors, write_json
+
+_KILLED_WRITE = """
+import os, sys
+from specdec.atomic_write import write_json
+os.replace = lambda *_: os._exit(9)  # killed between its write and the rename
+write_json(sys.argv[1], {"v": list(range(1000))})
+"""
 
 
 def test_writes_creates_parents_and_overwrites(tmp_path):
@@ -84,8 +94,6 @@ def test_safetensors_refused_by_the_disk_is_an_oserror_naming_the_file(tmp_path,
 def test_two_threads_writing_one_file_never_share_a_temporary_file(tmp_path):
     """Concurrent generate() calls in one process may write one cache file at once: the temporary file was named by
     the process alone, so two threads wrote into (and renamed) the same one."""
-    import threading
-
     path, names = tmp_path / "x.json", []
     with replaced_atomically(path) as mine:
         thread = threading.Thread(target=lambda: names.append(_temporary_name(path)))
@@ -102,3 +110,46 @@ def _temporary_name(path) -> str:
     with replaced_atomically(path) as tmp:
         tmp.write_text("{}")
         return tmp.name
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock: a live writer's file cannot be told from a dead one's")
+def test_the_next_write_of_a_name_removes_what_killed_writers_of_it_left(tmp_path, caplog):
+    """A process killed between its write and the rename left NAME.PID.THREAD.tmp for good (a self-distillation's
+    cache entry: hundreds of MB); no later run removed it. The next write of that name does; another name's leftover,
+    and a file of another pattern, stay."""
+    path = tmp_path / "entry.json"
+    subprocess.run([sys.executable, "-c", _KILLED_WRITE, str(path)], check=False)
+    (killed,) = tmp_path.iterdir()
+    assert leftover_of(killed.name) == "entry.json" and not path.exists()
+    (tmp_path / "entry.json.123.tmp").write_text("{")  # an earlier version's leftover
+    others = [tmp_path / "other.json.123.456.tmp", tmp_path / "entry.json.tmp"]
+    for other in others:
+        other.write_text("{")
+    with caplog.at_level("WARNING", logger="specdec.atomic_write"):
+        write_json(path, {"v": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["entry.json", *(p.name for p in others)])
+    assert sum("left by a write that was stopped" in r.getMessage() for r in caplog.records) == 2
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock: a live writer's file cannot be told from a dead one's")
+def test_a_temporary_file_being_written_stays(tmp_path):
+    """Another process (or thread, or node on a shared disk) writing the same name now holds its temporary file:
+    neither a write of that name nor remove_leftovers takes it, and its write then completes."""
+    path, started, done = tmp_path / "x.json", threading.Event(), threading.Event()
+
+    def other():
+        with replaced_atomically(path) as tmp:
+            tmp.write_text('{"v": "other"}')
+            started.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    started.wait(10)
+    live = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    write_json(path, {"v": "mine"})
+    remove_leftovers(path)
+    assert live and all(p.exists() for p in live)
+    done.set()
+    thread.join()
+    assert json.loads(path.read_text()) == {"v": "other"} and [p.name for p in tmp_path.iterdir()] == ["x.json"]

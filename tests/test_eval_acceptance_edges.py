@@ -243,6 +243,22 @@ def test_an_earlier_runs_conversations_count_as_its_files(tmp_path):
     assert check_earlier_run(tmp_path, ACCEPTANCE_FILES, overwrite=True) == [tmp_path / "conversations.json"]
 
 
+def test_overwrite_removes_the_temporary_files_a_killed_run_left_and_nothing_else(tmp_path):
+    """A run killed between an atomic write and its rename left NAME.PID.THREAD.tmp in --out and cells/, which
+    --overwrite kept for good (the cells of a row the new run lacks were never written again). They go with the
+    earlier run's files; a file of the user's stays."""
+    from specdec.eval.cli import ACCEPTANCE_FILES, _clear_earlier_run, check_earlier_run
+
+    cells = tmp_path / "cells"
+    cells.mkdir()
+    for name in ("report.json", "report.json.11.12.tmp", "notes.txt", "cells/ngram__qa.json",
+                 "cells/ngram__qa.json.13.14.tmp", "cells/gone__chat.json.15.16.tmp", "cells/readme.md"):
+        (tmp_path / name).write_text("{")
+    _clear_earlier_run(check_earlier_run(tmp_path, ACCEPTANCE_FILES, overwrite=True))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cells", "notes.txt"]
+    assert [p.name for p in cells.iterdir()] == ["readme.md"]
+
+
 def test_a_resume_checks_every_turns_cells_before_it_measures(eval_tiny_model, tmp_path):
     """A damaged turn-3 cell was refused only after the turn-1 cells were measured again."""
     convs = [Conversation("writing", ("Write a poem.", "Shorter.", "Shorter still."))]

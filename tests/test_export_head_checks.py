@@ -162,12 +162,14 @@ def test_a_hub_target_is_checked_against_its_cached_config_else_exported_with_a_
 
 def test_overwrite_replaces_an_earlier_export_left_half_written(tmp_path):
     """An interrupted export leaves its atomic write's temporary file (NAME.PID.THREAD.tmp) beside it: that is still
-    an earlier export, which --overwrite replaces, not a user's file it must keep."""
+    an earlier export, which --overwrite replaces, not a user's file it must keep; it is removed (it stayed for
+    good)."""
     write_sglang_checkpoint(tmp_path / "src")
     out, _ = export_head(tmp_path / "src", "speculators", tmp_path / "out", target="org/tiny-target")
     (out / "model.safetensors.4242.1.tmp").write_bytes(b"half a file")
     export_head(tmp_path / "src", "sglang", out, target="org/tiny-target", overwrite=True)
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_the_source_directory_is_refused_as_the_output_even_with_overwrite(tmp_path):
