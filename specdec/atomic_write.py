@@ -105,7 +105,7 @@ def remove_leftovers(path: str | os.PathLike) -> None:
 def _remove_unheld(left: Path) -> int | None:
     """Remove ``left`` if no writer holds it; its size, or None where it stays (held, gone, or not lockable)."""
     try:
-        fd = os.open(left, os.O_RDONLY)
+        fd = os.open(left, os.O_WRONLY)  # for writing: NFS emulates flock by fcntl locks, which need it
     except OSError:
         return None
     try:
