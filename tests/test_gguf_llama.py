@@ -4,6 +4,7 @@ transformers."""
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import numpy as np
@@ -12,7 +13,10 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noqa: E402
 
+import specdec  # noqa: E402
 from specdec.models import embedded, gguf_llama  # noqa: E402
 
 LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 2, 64, 128, 4, 2, 48
@@ -206,21 +210,31 @@ def _nothing_cached(tmp_path) -> bool:
     return not any((tmp_path / "cache" / "models").iterdir())
 
 
-ROPE_SCALED = {
-    "llama3 factors tensor": dict(extra="rope_freqs.weight"),
-    "linear keys": dict(meta={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}),
-    "factor alone (linear)": dict(meta={"llama.rope.scaling.factor": 2.0}),
-    "yarn keys": dict(meta={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}),
+ROPE_REFUSED = {  # a file's RoPE scaling no transformers RoPE type computes as llama.cpp does -> what the line names
+    "llama3 factors tensor": (dict(extra="rope_freqs.weight"), r"rope_freqs.weight: Llama-3.x's llama3 RoPE"),
+    "yarn with an attention factor": (dict(meta={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                                                 "llama.rope.scaling.attn_factor": 0.5}),
+                                      r"llama.rope.scaling.attn_factor 0.5: a scale of attention llama.cpp releases "
+                                      r"apply differently, which no transformers RoPE type computes as this file "
+                                      r"means it"),
+    "yarn log multiplier": (dict(meta={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                                       "llama.rope.scaling.yarn_log_multiplier": 0.1}),
+                            r"llama.rope.scaling.yarn_log_multiplier 0.1: "),
+    "longrope keys": (dict(meta={"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 4.0}),
+                      r"llama.rope.scaling.type 'longrope': LongRoPE, whose factors llama.cpp keeps in tensors"),
+    "a type llama.cpp does not know": (dict(meta={"llama.rope.scaling.type": "ntk"}),
+                                       r"llama.rope.scaling.type 'ntk': a type llama.cpp does not know"),
 }
 
 
-@pytest.mark.parametrize("case", list(ROPE_SCALED))
-def test_rope_scaling_is_refused_before_any_conversion(tmp_path, monkeypatch, case):
-    """Neither reader applies llama.cpp's RoPE scaling (a factors tensor, rope.scaling keys): such a file would run
-    with plain RoPE, another model; it is refused in one line, before the tokenizer or a weight is read."""
-    path = write_llama_gguf(tmp_path / "m.gguf", **ROPE_SCALED[case])
+@pytest.mark.parametrize("case", list(ROPE_REFUSED))
+def test_rope_scaling_no_transformers_type_computes_is_refused_before_any_conversion(tmp_path, monkeypatch, case):
+    """RoPE scaling that neither reader computes as llama.cpp does (Llama-3.x's factors tensor, an attention scale
+    llama.cpp releases apply differently, LongRoPE, an unknown type) would run another model: refused in one line
+    naming the key and why, before the tokenizer or a weight is read."""
+    kwargs, what = ROPE_REFUSED[case]
+    path = write_llama_gguf(tmp_path / "m.gguf", **kwargs)
     _converting_fails(monkeypatch)
-    what = "rope_freqs.weight: Llama-3.x's llama3 RoPE" if "tensor" in case else "llama.rope.scaling.type"
     message = (rf"^{_at(path)} holds RoPE scaling \({what}.*\) that neither specdec's GGUF reader nor transformers' "
                r"applies; load the model's checkpoint directory instead$")
     with pytest.raises(embedded.GGUFError, match=message):
@@ -228,13 +242,106 @@ def test_rope_scaling_is_refused_before_any_conversion(tmp_path, monkeypatch, ca
     assert _nothing_cached(tmp_path)
 
 
+ROPE_CONVERTED = {  # llama.cpp's RoPE scaling keys -> (the transformers RoPE they convert to, llama.cpp's yarn)
+    "linear keys": ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
+                    {"rope_type": "linear", "factor": 4.0}),
+    "factor alone (linear)": ({"llama.rope.scaling.factor": 2.0}, {"rope_type": "linear", "factor": 2.0}),
+    "old linear key": ({"llama.rope.scale_linear": 2.0}, {"rope_type": "linear", "factor": 2.0}),
+    "yarn keys": ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                   "llama.rope.scaling.original_context_length": 64},
+                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                   "beta_slow": 1.0}),
+    "yarn with betas, no original context": ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 8.0,
+                                              "llama.rope.scaling.yarn_beta_fast": 16.0,
+                                              "llama.rope.scaling.yarn_beta_slow": 2.0},
+                                             {"rope_type": "yarn", "factor": 8.0,
+                                              "original_max_position_embeddings": 256, "beta_fast": 16.0,
+                                              "beta_slow": 2.0}),
+}
+
+
+def _llama_cpp_rope(scaling: dict, positions: np.ndarray, dims: int, base: float, context: int):
+    """cos and sin [positions, dims // 2] of llama.cpp's RoPE for ``scaling`` (ggml's rope_yarn with
+    ggml_rope_yarn_corr_dims; llama-context.cpp's yarn_attn_factor, which cancels the 1 + 0.1 ln factor that
+    rope_yarn multiplies in), pair i at frequency i."""
+    factor, yarn = scaling["factor"], scaling["rope_type"] == "yarn"
+    original = scaling.get("original_max_position_embeddings", context)
+    beta_fast, beta_slow = scaling.get("beta_fast", 32.0), scaling.get("beta_slow", 1.0)
+
+    def corr_dim(rotations: float) -> float:
+        return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(0, math.floor(corr_dim(beta_fast))), min(dims - 1, math.ceil(corr_dim(beta_slow)))
+    i = np.arange(dims // 2)
+    extrapolated = positions[:, None] * base ** (-2.0 * i / dims)
+    interpolated = extrapolated / factor
+    ramp = (1 - np.clip((i - low) / max(0.001, high - low), 0, 1)) * (1.0 if yarn else 0.0)
+    theta = interpolated * (1 - ramp) + extrapolated * ramp
+    mscale = 1 + 0.1 * math.log(factor) if yarn else 1.0
+    return np.cos(theta) * mscale, np.sin(theta) * mscale
+
+
+@pytest.mark.parametrize("case", list(ROPE_CONVERTED))
+def test_linear_and_yarn_scaling_convert_to_what_llama_cpp_computes(tmp_path, monkeypatch, case):
+    """llama.cpp's linear RoPE scaling (freq_scale = 1 / factor) and YaRN were refused, though transformers' linear
+    and yarn types compute the same angles and magnitudes: specdec's reader writes them into the config (transformers'
+    GGUF loading drops them), and the converted model decodes as transformers' model of that config and weights."""
+    meta, expected = ROPE_CONVERTED[case]
+    path = write_llama_gguf(tmp_path / "m.gguf", meta=meta)
+    out = _convert(tmp_path, path)
+    config = AutoConfig.from_pretrained(out)
+    assert {k: v for k, v in config.rope_parameters.items() if k != "rope_theta"} == expected
+    positions = np.arange(0, 256, 7)
+    cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1), torch.tensor(positions)[None])
+    want_cos, want_sin = _llama_cpp_rope(expected, positions.astype(np.float64), HIDDEN // HEADS, 50000.0, 256)
+    half = HIDDEN // HEADS // 2
+    np.testing.assert_allclose(cos[0, :, :half].numpy(), want_cos, atol=1e-4)
+    np.testing.assert_allclose(sin[0, :, :half].numpy(), want_sin, atol=1e-4)
+
+    plain_config, weights = transformers_read(path)  # transformers' GGUF loading: the weights, the scaling dropped
+    fields = plain_config.to_dict()
+    fields["rope_parameters"] = {**fields["rope_parameters"], **expected}
+    reference = LlamaForCausalLM(LlamaConfig.from_dict(fields))
+    reference.load_state_dict(weights, strict=False)
+    reference.tie_weights()
+    prompt = [1, 5, 9, 30, 2]
+    with torch.no_grad():
+        want = reference.eval().generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0].tolist()
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    assert specdec.generate(str(path), [prompt], max_new_tokens=24, drafter="ngram")[0] == want
+
+
+@pytest.mark.parametrize("case", ["qwen2 file", "llama file with an extra tensor"])
+def test_rope_scaling_in_a_file_transformers_converts_is_refused_before_any_conversion(tmp_path, monkeypatch, case):
+    """Only specdec's reader of plain llama files applies the scaling; transformers' GGUF loading, which converts any
+    other file, drops it: refused in one line saying so."""
+    arch = "qwen2" if case == "qwen2 file" else "llama"
+    meta = {f"{arch}.rope.scaling.type": "linear", f"{arch}.rope.scaling.factor": 4.0}
+    if arch == "qwen2":
+        head_dim = HIDDEN // HEADS
+        biases = {f"blk.{i}.attn_{p}.bias": ((HEADS if p == "q" else KV_HEADS) * head_dim,)
+                  for i in range(LAYERS) for p in "qkv"}
+        path = write_llama_gguf(tmp_path / "m.gguf", arch=arch, extra_tensors=biases, meta=meta)
+    else:
+        path = write_llama_gguf(tmp_path / "m.gguf", extra_tensors={"blk.0.attn_q.bias": (HIDDEN,)}, meta=meta)
+    _converting_fails(monkeypatch)
+    message = (rf"^{_at(path)} holds RoPE scaling \({arch}.rope.scaling.type 'linear' with factor 4\), which "
+               r"specdec's GGUF reader applies to plain llama files only; this one goes through transformers' GGUF "
+               r"loading, which drops it: load the model's checkpoint directory instead$")
+    with pytest.raises(embedded.GGUFError, match=message):
+        _convert(tmp_path, path)
+    assert _nothing_cached(tmp_path)
+
+
 @pytest.mark.parametrize("meta", [{"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0},
-                                  {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 1.0}])
+                                  {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 1.0},
+                                  {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 1.0}])
 def test_rope_scaling_keys_that_scale_nothing_are_read(tmp_path, meta):
     """llama.cpp never scales under type "none", and a factor of 1 scales nothing."""
     path = write_llama_gguf(tmp_path / "m.gguf", meta=meta)
     names, _ = embedded.check_convertible(path)
-    assert "token_embd.weight" in names and gguf_llama.read_llama(path) is not None
+    config, _ = gguf_llama.read_llama(path)
+    assert "token_embd.weight" in names and config.rope_parameters["rope_type"] == "default"
 
 
 def test_an_architecture_specdec_does_not_run_is_refused_before_any_conversion(tmp_path, monkeypatch):

@@ -193,9 +193,11 @@ def _shown(names: list[str]) -> str:
 def check_convertible(path: Path) -> tuple[list[str], dict] | None:
     """``(tensor names, metadata)`` of the GGUF file ``path`` (which has passed :func:`check_gguf`), after refusing in
     one line, before any conversion work, a file that no conversion runs as written: an architecture specdec does not
-    run (:class:`UnsupportedModelError`), RoPE scaling, which neither specdec's GGUF reader nor transformers'
-    applies, or tokenizer metadata no tokenizer is built from (:class:`GGUFError`, :func:`_check_tokenizer`). None
-    for a header this walker does not read (left to transformers)."""
+    run (:class:`UnsupportedModelError`), RoPE scaling that no transformers RoPE type computes as llama.cpp does
+    (:func:`gguf_llama.rope_scaling`) or that transformers' GGUF loading would drop (any, in a file specdec's own
+    reader does not take), or tokenizer metadata no tokenizer is built from (:class:`GGUFError`,
+    :func:`_check_tokenizer`). None for a header this walker does not read (left to transformers)."""
+    from specdec.models import gguf_llama
     from specdec.models.llama import SUPPORTED_MODEL_TYPES, UnsupportedModelError
 
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
@@ -212,15 +214,17 @@ def check_convertible(path: Path) -> tuple[list[str], dict] | None:
         raise UnsupportedModelError(f"{path} holds a {architecture!r} model (general.architecture), which specdec "
                                     f"does not run; specdec runs the Llama family: {', '.join(SUPPORTED_MODEL_TYPES)}")
     scaling = [f"{name}: {kind}" for name, kind in _ROPE_TENSORS.items() if name in names]
-    kind = meta.get(f"{architecture}.rope.scaling.type")
-    factor = meta.get(f"{architecture}.rope.scaling.factor", meta.get(f"{architecture}.rope.scale_linear"))
-    if kind != "none" and (kind not in (None, "linear") or factor not in (None, 0.0, 1.0)):
-        # llama.cpp scales by `factor` (linear when no type is given) unless the type is "none"
-        scaling.append(f"{architecture}.rope.scaling.type {kind or 'linear'!r}"
-                       + (f" with factor {factor:g}" if isinstance(factor, (int, float)) else ""))
+    try:
+        rope = gguf_llama.rope_scaling(meta)
+    except gguf_llama.RopeNotMapped as err:
+        scaling.append(str(err))
     if scaling:
         raise GGUFError(f"{path} holds RoPE scaling ({'; '.join(scaling)}) that neither specdec's GGUF reader nor "
                         "transformers' applies; load the model's checkpoint directory instead")
+    if rope is not None and not gguf_llama.reads_directly(tensors, meta):
+        raise GGUFError(f"{path} holds RoPE scaling ({rope[0]}), which specdec's GGUF reader applies to plain llama "
+                        "files only; this one goes through transformers' GGUF loading, which drops it: load the "
+                        "model's checkpoint directory instead")
     _check_tokenizer(path, meta)
     return names, meta
 

@@ -10,8 +10,10 @@ default: as many KV heads as query heads) transformers leaves q / k interleaved,
 back as in any other file. Only what transformers' llama loading keeps is handled; anything else (another
 architecture, a bias, an extra or missing tensor, one of another shape than the metadata gives, a quantization gguf
 cannot dequantize) gives None, and the conversion goes through transformers, which ``embedded`` refuses unless it
-uses every tensor of the file and fills every parameter. Files with RoPE scaling never reach here
-(``embedded.check_convertible`` refuses them).
+uses every tensor of the file and fills every parameter. RoPE scaling keys (``llama.rope.scaling.*``), which
+transformers' GGUF loading drops, are written into the config where a transformers RoPE type computes what llama.cpp
+computes (:func:`rope_scaling`: linear, YaRN); ``embedded.check_convertible`` refuses any other scaling, and any
+scaling in a file this reader does not take (:func:`reads_directly`).
 """
 from __future__ import annotations
 
@@ -58,13 +60,10 @@ def read_llama(path: Path):
         if header is None:
             return None
         tensors, data_start, meta = header
-        config = _config(meta, {name for name, *_ in tensors})
-        names = _parameter_names(config, [name for name, *_ in tensors]) if config is not None else None
-        if names is None:
+        plan = _plan(tensors, meta)
+        if plan is None:
             return None
-        shapes = _shapes(config)
-        if any(tuple(reversed(dims)) != shapes[names[name]] for name, _, dims, _ in tensors):
-            return None  # not the model its metadata describes (e.g. llama.rope.dimension_count not the head size)
+        config, names = plan
         state = {}
         for name, ggml_type, dims, offset in tensors:
             weights = _dequantized(blob, data_start + offset, ggml_type, dims)
@@ -76,6 +75,79 @@ def read_llama(path: Path):
                 weights = _unpermute(weights, config.num_key_value_heads)
             state[names[name]] = weights
     return config, state
+
+
+def reads_directly(tensors: list, meta: dict) -> bool:
+    """Whether :func:`read_llama` converts the file of this tensor table and metadata (``embedded.read_header``'s)
+    itself, short of a tensor type gguf cannot dequantize: else transformers' GGUF loading converts it."""
+    return _plan(tensors, meta) is not None
+
+
+def _plan(tensors: list, meta: dict):
+    """``(config, GGUF tensor name -> parameter name)`` where the file holds exactly the llama its metadata
+    describes; None otherwise."""
+    config = _config(meta, {name for name, *_ in tensors})
+    names = _parameter_names(config, [name for name, *_ in tensors]) if config is not None else None
+    if names is None:
+        return None
+    shapes = _shapes(config)
+    if any(tuple(reversed(dims)) != shapes[names[name]] for name, _, dims, _ in tensors):
+        return None  # not the model its metadata describes (e.g. llama.rope.dimension_count not the head size)
+    return config, names
+
+
+class RopeNotMapped(ValueError):
+    """RoPE scaling keys of a GGUF file that no transformers RoPE type computes as llama.cpp does (the message: the
+    key, and why)."""
+
+
+# llama.cpp's RoPE scaling keys that change nothing at these values (yarn_ext_factor: per type, below 0 unset)
+_NEUTRAL = {"attn_factor": 1.0, "yarn_attn_factor": 1.0, "yarn_log_multiplier": 0.0}
+
+
+def rope_scaling(meta: dict) -> tuple[str, dict] | None:
+    """``(what, rope_scaling)`` for the RoPE scaling keys of a GGUF file's metadata (``{arch}.rope.scaling.*``, as
+    llama.cpp reads them: a factor without a type is linear, and type ``none`` or a factor of 0 or 1 scales
+    nothing: None): the keys in words, and the transformers ``rope_scaling`` that computes llama.cpp's angles and
+    magnitudes. Linear: llama.cpp's ``freq_scale = 1 / factor`` divides every frequency, as transformers' ``linear``
+    does. YaRN: llama.cpp's ramp between the same correction dimensions (``ggml_rope_yarn_corr_dims``, from
+    ``original_context_length``, else the context length, and the two betas, 32 and 1 unless given) mixes the
+    scaled and unscaled angles as transformers' ``yarn`` mixes frequencies, and scales cos / sin by
+    ``1 + 0.1 ln factor``, transformers' default attention factor. Raises :class:`RopeNotMapped` for the rest: a
+    type llama.cpp does not know or LongRoPE (its factors are tensors), and the attention scales llama.cpp releases
+    apply differently (``attn_factor``, ``yarn_attn_factor``, ``yarn_log_multiplier``) or a partial YaRN
+    (``yarn_ext_factor``)."""
+    arch = meta.get("general.architecture")
+
+    def key(name: str) -> str:
+        return f"{arch}.rope.scaling.{name}"
+
+    kind = meta.get(key("type"), "linear")
+    if kind not in ("none", "linear", "yarn"):
+        why = "LongRoPE, whose factors llama.cpp keeps in tensors" if kind == "longrope" else \
+            "a type llama.cpp does not know"
+        raise RopeNotMapped(f"{key('type')} {kind!r}: {why}")
+    for name, neutral in [*_NEUTRAL.items(), ("yarn_ext_factor", 1.0 if kind == "yarn" else 0.0)]:
+        value = meta.get(key(name), neutral)
+        if value != neutral and not (name == "yarn_ext_factor" and isinstance(value, float) and value < 0):
+            shown = f"{value:g}" if isinstance(value, (int, float)) else repr(value)
+            raise RopeNotMapped(f"{key(name)} {shown}: a scale of attention llama.cpp releases apply differently, "
+                                "which no transformers RoPE type computes as this file means it")
+    factor = meta.get(key("factor"), meta.get(f"{arch}.rope.scale_linear"))
+    if kind == "none" or factor in (None, 0.0, 1.0):
+        return None
+    if not isinstance(factor, (int, float)) or factor < 0:
+        raise RopeNotMapped(f"{key('factor')} {factor!r}, not a scaling factor")
+    what = f"{key('type')} {kind!r} with factor {factor:g}"
+    if kind == "linear":
+        return what, {"rope_type": "linear", "factor": float(factor)}
+    original = meta.get(key("original_context_length"), meta.get(f"{arch}.context_length"))
+    if not isinstance(original, int):
+        raise RopeNotMapped(f"{what} and no context length ({key('original_context_length')}, "
+                            f"{arch}.context_length) to place its ramp by")
+    return what, {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original,
+                  "beta_fast": float(meta.get(key("yarn_beta_fast"), 32.0)),
+                  "beta_slow": float(meta.get(key("yarn_beta_slow"), 1.0))}
 
 
 def _dequantized(blob, start: int, ggml_type: int, dims: tuple[int, ...]) -> torch.Tensor | None:
@@ -118,6 +190,12 @@ def _config(meta: dict, tensor_names: set[str]):
         fields["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
     if any(isinstance(fields.get(k), list) for k in ("num_attention_heads", "num_key_value_heads")):
         return None  # per-layer head counts: not a plain llama
+    try:
+        rope = rope_scaling(meta)
+    except RopeNotMapped:
+        return None
+    if rope is not None:
+        fields["rope_scaling"] = rope[1]
     return LlamaConfig.from_dict(fields)
 
 
