@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 
 import numpy as np
 import pytest
@@ -342,6 +343,39 @@ def test_rope_scaling_keys_that_scale_nothing_are_read(tmp_path, meta):
     names, _ = embedded.check_convertible(path)
     config, _ = gguf_llama.read_llama(path)
     assert "token_embd.weight" in names and config.rope_parameters["rope_type"] == "default"
+
+
+def _retyped(path, tensor: str, ggml_type: int):
+    """``path`` with the ggml type of ``tensor`` in its tensor table changed to ``ggml_type`` (the data left as is)."""
+    data = bytearray(path.read_bytes())
+    at = data.index(tensor.encode()) + len(tensor)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, ggml_type)
+    path.write_bytes(bytes(data))
+    return path
+
+
+TYPE_FAULTS = {  # a tensor's ggml type (ffn_up, Q4_0 as written: 64 values a row) -> the line it is refused with
+    "unknown to gguf": (99, r"is of ggml type 99, which the installed gguf package does not know \(a newer file than "
+                            r"it, or a damaged one\): upgrade gguf$"),
+    "no dequantizer": (int(Q.Q8_1), r"is of ggml type Q8_1, which gguf cannot dequantize, so no conversion reads it$"),
+    "rows not whole blocks": (int(Q.Q4_K), r"has rows of 64 values, not whole Q4_K blocks of 256: the file is damaged "
+                                           r"or was written wrong$"),
+}
+
+
+@pytest.mark.parametrize("case", list(TYPE_FAULTS))
+def test_a_tensor_gguf_cannot_dequantize_is_refused_before_any_conversion(tmp_path, monkeypatch, case):
+    """Both conversions dequantize with gguf's dequantizers. Such a tensor failed transformers' conversion halfway, an
+    unknown type as "cannot build the tokenizer of m.gguf from its tokenizer.ggml metadata: np.uint32(99) is not a
+    valid GGMLQuantizationType": now one line naming the tensor and its type, before any conversion work."""
+    ggml_type, message = TYPE_FAULTS[case]
+    path = _retyped(write_llama_gguf(tmp_path / "m.gguf"), "blk.1.ffn_up.weight", ggml_type)
+    embedded.check_gguf(path)
+    _converting_fails(monkeypatch)
+    with pytest.raises(embedded.GGUFError, match=rf"^{_at(path)}: tensor 'blk.1.ffn_up.weight' {message}"):
+        _convert(tmp_path, path)
+    assert _nothing_cached(tmp_path)
 
 
 def test_an_architecture_specdec_does_not_run_is_refused_before_any_conversion(tmp_path, monkeypatch):

@@ -37,6 +37,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
+
 from specdec.errors import ModelNotFoundError, SpecdecError, require_package
 from specdec.folder_lock import FolderInUse, only_writer
 
@@ -193,7 +195,8 @@ def _shown(names: list[str]) -> str:
 def check_convertible(path: Path) -> tuple[list[str], dict] | None:
     """``(tensor names, metadata)`` of the GGUF file ``path`` (which has passed :func:`check_gguf`), after refusing in
     one line, before any conversion work, a file that no conversion runs as written: an architecture specdec does not
-    run (:class:`UnsupportedModelError`), RoPE scaling that no transformers RoPE type computes as llama.cpp does
+    run (:class:`UnsupportedModelError`), a tensor gguf cannot dequantize (:func:`_check_tensor_types`), RoPE scaling
+    that no transformers RoPE type computes as llama.cpp does
     (:func:`gguf_llama.rope_scaling`) or that transformers' GGUF loading would drop (any, in a file specdec's own
     reader does not take), or tokenizer metadata no tokenizer is built from (:class:`GGUFError`,
     :func:`_check_tokenizer`). None for a header this walker does not read (left to transformers)."""
@@ -213,6 +216,7 @@ def check_convertible(path: Path) -> tuple[list[str], dict] | None:
     if architecture not in SUPPORTED_MODEL_TYPES:  # a GGUF architecture's name is its transformers model type here
         raise UnsupportedModelError(f"{path} holds a {architecture!r} model (general.architecture), which specdec "
                                     f"does not run; specdec runs the Llama family: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    _check_tensor_types(path, tensors)
     scaling = [f"{name}: {kind}" for name, kind in _ROPE_TENSORS.items() if name in names]
     try:
         rope = gguf_llama.rope_scaling(meta)
@@ -227,6 +231,38 @@ def check_convertible(path: Path) -> tuple[list[str], dict] | None:
                         "model's checkpoint directory instead")
     _check_tokenizer(path, meta)
     return names, meta
+
+
+def _check_tensor_types(path: Path, tensors: list) -> None:
+    """Refuse in one line naming the tensor a tensor gguf cannot dequantize: a ggml type the installed gguf does not
+    know or has no dequantizer for, or rows that are not whole blocks of its type. Both conversions dequantize with
+    gguf's own dequantizers and failed on such a tensor halfway, transformers' after building the tokenizer (an
+    unknown type was blamed on the tokenizer metadata). Skipped without gguf (the conversion names the extra)."""
+    try:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf.quants import dequantize
+    except ImportError:
+        return
+    readable: dict = {}  # ggml type -> whether gguf dequantizes it (tried on one zero block)
+    for name, ggml_type, dims, _ in tensors:
+        try:
+            qtype = GGMLQuantizationType(ggml_type)
+            block, block_bytes = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise GGUFError(f"{path}: tensor {name!r} is of ggml type {ggml_type}, which the installed gguf package "
+                            "does not know (a newer file than it, or a damaged one): upgrade gguf") from None
+        if qtype not in readable:
+            try:
+                dequantize(np.zeros((1, block_bytes), dtype=np.uint8), qtype)
+                readable[qtype] = True
+            except NotImplementedError:
+                readable[qtype] = False
+        if not readable[qtype]:
+            raise GGUFError(f"{path}: tensor {name!r} is of ggml type {qtype.name}, which gguf cannot dequantize, so "
+                            "no conversion reads it")
+        if dims and dims[0] % block:
+            raise GGUFError(f"{path}: tensor {name!r} has rows of {dims[0]} values, not whole {qtype.name} blocks of "
+                            f"{block}: the file is damaged or was written wrong")
 
 
 _SPECIAL_IDS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
