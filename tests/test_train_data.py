@@ -329,22 +329,33 @@ def test_an_interrupt_while_a_batch_is_kept_counts_that_batch(tmp_path, monkeypa
     assert [json.loads(line)["start"] for line in partial.read_text().splitlines()] == [0]
 
 
+def _distilled_once(tmp_path, monkeypatch):
+    """Two prompts self-distilled once into the cache ``tmp_path`` by a fake generate() that counts its calls' rows:
+    (those counts, a function distilling the same again, the sequences, the cache file)."""
+    calls = []
+    monkeypatch.setattr(importlib.import_module("specdec.generate"), "generate", lambda model, chunk, **kw:
+                        calls.append(len(chunk)) or SimpleNamespace(new_tokens=[[1, 1]] * len(chunk)))
+    loaded = load_model(build_tiny_model(vocab_size=64))
+
+    def again():
+        return self_distill(loaded, [[5, 6, 7], [8, 9]], max_new_tokens=2, batch_size=2, progress=False,
+                            cache_dir=tmp_path)
+
+    first = again()
+    (file,) = tmp_path.glob("*.json")
+    return calls, again, first, file
+
+
 @pytest.mark.parametrize("damage", ["", '{"sequences": [[5, 6, 7, 1', "fewer", "other prompts"])
 def test_a_damaged_self_distillation_cache_file_is_made_again(tmp_path, monkeypatch, caplog, damage):
     """A cache file left empty (a machine that went down just after the write), cut short or holding other answers
     stopped the run with "Expecting value: line 1 column 1 (char 0)", naming no file, or "zip() argument 2 is longer
     than argument 1". It is generated again now, with a warning naming it."""
-    calls = []
-    monkeypatch.setattr(importlib.import_module("specdec.generate"), "generate", lambda model, chunk, **kw:
-                        calls.append(len(chunk)) or SimpleNamespace(new_tokens=[[1, 1]] * len(chunk)))
-    loaded = load_model(build_tiny_model(vocab_size=64))
-    common = dict(max_new_tokens=2, batch_size=2, progress=False, cache_dir=tmp_path)
-    first = self_distill(loaded, [[5, 6, 7], [8, 9]], **common)
-    (file,) = tmp_path.glob("*.json")
+    calls, again, first, file = _distilled_once(tmp_path, monkeypatch)
     file.write_text({"fewer": json.dumps({"sequences": first[:1]}),
                      "other prompts": json.dumps({"sequences": [[9, 9, 9, 1, 1], [8, 9, 1, 1]]})}.get(damage, damage))
     with caplog.at_level(logging.WARNING, logger="specdec.train.distill"):
-        assert self_distill(loaded, [[5, 6, 7], [8, 9]], **common) == first
+        assert again() == first
     assert calls == [2, 2] and json.loads(file.read_text())["sequences"] == first
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [f"the cache file {file} is damaged"]
 
@@ -352,20 +363,14 @@ def test_a_damaged_self_distillation_cache_file_is_made_again(tmp_path, monkeypa
 def test_partial_files_left_beside_a_whole_self_distillation_cache_entry_are_removed(tmp_path, monkeypatch):
     """A run killed after writing the whole cache entry, before removing its partial files, left them on disk for
     good: the next run served the entry and never read them again. It removes them now, the entry kept."""
-    calls = []
-    monkeypatch.setattr(importlib.import_module("specdec.generate"), "generate", lambda model, chunk, **kw:
-                        calls.append(len(chunk)) or SimpleNamespace(new_tokens=[[1, 1]] * len(chunk)))
-    loaded = load_model(build_tiny_model(vocab_size=64))
-    common = dict(max_new_tokens=2, batch_size=2, progress=False, cache_dir=tmp_path)
-    first = self_distill(loaded, [[5, 6, 7], [8, 9]], **common)
-    (file,) = tmp_path.glob("*.json")
+    calls, again, first, file = _distilled_once(tmp_path, monkeypatch)
     key = file.name.removesuffix(".json")
     left = [tmp_path / f"{key}.partial.jsonl", tmp_path / f"{key}.partial.1.jsonl"]
     for partial in left:
         partial.write_text(json.dumps({"start": 0, "sequences": first}) + "\n")
     other = tmp_path / "0123456789abcdef01234567.partial.jsonl"  # another entry's, which may be under way
     other.write_text("")
-    assert self_distill(loaded, [[5, 6, 7], [8, 9]], **common) == first and calls == [2]
+    assert again() == first and calls == [2]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([file.name, other.name])
 
 
