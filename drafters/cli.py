@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from specdec.help_format import DefaultsHelpFormatter
+from specdec.help_format import DefaultsHelpFormatter, path_arg
 
 EXPORT_FORMATS = ("speculators", "sglang", "vllm")  # export-head's --format (vllm: the speculators layout)
 
@@ -27,9 +27,10 @@ def _add_convert_medusa(subparsers) -> None:
                     "model whose weights hold medusa_head.* tensors, and write config.json + "
                     "medusa_lm_head.safetensors for --drafter medusa --drafter-option path=DIR. Local files only.",
         formatter_class=DefaultsHelpFormatter)
-    p.add_argument("source", help="the published checkpoint: a directory or its medusa_lm_head.pt / .safetensors")
-    p.add_argument("--output-dir", required=True, help="where to write the converted heads")
-    p.add_argument("--base-model", default=None,
+    p.add_argument("source", type=path_arg,
+                   help="the published checkpoint: a directory or its medusa_lm_head.pt / .safetensors")
+    p.add_argument("--output-dir", required=True, type=path_arg, help="where to write the converted heads")
+    p.add_argument("--base-model", default=None, type=path_arg,
                    help="the model the heads go with (hub id or path; a path is recorded absolute); default: the "
                         "source's base_model_name_or_path, or the source itself for a Medusa-2 model")
     p.add_argument("--medusa-choices", default=None, type=_choices,
@@ -66,12 +67,13 @@ def _add_export_head(subparsers) -> None:
         description="Write a head trained or loaded by specdec in the speculators layout (vllm serve reads it; "
                     "--format vllm is the same for EAGLE-3), EAGLE / SGLang's layout, or vLLM's Medusa layout.",
         formatter_class=DefaultsHelpFormatter)
-    p.add_argument("source", help="the head's directory (specdec's own or any layout the eagle drafter loads)")
+    p.add_argument("source", type=path_arg,
+                   help="the head's directory (specdec's own or any layout the eagle drafter loads)")
     p.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="the layout to write")
-    p.add_argument("--output-dir", required=True, help="where to write it")
+    p.add_argument("--output-dir", required=True, type=path_arg, help="where to write it")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an earlier export in --output-dir (a directory holding anything else is refused)")
-    p.add_argument("--target", default=None,
+    p.add_argument("--target", default=None, type=path_arg,
                    help="the target model (hub id or path) to name in the config; default: the one the head records")
     p.set_defaults(func=_run_export_head)
 

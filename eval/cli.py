@@ -23,6 +23,7 @@ from specdec.eval.report import PLOT_FILES
 from specdec.atomic_write import leftover_of, remove_leftovers, write_text
 from specdec.errors import require_package
 from specdec.folder_lock import launch_writer, only_writer
+from specdec.help_format import path_arg
 from specdec.models.embedded import DEFAULT_ALIAS
 from specdec.output_dirs import check_creatable, make_dir
 from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
@@ -95,9 +96,10 @@ def _add_acceptance(ev_sub) -> None:
                         "--prompts-file unless given)")
     a.add_argument("--prompts", type=int, default=None,
                    help=f"prompts per category (default {DEFAULT_PROMPTS}; a --prompts-file runs whole unless given)")
-    a.add_argument("--prompts-file", help="your own prompts, each record in its own category: a Spec-Bench / "
-                                          "MT-bench question.jsonl (every turn), JSONL with 'prompt' or 'messages', "
-                                          "CSV, Parquet or a saved datasets directory (docs/benchmark-files.md)")
+    a.add_argument("--prompts-file", type=path_arg,
+                   help="your own prompts, each record in its own category: a Spec-Bench / MT-bench "
+                        "question.jsonl (every turn), JSONL with 'prompt' or 'messages', CSV, Parquet or a saved "
+                        "datasets directory (docs/benchmark-files.md)")
     a.add_argument("--prompt-column", default=None,
                    help="the field or column holding the prompt (default: the first of turns, prompt, text, messages)")
     a.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
@@ -139,11 +141,11 @@ def _inference(command):
 
 
 def _common(p, seed_help: str) -> None:
-    p.add_argument("--model", default=DEFAULT_ALIAS, help=f"model (default: {DEFAULT_ALIAS})")
+    p.add_argument("--model", default=DEFAULT_ALIAS, type=path_arg, help=f"model (default: {DEFAULT_ALIAS})")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="drafter option, repeatable; VALUE parsed as JSON when possible; with several "
                         "drafters prefix the name: medusa.path=DIR")
-    p.add_argument("--out", default=None, help="output directory (default: runs/eval-<command>)")
+    p.add_argument("--out", default=None, type=path_arg, help="output directory (default: runs/eval-<command>)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run found in --out (without it such a directory is refused)")
     p.add_argument("--seed", type=int, default=0, help=seed_help)

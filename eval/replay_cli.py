@@ -20,6 +20,7 @@ from pathlib import Path
 
 from specdec.eval.cli import counted
 
+from specdec.help_format import path_arg
 from specdec.models.embedded import DEFAULT_ALIAS
 from specdec.sigterm import sigterm_as_interrupt
 
@@ -36,18 +37,19 @@ def add_parser(ev_sub, inference) -> None:
                                       "measured costs), then replay drafters over it without the target.")
     r_sub = r.add_subparsers(dest="replay_command", required=True)
     rec = r_sub.add_parser("record", help="run plain decoding and write a replay record")
-    rec.add_argument("--out", required=True, help="record file to write (JSON); an existing file needs --overwrite")
+    rec.add_argument("--out", required=True, type=path_arg,
+                     help="record file to write (JSON); an existing file needs --overwrite")
     rec.add_argument("--overwrite", action="store_true",
                      help="replace an earlier record at --out (never an input or a file that is no record)")
-    rec.add_argument("--model", default=DEFAULT_ALIAS, help=f"model (default: {DEFAULT_ALIAS})")
+    rec.add_argument("--model", default=DEFAULT_ALIAS, type=path_arg, help=f"model (default: {DEFAULT_ALIAS})")
     rec.add_argument("--categories", "--category", dest="category", default=None,  # eval acceptance's spelling
                      help="comma list of built-in prompt categories (default: chat; none with --prompts-file "
                           "unless given)")
     rec.add_argument("--prompts", type=int, default=None,
                      help="prompts per category (default 5; a --prompts-file runs whole unless given)")
-    rec.add_argument("--prompts-file", help="your own prompts, each record in its own category (formats: "
-                                            "docs/benchmark-files.md); a conversation's first turn is recorded, after "
-                                            "its system messages")
+    rec.add_argument("--prompts-file", type=path_arg,
+                     help="your own prompts, each record in its own category (formats: docs/benchmark-files.md); a "
+                          "conversation's first turn is recorded, after its system messages")
     rec.add_argument("--prompt-column", default=None, help="the field or column holding the prompt")
     rec.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     rec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -61,7 +63,7 @@ def add_parser(ev_sub, inference) -> None:
     rec.set_defaults(func=inference(run_record))
 
     run = r_sub.add_parser("run", help="replay a drafter over a record")
-    run.add_argument("--record", required=True, help="record written by `specdec eval replay record`")
+    run.add_argument("--record", required=True, type=path_arg, help="record written by `specdec eval replay record`")
     run.add_argument("--drafter", default="ngram", help="drafter name (default: ngram)")
     run.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                      help="drafter option, repeatable; VALUE parsed as JSON when possible")
@@ -70,7 +72,7 @@ def add_parser(ev_sub, inference) -> None:
     run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; needs a greedy record)")
     run.add_argument("--guard", choices=("on", "off"), default="on",
                      help="the engine's tree sizing and break-even guard (on = speculation auto, the default)")
-    run.add_argument("--verify-costs", metavar="FILE[:MODEL]",
+    run.add_argument("--verify-costs", type=path_arg, metavar="FILE[:MODEL]",
                      help="price verifies by another machine's c(n): a JSON file (or an inline JSON object) of "
                           "query tokens -> milliseconds, or a GPU speed report (speed.json) and the model whose "
                           "curve to take")
@@ -84,7 +86,8 @@ def add_parser(ev_sub, inference) -> None:
     run.set_defaults(func=run_replay)
 
     bound = r_sub.add_parser("bound", help="perfect-foresight bounds on a greedy record (how far a drafter could go)")
-    bound.add_argument("--record", required=True, help="greedy record written by `specdec eval replay record`")
+    bound.add_argument("--record", required=True, type=path_arg,
+                       help="greedy record written by `specdec eval replay record`")
     bound.add_argument("--drafter", default="ngram", help="drafter whose trees the oracle verifies (default: ngram)")
     bound.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                        help="drafter option, repeatable; VALUE parsed as JSON when possible")

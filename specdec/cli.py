@@ -33,6 +33,7 @@ import time
 
 from specdec import __version__
 from specdec.errors import SpecdecError
+from specdec.help_format import path_arg
 from specdec.models.embedded import DEFAULT_ALIAS
 from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
 
@@ -192,8 +193,8 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text, plainly or speculatively",
                        description="Generate text from a prompt and print it with its speed.")
     p.add_argument("prompt", nargs="?", help="the prompt ('-' or omitted: read stdin, less one trailing newline)")
-    p.add_argument("--prompt-file", help="read the prompt from this file (less one trailing newline)")
-    p.add_argument("--model", default=DEFAULT_ALIAS,
+    p.add_argument("--prompt-file", type=path_arg, help="read the prompt from this file (less one trailing newline)")
+    p.add_argument("--model", default=DEFAULT_ALIAS, type=path_arg,
                    help=f"checkpoint directory, .gguf file or alias (default: {DEFAULT_ALIAS})")
     p.add_argument("--drafter", default=None, help="drafter name, e.g. ngram (default: plain decoding)")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",

@@ -1,9 +1,13 @@
-"""The ``--help`` formatter of specdec's subcommands: argparse's defaults formatter, minus its noise.
+"""What specdec's command-line parsers share: the ``--help`` formatter, and the type of an option naming a path.
 
 argparse's ``ArgumentDefaultsHelpFormatter`` appends ``(default: X)`` to every option. Where X is ``None`` (a required
 option, or one whose help says what its absence means, "default: all") that adds ``(default: None)``, which reads as
 a value; where the help already names its default it says it twice. This one appends the default only where the help
 does not mention one and it is not ``None``.
+
+:func:`path_arg` is the ``type=`` of every option naming a file, folder or model: the empty string (an unset shell
+variable, ``--output-dir "$OUT"``) is refused by the option's name, where it read as the working folder or as the
+option left out.
 """
 from __future__ import annotations
 
@@ -16,3 +20,10 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or "default" in text.lower():
             return text
         return super()._get_help_string(action)
+
+
+def path_arg(text: str) -> str:
+    """An option's file, folder or model name as given; the empty string refused (argparse names the option)."""
+    if not text:
+        raise argparse.ArgumentTypeError("the empty string names no file or folder (an unset shell variable?)")
+    return text

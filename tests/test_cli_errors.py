@@ -591,6 +591,40 @@ def test_a_record_folder_behind_a_file_is_named_as_such(capsys, monkeypatch, tmp
                          "folder)"), line
 
 
+@pytest.mark.parametrize("command, option", [
+    (["generate", "hi"], "--model"),
+    (["generate"], "--prompt-file"),
+    (["train-medusa", "--output-dir", "heads"], "--model"),
+    (["train-medusa"], "--output-dir"),
+    (["train-eagle"], "--output-dir"),
+    (["train-medusa", "--output-dir", "heads"], "--data"),
+    (["train-eagle", "--output-dir", "heads"], "--prompts-file"),
+    (["convert-medusa", "HEAD"], "--output-dir"),
+    (["convert-medusa", "HEAD", "--output-dir", "out"], "--base-model"),
+    (["export-head", "HEAD", "--format", "vllm"], "--output-dir"),
+    (["export-head", "HEAD", "--format", "vllm", "--output-dir", "out"], "--target"),
+    (["eval", "lossless"], "--out"),
+    (["eval", "acceptance"], "--out"),
+    (["eval", "acceptance"], "--model"),
+    (["eval", "acceptance"], "--prompts-file"),
+    (["eval", "replay", "record"], "--out"),
+    (["eval", "replay", "record", "--out", "run.json"], "--prompts-file"),
+    (["eval", "replay", "run"], "--record"),
+    (["eval", "replay", "bound"], "--record"),
+    (["eval", "replay", "run", "--record", "run.json"], "--verify-costs"),
+])
+def test_an_empty_path_is_refused_by_the_options_name(command, option, capsys, monkeypatch, tmp_path):
+    """`--output-dir "$OUT"` with OUT unset: train-*, convert-medusa and export-head wrote into the working folder,
+    eval --out '' and --prompts-file '' ran as if the option were left out (runs/eval-*, the built-in prompts)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main([*command, option, ""])
+    assert stop.value.code == 2
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and f"error: argument {option}: the empty string names no file or folder" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_ctrl_c_before_a_command_runs_is_one_line_and_exit_130(capsys, monkeypatch):
     """Ctrl-C during the seconds of imports, before any command's handler: 130 (128 + SIGINT), as within one."""
     def interrupted(argv):

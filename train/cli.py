@@ -25,7 +25,7 @@ from specdec.train.config import (
     SELF_PROMPTS,
 )
 
-from specdec.help_format import DefaultsHelpFormatter
+from specdec.help_format import DefaultsHelpFormatter, path_arg
 from specdec.models.embedded import DEFAULT_ALIAS
 from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
 
@@ -39,7 +39,8 @@ def add_parser(subparsers) -> None:
                     "Multi-process: accelerate launch ... -m specdec.cli train-medusa.",
         formatter_class=DefaultsHelpFormatter)
     g = p.add_argument_group("model and heads")
-    g.add_argument("--model", default=DEFAULT_ALIAS, help="target model: alias, HF checkpoint dir or .gguf file")
+    g.add_argument("--model", default=DEFAULT_ALIAS, type=path_arg,
+                   help="target model: alias, HF checkpoint dir or .gguf file")
     g.add_argument("--num-heads", type=int, default=3, help="number of Medusa heads (head i predicts token t+2+i)")
     g.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
     g.add_argument("--shared-lm-head", action="store_true",
@@ -57,7 +58,8 @@ def add_parser(subparsers) -> None:
                     "report.json / report.md. Load it with --drafter eagle --drafter-option path=DIR.",
         formatter_class=DefaultsHelpFormatter)
     g = p.add_argument_group("model and draft layer")
-    g.add_argument("--model", default=DEFAULT_ALIAS, help="target model: alias, HF checkpoint dir or .gguf file")
+    g.add_argument("--model", default=DEFAULT_ALIAS, type=path_arg,
+                   help="target model: alias, HF checkpoint dir or .gguf file")
     g.add_argument("--train-depth", type=int, default=3, dest="eagle_steps",
                    help="draft steps the layer is trained through on its own predicted features")
     g.add_argument("--reg-weight", type=float, default=1.0,
@@ -94,13 +96,13 @@ def _vocab_size(text: str):
 
 def _common_args(p, name: str) -> None:
     g = p.add_argument_group("data")
-    g.add_argument("--data", default=None,
+    g.add_argument("--data", default=None, type=path_arg,
                    help="training data: .jsonl/.json, .parquet or a datasets.save_to_disk dir; "
                         "omitted: self-distil prompts (built-in set or --prompts-file) with the target itself")
     g.add_argument("--text-field", default="text", help="record field holding plain text")
     g.add_argument("--messages-field", default="messages",
                    help="record field holding chat messages (role/content; ShareGPT's from/value: conversations)")
-    g.add_argument("--prompts-file", default=None, help="self-distillation prompts, one per line")
+    g.add_argument("--prompts-file", default=None, type=path_arg, help="self-distillation prompts, one per line")
     g.add_argument("--prompt-source", choices=PROMPT_SOURCES, default="builtin",
                    help="self-distillation prompts without --data / --prompts-file: the built-in set, or 'self': "
                         f"user turns the target writes itself (--num-prompts of them, default {SELF_PROMPTS}; "
@@ -141,7 +143,8 @@ def _common_args(p, name: str) -> None:
                         "(the cache holds hidden_size * 4 bytes per training token in memory)")
     g.add_argument("--seed", type=int, default=0, help="seed for data order and initialisation")
     g = p.add_argument_group("output, checkpoints, evaluation")
-    g.add_argument("--output-dir", required=True, help="where heads, checkpoints, logs and the report go")
+    g.add_argument("--output-dir", required=True, type=path_arg,
+                   help="where heads, checkpoints, logs and the report go")
     g.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (atomic)")
     g.add_argument("--log-every", type=int, default=10, help="log a line to train.log every N steps")
     g.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its checkpoint")
