@@ -62,9 +62,9 @@ def _add_lossless(ev_sub) -> None:
 
     add_warper_flags(p, "")
     p.add_argument("--levels", default="exact,stats,e2e",
-                   help="comma list of exact, stats, e2e, coupled, bitwise (coupled sampling: its law, and "
-                        "speculative == plain token for token; bitwise: the bit-exact mode, speculative == plain "
-                        "bit for bit in the model's dtype, see docs/bit-exact.md; neither in the default)")
+                   help="comma list of exact, stats, e2e, coupled, bitwise (default: %(default)s; coupled sampling: "
+                        "its law, and speculative == plain token for token; bitwise: the bit-exact mode, speculative "
+                        "== plain bit for bit in the model's dtype, see docs/bit-exact.md)")
     p.add_argument("--device", default="auto",
                    help="where the model runs, for every level that runs it (end to end, coupled, bitwise; exact and "
                         "stats run on the CPU): auto (default: the GPU, else cpu), cpu, cuda, cuda:1, ...; the "

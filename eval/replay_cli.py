@@ -55,8 +55,8 @@ def add_parser(ev_sub, inference) -> None:
     rec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     rec.add_argument("--top-k", type=int, default=20, help="target tokens kept per position (default 20)")
     rec.add_argument("--costs", choices=("cost-model", "measure"), default="cost-model",
-                     help="verify costs from the engine's cached cost model (default) or timed here at the "
-                          "prompts' context")
+                     help="where the verify costs come from: cost-model (default), the engine's cached cost model; "
+                          "measure, timed here at the prompts' context")
     rec.add_argument("--cost-repeats", type=int, default=3,
                      help="with --costs measure: timed steps per size (default 3)")
     rec.add_argument("--seed", type=int, default=0, help="seed of the sampling with --temperature > 0 (default 0)")

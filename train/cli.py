@@ -104,9 +104,9 @@ def _common_args(p, name: str) -> None:
                    help="record field holding chat messages (role/content; ShareGPT's from/value: conversations)")
     g.add_argument("--prompts-file", default=None, type=path_arg, help="self-distillation prompts, one per line")
     g.add_argument("--prompt-source", choices=PROMPT_SOURCES, default="builtin",
-                   help="self-distillation prompts without --data / --prompts-file: the built-in set, or 'self': "
-                        f"user turns the target writes itself (--num-prompts of them, default {SELF_PROMPTS}; "
-                        "needs a chat template)")
+                   help="self-distillation prompts without --data / --prompts-file: 'builtin', the built-in set, or "
+                        f"'self', user turns the target writes itself (--num-prompts of them, {SELF_PROMPTS} unless "
+                        "given; needs a chat template)")
     g.add_argument("--num-prompts", type=int, default=None,
                    help="use only the first N self-distillation prompts (default: all; refused with --data, whose "
                         "records are all used)")
