@@ -110,6 +110,9 @@ def test_train_flags_at_non_default_values_reach_the_train_config():
     (dict(data="d.jsonl", distill_max_new_tokens=7, distill_cuda_graphs="on"),
      "distill_max_new_tokens (--distill-max-new-tokens), distill_cuda_graphs (--distill-cuda-graphs) shape "
      "self-distillation, which a run on data (--data) does not do"),
+    (dict(text_field="body"), "text_field (--text-field) names a field of the records of data (--data); without "
+                              "data the run self-distils prompts"),
+    (dict(prompts_file="p.txt", messages_field="conversations"), "messages_field (--messages-field) names a field"),
 ])
 def test_settings_the_run_would_not_use_are_refused(settings, message):
     with pytest.raises(ValueError, match="^" + re.escape(message)):
@@ -118,6 +121,7 @@ def test_settings_the_run_would_not_use_are_refused(settings, message):
     TrainConfig(model="m", output_dir="o", drafter="eagle", eagle_steps=2, eagle_arch="eagle3")
     TrainConfig(model="m", output_dir="o", num_heads=4, shared_lm_head=True)
     TrainConfig(model="m", output_dir="o", distill_max_new_tokens=7, distill_cuda_graphs="on")
+    TrainConfig(model="m", output_dir="o", data="d.jsonl", text_field="body", messages_field="conversations")
 
 
 @pytest.mark.parametrize("option", [["--lr", "inf"], ["--weight-decay", "-1"], ["--warmup-steps", "-5"],

@@ -19,6 +19,8 @@ PRECISIONS = ("no", "bf16")  # fp16 would need a grad scaler; bf16 does not
 SEED_LIMIT = 2**42  # seed * 1_000_003 plus a batch's number stays a 64-bit torch seed (train/loop.py, self_prompts.py)
 # the self-distillation's settings: unused by a run on --data (refused there)
 DISTILL_FIELDS = ("distill_max_new_tokens", "distill_batch_size", "distill_cuda_graphs")
+# the fields read from --data's records: unused by a self-distillation run (refused there)
+DATA_FIELDS = ("text_field", "messages_field")
 # fields whose command-line flag is not their name (a resume's refusal names the flag too)
 OTHER_FLAG_NAMES = {"eagle_steps": " (--train-depth)", "eagle_arch": " (--arch)",
                     "cache_features": " (False: --no-feature-cache)"}
@@ -207,6 +209,12 @@ class TrainConfig:
             flags = ", ".join(f"{name} (--{name.replace('_', '-')})" for name in changed)
             raise ValueError(f"{flags} shape{'s' if len(changed) == 1 else ''} self-distillation, which a run on data "
                              f"(--data) does not do: leave {'it' if len(changed) == 1 else 'them'} out")
+        named = [name for name in DATA_FIELDS if getattr(self, name) != default[name]]
+        if self.data is None and named:
+            flags = ", ".join(f"{name} (--{name.replace('_', '-')})" for name in named)
+            raise ValueError(f"{flags} name{'s' if len(named) == 1 else ''} a field of the records of data (--data); "
+                             "without data the run self-distils prompts and reads no such field: give --data, or "
+                             f"leave {'it' if len(named) == 1 else 'them'} out")
 
     def to_json(self) -> dict:
         return asdict(self)
