@@ -57,9 +57,10 @@ def add_parser(ev_sub, inference) -> None:
     rec.add_argument("--costs", choices=("cost-model", "measure"), default="cost-model",
                      help="where the verify costs come from: cost-model (default), the engine's cached cost model; "
                           "measure, timed here at the prompts' context")
-    rec.add_argument("--cost-repeats", type=int, default=3,
+    rec.add_argument("--cost-repeats", type=int, default=None,
                      help="with --costs measure: timed steps per size (default 3)")
-    rec.add_argument("--seed", type=int, default=0, help="seed of the sampling with --temperature > 0 (default 0)")
+    rec.add_argument("--seed", type=int, default=0,
+                     help="seed of the sampling with --temperature > 0 (default 0; greedy samples nothing)")
     rec.set_defaults(func=inference(run_record))
 
     run = r_sub.add_parser("run", help="replay a drafter over a record")
@@ -104,9 +105,16 @@ def run_record(args) -> int:
     from specdec.models.loader import load_model
 
     check_at_least(("--max-new-tokens", args.max_new_tokens, 1), ("--top-k", args.top_k, 1),
-                   ("--cost-repeats", args.cost_repeats, 1))
+                   *([("--cost-repeats", args.cost_repeats, 1)] if args.cost_repeats is not None else []))
+    if args.cost_repeats is not None and args.costs != "measure":  # (left out: RecordConfig's default, 3)
+        raise ValueError(f"--cost-repeats {args.cost_repeats} times the verify steps of --costs measure; --costs "
+                         f"{args.costs} times none here: give --costs measure, or leave --cost-repeats out")
+    if args.temperature == 0 and args.seed != 0:  # the record says what ran: a greedy run has no seed
+        print(f"note: --seed {args.seed} left out: at --temperature 0 (greedy) no token is sampled", file=sys.stderr)
+        args.seed = 0
+    repeats = {} if args.cost_repeats is None else {"cost_repeats": args.cost_repeats}
     config = flagged_sampling(RecordConfig, args.max_new_tokens, args.temperature, args.top_k, args.seed,
-                              args.cost_repeats, args.costs)
+                              cost_source=args.costs, **repeats)
     inputs = [x for x in (args.prompts_file, args.model) if x]  # the model too, when it names a file
     check_record_path(args.out, args.overwrite, inputs)
     category = args.category if args.category is not None or args.prompts_file else "chat"

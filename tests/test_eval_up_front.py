@@ -162,6 +162,27 @@ def test_eval_counts_are_refused_by_their_flags_name(command, flags, says, tmp_p
     assert not (tmp_path / "o").exists()
 
 
+def test_replay_record_refuses_cost_repeats_it_would_not_use(tmp_path, capsys, no_load):
+    """--cost-repeats sizes --costs measure only: with the default --costs cost-model it was accepted and unused."""
+    code, captured = _main(["eval", "replay", "record", "--cost-repeats", "7", "--out", str(tmp_path / "r.json")],
+                           capsys)
+    assert code == 2 and _one_line(captured).endswith(
+        "error: --cost-repeats 7 times the verify steps of --costs measure; --costs cost-model times none here: give "
+        "--costs measure, or leave --cost-repeats out")
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_replay_record_says_a_greedy_run_has_no_seed(ckpt, tmp_path, capsys):
+    """--seed at --temperature 0 was taken without a word and written into the record, as if the run were seeded
+    (eval acceptance says so and records none)."""
+    out = tmp_path / "r.json"
+    code, captured = _main(["eval", "replay", "record", "--model", ckpt, "--prompts", "1", "--max-new-tokens", "2",
+                            "--seed", "5", "--out", str(out)], capsys)
+    assert code == 0, captured.err
+    assert "note: --seed 5 left out: at --temperature 0 (greedy) no token is sampled" in captured.err
+    assert json.loads(out.read_text())["seed"] == 0
+
+
 def test_identity_tokens_past_the_context_are_refused_before_any_check_runs(ckpt, tmp_path, capsys, monkeypatch):
     def run_certificate(*args, **kwargs):
         raise AssertionError("the certificate ran")
