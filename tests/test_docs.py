@@ -1,14 +1,17 @@
 """The documentation stays whole: the benchmarks page and the result tables other pages quote are what the
-committed results give, every page is in the navigation, the API reference lists every registered drafter, CI runs
-the README's test command, module docstrings stay short and undated. (`mkdocs build --strict` in .ci/run is the full
-check; these take well under a second.)"""
+committed results give, every page is in the navigation, the API reference lists every registered drafter, each
+drafter's page names its options and their defaults, CI runs the README's test command, module docstrings stay
+short and undated. (`mkdocs build --strict` in .ci/run is the full check; these take well under a second.)"""
 from __future__ import annotations
 
 import ast
+import dataclasses
+import inspect
 import re
 from pathlib import Path
 
 import pytest
+from specdec.drafters.registry import BUILTIN, drafter_class, option_names
 
 from tests.script_loading import load_file
 
@@ -355,8 +358,6 @@ def test_every_page_is_in_the_navigation():
 
 
 def test_api_reference_lists_generate_config_contract_and_every_registered_drafter():
-    from specdec.drafters.registry import BUILTIN
-
     api = (DOCS / "reference" / "api.md").read_text()
     # the reference reads drafters/ statically as the package `drafters` (installed as specdec.drafters)
     documented = {line.split(":::", 1)[1].strip() for line in api.splitlines() if line.startswith(":::")}
@@ -364,6 +365,56 @@ def test_api_reference_lists_generate_config_contract_and_every_registered_draft
         module, _, cls = target.partition(":")
         assert f"{module.removeprefix('specdec.')}.{cls}" in documented, f"{cls} is not in the API reference"
     assert {"specdec.generate.generate", "specdec.generation_config.GenerationConfig", "drafters.base"} <= documented
+
+
+def _option_defaults(cls: type) -> dict:
+    """Each option ``cls(**options)`` takes and the default the code gives it (constructor, then options_config)."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    defaults = {p.name: p.default for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    for f in dataclasses.fields(getattr(cls, "options_config", None) or ()):
+        defaults.setdefault(f.name, f.default)
+    return defaults
+
+
+def _documented_default(text: str):
+    """A table's default cell as a value: `"auto"`, `()`, 0.05, `False`; the text itself when it is none."""
+    text = text.strip().strip("`")
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+def test_a_drafters_page_documents_each_option_it_takes_with_the_codes_default(name):
+    """Every option a drafter takes is on its page (its options table, or its Options section where there is none),
+    a Python-only one said to be so; every option in the table is taken; a default stated for an option the code
+    gives a value to is that value. ngram's and combined's config= and combined's verify_cost= were on no page."""
+    cls = drafter_class(name)
+    page = (DOCS / "drafters" / f"{name}.md").read_text()
+    section = page.split("## Options", 1)[-1].split("\n## ", 1)[0]  # the whole page where it has no such section
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| `")]
+    defaults = _option_defaults(cls)
+    assert option_names(cls) == set(defaults)
+    if rows:
+        named = {option: row for row in rows for option in re.findall(r"`(\w+)`", row[0])}
+        assert set(named) <= set(defaults), f"{name}.md names options the drafter refuses: {set(named) - set(defaults)}"
+    else:  # options in prose: `num_layers`, `cuda_graphs=True`
+        named = {option: [section] for option in re.findall(r"`(\w+)[`=]", section)}
+    assert set(defaults) <= set(named), f"{name}.md leaves out options: {sorted(set(defaults) - set(named))}"
+    for option in getattr(cls, "python_only_options", ()):
+        assert "Python only" in named[option][-1], f"{name}.md: {option} is not said to be Python only"
+    for row in rows:
+        options, stated = re.findall(r"`(\w+)`", row[0]), row[1].split(", ")
+        if len(stated) != len(options):  # "the checkpoint's; 5, 8, 16 for ...": no value per option
+            continue
+        for option, text in zip(options, stated, strict=True):
+            code = defaults[option]
+            if code is not None and code is not inspect.Parameter.empty and code is not dataclasses.MISSING:
+                value = _documented_default(text)
+                assert value == (list(code) if isinstance(code, tuple) and isinstance(value, list) else code), \
+                    f"{name}.md gives {option} the default {text}, the code {code!r}"
 
 
 def test_ci_runs_the_readme_test_command():
