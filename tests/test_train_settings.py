@@ -137,6 +137,29 @@ def test_the_cli_refuses_them_before_the_model_loads(tmp_path, capsys, option):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("given, said", [
+    (["--eval-prompts", "5"], "--eval-prompts sets"),
+    (["--eval-max-new-tokens", "32", "--eval-tree", "dynamic"], "--eval-max-new-tokens, --eval-tree set"),
+])
+def test_tau_settings_beside_no_eval_tau_are_refused_before_the_model_loads(tmp_path, capsys, given, said):
+    """--eval-prompts / --eval-max-new-tokens / --eval-tree with --no-eval-tau were accepted and unused."""
+    from specdec.train.cli import config_from_args
+
+    from specdec.cli import _parser, main
+
+    out = tmp_path / "run"
+    rc = main(["train-medusa", "--model", str(tmp_path / "no-such-model"), "--output-dir", str(out), *given,
+               "--no-eval-tau"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == (f"specdec train-medusa: error: {said} the tau measurement, which --no-eval-tau "
+                               f"skips: leave {'it' if len(given) == 2 else 'them'} out, or measure tau")
+    assert not out.exists()
+    args = _parser().parse_args(["train-medusa", "--model", "m", "--output-dir", str(out), *given])
+    config = config_from_args(args)  # measured: the values reach the run
+    assert (config.eval_prompts, config.eval_max_new_tokens, config.eval_tree) == (
+        (5, 128, "static") if len(given) == 2 else (24, 32, "dynamic"))
+
+
 def test_a_diverging_run_stops_at_the_step_whose_loss_is_nan_keeping_the_good_checkpoints(tiny, tmp_path, capsys):
     """lr 1e30 is finite (accepted) and blows the heads up after one step: step 2's loss is nan. The run stopped
     there with one line and exit 2, kept step 1's checkpoint and wrote no head (it ran on and exited 0)."""

@@ -151,14 +151,16 @@ def _common_args(p, name: str) -> None:
     g.add_argument("--overwrite", action="store_true",
                    help="delete a previous training run in --output-dir and start afresh (a directory holding "
                    "anything a run does not write is refused, not deleted)")
-    g.add_argument("--eval-prompts", type=int, default=24, help="held-out chat prompts for the tau measurement")
-    g.add_argument("--eval-max-new-tokens", type=int, default=128, help="tokens per prompt for tau")
+    # the tau measurement's settings: None where not given (the config's default), so --no-eval-tau refuses them
+    g.add_argument("--eval-prompts", type=int, default=None,
+                   help="held-out chat prompts for the tau measurement (default 24)")
+    g.add_argument("--eval-max-new-tokens", type=int, default=None, help="tokens per prompt for tau (default 128)")
     if name == "train-medusa":
         g.add_argument("--tree-budget", type=int, default=64, help="nodes of the chosen medusa_choices tree (<= 64)")
-        g.add_argument("--eval-tree", choices=EVAL_TREES, default="static",
-                       help="tree of the tau measurement: the chosen medusa_choices, or a per-step dynamic tree of "
-                            "--tree-budget nodes B from the heads' top-min(20, B) (drafter options tree=dynamic "
-                            "max_nodes=B top_k=min(20, B))")
+        g.add_argument("--eval-tree", choices=EVAL_TREES, default=None,
+                       help="tree of the tau measurement: the chosen medusa_choices (static, the default), or a "
+                            "per-step dynamic tree of --tree-budget nodes B from the heads' top-min(20, B) (drafter "
+                            "options tree=dynamic max_nodes=B top_k=min(20, B))")
     else:  # train-eagle times candidate trees (train/eagle_evaluate.py): Medusa's tree options would do nothing
         for option in ("--tree-budget", "--eval-tree"):
             g.add_argument(option, action=_MedusaOnly, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -172,6 +174,9 @@ class _MedusaOnly(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         parser.error(f"{option_string} is a train-medusa option (the medusa_choices tree); train-eagle chooses its "
                      "tree by timing candidates on the --eval-prompts (docs/training/eagle.md)")
+
+
+TAU_OPTIONS = ("eval_prompts", "eval_max_new_tokens", "eval_tree")  # read by the tau measurement alone
 
 
 def config_from_args(args):
@@ -189,6 +194,11 @@ def config_from_args(args):
 def _config(args):
     from specdec.train.config import TrainConfig
 
+    tau = {name: getattr(args, name) for name in TAU_OPTIONS if getattr(args, name, None) is not None}
+    if args.no_eval_tau and tau:
+        given = ", ".join(f"--{name.replace('_', '-')}" for name in tau)
+        raise ValueError(f"{given} set{'s' if len(tau) == 1 else ''} the tau measurement, which --no-eval-tau "
+                         f"skips: leave {'it' if len(tau) == 1 else 'them'} out, or measure tau")
     return TrainConfig(
         drafter=args.drafter, draft_vocab=args.draft_vocab, draft_vocab_coverage=args.draft_vocab_coverage,
         eagle_steps=getattr(args, "eagle_steps", 3), reg_weight=getattr(args, "reg_weight", 1.0),
@@ -205,8 +215,8 @@ def _config(args):
         max_steps=args.max_steps, head_decay=args.head_decay, loss=args.loss, precision=args.precision,
         cache_features=not args.no_feature_cache, seed=args.seed,
         held_out_fraction=args.held_out_fraction, save_every=args.save_every, log_every=args.log_every,
-        eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_new_tokens, eval_tau=not args.no_eval_tau,
-        **{k: getattr(args, k) for k in ("tree_budget", "eval_tree") if hasattr(args, k)},  # train-medusa's only
+        eval_tau=not args.no_eval_tau, **tau,
+        **({"tree_budget": args.tree_budget} if hasattr(args, "tree_budget") else {}),  # train-medusa's only
         resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
     )
 
