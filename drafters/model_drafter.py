@@ -334,9 +334,9 @@ class ModelDrafter(Drafter):
         if len(live) < len(seqs) and not self._outgrown and max_pos < self.target.runner.shape.max_positions:
             self._outgrown = True  # once a call: the target goes on past the draft model's context, undrafted
             longest = max(len(v.token_ids) for v in seqs)
-            logger.warning("%s: a sequence of %d tokens fills the draft model's context of %d positions: it is "
-                           "decoded without drafts from here (a draft model with a longer context drafts on)",
-                           self.name, longest, max_pos)
+            logger.warning("%s: a sequence of %d tokens fills the draft model's %s: it is decoded without drafts "
+                           "from here (a draft model with a longer context drafts on)",
+                           self.name, longest, self.runner.shape.limit_words)
         return live
 
     def _root_logits(self, live: list[SequenceView]) -> torch.Tensor:  # [B, vocab] logits at each root

@@ -463,7 +463,9 @@ def test_a_second_draft_model_that_can_never_pay_is_warned_about_too(caplog, mon
 
 def test_a_draft_model_with_a_shorter_context_says_once_where_it_stops_drafting(caplog):
     """A draft model whose context is shorter than the sequence drafted nothing from there on, silently (tau 1.00);
-    the output stays the target's. A draft model of the target's context says nothing at the target's end."""
+    the output stays the target's. A draft model of the target's context says nothing at the target's end. A
+    sliding-window draft model stops at its window + 1, which the message names (it said "context of 9 positions"
+    of a Mistral with an 8-token window and a context of 512)."""
     target = build_tiny_model(max_position_embeddings=64, vocab_size=32)
     short = build_tiny_model(max_position_embeddings=16, vocab_size=32, num_hidden_layers=1)
     prompts = [[(7 * i) % 31 + 1 for i in range(12)], [(5 * i) % 31 + 1 for i in range(30)]]
@@ -473,7 +475,16 @@ def test_a_draft_model_with_a_shorter_context_says_once_where_it_stops_drafting(
                                speculation="always")
     said = [r.getMessage() for r in caplog.records if r.name == "specdec.drafters.model_drafter"]
     assert out == plain
-    assert len(said) == 1 and "a sequence of 30 tokens fills the draft model's context of 16 positions" in said[0]
+    assert len(said) == 1 and "a sequence of 30 tokens fills the draft model's context of 16 tokens:" in said[0]
+    caplog.clear()
+    windowed = build_tiny_model("mistral", vocab_size=32, num_hidden_layers=1, sliding_window=8)
+    with caplog.at_level(logging.WARNING, logger="specdec.drafters.model_drafter"):
+        out = specdec.generate(target, prompts, max_new_tokens=12, drafter=DraftModelDrafter(windowed),
+                               speculation="always")
+    said = [r.getMessage() for r in caplog.records if r.name == "specdec.drafters.model_drafter"]
+    assert out == plain
+    assert len(said) == 1 and ("a sequence of 30 tokens fills the draft model's sliding window of 8 tokens plus the "
+                               "last new token (9 in all):") in said[0]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="specdec.drafters.model_drafter"):
         specdec.generate(target, [prompts[1]], max_new_tokens=34, drafter="self-draft",
