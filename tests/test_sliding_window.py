@@ -91,6 +91,7 @@ def test_the_message_names_the_window(mistral):
     (MistralConfig(sliding_window=WINDOW, layer_types=["full_attention"] * 2, num_hidden_layers=2), WINDOW),
     (MistralConfig(sliding_window=WINDOW, use_sliding_window=False), WINDOW),
     (LlamaConfig(sliding_window=WINDOW), WINDOW),
+    (LlamaConfig(sliding_window=WINDOW, use_sliding_window=False), WINDOW),  # a key transformers' Llama never reads
 ])
 def test_which_configs_have_a_window(config, window):
     assert sliding_window(config) == window
@@ -98,11 +99,13 @@ def test_which_configs_have_a_window(config, window):
 
 @pytest.mark.parametrize("model_type, extra", [
     ("mistral", {"layer_types": ["full_attention"] * 2}), ("mistral", {"use_sliding_window": False}),
-], ids=["mistral-layer-types", "mistral-no-flag"])
+    ("llama-gqa-tied", {"use_sliding_window": False}),
+], ids=["mistral-layer-types", "mistral-no-flag", "llama-no-flag"])
 def test_past_the_window_it_is_refused_or_transformers_tokens(model_type, extra):
     """Past the window specdec either refuses or gives transformers' greedy tokens: a Mistral config that also
     carried layer_types or use_sliding_window=False ran full attention there (other tokens than transformers', which
-    windows every Mistral layer)."""
+    windows every Mistral layer), and so did a Llama config with stray sliding_window and use_sliding_window=False
+    keys (transformers' Llama reads no use_sliding_window: its cache keeps only the window while decoding)."""
     model = build_tiny_model(model_type, vocab_size=64, sliding_window=WINDOW, **extra)
     prompt = [(7 * i) % 60 + 1 for i in range(WINDOW + 5)]
     ids = torch.tensor([prompt])
@@ -111,7 +114,7 @@ def test_past_the_window_it_is_refused_or_transformers_tokens(model_type, extra)
     try:
         got = specdec.generate(model, [prompt], max_new_tokens=8)[0][len(prompt):]
     except InputError as err:
-        assert model_type == "mistral" and "sliding window" in str(err)
+        assert "sliding window" in str(err)
     else:
         assert got == want
 

@@ -123,8 +123,9 @@ def sliding_window(config) -> int | None:
     are exact: the runner's ``shape.max_positions`` stops there.
     Mistral windows every layer whenever ``sliding_window`` is set (transformers' Mistral reads neither
     ``layer_types`` nor ``use_sliding_window``); elsewhere ``layer_types`` (transformers 5: Qwen2 / Qwen3, per
-    layer) decides where present, else ``sliding_window`` counts unless ``use_sliding_window`` is False (a Llama
-    config's stray key too: transformers' cache then keeps only the window while decoding)."""
+    layer) decides where present, else ``sliding_window`` counts (a Llama config's stray key too: transformers'
+    cache then keeps only the window while decoding), unless a Qwen2 / Qwen3 config's ``use_sliding_window`` is
+    False; a Llama config's stray ``use_sliding_window`` is read by nothing in transformers, so its window stays."""
     window = getattr(config, "sliding_window", None)
     if not window:
         return None
@@ -133,7 +134,9 @@ def sliding_window(config) -> int | None:
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return int(window) if "sliding_attention" in layer_types else None
-    return int(window) if getattr(config, "use_sliding_window", True) else None
+    if getattr(config, "model_type", None) in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", True):
+        return None
+    return int(window)
 
 
 def check_supported(hf_model) -> None:
