@@ -111,8 +111,8 @@ def rope_scaling(meta: dict) -> tuple[str, dict] | None:
     nothing: None): the keys in words, and the transformers ``rope_scaling`` that computes llama.cpp's angles and
     magnitudes. Linear: llama.cpp's ``freq_scale = 1 / factor`` divides every frequency, as transformers' ``linear``
     does. YaRN: llama.cpp's ramp between the same correction dimensions (``ggml_rope_yarn_corr_dims``, from
-    ``original_context_length``, else the context length, and the two betas, 32 and 1 unless given) mixes the
-    scaled and unscaled angles as transformers' ``yarn`` mixes frequencies, and scales cos / sin by
+    ``original_context_length``, else (or where it is 0) the context length, and the two betas, 32 and 1 unless
+    given) mixes the scaled and unscaled angles as transformers' ``yarn`` mixes frequencies, and scales cos / sin by
     ``1 + 0.1 ln factor``, transformers' default attention factor. Raises :class:`RopeNotMapped` for the rest: a
     type llama.cpp does not know or LongRoPE (its factors are tensors), and the attention scales llama.cpp releases
     apply differently (``attn_factor``, ``yarn_attn_factor``, ``yarn_log_multiplier``) or a partial YaRN
@@ -141,8 +141,9 @@ def rope_scaling(meta: dict) -> tuple[str, dict] | None:
     what = f"{key('type')} {kind!r} with factor {factor:g}"
     if kind == "linear":
         return what, {"rope_type": "linear", "factor": float(factor)}
-    original = meta.get(key("original_context_length"), meta.get(f"{arch}.context_length"))
-    if not isinstance(original, int):
+    # 0 is unset to llama.cpp (n_ctx_orig_yarn falls back to the training context), not a context of 0 tokens
+    original = meta.get(key("original_context_length")) or meta.get(f"{arch}.context_length")
+    if not isinstance(original, int) or original <= 0:
         raise RopeNotMapped(f"{what} and no context length ({key('original_context_length')}, "
                             f"{arch}.context_length) to place its ramp by")
     return what, {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original,
