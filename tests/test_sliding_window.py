@@ -10,7 +10,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 import specdec
 from specdec.errors import InputError
-from specdec.models.llama import LlamaRunner, sliding_window
+from specdec.models.llama import LlamaRunner, UnsupportedModelError, sliding_window
 from specdec.testing import build_tiny_model
 
 WINDOW = 16
@@ -117,6 +117,23 @@ def test_past_the_window_it_is_refused_or_transformers_tokens(model_type, extra)
         assert "sliding window" in str(err)
     else:
         assert got == want
+
+
+@pytest.mark.parametrize("variant, extra", [
+    ("qwen3-qknorm", {}), ("qwen2-bias", {"use_sliding_window": False}), ("llama-gqa-tied", {"sliding_window": None}),
+])
+def test_sliding_layers_without_a_window_are_refused_in_one_line(variant, extra):
+    """layer_types naming sliding_attention layers while sliding_window is None (Qwen2 / Qwen3 null it unless
+    use_sliding_window is true) is a model transformers cannot run (its mask and its cache need the window):
+    specdec ran those layers with full attention and returned tokens no transformers model gives."""
+    fields = {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"], **extra}
+    model = build_tiny_model(variant, vocab_size=64, **fields)
+    assert model.config.sliding_window is None
+    with pytest.raises(UnsupportedModelError, match=r"^config\.layer_types has sliding_attention layers but "
+                                                    r"config\.sliding_window is None \(.*\): transformers cannot "
+                                                    r"run such a layer; set sliding_window, or make those layers "
+                                                    r"full_attention$"):
+        specdec.generate(model, [[5, 6, 7]], max_new_tokens=4)
 
 
 def test_the_eval_commands_name_the_window_too(mistral):

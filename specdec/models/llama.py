@@ -125,13 +125,19 @@ def sliding_window(config) -> int | None:
     ``layer_types`` nor ``use_sliding_window``); elsewhere ``layer_types`` (transformers 5: Qwen2 / Qwen3, per
     layer) decides where present, else ``sliding_window`` counts (a Llama config's stray key too: transformers'
     cache then keeps only the window while decoding), unless a Qwen2 / Qwen3 config's ``use_sliding_window`` is
-    False; a Llama config's stray ``use_sliding_window`` is read by nothing in transformers, so its window stays."""
+    False; a Llama config's stray ``use_sliding_window`` is read by nothing in transformers, so its window stays.
+    ``sliding_attention`` layers without a window are an UnsupportedModelError: transformers runs no such layer."""
     window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window and "sliding_attention" in (layer_types or ()):  # transformers' cache and mask need the window
+        raise UnsupportedModelError("config.layer_types has sliding_attention layers but config.sliding_window is "
+                                    f"{window!r} (a Qwen2 / Qwen3 config sets it to None unless use_sliding_window "
+                                    "is true): transformers cannot run such a layer; set sliding_window, or make "
+                                    "those layers full_attention")
     if not window:
         return None
     if getattr(config, "model_type", None) == "mistral":
         return int(window)
-    layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return int(window) if "sliding_attention" in layer_types else None
     if getattr(config, "model_type", None) in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", True):
