@@ -596,12 +596,16 @@ def _options_per_row(pairs: list[str], names: list[str]) -> dict[str, dict]:
 def _clear_earlier_run(earlier: list[Path]) -> None:
     """Delete what ``check_earlier_run`` found (--overwrite), with the cells of rows this run may not have, which it
     would report, and the temporary files a kill left of the earlier run's writes of them (specdec.atomic_write)."""
-    if os.environ.get("RANK", "0") == "0":  # once, under accelerate launch too
-        for found in earlier:
-            cells = {leftover_of(p.name) or p.name for p in found.glob("*__*.json*")} if found.is_dir() else ()
-            for path in sorted(found / n for n in cells if n.endswith(".json")) if found.is_dir() else [found]:
-                path.unlink(missing_ok=True)
-                remove_leftovers(path)
+    if os.environ.get("RANK", "0") != "0":  # once, under accelerate launch too
+        return
+    for found in earlier:
+        paths = [found]
+        if found.is_dir():  # the cells, those a kill left as temporary files alone included
+            names = {leftover_of(p.name) or p.name for p in found.glob("*__*.json*")}
+            paths = sorted(found / name for name in names if name.endswith(".json"))
+        for path in paths:
+            path.unlink(missing_ok=True)
+            remove_leftovers(path)
 
 
 def _run_cells(loaded, conversations: list, config, out: Path, resume: bool) -> dict:
