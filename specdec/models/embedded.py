@@ -197,10 +197,10 @@ def check_convertible(path: Path) -> tuple[list[str], dict] | None:
     """``(tensor names, metadata)`` of the GGUF file ``path`` (which has passed :func:`check_gguf`), after refusing in
     one line, before any conversion work, a file that no conversion runs as written: an architecture specdec does not
     run (:class:`UnsupportedModelError`), a tensor gguf cannot dequantize (:func:`_check_tensor_types`), RoPE scaling
-    that no transformers RoPE type computes as llama.cpp does
-    (:func:`gguf_llama.rope_scaling`) or that transformers' GGUF loading would drop (any, in a file specdec's own
-    reader does not take), or tokenizer metadata no tokenizer is built from (:class:`GGUFError`,
-    :func:`_check_tokenizer`). None for a header this walker does not read (left to transformers)."""
+    that no transformers RoPE type computes as llama.cpp does (:func:`gguf_llama.rope_scaling`) or that transformers'
+    GGUF loading would drop (any, in a file specdec's own reader does not take), or tokenizer metadata no tokenizer
+    is built from (:class:`GGUFError`, :func:`_check_tokenizer`). None for a header this walker does not read (left
+    to transformers)."""
     from specdec.models import gguf_llama
     from specdec.models.llama import UnsupportedModelError
 
