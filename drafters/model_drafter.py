@@ -339,6 +339,13 @@ class ModelDrafter(Drafter):
                            self.name, longest, self.runner.shape.limit_words)
         return live
 
+    def _deepest(self, live: list[SequenceView]) -> int:
+        """The depth to draft to: num_draft_tokens, or less where no sequence has the positions for it. A node at
+        depth d sits at position len(token_ids) - 1 + d, which must stay below the draft model's limit (context,
+        sliding window) and the target's (the engine cuts deeper nodes unverified: drafting them is lost work)."""
+        limit = min(self.runner.shape.max_positions, self.target.runner.shape.max_positions)
+        return max(1, min(self.config.num_draft_tokens, max(limit - len(v.token_ids) for v in live)))
+
     def _root_logits(self, live: list[SequenceView]) -> torch.Tensor:  # [B, vocab] logits at each root
         if self.cache is None:
             self.cache = self._own_cache()
@@ -442,11 +449,12 @@ class ModelDrafter(Drafter):
         # frontier: per sequence, (node index or -1, logits row) of the nodes whose children come next
         frontier = [[(-1, root_logits[b], 1.0)] for b in range(len(live))]
         budget = cfg.max_nodes if cfg.tree == "dynamic" else MAX_TREE_NODES
-        for depth in range(1, cfg.num_draft_tokens + 1):
+        deepest = self._deepest(live)
+        for depth in range(1, deepest + 1):
             self._process_frontier(live, nodes, frontier)
             new_per_seq = [self._children(nodes[b], frontier[b], depth, budget, self._noise(v, depth))
                            for b, v in enumerate(live)]
-            if depth == cfg.num_draft_tokens or not any(new_per_seq):
+            if depth == deepest or not any(new_per_seq):
                 break
             logits = self._forward_nodes(live, nodes, new_per_seq, depth)
             if logits is None:  # no room for this level's scratch: the tree grown so far
@@ -472,7 +480,8 @@ class ModelDrafter(Drafter):
         frontier = [-1]  # its newest nodes (-1: the root)
         logits = root_logits  # [B * len(frontier), n], sequence-major
         chosen, drawn_from = [], []  # per depth [B, new nodes] token ids, and (sampled) [B, new nodes, vocab]
-        for depth in range(1, cfg.num_draft_tokens + 1):
+        deepest = self._deepest(live)
+        for depth in range(1, deepest + 1):
             width = cfg.width(depth)
             noise = None
             if self.target.coupling is not None:  # [B * frontier, n]: a sequence's noise for all its frontier
@@ -490,7 +499,7 @@ class ModelDrafter(Drafter):
             parents += [p for p in frontier for _ in range(tokens.shape[1] // len(frontier))]
             chosen.append(tokens)
             frontier = new
-            if depth == cfg.num_draft_tokens:
+            if depth == deepest:
                 break
             nodes = [[_Node(p, 0, 1.0, None) for p in parents] for _ in live]  # tokens: the device's
             logits = self._forward_nodes(live, nodes, [new] * B, depth, tokens.reshape(-1))

@@ -16,6 +16,7 @@ from specdec.eval.two_sample import two_sample_chi2
 import specdec
 from specdec import speculation_policy
 from specdec.kv_cache import CacheFullError
+from specdec.models.llama import LlamaRunner
 from specdec.models.loader import load_model
 from specdec.rejection import EXACT
 from specdec.sampling import SamplingConfig
@@ -510,3 +511,45 @@ def test_independent_children_are_drawn_independently():
     law = {(a, b): float(q[a] * q[b]) for a in range(4) for b in range(4)}
     fit = goodness_of_fit([tuple(p) for p in pairs], law, 0.03, 1e-3)
     assert fit.power > 0.9 and fit.p_value > 1e-3, fit
+
+
+
+@pytest.mark.parametrize("target_config, drafter", [
+    (dict(max_position_embeddings=32), "self-draft"),
+    (dict(variant="mistral", sliding_window=24), "self-draft"),  # runs to its window + 1: 25 positions
+    (dict(max_position_embeddings=64), "short draft model"),  # its own context: 28 positions
+])
+def test_model_drafters_draft_no_position_past_a_limit(monkeypatch, target_config, drafter):
+    """Near the end of a context (the target's, its window's, a draft model's own) the drafter ran its levels to
+    num_draft_tokens whatever the positions left: forwards at positions the target verifies no node of, or past
+    the draft model's context (lost work; the engine cut those nodes). Every forward stays below its runner's limit,
+    and the tokens are plain decoding's."""
+    config = dict(target_config)
+    target = build_tiny_model(config.pop("variant", "llama-gqa-tied"), vocab_size=32, **config)
+    short = build_tiny_model(max_position_embeddings=28, vocab_size=32, num_hidden_layers=1)
+
+    def make(**options):
+        if drafter == "self-draft":
+            return SelfDraftDrafter(num_layers=1, num_draft_tokens=4, **options)
+        return DraftModelDrafter(short, num_draft_tokens=4, **options)
+
+    # the limit the sequences reach: the target's, or the draft model's, which the target decodes past undrafted
+    limit = LlamaRunner(target).shape.max_positions if drafter == "self-draft" else 28
+    # the first draft's root is the prompt's last token, at position limit - 3, so its levels 1-3 would run at
+    # limit - 2 to limit. One sequence: a batch's static tree has one shape, so its levels run while any sequence
+    # has room
+    prompt = [[(3 * i) % 31 + 1 for i in range(limit - 2)]]
+    new = limit - len(prompt[0]) if drafter == "self-draft" else 8  # self-draft: to the end of the target's limit
+    plain = specdec.generate(target, prompt, max_new_tokens=new)
+    past = []  # (position, the runner's limit) of every position a forward ran at or past its runner's limit
+    forward = LlamaRunner.forward
+
+    def recorded(self, token_ids, positions, *args, **kwargs):
+        past.extend((p, self.shape.max_positions) for p in positions.tolist() if p >= self.shape.max_positions)
+        return forward(self, token_ids, positions, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaRunner, "forward", recorded)
+    for options in ({}, dict(tree="dynamic", max_nodes=6)):  # a static chain grown on the device; a dynamic tree
+        out = specdec.generate(target, prompt, max_new_tokens=new, drafter=make(**options), speculation="always")
+        assert out == plain
+    assert past == []
