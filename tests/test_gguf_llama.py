@@ -225,6 +225,17 @@ ROPE_REFUSED = {  # a file's RoPE scaling no transformers RoPE type computes as 
                       r"llama.rope.scaling.type 'longrope': LongRoPE, whose factors llama.cpp keeps in tensors"),
     "a type llama.cpp does not know": (dict(meta={"llama.rope.scaling.type": "ntk"}),
                                        r"llama.rope.scaling.type 'ntk': a type llama.cpp does not know"),
+    "an original context stored as a float": (dict(meta={"llama.rope.scaling.type": "yarn",
+                                                         "llama.rope.scaling.factor": 4.0,
+                                                         "llama.rope.scaling.original_context_length": 64.0}),
+                                              r"llama.rope.scaling.original_context_length 64 \(a float\), where "
+                                              r"llama.cpp reads a whole number of tokens and refuses the file"),
+    **{f"yarn_{beta} {value:g}": (dict(meta={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                                             f"llama.rope.scaling.yarn_{beta}": value}),
+                                  rf"llama.rope.scaling.yarn_{beta} {value:g}: llama.cpp does not read it for this "
+                                  r"architecture \(its YaRN ramp runs between betas 32 and 1\), so no RoPE computes "
+                                  r"this file as it means it")
+       for beta, value in [("beta_fast", 0.0), ("beta_fast", 16.0), ("beta_fast", -32.0), ("beta_slow", 64.0)]},
 }
 
 
@@ -258,12 +269,13 @@ ROPE_CONVERTED = {  # llama.cpp's RoPE scaling keys -> (the transformers RoPE th
                                                               {"rope_type": "yarn", "factor": 4.0,
                                                                "original_max_position_embeddings": 256,
                                                                "beta_fast": 32.0, "beta_slow": 1.0}),
-    "yarn with betas, no original context": ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 8.0,
-                                              "llama.rope.scaling.yarn_beta_fast": 16.0,
-                                              "llama.rope.scaling.yarn_beta_slow": 2.0},
-                                             {"rope_type": "yarn", "factor": 8.0,
-                                              "original_max_position_embeddings": 256, "beta_fast": 16.0,
-                                              "beta_slow": 2.0}),
+    "yarn with llama.cpp's betas, no original context": ({"llama.rope.scaling.type": "yarn",
+                                                          "llama.rope.scaling.factor": 8.0,
+                                                          "llama.rope.scaling.yarn_beta_fast": 32.0,
+                                                          "llama.rope.scaling.yarn_beta_slow": 1.0},
+                                                         {"rope_type": "yarn", "factor": 8.0,
+                                                          "original_max_position_embeddings": 256, "beta_fast": 32.0,
+                                                          "beta_slow": 1.0}),
 }
 
 

@@ -111,12 +111,14 @@ def rope_scaling(meta: dict) -> tuple[str, dict] | None:
     nothing: None): the keys in words, and the transformers ``rope_scaling`` that computes llama.cpp's angles and
     magnitudes. Linear: llama.cpp's ``freq_scale = 1 / factor`` divides every frequency, as transformers' ``linear``
     does. YaRN: llama.cpp's ramp between the same correction dimensions (``ggml_rope_yarn_corr_dims``, from
-    ``original_context_length``, else (or where it is 0) the context length, and the two betas, 32 and 1 unless
-    given) mixes the scaled and unscaled angles as transformers' ``yarn`` mixes frequencies, and scales cos / sin by
-    ``1 + 0.1 ln factor``, transformers' default attention factor. Raises :class:`RopeNotMapped` for the rest: a
-    type llama.cpp does not know or LongRoPE (its factors are tensors), and the attention scales llama.cpp releases
-    apply differently (``attn_factor``, ``yarn_attn_factor``, ``yarn_log_multiplier``) or a partial YaRN
-    (``yarn_ext_factor``)."""
+    ``original_context_length``, else (or where it is 0) the context length, and the betas 32 and 1) mixes the scaled
+    and unscaled angles as transformers' ``yarn`` mixes frequencies, and scales cos / sin by ``1 + 0.1 ln factor``,
+    transformers' default attention factor. Raises :class:`RopeNotMapped` for the rest: a type llama.cpp does not
+    know or LongRoPE (its factors are tensors), the attention scales llama.cpp releases apply differently
+    (``attn_factor``, ``yarn_attn_factor``, ``yarn_log_multiplier``), a partial YaRN (``yarn_ext_factor``), other
+    betas (``yarn_beta_fast`` / ``yarn_beta_slow``, which llama.cpp reads for other architectures only, so the file
+    means a ramp llama.cpp does not run), and a context length that is not an integer (llama.cpp refuses the
+    file)."""
     arch = meta.get("general.architecture")
 
     def key(name: str) -> str:
@@ -141,14 +143,25 @@ def rope_scaling(meta: dict) -> tuple[str, dict] | None:
     what = f"{key('type')} {kind!r} with factor {factor:g}"
     if kind == "linear":
         return what, {"rope_type": "linear", "factor": float(factor)}
+    for name, value in ((key("original_context_length"), meta.get(key("original_context_length"))),
+                        (f"{arch}.context_length", meta.get(f"{arch}.context_length"))):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            shown = f"{value!r} ({type(value).__name__})" if not isinstance(value, float) else f"{value:g} (a float)"
+            raise RopeNotMapped(f"{name} {shown}, where llama.cpp reads a whole number of tokens and refuses the "
+                                "file")
+    for name, ramp_end in (("yarn_beta_fast", 32.0), ("yarn_beta_slow", 1.0)):
+        value = meta.get(key(name), ramp_end)
+        if value != ramp_end:
+            shown = f"{value:g}" if isinstance(value, (int, float)) else repr(value)
+            raise RopeNotMapped(f"{key(name)} {shown}: llama.cpp does not read it for this architecture (its YaRN "
+                                f"ramp runs between betas 32 and 1), so no RoPE computes this file as it means it")
     # 0 is unset to llama.cpp (n_ctx_orig_yarn falls back to the training context), not a context of 0 tokens
     original = meta.get(key("original_context_length")) or meta.get(f"{arch}.context_length")
-    if not isinstance(original, int) or original <= 0:
+    if original is None or original <= 0:
         raise RopeNotMapped(f"{what} and no context length ({key('original_context_length')}, "
                             f"{arch}.context_length) to place its ramp by")
     return what, {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original,
-                  "beta_fast": float(meta.get(key("yarn_beta_fast"), 32.0)),
-                  "beta_slow": float(meta.get(key("yarn_beta_slow"), 1.0))}
+                  "beta_fast": 32.0, "beta_slow": 1.0}
 
 
 def _dequantized(blob, start: int, ggml_type: int, dims: tuple[int, ...]) -> torch.Tensor | None:
