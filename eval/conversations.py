@@ -55,7 +55,17 @@ def chat_codec(loaded: Any) -> ChatCodec:
     if getattr(tok, "chat_template", None):
         return ChatCodec(lambda messages: list(tok.apply_chat_template(messages, add_generation_prompt=True,
                                                                        return_dict=False)), decode)
-    return ChatCodec(lambda messages: list(tok("\n\n".join(m["content"] for m in messages))["input_ids"]), decode)
+
+    def encode(messages: Messages) -> list[int]:
+        text = "\n\n".join(m["content"] for m in messages)
+        ids = list(tok(text)["input_ids"])
+        if text and not ids:  # a vocabulary of no piece of text (and no template): no prompt to measure
+            raise InputError(f"the model's tokenizer encodes the prompt {text[:40]!r}{'...' * (len(text) > 40)} "
+                             "to no token (it has no chat template, and no piece of the text in its vocabulary): "
+                             "give a model whose tokenizer encodes text")
+        return ids
+
+    return ChatCodec(encode, decode)
 
 
 def _built_in_index(conversations: list[Conversation], i: int) -> int | None:

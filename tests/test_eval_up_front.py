@@ -439,3 +439,25 @@ def test_a_terminated_run_says_so_and_that_resume_continues_it(ckpt, tmp_path, c
     line = captured.err.strip().splitlines()[-1]
     assert code == 143 and line == (f"specdec eval acceptance: terminated (SIGTERM); 1 finished cell(s) kept in "
                                     f"{out / 'cells'} (continue with --resume)"), captured.err
+
+
+def test_a_tokenizer_that_encodes_the_prompts_to_nothing_is_refused_before_any_check_runs(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """A GGUF whose vocabulary holds no piece of text (no chat template either) encoded the built-in prompts to no
+    token: eval lossless failed after its exact level, and eval acceptance, with "prompt 0 is empty", a prompt the
+    user never gave. Both now name the prompt and what the tokenizer lacks."""
+    from tests.test_gguf_llama import write_llama_gguf
+
+    def run_certificate(*args, **kwargs):
+        raise AssertionError("the certificate ran")
+
+    monkeypatch.setattr("specdec.eval.certificate.run_certificate", run_certificate)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_llama_gguf(tmp_path / "m.gguf")  # tokens t0 .. t47: no text encodes to any of them
+    code, captured = _main(["eval", "lossless", "--model", str(path), *SMALL, "--out", str(tmp_path / "c")], capsys)
+    assert code == 2 and "the model's tokenizer encodes the prompt '" in _one_line(captured)
+    assert _one_line(captured).endswith("to no token (it has no chat template, and no piece of the text in its "
+                                        "vocabulary): give a model whose tokenizer encodes text")
+    code, captured = _main(["eval", "acceptance", "--model", str(path), *RUN, "--categories", "chat", "--prompts",
+                            "1", "--out", str(tmp_path / "a")], capsys)
+    assert code == 2 and "the model's tokenizer encodes the prompt '" in _one_line(captured)
