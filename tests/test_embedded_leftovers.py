@@ -1,6 +1,6 @@
 """The folder a process killed while converting a GGUF left in the model cache (half a model, ~0.5 GB for the
-embedded one) stayed there for good; the next conversion removes it, never a folder whose conversion still runs.
-The conversion itself is replaced by one that writes small files."""
+embedded one) stayed there for good; the next conversion, or load of a conversion, removes it, never a folder whose
+conversion still runs. The conversion itself is replaced by one that writes small files."""
 from __future__ import annotations
 
 import os
@@ -34,6 +34,29 @@ def test_a_conversion_removes_what_killed_ones_left_and_nothing_else(tmp_path, m
         assert embedded.convert_gguf(gguf, out) == out and embedded.is_intact(out)
     assert sorted(p.name for p in out.parent.iterdir()) == sorted([out.name, ".tmp-running", ".tmp-young"])
     assert sum("left by a conversion that was stopped" in r.getMessage() for r in caplog.records) == 2
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock: a running conversion cannot be told from a dead one")
+def test_loading_an_intact_conversion_removes_what_a_killed_one_left(tmp_path, monkeypatch):
+    """A conversion killed (SIGKILL, the OOM killer) and rerun at once: the rerun found the killed one's folder too
+    young to remove and converted; every later run loaded the intact conversion, which removed nothing, so the half
+    model stayed for good. Loading removes it too."""
+    def convert_into(gguf_path, out):
+        (out / "config.json").write_text('{"model_type": "llama"}')
+        (out / "model.safetensors").write_bytes(b"weights")
+
+    monkeypatch.setattr(embedded, "_convert_into", convert_into)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"gguf")
+    out = embedded.converted_dir(gguf)
+    killed = out.parent / ".tmp-killed"
+    killed.mkdir(parents=True)
+    (killed / "model.safetensors").write_bytes(b"half")
+    assert embedded.convert_gguf(gguf, out) == out and killed.exists()  # too young to tell from a live one
+    os.utime(killed, (1e9, 1e9))
+    assert embedded.convert_gguf(gguf, out) == out
+    assert [p.name for p in out.parent.iterdir()] == [out.name]
 
 
 def test_where_no_folder_can_be_held_no_leftover_is_removed(tmp_path, monkeypatch):

@@ -513,8 +513,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     A cached conversion is reused only while its manifest vouches for it (:func:`is_intact`); a truncated or
     damaged one (or one from before manifests) is converted again, with a warning. When the cache directory
     cannot be written, the conversion goes to a temporary directory for this process, with a warning, and later
-    calls reuse it while it is intact."""
+    calls reuse it while it is intact. Loading an intact conversion removes the folders killed conversions left
+    (:func:`_remove_leftovers`), as converting does: a rerun right after a kill finds the killed one's folder too
+    young to remove, and no conversion of that file comes again."""
     if is_intact(out_dir):
+        _remove_leftovers(out_dir.parent)
         return out_dir
     earlier = _TEMPORARY.get(out_dir)
     if earlier is not None and is_intact(earlier):
