@@ -1409,8 +1409,8 @@ def test_measured_tau_verifies_every_tree_whole(monkeypatch):
 
 def test_a_run_that_ended_before_its_first_checkpoint_does_not_block_its_rerun(tiny, tmp_path):
     """A run failing on its data (after its run.json and log were written) left a directory the corrected rerun
-    refused as "another run"; there is nothing to resume or lose in it. One with a checkpoint is still refused,
-    and Ctrl-C says which of the two it left."""
+    refused as "another run"; there is nothing to resume or lose in it (a --resume there says so). One with a
+    checkpoint is still refused, and Ctrl-C says which of the two it left."""
     from specdec.train.cli import _what_is_left
 
     out = tmp_path / "run"
@@ -1418,6 +1418,10 @@ def test_a_run_that_ended_before_its_first_checkpoint_does_not_block_its_rerun(t
     (out / "run.json").write_text("{}")
     (out / "train.log").write_text("ERROR the data had no text field")
     assert "saved no checkpoint yet" in _what_is_left(out)
+    # a --resume after a kill there (no Ctrl-C line said what was left) says how to go on
+    with pytest.raises(OutputDirError, match=r"stopped before its first one \(see --save-every\); rerun without "
+                                             r"--resume to start it again$"):
+        output_dir.prepare_output_dir(_cfg(tiny, out, resume=True))
     assert output_dir.prepare_output_dir(_cfg(tiny, out)) is None and list(out.iterdir()) == []  # emptied
     (out / "run.json").write_text("{}")
     heads, optimizer, scheduler = _tiny_training_state()

@@ -82,6 +82,10 @@ def prepare_output_dir(cfg: TrainConfig, target: str | None = None) -> Path | No
     if cfg.resume:
         ckpt = ckpt_io.find_checkpoint(out)
         if ckpt is None:
+            left = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+            if left and all(_written_by_a_run(name, NO_CHECKPOINT_RUN) for name in left):
+                raise OutputDirError(f"--resume: {out} holds no checkpoint to resume from: its run stopped before its "
+                                     "first one (see --save-every); rerun without --resume to start it again")
             raise OutputDirError(f"--resume: {out} holds no checkpoint to resume from")
         ckpt_io.check_readable(ckpt)
         state = ckpt_io.read_state(ckpt)
