@@ -1607,6 +1607,21 @@ def test_a_kill_after_the_new_checkpoint_is_in_place_resumes_from_the_new_one(tm
     assert ckpt_io.read_state(ckpt_io.find_checkpoint(tmp_path))["step"] == 4
 
 
+def test_a_resume_removes_what_a_save_killed_after_its_renames_left(tiny, tmp_path):
+    """A run killed during its last save, after the new checkpoint was renamed in and before checkpoint.old was
+    removed, resumed at its last step and saved no more: the earlier checkpoint (optimizer state and all) stayed for
+    good. The resume removes it, and a checkpoint.tmp a kill left half-written."""
+    out = tmp_path / "run"
+    cfg = _cfg(tiny, out, max_steps=2, save_every=2, eval_tau=False)
+    run_training(cfg)
+    shutil.copytree(out / ckpt_io.CKPT, out / ckpt_io.OLD)
+    (out / ckpt_io.TMP).mkdir()
+    (out / ckpt_io.TMP / "heads.safetensors").write_bytes(b"half")
+    assert output_dir.prepare_output_dir(_cfg(tiny, out, max_steps=2, save_every=2, eval_tau=False, resume=True)) \
+        == out / ckpt_io.CKPT
+    assert not (out / ckpt_io.OLD).exists() and not (out / ckpt_io.TMP).exists()
+
+
 @pytest.mark.parametrize("state", ['{"fingerprint": "fp", "config": {}}', '{"step": null}', '{"step": "four"}'])
 def test_a_state_file_without_a_step_is_a_checkpoint_error(tmp_path, state):
     (tmp_path / "state.json").write_text(state)

@@ -10,6 +10,7 @@ naming the file; a truncated one is found when ``--resume`` starts, not minutes 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import zipfile
@@ -19,6 +20,8 @@ import torch
 
 from specdec.atomic_write import save_tensors
 from specdec.errors import SpecdecError
+
+logger = logging.getLogger(__name__)
 
 CKPT, TMP, OLD = "checkpoint", "checkpoint.tmp", "checkpoint.old"
 FILES = ("state.json", "heads.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt")  # what a checkpoint holds
@@ -63,6 +66,19 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def remove_leftovers(output_dir: Path) -> None:
+    """Beside a complete ``checkpoint``, remove what a save stopped after its renames (``checkpoint.old``, a whole
+    earlier checkpoint) or while writing (``checkpoint.tmp``) left: the next save removes them, but a run killed
+    during its last save resumes at its last step and saves no more. A resume calls it, holding the folder."""
+    if find_checkpoint(output_dir) != output_dir / CKPT:  # checkpoint.old is the complete one: kept
+        return
+    for name in (OLD, TMP):
+        left = output_dir / name
+        if left.is_dir() and not left.is_symlink():
+            shutil.rmtree(left, ignore_errors=True)
+            logger.warning("removed %s, left by a checkpoint save that was stopped before it ended", left)
 
 
 def find_checkpoint(output_dir: Path) -> Path | None:

@@ -106,6 +106,7 @@ def prepare_output_dir(cfg: TrainConfig, target: str | None = None) -> Path | No
         if changed:  # the path is the same, so the configuration is: what it holds may not be
             logger.warning("--resume: %s changed since the checkpoint was saved (size or modification time); the "
                            "resumed run reads it as it is now", ", ".join(changed))
+        ckpt_io.remove_leftovers(out)
         return ckpt
     if out.exists() and any(out.iterdir()):
         left = sorted(p.name for p in out.iterdir())
