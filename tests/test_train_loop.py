@@ -510,6 +510,8 @@ def test_output_dir_refusal_and_overwrite(tiny, tmp_path, monkeypatch):
         run_training(_cfg(tiny, out, eval_tau=False))
     with pytest.raises(OutputDirError, match="no checkpoint"):
         run_training(_cfg(tiny, out, eval_tau=False, resume=True))
+    with pytest.raises(OutputDirError, match=r"/typo does not exist, so there is no run to resume; check the path"):
+        run_training(_cfg(tiny, tmp_path / "typo", eval_tau=False, resume=True))  # it said "holds no checkpoint"
     # --overwrite deletes only what is recognisably a specdec run (issue 24 #5): here nothing is deleted
     with pytest.raises(OutputDirError, match="not a specdec training run"):
         run_training(_cfg(tiny, out, eval_tau=False, overwrite=True, max_steps=2))

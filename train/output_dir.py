@@ -82,6 +82,9 @@ def prepare_output_dir(cfg: TrainConfig, target: str | None = None) -> Path | No
     if cfg.resume:
         ckpt = ckpt_io.find_checkpoint(out)
         if ckpt is None:
+            if not out.exists():  # a mistyped folder, or no run there yet
+                raise OutputDirError(f"--resume: {out} does not exist, so there is no run to resume; check the path, "
+                                     "or run without --resume to start one")
             left = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
             if left and all(_written_by_a_run(name, NO_CHECKPOINT_RUN) for name in left):
                 raise OutputDirError(f"--resume: {out} holds no checkpoint to resume from: its run stopped before its "
