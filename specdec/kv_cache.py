@@ -154,7 +154,8 @@ class PagedKVCache:
         spares = self._spares(num_new) if total > len(self._free) else {}  # (never one of the asked blocks)
         if total > len(self._free) + sum(len(self.block_tables[s]) - keep for s, keep in spares.items()):
             raise CacheFullError(
-                f"KV cache out of blocks: {total} more blocks of {self.block_size} tokens are needed, "
+                f"KV cache out of blocks: {total} more block{'s' * (total != 1)} of {self.block_size} tokens "
+                f"{'are' if total != 1 else 'is'} needed, "
                 f"{len(self._free)} of {self.num_blocks} are free. Pass a larger num_blocks, or fewer / "
                 f"shorter sequences."
             )
@@ -231,8 +232,9 @@ class PagedKVCache:
         base, pool = self._headroom(list(self.block_tables))
         extra = sum(max(0, self._blocks_for(self.lengths[s] + n) - base[s]) for s, n in num_new.items())
         if extra > pool:
-            raise CacheFullError(f"KV cache out of blocks for drafting: {extra} more blocks of {self.block_size} "
-                                 f"tokens are needed, {max(pool, 0)} are left once every sequence holds its next "
+            raise CacheFullError(f"KV cache out of blocks for drafting: {extra} more block{'s' * (extra != 1)} of "
+                                 f"{self.block_size} tokens {'are' if extra != 1 else 'is'} needed, {max(pool, 0)} "
+                                 f"{'is' if max(pool, 0) == 1 else 'are'} left once every sequence holds its next "
                                  "position. Pass a larger num_blocks.")
         self.reserve_many(num_new)
 

@@ -330,7 +330,7 @@ def test_a_discarded_cache_holds_nothing_and_refuses_any_reservation():
     cache.discard()
     assert cache.kv.shape == (2, 2, 0, 1, 3) and cache.num_free_blocks == 0 and cache.block_tables == {}
     cache.add(1)
-    with pytest.raises(CacheFullError, match="0 of 0 are free"):
+    with pytest.raises(CacheFullError, match="1 more block of 2 tokens is needed, 0 of 0 are free"):  # not "blocks"
         cache.reserve(1, 1)
     assert cache.block_tables[1] == []
 
@@ -345,7 +345,7 @@ def test_scratch_takes_only_the_blocks_left_once_every_sequence_holds_its_next_p
         cache.commit({s: range(4)})
     # sequence 1's 8 scratch positions reach position 11: blocks_for(12) = 3, one past the 2 it holds anyway;
     # sequence 0 asking none gives back nothing of the block its next position needs
-    with pytest.raises(CacheFullError, match="for drafting"):
+    with pytest.raises(CacheFullError, match="for drafting: 1 more block of 4 tokens is needed, 0 are left"):
         cache.reserve_scratch({0: 0, 1: 8})
     assert [len(cache.block_tables[s]) for s in (0, 1)] == [1, 1] and cache.num_free_blocks == 2
     cache.reserve_scratch({1: 4})  # positions 4..7: blocks_for(8) = 2, no block past the ones it needs: fits exactly
