@@ -283,13 +283,9 @@ def check_vocabulary(name: str, sequences: list[list[int]], vocab_size: int) -> 
 _EOS = "integer token ids: an int, a list of ints or a 0-D / 1-D integer tensor or numpy array"
 
 
-def parse_eos(eos_token_id: Any, vocab_size: int) -> frozenset[int]:
-    """EOS ids as transformers takes them, each checked against the vocabulary."""
-    return frozenset(parse_eos_ids(eos_token_id, vocab_size))
-
-
 def parse_eos_ids(eos_token_id: Any, vocab_size: int) -> tuple[int, ...]:
-    """:func:`parse_eos` in the order given (transformers pads with the first one when it has no pad id)."""
+    """EOS ids as transformers takes them, each checked against the vocabulary, in the order given (transformers pads
+    with the first one when it has no pad id)."""
     if eos_token_id is None:
         return ()
     if is_int(eos_token_id):
