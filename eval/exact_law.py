@@ -217,8 +217,3 @@ def sample_trees(case: SyntheticCase, n: int, generator: torch.Generator) -> tup
 def max_abs_error(law: Law, reference: Law) -> float:
     keys = set(law) | set(reference)
     return max(abs(law.get(k, 0.0) - reference.get(k, 0.0)) for k in keys)
-
-
-def total_variation(law: Law, reference: Law) -> float:
-    keys = set(law) | set(reference)
-    return 0.5 * sum(abs(law.get(k, 0.0) - reference.get(k, 0.0)) for k in keys)
