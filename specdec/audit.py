@@ -183,10 +183,6 @@ class DraftAudit:
                              "its earlier siblings, drawn without replacement, took it all)")
         return torch.stack([below, higher], -1) / total[:, None], torch.stack([drawn, tied], -1) / total[:, None]
 
-    def transform(self, tree: DraftTree, drafter: str = "drafter") -> torch.Tensor:
-        """[num_nodes, 2] float64 (host): the token-order and probability-order randomised PIT of each node."""
-        return self._randomise(*self.intervals(tree, drafter))
-
     def _randomise(self, lo: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
         v = torch.rand(lo.shape[0], 1, generator=self.generator, dtype=torch.float64)  # one V for both views
         return (lo + v * width).clamp_(0.0, 1.0)
