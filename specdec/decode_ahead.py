@@ -110,8 +110,6 @@ class DecodeAhead:
         asked = self.engine.policy.who_drafts(live)
         if asked:  # not foreseen: the tokens are plain decoding's still, the guard charged a probe not run
             logger.debug("a queued plain step's guard asked %d sequences to draft", len(asked))
-        for s in live:
-            s.plain_by_guard += 1
 
     def _may_queue(self, live: list[SequenceState]) -> bool:
         """Whether every sequence may take a token after the unread step (its root is ``token_ids[-1]``), and, with

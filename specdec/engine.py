@@ -71,7 +71,6 @@ class SequenceState:
     # drafters that ask): steps the guard decodes plainly add chunks, joined only when the drafter is asked
     hidden_chunks: list[torch.Tensor] = field(default_factory=list)
     hidden_seen: bool = False  # the chunks reached the drafter (else the next step's rows are added to them)
-    plain_by_guard: int = 0  # steps the policy decoded plainly without asking the drafter (guard, cost correction)
     proposals: int = 0  # propose calls that included this sequence
     noise_key: int = 0  # coupled sampling: the sequence's key (specdec.coupling.sequence_keys)
     logprobs: list[float] = field(default_factory=list)  # per new token, with output_logprobs (specdec.logprobs)
@@ -339,11 +338,6 @@ class Engine:
         if self.drafter is None:
             return [DraftTree.empty() for _ in live]
         asked = self.policy.who_drafts(live)
-        if len(asked) < len(live):
-            for s in live:
-                s.plain_by_guard += 1
-            for s in asked:
-                s.plain_by_guard -= 1
         if not asked:  # the guard decodes every sequence plainly this step: the drafter is not asked
             return [DraftTree.empty() for _ in live]
         try:

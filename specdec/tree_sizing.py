@@ -288,7 +288,6 @@ class DraftTime:
 class _Guard:
     backoff: int = 0  # steps skipped after the next non-paying probe / 2
     skip: int = 0  # steps left to skip
-    skipped_steps: int = 0  # steps this sequence decoded plainly by the guard's decision (stats)
     tokens: float | None = None  # running expected committed tokens of a drafted step (module doc, Guard)
     cost: float | None = None  # running cost of a drafted step in decode steps: draft + c(1 + kept nodes)
     # while drafting does not pay: what a probe surely costs (its draft), in decode steps (None: it pays, or
@@ -460,12 +459,10 @@ class TreeSizer:
         """Whether the drafter proposes for ``seq_id`` this step (called once per live sequence per step)."""
         guard = self._guard(seq_id)
         if self.off:
-            guard.skipped_steps += 1
             return False
         guard.credit = self._banked(guard)
         if self._holds_off(guard, guard.credit):
             guard.skip = max(guard.skip - 1, 0)
-            guard.skipped_steps += 1
             return False
         if guard.price is not None:
             guard.credit -= guard.price
