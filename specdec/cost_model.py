@@ -6,19 +6,19 @@
 
 A step of speculative decoding costs ``draft + c(n)`` where n = 1 + kept tree nodes; it pays when its
 expected committed tokens exceed that cost in units of a plain decode step (:mod:`specdec.tree_sizing`).
-``c(n)`` is measured here with the acceptance suite's own timer (:func:`specdec.verify_cost.
-measure_verify_costs`: a real engine step, target forward + rejection sampling + KV commit) on a grid of
-n (1 to the tree-node limit + 1, interpolated linearly between grid points; on a CPU a batch's grid stops at
-``BATCH_QUERY_TOKENS`` query tokens per step and is extrapolated past it), one batch size at a time:
+``c(n)`` is measured here with the acceptance suite's own timer
+(:func:`specdec.verify_cost.measure_verify_costs`: a real engine step, target forward + rejection sampling + KV
+commit) on a grid of n (1 to the tree-node limit + 1, interpolated linearly between grid points; on a CPU a batch's
+grid stops at ``BATCH_QUERY_TOKENS`` query tokens per step and is extrapolated past it), one batch size at a time:
 batch 1 when first needed, and when a call of B sequences builds its engine, every power of two up to B rounded
 up (the sizes its batch meets as rows finish: a measurement in the middle of the call stalled it for seconds).
 Draft costs are not measured here: they depend on the drafter and the text, so the engine measures them online
 (:class:`specdec.tree_sizing.TreeSizer`).
 
-The result is cached as JSON under ``cache_root()/costs`` keyed by everything it depends on: the model (its
-shapes, not its weights' values: :func:`model_structure`), dtype, device and its name (a GPU's; a CPU's model name,
-family and ISA flags), torch thread count, torch version, the CPU row policy (which is itself measured first:
-:func:`ensure_row_policy`) and the calibration's workload.
+The result is cached as JSON under ``$SPECDEC_COST_DIR``, else ``cache_root()/costs``, keyed by everything it
+depends on: the model (its shapes, not its weights' values: :func:`model_structure`), dtype, device and its name
+(a GPU's; a CPU's model name, family and ISA flags), torch thread count, torch version, the CPU row policy (which is
+itself measured first: :func:`ensure_row_policy`) and the calibration's workload.
 A different key re-measures, and so does a file that is unreadable or holds what no calibration writes (a warning
 names it). Processes sharing the cache (a server's workers) each add their batch sizes to one file. Where no cache
 folder is known (no home directory and neither variable set) or it is read-only, a warning says so and each process
