@@ -182,7 +182,7 @@ def select_rows(ap, table: dict, asked: str | None, names: dict[str, str]) -> di
     wanted = {}
     for name in (n.strip() for n in asked.split(",")):
         row = names.get(name, name)
-        if row not in table:  # a misspelt row used to drop out of the run silently
+        if row not in table:  # a misspelt row is refused, not dropped from the run silently
             known = [k for k in names if names[k] in table] + [k for k in table if k not in names.values()]
             ap.error(f"--drafters: no row named {name!r}; the rows: "
                      f"{', '.join(repr(k) for k in known if k not in ('plain', 'plain (again)'))}")

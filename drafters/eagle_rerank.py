@@ -2,11 +2,11 @@
 in pool order, their parents renumbered among them.
 
 A function of tensors only, with no host read, so it runs inside the drafting call's CUDA graph, and the host reads
-``max_nodes`` candidates per sequence instead of the whole pool (it used to sort every pool in Python). Ties go to
-the earlier candidate (a stable sort). The kept set is closed under parents: a child's cumulative log-probability
-is its parent's plus a log-probability <= 0 (a float32 sum, never above its parent's), and a parent precedes its
-children in the pool, so it ranks at least as high. A candidate whose parent was left out all the same (NaN
-scores) gets the parent -2; the drafter makes it a root child.
+``max_nodes`` candidates per sequence instead of the whole pool. Ties go to the earlier candidate (a stable sort).
+The kept set is closed under parents: a child's cumulative log-probability is its parent's plus a log-probability
+<= 0 (a float32 sum, never above its parent's), and a parent precedes its children in the pool, so it ranks at
+least as high. A candidate whose parent was left out all the same (NaN scores) gets the parent -2; the drafter
+makes it a root child.
 
     rows = rerank(pool, max_nodes)  # [B, 4, M]: reduced token index, parent among the kept (-1: the root),
                                     # cumulative and conditional log-probability; M = min(max_nodes, S)

@@ -53,7 +53,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_HOME[name]), name)
         globals()[name] = value
         return value
-    try:  # a submodule not imported yet (specdec.testing, ...), as the eager imports used to leave them bound
+    try:  # a submodule not imported yet (specdec.testing, ...): bound on first use, as an import binds it
         return importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError as err:
         if err.name != f"{__name__}.{name}":
@@ -67,8 +67,7 @@ def __dir__() -> list[str]:
 
 class _Package(types.ModuleType):
     """Importing the submodule ``specdec.generate`` binds it on the package, where ``specdec.generate`` must stay
-    the function (the eager imports used to rebind it): a submodule bound over a public name of its own is
-    replaced by that name."""
+    the function: a submodule bound over a public name of its own is replaced by that name."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _HOME and isinstance(value, types.ModuleType) and hasattr(value, name):

@@ -126,7 +126,8 @@ def _counter(tensor: torch.Tensor) -> int | None:
 def reads_parts(view: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
     """Record that ``view`` reads the memory of ``parts`` (other tensors, each with its own version counter): an
     in-place edit of any part makes the packed copy of ``view`` stale. A k or v projection edited under no_grad
-    moved neither the fused block's version nor its address, so verify steps multiplied the old weights."""
+    moves neither the fused block's version nor its address: without this record, verify steps would multiply the
+    old weights."""
     _PARTS[id(view)] = tuple(weakref.ref(p) for p in parts)
     weakref.finalize(view, _PARTS.pop, id(view), None)
 
