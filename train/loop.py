@@ -91,7 +91,7 @@ class Run:
     saved_config: dict
     fingerprint: str
     hist_file: Path
-    bar: Any  # the main process's progress bar (--progress), else None
+    bar: Any  # the main process's progress bar; None in the others and with --no-progress
 
     def save(self, at: Position) -> None:
         """The checkpoint of the last completed step; refused where its weights are not finite (the steps check

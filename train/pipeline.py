@@ -342,7 +342,7 @@ def _train(cfg: TrainConfig, loaded, model, train_seqs: list[list[int]], acceler
 def _finish_medusa(cfg: TrainConfig, loaded, model, heads, history: list[dict], held_out: list, train_seqs: list,
                    accelerator, times: dict, prompt_lengths: dict | None = None) -> dict:
     """The main process, after training Medusa heads: their accuracies, the tree they choose, saved with it, tau
-    measured (--eval-tau); writes and returns the report. ``times``: perf_counter at start, data and train.
+    measured (unless --no-eval-tau); writes and returns the report. ``times``: perf_counter at start, data and train.
     Self-distilled (``prompt_lengths``), the tree is chosen from the accuracies on the responses: the chat template
     repeats in every sequence and is easy to predict, so all positions promised more than drafting a reply gets."""
     from specdec.train.choices import choose_tree
