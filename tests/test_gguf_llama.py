@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import re
 import struct
 
@@ -254,6 +255,40 @@ def test_rope_scaling_no_transformers_type_computes_is_refused_before_any_conver
     assert _nothing_cached(tmp_path)
 
 
+YARN = {"general.architecture": "llama", "llama.context_length": 256, "llama.rope.scaling.type": "yarn",
+        "llama.rope.scaling.factor": 4.0}
+
+
+@pytest.mark.parametrize("meta, what", [
+    ({**YARN, "llama.rope.scaling.yarn_ext_factor": 0.0}, r"llama.rope.scaling.yarn_ext_factor 0: "),
+    ({**YARN, "llama.rope.scaling.type": "linear", "llama.rope.scaling.yarn_ext_factor": 1.0},
+     r"llama.rope.scaling.yarn_ext_factor 1: "),
+    ({**YARN, "llama.rope.scaling.factor": -0.5}, r"llama.rope.scaling.factor -0.5, not a scaling factor$"),
+    ({**YARN, "llama.rope.scaling.original_context_length": True},
+     r"llama.rope.scaling.original_context_length True \(bool\), where llama.cpp reads a whole number"),
+    ({**YARN, "llama.context_length": 0, "llama.rope.scaling.original_context_length": 0},
+     r"llama.rope.scaling.type 'yarn' with factor 4 and no context length "
+     r"\(llama.rope.scaling.original_context_length, llama.context_length\) to place its ramp by$"),
+])
+def test_rope_scaling_refuses_what_llama_cpp_does_not_run_as_written(meta, what):
+    """A partial YaRN (yarn_ext_factor 0 with YaRN, where 1 is llama.cpp's own; any mix with linear scaling, where
+    0 is), a negative factor, a context length that is not a number of tokens, and a ramp with no context to place
+    it by (0 is unset, on both keys) are refused, naming the key."""
+    with pytest.raises(gguf_llama.RopeNotMapped, match=rf"^{what}"):
+        gguf_llama.rope_scaling(meta)
+
+
+def test_a_file_of_rope_scaling_no_type_computes_is_not_read_directly(tmp_path):
+    """The reader's own check: it never converts such a file without its scaling (check_convertible refuses it
+    first)."""
+    path = write_llama_gguf(tmp_path / "m.gguf", meta={**{k: v for k, v in YARN.items() if "scaling" in k},
+                                                       "llama.rope.scaling.attn_factor": 0.5})
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+        tensors, _, meta = embedded.read_header(blob)
+    assert not gguf_llama.reads_directly(tensors, meta)
+    assert gguf_llama.reads_directly(tensors, {k: v for k, v in meta.items() if "attn_factor" not in k})
+
+
 ROPE_CONVERTED = {  # llama.cpp's RoPE scaling keys -> (the transformers RoPE they convert to, llama.cpp's yarn)
     "linear keys": ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
                     {"rope_type": "linear", "factor": 4.0}),
@@ -495,6 +530,9 @@ TOKENIZER_FAULTS = {  # a file's tokenizer metadata -> (the message it is refuse
     "pad id past the vocabulary": (dict(meta={"tokenizer.ggml.padding_token_id": 500}),
                                    rf": tokenizer.ggml.padding_token_id is 500, not one of the file's {VOCAB} tokens",
                                    True),
+    "eos id one past the last token": (dict(meta={"tokenizer.ggml.eos_token_id": VOCAB}),
+                                       rf": tokenizer.ggml.eos_token_id is {VOCAB}, not one of the file's {VOCAB} "
+                                       r"tokens", True),
     "merges of tokens not in the vocabulary": (dict(meta={"tokenizer.ggml.merges": ["t 1"]}),
                                                r" from its tokenizer.ggml metadata: Error while initializing BPE: "
                                                r"Token `t` out of vocabulary$", False),
