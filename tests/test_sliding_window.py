@@ -4,6 +4,8 @@ token (which nothing attends from); past it the two differ, so the request is re
 window."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
@@ -92,9 +94,21 @@ def test_the_message_names_the_window(mistral):
     (MistralConfig(sliding_window=WINDOW, use_sliding_window=False), WINDOW),
     (LlamaConfig(sliding_window=WINDOW), WINDOW),
     (LlamaConfig(sliding_window=WINDOW, use_sliding_window=False), WINDOW),  # a key transformers' Llama never reads
+    # transformers 4's Qwen configs: no layer_types, use_sliding_window decides
+    (SimpleNamespace(model_type="qwen3", sliding_window=WINDOW, layer_types=None, use_sliding_window=False), None),
+    (SimpleNamespace(model_type="qwen3", sliding_window=WINDOW, layer_types=None, use_sliding_window=True), WINDOW),
 ])
 def test_which_configs_have_a_window(config, window):
     assert sliding_window(config) == window
+
+
+def test_sliding_layers_with_a_window_of_0_are_refused():
+    """A window of 0 is no window for transformers either: its sliding_attention layers are refused, not run as full
+    attention."""
+    config = SimpleNamespace(model_type="qwen2", sliding_window=0, layer_types=["sliding_attention"])
+    with pytest.raises(UnsupportedModelError, match=r"^config\.layer_types has sliding_attention layers but "
+                                                    r"config\.sliding_window is 0 "):
+        sliding_window(config)
 
 
 @pytest.mark.parametrize("model_type, extra", [
