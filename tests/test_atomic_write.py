@@ -122,7 +122,7 @@ def test_the_next_write_of_a_name_removes_what_killed_writers_of_it_left(tmp_pat
     (killed,) = tmp_path.iterdir()
     assert leftover_of(killed.name) == "entry.json" and not path.exists()
     (tmp_path / "entry.json.123.tmp").write_text("{")  # an earlier version's leftover
-    others = [tmp_path / "other.json.123.456.tmp", tmp_path / "entry.json.tmp"]
+    others = [tmp_path / "other.json.123.456.tmp", tmp_path / "entry.json.tmp", tmp_path / "entry.json.1.2.tmp.bak"]
     for other in others:
         other.write_text("{")
     with caplog.at_level("WARNING", logger="specdec.atomic_write"):

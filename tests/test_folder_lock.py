@@ -31,6 +31,32 @@ def test_a_folder_is_held_once_and_let_go(tmp_path):
         pass
 
 
+def test_a_waiting_hold_takes_the_folder_once_it_is_let_go(tmp_path):
+    """``wait`` (the model cache's conversions) waits for the other holder instead of refusing."""
+    outcome = []
+
+    def waiting() -> None:
+        try:
+            with only_writer(tmp_path, "the model cache", wait=True) as held:
+                outcome.append(held)
+        except FolderInUse as err:
+            outcome.append(str(err))
+
+    thread = threading.Thread(target=waiting)
+    with only_writer(tmp_path, "--out"):
+        thread.start()
+        thread.join(0.2)  # time to reach the hold (and be refused, were it not waiting)
+    thread.join()
+    assert outcome == [True]
+
+
+def test_only_the_main_process_of_a_launch_holds_its_folder(tmp_path):
+    """The other processes of a launch write into the folder the main one holds: one that enters first does not
+    hold it, so the main process is not refused."""
+    with launch_writer(tmp_path, "--out", False, lambda value: None):  # the main process's outcome: not refused
+        with launch_writer(tmp_path, "--out", True, lambda value: value):
+            pass
+
 def test_a_killed_holder_leaves_no_lock(tmp_path):
     code = (f"import sys, time; from specdec.folder_lock import only_writer\n"
             f"with only_writer({str(tmp_path)!r}, '--out'):\n    print('held', flush=True); time.sleep(60)")
