@@ -8,7 +8,7 @@ import torch
 from specdec.drafters.base import TargetView
 from specdec.drafters.combined import CombinedDrafter
 from specdec.drafters.draft_model import DraftModelDrafter, VocabularyMismatchError
-from specdec.drafters.model_drafter import DraftConfig
+from specdec.drafters.model_drafter import DraftConfig, ModelDrafter
 from specdec.drafters.self_draft import SelfDraftDrafter
 from specdec.eval.negative_controls import generate_with_control
 from specdec.eval.two_sample import two_sample_chi2
@@ -518,15 +518,17 @@ def test_independent_children_are_drawn_independently():
     (dict(max_position_embeddings=32), "self-draft"),
     (dict(variant="mistral", sliding_window=24), "self-draft"),  # runs to its window + 1: 25 positions
     (dict(max_position_embeddings=64), "short draft model"),  # its own context: 28 positions
+    (dict(max_position_embeddings=32), "long draft model"),  # the target's context: 32 positions
 ])
 def test_model_drafters_draft_no_position_past_a_limit(monkeypatch, target_config, drafter):
     """Near the end of a context (the target's, its window's, a draft model's own) the drafter ran its levels to
     num_draft_tokens whatever the positions left: forwards at positions the target verifies no node of, or past
     the draft model's context (lost work; the engine cut those nodes). Every forward stays below its runner's limit,
-    and the tokens are plain decoding's."""
+    every tree reaches the last position both limits leave (and no further), and the tokens are plain decoding's."""
     config = dict(target_config)
     target = build_tiny_model(config.pop("variant", "llama-gqa-tied"), vocab_size=32, **config)
-    short = build_tiny_model(max_position_embeddings=28, vocab_size=32, num_hidden_layers=1)
+    short = build_tiny_model(max_position_embeddings=28 if drafter == "short draft model" else 128, vocab_size=32,
+                             num_hidden_layers=1)
 
     def make(**options):
         if drafter == "self-draft":
@@ -534,12 +536,12 @@ def test_model_drafters_draft_no_position_past_a_limit(monkeypatch, target_confi
         return DraftModelDrafter(short, num_draft_tokens=4, **options)
 
     # the limit the sequences reach: the target's, or the draft model's, which the target decodes past undrafted
-    limit = LlamaRunner(target).shape.max_positions if drafter == "self-draft" else 28
+    limit = 28 if drafter == "short draft model" else LlamaRunner(target).shape.max_positions
     # the first draft's root is the prompt's last token, at position limit - 3, so its levels 1-3 would run at
     # limit - 2 to limit. One sequence: a batch's static tree has one shape, so its levels run while any sequence
     # has room
     prompt = [[(3 * i) % 31 + 1 for i in range(limit - 2)]]
-    new = limit - len(prompt[0]) if drafter == "self-draft" else 8  # self-draft: to the end of the target's limit
+    new = 8 if drafter == "short draft model" else limit - len(prompt[0])  # else to the end of the target's limit
     plain = specdec.generate(target, prompt, max_new_tokens=new)
     past = []  # (position, the runner's limit) of every position a forward ran at or past its runner's limit
     forward = LlamaRunner.forward
@@ -549,7 +551,17 @@ def test_model_drafters_draft_no_position_past_a_limit(monkeypatch, target_confi
         return forward(self, token_ids, positions, *args, **kwargs)
 
     monkeypatch.setattr(LlamaRunner, "forward", recorded)
+    depths = []  # (the sequence's length, the depth its tree was drafted to)
+    deepest = ModelDrafter._deepest
+
+    def spied(self, live):
+        depths.append((len(live[0].token_ids), deepest(self, live)))
+        return depths[-1][1]
+
+    monkeypatch.setattr(ModelDrafter, "_deepest", spied)
     for options in ({}, dict(tree="dynamic", max_nodes=6)):  # a static chain grown on the device; a dynamic tree
         out = specdec.generate(target, prompt, max_new_tokens=new, drafter=make(**options), speculation="always")
         assert out == plain
     assert past == []
+    # a node at depth d sits at position length - 1 + d: the deepest is the last position below the limit
+    assert depths and all(depth == min(4, limit - length) for length, depth in depths), depths
