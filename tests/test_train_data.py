@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 from specdec.train.data import TrainDataError, load_texts, split_held_out, tokenize_texts
-from specdec.train.distill import self_distill
+from specdec.train.distill import kept_answers, partial_file, self_distill, what_is_left
 from specdec.train.process_team import Team
 from specdec.train.prompts import builtin_prompts
 
@@ -373,6 +373,23 @@ def test_partial_files_left_beside_a_whole_self_distillation_cache_entry_are_rem
     assert again() == first and calls == [2]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([file.name, other.name])
 
+
+def test_a_continued_self_distillation_counts_a_short_last_batch_as_its_prompts(tmp_path, caplog):
+    """The log line of a continued run counts the prompts done: the last batch holds fewer than batch_size."""
+    with caplog.at_level(logging.INFO, logger="specdec.train.distill"):
+        todo = what_is_left({}, [{0, 4}], 6, 4, Team.alone(), tmp_path)
+    assert todo == [] and "continues an interrupted run: 6 of 6 prompts were done" in caplog.text
+
+
+def test_a_partial_line_of_a_batch_before_the_first_prompt_is_dropped(tmp_path):
+    """A damaged line starting at a negative index is no batch of this run: dropped with what follows it, not read
+    against the prompts counted from the end."""
+    ids = [[1, 2], [3, 4]]
+    own = partial_file(tmp_path, "k", 0)
+    own.write_text(json.dumps({"start": 0, "sequences": [[1, 2, 9]]}) + "\n"
+                   + json.dumps({"start": -1, "sequences": [[3, 4, 9]]}) + "\n")
+    assert kept_answers(tmp_path, "k", ids, 0) == {0: [1, 2, 9]}
+    assert own.read_text() == json.dumps({"start": 0, "sequences": [[1, 2, 9]]}) + "\n"
 
 def _shared_distillation(cache_dir):
     """The shared self-distillation tests' data: a tiny model, 7 prompts (4 batches of 2), sampled with one seed,
