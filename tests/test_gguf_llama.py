@@ -260,9 +260,12 @@ YARN = {"general.architecture": "llama", "llama.context_length": 256, "llama.rop
 
 
 @pytest.mark.parametrize("meta, what", [
-    ({**YARN, "llama.rope.scaling.yarn_ext_factor": 0.0}, r"llama.rope.scaling.yarn_ext_factor 0: "),
+    ({**YARN, "llama.rope.scaling.yarn_ext_factor": 0.0},
+     r"llama.rope.scaling.yarn_ext_factor 0: a YaRN ramp mixed into the angles by another share than llama.cpp's own "
+     r"for type 'yarn' \(1\), which no transformers RoPE type computes$"),
     ({**YARN, "llama.rope.scaling.type": "linear", "llama.rope.scaling.yarn_ext_factor": 1.0},
-     r"llama.rope.scaling.yarn_ext_factor 1: "),
+     r"llama.rope.scaling.yarn_ext_factor 1: a YaRN ramp mixed into the angles by another share than llama.cpp's own "
+     r"for type 'linear' \(0\)"),
     ({**YARN, "llama.rope.scaling.factor": -0.5}, r"llama.rope.scaling.factor -0.5, not a scaling factor$"),
     ({**YARN, "llama.rope.scaling.original_context_length": True},
      r"llama.rope.scaling.original_context_length True \(bool\), where llama.cpp reads a whole number"),
@@ -273,7 +276,8 @@ YARN = {"general.architecture": "llama", "llama.context_length": 256, "llama.rop
 def test_rope_scaling_refuses_what_llama_cpp_does_not_run_as_written(meta, what):
     """A partial YaRN (yarn_ext_factor 0 with YaRN, where 1 is llama.cpp's own; any mix with linear scaling, where
     0 is), a negative factor, a context length that is not a number of tokens, and a ramp with no context to place
-    it by (0 is unset, on both keys) are refused, naming the key."""
+    it by (0 is unset, on both keys) are refused, naming the key; yarn_ext_factor is named for what it is (it was
+    called a scale of attention)."""
     with pytest.raises(gguf_llama.RopeNotMapped, match=rf"^{what}"):
         gguf_llama.rope_scaling(meta)
 

@@ -133,6 +133,10 @@ def rope_scaling(meta: dict) -> tuple[str, dict] | None:
         value = meta.get(key(name), neutral)
         if value != neutral and not (name == "yarn_ext_factor" and isinstance(value, float) and value < 0):
             shown = f"{value:g}" if isinstance(value, (int, float)) else repr(value)
+            if name == "yarn_ext_factor":  # not a scale of attention: the share of YaRN's ramp in the angles
+                raise RopeNotMapped(f"{key(name)} {shown}: a YaRN ramp mixed into the angles by another share than "
+                                    f"llama.cpp's own for type {kind!r} ({neutral:g}), which no transformers RoPE "
+                                    "type computes")
             raise RopeNotMapped(f"{key(name)} {shown}: a scale of attention llama.cpp releases apply differently, "
                                 "which no transformers RoPE type computes as this file means it")
     factor = meta.get(key("factor"), meta.get(f"{arch}.rope.scale_linear"))
