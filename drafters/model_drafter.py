@@ -258,14 +258,17 @@ class ModelDrafter(Drafter):
 
     def detach(self) -> None:
         """The call's end: a KV cache of its own made for this call is freed (the draft model's graph cache is
-        kept with that model for later calls), and the target's view is dropped unless the drafter's runner runs
-        the target's own model (self-draft, which holds it through its layers anyway). The runner stays."""
+        kept with that model for later calls) and the target's view dropped (with the policy's costs, whose sizer
+        holds this drafter: a cycle that kept the target until Python's next full collection). A draft model's
+        runner stays; one running the target's own layers (self-draft) is dropped with the target's cache, as the
+        next call makes it anew from its target."""
         if self.cache is not None and not self.shares_target_cache and self.graphed is None:
             self.cache.discard()  # now, though the caller may hold it
+        if self.shares_target_cache:
+            self.runner = None
+        if self.shares_target_cache or self.graphed is None:
             self.cache = None
-        target = getattr(self, "target", None)
-        if target is not None and (self.runner is None or self.runner.hf_model is not target.runner.hf_model):
-            self.target = None
+        self.target = None
         self._pending_fields = {}
 
     # ---- one step -----------------------------------------------------------------------

@@ -178,7 +178,6 @@ class Engine:
         self.graphed = graphed  # fixed-shape (CUDA-graph) verify forwards; None = always eager
         # coupled sampling: tokens are Gumbel-max choices keyed by (seed, sequence, position); None = rejection
         self.coupling = coupling if not sampling.greedy else None
-        self.acceptor = self.coupled_walk if self.coupling is not None else self.rejection_walk  # fixed for the run
         self.processing = processing  # logits processors at every tree row with its own prefix; None = none
         self.output_logprobs = output_logprobs  # keep each committed token's log-probability (SequenceState)
         # the KV pool may not hold every tree (an explicit num_blocks below the request's worst case): each tree is cut
@@ -585,7 +584,8 @@ class Engine:
                ) -> list[Acceptance]:
         """target_logits [B, max_nodes + 1, V] -> what each sequence commits, by the run's acceptor: the exact
         rejection sampler, or the coupled walk (the same text as plain coupled sampling, whatever the trees)."""
-        acceptances = self.acceptor(live, trees, target_logits)
+        walk = self.rejection_walk if self.coupling is None else self.coupled_walk  # not kept: a cycle through self
+        acceptances = walk(live, trees, target_logits)
         self.check_chosen(live, acceptances, target_logits.shape[-1])
         return acceptances
 

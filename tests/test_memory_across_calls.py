@@ -12,6 +12,7 @@ from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.eagle_checkpoint import save_eagle
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
+from specdec.drafters.self_draft import SelfDraftDrafter
 
 from specdec.generate import generate
 from specdec.testing import RandomTreeDrafter, build_tiny_model
@@ -114,6 +115,28 @@ def test_no_reused_drafter_keeps_a_dropped_target():
         assert [r() is not None for r in refs] == [False] * 3, name
         children = getattr(drafter, "children", [])
         assert all(getattr(child, "cache", None) is None for child in children), name
+
+
+def test_a_dropped_target_is_freed_at_once_not_at_the_next_garbage_collection():
+    """The engine kept a bound method of itself (its acceptor), and a self-draft drafter the call's TargetView, whose
+    policy costs hold the drafter: reference cycles that kept each call's engine and target until Python's next
+    full collection, so ``del model`` (then torch.cuda.empty_cache()) freed nothing. A self-draft drafter reused
+    across calls kept its runner over the last target's layers, and so that target, for good."""
+    reused = SelfDraftDrafter(num_layers=1)
+    for drafter, options in ((None, None), ("ngram", None), ("self-draft", {"num_layers": 1}), (reused, None)):
+        kw = dict(max_new_tokens=8, drafter=drafter, drafter_options=options)
+        generate(build_tiny_model(seed=1), PROMPTS, **kw)  # what a first call sets up
+        gc.collect()
+        gc.disable()
+        try:
+            target = build_tiny_model(seed=2)
+            generate(target, PROMPTS, **kw)
+            refs = _refs(target)
+            del target
+            alive = [r() is not None for r in refs]
+        finally:
+            gc.enable()
+        assert alive == [False] * 3, drafter
 
 
 def test_a_draft_model_drafters_own_cache_is_freed_when_its_call_ends():

@@ -191,15 +191,23 @@ def test_bad_draft_config(bad, match):
 
 
 def test_self_draft_drafts_from_the_target_cache():
-    class OwnCache(SelfDraftDrafter):  # the same drafter recomputing its layers' K/V in a cache of its own
+    drafted_in = set()  # (shares_target_cache, whether the drafter's cache was the target's) at each propose
+
+    class Shared(SelfDraftDrafter):
+        def propose(self, seqs):
+            trees = super().propose(seqs)
+            drafted_in.add((self.shares_target_cache, self.cache is self.target.cache))
+            return trees
+
+    class OwnCache(Shared):  # the same drafter recomputing its layers' K/V in a cache of its own
         shares_target_cache = False
 
     target = build_tiny_model("llama-gqa-tied", num_hidden_layers=4)
-    shared, own = SelfDraftDrafter(num_layers=2, num_draft_tokens=3), OwnCache(num_layers=2, num_draft_tokens=3)
+    shared, own = Shared(num_layers=2, num_draft_tokens=3), OwnCache(num_layers=2, num_draft_tokens=3)
     # speculation="always": whole trees, so the two runs' step-by-step counts do not depend on timed sizing
     outs = [specdec.generate(target, PROMPTS, max_new_tokens=64, drafter=d, return_dict=True, speculation="always")
             for d in (shared, own)]
-    assert shared.cache is shared.target.cache and own.cache is not own.target.cache
+    assert drafted_in == {(True, True), (False, False)}
     assert outs[0].sequences == outs[1].sequences == specdec.generate(target, PROMPTS, max_new_tokens=64)
     # same drafts proposed and accepted step by step: the target's K/V of the first layers are the drafter's
     assert [s.depth_accepted for s in outs[0].stats] == [s.depth_accepted for s in outs[1].stats]
