@@ -325,6 +325,7 @@ class Engine:
                     logger.warning("the drafter's release(%d) raised while the call ended", s.seq_id, exc_info=True)
         if self.graphed is None or not self.graphed.shared:
             self.cache.discard()
+        self.ahead = None  # it holds this engine: a cycle that kept the call's target until a full collection
         if self.drafter is not None:
             try:
                 self.drafter.detach()

@@ -5,6 +5,9 @@ invalid logits.
 On CPU the buckets run eagerly in the Triton interpreter; with a GPU they are captured and replayed."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 from specdec.kernels.testing import PADDED_ROWS_WARNINGS, kernel_device, triton_tiny_model
 
@@ -395,3 +398,20 @@ def test_the_speed_commands_rows_count_the_steps_queued(loaded):
     assert row["steps"] == 5 and row["queued_share"] == pytest.approx(4 / 5)
     assert bench.run_generate(loaded, [[1, 2, 3]], 3, cuda_graphs=False)["queued_share"] == 0
     assert DecodeAhead.launch.__name__ == "launch"  # unpatched after each run
+
+
+def test_a_closed_engine_is_freed_at_once_not_at_the_next_garbage_collection(loaded):
+    """The engine and its DecodeAhead reference each other: a call's engine (and the target it runs) outlived the
+    call until Python's next full collection. Closing the engine breaks the cycle."""
+    runner = loaded.runner
+    gc.collect()
+    gc.disable()
+    try:
+        _, _, engine = run(runner, [[1, 2, 3]], StopCriteria(4), queue_ahead=True)
+        assert engine.ahead is not None
+        engine.close(failed=False)
+        gone = weakref.ref(engine)
+        del engine
+        assert gone() is None
+    finally:
+        gc.enable()
