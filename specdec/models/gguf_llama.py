@@ -124,6 +124,9 @@ def rope_scaling(meta: dict) -> tuple[str, dict] | None:
     def key(name: str) -> str:
         return f"{arch}.rope.scaling.{name}"
 
+    def shown(value) -> str:  # a key's value as the refusal quotes it
+        return f"{value:g}" if isinstance(value, (int, float)) else repr(value)
+
     kind = meta.get(key("type"), "linear")
     if kind not in ("none", "linear", "yarn"):
         why = "LongRoPE, whose factors llama.cpp keeps in tensors" if kind == "longrope" else \
@@ -132,13 +135,12 @@ def rope_scaling(meta: dict) -> tuple[str, dict] | None:
     for name, neutral in [*_NEUTRAL.items(), ("yarn_ext_factor", 1.0 if kind == "yarn" else 0.0)]:
         value = meta.get(key(name), neutral)
         if value != neutral and not (name == "yarn_ext_factor" and isinstance(value, float) and value < 0):
-            shown = f"{value:g}" if isinstance(value, (int, float)) else repr(value)
             if name == "yarn_ext_factor":  # not a scale of attention: the share of YaRN's ramp in the angles
-                raise RopeNotMapped(f"{key(name)} {shown}: a YaRN ramp mixed into the angles by another share than "
-                                    f"llama.cpp's own for type {kind!r} ({neutral:g}), which no transformers RoPE "
-                                    "type computes")
-            raise RopeNotMapped(f"{key(name)} {shown}: a scale of attention llama.cpp releases apply differently, "
-                                "which no transformers RoPE type computes as this file means it")
+                raise RopeNotMapped(f"{key(name)} {shown(value)}: a YaRN ramp mixed into the angles by another share "
+                                    f"than llama.cpp's own for type {kind!r} ({neutral:g}), which no transformers "
+                                    "RoPE type computes")
+            raise RopeNotMapped(f"{key(name)} {shown(value)}: a scale of attention llama.cpp releases apply "
+                                "differently, which no transformers RoPE type computes as this file means it")
     factor = meta.get(key("factor"), meta.get(f"{arch}.rope.scale_linear"))
     if kind == "none" or factor in (None, 0.0, 1.0):
         return None
@@ -150,15 +152,13 @@ def rope_scaling(meta: dict) -> tuple[str, dict] | None:
     for name, value in ((key("original_context_length"), meta.get(key("original_context_length"))),
                         (f"{arch}.context_length", meta.get(f"{arch}.context_length"))):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            shown = f"{value!r} ({type(value).__name__})" if not isinstance(value, float) else f"{value:g} (a float)"
-            raise RopeNotMapped(f"{name} {shown}, where llama.cpp reads a whole number of tokens and refuses the "
-                                "file")
+            typed = f"{value:g} (a float)" if isinstance(value, float) else f"{value!r} ({type(value).__name__})"
+            raise RopeNotMapped(f"{name} {typed}, where llama.cpp reads a whole number of tokens and refuses the file")
     for name, ramp_end in (("yarn_beta_fast", 32.0), ("yarn_beta_slow", 1.0)):
         value = meta.get(key(name), ramp_end)
         if value != ramp_end:
-            shown = f"{value:g}" if isinstance(value, (int, float)) else repr(value)
-            raise RopeNotMapped(f"{key(name)} {shown}: llama.cpp does not read it for this architecture (its YaRN "
-                                f"ramp runs between betas 32 and 1), so no RoPE computes this file as it means it")
+            raise RopeNotMapped(f"{key(name)} {shown(value)}: llama.cpp does not read it for this architecture (its "
+                                "YaRN ramp runs between betas 32 and 1), so no RoPE computes this file as it means it")
     # 0 is unset to llama.cpp (n_ctx_orig_yarn falls back to the training context), not a context of 0 tokens
     original = meta.get(key("original_context_length")) or meta.get(f"{arch}.context_length")
     if original is None or original <= 0:
