@@ -67,6 +67,11 @@ _ADDED_LATER = {"drafter": "medusa", "draft_vocab": None, "draft_vocab_coverage"
                 "distill_cuda_graphs": "auto"}
 
 
+def _with_flags(names: list[str]) -> str:
+    """``a_b (--a-b), c (--c)``: fields named with the command-line flag that sets each."""
+    return ", ".join(f"{name} (--{name.replace('_', '-')})" for name in names)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     model: str
@@ -206,15 +211,14 @@ class TrainConfig:
                              "every record is used: leave it out")
         changed = [name for name in DISTILL_FIELDS if getattr(self, name) != default[name]]
         if self.data is not None and changed:
-            flags = ", ".join(f"{name} (--{name.replace('_', '-')})" for name in changed)
-            raise ValueError(f"{flags} shape{'s' if len(changed) == 1 else ''} self-distillation, which a run on data "
-                             f"(--data) does not do: leave {'it' if len(changed) == 1 else 'them'} out")
+            raise ValueError(f"{_with_flags(changed)} shape{'s' if len(changed) == 1 else ''} self-distillation, "
+                             f"which a run on data (--data) does not do: leave {'it' if len(changed) == 1 else 'them'} "
+                             "out")
         named = [name for name in DATA_FIELDS if getattr(self, name) != default[name]]
         if self.data is None and named:
-            flags = ", ".join(f"{name} (--{name.replace('_', '-')})" for name in named)
-            raise ValueError(f"{flags} name{'s' if len(named) == 1 else ''} a field of the records of data (--data); "
-                             "without data the run self-distils prompts and reads no such field: give --data, or "
-                             f"leave {'it' if len(named) == 1 else 'them'} out")
+            raise ValueError(f"{_with_flags(named)} name{'s' if len(named) == 1 else ''} a field of the records of "
+                             "data (--data); without data the run self-distils prompts and reads no such field: give "
+                             f"--data, or leave {'it' if len(named) == 1 else 'them'} out")
 
     def to_json(self) -> dict:
         return asdict(self)
