@@ -127,6 +127,9 @@ class SequenceView:
     # one-token prompt's first step
     new_hidden: torch.Tensor | None = None
     noise_key: int = 0  # coupled sampling: the key of this sequence's noise (TargetView.coupling)
+    # the deepest node the engine verifies for it this step (the tokens still allowed, max_new_tokens and context,
+    # but one: 0 on its last token); None where no engine bounds it (replay, look-back)
+    max_depth: int | None = None
 
     @property
     def last_hidden(self) -> torch.Tensor | None:  # [hidden_size] at token_ids[-2], the row that chose the root

@@ -329,25 +329,29 @@ class ModelDrafter(Drafter):
         return self._pending_fields[key]
 
     def _live(self, seqs: Sequence[SequenceView]) -> list[SequenceView]:
-        """The sequences with room for a draft token."""
+        """The sequences with a draft token to verify: the engine verifies a node (``max_depth``), and a depth-1
+        node sits at position len(token_ids), below the draft model's limit (as ``_deepest`` counts it)."""
         if self.runner is None:
             raise RuntimeError(f"{self.name}: attach(target) must be called before propose()")
         max_pos = self.runner.shape.max_positions
-        live = [v for v in seqs if len(v.token_ids) + 1 < max_pos]
-        if len(live) < len(seqs) and not self._outgrown and max_pos < self.target.runner.shape.max_positions:
+        fits = [v for v in seqs if len(v.token_ids) < max_pos]
+        if len(fits) < len(seqs) and not self._outgrown and max_pos < self.target.runner.shape.max_positions:
             self._outgrown = True  # once a call: the target goes on past the draft model's context, undrafted
             longest = max(len(v.token_ids) for v in seqs)
             logger.warning("%s: a sequence of %d tokens fills the draft model's %s: it is decoded without drafts "
                            "from here (a draft model with a longer context drafts on)",
                            self.name, longest, self.runner.shape.limit_words)
-        return live
+        return [v for v in fits if v.max_depth is None or v.max_depth > 0]
 
     def _deepest(self, live: list[SequenceView]) -> int:
-        """The depth to draft to: num_draft_tokens, or less where no sequence has the positions for it. A node at
-        depth d sits at position len(token_ids) - 1 + d, which must stay below the draft model's limit (context,
-        sliding window) and the target's (the engine cuts deeper nodes unverified: drafting them is lost work)."""
+        """The depth to draft to: num_draft_tokens, or less where no sequence has the positions or the tokens for
+        it. A node at depth d sits at position len(token_ids) - 1 + d, which must stay below the draft model's limit
+        (context, sliding window) and the target's, and no deeper than the engine verifies (``max_depth``: it cuts
+        deeper nodes unverified, so drafting them is lost work)."""
         limit = min(self.runner.shape.max_positions, self.target.runner.shape.max_positions)
-        return max(1, min(self.config.num_draft_tokens, max(limit - len(v.token_ids) for v in live)))
+        room = max(min(limit - len(v.token_ids), self.config.num_draft_tokens if v.max_depth is None else v.max_depth)
+                   for v in live)
+        return max(1, min(self.config.num_draft_tokens, room))
 
     def _root_logits(self, live: list[SequenceView]) -> torch.Tensor:  # [B, vocab] logits at each root
         if self.cache is None:

@@ -383,8 +383,8 @@ class Engine:
         for s in asked:
             s.hidden_seen = True
             s.proposals += 1
-        return [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, s.new_hidden, s.noise_key)
-                for s in asked]
+        return [SequenceView(s.seq_id, TokenView(s.token_ids), s.num_prompt_tokens, s.new_hidden, s.noise_key,
+                             self._depth_budget(s)) for s in asked]
 
     def look_back(self, live: list[SequenceState]) -> None:
         """Ask the drafter in hindsight for the held-off sequences the policy names (a queued step's, while the device

@@ -528,11 +528,13 @@ def test_independent_children_are_drawn_independently():
     (dict(max_position_embeddings=64), "short draft model"),  # its own context: 28 positions
     (dict(max_position_embeddings=32), "long draft model"),  # the target's context: 32 positions
 ])
-def test_model_drafters_draft_no_position_past_a_limit(monkeypatch, target_config, drafter):
-    """Near the end of a context (the target's, its window's, a draft model's own) the drafter ran its levels to
-    num_draft_tokens whatever the positions left: forwards at positions the target verifies no node of, or past
-    the draft model's context (lost work; the engine cut those nodes). Every forward stays below its runner's limit,
-    every tree reaches the last position both limits leave (and no further), and the tokens are plain decoding's."""
+@pytest.mark.parametrize("shorter", [None, 5])  # one sequence; a ragged batch with a prompt 5 tokens shorter
+def test_model_drafters_draft_no_position_past_a_limit(monkeypatch, target_config, drafter, shorter):
+    """Near the end of a context (the target's, its window's, a draft model's own) or of max_new_tokens the drafter
+    ran its levels to num_draft_tokens whatever the positions and tokens left: forwards at positions the target
+    verifies no node of, or past the draft model's context, and a whole tree for a sequence's last token (lost work;
+    the engine cut those nodes). Every forward stays below its runner's limit, every tree reaches the last position
+    both limits and the tokens left allow (and no further), and the tokens are plain decoding's."""
     config = dict(target_config)
     target = build_tiny_model(config.pop("variant", "llama-gqa-tied"), vocab_size=32, **config)
     short = build_tiny_model(max_position_embeddings=28 if drafter == "short draft model" else 128, vocab_size=32,
@@ -545,12 +547,12 @@ def test_model_drafters_draft_no_position_past_a_limit(monkeypatch, target_confi
 
     # the limit the sequences reach: the target's, or the draft model's, which the target decodes past undrafted
     limit = 28 if drafter == "short draft model" else LlamaRunner(target).shape.max_positions
-    # the first draft's root is the prompt's last token, at position limit - 3, so its levels 1-3 would run at
-    # limit - 2 to limit. One sequence: a batch's static tree has one shape, so its levels run while any sequence
-    # has room
-    prompt = [[(3 * i) % 31 + 1 for i in range(limit - 2)]]
-    new = 8 if drafter == "short draft model" else limit - len(prompt[0])  # else to the end of the target's limit
-    plain = specdec.generate(target, prompt, max_new_tokens=new)
+    # the first draft's root is the prompt's last token, at position limit - 7, so its levels run to limit - 3; the
+    # steps after it reach the limit. A batch's static tree has one shape: its levels run while any sequence has room
+    lengths = [limit - 6] + ([] if shorter is None else [limit - 6 - shorter])
+    prompts = [[(3 * i + b) % 31 + 1 for i in range(n)] for b, n in enumerate(lengths)]
+    new = 10 if drafter == "short draft model" else 6  # else to the end of the target's limit
+    plain = specdec.generate(target, prompts, max_new_tokens=new)
     past = []  # (position, the runner's limit) of every position a forward ran at or past its runner's limit
     forward = LlamaRunner.forward
 
@@ -559,17 +561,22 @@ def test_model_drafters_draft_no_position_past_a_limit(monkeypatch, target_confi
         return forward(self, token_ids, positions, *args, **kwargs)
 
     monkeypatch.setattr(LlamaRunner, "forward", recorded)
-    depths = []  # (the sequence's length, the depth its tree was drafted to)
+    depths = []  # (the live sequences' (prompt length, length), the depth their trees were drafted to)
     deepest = ModelDrafter._deepest
 
     def spied(self, live):
-        depths.append((len(live[0].token_ids), deepest(self, live)))
+        depths.append(([(v.num_prompt_tokens, len(v.token_ids)) for v in live], deepest(self, live)))
         return depths[-1][1]
 
     monkeypatch.setattr(ModelDrafter, "_deepest", spied)
     for options in ({}, dict(tree="dynamic", max_nodes=6)):  # a static chain grown on the device; a dynamic tree
-        out = specdec.generate(target, prompt, max_new_tokens=new, drafter=make(**options), speculation="always")
+        out = specdec.generate(target, prompts, max_new_tokens=new, drafter=make(**options), speculation="always")
         assert out == plain
     assert past == []
-    # a node at depth d sits at position length - 1 + d: the deepest is the last position below the limit
-    assert depths and all(depth == min(4, limit - length) for length, depth in depths), depths
+
+    def room(prompt, length):  # a node at depth d sits at position length - 1 + d; the last token is no node's
+        return min(limit - length, prompt + new - length - 1)
+
+    # each tree reaches the deepest room a live sequence has; a sequence without room is not drafted for
+    assert depths and all(lives and depth == min(4, max(room(*r) for r in lives)) and min(room(*r) for r in lives) > 0
+                          for lives, depth in depths), depths
