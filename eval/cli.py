@@ -308,12 +308,13 @@ def run_lossless(args) -> int:
         raise ValueError(f"--levels takes exact, stats, e2e, coupled, bitwise; got {args.levels!r}")
     sizes = CertificateSizes.full() if args.full else CertificateSizes()
     sizes = replace(sizes, **_size_overrides(args))
-    from specdec.cli import WARPER_FLAGS, flagged_sampling
+    from specdec.cli import WARPER_FLAGS, flag_value, flagged_sampling
 
     sampling = flagged_sampling(SamplingConfig, args.temperature > 0, args.temperature or 1.0, args.top_k,
-                                args.top_p, **{name: getattr(args, name) for name in WARPER_FLAGS})
+                                args.top_p, **{name: flag_value(name, getattr(args, name)) for name in WARPER_FLAGS})
     off = {"top_k": 0, "top_p": 1.0, **WARPER_FLAGS}  # each warper flag's value that changes nothing
-    unused = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k, v in off.items() if getattr(args, k) != v]
+    unused = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k, v in off.items()
+              if flag_value(k, getattr(args, k)) != v]
     if not sampling.do_sample and unused:  # greedy takes the argmax: the certificate records what ran
         print(f"[specdec eval lossless] note: {', '.join(unused)} left out: at --temperature 0 (greedy) the warpers "
               "change nothing, and the certificate checks and records greedy decoding", file=sys.stderr)

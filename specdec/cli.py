@@ -177,13 +177,19 @@ def _check_device(spec: str):
 WARPER_FLAGS = {"top_h": None, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 
+def flag_value(name: str, value):
+    """A generation flag's value as generate() takes it: ``--top-h 0`` is ``top_h=None`` (off), the value a command
+    line cannot type (no top-h setting is 0), so that it can turn off a model's own top_h."""
+    return None if name == "top_h" and value == 0 else value
+
+
 def add_warper_flags(p, default: str) -> None:
     """--min-p, --typical-p, --epsilon-cutoff, --eta-cutoff, --top-h; ``default`` starts each help's default."""
     helps = {"min_p": "keep probabilities >= MIN_P x the largest one",
              "typical_p": "typical sampling: the most locally typical tokens up to this mass",
              "epsilon_cutoff": "keep probabilities >= EPSILON_CUTOFF",
              "eta_cutoff": "keep probabilities >= min(ETA, sqrt(ETA) exp(-entropy))",
-             "top_h": "top-h: the most likely tokens within TOP_H x the entropy (applied before top-k)"}
+             "top_h": "top-h: the most likely tokens within TOP_H x the entropy (applied before top-k); 0: off"}
     for name, off in WARPER_FLAGS.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=None if default else off,
                        help=f"{helps[name]}; default: {default}{'off' if off is None else f'{off:g} (off)'}")
@@ -256,7 +262,9 @@ def flagged_sampling(make, *args, **kwargs):
         name, _, rest = str(err).partition(" ")
         if name not in GENERATION_FLAGS:
             raise
-        raise CLIError(f"--{name.replace('_', '-')} {rest.replace('use do_sample=False', 'drop --do-sample')}") from err
+        rest = rest.replace("use do_sample=False", "drop --do-sample").replace("be None (None disables it)",
+                                                                                 "be 0 (off)")
+        raise CLIError(f"--{name.replace('_', '-')} {rest}") from err
 
 
 # generate()'s arguments that generate's flags of the same names set: a refusal naming one names the flag
@@ -406,7 +414,7 @@ def _generation_settings(args) -> dict:
     """The generation flags given (GENERATION_FLAGS; the others are the model's generation_config's), checked."""
     from specdec.sampling import SamplingConfig
 
-    settings = {k: getattr(args, k) for k in GENERATION_FLAGS if getattr(args, k) is not None}
+    settings = {k: flag_value(k, getattr(args, k)) for k in GENERATION_FLAGS if getattr(args, k) is not None}
     flagged_sampling(SamplingConfig.from_kwargs, {**settings, "do_sample": bool(args.do_sample)})
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--block-size", args.block_size),
                         ("--num-blocks", args.num_blocks)):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 import specdec
 from specdec.cli import main
@@ -106,6 +107,19 @@ def test_sampling_warper_flags_reach_generate(ckpt, capsys):
     rc, out, err = run(capsys, *argv, *flags, "--drafter", "ngram")
     kw = dict(do_sample=True, seed=0, typical_p=0.9, epsilon_cutoff=0.001, eta_cutoff=0.002, top_h=0.9)
     assert rc == 0 and out == expected_text(ckpt, PROMPT, drafter="ngram", **kw) + "\n", err
+
+
+def test_top_h_0_turns_off_the_models_own_top_h(tmp_path, capsys):
+    """--top-h 0 is top_h=None, as --top-k 0 is top_k=0: a model whose generation_config sets top_h samples without
+    it (--top-h 1 still keeps at most 100 tokens, and None is no number to type)."""
+    ckpt = save_tiny_checkpoint(tmp_path / "top-h", seed=3)
+    transformers.GenerationConfig(do_sample=True, top_h=0.3).save_pretrained(ckpt)
+    rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(N), "--seed", "0", "--top-h", "0")
+    assert rc == 0, err
+    off = expected_text(ckpt, PROMPT, seed=0, top_h=None)
+    assert out == off + "\n" and off != expected_text(ckpt, PROMPT, seed=0)  # the model's top_h changes the text
+    rc, _, err = run(capsys, PROMPT, "--model", ckpt, "--top-h", "-0.5")
+    assert rc == 2 and "--top-h must lie in (0, 1] or be 0 (off), got -0.5" in err, err
 
 
 def test_sampler_speculation_and_invariant_flags_reach_generate(ckpt, capsys, monkeypatch):

@@ -682,6 +682,8 @@ def test_eval_lossless_takes_the_warper_flags(tmp_path, monkeypatch, capsys):
     main(["eval", "lossless", "--model", ckpt, "--temperature", "0.8", *flags, "--out", str(tmp_path / "cert")])
     assert seen == [SamplingConfig(True, 0.8, 7, 0.9, min_p=0.05, typical_p=0.9, epsilon_cutoff=3e-4,
                                    eta_cutoff=1e-3, top_h=0.8)]
+    main(["eval", "lossless", "--model", ckpt, "--top-h", "0", "--out", str(tmp_path / "c0")])  # 0: off, as --top-k 0
+    assert seen[-1] == SamplingConfig(True, 1.0)
     capsys.readouterr()
     code = main(["eval", "lossless", "--model", "nowhere", "--min-p", "2", "--out", str(tmp_path / "c2")])
     err = capsys.readouterr().err
