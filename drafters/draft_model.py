@@ -22,8 +22,9 @@ from specdec.drafters.model_drafter import DraftConfig, ModelDrafter
 
 from specdec.errors import InputError, InputTypeError, SpecdecError
 from specdec.kv_cache import PagedKVCache
+from specdec.models import embedded
 from specdec.models.llama import LlamaRunner
-from specdec.models.loader import NO_TOKENIZER_FILES, holds_tokenizer_files, load_model
+from specdec.models.loader import NO_TOKENIZER_FILES, gguf_file, holds_tokenizer_files, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,15 @@ def _warn_once(draft_runner: LlamaRunner, target_runner: LlamaRunner, message: s
 
 class VocabularyMismatchError(SpecdecError, ValueError):
     """The draft model's token ids do not mean what the target's mean."""
+
+
+def check_gguf_vocabulary(path: Path, target_runner: LlamaRunner) -> None:
+    """Refuse a draft model's GGUF file of another vocabulary size than the target's, read from its header before
+    any conversion work (:func:`specdec.models.embedded.vocab_size`)."""
+    dv, tv = embedded.vocab_size(path), target_runner.shape.vocab_size
+    if dv is not None and dv != tv:
+        raise VocabularyMismatchError(f"draft-model: the draft model {path} has a vocabulary of {dv} ids, the "
+                                      f"target's {tv}; the two models need the same tokenizer")
 
 
 def check_vocabularies(draft_runner: LlamaRunner, draft_tok: Any, target_runner: LlamaRunner, target_tok: Any,
@@ -178,7 +188,10 @@ class DraftModelDrafter(ModelDrafter):
     def make_runner(self, target: LlamaRunner, tokenizer: Any) -> LlamaRunner:
         # one named by a path loads in the target's dtype; a loaded model keeps its own (load_model refuses a dtype
         # asked of a loaded model)
-        dtype = target.dtype if isinstance(self.model_spec, (str, os.PathLike)) else None
+        named = isinstance(self.model_spec, (str, os.PathLike))
+        dtype = target.dtype if named else None
+        if named and (gguf := gguf_file(self.model_spec)) is not None:
+            check_gguf_vocabulary(gguf, target)  # before its conversion: seconds to minutes, a cache folder
         loaded = load_model(self.model_spec, tokenizer=_tokenizer(self.tokenizer), dtype=dtype, device=target.device)
         runner = loaded.runner
         check_vocabularies(runner, loaded.tokenizer, target, tokenizer)

@@ -614,3 +614,14 @@ def test_a_kv_head_count_written_as_a_one_element_array_reads_as_that_count(tmp_
     assert array[0].num_key_value_heads == KV_HEADS
     assert array[1].keys() == plain[1].keys() and all(torch.equal(array[1][k], plain[1][k]) for k in plain[1])
     assert gguf_llama.read_llama(write_llama_gguf(tmp_path / "c.gguf", kv_heads=[KV_HEADS] * LAYERS)) is None
+
+
+@pytest.mark.parametrize("tokens", [True, False])
+def test_the_vocabulary_size_is_read_from_the_header_as_the_conversion_gives_it(tmp_path, monkeypatch, tokens):
+    """A draft model's GGUF is compared with the target's vocabulary before any conversion work: the size read from
+    the header is the converted config's, from the token list or, without one, from the vocab_size key."""
+    path = write_llama_gguf(tmp_path / "m.gguf", tokens=tokens)
+    monkeypatch.setattr(gguf_llama, "read_llama", lambda *a: pytest.fail("converted"))
+    assert embedded.vocab_size(path) == VOCAB
+    monkeypatch.undo()
+    assert json.loads((_convert(tmp_path, path) / "config.json").read_text())["vocab_size"] == VOCAB

@@ -58,6 +58,30 @@ def test_draft_model_refuses_another_vocabulary():
                          drafter_options={"model": build_tiny_model(vocab_size=64)})
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_draft_gguf_of_another_vocabulary_is_refused_before_its_conversion(tmp_path, monkeypatch, arch):
+    """The draft file was converted first (seconds to minutes, a cache folder written for nothing), then refused
+    without its name: now its header's vocabulary size is compared before any conversion work, in one line naming
+    the file and both sizes."""
+    pytest.importorskip("gguf")
+    from tests.test_gguf_llama import HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, write_llama_gguf
+
+    biases = {f"blk.{i}.attn_{p}.bias": ((HEADS if p == "q" else KV_HEADS) * (HIDDEN // HEADS),)
+              for i in range(LAYERS) for p in "qkv"} if arch == "qwen2" else None
+    path = write_llama_gguf(tmp_path / "draft.gguf", arch=arch, extra_tensors=biases)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(VocabularyMismatchError, match=rf"^draft-model: the draft model {path} has a vocabulary of "
+                                                      rf"{VOCAB} ids, the target's 96; the two models need the same "
+                                                      r"tokenizer$"):
+        specdec.generate(build_tiny_model(vocab_size=96), [[1, 2]], max_new_tokens=4, drafter="draft-model",
+                         drafter_options={"model": str(path)})
+    assert not (tmp_path / "cache").exists()
+    target = build_tiny_model("llama-gqa-tied" if arch == "llama" else "qwen2-bias", vocab_size=VOCAB)
+    plain = specdec.generate(target, [[1, 5, 9]], max_new_tokens=12)
+    assert specdec.generate(target, [[1, 5, 9]], max_new_tokens=12, drafter="draft-model", speculation="always",
+                            drafter_options={"model": str(path), "widths": (2, 2)}) == plain
+
+
 def test_draft_model_refuses_a_tokenizer_that_maps_ids_differently():
     from specdec.drafters.draft_model import check_vocabularies
 

@@ -184,6 +184,27 @@ def read_header(blob) -> tuple[list, int, dict] | None:
         return None
 
 
+def vocab_size(path: Path) -> int | None:
+    """The vocabulary size the conversion of the GGUF file ``path`` gives its model, from the header alone (no
+    conversion work): ``{arch}.vocab_size``, else the number of tokens (``tokenizer.ggml.tokens``), as transformers'
+    GGUF loading and :mod:`specdec.models.gguf_llama` read it, else the token embedding's rows. Raises
+    :class:`GGUFError` for a file that is not a whole GGUF (:func:`check_gguf`); None for a header this walker does
+    not read."""
+    check_gguf(path)
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+        header = read_header(blob)
+    if header is None:
+        return None
+    tensors, _, meta = header
+    size = meta.get(f"{meta.get('general.architecture')}.vocab_size")
+    size = size[0] if isinstance(size, list) and len(size) == 1 else size
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    if isinstance(meta.get("tokenizer.ggml.tokens"), list):
+        return len(meta["tokenizer.ggml.tokens"])
+    return next((dims[-1] for name, _, dims, _ in tensors if name == "token_embd.weight" and len(dims) == 2), None)
+
+
 # tensors in which llama.cpp keeps per-frequency RoPE factors, and the scaling each one stands for
 _ROPE_TENSORS = {"rope_freqs.weight": "Llama-3.x's llama3 RoPE", "rope_factors_long.weight": "LongRoPE",
                  "rope_factors_short.weight": "LongRoPE"}

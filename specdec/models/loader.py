@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
 import textwrap
 import weakref
 from collections.abc import Iterator
@@ -183,10 +184,17 @@ _REBUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def config_dir(spec: str) -> Path:
     """Where the config.json of a checkpoint spec is (or will be, once a GGUF is converted): nothing is read."""
+    gguf = gguf_file(spec)
+    return embedded.converted_dir(gguf) if gguf is not None else Path(spec).expanduser()
+
+
+def gguf_file(spec: str | os.PathLike) -> Path | None:
+    """The GGUF file a model path spec names: the embedded model's for an alias, an existing ``.gguf`` file; None for
+    anything else (a checkpoint directory, a path that is not there)."""
     if spec in embedded.ALIASES:
-        return embedded.converted_dir(embedded.embedded_gguf_path())
+        return embedded.embedded_gguf_path()
     p = Path(spec).expanduser()
-    return embedded.converted_dir(p) if p.suffix == ".gguf" and p.is_file() else p
+    return p if p.suffix == ".gguf" and p.is_file() else None
 
 
 def _model_key(spec: str, dtype: torch.dtype | None, device: str | torch.device | None, trust_remote_code: bool):
