@@ -29,6 +29,7 @@ from specdec.eval.prompt_files import Conversation, cell_turns, turn_cell
 from specdec.atomic_write import write_json
 from specdec.errors import InputError
 from specdec.generate import generate
+from specdec.generate_inputs import check_encoded
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +59,7 @@ def chat_codec(loaded: Any) -> ChatCodec:
 
     def encode(messages: Messages) -> list[int]:
         text = "\n\n".join(m["content"] for m in messages)
-        ids = list(tok(text)["input_ids"])
-        if text and not ids:  # a vocabulary of no piece of text (and no template): no prompt to measure
-            raise InputError(f"the model's tokenizer encodes the prompt {text[:40]!r}{'...' * (len(text) > 40)} "
-                             "to no token (it has no chat template, and no piece of the text in its vocabulary): "
-                             "give a model whose tokenizer encodes text")
-        return ids
+        return check_encoded(text, tok(text)["input_ids"])
 
     return ChatCodec(encode, decode)
 

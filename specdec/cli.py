@@ -442,6 +442,8 @@ def _cli_drafter(args):
 
 def _prompt_ids(tok, args, text: str, system: str | None) -> list[int]:
     """The prompt's token ids, through the tokenizer's chat template unless --no-chat-template (or it has none)."""
+    from specdec.generate_inputs import check_encoded
+
     if tok is None:
         if str(args.model).lower().endswith(".gguf"):  # nothing to save next to a file
             raise CLIError(f"model {args.model!r} holds no vocabulary (tokenizer.ggml.tokens), and the CLI needs a "
@@ -462,7 +464,7 @@ def _prompt_ids(tok, args, text: str, system: str | None) -> list[int]:
                 "pass --no-chat-template"
             raise CLIError(f"the chat template of model {args.model!r} refuses the messages: {err}; {advice} to feed "
                            "the prompt as raw text") from err
-    return tok(text)["input_ids"]
+    return check_encoded(text, tok(text)["input_ids"])
 
 
 def _generate_streamed(loaded, ids: list[int], drafter, settings: dict, stop: list[str] | None, args, stream):

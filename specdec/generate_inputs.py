@@ -272,6 +272,17 @@ def parse_input_ids(input_ids: Any, attention_mask: Any = None) -> Inputs:
                   attention_mask is not None)
 
 
+def check_encoded(text: str, ids: Sequence[int], what: str = "the prompt") -> list[int]:
+    """``ids``, a tokenizer's encoding of the prompt ``text`` (``what`` names it), as a list; a one-line
+    :class:`InputError` where a text encodes to no token (a vocabulary of no piece of it, and no chat template to add
+    any): left to generate(), it was "prompt 0 is empty", a prompt the user never gave empty."""
+    if text and not ids:
+        raise InputError(f"the model's tokenizer encodes {what} {text[:40]!r}{'...' * (len(text) > 40)} to no token "
+                         "(no chat template applied, and no piece of the text in its vocabulary): give a model "
+                         "whose tokenizer encodes text")
+    return list(ids)
+
+
 def check_vocabulary(name: str, sequences: list[list[int]], vocab_size: int) -> None:
     for i, p in enumerate(sequences):
         bad = [t for t in p if not 0 <= t < vocab_size]

@@ -267,6 +267,22 @@ def test_truncated_gguf_model_is_one_line_naming_the_file(cut, capsys, tmp_path,
     assert not any((tmp_path / "cache").rglob("*.safetensors"))  # nothing half-converted left behind
 
 
+def test_a_prompt_the_tokenizer_makes_nothing_of_is_one_line_naming_it(capsys, tmp_path, monkeypatch):
+    """A GGUF whose vocabulary holds no piece of the prompt (and no chat template) said "prompt 0 is empty: every
+    prompt needs at least one token" of a prompt the user gave whole: the line now names the prompt and why."""
+    pytest.importorskip("gguf")
+    from tests.test_gguf_llama import write_llama_gguf
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_llama_gguf(tmp_path / "m.gguf")  # tokens t0 .. t47
+    rc, out, err = run(capsys, "hello", "--model", str(path))
+    assert rc == 2 and out == "" and error_line(err) == (
+        "specdec generate: error: the model's tokenizer encodes the prompt 'hello' to no token (no chat template "
+        "applied, and no piece of the text in its vocabulary): give a model whose tokenizer encodes text")
+    rc, out, err = run(capsys, "t1t5", "--model", str(path), "--max-new-tokens", "2")
+    assert rc == 0 and out.startswith("t"), err
+
+
 # --- Ctrl-C -------------------------------------------------------------------------------------------------------
 
 

@@ -456,7 +456,7 @@ def test_a_tokenizer_that_encodes_the_prompts_to_nothing_is_refused_before_any_c
     path = write_llama_gguf(tmp_path / "m.gguf")  # tokens t0 .. t47: no text encodes to any of them
     code, captured = _main(["eval", "lossless", "--model", str(path), *SMALL, "--out", str(tmp_path / "c")], capsys)
     assert code == 2 and "the model's tokenizer encodes the prompt '" in _one_line(captured)
-    assert _one_line(captured).endswith("to no token (it has no chat template, and no piece of the text in its "
+    assert _one_line(captured).endswith("to no token (no chat template applied, and no piece of the text in its "
                                         "vocabulary): give a model whose tokenizer encodes text")
     code, captured = _main(["eval", "acceptance", "--model", str(path), *RUN, "--categories", "chat", "--prompts",
                             "1", "--out", str(tmp_path / "a")], capsys)

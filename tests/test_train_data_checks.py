@@ -102,6 +102,29 @@ def test_options_a_run_ignores_are_refused(tiny, tmp_path, capsys, argv, setting
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("command", ["train-medusa", "train-eagle"])
+def test_eval_prompts_the_tokenizer_makes_nothing_of_are_refused_before_training(tmp_path, capsys, monkeypatch,
+                                                                                 command):
+    """A GGUF target whose vocabulary holds no piece of the built-in tau prompts trained, then failed with "prompt 0 is
+    empty", a prompt the user never gave, and no report: now refused in one line naming the prompt, before the
+    output folder is made; --no-eval-tau trains on it."""
+    pytest.importorskip("gguf")
+    from tests.test_gguf_llama import write_llama_gguf
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_llama_gguf(tmp_path / "m.gguf")  # tokens t0 .. t47
+    _jsonl(tmp_path / "data.jsonl", [{"text": "".join(f"t{(7 * i + j) % 45 + 3}" for j in range(30))}
+                                     for i in range(12)])
+    args = [command, "--model", str(path), "--data", str(tmp_path / "data.jsonl"), "--seq-len", "16", "--batch-size",
+            "4", "--max-steps", "1", "--no-progress"]
+    rc = main([*args, "--output-dir", str(tmp_path / "run"), "--eval-prompts", "1"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith(f"specdec {command}: error: the model's tokenizer encodes the tau measurement's "
+                                      "built-in prompt '") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+    assert main([*args, "--output-dir", str(tmp_path / "quiet"), "--no-eval-tau"]) == 0
+
+
 def test_options_that_act_are_still_accepted(tmp_path):
     TrainConfig(model="m", output_dir=str(tmp_path), loss="kl")  # Medusa
     TrainConfig(model="m", output_dir=str(tmp_path), drafter="eagle", reg_weight=5.0)  # EAGLE-1

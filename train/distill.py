@@ -26,6 +26,7 @@ from specdec.train.deferred_interrupts import interrupts_deferred
 from specdec.train.process_team import Team
 
 from specdec.atomic_write import write_json, write_text
+from specdec.generate_inputs import check_encoded
 from specdec.models.embedded import cache_root
 from specdec.models.fingerprint import model_fingerprint
 
@@ -36,11 +37,13 @@ def default_cache_dir() -> Path:
     return cache_root() / "distill"  # $SPECDEC_CACHE_DIR, else ~/.cache/specdec
 
 
-def encode_prompt(tokenizer, prompt: str) -> list[int]:
+def encode_prompt(tokenizer, prompt: str, what: str = "the prompt") -> list[int]:
+    """``prompt`` as the model's prompt ids: through its chat template, else as text; one that encodes to no token is
+    refused naming it (``what``: which prompt it is)."""
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                   return_dict=False))
-    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    return check_encoded(prompt, tokenizer(prompt, add_special_tokens=True)["input_ids"], what)
 
 
 def use_graphs(loaded, cuda_graphs: bool | None) -> bool:

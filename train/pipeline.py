@@ -26,6 +26,8 @@ from specdec.train.agreed_interrupts import InterruptsHeld
 from specdec.train.checkpoint import checkpoint_step, find_checkpoint
 from specdec.train.config import SELF_PROMPTS, TrainConfig
 from specdec.train.data import TrainDataError, load_texts, logger_at, split_held_out, tokenize_texts
+from specdec.train.distill import encode_prompt
+from specdec.train.evaluate import eval_prompts
 from specdec.train.loop import number
 from specdec.train.medusa_recipe import train_heads
 from specdec.train.output_dir import RUN_FILE, prepare_output_dir
@@ -101,8 +103,6 @@ def _sequences(cfg: TrainConfig, loaded, inputs: list,
         prompts = self_written_prompts(loaded, cfg.num_prompts or SELF_PROMPTS, seed=cfg.seed,
                                        batch_size=cfg.distill_batch_size, progress=cfg.progress, cuda_graphs=graphs,
                                        team=team)
-    from specdec.train.distill import encode_prompt
-
     lengths = [len(encode_prompt(loaded.tokenizer, p)) for p in prompts]
     if lengths and min(lengths) >= cfg.seq_len:  # refused before the target answers
         raise TrainDataError(f"--seq-len {cfg.seq_len} is too short for the prompts: sequences are cut from their "
@@ -306,6 +306,9 @@ def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None], h
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's context of {max_pos} tokens")
     if cfg.data is None:
         distill_graphs(cfg, loaded)
+    if cfg.eval_tau:  # measured after training: a prompt the tokenizer makes nothing of is refused now
+        for prompt in eval_prompts(cfg.eval_prompts):
+            encode_prompt(loaded.tokenizer, prompt, "the tau measurement's built-in prompt")
     # every process reads the same inputs: the main process alone says their warnings (not each of N processes)
     with contextlib.nullcontext() if accelerator.is_main_process else logger_at("specdec", logging.ERROR):
         inputs = read_inputs(cfg, loaded)
@@ -346,7 +349,7 @@ def _finish_medusa(cfg: TrainConfig, loaded, model, heads, history: list[dict], 
     Self-distilled (``prompt_lengths``), the tree is chosen from the accuracies on the responses: the chat template
     repeats in every sequence and is easy to predict, so all positions promised more than drafting a reply gets."""
     from specdec.train.choices import choose_tree
-    from specdec.train.evaluate import eval_prompts, measure_tau, scoped_head_accuracies
+    from specdec.train.evaluate import measure_tau, scoped_head_accuracies
 
     out = Path(cfg.output_dir)
     # --held-out-fraction 0: accuracies on training data, and the report says so
