@@ -334,6 +334,7 @@ def run_lossless(args) -> int:
 def _lossless_held(args, out: Path, levels: tuple[str, ...], sizes, sampling, device, options: dict) -> int:
     """run_lossless once it holds --out: the certificate, written there."""
     import torch
+    from specdec.drafters.registry import get_drafter
     from specdec.eval.certificate import run_certificate, where_it_ran
     from specdec.eval.prompts import load_prompts
 
@@ -346,8 +347,14 @@ def _lossless_held(args, out: Path, levels: tuple[str, ...], sizes, sampling, de
     loaded = load_model(args.model, dtype=getattr(torch, args.dtype or "float32"), device=device)
     encode = _encoder(loaded)
     make_prompts = lambda n: [encode(t) for t in load_prompts("chat", n)]  # noqa: E731
-    if {"e2e", "coupled", "bitwise"} & set(levels):  # every prompt with its new tokens fits, before any work
+    drafter = None
+    if {"e2e", "coupled", "bitwise"} & set(levels):  # the levels that run the drafter on the model
+        # every prompt with its new tokens fits, and the drafter's checkpoint or draft model is read and checked for
+        # the model (as eval acceptance does), before any work: held through the run, the levels' drafters take
+        # what it loaded (the process-wide caches), not read again
         _check_identity_fits(loaded, make_prompts(sizes.identity_prompts), sizes.identity_tokens)
+        drafter = get_drafter(args.drafter, **options)
+        drafter.load_for_target(loaded.runner, loaded.tokenizer, loaded.name)
     # --overwrite clears the earlier certificate only now that this run's options, model and sizes are known to be
     # good, and before the long work: a run stopped in mid-way leaves no earlier verdict that reads as this one's
     _clear_earlier_run(earlier)
@@ -356,6 +363,8 @@ def _lossless_held(args, out: Path, levels: tuple[str, ...], sizes, sampling, de
           f"({ran['dtype']})", file=sys.stderr)
     cert = run_certificate(loaded, args.drafter, options, sampling, sizes, make_prompts, levels,
                            progress=lambda msg: print(f"  ... {msg}", file=sys.stderr), seed=args.seed)
+    if drafter is not None:
+        drafter.unload_for_target()
     out.mkdir(parents=True, exist_ok=True)
     for name, text in zip(CERTIFICATE_FILES, (certificate_json(cert), cert.to_markdown()), strict=True):
         write_text(out / name, text)

@@ -441,6 +441,33 @@ def test_a_terminated_run_says_so_and_that_resume_continues_it(ckpt, tmp_path, c
                                     f"{out / 'cells'} (continue with --resume)"), captured.err
 
 
+@pytest.mark.parametrize("level", ["e2e", "coupled", "bitwise"])
+def test_a_draft_model_made_for_another_model_is_refused_before_the_earlier_certificate_goes(tmp_path, capsys,
+                                                                                            monkeypatch, level):
+    """eval lossless read the drafter's draft model or checkpoint only when a level first ran it: --overwrite had
+    cleared the earlier certificate and the levels before it had run when another vocabulary was refused. Now it is
+    read and checked for the model first, as eval acceptance does."""
+    from specdec.testing import build_tiny_model, save_tiny_checkpoint
+
+    def run_certificate(*args, **kwargs):
+        raise AssertionError("the certificate ran")
+
+    monkeypatch.setattr("specdec.eval.certificate.run_certificate", run_certificate)
+    target = save_tiny_checkpoint(tmp_path / "target")
+    build_tiny_model(vocab_size=64).save_pretrained(tmp_path / "draft")
+    out = tmp_path / "c"
+    out.mkdir()
+    for name in ("certificate.json", "certificate.md"):
+        (out / name).write_text("{}" if name.endswith("json") else "# an earlier verdict\n")
+    argv = ["eval", "lossless", "--model", target, "--drafter", "draft-model", "--drafter-option",
+            f"model={tmp_path / 'draft'}", "--levels", level, "--identity-prompts", "1", "--identity-tokens", "4",
+            "--sample-sequences", "20", "--out", str(out), "--overwrite"]
+    code, captured = _main(argv, capsys)
+    assert code == 2 and _one_line(captured).endswith("draft-model: the draft model's vocabulary has 64 ids, the "
+                                                      "target's 69")
+    assert (out / "certificate.md").read_text() == "# an earlier verdict\n"
+
+
 def test_a_tokenizer_that_encodes_the_prompts_to_nothing_is_refused_before_any_check_runs(tmp_path, capsys,
                                                                                            monkeypatch):
     """A GGUF whose vocabulary holds no piece of text (no chat template either) encoded the built-in prompts to no
