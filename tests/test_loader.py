@@ -159,7 +159,20 @@ def test_copies_and_touches_of_one_gguf_share_a_conversion_and_changed_bytes_get
     with caplog.at_level("WARNING", logger="specdec.models.embedded"):
         second = convert(_gguf(tmp_path / "venv1" / "m.gguf", b"GGUF v2"))  # same size and mtime, other bytes
     assert second != first and len(calls) == 2 and first.is_dir() and legacy.is_dir()
-    assert "also holds 2 other conversion(s) of m.gguf" in caplog.text and legacy.name in caplog.text
+    assert "also holds 2 other conversion(s) of a file named m.gguf" in caplog.text and legacy.name in caplog.text
+
+
+def test_another_model_of_the_same_file_name_is_not_called_an_earlier_version(tmp_path, monkeypatch, caplog):
+    """A draft model and a target both named model.gguf, in two folders: converting the second said to delete the
+    first's conversion as one "no installed version uses", though the other model still needs it."""
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    fake_conversion(monkeypatch)
+    convert = lambda g: embedded.convert_gguf(g, embedded.converted_dir(g))  # noqa: E731
+    first = convert(_gguf(tmp_path / "target" / "model.gguf", b"GGUF target"))
+    with caplog.at_level("WARNING", logger="specdec.models.embedded"):
+        convert(_gguf(tmp_path / "draft" / "model.gguf", b"GGUF draft"))
+    assert f"also holds 1 other conversion(s) of a file named model.gguf (0.00 GB: {first.name}): earlier versions " \
+           "of this file, or other models' files of that name; delete the ones no model you use needs" in caplog.text
 
 
 @pytest.mark.parametrize("spec, err", [("/no/such/dir", FileNotFoundError), ("/no/such/file.gguf", FileNotFoundError),

@@ -596,8 +596,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         held.close()
     others = _others(out_dir)
     if others:  # never deleted here: another virtualenv or process may be using one
-        logger.warning("the model cache %s also holds %d other conversion(s) of %s (%.2f GB: %s); delete the ones "
-                       "no installed version uses", out_dir.parent, len(others), gguf_path.name,
+        # of the file's name alone: earlier versions of it (an upgraded wheel), or another model's file of that name
+        logger.warning("the model cache %s also holds %d other conversion(s) of a file named %s (%.2f GB: %s): "
+                       "earlier versions of this file, or other models' files of that name; delete the ones no model "
+                       "you use needs", out_dir.parent, len(others), gguf_path.name,
                        sum(size for _, size in others) / 1e9, ", ".join(p.name for p, _ in others))
     return out_dir
 
