@@ -625,3 +625,39 @@ def test_the_vocabulary_size_is_read_from_the_header_as_the_conversion_gives_it(
     assert embedded.vocab_size(path) == VOCAB
     monkeypatch.undo()
     assert json.loads((_convert(tmp_path, path) / "config.json").read_text())["vocab_size"] == VOCAB
+
+
+def _qwen3_gguf(path, head_dim: int, meta: dict | None = None):
+    """A qwen3 file (q / k norms) of heads of ``head_dim``: HIDDEN // HEADS, or 128 over two heads."""
+    with pytest.MonkeyPatch.context() as patch:
+        if head_dim != HIDDEN // HEADS:  # write_llama_gguf shapes the tensors by these
+            patch.setitem(globals(), "HEADS", 2)
+            patch.setitem(globals(), "HIDDEN", 2 * head_dim)
+        norms = {f"blk.{i}.attn_{p}_norm.weight": (head_dim,) for i in range(LAYERS) for p in "qk"}
+        return write_llama_gguf(path, arch="qwen3", extra_tensors=norms, rope_dims=head_dim, meta=meta)
+
+
+@pytest.mark.parametrize("key_length", [True, False])
+def test_a_qwen3_file_of_heads_transformers_cannot_shape_is_refused_before_any_conversion(tmp_path, monkeypatch,
+                                                                                           key_length):
+    """transformers' GGUF loading reads no head size from a qwen3 file and builds heads of 128: a file of heads of 16
+    was converted, then refused as "12 tensor(s) the model needs are missing from the file", an incomplete file to
+    all appearances. Now one line before any conversion; a file of heads of 128 converts as transformers reads it."""
+    meta = {"qwen3.attention.key_length": 16, "qwen3.attention.value_length": 16} if key_length else None
+    path = _qwen3_gguf(tmp_path / "m.gguf", HIDDEN // HEADS, meta)
+    _converting_fails(monkeypatch)
+    where = "qwen3.attention.key_length" if key_length else \
+        "qwen3.embedding_length over qwen3.attention.head_count"
+    with pytest.raises(embedded.GGUFError, match=rf"^{_at(path)} holds attention heads of 16 dimensions \({where}\), "
+                                                 r"and transformers' GGUF loading, which converts qwen3 files, reads "
+                                                 r"no head size from them and would build heads of 128: load the "
+                                                 r"model's checkpoint directory instead$"):
+        _convert(tmp_path, path)
+    assert _nothing_cached(tmp_path)
+    monkeypatch.undo()
+    (tmp_path / "ok").mkdir()
+    path = _qwen3_gguf(tmp_path / "ok" / "m.gguf", 128)
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: _NoTokenizer())
+    out = _convert(tmp_path, path)
+    monkeypatch.undo()
+    _same_logits_as_transformers(out, path)

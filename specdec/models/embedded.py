@@ -240,6 +240,7 @@ def check_convertible(path: Path) -> tuple[list[str], dict] | None:
                                     f"does not run from a GGUF file; it converts {', '.join(GGUF_ARCHITECTURES)} "
                                     "files (llama.cpp writes Mistral models as llama)")
     _check_tensor_types(path, tensors)
+    _check_head_size(path, meta, architecture)
     scaling = [f"{name}: {kind}" for name, kind in _ROPE_TENSORS.items() if name in names]
     try:
         rope = gguf_llama.rope_scaling(meta)
@@ -254,6 +255,30 @@ def check_convertible(path: Path) -> tuple[list[str], dict] | None:
                         "model's checkpoint directory instead")
     _check_tokenizer(path, meta)
     return names, meta
+
+
+def _check_head_size(path: Path, meta: dict, architecture: str) -> None:
+    """Refuse a qwen3 file whose heads are not of Qwen3Config's default size (128): transformers' GGUF loading, which
+    converts qwen3 files, reads no head size from them (``qwen3.attention.key_length``; llama.cpp's default: the
+    embedding length over the head count) and would shape every attention tensor by 128, refused only after the
+    conversion as tensors missing from the file. Nothing to check where the installed transformers maps the key."""
+    if architecture != "qwen3":
+        return
+    from transformers import Qwen3Config
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    if "attention.key_length" in GGUF_CONFIG_MAPPING.get(architecture, {}):
+        return
+    key = f"{architecture}.attention.key_length"
+    size, hidden, heads = (meta.get(f"{architecture}.{k}") for k in ("attention.key_length", "embedding_length",
+                                                                       "attention.head_count"))
+    if size is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        size, key = hidden // heads, f"{architecture}.embedding_length over {architecture}.attention.head_count"
+    default = Qwen3Config().head_dim
+    if isinstance(size, int) and size != default:
+        raise GGUFError(f"{path} holds attention heads of {size} dimensions ({key}), and transformers' GGUF loading, "
+                        f"which converts qwen3 files, reads no head size from them and would build heads of {default}: "
+                        "load the model's checkpoint directory instead")
 
 
 def _check_tensor_types(path: Path, tensors: list) -> None:
