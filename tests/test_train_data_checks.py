@@ -103,11 +103,11 @@ def test_options_a_run_ignores_are_refused(tiny, tmp_path, capsys, argv, setting
 
 
 @pytest.mark.parametrize("command", ["train-medusa", "train-eagle"])
-def test_eval_prompts_the_tokenizer_makes_nothing_of_are_refused_before_training(tmp_path, capsys, monkeypatch,
-                                                                                 command):
+def test_prompts_the_tokenizer_makes_nothing_of_are_refused_before_training(tmp_path, capsys, monkeypatch, command):
     """A GGUF target whose vocabulary holds no piece of the built-in tau prompts trained, then failed with "prompt 0 is
     empty", a prompt the user never gave, and no report: now refused in one line naming the prompt, before the
-    output folder is made; --no-eval-tau trains on it."""
+    output folder is made; --no-eval-tau trains on it. Self-distillation's prompts (a --prompts-file's, the built-in
+    set) were refused only once the output folder was made (--overwrite had cleared the earlier run): now before."""
     pytest.importorskip("gguf")
     from tests.test_gguf_llama import write_llama_gguf
 
@@ -123,6 +123,18 @@ def test_eval_prompts_the_tokenizer_makes_nothing_of_are_refused_before_training
                                       "built-in prompt '") and len(err.splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
     assert main([*args, "--output-dir", str(tmp_path / "quiet"), "--no-eval-tau"]) == 0
+    capsys.readouterr()
+    (tmp_path / "prompts.txt").write_text("hello\nworld\n")
+    distilled = [command, "--model", str(path), "--seq-len", "16", "--max-steps", "1", "--no-progress", "--no-eval-tau",
+                 "--output-dir", str(tmp_path / "run")]
+    for source, what in ((["--prompts-file", str(tmp_path / "prompts.txt")],
+                          f"prompt 1 of prompts file {tmp_path / 'prompts.txt'} 'hello'"),
+                         ([], "prompt 1 of the built-in set '")):
+        assert main([*distilled, *source]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"specdec {command}: error: the model's tokenizer encodes {what}") and \
+            len(err.splitlines()) == 1, err
+        assert not (tmp_path / "run").exists()
 
 
 def test_options_that_act_are_still_accepted(tmp_path):

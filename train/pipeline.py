@@ -33,6 +33,7 @@ from specdec.train.medusa_recipe import train_heads
 from specdec.train.output_dir import RUN_FILE, prepare_output_dir
 from specdec.train.process_failures import FailureNotes
 from specdec.train.process_team import Team
+from specdec.train.prompts import builtin_prompts
 from specdec.train.run_seconds import run_seconds, wall_time_line
 
 from specdec.atomic_write import write_json, write_text
@@ -75,6 +76,23 @@ def read_inputs(cfg: TrainConfig, loaded) -> list:
     return prompts[: cfg.num_prompts]
 
 
+def check_prompts_encode(cfg: TrainConfig, loaded, inputs: list) -> None:
+    """The prompts the target answers once the output folder is made (self-distillation's: ``inputs`` of
+    --prompts-file, or the built-in set; the tau measurement's), encoded now: one the tokenizer makes nothing of is
+    refused in one line naming it, before any work. Through a chat template every prompt has tokens: nothing to do."""
+    if getattr(loaded.tokenizer, "chat_template", None):
+        return
+    named = []  # (prompt, what it is)
+    if cfg.data is None and cfg.prompt_source == "builtin":  # not self-written: the target writes those
+        where = f"prompts file {cfg.prompts_file}" if cfg.prompts_file else "the built-in set"
+        prompts = inputs or builtin_prompts(cfg.num_prompts, seed=cfg.seed)
+        named += [(p, f"prompt {n} of {where}") for n, p in enumerate(prompts, 1)]
+    if cfg.eval_tau:  # measured after training
+        named += [(p, "the tau measurement's built-in prompt") for p in eval_prompts(cfg.eval_prompts)]
+    for prompt, what in named:
+        encode_prompt(loaded.tokenizer, prompt, what)
+
+
 def _few_prompts(asked: int | None, available: int, where: str) -> None:
     """Say so when --num-prompts asks for more prompts than ``where`` holds (the run uses them all)."""
     if asked is not None and asked > available:
@@ -90,7 +108,6 @@ def _sequences(cfg: TrainConfig, loaded, inputs: list,
     if cfg.data is not None:
         return inputs, {}
     from specdec.train.distill import self_distill
-    from specdec.train.prompts import builtin_prompts
     from specdec.train.self_prompts import self_written_prompts
 
     prompts = inputs
@@ -306,12 +323,10 @@ def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None], h
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's context of {max_pos} tokens")
     if cfg.data is None:
         distill_graphs(cfg, loaded)
-    if cfg.eval_tau:  # measured after training: a prompt the tokenizer makes nothing of is refused now
-        for prompt in eval_prompts(cfg.eval_prompts):
-            encode_prompt(loaded.tokenizer, prompt, "the tau measurement's built-in prompt")
     # every process reads the same inputs: the main process alone says their warnings (not each of N processes)
     with contextlib.nullcontext() if accelerator.is_main_process else logger_at("specdec", logging.ERROR):
         inputs = read_inputs(cfg, loaded)
+    check_prompts_encode(cfg, loaded, inputs)
     resume_from = None
     if accelerator.is_main_process:
         out = Path(cfg.output_dir)
