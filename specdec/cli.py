@@ -220,6 +220,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--stop", action="append", default=None,
                    help="stop string, repeatable; kept in the output, as in transformers; \\n, \\t, \\r and \\\\ "
                         "in it are a newline, tab, carriage return and backslash")
+    p.add_argument("--no-stop", action="store_true",
+                   help="no stop strings: not the model's own (its generation_config's stop_strings), which --stop "
+                        "replaces")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--system", default=None,
                    help="system message for the chat template; \"\" gives an empty one (default: none given, so "
@@ -388,7 +391,8 @@ def _ending(err: BaseException) -> str | None:
 
 
 def _checked_texts(args) -> tuple[str, str | None, list[str] | None]:
-    """`(prompt, --system, --stop)` as valid text; an empty prompt, or --system without a chat template, refused."""
+    """`(prompt, --system, --stop)` as valid text (the stop strings [] for --no-stop, None where neither is given: the
+    model's own); an empty prompt, or --system without a chat template, refused."""
     text, source = _read_prompt(args)
     if not text.strip():
         raise CLIError(f"the prompt is empty (read from {source})")
@@ -398,8 +402,10 @@ def _checked_texts(args) -> tuple[str, str | None, list[str] | None]:
                        "(or put the system text at the start of the prompt)")
     if args.stop and "" in args.stop:  # (generate() names it stop[i], the API's spelling)
         raise CLIError("--stop '' is empty: it would stop at once; give the text to stop at")
+    if args.stop and args.no_stop:
+        raise CLIError("--no-stop drops every stop string, --stop gives some; drop one of them")
     stop = [_unescaped(_check_argument(s, "--stop")) for s in args.stop] if args.stop else args.stop
-    return text, system, stop
+    return text, system, [] if args.no_stop else stop
 
 
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
@@ -480,7 +486,7 @@ def _generate_streamed(loaded, ids: list[int], drafter, settings: dict, stop: li
         with torch.no_grad():
             out = generate(
                 loaded, [ids], drafter=drafter, **settings, seed=args.seed, streamer=stream,
-                **({} if stop is None else {"stop": stop}),  # a keyword None would clear the model's stop_strings
+                **({} if stop is None else {"stop": stop or None}),  # None (--no-stop) clears the model's stop_strings
                 return_dict=True, block_size=args.block_size, num_blocks=args.num_blocks,
                 speculation=args.speculation, sampler=args.sampler,
                 cuda_graphs="auto" if args.cuda_graphs is None else args.cuda_graphs,

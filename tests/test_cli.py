@@ -122,6 +122,20 @@ def test_top_h_0_turns_off_the_models_own_top_h(tmp_path, capsys):
     assert rc == 2 and "--top-h must lie in (0, 1] or be 0 (off), got -0.5" in err, err
 
 
+def test_no_stop_turns_off_the_models_own_stop_strings(tmp_path, capsys):
+    """A model whose generation_config sets stop_strings stopped at them whatever the flags: --stop replaces them
+    and --stop '' is refused, so nothing turned them off. --no-stop does; with --stop it is refused."""
+    ckpt = save_tiny_checkpoint(tmp_path / "stops", seed=3)
+    whole = expected_text(ckpt, PROMPT)
+    transformers.GenerationConfig(stop_strings=[whole[3:5]]).save_pretrained(ckpt)
+    assert expected_text(ckpt, PROMPT) != whole  # the model's stop string ends it early
+    rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", str(N), "--no-stop")
+    assert rc == 0 and out == whole + "\n", err
+    rc, _, err = run(capsys, PROMPT, "--model", ckpt, "--no-stop", "--stop", "x")
+    assert rc == 2 and err.strip() == ("specdec generate: error: --no-stop drops every stop string, --stop gives some; "
+                                       "drop one of them"), err
+
+
 def test_sampler_speculation_and_invariant_flags_reach_generate(ckpt, capsys, monkeypatch):
     """Each at its non-default value (defaults: standard, auto, off) is what generate() is called with."""
     module = importlib.import_module("specdec.generate")
