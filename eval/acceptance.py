@@ -66,6 +66,7 @@ from specdec.cuda_graphs import auto_uses_graphs, warm_up_model_graphs
 from specdec.generate import generate
 from specdec.output import acceptance_rates
 from specdec.sampling import SamplingConfig
+from specdec.sigterm import sigterm_ends_at_once
 from specdec.verify_cost import measure_verify_costs
 
 logger = logging.getLogger(__name__)
@@ -489,10 +490,12 @@ def run_cells(loaded: Any, prompts: dict[str, list[list[int]]], config: SuiteCon
 
 
 def process_state() -> Any:
-    """accelerate's state of this process (with several processes, their process group: gloo on the CPU)."""
+    """accelerate's state of this process (with several processes, their process group: gloo on the CPU, formed at
+    the first call, where SIGTERM ends the process at once: it waits for every process in C++)."""
     from accelerate import PartialState
 
-    return PartialState(cpu=not torch.cuda.is_available())  # CPU-only: processes talk over gloo
+    with sigterm_ends_at_once():
+        return PartialState(cpu=not torch.cuda.is_available())  # CPU-only: processes talk over gloo
 
 
 def check_resume(loaded: Any, config: SuiteConfig, out: Path, categories: list[str], prompts_identity: Any) -> dict:

@@ -182,9 +182,9 @@ def _suite_device(spec: str):
         return _check_device(spec)
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    from accelerate import PartialState
+    from specdec.eval.acceptance import process_state
 
-    return torch.device("cuda", PartialState().local_process_index % torch.cuda.device_count())
+    return torch.device("cuda", process_state().local_process_index % torch.cuda.device_count())
 
 
 def _encoder(loaded):

@@ -3,7 +3,8 @@
 Schedulers, ``timeout`` and ``kill`` send SIGTERM, which by default ends the process unannounced. Inside
 :func:`sigterm_as_interrupt` it raises :class:`Terminated`, a ``KeyboardInterrupt``, so the command's Ctrl-C path
 runs: what was finished is kept and the command says how to continue. Outside the block, and off the main thread,
-SIGTERM is handled as before.
+SIGTERM is handled as before. :func:`sigterm_ends_at_once` gives it back its default action for a wait no Python
+handler can cut short (a process group forming).
 """
 from __future__ import annotations
 
@@ -32,6 +33,23 @@ def sigterm_as_interrupt():
     finally:
         if signal.getsignal(signal.SIGTERM) is handler:  # else a run stopping on an error ignores it now: left so
             signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def sigterm_ends_at_once():
+    """While the block runs, SIGTERM ends the process at once (its default action); the handler before is restored
+    after. For a wait in C++ that Python's handlers only see once it returns: a process group forming, which waits
+    for every process to join. Where one was killed before it joined, the launcher's SIGTERM to the others was
+    held until its shutdown timeout (30 s) and they were SIGKILLed, saying nothing."""
+    try:
+        previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def exit_code(interrupt: KeyboardInterrupt) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import signal
 
 import pytest
 from specdec.eval.acceptance import (
@@ -14,6 +15,7 @@ from specdec.eval.acceptance import (
     cell_path,
     merge_cells,
     predicted_speedup,
+    process_state,
     read_cell,
     run_cells,
     run_suite,
@@ -25,6 +27,7 @@ from specdec.eval.prompts import CATEGORIES, load_prompts
 from specdec.eval.report import markdown, write_reports
 
 from specdec.sampling import SamplingConfig
+from specdec.sigterm import sigterm_as_interrupt
 from specdec.verify_cost import measure_verify_costs
 
 PROMPTS = {"rep": [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 5, 6, 5]], "mixed": [[9, 4, 7, 1], [3, 3, 3, 3]]}
@@ -468,3 +471,18 @@ def test_a_calibration_records_the_mean_decoding_context(monkeypatch):
     acceptance._calibrate(SimpleNamespace(runner=None), cell, [[1] * 4, [1] * 6], config)
     assert cell.calibration[0]["context_tokens"] == 10.0
     assert {c["context_tokens"] for c in cell.size_calibration} == {10.0}
+
+
+def test_sigterm_ends_the_process_at_once_while_the_process_group_forms(monkeypatch):
+    """The first process_state() forms the process group, a wait in C++ for every process where the Ctrl-C path's
+    handler cannot run (a peer killed before it joined left the others to the launcher's SIGKILL, 30 s later):
+    SIGTERM keeps its default action there, and the handler is back after."""
+    import accelerate
+
+    seen = []
+    monkeypatch.setattr(accelerate, "PartialState", lambda **kw: seen.append(signal.getsignal(signal.SIGTERM)))
+    with sigterm_as_interrupt():
+        handler = signal.getsignal(signal.SIGTERM)
+        process_state()
+        assert signal.getsignal(signal.SIGTERM) is handler
+    assert seen == [signal.SIG_DFL]

@@ -1052,6 +1052,72 @@ def test_an_error_on_one_process_stops_the_others_with_one_line(tiny, tmp_path):
     assert ckpt_io.read_state(ckpt_io.find_checkpoint(tmp_path / "run"))["step"] == 2
 
 
+def test_sigterm_ends_the_process_at_once_while_the_process_group_forms(tiny, tmp_path, monkeypatch):
+    """Forming the process group (accelerate's Accelerator) waits in C++ for every process, where the Ctrl-C path's
+    handler cannot run: SIGTERM keeps its default action there, and the handler is back after."""
+    import accelerate
+
+    seen = []
+
+    class Formed(Exception):
+        pass
+
+    def forming(*args, **kwargs):
+        seen.append(signal.getsignal(signal.SIGTERM))
+        raise Formed
+
+    monkeypatch.setattr(accelerate, "Accelerator", forming)
+    with sigterm_as_interrupt():
+        handler = signal.getsignal(signal.SIGTERM)
+        with pytest.raises(Formed):
+            run_training(_cfg(tiny, tmp_path / "out"))
+        assert signal.getsignal(signal.SIGTERM) is handler
+    assert seen == [signal.SIG_DFL]
+
+
+# run by `accelerate launch` in each of two processes: rank 0 exits once rank 1 waits for it in the process group's
+# forming (the launcher then sends rank 1 SIGTERM)
+UNJOINED_PROCESS_DRIVER = """
+import json, os, pathlib, sys, time
+import torch.distributed
+from specdec.cli import main
+
+rank, args, out = int(os.environ["RANK"]), json.loads(sys.argv[1]), pathlib.Path(sys.argv[2])
+if rank == 0:
+    while not (out / "forming").exists():
+        time.sleep(0.05)
+    time.sleep(0.5)
+    os._exit(3)
+real_init = torch.distributed.init_process_group
+
+def init(*a, **kw):
+    (out / "forming").touch()
+    return real_init(*a, **kw)
+
+torch.distributed.init_process_group = init
+sys.exit(main(args + ["--output-dir", str(out / "run")]))
+"""
+
+
+@pytest.mark.slow
+def test_a_process_waiting_for_a_peer_that_never_joins_ends_at_the_launchers_sigterm(tiny, tmp_path):
+    """Two real processes: the first exits before it joins the process group, the other waits for it there. The
+    launcher's SIGTERM to the other was held until the wait ended, which it never does: after the launcher's
+    shutdown timeout (30 s) it SIGKILLed the process. Now SIGTERM ends it at once."""
+    import os
+    import subprocess
+
+    driver = tmp_path / "driver.py"
+    driver.write_text(UNJOINED_PROCESS_DRIVER)
+    args = ["train-medusa", "--model", str(tiny / "model"), "--data", str(tiny / "data.jsonl"), "--num-heads", "2",
+            "--seq-len", "32", "--batch-size", "4", "--max-steps", "2", "--no-eval-tau", "--no-progress"]
+    proc = subprocess.run(_launch_two(str(driver)) + [json.dumps(args), str(tmp_path)], cwd=tmp_path,
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode != 0 and (tmp_path / "forming").exists(), proc.stderr[-3000:]
+    assert "Unable to shutdown" not in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"rank\s*: 1 .*\n\s*exitcode\s*: -15", proc.stderr), proc.stderr[-3000:]
+
+
 class _Store(dict):
     """A process group's key-value store: what FailureNotes reads and writes."""
 

@@ -40,6 +40,7 @@ from specdec.atomic_write import write_json, write_text
 from specdec.folder_lock import only_writer
 from specdec.models.fingerprint import model_fingerprint
 from specdec.output_dirs import check_creatable, make_dir
+from specdec.sigterm import sigterm_ends_at_once
 
 logger = logging.getLogger(__name__)
 
@@ -423,7 +424,8 @@ def run_training(cfg: TrainConfig, accelerator=None) -> dict:
 
     if accelerator is None:  # cpu=True on a CPU-only box: a multi-process launch then uses gloo (MULTI_CPU)
         import_before_the_process_group()
-        accelerator = Accelerator(mixed_precision=cfg.precision, cpu=not torch.cuda.is_available())
+        with sigterm_ends_at_once():  # the process group forms: it waits for every process in C++
+            accelerator = Accelerator(mixed_precision=cfg.precision, cpu=not torch.cuda.is_available())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != accelerator.num_processes:
         raise RuntimeError(f"launched as {world} processes but accelerate set up {accelerator.num_processes}: on a "
