@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -125,16 +126,17 @@ def _add_acceptance(ev_sub) -> None:
                    help="keep finished cells found in --out; each is checked first (schema, checksum, settings), "
                         "and one that is damaged, edited or measured with other settings or on another device, "
                         "thread count or torch is an error naming it")
-    a.set_defaults(func=_inference(run_acceptance))
+    a.set_defaults(func=_inference(run_acceptance, sigterm=True))
 
 
-def _inference(command):
-    """Run `command` with autograd off, restoring the caller's grad mode afterwards."""
+def _inference(command, sigterm: bool = False):
+    """Run `command` with autograd off, restoring the caller's grad mode afterwards; with ``sigterm``, SIGTERM
+    takes Ctrl-C's path from the start (loading the model, the drafters), a line and exit 143 as for Ctrl-C's 130."""
 
     def run(args) -> int:
         import torch
 
-        with torch.no_grad():
+        with torch.no_grad(), sigterm_as_interrupt() if sigterm else contextlib.nullcontext():
             return command(args)
 
     return run
@@ -507,17 +509,16 @@ def _acceptance_held(args, loaded, conversations: list, config, held: list, out:
     from accelerate import PartialState
 
     t0 = time.perf_counter()
-    try:
-        with sigterm_as_interrupt():
-            cells = _run_cells(loaded, conversations, config, out, args.resume)
-            held.clear()  # the drafters' checkpoints: let go before the report
-            state = PartialState()
-            if not state.is_main_process:
-                return 0
-            if args.no_plots:  # plots not drawn again are an earlier run's (a resume's too: its report may show more)
-                for name in PLOT_FILES:
-                    (out / name).unlink(missing_ok=True)
-            _report(args, loaded, conversations, config, cells, out, state.num_processes, t0)
+    try:  # SIGTERM is taken as Ctrl-C here (_inference)
+        cells = _run_cells(loaded, conversations, config, out, args.resume)
+        held.clear()  # the drafters' checkpoints: let go before the report
+        state = PartialState()
+        if not state.is_main_process:
+            return 0
+        if args.no_plots:  # plots not drawn again are an earlier run's (a resume's too: its report may show more)
+            for name in PLOT_FILES:
+                (out / name).unlink(missing_ok=True)
+        _report(args, loaded, conversations, config, cells, out, state.num_processes, t0)
     except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the finished cells are kept, a resume measures the rest
         if os.environ.get("RANK", "0") == "0":  # once, under accelerate launch too
             print(f"specdec eval acceptance: {how_stopped(err)}; {_what_is_left(out)}", file=sys.stderr)

@@ -488,3 +488,30 @@ def test_a_tokenizer_that_encodes_the_prompts_to_nothing_is_refused_before_any_c
     code, captured = _main(["eval", "acceptance", "--model", str(path), *RUN, "--categories", "chat", "--prompts",
                             "1", "--out", str(tmp_path / "a")], capsys)
     assert code == 2 and "the model's tokenizer encodes the prompt '" in _one_line(captured)
+
+
+def test_sigterm_while_the_model_loads_stops_eval_acceptance_with_one_line(ckpt, tmp_path, monkeypatch, capsys):
+    """SIGTERM (`timeout`, a scheduler) before the first cell, while the model or the drafters load, ended the run
+    with no line (the signal's default: the process died), where Ctrl-C there says "interrupted". It takes Ctrl-C's
+    path from the start now: one line, exit 143, nothing written."""
+    import os
+    import signal
+
+    import specdec.drafters.draft_model  # noqa: F401 (these bind load_model when first imported: not to the fake)
+
+    import specdec.generate  # noqa: F401
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr("specdec.models.loader.load_model", terminated)
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # where the old code leaves SIGTERM alone, the test goes on
+    try:
+        code, captured = _main(["eval", "acceptance", "--model", ckpt, "--categories", "chat", "--prompts", "1", *RUN,
+                                "--out", str(tmp_path / "run")], capsys)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (code, _one_line(captured)) == (143, "specdec eval acceptance: terminated (SIGTERM)")
+    assert not (tmp_path / "run").exists()
