@@ -203,7 +203,7 @@ def _export_medusa(src: Path, fmt: str, out: Path, target: str | None) -> Path:
     name, _ = _target(str(raw.get("base_model_name_or_path") or ""), target, src)
     target_config = _target_config(name)
     sizes = (target_config.hidden_size, target_config.vocab_size) if target_config is not None else ()
-    heads = load_medusa(src, *sizes)
+    heads = load_medusa(src, *sizes, dtype=None)  # as stored: a half-precision head is not written twice the size
     c = heads.config
     if c.shared_lm_head:
         raise InputError("export-head: vLLM's Medusa layout needs each head's own LM head; these heads share the "

@@ -277,8 +277,9 @@ def _is_eagle_head(path: Path) -> bool:
 
 
 def load_medusa(directory: str | os.PathLike, hidden_size: int | None = None, vocab_size: int | None = None,
-                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> MedusaHeads:
-    """Load a checkpoint; ``hidden_size`` / ``vocab_size`` of the target are checked against it."""
+                dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu") -> MedusaHeads:
+    """Load a checkpoint; ``hidden_size`` / ``vocab_size`` of the target are checked against it. ``dtype=None``
+    keeps the dtype the file stores."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 

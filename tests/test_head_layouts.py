@@ -352,6 +352,20 @@ def test_medusa_heads_export_to_vllms_layout_with_the_same_logits(tmp_path):
         torch.testing.assert_close(y @ sd[f"lm_heads.{h}.weight"].T, want[h], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_medusa_heads_export_in_their_own_dtype(tmp_path, dtype):
+    """Heads stored in half precision (as convert-medusa keeps published fp16 heads) were written in float32 for
+    vLLM, twice their size; they keep their dtype, bit for bit, as EAGLE-3 heads do."""
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(2, 1, H, V, base_model_name_or_path="org/tiny-target")).to(dtype)
+    (tmp_path / "m").mkdir()
+    save_medusa(heads, tmp_path / "m")
+    export_head(tmp_path / "m", "vllm", tmp_path / "v")
+    sd = load_file(str(tmp_path / "v" / "model.safetensors"))
+    assert {t.dtype for t in sd.values()} == {dtype}
+    assert torch.equal(sd["lm_heads.1.weight"], heads.heads[1][1].weight.detach())
+
+
 def test_medusa_heads_of_a_reduced_vocabulary_export_with_vllms_token_map(tmp_path):
     """vLLM's Medusa scatters row j of each head's logits to token token_map[j] (-inf elsewhere) when
     truncated_vocab_size < vocab_size; such heads were refused as having no place there."""
