@@ -188,4 +188,4 @@ def check_chosen(acceptances: Sequence[Any], vocab: int, where: Callable[[int], 
                 f"sequence {seq_id}, step {step}, new token {before + len(acc.accepted_tokens) + 1}: the target's "
                 "logits leave no token to choose (NaN or infinite values, e.g. a float16 overflow or a damaged "
                 "checkpoint, or every token removed by a logits processor or a sampling warper); stopping instead of "
-                "emitting an id outside the vocabulary")
+                "emitting an id outside the vocabulary.")

@@ -36,7 +36,8 @@ def test_spoiled_logits_name_step_and_sequence(device, mode, value):
     model = build_tiny_model().to(device)
     prompts = [[1, 2, 3], [7, 8, 9]]  # sequence 1 goes bad at its third new token (5 tokens = 3 prompt + 2 new)
     with pytest.raises(InvalidLogitsError, match=r"sequence 1, step \d, new token 3: the target's logits leave no"
-                       r".* The \d+ tokens generated so far are in this error's new_tokens\.$") as err:
+                       r".* outside the vocabulary\. The \d+ tokens generated so far are in this error's "
+                       r"new_tokens\.$") as err:
         specdec.generate(model, prompts, max_new_tokens=6, logits_processor=[SpoilRow(value)],
                          logits_processor_prefix_only=True, **MODES[mode])
     # the work done is kept, as a CacheFullError keeps it: both rows' tokens committed before the failing step
