@@ -673,7 +673,8 @@ def _report_meta(args, loaded, conversations: list, config, processes: int, t0: 
             "conversations": len(conversations), "turns": sum(len(c.turns) for c in conversations),
             "batch_size": args.batch_size, "calibration_repeats": args.calibration_repeats,
             "speculation": args.speculation, "processes": processes,
-            "device": str(loaded.runner.device), "seconds": round(time.perf_counter() - t0, 1),
+            "device": str(loaded.runner.device), "dtype": str(loaded.runner.dtype).removeprefix("torch."),
+            "seconds": round(time.perf_counter() - t0, 1),
             **({"resumed": True} if args.resume else {}),  # the seconds are then this run's, not the kept cells'
             "date": time.strftime("%Y-%m-%d")}
 

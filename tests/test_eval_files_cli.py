@@ -63,6 +63,16 @@ def test_a_category_with_fewer_prompts_than_asked_says_so_and_the_report_records
     assert "- categories_with_fewer_prompts: {'custom': 2}" in (out / "report.md").read_text()
 
 
+def test_the_report_records_the_dtype_the_model_ran_in(models, tmp_path, capsys):
+    """A report of --dtype bfloat16 named the device but not the dtype: its speeds read as float32's."""
+    out = tmp_path / "run"
+    code, _ = _main(["eval", "acceptance", "--model", models[0], "--categories", "chat", "--prompts", "1", *RUN,
+                     "--dtype", "bfloat16", "--out", str(out)], capsys)
+    assert code == 0
+    assert json.loads((out / "report.json").read_text())["meta"]["dtype"] == "bfloat16"
+    assert "- dtype: bfloat16" in (out / "report.md").read_text()
+
+
 @pytest.mark.parametrize("name", ["overall", "mt_bench"])
 def test_a_category_named_like_a_merged_row_is_refused_when_read(models, tmp_path, capsys, name):
     """A category named `overall` replaced the report's overall row over every category (`mt_bench` the group of
