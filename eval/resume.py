@@ -260,6 +260,9 @@ def _setting_changes(before: dict, now: dict, changed: list[str]) -> str:
             shown.append(f"{k}: {json.dumps(values[0])} in settings.json, {json.dumps(values[1])} now")
     if named:
         shown.append(f"{', '.join(named)} {'differs' if len(named) == 1 else 'differ'}")
+    if "model_fingerprint" in named:  # the one a changed --dtype moves: nothing else records the dtype
+        shown.append("the model's fingerprint covers its config, weights and dtype: another checkpoint, or another "
+                     "--dtype than the run's")
     return "; ".join(shown)
 
 

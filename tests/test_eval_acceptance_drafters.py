@@ -216,6 +216,15 @@ def test_another_checkpoint_is_named_by_both_paths_not_as_one_written_again(tmp_
     assert "written again" not in text
 
 
+def test_another_model_fingerprint_says_that_it_covers_the_dtype(tmp_path):
+    """A resume with another --dtype than the run's was refused as "model_fingerprint differs" alone, which reads as
+    another checkpoint: the dtype is what the user changed, and the fingerprint is the only setting holding it."""
+    before, now = ({"model": "tiny", "model_fingerprint": f} for f in ("11", "22"))
+    text = _refusal(tmp_path, before, now)
+    assert "model_fingerprint differs; the model's fingerprint covers its config, weights and dtype: another " \
+           "checkpoint, or another --dtype than the run's" in text, text
+
+
 def test_an_option_of_60_characters_is_shown_whole_a_longer_one_cut_to_60(tmp_path):
     """A 58-letter string is 60 characters as JSON (two quotes): shown whole. 59 letters (61 as JSON) are cut to 57
     characters and "...", 60 in all."""
