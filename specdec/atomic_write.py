@@ -155,4 +155,24 @@ def save_tensors(path: str | os.PathLike, tensors: dict, *, metadata: dict | Non
             if code is None:  # not the disk's refusal (tensors safetensors cannot write): as it was
                 raise
             raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from err
+        as_created(tmp)
     return Path(path)
+
+
+def as_created(path: str | os.PathLike) -> None:
+    """Give the file ``path`` the permissions a file created by this process gets (0666 less the umask):
+    safetensors' ``save_file`` writes its files readable by their owner alone, whatever the umask, so a server
+    running as another user could not read the heads a training run wrote."""
+    os.chmod(path, 0o666 & ~umask())
+
+
+def umask() -> int:
+    """This process's umask: read from /proc on Linux, else set and restored at once (os.umask has no read-only
+    form: a file another thread creates in between gets umask 022)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask

@@ -31,6 +31,20 @@ def test_writes_creates_parents_and_overwrites(tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["x.json"]
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX modes")
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_tensors_are_readable_as_the_umask_allows(tmp_path, mask, mode):
+    """safetensors writes its files 0600 whatever the umask: heads a training run wrote could not be read by a
+    server running as another user. They get the mode any file made under the umask gets, as the JSON beside them."""
+    before = os.umask(mask)
+    try:
+        save_tensors(tmp_path / "w.safetensors", {"a": torch.zeros(2)})
+        write_json(tmp_path / "c.json", {})
+    finally:
+        os.umask(before)
+    assert (tmp_path / "w.safetensors").stat().st_mode & 0o777 == mode == (tmp_path / "c.json").stat().st_mode & 0o777
+
+
 def test_unserialisable_data_leaves_the_old_file(tmp_path):
     path = tmp_path / "x.json"
     write_json(path, {"v": 1})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
 import re
 import struct
 
@@ -131,7 +132,9 @@ def test_a_llama_file_reads_as_transformers_reads_it(tmp_path, tied):
 
 
 def test_the_conversion_writes_a_checkpoint_transformers_loads_alike(tmp_path, monkeypatch):
-    """The converted copy (read directly, the tokenizer through transformers) gives transformers' logits."""
+    """The converted copy (read directly, the tokenizer through transformers) gives transformers' logits. Its
+    weights are readable as the umask allows, as its other files (safetensors wrote them 0600: a cache shared
+    between users, SPECDEC_CACHE_DIR, kept the others out)."""
     from transformers import AutoModelForCausalLM
 
     path = write_llama_gguf(tmp_path / "tiny.gguf", seed=1)
@@ -140,8 +143,13 @@ def test_the_conversion_writes_a_checkpoint_transformers_loads_alike(tmp_path, m
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: _NoTokenizer())
     out = tmp_path / "out"
     out.mkdir()
-    embedded._convert_into(path, out)
+    mask = os.umask(0o022)
+    try:
+        embedded._convert_into(path, out)
+    finally:
+        os.umask(mask)
     assert not called  # not through transformers' GGUF loading
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}["model.safetensors"] == 0o644
     monkeypatch.undo()
     _same_logits_as_transformers(out, path)
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2

@@ -37,6 +37,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from specdec.atomic_write import as_created, umask
 from specdec.errors import ModelNotFoundError, SpecdecError, require_package
 from specdec.folder_lock import FolderInUse, only_writer
 
@@ -539,15 +540,9 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    as_created(out / "model.safetensors")  # a cache others share (SPECDEC_CACHE_DIR) is read by them too
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-
-
-def _umask() -> int:
-    """The process's umask (read by setting it, then set back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
@@ -574,7 +569,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(out_dir.parent)
         tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=_TMP))
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 shut other users of a shared cache out of the conversion
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp's 0700 shut other users of a shared cache out of the conversion
     except OSError as err:
         tmp = Path(tempfile.mkdtemp(prefix="specdec-model-"))
         atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # for this run only: a full model copy per process
