@@ -202,7 +202,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--prompt-file", type=path_arg, help="read the prompt from this file (less one trailing newline)")
     p.add_argument("--model", default=DEFAULT_ALIAS, type=path_arg,
                    help=f"checkpoint directory, .gguf file or alias (default: {DEFAULT_ALIAS})")
-    p.add_argument("--drafter", default=None, help="drafter name, e.g. ngram (default: plain decoding)")
+    p.add_argument("--drafter", default=None, type=lambda name: None if name == "none" else name,  # as --json says
+                   help="drafter name, e.g. ngram (default: none, plain decoding)")
     p.add_argument("--drafter-option", action="append", default=[], metavar="KEY=VALUE",
                    help="drafter option, repeatable; VALUE parsed as JSON when possible")
     # unset, these five are the model's generation_config's (as in generate()), else the defaults named here

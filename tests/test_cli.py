@@ -122,6 +122,14 @@ def test_top_h_0_turns_off_the_models_own_top_h(tmp_path, capsys):
     assert rc == 2 and "--top-h must lie in (0, 1] or be 0 (off), got -0.5" in err, err
 
 
+def test_drafter_none_decodes_plainly_as_the_json_names_it(ckpt, capsys):
+    """--json names plain decoding's drafter "none", which --drafter refused as an unknown drafter whose hint spoke
+    Python (drafter=None)."""
+    rc, out, err = run(capsys, PROMPT, "--model", ckpt, "--max-new-tokens", "4", "--drafter", "none", "--json")
+    assert rc == 0 and json.loads(out)["drafter"] == "none", err
+    assert json.loads(out)["text"] == expected_text(ckpt, PROMPT, n=4)
+
+
 def test_no_stop_turns_off_the_models_own_stop_strings(tmp_path, capsys):
     """A model whose generation_config sets stop_strings stopped at them whatever the flags: --stop replaces them
     and --stop '' is refused, so nothing turned them off. --no-stop does; with --stop it is refused."""
