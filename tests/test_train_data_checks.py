@@ -19,6 +19,7 @@ from specdec.train.data import TrainDataError, load_texts  # noqa: E402
 from specdec.train.pipeline import read_inputs, run_training  # noqa: E402
 
 from specdec.cli import main  # noqa: E402
+from specdec.testing import build_tiny_model  # noqa: E402
 from tests.test_train_data import ChatTok, _jsonl, training_dir  # noqa: E402
 
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
@@ -144,6 +145,20 @@ def test_options_that_act_are_still_accepted(tmp_path):
     TrainConfig(model="m", output_dir=str(tmp_path), num_prompts=3)  # the built-in prompts
 
 
+@pytest.mark.parametrize("command", ["train-medusa", "train-eagle"])
+def test_a_model_without_a_tokenizer_is_refused_in_one_line(tiny, tmp_path, capsys, command):
+    """A checkpoint saved without its tokenizer files failed in the middle of reading --data with a TypeError
+    traceback ('NoneType' object is not callable): every source of training text needs the tokenizer."""
+    build_tiny_model(vocab_size=64).save_pretrained(tmp_path / "bare")
+    rc = main([command, "--model", str(tmp_path / "bare"), "--data", str(tiny / "data.jsonl"), "--seq-len", "16",
+               "--max-steps", "1", "--output-dir", str(tmp_path / "run"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and err == (f"specdec {command}: error: model {tmp_path / 'bare'} has no tokenizer, and training "
+                               "reads text (its data or the prompts the target answers): save the model's tokenizer "
+                               "files beside it"), err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_prompts_file_that_is_a_directory_is_named_as_such(tiny, tmp_path, capsys):
     """`--prompts-file DIR` said "prompts file not found: DIR" of a directory that is there."""
     (tmp_path / "prompts").mkdir()
@@ -202,8 +217,6 @@ def test_a_rate_over_no_position_is_none_and_the_tree_comes_from_what_was_measur
     from specdec.drafters.eagle_model import EagleConfig, EagleModel
     from specdec.train.eagle_evaluate import tree_from_accuracies
     from specdec.train.eagle_report import finish_eagle
-
-    from specdec.testing import build_tiny_model
 
     torch.manual_seed(0)
     model = build_tiny_model()
@@ -359,8 +372,6 @@ def test_medusa_scores_responses_alone_and_chooses_its_tree_from_them(tmp_path):
     from specdec.train.evaluate import head_accuracies
     from specdec.train.pipeline import _finish_medusa
 
-    from specdec.testing import build_tiny_model
-
     torch.manual_seed(0)
     model = build_tiny_model()
     heads = MedusaHeads(MedusaConfig(2, 1, model.config.hidden_size, model.config.vocab_size))
@@ -392,8 +403,6 @@ def test_reports_score_all_positions_and_the_responses_in_one_forward_of_the_tar
     from specdec.train import eagle_evaluate, evaluate
     from specdec.train.eagle_report import finish_eagle
     from specdec.train.pipeline import _finish_medusa
-
-    from specdec.testing import build_tiny_model
 
     torch.manual_seed(0)
     model = build_tiny_model()

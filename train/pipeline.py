@@ -322,6 +322,9 @@ def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None], h
     max_pos = getattr(loaded.model.config, "max_position_embeddings", None)
     if max_pos is not None and cfg.seq_len > max_pos:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's context of {max_pos} tokens")
+    if loaded.tokenizer is None:  # --data, --prompts-file, the built-in and self-written prompts: all text
+        raise TrainDataError(f"model {cfg.model} has no tokenizer, and training reads text (its data or the prompts "
+                             "the target answers): save the model's tokenizer files beside it")
     if cfg.data is None:
         distill_graphs(cfg, loaded)
     # every process reads the same inputs: the main process alone says their warnings (not each of N processes)
