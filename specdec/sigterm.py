@@ -16,13 +16,29 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (what schedulers, ``timeout`` and ``kill`` send), raised where it arrives: it takes Ctrl-C's path."""
 
 
-@contextlib.contextmanager
-def sigterm_as_interrupt():
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
+def sigterm_as_interrupt() -> contextlib.AbstractContextManager:
     """While the block runs, SIGTERM raises :class:`Terminated` instead of ending the process unannounced; the
     previous handler is restored after."""
-    def handler(signum, frame):
-        raise Terminated
+    return _sigterm_handled(_raise_terminated)
 
+
+def sigterm_ends_at_once() -> contextlib.AbstractContextManager:
+    """While the block runs, SIGTERM ends the process at once (its default action); the handler before is restored
+    after. For a wait in C++ that Python's handlers only see once it returns: a process group forming, which waits
+    for every process to join. Where one was killed before it joined, the launcher's SIGTERM to the others was
+    held until its shutdown timeout (30 s) and they were SIGKILLed, saying nothing."""
+    return _sigterm_handled(signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _sigterm_handled(handler):
+    """``handler`` takes SIGTERM while the block runs; the one before is put back after, unless the block set another
+    (a run stopping on an error ignores SIGTERM then: left so). Off the main thread, where no handler can be set,
+    the block runs as it is."""
     try:
         previous = signal.signal(signal.SIGTERM, handler)
     except ValueError:  # not the main thread: only the main thread may handle signals
@@ -31,25 +47,8 @@ def sigterm_as_interrupt():
     try:
         yield
     finally:
-        if signal.getsignal(signal.SIGTERM) is handler:  # else a run stopping on an error ignores it now: left so
+        if signal.getsignal(signal.SIGTERM) is handler:
             signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def sigterm_ends_at_once():
-    """While the block runs, SIGTERM ends the process at once (its default action); the handler before is restored
-    after. For a wait in C++ that Python's handlers only see once it returns: a process group forming, which waits
-    for every process to join. Where one was killed before it joined, the launcher's SIGTERM to the others was
-    held until its shutdown timeout (30 s) and they were SIGKILLed, saying nothing."""
-    try:
-        previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def exit_code(interrupt: KeyboardInterrupt) -> int:
