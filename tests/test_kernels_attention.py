@@ -565,7 +565,9 @@ def test_draft_model_tree_logits_match_the_reference_backend(monkeypatch):
         spy = Spy(draft, widths=(2, 2), num_draft_tokens=3)
         spy.logits = []
         # "always": a draft model the target's size never pays, so the break-even guard would never ask it
-        generate(load_model(target_model), [[3, 1, 4, 1, 5, 9, 2, 6], [7, 8, 9]], max_new_tokens=1, drafter=spy,
+        # 4 new tokens: the first tree is verified to depth 3, so the drafter runs every level (on a sequence's last
+        # token it drafts nothing: no node would be verified)
+        generate(load_model(target_model), [[3, 1, 4, 1, 5, 9, 2, 6], [7, 8, 9]], max_new_tokens=4, drafter=spy,
                  speculation="always")
         logits[backend] = spy.logits
     assert len(logits["triton"]) == len(logits["reference"]) == 3  # catch-up, depth 1, depth 2 (hidden uncles)
