@@ -22,7 +22,6 @@ from specdec.eval.cli import counted
 
 from specdec.help_format import path_arg
 from specdec.models.embedded import DEFAULT_ALIAS
-from specdec.sigterm import sigterm_as_interrupt
 
 
 def _threads(record: dict) -> str:
@@ -61,7 +60,7 @@ def add_parser(ev_sub, inference) -> None:
                      help="with --costs measure: timed steps per size (default 3)")
     rec.add_argument("--seed", type=int, default=0,
                      help="seed of the sampling with --temperature > 0 (default 0; greedy samples nothing)")
-    rec.set_defaults(func=inference(run_record))
+    rec.set_defaults(func=inference(run_record, sigterm=True))  # SIGTERM from the start: the model load too
 
     run = r_sub.add_parser("run", help="replay a drafter over a record")
     run.add_argument("--record", required=True, type=path_arg, help="record written by `specdec eval replay record`")
@@ -131,8 +130,7 @@ def run_record(args) -> int:
     print(f"[specdec eval replay record] {loaded.name}: {counted(len(conversations), 'prompt')} x "
           f"{counted(args.max_new_tokens, 'token')}",
           file=sys.stderr)
-    with sigterm_as_interrupt():  # `timeout`, a scheduler: a line and 143, as Ctrl-C's (nothing is written)
-        record = record_run(loaded, prompt_ids, config, [c.category for c in conversations])
+    record = record_run(loaded, prompt_ids, config, [c.category for c in conversations])
     check_record_path(args.out, args.overwrite, inputs)  # again: the file may have appeared meanwhile
     path = save_record(record, args.out)
     tokens = sum(len(s["new_tokens"]) for s in record["sequences"])

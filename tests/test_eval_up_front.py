@@ -284,6 +284,32 @@ def test_replay_record_terminated_says_so(ckpt, tmp_path, capsys, monkeypatch):
     assert not out.exists()
 
 
+def test_replay_record_terminated_while_the_model_loads_says_so(ckpt, tmp_path, capsys, monkeypatch):
+    """SIGTERM while the model loaded (a first run converts the embedded model) ended the record unannounced, where
+    Ctrl-C said "interrupted": it takes Ctrl-C's path from the start, as eval acceptance's does."""
+    import os
+    import signal
+
+    module = importlib.import_module("specdec.models.loader")
+    load_model = module.load_model
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return load_model(*args, **kwargs)
+
+    monkeypatch.setattr(module, "load_model", terminated)
+    out = tmp_path / "run.json"
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the default action would end pytest
+    try:
+        code, captured = _main(["eval", "replay", "record", "--model", ckpt, "--max-new-tokens", "2", "--prompts",
+                                "1", "--out", str(out)], capsys)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 143 and captured.err.strip().splitlines()[-1] == (
+        "specdec eval replay record: terminated (SIGTERM)"), captured.err
+    assert not out.exists()
+
+
 def test_a_built_in_prompt_past_the_context_says_how_to_leave_it_out(ckpt):
     from specdec.eval.conversations import check_prompts_fit
     from specdec.eval.prompt_files import Conversation
