@@ -9,7 +9,9 @@ handler can cut short (a process group forming).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import threading
 
 
 class Terminated(KeyboardInterrupt):
@@ -17,7 +19,24 @@ class Terminated(KeyboardInterrupt):
 
 
 def _raise_terminated(signum, frame):
+    if again_after_a_finalizer(signum, frame):
+        return
     raise Terminated
+
+
+def again_after_a_finalizer(signum: int, frame) -> bool:
+    """Where a signal handler was called inside a finalizer (a ``__del__``, run by the garbage collector anywhere),
+    an exception it raised was printed as "Exception ignored in ..." with its traceback and dropped: the stop was
+    lost. There the signal is sent again (True) a moment later, from another thread, until it comes after the
+    finalizer (sent at once, Python handles it inside this handler, over and over)."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            again = threading.Timer(0.01, os.kill, (os.getpid(), signum))
+            again.daemon = True
+            again.start()
+            return True
+        frame = frame.f_back
+    return False
 
 
 def sigterm_as_interrupt() -> contextlib.AbstractContextManager:

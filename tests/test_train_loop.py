@@ -8,6 +8,7 @@ import re
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -705,6 +706,40 @@ def test_held_interrupts_stop_as_their_own_signal_else_as_the_peers():
         with pytest.raises(Terminated), InterruptsHeld():
             os.kill(os.getpid(), signal.SIGTERM)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+class _SignalsItself:
+    """An object whose finalizer sends ``signum`` to this process and runs on while the handler is called in it."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), self.signum)
+        for _ in range(1000):  # the handler runs at one of these steps, inside the finalizer
+            pass
+
+
+def _run_on() -> None:
+    for _ in range(500):  # after the finalizer, where the signal may raise (it is sent again 10 ms later)
+        time.sleep(0.01)
+
+
+def test_a_signal_that_lands_in_a_finalizer_stops_the_run_after_it():
+    """SIGTERM (or Ctrl-C in a run of several processes) that arrived while the garbage collector ran a ``__del__``
+    raised there: Python printed "Exception ignored in ..." and a traceback, and dropped the stop. It now stops the
+    run once the finalizer has returned, without a traceback."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with sigterm_as_interrupt(), pytest.raises(Terminated):
+            _SignalsItself(signal.SIGTERM)
+            _run_on()
+        for signum, raised in ((signal.SIGTERM, Terminated), (signal.SIGINT, KeyboardInterrupt)):
+            with sigterm_as_interrupt(), pytest.raises(raised), InterruptsHeld(hold=False):
+                _SignalsItself(signum)
+                _run_on()
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def _meeting(peers=(0, 0), during=None, fails=False):

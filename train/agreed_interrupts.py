@@ -33,6 +33,8 @@ from typing import NoReturn, TypeVar
 import torch
 from specdec.train.deferred_interrupts import SIGNALS, handle_as_before
 
+from specdec.sigterm import again_after_a_finalizer
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -56,7 +58,7 @@ class InterruptsHeld:
 
     def _record(self, signum, frame) -> None:
         self.caught.append(signum)
-        if not self.hold:
+        if not self.hold and not again_after_a_finalizer(signum, frame):
             self._handle(signum)
 
     def _handle(self, signum: int) -> None:
