@@ -4,10 +4,12 @@ conversion still runs. The conversion itself is replaced by one that writes smal
 from __future__ import annotations
 
 import os
+import stat
 import sys
 
 import pytest
 
+from specdec.atomic_write import umask
 from specdec.folder_lock import only_writer
 from specdec.models import embedded
 
@@ -89,3 +91,24 @@ def test_a_conversion_is_readable_as_the_umask_allows(tmp_path, monkeypatch):
     finally:
         os.umask(mask)
     assert out.stat().st_mode & 0o777 == 0o750
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX modes")
+def test_a_conversion_keeps_the_group_a_shared_cache_passes_on(tmp_path, monkeypatch):
+    """A team's cache folder is setgid, so what is made there gets the team's group: the conversion folder's mode,
+    set after mkdtemp, dropped the bit, and its files got the converting user's group, which a team member reading
+    under umask 007 could not read."""
+    def convert_into(gguf_path, out):
+        (out / "config.json").write_text('{"model_type": "llama"}')
+
+    monkeypatch.setattr(embedded, "_convert_into", convert_into)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"gguf")
+    models = embedded.converted_dir(gguf).parent
+    models.mkdir(parents=True)
+    os.chmod(models, 0o2770)
+    if not models.stat().st_mode & stat.S_ISGID:
+        pytest.skip("this file system keeps no setgid bit on folders")
+    out = embedded.convert_gguf(gguf, embedded.converted_dir(gguf))
+    assert out.stat().st_mode & (stat.S_ISGID | 0o777) == stat.S_ISGID | (0o777 & ~umask())

@@ -31,6 +31,7 @@ import mmap
 import os
 import re
 import shutil
+import stat
 import struct
 import tempfile
 import time
@@ -569,7 +570,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(out_dir.parent)
         tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=_TMP))
-        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp's 0700 shut other users of a shared cache out of the conversion
+        # mkdtemp's 0700 shut other users of a shared cache out of the conversion; the setgid bit a team's cache
+        # folder passes on is kept, so the files get the team's group, not the converting user's
+        os.chmod(tmp, (0o777 & ~umask()) | (tmp.stat().st_mode & stat.S_ISGID))
     except OSError as err:
         tmp = Path(tempfile.mkdtemp(prefix="specdec-model-"))
         atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # for this run only: a full model copy per process
