@@ -112,3 +112,23 @@ def test_a_conversion_keeps_the_group_a_shared_cache_passes_on(tmp_path, monkeyp
         pytest.skip("this file system keeps no setgid bit on folders")
     out = embedded.convert_gguf(gguf, embedded.converted_dir(gguf))
     assert out.stat().st_mode & (stat.S_ISGID | 0o777) == stat.S_ISGID | (0o777 & ~umask())
+
+
+@pytest.mark.skipif(sys.platform == "win32" or os.geteuid() == 0, reason="POSIX modes, which root is not refused by")
+def test_a_conversion_this_user_cannot_read_is_said_as_such(tmp_path, monkeypatch, caplog):
+    """Another user's conversion, made readable by its owner alone (by an earlier version), was called
+    "incomplete, damaged or unverified": the user looked for damage where a chmod by its owner was due."""
+    def convert_into(gguf_path, out):
+        (out / "config.json").write_text('{"model_type": "llama"}')
+        (out / "model.safetensors").write_bytes(b"weights")
+
+    monkeypatch.setattr(embedded, "_convert_into", convert_into)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"gguf")
+    out = embedded.convert_gguf(gguf, embedded.converted_dir(gguf))
+    os.chmod(out / "model.safetensors", 0)
+    with caplog.at_level("WARNING", logger="specdec"):
+        assert embedded.convert_gguf(gguf, out) == out and embedded.is_intact(out)
+    said = [r.getMessage() for r in caplog.records if "converting again" in r.getMessage()]
+    assert len(said) == 1 and "cannot read" in said[0] and "model.safetensors: permission denied" in said[0]

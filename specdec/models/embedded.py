@@ -492,6 +492,13 @@ def is_intact(directory: Path) -> bool:
         return False
 
 
+def _unreadable(directory: Path) -> Path | None:
+    """``directory`` or the first of its files this process may not read, else None."""
+    if not os.access(directory, os.R_OK | os.X_OK):
+        return directory
+    return next((p for p in sorted(directory.iterdir()) if not os.access(p, os.R_OK)), None)
+
+
 def _convert_into(gguf_path: Path, out: Path) -> None:
     """Check `gguf_path` (:func:`check_gguf`, :func:`check_convertible`), then dequantize it into the (empty)
     directory `out`: a plain llama file read directly (:mod:`specdec.models.gguf_llama`), any other through
@@ -564,7 +571,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     earlier = _TEMPORARY.get(out_dir)
     if earlier is not None and is_intact(earlier):
         return earlier
-    if out_dir.exists():
+    denied = _unreadable(out_dir) if out_dir.exists() else None
+    if denied is not None:  # another user's conversion, readable by its owner alone (made by an earlier version)
+        logger.warning("cannot read the cached conversion %s (%s: permission denied; its owner can make it readable "
+                       "with chmod -R a+rX): converting again", out_dir, denied.name)
+    elif out_dir.exists():
         logger.warning("the cached conversion %s is incomplete, damaged or unverified: converting again", out_dir)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
