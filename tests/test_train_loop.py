@@ -1489,6 +1489,23 @@ def test_overwrite_refuses_user_files_at_any_depth(tmp_path, mine):
         assert list(run.iterdir()) == []  # emptied (the run holds its lock on the folder itself)
 
 
+@pytest.mark.skipif(sys.platform == "win32" or os.geteuid() == 0, reason="POSIX modes, which root is not refused by")
+def test_overwrite_of_a_run_this_user_cannot_delete_leaves_it_whole(tmp_path):
+    """Another user's run in a shared folder: --overwrite deleted the files this user could delete (the heads, the
+    report), then stopped at the checkpoint's with "[Errno 13] Permission denied: 'state.json'". It is refused
+    first, in one line naming the folder, and nothing is deleted."""
+    run = _fake_run(tmp_path / "run")
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    os.chmod(run / "checkpoint", 0o555)
+    try:
+        with pytest.raises(OutputDirError, match=f"cannot delete {run}: this user may not delete what "
+                                                 f"{run / 'checkpoint'} holds"):
+            output_dir.prepare_output_dir(SimpleNamespace(output_dir=str(run), resume=False, overwrite=True))
+        assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    finally:
+        os.chmod(run / "checkpoint", 0o755)
+
+
 def test_measured_tau_verifies_every_tree_whole(monkeypatch):
     """tau measures the heads: every proposal verified (speculation="always"). Under the default guard, on a CPU
     where the quick recipe's heads do not pay, the report's tau was the guard leaving them out (1.06, not ~1.6)."""

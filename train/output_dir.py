@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -72,6 +73,12 @@ def _check_deletable(out: Path) -> None:
     if foreign:
         raise OutputDirError(f"--overwrite will not delete {out}: it holds files a training run does not write "
                              f"({', '.join(foreign[:5])}); move them or choose another --output-dir")
+    # checked before anything goes: another user's run in a shared folder was emptied in part, then a PermissionError
+    # named a bare file of its checkpoint
+    for folder in [out] + [out / name for name in CHECKPOINT_DIRS if (out / name).is_dir()]:
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise OutputDirError(f"--overwrite cannot delete {out}: this user may not delete what {folder} holds "
+                                 "(another user's run?); ask its owner to delete it, or choose another --output-dir")
 
 
 def prepare_output_dir(cfg: TrainConfig, target: str | None = None) -> Path | None:
