@@ -276,6 +276,12 @@ def check_earlier_run(out: Path, names: tuple[str, ...], overwrite: bool, resuma
         resume = "pass --resume to continue it, " if resumable else ""
         raise ValueError(f"--out {out} holds an earlier run ({', '.join(p.name for p in found)}); {resume}pass "
                          "--overwrite to replace it, or name another directory")
+    # another user's run in a shared folder: its files this user could delete went, then a PermissionError on its cells
+    for folder in (p for p in found if p.is_dir()):
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ValueError(f"--out {out}: --overwrite cannot replace the earlier run: this user may not delete what "
+                             f"{folder} holds (another user's run?); ask its owner to delete it, or name another "
+                             "directory")
     return found
 
 
@@ -463,6 +469,8 @@ def run_acceptance(args) -> int:
     if not args.no_plots:  # the plots come after every cell: without matplotlib, say so before the run, not after
         require_package("matplotlib")
     check_own_report(out)
+    if args.resume:  # an --out it cannot write into fails now, naming --out, not at its first file
+        check_out_dir(out)
     earlier = [] if args.resume else check_earlier_run(out, ACCEPTANCE_FILES, args.overwrite, resumable=True)
     conversations = select_conversations(args.categories, args.prompts, args.prompts_file, args.prompt_column)
     config = _suite_config(args, names, renamed, conversations)

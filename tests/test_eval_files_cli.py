@@ -4,6 +4,8 @@ refused, and a replay record never replaces an existing file (its own prompts fi
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 
@@ -201,6 +203,28 @@ def test_an_out_holding_another_commands_report_is_refused_even_with_overwrite(m
             f"specdec eval acceptance: error: --out {out} holds a report.json that no acceptance run wrote "
             "(train-medusa and train-eagle write one beside their heads); name another directory"), captured.err
     assert json.loads((out / "report.json").read_text())["kind"] == "medusa"
+
+
+@pytest.mark.skipif(sys.platform == "win32" or os.geteuid() == 0, reason="POSIX modes, which root is not refused by")
+def test_another_users_run_in_out_is_refused_before_any_file_goes(models, tmp_path, capsys):
+    """Another user's run in a shared --out: --resume failed at its first write with "[Errno 13] Permission denied"
+    naming a temporary file, and --overwrite in a group-writable --out deleted that run's reports, then failed on its
+    cells. Both are refused in one line before the model loads, and the earlier run stays whole."""
+    out = tmp_path / "run"
+    argv = ["eval", "acceptance", "--model", models[0], "--categories", "chat", "--prompts", "1", *RUN, "--out",
+            str(out)]
+    assert _main(argv, capsys)[0] == 0
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    for folder, extra, said in ((out, "--resume", f"--out {out}: cannot write into it ({out} is not writable)"),
+                                (out / "cells", "--overwrite", f"this user may not delete what {out / 'cells'} holds")):
+        os.chmod(folder, 0o555)
+        try:
+            code, captured = _main([*argv, extra], capsys)
+        finally:
+            os.chmod(folder, 0o755)
+        err = captured.err.strip()
+        assert code == 2 and "\n" not in err and said in err, err
+        assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 
 
 def test_replay_record_keeps_a_conversations_system_messages(chat_ckpt, tmp_path, capsys):
