@@ -39,9 +39,9 @@ logger = logging.getLogger(__name__)
 @contextmanager
 def replaced_atomically(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path to write; on success it replaces ``path``, on error it is removed
-    and ``path`` keeps its old content (an OSError that names no file, as a full disk's, is raised naming
-    ``path``). Creates the parent directory; removes the temporary files killed writers of ``path`` left
-    (:func:`remove_leftovers`)."""
+    and ``path`` keeps its old content (an OSError that names no file, as a full disk's, or the temporary file, as a
+    read-only folder's, is raised naming ``path``). Creates the parent directory; removes the temporary files killed
+    writers of ``path`` left (:func:`remove_leftovers`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -52,6 +52,8 @@ def replaced_atomically(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         os.replace(tmp, path)
     except OSError as err:
+        if err.filename == str(tmp) and err.errno is not None:  # a folder this user may not write: the file meant
+            raise OSError(err.errno, err.strerror, str(path)) from err
         if err.filename is not None or err.errno is None:
             raise
         # a write that fails (a full disk: ENOSPC) names no file; the user's error line names the one meant

@@ -88,6 +88,21 @@ def test_a_full_disk_names_the_file_meant(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.skipif(sys.platform == "win32" or os.geteuid() == 0, reason="POSIX modes, which root is not refused by")
+def test_a_folder_this_user_may_not_write_names_the_file_meant(tmp_path):
+    """Another user's folder (a shared cost cache, an --out): the error named the temporary file,
+    "Permission denied: 'guard.json.4388.140208169057152.tmp'", in every line built from it."""
+    path = tmp_path / "guard.json"
+    path.write_text("theirs")
+    os.chmod(tmp_path, 0o555)
+    try:
+        with pytest.raises(PermissionError) as raised:
+            write_json(path, {"a": 1})
+    finally:
+        os.chmod(tmp_path, 0o755)
+    assert raised.value.filename == str(path) and path.read_text() == "theirs"
+
+
 def test_safetensors_refused_by_the_disk_is_an_oserror_naming_the_file(tmp_path, monkeypatch):
     """safetensors says a full disk as its own SafetensorError ("... (os error 28)"), which no OSError handler took:
     convert-medusa ended in a traceback, an interrupted training run's save was not said as "not saved"."""
