@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import stat
 import sys
+import threading
+import time
 
 import pytest
 
@@ -132,3 +134,41 @@ def test_a_conversion_this_user_cannot_read_is_said_as_such(tmp_path, monkeypatc
         assert embedded.convert_gguf(gguf, out) == out and embedded.is_intact(out)
     said = [r.getMessage() for r in caplog.records if "converting again" in r.getMessage()]
     assert len(said) == 1 and "cannot read" in said[0] and "model.safetensors: permission denied" in said[0]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock: a running conversion cannot be waited for")
+def test_a_conversion_another_process_runs_is_waited_for_not_done_again(tmp_path, monkeypatch):
+    """Two processes started together on a file not yet converted (two `specdec generate`, a launch's processes)
+    each converted it: twice the time, the memory and the disk. The second waits for the first's and loads it."""
+    converted = []
+
+    def convert_into(gguf_path, out):
+        converted.append(out)
+        (out / "config.json").write_text('{"model_type": "llama"}')
+        (out / "model.safetensors").write_bytes(b"weights")
+
+    monkeypatch.setattr(embedded, "_convert_into", convert_into)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"gguf")
+    out = embedded.converted_dir(gguf)
+    running = out.parent / f".tmp-{out.name}-other"
+    running.mkdir(parents=True)
+    held = threading.Event()
+
+    def other_process():
+        with only_writer(running, "a conversion"):
+            held.set()
+            time.sleep(0.5)  # converting
+            convert_into(gguf, running)
+            embedded._write_manifest(running)
+            running.rename(out)
+
+    other = threading.Thread(target=other_process)
+    other.start()
+    held.wait()
+    try:
+        assert embedded.convert_gguf(gguf, out) == out
+    finally:
+        other.join()
+    assert converted == [running]

@@ -443,6 +443,22 @@ def _remove_leftovers(cache: Path) -> None:
                        size / 1e9)
 
 
+def _wait_for_others(out_dir: Path) -> bool:
+    """Wait for the conversions of ``out_dir`` other processes run now (their folders, held while they convert):
+    two processes started together on a file not yet converted each converted it, twice the time, memory and disk.
+    Whether any was waited for."""
+    waited = False
+    for running in sorted(out_dir.parent.glob(f"{_TMP}{out_dir.name}-*")):
+        try:
+            with only_writer(running, "the model cache's conversion folder", wait=True) as held:
+                waited = waited or held
+        except OSError:  # gone meanwhile: that conversion ended
+            waited = True
+    if waited:
+        logger.info("waited for another process's conversion of %s", out_dir.name)
+    return waited
+
+
 def _others(out_dir: Path) -> list[tuple[Path, int]]:
     """The other cached conversions of the same file name (earlier versions, or an older release's keys), with
     their sizes in bytes."""
@@ -560,9 +576,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     UnsupportedModelError), and leaves nothing in the cache.
 
     A cached conversion is reused only while its manifest vouches for it (:func:`is_intact`); a truncated or
-    damaged one (or one from before manifests) is converted again, with a warning. When the cache directory
-    cannot be written, the conversion goes to a temporary directory for this process, with a warning, and later
-    calls reuse it while it is intact. Loading an intact conversion removes the folders killed conversions left
+    damaged one (or one from before manifests) is converted again, with a warning. A conversion of the same file
+    another process runs now is waited for and loaded, not run again (:func:`_wait_for_others`). When the cache
+    directory cannot be written, the conversion goes to a temporary directory for this process, with a warning, and
+    later calls reuse it while it is intact. Loading an intact conversion removes the folders killed conversions left
     (:func:`_remove_leftovers`), as converting does: a rerun right after a kill finds the killed one's folder too
     young to remove, and no conversion of that file comes again."""
     if is_intact(out_dir):
@@ -571,6 +588,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     earlier = _TEMPORARY.get(out_dir)
     if earlier is not None and is_intact(earlier):
         return earlier
+    if _wait_for_others(out_dir) and is_intact(out_dir):  # another process converted it meanwhile: not again
+        return out_dir
     denied = _unreadable(out_dir) if out_dir.exists() else None
     if denied is not None:  # another user's conversion, readable by its owner alone (made by an earlier version)
         logger.warning("cannot read the cached conversion %s (%s: permission denied; its owner can make it readable "
@@ -580,7 +599,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(out_dir.parent)
-        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=_TMP))
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f"{_TMP}{out_dir.name}-"))  # named: others wait on it
         # mkdtemp's 0700 shut other users of a shared cache out of the conversion; the setgid bit a team's cache
         # folder passes on is kept, so the files get the team's group, not the converting user's
         os.chmod(tmp, (0o777 & ~umask()) | (tmp.stat().st_mode & stat.S_ISGID))
