@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import stat
 import sys
+import tempfile
 import threading
 import time
 
@@ -172,3 +173,35 @@ def test_a_conversion_another_process_runs_is_waited_for_not_done_again(tmp_path
     finally:
         other.join()
     assert converted == [running]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock")
+def test_a_conversion_whose_folder_another_process_looks_at_goes_on(tmp_path, monkeypatch):
+    """Another process waiting for this file's conversions holds each one's folder for an instant: one it found just
+    made, before this process held it, made this conversion fail ("the model cache's conversion folder" in use)."""
+    made = tempfile.mkdtemp
+
+    def mkdtemp(*args, **kwargs):  # the other process holds the new folder for a moment, as _wait_for_others does
+        tmp = made(*args, **kwargs)
+        looked = threading.Event()
+
+        def look():
+            with only_writer(tmp, "a conversion", wait=True):
+                looked.set()
+                time.sleep(0.3)
+
+        threading.Thread(target=look, daemon=True).start()
+        looked.wait()
+        return tmp
+
+    monkeypatch.setattr(embedded.tempfile, "mkdtemp", mkdtemp)
+    def convert_into(gguf_path, out):
+        (out / "config.json").write_text('{"model_type": "llama"}')
+        (out / "model.safetensors").write_bytes(b"weights")
+
+    monkeypatch.setattr(embedded, "_convert_into", convert_into)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"gguf")
+    out = embedded.convert_gguf(gguf, embedded.converted_dir(gguf))
+    assert out == embedded.converted_dir(gguf) and embedded.is_intact(out)

@@ -611,7 +611,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         wanted, out_dir = out_dir, None
     held = contextlib.ExitStack()
     if out_dir is not None:  # held while it converts: a later conversion removes only the folders of dead ones
-        held.enter_context(only_writer(tmp, "the model cache's conversion folder"))
+        # waited for: another process's _wait_for_others may hold it for an instant, found before this one held it
+        held.enter_context(only_writer(tmp, "the model cache's conversion folder", wait=True))
     try:
         try:
             _convert_into(gguf_path, tmp)
