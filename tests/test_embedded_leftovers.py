@@ -17,6 +17,12 @@ from specdec.folder_lock import only_writer
 from specdec.models import embedded
 
 
+def _writes_a_checkpoint(gguf_path, out):
+    """A conversion's stand-in: the files an intact conversion holds."""
+    (out / "config.json").write_text('{"model_type": "llama"}')
+    (out / "model.safetensors").write_bytes(b"weights")
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="no flock: a running conversion cannot be told from a dead one")
 def test_a_conversion_removes_what_killed_ones_left_and_nothing_else(tmp_path, monkeypatch, caplog):
     def convert_into(gguf_path, out):
@@ -46,11 +52,7 @@ def test_loading_an_intact_conversion_removes_what_a_killed_one_left(tmp_path, m
     """A conversion killed (SIGKILL, the OOM killer) and rerun at once: the rerun found the killed one's folder too
     young to remove and converted; every later run loaded the intact conversion, which removed nothing, so the half
     model stayed for good. Loading removes it too."""
-    def convert_into(gguf_path, out):
-        (out / "config.json").write_text('{"model_type": "llama"}')
-        (out / "model.safetensors").write_bytes(b"weights")
-
-    monkeypatch.setattr(embedded, "_convert_into", convert_into)
+    monkeypatch.setattr(embedded, "_convert_into", _writes_a_checkpoint)
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"gguf")
@@ -121,11 +123,7 @@ def test_a_conversion_keeps_the_group_a_shared_cache_passes_on(tmp_path, monkeyp
 def test_a_conversion_this_user_cannot_read_is_said_as_such(tmp_path, monkeypatch, caplog):
     """Another user's conversion, made readable by its owner alone (by an earlier version), was called
     "incomplete, damaged or unverified": the user looked for damage where a chmod by its owner was due."""
-    def convert_into(gguf_path, out):
-        (out / "config.json").write_text('{"model_type": "llama"}')
-        (out / "model.safetensors").write_bytes(b"weights")
-
-    monkeypatch.setattr(embedded, "_convert_into", convert_into)
+    monkeypatch.setattr(embedded, "_convert_into", _writes_a_checkpoint)
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"gguf")
@@ -195,11 +193,7 @@ def test_a_conversion_whose_folder_another_process_looks_at_goes_on(tmp_path, mo
         return tmp
 
     monkeypatch.setattr(embedded.tempfile, "mkdtemp", mkdtemp)
-    def convert_into(gguf_path, out):
-        (out / "config.json").write_text('{"model_type": "llama"}')
-        (out / "model.safetensors").write_bytes(b"weights")
-
-    monkeypatch.setattr(embedded, "_convert_into", convert_into)
+    monkeypatch.setattr(embedded, "_convert_into", _writes_a_checkpoint)
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"gguf")
