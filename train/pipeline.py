@@ -54,14 +54,17 @@ def distill_graphs(cfg: TrainConfig, loaded) -> bool:
 
 
 def read_inputs(cfg: TrainConfig, loaded) -> list:
-    """What the run reads from the user's files, read (and refused) before ``--overwrite`` deletes anything: the
-    tokenized training sequences of ``--data``, the prompts of ``--prompts-file``, or [] (built-in or self-written
-    prompts)."""
+    """What the run reads, read (and refused) before ``--overwrite`` deletes anything: the tokenized training
+    sequences of ``--data``, the prompts of ``--prompts-file`` or the built-in set, or [] (self-written prompts)."""
     if cfg.data is not None:
         texts = load_texts(cfg.data, cfg.text_field, cfg.messages_field, loaded.tokenizer)
         return tokenize_texts(loaded.tokenizer, texts, cfg.seq_len, f"training data {cfg.data}")
-    if not cfg.prompts_file:
+    if cfg.prompt_source == "self":  # the target writes them, once loaded and its graphs chosen
         return []
+    if not cfg.prompts_file:
+        prompts = builtin_prompts(cfg.num_prompts, seed=cfg.seed)
+        _few_prompts(cfg.num_prompts, len(prompts), "the built-in set")
+        return prompts
     path = Path(cfg.prompts_file)
     data = path.read_bytes()
     try:
@@ -78,16 +81,15 @@ def read_inputs(cfg: TrainConfig, loaded) -> list:
 
 
 def check_prompts_encode(cfg: TrainConfig, loaded, inputs: list) -> None:
-    """The prompts the target answers once the output folder is made (self-distillation's: ``inputs`` of
-    --prompts-file, or the built-in set; the tau measurement's), encoded now: one the tokenizer makes nothing of is
+    """The prompts the target answers once the output folder is made (self-distillation's, ``inputs``: of
+    --prompts-file or the built-in set; the tau measurement's), encoded now: one the tokenizer makes nothing of is
     refused in one line naming it, before any work. Through a chat template every prompt has tokens: nothing to do."""
     if getattr(loaded.tokenizer, "chat_template", None):
         return
     named = []  # (prompt, what it is)
     if cfg.data is None and cfg.prompt_source == "builtin":  # not self-written: the target writes those
         where = f"prompts file {cfg.prompts_file}" if cfg.prompts_file else "the built-in set"
-        prompts = inputs or builtin_prompts(cfg.num_prompts, seed=cfg.seed)
-        named += [(p, f"prompt {n} of {where}") for n, p in enumerate(prompts, 1)]
+        named += [(p, f"prompt {n} of {where}") for n, p in enumerate(inputs, 1)]
     if cfg.eval_tau:  # measured after training
         named += [(p, "the tau measurement's built-in prompt") for p in eval_prompts(cfg.eval_prompts)]
     for prompt, what in named:
@@ -112,10 +114,6 @@ def _sequences(cfg: TrainConfig, loaded, inputs: list,
     from specdec.train.self_prompts import self_written_prompts
 
     prompts = inputs
-    if not cfg.prompts_file and cfg.prompt_source == "builtin":
-        prompts = builtin_prompts(cfg.num_prompts, seed=cfg.seed)
-        if team.index == 0:  # each process draws the same prompts: one says it
-            _few_prompts(cfg.num_prompts, len(prompts), "the built-in set")
     graphs = distill_graphs(cfg, loaded)
     if cfg.prompt_source == "self":
         prompts = self_written_prompts(loaded, cfg.num_prompts or SELF_PROMPTS, seed=cfg.seed,
