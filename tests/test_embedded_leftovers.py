@@ -83,10 +83,7 @@ def test_where_no_folder_can_be_held_no_leftover_is_removed(tmp_path, monkeypatc
 def test_a_conversion_is_readable_as_the_umask_allows(tmp_path, monkeypatch):
     """The conversion folder kept mkdtemp's mode 0700: in a cache shared between users (SPECDEC_CACHE_DIR), the
     others could not read the model, nor replace it. It gets the mode a folder made under the umask gets."""
-    def convert_into(gguf_path, out):
-        (out / "config.json").write_text('{"model_type": "llama"}')
-
-    monkeypatch.setattr(embedded, "_convert_into", convert_into)
+    monkeypatch.setattr(embedded, "_convert_into", _writes_a_checkpoint)
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"gguf")
@@ -103,10 +100,7 @@ def test_a_conversion_keeps_the_group_a_shared_cache_passes_on(tmp_path, monkeyp
     """A team's cache folder is setgid, so what is made there gets the team's group: the conversion folder's mode,
     set after mkdtemp, dropped the bit, and its files got the converting user's group, which a team member reading
     under umask 007 could not read."""
-    def convert_into(gguf_path, out):
-        (out / "config.json").write_text('{"model_type": "llama"}')
-
-    monkeypatch.setattr(embedded, "_convert_into", convert_into)
+    monkeypatch.setattr(embedded, "_convert_into", _writes_a_checkpoint)
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"gguf")

@@ -252,18 +252,21 @@ def test_replay_record_refuses_a_prompt_past_the_context_before_recording_naming
     assert not out.exists()
 
 
-def test_replay_record_terminated_says_so(ckpt, tmp_path, capsys, monkeypatch):
-    """SIGTERM (``timeout``, a scheduler) while the prompts were decoded ended the record unannounced, where Ctrl-C
-    said "interrupted"; it takes Ctrl-C's path: one line, exit 143, no record written."""
+@pytest.mark.parametrize("module_name, name", [("specdec.generate", "generate"),
+                                               ("specdec.models.loader", "load_model")])
+def test_replay_record_terminated_says_so(ckpt, tmp_path, capsys, monkeypatch, module_name, name):
+    """SIGTERM (``timeout``, a scheduler) while the prompts were decoded, or while the model loaded (a first run
+    converts the embedded model), ended the record unannounced, where Ctrl-C said "interrupted"; it takes Ctrl-C's
+    path from the start: one line, exit 143, no record written."""
     import os
     import signal
 
-    module = importlib.import_module("specdec.generate")
-    generate = module.generate
+    module = importlib.import_module(module_name)
+    real = getattr(module, name)
 
     def terminated(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
-        return generate(*args, **kwargs)
+        return real(*args, **kwargs)
 
     class Unhandled(Exception):
         pass
@@ -271,35 +274,9 @@ def test_replay_record_terminated_says_so(ckpt, tmp_path, capsys, monkeypatch):
     def before(signum, frame):
         raise Unhandled("SIGTERM reached the handler installed before the run")
 
-    monkeypatch.setattr(module, "generate", terminated)
+    monkeypatch.setattr(module, name, terminated)
     out = tmp_path / "run.json"
     previous = signal.signal(signal.SIGTERM, before)
-    try:
-        code, captured = _main(["eval", "replay", "record", "--model", ckpt, "--max-new-tokens", "2", "--prompts",
-                                "1", "--out", str(out)], capsys)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    assert code == 143 and captured.err.strip().splitlines()[-1] == (
-        "specdec eval replay record: terminated (SIGTERM)"), captured.err
-    assert not out.exists()
-
-
-def test_replay_record_terminated_while_the_model_loads_says_so(ckpt, tmp_path, capsys, monkeypatch):
-    """SIGTERM while the model loaded (a first run converts the embedded model) ended the record unannounced, where
-    Ctrl-C said "interrupted": it takes Ctrl-C's path from the start, as eval acceptance's does."""
-    import os
-    import signal
-
-    module = importlib.import_module("specdec.models.loader")
-    load_model = module.load_model
-
-    def terminated(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)
-        return load_model(*args, **kwargs)
-
-    monkeypatch.setattr(module, "load_model", terminated)
-    out = tmp_path / "run.json"
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the default action would end pytest
     try:
         code, captured = _main(["eval", "replay", "record", "--model", ckpt, "--max-new-tokens", "2", "--prompts",
                                 "1", "--out", str(out)], capsys)
