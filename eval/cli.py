@@ -26,7 +26,7 @@ from specdec.errors import require_package
 from specdec.folder_lock import launch_writer, only_writer
 from specdec.help_format import path_arg
 from specdec.models.embedded import DEFAULT_ALIAS
-from specdec.output_dirs import check_creatable, make_dir
+from specdec.output_dirs import check_creatable, first_undeletable, make_dir
 from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
 
 DEFAULT_PROMPTS = 20
@@ -277,11 +277,10 @@ def check_earlier_run(out: Path, names: tuple[str, ...], overwrite: bool, resuma
         raise ValueError(f"--out {out} holds an earlier run ({', '.join(p.name for p in found)}); {resume}pass "
                          "--overwrite to replace it, or name another directory")
     # another user's run in a shared folder: its files this user could delete went, then a PermissionError on its cells
-    for folder in (p for p in found if p.is_dir()):
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise ValueError(f"--out {out}: --overwrite cannot replace the earlier run: this user may not delete what "
-                             f"{folder} holds (another user's run?); ask its owner to delete it, or name another "
-                             "directory")
+    folder = first_undeletable(p for p in found if p.is_dir())
+    if folder is not None:
+        raise ValueError(f"--out {out}: --overwrite cannot replace the earlier run: this user may not delete what "
+                         f"{folder} holds (another user's run?); ask its owner to delete it, or name another directory")
     return found
 
 

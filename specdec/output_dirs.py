@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from specdec.errors import InputError
@@ -41,6 +42,12 @@ def _unwritable(folder: Path) -> str | None:
     except OSError as err:
         return f"{folder} is not writable: {err.strerror or err}"
     return None
+
+
+def first_undeletable(folders: Iterable[Path]) -> Path | None:
+    """The first of ``folders`` whose entries this user may not delete (another user's run in a shared folder),
+    else None: checked before an ``--overwrite`` deletes anything, so that it deletes all of a run or nothing."""
+    return next((folder for folder in folders if not os.access(folder, os.W_OK | os.X_OK)), None)
 
 
 def _read_only(folder: Path) -> bool:

@@ -9,7 +9,7 @@ import tempfile
 import pytest
 
 from specdec.errors import InputError
-from specdec.output_dirs import check_creatable, make_dir, why_uncreatable
+from specdec.output_dirs import check_creatable, first_undeletable, make_dir, why_uncreatable
 
 
 def test_a_writable_folder_passes_and_the_check_leaves_nothing(tmp_path):
@@ -77,3 +77,18 @@ def test_a_folder_on_a_read_only_file_system_is_said_as_such(tmp_path, monkeypat
     monkeypatch.setattr(os, "statvfs", lambda p: type("V", (), {"f_flag": os.ST_RDONLY})() if
                         os.fspath(p) == os.fspath(out) else statvfs(p))
     assert why_uncreatable(out) == f"{out} is on a read-only file system"
+
+
+def test_the_first_folder_this_user_may_not_delete_from_is_named(tmp_path, monkeypatch):
+    """--overwrite checks every folder it would empty before deleting anything (train and eval both): the first one
+    without write and search permission is the one named; None where each may be emptied."""
+    folders = [tmp_path / name for name in ("run", "run/checkpoint", "run/cells")]
+    for folder in folders:
+        folder.mkdir()
+    access = os.access
+    denied = {os.fspath(folders[1]), os.fspath(folders[2])}
+    assert first_undeletable(folders) is None
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: (os.fspath(p) not in denied or not mode & os.W_OK)
+                        and access(p, mode, **kw))
+    assert first_undeletable(folders) == folders[1]
+    assert first_undeletable(iter(folders[2:])) == folders[2]

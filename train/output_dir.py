@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from specdec.train.config import TrainConfig, resolved_path
 
 from specdec.atomic_write import leftover_of
 from specdec.errors import SpecdecError
+from specdec.output_dirs import first_undeletable
 
 logger = logging.getLogger(__name__)
 RUN_FILE = "run.json"
@@ -75,10 +75,10 @@ def _check_deletable(out: Path) -> None:
                              f"({', '.join(foreign[:5])}); move them or choose another --output-dir")
     # checked before anything goes: another user's run in a shared folder was emptied in part, then a PermissionError
     # named a bare file of its checkpoint
-    for folder in [out] + [out / name for name in CHECKPOINT_DIRS if (out / name).is_dir()]:
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise OutputDirError(f"--overwrite cannot delete {out}: this user may not delete what {folder} holds "
-                                 "(another user's run?); ask its owner to delete it, or choose another --output-dir")
+    folder = first_undeletable([out] + [out / name for name in CHECKPOINT_DIRS if (out / name).is_dir()])
+    if folder is not None:
+        raise OutputDirError(f"--overwrite cannot delete {out}: this user may not delete what {folder} holds "
+                             "(another user's run?); ask its owner to delete it, or choose another --output-dir")
 
 
 def prepare_output_dir(cfg: TrainConfig, target: str | None = None) -> Path | None:
