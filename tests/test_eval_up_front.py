@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import pkgutil
 
 import pytest
 
@@ -22,17 +23,28 @@ def _one_line(captured) -> str:
     return err
 
 
-@pytest.fixture
-def no_load(monkeypatch):
-    """The model must not load: what is refused is refused before."""
-    import specdec.drafters.draft_model  # noqa: F401 (these bind load_model when first imported: not to the fake)
+def _patch_where_defined(monkeypatch, module_name: str, name: str, fake) -> None:
+    """``module_name.name`` replaced by ``fake`` for one test, once every eval and drafter module is imported: one
+    first imported while the patch held would bind the fake by name (``from ... import generate``) for every test
+    after this one."""
+    import specdec.drafters
+    import specdec.eval
 
     import specdec.generate  # noqa: F401
 
+    for package in (specdec.eval, specdec.drafters):
+        for info in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{package.__name__}.{info.name}")
+    monkeypatch.setattr(importlib.import_module(module_name), name, fake)
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """The model must not load: what is refused is refused before."""
     def load_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the refusal")
 
-    monkeypatch.setattr("specdec.models.loader.load_model", load_model)
+    _patch_where_defined(monkeypatch, "specdec.models.loader", "load_model", load_model)
 
 
 @pytest.fixture
@@ -243,8 +255,7 @@ def test_replay_record_refuses_a_prompt_past_the_context_before_recording_naming
     def generate(*args, **kwargs):
         raise AssertionError("a prompt was decoded")
 
-    module = importlib.import_module("specdec.generate")  # the module: the package binds the function to its name
-    monkeypatch.setattr(module, "generate", generate)
+    _patch_where_defined(monkeypatch, "specdec.generate", "generate", generate)
     code, captured = _main(["eval", "replay", "record", "--model", ckpt, "--prompts-file", str(prompts),
                             "--max-new-tokens", "2", "--out", str(out)], capsys)
     line = _one_line(captured)
@@ -261,8 +272,7 @@ def test_replay_record_terminated_says_so(ckpt, tmp_path, capsys, monkeypatch, m
     import os
     import signal
 
-    module = importlib.import_module(module_name)
-    real = getattr(module, name)
+    real = getattr(importlib.import_module(module_name), name)
 
     def terminated(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
@@ -274,7 +284,7 @@ def test_replay_record_terminated_says_so(ckpt, tmp_path, capsys, monkeypatch, m
     def before(signum, frame):
         raise Unhandled("SIGTERM reached the handler installed before the run")
 
-    monkeypatch.setattr(module, name, terminated)
+    _patch_where_defined(monkeypatch, module_name, name, terminated)
     out = tmp_path / "run.json"
     previous = signal.signal(signal.SIGTERM, before)
     try:
