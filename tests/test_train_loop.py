@@ -695,6 +695,7 @@ def test_held_interrupts_stop_as_their_own_signal_else_as_the_peers():
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     with sigterm_as_interrupt(), contextlib.ExitStack() as undo:
         undo.callback(signal.signal, signal.SIGINT, before)
+        ctrl_c = signal.getsignal(signal.SIGINT)  # sigterm_as_interrupt's, in Python's own stead
         for own, seen, raised in (([], [1, 1], Terminated), ([], [1, 0], KeyboardInterrupt),
                                   ([signal.SIGINT], [1, 1], KeyboardInterrupt), ([signal.SIGTERM], [0, 1], Terminated)):
             with pytest.raises(KeyboardInterrupt) as stopped, InterruptsHeld() as held:
@@ -705,7 +706,7 @@ def test_held_interrupts_stop_as_their_own_signal_else_as_the_peers():
             assert type(stopped.value) is raised, (own, seen)
         with pytest.raises(Terminated), InterruptsHeld():
             os.kill(os.getpid(), signal.SIGTERM)
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is ctrl_c
 
 
 class _SignalsItself:
@@ -726,14 +727,21 @@ def _run_on() -> None:
 
 
 def test_a_signal_that_lands_in_a_finalizer_stops_the_run_after_it():
-    """SIGTERM (or Ctrl-C in a run of several processes) that arrived while the garbage collector ran a ``__del__``
-    raised there: Python printed "Exception ignored in ..." and a traceback, and dropped the stop. It now stops the
-    run once the finalizer has returned, without a traceback."""
+    """SIGTERM or Ctrl-C that arrived while the garbage collector ran a ``__del__`` raised there: Python printed
+    "Exception ignored in ..." and a traceback, and dropped the stop. It now stops the run once the finalizer has
+    returned, without a traceback. A Ctrl-C the caller ignores (``nohup``, a background job) stays ignored."""
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        with sigterm_as_interrupt(), pytest.raises(Terminated):
-            _SignalsItself(signal.SIGTERM)
-            _run_on()
+        for signum, raised in ((signal.SIGTERM, Terminated), (signal.SIGINT, KeyboardInterrupt)):  # one process
+            with sigterm_as_interrupt(), pytest.raises(raised) as stopped:
+                _SignalsItself(signum)
+                _run_on()
+            assert type(stopped.value) is raised
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with sigterm_as_interrupt():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         for signum, raised in ((signal.SIGTERM, Terminated), (signal.SIGINT, KeyboardInterrupt)):
             with sigterm_as_interrupt(), pytest.raises(raised), InterruptsHeld(hold=False):
                 _SignalsItself(signum)
@@ -767,6 +775,7 @@ def test_outside_the_loop_a_signal_acts_at_once_and_the_meetings_carry_it():
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     with sigterm_as_interrupt(), contextlib.ExitStack() as undo:
         undo.callback(signal.signal, signal.SIGINT, before)
+        ctrl_c = signal.getsignal(signal.SIGINT)  # sigterm_as_interrupt's, in Python's own stead
         # this process stops at once, then meets the others with its signal; they stop, so it marks the interrupt
         accelerator, sent = _meeting([0, 0])
         with pytest.raises(Terminated) as stopped, InterruptsHeld(hold=False) as agreed:
@@ -820,7 +829,7 @@ def test_outside_the_loop_a_signal_acts_at_once_and_the_meetings_carry_it():
         with pytest.raises(KeyboardInterrupt) as stopped, InterruptsHeld(hold=False) as agreed:
             agreed.meet(accelerator, then=lambda: gather(signal.SIGINT))
         assert together == [1, 1] and not hasattr(stopped.value, "processes_stopped_together")
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is ctrl_c
 
 @pytest.mark.parametrize("disk_full", [False, True])
 def test_after_an_agreed_interrupt_every_process_learns_whether_the_main_one_saved(disk_full):
