@@ -26,7 +26,7 @@ from specdec.errors import require_package
 from specdec.folder_lock import launch_writer, only_writer
 from specdec.help_format import path_arg
 from specdec.models.embedded import DEFAULT_ALIAS
-from specdec.output_dirs import check_creatable, first_undeletable, make_dir
+from specdec.output_dirs import check_creatable, first_undeletable, make_dir, why_uncreatable
 from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
 
 DEFAULT_PROMPTS = 20
@@ -284,6 +284,16 @@ def check_earlier_run(out: Path, names: tuple[str, ...], overwrite: bool, resuma
     return found
 
 
+def check_cells_writable(out: Path) -> None:
+    """Refuse, before the model loads, a --resume whose earlier cells folder this user cannot add to (another
+    user's run in a shared --out): the first cell measured failed to be written, minutes into the run."""
+    cells = out / "cells"
+    why = why_uncreatable(cells) if cells.is_dir() else None
+    if why is not None:
+        raise ValueError(f"--out {out}: --resume cannot add cells: {why} (another user's run?); continue it as the "
+                         "user who started it, or name another directory")
+
+
 def check_own_report(out: Path) -> None:
     """Refuse an --out whose report.json no acceptance run wrote (train-medusa / train-eagle write one beside their
     heads): --overwrite would replace another command's report, and the refusal called it an earlier run."""
@@ -470,6 +480,7 @@ def run_acceptance(args) -> int:
     check_own_report(out)
     if args.resume:  # an --out it cannot write into fails now, naming --out, not at its first file
         check_out_dir(out)
+        check_cells_writable(out)
     earlier = [] if args.resume else check_earlier_run(out, ACCEPTANCE_FILES, args.overwrite, resumable=True)
     conversations = select_conversations(args.categories, args.prompts, args.prompts_file, args.prompt_column)
     config = _suite_config(args, names, renamed, conversations)

@@ -91,6 +91,19 @@ def test_an_out_that_cannot_be_written_into_is_refused_before_any_work(ckpt, tmp
     assert list(out.iterdir()) == []
 
 
+def test_a_resume_whose_cells_folder_cannot_be_written_into_is_refused_before_any_work(ckpt, tmp_path, capsys,
+                                                                                         no_load, read_only):
+    """In a shared --out, another user's run: --out writable, its cells folder not. The resume loaded the model and
+    measured a cell before failing to write it."""
+    out = tmp_path / "run"
+    cells = read_only(out / "cells")
+    code, captured = _main(["eval", "acceptance", "--model", ckpt, "--categories", "chat", "--prompts", "1", *RUN,
+                            "--out", str(out), "--resume"], capsys)
+    assert code == 2 and _one_line(captured).endswith(
+        f"--out {out}: --resume cannot add cells: {cells} is not writable (another user's run?); continue it as the "
+        "user who started it, or name another directory")
+
+
 def test_a_certificate_whose_samples_fall_in_one_bin_is_strict_json(ckpt, tmp_path, capsys):
     """Nearly greedy sampling draws one outcome: its chi-square has one bin and detects no TV, which
     certificate.json wrote as `Infinity` (no JSON parser but Python's reads it) and the warning as "TV inf"."""
