@@ -475,7 +475,10 @@ def run_acceptance(args) -> int:
     out = Path(args.out or "runs/eval-acceptance")
     if args.resume and args.overwrite:
         raise ValueError("--resume keeps an earlier run's cells and --overwrite replaces them: pass one")
-    if not args.no_plots:  # the plots come after every cell: without matplotlib, say so before the run, not after
+    # accelerate shards the cells over processes, and the plots come after every cell: without either, say so before
+    # the model loads and --out is made, not after
+    require_package("accelerate")
+    if not args.no_plots:
         require_package("matplotlib")
     check_own_report(out)
     if args.resume:  # an --out it cannot write into fails now, naming --out, not at its first file

@@ -238,6 +238,19 @@ def test_eval_acceptance_without_matplotlib_says_so_before_the_run(tmp_path, cap
     assert not (tmp_path / "a").exists()
 
 
+def test_eval_acceptance_without_accelerate_says_so_before_the_model_loads(tmp_path, capsys, no_load, monkeypatch):
+    """accelerate shards its cells: without it the model and the drafters loaded and --out was made, then the run
+    ended on the import."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # not installed
+    code, captured = _main(["eval", "acceptance", "--drafters", "ngram", "--categories", "chat", "--prompts", "1",
+                            "--no-plots", "--out", str(tmp_path / "a")], capsys)
+    assert code == 2 and _one_line(captured).endswith(
+        "the Python package 'accelerate' is missing; install it with pip install 'specdec[eval]'"), captured
+    assert not (tmp_path / "a").exists()
+
+
 def test_a_prompt_past_the_context_is_refused_before_any_cell_naming_it(ckpt, tmp_path, capsys, monkeypatch):
     """It failed when its cell ran, after the earlier cells were measured, naming no prompt; a resume stopped at
     the same place."""
