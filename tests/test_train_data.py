@@ -166,6 +166,23 @@ def test_data_errors(tmp_path, case, match):
         load_texts(str(f))
 
 
+@pytest.mark.parametrize("name, match", [
+    ("d.csv", "unknown data format 'd.csv'"), ("dir", "not a dataset saved with"), ("d.json", "needs 'datasets'")])
+def test_without_datasets_only_a_file_it_reads_asks_for_it(tmp_path, monkeypatch, name, match):
+    """Without datasets (no train extra), a .csv or a plain folder was told to install it, then refused once it was;
+    what datasets reads asks for the extra, naming the file; a .jsonl file needs nothing."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
+    f = tmp_path / name
+    f.mkdir() if name == "dir" else f.write_text('[{"text": "one two"}]')
+    with pytest.raises(TrainDataError, match=match) as err:
+        load_texts(str(f))
+    assert (str(f) in str(err.value) and "specdec[train]" in str(err.value)) == (name == "d.json"), err.value
+    _jsonl(tmp_path / "d.jsonl", [{"text": "one two"}])
+    assert load_texts(str(tmp_path / "d.jsonl")) == ["one two"]
+
+
 def test_tokenize_and_split():
     seqs = tokenize_texts(tiny_tokenizer(), TEXTS + ["a"], seq_len=20)
     assert len(seqs) == len(TEXTS) and max(map(len, seqs)) == 20  # "a" is too short to train on

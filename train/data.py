@@ -35,38 +35,41 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "fu
 
 
 def _load_dataset(path: Path):
+    # what datasets cannot read is refused first: without datasets installed, a .csv was told to install it
+    suffix = path.suffix.lower()
+    if path.is_dir():
+        if not ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
+            raise TrainDataError(f"{path} is a directory but not a dataset saved with datasets.save_to_disk")
+    elif suffix not in (".json", ".parquet"):  # .jsonl: _jsonl_records
+        raise TrainDataError(f"unknown data format {path.name!r}: use .jsonl/.json, .parquet or a saved datasets dir")
+    elif path.stat().st_size == 0:
+        raise TrainDataError(f"training data {path} is empty")
     try:
         import datasets
-    except ImportError as err:  # pragma: no cover
-        raise TrainDataError("reading training data needs 'datasets': pip install 'specdec[train]'") from err
+    except ImportError as err:
+        raise TrainDataError(f"reading training data {path} needs 'datasets' (a .jsonl file does not): "
+                             "pip install 'specdec[train]'") from err
     try:
         if path.is_dir():
-            if not ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
-                raise TrainDataError(f"{path} is a directory but not a dataset saved with datasets.save_to_disk")
             ds = datasets.load_from_disk(str(path))
             if isinstance(ds, datasets.DatasetDict):
                 split = "train" if "train" in ds else next(iter(ds))
                 ds = ds[split]
             return ds
-        suffix = path.suffix.lower()
-        if suffix in (".json", ".parquet"):  # .jsonl: _jsonl_records
-            if path.stat().st_size == 0:
-                raise TrainDataError(f"training data {path} is empty")
-            try:
-                # datasets logs a bad file's error (on its own handler and again through the root logger)
-                # before raising it: it reaches the user once, as a TrainDataError
-                with logger_at("datasets", logging.CRITICAL):
-                    return datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=str(path),
-                                                 split="train")
-            except Exception:
-                if suffix == ".json":
-                    _refuse_json(path)
-                raise
+        try:
+            # datasets logs a bad file's error (on its own handler and again through the root logger)
+            # before raising it: it reaches the user once, as a TrainDataError
+            with logger_at("datasets", logging.CRITICAL):
+                return datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=str(path),
+                                             split="train")
+        except Exception:
+            if suffix == ".json":
+                _refuse_json(path)
+            raise
     except TrainDataError:
         raise
     except Exception as err:  # datasets raises many types for bad files
         raise TrainDataError(f"cannot read training data {path}: {_what_is_wrong(err)}") from err
-    raise TrainDataError(f"unknown data format {path.name!r}: use .jsonl/.json, .parquet or a saved datasets dir")
 
 
 @contextmanager
