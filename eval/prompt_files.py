@@ -188,7 +188,16 @@ def _parquet(path: Path, column: str | None) -> Iterator[Conversation]:
     return _table(iter(rows), path, column)
 
 
+def is_saved_dataset(path: Path) -> bool:
+    """Whether the folder ``path`` holds what ``datasets``' ``save_to_disk`` writes (a Dataset or a DatasetDict): known
+    before datasets is imported, so that a folder it cannot read is not answered with "install datasets"."""
+    return (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
 def _dataset_dir(path: Path, column: str | None) -> Iterator[Conversation]:
+    if not is_saved_dataset(path):
+        raise InputError(f"prompt directory {path}: not a dataset saved by datasets' save_to_disk (no "
+                         "dataset_info.json or dataset_dict.json in it)")
     try:
         from datasets import load_from_disk
     except ImportError:

@@ -66,6 +66,21 @@ def test_tables_and_saved_datasets(tmp_path):
     assert [(c.category, c.turns) for c in read_prompt_file(tmp_path / "saved")] == [("qa", ("p1",))]
 
 
+def test_a_folder_datasets_did_not_save_is_refused_as_such_without_datasets(tmp_path, monkeypatch):
+    """Without datasets installed, any folder was answered "reading it needs datasets"; once installed, a folder it
+    did not save was refused anyway."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "p.jsonl").write_text('{"prompt": "p1"}\n')
+    with pytest.raises(InputError, match=r"prompts: not a dataset saved by datasets' save_to_disk \(no dataset_info"):
+        read_prompt_file(tmp_path / "prompts")
+    (tmp_path / "prompts" / "dataset_info.json").write_text("{}")
+    with pytest.raises(InputError, match="prompts: reading it needs datasets: pip install datasets"):
+        read_prompt_file(tmp_path / "prompts")
+
+
 MALFORMED = {  # id: (line 2 of the file, what the error names)
     "not-json": ("{oops", r"q.jsonl:2: not valid JSON"),
     "no-prompt-field": ('{"question_id": 5, "category": "qa"}', r"q.jsonl:2: needs a field one of 'turns'"),

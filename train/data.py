@@ -21,6 +21,8 @@ import logging
 from contextlib import contextmanager
 from pathlib import Path
 
+from specdec.eval.prompt_files import is_saved_dataset
+
 from specdec.errors import SpecdecError, first_line
 
 logger = logging.getLogger(__name__)
@@ -38,7 +40,7 @@ def _load_dataset(path: Path):
     # what datasets cannot read is refused first: without datasets installed, a .csv was told to install it
     suffix = path.suffix.lower()
     if path.is_dir():
-        if not ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
+        if not is_saved_dataset(path):
             raise TrainDataError(f"{path} is a directory but not a dataset saved with datasets.save_to_disk")
     elif suffix not in (".json", ".parquet"):  # .jsonl: _jsonl_records
         raise TrainDataError(f"unknown data format {path.name!r}: use .jsonl/.json, .parquet or a saved datasets dir")
