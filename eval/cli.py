@@ -477,9 +477,9 @@ def run_acceptance(args) -> int:
         raise ValueError("--resume keeps an earlier run's cells and --overwrite replaces them: pass one")
     # accelerate shards the cells over processes, and the plots come after every cell: without either, say so before
     # the model loads and --out is made, not after
-    require_package("accelerate")
+    require_package("accelerate", "eval")
     if not args.no_plots:
-        require_package("matplotlib")
+        require_package("matplotlib", "eval")
     check_own_report(out)
     if args.resume:  # an --out it cannot write into fails now, naming --out, not at its first file
         check_out_dir(out)

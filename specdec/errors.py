@@ -42,10 +42,12 @@ def first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [""])[0]
 
 
-def require_package(name: str) -> None:
+def require_package(name: str, extra: str | None = None) -> None:
     """A ModuleNotFoundError naming ``name`` where it is not installed, before work that would need it later or fail
-    inside a library without naming it; the CLI turns it into the extra that installs it."""
+    inside a library without naming it; its message names specdec's ``extra`` that installs it, for a caller of the
+    Python API (the CLI says the extra of its command)."""
     import importlib.util
 
     if importlib.util.find_spec(name) is None:
-        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        hint = f"; install it with pip install 'specdec[{extra}]'" if extra else ""
+        raise ModuleNotFoundError(f"No module named {name!r}{hint}", name=name)

@@ -603,6 +603,20 @@ def test_the_cli_names_the_extra_a_gguf_conversion_needs(tmp_path, monkeypatch, 
     assert "Traceback" not in "\n".join(err) and not any((tmp_path / "cache").rglob("*.safetensors"))
 
 
+def test_the_python_api_names_the_extra_a_gguf_conversion_needs(tmp_path, monkeypatch):
+    """specdec.load_model / generate on a .gguf file (the embedded model is one) without the gguf package raised
+    "No module named 'gguf'", naming no extra: only the CLI said which to install."""
+    import sys
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_llama_gguf(tmp_path / "m.gguf")
+    monkeypatch.setitem(sys.modules, "gguf", None)  # not installed
+    with pytest.raises(ModuleNotFoundError) as err:
+        specdec.load_model(str(path))
+    assert err.value.name == "gguf"
+    assert str(err.value) == "No module named 'gguf'; install it with pip install 'specdec[gguf]'"
+
+
 def test_a_file_without_a_kv_head_count_reads_as_one_with_it(tmp_path):
     """llama.cpp's default KV head count is the query head count, and its q / k rows are interleaved either way:
     read without the key, the weights are those of the same file with it (transformers' reading of which is

@@ -528,7 +528,7 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
 
     check_gguf(gguf_path)
     header = check_convertible(gguf_path)
-    require_package("gguf")  # transformers' tokenizer conversion raised a bare ImportError without it
+    require_package("gguf", "gguf")  # transformers' tokenizer conversion raised a bare ImportError without it
     logger.warning("converting %s (one-time dequantization, ~10 s) into %s", gguf_path.name, out.parent)
 
     if header is not None and "tokenizer.ggml.tokens" not in header[1]:
