@@ -63,6 +63,33 @@ def test_console_script_declared():
     assert set(meta["tool"]["setuptools"]["package-dir"]) == {f"specdec.{n}" for n in SUBPACKAGES}
 
 
+def test_every_folder_of_the_packages_is_listed_and_holds_python_alone():
+    """The wheel holds only the packages pyproject lists, and their .py files (no package data is declared), while an
+    editable install, which every test runs against, finds any folder and file: a new subpackage folder or a JSON
+    file read at run time would pass the suite and be missing from the installed wheel."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    roots = {"specdec": REPO / "specdec", **{name: REPO / d for name, d in setuptools["package-dir"].items()}}
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True)
+    # in a checkout its tracked files (not an editor's backups); in an unpacked sdist every file
+    files = ([REPO / f for f in tracked.stdout.split("\0") if f] if tracked.returncode == 0
+             else [p for p in REPO.rglob("*") if "__pycache__" not in p.parts])
+    folders, other_files = set(), []
+    for name, root in roots.items():
+        for path in files:
+            if not path.is_relative_to(root) or not path.is_file():
+                continue
+            parts = path.parent.relative_to(root).parts
+            if parts and ".".join((name, *parts)) in roots:  # a package mapped to a folder of its own
+                continue
+            folders.add(".".join((name, *parts)))
+            if path.suffix != ".py":
+                other_files.append(str(path.relative_to(REPO)))
+    assert folders == set(setuptools["packages"]), "pyproject's [tool.setuptools] packages != the package folders"
+    assert not other_files, f"files the wheel leaves out (declare them as package data): {other_files}"
+
+
 def test_sdist_holds_every_tracked_file_and_the_license(tmp_path):
     """A packager runs the tests from the sdist: it must hold what they read (conftest, helpers, docs, benchmark
     scripts), and the license file the metadata names."""
