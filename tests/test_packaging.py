@@ -15,8 +15,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SUBPACKAGES = ["drafters", "kernels", "train", "eval"]
+# SPECDEC_TEST_INSTALLED=1 (docs/getting-started.md) runs the suite against an installed copy, not this checkout's
+# editable install: the tests of that install's own layout do not apply
+CHECKOUT_ONLY = pytest.mark.skipif(os.environ.get("SPECDEC_TEST_INSTALLED") == "1",
+                                   reason="tests this checkout's editable install; the installed copy is tested")
 
 
+@CHECKOUT_ONLY
 @pytest.mark.parametrize("name", SUBPACKAGES)
 def test_subpackage_installs_under_specdec(name):
     mod = importlib.import_module(f"specdec.{name}")
@@ -573,6 +578,7 @@ def test_eval_acceptance_runs_with_the_eval_extra_alone(tiny_checkpoint, tmp_pat
     assert (tmp_path / "acc" / "report.json").is_file()
 
 
+@CHECKOUT_ONLY
 def test_the_suite_refuses_to_run_another_checkouts_code(tmp_path, request):
     """Run from a second checkout (a git worktree), an editable install made in the first maps specdec's subpackages
     there: the tests ran the other checkout's drafters, kernels, training and eval. conftest refuses such a run."""
