@@ -68,6 +68,16 @@ def test_console_script_declared():
     assert set(meta["tool"]["setuptools"]["package-dir"]) == {f"specdec.{n}" for n in SUBPACKAGES}
 
 
+def test_the_version_is_the_one_the_metadata_gives():
+    """`specdec --version` says specdec.__version__, the wheel's metadata pyproject's version: written in both, a
+    release that bumped one would say another version than the one installed."""
+    import tomllib
+
+    import specdec
+
+    assert tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"] == specdec.__version__
+
+
 def test_every_folder_of_the_packages_is_listed_and_holds_python_alone():
     """The wheel holds only the packages pyproject lists, and their .py files (no package data is declared), while an
     editable install, which every test runs against, finds any folder and file: a new subpackage folder or a JSON
