@@ -606,6 +606,23 @@ def test_a_model_saved_without_its_tokenizer_says_so_not_that_sentencepiece_is_m
         "vocab.json, ...); token ids only"]
 
 
+def test_a_config_written_by_a_later_transformers_is_refused_not_read_as_another_model(tmp_path):
+    """transformers 4 (pyproject allows >= 4.56) read a config.json that transformers 5 wrote (the embedded model's
+    cached conversion too) without a word, its RoPE base in rope_parameters unread: the text came out another."""
+    from importlib import metadata
+
+    _tiny_dir(tmp_path / "m")
+    major = int(metadata.version("transformers").split(".")[0])
+    _edit_config(tmp_path / "m", transformers_version=f"{major + 1}.0.0")
+    with pytest.raises(InputError, match=re.escape(
+            f"m/config.json was written by transformers {major + 1}.0.0, and this transformers "
+            f"{metadata.version('transformers')} would read it as another model")) as err:
+        load_model(str(tmp_path / "m"))
+    assert str(err.value).endswith(f"upgrade transformers (pip install 'transformers>={major + 1}')")
+    _edit_config(tmp_path / "m", transformers_version=f"{major - 1}.50.0")  # an earlier one's is read as ever
+    assert load_model(str(tmp_path / "m")).runner.shape.vocab_size == 32
+
+
 def test_a_checkpoint_directory_named_like_a_gguf_file_loads_as_one(tmp_path):
     """A folder named `m.gguf` was refused as "GGUF file not found", though it is there and holds a checkpoint."""
     path = tmp_path / "m.gguf"

@@ -22,6 +22,7 @@ import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,18 @@ CONFIG = "config.json"
 HF_LOADING_LOGGER = "transformers.modeling_utils"  # where transformers logs its LOAD REPORT
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 SHARD_INDEX = "model.safetensors.index.json"
+
+
+def check_written_by(file: Path, saved: Any) -> None:
+    """Refuse a config.json written by a later major version of transformers than the one installed: transformers 4
+    reads transformers 5's without a word and builds another model (its RoPE base in ``rope_parameters`` unread,
+    the default used), whose text is then silently another."""
+    installed = metadata.version("transformers")
+    major = saved.split(".")[0] if isinstance(saved, str) else ""
+    if major.isdigit() and int(major) > int(installed.split(".")[0]):
+        raise InputError(f"{file} was written by transformers {saved}, and this transformers {installed} would read "
+                         f"it as another model (its RoPE settings among others): upgrade transformers (pip install "
+                         f"'transformers>={major}')")
 
 
 def check_before_load(path: Path) -> dict[str, Any]:
@@ -54,6 +67,7 @@ def check_before_load(path: Path) -> dict[str, Any]:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(f"model type {model_type!r} is not supported; specdec runs the Llama family: "
                                     f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    check_written_by(file, config.get("transformers_version"))
     # the RoPE transformers builds: a non-empty rope_scaling replaces rope_parameters whole (an untyped one is the
     # default RoPE); its rotary init fails on a type it does not know with a bare KeyError
     key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
