@@ -343,21 +343,22 @@ def run_lossless(args) -> int:
     check_options(args.drafter, options, command_line=True)
     get_drafter(args.drafter, **options)  # a missing path= and the like, before any work (it loads nothing yet)
     check_earlier_run(out, CERTIFICATE_FILES, args.overwrite)  # before minutes of work, not after
+    # the model and the drafter's checkpoint are read before --out is made: a refused run leaves no empty folder
+    loaded, make_prompts, drafter = _lossless_inputs(args, levels, sizes, device, options)
     make_out_dir(out)
     with only_writer(out, "--out"):  # to the certificate's writing: another run's verdict never lands under this one
-        return _lossless_held(args, out, levels, sizes, sampling, device, options)
+        return _lossless_held(args, out, levels, sizes, sampling, options, loaded, make_prompts, drafter)
 
 
-def _lossless_held(args, out: Path, levels: tuple[str, ...], sizes, sampling, device, options: dict) -> int:
-    """run_lossless once it holds --out: the certificate, written there."""
+def _lossless_inputs(args, levels: tuple[str, ...], sizes, device, options: dict) -> tuple:
+    """The model, the certificate's prompt maker and (for the levels that run it on the model) the drafter loaded
+    for it: (loaded, make_prompts, drafter or None)."""
     import torch
     from specdec.drafters.registry import get_drafter
-    from specdec.eval.certificate import run_certificate, where_it_ran
     from specdec.eval.prompts import load_prompts
 
     from specdec.models.loader import load_model
 
-    earlier = check_earlier_run(out, CERTIFICATE_FILES, args.overwrite)  # again, now held: one may have come since
     torch.manual_seed(args.seed)
     # float32 on a GPU too (not the half dtype eval acceptance takes there): greedy identity is defined in float32,
     # and its near-tie margin (specdec.eval.divergence.NEAR_TIE) is too narrow for half-precision rounding
@@ -372,6 +373,15 @@ def _lossless_held(args, out: Path, levels: tuple[str, ...], sizes, sampling, de
         _check_identity_fits(loaded, make_prompts(sizes.identity_prompts), sizes.identity_tokens)
         drafter = get_drafter(args.drafter, **options)
         drafter.load_for_target(loaded.runner, loaded.tokenizer, loaded.name)
+    return loaded, make_prompts, drafter
+
+
+def _lossless_held(args, out: Path, levels: tuple[str, ...], sizes, sampling, options: dict, loaded, make_prompts,
+                   drafter) -> int:
+    """run_lossless once it holds --out: the certificate, written there."""
+    from specdec.eval.certificate import run_certificate, where_it_ran
+
+    earlier = check_earlier_run(out, CERTIFICATE_FILES, args.overwrite)  # again, now held: one may have come since
     # --overwrite clears the earlier certificate only now that this run's options, model and sizes are known to be
     # good, and before the long work: a run stopped in mid-way leaves no earlier verdict that reads as this one's
     _clear_earlier_run(earlier)

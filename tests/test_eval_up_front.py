@@ -507,6 +507,22 @@ def test_a_draft_model_made_for_another_model_is_refused_before_the_earlier_cert
     assert (out / "certificate.md").read_text() == "# an earlier verdict\n"
 
 
+@pytest.mark.parametrize("refused", ["model", "draft-model"])
+def test_a_refused_certificate_leaves_no_out_folder_behind(ckpt, tmp_path, capsys, refused):
+    """eval lossless made --out before it loaded the model and the drafter's draft model: a mistyped --model or a
+    draft model of another vocabulary was refused in one line, and an empty --out stayed behind (eval acceptance
+    leaves none). Both are read before --out is made now."""
+    from specdec.testing import build_tiny_model
+
+    build_tiny_model(vocab_size=64).save_pretrained(tmp_path / "draft")
+    model = str(tmp_path / "no-such-model") if refused == "model" else ckpt
+    argv = ["eval", "lossless", "--model", model, "--drafter", "draft-model", "--drafter-option",
+            f"model={tmp_path / 'draft'}", *SMALL, "--out", str(tmp_path / "c")]
+    code, captured = _main(argv, capsys)
+    assert code == 2 and ("unknown model" if refused == "model" else "vocabulary has 64 ids") in _one_line(captured)
+    assert not (tmp_path / "c").exists()
+
+
 def test_a_tokenizer_that_encodes_the_prompts_to_nothing_is_refused_before_any_check_runs(tmp_path, capsys,
                                                                                            monkeypatch):
     """A GGUF whose vocabulary holds no piece of text (no chat template either) encoded the built-in prompts to no
