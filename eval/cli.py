@@ -694,8 +694,9 @@ def _report(args, loaded, conversations: list, config, cells: dict, out: Path, p
 def _report_meta(args, loaded, conversations: list, config, processes: int, t0: float) -> dict:
     renamed = config.renamed
     short = short_categories(conversations, args.prompts)  # categories that ran fewer prompts than asked for
+    given = {d: options for d, options in config.drafters if options}  # each row's --drafter-option values
     return {"model": loaded.name, "drafters": [d for d, _ in config.drafters],
-            **({"renamed": dict(renamed)} if renamed else {}),
+            **({"drafter_options": given} if given else {}), **({"renamed": dict(renamed)} if renamed else {}),
             "temperature": args.temperature, "sampler": args.sampler, "max_new_tokens": args.max_new_tokens,
             "prompts_file": args.prompts_file,
             "prompts_per_category": ("all" if args.prompts is None and args.prompts_file

@@ -166,6 +166,19 @@ def test_a_refused_run_leaves_nothing_in_a_fresh_out(model, other_vocabulary, tm
     assert run_main(["eval", "acceptance", "--model", model, *RUN, "--out", str(out)], capsys)[0] == 0
 
 
+def test_the_report_names_each_rows_drafter_options_as_given(model, tmp_path, capsys):
+    """The report named each row's drafter but none of its options: two rows of one drafter (labels) or a draft
+    model read from a path could not be told apart in report.md, only in settings.json (as digests)."""
+    out = tmp_path / "run"
+    argv = ["eval", "acceptance", "--model", model, *RUN, "--drafters", "short=ngram,long=ngram,ngram",
+            "--drafter-option", "short.max_ngram=2", "--drafter-option", "long.num_draft_tokens=6", "--out", str(out)]
+    assert run_main(argv, capsys)[0] == 0
+    meta = json.loads((out / "report.json").read_text())["meta"]
+    given = {"short": {"max_ngram": 2}, "long": {"num_draft_tokens": 6}}
+    assert meta["drafters"] == ["short", "long", "ngram"] and meta["drafter_options"] == given
+    assert f"- drafter_options: {given}" in (out / "report.md").read_text()
+
+
 def test_run_suite_refused_before_its_first_cell_leaves_no_settings(eval_tiny_model, tmp_path, monkeypatch):
     import specdec.eval.acceptance as suite
 
