@@ -116,10 +116,14 @@ def num_params(module: Any) -> int:
     return _PARAMS[module]
 
 
-def _bigger(draft: LlamaRunner, target: LlamaRunner) -> tuple[float, float] | None:
-    """(draft, target) parameters in millions when the draft model has more, else None."""
+def _bigger(draft: LlamaRunner, target: LlamaRunner) -> tuple[str, str] | None:
+    """(draft, target) parameter counts as a message says them when the draft model has more, else None: in millions,
+    or whole where the two round alike (a draft model "0.1M" bigger than a target of "0.1M" says nothing)."""
     mine, theirs = num_params(draft.hf_model), num_params(target.hf_model)
-    return (mine / 1e6, theirs / 1e6) if mine > theirs else None
+    if mine <= theirs:
+        return None
+    said = f"{mine / 1e6:.1f}M", f"{theirs / 1e6:.1f}M"
+    return said if said[0] != said[1] else (f"{mine:,}", f"{theirs:,}")
 
 
 def forward_work(runner: LlamaRunner) -> tuple[int, int, int]:
@@ -180,7 +184,7 @@ class DraftModelDrafter(ModelDrafter):
         if any(a < b for a, b in zip(mine, theirs, strict=True)):
             return None
         if (sizes := _bigger(draft, target)) is not None:  # said in the policy's warning (never asked: no own one)
-            return (f"the draft model ({sizes[0]:.1f}M parameters) is bigger than the target ({sizes[1]:.1f}M): it "
+            return (f"the draft model ({sizes[0]} parameters) is bigger than the target ({sizes[1]}): it "
                     "does at least the target's work per token on the same device and dtype")
         return (f"its model does at least the target's work per token ({mine[0] / 1e6:.1f}M weights, the "
                 f"target {theirs[0] / 1e6:.1f}M) on the same device and dtype")
@@ -204,7 +208,7 @@ class DraftModelDrafter(ModelDrafter):
         warned about when it drafts (once per pair of models), not when it loads: one the policy never asks
         (never_pays_by_shape) never gets here, and is in the policy's one warning instead."""
         if (sizes := _bigger(self.runner, self.target.runner)) is not None:
-            _warn_once(self.runner, self.target.runner, "draft-model: the draft model (%.1fM parameters) is bigger "
-                       "than the target (%.1fM); drafting will likely cost more than it saves (use a smaller draft "
+            _warn_once(self.runner, self.target.runner, "draft-model: the draft model (%s parameters) is bigger "
+                       "than the target (%s); drafting will likely cost more than it saves (use a smaller draft "
                        "model)", *sizes)
         return super()._own_cache()

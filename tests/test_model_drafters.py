@@ -154,6 +154,20 @@ def test_a_bigger_draft_model_is_one_warning(caplog, monkeypatch):
     assert sum("a tokenizer is missing" in m for m in said) == 1, said  # the second target (the first: above)
 
 
+def test_a_draft_model_barely_bigger_than_the_target_is_said_in_whole_counts(caplog):
+    """Sizes in millions to one decimal said "the draft model (0.1M parameters) is bigger than the target (0.1M)":
+    where the two round alike, the counts are said whole, so the message shows the difference it names."""
+    target = build_tiny_model()
+    big = build_tiny_model(intermediate_size=130)  # a few hundred parameters more
+    counts = [sum(p.numel() for p in m.parameters()) for m in (big, target)]
+    assert counts[0] > counts[1] and round(counts[0] / 1e6, 1) == round(counts[1] / 1e6, 1)
+    with caplog.at_level(logging.WARNING, logger="specdec.drafters.draft_model"):
+        specdec.generate(target, [[1, 2]], max_new_tokens=4, drafter=DraftModelDrafter(big), speculation="always")
+    said = [r.getMessage() for r in caplog.records if "bigger than the target" in r.getMessage()]
+    assert len(said) == 1 and f"the draft model ({counts[0]:,} parameters) is bigger than the target " \
+        f"({counts[1]:,})" in said[0], said
+
+
 def test_a_failed_build_leaves_the_drafter_holding_no_draft_model():
     """build_engine loads the draft model (load_for_target) before its later refusals; a call refused after it (here
     num_blocks too small for the prompt's prefill) drops it again, so a drafter reused across calls holds no whole
