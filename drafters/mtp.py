@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import safe_open
 from specdec.drafters.eagle import EagleDrafter
 from specdec.drafters.eagle_checkpoint import EagleCheckpointError, read_json_object
 from specdec.drafters.eagle_model import EagleConfig, EagleModel
@@ -66,14 +68,32 @@ def check_same_target(directory: Path, target_config) -> None:
                                        f"{name}={theirs}: it was made for another target")
 
 
+def _held_layers(files: list[Path], num_layers: int) -> list[int]:
+    """The indices of the MTP layers ``files`` hold, in either layout (by their input_proj / eh_proj weight)."""
+    held = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if m := re.fullmatch(r"model\.mtp_layers\.(\d+)\.input_proj\.weight", key):
+                    held.add(int(m[1]))
+                elif (m := re.fullmatch(r"model\.layers\.(\d+)\.eh_proj\.weight", key)) and int(m[1]) >= num_layers:
+                    held.add(int(m[1]) - num_layers)
+    return sorted(held)
+
+
 def read_mtp_layer(directory: str | Path, num_layers: int, index: int = 0, target: str | None = None
                    ) -> tuple[dict[str, torch.Tensor], str]:
     """The MTP layer ``index`` of a target checkpoint as EagleModel tensors (arch "mtp"), and its layout's name.
     ``target``: the directory is that target model's own checkpoint (named so in the refusal of one without)."""
-    from safetensors import safe_open
-
     path = Path(directory)
-    files = _weight_files(path) if path.is_dir() else []
+    if not path.exists():
+        raise EagleCheckpointError(f"mtp: {path} does not exist: give the checkpoint directory whose safetensors hold "
+                                   "the MTP layers")
+    if not path.is_dir():  # the directory's model.safetensors, or a GGUF file, named instead of the directory
+        parent = f" ({path.parent})" if path.suffix == ".safetensors" else ""
+        raise EagleCheckpointError(f"mtp: {path} is a file: give the checkpoint directory whose safetensors hold the "
+                                   f"MTP layers{parent}")
+    files = _weight_files(path)
     if not files:
         raise EagleCheckpointError(f"mtp: {path} holds no safetensors weights to read MTP layers from")
     layouts = ((f"model.mtp_layers.{index}.", MIMO, "MiMo"), (f"model.layers.{num_layers + index}.", DEEPSEEK,
@@ -93,6 +113,11 @@ def read_mtp_layer(directory: str | Path, num_layers: int, index: int = 0, targe
                         state["layers.0." + rest] = f.get_tensor(key).clone()
         if "fc.weight" in state:
             return state, layout
+    held = _held_layers(files, num_layers)
+    if held:  # a layer= past the ones it has: not a checkpoint without MTP layers
+        raise EagleCheckpointError(f"mtp: {path if target is None else f'the target model {target}'} has no MTP layer "
+                                   f"{index}: its checkpoint holds MTP layer {', '.join(map(str, held))}; give layer= "
+                                   "one of them")
     weights = (f"model.mtp_layers.{index}.input_proj (MiMo-style) or model.layers.{num_layers + index}.eh_proj "
                "(DeepSeek-style) weights")
     if target is None:

@@ -118,8 +118,34 @@ def test_layer_n_is_read_from_its_own_keys_not_from_the_first_layers(tmp_path, l
         state, _ = read_mtp_layer(tmp_path, 2, index)
         assert sorted(state) == ["fc.weight", "layers.0.self_attn.q_proj.weight"]
         assert state["fc.weight"].eq(value).all() and state["layers.0.self_attn.q_proj.weight"].eq(value).all()
-    with pytest.raises(EagleCheckpointError, match="has no MTP layer 2"):
+    with pytest.raises(EagleCheckpointError, match="has no MTP layer 2: its checkpoint holds MTP layer 0, 1; give "
+                       "layer= one of them$"):
         read_mtp_layer(tmp_path, 2, 2)
+
+
+def test_a_layer_past_the_targets_mtp_layers_names_those_it_holds(tmp_path):
+    """layer=1 of a target holding one MTP layer was refused as if it had none: "the mtp drafter needs a model
+    trained with multi-token-prediction layers ... choose another drafter"."""
+    write_target_with_mtp(tmp_path, "deepseek")
+    with pytest.raises(EagleCheckpointError, match=f"^mtp: the target model '{tmp_path.name}' has no MTP layer 1: "
+                       "its checkpoint holds MTP layer 0; give layer= one of them$"):
+        generate(load_model(str(tmp_path)), [[1, 2, 3]], max_new_tokens=2, drafter=MtpDrafter(layer=1))
+
+
+@pytest.mark.parametrize("given, says", [
+    ("missing", "does not exist: give the checkpoint directory whose safetensors hold the MTP layers"),
+    ("model.safetensors", "is a file: give the checkpoint directory whose safetensors hold the MTP layers ({dir})"),
+    ("model.gguf", "is a file: give the checkpoint directory whose safetensors hold the MTP layers"),
+])
+def test_a_path_that_is_no_checkpoint_directory_says_so(tmp_path, given, says):
+    """path= naming the checkpoint's model.safetensors (or a missing folder) was refused as "holds no safetensors
+    weights to read MTP layers from", which the file plainly is."""
+    write_target_with_mtp(tmp_path / "t", "mimo")
+    (tmp_path / "t" / "model.gguf").write_bytes(b"GGUF")
+    path = tmp_path / "t" / given
+    with pytest.raises(EagleCheckpointError) as err:
+        generate(load_model(str(tmp_path / "t")), [[1, 2, 3]], max_new_tokens=2, drafter=MtpDrafter(path=str(path)))
+    assert str(err.value) == f"mtp: {path} " + says.format(dir=tmp_path / "t")
 
 
 def test_greedy_output_is_the_targets_and_the_layer_drafts_usefully(tmp_path):
