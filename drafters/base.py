@@ -307,16 +307,26 @@ def refuse_top_k_past(top_k: int, max_nodes: int, nodes: str) -> None:
                          "max_nodes)")
 
 
+# files a checkpoint directory holds: a path= naming one is refused naming its folder
+CHECKPOINT_FILES = (".safetensors", ".json", ".pt", ".bin")
+
+
 def check_path_option(drafter: str, path: Any) -> str | None:
     """A drafter's ``path=`` option is a checkpoint directory: a str or os.PathLike (None: not given), never the
-    empty string (``Path("")`` is the current directory, which would be read instead). Returned with ``~`` expanded,
-    as the target's path is."""
+    empty string (``Path("")`` is the current directory, which would be read instead) nor a file (its folder named).
+    Returned with ``~`` expanded, as the target's path is."""
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise InputTypeError(f"{drafter}: path= must be a checkpoint directory (a str or os.PathLike), got "
                              f"{type(path).__name__} {path!r}")
     if isinstance(path, str) and not path:
         raise InputError(f"{drafter}: path= is the empty string; give a checkpoint directory")
-    return None if path is None else os.path.expanduser(path)
+    if path is None:
+        return None
+    path = os.path.expanduser(path)
+    if os.path.isfile(path):  # the checkpoint's weights or config.json named instead of its folder
+        folder = f" (the one holding it: {os.path.dirname(path) or '.'})" if path.endswith(CHECKPOINT_FILES) else ""
+        raise InputError(f"{drafter}: path={path} is a file; give the checkpoint directory{folder}")
+    return path
 
 
 def check_given_dtype(drafter: str, option: str, module: Any, dtype: Any) -> None:

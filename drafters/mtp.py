@@ -89,11 +89,7 @@ def read_mtp_layer(directory: str | Path, num_layers: int, index: int = 0, targe
     if not path.exists():
         raise EagleCheckpointError(f"mtp: {path} does not exist: give the checkpoint directory whose safetensors hold "
                                    "the MTP layers")
-    if not path.is_dir():  # the directory's model.safetensors, or a GGUF file, named instead of the directory
-        parent = f" ({path.parent})" if path.suffix == ".safetensors" else ""
-        raise EagleCheckpointError(f"mtp: {path} is a file: give the checkpoint directory whose safetensors hold the "
-                                   f"MTP layers{parent}")
-    files = _weight_files(path)
+    files = _weight_files(path) if path.is_dir() else []  # a file: refused as path= (check_path_option)
     if not files:
         raise EagleCheckpointError(f"mtp: {path} holds no safetensors weights to read MTP layers from")
     layouts = ((f"model.mtp_layers.{index}.", MIMO, "MiMo"), (f"model.layers.{num_layers + index}.", DEEPSEEK,

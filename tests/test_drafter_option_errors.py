@@ -147,6 +147,19 @@ def test_an_empty_path_is_refused_before_the_current_directory_is_read(name):
 
 
 @pytest.mark.parametrize("name", ["eagle", "medusa", "mtp"])
+@pytest.mark.parametrize("file", ["model.safetensors", "model.gguf"])
+def test_a_path_naming_a_file_is_refused_naming_its_folder(name, file, tmp_path):
+    """path= naming the head's weights file (not its folder) was refused, once the target had loaded, as "EAGLE
+    checkpoint directory not found" (eagle), "model.safetensors: medusa_lm_head.safetensors is missing" (medusa) or
+    "holds no safetensors weights" (mtp). It is refused when the drafter is made, naming the folder to give."""
+    (tmp_path / file).write_bytes(b"weights")
+    folder = f" (the one holding it: {tmp_path})" if file.endswith(".safetensors") else ""
+    with pytest.raises(InputError) as err:
+        get_drafter(name, path=str(tmp_path / file))
+    assert str(err.value) == f"{name}: path={tmp_path / file} is a file; give the checkpoint directory{folder}"
+
+
+@pytest.mark.parametrize("name", ["eagle", "medusa", "mtp"])
 def test_a_head_path_under_home_is_expanded_as_the_targets_is(name, tmp_path, monkeypatch):
     """``--model ~/m`` found the model, ``path=~/heads`` looked for a folder literally named "~"."""
     monkeypatch.setenv("HOME", str(tmp_path))
