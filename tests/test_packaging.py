@@ -305,11 +305,13 @@ def test_every_option_a_synopsis_shows_exists():
 
 def test_help_says_each_default_once_and_never_none():
     """argparse's defaults formatter appended "(default: None)" to options whose help says what their absence means
-    ("(default: all) (default: None)"): every option's help names its default at most once, and never as None."""
+    ("(default: all) (default: None)"), and "(default: False)" to flags (train-medusa's, export-head's): every
+    option's help names its default at most once, never as None, and a flag's never."""
     for command, parser in _leaf_parsers().items():
         for action in parser._actions:
             text = " ".join(parser._get_formatter()._expand_help(action).split()) if action.help else ""
             assert "(default: None)" not in text, f"specdec {command} {action.option_strings}: {text}"
+            assert "(default: False)" not in text, f"specdec {command} {action.option_strings}: {text}"
             assert text.count("(default:") <= 1, f"specdec {command} {action.option_strings}: {text}"
 
 
