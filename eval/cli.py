@@ -24,7 +24,7 @@ from specdec.eval.report import PLOT_FILES
 from specdec.atomic_write import leftover_of, remove_leftovers, write_text
 from specdec.errors import require_package
 from specdec.folder_lock import launch_writer, only_writer
-from specdec.help_format import path_arg
+from specdec.help_format import name_commands, path_arg
 from specdec.models.embedded import DEFAULT_ALIAS
 from specdec.output_dirs import check_creatable, first_undeletable, make_dir, why_uncreatable
 from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
@@ -45,6 +45,7 @@ def add_parser(sub) -> None:
     from specdec.eval.replay_cli import add_parser as add_replay
 
     add_replay(ev_sub, _inference)  # specdec eval replay record / run
+    name_commands(ev_sub)
 
 
 def _add_lossless(ev_sub) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from specdec.eval.cli import counted
 
-from specdec.help_format import path_arg
+from specdec.help_format import name_commands, path_arg
 from specdec.models.embedded import DEFAULT_ALIAS
 
 
@@ -93,6 +93,7 @@ def add_parser(ev_sub, inference) -> None:
                        help="drafter option, repeatable; VALUE parsed as JSON when possible")
     bound.add_argument("--json", action="store_true", help="print the bounds as one JSON document")
     bound.set_defaults(func=run_bound)
+    name_commands(r_sub)
 
 
 def run_record(args) -> int:

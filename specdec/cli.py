@@ -33,7 +33,7 @@ import time
 
 from specdec import __version__
 from specdec.errors import SpecdecError
-from specdec.help_format import path_arg
+from specdec.help_format import name_commands, path_arg
 from specdec.models.embedded import DEFAULT_ALIAS
 from specdec.sigterm import exit_code, how_stopped, sigterm_as_interrupt
 
@@ -688,6 +688,7 @@ def _parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.add_parser(sub)
+    name_commands(sub)
     _verbose_everywhere(parser)
     return parser
 

@@ -404,6 +404,18 @@ def test_version(capsys):
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"specdec {specdec.__version__}"
 
 
+@pytest.mark.parametrize("argv, commands", [([], "{generate,train-medusa,train-eagle,eval,convert-medusa,"
+                                                 "export-head}"),
+                                             (["eval"], "{lossless,acceptance,replay}"),
+                                             (["eval", "replay"], "{record,run,bound}")])
+def test_a_missing_command_is_named_by_the_commands_to_choose_from(capsys, argv, commands):
+    """`specdec eval` said "the following arguments are required: eval_command", a name from the code."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert f"the following arguments are required: {commands} (see specdec " in capsys.readouterr().err
+
+
 def test_the_text_stream_decodes_a_window_not_the_whole_answer():
     """Each streamed step decoded every token so far: quadratic host time over a long answer (an 8k-token answer
     spent milliseconds per token re-decoding printed text). The printed pieces still join to the whole text,
