@@ -373,10 +373,10 @@ def run(engine: Engine, request: GenerateRequest) -> Any:
                             streamer.put(torch.tensor([tok], dtype=torch.long))
                     else:
                         streamer(seq_id, toks)
-                if request.progress:
+                if request.progress:  # redrawn at tqdm's pace (mininterval), not each step (a line a step in a file)
                     done = sum(s.num_new_tokens for s in seqs)
+                    bar.set_postfix(tau=f"{done / max(sum(s.steps for s in seqs), 1):.2f}", refresh=False)
                     bar.update(done - bar.n)
-                    bar.set_postfix(tau=f"{done / max(sum(s.steps for s in seqs), 1):.2f}")
         engine.finish()
         ended = True
     except (CacheFullError, InvalidLogitsError) as err:  # the other rows' work is kept

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
+import io
 
 import pytest
 import torch
@@ -183,6 +185,22 @@ def test_streamer_sees_every_token_in_order():
                            return_dict=True)
     assert seen[0] == out.new_tokens[0] and seen[1] == out.new_tokens[1]
     assert out.stats[0].steps == 12 and out.stats[0].tau == 1.0
+
+
+def test_progress_redraws_its_bar_at_tqdms_pace_not_once_per_step(monkeypatch):
+    """progress=True: the tau shown by the bar forced a redraw at every step, past tqdm's mininterval, so a stderr
+    piped to a file or a CI log took one line (a carriage return) per step. The bar now redraws at tqdm's pace: with
+    a mininterval no run reaches, only its first and last lines are written."""
+    generate_module = importlib.import_module("specdec.generate")  # the attribute specdec.generate is the function
+    sink = io.StringIO()
+    bar = generate_module.tqdm
+
+    def slow_bar(*args, **kwargs):
+        return bar(*args, **kwargs, file=sink, mininterval=1e9, miniters=1)
+
+    monkeypatch.setattr(generate_module, "tqdm", slow_bar)
+    specdec.generate(build_tiny_model(), PROMPTS[:1], max_new_tokens=30, progress=True)
+    assert "30/30" in sink.getvalue() and sink.getvalue().count("\r") <= 2, sink.getvalue()
 
 
 def test_sampling_first_token_follows_target_distribution(device):
