@@ -84,12 +84,14 @@ class CalibrationConfig:
 
 
 @contextlib.contextmanager
-def _one_off(what: str, total: int, unit: str, where: Path | None):
+def _one_off(what: str, total: int, unit: str, where: Path | None, said: bool = False):
     """A measurement the caller waits for once (then cached in ``where``): said in one warning, as a model's
-    conversion is, and shown as a progress bar on a terminal when it lasts over a second; yields the bar's step."""
+    conversion is (not again when ``said``: a retry the caller announced), and shown as a progress bar on a
+    terminal when it lasts over a second; yields the bar's step."""
     from tqdm.auto import tqdm
 
-    logger.warning("measuring %s, once%s", what, "" if where is None else f" (cached in {where})")
+    if not said:
+        logger.warning("measuring %s, once%s", what, "" if where is None else f" (cached in {where})")
     with tqdm(total=total, unit=unit, desc="measuring costs", delay=1.0, disable=None, leave=False) as bar:
         yield bar.update
 
@@ -452,7 +454,7 @@ def calibrate(runner, batch: int, config: CalibrationConfig, where: Path | None 
     t0 = time.perf_counter()
     for attempt in range(2):  # a curve no machine has (module doc) is measured once more
         with _one_off(f"verify steps of 1-{sizes[-1]} tokens at batch {batch} for the speculation policy",
-                      (repeats + 1) * len(sizes), "step", where) as step:
+                      (repeats + 1) * len(sizes), "step", where, said=attempt > 0) as step:
             times = measure_verify_costs(runner, prompts, sizes, SamplingConfig(), repeats=repeats,
                                          graphs=config.graphs, progress=step)
         dearer = _dearer(times)

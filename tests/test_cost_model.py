@@ -178,7 +178,8 @@ def test_the_bit_exact_mode_prices_its_own_steps_under_its_own_key(fresh, monkey
 def test_a_curve_timed_while_the_machine_was_busy_is_measured_again(fresh, monkeypatch, caplog):
     """A 2-token verify timed at 3x a 1-token step (a cached curve found on a 2-core CPU: c(2..32) = 3.02 c(1)) is
     more than decoding the 2 tokens one by one: no machine's curve. It kept speculation="auto" from drafting what
-    paid; it is now measured again once, and kept (with a warning) only if the second timing says the same."""
+    paid; it is now measured again once, and kept (with a warning) only if the second timing says the same. The
+    retry is said by "measuring again" alone: the "measuring ..., once" line came twice."""
     busy, quiet = {1: 0.38, 2: 1.15, 4: 1.15}, {1: 0.04, 2: 0.04, 4: 0.041}
     timings = [busy, quiet]
     monkeypatch.setattr(verify_cost, "measure_verify_costs", lambda *args, **kw: timings.pop(0))
@@ -188,6 +189,7 @@ def test_a_curve_timed_while_the_machine_was_busy_is_measured_again(fresh, monke
     assert costs.curve(1) == quiet and not timings
     assert "a verify step of 2 tokens was timed at 3.0x a step of 1 token" in caplog.text
     assert "measuring again" in caplog.text
+    assert caplog.text.count("measuring verify steps") == 1  # the retry is not announced as a second "once"
     timings[:] = [busy, busy]  # another model (a key of its own): busy twice
     caplog.clear()
     with caplog.at_level("WARNING", logger="specdec.cost_model"):
@@ -468,8 +470,8 @@ def test_a_measurement_the_user_waits_for_says_so_once_and_shows_its_progress(fr
     real_one_off = cost_model._one_off
 
     @contextlib.contextmanager
-    def watched(what, total, unit, where):
-        with real_one_off(what, total, unit, where) as step:
+    def watched(what, total, unit, where, **kw):
+        with real_one_off(what, total, unit, where, **kw) as step:
             bars.append([total, 0])
             yield lambda: (step(), bars[-1].__setitem__(1, bars[-1][1] + 1))
 
