@@ -107,7 +107,8 @@ def test_a_batch_too_short_for_a_head_trains_the_others():
 
 def test_history_has_no_top1_for_a_head_no_position_reaches(tiny, tmp_path, caplog):
     """Texts of 3-5 tokens and 5 heads: heads 3-5 meet no position in any step. history.jsonl and the log say so
-    (null / n/a), as report.json does, where a 0.0 would read as a measured miss."""
+    (null / n/a), as report.json does, where a 0.0 would read as a measured miss. The run's last line read its
+    numbers raw ("top1 [0.23809523809523808, None, ...], tau None"); it reads them as the step lines do."""
     data = tmp_path / "short.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("abc", "xyz", "hello", "abd", "cat")))
     out = tmp_path / "run"
@@ -119,6 +120,8 @@ def test_history_has_no_top1_for_a_head_no_position_reaches(tiny, tmp_path, capl
     for rec in history:
         assert rec["top1"][0] is not None and rec["top1"][2:] == [None, None, None]
     assert "n/a n/a n/a lr" in caplog.text
+    done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("done:")]  # as the step lines read
+    assert len(done) == 1 and re.fullmatch(r"done: top1( (\d\.\d{3}|n/a)){5}, tau n/a", done[0]), done
 
 
 def test_kl_loss_is_zero_only_for_the_target_distribution():

@@ -398,7 +398,7 @@ def _finish_medusa(cfg: TrainConfig, loaded, model, heads, history: list[dict], 
         "processes": accelerator.num_processes,
     }
     write_report(out, report, render_markdown(report))
-    logger.info("done: top1 %s, tau %s", acc["top1"], tau and round(tau["tau"], 3))
+    logger.info("done: top1 %s, tau %s", " ".join(number(t) for t in acc["top1"]), number(tau and tau["tau"]))
     return report
 
 
