@@ -330,7 +330,8 @@ def _read_or_measure_rows(runner, config: CalibrationConfig | None, key: dict, f
         weights, scales = streamed_weights(runner)
         CALIBRATIONS["rows"] += 1
         t0 = time.perf_counter()
-        with _one_off(f"this CPU's matrix products of 1-{row_policy.SMALL_M_MAX} rows on {threads} threads",
+        with _one_off(f"this CPU's matrix products of 1-{row_policy.SMALL_M_MAX} rows on {threads} "
+                      f"thread{'s' if threads != 1 else ''}",
                       row_policy.SMALL_M_MAX, "rows", None if file is None else file.parent) as step:
             cols = row_policy.measure_row_policy(weights, repeats=(config or CalibrationConfig()).row_repeats,
                                                  scales=scales, allow_packed=packed, progress=step)

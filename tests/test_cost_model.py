@@ -482,18 +482,24 @@ def test_a_measurement_the_user_waits_for_says_so_once_and_shows_its_progress(fr
                         lambda *args, **kw: {n: 1e-3 * n ** 0.5 for n in real_measure(*args, **kw)})
     runner = LlamaRunner(build_tiny_model(seed=0))
     row_policy.uninstall()
-    with caplog.at_level("WARNING", logger="specdec.cost_model"):
-        load_cost_model(runner, SMALL, cache_dir=fresh)
-    said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 2 and "matrix products" in said[0] and "verify steps of 1-4 tokens at batch 1" in said[1]
-    assert all(f"cached in {fresh}" in line for line in said)
-    assert bars == [[row_policy.SMALL_M_MAX] * 2, [2 * 3] * 2]  # every row count; (repeats + 1) x 3 sizes
-    caplog.clear()
-    monkeypatch.setattr(cost_model, "_MEMO", {})
-    cost_model._ROWS_DONE.clear()
-    with caplog.at_level("WARNING", logger="specdec.cost_model"):
-        load_cost_model(runner, SMALL, cache_dir=fresh)  # a new process: both from the disk
-    assert not caplog.records and len(bars) == 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # said "on 1 threads"
+    try:
+        with caplog.at_level("WARNING", logger="specdec.cost_model"):
+            load_cost_model(runner, SMALL, cache_dir=fresh)
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 2 and "matrix products" in said[0] and "verify steps of 1-4 tokens at batch 1" in said[1]
+        assert " rows on 1 thread, once" in said[0], said[0]
+        assert all(f"cached in {fresh}" in line for line in said)
+        assert bars == [[row_policy.SMALL_M_MAX] * 2, [2 * 3] * 2]  # every row count; (repeats + 1) x 3 sizes
+        caplog.clear()
+        monkeypatch.setattr(cost_model, "_MEMO", {})
+        cost_model._ROWS_DONE.clear()
+        with caplog.at_level("WARNING", logger="specdec.cost_model"):
+            load_cost_model(runner, SMALL, cache_dir=fresh)  # a new process: both from the disk
+        assert not caplog.records and len(bars) == 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.measured_verify_costs  # --verify-curve would replace what it tests
