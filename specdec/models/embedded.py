@@ -216,8 +216,8 @@ def _shown(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def check_convertible(path: Path) -> tuple[dict[str, tuple[int, ...]], dict] | None:
-    """``(tensor name -> dims, metadata)`` of the GGUF file ``path`` (passed :func:`check_gguf`), after refusing in
+def check_convertible(path: Path) -> tuple[list[str], dict] | None:
+    """``(tensor names, metadata)`` of the GGUF file ``path`` (which has passed :func:`check_gguf`), after refusing in
     one line, before any conversion work, a file that no conversion runs as written: an architecture specdec does not
     run (:class:`UnsupportedModelError`), a tensor gguf cannot dequantize (:func:`_check_tensor_types`), RoPE scaling
     that no transformers RoPE type computes as llama.cpp does (:func:`gguf_llama.rope_scaling`) or that transformers'
@@ -232,7 +232,7 @@ def check_convertible(path: Path) -> tuple[dict[str, tuple[int, ...]], dict] | N
     if header is None:
         return None
     tensors, _, meta = header
-    names = {name: dims for name, _, dims, _ in tensors}
+    names = [name for name, *_ in tensors]
     architecture = meta.get("general.architecture")
     if not isinstance(architecture, str):
         raise GGUFError(f"{path} names no architecture (general.architecture); specdec converts "
@@ -348,17 +348,13 @@ def _check_tokenizer(path: Path, meta: dict) -> None:
                             "(tokenizer.ggml.tokens)")
 
 
-def _check_filled(path: Path, model, info: dict, header: tuple[dict[str, tuple[int, ...]], dict] | None) -> None:
+def _check_filled(path: Path, model, info: dict, header: tuple[list[str], dict] | None) -> None:
     """Refuse (:class:`GGUFError`, one line) what transformers' GGUF loading of ``path`` made of it when a tensor the
     model needs was not in the file or not in its shape (transformers' random init would fill it), or when a tensor
     of the file went into no parameter (attention biases a llama config has no place for): either way the model
-    would not be the file's. ``info`` is from ``output_loading_info=True``, ``header`` from check_convertible. The
-    shapes are also compared here, element counts of each file tensor and its parameter: some transformers releases
-    (5.20, 5.22) report no mismatched shape from a GGUF file and leave the parameter as initialised."""
+    would not be the file's. ``info`` is from ``output_loading_info=True``, ``header`` from check_convertible."""
     missing = sorted(info.get("missing_keys") or ())
     mismatched = sorted(str(k[0]) if isinstance(k, tuple) else str(k) for k in info.get("mismatched_keys") or ())
-    if header is not None and not mismatched:
-        mismatched = _other_sizes(model, header)
     if missing or mismatched:
         bad = missing + mismatched
         raise GGUFError(f"{path}: {len(bad)} tensor(s) the model needs are missing from the file or of another shape "
@@ -366,28 +362,15 @@ def _check_filled(path: Path, model, info: dict, header: tuple[dict[str, tuple[i
                         "it (an incomplete file, or not the model its metadata describes?)")
     if header is None:
         return
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
     names, meta = header
-    unused = sorted(set(names) - _weights_map(model, meta).keys())
+    processor = TENSOR_PROCESSORS.get(meta["general.architecture"], TensorProcessor)(config=model.config.to_dict())
+    unused = sorted(set(names) - get_gguf_hf_weights_map(model, processor).keys())
     if unused:
         raise GGUFError(f"{path} holds {len(unused)} tensor(s) that transformers' GGUF conversion puts into no "
                         f"parameter of the model ({_shown(unused)}); it would run another model than the file's, so "
                         "specdec refuses it")
-
-
-def _weights_map(model, meta: dict) -> dict[str, str]:
-    """GGUF tensor name -> the model's parameter name, as transformers' GGUF loading maps them."""
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
-
-    processor = TENSOR_PROCESSORS.get(meta["general.architecture"], TensorProcessor)(config=model.config.to_dict())
-    return get_gguf_hf_weights_map(model, processor)
-
-
-def _other_sizes(model, header: tuple[dict[str, tuple[int, ...]], dict]) -> list[str]:
-    """The model's parameters whose element count is not their GGUF tensor's (reshapes and permutations keep it)."""
-    dims, meta = header
-    params = dict(model.named_parameters())
-    return sorted(hf for gguf, hf in _weights_map(model, meta).items()
-                  if gguf in dims and hf in params and params[hf].numel() != math.prod(dims[gguf]))
 
 
 def cache_root() -> Path:
