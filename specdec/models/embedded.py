@@ -243,6 +243,7 @@ def check_convertible(path: Path) -> tuple[list[str], dict] | None:
                                     "files (llama.cpp writes Mistral models as llama)")
     _check_tensor_types(path, tensors)
     _check_head_size(path, meta, architecture)
+    _check_rope_dimensions(path, meta, architecture)
     scaling = [f"{name}: {kind}" for name, kind in _ROPE_TENSORS.items() if name in names]
     try:
         rope = gguf_llama.rope_scaling(meta)
@@ -281,6 +282,22 @@ def _check_head_size(path: Path, meta: dict, architecture: str) -> None:
         raise GGUFError(f"{path} holds attention heads of {size} dimensions ({key}), and transformers' GGUF loading, "
                         f"which converts qwen3 files, reads no head size from them and would build heads of {default}: "
                         "load the model's checkpoint directory instead")
+
+
+def _check_rope_dimensions(path: Path, meta: dict, architecture: str) -> None:
+    """Refuse a file whose RoPE turns fewer dimensions than its heads have (``rope.dimension_count``; llama.cpp:
+    partial RoPE), which no Llama-family forward computes: transformers 5.20 built the model with matching shapes
+    and turned every dimension, another model without a word (5.25 refuses its weights' shapes after the
+    conversion). The head size is ``attention.key_length``, else llama.cpp's default: the embedding length over the
+    head count."""
+    dims, size, hidden, heads = (meta.get(f"{architecture}.{k}") for k in (
+        "rope.dimension_count", "attention.key_length", "embedding_length", "attention.head_count"))
+    if size is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        size = hidden // heads
+    if isinstance(dims, int) and isinstance(size, int) and dims != size:
+        raise GGUFError(f"{path} turns {dims} of its attention heads' {size} dimensions by RoPE "
+                        f"({architecture}.rope.dimension_count): partial RoPE, which specdec's Llama-family forward "
+                        "does not compute")
 
 
 def _check_tensor_types(path: Path, tensors: list) -> None:
