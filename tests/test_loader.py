@@ -623,6 +623,31 @@ def test_a_config_written_by_a_later_transformers_is_refused_not_read_as_another
     assert load_model(str(tmp_path / "m")).runner.shape.vocab_size == 32
 
 
+@pytest.mark.parametrize("installed", ["4.56.2", "5.0.0"])
+def test_a_transformers_older_than_the_checked_one_is_refused_before_loading(tmp_path, monkeypatch, installed):
+    """Under transformers 4.56 (pyproject's floor then) a checkpoint missing a tensor loaded with random weights, and
+    5.12 computed dynamic RoPE otherwise: the model ran as another, silently. An older one than the oldest the model
+    tests passed on (pip only warns where another package's install brings it) is refused in one line wherever a
+    model loads."""
+    from specdec.models import transformers_version
+
+    _tiny_dir(tmp_path / "m")
+    monkeypatch.setattr(transformers_version.metadata, "version", lambda name: installed)
+    transformers_version.check_installed.cache_clear()
+    try:
+        for spec in (str(tmp_path / "m"), build_tiny_model()):
+            with pytest.raises(transformers_version.TransformersTooOld) as err:
+                load_model(spec)
+            assert str(err.value) == (
+                f"transformers {installed} is installed; specdec needs {transformers_version.OLDEST} or later, whose "
+                "loading its forward is checked against (older ones load some models as other models, silently): "
+                f"pip install 'transformers>={transformers_version.OLDEST}'")
+    finally:
+        transformers_version.check_installed.cache_clear()
+    monkeypatch.undo()
+    assert load_model(str(tmp_path / "m")).runner.shape.vocab_size == 32
+
+
 def test_a_checkpoint_directory_named_like_a_gguf_file_loads_as_one(tmp_path):
     """A folder named `m.gguf` was refused as "GGUF file not found", though it is there and holds a checkpoint."""
     path = tmp_path / "m.gguf"

@@ -68,6 +68,18 @@ def test_console_script_declared():
     assert set(meta["tool"]["setuptools"]["package-dir"]) == {f"specdec.{n}" for n in SUBPACKAGES}
 
 
+def test_the_transformers_floor_is_the_one_specdec_checks():
+    """pyproject allowed transformers 4.56, under which a checkpoint missing a tensor loaded with random weights and
+    the embedded model ran with another RoPE base; the floor pip installs and the one load_model refuses below are
+    one number."""
+    import tomllib
+
+    from specdec.models.transformers_version import OLDEST
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert [d for d in deps if d.startswith("transformers")] == [f"transformers>={OLDEST}"]
+
+
 def test_the_version_is_the_one_the_metadata_gives():
     """`specdec --version` says specdec.__version__, the wheel's metadata pyproject's version: written in both, a
     release that bumped one would say another version than the one installed."""

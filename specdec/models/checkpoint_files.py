@@ -22,13 +22,13 @@ import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from specdec.errors import InputError, ModelNotFoundError
 from specdec.models.llama import SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_rope_type, rope_type
 from specdec.models.runnable import quant_method, quantized_refusal
+from specdec.models.transformers_version import check_written_by
 
 logger = logging.getLogger(__name__)
 
@@ -36,18 +36,6 @@ CONFIG = "config.json"
 HF_LOADING_LOGGER = "transformers.modeling_utils"  # where transformers logs its LOAD REPORT
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 SHARD_INDEX = "model.safetensors.index.json"
-
-
-def check_written_by(file: Path, saved: Any) -> None:
-    """Refuse a config.json written by a later major version of transformers than the one installed: transformers 4
-    reads transformers 5's without a word and builds another model (its RoPE base in ``rope_parameters`` unread,
-    the default used), whose text is then silently another."""
-    installed = metadata.version("transformers")
-    major = saved.split(".")[0] if isinstance(saved, str) else ""
-    if major.isdigit() and int(major) > int(installed.split(".")[0]):
-        raise InputError(f"{file} was written by transformers {saved}, and this transformers {installed} would read "
-                         f"it as another model (its RoPE settings among others): upgrade transformers (pip install "
-                         f"'transformers>={major}')")
 
 
 def check_before_load(path: Path) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from specdec.generation_config import LOAD_ARGUMENTS
 from specdec.models import checkpoint_files, embedded, runnable, synthetic
 from specdec.models.fused_projections import pack_projections
 from specdec.models.llama import LlamaRunner, check_supported
+from specdec.models.transformers_version import check_installed
 
 logger = logging.getLogger(__name__)
 
@@ -401,6 +402,7 @@ def load_model(
     """
     if unknown:
         raise InputTypeError(_unknown_load_arguments(sorted(unknown)))
+    check_installed()  # a transformers older than specdec's checks loads some models as others
     dtype = check_dtype(dtype)
     device = check_device(device) if device is not None else None
     if isinstance(spec, LoadedModel):  # a tokenizer passed with it serves this use (generate(tokenizer=...))

@@ -1,0 +1,49 @@
+"""The transformers versions specdec runs with: what it is checked against, and a config written by a later one.
+
+specdec runs its own forward on the weights transformers loads, so the loading must be one its checks were run
+against. transformers 4.56 (pyproject's floor once) loaded a checkpoint missing a tensor with random weights and
+read 5.x's configs with another RoPE base; 5.12 computed dynamic RoPE otherwise than specdec. :data:`OLDEST` is
+the oldest release the model tests (loading, generation against transformers, GGUF) were run against and passed
+but for refusal messages transformers words itself; :func:`check_installed` refuses an older one in one line
+wherever a model is loaded, since pip only warns when another package's install brings one. :data:`OLDEST` is
+pyproject.toml's floor too (a test holds them equal). :func:`check_written_by` refuses a config.json a later major
+version wrote.
+"""
+from __future__ import annotations
+
+import functools
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from packaging.version import Version
+
+from specdec.errors import InputError
+
+OLDEST = "5.17"
+
+
+class TransformersTooOld(InputError):
+    """The installed transformers is older than :data:`OLDEST`."""
+
+
+@functools.cache
+def check_installed() -> None:
+    """Refuse a transformers older than :data:`OLDEST` (checked once per process)."""
+    installed = metadata.version("transformers")
+    if Version(installed) < Version(OLDEST):
+        raise TransformersTooOld(f"transformers {installed} is installed; specdec needs {OLDEST} or later, whose "
+                                 f"loading its forward is checked against (older ones load some models as other "
+                                 f"models, silently): pip install 'transformers>={OLDEST}'")
+
+
+def check_written_by(file: Path, saved: Any) -> None:
+    """Refuse a config.json written by a later major version of transformers than the one installed: transformers 4
+    reads transformers 5's without a word and builds another model (its RoPE base in ``rope_parameters`` unread,
+    the default used), whose text is then silently another."""
+    installed = metadata.version("transformers")
+    major = saved.split(".")[0] if isinstance(saved, str) else ""
+    if major.isdigit() and int(major) > int(installed.split(".")[0]):
+        raise InputError(f"{file} was written by transformers {saved}, and this transformers {installed} would read "
+                         f"it as another model (its RoPE settings among others): upgrade transformers (pip install "
+                         f"'transformers>={major}')")
