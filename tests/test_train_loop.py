@@ -1518,6 +1518,28 @@ def test_overwrite_of_a_run_this_user_cannot_delete_leaves_it_whole(tmp_path):
         os.chmod(run / "checkpoint", 0o755)
 
 
+@pytest.mark.parametrize("theirs", ["checkpoint", "checkpoint.old", "train.log"])
+def test_resume_of_a_run_this_user_cannot_write_is_refused_before_the_model_loads(tiny, tmp_path, monkeypatch, theirs):
+    """Another user's run in a group-writable folder: --resume trained, then stopped at its first save with a bare
+    "[Errno 39] Directory not empty" (their checkpoint left renamed to checkpoint.old), or at train.log with
+    "[Errno 13] Permission denied". It is refused in one line naming what this user cannot write, before the model
+    loads, and nothing in the folder changes."""
+    import specdec.models.loader
+
+    run = _fake_run(tmp_path / "run")
+    (run / "checkpoint.old").mkdir()
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, *args, **kwargs: (
+        False if mode & os.W_OK and os.path.realpath(path) == os.path.realpath(run / theirs)
+        else access(path, mode, *args, **kwargs)))
+    monkeypatch.setattr(specdec.models.loader, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(OutputDirError, match=f"--resume: this user cannot write {re.escape(str(run / theirs))} "
+                                             r"\(another user's run\?\).*cp -r"):
+        run_training(_cfg(tiny, run, resume=True))
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+
+
 def test_measured_tau_verifies_every_tree_whole(monkeypatch):
     """tau measures the heads: every proposal verified (speculation="always"). Under the default guard, on a CPU
     where the quick recipe's heads do not pay, the report's tau was the guard leaving them out (1.06, not ~1.6)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -79,6 +80,23 @@ def _check_deletable(out: Path) -> None:
     if folder is not None:
         raise OutputDirError(f"--overwrite cannot delete {out}: this user may not delete what {folder} holds "
                              "(another user's run?); ask its owner to delete it, or choose another --output-dir")
+
+
+def check_resume_writable(out: Path) -> None:
+    """Refuse, before the model loads, a ``--resume`` of a run whose files this user cannot carry on writing
+    (another user's run in a shared folder): each save replaces the checkpoint, which deletes the earlier one's
+    files, and train.log is appended to. Found after the first steps, a bare "[Errno 13] Permission denied" or
+    "[Errno 39] Directory not empty" stopped the run, the other user's checkpoint left renamed to checkpoint.old."""
+    if not out.is_dir():
+        return
+    stuck = first_undeletable([out / name for name in CHECKPOINT_DIRS
+                               if (out / name).is_dir() and not (out / name).is_symlink()])
+    if stuck is None and (out / "train.log").is_file() and not os.access(out / "train.log", os.W_OK):
+        stuck = out / "train.log"
+    if stuck is not None:
+        raise OutputDirError(f"--resume: this user cannot write {stuck} (another user's run?); ask its owner to let "
+                             f"you write it (chmod -R g+w {out}), or copy the run to a folder of your own "
+                             f"(cp -r {out} NEW) and resume with --output-dir NEW")
 
 
 def prepare_output_dir(cfg: TrainConfig, target: str | None = None) -> Path | None:

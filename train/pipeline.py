@@ -30,7 +30,7 @@ from specdec.train.distill import encode_prompt
 from specdec.train.evaluate import eval_prompts
 from specdec.train.loop import number
 from specdec.train.medusa_recipe import train_heads
-from specdec.train.output_dir import RUN_FILE, prepare_output_dir
+from specdec.train.output_dir import RUN_FILE, check_resume_writable, prepare_output_dir
 from specdec.train.process_failures import FailureNotes
 from specdec.train.process_team import Team
 from specdec.train.prompts import builtin_prompts
@@ -306,6 +306,8 @@ def check_inputs(cfg: TrainConfig) -> None:
     if cfg.data is None and cfg.prompts_file and not Path(cfg.prompts_file).is_file():
         raise TrainDataError(f"prompts file not found: {cfg.prompts_file}")
     check_creatable(cfg.output_dir, "--output-dir")
+    if cfg.resume:
+        check_resume_writable(Path(cfg.output_dir))
 
 
 def _load_and_prepare(cfg: TrainConfig, accelerator, meet: Callable[[], None], hold: contextlib.ExitStack) -> tuple:
