@@ -106,6 +106,34 @@ def _grad_mode_restored():
 
 
 @pytest.fixture
+def read_only(monkeypatch):
+    """``read_only(folder)``: the folder refuses writes as a read-only file system does (for root too), as
+    ``os.access`` and creating a file there see it."""
+    folders = set()
+    access, temporary = os.access, tempfile.TemporaryFile
+
+    def fake_access(path, mode, *args, **kwargs):
+        if mode & os.W_OK and os.path.realpath(path) in folders:
+            return False
+        return access(path, mode, *args, **kwargs)
+
+    def fake_temporary(*args, dir=None, **kwargs):
+        if dir is not None and os.path.realpath(dir) in folders:
+            raise OSError(30, "Read-only file system")
+        return temporary(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(os, "access", fake_access)
+    monkeypatch.setattr(tempfile, "TemporaryFile", fake_temporary)
+
+    def make(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        folders.add(os.path.realpath(folder))
+        return folder
+
+    return make
+
+
+@pytest.fixture
 def gpu_products(monkeypatch):
     """Products as a GPU runs them (F.linear): no CPU row policy, which an earlier test in the same process may have
     installed and which runs small products as mm / cat / add (tests that count what a step launches)."""

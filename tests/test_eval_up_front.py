@@ -47,37 +47,6 @@ def no_load(monkeypatch):
     _patch_where_defined(monkeypatch, "specdec.models.loader", "load_model", load_model)
 
 
-@pytest.fixture
-def read_only(monkeypatch):
-    """``read_only(folder)``: the folder refuses writes as a read-only file system does (for root too), as
-    ``os.access`` and creating a file there see it."""
-    import os
-    import tempfile
-
-    folders = set()
-    access, temporary = os.access, tempfile.TemporaryFile
-
-    def fake_access(path, mode, *args, **kwargs):
-        if mode & os.W_OK and os.path.realpath(path) in folders:
-            return False
-        return access(path, mode, *args, **kwargs)
-
-    def fake_temporary(*args, dir=None, **kwargs):
-        if dir is not None and os.path.realpath(dir) in folders:
-            raise OSError(30, "Read-only file system")
-        return temporary(*args, dir=dir, **kwargs)
-
-    monkeypatch.setattr(os, "access", fake_access)
-    monkeypatch.setattr(tempfile, "TemporaryFile", fake_temporary)
-
-    def make(folder):
-        folder.mkdir(parents=True, exist_ok=True)
-        folders.add(os.path.realpath(folder))
-        return folder
-
-    return make
-
-
 def test_an_out_that_cannot_be_written_into_is_refused_before_any_work(ckpt, tmp_path, capsys, no_load, read_only):
     """An existing --out that cannot be written was found only when the results were written: eval lossless after
     its whole certificate, eval replay record after the recording."""

@@ -14,6 +14,7 @@ from specdec.train.distill import kept_answers, partial_file, self_distill, what
 from specdec.train.process_team import Team
 from specdec.train.prompts import builtin_prompts
 
+from specdec.errors import InputError
 from specdec.models.loader import load_model
 from specdec.testing import build_tiny_model
 
@@ -389,6 +390,21 @@ def test_partial_files_left_beside_a_whole_self_distillation_cache_entry_are_rem
     other.write_text("")
     assert again() == first and calls == [2]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([file.name, other.name])
+
+
+def test_a_read_only_self_distillation_cache_is_read_and_a_missing_entry_is_refused_in_one_line(tmp_path, monkeypatch,
+                                                                                                  read_only):
+    """A cache on a read-only folder (a team's shared one, mounted read-only): an entry it holds is read without a
+    write; one it lacks stopped the run with a bare "[Errno 30] Read-only file system" (or after the first batch,
+    where the folder existed). It is refused in one line naming the folder and SPECDEC_CACHE_DIR, nothing
+    generated."""
+    calls, again, first, file = _distilled_once(tmp_path, monkeypatch)
+    read_only(tmp_path)
+    assert again() == first and calls == [2]
+    loaded = load_model(build_tiny_model(vocab_size=64))
+    with pytest.raises(InputError, match=f"cannot write the cache {tmp_path} .*not writable.*set SPECDEC_CACHE_DIR"):
+        self_distill(loaded, [[5, 6, 7], [8, 9]], max_new_tokens=3, batch_size=2, progress=False, cache_dir=tmp_path)
+    assert calls == [2] and [p.name for p in tmp_path.iterdir()] == [file.name]
 
 
 def test_a_continued_self_distillation_counts_a_short_last_batch_as_its_prompts(tmp_path, caplog):

@@ -26,9 +26,11 @@ from specdec.train.deferred_interrupts import interrupts_deferred
 from specdec.train.process_team import Team
 
 from specdec.atomic_write import write_json, write_text
+from specdec.errors import InputError
 from specdec.generate_inputs import check_encoded
 from specdec.models.embedded import cache_root
 from specdec.models.fingerprint import model_fingerprint
+from specdec.output_dirs import why_uncreatable
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +56,6 @@ def use_graphs(loaded, cuda_graphs: bool | None) -> bool:
 
     On a GPU the embedded model's decode step is bound by its ~1,600 kernel launches (plain decoding ran 7.6-7.9x
     faster with graphs on an H200, batch 1), and self-distillation is the GPU recipes' main cost."""
-    from specdec.errors import InputError
-
     runner = loaded.runner
     if cuda_graphs is None:
         return runner.device.type == "cuda" and runner.backend.triton
@@ -273,7 +273,13 @@ def kept_answers(cache: Path, key: str, ids: list[list[int]], index: int) -> dic
     """The answers (by prompt index) of the batches interrupted runs appended to the partial files, whichever process
     wrote them; process ``index``'s own file is rewritten to hold only those (a line cut short by a kill, and
     anything after it, is dropped), so its batches of this run append after whole lines. Creates the cache
-    directory."""
+    directory; one that cannot be written (read-only) is refused in one line before anything is generated: it
+    stopped the run with a bare "[Errno 30] Read-only file system", or after the first batch. A cache holding the
+    whole entry is read without writing, and never comes here."""
+    why = why_uncreatable(cache)
+    if why is not None:
+        raise InputError(f"cannot write the cache {cache} ({why}), which holds no entry for this run's settings yet: "
+                         "set SPECDEC_CACHE_DIR to a writable folder (or make this one writable)")
     cache.mkdir(parents=True, exist_ok=True)
     held: dict[int, list[int]] = {}
     own = partial_file(cache, key, index)
